@@ -1,0 +1,1 @@
+"""Sift's worker: the search pipeline, its adapters, and the Celery tasks that run it."""

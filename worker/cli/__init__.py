@@ -1,0 +1,15 @@
+"""The ``sift`` command line (typer and rich); each module adds one group of commands."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="sift",
+    help="Sift: queue-based hybrid search with a listwise LLM rerank.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+# Command modules register themselves on ``app`` when imported.
+from worker.cli import evaluate as _evaluate  # noqa: E402,F401

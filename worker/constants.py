@@ -1,0 +1,35 @@
+"""Every name Sift shares across processes: Redis keys, queues, tasks, metrics, policy ids."""
+
+from __future__ import annotations
+
+# --- search algorithm (DESIGN.md §2, §3) ---
+RRF_K = 60
+MIN_CHANNEL_WINDOW = 32
+CHANNEL_WINDOW_FACTOR = 4
+POLICY_ID = "listwise.v1"
+
+# --- Redis keys: every prefix lives here ---
+REDIS_PREFIX = "sift:"
+SEARCH_KEY = REDIS_PREFIX + "search:"  # + job id -> job record (JSON)
+BATCH_KEY = REDIS_PREFIX + "batch:"  # + batch id -> batch record (JSON)
+BATCH_ITEMS_KEY = REDIS_PREFIX + "batch-items:"  # + batch id -> hash query_id -> item record
+BATCH_COUNTS_KEY = REDIS_PREFIX + "batch-counts:"  # + batch id -> hash status -> count
+IDEMPOTENCY_KEY = REDIS_PREFIX + "idem:"  # + tenant + key -> {fingerprint, job id}
+ATTEMPTS_KEY = REDIS_PREFIX + "attempts:"  # + task id -> delivery counter
+
+# --- Celery ---
+SEARCH_QUEUE = "sift.search"
+INGEST_QUEUE = "sift.ingest"
+WEBHOOK_QUEUE = "sift.webhooks"
+SEARCH_TASK = "sift.search"
+BATCH_CHUNK_TASK = "sift.batch_chunk"
+INGEST_TASK = "sift.ingest"
+WEBHOOK_TASK = "sift.webhook"
+
+# --- limits (validated at the gateway, documented in the README) ---
+MAX_QUERY_CHARS = 2_000
+MAX_LIMIT = 100
+MAX_BATCH_QUERIES = 100_000
+MAX_DOCUMENTS_PER_REQUEST = 1_000
+MAX_DOCUMENT_CHARS = 100_000
+MAX_WAIT_SECONDS = 30.0

@@ -1,0 +1,131 @@
+"""The job contract: the pydantic types that cross the queue and the HTTP API.
+
+This module is the only part of ``worker`` that ``api_gateway`` imports (with
+``worker.settings`` and ``worker.constants``), so it depends on pydantic alone.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from worker.constants import MAX_LIMIT, MAX_QUERY_CHARS
+
+Mode = Literal["fts", "vector", "hybrid"]
+Channel = Literal["bm25", "knn"]
+FilterValue = str | int | float | bool
+
+
+class JobStatus(StrEnum):
+    """The life of a search or batch item."""
+
+    QUEUED = "queued"  # accepted and enqueued, no worker has it yet
+    RUNNING = "running"  # a worker is running it
+    SUCCEEDED = "succeeded"  # finished with a result
+    FAILED = "failed"  # finished with a typed error
+    CANCELED = "canceled"  # canceled before it ran
+
+    @property
+    def final(self) -> bool:
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DocumentIn(StrictModel):
+    """One document to upsert, in Sift's own shape."""
+
+    id: str = Field(min_length=1, max_length=512)
+    text: str = Field(min_length=1)
+    title: str = ""
+    revision: str | None = None
+    metadata: dict[str, FilterValue] = Field(default_factory=dict)
+
+
+class SearchSpec(StrictModel):
+    """What one search asks for. The tenant never comes from here: the API key decides it."""
+
+    index: str = Field(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9_.-]*$")
+    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    limit: int = Field(default=10, ge=1, le=MAX_LIMIT)
+    mode: Mode = "hybrid"
+    rerank: bool | None = None
+    include_trace: bool = False
+    filters: dict[str, FilterValue] = Field(default_factory=dict)
+
+    @field_validator("query")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("query is empty after trimming whitespace")
+        return value
+
+
+class Ranks(BaseModel):
+    final: int | None = None
+    rrf: int | None = None
+    bm25: int | None = None
+    knn: int | None = None
+
+
+class Scores(BaseModel):
+    rrf: float | None = None
+    bm25: float | None = None
+    knn: float | None = None
+
+
+class Hit(BaseModel):
+    id: str
+    revision: str
+    title: str = ""
+    text: str
+    metadata: dict[str, FilterValue] = Field(default_factory=dict)
+    ranks: Ranks
+    scores: Scores
+
+
+class RerankInfo(BaseModel):
+    applied: bool
+    policy: str | None = None
+    fallback_reason: str | None = None
+
+
+class Usage(BaseModel):
+    """What the model calls of one search used; token types are disjoint, so they sum to the bill."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+    cost_usd: float = 0.0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            requests=self.requests + other.requests,
+            input_tokens=self.input_tokens + other.input_tokens,
+            output_tokens=self.output_tokens + other.output_tokens,
+            cache_read_input_tokens=self.cache_read_input_tokens + other.cache_read_input_tokens,
+            cache_creation_input_tokens=self.cache_creation_input_tokens
+            + other.cache_creation_input_tokens,
+            cost_usd=self.cost_usd + other.cost_usd,
+        )
+
+
+class SearchResult(BaseModel):
+    hits: list[Hit]
+    rerank: RerankInfo
+    usage: Usage = Field(default_factory=Usage)
+    trace: dict[str, Any] | None = None
+
+
+class ErrorInfo(BaseModel):
+    """A typed failure, as the job record and the API show it."""
+
+    type: str
+    message: str
+    retryable: bool = False

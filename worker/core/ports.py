@@ -1,0 +1,92 @@
+"""The ports: what the pipeline needs from the outside world, as Protocols.
+
+Adapters live in :mod:`worker.adapters`; fakes for tests live in ``tests/``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from worker.contract import Channel
+from worker.core.types import ChannelQuery, ChannelResults, Document, RerankPrompt, RerankReply
+
+
+class Embedder(Protocol):
+    """Turns text into unit-length vectors."""
+
+    model_id: str
+    dimension: int
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One L2-normalised vector per text."""
+        ...
+
+
+class SearchBackend(Protocol):
+    """A store with a BM25 channel and a kNN channel that filter inside the query."""
+
+    name: str
+
+    def channels(self, index: str) -> frozenset[Channel]:
+        """The channels this index can serve now (no vectors means no ``knn``)."""
+        ...
+
+    def retrieve(self, query: ChannelQuery) -> ChannelResults:
+        """Run the asked channels. Raises BackendUnavailable or BackendRequestError."""
+        ...
+
+    def upsert(
+        self,
+        index: str,
+        tenant: str,
+        documents: Sequence[Document],
+        vectors: Sequence[Sequence[float]] | None,
+    ) -> int:
+        """Insert or replace by id, both channels at once; answers how many were written."""
+        ...
+
+
+class Reranker(Protocol):
+    """One listwise model call. Raises RerankAttemptError with the attempt's class."""
+
+    model: str
+
+    def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply: ...
+
+
+class Recorder(Protocol):
+    """Where the pipeline reports what it did; the metrics adapter implements it."""
+
+    def retrieval(self, backend: str, channel: str, seconds: float) -> None: ...
+
+    def rerank_attempt(self, model: str, result: str) -> None: ...
+
+    def rerank_done(
+        self, model: str, outcome: str, seconds: float, usage: dict[str, int], cost_usd: float
+    ) -> None: ...
+
+    def rerank_outcome(self, policy: str, outcome: str) -> None: ...
+
+    def search_done(self, mode: str, outcome: str, seconds: float) -> None: ...
+
+
+class NullRecorder:
+    """A Recorder that records nothing."""
+
+    def retrieval(self, backend: str, channel: str, seconds: float) -> None:
+        pass
+
+    def rerank_attempt(self, model: str, result: str) -> None:
+        pass
+
+    def rerank_done(
+        self, model: str, outcome: str, seconds: float, usage: dict[str, int], cost_usd: float
+    ) -> None:
+        pass
+
+    def rerank_outcome(self, policy: str, outcome: str) -> None:
+        pass
+
+    def search_done(self, mode: str, outcome: str, seconds: float) -> None:
+        pass

@@ -1,0 +1,99 @@
+"""Plain domain types of the search, with no I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from worker.contract import Channel, FilterValue
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """One stored document, at one revision, owned by one tenant."""
+
+    id: str
+    text: str
+    title: str = ""
+    revision: str = "1"
+    metadata: Mapping[str, FilterValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class HardFilters:
+    """Filters applied inside every channel query, before any window: tenant, then caller's."""
+
+    tenant: str
+    fields: Mapping[str, FilterValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelHit:
+    """One candidate as one channel returned it; its rank is its 1-based place in the list."""
+
+    document: Document
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelQuery:
+    """What the backend is asked for: one or both channels, filtered, each up to ``size`` hits."""
+
+    index: str
+    filters: HardFilters
+    channels: tuple[Channel, ...]
+    size: int
+    text: str
+    vector: Sequence[float] | None = None
+    timeout_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelResults:
+    """Each channel's hits, best first, with the time the backend spent per channel."""
+
+    hits: Mapping[Channel, Sequence[ChannelHit]]
+    seconds: Mapping[Channel, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One fused candidate: the exact document plus every first-stage rank and score."""
+
+    document: Document
+    rrf_rank: int
+    rrf_score: float
+    channel_ranks: dict[Channel, int]
+    channel_scores: dict[Channel, float]
+
+
+@dataclass(frozen=True, slots=True)
+class RerankPrompt:
+    """A built listwise prompt: pure data, ready for any model adapter."""
+
+    policy: str
+    system: str
+    user: str
+    output_schema: Mapping[str, object]
+    max_tokens: int
+    candidate_count: int
+    truncated: tuple[bool, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenUsage:
+    """The usage one model response reported; token types are disjoint."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_input_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RerankReply:
+    """One successful model answer: the raw positions (unvalidated values) and the usage."""
+
+    positions: Sequence[object]
+    usage: TokenUsage
+    model: str

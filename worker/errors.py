@@ -1,0 +1,99 @@
+"""Sift's one exception tree; every adapter translates library errors into it.
+
+    SiftError                      (retryable: bool)
+    ├── InvalidRequest             bad input, names the field          permanent
+    ├── ConfigError                bad settings, names the variable    permanent
+    ├── ModeUnavailable            the index cannot serve the mode      permanent
+    ├── BackendError
+    │   ├── BackendUnavailable     connection, timeout, 5xx             retryable
+    │   └── BackendRequestError    4xx, bad mapping, missing index      permanent
+    ├── RerankAttemptError         one model call failed, with its class (retryable unless http_4xx)
+    ├── RerankFailed               the rerank failed for good (fail_closed), names the class
+    └── DeadlineExceeded           the search's deadline ran out        permanent
+
+Adapters raise these with ``raise ... from exc`` so the cause stays visible.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class AttemptOutcome(StrEnum):
+    """The class of one rerank attempt; exactly one per attempt (DESIGN.md §4)."""
+
+    OK = "ok"
+    TIMEOUT = "timeout"
+    HTTP_5XX = "http_5xx"  # 529 overloaded included
+    RATE_LIMITED = "rate_limited"  # 429
+    CONNECTION = "connection"
+    HTTP_4XX = "http_4xx"  # permanent, never retried
+    MALFORMED = "malformed"  # the response failed schema validation
+
+
+class SiftError(Exception):
+    """The root of Sift's errors."""
+
+    retryable: bool = False
+    code: str = "error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(SiftError):
+    code = "invalid_request"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ConfigError(SiftError):
+    code = "config_error"
+
+
+class ModeUnavailable(SiftError):
+    code = "mode_unavailable"
+
+
+class BackendError(SiftError):
+    code = "backend_error"
+
+
+class BackendUnavailable(BackendError):
+    code = "backend_unavailable"
+    retryable = True
+
+
+class BackendRequestError(BackendError):
+    code = "backend_request_error"
+
+
+class RerankAttemptError(SiftError):
+    """One model call failed. ``outcome`` is its class; ``retry_after`` comes from the provider."""
+
+    code = "rerank_attempt_failed"
+
+    def __init__(
+        self, outcome: AttemptOutcome, message: str, retry_after: float | None = None
+    ) -> None:
+        super().__init__(f"{outcome.value}: {message}")
+        self.outcome = outcome
+        self.retry_after = retry_after
+        self.retryable = outcome is not AttemptOutcome.HTTP_4XX
+
+
+class RerankFailed(SiftError):
+    """The rerank failed for good under ``fail_closed``; ``reason`` names the class."""
+
+    code = "rerank_failed"
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"rerank failed ({reason}): {message}")
+        self.reason = reason
+
+
+class DeadlineExceeded(SiftError):
+    code = "deadline_exceeded"

@@ -1,0 +1,131 @@
+"""The one settings object: every ``SIFT_`` environment variable, validated at start-up."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from typing_extensions import Annotated
+
+from worker.errors import ConfigError
+
+
+class ApiKey(BaseModel):
+    """One API key entry: the key decides the tenant; the secret signs that tenant's webhooks."""
+
+    key: str = Field(min_length=8)
+    tenant: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    webhook_secret: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]+$")
+
+
+class Price(BaseModel):
+    """US dollars per million tokens, by token type."""
+
+    input: float = Field(ge=0)
+    output: float = Field(ge=0)
+    cache_read: float = Field(ge=0)
+    cache_write: float = Field(ge=0)
+
+
+DEFAULT_PRICES: dict[str, Price] = {
+    # Published list prices per million tokens; override with SIFT_PRICES.
+    "claude-haiku-4-5": Price(input=1.0, output=5.0, cache_read=0.10, cache_write=1.25),
+    "claude-sonnet-4-6": Price(input=3.0, output=15.0, cache_read=0.30, cache_write=3.75),
+    "claude-opus-4-6": Price(input=5.0, output=25.0, cache_read=0.50, cache_write=6.25),
+}
+
+
+def _json_or_empty(value: Any) -> Any:
+    if isinstance(value, str):
+        return json.loads(value) if value.strip() else []
+    return value
+
+
+class Settings(BaseSettings):
+    """Sift's settings. Each field is the environment variable ``SIFT_<NAME>``."""
+
+    model_config = SettingsConfigDict(env_prefix="SIFT_", extra="ignore")
+
+    redis_url: str | None = None
+    search_backend: Literal["embedded", "elasticsearch"] = "embedded"
+    data_dir: Path = Path(".sift/data")
+    elasticsearch_url: str | None = None
+    elasticsearch_api_key: str | None = None
+    embedding_model: Literal["all-MiniLM-L6-v2-onnx-int8"] = "all-MiniLM-L6-v2-onnx-int8"
+
+    generation_model: str | None = Field(default=None, pattern=r"^anthropic:[A-Za-z0-9._-]+$")
+    generation_timeout_seconds: float = Field(default=20.0, gt=0)
+    generation_max_requests: int = Field(default=3, ge=1, le=10)
+    generation_thinking_tokens: int = Field(default=1024, ge=0)
+    generation_tokens_per_position: int = Field(default=8, ge=1)
+    generation_effort: Literal["low", "medium", "high"] | None = "low"
+
+    rerank_enabled: bool = False
+    rerank_candidate_limit: int = Field(default=30, ge=1, le=200)
+    rerank_candidate_max_chars: int = Field(default=1200, ge=50)
+    rerank_failure_policy: Literal["fail_closed", "fail_open"] = "fail_closed"
+    vector_min_similarity: float | None = Field(default=None, ge=-1.0, le=1.0)
+    search_deadline_seconds: float = Field(default=30.0, gt=0)
+
+    api_keys_file: Path | None = None
+    api_keys: Annotated[list[ApiKey], NoDecode] = Field(default_factory=list)
+    webhook_allow_private_networks: bool = False
+    prices: Annotated[dict[str, Price], NoDecode] = Field(
+        default_factory=lambda: dict(DEFAULT_PRICES)
+    )
+
+    gateway_port: int = Field(default=8080, ge=1, le=65535)
+    worker_metrics_port: int = Field(default=9808, ge=0, le=65535)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _decode_json(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in ("api_keys", "prices"):
+                if name in data:
+                    try:
+                        data[name] = _json_or_empty(data[name])
+                    except json.JSONDecodeError as exc:
+                        raise ValueError(f"SIFT_{name.upper()} is not valid JSON: {exc}") from exc
+        return data
+
+    @model_validator(mode="after")
+    def _rerank_needs_a_model(self) -> Settings:
+        if self.rerank_enabled and not self.generation_model:
+            raise ValueError(
+                "SIFT_RERANK_ENABLED=true needs SIFT_GENERATION_MODEL "
+                "(for example anthropic:claude-haiku-4-5)"
+            )
+        return self
+
+    @property
+    def generation_model_id(self) -> str | None:
+        """The provider's model id, without the ``anthropic:`` prefix."""
+        return self.generation_model.split(":", 1)[1] if self.generation_model else None
+
+    def all_api_keys(self) -> list[ApiKey]:
+        """The keys of ``SIFT_API_KEYS_FILE`` (a JSON list) and of ``SIFT_API_KEYS``."""
+        keys = list(self.api_keys)
+        if self.api_keys_file is not None:
+            try:
+                raw = json.loads(self.api_keys_file.read_text())
+                keys += [ApiKey.model_validate(entry) for entry in raw]
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"SIFT_API_KEYS_FILE ({self.api_keys_file}): {exc}") from exc
+        return keys
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Read the settings, turning a validation error into a ConfigError that names the variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            field = ".".join(str(p) for p in error["loc"]) if error["loc"] else ""
+            name = f"SIFT_{field.split('.')[0].upper()}" if field else "settings"
+            problems.append(f"{name}: {error['msg']}")
+        raise ConfigError("invalid settings; " + "; ".join(problems)) from exc
