@@ -15,7 +15,26 @@ BATCH_KEY = REDIS_PREFIX + "batch:"  # + batch id -> batch record (JSON)
 BATCH_ITEMS_KEY = REDIS_PREFIX + "batch-items:"  # + batch id -> hash query_id -> item record
 BATCH_COUNTS_KEY = REDIS_PREFIX + "batch-counts:"  # + batch id -> hash status -> count
 IDEMPOTENCY_KEY = REDIS_PREFIX + "idem:"  # + tenant + key -> {fingerprint, job id}
-ATTEMPTS_KEY = REDIS_PREFIX + "attempts:"  # + task id -> delivery counter
+ATTEMPTS_KEY = REDIS_PREFIX + "attempts:"  # + task id + ":" + retry number -> delivery counter
+BATCH_ORDER_KEY = REDIS_PREFIX + "batch-order:"  # + batch id -> list of query ids, submission order
+BATCH_SPECS_KEY = REDIS_PREFIX + "batch-specs:"  # + batch id -> hash query_id -> SearchSpec JSON
+BATCH_RESULTS_KEY = REDIS_PREFIX + "batch-results:"  # + batch id -> hash query_id -> outcome JSON
+INGEST_KEY = REDIS_PREFIX + "ingest:"  # + ingest job id -> job record (hash)
+INGEST_DOCS_KEY = REDIS_PREFIX + "ingest-docs:"  # + ingest job id -> documents JSON
+STATS_KEY = REDIS_PREFIX + "stats:jobs"  # hash state -> jobs and items queued/running now
+STATS_UNTRACKED_KEY = REDIS_PREFIX + "stats:untracked"  # same, for ingest jobs (not in the gauge)
+
+# --- retention (seconds), enforced by Redis TTLs; stated in the README ---
+RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from the last write
+IDEMPOTENCY_TTL_SECONDS = 24 * 3600  # an Idempotency-Key is remembered this long (as Stripe)
+IDEMPOTENCY_PENDING_TTL_SECONDS = 120  # a claim whose first request died is released after this
+ATTEMPTS_TTL_SECONDS = 24 * 3600  # delivery counters
+INGEST_DOCS_TTL_SECONDS = 24 * 3600  # documents waiting for their ingest task
+
+# --- job ids: a prefix names the kind ---
+SEARCH_ID_PREFIX = "srch_"
+BATCH_ID_PREFIX = "bat_"
+INGEST_ID_PREFIX = "ing_"
 
 # --- Celery ---
 SEARCH_QUEUE = "sift.search"
@@ -25,6 +44,8 @@ SEARCH_TASK = "sift.search"
 BATCH_CHUNK_TASK = "sift.batch_chunk"
 INGEST_TASK = "sift.ingest"
 WEBHOOK_TASK = "sift.webhook"
+WEBHOOK_EVENT_SEARCH_COMPLETED = "search.completed"
+WEBHOOK_EVENT_BATCH_COMPLETED = "batch.completed"
 
 # --- limits (validated at the gateway, documented in the README) ---
 MAX_QUERY_CHARS = 2_000
@@ -33,3 +54,8 @@ MAX_BATCH_QUERIES = 100_000
 MAX_DOCUMENTS_PER_REQUEST = 1_000
 MAX_DOCUMENT_CHARS = 100_000
 MAX_WAIT_SECONDS = 30.0
+MAX_BATCH_QUERY_ID_CHARS = 256
+MAX_PAGE_SIZE = 1_000
+DEFAULT_PAGE_SIZE = 100
+MAX_WEBHOOK_URL_CHARS = 2_048
+MAX_IDEMPOTENCY_KEY_CHARS = 255

@@ -77,6 +77,16 @@ class Settings(BaseSettings):
         default_factory=lambda: dict(DEFAULT_PRICES)
     )
 
+    # --- the queue (issue 3) ---
+    worker_concurrency: int = Field(default=200, ge=1, le=5000)  # threads per worker process
+    rerank_max_in_flight: int = Field(default=200, ge=1, le=5000)  # model calls per process
+    batch_chunk_size: int = Field(default=25, ge=1, le=1000)  # batch items per chunk task
+    task_max_retries: int = Field(default=3, ge=0, le=20)  # retries of a retryable error
+    task_max_deliveries: int = Field(default=3, ge=1, le=20)  # deliveries before poison
+    worker_soft_shutdown_seconds: float = Field(default=10.0, ge=0)
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    runtime_factory: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.]+:[A-Za-z0-9_]+$")
+
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)
 

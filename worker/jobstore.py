@@ -1,0 +1,664 @@
+"""The Redis job store: search, batch and ingest records, shared by the gateway and the workers.
+
+It depends on redis-py and :mod:`worker.contract` only, so the gateway may import it.
+
+Layout (every prefix is in :mod:`worker.constants`):
+
+    sift:search:<id>          hash   kind, tenant, status, spec, result, error, webhook_url,
+                                     created_at, started_at, finished_at
+    sift:batch:<id>           hash   tenant, index, lane, rerank, webhook_url, total,
+                                     created_at, canceled_at, finished_at
+    sift:batch-order:<id>     list   query ids in submission order (pages read from it)
+    sift:batch-specs:<id>     hash   query id -> SearchSpec JSON
+    sift:batch-items:<id>     hash   query id -> status
+    sift:batch-results:<id>   hash   query id -> {"result"} or {"error"} JSON
+    sift:batch-counts:<id>    hash   status -> count (queued, running, succeeded, failed, canceled)
+    sift:ingest:<id>          hash   like a search record, with index and document count
+    sift:ingest-docs:<id>     string the documents, until the ingest task has run
+    sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
+    sift:attempts:<task>:<n>  string deliveries of one task message
+    sift:stats:jobs           hash   queued / running searches and batch items right now
+
+Retention, enforced by TTLs: every job, batch and ingest record lives
+``RESULT_TTL_SECONDS`` (7 days) from its last write; an Idempotency-Key is
+remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours); delivery counters and pending
+ingest documents live 24 hours.
+
+Every status change is one Lua script: a compare-and-set on the status that also
+moves the counts. A record that is already ``succeeded``, ``failed`` or
+``canceled`` is never written again, so a redelivered task never produces a
+second result and the batch counts never drift.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, cast
+
+import redis
+
+from worker.constants import (
+    ATTEMPTS_KEY,
+    ATTEMPTS_TTL_SECONDS,
+    BATCH_COUNTS_KEY,
+    BATCH_ID_PREFIX,
+    BATCH_ITEMS_KEY,
+    BATCH_KEY,
+    BATCH_ORDER_KEY,
+    BATCH_RESULTS_KEY,
+    BATCH_SPECS_KEY,
+    IDEMPOTENCY_KEY,
+    IDEMPOTENCY_PENDING_TTL_SECONDS,
+    IDEMPOTENCY_TTL_SECONDS,
+    INGEST_DOCS_KEY,
+    INGEST_DOCS_TTL_SECONDS,
+    INGEST_ID_PREFIX,
+    INGEST_KEY,
+    RESULT_TTL_SECONDS,
+    SEARCH_ID_PREFIX,
+    SEARCH_KEY,
+    STATS_KEY,
+    STATS_UNTRACKED_KEY,
+)
+from worker.contract import DocumentIn, ErrorInfo, JobStatus, SearchResult, SearchSpec
+
+FINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+_STATUSES = tuple(JobStatus)
+
+# KEYS: record, stats. ARGV: to, allowed-from (comma list), ttl, then field/value pairs.
+# Returns -1 when the record is missing, 0 when the transition is refused, 1 when applied.
+_TRANSITION_JOB = """
+local cur = redis.call('HGET', KEYS[1], 'status')
+if not cur then return -1 end
+if cur == 'succeeded' or cur == 'failed' or cur == 'canceled' then return 0 end
+local to = ARGV[1]
+if not string.find(',' .. ARGV[2] .. ',', ',' .. cur .. ',', 1, true) then return 0 end
+redis.call('HSET', KEYS[1], 'status', to)
+for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if cur ~= to then
+  if cur == 'queued' or cur == 'running' then redis.call('HINCRBY', KEYS[2], cur, -1) end
+  if to == 'queued' or to == 'running' then redis.call('HINCRBY', KEYS[2], to, 1) end
+end
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
+return 1
+"""
+
+# KEYS: items, results, counts, batch, stats.
+# ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now.
+# Returns -1 missing, 0 refused, 1 applied, 2 applied and the batch just completed.
+_TRANSITION_ITEM = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return -1 end
+if cur == 'succeeded' or cur == 'failed' or cur == 'canceled' then return 0 end
+local to = ARGV[2]
+if not string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], to)
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], ARGV[4]) end
+if cur ~= to then
+  redis.call('HINCRBY', KEYS[3], cur, -1)
+  redis.call('HINCRBY', KEYS[3], to, 1)
+  if cur == 'queued' or cur == 'running' then redis.call('HINCRBY', KEYS[5], cur, -1) end
+  if to == 'queued' or to == 'running' then redis.call('HINCRBY', KEYS[5], to, 1) end
+end
+if to == 'succeeded' or to == 'failed' or to == 'canceled' then
+  local c = redis.call('HMGET', KEYS[3], 'succeeded', 'failed', 'canceled')
+  local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
+  local total = tonumber(redis.call('HGET', KEYS[4], 'total')) or -1
+  if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 then
+    return 2
+  end
+end
+return 1
+"""
+
+# KEYS: items, counts, batch, stats. ARGV: now.
+# Returns {canceled count, 1 if the batch just completed}, or {-1, 0} when missing.
+_CANCEL_BATCH = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return {-1, 0} end
+redis.call('HSETNX', KEYS[3], 'canceled_at', ARGV[1])
+local all = redis.call('HGETALL', KEYS[1])
+local n = 0
+for i = 1, #all, 2 do
+  if all[i + 1] == 'queued' then
+    redis.call('HSET', KEYS[1], all[i], 'canceled')
+    n = n + 1
+  end
+end
+if n > 0 then
+  redis.call('HINCRBY', KEYS[2], 'queued', -n)
+  redis.call('HINCRBY', KEYS[2], 'canceled', n)
+  redis.call('HINCRBY', KEYS[4], 'queued', -n)
+end
+local c = redis.call('HMGET', KEYS[2], 'succeeded', 'failed', 'canceled')
+local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
+local total = tonumber(redis.call('HGET', KEYS[3], 'total')) or -1
+if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 then
+  return {n, 1}
+end
+return {n, 0}
+"""
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def _opt_float(value: str | None) -> float | None:
+    return float(value) if value else None
+
+
+class IdempotencyOutcome(StrEnum):
+    """What a claimed Idempotency-Key means for this request."""
+
+    NEW = "new"  # first use: go ahead and create the job
+    REPLAY = "replay"  # same key, same body, first request done: answer with the same job
+    MISMATCH = "mismatch"  # same key, different body: 422
+    IN_PROGRESS = "in_progress"  # same key while the first request is still being answered: 409
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyClaim:
+    outcome: IdempotencyOutcome
+    job_id: str | None = None
+
+
+@dataclass(slots=True)
+class SearchJob:
+    """One search job as the store holds it."""
+
+    id: str
+    tenant: str
+    status: JobStatus
+    spec: SearchSpec
+    created_at: float
+    webhook_url: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    result: SearchResult | None = None
+    error: ErrorInfo | None = None
+
+
+@dataclass(slots=True)
+class IngestJob:
+    """One ingest job: documents upserted into one index for one tenant."""
+
+    id: str
+    tenant: str
+    index: str
+    status: JobStatus
+    documents: int
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    upserted: int | None = None
+    error: ErrorInfo | None = None
+
+
+@dataclass(slots=True)
+class BatchJob:
+    """One batch: its settings and the live counts of its items by status."""
+
+    id: str
+    tenant: str
+    index: str
+    lane: str
+    total: int
+    created_at: float
+    counts: dict[str, int] = field(default_factory=dict)
+    rerank: bool | None = None
+    webhook_url: str | None = None
+    canceled_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def status(self) -> JobStatus:
+        """``succeeded`` once every item is final, ``canceled`` if a cancel ended it."""
+        if self.finished_at is not None:
+            return JobStatus.CANCELED if self.canceled_at is not None else JobStatus.SUCCEEDED
+        if self.counts.get("queued", 0) == self.total and self.canceled_at is None:
+            return JobStatus.QUEUED
+        return JobStatus.RUNNING
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One batch item with the spec it was submitted with."""
+
+    query_id: str
+    status: JobStatus
+    spec: SearchSpec | None
+
+
+@dataclass(frozen=True, slots=True)
+class ItemOutcome:
+    """One line of a batch's results."""
+
+    query_id: str
+    status: JobStatus
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ItemTransition:
+    applied: bool
+    batch_completed: bool = False
+
+
+class JobStore:
+    """Job records in Redis. Thread-safe: redis-py's client pools its connections.
+
+    store = JobStore.from_url("redis://localhost:6379/0")
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"), webhook_url=None)
+    store.start_search(job.id); store.finish_search(job.id, result=result)
+    """
+
+    def __init__(self, client: redis.Redis, *, result_ttl: int = RESULT_TTL_SECONDS) -> None:
+        self.redis = client
+        self.result_ttl = result_ttl
+        self._transition_job = client.register_script(_TRANSITION_JOB)
+        self._transition_item = client.register_script(_TRANSITION_ITEM)
+        self._cancel_batch = client.register_script(_CANCEL_BATCH)
+
+    @classmethod
+    def from_url(cls, url: str, *, max_connections: int | None = None) -> JobStore:
+        client = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            max_connections=max_connections,
+            socket_connect_timeout=5,
+            socket_timeout=30,
+            health_check_interval=30,
+        )
+        return cls(client)
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def ping(self) -> bool:
+        return bool(self.redis.ping())
+
+    # --- searches ---------------------------------------------------------------------------
+
+    def create_search(
+        self, tenant: str, spec: SearchSpec, *, webhook_url: str | None = None
+    ) -> SearchJob:
+        job = SearchJob(
+            id=_new_id(SEARCH_ID_PREFIX),
+            tenant=tenant,
+            status=JobStatus.QUEUED,
+            spec=spec,
+            created_at=_now(),
+            webhook_url=webhook_url,
+        )
+        key = SEARCH_KEY + job.id
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(
+            key,
+            mapping={
+                "kind": "search",
+                "tenant": tenant,
+                "status": job.status.value,
+                "spec": spec.model_dump_json(),
+                "webhook_url": webhook_url or "",
+                "created_at": repr(job.created_at),
+            },
+        )
+        pipe.expire(key, self.result_ttl)
+        pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, 1)
+        pipe.execute()
+        return job
+
+    def get_search(self, job_id: str) -> SearchJob | None:
+        raw = cast(dict[str, str], self.redis.hgetall(SEARCH_KEY + job_id))
+        if not raw or raw.get("kind") != "search":
+            return None
+        return SearchJob(
+            id=job_id,
+            tenant=raw["tenant"],
+            status=JobStatus(raw["status"]),
+            spec=SearchSpec.model_validate_json(raw["spec"]),
+            created_at=float(raw["created_at"]),
+            webhook_url=raw.get("webhook_url") or None,
+            started_at=_opt_float(raw.get("started_at")),
+            finished_at=_opt_float(raw.get("finished_at")),
+            result=SearchResult.model_validate_json(raw["result"]) if raw.get("result") else None,
+            error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
+        )
+
+    def get_search_status(self, job_id: str) -> JobStatus | None:
+        value = cast(str | None, self.redis.hget(SEARCH_KEY + job_id, "status"))
+        return JobStatus(value) if value else None
+
+    def start_search(self, job_id: str) -> bool:
+        """queued (or running, on redelivery) -> running. False if it is final or missing."""
+        return self._job(SEARCH_KEY + job_id, JobStatus.RUNNING, "queued,running",
+                         started_at=repr(_now()))
+
+    def requeue_search(self, job_id: str) -> bool:
+        """running -> queued, before a retry."""
+        return self._job(SEARCH_KEY + job_id, JobStatus.QUEUED, "running")
+
+    def finish_search(
+        self, job_id: str, *, result: SearchResult | None = None, error: ErrorInfo | None = None
+    ) -> bool:
+        """-> succeeded (with ``result``) or failed (with ``error``), unless already final."""
+        return self._finish(SEARCH_KEY + job_id, result=result, error=error)
+
+    # --- ingest -----------------------------------------------------------------------------
+
+    def create_ingest(self, tenant: str, index: str, documents: Sequence[DocumentIn]) -> IngestJob:
+        job = IngestJob(
+            id=_new_id(INGEST_ID_PREFIX),
+            tenant=tenant,
+            index=index,
+            status=JobStatus.QUEUED,
+            documents=len(documents),
+            created_at=_now(),
+        )
+        key = INGEST_KEY + job.id
+        payload = json.dumps([d.model_dump() for d in documents], separators=(",", ":"))
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(INGEST_DOCS_KEY + job.id, payload, ex=INGEST_DOCS_TTL_SECONDS)
+        pipe.hset(
+            key,
+            mapping={
+                "kind": "ingest",
+                "tenant": tenant,
+                "index": index,
+                "status": job.status.value,
+                "documents": str(job.documents),
+                "created_at": repr(job.created_at),
+            },
+        )
+        pipe.expire(key, self.result_ttl)
+        pipe.execute()
+        return job
+
+    def get_ingest(self, job_id: str) -> IngestJob | None:
+        raw = cast(dict[str, str], self.redis.hgetall(INGEST_KEY + job_id))
+        if not raw or raw.get("kind") != "ingest":
+            return None
+        return IngestJob(
+            id=job_id,
+            tenant=raw["tenant"],
+            index=raw["index"],
+            status=JobStatus(raw["status"]),
+            documents=int(raw["documents"]),
+            created_at=float(raw["created_at"]),
+            started_at=_opt_float(raw.get("started_at")),
+            finished_at=_opt_float(raw.get("finished_at")),
+            upserted=int(raw["upserted"]) if raw.get("upserted") else None,
+            error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
+        )
+
+    def ingest_documents(self, job_id: str) -> list[DocumentIn] | None:
+        raw = cast(str | None, self.redis.get(INGEST_DOCS_KEY + job_id))
+        if raw is None:
+            return None
+        return [DocumentIn.model_validate(d) for d in json.loads(raw)]
+
+    def start_ingest(self, job_id: str) -> bool:
+        return self._job(INGEST_KEY + job_id, JobStatus.RUNNING, "queued,running",
+                         started_at=repr(_now()), count=False)
+
+    def requeue_ingest(self, job_id: str) -> bool:
+        return self._job(INGEST_KEY + job_id, JobStatus.QUEUED, "running", count=False)
+
+    def finish_ingest(
+        self, job_id: str, *, upserted: int | None = None, error: ErrorInfo | None = None
+    ) -> bool:
+        fields: dict[str, str] = {"finished_at": repr(_now())}
+        if error is not None:
+            status = JobStatus.FAILED
+            fields["error"] = error.model_dump_json()
+        else:
+            status = JobStatus.SUCCEEDED
+            fields["upserted"] = str(upserted or 0)
+        applied = self._job(INGEST_KEY + job_id, status, "queued,running", count=False, **fields)
+        if applied:
+            self.redis.delete(INGEST_DOCS_KEY + job_id)
+        return applied
+
+    # --- batches ----------------------------------------------------------------------------
+
+    def create_batch(
+        self,
+        tenant: str,
+        index: str,
+        items: Sequence[tuple[str, SearchSpec]],
+        *,
+        lane: str = "standard",
+        rerank: bool | None = None,
+        webhook_url: str | None = None,
+    ) -> BatchJob:
+        """Store a batch and its items, all ``queued``. Query ids must be unique."""
+        batch = BatchJob(
+            id=_new_id(BATCH_ID_PREFIX),
+            tenant=tenant,
+            index=index,
+            lane=lane,
+            total=len(items),
+            created_at=_now(),
+            rerank=rerank,
+            webhook_url=webhook_url,
+        )
+        batch.counts = {s.value: 0 for s in _STATUSES}
+        batch.counts[JobStatus.QUEUED.value] = batch.total
+        bid = batch.id
+        keys = [BATCH_KEY + bid, BATCH_ORDER_KEY + bid, BATCH_SPECS_KEY + bid,
+                BATCH_ITEMS_KEY + bid, BATCH_COUNTS_KEY + bid, BATCH_RESULTS_KEY + bid]
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(
+            BATCH_KEY + bid,
+            mapping={
+                "tenant": tenant,
+                "index": index,
+                "lane": lane,
+                "rerank": "" if rerank is None else ("1" if rerank else "0"),
+                "webhook_url": webhook_url or "",
+                "total": str(batch.total),
+                "created_at": repr(batch.created_at),
+            },
+        )
+        step = 5_000
+        for start in range(0, len(items), step):
+            part = items[start : start + step]
+            pipe.rpush(BATCH_ORDER_KEY + bid, *[qid for qid, _ in part])
+            pipe.hset(BATCH_SPECS_KEY + bid, mapping={qid: s.model_dump_json() for qid, s in part})
+            pipe.hset(BATCH_ITEMS_KEY + bid, mapping={qid: "queued" for qid, _ in part})
+        pipe.hset(BATCH_COUNTS_KEY + bid, mapping={k: str(v) for k, v in batch.counts.items()})
+        # a placeholder field ("" is never a query id) so the key exists now and takes its TTL
+        pipe.hset(BATCH_RESULTS_KEY + bid, "", "")
+        for key in keys:
+            pipe.expire(key, self.result_ttl)
+        pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
+        pipe.execute()
+        return batch
+
+    def get_batch(self, batch_id: str) -> BatchJob | None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(BATCH_KEY + batch_id)
+        pipe.hgetall(BATCH_COUNTS_KEY + batch_id)
+        raw, counts = cast(list[dict[str, str]], pipe.execute())
+        if not raw:
+            return None
+        rerank = raw.get("rerank", "")
+        return BatchJob(
+            id=batch_id,
+            tenant=raw["tenant"],
+            index=raw["index"],
+            lane=raw.get("lane", "standard"),
+            total=int(raw["total"]),
+            created_at=float(raw["created_at"]),
+            counts={s.value: int(counts.get(s.value, 0)) for s in _STATUSES},
+            rerank=None if rerank == "" else rerank == "1",
+            webhook_url=raw.get("webhook_url") or None,
+            canceled_at=_opt_float(raw.get("canceled_at")),
+            finished_at=_opt_float(raw.get("finished_at")),
+        )
+
+    def batch_query_ids(self, batch_id: str, start: int, stop: int) -> list[str]:
+        """Query ids ``start`` (inclusive) to ``stop`` (exclusive), in submission order."""
+        if stop <= start:
+            return []
+        return cast(list[str], self.redis.lrange(BATCH_ORDER_KEY + batch_id, start, stop - 1))
+
+    def batch_items(self, batch_id: str, query_ids: Sequence[str]) -> list[BatchItem]:
+        if not query_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(BATCH_ITEMS_KEY + batch_id, list(query_ids))
+        pipe.hmget(BATCH_SPECS_KEY + batch_id, list(query_ids))
+        statuses, specs = cast(list[list[str | None]], pipe.execute())
+        items = []
+        for qid, status, spec in zip(query_ids, statuses, specs, strict=True):
+            if status is None:
+                continue
+            items.append(BatchItem(qid, JobStatus(status),
+                                   SearchSpec.model_validate_json(spec) if spec else None))
+        return items
+
+    def start_item(self, batch_id: str, query_id: str) -> bool:
+        """queued (or running, on redelivery) -> running. False if final, canceled or missing."""
+        return self._item(batch_id, query_id, JobStatus.RUNNING, "queued,running", "").applied
+
+    def requeue_item(self, batch_id: str, query_id: str) -> bool:
+        return self._item(batch_id, query_id, JobStatus.QUEUED, "running", "").applied
+
+    def finish_item(
+        self,
+        batch_id: str,
+        query_id: str,
+        *,
+        result: SearchResult | None = None,
+        error: ErrorInfo | None = None,
+    ) -> ItemTransition:
+        """-> succeeded or failed, at most once; says whether that completed the batch."""
+        if error is not None:
+            status, payload = JobStatus.FAILED, '{"error":' + error.model_dump_json() + "}"
+        else:
+            assert result is not None
+            status, payload = JobStatus.SUCCEEDED, '{"result":' + result.model_dump_json() + "}"
+        return self._item(batch_id, query_id, status, "queued,running", payload)
+
+    def cancel_batch(self, batch_id: str) -> tuple[int, bool] | None:
+        """Cancel every item still queued. Returns (canceled, batch completed now), or None."""
+        keys = [BATCH_ITEMS_KEY + batch_id, BATCH_COUNTS_KEY + batch_id,
+                BATCH_KEY + batch_id, STATS_KEY]
+        canceled, completed = cast(list[int], self._cancel_batch(keys=keys, args=[repr(_now())]))
+        if canceled < 0:
+            return None
+        return int(canceled), bool(completed)
+
+    def batch_results(self, batch_id: str, start: int, count: int) -> list[ItemOutcome]:
+        """``count`` results from position ``start``, in submission order."""
+        qids = self.batch_query_ids(batch_id, start, start + count)
+        if not qids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(BATCH_ITEMS_KEY + batch_id, qids)
+        pipe.hmget(BATCH_RESULTS_KEY + batch_id, qids)
+        statuses, outcomes = cast(list[list[str | None]], pipe.execute())
+        results = []
+        for qid, status, outcome in zip(qids, statuses, outcomes, strict=True):
+            body: dict[str, Any] = json.loads(outcome) if outcome else {}
+            results.append(ItemOutcome(qid, JobStatus(status or "queued"),
+                                       body.get("result"), body.get("error")))
+        return results
+
+    # --- idempotency ------------------------------------------------------------------------
+
+    @staticmethod
+    def _idem_key(tenant: str, key: str) -> str:
+        return IDEMPOTENCY_KEY + tenant + ":" + hashlib.sha256(key.encode()).hexdigest()
+
+    def claim_idempotency(self, tenant: str, key: str, fingerprint: str) -> IdempotencyClaim:
+        """Claim ``key`` for this request, or say what an earlier request with it did."""
+        rkey = self._idem_key(tenant, key)
+        record = json.dumps({"fp": fingerprint, "state": "pending", "job": None})
+        if self.redis.set(rkey, record, nx=True, ex=IDEMPOTENCY_PENDING_TTL_SECONDS):
+            return IdempotencyClaim(IdempotencyOutcome.NEW)
+        raw = cast(str | None, self.redis.get(rkey))
+        if raw is None:  # expired between the two calls: try once more
+            if self.redis.set(rkey, record, nx=True, ex=IDEMPOTENCY_PENDING_TTL_SECONDS):
+                return IdempotencyClaim(IdempotencyOutcome.NEW)
+            raw = cast(str | None, self.redis.get(rkey)) or record
+        earlier = json.loads(raw)
+        if earlier["fp"] != fingerprint:
+            return IdempotencyClaim(IdempotencyOutcome.MISMATCH, earlier.get("job"))
+        if earlier["state"] != "done":
+            return IdempotencyClaim(IdempotencyOutcome.IN_PROGRESS, earlier.get("job"))
+        return IdempotencyClaim(IdempotencyOutcome.REPLAY, earlier["job"])
+
+    def record_idempotency(self, tenant: str, key: str, fingerprint: str, job_id: str,
+                           *, done: bool) -> None:
+        """Attach the job to the claim; ``done`` once the first request has been answered."""
+        record = {"fp": fingerprint, "state": "done" if done else "pending", "job": job_id}
+        ttl = IDEMPOTENCY_TTL_SECONDS if done else IDEMPOTENCY_PENDING_TTL_SECONDS
+        self.redis.set(self._idem_key(tenant, key), json.dumps(record), ex=ttl)
+
+    def release_idempotency(self, tenant: str, key: str) -> None:
+        """Forget a claim whose request failed before it created a job."""
+        self.redis.delete(self._idem_key(tenant, key))
+
+    # --- deliveries and stats ---------------------------------------------------------------
+
+    def count_delivery(self, task_id: str, retry: int) -> int:
+        """How many times this message (task id, retry number) has been delivered, this one too."""
+        key = f"{ATTEMPTS_KEY}{task_id}:{retry}"
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.incr(key)
+        pipe.expire(key, ATTEMPTS_TTL_SECONDS)
+        count, _ = pipe.execute()
+        return int(count)
+
+    def in_flight(self) -> dict[str, int]:
+        """Searches and batch items queued and running now, across the deployment."""
+        raw = cast(dict[str, str], self.redis.hgetall(STATS_KEY))
+        return {s: max(0, int(raw.get(s, 0))) for s in ("queued", "running")}
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _finish(self, key: str, *, result: SearchResult | None, error: ErrorInfo | None) -> bool:
+        fields: dict[str, str] = {"finished_at": repr(_now())}
+        if error is not None:
+            status = JobStatus.FAILED
+            fields["error"] = error.model_dump_json()
+        else:
+            assert result is not None
+            status = JobStatus.SUCCEEDED
+            fields["result"] = result.model_dump_json()
+        return self._job(key, status, "queued,running", **fields)
+
+    def _job(self, key: str, to: JobStatus, allowed: str, *, count: bool = True,
+             **fields: str) -> bool:
+        args: list[str] = [to.value, allowed, str(self.result_ttl)]
+        for name, value in fields.items():
+            args += [name, value]
+        stats = STATS_KEY if count else STATS_UNTRACKED_KEY
+        return int(cast(int, self._transition_job(keys=[key, stats], args=args))) == 1
+
+    def _item(self, batch_id: str, query_id: str, to: JobStatus, allowed: str,
+              payload: str) -> ItemTransition:
+        keys = [BATCH_ITEMS_KEY + batch_id, BATCH_RESULTS_KEY + batch_id,
+                BATCH_COUNTS_KEY + batch_id, BATCH_KEY + batch_id, STATS_KEY]
+        code = int(cast(int, self._transition_item(
+            keys=keys, args=[query_id, to.value, allowed, payload, repr(_now())])))
+        return ItemTransition(applied=code >= 1, batch_completed=code == 2)
+
+
+def fingerprint(*parts: Iterable[Any] | Any) -> str:
+    """A stable hash of a request (its route and its canonical JSON body)."""
+    blob = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()

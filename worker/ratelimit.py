@@ -1,0 +1,96 @@
+"""The provider limiter: bounds model calls in flight and pauses every thread after a 429.
+
+One limiter per worker process, shared by all its threads. The rerank retry loop
+(owned by the core's caller) uses it like this:
+
+    limiter = ProviderLimiter(max_in_flight=200)
+    with limiter.slot(deadline=deadline):        # at most 200 calls in flight
+        limiter.wait(deadline=deadline)          # honour any pause before sending
+        try:
+            reply = client.call(...)
+        except RateLimited as exc:
+            limiter.pause(exc.retry_after or 1.0)  # every thread holds off until then
+            raise
+
+``deadline`` is a ``time.monotonic()`` instant. Both calls raise
+:class:`~worker.errors.DeadlineExceeded` rather than wait past it. The pause is
+per process; N worker processes each honour their own 429s.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from worker.errors import DeadlineExceeded
+
+MAX_PAUSE_SECONDS = 60.0  # a retry-after longer than this is capped
+
+
+class ProviderLimiter:
+    """An in-flight bound plus a shared "pause until" instant that every sender respects."""
+
+    def __init__(
+        self,
+        max_in_flight: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.max_in_flight = max_in_flight
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._paused_until = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def paused_until(self) -> float:
+        return self._paused_until
+
+    def pause(self, seconds: float) -> None:
+        """Hold every sender off for ``seconds`` from now (never shortens a longer pause)."""
+        seconds = min(max(seconds, 0.0), MAX_PAUSE_SECONDS)
+        with self._cond:
+            self._paused_until = max(self._paused_until, self._clock() + seconds)
+
+    def wait(self, deadline: float | None = None) -> None:
+        """Block while a pause is on. Raises DeadlineExceeded if it would outlast ``deadline``."""
+        with self._cond:
+            while True:
+                now = self._clock()
+                if now >= self._paused_until:
+                    return
+                if deadline is not None and self._paused_until >= deadline:
+                    raise DeadlineExceeded("the provider asked to pause past the search deadline")
+                self._cond.wait(self._paused_until - now)
+
+    @contextmanager
+    def slot(self, deadline: float | None = None) -> Iterator[None]:
+        """Hold one of the ``max_in_flight`` places for the duration of one model call."""
+        with self._cond:
+            while self._in_flight >= self.max_in_flight:
+                timeout = None if deadline is None else deadline - self._clock()
+                if timeout is not None and timeout <= 0:
+                    raise DeadlineExceeded("no rerank slot became free before the deadline")
+                self._cond.wait(timeout)
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._in_flight -= 1
+                self._cond.notify()
+
+
+class NullLimiter(ProviderLimiter):
+    """No bound and no pause: for the in-process runtime and tests that do not need one."""
+
+    def __init__(self) -> None:
+        super().__init__(max_in_flight=1 << 30)
