@@ -37,15 +37,26 @@ BATCH_ID_PREFIX = "bat_"
 INGEST_ID_PREFIX = "ing_"
 
 # --- Celery ---
-SEARCH_QUEUE = "sift.search"
+SEARCH_QUEUE = "sift.search"  # single searches, interactive
+BATCH_QUEUE = "sift.batch"  # batch chunks, so a big batch never starves single searches
 INGEST_QUEUE = "sift.ingest"
 WEBHOOK_QUEUE = "sift.webhooks"
 SEARCH_TASK = "sift.search"
 BATCH_CHUNK_TASK = "sift.batch_chunk"
 INGEST_TASK = "sift.ingest"
 WEBHOOK_TASK = "sift.webhook"
+ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
 WEBHOOK_EVENT_SEARCH_COMPLETED = "search.completed"
 WEBHOOK_EVENT_BATCH_COMPLETED = "batch.completed"
+
+# --- metrics owned by the queue (DESIGN.md §9, plus the task ones) ---
+METRIC_JOBS_IN_FLIGHT = "sift_jobs_in_flight"
+METRIC_QUEUE_WAIT = "sift_job_queue_wait_seconds"
+METRIC_TASK_DURATION = "sift_task_duration_seconds"
+METRIC_TASK_RETRIES = "sift_task_retries_total"
+METRIC_HTTP_REQUESTS = "sift_http_requests_total"
+METRIC_HTTP_DURATION = "sift_http_request_duration_seconds"
+METRIC_JOBS_SUBMITTED = "sift_jobs_submitted_total"
 
 # --- limits (validated at the gateway, documented in the README) ---
 MAX_QUERY_CHARS = 2_000

@@ -241,12 +241,18 @@ class BatchItem:
 
 @dataclass(frozen=True, slots=True)
 class ItemOutcome:
-    """One line of a batch's results."""
+    """One line of a batch's results; ``payload`` is the stored ``{"result"}``/``{"error"}`` JSON."""
 
     query_id: str
     status: JobStatus
-    result: dict[str, Any] | None = None
-    error: dict[str, Any] | None = None
+    payload: str | None = None
+
+    def to_json(self) -> str:
+        """``{"query_id","status","result"?,"error"?}`` without re-parsing the stored payload."""
+        head = '{"query_id":' + json.dumps(self.query_id) + ',"status":"' + self.status.value + '"'
+        if self.payload and len(self.payload) > 2:
+            return head + "," + self.payload[1:]
+        return head + "}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -570,12 +576,10 @@ class JobStore:
         pipe.hmget(BATCH_ITEMS_KEY + batch_id, qids)
         pipe.hmget(BATCH_RESULTS_KEY + batch_id, qids)
         statuses, outcomes = cast(list[list[str | None]], pipe.execute())
-        results = []
-        for qid, status, outcome in zip(qids, statuses, outcomes, strict=True):
-            body: dict[str, Any] = json.loads(outcome) if outcome else {}
-            results.append(ItemOutcome(qid, JobStatus(status or "queued"),
-                                       body.get("result"), body.get("error")))
-        return results
+        return [
+            ItemOutcome(qid, JobStatus(status or "queued"), outcome or None)
+            for qid, status, outcome in zip(qids, statuses, outcomes, strict=True)
+        ]
 
     # --- idempotency ------------------------------------------------------------------------
 
@@ -656,6 +660,18 @@ class JobStore:
         code = int(cast(int, self._transition_item(
             keys=keys, args=[query_id, to.value, allowed, payload, repr(_now())])))
         return ItemTransition(applied=code >= 1, batch_completed=code == 2)
+
+
+def webhook_event(event_type: str, job_id: str, tenant: str, url: str, status: str) -> dict[str, Any]:
+    """The message a ``sift.webhook`` task gets. ``webhook_id`` is stable across retries."""
+    return {
+        "webhook_id": f"msg_{job_id}",
+        "type": event_type,
+        "timestamp": _now(),
+        "tenant": tenant,
+        "url": url,
+        "data": {"id": job_id, "status": status},
+    }
 
 
 def fingerprint(*parts: Iterable[Any] | Any) -> str:

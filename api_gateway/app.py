@@ -1,0 +1,117 @@
+"""The gateway's FastAPI app factory; clients are built in the lifespan, never at import.
+
+    uvicorn --factory api_gateway.app:create_app --port 8080
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import redis
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+
+from api_gateway.auth import KeyRing
+from api_gateway.errors import ErrorBody, install_error_handlers
+from api_gateway.jobs import router
+from api_gateway.metrics import GatewayMetrics
+from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
+from api_gateway.queue import CeleryTaskSender, TaskSender
+from api_gateway.schemas import Health
+from worker.errors import ConfigError
+from worker.jobstore import JobStore
+from worker.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
+REDIS_MAX_CONNECTIONS = 128
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    redis: redis.Redis | None = None,
+    celery_sender: TaskSender | None = None,
+) -> FastAPI:
+    """Build the gateway. ``redis`` and ``celery_sender`` replace the real clients in tests."""
+    settings = settings or load_settings()
+    keyring = KeyRing(settings.all_api_keys())
+    holder: dict[str, JobStore | None] = {"store": None}
+
+    def in_flight() -> dict[str, int]:
+        store = holder["store"]
+        return store.in_flight() if store is not None else {}
+
+    metrics = GatewayMetrics(in_flight)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if redis is not None:
+            store = JobStore(redis)
+        elif settings.redis_url:
+            store = JobStore.from_url(settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS)
+        else:
+            raise ConfigError("SIFT_REDIS_URL is required to run the gateway")
+        sender = celery_sender
+        if sender is None:
+            assert settings.redis_url is not None
+            sender = CeleryTaskSender(settings.redis_url)
+        if not len(keyring):
+            log.warning("no API keys configured (SIFT_API_KEYS, SIFT_API_KEYS_FILE): "
+                        "every request will be refused")
+        holder["store"] = store
+        app.state.store = store
+        app.state.sender = sender
+        try:
+            yield
+        finally:
+            holder["store"] = None
+            if celery_sender is None:
+                sender.close()
+            if redis is None:
+                store.close()
+
+    app = FastAPI(
+        title="Sift",
+        version="1.0.0",
+        summary="Queue-based hybrid search with a listwise LLM rerank",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.keyring = keyring
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.include_router(router)
+
+    @app.get("/healthz", response_model=Health, tags=["ops"], summary="The process is up")
+    async def healthz() -> Health:
+        return Health(status="ok")
+
+    @app.get("/readyz", response_model=Health, tags=["ops"],
+             responses={503: {"model": ErrorBody}}, summary="Redis answers")
+    async def readyz(request: Request) -> Response:
+        store: JobStore = request.app.state.store
+        try:
+            await run_in_threadpool(store.ping)
+        except redis_errors() as exc:
+            log.warning("not ready: %s", exc)
+            return Response(Health(status="unavailable").model_dump_json(), status_code=503,
+                            media_type="application/json")
+        return Response(Health(status="ok").model_dump_json(), media_type="application/json")
+
+    @app.get("/metrics", tags=["ops"], response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+             summary="Prometheus metrics")
+    async def prometheus() -> Response:
+        body = await run_in_threadpool(generate_latest, metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app
+
+
+def redis_errors() -> tuple[type[Exception], ...]:
+    return (redis.RedisError, OSError)

@@ -1,0 +1,55 @@
+"""API key authentication: a Bearer key decides the tenant; keys are kept only as SHA-256 digests."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from api_gateway.errors import ApiError
+from worker.settings import ApiKey
+
+bearer = HTTPBearer(auto_error=False, description="An API key; it decides the tenant.")
+
+
+class KeyRing:
+    """Maps a presented key to its tenant in constant time, holding no plaintext key.
+
+    ring = KeyRing([ApiKey(key="dev-key-123", tenant="acme", webhook_secret="whsec_...")])
+    ring.tenant_for("dev-key-123")  # "acme"
+    """
+
+    def __init__(self, keys: Sequence[ApiKey]) -> None:
+        self._entries = [(hashlib.sha256(k.key.encode()).digest(), k.tenant) for k in keys]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def tenant_for(self, presented: str) -> str | None:
+        digest = hashlib.sha256(presented.encode()).digest()
+        tenant: str | None = None
+        for known, owner in self._entries:  # no early exit: the time does not say which key
+            if hmac.compare_digest(known, digest):
+                tenant = owner
+        return tenant
+
+
+def _unauthenticated(message: str) -> ApiError:
+    return ApiError(401, "unauthenticated", message, headers={"WWW-Authenticate": "Bearer"})
+
+
+async def authenticate(
+    request: Request,
+    credentials: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008
+) -> str:
+    """The caller's tenant. 401 without a Bearer key; 403 for a key that is not known."""
+    if credentials is None or not credentials.credentials:
+        raise _unauthenticated("Authorization: a Bearer API key is required")
+    ring: KeyRing = request.app.state.keyring
+    tenant = ring.tenant_for(credentials.credentials)
+    if tenant is None:
+        raise ApiError(403, "forbidden", "Authorization: the API key is not valid")
+    return tenant

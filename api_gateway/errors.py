@@ -1,0 +1,139 @@
+"""The gateway's error bodies and handlers: every error is ``{"error": {"type","message","field"?}}``.
+
+A malformed request always gets a 4xx whose message names the field, never a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from worker.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+_HEADER_NAMES = {"idempotency-key": "Idempotency-Key", "authorization": "Authorization"}
+
+
+class FieldProblem(BaseModel):
+    field: str
+    message: str
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+    field: str | None = None
+    fields: list[FieldProblem] | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every 4xx and 5xx body."""
+
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """An error the gateway answers with a status, a type, and the field it is about."""
+
+    def __init__(self, status: int, type_: str, message: str, *, field: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.field = field
+        self.headers = headers
+
+
+def error_response(status: int, type_: str, message: str, *, field: str | None = None,
+                   fields: Sequence[FieldProblem] | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    detail = ErrorDetail(type=type_, message=message, field=field,
+                         fields=list(fields) if fields else None)
+    return JSONResponse(ErrorBody(error=detail).model_dump(exclude_none=True),
+                        status_code=status, headers=headers)
+
+
+def field_name(loc: Sequence[int | str]) -> str:
+    """("body", "queries", 3, "id") -> "queries[3].id"; ("query", "wait") -> "wait"."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        source = parts.pop(0)
+        if source == "header" and parts:
+            return _HEADER_NAMES.get(str(parts[0]).lower(), str(parts[0]))
+        if not parts:
+            return "body"
+    name = ""
+    for part in parts:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif part.startswith(("function-", "json-or-python", "str-enum")) or part in (
+            "literal_error",
+        ):
+            continue
+        else:
+            name += ("." if name else "") + part
+    return name or "body"
+
+
+def problems_of(errors: Sequence[Any]) -> list[FieldProblem]:
+    seen: set[str] = set()
+    problems = []
+    for error in errors:
+        field = field_name(error.get("loc", ()))
+        if error.get("type") == "json_invalid":
+            field = "body"
+            message = "is not valid JSON: " + str(error.get("ctx", {}).get("error", "parse error"))
+        else:
+            message = str(error.get("msg", "is invalid"))
+            message = message.removeprefix("Value error, ")
+        if field in seen:
+            continue
+        seen.add(field)
+        problems.append(FieldProblem(field=field, message=message))
+    return problems
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = problems_of(exc.errors())
+        if not problems:
+            problems = [FieldProblem(field="body", message="is invalid")]
+        status = 400 if problems[0].field == "body" and "JSON" in problems[0].message else 422
+        message = "; ".join(f"{p.field}: {p.message}" for p in problems)
+        return error_response(status, "invalid_request", message, field=problems[0].field,
+                              fields=problems)
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
+        return error_response(422, "invalid_request", exc.message, field=exc.field,
+                              fields=[FieldProblem(field=exc.field, message=exc.message)])
+
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.type, exc.message, field=exc.field,
+                              headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, type_, str(exc.detail),
+                              headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, redis.RedisError):
+            log.error("redis unavailable: %s", exc)
+            return error_response(503, "unavailable", "the job store is unavailable; retry")
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(500, "internal_error", "internal error")

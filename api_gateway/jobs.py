@@ -1,0 +1,439 @@
+"""The v1 job routes: documents, searches, batches (DESIGN.md §9)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from starlette.concurrency import run_in_threadpool
+
+from api_gateway.auth import authenticate
+from api_gateway.errors import ApiError, ErrorBody
+from api_gateway.metrics import GatewayMetrics
+from api_gateway.queue import TaskSender
+from api_gateway.schemas import (
+    INDEX_PATTERN,
+    BatchCounts,
+    BatchOut,
+    BatchRequest,
+    BatchResultsPage,
+    DocumentsRequest,
+    IngestJobOut,
+    SearchJobOut,
+    SearchRequest,
+    iso,
+)
+from api_gateway.webhook_urls import check_webhook_url
+from worker.constants import (
+    BATCH_CHUNK_TASK,
+    BATCH_QUEUE,
+    DEFAULT_PAGE_SIZE,
+    INGEST_QUEUE,
+    INGEST_TASK,
+    MAX_DOCUMENT_CHARS,
+    MAX_IDEMPOTENCY_KEY_CHARS,
+    MAX_PAGE_SIZE,
+    MAX_WAIT_SECONDS,
+    SEARCH_QUEUE,
+    SEARCH_TASK,
+    WEBHOOK_EVENT_BATCH_COMPLETED,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
+)
+from worker.contract import JobStatus, SearchSpec
+from worker.errors import InvalidRequest
+from worker.jobstore import (
+    BatchJob,
+    IdempotencyOutcome,
+    IngestJob,
+    JobStore,
+    SearchJob,
+    fingerprint,
+    webhook_event,
+)
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1")
+T = TypeVar("T")
+
+Tenant = Annotated[str, Depends(authenticate)]
+Wait = Annotated[
+    float,
+    Query(ge=0, le=MAX_WAIT_SECONDS,
+          description="Seconds to wait for the job to finish; 200 if it did, else 202."),
+]
+IdemKey = Annotated[
+    str | None,
+    Header(alias="Idempotency-Key", min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+           description="Same key and body: the same job. Different body: 422. "
+                       "While the first request is still being answered: 409."),
+]
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 503)
+}
+POLL_MIN_SECONDS = 0.005
+POLL_MAX_SECONDS = 0.1
+
+
+def _store(request: Request) -> JobStore:
+    store: JobStore = request.app.state.store
+    return store
+
+
+def _sender(request: Request) -> TaskSender:
+    sender: TaskSender = request.app.state.sender
+    return sender
+
+
+def _settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def _metrics(request: Request) -> GatewayMetrics:
+    metrics: GatewayMetrics = request.app.state.metrics
+    return metrics
+
+
+async def _io(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a blocking Redis or broker call off the event loop."""
+    return await run_in_threadpool(fn, *args, **kwargs)
+
+
+async def _poll(read: Callable[[], Awaitable[T | None]], final: Callable[[T], bool],
+                wait: float) -> T | None:
+    """Read until ``final`` or ``wait`` seconds pass, backing off from 5 ms to 100 ms."""
+    deadline = time.monotonic() + wait
+    delay = POLL_MIN_SECONDS
+    current = await read()
+    while current is not None and not final(current) and time.monotonic() < deadline:
+        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, POLL_MAX_SECONDS)
+        current = await read()
+    return current
+
+
+def _search_out(job: SearchJob) -> SearchJobOut:
+    out = SearchJobOut(id=job.id, status=job.status, created_at=iso(job.created_at) or "",
+                       started_at=iso(job.started_at), finished_at=iso(job.finished_at))
+    if job.result is not None:
+        result = job.result
+        if not job.spec.include_trace and result.trace is not None:
+            result = result.model_copy(update={"trace": None})
+        out.result = result
+    if job.error is not None:
+        out.error = job.error
+    return out
+
+
+def _search_response(job: SearchJob) -> Response:
+    body = _search_out(job).model_dump_json(exclude_none=False)
+    return Response(body, status_code=200 if job.status.final else 202,
+                    media_type="application/json")
+
+
+async def _check_url(settings: Settings, url: str | None) -> None:
+    if url is not None:
+        await _io(check_webhook_url, url, settings.webhook_allow_private_networks)
+
+
+class _Idempotency:
+    """Stripe-style Idempotency-Key handling around one job-creating request."""
+
+    def __init__(self, store: JobStore, tenant: str, key: str | None, route: str,
+                 body: dict[str, Any]) -> None:
+        self.store, self.tenant, self.key = store, tenant, key
+        self.fp = fingerprint(route, body)
+
+    async def earlier_job(self) -> str | None:
+        """The job of an earlier request with this key, None to go ahead; raises 409/422."""
+        if self.key is None:
+            return None
+        claim = await _io(self.store.claim_idempotency, self.tenant, self.key, self.fp)
+        if claim.outcome is IdempotencyOutcome.MISMATCH:
+            raise ApiError(422, "idempotency_key_reused",
+                           "Idempotency-Key: already used with a different request body",
+                           field="Idempotency-Key")
+        if claim.outcome is IdempotencyOutcome.IN_PROGRESS:
+            raise ApiError(409, "idempotency_key_in_progress",
+                           "Idempotency-Key: the first request with this key is still running",
+                           field="Idempotency-Key")
+        if claim.outcome is IdempotencyOutcome.REPLAY:
+            return claim.job_id
+        return None
+
+    async def created(self, job_id: str) -> None:
+        if self.key is not None:
+            await _io(self.store.record_idempotency, self.tenant, self.key, self.fp, job_id,
+                      done=False)
+
+    async def answered(self, job_id: str) -> None:
+        if self.key is not None:
+            await _io(self.store.record_idempotency, self.tenant, self.key, self.fp, job_id,
+                      done=True)
+
+    async def failed(self) -> None:
+        if self.key is not None:
+            await _io(self.store.release_idempotency, self.tenant, self.key)
+
+
+# --- documents ------------------------------------------------------------------------------
+
+
+def _ingest_out(job: IngestJob) -> IngestJobOut:
+    return IngestJobOut(id=job.id, status=job.status, index=job.index, documents=job.documents,
+                        created_at=iso(job.created_at) or "", finished_at=iso(job.finished_at),
+                        upserted=job.upserted, error=job.error)
+
+
+@router.post(
+    "/indexes/{index}/documents",
+    response_model=IngestJobOut,
+    status_code=202,
+    responses={200: {"model": IngestJobOut, "description": "Ingested within `wait`."}, **ERRORS},
+    summary="Upsert documents by id into an index, for the caller's tenant",
+)
+async def upsert_documents(
+    request: Request,
+    body: DocumentsRequest,
+    tenant: Tenant,
+    index: Annotated[str, Path(min_length=1, max_length=128, pattern=INDEX_PATTERN)],
+    wait: Wait = 0.0,
+) -> Response:
+    """Enqueues an ingest job and answers 202 with its id (poll
+    ``GET /v1/ingestions/{id}``), or 200 when it finished within ``wait`` seconds."""
+    for i, doc in enumerate(body.documents):
+        if len(doc.text) > MAX_DOCUMENT_CHARS:
+            raise InvalidRequest(f"documents[{i}].text",
+                                 f"longer than {MAX_DOCUMENT_CHARS} characters")
+        if not doc.text.strip():
+            raise InvalidRequest(f"documents[{i}].text", "is empty after trimming whitespace")
+    store = _store(request)
+    job = await _io(store.create_ingest, tenant, index, body.documents)
+    await _io(_sender(request).send, INGEST_TASK, [job.id], INGEST_QUEUE)
+    _metrics(request).submitted.labels("ingest").inc()
+    log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
+    if wait > 0:
+        async def read() -> IngestJob | None:
+            return await _io(store.get_ingest, job.id)
+
+        job = await _poll(read, lambda j: j.status.final, wait) or job
+    return Response(_ingest_out(job).model_dump_json(),
+                    status_code=200 if job.status.final else 202,
+                    media_type="application/json")
+
+
+@router.get("/ingestions/{job_id}", response_model=IngestJobOut, responses=ERRORS,
+            summary="An ingest job")
+async def get_ingestion(request: Request, job_id: str, tenant: Tenant) -> IngestJobOut:
+    job = await _io(_store(request).get_ingest, job_id)
+    if job is None or job.tenant != tenant:
+        raise ApiError(404, "not_found", f"id: no ingest job {job_id!r}", field="id")
+    return _ingest_out(job)
+
+
+# --- searches -------------------------------------------------------------------------------
+
+
+@router.post(
+    "/searches",
+    response_model=SearchJobOut,
+    status_code=202,
+    responses={200: {"model": SearchJobOut, "description": "Finished within `wait`."}, **ERRORS},
+    summary="Submit one search",
+)
+async def create_search(
+    request: Request,
+    body: SearchRequest,
+    tenant: Tenant,
+    wait: Wait = 0.0,
+    idempotency_key: IdemKey = None,
+) -> Response:
+    """Answers 202 with the queued job, or 200 with the finished job if it finished within
+    ``wait`` seconds."""
+    settings, store = _settings(request), _store(request)
+    await _check_url(settings, body.webhook_url)
+    idem = _Idempotency(store, tenant, idempotency_key, "POST /v1/searches",
+                        body.model_dump(mode="json"))
+    job_id = await idem.earlier_job()
+    if job_id is None:
+        spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
+        try:
+            job = await _io(store.create_search, tenant, spec, webhook_url=body.webhook_url)
+            await idem.created(job.id)
+            await _io(_sender(request).send, SEARCH_TASK, [job.id], SEARCH_QUEUE)
+        except BaseException:
+            await idem.failed()
+            raise
+        _metrics(request).submitted.labels("search").inc()
+        job_id = job.id
+    try:
+        return await _answer_search(store, job_id, tenant, wait)
+    finally:
+        await idem.answered(job_id)
+
+
+async def _answer_search(store: JobStore, job_id: str, tenant: str, wait: float) -> Response:
+    async def read() -> SearchJob | None:
+        return await _io(store.get_search, job_id)
+
+    async def read_status() -> JobStatus | None:
+        return await _io(store.get_search_status, job_id)
+
+    if wait > 0:
+        await _poll(read_status, lambda s: s.final, wait)
+    job = await read()
+    if job is None or job.tenant != tenant:
+        raise ApiError(404, "not_found", f"id: no search {job_id!r} (expired?)", field="id")
+    return _search_response(job)
+
+
+@router.get("/searches/{job_id}", response_model=SearchJobOut, responses=ERRORS,
+            summary="A search job, with its result once finished")
+async def get_search(request: Request, job_id: str, tenant: Tenant) -> Response:
+    job = await _io(_store(request).get_search, job_id)
+    if job is None or job.tenant != tenant:
+        raise ApiError(404, "not_found", f"id: no search {job_id!r}", field="id")
+    return Response(_search_out(job).model_dump_json(), media_type="application/json")
+
+
+# --- batches --------------------------------------------------------------------------------
+
+
+def _batch_out(batch: BatchJob) -> BatchOut:
+    return BatchOut(
+        id=batch.id, status=batch.status, index=batch.index,
+        lane="economy" if batch.lane == "economy" else "standard",
+        counts=BatchCounts(total=batch.total, **batch.counts),
+        created_at=iso(batch.created_at) or "", finished_at=iso(batch.finished_at),
+        canceled_at=iso(batch.canceled_at),
+    )
+
+
+async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob:
+    batch = await _io(_store(request).get_batch, batch_id)
+    if batch is None or batch.tenant != tenant:
+        raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
+    return batch
+
+
+@router.post("/batches", response_model=BatchOut, status_code=202, responses=ERRORS,
+             summary="Submit a batch of searches")
+async def create_batch(
+    request: Request,
+    body: BatchRequest,
+    tenant: Tenant,
+    idempotency_key: IdemKey = None,
+) -> Response:
+    """Stores every item as ``queued`` and fans the batch out in chunk tasks.
+    ``lane="economy"`` is accepted but runs as ``standard`` for now."""
+    settings, store = _settings(request), _store(request)
+    await _check_url(settings, body.webhook_url)
+    first_seen: dict[str, int] = {}
+    items: list[tuple[str, SearchSpec]] = []
+    for i, q in enumerate(body.queries):
+        if q.id in first_seen:
+            raise InvalidRequest(f"queries[{i}].id",
+                                 f"duplicate id {q.id!r} (first at queries[{first_seen[q.id]}])")
+        first_seen[q.id] = i
+        spec: dict[str, Any] = {"index": body.index, "query": q.query, "rerank": body.rerank,
+                                "include_trace": body.include_trace, "filters": q.filters}
+        if q.limit is not None:
+            spec["limit"] = q.limit
+        if q.mode is not None:
+            spec["mode"] = q.mode
+        items.append((q.id, SearchSpec.model_validate(spec)))
+    idem = _Idempotency(store, tenant, idempotency_key, "POST /v1/batches",
+                        body.model_dump(mode="json"))
+    batch_id = await idem.earlier_job()
+    if batch_id is None:
+        try:
+            batch = await _io(store.create_batch, tenant, body.index, items, lane=body.lane,
+                              rerank=body.rerank, webhook_url=body.webhook_url)
+            await idem.created(batch.id)
+            size = settings.batch_chunk_size
+            messages = [(BATCH_CHUNK_TASK, [batch.id, start, min(start + size, batch.total)],
+                         BATCH_QUEUE) for start in range(0, batch.total, size)]
+            await _io(_sender(request).send_many, messages)
+        except BaseException:
+            await idem.failed()
+            raise
+        _metrics(request).submitted.labels("batch_item").inc(batch.total)
+        log.info("batch %s: %d items in %d chunks for %s", batch.id, batch.total,
+                 len(messages), tenant)
+        batch_id = batch.id
+    try:
+        batch = await _owned_batch(request, batch_id, tenant)
+        return Response(_batch_out(batch).model_dump_json(), status_code=202,
+                        media_type="application/json")
+    finally:
+        await idem.answered(batch_id)
+
+
+@router.get("/batches/{batch_id}", response_model=BatchOut, responses=ERRORS,
+            summary="A batch's status and counts")
+async def get_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
+    return _batch_out(await _owned_batch(request, batch_id, tenant))
+
+
+def _decode_token(token: str | None) -> int:
+    if not token:
+        return 0
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        kind, _, value = raw.partition(":")
+        offset = int(value)
+    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise InvalidRequest("page_token", "is not a token this API issued") from exc
+    if kind != "o" or offset < 0:
+        raise InvalidRequest("page_token", "is not a token this API issued")
+    return offset
+
+
+def _encode_token(offset: int) -> str:
+    return base64.urlsafe_b64encode(f"o:{offset}".encode()).decode().rstrip("=")
+
+
+@router.get("/batches/{batch_id}/results", response_model=BatchResultsPage, responses=ERRORS,
+            summary="A batch's results, one page at a time, in submission order")
+async def get_batch_results(
+    request: Request,
+    batch_id: str,
+    tenant: Tenant,
+    page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+    page_token: Annotated[str | None, Query(max_length=64)] = None,
+) -> Response:
+    """Every item appears once over the pages, with ``result`` or ``error`` once final."""
+    offset = _decode_token(page_token)
+    batch = await _owned_batch(request, batch_id, tenant)
+    outcomes = await _io(_store(request).batch_results, batch_id, offset, page_size)
+    end = offset + len(outcomes)
+    token = _encode_token(end) if end < batch.total else None
+    body = ('{"results":[' + ",".join(o.to_json() for o in outcomes)
+            + '],"next_page_token":' + ('"' + token + '"' if token else "null") + "}")
+    return Response(body, media_type="application/json")
+
+
+@router.delete("/batches/{batch_id}", response_model=BatchOut, responses=ERRORS,
+               summary="Cancel the items of a batch that have not run yet")
+async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
+    batch = await _owned_batch(request, batch_id, tenant)
+    outcome = await _io(_store(request).cancel_batch, batch_id)
+    if outcome is None:
+        raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
+    canceled, completed = outcome
+    log.info("batch %s: %d items canceled", batch_id, canceled)
+    batch = await _owned_batch(request, batch_id, tenant)
+    if completed and batch.webhook_url:
+        event = webhook_event(WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant,
+                              batch.webhook_url, batch.status.value)
+        await _io(_sender(request).send, WEBHOOK_TASK, [event], WEBHOOK_QUEUE)
+    return _batch_out(batch)
+

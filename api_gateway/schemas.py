@@ -1,0 +1,145 @@
+"""The HTTP v1 request and response bodies (DESIGN.md §9); the OpenAPI document is built from them."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from worker.constants import (
+    MAX_BATCH_QUERIES,
+    MAX_BATCH_QUERY_ID_CHARS,
+    MAX_DOCUMENTS_PER_REQUEST,
+    MAX_LIMIT,
+    MAX_QUERY_CHARS,
+    MAX_WEBHOOK_URL_CHARS,
+)
+from worker.contract import DocumentIn, ErrorInfo, FilterValue, JobStatus, Mode, SearchResult
+
+INDEX_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
+
+
+def iso(ts: float | None) -> str | None:
+    return datetime.fromtimestamp(ts, UTC).isoformat() if ts is not None else None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SearchRequest(_Strict):
+    """``POST /v1/searches``."""
+
+    index: str = Field(min_length=1, max_length=128, pattern=INDEX_PATTERN)
+    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    limit: int = Field(default=10, ge=1, le=MAX_LIMIT)
+    mode: Mode = "hybrid"
+    rerank: bool | None = None
+    include_trace: bool = False
+    filters: dict[str, FilterValue] = Field(default_factory=dict)
+    webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
+
+    @field_validator("query")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("is empty after trimming whitespace")
+        return value
+
+
+class SearchJobOut(BaseModel):
+    """A search job. ``result`` is there once it succeeded, ``error`` once it failed."""
+
+    id: str
+    status: JobStatus
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    result: SearchResult | None = None
+    error: ErrorInfo | None = None
+
+
+class BatchQueryIn(_Strict):
+    id: str = Field(min_length=1, max_length=MAX_BATCH_QUERY_ID_CHARS)
+    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    limit: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
+    mode: Mode | None = None
+    filters: dict[str, FilterValue] = Field(default_factory=dict)
+
+    @field_validator("query")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("is empty after trimming whitespace")
+        return value
+
+
+class BatchRequest(_Strict):
+    """``POST /v1/batches``. ``lane="economy"`` is accepted and, for now, runs as ``standard``."""
+
+    index: str = Field(min_length=1, max_length=128, pattern=INDEX_PATTERN)
+    queries: list[BatchQueryIn] = Field(min_length=1, max_length=MAX_BATCH_QUERIES)
+    rerank: bool | None = None
+    include_trace: bool = False
+    webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
+    lane: Literal["standard", "economy"] = "standard"
+
+
+class BatchCounts(BaseModel):
+    total: int
+    queued: int
+    running: int
+    succeeded: int
+    failed: int
+    canceled: int
+
+
+class BatchOut(BaseModel):
+    """A batch: ``succeeded`` once every item is final (items keep their own status)."""
+
+    id: str
+    status: JobStatus
+    index: str
+    lane: Literal["standard", "economy"]
+    counts: BatchCounts
+    created_at: str
+    finished_at: str | None = None
+    canceled_at: str | None = None
+
+
+class BatchResultItem(BaseModel):
+    query_id: str
+    status: JobStatus
+    result: SearchResult | None = None
+    error: ErrorInfo | None = None
+
+
+class BatchResultsPage(BaseModel):
+    """One page of results, in submission order; every item appears exactly once over all pages."""
+
+    results: list[BatchResultItem]
+    next_page_token: str | None
+
+
+class DocumentsRequest(_Strict):
+    """``POST /v1/indexes/{index}/documents``."""
+
+    documents: list[DocumentIn] = Field(min_length=1, max_length=MAX_DOCUMENTS_PER_REQUEST)
+
+
+class IngestJobOut(BaseModel):
+    """An ingest job; ``upserted`` once it succeeded."""
+
+    id: str
+    status: JobStatus
+    index: str
+    documents: int
+    created_at: str
+    finished_at: str | None = None
+    upserted: int | None = None
+    error: ErrorInfo | None = None
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]

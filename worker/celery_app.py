@@ -1,0 +1,118 @@
+"""The Celery app, built from the settings: reliable delivery, time limits, queues and routes.
+
+``celery -A worker.celery_app worker`` finds ``app`` here; it is built on first
+access (PEP 562), so importing this module does no work.
+
+Concurrency: the worker runs the ``threads`` pool with ``SIFT_WORKER_CONCURRENCY``
+threads (200 by default). The pipeline is synchronous and spends its time
+waiting on the model (about a second per rerank) or in onnxruntime, apsw and
+numpy, which release the GIL, so one process keeps hundreds of searches in
+flight. Model calls are further bounded by ``SIFT_RERANK_MAX_IN_FLIGHT``
+(:mod:`worker.ratelimit`). Celery does not enforce ``time_limit`` under the
+threads pool; the search deadline, passed down into every stage, is what stops
+a search, and the time limits below still apply under ``--pool prefork``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from worker.constants import (
+    ALL_QUEUES,
+    BATCH_CHUNK_TASK,
+    BATCH_QUEUE,
+    INGEST_QUEUE,
+    INGEST_TASK,
+    SEARCH_QUEUE,
+    SEARCH_TASK,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
+)
+from worker.errors import ConfigError
+from worker.settings import Settings, load_settings
+
+TIME_LIMIT_MARGIN_SECONDS = 15.0  # hard limit = soft limit + this
+INGEST_TIME_LIMIT_SECONDS = 600.0
+WEBHOOK_TIME_LIMIT_SECONDS = 60.0
+
+TASK_ROUTES: dict[str, dict[str, str]] = {
+    SEARCH_TASK: {"queue": SEARCH_QUEUE},
+    BATCH_CHUNK_TASK: {"queue": BATCH_QUEUE},
+    INGEST_TASK: {"queue": INGEST_QUEUE},
+    WEBHOOK_TASK: {"queue": WEBHOOK_QUEUE},
+}
+
+
+def time_limits(settings: Settings) -> dict[str, tuple[float, float]]:
+    """(soft, hard) seconds per task, derived from the search deadline."""
+    search_soft = settings.search_deadline_seconds + 5.0
+    chunk_soft = settings.batch_chunk_size * settings.search_deadline_seconds + 5.0
+    return {
+        SEARCH_TASK: (search_soft, search_soft + TIME_LIMIT_MARGIN_SECONDS),
+        BATCH_CHUNK_TASK: (chunk_soft, chunk_soft + TIME_LIMIT_MARGIN_SECONDS),
+        INGEST_TASK: (INGEST_TIME_LIMIT_SECONDS, INGEST_TIME_LIMIT_SECONDS + 30.0),
+        WEBHOOK_TASK: (WEBHOOK_TIME_LIMIT_SECONDS, WEBHOOK_TIME_LIMIT_SECONDS + 15.0),
+    }
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Every Celery setting Sift relies on, in one place."""
+    if not settings.redis_url:
+        raise ConfigError("SIFT_REDIS_URL is required to run the queue")
+    limits = time_limits(settings)
+    longest_hard = max(hard for _, hard in limits.values())
+    return {
+        "broker_url": settings.redis_url,
+        "result_backend": None,  # results live in the job store, not in Celery
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_pool": "threads",
+        "worker_concurrency": settings.worker_concurrency,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_soft_shutdown_timeout": settings.worker_soft_shutdown_seconds,
+        "worker_enable_soft_shutdown_on_idle": True,
+        "worker_hijack_root_logger": False,
+        "broker_connection_retry_on_startup": True,
+        # an unacked message comes back after this; it must outlast the longest task
+        "broker_transport_options": {"visibility_timeout": int(2 * longest_hard) + 60},
+        "task_queues": [Queue(name) for name in ALL_QUEUES],
+        "task_default_queue": SEARCH_QUEUE,
+        "task_routes": TASK_ROUTES,
+        "task_annotations": {
+            name: {"soft_time_limit": soft, "time_limit": hard}
+            for name, (soft, hard) in limits.items()
+        },
+        "task_create_missing_queues": False,
+    }
+
+
+def create_celery_app(settings: Settings | None = None) -> Celery:
+    """The worker's Celery app, with Sift's tasks registered."""
+    settings = settings or load_settings()
+    celery = Celery("sift", set_as_current=False)
+    celery.config_from_object(celery_config(settings))
+    celery.conf.sift_settings = settings
+    import worker.tasks  # noqa: F401  (registers the shared tasks with every app)
+
+    return celery
+
+
+_app: Celery | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """Build ``app`` on first access, so ``celery -A worker.celery_app`` finds it lazily."""
+    global _app
+    if name == "app":
+        if _app is None:
+            _app = create_celery_app()
+        return _app
+    raise AttributeError(name)

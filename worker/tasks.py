@@ -1,0 +1,308 @@
+"""Sift's Celery tasks: one search, one chunk of a batch, one ingest, one webhook delivery.
+
+Every task takes JSON ids, is idempotent (the job store's compare-and-set makes a
+redelivered task a no-op for anything already final), and inherits
+:class:`SiftTask`, which times it, counts deliveries so a poison message is
+failed instead of looping, and owns the retry decision: only errors marked
+``retryable`` are retried, at most ``SIFT_TASK_MAX_RETRIES`` times, with
+exponential backoff and jitter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from celery import Task, shared_task
+from celery.exceptions import Retry
+
+from worker.constants import (
+    BATCH_CHUNK_TASK,
+    BATCH_QUEUE,
+    INGEST_TASK,
+    SEARCH_QUEUE,
+    SEARCH_TASK,
+    WEBHOOK_EVENT_BATCH_COMPLETED,
+    WEBHOOK_EVENT_SEARCH_COMPLETED,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
+)
+from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
+from worker.errors import SiftError
+from worker.jobstore import JobStore, webhook_event
+from worker.ratelimit import ProviderLimiter
+from worker.settings import Settings, load_settings
+from worker.task_metrics import QUEUE_WAIT, TASK_DURATION, TASK_RETRIES
+
+log = logging.getLogger(__name__)
+
+RETRY_BASE_SECONDS = 1.0
+RETRY_CAP_SECONDS = 60.0
+DEFAULT_RUNTIME_FACTORIES = ("worker.runtime:build_runtime", "worker.bootstrap:build_runtime")
+
+
+class Runtime(Protocol):
+    """What the tasks need from :mod:`worker.runtime`."""
+
+    def search(self, spec: SearchSpec, tenant: str) -> SearchResult: ...
+
+    def ingest(self, index: str, tenant: str, documents: list[DocumentIn]) -> int: ...
+
+
+@dataclass
+class WorkerContext:
+    """What one worker process shares across its threads, built once on first use."""
+
+    settings: Settings
+    store: JobStore
+    limiter: ProviderLimiter
+    _runtime: Runtime | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            with self._lock:
+                if self._runtime is None:
+                    self._runtime = load_runtime(self.settings)
+        return self._runtime
+
+
+def load_runtime(settings: Settings) -> Runtime:
+    """Build the runtime with ``SIFT_RUNTIME_FACTORY`` ("module:function"), or the default one."""
+    candidates = (settings.runtime_factory,) if settings.runtime_factory else DEFAULT_RUNTIME_FACTORIES
+    last_error: Exception | None = None
+    for path in candidates:
+        module_name, _, attr = path.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            last_error = exc
+            continue
+        runtime: Runtime = factory(settings)
+        return runtime
+    raise RuntimeError(f"no runtime factory could be loaded from {candidates}") from last_error
+
+
+_context: WorkerContext | None = None
+_context_lock = threading.Lock()
+
+
+def get_context(settings: Settings | None = None) -> WorkerContext:
+    global _context
+    if _context is None:
+        with _context_lock:
+            if _context is None:
+                settings = settings or load_settings()
+                assert settings.redis_url, "SIFT_REDIS_URL is required"
+                _context = WorkerContext(
+                    settings=settings,
+                    store=JobStore.from_url(
+                        settings.redis_url, max_connections=settings.worker_concurrency + 32
+                    ),
+                    limiter=ProviderLimiter(settings.rerank_max_in_flight),
+                )
+    return _context
+
+
+def set_context(context: WorkerContext | None) -> None:
+    """Replace the process's context (tests)."""
+    global _context
+    _context = context
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """The typed error a job record shows for ``exc``."""
+    if isinstance(exc, SiftError):
+        return ErrorInfo(type=exc.code, message=exc.message, retryable=exc.retryable)
+    return ErrorInfo(type="internal_error", message=f"{type(exc).__name__}: {exc}")
+
+
+class SiftTask(Task):  # type: ignore[misc]
+    """The base of every Sift task: timing, delivery counting and the retry decision."""
+
+    acks_late = True
+    reject_on_worker_lost = True
+    typing = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        outcome = "ok"
+        try:
+            return super().__call__(*args, **kwargs)
+        except Retry:
+            outcome = "retry"
+            TASK_RETRIES.labels(self.name).inc()
+            raise
+        except BaseException:
+            outcome = "error"
+            raise
+        finally:
+            TASK_DURATION.labels(self.name, outcome).observe(time.perf_counter() - started)
+
+    @property
+    def context(self) -> WorkerContext:
+        return get_context(getattr(self.app.conf, "sift_settings", None))
+
+    def should_retry(self, exc: BaseException) -> bool:
+        """Retry only Sift errors marked retryable, and only within the retry budget."""
+        budget = self.context.settings.task_max_retries
+        return isinstance(exc, SiftError) and exc.retryable and self.request.retries < budget
+
+    def backoff(self) -> float:
+        """Exponential backoff with full jitter, capped."""
+        ceiling = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2 ** self.request.retries)
+        return random.uniform(ceiling / 2, ceiling)
+
+    def poisoned(self) -> bool:
+        """True when this message has been delivered more times than allowed (worker crashes)."""
+        count = self.context.store.count_delivery(str(self.request.id), self.request.retries)
+        limit = self.context.settings.task_max_deliveries
+        if count > limit:
+            log.error("task %s[%s] delivered %d times; failing it as poison",
+                      self.name, self.request.id, count)
+            return True
+        return False
+
+    def send_webhook(self, event_type: str, job_id: str, tenant: str, url: str,
+                     status: str) -> None:
+        """Enqueue one webhook delivery; its id is stable, so every retry carries the same one."""
+        event = webhook_event(event_type, job_id, tenant, url, status)
+        self.app.send_task(WEBHOOK_TASK, args=[event], queue=WEBHOOK_QUEUE)
+
+
+def _poison_error(task: SiftTask) -> ErrorInfo:
+    limit = task.context.settings.task_max_deliveries
+    return ErrorInfo(
+        type="delivery_limit_exceeded",
+        message=f"the worker running this job was lost {limit} times; giving up",
+    )
+
+
+@shared_task(name=SEARCH_TASK, base=SiftTask, bind=True)
+def search(self: SiftTask, job_id: str) -> None:
+    """Run one search job and store its result or typed error."""
+    store = self.context.store
+    job = store.get_search(job_id)
+    if job is None or job.status.final:
+        log.info("search %s: nothing to do (%s)", job_id, "missing" if job is None else "final")
+        return
+    if self.poisoned():
+        finished = store.finish_search(job_id, error=_poison_error(self))
+    else:
+        if not store.start_search(job_id):
+            return
+        if job.started_at is None:
+            QUEUE_WAIT.labels(SEARCH_QUEUE).observe(max(0.0, time.time() - job.created_at))
+        log.info("search %s: running for tenant %s", job_id, job.tenant)
+        try:
+            result = self.context.runtime.search(job.spec, job.tenant)
+        except Exception as exc:
+            if self.should_retry(exc):
+                log.warning("search %s: retryable error, retrying: %s", job_id, exc)
+                store.requeue_search(job_id)
+                raise self.retry(exc=exc, countdown=self.backoff()) from exc
+            if not isinstance(exc, SiftError):
+                log.exception("search %s: unexpected error", job_id)
+            finished = store.finish_search(job_id, error=error_info(exc))
+        else:
+            finished = store.finish_search(job_id, result=result)
+    if finished:
+        final = store.get_search_status(job_id)
+        log.info("search %s: %s", job_id, final)
+        if job.webhook_url and final is not None:
+            self.send_webhook(WEBHOOK_EVENT_SEARCH_COMPLETED, job_id, job.tenant,
+                              job.webhook_url, final.value)
+
+
+@shared_task(name=BATCH_CHUNK_TASK, base=SiftTask, bind=True)
+def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
+    """Run the batch items at positions [start, stop); skip canceled or finished ones."""
+    store = self.context.store
+    batch = store.get_batch(batch_id)
+    if batch is None:
+        log.warning("batch %s: missing, chunk [%d, %d) dropped", batch_id, start, stop)
+        return
+    items = store.batch_items(batch_id, store.batch_query_ids(batch_id, start, stop))
+    poisoned = self.poisoned()
+    to_retry: list[str] = []
+    completed = False
+    for item in items:
+        if item.status.final:
+            continue
+        if poisoned:
+            transition = store.finish_item(batch_id, item.query_id, error=_poison_error(self))
+            completed |= transition.batch_completed
+            continue
+        if item.spec is None or not store.start_item(batch_id, item.query_id):
+            continue  # canceled meanwhile, or finished by another delivery
+        if self.request.retries == 0 and item.status == "queued":
+            QUEUE_WAIT.labels(BATCH_QUEUE).observe(max(0.0, time.time() - batch.created_at))
+        try:
+            result = self.context.runtime.search(item.spec, batch.tenant)
+        except Exception as exc:
+            if self.should_retry(exc):
+                store.requeue_item(batch_id, item.query_id)
+                to_retry.append(item.query_id)
+                continue
+            if not isinstance(exc, SiftError):
+                log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
+            transition = store.finish_item(batch_id, item.query_id, error=error_info(exc))
+        else:
+            transition = store.finish_item(batch_id, item.query_id, result=result)
+        completed |= transition.batch_completed
+    if completed:
+        log.info("batch %s: completed", batch_id)
+        if batch.webhook_url:
+            done = store.get_batch(batch_id)
+            status = done.status.value if done else "succeeded"
+            self.send_webhook(WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, batch.tenant,
+                              batch.webhook_url, status)
+    if to_retry:
+        log.warning("batch %s: %d items hit retryable errors; retrying the chunk",
+                    batch_id, len(to_retry))
+        raise self.retry(countdown=self.backoff())
+
+
+@shared_task(name=INGEST_TASK, base=SiftTask, bind=True)
+def ingest(self: SiftTask, job_id: str) -> None:
+    """Upsert one ingest job's documents into the tenant's index."""
+    store = self.context.store
+    job = store.get_ingest(job_id)
+    if job is None or job.status.final:
+        return
+    if self.poisoned():
+        store.finish_ingest(job_id, error=_poison_error(self))
+        return
+    documents = store.ingest_documents(job_id)
+    if documents is None:
+        store.finish_ingest(job_id, error=ErrorInfo(type="expired", message="documents expired"))
+        return
+    if not store.start_ingest(job_id):
+        return
+    try:
+        upserted = self.context.runtime.ingest(job.index, job.tenant, documents)
+    except Exception as exc:
+        if self.should_retry(exc):
+            store.requeue_ingest(job_id)
+            raise self.retry(exc=exc, countdown=self.backoff()) from exc
+        if not isinstance(exc, SiftError):
+            log.exception("ingest %s: unexpected error", job_id)
+        store.finish_ingest(job_id, error=error_info(exc))
+        return
+    store.finish_ingest(job_id, upserted=upserted)
+    log.info("ingest %s: %d documents into %s", job_id, upserted, job.index)
+
+
+@shared_task(name=WEBHOOK_TASK, base=SiftTask, bind=True)
+def webhook(self: SiftTask, event: dict[str, Any]) -> None:
+    """Deliver one webhook; the delivery itself (signing, SSRF check, schedule) is
+    :func:`worker.webhooks.deliver`, imported lazily."""
+    from worker import webhooks  # type: ignore[attr-defined,unused-ignore]
+
+    webhooks.deliver(self, event, settings=self.context.settings)
