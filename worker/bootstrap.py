@@ -1,7 +1,7 @@
 """Builds every dependency of the pipeline from the settings; each one can be passed in instead.
 
-    pipeline = build_pipeline(load_settings())                    # real adapters
-    pipeline = build_pipeline(settings, backend=InMemoryBackend())  # a test's fake
+pipeline = build_pipeline(load_settings())                    # real adapters
+pipeline = build_pipeline(settings, backend=InMemoryBackend())  # a test's fake
 """
 
 from __future__ import annotations
