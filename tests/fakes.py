@@ -101,7 +101,9 @@ class InMemoryBackend:
             hits["bm25"] = scored[: query.size]
         if "knn" in query.channels and query.vector is not None:
             scored = [
-                ChannelHit(r.document, sum(a * b for a, b in zip(r.vector, query.vector)))
+                ChannelHit(
+                    r.document, sum(a * b for a, b in zip(r.vector, query.vector, strict=True))
+                )
                 for r in allowed
                 if r.vector is not None
             ]
