@@ -52,7 +52,7 @@ USER_AGENT = "Sift-Webhooks/1"
 
 # Seconds to wait before attempt n+1 after attempt n failed (n = 1..8), like Svix's:
 # immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. Eight attempts, then give up.
-RETRY_SCHEDULE_SECONDS: tuple[float, ...] = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0)
+RETRY_SCHEDULE_SECONDS: tuple[float, ...] = (0, 5, 300, 1800, 7200, 18000, 36000, 36000)
 MAX_ATTEMPTS = len(RETRY_SCHEDULE_SECONDS)
 JITTER = 0.2  # each delay is scaled by a uniform factor in [1 - JITTER, 1 + JITTER]
 MAX_RETRY_AFTER_SECONDS = 36000.0  # a receiver's Retry-After is honoured up to this
@@ -154,7 +154,7 @@ def sign(
 def next_delay(
     attempt: int, *, scale: float = 1.0, rng: random.Random | None = None
 ) -> float | None:
-    """Seconds to wait after failed attempt ``attempt`` (1-based), or None when the schedule is spent.
+    """Seconds to wait after failed attempt ``attempt`` (1-based); None once the schedule is spent.
 
     The schedule's delay is multiplied by ``scale`` (``SIFT_WEBHOOK_RETRY_SCALE``;
     tests use a tiny one) and by a jitter factor in ``[0.8, 1.2]``.
@@ -180,7 +180,7 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 
 def _pinned(url: str, address: IPAddress) -> tuple[str, str, str]:
-    """``url`` with its host replaced by ``address``, plus the ``Host`` header and TLS server name."""
+    """``url`` with its host swapped for ``address``, plus the ``Host`` header and TLS name."""
     parts = urlsplit(url)
     userinfo, _, host_port = parts.netloc.rpartition("@")
     literal = f"[{address}]" if isinstance(address, ipaddress.IPv6Address) else str(address)

@@ -150,7 +150,8 @@ def test_public_literals_pass(url: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["http://127.0.0.1:9000/hook", "http://localhost/hook", "http://10.0.0.1/", "http://[::1]/"]
+    "url",
+    ["http://127.0.0.1:9000/hook", "http://localhost/hook", "http://10.0.0.1/", "http://[::1]/"],
 )
 def test_allow_private_lifts_the_address_rule(url: str) -> None:
     addresses = check_webhook_url(url, allow_private=True)
