@@ -95,7 +95,7 @@ class RerankInfo(BaseModel):
 
 
 class Usage(BaseModel):
-    """What the model calls of one search used; token types are disjoint, so they sum to the bill."""
+    """What one search's model calls used; token types are disjoint, so they sum to the bill."""
 
     requests: int = 0
     input_tokens: int = 0

@@ -4,6 +4,7 @@
     ├── InvalidRequest             bad input, names the field          permanent
     ├── ConfigError                bad settings, names the variable    permanent
     ├── ModeUnavailable            the index cannot serve the mode      permanent
+    ├── IndexNotFound              no such index for this tenant        permanent
     ├── BackendError
     │   ├── BackendUnavailable     connection, timeout, 5xx             retryable
     │   └── BackendRequestError    4xx, bad mapping, missing index      permanent
@@ -56,6 +57,10 @@ class ConfigError(SiftError):
 
 class ModeUnavailable(SiftError):
     code = "mode_unavailable"
+
+
+class IndexNotFound(SiftError):
+    code = "index_not_found"
 
 
 class BackendError(SiftError):

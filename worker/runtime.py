@@ -8,3 +8,70 @@ The Celery tasks, the evaluation harness and the benchmarks all drive this.
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from worker.bootstrap import build_pipeline
+from worker.contract import DocumentIn, SearchResult, SearchSpec
+from worker.core.pipeline import SearchPipeline
+from worker.core.types import Document
+from worker.settings import Settings
+
+EMBED_BATCH = 64
+
+
+def revision_of(document: DocumentIn) -> str:
+    """The caller's revision, or a stable digest of the content, so a re-upsert keeps it."""
+    if document.revision:
+        return document.revision
+    content = json.dumps([document.title, document.text, document.metadata], sort_keys=True)
+    return hashlib.sha256(content.encode()).hexdigest()[:16]
+
+
+def embedding_text(title: str, text: str) -> str:
+    return f"{title}. {text}" if title else text
+
+
+class Runtime:
+    """Ingest and search for a tenant, in this process."""
+
+    def __init__(self, pipeline: SearchPipeline) -> None:
+        self.pipeline = pipeline
+
+    def search(self, spec: SearchSpec, tenant: str) -> SearchResult:
+        return self.pipeline.search(spec, tenant)
+
+    def ingest(
+        self,
+        index: str,
+        tenant: str,
+        documents: Sequence[DocumentIn],
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Embed and upsert by id; both channels change together. Answers how many were written."""
+        written = 0
+        for start in range(0, len(documents), EMBED_BATCH):
+            chunk = documents[start : start + EMBED_BATCH]
+            vectors = self.pipeline.embedder.embed([embedding_text(d.title, d.text) for d in chunk])
+            docs = [
+                Document(
+                    id=d.id,
+                    text=d.text,
+                    title=d.title,
+                    revision=revision_of(d),
+                    metadata=dict(d.metadata),
+                )
+                for d in chunk
+            ]
+            written += self.pipeline.backend.upsert(index, tenant, docs, vectors)
+            if progress is not None:
+                progress(len(chunk))
+        return written
+
+
+def build_runtime(settings: Settings, **overrides: Any) -> Runtime:
+    """A runtime over real adapters; ``overrides`` pass fakes to :func:`build_pipeline`."""
+    return Runtime(build_pipeline(settings, **overrides))

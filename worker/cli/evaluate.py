@@ -1,3 +1,157 @@
-"""``sift eval`` and ``sift demo``: the in-process runtime, with no queue."""
+"""``sift eval`` and ``sift demo-local``: the in-process runtime, with no queue."""
 
 from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from worker.cli import app
+from worker.contract import SearchSpec
+from worker.errors import SiftError
+from worker.evaluation import TENANT, Collection, evaluate, read_corpus
+from worker.runtime import Runtime, build_runtime
+from worker.settings import load_settings
+
+console = Console()
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+def _ingest(runtime: Runtime, corpus: Path, index: str, tenant: str) -> int:
+    documents = read_corpus(corpus)
+    with _progress() as bar:
+        task = bar.add_task(f"indexing {corpus.name}", total=len(documents))
+        return runtime.ingest(index, tenant, documents, lambda n: bar.advance(task, n))
+
+
+@app.command("eval")
+def eval_command(
+    corpus: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="corpus.jsonl")],
+    queries: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="queries.jsonl")],
+    qrels: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="qrels (tsv or trec)")],
+    data_dir: Annotated[
+        Path | None, typer.Option(help="index directory; a cache per corpus by default")
+    ] = None,
+    window: Annotated[int, typer.Option(min=1, help="rerank window for candidate recall")] = 30,
+    rerank: Annotated[
+        bool, typer.Option(help="add the reranked run (needs a model)")
+    ] = False,
+    max_queries: Annotated[int | None, typer.Option(min=1)] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the report")] = None,
+) -> None:
+    """Evaluate BM25, kNN, fused and final runs in-process with ir-measures."""
+    key = hashlib.sha256(str(corpus.resolve()).encode()).hexdigest()[:12]
+    overrides: dict[str, Any] = {"data_dir": data_dir or Path(".sift/eval") / key}
+    if rerank:
+        overrides["rerank_enabled"] = True
+    try:
+        settings = load_settings(**overrides)
+        runtime = build_runtime(settings)
+        if not runtime.pipeline.backend.channels("eval"):
+            _ingest(runtime, corpus, "eval", TENANT)
+        with _progress() as bar:
+            tasks: dict[str, Any] = {}
+
+            def advance(run: str, n: int) -> None:
+                if run not in tasks:
+                    tasks[run] = bar.add_task(f"run {run}", total=None)
+                bar.advance(tasks[run], n)
+
+            report = evaluate(
+                runtime,
+                Collection(corpus, queries, qrels),
+                window=window,
+                rerank=rerank,
+                max_queries=max_queries,
+                progress=advance,
+            )
+    except SiftError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from error
+    _print_report(report)
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    table = Table(title=f"{report['queries']} queries; judge: {report['judge']}")
+    measures = list(next(iter(report["runs"].values())))
+    table.add_column("run")
+    for measure in measures:
+        table.add_column(measure, justify="right")
+    for name, values in report["runs"].items():
+        table.add_row(name, *(f"{values[m]:.3f}" for m in measures))
+    console.print(table)
+    recall = report["candidate_recall"]
+    console.print(
+        f"candidate recall@{recall['window']} (end-to-end): {recall['end_to_end']:.3f}; "
+        f"queries with a relevant candidate in the window: "
+        f"{recall['queries_with_a_relevant_candidate']}/{report['queries']}"
+    )
+    usage = report.get("usage") or {}
+    if usage.get("requests"):
+        console.print(
+            f"rerank usage: {int(usage['requests'])} requests, "
+            f"{int(usage['input_tokens'])} input / {int(usage['output_tokens'])} output tokens, "
+            f"${usage['cost_usd']:.4f}"
+        )
+
+
+def sample_path(name: str) -> Path:
+    return Path(str(resources.files("worker") / "data" / name))
+
+
+@app.command("demo-local")
+def demo_local(
+    query: Annotated[
+        list[str] | None, typer.Argument(help="default: the samples")
+    ] = None,
+    limit: int = 3,
+) -> None:
+    """Index the bundled sample corpus in a temporary directory and search it in-process."""
+    with tempfile.TemporaryDirectory(prefix="sift-demo-") as tmp:
+        runtime = build_runtime(load_settings(data_dir=Path(tmp)))
+        _ingest(runtime, sample_path("sample_corpus.jsonl"), "demo", "demo")
+        texts = query or [
+            json.loads(line)["query"]
+            for line in sample_path("sample_queries.jsonl").read_text().splitlines()
+        ]
+        for text in texts:
+            result = runtime.search(SearchSpec(index="demo", query=text, limit=limit), "demo")
+            print_hits(text, result.model_dump())
+
+
+def print_hits(query: str, result: dict[str, Any]) -> None:
+    """Print one search result as a table; shared with the queue-backed commands."""
+    table = Table(title=f"“{query}”", title_justify="left")
+    for column in ("#", "id", "title", "rrf", "bm25", "knn"):
+        table.add_column(column)
+    for hit in result["hits"]:
+        ranks = hit["ranks"]
+        table.add_row(
+            str(ranks["final"]),
+            hit["id"],
+            hit["title"],
+            *(str(ranks[c]) if ranks[c] is not None else "-" for c in ("rrf", "bm25", "knn")),
+        )
+    console.print(table)
+    rerank = result["rerank"]
+    if rerank["applied"] or rerank["fallback_reason"]:
+        console.print(f"rerank: applied={rerank['applied']} fallback={rerank['fallback_reason']}")

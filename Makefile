@@ -1,0 +1,43 @@
+# Sift: the two commands a newcomer needs are `make demo` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench install services clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The services the tests and the demo start on their own: installed here if missing.
+services:
+	@./scripts/install-services.sh
+
+demo: install services
+	$(BIN)/sift demo-local
+
+test: install services
+	$(BIN)/ruff check worker api_gateway tests benchmarks
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check worker api_gateway tests benchmarks
+	$(BIN)/ruff format --check worker api_gateway
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+
+bench: install services
+	$(BIN)/python benchmarks/bench_retrieval.py
+	$(BIN)/python benchmarks/bench_pipeline_cpu.py
+	$(BIN)/python benchmarks/bench_prompt_tokens.py
+
+clean:
+	rm -rf $(VENV) .sift .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,171 @@
+"""In-memory fakes of the ports, for unit tests of the pipeline through bootstrap."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from worker.contract import Channel
+from worker.core.types import (
+    ChannelHit,
+    ChannelQuery,
+    ChannelResults,
+    Document,
+    RerankPrompt,
+    RerankReply,
+    TokenUsage,
+)
+from worker.errors import BackendUnavailable, IndexNotFound
+
+
+class FakeEmbedder:
+    """Bag-of-words vectors hashed into 64 dimensions: similar words, similar vectors."""
+
+    model_id = "fake-bow-64"
+    dimension = 64
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        out = []
+        for text in texts:
+            vec = [0.0] * self.dimension
+            for word in text.lower().split():
+                slot = int(hashlib.md5(word.encode()).hexdigest(), 16) % self.dimension
+                vec[slot] += 1.0
+            norm = math.sqrt(sum(v * v for v in vec)) or 1.0
+            out.append([v / norm for v in vec])
+        return out
+
+
+@dataclass
+class _Row:
+    tenant: str
+    document: Document
+    vector: list[float] | None
+
+
+class InMemoryBackend:
+    """Term-overlap 'BM25' and exact dot-product kNN over dicts; filters before the window."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str, str], _Row] = {}
+        self.calls: list[ChannelQuery] = []
+        self.fail_next: int = 0
+
+    def channels(self, index: str) -> frozenset[Channel]:
+        rows = [r for (i, _, _), r in self.rows.items() if i == index]
+        if not rows:
+            return frozenset()
+        has_vectors = any(r.vector is not None for r in rows)
+        return frozenset({"bm25", "knn"} if has_vectors else {"bm25"})
+
+    def upsert(
+        self,
+        index: str,
+        tenant: str,
+        documents: Sequence[Document],
+        vectors: Sequence[Sequence[float]] | None,
+    ) -> int:
+        for i, doc in enumerate(documents):
+            vector = list(vectors[i]) if vectors is not None else None
+            self.rows[(index, tenant, doc.id)] = _Row(tenant, doc, vector)
+        return len(documents)
+
+    def retrieve(self, query: ChannelQuery) -> ChannelResults:
+        self.calls.append(query)
+        if self.fail_next:
+            self.fail_next -= 1
+            raise BackendUnavailable("fake backend is down")
+        allowed = [
+            r
+            for (i, t, _), r in sorted(self.rows.items())
+            if i == query.index
+            and t == query.filters.tenant
+            and all(r.document.metadata.get(k) == v for k, v in query.filters.fields.items())
+        ]
+        if not any(i == query.index for (i, _, _) in self.rows):
+            raise IndexNotFound(query.index)
+        hits: dict[Channel, list[ChannelHit]] = {}
+        terms = set(query.text.lower().split())
+        if "bm25" in query.channels:
+            scored = []
+            for r in allowed:
+                words = f"{r.document.title} {r.document.text}".lower().split()
+                score = float(sum(1 for w in words if w in terms))
+                if score > 0:
+                    scored.append(ChannelHit(r.document, score))
+            scored.sort(key=lambda h: (-h.score, h.document.id))
+            hits["bm25"] = scored[: query.size]
+        if "knn" in query.channels and query.vector is not None:
+            scored = [
+                ChannelHit(
+                    r.document, sum(a * b for a, b in zip(r.vector, query.vector, strict=True))
+                )
+                for r in allowed
+                if r.vector is not None
+            ]
+            scored.sort(key=lambda h: (-h.score, h.document.id))
+            hits["knn"] = scored[: query.size]
+        return ChannelResults(hits=hits, seconds={c: 0.001 for c in hits})
+
+
+@dataclass
+class FakeClock:
+    """Monotonic time that moves only when told to, or when something sleeps."""
+
+    now: float = 1000.0
+    sleeps: list[float] = field(default_factory=list)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+Step = Callable[[RerankPrompt, float], RerankReply]
+
+
+class ScriptedReranker:
+    """A Reranker that plays a script of steps: each returns a reply or raises an error.
+
+    A step may advance a FakeClock to stand for the time the call took.
+    """
+
+    def __init__(self, steps: Sequence[Step], model: str = "claude-haiku-4-5") -> None:
+        self.model = model
+        self.steps = list(steps)
+        self.calls: list[tuple[RerankPrompt, float]] = []
+
+    def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:
+        self.calls.append((prompt, timeout_seconds))
+        step = self.steps.pop(0) if self.steps else reply([1])
+        return step(prompt, timeout_seconds)
+
+
+USAGE = TokenUsage(
+    input_tokens=1000,
+    output_tokens=40,
+    cache_read_input_tokens=200,
+    cache_creation_input_tokens=100,
+)
+
+
+def reply(positions: Sequence[object], usage: TokenUsage = USAGE) -> Step:
+    def step(prompt: RerankPrompt, timeout: float) -> RerankReply:
+        return RerankReply(positions=list(positions), usage=usage, model="claude-haiku-4-5")
+
+    return step
+
+
+def fail(error: Exception, clock: FakeClock | None = None, takes: float = 0.0) -> Step:
+    def step(prompt: RerankPrompt, timeout: float) -> RerankReply:
+        if clock is not None:
+            clock.now += min(takes, timeout) if takes else 0.0
+        raise error
+
+    return step

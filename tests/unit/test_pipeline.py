@@ -1,0 +1,287 @@
+"""The pipeline through bootstrap with fakes: rerank outcomes, failure policies, usage, trace."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from tests.fakes import (
+    USAGE,
+    FakeClock,
+    FakeEmbedder,
+    InMemoryBackend,
+    ScriptedReranker,
+    fail,
+    reply,
+)
+from worker.bootstrap import build_pipeline
+from worker.contract import DocumentIn, SearchSpec
+from worker.core.pipeline import SearchPipeline
+from worker.errors import (
+    AttemptOutcome,
+    ConfigError,
+    InvalidRequest,
+    RerankAttemptError,
+    RerankFailed,
+)
+from worker.runtime import Runtime
+from worker.settings import load_settings
+
+TOPICS = [
+    "apple orchard harvest",
+    "river delta flooding",
+    "volcano eruption ash",
+    "chess opening theory",
+    "jazz saxophone solo",
+    "glacier retreat climate",
+]
+
+
+class RecordingRecorder:
+    def __init__(self) -> None:
+        self.events: Counter[tuple[str, ...]] = Counter()
+        self.usage: Counter[str] = Counter()
+        self.cost = 0.0
+
+    def retrieval(self, backend: str, channel: str, seconds: float) -> None:
+        self.events["retrieval", channel] += 1
+
+    def rerank_attempt(self, model: str, result: str) -> None:
+        self.events["attempt", result] += 1
+
+    def rerank_done(
+        self, model: str, outcome: str, seconds: float, usage: dict[str, int], cost_usd: float
+    ) -> None:
+        self.events["rerank", outcome] += 1
+        self.usage.update(usage)
+        self.cost += cost_usd
+
+    def rerank_outcome(self, policy: str, outcome: str) -> None:
+        self.events["outcome", outcome] += 1
+
+    def search_done(self, mode: str, outcome: str, seconds: float) -> None:
+        self.events["search", outcome] += 1
+
+
+def make(
+    steps: list[Any] | None = None,
+    policy: str = "fail_closed",
+    clock: FakeClock | None = None,
+    **settings: Any,
+) -> tuple[SearchPipeline, ScriptedReranker | None, RecordingRecorder]:
+    clock = clock or FakeClock()
+    config = load_settings(
+        rerank_enabled=steps is not None,
+        generation_model="anthropic:claude-haiku-4-5" if steps is not None else None,
+        rerank_failure_policy=policy,
+        search_deadline_seconds=10,
+        generation_timeout_seconds=4,
+        generation_max_requests=3,
+        **settings,
+    )
+    reranker = ScriptedReranker(steps) if steps is not None else None
+    recorder = RecordingRecorder()
+    pipeline = build_pipeline(
+        config,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=reranker,
+        recorder=recorder,
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    runtime = Runtime(pipeline)
+    for tenant in ("acme", "globex"):
+        docs = [
+            DocumentIn(
+                id=f"{tenant}-{i}",
+                title=topic.split()[0],
+                text=f"{topic} notes {tenant}",
+                metadata={"lang": "en" if i % 2 else "de"},
+            )
+            for i, topic in enumerate(TOPICS * 6)
+        ]
+        runtime.ingest("docs", tenant, docs)
+    return pipeline, reranker, recorder
+
+
+def spec(**kw: Any) -> SearchSpec:
+    return SearchSpec(**{"index": "docs", "query": "volcano ash eruption", "limit": 5, **kw})
+
+
+def test_no_reranker_returns_the_fused_top_k() -> None:
+    pipeline, _, recorder = make()
+    result = pipeline.search(spec(), "acme")
+    assert len(result.hits) == 5
+    assert [h.ranks.final for h in result.hits] == [1, 2, 3, 4, 5]
+    assert [h.ranks.rrf for h in result.hits] == [1, 2, 3, 4, 5]
+    assert result.rerank.applied is False and result.rerank.fallback_reason is None
+    assert result.usage.requests == 0
+    assert all(h.id.startswith("acme-") for h in result.hits)
+    assert recorder.events["search", "ok"] == 1
+
+
+def test_applied_rerank_keeps_the_models_order_and_never_pads() -> None:
+    pipeline, reranker, recorder = make([reply([3, 3, 0, 1, 99])])
+    result = pipeline.search(spec(include_trace=True), "acme")
+    assert reranker is not None and len(reranker.calls) == 1
+    prompt, _ = reranker.calls[0]
+    assert prompt.candidate_count == 30  # coarse_limit = max(5, 30)
+    assert [h.ranks.rrf for h in result.hits] == [3, 1]
+    assert [h.ranks.final for h in result.hits] == [1, 2]
+    assert result.rerank.applied and result.rerank.policy == "listwise.v1"
+    trace = result.trace
+    assert trace is not None
+    assert trace["kept_positions"] == [3, 1]
+    assert [d["reason"] for d in trace["dropped_positions"]] == [
+        "duplicate",
+        "out_of_range",
+        "out_of_range",
+    ]
+    assert len(trace["candidates"]) == 30 and trace["channel_window"] == 120
+    assert recorder.events["outcome", "applied"] == 1 and recorder.events["attempt", "ok"] == 1
+
+
+def test_first_stage_ranks_and_scores_survive_the_rerank() -> None:
+    pipeline, _, _ = make([reply([2, 1])])
+    coarse = {h.id: h for h in make()[0].search(spec(limit=30), "acme").hits}
+    result = pipeline.search(spec(), "acme")
+    for hit in result.hits:
+        assert hit.ranks.rrf == coarse[hit.id].ranks.rrf
+        assert hit.scores == coarse[hit.id].scores
+
+
+def test_no_valid_ranks_falls_back_to_coarse_top_k() -> None:
+    pipeline, _, recorder = make([reply([0, -2, 31, 31])])
+    result = pipeline.search(spec(), "acme")
+    assert [h.ranks.rrf for h in result.hits] == [1, 2, 3, 4, 5]
+    assert result.rerank.applied is False
+    assert result.rerank.fallback_reason == "no_valid_ranks"
+    assert recorder.events["outcome", "fallback_no_valid_ranks"] == 1
+    assert recorder.events["attempt", "ok"] == 1  # a valid answer is not malformed
+
+
+CLASSES = [
+    AttemptOutcome.TIMEOUT,
+    AttemptOutcome.HTTP_5XX,
+    AttemptOutcome.RATE_LIMITED,
+    AttemptOutcome.CONNECTION,
+    AttemptOutcome.MALFORMED,
+]
+
+
+@pytest.mark.parametrize("outcome", CLASSES)
+def test_fail_closed_fails_the_search_naming_the_class(outcome: AttemptOutcome) -> None:
+    steps = [fail(RerankAttemptError(outcome, "scripted"))] * 3
+    pipeline, reranker, recorder = make(steps)
+    with pytest.raises(RerankFailed) as info:
+        pipeline.search(spec(), "acme")
+    assert info.value.reason == outcome.value
+    assert reranker is not None and len(reranker.calls) == 3
+    assert recorder.events["attempt", outcome.value] == 3
+    assert sum(n for (kind, _), n in recorder.events.items() if kind == "attempt") == 3
+    assert recorder.events["outcome", "failed"] == 1
+    assert recorder.events["search", "error"] == 1
+
+
+@pytest.mark.parametrize("outcome", [*CLASSES, AttemptOutcome.HTTP_4XX])
+def test_fail_open_returns_coarse_top_k_with_the_reason(outcome: AttemptOutcome) -> None:
+    steps = [fail(RerankAttemptError(outcome, "scripted"))] * 3
+    pipeline, reranker, recorder = make(steps, policy="fail_open")
+    backend = pipeline.backend
+    assert isinstance(backend, InMemoryBackend)
+    result = pipeline.search(spec(), "acme")
+    assert [h.ranks.rrf for h in result.hits] == [1, 2, 3, 4, 5]
+    assert result.rerank.applied is False
+    assert result.rerank.fallback_reason == f"error:{outcome.value}"
+    assert len(backend.calls) == 1  # never a second query
+    expected_calls = 1 if outcome is AttemptOutcome.HTTP_4XX else 3
+    assert reranker is not None and len(reranker.calls) == expected_calls
+    assert recorder.events["attempt", outcome.value] == expected_calls
+    assert recorder.events["outcome", "fallback_error"] == 1
+
+
+def test_each_attempt_is_counted_once_in_its_class() -> None:
+    steps = [
+        fail(RerankAttemptError(AttemptOutcome.RATE_LIMITED, "429", retry_after=1)),
+        fail(RerankAttemptError(AttemptOutcome.MALFORMED, "bad json")),
+        reply([2]),
+    ]
+    pipeline, _, recorder = make(steps)
+    result = pipeline.search(spec(include_trace=True), "acme")
+    attempts = {k[1]: n for k, n in recorder.events.items() if k[0] == "attempt"}
+    assert attempts == {"rate_limited": 1, "malformed": 1, "ok": 1}
+    assert result.trace is not None
+    assert [a["outcome"] for a in result.trace["attempts"]] == ["rate_limited", "malformed", "ok"]
+    assert result.usage.requests == 3
+
+
+def test_slow_model_never_pushes_the_search_past_its_deadline() -> None:
+    clock = FakeClock()
+    steps = [fail(RerankAttemptError(AttemptOutcome.TIMEOUT, "slow"), clock, takes=4.0)] * 5
+    pipeline, reranker, _ = make(steps, policy="fail_open", clock=clock)
+    start = clock.now
+    result = pipeline.search(spec(), "acme")
+    assert clock.now - start <= 10.0
+    assert result.rerank.fallback_reason == "error:timeout"
+    assert reranker is not None
+    assert all(timeout <= 4.0 for _, timeout in reranker.calls)
+
+
+def test_usage_and_cost_come_from_the_reported_usage() -> None:
+    pipeline, _, recorder = make([reply([1])])
+    result = pipeline.search(spec(), "acme")
+    u = result.usage
+    assert (u.requests, u.input_tokens, u.output_tokens) == (1, 1000, 40)
+    assert (u.cache_read_input_tokens, u.cache_creation_input_tokens) == (200, 100)
+    # claude-haiku-4-5: $1 in, $5 out, $0.10 cache read, $1.25 cache write per million
+    expected = (1000 * 1.0 + 40 * 5.0 + 200 * 0.10 + 100 * 1.25) / 1e6
+    assert u.cost_usd == pytest.approx(expected)
+    assert recorder.cost == pytest.approx(expected)
+    assert recorder.usage["input"] == USAGE.input_tokens
+
+
+def test_tenant_and_filters_apply_inside_every_channel() -> None:
+    pipeline, reranker, _ = make([reply(list(range(1, 31)))])
+    result = pipeline.search(spec(filters={"lang": "en"}, include_trace=True), "globex")
+    assert result.hits and all(h.id.startswith("globex-") for h in result.hits)
+    assert all(h.metadata["lang"] == "en" for h in result.hits)
+    assert result.trace is not None
+    assert all(c["id"].startswith("globex-") for c in result.trace["candidates"])
+    assert reranker is not None
+    assert "acme" not in reranker.calls[0][0].user
+
+
+def test_rerank_per_request_needs_a_model() -> None:
+    pipeline, _, _ = make()
+    with pytest.raises(InvalidRequest) as info:
+        pipeline.search(spec(rerank=True), "acme")
+    assert info.value.field == "rerank"
+
+
+def test_rerank_can_be_turned_off_per_request() -> None:
+    pipeline, reranker, _ = make([reply([2])])
+    result = pipeline.search(spec(rerank=False), "acme")
+    assert result.rerank.applied is False and reranker is not None and reranker.calls == []
+
+
+def test_backend_outage_is_retried_within_the_deadline_then_reported() -> None:
+    pipeline, _, _ = make()
+    backend = pipeline.backend
+    assert isinstance(backend, InMemoryBackend)
+    backend.fail_next = 1
+    assert pipeline.search(spec(), "acme").hits  # one failure, then success
+    backend.fail_next = 10
+    from worker.errors import BackendUnavailable
+
+    with pytest.raises(BackendUnavailable):
+        pipeline.search(spec(), "acme")
+
+
+def test_enabling_rerank_without_a_model_is_a_start_up_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_settings(rerank_enabled=True)
+    assert "SIFT_RERANK_ENABLED" in str(info.value)
+    assert "SIFT_GENERATION_MODEL" in str(info.value)

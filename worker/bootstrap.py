@@ -1,0 +1,81 @@
+"""Builds every dependency of the pipeline from the settings; each one can be passed in instead.
+
+pipeline = build_pipeline(load_settings())                    # real adapters
+pipeline = build_pipeline(settings, backend=InMemoryBackend())  # a test's fake
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from worker.core.pipeline import PipelineConfig, SearchPipeline
+from worker.core.ports import Embedder, Recorder, Reranker, SearchBackend
+from worker.errors import ConfigError
+from worker.settings import Settings
+
+
+def pipeline_config(settings: Settings) -> PipelineConfig:
+    return PipelineConfig(
+        rerank_enabled=settings.rerank_enabled,
+        candidate_limit=settings.rerank_candidate_limit,
+        candidate_max_chars=settings.rerank_candidate_max_chars,
+        failure_policy=settings.rerank_failure_policy,
+        deadline_seconds=settings.search_deadline_seconds,
+        attempt_timeout_seconds=settings.generation_timeout_seconds,
+        max_requests=settings.generation_max_requests,
+        thinking_tokens=settings.generation_thinking_tokens,
+        tokens_per_position=settings.generation_tokens_per_position,
+        vector_min_similarity=settings.vector_min_similarity,
+        prices=settings.prices,
+    )
+
+
+def build_backend(settings: Settings) -> SearchBackend:
+    if settings.search_backend == "elasticsearch":
+        from worker.adapters.elasticsearch import ElasticsearchBackend  # type: ignore[import-not-found]
+
+        if not settings.elasticsearch_url:
+            raise ConfigError("SIFT_SEARCH_BACKEND=elasticsearch needs SIFT_ELASTICSEARCH_URL")
+        backend: SearchBackend = ElasticsearchBackend.from_settings(settings)
+        return backend
+    from worker.adapters.embedded import EmbeddedBackend
+
+    return EmbeddedBackend(settings.data_dir)
+
+
+def build_embedder(settings: Settings) -> Embedder:
+    from worker.adapters.embedder import OnnxMiniLMEmbedder
+
+    return OnnxMiniLMEmbedder()
+
+
+def build_reranker(settings: Settings) -> Reranker | None:
+    """The configured model, or None: a model alone does not enable rerank by default."""
+    model = settings.generation_model_id
+    if model is None:
+        return None
+    from worker.adapters.anthropic import AnthropicReranker
+
+    return AnthropicReranker(model, effort=settings.generation_effort)
+
+
+def build_pipeline(
+    settings: Settings,
+    *,
+    backend: SearchBackend | None = None,
+    embedder: Embedder | None = None,
+    reranker: Reranker | None = None,
+    recorder: Recorder | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> SearchPipeline:
+    return SearchPipeline(
+        backend=backend or build_backend(settings),
+        embedder=embedder or build_embedder(settings),
+        reranker=reranker or build_reranker(settings),
+        config=pipeline_config(settings),
+        recorder=recorder,
+        clock=clock,
+        sleep=sleep,
+    )

@@ -1,0 +1,104 @@
+"""One deadline per search and a bounded retry budget, in one layer (tenacity).
+
+Every model or backend call goes through :func:`call_within_budget`: no attempt starts
+unless time is left, each attempt's timeout is ``min(cap, time left)``, waits honour
+``retry-after``, and the loop stops at whichever comes first, the attempt budget or the
+deadline. Only errors marked ``retryable`` are retried.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
+from tenacity.stop import stop_base
+from tenacity.wait import wait_random_exponential
+
+from worker.errors import DeadlineExceeded, SiftError
+
+T = TypeVar("T")
+
+# An attempt with less time than this left is not worth starting.
+MIN_ATTEMPT_SECONDS = 0.05
+
+
+@dataclass(slots=True)
+class Deadline:
+    """A point in monotonic time by which the whole search must be done."""
+
+    seconds: float
+    clock: Callable[[], float] = time.monotonic
+    started: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.started = self.clock()
+
+    def remaining(self) -> float:
+        return self.seconds - (self.clock() - self.started)
+
+    def elapsed(self) -> float:
+        return self.clock() - self.started
+
+
+class _Wait:
+    """Exponential backoff with full jitter, or the provider's ``retry-after`` when longer."""
+
+    def __init__(self, initial: float, maximum: float) -> None:
+        self._backoff = wait_random_exponential(multiplier=initial, max=maximum)
+
+    def __call__(self, state: RetryCallState) -> float:
+        backoff = self._backoff(state)
+        error = state.outcome.exception() if state.outcome else None
+        retry_after = getattr(error, "retry_after", None)
+        return max(backoff, retry_after) if retry_after else backoff
+
+
+class _StopAtDeadline(stop_base):
+    """Stop when the next wait would leave too little time for another attempt."""
+
+    def __init__(self, deadline: Deadline) -> None:
+        self.deadline = deadline
+
+    def __call__(self, state: RetryCallState) -> bool:
+        upcoming = state.upcoming_sleep or 0.0
+        return self.deadline.remaining() - upcoming < MIN_ATTEMPT_SECONDS
+
+
+def _retryable(error: BaseException) -> bool:
+    return isinstance(error, SiftError) and error.retryable
+
+
+def call_within_budget(
+    attempt: Callable[[float], T],
+    *,
+    deadline: Deadline,
+    max_attempts: int,
+    attempt_timeout: float,
+    sleep: Callable[[float], None] = time.sleep,
+    initial_backoff: float = 0.25,
+    max_backoff: float = 4.0,
+) -> T:
+    """Run ``attempt(timeout)`` until it succeeds, fails permanently, or the budget runs out.
+
+    Raises the last attempt's error, or DeadlineExceeded if no attempt could start.
+    """
+
+    retrying = Retrying(
+        stop=stop_after_attempt(max_attempts) | _StopAtDeadline(deadline),
+        wait=_Wait(initial_backoff, max_backoff),
+        retry=retry_if_exception(_retryable),
+        sleep=sleep,
+        reraise=True,
+    )
+    for state in retrying:
+        with state:
+            remaining = deadline.remaining()
+            if remaining < MIN_ATTEMPT_SECONDS:
+                raise DeadlineExceeded(
+                    f"the search deadline of {deadline.seconds:g}s ran out before the call"
+                )
+            return attempt(min(attempt_timeout, remaining))
+    raise AssertionError("unreachable: tenacity either returns or reraises")  # pragma: no cover

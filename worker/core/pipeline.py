@@ -1,0 +1,368 @@
+"""The search pipeline over its ports: retrieve, admit and fuse, rerank, normalise, map back.
+
+This is DESIGN.md §2 and §4 in one place; everything it touches outside is a port.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from worker.constants import POLICY_ID
+from worker.contract import Hit, Ranks, RerankInfo, Scores, SearchResult, SearchSpec, Usage
+from worker.core.budget import Deadline, call_within_budget
+from worker.core.cost import cost_usd, price_for
+from worker.core.fusion import admit, rrf_fuse
+from worker.core.policy import build_prompt
+from worker.core.ports import Embedder, NullRecorder, Recorder, Reranker, SearchBackend
+from worker.core.query import channel_window, coarse_limit, normalise_query, select_channels
+from worker.core.ranks import normalise_positions
+from worker.core.types import (
+    Candidate,
+    ChannelQuery,
+    ChannelResults,
+    HardFilters,
+    RerankPrompt,
+    RerankReply,
+    TokenUsage,
+)
+from worker.errors import (
+    AttemptOutcome,
+    DeadlineExceeded,
+    InvalidRequest,
+    RerankAttemptError,
+    RerankFailed,
+    SiftError,
+)
+from worker.settings import Price
+
+log = logging.getLogger(__name__)
+
+FailurePolicy = Literal["fail_closed", "fail_open"]
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """The settings the pipeline reads, as plain values."""
+
+    rerank_enabled: bool = False
+    candidate_limit: int = 30
+    candidate_max_chars: int = 1200
+    failure_policy: FailurePolicy = "fail_closed"
+    deadline_seconds: float = 30.0
+    attempt_timeout_seconds: float = 20.0
+    max_requests: int = 3
+    thinking_tokens: int = 1024
+    tokens_per_position: int = 8
+    vector_min_similarity: float | None = None
+    backend_max_attempts: int = 3
+    prices: Mapping[str, Price] = field(default_factory=dict)
+    price_discount: float = 1.0
+
+
+@dataclass(slots=True)
+class _RerankRun:
+    """What the rerank stage did, for the result, the trace and the metrics."""
+
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    usage: TokenUsage = field(default_factory=TokenUsage)
+    cost_usd: float = 0.0
+    returned: Sequence[object] | None = None
+
+    def add_usage(self, usage: TokenUsage, price: Price | None, discount: float) -> None:
+        self.usage = TokenUsage(
+            self.usage.input_tokens + usage.input_tokens,
+            self.usage.output_tokens + usage.output_tokens,
+            self.usage.cache_read_input_tokens + usage.cache_read_input_tokens,
+            self.usage.cache_creation_input_tokens + usage.cache_creation_input_tokens,
+        )
+        self.cost_usd += cost_usd(usage, price, discount)
+
+
+class SearchPipeline:
+    """Runs one search end to end under one deadline.
+
+    >>> pipeline = SearchPipeline(backend, embedder, reranker, PipelineConfig())  # doctest: +SKIP
+    >>> pipeline.search(SearchSpec(index="docs", query="who won"), tenant="acme")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        backend: SearchBackend,
+        embedder: Embedder,
+        reranker: Reranker | None = None,
+        config: PipelineConfig | None = None,
+        recorder: Recorder | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.backend = backend
+        self.embedder = embedder
+        self.reranker = reranker
+        self.config = config or PipelineConfig()
+        self.recorder: Recorder = recorder or NullRecorder()
+        self._clock = clock
+        self._sleep = sleep
+
+    # -- the algorithm ------------------------------------------------------------
+
+    def search(self, spec: SearchSpec, tenant: str) -> SearchResult:
+        deadline = Deadline(self.config.deadline_seconds, self._clock)
+        outcome = "error"
+        try:
+            result = self._search(spec, tenant, deadline)
+            outcome = "fallback" if result.rerank.fallback_reason else "ok"
+            return result
+        finally:
+            self.recorder.search_done(spec.mode, outcome, deadline.elapsed())
+
+    def _search(self, spec: SearchSpec, tenant: str, deadline: Deadline) -> SearchResult:
+        query = normalise_query(spec.query)
+        reranking = self._reranking(spec)
+        channels = select_channels(spec.mode, spec.index, self.backend.channels(spec.index))
+        coarse = coarse_limit(spec.limit, self.config.candidate_limit, reranking)
+
+        vector = None
+        if "knn" in channels:
+            started = self._clock()
+            vector = self.embedder.embed([query])[0]
+            self.recorder.retrieval(self.backend.name, "embed", self._clock() - started)
+        channel_query = ChannelQuery(
+            index=spec.index,
+            filters=HardFilters(tenant=tenant, fields=dict(spec.filters)),
+            channels=channels,
+            size=channel_window(coarse),
+            text=query,
+            vector=vector,
+        )
+        results = self._retrieve(channel_query, deadline)
+        candidates = rrf_fuse(admit(results.hits, self.config.vector_min_similarity), limit=coarse)
+        trace: dict[str, Any] = {
+            "policy": POLICY_ID if reranking else None,
+            "query": query,
+            "mode": spec.mode,
+            "coarse_limit": coarse,
+            "channel_window": channel_query.size,
+            "channel_counts": {channel: len(hits) for channel, hits in results.hits.items()},
+        }
+
+        if not reranking or not candidates:
+            if reranking:
+                self.recorder.rerank_outcome(POLICY_ID, "skipped")
+            info = RerankInfo(applied=False, policy=None, fallback_reason=None)
+            trace["candidates"] = _trace_candidates(candidates, None)
+            return self._result(candidates[: spec.limit], info, Usage(), spec, trace)
+        return self._rerank(query, spec, candidates, deadline, trace)
+
+    def _reranking(self, spec: SearchSpec) -> bool:
+        wanted = self.config.rerank_enabled if spec.rerank is None else spec.rerank
+        if wanted and self.reranker is None:
+            if spec.rerank:
+                raise InvalidRequest(
+                    "rerank", "this deployment has no generation model (SIFT_GENERATION_MODEL)"
+                )
+            return False
+        return wanted
+
+    def _retrieve(self, query: ChannelQuery, deadline: Deadline) -> ChannelResults:
+        def attempt(timeout: float) -> ChannelResults:
+            return self.backend.retrieve(
+                ChannelQuery(**{**_fields(query), "timeout_seconds": timeout})
+            )
+
+        results = call_within_budget(
+            attempt,
+            deadline=deadline,
+            max_attempts=self.config.backend_max_attempts,
+            attempt_timeout=deadline.remaining(),
+            sleep=self._sleep,
+            initial_backoff=0.05,
+            max_backoff=1.0,
+        )
+        for channel, seconds in results.seconds.items():
+            self.recorder.retrieval(self.backend.name, channel, seconds)
+        return results
+
+    def _rerank(
+        self,
+        query: str,
+        spec: SearchSpec,
+        candidates: list[Candidate],
+        deadline: Deadline,
+        trace: dict[str, Any],
+    ) -> SearchResult:
+        assert self.reranker is not None
+        reranker = self.reranker
+        prompt = build_prompt(
+            query,
+            [(c.document.title, c.document.text) for c in candidates],
+            k=spec.limit,
+            max_chars=self.config.candidate_max_chars,
+            thinking_tokens=self.config.thinking_tokens,
+            tokens_per_position=self.config.tokens_per_position,
+        )
+        trace["candidates"] = _trace_candidates(candidates, prompt)
+        trace["model"] = reranker.model
+        price = price_for(reranker.model, self.config.prices)
+        run = _RerankRun()
+        started = self._clock()
+        failure: SiftError | None = None
+        reply: RerankReply | None = None
+        try:
+            reply = call_within_budget(
+                lambda timeout: self._attempt(prompt, timeout, run, price),
+                deadline=deadline,
+                max_attempts=self.config.max_requests,
+                attempt_timeout=self.config.attempt_timeout_seconds,
+                sleep=self._sleep,
+            )
+        except (RerankAttemptError, DeadlineExceeded) as error:
+            failure = error
+        seconds = self._clock() - started
+
+        usage = Usage(
+            requests=len(run.attempts),
+            input_tokens=run.usage.input_tokens,
+            output_tokens=run.usage.output_tokens,
+            cache_read_input_tokens=run.usage.cache_read_input_tokens,
+            cache_creation_input_tokens=run.usage.cache_creation_input_tokens,
+            cost_usd=run.cost_usd,
+        )
+        trace.update(
+            attempts=run.attempts,
+            rerank_seconds=seconds,
+            usage=usage.model_dump(),
+            returned_positions=list(run.returned) if run.returned is not None else None,
+        )
+        usage_by_type = {
+            "input": usage.input_tokens,
+            "output": usage.output_tokens,
+            "cache_read": usage.cache_read_input_tokens,
+            "cache_creation": usage.cache_creation_input_tokens,
+        }
+
+        if reply is None:
+            assert failure is not None
+            reason = (
+                failure.outcome.value if isinstance(failure, RerankAttemptError) else "deadline"
+            )
+            trace["fallback_reason"] = f"error:{reason}"
+            self.recorder.rerank_done(
+                reranker.model, reason, seconds, usage_by_type, usage.cost_usd
+            )
+            if self.config.failure_policy == "fail_closed":
+                self.recorder.rerank_outcome(POLICY_ID, "failed")
+                raise RerankFailed(reason, failure.message) from failure
+            self.recorder.rerank_outcome(POLICY_ID, "fallback_error")
+            info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{reason}")
+            return self._result(candidates[: spec.limit], info, usage, spec, trace)
+
+        self.recorder.rerank_done(reranker.model, "ok", seconds, usage_by_type, usage.cost_usd)
+        normalised = normalise_positions(reply.positions, len(candidates), spec.limit)
+        trace["kept_positions"] = list(normalised.kept)
+        trace["dropped_positions"] = [
+            {"value": d.value, "reason": d.reason} for d in normalised.dropped
+        ]
+        if not normalised.kept:
+            trace["fallback_reason"] = "no_valid_ranks"
+            self.recorder.rerank_outcome(POLICY_ID, "fallback_no_valid_ranks")
+            info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason="no_valid_ranks")
+            return self._result(candidates[: spec.limit], info, usage, spec, trace)
+
+        self.recorder.rerank_outcome(POLICY_ID, "applied")
+        trace["fallback_reason"] = None
+        chosen = [candidates[position - 1] for position in normalised.kept]
+        info = RerankInfo(applied=True, policy=POLICY_ID, fallback_reason=None)
+        return self._result(chosen, info, usage, spec, trace)
+
+    def _attempt(
+        self, prompt: RerankPrompt, timeout: float, run: _RerankRun, price: Price | None
+    ) -> RerankReply:
+        assert self.reranker is not None
+        started = self._clock()
+        try:
+            reply = self.reranker.rerank(prompt, timeout)
+        except RerankAttemptError as error:
+            usage = getattr(error, "usage", None)
+            if isinstance(usage, TokenUsage):
+                run.add_usage(usage, price, self.config.price_discount)
+            self._record_attempt(run, error.outcome, started)
+            raise
+        run.add_usage(reply.usage, price, self.config.price_discount)
+        run.returned = reply.positions
+        self._record_attempt(run, AttemptOutcome.OK, started)
+        return reply
+
+    def _record_attempt(self, run: _RerankRun, outcome: AttemptOutcome, started: float) -> None:
+        assert self.reranker is not None
+        run.attempts.append(
+            {
+                "n": len(run.attempts) + 1,
+                "outcome": outcome.value,
+                "seconds": self._clock() - started,
+            }
+        )
+        self.recorder.rerank_attempt(self.reranker.model, outcome.value)
+
+    @staticmethod
+    def _result(
+        chosen: Sequence[Candidate],
+        info: RerankInfo,
+        usage: Usage,
+        spec: SearchSpec,
+        trace: dict[str, Any],
+    ) -> SearchResult:
+        hits = [_hit(candidate, final) for final, candidate in enumerate(chosen, start=1)]
+        return SearchResult(
+            hits=hits, rerank=info, usage=usage, trace=trace if spec.include_trace else None
+        )
+
+
+def _fields(query: ChannelQuery) -> dict[str, Any]:
+    return {name: getattr(query, name) for name in ChannelQuery.__slots__}
+
+
+def _hit(candidate: Candidate, final: int) -> Hit:
+    doc = candidate.document
+    return Hit(
+        id=doc.id,
+        revision=doc.revision,
+        title=doc.title,
+        text=doc.text,
+        metadata=dict(doc.metadata),
+        ranks=Ranks(
+            final=final,
+            rrf=candidate.rrf_rank,
+            bm25=candidate.channel_ranks.get("bm25"),
+            knn=candidate.channel_ranks.get("knn"),
+        ),
+        scores=Scores(
+            rrf=candidate.rrf_score,
+            bm25=candidate.channel_scores.get("bm25"),
+            knn=candidate.channel_scores.get("knn"),
+        ),
+    )
+
+
+def _trace_candidates(
+    candidates: Sequence[Candidate], prompt: RerankPrompt | None
+) -> list[dict[str, Any]]:
+    return [
+        {
+            "position": candidate.rrf_rank,
+            "id": candidate.document.id,
+            "revision": candidate.document.revision,
+            "title": candidate.document.title,
+            "text": candidate.document.text,
+            "rrf": {"rank": candidate.rrf_rank, "score": candidate.rrf_score},
+            "channels": {
+                channel: {"rank": rank, "score": candidate.channel_scores[channel]}
+                for channel, rank in candidate.channel_ranks.items()
+            },
+            "truncated": prompt.truncated[i] if prompt else False,
+        }
+        for i, candidate in enumerate(candidates)
+    ]
