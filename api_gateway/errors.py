@@ -6,6 +6,7 @@ A malformed request always gets a 4xx whose message names the field, never a 500
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,8 +64,14 @@ def error_response(status: int, type_: str, message: str, *, field: str | None =
                         status_code=status, headers=headers)
 
 
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\])$")
+
+
 def field_name(loc: Sequence[int | str]) -> str:
-    """("body", "queries", 3, "id") -> "queries[3].id"; ("query", "wait") -> "wait"."""
+    """("body", "queries", 3, "id") -> "queries[3].id"; ("query", "wait") -> "wait".
+
+    A union's branch tag at the end ("filters.a.str") is dropped: the field is "filters.a".
+    """
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
         source = parts.pop(0)
@@ -72,14 +79,12 @@ def field_name(loc: Sequence[int | str]) -> str:
             return _HEADER_NAMES.get(str(parts[0]).lower(), str(parts[0]))
         if not parts:
             return "body"
+    if len(parts) > 1 and isinstance(parts[-1], str) and _UNION_TAG.match(parts[-1]):
+        parts.pop()
     name = ""
     for part in parts:
         if isinstance(part, int):
             name += f"[{part}]"
-        elif part.startswith(("function-", "json-or-python", "str-enum")) or part in (
-            "literal_error",
-        ):
-            continue
         else:
             name += ("." if name else "") + part
     return name or "body"
@@ -96,7 +101,7 @@ def problems_of(errors: Sequence[Any]) -> list[FieldProblem]:
         else:
             message = str(error.get("msg", "is invalid"))
             message = message.removeprefix("Value error, ")
-        if field in seen:
+        if field in seen:  # a union reports each branch; name the field once
             continue
         seen.add(field)
         problems.append(FieldProblem(field=field, message=message))

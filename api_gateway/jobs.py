@@ -29,7 +29,6 @@ from api_gateway.schemas import (
     SearchRequest,
     iso,
 )
-from api_gateway.webhook_urls import check_webhook_url
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
@@ -58,6 +57,7 @@ from worker.jobstore import (
     webhook_event,
 )
 from worker.settings import Settings
+from worker.urlguard import check_webhook_url
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
@@ -141,7 +141,7 @@ def _search_response(job: SearchJob) -> Response:
 
 async def _check_url(settings: Settings, url: str | None) -> None:
     if url is not None:
-        await _io(check_webhook_url, url, settings.webhook_allow_private_networks)
+        await _io(check_webhook_url, url, allow_private=settings.webhook_allow_private_networks)
 
 
 class _Idempotency:

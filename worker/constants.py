@@ -57,6 +57,7 @@ METRIC_TASK_RETRIES = "sift_task_retries_total"
 METRIC_HTTP_REQUESTS = "sift_http_requests_total"
 METRIC_HTTP_DURATION = "sift_http_request_duration_seconds"
 METRIC_JOBS_SUBMITTED = "sift_jobs_submitted_total"
+METRIC_WEBHOOK_DELIVERIES = "sift_webhook_deliveries_total"
 
 # --- limits (validated at the gateway, documented in the README) ---
 MAX_QUERY_CHARS = 2_000

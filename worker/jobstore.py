@@ -36,6 +36,7 @@ import hashlib
 import json
 import time
 import uuid
+from datetime import UTC, datetime
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -667,7 +668,7 @@ def webhook_event(event_type: str, job_id: str, tenant: str, url: str, status: s
     return {
         "webhook_id": f"msg_{job_id}",
         "type": event_type,
-        "timestamp": _now(),
+        "occurred_at": datetime.now(UTC).isoformat(),
         "tenant": tenant,
         "url": url,
         "data": {"id": job_id, "status": status},

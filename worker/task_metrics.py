@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Histogram
 
-from worker.constants import METRIC_QUEUE_WAIT, METRIC_TASK_DURATION, METRIC_TASK_RETRIES
+from worker.constants import (
+    METRIC_QUEUE_WAIT,
+    METRIC_TASK_DURATION,
+    METRIC_TASK_RETRIES,
+    METRIC_WEBHOOK_DELIVERIES,
+)
 
 TASK_DURATION = Histogram(
     METRIC_TASK_DURATION,
@@ -20,4 +25,9 @@ QUEUE_WAIT = Histogram(
     "Seconds from a job's submission to a worker starting it.",
     ["queue"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600),
+)
+WEBHOOK_DELIVERIES = Counter(
+    METRIC_WEBHOOK_DELIVERIES,
+    "Webhook delivery attempts, by result (delivered, retry, failed).",
+    ["result"],
 )

@@ -37,7 +37,7 @@ from worker.errors import SiftError
 from worker.jobstore import JobStore, webhook_event
 from worker.ratelimit import ProviderLimiter
 from worker.settings import Settings, load_settings
-from worker.task_metrics import QUEUE_WAIT, TASK_DURATION, TASK_RETRIES
+from worker.task_metrics import QUEUE_WAIT, TASK_DURATION, TASK_RETRIES, WEBHOOK_DELIVERIES
 
 log = logging.getLogger(__name__)
 
@@ -299,10 +299,24 @@ def ingest(self: SiftTask, job_id: str) -> None:
     log.info("ingest %s: %d documents into %s", job_id, upserted, job.index)
 
 
-@shared_task(name=WEBHOOK_TASK, base=SiftTask, bind=True)
+@shared_task(name=WEBHOOK_TASK, base=SiftTask, bind=True, max_retries=None)
 def webhook(self: SiftTask, event: dict[str, Any]) -> None:
-    """Deliver one webhook; the delivery itself (signing, SSRF check, schedule) is
-    :func:`worker.webhooks.deliver`, imported lazily."""
-    from worker import webhooks  # type: ignore[attr-defined,unused-ignore]
+    """Deliver one signed webhook; :func:`worker.webhooks.run_delivery` decides the retry."""
+    from worker import webhooks
 
-    webhooks.deliver(self, event, settings=self.context.settings)
+    settings = self.context.settings
+    secrets = next((k.webhook_secrets() for k in settings.all_api_keys()
+                    if k.tenant == event["tenant"]), None)
+    data = event["data"]
+    if secrets is None:
+        log.error("webhook for %s: tenant %s has no key and no secret; dropped",
+                  data["id"], event["tenant"])
+        return
+    decision = webhooks.run_delivery(
+        url=event["url"], event_type=event["type"], job_id=data["id"], status=data["status"],
+        occurred_at=event["occurred_at"], attempt=self.request.retries + 1,
+        secrets=secrets, settings=settings,
+    )
+    WEBHOOK_DELIVERIES.labels(decision.result.outcome.value).inc()
+    if decision.retry_in is not None:
+        raise self.retry(countdown=decision.retry_in)

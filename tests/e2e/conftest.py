@@ -1,0 +1,98 @@
+"""The e2e stack, once per session: our own redis-server, real Celery workers, the gateway
+under uvicorn. Two gateways share the redis-server:
+
+* ``live``: database 0, served by one worker process (threads pool); private webhook
+  receivers allowed, as a local test needs.
+* ``idle``: database 1, which no worker consumes, so its jobs stay queued (409 and
+  cancel are deterministic there); the SSRF guard is on and the body limit is small.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.services import celery_worker, gateway, redis_server
+
+KEYS = [
+    {"key": "acme-key-0001", "tenant": "acme", "webhook_secret": "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ=="},
+    {"key": "globex-key-0001", "tenant": "globex",
+     "webhook_secret": "whsec_Z2xvYmV4LXNlY3JldC0wMTIzNDU2Nzg5"},
+]
+ACME = {"Authorization": "Bearer acme-key-0001"}
+GLOBEX = {"Authorization": "Bearer globex-key-0001"}
+INDEX = "docs"
+IDLE_BODY_LIMIT = 65_536
+SAMPLE = Path(__file__).resolve().parents[2] / "worker" / "data"
+
+
+def _runtime_factory() -> dict[str, str]:
+    if importlib.util.find_spec("worker.adapters") and importlib.util.find_spec(
+        "worker.adapters.embedded"
+    ):
+        return {}  # the real embedded runtime
+    return {"SIFT_RUNTIME_FACTORY": "tests.e2e.fake_runtime:build_runtime"}
+
+
+@dataclass
+class Stack:
+    live: httpx.Client
+    idle: httpx.Client
+    live_url: str
+    idle_url: str
+    redis_url: str
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("stack")
+    with redis_server(tmp / "redis") as redis_url:
+        base = {
+            "SIFT_API_KEYS": json.dumps(KEYS),
+            "SIFT_DATA_DIR": str(tmp / "data"),
+            "SIFT_RERANK_ENABLED": "false",
+            "SIFT_WORKER_METRICS_PORT": "0",
+            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+            "SIFT_WEBHOOK_RETRY_SCALE": "0.001",
+            **_runtime_factory(),
+        }
+        live_env = {**base, "SIFT_REDIS_URL": redis_url + "/0",
+                    "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS": "true"}
+        idle_env = {**base, "SIFT_REDIS_URL": redis_url + "/1",
+                    "SIFT_MAX_BODY_BYTES": str(IDLE_BODY_LIMIT)}
+        with (
+            celery_worker(tmp / "w", live_env, "w1", concurrency=16),
+            gateway(tmp / "g", live_env, "live") as live_url,
+            gateway(tmp / "g", idle_env, "idle") as idle_url,
+            httpx.Client(base_url=live_url, timeout=30) as live,
+            httpx.Client(base_url=idle_url, timeout=30) as idle,
+        ):
+            yield Stack(live, idle, live_url, idle_url, redis_url)
+
+
+@pytest.fixture(scope="session")
+def corpus(stack: Stack) -> list[dict[str, object]]:
+    """The bundled sample corpus, ingested for tenant acme through the API."""
+    docs = [json.loads(line) for line in (SAMPLE / "sample_corpus.jsonl").read_text().splitlines()
+            if line.strip()]
+    documents = [{"id": d["id"], "text": d["text"], "title": d.get("title", ""),
+                  "metadata": d.get("metadata", {})} for d in docs]
+    response = stack.live.post(f"/v1/indexes/{INDEX}/documents", params={"wait": 20},
+                               json={"documents": documents}, headers=ACME)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "succeeded", body
+    assert body["upserted"] == len(documents)
+    return documents
+
+
+@pytest.fixture(scope="session")
+def queries() -> list[str]:
+    lines = (SAMPLE / "sample_queries.jsonl").read_text().splitlines()
+    return [json.loads(line)["query"] for line in lines if line.strip()]

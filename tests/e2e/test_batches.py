@@ -1,0 +1,100 @@
+"""Batches over HTTP through the queue: 1,000 items all accounted for, pages, cancel."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack
+
+FINAL = {"succeeded", "failed", "canceled"}
+
+
+def _wait_batch(stack: Stack, batch_id: str, timeout: float = 90) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+        counts = batch["counts"]
+        assert sum(counts[s] for s in ("queued", "running", *FINAL)) == counts["total"]
+        if batch["finished_at"] or time.monotonic() > deadline:
+            return batch
+        time.sleep(0.2)
+
+
+def _all_results(stack: Stack, batch_id: str, page_size: int) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    token = None
+    while True:
+        params: dict[str, Any] = {"page_size": page_size}
+        if token:
+            params["page_token"] = token
+        page = stack.live.get(f"/v1/batches/{batch_id}/results", params=params, headers=ACME)
+        assert page.status_code == 200, page.text
+        body = page.json()
+        assert len(body["results"]) <= page_size
+        results += body["results"]
+        token = body["next_page_token"]
+        if token is None:
+            return results
+
+
+def test_a_batch_of_1000_is_fully_accounted_for(stack: Stack, corpus: object,
+                                                queries: list[str]) -> None:
+    items = [{"id": f"q{i:04d}", "query": queries[i % len(queries)],
+              **({"limit": 5} if i % 3 == 0 else {}), **({"mode": "fts"} if i % 7 == 0 else {})}
+             for i in range(1000)]
+    started = time.monotonic()
+    response = stack.live.post("/v1/batches", json={"index": INDEX, "queries": items,
+                                                     "rerank": False}, headers=ACME)
+    assert response.status_code == 202, response.text
+    batch = response.json()
+    assert batch["counts"]["total"] == 1000 and batch["lane"] == "standard"
+    done = _wait_batch(stack, batch["id"])
+    elapsed = time.monotonic() - started
+    assert done["status"] == "succeeded", done
+    assert done["counts"]["succeeded"] == 1000, done["counts"]
+    results = _all_results(stack, batch["id"], page_size=137)
+    assert [r["query_id"] for r in results] == [item["id"] for item in items]
+    assert all(r["status"] == "succeeded" and r["result"]["hits"] for r in results)
+    assert all(len(r["result"]["hits"]) <= 5 for r in results[::3])
+    print(f"1000-item batch: {elapsed:.1f}s, {1000 / elapsed:.0f} queries/s")
+    # not visible to another tenant
+    assert stack.live.get(f"/v1/batches/{batch['id']}", headers=GLOBEX).status_code == 404
+
+
+def test_cancel_a_queued_batch(stack: Stack) -> None:
+    items = [{"id": str(i), "query": f"query {i}"} for i in range(50)]
+    batch = stack.idle.post("/v1/batches", json={"index": INDEX, "queries": items},
+                            headers=ACME).json()
+    assert batch["status"] == "queued"
+    response = stack.idle.delete(f"/v1/batches/{batch['id']}", headers=ACME)
+    assert response.status_code == 200
+    canceled = response.json()
+    assert canceled["status"] == "canceled"
+    assert canceled["counts"] == {"total": 50, "queued": 0, "running": 0, "succeeded": 0,
+                                  "failed": 0, "canceled": 50}
+    page = stack.idle.get(f"/v1/batches/{batch['id']}/results", params={"page_size": 1000},
+                          headers=ACME).json()
+    assert [r["status"] for r in page["results"]] == ["canceled"] * 50
+    assert page["next_page_token"] is None
+    again = stack.idle.delete(f"/v1/batches/{batch['id']}", headers=ACME)
+    assert again.json()["counts"]["canceled"] == 50
+
+
+def test_cancel_a_running_batch_skips_what_has_not_run(stack: Stack, corpus: object,
+                                                        queries: list[str]) -> None:
+    items = [{"id": f"c{i}", "query": queries[i % len(queries)]} for i in range(2000)]
+    batch = stack.live.post("/v1/batches", json={"index": INDEX, "queries": items},
+                            headers=ACME).json()
+    canceled = stack.live.delete(f"/v1/batches/{batch['id']}", headers=ACME).json()
+    assert canceled["counts"]["canceled"] > 0
+    done = _wait_batch(stack, batch["id"])
+    counts = done["counts"]
+    assert counts["queued"] == counts["running"] == 0
+    assert counts["succeeded"] + counts["canceled"] == 2000
+    assert done["status"] == "canceled"
+    results = _all_results(stack, batch["id"], page_size=1000)
+    by_status = {s: sum(1 for r in results if r["status"] == s) for s in FINAL}
+    assert by_status["succeeded"] == counts["succeeded"]
+    assert by_status["canceled"] == counts["canceled"]
+    assert all("result" not in r for r in results if r["status"] == "canceled")

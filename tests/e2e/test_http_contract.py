@@ -1,0 +1,161 @@
+"""The HTTP contract's edges: auth, a 4xx naming each bad field, size limits, OpenAPI, ops."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import ACME, IDLE_BODY_LIMIT, INDEX, Stack
+
+SEARCH = {"index": INDEX, "query": "tea"}
+BATCH = {"index": INDEX, "queries": [{"id": "a", "query": "tea"}]}
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Basic abc"},
+                                     {"Authorization": "Bearer"}])
+def test_missing_key_is_401(stack: Stack, headers: dict[str, str]) -> None:
+    response = stack.live.post("/v1/searches", json=SEARCH, headers=headers)
+    assert response.status_code == 401
+    assert response.json()["error"]["type"] == "unauthenticated"
+    assert response.headers["www-authenticate"] == "Bearer"
+
+
+def test_bad_key_is_refused(stack: Stack) -> None:
+    for path in ("/v1/searches/srch_x", "/v1/batches/bat_x"):
+        response = stack.live.get(path, headers={"Authorization": "Bearer not-a-real-key"})
+        assert response.status_code in (401, 403)
+        assert "API key" in response.json()["error"]["message"]
+
+
+CASES: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
+    ("POST", "/v1/searches", {**SEARCH, "index": "Bad Index!"}, {}, "index"),
+    ("POST", "/v1/searches", {"query": "tea"}, {}, "index"),
+    ("POST", "/v1/searches", {**SEARCH, "query": ""}, {}, "query"),
+    ("POST", "/v1/searches", {**SEARCH, "query": "   "}, {}, "query"),
+    ("POST", "/v1/searches", {**SEARCH, "query": "x" * 2001}, {}, "query"),
+    ("POST", "/v1/searches", {**SEARCH, "limit": 0}, {}, "limit"),
+    ("POST", "/v1/searches", {**SEARCH, "limit": 101}, {}, "limit"),
+    ("POST", "/v1/searches", {**SEARCH, "limit": "ten"}, {}, "limit"),
+    ("POST", "/v1/searches", {**SEARCH, "mode": "semantic"}, {}, "mode"),
+    ("POST", "/v1/searches", {**SEARCH, "rerank": "maybe"}, {}, "rerank"),
+    ("POST", "/v1/searches", {**SEARCH, "include_trace": "yes please"}, {}, "include_trace"),
+    ("POST", "/v1/searches", {**SEARCH, "filters": {"a": [1, 2]}}, {}, "filters.a"),
+    ("POST", "/v1/searches", {**SEARCH, "filters": "x"}, {}, "filters"),
+    ("POST", "/v1/searches", {**SEARCH, "webhook_url": "ftp://example.com/x"}, {},
+     "webhook_url"),
+    ("POST", "/v1/searches", {**SEARCH, "tenant": "evil"}, {}, "tenant"),
+    ("POST", "/v1/searches", SEARCH, {"wait": 31}, "wait"),
+    ("POST", "/v1/searches", SEARCH, {"wait": "soon"}, "wait"),
+    ("POST", "/v1/batches", {**BATCH, "index": ""}, {}, "index"),
+    ("POST", "/v1/batches", {**BATCH, "queries": []}, {}, "queries"),
+    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "", "query": "x"}]}, {},
+     "queries[0].id"),
+    ("POST", "/v1/batches", {**BATCH, "queries": [{"query": "x"}]}, {}, "queries[0].id"),
+    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "a", "query": "x"},
+                                                   {"id": "a", "query": "y"}]}, {},
+     "queries[1].id"),
+    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "a", "query": ""}]}, {},
+     "queries[0].query"),
+    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "a", "query": "x", "limit": 0}]}, {},
+     "queries[0].limit"),
+    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "a", "query": "x", "mode": "z"}]}, {},
+     "queries[0].mode"),
+    ("POST", "/v1/batches", {**BATCH, "lane": "express"}, {}, "lane"),
+    ("POST", "/v1/batches", {**BATCH, "rerank": "maybe"}, {}, "rerank"),
+    ("POST", "/v1/batches", {**BATCH, "webhook_url": "not a url"}, {}, "webhook_url"),
+    ("GET", "/v1/batches/bat_x/results", {}, {"page_size": 0}, "page_size"),
+    ("GET", "/v1/batches/bat_x/results", {}, {"page_size": 100_000}, "page_size"),
+    ("POST", "/v1/indexes/Bad%20Index/documents", {"documents": [{"id": "1", "text": "t"}]},
+     {}, "index"),
+    ("POST", "/v1/indexes/docs/documents", {"documents": []}, {}, "documents"),
+    ("POST", "/v1/indexes/docs/documents", {"documents": [{"id": "1"}]}, {},
+     "documents[0].text"),
+    ("POST", "/v1/indexes/docs/documents", {"documents": [{"id": "", "text": "t"}]}, {},
+     "documents[0].id"),
+    ("POST", "/v1/indexes/docs/documents",
+     {"documents": [{"id": "1", "text": "t", "metadata": {"k": {"nested": 1}}}]}, {},
+     "documents[0].metadata.k"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "params", "field"), CASES,
+                         ids=[f"{c[1].split('/')[2]}:{c[4]}" for c in CASES])
+def test_each_bad_field_is_named(stack: Stack, method: str, path: str, body: dict[str, Any],
+                                 params: dict[str, Any], field: str) -> None:
+    kwargs: dict[str, Any] = {"params": params, "headers": ACME}
+    if method == "POST":
+        kwargs["json"] = body
+    response = stack.live.request(method, path, **kwargs)
+    assert 400 <= response.status_code < 500, response.text
+    error = response.json()["error"]
+    assert error["field"] == field, error
+    assert error["message"].startswith(field + ":") or field in error["message"]
+
+
+def test_bad_page_token_is_named(stack: Stack) -> None:
+    batch = stack.idle.post("/v1/batches", json=BATCH, headers=ACME).json()
+    response = stack.idle.get(f"/v1/batches/{batch['id']}/results",
+                              params={"page_token": "garbage!"}, headers=ACME)
+    assert response.status_code == 422
+    assert response.json()["error"]["field"] == "page_token"
+
+
+def test_malformed_json_is_a_4xx(stack: Stack) -> None:
+    response = stack.live.post("/v1/searches", content=b'{"index": "docs", "query": ',
+                               headers={**ACME, "content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["field"] == "body"
+    response = stack.live.post("/v1/searches", content=b"[1, 2]",
+                               headers={**ACME, "content-type": "application/json"})
+    assert 400 <= response.status_code < 500
+
+
+def test_body_over_the_limit_is_413(stack: Stack) -> None:
+    big = {"index": INDEX, "queries": [{"id": str(i), "query": "x" * 100} for i in range(2000)]}
+    response = stack.idle.post("/v1/batches", json=big, headers=ACME)
+    assert response.status_code == 413
+    assert str(IDLE_BODY_LIMIT) in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9/hook", "http://169.254.169.254/latest",
+                                 "http://10.0.0.1/x", "http://localhost/x", "http://[::1]/x"])
+def test_ssrf_refused_at_registration(stack: Stack, url: str) -> None:
+    for path, body in (("/v1/searches", SEARCH), ("/v1/batches", BATCH)):
+        response = stack.idle.post(path, json={**body, "webhook_url": url}, headers=ACME)
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["field"] == "webhook_url"
+
+
+def test_unknown_ids_are_404(stack: Stack) -> None:
+    for path in ("/v1/searches/srch_nope", "/v1/batches/bat_nope",
+                 "/v1/batches/bat_nope/results", "/v1/ingestions/ing_nope"):
+        response = stack.live.get(path, headers=ACME)
+        assert response.status_code == 404, path
+    assert stack.live.delete("/v1/batches/bat_nope", headers=ACME).status_code == 404
+
+
+def test_openapi_declares_the_contract(stack: Stack) -> None:
+    doc = stack.live.get("/openapi.json").json()
+    paths = doc["paths"]
+    for path in ("/v1/searches", "/v1/searches/{job_id}", "/v1/batches",
+                 "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/results",
+                 "/v1/indexes/{index}/documents", "/healthz", "/readyz", "/metrics"):
+        assert path in paths, path
+    post = paths["/v1/searches"]["post"]
+    assert "$ref" in str(post["responses"]["202"]) and "SearchJobOut" in str(post["responses"])
+    assert "ErrorBody" in str(post["responses"]["422"])
+    assert "BatchResultsPage" in str(paths["/v1/batches/{batch_id}/results"]["get"])
+    assert "Idempotency-Key" in str(post["parameters"])
+    schemas = doc["components"]["schemas"]
+    assert set(schemas["BatchCounts"]["properties"]) == {
+        "total", "queued", "running", "succeeded", "failed", "canceled"}
+
+
+def test_health_ready_and_metrics(stack: Stack, corpus: object) -> None:
+    assert stack.live.get("/healthz").json() == {"status": "ok"}
+    assert stack.live.get("/readyz").json() == {"status": "ok"}
+    text = stack.live.get("/metrics").text
+    assert "sift_jobs_in_flight" in text
+    assert 'sift_http_requests_total{method="POST",route="/v1/searches"' in text
+    assert "sift_jobs_submitted_total" in text

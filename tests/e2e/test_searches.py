@@ -1,0 +1,107 @@
+"""Single searches over HTTP through the queue: polled, with wait, tenancy, idempotency."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+
+from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack
+
+
+def _poll(client: httpx.Client, path: str, until: set[str], timeout: float = 20) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = client.get(path, headers=ACME).json()
+        if body["status"] in until or time.monotonic() > deadline:
+            return body
+        time.sleep(0.05)
+
+
+def test_search_polled(stack: Stack, corpus: list[dict[str, object]]) -> None:
+    response = stack.live.post("/v1/searches", json={"index": INDEX, "query": "green tea"},
+                               headers=ACME)
+    assert response.status_code in (200, 202), response.text
+    job = response.json()
+    assert job["id"].startswith("srch_")
+    assert job["status"] in ("queued", "running", "succeeded")
+    done = _poll(stack.live, f"/v1/searches/{job['id']}", {"succeeded", "failed"})
+    assert done["status"] == "succeeded", done
+    hits = done["result"]["hits"]
+    assert hits and hits[0]["id"].startswith("tea-")
+    assert set(hits[0]["ranks"]) == {"final", "rrf", "bm25", "knn"}
+    assert done["result"]["rerank"]["applied"] is False
+    assert "usage" in done["result"]
+    assert done["result"].get("trace") is None
+
+
+def test_search_with_wait_answers_200_with_the_result(stack: Stack, corpus: object) -> None:
+    response = stack.live.post("/v1/searches", params={"wait": 10},
+                               json={"index": INDEX, "query": "steam railway", "limit": 3,
+                                     "mode": "fts"}, headers=ACME)
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["status"] == "succeeded"
+    assert 1 <= len(job["result"]["hits"]) <= 3
+
+
+def test_a_failed_search_has_a_typed_error(stack: Stack, corpus: object) -> None:
+    response = stack.live.post("/v1/searches", params={"wait": 10},
+                               json={"index": "no-such-index", "query": "tea"}, headers=ACME)
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["status"] == "failed"
+    assert job["error"]["type"] and job["error"]["message"]
+    assert "result" not in job or job["result"] is None
+
+
+def test_another_tenant_cannot_see_the_job(stack: Stack, corpus: object) -> None:
+    job = stack.live.post("/v1/searches", json={"index": INDEX, "query": "bees"},
+                          headers=ACME).json()
+    response = stack.live.get(f"/v1/searches/{job['id']}", headers=GLOBEX)
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "not_found"
+    # and the other tenant's search sees none of acme's documents
+    other = stack.live.post("/v1/searches", params={"wait": 10},
+                            json={"index": INDEX, "query": "green tea"}, headers=GLOBEX).json()
+    assert other["status"] == "failed" or other["result"]["hits"] == []
+
+
+def test_idempotency_replay_and_mismatch(stack: Stack, corpus: object) -> None:
+    headers = {**ACME, "Idempotency-Key": "replay-1"}
+    body = {"index": INDEX, "query": "honey bees dance"}
+    first = stack.live.post("/v1/searches", params={"wait": 10}, json=body, headers=headers)
+    assert first.status_code == 200
+    again = stack.live.post("/v1/searches", json=body, headers=headers)
+    assert again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    assert again.json()["result"] == first.json()["result"]
+    changed = stack.live.post("/v1/searches", json={**body, "limit": 3}, headers=headers)
+    assert changed.status_code == 422
+    assert changed.json()["error"]["field"] == "Idempotency-Key"
+    # keys are per tenant: globex may use the same key for its own job
+    other = stack.live.post("/v1/searches", json=body,
+                            headers={**GLOBEX, "Idempotency-Key": "replay-1"})
+    assert other.status_code == 202 and other.json()["id"] != first.json()["id"]
+
+
+def test_idempotency_conflict_while_the_first_request_runs(stack: Stack) -> None:
+    # On the idle gateway nothing runs jobs, so the first request waits its full 2 s.
+    headers = {**ACME, "Idempotency-Key": "conflict-1"}
+    body = {"index": INDEX, "query": "slow one"}
+    answers: list[httpx.Response] = []
+    with httpx.Client(base_url=stack.idle_url, timeout=30) as other:
+        first = threading.Thread(target=lambda: answers.append(
+            other.post("/v1/searches", params={"wait": 2}, json=body, headers=headers)))
+        first.start()
+        time.sleep(0.5)
+        second = stack.idle.post("/v1/searches", json=body, headers=headers)
+        first.join()
+    assert second.status_code == 409, second.text
+    assert second.json()["error"]["field"] == "Idempotency-Key"
+    assert answers[0].status_code == 202
+    replay = stack.idle.post("/v1/searches", json=body, headers=headers)
+    assert replay.status_code == 202
+    assert replay.json()["id"] == answers[0].json()["id"]
