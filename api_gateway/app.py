@@ -1,6 +1,6 @@
 """The gateway's FastAPI app factory; clients are built in the lifespan, never at import.
 
-    uvicorn --factory api_gateway.app:create_app --port 8080
+uvicorn --factory api_gateway.app:create_app --port 8080
 """
 
 from __future__ import annotations
@@ -59,8 +59,10 @@ def create_app(
             assert settings.redis_url is not None
             sender = CeleryTaskSender(settings.redis_url)
         if not len(keyring):
-            log.warning("no API keys configured (SIFT_API_KEYS, SIFT_API_KEYS_FILE): "
-                        "every request will be refused")
+            log.warning(
+                "no API keys configured (SIFT_API_KEYS, SIFT_API_KEYS_FILE): "
+                "every request will be refused"
+            )
         holder["store"] = store
         app.state.store = store
         app.state.sender = sender
@@ -89,21 +91,33 @@ def create_app(
     async def healthz() -> Health:
         return Health(status="ok")
 
-    @app.get("/readyz", response_model=Health, tags=["ops"],
-             responses={503: {"model": ErrorBody}}, summary="Redis answers")
+    @app.get(
+        "/readyz",
+        response_model=Health,
+        tags=["ops"],
+        responses={503: {"model": ErrorBody}},
+        summary="Redis answers",
+    )
     async def readyz(request: Request) -> Response:
         store: JobStore = request.app.state.store
         try:
             await run_in_threadpool(store.ping)
         except redis_errors() as exc:
             log.warning("not ready: %s", exc)
-            return Response(Health(status="unavailable").model_dump_json(), status_code=503,
-                            media_type="application/json")
+            return Response(
+                Health(status="unavailable").model_dump_json(),
+                status_code=503,
+                media_type="application/json",
+            )
         return Response(Health(status="ok").model_dump_json(), media_type="application/json")
 
-    @app.get("/metrics", tags=["ops"], response_class=Response,
-             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
-             summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        tags=["ops"],
+        response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+        summary="Prometheus metrics",
+    )
     async def prometheus() -> Response:
         body = await run_in_threadpool(generate_latest, metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)

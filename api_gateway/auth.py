@@ -1,4 +1,4 @@
-"""API key authentication: a Bearer key decides the tenant; keys are kept only as SHA-256 digests."""
+"""API key authentication: a Bearer key decides the tenant; keys kept as SHA-256 digests."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The gateway's error bodies and handlers: every error is ``{"error": {"type","message","field"?}}``.
+"""The gateway's error bodies and handlers: each is ``{"error": {"type","message","field"?}}``.
 
 A malformed request always gets a 4xx whose message names the field, never a 500.
 """
@@ -45,8 +45,15 @@ class ErrorBody(BaseModel):
 class ApiError(Exception):
     """An error the gateway answers with a status, a type, and the field it is about."""
 
-    def __init__(self, status: int, type_: str, message: str, *, field: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        type_: str,
+        message: str,
+        *,
+        field: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.type = type_
@@ -55,13 +62,21 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def error_response(status: int, type_: str, message: str, *, field: str | None = None,
-                   fields: Sequence[FieldProblem] | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    detail = ErrorDetail(type=type_, message=message, field=field,
-                         fields=list(fields) if fields else None)
-    return JSONResponse(ErrorBody(error=detail).model_dump(exclude_none=True),
-                        status_code=status, headers=headers)
+def error_response(
+    status: int,
+    type_: str,
+    message: str,
+    *,
+    field: str | None = None,
+    fields: Sequence[FieldProblem] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    detail = ErrorDetail(
+        type=type_, message=message, field=field, fields=list(fields) if fields else None
+    )
+    return JSONResponse(
+        ErrorBody(error=detail).model_dump(exclude_none=True), status_code=status, headers=headers
+    )
 
 
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\])$")
@@ -116,24 +131,32 @@ def install_error_handlers(app: FastAPI) -> None:
             problems = [FieldProblem(field="body", message="is invalid")]
         status = 400 if problems[0].field == "body" and "JSON" in problems[0].message else 422
         message = "; ".join(f"{p.field}: {p.message}" for p in problems)
-        return error_response(status, "invalid_request", message, field=problems[0].field,
-                              fields=problems)
+        return error_response(
+            status, "invalid_request", message, field=problems[0].field, fields=problems
+        )
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
-        return error_response(422, "invalid_request", exc.message, field=exc.field,
-                              fields=[FieldProblem(field=exc.field, message=exc.message)])
+        return error_response(
+            422,
+            "invalid_request",
+            exc.message,
+            field=exc.field,
+            fields=[FieldProblem(field=exc.field, message=exc.message)],
+        )
 
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(exc.status, exc.type, exc.message, field=exc.field,
-                              headers=exc.headers)
+        return error_response(
+            exc.status, exc.type, exc.message, field=exc.field, headers=exc.headers
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, type_, str(exc.detail),
-                              headers=getattr(exc, "headers", None))
+        return error_response(
+            exc.status_code, type_, str(exc.detail), headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -66,14 +66,21 @@ T = TypeVar("T")
 Tenant = Annotated[str, Depends(authenticate)]
 Wait = Annotated[
     float,
-    Query(ge=0, le=MAX_WAIT_SECONDS,
-          description="Seconds to wait for the job to finish; 200 if it did, else 202."),
+    Query(
+        ge=0,
+        le=MAX_WAIT_SECONDS,
+        description="Seconds to wait for the job to finish; 200 if it did, else 202.",
+    ),
 ]
 IdemKey = Annotated[
     str | None,
-    Header(alias="Idempotency-Key", min_length=1, max_length=MAX_IDEMPOTENCY_KEY_CHARS,
-           description="Same key and body: the same job. Different body: 422. "
-                       "While the first request is still being answered: 409."),
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+        description="Same key and body: the same job. Different body: 422. "
+        "While the first request is still being answered: 409.",
+    ),
 ]
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 503)
@@ -107,8 +114,9 @@ async def _io(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return await run_in_threadpool(fn, *args, **kwargs)
 
 
-async def _poll(read: Callable[[], Awaitable[T | None]], final: Callable[[T], bool],
-                wait: float) -> T | None:
+async def _poll(
+    read: Callable[[], Awaitable[T | None]], final: Callable[[T], bool], wait: float
+) -> T | None:
     """Read until ``final`` or ``wait`` seconds pass, backing off from 5 ms to 100 ms."""
     deadline = time.monotonic() + wait
     delay = POLL_MIN_SECONDS
@@ -121,8 +129,13 @@ async def _poll(read: Callable[[], Awaitable[T | None]], final: Callable[[T], bo
 
 
 def _search_out(job: SearchJob) -> SearchJobOut:
-    out = SearchJobOut(id=job.id, status=job.status, created_at=iso(job.created_at) or "",
-                       started_at=iso(job.started_at), finished_at=iso(job.finished_at))
+    out = SearchJobOut(
+        id=job.id,
+        status=job.status,
+        created_at=iso(job.created_at) or "",
+        started_at=iso(job.started_at),
+        finished_at=iso(job.finished_at),
+    )
     if job.result is not None:
         result = job.result
         if not job.spec.include_trace and result.trace is not None:
@@ -135,8 +148,9 @@ def _search_out(job: SearchJob) -> SearchJobOut:
 
 def _search_response(job: SearchJob) -> Response:
     body = _search_out(job).model_dump_json(exclude_none=False)
-    return Response(body, status_code=200 if job.status.final else 202,
-                    media_type="application/json")
+    return Response(
+        body, status_code=200 if job.status.final else 202, media_type="application/json"
+    )
 
 
 async def _check_url(settings: Settings, url: str | None) -> None:
@@ -147,8 +161,9 @@ async def _check_url(settings: Settings, url: str | None) -> None:
 class _Idempotency:
     """Stripe-style Idempotency-Key handling around one job-creating request."""
 
-    def __init__(self, store: JobStore, tenant: str, key: str | None, route: str,
-                 body: dict[str, Any]) -> None:
+    def __init__(
+        self, store: JobStore, tenant: str, key: str | None, route: str, body: dict[str, Any]
+    ) -> None:
         self.store, self.tenant, self.key = store, tenant, key
         self.fp = fingerprint(route, body)
 
@@ -158,26 +173,34 @@ class _Idempotency:
             return None
         claim = await _io(self.store.claim_idempotency, self.tenant, self.key, self.fp)
         if claim.outcome is IdempotencyOutcome.MISMATCH:
-            raise ApiError(422, "idempotency_key_reused",
-                           "Idempotency-Key: already used with a different request body",
-                           field="Idempotency-Key")
+            raise ApiError(
+                422,
+                "idempotency_key_reused",
+                "Idempotency-Key: already used with a different request body",
+                field="Idempotency-Key",
+            )
         if claim.outcome is IdempotencyOutcome.IN_PROGRESS:
-            raise ApiError(409, "idempotency_key_in_progress",
-                           "Idempotency-Key: the first request with this key is still running",
-                           field="Idempotency-Key")
+            raise ApiError(
+                409,
+                "idempotency_key_in_progress",
+                "Idempotency-Key: the first request with this key is still running",
+                field="Idempotency-Key",
+            )
         if claim.outcome is IdempotencyOutcome.REPLAY:
             return claim.job_id
         return None
 
     async def created(self, job_id: str) -> None:
         if self.key is not None:
-            await _io(self.store.record_idempotency, self.tenant, self.key, self.fp, job_id,
-                      done=False)
+            await _io(
+                self.store.record_idempotency, self.tenant, self.key, self.fp, job_id, done=False
+            )
 
     async def answered(self, job_id: str) -> None:
         if self.key is not None:
-            await _io(self.store.record_idempotency, self.tenant, self.key, self.fp, job_id,
-                      done=True)
+            await _io(
+                self.store.record_idempotency, self.tenant, self.key, self.fp, job_id, done=True
+            )
 
     async def failed(self) -> None:
         if self.key is not None:
@@ -188,9 +211,16 @@ class _Idempotency:
 
 
 def _ingest_out(job: IngestJob) -> IngestJobOut:
-    return IngestJobOut(id=job.id, status=job.status, index=job.index, documents=job.documents,
-                        created_at=iso(job.created_at) or "", finished_at=iso(job.finished_at),
-                        upserted=job.upserted, error=job.error)
+    return IngestJobOut(
+        id=job.id,
+        status=job.status,
+        index=job.index,
+        documents=job.documents,
+        created_at=iso(job.created_at) or "",
+        finished_at=iso(job.finished_at),
+        upserted=job.upserted,
+        error=job.error,
+    )
 
 
 @router.post(
@@ -211,8 +241,9 @@ async def upsert_documents(
     ``GET /v1/ingestions/{id}``), or 200 when it finished within ``wait`` seconds."""
     for i, doc in enumerate(body.documents):
         if len(doc.text) > MAX_DOCUMENT_CHARS:
-            raise InvalidRequest(f"documents[{i}].text",
-                                 f"longer than {MAX_DOCUMENT_CHARS} characters")
+            raise InvalidRequest(
+                f"documents[{i}].text", f"longer than {MAX_DOCUMENT_CHARS} characters"
+            )
         if not doc.text.strip():
             raise InvalidRequest(f"documents[{i}].text", "is empty after trimming whitespace")
     store = _store(request)
@@ -221,17 +252,21 @@ async def upsert_documents(
     _metrics(request).submitted.labels("ingest").inc()
     log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
     if wait > 0:
+
         async def read() -> IngestJob | None:
             return await _io(store.get_ingest, job.id)
 
         job = await _poll(read, lambda j: j.status.final, wait) or job
-    return Response(_ingest_out(job).model_dump_json(),
-                    status_code=200 if job.status.final else 202,
-                    media_type="application/json")
+    return Response(
+        _ingest_out(job).model_dump_json(),
+        status_code=200 if job.status.final else 202,
+        media_type="application/json",
+    )
 
 
-@router.get("/ingestions/{job_id}", response_model=IngestJobOut, responses=ERRORS,
-            summary="An ingest job")
+@router.get(
+    "/ingestions/{job_id}", response_model=IngestJobOut, responses=ERRORS, summary="An ingest job"
+)
 async def get_ingestion(request: Request, job_id: str, tenant: Tenant) -> IngestJobOut:
     job = await _io(_store(request).get_ingest, job_id)
     if job is None or job.tenant != tenant:
@@ -260,8 +295,9 @@ async def create_search(
     ``wait`` seconds."""
     settings, store = _settings(request), _store(request)
     await _check_url(settings, body.webhook_url)
-    idem = _Idempotency(store, tenant, idempotency_key, "POST /v1/searches",
-                        body.model_dump(mode="json"))
+    idem = _Idempotency(
+        store, tenant, idempotency_key, "POST /v1/searches", body.model_dump(mode="json")
+    )
     job_id = await idem.earlier_job()
     if job_id is None:
         spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
@@ -295,8 +331,12 @@ async def _answer_search(store: JobStore, job_id: str, tenant: str, wait: float)
     return _search_response(job)
 
 
-@router.get("/searches/{job_id}", response_model=SearchJobOut, responses=ERRORS,
-            summary="A search job, with its result once finished")
+@router.get(
+    "/searches/{job_id}",
+    response_model=SearchJobOut,
+    responses=ERRORS,
+    summary="A search job, with its result once finished",
+)
 async def get_search(request: Request, job_id: str, tenant: Tenant) -> Response:
     job = await _io(_store(request).get_search, job_id)
     if job is None or job.tenant != tenant:
@@ -309,10 +349,13 @@ async def get_search(request: Request, job_id: str, tenant: Tenant) -> Response:
 
 def _batch_out(batch: BatchJob) -> BatchOut:
     return BatchOut(
-        id=batch.id, status=batch.status, index=batch.index,
+        id=batch.id,
+        status=batch.status,
+        index=batch.index,
         lane="economy" if batch.lane == "economy" else "standard",
         counts=BatchCounts(total=batch.total, **batch.counts),
-        created_at=iso(batch.created_at) or "", finished_at=iso(batch.finished_at),
+        created_at=iso(batch.created_at) or "",
+        finished_at=iso(batch.finished_at),
         canceled_at=iso(batch.canceled_at),
     )
 
@@ -324,8 +367,13 @@ async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob
     return batch
 
 
-@router.post("/batches", response_model=BatchOut, status_code=202, responses=ERRORS,
-             summary="Submit a batch of searches")
+@router.post(
+    "/batches",
+    response_model=BatchOut,
+    status_code=202,
+    responses=ERRORS,
+    summary="Submit a batch of searches",
+)
 async def create_batch(
     request: Request,
     body: BatchRequest,
@@ -340,45 +388,67 @@ async def create_batch(
     items: list[tuple[str, SearchSpec]] = []
     for i, q in enumerate(body.queries):
         if q.id in first_seen:
-            raise InvalidRequest(f"queries[{i}].id",
-                                 f"duplicate id {q.id!r} (first at queries[{first_seen[q.id]}])")
+            raise InvalidRequest(
+                f"queries[{i}].id", f"duplicate id {q.id!r} (first at queries[{first_seen[q.id]}])"
+            )
         first_seen[q.id] = i
-        spec: dict[str, Any] = {"index": body.index, "query": q.query, "rerank": body.rerank,
-                                "include_trace": body.include_trace, "filters": q.filters}
+        spec: dict[str, Any] = {
+            "index": body.index,
+            "query": q.query,
+            "rerank": body.rerank,
+            "include_trace": body.include_trace,
+            "filters": q.filters,
+        }
         if q.limit is not None:
             spec["limit"] = q.limit
         if q.mode is not None:
             spec["mode"] = q.mode
         items.append((q.id, SearchSpec.model_validate(spec)))
-    idem = _Idempotency(store, tenant, idempotency_key, "POST /v1/batches",
-                        body.model_dump(mode="json"))
+    idem = _Idempotency(
+        store, tenant, idempotency_key, "POST /v1/batches", body.model_dump(mode="json")
+    )
     batch_id = await idem.earlier_job()
     if batch_id is None:
         try:
-            batch = await _io(store.create_batch, tenant, body.index, items, lane=body.lane,
-                              rerank=body.rerank, webhook_url=body.webhook_url)
+            batch = await _io(
+                store.create_batch,
+                tenant,
+                body.index,
+                items,
+                lane=body.lane,
+                rerank=body.rerank,
+                webhook_url=body.webhook_url,
+            )
             await idem.created(batch.id)
             size = settings.batch_chunk_size
-            messages = [(BATCH_CHUNK_TASK, [batch.id, start, min(start + size, batch.total)],
-                         BATCH_QUEUE) for start in range(0, batch.total, size)]
+            messages = [
+                (BATCH_CHUNK_TASK, [batch.id, start, min(start + size, batch.total)], BATCH_QUEUE)
+                for start in range(0, batch.total, size)
+            ]
             await _io(_sender(request).send_many, messages)
         except BaseException:
             await idem.failed()
             raise
         _metrics(request).submitted.labels("batch_item").inc(batch.total)
-        log.info("batch %s: %d items in %d chunks for %s", batch.id, batch.total,
-                 len(messages), tenant)
+        log.info(
+            "batch %s: %d items in %d chunks for %s", batch.id, batch.total, len(messages), tenant
+        )
         batch_id = batch.id
     try:
         batch = await _owned_batch(request, batch_id, tenant)
-        return Response(_batch_out(batch).model_dump_json(), status_code=202,
-                        media_type="application/json")
+        return Response(
+            _batch_out(batch).model_dump_json(), status_code=202, media_type="application/json"
+        )
     finally:
         await idem.answered(batch_id)
 
 
-@router.get("/batches/{batch_id}", response_model=BatchOut, responses=ERRORS,
-            summary="A batch's status and counts")
+@router.get(
+    "/batches/{batch_id}",
+    response_model=BatchOut,
+    responses=ERRORS,
+    summary="A batch's status and counts",
+)
 async def get_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
     return _batch_out(await _owned_batch(request, batch_id, tenant))
 
@@ -401,8 +471,12 @@ def _encode_token(offset: int) -> str:
     return base64.urlsafe_b64encode(f"o:{offset}".encode()).decode().rstrip("=")
 
 
-@router.get("/batches/{batch_id}/results", response_model=BatchResultsPage, responses=ERRORS,
-            summary="A batch's results, one page at a time, in submission order")
+@router.get(
+    "/batches/{batch_id}/results",
+    response_model=BatchResultsPage,
+    responses=ERRORS,
+    summary="A batch's results, one page at a time, in submission order",
+)
 async def get_batch_results(
     request: Request,
     batch_id: str,
@@ -416,13 +490,22 @@ async def get_batch_results(
     outcomes = await _io(_store(request).batch_results, batch_id, offset, page_size)
     end = offset + len(outcomes)
     token = _encode_token(end) if end < batch.total else None
-    body = ('{"results":[' + ",".join(o.to_json() for o in outcomes)
-            + '],"next_page_token":' + ('"' + token + '"' if token else "null") + "}")
+    body = (
+        '{"results":['
+        + ",".join(o.to_json() for o in outcomes)
+        + '],"next_page_token":'
+        + ('"' + token + '"' if token else "null")
+        + "}"
+    )
     return Response(body, media_type="application/json")
 
 
-@router.delete("/batches/{batch_id}", response_model=BatchOut, responses=ERRORS,
-               summary="Cancel the items of a batch that have not run yet")
+@router.delete(
+    "/batches/{batch_id}",
+    response_model=BatchOut,
+    responses=ERRORS,
+    summary="Cancel the items of a batch that have not run yet",
+)
 async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
     batch = await _owned_batch(request, batch_id, tenant)
     outcome = await _io(_store(request).cancel_batch, batch_id)
@@ -432,8 +515,8 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
     log.info("batch %s: %d items canceled", batch_id, canceled)
     batch = await _owned_batch(request, batch_id, tenant)
     if completed and batch.webhook_url:
-        event = webhook_event(WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant,
-                              batch.webhook_url, batch.status.value)
+        event = webhook_event(
+            WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant, batch.webhook_url, batch.status.value
+        )
         await _io(_sender(request).send, WEBHOOK_TASK, [event], WEBHOOK_QUEUE)
     return _batch_out(batch)
-

@@ -19,14 +19,25 @@ class BodyLimitMiddleware:
         self.limit = limit
 
     async def _too_large(self, send: Send) -> None:
-        body = json.dumps({"error": {
-            "type": "payload_too_large",
-            "message": f"body: larger than the limit of {self.limit} bytes",
-            "field": "body",
-        }}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {
+                "error": {
+                    "type": "payload_too_large",
+                    "message": f"body: larger than the limit of {self.limit} bytes",
+                    "field": "body",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

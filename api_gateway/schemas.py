@@ -1,4 +1,4 @@
-"""The HTTP v1 request and response bodies (DESIGN.md §9); the OpenAPI document is built from them."""
+"""The HTTP v1 request and response bodies (DESIGN.md §9); the OpenAPI document comes from them."""
 
 from __future__ import annotations
 

@@ -37,8 +37,9 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
             proc.wait(5)
 
 
-def _wait_until(check: object, what: str, proc: subprocess.Popen[bytes], log: Path,
-                timeout: float = 30.0) -> None:
+def _wait_until(
+    check: object, what: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 30.0
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -58,12 +59,27 @@ def redis_server(tmp: Path) -> Iterator[str]:
     log = tmp / "redis.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp),
-             "--save", "", "--appendonly", "no", "--daemonize", "no"],
-            stdout=out, stderr=subprocess.STDOUT,
+            [
+                "redis-server",
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(tmp),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
         )
     url = f"redis://127.0.0.1:{port}"
     try:
+
         def ping() -> bool:
             client = redis.Redis.from_url(url)
             try:
@@ -85,18 +101,38 @@ def _env(extra: Mapping[str, str]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def celery_worker(tmp: Path, env: Mapping[str, str], name: str, concurrency: int = 32,
-                  pool: str = "threads") -> Iterator[subprocess.Popen[bytes]]:
+def celery_worker(
+    tmp: Path, env: Mapping[str, str], name: str, concurrency: int = 32, pool: str = "threads"
+) -> Iterator[subprocess.Popen[bytes]]:
     tmp.mkdir(parents=True, exist_ok=True)
     log = tmp / f"worker-{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker",
-             "--pool", pool, "--concurrency", str(concurrency), "-n", f"{name}@%h",
-             "-Q", "sift.search,sift.batch,sift.ingest,sift.webhooks",
-             "--without-gossip", "--without-mingle", "--without-heartbeat",
-             "--loglevel", "INFO"],
-            stdout=out, stderr=subprocess.STDOUT, env=_env(env), cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "celery",
+                "-A",
+                "worker.celery_app",
+                "worker",
+                "--pool",
+                pool,
+                "--concurrency",
+                str(concurrency),
+                "-n",
+                f"{name}@%h",
+                "-Q",
+                "sift.search,sift.batch,sift.ingest,sift.webhooks",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+                "--loglevel",
+                "INFO",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(env),
+            cwd=REPO,
         )
     try:
         _wait_until(lambda: b" ready." in log.read_bytes(), f"worker {name}", proc, log)
@@ -106,21 +142,39 @@ def celery_worker(tmp: Path, env: Mapping[str, str], name: str, concurrency: int
 
 
 @contextlib.contextmanager
-def gateway(tmp: Path, env: Mapping[str, str], name: str = "gateway",
-            workers: int = 1) -> Iterator[str]:
+def gateway(
+    tmp: Path, env: Mapping[str, str], name: str = "gateway", workers: int = 1
+) -> Iterator[str]:
     """The gateway under uvicorn, yielding its base URL."""
     tmp.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = tmp / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "api_gateway.app:create_app",
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-             "--no-access-log", "--workers", str(workers)],
-            stdout=out, stderr=subprocess.STDOUT, env=_env(env), cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "--factory",
+                "api_gateway.app:create_app",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+                "--no-access-log",
+                "--workers",
+                str(workers),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=_env(env),
+            cwd=REPO,
         )
     url = f"http://127.0.0.1:{port}"
     try:
+
         def healthy() -> bool:
             return httpx.get(url + "/readyz", timeout=1).status_code == 200
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from kombu.entity import Queue
 
 from worker.constants import (
     ALL_QUEUES,
@@ -83,7 +83,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_connection_retry_on_startup": True,
         # an unacked message comes back after this; it must outlast the longest task
         "broker_transport_options": {"visibility_timeout": int(2 * longest_hard) + 60},
-        "task_queues": [Queue(name) for name in ALL_QUEUES],
+        "task_queues": [Queue(name) for name in ALL_QUEUES],  # type: ignore[no-untyped-call]
         "task_default_queue": SEARCH_QUEUE,
         "task_routes": TASK_ROUTES,
         "task_annotations": {

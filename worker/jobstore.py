@@ -36,9 +36,9 @@ import hashlib
 import json
 import time
 import uuid
-from datetime import UTC, datetime
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, cast
 
@@ -242,7 +242,7 @@ class BatchItem:
 
 @dataclass(frozen=True, slots=True)
 class ItemOutcome:
-    """One line of a batch's results; ``payload`` is the stored ``{"result"}``/``{"error"}`` JSON."""
+    """One line of a batch's results; ``payload`` is the stored ``{"result"}`` or ``{"error"}``."""
 
     query_id: str
     status: JobStatus
@@ -349,8 +349,9 @@ class JobStore:
 
     def start_search(self, job_id: str) -> bool:
         """queued (or running, on redelivery) -> running. False if it is final or missing."""
-        return self._job(SEARCH_KEY + job_id, JobStatus.RUNNING, "queued,running",
-                         started_at=repr(_now()))
+        return self._job(
+            SEARCH_KEY + job_id, JobStatus.RUNNING, "queued,running", {"started_at": repr(_now())}
+        )
 
     def requeue_search(self, job_id: str) -> bool:
         """running -> queued, before a retry."""
@@ -416,8 +417,13 @@ class JobStore:
         return [DocumentIn.model_validate(d) for d in json.loads(raw)]
 
     def start_ingest(self, job_id: str) -> bool:
-        return self._job(INGEST_KEY + job_id, JobStatus.RUNNING, "queued,running",
-                         started_at=repr(_now()), count=False)
+        return self._job(
+            INGEST_KEY + job_id,
+            JobStatus.RUNNING,
+            "queued,running",
+            {"started_at": repr(_now())},
+            count=False,
+        )
 
     def requeue_ingest(self, job_id: str) -> bool:
         return self._job(INGEST_KEY + job_id, JobStatus.QUEUED, "running", count=False)
@@ -432,7 +438,7 @@ class JobStore:
         else:
             status = JobStatus.SUCCEEDED
             fields["upserted"] = str(upserted or 0)
-        applied = self._job(INGEST_KEY + job_id, status, "queued,running", count=False, **fields)
+        applied = self._job(INGEST_KEY + job_id, status, "queued,running", fields, count=False)
         if applied:
             self.redis.delete(INGEST_DOCS_KEY + job_id)
         return applied
@@ -463,8 +469,14 @@ class JobStore:
         batch.counts = {s.value: 0 for s in _STATUSES}
         batch.counts[JobStatus.QUEUED.value] = batch.total
         bid = batch.id
-        keys = [BATCH_KEY + bid, BATCH_ORDER_KEY + bid, BATCH_SPECS_KEY + bid,
-                BATCH_ITEMS_KEY + bid, BATCH_COUNTS_KEY + bid, BATCH_RESULTS_KEY + bid]
+        keys = [
+            BATCH_KEY + bid,
+            BATCH_ORDER_KEY + bid,
+            BATCH_SPECS_KEY + bid,
+            BATCH_ITEMS_KEY + bid,
+            BATCH_COUNTS_KEY + bid,
+            BATCH_RESULTS_KEY + bid,
+        ]
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(
             BATCH_KEY + bid,
@@ -532,8 +544,11 @@ class JobStore:
         for qid, status, spec in zip(query_ids, statuses, specs, strict=True):
             if status is None:
                 continue
-            items.append(BatchItem(qid, JobStatus(status),
-                                   SearchSpec.model_validate_json(spec) if spec else None))
+            items.append(
+                BatchItem(
+                    qid, JobStatus(status), SearchSpec.model_validate_json(spec) if spec else None
+                )
+            )
         return items
 
     def start_item(self, batch_id: str, query_id: str) -> bool:
@@ -561,8 +576,12 @@ class JobStore:
 
     def cancel_batch(self, batch_id: str) -> tuple[int, bool] | None:
         """Cancel every item still queued. Returns (canceled, batch completed now), or None."""
-        keys = [BATCH_ITEMS_KEY + batch_id, BATCH_COUNTS_KEY + batch_id,
-                BATCH_KEY + batch_id, STATS_KEY]
+        keys = [
+            BATCH_ITEMS_KEY + batch_id,
+            BATCH_COUNTS_KEY + batch_id,
+            BATCH_KEY + batch_id,
+            STATS_KEY,
+        ]
         canceled, completed = cast(list[int], self._cancel_batch(keys=keys, args=[repr(_now())]))
         if canceled < 0:
             return None
@@ -606,8 +625,9 @@ class JobStore:
             return IdempotencyClaim(IdempotencyOutcome.IN_PROGRESS, earlier.get("job"))
         return IdempotencyClaim(IdempotencyOutcome.REPLAY, earlier["job"])
 
-    def record_idempotency(self, tenant: str, key: str, fingerprint: str, job_id: str,
-                           *, done: bool) -> None:
+    def record_idempotency(
+        self, tenant: str, key: str, fingerprint: str, job_id: str, *, done: bool
+    ) -> None:
         """Attach the job to the claim; ``done`` once the first request has been answered."""
         record = {"fp": fingerprint, "state": "done" if done else "pending", "job": job_id}
         ttl = IDEMPOTENCY_TTL_SECONDS if done else IDEMPOTENCY_PENDING_TTL_SECONDS
@@ -644,26 +664,47 @@ class JobStore:
             assert result is not None
             status = JobStatus.SUCCEEDED
             fields["result"] = result.model_dump_json()
-        return self._job(key, status, "queued,running", **fields)
+        return self._job(key, status, "queued,running", fields)
 
-    def _job(self, key: str, to: JobStatus, allowed: str, *, count: bool = True,
-             **fields: str) -> bool:
+    def _job(
+        self,
+        key: str,
+        to: JobStatus,
+        allowed: str,
+        fields: dict[str, str] | None = None,
+        *,
+        count: bool = True,
+    ) -> bool:
         args: list[str] = [to.value, allowed, str(self.result_ttl)]
-        for name, value in fields.items():
+        for name, value in (fields or {}).items():
             args += [name, value]
         stats = STATS_KEY if count else STATS_UNTRACKED_KEY
         return int(cast(int, self._transition_job(keys=[key, stats], args=args))) == 1
 
-    def _item(self, batch_id: str, query_id: str, to: JobStatus, allowed: str,
-              payload: str) -> ItemTransition:
-        keys = [BATCH_ITEMS_KEY + batch_id, BATCH_RESULTS_KEY + batch_id,
-                BATCH_COUNTS_KEY + batch_id, BATCH_KEY + batch_id, STATS_KEY]
-        code = int(cast(int, self._transition_item(
-            keys=keys, args=[query_id, to.value, allowed, payload, repr(_now())])))
+    def _item(
+        self, batch_id: str, query_id: str, to: JobStatus, allowed: str, payload: str
+    ) -> ItemTransition:
+        keys = [
+            BATCH_ITEMS_KEY + batch_id,
+            BATCH_RESULTS_KEY + batch_id,
+            BATCH_COUNTS_KEY + batch_id,
+            BATCH_KEY + batch_id,
+            STATS_KEY,
+        ]
+        code = int(
+            cast(
+                int,
+                self._transition_item(
+                    keys=keys, args=[query_id, to.value, allowed, payload, repr(_now())]
+                ),
+            )
+        )
         return ItemTransition(applied=code >= 1, batch_completed=code == 2)
 
 
-def webhook_event(event_type: str, job_id: str, tenant: str, url: str, status: str) -> dict[str, Any]:
+def webhook_event(
+    event_type: str, job_id: str, tenant: str, url: str, status: str
+) -> dict[str, Any]:
     """The message a ``sift.webhook`` task gets. ``webhook_id`` is stable across retries."""
     return {
         "webhook_id": f"msg_{job_id}",

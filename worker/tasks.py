@@ -75,7 +75,9 @@ class WorkerContext:
 
 def load_runtime(settings: Settings) -> Runtime:
     """Build the runtime with ``SIFT_RUNTIME_FACTORY`` ("module:function"), or the default one."""
-    candidates = (settings.runtime_factory,) if settings.runtime_factory else DEFAULT_RUNTIME_FACTORIES
+    candidates = (
+        (settings.runtime_factory,) if settings.runtime_factory else DEFAULT_RUNTIME_FACTORIES
+    )
     last_error: Exception | None = None
     for path in candidates:
         module_name, _, attr = path.partition(":")
@@ -156,7 +158,7 @@ class SiftTask(Task):  # type: ignore[misc]
 
     def backoff(self) -> float:
         """Exponential backoff with full jitter, capped."""
-        ceiling = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2 ** self.request.retries)
+        ceiling = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2**self.request.retries)
         return random.uniform(ceiling / 2, ceiling)
 
     def poisoned(self) -> bool:
@@ -164,13 +166,18 @@ class SiftTask(Task):  # type: ignore[misc]
         count = self.context.store.count_delivery(str(self.request.id), self.request.retries)
         limit = self.context.settings.task_max_deliveries
         if count > limit:
-            log.error("task %s[%s] delivered %d times; failing it as poison",
-                      self.name, self.request.id, count)
+            log.error(
+                "task %s[%s] delivered %d times; failing it as poison",
+                self.name,
+                self.request.id,
+                count,
+            )
             return True
         return False
 
-    def send_webhook(self, event_type: str, job_id: str, tenant: str, url: str,
-                     status: str) -> None:
+    def send_webhook(
+        self, event_type: str, job_id: str, tenant: str, url: str, status: str
+    ) -> None:
         """Enqueue one webhook delivery; its id is stable, so every retry carries the same one."""
         event = webhook_event(event_type, job_id, tenant, url, status)
         self.app.send_task(WEBHOOK_TASK, args=[event], queue=WEBHOOK_QUEUE)
@@ -184,7 +191,8 @@ def _poison_error(task: SiftTask) -> ErrorInfo:
     )
 
 
-@shared_task(name=SEARCH_TASK, base=SiftTask, bind=True)
+@shared_task(  # type: ignore[untyped-decorator]
+    name=SEARCH_TASK, base=SiftTask, bind=True)
 def search(self: SiftTask, job_id: str) -> None:
     """Run one search job and store its result or typed error."""
     store = self.context.store
@@ -216,11 +224,13 @@ def search(self: SiftTask, job_id: str) -> None:
         final = store.get_search_status(job_id)
         log.info("search %s: %s", job_id, final)
         if job.webhook_url and final is not None:
-            self.send_webhook(WEBHOOK_EVENT_SEARCH_COMPLETED, job_id, job.tenant,
-                              job.webhook_url, final.value)
+            self.send_webhook(
+                WEBHOOK_EVENT_SEARCH_COMPLETED, job_id, job.tenant, job.webhook_url, final.value
+            )
 
 
-@shared_task(name=BATCH_CHUNK_TASK, base=SiftTask, bind=True)
+@shared_task(  # type: ignore[untyped-decorator]
+    name=BATCH_CHUNK_TASK, base=SiftTask, bind=True)
 def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     """Run the batch items at positions [start, stop); skip canceled or finished ones."""
     store = self.context.store
@@ -261,15 +271,18 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         if batch.webhook_url:
             done = store.get_batch(batch_id)
             status = done.status.value if done else "succeeded"
-            self.send_webhook(WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, batch.tenant,
-                              batch.webhook_url, status)
+            self.send_webhook(
+                WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, batch.tenant, batch.webhook_url, status
+            )
     if to_retry:
-        log.warning("batch %s: %d items hit retryable errors; retrying the chunk",
-                    batch_id, len(to_retry))
+        log.warning(
+            "batch %s: %d items hit retryable errors; retrying the chunk", batch_id, len(to_retry)
+        )
         raise self.retry(countdown=self.backoff())
 
 
-@shared_task(name=INGEST_TASK, base=SiftTask, bind=True)
+@shared_task(  # type: ignore[untyped-decorator]
+    name=INGEST_TASK, base=SiftTask, bind=True)
 def ingest(self: SiftTask, job_id: str) -> None:
     """Upsert one ingest job's documents into the tenant's index."""
     store = self.context.store
@@ -299,23 +312,33 @@ def ingest(self: SiftTask, job_id: str) -> None:
     log.info("ingest %s: %d documents into %s", job_id, upserted, job.index)
 
 
-@shared_task(name=WEBHOOK_TASK, base=SiftTask, bind=True, max_retries=None)
+@shared_task(  # type: ignore[untyped-decorator]
+    name=WEBHOOK_TASK, base=SiftTask, bind=True, max_retries=None)
 def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     """Deliver one signed webhook; :func:`worker.webhooks.run_delivery` decides the retry."""
     from worker import webhooks
 
     settings = self.context.settings
-    secrets = next((k.webhook_secrets() for k in settings.all_api_keys()
-                    if k.tenant == event["tenant"]), None)
+    secrets = next(
+        (k.webhook_secrets() for k in settings.all_api_keys() if k.tenant == event["tenant"]), None
+    )
     data = event["data"]
     if secrets is None:
-        log.error("webhook for %s: tenant %s has no key and no secret; dropped",
-                  data["id"], event["tenant"])
+        log.error(
+            "webhook for %s: tenant %s has no key and no secret; dropped",
+            data["id"],
+            event["tenant"],
+        )
         return
     decision = webhooks.run_delivery(
-        url=event["url"], event_type=event["type"], job_id=data["id"], status=data["status"],
-        occurred_at=event["occurred_at"], attempt=self.request.retries + 1,
-        secrets=secrets, settings=settings,
+        url=event["url"],
+        event_type=event["type"],
+        job_id=data["id"],
+        status=data["status"],
+        occurred_at=event["occurred_at"],
+        attempt=self.request.retries + 1,
+        secrets=secrets,
+        settings=settings,
     )
     WEBHOOK_DELIVERIES.labels(decision.result.outcome.value).inc()
     if decision.retry_in is not None:

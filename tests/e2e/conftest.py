@@ -21,9 +21,16 @@ import pytest
 from tests.services import celery_worker, gateway, redis_server
 
 KEYS = [
-    {"key": "acme-key-0001", "tenant": "acme", "webhook_secret": "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ=="},
-    {"key": "globex-key-0001", "tenant": "globex",
-     "webhook_secret": "whsec_Z2xvYmV4LXNlY3JldC0wMTIzNDU2Nzg5"},
+    {
+        "key": "acme-key-0001",
+        "tenant": "acme",
+        "webhook_secret": "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ==",
+    },
+    {
+        "key": "globex-key-0001",
+        "tenant": "globex",
+        "webhook_secret": "whsec_Z2xvYmV4LXNlY3JldC0wMTIzNDU2Nzg5",
+    },
 ]
 ACME = {"Authorization": "Bearer acme-key-0001"}
 GLOBEX = {"Authorization": "Bearer globex-key-0001"}
@@ -62,10 +69,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "SIFT_WEBHOOK_RETRY_SCALE": "0.001",
             **_runtime_factory(),
         }
-        live_env = {**base, "SIFT_REDIS_URL": redis_url + "/0",
-                    "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS": "true"}
-        idle_env = {**base, "SIFT_REDIS_URL": redis_url + "/1",
-                    "SIFT_MAX_BODY_BYTES": str(IDLE_BODY_LIMIT)}
+        live_env = {
+            **base,
+            "SIFT_REDIS_URL": redis_url + "/0",
+            "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS": "true",
+        }
+        idle_env = {
+            **base,
+            "SIFT_REDIS_URL": redis_url + "/1",
+            "SIFT_MAX_BODY_BYTES": str(IDLE_BODY_LIMIT),
+        }
         with (
             celery_worker(tmp / "w", live_env, "w1", concurrency=16),
             gateway(tmp / "g", live_env, "live") as live_url,
@@ -79,12 +92,26 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="session")
 def corpus(stack: Stack) -> list[dict[str, object]]:
     """The bundled sample corpus, ingested for tenant acme through the API."""
-    docs = [json.loads(line) for line in (SAMPLE / "sample_corpus.jsonl").read_text().splitlines()
-            if line.strip()]
-    documents = [{"id": d["id"], "text": d["text"], "title": d.get("title", ""),
-                  "metadata": d.get("metadata", {})} for d in docs]
-    response = stack.live.post(f"/v1/indexes/{INDEX}/documents", params={"wait": 20},
-                               json={"documents": documents}, headers=ACME)
+    docs = [
+        json.loads(line)
+        for line in (SAMPLE / "sample_corpus.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    documents = [
+        {
+            "id": d["id"],
+            "text": d["text"],
+            "title": d.get("title", ""),
+            "metadata": d.get("metadata", {}),
+        }
+        for d in docs
+    ]
+    response = stack.live.post(
+        f"/v1/indexes/{INDEX}/documents",
+        params={"wait": 20},
+        json={"documents": documents},
+        headers=ACME,
+    )
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["status"] == "succeeded", body

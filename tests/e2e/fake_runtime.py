@@ -28,8 +28,13 @@ class LockedBackend(InMemoryBackend):
         with self._lock:
             return super().channels(index)
 
-    def upsert(self, index: str, tenant: str, documents: Sequence[Document],
-               vectors: Sequence[Sequence[float]] | None) -> int:
+    def upsert(
+        self,
+        index: str,
+        tenant: str,
+        documents: Sequence[Document],
+        vectors: Sequence[Sequence[float]] | None,
+    ) -> int:
         with self._lock:
             return super().upsert(index, tenant, documents, vectors)
 

@@ -38,14 +38,22 @@ def _all_results(stack: Stack, batch_id: str, page_size: int) -> list[dict[str, 
             return results
 
 
-def test_a_batch_of_1000_is_fully_accounted_for(stack: Stack, corpus: object,
-                                                queries: list[str]) -> None:
-    items = [{"id": f"q{i:04d}", "query": queries[i % len(queries)],
-              **({"limit": 5} if i % 3 == 0 else {}), **({"mode": "fts"} if i % 7 == 0 else {})}
-             for i in range(1000)]
+def test_a_batch_of_1000_is_fully_accounted_for(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    items = [
+        {
+            "id": f"q{i:04d}",
+            "query": queries[i % len(queries)],
+            **({"limit": 5} if i % 3 == 0 else {}),
+            **({"mode": "fts"} if i % 7 == 0 else {}),
+        }
+        for i in range(1000)
+    ]
     started = time.monotonic()
-    response = stack.live.post("/v1/batches", json={"index": INDEX, "queries": items,
-                                                     "rerank": False}, headers=ACME)
+    response = stack.live.post(
+        "/v1/batches", json={"index": INDEX, "queries": items, "rerank": False}, headers=ACME
+    )
     assert response.status_code == 202, response.text
     batch = response.json()
     assert batch["counts"]["total"] == 1000 and batch["lane"] == "standard"
@@ -64,28 +72,38 @@ def test_a_batch_of_1000_is_fully_accounted_for(stack: Stack, corpus: object,
 
 def test_cancel_a_queued_batch(stack: Stack) -> None:
     items = [{"id": str(i), "query": f"query {i}"} for i in range(50)]
-    batch = stack.idle.post("/v1/batches", json={"index": INDEX, "queries": items},
-                            headers=ACME).json()
+    batch = stack.idle.post(
+        "/v1/batches", json={"index": INDEX, "queries": items}, headers=ACME
+    ).json()
     assert batch["status"] == "queued"
     response = stack.idle.delete(f"/v1/batches/{batch['id']}", headers=ACME)
     assert response.status_code == 200
     canceled = response.json()
     assert canceled["status"] == "canceled"
-    assert canceled["counts"] == {"total": 50, "queued": 0, "running": 0, "succeeded": 0,
-                                  "failed": 0, "canceled": 50}
-    page = stack.idle.get(f"/v1/batches/{batch['id']}/results", params={"page_size": 1000},
-                          headers=ACME).json()
+    assert canceled["counts"] == {
+        "total": 50,
+        "queued": 0,
+        "running": 0,
+        "succeeded": 0,
+        "failed": 0,
+        "canceled": 50,
+    }
+    page = stack.idle.get(
+        f"/v1/batches/{batch['id']}/results", params={"page_size": 1000}, headers=ACME
+    ).json()
     assert [r["status"] for r in page["results"]] == ["canceled"] * 50
     assert page["next_page_token"] is None
     again = stack.idle.delete(f"/v1/batches/{batch['id']}", headers=ACME)
     assert again.json()["counts"]["canceled"] == 50
 
 
-def test_cancel_a_running_batch_skips_what_has_not_run(stack: Stack, corpus: object,
-                                                        queries: list[str]) -> None:
+def test_cancel_a_running_batch_skips_what_has_not_run(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
     items = [{"id": f"c{i}", "query": queries[i % len(queries)]} for i in range(2000)]
-    batch = stack.live.post("/v1/batches", json={"index": INDEX, "queries": items},
-                            headers=ACME).json()
+    batch = stack.live.post(
+        "/v1/batches", json={"index": INDEX, "queries": items}, headers=ACME
+    ).json()
     canceled = stack.live.delete(f"/v1/batches/{batch['id']}", headers=ACME).json()
     assert canceled["counts"]["canceled"] > 0
     done = _wait_batch(stack, batch["id"])

@@ -12,8 +12,9 @@ SEARCH = {"index": INDEX, "query": "tea"}
 BATCH = {"index": INDEX, "queries": [{"id": "a", "query": "tea"}]}
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Basic abc"},
-                                     {"Authorization": "Bearer"}])
+@pytest.mark.parametrize(
+    "headers", [{}, {"Authorization": "Basic abc"}, {"Authorization": "Bearer"}]
+)
 def test_missing_key_is_401(stack: Stack, headers: dict[str, str]) -> None:
     response = stack.live.post("/v1/searches", json=SEARCH, headers=headers)
     assert response.status_code == 401
@@ -42,47 +43,81 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
     ("POST", "/v1/searches", {**SEARCH, "include_trace": "yes please"}, {}, "include_trace"),
     ("POST", "/v1/searches", {**SEARCH, "filters": {"a": [1, 2]}}, {}, "filters.a"),
     ("POST", "/v1/searches", {**SEARCH, "filters": "x"}, {}, "filters"),
-    ("POST", "/v1/searches", {**SEARCH, "webhook_url": "ftp://example.com/x"}, {},
-     "webhook_url"),
+    ("POST", "/v1/searches", {**SEARCH, "webhook_url": "ftp://example.com/x"}, {}, "webhook_url"),
     ("POST", "/v1/searches", {**SEARCH, "tenant": "evil"}, {}, "tenant"),
     ("POST", "/v1/searches", SEARCH, {"wait": 31}, "wait"),
     ("POST", "/v1/searches", SEARCH, {"wait": "soon"}, "wait"),
     ("POST", "/v1/batches", {**BATCH, "index": ""}, {}, "index"),
     ("POST", "/v1/batches", {**BATCH, "queries": []}, {}, "queries"),
-    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "", "query": "x"}]}, {},
-     "queries[0].id"),
+    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "", "query": "x"}]}, {}, "queries[0].id"),
     ("POST", "/v1/batches", {**BATCH, "queries": [{"query": "x"}]}, {}, "queries[0].id"),
-    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "a", "query": "x"},
-                                                   {"id": "a", "query": "y"}]}, {},
-     "queries[1].id"),
-    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "a", "query": ""}]}, {},
-     "queries[0].query"),
-    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "a", "query": "x", "limit": 0}]}, {},
-     "queries[0].limit"),
-    ("POST", "/v1/batches", {**BATCH, "queries": [{"id": "a", "query": "x", "mode": "z"}]}, {},
-     "queries[0].mode"),
+    (
+        "POST",
+        "/v1/batches",
+        {**BATCH, "queries": [{"id": "a", "query": "x"}, {"id": "a", "query": "y"}]},
+        {},
+        "queries[1].id",
+    ),
+    (
+        "POST",
+        "/v1/batches",
+        {**BATCH, "queries": [{"id": "a", "query": ""}]},
+        {},
+        "queries[0].query",
+    ),
+    (
+        "POST",
+        "/v1/batches",
+        {**BATCH, "queries": [{"id": "a", "query": "x", "limit": 0}]},
+        {},
+        "queries[0].limit",
+    ),
+    (
+        "POST",
+        "/v1/batches",
+        {**BATCH, "queries": [{"id": "a", "query": "x", "mode": "z"}]},
+        {},
+        "queries[0].mode",
+    ),
     ("POST", "/v1/batches", {**BATCH, "lane": "express"}, {}, "lane"),
     ("POST", "/v1/batches", {**BATCH, "rerank": "maybe"}, {}, "rerank"),
     ("POST", "/v1/batches", {**BATCH, "webhook_url": "not a url"}, {}, "webhook_url"),
     ("GET", "/v1/batches/bat_x/results", {}, {"page_size": 0}, "page_size"),
     ("GET", "/v1/batches/bat_x/results", {}, {"page_size": 100_000}, "page_size"),
-    ("POST", "/v1/indexes/Bad%20Index/documents", {"documents": [{"id": "1", "text": "t"}]},
-     {}, "index"),
+    (
+        "POST",
+        "/v1/indexes/Bad%20Index/documents",
+        {"documents": [{"id": "1", "text": "t"}]},
+        {},
+        "index",
+    ),
     ("POST", "/v1/indexes/docs/documents", {"documents": []}, {}, "documents"),
-    ("POST", "/v1/indexes/docs/documents", {"documents": [{"id": "1"}]}, {},
-     "documents[0].text"),
-    ("POST", "/v1/indexes/docs/documents", {"documents": [{"id": "", "text": "t"}]}, {},
-     "documents[0].id"),
-    ("POST", "/v1/indexes/docs/documents",
-     {"documents": [{"id": "1", "text": "t", "metadata": {"k": {"nested": 1}}}]}, {},
-     "documents[0].metadata.k"),
+    ("POST", "/v1/indexes/docs/documents", {"documents": [{"id": "1"}]}, {}, "documents[0].text"),
+    (
+        "POST",
+        "/v1/indexes/docs/documents",
+        {"documents": [{"id": "", "text": "t"}]},
+        {},
+        "documents[0].id",
+    ),
+    (
+        "POST",
+        "/v1/indexes/docs/documents",
+        {"documents": [{"id": "1", "text": "t", "metadata": {"k": {"nested": 1}}}]},
+        {},
+        "documents[0].metadata.k",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("method", "path", "body", "params", "field"), CASES,
-                         ids=[f"{c[1].split('/')[2]}:{c[4]}" for c in CASES])
-def test_each_bad_field_is_named(stack: Stack, method: str, path: str, body: dict[str, Any],
-                                 params: dict[str, Any], field: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "body", "params", "field"),
+    CASES,
+    ids=[f"{c[1].split('/')[2]}:{c[4]}" for c in CASES],
+)
+def test_each_bad_field_is_named(
+    stack: Stack, method: str, path: str, body: dict[str, Any], params: dict[str, Any], field: str
+) -> None:
     kwargs: dict[str, Any] = {"params": params, "headers": ACME}
     if method == "POST":
         kwargs["json"] = body
@@ -95,19 +130,24 @@ def test_each_bad_field_is_named(stack: Stack, method: str, path: str, body: dic
 
 def test_bad_page_token_is_named(stack: Stack) -> None:
     batch = stack.idle.post("/v1/batches", json=BATCH, headers=ACME).json()
-    response = stack.idle.get(f"/v1/batches/{batch['id']}/results",
-                              params={"page_token": "garbage!"}, headers=ACME)
+    response = stack.idle.get(
+        f"/v1/batches/{batch['id']}/results", params={"page_token": "garbage!"}, headers=ACME
+    )
     assert response.status_code == 422
     assert response.json()["error"]["field"] == "page_token"
 
 
 def test_malformed_json_is_a_4xx(stack: Stack) -> None:
-    response = stack.live.post("/v1/searches", content=b'{"index": "docs", "query": ',
-                               headers={**ACME, "content-type": "application/json"})
+    response = stack.live.post(
+        "/v1/searches",
+        content=b'{"index": "docs", "query": ',
+        headers={**ACME, "content-type": "application/json"},
+    )
     assert response.status_code == 400
     assert response.json()["error"]["field"] == "body"
-    response = stack.live.post("/v1/searches", content=b"[1, 2]",
-                               headers={**ACME, "content-type": "application/json"})
+    response = stack.live.post(
+        "/v1/searches", content=b"[1, 2]", headers={**ACME, "content-type": "application/json"}
+    )
     assert 400 <= response.status_code < 500
 
 
@@ -118,8 +158,16 @@ def test_body_over_the_limit_is_413(stack: Stack) -> None:
     assert str(IDLE_BODY_LIMIT) in response.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:9/hook", "http://169.254.169.254/latest",
-                                 "http://10.0.0.1/x", "http://localhost/x", "http://[::1]/x"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:9/hook",
+        "http://169.254.169.254/latest",
+        "http://10.0.0.1/x",
+        "http://localhost/x",
+        "http://[::1]/x",
+    ],
+)
 def test_ssrf_refused_at_registration(stack: Stack, url: str) -> None:
     for path, body in (("/v1/searches", SEARCH), ("/v1/batches", BATCH)):
         response = stack.idle.post(path, json={**body, "webhook_url": url}, headers=ACME)
@@ -128,8 +176,12 @@ def test_ssrf_refused_at_registration(stack: Stack, url: str) -> None:
 
 
 def test_unknown_ids_are_404(stack: Stack) -> None:
-    for path in ("/v1/searches/srch_nope", "/v1/batches/bat_nope",
-                 "/v1/batches/bat_nope/results", "/v1/ingestions/ing_nope"):
+    for path in (
+        "/v1/searches/srch_nope",
+        "/v1/batches/bat_nope",
+        "/v1/batches/bat_nope/results",
+        "/v1/ingestions/ing_nope",
+    ):
         response = stack.live.get(path, headers=ACME)
         assert response.status_code == 404, path
     assert stack.live.delete("/v1/batches/bat_nope", headers=ACME).status_code == 404
@@ -138,9 +190,17 @@ def test_unknown_ids_are_404(stack: Stack) -> None:
 def test_openapi_declares_the_contract(stack: Stack) -> None:
     doc = stack.live.get("/openapi.json").json()
     paths = doc["paths"]
-    for path in ("/v1/searches", "/v1/searches/{job_id}", "/v1/batches",
-                 "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/results",
-                 "/v1/indexes/{index}/documents", "/healthz", "/readyz", "/metrics"):
+    for path in (
+        "/v1/searches",
+        "/v1/searches/{job_id}",
+        "/v1/batches",
+        "/v1/batches/{batch_id}",
+        "/v1/batches/{batch_id}/results",
+        "/v1/indexes/{index}/documents",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ):
         assert path in paths, path
     post = paths["/v1/searches"]["post"]
     assert "$ref" in str(post["responses"]["202"]) and "SearchJobOut" in str(post["responses"])
@@ -149,7 +209,13 @@ def test_openapi_declares_the_contract(stack: Stack) -> None:
     assert "Idempotency-Key" in str(post["parameters"])
     schemas = doc["components"]["schemas"]
     assert set(schemas["BatchCounts"]["properties"]) == {
-        "total", "queued", "running", "succeeded", "failed", "canceled"}
+        "total",
+        "queued",
+        "running",
+        "succeeded",
+        "failed",
+        "canceled",
+    }
 
 
 def test_health_ready_and_metrics(stack: Stack, corpus: object) -> None:

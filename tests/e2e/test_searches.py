@@ -21,8 +21,9 @@ def _poll(client: httpx.Client, path: str, until: set[str], timeout: float = 20)
 
 
 def test_search_polled(stack: Stack, corpus: list[dict[str, object]]) -> None:
-    response = stack.live.post("/v1/searches", json={"index": INDEX, "query": "green tea"},
-                               headers=ACME)
+    response = stack.live.post(
+        "/v1/searches", json={"index": INDEX, "query": "green tea"}, headers=ACME
+    )
     assert response.status_code in (200, 202), response.text
     job = response.json()
     assert job["id"].startswith("srch_")
@@ -38,9 +39,12 @@ def test_search_polled(stack: Stack, corpus: list[dict[str, object]]) -> None:
 
 
 def test_search_with_wait_answers_200_with_the_result(stack: Stack, corpus: object) -> None:
-    response = stack.live.post("/v1/searches", params={"wait": 10},
-                               json={"index": INDEX, "query": "steam railway", "limit": 3,
-                                     "mode": "fts"}, headers=ACME)
+    response = stack.live.post(
+        "/v1/searches",
+        params={"wait": 10},
+        json={"index": INDEX, "query": "steam railway", "limit": 3, "mode": "fts"},
+        headers=ACME,
+    )
     assert response.status_code == 200, response.text
     job = response.json()
     assert job["status"] == "succeeded"
@@ -48,8 +52,12 @@ def test_search_with_wait_answers_200_with_the_result(stack: Stack, corpus: obje
 
 
 def test_a_failed_search_has_a_typed_error(stack: Stack, corpus: object) -> None:
-    response = stack.live.post("/v1/searches", params={"wait": 10},
-                               json={"index": "no-such-index", "query": "tea"}, headers=ACME)
+    response = stack.live.post(
+        "/v1/searches",
+        params={"wait": 10},
+        json={"index": "no-such-index", "query": "tea"},
+        headers=ACME,
+    )
     assert response.status_code == 200, response.text
     job = response.json()
     assert job["status"] == "failed"
@@ -58,14 +66,19 @@ def test_a_failed_search_has_a_typed_error(stack: Stack, corpus: object) -> None
 
 
 def test_another_tenant_cannot_see_the_job(stack: Stack, corpus: object) -> None:
-    job = stack.live.post("/v1/searches", json={"index": INDEX, "query": "bees"},
-                          headers=ACME).json()
+    job = stack.live.post(
+        "/v1/searches", json={"index": INDEX, "query": "bees"}, headers=ACME
+    ).json()
     response = stack.live.get(f"/v1/searches/{job['id']}", headers=GLOBEX)
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "not_found"
     # and the other tenant's search sees none of acme's documents
-    other = stack.live.post("/v1/searches", params={"wait": 10},
-                            json={"index": INDEX, "query": "green tea"}, headers=GLOBEX).json()
+    other = stack.live.post(
+        "/v1/searches",
+        params={"wait": 10},
+        json={"index": INDEX, "query": "green tea"},
+        headers=GLOBEX,
+    ).json()
     assert other["status"] == "failed" or other["result"]["hits"] == []
 
 
@@ -82,8 +95,9 @@ def test_idempotency_replay_and_mismatch(stack: Stack, corpus: object) -> None:
     assert changed.status_code == 422
     assert changed.json()["error"]["field"] == "Idempotency-Key"
     # keys are per tenant: globex may use the same key for its own job
-    other = stack.live.post("/v1/searches", json=body,
-                            headers={**GLOBEX, "Idempotency-Key": "replay-1"})
+    other = stack.live.post(
+        "/v1/searches", json=body, headers={**GLOBEX, "Idempotency-Key": "replay-1"}
+    )
     assert other.status_code == 202 and other.json()["id"] != first.json()["id"]
 
 
@@ -93,8 +107,11 @@ def test_idempotency_conflict_while_the_first_request_runs(stack: Stack) -> None
     body = {"index": INDEX, "query": "slow one"}
     answers: list[httpx.Response] = []
     with httpx.Client(base_url=stack.idle_url, timeout=30) as other:
-        first = threading.Thread(target=lambda: answers.append(
-            other.post("/v1/searches", params={"wait": 2}, json=body, headers=headers)))
+        first = threading.Thread(
+            target=lambda: answers.append(
+                other.post("/v1/searches", params={"wait": 2}, json=body, headers=headers)
+            )
+        )
         first.start()
         time.sleep(0.5)
         second = stack.idle.post("/v1/searches", json=body, headers=headers)

@@ -45,11 +45,18 @@ def test_search_and_batch_webhooks_are_signed(
     stack: Stack, corpus: object, receiver: tuple[str, queue.Queue[Received]]
 ) -> None:
     url, inbox = receiver
-    search = stack.live.post("/v1/searches", json={"index": INDEX, "query": "tea",
-                                                    "webhook_url": url}, headers=ACME).json()
-    batch = stack.live.post("/v1/batches", json={
-        "index": INDEX, "webhook_url": url,
-        "queries": [{"id": str(i), "query": "bees"} for i in range(30)]}, headers=ACME).json()
+    search = stack.live.post(
+        "/v1/searches", json={"index": INDEX, "query": "tea", "webhook_url": url}, headers=ACME
+    ).json()
+    batch = stack.live.post(
+        "/v1/batches",
+        json={
+            "index": INDEX,
+            "webhook_url": url,
+            "queries": [{"id": str(i), "query": "bees"} for i in range(30)],
+        },
+        headers=ACME,
+    ).json()
     verifier = Webhook(KEYS[0]["webhook_secret"])
     seen = {}
     for _ in range(2):
