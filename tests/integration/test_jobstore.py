@@ -1,0 +1,157 @@
+"""The Redis job store against a real redis-server: compare-and-set, counts, TTLs, idempotency."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.services import redis_server
+from worker.constants import (
+    BATCH_COUNTS_KEY,
+    BATCH_ITEMS_KEY,
+    BATCH_KEY,
+    BATCH_ORDER_KEY,
+    BATCH_RESULTS_KEY,
+    BATCH_SPECS_KEY,
+    SEARCH_KEY,
+)
+from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
+from worker.jobstore import IdempotencyOutcome, JobStore
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_server(Path(tmp_path_factory.mktemp("redis"))) as url:
+        yield url + "/0"
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[JobStore]:
+    store = JobStore.from_url(redis_url)
+    store.redis.flushdb()
+    yield store
+    store.close()
+
+
+def result(tag: str) -> SearchResult:
+    return SearchResult(hits=[], rerank=RerankInfo(applied=False, fallback_reason=tag))
+
+
+def spec(query: str = "q") -> SearchSpec:
+    return SearchSpec(index="docs", query=query)
+
+
+def test_a_search_is_finished_once(store: JobStore) -> None:
+    job = store.create_search("acme", spec())
+    assert store.start_search(job.id)
+    assert store.start_search(job.id)  # a redelivery may start it again
+    assert store.finish_search(job.id, result=result("first"))
+    assert not store.finish_search(job.id, result=result("second"))
+    assert not store.finish_search(job.id, error=ErrorInfo(type="x", message="late"))
+    assert not store.start_search(job.id)
+    done = store.get_search(job.id)
+    assert done is not None and done.status == "succeeded"
+    assert done.result is not None and done.result.rerank.fallback_reason == "first"
+    assert done.error is None
+    assert store.in_flight() == {"queued": 0, "running": 0}
+
+
+def test_a_redelivered_item_never_produces_a_second_result(store: JobStore) -> None:
+    batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(3)])
+    assert store.start_item(batch.id, "q0") and store.start_item(batch.id, "q0")
+    first = store.finish_item(batch.id, "q0", result=result("first"))
+    again = store.finish_item(batch.id, "q0", error=ErrorInfo(type="x", message="again"))
+    assert first.applied and not again.applied
+    [outcome] = store.batch_results(batch.id, 0, 1)
+    assert outcome.status == "succeeded" and '"first"' in (outcome.payload or "")
+    got = store.get_batch(batch.id)
+    assert got is not None
+    assert got.counts == {"queued": 2, "running": 0, "succeeded": 1, "failed": 0, "canceled": 0}
+
+
+def test_counts_never_drift_under_racing_redeliveries_and_cancel(store: JobStore) -> None:
+    n = 400
+    batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(n)])
+    completions: list[bool] = []
+    lock = threading.Lock()
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        order = list(range(n))
+        rng.shuffle(order)
+        for i in order:
+            qid = f"q{i}"
+            if store.start_item(batch.id, qid):
+                if rng.random() < 0.1:
+                    t = store.finish_item(batch.id, qid, error=ErrorInfo(type="e", message="m"))
+                else:
+                    t = store.finish_item(batch.id, qid, result=result(str(seed)))
+                with lock:
+                    completions.append(t.batch_completed)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    canceled = store.cancel_batch(batch.id)
+    for t in threads:
+        t.join()
+    got = store.get_batch(batch.id)
+    assert got is not None and canceled is not None
+    c = got.counts
+    assert c["queued"] == c["running"] == 0
+    assert c["succeeded"] + c["failed"] + c["canceled"] == n
+    assert c["canceled"] == canceled[0]
+    outcomes = store.batch_results(batch.id, 0, n)
+    assert [o.query_id for o in outcomes] == [f"q{i}" for i in range(n)]
+    for status in ("succeeded", "failed", "canceled"):
+        assert sum(o.status == status for o in outcomes) == c[status]
+    assert sum(completions) + int(canceled[1]) == 1  # the batch completes exactly once
+    assert got.finished_at is not None and got.status == "canceled"
+
+
+def test_every_record_has_a_ttl(store: JobStore) -> None:
+    job = store.create_search("acme", spec())
+    batch = store.create_batch("acme", "docs", [("a", spec())])
+    store.start_item(batch.id, "a")
+    store.finish_item(batch.id, "a", result=result("r"))
+    keys = [SEARCH_KEY + job.id] + [
+        prefix + batch.id
+        for prefix in (BATCH_KEY, BATCH_ORDER_KEY, BATCH_SPECS_KEY, BATCH_ITEMS_KEY,
+                       BATCH_COUNTS_KEY, BATCH_RESULTS_KEY)
+    ]
+    for key in keys:
+        assert 0 < int(store.redis.ttl(key)) <= 7 * 24 * 3600, key
+
+
+def test_idempotency_claims(store: JobStore) -> None:
+    first = store.claim_idempotency("acme", "k", "fp1")
+    assert first.outcome is IdempotencyOutcome.NEW
+    assert store.claim_idempotency("acme", "k", "fp1").outcome is IdempotencyOutcome.IN_PROGRESS
+    assert store.claim_idempotency("acme", "k", "fp2").outcome is IdempotencyOutcome.MISMATCH
+    assert store.claim_idempotency("globex", "k", "fp2").outcome is IdempotencyOutcome.NEW
+    store.record_idempotency("acme", "k", "fp1", "srch_1", done=True)
+    replay = store.claim_idempotency("acme", "k", "fp1")
+    assert replay.outcome is IdempotencyOutcome.REPLAY and replay.job_id == "srch_1"
+    store.release_idempotency("globex", "k")
+    assert store.claim_idempotency("globex", "k", "fp3").outcome is IdempotencyOutcome.NEW
+
+
+def test_delivery_counter(store: JobStore) -> None:
+    assert [store.count_delivery("t", 0) for _ in range(3)] == [1, 2, 3]
+    assert store.count_delivery("t", 1) == 1
+
+
+def test_missing_records(store: JobStore) -> None:
+    assert store.get_search("srch_nope") is None
+    assert store.get_batch("bat_nope") is None
+    assert store.cancel_batch("bat_nope") is None
+    assert not store.finish_search("srch_nope", result=result("x"))
+    assert not store.finish_item("bat_nope", "q", result=result("x")).applied
+    assert isinstance(store.redis, redis.Redis)

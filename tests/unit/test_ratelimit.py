@@ -1,0 +1,53 @@
+"""The provider limiter: the in-flight bound and the shared pause after a 429."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from worker.errors import DeadlineExceeded
+from worker.ratelimit import ProviderLimiter
+
+
+def test_the_in_flight_bound_holds() -> None:
+    limiter = ProviderLimiter(3)
+    peak = 0
+    lock = threading.Lock()
+
+    def call() -> None:
+        nonlocal peak
+        with limiter.slot():
+            with lock:
+                peak = max(peak, limiter.in_flight)
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=call) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert peak == 3 and limiter.in_flight == 0
+
+
+def test_a_pause_holds_every_sender() -> None:
+    limiter = ProviderLimiter(10)
+    limiter.pause(0.2)
+    started = time.monotonic()
+    limiter.wait()
+    assert time.monotonic() - started >= 0.19
+    limiter.pause(0.05)
+    limiter.pause(0.01)  # a shorter pause never shortens the longer one
+    assert limiter.paused_until - time.monotonic() > 0.03
+
+
+def test_no_wait_past_the_deadline() -> None:
+    limiter = ProviderLimiter(1)
+    limiter.pause(5)
+    with pytest.raises(DeadlineExceeded):
+        limiter.wait(deadline=time.monotonic() + 0.1)
+    with limiter.slot(), pytest.raises(DeadlineExceeded), limiter.slot(
+        deadline=time.monotonic() + 0.05
+    ):
+        pass
