@@ -15,10 +15,12 @@ a search, and the time limits below still apply under ``--pool prefork``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import Celery
-from kombu.entity import Queue
+from celery.signals import worker_init
+from kombu.entity import Exchange, Queue
 
 from worker.constants import (
     ALL_QUEUES,
@@ -33,6 +35,8 @@ from worker.constants import (
 )
 from worker.errors import ConfigError
 from worker.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
 
 TIME_LIMIT_MARGIN_SECONDS = 15.0  # hard limit = soft limit + this
 INGEST_TIME_LIMIT_SECONDS = 600.0
@@ -83,7 +87,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_connection_retry_on_startup": True,
         # an unacked message comes back after this; it must outlast the longest task
         "broker_transport_options": {"visibility_timeout": int(2 * longest_hard) + 60},
-        "task_queues": [Queue(name) for name in ALL_QUEUES],  # type: ignore[no-untyped-call]
+        # one direct exchange per queue, named like it: what send_task(queue=...) creates on
+        # the gateway's side too. A shared exchange and key would copy a message into every queue.
+        "task_queues": [
+            Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
+            for name in ALL_QUEUES
+        ],
         "task_default_queue": SEARCH_QUEUE,
         "task_routes": TASK_ROUTES,
         "task_annotations": {
@@ -94,12 +103,29 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
+def _serve_metrics(sender: Any = None, **_: Any) -> None:
+    """On worker start, serve ``/metrics`` on ``SIFT_WORKER_METRICS_PORT`` (0 turns it off)."""
+    app = getattr(sender, "app", None)
+    settings: Settings | None = getattr(getattr(app, "conf", None), "sift_settings", None)
+    if settings is None or not settings.worker_metrics_port:
+        return
+    from prometheus_client import start_http_server
+
+    try:
+        start_http_server(settings.worker_metrics_port)
+    except OSError as exc:
+        log.warning("worker metrics not served on :%d: %s", settings.worker_metrics_port, exc)
+    else:
+        log.info("worker metrics on :%d/metrics", settings.worker_metrics_port)
+
+
 def create_celery_app(settings: Settings | None = None) -> Celery:
     """The worker's Celery app, with Sift's tasks registered."""
     settings = settings or load_settings()
     celery = Celery("sift", set_as_current=False)
     celery.config_from_object(celery_config(settings))
     celery.conf.sift_settings = settings
+    worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
     import worker.tasks  # noqa: F401  (registers the shared tasks with every app)
 
     return celery

@@ -67,3 +67,5 @@ def test_search_and_batch_webhooks_are_signed(
     assert seen["search.completed"]["data"] == {"id": search["id"], "status": "succeeded"}
     assert seen["batch.completed"]["data"] == {"id": batch["id"], "status": "succeeded"}
     assert set(json.loads(body)) == {"type", "timestamp", "data"}
+    with pytest.raises(queue.Empty):  # each event once: no copy in another queue
+        inbox.get(timeout=1.0)

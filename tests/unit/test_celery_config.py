@@ -1,0 +1,37 @@
+"""The Celery settings Sift relies on for reliable delivery."""
+
+from __future__ import annotations
+
+from worker.celery_app import celery_config, create_celery_app, time_limits
+from worker.constants import ALL_QUEUES, BATCH_CHUNK_TASK, SEARCH_TASK, WEBHOOK_TASK
+from worker.settings import load_settings
+
+
+def test_reliable_delivery_settings() -> None:
+    settings = load_settings(redis_url="redis://127.0.0.1:1/0", search_deadline_seconds=20)
+    conf = celery_config(settings)
+    assert conf["task_acks_late"] and conf["task_reject_on_worker_lost"]
+    assert conf["worker_prefetch_multiplier"] == 1
+    assert conf["worker_cancel_long_running_tasks_on_connection_loss"]
+    assert conf["worker_soft_shutdown_timeout"] > 0
+    assert conf["accept_content"] == ["json"] and conf["task_serializer"] == "json"
+    longest_hard = max(hard for _, hard in time_limits(settings).values())
+    assert conf["broker_transport_options"]["visibility_timeout"] > longest_hard
+    soft, hard = time_limits(settings)[SEARCH_TASK]
+    assert 20 < soft < hard
+    assert conf["worker_pool"] == "threads"
+
+
+def test_each_queue_has_its_own_exchange_and_key() -> None:
+    conf = celery_config(load_settings(redis_url="redis://127.0.0.1:1/0"))
+    queues = {q.name: q for q in conf["task_queues"]}
+    assert set(queues) == set(ALL_QUEUES)
+    for name, q in queues.items():
+        assert q.exchange.name == name and q.routing_key == name
+
+
+def test_tasks_are_registered_by_name() -> None:
+    app = create_celery_app(load_settings(redis_url="redis://127.0.0.1:1/0"))
+    for name in (SEARCH_TASK, BATCH_CHUNK_TASK, WEBHOOK_TASK):
+        assert name in app.tasks
+        assert app.tasks[name].acks_late
