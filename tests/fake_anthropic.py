@@ -495,7 +495,7 @@ class FakeAnthropic:
         if text is not None:
             content.append({"type": "text", "text": text})
         cached = config.cache_read_input_tokens + config.cache_creation_input_tokens
-        usage = {
+        usage: dict[str, Any] = {
             "input_tokens": max(0, self.count_input_tokens(body) - cached),
             "output_tokens": thinking + answer_tokens,
             "cache_read_input_tokens": config.cache_read_input_tokens,
