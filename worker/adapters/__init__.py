@@ -1,0 +1,1 @@
+"""Adapters: the real implementations of the ports in :mod:`worker.core.ports`."""
