@@ -461,23 +461,21 @@ class EmbeddedBackend:
 def _grow(
     matrix: npt.NDArray[np.float32], size: int, kept: npt.NDArray[np.intp], blobs: list[bytes]
 ) -> npt.NDArray[np.float32]:
-    """Append vectors after the kept rows, reusing spare capacity (doubling when it runs out).
+    """Append vectors after the kept rows, reusing spare capacity (1.5x growth).
 
     Rows already visible to other readers are never written: appends go past ``size``,
-    and a deletion builds a new matrix.
+    and a deletion or a full buffer builds a new matrix.
     """
-    added = (
-        np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(blobs), -1) if blobs else None
-    )
-    dim = added.shape[1] if added is not None else matrix.shape[1]
-    total = kept.size + (0 if added is None else added.shape[0])
+    dim = len(blobs[0]) // 4 if blobs else matrix.shape[1]
+    added = np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(blobs), dim)
+    total = kept.size + len(blobs)
     if kept.size == size and matrix.shape[0] >= total and matrix.shape[1] == dim:
         out = matrix  # append in place, past every reader's row count
     else:
-        out = np.empty((max(total, 2 * kept.size, 1024), dim), dtype=np.float32)
-        out[: kept.size] = matrix[kept] if kept.size != size else matrix[:size]
-    if added is not None:
-        out[kept.size : total] = added
+        out = np.empty((max(total + total // 2, 1024), dim), dtype=np.float32)
+        if kept.size:
+            out[: kept.size] = matrix[:size] if kept.size == size else matrix[kept]
+    out[kept.size : total] = added
     return out
 
 
