@@ -1,0 +1,252 @@
+"""The queue's benchmarks, each measured side by side in one run (issue 3's acceptance).
+
+    python benchmarks/bench_queue.py throughput [--queries 2000]
+    python benchmarks/bench_queue.py rerank [--queries 1000] [--threads 200]
+    python benchmarks/bench_queue.py gateway [--requests 5000] [--clients 64]
+    python benchmarks/bench_queue.py all
+
+* throughput: batch queries/s through gateway + Redis + one worker process, against
+  the in-process runtime on the same queries (target ratio >= 0.7). Rerank off.
+* rerank: with the fake Messages API answering after 1 s (the real SDK over loopback
+  HTTP), the searches/s and the reranks in flight of one worker process on the
+  threads pool, against a prefork pool of concurrency 2 (target >= 150/s).
+* gateway: POST /v1/searches per second and the p99 latency on loopback, with no
+  worker consuming (target >= 1000/s).
+
+Every service is started here on free ports and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.services import _stop, celery_worker, free_port, gateway, redis_server  # noqa: E402
+from worker.contract import DocumentIn, SearchSpec  # noqa: E402
+
+KEY = "bench-key-0001"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+KEYS = [{"key": KEY, "tenant": "bench", "webhook_secret": "whsec_YmVuY2gtc2VjcmV0LTAxMjM0NTY3"}]
+INDEX = "bench"
+DATA = REPO / "worker" / "data"
+
+
+def corpus() -> list[dict[str, Any]]:
+    rows = [json.loads(x) for x in (DATA / "sample_corpus.jsonl").read_text().splitlines() if x]
+    return [{"id": r["id"], "text": r["text"], "title": r.get("title", ""),
+             "metadata": r.get("metadata", {})} for r in rows]
+
+
+def queries(n: int) -> list[str]:
+    base = [json.loads(x)["query"] for x in (DATA / "sample_queries.jsonl").read_text().splitlines()
+            if x]
+    words = " ".join(d["text"] for d in corpus()).split()
+    # vary the queries so no cache can flatter either side
+    return [f"{base[i % len(base)]} {words[(i * 7) % len(words)]}" for i in range(n)]
+
+
+def base_env(tmp: Path, redis_url: str, db: int) -> dict[str, str]:
+    return {
+        "SIFT_REDIS_URL": f"{redis_url}/{db}",
+        "SIFT_API_KEYS": json.dumps(KEYS),
+        "SIFT_DATA_DIR": str(tmp / f"data{db}"),
+        "SIFT_WORKER_METRICS_PORT": "0",
+        "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+    }
+
+
+def run_batch(client: httpx.Client, qs: list[str], timeout: float = 900) -> tuple[float, int]:
+    """Submit a batch, wait until every item is final; (seconds, peak running items)."""
+    items = [{"id": f"q{i}", "query": q} for i, q in enumerate(qs)]
+    peak = 0
+    started = time.perf_counter()
+    batch = client.post("/v1/batches", json={"index": INDEX, "queries": items}, headers=AUTH)
+    batch.raise_for_status()
+    bid = batch.json()["id"]
+    while time.perf_counter() - started < timeout:
+        counts = client.get(f"/v1/batches/{bid}", headers=AUTH).json()["counts"]
+        peak = max(peak, counts["running"])
+        if counts["queued"] == counts["running"] == 0:
+            elapsed = time.perf_counter() - started
+            assert counts["succeeded"] == len(qs), counts
+            return elapsed, peak
+        time.sleep(0.05)
+    raise TimeoutError(f"batch {bid} did not finish")
+
+
+def ingest(client: httpx.Client) -> None:
+    r = client.post(f"/v1/indexes/{INDEX}/documents", params={"wait": 30},
+                    json={"documents": corpus()}, headers=AUTH)
+    r.raise_for_status()
+    assert r.json()["status"] == "succeeded", r.text
+
+
+def bench_throughput(n: int, concurrency: int) -> dict[str, float]:
+    from worker.runtime import build_runtime
+    from worker.settings import load_settings
+
+    qs = queries(n)
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        runtime = build_runtime(load_settings(data_dir=tmp / "inproc"))
+        runtime.ingest(INDEX, "bench", [DocumentIn.model_validate(x) for x in corpus()])
+        for q in qs[:20]:  # warm up
+            runtime.search(SearchSpec(index=INDEX, query=q), "bench")
+        started = time.perf_counter()
+        for q in qs:
+            runtime.search(SearchSpec(index=INDEX, query=q), "bench")
+        inproc = n / (time.perf_counter() - started)
+        # the same thread count as the worker, for a like-for-like comparison
+        with ThreadPoolExecutor(concurrency) as pool:
+            started = time.perf_counter()
+            list(pool.map(lambda q: runtime.search(SearchSpec(index=INDEX, query=q), "bench"),
+                          qs))
+            inproc_threads = n / (time.perf_counter() - started)
+
+        with redis_server(tmp / "redis") as redis_url:
+            env = base_env(tmp, redis_url, 0)
+            with (
+                celery_worker(tmp / "w", env, "tp", concurrency=concurrency),
+                gateway(tmp / "g", env) as url,
+                httpx.Client(base_url=url, timeout=60) as client,
+            ):
+                ingest(client)
+                run_batch(client, qs[:50])  # warm up the worker's runtime
+                seconds, _ = run_batch(client, qs)
+        queued = n / seconds
+    return {
+        "in_process_qps_1_thread": inproc,
+        f"in_process_qps_{concurrency}_threads": inproc_threads,
+        "queue_qps": queued,
+        "ratio_vs_best_in_process": queued / max(inproc, inproc_threads),
+    }
+
+
+@contextlib.contextmanager
+def fake_anthropic(tmp: Path, delay: float) -> Iterator[str]:
+    port = free_port()
+    log = tmp / "fake-anthropic.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fake_anthropic", "--port", str(port),
+             "--delay", str(delay)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.get(url + "/", timeout=0.5)
+                break
+            time.sleep(0.05)
+        yield url
+    finally:
+        _stop(proc)
+
+
+def bench_rerank(n: int, threads: int, prefork_n: int) -> dict[str, float]:
+    qs = queries(n)
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        with fake_anthropic(tmp, delay=1.0) as model_url, redis_server(tmp / "redis") as r:
+            for pool, conc, count, db in (("threads", threads, n, 0),
+                                          ("prefork", 2, prefork_n, 1)):
+                env = {
+                    **base_env(tmp, r, db),
+                    "SIFT_RERANK_ENABLED": "true",
+                    "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
+                    "SIFT_RERANK_MAX_IN_FLIGHT": str(max(threads, 2)),
+                    "ANTHROPIC_BASE_URL": model_url,
+                    "ANTHROPIC_API_KEY": "sk-ant-fake",
+                }
+                with (
+                    celery_worker(tmp / pool, env, pool, concurrency=conc, pool=pool),
+                    gateway(tmp / pool, env) as url,
+                    httpx.Client(base_url=url, timeout=60) as client,
+                ):
+                    ingest(client)
+                    seconds, peak = run_batch(client, qs[:count])
+                out[f"{pool}_searches_per_s"] = count / seconds
+                out[f"{pool}_peak_running"] = peak
+    return out
+
+
+async def _hammer(url: str, total: int, clients: int) -> list[float]:
+    latencies: list[float] = []
+    body = {"index": INDEX, "query": "gateway load"}
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
+        counter = iter(range(total))
+
+        async def one_client() -> None:
+            for _ in counter:
+                t0 = time.perf_counter()
+                r = await client.post("/v1/searches", json=body, headers=AUTH)
+                latencies.append(time.perf_counter() - t0)
+                assert r.status_code == 202, r.text
+
+        await asyncio.gather(*(one_client() for _ in range(clients)))
+    return latencies
+
+
+def bench_gateway(total: int, clients: int, workers: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        with redis_server(tmp / "redis") as r, gateway(tmp / "g", base_env(tmp, r, 0),
+                                                        workers=workers) as url:
+            asyncio.run(_hammer(url, min(500, total), clients))  # warm up
+            started = time.perf_counter()
+            latencies = asyncio.run(_hammer(url, total, clients))
+            seconds = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "gateway_workers": workers,
+        "submissions_per_s": total / seconds,
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("which", choices=["throughput", "rerank", "gateway", "all"])
+    parser.add_argument("--queries", type=int, default=2000)
+    parser.add_argument("--worker-threads", type=int, default=8)
+    parser.add_argument("--rerank-queries", type=int, default=1000)
+    parser.add_argument("--threads", type=int, default=200)
+    parser.add_argument("--prefork-queries", type=int, default=20)
+    parser.add_argument("--requests", type=int, default=5000)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--gateway-workers", type=int, default=2)
+    args = parser.parse_args()
+    results: dict[str, Any] = {}
+    if args.which in ("throughput", "all"):
+        results["throughput"] = bench_throughput(args.queries, args.worker_threads)
+    if args.which in ("rerank", "all"):
+        results["rerank"] = bench_rerank(args.rerank_queries, args.threads, args.prefork_queries)
+    if args.which in ("gateway", "all"):
+        results["gateway"] = bench_gateway(args.requests, args.clients, args.gateway_workers)
+    json.dump(results, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "bench"
+    main()
