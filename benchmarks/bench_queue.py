@@ -166,10 +166,12 @@ def bench_rerank(n: int, threads: int, prefork_n: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         with fake_anthropic(tmp, delay=1.0) as model_url, redis_server(tmp / "redis") as r:
-            for pool, conc, count, db in (("threads", threads, n, 0),
-                                          ("prefork", 2, prefork_n, 1)):
+            # the baseline is the naive set-up: two processes, one search in flight each
+            for pool, conc, count, db, items in (("threads", threads, n, 0, threads),
+                                                 ("prefork", 2, prefork_n, 1, 1)):
                 env = {
                     **base_env(tmp, r, db),
+                    "SIFT_BATCH_ITEM_CONCURRENCY": str(items),
                     "SIFT_RERANK_ENABLED": "true",
                     "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
                     "SIFT_RERANK_MAX_IN_FLIGHT": str(max(threads, 2)),
@@ -231,7 +233,7 @@ def main() -> None:
     parser.add_argument("--worker-threads", type=int, default=8)
     parser.add_argument("--rerank-queries", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=200)
-    parser.add_argument("--prefork-queries", type=int, default=20)
+    parser.add_argument("--prefork-queries", type=int, default=40)
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--gateway-workers", type=int, default=2)

@@ -93,6 +93,7 @@ class Settings(BaseSettings):
     worker_concurrency: int = Field(default=200, ge=1, le=5000)  # threads per worker process
     rerank_max_in_flight: int = Field(default=200, ge=1, le=5000)  # model calls per process
     batch_chunk_size: int = Field(default=25, ge=1, le=1000)  # batch items per chunk task
+    batch_item_concurrency: int = Field(default=200, ge=1, le=5000)  # batch items at once
     task_max_retries: int = Field(default=3, ge=0, le=20)  # retries of a retryable error
     task_max_deliveries: int = Field(default=3, ge=1, le=20)  # deliveries before poison
     worker_soft_shutdown_seconds: float = Field(default=10.0, ge=0)

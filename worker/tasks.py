@@ -15,6 +15,7 @@ import logging
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,7 +35,7 @@ from worker.constants import (
 )
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.errors import SiftError
-from worker.jobstore import JobStore, webhook_event
+from worker.jobstore import BatchItem, JobStore, webhook_event
 from worker.ratelimit import ProviderLimiter
 from worker.settings import Settings, load_settings
 from worker.task_metrics import QUEUE_WAIT, TASK_DURATION, TASK_RETRIES, WEBHOOK_DELIVERIES
@@ -62,7 +63,19 @@ class WorkerContext:
     store: JobStore
     limiter: ProviderLimiter
     _runtime: Runtime | None = None
+    _item_pool: ThreadPoolExecutor | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def item_pool(self) -> ThreadPoolExecutor:
+        """The threads batch items run on: ``SIFT_BATCH_ITEM_CONCURRENCY`` per process."""
+        if self._item_pool is None:
+            with self._lock:
+                if self._item_pool is None:
+                    self._item_pool = ThreadPoolExecutor(
+                        self.settings.batch_item_concurrency, thread_name_prefix="sift-item"
+                    )
+        return self._item_pool
 
     @property
     def runtime(self) -> Runtime:
@@ -192,7 +205,8 @@ def _poison_error(task: SiftTask) -> ErrorInfo:
 
 
 @shared_task(  # type: ignore[untyped-decorator]
-    name=SEARCH_TASK, base=SiftTask, bind=True)
+    name=SEARCH_TASK, base=SiftTask, bind=True
+)
 def search(self: SiftTask, job_id: str) -> None:
     """Run one search job and store its result or typed error."""
     store = self.context.store
@@ -230,7 +244,8 @@ def search(self: SiftTask, job_id: str) -> None:
 
 
 @shared_task(  # type: ignore[untyped-decorator]
-    name=BATCH_CHUNK_TASK, base=SiftTask, bind=True)
+    name=BATCH_CHUNK_TASK, base=SiftTask, bind=True
+)
 def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     """Run the batch items at positions [start, stop); skip canceled or finished ones."""
     store = self.context.store
@@ -240,32 +255,40 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         return
     items = store.batch_items(batch_id, store.batch_query_ids(batch_id, start, stop))
     poisoned = self.poisoned()
-    to_retry: list[str] = []
-    completed = False
-    for item in items:
-        if item.status.final:
-            continue
+    # self.request is thread-local: take what the item threads need from it here
+    may_retry = self.request.retries < self.context.settings.task_max_retries
+    first_delivery = self.request.retries == 0
+    runtime = self.context.runtime if not poisoned else None
+
+    def run_item(item: BatchItem) -> tuple[bool, bool]:
+        """Run one item; answers (batch completed by it, to retry)."""
         if poisoned:
-            transition = store.finish_item(batch_id, item.query_id, error=_poison_error(self))
-            completed |= transition.batch_completed
-            continue
+            return store.finish_item(
+                batch_id, item.query_id, error=_poison_error(self)
+            ).batch_completed, False
         if item.spec is None or not store.start_item(batch_id, item.query_id):
-            continue  # canceled meanwhile, or finished by another delivery
-        if self.request.retries == 0 and item.status == "queued":
+            return False, False  # canceled meanwhile, or finished by another delivery
+        if first_delivery and item.status == "queued":
             QUEUE_WAIT.labels(BATCH_QUEUE).observe(max(0.0, time.time() - batch.created_at))
         try:
-            result = self.context.runtime.search(item.spec, batch.tenant)
+            assert runtime is not None
+            result = runtime.search(item.spec, batch.tenant)
         except Exception as exc:
-            if self.should_retry(exc):
+            if may_retry and isinstance(exc, SiftError) and exc.retryable:
                 store.requeue_item(batch_id, item.query_id)
-                to_retry.append(item.query_id)
-                continue
+                return False, True
             if not isinstance(exc, SiftError):
                 log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
-            transition = store.finish_item(batch_id, item.query_id, error=error_info(exc))
-        else:
-            transition = store.finish_item(batch_id, item.query_id, result=result)
-        completed |= transition.batch_completed
+            return store.finish_item(
+                batch_id, item.query_id, error=error_info(exc)
+            ).batch_completed, False
+        return store.finish_item(batch_id, item.query_id, result=result).batch_completed, False
+
+    pending = [item for item in items if not item.status.final]
+    # the items run on the process's shared item pool, so a chunk's searches overlap
+    outcomes = list(self.context.item_pool.map(run_item, pending))
+    completed = any(done for done, _ in outcomes)
+    to_retry = sum(1 for _, retry in outcomes if retry)
     if completed:
         log.info("batch %s: completed", batch_id)
         if batch.webhook_url:
@@ -276,13 +299,14 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
             )
     if to_retry:
         log.warning(
-            "batch %s: %d items hit retryable errors; retrying the chunk", batch_id, len(to_retry)
+            "batch %s: %d items hit retryable errors; retrying the chunk", batch_id, to_retry
         )
         raise self.retry(countdown=self.backoff())
 
 
 @shared_task(  # type: ignore[untyped-decorator]
-    name=INGEST_TASK, base=SiftTask, bind=True)
+    name=INGEST_TASK, base=SiftTask, bind=True
+)
 def ingest(self: SiftTask, job_id: str) -> None:
     """Upsert one ingest job's documents into the tenant's index."""
     store = self.context.store
@@ -313,7 +337,8 @@ def ingest(self: SiftTask, job_id: str) -> None:
 
 
 @shared_task(  # type: ignore[untyped-decorator]
-    name=WEBHOOK_TASK, base=SiftTask, bind=True, max_retries=None)
+    name=WEBHOOK_TASK, base=SiftTask, bind=True, max_retries=None
+)
 def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     """Deliver one signed webhook; :func:`worker.webhooks.run_delivery` decides the retry."""
     from worker import webhooks
