@@ -19,7 +19,7 @@ from api_gateway.errors import ErrorBody, install_error_handlers
 from api_gateway.jobs import router
 from api_gateway.metrics import GatewayMetrics
 from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
-from api_gateway.queue import CeleryTaskSender, TaskSender
+from api_gateway.queue import OutboxSender, TaskSender
 from api_gateway.schemas import Health
 from worker.errors import ConfigError
 from worker.jobstore import JobStore
@@ -54,10 +54,8 @@ def create_app(
             store = JobStore.from_url(settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS)
         else:
             raise ConfigError("SIFT_REDIS_URL is required to run the gateway")
-        sender = celery_sender
-        if sender is None:
-            assert settings.redis_url is not None
-            sender = CeleryTaskSender(settings.redis_url)
+        # by default the task messages go through the job store, in the record's MULTI
+        sender: TaskSender = celery_sender or OutboxSender(store)
         if not len(keyring):
             log.warning(
                 "no API keys configured (SIFT_API_KEYS, SIFT_API_KEYS_FILE): "

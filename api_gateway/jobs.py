@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 from api_gateway.auth import authenticate
 from api_gateway.errors import ApiError, ErrorBody
 from api_gateway.metrics import GatewayMetrics
-from api_gateway.queue import TaskSender
+from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
 from api_gateway.schemas import (
     INDEX_PATTERN,
     BatchCounts,
@@ -49,6 +49,7 @@ from worker.contract import JobStatus, SearchSpec
 from worker.errors import InvalidRequest
 from worker.jobstore import (
     BatchJob,
+    Enqueue,
     IdempotencyOutcome,
     IngestJob,
     JobStore,
@@ -112,6 +113,24 @@ def _metrics(request: Request) -> GatewayMetrics:
 async def _io(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run a blocking Redis or broker call off the event loop."""
     return await run_in_threadpool(fn, *args, **kwargs)
+
+
+J = TypeVar("J", SearchJob, BatchJob, IngestJob)
+
+
+def _create_and_enqueue(
+    sender: TaskSender,
+    create: Callable[[Enqueue | None], J],
+    messages: Callable[[str], list[TaskMessage]],
+) -> J:
+    """Store a job and enqueue its tasks: in one MULTI through the outbox, else one after
+    the other through Celery."""
+    if isinstance(sender, OutboxSender):
+        outbox = sender
+        return create(lambda job_id: outbox.messages(messages(job_id)))
+    job = create(None)
+    sender.send_many(messages(job.id))
+    return job
 
 
 async def _poll(
@@ -191,10 +210,11 @@ class _Idempotency:
         return None
 
     async def created(self, job_id: str) -> None:
+        await _io(self.created_sync, job_id)
+
+    def created_sync(self, job_id: str) -> None:
         if self.key is not None:
-            await _io(
-                self.store.record_idempotency, self.tenant, self.key, self.fp, job_id, done=False
-            )
+            self.store.record_idempotency(self.tenant, self.key, self.fp, job_id, done=False)
 
     async def answered(self, job_id: str) -> None:
         if self.key is not None:
@@ -247,8 +267,12 @@ async def upsert_documents(
         if not doc.text.strip():
             raise InvalidRequest(f"documents[{i}].text", "is empty after trimming whitespace")
     store = _store(request)
-    job = await _io(store.create_ingest, tenant, index, body.documents)
-    await _io(_sender(request).send, INGEST_TASK, [job.id], INGEST_QUEUE)
+    job = await _io(
+        _create_and_enqueue,
+        _sender(request),
+        lambda enqueue: store.create_ingest(tenant, index, body.documents, enqueue=enqueue),
+        lambda job_id: [(INGEST_TASK, [job_id], INGEST_QUEUE)],
+    )
     _metrics(request).submitted.labels("ingest").inc()
     log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
     if wait > 0:
@@ -299,18 +323,32 @@ async def create_search(
         store, tenant, idempotency_key, "POST /v1/searches", body.model_dump(mode="json")
     )
     job_id = await idem.earlier_job()
+    fresh: SearchJob | None = None
     if job_id is None:
         spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
+        sender = _sender(request)
+
+        def submit() -> SearchJob:  # one trip to the thread pool: store, claim, enqueue
+            job = _create_and_enqueue(
+                sender,
+                lambda enqueue: store.create_search(
+                    tenant, spec, webhook_url=body.webhook_url, enqueue=enqueue
+                ),
+                lambda job_id: [(SEARCH_TASK, [job_id], SEARCH_QUEUE)],
+            )
+            idem.created_sync(job.id)
+            return job
+
         try:
-            job = await _io(store.create_search, tenant, spec, webhook_url=body.webhook_url)
-            await idem.created(job.id)
-            await _io(_sender(request).send, SEARCH_TASK, [job.id], SEARCH_QUEUE)
+            fresh = await _io(submit)
         except BaseException:
             await idem.failed()
             raise
         _metrics(request).submitted.labels("search").inc()
-        job_id = job.id
+        job_id = fresh.id
     try:
+        if fresh is not None and wait == 0:
+            return _search_response(fresh)  # just queued: no need to read it back
         return await _answer_search(store, job_id, tenant, wait)
     finally:
         await idem.answered(job_id)
@@ -409,30 +447,35 @@ async def create_batch(
     )
     batch_id = await idem.earlier_job()
     if batch_id is None:
+        size, total, sender = settings.batch_chunk_size, len(items), _sender(request)
+
+        def chunks(new_id: str) -> list[TaskMessage]:
+            return [
+                (BATCH_CHUNK_TASK, [new_id, start, min(start + size, total)], BATCH_QUEUE)
+                for start in range(0, total, size)
+            ]
+
         try:
             batch = await _io(
-                store.create_batch,
-                tenant,
-                body.index,
-                items,
-                lane=body.lane,
-                rerank=body.rerank,
-                webhook_url=body.webhook_url,
+                _create_and_enqueue,
+                sender,
+                lambda enqueue: store.create_batch(
+                    tenant,
+                    body.index,
+                    items,
+                    lane=body.lane,
+                    rerank=body.rerank,
+                    webhook_url=body.webhook_url,
+                    enqueue=enqueue,
+                ),
+                chunks,
             )
             await idem.created(batch.id)
-            size = settings.batch_chunk_size
-            messages = [
-                (BATCH_CHUNK_TASK, [batch.id, start, min(start + size, batch.total)], BATCH_QUEUE)
-                for start in range(0, batch.total, size)
-            ]
-            await _io(_sender(request).send_many, messages)
         except BaseException:
             await idem.failed()
             raise
         _metrics(request).submitted.labels("batch_item").inc(batch.total)
-        log.info(
-            "batch %s: %d items in %d chunks for %s", batch.id, batch.total, len(messages), tenant
-        )
+        log.info("batch %s: %d items in chunks of %d for %s", batch.id, batch.total, size, tenant)
         batch_id = batch.id
     try:
         batch = await _owned_batch(request, batch_id, tenant)

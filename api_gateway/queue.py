@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import socket
+import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from celery import Celery
+
+from worker.jobstore import JobStore
 
 TaskMessage = tuple[str, list[Any], str]  # task name, JSON args, queue
 
@@ -59,6 +65,71 @@ class RecordingTaskSender:
 
     def send_many(self, messages: Sequence[TaskMessage]) -> None:
         self.sent.extend(messages)
+
+    def close(self) -> None:
+        pass
+
+
+class RedisOutbox:
+    """Builds Celery task messages for the Redis broker, to LPUSH in the job store's transaction.
+
+    The job record and its task message are then written in one MULTI: the gateway can
+    never leave a record without its message (or a message without its record), and a
+    submission costs one Redis round trip. Headers and body come from Celery's own
+    ``as_task_v2`` (protocol 2); the envelope is what kombu's Redis transport writes.
+    """
+
+    def __init__(self) -> None:
+        self.celery = Celery("sift-gateway", set_as_current=False)
+        self.origin = f"gateway@{socket.gethostname()}"
+
+    def message(self, name: str, args: list[Any], queue: str) -> tuple[str, str]:
+        """(list key, raw message) for one task."""
+        task_id = str(uuid.uuid4())
+        headers, properties, body, _ = self.celery.amqp.as_task_v2(
+            task_id,
+            name,
+            args=args,
+            kwargs={},
+            ignore_result=True,
+            origin=self.origin,
+            argsrepr=repr(args),
+            kwargsrepr="{}",
+        )
+        raw_body = json.dumps(body, separators=(",", ":")).encode()
+        envelope = {
+            "body": base64.b64encode(raw_body).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": headers,
+            "properties": {
+                **properties,
+                "delivery_mode": 2,
+                "priority": 0,
+                "body_encoding": "base64",
+                "delivery_info": {"exchange": "", "routing_key": queue},
+                "delivery_tag": str(uuid.uuid4()),
+            },
+        }
+        return queue, json.dumps(envelope, separators=(",", ":"))
+
+
+class OutboxSender:
+    """The gateway's default sender: messages go to Redis through the job store, atomically
+    with the job record when :meth:`messages` is handed to a ``create_*`` call."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+        self.outbox = RedisOutbox()
+
+    def messages(self, batch: Sequence[TaskMessage]) -> list[tuple[str, str]]:
+        return [self.outbox.message(name, args, queue) for name, args, queue in batch]
+
+    def send(self, name: str, args: list[Any], queue: str) -> None:
+        self.store.push_messages(self.messages([(name, args, queue)]))
+
+    def send_many(self, messages: Sequence[TaskMessage]) -> None:
+        self.store.push_messages(self.messages(messages))
 
     def close(self) -> None:
         pass

@@ -36,7 +36,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -68,6 +68,9 @@ from worker.constants import (
     STATS_UNTRACKED_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, JobStatus, SearchResult, SearchSpec
+
+# Given a new job's id, the broker messages to write with its record: (list key, raw message).
+Enqueue = Callable[[str], Sequence[tuple[str, str]]]
 
 FINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
 _STATUSES = tuple(JobStatus)
@@ -298,7 +301,12 @@ class JobStore:
     # --- searches ---------------------------------------------------------------------------
 
     def create_search(
-        self, tenant: str, spec: SearchSpec, *, webhook_url: str | None = None
+        self,
+        tenant: str,
+        spec: SearchSpec,
+        *,
+        webhook_url: str | None = None,
+        enqueue: Enqueue | None = None,
     ) -> SearchJob:
         job = SearchJob(
             id=_new_id(SEARCH_ID_PREFIX),
@@ -323,6 +331,7 @@ class JobStore:
         )
         pipe.expire(key, self.result_ttl)
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, 1)
+        self._push(pipe, enqueue, job.id)
         pipe.execute()
         return job
 
@@ -365,7 +374,14 @@ class JobStore:
 
     # --- ingest -----------------------------------------------------------------------------
 
-    def create_ingest(self, tenant: str, index: str, documents: Sequence[DocumentIn]) -> IngestJob:
+    def create_ingest(
+        self,
+        tenant: str,
+        index: str,
+        documents: Sequence[DocumentIn],
+        *,
+        enqueue: Enqueue | None = None,
+    ) -> IngestJob:
         job = IngestJob(
             id=_new_id(INGEST_ID_PREFIX),
             tenant=tenant,
@@ -390,6 +406,7 @@ class JobStore:
             },
         )
         pipe.expire(key, self.result_ttl)
+        self._push(pipe, enqueue, job.id)
         pipe.execute()
         return job
 
@@ -454,6 +471,7 @@ class JobStore:
         lane: str = "standard",
         rerank: bool | None = None,
         webhook_url: str | None = None,
+        enqueue: Enqueue | None = None,
     ) -> BatchJob:
         """Store a batch and its items, all ``queued``. Query ids must be unique."""
         batch = BatchJob(
@@ -502,6 +520,7 @@ class JobStore:
         for key in keys:
             pipe.expire(key, self.result_ttl)
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
+        self._push(pipe, enqueue, batch.id)
         pipe.execute()
         return batch
 
@@ -652,6 +671,22 @@ class JobStore:
         """Searches and batch items queued and running now, across the deployment."""
         raw = cast(dict[str, str], self.redis.hgetall(STATS_KEY))
         return {s: max(0, int(raw.get(s, 0))) for s in ("queued", "running")}
+
+    # --- task messages ---------------------------------------------------------------------
+
+    def push_messages(self, messages: Sequence[tuple[str, str]]) -> None:
+        """LPUSH ready-made broker messages, (list key, raw message), as kombu's Redis does."""
+        pipe = self.redis.pipeline(transaction=False)
+        for key, raw in messages:
+            pipe.lpush(key, raw)
+        pipe.execute()
+
+    @staticmethod
+    def _push(pipe: Any, enqueue: Enqueue | None, job_id: str) -> None:
+        """Queue the job's task messages in the same MULTI as its record (an outbox)."""
+        if enqueue is not None:
+            for key, raw in enqueue(job_id):
+                pipe.lpush(key, raw)
 
     # --- internals --------------------------------------------------------------------------
 
