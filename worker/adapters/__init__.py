@@ -1,0 +1,1 @@
+"""The real things behind the ports: search backends, the embedder, the model."""
