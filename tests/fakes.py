@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -169,3 +170,31 @@ def fail(error: Exception, clock: FakeClock | None = None, takes: float = 0.0) -
         raise error
 
     return step
+
+
+class RecordingRecorder:
+    """A Recorder that counts every event, for exactly-once assertions."""
+
+    def __init__(self) -> None:
+        self.events: Counter[tuple[str, ...]] = Counter()
+        self.usage: Counter[str] = Counter()
+        self.cost = 0.0
+
+    def retrieval(self, backend: str, channel: str, seconds: float) -> None:
+        self.events["retrieval", channel] += 1
+
+    def rerank_attempt(self, model: str, result: str) -> None:
+        self.events["attempt", result] += 1
+
+    def rerank_done(
+        self, model: str, outcome: str, seconds: float, usage: dict[str, int], cost_usd: float
+    ) -> None:
+        self.events["rerank", outcome] += 1
+        self.usage.update(usage)
+        self.cost += cost_usd
+
+    def rerank_outcome(self, policy: str, outcome: str) -> None:
+        self.events["outcome", outcome] += 1
+
+    def search_done(self, mode: str, outcome: str, seconds: float) -> None:
+        self.events["search", outcome] += 1

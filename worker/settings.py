@@ -18,6 +18,15 @@ class ApiKey(BaseModel):
     key: str = Field(min_length=8)
     tenant: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     webhook_secret: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]+$")
+    # During a rotation the previous secret still signs too: two signatures are sent.
+    webhook_secret_previous: str | None = Field(default=None, pattern=r"^whsec_[A-Za-z0-9+/=]+$")
+
+    def webhook_secrets(self) -> list[str]:
+        """The secrets that sign this tenant's webhooks: the current one first."""
+        secrets = [self.webhook_secret]
+        if self.webhook_secret_previous and self.webhook_secret_previous != self.webhook_secret:
+            secrets.append(self.webhook_secret_previous)
+        return secrets
 
 
 class Price(BaseModel):
@@ -90,12 +99,20 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = None
     api_keys: Annotated[list[ApiKey], NoDecode] = Field(default_factory=list)
     webhook_allow_private_networks: bool = False
+    webhook_connect_timeout_seconds: float = Field(default=5.0, gt=0)
+    webhook_read_timeout_seconds: float = Field(default=15.0, gt=0)
+    # Multiplies the retry schedule (1.0 = Svix-like hours); tests set it tiny.
+    webhook_retry_scale: float = Field(default=1.0, ge=0)
     prices: Annotated[dict[str, Price], NoDecode] = Field(
         default_factory=lambda: dict(DEFAULT_PRICES)
     )
 
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)
+
+    # --- the CLI client (``sift ingest``, ``sift search``, ``sift batch``) ---
+    url: str = "http://127.0.0.1:8080"  # SIFT_URL, the gateway the CLI talks to
+    api_key: str | None = None  # SIFT_API_KEY, sent as the bearer token
 
     @model_validator(mode="before")
     @classmethod

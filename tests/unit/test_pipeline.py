@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -12,6 +11,7 @@ from tests.fakes import (
     FakeClock,
     FakeEmbedder,
     InMemoryBackend,
+    RecordingRecorder,
     ScriptedReranker,
     fail,
     reply,
@@ -37,32 +37,6 @@ TOPICS = [
     "jazz saxophone solo",
     "glacier retreat climate",
 ]
-
-
-class RecordingRecorder:
-    def __init__(self) -> None:
-        self.events: Counter[tuple[str, ...]] = Counter()
-        self.usage: Counter[str] = Counter()
-        self.cost = 0.0
-
-    def retrieval(self, backend: str, channel: str, seconds: float) -> None:
-        self.events["retrieval", channel] += 1
-
-    def rerank_attempt(self, model: str, result: str) -> None:
-        self.events["attempt", result] += 1
-
-    def rerank_done(
-        self, model: str, outcome: str, seconds: float, usage: dict[str, int], cost_usd: float
-    ) -> None:
-        self.events["rerank", outcome] += 1
-        self.usage.update(usage)
-        self.cost += cost_usd
-
-    def rerank_outcome(self, policy: str, outcome: str) -> None:
-        self.events["outcome", outcome] += 1
-
-    def search_done(self, mode: str, outcome: str, seconds: float) -> None:
-        self.events["search", outcome] += 1
 
 
 def make(

@@ -12,4 +12,5 @@ app = typer.Typer(
 )
 
 # Command modules register themselves on ``app`` when imported.
+from worker.cli import client as _client  # noqa: E402,F401
 from worker.cli import evaluate as _evaluate  # noqa: E402,F401

@@ -1,0 +1,296 @@
+"""The embedded backend and the local embedder, for real: SQLite on disk, the ONNX model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from worker.adapters.embedded import EmbeddedBackend, derive_revision, match_expression
+from worker.adapters.embedder import OnnxMiniLMEmbedder
+from worker.contract import Channel, FilterValue
+from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
+from worker.errors import BackendRequestError, InvalidRequest
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BOTH: tuple[Channel, ...] = ("bm25", "knn")
+
+CORPUS = {
+    "vitd": ("Vitamin D", "Vitamin D deficiency raises the risk of bone fractures in the elderly."),
+    "stat": ("Statins", "Statins lower LDL cholesterol and reduce cardiovascular events."),
+    "mal": ("Malaria", "Artemisinin combination therapy treats uncomplicated malaria."),
+    "sleep": ("Sleep", "Short sleep duration is associated with obesity in children."),
+    "smoke": ("Smoking", "Tobacco smoking is the leading cause of lung cancer."),
+}
+
+
+@pytest.fixture(scope="module")
+def embedder() -> OnnxMiniLMEmbedder:
+    return OnnxMiniLMEmbedder()
+
+
+def docs_of(items: dict[str, tuple[str, str]], **metadata: FilterValue) -> list[Document]:
+    return [
+        Document(id=i, title=t, text=x, revision="", metadata=dict(metadata))
+        for i, (t, x) in items.items()
+    ]
+
+
+def load(
+    backend: EmbeddedBackend,
+    embedder: OnnxMiniLMEmbedder,
+    tenant: str,
+    documents: Sequence[Document],
+    index: str = "sci",
+) -> None:
+    vectors = embedder.embed_array([f"{d.title}. {d.text}" for d in documents])
+    assert backend.upsert(index, tenant, documents, vectors) == len(documents)
+
+
+def search(
+    backend: EmbeddedBackend,
+    embedder: OnnxMiniLMEmbedder,
+    tenant: str,
+    text: str,
+    size: int = 10,
+    channels: tuple[Channel, ...] = BOTH,
+    index: str = "sci",
+    **fields: FilterValue,
+) -> ChannelResults:
+    vector = embedder.embed_array([text])[0] if "knn" in channels else None
+    query = ChannelQuery(
+        index=index,
+        filters=HardFilters(tenant, fields),
+        channels=channels,
+        size=size,
+        text=text,
+        vector=vector,
+    )
+    return backend.retrieve(query)
+
+
+def ids(results: ChannelResults, channel: Channel) -> list[str]:
+    return [hit.document.id for hit in results.hits[channel]]
+
+
+# --- the embedder ------------------------------------------------------------------
+
+
+def test_embedder_gives_unit_vectors_that_agree_in_batch_and_alone(
+    embedder: OnnxMiniLMEmbedder,
+) -> None:
+    texts = [f"{t}. {x}" for t, x in CORPUS.values()] + ["word " * 400]
+    batch = embedder.embed_array(texts)
+    assert batch.shape == (len(texts), 384) and batch.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-5)
+    alone = np.stack([embedder.embed_array([t])[0] for t in texts])
+    assert (batch * alone).sum(axis=1).min() > 0.999
+    as_lists = embedder.embed(texts[:2])
+    assert len(as_lists) == 2 and len(as_lists[0]) == embedder.dimension == 384
+    assert embedder.embed_array([]).shape == (0, 384)
+
+
+def test_embedder_scores_close_sentences_higher(embedder: OnnxMiniLMEmbedder) -> None:
+    a, b, c = embedder.embed_array(
+        [
+            "A cat is sleeping on the sofa.",
+            "A kitten naps on the couch.",
+            "Interest rates rose sharply in the bond market.",
+        ]
+    )
+    assert float(a @ b) > float(a @ c) + 0.3
+
+
+# --- the backend -------------------------------------------------------------------
+
+
+def test_match_expression_quotes_terms_and_drops_stopwords() -> None:
+    assert match_expression('What is "the" role of p53 OR NEAR(x)?') == (
+        '"role" OR "p53" OR "near" OR "x"'
+    )
+    assert match_expression("what is the") is None
+
+
+def test_index_survives_a_restart(tmp_path: Path, embedder: OnnxMiniLMEmbedder) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    load(backend, embedder, "acme", docs_of(CORPUS))
+    before = search(backend, embedder, "acme", "vitamin D and fractures")
+    backend.close()
+
+    reopened = EmbeddedBackend(tmp_path)
+    after = search(reopened, embedder, "acme", "vitamin D and fractures")
+    assert ids(after, "bm25")[0] == ids(after, "knn")[0] == "vitd"
+    for channel in BOTH:
+        assert ids(after, channel) == ids(before, channel)
+        assert [h.score for h in after.hits[channel]] == pytest.approx(
+            [h.score for h in before.hits[channel]]
+        )
+    assert reopened.channels("sci") == frozenset(BOTH)
+    assert reopened.count("sci", "acme") == len(CORPUS)
+
+
+def test_tenants_are_isolated_before_the_window(
+    tmp_path: Path, embedder: OnnxMiniLMEmbedder
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    weak = {f"a{i}": ("Bones", f"Hip fractures in cohort {i} were rare.") for i in range(4)}
+    load(backend, embedder, "acme", docs_of(CORPUS | weak))
+    rivals = {
+        f"r{i}": ("Vitamin D fractures", f"Vitamin D deficiency and bone fractures, study {i}.")
+        for i in range(60)
+    }
+    rivals["vitd"] = CORPUS["vitd"]  # the same id, another tenant: a different document
+    load(backend, embedder, "rival", docs_of(rivals))
+
+    results = search(backend, embedder, "acme", "vitamin D deficiency fractures", size=3)
+    for channel in BOTH:
+        assert ids(results, channel)[0] == "vitd"
+        assert all(not i.startswith("r") for i in ids(results, channel))
+        assert len(results.hits[channel]) == 3  # acme's own documents fill the window
+    assert search(backend, embedder, "nobody", "vitamin D").hits == {"bm25": [], "knn": []}
+    assert backend.count("sci", "rival") == 61
+
+
+def test_metadata_filters_apply_inside_both_channels(
+    tmp_path: Path, embedder: OnnxMiniLMEmbedder
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    load(backend, embedder, "acme", docs_of(CORPUS, year=2020, open=True))
+    late = {f"n{i}": ("Vitamin D", f"Vitamin D and bone fractures, trial {i}.") for i in range(20)}
+    load(backend, embedder, "acme", docs_of(late, year=2024, open=True))
+
+    results = search(backend, embedder, "acme", "vitamin D fractures", size=4, year=2020)
+    for channel in BOTH:
+        assert ids(results, channel)[0] == "vitd"
+        assert all(h.document.metadata["year"] == 2020 for h in results.hits[channel])
+    assert len(results.hits["knn"]) == 4
+    only_late = search(backend, embedder, "acme", "vitamin D", size=50, year=2024, open=True)
+    assert sorted(ids(only_late, "knn")) == sorted(ids(only_late, "bm25")) == sorted(late)
+    assert search(backend, embedder, "acme", "vitamin D", year="2024").hits["knn"] == []
+
+
+def test_upsert_by_id_replaces_text_and_vector_together(
+    tmp_path: Path, embedder: OnnxMiniLMEmbedder
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    load(backend, embedder, "acme", docs_of(CORPUS))
+    first = search(backend, embedder, "acme", "malaria treatment artemisinin", size=5)
+    revision = first.hits["bm25"][0].document.revision
+    assert ids(first, "bm25")[0] == ids(first, "knn")[0] == "mal"
+
+    load(backend, embedder, "acme", docs_of({"mal": CORPUS["mal"]}))  # identical: same revision
+    again = search(backend, embedder, "acme", "malaria", channels=("bm25",))
+    assert again.hits["bm25"][0].document.revision == revision
+
+    new = Document(id="mal", title="Submarines", text="Sonar guides submarine navigation.")
+    load(backend, embedder, "acme", [new])
+    assert backend.count("sci", "acme") == len(CORPUS)
+    old_terms = search(backend, embedder, "acme", "malaria artemisinin", size=5)
+    assert "mal" not in ids(old_terms, "bm25")
+    assert ids(old_terms, "knn")[0] != "mal"
+    new_terms = search(backend, embedder, "acme", "submarine sonar", size=5)
+    assert ids(new_terms, "bm25") == ["mal"]
+    top = new_terms.hits["knn"][0]
+    assert top.document.id == "mal" and top.document.revision == "1"
+    expected = embedder.embed_array(["Submarines. Sonar guides submarine navigation."])[0]
+    query = embedder.embed_array(["submarine sonar"])[0]
+    assert top.score == pytest.approx(float(expected @ query), abs=1e-5)
+
+
+def test_a_write_by_another_process_is_seen(tmp_path: Path, embedder: OnnxMiniLMEmbedder) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    load(backend, embedder, "acme", docs_of(CORPUS))
+    assert search(backend, embedder, "acme", "zebra migration").hits["bm25"] == []
+
+    writer = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from worker.adapters.embedded import EmbeddedBackend
+        from worker.adapters.embedder import OnnxMiniLMEmbedder
+        from worker.core.types import Document
+        doc = Document(id="zeb", title="Zebras", text="Zebra migration across the Serengeti.")
+        vectors = OnnxMiniLMEmbedder().embed_array(["Zebras. " + doc.text])
+        backend = EmbeddedBackend(Path({str(tmp_path)!r}))
+        backend.upsert("sci", "acme", [doc], vectors)
+        backend.upsert("sci", "acme", [doc], vectors)
+        backend.delete_index("sci", "gone")
+        """
+    )
+    subprocess.run([sys.executable, "-c", writer], cwd=REPO_ROOT, check=True, timeout=60)
+
+    results = search(backend, embedder, "acme", "zebra migration", size=3)
+    assert ids(results, "bm25") == ["zeb"]
+    assert ids(results, "knn")[0] == "zeb"
+    assert backend.count("sci", "acme") == len(CORPUS) + 1
+
+
+def test_deletes_and_vectorless_replacements_leave_the_knn_channel(
+    tmp_path: Path, embedder: OnnxMiniLMEmbedder
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    load(backend, embedder, "acme", docs_of(CORPUS))
+    load(backend, embedder, "rival", docs_of(CORPUS))
+    assert len(search(backend, embedder, "rival", "cancer").hits["knn"]) == len(CORPUS)
+
+    assert backend.delete_index("sci", "rival") == len(CORPUS)
+    assert search(backend, embedder, "rival", "cancer").hits == {"bm25": [], "knn": []}
+    backend.upsert("sci", "acme", docs_of({"smoke": CORPUS["smoke"]}), None)
+    results = search(backend, embedder, "acme", "lung cancer smoking")
+    assert ids(results, "bm25")[0] == "smoke"
+    assert "smoke" not in ids(results, "knn")
+    assert len(results.hits["knn"]) == len(CORPUS) - 1
+
+
+def test_a_query_without_usable_terms_has_an_empty_bm25_channel(
+    tmp_path: Path, embedder: OnnxMiniLMEmbedder
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    load(backend, embedder, "acme", docs_of(CORPUS))
+    results = search(backend, embedder, "acme", "what is the ... ?!")
+    assert results.hits["bm25"] == []
+    assert len(results.hits["knn"]) == len(CORPUS)
+    assert set(results.seconds) == {"bm25", "knn"}
+
+
+def test_channels_without_vectors_and_for_an_unknown_index(tmp_path: Path) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    assert backend.channels("sci") == frozenset()
+    backend.upsert("sci", "acme", docs_of(CORPUS), None)
+    assert backend.channels("sci") == frozenset({"bm25"})
+    query = ChannelQuery("missing", HardFilters("acme"), ("bm25",), 10, "vitamin")
+    with pytest.raises(BackendRequestError, match="does not exist"):
+        backend.retrieve(query)
+
+
+def test_vector_floor_and_vector_validation(tmp_path: Path) -> None:
+    rng = np.random.default_rng(7)
+    vectors = rng.normal(size=(len(CORPUS), 8)).astype(np.float32)
+    backend = EmbeddedBackend(tmp_path, vector_min_similarity=0.99)
+    backend.upsert("sci", "acme", docs_of(CORPUS), vectors)
+    query = ChannelQuery("sci", HardFilters("acme"), ("knn",), 10, "x", vector=vectors[2] * 3)
+    assert [h.document.id for h in backend.retrieve(query).hits["knn"]] == ["mal"]
+
+    with pytest.raises(InvalidRequest) as count:
+        backend.upsert("sci", "acme", docs_of(CORPUS), vectors[:2])
+    assert count.value.field == "vectors"
+    with pytest.raises(InvalidRequest) as dimension:
+        backend.upsert("sci", "acme", docs_of(CORPUS), np.ones((len(CORPUS), 4)))
+    assert dimension.value.field == "vectors"
+    zero = vectors.copy()
+    zero[1] = 0.0
+    with pytest.raises(InvalidRequest) as row:
+        backend.upsert("sci", "acme", docs_of(CORPUS), zero)
+    assert row.value.field == "vectors[1]"
+    assert backend.count("sci", "acme") == len(CORPUS)
+
+
+def test_derived_revision_is_stable_and_content_bound() -> None:
+    assert derive_revision("t", "x", {"a": 1}) == derive_revision("t", "x", {"a": 1})
+    assert derive_revision("t", "x", {"a": 1}) != derive_revision("t", "y", {"a": 1})

@@ -1,0 +1,167 @@
+"""The whole pipeline with the real Anthropic SDK against the fake Messages API over HTTP.
+
+Every failure class, under both failure policies: the right counter, the right job
+outcome, the right number of HTTP attempts, and the deadline held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import pytest
+
+from tests import fake_anthropic as fa
+from tests.fakes import FakeEmbedder, InMemoryBackend, RecordingRecorder
+from worker.adapters.anthropic import AnthropicReranker
+from worker.bootstrap import build_pipeline
+from worker.contract import DocumentIn, SearchSpec
+from worker.core.pipeline import SearchPipeline
+from worker.errors import RerankFailed
+from worker.runtime import Runtime
+from worker.settings import load_settings
+
+pytestmark = pytest.mark.integration
+
+MODEL = "claude-haiku-4-5"
+DEADLINE = 3.0
+ATTEMPT_TIMEOUT = 0.6
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[fa.FakeAnthropic]:
+    with fa.FakeAnthropic() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(server: fa.FakeAnthropic) -> Iterator[fa.FakeAnthropic]:
+    server.reset()
+    server.configure(thinking_tokens=64, cache_read_input_tokens=0, cache_creation_input_tokens=0)
+    yield server
+
+
+def build(fake: fa.FakeAnthropic, policy: str) -> tuple[SearchPipeline, RecordingRecorder]:
+    settings = load_settings(
+        rerank_enabled=True,
+        generation_model=f"anthropic:{MODEL}",
+        rerank_failure_policy=policy,
+        search_deadline_seconds=DEADLINE,
+        generation_timeout_seconds=ATTEMPT_TIMEOUT,
+        generation_max_requests=3,
+    )
+    client = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
+    recorder = RecordingRecorder()
+    pipeline = build_pipeline(
+        settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=AnthropicReranker(MODEL, client=client),
+        recorder=recorder,
+    )
+    Runtime(pipeline).ingest(
+        "docs",
+        "acme",
+        [
+            DocumentIn(id=f"d{i}", title=f"note {i}", text=f"volcano ash report number {i}")
+            for i in range(40)
+        ],
+    )
+    return pipeline, recorder
+
+
+def search(pipeline: SearchPipeline) -> Any:
+    return pipeline.search(
+        SearchSpec(index="docs", query="volcano ash", limit=5, include_trace=True), "acme"
+    )
+
+
+# (behaviours to script, attempt class, attempts expected)
+FAILURES = {
+    "timeout": ([fa.stall(5)] * 3, "timeout", 3),
+    "http_5xx": ([fa.status(500), fa.status(529), fa.status(503)], "http_5xx", 3),
+    "rate_limited": ([fa.status(429, retry_after=0.2)] * 3, "rate_limited", 3),
+    "connection": ([fa.drop()] * 3, "connection", 3),
+    "http_4xx": ([fa.status(400)], "http_4xx", 1),
+    "malformed": (
+        [fa.malformed("not json"), fa.malformed('{"positions": ["1"]}'), fa.positions([1.5])],
+        "malformed",
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_fail_closed_fails_with_the_class(fake: fa.FakeAnthropic, name: str) -> None:
+    behaviours, result, attempts = FAILURES[name]
+    fake.script(behaviours)
+    pipeline, recorder = build(fake, "fail_closed")
+    started = time.monotonic()
+    with pytest.raises(RerankFailed) as info:
+        search(pipeline)
+    elapsed = time.monotonic() - started
+    assert info.value.reason == result
+    assert len(fake.requests()) == attempts
+    assert recorder.events["attempt", result] == attempts
+    assert sum(n for key, n in recorder.events.items() if key[0] == "attempt") == attempts
+    assert recorder.events["outcome", "failed"] == 1
+    assert elapsed < DEADLINE + 1.0  # generous: the budget itself is checked in unit tests
+
+
+@pytest.mark.parametrize("name", list(FAILURES))
+def test_fail_open_returns_the_coarse_window(fake: fa.FakeAnthropic, name: str) -> None:
+    behaviours, result, attempts = FAILURES[name]
+    fake.script(behaviours)
+    pipeline, recorder = build(fake, "fail_open")
+    found = search(pipeline)
+    assert found.rerank.applied is False
+    assert found.rerank.fallback_reason == f"error:{result}"
+    assert [h.ranks.rrf for h in found.hits] == [1, 2, 3, 4, 5]
+    assert [a["outcome"] for a in found.trace["attempts"]] == [result] * attempts
+    assert recorder.events["outcome", "fallback_error"] == 1
+
+
+def test_recovery_after_transient_failures_uses_the_third_answer(fake: fa.FakeAnthropic) -> None:
+    fake.script([fa.status(529), fa.status(429, retry_after=0.1), fa.positions([4, 2, 2, 99])])
+    pipeline, recorder = build(fake, "fail_closed")
+    found = search(pipeline)
+    assert found.rerank.applied is True
+    assert [h.ranks.rrf for h in found.hits] == [4, 2]
+    assert found.trace["dropped_positions"] == [
+        {"value": 2, "reason": "duplicate"},
+        {"value": 99, "reason": "out_of_range"},
+    ]
+    attempts = {key[1]: n for key, n in recorder.events.items() if key[0] == "attempt"}
+    assert attempts == {"http_5xx": 1, "rate_limited": 1, "ok": 1}
+
+
+def test_usage_and_cost_equal_what_the_fake_reported(fake: fa.FakeAnthropic) -> None:
+    fake.configure(cache_read_input_tokens=500, cache_creation_input_tokens=120)
+    fake.script([fa.malformed("oops"), fa.good()])
+    pipeline, recorder = build(fake, "fail_closed")
+    found = search(pipeline)
+    reported = fake.usage()
+    assert found.usage.requests == 2
+    assert found.usage.input_tokens == reported["input_tokens"]
+    assert found.usage.output_tokens == reported["output_tokens"]
+    assert found.usage.cache_read_input_tokens == reported["cache_read_input_tokens"] == 1000
+    assert found.usage.cache_creation_input_tokens == reported["cache_creation_input_tokens"]
+    expected = (
+        reported["input_tokens"] * 1.0
+        + reported["output_tokens"] * 5.0
+        + reported["cache_read_input_tokens"] * 0.10
+        + reported["cache_creation_input_tokens"] * 1.25
+    ) / 1e6
+    assert found.usage.cost_usd == pytest.approx(expected)
+    assert recorder.cost == pytest.approx(expected)
+
+
+def test_no_valid_ranks_is_a_fallback_not_a_failure(fake: fa.FakeAnthropic) -> None:
+    fake.script([fa.positions([0, -1, 31])])
+    pipeline, recorder = build(fake, "fail_closed")
+    found = search(pipeline)
+    assert found.rerank.fallback_reason == "no_valid_ranks"
+    assert recorder.events["attempt", "ok"] == 1
+    assert recorder.events["outcome", "fallback_no_valid_ranks"] == 1

@@ -1,0 +1,331 @@
+"""Webhook delivery against a real loopback receiver, verified with the standardwebhooks library."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+
+from worker.settings import ApiKey, Settings
+from worker.webhooks import (
+    BATCH_COMPLETED,
+    MAX_ATTEMPTS,
+    RETRY_SCHEDULE_SECONDS,
+    SEARCH_COMPLETED,
+    DeliveryOutcome,
+    DeliveryTimeouts,
+    deliver,
+    message_id,
+    next_delay,
+    payload,
+    run_delivery,
+    sign,
+)
+
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+OLD_SECRET = "whsec_C2FVsBQIhrscChlQIMV+b5sSYspob7oD"
+
+
+@dataclass
+class Received:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Receiver:
+    """A stdlib HTTP server on 127.0.0.1 that records requests and answers a scripted status."""
+
+    server: ThreadingHTTPServer
+    received: list[Received] = field(default_factory=list)
+    status: int = 204
+    extra_headers: dict[str, str] = field(default_factory=dict)
+    delay: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    box: dict[str, Receiver] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            me = box["r"]
+            if me.delay:
+                time.sleep(me.delay)
+            length = int(self.headers.get("content-length", "0"))
+            body = self.rfile.read(length)
+            me.received.append(Received(self.path, dict(self.headers.items()), body))
+            self.send_response(me.status)
+            for name, value in me.extra_headers.items():
+                self.send_header(name, value)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def do_GET(self) -> None:  # where a redirect would lead; must never be hit
+            box["r"].received.append(Received(self.path, dict(self.headers.items()), b""))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    ThreadingHTTPServer.daemon_threads = True
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    box["r"] = Receiver(server)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield box["r"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+FAST = DeliveryTimeouts(connect=2.0, read=2.0)
+
+
+def test_a_delivery_verifies_with_the_standardwebhooks_library(receiver: Receiver) -> None:
+    body = payload(SEARCH_COMPLETED, "job-1", "succeeded")
+    result = deliver(
+        receiver.url, body, message_id("job-1"), SECRET, allow_private=True, timeout=FAST
+    )
+    assert result.outcome is DeliveryOutcome.DELIVERED
+    assert result.status_code == 204
+    [got] = receiver.received
+    assert got.path == "/hook"
+    assert got.body == body
+    assert got.headers["webhook-id"] == "msg_job-1"
+    assert {k.lower(): v for k, v in got.headers.items()}["host"] == receiver.url.split("/")[2]
+    event = Webhook(SECRET).verify(got.body, got.headers)
+    assert event["type"] == "search.completed"
+    assert event["data"] == {"id": "job-1", "status": "succeeded"}
+    assert set(event) == {"type", "timestamp", "data"}
+    with pytest.raises(WebhookVerificationError):
+        Webhook(OLD_SECRET).verify(got.body, got.headers)
+
+
+def test_during_a_rotation_both_signatures_are_sent_and_each_secret_verifies(
+    receiver: Receiver,
+) -> None:
+    key = ApiKey(
+        key="k" * 16, tenant="acme", webhook_secret=SECRET, webhook_secret_previous=OLD_SECRET
+    )
+    body = payload(BATCH_COMPLETED, "batch-9", "succeeded")
+    result = deliver(
+        receiver.url, body, message_id("batch-9"), key.webhook_secrets(), allow_private=True
+    )
+    assert result.outcome is DeliveryOutcome.DELIVERED
+    [got] = receiver.received
+    signatures = got.headers["webhook-signature"].split(" ")
+    assert len(signatures) == 2 and all(s.startswith("v1,") for s in signatures)
+    for secret in (SECRET, OLD_SECRET):
+        assert Webhook(secret).verify(got.body, got.headers)["type"] == "batch.completed"
+
+
+def test_sign_is_the_librarys_signature() -> None:
+    when = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    headers = sign(SECRET, "msg_x", when, b'{"a":1}')
+    assert headers["webhook-timestamp"] == str(int(when.timestamp()))
+    assert headers["webhook-signature"] == Webhook(SECRET).sign("msg_x", when, '{"a":1}')
+
+
+def test_a_redirect_is_a_failure_and_is_not_followed(receiver: Receiver) -> None:
+    receiver.status = 302
+    receiver.extra_headers = {"location": receiver.url.replace("/hook", "/elsewhere")}
+    body = payload(SEARCH_COMPLETED, "job-2", "succeeded")
+    result = deliver(receiver.url, body, message_id("job-2"), SECRET, allow_private=True)
+    assert result.outcome is DeliveryOutcome.FAILED
+    assert result.status_code == 302
+    assert [r.path for r in receiver.received] == ["/hook"]  # /elsewhere never requested
+
+
+@pytest.mark.parametrize(
+    ("status", "outcome"),
+    [
+        (200, DeliveryOutcome.DELIVERED),
+        (202, DeliveryOutcome.DELIVERED),
+        (500, DeliveryOutcome.RETRY),
+        (503, DeliveryOutcome.RETRY),
+        (429, DeliveryOutcome.RETRY),
+        (400, DeliveryOutcome.FAILED),
+        (404, DeliveryOutcome.FAILED),
+        (410, DeliveryOutcome.FAILED),
+    ],
+)
+def test_the_answer_is_classified(
+    receiver: Receiver, status: int, outcome: DeliveryOutcome
+) -> None:
+    receiver.status = status
+    body = payload(SEARCH_COMPLETED, "job-3", "failed")
+    result = deliver(receiver.url, body, message_id("job-3"), SECRET, allow_private=True)
+    assert (result.outcome, result.status_code) == (outcome, status)
+
+
+def test_a_name_is_pinned_to_the_checked_address_and_keeps_its_host_header(
+    receiver: Receiver,
+) -> None:
+    port = receiver.server.server_address[1]
+    body = payload(SEARCH_COMPLETED, "job-10", "succeeded")
+    url = f"http://localhost:{port}/hook?tenant=a"
+    result = deliver(url, body, message_id("job-10"), SECRET, allow_private=True, timeout=FAST)
+    assert result.outcome is DeliveryOutcome.DELIVERED
+    [got] = receiver.received
+    assert got.path == "/hook?tenant=a"
+    assert {k.lower(): v for k, v in got.headers.items()}["host"] == f"localhost:{port}"
+    Webhook(SECRET).verify(got.body, got.headers)
+
+
+def test_a_slow_receiver_times_out_and_is_retryable(receiver: Receiver) -> None:
+    receiver.delay = 1.0
+    body = payload(SEARCH_COMPLETED, "job-11", "succeeded")
+    timeouts = DeliveryTimeouts(connect=1.0, read=0.2)
+    result = deliver(
+        receiver.url, body, message_id("job-11"), SECRET, allow_private=True, timeout=timeouts
+    )
+    assert result.outcome is DeliveryOutcome.RETRY
+    assert result.reason.startswith("timeout")
+    assert result.duration_seconds < 0.9
+
+
+def test_connection_refused_is_retryable(receiver: Receiver) -> None:
+    url = receiver.url
+    receiver.server.server_close()  # nothing listens on the port now
+    body = payload(SEARCH_COMPLETED, "job-4", "succeeded")
+    result = deliver(url, body, message_id("job-4"), SECRET, allow_private=True, timeout=FAST)
+    assert result.outcome is DeliveryOutcome.RETRY
+    assert result.status_code is None
+
+
+def test_the_same_job_has_the_same_webhook_id_and_body_on_every_retry(receiver: Receiver) -> None:
+    receiver.status = 500
+    settings = Settings(webhook_allow_private_networks=True, webhook_retry_scale=0.001)
+    occurred = datetime.now(UTC).isoformat()
+    decisions = [
+        run_delivery(
+            url=receiver.url,
+            event_type=SEARCH_COMPLETED,
+            job_id="job-5",
+            status="succeeded",
+            occurred_at=occurred,
+            attempt=attempt,
+            secrets=[SECRET],
+            settings=settings,
+        )
+        for attempt in (1, 2)
+    ]
+    first, second = receiver.received
+    assert first.headers["webhook-id"] == second.headers["webhook-id"] == "msg_job-5"
+    assert first.body == second.body
+    assert all(d.result.outcome is DeliveryOutcome.RETRY for d in decisions)
+    assert decisions[0].retry_in is not None and 0.004 <= decisions[0].retry_in <= 0.006
+    assert decisions[1].retry_in is not None and 0.24 <= decisions[1].retry_in <= 0.36
+    for got in (first, second):
+        Webhook(SECRET).verify(got.body, got.headers)
+
+
+def test_run_delivery_gives_up_when_the_schedule_is_spent(receiver: Receiver) -> None:
+    receiver.status = 503
+    settings = Settings(webhook_allow_private_networks=True, webhook_retry_scale=0.0)
+    decision = run_delivery(
+        url=receiver.url,
+        event_type=BATCH_COMPLETED,
+        job_id="b-1",
+        status="succeeded",
+        occurred_at=datetime.now(UTC),
+        attempt=MAX_ATTEMPTS,
+        secrets=[SECRET],
+        settings=settings,
+    )
+    assert decision.final and decision.gave_up and decision.retry_in is None
+
+
+def test_run_delivery_stops_at_a_permanent_failure(receiver: Receiver) -> None:
+    receiver.status = 404
+    decision = run_delivery(
+        url=receiver.url,
+        event_type=SEARCH_COMPLETED,
+        job_id="job-6",
+        status="succeeded",
+        occurred_at=datetime.now(UTC),
+        attempt=1,
+        secrets=[SECRET],
+        settings=Settings(webhook_allow_private_networks=True),
+    )
+    assert decision.result.outcome is DeliveryOutcome.FAILED
+    assert decision.final and not decision.gave_up
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:{port}/hook",
+        "http://localhost:{port}/hook",
+        "http://2130706433:{port}/hook",
+        "http://[::ffff:127.0.0.1]:{port}/hook",
+    ],
+)
+def test_a_loopback_url_is_refused_at_send_time(receiver: Receiver, url: str) -> None:
+    target = url.format(port=receiver.server.server_address[1])
+    body = payload(SEARCH_COMPLETED, "job-7", "succeeded")
+    result = deliver(target, body, message_id("job-7"), SECRET, allow_private=False)
+    assert result.outcome is DeliveryOutcome.FAILED
+    assert result.reason.startswith("refused: webhook_url:")
+    assert receiver.received == []  # nothing was sent
+
+
+def test_run_delivery_applies_the_guard_from_settings(receiver: Receiver) -> None:
+    decision = run_delivery(
+        url=receiver.url,
+        event_type=SEARCH_COMPLETED,
+        job_id="job-8",
+        status="succeeded",
+        occurred_at=datetime.now(UTC),
+        attempt=1,
+        secrets=[SECRET],
+        settings=Settings(webhook_allow_private_networks=False),
+    )
+    assert decision.result.outcome is DeliveryOutcome.FAILED and decision.final
+    assert receiver.received == []
+
+
+def test_the_retry_schedule_grows_with_bounded_jitter_and_ends() -> None:
+    rng = random.Random(7)
+    for attempt in range(1, MAX_ATTEMPTS):
+        base = RETRY_SCHEDULE_SECONDS[attempt]
+        samples = [next_delay(attempt, rng=rng) for _ in range(50)]
+        assert all(s is not None and 0.8 * base <= s <= 1.2 * base for s in samples)
+        if base:
+            assert len(set(samples)) > 1  # jittered, not fixed
+    assert list(RETRY_SCHEDULE_SECONDS) == sorted(RETRY_SCHEDULE_SECONDS)
+    assert RETRY_SCHEDULE_SECONDS[1:4] == (5, 300, 1800)
+    assert next_delay(MAX_ATTEMPTS) is None
+    assert next_delay(MAX_ATTEMPTS + 3) is None
+    scaled = next_delay(3, scale=0.001, rng=rng)
+    assert scaled is not None and 0.8 * 1.8 <= scaled <= 1.2 * 1.8
+
+
+def test_the_payload_is_thin_json() -> None:
+    when = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
+    body = json.loads(payload(SEARCH_COMPLETED, "j", "canceled", occurred_at=when))
+    assert body == {
+        "type": "search.completed",
+        "timestamp": "2026-05-01T12:00:00Z",
+        "data": {"id": "j", "status": "canceled"},
+    }
+    with pytest.raises(ValueError):
+        payload("search.started", "j", "running")

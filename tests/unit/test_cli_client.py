@@ -1,0 +1,379 @@
+"""`sift ingest`, `sift search` and `sift batch` against a loopback stand-in gateway."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from worker.cli import app
+
+API_KEY = "test-key-123456"
+
+
+def hit(rank: int, doc_id: str, title: str) -> dict[str, Any]:
+    return {
+        "id": doc_id,
+        "revision": "r1",
+        "title": title,
+        "text": "…",
+        "metadata": {},
+        "ranks": {"final": rank, "rrf": rank, "bm25": rank + 1, "knn": None},
+        "scores": {"rrf": 0.03, "bm25": 7.5, "knn": None},
+    }
+
+
+SEARCH_RESULT = {
+    "hits": [hit(1, "doc-a", "Alpha"), hit(2, "doc-b", "Beta")],
+    "rerank": {"applied": True, "policy": "listwise.v1", "fallback_reason": None},
+    "usage": {
+        "requests": 1,
+        "input_tokens": 1200,
+        "output_tokens": 40,
+        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": 0,
+        "cost_usd": 0.0014,
+    },
+}
+
+
+@dataclass
+class FakeGateway:
+    """Answers like the gateway of DESIGN.md §9 and records what it was sent."""
+
+    server: ThreadingHTTPServer
+    requests: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
+    polls: dict[str, int] = field(default_factory=dict)
+    batch_queries: list[dict[str, Any]] = field(default_factory=list)
+    search_answers_at_once: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def posted(self, path: str) -> list[Any]:
+        return [body for method, p, _, body in self.requests if method == "POST" and p == path]
+
+    def handle(self, method: str, raw_path: str, headers: dict[str, str], body: Any) -> Any:
+        parts = urlsplit(raw_path)
+        path, query = parts.path, parse_qs(parts.query)
+        self.requests.append((method, path, headers, body))
+        if headers.get("authorization") != f"Bearer {API_KEY}":
+            return 401, {"detail": "missing or unknown API key"}
+        if method == "POST" and path.startswith("/v1/indexes/"):
+            if path.split("/")[3] == "refused":
+                detail = [{"loc": ["body", "documents", 0, "text"], "msg": "too long"}]
+                return 422, {"detail": detail}
+            return 200, {"indexed": len(body["documents"])}
+        if method == "POST" and path == "/v1/searches":
+            if query.get("wait") != ["30"]:
+                return 400, {"detail": "expected wait=30"}
+            if self.search_answers_at_once:
+                return 200, {"id": "s-1", "status": "succeeded", "result": SEARCH_RESULT}
+            return 202, {"id": "s-1", "status": "queued"}
+        if method == "GET" and path == "/v1/searches/s-1":
+            n = self.polls["s-1"] = self.polls.get("s-1", 0) + 1
+            if n < 2:
+                return 200, {"id": "s-1", "status": "running"}
+            return 200, {"id": "s-1", "status": "succeeded", "result": SEARCH_RESULT}
+        if method == "POST" and path == "/v1/batches":
+            self.batch_queries = body["queries"]
+            if len({q["id"] for q in self.batch_queries}) != len(self.batch_queries):
+                return 422, {"error": {"field": "queries", "message": "duplicate ids"}}
+            return 202, {"id": "b-1", "status": "queued"}
+        if method == "GET" and path == "/v1/batches/b-1":
+            n = self.polls["b-1"] = self.polls.get("b-1", 0) + 1
+            total = len(self.batch_queries)
+            done = total if n >= 3 else total * n // 3
+            failed = sum(1 for q in self.batch_queries if "fail" in q["id"]) if n >= 3 else 0
+            counts = {
+                "total": total,
+                "queued": total - done,
+                "running": 0,
+                "succeeded": done - failed,
+                "failed": failed,
+                "canceled": 0,
+            }
+            return 200, {
+                "id": "b-1",
+                "status": "succeeded" if n >= 3 else "running",
+                "counts": counts,
+            }
+        if method == "GET" and path == "/v1/batches/b-1/results":
+            size = int(query["page_size"][0])
+            start = int(query.get("page_token", ["0"])[0])
+            page = self.batch_queries[start : start + size]
+            results = []
+            for q in page:
+                if "fail" in q["id"]:
+                    error = {"type": "rerank_failed", "message": "timeout", "retryable": False}
+                    results.append({"query_id": q["id"], "status": "failed", "error": error})
+                else:
+                    results.append(
+                        {"query_id": q["id"], "status": "succeeded", "result": SEARCH_RESULT}
+                    )
+            more = start + size < len(self.batch_queries)
+            return 200, {"results": results, "next_page_token": str(start + size) if more else None}
+        return 404, {"detail": "Not Found"}
+
+
+@pytest.fixture
+def fake_gateway() -> Iterator[FakeGateway]:
+    box: dict[str, FakeGateway] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self, method: str) -> None:
+            length = int(self.headers.get("content-length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            body = json.loads(raw) if raw else None
+            headers = {k.lower(): v for k, v in self.headers.items()}
+            status, answer = box["g"].handle(method, self.path, headers, body)
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._serve("GET")
+
+        def do_POST(self) -> None:
+            self._serve("POST")
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    ThreadingHTTPServer.daemon_threads = True
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    box["g"] = FakeGateway(server)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield box["g"]
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def run(gw: FakeGateway | str, *args: str, key: str | None = API_KEY) -> Result:
+    url = gw if isinstance(gw, str) else gw.url
+    env = {"SIFT_URL": url, "SIFT_API_KEY": key, "COLUMNS": "200", "NO_COLOR": "1"}
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+# --- ingest ---
+
+
+def test_ingest_beir_corpus_in_batches(fake_gateway: FakeGateway, tmp_path: Path) -> None:
+    rows = [
+        {"_id": f"d{i}", "title": f"T{i}", "text": f"text {i}", "metadata": {}} for i in range(5)
+    ]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "scifact", "--batch-size", "2")
+    assert result.exit_code == 0, result.output
+    batches = fake_gateway.posted("/v1/indexes/scifact/documents")
+    assert [len(b["documents"]) for b in batches] == [2, 2, 1]
+    assert batches[0]["documents"][0] == {
+        "id": "d0",
+        "title": "T0",
+        "text": "text 0",
+        "metadata": {},
+    }
+    assert "indexed 5 document(s) into scifact" in result.output
+
+
+def test_ingest_sift_shape_keeps_revision_and_metadata(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    row = {"id": "x1", "text": "hello", "title": "Hi", "revision": "7", "metadata": {"lang": "en"}}
+    corpus = write_jsonl(tmp_path / "docs.jsonl", [row, "", {"id": "x2", "text": "bye"}])
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "mine")
+    assert result.exit_code == 0, result.output
+    [batch] = fake_gateway.posted("/v1/indexes/mine/documents")
+    assert batch["documents"][0] == row
+    assert batch["documents"][1]["id"] == "x2"
+
+
+@pytest.mark.parametrize(
+    ("bad", "where"),
+    [
+        ({"_id": "d2", "title": "no text"}, "field 'text'"),
+        ({"id": "d2", "text": ""}, "field 'text'"),
+        ({"id": "d2", "text": "x", "tilte": "typo"}, "field 'tilte'"),
+        ({"text": "no id"}, "field 'id'"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_ingest_a_bad_line_names_line_and_field_and_sends_nothing(
+    fake_gateway: FakeGateway, tmp_path: Path, bad: Any, where: str
+) -> None:
+    rows = [{"_id": "d0", "text": "a"}, {"_id": "d1", "text": "b"}, bad, {"_id": "d3", "text": "c"}]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "scifact")
+    assert result.exit_code == 1
+    assert f"corpus.jsonl:3: {where}" in result.output
+    assert "Traceback" not in result.output
+    assert fake_gateway.requests == []
+
+
+def test_ingest_skip_invalid_sends_the_rest(fake_gateway: FakeGateway, tmp_path: Path) -> None:
+    rows = [{"_id": "d0", "text": "a"}, {"_id": "d1"}, {"_id": "d2", "text": "c"}]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "s", "--skip-invalid")
+    assert result.exit_code == 0, result.output
+    [batch] = fake_gateway.posted("/v1/indexes/s/documents")
+    assert [d["id"] for d in batch["documents"]] == ["d0", "d2"]
+    assert "skipped 1 invalid line" in result.output
+    assert "corpus.jsonl:2: field 'text'" in result.output
+
+
+def test_a_gateway_4xx_is_printed_with_its_field(fake_gateway: FakeGateway, tmp_path: Path) -> None:
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "b"}])
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "refused")
+    assert result.exit_code == 1
+    assert "the gateway answered 422: documents.0.text: too long" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_missing_key_is_named(fake_gateway: FakeGateway, tmp_path: Path) -> None:
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "b"}])
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "s", key=None)
+    assert result.exit_code == 1
+    assert "401" in result.output and "SIFT_API_KEY is not set" in result.output
+    assert "authorization" not in fake_gateway.requests[0][2]
+
+
+def test_no_gateway_listening_names_sift_url(tmp_path: Path) -> None:
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "b"}])
+    result = run("http://127.0.0.1:9", "ingest", str(corpus), "--index", "s")
+    assert result.exit_code == 1
+    assert "cannot connect to the gateway at http://127.0.0.1:9 (SIFT_URL)" in result.output
+    assert "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+
+
+# --- search ---
+
+
+def test_search_polls_and_prints_the_ranked_hits(fake_gateway: FakeGateway) -> None:
+    result = run(
+        fake_gateway, "search", "what is alpha", "--index", "s", "--limit", "5", "--no-rerank"
+    )
+    assert result.exit_code == 0, result.output
+    [body] = fake_gateway.posted("/v1/searches")
+    assert body == {
+        "index": "s",
+        "query": "what is alpha",
+        "limit": 5,
+        "mode": "hybrid",
+        "include_trace": False,
+        "rerank": False,
+    }
+    assert fake_gateway.polls["s-1"] == 2
+    lines = result.output.splitlines()
+    row_a = next(line for line in lines if "doc-a" in line)
+    assert "Alpha" in row_a and row_a.split()[1] == "1"  # "│ 1 │ doc-a …" → final rank first
+    assert any("doc-b" in line and "Beta" in line for line in lines)
+    assert "rerank: applied (listwise.v1)" in result.output
+    assert "usage: 1 request(s), 1200 input + 40 output tokens" in result.output
+
+
+def test_search_json_prints_the_raw_job(fake_gateway: FakeGateway) -> None:
+    fake_gateway.search_answers_at_once = True
+    result = run(fake_gateway, "search", "q", "--index", "s", "--json", "--mode", "fts")
+    assert result.exit_code == 0, result.output
+    job = json.loads(result.stdout)
+    assert job["result"]["hits"][0]["id"] == "doc-a"
+    assert fake_gateway.posted("/v1/searches")[0]["mode"] == "fts"
+    assert "s-1" not in fake_gateway.polls  # 200 within wait: no polling
+
+
+def test_search_rejects_an_unknown_mode(fake_gateway: FakeGateway) -> None:
+    result = run(fake_gateway, "search", "q", "--index", "s", "--mode", "semantic")
+    assert result.exit_code == 1
+    assert "--mode" in result.output
+    assert fake_gateway.requests == []
+
+
+# --- batch ---
+
+
+def test_batch_writes_every_result_line(fake_gateway: FakeGateway, tmp_path: Path) -> None:
+    rows: list[Any] = [{"_id": f"q{i}", "text": f"query {i}", "metadata": {}} for i in range(6)]
+    rows.append({"id": "q-fail", "query": "sift shape", "limit": 3, "mode": "fts"})
+    queries = write_jsonl(tmp_path / "queries.jsonl", rows)
+    out = tmp_path / "out" / "results.jsonl"
+    result = run(
+        fake_gateway,
+        "batch",
+        str(queries),
+        "--index",
+        "s",
+        "--out",
+        str(out),
+        "--limit",
+        "7",
+        "--lane",
+        "economy",
+        "--page-size",
+        "3",
+    )
+    assert result.exit_code == 0, result.output
+    [body] = fake_gateway.posted("/v1/batches")
+    assert body["lane"] == "economy" and body["index"] == "s"
+    assert body["queries"][0] == {"id": "q0", "query": "query 0", "limit": 7}
+    assert body["queries"][6] == {"id": "q-fail", "query": "sift shape", "limit": 3, "mode": "fts"}
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["query_id"] for r in lines] == [f"q{i}" for i in range(6)] + ["q-fail"]
+    assert lines[-1]["status"] == "failed"
+    assert fake_gateway.polls["b-1"] == 3
+    assert "wrote 7 result(s)" in result.output
+    assert "succeeded 6, failed 1, canceled 0" in result.output
+    assert "1 failed, 0 canceled of 7" in result.output
+    assert [p.name for p in out.parent.iterdir()] == ["results.jsonl"]  # no partial file left
+
+
+def test_batch_strict_exits_3_when_an_item_failed(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    queries = write_jsonl(
+        tmp_path / "q.jsonl", [{"id": "ok", "query": "a"}, {"id": "fail", "query": "b"}]
+    )
+    out = tmp_path / "r.jsonl"
+    result = run(fake_gateway, "batch", str(queries), "--index", "s", "--out", str(out), "--strict")
+    assert result.exit_code == 3
+    assert len(out.read_text().splitlines()) == 2
+
+
+def test_batch_a_bad_query_line_sends_nothing(fake_gateway: FakeGateway, tmp_path: Path) -> None:
+    rows = [
+        {"id": "a", "query": "x"},
+        {"id": "b", "query": "y", "limit": 0},
+        {"id": "a", "query": "z"},
+    ]
+    queries = write_jsonl(tmp_path / "q.jsonl", rows)
+    out = tmp_path / "r.jsonl"
+    result = run(fake_gateway, "batch", str(queries), "--index", "s", "--out", str(out))
+    assert result.exit_code == 1
+    assert "q.jsonl:2: field 'limit'" in result.output
+    assert fake_gateway.requests == [] and not out.exists()
+    rows[1] = {"id": "b", "query": "y"}
+    write_jsonl(queries, rows)
+    result = run(fake_gateway, "batch", str(queries), "--index", "s", "--out", str(out))
+    assert result.exit_code == 1
+    assert "q.jsonl:3: field 'id': 'a' appears twice" in result.output

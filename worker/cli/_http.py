@@ -1,0 +1,171 @@
+"""The CLI's one HTTP client for the gateway: auth header, error messages, and polling."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+from worker.errors import ConfigError
+from worker.settings import load_settings
+
+FINAL_STATUSES = frozenset({"succeeded", "failed", "canceled"})
+USER_AGENT = "sift-cli/1"
+
+
+class GatewayError(Exception):
+    """An expected failure talking to the gateway, worded for the user (no traceback)."""
+
+    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+
+
+def _field_of(loc: Any) -> str:
+    parts = [str(p) for p in loc] if isinstance(loc, list | tuple) else [str(loc)]
+    if parts and parts[0] in ("body", "query", "path", "header"):
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def describe_error(response: httpx.Response) -> str:
+    """A one-paragraph message for a 4xx/5xx answer, naming the field when the gateway does."""
+    prefix = f"the gateway answered {response.status_code}"
+    try:
+        body = response.json()
+    except ValueError:
+        text = response.text.strip()[:300]
+        return f"{prefix}: {text}" if text else prefix
+    problems: list[str] = []
+    if isinstance(body, dict):
+        detail = body.get("detail")
+        error = body.get("error")
+        if isinstance(detail, list):  # FastAPI's validation shape
+            for item in detail:
+                if isinstance(item, dict):
+                    field = _field_of(item.get("loc", []))
+                    msg = str(item.get("msg", item))
+                    problems.append(f"{field}: {msg}" if field else msg)
+        elif isinstance(detail, str):
+            problems.append(detail)
+        elif isinstance(detail, dict):
+            error = detail
+        if isinstance(error, dict):
+            name = error.get("field")
+            msg = str(error.get("message") or error.get("type") or error)
+            problems.append(msg if not name or msg.startswith(f"{name}:") else f"{name}: {msg}")
+        elif isinstance(error, str):
+            problems.append(error)
+        if not problems and "message" in body:
+            problems.append(str(body["message"]))
+    if not problems:
+        problems.append(str(body)[:300])
+    return f"{prefix}: " + "; ".join(problems)
+
+
+class Gateway:
+    """The gateway at ``base_url``, with the bearer key on every request."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        *,
+        timeout: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.has_key = bool(api_key)
+        headers = {"user-agent": USER_AGENT}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        self._client = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=5.0),
+            transport=transport,
+            follow_redirects=False,
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+    ) -> httpx.Response:
+        """Send one request; a 4xx/5xx or a network failure becomes a GatewayError."""
+        try:
+            response = self._client.request(method, path, json=json, params=params)
+        except httpx.ConnectError as exc:
+            raise GatewayError(
+                f"cannot connect to the gateway at {self.base_url} (SIFT_URL); "
+                "is it running? Start one with `sift up`."
+            ) from exc
+        except httpx.TimeoutException as exc:
+            raise GatewayError(
+                f"the gateway at {self.base_url} (SIFT_URL) did not answer in time"
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise GatewayError(f"talking to {self.base_url} (SIFT_URL) failed: {exc}") from exc
+        if response.status_code == 401:
+            hint = "check SIFT_API_KEY" if self.has_key else "SIFT_API_KEY is not set"
+            raise GatewayError(f"{describe_error(response)} ({hint})", status_code=401)
+        if response.status_code >= 400:
+            raise GatewayError(describe_error(response), status_code=response.status_code)
+        return response
+
+    def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self.request(method, path, **kwargs)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise GatewayError(f"{method} {path}: the gateway's answer is not JSON") from exc
+
+    def poll(
+        self,
+        path: str,
+        *,
+        done: Callable[[dict[str, Any]], bool] | None = None,
+        on_update: Callable[[dict[str, Any]], None] | None = None,
+        interval: float = 0.2,
+        max_interval: float = 2.0,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """GET ``path`` until ``done`` (by default: a final ``status``), backing off to 2 s."""
+        is_done = done or (lambda body: body.get("status") in FINAL_STATUSES)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            body = self.json("GET", path)
+            if not isinstance(body, dict):
+                raise GatewayError(f"GET {path}: unexpected answer {str(body)[:200]}")
+            if on_update is not None:
+                on_update(body)
+            if is_done(body):
+                return body
+            if deadline is not None and time.monotonic() > deadline:
+                raise GatewayError(f"GET {path}: still {body.get('status')} after {timeout} s")
+            time.sleep(interval)
+            interval = min(interval * 1.5, max_interval)
+
+
+@contextmanager
+def gateway(transport: httpx.BaseTransport | None = None) -> Iterator[Gateway]:
+    """The gateway of ``SIFT_URL``, with the key of ``SIFT_API_KEY``."""
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        raise GatewayError(exc.message) from exc
+    client = Gateway(settings.url, settings.api_key, transport=transport)
+    try:
+        yield client
+    finally:
+        client.close()

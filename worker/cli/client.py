@@ -1,0 +1,461 @@
+"""``sift ingest``, ``sift search`` and ``sift batch``: the gateway's HTTP API from the shell.
+
+Each command reads ``SIFT_URL`` (default ``http://127.0.0.1:8080``) and
+``SIFT_API_KEY``. Expected failures (a bad input line, a 4xx naming a field,
+no gateway listening) print one clear message and exit 1, without a traceback.
+``sift batch`` exits 0 when every item is accounted for, even if some items
+failed (it prints the failed count in red); ``--strict`` makes that exit 3.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+from worker.cli import app
+from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
+from worker.constants import (
+    MAX_BATCH_QUERIES,
+    MAX_DOCUMENT_CHARS,
+    MAX_DOCUMENTS_PER_REQUEST,
+    MAX_LIMIT,
+    MAX_QUERY_CHARS,
+    MAX_WAIT_SECONDS,
+)
+from worker.contract import DocumentIn
+
+MODES = ("fts", "vector", "hybrid")
+LANES = ("standard", "economy")
+EXIT_ERROR = 1
+EXIT_ITEMS_FAILED = 3
+
+
+class InputError(Exception):
+    """A bad line in an input file; the message names the file, the line and the field."""
+
+
+@dataclass
+class Loaded:
+    """The valid records of a JSONL file, and the problems of the invalid ones."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _out() -> Console:
+    return Console(highlight=False)
+
+
+def _err() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+@contextmanager
+def _expected_errors() -> Iterator[None]:
+    """Turn expected failures into one red line on stderr and exit code 1."""
+    try:
+        yield
+    except (GatewayError, InputError) as exc:
+        _err().print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(EXIT_ERROR) from None
+
+
+def _jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed object)`` per non-blank line; bad JSON raises at its line."""
+    try:
+        handle = path.open(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    with handle:
+        try:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield number, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{path}: not UTF-8 text ({exc.reason})") from exc
+
+
+def _pydantic_problem(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "document"
+    return f"field {where!r}: {first['msg']}"
+
+
+def document_from(obj: Any) -> dict[str, Any]:
+    """A BEIR ``corpus.jsonl`` line (``_id``) or a Sift document as the gateway's document.
+
+    Raises ValueError naming the field.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError("a line must be a JSON object")
+    if "_id" in obj:  # BEIR: _id, title, text (its optional metadata is not Sift's)
+        obj = {"id": obj["_id"], "title": obj.get("title") or "", "text": obj.get("text")}
+    try:
+        document = DocumentIn.model_validate(obj)
+    except ValidationError as exc:
+        raise ValueError(_pydantic_problem(exc)) from None
+    if len(document.text) > MAX_DOCUMENT_CHARS:
+        raise ValueError(f"field 'text': longer than {MAX_DOCUMENT_CHARS} characters")
+    return document.model_dump(exclude_none=True)
+
+
+def query_from(obj: Any) -> dict[str, Any]:
+    """A BEIR ``queries.jsonl`` line (``_id``, ``text``) or a Sift query as a batch item.
+
+    Raises ValueError naming the field.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError("a line must be a JSON object")
+    if "_id" in obj:  # BEIR: _id, text (metadata ignored)
+        obj = {"id": obj["_id"], "query": obj.get("text")}
+    unknown = sorted(set(obj) - {"id", "query", "limit", "mode"})
+    if unknown:
+        raise ValueError(f"field {unknown[0]!r}: not a query field (id, query, limit, mode)")
+    query_id, text = obj.get("id"), obj.get("query")
+    if not isinstance(query_id, str) or not query_id:
+        raise ValueError("field 'id': a non-empty string is required")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("field 'query': a non-empty string is required")
+    if len(text) > MAX_QUERY_CHARS:
+        raise ValueError(f"field 'query': longer than {MAX_QUERY_CHARS} characters")
+    item: dict[str, Any] = {"id": query_id, "query": text}
+    if "limit" in obj:
+        limit = obj["limit"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+            raise ValueError(f"field 'limit': an integer from 1 to {MAX_LIMIT} is required")
+        item["limit"] = limit
+    if "mode" in obj:
+        if obj["mode"] not in MODES:
+            raise ValueError(f"field 'mode': one of {', '.join(MODES)} is required")
+        item["mode"] = obj["mode"]
+    return item
+
+
+def _load(path: Path, parse: Any, *, skip_invalid: bool, unique_ids: bool = False) -> Loaded:
+    """Read and check every line first, so a bad line stops the command before anything is sent."""
+    loaded = Loaded()
+    seen: set[str] = set()
+    for number, obj in _jsonl(path):
+        try:
+            record = parse(obj)
+            if unique_ids:
+                if record["id"] in seen:
+                    raise ValueError(f"field 'id': {record['id']!r} appears twice")
+                seen.add(record["id"])
+        except ValueError as exc:
+            problem = f"{path}:{number}: {exc}"
+            if not skip_invalid:
+                raise InputError(
+                    problem + " (nothing was sent; --skip-invalid skips such lines)"
+                ) from None
+            loaded.problems.append(problem)
+            continue
+        loaded.records.append(record)
+    return loaded
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _report_skipped(console: Console, problems: list[str]) -> None:
+    if not problems:
+        return
+    _err().print(f"[yellow]skipped {len(problems)} invalid line(s):[/]")
+    for problem in problems[:10]:
+        _err().print(f"  {problem}", soft_wrap=True)
+    if len(problems) > 10:
+        _err().print(f"  … and {len(problems) - 10} more")
+
+
+def _send_documents(client: Gateway, index: str, documents: list[dict[str, Any]]) -> int:
+    """POST one batch; the gateway answers ``{"indexed": n}``, or 202 with a job to poll."""
+    path = f"/v1/indexes/{index}/documents"
+    response = client.request("POST", path, json={"documents": documents})
+    body = response.json() if response.content else {}
+    if response.status_code == 202 and isinstance(body, dict) and "id" in body:
+        job = client.poll(f"/v1/ingests/{body['id']}")
+        if job.get("status") != "succeeded":
+            error = job.get("error") or {}
+            message = error.get("message") if isinstance(error, dict) else error
+            raise GatewayError(f"ingest job {body['id']} {job.get('status')}: {message}")
+        body = job.get("result") or job
+    indexed = body.get("indexed") if isinstance(body, dict) else None
+    return int(indexed) if isinstance(indexed, int) else len(documents)
+
+
+@app.command("ingest")
+def ingest(
+    file: Annotated[Path, typer.Argument(help="corpus.jsonl: BEIR (_id,title,text) or Sift's")],
+    index: Annotated[str, typer.Option("--index", help="the index to load into")],
+    batch_size: Annotated[
+        int,
+        typer.Option(min=1, max=MAX_DOCUMENTS_PER_REQUEST, help="documents per request"),
+    ] = 500,
+    skip_invalid: Annotated[
+        bool, typer.Option("--skip-invalid", help="skip bad lines instead of stopping")
+    ] = False,
+) -> None:
+    """Load documents through the gateway, with a progress bar."""
+    console = _out()
+    with _expected_errors():
+        loaded = _load(file, document_from, skip_invalid=skip_invalid)
+        _report_skipped(console, loaded.problems)
+        documents = loaded.records
+        started = time.monotonic()
+        indexed = 0
+        with gateway() as client, _progress(console) as progress:
+            task = progress.add_task(f"ingest {index}", total=len(documents))
+            for start in range(0, len(documents), batch_size):
+                chunk = documents[start : start + batch_size]
+                indexed += _send_documents(client, index, chunk)
+                progress.advance(task, len(chunk))
+        elapsed = time.monotonic() - started
+        console.print(
+            f"indexed [bold]{indexed}[/] document(s) into [bold]{index}[/] in {elapsed:.1f} s"
+            + (f"; skipped {len(loaded.problems)} invalid line(s)" if loaded.problems else "")
+        )
+
+
+def _rank(value: Any) -> str:
+    return "–" if value is None else str(value)
+
+
+def _print_search(console: Console, job: dict[str, Any], *, trace: bool) -> None:
+    result = job.get("result") or {}
+    hits = result.get("hits") or []
+    table = Table(title=f"{len(hits)} hit(s)", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("id", no_wrap=True)
+    table.add_column("title", overflow="ellipsis", max_width=40)
+    for name in ("rrf", "bm25", "knn"):
+        table.add_column(name, justify="right")
+    for hit in hits:
+        ranks = hit.get("ranks") or {}
+        table.add_row(
+            _rank(ranks.get("final")),
+            str(hit.get("id")),
+            str(hit.get("title") or ""),
+            _rank(ranks.get("rrf")),
+            _rank(ranks.get("bm25")),
+            _rank(ranks.get("knn")),
+        )
+    console.print(table)
+    rerank = result.get("rerank") or {}
+    if rerank.get("applied"):
+        console.print(f"rerank: applied ({rerank.get('policy')})")
+    elif rerank.get("fallback_reason"):
+        console.print(f"rerank: [yellow]not applied[/], fallback: {rerank['fallback_reason']}")
+    else:
+        console.print("rerank: not applied")
+    usage = result.get("usage") or {}
+    if usage.get("requests"):
+        console.print(
+            f"usage: {usage.get('requests', 0)} request(s), "
+            f"{usage.get('input_tokens', 0)} input + {usage.get('output_tokens', 0)} output "
+            f"tokens, cache read {usage.get('cache_read_input_tokens', 0)}, "
+            f"cache write {usage.get('cache_creation_input_tokens', 0)}, "
+            f"${float(usage.get('cost_usd', 0.0)):.6f}"
+        )
+    if trace and result.get("trace") is not None:
+        console.print_json(json.dumps(result["trace"]))
+
+
+def _job_failure(job: dict[str, Any]) -> str:
+    error = job.get("error") or {}
+    if isinstance(error, dict):
+        return f"{error.get('type', 'error')}: {error.get('message', '')}"
+    return str(error)
+
+
+@app.command("search")
+def search(
+    query: Annotated[str, typer.Argument(help="the query text")],
+    index: Annotated[str, typer.Option("--index", help="the index to search")],
+    limit: Annotated[int, typer.Option(min=1, max=MAX_LIMIT, help="hits to return")] = 10,
+    mode: Annotated[str, typer.Option(help="fts, vector or hybrid")] = "hybrid",
+    rerank: Annotated[
+        bool | None,
+        typer.Option("--rerank/--no-rerank", help="override the server's default"),
+    ] = None,
+    trace: Annotated[bool, typer.Option("--trace", help="ask for and print the trace")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the raw job as JSON")] = False,
+) -> None:
+    """Run one search through the gateway and print the ranked hits."""
+    console = _out()
+    with _expected_errors():
+        if mode not in MODES:
+            raise InputError(f"--mode: one of {', '.join(MODES)} is required, not {mode!r}")
+        body: dict[str, Any] = {
+            "index": index,
+            "query": query,
+            "limit": limit,
+            "mode": mode,
+            "include_trace": trace,
+        }
+        if rerank is not None:
+            body["rerank"] = rerank
+        with gateway() as client:
+            wait = int(MAX_WAIT_SECONDS)
+            response = client.request("POST", "/v1/searches", json=body, params={"wait": wait})
+            job = response.json()
+            if job.get("status") not in FINAL_STATUSES:
+                job = client.poll(f"/v1/searches/{job['id']}")
+        if json_out:
+            typer.echo(json.dumps(job))
+        elif job.get("status") == "succeeded":
+            _print_search(console, job, trace=trace)
+        if job.get("status") != "succeeded":
+            raise GatewayError(f"search {job.get('id')} {job.get('status')}: {_job_failure(job)}")
+
+
+def _batch_done(batch: dict[str, Any]) -> bool:
+    if batch.get("status") in FINAL_STATUSES:
+        return True
+    counts = batch.get("counts") or {}
+    finished = sum(int(counts.get(s, 0)) for s in FINAL_STATUSES)
+    total = counts.get("total")
+    return isinstance(total, int) and total > 0 and finished >= total
+
+
+def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) -> dict[str, int]:
+    """Page every result into ``out`` via a temp file renamed at the end; counts by status."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    tally: dict[str, int] = {}
+    try:
+        with temp.open("w", encoding="utf-8") as handle:
+            token: str | None = None
+            while True:
+                params: dict[str, Any] = {"page_size": page_size}
+                if token:
+                    params["page_token"] = token
+                page = client.json("GET", f"/v1/batches/{batch_id}/results", params=params)
+                for item in page.get("results") or []:
+                    handle.write(json.dumps(item) + "\n")
+                    status = str(item.get("status"))
+                    tally[status] = tally.get(status, 0) + 1
+                token = page.get("next_page_token")
+                if not token:
+                    break
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, out)
+    finally:
+        temp.unlink(missing_ok=True)
+    return tally
+
+
+@app.command("batch")
+def batch(
+    queries: Annotated[Path, typer.Argument(help="queries.jsonl: BEIR (_id,text) or Sift's")],
+    index: Annotated[str, typer.Option("--index", help="the index to search")],
+    out: Annotated[Path, typer.Option("--out", help="where to write RESULTS.jsonl")],
+    limit: Annotated[
+        int | None, typer.Option(min=1, max=MAX_LIMIT, help="hits per query, if a line has none")
+    ] = None,
+    mode: Annotated[str | None, typer.Option(help="fts, vector or hybrid, if a line has none")] = (
+        None
+    ),
+    rerank: Annotated[
+        bool | None,
+        typer.Option("--rerank/--no-rerank", help="override the server's default"),
+    ] = None,
+    lane: Annotated[str, typer.Option(help="standard or economy")] = "standard",
+    webhook_url: Annotated[
+        str | None, typer.Option("--webhook-url", help="POST batch.completed here")
+    ] = None,
+    skip_invalid: Annotated[
+        bool, typer.Option("--skip-invalid", help="skip bad lines instead of stopping")
+    ] = False,
+    page_size: Annotated[int, typer.Option(min=1, max=1000, help="results per page")] = 500,
+    strict: Annotated[
+        bool, typer.Option("--strict", help=f"exit {EXIT_ITEMS_FAILED} if any item failed")
+    ] = False,
+) -> None:
+    """Submit a batch of searches, show progress while it runs, and write every result."""
+    console = _out()
+    with _expected_errors():
+        if mode is not None and mode not in MODES:
+            raise InputError(f"--mode: one of {', '.join(MODES)} is required, not {mode!r}")
+        if lane not in LANES:
+            raise InputError(f"--lane: one of {', '.join(LANES)} is required, not {lane!r}")
+        loaded = _load(queries, query_from, skip_invalid=skip_invalid, unique_ids=True)
+        _report_skipped(console, loaded.problems)
+        items = loaded.records
+        if not items:
+            raise InputError(f"{queries}: no queries to send")
+        if len(items) > MAX_BATCH_QUERIES:
+            raise InputError(f"{queries}: {len(items)} queries; a batch holds {MAX_BATCH_QUERIES}")
+        for item in items:
+            if limit is not None:
+                item.setdefault("limit", limit)
+            if mode is not None:
+                item.setdefault("mode", mode)
+        body: dict[str, Any] = {"index": index, "queries": items, "lane": lane}
+        if rerank is not None:
+            body["rerank"] = rerank
+        if webhook_url:
+            body["webhook_url"] = webhook_url
+        started = time.monotonic()
+        with gateway() as client:
+            submitted = client.json("POST", "/v1/batches", json=body)
+            batch_id = str(submitted["id"])
+            console.print(f"batch [bold]{batch_id}[/]: {len(items)} queries submitted")
+            with _progress(console) as progress:
+                task = progress.add_task(f"batch {index}", total=len(items))
+
+                def show(state: dict[str, Any]) -> None:
+                    counts = state.get("counts") or {}
+                    finished = sum(int(counts.get(s, 0)) for s in FINAL_STATUSES)
+                    progress.update(task, completed=finished, total=counts.get("total") or None)
+
+                final = client.poll(f"/v1/batches/{batch_id}", done=_batch_done, on_update=show)
+            tally = _write_results(client, batch_id, out, page_size)
+        written = sum(tally.values())
+        counts = final.get("counts") or {}
+        total = int(counts.get("total") or len(items))
+        elapsed = time.monotonic() - started
+        parts = [f"{name} {tally.get(name, 0)}" for name in ("succeeded", "failed", "canceled")]
+        console.print(
+            f"wrote {written} result(s) to [bold]{out}[/] in {elapsed:.1f} s: " + ", ".join(parts)
+        )
+        if written != total:
+            raise GatewayError(f"batch {batch_id}: {total} queries but {written} results returned")
+        not_ok = tally.get("failed", 0) + tally.get("canceled", 0)
+        if not_ok:
+            _err().print(
+                f"[bold red]{tally.get('failed', 0)} failed, {tally.get('canceled', 0)} canceled[/]"
+                f" of {total}; see the error of each in {out}"
+            )
+            if strict:
+                raise typer.Exit(EXIT_ITEMS_FAILED)

@@ -1,0 +1,155 @@
+"""The SSRF guard: a webhook URL must be http(s) and resolve only to public addresses.
+
+Stdlib only, because the gateway imports it to check a URL when a hook is
+registered, and the webhook sender checks it again (re-resolving) at send time::
+
+    addresses = check_webhook_url("https://hooks.example.com/sift", allow_private=False)
+
+Every address the host resolves to must be public; one private answer among
+public ones refuses the URL (a DNS-rebinding host often answers both). Numeric
+host forms (``2130706433``, ``0x7f.1``, ``0177.0.0.1``) are normalised by
+``getaddrinfo`` and checked like any other address. IPv6 addresses that embed
+an IPv4 address (mapped, compatible, 6to4, NAT64, Teredo) are checked on the
+embedded address too.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from urllib.parse import urlsplit
+
+from worker.errors import InvalidRequest
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+FIELD = "webhook_url"
+ALLOWED_SCHEMES = ("http", "https")
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+# Cloud instance-metadata endpoints, refused by name so the message says so.
+METADATA_ADDRESSES: frozenset[IPAddress] = frozenset(
+    {
+        ipaddress.ip_address("169.254.169.254"),  # AWS, GCP, Azure, OpenStack, ...
+        ipaddress.ip_address("fd00:ec2::254"),  # AWS IMDS over IPv6
+        ipaddress.ip_address("100.100.100.200"),  # Alibaba Cloud
+        ipaddress.ip_address("168.63.129.16"),  # Azure wire server
+    }
+)
+CGNAT = ipaddress.ip_network("100.64.0.0/10")
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
+NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 address carries, if it is one of the embedding forms."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip.teredo is not None:
+        return ip.teredo[1]
+    if ip in NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip in IPV4_COMPATIBLE and int(ip) > 1:  # ::a.b.c.d, deprecated; :: and ::1 excluded
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
+
+
+def refusal_reason(ip: IPAddress) -> str | None:
+    """Why ``ip`` is not a public address a webhook may reach, or None when it is."""
+    if isinstance(ip, ipaddress.IPv6Address):
+        embedded = _embedded_ipv4(ip)
+        if embedded is not None:
+            inner = refusal_reason(embedded)
+            if inner is not None:
+                return f"{ip} embeds {embedded}, {inner}"
+        if ip in NAT64_LOCAL:
+            return f"{ip} is a local-use NAT64 address"
+    if ip in METADATA_ADDRESSES:
+        return f"{ip} is a cloud metadata address"
+    if ip.is_unspecified:
+        return f"{ip} is the unspecified address"
+    if ip.is_loopback:
+        return f"{ip} is a loopback address"
+    if ip.is_link_local:
+        return f"{ip} is a link-local address"
+    if ip.is_multicast:
+        return f"{ip} is a multicast address"
+    if isinstance(ip, ipaddress.IPv4Address) and ip in CGNAT:
+        return f"{ip} is a carrier-grade NAT (shared) address"
+    if ip.is_reserved:
+        return f"{ip} is a reserved address"
+    if ip.is_private:
+        return f"{ip} is a private address"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:
+        return f"{ip} is a site-local address"
+    if not ip.is_global:
+        return f"{ip} is not a globally routable address"
+    return None
+
+
+def _parse_address(text: str) -> IPAddress:
+    return ipaddress.ip_address(text.split("%", 1)[0])  # drop an IPv6 zone id
+
+
+def resolve(host: str, port: int) -> list[IPAddress]:
+    """Every address ``host`` resolves to, in resolver order, without duplicates."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, OSError) as exc:
+        raise InvalidRequest(FIELD, f"the host {host!r} does not resolve") from exc
+    addresses: list[IPAddress] = []
+    for info in infos:
+        try:
+            address = _parse_address(str(info[4][0]))
+        except ValueError:
+            continue
+        if address not in addresses:
+            addresses.append(address)
+    if not addresses:
+        raise InvalidRequest(FIELD, f"the host {host!r} resolves to no IP address")
+    return addresses
+
+
+def split_webhook_url(url: str) -> tuple[str, str, int]:
+    """Check the URL's form and return ``(scheme, host, port)``; no resolution."""
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest(FIELD, "the URL is empty")
+    if any(ch.isspace() or ord(ch) < 0x20 for ch in url):
+        raise InvalidRequest(FIELD, "the URL contains whitespace or control characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise InvalidRequest(FIELD, f"the URL is malformed ({exc})") from exc
+    scheme = parts.scheme.lower()
+    if scheme not in ALLOWED_SCHEMES:
+        shown = scheme or "none"
+        raise InvalidRequest(FIELD, f"the scheme must be http or https, not {shown}")
+    host = parts.hostname
+    if not host:
+        raise InvalidRequest(FIELD, "the URL has no host")
+    return scheme, host, port if port is not None else DEFAULT_PORTS[scheme]
+
+
+def check_webhook_url(url: str, *, allow_private: bool) -> list[IPAddress]:
+    """Refuse a webhook URL that is not http(s) or that resolves to a non-public address.
+
+    Returns the addresses the host resolved to, so a sender can connect to one
+    of exactly those (pinning them closes the DNS-rebinding window). Raises
+    ``InvalidRequest("webhook_url", reason)``. ``allow_private`` (the
+    ``SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS`` setting, for local tests only)
+    lifts the address rule but never the scheme or host rules.
+    """
+    _, host, port = split_webhook_url(url)
+    addresses = resolve(host, port)
+    if not allow_private:
+        for address in addresses:
+            reason = refusal_reason(address)
+            if reason is not None:
+                raise InvalidRequest(
+                    FIELD, f"the host {host!r} resolves to a non-public address: {reason}"
+                )
+    return addresses

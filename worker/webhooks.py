@@ -1,0 +1,335 @@
+"""Standard Webhooks delivery: the thin payload, signing, one guarded POST, and the retry schedule.
+
+The Celery task ``sift.webhook`` (queue ``sift.webhooks``) calls
+:func:`run_delivery` once per attempt and acts on the decision::
+
+    decision = run_delivery(
+        url=url, event_type=SEARCH_COMPLETED, job_id=job_id, status="succeeded",
+        occurred_at=occurred_at, attempt=self.request.retries + 1,
+        secrets=api_key.webhook_secrets(), settings=settings,
+    )
+    if decision.retry_in is not None:
+        raise self.retry(countdown=decision.retry_in)
+
+Delivery is at least once. The ``webhook-id`` is ``msg_<job id>`` on every
+attempt and the body is the same bytes on every attempt (its timestamp is the
+event's, passed in); only the ``webhook-timestamp`` header is fresh, so a
+receiver's five-minute tolerance holds for a retry hours later.
+
+Nothing here logs a secret, a signature or a body.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+from standardwebhooks.webhooks import Webhook
+
+from worker.errors import InvalidRequest
+from worker.urlguard import IPAddress, check_webhook_url
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SEARCH_COMPLETED = "search.completed"
+BATCH_COMPLETED = "batch.completed"
+EVENT_TYPES = (SEARCH_COMPLETED, BATCH_COMPLETED)
+
+USER_AGENT = "Sift-Webhooks/1"
+
+# Seconds to wait before attempt n+1 after attempt n failed (n = 1..8), like Svix's:
+# immediately, 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h. Eight attempts, then give up.
+RETRY_SCHEDULE_SECONDS: tuple[float, ...] = (0, 5, 300, 1800, 7200, 18000, 36000, 36000)
+MAX_ATTEMPTS = len(RETRY_SCHEDULE_SECONDS)
+JITTER = 0.2  # each delay is scaled by a uniform factor in [1 - JITTER, 1 + JITTER]
+MAX_RETRY_AFTER_SECONDS = 36000.0  # a receiver's Retry-After is honoured up to this
+
+
+class DeliveryOutcome(StrEnum):
+    """The class of one delivery attempt; also the ``result`` label of the metric."""
+
+    DELIVERED = "delivered"  # 2xx
+    RETRY = "retry"  # 5xx, 429, timeout, connection error: try again later
+    FAILED = "failed"  # other 4xx, a redirect, an SSRF refusal: never retried
+
+
+@dataclass(frozen=True)
+class DeliveryResult:
+    """What one attempt did. ``reason`` is short and safe to log (no body, no secret)."""
+
+    outcome: DeliveryOutcome
+    reason: str
+    status_code: int | None = None
+    retry_after: float | None = None
+    duration_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class DeliveryTimeouts:
+    """Connect and read are separate: a slow receiver must not hold a worker for long."""
+
+    connect: float = 5.0
+    read: float = 15.0
+
+    def as_httpx(self) -> httpx.Timeout:
+        return httpx.Timeout(self.read, connect=self.connect, write=self.read, pool=self.connect)
+
+
+@dataclass(frozen=True)
+class DeliveryDecision:
+    """What the task does next: ``retry_in`` seconds is set only when another attempt is due."""
+
+    result: DeliveryResult
+    attempt: int
+    retry_in: float | None
+
+    @property
+    def final(self) -> bool:
+        return self.retry_in is None
+
+    @property
+    def gave_up(self) -> bool:
+        """True when a retryable failure ran out of attempts."""
+        return self.result.outcome is DeliveryOutcome.RETRY and self.retry_in is None
+
+
+def message_id(job_id: str) -> str:
+    """The ``webhook-id`` of a job's event: stable across every retry."""
+    return f"msg_{job_id}"
+
+
+def payload(
+    event_type: str, job_id: str, status: str, *, occurred_at: datetime | None = None
+) -> bytes:
+    """The thin body ``{"type","timestamp","data":{"id","status"}}``; fetch the result by id."""
+    if event_type not in EVENT_TYPES:
+        raise ValueError(f"unknown webhook event type {event_type!r}")
+    when = (occurred_at or datetime.now(UTC)).astimezone(UTC)
+    body = {
+        "type": event_type,
+        "timestamp": when.isoformat().replace("+00:00", "Z"),
+        "data": {"id": job_id, "status": status},
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def sign(
+    secrets: str | Sequence[str], msg_id: str, timestamp: datetime | int, body: bytes
+) -> dict[str, str]:
+    """The three Standard Webhooks headers for ``body``.
+
+    With several secrets (a rotation: current first, then previous) the
+    ``webhook-signature`` header carries one ``v1,<base64>`` per secret,
+    space-separated, so a receiver holding either secret verifies it.
+    """
+    keys = [secrets] if isinstance(secrets, str) else list(secrets)
+    if not keys:
+        raise ValueError("at least one webhook secret is needed")
+    if isinstance(timestamp, int):
+        when = datetime.fromtimestamp(timestamp, UTC)
+    else:
+        when = timestamp.astimezone(UTC)
+    data = body.decode()
+    signatures = [Webhook(key).sign(msg_id=msg_id, timestamp=when, data=data) for key in keys]
+    return {
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(int(when.timestamp())),
+        "webhook-signature": " ".join(signatures),
+    }
+
+
+def next_delay(
+    attempt: int, *, scale: float = 1.0, rng: random.Random | None = None
+) -> float | None:
+    """Seconds to wait after failed attempt ``attempt`` (1-based); None once the schedule is spent.
+
+    The schedule's delay is multiplied by ``scale`` (``SIFT_WEBHOOK_RETRY_SCALE``;
+    tests use a tiny one) and by a jitter factor in ``[0.8, 1.2]``.
+    """
+    if attempt < 1:
+        raise ValueError("attempt is 1-based")
+    if attempt >= MAX_ATTEMPTS:
+        return None
+    base = RETRY_SCHEDULE_SECONDS[attempt] * scale
+    jitter = (rng or random).uniform(1.0 - JITTER, 1.0 + JITTER)
+    return base * jitter
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    value = response.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None  # the HTTP-date form is rare for webhooks; the schedule applies
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
+
+
+def _pinned(url: str, address: IPAddress) -> tuple[str, str, str]:
+    """``url`` with its host swapped for ``address``, plus the ``Host`` header and TLS name."""
+    parts = urlsplit(url)
+    userinfo, _, host_port = parts.netloc.rpartition("@")
+    literal = f"[{address}]" if isinstance(address, ipaddress.IPv6Address) else str(address)
+    netloc = literal if parts.port is None else f"{literal}:{parts.port}"
+    if userinfo:
+        netloc = f"{userinfo}@{netloc}"
+    pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
+    return pinned, host_port, parts.hostname or host_port
+
+
+def _classify(response: httpx.Response) -> DeliveryResult:
+    code = response.status_code
+    if 200 <= code < 300:
+        return DeliveryResult(DeliveryOutcome.DELIVERED, f"http {code}", code)
+    if 300 <= code < 400:
+        return DeliveryResult(DeliveryOutcome.FAILED, f"redirect {code} not followed", code)
+    if code == 429:
+        return DeliveryResult(DeliveryOutcome.RETRY, "http 429", code, _retry_after(response))
+    if code >= 500:
+        return DeliveryResult(DeliveryOutcome.RETRY, f"http {code}", code, _retry_after(response))
+    return DeliveryResult(DeliveryOutcome.FAILED, f"http {code}", code)
+
+
+def deliver(
+    url: str,
+    body: bytes,
+    msg_id: str,
+    secrets: str | Sequence[str],
+    *,
+    allow_private: bool,
+    timeout: DeliveryTimeouts | None = None,
+    client: httpx.Client | None = None,
+) -> DeliveryResult:
+    """POST one signed delivery to ``url`` and classify what happened. Never raises for the network.
+
+    The SSRF guard runs again here, re-resolving the host, and the request is
+    sent to one of exactly the addresses it checked (the ``Host`` header and TLS
+    server name stay the original host), so DNS cannot swap in a private
+    address between the check and the connect. Redirects are not followed.
+    """
+    started = time.monotonic()
+    try:
+        addresses = check_webhook_url(url, allow_private=allow_private)
+    except InvalidRequest as exc:
+        log.warning("webhook %s refused by the SSRF guard", msg_id)
+        return DeliveryResult(DeliveryOutcome.FAILED, f"refused: {exc.message}")
+    timeouts = timeout or DeliveryTimeouts()
+    own_client = client is None
+    http = client or httpx.Client(timeout=timeouts.as_httpx(), follow_redirects=False)
+    try:
+        result = _send(http, url, addresses, body, msg_id, secrets, timeouts)
+    finally:
+        if own_client:
+            http.close()
+    result = DeliveryResult(
+        result.outcome,
+        result.reason,
+        result.status_code,
+        result.retry_after,
+        time.monotonic() - started,
+    )
+    log.info(
+        "webhook %s to %s: %s (%s)",
+        msg_id,
+        urlsplit(url).hostname,
+        result.outcome.value,
+        result.reason,
+    )
+    return result
+
+
+def _send(
+    http: httpx.Client,
+    url: str,
+    addresses: list[IPAddress],
+    body: bytes,
+    msg_id: str,
+    secrets: str | Sequence[str],
+    timeouts: DeliveryTimeouts,
+) -> DeliveryResult:
+    headers = sign(secrets, msg_id, datetime.now(UTC), body)
+    headers["content-type"] = "application/json"
+    headers["user-agent"] = USER_AGENT
+    last = DeliveryResult(DeliveryOutcome.RETRY, "connection failed")
+    for address in addresses:
+        pinned_url, headers["host"], server_name = _pinned(url, address)
+        try:
+            with http.stream(
+                "POST",
+                pinned_url,
+                content=body,
+                headers=headers,
+                timeout=timeouts.as_httpx(),
+                follow_redirects=False,
+                extensions={"sni_hostname": server_name},
+            ) as response:
+                return _classify(response)  # the body is never read
+        except httpx.ConnectError as exc:
+            # Nothing was sent: the next checked address may answer.
+            last = DeliveryResult(DeliveryOutcome.RETRY, f"connection error: {type(exc).__name__}")
+        except httpx.TimeoutException as exc:
+            return DeliveryResult(DeliveryOutcome.RETRY, f"timeout: {type(exc).__name__}")
+        except httpx.TransportError as exc:
+            return DeliveryResult(DeliveryOutcome.RETRY, f"transport error: {type(exc).__name__}")
+    return last
+
+
+def run_delivery(
+    *,
+    url: str,
+    event_type: str,
+    job_id: str,
+    status: str,
+    occurred_at: datetime | str,
+    attempt: int,
+    secrets: Sequence[str],
+    settings: Settings,
+    client: httpx.Client | None = None,
+    rng: random.Random | None = None,
+) -> DeliveryDecision:
+    """One attempt of the ``sift.webhook`` task: build, sign, send, and decide what comes next.
+
+    ``attempt`` is 1-based (Celery's ``self.request.retries + 1``).
+    ``occurred_at`` is when the job finished (a datetime or its ISO string, as a
+    JSON task argument carries it); it is the payload's timestamp, so every
+    attempt sends the same bytes. ``retry_in`` is the countdown for the next
+    attempt, or None when this attempt was final: delivered, failed for good, or
+    the schedule is spent (``gave_up``). A 429/5xx ``Retry-After`` lengthens the
+    wait, never shortens it.
+    """
+    when = datetime.fromisoformat(occurred_at) if isinstance(occurred_at, str) else occurred_at
+    body = payload(event_type, job_id, status, occurred_at=when)
+    result = deliver(
+        url,
+        body,
+        message_id(job_id),
+        secrets,
+        allow_private=settings.webhook_allow_private_networks,
+        timeout=DeliveryTimeouts(
+            connect=settings.webhook_connect_timeout_seconds,
+            read=settings.webhook_read_timeout_seconds,
+        ),
+        client=client,
+    )
+    retry_in: float | None = None
+    if result.outcome is DeliveryOutcome.RETRY:
+        retry_in = next_delay(attempt, scale=settings.webhook_retry_scale, rng=rng)
+        if retry_in is not None and result.retry_after is not None:
+            retry_in = max(retry_in, result.retry_after * settings.webhook_retry_scale)
+        if retry_in is None:
+            log.warning("webhook %s gave up after %d attempts", message_id(job_id), attempt)
+    return DeliveryDecision(result=result, attempt=attempt, retry_in=retry_in)
