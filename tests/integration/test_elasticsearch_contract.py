@@ -95,7 +95,7 @@ def no_post_filter(body: Any) -> None:
 
 EXPECTED_TEMPLATE = {
     "index_patterns": ["sift-*"],
-    "priority": 200,
+    "priority": 105,  # 100 + len("sift-")
     "template": {
         "settings": {"number_of_shards": 1, "number_of_replicas": 1},
         "mappings": {

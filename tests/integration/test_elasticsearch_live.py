@@ -38,7 +38,7 @@ class TestElasticsearchContract(BackendContract):
         settings = load_settings(
             search_backend="elasticsearch",
             elasticsearch_url=URL,
-            elasticsearch_index_prefix="sift-test-",
+            elasticsearch_index_prefix="sifttest-",
             elasticsearch_vector_dims=FakeEmbedder.dimension,
             elasticsearch_replicas=0,
             elasticsearch_refresh="wait_for",

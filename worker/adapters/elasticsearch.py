@@ -142,7 +142,9 @@ def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dic
         properties[fields.title] = {"type": "text", "analyzer": "english"}
     return {
         "index_patterns": [f"{prefix}*"],
-        "priority": 200,
+        # ES refuses two templates with overlapping patterns and equal priorities; a longer
+        # prefix ("sift-staging-" inside "sift-*") is more specific, so it ranks higher.
+        "priority": 100 + len(prefix),
         "template": {
             "settings": {
                 "number_of_shards": index.shards,
