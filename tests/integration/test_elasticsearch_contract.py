@@ -652,3 +652,32 @@ def test_the_client_speaks_es9_media_types(server: FakeElasticsearchServer) -> N
     assert server.requests[0].headers["accept"] == (
         "application/vnd.elasticsearch+json; compatible-with=9"
     )
+
+
+def test_an_8x_server_refusing_the_media_type_gets_a_clear_message(
+    server: FakeElasticsearchServer,
+) -> None:
+    refused = error_body(
+        "media_type_header_exception",
+        "Invalid media-type value on headers [Content-Type, Accept]",
+    )
+    server.on("POST", "/_msearch", Answer(400, refused))
+    with pytest.raises(BackendRequestError, match="Sift needs Elasticsearch 9"):
+        backend_for(server).retrieve(query())
+
+
+def test_bootstrap_builds_the_backend_without_a_network_call(
+    server: FakeElasticsearchServer,
+) -> None:
+    from worker.bootstrap import build_backend
+
+    backend = build_backend(
+        load_settings(search_backend="elasticsearch", elasticsearch_url=server.url)
+    )
+    assert isinstance(backend, ElasticsearchBackend) and backend.name == "elasticsearch"
+    # Client-level options, carried into every request (the 5xx tests show the effect).
+    client = backend._client.options(request_timeout=1.0)
+    assert client._max_retries == 0
+    assert tuple(client._retry_on_status) == ()
+    assert client._retry_on_timeout is False
+    assert server.requests == []

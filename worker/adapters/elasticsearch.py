@@ -609,6 +609,11 @@ class _translated:  # a context manager; named like one
                 raise BackendUnavailable(
                     f"Elasticsearch answered {status} to the {self.what}: {reason}"
                 ) from exc
+            if _error_type(exc) == "media_type_header_exception":
+                reason += (
+                    " (the 9.x client sends compatible-with=9, which Elasticsearch 8.x "
+                    "refuses: Sift needs Elasticsearch 9)"
+                )
             raise BackendRequestError(
                 f"Elasticsearch refused the {self.what} ({status}): {reason}"
             ) from exc
