@@ -98,7 +98,9 @@ FAIL_CLOSED: list[tuple[dict[str, Any], list[Step]]] = [
 ]
 
 
-def run_worker(policy: str, searches: list[tuple[dict[str, Any], list[Step]]], out: Queue[Any]) -> None:
+def run_worker(
+    policy: str, searches: list[tuple[dict[str, Any], list[Step]]], out: Queue[Any]
+) -> None:
     """One forked worker: runs its searches as jobs and reports what they did."""
     settings = load_settings(
         rerank_enabled=True,

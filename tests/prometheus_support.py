@@ -103,8 +103,10 @@ class Prometheus:
     def wait_for_scrapes(self, job: str, count: int) -> None:
         """Wait until every target of ``job`` has been scraped ``count`` times, and is up."""
         wait_until(
-            lambda: self.scrape_count(job) >= count
-            and all(v == 1 for v in self.values(f'up{{job="{job}"}}').values()),
+            lambda: (
+                self.scrape_count(job) >= count
+                and all(v == 1 for v in self.values(f'up{{job="{job}"}}').values())
+            ),
             f"{count} scrapes of {job} (log: {self.log_path})",
         )
 

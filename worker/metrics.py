@@ -458,8 +458,9 @@ def preregister(
         JOBS_SUBMITTED.labels(kind)
         for status in JOB_STATUSES:
             JOBS_COMPLETED.labels(kind, status)
-    for state in JOB_STATES:
-        JOBS_IN_FLIGHT.labels(state).set(0)
+        for error in JOB_ERRORS:
+            JOB_FAILURES.labels(kind, error)
+    JOBS_IN_FLIGHT.labels("running").set(0)  # "queued" is the job store's to report
     for result in WEBHOOK_RESULTS:
         WEBHOOK_DELIVERIES.labels(result)
 

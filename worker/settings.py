@@ -78,6 +78,7 @@ class Settings(BaseSettings):
 
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)
+    prometheus_url: str = "http://127.0.0.1:9090"  # what `sift cost` reads
 
     @model_validator(mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""The Prometheus rules: ``promtool check rules`` and the ``promtool test rules`` unit tests pass."""
+"""The Prometheus rules pass ``promtool check rules`` and their ``promtool test rules`` tests."""
 
 from __future__ import annotations
 
