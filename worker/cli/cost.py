@@ -158,7 +158,7 @@ def _count_table(title: str, label: str, counts: Mapping[str, float]) -> Table:
 
 def render(report: CostReport, url: str) -> Iterable[Table | str]:
     yield f"[bold]Rerank cost, last {report.window}[/] (from {url})"
-    cost = Table(title="Cost (USD, estimated from SIFT_PRICES)", title_justify="left")
+    cost = Table(title="Cost (USD, SIFT_PRICES)", title_justify="left")
     cost.add_column("model")
     cost.add_column("USD", justify="right")
     for model, usd in sorted(report.cost_by_model.items()):
@@ -171,11 +171,11 @@ def render(report: CostReport, url: str) -> Iterable[Table | str]:
     )
     yield cost
     yield _count_table(
-        "Tokens by type (disjoint; the sum is billed)", "type", report.tokens_by_type
+        "Tokens by type (summed: billed)", "type", report.tokens_by_type
     )
     yield _count_table("Rerank outcomes", "outcome", report.outcomes)
     yield _count_table("Attempts by class", "result", report.attempts)
-    latency = Table(title="Rerank latency (whole rerank, per search)", title_justify="left")
+    latency = Table(title="Rerank latency", title_justify="left")
     latency.add_column("percentile")
     latency.add_column("seconds", justify="right")
     for name, seconds in report.latency.items():
