@@ -170,9 +170,7 @@ def render(report: CostReport, url: str) -> Iterable[Table | str]:
         f"{per_1k:.6f}" if per_1k is not None else "-",
     )
     yield cost
-    yield _count_table(
-        "Tokens by type (summed: billed)", "type", report.tokens_by_type
-    )
+    yield _count_table("Tokens by type (summed: billed)", "type", report.tokens_by_type)
     yield _count_table("Rerank outcomes", "outcome", report.outcomes)
     yield _count_table("Attempts by class", "result", report.attempts)
     latency = Table(title="Rerank latency", title_justify="left")
