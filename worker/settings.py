@@ -109,6 +109,7 @@ class Settings(BaseSettings):
 
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)
+    prometheus_url: str = "http://127.0.0.1:9090"  # what `sift cost` reads
 
     # --- the CLI client (``sift ingest``, ``sift search``, ``sift batch``) ---
     url: str = "http://127.0.0.1:8080"  # SIFT_URL, the gateway the CLI talks to

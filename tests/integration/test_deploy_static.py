@@ -105,15 +105,18 @@ def test_compose_stack_has_every_piece_wired(compose: dict[str, Any]) -> None:
     assert "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
     assert "./prometheus/rules:/etc/prometheus/rules:ro" in prometheus["volumes"]
     grafana = services["grafana"]["volumes"]
-    assert "./grafana/provisioning:/etc/grafana/provisioning:ro" in grafana
     assert "../grafana:/var/lib/grafana/dashboards/sift:ro" in grafana
+    assert (
+        "../grafana/provisioning/datasources.yml:/etc/grafana/provisioning/datasources/sift.yml:ro"
+        in grafana
+    )
 
 
-def test_compose_bind_mounts_inside_deploy_exist(compose: dict[str, Any]) -> None:
+def test_compose_bind_mounts_exist(compose: dict[str, Any]) -> None:
     for service in compose["services"].values():
         for volume in service.get("volumes", []):
             source = volume.split(":", 1)[0]
-            if source.startswith("./"):
+            if source.startswith("."):
                 assert (DEPLOY / source).exists(), source
 
 
@@ -129,11 +132,13 @@ def test_env_example_sets_every_required_variable(compose: dict[str, Any]) -> No
 
 
 def test_grafana_provisioning_points_at_the_mounted_paths() -> None:
-    provisioning = DEPLOY / "grafana" / "provisioning"
-    (source,) = load_yaml(provisioning / "datasources" / "prometheus.yml")["datasources"]
+    provisioning = ROOT / "grafana" / "provisioning"
+    (source,) = load_yaml(provisioning / "datasources.yml")["datasources"]
     assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
-    (provider,) = load_yaml(provisioning / "dashboards" / "sift.yml")["providers"]
+    (provider,) = load_yaml(provisioning / "dashboards.yml")["providers"]
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards/sift"
+    for dashboard in (ROOT / "grafana").glob("*.json"):  # the datasource uid they expect
+        assert f'"uid": "{source["uid"]}"' in dashboard.read_text(), dashboard.name
 
 
 def test_dockerfile_is_multi_stage_non_root_with_the_sift_entrypoint() -> None:

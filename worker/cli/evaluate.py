@@ -50,9 +50,7 @@ def eval_command(
         Path | None, typer.Option(help="index directory; a cache per corpus by default")
     ] = None,
     window: Annotated[int, typer.Option(min=1, help="rerank window for candidate recall")] = 30,
-    rerank: Annotated[
-        bool, typer.Option(help="add the reranked run (needs a model)")
-    ] = False,
+    rerank: Annotated[bool, typer.Option(help="add the reranked run (needs a model)")] = False,
     max_queries: Annotated[int | None, typer.Option(min=1)] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report")] = None,
 ) -> None:
@@ -120,9 +118,7 @@ def sample_path(name: str) -> Path:
 
 @app.command("demo-local")
 def demo_local(
-    query: Annotated[
-        list[str] | None, typer.Argument(help="default: the samples")
-    ] = None,
+    query: Annotated[list[str] | None, typer.Argument(help="default: the samples")] = None,
     limit: int = 3,
 ) -> None:
     """Index the bundled sample corpus in a temporary directory and search it in-process."""
