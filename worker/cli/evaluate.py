@@ -56,14 +56,17 @@ def eval_command(
 ) -> None:
     """Evaluate BM25, kNN, fused and final runs in-process with ir-measures."""
     key = hashlib.sha256(str(corpus.resolve()).encode()).hexdigest()[:12]
-    overrides: dict[str, Any] = {"data_dir": data_dir or Path(".sift/eval") / key}
+    directory = data_dir or Path(".sift/eval") / key
+    overrides: dict[str, Any] = {"data_dir": directory}
     if rerank:
         overrides["rerank_enabled"] = True
     try:
         settings = load_settings(**overrides)
         runtime = build_runtime(settings)
-        if not runtime.pipeline.backend.channels("eval"):
+        complete = directory / "indexed.ok"  # written only after the whole corpus is in
+        if not complete.exists():
             _ingest(runtime, corpus, "eval", TENANT)
+            complete.write_text(f"{corpus.resolve()}\n")
         with _progress() as bar:
             tasks: dict[str, Any] = {}
 
