@@ -33,7 +33,7 @@ def pipeline_config(settings: Settings) -> PipelineConfig:
 
 def build_backend(settings: Settings) -> SearchBackend:
     if settings.search_backend == "elasticsearch":
-        from worker.adapters.elasticsearch import ElasticsearchBackend  # type: ignore[import-not-found]
+        from worker.adapters.elasticsearch import ElasticsearchBackend
 
         if not settings.elasticsearch_url:
             raise ConfigError("SIFT_SEARCH_BACKEND=elasticsearch needs SIFT_ELASTICSEARCH_URL")

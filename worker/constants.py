@@ -59,6 +59,27 @@ METRIC_HTTP_DURATION = "sift_http_request_duration_seconds"
 METRIC_JOBS_SUBMITTED = "sift_jobs_submitted_total"
 METRIC_WEBHOOK_DELIVERIES = "sift_webhook_deliveries_total"
 
+# --- metrics (DESIGN.md §9; names there are binding, the rest are extensions) ---
+METRIC_SEARCH_DURATION = "sift_search_duration_seconds"
+METRIC_QUEUE_WAIT = "sift_job_queue_wait_seconds"
+METRIC_RETRIEVAL_DURATION = "sift_retrieval_duration_seconds"
+METRIC_RERANK_DURATION = "sift_rerank_duration_seconds"
+METRIC_RERANK_TOKENS = "sift_rerank_tokens_total"
+METRIC_RERANK_ATTEMPTS = "sift_rerank_attempts_total"
+METRIC_RERANK_OUTCOMES = "sift_rerank_outcomes_total"
+METRIC_RERANK_COST = "sift_rerank_cost_usd_total"
+METRIC_JOBS_IN_FLIGHT = "sift_jobs_in_flight"
+METRIC_WEBHOOK_DELIVERIES = "sift_webhook_deliveries_total"
+# extensions
+METRIC_RERANK_IN_FLIGHT = "sift_rerank_in_flight"
+METRIC_QUEUE_BACKLOG = "sift_queue_backlog"
+METRIC_JOBS_SUBMITTED = "sift_jobs_submitted_total"
+METRIC_JOBS_COMPLETED = "sift_jobs_completed_total"
+METRIC_JOB_FAILURES = "sift_job_failures_total"
+# the Prometheus scrape job names the rules and dashboards expect
+PROMETHEUS_JOB_WORKER = "sift-worker"
+PROMETHEUS_JOB_GATEWAY = "sift-gateway"
+
 # --- limits (validated at the gateway, documented in the README) ---
 MAX_QUERY_CHARS = 2_000
 MAX_LIMIT = 100

@@ -62,6 +62,24 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".sift/data")
     elasticsearch_url: str | None = None
     elasticsearch_api_key: str | None = None
+    # Elasticsearch (DESIGN.md §6). Sift index NAME is the alias <prefix>NAME.
+    elasticsearch_index_prefix: str = Field(default="sift-", pattern=r"^[a-z0-9_.-]*$")
+    elasticsearch_num_candidates: int = Field(default=200, ge=1, le=10_000)
+    elasticsearch_vector_quantization: Literal["int8_hnsw", "hnsw", "bbq_hnsw"] = "int8_hnsw"
+    elasticsearch_vector_dims: int = Field(default=384, ge=1, le=4096)
+    elasticsearch_shards: int = Field(default=1, ge=1, le=1024)
+    elasticsearch_replicas: int = Field(default=1, ge=0, le=16)
+    elasticsearch_refresh: Literal["wait_for", "true", "false"] = "wait_for"
+    elasticsearch_request_timeout: float = Field(default=10.0, gt=0)
+    elasticsearch_bulk_chunk_size: int = Field(default=500, ge=1, le=10_000)
+    # Field names, so an existing index can be searched as it is.
+    elasticsearch_id_field: str = Field(default="doc_id", min_length=1)
+    elasticsearch_text_field: str = Field(default="text", min_length=1)
+    elasticsearch_title_field: str = "title"  # empty: the index has no title field
+    elasticsearch_vector_field: str = Field(default="vector", min_length=1)
+    elasticsearch_tenant_field: str = Field(default="tenant", min_length=1)
+    elasticsearch_revision_field: str = Field(default="revision", min_length=1)
+    elasticsearch_metadata_field: str = Field(default="metadata", min_length=1)
     embedding_model: Literal["all-MiniLM-L6-v2-onnx-int8"] = "all-MiniLM-L6-v2-onnx-int8"
 
     generation_model: str | None = Field(default=None, pattern=r"^anthropic:[A-Za-z0-9._-]+$")
@@ -102,6 +120,7 @@ class Settings(BaseSettings):
 
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)
+    prometheus_url: str = "http://127.0.0.1:9090"  # what `sift cost` reads
 
     # --- the CLI client (``sift ingest``, ``sift search``, ``sift batch``) ---
     url: str = "http://127.0.0.1:8080"  # SIFT_URL, the gateway the CLI talks to

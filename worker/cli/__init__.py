@@ -13,4 +13,5 @@ app = typer.Typer(
 
 # Command modules register themselves on ``app`` when imported.
 from worker.cli import client as _client  # noqa: E402,F401
+from worker.cli import cost as _cost  # noqa: E402,F401
 from worker.cli import evaluate as _evaluate  # noqa: E402,F401

@@ -50,22 +50,23 @@ def eval_command(
         Path | None, typer.Option(help="index directory; a cache per corpus by default")
     ] = None,
     window: Annotated[int, typer.Option(min=1, help="rerank window for candidate recall")] = 30,
-    rerank: Annotated[
-        bool, typer.Option(help="add the reranked run (needs a model)")
-    ] = False,
+    rerank: Annotated[bool, typer.Option(help="add the reranked run (needs a model)")] = False,
     max_queries: Annotated[int | None, typer.Option(min=1)] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report")] = None,
 ) -> None:
     """Evaluate BM25, kNN, fused and final runs in-process with ir-measures."""
     key = hashlib.sha256(str(corpus.resolve()).encode()).hexdigest()[:12]
-    overrides: dict[str, Any] = {"data_dir": data_dir or Path(".sift/eval") / key}
+    directory = data_dir or Path(".sift/eval") / key
+    overrides: dict[str, Any] = {"data_dir": directory}
     if rerank:
         overrides["rerank_enabled"] = True
     try:
         settings = load_settings(**overrides)
         runtime = build_runtime(settings)
-        if not runtime.pipeline.backend.channels("eval"):
+        complete = directory / "indexed.ok"  # written only after the whole corpus is in
+        if not complete.exists():
             _ingest(runtime, corpus, "eval", TENANT)
+            complete.write_text(f"{corpus.resolve()}\n")
         with _progress() as bar:
             tasks: dict[str, Any] = {}
 
@@ -120,9 +121,7 @@ def sample_path(name: str) -> Path:
 
 @app.command("demo-local")
 def demo_local(
-    query: Annotated[
-        list[str] | None, typer.Argument(help="default: the samples")
-    ] = None,
+    query: Annotated[list[str] | None, typer.Argument(help="default: the samples")] = None,
     limit: int = 3,
 ) -> None:
     """Index the bundled sample corpus in a temporary directory and search it in-process."""

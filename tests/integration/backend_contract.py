@@ -1,0 +1,181 @@
+"""The channel contract every SearchBackend must keep, as one set of tests for all of them.
+
+A test module subclasses :class:`BackendContract` and provides the ``backend`` fixture (and
+``index``, a fresh index name). The same assertions then run against the in-memory fake,
+the embedded backend, and a live Elasticsearch cluster:
+
+* the tenant filter holds inside both channels;
+* metadata filters hold inside both channels;
+* an upsert by id replaces the document (text, revision and vector);
+* ``channels()`` answers nothing for a missing index and no ``knn`` without vectors;
+* a hybrid search through the pipeline returns hits that carry both channel ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from tests.fakes import FakeEmbedder
+from worker.contract import Channel, FilterValue, SearchSpec
+from worker.core.pipeline import PipelineConfig, SearchPipeline
+from worker.core.ports import SearchBackend
+from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
+
+EMBEDDER = FakeEmbedder()
+BOTH: tuple[Channel, ...] = ("bm25", "knn")
+
+CORPUS = [
+    Document(
+        "vitd",
+        "Vitamin D deficiency raises the risk of bone fractures.",
+        "Vitamin D",
+        "1",
+        {"topic": "bones", "year": 2020},
+    ),
+    Document(
+        "calc",
+        "Calcium supplements and bone density in older adults.",
+        "Calcium",
+        "1",
+        {"topic": "bones", "year": 2018},
+    ),
+    Document(
+        "stat",
+        "Statins lower LDL cholesterol and cardiovascular events.",
+        "Statins",
+        "1",
+        {"topic": "heart", "year": 2020},
+    ),
+    Document(
+        "mal",
+        "Artemisinin combination therapy treats malaria.",
+        "Malaria",
+        "1",
+        {"topic": "infection", "year": 2019},
+    ),
+]
+
+
+def vectors_of(documents: Sequence[Document]) -> list[list[float]]:
+    return EMBEDDER.embed([f"{d.title} {d.text}" for d in documents])
+
+
+class BackendContract:
+    """Subclass as ``TestXxxContract`` and provide the ``backend`` and ``index`` fixtures."""
+
+    def load(
+        self,
+        backend: SearchBackend,
+        index: str,
+        tenant: str,
+        documents: Sequence[Document] = CORPUS,
+        with_vectors: bool = True,
+    ) -> None:
+        vectors = vectors_of(documents) if with_vectors else None
+        assert backend.upsert(index, tenant, documents, vectors) == len(documents)
+
+    def search(
+        self,
+        backend: SearchBackend,
+        index: str,
+        tenant: str,
+        text: str,
+        channels: tuple[Channel, ...] = BOTH,
+        size: int = 10,
+        **fields: FilterValue,
+    ) -> ChannelResults:
+        vector = EMBEDDER.embed([text])[0] if "knn" in channels else None
+        return backend.retrieve(
+            ChannelQuery(
+                index=index,
+                filters=HardFilters(tenant, fields),
+                channels=channels,
+                size=size,
+                text=text,
+                vector=vector,
+                timeout_seconds=10.0,
+            )
+        )
+
+    def test_tenants_never_see_each_other_in_either_channel(
+        self, backend: SearchBackend, index: str
+    ) -> None:
+        self.load(backend, index, "acme")
+        other = [Document(d.id, f"beta secret {d.text}", d.title, "9", {}) for d in CORPUS]
+        self.load(backend, index, "beta", other)
+        results = self.search(backend, index, "acme", "vitamin bone fractures")
+        for channel in BOTH:
+            assert results.hits[channel], channel
+            for hit in results.hits[channel]:
+                assert "beta secret" not in hit.document.text
+                assert hit.document.revision == "1"
+        only_beta = self.search(backend, index, "beta", "secret")
+        assert only_beta.hits["bm25"]
+        assert all("beta secret" in h.document.text for h in only_beta.hits["bm25"])
+        assert all("beta secret" in h.document.text for h in only_beta.hits["knn"])
+        nobody = self.search(backend, index, "gamma", "vitamin bone fractures")
+        assert nobody.hits["bm25"] == [] and nobody.hits["knn"] == []
+
+    def test_metadata_filters_hold_inside_both_channels(
+        self, backend: SearchBackend, index: str
+    ) -> None:
+        self.load(backend, index, "acme")
+        heart = self.search(backend, index, "acme", "vitamin bone fractures", topic="heart")
+        assert heart.hits["bm25"] == []  # no term matches inside the filtered set
+        assert [h.document.id for h in heart.hits["knn"]] == ["stat"]  # k filled from it
+        words = self.search(
+            backend, index, "acme", "cholesterol", channels=("bm25",), topic="heart"
+        )
+        assert [h.document.id for h in words.hits["bm25"]] == ["stat"]
+        both = self.search(backend, index, "acme", "bone", topic="bones", year=2020)
+        assert {h.document.id for h in both.hits["bm25"]} == {"vitd"}
+        assert {h.document.id for h in both.hits["knn"]} == {"vitd"}
+        assert both.hits["bm25"][0].document.metadata == {"topic": "bones", "year": 2020}
+
+    def test_upsert_by_id_replaces_text_revision_and_vector(
+        self, backend: SearchBackend, index: str
+    ) -> None:
+        self.load(backend, index, "acme")
+        replaced = Document(
+            "vitd",
+            "Sunlight exposure and mood in winter.",
+            "Sunlight",
+            "2",
+            {"topic": "mood", "year": 2024},
+        )
+        self.load(backend, index, "acme", [replaced])
+        old = self.search(backend, index, "acme", "vitamin fractures", channels=("bm25",))
+        assert "vitd" not in [h.document.id for h in old.hits["bm25"]]
+        new = self.search(backend, index, "acme", "sunlight mood winter")
+        for channel in BOTH:
+            ids = [h.document.id for h in new.hits[channel]]
+            assert ids.count("vitd") == 1, channel
+            assert ids[0] == "vitd", channel
+            assert new.hits[channel][0].document.revision == "2"
+
+    def test_channels_without_vectors_and_for_a_missing_index(
+        self, backend: SearchBackend, index: str
+    ) -> None:
+        assert backend.channels(index) == frozenset()
+        self.load(backend, index, "acme", with_vectors=False)
+        assert backend.channels(index) == frozenset({"bm25"})
+        results = self.search(backend, index, "acme", "statins cholesterol", channels=("bm25",))
+        assert results.hits["bm25"][0].document.id == "stat"
+
+    def test_hybrid_search_through_the_pipeline_keeps_both_channel_ranks(
+        self, backend: SearchBackend, index: str
+    ) -> None:
+        self.load(backend, index, "acme")
+        assert backend.channels(index) == frozenset(BOTH)
+        pipeline = SearchPipeline(backend, EMBEDDER, config=PipelineConfig())
+        result = pipeline.search(
+            SearchSpec(index=index, query="vitamin D bone fractures", limit=3), tenant="acme"
+        )
+        assert result.hits and result.hits[0].id == "vitd"
+        top = result.hits[0]
+        assert top.ranks.bm25 == 1 and top.ranks.knn == 1 and top.ranks.rrf == 1
+        assert top.ranks.final == 1 and top.scores.rrf == pytest.approx(2 / 61)
+        assert top.scores.bm25 is not None and top.scores.knn is not None
+        assert [h.ranks.final for h in result.hits] == list(range(1, len(result.hits) + 1))

@@ -1,0 +1,199 @@
+"""A loopback HTTP server that answers like Elasticsearch 9 and records every request.
+
+It is not a search engine: each test scripts the answers (ES 9 response shapes), and the
+server records the exact requests the real ``elasticsearch`` client sent, so a test can
+assert the method, path, query string and JSON or NDJSON body.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+ES_MEDIA_TYPE = "application/vnd.elasticsearch+json;compatible-with=9"
+
+
+@dataclass
+class Recorded:
+    """One request as the server received it."""
+
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def ndjson(self) -> list[Any]:
+        return [json.loads(line) for line in self.body.decode().splitlines() if line.strip()]
+
+
+@dataclass
+class Answer:
+    """What the server sends back: a status, a JSON body, and optionally a delay first."""
+
+    status: int = 200
+    body: Any = None
+    delay: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+Route = Callable[[Recorded], Answer | None]
+
+
+class FakeElasticsearchServer:
+    """Threaded stdlib HTTP server on 127.0.0.1; ``routes`` are tried in order, last added first."""
+
+    def __init__(self) -> None:
+        self.requests: list[Recorded] = []
+        self._routes: list[tuple[str, str, Route | Answer, int | None]] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet
+                pass
+
+            def _serve(self) -> None:
+                length = int(self.headers.get("content-length") or 0)
+                body = self.rfile.read(length) if length else b""
+                split = urlsplit(self.path)
+                recorded = Recorded(
+                    method=self.command,
+                    path=split.path,
+                    query=parse_qs(split.query),
+                    headers={k.lower(): v for k, v in self.headers.items()},
+                    body=body,
+                )
+                server.requests.append(recorded)
+                answer = server._answer(recorded)
+                if answer.delay:
+                    time.sleep(answer.delay)
+                payload = b"" if answer.body is None else json.dumps(answer.body).encode()
+                self.send_response(answer.status)
+                self.send_header("X-Elastic-Product", "Elasticsearch")
+                self.send_header("Content-Type", ES_MEDIA_TYPE)
+                for name, value in answer.headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
+
+            do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _serve
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> FakeElasticsearchServer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+    def on(self, method: str, path: str, answer: Route | Answer, times: int | None = None) -> None:
+        """Answer ``method path`` with ``answer`` (``times`` times, or always)."""
+        self._routes.insert(0, (method, path, answer, times))
+
+    def _answer(self, request: Recorded) -> Answer:
+        for i, (method, path, answer, times) in enumerate(self._routes):
+            if method != request.method or path != request.path:
+                continue
+            result = answer(request) if callable(answer) else answer
+            if result is None:
+                continue
+            if times is not None:
+                if times <= 1:
+                    del self._routes[i]
+                else:
+                    self._routes[i] = (method, path, answer, times - 1)
+            return result
+        return Answer(404, error_body("resource_not_found_exception", f"no route {request.path}"))
+
+    def sent(self, method: str | None = None, path: str | None = None) -> list[Recorded]:
+        return [
+            r
+            for r in self.requests
+            if (method is None or r.method == method) and (path is None or r.path == path)
+        ]
+
+
+def error_body(kind: str, reason: str, status: int = 400, **extra: Any) -> dict[str, Any]:
+    """An ES error body: ``{"error": {"root_cause": [...], "type", "reason"}, "status"}``."""
+    cause = {"type": kind, "reason": reason, **extra}
+    return {"error": {"root_cause": [cause], **cause}, "status": status}
+
+
+def index_missing(index: str) -> dict[str, Any]:
+    return error_body(
+        "index_not_found_exception",
+        f"no such index [{index}]",
+        status=404,
+        **{"resource.type": "index_or_alias", "resource.id": index, "index": index},
+    )
+
+
+def search_response(hits: list[dict[str, Any]], took: int = 3) -> dict[str, Any]:
+    """One search's answer as ES 9 shapes it (``track_total_hits: false``: no ``total``)."""
+    return {
+        "took": took,
+        "timed_out": False,
+        "_shards": {"total": 1, "successful": 1, "skipped": 0, "failed": 0},
+        "hits": {"max_score": hits[0]["_score"] if hits else None, "hits": hits},
+    }
+
+
+def hit(
+    index: str,
+    tenant: str,
+    doc_id: str,
+    score: float,
+    text: str = "",
+    title: str = "",
+    revision: str = "1",
+    metadata: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "_index": index,
+        "_id": f"{tenant}:{doc_id}",
+        "_score": score,
+        "_source": {
+            "doc_id": doc_id,
+            "text": text or f"text of {doc_id}",
+            "title": title,
+            "revision": revision,
+            "metadata": metadata or {},
+            "tenant": tenant,
+        },
+    }
+
+
+def msearch_response(*searches: dict[str, Any]) -> dict[str, Any]:
+    return {"took": 5, "responses": [{**s, "status": s.get("status", 200)} for s in searches]}
+
+
+def running(server: FakeElasticsearchServer) -> Iterator[FakeElasticsearchServer]:
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,36 @@
+"""The shared backend contract, run against the in-memory fake and the embedded backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.fakes import InMemoryBackend
+from tests.integration.backend_contract import BackendContract
+from worker.core.ports import SearchBackend
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def index() -> str:
+    return "contract"
+
+
+class TestInMemoryBackendContract(BackendContract):
+    """The fake the unit tests lean on keeps the same contract as the real backends."""
+
+    @pytest.fixture
+    def backend(self) -> SearchBackend:
+        return InMemoryBackend()
+
+
+class TestEmbeddedBackendContract(BackendContract):
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> SearchBackend:
+        embedded = pytest.importorskip(
+            "worker.adapters.embedded", reason="the embedded backend is not on this branch yet"
+        )
+        backend: SearchBackend = embedded.EmbeddedBackend(tmp_path / "data")
+        return backend

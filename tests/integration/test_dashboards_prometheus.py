@@ -1,0 +1,192 @@
+"""The dashboards' PromQL, the rules and ``sift cost`` against a real Prometheus.
+
+A real ``prometheus`` scrapes a real ``/metrics`` endpoint every second. Behind it, a process
+in multiprocess mode forks two workers that run scripted searches through the real
+``SearchPipeline`` with the fakes of ``tests.fakes`` and ``PrometheusRecorder``; the fake
+model's usage figures are known. Then every panel of both dashboards is evaluated through
+Prometheus's HTTP API, and the totals are checked against what the workload did.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import metrics_workload as workload
+from tests.prometheus_support import (
+    DASHBOARDS,
+    RULES,
+    PanelQuery,
+    Prometheus,
+    concrete,
+    panel_queries,
+    prometheus_binary,
+    run_metrics_target,
+    run_prometheus,
+)
+from worker.constants import INGEST_QUEUE, POLICY_ID, PROMETHEUS_JOB_WORKER, SEARCH_QUEUE
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        prometheus_binary() is None,
+        reason="prometheus is not installed (apt-get install prometheus, or make services)",
+    ),
+]
+
+JOB = PROMETHEUS_JOB_WORKER
+PANEL_QUERIES = [query for path in DASHBOARDS for query in panel_queries(path)]
+
+
+@dataclass
+class Observed:
+    prometheus: Prometheus
+    did: dict[str, Any]  # what the workload reports it did
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
+    workdir = tmp_path_factory.mktemp("prometheus")
+    with (
+        run_metrics_target("tests.metrics_workload", str(workdir / "multiproc")) as target,
+        run_prometheus(workdir / "server", {JOB: [target.address]}, [RULES]) as prometheus,
+    ):
+        prometheus.wait_for_scrapes(JOB, 3)  # the zero series are in, so rates have a start
+        did = target.send("go")
+        attempts = sum(workload.EXPECTED_ATTEMPTS.values())
+        prometheus.wait_for_value("sum(sift_rerank_attempts_total)", attempts)
+        prometheus.wait_for_more_scrapes(JOB, 2)
+        yield Observed(prometheus, did)
+
+
+def test_the_dashboards_have_panels() -> None:
+    assert {path.name for path in DASHBOARDS} == {"sift-rerank-cost.json", "sift-jobs.json"}
+    assert len(PANEL_QUERIES) >= 20
+
+
+@pytest.mark.parametrize("query", PANEL_QUERIES, ids=str)
+def test_every_panel_returns_data(observed: Observed, query: PanelQuery) -> None:
+    result = observed.prometheus.query(concrete(query.expr))
+    assert result, f"no data for {query}: {query.expr}"
+    values = [float(series["value"][1]) for series in result]
+    assert any(math.isfinite(v) for v in values), f"only NaN for {query}: {result}"
+
+
+def test_token_totals_equal_the_fakes_usage_and_the_jobs_usage(observed: Observed) -> None:
+    tokens = observed.prometheus.values("sum by (type) (sift_rerank_tokens_total)", by="type")
+    fake, jobs = observed.did["fake_tokens"], observed.did["result_usage"]
+    assert fake["input"] > 0 and fake["cache_read"] > 0 and fake["cache_creation"] > 0
+    assert tokens == {token_type: float(n) for token_type, n in fake.items()}
+    assert tokens == {
+        "input": jobs["input_tokens"],
+        "output": jobs["output_tokens"],
+        "cache_read": jobs["cache_read_input_tokens"],
+        "cache_creation": jobs["cache_creation_input_tokens"],
+    }
+    lanes = observed.prometheus.values("sum by (lane) (sift_rerank_tokens_total)", by="lane")
+    assert set(lanes) == {"standard"}
+
+
+def test_cost_total_equals_the_fakes_usage_priced_and_the_jobs_cost(observed: Observed) -> None:
+    cost = observed.prometheus.values("sum(sift_rerank_cost_usd_total)")[""]
+    assert cost > 0
+    assert cost == pytest.approx(observed.did["fake_cost"], rel=1e-9)
+    assert cost == pytest.approx(observed.did["result_cost"], rel=1e-9)
+    by_model = observed.prometheus.values("sum by (model) (sift_rerank_cost_usd_total)", by="model")
+    assert list(by_model) == [workload.MODEL]
+
+
+def test_each_attempt_class_is_counted_exactly_as_often_as_provoked(observed: Observed) -> None:
+    counted = observed.prometheus.values(
+        "sum by (result) (sift_rerank_attempts_total)", by="result"
+    )
+    assert {k: v for k, v in counted.items() if v} == workload.EXPECTED_ATTEMPTS
+    assert set(counted) == set(workload.EXPECTED_ATTEMPTS)  # every class provoked
+
+
+def test_each_outcome_is_counted_exactly_as_often_as_provoked(observed: Observed) -> None:
+    counted = observed.prometheus.values(
+        f'sum by (outcome) (sift_rerank_outcomes_total{{policy="{POLICY_ID}"}})', by="outcome"
+    )
+    assert counted == workload.EXPECTED_OUTCOMES
+    searches = observed.prometheus.query(
+        "sum by (mode, outcome) (sift_search_duration_seconds_count) > 0"
+    )
+    got = {(s["metric"]["mode"], s["metric"]["outcome"]): float(s["value"][1]) for s in searches}
+    assert got == workload.EXPECTED_SEARCHES
+    rerank_done = observed.prometheus.values("sum(sift_rerank_duration_seconds_count)")[""]
+    reranked = sum(v for k, v in workload.EXPECTED_OUTCOMES.items() if k != "skipped")
+    assert rerank_done == reranked
+
+
+def test_job_metrics(observed: Observed) -> None:
+    p = observed.prometheus
+    searches = sum(workload.EXPECTED_SEARCHES.values())
+    assert observed.did["exit_codes"] == [0, 0]
+    assert p.values('sift_jobs_submitted_total{kind="search"}')[""] == searches
+    completed = p.values('sum by (status) (sift_jobs_completed_total{kind="search"})', by="status")
+    assert completed == {"succeeded": searches - 1, "failed": 1, "canceled": 0}
+    failures = p.query("sift_job_failures_total > 0")  # every other class is a zero series
+    assert [(s["metric"]["error"], s["value"][1]) for s in failures] == [("rerank_failed", "1")]
+    assert observed.did["statuses"] == {"succeeded": searches - 1, "failed:rerank_failed": 1}
+    assert p.values('sift_webhook_deliveries_total{result="delivered"}')[""] == searches - 1
+    wait = p.values("sum by (queue) (sift_job_queue_wait_seconds_count)", by="queue")
+    assert wait[SEARCH_QUEUE] == searches and wait[INGEST_QUEUE] == 0
+    backlog = p.values("sift_queue_backlog", by="queue")
+    assert backlog == {q: float(n) for q, n in observed.did["backlog"].items()}
+    # the workers exited and were marked dead: nothing is left in flight
+    assert p.values("sum(sift_jobs_in_flight)")[""] == 0
+    assert p.values("sum(sift_rerank_in_flight)")[""] == 0
+
+
+def test_recording_rules_evaluate_on_real_data(observed: Observed) -> None:
+    p = observed.prometheus
+    for record in (
+        "sift:rerank_cost_usd:rate1h",
+        "sift:rerank_cost_usd_per_1k_searches:rate1h",
+        "sift:rerank_attempt_error_ratio:rate5m",
+        "sift:rerank_fallback_ratio:rate5m",
+    ):
+        p.wait_for_value(f"count({record}) > 0", 1)
+    # 10 of 15 attempts were not ok... within the 5m window, every attempt counted
+    ratio = p.values("sift:rerank_attempt_error_ratio:rate5m")[""]
+    assert ratio == pytest.approx(10 / 15, rel=1e-6)
+
+
+def test_sift_cost_reads_the_same_totals(observed: Observed, tmp_path: Path) -> None:
+    from worker.cli.cost import fetch_report
+
+    report = fetch_report(observed.prometheus.url, "1h")
+    assert report.cost_by_model == {
+        workload.MODEL: pytest.approx(observed.did["fake_cost"], rel=1e-9)
+    }
+    assert report.tokens_by_type == {k: float(v) for k, v in observed.did["fake_tokens"].items()}
+    assert {k: v for k, v in report.attempts.items() if v} == workload.EXPECTED_ATTEMPTS
+    assert report.outcomes == workload.EXPECTED_OUTCOMES
+    assert report.searches == sum(workload.EXPECTED_SEARCHES.values())
+    assert report.latency["p50"] is not None
+
+
+def test_sift_cost_prints_a_table_and_writes_a_png(observed: Observed, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    import worker.cli.cost  # noqa: F401  # registers the command
+    from worker.cli import app
+
+    png = tmp_path / "cost.png"
+    run = CliRunner().invoke(
+        app,
+        ["cost", "--prometheus-url", observed.prometheus.url, "--window", "1h", "--png", str(png)],
+        env={"COLUMNS": "160"},
+    )
+    assert run.exit_code == 0, run.output
+    assert workload.MODEL in run.output
+    for word in ("cache_read", "fallback_no_valid_ranks", "rate_limited", "p95"):
+        assert word in run.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert png.stat().st_size > 10_000

@@ -1,0 +1,377 @@
+"""Static checks of deploy/: no Docker engine or cluster here, so the files are validated.
+
+* the compose file against the Compose Specification's JSON schema (tests/schemas/);
+* the Kubernetes manifests, rendered with ``kubectl kustomize`` where kubectl is installed
+  (else read from the kustomizations), against the schemas ``kubernetes-validate`` ships;
+* the Prometheus configuration with ``promtool check config``;
+* the wiring between them: ports, queue names, mounts, probes, placeholders.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from worker.constants import INGEST_QUEUE, SEARCH_QUEUE
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+SCHEMAS = ROOT / "tests" / "schemas"
+COMPOSE = DEPLOY / "docker-compose.yml"
+PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+KUBERNETES_VERSION = "1.33.0"
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data: dict[str, Any] = load_yaml(COMPOSE)
+    return data
+
+
+# --- docker compose ----------------------------------------------------------------------
+
+
+def test_compose_file_follows_the_compose_specification(compose: dict[str, Any]) -> None:
+    schema = json.loads((SCHEMAS / "compose-spec.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    errors = sorted(
+        jsonschema.Draft7Validator(schema).iter_errors(compose), key=lambda e: e.json_path
+    )
+    assert not errors, "\n".join(f"{e.json_path}: {e.message}" for e in errors)
+
+
+def test_compose_file_passes_docker_compose_config_where_installed() -> None:
+    """The real ``docker compose config`` (interpolation, schema, semantics), when present."""
+    if shutil.which("docker-compose"):
+        command = ["docker-compose"]
+    elif shutil.which("docker") and _succeeds(["docker", "compose", "version"]):
+        command = ["docker", "compose"]
+    else:
+        pytest.skip("no docker compose v2 binary here; the JSON schema check above still ran")
+    env_file = DEPLOY / ".env.example"
+    result = subprocess.run(
+        [*command, "-f", str(COMPOSE), "--env-file", str(env_file), "config", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_stack_has_every_piece_wired(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert set(services) == {"elasticsearch", "redis", "gateway", "worker", "prometheus", "grafana"}
+
+    es = services["elasticsearch"]
+    assert es["image"].startswith("docker.elastic.co/elasticsearch/elasticsearch:")
+    assert re.search(r":\$\{ES_VERSION:-9\.\d+\.\d+\}$", es["image"])
+    assert es["environment"]["xpack.security.enabled"] == "true"
+    assert "ELASTIC_PASSWORD" in es["environment"]
+    assert "_cluster/health" in " ".join(es["healthcheck"]["test"])
+
+    redis = " ".join(services["redis"]["command"])
+    assert "--appendonly yes" in redis and "--maxmemory-policy noeviction" in redis
+
+    for name in ("gateway", "worker"):
+        service = services[name]
+        env = service["environment"]
+        assert env["SIFT_SEARCH_BACKEND"] == "elasticsearch"
+        assert env["SIFT_ELASTICSEARCH_URL"].startswith("http://elastic:${ELASTIC_PASSWORD")
+        assert env["SIFT_REDIS_URL"] == "redis://redis:6379/0"
+        assert service["command"] == [name]
+        assert service["depends_on"]["elasticsearch"]["condition"] == "service_healthy"
+        assert service["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert "8080:8080" in services["gateway"]["ports"]
+    assert "/healthz" in " ".join(services["gateway"]["healthcheck"]["test"])
+    worker = services["worker"]
+    assert "ports" not in worker and "container_name" not in worker  # so --scale works
+
+    prometheus = services["prometheus"]
+    assert "./prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
+    assert "./prometheus/rules:/etc/prometheus/rules:ro" in prometheus["volumes"]
+    grafana = services["grafana"]["volumes"]
+    assert "../grafana:/var/lib/grafana/dashboards/sift:ro" in grafana
+    assert (
+        "../grafana/provisioning/datasources.yml:/etc/grafana/provisioning/datasources/sift.yml:ro"
+        in grafana
+    )
+
+
+def test_compose_bind_mounts_exist(compose: dict[str, Any]) -> None:
+    for service in compose["services"].values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), source
+
+
+def test_env_example_sets_every_required_variable(compose: dict[str, Any]) -> None:
+    required = set(re.findall(r"\$\{([A-Z_]+):\?", COMPOSE.read_text()))
+    example = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert required <= set(example), required - set(example)
+    assert all("CHANGE-ME" in example[name] for name in required if "PASSWORD" in name)
+
+
+def test_grafana_provisioning_points_at_the_mounted_paths() -> None:
+    provisioning = ROOT / "grafana" / "provisioning"
+    (source,) = load_yaml(provisioning / "datasources.yml")["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    (provider,) = load_yaml(provisioning / "dashboards.yml")["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards/sift"
+    for dashboard in (ROOT / "grafana").glob("*.json"):  # the datasource uid they expect
+        assert f'"uid": "{source["uid"]}"' in dashboard.read_text(), dashboard.name
+
+
+def test_dockerfile_is_multi_stage_non_root_with_the_sift_entrypoint() -> None:
+    text = (DEPLOY / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\w+)", text, flags=re.MULTILINE)
+    assert stages == ["builder", "runtime"]
+    runtime = text.split("AS runtime", 1)[1]
+    assert re.search(r"^USER 10001:10001$", runtime, flags=re.MULTILINE)
+    assert 'ENTRYPOINT ["sift"]' in runtime
+    assert "pip wheel" in text.split("AS runtime", 1)[0]
+    for copied in re.findall(r"^COPY (?!--)(\S+)", text, flags=re.MULTILINE):
+        assert (ROOT / copied).exists(), copied
+
+
+# --- prometheus --------------------------------------------------------------------------
+
+
+def _promtool() -> str:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus); CI installs it")
+    return promtool
+
+
+def test_promtool_accepts_the_prometheus_config() -> None:
+    result = subprocess.run(
+        [_promtool(), "check", "config", str(PROMETHEUS)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_accepts_the_config_with_the_repository_rules(tmp_path: Path) -> None:
+    """The same config, its rule_files pointed at deploy/prometheus/rules/, so they are checked."""
+    config = load_yaml(PROMETHEUS)
+    assert config["rule_files"] == ["/etc/prometheus/rules/*.yml"]
+    config["rule_files"] = [str(DEPLOY / "prometheus" / "rules" / "*.yml")]
+    local = tmp_path / "prometheus.yml"
+    local.write_text(yaml.safe_dump(config))
+    result = subprocess.run(
+        [_promtool(), "check", "config", str(local)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_scrapes_the_gateway_and_every_worker() -> None:
+    jobs = {job["job_name"]: job for job in load_yaml(PROMETHEUS)["scrape_configs"]}
+    assert jobs["sift-gateway"]["static_configs"] == [{"targets": ["gateway:8080"]}]
+    (dns,) = jobs["sift-worker"]["dns_sd_configs"]
+    assert dns == {"names": ["worker"], "type": "A", "port": 9808, "refresh_interval": "15s"}
+
+
+# --- kubernetes --------------------------------------------------------------------------
+
+
+def _succeeds(command: list[str]) -> bool:
+    try:
+        return subprocess.run(command, capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _read_kustomization(directory: Path) -> Iterator[dict[str, Any]]:
+    """Without kubectl: the resources a kustomization lists, recursively (no transforms)."""
+    kustomization = load_yaml(directory / "kustomization.yaml")
+    namespace = kustomization.get("namespace")
+    for entry in kustomization["resources"]:
+        path = directory / entry
+        if path.is_dir():
+            docs = list(_read_kustomization(path))
+        else:
+            docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+        for doc in docs:
+            if namespace and doc["kind"] != "Namespace":
+                doc["metadata"]["namespace"] = namespace
+            yield doc
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    if shutil.which("kubectl") and _succeeds(["kubectl", "version", "--client"]):
+        result = subprocess.run(
+            ["kubectl", "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return list(_read_kustomization(directory))
+
+
+ENTRY_POINTS = {"keda": K8S, "hpa": K8S / "hpa"}
+
+
+@pytest.fixture(scope="module", params=sorted(ENTRY_POINTS))
+def manifests(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]:
+    return request.param, render(ENTRY_POINTS[request.param])
+
+
+# KEDA's resources are CRDs: kubernetes-validate has no schema for them, so their shape is
+# checked here against the fields KEDA 2.x requires.
+KEDA_SCHEMAS: dict[str, dict[str, Any]] = {
+    "ScaledObject": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "keda.sh/v1alpha1"},
+            "spec": {
+                "type": "object",
+                "required": ["scaleTargetRef", "triggers"],
+                "additionalProperties": False,
+                "properties": {
+                    "scaleTargetRef": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {"name": {"type": "string"}},
+                    },
+                    "minReplicaCount": {"type": "integer", "minimum": 0},
+                    "maxReplicaCount": {"type": "integer", "minimum": 1},
+                    "pollingInterval": {"type": "integer", "minimum": 1},
+                    "cooldownPeriod": {"type": "integer", "minimum": 0},
+                    "triggers": {
+                        "type": "array",
+                        "minItems": 1,
+                        "items": {
+                            "type": "object",
+                            "required": ["type", "metadata"],
+                            "properties": {
+                                "type": {"type": "string"},
+                                "metadata": {
+                                    "type": "object",
+                                    "additionalProperties": {"type": "string"},
+                                },
+                                "authenticationRef": {
+                                    "type": "object",
+                                    "required": ["name"],
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+    "TriggerAuthentication": {
+        "type": "object",
+        "required": ["apiVersion", "kind", "metadata", "spec"],
+        "properties": {
+            "apiVersion": {"const": "keda.sh/v1alpha1"},
+            "spec": {
+                "type": "object",
+                "properties": {
+                    "secretTargetRef": {
+                        "type": "array",
+                        "items": {"type": "object", "required": ["parameter", "name", "key"]},
+                    }
+                },
+            },
+        },
+    },
+}
+
+
+def test_every_manifest_validates_against_its_schema(
+    manifests: tuple[str, list[dict[str, Any]]],
+) -> None:
+    _, docs = manifests
+    assert docs
+    for doc in docs:
+        if doc["apiVersion"].startswith("keda.sh/"):
+            jsonschema.validate(doc, KEDA_SCHEMAS[doc["kind"]])
+            continue
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_base_file_is_listed_in_its_kustomization() -> None:
+    for directory in (K8S / "base", K8S, K8S / "hpa"):
+        listed = set(load_yaml(directory / "kustomization.yaml")["resources"])
+        files = {p.name for p in directory.glob("*.yaml") if p.name != "kustomization.yaml"}
+        assert files <= listed, f"{directory}: {files - listed} not listed"
+
+
+def by_kind(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(doc["kind"], doc["metadata"]["name"]): doc for doc in docs}
+
+
+def test_workloads_have_probes_resources_and_run_as_non_root(
+    manifests: tuple[str, list[dict[str, Any]]],
+) -> None:
+    docs = by_kind(manifests[1])
+    for name in ("sift-gateway", "sift-worker"):
+        deployment = docs["Deployment", name]
+        assert deployment["metadata"]["namespace"] == "sift"
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        (container,) = pod["containers"]
+        assert container["args"] == [name.removeprefix("sift-")]
+        assert "livenessProbe" in container
+        assert container["resources"]["requests"] and container["resources"]["limits"]
+        refs = {next(iter(ref.values()))["name"] for ref in container["envFrom"]}
+        assert refs == {"sift-config", "sift-secrets"}
+        labels = deployment["spec"]["selector"]["matchLabels"]
+        pdb = docs["PodDisruptionBudget", name]
+        assert pdb["spec"]["selector"]["matchLabels"] == labels
+    gateway = docs["Deployment", "sift-gateway"]["spec"]["template"]["spec"]["containers"][0]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    service = docs["Service", "sift-gateway"]
+    assert service["spec"]["selector"] == {"app.kubernetes.io/name": "sift-gateway"}
+
+
+def test_the_worker_autoscaler_targets_the_worker_deployment(
+    manifests: tuple[str, list[dict[str, Any]]],
+) -> None:
+    variant, docs = manifests
+    kinds = by_kind(docs)
+    if variant == "keda":
+        scaled = kinds["ScaledObject", "sift-worker"]
+        assert scaled["spec"]["scaleTargetRef"]["name"] == "sift-worker"
+        lists = {t["metadata"]["listName"] for t in scaled["spec"]["triggers"]}
+        assert lists == {SEARCH_QUEUE, INGEST_QUEUE}
+        assert all(t["type"] == "redis" for t in scaled["spec"]["triggers"])
+        assert ("TriggerAuthentication", "sift-redis") in kinds
+        assert not any(kind == "HorizontalPodAutoscaler" for kind, _ in kinds)
+    else:
+        hpa = kinds["HorizontalPodAutoscaler", "sift-worker"]
+        assert hpa["spec"]["scaleTargetRef"]["name"] == "sift-worker"
+        assert not any(kind == "ScaledObject" for kind, _ in kinds)
+
+
+def test_the_secret_holds_only_placeholders() -> None:
+    secret = load_yaml(K8S / "base" / "secret.yaml")
+    assert "PLACEHOLDERS ONLY" in (K8S / "base" / "secret.yaml").read_text()
+    for key, value in secret["stringData"].items():
+        if "URL" in key and "@" not in value:
+            continue  # a URL without credentials
+        assert "CHANGE-ME" in value, key

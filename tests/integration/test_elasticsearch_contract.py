@@ -1,0 +1,683 @@
+"""The Elasticsearch adapter against a loopback ES 9 stand-in: the exact requests, the parsing,
+the fused result through the pipeline, and the error mapping (no client-side retries).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.fakes import FakeEmbedder
+from tests.integration.es_loopback import (
+    Answer,
+    FakeElasticsearchServer,
+    Recorded,
+    error_body,
+    hit,
+    index_missing,
+    msearch_response,
+    running,
+    search_response,
+)
+from worker.adapters.elasticsearch import ElasticsearchBackend, num_candidates
+from worker.contract import Channel, FilterValue, SearchSpec
+from worker.core.pipeline import PipelineConfig, SearchPipeline
+from worker.core.types import ChannelQuery, Document, HardFilters
+from worker.errors import BackendRequestError, BackendUnavailable, IndexNotFound, InvalidRequest
+from worker.settings import load_settings
+
+pytestmark = pytest.mark.integration
+
+CONCRETE = "sift-docs-000001"
+SOURCE = ["doc_id", "text", "title", "revision", "metadata", "tenant"]
+VECTOR = [0.6, 0.8, 0.0]
+
+
+@pytest.fixture
+def server() -> Iterator[FakeElasticsearchServer]:
+    yield from running(FakeElasticsearchServer())
+
+
+def backend_for(server: FakeElasticsearchServer | str, **settings: Any) -> ElasticsearchBackend:
+    url = server if isinstance(server, str) else server.url
+    return ElasticsearchBackend.from_settings(
+        load_settings(search_backend="elasticsearch", elasticsearch_url=url, **settings)
+    )
+
+
+def query(
+    channels: tuple[Channel, ...] = ("bm25", "knn"),
+    size: int = 120,
+    tenant: str = "acme",
+    timeout: float | None = 2.0,
+    **fields: FilterValue,
+) -> ChannelQuery:
+    return ChannelQuery(
+        index="docs",
+        filters=HardFilters(tenant, fields),
+        channels=channels,
+        size=size,
+        text="vitamin d fractures",
+        vector=VECTOR if "knn" in channels else None,
+        timeout_seconds=timeout,
+    )
+
+
+def bulk_ok(request: Recorded) -> Answer:
+    lines = request.ndjson()
+    items = [
+        {
+            "index": {
+                "_index": CONCRETE,
+                "_id": action["index"]["_id"],
+                "_version": 1,
+                "result": "created",
+                "_shards": {"total": 2, "successful": 1, "failed": 0},
+                "_seq_no": n,
+                "_primary_term": 1,
+                "status": 201,
+            }
+        }
+        for n, action in enumerate(lines[0::2])
+    ]
+    return Answer(200, {"errors": False, "took": 7, "items": items})
+
+
+def no_post_filter(body: Any) -> None:
+    assert "post_filter" not in str(body)
+
+
+# --- the write path -------------------------------------------------------------------
+
+
+EXPECTED_TEMPLATE = {
+    "index_patterns": ["sift-*"],
+    "priority": 105,  # 100 + len("sift-")
+    "template": {
+        "settings": {"number_of_shards": 1, "number_of_replicas": 1},
+        "mappings": {
+            "dynamic": "strict",
+            "properties": {
+                "doc_id": {"type": "keyword"},
+                "text": {"type": "text", "analyzer": "english"},
+                "title": {"type": "text", "analyzer": "english"},
+                "vector": {
+                    "type": "dense_vector",
+                    "dims": 384,
+                    "index": True,
+                    "similarity": "cosine",
+                    "index_options": {"type": "int8_hnsw"},
+                },
+                "tenant": {"type": "keyword"},
+                "revision": {"type": "keyword"},
+                "metadata": {"type": "flattened"},
+            },
+        },
+    },
+    "_meta": {"managed_by": "sift"},
+}
+
+
+def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes(
+    server: FakeElasticsearchServer,
+) -> None:
+    server.on("HEAD", "/sift-docs", Answer(404))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on(
+        "PUT",
+        f"/{CONCRETE}",
+        Answer(200, {"acknowledged": True, "shards_acknowledged": True, "index": CONCRETE}),
+    )
+    server.on("PUT", "/_bulk", bulk_ok)
+    backend = backend_for(server)
+    docs = [
+        Document("d1", "Vitamin D and fractures", "Vit D", "r7", {"year": 2020, "lang": "en"}),
+        Document("d2", "Statins lower LDL", "", "r1", {}),
+    ]
+    assert backend.upsert("docs", "acme", docs, [VECTOR, [0.0, 1.0, 0.0]]) == 2
+
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("HEAD", "/sift-docs"),
+        ("PUT", "/_index_template/sift-sift"),
+        ("PUT", f"/{CONCRETE}"),
+        ("PUT", "/_bulk"),
+    ]
+    assert server.requests[1].json() == EXPECTED_TEMPLATE
+    assert server.requests[2].json() == {"aliases": {"sift-docs": {}}}
+    bulk = server.requests[3]
+    assert bulk.query == {"refresh": ["wait_for"]}
+    assert bulk.headers["content-type"] == (
+        "application/vnd.elasticsearch+x-ndjson; compatible-with=9"
+    )
+    assert bulk.ndjson() == [
+        {"index": {"_id": "acme:d1", "_index": "sift-docs"}},
+        {
+            "doc_id": "d1",
+            "text": "Vitamin D and fractures",
+            "title": "Vit D",
+            "tenant": "acme",
+            "revision": "r7",
+            "metadata": {"year": 2020, "lang": "en"},
+            "vector": VECTOR,
+        },
+        {"index": {"_id": "acme:d2", "_index": "sift-docs"}},
+        {
+            "doc_id": "d2",
+            "text": "Statins lower LDL",
+            "title": "",
+            "tenant": "acme",
+            "revision": "r1",
+            "metadata": {},
+            "vector": [0.0, 1.0, 0.0],
+        },
+    ]
+
+    # The index is known now: the next upsert goes straight to _bulk, with no vector field.
+    assert backend.upsert("docs", "beta", [Document("d1", "other tenant", revision="")], None) == 1
+    assert [(r.method, r.path) for r in server.requests[4:]] == [("PUT", "/_bulk")]
+    action, source = server.requests[4].ndjson()
+    assert action == {"index": {"_id": "beta:d1", "_index": "sift-docs"}}
+    assert "vector" not in source and source["tenant"] == "beta"
+    assert len(source["revision"]) == 16  # derived from the content when none came
+
+
+def test_an_index_created_by_a_racing_worker_is_fine(server: FakeElasticsearchServer) -> None:
+    server.on("HEAD", "/sift-docs", Answer(404))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on(
+        "PUT",
+        f"/{CONCRETE}",
+        Answer(400, error_body("resource_already_exists_exception", "index exists")),
+    )
+    server.on("PUT", "/_bulk", bulk_ok)
+    assert backend_for(server).upsert("docs", "acme", [Document("d1", "x")], None) == 1
+
+
+def test_bulk_item_errors_name_the_documents(server: FakeElasticsearchServer) -> None:
+    server.on("HEAD", "/sift-docs", Answer(200))
+
+    def partly(request: Recorded) -> Answer:
+        failed = {
+            "index": {
+                "_index": CONCRETE,
+                "_id": "acme:bad",
+                "status": 400,
+                "error": {
+                    "type": "document_parsing_exception",
+                    "reason": "[1:20] failed to parse field [vector]",
+                },
+            }
+        }
+        answer = bulk_ok(request)
+        answer.body["errors"] = True
+        answer.body["items"][1] = failed
+        return answer
+
+    server.on("PUT", "/_bulk", partly)
+    docs = [Document("good", "x"), Document("bad", "y")]
+    with pytest.raises(BackendRequestError, match=r"bad \(400 document_parsing_exception"):
+        backend_for(server).upsert("docs", "acme", docs, None)
+
+
+def test_bulk_rejections_are_retryable(server: FakeElasticsearchServer) -> None:
+    server.on("HEAD", "/sift-docs", Answer(200))
+
+    def rejected(request: Recorded) -> Answer:
+        answer = bulk_ok(request)
+        answer.body["errors"] = True
+        answer.body["items"][0] = {
+            "index": {
+                "_id": "acme:d1",
+                "status": 429,
+                "error": {"type": "es_rejected_execution_exception", "reason": "queue full"},
+            }
+        }
+        return answer
+
+    server.on("PUT", "/_bulk", rejected)
+    with pytest.raises(BackendUnavailable, match="d1"):
+        backend_for(server).upsert("docs", "acme", [Document("d1", "x")], None)
+    assert len(server.sent("PUT", "/_bulk")) == 1  # the helper did not retry by itself
+
+
+def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
+    server: FakeElasticsearchServer,
+) -> None:
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("GET", "/_alias/sift-docs", Answer(200, {CONCRETE: {"aliases": {"sift-docs": {}}}}))
+
+    server.on(
+        "POST", "/_reindex", Answer(200, {"took": 40, "total": 2, "created": 2, "failures": []})
+    )
+    backend = backend_for(server, elasticsearch_vector_quantization="hnsw")
+    # Any PUT /sift-docs-<stamp> is the new index.
+    original = server._answer
+
+    def answer(request: Recorded) -> Answer:
+        if request.method in ("PUT", "POST") and request.path.startswith("/sift-docs-2"):
+            return Answer(200, {"acknowledged": True, "_shards": {"total": 1}})
+        return original(request)
+
+    server._answer = answer  # type: ignore[method-assign]
+    server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
+    new = backend.reindex("docs")
+
+    assert new.startswith("sift-docs-2")
+    steps = [(r.method, r.path) for r in server.requests]
+    assert steps == [
+        ("GET", "/_alias/sift-docs"),
+        ("PUT", "/_index_template/sift-sift"),
+        ("PUT", f"/{new}"),
+        ("POST", "/_reindex"),
+        ("POST", f"/{new}/_refresh"),
+        ("POST", "/_aliases"),
+    ]
+    template = server.requests[1].json()
+    assert template["template"]["mappings"]["properties"]["vector"]["index_options"] == {
+        "type": "hnsw"
+    }
+    assert server.requests[3].json() == {
+        "dest": {"index": new},
+        "source": {"index": "sift-docs"},
+    }
+    assert server.requests[3].query == {"wait_for_completion": ["true"]}
+    assert server.requests[5].json() == {
+        "actions": [
+            {"remove": {"index": CONCRETE, "alias": "sift-docs"}},
+            {"add": {"index": new, "alias": "sift-docs"}},
+        ]
+    }
+
+
+# --- the read path: exact msearch bodies -----------------------------------------------------
+
+
+def bm25_body(size: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "size": size,
+        "query": {
+            "bool": {
+                "must": {
+                    "multi_match": {
+                        "query": "vitamin d fractures",
+                        "fields": ["title", "text"],
+                        "type": "best_fields",
+                        "operator": "or",
+                    }
+                },
+                "filter": filters,
+            }
+        },
+        "_source": SOURCE,
+        "track_total_hits": False,
+    }
+
+
+def knn_body(size: int, candidates: int, filters: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "size": size,
+        "knn": {
+            "field": "vector",
+            "query_vector": VECTOR,
+            "k": size,
+            "num_candidates": candidates,
+            "filter": filters,
+        },
+        "_source": SOURCE,
+        "track_total_hits": False,
+    }
+
+
+PATHS: list[tuple[tuple[Channel, ...], dict[str, FilterValue]]] = [
+    (("bm25",), {}),
+    (("knn",), {}),
+    (("bm25", "knn"), {}),
+    (("bm25",), {"lang": "en", "year": 2020}),
+    (("knn",), {"lang": "en", "year": 2020}),
+    (("bm25", "knn"), {"lang": "en", "year": 2020, "open": True}),
+]
+
+
+@pytest.mark.parametrize(("channels", "fields"), PATHS)
+def test_every_search_path_filters_by_tenant_inside_each_channel(
+    server: FakeElasticsearchServer,
+    channels: tuple[Channel, ...],
+    fields: dict[str, FilterValue],
+) -> None:
+    server.on(
+        "POST",
+        "/_msearch",
+        Answer(200, msearch_response(*[search_response([]) for _ in channels])),
+    )
+    results = backend_for(server).retrieve(query(channels, **fields))
+    assert set(results.hits) == set(channels)
+
+    (sent,) = server.requests
+    assert sent.headers["content-type"] == (
+        "application/vnd.elasticsearch+x-ndjson; compatible-with=9"
+    )
+    filters: list[dict[str, Any]] = [{"term": {"tenant": "acme"}}]
+    filters += [
+        {"term": {f"metadata.{k}": ("true" if v is True else str(v))}}
+        for k, v in sorted(fields.items())
+    ]
+    expected: list[Any] = []
+    for channel in channels:
+        expected.append({"index": "sift-docs"})
+        expected.append(
+            bm25_body(120, filters) if channel == "bm25" else knn_body(120, 200, filters)
+        )
+    assert sent.ndjson() == expected
+    for body in sent.ndjson()[1::2]:
+        no_post_filter(body)
+        inside = body["knn"]["filter"] if "knn" in body else body["query"]["bool"]["filter"]
+        assert inside[0] == {"term": {"tenant": "acme"}}
+
+
+@pytest.mark.parametrize(
+    ("size", "setting", "expected"),
+    [(120, 200, 200), (500, 200, 500), (50, 10_000, 10_000), (32, 32, 32)],
+)
+def test_num_candidates_is_at_least_k_and_at_most_10000(
+    server: FakeElasticsearchServer, size: int, setting: int, expected: int
+) -> None:
+    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response([]))))
+    backend_for(server, elasticsearch_num_candidates=setting).retrieve(query(("knn",), size=size))
+    body = server.requests[0].ndjson()[1]
+    assert body["knn"]["k"] == size and body["knn"]["num_candidates"] == expected
+    assert num_candidates(size, setting) == expected
+
+
+def test_more_than_10000_candidates_is_refused_before_any_request(
+    server: FakeElasticsearchServer,
+) -> None:
+    with pytest.raises(InvalidRequest, match="size"):
+        backend_for(server).retrieve(query(("knn",), size=10_001))
+    with pytest.raises(InvalidRequest, match=r"filters\.bad key"):
+        backend_for(server).retrieve(query(("bm25",), **{"bad key": 1}))
+    assert server.requests == []
+
+
+def test_existing_index_field_names_are_used_everywhere(server: FakeElasticsearchServer) -> None:
+    server.on(
+        "POST", "/_msearch", Answer(200, msearch_response(search_response([]), search_response([])))
+    )
+    backend = backend_for(
+        server,
+        elasticsearch_index_prefix="",
+        elasticsearch_text_field="body",
+        elasticsearch_title_field="",
+        elasticsearch_vector_field="emb",
+        elasticsearch_tenant_field="org_id",
+        elasticsearch_metadata_field="attrs",
+        elasticsearch_id_field="sku",
+        elasticsearch_revision_field="etag",
+    )
+    backend.retrieve(query(lang="en"))
+    header, bm25, _, knn = server.requests[0].ndjson()
+    assert header == {"index": "docs"}
+    filters = [{"term": {"org_id": "acme"}}, {"term": {"attrs.lang": "en"}}]
+    assert bm25["query"]["bool"]["filter"] == filters
+    assert bm25["query"]["bool"]["must"]["multi_match"]["fields"] == ["body"]
+    assert knn["knn"]["field"] == "emb" and knn["knn"]["filter"] == filters
+    assert knn["_source"] == ["sku", "body", "etag", "attrs", "org_id"]
+
+
+def test_native_rrf_uses_the_retriever_with_filters_in_both_children(
+    server: FakeElasticsearchServer,
+) -> None:
+    fused = search_response([hit(CONCRETE, "acme", "a", 0.0325)])
+    server.on("POST", "/sift-docs/_search", Answer(200, fused))
+    hits = backend_for(server).retrieve_native(query(lang="en"))
+    assert [h.document.id for h in hits] == ["a"] and hits[0].score == pytest.approx(0.0325)
+    body = server.requests[0].json()
+    filters = [{"term": {"tenant": "acme"}}, {"term": {"metadata.lang": "en"}}]
+    assert body == {
+        "size": 120,
+        "retriever": {
+            "rrf": {
+                "retrievers": [
+                    {"standard": {"query": bm25_body(120, filters)["query"]}},
+                    {"knn": knn_body(120, 200, filters)["knn"]},
+                ],
+                "rank_window_size": 120,
+                "rank_constant": 60,
+            }
+        },
+        "_source": SOURCE,
+        "track_total_hits": False,
+    }
+
+
+# --- parsing and the fused result -------------------------------------------------------------
+
+BM25_HITS = [
+    hit(CONCRETE, "acme", "a", 7.5, title="A", metadata={"lang": "en"}),
+    hit(CONCRETE, "acme", "b", 5.0, revision="r2"),
+    hit(CONCRETE, "acme", "c", 2.25),
+]
+KNN_HITS = [  # ES reports cosine as (1 + cos) / 2
+    hit(CONCRETE, "acme", "c", 0.95),
+    hit(CONCRETE, "acme", "a", 0.9),
+    hit(CONCRETE, "acme", "d", 0.75),
+]
+
+
+def test_responses_parse_into_channel_hits_best_first(server: FakeElasticsearchServer) -> None:
+    server.on(
+        "POST",
+        "/_msearch",
+        Answer(200, msearch_response(search_response(BM25_HITS, 4), search_response(KNN_HITS, 9))),
+    )
+    results = backend_for(server).retrieve(query())
+    assert [(h.document.id, h.score) for h in results.hits["bm25"]] == [
+        ("a", 7.5),
+        ("b", 5.0),
+        ("c", 2.25),
+    ]
+    assert [h.document.id for h in results.hits["knn"]] == ["c", "a", "d"]
+    assert [h.score for h in results.hits["knn"]] == pytest.approx([0.9, 0.8, 0.5])
+    first = results.hits["bm25"][0].document
+    assert first == Document("a", "text of a", "A", "1", {"lang": "en"})
+    assert results.hits["bm25"][1].document.revision == "r2"
+    assert results.seconds == {"bm25": 0.004, "knn": 0.009}
+
+
+def mapping(with_vector: bool = True) -> dict[str, Any]:
+    properties: dict[str, Any] = {"text": {"type": "text"}, "tenant": {"type": "keyword"}}
+    if with_vector:
+        properties["vector"] = {"type": "dense_vector", "dims": 384, "similarity": "cosine"}
+    return {CONCRETE: {"mappings": {"properties": properties}}}
+
+
+def test_pipeline_fuses_the_channels_with_sift_rrf_and_keeps_each_rank(
+    server: FakeElasticsearchServer,
+) -> None:
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    server.on("POST", "/sift-docs/_count", Answer(200, {"count": 4, "_shards": {"total": 1}}))
+    server.on(
+        "POST",
+        "/_msearch",
+        Answer(200, msearch_response(search_response(BM25_HITS), search_response(KNN_HITS))),
+    )
+    pipeline = SearchPipeline(backend_for(server), FakeEmbedder(), config=PipelineConfig())
+    result = pipeline.search(
+        SearchSpec(index="docs", query="  vitamin   d fractures ", limit=3, filters={"lang": "en"}),
+        tenant="acme",
+    )
+    # a: 1/61 + 1/62; c: 1/63 + 1/61; b: 1/62; d: 1/63
+    assert [h.id for h in result.hits] == ["a", "c", "b"]
+    a, c, b = result.hits
+    assert (a.ranks.bm25, a.ranks.knn, a.ranks.rrf, a.ranks.final) == (1, 2, 1, 1)
+    assert (c.ranks.bm25, c.ranks.knn, c.ranks.rrf) == (3, 1, 2)
+    assert (b.ranks.bm25, b.ranks.knn) == (2, None)
+    assert a.scores.rrf == pytest.approx(1 / 61 + 1 / 62)
+    assert a.scores.knn == pytest.approx(0.8) and a.scores.bm25 == pytest.approx(7.5)
+
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", "/sift-docs/_mapping"),
+        ("POST", "/sift-docs/_count"),
+        ("POST", "/_msearch"),
+    ]
+    assert server.requests[1].json() == {"query": {"exists": {"field": "vector"}}}
+    _, bm25, _, knn = server.requests[2].ndjson()
+    filters = [{"term": {"tenant": "acme"}}, {"term": {"metadata.lang": "en"}}]
+    assert bm25["query"]["bool"]["filter"] == filters and knn["knn"]["filter"] == filters
+    assert bm25["size"] == knn["knn"]["k"] == 32  # max(4 * 3, 32)
+    assert knn["knn"]["query_vector"] == pytest.approx(
+        FakeEmbedder().embed(["vitamin d fractures"])[0]
+    )
+
+
+def test_a_min_similarity_floor_reads_cosine_not_es_scores(server: FakeElasticsearchServer) -> None:
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    server.on("POST", "/sift-docs/_count", Answer(200, {"count": 4}))
+    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response(KNN_HITS))))
+    pipeline = SearchPipeline(
+        backend_for(server), FakeEmbedder(), config=PipelineConfig(vector_min_similarity=0.6)
+    )
+    result = pipeline.search(SearchSpec(index="docs", query="q", mode="vector"), tenant="acme")
+    assert [h.id for h in result.hits] == ["c", "a"]  # d's cosine is 0.5
+
+
+def test_channels_follow_the_mapping_and_the_stored_vectors(
+    server: FakeElasticsearchServer,
+) -> None:
+    backend = backend_for(server)
+    server.on("GET", "/sift-docs/_mapping", Answer(404, index_missing("sift-docs")))
+    assert backend.channels("docs") == frozenset()
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping(with_vector=False)))
+    assert backend.channels("docs") == {"bm25"}
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    server.on("POST", "/sift-docs/_count", Answer(200, {"count": 0}))
+    assert backend.channels("docs") == {"bm25"}
+    server.on("POST", "/sift-docs/_count", Answer(200, {"count": 3}))
+    assert backend.channels("docs") == {"bm25", "knn"}
+    before = len(server.requests)
+    assert backend.channels("docs") == {"bm25", "knn"}  # remembered for a while
+    assert len(server.requests) == before
+
+
+# --- errors ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [503, 502, 504, 429, 500])
+def test_5xx_and_429_are_retryable_and_the_client_does_not_retry(
+    server: FakeElasticsearchServer, status: int
+) -> None:
+    server.on("POST", "/_msearch", Answer(status, error_body("unavailable", "try later", status)))
+    with pytest.raises(BackendUnavailable, match=str(status)) as caught:
+        backend_for(server).retrieve(query())
+    assert caught.value.retryable
+    assert caught.value.__cause__ is not None
+    assert len(server.requests) == 1  # exactly one HTTP request: no client-side retry
+
+
+def test_400_is_a_permanent_request_error_with_es_reason(server: FakeElasticsearchServer) -> None:
+    server.on(
+        "POST",
+        "/_msearch",
+        Answer(400, error_body("x_content_parse_exception", "[knn] unknown field [bogus]")),
+    )
+    with pytest.raises(BackendRequestError, match=r"400\): x_content_parse_exception") as caught:
+        backend_for(server).retrieve(query())
+    assert not caught.value.retryable
+    assert len(server.requests) == 1
+
+
+def test_missing_index_is_index_not_found(server: FakeElasticsearchServer) -> None:
+    server.on("POST", "/_msearch", Answer(404, index_missing("sift-docs")))
+    with pytest.raises(IndexNotFound, match="'docs'"):
+        backend_for(server).retrieve(query())
+
+
+def test_an_error_inside_one_msearch_item_is_mapped(server: FakeElasticsearchServer) -> None:
+    item = {**index_missing("sift-docs")}
+    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response([]), item)))
+    with pytest.raises(IndexNotFound):
+        backend_for(server).retrieve(query())
+    shard_failure = error_body("search_phase_execution_exception", "all shards failed", 503)
+    server.on(
+        "POST", "/_msearch", Answer(200, msearch_response(shard_failure, search_response([])))
+    )
+    with pytest.raises(BackendUnavailable, match="bm25 search"):
+        backend_for(server).retrieve(query())
+    bad = error_body("illegal_argument_exception", "[num_candidates] cannot exceed [10000]")
+    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response([]), bad)))
+    with pytest.raises(BackendRequestError, match="num_candidates"):
+        backend_for(server).retrieve(query())
+
+
+def test_connection_refused_is_retryable() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(BackendUnavailable, match="cannot reach") as caught:
+        backend_for(f"http://127.0.0.1:{port}").retrieve(query())
+    assert caught.value.retryable
+
+
+def test_the_attempt_timeout_is_the_request_timeout(server: FakeElasticsearchServer) -> None:
+    slow = Answer(200, msearch_response(search_response([]), search_response([])), delay=1.0)
+    server.on("POST", "/_msearch", slow)
+    with pytest.raises(BackendUnavailable, match="timed out"):
+        backend_for(server).retrieve(query(timeout=0.2))
+    assert len(server.requests) == 1
+
+
+def test_the_pipeline_is_the_one_retry_layer(server: FakeElasticsearchServer) -> None:
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping(with_vector=False)))
+    server.on(
+        "POST",
+        "/_msearch",
+        Answer(200, msearch_response(search_response(BM25_HITS))),
+    )
+    server.on("POST", "/_msearch", Answer(503, error_body("unavailable", "busy", 503)), times=1)
+    sleeps: list[float] = []
+    pipeline = SearchPipeline(
+        backend_for(server), FakeEmbedder(), config=PipelineConfig(), sleep=sleeps.append
+    )
+    result = pipeline.search(SearchSpec(index="docs", query="q", mode="fts"), tenant="acme")
+    assert [h.id for h in result.hits] == ["a", "b", "c"]
+    assert len(server.sent("POST", "/_msearch")) == 2 and len(sleeps) == 1
+
+
+def test_the_client_speaks_es9_media_types(server: FakeElasticsearchServer) -> None:
+    """The 9.x client sends ``compatible-with=9``, which an 8.x server refuses: use ES 9."""
+    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response([]))))
+    backend_for(server).retrieve(query(("bm25",)))
+    assert server.requests[0].headers["accept"] == (
+        "application/vnd.elasticsearch+json; compatible-with=9"
+    )
+
+
+def test_an_8x_server_refusing_the_media_type_gets_a_clear_message(
+    server: FakeElasticsearchServer,
+) -> None:
+    refused = error_body(
+        "media_type_header_exception",
+        "Invalid media-type value on headers [Content-Type, Accept]",
+    )
+    server.on("POST", "/_msearch", Answer(400, refused))
+    with pytest.raises(BackendRequestError, match="Sift needs Elasticsearch 9"):
+        backend_for(server).retrieve(query())
+
+
+def test_bootstrap_builds_the_backend_without_a_network_call(
+    server: FakeElasticsearchServer,
+) -> None:
+    from worker.bootstrap import build_backend
+
+    backend = build_backend(
+        load_settings(search_backend="elasticsearch", elasticsearch_url=server.url)
+    )
+    assert isinstance(backend, ElasticsearchBackend) and backend.name == "elasticsearch"
+    # Client-level options, carried into every request (the 5xx tests show the effect).
+    client = backend._client.options(request_timeout=1.0)
+    assert client._max_retries == 0
+    assert tuple(client._retry_on_status) == ()
+    assert client._retry_on_timeout is False
+    assert server.requests == []

@@ -1,0 +1,35 @@
+"""``sift cost`` without Prometheus: exact counter increases, and a clear error when unreachable."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+import worker.cli.cost as cost
+from tests.prometheus_support import free_port
+from worker.cli import app
+
+
+def test_counter_increase_is_exact_and_survives_resets() -> None:
+    assert cost.counter_increase([]) == 0
+    assert cost.counter_increase([4.0]) == 0
+    assert cost.counter_increase([0.0, 1.5, 1.5, 4.0]) == 4.0
+    assert cost.counter_increase([10.0, 12.0, 3.0, 5.0]) == 2.0 + 3.0 + 2.0
+
+
+def test_cost_per_thousand_searches() -> None:
+    report = cost.CostReport("1h", {"m": 0.5, "n": 0.25}, {}, {}, {}, 250, {})
+    assert report.total_cost == 0.75
+    assert report.cost_per_1k_searches == 3.0
+    assert cost.CostReport("1h", {}, {}, {}, {}, 0, {}).cost_per_1k_searches is None
+
+
+def test_an_unreachable_prometheus_is_a_clear_error() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    run = CliRunner().invoke(app, ["cost", "--prometheus-url", url], env={"COLUMNS": "160"})
+    assert run.exit_code == 1
+    assert "did not answer" in run.output and url in run.output
+
+
+def test_the_window_is_an_hour_or_a_day() -> None:
+    run = CliRunner().invoke(app, ["cost", "--window", "1w"])
+    assert run.exit_code == 2

@@ -1,0 +1,317 @@
+"""worker.metrics: the recorder through the real pipeline, closed labels, backlog, multiprocess."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY
+
+from tests.fakes import USAGE, FakeEmbedder, InMemoryBackend, ScriptedReranker, fail, reply
+from worker import errors, metrics
+from worker.bootstrap import build_pipeline
+from worker.constants import POLICY_ID, SEARCH_QUEUE
+from worker.contract import DocumentIn, SearchSpec
+from worker.core.cost import cost_usd, price_for
+from worker.errors import AttemptOutcome, RerankAttemptError
+from worker.runtime import Runtime
+from worker.settings import DEFAULT_PRICES, load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "claude-haiku-4-5"
+
+
+def value(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+class Delta:
+    """Sample values before and after a block, from the default registry."""
+
+    def __init__(self) -> None:
+        self.before = dict(metrics.snapshot(REGISTRY))
+
+    def __call__(self, name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return metrics.snapshot(REGISTRY).get(key, 0.0) - self.before.get(key, 0.0)
+
+
+def pipeline_with(steps: list[object], policy: str = "fail_open") -> Runtime:
+    settings = load_settings(
+        rerank_enabled=True,
+        generation_model=f"anthropic:{MODEL}",
+        rerank_failure_policy=policy,
+        generation_max_requests=3,
+    )
+    pipeline = build_pipeline(
+        settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=metrics.InFlightReranker(ScriptedReranker(steps)),  # type: ignore[arg-type]
+        recorder=metrics.PrometheusRecorder(),
+        sleep=lambda seconds: None,
+    )
+    runtime = Runtime(pipeline)
+    docs = [DocumentIn(id=f"d{i}", text=f"volcano ash eruption note {i}") for i in range(12)]
+    runtime.ingest("docs", "acme", docs)
+    return runtime
+
+
+def test_the_pipeline_reports_through_the_prometheus_recorder() -> None:
+    steps = [fail(RerankAttemptError(AttemptOutcome.RATE_LIMITED, "slow down")), reply([2, 1])]
+    runtime = pipeline_with(steps)
+    delta = Delta()
+    result = runtime.search(SearchSpec(index="docs", query="volcano ash", limit=3), "acme")
+    assert result.rerank.applied
+
+    assert delta("sift_rerank_attempts_total", model=MODEL, result="rate_limited") == 1
+    assert delta("sift_rerank_attempts_total", model=MODEL, result="ok") == 1
+    assert delta("sift_rerank_outcomes_total", policy=POLICY_ID, outcome="applied") == 1
+    assert delta("sift_rerank_duration_seconds_count", model=MODEL, outcome="ok") == 1
+    assert delta("sift_search_duration_seconds_count", mode="hybrid", outcome="ok") == 1
+    for channel in ("bm25", "knn", "embed"):
+        assert delta("sift_retrieval_duration_seconds_count", backend="memory", channel=channel)
+
+    tokens = {
+        "input": USAGE.input_tokens,
+        "output": USAGE.output_tokens,
+        "cache_read": USAGE.cache_read_input_tokens,
+        "cache_creation": USAGE.cache_creation_input_tokens,
+    }
+    for token_type, expected in tokens.items():
+        got = delta("sift_rerank_tokens_total", model=MODEL, type=token_type, lane="standard")
+        assert got == expected
+        assert getattr(result.usage, _usage_field(token_type)) == expected
+    expected_cost = cost_usd(USAGE, price_for(MODEL, DEFAULT_PRICES))
+    assert expected_cost > 0
+    cost = delta("sift_rerank_cost_usd_total", model=MODEL, lane="standard")
+    assert cost == pytest.approx(expected_cost, rel=1e-12)
+    assert cost == pytest.approx(result.usage.cost_usd, rel=1e-12)
+    assert value("sift_rerank_in_flight", model=MODEL) == 0
+
+
+def _usage_field(token_type: str) -> str:
+    return {
+        "input": "input_tokens",
+        "output": "output_tokens",
+        "cache_read": "cache_read_input_tokens",
+        "cache_creation": "cache_creation_input_tokens",
+    }[token_type]
+
+
+def test_a_failed_rerank_counts_its_class_and_the_failure() -> None:
+    runtime = pipeline_with(
+        [fail(RerankAttemptError(AttemptOutcome.HTTP_4XX, "bad"))], "fail_closed"
+    )
+    delta = Delta()
+    with pytest.raises(errors.RerankFailed):
+        runtime.search(SearchSpec(index="docs", query="volcano", limit=3), "acme")
+    assert delta("sift_rerank_attempts_total", model=MODEL, result="http_4xx") == 1
+    assert delta("sift_rerank_outcomes_total", policy=POLICY_ID, outcome="failed") == 1
+    assert delta("sift_rerank_duration_seconds_count", model=MODEL, outcome="http_4xx") == 1
+    assert delta("sift_search_duration_seconds_count", mode="hybrid", outcome="error") == 1
+    assert delta("sift_rerank_cost_usd_total", model=MODEL, lane="standard") == 0
+
+
+def test_unexpected_label_values_are_recorded_as_other() -> None:
+    delta = Delta()
+    recorder = metrics.PrometheusRecorder()
+    recorder.rerank_attempt(MODEL, "a-query-text-that-must-not-become-a-label")
+    recorder.search_done("mystery", "ok", 0.1)
+    metrics.job_completed("search", "failed", "SomethingNew")
+    assert delta("sift_rerank_attempts_total", model=MODEL, result="other") == 1
+    assert delta("sift_search_duration_seconds_count", mode="other", outcome="ok") == 1
+    assert delta("sift_job_failures_total", kind="search", error="other") == 1
+
+
+def test_the_recorder_never_raises(caplog: pytest.LogCaptureFixture) -> None:
+    recorder = metrics.PrometheusRecorder()
+    recorder.rerank_done(MODEL, "ok", 0.5, {"input": -5}, -1.0)  # counters refuse negatives
+    assert "recording a metric failed" in caplog.text
+
+
+def test_job_helpers() -> None:
+    delta = Delta()
+    metrics.job_submitted("batch_item", 5)
+    metrics.job_completed("batch_item", "succeeded")
+    metrics.job_completed("batch_item", "failed", "rerank_failed")
+    metrics.observe_queue_wait(SEARCH_QUEUE, 0.3)
+    metrics.webhook_delivery("retry")
+    with metrics.running_job():
+        assert value("sift_jobs_in_flight", state="running") >= 1
+    assert delta("sift_jobs_submitted_total", kind="batch_item") == 5
+    assert delta("sift_jobs_completed_total", kind="batch_item", status="succeeded") == 1
+    assert delta("sift_jobs_completed_total", kind="batch_item", status="failed") == 1
+    assert delta("sift_job_failures_total", kind="batch_item", error="rerank_failed") == 1
+    assert delta("sift_job_queue_wait_seconds_count", queue=SEARCH_QUEUE) == 1
+    assert delta("sift_webhook_deliveries_total", result="retry") == 1
+    assert delta("sift_jobs_in_flight", state="running") == 0
+
+
+class FakeRedis:
+    def __init__(self, lists: dict[str, int]) -> None:
+        self.lists = lists
+
+    def llen(self, name: str) -> int:
+        return self.lists.get(name, 0)
+
+
+def test_update_backlog_counts_every_priority_list_of_a_queue() -> None:
+    redis = FakeRedis({"sift.search": 4, "sift.search\x06\x163": 2, "sift.webhooks": 1})
+    lengths = metrics.update_backlog(redis, ["sift.search", "sift.webhooks", "sift.ingest"])
+    assert lengths == {"sift.search": 6, "sift.webhooks": 1, "sift.ingest": 0}
+    assert value("sift_queue_backlog", queue="sift.search") == 6
+    assert value("sift_queue_backlog", queue="sift.ingest") == 0
+
+
+def test_every_error_code_is_a_known_failure_class() -> None:
+    codes = {
+        cls.code
+        for _, cls in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(cls, errors.SiftError)
+    }
+    codes.discard("error")  # the abstract root
+    assert codes <= set(metrics.JOB_ERRORS)
+
+
+def test_every_attempt_class_is_a_closed_label_value() -> None:
+    assert {o.value for o in AttemptOutcome} == set(metrics.ATTEMPT_RESULTS)
+
+
+def test_buckets_suit_their_range() -> None:
+    assert metrics.SEARCH_LATENCY_GOAL_SECONDS in metrics.SEARCH_BUCKETS
+    assert 1.0 in metrics.SEARCH_BUCKETS
+    assert metrics.RERANK_BUCKETS[0] == 0.25 and metrics.RERANK_BUCKETS[-1] == 60.0
+    assert metrics.RETRIEVAL_BUCKETS[0] == 0.001 and metrics.RETRIEVAL_BUCKETS[-1] == 1.0
+
+
+def test_metrics_module_imports_no_core() -> None:
+    code = (
+        "import sys, worker.metrics; "
+        "print(sorted(m for m in sys.modules if m.startswith('worker')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "['worker', 'worker.constants', 'worker.metrics']"
+
+
+# --- multiprocess mode, in a fresh interpreter so this process's registry stays untouched ---
+
+MULTIPROCESS_SCRIPT = textwrap.dedent(
+    """
+    import json, multiprocessing, sys, time
+    from pathlib import Path
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+    from worker import metrics
+
+    directory = Path(sys.argv[1])
+    (directory / "counter_999999.db").parent.mkdir(parents=True, exist_ok=True)
+    (directory / "counter_999999.db").write_bytes(b"stale")  # an earlier run's leftovers
+    metrics.setup_multiprocess(directory)
+    assert not (directory / "counter_999999.db").exists()
+    metrics.preregister(models=["m"])
+
+    def child(n, hold):
+        recorder = metrics.PrometheusRecorder()
+        for _ in range(n):
+            recorder.rerank_attempt("m", "ok")
+            recorder.rerank_done("m", "ok", 0.5, {"input": 10, "output": 2}, 0.25)
+        metrics.RERANK_IN_FLIGHT.labels("m").inc()  # still "in flight" when it exits
+        if hold is not None:
+            hold.wait()
+
+    ctx = multiprocessing.get_context("fork")
+    done = [ctx.Process(target=child, args=(n, None)) for n in (3, 4)]
+    for p in done:
+        p.start()
+    for p in done:
+        p.join()
+    metrics.mark_process_dead(done[0].pid)      # the hook ran for one child ...
+    raw = CollectorRegistry()                    # no sweep: what the files say as they are
+    MultiProcessCollector(raw, path=str(directory))
+    before_sweep = metrics.snapshot(raw)
+    hold = ctx.Event()
+    alive = ctx.Process(target=child, args=(1, hold))
+    alive.start()
+    ok_key = ("sift_rerank_attempts_total", (("model", "m"), ("result", "ok")))
+    while metrics.snapshot().get(ok_key) != 8:   # wait for the live child to record
+        time.sleep(0.01)
+    with_live = metrics.snapshot()
+    hold.set()
+    alive.join()
+    after = metrics.snapshot()                   # ... the sweep forgets the others
+    def key(name, **labels):
+        return (name, tuple(sorted(labels.items())))
+    print(json.dumps({
+        "attempts": after[key("sift_rerank_attempts_total", model="m", result="ok")],
+        "input": after[key("sift_rerank_tokens_total", model="m", type="input", lane="standard")],
+        "cost": after[key("sift_rerank_cost_usd_total", model="m", lane="standard")],
+        "count": after[key("sift_rerank_duration_seconds_count", model="m", outcome="ok")],
+        "in_flight_live": with_live[key("sift_rerank_in_flight", model="m")],
+        "in_flight_before_sweep": before_sweep[key("sift_rerank_in_flight", model="m")],
+        "in_flight_after": after[key("sift_rerank_in_flight", model="m")],
+    }))
+    """
+)
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "multiprocess_check.py"
+    path.write_text(MULTIPROCESS_SCRIPT)
+    yield path
+
+
+def test_multiprocess_mode_sums_children_and_forgets_dead_ones(
+    script: Path, tmp_path: Path
+) -> None:
+    run = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "prom")],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert got["attempts"] == 8  # 3 + 4 + 1: nothing lost when children exit, nothing doubled
+    assert got["input"] == 80
+    assert got["cost"] == pytest.approx(2.0)
+    assert got["count"] == 8
+    # The first child was marked dead by the hook; the second died without it, so only
+    # the sweep at exposition forgets it; the live one still counts.
+    assert got["in_flight_before_sweep"] == 1
+    assert got["in_flight_live"] == 1
+    assert got["in_flight_after"] == 0
+
+
+def test_setup_multiprocess_refuses_once_something_was_recorded(tmp_path: Path) -> None:
+    code = textwrap.dedent(
+        """
+        import sys
+        from worker import metrics
+        metrics.webhook_delivery("delivered")
+        try:
+            metrics.setup_multiprocess(sys.argv[1])
+        except RuntimeError as exc:
+            print(exc)
+        """
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "must run before anything is recorded" in run.stdout, run.stderr

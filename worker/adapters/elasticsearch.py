@@ -1,0 +1,694 @@
+"""The Elasticsearch search backend: BM25 and kNN channels of an ES 9.x index, in one ``_msearch``.
+
+Why this shape (DESIGN.md §6):
+
+* **Index layout.** Sift index ``NAME`` is the alias ``<prefix>NAME`` over one concrete
+  index ``<prefix>NAME-<UTC timestamp>``. An index template (``<prefix>sift``, pattern
+  ``<prefix>*``) holds the mapping: ``text`` and ``title`` as ``text`` (english analyzer,
+  BM25), ``vector`` as ``dense_vector`` (cosine, HNSW, int8-quantised by default),
+  ``tenant``, ``revision`` and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened``
+  (every value a keyword, so equality filters work on strings, numbers and booleans).
+  Every field name is a setting, so an existing index can be searched as it is.
+* **Writes** go through ``elasticsearch.helpers.streaming_bulk``. The ``_id`` is
+  ``"<tenant>:<doc id>"``: tenants never collide, and an upsert by id replaces the whole
+  document, vector included. ``refresh=wait_for`` (the default) makes a write visible to
+  search before the call returns; ``false`` gives eventual visibility (about 1 s).
+* **Reindexing** (:meth:`ElasticsearchBackend.reindex`): create a new concrete index from
+  the current template, copy with ``_reindex`` (vectors included, also on 9.2+ where they
+  are left out of ``_source``), refresh, then move the alias in one atomic ``_aliases``
+  call (remove from the old indexes, add to the new). Searches never see a half-built
+  index; the old index is kept for a rollback unless ``delete_old`` is set.
+* **Reads**: the BM25 and kNN searches go in ONE ``_msearch`` round trip. The tenant term
+  and the caller's metadata terms sit inside both: the ``bool.filter`` of the BM25 query
+  and ``knn.filter``, which ES applies *before* it picks the top k (a ``post_filter``
+  would apply after, and could return fewer than k; it is never used).
+  ``num_candidates`` is ``min(10000, max(size, SIFT_ELASTICSEARCH_NUM_CANDIDATES))``.
+  Sift's own RRF fuses the channels (no licence needed; each channel's rank stays
+  visible). ES reports a cosine kNN hit as ``(1 + cos) / 2``; this adapter turns it back
+  into ``cos`` so ``SIFT_VECTOR_MIN_SIMILARITY`` means the same on every backend.
+* **Native RRF** (:meth:`ElasticsearchBackend.retrieve_native`): one ``_search`` with
+  ``retriever.rrf``. It needs a licence tier with RRF and returns fused hits only: no
+  per-channel rank or score. It is not part of the SearchBackend port.
+* **Retries**: the client's own retries are off (``max_retries=0``, no retry on status or
+  timeout). The pipeline's tenacity loop is the one retry layer, bounded by the deadline;
+  each request's timeout is the attempt's ``ChannelQuery.timeout_seconds``.
+* **Errors**: connection errors, timeouts, 429 and 5xx become ``BackendUnavailable``
+  (retryable); other 4xx become ``BackendRequestError`` (permanent) with ES's reason; a
+  missing index becomes ``IndexNotFound``. The 9.x client sends
+  ``compatible-with=9`` media types, which 8.x servers refuse with a 400: use ES 9.
+
+Usage::
+
+    backend = ElasticsearchBackend.from_settings(settings)   # no network call here
+    backend.upsert("docs", "acme", [Document(id="1", text="...")], vectors)
+    results = backend.retrieve(ChannelQuery(index="docs", filters=HardFilters("acme"),
+                                            channels=("bm25", "knn"), size=120,
+                                            text="query", vector=query_vector))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from elasticsearch import (
+    ApiError,
+    ConnectionError,
+    ConnectionTimeout,
+    Elasticsearch,
+    NotFoundError,
+    TransportError,
+    helpers,
+)
+
+from worker.contract import Channel, FilterValue
+from worker.core.types import ChannelHit, ChannelQuery, ChannelResults, Document, HardFilters
+from worker.errors import (
+    BackendRequestError,
+    BackendUnavailable,
+    ConfigError,
+    IndexNotFound,
+    InvalidRequest,
+    ModeUnavailable,
+    SiftError,
+)
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+MAX_NUM_CANDIDATES = 10_000
+RRF_RANK_CONSTANT = 60
+#: How long a "this index has vectors" answer is trusted before asking ES again.
+CHANNELS_TTL_SECONDS = 60.0
+_FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+Refresh = Literal["wait_for", "true", "false"]
+
+
+@dataclass(frozen=True, slots=True)
+class FieldNames:
+    """Where each part of a Sift document lives in the ES index (settable for existing ones)."""
+
+    id: str = "doc_id"
+    text: str = "text"
+    title: str = "title"  # "" when the index has no title field
+    vector: str = "vector"
+    tenant: str = "tenant"
+    revision: str = "revision"
+    metadata: str = "metadata"
+
+    def source(self) -> list[str]:
+        """The ``_source`` fields a hit needs; the vector is never fetched."""
+        names = [self.id, self.text, self.title, self.revision, self.metadata, self.tenant]
+        return [name for name in names if name]
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSettings:
+    """How new concrete indexes are built."""
+
+    dims: int = 384
+    quantization: str = "int8_hnsw"
+    shards: int = 1
+    replicas: int = 1
+
+
+def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dict[str, Any]:
+    """The body of ``PUT _index_template/<prefix>sift``: Sift's mapping for every new index."""
+    properties: dict[str, Any] = {
+        fields.id: {"type": "keyword"},
+        fields.text: {"type": "text", "analyzer": "english"},
+        fields.vector: {
+            "type": "dense_vector",
+            "dims": index.dims,
+            "index": True,
+            "similarity": "cosine",
+            "index_options": {"type": index.quantization},
+        },
+        fields.tenant: {"type": "keyword"},
+        fields.revision: {"type": "keyword"},
+        fields.metadata: {"type": "flattened"},
+    }
+    if fields.title:
+        properties[fields.title] = {"type": "text", "analyzer": "english"}
+    return {
+        "index_patterns": [f"{prefix}*"],
+        # ES refuses two templates with overlapping patterns and equal priorities; a longer
+        # prefix ("sift-staging-" inside "sift-*") is more specific, so it ranks higher.
+        "priority": 100 + len(prefix),
+        "template": {
+            "settings": {
+                "number_of_shards": index.shards,
+                "number_of_replicas": index.replicas,
+            },
+            "mappings": {"dynamic": "strict", "properties": properties},
+        },
+        "_meta": {"managed_by": "sift"},
+    }
+
+
+def num_candidates(size: int, setting: int) -> int:
+    """``num_candidates`` for a kNN search of ``k = size``: at least k, at most 10,000.
+
+    >>> num_candidates(120, 200), num_candidates(500, 200), num_candidates(50, 20_000)
+    (200, 500, 10000)
+    """
+    if size > MAX_NUM_CANDIDATES:
+        raise InvalidRequest("size", f"at most {MAX_NUM_CANDIDATES} kNN candidates, got {size}")
+    return min(MAX_NUM_CANDIDATES, max(size, setting))
+
+
+def derive_revision(title: str, text: str, metadata: Mapping[str, FilterValue]) -> str:
+    """A stable revision for a document that came without one (same rule as the embedded one)."""
+    payload = json.dumps([title, text, dict(metadata)], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class ElasticsearchBackend:
+    """A SearchBackend over an Elasticsearch 9.x cluster (see the module docstring)."""
+
+    name = "elasticsearch"
+
+    def __init__(
+        self,
+        client: Elasticsearch,
+        *,
+        prefix: str = "sift-",
+        fields: FieldNames | None = None,
+        index_settings: IndexSettings | None = None,
+        num_candidates: int = 200,
+        refresh: Refresh = "wait_for",
+        request_timeout: float = 10.0,
+        bulk_chunk_size: int = 500,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self.prefix = prefix
+        self.fields = fields or FieldNames()
+        self.index_settings = index_settings or IndexSettings()
+        self.num_candidates = num_candidates
+        self.refresh = refresh
+        self.request_timeout = request_timeout
+        self.bulk_chunk_size = bulk_chunk_size
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._template_ready = False
+        self._ready_aliases: set[str] = set()
+        self._with_vectors: dict[str, float] = {}  # alias -> when knn was last seen available
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ElasticsearchBackend:
+        """Build the client (no network call yet) with its own retries off."""
+        if not settings.elasticsearch_url:
+            raise ConfigError("SIFT_SEARCH_BACKEND=elasticsearch needs SIFT_ELASTICSEARCH_URL")
+        client = Elasticsearch(
+            settings.elasticsearch_url,
+            api_key=settings.elasticsearch_api_key,
+            request_timeout=settings.elasticsearch_request_timeout,
+            max_retries=0,
+            retry_on_status=(),
+            retry_on_timeout=False,
+        )
+        return cls(
+            client,
+            prefix=settings.elasticsearch_index_prefix,
+            fields=FieldNames(
+                id=settings.elasticsearch_id_field,
+                text=settings.elasticsearch_text_field,
+                title=settings.elasticsearch_title_field,
+                vector=settings.elasticsearch_vector_field,
+                tenant=settings.elasticsearch_tenant_field,
+                revision=settings.elasticsearch_revision_field,
+                metadata=settings.elasticsearch_metadata_field,
+            ),
+            index_settings=IndexSettings(
+                dims=settings.elasticsearch_vector_dims,
+                quantization=settings.elasticsearch_vector_quantization,
+                shards=settings.elasticsearch_shards,
+                replicas=settings.elasticsearch_replicas,
+            ),
+            num_candidates=settings.elasticsearch_num_candidates,
+            refresh=settings.elasticsearch_refresh,
+            request_timeout=settings.elasticsearch_request_timeout,
+            bulk_chunk_size=settings.elasticsearch_bulk_chunk_size,
+        )
+
+    def alias(self, index: str) -> str:
+        """The ES alias (or, for an existing index, the index name) behind Sift index ``index``."""
+        return f"{self.prefix}{index}"
+
+    def _es(self, timeout: float | None = None) -> Elasticsearch:
+        return self._client.options(request_timeout=timeout or self.request_timeout)
+
+    # --- the port -----------------------------------------------------------------
+
+    def channels(self, index: str) -> frozenset[Channel]:
+        """``bm25`` when the index exists, ``knn`` too when a document holds a vector."""
+        alias = self.alias(index)
+        seen = self._with_vectors.get(alias)
+        if seen is not None and self._clock() - seen < CHANNELS_TTL_SECONDS:
+            return frozenset({"bm25", "knn"})
+        with _translated(f"channels of index {index!r}", index, missing_ok=True) as missing:
+            mappings = self._es().indices.get_mapping(index=alias).body
+            if not self._maps_vectors(mappings):
+                return frozenset({"bm25"})
+            count = self._es().count(index=alias, query={"exists": {"field": self.fields.vector}})
+            if int(count.body.get("count", 0)) == 0:
+                return frozenset({"bm25"})
+        if missing:
+            return frozenset()
+        self._with_vectors[alias] = self._clock()
+        return frozenset({"bm25", "knn"})
+
+    def retrieve(self, query: ChannelQuery) -> ChannelResults:
+        """Both channels in one ``_msearch``; each channel's hits best first."""
+        channels = tuple(dict.fromkeys(query.channels))
+        searches: list[Mapping[str, Any]] = []
+        for channel in channels:
+            searches += [{"index": self.alias(query.index)}, self.channel_body(channel, query)]
+        started = self._clock()
+        with _translated(f"search of index {query.index!r}", query.index):
+            response = self._es(query.timeout_seconds).msearch(searches=searches).body
+        round_trip = self._clock() - started
+        answers = response.get("responses", [])
+        if len(answers) != len(channels):
+            raise BackendRequestError(
+                f"_msearch answered {len(answers)} searches for {len(channels)} sent"
+            )
+        hits: dict[Channel, list[ChannelHit]] = {}
+        seconds: dict[Channel, float] = {}
+        for channel, answer in zip(channels, answers, strict=True):
+            _raise_for_item(answer, f"{channel} search of index {query.index!r}", query.index)
+            hits[channel] = [self._hit(channel, raw) for raw in answer["hits"]["hits"]]
+            took = answer.get("took")  # the server's time for this search, in ms
+            seconds[channel] = float(took) / 1000.0 if took is not None else round_trip
+        return ChannelResults(hits=hits, seconds=seconds)
+
+    def upsert(
+        self,
+        index: str,
+        tenant: str,
+        documents: Sequence[Document],
+        vectors: Sequence[Sequence[float]] | None,
+    ) -> int:
+        """Index each document as ``<tenant>:<id>`` (replacing it whole) through the bulk helper."""
+        if vectors is not None and len(vectors) != len(documents):
+            raise InvalidRequest(
+                "vectors", f"{len(vectors)} vectors for {len(documents)} documents"
+            )
+        if not documents:
+            return 0
+        self.ensure_index(index)
+        alias = self.alias(index)
+        actions = [
+            {
+                "_op_type": "index",
+                "_index": alias,
+                "_id": f"{tenant}:{doc.id}",
+                "_source": self.source(tenant, doc, vectors[i] if vectors is not None else None),
+            }
+            for i, doc in enumerate(documents)
+        ]
+        failures: list[dict[str, Any]] = []
+        written = 0
+        with _translated(f"bulk write to index {index!r}", index):
+            for ok, item in helpers.streaming_bulk(
+                self._es(),
+                actions,
+                chunk_size=self.bulk_chunk_size,
+                raise_on_error=False,
+                raise_on_exception=True,
+                max_retries=0,
+                refresh=self.refresh,
+            ):
+                if ok:
+                    written += 1
+                else:
+                    failures.append(item)
+        if failures:
+            raise _bulk_error(failures, tenant)
+        if vectors is not None:
+            self._with_vectors[alias] = self._clock()
+        return written
+
+    # --- index management ------------------------------------------------------------
+
+    def _explicit_body(self) -> dict[str, Any]:
+        """Settings and mappings for ``indices.create``: the template's, or none if it applies.
+
+        With an empty prefix no template is put (its pattern would be ``*``), so each new
+        index carries the mapping itself.
+        """
+        if self.prefix:
+            self.ensure_template()
+            return {}
+        template = index_template(self.prefix, self.fields, self.index_settings)["template"]
+        return {"settings": template["settings"], "mappings": template["mappings"]}
+
+    def ensure_template(self) -> None:
+        """Put Sift's index template (idempotent; once per process; needs a prefix)."""
+        if self._template_ready or not self.prefix:
+            return
+        body = index_template(self.prefix, self.fields, self.index_settings)
+        with _translated("index template", None):
+            self._es().indices.put_index_template(name=f"{self.prefix}sift", **body)
+        self._template_ready = True
+
+    def ensure_index(self, index: str) -> None:
+        """Create the alias and its first concrete index if they don't exist yet."""
+        alias = self.alias(index)
+        if alias in self._ready_aliases:
+            return
+        with self._lock:
+            with _translated(f"index {index!r}", index):
+                exists = bool(self._es().indices.exists(index=alias))
+            if not exists:
+                concrete = f"{alias}-000001"  # fixed: two workers racing create the same one
+                with _translated(f"create index {index!r}", index):
+                    try:
+                        self._es().indices.create(
+                            index=concrete, aliases={alias: {}}, **self._explicit_body()
+                        )
+                    except ApiError as exc:
+                        if _error_type(exc) != "resource_already_exists_exception":
+                            raise
+            self._ready_aliases.add(alias)
+
+    def reindex(self, index: str, *, delete_old: bool = False) -> str:
+        """Rebuild ``index`` into a new concrete index, then swap the alias atomically.
+
+        1. ``PUT <prefix><index>-<timestamp>`` (the current template applies: new
+           mapping, quantisation, shard count);
+        2. ``POST _reindex`` from the alias into it, then ``POST <new>/_refresh``;
+        3. ``POST _aliases`` with ``remove`` of the alias from every old index and ``add``
+           to the new one, in one request (atomic: searches see old or new, never none);
+        4. optionally delete the old indexes (kept by default, for a rollback).
+
+        Answers the new concrete index's name.
+        """
+        alias = self.alias(index)
+        stamp = datetime.now(UTC).strftime("%Y%m%dt%H%M%S%f")
+        concrete = f"{alias}-{stamp}"
+        self._template_ready = False  # put the template again: the current settings apply
+        with _translated(f"reindex of index {index!r}", index):
+            old = sorted(self._es().indices.get_alias(name=alias).body)
+            self._es().indices.create(index=concrete, **self._explicit_body())
+            es = self._client.options(request_timeout=None)
+            report = es.reindex(
+                source={"index": alias}, dest={"index": concrete}, wait_for_completion=True
+            ).body
+            if report.get("failures"):
+                raise BackendRequestError(
+                    f"reindex of index {index!r} into {concrete!r} failed: "
+                    f"{json.dumps(report['failures'][:3])}"
+                )
+            es.indices.refresh(index=concrete)
+            actions: list[Mapping[str, Any]] = [
+                {"remove": {"index": name, "alias": alias}} for name in old
+            ]
+            actions.append({"add": {"index": concrete, "alias": alias}})
+            self._es().indices.update_aliases(actions=actions)
+            if delete_old and old:
+                self._es().indices.delete(index=",".join(old))
+        self._with_vectors.pop(alias, None)
+        logger.info("reindexed %s: %s -> %s", alias, old, concrete)
+        return concrete
+
+    # --- request bodies (pure) -----------------------------------------------------------
+
+    def filters(self, filters: HardFilters) -> list[dict[str, Any]]:
+        """The hard filters as ES ``term`` queries: the tenant first, then the caller's."""
+        terms: list[dict[str, Any]] = [{"term": {self.fields.tenant: filters.tenant}}]
+        for key, value in sorted(filters.fields.items()):
+            if not _FILTER_KEY.match(key):
+                raise InvalidRequest(f"filters.{key}", "filter names use letters, digits and _.:-")
+            terms.append({"term": {f"{self.fields.metadata}.{key}": _term_value(value)}})
+        return terms
+
+    def channel_body(self, channel: Channel, query: ChannelQuery) -> dict[str, Any]:
+        """The ``_msearch`` body of one channel, with the hard filters inside it."""
+        if channel == "bm25":
+            return self.bm25_body(query)
+        if channel == "knn":
+            return self.knn_body(query)
+        raise BackendRequestError(f"unknown channel {channel!r}")
+
+    def bm25_body(self, query: ChannelQuery) -> dict[str, Any]:
+        text_fields = [name for name in (self.fields.title, self.fields.text) if name]
+        return {
+            "size": query.size,
+            "query": {
+                "bool": {
+                    "must": {
+                        "multi_match": {
+                            "query": query.text,
+                            "fields": text_fields,
+                            "type": "best_fields",
+                            "operator": "or",
+                        }
+                    },
+                    "filter": self.filters(query.filters),
+                }
+            },
+            "_source": self.fields.source(),
+            "track_total_hits": False,
+        }
+
+    def knn_body(self, query: ChannelQuery) -> dict[str, Any]:
+        if query.vector is None:
+            raise ModeUnavailable("the knn channel needs a query vector")
+        return {
+            "size": query.size,
+            "knn": {
+                "field": self.fields.vector,
+                "query_vector": [float(v) for v in query.vector],
+                "k": query.size,
+                "num_candidates": num_candidates(query.size, self.num_candidates),
+                "filter": self.filters(query.filters),
+            },
+            "_source": self.fields.source(),
+            "track_total_hits": False,
+        }
+
+    def source(self, tenant: str, doc: Document, vector: Sequence[float] | None) -> dict[str, Any]:
+        """The ``_source`` Sift writes for one document."""
+        for key, value in doc.metadata.items():
+            if not _FILTER_KEY.match(key) or not isinstance(value, str | int | float | bool):
+                raise InvalidRequest(
+                    f"documents[{doc.id}].metadata", f"bad key or value for {key!r}"
+                )
+        revision = doc.revision or derive_revision(doc.title, doc.text, doc.metadata)
+        body: dict[str, Any] = {
+            self.fields.id: doc.id,
+            self.fields.text: doc.text,
+            self.fields.tenant: tenant,
+            self.fields.revision: revision,
+            self.fields.metadata: dict(doc.metadata),
+        }
+        if self.fields.title:
+            body[self.fields.title] = doc.title
+        if vector is not None:
+            body[self.fields.vector] = [float(v) for v in vector]
+        return body
+
+    def native_rrf_body(self, query: ChannelQuery) -> dict[str, Any]:
+        """One ``_search`` whose ``retriever.rrf`` fuses a filtered BM25 and a filtered kNN."""
+        bm25 = self.bm25_body(query)
+        knn = self.knn_body(query)["knn"]
+        return {
+            "size": query.size,
+            "retriever": {
+                "rrf": {
+                    "retrievers": [
+                        {"standard": {"query": bm25["query"]}},
+                        {"knn": knn},
+                    ],
+                    "rank_window_size": query.size,
+                    "rank_constant": RRF_RANK_CONSTANT,
+                }
+            },
+            "_source": self.fields.source(),
+            "track_total_hits": False,
+        }
+
+    def retrieve_native(self, query: ChannelQuery) -> list[ChannelHit]:
+        """Fused hits from ES's own ``retriever.rrf`` (needs a licence with RRF).
+
+        The hits carry ES's RRF score only: no per-channel rank or score, and no kNN
+        similarity floor can apply. Sift's pipeline uses :meth:`retrieve` instead.
+        """
+        body = self.native_rrf_body(query)
+        with _translated(f"native RRF search of index {query.index!r}", query.index):
+            response = self._es(query.timeout_seconds).search(index=self.alias(query.index), **body)
+        return [self._hit("bm25", raw, native=True) for raw in response.body["hits"]["hits"]]
+
+    # --- parsing ---------------------------------------------------------------------
+
+    def _maps_vectors(self, mappings: Mapping[str, Any]) -> bool:
+        for mapping in mappings.values():
+            node: Any = mapping.get("mappings", {})
+            for part in self.fields.vector.split("."):
+                node = node.get("properties", {}).get(part, {})
+            if node.get("type") == "dense_vector":
+                return True
+        return False
+
+    def _hit(self, channel: Channel, raw: Mapping[str, Any], native: bool = False) -> ChannelHit:
+        source = raw.get("_source") or {}
+        fields = self.fields
+        doc_id = source.get(fields.id)
+        if doc_id is None:  # an existing index without an id field: the _id is the id
+            doc_id = str(raw["_id"]).split(":", 1)[-1]
+        metadata = source.get(fields.metadata) or {}
+        title = source.get(fields.title, "") if fields.title else ""
+        text = source.get(fields.text, "")
+        revision = source.get(fields.revision) or derive_revision(
+            str(title), str(text), metadata if isinstance(metadata, Mapping) else {}
+        )
+        document = Document(
+            id=str(doc_id),
+            text=str(text),
+            title=str(title or ""),
+            revision=str(revision),
+            metadata=dict(metadata) if isinstance(metadata, Mapping) else {},
+        )
+        score = float(raw.get("_score") or 0.0)
+        if channel == "knn" and not native:
+            score = 2.0 * score - 1.0  # ES's cosine score is (1 + cos) / 2
+        return ChannelHit(document, score)
+
+
+# --- error translation -------------------------------------------------------------------
+
+
+class _Missing:
+    """Set inside a ``_translated(..., missing_ok=True)`` block when the index is missing."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def __bool__(self) -> bool:
+        return self.value
+
+
+class _translated:  # a context manager; named like one
+    """Translate the client's errors into Sift's, ``raise ... from exc``."""
+
+    def __init__(self, what: str, index: str | None, missing_ok: bool = False) -> None:
+        self.what = what
+        self.index = index
+        self.missing = _Missing()
+        self.missing_ok = missing_ok
+
+    def __enter__(self) -> _Missing:
+        return self.missing
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> bool:
+        if exc is None or isinstance(exc, SiftError):
+            return False
+        if isinstance(exc, NotFoundError) and _error_type(exc) == "index_not_found_exception":
+            if self.missing_ok:
+                self.missing.value = True
+                return True
+            raise IndexNotFound(f"index {self.index!r} does not exist in Elasticsearch") from exc
+        if isinstance(exc, ApiError):
+            status = exc.meta.status
+            reason = _reason(exc.body) or str(exc.message)
+            if status == 429 or status >= 500:
+                raise BackendUnavailable(
+                    f"Elasticsearch answered {status} to the {self.what}: {reason}"
+                ) from exc
+            if _error_type(exc) == "media_type_header_exception":
+                reason += (
+                    " (the 9.x client sends compatible-with=9, which Elasticsearch 8.x "
+                    "refuses: Sift needs Elasticsearch 9)"
+                )
+            raise BackendRequestError(
+                f"Elasticsearch refused the {self.what} ({status}): {reason}"
+            ) from exc
+        if isinstance(exc, ConnectionTimeout):
+            raise BackendUnavailable(f"Elasticsearch timed out on the {self.what}") from exc
+        if isinstance(exc, ConnectionError):
+            raise BackendUnavailable(
+                f"cannot reach Elasticsearch for the {self.what}: {exc}"
+            ) from exc
+        if isinstance(exc, TransportError):
+            raise BackendUnavailable(
+                f"Elasticsearch transport error on the {self.what}: {exc}"
+            ) from exc
+        if isinstance(exc, helpers.BulkIndexError):
+            raise BackendRequestError(f"the {self.what} failed: {exc}") from exc
+        return False
+
+
+def _error_type(exc: ApiError) -> str | None:
+    body = exc.body
+    if isinstance(body, Mapping):
+        error = body.get("error")
+        if isinstance(error, Mapping):
+            kind = error.get("type")
+            return str(kind) if kind else None
+    return None
+
+
+def _reason(body: Any) -> str | None:
+    """ES's own explanation from an error body: the root cause's type and reason."""
+    if not isinstance(body, Mapping):
+        return str(body) if body else None
+    error = body.get("error")
+    if isinstance(error, str):
+        return error
+    if not isinstance(error, Mapping):
+        return None
+    causes = error.get("root_cause") or [error]
+    first = causes[0] if isinstance(causes, list) and causes else error
+    return f"{first.get('type', 'error')}: {first.get('reason', '')}".strip()
+
+
+def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
+    """One ``_msearch`` item that carries an error raises like a whole-request error."""
+    if "error" not in answer:
+        return
+    status = int(answer.get("status", 500))
+    reason = _reason(answer) or "unknown error"
+    error = answer.get("error")
+    if isinstance(error, Mapping) and error.get("type") == "index_not_found_exception":
+        raise IndexNotFound(f"index {index!r} does not exist in Elasticsearch")
+    if status == 429 or status >= 500:
+        raise BackendUnavailable(f"Elasticsearch answered {status} to the {what}: {reason}")
+    raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {reason}")
+
+
+def _bulk_error(failures: Sequence[Mapping[str, Any]], tenant: str) -> SiftError:
+    """One error naming the documents the bulk call could not write, and why."""
+    named: list[str] = []
+    retryable = True
+    for item in failures:
+        op = next(iter(item.values())) if item else {}
+        status = int(op.get("status", 500))
+        retryable = retryable and (status == 429 or status >= 500)
+        doc = str(op.get("_id", "?")).removeprefix(f"{tenant}:")
+        named.append(f"{doc} ({status} {_reason(op) or 'error'})")
+    listing = "; ".join(named[:5]) + (f"; and {len(named) - 5} more" if len(named) > 5 else "")
+    message = f"{len(failures)} document(s) not written: {listing}"
+    if retryable:
+        return BackendUnavailable(message)
+    return BackendRequestError(message)
+
+
+def _term_value(value: FilterValue) -> str:
+    """A ``flattened`` field holds every value as a keyword: ``true``, ``5``, ``2.5``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

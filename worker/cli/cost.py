@@ -1,0 +1,232 @@
+"""``sift cost``: what reranking cost over the last hour or day, read from Prometheus.
+
+    sift cost --window 1d --png cost.png
+
+Counter totals are exact: each series' raw samples in the window are summed increase by
+increase, a counter reset counted as a restart from zero, with no extrapolation. So they can be
+a little lower than Grafana's ``increase()``, which extrapolates to the window's edges. Latency
+percentiles are Prometheus's ``histogram_quantile`` estimates over the window.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from worker.cli import app
+from worker.constants import (
+    METRIC_RERANK_ATTEMPTS,
+    METRIC_RERANK_COST,
+    METRIC_RERANK_DURATION,
+    METRIC_RERANK_OUTCOMES,
+    METRIC_RERANK_TOKENS,
+    METRIC_SEARCH_DURATION,
+)
+from worker.errors import SiftError
+from worker.settings import load_settings
+
+console = Console()
+
+QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
+
+
+class Window(StrEnum):
+    """How far back the report looks, in Prometheus's duration syntax."""
+
+    HOUR = "1h"
+    DAY = "1d"
+
+
+@dataclass(frozen=True)
+class CostReport:
+    """What reranking did and cost in one window, summed over every scraped process."""
+
+    window: str
+    cost_by_model: dict[str, float]
+    tokens_by_type: dict[str, float]
+    outcomes: dict[str, float]
+    attempts: dict[str, float]
+    searches: float
+    latency: dict[str, float | None]
+
+    @property
+    def total_cost(self) -> float:
+        return sum(self.cost_by_model.values())
+
+    @property
+    def cost_per_1k_searches(self) -> float | None:
+        return 1000 * self.total_cost / self.searches if self.searches else None
+
+
+class PrometheusClient:
+    """Instant queries against Prometheus's HTTP API; errors become SiftError."""
+
+    def __init__(self, url: str, timeout: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(timeout=timeout)
+
+    def __enter__(self) -> PrometheusClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._http.close()
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        try:
+            response = self._http.get(f"{self.url}/api/v1/query", params={"query": expr})
+            body = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise SiftError(f"Prometheus at {self.url} did not answer: {exc}") from exc
+        if body.get("status") != "success":
+            raise SiftError(f"Prometheus refused {expr!r}: {body.get('error', body)}")
+        result: list[dict[str, Any]] = body["data"]["result"]
+        return result
+
+
+def counter_increase(values: Sequence[float]) -> float:
+    """The exact increase over consecutive samples; a drop is a reset, counted from zero.
+
+    >>> counter_increase([2.0, 5.0, 1.0, 3.0])
+    6.0
+    """
+    total = 0.0
+    for previous, current in itertools.pairwise(values):
+        total += current - previous if current >= previous else current
+    return total
+
+
+def increases_by(
+    client: PrometheusClient, metric: str, window: str, label: str
+) -> dict[str, float]:
+    """Each ``label`` value's exact increase of ``metric`` in the window, over all its series."""
+    totals: dict[str, float] = defaultdict(float)
+    for series in client.query(f"{metric}[{window}]"):
+        values = [float(v) for _, v in series["values"]]
+        totals[series["metric"].get(label, "")] += counter_increase(values)
+    return dict(totals)
+
+
+def fetch_report(url: str, window: str) -> CostReport:
+    """Read one window's report from the Prometheus at ``url``."""
+    with PrometheusClient(url) as client:
+        latency: dict[str, float | None] = {}
+        for name, q in QUANTILES.items():
+            expr = (
+                f"histogram_quantile({q}, sum by (le) "
+                f"(rate({METRIC_RERANK_DURATION}_bucket[{window}])))"
+            )
+            found = [float(s["value"][1]) for s in client.query(expr)]
+            latency[name] = found[0] if found and math.isfinite(found[0]) else None
+        searches = increases_by(client, f"{METRIC_SEARCH_DURATION}_count", window, "__none__")
+        return CostReport(
+            window=window,
+            cost_by_model=increases_by(client, METRIC_RERANK_COST, window, "model"),
+            tokens_by_type=increases_by(client, METRIC_RERANK_TOKENS, window, "type"),
+            outcomes=increases_by(client, METRIC_RERANK_OUTCOMES, window, "outcome"),
+            attempts=increases_by(client, METRIC_RERANK_ATTEMPTS, window, "result"),
+            searches=sum(searches.values()),
+            latency=latency,
+        )
+
+
+# --- rendering -----------------------------------------------------------------------------------
+
+
+def _count_table(title: str, label: str, counts: Mapping[str, float]) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column(label)
+    table.add_column("count", justify="right")
+    table.add_column("share", justify="right")
+    total = sum(counts.values())
+    for key, value in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        share = f"{value / total:.1%}" if total else "-"
+        table.add_row(key, f"{value:,.0f}", share)
+    table.add_row("[bold]total[/]", f"[bold]{total:,.0f}[/]", "")
+    return table
+
+
+def render(report: CostReport, url: str) -> Iterable[Table | str]:
+    yield f"[bold]Rerank cost, last {report.window}[/] (from {url})"
+    cost = Table(title="Cost (USD, SIFT_PRICES)", title_justify="left")
+    cost.add_column("model")
+    cost.add_column("USD", justify="right")
+    for model, usd in sorted(report.cost_by_model.items()):
+        cost.add_row(model, f"{usd:.6f}")
+    cost.add_row("[bold]total[/]", f"[bold]{report.total_cost:.6f}[/]")
+    per_1k = report.cost_per_1k_searches
+    cost.add_row(
+        f"per 1,000 searches ({report.searches:,.0f} searches)",
+        f"{per_1k:.6f}" if per_1k is not None else "-",
+    )
+    yield cost
+    yield _count_table("Tokens by type (summed: billed)", "type", report.tokens_by_type)
+    yield _count_table("Rerank outcomes", "outcome", report.outcomes)
+    yield _count_table("Attempts by class", "result", report.attempts)
+    latency = Table(title="Rerank latency", title_justify="left")
+    latency.add_column("percentile")
+    latency.add_column("seconds", justify="right")
+    for name, seconds in report.latency.items():
+        latency.add_row(name, f"{seconds:.3f}" if seconds is not None else "-")
+    yield latency
+
+
+def write_chart(report: CostReport, path: Path) -> None:
+    """A PNG of the report: cost, tokens, attempts and outcomes. Needs ``sift[charts]``."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise SiftError("--png needs matplotlib: pip install 'sift[charts]'") from exc
+    figure = Figure(figsize=(11, 8), layout="constrained")
+    per_1k = report.cost_per_1k_searches
+    figure.suptitle(
+        f"Sift rerank, last {report.window}: {report.total_cost:.4f} USD"
+        + (f", {per_1k:.4f} USD per 1,000 searches" if per_1k is not None else "")
+    )
+    panels = [
+        ("Cost by model (USD)", report.cost_by_model),
+        ("Tokens by type", report.tokens_by_type),
+        ("Attempts by class", report.attempts),
+        ("Rerank outcomes", report.outcomes),
+    ]
+    for axes, (title, data) in zip(figure.subplots(2, 2).flat, panels, strict=True):
+        names = sorted(data)
+        axes.barh(names, [data[n] for n in names], color="#3274d9")
+        axes.set_title(title)
+        axes.invert_yaxis()
+    figure.savefig(path, format="png", dpi=100)
+
+
+@app.command("cost")
+def cost_command(
+    prometheus_url: Annotated[
+        str | None,
+        typer.Option(help="Prometheus base URL [default: SIFT_PROMETHEUS_URL]"),
+    ] = None,
+    window: Annotated[Window, typer.Option(help="how far back to look")] = Window.HOUR,
+    png: Annotated[
+        Path | None, typer.Option(dir_okay=False, help="also write a PNG chart to this file")
+    ] = None,
+) -> None:
+    """Rerank cost, tokens, outcomes, attempts and latency of the last hour or day."""
+    try:
+        url = prometheus_url or load_settings().prometheus_url
+        report = fetch_report(url, window.value)
+        for item in render(report, url):
+            console.print(item)
+        if png is not None:
+            write_chart(report, png)
+            console.print(f"wrote [bold]{png}[/]")
+    except SiftError as exc:
+        console.print(f"[red]error:[/] {exc.message}")
+        raise typer.Exit(1) from exc
