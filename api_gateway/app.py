@@ -21,8 +21,10 @@ from api_gateway.metrics import GatewayMetrics
 from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
 from api_gateway.queue import OutboxSender, TaskSender
 from api_gateway.schemas import Health
+from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError
 from worker.jobstore import JobStore
+from worker.metrics import JOBS_IN_FLIGHT, metrics_response, preregister, update_backlog
 from worker.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -38,13 +40,7 @@ def create_app(
     """Build the gateway. ``redis`` and ``celery_sender`` replace the real clients in tests."""
     settings = settings or load_settings()
     keyring = KeyRing(settings.all_api_keys())
-    holder: dict[str, JobStore | None] = {"store": None}
-
-    def in_flight() -> dict[str, int]:
-        store = holder["store"]
-        return store.in_flight() if store is not None else {}
-
-    metrics = GatewayMetrics(in_flight)
+    metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,13 +57,11 @@ def create_app(
                 "no API keys configured (SIFT_API_KEYS, SIFT_API_KEYS_FILE): "
                 "every request will be refused"
             )
-        holder["store"] = store
         app.state.store = store
         app.state.sender = sender
         try:
             yield
         finally:
-            holder["store"] = None
             if celery_sender is None:
                 sender.close()
             if redis is None:
@@ -79,6 +73,7 @@ def create_app(
         summary="Queue-based hybrid search with a listwise LLM rerank",
         lifespan=lifespan,
     )
+    preregister(queues=ALL_QUEUES)
     app.state.settings = settings
     app.state.keyring = keyring
     app.state.metrics = metrics
@@ -116,9 +111,19 @@ def create_app(
         responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
         summary="Prometheus metrics",
     )
-    async def prometheus() -> Response:
-        body = await run_in_threadpool(generate_latest, metrics.registry)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+    async def prometheus(request: Request) -> Response:
+        store: JobStore = request.app.state.store
+
+        def render() -> bytes:
+            try:  # "queued" and the backlog are the job store's and the broker's to report
+                JOBS_IN_FLIGHT.labels("queued").set(store.in_flight()["queued"])
+                update_backlog(store.redis, ALL_QUEUES)
+            except redis_errors() as exc:
+                log.warning("metrics: Redis unavailable: %s", exc)
+            shared, _ = metrics_response()
+            return shared + generate_latest(metrics.registry)
+
+        return Response(await run_in_threadpool(render), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)

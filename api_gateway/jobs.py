@@ -15,7 +15,6 @@ from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import authenticate
 from api_gateway.errors import ApiError, ErrorBody
-from api_gateway.metrics import GatewayMetrics
 from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
 from api_gateway.schemas import (
     INDEX_PATTERN,
@@ -29,6 +28,7 @@ from api_gateway.schemas import (
     SearchRequest,
     iso,
 )
+from worker import metrics
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
@@ -103,11 +103,6 @@ def _sender(request: Request) -> TaskSender:
 def _settings(request: Request) -> Settings:
     settings: Settings = request.app.state.settings
     return settings
-
-
-def _metrics(request: Request) -> GatewayMetrics:
-    metrics: GatewayMetrics = request.app.state.metrics
-    return metrics
 
 
 async def _io(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -273,7 +268,7 @@ async def upsert_documents(
         lambda enqueue: store.create_ingest(tenant, index, body.documents, enqueue=enqueue),
         lambda job_id: [(INGEST_TASK, [job_id], INGEST_QUEUE)],
     )
-    _metrics(request).submitted.labels("ingest").inc()
+    metrics.job_submitted("ingest")
     log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
     if wait > 0:
 
@@ -344,7 +339,7 @@ async def create_search(
         except BaseException:
             await idem.failed()
             raise
-        _metrics(request).submitted.labels("search").inc()
+        metrics.job_submitted("search")
         job_id = fresh.id
     try:
         if fresh is not None and wait == 0:
@@ -474,7 +469,8 @@ async def create_batch(
         except BaseException:
             await idem.failed()
             raise
-        _metrics(request).submitted.labels("batch_item").inc(batch.total)
+        metrics.job_submitted("batch")
+        metrics.job_submitted("batch_item", batch.total)
         log.info("batch %s: %d items in chunks of %d for %s", batch.id, batch.total, size, tenant)
         batch_id = batch.id
     try:

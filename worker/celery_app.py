@@ -109,10 +109,11 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
     settings: Settings | None = getattr(getattr(app, "conf", None), "sift_settings", None)
     if settings is None or not settings.worker_metrics_port:
         return
-    from prometheus_client import start_http_server
+    from worker.metrics import preregister, start_worker_metrics_server
 
+    preregister(queues=ALL_QUEUES)
     try:
-        start_http_server(settings.worker_metrics_port)
+        start_worker_metrics_server(settings.worker_metrics_port)
     except OSError as exc:
         log.warning("worker metrics not served on :%d: %s", settings.worker_metrics_port, exc)
     else:

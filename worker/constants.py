@@ -49,15 +49,11 @@ ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
 WEBHOOK_EVENT_SEARCH_COMPLETED = "search.completed"
 WEBHOOK_EVENT_BATCH_COMPLETED = "batch.completed"
 
-# --- metrics owned by the queue (DESIGN.md §9, plus the task ones) ---
-METRIC_JOBS_IN_FLIGHT = "sift_jobs_in_flight"
-METRIC_QUEUE_WAIT = "sift_job_queue_wait_seconds"
+# --- the queue's own metrics (extensions; defined in worker/task_metrics.py, api_gateway) ---
 METRIC_TASK_DURATION = "sift_task_duration_seconds"
 METRIC_TASK_RETRIES = "sift_task_retries_total"
 METRIC_HTTP_REQUESTS = "sift_http_requests_total"
 METRIC_HTTP_DURATION = "sift_http_request_duration_seconds"
-METRIC_JOBS_SUBMITTED = "sift_jobs_submitted_total"
-METRIC_WEBHOOK_DELIVERIES = "sift_webhook_deliveries_total"
 
 # --- metrics (DESIGN.md §9; names there are binding, the rest are extensions) ---
 METRIC_SEARCH_DURATION = "sift_search_duration_seconds"

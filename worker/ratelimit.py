@@ -24,9 +24,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from worker.errors import DeadlineExceeded
+from worker.core.ports import Reranker
+from worker.core.types import RerankPrompt, RerankReply
+from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
 
 MAX_PAUSE_SECONDS = 60.0  # a retry-after longer than this is capped
+DEFAULT_429_PAUSE_SECONDS = 1.0  # a 429 without retry-after pauses this long
 
 
 class ProviderLimiter:
@@ -87,6 +90,33 @@ class ProviderLimiter:
             with self._cond:
                 self._in_flight -= 1
                 self._cond.notify()
+
+
+class LimitedReranker:
+    """Wraps a ``Reranker`` so every call takes a limiter slot, honours the pause, and a 429
+    pauses every thread for its ``retry-after``. The retry loop stays in the core.
+
+    reranker = LimitedReranker(AnthropicReranker("claude-haiku-4-5"), ProviderLimiter(200))
+    """
+
+    def __init__(
+        self, inner: Reranker, limiter: ProviderLimiter, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.inner = inner
+        self.limiter = limiter
+        self.model = inner.model
+        self._clock = clock
+
+    def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:
+        deadline = self._clock() + timeout_seconds
+        with self.limiter.slot(deadline=deadline):
+            self.limiter.wait(deadline=deadline)
+            try:
+                return self.inner.rerank(prompt, max(0.0, deadline - self._clock()))
+            except RerankAttemptError as exc:
+                if exc.outcome is AttemptOutcome.RATE_LIMITED:
+                    self.limiter.pause(exc.retry_after or DEFAULT_429_PAUSE_SECONDS)
+                raise
 
 
 class NullLimiter(ProviderLimiter):

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from celery import Task, shared_task
 from celery.exceptions import Retry
 
+from worker import metrics
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
@@ -36,15 +37,14 @@ from worker.constants import (
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.errors import SiftError
 from worker.jobstore import BatchItem, JobStore, webhook_event
-from worker.ratelimit import ProviderLimiter
+from worker.ratelimit import LimitedReranker, ProviderLimiter
 from worker.settings import Settings, load_settings
-from worker.task_metrics import QUEUE_WAIT, TASK_DURATION, TASK_RETRIES, WEBHOOK_DELIVERIES
+from worker.task_metrics import TASK_DURATION, TASK_RETRIES
 
 log = logging.getLogger(__name__)
 
 RETRY_BASE_SECONDS = 1.0
 RETRY_CAP_SECONDS = 60.0
-DEFAULT_RUNTIME_FACTORIES = ("worker.runtime:build_runtime", "worker.bootstrap:build_runtime")
 
 
 class Runtime(Protocol):
@@ -82,26 +82,27 @@ class WorkerContext:
         if self._runtime is None:
             with self._lock:
                 if self._runtime is None:
-                    self._runtime = load_runtime(self.settings)
+                    self._runtime = load_runtime(self.settings, self.limiter)
         return self._runtime
 
 
-def load_runtime(settings: Settings) -> Runtime:
-    """Build the runtime with ``SIFT_RUNTIME_FACTORY`` ("module:function"), or the default one."""
-    candidates = (
-        (settings.runtime_factory,) if settings.runtime_factory else DEFAULT_RUNTIME_FACTORIES
-    )
-    last_error: Exception | None = None
-    for path in candidates:
-        module_name, _, attr = path.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            last_error = exc
-            continue
+def load_runtime(settings: Settings, limiter: ProviderLimiter | None = None) -> Runtime:
+    """Build the runtime with ``SIFT_RUNTIME_FACTORY`` ("module:function"), or the real one
+    wired for the queue: Prometheus recording, and the reranker behind the process's limiter."""
+    if settings.runtime_factory:
+        module_name, _, attr = settings.runtime_factory.partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
         runtime: Runtime = factory(settings)
         return runtime
-    raise RuntimeError(f"no runtime factory could be loaded from {candidates}") from last_error
+    from worker.bootstrap import build_reranker
+    from worker.runtime import build_runtime
+
+    overrides: dict[str, Any] = {"recorder": metrics.PrometheusRecorder()}
+    reranker = build_reranker(settings)
+    if reranker is not None:
+        inner = metrics.InFlightReranker(reranker)
+        overrides["reranker"] = LimitedReranker(inner, limiter) if limiter else inner
+    return build_runtime(settings, **overrides)
 
 
 _context: WorkerContext | None = None
@@ -196,6 +197,20 @@ class SiftTask(Task):  # type: ignore[misc]
         self.app.send_task(WEBHOOK_TASK, args=[event], queue=WEBHOOK_QUEUE)
 
 
+def _completed(kind: str, applied: bool, error: ErrorInfo | None) -> bool:
+    """Count a job that just became final (``applied``); answers ``applied``."""
+    if applied:
+        label = None
+        if error is not None:
+            label = (
+                "internal"
+                if error.type in ("internal_error", "delivery_limit_exceeded", "expired")
+                else error.type
+            )
+        metrics.job_completed(kind, "failed" if error else "succeeded", label)
+    return applied
+
+
 def _poison_error(task: SiftTask) -> ErrorInfo:
     limit = task.context.settings.task_max_deliveries
     return ErrorInfo(
@@ -215,15 +230,18 @@ def search(self: SiftTask, job_id: str) -> None:
         log.info("search %s: nothing to do (%s)", job_id, "missing" if job is None else "final")
         return
     if self.poisoned():
-        finished = store.finish_search(job_id, error=_poison_error(self))
+        finished = _completed(
+            "search", store.finish_search(job_id, error=_poison_error(self)), _poison_error(self)
+        )
     else:
         if not store.start_search(job_id):
             return
         if job.started_at is None:
-            QUEUE_WAIT.labels(SEARCH_QUEUE).observe(max(0.0, time.time() - job.created_at))
+            metrics.observe_queue_wait(SEARCH_QUEUE, time.time() - job.created_at)
         log.info("search %s: running for tenant %s", job_id, job.tenant)
         try:
-            result = self.context.runtime.search(job.spec, job.tenant)
+            with metrics.running_job():
+                result = self.context.runtime.search(job.spec, job.tenant)
         except Exception as exc:
             if self.should_retry(exc):
                 log.warning("search %s: retryable error, retrying: %s", job_id, exc)
@@ -231,9 +249,10 @@ def search(self: SiftTask, job_id: str) -> None:
                 raise self.retry(exc=exc, countdown=self.backoff()) from exc
             if not isinstance(exc, SiftError):
                 log.exception("search %s: unexpected error", job_id)
-            finished = store.finish_search(job_id, error=error_info(exc))
+            error = error_info(exc)
+            finished = _completed("search", store.finish_search(job_id, error=error), error)
         else:
-            finished = store.finish_search(job_id, result=result)
+            finished = _completed("search", store.finish_search(job_id, result=result), None)
     if finished:
         final = store.get_search_status(job_id)
         log.info("search %s: %s", job_id, final)
@@ -260,29 +279,31 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     first_delivery = self.request.retries == 0
     runtime = self.context.runtime if not poisoned else None
 
+    def finish(item: BatchItem, result: SearchResult | None, error: ErrorInfo | None) -> bool:
+        transition = store.finish_item(batch_id, item.query_id, result=result, error=error)
+        _completed("batch_item", transition.applied, error)
+        return transition.batch_completed
+
     def run_item(item: BatchItem) -> tuple[bool, bool]:
         """Run one item; answers (batch completed by it, to retry)."""
         if poisoned:
-            return store.finish_item(
-                batch_id, item.query_id, error=_poison_error(self)
-            ).batch_completed, False
+            return finish(item, None, _poison_error(self)), False
         if item.spec is None or not store.start_item(batch_id, item.query_id):
             return False, False  # canceled meanwhile, or finished by another delivery
         if first_delivery and item.status == "queued":
-            QUEUE_WAIT.labels(BATCH_QUEUE).observe(max(0.0, time.time() - batch.created_at))
+            metrics.observe_queue_wait(BATCH_QUEUE, time.time() - batch.created_at)
         try:
             assert runtime is not None
-            result = runtime.search(item.spec, batch.tenant)
+            with metrics.running_job():
+                result = runtime.search(item.spec, batch.tenant)
         except Exception as exc:
             if may_retry and isinstance(exc, SiftError) and exc.retryable:
                 store.requeue_item(batch_id, item.query_id)
                 return False, True
             if not isinstance(exc, SiftError):
                 log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
-            return store.finish_item(
-                batch_id, item.query_id, error=error_info(exc)
-            ).batch_completed, False
-        return store.finish_item(batch_id, item.query_id, result=result).batch_completed, False
+            return finish(item, None, error_info(exc)), False
+        return finish(item, result, None), False
 
     pending = [item for item in items if not item.status.final]
     # the items run on the process's shared item pool, so a chunk's searches overlap
@@ -314,7 +335,9 @@ def ingest(self: SiftTask, job_id: str) -> None:
     if job is None or job.status.final:
         return
     if self.poisoned():
-        store.finish_ingest(job_id, error=_poison_error(self))
+        _completed(
+            "ingest", store.finish_ingest(job_id, error=_poison_error(self)), _poison_error(self)
+        )
         return
     documents = store.ingest_documents(job_id)
     if documents is None:
@@ -330,9 +353,10 @@ def ingest(self: SiftTask, job_id: str) -> None:
             raise self.retry(exc=exc, countdown=self.backoff()) from exc
         if not isinstance(exc, SiftError):
             log.exception("ingest %s: unexpected error", job_id)
-        store.finish_ingest(job_id, error=error_info(exc))
+        error = error_info(exc)
+        _completed("ingest", store.finish_ingest(job_id, error=error), error)
         return
-    store.finish_ingest(job_id, upserted=upserted)
+    _completed("ingest", store.finish_ingest(job_id, upserted=upserted), None)
     log.info("ingest %s: %d documents into %s", job_id, upserted, job.index)
 
 
@@ -365,6 +389,6 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         secrets=secrets,
         settings=settings,
     )
-    WEBHOOK_DELIVERIES.labels(decision.result.outcome.value).inc()
+    metrics.webhook_delivery(decision.result.outcome.value)
     if decision.retry_in is not None:
         raise self.retry(countdown=decision.retry_in)

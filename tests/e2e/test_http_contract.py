@@ -222,6 +222,7 @@ def test_health_ready_and_metrics(stack: Stack, corpus: object) -> None:
     assert stack.live.get("/healthz").json() == {"status": "ok"}
     assert stack.live.get("/readyz").json() == {"status": "ok"}
     text = stack.live.get("/metrics").text
-    assert "sift_jobs_in_flight" in text
+    assert 'sift_jobs_in_flight{state="queued"}' in text
+    assert 'sift_queue_backlog{queue="sift.batch"}' in text
     assert 'sift_http_requests_total{method="POST",route="/v1/searches"' in text
     assert "sift_jobs_submitted_total" in text
