@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.fake_anthropic import FakeAnthropic
 from tests.services import celery_worker, gateway, redis_server
 
 KEYS = [
@@ -54,16 +55,21 @@ class Stack:
     live_url: str
     idle_url: str
     redis_url: str
+    model: FakeAnthropic
 
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("stack")
-    with redis_server(tmp / "redis") as redis_url:
+    with redis_server(tmp / "redis") as redis_url, FakeAnthropic() as model:
         base = {
             "SIFT_API_KEYS": json.dumps(KEYS),
             "SIFT_DATA_DIR": str(tmp / "data"),
-            "SIFT_RERANK_ENABLED": "false",
+            "SIFT_RERANK_ENABLED": "false",  # on per request with "rerank": true
+            "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
+            "SIFT_GENERATION_MAX_REQUESTS": "3",
+            "ANTHROPIC_BASE_URL": model.url,
+            "ANTHROPIC_API_KEY": "sk-ant-test",
             "SIFT_WORKER_METRICS_PORT": "0",
             "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
             "SIFT_WEBHOOK_RETRY_SCALE": "0.001",
@@ -86,7 +92,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             httpx.Client(base_url=live_url, timeout=30) as live,
             httpx.Client(base_url=idle_url, timeout=30) as idle,
         ):
-            yield Stack(live, idle, live_url, idle_url, redis_url)
+            yield Stack(live, idle, live_url, idle_url, redis_url, model)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack
+from tests.fake_anthropic import positions, status
 
 
 def _poll(client: httpx.Client, path: str, until: set[str], timeout: float = 20) -> Any:
@@ -122,3 +123,26 @@ def test_idempotency_conflict_while_the_first_request_runs(stack: Stack) -> None
     replay = stack.idle.post("/v1/searches", json=body, headers=headers)
     assert replay.status_code == 202
     assert replay.json()["id"] == answers[0].json()["id"]
+
+
+def test_rerank_through_the_queue_with_a_429_on_the_way(stack: Stack, corpus: object) -> None:
+    # the real SDK in the worker, against the fake Messages API: a 429 with retry-after
+    # pauses the worker's limiter, then the retry in the core gets an answer
+    stack.model.script([status(429, retry_after=0.3), positions([2, 1])])
+    started = time.monotonic()
+    response = stack.live.post(
+        "/v1/searches",
+        params={"wait": 20},
+        json={"index": INDEX, "query": "green tea leaves", "rerank": True, "include_trace": True},
+        headers=ACME,
+    )
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["status"] == "succeeded", job
+    result = job["result"]
+    assert result["rerank"]["applied"] is True
+    assert [h["ranks"]["final"] for h in result["hits"]] == [1, 2]
+    assert result["hits"][0]["ranks"]["rrf"] == 2
+    assert result["usage"]["requests"] == 2
+    assert result["trace"] is not None
+    assert time.monotonic() - started >= 0.3

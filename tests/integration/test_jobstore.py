@@ -123,8 +123,14 @@ def test_every_record_has_a_ttl(store: JobStore) -> None:
     store.finish_item(batch.id, "a", result=result("r"))
     keys = [SEARCH_KEY + job.id] + [
         prefix + batch.id
-        for prefix in (BATCH_KEY, BATCH_ORDER_KEY, BATCH_SPECS_KEY, BATCH_ITEMS_KEY,
-                       BATCH_COUNTS_KEY, BATCH_RESULTS_KEY)
+        for prefix in (
+            BATCH_KEY,
+            BATCH_ORDER_KEY,
+            BATCH_SPECS_KEY,
+            BATCH_ITEMS_KEY,
+            BATCH_COUNTS_KEY,
+            BATCH_RESULTS_KEY,
+        )
     ]
     for key in keys:
         assert 0 < int(store.redis.ttl(key)) <= 7 * 24 * 3600, key

@@ -70,8 +70,7 @@ def test_retryable_errors_are_retried_then_succeed(
     assert runtime.calls == 3
 
 
-def test_retries_are_bounded(context: tasks.WorkerContext,
-                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retries_are_bounded(context: tasks.WorkerContext, monkeypatch: pytest.MonkeyPatch) -> None:
     _patch_backoff(monkeypatch)
     runtime = ScriptedRuntime(*[BackendUnavailable("down")] * 10)
     context._runtime = runtime
@@ -106,8 +105,9 @@ def test_a_poison_message_is_failed_not_looped(context: tasks.WorkerContext) -> 
     assert runtime.calls == 0
 
 
-def test_a_chunk_skips_canceled_and_finished_items(context: tasks.WorkerContext,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_chunk_skips_canceled_and_finished_items(
+    context: tasks.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _patch_backoff(monkeypatch)
     runtime = ScriptedRuntime(BackendUnavailable("blip"))
     context._runtime = runtime
@@ -115,8 +115,9 @@ def test_a_chunk_skips_canceled_and_finished_items(context: tasks.WorkerContext,
     items = [(f"q{i}", SearchSpec(index="docs", query=f"q{i}")) for i in range(6)]
     batch = store.create_batch("acme", "docs", items)
     store.start_item(batch.id, "q0")
-    store.finish_item(batch.id, "q0", result=SearchResult(hits=[], rerank=RerankInfo(
-        applied=False)))
+    store.finish_item(
+        batch.id, "q0", result=SearchResult(hits=[], rerank=RerankInfo(applied=False))
+    )
     tasks.batch_chunk.apply(args=[batch.id, 0, 3])  # q1 blips once and is retried
     store.cancel_batch(batch.id)  # q3..q5 were never started
     tasks.batch_chunk.apply(args=[batch.id, 3, 6])

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from worker.errors import DeadlineExceeded
-from worker.ratelimit import ProviderLimiter
+from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
+from worker.ratelimit import LimitedReranker, ProviderLimiter
 
 
 def test_the_in_flight_bound_holds() -> None:
@@ -47,7 +47,34 @@ def test_no_wait_past_the_deadline() -> None:
     limiter.pause(5)
     with pytest.raises(DeadlineExceeded):
         limiter.wait(deadline=time.monotonic() + 0.1)
-    with limiter.slot(), pytest.raises(DeadlineExceeded), limiter.slot(
-        deadline=time.monotonic() + 0.05
+    with (
+        limiter.slot(),
+        pytest.raises(DeadlineExceeded),
+        limiter.slot(deadline=time.monotonic() + 0.05),
     ):
         pass
+
+
+class _Flaky:
+    model = "m"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def rerank(self, prompt: object, timeout_seconds: float) -> object:
+        self.calls += 1
+        raise RerankAttemptError(AttemptOutcome.RATE_LIMITED, "429", retry_after=0.15)
+
+
+def test_a_429_pauses_every_later_call() -> None:
+    limiter = ProviderLimiter(4)
+    reranker = LimitedReranker(_Flaky(), limiter)  # type: ignore[arg-type]
+    with pytest.raises(RerankAttemptError):
+        reranker.rerank(None, 5.0)  # type: ignore[arg-type]
+    started = time.monotonic()
+    with pytest.raises(RerankAttemptError):
+        reranker.rerank(None, 5.0)  # type: ignore[arg-type]
+    assert time.monotonic() - started >= 0.14  # the second call waited out the pause
+    assert limiter.in_flight == 0
+    with pytest.raises(DeadlineExceeded):  # no attempt starts that the pause would outlast
+        reranker.rerank(None, 0.05)  # type: ignore[arg-type]
