@@ -82,9 +82,11 @@ def base_env(tmp: Path, redis_url: str, db: int) -> dict[str, str]:
     }
 
 
-def run_batch(client: httpx.Client, qs: list[str], timeout: float = 900) -> tuple[float, int]:
+def run_batch(
+    client: httpx.Client, qs: list[str], timeout: float = 900, mode: str = "hybrid"
+) -> tuple[float, int]:
     """Submit a batch, wait until every item is final; (seconds, peak running items)."""
-    items = [{"id": f"q{i}", "query": q} for i, q in enumerate(qs)]
+    items = [{"id": f"q{i}", "query": q, "mode": mode} for i, q in enumerate(qs)]
     peak = 0
     started = time.perf_counter()
     batch = client.post("/v1/batches", json={"index": INDEX, "queries": items}, headers=AUTH)
@@ -184,7 +186,7 @@ def fake_anthropic(tmp: Path, delay: float) -> Iterator[str]:
         _stop(proc)
 
 
-def bench_rerank(n: int, threads: int, prefork_n: int) -> dict[str, float]:
+def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, float]:
     qs = queries(n)
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as d:
@@ -198,6 +200,8 @@ def bench_rerank(n: int, threads: int, prefork_n: int) -> dict[str, float]:
                 env = {
                     **base_env(tmp, r, db),
                     "SIFT_BATCH_ITEM_CONCURRENCY": str(items),
+                    # the baseline gets one item per chunk, so both processes stay busy
+                    "SIFT_BATCH_CHUNK_SIZE": "25" if pool == "threads" else "1",
                     "SIFT_RERANK_ENABLED": "true",
                     "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
                     "SIFT_RERANK_MAX_IN_FLIGHT": str(max(threads, 2)),
@@ -210,7 +214,7 @@ def bench_rerank(n: int, threads: int, prefork_n: int) -> dict[str, float]:
                     httpx.Client(base_url=url, timeout=60) as client,
                 ):
                     ingest(client)
-                    seconds, peak = run_batch(client, qs[:count])
+                    seconds, peak = run_batch(client, qs[:count], mode=mode)
                 out[f"{pool}_searches_per_s"] = count / seconds
                 out[f"{pool}_peak_running"] = peak
     return out
@@ -280,6 +284,12 @@ def main() -> None:
     parser.add_argument("--rerank-queries", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=200)
     parser.add_argument("--prefork-queries", type=int, default=40)
+    parser.add_argument(
+        "--rerank-mode",
+        choices=["hybrid", "fts"],
+        default="hybrid",
+        help="fts leaves the query embedding (CPU) out of the rerank run",
+    )
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--gateway-workers", type=int, default=1)
@@ -288,7 +298,9 @@ def main() -> None:
     if args.which in ("throughput", "all"):
         results["throughput"] = bench_throughput(args.queries, args.worker_threads)
     if args.which in ("rerank", "all"):
-        results["rerank"] = bench_rerank(args.rerank_queries, args.threads, args.prefork_queries)
+        results["rerank"] = bench_rerank(
+            args.rerank_queries, args.threads, args.prefork_queries, args.rerank_mode
+        )
     if args.which in ("gateway", "all"):
         results["gateway"] = bench_gateway(args.requests, args.clients, args.gateway_workers)
     json.dump(results, sys.stdout, indent=2)
