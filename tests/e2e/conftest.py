@@ -9,7 +9,6 @@ under uvicorn. Two gateways share the redis-server:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,14 +39,6 @@ IDLE_BODY_LIMIT = 65_536
 SAMPLE = Path(__file__).resolve().parents[2] / "worker" / "data"
 
 
-def _runtime_factory() -> dict[str, str]:
-    if importlib.util.find_spec("worker.adapters") and importlib.util.find_spec(
-        "worker.adapters.embedded"
-    ):
-        return {}  # the real embedded runtime
-    return {"SIFT_RUNTIME_FACTORY": "tests.e2e.fake_runtime:build_runtime"}
-
-
 @dataclass
 class Stack:
     live: httpx.Client
@@ -73,7 +64,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "SIFT_WORKER_METRICS_PORT": "0",
             "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
             "SIFT_WEBHOOK_RETRY_SCALE": "0.001",
-            **_runtime_factory(),
         }
         live_env = {
             **base,
