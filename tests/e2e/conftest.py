@@ -1,5 +1,7 @@
-"""The e2e stack, once per session: our own redis-server, real Celery workers, the gateway
-under uvicorn. Two gateways share the redis-server:
+"""The e2e stack, once per session: our own redis-server, a real Celery worker running the
+real runtime (embedded backend, MiniLM embedder, the Anthropic SDK pointed at the fake
+Messages API on loopback), and the gateway under uvicorn. Two gateways share the
+redis-server:
 
 * ``live``: database 0, served by one worker process (threads pool); private webhook
   receivers allowed, as a local test needs.
