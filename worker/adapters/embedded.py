@@ -177,14 +177,16 @@ class EmbeddedBackend:
         self._lock = threading.Lock()
         self._vectors: dict[str, _Vectors] = {}
         self._connections: list[apsw.Connection] = []
+        self._inherited: list[apsw.Connection] = []  # kept referenced, so never closed here
         self._pid = os.getpid()
         self._schema_ready = False
 
     # --- connections -------------------------------------------------------------
 
     def _conn(self) -> apsw.Connection:
-        if os.getpid() != self._pid:  # forked: never use the parent's connections
+        if os.getpid() != self._pid:  # forked: never use (nor close) the parent's connections
             with self._lock:
+                self._inherited += self._connections
                 self._pid, self._connections, self._vectors = os.getpid(), [], {}
                 self._local = threading.local()
         conn: apsw.Connection | None = getattr(self._local, "conn", None)
