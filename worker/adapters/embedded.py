@@ -263,10 +263,10 @@ class EmbeddedBackend:
 
         A document whose ``revision`` is empty gets :func:`derive_revision`.
         """
+        if not documents:
+            return 0
         matrix = _check_vectors(documents, vectors)
         rows = [_document_row(i, doc) for i, doc in enumerate(documents)]
-        if not rows:
-            return 0
         conn = self._conn()
         with _translated("upsert"), _write(conn):
             num = _ensure_index(conn, index)
