@@ -366,10 +366,13 @@ class EmbeddedBackend:
         n = snapshot.size
         if rows.size == 0:
             return []
-        if rows.size * 4 > n:  # a mostly-full mask: one contiguous matmul, then select
-            scores = (snapshot.matrix[:n] @ (q / norm))[rows]
+        # einsum, not ``@``: BLAS would spread one small product over threads that, in a
+        # busy worker, wait a scheduler tick to wake (8 ms measured for 5k rows, against
+        # 0.3 ms single-threaded). A worker runs searches in parallel instead.
+        if rows.size * 4 > n:  # a mostly-full mask: one contiguous pass, then select
+            scores = np.einsum("ij,j->i", snapshot.matrix[:n], q / norm)[rows]
         else:
-            scores = snapshot.matrix[rows] @ (q / norm)
+            scores = np.einsum("ij,j->i", snapshot.matrix[rows], q / norm)
         if self.vector_min_similarity is not None:
             keep = scores >= self.vector_min_similarity
             rows, scores = rows[keep], scores[keep]
