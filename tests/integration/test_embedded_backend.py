@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -246,6 +247,33 @@ def test_deletes_and_vectorless_replacements_leave_the_knn_channel(
     assert ids(results, "bm25")[0] == "smoke"
     assert "smoke" not in ids(results, "knn")
     assert len(results.hits["knn"]) == len(CORPUS) - 1
+
+
+def test_threads_share_one_backend(tmp_path: Path) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    rng = np.random.default_rng(3)
+    vectors = rng.normal(size=(40, 16)).astype(np.float32)
+    backend.upsert("sci", "acme", [Document(id="seed", text="seed words")], vectors[:1])
+
+    def work(worker: int) -> int:
+        found = 0
+        for i in range(10):
+            doc = Document(id=f"w{worker}-{i}", text=f"shared words from worker {worker}")
+            backend.upsert("sci", "acme", [doc], vectors[worker * 10 + i : worker * 10 + i + 1])
+            query = ChannelQuery(
+                "sci", HardFilters("acme"), BOTH, 100, "shared words", vector=vectors[0]
+            )
+            found = len(backend.retrieve(query).hits["knn"])
+        return found
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        counts = list(pool.map(work, range(4)))
+    assert all(11 <= c <= 41 for c in counts)
+    final = backend.retrieve(
+        ChannelQuery("sci", HardFilters("acme"), BOTH, 100, "shared", vector=vectors[0])
+    )
+    assert len(final.hits["knn"]) == 41 and len(final.hits["bm25"]) == 40
+    backend.close()
 
 
 def test_a_query_without_usable_terms_has_an_empty_bm25_channel(

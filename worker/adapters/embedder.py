@@ -93,6 +93,7 @@ class OnnxMiniLMEmbedder:
                 options = ort.SessionOptions()
                 options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
                 options.log_severity_level = 3
+                options.enable_cpu_mem_arena = False  # 1.0 GB peak instead of 1.5 for 32x256
                 if self._threads:
                     options.intra_op_num_threads = self._threads
                 session = ort.InferenceSession(
