@@ -131,7 +131,7 @@ def celery_worker(
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
-            env=_env(env),
+            env=_env({**env, "SIFT_WORKER_POOL": pool}),
             cwd=REPO,
         )
     try:

@@ -78,7 +78,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "worker_pool": "threads",
+        "worker_pool": settings.worker_pool,
         "worker_concurrency": settings.worker_concurrency,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "worker_soft_shutdown_timeout": settings.worker_soft_shutdown_seconds,

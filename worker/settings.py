@@ -108,6 +108,9 @@ class Settings(BaseSettings):
     )
 
     # --- the queue (issue 3) ---
+    # Celery's pool; set it here, not with --pool: Celery cannot tell an explicit
+    # "--pool prefork" from its default, so a configured pool always wins over the flag.
+    worker_pool: Literal["threads", "prefork", "solo"] = "threads"
     worker_concurrency: int = Field(default=200, ge=1, le=5000)  # threads per worker process
     rerank_max_in_flight: int = Field(default=200, ge=1, le=5000)  # model calls per process
     batch_chunk_size: int = Field(default=25, ge=1, le=1000)  # batch items per chunk task
