@@ -24,6 +24,7 @@ from api_gateway.schemas import Health
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError
 from worker.jobstore import JobStore
+from worker.logcontext import configure_logging
 from worker.metrics import JOBS_IN_FLIGHT, metrics_response, preregister, update_backlog
 from worker.settings import Settings, load_settings
 
@@ -44,6 +45,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if not logging.getLogger().handlers:  # uvicorn sets up only its own loggers
+            configure_logging("INFO")
         if redis is not None:
             store = JobStore(redis)
         elif settings.redis_url:

@@ -19,7 +19,7 @@ import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_init
+from celery.signals import after_setup_logger, after_setup_task_logger, worker_init
 from kombu.entity import Exchange, Queue
 
 from worker.constants import (
@@ -83,7 +83,6 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "worker_soft_shutdown_timeout": settings.worker_soft_shutdown_seconds,
         "worker_enable_soft_shutdown_on_idle": True,
-        "worker_hijack_root_logger": False,
         "broker_connection_retry_on_startup": True,
         # an unacked message comes back after this; it must outlast the longest task
         "broker_transport_options": {"visibility_timeout": int(2 * longest_hard) + 60},
@@ -120,6 +119,14 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         log.info("worker metrics on :%d/metrics", settings.worker_metrics_port)
 
 
+def _job_ids_in_logs(logger: logging.Logger | None = None, **_: Any) -> None:
+    """Celery configured its loggers: give their handlers the job id and Sift's format."""
+    from worker.logcontext import install
+
+    for handler in logger.handlers if logger is not None else []:
+        install(handler)
+
+
 def create_celery_app(settings: Settings | None = None) -> Celery:
     """The worker's Celery app, with Sift's tasks registered."""
     settings = settings or load_settings()
@@ -127,6 +134,8 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     celery.config_from_object(celery_config(settings))
     celery.conf.sift_settings = settings
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
+    after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
+    after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")
     import worker.tasks  # noqa: F401  (registers the shared tasks with every app)
 
     return celery

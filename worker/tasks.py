@@ -37,6 +37,7 @@ from worker.constants import (
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.errors import SiftError
 from worker.jobstore import BatchItem, JobStore, webhook_event
+from worker.logcontext import job_context
 from worker.ratelimit import LimitedReranker, ProviderLimiter
 from worker.settings import Settings, load_settings
 from worker.task_metrics import TASK_DURATION, TASK_RETRIES
@@ -149,8 +150,12 @@ class SiftTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         outcome = "ok"
+        job_id = str(args[0]) if args and isinstance(args[0], str) else "-"
+        if args and isinstance(args[0], dict):  # a webhook event
+            job_id = str(args[0].get("data", {}).get("id", "-"))
         try:
-            return super().__call__(*args, **kwargs)
+            with job_context(job_id):
+                return super().__call__(*args, **kwargs)
         except Retry:
             outcome = "retry"
             TASK_RETRIES.labels(self.name).inc()
@@ -285,6 +290,10 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         return transition.batch_completed
 
     def run_item(item: BatchItem) -> tuple[bool, bool]:
+        with job_context(f"{batch_id}/{item.query_id}"):
+            return run_one(item)
+
+    def run_one(item: BatchItem) -> tuple[bool, bool]:
         """Run one item; answers (batch completed by it, to retry)."""
         if poisoned:
             return finish(item, None, _poison_error(self)), False
