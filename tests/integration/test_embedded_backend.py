@@ -322,3 +322,16 @@ def test_vector_floor_and_vector_validation(tmp_path: Path) -> None:
 def test_derived_revision_is_stable_and_content_bound() -> None:
     assert derive_revision("t", "x", {"a": 1}) == derive_revision("t", "x", {"a": 1})
     assert derive_revision("t", "x", {"a": 1}) != derive_revision("t", "y", {"a": 1})
+
+
+def test_a_data_dir_of_another_schema_version_is_refused_not_misread(tmp_path: Path) -> None:
+    import apsw
+
+    from worker.errors import ConfigError
+
+    conn = apsw.Connection(str(tmp_path / "sift.db"))
+    conn.execute("CREATE TABLE docs(x); PRAGMA user_version=0")
+    conn.close()
+    backend = EmbeddedBackend(tmp_path)
+    with pytest.raises(ConfigError, match="SIFT_DATA_DIR"):
+        backend.channels("docs")

@@ -60,6 +60,7 @@ from worker.core.types import ChannelHit, ChannelQuery, ChannelResults, Document
 from worker.errors import (
     BackendRequestError,
     BackendUnavailable,
+    ConfigError,
     InvalidRequest,
     ModeUnavailable,
 )
@@ -100,6 +101,20 @@ _UNAVAILABLE = (
     apsw.InterruptError,
     apsw.ConnectionClosedError,
 )
+
+SCHEMA_VERSION = 1  # bump on any change to _SCHEMA; an older data dir is refused, never misread
+
+
+def _check_schema_version(conn: apsw.Connection, data_dir: Path) -> None:
+    found = conn.execute("PRAGMA user_version").fetchone()
+    version = int(found[0]) if found else 0
+    has_tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    if has_tables and has_tables[0] and version != SCHEMA_VERSION:
+        raise ConfigError(
+            f"SIFT_DATA_DIR {data_dir} holds embedded-index schema v{version}, this Sift "
+            f"reads v{SCHEMA_VERSION}: point SIFT_DATA_DIR at a new directory and re-ingest"
+        )
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS indexes(
@@ -201,7 +216,9 @@ class EmbeddedBackend:
             conn.execute(f"PRAGMA mmap_size={MMAP_BYTES}")
             if not self._schema_ready:
                 with _write(conn):
+                    _check_schema_version(conn, self.data_dir)
                     conn.execute(_SCHEMA)
+                    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
                 self._schema_ready = True
         self._local.conn = conn
         with self._lock:
