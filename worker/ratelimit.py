@@ -108,15 +108,24 @@ class LimitedReranker:
         self._clock = clock
 
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:
+        """One attempt. When the pause or a full limiter outlasts the attempt's timeout, the
+        attempt is a ``rate_limited`` one (with the pause left as ``retry_after``), so the
+        core's budget and failure policy decide, as for a 429 from the provider."""
         deadline = self._clock() + timeout_seconds
-        with self.limiter.slot(deadline=deadline):
-            self.limiter.wait(deadline=deadline)
-            try:
-                return self.inner.rerank(prompt, max(0.0, deadline - self._clock()))
-            except RerankAttemptError as exc:
-                if exc.outcome is AttemptOutcome.RATE_LIMITED:
-                    self.limiter.pause(exc.retry_after or DEFAULT_429_PAUSE_SECONDS)
-                raise
+        try:
+            with self.limiter.slot(deadline=deadline):
+                self.limiter.wait(deadline=deadline)
+                try:
+                    return self.inner.rerank(prompt, max(0.0, deadline - self._clock()))
+                except RerankAttemptError as exc:
+                    if exc.outcome is AttemptOutcome.RATE_LIMITED:
+                        self.limiter.pause(exc.retry_after or DEFAULT_429_PAUSE_SECONDS)
+                    raise
+        except DeadlineExceeded as exc:
+            left = max(0.0, self.limiter.paused_until - self._clock())
+            raise RerankAttemptError(
+                AttemptOutcome.RATE_LIMITED, f"not sent: {exc.message}", retry_after=left or None
+            ) from exc
 
 
 class NullLimiter(ProviderLimiter):

@@ -76,5 +76,10 @@ def test_a_429_pauses_every_later_call() -> None:
         reranker.rerank(None, 5.0)  # type: ignore[arg-type]
     assert time.monotonic() - started >= 0.14  # the second call waited out the pause
     assert limiter.in_flight == 0
-    with pytest.raises(DeadlineExceeded):  # no attempt starts that the pause would outlast
+    limiter.pause(1.0)
+    calls = reranker.inner.calls  # type: ignore[attr-defined]
+    with pytest.raises(RerankAttemptError) as caught:  # not sent: the pause outlasts it
         reranker.rerank(None, 0.05)  # type: ignore[arg-type]
+    assert caught.value.outcome is AttemptOutcome.RATE_LIMITED
+    assert caught.value.retry_after is not None and caught.value.retry_after > 0.5
+    assert reranker.inner.calls == calls  # type: ignore[attr-defined]
