@@ -54,6 +54,7 @@ class FakeGateway:
     polls: dict[str, int] = field(default_factory=dict)
     batch_queries: list[dict[str, Any]] = field(default_factory=list)
     search_answers_at_once: bool = False
+    ingests: dict[str, int] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -72,7 +73,16 @@ class FakeGateway:
             if path.split("/")[3] == "refused":
                 detail = [{"loc": ["body", "documents", 0, "text"], "msg": "too long"}]
                 return 422, {"detail": detail}
-            return 200, {"indexed": len(body["documents"])}
+            # Like the gateway: the first batch finishes within ?wait, later ones are polled.
+            n = len(self.posted(path))
+            job = {"id": f"i-{n}", "status": "queued", "upserted": None}
+            self.ingests[job["id"]] = len(body["documents"])
+            if n == 1:
+                return 200, {**job, "status": "succeeded", "upserted": len(body["documents"])}
+            return 202, job
+        if method == "GET" and path.startswith("/v1/ingestions/"):
+            job_id = path.rsplit("/", 1)[1]
+            return 200, {"id": job_id, "status": "succeeded", "upserted": self.ingests[job_id]}
         if method == "POST" and path == "/v1/searches":
             if query.get("wait") != ["30"]:
                 return 400, {"detail": "expected wait=30"}

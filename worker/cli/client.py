@@ -198,19 +198,21 @@ def _report_skipped(console: Console, problems: list[str]) -> None:
 
 
 def _send_documents(client: Gateway, index: str, documents: list[dict[str, Any]]) -> int:
-    """POST one batch; the gateway answers ``{"indexed": n}``, or 202 with a job to poll."""
+    """POST one batch and wait for its ingest job; answers how many documents it upserted.
+
+    The gateway answers 200 with the finished job when it finished within ``wait``, else
+    202 with a job to poll at ``GET /v1/ingestions/{id}``.
+    """
     path = f"/v1/indexes/{index}/documents"
-    response = client.request("POST", path, json={"documents": documents})
-    body = response.json() if response.content else {}
-    if response.status_code == 202 and isinstance(body, dict) and "id" in body:
-        job = client.poll(f"/v1/ingests/{body['id']}")
-        if job.get("status") != "succeeded":
-            error = job.get("error") or {}
-            message = error.get("message") if isinstance(error, dict) else error
-            raise GatewayError(f"ingest job {body['id']} {job.get('status')}: {message}")
-        body = job.get("result") or job
-    indexed = body.get("indexed") if isinstance(body, dict) else None
-    return int(indexed) if isinstance(indexed, int) else len(documents)
+    response = client.request("POST", path, params={"wait": 30}, json={"documents": documents})
+    job = response.json()
+    if job.get("status") not in ("succeeded", "failed", "canceled"):
+        job = client.poll(f"/v1/ingestions/{job['id']}")
+    if job.get("status") != "succeeded":
+        error = job.get("error") or {}
+        message = error.get("message") if isinstance(error, dict) else error
+        raise GatewayError(f"ingest job {job.get('id')} {job.get('status')}: {message}")
+    return int(job.get("upserted") or 0)
 
 
 @app.command("ingest")
