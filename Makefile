@@ -20,7 +20,7 @@ services:
 	@./scripts/install-services.sh
 
 demo: install services
-	$(BIN)/sift demo-local
+	$(BIN)/sift demo
 
 test: install services
 	$(BIN)/ruff check worker api_gateway tests benchmarks

@@ -38,7 +38,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.services import _stop, celery_worker, free_port, gateway, redis_server  # noqa: E402
+from tests.services import celery_worker, free_port, gateway, redis_server, stop  # noqa: E402
 from worker.contract import DocumentIn, SearchSpec  # noqa: E402
 
 KEY = "bench-key-0001"
@@ -183,7 +183,7 @@ def fake_anthropic(tmp: Path, delay: float) -> Iterator[str]:
             time.sleep(0.05)
         yield url
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, float]:

@@ -282,15 +282,20 @@ class JobStore:
 
     @classmethod
     def from_url(cls, url: str, *, max_connections: int | None = None) -> JobStore:
-        client = redis.Redis.from_url(
-            url,
-            decode_responses=True,
-            max_connections=max_connections,
-            socket_connect_timeout=5,
-            socket_timeout=30,
-            health_check_interval=30,
+        """A store on ``url``. With ``max_connections``, a thread that finds every connection
+        busy waits for one (up to 20 s) instead of failing its job."""
+        options: dict[str, Any] = {
+            "decode_responses": True,
+            "socket_connect_timeout": 5,
+            "socket_timeout": 30,
+            "health_check_interval": 30,
+        }
+        if max_connections is None:
+            return cls(redis.Redis.from_url(url, **options))
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=20, **options
         )
-        return cls(client)
+        return cls(redis.Redis(connection_pool=pool))
 
     def close(self) -> None:
         self.redis.close()

@@ -120,7 +120,10 @@ def get_context(settings: Settings | None = None) -> WorkerContext:
                 _context = WorkerContext(
                     settings=settings,
                     store=JobStore.from_url(
-                        settings.redis_url, max_connections=settings.worker_concurrency + 32
+                        settings.redis_url,
+                        max_connections=settings.worker_concurrency
+                        + settings.batch_item_concurrency
+                        + 32,
                     ),
                     limiter=ProviderLimiter(settings.rerank_max_in_flight),
                 )

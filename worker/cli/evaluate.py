@@ -1,10 +1,9 @@
-"""``sift eval`` and ``sift demo-local``: the in-process runtime, with no queue."""
+"""``sift eval``: the evaluation harness on the in-process runtime, with no queue."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
@@ -15,7 +14,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from worker.cli import app
-from worker.contract import SearchSpec
 from worker.errors import SiftError
 from worker.evaluation import TENANT, Collection, evaluate, read_corpus
 from worker.runtime import Runtime, build_runtime
@@ -117,24 +115,6 @@ def _print_report(report: dict[str, Any]) -> None:
 
 def sample_path(name: str) -> Path:
     return Path(str(resources.files("worker") / "data" / name))
-
-
-@app.command("demo-local")
-def demo_local(
-    query: Annotated[list[str] | None, typer.Argument(help="default: the samples")] = None,
-    limit: int = 3,
-) -> None:
-    """Index the bundled sample corpus in a temporary directory and search it in-process."""
-    with tempfile.TemporaryDirectory(prefix="sift-demo-") as tmp:
-        runtime = build_runtime(load_settings(data_dir=Path(tmp)))
-        _ingest(runtime, sample_path("sample_corpus.jsonl"), "demo", "demo")
-        texts = query or [
-            json.loads(line)["query"]
-            for line in sample_path("sample_queries.jsonl").read_text().splitlines()
-        ]
-        for text in texts:
-            result = runtime.search(SearchSpec(index="demo", query=text, limit=limit), "demo")
-            print_hits(text, result.model_dump())
 
 
 def print_hits(query: str, result: dict[str, Any]) -> None:

@@ -1,0 +1,195 @@
+"""``sift up``, ``sift gateway``, ``sift worker`` and ``sift demo``: running the stack."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import secrets
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from worker.cli import app
+from worker.cli.evaluate import print_hits, sample_path
+from worker.constants import ALL_QUEUES
+from worker.errors import SiftError
+from worker.settings import Settings, load_settings
+from worker.stack import (
+    child_env,
+    free_port,
+    gateway_process,
+    redis_server,
+    sift_command,
+    worker_process,
+)
+
+console = Console()
+STATE_DIR = Path(".sift")
+
+
+@app.command("gateway")
+def gateway(
+    host: Annotated[str, typer.Option(help="interface to bind")] = "0.0.0.0",
+    port: Annotated[int | None, typer.Option(help="default: SIFT_GATEWAY_PORT")] = None,
+    workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes")] = 1,
+) -> None:
+    """Run one gateway (uvicorn), for deployment."""
+    import uvicorn
+
+    settings = _settings()
+    uvicorn.run(
+        "api_gateway.app:create_app", factory=True, host=host, port=port or settings.gateway_port,
+        workers=workers, access_log=False, log_level="info",
+    )  # fmt: skip
+
+
+@app.command("worker")
+def worker(
+    name: Annotated[str, typer.Option(help="node name, unique per host")] = "worker",
+    concurrency: Annotated[
+        int | None, typer.Option(help="default: SIFT_WORKER_CONCURRENCY")
+    ] = None,
+    pool: Annotated[str | None, typer.Option(help="threads|prefork|solo; SIFT_WORKER_POOL")] = None,
+    queues: Annotated[str, typer.Option(help="comma-separated queues")] = ",".join(ALL_QUEUES),
+    loglevel: str = "INFO",
+) -> None:
+    """Run one Celery worker, for deployment."""
+    from worker.celery_app import create_celery_app
+
+    overrides: dict[str, Any] = {}
+    if concurrency:
+        overrides["worker_concurrency"] = concurrency
+    if pool:
+        overrides["worker_pool"] = pool
+    celery = create_celery_app(_settings(**overrides))
+    celery.worker_main(
+        ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel,
+         "--without-gossip", "--without-mingle"]
+    )  # fmt: skip
+
+
+def _settings(**overrides: Any) -> Settings:
+    try:
+        return load_settings(**overrides)
+    except SiftError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from error
+
+
+def _dev_key(state: Path) -> dict[str, str]:
+    """A development API key, kept in ``.sift/dev-api-key.json`` so it survives restarts."""
+    path = state / "dev-api-key.json"
+    if path.exists():
+        return dict(json.loads(path.read_text()))
+    secret = base64.b64encode(secrets.token_bytes(24)).decode()
+    key = {"key": f"sift-dev-{secrets.token_hex(12)}", "tenant": "dev",
+           "webhook_secret": f"whsec_{secret}"}  # fmt: skip
+    state.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(key) + "\n")
+    path.chmod(0o600)
+    return key
+
+
+@dataclass(frozen=True)
+class LocalStack:
+    url: str
+    api_key: str
+    redis_url: str
+
+
+@contextlib.contextmanager
+def local_stack(state: Path, port: int | None = None) -> Iterator[LocalStack]:
+    """Redis (ours unless SIFT_REDIS_URL is set), one worker and the gateway."""
+    settings = _settings()
+    extra: dict[str, str] = {}
+    keys = settings.all_api_keys()
+    if keys:
+        api_key = keys[0].key
+    else:
+        dev = _dev_key(state)
+        api_key = dev["key"]
+        extra["SIFT_API_KEYS"] = json.dumps([dev])
+    with contextlib.ExitStack() as stack:
+        redis_url = settings.redis_url
+        if not redis_url:
+            redis_url = stack.enter_context(redis_server(state / "redis", appendonly=True)) + "/0"
+            extra["SIFT_REDIS_URL"] = redis_url
+        if "SIFT_DATA_DIR" not in extra and settings.data_dir == Settings().data_dir:
+            extra["SIFT_DATA_DIR"] = str(state / "data")
+        env = child_env(extra)
+        stack.enter_context(worker_process(state / "logs", env))
+        url = stack.enter_context(
+            gateway_process(state / "logs", env, port=port or settings.gateway_port)
+        )
+        yield LocalStack(url, api_key, redis_url)
+
+
+def _start(stack: contextlib.ExitStack, state: Path, port: int | None = None) -> LocalStack:
+    try:
+        with console.status("starting redis, a worker and the gateway…"):
+            return stack.enter_context(local_stack(state, port))
+    except (RuntimeError, SiftError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(1) from error
+
+
+@app.command("up")
+def up() -> None:
+    """Run Redis, one worker and the gateway in the foreground until Ctrl-C."""
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    with contextlib.ExitStack() as stack:
+        running = _start(stack, STATE_DIR)
+        console.print(f"gateway  [bold]{running.url}[/]  (OpenAPI at {running.url}/docs)")
+        console.print(f"api key  [bold]{running.api_key}[/]")
+        console.print(f"redis    {running.redis_url}")
+        console.print(f"logs     {STATE_DIR / 'logs'}")
+        console.print(f"\nexport SIFT_URL={running.url} SIFT_API_KEY={running.api_key}")
+        console.print("Ctrl-C stops everything.")
+        with contextlib.suppress(KeyboardInterrupt):
+            stopping.wait()
+        console.print("stopping…")
+
+
+@app.command("demo")
+def demo(limit: Annotated[int, typer.Option(min=1, max=100)] = 3) -> None:
+    """The whole path on this machine: start the stack, ingest the bundled sample corpus,
+    run a batch of searches through the gateway and the queue, print them, stop."""
+    started = time.monotonic()
+    corpus, queries = sample_path("sample_corpus.jsonl"), sample_path("sample_queries.jsonl")
+    with tempfile.TemporaryDirectory(prefix="sift-demo-") as tmp, contextlib.ExitStack() as stack:
+        running = _start(stack, Path(tmp), port=free_port())
+        console.print(f"stack up at {running.url}")
+        env = child_env({"SIFT_URL": running.url, "SIFT_API_KEY": running.api_key})
+        out = Path(tmp) / "results.jsonl"
+        _run(sift_command("ingest", str(corpus), "--index", "demo"), env)
+        _run(sift_command("batch", str(queries), "--index", "demo", "--out", str(out),
+                          "--limit", str(limit)), env)  # fmt: skip
+        lines = queries.read_text().splitlines()
+        texts = {row["id"]: row["query"] for row in map(json.loads, lines)}
+        for line in out.read_text().splitlines():
+            item = json.loads(line)
+            if item["status"] == "succeeded":
+                print_hits(texts.get(item["query_id"], item["query_id"]), item["result"])
+            else:
+                console.print(f"[red]{item['query_id']} {item['status']}[/]: {item['error']}")
+        console.print("stopping the stack…")
+    elapsed = time.monotonic() - started
+    console.print(f"[green]demo done[/] in {elapsed:.1f} s; every process stopped")
+
+
+def _run(command: list[str], env: dict[str, str]) -> None:
+    result = subprocess.run(command, env=env, check=False, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        console.print(f"[red]{' '.join(command[3:5])} failed[/] (exit {result.returncode})")
+        raise typer.Exit(result.returncode)
