@@ -159,4 +159,4 @@ def _scored(qid: str, result: SearchResult) -> list[ir_measures.ScoredDoc]:
 
 def _aggregate(qrels: list[ir_measures.Qrel], run: list[ir_measures.ScoredDoc]) -> dict[str, float]:
     values = ir_measures.calc_aggregate(MEASURES, qrels, run)
-    return {str(measure): float(value) for measure, value in values.items()}
+    return {str(measure): float(values[measure]) for measure in MEASURES}
