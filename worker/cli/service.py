@@ -147,7 +147,8 @@ def _start(stack: contextlib.ExitStack, state: Path, port: int | None = None) ->
 def up() -> None:
     """Run Redis, one worker and the gateway in the foreground until Ctrl-C."""
     stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopping.set())
     with contextlib.ExitStack() as stack:
         running = _start(stack, STATE_DIR)
         console.print(f"gateway  [bold]{running.url}[/]  (OpenAPI at {running.url}/docs)")
@@ -156,8 +157,7 @@ def up() -> None:
         console.print(f"logs     {STATE_DIR / 'logs'}")
         console.print(f"\nexport SIFT_URL={running.url} SIFT_API_KEY={running.api_key}")
         console.print("Ctrl-C stops everything.")
-        with contextlib.suppress(KeyboardInterrupt):
-            stopping.wait()
+        stopping.wait()
         console.print("stopping…")
 
 
