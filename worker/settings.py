@@ -64,6 +64,7 @@ class Settings(BaseSettings):
     elasticsearch_api_key: str | None = None
     # Elasticsearch (DESIGN.md §6). Sift index NAME is the alias <prefix>NAME.
     elasticsearch_index_prefix: str = Field(default="sift-", pattern=r"^[a-z0-9_.-]*$")
+    elasticsearch_native_rrf: bool = False  # fuse in ES (retriever.rrf); needs a licence
     elasticsearch_num_candidates: int = Field(default=200, ge=1, le=10_000)
     elasticsearch_vector_quantization: Literal["int8_hnsw", "hnsw", "bbq_hnsw"] = "int8_hnsw"
     elasticsearch_vector_dims: int = Field(default=384, ge=1, le=4096)

@@ -252,7 +252,7 @@ class EmbeddedBackend:
         """Each asked channel's hits, best first, hard filters applied inside the query."""
         conn = self._conn()
         hits: dict[Channel, list[ChannelHit]] = {}
-        seconds: dict[Channel, float] = {}
+        seconds: dict[str, float] = {}
         with _translated("retrieve"), _deadline(conn, query.timeout_seconds), _read(conn):
             row = _index_row(conn, query.index)
             if row is None:

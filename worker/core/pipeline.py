@@ -139,7 +139,14 @@ class SearchPipeline:
             vector=vector,
         )
         results = self._retrieve(channel_query, deadline)
-        candidates = rrf_fuse(admit(results.hits, self.config.vector_min_similarity), limit=coarse)
+        if results.fused is not None:  # the backend fused by itself: keep its order
+            candidates = [
+                Candidate(hit.document, rank, hit.score, {}, {})
+                for rank, hit in enumerate(results.fused[:coarse], start=1)
+            ]
+        else:
+            admitted = admit(results.hits, self.config.vector_min_similarity)
+            candidates = rrf_fuse(admitted, limit=coarse)
         trace: dict[str, Any] = {
             "policy": POLICY_ID if reranking else None,
             "query": query,
@@ -147,6 +154,7 @@ class SearchPipeline:
             "coarse_limit": coarse,
             "channel_window": channel_query.size,
             "channel_counts": {channel: len(hits) for channel, hits in results.hits.items()},
+            "fused_by_backend": results.fused is not None,
         }
 
         if not reranking or not candidates:
