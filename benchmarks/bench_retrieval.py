@@ -301,7 +301,7 @@ def run(
     def raw_hybrid(i: int) -> list[Any]:
         return raw_rrf((fts_rows(i), knn_rows(i)), COARSE)
 
-    print(f"  raw fts: ORDER BY {fts_choice}; raw knn scores: {knn_choice}")
+    print(f"  raw fts statement: {fts_choice}; raw knn scores: {knn_choice}")
     n = range(len(queries))
     modes: list[tuple[str, list[Callable[[], object]], list[Callable[[], object]]]] = [
         ("fts", [sift(("bm25",), i) for i in n], [partial(fts_rows, i) for i in n]),
