@@ -14,19 +14,32 @@ noisy machine hits both alike):
     - Sift: ``EmbeddedBackend.retrieve`` with the BM25 channel, as the pipeline calls it
       (builds the MATCH expression, one read transaction, FTS5 ``bm25()`` joined to the
       tenant's rows, ties by id, ``Document`` objects with revision and metadata).
-    - raw: one statement on a plain FTS5 table ``t(id UNINDEXED, tenant UNINDEXED, title,
-      text)`` holding both tenants, with the MATCH expression prepared outside the timing:
-      ``SELECT id, title, text, rank FROM t WHERE t MATCH ? AND tenant = ? ORDER BY rank
-      LIMIT ?`` (``rank`` is ``bm25(t)``; FTS5 sorts by it internally, so only the rows
-      it reaches are read for the tenant check. This was faster here than ``ORDER BY
-      bm25(t)``, which reads every match's row before sorting; the faster one is used.)
+    - raw: one statement, the MATCH expression prepared outside the timing, on the same
+      page cache and mmap settings as Sift. Five forms are tried on 50 queries before the
+      timing and the fastest is timed (the run prints which):
+
+      - ``rank``: a plain FTS5 table ``t(id UNINDEXED, tenant UNINDEXED, title, text)``
+        holding both tenants, ``SELECT id, title, text, rank FROM t WHERE t MATCH ? AND
+        tenant = ? ORDER BY rank LIMIT ?`` (FTS5 sorts by ``bm25`` itself and reads a
+        row for the tenant check only as far as the limit needs);
+      - ``bm25``: the same with ``bm25(t) AS score ... ORDER BY score``;
+      - ``join``, ``join-rank``: a plain table ``d(id, tenant, title, text)`` with an
+        external-content FTS5 index ``j`` on it, ``... FROM j JOIN d ON d.rowid =
+        j.rowid WHERE j MATCH ? AND d.tenant = ? ORDER BY score`` (or ``j.rank``);
+      - ``join-late``: the join ranking rowids and scores in a subquery with the
+        ``LIMIT``, and joining ``d`` again only for the hits' title and text.
+
+      None adds Sift's tie order by id.
 * ``vector``
-    - Sift: the kNN channel (snapshot check, exact cosine over the tenant's rows,
-      deterministic top 120, bodies from SQLite, ``Document`` objects).
+    - Sift: the kNN channel (snapshot check, exact cosine over the tenant's block of
+      rows: single-threaded einsum, or BLAS ``@`` past ``BLAS_MIN_PRODUCT`` multiply-adds
+      as on the 100k corpus; deterministic top 120; the hits' bodies from SQLite;
+      ``Document`` objects).
     - raw: numpy over the tenant's rows, with the tenant's sub-matrix and its ids,
       titles and texts gathered into arrays and Python lists once, outside the timing,
-      as a user caching their data would: the scores (``@`` or single-threaded
-      ``einsum``, whichever was faster in a trial before timing), ``argpartition`` then
+      as a user caching their data would: the scores (``@``, which uses every BLAS
+      thread, or single-threaded ``einsum``, whichever was faster in a trial before
+      timing), ``argpartition`` then
       ``argsort`` of the top 120, and the ids, titles and texts read from the lists.
       Raw holds every text in memory; Sift reads the hits' bodies from its SQLite file.
 * ``hybrid``
