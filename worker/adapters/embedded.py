@@ -51,7 +51,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -297,25 +297,18 @@ class EmbeddedBackend:
                 seconds[channel] = time.perf_counter() - started
             # The bodies of every channel's hits in one statement, each Document built once.
             started = time.perf_counter()
-            bodies = _bodies(conn, {r[0] for rows in ranked.values() for r in rows})
+            wanted = {r[0]: r for rows in ranked.values() for r in rows}
             documents: dict[int, Document] = {}
+            for seq, title, text in _bodies(conn, wanted):
+                _seq, _score, doc_id, revision, metadata = wanted[seq]
+                documents[seq] = Document(
+                    doc_id, text, title, revision, json.loads(metadata) if metadata != "{}" else {}
+                )
             for channel, rows in ranked.items():
-                channel_hits: list[ChannelHit] = []
-                for seq, score, doc_id, revision, metadata in rows:
-                    document = documents.get(seq)
-                    if document is None:
-                        body = bodies.get(seq)
-                        if body is None:  # a row a newer vector snapshot holds, this read lacks
-                            continue
-                        document = documents[seq] = Document(
-                            doc_id,
-                            body[1],
-                            body[0],
-                            revision,
-                            json.loads(metadata) if metadata != "{}" else {},
-                        )
-                    channel_hits.append(ChannelHit(document, score))
-                hits[channel] = channel_hits
+                # a seq without a body is a row a newer vector snapshot holds, this read lacks
+                hits[channel] = [
+                    ChannelHit(documents[r[0]], r[1]) for r in rows if r[0] in documents
+                ]
             shared = (time.perf_counter() - started) / max(len(ranked), 1)
             for channel in ranked:  # the shared read, charged evenly to the channels
                 seconds[channel] += shared
@@ -592,7 +585,8 @@ def _kept(values: list[str], rows: npt.NDArray[np.intp], whole: bool) -> list[st
 def _grow(
     matrix: npt.NDArray[np.float32], size: int, kept: npt.NDArray[np.intp], blobs: list[bytes]
 ) -> npt.NDArray[np.float32]:
-    """Append vectors after the kept rows, reusing spare capacity (1.5x growth).
+    """Append vectors after the kept rows, reusing spare capacity (1.5x growth, from 16 rows:
+    one block per tenant, so many small tenants stay small).
 
     Rows already visible to other readers are never written: appends go past ``size``,
     and a deletion or a full buffer builds a new matrix.
@@ -603,7 +597,7 @@ def _grow(
     if kept.size == size and matrix.shape[0] >= total and matrix.shape[1] == dim:
         out = matrix  # append in place, past every reader's row count
     else:
-        out = np.empty((max(total + total // 2, 1024), dim), dtype=np.float32)
+        out = np.empty((max(total + total // 2, 16), dim), dtype=np.float32)
         if kept.size:
             out[: kept.size] = matrix[:size] if kept.size == size else matrix[kept]
     out[kept.size : total] = added
@@ -646,23 +640,20 @@ def _document_row(i: int, doc: Document) -> tuple[str, str, str, str, str]:
 _BODY_BATCH = 1024  # seqs per statement, far below SQLite's limit on bound parameters
 
 
-def _bodies(conn: apsw.Connection, seqs: set[int]) -> dict[int, tuple[str, str]]:
-    """Title and text by seq, in one statement per 1,024 seqs.
+def _bodies(conn: apsw.Connection, seqs: Collection[int]) -> Iterator[tuple[int, str, str]]:
+    """(seq, title, text) of the given seqs, in one statement per 1,024 seqs.
 
     Each list is padded (with its last seq) to a power of two, so a few statement texts
     serve every size from apsw's statement cache instead of one parse per new length.
     """
     ordered = sorted(seqs)
-    found: dict[int, tuple[str, str]] = {}
     for at in range(0, len(ordered), _BODY_BATCH):
         batch = ordered[at : at + _BODY_BATCH]
         padded = 1 << (len(batch) - 1).bit_length()
         batch += [batch[-1]] * (padded - len(batch))
-        rows = conn.execute(
+        yield from conn.execute(
             f"SELECT seq, title, text FROM bodies WHERE seq IN ({','.join('?' * padded)})", batch
         )
-        found.update((seq, (title, text)) for seq, title, text in rows)
-    return found
 
 
 def _filter_sql(filters: HardFilters) -> tuple[str, list[FilterValue]]:
