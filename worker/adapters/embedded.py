@@ -75,6 +75,9 @@ logger = logging.getLogger(__name__)
 DB_FILE = "sift.db"
 BUSY_TIMEOUT_MS = 10_000
 CACHE_KIB = 32 * 1024  # page cache per connection
+# Built Documents by seq. A seq names one immutable version (a replace gets a new seq,
+# and seqs are never reused), so an entry can go stale only by never being asked for.
+DOCUMENT_CACHE_SIZE = 20_000
 MMAP_BYTES = 1 << 30  # reads through the OS page cache, shared by every process
 FTS_TOKENIZER = "porter unicode61 remove_diacritics 2"
 
@@ -217,6 +220,7 @@ class EmbeddedBackend:
         self.vector_min_similarity = vector_min_similarity
         self._local = threading.local()
         self._lock = threading.Lock()
+        self._documents: dict[int, Document] = {}  # insertion order: the oldest goes first
         self._vectors: dict[str, _Vectors] = {}
         self._connections: list[apsw.Connection] = []
         self._inherited: list[apsw.Connection] = []  # kept referenced, so never closed here
@@ -230,6 +234,7 @@ class EmbeddedBackend:
             with self._lock:
                 self._inherited += self._connections
                 self._pid, self._connections, self._vectors = os.getpid(), [], {}
+                self._documents = {}
                 self._local = threading.local()
         conn: apsw.Connection | None = getattr(self._local, "conn", None)
         if conn is not None:
@@ -298,12 +303,16 @@ class EmbeddedBackend:
             # The bodies of every channel's hits in one statement, each Document built once.
             started = time.perf_counter()
             wanted = {r[0]: r for rows in ranked.values() for r in rows}
-            documents: dict[int, Document] = {}
-            for seq, title, text in _bodies(conn, wanted):
+            cache = self._documents
+            documents = {seq: doc for seq in wanted if (doc := cache.get(seq)) is not None}
+            missing = [seq for seq in wanted if seq not in documents]
+            for seq, title, text in _bodies(conn, missing):
                 _seq, _score, doc_id, revision, metadata = wanted[seq]
                 documents[seq] = Document(
                     doc_id, text, title, revision, json.loads(metadata) if metadata != "{}" else {}
                 )
+            if missing:
+                self._remember({seq: documents[seq] for seq in missing if seq in documents})
             for channel, rows in ranked.items():
                 # a seq without a body is a row a newer vector snapshot holds, this read lacks
                 hits[channel] = [
@@ -313,6 +322,12 @@ class EmbeddedBackend:
             for channel in ranked:  # the shared read, charged evenly to the channels
                 seconds[channel] += shared
         return ChannelResults(hits=hits, seconds=seconds)
+
+    def _remember(self, built: dict[int, Document]) -> None:
+        with self._lock:
+            self._documents.update(built)
+            for _ in range(len(self._documents) - DOCUMENT_CACHE_SIZE):
+                del self._documents[next(iter(self._documents))]
 
     def upsert(
         self,
