@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from worker.constants import POLICY_ID
@@ -177,9 +177,7 @@ class SearchPipeline:
 
     def _retrieve(self, query: ChannelQuery, deadline: Deadline) -> ChannelResults:
         def attempt(timeout: float) -> ChannelResults:
-            return self.backend.retrieve(
-                ChannelQuery(**{**_fields(query), "timeout_seconds": timeout})
-            )
+            return self.backend.retrieve(replace(query, timeout_seconds=timeout))
 
         results = call_within_budget(
             attempt,
@@ -327,10 +325,6 @@ class SearchPipeline:
         return SearchResult(
             hits=hits, rerank=info, usage=usage, trace=trace if spec.include_trace else None
         )
-
-
-def _fields(query: ChannelQuery) -> dict[str, Any]:
-    return {name: getattr(query, name) for name in ChannelQuery.__slots__}
 
 
 def _hit(candidate: Candidate, final: int) -> Hit:
