@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 
 from worker.cli import app
-from worker.cli.evaluate import print_hits, sample_path
+from worker.cli._output import print_result, sample_path
 from worker.constants import ALL_QUEUES
 from worker.errors import SiftError
 from worker.settings import Settings, load_settings
@@ -180,7 +180,8 @@ def demo(limit: Annotated[int, typer.Option(min=1, max=100)] = 3) -> None:
         for line in out.read_text().splitlines():
             item = json.loads(line)
             if item["status"] == "succeeded":
-                print_hits(texts.get(item["query_id"], item["query_id"]), item["result"])
+                title = f"“{texts.get(item['query_id'], item['query_id'])}”"
+                print_result(console, item["result"], title=title)
             else:
                 console.print(f"[red]{item['query_id']} {item['status']}[/]: {item['error']}")
         console.print("stopping the stack…")
