@@ -26,6 +26,9 @@ from worker.constants import (
     ALL_QUEUES,
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    ECONOMY_CANCEL_TASK,
+    ECONOMY_POLL_TASK,
+    ECONOMY_SUBMIT_TASK,
     INGEST_QUEUE,
     INGEST_TASK,
     SEARCH_QUEUE,
@@ -47,6 +50,9 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     BATCH_CHUNK_TASK: {"queue": BATCH_QUEUE},
     INGEST_TASK: {"queue": INGEST_QUEUE},
     WEBHOOK_TASK: {"queue": WEBHOOK_QUEUE},
+    ECONOMY_SUBMIT_TASK: {"queue": BATCH_QUEUE},
+    ECONOMY_POLL_TASK: {"queue": BATCH_QUEUE},
+    ECONOMY_CANCEL_TASK: {"queue": BATCH_QUEUE},
 }
 
 
@@ -136,6 +142,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")
+    import worker.economy
     import worker.tasks  # noqa: F401  (registers the shared tasks with every app)
 
     return celery
