@@ -91,7 +91,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_enable_soft_shutdown_on_idle": True,
         "broker_connection_retry_on_startup": True,
         # an unacked message comes back after this; it must outlast the longest task
-        "broker_transport_options": {"visibility_timeout": int(2 * longest_hard) + 60},
+        # (an economy poll waits up to SIFT_ECONOMY_POLL_MAX_SECONDS as an unacked ETA task)
+        "broker_transport_options": {
+            "visibility_timeout": int(2 * max(longest_hard, settings.economy_poll_max_seconds)) + 60
+        },
         # one direct exchange per queue, named like it: what send_task(queue=...) creates on
         # the gateway's side too. A shared exchange and key would copy a message into every queue.
         "task_queues": [
