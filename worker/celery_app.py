@@ -26,6 +26,9 @@ from worker.constants import (
     ALL_QUEUES,
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    ECONOMY_CANCEL_TASK,
+    ECONOMY_POLL_TASK,
+    ECONOMY_SUBMIT_TASK,
     INGEST_QUEUE,
     INGEST_TASK,
     SEARCH_QUEUE,
@@ -47,6 +50,9 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     BATCH_CHUNK_TASK: {"queue": BATCH_QUEUE},
     INGEST_TASK: {"queue": INGEST_QUEUE},
     WEBHOOK_TASK: {"queue": WEBHOOK_QUEUE},
+    ECONOMY_SUBMIT_TASK: {"queue": BATCH_QUEUE},
+    ECONOMY_POLL_TASK: {"queue": BATCH_QUEUE},
+    ECONOMY_CANCEL_TASK: {"queue": BATCH_QUEUE},
 }
 
 
@@ -85,7 +91,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_enable_soft_shutdown_on_idle": True,
         "broker_connection_retry_on_startup": True,
         # an unacked message comes back after this; it must outlast the longest task
-        "broker_transport_options": {"visibility_timeout": int(2 * longest_hard) + 60},
+        # (an economy poll waits up to SIFT_ECONOMY_POLL_MAX_SECONDS as an unacked ETA task)
+        "broker_transport_options": {
+            "visibility_timeout": int(2 * max(longest_hard, settings.economy_poll_max_seconds)) + 60
+        },
         # one direct exchange per queue, named like it: what send_task(queue=...) creates on
         # the gateway's side too. A shared exchange and key would copy a message into every queue.
         "task_queues": [
@@ -136,6 +145,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")
+    import worker.economy
     import worker.tasks  # noqa: F401  (registers the shared tasks with every app)
 
     return celery
