@@ -173,7 +173,7 @@ def drop() -> Behaviour:
 
 # --- Message Batches: one request's scripted result ------------------------------------------
 
-BatchKind = Literal["succeeded", "errored", "expired", "canceled"]
+BatchKind = Literal["succeeded", "errored", "expired", "canceled", "missing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +197,7 @@ class BatchOutcome:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> BatchOutcome:
-        if data.get("kind") not in ("succeeded", "errored", "expired", "canceled"):
+        if data.get("kind") not in ("succeeded", "errored", "expired", "canceled", "missing"):
             raise ValueError(f"unknown batch outcome kind: {data.get('kind')!r}")
         behaviour = data.get("behaviour")
         return cls(
@@ -222,6 +222,11 @@ def errored(error_type: str = "api_error") -> BatchOutcome:
 def expired() -> BatchOutcome:
     """A request the batch did not reach before it expired."""
     return BatchOutcome("expired")
+
+
+def missing() -> BatchOutcome:
+    """A request the results file leaves out altogether (a provider fault to survive)."""
+    return BatchOutcome("missing")
 
 
 @dataclass(slots=True)
@@ -680,6 +685,8 @@ class FakeAnthropic:
         for i, (req, outcome) in enumerate(zip(batch.requests, batch.outcomes, strict=True)):
             if cut is not None and i >= cut:
                 outcome = BatchOutcome("canceled")
+            if outcome.kind == "missing":
+                continue
             results.append(
                 {"custom_id": req["custom_id"], "result": self._batch_result(req, outcome)}
             )

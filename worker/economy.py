@@ -444,6 +444,18 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
         fresh = task.context.store.get_batch(batch.id) or batch
         submit(task, fresh, resubmit, expected=provider_id)
     store = task.context.store
+    # A request the results left out would wait forever: it failed, in the malformed class.
+    left_out = [
+        qid
+        for qid, raw in store.economy_all(batch.id, ECONOMY_RUNS_KEY).items()
+        if json.loads(raw)["provider"] == provider_id
+    ]
+    if left_out:
+        log.warning("provider batch %s: %d requests had no result", provider_id, len(left_out))
+        failure = RerankAttemptError(
+            AttemptOutcome.MALFORMED, f"provider batch {provider_id} ended without its result"
+        )
+        _fail_items(task, batch, left_out, failure)
     raw = store.economy_get(batch.id, ECONOMY_PROVIDERS_KEY, [provider_id])[0]
     record = json.loads(raw) if raw else {}
     record.update(ended_at=time.time(), results=lines, resubmitted=len(resubmit))

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import ACME, ECONOMY_DEADLINE_SECONDS, INDEX, Stack
-from tests.fake_anthropic import errored, expired, malformed, positions, succeeded
+from tests.fake_anthropic import errored, expired, malformed, missing, positions, succeeded
 
 FINAL = {"succeeded", "failed", "canceled"}
 
@@ -192,3 +192,18 @@ def test_an_economy_batch_with_rerank_off_finishes_without_the_provider(
     done = _wait(stack, batch_id)
     assert done["counts"]["succeeded"] == 3
     assert stack.model.batches() == []
+
+
+def test_a_request_the_results_leave_out_fails_instead_of_waiting_forever(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    items = _items(queries, 3)
+    stack.model.script_batch({"i1": [missing()]})
+    batch_id = _submit(stack, items, "economy")
+    done = _wait(stack, batch_id)
+    assert done["counts"]["running"] == 0 and done["counts"]["succeeded"] == 2
+    results = _results(stack, batch_id)
+    assert results["q1"]["status"] == "failed"
+    assert results["q1"]["error"]["type"] == "rerank_failed"
+    assert "malformed" in results["q1"]["error"]["message"]
+    assert {results[q]["status"] for q in ("q0", "q2")} == {"succeeded"}
