@@ -553,6 +553,10 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
     canceled, completed = outcome
     log.info("batch %s: %d items canceled", batch_id, canceled)
     batch = await _owned_batch(request, batch_id, tenant)
+    if canceled:
+        metrics.job_completed("batch_item", "canceled", count=canceled)
+    if completed:
+        metrics.job_completed("batch", batch.status.value)
     if completed and batch.webhook_url:
         event = webhook_event(
             WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant, batch.webhook_url, batch.status.value

@@ -158,6 +158,16 @@ def _expected() -> dict[str, Any]:
 
 
 EXPECTED = _expected()
+# Each worker's series at zero from its start, before any search (two workers)
+PREREGISTERED = {
+    f'count(sift_rerank_attempts_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 7.0,
+    f'count(sift_rerank_tokens_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 4.0,
+    f'count(sift_rerank_cost_usd_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 1.0,
+    f'count(sift_rerank_duration_seconds_count{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 8.0,
+    f'count(sift_rerank_in_flight{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 1.0,
+    'count(sift_retrieval_duration_seconds_count{backend="embedded"} == 0)': 2 * 3.0,
+    f'count(sift_rerank_outcomes_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 5.0,
+}
 
 
 # --- a webhook receiver ----------------------------------------------------------------------
@@ -232,6 +242,7 @@ class Observed:
     batch_results: list[dict[str, Any]]
     receiver: Receiver
     worker_addresses: dict[str, str]
+    preregistered: dict[str, float]  # PREREGISTERED's values before the workload
 
 
 def _usage_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -342,15 +353,16 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             with run_prometheus(tmp / "prometheus", targets, [RULES]) as prometheus:
                 for name in targets:  # the zero series are in, so rates have a start
                     prometheus.wait_for_scrapes(name, 3)
+                before = {expr: prometheus.values(expr).get("", 0.0) for expr in PREREGISTERED}
                 for pair in pairs.values():
                     _ingest(pair.client)
                 ran = []
                 for step in STEPS:
                     fake.script(step.script)
-                    before = fake.usage()
+                    used = fake.usage()
                     job = _search(pairs[step.pair], step, receiver)
                     assert fake.pending() == 0, f"{step}: script not used up"
-                    ran.append(Ran(step, job, _usage_delta(before, fake.usage())))
+                    ran.append(Ran(step, job, _usage_delta(used, fake.usage())))
                 batch_results = _batch(pairs["closed"], receiver)
                 wait_until(
                     lambda: receiver.seen == Counter({"/gone": 1, "/flaky": 2}),
@@ -370,6 +382,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
                     batch_results,
                     receiver,
                     {name: p.worker_metrics for name, p in pairs.items()},
+                    before,
                 )
 
 
@@ -509,6 +522,7 @@ def test_job_and_webhook_metrics(observed: Observed) -> None:
         ("search", "failed"): failed,
         ("ingest", "succeeded"): 2,
         ("batch_item", "succeeded"): len(BATCH_QUERIES),
+        ("batch", "succeeded"): 1,
     }
     failures = p.query("sum by (kind, error) (sift_job_failures_total) > 0")
     assert [(s["metric"]["kind"], s["metric"]["error"], s["value"][1]) for s in failures] == [
@@ -523,6 +537,13 @@ def test_job_and_webhook_metrics(observed: Observed) -> None:
     assert p.values("sum(sift_queue_backlog)")[""] == 0
     assert p.values(f'sum(up{{job="{PROMETHEUS_JOB_WORKER}"}})')[""] == 2
     assert p.values(f'sum(up{{job="{PROMETHEUS_JOB_GATEWAY}"}})')[""] == 2
+
+
+def test_workers_show_their_models_and_backends_series_before_the_first_search(
+    observed: Observed,
+) -> None:
+    # so that rate() and increase() count a series' first event too
+    assert observed.preregistered == PREREGISTERED
 
 
 def test_recording_rules_evaluate_on_real_data(observed: Observed) -> None:
