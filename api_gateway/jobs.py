@@ -561,6 +561,10 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
     if batch.lane == LANE_ECONOMY and not completed and batch.finished_at is None:
         # items waiting on the provider end when their provider batches are canceled
         await _io(_sender(request).send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
+    if canceled:
+        metrics.job_completed("batch_item", "canceled", count=canceled)
+    if completed:
+        metrics.job_completed("batch", batch.status.value)
     if completed and batch.webhook_url:
         event = webhook_event(
             WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant, batch.webhook_url, batch.status.value

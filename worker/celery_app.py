@@ -119,7 +119,10 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         return
     from worker.metrics import preregister, start_worker_metrics_server
 
-    preregister(queues=ALL_QUEUES)
+    # the model's and the backend's series too, at zero: a rate or an increase over a series
+    # that first appears at its first event would miss that event
+    models = [settings.generation_model_id] if settings.generation_model_id else []
+    preregister(models=models, backend=settings.search_backend, queues=ALL_QUEUES)
     try:
         start_worker_metrics_server(settings.worker_metrics_port)
     except OSError as exc:

@@ -205,8 +205,9 @@ def _item_done(task: SiftTask, batch: BatchJob, transition: ItemTransition) -> N
         store.economy_delete(batch.id)
         done = store.get_batch(batch.id)
         log.info("batch %s: completed", batch.id)
+        status = done.status.value if done else JobStatus.SUCCEEDED.value
+        metrics.job_completed("batch", status)  # once: only one transition completes it
         if batch.webhook_url:
-            status = done.status.value if done else JobStatus.SUCCEEDED.value
             task.send_webhook(
                 WEBHOOK_EVENT_BATCH_COMPLETED, batch.id, batch.tenant, batch.webhook_url, status
             )

@@ -376,12 +376,12 @@ def job_submitted(kind: str, count: int = 1) -> None:
 
 
 @_never_raises
-def job_completed(kind: str, status: str, error: str | None = None) -> None:
-    """A job reached a final status; a failed one also counts under its error class."""
+def job_completed(kind: str, status: str, error: str | None = None, count: int = 1) -> None:
+    """``count`` jobs reached a final status; a failed one also counts under its error class."""
     kind = _closed(kind, JOB_KINDS, "kind")
-    JOBS_COMPLETED.labels(kind, _closed(status, JOB_STATUSES, "status")).inc()
+    JOBS_COMPLETED.labels(kind, _closed(status, JOB_STATUSES, "status")).inc(count)
     if status == "failed":
-        JOB_FAILURES.labels(kind, _closed(error or "internal", JOB_ERRORS, "error")).inc()
+        JOB_FAILURES.labels(kind, _closed(error or "internal", JOB_ERRORS, "error")).inc(count)
 
 
 @contextlib.contextmanager

@@ -361,9 +361,10 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     to_retry = sum(1 for _, retry in outcomes if retry)
     if completed:
         log.info("batch %s: completed", batch_id)
+        done = store.get_batch(batch_id)
+        status = done.status.value if done else "succeeded"
+        metrics.job_completed("batch", status)  # once: only one transition completes it
         if batch.webhook_url:
-            done = store.get_batch(batch_id)
-            status = done.status.value if done else "succeeded"
             self.send_webhook(
                 WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, batch.tenant, batch.webhook_url, status
             )

@@ -148,6 +148,7 @@ def test_job_helpers() -> None:
     metrics.job_submitted("batch_item", 5)
     metrics.job_completed("batch_item", "succeeded")
     metrics.job_completed("batch_item", "failed", "rerank_failed")
+    metrics.job_completed("batch_item", "canceled", count=3)
     metrics.observe_queue_wait(SEARCH_QUEUE, 0.3)
     metrics.webhook_delivery("retry")
     with metrics.running_job():
@@ -155,6 +156,7 @@ def test_job_helpers() -> None:
     assert delta("sift_jobs_submitted_total", kind="batch_item") == 5
     assert delta("sift_jobs_completed_total", kind="batch_item", status="succeeded") == 1
     assert delta("sift_jobs_completed_total", kind="batch_item", status="failed") == 1
+    assert delta("sift_jobs_completed_total", kind="batch_item", status="canceled") == 3
     assert delta("sift_job_failures_total", kind="batch_item", error="rerank_failed") == 1
     assert delta("sift_job_queue_wait_seconds_count", queue=SEARCH_QUEUE) == 1
     assert delta("sift_webhook_deliveries_total", result="retry") == 1
