@@ -27,8 +27,6 @@ def celery_worker(
 
 
 @contextlib.contextmanager
-def gateway(
-    tmp: Path, env: Mapping[str, str], name: str = "gateway", workers: int = 1
-) -> Iterator[str]:
-    with gateway_process(tmp, child_env(env, inherit_sift=False), name, workers=workers) as url:
+def gateway(tmp: Path, env: Mapping[str, str], name: str = "gateway") -> Iterator[str]:
+    with gateway_process(tmp, child_env(env, inherit_sift=False), name) as url:
         yield url

@@ -16,10 +16,16 @@ a search, and the time limits below still apply under ``--pool prefork``.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from celery import Celery
-from celery.signals import after_setup_logger, after_setup_task_logger, worker_init
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    worker_init,
+    worker_process_shutdown,
+)
 from kombu.entity import Exchange, Queue
 
 from worker.constants import (
@@ -131,6 +137,13 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         log.info("worker metrics on :%d/metrics", settings.worker_metrics_port)
 
 
+def _child_exited(pid: int | None = None, **_: Any) -> None:
+    """A prefork child exits: in multiprocess mode, drop its share of the live gauges."""
+    from worker.metrics import mark_process_dead
+
+    mark_process_dead(pid or os.getpid())
+
+
 def _job_ids_in_logs(logger: logging.Logger | None = None, **_: Any) -> None:
     """Celery configured its loggers: give their handlers the job id and Sift's format."""
     from worker.logcontext import install
@@ -146,6 +159,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     celery.config_from_object(celery_config(settings))
     celery.conf.sift_settings = settings
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
+    worker_process_shutdown.connect(_child_exited, weak=False, dispatch_uid="sift-child-exit")
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")
     import worker.economy

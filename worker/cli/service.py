@@ -41,15 +41,14 @@ STATE_DIR = Path(".sift")
 def gateway(
     host: Annotated[str, typer.Option(help="interface to bind")] = "0.0.0.0",
     port: Annotated[int | None, typer.Option(help="default: SIFT_GATEWAY_PORT")] = None,
-    workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes")] = 1,
 ) -> None:
-    """Run one gateway (uvicorn), for deployment."""
+    """Run one gateway (one uvicorn process), for deployment; scale with replicas."""
     import uvicorn
 
     settings = _settings()
     uvicorn.run(
         "api_gateway.app:create_app", factory=True, host=host, port=port or settings.gateway_port,
-        workers=workers, access_log=False, log_level="info",
+        access_log=False, log_level="info",
     )  # fmt: skip
 
 
@@ -71,7 +70,13 @@ def worker(
         overrides["worker_concurrency"] = concurrency
     if pool:
         overrides["worker_pool"] = pool
-    celery = create_celery_app(_settings(**overrides))
+    settings = _settings(**overrides)
+    if settings.worker_pool == "prefork":  # children fork: their metrics go through files
+        from worker import metrics
+
+        directory = metrics.multiprocess_dir() or tempfile.mkdtemp(prefix="sift-metrics-")
+        metrics.setup_multiprocess(directory)
+    celery = create_celery_app(settings)
     celery.worker_main(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel,
          "--without-gossip", "--without-mingle"]
