@@ -49,7 +49,7 @@ def gateway(
     settings = _settings()
     uvicorn.run(
         "api_gateway.app:create_app", factory=True, host=host, port=port or settings.gateway_port,
-        workers=workers, access_log=False, log_level="info",
+        workers=workers, access_log=False, log_level=settings.log_level.lower(),
     )  # fmt: skip
 
 
@@ -61,7 +61,7 @@ def worker(
     ] = None,
     pool: Annotated[str | None, typer.Option(help="threads|prefork|solo; SIFT_WORKER_POOL")] = None,
     queues: Annotated[str, typer.Option(help="comma-separated queues")] = ",".join(ALL_QUEUES),
-    loglevel: str = "INFO",
+    loglevel: Annotated[str | None, typer.Option(help="default: SIFT_LOG_LEVEL")] = None,
 ) -> None:
     """Run one Celery worker, for deployment."""
     from worker.celery_app import create_celery_app
@@ -71,9 +71,10 @@ def worker(
         overrides["worker_concurrency"] = concurrency
     if pool:
         overrides["worker_pool"] = pool
-    celery = create_celery_app(_settings(**overrides))
+    settings = _settings(**overrides)
+    celery = create_celery_app(settings)
     celery.worker_main(
-        ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel,
+        ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel or settings.log_level,
          "--without-gossip", "--without-mingle"]
     )  # fmt: skip
 
