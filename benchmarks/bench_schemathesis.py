@@ -49,7 +49,7 @@ def run(url: str, *, max_examples: int, max_time: float | None, seed: int, repor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--max-examples", type=int, default=300)
-    parser.add_argument("--max-time", type=float, default=None, help="seconds per gateway")
+    parser.add_argument("--max-time", type=float, default=600, help="seconds per gateway")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="sift-schemathesis-") as tmp:
