@@ -53,7 +53,7 @@ def build_backend(settings: Settings) -> SearchBackend:
 def build_embedder(settings: Settings) -> Embedder:
     from worker.adapters.embedder import OnnxMiniLMEmbedder
 
-    return OnnxMiniLMEmbedder()
+    return OnnxMiniLMEmbedder(threads=settings.embedding_threads or None)
 
 
 def build_reranker(settings: Settings) -> Reranker | None:

@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     elasticsearch_revision_field: str = Field(default="revision", min_length=1)
     elasticsearch_metadata_field: str = Field(default="metadata", min_length=1)
     embedding_model: Literal["all-MiniLM-L6-v2-onnx-int8"] = "all-MiniLM-L6-v2-onnx-int8"
+    # onnxruntime threads per embedding call; 0 = one per core. A worker embeds many queries
+    # at once from its own threads, so one each avoids the pool's spinning on 2 cores.
+    embedding_threads: int = Field(default=1, ge=0, le=64)
 
     generation_model: str | None = Field(default=None, pattern=r"^anthropic:[A-Za-z0-9._-]+$")
     generation_timeout_seconds: float = Field(default=20.0, gt=0)

@@ -44,7 +44,8 @@ def eval_command(
     """Evaluate BM25, kNN, fused and final runs in-process with ir-measures."""
     key = hashlib.sha256(str(corpus.resolve()).encode()).hexdigest()[:12]
     directory = data_dir or Path(".sift/eval") / key
-    overrides: dict[str, Any] = {"data_dir": directory}
+    # one process embeds the whole corpus: let onnxruntime use every core
+    overrides: dict[str, Any] = {"data_dir": directory, "embedding_threads": 0}
     if rerank:
         overrides["rerank_enabled"] = True
     try:
