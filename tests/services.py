@@ -28,7 +28,13 @@ def celery_worker(
 
 @contextlib.contextmanager
 def gateway(
-    tmp: Path, env: Mapping[str, str], name: str = "gateway", workers: int = 1
+    tmp: Path,
+    env: Mapping[str, str],
+    name: str = "gateway",
+    workers: int = 1,
+    port: int | None = None,
 ) -> Iterator[str]:
-    with gateway_process(tmp, child_env(env, inherit_sift=False), name, workers=workers) as url:
+    with gateway_process(
+        tmp, child_env(env, inherit_sift=False), name, workers=workers, port=port
+    ) as url:
         yield url

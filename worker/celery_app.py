@@ -68,6 +68,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         raise ConfigError("SIFT_REDIS_URL is required to run the queue")
     limits = time_limits(settings)
     longest_hard = max(hard for _, hard in limits.values())
+    visibility = settings.broker_visibility_timeout_seconds or int(2 * longest_hard) + 60
     return {
         "broker_url": settings.redis_url,
         "result_backend": None,  # results live in the job store, not in Celery
@@ -84,8 +85,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_soft_shutdown_timeout": settings.worker_soft_shutdown_seconds,
         "worker_enable_soft_shutdown_on_idle": True,
         "broker_connection_retry_on_startup": True,
-        # an unacked message comes back after this; it must outlast the longest task
-        "broker_transport_options": {"visibility_timeout": int(2 * longest_hard) + 60},
+        # an unacked message comes back after this; it must outlast the longest task.
+        # kombu sweeps for such messages every interval x throttle seconds: at most 10 s here
+        "broker_transport_options": {
+            "visibility_timeout": visibility,
+            "unacked_restore_interval": max(1, min(10, visibility // 10)),
+            "unacked_restore_throttle": 1,
+        },
         # one direct exchange per queue, named like it: what send_task(queue=...) creates on
         # the gateway's side too. A shared exchange and key would copy a message into every queue.
         "task_queues": [
