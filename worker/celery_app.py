@@ -81,7 +81,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_pool": settings.worker_pool,
         "worker_concurrency": settings.worker_concurrency,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # cancelling means killing the job, which only prefork can do: the threads pool raises
+        # NotImplementedError (kill_job) mid-reconnect. Its tasks keep running; their messages
+        # stay unacked and come back after the visibility timeout if the worker dies.
+        "worker_cancel_long_running_tasks_on_connection_loss": settings.worker_pool == "prefork",
         "worker_soft_shutdown_timeout": settings.worker_soft_shutdown_seconds,
         "worker_enable_soft_shutdown_on_idle": True,
         "broker_connection_retry_on_startup": True,

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 
 RETRY_BASE_SECONDS = 1.0
 RETRY_CAP_SECONDS = 60.0
+# A worker's job-store calls ride out a Redis restart this long rather than fail the job.
+STORE_OUTAGE_SECONDS = 30.0
 
 
 class Runtime(Protocol):
@@ -124,6 +126,7 @@ def get_context(settings: Settings | None = None) -> WorkerContext:
                         max_connections=settings.worker_concurrency
                         + settings.batch_item_concurrency
                         + 32,
+                        outage_seconds=STORE_OUTAGE_SECONDS,
                     ),
                     limiter=ProviderLimiter(settings.rerank_max_in_flight),
                 )

@@ -103,6 +103,7 @@ def _kill_redis(url: str) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.timeout(300)
 def test_redis_killed_mid_batch_with_aof_always_loses_nothing(
     tmp_path: Path, model: FakeAnthropic
 ) -> None:
@@ -147,6 +148,7 @@ def test_redis_killed_mid_batch_with_aof_always_loses_nothing(
             first.__exit__(None, None, None)
 
 
+@pytest.mark.timeout(300)
 def test_a_gateway_restarted_mid_batch_leaves_jobs_in_flight_unaffected(
     tmp_path: Path, model: FakeAnthropic
 ) -> None:
