@@ -247,7 +247,11 @@ def search(self: SiftTask, job_id: str) -> None:
             # a redelivery: the worker that finished it may have died before enqueueing the
             # webhook. Send it again; the webhook-id is the same, delivery is at least once.
             self.send_webhook(
-                WEBHOOK_EVENT_SEARCH_COMPLETED, job_id, job.tenant, job.webhook_url, job.status.value
+                WEBHOOK_EVENT_SEARCH_COMPLETED,
+                job_id,
+                job.tenant,
+                job.webhook_url,
+                job.status.value,
             )
         return
     if self.poisoned():
