@@ -87,7 +87,7 @@ class FaultStack:
     pairs: dict[str, Pair]
 
 
-_ATTEMPT = re.compile(r'^sift_rerank_attempts_total\{([^}]*)\}\s+([0-9.eE+-]+)$', re.MULTILINE)
+_ATTEMPT = re.compile(r"^sift_rerank_attempts_total\{([^}]*)\}\s+([0-9.eE+-]+)$", re.MULTILINE)
 
 
 def attempt_counters(metrics_url: str) -> dict[str, float]:

@@ -59,10 +59,7 @@ def sample_documents() -> list[dict[str, Any]]:
         for line in (SAMPLE / "sample_corpus.jsonl").read_text().splitlines()
         if line.strip()
     ]
-    return [
-        {"id": d["id"], "text": d["text"], "title": d.get("title", "")}
-        for d in docs
-    ]
+    return [{"id": d["id"], "text": d["text"], "title": d.get("title", "")} for d in docs]
 
 
 def sample_queries() -> list[str]:

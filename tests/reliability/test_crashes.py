@@ -181,9 +181,9 @@ def test_a_gateway_restarted_mid_batch_leaves_jobs_in_flight_unaffected(
                 assert_batch_exactly_once(client, url + "/0", batch_id, TOTAL)
                 for job_id in searches:
                     wait_for(
-                        lambda job_id=job_id: client.get(
-                            f"/v1/searches/{job_id}", headers=ACME
-                        ).json()["status"]
-                        == "succeeded",
+                        lambda job_id=job_id: (
+                            client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"]
+                            == "succeeded"
+                        ),
                         f"search {job_id}",
                     )

@@ -61,7 +61,11 @@ def test_each_failure_class_under_each_policy(faults: FaultStack, name: str, pol
 def test_no_valid_ranks_is_a_fallback_under_both_policies(faults: FaultStack, policy: str) -> None:
     seen = run_case(faults, policy, NO_VALID_RANKS)
     assert seen.status == "succeeded"
-    assert seen.rerank == {"applied": False, "policy": "listwise.v1", "fallback_reason": "no_valid_ranks"}
+    assert seen.rerank == {
+        "applied": False,
+        "policy": "listwise.v1",
+        "fallback_reason": "no_valid_ranks",
+    }
     assert seen.requests == 1 and seen.counters == {"ok": 1}
 
 
