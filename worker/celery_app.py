@@ -94,6 +94,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "visibility_timeout": visibility,
             "unacked_restore_interval": max(1, min(10, visibility // 10)),
             "unacked_restore_throttle": 1,
+            # a worker killed during its sweep leaves the sweep's lock behind: held this long
+            # (kombu's default, 300 s, would stall a short timeout's recovery for 5 minutes)
+            "unacked_mutex_expire": min(300, visibility),
         },
         # one direct exchange per queue, named like it: what send_task(queue=...) creates on
         # the gateway's side too. A shared exchange and key would copy a message into every queue.

@@ -32,6 +32,7 @@ def test_a_short_visibility_timeout_is_swept_often() -> None:
     options = celery_config(settings)["broker_transport_options"]
     assert options["visibility_timeout"] == 6
     assert options["unacked_restore_interval"] == 1 and options["unacked_restore_throttle"] == 1
+    assert options["unacked_mutex_expire"] == 6
 
 
 def test_each_queue_has_its_own_exchange_and_key() -> None:
