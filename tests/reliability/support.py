@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import redis
 
-from worker.constants import BATCH_COUNTS_KEY, BATCH_ITEMS_KEY, BATCH_RESULTS_KEY
+from worker.constants import ALL_QUEUES, BATCH_COUNTS_KEY, BATCH_ITEMS_KEY, BATCH_RESULTS_KEY
 
 KEYS = [
     {
@@ -109,6 +109,19 @@ def wait_for(check: Callable[[], bool], what: str, timeout: float = 90.0) -> Non
             last = exc
         time.sleep(0.1)
     raise AssertionError(f"{what}: not within {timeout:g}s (last error: {last})")
+
+
+def broker_state(redis_url: str) -> dict[str, Any]:
+    """What the broker holds now: queue lengths, unacked messages, the restore lock (for a
+    failure message)."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        state: dict[str, Any] = {q: client.llen(q) for q in ALL_QUEUES}
+        state["unacked"] = client.hlen("unacked")
+        state["unacked_mutex_ttl"] = client.ttl("unacked_mutex")
+        return state
+    finally:
+        client.close()
 
 
 def batch_counts(client: httpx.Client, batch_id: str) -> dict[str, Any]:

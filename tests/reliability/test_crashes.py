@@ -36,6 +36,7 @@ from tests.reliability.support import (
     Receiver,
     assert_batch_exactly_once,
     batch_counts,
+    broker_state,
     ingest,
     stack_env,
     submit_batch,
@@ -84,7 +85,11 @@ def test_a_worker_killed_mid_batch_loses_nothing(
             print(f"\nworker A killed with counts {at_kill}")
             assert at_kill["succeeded"] < TOTAL, "the batch finished before the kill"
             with celery_worker(tmp_path / "w", env, "b", concurrency=8):
-                wait_for(lambda: _finished(client, batch_id), "the batch finished on B", 120)
+                try:
+                    wait_for(lambda: _finished(client, batch_id), "the batch finished on B", 120)
+                except AssertionError as exc:
+                    counts = batch_counts(client, batch_id)["counts"]
+                    raise AssertionError(f"{exc}; {counts}; {broker_state(url + '/0')}") from exc
                 wait_for(lambda: bool(receiver.for_job(batch_id)), "the batch webhook", 30)
                 time.sleep(1.0)  # a late duplicate, if any, lands now
             assert_batch_exactly_once(client, url + "/0", batch_id, TOTAL)
