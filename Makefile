@@ -38,6 +38,7 @@ bench: install services
 	$(BIN)/python benchmarks/bench_retrieval.py
 	$(BIN)/python benchmarks/bench_pipeline_cpu.py
 	$(BIN)/python benchmarks/bench_prompt_tokens.py
+	$(BIN)/python benchmarks/bench_lanes.py --queries 1000 --batch-processing-seconds 60
 
 clean:
 	rm -rf $(VENV) .sift .pytest_cache .mypy_cache .ruff_cache

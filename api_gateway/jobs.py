@@ -34,8 +34,10 @@ from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
     DEFAULT_PAGE_SIZE,
+    ECONOMY_CANCEL_TASK,
     INGEST_QUEUE,
     INGEST_TASK,
+    LANE_ECONOMY,
     MAX_DOCUMENT_CHARS,
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE_SIZE,
@@ -449,7 +451,8 @@ async def create_batch(
     idempotency_key: IdemKey = None,
 ) -> Response:
     """Stores every item as ``queued`` and fans the batch out in chunk tasks.
-    ``lane="economy"`` is accepted but runs as ``standard`` for now."""
+    ``lane="economy"`` sends the reranks as Message Batches at half the price: the batch
+    completes when the provider's batches end (minutes to hours)."""
     settings, store = _settings(request), _store(request)
     await _check_url(settings, body.webhook_url)
     first_seen: dict[str, int] = {}
@@ -584,6 +587,8 @@ async def get_batch_results(
     response_model=BatchOut,
     responses=ERRORS,
     summary="Cancel the items of a batch that have not run yet",
+    description="Items still queued are canceled at once. In the economy lane, the batch's "
+    "provider batches are canceled too: their requests not yet processed come back canceled.",
 )
 async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
     batch = await _owned_batch(request, batch_id, tenant)
@@ -593,6 +598,13 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
     canceled, completed = outcome
     log.info("batch %s: %d items canceled", batch_id, canceled)
     batch = await _owned_batch(request, batch_id, tenant)
+    if batch.lane == LANE_ECONOMY and not completed and batch.finished_at is None:
+        # items waiting on the provider end when their provider batches are canceled
+        await _io(_sender(request).send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
+    if canceled:
+        metrics.job_completed("batch_item", "canceled", count=canceled)
+    if completed:
+        metrics.job_completed("batch", batch.status.value)
     if completed and batch.webhook_url:
         event = webhook_event(
             WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant, batch.webhook_url, batch.status.value

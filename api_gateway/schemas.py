@@ -76,7 +76,8 @@ class BatchQueryIn(_Strict):
 
 
 class BatchRequest(_Strict):
-    """``POST /v1/batches``. ``lane="economy"`` is accepted and, for now, runs as ``standard``."""
+    """``POST /v1/batches``. ``lane="economy"`` reranks through the Message Batches API at
+    half the token price; the batch completes when the provider's batches end."""
 
     index: str = Field(min_length=1, max_length=128, pattern=INDEX_PATTERN)
     queries: list[BatchQueryIn] = Field(min_length=1, max_length=MAX_BATCH_QUERIES)

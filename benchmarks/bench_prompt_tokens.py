@@ -17,8 +17,8 @@ excluded for both (the fake's thinking allowance is 0): output tokens are the an
   full permutation of the window, ``[20] > [19] > ... > [1]``. The system prompt is sent as
   Anthropic's ``system``.
 
-Candidates are SciFact's BM25 top 30 per query (tantivy, in memory) when tantivy is
-installed, and otherwise the first 30 corpus documents, for the first ``--queries`` queries.
+Candidates are SciFact's BM25 top 30 per query, from Sift's own embedded backend, for the
+first ``--queries`` queries.
 The data is read where it lies and never copied into the repository.
 
     python benchmarks/bench_prompt_tokens.py [--scifact ../shared/data/scifact] [--queries 20]
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +43,9 @@ import anthropic  # noqa: E402
 
 from tests.fake_anthropic import FakeAnthropic  # noqa: E402
 from worker.adapters.anthropic import AnthropicReranker  # noqa: E402
-
-try:
-    from worker.core.policy import build_prompt
-except ImportError as exc:  # pragma: no cover - only before policy.py is merged
-    raise SystemExit(f"worker.core.policy.build_prompt is needed: {exc}") from exc
+from worker.adapters.embedded import EmbeddedBackend  # noqa: E402
+from worker.core.policy import build_prompt  # noqa: E402
+from worker.core.types import ChannelQuery, Document, HardFilters  # noqa: E402
 
 MODEL = "claude-haiku-4-5"
 CANDIDATES = 30
@@ -91,33 +89,23 @@ def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
 
 
-def bm25_candidates(corpus: list[Doc], queries: list[str], n: int) -> list[list[Doc]] | None:
-    """BM25 top ``n`` per query with tantivy in memory, or None when tantivy is missing."""
-    try:
-        import tantivy
-    except ImportError:
-        return None
-    builder = tantivy.SchemaBuilder()
-    builder.add_unsigned_field("row", stored=True)
-    builder.add_text_field("title", stored=False)
-    builder.add_text_field("text", stored=False)
-    index = tantivy.Index(builder.build())
-    writer = index.writer()
-    for row, doc in enumerate(corpus):
-        writer.add_document(tantivy.Document(row=row, title=doc.title, text=doc.text))
-    writer.commit()
-    writer.wait_merging_threads()
-    index.reload()
-    searcher = index.searcher()
-    pools = []
-    for query in queries:
-        words = re.findall(r"[A-Za-z0-9]+", query.lower())
-        parsed = index.parse_query(" ".join(words) or "a", ["title", "text"])
-        hits = searcher.search(parsed, n).hits
-        rows = [searcher.doc(address)["row"][0] for _, address in hits]
-        pool = [corpus[row] for row in rows]
-        pool += [doc for doc in corpus if doc not in pool][: n - len(pool)]  # pad rare misses
-        pools.append(pool)
+def bm25_candidates(corpus: list[Doc], queries: list[str], n: int) -> list[list[Doc]]:
+    """BM25 top ``n`` per query from Sift's own embedded backend, in a temporary directory."""
+    by_id = {doc.id: doc for doc in corpus}
+    with tempfile.TemporaryDirectory(prefix="sift-bench-") as tmp:
+        backend = EmbeddedBackend(Path(tmp))
+        backend.upsert(
+            "bench", "bench", [Document(d.id, d.text, d.title, "1") for d in corpus], None
+        )
+        pools = []
+        for query in queries:
+            found = backend.retrieve(
+                ChannelQuery("bench", HardFilters("bench"), ("bm25",), n, query)
+            ).hits["bm25"]
+            pool = [by_id[hit.document.id] for hit in found]
+            pool += [doc for doc in corpus if doc not in pool][: n - len(pool)]  # pad rare misses
+            pools.append(pool)
+        backend.close()
     return pools
 
 
@@ -181,10 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ]
     queries = [str(q["text"]) for q in read_jsonl(args.scifact / "queries.jsonl")][: args.queries]
     pools = bm25_candidates(corpus, queries, CANDIDATES)
-    source = "BM25 top 30 (tantivy)"
-    if pools is None:
-        pools = [corpus[:CANDIDATES]] * len(queries)
-        source = "first 30 corpus documents"
+    source = "BM25 top 30 (Sift's embedded backend)"
 
     sift, rankgpt = Tally(), Tally()
     with (

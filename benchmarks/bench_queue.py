@@ -256,12 +256,12 @@ async def _hammer(url: str, total: int, clients: int) -> list[float]:
     return latencies
 
 
-def bench_gateway(total: int, clients: int, workers: int) -> dict[str, float]:
+def bench_gateway(total: int, clients: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         with (
             redis_server(tmp / "redis") as r,
-            gateway(tmp / "g", base_env(tmp, r, 0), workers=workers) as url,
+            gateway(tmp / "g", base_env(tmp, r, 0)) as url,
         ):
             asyncio.run(_hammer(url, min(500, total), clients))  # warm up
             started = time.perf_counter()
@@ -269,7 +269,6 @@ def bench_gateway(total: int, clients: int, workers: int) -> dict[str, float]:
             seconds = time.perf_counter() - started
     latencies.sort()
     return {
-        "gateway_workers": workers,
         "submissions_per_s": total / seconds,
         "p50_ms": 1000 * statistics.median(latencies),
         "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
@@ -292,7 +291,6 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--gateway-workers", type=int, default=1)
     args = parser.parse_args()
     results: dict[str, Any] = {}
     if args.which in ("throughput", "all"):
@@ -302,7 +300,7 @@ def main() -> None:
             args.rerank_queries, args.threads, args.prefork_queries, args.rerank_mode
         )
     if args.which in ("gateway", "all"):
-        results["gateway"] = bench_gateway(args.requests, args.clients, args.gateway_workers)
+        results["gateway"] = bench_gateway(args.requests, args.clients)
     json.dump(results, sys.stdout, indent=2)
     sys.stdout.write("\n")
 

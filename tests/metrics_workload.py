@@ -2,10 +2,11 @@
 
 Run as ``python -m tests.metrics_workload DIR``. The process switches to multiprocess mode in
 ``DIR``, pre-registers the known series, serves ``/metrics`` on a free port, and prints
-``{"port": N}``. On a ``go`` line on stdin it forks two workers, each running a scripted set of
+``{"port": N}``. On a ``go`` line on stdin it forks three workers, each running a scripted set of
 searches through :class:`SearchPipeline` with :class:`PrometheusRecorder` (one fail_open, one
-fail_closed), marks them dead when they exit, and prints what the workload did: the usage the
-fake model handed out, the usage the results carried, and every attempt class and outcome.
+fail_closed, one in the economy lane: prepare, answer, finish at half the price), marks them
+dead when they exit, and prints what the workload did: the usage the fake model handed out,
+the usage the results carried, and every attempt class and outcome.
 It exits when stdin closes.
 """
 
@@ -15,15 +16,17 @@ import json
 import multiprocessing
 import sys
 from collections import Counter
+from dataclasses import replace
 from multiprocessing.queues import Queue
 from typing import Any
 
 from tests.fakes import FakeEmbedder, InMemoryBackend, ScriptedReranker, Step, fail, reply
 from worker import metrics
 from worker.bootstrap import build_pipeline
-from worker.constants import INGEST_QUEUE, SEARCH_QUEUE, WEBHOOK_QUEUE
+from worker.constants import ECONOMY_PRICE_DISCOUNT, INGEST_QUEUE, SEARCH_QUEUE, WEBHOOK_QUEUE
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.cost import cost_usd, price_for
+from worker.core.pipeline import RerankRun, SearchPipeline
 from worker.core.types import RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError, SiftError
 from worker.runtime import Runtime
@@ -91,6 +94,10 @@ FAIL_OPEN: list[tuple[dict[str, Any], list[Step]]] = [
     ({}, [fail(error(AttemptOutcome.CONNECTION))] * 3),  # fallback_error after 3 attempts
     ({"mode": "fts", "query": "zzz unmatched"}, []),  # skipped: no candidates
 ]
+# The economy lane: the prompt goes out in a provider batch; its answer comes back to finish().
+ECONOMY: list[tuple[dict[str, Any], list[Step]]] = [
+    ({}, [reply([3, 1], usage(7))]),  # applied, at half the price, lane="economy"
+]
 FAIL_CLOSED: list[tuple[dict[str, Any], list[Step]]] = [
     ({}, [fail(error(AttemptOutcome.HTTP_5XX))] * 3),  # failed: the job fails
     ({"rerank": False}, []),  # no rerank asked
@@ -99,9 +106,14 @@ FAIL_CLOSED: list[tuple[dict[str, Any], list[Step]]] = [
 
 
 def run_worker(
-    policy: str, searches: list[tuple[dict[str, Any], list[Step]]], out: Queue[Any]
+    policy: str,
+    searches: list[tuple[dict[str, Any], list[Step]]],
+    out: Queue[Any],
+    lane: str = "standard",
 ) -> None:
-    """One forked worker: runs its searches as jobs and reports what they did."""
+    """One forked worker: runs its searches as jobs and reports what they did. In the economy
+    lane each search runs as prepare, the model's answer (as a provider batch would bring it),
+    then finish, at the Message Batches price."""
     settings = load_settings(
         rerank_enabled=True,
         generation_model=f"anthropic:{MODEL}",
@@ -117,6 +129,13 @@ def run_worker(
         recorder=metrics.PrometheusRecorder(),
         sleep=lambda seconds: None,
     )
+    discount = 1.0
+    if lane == "economy":
+        discount = ECONOMY_PRICE_DISCOUNT
+        pipeline = pipeline.variant(
+            config=replace(pipeline.config, price_discount=discount),
+            recorder=metrics.PrometheusRecorder(lane="economy"),
+        )
     runtime = Runtime(pipeline)
     docs = [DocumentIn(id=f"d{i}", text=f"{t} note {i}") for i, t in enumerate(TOPICS * 5)]
     runtime.ingest("docs", "acme", docs)
@@ -129,7 +148,11 @@ def run_worker(
         spec = SearchSpec(**{"index": "docs", "query": "volcano ash", "limit": 3, **overrides})
         with metrics.running_job():
             try:
-                result = runtime.search(spec, "acme")
+                result = (
+                    economy_search(pipeline, fake, spec)
+                    if lane == "economy"
+                    else runtime.search(spec, "acme")
+                )
             except SiftError as exc:
                 metrics.job_completed("search", "failed", exc.code)
                 statuses["failed:" + exc.code] += 1
@@ -152,7 +175,7 @@ def run_worker(
                 "cache_read": sum(u.cache_read_input_tokens for u in fake.usage),
                 "cache_creation": sum(u.cache_creation_input_tokens for u in fake.usage),
             },
-            "fake_cost": sum(cost_usd(u, price) for u in fake.usage),
+            "fake_cost": sum(cost_usd(u, price, discount) for u in fake.usage),
             "result_usage": dict(result_usage),
             "result_cost": result_cost,
             "statuses": dict(statuses),
@@ -160,9 +183,21 @@ def run_worker(
     )
 
 
+def economy_search(pipeline: SearchPipeline, fake: CountingReranker, spec: SearchSpec) -> Any:
+    prepared = pipeline.prepare(spec, "acme")
+    if prepared.result is not None:
+        return prepared.result
+    assert prepared.prompt is not None
+    run = RerankRun()
+    answer = fake.rerank(prepared.prompt, 1.0)
+    pipeline.record_attempt(run, AttemptOutcome.OK, answer.usage, 1.0)
+    run.reply, run.returned, run.seconds = answer, answer.positions, 1.0
+    return pipeline.finish(prepared, run)
+
+
 # What the scripts above provoke, counted by hand: the test checks Prometheus against these.
 EXPECTED_ATTEMPTS = {
-    "ok": 5,
+    "ok": 6,
     "timeout": 1,
     "rate_limited": 1,
     "http_4xx": 1,
@@ -171,13 +206,13 @@ EXPECTED_ATTEMPTS = {
     "http_5xx": 3,
 }
 EXPECTED_OUTCOMES = {
-    "applied": 4,
+    "applied": 5,
     "fallback_no_valid_ranks": 1,
     "fallback_error": 2,
     "failed": 1,
     "skipped": 1,
 }
-EXPECTED_SEARCHES = {("hybrid", "ok"): 4, ("hybrid", "fallback"): 3, ("fts", "ok"): 2,
+EXPECTED_SEARCHES = {("hybrid", "ok"): 5, ("hybrid", "fallback"): 3, ("fts", "ok"): 2,
                      ("hybrid", "error"): 1}  # fmt: skip
 
 
@@ -194,10 +229,11 @@ class FakeRedis:
 def run_workload() -> dict[str, Any]:
     ctx = multiprocessing.get_context("fork")
     out: Queue[Any] = ctx.Queue()
-    metrics.job_submitted("search", len(FAIL_OPEN) + len(FAIL_CLOSED))
+    metrics.job_submitted("search", len(FAIL_OPEN) + len(FAIL_CLOSED) + len(ECONOMY))
     workers = [
         ctx.Process(target=run_worker, args=("fail_open", FAIL_OPEN, out)),
         ctx.Process(target=run_worker, args=("fail_closed", FAIL_CLOSED, out)),
+        ctx.Process(target=run_worker, args=("fail_open", ECONOMY, out, "economy")),
     ]
     for worker in workers:
         worker.start()

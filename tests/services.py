@@ -28,13 +28,7 @@ def celery_worker(
 
 @contextlib.contextmanager
 def gateway(
-    tmp: Path,
-    env: Mapping[str, str],
-    name: str = "gateway",
-    workers: int = 1,
-    port: int | None = None,
+    tmp: Path, env: Mapping[str, str], name: str = "gateway", port: int | None = None
 ) -> Iterator[str]:
-    with gateway_process(
-        tmp, child_env(env, inherit_sift=False), name, workers=workers, port=port
-    ) as url:
+    with gateway_process(tmp, child_env(env, inherit_sift=False), name, port=port) as url:
         yield url

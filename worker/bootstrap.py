@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.ports import Embedder, Recorder, Reranker, SearchBackend
 from worker.errors import ConfigError
 from worker.settings import Settings
 
+if TYPE_CHECKING:
+    from worker.adapters.anthropic_batches import AnthropicMessageBatches
 
-def pipeline_config(settings: Settings) -> PipelineConfig:
+
+def pipeline_config(settings: Settings, *, price_discount: float = 1.0) -> PipelineConfig:
+    """The pipeline's config; the economy lane passes the Message Batches discount."""
     return PipelineConfig(
         rerank_enabled=settings.rerank_enabled,
         candidate_limit=settings.rerank_candidate_limit,
@@ -28,6 +33,7 @@ def pipeline_config(settings: Settings) -> PipelineConfig:
         tokens_per_position=settings.generation_tokens_per_position,
         vector_min_similarity=settings.vector_min_similarity,
         prices=settings.prices,
+        price_discount=price_discount,
     )
 
 
@@ -58,6 +64,17 @@ def build_reranker(settings: Settings) -> Reranker | None:
     from worker.adapters.anthropic import AnthropicReranker
 
     return AnthropicReranker(model, effort=settings.generation_effort)
+
+
+def build_batch_client(settings: Settings) -> AnthropicMessageBatches | None:
+    """The Message Batches client of the economy lane, or None without a generation model."""
+    model = settings.generation_model_id
+    if model is None:
+        return None
+    from worker.adapters.anthropic import AnthropicReranker
+    from worker.adapters.anthropic_batches import AnthropicMessageBatches
+
+    return AnthropicMessageBatches(AnthropicReranker(model, effort=settings.generation_effort))
 
 
 def build_pipeline(

@@ -16,16 +16,25 @@ a search, and the time limits below still apply under ``--pool prefork``.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from celery import Celery
-from celery.signals import after_setup_logger, after_setup_task_logger, worker_init
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    worker_init,
+    worker_process_shutdown,
+)
 from kombu.entity import Exchange, Queue
 
 from worker.constants import (
     ALL_QUEUES,
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    ECONOMY_CANCEL_TASK,
+    ECONOMY_POLL_TASK,
+    ECONOMY_SUBMIT_TASK,
     INGEST_QUEUE,
     INGEST_TASK,
     SEARCH_QUEUE,
@@ -47,6 +56,9 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     BATCH_CHUNK_TASK: {"queue": BATCH_QUEUE},
     INGEST_TASK: {"queue": INGEST_QUEUE},
     WEBHOOK_TASK: {"queue": WEBHOOK_QUEUE},
+    ECONOMY_SUBMIT_TASK: {"queue": BATCH_QUEUE},
+    ECONOMY_POLL_TASK: {"queue": BATCH_QUEUE},
+    ECONOMY_CANCEL_TASK: {"queue": BATCH_QUEUE},
 }
 
 
@@ -68,7 +80,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         raise ConfigError("SIFT_REDIS_URL is required to run the queue")
     limits = time_limits(settings)
     longest_hard = max(hard for _, hard in limits.values())
-    visibility = settings.broker_visibility_timeout_seconds or int(2 * longest_hard) + 60
+    # an economy poll waits up to SIFT_ECONOMY_POLL_MAX_SECONDS as an unacked ETA task
+    visibility = settings.broker_visibility_timeout_seconds or (
+        int(2 * max(longest_hard, settings.economy_poll_max_seconds)) + 60
+    )
     return {
         "broker_url": settings.redis_url,
         "result_backend": None,  # results live in the job store, not in Celery
@@ -122,13 +137,23 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         return
     from worker.metrics import preregister, start_worker_metrics_server
 
-    preregister(queues=ALL_QUEUES)
+    # the model's and the backend's series too, at zero: a rate or an increase over a series
+    # that first appears at its first event would miss that event
+    models = [settings.generation_model_id] if settings.generation_model_id else []
+    preregister(models=models, backend=settings.search_backend, queues=ALL_QUEUES)
     try:
         start_worker_metrics_server(settings.worker_metrics_port)
     except OSError as exc:
         log.warning("worker metrics not served on :%d: %s", settings.worker_metrics_port, exc)
     else:
         log.info("worker metrics on :%d/metrics", settings.worker_metrics_port)
+
+
+def _child_exited(pid: int | None = None, **_: Any) -> None:
+    """A prefork child exits: in multiprocess mode, drop its share of the live gauges."""
+    from worker.metrics import mark_process_dead
+
+    mark_process_dead(pid or os.getpid())
 
 
 def _job_ids_in_logs(logger: logging.Logger | None = None, **_: Any) -> None:
@@ -146,8 +171,10 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     celery.config_from_object(celery_config(settings))
     celery.conf.sift_settings = settings
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
+    worker_process_shutdown.connect(_child_exited, weak=False, dispatch_uid="sift-child-exit")
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")
+    import worker.economy
     import worker.tasks  # noqa: F401  (registers the shared tasks with every app)
 
     return celery

@@ -21,6 +21,11 @@ BATCH_SPECS_KEY = REDIS_PREFIX + "batch-specs:"  # + batch id -> hash query_id -
 BATCH_RESULTS_KEY = REDIS_PREFIX + "batch-results:"  # + batch id -> hash query_id -> outcome JSON
 INGEST_KEY = REDIS_PREFIX + "ingest:"  # + ingest job id -> job record (hash)
 INGEST_DOCS_KEY = REDIS_PREFIX + "ingest-docs:"  # + ingest job id -> documents JSON
+# the economy lane (issue 7): a batch's prepared searches and its provider batches
+ECONOMY_PREPARED_KEY = REDIS_PREFIX + "eco-prepared:"  # + batch id -> hash query id -> JSON
+ECONOMY_RUNS_KEY = REDIS_PREFIX + "eco-runs:"  # + batch id -> hash query id -> rerank run JSON
+ECONOMY_PROVIDERS_KEY = REDIS_PREFIX + "eco-providers:"  # + batch id -> hash provider id -> JSON
+ECONOMY_STATE_KEY = REDIS_PREFIX + "eco-state:"  # + batch id -> hash: submit claim, counters
 STATS_KEY = REDIS_PREFIX + "stats:jobs"  # hash state -> jobs and items queued/running now
 STATS_UNTRACKED_KEY = REDIS_PREFIX + "stats:untracked"  # same, for ingest jobs (not in the gauge)
 
@@ -45,6 +50,9 @@ SEARCH_TASK = "sift.search"
 BATCH_CHUNK_TASK = "sift.batch_chunk"
 INGEST_TASK = "sift.ingest"
 WEBHOOK_TASK = "sift.webhook"
+ECONOMY_SUBMIT_TASK = "sift.economy_submit"  # on BATCH_QUEUE: send a batch's prompts
+ECONOMY_POLL_TASK = "sift.economy_poll"  # on BATCH_QUEUE: poll one provider batch, map results
+ECONOMY_CANCEL_TASK = "sift.economy_cancel"  # on BATCH_QUEUE: cancel a batch's provider batches
 ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
 WEBHOOK_EVENT_SEARCH_COMPLETED = "search.completed"
 WEBHOOK_EVENT_BATCH_COMPLETED = "batch.completed"
@@ -75,6 +83,13 @@ METRIC_JOB_FAILURES = "sift_job_failures_total"
 # the Prometheus scrape job names the rules and dashboards expect
 PROMETHEUS_JOB_WORKER = "sift-worker"
 PROMETHEUS_JOB_GATEWAY = "sift-gateway"
+
+# --- the economy lane: the provider's Message Batches price and limits ---
+ECONOMY_PRICE_DISCOUNT = 0.5  # the Message Batches API bills half the token price
+ECONOMY_MAX_REQUESTS_PER_BATCH = 100_000  # the provider's limit per Message Batch
+ECONOMY_MAX_BATCH_BYTES = 256_000_000  # the provider's limit on a Message Batch's body (256 MB)
+LANE_STANDARD = "standard"
+LANE_ECONOMY = "economy"
 
 # --- limits (validated at the gateway, documented in the README) ---
 MAX_QUERY_CHARS = 2_000

@@ -13,6 +13,10 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:batch-items:<id>     hash   query id -> status
     sift:batch-results:<id>   hash   query id -> {"result"} or {"error"} JSON
     sift:batch-counts:<id>    hash   status -> count (queued, running, succeeded, failed, canceled)
+    sift:eco-prepared:<id>    hash   query id -> prepared search JSON (economy lane, until final)
+    sift:eco-runs:<id>        hash   query id -> {"pos","provider","round",...,"run"} JSON
+    sift:eco-providers:<id>   hash   provider batch id -> {"round","requests","created_at",...}
+    sift:eco-state:<id>       hash   once-only claims (``submit``)
     sift:ingest:<id>          hash   like a search record, with index and document count
     sift:ingest-docs:<id>     string the documents, until the ingest task has run
     sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
@@ -56,6 +60,8 @@ from worker.constants import (
     BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
     BATCH_SPECS_KEY,
+    ECONOMY_PREPARED_KEY,
+    ECONOMY_STATE_KEY,
     IDEMPOTENCY_KEY,
     IDEMPOTENCY_PENDING_TTL_SECONDS,
     IDEMPOTENCY_TTL_SECONDS,
@@ -636,6 +642,66 @@ class JobStore:
             ItemOutcome(qid, JobStatus(status or "queued"), outcome or None)
             for qid, status, outcome in zip(qids, statuses, outcomes, strict=True)
         ]
+
+    def cancel_item(self, batch_id: str, query_id: str) -> ItemTransition:
+        """queued or running -> canceled (the provider canceled its request), at most once."""
+        return self._item(batch_id, query_id, JobStatus.CANCELED, "queued,running", "")
+
+    def query_ids_at(self, batch_id: str, positions: Sequence[int]) -> list[str | None]:
+        """The query ids at these positions of the submission order (None past the end)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for position in positions:
+            pipe.lindex(BATCH_ORDER_KEY + batch_id, position)
+        return cast(list[str | None], pipe.execute())
+
+    # --- the economy lane -------------------------------------------------------------------
+
+    def economy_save(self, batch_id: str, key: str, values: dict[str, str]) -> None:
+        """HSET ``values`` into one of the batch's economy hashes (``ECONOMY_*_KEY``)."""
+        if not values:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key + batch_id, mapping={k: v for k, v in values.items()})
+        pipe.expire(key + batch_id, self.result_ttl)
+        pipe.execute()
+
+    def economy_get(self, batch_id: str, key: str, fields: Sequence[str]) -> list[str | None]:
+        if not fields:
+            return []
+        return cast(list[str | None], self.redis.hmget(key + batch_id, list(fields)))
+
+    def economy_all(self, batch_id: str, key: str) -> dict[str, str]:
+        return cast(dict[str, str], self.redis.hgetall(key + batch_id))
+
+    def economy_fields(self, batch_id: str, key: str) -> list[str]:
+        return cast(list[str], self.redis.hkeys(key + batch_id))
+
+    def economy_drop(self, batch_id: str, key: str, fields: Sequence[str]) -> None:
+        if fields:
+            self.redis.hdel(key + batch_id, *fields)
+
+    def economy_claim(self, batch_id: str, claim: str) -> bool:
+        """True for the first caller only: e.g. the one chunk that enqueues the submission."""
+        key = ECONOMY_STATE_KEY + batch_id
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hsetnx(key, claim, repr(_now()))
+        pipe.expire(key, self.result_ttl)
+        won, _ = pipe.execute()
+        return bool(won)
+
+    def economy_settled(self, batch_id: str) -> bool:
+        """True once every item of the batch is final or prepared (its prompt waits to go)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hlen(ECONOMY_PREPARED_KEY + batch_id)
+        pipe.hmget(BATCH_COUNTS_KEY + batch_id, [s.value for s in FINAL])
+        pipe.hget(BATCH_KEY + batch_id, "total")
+        prepared, finals, total = pipe.execute()
+        done = int(prepared) + sum(int(n or 0) for n in finals)
+        return total is not None and done >= int(total)
+
+    def economy_delete(self, batch_id: str) -> None:
+        """Forget a finished batch's prepared searches (the biggest economy key)."""
+        self.redis.delete(ECONOMY_PREPARED_KEY + batch_id)
 
     # --- idempotency ------------------------------------------------------------------------
 

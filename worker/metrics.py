@@ -178,8 +178,9 @@ RETRIEVAL_DURATION = Histogram(
 )
 RERANK_DURATION = Histogram(
     METRIC_RERANK_DURATION,
-    "Seconds for the whole rerank of one search, every attempt and backoff included.",
-    ["model", "outcome"],
+    "Seconds for the whole rerank of one search, every attempt and backoff included; in the "
+    "economy lane, from the first provider batch submission to the answer.",
+    ["model", "outcome", "lane"],
     buckets=RERANK_BUCKETS,
 )
 RERANK_TOKENS = Counter(
@@ -292,7 +293,8 @@ def _closed(value: str, allowed: Sequence[str], label: str) -> str:
 
 
 class PrometheusRecorder:
-    """The ``Recorder`` port in Prometheus metrics. ``lane`` labels tokens and cost.
+    """The ``Recorder`` port in Prometheus metrics. ``lane`` labels tokens, cost and the rerank
+    duration (an economy rerank waits minutes to hours on the provider's batch).
 
     >>> build_pipeline(settings, recorder=PrometheusRecorder())  # doctest: +SKIP
     """
@@ -314,7 +316,7 @@ class PrometheusRecorder:
         self, model: str, outcome: str, seconds: float, usage: dict[str, int], cost_usd: float
     ) -> None:
         outcome = _closed(outcome, RERANK_DURATION_OUTCOMES, "outcome")
-        RERANK_DURATION.labels(model, outcome).observe(seconds)
+        RERANK_DURATION.labels(model, outcome, self.lane).observe(seconds)
         for token_type in TOKEN_TYPES:
             tokens = usage.get(token_type, 0)
             if tokens:
@@ -374,12 +376,12 @@ def job_submitted(kind: str, count: int = 1) -> None:
 
 
 @_never_raises
-def job_completed(kind: str, status: str, error: str | None = None) -> None:
-    """A job reached a final status; a failed one also counts under its error class."""
+def job_completed(kind: str, status: str, error: str | None = None, count: int = 1) -> None:
+    """``count`` jobs reached a final status; a failed one also counts under its error class."""
     kind = _closed(kind, JOB_KINDS, "kind")
-    JOBS_COMPLETED.labels(kind, _closed(status, JOB_STATUSES, "status")).inc()
+    JOBS_COMPLETED.labels(kind, _closed(status, JOB_STATUSES, "status")).inc(count)
     if status == "failed":
-        JOB_FAILURES.labels(kind, _closed(error or "internal", JOB_ERRORS, "error")).inc()
+        JOB_FAILURES.labels(kind, _closed(error or "internal", JOB_ERRORS, "error")).inc(count)
 
 
 @contextlib.contextmanager
@@ -429,7 +431,7 @@ def preregister(
     models: Iterable[str] = (),
     backend: str | None = None,
     queues: Iterable[str] = (),
-    lane: str = "standard",
+    lanes: Iterable[str] = LANES,
 ) -> None:
     """Create the known series at zero, so dashboards and rates see them before the first event.
 
@@ -438,11 +440,12 @@ def preregister(
     for model in models:
         for result in ATTEMPT_RESULTS:
             RERANK_ATTEMPTS.labels(model, result)
-        for outcome in RERANK_DURATION_OUTCOMES:
-            RERANK_DURATION.labels(model, outcome)
-        for token_type in TOKEN_TYPES:
-            RERANK_TOKENS.labels(model, token_type, lane)
-        RERANK_COST.labels(model, lane)
+        for lane in lanes:
+            for outcome in RERANK_DURATION_OUTCOMES:
+                RERANK_DURATION.labels(model, outcome, lane)
+            for token_type in TOKEN_TYPES:
+                RERANK_TOKENS.labels(model, token_type, lane)
+            RERANK_COST.labels(model, lane)
         RERANK_IN_FLIGHT.labels(model).set(0)
     for outcome in RERANK_OUTCOME_VALUES:
         RERANK_OUTCOMES.labels(POLICY_ID, outcome)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from worker.bootstrap import build_pipeline
+from worker.constants import ECONOMY_PRICE_DISCOUNT
 from worker.contract import DocumentIn, SearchResult, SearchSpec
 from worker.core.pipeline import SearchPipeline
 from worker.core.types import Document
@@ -36,10 +38,18 @@ def embedding_text(title: str, text: str) -> str:
 
 
 class Runtime:
-    """Ingest and search for a tenant, in this process."""
+    """Ingest and search for a tenant, in this process.
 
-    def __init__(self, pipeline: SearchPipeline) -> None:
+    ``economy`` is the same pipeline at the Message Batches price (the economy lane's two
+    halves run on it); by default it reports to the standard pipeline's recorder.
+    """
+
+    def __init__(self, pipeline: SearchPipeline, economy: SearchPipeline | None = None) -> None:
         self.pipeline = pipeline
+        self.economy = economy or pipeline.variant(
+            config=replace(pipeline.config, price_discount=ECONOMY_PRICE_DISCOUNT),
+            recorder=pipeline.recorder,
+        )
 
     def search(self, spec: SearchSpec, tenant: str) -> SearchResult:
         return self.pipeline.search(spec, tenant)

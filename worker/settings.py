@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from worker.constants import ECONOMY_MAX_BATCH_BYTES, ECONOMY_MAX_REQUESTS_PER_BATCH
 from worker.errors import ConfigError
 
 
@@ -64,6 +65,7 @@ class Settings(BaseSettings):
     elasticsearch_api_key: str | None = None
     # Elasticsearch (DESIGN.md §6). Sift index NAME is the alias <prefix>NAME.
     elasticsearch_index_prefix: str = Field(default="sift-", pattern=r"^[a-z0-9_.-]*$")
+    elasticsearch_native_rrf: bool = False  # fuse in ES (retriever.rrf); needs a licence
     elasticsearch_num_candidates: int = Field(default=200, ge=1, le=10_000)
     elasticsearch_vector_quantization: Literal["int8_hnsw", "hnsw", "bbq_hnsw"] = "int8_hnsw"
     elasticsearch_vector_dims: int = Field(default=384, ge=1, le=4096)
@@ -125,6 +127,18 @@ class Settings(BaseSettings):
     max_backlog: int = Field(default=0, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     runtime_factory: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.]+:[A-Za-z0-9_]+$")
+
+    # --- the economy lane (issue 7): Message Batches at half the price ---
+    # errored or expired requests are resubmitted until this long after the batch was submitted
+    economy_deadline_seconds: float = Field(default=86_400.0, gt=0)
+    economy_poll_seconds: float = Field(default=30.0, gt=0)  # first poll of a provider batch
+    economy_poll_max_seconds: float = Field(default=600.0, gt=0)  # the backoff's cap
+    economy_max_requests_per_batch: int = Field(
+        default=ECONOMY_MAX_REQUESTS_PER_BATCH, ge=1, le=ECONOMY_MAX_REQUESTS_PER_BATCH
+    )
+    economy_max_batch_bytes: int = Field(
+        default=ECONOMY_MAX_BATCH_BYTES, ge=65_536, le=ECONOMY_MAX_BATCH_BYTES
+    )
 
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)

@@ -158,7 +158,6 @@ def gateway_process(
     name: str = "gateway",
     *,
     port: int | None = None,
-    workers: int = 1,
 ) -> Iterator[str]:
     """``sift gateway`` on loopback, yielding its base URL once ``/readyz`` answers 200."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -166,9 +165,7 @@ def gateway_process(
     log = directory / f"{name}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            sift_command(
-                "gateway", "--host", "127.0.0.1", "--port", str(port), "--workers", str(workers)
-            ),
+            sift_command("gateway", "--host", "127.0.0.1", "--port", str(port)),
             stdout=out, stderr=subprocess.STDOUT, env=dict(env),
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"

@@ -17,7 +17,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Task, shared_task
 from celery.exceptions import Retry
@@ -26,7 +26,9 @@ from worker import metrics
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    ECONOMY_PRICE_DISCOUNT,
     INGEST_TASK,
+    LANE_ECONOMY,
     SEARCH_QUEUE,
     SEARCH_TASK,
     WEBHOOK_EVENT_BATCH_COMPLETED,
@@ -41,6 +43,9 @@ from worker.logcontext import job_context
 from worker.ratelimit import LimitedReranker, ProviderLimiter
 from worker.settings import Settings, load_settings
 from worker.task_metrics import TASK_DURATION, TASK_RETRIES
+
+if TYPE_CHECKING:
+    from worker.adapters.anthropic_batches import AnthropicMessageBatches
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +72,7 @@ class WorkerContext:
     limiter: ProviderLimiter
     _runtime: Runtime | None = None
     _item_pool: ThreadPoolExecutor | None = None
+    _batches: AnthropicMessageBatches | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -79,6 +85,17 @@ class WorkerContext:
                         self.settings.batch_item_concurrency, thread_name_prefix="sift-item"
                     )
         return self._item_pool
+
+    @property
+    def batches(self) -> AnthropicMessageBatches | None:
+        """The Message Batches client of the economy lane (None without a model)."""
+        if self._batches is None:
+            with self._lock:
+                if self._batches is None:
+                    from worker.bootstrap import build_batch_client
+
+                    self._batches = build_batch_client(self.settings)
+        return self._batches
 
     @property
     def runtime(self) -> Runtime:
@@ -97,7 +114,8 @@ def load_runtime(settings: Settings, limiter: ProviderLimiter | None = None) -> 
         factory = getattr(importlib.import_module(module_name), attr)
         runtime: Runtime = factory(settings)
         return runtime
-    from worker.bootstrap import build_reranker
+    from worker.bootstrap import build_reranker, pipeline_config
+    from worker.runtime import Runtime as InProcessRuntime
     from worker.runtime import build_runtime
 
     overrides: dict[str, Any] = {"recorder": metrics.PrometheusRecorder()}
@@ -105,7 +123,12 @@ def load_runtime(settings: Settings, limiter: ProviderLimiter | None = None) -> 
     if reranker is not None:
         inner = metrics.InFlightReranker(reranker)
         overrides["reranker"] = LimitedReranker(inner, limiter) if limiter else inner
-    return build_runtime(settings, **overrides)
+    pipeline = build_runtime(settings, **overrides).pipeline
+    economy = pipeline.variant(
+        config=pipeline_config(settings, price_discount=ECONOMY_PRICE_DISCOUNT),
+        recorder=metrics.PrometheusRecorder(lane=LANE_ECONOMY),
+    )
+    return InProcessRuntime(pipeline, economy)
 
 
 _context: WorkerContext | None = None
@@ -297,9 +320,12 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     if batch is None:
         log.warning("batch %s: missing, chunk [%d, %d) dropped", batch_id, start, stop)
         return
-    items = store.batch_items(batch_id, store.batch_query_ids(batch_id, start, stop))
+    query_ids = store.batch_query_ids(batch_id, start, stop)
+    positions = {qid: start + i for i, qid in enumerate(query_ids)}
+    items = store.batch_items(batch_id, query_ids)
     deliveries = self.delivery()
     poisoned = self.poisoned(deliveries)
+    economy = batch.lane == LANE_ECONOMY
     # self.request is thread-local: take what the item threads need from it here
     may_retry = self.request.retries < self.context.settings.task_max_retries
     first_delivery = self.request.retries == 0
@@ -325,7 +351,18 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         try:
             assert runtime is not None
             with metrics.running_job():
-                result = runtime.search(item.spec, batch.tenant)
+                if economy:  # the first half now; the model's answer comes from a provider batch
+                    from worker.economy import economy_pipeline, save_prepared
+
+                    prepared = economy_pipeline(self).prepare(item.spec, batch.tenant)
+                    if prepared.result is None:
+                        save_prepared(
+                            store, batch_id, item.query_id, positions[item.query_id], prepared
+                        )
+                        return False, False
+                    result = prepared.result
+                else:
+                    result = runtime.search(item.spec, batch.tenant)
         except Exception as exc:
             if may_retry and isinstance(exc, SiftError) and exc.retryable:
                 store.requeue_item(batch_id, item.query_id)
@@ -345,12 +382,18 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     resend = deliveries > 1 and not pending and batch.finished_at is not None
     if completed or resend:
         log.info("batch %s: completed%s", batch_id, " (webhook sent again)" if resend else "")
+        done = store.get_batch(batch_id)
+        status = done.status.value if done else "succeeded"
+        if completed:
+            metrics.job_completed("batch", status)  # once: only one transition completes it
         if batch.webhook_url:
-            done = store.get_batch(batch_id)
-            status = done.status.value if done else "succeeded"
             self.send_webhook(
                 WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, batch.tenant, batch.webhook_url, status
             )
+    if economy and not to_retry:
+        from worker.economy import maybe_submit
+
+        maybe_submit(self, batch_id)
     if to_retry:
         log.warning(
             "batch %s: %d items hit retryable errors; retrying the chunk", batch_id, to_retry

@@ -38,6 +38,7 @@ ACME = {"Authorization": "Bearer acme-key-0001"}
 GLOBEX = {"Authorization": "Bearer globex-key-0001"}
 INDEX = "docs"
 IDLE_BODY_LIMIT = 65_536
+ECONOMY_DEADLINE_SECONDS = 4.0  # resubmission stops this long after an economy batch came in
 SAMPLE = Path(__file__).resolve().parents[2] / "worker" / "data"
 
 
@@ -66,6 +67,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "SIFT_WORKER_METRICS_PORT": "0",
             "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
             "SIFT_WEBHOOK_RETRY_SCALE": "0.001",
+            # the economy lane, on a test's time scale: quick polls, small provider batches
+            "SIFT_ECONOMY_POLL_SECONDS": "0.2",
+            "SIFT_ECONOMY_POLL_MAX_SECONDS": "1",
+            "SIFT_ECONOMY_MAX_REQUESTS_PER_BATCH": "4",
+            "SIFT_ECONOMY_DEADLINE_SECONDS": str(ECONOMY_DEADLINE_SECONDS),
         }
         live_env = {
             **base,

@@ -70,7 +70,20 @@ def test_a_batch_of_1000_is_fully_accounted_for(
     assert stack.live.get(f"/v1/batches/{batch['id']}", headers=GLOBEX).status_code == 404
 
 
+def _completed(client: Any) -> dict[tuple[str, str], float]:
+    """The gateway's ``sift_jobs_completed_total`` by (kind, status)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        (sample.labels["kind"], sample.labels["status"]): sample.value
+        for family in text_string_to_metric_families(client.get("/metrics").text)
+        for sample in family.samples
+        if sample.name == "sift_jobs_completed_total"
+    }
+
+
 def test_cancel_a_queued_batch(stack: Stack) -> None:
+    completed = _completed(stack.idle)
     items = [{"id": str(i), "query": f"query {i}"} for i in range(50)]
     batch = stack.idle.post(
         "/v1/batches", json={"index": INDEX, "queries": items}, headers=ACME
@@ -95,6 +108,9 @@ def test_cancel_a_queued_batch(stack: Stack) -> None:
     assert page["next_page_token"] is None
     again = stack.idle.delete(f"/v1/batches/{batch['id']}", headers=ACME)
     assert again.json()["counts"]["canceled"] == 50
+    after = _completed(stack.idle)  # the cancel completed 50 items and the batch, once
+    assert after["batch_item", "canceled"] - completed["batch_item", "canceled"] == 50
+    assert after["batch", "canceled"] - completed["batch", "canceled"] == 1
 
 
 def test_cancel_a_running_batch_skips_what_has_not_run(

@@ -681,3 +681,29 @@ def test_bootstrap_builds_the_backend_without_a_network_call(
     assert tuple(client._retry_on_status) == ()
     assert client._retry_on_timeout is False
     assert server.requests == []
+
+
+def test_native_rrf_mode_runs_one_retriever_search_and_the_pipeline_keeps_es_order(
+    server: FakeElasticsearchServer,
+) -> None:
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    server.on("POST", "/sift-docs/_count", Answer(200, {"count": 4, "_shards": {"total": 1}}))
+    fused = search_response([hit(CONCRETE, "acme", "c", 0.033), hit(CONCRETE, "acme", "a", 0.03)])
+    server.on("POST", "/sift-docs/_search", Answer(200, fused))
+    backend = backend_for(server)
+    backend.native_rrf = True
+    pipeline = SearchPipeline(backend, FakeEmbedder(), config=PipelineConfig())
+    result = pipeline.search(
+        SearchSpec(index="docs", query="vitamin d", limit=3, include_trace=True), tenant="acme"
+    )
+    assert [h.id for h in result.hits] == ["c", "a"]
+    c = result.hits[0]
+    assert (c.ranks.final, c.ranks.rrf, c.ranks.bm25, c.ranks.knn) == (1, 1, None, None)
+    assert c.scores.rrf == pytest.approx(0.033) and c.scores.bm25 is None
+    assert result.trace is not None and result.trace["fused_by_backend"] is True
+    search = server.requests[-1]
+    assert (search.method, search.path) == ("POST", "/sift-docs/_search")
+    children = search.json()["retriever"]["rrf"]["retrievers"]
+    tenant = {"term": {"tenant": "acme"}}
+    assert tenant in children[0]["standard"]["query"]["bool"]["filter"]
+    assert tenant in children[1]["knn"]["filter"]

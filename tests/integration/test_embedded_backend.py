@@ -335,3 +335,26 @@ def test_a_data_dir_of_another_schema_version_is_refused_not_misread(tmp_path: P
     backend = EmbeddedBackend(tmp_path)
     with pytest.raises(ConfigError, match="SIFT_DATA_DIR"):
         backend.channels("docs")
+
+
+def test_equal_scores_order_by_id_in_both_channels_and_a_shared_hit_is_one_document(
+    tmp_path: Path,
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    ids_in = ["k", "c", "x", "a", "m", "b"]  # inserted out of id order
+    same = np.ones((len(ids_in), 4), np.float32)
+    other = np.array([[1.0, 0.0, 0.0, 0.0]], np.float32)
+    backend.upsert("sci", "acme", [Document(id=i, text="twin words") for i in ids_in], same)
+    backend.upsert("sci", "acme", [Document(id="z", text="lone words")], other)
+    backend.upsert("sci", "rival", [Document(id="0", text="twin words")], same[:1])
+    results = backend.retrieve(
+        ChannelQuery("sci", HardFilters("acme"), BOTH, 4, "twin", vector=[1.0, 1.0, 1.0, 1.0])
+    )
+    assert ids(results, "knn") == ["a", "b", "c", "k"]  # a tie cut at the window, by id
+    assert ids(results, "bm25") == ["a", "b", "c", "k"]
+    knn_docs = {hit.document.id: hit.document for hit in results.hits["knn"]}
+    assert all(hit.document is knn_docs[hit.document.id] for hit in results.hits["bm25"])
+    wide = backend.retrieve(
+        ChannelQuery("sci", HardFilters("acme"), ("knn",), 10, "", vector=[1.0, 1.0, 1.0, 1.0])
+    )
+    assert ids(wide, "knn") == ["a", "b", "c", "k", "m", "x", "z"]

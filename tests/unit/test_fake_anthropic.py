@@ -332,3 +332,55 @@ def test_runs_as_its_own_process() -> None:
         process.terminate()
         # uvicorn shuts down gracefully, then re-raises SIGTERM, so -15 is a clean exit
         assert process.wait(timeout=20) in (0, -15)
+
+
+def test_message_batches_create_retrieve_results_cancel() -> None:
+    import time as _time
+
+    from tests.fake_anthropic import RemoteFakeAnthropic, errored, expired, succeeded
+
+    def params(text: str) -> dict[str, object]:
+        return {
+            "model": "claude-haiku-4-5",
+            "max_tokens": 200,
+            "messages": [{"role": "user", "content": text}],
+            "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        }
+
+    with FakeAnthropic(batch_processing_seconds=0.2) as fake:
+        client = anthropic.Anthropic(base_url=fake.url, api_key="k", max_retries=0)
+        remote = RemoteFakeAnthropic(fake.url)
+        remote.script_batch({"i1": [errored("overloaded_error")], "i2": [expired()]})
+        fake.script_batch({"i3": [succeeded(positions([2, 2, 9]))]})
+        requests = [{"custom_id": f"i{i}", "params": params("[1] a\n[2] b\n[3] c")}
+                    for i in range(6)]  # fmt: skip
+        batch = client.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+        assert batch.processing_status == "in_progress"
+        assert batch.request_counts.processing == 6 and batch.results_url is None
+        while client.messages.batches.retrieve(batch.id).processing_status != "ended":
+            _time.sleep(0.05)
+        ended = client.messages.batches.retrieve(batch.id)
+        counts = ended.request_counts
+        assert (counts.succeeded, counts.errored, counts.expired, counts.processing) == (4, 1, 1, 0)
+        lines = list(client.messages.batches.results(batch.id))
+        assert [line.custom_id for line in lines] != [r["custom_id"] for r in requests]
+        by_id = {line.custom_id: line.result for line in lines}
+        assert by_id["i1"].type == "errored" and by_id["i2"].type == "expired"
+        assert by_id["i1"].error.error.type == "overloaded_error"  # type: ignore[union-attr]
+        answer = by_id["i3"].message.content[0].text  # type: ignore[union-attr]
+        assert json.loads(answer) == {"positions": [2, 2, 9]}
+        assert by_id["i0"].message.usage.input_tokens > 0  # type: ignore[union-attr]
+        assert fake.usage()["responses"] == 4
+
+        fake.configure(batch_processing_seconds=60.0)
+        second = client.messages.batches.create(requests=requests[:2])  # type: ignore[arg-type]
+        canceled = client.messages.batches.cancel(second.id)
+        assert canceled.processing_status == "ended" and canceled.cancel_initiated_at
+        assert {line.result.type for line in client.messages.batches.results(second.id)} == {
+            "canceled"
+        }
+        assert [b["status"] for b in remote.batches()] == ["ended", "ended"]
+
+        bad = [{"custom_id": "no spaces", "params": params("x")}]
+        with pytest.raises(anthropic.BadRequestError):
+            client.messages.batches.create(requests=bad)  # type: ignore[arg-type]

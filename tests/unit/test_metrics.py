@@ -73,7 +73,9 @@ def test_the_pipeline_reports_through_the_prometheus_recorder() -> None:
     assert delta("sift_rerank_attempts_total", model=MODEL, result="rate_limited") == 1
     assert delta("sift_rerank_attempts_total", model=MODEL, result="ok") == 1
     assert delta("sift_rerank_outcomes_total", policy=POLICY_ID, outcome="applied") == 1
-    assert delta("sift_rerank_duration_seconds_count", model=MODEL, outcome="ok") == 1
+    assert (
+        delta("sift_rerank_duration_seconds_count", model=MODEL, outcome="ok", lane="standard") == 1
+    )
     assert delta("sift_search_duration_seconds_count", mode="hybrid", outcome="ok") == 1
     for channel in ("bm25", "knn", "embed"):
         assert delta("sift_retrieval_duration_seconds_count", backend="memory", channel=channel)
@@ -114,7 +116,12 @@ def test_a_failed_rerank_counts_its_class_and_the_failure() -> None:
         runtime.search(SearchSpec(index="docs", query="volcano", limit=3), "acme")
     assert delta("sift_rerank_attempts_total", model=MODEL, result="http_4xx") == 1
     assert delta("sift_rerank_outcomes_total", policy=POLICY_ID, outcome="failed") == 1
-    assert delta("sift_rerank_duration_seconds_count", model=MODEL, outcome="http_4xx") == 1
+    assert (
+        delta(
+            "sift_rerank_duration_seconds_count", model=MODEL, outcome="http_4xx", lane="standard"
+        )
+        == 1
+    )
     assert delta("sift_search_duration_seconds_count", mode="hybrid", outcome="error") == 1
     assert delta("sift_rerank_cost_usd_total", model=MODEL, lane="standard") == 0
 
@@ -141,6 +148,7 @@ def test_job_helpers() -> None:
     metrics.job_submitted("batch_item", 5)
     metrics.job_completed("batch_item", "succeeded")
     metrics.job_completed("batch_item", "failed", "rerank_failed")
+    metrics.job_completed("batch_item", "canceled", count=3)
     metrics.observe_queue_wait(SEARCH_QUEUE, 0.3)
     metrics.webhook_delivery("retry")
     with metrics.running_job():
@@ -148,6 +156,7 @@ def test_job_helpers() -> None:
     assert delta("sift_jobs_submitted_total", kind="batch_item") == 5
     assert delta("sift_jobs_completed_total", kind="batch_item", status="succeeded") == 1
     assert delta("sift_jobs_completed_total", kind="batch_item", status="failed") == 1
+    assert delta("sift_jobs_completed_total", kind="batch_item", status="canceled") == 3
     assert delta("sift_job_failures_total", kind="batch_item", error="rerank_failed") == 1
     assert delta("sift_job_queue_wait_seconds_count", queue=SEARCH_QUEUE) == 1
     assert delta("sift_webhook_deliveries_total", result="retry") == 1
@@ -254,7 +263,9 @@ MULTIPROCESS_SCRIPT = textwrap.dedent(
         "attempts": after[key("sift_rerank_attempts_total", model="m", result="ok")],
         "input": after[key("sift_rerank_tokens_total", model="m", type="input", lane="standard")],
         "cost": after[key("sift_rerank_cost_usd_total", model="m", lane="standard")],
-        "count": after[key("sift_rerank_duration_seconds_count", model="m", outcome="ok")],
+        "count": after[
+            key("sift_rerank_duration_seconds_count", model="m", outcome="ok", lane="standard")
+        ],
         "in_flight_live": with_live[key("sift_rerank_in_flight", model="m")],
         "in_flight_before_sweep": before_sweep[key("sift_rerank_in_flight", model="m")],
         "in_flight_after": after[key("sift_rerank_in_flight", model="m")],

@@ -189,9 +189,11 @@ class ElasticsearchBackend:
         refresh: Refresh = "wait_for",
         request_timeout: float = 10.0,
         bulk_chunk_size: int = 500,
+        native_rrf: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
+        self.native_rrf = native_rrf
         self.prefix = prefix
         self.fields = fields or FieldNames()
         self.index_settings = index_settings or IndexSettings()
@@ -240,6 +242,7 @@ class ElasticsearchBackend:
             refresh=settings.elasticsearch_refresh,
             request_timeout=settings.elasticsearch_request_timeout,
             bulk_chunk_size=settings.elasticsearch_bulk_chunk_size,
+            native_rrf=settings.elasticsearch_native_rrf,
         )
 
     def alias(self, index: str) -> str:
@@ -270,8 +273,16 @@ class ElasticsearchBackend:
         return frozenset({"bm25", "knn"})
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
-        """Both channels in one ``_msearch``; each channel's hits best first."""
+        """Both channels in one ``_msearch``; each channel's hits best first.
+
+        With ``native_rrf`` on, a hybrid search is one ``retriever.rrf`` instead, and the
+        results carry ES's fused list only.
+        """
         channels = tuple(dict.fromkeys(query.channels))
+        if self.native_rrf and len(channels) == 2:
+            started = self._clock()
+            fused = self.retrieve_native(query)
+            return ChannelResults(hits={}, seconds={"rrf": self._clock() - started}, fused=fused)
         searches: list[Mapping[str, Any]] = []
         for channel in channels:
             searches += [{"index": self.alias(query.index)}, self.channel_body(channel, query)]
@@ -285,7 +296,7 @@ class ElasticsearchBackend:
                 f"_msearch answered {len(answers)} searches for {len(channels)} sent"
             )
         hits: dict[Channel, list[ChannelHit]] = {}
-        seconds: dict[Channel, float] = {}
+        seconds: dict[str, float] = {}
         for channel, answer in zip(channels, answers, strict=True):
             _raise_for_item(answer, f"{channel} search of index {query.index!r}", query.index)
             hits[channel] = [self._hit(channel, raw) for raw in answer["hits"]["hits"]]
@@ -524,7 +535,7 @@ class ElasticsearchBackend:
         """Fused hits from ES's own ``retriever.rrf`` (needs a licence with RRF).
 
         The hits carry ES's RRF score only: no per-channel rank or score, and no kNN
-        similarity floor can apply. Sift's pipeline uses :meth:`retrieve` instead.
+        similarity floor can apply. :meth:`retrieve` calls it when ``native_rrf`` is on.
         """
         body = self.native_rrf_body(query)
         with _translated(f"native RRF search of index {query.index!r}", query.index):

@@ -21,17 +21,10 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
-from rich.table import Table
 
 from worker.cli import app
 from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
+from worker.cli._output import print_result, progress_bar
 from worker.constants import (
     MAX_BATCH_QUERIES,
     MAX_DOCUMENT_CHARS,
@@ -176,17 +169,6 @@ def _load(path: Path, parse: Any, *, skip_invalid: bool, unique_ids: bool = Fals
     return loaded
 
 
-def _progress(console: Console) -> Progress:
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    )
-
-
 def _report_skipped(console: Console, problems: list[str]) -> None:
     if not problems:
         return
@@ -235,7 +217,7 @@ def ingest(
         documents = loaded.records
         started = time.monotonic()
         indexed = 0
-        with gateway() as client, _progress(console) as progress:
+        with gateway() as client, progress_bar(console) as progress:
             task = progress.add_task(f"ingest {index}", total=len(documents))
             for start in range(0, len(documents), batch_size):
                 chunk = documents[start : start + batch_size]
@@ -248,46 +230,9 @@ def ingest(
         )
 
 
-def _rank(value: Any) -> str:
-    return "–" if value is None else str(value)
-
-
 def _print_search(console: Console, job: dict[str, Any], *, trace: bool) -> None:
     result = job.get("result") or {}
-    hits = result.get("hits") or []
-    table = Table(title=f"{len(hits)} hit(s)", title_justify="left")
-    table.add_column("#", justify="right")
-    table.add_column("id", no_wrap=True)
-    table.add_column("title", overflow="ellipsis", max_width=40)
-    for name in ("rrf", "bm25", "knn"):
-        table.add_column(name, justify="right")
-    for hit in hits:
-        ranks = hit.get("ranks") or {}
-        table.add_row(
-            _rank(ranks.get("final")),
-            str(hit.get("id")),
-            str(hit.get("title") or ""),
-            _rank(ranks.get("rrf")),
-            _rank(ranks.get("bm25")),
-            _rank(ranks.get("knn")),
-        )
-    console.print(table)
-    rerank = result.get("rerank") or {}
-    if rerank.get("applied"):
-        console.print(f"rerank: applied ({rerank.get('policy')})")
-    elif rerank.get("fallback_reason"):
-        console.print(f"rerank: [yellow]not applied[/], fallback: {rerank['fallback_reason']}")
-    else:
-        console.print("rerank: not applied")
-    usage = result.get("usage") or {}
-    if usage.get("requests"):
-        console.print(
-            f"usage: {usage.get('requests', 0)} request(s), "
-            f"{usage.get('input_tokens', 0)} input + {usage.get('output_tokens', 0)} output "
-            f"tokens, cache read {usage.get('cache_read_input_tokens', 0)}, "
-            f"cache write {usage.get('cache_creation_input_tokens', 0)}, "
-            f"${float(usage.get('cost_usd', 0.0)):.6f}"
-        )
+    print_result(console, result)
     if trace and result.get("trace") is not None:
         console.print_json(json.dumps(result["trace"]))
 
@@ -433,7 +378,7 @@ def batch(
             submitted = client.json("POST", "/v1/batches", json=body)
             batch_id = str(submitted["id"])
             console.print(f"batch [bold]{batch_id}[/]: {len(items)} queries submitted")
-            with _progress(console) as progress:
+            with progress_bar(console) as progress:
                 task = progress.add_task(f"batch {index}", total=len(items))
 
                 def show(state: dict[str, Any]) -> None:

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from worker.cli import app
+from worker.cli._output import progress_bar
 from worker.errors import SiftError
 from worker.evaluation import TENANT, Collection, evaluate, read_corpus
 from worker.runtime import Runtime, build_runtime
@@ -22,19 +21,9 @@ from worker.settings import load_settings
 console = Console()
 
 
-def _progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    )
-
-
 def _ingest(runtime: Runtime, corpus: Path, index: str, tenant: str) -> int:
     documents = read_corpus(corpus)
-    with _progress() as bar:
+    with progress_bar(console) as bar:
         task = bar.add_task(f"indexing {corpus.name}", total=len(documents))
         return runtime.ingest(index, tenant, documents, lambda n: bar.advance(task, n))
 
@@ -65,7 +54,7 @@ def eval_command(
         if not complete.exists():
             _ingest(runtime, corpus, "eval", TENANT)
             complete.write_text(f"{corpus.resolve()}\n")
-        with _progress() as bar:
+        with progress_bar(console) as bar:
             tasks: dict[str, Any] = {}
 
             def advance(run: str, n: int) -> None:
@@ -111,26 +100,3 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{int(usage['input_tokens'])} input / {int(usage['output_tokens'])} output tokens, "
             f"${usage['cost_usd']:.4f}"
         )
-
-
-def sample_path(name: str) -> Path:
-    return Path(str(resources.files("worker") / "data" / name))
-
-
-def print_hits(query: str, result: dict[str, Any]) -> None:
-    """Print one search result as a table; shared with the queue-backed commands."""
-    table = Table(title=f"“{query}”", title_justify="left")
-    for column in ("#", "id", "title", "rrf", "bm25", "knn"):
-        table.add_column(column)
-    for hit in result["hits"]:
-        ranks = hit["ranks"]
-        table.add_row(
-            str(ranks["final"]),
-            hit["id"],
-            hit["title"],
-            *(str(ranks[c]) if ranks[c] is not None else "-" for c in ("rrf", "bm25", "knn")),
-        )
-    console.print(table)
-    rerank = result["rerank"]
-    if rerank["applied"] or rerank["fallback_reason"]:
-        console.print(f"rerank: applied={rerank['applied']} fallback={rerank['fallback_reason']}")

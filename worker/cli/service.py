@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 
 from worker.cli import app
-from worker.cli.evaluate import print_hits, sample_path
+from worker.cli._output import print_result, sample_path
 from worker.constants import ALL_QUEUES
 from worker.errors import SiftError
 from worker.settings import Settings, load_settings
@@ -41,15 +41,14 @@ STATE_DIR = Path(".sift")
 def gateway(
     host: Annotated[str, typer.Option(help="interface to bind")] = "0.0.0.0",
     port: Annotated[int | None, typer.Option(help="default: SIFT_GATEWAY_PORT")] = None,
-    workers: Annotated[int, typer.Option(min=1, help="uvicorn worker processes")] = 1,
 ) -> None:
-    """Run one gateway (uvicorn), for deployment."""
+    """Run one gateway (one uvicorn process), for deployment; scale with replicas."""
     import uvicorn
 
     settings = _settings()
     uvicorn.run(
         "api_gateway.app:create_app", factory=True, host=host, port=port or settings.gateway_port,
-        workers=workers, access_log=False, log_level="info",
+        access_log=False, log_level="info",
     )  # fmt: skip
 
 
@@ -71,7 +70,13 @@ def worker(
         overrides["worker_concurrency"] = concurrency
     if pool:
         overrides["worker_pool"] = pool
-    celery = create_celery_app(_settings(**overrides))
+    settings = _settings(**overrides)
+    if settings.worker_pool == "prefork":  # children fork: their metrics go through files
+        from worker import metrics
+
+        directory = metrics.multiprocess_dir() or tempfile.mkdtemp(prefix="sift-metrics-")
+        metrics.setup_multiprocess(directory)
+    celery = create_celery_app(settings)
     celery.worker_main(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel,
          "--without-gossip", "--without-mingle"]
@@ -147,7 +152,8 @@ def _start(stack: contextlib.ExitStack, state: Path, port: int | None = None) ->
 def up() -> None:
     """Run Redis, one worker and the gateway in the foreground until Ctrl-C."""
     stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stopping.set())
     with contextlib.ExitStack() as stack:
         running = _start(stack, STATE_DIR)
         console.print(f"gateway  [bold]{running.url}[/]  (OpenAPI at {running.url}/docs)")
@@ -156,8 +162,7 @@ def up() -> None:
         console.print(f"logs     {STATE_DIR / 'logs'}")
         console.print(f"\nexport SIFT_URL={running.url} SIFT_API_KEY={running.api_key}")
         console.print("Ctrl-C stops everything.")
-        with contextlib.suppress(KeyboardInterrupt):
-            stopping.wait()
+        stopping.wait()
         console.print("stopping…")
 
 
@@ -180,7 +185,8 @@ def demo(limit: Annotated[int, typer.Option(min=1, max=100)] = 3) -> None:
         for line in out.read_text().splitlines():
             item = json.loads(line)
             if item["status"] == "succeeded":
-                print_hits(texts.get(item["query_id"], item["query_id"]), item["result"])
+                title = f"“{texts.get(item['query_id'], item['query_id'])}”"
+                print_result(console, item["result"], title=title)
             else:
                 console.print(f"[red]{item['query_id']} {item['status']}[/]: {item['error']}")
         console.print("stopping the stack…")

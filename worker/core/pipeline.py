@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from worker.constants import POLICY_ID
@@ -24,6 +24,7 @@ from worker.core.types import (
     Candidate,
     ChannelQuery,
     ChannelResults,
+    Document,
     HardFilters,
     RerankPrompt,
     RerankReply,
@@ -64,13 +65,17 @@ class PipelineConfig:
 
 
 @dataclass(slots=True)
-class _RerankRun:
-    """What the rerank stage did, for the result, the trace and the metrics."""
+class RerankRun:
+    """What the rerank stage did, whichever lane ran it: the attempts, the usage and its cost,
+    and either the model's reply or the failure that ended it."""
 
     attempts: list[dict[str, Any]] = field(default_factory=list)
     usage: TokenUsage = field(default_factory=TokenUsage)
     cost_usd: float = 0.0
     returned: Sequence[object] | None = None
+    reply: RerankReply | None = None
+    failure: SiftError | None = None
+    seconds: float = 0.0
 
     def add_usage(self, usage: TokenUsage, price: Price | None, discount: float) -> None:
         self.usage = TokenUsage(
@@ -82,11 +87,33 @@ class _RerankRun:
         self.cost_usd += cost_usd(usage, price, discount)
 
 
+@dataclass(slots=True)
+class Prepared:
+    """The first half of a search, up to the model call, as plain data.
+
+    ``result`` is set when no model call is needed (no rerank, or no candidates): it is final.
+    Otherwise ``prompt`` is what to send, and :meth:`SearchPipeline.finish` turns the model's
+    answer (or the failure) into the result. ``seconds`` is the time the first half took.
+    """
+
+    spec: SearchSpec
+    candidates: list[Candidate]
+    trace: dict[str, Any]
+    prompt: RerankPrompt | None = None
+    result: SearchResult | None = None
+    seconds: float = 0.0
+
+
 class SearchPipeline:
     """Runs one search end to end under one deadline.
 
     >>> pipeline = SearchPipeline(backend, embedder, reranker, PipelineConfig())  # doctest: +SKIP
     >>> pipeline.search(SearchSpec(index="docs", query="who won"), tenant="acme")  # doctest: +SKIP
+
+    The two halves are public for a lane that defers the model call (the economy lane sends
+    the prompts as a provider batch): :meth:`prepare` retrieves, fuses and builds the prompt;
+    :meth:`finish` applies the same normalisation, fallback and failure rules to whatever the
+    model answered. :meth:`search` is exactly ``prepare`` + the model call + ``finish``.
     """
 
     def __init__(
@@ -107,19 +134,67 @@ class SearchPipeline:
         self._clock = clock
         self._sleep = sleep
 
+    def variant(self, *, config: PipelineConfig, recorder: Recorder | None) -> SearchPipeline:
+        """The same ports with another config and recorder (the economy lane's price and lane)."""
+        return SearchPipeline(
+            self.backend,
+            self.embedder,
+            self.reranker,
+            config,
+            recorder,
+            clock=self._clock,
+            sleep=self._sleep,
+        )
+
     # -- the algorithm ------------------------------------------------------------
 
     def search(self, spec: SearchSpec, tenant: str) -> SearchResult:
         deadline = Deadline(self.config.deadline_seconds, self._clock)
         outcome = "error"
         try:
-            result = self._search(spec, tenant, deadline)
+            prepared = self._prepare(spec, tenant, deadline)
+            if prepared.result is not None:
+                result = prepared.result
+            else:
+                result = self._finish(prepared, self._call_model(prepared, deadline))
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
         finally:
             self.recorder.search_done(spec.mode, outcome, deadline.elapsed())
 
-    def _search(self, spec: SearchSpec, tenant: str, deadline: Deadline) -> SearchResult:
+    def prepare(self, spec: SearchSpec, tenant: str) -> Prepared:
+        """The first half: retrieval and fusion under the search deadline, then the prompt.
+
+        A search that needs no model call comes back final (``result`` set, and counted as
+        done); otherwise hand ``prompt`` to the model and the answer to :meth:`finish`.
+        """
+        deadline = Deadline(self.config.deadline_seconds, self._clock)
+        try:
+            prepared = self._prepare(spec, tenant, deadline)
+        except BaseException:
+            self.recorder.search_done(spec.mode, "error", deadline.elapsed())
+            raise
+        prepared.seconds = deadline.elapsed()
+        if prepared.result is not None:
+            self.recorder.search_done(spec.mode, "ok", prepared.seconds)
+        return prepared
+
+    def finish(self, prepared: Prepared, run: RerankRun) -> SearchResult:
+        """The second half: normalise the model's positions, or apply the failure policy.
+
+        Raises RerankFailed under ``fail_closed`` when ``run`` ended in a failure.
+        """
+        started = self._clock()
+        outcome = "error"
+        try:
+            result = self._finish(prepared, run)
+            outcome = "fallback" if result.rerank.fallback_reason else "ok"
+            return result
+        finally:
+            seconds = prepared.seconds + self._clock() - started
+            self.recorder.search_done(prepared.spec.mode, outcome, seconds)
+
+    def _prepare(self, spec: SearchSpec, tenant: str, deadline: Deadline) -> Prepared:
         query = normalise_query(spec.query)
         reranking = self._reranking(spec)
         channels = select_channels(spec.mode, spec.index, self.backend.channels(spec.index))
@@ -139,7 +214,14 @@ class SearchPipeline:
             vector=vector,
         )
         results = self._retrieve(channel_query, deadline)
-        candidates = rrf_fuse(admit(results.hits, self.config.vector_min_similarity), limit=coarse)
+        if results.fused is not None:  # the backend fused by itself: keep its order
+            candidates = [
+                Candidate(hit.document, rank, hit.score, {}, {})
+                for rank, hit in enumerate(results.fused[:coarse], start=1)
+            ]
+        else:
+            admitted = admit(results.hits, self.config.vector_min_similarity)
+            candidates = rrf_fuse(admitted, limit=coarse)
         trace: dict[str, Any] = {
             "policy": POLICY_ID if reranking else None,
             "query": query,
@@ -147,6 +229,7 @@ class SearchPipeline:
             "coarse_limit": coarse,
             "channel_window": channel_query.size,
             "channel_counts": {channel: len(hits) for channel, hits in results.hits.items()},
+            "fused_by_backend": results.fused is not None,
         }
 
         if not reranking or not candidates:
@@ -154,8 +237,26 @@ class SearchPipeline:
                 self.recorder.rerank_outcome(POLICY_ID, "skipped")
             info = RerankInfo(applied=False, policy=None, fallback_reason=None)
             trace["candidates"] = _trace_candidates(candidates, None)
-            return self._result(candidates[: spec.limit], info, Usage(), spec, trace)
-        return self._rerank(query, spec, candidates, deadline, trace)
+            result = self._result(candidates[: spec.limit], info, Usage(), spec, trace)
+            return Prepared(spec, candidates, trace, result=result)
+        assert self.reranker is not None
+        prompt = self.build_prompt(query, spec, candidates)
+        trace["candidates"] = _trace_candidates(candidates, prompt)
+        trace["model"] = self.reranker.model
+        return Prepared(spec, candidates, trace, prompt=prompt)
+
+    def build_prompt(
+        self, query: str, spec: SearchSpec, candidates: Sequence[Candidate]
+    ) -> RerankPrompt:
+        """The ``listwise.v1`` prompt for fused ``candidates``; a pure function of its inputs."""
+        return build_prompt(
+            query,
+            [(c.document.title, c.document.text) for c in candidates],
+            k=spec.limit,
+            max_chars=self.config.candidate_max_chars,
+            thinking_tokens=self.config.thinking_tokens,
+            tokens_per_position=self.config.tokens_per_position,
+        )
 
     def _reranking(self, spec: SearchSpec) -> bool:
         wanted = self.config.rerank_enabled if spec.rerank is None else spec.rerank
@@ -169,9 +270,7 @@ class SearchPipeline:
 
     def _retrieve(self, query: ChannelQuery, deadline: Deadline) -> ChannelResults:
         def attempt(timeout: float) -> ChannelResults:
-            return self.backend.retrieve(
-                ChannelQuery(**{**_fields(query), "timeout_seconds": timeout})
-            )
+            return self.backend.retrieve(replace(query, timeout_seconds=timeout))
 
         results = call_within_budget(
             attempt,
@@ -186,43 +285,29 @@ class SearchPipeline:
             self.recorder.retrieval(self.backend.name, channel, seconds)
         return results
 
-    def _rerank(
-        self,
-        query: str,
-        spec: SearchSpec,
-        candidates: list[Candidate],
-        deadline: Deadline,
-        trace: dict[str, Any],
-    ) -> SearchResult:
-        assert self.reranker is not None
-        reranker = self.reranker
-        prompt = build_prompt(
-            query,
-            [(c.document.title, c.document.text) for c in candidates],
-            k=spec.limit,
-            max_chars=self.config.candidate_max_chars,
-            thinking_tokens=self.config.thinking_tokens,
-            tokens_per_position=self.config.tokens_per_position,
-        )
-        trace["candidates"] = _trace_candidates(candidates, prompt)
-        trace["model"] = reranker.model
-        price = price_for(reranker.model, self.config.prices)
-        run = _RerankRun()
+    def _call_model(self, prepared: Prepared, deadline: Deadline) -> RerankRun:
+        """The standard lane's model call: attempts under the retry budget and the deadline."""
+        assert self.reranker is not None and prepared.prompt is not None
+        prompt = prepared.prompt
+        run = RerankRun()
         started = self._clock()
-        failure: SiftError | None = None
-        reply: RerankReply | None = None
         try:
-            reply = call_within_budget(
-                lambda timeout: self._attempt(prompt, timeout, run, price),
+            run.reply = call_within_budget(
+                lambda timeout: self._attempt(prompt, timeout, run),
                 deadline=deadline,
                 max_attempts=self.config.max_requests,
                 attempt_timeout=self.config.attempt_timeout_seconds,
                 sleep=self._sleep,
             )
         except (RerankAttemptError, DeadlineExceeded) as error:
-            failure = error
-        seconds = self._clock() - started
+            run.failure = error
+        run.seconds = self._clock() - started
+        return run
 
+    def _finish(self, prepared: Prepared, run: RerankRun) -> SearchResult:
+        assert self.reranker is not None
+        model = self.reranker.model
+        spec, candidates, trace = prepared.spec, prepared.candidates, prepared.trace
         usage = Usage(
             requests=len(run.attempts),
             input_tokens=run.usage.input_tokens,
@@ -233,7 +318,7 @@ class SearchPipeline:
         )
         trace.update(
             attempts=run.attempts,
-            rerank_seconds=seconds,
+            rerank_seconds=run.seconds,
             usage=usage.model_dump(),
             returned_positions=list(run.returned) if run.returned is not None else None,
         )
@@ -244,15 +329,15 @@ class SearchPipeline:
             "cache_creation": usage.cache_creation_input_tokens,
         }
 
+        reply = run.reply
         if reply is None:
+            failure = run.failure
             assert failure is not None
             reason = (
                 failure.outcome.value if isinstance(failure, RerankAttemptError) else "deadline"
             )
             trace["fallback_reason"] = f"error:{reason}"
-            self.recorder.rerank_done(
-                reranker.model, reason, seconds, usage_by_type, usage.cost_usd
-            )
+            self.recorder.rerank_done(model, reason, run.seconds, usage_by_type, usage.cost_usd)
             if self.config.failure_policy == "fail_closed":
                 self.recorder.rerank_outcome(POLICY_ID, "failed")
                 raise RerankFailed(reason, failure.message) from failure
@@ -260,7 +345,7 @@ class SearchPipeline:
             info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{reason}")
             return self._result(candidates[: spec.limit], info, usage, spec, trace)
 
-        self.recorder.rerank_done(reranker.model, "ok", seconds, usage_by_type, usage.cost_usd)
+        self.recorder.rerank_done(model, "ok", run.seconds, usage_by_type, usage.cost_usd)
         normalised = normalise_positions(reply.positions, len(candidates), spec.limit)
         trace["kept_positions"] = list(normalised.kept)
         trace["dropped_positions"] = [
@@ -278,32 +363,40 @@ class SearchPipeline:
         info = RerankInfo(applied=True, policy=POLICY_ID, fallback_reason=None)
         return self._result(chosen, info, usage, spec, trace)
 
-    def _attempt(
-        self, prompt: RerankPrompt, timeout: float, run: _RerankRun, price: Price | None
-    ) -> RerankReply:
+    def _attempt(self, prompt: RerankPrompt, timeout: float, run: RerankRun) -> RerankReply:
         assert self.reranker is not None
         started = self._clock()
         try:
             reply = self.reranker.rerank(prompt, timeout)
         except RerankAttemptError as error:
             usage = getattr(error, "usage", None)
-            if isinstance(usage, TokenUsage):
-                run.add_usage(usage, price, self.config.price_discount)
-            self._record_attempt(run, error.outcome, started)
+            self.record_attempt(
+                run,
+                error.outcome,
+                usage if isinstance(usage, TokenUsage) else None,
+                self._clock() - started,
+            )
             raise
-        run.add_usage(reply.usage, price, self.config.price_discount)
         run.returned = reply.positions
-        self._record_attempt(run, AttemptOutcome.OK, started)
+        self.record_attempt(run, AttemptOutcome.OK, reply.usage, self._clock() - started)
         return reply
 
-    def _record_attempt(self, run: _RerankRun, outcome: AttemptOutcome, started: float) -> None:
+    def record_attempt(
+        self,
+        run: RerankRun,
+        outcome: AttemptOutcome,
+        usage: TokenUsage | None,
+        seconds: float,
+        **detail: Any,
+    ) -> None:
+        """Count one model attempt in ``run``: its class, its usage priced at this pipeline's
+        price (and discount), its metric. ``detail`` goes into the attempt's trace entry."""
         assert self.reranker is not None
+        if usage is not None:
+            price = price_for(self.reranker.model, self.config.prices)
+            run.add_usage(usage, price, self.config.price_discount)
         run.attempts.append(
-            {
-                "n": len(run.attempts) + 1,
-                "outcome": outcome.value,
-                "seconds": self._clock() - started,
-            }
+            {"n": len(run.attempts) + 1, "outcome": outcome.value, "seconds": seconds, **detail}
         )
         self.recorder.rerank_attempt(self.reranker.model, outcome.value)
 
@@ -319,10 +412,6 @@ class SearchPipeline:
         return SearchResult(
             hits=hits, rerank=info, usage=usage, trace=trace if spec.include_trace else None
         )
-
-
-def _fields(query: ChannelQuery) -> dict[str, Any]:
-    return {name: getattr(query, name) for name in ChannelQuery.__slots__}
 
 
 def _hit(candidate: Candidate, final: int) -> Hit:
@@ -366,3 +455,55 @@ def _trace_candidates(
         }
         for i, candidate in enumerate(candidates)
     ]
+
+
+def dump_prepared(prepared: Prepared) -> dict[str, Any]:
+    """A prepared search as JSON-able data, for a lane that finishes it later elsewhere.
+
+    The prompt and the trace's candidate list are not stored: :func:`load_prepared` rebuilds
+    them from the candidates (the prompt is a pure function of them and the config).
+    """
+    return {
+        "spec": prepared.spec.model_dump(mode="json"),
+        "seconds": prepared.seconds,
+        "trace": {k: v for k, v in prepared.trace.items() if k != "candidates"},
+        "candidates": [
+            {
+                "id": c.document.id,
+                "text": c.document.text,
+                "title": c.document.title,
+                "revision": c.document.revision,
+                "metadata": dict(c.document.metadata),
+                "rrf_rank": c.rrf_rank,
+                "rrf_score": c.rrf_score,
+                "channel_ranks": c.channel_ranks,
+                "channel_scores": c.channel_scores,
+            }
+            for c in prepared.candidates
+        ],
+    }
+
+
+def load_prepared(pipeline: SearchPipeline, data: Mapping[str, Any]) -> Prepared:
+    """The inverse of :func:`dump_prepared`, with the prompt rebuilt by ``pipeline``."""
+    spec = SearchSpec.model_validate(data["spec"])
+    candidates = [
+        Candidate(
+            document=Document(
+                id=c["id"],
+                text=c["text"],
+                title=c["title"],
+                revision=c["revision"],
+                metadata=dict(c["metadata"]),
+            ),
+            rrf_rank=int(c["rrf_rank"]),
+            rrf_score=float(c["rrf_score"]),
+            channel_ranks=dict(c["channel_ranks"]),
+            channel_scores={k: float(v) for k, v in c["channel_scores"].items()},
+        )
+        for c in data["candidates"]
+    ]
+    trace = dict(data["trace"])
+    prompt = pipeline.build_prompt(str(trace["query"]), spec, candidates)
+    trace["candidates"] = _trace_candidates(candidates, prompt)
+    return Prepared(spec, candidates, trace, prompt=prompt, seconds=float(data["seconds"]))

@@ -50,10 +50,15 @@ class ChannelQuery:
 
 @dataclass(frozen=True, slots=True)
 class ChannelResults:
-    """Each channel's hits, best first, with the time the backend spent per channel."""
+    """Each channel's hits, best first, with the time the backend spent per channel.
+
+    A backend that fuses by itself (Elasticsearch's native ``retriever.rrf``) returns
+    ``fused`` instead: one list, best first, with no per-channel rank or score.
+    """
 
     hits: Mapping[Channel, Sequence[ChannelHit]]
-    seconds: Mapping[Channel, float] = field(default_factory=dict)
+    seconds: Mapping[str, float] = field(default_factory=dict)
+    fused: Sequence[ChannelHit] | None = None
 
 
 @dataclass(slots=True)

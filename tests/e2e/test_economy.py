@@ -1,0 +1,209 @@
+"""The economy lane over HTTP through the real stack: Message Batches on the fake provider.
+
+The stack (``conftest.py``) polls provider batches every 0.2-1 s, puts at most 4 requests
+in a provider batch (so every batch here spans several), and stops resubmitting
+``ECONOMY_DEADLINE_SECONDS`` after a batch came in. The fake shuffles every results file.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import ACME, ECONOMY_DEADLINE_SECONDS, INDEX, Stack
+from tests.fake_anthropic import errored, expired, malformed, missing, positions, succeeded
+
+FINAL = {"succeeded", "failed", "canceled"}
+
+
+@pytest.fixture(autouse=True)
+def clean_fake(stack: Stack) -> Iterator[None]:
+    stack.model.reset()
+    stack.model.configure(batch_processing_seconds=0.0)
+    yield
+    stack.model.reset()
+    stack.model.configure(batch_processing_seconds=0.0)
+
+
+def _submit(stack: Stack, items: list[dict[str, Any]], lane: str, **extra: Any) -> str:
+    body = {"index": INDEX, "queries": items, "rerank": True, "lane": lane, **extra}
+    response = stack.live.post("/v1/batches", json=body, headers=ACME)
+    assert response.status_code == 202, response.text
+    assert response.json()["lane"] == lane
+    return str(response.json()["id"])
+
+
+def _wait(stack: Stack, batch_id: str, timeout: float = 60) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch: dict[str, Any] = stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+        if batch["finished_at"]:
+            return batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+
+
+def _results(stack: Stack, batch_id: str) -> dict[str, dict[str, Any]]:
+    page = stack.live.get(
+        f"/v1/batches/{batch_id}/results", params={"page_size": 1000}, headers=ACME
+    ).json()
+    return {r["query_id"]: r for r in page["results"]}
+
+
+def _canonical(body: object) -> str:
+    return json.dumps(body, sort_keys=True)
+
+
+def _items(queries: list[str], n: int) -> list[dict[str, Any]]:
+    return [{"id": f"q{i}", "query": queries[i % len(queries)], "limit": 5} for i in range(n)]
+
+
+def test_economy_gives_the_standard_lanes_hits_at_half_the_cost(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    items = _items(queries, 10)
+    standard_id = _submit(stack, items, "standard", include_trace=True)
+    assert _wait(stack, standard_id)["counts"]["succeeded"] == 10
+    messages = [r["body"] for r in stack.model.requests()]
+    economy_id = _submit(stack, items, "economy", include_trace=True)
+    done = _wait(stack, economy_id)
+    assert done["status"] == "succeeded" and done["counts"]["succeeded"] == 10, done
+
+    standard, economy = _results(stack, standard_id), _results(stack, economy_id)
+    for item in items:
+        s, e = standard[item["id"]]["result"], economy[item["id"]]["result"]
+        assert [h["id"] for h in e["hits"]] == [h["id"] for h in s["hits"]]
+        assert e["hits"] == s["hits"]  # ranks, scores, text: the same hit objects
+        assert e["rerank"] == s["rerank"] and e["rerank"]["applied"] is True
+        usage_s, usage_e = s["usage"], e["usage"]
+        for field in ("requests", "input_tokens", "output_tokens"):
+            assert usage_e[field] == usage_s[field] > 0
+        assert usage_e["cost_usd"] == pytest.approx(usage_s["cost_usd"] / 2, rel=1e-9)
+        assert e["trace"]["kept_positions"] == s["trace"]["kept_positions"]
+        assert e["trace"]["attempts"][0]["provider_result"] == "succeeded"
+
+    # 10 requests in provider batches of at most 4; params exactly the standard lane's bodies
+    batches = stack.model.batches()
+    assert [len(b["custom_ids"]) for b in batches] == [4, 4, 2]
+    sent = [p for b in batches for p in b["params"]]
+    assert sorted(map(_canonical, sent)) == sorted(map(_canonical, messages))
+    custom_ids = [c for b in batches for c in b["custom_ids"]]
+    assert sorted(custom_ids) == sorted(f"i{i}" for i in range(10))
+
+
+def test_out_of_order_results_are_mapped_by_custom_id(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    items = [{"id": f"x{i}", "query": queries[0], "limit": 3} for i in range(8)]
+    # the same query eight times, each item told to pick a different candidate
+    stack.model.script_batch({f"i{i}": [succeeded(positions([i + 1]))] for i in range(8)})
+    batch_id = _submit(stack, items, "economy", include_trace=True)
+    assert _wait(stack, batch_id)["counts"]["succeeded"] == 8
+    for b in stack.model.batches():
+        assert b["result_order"] != b["custom_ids"]  # the fake really did shuffle
+    results = _results(stack, batch_id)
+    for i in range(8):
+        result = results[f"x{i}"]["result"]
+        assert [h["ranks"]["rrf"] for h in result["hits"]] == [i + 1]
+        assert result["trace"]["kept_positions"] == [i + 1]
+
+
+def test_errored_expired_and_malformed_requests_are_resubmitted_or_fail_by_policy(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    items = _items(queries, 6)
+    stack.model.script_batch(
+        {
+            "i0": [errored("overloaded_error")],  # retryable: resubmitted, then succeeds
+            "i1": [expired()],  # retryable (class timeout): resubmitted, then succeeds
+            "i2": [succeeded(malformed("not json"))],  # malformed: resubmitted, then succeeds
+            "i3": [errored("invalid_request_error")],  # http_4xx: permanent, fails at once
+            "i4": [errored("api_error")] * 3,  # the attempt budget (3) runs out
+        }
+    )
+    batch_id = _submit(stack, items, "economy", include_trace=True)
+    done = _wait(stack, batch_id)
+    assert done["counts"] == {
+        "total": 6, "queued": 0, "running": 0, "succeeded": 4, "failed": 2, "canceled": 0,
+    }  # fmt: skip
+    results = _results(stack, batch_id)
+    for qid, first in (("q0", "http_5xx"), ("q1", "timeout"), ("q2", "malformed")):
+        result = results[qid]["result"]
+        assert result["rerank"]["applied"] is True
+        assert [a["outcome"] for a in result["trace"]["attempts"]] == [first, "ok"]
+        assert result["usage"]["requests"] == 2
+    assert results["q1"]["result"]["trace"]["attempts"][0]["provider_result"] == "expired"
+    assert results["q3"]["status"] == "failed"
+    assert results["q3"]["error"]["type"] == "rerank_failed"
+    assert "http_4xx" in results["q3"]["error"]["message"]
+    assert results["q4"]["status"] == "failed"
+    assert "http_5xx" in results["q4"]["error"]["message"]
+    # three provider batches for the first round, then the resubmissions of q0, q1, q2, q4
+    resubmitted = [c for b in stack.model.batches()[2:] for c in b["custom_ids"]]
+    assert sorted(resubmitted) == ["i0", "i1", "i2", "i4", "i4"]
+
+
+def test_once_the_economy_deadline_is_out_the_failure_policy_applies(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # the provider batch ends after the economy deadline: an expired request is not resent
+    stack.model.configure(batch_processing_seconds=ECONOMY_DEADLINE_SECONDS + 0.5)
+    stack.model.script_batch({"i0": [expired()], "i1": [errored("overloaded_error")]})
+    batch_id = _submit(stack, _items(queries, 3), "economy")
+    done = _wait(stack, batch_id)
+    assert done["counts"]["succeeded"] == 1 and done["counts"]["failed"] == 2
+    results = _results(stack, batch_id)
+    assert results["q0"]["error"]["type"] == "rerank_failed"
+    assert "timeout" in results["q0"]["error"]["message"]
+    assert "expired" in results["q0"]["error"]["message"]
+    assert "http_5xx" in results["q1"]["error"]["message"]
+    assert results["q2"]["result"]["rerank"]["applied"] is True
+    assert len(stack.model.batches()) == 1  # nothing was resubmitted
+
+
+def test_canceling_an_economy_batch_cancels_its_provider_batches(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    stack.model.configure(batch_processing_seconds=300.0)
+    batch_id = _submit(stack, _items(queries, 6), "economy")
+    deadline = time.monotonic() + 30
+    while len(stack.model.batches()) < 2:  # 6 requests: two provider batches
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    response = stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME)
+    assert response.status_code == 200
+    done = _wait(stack, batch_id)
+    assert done["status"] == "canceled"
+    assert done["counts"]["canceled"] == 6, done["counts"]
+    results = _results(stack, batch_id)
+    assert all(r["status"] == "canceled" and "result" not in r for r in results.values())
+    assert all(b["status"] == "ended" for b in stack.model.batches())
+
+
+def test_an_economy_batch_with_rerank_off_finishes_without_the_provider(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    body = {"index": INDEX, "queries": _items(queries, 3), "rerank": False, "lane": "economy"}
+    batch_id = stack.live.post("/v1/batches", json=body, headers=ACME).json()["id"]
+    done = _wait(stack, batch_id)
+    assert done["counts"]["succeeded"] == 3
+    assert stack.model.batches() == []
+
+
+def test_a_request_the_results_leave_out_fails_instead_of_waiting_forever(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    items = _items(queries, 3)
+    stack.model.script_batch({"i1": [missing()]})
+    batch_id = _submit(stack, items, "economy")
+    done = _wait(stack, batch_id)
+    assert done["counts"]["running"] == 0 and done["counts"]["succeeded"] == 2
+    results = _results(stack, batch_id)
+    assert results["q1"]["status"] == "failed"
+    assert results["q1"]["error"]["type"] == "rerank_failed"
+    assert "malformed" in results["q1"]["error"]["message"]
+    assert {results[q]["status"] for q in ("q0", "q2")} == {"succeeded"}

@@ -1,0 +1,68 @@
+"""A prefork worker's children write their metrics to files; its /metrics sums them all."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import KEYS
+from tests.services import celery_worker, free_port, gateway, redis_server
+
+pytestmark = pytest.mark.integration
+
+SAMPLE = Path(__file__).resolve().parents[2] / "worker" / "data" / "sample_corpus.jsonl"
+
+
+def _sum(text: str, name: str) -> float:
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def test_counts_from_every_child_are_summed(tmp_path: Path) -> None:
+    port = free_port()
+    with redis_server(tmp_path / "redis") as url:
+        env = {
+            "SIFT_REDIS_URL": url + "/0",
+            "SIFT_API_KEYS": json.dumps(KEYS[:1]),
+            "SIFT_DATA_DIR": str(tmp_path / "data"),
+            "SIFT_WORKER_METRICS_PORT": str(port),
+            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+        }
+        forks = {**env, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")}
+        with (
+            celery_worker(tmp_path / "w", forks, "forks", concurrency=2, pool="prefork") as proc,
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=60) as client,
+        ):
+            auth = {"Authorization": f"Bearer {KEYS[0]['key']}"}
+            documents = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
+            ingested = client.post(
+                "/v1/indexes/docs/documents", params={"wait": 30}, headers=auth,
+                json={"documents": documents},
+            )  # fmt: skip
+            assert ingested.status_code == 200, ingested.text
+            searches = 12
+            for i in range(searches):
+                job = client.post(
+                    "/v1/searches", params={"wait": 30}, headers=auth,
+                    json={"index": "docs", "query": f"tea railway volcano {i}"},
+                )  # fmt: skip
+                assert job.json()["status"] == "succeeded", job.text
+            text = ""
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+                if _sum(text, "sift_search_duration_seconds_count") >= searches:
+                    break
+                time.sleep(0.2)
+            # the searches ran in the children; only their files can have brought the counts
+            assert _sum(text, "sift_search_duration_seconds_count") == searches
+            pids = {f.stem.rsplit("_", 1)[-1] for f in (tmp_path / "metrics").glob("*.db")}
+            assert pids - {str(proc.pid)}, "no child wrote a metrics file"

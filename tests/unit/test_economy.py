@@ -1,0 +1,108 @@
+"""The economy lane's pure parts: the pipeline's two halves, the JSON of a prepared search,
+the chunking under the provider's limits, and the custom_id round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.fakes import USAGE, RecordingRecorder, fail, reply
+from tests.unit.test_pipeline import make
+from worker.contract import SearchSpec
+from worker.core.pipeline import RerankRun, dump_prepared, load_prepared
+from worker.economy import chunk_requests, custom_id, position_of
+from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed
+
+SPEC = SearchSpec(index="docs", query="volcano eruption ash", limit=3, include_trace=True)
+
+
+def test_prepare_then_finish_is_the_standard_search() -> None:
+    pipeline, _, _ = make([reply([2, 1, 2, 99])])
+    standard = pipeline.search(SPEC, "acme")
+    prepared = pipeline.prepare(SPEC, "acme")
+    assert prepared.result is None and prepared.prompt is not None
+    run = RerankRun()
+    answer = reply([2, 1, 2, 99])(prepared.prompt, 1.0)
+    pipeline.record_attempt(run, AttemptOutcome.OK, answer.usage, 0.5)
+    run.reply, run.returned = answer, answer.positions
+    economy = pipeline.finish(prepared, run)
+    assert economy.hits == standard.hits
+    assert economy.rerank == standard.rerank
+    assert economy.usage == standard.usage
+    assert economy.trace is not None and standard.trace is not None
+    assert economy.trace["kept_positions"] == standard.trace["kept_positions"] == [2, 1]
+
+
+def test_a_prepared_search_survives_its_json_form() -> None:
+    pipeline, _, _ = make([])
+    prepared = pipeline.prepare(SPEC, "acme")
+    data = json.loads(json.dumps(dump_prepared(prepared)))
+    again = load_prepared(pipeline, data)
+    assert again.prompt == prepared.prompt
+    assert again.candidates == prepared.candidates
+    assert again.trace == prepared.trace
+    assert again.spec == prepared.spec
+
+
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+def test_finish_applies_the_failure_policy(policy: str) -> None:
+    pipeline, _, recorder = make([], policy=policy)
+    assert isinstance(recorder, RecordingRecorder)
+    prepared = pipeline.prepare(SPEC, "acme")
+    run = RerankRun()
+    pipeline.record_attempt(run, AttemptOutcome.TIMEOUT, None, 1.0, provider_result="expired")
+    run.failure = RerankAttemptError(AttemptOutcome.TIMEOUT, "expired")
+    if policy == "fail_closed":
+        with pytest.raises(RerankFailed) as caught:
+            pipeline.finish(prepared, run)
+        assert caught.value.reason == "timeout"
+        return
+    result = pipeline.finish(prepared, run)
+    assert result.rerank.applied is False
+    assert result.rerank.fallback_reason == "error:timeout"
+    assert [h.ranks.rrf for h in result.hits] == [1, 2, 3]
+    assert recorder.events["outcome", "fallback_error"] == 1
+
+
+def test_the_economy_pipeline_prices_at_half() -> None:
+    from dataclasses import replace
+
+    pipeline, _, _ = make([reply([1]), reply([1])])
+    economy = pipeline.variant(config=replace(pipeline.config, price_discount=0.5), recorder=None)
+    run_s, run_e = RerankRun(), RerankRun()
+    pipeline.record_attempt(run_s, AttemptOutcome.OK, USAGE, 0.1)
+    economy.record_attempt(run_e, AttemptOutcome.OK, USAGE, 0.1)
+    assert run_s.cost_usd > 0
+    assert run_e.cost_usd == pytest.approx(run_s.cost_usd / 2)
+    assert run_e.usage == run_s.usage
+
+
+def test_no_rerank_needs_no_second_half() -> None:
+    pipeline, _, recorder = make([fail(RuntimeError("never called"))])
+    prepared = pipeline.prepare(SPEC.model_copy(update={"rerank": False}), "acme")
+    assert prepared.result is not None and prepared.prompt is None
+    assert recorder.events["search", "ok"] == 1
+
+
+def test_chunks_stay_under_both_limits() -> None:
+    sizes = [10] * 25
+    chunks = list(chunk_requests(sizes, lambda n: n, max_requests=10, max_bytes=10_000))
+    assert [len(c) for c in chunks] == [10, 10, 5]
+    # bytes: the body is {"requests":[...]} with a comma between requests
+    chunks = list(chunk_requests(sizes, lambda n: n, max_requests=100, max_bytes=15 + 10 * 3 + 2))
+    assert [len(c) for c in chunks] == [3] * 8 + [1]
+    assert all(15 + sum(c) + len(c) - 1 <= 47 for c in chunks)
+    # one request bigger than the limit still goes, alone (the provider then refuses it)
+    assert [len(c) for c in chunk_requests([5, 500, 5], lambda n: n, max_requests=9,
+                                           max_bytes=100)] == [1, 1, 1]  # fmt: skip
+
+
+def test_custom_ids_name_positions() -> None:
+    import re
+
+    for position in (0, 7, 99_999):
+        value = custom_id(position)
+        assert re.fullmatch(r"^[a-zA-Z0-9_-]{1,64}$", value)
+        assert position_of(value) == position
+    assert position_of("msg_other") is None and position_of("i") is None

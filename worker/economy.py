@@ -1,0 +1,574 @@
+"""The economy lane: a batch's reranks sent as Anthropic Message Batches, at half the price.
+
+The flow (DESIGN.md §7; the README's "Choosing a lane"):
+
+1. ``sift.batch_chunk`` runs each item's first half, :meth:`SearchPipeline.prepare`, on the
+   runtime's economy pipeline: retrieval and fusion as in the standard lane. An item that
+   needs no model call is finished there. The others' prepared state goes to
+   ``sift:eco-prepared:<batch>``, and the item stays ``running``. The chunk that finds every
+   item final or prepared enqueues ``sift.economy_submit``, once.
+2. ``sift.economy_submit`` sends the prompts as Message Batches, chunked under the
+   provider's limits (``SIFT_ECONOMY_MAX_REQUESTS_PER_BATCH``, 100,000 requests, and
+   ``SIFT_ECONOMY_MAX_BATCH_BYTES``, 256 MB). Each request's ``custom_id`` is ``i<position>``,
+   the item's place in the submission order; its ``params`` are the standard lane's own.
+   One ``sift.economy_poll`` per provider batch follows.
+3. ``sift.economy_poll`` retrieves its provider batch with backoff
+   (``SIFT_ECONOMY_POLL_SECONDS`` doubling up to ``SIFT_ECONOMY_POLL_MAX_SECONDS``) until it
+   ended, then streams the JSONL results, in whatever order they come, and maps each line
+   back by its ``custom_id``:
+
+   - ``succeeded``: the pipeline's second half, :meth:`SearchPipeline.finish`, with the
+     model's positions: the same normalisation and fallback as the standard lane;
+   - ``errored`` (its class from the error type), ``expired`` (class ``timeout``) and a
+     ``succeeded`` answer that fails the schema (``malformed``): resubmitted in a new
+     provider batch while the class is retryable, the attempt budget
+     (``SIFT_GENERATION_MAX_REQUESTS``) lasts and ``SIFT_ECONOMY_DEADLINE_SECONDS`` since
+     the batch was submitted has not passed; else the failure policy, as in the standard
+     lane (``fail_closed``: the item fails with ``rerank_failed`` naming the class;
+     ``fail_open``: coarse top-k with ``fallback_reason``);
+   - ``canceled``: the item is canceled.
+4. ``DELETE /v1/batches/{id}`` enqueues ``sift.economy_cancel``, which cancels the batch's
+   provider batches (a poll does too, should it find the Sift batch canceled); their
+   unprocessed requests come back ``canceled``.
+
+The Sift batch completes, and its webhook fires, when its last item is final: when the
+results of its last provider batch have been mapped. Every write goes through the job
+store's compare-and-set, and a run records which provider result it already counted, so a
+redelivered task neither finishes an item twice nor counts an attempt twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from celery import shared_task
+
+from worker import metrics
+from worker.constants import (
+    BATCH_ITEMS_KEY,
+    BATCH_QUEUE,
+    ECONOMY_CANCEL_TASK,
+    ECONOMY_POLL_TASK,
+    ECONOMY_PREPARED_KEY,
+    ECONOMY_PROVIDERS_KEY,
+    ECONOMY_RUNS_KEY,
+    ECONOMY_SUBMIT_TASK,
+    WEBHOOK_EVENT_BATCH_COMPLETED,
+)
+from worker.contract import ErrorInfo, JobStatus
+from worker.core.pipeline import (
+    Prepared,
+    RerankRun,
+    SearchPipeline,
+    dump_prepared,
+    load_prepared,
+)
+from worker.core.types import TokenUsage
+from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed, SiftError
+from worker.jobstore import BatchJob, ItemTransition, JobStore
+from worker.logcontext import job_context
+from worker.tasks import SiftTask, _completed, error_info
+
+if TYPE_CHECKING:
+    from worker.adapters.anthropic_batches import AnthropicMessageBatches, BatchLine
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+PAGE = 500  # items read from Redis, or results mapped, at a time
+SUBMIT_CLAIM = "submit"
+# Past the economy deadline plus the provider's own 24 h, a poll that still cannot reach the
+# provider gives up and applies the failure policy to what is left.
+PROVIDER_EXPIRY_SECONDS = 24 * 3600.0
+_ENVELOPE = len('{"requests":[]}')
+
+
+def custom_id(position: int) -> str:
+    """The ``custom_id`` of the item at ``position`` (``^[a-zA-Z0-9_-]{1,64}$``)."""
+    return f"i{position}"
+
+
+def position_of(value: str) -> int | None:
+    """The position a ``custom_id`` names, or None for one Sift did not write."""
+    if not value.startswith("i") or not value[1:].isdigit():
+        return None
+    return int(value[1:])
+
+
+def chunk_requests(
+    requests: Iterable[T], size: Callable[[T], int], *, max_requests: int, max_bytes: int
+) -> Iterator[list[T]]:
+    """Group requests into provider batches: at most ``max_requests`` each, and a body
+    (``{"requests":[r1,r2,...]}``, ``size(r)`` bytes per request) of at most ``max_bytes``.
+
+    >>> [len(c) for c in chunk_requests(["ab"] * 5, len, max_requests=2, max_bytes=100)]
+    [2, 2, 1]
+    """
+    chunk: list[T] = []
+    used = _ENVELOPE
+    for request in requests:
+        n = size(request)
+        if chunk and (len(chunk) >= max_requests or used + 1 + n > max_bytes):
+            yield chunk
+            chunk, used = [], _ENVELOPE
+        used += n + (1 if chunk else 0)
+        chunk.append(request)
+    if chunk:
+        yield chunk
+
+
+# --- a run's record: what the provider did for one item, across rounds ----------------------
+
+
+def _new_run(position: int) -> dict[str, Any]:
+    return {
+        "pos": position,
+        "provider": None,  # the provider batch the item is in now
+        "handled": None,  # the provider batch whose result was counted last
+        "round": 0,
+        "resubmit": False,
+        "first_submitted_at": None,
+        "submitted_at": None,
+        "attempts": [],
+        "usage": [0, 0, 0, 0],
+        "cost_usd": 0.0,
+        "last_error": None,
+    }
+
+
+def _rerank_run(record: dict[str, Any]) -> RerankRun:
+    return RerankRun(
+        attempts=list(record["attempts"]),
+        usage=TokenUsage(*record["usage"]),
+        cost_usd=float(record["cost_usd"]),
+    )
+
+
+def _store_run(record: dict[str, Any], run: RerankRun) -> None:
+    record["attempts"] = run.attempts
+    u = run.usage
+    record["usage"] = [
+        u.input_tokens,
+        u.output_tokens,
+        u.cache_read_input_tokens,
+        u.cache_creation_input_tokens,
+    ]
+    record["cost_usd"] = run.cost_usd
+
+
+# --- the lane's context ----------------------------------------------------------------------
+
+
+def economy_pipeline(task: SiftTask) -> SearchPipeline:
+    """The runtime's pipeline at the Message Batches price, labelled ``lane="economy"``."""
+    pipeline = getattr(task.context.runtime, "economy", None)
+    if not isinstance(pipeline, SearchPipeline):
+        raise SiftError("this worker's runtime has no economy pipeline")
+    return pipeline
+
+
+def _batches(task: SiftTask) -> AnthropicMessageBatches:
+    client = task.context.batches
+    if client is None:
+        raise RerankAttemptError(
+            AttemptOutcome.HTTP_4XX, "the economy lane needs SIFT_GENERATION_MODEL"
+        )
+    return client
+
+
+def save_prepared(store: JobStore, batch_id: str, query_id: str, position: int,
+                  prepared: Prepared) -> None:  # fmt: skip
+    """Keep a prepared item's state until its provider result comes back."""
+    data = dump_prepared(prepared)
+    data["pos"] = position
+    store.economy_save(
+        batch_id, ECONOMY_PREPARED_KEY, {query_id: json.dumps(data, separators=(",", ":"))}
+    )
+
+
+def maybe_submit(task: SiftTask, batch_id: str) -> None:
+    """Enqueue the submission once every item is final or prepared (one chunk wins)."""
+    store = task.context.store
+    if store.economy_settled(batch_id) and store.economy_claim(batch_id, SUBMIT_CLAIM):
+        task.app.send_task(ECONOMY_SUBMIT_TASK, args=[batch_id], queue=BATCH_QUEUE)
+        log.info("batch %s: every item prepared; submission enqueued", batch_id)
+
+
+def _item_done(task: SiftTask, batch: BatchJob, transition: ItemTransition) -> None:
+    if transition.batch_completed:
+        store = task.context.store
+        store.economy_delete(batch.id)
+        done = store.get_batch(batch.id)
+        log.info("batch %s: completed", batch.id)
+        status = done.status.value if done else JobStatus.SUCCEEDED.value
+        metrics.job_completed("batch", status)  # once: only one transition completes it
+        if batch.webhook_url:
+            task.send_webhook(
+                WEBHOOK_EVENT_BATCH_COMPLETED, batch.id, batch.tenant, batch.webhook_url, status
+            )
+
+
+def _cancel(task: SiftTask, batch: BatchJob, query_id: str) -> None:
+    transition = task.context.store.cancel_item(batch.id, query_id)
+    if transition.applied:
+        metrics.job_completed("batch_item", "canceled")
+    _item_done(task, batch, transition)
+
+
+def _finish(
+    task: SiftTask, batch: BatchJob, query_id: str, prepared: Prepared, run: RerankRun
+) -> None:
+    """The pipeline's second half for one item, and its final status."""
+    pipeline = economy_pipeline(task)
+    error: ErrorInfo | None = None
+    try:
+        result = pipeline.finish(prepared, run)
+    except RerankFailed as exc:
+        error, result = error_info(exc), None
+    transition = task.context.store.finish_item(batch.id, query_id, result=result, error=error)
+    _completed("batch_item", transition.applied, error)
+    _item_done(task, batch, transition)
+
+
+# --- submission -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Pending:
+    query_id: str
+    request: dict[str, Any]
+    size: int
+    run: dict[str, Any]
+
+
+def _pending(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None
+) -> Iterator[_Pending]:
+    """The items to send now: running, and in provider batch ``expected`` (None: never sent)."""
+    store, pipeline = task.context.store, economy_pipeline(task)
+    client = _batches(task)
+    for start in range(0, len(query_ids), PAGE):
+        page = list(query_ids[start : start + PAGE])
+        statuses = store.economy_get(batch.id, BATCH_ITEMS_KEY, page)
+        prepared = store.economy_get(batch.id, ECONOMY_PREPARED_KEY, page)
+        runs = store.economy_get(batch.id, ECONOMY_RUNS_KEY, page)
+        for qid, status, raw, raw_run in zip(page, statuses, prepared, runs, strict=True):
+            if status != JobStatus.RUNNING.value or raw is None:
+                continue
+            data = json.loads(raw)
+            run = json.loads(raw_run) if raw_run else _new_run(int(data["pos"]))
+            if run["provider"] != expected:
+                continue  # sent already (a redelivered task)
+            item = load_prepared(pipeline, data)
+            assert item.prompt is not None
+            request = {
+                "custom_id": custom_id(run["pos"]),
+                "params": client.request_params(item.prompt),
+            }
+            size = len(json.dumps(request, separators=(",", ":")).encode())
+            yield _Pending(qid, request, size, run)
+
+
+def submit(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], *, expected: str | None = None
+) -> list[str]:
+    """Send these items' prompts as provider batches; answers the provider batch ids."""
+    store, settings = task.context.store, task.context.settings
+    if batch.canceled_at is not None:
+        for qid in query_ids:
+            _cancel(task, batch, qid)
+        return []
+    client = _batches(task)
+    created: list[str] = []
+    chunks = chunk_requests(
+        _pending(task, batch, query_ids, expected),
+        lambda p: p.size,
+        max_requests=settings.economy_max_requests_per_batch,
+        max_bytes=settings.economy_max_batch_bytes,
+    )
+    for chunk in chunks:
+        provider = client.create([p.request for p in chunk])
+        now = time.time()
+        round_ = max(p.run["round"] for p in chunk) + 1
+        store.economy_save(
+            batch.id,
+            ECONOMY_PROVIDERS_KEY,
+            {
+                provider.id: json.dumps(
+                    {"round": round_, "requests": len(chunk), "created_at": now, "ended_at": None}
+                )
+            },
+        )
+        runs: dict[str, str] = {}
+        for p in chunk:
+            p.run.update(
+                provider=provider.id,
+                round=p.run["round"] + 1,
+                resubmit=False,
+                submitted_at=now,
+                first_submitted_at=p.run["first_submitted_at"] or now,
+            )
+            runs[p.query_id] = json.dumps(p.run, separators=(",", ":"))
+        store.economy_save(batch.id, ECONOMY_RUNS_KEY, runs)
+        task.app.send_task(
+            ECONOMY_POLL_TASK,
+            args=[batch.id, provider.id],
+            queue=BATCH_QUEUE,
+            countdown=settings.economy_poll_seconds,
+        )
+        created.append(provider.id)
+        log.info(
+            "batch %s: provider batch %s with %d requests (round %d)",
+            batch.id,
+            provider.id,
+            len(chunk),
+            round_,
+        )
+    again = store.get_batch(batch.id)
+    if created and again is not None and again.canceled_at is not None:
+        for provider_id in created:  # canceled while we were sending: cancel what we sent
+            _cancel_quietly(client, provider_id)
+    return created
+
+
+def _cancel_quietly(client: AnthropicMessageBatches, provider_id: str) -> None:
+    try:
+        client.cancel(provider_id)
+    except RerankAttemptError as exc:
+        log.warning("provider batch %s: cancel failed (%s); the poll will retry", provider_id, exc)
+
+
+def _fail_items(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], failure: RerankAttemptError
+) -> None:
+    """Apply the failure policy to running items that could not be sent or polled."""
+    store, pipeline = task.context.store, economy_pipeline(task)
+    for start in range(0, len(query_ids), PAGE):
+        page = list(query_ids[start : start + PAGE])
+        statuses = store.economy_get(batch.id, BATCH_ITEMS_KEY, page)
+        prepared = store.economy_get(batch.id, ECONOMY_PREPARED_KEY, page)
+        runs = store.economy_get(batch.id, ECONOMY_RUNS_KEY, page)
+        for qid, status, raw, raw_run in zip(page, statuses, prepared, runs, strict=True):
+            if status != JobStatus.RUNNING.value or raw is None:
+                continue
+            data = json.loads(raw)
+            record = json.loads(raw_run) if raw_run else _new_run(int(data["pos"]))
+            run = _rerank_run(record)
+            pipeline.record_attempt(run, failure.outcome, None, 0.0, provider_error=True)
+            run.failure = failure
+            _finish(task, batch, qid, load_prepared(pipeline, data), run)
+
+
+@shared_task(  # type: ignore[untyped-decorator]
+    name=ECONOMY_SUBMIT_TASK, base=SiftTask, bind=True
+)
+def economy_submit(self: SiftTask, batch_id: str) -> None:
+    """Send a batch's prepared prompts as Message Batches."""
+    store = self.context.store
+    batch = store.get_batch(batch_id)
+    if batch is None:
+        return
+    query_ids = store.economy_fields(batch_id, ECONOMY_PREPARED_KEY)
+    try:
+        submit(self, batch, query_ids)
+    except RerankAttemptError as exc:
+        if self.should_retry(exc):
+            log.warning("batch %s: submission failed, retrying: %s", batch_id, exc)
+            raise self.retry(exc=exc, countdown=self.backoff()) from exc
+        log.error("batch %s: submission failed for good: %s", batch_id, exc)
+        _fail_items(self, batch, query_ids, exc)
+
+
+# --- polling and mapping the results --------------------------------------------------------
+
+
+def _poll_countdown(task: SiftTask) -> float:
+    settings = task.context.settings
+    return float(
+        min(
+            settings.economy_poll_max_seconds,
+            settings.economy_poll_seconds * 2 ** min(task.request.retries, 30),
+        )
+    )
+
+
+@shared_task(  # type: ignore[untyped-decorator]
+    name=ECONOMY_POLL_TASK, base=SiftTask, bind=True, max_retries=None
+)
+def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
+    """Poll one provider batch until it ended, then map its results to the batch's items."""
+    store, settings = self.context.store, self.context.settings
+    batch = store.get_batch(batch_id)
+    if batch is None:
+        return
+    client = _batches(self)
+    try:
+        status = client.retrieve(provider_id)
+        if not status.ended:
+            if batch.canceled_at is not None and status.processing_status == "in_progress":
+                client.cancel(provider_id)
+            raise self.retry(countdown=_poll_countdown(self))
+        map_results(self, batch, provider_id)
+    except RerankAttemptError as exc:
+        give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
+        if exc.retryable and time.time() < give_up:
+            log.warning("provider batch %s: %s; polling again", provider_id, exc)
+            raise self.retry(countdown=_poll_countdown(self)) from exc
+        log.error("provider batch %s: giving up: %s", provider_id, exc)
+        mine = [
+            qid
+            for qid, raw in store.economy_all(batch_id, ECONOMY_RUNS_KEY).items()
+            if json.loads(raw)["provider"] == provider_id
+        ]
+        _fail_items(self, batch, mine, exc)
+
+
+def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
+    """Stream an ended provider batch's results and map each line to its item."""
+    client = _batches(task)
+    resubmit: list[str] = []
+    page: list[BatchLine] = []
+    lines = 0
+    for line in client.results(provider_id):
+        page.append(line)
+        lines += 1
+        if len(page) >= PAGE:
+            resubmit += _map_page(task, batch, provider_id, page)
+            page = []
+    resubmit += _map_page(task, batch, provider_id, page)
+    if resubmit:
+        fresh = task.context.store.get_batch(batch.id) or batch
+        submit(task, fresh, resubmit, expected=provider_id)
+    store = task.context.store
+    # A request the results left out would wait forever: it failed, in the malformed class.
+    left_out = [
+        qid
+        for qid, raw in store.economy_all(batch.id, ECONOMY_RUNS_KEY).items()
+        if json.loads(raw)["provider"] == provider_id
+    ]
+    if left_out:
+        log.warning("provider batch %s: %d requests had no result", provider_id, len(left_out))
+        failure = RerankAttemptError(
+            AttemptOutcome.MALFORMED, f"provider batch {provider_id} ended without its result"
+        )
+        _fail_items(task, batch, left_out, failure)
+    raw = store.economy_get(batch.id, ECONOMY_PROVIDERS_KEY, [provider_id])[0]
+    record = json.loads(raw) if raw else {}
+    record.update(ended_at=time.time(), results=lines, resubmitted=len(resubmit))
+    store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
+    log.info(
+        "batch %s: provider batch %s mapped, %d results, %d resubmitted",
+        batch.id,
+        provider_id,
+        lines,
+        len(resubmit),
+    )
+
+
+def _map_page(
+    task: SiftTask, batch: BatchJob, provider_id: str, lines: Sequence[BatchLine]
+) -> list[str]:
+    """Map one page of result lines; answers the query ids to resubmit."""
+    if not lines:
+        return []
+    store, pipeline = task.context.store, economy_pipeline(task)
+    settings = task.context.settings
+    positions = [position_of(line.custom_id) for line in lines]
+    qids = store.query_ids_at(batch.id, [p if p is not None else -1 for p in positions])
+    known = [
+        (line, qid)
+        for line, position, qid in zip(lines, positions, qids, strict=True)
+        if position is not None and qid is not None
+    ]
+    for line, position in zip(lines, positions, strict=True):
+        if position is None:
+            log.warning("provider batch %s: unknown custom_id %r", provider_id, line.custom_id)
+    ids = [qid for _, qid in known]
+    statuses = store.economy_get(batch.id, BATCH_ITEMS_KEY, ids)
+    prepared = store.economy_get(batch.id, ECONOMY_PREPARED_KEY, ids)
+    runs = store.economy_get(batch.id, ECONOMY_RUNS_KEY, ids)
+    resubmit: list[str] = []
+    now = time.time()
+    deadline = batch.created_at + settings.economy_deadline_seconds
+    for (line, qid), status, raw, raw_run in zip(known, statuses, prepared, runs, strict=True):
+        if status != JobStatus.RUNNING.value or raw is None or raw_run is None:
+            continue  # final already, or canceled
+        record = json.loads(raw_run)
+        if record["provider"] != provider_id:
+            continue  # a stale result: the item moved on to another provider batch
+        with job_context(f"{batch.id}/{qid}"):
+            if line.kind == "canceled":
+                _cancel(task, batch, qid)
+                continue
+            if record["handled"] == provider_id:  # counted by an earlier delivery of this task
+                if record["resubmit"]:
+                    resubmit.append(qid)
+                continue
+            item = load_prepared(pipeline, json.loads(raw))
+            run = _rerank_run(record)
+            waited = now - float(record["submitted_at"] or now)
+            run.seconds = now - float(record["first_submitted_at"] or now)
+            detail = {"provider_batch": provider_id, "provider_result": line.kind}
+            if line.reply is not None:
+                pipeline.record_attempt(run, AttemptOutcome.OK, line.reply.usage, waited, **detail)
+                run.reply, run.returned = line.reply, line.reply.positions
+                _finish(task, batch, qid, item, run)
+                continue
+            if line.kind == "expired":
+                failure = RerankAttemptError(
+                    AttemptOutcome.TIMEOUT,
+                    f"the provider expired the request unprocessed (batch {provider_id})",
+                )
+            else:
+                assert line.error is not None
+                failure = line.error
+            usage = getattr(failure, "usage", None)
+            pipeline.record_attempt(
+                run,
+                failure.outcome,
+                usage if isinstance(usage, TokenUsage) else None,
+                waited,
+                **detail,
+            )
+            record["handled"] = provider_id
+            again = (
+                failure.retryable
+                and len(run.attempts) < pipeline.config.max_requests
+                and now < deadline
+                and batch.canceled_at is None
+            )
+            if again:
+                _store_run(record, run)
+                record.update(resubmit=True, last_error=failure.message)
+                store.economy_save(batch.id, ECONOMY_RUNS_KEY, {qid: json.dumps(record)})
+                resubmit.append(qid)
+                continue
+            _store_run(record, run)
+            store.economy_save(batch.id, ECONOMY_RUNS_KEY, {qid: json.dumps(record)})
+            run.failure = failure
+            _finish(task, batch, qid, item, run)
+    return resubmit
+
+
+# --- cancel ---------------------------------------------------------------------------------
+
+
+@shared_task(  # type: ignore[untyped-decorator]
+    name=ECONOMY_CANCEL_TASK, base=SiftTask, bind=True
+)
+def economy_cancel(self: SiftTask, batch_id: str) -> None:
+    """Cancel a canceled Sift batch's provider batches that have not ended."""
+    store = self.context.store
+    providers = store.economy_all(batch_id, ECONOMY_PROVIDERS_KEY)
+    if not providers:
+        return
+    client = _batches(self)
+    for provider_id, raw in providers.items():
+        if json.loads(raw).get("ended_at") is None:
+            _cancel_quietly(client, provider_id)
+            log.info("batch %s: provider batch %s canceled", batch_id, provider_id)
