@@ -47,7 +47,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not logging.getLogger().handlers:  # uvicorn sets up only its own loggers
-            configure_logging("INFO")
+            configure_logging(settings.log_level)
         if redis is not None:
             store = JobStore(redis)
         elif settings.redis_url:

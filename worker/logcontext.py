@@ -3,6 +3,11 @@
 configure_logging("INFO")          # a process's entry point, once
 with job_context("srch_123"):      # a task, around the work on one job
     log.info("running")            # ... [srch_123] running
+
+Even at DEBUG, no log carries an API key, a webhook secret or document text: the HTTP
+libraries under the model SDK log whole request options (the prompt, so the candidates'
+text) at DEBUG, so their loggers (:data:`WIRE_LOGGERS`) are held at INFO and Sift's
+handlers drop their DEBUG records. ``tests/security/test_secrets_and_logs.py`` checks it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,11 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s [%(job_id)s] %(message)s"
+
+# Loggers that write request bodies or options at DEBUG (``anthropic._base_client`` logs
+# "Request options: {... json_data ...}", the whole prompt). The SDK's own ANTHROPIC_LOG=debug
+# adds its own handler and bypasses this: never set it where documents are private.
+WIRE_LOGGERS = ("anthropic", "httpx", "httpx2", "httpcore", "httpcore2")
 
 _job_id: ContextVar[str] = ContextVar("sift_job_id", default="-")
 
@@ -36,10 +46,32 @@ def job_context(job_id: str) -> Iterator[None]:
         _job_id.reset(token)
 
 
+class WireDebugFilter(logging.Filter):
+    """Drops the DEBUG records of :data:`WIRE_LOGGERS`: they carry request bodies."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.INFO:
+            return True
+        return not any(
+            record.name == name or record.name.startswith(name + ".") for name in WIRE_LOGGERS
+        )
+
+
+def quiet_wire_loggers() -> None:
+    """Hold :data:`WIRE_LOGGERS` at INFO, or at the root's level when that is higher."""
+    floor = max(logging.INFO, logging.getLogger().getEffectiveLevel())
+    for name in WIRE_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET or logger.level < floor:
+            logger.setLevel(floor)
+
+
 def install(handler: logging.Handler) -> None:
-    """Give one handler the job id filter and Sift's format."""
+    """Give one handler the job id filter, the wire filter and Sift's format."""
     handler.addFilter(JobIdFilter())
+    handler.addFilter(WireDebugFilter())
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    quiet_wire_loggers()
 
 
 def configure_logging(level: str | int = "INFO", logger: logging.Logger | None = None) -> None:
@@ -50,3 +82,4 @@ def configure_logging(level: str | int = "INFO", logger: logging.Logger | None =
         install(handler)
         target.addHandler(handler)
     target.setLevel(level)
+    quiet_wire_loggers()

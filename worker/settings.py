@@ -140,6 +140,9 @@ class Settings(BaseSettings):
         default=ECONOMY_MAX_BATCH_BYTES, ge=65_536, le=ECONOMY_MAX_BATCH_BYTES
     )
 
+    # the level of Sift's, Celery's and uvicorn's loggers; third-party loggers that would
+    # print request bodies (the model SDK, httpx, httpcore) stay at INFO or above
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)
     prometheus_url: str = "http://127.0.0.1:9090"  # what `sift cost` reads

@@ -11,6 +11,7 @@ redis-server:
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ KEYS = [
         "webhook_secret": "whsec_Z2xvYmV4LXNlY3JldC0wMTIzNDU2Nzg5",
     },
 ]
+ANTHROPIC_API_KEY = "sk-ant-test"
 ACME = {"Authorization": "Bearer acme-key-0001"}
 GLOBEX = {"Authorization": "Bearer globex-key-0001"}
 INDEX = "docs"
@@ -50,20 +52,24 @@ class Stack:
     idle_url: str
     redis_url: str
     model: FakeAnthropic
+    logs: list[Path]  # every process's log file: the worker's and both gateways'
 
 
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("stack")
+@contextlib.contextmanager
+def start_stack(
+    tmp: Path, *, log_level: str = "INFO", keys: list[dict[str, str]] | None = None
+) -> Iterator[Stack]:
+    """The e2e stack in ``tmp`` (the module docstring says what runs); every process stopped at
+    the end. ``log_level`` is the processes' ``SIFT_LOG_LEVEL``, ``keys`` their API keys."""
     with redis_server(tmp / "redis") as redis_url, FakeAnthropic() as model:
         base = {
-            "SIFT_API_KEYS": json.dumps(KEYS),
+            "SIFT_API_KEYS": json.dumps(keys if keys is not None else KEYS),
             "SIFT_DATA_DIR": str(tmp / "data"),
             "SIFT_RERANK_ENABLED": "false",  # on per request with "rerank": true
             "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
             "SIFT_GENERATION_MAX_REQUESTS": "3",
             "ANTHROPIC_BASE_URL": model.url,
-            "ANTHROPIC_API_KEY": "sk-ant-test",
+            "ANTHROPIC_API_KEY": ANTHROPIC_API_KEY,
             "SIFT_WORKER_METRICS_PORT": "0",
             "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
             "SIFT_WEBHOOK_RETRY_SCALE": "0.001",
@@ -72,6 +78,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "SIFT_ECONOMY_POLL_MAX_SECONDS": "1",
             "SIFT_ECONOMY_MAX_REQUESTS_PER_BATCH": "4",
             "SIFT_ECONOMY_DEADLINE_SECONDS": str(ECONOMY_DEADLINE_SECONDS),
+            "SIFT_LOG_LEVEL": log_level,
         }
         live_env = {
             **base,
@@ -90,7 +97,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             httpx.Client(base_url=live_url, timeout=30) as live,
             httpx.Client(base_url=idle_url, timeout=30) as idle,
         ):
-            yield Stack(live, idle, live_url, idle_url, redis_url, model)
+            logs = [tmp / "w" / "w1.log", tmp / "g" / "live.log", tmp / "g" / "idle.log"]
+            yield Stack(live, idle, live_url, idle_url, redis_url, model, logs)
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with start_stack(tmp_path_factory.mktemp("stack")) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -158,12 +158,13 @@ def _expected() -> dict[str, Any]:
 
 
 EXPECTED = _expected()
-# Each worker's series at zero from its start, before any search (two workers)
+# Each worker's series at zero from its start, before any search (two workers; tokens, cost
+# and rerank duration in both lanes)
 PREREGISTERED = {
     f'count(sift_rerank_attempts_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 7.0,
-    f'count(sift_rerank_tokens_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 4.0,
-    f'count(sift_rerank_cost_usd_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 1.0,
-    f'count(sift_rerank_duration_seconds_count{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 8.0,
+    f'count(sift_rerank_tokens_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 4.0,
+    f'count(sift_rerank_cost_usd_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 1.0,
+    f'count(sift_rerank_duration_seconds_count{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 8.0,
     f'count(sift_rerank_in_flight{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 1.0,
     'count(sift_retrieval_duration_seconds_count{backend="embedded"} == 0)': 2 * 3.0,
     f'count(sift_rerank_outcomes_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 5.0,
@@ -461,7 +462,8 @@ def test_token_totals_equal_the_fakes_usage_and_the_jobs_usage(observed: Observe
     )
     assert on_closed == {t: float(closed[f]) for t, f in TOKEN_FIELDS.items()}
     lanes = observed.prometheus.values("sum by (lane) (sift_rerank_tokens_total)", by="lane")
-    assert set(lanes) == {"standard"}
+    assert lanes["economy"] == 0.0  # every search of this workload ran in the standard lane
+    assert lanes["standard"] == sum(float(succeeded[f] + failed[f]) for f in TOKEN_FIELDS.values())
 
 
 def test_cost_total_equals_the_jobs_cost(observed: Observed) -> None:

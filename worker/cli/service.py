@@ -48,7 +48,7 @@ def gateway(
     settings = _settings()
     uvicorn.run(
         "api_gateway.app:create_app", factory=True, host=host, port=port or settings.gateway_port,
-        access_log=False, log_level="info",
+        access_log=False, log_level=settings.log_level.lower(),
     )  # fmt: skip
 
 
@@ -60,7 +60,7 @@ def worker(
     ] = None,
     pool: Annotated[str | None, typer.Option(help="threads|prefork|solo; SIFT_WORKER_POOL")] = None,
     queues: Annotated[str, typer.Option(help="comma-separated queues")] = ",".join(ALL_QUEUES),
-    loglevel: str = "INFO",
+    loglevel: Annotated[str | None, typer.Option(help="default: SIFT_LOG_LEVEL")] = None,
 ) -> None:
     """Run one Celery worker, for deployment."""
     from worker.celery_app import create_celery_app
@@ -78,7 +78,7 @@ def worker(
         metrics.setup_multiprocess(directory)
     celery = create_celery_app(settings)
     celery.worker_main(
-        ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel,
+        ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel or settings.log_level,
          "--without-gossip", "--without-mingle"]
     )  # fmt: skip
 

@@ -1,0 +1,328 @@
+"""The SSRF guard: every non-public webhook target fails at registration and at delivery.
+
+Registration goes through the real gateway with the guard on (the stack's ``idle``
+gateway; the in-process gateway for the DNS case, since only this process's resolver can be
+faked). Delivery calls :func:`worker.webhooks.deliver` and :func:`run_delivery` with the
+guard on, at a port where a listening socket counts every connection: it must count none,
+and no socket in this process may even try to connect. The one boundary faked is
+``socket.getaddrinfo`` for names, because this machine has no DNS.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from api_gateway.app import create_app
+from tests.e2e.conftest import ACME, INDEX, KEYS, Stack
+from tests.security.conftest import Receiver, start_receiver, stop_receiver
+from tests.unit.test_urlguard import fake_dns
+from worker.settings import ApiKey, Settings
+from worker.webhooks import (
+    SEARCH_COMPLETED,
+    DeliveryOutcome,
+    DeliveryTimeouts,
+    deliver,
+    message_id,
+    payload,
+    run_delivery,
+)
+
+SECRET = KEYS[0]["webhook_secret"]
+FAST = DeliveryTimeouts(connect=2.0, read=2.0)
+# A name this machine cannot resolve; the faked resolver answers it with the address given.
+PRIVATE_NAMES = {
+    "hooks.internal.example": ["10.20.30.40"],
+    "rebind.example": ["93.184.216.34", "192.168.7.7"],  # one private answer among public
+    "loopback.example": ["127.0.0.1"],  # where the listener is
+    "mapped.example": ["::ffff:127.0.0.1"],
+    "metadata.example": ["169.254.169.254"],
+}
+
+# (url template, what the refusal says); {port} is the listener's port.
+MATRIX = [
+    ("http://127.0.0.1:{port}/hook", "loopback"),
+    ("http://localhost:{port}/hook", "loopback"),  # a real name, resolved by /etc/hosts
+    ("http://[::1]:{port}/hook", "loopback"),
+    ("http://10.0.0.1:{port}/hook", "private"),
+    ("http://10.255.255.254:{port}/hook", "private"),
+    ("http://172.16.0.1:{port}/hook", "private"),
+    ("http://172.31.255.255:{port}/hook", "private"),
+    ("http://192.168.0.1:{port}/hook", "private"),
+    ("http://169.254.169.254:{port}/latest/meta-data/", "metadata"),
+    ("http://169.254.10.10:{port}/hook", "link-local"),
+    ("http://[fd00:ec2::254]:{port}/", "metadata"),
+    ("http://[fe80::1]:{port}/hook", "link-local"),
+    ("http://[::ffff:127.0.0.1]:{port}/hook", "loopback"),
+    ("http://[::ffff:10.0.0.1]:{port}/hook", "private"),
+    ("http://[::ffff:169.254.169.254]:{port}/hook", "metadata"),
+    ("http://2130706433:{port}/hook", "loopback"),  # 127.0.0.1 in decimal
+    ("http://0x7f000001:{port}/hook", "loopback"),  # in hex
+    ("http://0.0.0.0:{port}/hook", "unspecified"),
+]
+DNS_MATRIX = [
+    ("https://hooks.internal.example/hook", "10.20.30.40 is a private"),
+    ("https://rebind.example/hook", "192.168.7.7 is a private"),
+    ("http://loopback.example:{port}/hook", "127.0.0.1 is a loopback"),
+    ("http://mapped.example:{port}/hook", "loopback"),
+    ("http://metadata.example:{port}/", "metadata"),
+]
+
+
+@pytest.fixture(scope="module")
+def listener() -> Iterator[Receiver]:
+    """One listening socket for the whole matrix: it must never see a connection."""
+    started = start_receiver()
+    try:
+        yield started
+    finally:
+        stop_receiver(started)
+
+
+@pytest.fixture
+def connects(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every address a socket of this process tries to connect to, while the test runs."""
+    attempts: list[Any] = []
+    real_connect = socket.socket.connect
+
+    def spy(self: socket.socket, address: Any) -> None:
+        attempts.append(address)
+        real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", spy)
+    return attempts
+
+
+@pytest.fixture
+def private_dns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(socket, "getaddrinfo", fake_dns(PRIVATE_NAMES))
+
+
+def _ids(matrix: list[tuple[str, str]]) -> list[str]:
+    return [url.split("//")[1].split("/")[0].replace(":{port}", "") for url, _ in matrix]
+
+
+def _assert_refused_by_gateway(response: Any, why: str) -> None:
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == "webhook_url"
+    assert error["message"].startswith("webhook_url: ")
+    assert why in error["message"]
+
+
+# --- registration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("template", "why"), MATRIX, ids=_ids(MATRIX))
+def test_registration_is_refused_by_the_gateway(
+    stack: Stack, listener: Receiver, template: str, why: str
+) -> None:
+    url = template.format(port=listener.port)
+    search = stack.idle.post(
+        "/v1/searches", json={"index": INDEX, "query": "q", "webhook_url": url}, headers=ACME
+    )
+    _assert_refused_by_gateway(search, why)
+    batch = stack.idle.post(
+        "/v1/batches",
+        json={"index": INDEX, "queries": [{"id": "1", "query": "q"}], "webhook_url": url},
+        headers=ACME,
+    )
+    _assert_refused_by_gateway(batch, why)
+    assert listener.connections == 0
+
+
+@pytest.fixture(scope="module")
+def inprocess_gateway(stack: Stack) -> Iterator[TestClient]:
+    """The gateway app in this process (so its resolver can be faked), guard on, on its own
+    Redis database of the stack's redis-server."""
+    settings = Settings(
+        redis_url=stack.redis_url + "/3",
+        api_keys=[ApiKey(**KEYS[0])],
+        webhook_allow_private_networks=False,
+    )
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.mark.parametrize(("template", "why"), DNS_MATRIX, ids=_ids(DNS_MATRIX))
+def test_registration_of_a_name_resolving_to_a_private_address_is_refused(
+    inprocess_gateway: TestClient, listener: Receiver, private_dns: None, template: str, why: str
+) -> None:
+    url = template.format(port=listener.port)
+    response = inprocess_gateway.post(
+        "/v1/searches", json={"index": INDEX, "query": "q", "webhook_url": url}, headers=ACME
+    )
+    _assert_refused_by_gateway(response, why)
+    assert listener.connections == 0
+
+
+def test_registration_accepts_a_public_address_and_contacts_nothing(
+    inprocess_gateway: TestClient, connects: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registration only resolves and checks; it never connects to the URL (which is also
+    why a redirect cannot be judged there: the delivery refuses to follow one)."""
+    monkeypatch.setattr(socket, "getaddrinfo", fake_dns({"hooks.example": ["93.184.216.34"]}))
+    response = inprocess_gateway.post(
+        "/v1/searches",
+        json={"index": INDEX, "query": "q", "webhook_url": "https://hooks.example/sift"},
+        headers=ACME,
+    )
+    assert response.status_code == 202, response.text
+    assert not [a for a in connects if isinstance(a, tuple) and a[0] == "93.184.216.34"]
+
+
+# --- delivery -------------------------------------------------------------------------------
+
+
+def _deliver(url: str) -> Any:
+    body = payload(SEARCH_COMPLETED, "srch_ssrf", "succeeded")
+    return deliver(url, body, message_id("srch_ssrf"), SECRET, allow_private=False, timeout=FAST)
+
+
+def _run_delivery(url: str) -> Any:
+    return run_delivery(
+        url=url,
+        event_type=SEARCH_COMPLETED,
+        job_id="srch_ssrf",
+        status="succeeded",
+        occurred_at=datetime.now(UTC),
+        attempt=1,
+        secrets=[SECRET],
+        settings=Settings(webhook_allow_private_networks=False),
+    )
+
+
+def _assert_refused_at_delivery(
+    url: str, why: str, listener: Receiver, connects: list[Any]
+) -> None:
+    result = _deliver(url)
+    assert result.outcome is DeliveryOutcome.FAILED
+    assert result.reason.startswith("refused: webhook_url:") and why in result.reason
+    decision = _run_delivery(url)
+    assert decision.result.outcome is DeliveryOutcome.FAILED
+    assert decision.final and decision.retry_in is None  # refused for good, never retried
+    assert connects == []  # no socket of this process even tried
+    assert listener.connections == 0
+
+
+@pytest.mark.parametrize(("template", "why"), MATRIX, ids=_ids(MATRIX))
+def test_delivery_is_refused_without_a_connection(
+    listener: Receiver, connects: list[Any], template: str, why: str
+) -> None:
+    _assert_refused_at_delivery(template.format(port=listener.port), why, listener, connects)
+
+
+@pytest.mark.parametrize(("template", "why"), DNS_MATRIX, ids=_ids(DNS_MATRIX))
+def test_delivery_to_a_name_resolving_to_a_private_address_is_refused(
+    listener: Receiver, connects: list[Any], private_dns: None, template: str, why: str
+) -> None:
+    _assert_refused_at_delivery(template.format(port=listener.port), why, listener, connects)
+
+
+def test_the_listener_would_have_seen_an_allowed_delivery(
+    connects: list[Any], private_dns: None
+) -> None:
+    """The control: with the guard lifted, the same name reaches a listener like the one
+    above, so its zero connections mean the guard stopped them."""
+    receiver = start_receiver()
+    try:
+        url = f"http://loopback.example:{receiver.port}/hook"
+        body = payload(SEARCH_COMPLETED, "srch_ok", "succeeded")
+        result = deliver(url, body, message_id("srch_ok"), SECRET, allow_private=True)
+        assert result.outcome is DeliveryOutcome.DELIVERED
+        assert receiver.connections == 1 and len(receiver.requests) == 1
+        assert receiver.requests[0].headers["host"] == f"loopback.example:{receiver.port}"
+        assert connects == [("127.0.0.1", receiver.port)]
+    finally:
+        stop_receiver(receiver)
+
+
+def test_a_name_that_turns_private_between_registration_and_delivery_is_refused(
+    monkeypatch: pytest.MonkeyPatch, listener: Receiver, connects: list[Any]
+) -> None:
+    """DNS rebinding: public when registered, loopback when sent. The delivery re-resolves."""
+    answers = {"flip.example": ["93.184.216.34"]}
+    monkeypatch.setattr(socket, "getaddrinfo", fake_dns(answers))
+    from worker.urlguard import check_webhook_url
+
+    url = f"http://flip.example:{listener.port}/hook"
+    assert check_webhook_url(url, allow_private=False)  # registration passes
+    answers["flip.example"] = ["127.0.0.1"]
+    _assert_refused_at_delivery(url, "127.0.0.1 is a loopback", listener, connects)
+
+
+# --- redirects ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "location",
+    ["http://169.254.169.254/latest/meta-data/", "http://127.0.0.1:{target}/stolen"],
+)
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_never_followed(
+    receiver: Receiver, connects: list[Any], location: str, status: int
+) -> None:
+    """No public receiver exists offline, so the first hop is a local receiver with the guard
+    lifted; it answers a redirect to the metadata address or to a second listener."""
+    target = start_receiver()
+    try:
+        receiver.status = status
+        receiver.headers = {"location": location.format(target=target.port)}
+        settings = Settings(webhook_allow_private_networks=True)
+        decision = run_delivery(
+            url=receiver.url,
+            event_type=SEARCH_COMPLETED,
+            job_id="srch_redirect",
+            status="succeeded",
+            occurred_at=datetime.now(UTC),
+            attempt=1,
+            secrets=[SECRET],
+            settings=settings,
+        )
+        assert decision.result.outcome is DeliveryOutcome.FAILED
+        assert decision.result.reason == f"redirect {status} not followed"
+        assert decision.final  # a redirect is a failure, not retried
+        assert len(receiver.requests) == 1 and receiver.requests[0].path == "/hook"
+        assert target.connections == 0 and target.requests == []
+        assert connects == [("127.0.0.1", receiver.port)]  # nothing after the first hop
+    finally:
+        stop_receiver(target)
+
+
+def test_the_worker_does_not_follow_a_redirect_end_to_end(
+    stack: Stack, receiver: Receiver, wait_for: Callable[..., None]
+) -> None:
+    """Through the real worker (the live stack lifts the address rule for local receivers):
+    the receiver answers 302 to a second listener, which never hears from Sift."""
+    target = start_receiver()
+    try:
+        receiver.status = 302
+        receiver.headers = {"location": target.url}
+        job = stack.live.post(
+            "/v1/searches",
+            params={"wait": 20},
+            json={"index": INDEX, "query": "redirect", "webhook_url": receiver.url},
+            headers=ACME,
+        ).json()
+        wait_for(lambda: len(receiver.requests) >= 1, "the webhook")
+        first = receiver.requests[0]
+        assert json.loads(first.body)["data"]["id"] == job["id"]
+        # a later search's webhook goes to the same receiver: once it arrived, the worker
+        # has long finished the first delivery, and still nothing reached the target
+        receiver.status = 204
+        stack.live.post(
+            "/v1/searches",
+            json={"index": INDEX, "query": "marker", "webhook_url": receiver.url},
+            headers=ACME,
+        )
+        wait_for(lambda: len(receiver.requests) >= 2, "the second webhook")
+        assert len(receiver.requests) == 2  # the redirected one was not retried either
+        assert target.connections == 0 and target.requests == []
+    finally:
+        stop_receiver(target)
