@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import KeyRing
+from api_gateway.backpressure import Backlog
 from api_gateway.errors import ErrorBody, install_error_handlers
 from api_gateway.jobs import router
 from api_gateway.metrics import GatewayMetrics
@@ -61,6 +62,7 @@ def create_app(
                 "every request will be refused"
             )
         app.state.store = store
+        app.state.backlog = Backlog(store, settings.max_backlog)
         app.state.sender = sender
         try:
             yield

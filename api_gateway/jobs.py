@@ -14,6 +14,7 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import authenticate
+from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
 from api_gateway.errors import ApiError, ErrorBody
 from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
 from api_gateway.schemas import (
@@ -88,6 +89,14 @@ IdemKey = Annotated[
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 503)
 }
+BUSY: dict[int | str, dict[str, Any]] = {
+    429: {
+        "model": ErrorBody,
+        "description": "The backlog is past `SIFT_MAX_BACKLOG` queued searches and batch "
+        "items (`backlog_full`); nothing was accepted. Retry after `Retry-After` seconds.",
+        "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}},
+    }
+}
 POLL_MIN_SECONDS = 0.005
 POLL_MAX_SECONDS = 0.1
 
@@ -100,6 +109,23 @@ def _store(request: Request) -> JobStore:
 def _sender(request: Request) -> TaskSender:
     sender: TaskSender = request.app.state.sender
     return sender
+
+
+async def _admit(request: Request, items: int) -> None:
+    """Backpressure: 429 with ``Retry-After`` when ``items`` more would pass the backlog limit."""
+    backlog: Backlog | None = getattr(request.app.state, "backlog", None)
+    if backlog is None or backlog.limit <= 0:
+        return
+    try:
+        await _io(backlog.admit, items)
+    except BacklogFull as exc:
+        log.warning("backpressure: %s", exc)
+        raise ApiError(
+            429,
+            "backlog_full",
+            str(exc),
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        ) from exc
 
 
 def _settings(request: Request) -> Settings:
@@ -302,7 +328,11 @@ async def get_ingestion(request: Request, job_id: str, tenant: Tenant) -> Ingest
     "/searches",
     response_model=SearchJobOut,
     status_code=202,
-    responses={200: {"model": SearchJobOut, "description": "Finished within `wait`."}, **ERRORS},
+    responses={
+        200: {"model": SearchJobOut, "description": "Finished within `wait`."},
+        **ERRORS,
+        **BUSY,
+    },
     summary="Submit one search",
 )
 async def create_search(
@@ -322,6 +352,11 @@ async def create_search(
     job_id = await idem.earlier_job()
     fresh: SearchJob | None = None
     if job_id is None:
+        try:
+            await _admit(request, 1)
+        except ApiError:
+            await idem.failed()
+            raise
         spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
         sender = _sender(request)
 
@@ -406,7 +441,7 @@ async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob
     "/batches",
     response_model=BatchOut,
     status_code=202,
-    responses=ERRORS,
+    responses={**ERRORS, **BUSY},
     summary="Submit a batch of searches",
 )
 async def create_batch(
@@ -445,6 +480,11 @@ async def create_batch(
     )
     batch_id = await idem.earlier_job()
     if batch_id is None:
+        try:
+            await _admit(request, len(items))  # the whole batch, or none of it
+        except ApiError:
+            await idem.failed()
+            raise
         size, total, sender = settings.batch_chunk_size, len(items), _sender(request)
 
         def chunks(new_id: str) -> list[TaskMessage]:

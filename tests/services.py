@@ -27,6 +27,8 @@ def celery_worker(
 
 
 @contextlib.contextmanager
-def gateway(tmp: Path, env: Mapping[str, str], name: str = "gateway") -> Iterator[str]:
-    with gateway_process(tmp, child_env(env, inherit_sift=False), name) as url:
+def gateway(
+    tmp: Path, env: Mapping[str, str], name: str = "gateway", port: int | None = None
+) -> Iterator[str]:
+    with gateway_process(tmp, child_env(env, inherit_sift=False), name, port=port) as url:
         yield url

@@ -80,6 +80,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         raise ConfigError("SIFT_REDIS_URL is required to run the queue")
     limits = time_limits(settings)
     longest_hard = max(hard for _, hard in limits.values())
+    # an economy poll waits up to SIFT_ECONOMY_POLL_MAX_SECONDS as an unacked ETA task
+    visibility = settings.broker_visibility_timeout_seconds or (
+        int(2 * max(longest_hard, settings.economy_poll_max_seconds)) + 60
+    )
     return {
         "broker_url": settings.redis_url,
         "result_backend": None,  # results live in the job store, not in Celery
@@ -92,14 +96,22 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_pool": settings.worker_pool,
         "worker_concurrency": settings.worker_concurrency,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # cancelling means killing the job, which only prefork can do: the threads pool raises
+        # NotImplementedError (kill_job) mid-reconnect. Its tasks keep running; their messages
+        # stay unacked and come back after the visibility timeout if the worker dies.
+        "worker_cancel_long_running_tasks_on_connection_loss": settings.worker_pool == "prefork",
         "worker_soft_shutdown_timeout": settings.worker_soft_shutdown_seconds,
         "worker_enable_soft_shutdown_on_idle": True,
         "broker_connection_retry_on_startup": True,
-        # an unacked message comes back after this; it must outlast the longest task
-        # (an economy poll waits up to SIFT_ECONOMY_POLL_MAX_SECONDS as an unacked ETA task)
+        # an unacked message comes back after this; it must outlast the longest task.
+        # kombu sweeps for such messages every interval x throttle seconds: at most 10 s here
         "broker_transport_options": {
-            "visibility_timeout": int(2 * max(longest_hard, settings.economy_poll_max_seconds)) + 60
+            "visibility_timeout": visibility,
+            "unacked_restore_interval": max(1, min(10, visibility // 10)),
+            "unacked_restore_throttle": 1,
+            # a worker killed during its sweep leaves the sweep's lock behind: held this long
+            # (kombu's default, 300 s, would stall a short timeout's recovery for 5 minutes)
+            "unacked_mutex_expire": min(300, visibility),
         },
         # one direct exchange per queue, named like it: what send_task(queue=...) creates on
         # the gateway's side too. A shared exchange and key would copy a message into every queue.

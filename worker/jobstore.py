@@ -47,6 +47,8 @@ from enum import StrEnum
 from typing import Any, cast
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from worker.constants import (
     ATTEMPTS_KEY,
@@ -287,15 +289,25 @@ class JobStore:
         self._cancel_batch = client.register_script(_CANCEL_BATCH)
 
     @classmethod
-    def from_url(cls, url: str, *, max_connections: int | None = None) -> JobStore:
+    def from_url(
+        cls, url: str, *, max_connections: int | None = None, outage_seconds: float = 0.0
+    ) -> JobStore:
         """A store on ``url``. With ``max_connections``, a thread that finds every connection
-        busy waits for one (up to 20 s) instead of failing its job."""
+        busy waits for one (up to 20 s) instead of failing its job. With ``outage_seconds``,
+        a command that meets a refused or broken connection is retried, backing off from
+        50 ms to 1 s, for about that long (a Redis restart), instead of failing its job;
+        otherwise redis-py's default applies (3 quick retries)."""
         options: dict[str, Any] = {
             "decode_responses": True,
             "socket_connect_timeout": 5,
             "socket_timeout": 30,
             "health_check_interval": 30,
         }
+        if outage_seconds > 0:
+            # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 s, then 1 s a retry
+            options["retry"] = Retry(
+                ExponentialBackoff(cap=1.0, base=0.05), retries=int(outage_seconds) + 4
+            )
         if max_connections is None:
             return cls(redis.Redis.from_url(url, **options))
         pool = redis.BlockingConnectionPool.from_url(

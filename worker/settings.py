@@ -123,6 +123,11 @@ class Settings(BaseSettings):
     task_max_retries: int = Field(default=3, ge=0, le=20)  # retries of a retryable error
     task_max_deliveries: int = Field(default=3, ge=1, le=20)  # deliveries before poison
     worker_soft_shutdown_seconds: float = Field(default=10.0, ge=0)
+    # When a killed worker's unacked messages come back; unset: derived to outlast the
+    # longest task. A test sets it short; it must stay longer than any one task.
+    broker_visibility_timeout_seconds: int | None = Field(default=None, ge=1)
+    # Past this many queued searches and batch items the gateway answers 429; 0: no limit.
+    max_backlog: int = Field(default=0, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     runtime_factory: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.]+:[A-Za-z0-9_]+$")
 

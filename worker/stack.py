@@ -75,9 +75,16 @@ def child_env(extra: Mapping[str, str], *, inherit_sift: bool = True) -> dict[st
 
 @contextlib.contextmanager
 def redis_server(
-    directory: Path, *, port: int | None = None, appendonly: bool = False
+    directory: Path,
+    *,
+    port: int | None = None,
+    appendonly: bool = False,
+    appendfsync: str = "everysec",
 ) -> Iterator[str]:
-    """A redis-server of our own on loopback, yielding its URL (``redis://127.0.0.1:PORT``)."""
+    """A redis-server of our own on loopback, yielding its URL (``redis://127.0.0.1:PORT``).
+
+    With ``appendonly`` it keeps an AOF in ``directory`` (fsynced ``appendfsync``: ``always``,
+    ``everysec`` or ``no``), so a restart on the same port and directory finds its data."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise ConfigError(
@@ -91,6 +98,7 @@ def redis_server(
         proc = subprocess.Popen(
             [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
              "--save", "", "--appendonly", "yes" if appendonly else "no",
+             "--appendfsync", appendfsync,
              "--maxmemory-policy", "noeviction", "--daemonize", "no"],
             stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip

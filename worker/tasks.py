@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 RETRY_BASE_SECONDS = 1.0
 RETRY_CAP_SECONDS = 60.0
+# A worker's job-store calls ride out a Redis restart this long rather than fail the job.
+STORE_OUTAGE_SECONDS = 30.0
 
 
 class Runtime(Protocol):
@@ -147,6 +149,7 @@ def get_context(settings: Settings | None = None) -> WorkerContext:
                         max_connections=settings.worker_concurrency
                         + settings.batch_item_concurrency
                         + 32,
+                        outage_seconds=STORE_OUTAGE_SECONDS,
                     ),
                     limiter=ProviderLimiter(settings.rerank_max_in_flight),
                 )
@@ -206,9 +209,13 @@ class SiftTask(Task):  # type: ignore[misc]
         ceiling = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2**self.request.retries)
         return random.uniform(ceiling / 2, ceiling)
 
-    def poisoned(self) -> bool:
+    def delivery(self) -> int:
+        """Count this delivery of the message: how many there have been, this one included."""
+        return self.context.store.count_delivery(str(self.request.id), self.request.retries)
+
+    def poisoned(self, deliveries: int | None = None) -> bool:
         """True when this message has been delivered more times than allowed (worker crashes)."""
-        count = self.context.store.count_delivery(str(self.request.id), self.request.retries)
+        count = self.delivery() if deliveries is None else deliveries
         limit = self.context.settings.task_max_deliveries
         if count > limit:
             log.error(
@@ -259,6 +266,16 @@ def search(self: SiftTask, job_id: str) -> None:
     job = store.get_search(job_id)
     if job is None or job.status.final:
         log.info("search %s: nothing to do (%s)", job_id, "missing" if job is None else "final")
+        if job is not None and job.webhook_url:
+            # a redelivery: the worker that finished it may have died before enqueueing the
+            # webhook. Send it again; the webhook-id is the same, delivery is at least once.
+            self.send_webhook(
+                WEBHOOK_EVENT_SEARCH_COMPLETED,
+                job_id,
+                job.tenant,
+                job.webhook_url,
+                job.status.value,
+            )
         return
     if self.poisoned():
         finished = _completed(
@@ -306,7 +323,8 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     query_ids = store.batch_query_ids(batch_id, start, stop)
     positions = {qid: start + i for i, qid in enumerate(query_ids)}
     items = store.batch_items(batch_id, query_ids)
-    poisoned = self.poisoned()
+    deliveries = self.delivery()
+    poisoned = self.poisoned(deliveries)
     economy = batch.lane == LANE_ECONOMY
     # self.request is thread-local: take what the item threads need from it here
     may_retry = self.request.retries < self.context.settings.task_max_retries
@@ -359,11 +377,15 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     outcomes = list(self.context.item_pool.map(run_item, pending))
     completed = any(done for done, _ in outcomes)
     to_retry = sum(1 for _, retry in outcomes if retry)
-    if completed:
-        log.info("batch %s: completed", batch_id)
+    # A redelivered chunk with nothing left to run, of a finished batch: the worker that
+    # completed the batch may have died before enqueueing its webhook, so send it again.
+    resend = deliveries > 1 and not pending and batch.finished_at is not None
+    if completed or resend:
+        log.info("batch %s: completed%s", batch_id, " (webhook sent again)" if resend else "")
         done = store.get_batch(batch_id)
         status = done.status.value if done else "succeeded"
-        metrics.job_completed("batch", status)  # once: only one transition completes it
+        if completed:
+            metrics.job_completed("batch", status)  # once: only one transition completes it
         if batch.webhook_url:
             self.send_webhook(
                 WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, batch.tenant, batch.webhook_url, status

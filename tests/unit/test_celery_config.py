@@ -12,7 +12,10 @@ def test_reliable_delivery_settings() -> None:
     conf = celery_config(settings)
     assert conf["task_acks_late"] and conf["task_reject_on_worker_lost"]
     assert conf["worker_prefetch_multiplier"] == 1
-    assert conf["worker_cancel_long_running_tasks_on_connection_loss"]
+    # only prefork can kill a job; the threads pool would raise NotImplementedError mid-reconnect
+    assert not conf["worker_cancel_long_running_tasks_on_connection_loss"]
+    prefork = celery_config(load_settings(redis_url="redis://127.0.0.1:1/0", worker_pool="prefork"))
+    assert prefork["worker_cancel_long_running_tasks_on_connection_loss"]
     assert conf["worker_soft_shutdown_timeout"] > 0
     assert conf["accept_content"] == ["json"] and conf["task_serializer"] == "json"
     longest_hard = max(hard for _, hard in time_limits(settings).values())
@@ -20,6 +23,16 @@ def test_reliable_delivery_settings() -> None:
     soft, hard = time_limits(settings)[SEARCH_TASK]
     assert 20 < soft < hard
     assert conf["worker_pool"] == "threads"
+
+
+def test_a_short_visibility_timeout_is_swept_often() -> None:
+    settings = load_settings(
+        redis_url="redis://127.0.0.1:1/0", broker_visibility_timeout_seconds=6
+    )
+    options = celery_config(settings)["broker_transport_options"]
+    assert options["visibility_timeout"] == 6
+    assert options["unacked_restore_interval"] == 1 and options["unacked_restore_throttle"] == 1
+    assert options["unacked_mutex_expire"] == 6
 
 
 def test_each_queue_has_its_own_exchange_and_key() -> None:

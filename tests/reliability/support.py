@@ -1,0 +1,227 @@
+"""What the reliability tests share: keys, the environment of a stack, a webhook receiver,
+and small helpers that drive the real gateway over HTTP and read the job store directly.
+
+The processes are the real ones (:mod:`worker.stack` through :mod:`tests.services`): a
+redis-server of the test's own, Celery workers on the threads pool, the gateway under
+uvicorn, and the fake Messages API on loopback HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from worker.constants import ALL_QUEUES, BATCH_COUNTS_KEY, BATCH_ITEMS_KEY, BATCH_RESULTS_KEY
+
+KEYS = [
+    {
+        "key": "acme-key-0001",
+        "tenant": "acme",
+        "webhook_secret": "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ==",
+    },
+]
+ACME = {"Authorization": "Bearer acme-key-0001"}
+INDEX = "docs"
+SAMPLE = Path(__file__).resolve().parents[2] / "worker" / "data"
+
+
+def stack_env(redis_url: str, model_url: str, **extra: str) -> dict[str, str]:
+    """The environment of one gateway or worker: rerank on, the fake model, short retries."""
+    env = {
+        "SIFT_REDIS_URL": redis_url,
+        "SIFT_API_KEYS": json.dumps(KEYS),
+        "SIFT_RERANK_ENABLED": "true",
+        "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
+        "SIFT_GENERATION_MAX_REQUESTS": "3",
+        "ANTHROPIC_BASE_URL": model_url,
+        "ANTHROPIC_API_KEY": "sk-ant-test",
+        "SIFT_WORKER_METRICS_PORT": "0",
+        "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+        "SIFT_WEBHOOK_RETRY_SCALE": "0.001",
+        "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS": "true",
+    }
+    env.update(extra)
+    return env
+
+
+def sample_documents() -> list[dict[str, Any]]:
+    docs = [
+        json.loads(line)
+        for line in (SAMPLE / "sample_corpus.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    return [{"id": d["id"], "text": d["text"], "title": d.get("title", "")} for d in docs]
+
+
+def sample_queries() -> list[str]:
+    lines = (SAMPLE / "sample_queries.jsonl").read_text().splitlines()
+    return [json.loads(line)["query"] for line in lines if line.strip()]
+
+
+def ingest(client: httpx.Client) -> int:
+    """Load the bundled sample corpus for tenant acme; answers the documents upserted."""
+    response = client.post(
+        f"/v1/indexes/{INDEX}/documents",
+        params={"wait": 30},
+        json={"documents": sample_documents()},
+        headers=ACME,
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["status"] == "succeeded", body
+    return int(body["upserted"])
+
+
+def submit_batch(
+    client: httpx.Client, n: int, *, webhook_url: str | None = None, rerank: bool = True
+) -> str:
+    queries = sample_queries()
+    body: dict[str, Any] = {
+        "index": INDEX,
+        "rerank": rerank,
+        "queries": [{"id": f"q{i:05d}", "query": queries[i % len(queries)]} for i in range(n)],
+    }
+    if webhook_url:
+        body["webhook_url"] = webhook_url
+    response = client.post("/v1/batches", json=body, headers=ACME)
+    assert response.status_code == 202, response.text
+    return str(response.json()["id"])
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout: float = 90.0) -> None:
+    """Poll ``check`` (errors count as not yet) until true, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (httpx.HTTPError, redis.RedisError, OSError) as exc:
+            last = exc
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout:g}s (last error: {last})")
+
+
+def broker_state(redis_url: str) -> dict[str, Any]:
+    """What the broker holds now: queue lengths, unacked messages, the restore lock (for a
+    failure message)."""
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        state: dict[str, Any] = {q: client.llen(q) for q in ALL_QUEUES}
+        state["unacked"] = client.hlen("unacked")
+        state["unacked_mutex_ttl"] = client.ttl("unacked_mutex")
+        return state
+    finally:
+        client.close()
+
+
+def batch_counts(client: httpx.Client, batch_id: str) -> dict[str, Any]:
+    response = client.get(f"/v1/batches/{batch_id}", headers=ACME)
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def all_results(client: httpx.Client, batch_id: str) -> list[dict[str, Any]]:
+    """Every line of a batch's results, following the page tokens."""
+    results: list[dict[str, Any]] = []
+    token: str | None = None
+    while True:
+        params: dict[str, Any] = {"page_size": 1000}
+        if token:
+            params["page_token"] = token
+        response = client.get(f"/v1/batches/{batch_id}/results", params=params, headers=ACME)
+        response.raise_for_status()
+        page = response.json()
+        results += page["results"]
+        token = page["next_page_token"]
+        if not token:
+            return results
+
+
+def assert_batch_exactly_once(
+    client: httpx.Client, redis_url: str, batch_id: str, total: int
+) -> None:
+    """Every item ``succeeded`` with one result; the store's counts moved exactly once each."""
+    batch = batch_counts(client, batch_id)
+    assert batch["status"] == "succeeded", batch
+    counts = batch["counts"]
+    assert counts["succeeded"] == total, counts  # a double transition would over-count
+    assert counts["queued"] == counts["running"] == counts["failed"] == counts["canceled"] == 0
+    results = all_results(client, batch_id)
+    ids = [r["query_id"] for r in results]
+    assert len(ids) == total and len(set(ids)) == total  # each query id exactly once
+    assert ids == [f"q{i:05d}" for i in range(total)]
+    bad = [r for r in results if r["status"] != "succeeded" or "result" not in r]
+    assert not bad, bad[:3]
+    store = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        items = store.hgetall(BATCH_ITEMS_KEY + batch_id)
+        stored = store.hgetall(BATCH_RESULTS_KEY + batch_id)
+        raw_counts = store.hgetall(BATCH_COUNTS_KEY + batch_id)
+    finally:
+        store.close()
+    assert set(items.values()) == {"succeeded"} and len(items) == total
+    assert len(stored) == total + 1  # one per item, plus the "" placeholder
+    assert {k: int(v) for k, v in raw_counts.items()} == {
+        "queued": 0, "running": 0, "succeeded": total, "failed": 0, "canceled": 0,
+    }  # fmt: skip
+
+
+@dataclass
+class Delivery:
+    body: dict[str, Any]
+    headers: dict[str, str]
+    at: float
+
+
+@dataclass
+class Receiver:
+    """A local webhook receiver that records every POST and answers 204."""
+
+    url: str = ""
+    deliveries: list[Delivery] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def for_job(self, job_id: str) -> list[Delivery]:
+        with self._lock:
+            return [d for d in self.deliveries if d.body.get("data", {}).get("id") == job_id]
+
+
+def webhook_receiver() -> Iterator[Receiver]:
+    """A generator fixture body: yields a running :class:`Receiver`, then stops it."""
+    receiver = Receiver()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers["content-length"]))
+            delivery = Delivery(
+                json.loads(raw), {k.lower(): v for k, v in self.headers.items()}, time.time()
+            )
+            with receiver._lock:
+                receiver.deliveries.append(delivery)
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    receiver.url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    try:
+        yield receiver
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

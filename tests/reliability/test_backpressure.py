@@ -1,0 +1,85 @@
+"""Backpressure: past ``SIFT_MAX_BACKLOG`` queued items the gateway answers 429 with
+``Retry-After`` and a JSON error naming the limit; a batch that would pass it is refused
+whole. The gateway's queue has no worker (the e2e ``idle`` pattern), so the backlog only grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.reliability.support import ACME, INDEX, stack_env
+from tests.services import gateway, redis_server
+from worker.constants import STATS_KEY
+
+pytestmark = pytest.mark.integration
+
+LIMIT = 5
+
+
+@pytest.fixture(scope="module")
+def idle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, str]]:
+    tmp = Path(tmp_path_factory.mktemp("backpressure"))
+    with redis_server(tmp / "redis") as url:
+        env = stack_env(url + "/0", "http://127.0.0.1:9", SIFT_MAX_BACKLOG=str(LIMIT))
+        with gateway(tmp / "g", env) as base, httpx.Client(base_url=base, timeout=30) as client:
+            yield client, url + "/0"
+
+
+def _batch(n: int, prefix: str) -> dict[str, object]:
+    return {"index": INDEX, "queries": [{"id": f"{prefix}{i}", "query": "tea"} for i in range(n)]}
+
+
+def _queued(url: str) -> int:
+    client = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        return int(client.hget(STATS_KEY, "queued") or 0)
+    finally:
+        client.close()
+
+
+def test_past_the_backlog_limit_new_work_gets_429_with_retry_after(
+    idle: tuple[httpx.Client, str],
+) -> None:
+    client, url = idle
+    accepted = client.post("/v1/batches", json=_batch(3, "a"), headers=ACME)
+    assert accepted.status_code == 202, accepted.text
+    for i in range(2):
+        search = client.post("/v1/searches", json={"index": INDEX, "query": f"q{i}"}, headers=ACME)
+        assert search.status_code == 202, search.text
+    assert _queued(url) == LIMIT
+
+    refused = client.post("/v1/searches", json={"index": INDEX, "query": "one more"}, headers=ACME)
+    assert refused.status_code == 429, refused.text
+    assert int(refused.headers["retry-after"]) > 0
+    error = refused.json()["error"]
+    assert error["type"] == "backlog_full"
+    assert "SIFT_MAX_BACKLOG" in error["message"] and str(LIMIT) in error["message"]
+
+    whole = client.post("/v1/batches", json=_batch(2, "b"), headers=ACME)
+    assert whole.status_code == 429 and whole.json()["error"]["type"] == "backlog_full"
+    assert _queued(url) == LIMIT  # nothing of the refused batch was stored or queued
+
+
+def test_a_batch_larger_than_what_is_left_is_refused_whole(tmp_path: Path) -> None:
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", "http://127.0.0.1:9", SIFT_MAX_BACKLOG="10")
+        with gateway(tmp_path / "g", env) as base, httpx.Client(base_url=base, timeout=30) as c:
+            assert c.post("/v1/batches", json=_batch(8, "a"), headers=ACME).status_code == 202
+            refused = c.post("/v1/batches", json=_batch(3, "b"), headers=ACME)
+            assert refused.status_code == 429, refused.text
+            assert _queued(url + "/0") == 8  # not 10: no half-accepted batch
+            assert c.post("/v1/batches", json=_batch(2, "c"), headers=ACME).status_code == 202
+            assert _queued(url + "/0") == 10
+
+
+def test_the_openapi_document_lists_the_429(idle: tuple[httpx.Client, str]) -> None:
+    client, _ = idle
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/v1/searches", "/v1/batches"):
+        busy = paths[path]["post"]["responses"]["429"]
+        assert "Retry-After" in busy["headers"]

@@ -1,0 +1,205 @@
+"""Crashes mid-batch lose nothing: a worker SIGKILLed, Redis SIGKILLed (AOF on), the gateway
+restarted. Each test runs a real stack of its own (redis-server, gateway, threads-pool
+workers, the fake model over HTTP) and checks the batch through the API and the job store:
+every item ``succeeded``, each query id has exactly one result, and the counts moved exactly
+once per item.
+
+The broker's visibility timeout. Celery acks late, so a message a worker took is kept in
+kombu's "unacked" hash until the task ends. When the worker dies (SIGKILL: no warm shutdown,
+nothing is requeued), those messages go back to their queue only once they are older than
+the transport's ``visibility_timeout``; with the threads pool a single process holds up to
+``SIFT_WORKER_CONCURRENCY`` chunks this way. In production that timeout is derived to outlast
+the longest task (about 27 minutes by default). These tests set
+``SIFT_BROKER_VISIBILITY_TIMEOUT_SECONDS=6`` so the lost chunks come back within seconds;
+Sift then sweeps for them every second (``unacked_restore_interval``). A chunk still running
+when its timeout passes may be delivered twice: the job store's compare-and-set keeps each
+item to one result, and ``SIFT_TASK_MAX_DELIVERIES=10`` keeps such a chunk from being taken
+for poison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import (
+    ACME,
+    INDEX,
+    Receiver,
+    assert_batch_exactly_once,
+    batch_counts,
+    broker_state,
+    ingest,
+    stack_env,
+    submit_batch,
+    wait_for,
+)
+from tests.services import celery_worker, free_port, gateway, redis_server
+
+pytestmark = pytest.mark.integration
+
+TOTAL = 1_000
+CRASH_SETTINGS = {
+    "SIFT_BROKER_VISIBILITY_TIMEOUT_SECONDS": "6",
+    "SIFT_TASK_MAX_DELIVERIES": "10",
+    "SIFT_BATCH_CHUNK_SIZE": "10",
+    "SIFT_BATCH_ITEM_CONCURRENCY": "32",
+}
+
+
+def _succeeded(client: httpx.Client, batch_id: str) -> int:
+    return int(batch_counts(client, batch_id)["counts"]["succeeded"])
+
+
+def _finished(client: httpx.Client, batch_id: str) -> bool:
+    return batch_counts(client, batch_id)["status"] == "succeeded"
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_killed_mid_batch_loses_nothing(
+    tmp_path: Path, model: FakeAnthropic, receiver: Receiver
+) -> None:
+    """SIGKILL worker A while a 1,000-item batch runs; worker B finishes it. Every item
+    succeeds once, and the batch webhook arrives with the same ``webhook-id`` every time."""
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", model.url, **CRASH_SETTINGS)
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            with celery_worker(tmp_path / "w", env, "a", concurrency=8) as worker_a:
+                ingest(client)
+                batch_id = submit_batch(client, TOTAL, webhook_url=receiver.url)
+                wait_for(lambda: _succeeded(client, batch_id) >= 150, "150 items done on A")
+                worker_a.send_signal(signal.SIGKILL)
+                worker_a.wait(10)
+                at_kill = batch_counts(client, batch_id)["counts"]
+            print(f"\nworker A killed with counts {at_kill}")
+            assert at_kill["succeeded"] < TOTAL, "the batch finished before the kill"
+            with celery_worker(tmp_path / "w", env, "b", concurrency=8):
+                try:
+                    wait_for(lambda: _finished(client, batch_id), "the batch finished on B", 120)
+                except AssertionError as exc:
+                    counts = batch_counts(client, batch_id)["counts"]
+                    raise AssertionError(f"{exc}; {counts}; {broker_state(url + '/0')}") from exc
+                wait_for(lambda: bool(receiver.for_job(batch_id)), "the batch webhook", 30)
+                time.sleep(1.0)  # a late duplicate, if any, lands now
+            assert_batch_exactly_once(client, url + "/0", batch_id, TOTAL)
+            deliveries = receiver.for_job(batch_id)
+            assert {d.headers["webhook-id"] for d in deliveries} == {f"msg_{batch_id}"}
+            assert {d.body["type"] for d in deliveries} == {"batch.completed"}
+            print(f"batch webhook delivered {len(deliveries)} time(s)")
+
+
+def _kill_redis(url: str) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        pid = int(client.info("server")["process_id"])
+    finally:
+        client.close()
+    os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="a known gap, seen in 2 runs of 5: kombu's Redis transport takes a message with "
+    "BRPOP and records it as unacked in a second command, so a Redis killed between the pop "
+    "(already in the AOF) and the reply loses that one chunk message; its items stay queued. "
+    "Needs a Sift-level re-drive of chunks (see README, Reliability).",
+)
+@pytest.mark.timeout(300)
+def test_redis_killed_mid_batch_with_aof_always_loses_nothing(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """SIGKILL redis-server mid-batch, then start it again on the same port and directory.
+
+    ``appendfsync always``: every write Redis acknowledged is on disk before the reply, so
+    not even a machine crash loses an acknowledged job or message; the test can then demand
+    that nothing at all is lost. (After a mere process kill ``everysec`` would keep the data
+    too, as the write(2) precedes the reply; only its fsync waits up to a second.) The gateway
+    and the workers reconnect on their own."""
+    directory, port = tmp_path / "redis", free_port()
+    first = redis_server(directory, port=port, appendonly=True, appendfsync="always")
+    url = first.__enter__()
+    try:
+        env = stack_env(url + "/0", model.url, **CRASH_SETTINGS)
+        with (
+            celery_worker(tmp_path / "w", env, "w1", concurrency=8),
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            ingest(client)
+            batch_id = submit_batch(client, TOTAL)
+            wait_for(lambda: _succeeded(client, batch_id) >= 150, "150 items done")
+            _kill_redis(url)
+            first.__exit__(None, None, None)
+            time.sleep(2.0)  # the clients see the broker and the store gone
+            down = client.get(f"/v1/batches/{batch_id}", headers=ACME)
+            assert down.status_code == 503, down.text  # typed, not a 500
+            with redis_server(directory, port=port, appendonly=True, appendfsync="always"):
+                try:
+                    wait_for(lambda: _finished(client, batch_id), "the batch finished", 60)
+                except AssertionError as exc:
+                    counts = batch_counts(client, batch_id)["counts"]
+                    raise AssertionError(f"{exc}; {counts}; {broker_state(url + '/0')}") from exc
+                assert_batch_exactly_once(client, url + "/0", batch_id, TOTAL)
+                # and the stack still takes new work
+                fresh = client.post(
+                    "/v1/searches",
+                    params={"wait": 20},
+                    json={"index": INDEX, "query": "volcano"},
+                    headers=ACME,
+                )
+                assert fresh.status_code == 200 and fresh.json()["status"] == "succeeded"
+    finally:
+        with contextlib.suppress(Exception):
+            first.__exit__(None, None, None)
+
+
+@pytest.mark.timeout(300)
+def test_a_gateway_restarted_mid_batch_leaves_jobs_in_flight_unaffected(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """Stop the gateway (SIGTERM) while a batch and single searches run; a new gateway on
+    the same port serves their results, all succeeded, each exactly once."""
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", model.url, **CRASH_SETTINGS)
+        port = free_port()
+        with celery_worker(tmp_path / "w", env, "w1", concurrency=8):
+            with (
+                gateway(tmp_path / "g", env, "g1", port=port) as base,
+                httpx.Client(base_url=base, timeout=30) as client,
+            ):
+                ingest(client)
+                batch_id = submit_batch(client, TOTAL)
+                searches = [
+                    client.post(
+                        "/v1/searches", json={"index": INDEX, "query": f"tea {i}"}, headers=ACME
+                    ).json()["id"]
+                    for i in range(20)
+                ]
+                wait_for(lambda: _succeeded(client, batch_id) >= 100, "100 items done")
+            # the first gateway is stopped here; the batch goes on without it
+            with (
+                gateway(tmp_path / "g", env, "g2", port=port) as again,
+                httpx.Client(base_url=again, timeout=30) as client,
+            ):
+                assert again == base
+                wait_for(lambda: _finished(client, batch_id), "the batch finished", 120)
+                assert_batch_exactly_once(client, url + "/0", batch_id, TOTAL)
+                for job_id in searches:
+                    wait_for(
+                        lambda job_id=job_id: (
+                            client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"]
+                            == "succeeded"
+                        ),
+                        f"search {job_id}",
+                    )

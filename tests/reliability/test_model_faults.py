@@ -1,0 +1,110 @@
+"""The model-fault matrix through the real stack (gateway, worker, fake model over HTTP):
+each failure class under both failure policies gives the right job outcome, the right number
+of attempts, and the right ``sift_rerank_attempts_total`` counter; the search backend down is
+a typed, retried, then clearly reported failure. Timing figures live in
+``benchmarks/bench_faults.py``; here only outcomes are asserted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.reliability.faults import (
+    CASES,
+    NO_VALID_RANKS,
+    POLICIES,
+    FaultStack,
+    fault_stack,
+    run_case,
+)
+from tests.reliability.support import ACME, INDEX, stack_env
+from tests.services import celery_worker, free_port, gateway, redis_server
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultStack]:
+    with fault_stack(Path(tmp_path_factory.mktemp("faults"))) as stack:
+        yield stack
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_failure_class_under_each_policy(faults: FaultStack, name: str, policy: str) -> None:
+    case = CASES[name]
+    seen = run_case(faults, policy, case.behaviours)
+    if case.attempts:
+        assert seen.requests == case.attempts
+        assert seen.counters == {case.result: case.attempts}
+    else:  # the stall: as many attempts as the deadline allows, each one a timeout
+        assert seen.requests >= 1
+        assert set(seen.counters) == {case.result}
+        assert seen.counters[case.result] == seen.requests
+    reasons = {case.result, "deadline"} if name == "timeout" else {case.result}
+    if policy == "fail_closed":
+        assert seen.status == "failed"
+        assert seen.error is not None and seen.error["type"] == "rerank_failed"
+        assert any(f"({reason})" in seen.error["message"] for reason in reasons), seen.error
+    else:
+        assert seen.status == "succeeded", seen.error
+        assert seen.rerank is not None and seen.rerank["applied"] is False
+        assert seen.rerank["fallback_reason"] in {f"error:{reason}" for reason in reasons}
+    print(f"\n{name}/{policy}: {seen.requests} attempts, {seen.seconds * 1000:.0f} ms")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_no_valid_ranks_is_a_fallback_under_both_policies(faults: FaultStack, policy: str) -> None:
+    seen = run_case(faults, policy, NO_VALID_RANKS)
+    assert seen.status == "succeeded"
+    assert seen.rerank == {
+        "applied": False,
+        "policy": "listwise.v1",
+        "fallback_reason": "no_valid_ranks",
+    }
+    assert seen.requests == 1 and seen.counters == {"ok": 1}
+
+
+def test_duplicate_and_out_of_range_positions_are_dropped_not_fatal(faults: FaultStack) -> None:
+    from tests import fake_anthropic as fa
+
+    seen = run_case(faults, "fail_closed", [fa.positions([3, 3, 99, 1])])
+    assert seen.status == "succeeded" and seen.rerank is not None
+    assert seen.rerank["applied"] is True and seen.counters == {"ok": 1}
+
+
+def test_the_search_backend_down_is_typed_retried_then_reported(tmp_path: Path) -> None:
+    """Elasticsearch on a closed port: each search retries the backend within its deadline,
+    the task retries once more (``SIFT_TASK_MAX_RETRIES=1``), then the job fails with
+    ``backend_unavailable``, retryable, and a message that says what was unreachable."""
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(
+            url + "/0",
+            "http://127.0.0.1:9",
+            SIFT_RERANK_ENABLED="false",
+            SIFT_SEARCH_BACKEND="elasticsearch",
+            SIFT_ELASTICSEARCH_URL=f"http://127.0.0.1:{free_port()}",
+            SIFT_SEARCH_DEADLINE_SECONDS="2",
+            SIFT_TASK_MAX_RETRIES="1",
+        )
+        with (
+            celery_worker(tmp_path / "w", env, "w-es", concurrency=2),
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=60) as client,
+        ):
+            response = client.post(
+                "/v1/searches", params={"wait": 30}, json={"index": INDEX, "query": "tea"},
+                headers=ACME,
+            )  # fmt: skip
+            assert response.status_code == 200, response.text
+            job = response.json()
+    assert job["status"] == "failed"
+    error = job["error"]
+    assert error["type"] == "backend_unavailable" and error["retryable"] is True
+    assert "elasticsearch" in error["message"].lower() or "connect" in error["message"].lower()
+    log = (tmp_path / "w" / "w-es.log").read_text()
+    assert "retryable error, retrying" in log  # the task-level retry happened too
