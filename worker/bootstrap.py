@@ -63,7 +63,9 @@ def build_reranker(settings: Settings) -> Reranker | None:
         return None
     from worker.adapters.anthropic import AnthropicReranker
 
-    return AnthropicReranker(model, effort=settings.generation_effort)
+    return AnthropicReranker(
+        model, effort=settings.generation_effort, connections=settings.rerank_max_in_flight
+    )
 
 
 def build_batch_client(settings: Settings) -> AnthropicMessageBatches | None:

@@ -18,6 +18,7 @@ layer, and it honours ``retry_after``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
@@ -26,6 +27,7 @@ from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, cast
 
 import anthropic
+from anthropic._constants import DEFAULT_CONNECTION_LIMITS
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from worker.core.types import RerankPrompt, RerankReply, TokenUsage
@@ -62,6 +64,17 @@ class _Positions(BaseModel):
     positions: list[StrictInt]
 
 
+POOL_SIZE = 32  # connections per SDK client when a worker keeps many reranks in flight
+
+
+def _limits(connections: int) -> Any:
+    """The SDK's own ``Limits`` type (its HTTP stack is vendored), sized to ``connections``."""
+    limits_type = type(DEFAULT_CONNECTION_LIMITS)
+    return limits_type(
+        max_connections=connections, max_keepalive_connections=connections, keepalive_expiry=30.0
+    )
+
+
 class AnthropicReranker:
     """A :class:`~worker.core.ports.Reranker` over the Anthropic Messages API."""
 
@@ -72,28 +85,57 @@ class AnthropicReranker:
         client: anthropic.Anthropic | None = None,
         effort: str | None = "low",
         api_key: str | None = None,
+        connections: int | None = None,
     ) -> None:
         self.model = model
         self.effort = effort
+        self._connections = connections
         self._api_key = api_key
         self._client = client
+        self._clients: list[anthropic.Anthropic] | None = None
+        self._next = itertools.count()
         self._owns_client = client is None
         self._lock = threading.Lock()
 
     @property
     def client(self) -> anthropic.Anthropic:
-        """The SDK client; built on first use, with the SDK's retries off."""
-        if self._client is None:
+        """The SDK client (the first of the pools); built on first use, SDK retries off."""
+        return self._pools()[0]
+
+    def _pools(self) -> list[anthropic.Anthropic]:
+        """One SDK client, or, with ``connections``, one per ``POOL_SIZE`` connections.
+
+        httpcore's pool scans every connection and waiting request under one lock, so with
+        hundreds of reranks in flight a single pool becomes the worker's bottleneck; calls
+        are spread over several smaller pools instead, each keeping its connections alive.
+        """
+        if self._clients is None:
             with self._lock:
-                if self._client is None:
-                    self._client = anthropic.Anthropic(api_key=self._api_key, max_retries=0)
-        return self._client
+                if self._clients is None:
+                    if self._client is not None:
+                        self._clients = [self._client]
+                    elif not self._connections:
+                        self._clients = [anthropic.Anthropic(api_key=self._api_key, max_retries=0)]
+                    else:
+                        pools = math.ceil(self._connections / POOL_SIZE)
+                        size = math.ceil(self._connections / pools)
+                        self._clients = [
+                            anthropic.Anthropic(
+                                api_key=self._api_key,
+                                max_retries=0,
+                                http_client=anthropic.DefaultHttpxClient(limits=_limits(size)),
+                            )
+                            for _ in range(pools)
+                        ]
+        return self._clients
 
     def close(self) -> None:
-        """Close the HTTP pool of a client this adapter built (a given client is the caller's)."""
-        if self._owns_client and self._client is not None:
-            self._client.close()
-            self._client = None
+        """Close the HTTP pools of the clients this adapter built; a given one is the caller's."""
+        with self._lock:
+            clients, self._clients = self._clients or [], None
+        if self._owns_client:
+            for client in clients:
+                client.close()
 
     def request_params(self, prompt: RerankPrompt) -> dict[str, Any]:
         """The keyword arguments of ``messages.create`` for ``prompt`` (no sampling parameter)."""
@@ -119,7 +161,9 @@ class AnthropicReranker:
             raise RerankAttemptError(AttemptOutcome.TIMEOUT, "no time left for an attempt")
         params = self.request_params(prompt)
         try:
-            response = self.client.messages.create(**params, timeout=timeout_seconds)
+            pools = self._pools()
+            client = pools[next(self._next) % len(pools)]
+            response = client.messages.create(**params, timeout=timeout_seconds)
         except anthropic.APITimeoutError as exc:
             raise RerankAttemptError(
                 AttemptOutcome.TIMEOUT, f"no answer within {timeout_seconds:g}s"
