@@ -18,7 +18,6 @@ from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
 from api_gateway.errors import ApiError, ErrorBody
 from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
 from api_gateway.schemas import (
-    INDEX_PATTERN,
     BatchCounts,
     BatchOut,
     BatchRequest,
@@ -48,7 +47,7 @@ from worker.constants import (
     WEBHOOK_QUEUE,
     WEBHOOK_TASK,
 )
-from worker.contract import JobStatus, SearchSpec
+from worker.contract import INDEX_PATTERN, JobStatus, SearchSpec
 from worker.errors import InvalidRequest
 from worker.jobstore import (
     BatchJob,

@@ -5,19 +5,26 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from worker.constants import (
     MAX_BATCH_QUERIES,
     MAX_BATCH_QUERY_ID_CHARS,
     MAX_DOCUMENTS_PER_REQUEST,
     MAX_LIMIT,
-    MAX_QUERY_CHARS,
     MAX_WEBHOOK_URL_CHARS,
 )
-from worker.contract import DocumentIn, ErrorInfo, FilterValue, JobStatus, Mode, SearchResult
-
-INDEX_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
+from worker.contract import (
+    DocumentIn,
+    ErrorInfo,
+    FilterValue,
+    IndexName,
+    JobStatus,
+    Mode,
+    QueryText,
+    SearchResult,
+    SearchSpec,
+)
 
 
 def iso(ts: float | None) -> str | None:
@@ -28,24 +35,10 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SearchRequest(_Strict):
-    """``POST /v1/searches``."""
+class SearchRequest(SearchSpec):
+    """``POST /v1/searches``: the search, and where to send its webhook."""
 
-    index: str = Field(min_length=1, max_length=128, pattern=INDEX_PATTERN)
-    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
-    limit: int = Field(default=10, ge=1, le=MAX_LIMIT)
-    mode: Mode = "hybrid"
-    rerank: bool | None = None
-    include_trace: bool = False
-    filters: dict[str, FilterValue] = Field(default_factory=dict)
     webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
-
-    @field_validator("query")
-    @classmethod
-    def _not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("is empty after trimming whitespace")
-        return value
 
 
 class SearchJobOut(BaseModel):
@@ -62,24 +55,17 @@ class SearchJobOut(BaseModel):
 
 class BatchQueryIn(_Strict):
     id: str = Field(min_length=1, max_length=MAX_BATCH_QUERY_ID_CHARS)
-    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    query: QueryText
     limit: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
     mode: Mode | None = None
     filters: dict[str, FilterValue] = Field(default_factory=dict)
-
-    @field_validator("query")
-    @classmethod
-    def _not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("is empty after trimming whitespace")
-        return value
 
 
 class BatchRequest(_Strict):
     """``POST /v1/batches``. ``lane="economy"`` reranks through the Message Batches API at
     half the token price; the batch completes when the provider's batches end."""
 
-    index: str = Field(min_length=1, max_length=128, pattern=INDEX_PATTERN)
+    index: IndexName
     queries: list[BatchQueryIn] = Field(min_length=1, max_length=MAX_BATCH_QUERIES)
     rerank: bool | None = None
     include_trace: bool = False

@@ -7,13 +7,24 @@ variables left out so each test says exactly what it sets.
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 from collections.abc import Iterator, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from subprocess import Popen
 
 from worker.stack import child_env, free_port, gateway_process, redis_server, stop, worker_process
 
-__all__ = ["celery_worker", "free_port", "gateway", "redis_server", "stop"]
+__all__ = [
+    "Received",
+    "celery_worker",
+    "free_port",
+    "gateway",
+    "redis_server",
+    "stop",
+    "webhook_inbox",
+]
 
 
 @contextlib.contextmanager
@@ -32,3 +43,32 @@ def gateway(
 ) -> Iterator[str]:
     with gateway_process(tmp, child_env(env, inherit_sift=False), name, port=port) as url:
         yield url
+
+
+Received = tuple[bytes, dict[str, str]]
+
+
+@contextlib.contextmanager
+def webhook_inbox() -> Iterator[tuple[str, queue.Queue[Received]]]:
+    """A local webhook receiver answering 204; yields its URL and the (body, headers) queue."""
+    inbox: queue.Queue[Received] = queue.Queue()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["content-length"]))
+            inbox.put((body, {k.lower(): v for k, v in self.headers.items()}))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook", inbox
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

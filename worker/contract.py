@@ -7,9 +7,9 @@ This module is the only part of ``worker`` that ``api_gateway`` imports (with
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from worker.constants import MAX_LIMIT, MAX_QUERY_CHARS
 
@@ -46,23 +46,29 @@ class DocumentIn(StrictModel):
     metadata: dict[str, FilterValue] = Field(default_factory=dict)
 
 
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("is empty after trimming whitespace")
+    return value
+
+
+INDEX_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
+IndexName = Annotated[str, Field(min_length=1, max_length=128, pattern=INDEX_PATTERN)]
+QueryText = Annotated[
+    str, Field(min_length=1, max_length=MAX_QUERY_CHARS), AfterValidator(_not_blank)
+]
+
+
 class SearchSpec(StrictModel):
     """What one search asks for. The tenant never comes from here: the API key decides it."""
 
-    index: str = Field(min_length=1, max_length=128, pattern=r"^[a-z0-9][a-z0-9_.-]*$")
-    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    index: IndexName
+    query: QueryText
     limit: int = Field(default=10, ge=1, le=MAX_LIMIT)
     mode: Mode = "hybrid"
     rerank: bool | None = None
     include_trace: bool = False
     filters: dict[str, FilterValue] = Field(default_factory=dict)
-
-    @field_validator("query")
-    @classmethod
-    def _not_blank(cls, value: str) -> str:
-        if not value.strip():
-            raise ValueError("query is empty after trimming whitespace")
-        return value
 
 
 class Ranks(BaseModel):

@@ -4,41 +4,19 @@ from __future__ import annotations
 
 import json
 import queue
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from standardwebhooks.webhooks import Webhook
 
 from tests.e2e.conftest import ACME, INDEX, KEYS, Stack
-
-Received = tuple[bytes, dict[str, str]]
+from tests.services import Received, webhook_inbox
 
 
 @pytest.fixture
 def receiver() -> Iterator[tuple[str, queue.Queue[Received]]]:
-    inbox: queue.Queue[Received] = queue.Queue()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["content-length"]))
-            inbox.put((body, {k.lower(): v for k, v in self.headers.items()}))
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/hook", inbox
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with webhook_inbox() as inbox:
+        yield inbox
 
 
 def test_search_and_batch_webhooks_are_signed(

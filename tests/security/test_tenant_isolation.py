@@ -22,7 +22,6 @@ import json
 import queue
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -31,6 +30,7 @@ from hypothesis import strategies as st
 
 from tests.e2e.conftest import ACME, GLOBEX, Stack
 from tests.fakes import FakeClock, FakeEmbedder, ScriptedReranker, fail, reply
+from tests.services import webhook_inbox
 from worker.adapters.embedded import EmbeddedBackend
 from worker.bootstrap import build_pipeline
 from worker.contract import DocumentIn, SearchResult, SearchSpec
@@ -209,27 +209,8 @@ def stack_marker(tenant: str) -> str:
 
 @pytest.fixture(scope="module")
 def hooks() -> Iterator[tuple[str, queue.Queue[tuple[bytes, dict[str, str]]]]]:
-    inbox: queue.Queue[tuple[bytes, dict[str, str]]] = queue.Queue()
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["content-length"]))
-            inbox.put((body, {k.lower(): v for k, v in self.headers.items()}))
-            self.send_response(204)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/hook", inbox
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with webhook_inbox() as inbox:
+        yield inbox
 
 
 def _without_query_echo(value: Any) -> Any:

@@ -26,9 +26,7 @@ def test_reliable_delivery_settings() -> None:
 
 
 def test_a_short_visibility_timeout_is_swept_often() -> None:
-    settings = load_settings(
-        redis_url="redis://127.0.0.1:1/0", broker_visibility_timeout_seconds=6
-    )
+    settings = load_settings(redis_url="redis://127.0.0.1:1/0", broker_visibility_timeout_seconds=6)
     options = celery_config(settings)["broker_transport_options"]
     assert options["visibility_timeout"] == 6
     assert options["unacked_restore_interval"] == 1 and options["unacked_restore_throttle"] == 1
