@@ -250,8 +250,26 @@ def _pending(
     task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None
 ) -> Iterator[_Pending]:
     """The items to send now: running, and in provider batch ``expected`` (None: never sent)."""
-    store, pipeline = task.context.store, economy_pipeline(task)
-    client = _batches(task)
+    pipeline, client = economy_pipeline(task), _batches(task)
+    for qid, data, run in _running(task, batch, query_ids):
+        if run["provider"] != expected:
+            continue  # sent already (a redelivered task)
+        item = load_prepared(pipeline, data)
+        assert item.prompt is not None
+        request = {
+            "custom_id": custom_id(run["pos"]),
+            "params": client.request_params(item.prompt),
+        }
+        size = len(json.dumps(request, separators=(",", ":")).encode())
+        yield _Pending(qid, request, size, run)
+
+
+def _running(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str]
+) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """The items among ``query_ids`` still running, with their prepared state and run record,
+    read a page at a time."""
+    store = task.context.store
     for start in range(0, len(query_ids), PAGE):
         page = list(query_ids[start : start + PAGE])
         statuses = store.economy_get(batch.id, BATCH_ITEMS_KEY, page)
@@ -261,17 +279,7 @@ def _pending(
             if status != JobStatus.RUNNING.value or raw is None:
                 continue
             data = json.loads(raw)
-            run = json.loads(raw_run) if raw_run else _new_run(int(data["pos"]))
-            if run["provider"] != expected:
-                continue  # sent already (a redelivered task)
-            item = load_prepared(pipeline, data)
-            assert item.prompt is not None
-            request = {
-                "custom_id": custom_id(run["pos"]),
-                "params": client.request_params(item.prompt),
-            }
-            size = len(json.dumps(request, separators=(",", ":")).encode())
-            yield _Pending(qid, request, size, run)
+            yield qid, data, json.loads(raw_run) if raw_run else _new_run(int(data["pos"]))
 
 
 def submit(
@@ -347,21 +355,12 @@ def _fail_items(
     task: SiftTask, batch: BatchJob, query_ids: Sequence[str], failure: RerankAttemptError
 ) -> None:
     """Apply the failure policy to running items that could not be sent or polled."""
-    store, pipeline = task.context.store, economy_pipeline(task)
-    for start in range(0, len(query_ids), PAGE):
-        page = list(query_ids[start : start + PAGE])
-        statuses = store.economy_get(batch.id, BATCH_ITEMS_KEY, page)
-        prepared = store.economy_get(batch.id, ECONOMY_PREPARED_KEY, page)
-        runs = store.economy_get(batch.id, ECONOMY_RUNS_KEY, page)
-        for qid, status, raw, raw_run in zip(page, statuses, prepared, runs, strict=True):
-            if status != JobStatus.RUNNING.value or raw is None:
-                continue
-            data = json.loads(raw)
-            record = json.loads(raw_run) if raw_run else _new_run(int(data["pos"]))
-            run = _rerank_run(record)
-            pipeline.record_attempt(run, failure.outcome, None, 0.0, provider_error=True)
-            run.failure = failure
-            _finish(task, batch, qid, load_prepared(pipeline, data), run)
+    pipeline = economy_pipeline(task)
+    for qid, data, record in _running(task, batch, query_ids):
+        run = _rerank_run(record)
+        pipeline.record_attempt(run, failure.outcome, None, 0.0, provider_error=True)
+        run.failure = failure
+        _finish(task, batch, qid, load_prepared(pipeline, data), run)
 
 
 @shared_task(  # type: ignore[untyped-decorator]
