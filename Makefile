@@ -34,11 +34,15 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
+# Every benchmark, each printing Sift and its baseline side by side (tens of minutes).
 bench: install services
-	$(BIN)/python benchmarks/bench_retrieval.py
 	$(BIN)/python benchmarks/bench_pipeline_cpu.py
-	$(BIN)/python benchmarks/bench_prompt_tokens.py
+	$(BIN)/python benchmarks/bench_prompt_tokens.py --queries 300
+	$(BIN)/python benchmarks/bench_retrieval.py --scifact-vectors .sift/scifact_vecs.npy
+	$(BIN)/python benchmarks/bench_queue.py all
 	$(BIN)/python benchmarks/bench_lanes.py --queries 1000 --batch-processing-seconds 60
+	$(BIN)/python benchmarks/bench_faults.py --repeat 5
+	$(BIN)/python benchmarks/bench_load.py --rate 20 --duration 60 --model-delay 0.5
 
 clean:
 	rm -rf $(VENV) .sift .pytest_cache .mypy_cache .ruff_cache

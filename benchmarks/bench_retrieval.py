@@ -116,6 +116,7 @@ def load_scifact(
         vectors = embedder.embed_array([f"{d.title}. {d.text}" for d in docs])
         print(f"  embedded {len(docs):,} documents in {time.perf_counter() - started:.0f}s")
         if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
             np.save(cache, vectors)
     else:
         vectors = unit(np.random.default_rng(1).standard_normal((len(docs), 384), np.float32))
