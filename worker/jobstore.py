@@ -316,7 +316,10 @@ class JobStore:
         return cls(redis.Redis(connection_pool=pool))
 
     def close(self) -> None:
+        """Close the client and its pool's connections (a pool given to redis-py explicitly,
+        as ``from_url(max_connections=)`` does, is not closed by ``Redis.close``)."""
         self.redis.close()
+        self.redis.connection_pool.disconnect()
 
     def ping(self) -> bool:
         return bool(self.redis.ping())
