@@ -694,7 +694,10 @@ class FakeAnthropic:
         if order == "reverse":
             results.reverse()
         elif order == "shuffle":
+            before = list(results)
             random.Random(batch.id).shuffle(results)
+            if len(results) > 1 and results == before:  # a shuffle may keep the order: never
+                results.reverse()
         batch.results = results
         batch.ended_at = time.time()
 
