@@ -805,24 +805,28 @@ class FakeAnthropic:
     def _find(self, request: Request) -> _FakeBatch | None:
         return self._state.batches.get(request.path_params["id"])
 
-    async def _batch_retrieve(self, request: Request) -> Response:
+    def _batch_or_error(self, request: Request) -> _FakeBatch | Response:
+        """The batch a request names, or the API's error for bad headers or an unknown id."""
         problem = _validate_headers(request)
         if problem is not None:
             return _error(*problem)
+        batch = self._find(request)
+        return (
+            batch if batch is not None else _error(404, "not_found_error", "no such message batch")
+        )
+
+    async def _batch_retrieve(self, request: Request) -> Response:
         with self._lock:
-            batch = self._find(request)
-            if batch is None:
-                return _error(404, "not_found_error", "no such message batch")
+            batch = self._batch_or_error(request)
+            if isinstance(batch, Response):
+                return batch
             return JSONResponse(self._batch_json(batch, _base(request)))
 
     async def _batch_cancel(self, request: Request) -> Response:
-        problem = _validate_headers(request)
-        if problem is not None:
-            return _error(*problem)
         with self._lock:
-            batch = self._find(request)
-            if batch is None:
-                return _error(404, "not_found_error", "no such message batch")
+            batch = self._batch_or_error(request)
+            if isinstance(batch, Response):
+                return batch
             if self._batch_status(batch) == "in_progress":
                 batch.processed_at_cancel = self._processed(batch)
                 batch.cancel_requested = time.monotonic()
@@ -830,13 +834,10 @@ class FakeAnthropic:
             return JSONResponse(self._batch_json(batch, _base(request)))
 
     async def _batch_results(self, request: Request) -> Response:
-        problem = _validate_headers(request)
-        if problem is not None:
-            return _error(*problem)
         with self._lock:
-            batch = self._find(request)
-            if batch is None:
-                return _error(404, "not_found_error", "no such message batch")
+            batch = self._batch_or_error(request)
+            if isinstance(batch, Response):
+                return batch
             if self._batch_status(batch) != "ended":
                 return _error(400, "invalid_request_error", "the batch has not ended")
             self._end(batch)
