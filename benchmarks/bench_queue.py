@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -186,6 +187,13 @@ def fake_anthropic(tmp: Path, delay: float) -> Iterator[str]:
         stop(proc)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of a process and its reaped children (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
+
+
 def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, float]:
     qs = queries(n)
     out: dict[str, float] = {}
@@ -209,14 +217,19 @@ def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, f
                     "ANTHROPIC_API_KEY": "sk-ant-fake",
                 }
                 with (
-                    celery_worker(tmp / pool, env, pool, concurrency=conc, pool=pool),
+                    celery_worker(tmp / pool, env, pool, concurrency=conc, pool=pool) as proc,
                     gateway(tmp / pool, env) as url,
                     httpx.Client(base_url=url, timeout=60) as client,
                 ):
                     ingest(client)
+                    cpu = cpu_seconds(proc.pid)
                     seconds, peak = run_batch(client, qs[:count], mode=mode)
+                    cpu = cpu_seconds(proc.pid) - cpu
                 out[f"{pool}_searches_per_s"] = count / seconds
                 out[f"{pool}_peak_running"] = peak
+                if pool == "threads":  # prefork children are not reaped yet: not counted
+                    # what one search costs the worker, whatever else the machine is doing
+                    out["threads_worker_cpu_ms_per_search"] = 1000 * cpu / count
     return out
 
 

@@ -51,9 +51,10 @@ def build_backend(settings: Settings) -> SearchBackend:
 
 
 def build_embedder(settings: Settings) -> Embedder:
-    from worker.adapters.embedder import OnnxMiniLMEmbedder
+    """The local MiniLM; concurrent searches' queries run through it together."""
+    from worker.adapters.embedder import CoalescingEmbedder, OnnxMiniLMEmbedder
 
-    return OnnxMiniLMEmbedder(threads=settings.embedding_threads or None)
+    return CoalescingEmbedder(OnnxMiniLMEmbedder(threads=settings.embedding_threads or None))
 
 
 def build_reranker(settings: Settings) -> Reranker | None:

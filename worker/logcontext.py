@@ -6,8 +6,11 @@ with job_context("srch_123"):      # a task, around the work on one job
 
 Even at DEBUG, no log carries an API key, a webhook secret or document text: the HTTP
 libraries under the model SDK log whole request options (the prompt, so the candidates'
-text) at DEBUG, so their loggers (:data:`WIRE_LOGGERS`) are held at INFO and Sift's
-handlers drop their DEBUG records. ``tests/security/test_secrets_and_logs.py`` checks it.
+text) at DEBUG, so their loggers (:data:`WIRE_LOGGERS`) are held at WARNING and Sift's
+handlers drop their DEBUG records. WARNING, not INFO: httpx logs one INFO line per request,
+and with hundreds of reranks in flight the threads queue on the log handler's lock for it
+(measured: a tenth of a worker's threads waiting there; metrics count the calls instead).
+``tests/security/test_secrets_and_logs.py`` checks it.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ class WireDebugFilter(logging.Filter):
 
 
 def quiet_wire_loggers() -> None:
-    """Hold :data:`WIRE_LOGGERS` at INFO, or at the root's level when that is higher."""
-    floor = max(logging.INFO, logging.getLogger().getEffectiveLevel())
+    """Hold :data:`WIRE_LOGGERS` at WARNING, or at the root's level when that is higher."""
+    floor = max(logging.WARNING, logging.getLogger().getEffectiveLevel())
     for name in WIRE_LOGGERS:
         logger = logging.getLogger(name)
         if logger.level == logging.NOTSET or logger.level < floor:

@@ -295,6 +295,7 @@ def test_no_log_of_a_full_run_holds_a_key_a_secret_or_a_document_text(
     logs["caplog (this process)"] = "\n".join(
         f"{r.name} {r.getMessage()} {r.exc_text or ''}" for r in caplog.records
     )
-    assert len(caplog.records) > 10
+    # the capture is live: the in-process index and webhook delivery logged through it
+    assert {"worker.adapters.embedded", "worker.webhooks"} <= {r.name for r in caplog.records}
     found = {where: offences(text) for where, text in logs.items()}
     assert found == {where: [] for where in logs}
