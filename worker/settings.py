@@ -126,6 +126,11 @@ class Settings(BaseSettings):
     # When a killed worker's unacked messages come back; unset: derived to outlast the
     # longest task. A test sets it short; it must stay longer than any one task.
     broker_visibility_timeout_seconds: int | None = Field(default=None, ge=1)
+    # The re-drive (worker/redrive.py): every this many seconds one worker looks for searches
+    # and batches idle longer than the stall threshold whose task messages the broker lost,
+    # and enqueues them again. 0 turns the sweeper off.
+    redrive_interval_seconds: float = Field(default=30.0, ge=0)
+    redrive_stall_seconds: float = Field(default=120.0, ge=0)
     # Past this many queued searches and batch items the gateway answers 429; 0: no limit.
     max_backlog: int = Field(default=0, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
