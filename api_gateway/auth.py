@@ -19,11 +19,11 @@ class KeyRing:
     """Maps a presented key to its tenant in constant time, holding no plaintext key.
 
     ring = KeyRing([ApiKey(key="dev-key-123", tenant="acme", webhook_secret="whsec_...")])
-    ring.tenant_for("dev-key-123")  # "acme"
+    ring.tenant_for("dev-key-123")  # "acme"; an entry may give key_sha256 instead of key
     """
 
     def __init__(self, keys: Sequence[ApiKey]) -> None:
-        self._entries = [(hashlib.sha256(k.key.encode()).digest(), k.tenant) for k in keys]
+        self._entries = [(k.digest(), k.tenant) for k in keys]
 
     def __len__(self) -> int:
         return len(self._entries)

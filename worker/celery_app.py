@@ -149,6 +149,17 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         log.info("worker metrics on :%d/metrics", settings.worker_metrics_port)
 
 
+def _start_redrive(sender: Any = None, **_: Any) -> None:
+    """On worker start, run the re-drive sweeper in this process (:mod:`worker.redrive`):
+    it enqueues again the searches and batch chunks whose messages the broker lost."""
+    app = getattr(sender, "app", None)
+    if getattr(getattr(app, "conf", None), "sift_settings", None) is None:
+        return
+    from worker.redrive import start_sweeper
+
+    start_sweeper(app)
+
+
 def _child_exited(pid: int | None = None, **_: Any) -> None:
     """A prefork child exits: in multiprocess mode, drop its share of the live gauges."""
     from worker.metrics import mark_process_dead
@@ -171,6 +182,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     celery.config_from_object(celery_config(settings))
     celery.conf.sift_settings = settings
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
+    worker_init.connect(_start_redrive, weak=False, dispatch_uid="sift-redrive")
     worker_process_shutdown.connect(_child_exited, weak=False, dispatch_uid="sift-child-exit")
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")

@@ -28,6 +28,11 @@ ECONOMY_PROVIDERS_KEY = REDIS_PREFIX + "eco-providers:"  # + batch id -> hash pr
 ECONOMY_STATE_KEY = REDIS_PREFIX + "eco-state:"  # + batch id -> hash: submit claim, counters
 STATS_KEY = REDIS_PREFIX + "stats:jobs"  # hash state -> jobs and items queued/running now
 STATS_UNTRACKED_KEY = REDIS_PREFIX + "stats:untracked"  # same, for ingest jobs (not in the gauge)
+# the re-drive (worker/redrive.py): unfinished jobs and what the sweeper remembers between sweeps
+ACTIVE_JOBS_KEY = REDIS_PREFIX + "active"  # zset: search and standard batch ids -> last progress
+REDRIVE_LEADER_KEY = REDIS_PREFIX + "redrive:leader"  # string: the worker sweeping this interval
+REDRIVE_SUSPECTS_KEY = REDIS_PREFIX + "redrive:suspects"  # hash job id -> positions found lost
+REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it was re-driven
 
 # --- retention (seconds), enforced by Redis TTLs; stated in the README ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from the last write
@@ -54,6 +59,12 @@ ECONOMY_SUBMIT_TASK = "sift.economy_submit"  # on BATCH_QUEUE: send a batch's pr
 ECONOMY_POLL_TASK = "sift.economy_poll"  # on BATCH_QUEUE: poll one provider batch, map results
 ECONOMY_CANCEL_TASK = "sift.economy_cancel"  # on BATCH_QUEUE: cancel a batch's provider batches
 ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
+# kombu's Redis transport: priority 0 lives in the queue's own list, the other steps of its
+# PRIORITY_STEPS [0, 3, 6, 9] in lists named queue + separator + step; a message a worker has
+# taken but not acked is a field of the "unacked" hash, its value [message, exchange, key] JSON
+KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
+KOMBU_PRIORITY_STEPS = (3, 6, 9)
+KOMBU_UNACKED_KEY = "unacked"
 WEBHOOK_EVENT_SEARCH_COMPLETED = "search.completed"
 WEBHOOK_EVENT_BATCH_COMPLETED = "batch.completed"
 
@@ -80,6 +91,7 @@ METRIC_QUEUE_BACKLOG = "sift_queue_backlog"
 METRIC_JOBS_SUBMITTED = "sift_jobs_submitted_total"
 METRIC_JOBS_COMPLETED = "sift_jobs_completed_total"
 METRIC_JOB_FAILURES = "sift_job_failures_total"
+METRIC_REDRIVEN = "sift_redriven_total"
 # the Prometheus scrape job names the rules and dashboards expect
 PROMETHEUS_JOB_WORKER = "sift-worker"
 PROMETHEUS_JOB_GATEWAY = "sift-gateway"

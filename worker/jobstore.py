@@ -22,11 +22,14 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
     sift:attempts:<task>:<n>  string deliveries of one task message
     sift:stats:jobs           hash   queued / running searches and batch items right now
+    sift:active               zset   search and standard-lane batch ids not final yet -> the
+                                     time of their last status change (what the re-drive reads)
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``RESULT_TTL_SECONDS`` (7 days) from its last write; an Idempotency-Key is
 remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours); delivery counters and pending
-ingest documents live 24 hours.
+ingest documents live 24 hours. A job leaves ``sift:active`` when it becomes final, or,
+failing that, once its last change is older than the records' retention.
 
 Every status change is one Lua script: a compare-and-set on the status that also
 moves the counts. A record that is already ``succeeded``, ``failed`` or
@@ -51,6 +54,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from worker.constants import (
+    ACTIVE_JOBS_KEY,
     ATTEMPTS_KEY,
     ATTEMPTS_TTL_SECONDS,
     BATCH_COUNTS_KEY,
@@ -69,6 +73,8 @@ from worker.constants import (
     INGEST_DOCS_TTL_SECONDS,
     INGEST_ID_PREFIX,
     INGEST_KEY,
+    LANE_ECONOMY,
+    REDRIVE_COUNT_KEY,
     RESULT_TTL_SECONDS,
     SEARCH_ID_PREFIX,
     SEARCH_KEY,
@@ -83,8 +89,8 @@ Enqueue = Callable[[str], Sequence[tuple[str, str]]]
 FINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
 _STATUSES = tuple(JobStatus)
 
-# KEYS: record, stats. ARGV: to, allowed-from (comma list), ttl, then field/value pairs.
-# Returns -1 when the record is missing, 0 when the transition is refused, 1 when applied.
+# KEYS: record, stats, active. ARGV: to, allowed-from (comma list), ttl, now, job id, then
+# field/value pairs. Returns -1 when the record is missing, 0 when refused, 1 when applied.
 _TRANSITION_JOB = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
@@ -92,17 +98,22 @@ if cur == 'succeeded' or cur == 'failed' or cur == 'canceled' then return 0 end
 local to = ARGV[1]
 if not string.find(',' .. ARGV[2] .. ',', ',' .. cur .. ',', 1, true) then return 0 end
 redis.call('HSET', KEYS[1], 'status', to)
-for i = 4, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if cur ~= to then
   if cur == 'queued' or cur == 'running' then redis.call('HINCRBY', KEYS[2], cur, -1) end
   if to == 'queued' or to == 'running' then redis.call('HINCRBY', KEYS[2], to, 1) end
+end
+if to == 'succeeded' or to == 'failed' or to == 'canceled' then
+  redis.call('ZREM', KEYS[3], ARGV[5])
+else
+  redis.call('ZADD', KEYS[3], 'XX', ARGV[4], ARGV[5])
 end
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return 1
 """
 
-# KEYS: items, results, counts, batch, stats.
-# ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now.
+# KEYS: items, results, counts, batch, stats, active.
+# ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now, batch id.
 # Returns -1 missing, 0 refused, 1 applied, 2 applied and the batch just completed.
 _TRANSITION_ITEM = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
@@ -123,13 +134,15 @@ if to == 'succeeded' or to == 'failed' or to == 'canceled' then
   local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
   local total = tonumber(redis.call('HGET', KEYS[4], 'total')) or -1
   if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 then
+    redis.call('ZREM', KEYS[6], ARGV[6])
     return 2
   end
 end
+redis.call('ZADD', KEYS[6], 'XX', ARGV[5], ARGV[6])
 return 1
 """
 
-# KEYS: items, counts, batch, stats. ARGV: now.
+# KEYS: items, counts, batch, stats, active. ARGV: now, batch id.
 # Returns {canceled count, 1 if the batch just completed}, or {-1, 0} when missing.
 _CANCEL_BATCH = """
 if redis.call('EXISTS', KEYS[3]) == 0 then return {-1, 0} end
@@ -151,6 +164,7 @@ local c = redis.call('HMGET', KEYS[2], 'succeeded', 'failed', 'canceled')
 local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
 local total = tonumber(redis.call('HGET', KEYS[3], 'total')) or -1
 if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 then
+  redis.call('ZREM', KEYS[5], ARGV[2])
   return {n, 1}
 end
 return {n, 0}
@@ -357,6 +371,7 @@ class JobStore:
         )
         pipe.expire(key, self.result_ttl)
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, 1)
+        pipe.zadd(ACTIVE_JOBS_KEY, {job.id: job.created_at})
         self._push(pipe, enqueue, job.id)
         pipe.execute()
         return job
@@ -385,18 +400,18 @@ class JobStore:
     def start_search(self, job_id: str) -> bool:
         """queued (or running, on redelivery) -> running. False if it is final or missing."""
         return self._job(
-            SEARCH_KEY + job_id, JobStatus.RUNNING, "queued,running", {"started_at": repr(_now())}
+            SEARCH_KEY, job_id, JobStatus.RUNNING, "queued,running", {"started_at": repr(_now())}
         )
 
     def requeue_search(self, job_id: str) -> bool:
         """running -> queued, before a retry."""
-        return self._job(SEARCH_KEY + job_id, JobStatus.QUEUED, "running")
+        return self._job(SEARCH_KEY, job_id, JobStatus.QUEUED, "running")
 
     def finish_search(
         self, job_id: str, *, result: SearchResult | None = None, error: ErrorInfo | None = None
     ) -> bool:
         """-> succeeded (with ``result``) or failed (with ``error``), unless already final."""
-        return self._finish(SEARCH_KEY + job_id, result=result, error=error)
+        return self._finish(SEARCH_KEY, job_id, result=result, error=error)
 
     # --- ingest -----------------------------------------------------------------------------
 
@@ -461,7 +476,8 @@ class JobStore:
 
     def start_ingest(self, job_id: str) -> bool:
         return self._job(
-            INGEST_KEY + job_id,
+            INGEST_KEY,
+            job_id,
             JobStatus.RUNNING,
             "queued,running",
             {"started_at": repr(_now())},
@@ -469,7 +485,7 @@ class JobStore:
         )
 
     def requeue_ingest(self, job_id: str) -> bool:
-        return self._job(INGEST_KEY + job_id, JobStatus.QUEUED, "running", count=False)
+        return self._job(INGEST_KEY, job_id, JobStatus.QUEUED, "running", count=False)
 
     def finish_ingest(
         self, job_id: str, *, upserted: int | None = None, error: ErrorInfo | None = None
@@ -481,7 +497,7 @@ class JobStore:
         else:
             status = JobStatus.SUCCEEDED
             fields["upserted"] = str(upserted or 0)
-        applied = self._job(INGEST_KEY + job_id, status, "queued,running", fields, count=False)
+        applied = self._job(INGEST_KEY, job_id, status, "queued,running", fields, count=False)
         if applied:
             self.redis.delete(INGEST_DOCS_KEY + job_id)
         return applied
@@ -546,6 +562,8 @@ class JobStore:
         for key in keys:
             pipe.expire(key, self.result_ttl)
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
+        if lane != LANE_ECONOMY:  # the economy lane's items wait on provider batches instead
+            pipe.zadd(ACTIVE_JOBS_KEY, {batch.id: batch.created_at})
         self._push(pipe, enqueue, batch.id)
         pipe.execute()
         return batch
@@ -626,8 +644,11 @@ class JobStore:
             BATCH_COUNTS_KEY + batch_id,
             BATCH_KEY + batch_id,
             STATS_KEY,
+            ACTIVE_JOBS_KEY,
         ]
-        canceled, completed = cast(list[int], self._cancel_batch(keys=keys, args=[repr(_now())]))
+        canceled, completed = cast(
+            list[int], self._cancel_batch(keys=keys, args=[repr(_now()), batch_id])
+        )
         if canceled < 0:
             return None
         return int(canceled), bool(completed)
@@ -753,10 +774,52 @@ class JobStore:
         count, _ = pipe.execute()
         return int(count)
 
+    def set_deliveries(self, task_id: str, retry: int, count: int) -> None:
+        """Start a message's delivery counter at ``count`` (a re-drive past its cap is sent
+        already spent, so the task takes its poison path)."""
+        self.redis.set(f"{ATTEMPTS_KEY}{task_id}:{retry}", count, ex=ATTEMPTS_TTL_SECONDS)
+
     def in_flight(self) -> dict[str, int]:
         """Searches and batch items queued and running now, across the deployment."""
         raw = cast(dict[str, str], self.redis.hgetall(STATS_KEY))
         return {s: max(0, int(raw.get(s, 0))) for s in ("queued", "running")}
+
+    # --- the re-drive's view (worker/redrive.py) ------------------------------------------
+
+    def stalled_jobs(self, idle_seconds: float) -> list[str]:
+        """Search and standard-lane batch ids not final whose status last changed more than
+        ``idle_seconds`` ago, the longest idle first. Forgets ids idle past the retention."""
+        now = _now()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(ACTIVE_JOBS_KEY, "-inf", now - self.result_ttl)
+        pipe.zrangebyscore(ACTIVE_JOBS_KEY, "-inf", now - idle_seconds)
+        _, ids = pipe.execute()
+        return cast(list[str], ids)
+
+    def forget_active(self, job_id: str) -> None:
+        """Drop a job from the active set (its record is gone, or it is final)."""
+        self.redis.zrem(ACTIVE_JOBS_KEY, job_id)
+
+    def pending_positions(self, batch_id: str) -> list[int] | None:
+        """The submission positions of a batch's items still queued or running (None: no
+        such batch)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.lrange(BATCH_ORDER_KEY + batch_id, 0, -1)
+        pipe.hgetall(BATCH_ITEMS_KEY + batch_id)
+        order, statuses = cast(tuple[list[str], dict[str, str]], pipe.execute())
+        if not order:
+            return None
+        pending = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+        return [i for i, qid in enumerate(order) if statuses.get(qid) in pending]
+
+    def count_redrive(self, job_id: str) -> int:
+        """Count one more re-drive of this job; answers how many there have been."""
+        key = REDRIVE_COUNT_KEY + job_id
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.incr(key)
+        pipe.expire(key, self.result_ttl)
+        count, _ = pipe.execute()
+        return int(count)
 
     # --- task messages ---------------------------------------------------------------------
 
@@ -776,7 +839,9 @@ class JobStore:
 
     # --- internals --------------------------------------------------------------------------
 
-    def _finish(self, key: str, *, result: SearchResult | None, error: ErrorInfo | None) -> bool:
+    def _finish(
+        self, prefix: str, job_id: str, *, result: SearchResult | None, error: ErrorInfo | None
+    ) -> bool:
         fields: dict[str, str] = {"finished_at": repr(_now())}
         if error is not None:
             status = JobStatus.FAILED
@@ -785,22 +850,24 @@ class JobStore:
             assert result is not None
             status = JobStatus.SUCCEEDED
             fields["result"] = result.model_dump_json()
-        return self._job(key, status, "queued,running", fields)
+        return self._job(prefix, job_id, status, "queued,running", fields)
 
     def _job(
         self,
-        key: str,
+        prefix: str,
+        job_id: str,
         to: JobStatus,
         allowed: str,
         fields: dict[str, str] | None = None,
         *,
         count: bool = True,
     ) -> bool:
-        args: list[str] = [to.value, allowed, str(self.result_ttl)]
+        args: list[str] = [to.value, allowed, str(self.result_ttl), repr(_now()), job_id]
         for name, value in (fields or {}).items():
             args += [name, value]
         stats = STATS_KEY if count else STATS_UNTRACKED_KEY
-        return int(cast(int, self._transition_job(keys=[key, stats], args=args))) == 1
+        keys = [prefix + job_id, stats, ACTIVE_JOBS_KEY]
+        return int(cast(int, self._transition_job(keys=keys, args=args))) == 1
 
     def _item(
         self, batch_id: str, query_id: str, to: JobStatus, allowed: str, payload: str
@@ -811,15 +878,10 @@ class JobStore:
             BATCH_COUNTS_KEY + batch_id,
             BATCH_KEY + batch_id,
             STATS_KEY,
+            ACTIVE_JOBS_KEY,
         ]
-        code = int(
-            cast(
-                int,
-                self._transition_item(
-                    keys=keys, args=[query_id, to.value, allowed, payload, repr(_now())]
-                ),
-            )
-        )
+        args = [query_id, to.value, allowed, payload, repr(_now()), batch_id]
+        code = int(cast(int, self._transition_item(keys=keys, args=args)))
         return ItemTransition(applied=code >= 1, batch_completed=code == 2)
 
 

@@ -58,12 +58,15 @@ from prometheus_client.multiprocess import mark_process_dead as _mark_process_de
 from prometheus_client.registry import Collector
 
 from worker.constants import (
+    KOMBU_PRIORITY_SEPARATOR,
+    KOMBU_PRIORITY_STEPS,
     METRIC_JOB_FAILURES,
     METRIC_JOBS_COMPLETED,
     METRIC_JOBS_IN_FLIGHT,
     METRIC_JOBS_SUBMITTED,
     METRIC_QUEUE_BACKLOG,
     METRIC_QUEUE_WAIT,
+    METRIC_REDRIVEN,
     METRIC_RERANK_ATTEMPTS,
     METRIC_RERANK_COST,
     METRIC_RERANK_DURATION,
@@ -128,6 +131,7 @@ JOB_ERRORS: Final = (  # SiftError.code values (worker/errors.py), plus "interna
     "internal",
 )
 WEBHOOK_RESULTS: Final = ("delivered", "retry", "failed")
+REDRIVE_KINDS: Final = ("search", "batch")
 
 # --- buckets -------------------------------------------------------------------------------
 SEARCH_LATENCY_GOAL_SECONDS: Final = 2.5
@@ -241,6 +245,12 @@ JOB_FAILURES = Counter(
     "Jobs that failed, by kind and error class (the SiftError code).",
     ["kind", "error"],
 )
+REDRIVEN = Counter(
+    METRIC_REDRIVEN,
+    "Task messages the re-drive enqueued again because the broker had lost them, by job kind "
+    "(a batch counts one per chunk).",
+    ["kind"],
+)
 
 ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     SEARCH_DURATION,
@@ -258,6 +268,7 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     JOBS_SUBMITTED,
     JOBS_COMPLETED,
     JOB_FAILURES,
+    REDRIVEN,
 )
 
 P = ParamSpec("P")
@@ -396,6 +407,12 @@ def running_job() -> Iterator[None]:
 
 
 @_never_raises
+def redriven(kind: str, count: int = 1) -> None:
+    """The re-drive enqueued ``count`` lost task messages of a job of ``kind`` again."""
+    REDRIVEN.labels(_closed(kind, REDRIVE_KINDS, "kind")).inc(count)
+
+
+@_never_raises
 def webhook_delivery(result: str) -> None:
     """One webhook delivery attempt ended with ``result``: delivered, retry or failed."""
     WEBHOOK_DELIVERIES.labels(_closed(result, WEBHOOK_RESULTS, "result")).inc()
@@ -407,12 +424,6 @@ class RedisLike(Protocol):
     def llen(self, name: str) -> Any: ...
 
 
-# kombu's Redis transport keeps priority 0 in the queue's own list and the other steps of
-# PRIORITY_STEPS = [0, 3, 6, 9] in lists named queue + "\x06\x16" + step.
-_KOMBU_PRIORITY_SEPARATOR: Final = "\x06\x16"
-_KOMBU_PRIORITY_STEPS: Final = (3, 6, 9)
-
-
 def update_backlog(redis_client: RedisLike, queues: Iterable[str]) -> dict[str, int]:
     """Read each Celery queue's length from Redis into ``sift_queue_backlog``; answers them.
 
@@ -421,7 +432,7 @@ def update_backlog(redis_client: RedisLike, queues: Iterable[str]) -> dict[str, 
     """
     lengths: dict[str, int] = {}
     for queue in queues:
-        keys = [queue] + [f"{queue}{_KOMBU_PRIORITY_SEPARATOR}{s}" for s in _KOMBU_PRIORITY_STEPS]
+        keys = [queue] + [f"{queue}{KOMBU_PRIORITY_SEPARATOR}{s}" for s in KOMBU_PRIORITY_STEPS]
         lengths[queue] = sum(int(redis_client.llen(key)) for key in keys)
         QUEUE_BACKLOG.labels(queue).set(lengths[queue])
     return lengths
@@ -466,6 +477,8 @@ def preregister(
     JOBS_IN_FLIGHT.labels("running").set(0)  # "queued" is the job store's to report
     for result in WEBHOOK_RESULTS:
         WEBHOOK_DELIVERIES.labels(result)
+    for kind in REDRIVE_KINDS:
+        REDRIVEN.labels(kind)
 
 
 # --- multiprocess mode -------------------------------------------------------------------------

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from worker.constants import ECONOMY_MAX_BATCH_BYTES, ECONOMY_MAX_REQUESTS_PER_BATCH
@@ -14,13 +15,37 @@ from worker.errors import ConfigError
 
 
 class ApiKey(BaseModel):
-    """One API key entry: the key decides the tenant; the secret signs that tenant's webhooks."""
+    """One API key entry: the key decides the tenant; the secret signs that tenant's webhooks.
 
-    key: str = Field(min_length=8)
+    The key is given either as itself (``key``) or as its SHA-256 hex digest (``key_sha256``),
+    so a keys file need not hold a usable key: the gateway only ever compares digests."""
+
+    # a refused entry's error must not quote the entry: it holds the key and the secret
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    key: str | None = Field(default=None, min_length=8)
+    key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
     tenant: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
     webhook_secret: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]+$")
     # During a rotation the previous secret still signs too: two signatures are sent.
     webhook_secret_previous: str | None = Field(default=None, pattern=r"^whsec_[A-Za-z0-9+/=]+$")
+
+    @model_validator(mode="after")
+    def _exactly_one_key(self) -> ApiKey:
+        if (self.key is None) == (self.key_sha256 is None):
+            given = "both" if self.key is not None else "neither"
+            raise ValueError(
+                f"key, key_sha256: give exactly one (the key, or its SHA-256 as 64 hex "
+                f"digits); this entry for tenant {self.tenant!r} has {given}"
+            )
+        return self
+
+    def digest(self) -> bytes:
+        """The key's SHA-256, what the gateway keeps and compares."""
+        if self.key_sha256 is not None:
+            return bytes.fromhex(self.key_sha256)
+        assert self.key is not None
+        return hashlib.sha256(self.key.encode()).digest()
 
     def webhook_secrets(self) -> list[str]:
         """The secrets that sign this tenant's webhooks: the current one first."""
@@ -126,6 +151,11 @@ class Settings(BaseSettings):
     # When a killed worker's unacked messages come back; unset: derived to outlast the
     # longest task. A test sets it short; it must stay longer than any one task.
     broker_visibility_timeout_seconds: int | None = Field(default=None, ge=1)
+    # The re-drive (worker/redrive.py): every this many seconds one worker looks for searches
+    # and batches idle longer than the stall threshold whose task messages the broker lost,
+    # and enqueues them again. 0 turns the sweeper off.
+    redrive_interval_seconds: float = Field(default=30.0, ge=0)
+    redrive_stall_seconds: float = Field(default=120.0, ge=0)
     # Past this many queued searches and batch items the gateway answers 429; 0: no limit.
     max_backlog: int = Field(default=0, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)

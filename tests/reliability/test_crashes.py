@@ -15,6 +15,17 @@ Sift then sweeps for them every second (``unacked_restore_interval``). A chunk s
 when its timeout passes may be delivered twice: the job store's compare-and-set keeps each
 item to one result, and ``SIFT_TASK_MAX_DELIVERIES=10`` keeps such a chunk from being taken
 for poison.
+
+The re-drive. kombu takes a message with ``BRPOP`` and records it as unacked in a second
+command, so a worker killed, or a Redis killed, between the two loses that one chunk
+message: it is in no queue and not unacked, and the visibility timeout never brings it back.
+The workers' re-drive (:mod:`worker.redrive`) finds a batch idle with pending items that no
+message covers and sends those chunks again; these tests run it every second on batches idle
+for 3 s, and print the re-drives it logged (usually none: the window is milliseconds wide).
+
+One failure is not Sift's and is reported as an xfail, only when its signature is in the
+worker's log: a kombu bug that can make a worker process exit when Redis dies under it
+(``KOMBU_CLOSE_CRASH``). Any other failure of the Redis test fails it.
 """
 
 from __future__ import annotations
@@ -52,6 +63,10 @@ CRASH_SETTINGS = {
     "SIFT_TASK_MAX_DELIVERIES": "10",
     "SIFT_BATCH_CHUNK_SIZE": "10",
     "SIFT_BATCH_ITEM_CONCURRENCY": "32",
+    # the re-drive sweeps every second and acts on a batch idle for 3 s (in production 30 s
+    # and 2 minutes): a chunk message lost in kombu's pop-then-unacked window comes back fast
+    "SIFT_REDRIVE_INTERVAL_SECONDS": "1",
+    "SIFT_REDRIVE_STALL_SECONDS": "3",
 }
 
 
@@ -63,13 +78,6 @@ def _finished(client: httpx.Client, batch_id: str) -> bool:
     return batch_counts(client, batch_id)["status"] == "succeeded"
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the same kombu window as the Redis kill, seen in 1 clean-clone CI run of 4: the "
-    "transport pops a chunk message with BRPOP and records it as unacked in a second command; "
-    "a worker SIGKILLed between the two loses that chunk (10 items stay queued, no message "
-    "anywhere). Needs a Sift-level re-drive of chunks (see README, Reliability).",
-)
 @pytest.mark.timeout(300)
 def test_a_worker_killed_mid_batch_loses_nothing(
     tmp_path: Path, model: FakeAnthropic, receiver: Receiver
@@ -104,6 +112,32 @@ def test_a_worker_killed_mid_batch_loses_nothing(
             assert {d.headers["webhook-id"] for d in deliveries} == {f"msg_{batch_id}"}
             assert {d.body["type"] for d in deliveries} == {"batch.completed"}
             print(f"batch webhook delivered {len(deliveries)} time(s)")
+            print(f"re-drives: {_redrives(tmp_path / 'w') or 'none'}")
+
+
+def _redrives(directory: Path) -> list[str]:
+    """The re-drive's log lines in the workers' logs under ``directory``."""
+    return [
+        line
+        for log in sorted(directory.glob("*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "re-driven" in line
+    ]
+
+
+KOMBU_CLOSE_CRASH = (
+    "a known kombu bug, not a lost message: on the broker connection's loss the worker closes "
+    "its channel, kombu's Redis transport tries to restore the unacked messages through a "
+    "connection it has already dropped (AttributeError on conninfo.hostname), and the worker "
+    "process exits with 'Unrecoverable error' (seen in 2 runs of 8). A supervisor restarts it "
+    "in production; the test has no second worker"
+)
+
+
+def _kombu_close_crash(log: Path) -> bool:
+    """True when the worker's log shows kombu's crash on closing a channel (see above)."""
+    text = log.read_text(errors="replace")
+    return "Unrecoverable error" in text and "conninfo.hostname" in text
 
 
 def _kill_redis(url: str) -> None:
@@ -115,13 +149,6 @@ def _kill_redis(url: str) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="a known gap, seen in 2 runs of 5: kombu's Redis transport takes a message with "
-    "BRPOP and records it as unacked in a second command, so a Redis killed between the pop "
-    "(already in the AOF) and the reply loses that one chunk message; its items stay queued. "
-    "Needs a Sift-level re-drive of chunks (see README, Reliability).",
-)
 @pytest.mark.timeout(300)
 def test_redis_killed_mid_batch_with_aof_always_loses_nothing(
     tmp_path: Path, model: FakeAnthropic
@@ -139,7 +166,7 @@ def test_redis_killed_mid_batch_with_aof_always_loses_nothing(
     try:
         env = stack_env(url + "/0", model.url, **CRASH_SETTINGS)
         with (
-            celery_worker(tmp_path / "w", env, "w1", concurrency=8),
+            celery_worker(tmp_path / "w", env, "w1", concurrency=8) as worker,
             gateway(tmp_path / "g", env) as base,
             httpx.Client(base_url=base, timeout=30) as client,
         ):
@@ -155,6 +182,8 @@ def test_redis_killed_mid_batch_with_aof_always_loses_nothing(
                 try:
                     wait_for(lambda: _finished(client, batch_id), "the batch finished", 60)
                 except AssertionError as exc:
+                    if worker.poll() is not None and _kombu_close_crash(tmp_path / "w" / "w1.log"):
+                        pytest.xfail(KOMBU_CLOSE_CRASH)
                     counts = batch_counts(client, batch_id)["counts"]
                     raise AssertionError(f"{exc}; {counts}; {broker_state(url + '/0')}") from exc
                 assert_batch_exactly_once(client, url + "/0", batch_id, TOTAL)
@@ -166,6 +195,7 @@ def test_redis_killed_mid_batch_with_aof_always_loses_nothing(
                     headers=ACME,
                 )
                 assert fresh.status_code == 200 and fresh.json()["status"] == "succeeded"
+                print(f"\nre-drives: {_redrives(tmp_path / 'w') or 'none'}")
     finally:
         with contextlib.suppress(Exception):
             first.__exit__(None, None, None)

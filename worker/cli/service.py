@@ -22,7 +22,7 @@ from rich.console import Console
 from worker.cli import app
 from worker.cli._output import print_result, sample_path
 from worker.constants import ALL_QUEUES
-from worker.errors import SiftError
+from worker.errors import ConfigError, SiftError
 from worker.settings import Settings, load_settings
 from worker.stack import (
     child_env,
@@ -119,7 +119,13 @@ def local_stack(state: Path, port: int | None = None) -> Iterator[LocalStack]:
     extra: dict[str, str] = {}
     keys = settings.all_api_keys()
     if keys:
-        api_key = keys[0].key
+        # a key given only as its digest cannot be presented: SIFT_API_KEY names one then
+        api_key = next((k.key for k in keys if k.key), None) or settings.api_key
+        if api_key is None:
+            raise ConfigError(
+                "the keys in SIFT_API_KEYS / SIFT_API_KEYS_FILE are all digests (key_sha256): "
+                "set SIFT_API_KEY to one of the keys so the local stack can call the gateway"
+            )
     else:
         dev = _dev_key(state)
         api_key = dev["key"]

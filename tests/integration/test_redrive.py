@@ -1,0 +1,271 @@
+"""The re-drive against a real Redis and a real worker: a task message dropped off the broker,
+exactly as kombu's pop-then-unacked window loses it, is found and sent again, and nothing
+that is merely waiting (in a queue or held unacked) is ever sent twice."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from api_gateway.queue import OutboxSender
+from tests.services import celery_worker, redis_server
+from worker.celery_app import create_celery_app
+from worker.constants import (
+    ACTIVE_JOBS_KEY,
+    ATTEMPTS_KEY,
+    BATCH_CHUNK_TASK,
+    BATCH_QUEUE,
+    KOMBU_UNACKED_KEY,
+    REDRIVE_SUSPECTS_KEY,
+    SEARCH_QUEUE,
+    SEARCH_TASK,
+)
+from worker.contract import RerankInfo, SearchResult, SearchSpec
+from worker.jobstore import BatchJob, JobStore, SearchJob
+from worker.redrive import Coverage, Redrive, Sweeper, celery_sender, coverage
+from worker.settings import load_settings
+
+pytestmark = pytest.mark.integration
+
+MAX_DELIVERIES = 2
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with redis_server(Path(tmp_path_factory.mktemp("redis"))) as url:
+        yield url + "/0"
+
+
+@pytest.fixture(scope="module")
+def app(redis_url: str) -> Iterator[Celery]:
+    """The worker's own Celery app: the sweeper sends through it, as in a worker."""
+    celery = create_celery_app(load_settings(redis_url=redis_url))
+    yield celery
+    celery.close()
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[JobStore]:
+    store = JobStore.from_url(redis_url)
+    store.redis.flushdb()
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def sweeper(store: JobStore, app: Celery) -> Sweeper:
+    """Every active job counts as idle (stall 0); sweeps are run by hand, one call each."""
+    return Sweeper(
+        store,
+        celery_sender(app),
+        interval_seconds=1.0,
+        stall_seconds=0.0,
+        chunk_size=10,
+        max_deliveries=MAX_DELIVERIES,
+    )
+
+
+def worker_env(redis_url: str) -> dict[str, str]:
+    return {
+        "SIFT_REDIS_URL": redis_url,
+        "SIFT_RUNTIME_FACTORY": "tests.integration.dying_runtime:build_runtime",
+        "SIFT_TASK_MAX_DELIVERIES": str(MAX_DELIVERIES),
+        "SIFT_BATCH_CHUNK_SIZE": "10",
+        "SIFT_WORKER_METRICS_PORT": "0",
+        "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+        "SIFT_REDRIVE_INTERVAL_SECONDS": "0",  # these tests sweep by hand
+    }
+
+
+def create_batch(store: JobStore, total: int = 25) -> BatchJob:
+    """A batch submitted as the gateway does: record and chunk messages in one MULTI."""
+    outbox = OutboxSender(store)
+    items = [(f"q{i:02d}", SearchSpec(index="docs", query=f"query {i}")) for i in range(total)]
+    return store.create_batch(
+        "acme",
+        "docs",
+        items,
+        enqueue=lambda bid: outbox.messages(
+            [
+                (BATCH_CHUNK_TASK, [bid, start, min(start + 10, total)], BATCH_QUEUE)
+                for start in range(0, total, 10)
+            ]
+        ),
+    )
+
+
+def create_search(store: JobStore, query: str = "tea") -> SearchJob:
+    outbox = OutboxSender(store)
+    return store.create_search(
+        "acme",
+        SearchSpec(index="docs", query=query),
+        enqueue=lambda job_id: outbox.messages([(SEARCH_TASK, [job_id], SEARCH_QUEUE)]),
+    )
+
+
+def lose_oldest(store: JobStore, queue: str) -> Coverage | None:
+    """Take the next message off ``queue`` and drop it: a worker that BRPOPped it and died."""
+    raw = store.redis.rpop(queue)
+    assert isinstance(raw, str)
+    return coverage(json.loads(raw))
+
+
+def queued(store: JobStore, queue: str) -> list[Coverage | None]:
+    return [coverage(json.loads(raw)) for raw in store.redis.lrange(queue, 0, -1)]
+
+
+def messages_of(store: JobStore, job_id: str) -> list[str]:
+    """The raw messages of one search job in its queue."""
+    return [
+        raw
+        for raw in store.redis.lrange(SEARCH_QUEUE, 0, -1)
+        if (found := coverage(json.loads(raw))) is not None and found.job_id == job_id
+    ]
+
+
+def wait_until(check: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout:g}s")
+
+
+def test_a_lost_chunk_is_redriven_once_and_the_batch_completes_exactly_once(
+    store: JobStore, sweeper: Sweeper, redis_url: str, tmp_path: Path
+) -> None:
+    batch = create_batch(store)
+    assert lose_oldest(store, BATCH_QUEUE) == Coverage(batch.id, range(0, 10))
+
+    assert sweeper.sweep() == []  # seen lost once: it may just be moving between two keys
+    assert store.redis.hgetall(REDRIVE_SUSPECTS_KEY) == {batch.id: "[[0, 10]]"}
+    assert sweeper.sweep() == [Redrive(batch.id, "batch", [(0, 10)], poison=False)]
+    assert sorted(c.positions.start for c in queued(store, BATCH_QUEUE) if c) == [0, 10, 20]
+    assert sweeper.sweep() == []  # covered again: nothing more is sent
+    assert store.redis.llen(BATCH_QUEUE) == 3
+
+    with celery_worker(tmp_path / "w", worker_env(redis_url), "redrive"):
+        wait_until(lambda: (store.get_batch(batch.id) or batch).finished_at, "batch finished")
+    done = store.get_batch(batch.id)
+    assert done is not None and done.status == "succeeded"
+    assert done.counts == {"queued": 0, "running": 0, "succeeded": 25, "failed": 0, "canceled": 0}
+    outcomes = store.batch_results(batch.id, 0, 100)
+    assert [o.query_id for o in outcomes] == [f"q{i:02d}" for i in range(25)]
+    assert {o.status for o in outcomes} == {"succeeded"}
+    assert store.redis.zscore(ACTIVE_JOBS_KEY, batch.id) is None  # no longer watched
+
+
+def test_waiting_messages_are_never_redriven(store: JobStore, sweeper: Sweeper) -> None:
+    """Chunks queued behind a backlog, one held unacked by a worker (running, or waiting out a
+    retry's countdown), and a queued search: idle, all of them, and none lost."""
+    batch = create_batch(store)
+    search = create_search(store)
+    raw = store.redis.rpop(BATCH_QUEUE)
+    assert isinstance(raw, str)
+    envelope = json.loads(raw)
+    tag = envelope["properties"]["delivery_tag"]  # what kombu's QoS.append writes
+    store.redis.hset(KOMBU_UNACKED_KEY, tag, json.dumps([envelope, BATCH_QUEUE, BATCH_QUEUE]))
+    store.redis.zadd(KOMBU_UNACKED_KEY + "_index", {tag: time.time()})
+    store.start_item(batch.id, "q00")  # its worker is running it
+
+    for _ in range(3):
+        assert sweeper.sweep() == []
+    assert store.redis.exists(REDRIVE_SUSPECTS_KEY) == 0
+    assert store.redis.llen(BATCH_QUEUE) == 2 and store.redis.llen(SEARCH_QUEUE) == 1
+    assert set(store.stalled_jobs(0)) == {batch.id, search.id}
+
+
+def test_a_job_that_moves_between_sweeps_is_not_redriven(
+    store: JobStore, app: Celery, sweeper: Sweeper
+) -> None:
+    """Found lost once, then progress: the next sweep (idle threshold 60 s) leaves it alone."""
+    batch = create_batch(store)
+    lose_oldest(store, BATCH_QUEUE)
+    assert sweeper.sweep() == []
+    store.start_item(batch.id, "q01")  # a worker had it after all
+    patient = Sweeper(store, celery_sender(app), interval_seconds=1, stall_seconds=60)
+    assert patient.sweep() == []
+    assert store.redis.llen(BATCH_QUEUE) == 2
+
+
+def test_a_lost_search_is_redriven_and_past_the_cap_sent_as_poison(
+    store: JobStore, sweeper: Sweeper, redis_url: str, tmp_path: Path
+) -> None:
+    lost_once, lost_always = create_search(store), create_search(store)
+    assert lose_oldest(store, SEARCH_QUEUE) == Coverage(lost_once.id, range(0, 1))
+    assert lose_oldest(store, SEARCH_QUEUE) == Coverage(lost_always.id, range(0, 1))
+    waiting = create_search(store)
+
+    assert sweeper.sweep() == []
+    redriven = sweeper.sweep()
+    assert sorted(r.job_id for r in redriven) == sorted([lost_once.id, lost_always.id])
+    assert {r.kind for r in redriven} == {"search"} and not any(r.poison for r in redriven)
+    assert sorted(c.job_id for c in queued(store, SEARCH_QUEUE) if c) == sorted(
+        [lost_once.id, lost_always.id, waiting.id]
+    )
+
+    # lost_always keeps losing its message: re-driven MAX_DELIVERIES times, then as poison
+    for redrives in range(2, MAX_DELIVERIES + 2):
+        (message,) = messages_of(store, lost_always.id)
+        store.redis.lrem(SEARCH_QUEUE, 1, message)
+        assert sweeper.sweep() == []
+        (again,) = sweeper.sweep()
+        assert again.job_id == lost_always.id
+        assert again.poison == (redrives > MAX_DELIVERIES)
+    (poison,) = messages_of(store, lost_always.id)
+    task_id = json.loads(poison)["headers"]["id"]
+    assert store.redis.get(f"{ATTEMPTS_KEY}{task_id}:0") == str(MAX_DELIVERIES)  # spent
+
+    with celery_worker(tmp_path / "w", worker_env(redis_url), "redrive"):
+        for job in (lost_once, lost_always, waiting):
+            wait_until(lambda job=job: (store.get_search_status(job.id) or "").final, job.id)
+    assert store.get_search_status(lost_once.id) == "succeeded"
+    assert store.get_search_status(waiting.id) == "succeeded"
+    failed = store.get_search(lost_always.id)
+    assert failed is not None and failed.status == "failed"
+    assert failed.error is not None and failed.error.type == "delivery_limit_exceeded"
+    assert store.redis.zcard(ACTIVE_JOBS_KEY) == 0
+
+
+def test_one_worker_sweeps_an_interval(store: JobStore, app: Celery) -> None:
+    first, second = (
+        Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=0) for _ in "ab"
+    )
+    second.name = "another-worker"
+    assert first.sweep_if_leader() == []
+    assert second.sweep_if_leader() is None
+    assert first.sweep_if_leader() is None  # the lock holds for the whole interval
+
+
+def test_the_active_set_follows_the_transitions(store: JobStore) -> None:
+    result = SearchResult(hits=[], rerank=RerankInfo(applied=False))
+    search = create_search(store)
+    created = store.redis.zscore(ACTIVE_JOBS_KEY, search.id)
+    assert created == pytest.approx(search.created_at)
+    assert store.start_search(search.id)
+    moved = store.redis.zscore(ACTIVE_JOBS_KEY, search.id)
+    assert moved is not None and moved >= created
+    assert store.finish_search(search.id, result=result)
+    assert store.redis.zscore(ACTIVE_JOBS_KEY, search.id) is None
+
+    batch = store.create_batch("acme", "docs", [("a", SearchSpec(index="docs", query="a"))])
+    economy = store.create_batch(
+        "acme", "docs", [("a", SearchSpec(index="docs", query="a"))], lane="economy"
+    )
+    assert store.redis.zscore(ACTIVE_JOBS_KEY, economy.id) is None  # never swept
+    assert store.pending_positions(batch.id) == [0]
+    store.start_item(batch.id, "a")
+    assert store.redis.zscore(ACTIVE_JOBS_KEY, batch.id) is not None
+    assert store.finish_item(batch.id, "a", result=result).batch_completed
+    assert store.redis.zscore(ACTIVE_JOBS_KEY, batch.id) is None
+    assert store.pending_positions(batch.id) == []
+
+    canceled = store.create_batch("acme", "docs", [("a", SearchSpec(index="docs", query="a"))])
+    assert store.cancel_batch(canceled.id) == (1, True)
+    assert store.redis.zcard(ACTIVE_JOBS_KEY) == 0

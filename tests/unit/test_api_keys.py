@@ -1,0 +1,72 @@
+"""API key entries: the key itself or only its SHA-256 digest, exactly one of the two."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from api_gateway.auth import KeyRing
+from worker.errors import ConfigError
+from worker.settings import ApiKey, load_settings
+
+SECRET = "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ=="
+KEY = "acme-key-0001"
+DIGEST = hashlib.sha256(KEY.encode()).hexdigest()
+
+
+def test_a_digest_entry_authenticates_the_key_it_was_made_from() -> None:
+    ring = KeyRing(
+        [
+            ApiKey(key_sha256=DIGEST, tenant="acme", webhook_secret=SECRET),
+            ApiKey(key="globex-key-0001", tenant="globex", webhook_secret=SECRET),
+        ]
+    )
+    assert ring.tenant_for(KEY) == "acme"
+    assert ring.tenant_for(DIGEST) is None  # the digest itself is not a key
+    assert ring.tenant_for("globex-key-0001") == "globex"
+
+
+def test_an_upper_case_digest_is_the_same_digest() -> None:
+    entry = ApiKey(key_sha256=DIGEST.upper(), tenant="acme", webhook_secret=SECRET)
+    assert KeyRing([entry]).tenant_for(KEY) == "acme"
+
+
+@pytest.mark.parametrize(
+    ("fields", "given"),
+    [({"key": KEY, "key_sha256": DIGEST}, "both"), ({}, "neither")],
+)
+def test_exactly_one_of_key_and_key_sha256(fields: dict[str, str], given: str) -> None:
+    with pytest.raises(ValidationError) as raised:
+        ApiKey(tenant="acme", webhook_secret=SECRET, **fields)
+    message = str(raised.value)
+    assert "key, key_sha256: give exactly one" in message and given in message
+
+
+def test_a_digest_must_be_64_hex_digits() -> None:
+    with pytest.raises(ValidationError) as raised:
+        ApiKey(key_sha256=DIGEST[:-1], tenant="acme", webhook_secret=SECRET)
+    assert "key_sha256" in str(raised.value)
+
+
+def test_a_keys_file_may_hold_digests_only(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(
+        json.dumps([{"key_sha256": DIGEST, "tenant": "acme", "webhook_secret": SECRET}])
+    )
+    (entry,) = load_settings(api_keys_file=path).all_api_keys()
+    assert entry.key is None and entry.digest() == hashlib.sha256(KEY.encode()).digest()
+
+
+def test_a_bad_entry_is_refused_naming_the_variable_and_the_fields(tmp_path: Path) -> None:
+    both = [{"key": KEY, "key_sha256": DIGEST, "tenant": "acme", "webhook_secret": SECRET}]
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps(both))
+    with pytest.raises(ConfigError, match=r"(?s)SIFT_API_KEYS_FILE .*key, key_sha256") as raised:
+        load_settings(api_keys_file=path).all_api_keys()
+    assert KEY not in str(raised.value) and SECRET not in str(raised.value)  # not quoted
+    with pytest.raises(ConfigError, match=r"(?s)SIFT_API_KEYS: .*key, key_sha256"):
+        load_settings(api_keys=json.dumps(both))

@@ -1,0 +1,317 @@
+"""The re-drive: finds searches and batch chunks whose task message the broker lost, and
+enqueues them again.
+
+Why it exists. kombu's Redis transport takes a message with ``BRPOP`` and only then records
+it in its ``unacked`` hash, in a second command. A worker killed between the two, or a Redis
+killed after the pop reached its AOF but before the reply, loses that message: it is in no
+queue and not unacked, so neither the late ack nor the visibility-timeout restore brings it
+back, and its job would stay ``queued`` forever.
+
+How. Every worker process runs a :class:`Sweeper` thread; every
+``SIFT_REDRIVE_INTERVAL_SECONDS`` one of them, the holder of a ``SET NX PX`` lock, sweeps:
+
+1. the job store's active set names the searches and standard-lane batches whose status has
+   not changed for ``SIFT_REDRIVE_STALL_SECONDS``; a job making progress is never read;
+2. of those, the positions still ``queued`` or ``running`` are *pending* (a search is the one
+   position 0, a batch item its submission position);
+3. every message of the search and batch queues (``LRANGE``) and every unacked one (the
+   ``unacked`` hash: running, prefetched, or waiting out a retry's countdown) *covers* its
+   search, or its chunk's positions ``[start, stop)``;
+4. a pending position no message covers is *lost*. Only positions found lost on two sweeps in
+   a row are re-driven: a message is missing from both places for a few milliseconds while a
+   worker takes it (``BRPOP``, then ``unacked``), and a job that moved in between is no longer
+   idle, so it is not looked at again;
+5. re-driving sends a fresh ``sift.search`` or ``sift.batch_chunk`` message, chunks of at most
+   ``SIFT_BATCH_CHUNK_SIZE`` positions. The tasks are idempotent (the store's compare-and-set
+   keeps one result per item), so even a needless re-drive costs only a no-op task.
+
+A job is re-driven at most ``SIFT_TASK_MAX_DELIVERIES`` times. Past that its next message is
+sent with its delivery counter already spent, so the task takes its poison path: the pending
+items fail as ``delivery_limit_exceeded`` (metrics and webhook as usual) instead of looping.
+
+The economy lane is not swept: its items wait on provider batches for hours by design.
+
+    sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
+    sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from worker import metrics
+from worker.constants import (
+    BATCH_CHUNK_TASK,
+    BATCH_ID_PREFIX,
+    BATCH_QUEUE,
+    KOMBU_PRIORITY_SEPARATOR,
+    KOMBU_PRIORITY_STEPS,
+    KOMBU_UNACKED_KEY,
+    REDRIVE_LEADER_KEY,
+    REDRIVE_SUSPECTS_KEY,
+    SEARCH_QUEUE,
+    SEARCH_TASK,
+)
+from worker.jobstore import JobStore
+
+log = logging.getLogger(__name__)
+
+# Sends one task message: (task name, JSON args, queue, task id).
+Send = Callable[[str, list[Any], str, str], None]
+
+PAGE = 1_000  # messages read per LRANGE or HSCAN step
+SUSPECTS_KEPT_SWEEPS = 10  # the suspects of a sweep expire this many intervals later
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """What one broker message works on: a job and the positions of it that it covers."""
+
+    job_id: str
+    positions: range
+
+
+@dataclass(frozen=True, slots=True)
+class Redrive:
+    """One job re-driven by a sweep: the position ranges sent again, and whether as poison."""
+
+    job_id: str
+    kind: str
+    chunks: list[tuple[int, int]]
+    poison: bool
+
+
+def coverage(envelope: Mapping[str, Any]) -> Coverage | None:
+    """The job a kombu message envelope (protocol 2) works on; None for any other task or
+    for a message that is not Celery's."""
+    try:
+        task = envelope["headers"]["task"]
+        if task not in (SEARCH_TASK, BATCH_CHUNK_TASK):
+            return None
+        body: str | bytes = envelope["body"]
+        if envelope.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]  # the body is [args, kwargs, embed]
+        if task == SEARCH_TASK:
+            return Coverage(str(args[0]), range(0, 1))
+        return Coverage(str(args[0]), range(int(args[1]), int(args[2])))
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def runs(positions: Iterable[int], longest: int | None = None) -> list[tuple[int, int]]:
+    """Sorted positions as ``[start, stop)`` runs of consecutive ones, each at most
+    ``longest`` long: ``runs([1, 2, 3, 7], 2) == [(1, 3), (3, 4), (7, 8)]``."""
+    out: list[tuple[int, int]] = []
+    for p in sorted(set(positions)):
+        if out and out[-1][1] == p and (longest is None or p - out[-1][0] < longest):
+            out[-1] = (out[-1][0], p + 1)
+        else:
+            out.append((p, p + 1))
+    return out
+
+
+def celery_sender(app: Any) -> Send:
+    """A :data:`Send` through a Celery app (the worker's own, which knows Sift's queues)."""
+
+    def send(name: str, args: list[Any], queue: str, task_id: str) -> None:
+        app.send_task(name, args=args, queue=queue, task_id=task_id, ignore_result=True)
+
+    return send
+
+
+class Sweeper:
+    """Finds jobs whose task message was lost and enqueues it again (see the module doc)."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        send: Send,
+        *,
+        interval_seconds: float,
+        stall_seconds: float,
+        chunk_size: int = 25,
+        max_deliveries: int = 3,
+    ) -> None:
+        """``max_deliveries`` is the tasks' ``SIFT_TASK_MAX_DELIVERIES``: a job is re-driven
+        that many times at most, and a poison message is sent with that many counted."""
+        self.store = store
+        self.send = send
+        self.interval_seconds = interval_seconds
+        self.stall_seconds = stall_seconds
+        self.chunk_size = chunk_size
+        self.max_deliveries = max_deliveries
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the thread -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Sweep every interval on a daemon thread, when this process holds the lock."""
+        self._thread = threading.Thread(target=self._run, name="sift-redrive", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_seconds):
+            try:
+                self.sweep_if_leader()
+            except Exception as exc:  # Redis restarting, say: the next interval tries again
+                log.warning("re-drive sweep failed: %s", exc)
+
+    def sweep_if_leader(self) -> list[Redrive] | None:
+        """Sweep if no other worker has this interval (None when another one has it)."""
+        lock_ms = max(1, int(self.interval_seconds * 1000))
+        if not self.store.redis.set(REDRIVE_LEADER_KEY, self.name, nx=True, px=lock_ms):
+            return None
+        return self.sweep()
+
+    # --- one sweep --------------------------------------------------------------------------
+
+    def sweep(self) -> list[Redrive]:
+        """Re-drive what this sweep and the one before both found lost; answers what it sent."""
+        lost = self.lost_positions()
+        previous = self._suspects()
+        confirmed = {job: lost[job] & previous[job] for job in lost if job in previous}
+        confirmed = {job: positions for job, positions in confirmed.items() if positions}
+        self._remember({job: lost[job] - confirmed.get(job, set()) for job in lost})
+        return [self._redrive(job, positions) for job, positions in confirmed.items()]
+
+    def lost_positions(self) -> dict[str, set[int]]:
+        """Positions of idle jobs still pending with no message in the broker, by job id."""
+        pending: dict[str, set[int]] = {}
+        for job_id in self.store.stalled_jobs(self.stall_seconds):
+            positions = self._pending(job_id)
+            if positions:
+                pending[job_id] = positions
+            else:  # final, or its record expired: nothing left to watch
+                self.store.forget_active(job_id)
+        if not pending:
+            return {}
+        covered: dict[str, set[int]] = {job: set() for job in pending}
+        for message in self._broker_messages():
+            found = coverage(message)
+            if found is not None and found.job_id in covered:
+                covered[found.job_id].update(found.positions)
+        lost = {job: positions - covered[job] for job, positions in pending.items()}
+        return {job: positions for job, positions in lost.items() if positions}
+
+    def _pending(self, job_id: str) -> set[int]:
+        if job_id.startswith(BATCH_ID_PREFIX):
+            return set(self.store.pending_positions(job_id) or ())
+        status = self.store.get_search_status(job_id)
+        return {0} if status is not None and not status.final else set()
+
+    def _broker_messages(self) -> Iterator[Mapping[str, Any]]:
+        """Every envelope waiting in the search and batch queues, then every unacked one.
+
+        Read in pages while workers keep pushing and popping: a push only shifts what is left
+        to read (seen twice at worst), and a message popped meanwhile is in ``unacked`` by the
+        time that is read, or in the millisecond window the second sweep is there for."""
+        client = self.store.redis
+        for queue in (SEARCH_QUEUE, BATCH_QUEUE):
+            for key in [queue] + [
+                f"{queue}{KOMBU_PRIORITY_SEPARATOR}{s}" for s in KOMBU_PRIORITY_STEPS
+            ]:
+                start = 0
+                while page := cast(list[str], client.lrange(key, start, start + PAGE - 1)):
+                    for raw in page:
+                        if envelope := _loads(raw):
+                            yield envelope
+                    start += PAGE
+        for _, raw in client.hscan_iter(KOMBU_UNACKED_KEY, count=PAGE):
+            entry = _loads(raw)  # [message, exchange, routing key]
+            if isinstance(entry, list) and entry and isinstance(entry[0], dict):
+                yield entry[0]
+
+    def _suspects(self) -> dict[str, set[int]]:
+        raw = cast(dict[str, str], self.store.redis.hgetall(REDRIVE_SUSPECTS_KEY))
+        return {
+            job: {p for start, stop in json.loads(value) for p in range(start, stop)}
+            for job, value in raw.items()
+        }
+
+    def _remember(self, lost: Mapping[str, set[int]]) -> None:
+        """Keep this sweep's lost positions (as runs) for the next sweep to confirm."""
+        pipe = self.store.redis.pipeline(transaction=True)
+        pipe.delete(REDRIVE_SUSPECTS_KEY)
+        suspects = {job: positions for job, positions in lost.items() if positions}
+        for job, positions in suspects.items():
+            pipe.hset(REDRIVE_SUSPECTS_KEY, job, json.dumps(runs(positions)))
+        if suspects:
+            keep_ms = max(1000, int(SUSPECTS_KEPT_SWEEPS * self.interval_seconds * 1000))
+            pipe.pexpire(REDRIVE_SUSPECTS_KEY, keep_ms)
+        pipe.execute()
+
+    def _redrive(self, job_id: str, positions: set[int]) -> Redrive:
+        """Send the lost work again; past the cap, send it as poison."""
+        count = self.store.count_redrive(job_id)
+        poison = count > self.max_deliveries
+        if job_id.startswith(BATCH_ID_PREFIX):
+            kind, chunks = "batch", runs(positions, self.chunk_size)
+            messages = [(BATCH_CHUNK_TASK, [job_id, a, b], BATCH_QUEUE) for a, b in chunks]
+        else:
+            kind, chunks = "search", [(0, 1)]
+            messages = [(SEARCH_TASK, [job_id], SEARCH_QUEUE)]
+        for name, args, queue in messages:
+            task_id = str(uuid.uuid4())
+            if poison:  # its first delivery then counts one past the limit
+                self.store.set_deliveries(task_id, 0, self.max_deliveries)
+            self.send(name, args, queue, task_id)
+        metrics.redriven(kind, len(messages))
+        log.warning(
+            "%s %s: no task message for %d pending position(s) %s on two sweeps; re-driven "
+            "(%d of %d)%s",
+            kind,
+            job_id,
+            len(positions),
+            chunks,
+            count,
+            self.max_deliveries,
+            ": past the cap, sent as poison" if poison else "",
+        )
+        return Redrive(job_id, kind, chunks, poison)
+
+
+def _loads(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def start_sweeper(app: Any) -> Sweeper | None:
+    """Start the re-drive in this worker process from its Celery app's Sift settings; None
+    when ``SIFT_REDRIVE_INTERVAL_SECONDS`` is 0."""
+    settings = app.conf.sift_settings
+    if not settings.redrive_interval_seconds or not settings.redis_url:
+        return None
+    sweeper = Sweeper(
+        JobStore.from_url(settings.redis_url, max_connections=4),
+        celery_sender(app),
+        interval_seconds=settings.redrive_interval_seconds,
+        stall_seconds=settings.redrive_stall_seconds,
+        chunk_size=settings.batch_chunk_size,
+        max_deliveries=settings.task_max_deliveries,
+    )
+    sweeper.start()
+    log.info(
+        "re-drive: sweeping every %gs for jobs idle over %gs",
+        settings.redrive_interval_seconds,
+        settings.redrive_stall_seconds,
+    )
+    return sweeper
