@@ -298,7 +298,7 @@ def run(
         return np.einsum("ij,j->i", matrix, q)  # type: ignore[no-any-return]
 
     def scores_vecdot(q: Matrix) -> Matrix:
-        return np.vecdot(matrix, q)
+        return np.vecdot(matrix, q)  # type: ignore[no-any-return]
 
     scorers = {"@": scores_matmul, "einsum": scores_einsum, "vecdot": scores_vecdot}
     knn_choice = fastest(

@@ -51,6 +51,7 @@ import os
 import re
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,7 +237,9 @@ class EmbeddedBackend:
         self.vector_min_similarity = vector_min_similarity
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._documents: dict[int, Document] = {}  # insertion order: the oldest goes first
+        # Insertion order, the oldest evicted first. An OrderedDict, as a dict's next(iter())
+        # walks every slot deleted since its last resize: 2 ms per full-cache search measured.
+        self._documents: OrderedDict[int, Document] = OrderedDict()
         self._vectors: dict[str, _Vectors] = {}
         self._connections: list[apsw.Connection] = []
         self._inherited: list[apsw.Connection] = []  # kept referenced, so never closed here
@@ -250,7 +253,7 @@ class EmbeddedBackend:
             with self._lock:
                 self._inherited += self._connections
                 self._pid, self._connections, self._vectors = os.getpid(), [], {}
-                self._documents = {}
+                self._documents = OrderedDict()
                 self._local = threading.local()
         conn: apsw.Connection | None = getattr(self._local, "conn", None)
         if conn is not None:
@@ -354,7 +357,7 @@ class EmbeddedBackend:
         with self._lock:
             self._documents.update(built)
             for _ in range(len(self._documents) - DOCUMENT_CACHE_SIZE):
-                del self._documents[next(iter(self._documents))]
+                self._documents.popitem(last=False)
 
     def upsert(
         self,
