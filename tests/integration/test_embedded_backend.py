@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from worker.adapters import embedded
 from worker.adapters.embedded import EmbeddedBackend, derive_revision, match_expression
 from worker.adapters.embedder import OnnxMiniLMEmbedder
 from worker.contract import Channel, FilterValue
@@ -358,3 +359,23 @@ def test_equal_scores_order_by_id_in_both_channels_and_a_shared_hit_is_one_docum
         ChannelQuery("sci", HardFilters("acme"), ("knn",), 10, "", vector=[1.0, 1.0, 1.0, 1.0])
     )
     assert ids(wide, "knn") == ["a", "b", "c", "k", "m", "x", "z"]
+
+
+def test_the_document_cache_stays_bounded_and_evicted_hits_are_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(embedded, "DOCUMENT_CACHE_SIZE", 5)
+    backend = EmbeddedBackend(tmp_path)
+    docs = [Document(f"d{i}", f"shared word{i}", f"title {i}") for i in range(12)]
+    vectors = np.eye(12, dtype=np.float32)
+    backend.upsert("idx", "acme", docs, vectors)
+
+    def knn(i: int) -> list[Document]:
+        query = ChannelQuery("idx", HardFilters("acme"), ("knn",), 3, "", vector=vectors[i])
+        return [hit.document for hit in backend.retrieve(query).hits["knn"]]
+
+    for i in range(12):  # every search reads bodies the small cache has no room for
+        assert knn(i)[0] == docs[i]
+        assert len(backend._documents) <= 5
+    assert knn(0)[0] == docs[0]  # long evicted: read from SQLite again, the same Document
+    backend.close()
