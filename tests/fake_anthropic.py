@@ -587,26 +587,34 @@ class FakeAnthropic:
             return await _drop(request)
         if behaviour.seconds > 0 and not await _wait_unless_gone(request, behaviour.seconds):
             return Response(status_code=499)  # the client left; nobody reads this
+        payload = await run_in_threadpool(self._message, body, behaviour)
+        return JSONResponse(payload, headers={"request-id": f"req_{_base62(24)}"})
+
+    def _message(self, body: Mapping[str, Any], behaviour: Behaviour) -> dict[str, Any]:
+        """The answer to ``body`` as ``behaviour`` says. The prompt is tokenized before the
+        lock is taken: with hundreds of requests in flight, counting under it queued them."""
         if behaviour.kind == "positions":
             text: str | None = json.dumps({"positions": behaviour.positions})
         elif behaviour.kind == "malformed":
             text = behaviour.text
         else:
-            text = await run_in_threadpool(self.answer_text, body)
-        payload = await run_in_threadpool(self._message, body, text, behaviour.stop_reason)
-        return JSONResponse(payload, headers={"request-id": f"req_{_base62(24)}"})
-
-    def _message(
-        self, body: Mapping[str, Any], text: str | None, stop_reason: str
-    ) -> dict[str, Any]:
+            text = self.answer_text(body)
+        input_tokens = self.count_input_tokens(body)
         with self._lock:
-            return self._message_unlocked(body, text, stop_reason)
+            return self._message_unlocked(body, text, behaviour.stop_reason, input_tokens)
 
     def _message_unlocked(
-        self, body: Mapping[str, Any], text: str | None, stop_reason: str
+        self,
+        body: Mapping[str, Any],
+        text: str | None,
+        stop_reason: str,
+        input_tokens: int | None = None,
     ) -> dict[str, Any]:
-        """The answer to ``body``, counted in the usage (call with the lock held)."""
+        """The answer to ``body``, counted in the usage (call with the lock held);
+        ``input_tokens`` when the caller counted the prompt already."""
         config = self._state.config
+        if input_tokens is None:
+            input_tokens = self.count_input_tokens(body)
         max_tokens = int(body["max_tokens"])
         thinking = min(config.thinking_tokens, max_tokens)
         answer_tokens = count_tokens(text) if text is not None else 0
@@ -628,7 +636,7 @@ class FakeAnthropic:
             content.append({"type": "text", "text": text})
         cached = config.cache_read_input_tokens + config.cache_creation_input_tokens
         usage: dict[str, Any] = {
-            "input_tokens": max(0, self.count_input_tokens(body) - cached),
+            "input_tokens": max(0, input_tokens - cached),
             "output_tokens": thinking + answer_tokens,
             "cache_read_input_tokens": config.cache_read_input_tokens,
             "cache_creation_input_tokens": config.cache_creation_input_tokens,
