@@ -77,7 +77,8 @@ class Backlog:
         if self._due():
             first = self._reading is None
             if first:
-                self._reading = asyncio.ensure_future(self._read(in_flight))
+                self._admitted_while_reading = 0
+                self._reading = asyncio.ensure_future(self._read(in_flight, self._clock()))
             if first or self._read_at is None:
                 assert self._reading is not None
                 await asyncio.shield(self._reading)
@@ -86,13 +87,12 @@ class Backlog:
             if self._admitted_while_reading is not None:
                 self._admitted_while_reading += items
 
-    async def _read(self, in_flight: Callable[[], Awaitable[dict[str, int]]]) -> None:
-        now = self._clock()
-        self._admitted_while_reading = 0
+    async def _read(self, in_flight: Callable[[], Awaitable[dict[str, int]]], now: float) -> None:
         try:
             queued = (await in_flight())["queued"]
             with self._lock:
-                self._queued, self._read_at = queued + self._admitted_while_reading, now
+                self._queued = queued + (self._admitted_while_reading or 0)
+                self._read_at = now
         finally:
             self._admitted_while_reading, self._reading = None, None
 

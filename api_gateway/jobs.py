@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import authenticate
@@ -224,10 +225,11 @@ class _Idempotency:
     """Stripe-style Idempotency-Key handling around one job-creating request."""
 
     def __init__(
-        self, store: JobStore, tenant: str, key: str | None, route: str, body: dict[str, Any]
+        self, store: JobStore, tenant: str, key: str | None, route: str, body: BaseModel
     ) -> None:
         self.store, self.tenant, self.key = store, tenant, key
-        self.fp = fingerprint(route, body)
+        # the body's fingerprint is only needed with a key (most requests have none)
+        self.fp = "" if key is None else fingerprint(route, body.model_dump(mode="json"))
 
     @property
     def ref(self) -> IdempotencyRef | None:
@@ -370,9 +372,7 @@ async def create_search(
     ``wait`` seconds."""
     settings, store = _settings(request), _store(request)
     await _check_url(settings, body.webhook_url)
-    idem = _Idempotency(
-        store, tenant, idempotency_key, "POST /v1/searches", body.model_dump(mode="json")
-    )
+    idem = _Idempotency(store, tenant, idempotency_key, "POST /v1/searches", body)
     job_id = await idem.earlier_job()
     fresh: SearchJob | None = None
     if job_id is None:
@@ -493,9 +493,7 @@ async def create_batch(
         if q.mode is not None:
             spec["mode"] = q.mode
         items.append((q.id, SearchSpec.model_validate(spec)))
-    idem = _Idempotency(
-        store, tenant, idempotency_key, "POST /v1/batches", body.model_dump(mode="json")
-    )
+    idem = _Idempotency(store, tenant, idempotency_key, "POST /v1/batches", body)
     batch_id = await idem.earlier_job()
     if batch_id is None:
         try:

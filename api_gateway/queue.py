@@ -73,14 +73,14 @@ class RecordingTaskSender:
 class RedisOutbox:
     """Builds Celery task messages for the Redis broker, to LPUSH in the job store's transaction.
 
-    The job record and its task message are then written in one MULTI: the gateway can
-    never leave a record without its message (or a message without its record), and a
+    The job record and its task message are then written in one transaction: the gateway
+    can never leave a record without its message (or a message without its record), and a
     submission costs one Redis round trip. Headers and body come from Celery's own
     ``as_task_v2`` (protocol 2); the envelope is what kombu's Redis transport writes.
 
-    ``as_task_v2`` costs about 0.1 ms, so it runs once per task name: later messages copy
-    that template and set what differs per message (:data:`PER_MESSAGE_HEADERS`, the
-    correlation id, the delivery tag and the body).
+    ``as_task_v2`` costs about 0.1 ms, so it runs once per task name: a message copies that
+    template and sets what differs per message (the ``id``, ``root_id`` and ``argsrepr``
+    headers, the correlation id, the delivery tag and the body).
     """
 
     def __init__(self) -> None:
