@@ -7,13 +7,15 @@ cannot overshoot the limit by more than what the other gateways admitted meanwhi
 
     backlog = Backlog(store, limit=10_000)
     backlog.admit(len(items))   # raises BacklogFull (429 with Retry-After) past the limit
+    await backlog.admit_async(len(items), async_store.in_flight)   # the same, on the loop
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from worker.jobstore import JobStore
 
@@ -49,16 +51,55 @@ class Backlog:
         self._lock = threading.Lock()
         self._queued = 0
         self._read_at: float | None = None
+        self._reading: asyncio.Future[None] | None = None  # admit_async's reading in flight
+        self._admitted_while_reading: int | None = None
 
     def admit(self, items: int) -> None:
         """Count ``items`` in, or raise :class:`BacklogFull` (all or nothing). Blocking."""
         if self.limit <= 0:
             return
         with self._lock:
-            now = self._clock()
-            if self._read_at is None or now - self._read_at >= READ_EVERY_SECONDS:
+            if self._due():
+                now = self._clock()
                 self._queued = self.store.in_flight()["queued"]
                 self._read_at = now
-            if self._queued + items > self.limit:
-                raise BacklogFull(self._queued, items, self.limit)
-            self._queued += items
+            self._take(items)
+
+    async def admit_async(
+        self, items: int, in_flight: Callable[[], Awaitable[dict[str, int]]]
+    ) -> None:
+        """:meth:`admit` on the event loop, with no I/O between readings. A due reading is
+        awaited by the request that found it due (and by all, before the first one); the
+        others go on with the previous reading. Work admitted while a reading is in flight
+        is added to it, so the count errs high: it never lets more in."""
+        if self.limit <= 0:
+            return
+        if self._due():
+            first = self._reading is None
+            if first:
+                self._admitted_while_reading = 0
+                self._reading = asyncio.ensure_future(self._read(in_flight, self._clock()))
+            if first or self._read_at is None:
+                assert self._reading is not None
+                await asyncio.shield(self._reading)
+        with self._lock:
+            self._take(items)
+            if self._admitted_while_reading is not None:
+                self._admitted_while_reading += items
+
+    async def _read(self, in_flight: Callable[[], Awaitable[dict[str, int]]], now: float) -> None:
+        try:
+            queued = (await in_flight())["queued"]
+            with self._lock:
+                self._queued = queued + (self._admitted_while_reading or 0)
+                self._read_at = now
+        finally:
+            self._admitted_while_reading, self._reading = None, None
+
+    def _due(self) -> bool:
+        return self._read_at is None or self._clock() - self._read_at >= READ_EVERY_SECONDS
+
+    def _take(self, items: int) -> None:
+        if self._queued + items > self.limit:
+            raise BacklogFull(self._queued, items, self.limit)
+        self._queued += items

@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import authenticate
@@ -50,9 +51,11 @@ from worker.constants import (
 from worker.contract import INDEX_PATTERN, JobStatus, SearchSpec
 from worker.errors import InvalidRequest
 from worker.jobstore import (
+    AsyncJobStore,
     BatchJob,
     Enqueue,
     IdempotencyOutcome,
+    IdempotencyRef,
     IngestJob,
     JobStore,
     SearchJob,
@@ -105,6 +108,11 @@ def _store(request: Request) -> JobStore:
     return store
 
 
+def _async_store(request: Request) -> AsyncJobStore:
+    store: AsyncJobStore = request.app.state.async_store
+    return store
+
+
 def _sender(request: Request) -> TaskSender:
     sender: TaskSender = request.app.state.sender
     return sender
@@ -116,7 +124,7 @@ async def _admit(request: Request, items: int) -> None:
     if backlog is None or backlog.limit <= 0:
         return
     try:
-        await _io(backlog.admit, items)
+        await backlog.admit_async(items, _async_store(request).in_flight)
     except BacklogFull as exc:
         log.warning("backpressure: %s", exc)
         raise ApiError(
@@ -152,6 +160,20 @@ def _create_and_enqueue(
         return create(lambda job_id: outbox.messages(messages(job_id)))
     job = create(None)
     sender.send_many(messages(job.id))
+    return job
+
+
+async def _create_and_enqueue_async(
+    sender: TaskSender,
+    create: Callable[[Enqueue | None], Awaitable[J]],
+    messages: Callable[[str], list[TaskMessage]],
+) -> J:
+    """:func:`_create_and_enqueue` with the store on the event loop (the gateway's hot path)."""
+    if isinstance(sender, OutboxSender):
+        outbox = sender
+        return await create(lambda job_id: outbox.messages(messages(job_id)))
+    job = await create(None)
+    await _io(sender.send_many, messages(job.id))
     return job
 
 
@@ -203,10 +225,16 @@ class _Idempotency:
     """Stripe-style Idempotency-Key handling around one job-creating request."""
 
     def __init__(
-        self, store: JobStore, tenant: str, key: str | None, route: str, body: dict[str, Any]
+        self, store: JobStore, tenant: str, key: str | None, route: str, body: BaseModel
     ) -> None:
         self.store, self.tenant, self.key = store, tenant, key
-        self.fp = fingerprint(route, body)
+        # the body's fingerprint is only needed with a key (most requests have none)
+        self.fp = "" if key is None else fingerprint(route, body.model_dump(mode="json"))
+
+    @property
+    def ref(self) -> IdempotencyRef | None:
+        """The key, to record with the job in the job's own transaction; None without one."""
+        return None if self.key is None else IdempotencyRef(self.tenant, self.key, self.fp)
 
     async def earlier_job(self) -> str | None:
         """The job of an earlier request with this key, None to go ahead; raises 409/422."""
@@ -232,11 +260,10 @@ class _Idempotency:
         return None
 
     async def created(self, job_id: str) -> None:
-        await _io(self.created_sync, job_id)
-
-    def created_sync(self, job_id: str) -> None:
         if self.key is not None:
-            self.store.record_idempotency(self.tenant, self.key, self.fp, job_id, done=False)
+            await _io(
+                self.store.record_idempotency, self.tenant, self.key, self.fp, job_id, done=False
+            )
 
     async def answered(self, job_id: str) -> None:
         if self.key is not None:
@@ -345,9 +372,7 @@ async def create_search(
     ``wait`` seconds."""
     settings, store = _settings(request), _store(request)
     await _check_url(settings, body.webhook_url)
-    idem = _Idempotency(
-        store, tenant, idempotency_key, "POST /v1/searches", body.model_dump(mode="json")
-    )
+    idem = _Idempotency(store, tenant, idempotency_key, "POST /v1/searches", body)
     job_id = await idem.earlier_job()
     fresh: SearchJob | None = None
     if job_id is None:
@@ -357,21 +382,15 @@ async def create_search(
             await idem.failed()
             raise
         spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
-        sender = _sender(request)
-
-        def submit() -> SearchJob:  # one trip to the thread pool: store, claim, enqueue
-            job = _create_and_enqueue(
-                sender,
-                lambda enqueue: store.create_search(
-                    tenant, spec, webhook_url=body.webhook_url, enqueue=enqueue
+        async_store = _async_store(request)
+        try:  # one MULTI on the event loop: the record, the task message, the key's claim
+            fresh = await _create_and_enqueue_async(
+                _sender(request),
+                lambda enqueue: async_store.create_search(
+                    tenant, spec, webhook_url=body.webhook_url, enqueue=enqueue, claim=idem.ref
                 ),
                 lambda job_id: [(SEARCH_TASK, [job_id], SEARCH_QUEUE)],
             )
-            idem.created_sync(job.id)
-            return job
-
-        try:
-            fresh = await _io(submit)
         except BaseException:
             await idem.failed()
             raise
@@ -474,9 +493,7 @@ async def create_batch(
         if q.mode is not None:
             spec["mode"] = q.mode
         items.append((q.id, SearchSpec.model_validate(spec)))
-    idem = _Idempotency(
-        store, tenant, idempotency_key, "POST /v1/batches", body.model_dump(mode="json")
-    )
+    idem = _Idempotency(store, tenant, idempotency_key, "POST /v1/batches", body)
     batch_id = await idem.earlier_job()
     if batch_id is None:
         try:

@@ -73,37 +73,45 @@ class RecordingTaskSender:
 class RedisOutbox:
     """Builds Celery task messages for the Redis broker, to LPUSH in the job store's transaction.
 
-    The job record and its task message are then written in one MULTI: the gateway can
-    never leave a record without its message (or a message without its record), and a
+    The job record and its task message are then written in one transaction: the gateway
+    can never leave a record without its message (or a message without its record), and a
     submission costs one Redis round trip. Headers and body come from Celery's own
     ``as_task_v2`` (protocol 2); the envelope is what kombu's Redis transport writes.
+
+    ``as_task_v2`` costs about 0.1 ms, so it runs once per task name: a message copies that
+    template and sets what differs per message (the ``id``, ``root_id`` and ``argsrepr``
+    headers, the correlation id, the delivery tag and the body).
     """
 
     def __init__(self) -> None:
         self.celery = Celery("sift-gateway", set_as_current=False)
         self.origin = f"gateway@{socket.gethostname()}"
+        self._templates: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {}
+
+    def _template(self, name: str) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        """(headers, properties, embed) of ``name``'s messages, from Celery itself."""
+        template = self._templates.get(name)
+        if template is None:
+            headers, properties, body, _ = self.celery.amqp.as_task_v2(
+                "", name, args=[], kwargs={}, ignore_result=True, origin=self.origin,
+                argsrepr="[]", kwargsrepr="{}",
+            )  # fmt: skip
+            template = self._templates[name] = (dict(headers), dict(properties), body[2])
+        return template
 
     def message(self, name: str, args: list[Any], queue: str) -> tuple[str, str]:
         """(list key, raw message) for one task."""
         task_id = str(uuid.uuid4())
-        headers, properties, body, _ = self.celery.amqp.as_task_v2(
-            task_id,
-            name,
-            args=args,
-            kwargs={},
-            ignore_result=True,
-            origin=self.origin,
-            argsrepr=repr(args),
-            kwargsrepr="{}",
-        )
-        raw_body = json.dumps(body, separators=(",", ":")).encode()
+        headers, properties, embed = self._template(name)
+        raw_body = json.dumps([args, {}, embed], separators=(",", ":")).encode()
         envelope = {
             "body": base64.b64encode(raw_body).decode(),
             "content-encoding": "utf-8",
             "content-type": "application/json",
-            "headers": headers,
+            "headers": {**headers, "id": task_id, "root_id": task_id, "argsrepr": repr(args)},
             "properties": {
                 **properties,
+                "correlation_id": task_id,
                 "delivery_mode": 2,
                 "priority": 0,
                 "body_encoding": "base64",

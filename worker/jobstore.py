@@ -50,6 +50,7 @@ from enum import StrEnum
 from typing import Any, cast
 
 import redis
+import redis.asyncio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
@@ -171,6 +172,25 @@ return {n, 0}
 """
 
 
+# A new search, atomically (one command where a MULTI would be seven round trips of parsing).
+# KEYS: record, stats, the active set, one list per task message, then the Idempotency-Key's
+# record if any. ARGV: ttl, message count m, record field count n, the job's id and its
+# score in the active set, n fields and values, m raw messages, then that key's record and
+# its TTL.
+_CREATE_SEARCH = """
+local m, n = tonumber(ARGV[2]), tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], unpack(ARGV, 6, 5 + n))
+redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+redis.call('HINCRBY', KEYS[2], 'queued', 1)
+redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
+for i = 1, m do redis.call('LPUSH', KEYS[3 + i], ARGV[5 + n + i]) end
+if #KEYS > 3 + m then
+  redis.call('SET', KEYS[4 + m], ARGV[6 + n + m], 'EX', tonumber(ARGV[7 + n + m]))
+end
+return 1
+"""
+
+
 def _now() -> float:
     return time.time()
 
@@ -181,6 +201,10 @@ def _new_id(prefix: str) -> str:
 
 def _opt_float(value: str | None) -> float | None:
     return float(value) if value else None
+
+
+def _in_flight(stats: dict[str, str]) -> dict[str, int]:
+    return {s: max(0, int(stats.get(s, 0))) for s in ("queued", "running")}
 
 
 class IdempotencyOutcome(StrEnum):
@@ -196,6 +220,15 @@ class IdempotencyOutcome(StrEnum):
 class IdempotencyClaim:
     outcome: IdempotencyOutcome
     job_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyRef:
+    """One request's Idempotency-Key: whose it is, and the fingerprint of its body."""
+
+    tenant: str
+    key: str
+    fingerprint: str
 
 
 @dataclass(slots=True)
@@ -287,6 +320,57 @@ class ItemTransition:
     batch_completed: bool = False
 
 
+def _new_search(tenant: str, spec: SearchSpec, webhook_url: str | None) -> SearchJob:
+    return SearchJob(
+        id=_new_id(SEARCH_ID_PREFIX),
+        tenant=tenant,
+        status=JobStatus.QUEUED,
+        spec=spec,
+        created_at=_now(),
+        webhook_url=webhook_url,
+    )
+
+
+def _create_search_call(
+    job: SearchJob, ttl: int, enqueue: Enqueue | None, claim: IdempotencyRef | None
+) -> tuple[list[str], list[str | int]]:
+    """KEYS and ARGV of :data:`_CREATE_SEARCH` for a new search: its record, its task
+    messages, and its Idempotency-Key's pending record."""
+    fields = [
+        "kind", "search", "tenant", job.tenant, "status", job.status.value,
+        "spec", job.spec.model_dump_json(), "webhook_url", job.webhook_url or "",
+        "created_at", repr(job.created_at),
+    ]  # fmt: skip
+    messages = list(enqueue(job.id)) if enqueue is not None else []
+    keys = [SEARCH_KEY + job.id, STATS_KEY, ACTIVE_JOBS_KEY, *(key for key, _ in messages)]
+    args: list[str | int] = [ttl, len(messages), len(fields), job.id, repr(job.created_at)]
+    args += fields
+    args += [raw for _, raw in messages]
+    if claim is not None:
+        name, value, expiry = _idem_record(claim, job.id, done=False)
+        keys.append(name)
+        args += [value, expiry]
+    return keys, args
+
+
+def _stage_messages(pipe: redis.client.Pipeline, enqueue: Enqueue | None, job_id: str) -> None:
+    """Queue the job's task messages in the same MULTI as its record (an outbox)."""
+    if enqueue is not None:
+        for key, raw in enqueue(job_id):
+            pipe.lpush(key, raw)
+
+
+def _idem_key(tenant: str, key: str) -> str:
+    return IDEMPOTENCY_KEY + tenant + ":" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def _idem_record(ref: IdempotencyRef, job_id: str, *, done: bool) -> tuple[str, str, int]:
+    """(key, value, TTL) of a claim that names its job; ``done`` once answered."""
+    record = {"fp": ref.fingerprint, "state": "done" if done else "pending", "job": job_id}
+    ttl = IDEMPOTENCY_TTL_SECONDS if done else IDEMPOTENCY_PENDING_TTL_SECONDS
+    return _idem_key(ref.tenant, ref.key), json.dumps(record), ttl
+
+
 class JobStore:
     """Job records in Redis. Thread-safe: redis-py's client pools its connections.
 
@@ -301,6 +385,7 @@ class JobStore:
         self._transition_job = client.register_script(_TRANSITION_JOB)
         self._transition_item = client.register_script(_TRANSITION_ITEM)
         self._cancel_batch = client.register_script(_CANCEL_BATCH)
+        self._create_search = client.register_script(_CREATE_SEARCH)
 
     @classmethod
     def from_url(
@@ -347,33 +432,13 @@ class JobStore:
         *,
         webhook_url: str | None = None,
         enqueue: Enqueue | None = None,
+        claim: IdempotencyRef | None = None,
     ) -> SearchJob:
-        job = SearchJob(
-            id=_new_id(SEARCH_ID_PREFIX),
-            tenant=tenant,
-            status=JobStatus.QUEUED,
-            spec=spec,
-            created_at=_now(),
-            webhook_url=webhook_url,
-        )
-        key = SEARCH_KEY + job.id
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(
-            key,
-            mapping={
-                "kind": "search",
-                "tenant": tenant,
-                "status": job.status.value,
-                "spec": spec.model_dump_json(),
-                "webhook_url": webhook_url or "",
-                "created_at": repr(job.created_at),
-            },
-        )
-        pipe.expire(key, self.result_ttl)
-        pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, 1)
-        pipe.zadd(ACTIVE_JOBS_KEY, {job.id: job.created_at})
-        self._push(pipe, enqueue, job.id)
-        pipe.execute()
+        """Store a ``queued`` search atomically (one script), with its task messages from
+        ``enqueue`` and, with ``claim``, the Idempotency-Key's pending record naming it."""
+        job = _new_search(tenant, spec, webhook_url)
+        keys, args = _create_search_call(job, self.result_ttl, enqueue, claim)
+        self._create_search(keys=keys, args=args)
         return job
 
     def get_search(self, job_id: str) -> SearchJob | None:
@@ -447,7 +512,7 @@ class JobStore:
             },
         )
         pipe.expire(key, self.result_ttl)
-        self._push(pipe, enqueue, job.id)
+        _stage_messages(pipe, enqueue, job.id)
         pipe.execute()
         return job
 
@@ -564,7 +629,7 @@ class JobStore:
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
         if lane != LANE_ECONOMY:  # the economy lane's items wait on provider batches instead
             pipe.zadd(ACTIVE_JOBS_KEY, {batch.id: batch.created_at})
-        self._push(pipe, enqueue, batch.id)
+        _stage_messages(pipe, enqueue, batch.id)
         pipe.execute()
         return batch
 
@@ -729,13 +794,9 @@ class JobStore:
 
     # --- idempotency ------------------------------------------------------------------------
 
-    @staticmethod
-    def _idem_key(tenant: str, key: str) -> str:
-        return IDEMPOTENCY_KEY + tenant + ":" + hashlib.sha256(key.encode()).hexdigest()
-
     def claim_idempotency(self, tenant: str, key: str, fingerprint: str) -> IdempotencyClaim:
         """Claim ``key`` for this request, or say what an earlier request with it did."""
-        rkey = self._idem_key(tenant, key)
+        rkey = _idem_key(tenant, key)
         record = json.dumps({"fp": fingerprint, "state": "pending", "job": None})
         if self.redis.set(rkey, record, nx=True, ex=IDEMPOTENCY_PENDING_TTL_SECONDS):
             return IdempotencyClaim(IdempotencyOutcome.NEW)
@@ -755,13 +816,12 @@ class JobStore:
         self, tenant: str, key: str, fingerprint: str, job_id: str, *, done: bool
     ) -> None:
         """Attach the job to the claim; ``done`` once the first request has been answered."""
-        record = {"fp": fingerprint, "state": "done" if done else "pending", "job": job_id}
-        ttl = IDEMPOTENCY_TTL_SECONDS if done else IDEMPOTENCY_PENDING_TTL_SECONDS
-        self.redis.set(self._idem_key(tenant, key), json.dumps(record), ex=ttl)
+        ref = IdempotencyRef(tenant, key, fingerprint)
+        self.redis.set(*_idem_record(ref, job_id, done=done))
 
     def release_idempotency(self, tenant: str, key: str) -> None:
         """Forget a claim whose request failed before it created a job."""
-        self.redis.delete(self._idem_key(tenant, key))
+        self.redis.delete(_idem_key(tenant, key))
 
     # --- deliveries and stats ---------------------------------------------------------------
 
@@ -781,8 +841,7 @@ class JobStore:
 
     def in_flight(self) -> dict[str, int]:
         """Searches and batch items queued and running now, across the deployment."""
-        raw = cast(dict[str, str], self.redis.hgetall(STATS_KEY))
-        return {s: max(0, int(raw.get(s, 0))) for s in ("queued", "running")}
+        return _in_flight(cast(dict[str, str], self.redis.hgetall(STATS_KEY)))
 
     # --- the re-drive's view (worker/redrive.py) ------------------------------------------
 
@@ -830,13 +889,6 @@ class JobStore:
             pipe.lpush(key, raw)
         pipe.execute()
 
-    @staticmethod
-    def _push(pipe: Any, enqueue: Enqueue | None, job_id: str) -> None:
-        """Queue the job's task messages in the same MULTI as its record (an outbox)."""
-        if enqueue is not None:
-            for key, raw in enqueue(job_id):
-                pipe.lpush(key, raw)
-
     # --- internals --------------------------------------------------------------------------
 
     def _finish(
@@ -883,6 +935,60 @@ class JobStore:
         args = [query_id, to.value, allowed, payload, repr(_now()), batch_id]
         code = int(cast(int, self._transition_item(keys=keys, args=args)))
         return ItemTransition(applied=code >= 1, batch_completed=code == 2)
+
+
+class AsyncJobStore:
+    """The gateway's hot path on ``redis.asyncio``: no thread per request. It runs the same
+    scripts with the same arguments as :class:`JobStore` (``_create_search_call``).
+
+    store = AsyncJobStore.from_url("redis://localhost:6379/0", max_connections=128)
+    job = await store.create_search("acme", spec, enqueue=outbox.messages_for(...))
+    """
+
+    def __init__(
+        self, client: redis.asyncio.Redis, *, result_ttl: int = RESULT_TTL_SECONDS
+    ) -> None:
+        self.redis = client
+        self.result_ttl = result_ttl
+        self._create_search = client.register_script(_CREATE_SEARCH)
+
+    @classmethod
+    def from_url(cls, url: str, *, max_connections: int = 128) -> AsyncJobStore:
+        """A store on ``url``; a request that finds every connection busy waits for one
+        (up to 20 s), as :meth:`JobStore.from_url` with ``max_connections`` does."""
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=20,
+            decode_responses=True,
+            socket_connect_timeout=5,
+            socket_timeout=30,
+            health_check_interval=30,
+        )
+        return cls(redis.asyncio.Redis(connection_pool=pool))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()
+
+    async def create_search(
+        self,
+        tenant: str,
+        spec: SearchSpec,
+        *,
+        webhook_url: str | None = None,
+        enqueue: Enqueue | None = None,
+        claim: IdempotencyRef | None = None,
+    ) -> SearchJob:
+        """:meth:`JobStore.create_search`, awaited."""
+        job = _new_search(tenant, spec, webhook_url)
+        keys, args = _create_search_call(job, self.result_ttl, enqueue, claim)
+        await self._create_search(keys=keys, args=args)
+        return job
+
+    async def in_flight(self) -> dict[str, int]:
+        """:meth:`JobStore.in_flight`, awaited."""
+        return _in_flight(cast(dict[str, str], await self.redis.hgetall(STATS_KEY)))
 
 
 def webhook_event(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 import threading
 from collections.abc import Iterator
@@ -18,10 +20,13 @@ from worker.constants import (
     BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
     BATCH_SPECS_KEY,
+    IDEMPOTENCY_KEY,
+    IDEMPOTENCY_PENDING_TTL_SECONDS,
     SEARCH_KEY,
+    STATS_KEY,
 )
 from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
-from worker.jobstore import IdempotencyOutcome, JobStore
+from worker.jobstore import AsyncJobStore, IdempotencyOutcome, IdempotencyRef, JobStore
 
 pytestmark = pytest.mark.integration
 
@@ -147,6 +152,57 @@ def test_idempotency_claims(store: JobStore) -> None:
     assert replay.outcome is IdempotencyOutcome.REPLAY and replay.job_id == "srch_1"
     store.release_idempotency("globex", "k")
     assert store.claim_idempotency("globex", "k", "fp3").outcome is IdempotencyOutcome.NEW
+
+
+def test_the_sync_and_the_async_store_create_the_same_search(
+    store: JobStore, redis_url: str
+) -> None:
+    """Record, queued count, task messages and the Idempotency-Key's pending claim, in one
+    script: the gateway's asyncio store writes exactly what the blocking one does."""
+
+    def messages(job_id: str) -> list[tuple[str, str]]:
+        return [("q.search", "msg:" + job_id), ("q.other", "other:" + job_id)]
+
+    async def create_async() -> str:
+        async_store = AsyncJobStore.from_url(redis_url, max_connections=4)
+        try:
+            job = await async_store.create_search(
+                "acme", spec("x"), webhook_url="https://example.com/h", enqueue=messages,
+                claim=IdempotencyRef("acme", "key-2", "fp2"),
+            )  # fmt: skip
+            assert await async_store.in_flight() == {"queued": 2, "running": 0}
+            return job.id
+        finally:
+            await async_store.close()
+
+    sync_id = store.create_search(
+        "acme", spec("x"), webhook_url="https://example.com/h", enqueue=messages,
+        claim=IdempotencyRef("acme", "key-1", "fp1"),
+    ).id  # fmt: skip
+    async_id = asyncio.run(create_async())
+    records = [store.get_search(job_id) for job_id in (sync_id, async_id)]
+    assert all(r is not None for r in records)
+    first, second = (r for r in records if r is not None)
+    assert (first.tenant, first.status, first.spec, first.webhook_url) == (
+        second.tenant, second.status, second.spec, second.webhook_url,
+    )  # fmt: skip
+    assert (
+        store.redis.hgetall(SEARCH_KEY + sync_id).keys()
+        == store.redis.hgetall(SEARCH_KEY + async_id).keys()
+    )
+    assert 0 < int(store.redis.ttl(SEARCH_KEY + async_id)) <= 7 * 24 * 3600
+    assert store.redis.hget(STATS_KEY, "queued") == "2"
+    assert store.redis.lrange("q.search", 0, -1) == ["msg:" + async_id, "msg:" + sync_id]
+    assert store.redis.lrange("q.other", 0, -1) == ["other:" + async_id, "other:" + sync_id]
+    for key, fp, job_id in (("key-1", "fp1", sync_id), ("key-2", "fp2", async_id)):
+        claim = store.claim_idempotency("acme", key, fp)
+        assert claim.outcome is IdempotencyOutcome.IN_PROGRESS and claim.job_id == job_id
+        assert store.claim_idempotency("acme", key, "other").outcome is IdempotencyOutcome.MISMATCH
+    pending = list(store.redis.keys(IDEMPOTENCY_KEY + "*"))
+    assert len(pending) == 2
+    for name in pending:
+        assert json.loads(store.redis.get(name))["state"] == "pending"
+        assert 0 < int(store.redis.ttl(name)) <= IDEMPOTENCY_PENDING_TTL_SECONDS
 
 
 def test_delivery_counter(store: JobStore) -> None:

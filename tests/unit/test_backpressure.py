@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, cast
 
 import pytest
@@ -49,3 +50,56 @@ def test_zero_is_no_limit() -> None:
     store = FakeStore(queued=10**9)
     _backlog(store, 0, [0.0]).admit(10**6)
     assert store.reads == 0
+
+
+class FakeAsyncReading:
+    """``AsyncJobStore.in_flight``: each reading waits until the test releases it."""
+
+    def __init__(self, queued: int) -> None:
+        self.queued = queued
+        self.reads = 0
+        self.release = asyncio.Event()
+
+    async def __call__(self) -> dict[str, int]:
+        self.reads += 1
+        await self.release.wait()
+        return {"queued": self.queued, "running": 0}
+
+
+def test_on_the_event_loop_every_request_waits_for_the_first_reading() -> None:
+    async def scenario() -> None:
+        reading, now = FakeAsyncReading(queued=8), [0.0]
+        backlog = _backlog(FakeStore(0), 10, now)
+        admits = [asyncio.ensure_future(backlog.admit_async(1, reading)) for _ in range(3)]
+        await asyncio.sleep(0)
+        assert not any(a.done() for a in admits)  # none admitted against "nothing queued"
+        reading.release.set()
+        outcomes = await asyncio.gather(*admits, return_exceptions=True)
+        assert sum(o is None for o in outcomes) == 2  # 8 + 2 = the limit
+        assert sum(isinstance(o, BacklogFull) for o in outcomes) == 1
+        assert reading.reads == 1
+
+    asyncio.run(scenario())
+
+
+def test_on_the_event_loop_work_admitted_during_a_reading_is_added_to_it() -> None:
+    async def scenario() -> None:
+        reading, now = FakeAsyncReading(queued=0), [0.0]
+        backlog = _backlog(FakeStore(0), 10, now)
+        reading.release.set()
+        await backlog.admit_async(1, reading)
+        reading.release.clear()
+        now[0] = READ_EVERY_SECONDS  # due: this request reads, the others use the last one
+        refreshing = asyncio.ensure_future(backlog.admit_async(1, reading))
+        await asyncio.sleep(0)
+        for _ in range(3):
+            await backlog.admit_async(1, reading)
+        reading.queued = 4  # what Redis counts, whether or not it saw those three yet
+        reading.release.set()
+        await refreshing
+        assert reading.reads == 2
+        with pytest.raises(BacklogFull) as info:
+            await backlog.admit_async(3, reading)  # 4 + 3 during the reading + 1 + 3 > 10
+        assert info.value.queued == 8
+
+    asyncio.run(scenario())

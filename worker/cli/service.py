@@ -47,7 +47,7 @@ def gateway(
 
     settings = _settings()
     uvicorn.run(
-        "api_gateway.app:create_app", factory=True, host=host, port=port or settings.gateway_port,
+        "api_gateway.app:serve", factory=True, host=host, port=port or settings.gateway_port,
         access_log=False, log_level=settings.log_level.lower(),
     )  # fmt: skip
 
