@@ -157,6 +157,13 @@ def bench_throughput(n: int, concurrency: int) -> dict[str, float]:
 
 @contextlib.contextmanager
 def fake_anthropic(tmp: Path, delay: float) -> Iterator[str]:
+    """The fake Messages API in a process of its own; yields its URL."""
+    with fake_anthropic_process(tmp, delay) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def fake_anthropic_process(tmp: Path, delay: float) -> Iterator[tuple[str, int]]:
     port = free_port()
     log = tmp / "fake-anthropic.log"
     with open(log, "wb") as out:
@@ -182,7 +189,7 @@ def fake_anthropic(tmp: Path, delay: float) -> Iterator[str]:
                 httpx.get(url + "/", timeout=0.5)
                 break
             time.sleep(0.05)
-        yield url
+        yield url, proc.pid
     finally:
         stop(proc)
 
@@ -199,7 +206,10 @@ def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, f
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        with fake_anthropic(tmp, delay=1.0) as model_url, redis_server(tmp / "redis") as r:
+        with (
+            fake_anthropic_process(tmp, delay=1.0) as (model_url, model_pid),
+            redis_server(tmp / "redis") as r,
+        ):
             # the baseline is the naive set-up: two processes, one search in flight each
             for pool, conc, count, db, items in (
                 ("threads", threads, n, 0, threads),
@@ -222,14 +232,17 @@ def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, f
                     httpx.Client(base_url=url, timeout=60) as client,
                 ):
                     ingest(client)
-                    cpu = cpu_seconds(proc.pid)
+                    cpu, model_cpu = cpu_seconds(proc.pid), cpu_seconds(model_pid)
                     seconds, peak = run_batch(client, qs[:count], mode=mode)
                     cpu = cpu_seconds(proc.pid) - cpu
+                    model_cpu = cpu_seconds(model_pid) - model_cpu
                 out[f"{pool}_searches_per_s"] = count / seconds
                 out[f"{pool}_peak_running"] = peak
                 if pool == "threads":  # prefork children are not reaped yet: not counted
                     # what one search costs the worker, whatever else the machine is doing
                     out["threads_worker_cpu_ms_per_search"] = 1000 * cpu / count
+                    # the fake model shares these two cores; a real provider would not
+                    out["threads_fake_model_cpu_ms_per_search"] = 1000 * model_cpu / count
     return out
 
 

@@ -44,12 +44,12 @@ import argparse
 import asyncio
 import contextlib
 import copy
+import functools
 import json
 import logging
 import math
 import random
 import re
-import secrets
 import socket
 import string
 import threading
@@ -297,10 +297,20 @@ def _tokenizer() -> Any:
 
 
 def count_tokens(text: str) -> int:
-    """Tokens in ``text`` by MiniLM's WordPiece tokenizer, without special tokens."""
+    """Tokens in ``text`` by MiniLM's WordPiece tokenizer, without special tokens.
+
+    Counted line by line, which gives the same total (the tokenizer splits on whitespace
+    first, so no token spans a newline), with each line's count cached: prompts repeat the
+    same candidate lines, and tokenizing whole prompts was the fake's main cost.
+    """
     if not text:
         return 0
-    return len(_tokenizer().encode(text, add_special_tokens=False).ids)
+    return sum(_line_tokens(line) for line in text.split("\n"))
+
+
+@functools.lru_cache(maxsize=65_536)
+def _line_tokens(line: str) -> int:
+    return len(_tokenizer().encode(line, add_special_tokens=False).ids) if line else 0
 
 
 def _texts(content: object) -> list[str]:
@@ -316,9 +326,12 @@ def _texts(content: object) -> list[str]:
     return out
 
 
+_BASE62 = string.ascii_letters + string.digits
+_IDS = random.Random()  # ids must differ, not be secret: no urandom per character
+
+
 def _base62(n: int) -> str:
-    alphabet = string.ascii_letters + string.digits
-    return "".join(secrets.choice(alphabet) for _ in range(n))
+    return "".join(_IDS.choices(_BASE62, k=n))
 
 
 # --- the app -------------------------------------------------------------------------------
@@ -380,8 +393,8 @@ class FakeAnthropic:
             self.app,
             host=self.host,
             port=self.port,
-            loop="asyncio",
-            http="h11",
+            loop="uvloop",
+            http="httptools",
             ws="none",
             lifespan="off",
             log_config=None,
@@ -1011,8 +1024,8 @@ async def _drop(request: Request) -> Response:
     """Close the TCP connection with no response; uvicorn then discards what we return."""
     raw_send = request.scope.get(_RAW_SEND)
     transport = getattr(getattr(raw_send, "__self__", None), "transport", None)
-    if transport is None:  # not served by uvicorn's h11 protocol
-        raise RuntimeError("drop() needs uvicorn's h11 server")
+    if transport is None:  # not served by uvicorn's protocol
+        raise RuntimeError("drop() needs uvicorn's server")
     transport.close()
     for _ in range(10):  # let connection_lost run, so uvicorn marks the cycle disconnected
         await asyncio.sleep(0)
