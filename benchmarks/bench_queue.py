@@ -98,10 +98,26 @@ def run_batch(
         peak = max(peak, counts["running"])
         if counts["queued"] == counts["running"] == 0:
             elapsed = time.perf_counter() - started
-            assert counts["succeeded"] == len(qs), counts
+            assert counts["succeeded"] == len(qs), (counts, failures(client, bid))
             return elapsed, peak
         time.sleep(0.05)
     raise TimeoutError(f"batch {bid} did not finish")
+
+
+def failures(client: httpx.Client, batch_id: str) -> dict[str, int]:
+    """How many items failed, by error type and message (to say why a run fell short)."""
+    found: dict[str, int] = {}
+    token: str | None = None
+    while True:
+        params = {"page_size": 1000, **({"page_token": token} if token else {})}
+        page = client.get(f"/v1/batches/{batch_id}/results", params=params, headers=AUTH).json()
+        for item in page["results"]:
+            if item.get("error"):
+                reason = f"{item['error']['type']}: {item['error']['message'][:80]}"
+                found[reason] = found.get(reason, 0) + 1
+        token = page["next_page_token"]
+        if not token:
+            return found
 
 
 def ingest(client: httpx.Client) -> None:
