@@ -54,7 +54,11 @@ def build_embedder(settings: Settings) -> Embedder:
     """The local MiniLM; concurrent searches' queries run through it together."""
     from worker.adapters.embedder import CoalescingEmbedder, OnnxMiniLMEmbedder
 
-    return CoalescingEmbedder(OnnxMiniLMEmbedder(threads=settings.embedding_threads or None))
+    model = OnnxMiniLMEmbedder(
+        threads=settings.embedding_threads or None,
+        int8_cache_dir=settings.model_cache_dir if settings.embedding_int8_compute else None,
+    )
+    return CoalescingEmbedder(model)
 
 
 def build_reranker(settings: Settings) -> Reranker | None:

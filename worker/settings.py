@@ -111,6 +111,13 @@ class Settings(BaseSettings):
     # onnxruntime threads per embedding call; 0 = one per core. A worker embeds many queries
     # at once from its own threads, so one each avoids the pool's spinning on 2 cores.
     embedding_threads: int = Field(default=1, ge=0, le=64)
+    # Run the model's matrix products in int8 (onnxruntime dynamic quantization, per channel;
+    # the graph is made once and kept in SIFT_MODEL_CACHE_DIR) instead of dequantizing its
+    # int8 weights to fp32: about 2.2x faster, vectors at cosine 0.994 to the fp32 path.
+    # Ingest and search must agree: re-ingest after changing it.
+    embedding_int8_compute: bool = True
+    # where derived model files (the int8-compute graph) are kept, made once per machine
+    model_cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "sift")
 
     generation_model: str | None = Field(default=None, pattern=r"^anthropic:[A-Za-z0-9._-]+$")
     generation_timeout_seconds: float = Field(default=20.0, gt=0)

@@ -42,14 +42,17 @@ def eval_command(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report")] = None,
 ) -> None:
     """Evaluate BM25, kNN, fused and final runs in-process with ir-measures."""
-    key = hashlib.sha256(str(corpus.resolve()).encode()).hexdigest()[:12]
-    directory = data_dir or Path(".sift/eval") / key
     # one process embeds the whole corpus: let onnxruntime use every core
-    overrides: dict[str, Any] = {"data_dir": directory, "embedding_threads": 0}
+    overrides: dict[str, Any] = {"embedding_threads": 0}
     if rerank:
         overrides["rerank_enabled"] = True
     try:
         settings = load_settings(**overrides)
+        # a cache per corpus and embedding graph: vectors of two graphs must never mix
+        graph = "int8-matmul" if settings.embedding_int8_compute else "fp32"
+        key = hashlib.sha256(f"{corpus.resolve()}|{graph}".encode()).hexdigest()[:12]
+        directory = data_dir or Path(".sift/eval") / key
+        settings = settings.model_copy(update={"data_dir": directory})
         runtime = build_runtime(settings)
         complete = directory / "indexed.ok"  # written only after the whole corpus is in
         if not complete.exists():
