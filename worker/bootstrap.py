@@ -51,14 +51,14 @@ def build_backend(settings: Settings) -> SearchBackend:
 
 
 def build_embedder(settings: Settings) -> Embedder:
-    """The local MiniLM; concurrent searches' queries run through it together."""
+    """The local MiniLM. With fp32 products, concurrent searches' queries run through it
+    together; the int8-compute graph embeds one text per call (see its class)."""
     from worker.adapters.embedder import CoalescingEmbedder, OnnxMiniLMEmbedder
 
-    model = OnnxMiniLMEmbedder(
-        threads=settings.embedding_threads or None,
-        int8_cache_dir=settings.model_cache_dir if settings.embedding_int8_compute else None,
-    )
-    return CoalescingEmbedder(model)
+    threads = settings.embedding_threads or None
+    if settings.embedding_int8_compute:
+        return OnnxMiniLMEmbedder(threads=threads, int8_cache_dir=settings.model_cache_dir)
+    return CoalescingEmbedder(OnnxMiniLMEmbedder(threads=threads))
 
 
 def build_reranker(settings: Settings) -> Reranker | None:
