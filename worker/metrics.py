@@ -75,6 +75,8 @@ from worker.constants import (
     METRIC_RERANK_TOKENS,
     METRIC_RETRIEVAL_DURATION,
     METRIC_SEARCH_DURATION,
+    METRIC_TASK_DURATION,
+    METRIC_TASK_RETRIES,
     METRIC_WEBHOOK_DELIVERIES,
     POLICY_ID,
 )
@@ -250,6 +252,17 @@ REDRIVEN = Counter(
     "Task messages the re-drive enqueued again because the broker had lost them, by job kind "
     "(a batch counts one per chunk).",
     ["kind"],
+)
+# The queue's task metrics (extensions to §9): how long each Celery task ran, how often one
+# was put back for a retry.
+TASK_DURATION = Histogram(
+    METRIC_TASK_DURATION,
+    "Wall time of one Celery task run, by task and outcome (ok, retry, error).",
+    ["task", "outcome"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
+TASK_RETRIES = Counter(
+    METRIC_TASK_RETRIES, "Tasks put back for a retry after a retryable error.", ["task"]
 )
 
 ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (

@@ -42,7 +42,6 @@ from worker.jobstore import BatchItem, JobStore, webhook_event
 from worker.logcontext import job_context
 from worker.ratelimit import LimitedReranker, ProviderLimiter
 from worker.settings import Settings, load_settings
-from worker.task_metrics import TASK_DURATION, TASK_RETRIES
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -187,13 +186,13 @@ class SiftTask(Task):  # type: ignore[misc]
                 return super().__call__(*args, **kwargs)
         except Retry:
             outcome = "retry"
-            TASK_RETRIES.labels(self.name).inc()
+            metrics.TASK_RETRIES.labels(self.name).inc()
             raise
         except BaseException:
             outcome = "error"
             raise
         finally:
-            TASK_DURATION.labels(self.name, outcome).observe(time.perf_counter() - started)
+            metrics.TASK_DURATION.labels(self.name, outcome).observe(time.perf_counter() - started)
 
     @property
     def context(self) -> WorkerContext:
