@@ -191,6 +191,15 @@ return 1
 """
 
 
+# How both stores connect: text replies, and no call left hanging on a dead connection.
+CONNECTION_OPTIONS: dict[str, Any] = {
+    "decode_responses": True,
+    "socket_connect_timeout": 5,
+    "socket_timeout": 30,
+    "health_check_interval": 30,
+}
+
+
 def _now() -> float:
     return time.time()
 
@@ -360,6 +369,10 @@ def _stage_messages(pipe: redis.client.Pipeline, enqueue: Enqueue | None, job_id
             pipe.lpush(key, raw)
 
 
+def _attempts_key(task_id: str, retry: int) -> str:
+    return f"{ATTEMPTS_KEY}{task_id}:{retry}"
+
+
 def _idem_key(tenant: str, key: str) -> str:
     return IDEMPOTENCY_KEY + tenant + ":" + hashlib.sha256(key.encode()).hexdigest()
 
@@ -396,12 +409,7 @@ class JobStore:
         a command that meets a refused or broken connection is retried, backing off from
         50 ms to 1 s, for about that long (a Redis restart), instead of failing its job;
         otherwise redis-py's default applies (3 quick retries)."""
-        options: dict[str, Any] = {
-            "decode_responses": True,
-            "socket_connect_timeout": 5,
-            "socket_timeout": 30,
-            "health_check_interval": 30,
-        }
+        options: dict[str, Any] = dict(CONNECTION_OPTIONS)
         if outage_seconds > 0:
             # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 s, then 1 s a retry
             options["retry"] = Retry(
@@ -827,17 +835,12 @@ class JobStore:
 
     def count_delivery(self, task_id: str, retry: int) -> int:
         """How many times this message (task id, retry number) has been delivered, this one too."""
-        key = f"{ATTEMPTS_KEY}{task_id}:{retry}"
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.incr(key)
-        pipe.expire(key, ATTEMPTS_TTL_SECONDS)
-        count, _ = pipe.execute()
-        return int(count)
+        return self._increment(_attempts_key(task_id, retry), ATTEMPTS_TTL_SECONDS)
 
     def set_deliveries(self, task_id: str, retry: int, count: int) -> None:
         """Start a message's delivery counter at ``count`` (a re-drive past its cap is sent
         already spent, so the task takes its poison path)."""
-        self.redis.set(f"{ATTEMPTS_KEY}{task_id}:{retry}", count, ex=ATTEMPTS_TTL_SECONDS)
+        self.redis.set(_attempts_key(task_id, retry), count, ex=ATTEMPTS_TTL_SECONDS)
 
     def in_flight(self) -> dict[str, int]:
         """Searches and batch items queued and running now, across the deployment."""
@@ -873,12 +876,7 @@ class JobStore:
 
     def count_redrive(self, job_id: str) -> int:
         """Count one more re-drive of this job; answers how many there have been."""
-        key = REDRIVE_COUNT_KEY + job_id
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.incr(key)
-        pipe.expire(key, self.result_ttl)
-        count, _ = pipe.execute()
-        return int(count)
+        return self._increment(REDRIVE_COUNT_KEY + job_id, self.result_ttl)
 
     # --- task messages ---------------------------------------------------------------------
 
@@ -890,6 +888,14 @@ class JobStore:
         pipe.execute()
 
     # --- internals --------------------------------------------------------------------------
+
+    def _increment(self, key: str, ttl: int) -> int:
+        """Add one to the counter at ``key`` and (re)start its TTL; answers the new count."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.incr(key)
+        pipe.expire(key, ttl)
+        count, _ = pipe.execute()
+        return int(count)
 
     def _finish(
         self, prefix: str, job_id: str, *, result: SearchResult | None, error: ErrorInfo | None
@@ -957,13 +963,7 @@ class AsyncJobStore:
         """A store on ``url``; a request that finds every connection busy waits for one
         (up to 20 s), as :meth:`JobStore.from_url` with ``max_connections`` does."""
         pool = redis.asyncio.BlockingConnectionPool.from_url(
-            url,
-            max_connections=max_connections,
-            timeout=20,
-            decode_responses=True,
-            socket_connect_timeout=5,
-            socket_timeout=30,
-            health_check_interval=30,
+            url, max_connections=max_connections, timeout=20, **CONNECTION_OPTIONS
         )
         return cls(redis.asyncio.Redis(connection_pool=pool))
 
