@@ -73,7 +73,7 @@ def create_app(
             )
         app.state.store = store
         app.state.async_store = async_store
-        app.state.backlog = Backlog(store, settings.max_backlog)
+        app.state.backlog = Backlog(async_store.in_flight, settings.max_backlog)
         app.state.sender = sender
         try:
             yield

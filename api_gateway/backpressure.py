@@ -5,19 +5,15 @@ read at most every ``READ_EVERY_SECONDS`` so the hot path stays one cached compa
 this gateway admits is added to its cached reading at once, so a burst between two readings
 cannot overshoot the limit by more than what the other gateways admitted meanwhile.
 
-    backlog = Backlog(store, limit=10_000)
-    backlog.admit(len(items))   # raises BacklogFull (429 with Retry-After) past the limit
-    await backlog.admit_async(len(items), async_store.in_flight)   # the same, on the loop
+    backlog = Backlog(async_store.in_flight, limit=10_000)
+    await backlog.admit(len(items))   # raises BacklogFull (429 with Retry-After) past the limit
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Awaitable, Callable
-
-from worker.jobstore import JobStore
 
 READ_EVERY_SECONDS = 0.5
 RETRY_AFTER_SECONDS = 5
@@ -35,41 +31,31 @@ class BacklogFull(Exception):
         )
 
 
+InFlight = Callable[[], Awaitable[dict[str, int]]]  # AsyncJobStore.in_flight
+
+
 class Backlog:
-    """A cached reading of the queued count, and the admission decision. Thread-safe."""
+    """A cached reading of the queued count, and the admission decision, on the event loop:
+    no I/O between readings."""
 
     def __init__(
         self,
-        store: JobStore,
+        in_flight: InFlight,
         limit: int,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store = store
+        self.in_flight = in_flight
         self.limit = limit
         self._clock = clock
-        self._lock = threading.Lock()
         self._queued = 0
         self._read_at: float | None = None
-        self._reading: asyncio.Future[None] | None = None  # admit_async's reading in flight
+        self._reading: asyncio.Future[None] | None = None  # the reading in flight
         self._admitted_while_reading: int | None = None
 
-    def admit(self, items: int) -> None:
-        """Count ``items`` in, or raise :class:`BacklogFull` (all or nothing). Blocking."""
-        if self.limit <= 0:
-            return
-        with self._lock:
-            if self._due():
-                now = self._clock()
-                self._queued = self.store.in_flight()["queued"]
-                self._read_at = now
-            self._take(items)
-
-    async def admit_async(
-        self, items: int, in_flight: Callable[[], Awaitable[dict[str, int]]]
-    ) -> None:
-        """:meth:`admit` on the event loop, with no I/O between readings. A due reading is
-        awaited by the request that found it due (and by all, before the first one); the
+    async def admit(self, items: int) -> None:
+        """Count ``items`` in, or raise :class:`BacklogFull` (all or nothing). A due reading
+        is awaited by the request that found it due (and by all, before the first one); the
         others go on with the previous reading. Work admitted while a reading is in flight
         is added to it, so the count errs high: it never lets more in."""
         if self.limit <= 0:
@@ -78,21 +64,19 @@ class Backlog:
             first = self._reading is None
             if first:
                 self._admitted_while_reading = 0
-                self._reading = asyncio.ensure_future(self._read(in_flight, self._clock()))
+                self._reading = asyncio.ensure_future(self._read(self._clock()))
             if first or self._read_at is None:
                 assert self._reading is not None
                 await asyncio.shield(self._reading)
-        with self._lock:
-            self._take(items)
-            if self._admitted_while_reading is not None:
-                self._admitted_while_reading += items
+        self._take(items)
+        if self._admitted_while_reading is not None:
+            self._admitted_while_reading += items
 
-    async def _read(self, in_flight: Callable[[], Awaitable[dict[str, int]]], now: float) -> None:
+    async def _read(self, now: float) -> None:
         try:
-            queued = (await in_flight())["queued"]
-            with self._lock:
-                self._queued = queued + (self._admitted_while_reading or 0)
-                self._read_at = now
+            queued = (await self.in_flight())["queued"]
+            self._queued = queued + (self._admitted_while_reading or 0)
+            self._read_at = now
         finally:
             self._admitted_while_reading, self._reading = None, None
 

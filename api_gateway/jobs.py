@@ -124,7 +124,7 @@ async def _admit(request: Request, items: int) -> None:
     if backlog is None or backlog.limit <= 0:
         return
     try:
-        await backlog.admit_async(items, _async_store(request).in_flight)
+        await backlog.admit(items)
     except BacklogFull as exc:
         log.warning("backpressure: %s", exc)
         raise ApiError(
@@ -383,7 +383,7 @@ async def create_search(
             raise
         spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
         async_store = _async_store(request)
-        try:  # one MULTI on the event loop: the record, the task message, the key's claim
+        try:  # one script on the event loop: the record, the task message, the key's claim
             fresh = await _create_and_enqueue_async(
                 _sender(request),
                 lambda enqueue: async_store.create_search(
