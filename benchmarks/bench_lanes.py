@@ -16,13 +16,10 @@ item final, and the tokens.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,32 +29,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_queue import AUTH, INDEX, base_env, ingest, queries  # noqa: E402
-from tests.services import celery_worker, free_port, gateway, redis_server, stop  # noqa: E402
+from tests.fake_anthropic import fake_process  # noqa: E402
+from tests.services import celery_worker, gateway, redis_server  # noqa: E402
 
 MODEL = "claude-haiku-4-5"
-
-
-@contextlib.contextmanager
-def fake_anthropic(tmp: Path, delay: float, batch_seconds: float) -> Iterator[str]:
-    port = free_port()
-    log = tmp / "fake-anthropic.log"
-    command = [
-        sys.executable, "-m", "tests.fake_anthropic", "--port", str(port),
-        "--delay", str(delay), "--batch-processing-seconds", str(batch_seconds),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.get(url + "/_fake/health", timeout=0.5)
-                break
-            time.sleep(0.05)
-        yield url
-    finally:
-        stop(proc)
 
 
 def run_lane(client: httpx.Client, qs: list[str], lane: str, timeout: float) -> dict[str, Any]:
@@ -110,7 +85,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         with (
-            fake_anthropic(tmp, args.model_delay, args.batch_processing_seconds) as model_url,
+            fake_process(
+                tmp,
+                "--delay",
+                str(args.model_delay),
+                "--batch-processing-seconds",
+                str(args.batch_processing_seconds),
+            ) as (model_url, _),
             redis_server(tmp / "redis") as redis_url,
         ):
             env = {

@@ -20,16 +20,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,7 +36,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.services import celery_worker, free_port, gateway, redis_server, stop  # noqa: E402
+from tests.fake_anthropic import fake_process  # noqa: E402
+from tests.services import celery_worker, gateway, redis_server  # noqa: E402
 from worker.contract import DocumentIn, SearchSpec  # noqa: E402
 
 KEY = "bench-key-0001"
@@ -171,45 +169,6 @@ def bench_throughput(n: int, concurrency: int) -> dict[str, float]:
     }
 
 
-@contextlib.contextmanager
-def fake_anthropic(tmp: Path, delay: float) -> Iterator[str]:
-    """The fake Messages API in a process of its own; yields its URL."""
-    with fake_anthropic_process(tmp, delay) as (url, _):
-        yield url
-
-
-@contextlib.contextmanager
-def fake_anthropic_process(tmp: Path, delay: float) -> Iterator[tuple[str, int]]:
-    port = free_port()
-    log = tmp / "fake-anthropic.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.fake_anthropic",
-                "--port",
-                str(port),
-                "--delay",
-                str(delay),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.get(url + "/", timeout=0.5)
-                break
-            time.sleep(0.05)
-        yield url, proc.pid
-    finally:
-        stop(proc)
-
-
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of a process and its reaped children (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -223,7 +182,7 @@ def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, f
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         with (
-            fake_anthropic_process(tmp, delay=1.0) as (model_url, model_pid),
+            fake_process(tmp, "--delay", "1.0") as (model_url, model),
             redis_server(tmp / "redis") as r,
         ):
             # the baseline is the naive set-up: two processes, one search in flight each
@@ -248,10 +207,10 @@ def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, f
                     httpx.Client(base_url=url, timeout=60) as client,
                 ):
                     ingest(client)
-                    cpu, model_cpu = cpu_seconds(proc.pid), cpu_seconds(model_pid)
+                    cpu, model_cpu = cpu_seconds(proc.pid), cpu_seconds(model.pid)
                     seconds, peak = run_batch(client, qs[:count], mode=mode)
                     cpu = cpu_seconds(proc.pid) - cpu
-                    model_cpu = cpu_seconds(model_pid) - model_cpu
+                    model_cpu = cpu_seconds(model.pid) - model_cpu
                 out[f"{pool}_searches_per_s"] = count / seconds
                 out[f"{pool}_peak_running"] = peak
                 if pool == "threads":  # prefork children are not reaped yet: not counted

@@ -52,14 +52,17 @@ import random
 import re
 import socket
 import string
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
@@ -1081,6 +1084,30 @@ class RemoteFakeAnthropic:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the fake at {self.url} is not up") from None
                 time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def fake_process(directory: Path, *options: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``python -m tests.fake_anthropic`` on a free port with the command-line ``options``
+    (``"--delay", "1.0"``...), logging to ``directory/fake-anthropic.log``; yields its URL
+    and process once it answers, and stops it afterwards."""
+    from worker.stack import free_port, stop
+
+    port = free_port()
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "fake-anthropic.log", "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.fake_anthropic", "--port", str(port), *options],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        RemoteFakeAnthropic(url).wait_ready(30)
+        yield url, proc
+    finally:
+        stop(proc)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

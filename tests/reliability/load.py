@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,9 +19,9 @@ from pathlib import Path
 
 import httpx
 
-from tests.fake_anthropic import RemoteFakeAnthropic
+from tests.fake_anthropic import fake_process
 from tests.reliability.support import ACME, INDEX, ingest, sample_queries, stack_env
-from tests.services import celery_worker, free_port, gateway, redis_server, stop
+from tests.services import celery_worker, gateway, redis_server
 
 FINAL = {"succeeded", "failed", "canceled"}
 
@@ -122,26 +120,15 @@ def load_stack(tmp: Path, *, model_delay: float, concurrency: int = 64) -> Itera
     """redis-server, the fake model as its own process (answering after ``model_delay``),
     one worker (threads pool) and the gateway, with the sample corpus ingested; yields the
     gateway URL."""
-    port = free_port()
-    log = tmp / "fake.log"
-    tmp.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        fake = subprocess.Popen(
-            [sys.executable, "-m", "tests.fake_anthropic", "--port", str(port),
-             "--delay", str(model_delay)],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    try:
-        model_url = f"http://127.0.0.1:{port}"
-        RemoteFakeAnthropic(model_url).wait_ready(30)
-        with redis_server(tmp / "redis") as url:
-            env = stack_env(url + "/0", model_url, SIFT_SEARCH_DEADLINE_SECONDS="30")
-            with (
-                celery_worker(tmp / "w", env, "w-load", concurrency=concurrency),
-                gateway(tmp / "g", env) as base,
-                httpx.Client(base_url=base, timeout=60) as client,
-            ):
-                ingest(client)
-                yield base
-    finally:
-        stop(fake)
+    with (
+        fake_process(tmp, "--delay", str(model_delay)) as (model_url, _),
+        redis_server(tmp / "redis") as url,
+    ):
+        env = stack_env(url + "/0", model_url, SIFT_SEARCH_DEADLINE_SECONDS="30")
+        with (
+            celery_worker(tmp / "w", env, "w-load", concurrency=concurrency),
+            gateway(tmp / "g", env) as base,
+            httpx.Client(base_url=base, timeout=60) as client,
+        ):
+            ingest(client)
+            yield base
