@@ -65,6 +65,13 @@ ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
 KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (3, 6, 9)
 KOMBU_UNACKED_KEY = "unacked"
+
+
+def kombu_queue_keys(queue: str) -> list[str]:
+    """The Redis lists kombu keeps one queue in: the queue's own, then one per priority."""
+    return [queue] + [f"{queue}{KOMBU_PRIORITY_SEPARATOR}{step}" for step in KOMBU_PRIORITY_STEPS]
+
+
 WEBHOOK_EVENT_SEARCH_COMPLETED = "search.completed"
 WEBHOOK_EVENT_BATCH_COMPLETED = "batch.completed"
 

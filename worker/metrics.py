@@ -58,8 +58,6 @@ from prometheus_client.multiprocess import mark_process_dead as _mark_process_de
 from prometheus_client.registry import Collector
 
 from worker.constants import (
-    KOMBU_PRIORITY_SEPARATOR,
-    KOMBU_PRIORITY_STEPS,
     METRIC_JOB_FAILURES,
     METRIC_JOBS_COMPLETED,
     METRIC_JOBS_IN_FLIGHT,
@@ -79,6 +77,7 @@ from worker.constants import (
     METRIC_TASK_RETRIES,
     METRIC_WEBHOOK_DELIVERIES,
     POLICY_ID,
+    kombu_queue_keys,
 )
 
 if TYPE_CHECKING:
@@ -445,8 +444,7 @@ def update_backlog(redis_client: RedisLike, queues: Iterable[str]) -> dict[str, 
     """
     lengths: dict[str, int] = {}
     for queue in queues:
-        keys = [queue] + [f"{queue}{KOMBU_PRIORITY_SEPARATOR}{s}" for s in KOMBU_PRIORITY_STEPS]
-        lengths[queue] = sum(int(redis_client.llen(key)) for key in keys)
+        lengths[queue] = sum(int(redis_client.llen(key)) for key in kombu_queue_keys(queue))
         QUEUE_BACKLOG.labels(queue).set(lengths[queue])
     return lengths
 

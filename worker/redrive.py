@@ -53,13 +53,12 @@ from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_ID_PREFIX,
     BATCH_QUEUE,
-    KOMBU_PRIORITY_SEPARATOR,
-    KOMBU_PRIORITY_STEPS,
     KOMBU_UNACKED_KEY,
     REDRIVE_LEADER_KEY,
     REDRIVE_SUSPECTS_KEY,
     SEARCH_QUEUE,
     SEARCH_TASK,
+    kombu_queue_keys,
 )
 from worker.jobstore import JobStore
 
@@ -224,9 +223,7 @@ class Sweeper:
         time that is read, or in the millisecond window the second sweep is there for."""
         client = self.store.redis
         for queue in (SEARCH_QUEUE, BATCH_QUEUE):
-            for key in [queue] + [
-                f"{queue}{KOMBU_PRIORITY_SEPARATOR}{s}" for s in KOMBU_PRIORITY_STEPS
-            ]:
+            for key in kombu_queue_keys(queue):
                 start = 0
                 while page := cast(list[str], client.lrange(key, start, start + PAGE - 1)):
                     for raw in page:
