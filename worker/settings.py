@@ -113,7 +113,7 @@ class Settings(BaseSettings):
     embedding_threads: int = Field(default=1, ge=0, le=64)
     # Run the model's matrix products in int8 (onnxruntime dynamic quantization, per channel;
     # the graph is made once and kept in SIFT_MODEL_CACHE_DIR) instead of dequantizing its
-    # int8 weights to fp32: about 2.2x faster, vectors at cosine 0.994 to the fp32 path.
+    # int8 weights to fp32: about 2.2x faster, vectors at cosine >= 0.99 to the fp32 path.
     # Ingest and search must agree: re-ingest after changing it.
     embedding_int8_compute: bool = True
     # where derived model files (the int8-compute graph) are kept, made once per machine
