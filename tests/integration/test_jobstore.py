@@ -6,13 +6,10 @@ import asyncio
 import json
 import random
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
-from tests.services import redis_server
 from worker.constants import (
     BATCH_COUNTS_KEY,
     BATCH_ITEMS_KEY,
@@ -29,20 +26,6 @@ from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
 from worker.jobstore import AsyncJobStore, IdempotencyOutcome, IdempotencyRef, JobStore
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(Path(tmp_path_factory.mktemp("redis"))) as url:
-        yield url + "/0"
-
-
-@pytest.fixture
-def store(redis_url: str) -> Iterator[JobStore]:
-    store = JobStore.from_url(redis_url)
-    store.redis.flushdb()
-    yield store
-    store.close()
 
 
 def result(tag: str) -> SearchResult:

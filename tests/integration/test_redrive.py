@@ -13,7 +13,7 @@ import pytest
 from celery import Celery
 
 from api_gateway.queue import OutboxSender
-from tests.services import celery_worker, redis_server
+from tests.services import celery_worker
 from worker.celery_app import create_celery_app
 from worker.constants import (
     ACTIVE_JOBS_KEY,
@@ -36,25 +36,11 @@ MAX_DELIVERIES = 2
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(Path(tmp_path_factory.mktemp("redis"))) as url:
-        yield url + "/0"
-
-
-@pytest.fixture(scope="module")
 def app(redis_url: str) -> Iterator[Celery]:
     """The worker's own Celery app: the sweeper sends through it, as in a worker."""
     celery = create_celery_app(load_settings(redis_url=redis_url))
     yield celery
     celery.close()
-
-
-@pytest.fixture
-def store(redis_url: str) -> Iterator[JobStore]:
-    store = JobStore.from_url(redis_url)
-    store.redis.flushdb()
-    yield store
-    store.close()
 
 
 @pytest.fixture

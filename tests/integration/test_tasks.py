@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.services import redis_server
 from worker import tasks
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.errors import BackendUnavailable, ModeUnavailable
@@ -33,12 +31,6 @@ class ScriptedRuntime:
 
     def ingest(self, index: str, tenant: str, documents: list[DocumentIn]) -> int:
         return len(documents)
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with redis_server(Path(tmp_path_factory.mktemp("redis"))) as url:
-        yield url + "/0"
 
 
 @pytest.fixture

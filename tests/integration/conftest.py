@@ -1,0 +1,27 @@
+"""Fixtures the integration modules share: a real redis-server per module, a clean store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.services import redis_server
+from worker.jobstore import JobStore
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A redis-server of the module's own; its database 0."""
+    with redis_server(Path(tmp_path_factory.mktemp("redis"))) as url:
+        yield url + "/0"
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[JobStore]:
+    """A job store on an emptied database."""
+    store = JobStore.from_url(redis_url)
+    store.redis.flushdb()
+    yield store
+    store.close()
