@@ -10,6 +10,7 @@ exponential backoff and jitter.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import random
@@ -52,6 +53,9 @@ RETRY_BASE_SECONDS = 1.0
 RETRY_CAP_SECONDS = 60.0
 # A worker's job-store calls ride out a Redis restart this long rather than fail the job.
 STORE_OUTAGE_SECONDS = 30.0
+# Allocations between young-generation collections, once the runtime is built (Python's
+# default is 700): with hundreds of searches in flight, collections cost ~8% of the CPU.
+GC_YOUNG_THRESHOLD = 20_000
 
 
 class Runtime(Protocol):
@@ -102,6 +106,7 @@ class WorkerContext:
             with self._lock:
                 if self._runtime is None:
                     self._runtime = load_runtime(self.settings, self.limiter)
+                    settle_heap()
         return self._runtime
 
 
@@ -128,6 +133,16 @@ def load_runtime(settings: Settings, limiter: ProviderLimiter | None = None) -> 
         recorder=metrics.PrometheusRecorder(lane=LANE_ECONOMY),
     )
     return InProcessRuntime(pipeline, economy)
+
+
+def settle_heap() -> None:
+    """Take what lives as long as the process (the model session, the SDK, the indexes) out
+    of the collector's sight, and collect young objects less often: a collection holds the
+    GIL, so every search in flight waits on it."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 _context: WorkerContext | None = None

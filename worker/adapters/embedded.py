@@ -290,14 +290,15 @@ class EmbeddedBackend:
     def channels(self, index: str) -> frozenset[Channel]:
         """``bm25``, plus ``knn`` once the index holds a vector; empty for an unknown index."""
         conn = self._conn()
-        with _translated("channels"), _read(conn):
-            row = _index_row(conn, index)
-            if row is None:
-                return frozenset()
-            has_vectors = conn.execute(
-                "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ? AND has_vector)", (index,)
-            ).get
-        return frozenset({"bm25", "knn"}) if has_vectors else frozenset({"bm25"})
+        with _translated("channels"):  # one statement: one snapshot, one step
+            row = conn.execute(
+                "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND has_vector)"
+                " FROM indexes WHERE name = ?1",
+                (index,),
+            ).fetchone()
+        if row is None:
+            return frozenset()
+        return frozenset({"bm25", "knn"}) if row[0] else frozenset({"bm25"})
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         """Each asked channel's hits, best first, hard filters applied inside the query."""
@@ -442,16 +443,19 @@ class EmbeddedBackend:
         if expression is None or query.size <= 0:
             return _NOTHING
         where, params = _filter_sql(query.filters)
+        # The hits come back as one JSON row: apsw lets go of the GIL at every step, and with
+        # hundreds of searches in flight each let-go is a wait to get it back. (SQLite's JSON
+        # writes a REAL with enough digits to read back the same float.)
         sql = (
+            "SELECT json_group_array(json_array(seq, score, id, revision, metadata)"
+            " ORDER BY score DESC, id) FROM ("
             f"SELECT d.seq, -bm25(fts_{num}) AS score, d.id, d.revision, d.metadata"
             f" FROM fts_{num} JOIN docs AS d ON d.seq = fts_{num}.rowid"
             f" WHERE fts_{num} MATCH ? AND d.idx = ? AND {where}"
-            " ORDER BY score DESC, d.id LIMIT ?"
+            " ORDER BY score DESC, d.id LIMIT ?)"
         )
-        rows = cast(
-            list[tuple[int, float, str, str, str]],
-            conn.execute(sql, (expression, query.index, *params, query.size)).fetchall(),
-        )
+        found = conn.execute(sql, (expression, query.index, *params, query.size)).get
+        rows = cast(list[tuple[int, float, str, str, str]], json.loads(cast(str, found)))
         return _Ranked([r[0] for r in rows], [r[1] for r in rows], lambda i: rows[i][2:])
 
     def _knn(self, conn: apsw.Connection, generation: int, query: ChannelQuery) -> _Ranked:
