@@ -68,9 +68,7 @@ def build_reranker(settings: Settings) -> Reranker | None:
         return None
     from worker.adapters.anthropic import AnthropicReranker
 
-    return AnthropicReranker(
-        model, effort=settings.generation_effort, connections=settings.rerank_max_in_flight
-    )
+    return AnthropicReranker(model, effort=settings.generation_effort)
 
 
 def build_batch_client(settings: Settings) -> AnthropicMessageBatches | None:
