@@ -1,7 +1,7 @@
 """The queue's benchmarks, each measured side by side in one run (issue 3's acceptance).
 
     python benchmarks/bench_queue.py throughput [--queries 2000]
-    python benchmarks/bench_queue.py rerank [--queries 1000] [--threads 200]
+    python benchmarks/bench_queue.py rerank [--rerank-queries 1000] [--threads 300]
     python benchmarks/bench_queue.py gateway [--requests 5000] [--clients 64]
     python benchmarks/bench_queue.py all
 
@@ -282,7 +282,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=2000)
     parser.add_argument("--worker-threads", type=int, default=8)
     parser.add_argument("--rerank-queries", type=int, default=1000)
-    parser.add_argument("--threads", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=300)
     parser.add_argument("--prefork-queries", type=int, default=40)
     parser.add_argument(
         "--rerank-mode",

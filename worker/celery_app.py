@@ -4,7 +4,7 @@
 access (PEP 562), so importing this module does no work.
 
 Concurrency: the worker runs the ``threads`` pool with ``SIFT_WORKER_CONCURRENCY``
-threads (200 by default). The pipeline is synchronous and spends its time
+threads (300 by default). The pipeline is synchronous and spends its time
 waiting on the model (about a second per rerank) or in onnxruntime, apsw and
 numpy, which release the GIL, so one process keeps hundreds of searches in
 flight. Model calls are further bounded by ``SIFT_RERANK_MAX_IN_FLIGHT``

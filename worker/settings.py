@@ -148,10 +148,10 @@ class Settings(BaseSettings):
     # Celery's pool; set it here, not with --pool: Celery cannot tell an explicit
     # "--pool prefork" from its default, so a configured pool always wins over the flag.
     worker_pool: Literal["threads", "prefork", "solo"] = "threads"
-    worker_concurrency: int = Field(default=200, ge=1, le=5000)  # threads per worker process
-    rerank_max_in_flight: int = Field(default=200, ge=1, le=5000)  # model calls per process
+    worker_concurrency: int = Field(default=300, ge=1, le=5000)  # threads per worker process
+    rerank_max_in_flight: int = Field(default=300, ge=1, le=5000)  # model calls per process
     batch_chunk_size: int = Field(default=25, ge=1, le=1000)  # batch items per chunk task
-    batch_item_concurrency: int = Field(default=200, ge=1, le=5000)  # batch items at once
+    batch_item_concurrency: int = Field(default=300, ge=1, le=5000)  # batch items at once
     task_max_retries: int = Field(default=3, ge=0, le=20)  # retries of a retryable error
     task_max_deliveries: int = Field(default=3, ge=1, le=20)  # deliveries before poison
     worker_soft_shutdown_seconds: float = Field(default=10.0, ge=0)
