@@ -151,7 +151,11 @@ def bench_throughput(n: int, concurrency: int) -> dict[str, float]:
             inproc_threads = n / (time.perf_counter() - started)
 
         with redis_server(tmp / "redis") as redis_url:
-            env = base_env(tmp, redis_url, 0)
+            # batch items run on the worker's item pool: the same thread count there too
+            env = {
+                **base_env(tmp, redis_url, 0),
+                "SIFT_BATCH_ITEM_CONCURRENCY": str(concurrency),
+            }
             with (
                 celery_worker(tmp / "w", env, "tp", concurrency=concurrency),
                 gateway(tmp / "g", env) as url,

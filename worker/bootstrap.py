@@ -14,6 +14,7 @@ from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.ports import Embedder, Recorder, Reranker, SearchBackend
 from worker.errors import ConfigError
 from worker.settings import Settings
+from worker.slots import Slots, SlottedEmbedder, cpu_slots
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -50,15 +51,19 @@ def build_backend(settings: Settings) -> SearchBackend:
     return EmbeddedBackend(settings.data_dir)
 
 
-def build_embedder(settings: Settings) -> Embedder:
-    """The local MiniLM. With fp32 products, concurrent searches' queries run through it
-    together; the int8-compute graph embeds one text per call (see its class)."""
+def build_embedder(settings: Settings, cpu_slots: Slots | None = None) -> Embedder:
+    """The local MiniLM, each model call holding one of ``cpu_slots``. With fp32 products,
+    concurrent searches' queries run through it together; the int8-compute graph embeds one
+    text per call (see its class)."""
     from worker.adapters.embedder import CoalescingEmbedder, OnnxMiniLMEmbedder
 
     threads = settings.embedding_threads or None
     if settings.embedding_int8_compute:
-        return OnnxMiniLMEmbedder(threads=threads, int8_cache_dir=settings.model_cache_dir)
-    return CoalescingEmbedder(OnnxMiniLMEmbedder(threads=threads))
+        model = OnnxMiniLMEmbedder(threads=threads, int8_cache_dir=settings.model_cache_dir)
+    else:
+        model = OnnxMiniLMEmbedder(threads=threads)
+    slotted: Embedder = model if cpu_slots is None else SlottedEmbedder(model, cpu_slots)
+    return slotted if settings.embedding_int8_compute else CoalescingEmbedder(slotted)
 
 
 def build_reranker(settings: Settings) -> Reranker | None:
@@ -92,12 +97,17 @@ def build_pipeline(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> SearchPipeline:
+    # The embedded backend computes in this process: a CPU slot is held through each whole
+    # first half. Elasticsearch's retrieval waits on the network: only embedding holds one.
+    slots = cpu_slots(settings.cpu_slots)
+    local = backend is None and settings.search_backend == "embedded"
     return SearchPipeline(
         backend=backend or build_backend(settings),
-        embedder=embedder or build_embedder(settings),
+        embedder=embedder or build_embedder(settings, None if local else slots),
         reranker=reranker or build_reranker(settings),
         config=pipeline_config(settings),
         recorder=recorder,
         clock=clock,
         sleep=sleep,
+        cpu_slots=slots if local else None,
     )

@@ -52,8 +52,11 @@ from typing import Any, cast
 import redis
 import redis.asyncio
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
+from worker.coalesce import Coalescer
 from worker.constants import (
     ACTIVE_JOBS_KEY,
     ATTEMPTS_KEY,
@@ -384,6 +387,10 @@ def _idem_record(ref: IdempotencyRef, job_id: str, *, done: bool) -> tuple[str, 
     return _idem_key(ref.tenant, ref.key), json.dumps(record), ttl
 
 
+_ScriptCall = tuple[Script, list[str], list[str]]  # a registered script, its keys and args
+_START_ITEM = (JobStatus.RUNNING, "queued,running", "")  # to, allowed-from, outcome
+
+
 class JobStore:
     """Job records in Redis. Thread-safe: redis-py's client pools its connections.
 
@@ -399,6 +406,11 @@ class JobStore:
         self._transition_item = client.register_script(_TRANSITION_ITEM)
         self._cancel_batch = client.register_script(_CANCEL_BATCH)
         self._create_search = client.register_script(_CREATE_SEARCH)
+        # status transitions that threads ask for while one round trip is out go together
+        # in the next (a worker's hundreds of threads each make two per search)
+        self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
+            self._run_scripts, size=len
+        )
 
     @classmethod
     def from_url(
@@ -689,7 +701,7 @@ class JobStore:
 
     def start_item(self, batch_id: str, query_id: str) -> bool:
         """queued (or running, on redelivery) -> running. False if final, canceled or missing."""
-        return self._item(batch_id, query_id, JobStatus.RUNNING, "queued,running", "").applied
+        return self._item(batch_id, query_id, *_START_ITEM).applied
 
     def requeue_item(self, batch_id: str, query_id: str) -> bool:
         return self._item(batch_id, query_id, JobStatus.QUEUED, "running", "").applied
@@ -703,12 +715,31 @@ class JobStore:
         error: ErrorInfo | None = None,
     ) -> ItemTransition:
         """-> succeeded or failed, at most once; says whether that completed the batch."""
+        transition, _ = self.finish_and_start_item(batch_id, query_id, result=result, error=error)
+        return transition
+
+    def finish_and_start_item(
+        self,
+        batch_id: str,
+        query_id: str,
+        *,
+        result: SearchResult | None = None,
+        error: ErrorInfo | None = None,
+        start: str | None = None,
+    ) -> tuple[ItemTransition, bool]:
+        """:meth:`finish_item`, then :meth:`start_item` of the item ``start`` (if given), in
+        one round trip: a thread that runs a chunk's items one after another pays one per
+        item. Answers the finish and whether ``start`` started."""
         if error is not None:
             status, payload = JobStatus.FAILED, '{"error":' + error.model_dump_json() + "}"
         else:
             assert result is not None
             status, payload = JobStatus.SUCCEEDED, '{"result":' + result.model_dump_json() + "}"
-        return self._item(batch_id, query_id, status, "queued,running", payload)
+        moves = [(query_id, status, "queued,running", payload)]
+        if start is not None:
+            moves.append((start, *_START_ITEM))
+        transitions = self._items(batch_id, moves)
+        return transitions[0], start is not None and transitions[1].applied
 
     def cancel_batch(self, batch_id: str) -> tuple[int, bool] | None:
         """Cancel every item still queued. Returns (canceled, batch completed now), or None."""
@@ -925,11 +956,20 @@ class JobStore:
             args += [name, value]
         stats = STATS_KEY if count else STATS_UNTRACKED_KEY
         keys = [prefix + job_id, stats, ACTIVE_JOBS_KEY]
-        return int(cast(int, self._transition_job(keys=keys, args=args))) == 1
+        (code,) = self._transitions.call([(self._transition_job, keys, args)])
+        return int(code) == 1
 
     def _item(
         self, batch_id: str, query_id: str, to: JobStatus, allowed: str, payload: str
     ) -> ItemTransition:
+        (transition,) = self._items(batch_id, [(query_id, to, allowed, payload)])
+        return transition
+
+    def _items(
+        self, batch_id: str, moves: Sequence[tuple[str, JobStatus, str, str]]
+    ) -> list[ItemTransition]:
+        """Item transitions (query id, to, allowed-from, outcome JSON or ''), in order, in
+        one round trip."""
         keys = [
             BATCH_ITEMS_KEY + batch_id,
             BATCH_RESULTS_KEY + batch_id,
@@ -938,9 +978,35 @@ class JobStore:
             STATS_KEY,
             ACTIVE_JOBS_KEY,
         ]
-        args = [query_id, to.value, allowed, payload, repr(_now()), batch_id]
-        code = int(cast(int, self._transition_item(keys=keys, args=args)))
-        return ItemTransition(applied=code >= 1, batch_completed=code == 2)
+        now = repr(_now())
+        calls: list[_ScriptCall] = [
+            (self._transition_item, keys, [qid, to.value, allowed, payload, now, batch_id])
+            for qid, to, allowed, payload in moves
+        ]
+        codes = [int(code) for code in self._transitions.call(calls)]
+        return [ItemTransition(applied=code >= 1, batch_completed=code == 2) for code in codes]
+
+    def _run_scripts(self, requests: list[list[_ScriptCall]]) -> list[list[Any] | Exception]:
+        """Each request's script calls, all in one round trip (a pipeline of ``EVALSHA``).
+        One the server no longer holds (a restart empties its script cache) runs again on
+        its own, which loads it. A request with an error gets the error."""
+        calls = [call for request in requests for call in request]
+        if len(calls) == 1:
+            script, keys, args = calls[0]
+            return [[script(keys=keys, args=args)]]
+        pipe = self.redis.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        results = iter(pipe.execute(raise_on_error=False))
+        answers: list[list[Any] | Exception] = []
+        for request in requests:
+            replies = [
+                script(keys=keys, args=args) if isinstance(reply, NoScriptError) else reply
+                for (script, keys, args), reply in zip(request, results, strict=False)
+            ]
+            error = next((r for r in replies if isinstance(r, Exception)), None)
+            answers.append(error if error is not None else replies)
+        return answers
 
 
 class AsyncJobStore:

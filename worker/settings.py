@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     # onnxruntime threads per embedding call; 0 = one per core. A worker embeds many queries
     # at once from its own threads, so one each avoids the pool's spinning on 2 cores.
     embedding_threads: int = Field(default=1, ge=0, le=64)
+    # Threads of a process in a search's CPU-bound stages (query embedding, the embedded
+    # backend's retrieval) at once; the rest wait off the GIL. 0 = one per core.
+    cpu_slots: int = Field(default=0, ge=0, le=1024)
     # Run the model's matrix products in int8 (onnxruntime dynamic quantization, per channel;
     # the graph is made once and kept in SIFT_MODEL_CACHE_DIR) instead of dequantizing its
     # int8 weights to fp32: about 2.2x faster, vectors at cosine >= 0.99 to the fp32 path.

@@ -16,9 +16,10 @@ import logging
 import random
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from celery import Task, shared_task
 from celery.exceptions import Retry
@@ -263,6 +264,11 @@ def _completed(kind: str, applied: bool, error: ErrorInfo | None) -> bool:
     return applied
 
 
+# What running one batch item came to: the result or the error to finish it with, "retry"
+# (requeued for the chunk's retry), or None (nothing to finish now).
+ItemOutcome = tuple[SearchResult | None, ErrorInfo | None] | Literal["retry"] | None
+
+
 def _poison_error(task: SiftTask) -> ErrorInfo:
     limit = task.context.settings.task_max_deliveries
     return ErrorInfo(
@@ -345,25 +351,26 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     first_delivery = self.request.retries == 0
     runtime = self.context.runtime if not poisoned else None
 
-    def finish(item: BatchItem, result: SearchResult | None, error: ErrorInfo | None) -> bool:
-        transition = store.finish_item(batch_id, item.query_id, result=result, error=error)
-        _completed("batch_item", transition.applied, error)
-        return transition.batch_completed
+    def to_start(item: BatchItem | None) -> str | None:
+        """The item's query id if it is to be started (a poisoned chunk fails items as they
+        are, and an item without its spec has expired)."""
+        if item is None or poisoned or item.spec is None:
+            return None
+        return item.query_id
 
-    def run_item(item: BatchItem) -> tuple[bool, bool]:
-        with job_context(f"{batch_id}/{item.query_id}"):
-            return run_one(item)
+    def begin(item: BatchItem | None) -> bool:
+        query_id = to_start(item)
+        return query_id is not None and store.start_item(batch_id, query_id)
 
-    def run_one(item: BatchItem) -> tuple[bool, bool]:
-        """Run one item; answers (batch completed by it, to retry)."""
+    def run(item: BatchItem) -> ItemOutcome:
+        """Run one started item (or fail it, poisoned): the result or error to finish it
+        with, ``"retry"`` (requeued for the chunk's retry), or None (nothing to finish)."""
         if poisoned:
-            return finish(item, None, _poison_error(self)), False
-        if item.spec is None or not store.start_item(batch_id, item.query_id):
-            return False, False  # canceled meanwhile, or finished by another delivery
+            return None, _poison_error(self)
         if first_delivery and item.status == "queued":
             metrics.observe_queue_wait(BATCH_QUEUE, time.time() - batch.created_at)
+        assert runtime is not None and item.spec is not None
         try:
-            assert runtime is not None
             with metrics.running_job():
                 if economy:  # the first half now; the model's answer comes from a provider batch
                     from worker.economy import economy_pipeline, save_prepared
@@ -373,22 +380,55 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                         save_prepared(
                             store, batch_id, item.query_id, positions[item.query_id], prepared
                         )
-                        return False, False
-                    result = prepared.result
-                else:
-                    result = runtime.search(item.spec, batch.tenant)
+                        return None
+                    return prepared.result, None
+                return runtime.search(item.spec, batch.tenant), None
         except Exception as exc:
             if may_retry and isinstance(exc, SiftError) and exc.retryable:
                 store.requeue_item(batch_id, item.query_id)
-                return False, True
+                return "retry"
             if not isinstance(exc, SiftError):
                 log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
-            return finish(item, None, error_info(exc)), False
-        return finish(item, result, None), False
+            return None, error_info(exc)
 
     pending = [item for item in items if not item.status.final]
-    # the items run on the process's shared item pool, so a chunk's searches overlap
-    outcomes = list(self.context.item_pool.map(run_item, pending))
+    todo: deque[BatchItem] = deque(pending)
+
+    def take() -> BatchItem | None:
+        try:
+            return todo.popleft()
+        except IndexError:
+            return None
+
+    def run_items() -> list[tuple[bool, bool]]:
+        """Take the chunk's items one after another until none is left: (batch completed,
+        to retry) for each. A thread's finish of one item and start of its next go in one
+        round trip."""
+        ran: list[tuple[bool, bool]] = []
+        item = take()
+        started = begin(item)
+        while item is not None:
+            with job_context(f"{batch_id}/{item.query_id}"):
+                outcome = run(item) if started or poisoned else None
+            nxt = take()
+            if outcome is None or outcome == "retry":
+                ran.append((False, outcome == "retry"))
+                started = begin(nxt)
+            else:
+                result, error = outcome
+                transition, started = store.finish_and_start_item(
+                    batch_id, item.query_id, result=result, error=error, start=to_start(nxt)
+                )
+                _completed("batch_item", transition.applied, error)
+                ran.append((transition.batch_completed, False))
+            item = nxt
+        return ran
+
+    # One task per item on the process's shared item pool, so a chunk's items overlap; a
+    # thread that frees up takes the chunk's next item itself, and a task that finds none
+    # left ends at once.
+    runners = [self.context.item_pool.submit(run_items) for _ in pending]
+    outcomes = [outcome for runner in runners for outcome in runner.result()]
     completed = any(done for done, _ in outcomes)
     to_retry = sum(1 for _, retry in outcomes if retry)
     # A redelivered chunk with nothing left to run, of a finished batch: the worker that

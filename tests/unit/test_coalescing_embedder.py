@@ -50,7 +50,7 @@ def test_callers_arriving_during_a_call_share_the_next_one() -> None:
         first = pool.submit(embedder.embed, ["q0"])
         assert inner.entered.wait(10)
         rest = [pool.submit(embedder.embed, [f"q{i}"]) for i in range(1, 9)]
-        while len(embedder._waiting) < 8:  # all eight queued behind the running call
+        while embedder._calls.waiting < 8:  # all eight queued behind the running call
             threading.Event().wait(0.001)
         inner.release.set()
         assert first.result(10) == [[0.0]]
@@ -67,10 +67,10 @@ def test_max_texts_splits_calls_but_never_a_caller() -> None:
         first = pool.submit(embedder.embed, ["q0"])
         assert inner.entered.wait(10)
         big = pool.submit(embedder.embed, ["q1", "q2", "q3", "q4"])  # more than max_texts
-        while len(embedder._waiting) < 1:
+        while embedder._calls.waiting < 1:
             threading.Event().wait(0.001)
         small = pool.submit(embedder.embed, ["q5"])
-        while len(embedder._waiting) < 2:
+        while embedder._calls.waiting < 2:
             threading.Event().wait(0.001)
         inner.release.set()
         assert big.result(10) == [[1.0], [2.0], [3.0], [4.0]]
@@ -87,7 +87,7 @@ def test_an_error_reaches_every_caller_of_that_call_and_no_other() -> None:
         first = pool.submit(embedder.embed, ["q0"])
         assert inner.entered.wait(10)
         failing = [pool.submit(embedder.embed, [f"q{i}"]) for i in (1, 2)]
-        while len(embedder._waiting) < 2:
+        while embedder._calls.waiting < 2:
             threading.Event().wait(0.001)
         inner.release.set()
         assert first.result(10) == [[0.0]]

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from worker.coalesce import Coalescer
 from worker.core.ports import Embedder
 from worker.errors import ConfigError
 
@@ -200,22 +201,6 @@ class OnnxMiniLMEmbedder:
         return unit
 
 
-class _Waiter:
-    """One caller's texts, and then its vectors or its error."""
-
-    def __init__(self, texts: list[str]) -> None:
-        self.texts = texts
-        self.vectors: list[list[float]] | None = None
-        self.error: BaseException | None = None
-        self.woken = threading.Event()  # set when answered, or when made the next runner
-
-    def answer(self) -> list[list[float]]:
-        if self.error is not None:
-            raise self.error
-        assert self.vectors is not None
-        return self.vectors
-
-
 class CoalescingEmbedder:
     """An :class:`~worker.core.ports.Embedder` that runs what concurrent threads ask for
     together, as one model call.
@@ -223,9 +208,8 @@ class CoalescingEmbedder:
     A worker keeps hundreds of searches in flight on threads, each embedding one short query.
     MiniLM costs about 4.2 ms of CPU for a query alone and 3.0 ms a query in a batch of 16
     (``benchmarks/bench_embedding.py``), so the queries that arrive while one call runs
-    go together in the next. Nothing waits on a timer: a caller that finds no call running
-    runs one at once, for everything waiting; the others wait for its answer, and when it is
-    done the oldest waiter runs the next call. Alone, a query pays nothing extra.
+    go together in the next (:class:`~worker.coalesce.Coalescer`: no timer; alone, a query
+    pays nothing extra).
 
         embedder = CoalescingEmbedder(OnnxMiniLMEmbedder(threads=1))
         embedder.embed(["a query"])  # from any number of threads
@@ -236,51 +220,20 @@ class CoalescingEmbedder:
         self.model_id: str = inner.model_id
         self.dimension: int = inner.dimension
         self.max_texts = max_texts
-        self._lock = threading.Lock()
-        self._waiting: list[_Waiter] = []
-        self._running = False
+        self._calls: Coalescer[list[str], list[list[float]]] = Coalescer(
+            self._embed_together, max_batch=max_texts, size=len
+        )
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """One L2-normalised vector per text, in input order."""
         if not texts:
             return []
-        waiter = _Waiter(list(texts))
-        with self._lock:
-            self._waiting.append(waiter)
-            runs_now = not self._running
-            self._running = True
-        if not runs_now:
-            waiter.woken.wait()
-            if waiter.vectors is not None or waiter.error is not None:
-                return waiter.answer()
-        # This caller runs the next call; it is the oldest waiter, so it is in it.
-        self._run_once()
-        return waiter.answer()
+        return self._calls.call(list(texts))
 
-    def _run_once(self) -> None:
-        with self._lock:
-            batch: list[_Waiter] = []
-            size = 0
-            while self._waiting and (
-                not batch or size + len(self._waiting[0].texts) <= self.max_texts
-            ):
-                size += len(self._waiting[0].texts)
-                batch.append(self._waiting.pop(0))
-        try:
-            vectors = self.inner.embed([text for w in batch for text in w.texts])
-        except BaseException as exc:  # every caller in the call gets the error
-            for w in batch:
-                w.error = exc
-        else:
-            start = 0
-            for w in batch:
-                w.vectors = vectors[start : start + len(w.texts)]
-                start += len(w.texts)
-        finally:
-            with self._lock:
-                nxt = self._waiting[0] if self._waiting else None
-                self._running = nxt is not None
-            for w in batch:
-                w.woken.set()
-            if nxt is not None:
-                nxt.woken.set()  # it finds no answer, so it runs the next call
+    def _embed_together(self, requests: list[list[str]]) -> list[list[list[float]]]:
+        vectors = self.inner.embed([text for texts in requests for text in texts])
+        answers, start = [], 0
+        for texts in requests:
+            answers.append(vectors[start : start + len(texts)])
+            start += len(texts)
+        return answers

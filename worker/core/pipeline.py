@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -125,7 +126,9 @@ class SearchPipeline:
         recorder: Recorder | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        cpu_slots: AbstractContextManager[Any] | None = None,
     ) -> None:
+        """``cpu_slots``: one is held through each first half (:mod:`worker.slots`)."""
         self.backend = backend
         self.embedder = embedder
         self.reranker = reranker
@@ -133,6 +136,7 @@ class SearchPipeline:
         self.recorder: Recorder = recorder or NullRecorder()
         self._clock = clock
         self._sleep = sleep
+        self._cpu_slots = cpu_slots or nullcontext()
 
     def variant(self, *, config: PipelineConfig, recorder: Recorder | None) -> SearchPipeline:
         """The same ports with another config and recorder (the economy lane's price and lane)."""
@@ -144,6 +148,7 @@ class SearchPipeline:
             recorder,
             clock=self._clock,
             sleep=self._sleep,
+            cpu_slots=self._cpu_slots,
         )
 
     # -- the algorithm ------------------------------------------------------------
@@ -152,7 +157,8 @@ class SearchPipeline:
         deadline = Deadline(self.config.deadline_seconds, self._clock)
         outcome = "error"
         try:
-            prepared = self._prepare(spec, tenant, deadline)
+            with self._cpu_slots:
+                prepared = self._prepare(spec, tenant, deadline)
             if prepared.result is not None:
                 result = prepared.result
             else:
@@ -170,7 +176,8 @@ class SearchPipeline:
         """
         deadline = Deadline(self.config.deadline_seconds, self._clock)
         try:
-            prepared = self._prepare(spec, tenant, deadline)
+            with self._cpu_slots:
+                prepared = self._prepare(spec, tenant, deadline)
         except BaseException:
             self.recorder.search_done(spec.mode, "error", deadline.elapsed())
             raise

@@ -1,0 +1,112 @@
+"""Run what concurrent threads ask for together: one call for every request that arrived
+while the previous call ran.
+
+Nothing waits on a timer. A caller that finds no call running makes one at once, for
+everything waiting; the others wait for its answers, and when it is done the oldest waiter
+makes the next call. Alone, a request pays nothing extra; under load, requests share calls.
+A worker uses it for query embeddings (one model call) and for job-store transitions (one
+Redis round trip): with hundreds of threads each round trip or call is also a GIL hand-off.
+
+    coalescer = Coalescer(lambda batch: [x * 2 for x in batch], max_batch=64)
+    coalescer.call(21)  # 42, from any number of threads
+
+``run`` answers one result per request, in order; an exception instance in its place is
+raised to that caller alone. An exception ``run`` raises reaches every caller of the call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+
+Request = TypeVar("Request")
+Result = TypeVar("Result")
+
+
+class _Waiter(Generic[Request, Result]):
+    """One caller's request, and then its result or its error."""
+
+    __slots__ = ("answered", "error", "request", "result", "woken")
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.result: Result | None = None
+        self.error: BaseException | None = None
+        self.answered = False
+        self.woken = threading.Event()  # set when answered, or when made the next runner
+
+    def answer(self) -> Result:
+        if self.error is not None:
+            raise self.error
+        return self.result  # type: ignore[return-value]
+
+
+class Coalescer(Generic[Request, Result]):
+    """Runs concurrent requests together with ``run``, at most one call at a time; a call
+    takes up to ``max_batch`` requests (``size`` counts how much of it each one takes)."""
+
+    def __init__(
+        self,
+        run: Callable[[list[Request]], Sequence[Result | BaseException]],
+        *,
+        max_batch: int = 64,
+        size: Callable[[Request], int] = lambda _: 1,
+    ) -> None:
+        self._run = run
+        self.max_batch = max_batch
+        self._size = size
+        self._lock = threading.Lock()
+        self._waiting: list[_Waiter[Request, Result]] = []
+        self._running = False
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued behind the running call."""
+        return len(self._waiting)
+
+    def call(self, request: Request) -> Result:
+        waiter: _Waiter[Request, Result] = _Waiter(request)
+        with self._lock:
+            self._waiting.append(waiter)
+            runs_now = not self._running
+            self._running = True
+        if not runs_now:
+            waiter.woken.wait()
+            if waiter.answered:
+                return waiter.answer()
+        # This caller makes the next call; it is the oldest waiter, so it is in it.
+        self._run_once()
+        return waiter.answer()
+
+    def _run_once(self) -> None:
+        with self._lock:
+            batch: list[_Waiter[Request, Result]] = []
+            size = 0
+            while self._waiting and (
+                not batch or size + self._size(self._waiting[0].request) <= self.max_batch
+            ):
+                size += self._size(self._waiting[0].request)
+                batch.append(self._waiting.pop(0))
+        try:
+            results = self._run([w.request for w in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"{len(results)} results for {len(batch)} requests")
+        except BaseException as exc:  # every caller in the call gets the error
+            for w in batch:
+                w.error = exc
+        else:
+            for w, result in zip(batch, results, strict=True):
+                if isinstance(result, BaseException):
+                    w.error = result
+                else:
+                    w.result = result
+        finally:
+            with self._lock:
+                nxt = self._waiting[0] if self._waiting else None
+                self._running = nxt is not None
+            for w in batch:
+                w.answered = True
+                w.woken.set()
+            if nxt is not None:
+                nxt.woken.set()  # it finds no answer, so it makes the next call

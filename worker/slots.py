@@ -1,0 +1,51 @@
+"""CPU slots: how many threads of a process run a search's CPU-bound stages at once.
+
+A worker keeps hundreds of searches in flight on threads, because most of a search is
+waiting on the model. The query embedding and the embedded backend's retrieval are CPU
+work, and past about one thread per core more threads in them only queue for the GIL: each
+hand-off is a futex wake and a context switch, which perf put at a quarter of the worker's
+CPU. So a thread takes a slot for those stages, and when every slot is taken it waits for
+one off the GIL. Elasticsearch's retrieval waits on the network, so it takes no slot.
+
+    slots = cpu_slots(settings.cpu_slots)  # SIFT_CPU_SLOTS; 0 is one per core
+    embedder = SlottedEmbedder(OnnxMiniLMEmbedder(), slots)
+    backend = EmbeddedBackend(data_dir, cpu_slots=slots)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+from worker.core.ports import Embedder
+
+Slots = AbstractContextManager[Any]
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_slots(slots: int) -> threading.BoundedSemaphore:
+    """``slots`` CPU slots to share between the stages; 0 is one per core."""
+    return threading.BoundedSemaphore(slots or cores())
+
+
+class SlottedEmbedder:
+    """An :class:`~worker.core.ports.Embedder` whose model calls each hold a CPU slot."""
+
+    def __init__(self, inner: Embedder, slots: Slots) -> None:
+        self.inner = inner
+        self.slots = slots
+        self.model_id: str = inner.model_id
+        self.dimension: int = inner.dimension
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        with self.slots:
+            return self.inner.embed(texts)
