@@ -16,6 +16,7 @@ raised to that caller alone. An exception ``run`` raises reaches every caller of
 
 from __future__ import annotations
 
+import _thread
 import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
@@ -27,14 +28,26 @@ Result = TypeVar("Result")
 class _Waiter(Generic[Request, Result]):
     """One caller's request, and then its result or its error."""
 
-    __slots__ = ("answered", "error", "request", "result", "woken")
+    __slots__ = ("_wake", "answered", "error", "request", "result")
 
-    def __init__(self, request: Request) -> None:
+    def __init__(self, request: Request, *, waits: bool) -> None:
         self.request = request
         self.result: Result | None = None
         self.error: BaseException | None = None
         self.answered = False
-        self.woken = threading.Event()  # set when answered, or when made the next runner
+        # a bare lock, held until woken (answered, or made the next runner): lighter than an
+        # Event, and a caller that runs at once makes none
+        self._wake = _thread.allocate_lock() if waits else None
+        if self._wake is not None:
+            self._wake.acquire()
+
+    def wait(self) -> None:
+        assert self._wake is not None
+        self._wake.acquire()
+
+    def wake(self) -> None:
+        if self._wake is not None:
+            self._wake.release()
 
     def answer(self) -> Result:
         if self.error is not None:
@@ -66,13 +79,13 @@ class Coalescer(Generic[Request, Result]):
         return len(self._waiting)
 
     def call(self, request: Request) -> Result:
-        waiter: _Waiter[Request, Result] = _Waiter(request)
         with self._lock:
-            self._waiting.append(waiter)
             runs_now = not self._running
             self._running = True
+            waiter: _Waiter[Request, Result] = _Waiter(request, waits=not runs_now)
+            self._waiting.append(waiter)
         if not runs_now:
-            waiter.woken.wait()
+            waiter.wait()
             if waiter.answered:
                 return waiter.answer()
         # This caller makes the next call; it is the oldest waiter, so it is in it.
@@ -107,6 +120,6 @@ class Coalescer(Generic[Request, Result]):
                 self._running = nxt is not None
             for w in batch:
                 w.answered = True
-                w.woken.set()
+                w.wake()
             if nxt is not None:
-                nxt.woken.set()  # it finds no answer, so it makes the next call
+                nxt.wake()  # it finds no answer, so it makes the next call

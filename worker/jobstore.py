@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -411,6 +412,8 @@ class JobStore:
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
             self._run_scripts, size=len
         )
+        self._own: Any = None  # the transitions' connection (see _evalsha_all)
+        self._own_pid = 0
 
     @classmethod
     def from_url(
@@ -439,6 +442,8 @@ class JobStore:
         as ``from_url(max_connections=)`` does, is not closed by ``Redis.close``)."""
         self.redis.close()
         self.redis.connection_pool.disconnect()
+        if self._own is not None:
+            self._own.disconnect()
 
     def ping(self) -> bool:
         return bool(self.redis.ping())
@@ -987,26 +992,45 @@ class JobStore:
         return [ItemTransition(applied=code >= 1, batch_completed=code == 2) for code in codes]
 
     def _run_scripts(self, requests: list[list[_ScriptCall]]) -> list[list[Any] | Exception]:
-        """Each request's script calls, all in one round trip (a pipeline of ``EVALSHA``).
-        One the server no longer holds (a restart empties its script cache) runs again on
-        its own, which loads it. A request with an error gets the error."""
+        """Each request's script calls, all in one round trip. One the server no longer holds
+        (a restart empties its script cache) runs again on its own, which loads it. A request
+        with an error gets the error."""
         calls = [call for request in requests for call in request]
-        if len(calls) == 1:
-            script, keys, args = calls[0]
-            return [[script(keys=keys, args=args)]]
-        pipe = self.redis.pipeline(transaction=False)
-        for script, keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        results = iter(pipe.execute(raise_on_error=False))
+        replies = iter(self._evalsha_all(calls))
         answers: list[list[Any] | Exception] = []
         for request in requests:
-            replies = [
+            got = [
                 script(keys=keys, args=args) if isinstance(reply, NoScriptError) else reply
-                for (script, keys, args), reply in zip(request, results, strict=False)
+                for (script, keys, args), reply in zip(request, replies, strict=False)
             ]
-            error = next((r for r in replies if isinstance(r, Exception)), None)
-            answers.append(error if error is not None else replies)
+            error = next((r for r in got if isinstance(r, Exception)), None)
+            answers.append(error if error is not None else got)
         return answers
+
+    def _evalsha_all(self, calls: list[_ScriptCall]) -> list[Any]:
+        """``EVALSHA`` of every call, written at once and read back on the store's own
+        connection, retried the way the client's commands are. The coalescer makes one call
+        at a time, so one connection serves it, with none of a pool checkout's checks."""
+        commands = [
+            ("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args in calls
+        ]
+        if self._own is None or self._own_pid != os.getpid():
+            self._own, self._own_pid = self.redis.connection_pool.make_connection(), os.getpid()
+        conn = self._own
+
+        def send_and_read() -> list[Any]:
+            conn.send_packed_command(conn.pack_commands(commands))
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:  # the script's own error, or NOSCRIPT
+                    replies.append(exc)
+            return replies
+
+        return cast(
+            list[Any], conn.retry.call_with_retry(send_and_read, lambda _: conn.disconnect())
+        )
 
 
 class AsyncJobStore:

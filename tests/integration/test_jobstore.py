@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import threading
+from typing import Any
 
 import pytest
 import redis
@@ -102,6 +103,70 @@ def test_counts_never_drift_under_racing_redeliveries_and_cancel(store: JobStore
         assert sum(o.status == status for o in outcomes) == c[status]
     assert sum(completions) + int(canceled[1]) == 1  # the batch completes exactly once
     assert got.finished_at is not None and got.status == "canceled"
+
+
+def test_finish_and_start_item_moves_both_in_one_call(store: JobStore) -> None:
+    batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(3)])
+    assert store.start_item(batch.id, "q0")
+    done, started = store.finish_and_start_item(batch.id, "q0", result=result("r"), start="q1")
+    assert done.applied and not done.batch_completed and started
+    got = store.get_batch(batch.id)
+    assert got is not None
+    assert got.counts == {"queued": 1, "running": 1, "succeeded": 1, "failed": 0, "canceled": 0}
+    assert store.cancel_item(batch.id, "q2").applied
+    done, started = store.finish_and_start_item(
+        batch.id, "q1", error=ErrorInfo(type="e", message="m"), start="q2"
+    )
+    assert done.applied and done.batch_completed  # q2 was canceled: the batch is complete
+    assert not started  # and a canceled item does not start
+    got = store.get_batch(batch.id)
+    assert got is not None
+    assert got.counts == {"queued": 0, "running": 0, "succeeded": 1, "failed": 1, "canceled": 1}
+
+
+def test_transitions_of_many_threads_share_round_trips_and_keep_their_own_answers(
+    store: JobStore,
+) -> None:
+    n = 300
+    batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(n)])
+    sent: list[int] = []
+    evalsha_all = store._evalsha_all
+
+    def counting(calls: list[Any]) -> list[Any]:
+        sent.append(len(calls))
+        return evalsha_all(calls)
+
+    store._evalsha_all = counting  # type: ignore[method-assign]
+    barrier = threading.Barrier(30)
+    answers: dict[str, tuple[bool, bool]] = {}
+
+    def worker(k: int) -> None:
+        barrier.wait()
+        for i in range(k, n, 30):
+            started = store.start_item(batch.id, f"q{i}")
+            again = store.start_item(batch.id, f"q{i}")  # a redelivery starts it again
+            done = store.finish_item(batch.id, f"q{i}", result=result(f"r{i}"))
+            late = store.finish_item(batch.id, f"q{i}", result=result("late"))
+            answers[f"q{i}"] = (started and again and done.applied, late.applied)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(30)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == {f"q{i}": (True, False) for i in range(n)}
+    assert sum(sent) == 4 * n and len(sent) < 4 * n  # some round trips carried several
+    outcomes = store.batch_results(batch.id, 0, n)
+    assert all(f'"r{i}"' in (o.payload or "") for i, o in enumerate(outcomes))
+
+
+def test_transitions_reload_their_script_after_the_server_forgets_it(store: JobStore) -> None:
+    batch = store.create_batch("acme", "docs", [("a", spec()), ("b", spec())])
+    assert store.start_item(batch.id, "a")
+    store.redis.script_flush()  # what a Redis restart does to the script cache
+    done, started = store.finish_and_start_item(batch.id, "a", result=result("r"), start="b")
+    assert done.applied and started
+    assert store.start_search(store.create_search("acme", spec()).id)
 
 
 def test_every_record_has_a_ttl(store: JobStore) -> None:
