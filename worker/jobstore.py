@@ -730,20 +730,20 @@ class JobStore:
         *,
         result: SearchResult | None = None,
         error: ErrorInfo | None = None,
-        start: str | None = None,
+        start: tuple[str, str] | None = None,
     ) -> tuple[ItemTransition, bool]:
-        """:meth:`finish_item`, then :meth:`start_item` of the item ``start`` (if given), in
-        one round trip: a thread that runs a chunk's items one after another pays one per
-        item. Answers the finish and whether ``start`` started."""
+        """:meth:`finish_item`, then :meth:`start_item` of ``start`` (batch id, query id; of
+        any batch), in one round trip: a thread that runs items back to back pays one per
+        item. Answers the finish, and whether ``start`` started."""
         if error is not None:
             status, payload = JobStatus.FAILED, '{"error":' + error.model_dump_json() + "}"
         else:
             assert result is not None
             status, payload = JobStatus.SUCCEEDED, '{"result":' + result.model_dump_json() + "}"
-        moves = [(query_id, status, "queued,running", payload)]
+        moves = [(batch_id, query_id, status, "queued,running", payload)]
         if start is not None:
-            moves.append((start, *_START_ITEM))
-        transitions = self._items(batch_id, moves)
+            moves.append((*start, *_START_ITEM))
+        transitions = self._items(moves)
         return transitions[0], start is not None and transitions[1].applied
 
     def cancel_batch(self, batch_id: str) -> tuple[int, bool] | None:
@@ -967,26 +967,27 @@ class JobStore:
     def _item(
         self, batch_id: str, query_id: str, to: JobStatus, allowed: str, payload: str
     ) -> ItemTransition:
-        (transition,) = self._items(batch_id, [(query_id, to, allowed, payload)])
+        (transition,) = self._items([(batch_id, query_id, to, allowed, payload)])
         return transition
 
-    def _items(
-        self, batch_id: str, moves: Sequence[tuple[str, JobStatus, str, str]]
-    ) -> list[ItemTransition]:
-        """Item transitions (query id, to, allowed-from, outcome JSON or ''), in order, in
-        one round trip."""
-        keys = [
-            BATCH_ITEMS_KEY + batch_id,
-            BATCH_RESULTS_KEY + batch_id,
-            BATCH_COUNTS_KEY + batch_id,
-            BATCH_KEY + batch_id,
-            STATS_KEY,
-            ACTIVE_JOBS_KEY,
-        ]
+    def _items(self, moves: Sequence[tuple[str, str, JobStatus, str, str]]) -> list[ItemTransition]:
+        """Item transitions (batch id, query id, to, allowed-from, outcome JSON or ''), in
+        order, in one round trip."""
         now = repr(_now())
         calls: list[_ScriptCall] = [
-            (self._transition_item, keys, [qid, to.value, allowed, payload, now, batch_id])
-            for qid, to, allowed, payload in moves
+            (
+                self._transition_item,
+                [
+                    BATCH_ITEMS_KEY + batch_id,
+                    BATCH_RESULTS_KEY + batch_id,
+                    BATCH_COUNTS_KEY + batch_id,
+                    BATCH_KEY + batch_id,
+                    STATS_KEY,
+                    ACTIVE_JOBS_KEY,
+                ],
+                [query_id, to.value, allowed, payload, now, batch_id],
+            )
+            for batch_id, query_id, to, allowed, payload in moves
         ]
         codes = [int(code) for code in self._transitions.call(calls)]
         return [ItemTransition(applied=code >= 1, batch_completed=code == 2) for code in codes]

@@ -16,10 +16,9 @@ import logging
 import random
 import threading
 import time
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Task, shared_task
 from celery.exceptions import Retry
@@ -40,7 +39,8 @@ from worker.constants import (
 )
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.errors import SiftError
-from worker.jobstore import BatchItem, JobStore, webhook_event
+from worker.items import Chunk, ItemQueue, RunOutcome
+from worker.jobstore import BatchItem, ItemTransition, JobStore, webhook_event
 from worker.logcontext import job_context
 from worker.ratelimit import LimitedReranker, ProviderLimiter
 from worker.settings import Settings, load_settings
@@ -75,20 +75,22 @@ class WorkerContext:
     store: JobStore
     limiter: ProviderLimiter
     _runtime: Runtime | None = None
-    _item_pool: ThreadPoolExecutor | None = None
+    _items: ItemQueue | None = None
     _batches: AnthropicMessageBatches | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
-    def item_pool(self) -> ThreadPoolExecutor:
-        """The threads batch items run on: ``SIFT_BATCH_ITEM_CONCURRENCY`` per process."""
-        if self._item_pool is None:
+    def items(self) -> ItemQueue:
+        """The batch items of the process's chunks, run by ``SIFT_BATCH_ITEM_CONCURRENCY``
+        threads (:mod:`worker.items`)."""
+        if self._items is None:
             with self._lock:
-                if self._item_pool is None:
-                    self._item_pool = ThreadPoolExecutor(
+                if self._items is None:
+                    pool = ThreadPoolExecutor(
                         self.settings.batch_item_concurrency, thread_name_prefix="sift-item"
                     )
-        return self._item_pool
+                    self._items = ItemQueue(self.store, pool)
+        return self._items
 
     @property
     def batches(self) -> AnthropicMessageBatches | None:
@@ -264,11 +266,6 @@ def _completed(kind: str, applied: bool, error: ErrorInfo | None) -> bool:
     return applied
 
 
-# What running one batch item came to: the result or the error to finish it with, "retry"
-# (requeued for the chunk's retry), or None (nothing to finish now).
-ItemOutcome = tuple[SearchResult | None, ErrorInfo | None] | Literal["retry"] | None
-
-
 def _poison_error(task: SiftTask) -> ErrorInfo:
     limit = task.context.settings.task_max_deliveries
     return ErrorInfo(
@@ -351,22 +348,19 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     first_delivery = self.request.retries == 0
     runtime = self.context.runtime if not poisoned else None
 
-    def to_start(item: BatchItem | None) -> str | None:
-        """The item's query id if it is to be started (a poisoned chunk fails items as they
-        are, and an item without its spec has expired)."""
-        if item is None or poisoned or item.spec is None:
-            return None
-        return item.query_id
+    def to_start(item: BatchItem) -> str | None:
+        """The item's query id if it is to be started (a poisoned chunk fails its items as
+        they are, and an item without its spec has expired)."""
+        return None if poisoned or item.spec is None else item.query_id
 
-    def begin(item: BatchItem | None) -> bool:
-        query_id = to_start(item)
-        return query_id is not None and store.start_item(batch_id, query_id)
-
-    def run(item: BatchItem) -> ItemOutcome:
-        """Run one started item (or fail it, poisoned): the result or error to finish it
-        with, ``"retry"`` (requeued for the chunk's retry), or None (nothing to finish)."""
+    def run(item: BatchItem, started: bool) -> RunOutcome:
+        """Run one item: the result or error to finish it with, ``"retry"`` (requeued for
+        the chunk's retry), or None (nothing to finish: not started, or left to the economy
+        lane's provider batch)."""
         if poisoned:
             return None, _poison_error(self)
+        if not started:
+            return None  # canceled meanwhile, or finished by another delivery
         if first_delivery and item.status == "queued":
             metrics.observe_queue_wait(BATCH_QUEUE, time.time() - batch.created_at)
         assert runtime is not None and item.spec is not None
@@ -391,44 +385,11 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
             return None, error_info(exc)
 
+    def finished(transition: ItemTransition, error: ErrorInfo | None) -> None:
+        _completed("batch_item", transition.applied, error)
+
     pending = [item for item in items if not item.status.final]
-    todo: deque[BatchItem] = deque(pending)
-
-    def take() -> BatchItem | None:
-        try:
-            return todo.popleft()
-        except IndexError:
-            return None
-
-    def run_items() -> list[tuple[bool, bool]]:
-        """Take the chunk's items one after another until none is left: (batch completed,
-        to retry) for each. A thread's finish of one item and start of its next go in one
-        round trip."""
-        ran: list[tuple[bool, bool]] = []
-        item = take()
-        started = begin(item)
-        while item is not None:
-            with job_context(f"{batch_id}/{item.query_id}"):
-                outcome = run(item) if started or poisoned else None
-            nxt = take()
-            if outcome is None or outcome == "retry":
-                ran.append((False, outcome == "retry"))
-                started = begin(nxt)
-            else:
-                result, error = outcome
-                transition, started = store.finish_and_start_item(
-                    batch_id, item.query_id, result=result, error=error, start=to_start(nxt)
-                )
-                _completed("batch_item", transition.applied, error)
-                ran.append((transition.batch_completed, False))
-            item = nxt
-        return ran
-
-    # One task per item on the process's shared item pool, so a chunk's items overlap; a
-    # thread that frees up takes the chunk's next item itself, and a task that finds none
-    # left ends at once.
-    runners = [self.context.item_pool.submit(run_items) for _ in pending]
-    outcomes = [outcome for runner in runners for outcome in runner.result()]
+    outcomes = self.context.items.run(Chunk(batch_id, to_start, run, finished), pending)
     completed = any(done for done, _ in outcomes)
     to_retry = sum(1 for _, retry in outcomes if retry)
     # A redelivered chunk with nothing left to run, of a finished batch: the worker that

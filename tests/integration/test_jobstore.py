@@ -108,14 +108,16 @@ def test_counts_never_drift_under_racing_redeliveries_and_cancel(store: JobStore
 def test_finish_and_start_item_moves_both_in_one_call(store: JobStore) -> None:
     batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(3)])
     assert store.start_item(batch.id, "q0")
-    done, started = store.finish_and_start_item(batch.id, "q0", result=result("r"), start="q1")
+    done, started = store.finish_and_start_item(
+        batch.id, "q0", result=result("r"), start=(batch.id, "q1")
+    )
     assert done.applied and not done.batch_completed and started
     got = store.get_batch(batch.id)
     assert got is not None
     assert got.counts == {"queued": 1, "running": 1, "succeeded": 1, "failed": 0, "canceled": 0}
     assert store.cancel_item(batch.id, "q2").applied
     done, started = store.finish_and_start_item(
-        batch.id, "q1", error=ErrorInfo(type="e", message="m"), start="q2"
+        batch.id, "q1", error=ErrorInfo(type="e", message="m"), start=(batch.id, "q2")
     )
     assert done.applied and done.batch_completed  # q2 was canceled: the batch is complete
     assert not started  # and a canceled item does not start
@@ -161,10 +163,13 @@ def test_transitions_of_many_threads_share_round_trips_and_keep_their_own_answer
 
 
 def test_transitions_reload_their_script_after_the_server_forgets_it(store: JobStore) -> None:
-    batch = store.create_batch("acme", "docs", [("a", spec()), ("b", spec())])
+    batch = store.create_batch("acme", "docs", [("a", spec())])
     assert store.start_item(batch.id, "a")
     store.redis.script_flush()  # what a Redis restart does to the script cache
-    done, started = store.finish_and_start_item(batch.id, "a", result=result("r"), start="b")
+    other = store.create_batch("acme", "docs", [("b", spec())])  # a start in another batch
+    done, started = store.finish_and_start_item(
+        batch.id, "a", result=result("r"), start=(other.id, "b")
+    )
     assert done.applied and started
     assert store.start_search(store.create_search("acme", spec()).id)
 

@@ -1,0 +1,86 @@
+"""The process's batch-item queue against a real Redis: every item is run and accounted for
+once, a thread's finish and next start share a round trip, and a broken runner fails its
+chunk without stranding the others."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
+from worker.items import Chunk, ItemQueue, RunOutcome
+from worker.jobstore import BatchItem, ItemTransition, JobStore
+
+pytestmark = pytest.mark.integration
+
+
+def result(tag: str) -> SearchResult:
+    return SearchResult(hits=[], rerank=RerankInfo(applied=False, fallback_reason=tag))
+
+
+def make_chunk(store: JobStore, n: int, *, boom: str | None = None) -> tuple[Chunk, list[Any]]:
+    batch = store.create_batch(
+        "acme", "docs", [(f"q{i}", SearchSpec(index="docs", query=f"q{i}")) for i in range(n)]
+    )
+    ran: list[str] = []
+    finished: list[ItemTransition] = []
+    lock = threading.Lock()
+
+    def run(item: BatchItem, started: bool) -> RunOutcome:
+        if item.query_id == boom:
+            raise RuntimeError(f"runner broke on {boom}")
+        if not started:
+            return None
+        with lock:
+            ran.append(item.query_id)
+        if item.query_id.endswith("7"):
+            return None, ErrorInfo(type="e", message="seven")
+        return result(item.query_id), None
+
+    def on_finish(transition: ItemTransition, error: ErrorInfo | None) -> None:
+        with lock:
+            finished.append(transition)
+
+    chunk = Chunk(batch.id, lambda item: item.query_id, run, on_finish)
+    items = store.batch_items(batch.id, [f"q{i}" for i in range(n)])
+    return chunk, [batch, items, ran, finished]
+
+
+def test_items_of_concurrent_chunks_run_once_with_one_round_trip_each(store: JobStore) -> None:
+    sent: list[int] = []
+    evalsha_all = store._evalsha_all
+
+    def counting(calls: list[Any]) -> list[Any]:
+        sent.append(len(calls))
+        return evalsha_all(calls)
+
+    store._evalsha_all = counting  # type: ignore[method-assign]
+    queue = ItemQueue(store, ThreadPoolExecutor(2))
+    chunks = [make_chunk(store, 40) for _ in range(3)]
+    with ThreadPoolExecutor(3) as tasks:
+        answers = list(tasks.map(lambda c: queue.run(c[0], c[1][1]), chunks))
+    for (_, (batch, _, ran, finished)), outcomes in zip(chunks, answers, strict=True):
+        assert sorted(ran) == sorted(f"q{i}" for i in range(40))  # each item ran once
+        assert len(outcomes) == 40 and sum(done for done, _ in outcomes) == 1
+        assert all(t.applied for t in finished) and len(finished) == 40
+        got = store.get_batch(batch.id)
+        assert got is not None and got.counts["succeeded"] == 36 and got.counts["failed"] == 4
+    # 120 starts and 120 finishes: a runner's finish carries its next start
+    assert sum(sent) == 240
+    assert len(sent) < 150
+
+
+def test_a_broken_runner_fails_its_chunk_and_the_rest_still_run(store: JobStore) -> None:
+    queue = ItemQueue(store, ThreadPoolExecutor(2))
+    broken, (_, broken_items, broken_ran, _) = make_chunk(store, 20, boom="q3")
+    with pytest.raises(RuntimeError, match="runner broke on q3"):
+        queue.run(broken, broken_items)
+    assert "q3" not in broken_ran and len(broken_ran) == 19  # every other item still ran
+    healthy, (batch, items, ran, _) = make_chunk(store, 20)
+    outcomes = queue.run(healthy, items)  # the pool is not stuck
+    assert len(outcomes) == 20 and sorted(ran) == sorted(f"q{i}" for i in range(20))
+    got = store.get_batch(batch.id)
+    assert got is not None and got.finished_at is not None

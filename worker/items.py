@@ -1,0 +1,146 @@
+"""The batch items a worker process runs: one queue across its chunks, worked by its item pool.
+
+A chunk task puts its items on the process's queue, submits one runner per item to the
+item pool (``SIFT_BATCH_ITEM_CONCURRENCY`` threads), and waits until each of its items is
+done. A runner takes items off the queue, whichever chunk they come from, until none is
+left, so a thread runs items back to back: the job-store transition that finishes one and
+the one that starts the next go in one round trip. A runner that finds the queue empty ends
+at once.
+
+    queue = ItemQueue(store, ThreadPoolExecutor(300))
+    outcomes = queue.run(Chunk(batch_id, to_start, run, finished), pending_items)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+from worker.contract import ErrorInfo, SearchResult
+from worker.jobstore import BatchItem, ItemTransition, JobStore
+from worker.logcontext import job_context
+
+log = logging.getLogger(__name__)
+
+# What running one item came to: the result or the error to finish it with, "retry"
+# (requeued for the chunk's retry), or None (nothing to finish now).
+RunOutcome = tuple[SearchResult | None, ErrorInfo | None] | Literal["retry"] | None
+
+
+@dataclass
+class Chunk:
+    """One chunk task's items: how to start, run and account for each.
+
+    ``to_start`` answers the query id to start (None: run it unstarted, or skip it);
+    ``run`` runs a started item; ``finished`` hears of each finish transition. ``outcomes``
+    collects (batch completed, to retry) per item."""
+
+    batch_id: str
+    to_start: Callable[[BatchItem], str | None]
+    run: Callable[[BatchItem, bool], RunOutcome]
+    finished: Callable[[ItemTransition, ErrorInfo | None], None]
+    outcomes: list[tuple[bool, bool]] = field(default_factory=list)
+    error: BaseException | None = None
+    _left: int = 0
+    _done: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, batch_completed: bool, retry: bool) -> None:
+        with self._lock:
+            self.outcomes.append((batch_completed, retry))
+            self._left -= 1
+            if self._left == 0:
+                self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        """An item's runner broke (the job store unreachable past its retries, say)."""
+        with self._lock:
+            self.error = self.error or error
+        self.record(False, False)
+
+
+Entry = tuple[Chunk, BatchItem]
+
+
+class ItemQueue:
+    """The process's queue of batch items (see the module doc)."""
+
+    def __init__(self, store: JobStore, pool: ThreadPoolExecutor) -> None:
+        self._store = store
+        self._pool = pool
+        self._queue: deque[Entry] = deque()  # append and popleft need no lock
+
+    def run(self, chunk: Chunk, items: list[BatchItem]) -> list[tuple[bool, bool]]:
+        """Run ``items`` on the pool; answers (batch completed, to retry) per item, and
+        raises what broke a runner."""
+        if not items:
+            return []
+        chunk._left = len(items)
+        self._queue.extend((chunk, item) for item in items)
+        for _ in items:
+            self._pool.submit(self._work)
+        chunk._done.wait()
+        if chunk.error is not None:
+            raise chunk.error
+        return chunk.outcomes
+
+    def _take(self) -> Entry | None:
+        try:
+            return self._queue.popleft()
+        except IndexError:
+            return None
+
+    @staticmethod
+    def _start_of(entry: Entry | None) -> tuple[str, str] | None:
+        """(batch id, query id) to start for ``entry``; None when it runs unstarted."""
+        if entry is None:
+            return None
+        chunk, item = entry
+        query_id = chunk.to_start(item)
+        return None if query_id is None else (chunk.batch_id, query_id)
+
+    def _begin(self, entry: Entry | None) -> bool:
+        start = self._start_of(entry)
+        return start is not None and self._store.start_item(*start)
+
+    def _work(self) -> None:
+        """Run items until the queue is empty. What breaks a runner fails its item's chunk
+        task (which raises it); an item taken but not yet run goes back for another runner."""
+        entry = self._take()  # the item being run, until it is accounted for
+        taken: Entry | None = None  # the next one, taken off the queue
+        try:
+            started = self._begin(entry)
+            while entry is not None:
+                chunk, item = entry
+                with job_context(f"{chunk.batch_id}/{item.query_id}"):
+                    outcome = chunk.run(item, started)
+                taken = self._take()
+                if outcome is None or outcome == "retry":
+                    chunk.record(False, outcome == "retry")
+                    entry = None
+                    started = self._begin(taken)
+                else:
+                    result, error = outcome
+                    transition, started = self._store.finish_and_start_item(
+                        chunk.batch_id,
+                        item.query_id,
+                        result=result,
+                        error=error,
+                        start=self._start_of(taken),
+                    )
+                    chunk.record(transition.batch_completed, False)
+                    entry = None
+                    chunk.finished(transition, error)
+                entry, taken = taken, None
+        except BaseException as exc:
+            log.exception("batch item runner broke")
+            if entry is not None:
+                entry[0].fail(exc)
+            if taken is not None:
+                self._queue.appendleft(taken)
+                self._pool.submit(self._work)
