@@ -112,7 +112,7 @@ class Settings(BaseSettings):
     # at once from its own threads, so one each avoids the pool's spinning on 2 cores.
     embedding_threads: int = Field(default=1, ge=0, le=64)
     # Threads of a process in a search's CPU-bound stages (query embedding, the embedded
-    # backend's retrieval) at once; the rest wait off the GIL. 0 = one per core.
+    # backend's retrieval) at once; the rest wait off the GIL. 0 = one per core, plus one.
     cpu_slots: int = Field(default=0, ge=0, le=1024)
     # Run the model's matrix products in int8 (onnxruntime dynamic quantization, per channel;
     # the graph is made once and kept in SIFT_MODEL_CACHE_DIR) instead of dequantizing its

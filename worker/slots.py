@@ -7,7 +7,7 @@ hand-off is a futex wake and a context switch, which perf put at a quarter of th
 CPU. So a thread takes a slot for those stages, and when every slot is taken it waits for
 one off the GIL. Elasticsearch's retrieval waits on the network, so it takes no slot.
 
-    slots = cpu_slots(settings.cpu_slots)  # SIFT_CPU_SLOTS; 0 is one per core
+    slots = cpu_slots(settings.cpu_slots)  # SIFT_CPU_SLOTS; 0 is one per core, plus one
     embedder = SlottedEmbedder(OnnxMiniLMEmbedder(), slots)
     backend = EmbeddedBackend(data_dir, cpu_slots=slots)
 """
@@ -33,8 +33,10 @@ def cores() -> int:
 
 
 def cpu_slots(slots: int) -> threading.BoundedSemaphore:
-    """``slots`` CPU slots to share between the stages; 0 is one per core."""
-    return threading.BoundedSemaphore(slots or cores())
+    """``slots`` CPU slots to share between the stages; 0 is one per core and one more, so
+    a core need not idle while a slot's holder waits on a read (measured best for a worker:
+    532 batch queries/s with 3 slots on 2 cores, against 488 with 2)."""
+    return threading.BoundedSemaphore(slots or cores() + 1)
 
 
 class SlottedEmbedder:
