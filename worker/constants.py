@@ -29,7 +29,7 @@ ECONOMY_STATE_KEY = REDIS_PREFIX + "eco-state:"  # + batch id -> hash: submit cl
 STATS_KEY = REDIS_PREFIX + "stats:jobs"  # hash state -> jobs and items queued/running now
 STATS_UNTRACKED_KEY = REDIS_PREFIX + "stats:untracked"  # same, for ingest jobs (not in the gauge)
 # the re-drive (worker/redrive.py): unfinished jobs and what the sweeper remembers between sweeps
-ACTIVE_JOBS_KEY = REDIS_PREFIX + "active"  # zset: search and standard batch ids -> last progress
+ACTIVE_JOBS_KEY = REDIS_PREFIX + "active"  # zset: search, ingest, standard batch ids -> progress
 REDRIVE_LEADER_KEY = REDIS_PREFIX + "redrive:leader"  # string: the worker sweeping this interval
 REDRIVE_SUSPECTS_KEY = REDIS_PREFIX + "redrive:suspects"  # hash job id -> positions found lost
 REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it was re-driven

@@ -484,7 +484,13 @@ class JobStore:
         )
 
     def get_search_status(self, job_id: str) -> JobStatus | None:
-        value = cast(str | None, self.redis.hget(SEARCH_KEY + job_id, "status"))
+        return self._status(SEARCH_KEY + job_id)
+
+    def get_ingest_status(self, job_id: str) -> JobStatus | None:
+        return self._status(INGEST_KEY + job_id)
+
+    def _status(self, key: str) -> JobStatus | None:
+        value = cast(str | None, self.redis.hget(key, "status"))
         return JobStatus(value) if value else None
 
     def start_search(self, job_id: str) -> bool:
@@ -537,6 +543,7 @@ class JobStore:
             },
         )
         pipe.expire(key, self.result_ttl)
+        pipe.zadd(ACTIVE_JOBS_KEY, {job.id: job.created_at})  # watched by the re-drive
         _stage_messages(pipe, enqueue, job.id)
         pipe.execute()
         return job
@@ -885,7 +892,7 @@ class JobStore:
     # --- the re-drive's view (worker/redrive.py) ------------------------------------------
 
     def stalled_jobs(self, idle_seconds: float) -> list[str]:
-        """Search and standard-lane batch ids not final whose status last changed more than
+        """Search, ingest and standard-lane batch ids not final whose status last changed more than
         ``idle_seconds`` ago, the longest idle first. Forgets ids idle past the retention."""
         now = _now()
         pipe = self.redis.pipeline(transaction=False)

@@ -132,7 +132,7 @@ JOB_ERRORS: Final = (  # SiftError.code values (worker/errors.py), plus "interna
     "internal",
 )
 WEBHOOK_RESULTS: Final = ("delivered", "retry", "failed")
-REDRIVE_KINDS: Final = ("search", "batch")
+REDRIVE_KINDS: Final = ("search", "batch", "ingest")
 
 # --- buckets -------------------------------------------------------------------------------
 SEARCH_LATENCY_GOAL_SECONDS: Final = 2.5

@@ -1,5 +1,5 @@
-"""The re-drive: finds searches and batch chunks whose task message the broker lost, and
-enqueues them again.
+"""The re-drive: finds searches, ingests and batch chunks whose task message the broker lost,
+and enqueues them again.
 
 Why it exists. kombu's Redis transport takes a message with ``BRPOP`` and only then records
 it in its ``unacked`` hash, in a second command. A worker killed between the two, or a Redis
@@ -10,18 +10,20 @@ back, and its job would stay ``queued`` forever.
 How. Every worker process runs a :class:`Sweeper` thread; every
 ``SIFT_REDRIVE_INTERVAL_SECONDS`` one of them, the holder of a ``SET NX PX`` lock, sweeps:
 
-1. the job store's active set names the searches and standard-lane batches whose status has
-   not changed for ``SIFT_REDRIVE_STALL_SECONDS``; a job making progress is never read;
-2. of those, the positions still ``queued`` or ``running`` are *pending* (a search is the one
-   position 0, a batch item its submission position);
-3. every message of the search and batch queues (``LRANGE``) and every unacked one (the
-   ``unacked`` hash: running, prefetched, or waiting out a retry's countdown) *covers* its
-   search, or its chunk's positions ``[start, stop)``;
+1. the job store's active set names the searches, ingests and standard-lane batches whose
+   status has not changed for ``SIFT_REDRIVE_STALL_SECONDS``; a job making progress is never
+   read;
+2. of those, the positions still ``queued`` or ``running`` are *pending* (a search or an
+   ingest is the one position 0, a batch item its submission position);
+3. every message of the search, batch and ingest queues (``LRANGE``) and every unacked one
+   (the ``unacked`` hash: running, prefetched, or waiting out a retry's countdown) *covers*
+   its search or ingest, or its chunk's positions ``[start, stop)``;
 4. a pending position no message covers is *lost*. Only positions found lost on two sweeps in
    a row are re-driven: a message is missing from both places for a few milliseconds while a
    worker takes it (``BRPOP``, then ``unacked``), and a job that moved in between is no longer
    idle, so it is not looked at again;
-5. re-driving sends a fresh ``sift.search`` or ``sift.batch_chunk`` message, chunks of at most
+5. re-driving sends a fresh ``sift.search``, ``sift.ingest`` or ``sift.batch_chunk`` message,
+   chunks of at most
    ``SIFT_BATCH_CHUNK_SIZE`` positions. The tasks are idempotent (the store's compare-and-set
    keeps one result per item), so even a needless re-drive costs only a no-op task.
 
@@ -53,6 +55,9 @@ from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_ID_PREFIX,
     BATCH_QUEUE,
+    INGEST_ID_PREFIX,
+    INGEST_QUEUE,
+    INGEST_TASK,
     KOMBU_UNACKED_KEY,
     REDRIVE_LEADER_KEY,
     REDRIVE_SUSPECTS_KEY,
@@ -94,13 +99,13 @@ def coverage(envelope: Mapping[str, Any]) -> Coverage | None:
     for a message that is not Celery's."""
     try:
         task = envelope["headers"]["task"]
-        if task not in (SEARCH_TASK, BATCH_CHUNK_TASK):
+        if task not in (SEARCH_TASK, INGEST_TASK, BATCH_CHUNK_TASK):
             return None
         body: str | bytes = envelope["body"]
         if envelope.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
         args = json.loads(body)[0]  # the body is [args, kwargs, embed]
-        if task == SEARCH_TASK:
+        if task != BATCH_CHUNK_TASK:  # a search or an ingest: one position
             return Coverage(str(args[0]), range(0, 1))
         return Coverage(str(args[0]), range(int(args[1]), int(args[2])))
     except (KeyError, IndexError, TypeError, ValueError):
@@ -212,17 +217,21 @@ class Sweeper:
     def _pending(self, job_id: str) -> set[int]:
         if job_id.startswith(BATCH_ID_PREFIX):
             return set(self.store.pending_positions(job_id) or ())
-        status = self.store.get_search_status(job_id)
+        if job_id.startswith(INGEST_ID_PREFIX):
+            status = self.store.get_ingest_status(job_id)
+        else:
+            status = self.store.get_search_status(job_id)
         return {0} if status is not None and not status.final else set()
 
     def _broker_messages(self) -> Iterator[Mapping[str, Any]]:
-        """Every envelope waiting in the search and batch queues, then every unacked one.
+        """Every envelope waiting in the search, batch and ingest queues, then every unacked
+        one.
 
         Read in pages while workers keep pushing and popping: a push only shifts what is left
         to read (seen twice at worst), and a message popped meanwhile is in ``unacked`` by the
         time that is read, or in the millisecond window the second sweep is there for."""
         client = self.store.redis
-        for queue in (SEARCH_QUEUE, BATCH_QUEUE):
+        for queue in (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE):
             for key in kombu_queue_keys(queue):
                 start = 0
                 while page := cast(list[str], client.lrange(key, start, start + PAGE - 1)):
@@ -261,6 +270,9 @@ class Sweeper:
         if job_id.startswith(BATCH_ID_PREFIX):
             kind, chunks = "batch", runs(positions, self.chunk_size)
             messages = [(BATCH_CHUNK_TASK, [job_id, a, b], BATCH_QUEUE) for a, b in chunks]
+        elif job_id.startswith(INGEST_ID_PREFIX):
+            kind, chunks = "ingest", [(0, 1)]
+            messages = [(INGEST_TASK, [job_id], INGEST_QUEUE)]
         else:
             kind, chunks = "search", [(0, 1)]
             messages = [(SEARCH_TASK, [job_id], SEARCH_QUEUE)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,3 +26,17 @@ def store(redis_url: str) -> Iterator[JobStore]:
     store.redis.flushdb()
     yield store
     store.close()
+
+
+@pytest.fixture
+def round_trips(store: JobStore) -> list[int]:
+    """How many script calls each of the store's transition round trips carried, as sent."""
+    sent: list[int] = []
+    evalsha_all = store._evalsha_all
+
+    def counting(calls: list[Any]) -> list[Any]:
+        sent.append(len(calls))
+        return evalsha_all(calls)
+
+    store._evalsha_all = counting  # type: ignore[method-assign]
+    return sent

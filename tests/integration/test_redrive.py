@@ -20,13 +20,15 @@ from worker.constants import (
     ATTEMPTS_KEY,
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    INGEST_QUEUE,
+    INGEST_TASK,
     KOMBU_UNACKED_KEY,
     REDRIVE_SUSPECTS_KEY,
     SEARCH_QUEUE,
     SEARCH_TASK,
 )
-from worker.contract import RerankInfo, SearchResult, SearchSpec
-from worker.jobstore import BatchJob, JobStore, SearchJob
+from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
+from worker.jobstore import BatchJob, IngestJob, JobStore, SearchJob
 from worker.redrive import Coverage, Redrive, Sweeper, celery_sender, coverage
 from worker.settings import load_settings
 
@@ -217,6 +219,39 @@ def test_a_lost_search_is_redriven_and_past_the_cap_sent_as_poison(
     assert failed is not None and failed.status == "failed"
     assert failed.error is not None and failed.error.type == "delivery_limit_exceeded"
     assert store.redis.zcard(ACTIVE_JOBS_KEY) == 0
+
+
+def test_a_lost_ingest_is_redriven_and_runs(
+    store: JobStore, sweeper: Sweeper, redis_url: str, tmp_path: Path
+) -> None:
+    def create_ingest() -> IngestJob:
+        outbox = OutboxSender(store)
+        documents = [DocumentIn(id="d1", text="green tea")]
+        return store.create_ingest(
+            "acme",
+            "docs",
+            documents,
+            enqueue=lambda job_id: outbox.messages([(INGEST_TASK, [job_id], INGEST_QUEUE)]),
+        )
+
+    lost = create_ingest()
+    assert lose_oldest(store, INGEST_QUEUE) == Coverage(lost.id, range(0, 1))
+    waiting = create_ingest()
+
+    assert sweeper.sweep() == []  # seen lost once
+    assert sweeper.sweep() == [Redrive(lost.id, "ingest", [(0, 1)], poison=False)]
+    assert sorted(c.job_id for c in queued(store, INGEST_QUEUE) if c) == sorted(
+        [lost.id, waiting.id]
+    )
+    assert sweeper.sweep() == []  # covered again: nothing more is sent
+
+    with celery_worker(tmp_path / "w", worker_env(redis_url), "redrive"):
+        for job in (lost, waiting):
+            wait_until(lambda job=job: (store.get_ingest_status(job.id) or "").final, job.id)
+    done = store.get_ingest(lost.id)
+    assert done is not None and done.status == "succeeded" and done.upserted == 1
+    assert store.get_ingest_status(waiting.id) == "succeeded"
+    assert store.redis.zcard(ACTIVE_JOBS_KEY) == 0  # final jobs leave the active set
 
 
 def test_one_worker_sweeps_an_interval(store: JobStore, app: Celery) -> None:
