@@ -151,7 +151,7 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
 
 def _start_redrive(sender: Any = None, **_: Any) -> None:
     """On worker start, run the re-drive sweeper in this process (:mod:`worker.redrive`):
-    it enqueues again the searches and batch chunks whose messages the broker lost."""
+    it enqueues again the searches, ingests and batch chunks whose messages the broker lost."""
     app = getattr(sender, "app", None)
     if getattr(getattr(app, "conf", None), "sift_settings", None) is None:
         return

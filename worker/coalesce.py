@@ -17,12 +17,24 @@ raised to that caller alone. An exception ``run`` raises reaches every caller of
 from __future__ import annotations
 
 import _thread
+import copy
 import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
 Request = TypeVar("Request")
 Result = TypeVar("Result")
+
+
+def _copy(error: BaseException) -> BaseException:
+    """A copy of ``error`` to raise in another thread (one exception object raised in many
+    threads would mix their tracebacks), caused by it; the error itself if it cannot be."""
+    try:
+        clone = copy.copy(error)
+    except Exception:
+        return error
+    clone.__cause__, clone.__traceback__ = error, None
+    return clone
 
 
 class _Waiter(Generic[Request, Result]):
@@ -93,21 +105,21 @@ class Coalescer(Generic[Request, Result]):
         return waiter.answer()
 
     def _run_once(self) -> None:
-        with self._lock:
-            batch: list[_Waiter[Request, Result]] = []
-            size = 0
-            while self._waiting and (
-                not batch or size + self._size(self._waiting[0].request) <= self.max_batch
-            ):
-                size += self._size(self._waiting[0].request)
-                batch.append(self._waiting.pop(0))
+        batch: list[_Waiter[Request, Result]] = []
         try:
+            with self._lock:
+                size = 0
+                while self._waiting and (
+                    not batch or size + self._size(self._waiting[0].request) <= self.max_batch
+                ):
+                    size += self._size(self._waiting[0].request)
+                    batch.append(self._waiting.pop(0))
             results = self._run([w.request for w in batch])
             if len(results) != len(batch):
                 raise RuntimeError(f"{len(results)} results for {len(batch)} requests")
-        except BaseException as exc:  # every caller in the call gets the error
+        except BaseException as exc:  # every caller in the call gets the error, its own copy
             for w in batch:
-                w.error = exc
+                w.error = exc if w is batch[0] else _copy(exc)
         else:
             for w, result in zip(batch, results, strict=True):
                 if isinstance(result, BaseException):

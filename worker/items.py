@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 # What running one item came to: the result or the error to finish it with, "retry"
 # (requeued for the chunk's retry), or None (nothing to finish now).
-RunOutcome = tuple[SearchResult | None, ErrorInfo | None] | Literal["retry"] | None
+RunOutcome = tuple[SearchResult, None] | tuple[None, ErrorInfo] | Literal["retry"] | None
 
 
 @dataclass
@@ -37,18 +37,27 @@ class Chunk:
     """One chunk task's items: how to start, run and account for each.
 
     ``to_start`` answers the query id to start (None: run it unstarted, or skip it);
-    ``run`` runs a started item; ``finished`` hears of each finish transition. ``outcomes``
-    collects (batch completed, to retry) per item."""
+    ``run`` runs an item, told whether it started; ``finished`` hears of each finish
+    transition. ``outcomes`` collects (batch completed, to retry) per item; ``error`` is
+    what broke a runner, if anything did."""
 
     batch_id: str
     to_start: Callable[[BatchItem], str | None]
     run: Callable[[BatchItem, bool], RunOutcome]
     finished: Callable[[ItemTransition, ErrorInfo | None], None]
-    outcomes: list[tuple[bool, bool]] = field(default_factory=list)
-    error: BaseException | None = None
-    _left: int = 0
-    _done: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    outcomes: list[tuple[bool, bool]] = field(default_factory=list, init=False)
+    error: BaseException | None = field(default=None, init=False)
+    _left: int = field(default=0, init=False)
+    _done: threading.Event = field(default_factory=threading.Event, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def expect(self, items: int) -> None:
+        self._left = items
+        if items == 0:
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
 
     def record(self, batch_completed: bool, retry: bool) -> None:
         with self._lock:
@@ -75,19 +84,15 @@ class ItemQueue:
         self._pool = pool
         self._queue: deque[Entry] = deque()  # append and popleft need no lock
 
-    def run(self, chunk: Chunk, items: list[BatchItem]) -> list[tuple[bool, bool]]:
-        """Run ``items`` on the pool; answers (batch completed, to retry) per item, and
-        raises what broke a runner."""
-        if not items:
-            return []
-        chunk._left = len(items)
+    def run(self, chunk: Chunk, items: list[BatchItem]) -> Chunk:
+        """Run ``items`` on the pool and wait for each; answers the chunk, its ``outcomes``
+        and its ``error`` (what broke a runner) filled in."""
+        chunk.expect(len(items))
         self._queue.extend((chunk, item) for item in items)
         for _ in items:
             self._pool.submit(self._work)
-        chunk._done.wait()
-        if chunk.error is not None:
-            raise chunk.error
-        return chunk.outcomes
+        chunk.wait()
+        return chunk
 
     def _take(self) -> Entry | None:
         try:
@@ -109,23 +114,25 @@ class ItemQueue:
         return start is not None and self._store.start_item(*start)
 
     def _work(self) -> None:
-        """Run items until the queue is empty. What breaks a runner fails its item's chunk
-        task (which raises it); an item taken but not yet run goes back for another runner."""
-        entry = self._take()  # the item being run, until it is accounted for
-        taken: Entry | None = None  # the next one, taken off the queue
+        """Run items until the queue is empty. What breaks a runner fails the chunk of the
+        item it was running (if that item is not yet accounted for); an item it had taken
+        but not run goes back for another runner."""
+        current = self._take()  # the item being run, until it is accounted for
+        taken: Entry | None = None  # the next one, off the queue
         try:
-            started = self._begin(entry)
-            while entry is not None:
-                chunk, item = entry
+            started = self._begin(current)
+            while current is not None:
+                chunk, item = current
                 with job_context(f"{chunk.batch_id}/{item.query_id}"):
                     outcome = chunk.run(item, started)
                 taken = self._take()
                 if outcome is None or outcome == "retry":
                     chunk.record(False, outcome == "retry")
-                    entry = None
+                    current = None
                     started = self._begin(taken)
                 else:
                     result, error = outcome
+                    # the finish and the next start, in one round trip
                     transition, started = self._store.finish_and_start_item(
                         chunk.batch_id,
                         item.query_id,
@@ -134,13 +141,13 @@ class ItemQueue:
                         start=self._start_of(taken),
                     )
                     chunk.record(transition.batch_completed, False)
-                    entry = None
+                    current = None
                     chunk.finished(transition, error)
-                entry, taken = taken, None
+                current, taken = taken, None
         except BaseException as exc:
             log.exception("batch item runner broke")
-            if entry is not None:
-                entry[0].fail(exc)
+            if current is not None:
+                current[0].fail(exc)
             if taken is not None:
                 self._queue.appendleft(taken)
                 self._pool.submit(self._work)

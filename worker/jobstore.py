@@ -22,8 +22,8 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
     sift:attempts:<task>:<n>  string deliveries of one task message
     sift:stats:jobs           hash   queued / running searches and batch items right now
-    sift:active               zset   search and standard-lane batch ids not final yet -> the
-                                     time of their last status change (what the re-drive reads)
+    sift:active               zset   search, ingest and standard-lane batch ids not final yet
+                                     -> the time of their last status change (the re-drive's)
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``RESULT_TTL_SECONDS`` (7 days) from its last write; an Idempotency-Key is
@@ -392,8 +392,19 @@ _ScriptCall = tuple[Script, list[str], list[str]]  # a registered script, its ke
 _START_ITEM = (JobStatus.RUNNING, "queued,running", "")  # to, allowed-from, outcome
 
 
+def _rerun(call: _ScriptCall) -> Any:
+    """A script call made through redis-py, which loads the script first if need be; its
+    reply, or its error."""
+    script, keys, args = call
+    try:
+        return script(keys=keys, args=args)
+    except redis.RedisError as exc:
+        return exc
+
+
 class JobStore:
-    """Job records in Redis. Thread-safe: redis-py's client pools its connections.
+    """Job records in Redis. Thread-safe: redis-py's client pools its connections, and the
+    status transitions' own connection serves one call at a time (their coalescer's).
 
     store = JobStore.from_url("redis://localhost:6379/0")
     job = store.create_search("acme", SearchSpec(index="docs", query="q"), webhook_url=None)
@@ -969,6 +980,8 @@ class JobStore:
         stats = STATS_KEY if count else STATS_UNTRACKED_KEY
         keys = [prefix + job_id, stats, ACTIVE_JOBS_KEY]
         (code,) = self._transitions.call([(self._transition_job, keys, args)])
+        if isinstance(code, Exception):
+            raise code
         return int(code) == 1
 
     def _item(
@@ -996,23 +1009,28 @@ class JobStore:
             )
             for batch_id, query_id, to, allowed, payload in moves
         ]
-        codes = [int(code) for code in self._transitions.call(calls)]
+        first, *rest = self._transitions.call(calls)
+        if isinstance(first, Exception):
+            raise first
+        # a later move that failed did not apply: the first one did, and is what counts
+        codes = [int(first)] + [0 if isinstance(code, Exception) else int(code) for code in rest]
         return [ItemTransition(applied=code >= 1, batch_completed=code == 2) for code in codes]
 
-    def _run_scripts(self, requests: list[list[_ScriptCall]]) -> list[list[Any] | Exception]:
-        """Each request's script calls, all in one round trip. One the server no longer holds
-        (a restart empties its script cache) runs again on its own, which loads it. A request
-        with an error gets the error."""
-        calls = [call for request in requests for call in request]
-        replies = iter(self._evalsha_all(calls))
-        answers: list[list[Any] | Exception] = []
+    def _run_scripts(self, requests: list[list[_ScriptCall]]) -> list[list[Any]]:
+        """Each request's script calls, all in one round trip; each call's reply, or its
+        error, in its place. One the server no longer holds (a restart empties its script
+        cache) runs again on its own, which loads it."""
+        replies = self._evalsha_all([call for request in requests for call in request])
+        answers: list[list[Any]] = []
+        at = 0
         for request in requests:
-            got = [
-                script(keys=keys, args=args) if isinstance(reply, NoScriptError) else reply
-                for (script, keys, args), reply in zip(request, replies, strict=False)
-            ]
-            error = next((r for r in got if isinstance(r, Exception)), None)
-            answers.append(error if error is not None else got)
+            answers.append(
+                [
+                    _rerun(call) if isinstance(reply, NoScriptError) else reply
+                    for call, reply in zip(request, replies[at : at + len(request)], strict=True)
+                ]
+            )
+            at += len(request)
         return answers
 
     def _evalsha_all(self, calls: list[_ScriptCall]) -> list[Any]:

@@ -4,12 +4,14 @@ A worker keeps hundreds of searches in flight on threads, because most of a sear
 waiting on the model. The query embedding and the embedded backend's retrieval are CPU
 work, and past about one thread per core more threads in them only queue for the GIL: each
 hand-off is a futex wake and a context switch, which perf put at a quarter of the worker's
-CPU. So a thread takes a slot for those stages, and when every slot is taken it waits for
-one off the GIL. Elasticsearch's retrieval waits on the network, so it takes no slot.
+CPU. So a search holds a slot through its first half (embedding, retrieval, fusion, the
+prompt; not a retry's back-off), and when every slot is taken it waits for one off the GIL.
+Elasticsearch's retrieval waits on the network, so there only the embedding holds one
+(:func:`worker.bootstrap.build_pipeline` decides).
 
     slots = cpu_slots(settings.cpu_slots)  # SIFT_CPU_SLOTS; 0 is one per core, plus one
-    embedder = SlottedEmbedder(OnnxMiniLMEmbedder(), slots)
-    backend = EmbeddedBackend(data_dir, cpu_slots=slots)
+    SearchPipeline(EmbeddedBackend(data_dir), embedder, cpu_slots=slots)  # the first half
+    SearchPipeline(elasticsearch, SlottedEmbedder(embedder, slots))  # the embedding alone
 """
 
 from __future__ import annotations

@@ -389,7 +389,8 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         _completed("batch_item", transition.applied, error)
 
     pending = [item for item in items if not item.status.final]
-    outcomes = self.context.items.run(Chunk(batch_id, to_start, run, finished), pending)
+    chunk = self.context.items.run(Chunk(batch_id, to_start, run, finished), pending)
+    outcomes = chunk.outcomes
     completed = any(done for done, _ in outcomes)
     to_retry = sum(1 for _, retry in outcomes if retry)
     # A redelivered chunk with nothing left to run, of a finished batch: the worker that
@@ -405,6 +406,8 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
             self.send_webhook(
                 WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, batch.tenant, batch.webhook_url, status
             )
+    if chunk.error is not None:  # a runner broke: fail the task (its completion is sent)
+        raise chunk.error
     if economy and not to_retry:
         from worker.economy import maybe_submit
 

@@ -55,7 +55,7 @@ def test_items_of_concurrent_chunks_run_once_with_one_round_trip_each(
     queue = ItemQueue(store, ThreadPoolExecutor(2))
     chunks = [make_chunk(store, 40) for _ in range(3)]
     with ThreadPoolExecutor(3) as tasks:
-        answers = list(tasks.map(lambda c: queue.run(c[0], c[1][1]), chunks))
+        answers = [c.outcomes for c in tasks.map(lambda c: queue.run(c[0], c[1][1]), chunks)]
     for (_, (batch, _, ran, finished)), outcomes in zip(chunks, answers, strict=True):
         assert sorted(ran) == sorted(f"q{i}" for i in range(40))  # each item ran once
         assert len(outcomes) == 40 and sum(done for done, _ in outcomes) == 1
@@ -70,11 +70,14 @@ def test_items_of_concurrent_chunks_run_once_with_one_round_trip_each(
 def test_a_broken_runner_fails_its_chunk_and_the_rest_still_run(store: JobStore) -> None:
     queue = ItemQueue(store, ThreadPoolExecutor(2))
     broken, (_, broken_items, broken_ran, _) = make_chunk(store, 20, boom="q3")
-    with pytest.raises(RuntimeError, match="runner broke on q3"):
-        queue.run(broken, broken_items)
+    failed = queue.run(broken, broken_items)
+    assert isinstance(failed.error, RuntimeError) and "runner broke on q3" in str(failed.error)
     assert "q3" not in broken_ran and len(broken_ran) == 19  # every other item still ran
+    assert len(failed.outcomes) == 20  # q3 is accounted for, as failed
     healthy, (batch, items, ran, _) = make_chunk(store, 20)
-    outcomes = queue.run(healthy, items)  # the pool is not stuck
+    done = queue.run(healthy, items)  # the pool is not stuck
+    outcomes = done.outcomes
+    assert done.error is None
     assert len(outcomes) == 20 and sorted(ran) == sorted(f"q{i}" for i in range(20))
     got = store.get_batch(batch.id)
     assert got is not None and got.finished_at is not None

@@ -284,13 +284,21 @@ class SearchPipeline:
             deadline=deadline,
             max_attempts=self.config.backend_max_attempts,
             attempt_timeout=deadline.remaining(),
-            sleep=self._sleep,
+            sleep=self._sleep_off_slot,
             initial_backoff=0.05,
             max_backoff=1.0,
         )
         for channel, seconds in results.seconds.items():
             self.recorder.retrieval(self.backend.name, channel, seconds)
         return results
+
+    def _sleep_off_slot(self, seconds: float) -> None:
+        """A retrieval retry's back-off: the first half's CPU slot is let go while it waits."""
+        self._cpu_slots.__exit__(None, None, None)
+        try:
+            self._sleep(seconds)
+        finally:
+            self._cpu_slots.__enter__()
 
     def _call_model(self, prepared: Prepared, deadline: Deadline) -> RerankRun:
         """The standard lane's model call: attempts under the retry budget and the deadline."""
