@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
@@ -164,6 +166,25 @@ def test_adapter_honours_anthropic_base_url_from_the_environment(
     assert list(reply.positions)[:2] == [30, 29]
     (request,) = fake.requests()
     assert api_key_of(request) == "sk-from-env"
+
+
+def test_concurrent_calls_borrow_their_own_clients_and_close_closes_them_all(
+    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-from-env")
+    monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+    fake.configure(delay=0.5)
+    reranker = AnthropicReranker(MODEL)
+    with ThreadPoolExecutor(4) as pool:
+        calls = [pool.submit(reranker.rerank, make_prompt(), 5.0) for _ in range(4)]
+        while len(fake.requests()) < 4:  # all four in flight, each on a client of its own
+            threading.Event().wait(0.01)
+        assert not reranker._idle
+        reranker.close()  # while they run
+        replies = [call.result(10) for call in calls]
+    assert all(list(reply.positions)[:2] == [30, 29] for reply in replies)
+    assert not reranker._idle  # each was closed when its call ended, not put back
 
 
 # --- adversarial but schema-valid answers are returned raw -----------------------------------

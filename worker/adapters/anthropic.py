@@ -97,6 +97,7 @@ class AnthropicReranker:
         self._client = client
         self._owns_client = client is None
         self._idle: deque[anthropic.Anthropic] = deque()  # append and pop need no lock
+        self._closed = False
         self._tls: ssl.SSLContext | None = None
         self._lock = threading.Lock()
 
@@ -139,14 +140,17 @@ class AnthropicReranker:
         try:
             yield client
         finally:
-            self._idle.append(client)
+            if self._closed:  # closed while this call ran: close its client too
+                client.close()
+            else:
+                self._idle.append(client)
 
     def close(self) -> None:
         """Close the HTTP pools of the clients this adapter built; a given one is the caller's."""
         if not self._owns_client:
             return
         with self._lock:
-            clients, self._client = [self._client], None
+            clients, self._client, self._closed = [self._client], None, True
         while self._idle:
             clients.append(self._idle.pop())
         for client in clients:
