@@ -10,8 +10,8 @@ Redis round trip): with hundreds of threads each round trip or call is also a GI
     coalescer = Coalescer(lambda batch: [x * 2 for x in batch], max_batch=64)
     coalescer.call(21)  # 42, from any number of threads
 
-``run`` answers one result per request, in order; an exception instance in its place is
-raised to that caller alone. An exception ``run`` raises reaches every caller of the call.
+``run`` answers one result per request, in order. An exception ``run`` raises reaches every
+caller of the call.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Coalescer(Generic[Request, Result]):
 
     def __init__(
         self,
-        run: Callable[[list[Request]], Sequence[Result | BaseException]],
+        run: Callable[[list[Request]], Sequence[Result]],
         *,
         max_batch: int = 64,
         size: Callable[[Request], int] = lambda _: 1,
@@ -122,10 +122,7 @@ class Coalescer(Generic[Request, Result]):
                 w.error = exc if w is batch[0] else _copy(exc)
         else:
             for w, result in zip(batch, results, strict=True):
-                if isinstance(result, BaseException):
-                    w.error = result
-                else:
-                    w.result = result
+                w.result = result
         finally:
             with self._lock:
                 nxt = self._waiting[0] if self._waiting else None
