@@ -150,12 +150,19 @@ def test_effort_none_is_omitted(fake: FakeAnthropic, client: anthropic.Anthropic
     }
 
 
-def test_adapter_honours_anthropic_base_url_from_the_environment(
-    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def fake_from_env(fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch) -> FakeAnthropic:
+    """The fake, named to the SDK by the environment only (as in a deployment)."""
     monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-from-env")
     monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+    return fake
+
+
+def test_adapter_honours_anthropic_base_url_from_the_environment(
+    fake_from_env: FakeAnthropic,
+) -> None:
+    fake = fake_from_env
     reranker = AnthropicReranker(MODEL)
     assert reranker._client is None  # nothing built, no I/O, until first use
     try:
@@ -169,11 +176,9 @@ def test_adapter_honours_anthropic_base_url_from_the_environment(
 
 
 def test_concurrent_calls_borrow_their_own_clients_and_close_closes_them_all(
-    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
+    fake_from_env: FakeAnthropic,
 ) -> None:
-    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
-    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-from-env")
-    monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)
+    fake = fake_from_env
     fake.configure(delay=0.5)
     reranker = AnthropicReranker(MODEL)
     with ThreadPoolExecutor(4) as pool:
