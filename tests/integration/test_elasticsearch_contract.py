@@ -24,6 +24,7 @@ from tests.integration.es_loopback import (
     running,
     search_response,
 )
+from worker.adapters import elasticsearch
 from worker.adapters.elasticsearch import ElasticsearchBackend, num_candidates
 from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
@@ -589,6 +590,22 @@ def test_channels_are_the_tenants_documents_and_vectors(server: FakeElasticsearc
     assert backend.channels("docs", "beta") == frozenset()  # acme's answer is not beta's
     beta = server.requests[-1].ndjson()
     assert beta[1]["query"]["bool"]["filter"] == [{"term": {"tenant": "beta"}}]
+
+
+def test_the_per_tenant_memo_drops_expired_answers_once_large(
+    server: FakeElasticsearchServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(elasticsearch, "CHANNELS_MEMO_SIZE", 3)
+    now = [0.0]
+    backend = backend_for(server)
+    backend._clock = lambda: now[0]
+    for tenant in ("t1", "t2", "t3"):
+        backend._saw_vectors("sift-docs", tenant)
+    now[0] = elasticsearch.CHANNELS_TTL_SECONDS + 1
+    backend._saw_vectors("sift-docs", "t4")
+    assert set(backend._with_vectors) == {("sift-docs", "t4")}
+    assert backend.channels("docs", "t4") == {"bm25", "knn"}  # from the memo: no request
+    assert server.requests == []
 
 
 def test_a_whole_request_404_on_the_probes_is_a_missing_index(

@@ -310,10 +310,10 @@ class ElasticsearchBackend:
         """Remember that the tenant's part of ``alias`` holds vectors (expired entries go
         once the memo is large, so many tenants don't grow it without bound)."""
         now = self._clock()
-        if len(self._with_vectors) >= CHANNELS_MEMO_SIZE:
+        if len(self._with_vectors) >= CHANNELS_MEMO_SIZE:  # a copy: other threads add to it
             self._with_vectors = {
                 key: seen
-                for key, seen in self._with_vectors.items()
+                for key, seen in list(self._with_vectors.items())
                 if now - seen < CHANNELS_TTL_SECONDS
             }
         self._with_vectors[(alias, tenant)] = now
@@ -476,7 +476,7 @@ class ElasticsearchBackend:
             self._es().indices.update_aliases(actions=actions)
             if delete_old and old:
                 self._es().indices.delete(index=",".join(old))
-        for key in [key for key in self._with_vectors if key[0] == alias]:
+        for key in [key for key in list(self._with_vectors) if key[0] == alias]:
             self._with_vectors.pop(key, None)
         logger.info("reindexed %s: %s -> %s", alias, old, concrete)
         return concrete
