@@ -56,8 +56,8 @@ class InMemoryBackend:
         self.calls: list[ChannelQuery] = []
         self.fail_next: int = 0
 
-    def channels(self, index: str) -> frozenset[Channel]:
-        rows = [r for (i, _, _), r in self.rows.items() if i == index]
+    def channels(self, index: str, tenant: str) -> frozenset[Channel]:
+        rows = [r for (i, t, _), r in self.rows.items() if i == index and t == tenant]
         if not rows:
             return frozenset()
         has_vectors = any(r.vector is not None for r in rows)

@@ -60,7 +60,15 @@ class ModeUnavailable(SiftError):
 
 
 class IndexNotFound(SiftError):
+    """The tenant has no such index. Built from the name alone, so every path that raises it
+    (no document of the tenant, or no index at all on the backend) says the same words: an
+    index only another tenant uses must not be told apart from one nobody has."""
+
     code = "index_not_found"
+
+    def __init__(self, index: str) -> None:
+        super().__init__(f"index {index!r} does not exist: ingest documents into it first")
+        self.index = index
 
 
 class BackendError(SiftError):

@@ -8,6 +8,9 @@ the embedded backend, and a live Elasticsearch cluster:
 * metadata filters hold inside both channels;
 * an upsert by id replaces the document (text, revision and vector);
 * ``channels()`` answers nothing for a missing index and no ``knn`` without vectors;
+* index names are private to a tenant: an index only another tenant holds documents in
+  answers exactly like one nobody has (``channels()`` empty, and the pipeline's
+  ``IndexNotFound`` with the same words), and ``knn`` follows the tenant's own vectors;
 * a hybrid search through the pipeline returns hits that carry both channel ranks.
 """
 
@@ -22,6 +25,7 @@ from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.ports import SearchBackend
 from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
+from worker.errors import IndexNotFound
 
 EMBEDDER = FakeEmbedder()
 BOTH: tuple[Channel, ...] = ("bm25", "knn")
@@ -158,17 +162,46 @@ class BackendContract:
     def test_channels_without_vectors_and_for_a_missing_index(
         self, backend: SearchBackend, index: str
     ) -> None:
-        assert backend.channels(index) == frozenset()
+        assert backend.channels(index, "acme") == frozenset()
         self.load(backend, index, "acme", with_vectors=False)
-        assert backend.channels(index) == frozenset({"bm25"})
+        assert backend.channels(index, "acme") == frozenset({"bm25"})
         results = self.search(backend, index, "acme", "statins cholesterol", channels=("bm25",))
         assert results.hits["bm25"][0].document.id == "stat"
+
+    def test_an_index_only_another_tenant_has_answers_like_one_nobody_has(
+        self, backend: SearchBackend, index: str
+    ) -> None:
+        self.load(backend, index, "acme")
+        nobody = f"{index}-nobody"
+        assert backend.channels(index, "acme") == frozenset(BOTH)
+        assert backend.channels(index, "beta") == frozenset()
+        assert backend.channels(nobody, "beta") == frozenset()
+        pipeline = SearchPipeline(backend, EMBEDDER, config=PipelineConfig())
+        answers: dict[str, set[tuple[str, str, bool]]] = {index: set(), nobody: set()}
+        for name in (index, nobody):
+            for mode in ("fts", "vector", "hybrid"):
+                spec = SearchSpec(index=name, query="vitamin bone", mode=mode, rerank=False)
+                with pytest.raises(IndexNotFound) as caught:
+                    pipeline.search(spec, tenant="beta")
+                error = caught.value
+                # the name is the caller's own input; every other word must match
+                answers[name].add(
+                    (error.code, error.message.replace(repr(name), "NAME"), error.retryable)
+                )
+        assert answers[index] == answers[nobody]
+        assert len(answers[index]) == 1
+        # once beta writes its own documents (no vectors) the index is beta's too: its own
+        # channels, not acme's knn
+        self.load(backend, index, "beta", CORPUS[:1], with_vectors=False)
+        assert backend.channels(index, "beta") == frozenset({"bm25"})
+        result = pipeline.search(SearchSpec(index=index, query="vitamin", mode="fts"), "beta")
+        assert [hit.id for hit in result.hits] == ["vitd"]
 
     def test_hybrid_search_through_the_pipeline_keeps_both_channel_ranks(
         self, backend: SearchBackend, index: str
     ) -> None:
         self.load(backend, index, "acme")
-        assert backend.channels(index) == frozenset(BOTH)
+        assert backend.channels(index, "acme") == frozenset(BOTH)
         pipeline = SearchPipeline(backend, EMBEDDER, config=PipelineConfig())
         result = pipeline.search(
             SearchSpec(index=index, query="vitamin D bone fractures", limit=3), tenant="acme"

@@ -191,6 +191,29 @@ def msearch_response(*searches: dict[str, Any]) -> dict[str, Any]:
     return {"took": 5, "responses": [{**s, "status": s.get("status", 200)} for s in searches]}
 
 
+def probe_response(matched: int) -> dict[str, Any]:
+    """A ``size: 0, terminate_after: 1, track_total_hits: true`` search's answer, as ES 9
+    shapes it: no hits, the total of the documents seen before it stopped."""
+    return {
+        "took": 1,
+        "timed_out": False,
+        **({"terminated_early": True} if matched else {}),
+        "_shards": {"total": 1, "successful": 1, "skipped": 0, "failed": 0},
+        "hits": {"total": {"value": matched, "relation": "eq"}, "max_score": None, "hits": []},
+    }
+
+
+def probes(documents: bool, vectors: bool) -> dict[str, Any]:
+    """The ``_msearch`` answer to the backend's two channel probes: does the tenant hold a
+    document in the index, and one with a vector?"""
+    return msearch_response(probe_response(int(documents)), probe_response(int(vectors)))
+
+
+def probes_of_a_missing_index(index: str) -> dict[str, Any]:
+    """``POST /<missing>/_msearch``: ES answers 200, each search an ``index_not_found``."""
+    return msearch_response(index_missing(index), index_missing(index))
+
+
 def running(server: FakeElasticsearchServer) -> Iterator[FakeElasticsearchServer]:
     server.start()
     try:

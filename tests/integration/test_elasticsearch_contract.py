@@ -19,9 +19,12 @@ from tests.integration.es_loopback import (
     hit,
     index_missing,
     msearch_response,
+    probes,
+    probes_of_a_missing_index,
     running,
     search_response,
 )
+from worker.adapters import elasticsearch
 from worker.adapters.elasticsearch import ElasticsearchBackend, num_candidates
 from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
@@ -496,8 +499,8 @@ def mapping(with_vector: bool = True) -> dict[str, Any]:
 def test_pipeline_fuses_the_channels_with_sift_rrf_and_keeps_each_rank(
     server: FakeElasticsearchServer,
 ) -> None:
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
     server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
-    server.on("POST", "/sift-docs/_count", Answer(200, {"count": 4, "_shards": {"total": 1}}))
     server.on(
         "POST",
         "/_msearch",
@@ -518,11 +521,11 @@ def test_pipeline_fuses_the_channels_with_sift_rrf_and_keeps_each_rank(
     assert a.scores.knn == pytest.approx(0.8) and a.scores.bm25 == pytest.approx(7.5)
 
     assert [(r.method, r.path) for r in server.requests] == [
+        ("POST", "/sift-docs/_msearch"),
         ("GET", "/sift-docs/_mapping"),
-        ("POST", "/sift-docs/_count"),
         ("POST", "/_msearch"),
     ]
-    assert server.requests[1].json() == {"query": {"exists": {"field": "vector"}}}
+    assert server.requests[0].ndjson() == PROBES_OF_ACME
     _, bm25, _, knn = server.requests[2].ndjson()
     filters = [{"term": {"tenant": "acme"}}, {"term": {"metadata.lang": "en"}}]
     assert bm25["query"]["bool"]["filter"] == filters and knn["knn"]["filter"] == filters
@@ -533,8 +536,8 @@ def test_pipeline_fuses_the_channels_with_sift_rrf_and_keeps_each_rank(
 
 
 def test_a_min_similarity_floor_reads_cosine_not_es_scores(server: FakeElasticsearchServer) -> None:
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
     server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
-    server.on("POST", "/sift-docs/_count", Answer(200, {"count": 4}))
     server.on("POST", "/_msearch", Answer(200, msearch_response(search_response(KNN_HITS))))
     pipeline = SearchPipeline(
         backend_for(server), FakeEmbedder(), config=PipelineConfig(vector_min_similarity=0.6)
@@ -543,22 +546,104 @@ def test_a_min_similarity_floor_reads_cosine_not_es_scores(server: FakeElasticse
     assert [h.id for h in result.hits] == ["c", "a"]  # d's cosine is 0.5
 
 
-def test_channels_follow_the_mapping_and_the_stored_vectors(
+PROBES_OF_ACME = [
+    {},
+    {
+        "size": 0,
+        "terminate_after": 1,
+        "track_total_hits": True,
+        "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
+    },
+    {},
+    {
+        "size": 0,
+        "terminate_after": 1,
+        "track_total_hits": True,
+        "query": {
+            "bool": {"filter": [{"term": {"tenant": "acme"}}, {"exists": {"field": "vector"}}]}
+        },
+    },
+]
+
+
+def test_channels_are_the_tenants_documents_and_vectors(server: FakeElasticsearchServer) -> None:
+    """Two tenant-filtered probes in one ``_msearch``; the mapping only once vectors are found."""
+    backend = backend_for(server)
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes_of_a_missing_index("sift-docs")))
+    assert backend.channels("docs", "acme") == frozenset()
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=False, vectors=False)))
+    assert backend.channels("docs", "acme") == frozenset()  # only other tenants' documents
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=False)))
+    assert backend.channels("docs", "acme") == {"bm25"}
+    assert [r.path for r in server.requests] == ["/sift-docs/_msearch"] * 3  # no mapping read
+    for request in server.requests:
+        assert request.ndjson() == PROBES_OF_ACME
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping(with_vector=False)))
+    assert backend.channels("docs", "acme") == {"bm25"}  # a vector field that is no dense_vector
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    assert backend.channels("docs", "acme") == {"bm25", "knn"}
+    before = len(server.requests)
+    assert backend.channels("docs", "acme") == {"bm25", "knn"}  # remembered for a while
+    assert len(server.requests) == before
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=False, vectors=False)))
+    assert backend.channels("docs", "beta") == frozenset()  # acme's answer is not beta's
+    beta = server.requests[-1].ndjson()
+    assert beta[1]["query"]["bool"]["filter"] == [{"term": {"tenant": "beta"}}]
+
+
+def test_the_per_tenant_memo_drops_expired_answers_once_large(
+    server: FakeElasticsearchServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(elasticsearch, "CHANNELS_MEMO_SIZE", 3)
+    now = [0.0]
+    backend = backend_for(server)
+    backend._clock = lambda: now[0]
+    for tenant in ("t1", "t2", "t3"):
+        backend._saw_vectors("sift-docs", tenant)
+    now[0] = elasticsearch.CHANNELS_TTL_SECONDS + 1
+    backend._saw_vectors("sift-docs", "t4")
+    assert set(backend._with_vectors) == {("sift-docs", "t4")}
+    assert backend.channels("docs", "t4") == {"bm25", "knn"}  # from the memo: no request
+    assert server.requests == []
+
+
+def test_a_whole_request_404_on_the_probes_is_a_missing_index(
     server: FakeElasticsearchServer,
 ) -> None:
-    backend = backend_for(server)
-    server.on("GET", "/sift-docs/_mapping", Answer(404, index_missing("sift-docs")))
-    assert backend.channels("docs") == frozenset()
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping(with_vector=False)))
-    assert backend.channels("docs") == {"bm25"}
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
-    server.on("POST", "/sift-docs/_count", Answer(200, {"count": 0}))
-    assert backend.channels("docs") == {"bm25"}
-    server.on("POST", "/sift-docs/_count", Answer(200, {"count": 3}))
-    assert backend.channels("docs") == {"bm25", "knn"}
-    before = len(server.requests)
-    assert backend.channels("docs") == {"bm25", "knn"}  # remembered for a while
-    assert len(server.requests) == before
+    server.on("POST", "/sift-docs/_msearch", Answer(404, index_missing("sift-docs")))
+    assert backend_for(server).channels("docs", "acme") == frozenset()
+
+
+def test_an_index_only_another_tenant_has_is_not_found_like_a_missing_one(
+    server: FakeElasticsearchServer,
+) -> None:
+    """Beta searching acme's index name, and a name nobody has: the same error, word for word,
+    after the same one request; the alias existing is never asked on its own."""
+    pipeline = SearchPipeline(backend_for(server), FakeEmbedder(), config=PipelineConfig())
+    errors: list[IndexNotFound] = []
+    for answer in (
+        Answer(200, probes(documents=False, vectors=False)),  # the alias exists: acme's
+        Answer(200, probes_of_a_missing_index("sift-docs")),  # no such alias at all
+        Answer(404, index_missing("sift-docs")),
+    ):
+        server.requests.clear()
+        server.on("POST", "/sift-docs/_msearch", answer)
+        with pytest.raises(IndexNotFound) as caught:
+            pipeline.search(SearchSpec(index="docs", query="vitamin d"), tenant="beta")
+        errors.append(caught.value)
+        assert [(r.method, r.path) for r in server.requests] == [("POST", "/sift-docs/_msearch")]
+        assert server.requests[0].ndjson()[1]["query"]["bool"]["filter"] == [
+            {"term": {"tenant": "beta"}}
+        ]
+    assert {(e.code, e.message, e.retryable) for e in errors} == {
+        ("index_not_found", "index 'docs' does not exist: ingest documents into it first", False)
+    }
+    # and a search whose alias vanished after the probes says the same words
+    server.on("POST", "/_msearch", Answer(404, index_missing("sift-docs")))
+    with pytest.raises(IndexNotFound) as late:
+        backend_for(server).retrieve(query(tenant="beta"))
+    assert late.value.message == errors[0].message
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -629,7 +714,7 @@ def test_the_attempt_timeout_is_the_request_timeout(server: FakeElasticsearchSer
 
 
 def test_the_pipeline_is_the_one_retry_layer(server: FakeElasticsearchServer) -> None:
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping(with_vector=False)))
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=False)))
     server.on(
         "POST",
         "/_msearch",
@@ -686,8 +771,8 @@ def test_bootstrap_builds_the_backend_without_a_network_call(
 def test_native_rrf_mode_runs_one_retriever_search_and_the_pipeline_keeps_es_order(
     server: FakeElasticsearchServer,
 ) -> None:
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
     server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
-    server.on("POST", "/sift-docs/_count", Answer(200, {"count": 4, "_shards": {"total": 1}}))
     fused = search_response([hit(CONCRETE, "acme", "c", 0.033), hit(CONCRETE, "acme", "a", 0.03)])
     server.on("POST", "/sift-docs/_search", Answer(200, fused))
     backend = backend_for(server)

@@ -17,7 +17,7 @@ from worker.adapters.embedded import EmbeddedBackend, derive_revision, match_exp
 from worker.adapters.embedder import OnnxMiniLMEmbedder
 from worker.contract import Channel, FilterValue
 from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
-from worker.errors import BackendRequestError, InvalidRequest
+from worker.errors import IndexNotFound, InvalidRequest
 
 pytestmark = pytest.mark.integration
 
@@ -134,7 +134,7 @@ def test_index_survives_a_restart(tmp_path: Path, embedder: OnnxMiniLMEmbedder) 
         assert [h.score for h in after.hits[channel]] == pytest.approx(
             [h.score for h in before.hits[channel]]
         )
-    assert reopened.channels("sci") == frozenset(BOTH)
+    assert reopened.channels("sci", "acme") == frozenset(BOTH)
     assert reopened.count("sci", "acme") == len(CORPUS)
 
 
@@ -290,12 +290,25 @@ def test_a_query_without_usable_terms_has_an_empty_bm25_channel(
 
 def test_channels_without_vectors_and_for_an_unknown_index(tmp_path: Path) -> None:
     backend = EmbeddedBackend(tmp_path)
-    assert backend.channels("sci") == frozenset()
+    assert backend.channels("sci", "acme") == frozenset()
     backend.upsert("sci", "acme", docs_of(CORPUS), None)
-    assert backend.channels("sci") == frozenset({"bm25"})
+    assert backend.channels("sci", "acme") == frozenset({"bm25"})
+    assert backend.channels("sci", "beta") == frozenset()  # acme's index, not beta's
     query = ChannelQuery("missing", HardFilters("acme"), ("bm25",), 10, "vitamin")
-    with pytest.raises(BackendRequestError, match="does not exist"):
+    with pytest.raises(IndexNotFound, match="'missing' does not exist"):
         backend.retrieve(query)
+
+
+def test_knn_is_offered_by_the_tenants_own_vectors(tmp_path: Path) -> None:
+    """Another tenant's vectors in the same index name do not make knn the caller's."""
+    backend = EmbeddedBackend(tmp_path)
+    vectors = np.eye(len(CORPUS), 8, dtype=np.float32) + 0.1
+    backend.upsert("sci", "acme", docs_of(CORPUS), vectors)
+    backend.upsert("sci", "beta", docs_of(CORPUS), None)
+    assert backend.channels("sci", "acme") == frozenset(BOTH)
+    assert backend.channels("sci", "beta") == frozenset({"bm25"})
+    backend.upsert("sci", "beta", docs_of(CORPUS)[:1], vectors[:1])
+    assert backend.channels("sci", "beta") == frozenset(BOTH)
 
 
 def test_vector_floor_and_vector_validation(tmp_path: Path) -> None:
@@ -335,7 +348,7 @@ def test_a_data_dir_of_another_schema_version_is_refused_not_misread(tmp_path: P
     conn.close()
     backend = EmbeddedBackend(tmp_path)
     with pytest.raises(ConfigError, match="SIFT_DATA_DIR"):
-        backend.channels("docs")
+        backend.channels("docs", "acme")
 
 
 def test_equal_scores_order_by_id_in_both_channels_and_a_shared_hit_is_one_document(

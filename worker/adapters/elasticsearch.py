@@ -9,6 +9,13 @@ Why this shape (DESIGN.md §6):
   ``tenant``, ``revision`` and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened``
   (every value a keyword, so equality filters work on strings, numbers and booleans).
   Every field name is a setting, so an existing index can be searched as it is.
+* **Tenancy.** Every tenant's documents for Sift index ``NAME`` live in that one alias,
+  each carrying its tenant field, and every search filters on it. So the alias existing
+  says nothing about the caller: an index exists *for a tenant* once it holds one of the
+  tenant's documents. :meth:`ElasticsearchBackend.channels` asks exactly that (two
+  tenant-filtered ``size: 0`` probes in one ``_msearch``), and a missing alias gives the
+  same empty answer, so the pipeline raises the same ``IndexNotFound`` for an index only
+  another tenant uses as for one nobody has.
 * **Writes** go through ``elasticsearch.helpers.streaming_bulk``. The ``_id`` is
   ``"<tenant>:<doc id>"``: tenants never collide, and an upsert by id replaces the whole
   document, vector included. ``refresh=wait_for`` (the default) makes a write visible to
@@ -90,6 +97,8 @@ MAX_NUM_CANDIDATES = 10_000
 RRF_RANK_CONSTANT = 60
 #: How long a "this index has vectors" answer is trusted before asking ES again.
 CHANNELS_TTL_SECONDS = 60.0
+#: Past this many (alias, tenant) answers, expired ones are dropped as a new one is kept.
+CHANNELS_MEMO_SIZE = 4096
 _FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 Refresh = Literal["wait_for", "true", "false"]
 
@@ -205,7 +214,8 @@ class ElasticsearchBackend:
         self._lock = threading.Lock()
         self._template_ready = False
         self._ready_aliases: set[str] = set()
-        self._with_vectors: dict[str, float] = {}  # alias -> when knn was last seen available
+        # (alias, tenant) -> when the tenant's knn was last seen available
+        self._with_vectors: dict[tuple[str, str], float] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ElasticsearchBackend:
@@ -254,23 +264,59 @@ class ElasticsearchBackend:
 
     # --- the port -----------------------------------------------------------------
 
-    def channels(self, index: str) -> frozenset[Channel]:
-        """``bm25`` when the index exists, ``knn`` too when a document holds a vector."""
+    def channels(self, index: str, tenant: str) -> frozenset[Channel]:
+        """``bm25`` once the tenant holds a document in the index, plus ``knn`` once one of
+        them holds a vector (and the field is a ``dense_vector``); empty otherwise.
+
+        Tenants share one ES index per Sift index name, so the alias existing says nothing
+        about the caller: whether the index exists *for this tenant* is one ``_msearch`` of
+        two tenant-filtered probes (``size: 0``, ``terminate_after: 1``), the tenant's
+        documents and the tenant's documents with a vector. A missing alias answers the
+        same empty set as an alias holding only other tenants' documents, after the same
+        one round trip. The mapping is read only once the tenant's own vectors are found,
+        and a positive answer is kept per (alias, tenant) for ``CHANNELS_TTL_SECONDS``.
+        """
         alias = self.alias(index)
-        seen = self._with_vectors.get(alias)
+        seen = self._with_vectors.get((alias, tenant))
         if seen is not None and self._clock() - seen < CHANNELS_TTL_SECONDS:
             return frozenset({"bm25", "knn"})
-        with _translated(f"channels of index {index!r}", index, missing_ok=True) as missing:
-            mappings = self._es().indices.get_mapping(index=alias).body
-            if not self._maps_vectors(mappings):
-                return frozenset({"bm25"})
-            count = self._es().count(index=alias, query={"exists": {"field": self.fields.vector}})
-            if int(count.body.get("count", 0)) == 0:
-                return frozenset({"bm25"})
+        what = f"channels of index {index!r}"
+        with _translated(what, index, missing_ok=True) as missing:
+            response = self._es().msearch(index=alias, searches=self.probe_searches(tenant)).body
         if missing:
             return frozenset()
-        self._with_vectors[alias] = self._clock()
+        answers = response.get("responses", [])
+        if len(answers) != 2:
+            raise BackendRequestError(f"_msearch answered {len(answers)} probes for 2 sent")
+        if any(_index_missing(answer) for answer in answers):
+            return frozenset()
+        for answer in answers:
+            _raise_for_item(answer, what, index)
+        has_documents, has_vectors = (_total(answer) > 0 for answer in answers)
+        if not has_documents:
+            return frozenset()
+        if not has_vectors:
+            return frozenset({"bm25"})
+        with _translated(what, index, missing_ok=True) as missing:
+            mappings = self._es().indices.get_mapping(index=alias).body
+        if missing:
+            return frozenset()
+        if not self._maps_vectors(mappings):
+            return frozenset({"bm25"})
+        self._saw_vectors(alias, tenant)
         return frozenset({"bm25", "knn"})
+
+    def _saw_vectors(self, alias: str, tenant: str) -> None:
+        """Remember that the tenant's part of ``alias`` holds vectors (expired entries go
+        once the memo is large, so many tenants don't grow it without bound)."""
+        now = self._clock()
+        if len(self._with_vectors) >= CHANNELS_MEMO_SIZE:  # a copy: other threads add to it
+            self._with_vectors = {
+                key: seen
+                for key, seen in list(self._with_vectors.items())
+                if now - seen < CHANNELS_TTL_SECONDS
+            }
+        self._with_vectors[(alias, tenant)] = now
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         """Both channels in one ``_msearch``; each channel's hits best first.
@@ -348,7 +394,7 @@ class ElasticsearchBackend:
         if failures:
             raise _bulk_error(failures, tenant)
         if vectors is not None:
-            self._with_vectors[alias] = self._clock()
+            self._saw_vectors(alias, tenant)
         return written
 
     # --- index management ------------------------------------------------------------
@@ -430,7 +476,8 @@ class ElasticsearchBackend:
             self._es().indices.update_aliases(actions=actions)
             if delete_old and old:
                 self._es().indices.delete(index=",".join(old))
-        self._with_vectors.pop(alias, None)
+        for key in [key for key in list(self._with_vectors) if key[0] == alias]:
+            self._with_vectors.pop(key, None)
         logger.info("reindexed %s: %s -> %s", alias, old, concrete)
         return concrete
 
@@ -444,6 +491,24 @@ class ElasticsearchBackend:
                 raise InvalidRequest(f"filters.{key}", "filter names use letters, digits and _.:-")
             terms.append({"term": {f"{self.fields.metadata}.{key}": _term_value(value)}})
         return terms
+
+    def probe_searches(self, tenant: str) -> list[Mapping[str, Any]]:
+        """The ``_msearch`` lines of :meth:`channels`: does the tenant hold a document, and
+        one with a vector? Each probe stops at the first match (per shard) and returns none."""
+        tenant_filter = self.filters(HardFilters(tenant))
+        with_vector = [*tenant_filter, {"exists": {"field": self.fields.vector}}]
+        searches: list[Mapping[str, Any]] = []
+        for filters in (tenant_filter, with_vector):
+            searches += [
+                {},
+                {
+                    "size": 0,
+                    "terminate_after": 1,
+                    "track_total_hits": True,
+                    "query": {"bool": {"filter": filters}},
+                },
+            ]
+        return searches
 
     def channel_body(self, channel: Channel, query: ChannelQuery) -> dict[str, Any]:
         """The ``_msearch`` body of one channel, with the hard filters inside it."""
@@ -612,7 +677,7 @@ class _translated:  # a context manager; named like one
             if self.missing_ok:
                 self.missing.value = True
                 return True
-            raise IndexNotFound(f"index {self.index!r} does not exist in Elasticsearch") from exc
+            raise IndexNotFound(self.index or "") from exc
         if isinstance(exc, ApiError):
             status = exc.meta.status
             reason = _reason(exc.body) or str(exc.message)
@@ -667,15 +732,28 @@ def _reason(body: Any) -> str | None:
     return f"{first.get('type', 'error')}: {first.get('reason', '')}".strip()
 
 
+def _index_missing(answer: Mapping[str, Any]) -> bool:
+    """Whether one ``_msearch`` item failed because its index does not exist."""
+    error = answer.get("error")
+    return isinstance(error, Mapping) and error.get("type") == "index_not_found_exception"
+
+
+def _total(answer: Mapping[str, Any]) -> int:
+    """``hits.total.value`` of one search answer (0 when ES left it out)."""
+    total = answer.get("hits", {}).get("total")
+    if isinstance(total, Mapping):
+        return int(total.get("value", 0))
+    return int(total or 0)
+
+
 def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
     """One ``_msearch`` item that carries an error raises like a whole-request error."""
     if "error" not in answer:
         return
     status = int(answer.get("status", 500))
     reason = _reason(answer) or "unknown error"
-    error = answer.get("error")
-    if isinstance(error, Mapping) and error.get("type") == "index_not_found_exception":
-        raise IndexNotFound(f"index {index!r} does not exist in Elasticsearch")
+    if _index_missing(answer):
+        raise IndexNotFound(index)
     if status == 429 or status >= 500:
         raise BackendUnavailable(f"Elasticsearch answered {status} to the {what}: {reason}")
     raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {reason}")

@@ -67,6 +67,7 @@ from worker.errors import (
     BackendRequestError,
     BackendUnavailable,
     ConfigError,
+    IndexNotFound,
     InvalidRequest,
     ModeUnavailable,
 )
@@ -287,18 +288,28 @@ class EmbeddedBackend:
 
     # --- the port ----------------------------------------------------------------
 
-    def channels(self, index: str) -> frozenset[Channel]:
-        """``bm25``, plus ``knn`` once the index holds a vector; empty for an unknown index."""
+    def channels(self, index: str, tenant: str) -> frozenset[Channel]:
+        """``bm25`` once the tenant holds a document in the index, plus ``knn`` once one of
+        them holds a vector; empty otherwise, whether or not another tenant uses the name.
+
+        One statement, the same for every answer: a few index seeks, so an index only
+        another tenant has costs what one nobody has costs (microseconds). The tenant's vector
+        check runs only when the index holds any vector (the partial index answers that in
+        one seek), so an index without vectors never walks the tenant's rows; ``+has_vector``
+        keeps the tenant's check on the ``(idx, tenant)`` index, off the other tenants' rows.
+        """
         conn = self._conn()
         with _translated("channels"):  # one statement: one snapshot, one step
             row = conn.execute(
-                "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND has_vector)"
-                " FROM indexes WHERE name = ?1",
-                (index,),
+                "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2),"
+                " CASE WHEN EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND has_vector)"
+                " THEN EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2 AND +has_vector)"
+                " ELSE 0 END",
+                (index, tenant),
             ).fetchone()
-        if row is None:
+        if row is None or not row[0]:
             return frozenset()
-        return frozenset({"bm25", "knn"}) if row[0] else frozenset({"bm25"})
+        return frozenset({"bm25", "knn"}) if row[1] else frozenset({"bm25"})
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         """Each asked channel's hits, best first, hard filters applied inside the query."""
@@ -308,7 +319,7 @@ class EmbeddedBackend:
         with _translated("retrieve"), _deadline(conn, query.timeout_seconds), _read(conn):
             row = _index_row(conn, query.index)
             if row is None:
-                raise BackendRequestError(f"index {query.index!r} does not exist")
+                raise IndexNotFound(query.index)
             num, _dimension, generation = row
             ranked: dict[Channel, _Ranked] = {}
             for channel in dict.fromkeys(query.channels):

@@ -204,7 +204,7 @@ class SearchPipeline:
     def _prepare(self, spec: SearchSpec, tenant: str, deadline: Deadline) -> Prepared:
         query = normalise_query(spec.query)
         reranking = self._reranking(spec)
-        channels = select_channels(spec.mode, spec.index, self.backend.channels(spec.index))
+        channels = select_channels(spec.mode, spec.index, self.backend.channels(spec.index, tenant))
         coarse = coarse_limit(spec.limit, self.config.candidate_limit, reranking)
 
         vector = None

@@ -28,8 +28,13 @@ class SearchBackend(Protocol):
 
     name: str
 
-    def channels(self, index: str) -> frozenset[Channel]:
-        """The channels this index can serve now (no vectors means no ``knn``)."""
+    def channels(self, index: str, tenant: str) -> frozenset[Channel]:
+        """The channels the tenant's part of this index can serve now (no vectors: no ``knn``).
+
+        Empty when the tenant holds no document in the index. This is the one test of
+        "the index exists", and it is the tenant's: an index only another tenant has must
+        answer exactly like one that does not exist (same result, same cost).
+        """
         ...
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:

@@ -28,9 +28,13 @@ def normalise_query(query: str) -> str:
 
 
 def select_channels(mode: Mode, index: str, available: Set[Channel]) -> tuple[Channel, ...]:
-    """The channels ``mode`` needs, or a clear error when the index cannot serve them."""
+    """The channels ``mode`` needs, or a clear error when the index cannot serve them.
+
+    ``available`` is what the backend answered for the caller's tenant: empty when the
+    tenant holds no document in ``index``, whether or not another tenant does.
+    """
     if not available:
-        raise IndexNotFound(f"index {index!r} has no documents for this tenant")
+        raise IndexNotFound(index)
     wanted = MODE_CHANNELS[mode]
     missing = [channel for channel in wanted if channel not in available]
     if missing:
