@@ -38,6 +38,7 @@ from worker.constants import (
     INGEST_QUEUE,
     INGEST_TASK,
     LANE_ECONOMY,
+    MAX_BATCH_QUERIES,
     MAX_DOCUMENT_CHARS,
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE_SIZE,
@@ -552,15 +553,18 @@ async def get_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut
 
 
 def _decode_token(token: str | None) -> int:
+    """The offset in a page token. Only the exact text :func:`_encode_token` makes, of an
+    offset a batch can have, is one: anything else (``int`` alone would take "1_0", " 7",
+    Arabic digits, or 2**63, which Redis refuses) is 422 before Redis sees it."""
     if not token:
         return 0
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
         kind, _, value = raw.partition(":")
-        offset = int(value)
+        offset = int(value) if value.isascii() and value.isdigit() else -1
     except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
         raise InvalidRequest("page_token", "is not a token this API issued") from exc
-    if kind != "o" or offset < 0:
+    if kind != "o" or not 0 <= offset <= MAX_BATCH_QUERIES or _encode_token(offset) != token:
         raise InvalidRequest("page_token", "is not a token this API issued")
     return offset
 
