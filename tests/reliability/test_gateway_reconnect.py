@@ -65,9 +65,16 @@ class RestartableRedis:
         self._running.__enter__()
 
     def stop(self, sig: signal.Signals) -> None:
-        """Send ``sig`` to the server and wait until it is gone."""
-        client = redis.Redis.from_url(self.url)
+        """Send ``sig`` to the server once what it acknowledged is in its AOF, and wait
+        until it is gone. (With ``everysec`` Redis may hold writes in its buffer for up to
+        2 s while an fsync is slow, and a SIGKILL then loses them; these tests are about
+        reconnecting, not about that window.)"""
+        client = redis.Redis.from_url(self.url, decode_responses=True)
         try:
+            deadline = time.monotonic() + 30
+            while int(client.info("persistence")["aof_buffer_length"]) > 0:
+                assert time.monotonic() < deadline, "Redis did not write its AOF buffer"
+                time.sleep(0.05)
             pid = int(client.info("server")["process_id"])
         finally:
             client.close()
