@@ -53,7 +53,7 @@ from typing import Any, cast
 import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ConstantBackoff, ExponentialBackoff
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 from redis.maint_notifications import MaintNotificationsConfig
@@ -1089,15 +1089,15 @@ class AsyncJobStore:
         """A store on ``url``; a request that finds every connection busy waits for one
         (up to 20 s), as :meth:`JobStore.from_url` with ``max_connections`` does.
 
-        A command that meets a broken connection (or a refused connect, or a health check
-        that fails) is tried once more on a new one, after 50 ms: both of its commands may
-        be, the ``in_flight`` read and the create script, which does nothing when it ran
-        already."""
+        A command that meets a broken connection (a refused connect, a failed health check,
+        a reset) is tried once more, on a new connection, 50 ms later. That is safe for what
+        this store sends: the ``in_flight`` read, and the create script, which does nothing
+        when its record exists (its first try ran; only the reply was lost)."""
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
             timeout=20,
-            retry=AsyncRetry(ExponentialBackoff(cap=0.5, base=0.05), retries=1),
+            retry=AsyncRetry(ConstantBackoff(0.05), retries=1),
             retry_on_error=[redis.ConnectionError, redis.TimeoutError],
             **CONNECTION_OPTIONS,
         )
