@@ -21,6 +21,7 @@ from worker.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
+UNAVAILABLE_RETRY_AFTER_SECONDS = 1  # a Redis restart takes about that long
 _HEADER_NAMES = {"idempotency-key": "Idempotency-Key", "authorization": "Authorization"}
 
 
@@ -158,10 +159,33 @@ def install_error_handlers(app: FastAPI) -> None:
             exc.status_code, type_, str(exc.detail), headers=getattr(exc, "headers", None)
         )
 
+    # Redis errors are handled here rather than by the catch-all below: Starlette re-raises
+    # what reaches that one after answering, and uvicorn then closes the keep-alive
+    # connection, so the client's next request on it was reset.
+
+    @app.exception_handler(redis.ConnectionError)
+    @app.exception_handler(redis.TimeoutError)
+    async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
+        """Redis down, restarting or loading: a passing state, not a bug; one log line."""
+        log.error(
+            "job store unavailable on %s %s: %s: %s",
+            request.method, request.url.path, type(exc).__name__, exc,
+        )  # fmt: skip
+        return error_response(
+            503,
+            "unavailable",
+            f"the job store is unavailable; retry after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+        )
+
+    @app.exception_handler(redis.RedisError)
+    async def _redis_bug(request: Request, exc: Exception) -> JSONResponse:
+        """Any other Redis error (a refused command) is the gateway's bug, whatever the input:
+        every client value is checked before it reaches Redis."""
+        log.error("job store error on %s %s", request.method, request.url.path, exc_info=exc)
+        return error_response(500, "internal_error", "internal error")
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        if isinstance(exc, redis.RedisError):
-            log.error("redis unavailable: %s", exc)
-            return error_response(503, "unavailable", "the job store is unavailable; retry")
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return error_response(500, "internal_error", "internal error")

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import binascii
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
@@ -32,16 +33,20 @@ from api_gateway.schemas import (
 from worker import metrics
 from worker.constants import (
     BATCH_CHUNK_TASK,
+    BATCH_ID_PREFIX,
     BATCH_QUEUE,
     DEFAULT_PAGE_SIZE,
     ECONOMY_CANCEL_TASK,
+    INGEST_ID_PREFIX,
     INGEST_QUEUE,
     INGEST_TASK,
     LANE_ECONOMY,
+    MAX_BATCH_QUERIES,
     MAX_DOCUMENT_CHARS,
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE_SIZE,
     MAX_WAIT_SECONDS,
+    SEARCH_ID_PREFIX,
     SEARCH_QUEUE,
     SEARCH_TASK,
     WEBHOOK_EVENT_BATCH_COMPLETED,
@@ -101,6 +106,14 @@ BUSY: dict[int | str, dict[str, Any]] = {
 }
 POLL_MIN_SECONDS = 0.005
 POLL_MAX_SECONDS = 0.1
+_ID_DIGITS = re.compile(r"[0-9a-f]{32}")
+
+
+def _is_id(value: str, prefix: str) -> bool:
+    """Whether ``value`` has the shape of the ids the store makes (``prefix`` and 32 hex
+    digits). Any other is unknown without asking Redis: a client's text never becomes part
+    of a key name, where it could name a key of another type (a WRONGTYPE error, a 5xx)."""
+    return value.startswith(prefix) and _ID_DIGITS.fullmatch(value, len(prefix)) is not None
 
 
 def _store(request: Request) -> JobStore:
@@ -341,7 +354,9 @@ async def upsert_documents(
     "/ingestions/{job_id}", response_model=IngestJobOut, responses=ERRORS, summary="An ingest job"
 )
 async def get_ingestion(request: Request, job_id: str, tenant: Tenant) -> IngestJobOut:
-    job = await _io(_store(request).get_ingest, job_id)
+    job = (
+        await _io(_store(request).get_ingest, job_id) if _is_id(job_id, INGEST_ID_PREFIX) else None
+    )
     if job is None or job.tenant != tenant:
         raise ApiError(404, "not_found", f"id: no ingest job {job_id!r}", field="id")
     return _ingest_out(job)
@@ -426,7 +441,9 @@ async def _answer_search(store: JobStore, job_id: str, tenant: str, wait: float)
     summary="A search job, with its result once finished",
 )
 async def get_search(request: Request, job_id: str, tenant: Tenant) -> Response:
-    job = await _io(_store(request).get_search, job_id)
+    job = (
+        await _io(_store(request).get_search, job_id) if _is_id(job_id, SEARCH_ID_PREFIX) else None
+    )
     if job is None or job.tenant != tenant:
         raise ApiError(404, "not_found", f"id: no search {job_id!r}", field="id")
     return Response(_search_out(job).model_dump_json(), media_type="application/json")
@@ -449,7 +466,11 @@ def _batch_out(batch: BatchJob) -> BatchOut:
 
 
 async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob:
-    batch = await _io(_store(request).get_batch, batch_id)
+    batch = (
+        await _io(_store(request).get_batch, batch_id)
+        if _is_id(batch_id, BATCH_ID_PREFIX)
+        else None
+    )
     if batch is None or batch.tenant != tenant:
         raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
     return batch
@@ -552,15 +573,21 @@ async def get_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut
 
 
 def _decode_token(token: str | None) -> int:
-    if not token:
+    """The offset in a page token. Only the exact text :func:`_encode_token` makes, of an
+    offset a batch can have, is one: anything else (``int`` alone would take "1_0", " 7",
+    Arabic digits, or 2**63, which Redis refuses) is 422 before Redis sees it. So is an
+    empty one: a client that sent the last page's ``null`` as "" would loop from page one."""
+    if token is None:
         return 0
+    if not token:
+        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
         kind, _, value = raw.partition(":")
-        offset = int(value)
+        offset = int(value) if value.isascii() and value.isdigit() else -1
     except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
         raise InvalidRequest("page_token", "is not a token this API issued") from exc
-    if kind != "o" or offset < 0:
+    if kind != "o" or not 0 <= offset <= MAX_BATCH_QUERIES or _encode_token(offset) != token:
         raise InvalidRequest("page_token", "is not a token this API issued")
     return offset
 

@@ -52,9 +52,11 @@ from typing import Any, cast
 
 import redis
 import redis.asyncio
-from redis.backoff import ExponentialBackoff
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ConstantBackoff, ExponentialBackoff
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
+from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
 from worker.coalesce import Coalescer
@@ -180,8 +182,10 @@ return {n, 0}
 # KEYS: record, stats, the active set, one list per task message, then the Idempotency-Key's
 # record if any. ARGV: ttl, message count m, record field count n, the job's id and its
 # score in the active set, n fields and values, m raw messages, then that key's record and
-# its TTL.
+# its TTL. A record that exists already means this very call ran (the job id is new to
+# each call), and its reply was lost: then it does nothing, so a retry is harmless.
 _CREATE_SEARCH = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local m, n = tonumber(ARGV[2]), tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], unpack(ARGV, 6, 5 + n))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
@@ -196,11 +200,17 @@ return 1
 
 
 # How both stores connect: text replies, and no call left hanging on a dead connection.
+# Maintenance notifications (a Redis Enterprise/Cloud feature, on by default with RESP3 in
+# redis-py 8) make the pool skip its check-out probe, so redis.asyncio 8.1 hands out a
+# connection the server closed (redis/redis-py#4252; the sync pool with hiredis: #4128):
+# the first command after a Redis restart failed. Off, a closed connection is replaced
+# before anything is written to it.
 CONNECTION_OPTIONS: dict[str, Any] = {
     "decode_responses": True,
     "socket_connect_timeout": 5,
     "socket_timeout": 30,
     "health_check_interval": 30,
+    "maint_notifications_config": MaintNotificationsConfig(enabled=False),
 }
 
 
@@ -1077,9 +1087,19 @@ class AsyncJobStore:
     @classmethod
     def from_url(cls, url: str, *, max_connections: int = 128) -> AsyncJobStore:
         """A store on ``url``; a request that finds every connection busy waits for one
-        (up to 20 s), as :meth:`JobStore.from_url` with ``max_connections`` does."""
+        (up to 20 s), as :meth:`JobStore.from_url` with ``max_connections`` does.
+
+        A command that meets a broken connection (a refused connect, a failed health check,
+        a reset) is tried once more, on a new connection, 50 ms later. That is safe for what
+        this store sends: the ``in_flight`` read, and the create script, which does nothing
+        when its record exists (its first try ran; only the reply was lost)."""
         pool = redis.asyncio.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=20, **CONNECTION_OPTIONS
+            url,
+            max_connections=max_connections,
+            timeout=20,
+            retry=AsyncRetry(ConstantBackoff(0.05), retries=1),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            **CONNECTION_OPTIONS,
         )
         return cls(redis.asyncio.Redis(connection_pool=pool))
 

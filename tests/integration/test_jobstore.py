@@ -23,7 +23,14 @@ from worker.constants import (
     STATS_KEY,
 )
 from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
-from worker.jobstore import AsyncJobStore, IdempotencyOutcome, IdempotencyRef, JobStore
+from worker.jobstore import (
+    AsyncJobStore,
+    IdempotencyOutcome,
+    IdempotencyRef,
+    JobStore,
+    _create_search_call,
+    _new_search,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -262,3 +269,22 @@ def test_missing_records(store: JobStore) -> None:
     assert not store.finish_search("srch_nope", result=result("x"))
     assert not store.finish_item("bat_nope", "q", result=result("x")).applied
     assert isinstance(store.redis, redis.Redis)
+
+
+def test_the_create_script_sent_again_after_it_ran_creates_nothing_more(store: JobStore) -> None:
+    """The gateway's asyncio store tries a command once more after a connection error, and
+    the error may have come after the script ran (only its reply lost). The same call again,
+    same job id: still one record, one queued count, one message, one claim."""
+    job = _new_search("acme", spec("again"), None)
+    keys, args = _create_search_call(
+        job, store.result_ttl, lambda job_id: [("q.search", "msg:" + job_id)],
+        IdempotencyRef("acme", "key-again", "fp"),
+    )  # fmt: skip
+    assert store._create_search(keys=keys, args=args) == 1
+    before = store.redis.hgetall(SEARCH_KEY + job.id)
+    assert store._create_search(keys=keys, args=args) == 0  # the retry: nothing to do
+    assert store.redis.hgetall(SEARCH_KEY + job.id) == before
+    assert store.redis.hget(STATS_KEY, "queued") == "1"
+    assert store.redis.lrange("q.search", 0, -1) == ["msg:" + job.id]
+    claim = store.claim_idempotency("acme", "key-again", "fp")
+    assert (claim.outcome, claim.job_id) == (IdempotencyOutcome.IN_PROGRESS, job.id)

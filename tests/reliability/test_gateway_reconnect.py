@@ -1,0 +1,163 @@
+"""The gateway across a Redis restart, at default settings.
+
+A real redis-server with AOF ``everysec`` (as ``sift up`` runs it) is stopped (SIGKILL or
+SIGTERM) and started again on the same port and directory under a running gateway (uvicorn).
+The first request after Redis is back must succeed: every connection the gateway's pools
+held points at the old server, and redis-py 8.1 handed such a connection out as live
+(redis/redis-py#4252), so the first ``POST /v1/searches`` used to answer 503.
+
+While Redis is down, each request is a 503 with ``Retry-After``, logged as one line, and the
+client's keep-alive connection stays open: it used to be closed after the answer, so the
+client's next request on it was reset.
+
+No worker runs: the jobs stay queued, which is all these requests need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.reliability.support import ACME, INDEX, KEYS
+from tests.services import free_port, gateway, redis_server
+
+Request = Callable[[httpx.Client, str, str], httpx.Response]
+
+# each kind of request the gateway serves from Redis: reads on its thread-pool store, the
+# submissions on its asyncio store (a search) and through the thread pool (a batch)
+REQUESTS: list[tuple[str, Request]] = [
+    ("GET a search", lambda c, s, b: c.get(f"/v1/searches/{s}", headers=ACME)),
+    ("POST a search", lambda c, s, b: c.post("/v1/searches", json=_search(), headers=ACME)),
+    ("GET a batch", lambda c, s, b: c.get(f"/v1/batches/{b}", headers=ACME)),
+    ("GET its results", lambda c, s, b: c.get(f"/v1/batches/{b}/results", headers=ACME)),
+    ("POST a batch", lambda c, s, b: c.post("/v1/batches", json=_batch(), headers=ACME)),
+]
+
+
+def _search() -> dict[str, str]:
+    return {"index": INDEX, "query": "green tea"}
+
+
+def _batch() -> dict[str, object]:
+    return {"index": INDEX, "queries": [{"id": "1", "query": "green tea"}]}
+
+
+class RestartableRedis:
+    """A redis-server of the test's own, on one port and directory, with AOF ``everysec``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.port = directory, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}"
+        self._running: contextlib.AbstractContextManager[str] | None = None
+
+    def start(self) -> None:
+        """Start it; returns once it answers PING (its AOF loaded)."""
+        self._running = redis_server(self.directory, port=self.port, appendonly=True)
+        self._running.__enter__()
+
+    def stop(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the server once what it acknowledged is in its AOF, and wait
+        until it is gone. (With ``everysec`` Redis may hold writes in its buffer for up to
+        2 s while an fsync is slow, and a SIGKILL then loses them; these tests are about
+        reconnecting, not about that window.)"""
+        client = redis.Redis.from_url(self.url, decode_responses=True)
+        try:
+            deadline = time.monotonic() + 30
+            while int(client.info("persistence")["aof_buffer_length"]) > 0:
+                assert time.monotonic() < deadline, "Redis did not write its AOF buffer"
+                time.sleep(0.05)
+            pid = int(client.info("server")["process_id"])
+        finally:
+            client.close()
+        os.kill(pid, sig)
+        assert self._running is not None
+        self._running.__exit__(None, None, None)  # waits for the process (SIGKILL after 15 s)
+        self._running = None
+
+    def close(self) -> None:
+        if self._running is not None:
+            self._running.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def redis_and_gateway(tmp: Path) -> Iterator[tuple[RestartableRedis, httpx.Client, Path]]:
+    """A restartable Redis, the gateway on it at default settings, one keep-alive client,
+    and the gateway's log file."""
+    server = RestartableRedis(tmp / "redis")
+    server.start()
+    try:
+        env = {"SIFT_REDIS_URL": server.url + "/0", "SIFT_API_KEYS": json.dumps(KEYS)}
+        with gateway(tmp / "g", env) as base, httpx.Client(base_url=base, timeout=30) as client:
+            yield server, client, tmp / "g" / "gateway.log"
+    finally:
+        server.close()
+
+
+def _local_port(response: httpx.Response) -> int:
+    """The client's port of the TCP connection the response came on."""
+    return int(response.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_the_first_request_after_a_redis_restart_succeeds(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """For each kind of request: restart Redis, then that request is the first the gateway
+    serves, and it succeeds. No request is answered 503 at any point."""
+    with redis_and_gateway(tmp_path) as (server, client, log):
+        search = client.post("/v1/searches", json=_search(), headers=ACME)
+        batch = client.post("/v1/batches", json=_batch(), headers=ACME)
+        assert search.status_code == batch.status_code == 202, (search.text, batch.text)
+        search_id, batch_id = search.json()["id"], batch.json()["id"]
+        for name, request in REQUESTS:
+            server.stop(sig)
+            server.start()
+            response = request(client, search_id, batch_id)
+            assert response.status_code in (200, 202), f"{name}: {response.text}"
+        assert "unavailable" not in log.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_while_redis_is_down_each_request_is_a_503_logged_once_on_a_connection_kept_open(
+    tmp_path: Path,
+) -> None:
+    with redis_and_gateway(tmp_path) as (server, client, log):
+        created = client.post("/v1/searches", json=_search(), headers=ACME)
+        assert created.status_code == 202, created.text
+        search_id = created.json()["id"]
+        port = _local_port(created)
+
+        server.stop(signal.SIGKILL)
+        down = [
+            client.get(f"/v1/searches/{search_id}", headers=ACME),  # the thread-pool store
+            client.post("/v1/searches", json=_search(), headers=ACME),  # the asyncio store
+            client.get(f"/v1/searches/{search_id}", headers=ACME),
+        ]
+        for response in down:
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+            error = response.json()["error"]
+            assert error["type"] == "unavailable" and "retry" in error["message"], error
+            assert _local_port(response) == port  # the same keep-alive connection, still open
+
+        server.start()
+        back = client.get(f"/v1/searches/{search_id}", headers=ACME)
+        assert back.status_code == 200, back.text
+        assert _local_port(back) == port
+
+        time.sleep(0.2)  # the log lines of the requests above are written
+        text = log.read_text()
+        lines = [line for line in text.splitlines() if "job store unavailable" in line]
+        assert len(lines) == len(down), lines
+        assert all("ConnectionError" in line for line in lines), lines
+        assert "Traceback" not in text and "Exception in ASGI application" not in text
