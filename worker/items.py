@@ -7,6 +7,11 @@ left, so a thread runs items back to back: the job-store transition that finishe
 the one that starts the next go in one round trip. A runner that finds the queue empty ends
 at once.
 
+An item taken but not started is still cancelable: its start reads the batch's cancel mark
+in the same script (no round trip more), and one whose batch was canceled is canceled
+instead of started. ``run`` may cancel a started item the same way (before its model call)
+and answer that transition.
+
     queue = ItemQueue(store, ThreadPoolExecutor(300))
     outcomes = queue.run(Chunk(batch_id, to_start, run, finished), pending_items)
 """
@@ -28,8 +33,11 @@ from worker.logcontext import job_context
 log = logging.getLogger(__name__)
 
 # What running one item came to: the result or the error to finish it with, "retry"
-# (requeued for the chunk's retry), or None (nothing to finish now).
-RunOutcome = tuple[SearchResult, None] | tuple[None, ErrorInfo] | Literal["retry"] | None
+# (requeued for the chunk's retry), the transition that canceled it (its batch was canceled
+# before its model call; already in the store), or None (nothing to finish now).
+RunOutcome = (
+    tuple[SearchResult, None] | tuple[None, ErrorInfo] | ItemTransition | Literal["retry"] | None
+)
 
 
 @dataclass
@@ -38,7 +46,8 @@ class Chunk:
 
     ``to_start`` answers the query id to start (None: run it unstarted, or skip it);
     ``run`` runs an item, told whether it started; ``finished`` hears of each finish
-    transition. ``outcomes`` collects (batch completed, to retry) per item; ``error`` is
+    transition, and of each cancel (``canceled`` set) of an item its batch's cancel mark
+    stopped. ``outcomes`` collects (batch completed, to retry) per item; ``error`` is
     what broke a runner, if anything did."""
 
     batch_id: str
@@ -109,9 +118,11 @@ class ItemQueue:
         query_id = chunk.to_start(item)
         return None if query_id is None else (chunk.batch_id, query_id)
 
-    def _begin(self, entry: Entry | None) -> bool:
+    def _begin(self, entry: Entry | None) -> ItemTransition | None:
+        """Start ``entry``'s item (None: it runs unstarted); the transition says whether it
+        started, or was canceled instead."""
         start = self._start_of(entry)
-        return start is not None and self._store.start_item(*start)
+        return None if start is None else self._store.begin_item(*start)
 
     def _work(self) -> None:
         """Run items until the queue is empty. What breaks a runner fails the chunk of the
@@ -120,20 +131,29 @@ class ItemQueue:
         current = self._take()  # the item being run, until it is accounted for
         taken: Entry | None = None  # the next one, off the queue
         try:
-            started = self._begin(current)
+            begun = self._begin(current)
             while current is not None:
                 chunk, item = current
-                with job_context(f"{chunk.batch_id}/{item.query_id}"):
-                    outcome = chunk.run(item, started)
+                outcome: RunOutcome
+                if begun is not None and begun.canceled:
+                    outcome = begun  # its batch was canceled: canceled, not started
+                else:
+                    with job_context(f"{chunk.batch_id}/{item.query_id}"):
+                        outcome = chunk.run(item, begun is not None and begun.started)
                 taken = self._take()
-                if outcome is None or outcome == "retry":
+                if isinstance(outcome, ItemTransition):  # canceled; the store has it already
+                    chunk.record(outcome.batch_completed, False)
+                    current = None
+                    chunk.finished(outcome, None)
+                    begun = self._begin(taken)
+                elif outcome is None or outcome == "retry":
                     chunk.record(False, outcome == "retry")
                     current = None
-                    started = self._begin(taken)
+                    begun = self._begin(taken)
                 else:
                     result, error = outcome
                     # the finish and the next start, in one round trip
-                    transition, started = self._store.finish_and_start_item(
+                    transition, begun = self._store.finish_and_start_item(
                         chunk.batch_id,
                         item.query_id,
                         result=result,
