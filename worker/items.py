@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -83,6 +84,65 @@ class Chunk:
 
 
 Entry = tuple[Chunk, BatchItem]
+
+# How stale this process's view of a batch's cancel mark may be before an item about to make
+# its model call reads it again: a cancel reaches the items of a process this much later at
+# most, and the hundreds of items in flight share one read per batch per period.
+CANCEL_MARK_MAX_AGE_SECONDS = 0.1
+_MARKS_KEPT = 1_000  # batches remembered before the oldest views are dropped
+
+
+class CancelMarks:
+    """Which batches have been canceled, as this process last read it: a view at most
+    :data:`CANCEL_MARK_MAX_AGE_SECONDS` old, read again by one thread while the others that
+    need it wait for that read. A mark once seen stays: a cancel is never undone.
+
+    marks = CancelMarks(store)
+    if marks.canceled(batch_id):
+        store.check_item(batch_id, query_id)  # cancels the item, atomically
+    """
+
+    def __init__(
+        self,
+        store: JobStore,
+        max_age: float = CANCEL_MARK_MAX_AGE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._max_age = max_age
+        self._clock = clock
+        self._seen: dict[str, tuple[float, bool]] = {}  # batch id -> (read at, canceled)
+        self._reading: dict[str, Future[bool]] = {}  # batch id -> the read in progress
+        self._lock = threading.Lock()
+
+    def canceled(self, batch_id: str) -> bool:
+        now = self._clock()
+        with self._lock:
+            read_at, canceled = self._seen.get(batch_id, (float("-inf"), False))
+            if canceled or now - read_at < self._max_age:
+                return canceled
+            reading = self._reading.get(batch_id)
+            if reading is None:
+                reading = self._reading[batch_id] = Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return reading.result()
+        try:
+            canceled = self._store.batch_canceled(batch_id)
+        except BaseException as exc:
+            with self._lock:
+                del self._reading[batch_id]
+            reading.set_exception(exc)
+            raise
+        with self._lock:
+            if len(self._seen) >= _MARKS_KEPT:
+                self._seen = {k: v for k, v in self._seen.items() if now - v[0] < 60}
+            self._seen[batch_id] = (now, canceled)
+            del self._reading[batch_id]
+        reading.set_result(canceled)
+        return canceled
 
 
 class ItemQueue:

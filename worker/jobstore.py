@@ -772,6 +772,11 @@ class JobStore:
         threads' transitions."""
         return self._item(batch_id, query_id, *_CHECK_ITEM)
 
+    def batch_canceled(self, batch_id: str) -> bool:
+        """Whether a cancel has marked the batch (one ``HEXISTS``; :meth:`check_item` is
+        what acts on it, atomically)."""
+        return bool(self.redis.hexists(BATCH_KEY + batch_id, "canceled_at"))
+
     def requeue_item(self, batch_id: str, query_id: str) -> bool:
         return self._item(batch_id, query_id, JobStatus.QUEUED, "running", "", False).applied
 

@@ -40,7 +40,7 @@ from worker.constants import (
 )
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.errors import Canceled, SiftError
-from worker.items import Chunk, ItemQueue, RunOutcome
+from worker.items import CancelMarks, Chunk, ItemQueue, RunOutcome
 from worker.jobstore import BatchItem, ItemTransition, JobStore, webhook_event
 from worker.logcontext import job_context
 from worker.ratelimit import LimitedReranker, ProviderLimiter
@@ -81,6 +81,7 @@ class WorkerContext:
     limiter: ProviderLimiter
     _runtime: Runtime | None = None
     _items: ItemQueue | None = None
+    _marks: CancelMarks | None = None
     _batches: AnthropicMessageBatches | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -96,6 +97,15 @@ class WorkerContext:
                     )
                     self._items = ItemQueue(self.store, pool)
         return self._items
+
+    @property
+    def cancel_marks(self) -> CancelMarks:
+        """The process's view of which batches have been canceled, shared by its items."""
+        if self._marks is None:
+            with self._lock:
+                if self._marks is None:
+                    self._marks = CancelMarks(self.store)
+        return self._marks
 
     @property
     def batches(self) -> AnthropicMessageBatches | None:
@@ -334,17 +344,20 @@ def search(self: SiftTask, job_id: str) -> None:
 
 @dataclass
 class _ModelCheck:
-    """The hook a batch item's search runs just before its model call: one job-store
-    transition (:meth:`JobStore.check_item`) that cancels the item if its batch has been
-    canceled meanwhile, and then stops the search (``stopped`` says how it ended); also
-    stops one no longer running (another delivery finished it)."""
+    """The hook a batch item's search runs just before its model call. If the process's
+    view of the batch's cancel mark (:class:`CancelMarks`, no round trip of its own most of
+    the time) says canceled, one job-store transition (:meth:`JobStore.check_item`) cancels
+    the item, atomically, and the search stops (``stopped`` says how it ended)."""
 
     store: JobStore
+    marks: CancelMarks
     batch_id: str
     query_id: str
     stopped: ItemTransition | None = None
 
     def __call__(self) -> None:
+        if not self.marks.canceled(self.batch_id):
+            return
         check = self.store.check_item(self.batch_id, self.query_id)
         if check.canceled or not check.applied:
             self.stopped = check
@@ -371,6 +384,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     may_retry = self.request.retries < self.context.settings.task_max_retries
     first_delivery = self.request.retries == 0
     runtime = self.context.runtime if not poisoned else None
+    marks = self.context.cancel_marks
 
     def to_start(item: BatchItem) -> str | None:
         """The item's query id if it is to be started (a poisoned chunk fails its items as
@@ -389,7 +403,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         if first_delivery and item.status == "queued":
             metrics.observe_queue_wait(BATCH_QUEUE, time.time() - batch.created_at)
         assert runtime is not None and item.spec is not None
-        checked = _ModelCheck(store, batch_id, item.query_id)
+        checked = _ModelCheck(store, marks, batch_id, item.query_id)
         try:
             with metrics.running_job():
                 if economy:  # the first half now; the model's answer comes from a provider batch
