@@ -616,10 +616,10 @@ async def get_batch_results(
     "call, are canceled when they next check the mark (before they start, and before the "
     "model call); items past it finish. The batch ends `canceled` if the cancel canceled at "
     "least one item, otherwise with the status it would have had, and its `batch.completed` "
-    "webhook says the same. Cancelling again before it ends changes nothing more; a batch "
-    "already finished is `409 already_finished` and is left as it was. In the economy lane, "
-    "the batch's provider batches are canceled too: their requests not yet processed come back "
-    "canceled.",
+    "webhook says the same. Cancelling again before it ends cancels only what was requeued "
+    "since; a batch already finished is `409 already_finished` and is left as it was. In the "
+    "economy lane, the batch's provider batches are canceled too: their requests not yet "
+    "processed come back canceled.",
 )
 async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
     await _owned_batch(request, batch_id, tenant)
