@@ -10,8 +10,9 @@
     │   └── BackendRequestError    4xx, bad mapping, missing index      permanent
     ├── RerankAttemptError         one model call failed, with its class (retryable unless http_4xx)
     ├── RerankFailed               the rerank failed for good (fail_closed), names the class
-    ├── DeadlineExceeded           the search's deadline ran out        permanent
-    └── Canceled                   its batch was canceled before the model call  permanent
+    └── DeadlineExceeded           the search's deadline ran out        permanent
+
+    Canceled                       not a failure: a batch item stopped before its model call
 
 Adapters raise these with ``raise ... from exc`` so the cause stays visible.
 """
@@ -105,9 +106,8 @@ class DeadlineExceeded(SiftError):
     code = "deadline_exceeded"
 
 
-class Canceled(SiftError):
+class Canceled(Exception):
     """A batch item stopped before its model call because its batch was canceled (the
     hook passed to :meth:`worker.core.pipeline.SearchPipeline.search` raises it); the job
-    store holds the item as ``canceled`` already."""
-
-    code = "canceled"
+    store holds the item as ``canceled`` already. Not a :class:`SiftError`: nothing failed,
+    and no job ever shows it as an error."""
