@@ -58,6 +58,7 @@ from worker.errors import InvalidRequest
 from worker.jobstore import (
     AsyncJobStore,
     BatchJob,
+    CancelOutcome,
     Enqueue,
     IdempotencyOutcome,
     IdempotencyRef,
@@ -628,16 +629,37 @@ async def get_batch_results(
 @router.delete(
     "/batches/{batch_id}",
     response_model=BatchOut,
-    responses=ERRORS,
-    summary="Cancel the items of a batch that have not run yet",
-    description="Items still queued are canceled at once. In the economy lane, the batch's "
-    "provider batches are canceled too: their requests not yet processed come back canceled.",
+    responses={
+        **ERRORS,
+        409: {
+            "model": ErrorBody,
+            "description": "`already_finished`: every item of the batch was already final; "
+            "nothing changed (its status, counts and webhook stand).",
+        },
+    },
+    summary="Cancel the items of a batch that have not reached their model call",
+    description="Marks the batch canceled. Items still queued are canceled at once; items a "
+    "worker has taken but not started, and started items that have not yet made their model "
+    "call, are canceled when they next check the mark (before they start, and before the "
+    "model call); items past it finish. The batch ends `canceled` if the cancel canceled at "
+    "least one item, otherwise with the status it would have had, and its `batch.completed` "
+    "webhook says the same. Cancelling again before it ends cancels only what was requeued "
+    "since; a batch already finished is `409 already_finished` and is left as it was. In the "
+    "economy lane, the batch's provider batches are canceled too: their requests not yet "
+    "processed come back canceled.",
 )
 async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
-    batch = await _owned_batch(request, batch_id, tenant)
+    await _owned_batch(request, batch_id, tenant)
     outcome = await _io(_store(request).cancel_batch, batch_id)
-    if outcome is None:
+    if outcome is CancelOutcome.MISSING:
         raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
+    if isinstance(outcome, CancelOutcome):  # already finished: nothing changed
+        raise ApiError(
+            409,
+            "already_finished",
+            f"id: batch {batch_id!r} has already finished; nothing was canceled",
+            field="id",
+        )
     canceled, completed = outcome
     log.info("batch %s: %d items canceled", batch_id, canceled)
     batch = await _owned_batch(request, batch_id, tenant)

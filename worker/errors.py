@@ -12,6 +12,8 @@
     ├── RerankFailed               the rerank failed for good (fail_closed), names the class
     └── DeadlineExceeded           the search's deadline ran out        permanent
 
+    Canceled                       not a failure: a batch item stopped before its model call
+
 Adapters raise these with ``raise ... from exc`` so the cause stays visible.
 """
 
@@ -110,3 +112,10 @@ class RerankFailed(SiftError):
 
 class DeadlineExceeded(SiftError):
     code = "deadline_exceeded"
+
+
+class Canceled(Exception):
+    """A batch item stopped before its model call because its batch was canceled (the
+    hook passed to :meth:`worker.core.pipeline.SearchPipeline.search` raises it); the job
+    store holds the item as ``canceled`` already. Not a :class:`SiftError`: nothing failed,
+    and no job ever shows it as an error."""

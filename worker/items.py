@@ -7,6 +7,11 @@ left, so a thread runs items back to back: the job-store transition that finishe
 the one that starts the next go in one round trip. A runner that finds the queue empty ends
 at once.
 
+An item taken but not started is still cancelable: its start reads the batch's cancel mark
+in the same script (no round trip more), and one whose batch was canceled is canceled
+instead of started. ``run`` may cancel a started item the same way (before its model call)
+and answer that transition.
+
     queue = ItemQueue(store, ThreadPoolExecutor(300))
     outcomes = queue.run(Chunk(batch_id, to_start, run, finished), pending_items)
 """
@@ -15,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,8 +34,11 @@ from worker.logcontext import job_context
 log = logging.getLogger(__name__)
 
 # What running one item came to: the result or the error to finish it with, "retry"
-# (requeued for the chunk's retry), or None (nothing to finish now).
-RunOutcome = tuple[SearchResult, None] | tuple[None, ErrorInfo] | Literal["retry"] | None
+# (requeued for the chunk's retry), the transition that canceled it (its batch was canceled
+# before its model call; already in the store), or None (nothing to finish now).
+RunOutcome = (
+    tuple[SearchResult, None] | tuple[None, ErrorInfo] | ItemTransition | Literal["retry"] | None
+)
 
 
 @dataclass
@@ -38,7 +47,8 @@ class Chunk:
 
     ``to_start`` answers the query id to start (None: run it unstarted, or skip it);
     ``run`` runs an item, told whether it started; ``finished`` hears of each finish
-    transition. ``outcomes`` collects (batch completed, to retry) per item; ``error`` is
+    transition, and of each cancel (``canceled`` set) of an item its batch's cancel mark
+    stopped. ``outcomes`` collects (batch completed, to retry) per item; ``error`` is
     what broke a runner, if anything did."""
 
     batch_id: str
@@ -75,6 +85,65 @@ class Chunk:
 
 Entry = tuple[Chunk, BatchItem]
 
+# How stale this process's view of a batch's cancel mark may be before an item about to make
+# its model call reads it again: a cancel reaches the items of a process this much later at
+# most, and the hundreds of items in flight share one read per batch per period.
+CANCEL_MARK_MAX_AGE_SECONDS = 0.1
+_MARKS_KEPT = 1_000  # batches remembered before the oldest views are dropped
+
+
+class CancelMarks:
+    """Which batches have been canceled, as this process last read it: a view at most
+    :data:`CANCEL_MARK_MAX_AGE_SECONDS` old, read again by one thread while the others that
+    need it wait for that read. A mark once seen stays: a cancel is never undone.
+
+    marks = CancelMarks(store)
+    if marks.canceled(batch_id):
+        store.check_item(batch_id, query_id)  # cancels the item, atomically
+    """
+
+    def __init__(
+        self,
+        store: JobStore,
+        max_age: float = CANCEL_MARK_MAX_AGE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._max_age = max_age
+        self._clock = clock
+        self._seen: dict[str, tuple[float, bool]] = {}  # batch id -> (read at, canceled)
+        self._reading: dict[str, Future[bool]] = {}  # batch id -> the read in progress
+        self._lock = threading.Lock()
+
+    def canceled(self, batch_id: str) -> bool:
+        now = self._clock()
+        with self._lock:
+            read_at, canceled = self._seen.get(batch_id, (float("-inf"), False))
+            if canceled or now - read_at < self._max_age:
+                return canceled
+            reading = self._reading.get(batch_id)
+            if reading is None:
+                reading = self._reading[batch_id] = Future()
+                mine = True
+            else:
+                mine = False
+        if not mine:
+            return reading.result()
+        try:
+            canceled = self._store.batch_canceled(batch_id)
+        except BaseException as exc:
+            with self._lock:
+                del self._reading[batch_id]
+            reading.set_exception(exc)
+            raise
+        with self._lock:
+            if len(self._seen) >= _MARKS_KEPT:
+                self._seen = {k: v for k, v in self._seen.items() if now - v[0] < 60}
+            self._seen[batch_id] = (now, canceled)
+            del self._reading[batch_id]
+        reading.set_result(canceled)
+        return canceled
+
 
 class ItemQueue:
     """The process's queue of batch items (see the module doc)."""
@@ -109,9 +178,11 @@ class ItemQueue:
         query_id = chunk.to_start(item)
         return None if query_id is None else (chunk.batch_id, query_id)
 
-    def _begin(self, entry: Entry | None) -> bool:
+    def _begin(self, entry: Entry | None) -> ItemTransition | None:
+        """Start ``entry``'s item (None: it runs unstarted); the transition says whether it
+        started, or was canceled instead."""
         start = self._start_of(entry)
-        return start is not None and self._store.start_item(*start)
+        return None if start is None else self._store.begin_item(*start)
 
     def _work(self) -> None:
         """Run items until the queue is empty. What breaks a runner fails the chunk of the
@@ -120,20 +191,29 @@ class ItemQueue:
         current = self._take()  # the item being run, until it is accounted for
         taken: Entry | None = None  # the next one, off the queue
         try:
-            started = self._begin(current)
+            begun = self._begin(current)
             while current is not None:
                 chunk, item = current
-                with job_context(f"{chunk.batch_id}/{item.query_id}"):
-                    outcome = chunk.run(item, started)
+                outcome: RunOutcome
+                if begun is not None and begun.canceled:
+                    outcome = begun  # its batch was canceled: canceled, not started
+                else:
+                    with job_context(f"{chunk.batch_id}/{item.query_id}"):
+                        outcome = chunk.run(item, begun is not None and begun.started)
                 taken = self._take()
-                if outcome is None or outcome == "retry":
+                if isinstance(outcome, ItemTransition):  # canceled; the store has it already
+                    chunk.record(outcome.batch_completed, False)
+                    current = None
+                    chunk.finished(outcome, None)
+                    begun = self._begin(taken)
+                elif outcome is None or outcome == "retry":
                     chunk.record(False, outcome == "retry")
                     current = None
-                    started = self._begin(taken)
+                    begun = self._begin(taken)
                 else:
                     result, error = outcome
                     # the finish and the next start, in one round trip
-                    transition, started = self._store.finish_and_start_item(
+                    transition, begun = self._store.finish_and_start_item(
                         chunk.batch_id,
                         item.query_id,
                         result=result,

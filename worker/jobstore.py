@@ -120,16 +120,22 @@ return 1
 """
 
 # KEYS: items, results, counts, batch, stats, active.
-# ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now, batch id.
-# Returns -1 missing, 0 refused, 1 applied, 2 applied and the batch just completed.
+# ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now, batch id, and '1'
+# when a cancel of the batch turns this move into a cancel (a start, or the check before the
+# model call; the batch's cancel mark is read in the same script, so no round trip more).
+# Returns {code, 1 if the move became a cancel}: code -1 missing, 0 refused, 1 applied,
+# 2 applied and the batch just completed.
 _TRANSITION_ITEM = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return -1 end
-if cur == 'succeeded' or cur == 'failed' or cur == 'canceled' then return 0 end
-local to = ARGV[2]
-if not string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return 0 end
+if not cur then return {-1, 0} end
+if cur == 'succeeded' or cur == 'failed' or cur == 'canceled' then return {0, 0} end
+local to, outcome, canceled = ARGV[2], ARGV[4], 0
+if not string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return {0, 0} end
+if ARGV[7] == '1' and redis.call('HEXISTS', KEYS[4], 'canceled_at') == 1 then
+  to, outcome, canceled = 'canceled', '', 1
+end
 redis.call('HSET', KEYS[1], ARGV[1], to)
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[1], ARGV[4]) end
+if outcome ~= '' then redis.call('HSET', KEYS[2], ARGV[1], outcome) end
 if cur ~= to then
   redis.call('HINCRBY', KEYS[3], cur, -1)
   redis.call('HINCRBY', KEYS[3], to, 1)
@@ -142,17 +148,20 @@ if to == 'succeeded' or to == 'failed' or to == 'canceled' then
   local total = tonumber(redis.call('HGET', KEYS[4], 'total')) or -1
   if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 then
     redis.call('ZREM', KEYS[6], ARGV[6])
-    return 2
+    return {2, canceled}
   end
 end
 redis.call('ZADD', KEYS[6], 'XX', ARGV[5], ARGV[6])
-return 1
+return {1, canceled}
 """
 
 # KEYS: items, counts, batch, stats, active. ARGV: now, batch id.
-# Returns {canceled count, 1 if the batch just completed}, or {-1, 0} when missing.
+# Returns {canceled count, 1 if the batch just completed}, {-1, 0} when missing, and
+# {-2, 0} when the batch had already finished: then nothing is written (the check and the
+# cancel are one script, so a cancel racing the last item's finish is decided by one side).
 _CANCEL_BATCH = """
 if redis.call('EXISTS', KEYS[3]) == 0 then return {-1, 0} end
+if redis.call('HEXISTS', KEYS[3], 'finished_at') == 1 then return {-2, 0} end
 redis.call('HSETNX', KEYS[3], 'canceled_at', ARGV[1])
 local all = redis.call('HGETALL', KEYS[1])
 local n = 0
@@ -304,9 +313,13 @@ class BatchJob:
 
     @property
     def status(self) -> JobStatus:
-        """``succeeded`` once every item is final, ``canceled`` if a cancel ended it."""
+        """Once every item is final: ``canceled`` if a cancel canceled at least one item,
+        else ``succeeded`` (a cancel that came when every item was past its model call
+        changed nothing, so it does not show). ``canceled_at`` says when a cancel came."""
         if self.finished_at is not None:
-            return JobStatus.CANCELED if self.canceled_at is not None else JobStatus.SUCCEEDED
+            if self.counts.get(JobStatus.CANCELED.value, 0) > 0:
+                return JobStatus.CANCELED
+            return JobStatus.SUCCEEDED
         if self.counts.get("queued", 0) == self.total and self.canceled_at is None:
             return JobStatus.QUEUED
         return JobStatus.RUNNING
@@ -339,8 +352,24 @@ class ItemOutcome:
 
 @dataclass(frozen=True, slots=True)
 class ItemTransition:
+    """What one item move did. ``canceled``: the batch had been canceled, so the move (a
+    start, or the check before the model call) canceled the item instead."""
+
     applied: bool
     batch_completed: bool = False
+    canceled: bool = False
+
+    @property
+    def started(self) -> bool:
+        """A start that applied and was not turned into a cancel: run the item."""
+        return self.applied and not self.canceled
+
+
+class CancelOutcome(StrEnum):
+    """Why :meth:`JobStore.cancel_batch` changed nothing."""
+
+    MISSING = "missing"
+    ALREADY_FINISHED = "already_finished"
 
 
 def _new_search(tenant: str, spec: SearchSpec, webhook_url: str | None) -> SearchJob:
@@ -399,7 +428,10 @@ def _idem_record(ref: IdempotencyRef, job_id: str, *, done: bool) -> tuple[str, 
 
 
 _ScriptCall = tuple[Script, list[str], list[str]]  # a registered script, its keys and args
-_START_ITEM = (JobStatus.RUNNING, "queued,running", "")  # to, allowed-from, outcome
+# to, allowed-from, outcome, and whether the batch's cancel mark turns the move into a cancel
+_START_ITEM = (JobStatus.RUNNING, "queued,running", "", True)
+_CHECK_ITEM = (JobStatus.RUNNING, "running", "", True)  # before the model call
+_Move = tuple[str, str, JobStatus, str, str, bool]  # batch id, query id, then as above
 
 
 def _rerun(call: _ScriptCall) -> Any:
@@ -733,11 +765,30 @@ class JobStore:
         return items
 
     def start_item(self, batch_id: str, query_id: str) -> bool:
-        """queued (or running, on redelivery) -> running. False if final, canceled or missing."""
-        return self._item(batch_id, query_id, *_START_ITEM).applied
+        """queued (or running, on redelivery) -> running. False if final, canceled or missing,
+        or if its batch has been canceled (then the item is canceled instead)."""
+        return self.begin_item(batch_id, query_id).started
+
+    def begin_item(self, batch_id: str, query_id: str) -> ItemTransition:
+        """:meth:`start_item`, answering the transition: ``canceled`` (and maybe
+        ``batch_completed``) when the batch's cancel mark canceled the item instead."""
+        return self._item(batch_id, query_id, *_START_ITEM)
+
+    def check_item(self, batch_id: str, query_id: str) -> ItemTransition:
+        """Before a running item's model call: if its batch has been canceled, running ->
+        canceled (``canceled`` set; go no further), else nothing changes (``applied``: go
+        on). Not ``applied``: the item is no longer running (finished by another
+        delivery); go no further either. One script, one round trip, shared with other
+        threads' transitions."""
+        return self._item(batch_id, query_id, *_CHECK_ITEM)
+
+    def batch_canceled(self, batch_id: str) -> bool:
+        """Whether a cancel has marked the batch (one ``HEXISTS``; :meth:`check_item` is
+        what acts on it, atomically)."""
+        return bool(self.redis.hexists(BATCH_KEY + batch_id, "canceled_at"))
 
     def requeue_item(self, batch_id: str, query_id: str) -> bool:
-        return self._item(batch_id, query_id, JobStatus.QUEUED, "running", "").applied
+        return self._item(batch_id, query_id, JobStatus.QUEUED, "running", "", False).applied
 
     def finish_item(
         self,
@@ -759,23 +810,26 @@ class JobStore:
         result: SearchResult | None = None,
         error: ErrorInfo | None = None,
         start: tuple[str, str] | None = None,
-    ) -> tuple[ItemTransition, bool]:
-        """:meth:`finish_item`, then :meth:`start_item` of ``start`` (batch id, query id; of
+    ) -> tuple[ItemTransition, ItemTransition | None]:
+        """:meth:`finish_item`, then :meth:`begin_item` of ``start`` (batch id, query id; of
         any batch), in one round trip: a thread that runs items back to back pays one per
-        item. Answers the finish, and whether ``start`` started."""
+        item. Answers the finish, and the start's transition (None without ``start``)."""
         if error is not None:
             status, payload = JobStatus.FAILED, '{"error":' + error.model_dump_json() + "}"
         else:
             assert result is not None
             status, payload = JobStatus.SUCCEEDED, '{"result":' + result.model_dump_json() + "}"
-        moves = [(batch_id, query_id, status, "queued,running", payload)]
+        moves: list[_Move] = [(batch_id, query_id, status, "queued,running", payload, False)]
         if start is not None:
             moves.append((*start, *_START_ITEM))
         transitions = self._items(moves)
-        return transitions[0], start is not None and transitions[1].applied
+        return transitions[0], transitions[1] if start is not None else None
 
-    def cancel_batch(self, batch_id: str) -> tuple[int, bool] | None:
-        """Cancel every item still queued. Returns (canceled, batch completed now), or None."""
+    def cancel_batch(self, batch_id: str) -> tuple[int, bool] | CancelOutcome:
+        """Mark the batch canceled and cancel every item still queued; an item already
+        taken by a worker is canceled when it next checks the mark (before it starts and
+        before its model call). Returns (canceled now, batch completed now); a missing or
+        finished batch changes nothing and returns why."""
         keys = [
             BATCH_ITEMS_KEY + batch_id,
             BATCH_COUNTS_KEY + batch_id,
@@ -786,8 +840,10 @@ class JobStore:
         canceled, completed = cast(
             list[int], self._cancel_batch(keys=keys, args=[repr(_now()), batch_id])
         )
-        if canceled < 0:
-            return None
+        if canceled == -1:
+            return CancelOutcome.MISSING
+        if canceled == -2:
+            return CancelOutcome.ALREADY_FINISHED
         return int(canceled), bool(completed)
 
     def batch_results(self, batch_id: str, start: int, count: int) -> list[ItemOutcome]:
@@ -806,7 +862,7 @@ class JobStore:
 
     def cancel_item(self, batch_id: str, query_id: str) -> ItemTransition:
         """queued or running -> canceled (the provider canceled its request), at most once."""
-        return self._item(batch_id, query_id, JobStatus.CANCELED, "queued,running", "")
+        return self._item(batch_id, query_id, JobStatus.CANCELED, "queued,running", "", False)
 
     def query_ids_at(self, batch_id: str, positions: Sequence[int]) -> list[str | None]:
         """The query ids at these positions of the submission order (None past the end)."""
@@ -995,14 +1051,20 @@ class JobStore:
         return int(code) == 1
 
     def _item(
-        self, batch_id: str, query_id: str, to: JobStatus, allowed: str, payload: str
+        self,
+        batch_id: str,
+        query_id: str,
+        to: JobStatus,
+        allowed: str,
+        payload: str,
+        cancelable: bool,
     ) -> ItemTransition:
-        (transition,) = self._items([(batch_id, query_id, to, allowed, payload)])
+        (transition,) = self._items([(batch_id, query_id, to, allowed, payload, cancelable)])
         return transition
 
-    def _items(self, moves: Sequence[tuple[str, str, JobStatus, str, str]]) -> list[ItemTransition]:
-        """Item transitions (batch id, query id, to, allowed-from, outcome JSON or ''), in
-        order, in one round trip."""
+    def _items(self, moves: Sequence[_Move]) -> list[ItemTransition]:
+        """Item transitions (batch id, query id, to, allowed-from, outcome JSON or '', and
+        whether the batch's cancel mark makes it a cancel), in order, in one round trip."""
         now = repr(_now())
         calls: list[_ScriptCall] = [
             (
@@ -1015,16 +1077,23 @@ class JobStore:
                     STATS_KEY,
                     ACTIVE_JOBS_KEY,
                 ],
-                [query_id, to.value, allowed, payload, now, batch_id],
+                [query_id, to.value, allowed, payload, now, batch_id, "1" if cancelable else ""],
             )
-            for batch_id, query_id, to, allowed, payload in moves
+            for batch_id, query_id, to, allowed, payload, cancelable in moves
         ]
         first, *rest = self._transitions.call(calls)
         if isinstance(first, Exception):
             raise first
         # a later move that failed did not apply: the first one did, and is what counts
-        codes = [int(first)] + [0 if isinstance(code, Exception) else int(code) for code in rest]
-        return [ItemTransition(applied=code >= 1, batch_completed=code == 2) for code in codes]
+        replies = [first] + [[0, 0] if isinstance(reply, Exception) else reply for reply in rest]
+        return [
+            ItemTransition(
+                applied=int(code) >= 1,
+                batch_completed=int(code) == 2,
+                canceled=int(code) >= 1 and int(canceled) == 1,
+            )
+            for code, canceled in replies
+        ]
 
     def _run_scripts(self, requests: list[list[_ScriptCall]]) -> list[list[Any]]:
         """Each request's script calls, all in one round trip; each call's reply, or its

@@ -51,8 +51,11 @@ class Runtime:
             recorder=pipeline.recorder,
         )
 
-    def search(self, spec: SearchSpec, tenant: str) -> SearchResult:
-        return self.pipeline.search(spec, tenant)
+    def search(
+        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+    ) -> SearchResult:
+        """One search; ``before_model`` as :meth:`SearchPipeline.search` takes it."""
+        return self.pipeline.search(spec, tenant, before_model)
 
     def ingest(
         self,

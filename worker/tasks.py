@@ -16,6 +16,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,8 +39,8 @@ from worker.constants import (
     WEBHOOK_TASK,
 )
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
-from worker.errors import SiftError
-from worker.items import Chunk, ItemQueue, RunOutcome
+from worker.errors import Canceled, SiftError
+from worker.items import CancelMarks, Chunk, ItemQueue, RunOutcome
 from worker.jobstore import BatchItem, ItemTransition, JobStore, webhook_event
 from worker.logcontext import job_context
 from worker.ratelimit import LimitedReranker, ProviderLimiter
@@ -62,7 +63,11 @@ GC_YOUNG_THRESHOLD = 20_000
 class Runtime(Protocol):
     """What the tasks need from :mod:`worker.runtime`."""
 
-    def search(self, spec: SearchSpec, tenant: str) -> SearchResult: ...
+    def search(
+        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+    ) -> SearchResult:
+        """``before_model`` runs just before the model call and may raise ``Canceled``."""
+        ...
 
     def ingest(self, index: str, tenant: str, documents: list[DocumentIn]) -> int: ...
 
@@ -76,6 +81,7 @@ class WorkerContext:
     limiter: ProviderLimiter
     _runtime: Runtime | None = None
     _items: ItemQueue | None = None
+    _marks: CancelMarks | None = None
     _batches: AnthropicMessageBatches | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -91,6 +97,15 @@ class WorkerContext:
                     )
                     self._items = ItemQueue(self.store, pool)
         return self._items
+
+    @property
+    def cancel_marks(self) -> CancelMarks:
+        """The process's view of which batches have been canceled, shared by its items."""
+        if self._marks is None:
+            with self._lock:
+                if self._marks is None:
+                    self._marks = CancelMarks(self.store)
+        return self._marks
 
     @property
     def batches(self) -> AnthropicMessageBatches | None:
@@ -327,6 +342,28 @@ def search(self: SiftTask, job_id: str) -> None:
             )
 
 
+@dataclass
+class _ModelCheck:
+    """The hook a batch item's search runs just before its model call. If the process's
+    view of the batch's cancel mark (:class:`CancelMarks`, no round trip of its own most of
+    the time) says canceled, one job-store transition (:meth:`JobStore.check_item`) cancels
+    the item, atomically, and the search stops (``stopped`` says how it ended)."""
+
+    store: JobStore
+    marks: CancelMarks
+    batch_id: str
+    query_id: str
+    stopped: ItemTransition | None = None
+
+    def __call__(self) -> None:
+        if not self.marks.canceled(self.batch_id):
+            return
+        check = self.store.check_item(self.batch_id, self.query_id)
+        if check.canceled or not check.applied:
+            self.stopped = check
+            raise Canceled(f"item {self.query_id} stopped before its model call")
+
+
 @shared_task(  # type: ignore[untyped-decorator]
     name=BATCH_CHUNK_TASK, base=SiftTask, bind=True
 )
@@ -347,6 +384,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     may_retry = self.request.retries < self.context.settings.task_max_retries
     first_delivery = self.request.retries == 0
     runtime = self.context.runtime if not poisoned else None
+    marks = self.context.cancel_marks
 
     def to_start(item: BatchItem) -> str | None:
         """The item's query id if it is to be started (a poisoned chunk fails its items as
@@ -355,8 +393,9 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
 
     def run(item: BatchItem, started: bool) -> RunOutcome:
         """Run one item: the result or error to finish it with, ``"retry"`` (requeued for
-        the chunk's retry), or None (nothing to finish: not started, or left to the economy
-        lane's provider batch)."""
+        the chunk's retry), the transition that canceled it (its batch was canceled before
+        its model call), or None (nothing to finish: not started, finished by another
+        delivery, or left to the economy lane's provider batch)."""
         if poisoned:
             return None, _poison_error(self)
         if not started:
@@ -364,6 +403,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         if first_delivery and item.status == "queued":
             metrics.observe_queue_wait(BATCH_QUEUE, time.time() - batch.created_at)
         assert runtime is not None and item.spec is not None
+        checked = _ModelCheck(store, marks, batch_id, item.query_id)
         try:
             with metrics.running_job():
                 if economy:  # the first half now; the model's answer comes from a provider batch
@@ -376,7 +416,9 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                         )
                         return None
                     return prepared.result, None
-                return runtime.search(item.spec, batch.tenant), None
+                return runtime.search(item.spec, batch.tenant, checked), None
+        except Canceled:  # canceled before its model call, or finished by another delivery
+            return checked.stopped if checked.stopped and checked.stopped.applied else None
         except Exception as exc:
             if may_retry and isinstance(exc, SiftError) and exc.retryable:
                 store.requeue_item(batch_id, item.query_id)
@@ -386,7 +428,10 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
             return None, error_info(exc)
 
     def finished(transition: ItemTransition, error: ErrorInfo | None) -> None:
-        _completed("batch_item", transition.applied, error)
+        if not transition.canceled:
+            _completed("batch_item", transition.applied, error)
+        elif transition.applied:
+            metrics.job_completed("batch_item", "canceled")
 
     pending = [item for item in items if not item.status.final]
     chunk = self.context.items.run(Chunk(batch_id, to_start, run, finished), pending)

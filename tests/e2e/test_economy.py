@@ -192,6 +192,10 @@ def test_an_economy_batch_with_rerank_off_finishes_without_the_provider(
     done = _wait(stack, batch_id)
     assert done["counts"]["succeeded"] == 3
     assert stack.model.batches() == []
+    canceled = stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME)  # finished: 409
+    assert canceled.status_code == 409
+    assert canceled.json()["error"]["type"] == "already_finished"
+    assert stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json() == done
 
 
 def test_a_request_the_results_leave_out_fails_instead_of_waiting_forever(

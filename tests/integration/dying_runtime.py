@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.settings import Settings
 
 
 class DyingRuntime:
-    def search(self, spec: SearchSpec, tenant: str) -> SearchResult:
+    def search(
+        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+    ) -> SearchResult:
         if spec.query == "die":
             os._exit(17)  # no cleanup, no ack: as an OOM kill would
         return SearchResult(hits=[], rerank=RerankInfo(applied=False))

@@ -81,3 +81,21 @@ def test_a_broken_runner_fails_its_chunk_and_the_rest_still_run(store: JobStore)
     assert len(outcomes) == 20 and sorted(ran) == sorted(f"q{i}" for i in range(20))
     got = store.get_batch(batch.id)
     assert got is not None and got.finished_at is not None
+
+
+def test_items_started_before_a_cancel_are_canceled_at_their_next_start(store: JobStore) -> None:
+    """A chunk redelivered after a cancel (its first worker died with the items running):
+    each item's start reads the cancel mark and cancels it instead; none runs, each is
+    accounted for, and the batch completes once, ``canceled``."""
+    queue = ItemQueue(store, ThreadPoolExecutor(2))
+    chunk, (batch, _, ran, finished) = make_chunk(store, 10)
+    for i in range(10):
+        assert store.start_item(batch.id, f"q{i}")  # the dead worker's
+    assert store.cancel_batch(batch.id) == (0, False)  # nothing queued to cancel
+    items = store.batch_items(batch.id, [f"q{i}" for i in range(10)])
+    done = queue.run(chunk, items)
+    assert ran == [] and done.error is None
+    assert len(done.outcomes) == 10 and sum(completed for completed, _ in done.outcomes) == 1
+    assert len(finished) == 10 and all(t.applied and t.canceled for t in finished)
+    got = store.get_batch(batch.id)
+    assert got is not None and got.status == "canceled" and got.counts["canceled"] == 10

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from worker import tasks
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.errors import BackendUnavailable, ModeUnavailable
-from worker.jobstore import JobStore
+from worker.jobstore import CancelOutcome, JobStore
 from worker.ratelimit import ProviderLimiter
 from worker.settings import load_settings
 
@@ -19,14 +20,25 @@ pytestmark = pytest.mark.integration
 class ScriptedRuntime:
     """Fails with the scripted errors, in order, then answers."""
 
-    def __init__(self, *errors: Exception) -> None:
+    def __init__(
+        self, *errors: Exception, first_half: Callable[[SearchSpec], None] | None = None
+    ) -> None:
         self.errors = list(errors)
         self.calls = 0
+        self.model_calls = 0
+        self.first_half = first_half  # runs where retrieval would, before the model call
 
-    def search(self, spec: SearchSpec, tenant: str) -> SearchResult:
+    def search(
+        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+    ) -> SearchResult:
         self.calls += 1
         if self.errors:
             raise self.errors.pop(0)
+        if self.first_half is not None:
+            self.first_half(spec)
+        if before_model is not None:
+            before_model()
+        self.model_calls += 1
         return SearchResult(hits=[], rerank=RerankInfo(applied=False))
 
     def ingest(self, index: str, tenant: str, documents: list[DocumentIn]) -> int:
@@ -119,6 +131,54 @@ def test_a_chunk_skips_canceled_and_finished_items(
     assert got.counts == {"queued": 0, "running": 0, "succeeded": 3, "failed": 0, "canceled": 3}
     assert runtime.calls == 3  # q1 twice, q2 once
     assert got.status == "canceled" and got.finished_at is not None
+
+
+def test_a_cancel_stops_started_items_before_their_model_call(
+    context: tasks.WorkerContext,
+) -> None:
+    """Every item is running (retrieval done) when the cancel comes: the check before the
+    model call cancels each, no model call is made, and the batch ends ``canceled``."""
+    store = context.store
+    items = [(f"q{i}", SearchSpec(index="docs", query=f"q{i}")) for i in range(6)]
+    batch = store.create_batch("acme", "docs", items)
+    all_running = threading.Barrier(6)
+    canceled = threading.Event()
+
+    def first_half(spec: SearchSpec) -> None:
+        all_running.wait(10)
+        if spec.query == "q0":
+            assert store.cancel_batch(batch.id) == (0, False)  # nothing queued any more
+            canceled.set()
+        canceled.wait(10)
+
+    runtime = ScriptedRuntime(first_half=first_half)
+    context._runtime = runtime
+    tasks.batch_chunk.apply(args=[batch.id, 0, 6])
+    got = store.get_batch(batch.id)
+    assert got is not None
+    assert got.counts == {"queued": 0, "running": 0, "succeeded": 0, "failed": 0, "canceled": 6}
+    assert got.status == "canceled" and got.finished_at is not None
+    assert runtime.calls == 6 and runtime.model_calls == 0
+    assert store.cancel_batch(batch.id) == CancelOutcome.ALREADY_FINISHED
+
+
+def test_a_cancel_after_the_model_calls_changes_no_outcome(context: tasks.WorkerContext) -> None:
+    """A cancel that comes once every item is past its model call cancels nothing: the
+    batch ends ``succeeded`` (``canceled_at`` says a cancel came)."""
+    store = context.store
+    items = [(f"q{i}", SearchSpec(index="docs", query=f"q{i}")) for i in range(3)]
+    batch = store.create_batch("acme", "docs", items)
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    store.start_item(batch.id, "q0")  # q0 runs elsewhere, past its model call
+    tasks.batch_chunk.apply(args=[batch.id, 1, 3])
+    assert store.cancel_batch(batch.id) == (0, False)
+    assert store.finish_item(
+        batch.id, "q0", result=SearchResult(hits=[], rerank=RerankInfo(applied=False))
+    ).batch_completed
+    got = store.get_batch(batch.id)
+    assert got is not None and got.status == "succeeded" and got.canceled_at is not None
+    assert got.counts["succeeded"] == 3 and got.counts["canceled"] == 0
 
 
 def test_ingest_task(context: tasks.WorkerContext) -> None:

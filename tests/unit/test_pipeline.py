@@ -21,6 +21,7 @@ from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import SearchPipeline
 from worker.errors import (
     AttemptOutcome,
+    Canceled,
     ConfigError,
     InvalidRequest,
     RerankAttemptError,
@@ -116,6 +117,30 @@ def test_applied_rerank_keeps_the_models_order_and_never_pads() -> None:
     ]
     assert len(trace["candidates"]) == 30 and trace["channel_window"] == 120
     assert recorder.events["outcome", "applied"] == 1 and recorder.events["attempt", "ok"] == 1
+
+
+def test_before_model_runs_just_before_the_model_call_and_can_stop_the_search() -> None:
+    pipeline, reranker, recorder = make([reply([1])])
+    checks: list[int] = []
+
+    def cancel() -> None:
+        assert reranker is not None
+        checks.append(len(reranker.calls))  # retrieval is done, the model not yet called
+        raise Canceled("the batch was canceled")
+
+    with pytest.raises(Canceled):
+        pipeline.search(spec(), "acme", before_model=cancel)
+    assert checks == [0] and reranker is not None and reranker.calls == []
+    assert ("search", "error") not in recorder.events  # stopped, not failed
+    result = pipeline.search(spec(), "acme", before_model=lambda: checks.append(-1))
+    assert result.rerank.applied and checks == [0, -1] and len(reranker.calls) == 1
+
+
+def test_before_model_is_not_run_when_no_model_call_is_needed() -> None:
+    pipeline, _, _ = make()
+    called: list[bool] = []
+    assert pipeline.search(spec(), "acme", before_model=lambda: called.append(True)).hits
+    assert called == []
 
 
 def test_first_stage_ranks_and_scores_survive_the_rerank() -> None:

@@ -33,6 +33,7 @@ from worker.core.types import (
 )
 from worker.errors import (
     AttemptOutcome,
+    Canceled,
     DeadlineExceeded,
     InvalidRequest,
     RerankAttemptError,
@@ -153,20 +154,32 @@ class SearchPipeline:
 
     # -- the algorithm ------------------------------------------------------------
 
-    def search(self, spec: SearchSpec, tenant: str) -> SearchResult:
+    def search(
+        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+    ) -> SearchResult:
+        """``before_model`` runs after the first half, just before the model call (not when
+        none is needed); it may raise :class:`~worker.errors.Canceled` to stop there (a batch
+        item whose batch was canceled meanwhile), and the search is then not counted as done."""
         deadline = Deadline(self.config.deadline_seconds, self._clock)
-        outcome = "error"
+        outcome: str | None = "error"
         try:
             with self._cpu_slots:
                 prepared = self._prepare(spec, tenant, deadline)
             if prepared.result is not None:
                 result = prepared.result
             else:
+                if before_model is not None:
+                    try:
+                        before_model()
+                    except Canceled:
+                        outcome = None
+                        raise
                 result = self._finish(prepared, self._call_model(prepared, deadline))
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
         finally:
-            self.recorder.search_done(spec.mode, outcome, deadline.elapsed())
+            if outcome is not None:
+                self.recorder.search_done(spec.mode, outcome, deadline.elapsed())
 
     def prepare(self, spec: SearchSpec, tenant: str) -> Prepared:
         """The first half: retrieval and fusion under the search deadline, then the prompt.
