@@ -1,0 +1,74 @@
+"""A batch's body parsed a slice at a time: the same model, the same errors, the same
+fingerprint as the one-call parse (``api_gateway/bodies.py``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+
+from api_gateway.bodies import VALIDATE_CHUNK, batch_fingerprint, parse_batch
+from api_gateway.errors import problems_of
+from api_gateway.schemas import BatchRequest
+from worker.constants import MAX_BATCH_QUERIES
+from worker.jobstore import fingerprint
+
+
+def body(n: int, **extra: Any) -> dict[str, Any]:
+    queries: list[dict[str, Any]] = [
+        {"id": f"q{i}", "query": f"thé vert n°{i} \u2603"} for i in range(n)
+    ]
+    queries[1]["filters"] = {"lang": "fr", "year": 2024, "ok": True, "score": 0.5}
+    queries[2]["limit"], queries[2]["mode"] = 3, "fts"
+    return {"index": "docs", "queries": queries, **extra}
+
+
+def fields_of(raw: bytes) -> list[str]:
+    with pytest.raises(RequestValidationError) as error:
+        parse_batch(raw)
+    return [p.field for p in problems_of(error.value.errors())]
+
+
+def test_the_sliced_parse_gives_the_model_of_the_one_call_parse() -> None:
+    raw = json.dumps(body(2 * VALIDATE_CHUNK + 7, rerank=True, lane="economy")).encode()
+    assert parse_batch(raw) == BatchRequest.model_validate_json(raw)
+
+
+def test_the_sliced_fingerprint_is_the_one_call_fingerprint() -> None:
+    """A key used before the change keeps matching its body (same hash, byte for byte)."""
+    for extra in ({}, {"webhook_url": "https://example.com/h", "include_trace": True}):
+        parsed = parse_batch(json.dumps(body(2 * VALIDATE_CHUNK + 7, **extra)).encode())
+        whole = fingerprint("POST /v1/batches", parsed.model_dump(mode="json"))
+        assert batch_fingerprint("POST /v1/batches", parsed) == whole
+    other = parse_batch(json.dumps(body(2 * VALIDATE_CHUNK + 8)).encode())
+    assert batch_fingerprint("POST /v1/batches", other) != whole
+
+
+def test_errors_name_the_field_at_its_place_in_the_whole_list() -> None:
+    queries = body(3 * VALIDATE_CHUNK)
+    queries["queries"][VALIDATE_CHUNK + 5]["query"] = ""
+    queries["queries"][2 * VALIDATE_CHUNK + 1]["extra"] = 1
+    queries["lane"] = "fast"
+    assert fields_of(json.dumps(queries).encode()) == [
+        "lane",
+        f"queries[{VALIDATE_CHUNK + 5}].query",
+        f"queries[{2 * VALIDATE_CHUNK + 1}].extra",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b"", "body"),
+        (b"{not json", "body"),
+        (b"[1, 2]", "body"),
+        (b'{"index": "docs"}', "queries"),
+        (b'{"index": "docs", "queries": []}', "queries"),
+        (b'{"index": "docs", "queries": {"id": "q"}}', "queries"),
+        (json.dumps(body(MAX_BATCH_QUERIES + 1)).encode(), "queries"),
+    ],
+)
+def test_malformed_bodies(raw: bytes, field: str) -> None:
+    assert fields_of(raw) == [field]
