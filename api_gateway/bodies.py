@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -25,6 +26,8 @@ from pydantic import Field, TypeAdapter, ValidationError
 
 from api_gateway.schemas import BatchQueryIn, BatchRequest
 from worker.constants import MAX_BATCH_QUERIES
+from worker.contract import SearchSpec
+from worker.errors import InvalidRequest
 
 VALIDATE_CHUNK = 1_000  # queries per pydantic call: a few milliseconds each
 BATCH_BODY: dict[str, Any] = {
@@ -37,30 +40,35 @@ BATCH_BODY: dict[str, Any] = {
 _QUERIES = TypeAdapter(list[BatchQueryIn])
 
 
-class _BatchHead(BatchRequest):
-    """A batch's fields with its queries unchecked (they are checked a slice at a time)."""
+class BatchHead(BatchRequest):
+    """A batch's fields, with its queries as received (they are checked a slice at a time)."""
 
     queries: list[Any] = Field(min_length=1, max_length=MAX_BATCH_QUERIES)
 
 
-def parse_batch(raw: bytes) -> BatchRequest:
-    """``BatchRequest.model_validate_json(raw)``, in slices of :data:`VALIDATE_CHUNK`
-    queries; raises :class:`RequestValidationError` as FastAPI would."""
-    if not raw:
-        raise RequestValidationError(
-            [{"type": "missing", "loc": ("body",), "msg": "Field required"}]
-        )
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        pos = getattr(exc, "pos", 0)
-        raise RequestValidationError(
-            [{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
-              "input": {}, "ctx": {"error": getattr(exc, "msg", str(exc))}}]
-        ) from exc  # fmt: skip
+@dataclass(frozen=True, slots=True)
+class ParsedBatch:
+    """A valid batch body: its fields, each query's id and ``SearchSpec`` JSON in order,
+    and its fingerprint (``""`` unless asked for)."""
+
+    head: BatchHead
+    items: list[tuple[str, str]]
+    fingerprint: str
+
+
+def parse_batch(raw: bytes, route: str | None = None) -> ParsedBatch:
+    """A ``POST /v1/batches`` body, validated as ``BatchRequest`` a slice of
+    :data:`VALIDATE_CHUNK` queries at a time; with ``route``, its fingerprint. Raises
+    :class:`RequestValidationError` as FastAPI would, then :class:`InvalidRequest` for a
+    repeated query id.
+
+    Each slice becomes strings (the specs' JSON) before the next: the model instances of
+    100,000 queries, kept alive together, had the garbage collector's full passes walk them
+    again and again, up to 0.3 s each with the GIL held."""
+    data = _json(raw)
     errors: list[Any] = []
     try:
-        head = _BatchHead.model_validate(data)
+        head: BatchHead | None = BatchHead.model_validate(data)
     except ValidationError as exc:
         errors += _located(exc, ("body",))
         head = None
@@ -68,16 +76,65 @@ def parse_batch(raw: bytes) -> BatchRequest:
     if head is None and not (isinstance(queries, list) and len(queries) <= MAX_BATCH_QUERIES):
         raise RequestValidationError(errors)
     assert isinstance(queries, list)
-    valid: list[BatchQueryIn] = []
+    items: list[tuple[str, str]] = []
+    first_seen: dict[str, int] = {}
+    repeated: InvalidRequest | None = None
+    digest = _Fingerprint(route, head) if route and head else None
     for start in range(0, len(queries), VALIDATE_CHUNK):
         try:
-            valid += _QUERIES.validate_python(queries[start : start + VALIDATE_CHUNK])
+            part = _QUERIES.validate_python(queries[start : start + VALIDATE_CHUNK])
         except ValidationError as exc:
             errors += _located(exc, ("body", "queries"), offset=start)
+            continue
+        if errors or head is None:
+            continue  # only the remaining errors matter now
+        for i, query in enumerate(part, start):
+            if repeated is None and query.id in first_seen:
+                repeated = InvalidRequest(
+                    f"queries[{i}].id",
+                    f"duplicate id {query.id!r} (first at queries[{first_seen[query.id]}])",
+                )
+            first_seen.setdefault(query.id, i)
+            items.append((query.id, _spec(head, query).model_dump_json()))
+        if digest is not None:
+            digest.add(part)
     if errors:
         raise RequestValidationError(errors)
-    # the queries are model instances now: pydantic takes them as they are
-    return BatchRequest.model_validate({**data, "queries": valid})
+    if repeated is not None:
+        raise repeated
+    assert head is not None
+    return ParsedBatch(head, items, digest.hexdigest() if digest else "")
+
+
+def _json(raw: bytes) -> Any:
+    if not raw:
+        raise RequestValidationError(
+            [{"type": "missing", "loc": ("body",), "msg": "Field required"}]
+        )
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        pos = getattr(exc, "pos", 0)
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
+              "input": {}, "ctx": {"error": getattr(exc, "msg", str(exc))}}]
+        ) from exc  # fmt: skip
+
+
+def _spec(head: BatchHead, query: BatchQueryIn) -> SearchSpec:
+    """The search one query of the batch asks for."""
+    spec: dict[str, Any] = {
+        "index": head.index,
+        "query": query.query,
+        "rerank": head.rerank,
+        "include_trace": head.include_trace,
+        "filters": query.filters,
+    }
+    if query.limit is not None:
+        spec["limit"] = query.limit
+    if query.mode is not None:
+        spec["mode"] = query.mode
+    return SearchSpec.model_validate(spec)
 
 
 def _located(
@@ -94,27 +151,37 @@ def _located(
     return found
 
 
-def batch_fingerprint(route: str, body: BatchRequest) -> str:
-    """``worker.jobstore.fingerprint(route, body.model_dump(mode="json"))``, byte for byte
-    the same hash (a key used before keeps matching), serialized a slice of queries at a
-    time: one ``model_dump`` of 100,000 queries would hold the GIL for a quarter second."""
-    digest = hashlib.sha256()
-    dump = body.model_dump(mode="json", exclude={"queries"})
-    digest.update(b"[" + _canonical(route) + b",{")
-    for i, name in enumerate(sorted([*dump, "queries"])):
-        digest.update((b"," if i else b"") + _canonical(name) + b":")
-        if name != "queries":
-            digest.update(_canonical(dump[name]))
-            continue
-        digest.update(b"[")
-        for start in range(0, len(body.queries), VALIDATE_CHUNK):
-            part = _canonical(
-                _QUERIES.dump_python(body.queries[start : start + VALIDATE_CHUNK], mode="json")
-            )
-            digest.update((b"," if start else b"") + part[1:-1])
-        digest.update(b"]")
-    digest.update(b"}]")
-    return digest.hexdigest()
+class _Fingerprint:
+    """``worker.jobstore.fingerprint(route, body.model_dump(mode="json"))`` of a batch, byte
+    for byte the same hash (a key used before keeps matching its body), fed a slice of
+    queries at a time: one ``model_dump`` of 100,000 queries holds the GIL for 0.2 s."""
+
+    def __init__(self, route: str, head: BatchHead) -> None:
+        self.digest = hashlib.sha256()
+        self.after: list[bytes] = []  # the fields sorted after "queries"
+        self.first = True
+        fields = head.model_dump(mode="json", exclude={"queries"})
+        self.digest.update(b"[" + _canonical(route) + b",{")
+        for i, name in enumerate(sorted([*fields, "queries"])):
+            text = (b"," if i else b"") + _canonical(name) + b":"
+            if name == "queries":
+                self.digest.update(text + b"[")
+                self.after = [b"]"]
+            elif self.after:
+                self.after.append(text + _canonical(fields[name]))
+            else:
+                self.digest.update(text + _canonical(fields[name]))
+
+    def add(self, queries: list[BatchQueryIn]) -> None:
+        part = _canonical(_QUERIES.dump_python(queries, mode="json"))
+        self.digest.update((b"" if self.first else b",") + part[1:-1])
+        self.first = False
+
+    def hexdigest(self) -> str:
+        for text in self.after:
+            self.digest.update(text)
+        self.digest.update(b"}]")
+        return self.digest.hexdigest()
 
 
 def _canonical(value: Any) -> bytes:

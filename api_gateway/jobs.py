@@ -16,13 +16,12 @@ from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import authenticate
 from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
-from api_gateway.bodies import BATCH_BODY, batch_fingerprint, parse_batch
+from api_gateway.bodies import BATCH_BODY, parse_batch
 from api_gateway.errors import ApiError, ErrorBody
 from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
 from api_gateway.schemas import (
     BatchCounts,
     BatchOut,
-    BatchRequest,
     BatchResultsPage,
     DocumentsRequest,
     IngestJobOut,
@@ -466,34 +465,6 @@ async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob
     return batch
 
 
-def _read_batch(raw: bytes, keyed: bool) -> tuple[BatchRequest, list[tuple[str, SearchSpec]], str]:
-    """A batch's body, its items' specs and, if ``keyed``, its fingerprint: the CPU-heavy
-    part of a submission (a second or so for 100,000 queries), run in a worker thread in
-    small pieces so the event loop keeps answering (``api_gateway/bodies.py``)."""
-    body = parse_batch(raw)
-    first_seen: dict[str, int] = {}
-    items: list[tuple[str, SearchSpec]] = []
-    for i, q in enumerate(body.queries):
-        if q.id in first_seen:
-            raise InvalidRequest(
-                f"queries[{i}].id", f"duplicate id {q.id!r} (first at queries[{first_seen[q.id]}])"
-            )
-        first_seen[q.id] = i
-        spec: dict[str, Any] = {
-            "index": body.index,
-            "query": q.query,
-            "rerank": body.rerank,
-            "include_trace": body.include_trace,
-            "filters": q.filters,
-        }
-        if q.limit is not None:
-            spec["limit"] = q.limit
-        if q.mode is not None:
-            spec["mode"] = q.mode
-        items.append((q.id, SearchSpec.model_validate(spec)))
-    return body, items, batch_fingerprint("POST /v1/batches", body) if keyed else ""
-
-
 @router.post(
     "/batches",
     response_model=BatchOut,
@@ -512,9 +483,12 @@ async def create_batch(
     completes when the provider's batches end (minutes to hours). The body
     (``BatchRequest``) is parsed and stored off the event loop."""
     settings, store = _settings(request), _store(request)
-    body, items, fp = await _io(_read_batch, await request.body(), idempotency_key is not None)
+    route = "POST /v1/batches"
+    # parsed and fingerprinted in a thread, a slice at a time (api_gateway/bodies.py)
+    parsed = await _io(parse_batch, await request.body(), route if idempotency_key else None)
+    body, items = parsed.head, parsed.items
     await _check_url(settings, body.webhook_url)
-    idem = _Idempotency(store, tenant, idempotency_key, fp)
+    idem = _Idempotency(store, tenant, idempotency_key, parsed.fingerprint)
     batch_id = await idem.earlier_job()
     if batch_id is None:
         size, total, sender = settings.batch_chunk_size, len(items), _sender(request)

@@ -683,7 +683,7 @@ class JobStore:
         self,
         tenant: str,
         index: str,
-        items: Sequence[tuple[str, SearchSpec]],
+        items: Sequence[tuple[str, SearchSpec | str]],
         *,
         lane: str = "standard",
         rerank: bool | None = None,
@@ -696,7 +696,8 @@ class JobStore:
         WATCH of the key and of the batch's record. Raises :class:`IdempotencyKeyBound`,
         writing nothing, if the key names a job already. A MULTI whose reply was lost to a
         broken connection is not written twice: the WATCH makes redis-py try again, which
-        finds the record. Query ids must be unique."""
+        finds the record. Query ids must be unique; a spec may come as its JSON already (the
+        gateway's, which turns each slice of a big batch into strings as it validates it)."""
         batch = BatchJob(
             id=_new_id(BATCH_ID_PREFIX),
             tenant=tenant,
@@ -711,7 +712,7 @@ class JobStore:
         batch.counts[JobStatus.QUEUED.value] = batch.total
         bid = batch.id
         # the slow part, serializing every item, before the WATCH
-        specs = [(qid, s.model_dump_json()) for qid, s in items]
+        specs = [(qid, s if isinstance(s, str) else s.model_dump_json()) for qid, s in items]
         messages = list(enqueue(bid)) if enqueue is not None else []
         binding = _idem_binding(claim, bid) if claim is not None else None
         watched = [BATCH_KEY + bid] + ([binding[0]] if binding is not None else [])

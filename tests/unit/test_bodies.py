@@ -9,10 +9,12 @@ from typing import Any
 import pytest
 from fastapi.exceptions import RequestValidationError
 
-from api_gateway.bodies import VALIDATE_CHUNK, batch_fingerprint, parse_batch
+from api_gateway.bodies import VALIDATE_CHUNK, parse_batch
 from api_gateway.errors import problems_of
 from api_gateway.schemas import BatchRequest
 from worker.constants import MAX_BATCH_QUERIES
+from worker.contract import SearchSpec
+from worker.errors import InvalidRequest
 from worker.jobstore import fingerprint
 
 
@@ -31,19 +33,40 @@ def fields_of(raw: bytes) -> list[str]:
     return [p.field for p in problems_of(error.value.errors())]
 
 
-def test_the_sliced_parse_gives_the_model_of_the_one_call_parse() -> None:
+def test_a_repeated_query_id_is_named_after_the_validation_errors() -> None:
+    repeated = body(2 * VALIDATE_CHUNK)
+    repeated["queries"][VALIDATE_CHUNK + 1]["id"] = "q3"
+    with pytest.raises(InvalidRequest) as error:
+        parse_batch(json.dumps(repeated).encode())
+    assert error.value.field == f"queries[{VALIDATE_CHUNK + 1}].id"
+    assert "first at queries[3]" in error.value.message
+    repeated["queries"][2 * VALIDATE_CHUNK - 1]["query"] = " "
+    assert fields_of(json.dumps(repeated).encode()) == [f"queries[{2 * VALIDATE_CHUNK - 1}].query"]
+
+
+def test_the_sliced_parse_gives_what_the_one_call_parse_gives() -> None:
     raw = json.dumps(body(2 * VALIDATE_CHUNK + 7, rerank=True, lane="economy")).encode()
-    assert parse_batch(raw) == BatchRequest.model_validate_json(raw)
+    whole = BatchRequest.model_validate_json(raw)
+    parsed = parse_batch(raw)
+    assert parsed.head.model_dump(exclude={"queries"}) == whole.model_dump(exclude={"queries"})
+    assert [qid for qid, _ in parsed.items] == [q.id for q in whole.queries]
+    specs = [SearchSpec.model_validate_json(spec) for _, spec in parsed.items]
+    assert specs[2] == SearchSpec(
+        index="docs", query=whole.queries[2].query, limit=3, mode="fts", rerank=True
+    )
+    assert specs[1].filters == whole.queries[1].filters and specs[1].limit == 10
+    assert parsed.fingerprint == ""
 
 
 def test_the_sliced_fingerprint_is_the_one_call_fingerprint() -> None:
     """A key used before the change keeps matching its body (same hash, byte for byte)."""
     for extra in ({}, {"webhook_url": "https://example.com/h", "include_trace": True}):
-        parsed = parse_batch(json.dumps(body(2 * VALIDATE_CHUNK + 7, **extra)).encode())
-        whole = fingerprint("POST /v1/batches", parsed.model_dump(mode="json"))
-        assert batch_fingerprint("POST /v1/batches", parsed) == whole
-    other = parse_batch(json.dumps(body(2 * VALIDATE_CHUNK + 8)).encode())
-    assert batch_fingerprint("POST /v1/batches", other) != whole
+        raw = json.dumps(body(2 * VALIDATE_CHUNK + 7, **extra)).encode()
+        whole = BatchRequest.model_validate_json(raw).model_dump(mode="json")
+        parsed = parse_batch(raw, "POST /v1/batches")
+        assert parsed.fingerprint == fingerprint("POST /v1/batches", whole)
+    other = parse_batch(json.dumps(body(2 * VALIDATE_CHUNK + 8)).encode(), "POST /v1/batches")
+    assert other.fingerprint != parsed.fingerprint
 
 
 def test_errors_name_the_field_at_its_place_in_the_whole_list() -> None:

@@ -1,0 +1,112 @@
+"""Does a 100,000-query batch submission hold up the gateway's other requests? (issue 12)
+
+    python benchmarks/bench_submit_latency.py [--queries 100000] [--runs 3] [--baseline 3]
+
+Starts a redis-server and one gateway (``sift gateway``, as ``sift up`` does; no worker),
+then, side by side in one run:
+
+* baseline: a client polls ``/healthz`` back to back for ``--baseline`` seconds, nothing else;
+* submission: the same client polls ``/healthz`` while another submits a batch of
+  ``--queries`` queries (the documented maximum by default), ``--runs`` times, with an
+  ``Idempotency-Key`` on every other run (its fingerprint is part of the work).
+
+It prints the ``/healthz`` p50 / p99 / max of each, the number of polls, and the
+submission's own time. Goal (issue 12): p99 below 50 ms during the submission.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.services import gateway, redis_server  # noqa: E402
+
+KEY = "bench-key-0001"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+KEYS = [{"key": KEY, "tenant": "bench", "webhook_secret": "whsec_YmVuY2gtc2VjcmV0LTAxMjM0NTY3"}]
+
+
+class Poller(threading.Thread):
+    """Polls ``/healthz`` back to back on one keep-alive connection until stopped."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.latencies: list[float] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as client:
+            while not self.stopping.is_set():
+                started = time.perf_counter()
+                client.get("/healthz").raise_for_status()
+                self.latencies.append(time.perf_counter() - started)
+
+    def stop(self) -> list[float]:
+        self.stopping.set()
+        self.join()
+        return self.latencies
+
+
+def figures(latencies: list[float]) -> str:
+    ms = sorted(x * 1000 for x in latencies)
+    p99 = ms[min(len(ms) - 1, int(len(ms) * 0.99))]
+    return (
+        f"p50 {statistics.median(ms):6.1f} ms  p99 {p99:6.1f} ms  max {ms[-1]:6.1f} ms"
+        f"  ({len(ms)} polls)"
+    )
+
+
+def batch_body(n: int, run: int) -> bytes:
+    queries = [{"id": f"q{i}", "query": f"green tea leaves {i} run {run}"} for i in range(n)]
+    return json.dumps({"index": "bench", "queries": queries}).encode()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--queries", type=int, default=100_000)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--baseline", type=float, default=3.0, help="seconds of baseline polls")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as d, redis_server(Path(d) / "redis") as redis_url:
+        env = {"SIFT_REDIS_URL": redis_url + "/0", "SIFT_API_KEYS": json.dumps(KEYS)}
+        with gateway(Path(d), env) as url, httpx.Client(base_url=url, timeout=300) as client:
+            poller = Poller(url)
+            poller.start()
+            time.sleep(args.baseline)
+            print(f"baseline, no submission:  {figures(poller.stop())}")
+            for run in range(args.runs):
+                body = batch_body(args.queries, run)
+                headers = {**AUTH, "content-type": "application/json"}
+                keyed = run % 2 == 1
+                if keyed:
+                    headers["Idempotency-Key"] = f"bench-{run}"
+                poller = Poller(url)
+                poller.start()
+                time.sleep(0.2)  # polls before the submission too
+                started = time.perf_counter()
+                response = client.post("/v1/batches", content=body, headers=headers)
+                took = time.perf_counter() - started
+                latencies = poller.stop()
+                response.raise_for_status()
+                assert response.json()["counts"]["total"] == args.queries
+                label = "with key" if keyed else "no key  "
+                print(
+                    f"run {run + 1} ({label}): submission {took:5.2f} s"
+                    f" ({len(body) / 1e6:.1f} MB); /healthz meanwhile: {figures(latencies)}"
+                )
+
+
+if __name__ == "__main__":
+    main()
