@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from fastapi.exceptions import RequestValidationError
 
-from api_gateway.bodies import VALIDATE_CHUNK, parse_batch
+from api_gateway.bodies import VALIDATE_CHUNK, loads_in_pieces, parse_batch
 from api_gateway.errors import problems_of
 from api_gateway.schemas import BatchRequest
 from worker.constants import MAX_BATCH_QUERIES
@@ -95,3 +95,35 @@ def test_errors_name_the_field_at_its_place_in_the_whole_list() -> None:
 )
 def test_malformed_bodies(raw: bytes, field: str) -> None:
     assert fields_of(raw) == [field]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps(body(50, rerank=None, webhook_url="https://e.com/h", lane="economy")),
+        json.dumps(body(3), indent=2),
+        ' \n{ "queries" : [ ] , "index":"a","index" : [1,[2,{"x":[3]}]] }\t',
+        "{}",
+        '{"a": [1, 2.5e3, true, null, "\\u00e9\\"", NaN]}',
+        "[1, 2]",
+        '"text"',
+    ],
+)
+def test_the_piecewise_decoder_reads_what_json_loads_reads(text: str) -> None:
+    assert repr(loads_in_pieces(text)) == repr(json.loads(text))
+
+
+@pytest.mark.parametrize(
+    "text",
+    ['{"a": [1, 2,]}', '{"a": 1,}', '{"a" 1}', "{'a': 1}", '{"a": [1] } x', '{"a": [1', "", "{"],
+)
+def test_the_piecewise_decoder_fails_as_json_loads_fails(text: str) -> None:
+    with pytest.raises(json.JSONDecodeError) as expected:
+        json.loads(text)
+    with pytest.raises(json.JSONDecodeError) as got:
+        loads_in_pieces(text)
+    assert (got.value.msg, got.value.pos) == (expected.value.msg, expected.value.pos)
+
+
+def test_a_body_nested_too_deep_is_invalid_json_not_a_crash() -> None:
+    assert fields_of(b'{"index": ' + b"[" * 100_000 + b"]" * 100_000 + b"}") == ["body"]
