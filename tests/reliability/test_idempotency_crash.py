@@ -163,6 +163,12 @@ def test_a_gateway_killed_during_keyed_submissions_never_gives_a_key_a_second_jo
                     assert response.status_code in (200, 202), (key, response.text)
                     assert response.json()["id"] == created[key]
 
+            conflicts = sum(r.status_code == 409 for r in right_after.values())
+            print(
+                f"killed with {len(created)} of {len(keys)} keys bound to a job"
+                f" ({sum(k.startswith('batch') for k in created)} batches),"
+                f" {len(answered)} answered; right after the restart {conflicts} got 409"
+            )
             # the pending window passes: markers naming no job expire (as after 120 s)
             markers = [
                 k
