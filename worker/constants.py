@@ -42,6 +42,8 @@ IDEMPOTENCY_TTL_SECONDS = 24 * 3600  # an Idempotency-Key is remembered this lon
 IDEMPOTENCY_PENDING_TTL_SECONDS = 120
 ATTEMPTS_TTL_SECONDS = 24 * 3600  # delivery counters
 INGEST_DOCS_TTL_SECONDS = 24 * 3600  # documents waiting for their ingest task
+BATCH_STAGING_TTL_SECONDS = 3600  # a batch's items written before its record, until committed
+BATCH_STAGE_SLICE = 1_000  # a batch's items per Redis command (Redis serves others between)
 
 # --- job ids: a prefix names the kind ---
 SEARCH_ID_PREFIX = "srch_"

@@ -69,6 +69,8 @@ from worker.constants import (
     BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
     BATCH_SPECS_KEY,
+    BATCH_STAGE_SLICE,
+    BATCH_STAGING_TTL_SECONDS,
     ECONOMY_PREPARED_KEY,
     ECONOMY_STATE_KEY,
     IDEMPOTENCY_KEY,
@@ -417,6 +419,11 @@ def _stage_messages(pipe: redis.client.Pipeline, enqueue: Enqueue | None, job_id
             pipe.lpush(key, raw)
 
 
+def _staged_keys(batch_id: str) -> tuple[str, str, str]:
+    """A batch's item keys, written before its record (order, specs, statuses)."""
+    return BATCH_ORDER_KEY + batch_id, BATCH_SPECS_KEY + batch_id, BATCH_ITEMS_KEY + batch_id
+
+
 def _attempts_key(task_id: str, retry: int) -> str:
     return f"{ATTEMPTS_KEY}{task_id}:{retry}"
 
@@ -692,12 +699,19 @@ class JobStore:
         claim: IdempotencyRef | None = None,
     ) -> BatchJob:
         """Store a batch and its items, all ``queued``, with its task messages from
-        ``enqueue`` and, with ``claim``, the Idempotency-Key bound to it: one MULTI, under a
-        WATCH of the key and of the batch's record. Raises :class:`IdempotencyKeyBound`,
-        writing nothing, if the key names a job already. A MULTI whose reply was lost to a
-        broken connection is not written twice: the WATCH makes redis-py try again, which
-        finds the record. Query ids must be unique; a spec may come as its JSON already (the
-        gateway's, which turns each slice of a big batch into strings as it validates it)."""
+        ``enqueue`` and, with ``claim``, the Idempotency-Key bound to it.
+
+        The items go first, in a pipeline of slices (:meth:`_stage_items`): Redis serves
+        other clients between two slices, where one MULTI of 100,000 items held it for a
+        quarter of a second. Nothing reads them until the batch's record exists, which the
+        commit then writes in one MULTI with its counts, its task messages and the key's
+        binding (the outbox: no record without its messages). The MULTI runs under a WATCH
+        of the key and of the record: it raises :class:`IdempotencyKeyBound`, writing
+        nothing and dropping the items, if the key names a job already; and a MULTI whose
+        reply was lost to a broken connection is not written twice (the WATCH makes redis-py
+        try again, which finds the record). Query ids must be unique; a spec may come as its
+        JSON already (the gateway's, which turns each slice of a big batch into strings as it
+        validates it)."""
         batch = BatchJob(
             id=_new_id(BATCH_ID_PREFIX),
             tenant=tenant,
@@ -711,46 +725,56 @@ class JobStore:
         batch.counts = {s.value: 0 for s in _STATUSES}
         batch.counts[JobStatus.QUEUED.value] = batch.total
         bid = batch.id
-        # the slow part, serializing every item, before the WATCH
-        specs = [(qid, s if isinstance(s, str) else s.model_dump_json()) for qid, s in items]
+        self._stage_items(
+            bid, [(qid, s if isinstance(s, str) else s.model_dump_json()) for qid, s in items]
+        )
         messages = list(enqueue(bid)) if enqueue is not None else []
         binding = _idem_binding(claim, bid) if claim is not None else None
         watched = [BATCH_KEY + bid] + ([binding[0]] if binding is not None else [])
 
-        def write(pipe: redis.client.Pipeline) -> None:
+        def commit(pipe: redis.client.Pipeline) -> None:
             if pipe.exists(BATCH_KEY + bid):
                 return  # this MULTI was applied, its reply lost
             if binding is not None and claim is not None:
                 earlier = _bound(cast(str | None, pipe.get(binding[0])), claim.fingerprint)
                 if earlier is not None:
+                    pipe.unwatch()
+                    self.redis.delete(*_staged_keys(bid))
                     raise IdempotencyKeyBound(earlier)
             pipe.multi()
-            self._stage_batch(pipe, batch, specs, messages)
+            self._commit_batch(pipe, batch, messages)
             if binding is not None:
                 name, value, ttl = binding
                 pipe.set(name, value, ex=ttl)
 
-        self.redis.transaction(write, *watched)
+        self.redis.transaction(commit, *watched)
         return batch
 
-    def _stage_batch(
-        self,
-        pipe: redis.client.Pipeline,
-        batch: BatchJob,
-        specs: Sequence[tuple[str, str]],
-        messages: Sequence[tuple[str, str]],
+    def _stage_items(self, batch_id: str, specs: Sequence[tuple[str, str]]) -> None:
+        """Write a new batch's items (order, specs, statuses), ``BATCH_STAGE_SLICE`` per
+        command, living ``BATCH_STAGING_TTL_SECONDS`` until the commit keeps them: a gateway
+        that dies before its commit leaves nothing for long. One pipeline, which starts by
+        emptying the keys, so a retry of it (redis-py sends it again after a broken
+        connection) does not push the order twice."""
+        order, spec_key, item_key = _staged_keys(batch_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(order, spec_key, item_key)
+        for start in range(0, len(specs), BATCH_STAGE_SLICE):
+            part = specs[start : start + BATCH_STAGE_SLICE]
+            pipe.rpush(order, *[qid for qid, _ in part])
+            pipe.hset(spec_key, mapping=dict(part))
+            pipe.hset(item_key, mapping={qid: "queued" for qid, _ in part})
+        for key in (order, spec_key, item_key):
+            pipe.expire(key, BATCH_STAGING_TTL_SECONDS)
+        pipe.execute()
+
+    def _commit_batch(
+        self, pipe: redis.client.Pipeline, batch: BatchJob, messages: Sequence[tuple[str, str]]
     ) -> None:
-        """Queue a new batch's writes in ``pipe``'s MULTI: its record, items, counts, TTLs,
-        the queued count, the re-drive's active set and its task messages."""
+        """Queue a new batch's commit in ``pipe``'s MULTI: its record, counts, the retention
+        of every key (its staged items' too), the queued count, the re-drive's active set
+        and its task messages."""
         bid = batch.id
-        keys = [
-            BATCH_KEY + bid,
-            BATCH_ORDER_KEY + bid,
-            BATCH_SPECS_KEY + bid,
-            BATCH_ITEMS_KEY + bid,
-            BATCH_COUNTS_KEY + bid,
-            BATCH_RESULTS_KEY + bid,
-        ]
         pipe.hset(
             BATCH_KEY + bid,
             mapping={
@@ -763,16 +787,12 @@ class JobStore:
                 "created_at": repr(batch.created_at),
             },
         )
-        step = 5_000
-        for start in range(0, len(specs), step):
-            part = specs[start : start + step]
-            pipe.rpush(BATCH_ORDER_KEY + bid, *[qid for qid, _ in part])
-            pipe.hset(BATCH_SPECS_KEY + bid, mapping=dict(part))
-            pipe.hset(BATCH_ITEMS_KEY + bid, mapping={qid: "queued" for qid, _ in part})
         pipe.hset(BATCH_COUNTS_KEY + bid, mapping={k: str(v) for k, v in batch.counts.items()})
         # a placeholder field ("" is never a query id) so the key exists now and takes its TTL
         pipe.hset(BATCH_RESULTS_KEY + bid, "", "")
-        for key in keys:
+        for key in (BATCH_KEY, BATCH_COUNTS_KEY, BATCH_RESULTS_KEY):
+            pipe.expire(key + bid, self.result_ttl)
+        for key in _staged_keys(bid):
             pipe.expire(key, self.result_ttl)
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
         if batch.lane != LANE_ECONOMY:  # the economy lane's items wait on provider batches

@@ -17,6 +17,8 @@ from worker.constants import (
     BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
     BATCH_SPECS_KEY,
+    BATCH_STAGE_SLICE,
+    BATCH_STAGING_TTL_SECONDS,
     IDEMPOTENCY_KEY,
     IDEMPOTENCY_PENDING_TTL_SECONDS,
     IDEMPOTENCY_TTL_SECONDS,
@@ -235,6 +237,22 @@ def test_a_key_bound_to_a_job_is_kept_24_hours_from_the_write_that_creates_the_j
     assert store.redis.ttl(bound) > IDEMPOTENCY_PENDING_TTL_SECONDS
 
 
+def test_a_batch_s_items_wait_for_its_commit_with_a_short_ttl(store: JobStore) -> None:
+    """Items are written in slices before the record; until the commit they expire soon
+    (a gateway that died in between leaves nothing for long), after it they are kept as
+    long as the record. No record, no message: nothing reads them meanwhile."""
+    n = 2 * BATCH_STAGE_SLICE + 3
+    store._stage_items("bat_staged", [(f"q{i}", spec().model_dump_json()) for i in range(n)])
+    assert store.get_batch("bat_staged") is None
+    for key in (BATCH_ORDER_KEY, BATCH_SPECS_KEY, BATCH_ITEMS_KEY):
+        assert 0 < store.redis.ttl(key + "bat_staged") <= BATCH_STAGING_TTL_SECONDS
+    batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(n)])
+    assert store.redis.lrange(BATCH_ORDER_KEY + batch.id, 0, -1) == [f"q{i}" for i in range(n)]
+    assert store.redis.hlen(BATCH_SPECS_KEY + batch.id) == n
+    for key in (BATCH_KEY, BATCH_ORDER_KEY, BATCH_SPECS_KEY, BATCH_ITEMS_KEY, BATCH_COUNTS_KEY):
+        assert store.redis.ttl(key + batch.id) > BATCH_STAGING_TTL_SECONDS, key
+
+
 @pytest.mark.parametrize("kind", ["search", "batch"])
 def test_a_create_with_a_key_bound_to_another_job_writes_nothing(
     store: JobStore, kind: str
@@ -260,6 +278,8 @@ def test_a_create_with_a_key_bound_to_another_job_writes_nothing(
     assert other.value.claim.outcome is IdempotencyOutcome.MISMATCH
     after = (_jobs(store), store.redis.llen("q.work"), store.redis.hget(STATS_KEY, "queued"))
     assert after == before == (1, 1, "1")
+    if kind == "batch":  # the items written before the commit were dropped with it
+        assert len(store.redis.keys("sift:batch-*")) == 5  # the first batch's own
 
 
 def test_a_pending_marker_of_another_request_does_not_block_the_create(store: JobStore) -> None:
