@@ -27,9 +27,12 @@ Layout (every prefix is in :mod:`worker.constants`):
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``RESULT_TTL_SECONDS`` (7 days) from its last write; an Idempotency-Key is
-remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours); delivery counters and pending
-ingest documents live 24 hours. A job leaves ``sift:active`` when it becomes final, or,
-failing that, once its last change is older than the records' retention.
+remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours) from the write that creates its job (a
+claim that names no job yet, ``IDEMPOTENCY_PENDING_TTL_SECONDS``); delivery counters and
+pending ingest documents live 24 hours; a batch's items, written before its record, live
+``BATCH_STAGING_TTL_SECONDS`` until the record's commit gives them its retention. A job
+leaves ``sift:active`` when it becomes final, or, failing that, once its last change is
+older than the records' retention.
 
 Every status change is one Lua script: a compare-and-set on the status that also
 moves the counts. A record that is already ``succeeded``, ``failed`` or
