@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import KeyRing
 from api_gateway.backpressure import Backlog
+from api_gateway.bodies import document_bodies
 from api_gateway.errors import ErrorBody, install_error_handlers
 from api_gateway.jobs import router
 from api_gateway.metrics import GatewayMetrics
@@ -96,6 +97,7 @@ def create_app(
     app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(router)
+    document_bodies(app)
 
     @app.get("/healthz", response_model=Health, tags=["ops"], summary="The process is up")
     async def healthz() -> Health:

@@ -17,12 +17,12 @@ from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import authenticate
 from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
+from api_gateway.bodies import BATCH_BODY, parse_batch
 from api_gateway.errors import ApiError, ErrorBody
 from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
 from api_gateway.schemas import (
     BatchCounts,
     BatchOut,
-    BatchRequest,
     BatchResultsPage,
     DocumentsRequest,
     IngestJobOut,
@@ -60,6 +60,8 @@ from worker.jobstore import (
     BatchJob,
     CancelOutcome,
     Enqueue,
+    IdempotencyClaim,
+    IdempotencyKeyBound,
     IdempotencyOutcome,
     IdempotencyRef,
     IngestJob,
@@ -236,25 +238,47 @@ async def _check_url(settings: Settings, url: str | None) -> None:
 
 
 class _Idempotency:
-    """Stripe-style Idempotency-Key handling around one job-creating request."""
+    """Stripe-style Idempotency-Key handling around one job-creating request.
 
-    def __init__(
-        self, store: JobStore, tenant: str, key: str | None, route: str, body: BaseModel
-    ) -> None:
-        self.store, self.tenant, self.key = store, tenant, key
+    The key is claimed first (a pending marker: a second request meanwhile gets 409), then
+    bound to its job in the transaction that creates the job, for 24 hours. From then on a
+    request with the key gets that job, whatever became of the first request: answered,
+    still in its ``?wait``, or killed with its gateway. A marker that no job was bound to
+    means nothing was created; it answers 409 until it expires (or its request fails and
+    releases it), then the key is free. The create itself writes only if the key is bound to
+    no job, so even a marker that expired under a live request cannot give a second job.
+    """
+
+    def __init__(self, store: JobStore, tenant: str, key: str | None, fp: str) -> None:
+        self.store, self.tenant, self.key, self.fp = store, tenant, key, fp
+
+    @classmethod
+    def of(
+        cls, store: JobStore, tenant: str, key: str | None, route: str, body: BaseModel
+    ) -> _Idempotency:
+        """The key of a small body (a search): its fingerprint computed here."""
         # the body's fingerprint is only needed with a key (most requests have none)
-        self.fp = "" if key is None else fingerprint(route, body.model_dump(mode="json"))
+        fp = "" if key is None else fingerprint(route, body.model_dump(mode="json"))
+        return cls(store, tenant, key, fp)
 
     @property
     def ref(self) -> IdempotencyRef | None:
-        """The key, to record with the job in the job's own transaction; None without one."""
+        """The key, to bind to the job in the job's own transaction; None without one."""
         return None if self.key is None else IdempotencyRef(self.tenant, self.key, self.fp)
 
     async def earlier_job(self) -> str | None:
         """The job of an earlier request with this key, None to go ahead; raises 409/422."""
         if self.key is None:
             return None
-        claim = await _io(self.store.claim_idempotency, self.tenant, self.key, self.fp)
+        return self._answer(await _io(self.store.claim_idempotency, self.tenant, self.key, self.fp))
+
+    def bound_job(self, bound: IdempotencyKeyBound) -> str:
+        """The job another request with this key created while this one was on its way."""
+        job_id = self._answer(bound.claim)
+        assert job_id is not None
+        return job_id
+
+    def _answer(self, claim: IdempotencyClaim) -> str | None:
         if claim.outcome is IdempotencyOutcome.MISMATCH:
             raise ApiError(
                 422,
@@ -266,26 +290,15 @@ class _Idempotency:
             raise ApiError(
                 409,
                 "idempotency_key_in_progress",
-                "Idempotency-Key: the first request with this key is still running",
+                "Idempotency-Key: the first request with this key has not created its job "
+                "yet; retry",
                 field="Idempotency-Key",
             )
-        if claim.outcome is IdempotencyOutcome.REPLAY:
-            return claim.job_id
-        return None
-
-    async def created(self, job_id: str) -> None:
-        if self.key is not None:
-            await _io(
-                self.store.record_idempotency, self.tenant, self.key, self.fp, job_id, done=False
-            )
-
-    async def answered(self, job_id: str) -> None:
-        if self.key is not None:
-            await _io(
-                self.store.record_idempotency, self.tenant, self.key, self.fp, job_id, done=True
-            )
+        return claim.job_id if claim.outcome is IdempotencyOutcome.REPLAY else None
 
     async def failed(self) -> None:
+        """Free the key of a request that failed before its job was created (a key already
+        bound to a job stays bound)."""
         if self.key is not None:
             await _io(self.store.release_idempotency, self.tenant, self.key)
 
@@ -388,18 +401,15 @@ async def create_search(
     ``wait`` seconds."""
     settings, store = _settings(request), _store(request)
     await _check_url(settings, body.webhook_url)
-    idem = _Idempotency(store, tenant, idempotency_key, "POST /v1/searches", body)
+    idem = _Idempotency.of(store, tenant, idempotency_key, "POST /v1/searches", body)
     job_id = await idem.earlier_job()
     fresh: SearchJob | None = None
     if job_id is None:
+        async_store = _async_store(request)
         try:
             await _admit(request, 1)
-        except ApiError:
-            await idem.failed()
-            raise
-        spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
-        async_store = _async_store(request)
-        try:  # one script on the event loop: the record, the task message, the key's claim
+            spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
+            # one script on the event loop: the record, the task message, the key's binding
             fresh = await _create_and_enqueue_async(
                 _sender(request),
                 lambda enqueue: async_store.create_search(
@@ -407,17 +417,17 @@ async def create_search(
                 ),
                 lambda job_id: [(SEARCH_TASK, [job_id], SEARCH_QUEUE)],
             )
+        except IdempotencyKeyBound as bound:
+            job_id = idem.bound_job(bound)
         except BaseException:
             await idem.failed()
             raise
-        metrics.job_submitted("search")
-        job_id = fresh.id
-    try:
-        if fresh is not None and wait == 0:
-            return _search_response(fresh)  # just queued: no need to read it back
-        return await _answer_search(store, job_id, tenant, wait)
-    finally:
-        await idem.answered(job_id)
+        else:
+            metrics.job_submitted("search")
+            job_id = fresh.id
+    if fresh is not None and wait == 0:
+        return _search_response(fresh)  # just queued: no need to read it back
+    return await _answer_search(store, job_id, tenant, wait)
 
 
 async def _answer_search(store: JobStore, job_id: str, tenant: str, wait: float) -> Response:
@@ -483,46 +493,26 @@ async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob
     status_code=202,
     responses={**ERRORS, **BUSY},
     summary="Submit a batch of searches",
+    openapi_extra=BATCH_BODY,
 )
 async def create_batch(
     request: Request,
-    body: BatchRequest,
     tenant: Tenant,
     idempotency_key: IdemKey = None,
 ) -> Response:
     """Stores every item as ``queued`` and fans the batch out in chunk tasks.
     ``lane="economy"`` sends the reranks as Message Batches at half the price: the batch
-    completes when the provider's batches end (minutes to hours)."""
+    completes when the provider's batches end (minutes to hours). The body
+    (``BatchRequest``) is parsed and stored off the event loop."""
     settings, store = _settings(request), _store(request)
+    route = "POST /v1/batches"
+    # parsed and fingerprinted in a thread, a slice at a time (api_gateway/bodies.py)
+    parsed = await _io(parse_batch, await request.body(), route if idempotency_key else None)
+    body, items = parsed.head, parsed.items
     await _check_url(settings, body.webhook_url)
-    first_seen: dict[str, int] = {}
-    items: list[tuple[str, SearchSpec]] = []
-    for i, q in enumerate(body.queries):
-        if q.id in first_seen:
-            raise InvalidRequest(
-                f"queries[{i}].id", f"duplicate id {q.id!r} (first at queries[{first_seen[q.id]}])"
-            )
-        first_seen[q.id] = i
-        spec: dict[str, Any] = {
-            "index": body.index,
-            "query": q.query,
-            "rerank": body.rerank,
-            "include_trace": body.include_trace,
-            "filters": q.filters,
-        }
-        if q.limit is not None:
-            spec["limit"] = q.limit
-        if q.mode is not None:
-            spec["mode"] = q.mode
-        items.append((q.id, SearchSpec.model_validate(spec)))
-    idem = _Idempotency(store, tenant, idempotency_key, "POST /v1/batches", body)
+    idem = _Idempotency(store, tenant, idempotency_key, parsed.fingerprint)
     batch_id = await idem.earlier_job()
     if batch_id is None:
-        try:
-            await _admit(request, len(items))  # the whole batch, or none of it
-        except ApiError:
-            await idem.failed()
-            raise
         size, total, sender = settings.batch_chunk_size, len(items), _sender(request)
 
         def chunks(new_id: str) -> list[TaskMessage]:
@@ -532,6 +522,7 @@ async def create_batch(
             ]
 
         try:
+            await _admit(request, len(items))  # the whole batch, or none of it
             batch = await _io(
                 _create_and_enqueue,
                 sender,
@@ -543,24 +534,26 @@ async def create_batch(
                     rerank=body.rerank,
                     webhook_url=body.webhook_url,
                     enqueue=enqueue,
+                    claim=idem.ref,
                 ),
                 chunks,
             )
-            await idem.created(batch.id)
+        except IdempotencyKeyBound as bound:
+            batch_id = idem.bound_job(bound)
         except BaseException:
             await idem.failed()
             raise
-        metrics.job_submitted("batch")
-        metrics.job_submitted("batch_item", batch.total)
-        log.info("batch %s: %d items in chunks of %d for %s", batch.id, batch.total, size, tenant)
-        batch_id = batch.id
-    try:
-        batch = await _owned_batch(request, batch_id, tenant)
-        return Response(
-            _batch_out(batch).model_dump_json(), status_code=202, media_type="application/json"
-        )
-    finally:
-        await idem.answered(batch_id)
+        else:
+            metrics.job_submitted("batch")
+            metrics.job_submitted("batch_item", batch.total)
+            log.info(
+                "batch %s: %d items in chunks of %d for %s", batch.id, batch.total, size, tenant
+            )
+            batch_id = batch.id
+    batch = await _owned_batch(request, batch_id, tenant)
+    return Response(
+        _batch_out(batch).model_dump_json(), status_code=202, media_type="application/json"
+    )
 
 
 @router.get(

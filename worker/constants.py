@@ -37,9 +37,13 @@ REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it 
 # --- retention (seconds), enforced by Redis TTLs; stated in the README ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from the last write
 IDEMPOTENCY_TTL_SECONDS = 24 * 3600  # an Idempotency-Key is remembered this long (as Stripe)
-IDEMPOTENCY_PENDING_TTL_SECONDS = 120  # a claim whose first request died is released after this
+# a claimed key with no job bound yet answers 409 this long at most (a request that died
+# before creating its job); a key bound to its job is kept IDEMPOTENCY_TTL_SECONDS
+IDEMPOTENCY_PENDING_TTL_SECONDS = 120
 ATTEMPTS_TTL_SECONDS = 24 * 3600  # delivery counters
 INGEST_DOCS_TTL_SECONDS = 24 * 3600  # documents waiting for their ingest task
+BATCH_STAGING_TTL_SECONDS = 3600  # a batch's items written before its record, until committed
+BATCH_STAGE_SLICE = 1_000  # a batch's items per Redis command (Redis serves others between)
 
 # --- job ids: a prefix names the kind ---
 SEARCH_ID_PREFIX = "srch_"

@@ -27,9 +27,12 @@ Layout (every prefix is in :mod:`worker.constants`):
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``RESULT_TTL_SECONDS`` (7 days) from its last write; an Idempotency-Key is
-remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours); delivery counters and pending
-ingest documents live 24 hours. A job leaves ``sift:active`` when it becomes final, or,
-failing that, once its last change is older than the records' retention.
+remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours) from the write that creates its job (a
+claim that names no job yet, ``IDEMPOTENCY_PENDING_TTL_SECONDS``); delivery counters and
+pending ingest documents live 24 hours; a batch's items, written before its record, live
+``BATCH_STAGING_TTL_SECONDS`` until the record's commit gives them its retention. A job
+leaves ``sift:active`` when it becomes final, or, failing that, once its last change is
+older than the records' retention.
 
 Every status change is one Lua script: a compare-and-set on the status that also
 moves the counts. A record that is already ``succeeded``, ``failed`` or
@@ -71,6 +74,8 @@ from worker.constants import (
     BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
     BATCH_SPECS_KEY,
+    BATCH_STAGE_SLICE,
+    BATCH_STAGING_TTL_SECONDS,
     ECONOMY_PREPARED_KEY,
     ECONOMY_STATE_KEY,
     IDEMPOTENCY_KEY,
@@ -190,12 +195,17 @@ return {n, 0}
 # A new search, atomically (one command where a MULTI would be seven round trips of parsing).
 # KEYS: record, stats, the active set, one list per task message, then the Idempotency-Key's
 # record if any. ARGV: ttl, message count m, record field count n, the job's id and its
-# score in the active set, n fields and values, m raw messages, then that key's record and
-# its TTL. A record that exists already means this very call ran (the job id is new to
-# each call), and its reply was lost: then it does nothing, so a retry is harmless.
+# score in the active set, n fields and values, m raw messages, then that key's binding to
+# this job and its TTL. Returns 1 when it created the job; the key's record (JSON) when the
+# key is already bound to a job, and nothing is written; 0 when the record exists already
+# (this very call ran before: a retry after a lost reply), and nothing is written again.
 _CREATE_SEARCH = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local m, n = tonumber(ARGV[2]), tonumber(ARGV[3])
+if #KEYS > 3 + m then
+  local earlier = redis.call('GET', KEYS[4 + m])
+  if earlier and type(cjson.decode(earlier)['job']) == 'string' then return earlier end
+end
 redis.call('HSET', KEYS[1], unpack(ARGV, 6, 5 + n))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 redis.call('HINCRBY', KEYS[2], 'queued', 1)
@@ -205,6 +215,23 @@ if #KEYS > 3 + m then
   redis.call('SET', KEYS[4 + m], ARGV[6 + n + m], 'EX', tonumber(ARGV[7 + n + m]))
 end
 return 1
+"""
+
+# Claim an Idempotency-Key for one request. KEYS: the key's record. ARGV: the pending
+# marker, its TTL. Returns the record already there (JSON), or nothing when it claimed.
+_CLAIM_IDEMPOTENCY = """
+local earlier = redis.call('GET', KEYS[1])
+if earlier then return earlier end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
+return false
+"""
+
+# Forget a pending marker, never a key bound to a job. KEYS: the key's record. Returns 1
+# when it deleted the marker.
+_RELEASE_IDEMPOTENCY = """
+local earlier = redis.call('GET', KEYS[1])
+if not earlier or type(cjson.decode(earlier)['job']) == 'string' then return 0 end
+return redis.call('DEL', KEYS[1])
 """
 
 
@@ -243,9 +270,9 @@ class IdempotencyOutcome(StrEnum):
     """What a claimed Idempotency-Key means for this request."""
 
     NEW = "new"  # first use: go ahead and create the job
-    REPLAY = "replay"  # same key, same body, first request done: answer with the same job
+    REPLAY = "replay"  # same key, same body, a job was created: answer with that job
     MISMATCH = "mismatch"  # same key, different body: 422
-    IN_PROGRESS = "in_progress"  # same key while the first request is still being answered: 409
+    IN_PROGRESS = "in_progress"  # claimed by a request that has not created its job yet: 409
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +288,16 @@ class IdempotencyRef:
     tenant: str
     key: str
     fingerprint: str
+
+
+class IdempotencyKeyBound(Exception):
+    """A ``create_*`` with a claim found the key already bound to a job (another request
+    with it created one first): nothing was written. ``claim`` says what to answer:
+    ``REPLAY`` with that job, or ``MISMATCH`` (it was created for another body)."""
+
+    def __init__(self, claim: IdempotencyClaim) -> None:
+        super().__init__(f"Idempotency-Key already bound: {claim.outcome} {claim.job_id}")
+        self.claim = claim
 
 
 @dataclass(slots=True)
@@ -399,10 +436,20 @@ def _create_search_call(
     args += fields
     args += [raw for _, raw in messages]
     if claim is not None:
-        name, value, expiry = _idem_record(claim, job.id, done=False)
+        name, value, expiry = _idem_binding(claim, job.id)
         keys.append(name)
         args += [value, expiry]
     return keys, args
+
+
+def _search_created(job: SearchJob, reply: Any, claim: IdempotencyRef | None) -> SearchJob:
+    """``job``, which :data:`_CREATE_SEARCH` answered ``reply`` to; raises
+    :class:`IdempotencyKeyBound` when the key named another job and nothing was written."""
+    if isinstance(reply, str) and claim is not None:
+        earlier = _claim_of(reply, claim.fingerprint)
+        if earlier.job_id != job.id:  # our own id: this call had run already (a retry)
+            raise IdempotencyKeyBound(earlier)
+    return job
 
 
 def _stage_messages(pipe: redis.client.Pipeline, enqueue: Enqueue | None, job_id: str) -> None:
@@ -410,6 +457,11 @@ def _stage_messages(pipe: redis.client.Pipeline, enqueue: Enqueue | None, job_id
     if enqueue is not None:
         for key, raw in enqueue(job_id):
             pipe.lpush(key, raw)
+
+
+def _staged_keys(batch_id: str) -> tuple[str, str, str]:
+    """A batch's item keys, written before its record (order, specs, statuses)."""
+    return BATCH_ORDER_KEY + batch_id, BATCH_SPECS_KEY + batch_id, BATCH_ITEMS_KEY + batch_id
 
 
 def _attempts_key(task_id: str, retry: int) -> str:
@@ -420,11 +472,32 @@ def _idem_key(tenant: str, key: str) -> str:
     return IDEMPOTENCY_KEY + tenant + ":" + hashlib.sha256(key.encode()).hexdigest()
 
 
-def _idem_record(ref: IdempotencyRef, job_id: str, *, done: bool) -> tuple[str, str, int]:
-    """(key, value, TTL) of a claim that names its job; ``done`` once answered."""
-    record = {"fp": ref.fingerprint, "state": "done" if done else "pending", "job": job_id}
-    ttl = IDEMPOTENCY_TTL_SECONDS if done else IDEMPOTENCY_PENDING_TTL_SECONDS
-    return _idem_key(ref.tenant, ref.key), json.dumps(record), ttl
+def _idem_binding(ref: IdempotencyRef, job_id: str) -> tuple[str, str, int]:
+    """(key, value, TTL) of a key bound to its job: written in the job's own transaction,
+    kept for the key's full 24 hours whatever becomes of the request that created it."""
+    record = {"fp": ref.fingerprint, "state": "created", "job": job_id}
+    return _idem_key(ref.tenant, ref.key), json.dumps(record), IDEMPOTENCY_TTL_SECONDS
+
+
+def _bound(raw: str | None, fingerprint: str) -> IdempotencyClaim | None:
+    """The key's claim if its record ``raw`` names a job (``REPLAY`` or ``MISMATCH``); None
+    if the key is free or only claimed (a pending marker, whoever's: go ahead)."""
+    if raw is None or not isinstance(json.loads(raw).get("job"), str):
+        return None
+    return _claim_of(raw, fingerprint)
+
+
+def _claim_of(raw: str, fingerprint: str) -> IdempotencyClaim:
+    """What a key's stored record means for a request with this body's ``fingerprint``. A
+    record names its job from the transaction that created the job on (records written
+    before that change may say ``"state": "done"``; the job is what counts)."""
+    earlier = json.loads(raw)
+    job = earlier.get("job")
+    if earlier.get("fp") != fingerprint:
+        return IdempotencyClaim(IdempotencyOutcome.MISMATCH, job)
+    if isinstance(job, str):
+        return IdempotencyClaim(IdempotencyOutcome.REPLAY, job)
+    return IdempotencyClaim(IdempotencyOutcome.IN_PROGRESS)
 
 
 _ScriptCall = tuple[Script, list[str], list[str]]  # a registered script, its keys and args
@@ -460,6 +533,8 @@ class JobStore:
         self._transition_item = client.register_script(_TRANSITION_ITEM)
         self._cancel_batch = client.register_script(_CANCEL_BATCH)
         self._create_search = client.register_script(_CREATE_SEARCH)
+        self._claim_idempotency = client.register_script(_CLAIM_IDEMPOTENCY)
+        self._release_idempotency = client.register_script(_RELEASE_IDEMPOTENCY)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
@@ -513,11 +588,11 @@ class JobStore:
         claim: IdempotencyRef | None = None,
     ) -> SearchJob:
         """Store a ``queued`` search atomically (one script), with its task messages from
-        ``enqueue`` and, with ``claim``, the Idempotency-Key's pending record naming it."""
+        ``enqueue`` and, with ``claim``, the Idempotency-Key bound to it; raises
+        :class:`IdempotencyKeyBound`, writing nothing, if that key names a job already."""
         job = _new_search(tenant, spec, webhook_url)
         keys, args = _create_search_call(job, self.result_ttl, enqueue, claim)
-        self._create_search(keys=keys, args=args)
-        return job
+        return _search_created(job, self._create_search(keys=keys, args=args), claim)
 
     def get_search(self, job_id: str) -> SearchJob | None:
         raw = cast(dict[str, str], self.redis.hgetall(SEARCH_KEY + job_id))
@@ -658,14 +733,28 @@ class JobStore:
         self,
         tenant: str,
         index: str,
-        items: Sequence[tuple[str, SearchSpec]],
+        items: Sequence[tuple[str, SearchSpec | str]],
         *,
         lane: str = "standard",
         rerank: bool | None = None,
         webhook_url: str | None = None,
         enqueue: Enqueue | None = None,
+        claim: IdempotencyRef | None = None,
     ) -> BatchJob:
-        """Store a batch and its items, all ``queued``. Query ids must be unique."""
+        """Store a batch and its items, all ``queued``, with its task messages from
+        ``enqueue`` and, with ``claim``, the Idempotency-Key bound to it.
+
+        The items go first, in a pipeline of slices (:meth:`_stage_items`): Redis serves
+        other clients between two slices, where one MULTI of 100,000 items held it for a
+        quarter of a second. Nothing reads them until the batch's record exists, which the
+        commit then writes in one MULTI with its counts, its task messages and the key's
+        binding (the outbox: no record without its messages). The MULTI runs under a WATCH
+        of the key and of the record: it raises :class:`IdempotencyKeyBound`, writing
+        nothing and dropping the items, if the key names a job already; and a MULTI whose
+        reply was lost to a broken connection is not written twice (the WATCH makes redis-py
+        try again, which finds the record). Query ids must be unique; a spec may come as its
+        JSON already (the gateway's, which turns each slice of a big batch into strings as it
+        validates it)."""
         batch = BatchJob(
             id=_new_id(BATCH_ID_PREFIX),
             tenant=tenant,
@@ -679,44 +768,80 @@ class JobStore:
         batch.counts = {s.value: 0 for s in _STATUSES}
         batch.counts[JobStatus.QUEUED.value] = batch.total
         bid = batch.id
-        keys = [
-            BATCH_KEY + bid,
-            BATCH_ORDER_KEY + bid,
-            BATCH_SPECS_KEY + bid,
-            BATCH_ITEMS_KEY + bid,
-            BATCH_COUNTS_KEY + bid,
-            BATCH_RESULTS_KEY + bid,
-        ]
-        pipe = self.redis.pipeline(transaction=True)
+        self._stage_items(
+            bid, [(qid, s if isinstance(s, str) else s.model_dump_json()) for qid, s in items]
+        )
+        messages = list(enqueue(bid)) if enqueue is not None else []
+        binding = _idem_binding(claim, bid) if claim is not None else None
+        watched = [BATCH_KEY + bid] + ([binding[0]] if binding is not None else [])
+
+        def commit(pipe: redis.client.Pipeline) -> None:
+            if pipe.exists(BATCH_KEY + bid):
+                return  # this MULTI was applied, its reply lost
+            if binding is not None and claim is not None:
+                earlier = _bound(cast(str | None, pipe.get(binding[0])), claim.fingerprint)
+                if earlier is not None:
+                    pipe.unwatch()
+                    self.redis.delete(*_staged_keys(bid))
+                    raise IdempotencyKeyBound(earlier)
+            pipe.multi()
+            self._commit_batch(pipe, batch, messages)
+            if binding is not None:
+                name, value, ttl = binding
+                pipe.set(name, value, ex=ttl)
+
+        self.redis.transaction(commit, *watched)
+        return batch
+
+    def _stage_items(self, batch_id: str, specs: Sequence[tuple[str, str]]) -> None:
+        """Write a new batch's items (order, specs, statuses), ``BATCH_STAGE_SLICE`` per
+        command, living ``BATCH_STAGING_TTL_SECONDS`` until the commit keeps them: a gateway
+        that dies before its commit leaves nothing for long. One pipeline, which starts by
+        emptying the keys, so a retry of it (redis-py sends it again after a broken
+        connection) does not push the order twice."""
+        order, spec_key, item_key = _staged_keys(batch_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(order, spec_key, item_key)
+        for start in range(0, len(specs), BATCH_STAGE_SLICE):
+            part = specs[start : start + BATCH_STAGE_SLICE]
+            pipe.rpush(order, *[qid for qid, _ in part])
+            pipe.hset(spec_key, mapping=dict(part))
+            pipe.hset(item_key, mapping={qid: "queued" for qid, _ in part})
+        for key in (order, spec_key, item_key):
+            pipe.expire(key, BATCH_STAGING_TTL_SECONDS)
+        pipe.execute()
+
+    def _commit_batch(
+        self, pipe: redis.client.Pipeline, batch: BatchJob, messages: Sequence[tuple[str, str]]
+    ) -> None:
+        """Queue a new batch's commit in ``pipe``'s MULTI: its record, counts, the retention
+        of every key (its staged items' too), the queued count, the re-drive's active set
+        and its task messages."""
+        bid = batch.id
         pipe.hset(
             BATCH_KEY + bid,
             mapping={
-                "tenant": tenant,
-                "index": index,
-                "lane": lane,
-                "rerank": "" if rerank is None else ("1" if rerank else "0"),
-                "webhook_url": webhook_url or "",
+                "tenant": batch.tenant,
+                "index": batch.index,
+                "lane": batch.lane,
+                "rerank": "" if batch.rerank is None else ("1" if batch.rerank else "0"),
+                "webhook_url": batch.webhook_url or "",
                 "total": str(batch.total),
                 "created_at": repr(batch.created_at),
             },
         )
-        step = 5_000
-        for start in range(0, len(items), step):
-            part = items[start : start + step]
-            pipe.rpush(BATCH_ORDER_KEY + bid, *[qid for qid, _ in part])
-            pipe.hset(BATCH_SPECS_KEY + bid, mapping={qid: s.model_dump_json() for qid, s in part})
-            pipe.hset(BATCH_ITEMS_KEY + bid, mapping={qid: "queued" for qid, _ in part})
         pipe.hset(BATCH_COUNTS_KEY + bid, mapping={k: str(v) for k, v in batch.counts.items()})
         # a placeholder field ("" is never a query id) so the key exists now and takes its TTL
         pipe.hset(BATCH_RESULTS_KEY + bid, "", "")
-        for key in keys:
+        for key in (BATCH_KEY, BATCH_COUNTS_KEY, BATCH_RESULTS_KEY):
+            pipe.expire(key + bid, self.result_ttl)
+        for key in _staged_keys(bid):
             pipe.expire(key, self.result_ttl)
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
-        if lane != LANE_ECONOMY:  # the economy lane's items wait on provider batches instead
-            pipe.zadd(ACTIVE_JOBS_KEY, {batch.id: batch.created_at})
-        _stage_messages(pipe, enqueue, batch.id)
-        pipe.execute()
-        return batch
+        if batch.lane != LANE_ECONOMY:  # the economy lane's items wait on provider batches
+            pipe.zadd(ACTIVE_JOBS_KEY, {bid: batch.created_at})
+        for key, raw in messages:
+            pipe.lpush(key, raw)
 
     def get_batch(self, batch_id: str) -> BatchJob | None:
         pipe = self.redis.pipeline(transaction=False)
@@ -923,33 +1048,22 @@ class JobStore:
     # --- idempotency ------------------------------------------------------------------------
 
     def claim_idempotency(self, tenant: str, key: str, fingerprint: str) -> IdempotencyClaim:
-        """Claim ``key`` for this request, or say what an earlier request with it did."""
-        rkey = _idem_key(tenant, key)
-        record = json.dumps({"fp": fingerprint, "state": "pending", "job": None})
-        if self.redis.set(rkey, record, nx=True, ex=IDEMPOTENCY_PENDING_TTL_SECONDS):
+        """Claim ``key`` for this request (a pending marker, ``IDEMPOTENCY_PENDING_TTL_SECONDS``),
+        or say what an earlier request with it did: a key bound to a job replays that job,
+        whether or not the request that created it is still being answered."""
+        marker = json.dumps({"fp": fingerprint, "state": "pending", "job": None})
+        earlier = self._claim_idempotency(
+            keys=[_idem_key(tenant, key)], args=[marker, IDEMPOTENCY_PENDING_TTL_SECONDS]
+        )
+        if earlier is None:
             return IdempotencyClaim(IdempotencyOutcome.NEW)
-        raw = cast(str | None, self.redis.get(rkey))
-        if raw is None:  # expired between the two calls: try once more
-            if self.redis.set(rkey, record, nx=True, ex=IDEMPOTENCY_PENDING_TTL_SECONDS):
-                return IdempotencyClaim(IdempotencyOutcome.NEW)
-            raw = cast(str | None, self.redis.get(rkey)) or record
-        earlier = json.loads(raw)
-        if earlier["fp"] != fingerprint:
-            return IdempotencyClaim(IdempotencyOutcome.MISMATCH, earlier.get("job"))
-        if earlier["state"] != "done":
-            return IdempotencyClaim(IdempotencyOutcome.IN_PROGRESS, earlier.get("job"))
-        return IdempotencyClaim(IdempotencyOutcome.REPLAY, earlier["job"])
+        return _claim_of(cast(str, earlier), fingerprint)
 
-    def record_idempotency(
-        self, tenant: str, key: str, fingerprint: str, job_id: str, *, done: bool
-    ) -> None:
-        """Attach the job to the claim; ``done`` once the first request has been answered."""
-        ref = IdempotencyRef(tenant, key, fingerprint)
-        self.redis.set(*_idem_record(ref, job_id, done=done))
-
-    def release_idempotency(self, tenant: str, key: str) -> None:
-        """Forget a claim whose request failed before it created a job."""
-        self.redis.delete(_idem_key(tenant, key))
+    def release_idempotency(self, tenant: str, key: str) -> bool:
+        """Forget the pending marker of a request that failed before creating its job, so a
+        retry may go ahead; a key bound to a job stays bound (the reply may have been lost
+        after the job was written)."""
+        return bool(self._release_idempotency(keys=[_idem_key(tenant, key)]))
 
     # --- deliveries and stats ---------------------------------------------------------------
 
@@ -1188,8 +1302,7 @@ class AsyncJobStore:
         """:meth:`JobStore.create_search`, awaited."""
         job = _new_search(tenant, spec, webhook_url)
         keys, args = _create_search_call(job, self.result_ttl, enqueue, claim)
-        await self._create_search(keys=keys, args=args)
-        return job
+        return _search_created(job, await self._create_search(keys=keys, args=args), claim)
 
     async def in_flight(self) -> dict[str, int]:
         """:meth:`JobStore.in_flight`, awaited."""

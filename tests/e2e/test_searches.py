@@ -8,8 +8,10 @@ from typing import Any
 
 import httpx
 
+from api_gateway.schemas import SearchRequest
 from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack
 from tests.fake_anthropic import positions, status
+from worker.jobstore import JobStore, fingerprint
 
 
 def _poll(client: httpx.Client, path: str, until: set[str], timeout: float = 20) -> Any:
@@ -102,7 +104,10 @@ def test_idempotency_replay_and_mismatch(stack: Stack, corpus: object) -> None:
     assert other.status_code == 202 and other.json()["id"] != first.json()["id"]
 
 
-def test_idempotency_conflict_while_the_first_request_runs(stack: Stack) -> None:
+def test_idempotency_resend_while_the_first_request_waits_gets_its_job(stack: Stack) -> None:
+    """The key is bound to the job in the write that creates it: a resend while the first
+    request is still in its ``?wait`` gets that job (it does not wait for the first to be
+    answered, nor makes a second one)."""
     # On the idle gateway nothing runs jobs, so the first request waits its full 2 s.
     headers = {**ACME, "Idempotency-Key": "conflict-1"}
     body = {"index": INDEX, "query": "slow one"}
@@ -117,12 +122,36 @@ def test_idempotency_conflict_while_the_first_request_runs(stack: Stack) -> None
         time.sleep(0.5)
         second = stack.idle.post("/v1/searches", json=body, headers=headers)
         first.join()
-    assert second.status_code == 409, second.text
-    assert second.json()["error"]["field"] == "Idempotency-Key"
     assert answers[0].status_code == 202
+    assert second.status_code == 202, second.text
+    assert second.json()["id"] == answers[0].json()["id"]
     replay = stack.idle.post("/v1/searches", json=body, headers=headers)
     assert replay.status_code == 202
     assert replay.json()["id"] == answers[0].json()["id"]
+
+
+def test_idempotency_conflict_before_the_first_request_created_its_job(stack: Stack) -> None:
+    """A key claimed by a request that has not created its job yet (its pending marker,
+    written here as the gateway writes it) is 409 naming the header; a different body is
+    422; once the marker is gone the key is free."""
+    store = JobStore.from_url(stack.redis_url + "/1")  # the idle gateway's database
+    try:
+        body = {"index": INDEX, "query": "claimed"}
+        fp = fingerprint(
+            "POST /v1/searches", SearchRequest.model_validate(body).model_dump(mode="json")
+        )
+        assert store.claim_idempotency("acme", "claimed-1", fp).outcome == "new"
+        headers = {**ACME, "Idempotency-Key": "claimed-1"}
+        conflict = stack.idle.post("/v1/searches", json=body, headers=headers)
+        assert conflict.status_code == 409, conflict.text
+        assert conflict.json()["error"]["field"] == "Idempotency-Key"
+        other = stack.idle.post("/v1/searches", json={**body, "limit": 3}, headers=headers)
+        assert other.status_code == 422
+        assert store.release_idempotency("acme", "claimed-1")
+        free = stack.idle.post("/v1/searches", json=body, headers=headers)
+        assert free.status_code == 202, free.text
+    finally:
+        store.close()
 
 
 def test_rerank_through_the_queue_with_a_429_on_the_way(stack: Stack, corpus: object) -> None:

@@ -18,8 +18,11 @@ from worker.constants import (
     BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
     BATCH_SPECS_KEY,
+    BATCH_STAGE_SLICE,
+    BATCH_STAGING_TTL_SECONDS,
     IDEMPOTENCY_KEY,
     IDEMPOTENCY_PENDING_TTL_SECONDS,
+    IDEMPOTENCY_TTL_SECONDS,
     SEARCH_KEY,
     STATS_KEY,
 )
@@ -27,6 +30,8 @@ from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
 from worker.jobstore import (
     AsyncJobStore,
     CancelOutcome,
+    IdempotencyClaim,
+    IdempotencyKeyBound,
     IdempotencyOutcome,
     IdempotencyRef,
     ItemTransition,
@@ -315,17 +320,134 @@ def test_idempotency_claims(store: JobStore) -> None:
     assert store.claim_idempotency("acme", "k", "fp1").outcome is IdempotencyOutcome.IN_PROGRESS
     assert store.claim_idempotency("acme", "k", "fp2").outcome is IdempotencyOutcome.MISMATCH
     assert store.claim_idempotency("globex", "k", "fp2").outcome is IdempotencyOutcome.NEW
-    store.record_idempotency("acme", "k", "fp1", "srch_1", done=True)
+    job = store.create_search("acme", spec(), claim=IdempotencyRef("acme", "k", "fp1"))
     replay = store.claim_idempotency("acme", "k", "fp1")
-    assert replay.outcome is IdempotencyOutcome.REPLAY and replay.job_id == "srch_1"
-    store.release_idempotency("globex", "k")
+    assert replay.outcome is IdempotencyOutcome.REPLAY and replay.job_id == job.id
+    assert store.release_idempotency("globex", "k")
     assert store.claim_idempotency("globex", "k", "fp3").outcome is IdempotencyOutcome.NEW
+    # a key bound to its job is never released: the request's reply may be what was lost
+    assert not store.release_idempotency("acme", "k")
+    assert store.claim_idempotency("acme", "k", "fp1").job_id == job.id
+
+
+def _jobs(store: JobStore) -> int:
+    return len(store.redis.keys(SEARCH_KEY + "*")) + len(store.redis.keys(BATCH_KEY + "*"))
+
+
+def test_a_key_bound_to_a_job_is_kept_24_hours_from_the_write_that_creates_the_job(
+    store: JobStore,
+) -> None:
+    """The binding is in the job's own write, with the key's full TTL: the pending
+    marker's expiry (a crashed request) never frees a key whose job exists."""
+    ref = IdempotencyRef("acme", "k", "fp")
+    assert store.claim_idempotency("acme", "k", "fp").outcome is IdempotencyOutcome.NEW
+    [marker] = store.redis.keys(IDEMPOTENCY_KEY + "*")
+    assert 0 < store.redis.ttl(marker) <= IDEMPOTENCY_PENDING_TTL_SECONDS
+    job = store.create_search("acme", spec(), claim=ref)
+    assert IDEMPOTENCY_PENDING_TTL_SECONDS < store.redis.ttl(marker) <= IDEMPOTENCY_TTL_SECONDS
+    assert json.loads(store.redis.get(marker))["job"] == job.id
+    batch = store.create_batch(
+        "acme", "docs", [("a", spec())], claim=IdempotencyRef("acme", "b", "f")
+    )
+    [bound] = [k for k in store.redis.keys(IDEMPOTENCY_KEY + "*") if k != marker]
+    assert json.loads(store.redis.get(bound))["job"] == batch.id
+    assert store.redis.ttl(bound) > IDEMPOTENCY_PENDING_TTL_SECONDS
+
+
+def test_a_batch_s_items_wait_for_its_commit_with_a_short_ttl(store: JobStore) -> None:
+    """Items are written in slices before the record; until the commit they expire soon
+    (a gateway that died in between leaves nothing for long), after it they are kept as
+    long as the record. No record, no message: nothing reads them meanwhile."""
+    n = 2 * BATCH_STAGE_SLICE + 3
+    store._stage_items("bat_staged", [(f"q{i}", spec().model_dump_json()) for i in range(n)])
+    assert store.get_batch("bat_staged") is None
+    for key in (BATCH_ORDER_KEY, BATCH_SPECS_KEY, BATCH_ITEMS_KEY):
+        assert 0 < store.redis.ttl(key + "bat_staged") <= BATCH_STAGING_TTL_SECONDS
+    batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(n)])
+    assert store.redis.lrange(BATCH_ORDER_KEY + batch.id, 0, -1) == [f"q{i}" for i in range(n)]
+    assert store.redis.hlen(BATCH_SPECS_KEY + batch.id) == n
+    for key in (BATCH_KEY, BATCH_ORDER_KEY, BATCH_SPECS_KEY, BATCH_ITEMS_KEY, BATCH_COUNTS_KEY):
+        assert store.redis.ttl(key + batch.id) > BATCH_STAGING_TTL_SECONDS, key
+
+
+@pytest.mark.parametrize("kind", ["search", "batch"])
+def test_a_create_with_a_key_bound_to_another_job_writes_nothing(
+    store: JobStore, kind: str
+) -> None:
+    """Two requests with one key that both got past the claim (the first one's marker
+    expired while it was still on its way): the second create writes nothing and names the
+    first job, or says the body differs."""
+
+    def create(fp: str) -> str:
+        ref = IdempotencyRef("acme", "k", fp)
+        msgs = lambda job_id: [("q.work", "msg:" + job_id)]  # noqa: E731
+        if kind == "search":
+            return store.create_search("acme", spec(), enqueue=msgs, claim=ref).id
+        return store.create_batch("acme", "docs", [("a", spec())], enqueue=msgs, claim=ref).id
+
+    first = create("fp")
+    before = (_jobs(store), store.redis.llen("q.work"), store.redis.hget(STATS_KEY, "queued"))
+    with pytest.raises(IdempotencyKeyBound) as again:
+        create("fp")
+    assert again.value.claim == IdempotencyClaim(IdempotencyOutcome.REPLAY, first)
+    with pytest.raises(IdempotencyKeyBound) as other:
+        create("another body")
+    assert other.value.claim.outcome is IdempotencyOutcome.MISMATCH
+    after = (_jobs(store), store.redis.llen("q.work"), store.redis.hget(STATS_KEY, "queued"))
+    assert after == before == (1, 1, "1")
+    if kind == "batch":  # the items written before the commit were dropped with it
+        assert len(store.redis.keys("sift:batch-*")) == 5  # the first batch's own
+
+
+def test_a_pending_marker_of_another_request_does_not_block_the_create(store: JobStore) -> None:
+    """Only a key bound to a job stops a create: a marker (this request's, or one left by a
+    request that died before creating anything) is replaced by the binding."""
+    store.claim_idempotency("acme", "k", "someone else's body")
+    job = store.create_search("acme", spec(), claim=IdempotencyRef("acme", "k", "fp"))
+    claim = store.claim_idempotency("acme", "k", "fp")
+    assert claim == IdempotencyClaim(IdempotencyOutcome.REPLAY, job.id)
+
+
+def test_a_search_create_run_twice_writes_once(store: JobStore) -> None:
+    """A retried script call (its first reply lost with the connection) finds its record and
+    writes nothing again: no second queued count, no second message."""
+    job = store.create_search("acme", spec(), enqueue=lambda job_id: [("q.work", job_id)])
+    keys, args = _create_search_call(job, 3600, lambda job_id: [("q.work", job_id)], None)
+    assert store._create_search(keys=keys, args=args) == 0
+    assert store.redis.llen("q.work") == 1 and store.redis.hget(STATS_KEY, "queued") == "1"
+
+
+def test_a_batch_multi_whose_reply_was_lost_is_not_written_twice(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection breaks after EXEC reached Redis: redis-py's retry, under the WATCH,
+    finds the batch's record and writes nothing more."""
+    from redis.client import Pipeline
+
+    real_parse = Pipeline.parse_response
+    broken = [False]
+
+    def parse_then_break(self: Pipeline, *args: object, **kwargs: object) -> object:
+        reply = real_parse(self, *args, **kwargs)
+        if isinstance(reply, list) and self.explicit_transaction and not broken[0]:
+            broken[0] = True  # EXEC's reply, read and thrown away
+            raise redis.ConnectionError("reply lost")
+        return reply
+
+    monkeypatch.setattr(Pipeline, "parse_response", parse_then_break)
+    batch = store.create_batch(
+        "acme", "docs", [(f"q{i}", spec()) for i in range(3)],
+        enqueue=lambda job_id: [("q.work", job_id)],
+    )  # fmt: skip
+    assert broken[0]
+    assert store.redis.lrange(BATCH_ORDER_KEY + batch.id, 0, -1) == ["q0", "q1", "q2"]
+    assert store.redis.llen("q.work") == 1 and store.redis.hget(STATS_KEY, "queued") == "3"
 
 
 def test_the_sync_and_the_async_store_create_the_same_search(
     store: JobStore, redis_url: str
 ) -> None:
-    """Record, queued count, task messages and the Idempotency-Key's pending claim, in one
+    """Record, queued count, task messages and the Idempotency-Key's binding, in one
     script: the gateway's asyncio store writes exactly what the blocking one does."""
 
     def messages(job_id: str) -> list[tuple[str, str]]:
@@ -364,13 +486,13 @@ def test_the_sync_and_the_async_store_create_the_same_search(
     assert store.redis.lrange("q.other", 0, -1) == ["other:" + async_id, "other:" + sync_id]
     for key, fp, job_id in (("key-1", "fp1", sync_id), ("key-2", "fp2", async_id)):
         claim = store.claim_idempotency("acme", key, fp)
-        assert claim.outcome is IdempotencyOutcome.IN_PROGRESS and claim.job_id == job_id
+        assert claim.outcome is IdempotencyOutcome.REPLAY and claim.job_id == job_id
         assert store.claim_idempotency("acme", key, "other").outcome is IdempotencyOutcome.MISMATCH
-    pending = list(store.redis.keys(IDEMPOTENCY_KEY + "*"))
-    assert len(pending) == 2
-    for name in pending:
-        assert json.loads(store.redis.get(name))["state"] == "pending"
-        assert 0 < int(store.redis.ttl(name)) <= IDEMPOTENCY_PENDING_TTL_SECONDS
+    bound = list(store.redis.keys(IDEMPOTENCY_KEY + "*"))
+    assert len(bound) == 2
+    for name in bound:
+        assert json.loads(store.redis.get(name))["state"] == "created"
+        assert int(store.redis.ttl(name)) > IDEMPOTENCY_PENDING_TTL_SECONDS
 
 
 def test_delivery_counter(store: JobStore) -> None:
@@ -390,7 +512,8 @@ def test_missing_records(store: JobStore) -> None:
 def test_the_create_script_sent_again_after_it_ran_creates_nothing_more(store: JobStore) -> None:
     """The gateway's asyncio store tries a command once more after a connection error, and
     the error may have come after the script ran (only its reply lost). The same call again,
-    same job id: still one record, one queued count, one message, one claim."""
+    same job id: still one record, one queued count, one message, and the key bound to
+    that one job."""
     job = _new_search("acme", spec("again"), None)
     keys, args = _create_search_call(
         job, store.result_ttl, lambda job_id: [("q.search", "msg:" + job_id)],
@@ -403,4 +526,4 @@ def test_the_create_script_sent_again_after_it_ran_creates_nothing_more(store: J
     assert store.redis.hget(STATS_KEY, "queued") == "1"
     assert store.redis.lrange("q.search", 0, -1) == ["msg:" + job.id]
     claim = store.claim_idempotency("acme", "key-again", "fp")
-    assert (claim.outcome, claim.job_id) == (IdempotencyOutcome.IN_PROGRESS, job.id)
+    assert (claim.outcome, claim.job_id) == (IdempotencyOutcome.REPLAY, job.id)

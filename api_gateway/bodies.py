@@ -1,0 +1,301 @@
+"""Large request bodies, parsed off the event loop and a piece at a time.
+
+FastAPI parses and validates a declared body on the event loop, in one pydantic call: for a
+100,000-query batch that is about half a second with every other request waiting. A thread
+alone would not do: a long C call holds the GIL (``json.loads`` of the 6 MB body, 30-100
+ms; one pydantic call over every query, 0.5 s), and so does the garbage collector, whose
+full passes walked the 100,000 query models kept alive together (up to 0.3 s each).
+``POST /v1/batches`` therefore reads its raw body and hands it to :func:`parse_batch`, in a
+worker thread, which decodes the JSON an array element per call, validates a thousand
+queries per pydantic call and turns them into strings (each query's ``SearchSpec`` JSON,
+and their share of the fingerprint) before the next thousand. Between two calls the event
+loop gets the GIL back within the interpreter's switch interval. The errors are pydantic's
+own, with the ``loc`` FastAPI gives them (``("body", "queries", 3, "id")``), so the answer
+is the same 4xx naming the field.
+
+The OpenAPI document still shows the model: :func:`document_bodies` adds its schema to the
+components the route's ``openapi_extra`` refers to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import Field, TypeAdapter, ValidationError
+
+from api_gateway.schemas import BatchQueryIn, BatchRequest
+from worker.constants import MAX_BATCH_QUERIES
+from worker.contract import SearchSpec
+from worker.errors import InvalidRequest
+
+VALIDATE_CHUNK = 1_000  # queries per pydantic call: a few milliseconds each
+BATCH_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/BatchRequest"}}},
+    }
+}
+
+_QUERIES = TypeAdapter(list[BatchQueryIn])
+
+
+class BatchHead(BatchRequest):
+    """A batch's fields, with its queries as received (they are checked a slice at a time)."""
+
+    queries: list[Any] = Field(min_length=1, max_length=MAX_BATCH_QUERIES)
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedBatch:
+    """A valid batch body: its fields, each query's id and ``SearchSpec`` JSON in order,
+    and its fingerprint (``""`` unless asked for)."""
+
+    head: BatchHead
+    items: list[tuple[str, str]]
+    fingerprint: str
+
+
+def parse_batch(raw: bytes, route: str | None = None) -> ParsedBatch:
+    """A ``POST /v1/batches`` body, validated as ``BatchRequest`` a slice of
+    :data:`VALIDATE_CHUNK` queries at a time; with ``route``, its fingerprint. Raises
+    :class:`RequestValidationError` as FastAPI would, then :class:`InvalidRequest` for a
+    repeated query id.
+
+    Each slice becomes strings (the specs' JSON) before the next: the model instances of
+    100,000 queries, kept alive together, had the garbage collector's full passes walk them
+    again and again, up to 0.3 s each with the GIL held."""
+    data = _json(raw)
+    errors: list[Any] = []
+    try:
+        head: BatchHead | None = BatchHead.model_validate(data)
+    except ValidationError as exc:
+        errors += _located(exc, ("body",))
+        head = None
+    queries = data.get("queries") if isinstance(data, dict) else None
+    if head is None and not (isinstance(queries, list) and len(queries) <= MAX_BATCH_QUERIES):
+        raise RequestValidationError(errors)
+    assert isinstance(queries, list)
+    items: list[tuple[str, str]] = []
+    first_seen: dict[str, int] = {}
+    repeated: InvalidRequest | None = None
+    digest = _Fingerprint(route, head) if route and head else None
+    for start in range(0, len(queries), VALIDATE_CHUNK):
+        try:
+            part = _QUERIES.validate_python(queries[start : start + VALIDATE_CHUNK])
+        except ValidationError as exc:
+            errors += _located(exc, ("body", "queries"), offset=start)
+            continue
+        if errors or head is None:
+            continue  # only the remaining errors matter now
+        for i, query in enumerate(part, start):
+            if repeated is None and query.id in first_seen:
+                repeated = InvalidRequest(
+                    f"queries[{i}].id",
+                    f"duplicate id {query.id!r} (first at queries[{first_seen[query.id]}])",
+                )
+            first_seen.setdefault(query.id, i)
+            items.append((query.id, _spec(head, query).model_dump_json()))
+        if digest is not None:
+            digest.add(part)
+    if errors:
+        raise RequestValidationError(errors)
+    if repeated is not None:
+        raise repeated
+    assert head is not None
+    return ParsedBatch(head, items, digest.hexdigest() if digest else "")
+
+
+def _json(raw: bytes) -> Any:
+    """The body, decoded as ``json.loads`` would; raises :class:`RequestValidationError`."""
+    if not raw:
+        raise RequestValidationError(
+            [{"type": "missing", "loc": ("body",), "msg": "Field required"}]
+        )
+    try:
+        return loads_in_pieces(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        pos = getattr(exc, "pos", 0)
+        raise RequestValidationError(
+            [{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
+              "input": {}, "ctx": {"error": getattr(exc, "msg", str(exc))}}]
+        ) from exc  # fmt: skip
+
+
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _skip(text: str, at: int) -> int:
+    """Where the whitespace from ``text[at]`` on ends."""
+    space = _SPACE.match(text, at)
+    assert space is not None  # the pattern matches the empty string
+    return space.end()
+
+
+class _NotSimple(Exception):
+    """The text is not an object whose values this scanner reads: ``json.loads`` decides."""
+
+
+def loads_in_pieces(text: str) -> Any:
+    """``json.loads(text)``, but a top-level object's arrays are decoded one element per
+    call: ``json.loads`` of a 6 MB batch is one 30-100 ms call holding the GIL. Anything
+    this scanner does not follow (not an object, malformed) goes to ``json.loads``, whose
+    answer or error is then the one given."""
+    try:
+        return _object(text)
+    except (_NotSimple, ValueError, IndexError):
+        return json.loads(text)
+
+
+def _object(text: str) -> dict[str, Any]:
+    at = _skip(text, 0)
+    if text[at] != "{":
+        raise _NotSimple
+    found: dict[str, Any] = {}
+    at = _skip(text, at + 1)
+    if text[at] == "}":
+        return _end(text, at + 1, found)
+    while True:
+        if text[at] != '"':
+            raise _NotSimple
+        key, at = _DECODER.raw_decode(text, at)
+        at = _skip(text, at)
+        if text[at] != ":":
+            raise _NotSimple
+        at = _skip(text, at + 1)
+        if text[at] == "[":
+            found[key], at = _array(text, at)
+        else:
+            found[key], at = _DECODER.raw_decode(text, at)
+        at = _skip(text, at)
+        if text[at] == "}":
+            return _end(text, at + 1, found)
+        if text[at] != ",":
+            raise _NotSimple
+        at = _skip(text, at + 1)
+
+
+def _array(text: str, at: int) -> tuple[list[Any], int]:
+    """The array at ``text[at]`` (a ``[``), an element per decoder call; and where it ends."""
+    items: list[Any] = []
+    at = _skip(text, at + 1)
+    if text[at] == "]":
+        return items, at + 1
+    while True:
+        item, at = _DECODER.raw_decode(text, at)
+        items.append(item)
+        at = _skip(text, at)
+        if text[at] == "]":
+            return items, at + 1
+        if text[at] != ",":
+            raise _NotSimple
+        at = _skip(text, at + 1)
+
+
+def _end(text: str, at: int, found: dict[str, Any]) -> dict[str, Any]:
+    if _skip(text, at) != len(text):
+        raise _NotSimple  # trailing data
+    return found
+
+
+def _spec(head: BatchHead, query: BatchQueryIn) -> SearchSpec:
+    """The search one query of the batch asks for."""
+    spec: dict[str, Any] = {
+        "index": head.index,
+        "query": query.query,
+        "rerank": head.rerank,
+        "include_trace": head.include_trace,
+        "filters": query.filters,
+    }
+    if query.limit is not None:
+        spec["limit"] = query.limit
+    if query.mode is not None:
+        spec["mode"] = query.mode
+    return SearchSpec.model_validate(spec)
+
+
+def _located(
+    exc: ValidationError, prefix: tuple[str, ...], offset: int = 0
+) -> list[dict[str, Any]]:
+    """``exc``'s errors with their ``loc`` as FastAPI's would be: under ``prefix``, the
+    first index moved by ``offset`` (a slice's position in the whole list)."""
+    found = []
+    for error in exc.errors(include_url=False):
+        loc = list(error["loc"])
+        if offset and loc and isinstance(loc[0], int):
+            loc[0] += offset
+        found.append({**error, "loc": (*prefix, *loc)})
+    return found
+
+
+class _Fingerprint:
+    """``worker.jobstore.fingerprint(route, body.model_dump(mode="json"))`` of a batch, byte
+    for byte the same hash (a key used before keeps matching its body), fed a slice of
+    queries at a time: one ``model_dump`` of 100,000 queries holds the GIL for 0.2 s."""
+
+    def __init__(self, route: str, head: BatchHead) -> None:
+        self.digest = hashlib.sha256()
+        self.after: list[bytes] = []  # the fields sorted after "queries"
+        self.first = True
+        fields = head.model_dump(mode="json", exclude={"queries"})
+        self.digest.update(b"[" + _canonical(route) + b",{")
+        for i, name in enumerate(sorted([*fields, "queries"])):
+            text = (b"," if i else b"") + _canonical(name) + b":"
+            if name == "queries":
+                self.digest.update(text + b"[")
+                self.after = [b"]"]
+            elif self.after:
+                self.after.append(text + _canonical(fields[name]))
+            else:
+                self.digest.update(text + _canonical(fields[name]))
+
+    def add(self, queries: list[BatchQueryIn]) -> None:
+        part = _canonical(_QUERIES.dump_python(queries, mode="json"))
+        self.digest.update((b"" if self.first else b",") + part[1:-1])
+        self.first = False
+
+    def hexdigest(self) -> str:
+        for text in self.after:
+            self.digest.update(text)
+        self.digest.update(b"}]")
+        return self.digest.hexdigest()
+
+
+def _canonical(value: Any) -> bytes:
+    """What ``fingerprint`` writes for ``value``."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def document_bodies(app: FastAPI) -> None:
+    """Add :class:`BatchRequest`'s schema (and the models it uses) to ``app``'s OpenAPI
+    components, exactly as FastAPI renders it for a route that declares the body."""
+    generate: Callable[[], dict[str, Any]] = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            models = generate().setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in _declared_schemas().items():
+                models.setdefault(name, schema)
+        return app.openapi_schema or generate()
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _declared_schemas() -> dict[str, Any]:
+    """The component schemas of an app whose one route declares a ``BatchRequest`` body
+    (without FastAPI's own 422 body, which the gateway does not answer)."""
+    probe = FastAPI()
+
+    @probe.post("/")
+    def declared(body: BatchRequest) -> None:
+        """Never served: only its OpenAPI document is read."""
+
+    schemas: dict[str, Any] = probe.openapi()["components"]["schemas"]
+    return {k: v for k, v in schemas.items() if k not in ("HTTPValidationError", "ValidationError")}
