@@ -104,6 +104,12 @@ def _succeeded(client: httpx.Client, batch_id: str) -> int:
     return int(batch_counts(client, batch_id)["counts"]["succeeded"])
 
 
+def _broker_idle(url: str) -> bool:
+    state = broker_state(url)
+    del state["unacked_mutex_ttl"]
+    return not any(state.values())  # every queue empty, no message unacked
+
+
 def _worker_alive(worker: Popen[bytes], log: Path) -> None:
     text = log.read_text(errors="replace")
     if "Unrecoverable error" in text:
@@ -129,6 +135,11 @@ def _one_round(client: httpx.Client, redis_broker: Broker, signum: signal.Signal
         counts = batch_counts(client, batch_id)["counts"]
         raise AssertionError(f"{exc}; {counts}; {broker_state(redis_broker.url + '/0')}") from exc
     assert_batch_exactly_once(client, redis_broker.url + "/0", batch_id, TOTAL)
+    # every message acked in the end, the late acks of tasks that ran through the restart
+    # included: nothing is left to come back after the visibility timeout
+    wait_for(
+        lambda: _broker_idle(redis_broker.url + "/0"), f"run {run}: no message left unacked", 30
+    )
     print(
         f"\nrun {run} ({signum.name}): first request {first}, "
         f"batch finished {time.monotonic() - started:.1f} s after the restart"
