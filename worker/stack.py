@@ -92,17 +92,10 @@ def spawn(
     command: list[str], log: Path, env: Mapping[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
     """Start ``command`` appending its output to ``log`` (never truncating it: a log may be a
-    running process's, and a restarted one's follows the lines that led to the restart).
-
-    The child gets a session of its own: Ctrl-C reaches ``sift up`` alone, which then stops
-    the processes in order instead of having them all exit at once under its supervisor."""
+    running process's, and a restarted one's follows the lines that led to the restart)."""
     with open(log, "ab") as out:
         return subprocess.Popen(
-            command,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=None if env is None else dict(env),
-            start_new_session=True,
+            command, stdout=out, stderr=subprocess.STDOUT, env=None if env is None else dict(env)
         )
 
 
@@ -318,9 +311,14 @@ class Supervisor:
 
     def __exit__(self, *_: object) -> None:
         """Stop watching: the processes are stopped by their own contexts after this."""
-        self._stopping.set()
+        self.stop_watching()
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    def stop_watching(self) -> None:
+        """From now on an exit is expected (safe in a signal handler: Ctrl-C reaches the
+        whole process group, and the processes exit on their own)."""
+        self._stopping.set()
 
     def _run(self) -> None:
         while not self._stopping.wait(self.poll_seconds):
@@ -329,7 +327,7 @@ class Supervisor:
 
     def _check(self, watched: _Watched, now: float) -> None:
         service = watched.service
-        if service.proc is None or service.proc.poll() is None:
+        if service.proc is None or service.proc.poll() is None or self._stopping.is_set():
             return
         if watched.restart_at is None:  # it just exited
             if now - service.started_at >= RESTART_RESET_AFTER_SECONDS:

@@ -116,6 +116,7 @@ class LocalStack:
     api_key: str
     redis_url: str
     logs: Path
+    supervisor: Supervisor | None = None
 
 
 @contextlib.contextmanager
@@ -156,12 +157,13 @@ def local_stack(
         services.append(stack.enter_context(running(worker_service(logs, env))))
         gateway, url = gateway_service(logs, env, port=gateway_port)
         services.append(stack.enter_context(running(gateway)))
+        supervisor = None
         if report is not None:
             supervisor = Supervisor(report)
             for service in services:
                 supervisor.watch(service)
             stack.enter_context(supervisor)  # left first: nothing restarts while stopping
-        yield LocalStack(url, api_key, redis_url, logs)
+        yield LocalStack(url, api_key, redis_url, logs, supervisor)
 
 
 def _api_key(settings: Settings, data_dir: Path) -> tuple[str, dict[str, str]]:
@@ -212,8 +214,15 @@ def up(
         overrides["data_dir"] = data_dir
     settings = _settings(**overrides)
     stopping = threading.Event()
+    started: LocalStack | None = None
+
+    def on_signal(*_: object) -> None:
+        stopping.set()
+        if started is not None and started.supervisor is not None:
+            started.supervisor.stop_watching()  # Ctrl-C reached the processes too
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopping.set())
+        signal.signal(signum, on_signal)
     with contextlib.ExitStack() as stack:
         started = _start(stack, settings, report=lambda line: console.print(f"[yellow]{line}[/]"))
         console.print(f"gateway  [bold]{started.url}[/]  (OpenAPI at {started.url}/docs)")
