@@ -28,6 +28,7 @@ from celery.signals import (
 )
 from kombu.entity import Exchange, Queue
 
+from worker.broker import broker_transport
 from worker.constants import (
     ALL_QUEUES,
     BATCH_CHUNK_TASK,
@@ -86,6 +87,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     )
     return {
         "broker_url": settings.redis_url,
+        # kombu's Redis transport with a fix that keeps the worker alive when Redis restarts
+        "broker_transport": broker_transport(settings.redis_url),
         "result_backend": None,  # results live in the job store, not in Celery
         "task_ignore_result": True,
         "task_serializer": "json",

@@ -1,26 +1,35 @@
 """Starts Sift's local processes: a Redis of its own, Celery workers, the gateway.
 
 ``sift up``, ``sift demo`` and the end-to-end tests all start the stack through this one
-module. Each process runs on a loopback port, logs to a file in its own directory,
+module. Each process runs on a loopback port, appends to a log file in its own directory,
 and is stopped (SIGTERM, then SIGKILL) when its context ends.
 
     with redis_server(Path(".sift/redis")) as redis_url:
         with worker_process(dir, env), gateway_process(dir, env) as url:
             ...
+
+``sift up`` also keeps them running (:class:`Supervisor`: a process that exits is started
+again, after a back-off) and refuses to start over another stack's ports or data folder
+(:func:`claim_data_dir`, :func:`check_port_free`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 import redis
@@ -53,17 +62,41 @@ def wait_until(
     proc: subprocess.Popen[bytes],
     log: Path,
     timeout: float = READY_TIMEOUT_SECONDS,
+    offset: int = 0,
 ) -> None:
-    """Poll ``check`` until it is true; fail with the log's tail if the process dies first."""
+    """Poll ``check`` until it is true; fail with the log's tail (what this process wrote,
+    from ``offset`` on) if the process dies first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited early:\n{log.read_text()[-4000:]}")
+            raise RuntimeError(f"{what} exited early:\n{_log_tail(log, offset)}")
         with contextlib.suppress(Exception):
             if check():
                 return
         time.sleep(0.05)
-    raise RuntimeError(f"{what} did not become ready:\n{log.read_text()[-4000:]}")
+    raise RuntimeError(f"{what} did not become ready:\n{_log_tail(log, offset)}")
+
+
+def _log_tail(log: Path, offset: int) -> str:
+    return log.read_bytes()[offset:][-4000:].decode(errors="replace")
+
+
+def _log_size(log: Path) -> int:
+    try:
+        return log.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def spawn(
+    command: list[str], log: Path, env: Mapping[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``command`` appending its output to ``log`` (never truncating it: a log may be a
+    running process's, and a restarted one's follows the lines that led to the restart)."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=None if env is None else dict(env)
+        )
 
 
 def child_env(extra: Mapping[str, str], *, inherit_sift: bool = True) -> dict[str, str]:
@@ -85,6 +118,20 @@ def redis_server(
 
     With ``appendonly`` it keeps an AOF in ``directory`` (fsynced ``appendfsync``: ``always``,
     ``everysec`` or ``no``), so a restart on the same port and directory finds its data."""
+    service, url = redis_service(directory, port=port, appendonly=appendonly,
+                                 appendfsync=appendfsync)  # fmt: skip
+    with running(service):
+        yield url
+
+
+def redis_service(
+    directory: Path,
+    *,
+    port: int | None = None,
+    appendonly: bool = False,
+    appendfsync: str = "everysec",
+) -> tuple[Service, str]:
+    """The redis-server of :func:`redis_server`, not started yet, and its URL."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise ConfigError(
@@ -93,15 +140,6 @@ def redis_server(
         )
     directory.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    log = directory / "redis.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
-             "--save", "", "--appendonly", "yes" if appendonly else "no",
-             "--appendfsync", appendfsync,
-             "--maxmemory-policy", "noeviction", "--daemonize", "no"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
     url = f"redis://127.0.0.1:{port}"
 
     def ping() -> bool:
@@ -111,11 +149,11 @@ def redis_server(
         finally:
             client.close()
 
-    try:
-        wait_until(ping, "redis-server", proc, log)
-        yield url
-    finally:
-        stop(proc)
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
+               "--save", "", "--appendonly", "yes" if appendonly else "no",
+               "--appendfsync", appendfsync,
+               "--maxmemory-policy", "noeviction", "--daemonize", "no"]  # fmt: skip
+    return Service("redis-server", command, directory / "redis.log", None, ready=ping), url
 
 
 def sift_command(*args: str) -> list[str]:
@@ -133,22 +171,30 @@ def worker_process(
     pool: str | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
     """One ``sift worker`` consuming every queue, yielded once Celery says it is ready."""
+    service = worker_service(directory, env, name, concurrency=concurrency, pool=pool)
+    with running(service):
+        assert service.proc is not None
+        yield service.proc
+
+
+def worker_service(
+    directory: Path,
+    env: Mapping[str, str],
+    name: str = "worker",
+    *,
+    concurrency: int | None = None,
+    pool: str | None = None,
+) -> Service:
+    """The ``sift worker`` of :func:`worker_process`, not started yet."""
     directory.mkdir(parents=True, exist_ok=True)
-    log = directory / f"{name}.log"
     args = ["worker", "--name", name]
     if concurrency:
         args += ["--concurrency", str(concurrency)]
     if pool:
         args += ["--pool", pool]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            sift_command(*args), stdout=out, stderr=subprocess.STDOUT, env=dict(env)
-        )
-    try:
-        wait_until(lambda: b" ready." in log.read_bytes(), f"worker {name}", proc, log)
-        yield proc
-    finally:
-        stop(proc)
+    what = name if name == "worker" else f"worker {name}"
+    return Service(what, sift_command(*args), directory / f"{name}.log", env,
+                   ready_line=b" ready.")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -160,19 +206,198 @@ def gateway_process(
     port: int | None = None,
 ) -> Iterator[str]:
     """``sift gateway`` on loopback, yielding its base URL once ``/readyz`` answers 200."""
+    service, url = gateway_service(directory, env, name, port=port)
+    with running(service):
+        yield url
+
+
+def gateway_service(
+    directory: Path, env: Mapping[str, str], name: str = "gateway", *, port: int | None = None
+) -> tuple[Service, str]:
+    """The ``sift gateway`` of :func:`gateway_process`, not started yet, and its URL."""
     directory.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
-    log = directory / f"{name}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            sift_command("gateway", "--host", "127.0.0.1", "--port", str(port)),
-            stdout=out, stderr=subprocess.STDOUT, env=dict(env),
-        )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    command = sift_command("gateway", "--host", "127.0.0.1", "--port", str(port))
+    ready = lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200  # noqa: E731
+    return Service(name, command, directory / f"{name}.log", env, ready=ready), url
+
+
+@dataclass
+class Service:
+    """One process of the stack: how to start it, and how to tell it is ready (``ready``
+    answers true, or the log gains ``ready_line``). ``proc`` is the running process."""
+
+    name: str
+    command: list[str]
+    log: Path
+    env: Mapping[str, str] | None
+    ready: Callable[[], object] | None = None
+    ready_line: bytes | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    _offset: int = 0  # the log's size when the process started: its own lines follow
+
+    def start(self) -> subprocess.Popen[bytes]:
+        """Start the process (again), appending to its log; answers it without waiting."""
+        self._offset = _log_size(self.log)
+        self.proc = spawn(self.command, self.log, self.env)
+        self.started_at = time.monotonic()
+        return self.proc
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        """Wait until the process just started is ready; fail if it exits first."""
+        assert self.proc is not None
+        offset, line, ready = self._offset, self.ready_line, self.ready
+        check: Callable[[], object]
+        if line is not None:
+            check = lambda: line in self.log.read_bytes()[offset:]  # noqa: E731
+        else:
+            assert ready is not None
+            check = ready
+        wait_until(check, self.name, self.proc, self.log, timeout, offset)
+
+
+@contextlib.contextmanager
+def running(service: Service) -> Iterator[Service]:
+    """Start ``service``, wait until it is ready, yield it; stop its process at the end (the
+    one running then: the :class:`Supervisor` may have started another)."""
+    service.start()
     try:
-        wait_until(
-            lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, name, proc, log
-        )
-        yield url
+        service.wait_ready()
+        yield service
     finally:
-        stop(proc)
+        if service.proc is not None:
+            stop(service.proc)
+
+
+RESTART_FIRST_DELAY_SECONDS = 1.0
+RESTART_MAX_DELAY_SECONDS = 30.0
+# a process that stayed up this long before exiting is restarted after the first delay again
+RESTART_RESET_AFTER_SECONDS = 60.0
+
+
+@dataclass
+class _Watched:
+    service: Service
+    failures: int = 0  # exits in a row, each within RESTART_RESET_AFTER_SECONDS of its start
+    restart_at: float | None = None  # when the exited process is started again
+
+
+@dataclass
+class Supervisor:
+    """Starts again a stack process that exits while the stack runs (``sift up``).
+
+    Any exit counts: the stack was not stopping, and Celery even exits with status 0 on an
+    "Unrecoverable error". Each restart waits a back-off, 1 s doubling to 30 s, so a crash
+    loop does not spin; a process that stayed up a minute starts the count again. Every exit
+    and restart is one line in the process's own log and one through ``report`` (the console).
+    A restarted process is not waited for: a worker restarted while Redis is down connects
+    once Redis is back."""
+
+    report: Callable[[str], None]
+    poll_seconds: float = 0.5
+    _watched: list[_Watched] = field(default_factory=list)
+    _stopping: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def watch(self, service: Service) -> None:
+        self._watched.append(_Watched(service))
+
+    def __enter__(self) -> Supervisor:
+        self._thread = threading.Thread(target=self._run, name="sift-supervisor", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        """Stop watching: the processes are stopped by their own contexts after this."""
+        self.stop_watching()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def stop_watching(self) -> None:
+        """From now on an exit is expected (safe in a signal handler: Ctrl-C reaches the
+        whole process group, and the processes exit on their own)."""
+        self._stopping.set()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.poll_seconds):
+            for watched in self._watched:
+                self._check(watched, time.monotonic())
+
+    def _check(self, watched: _Watched, now: float) -> None:
+        service = watched.service
+        if service.proc is None or service.proc.poll() is None or self._stopping.is_set():
+            return
+        if watched.restart_at is None:  # it just exited
+            if now - service.started_at >= RESTART_RESET_AFTER_SECONDS:
+                watched.failures = 0
+            delay = min(
+                RESTART_FIRST_DELAY_SECONDS * 2**watched.failures, RESTART_MAX_DELAY_SECONDS
+            )
+            watched.failures += 1
+            watched.restart_at = now + delay
+            self._say(service, f"{service.name} exited with status {service.proc.returncode}; "
+                               f"restarting it in {delay:g} s")  # fmt: skip
+        elif now >= watched.restart_at:
+            watched.restart_at = None
+            try:
+                proc = service.start()
+            except OSError as exc:  # cannot even start it: counts as one more exit
+                service.started_at = now
+                self._say(service, f"{service.name} could not be started: {exc}")
+                return
+            self._say(service, f"{service.name} restarted (pid {proc.pid})")
+
+    def _say(self, service: Service, message: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        with contextlib.suppress(OSError), open(service.log, "a") as log:
+            log.write(f"{stamp} sift up: {message}\n")
+        self.report(message)
+
+
+LOCK_FILE = "sift-up.lock"
+
+
+class StackInUse(ConfigError):
+    """Another stack holds a port or the data folder this one needs."""
+
+
+def claim_data_dir(data_dir: Path, description: str) -> IO[str]:
+    """Lock ``data_dir`` for this stack (``flock`` on a file in it), or raise
+    :class:`StackInUse` naming the folder and the stack that holds it.
+
+    The lock lasts as long as the returned file stays open, and ends with this process
+    (the children do not inherit it), however it ends. ``description`` (pid, ports) is
+    written into the file for the next stack's message."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held open: it is the lock)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        lock.close()
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        raise StackInUse(
+            f"the data folder {data_dir} is in use by another stack ({holder}); "
+            "stop it, or give this one its own: --data-dir (SIFT_DATA_DIR)"
+        ) from exc
+    lock.truncate(0)
+    lock.write(description + "\n")
+    lock.flush()
+    return lock
+
+
+def check_port_free(port: int, what: str, option: str, host: str = "127.0.0.1") -> None:
+    """Raise :class:`StackInUse` naming ``port`` if something already listens on it."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise StackInUse(
+                f"the {what} port {port} is in use (by another stack?): {exc.strerror}; "
+                f"stop it, or choose another: {option}"
+            ) from exc

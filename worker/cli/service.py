@@ -5,13 +5,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import secrets
 import signal
 import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -25,16 +26,20 @@ from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError, SiftError
 from worker.settings import Settings, load_settings
 from worker.stack import (
+    Service,
+    Supervisor,
+    check_port_free,
     child_env,
+    claim_data_dir,
     free_port,
-    gateway_process,
-    redis_server,
+    gateway_service,
+    redis_service,
+    running,
     sift_command,
-    worker_process,
+    worker_service,
 )
 
 console = Console()
-STATE_DIR = Path(".sift")
 
 
 @app.command("gateway")
@@ -110,63 +115,121 @@ class LocalStack:
     url: str
     api_key: str
     redis_url: str
+    logs: Path
+    supervisor: Supervisor | None = None
 
 
 @contextlib.contextmanager
-def local_stack(state: Path, port: int | None = None) -> Iterator[LocalStack]:
-    """Redis (ours unless SIFT_REDIS_URL is set), one worker and the gateway."""
-    settings = _settings()
-    extra: dict[str, str] = {}
-    keys = settings.all_api_keys()
-    if keys:
-        # a key given only as its digest cannot be presented: SIFT_API_KEY names one then
-        api_key = next((k.key for k in keys if k.key), None) or settings.api_key
-        if api_key is None:
-            raise ConfigError(
-                "the keys in SIFT_API_KEYS / SIFT_API_KEYS_FILE are all digests (key_sha256): "
-                "set SIFT_API_KEY to one of the keys so the local stack can call the gateway"
-            )
-    else:
-        dev = _dev_key(state)
-        api_key = dev["key"]
-        extra["SIFT_API_KEYS"] = json.dumps([dev])
+def local_stack(
+    settings: Settings, report: Callable[[str], None] | None = None
+) -> Iterator[LocalStack]:
+    """Redis (ours unless SIFT_REDIS_URL is set), one worker and the gateway, on
+    ``SIFT_GATEWAY_PORT`` and ``SIFT_WORKER_METRICS_PORT``, keeping their files (the index,
+    Redis's AOF, the logs) in ``SIFT_DATA_DIR``.
+
+    It first claims the data folder (a lock file in it) and checks the two ports: another
+    stack's are refused before anything is started or any log opened. With ``report``, a
+    process that exits is started again (:class:`~worker.stack.Supervisor`) and each restart
+    is reported through it."""
+    data_dir = settings.data_dir.resolve()
+    gateway_port, metrics_port = settings.gateway_port, settings.worker_metrics_port
     with contextlib.ExitStack() as stack:
+        described = f"pid {os.getpid()}, gateway port {gateway_port}"
+        if metrics_port:
+            described += f", worker metrics port {metrics_port}"
+        stack.enter_context(claim_data_dir(data_dir, described))
+        check_port_free(gateway_port, "gateway", "--port (SIFT_GATEWAY_PORT)")
+        if metrics_port:  # the worker serves it on every interface
+            check_port_free(metrics_port, "worker metrics", "--metrics-port "
+                            "(SIFT_WORKER_METRICS_PORT)", host="0.0.0.0")  # fmt: skip
+        api_key, extra = _api_key(settings, data_dir)
+        extra["SIFT_DATA_DIR"] = str(data_dir)
+        extra["SIFT_WORKER_METRICS_PORT"] = str(metrics_port)
+        logs = data_dir / "logs"
+        services: list[Service] = []
         redis_url = settings.redis_url
         if not redis_url:
-            redis_url = stack.enter_context(redis_server(state / "redis", appendonly=True)) + "/0"
-            extra["SIFT_REDIS_URL"] = redis_url
-        if "SIFT_DATA_DIR" not in extra and settings.data_dir == Settings().data_dir:
-            extra["SIFT_DATA_DIR"] = str(state / "data")
+            redis, url = redis_service(data_dir / "redis", appendonly=True)
+            stack.enter_context(running(redis))
+            services.append(redis)
+            redis_url = extra["SIFT_REDIS_URL"] = url + "/0"
         env = child_env(extra)
-        stack.enter_context(worker_process(state / "logs", env))
-        url = stack.enter_context(
-            gateway_process(state / "logs", env, port=port or settings.gateway_port)
+        services.append(stack.enter_context(running(worker_service(logs, env))))
+        gateway, url = gateway_service(logs, env, port=gateway_port)
+        services.append(stack.enter_context(running(gateway)))
+        supervisor = None
+        if report is not None:
+            supervisor = Supervisor(report)
+            for service in services:
+                supervisor.watch(service)
+            stack.enter_context(supervisor)  # left first: nothing restarts while stopping
+        yield LocalStack(url, api_key, redis_url, logs, supervisor)
+
+
+def _api_key(settings: Settings, data_dir: Path) -> tuple[str, dict[str, str]]:
+    """The key the stack is called with, and the children's environment that accepts it."""
+    keys = settings.all_api_keys()
+    if not keys:
+        dev = _dev_key(data_dir)
+        return dev["key"], {"SIFT_API_KEYS": json.dumps([dev])}
+    # a key given only as its digest cannot be presented: SIFT_API_KEY names one then
+    api_key = next((k.key for k in keys if k.key), None) or settings.api_key
+    if api_key is None:
+        raise ConfigError(
+            "the keys in SIFT_API_KEYS / SIFT_API_KEYS_FILE are all digests (key_sha256): "
+            "set SIFT_API_KEY to one of the keys so the local stack can call the gateway"
         )
-        yield LocalStack(url, api_key, redis_url)
+    return api_key, {}
 
 
-def _start(stack: contextlib.ExitStack, state: Path, port: int | None = None) -> LocalStack:
+def _start(
+    stack: contextlib.ExitStack, settings: Settings, report: Callable[[str], None] | None = None
+) -> LocalStack:
     try:
         with console.status("starting redis, a worker and the gateway…"):
-            return stack.enter_context(local_stack(state, port))
+            return stack.enter_context(local_stack(settings, report))
     except (RuntimeError, SiftError) as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(1) from error
 
 
 @app.command("up")
-def up() -> None:
-    """Run Redis, one worker and the gateway in the foreground until Ctrl-C."""
+def up(
+    port: Annotated[int | None, typer.Option(help="the gateway's; SIFT_GATEWAY_PORT")] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="the worker's /metrics, 0: off; SIFT_WORKER_METRICS_PORT")
+    ] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="the index, Redis's AOF and the logs; SIFT_DATA_DIR")
+    ] = None,
+) -> None:
+    """Run Redis, one worker and the gateway in the foreground until Ctrl-C, restarting any
+    of them that exits. Refuses a port or data folder another stack uses."""
+    overrides: dict[str, Any] = {}
+    if port is not None:
+        overrides["gateway_port"] = port
+    if metrics_port is not None:
+        overrides["worker_metrics_port"] = metrics_port
+    if data_dir is not None:
+        overrides["data_dir"] = data_dir
+    settings = _settings(**overrides)
     stopping = threading.Event()
+    started: LocalStack | None = None
+
+    def on_signal(*_: object) -> None:
+        stopping.set()
+        if started is not None and started.supervisor is not None:
+            started.supervisor.stop_watching()  # Ctrl-C reached the processes too
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stopping.set())
+        signal.signal(signum, on_signal)
     with contextlib.ExitStack() as stack:
-        running = _start(stack, STATE_DIR)
-        console.print(f"gateway  [bold]{running.url}[/]  (OpenAPI at {running.url}/docs)")
-        console.print(f"api key  [bold]{running.api_key}[/]")
-        console.print(f"redis    {running.redis_url}")
-        console.print(f"logs     {STATE_DIR / 'logs'}")
-        console.print(f"\nexport SIFT_URL={running.url} SIFT_API_KEY={running.api_key}")
+        started = _start(stack, settings, report=lambda line: console.print(f"[yellow]{line}[/]"))
+        console.print(f"gateway  [bold]{started.url}[/]  (OpenAPI at {started.url}/docs)")
+        console.print(f"api key  [bold]{started.api_key}[/]")
+        console.print(f"redis    {started.redis_url}")
+        console.print(f"logs     {started.logs}")
+        console.print(f"\nexport SIFT_URL={started.url} SIFT_API_KEY={started.api_key}")
         console.print("Ctrl-C stops everything.")
         stopping.wait()
         console.print("stopping…")
@@ -179,9 +242,11 @@ def demo(limit: Annotated[int, typer.Option(min=1, max=100)] = 3) -> None:
     started = time.monotonic()
     corpus, queries = sample_path("sample_corpus.jsonl"), sample_path("sample_queries.jsonl")
     with tempfile.TemporaryDirectory(prefix="sift-demo-") as tmp, contextlib.ExitStack() as stack:
-        running = _start(stack, Path(tmp), port=free_port())
-        console.print(f"stack up at {running.url}")
-        env = child_env({"SIFT_URL": running.url, "SIFT_API_KEY": running.api_key})
+        settings = _settings(data_dir=Path(tmp), gateway_port=free_port(),
+                             worker_metrics_port=free_port())  # fmt: skip
+        local = _start(stack, settings)
+        console.print(f"stack up at {local.url}")
+        env = child_env({"SIFT_URL": local.url, "SIFT_API_KEY": local.api_key})
         out = Path(tmp) / "results.jsonl"
         _run(sift_command("ingest", str(corpus), "--index", "demo"), env)
         _run(sift_command("batch", str(queries), "--index", "demo", "--out", str(out),

@@ -1,0 +1,169 @@
+"""``sift up`` as a user runs it: one stack in the foreground, a second one started beside it,
+and a worker killed under it.
+
+Stack A is the real command (``python -m worker.cli up``) at default settings but for its two
+ports and its data folder (free ones, so test runs don't collide). Then:
+
+- a second ``sift up`` on A's data folder, A's gateway port or A's worker metrics port exits
+  non-zero with a message naming that folder or port, and A's logs are byte for byte what
+  they were (nothing truncated, nothing appended), and A still serves;
+- SIGKILL of A's worker: ``sift up`` starts another (a line in its output and in the worker's
+  log), which then consumes: an ingest with ``?wait=`` succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.reliability.support import sample_documents, wait_for
+from tests.services import free_port
+from worker.stack import child_env, stop
+
+pytestmark = pytest.mark.integration
+
+UP_TIMEOUT = 120.0  # a cold start loads the embedding model; the stack waits 60 s per process
+
+
+@dataclass
+class Stack:
+    proc: subprocess.Popen[bytes]
+    out: Path  # what ``sift up`` printed
+    data_dir: Path
+    port: int
+    metrics_port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def logs(self) -> Path:
+        return self.data_dir / "logs"
+
+    def headers(self) -> dict[str, str]:
+        key = json.loads((self.data_dir / "dev-api-key.json").read_text())["key"]
+        return {"Authorization": f"Bearer {key}"}
+
+    def printed(self) -> str:
+        return self.out.read_text(errors="replace")
+
+
+def _env() -> dict[str, str]:
+    # the user's shell: no SIFT_* of the test runner's, a wide console for whole lines
+    return child_env({"COLUMNS": "200"}, inherit_sift=False)
+
+
+def _up(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """A second ``sift up`` that is expected to refuse: run it to its end."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", "up", *args],
+        cwd=tmp, env=_env(), capture_output=True, text=True, timeout=UP_TIMEOUT,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("sift-up")
+    port, metrics_port = free_port(), free_port()
+    out = tmp / "up.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "up", "--port", str(port),
+             "--metrics-port", str(metrics_port), "--data-dir", str(tmp / "a")],
+            cwd=tmp, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    running = Stack(proc, out, tmp / "a", port, metrics_port)
+    try:
+        wait_for(lambda: "Ctrl-C stops everything" in running.printed(), "sift up", UP_TIMEOUT)
+        yield running
+    finally:
+        stop(proc, timeout=60)  # SIGTERM: sift up stops its processes in order
+        print(running.printed())
+    assert proc.returncode == 0, running.printed()
+
+
+def _snapshot(logs: Path) -> dict[str, bytes]:
+    return {log.name: log.read_bytes() for log in sorted(logs.glob("*.log"))}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("clash", ["data-dir", "port", "metrics-port"])
+def test_a_second_sift_up_refuses_what_another_stack_uses(
+    stack: Stack, tmp_path: Path, clash: str
+) -> None:
+    """Every other setting of the second stack is free, so only ``clash`` can stop it."""
+    data_dir = stack.data_dir if clash == "data-dir" else tmp_path / "b"
+    port = stack.port if clash == "port" else free_port()
+    metrics_port = stack.metrics_port if clash == "metrics-port" else free_port()
+    named = {
+        "data-dir": f"the data folder {stack.data_dir}",
+        "port": f"the gateway port {stack.port}",
+        "metrics-port": f"the worker metrics port {stack.metrics_port}",
+    }[clash]
+    before = _snapshot(stack.logs)
+    assert set(before) == {"worker.log", "gateway.log"}
+    second = _up(tmp_path, "--port", str(port), "--metrics-port", str(metrics_port),
+                 "--data-dir", str(data_dir))  # fmt: skip
+    printed = " ".join((second.stdout + second.stderr).split())  # rich wraps long lines
+    assert second.returncode != 0, printed
+    assert named in printed and "in use" in printed, printed
+    assert "Ctrl-C stops everything" not in printed
+    assert _snapshot(stack.logs) == before  # the first stack's logs: not one byte changed
+    assert httpx.get(stack.url + "/readyz", timeout=5).status_code == 200
+    if clash != "data-dir":  # the second stack started nothing in its own folder either
+        assert not list((data_dir / "logs").glob("*.log"))
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """The processes whose parent is ``pid``, with their command lines."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append((int(entry.name), command))
+    return found
+
+
+def _worker_pid(stack: Stack) -> int:
+    pids = [pid for pid, command in _children(stack.proc.pid) if " worker " in command]
+    assert len(pids) == 1, _children(stack.proc.pid)
+    return pids[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_is_restarted_and_the_stack_serves_again(stack: Stack) -> None:
+    killed = _worker_pid(stack)
+    os.kill(killed, signal.SIGKILL)
+    wait_for(lambda: "worker restarted" in stack.printed(), "sift up restarted the worker", 30)
+    printed = stack.printed()
+    assert "worker exited with status -9; restarting it in 1 s" in printed, printed
+    log = (stack.logs / "worker.log").read_text(errors="replace")
+    assert "sift up: worker exited with status -9" in log
+    assert "sift up: worker restarted" in log
+    assert _worker_pid(stack) != killed
+    # the new worker consumes: an ingest waits for its task to run
+    response = httpx.post(
+        stack.url + "/v1/indexes/docs/documents",
+        params={"wait": 30},
+        json={"documents": sample_documents()[:5]},
+        headers=stack.headers(),
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] == "succeeded", response.json()
