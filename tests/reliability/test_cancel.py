@@ -89,15 +89,17 @@ def test_a_cancel_right_after_submission_cancels_the_items_not_yet_run(
 ) -> None:
     """The cancel comes as soon as the worker has started items: the items still queued are
     canceled by the cancel itself, and the ones taken and started but not yet at their
-    model call by their own check, so the batch ends with more canceled than the cancel
-    found queued."""
+    model call by their own check; none of them calls the model."""
     total = 300
     run = submit_and_cancel(stack, total, once_running=True, webhook_url=receiver.url)
     at_cancel = run.cancel_body["counts"]
     print(f"\nat the cancel: {at_cancel}\nfinal: {run.counts}; model calls {run.model_calls}")
     assert run.cancel_status == 200, run.cancel_body
     counts = run.counts
-    assert counts["canceled"] > at_cancel["canceled"], (at_cancel, counts)  # started, canceled
+    # the items the cancel found queued, and any started but not yet at their model call
+    # (how many of those there are depends on the machine's speed: the deterministic check of
+    # the latter is in tests/integration/test_items.py and test_tasks.py)
+    assert counts["canceled"] >= at_cancel["canceled"] > 0, (at_cancel, counts)
     assert run.final["status"] == "canceled" and run.final["canceled_at"] is not None
     _assert_accounted_for(stack, run.final)
     # a canceled item never called the model: one call per item that ran (no faults)
