@@ -172,6 +172,7 @@ class Reaper:
         self.orphan_seconds = orphan_seconds
         self._restore = client.register_script(RESTORE_SCRIPT)
         self._suspects: dict[str, float] = {}  # worker id -> when first found without a beat
+        self._last_check = 0.0
 
     def check(self) -> dict[str, int]:
         """One check: answers how many deliveries went back, by former owner ("" for none).
@@ -211,6 +212,9 @@ class Reaper:
             pipe.exists(heartbeat_key(name))
         beating = pipe.execute()
         now = time.monotonic()
+        if now - self._last_check > 3 * self.heartbeat_seconds:
+            self._suspects = {}  # another worker led meanwhile: what this one saw is stale
+        self._last_check = now
         missing = {name for name, alive in zip(names, beating, strict=True) if not alive}
         self._suspects = {name: self._suspects.get(name, now) for name in missing}
         settle = 2 * self.heartbeat_seconds
