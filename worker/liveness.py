@@ -66,7 +66,6 @@ from worker.constants import (
 log = logging.getLogger(__name__)
 
 PRIORITY_STEPS = (0, 3, 6, 9)  # kombu's Redis PRIORITY_STEPS
-ANY_TIME = 1e300  # a take time no delivery is later than: a dead worker's go back at any age
 
 # KEYS: unacked, unacked_index, owners, the owner's heartbeat, then the lists to push onto.
 # ARGV: tag, the raw unacked entry read, the message to push, the owner read ("" for none),
@@ -165,10 +164,12 @@ class Reaper:
         client: redis.Redis,
         *,
         heartbeat_seconds: float,
+        dead_after_seconds: float,
         orphan_seconds: float,
     ) -> None:
         self.client = client
         self.heartbeat_seconds = heartbeat_seconds
+        self.dead_after_seconds = dead_after_seconds
         self.orphan_seconds = orphan_seconds
         self._restore = client.register_script(RESTORE_SCRIPT)
         self._suspects: dict[str, float] = {}  # worker id -> when first found without a beat
@@ -193,9 +194,12 @@ class Reaper:
         raws = cast(
             list[str | None], self.client.hmget(KOMBU_UNACKED_KEY, [tag for tag, _ in doomed])
         )
+        # A dead worker took nothing in its last TTL: a delivery taken since then is another
+        # worker's, requeued and taken again, whose record of it is still on its way.
+        dead_cutoff = time.time() - self.dead_after_seconds
         restored: dict[str, int] = {}
         for (tag, owner), raw in zip(doomed, raws, strict=True):
-            if self._put_back(tag, owner, raw, cutoff if not owner else ANY_TIME):
+            if self._put_back(tag, owner, raw, dead_cutoff if owner else cutoff):
                 restored[owner] = restored.get(owner, 0) + 1
         for owner, count in restored.items():
             log.warning(
@@ -254,7 +258,10 @@ class Liveness:
         self.heartbeat_seconds = heartbeat_seconds
         self.dead_after_seconds = dead_after_seconds
         self.reaper = Reaper(
-            client, heartbeat_seconds=heartbeat_seconds, orphan_seconds=orphan_seconds
+            client,
+            heartbeat_seconds=heartbeat_seconds,
+            dead_after_seconds=dead_after_seconds,
+            orphan_seconds=orphan_seconds,
         )
         self._release_script = client.register_script(RELEASE_SCRIPT)
         self._lock = threading.Lock()

@@ -64,7 +64,9 @@ def take(connection: Connection, name: str, body: dict[str, object]) -> Message:
 
 
 def reaper(client: redis.Redis, orphan_seconds: float = 60.0) -> Reaper:
-    return Reaper(client, heartbeat_seconds=BEAT, orphan_seconds=orphan_seconds)
+    return Reaper(
+        client, heartbeat_seconds=BEAT, dead_after_seconds=2 * BEAT, orphan_seconds=orphan_seconds
+    )
 
 
 def check_twice(r: Reaper) -> dict[str, int]:
@@ -122,6 +124,22 @@ def test_an_orphan_goes_back_only_once_older_than_the_margin(
     assert client.llen(BATCH_QUEUE) == 1 and client.hlen(KOMBU_UNACKED_KEY) == 0
 
 
+def test_a_delivery_taken_after_its_recorded_owner_died_is_not_its(
+    client: redis.Redis, connection: Connection
+) -> None:
+    """A dead worker's message, requeued and taken again by a live worker whose record of
+    it has not landed yet, still names the dead worker: it was taken too recently to be
+    the dead one's, so it stays."""
+    message = take(connection, BATCH_QUEUE, {"n": 7})
+    tag = str(message.delivery_tag)
+    client.hset(DELIVERY_OWNERS_KEY, tag, "dead-worker")
+    r = Reaper(client, heartbeat_seconds=BEAT, dead_after_seconds=10.0, orphan_seconds=60)
+    assert check_twice(r) == {}
+    assert client.llen(BATCH_QUEUE) == 0 and client.hexists(KOMBU_UNACKED_KEY, tag)
+    client.zadd(KOMBU_UNACKED_INDEX_KEY, {tag: time.time() - 11})
+    assert r.check() == {"dead-worker": 1}
+
+
 def test_an_acked_delivery_of_a_dead_worker_only_loses_its_record(
     client: redis.Redis, connection: Connection
 ) -> None:
@@ -144,7 +162,7 @@ def test_a_heartbeat_back_before_the_restore_keeps_the_delivery(
     raw = client.hget(KOMBU_UNACKED_KEY, tag)
     r = reaper(client)
     client.set(heartbeat_key("w"), "1", px=10_000)
-    assert not r._put_back(tag, "w", raw, 1e300)
+    assert not r._put_back(tag, "w", raw, time.time())
     assert client.llen(BATCH_QUEUE) == 0 and client.hexists(KOMBU_UNACKED_KEY, tag)
 
 
