@@ -18,6 +18,7 @@ from kombu import Connection, Exchange, Queue
 from kombu.message import Message
 
 from worker.constants import (
+    ALL_QUEUES,
     BATCH_QUEUE,
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_INDEX_KEY,
@@ -76,26 +77,28 @@ def check_twice(r: Reaper) -> dict[str, int]:
     return r.check()
 
 
+@pytest.mark.parametrize("name", ALL_QUEUES)
 def test_a_dead_worker_s_delivery_goes_back_once(
-    client: redis.Redis, connection: Connection
+    client: redis.Redis, connection: Connection, name: str
 ) -> None:
-    message = take(connection, BATCH_QUEUE, {"n": 1})
+    """Searches, batch chunks, ingests and webhooks alike."""
+    message = take(connection, name, {"n": 1})
     tag = str(message.delivery_tag)
     client.hset(DELIVERY_OWNERS_KEY, tag, "dead-worker")  # no heartbeat: it is dead
     assert reaper(client).check() == {}  # one check is not enough (a Redis outage)
-    assert client.llen(BATCH_QUEUE) == 0
+    assert client.llen(name) == 0
     r = reaper(client)
     assert check_twice(r) == {"dead-worker": 1}
-    assert client.llen(BATCH_QUEUE) == 1
+    assert client.llen(name) == 1
     assert client.hlen(KOMBU_UNACKED_KEY) == 0 and client.zcard(KOMBU_UNACKED_INDEX_KEY) == 0
     assert client.hlen(DELIVERY_OWNERS_KEY) == 0
     # kombu's own restores now find nothing: no second copy
     channel = connection.default_channel
     channel.qos.restore_by_tag(tag)
     channel.qos.restore_visible(num=100)
-    assert client.llen(BATCH_QUEUE) == 1
+    assert client.llen(name) == 1
     assert r.check() == {}
-    again = queue(BATCH_QUEUE)(channel).get(no_ack=False)
+    again = queue(name)(channel).get(no_ack=False)
     assert again is not None and again.payload == {"n": 1}
     assert again.delivery_info.get("redelivered") or again.headers.get("redelivered")
 

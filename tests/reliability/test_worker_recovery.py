@@ -38,6 +38,7 @@ from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     ACME,
     INDEX,
+    Receiver,
     assert_batch_exactly_once,
     batch_counts,
     broker_state,
@@ -47,7 +48,12 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import gateway, redis_server
-from worker.constants import BATCH_ITEMS_KEY, BATCH_QUEUE, KOMBU_UNACKED_KEY
+from worker.constants import (
+    BATCH_ITEMS_KEY,
+    BATCH_QUEUE,
+    DELIVERY_OWNERS_KEY,
+    KOMBU_UNACKED_KEY,
+)
 from worker.settings import Settings
 from worker.stack import child_env, worker_process
 
@@ -110,6 +116,14 @@ def item_statuses(redis_url: str, batch_id: str) -> dict[str, str]:
     client = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
         return dict(client.hgetall(BATCH_ITEMS_KEY + batch_id))
+    finally:
+        client.close()
+
+
+def owner_records(redis_url: str) -> int:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return int(client.hlen(DELIVERY_OWNERS_KEY))
     finally:
         client.close()
 
@@ -202,6 +216,8 @@ def test_a_slow_healthy_worker_is_never_run_twice(tmp_path: Path, model: FakeAnt
                 wait_finished(client, url, batch_id, 120)
                 time.sleep(3.0)  # a needless restore would have run by now
                 assert_batch_exactly_once(client, url, batch_id, n)
+                # every acked delivery's record was dropped again: nothing leaks
+                assert owner_records(url) == 0
             calls = model_calls(model)
             assert calls == Counter({f"q{i:05d}": 1 for i in range(n)})
             logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "w").glob("*.log"))
@@ -244,3 +260,59 @@ def test_sigterm_hands_the_batch_back_and_another_worker_finishes_it_once(
             assert_batch_exactly_once(client, url, batch_id, TOTAL)
             calls = model_calls(model)
             assert calls == Counter({f"q{i:05d}": 1 for i in range(TOTAL)})
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_s_searches_and_their_webhooks_come_back(
+    tmp_path: Path, model: FakeAnthropic, receiver: Receiver
+) -> None:
+    """Single searches (each with a webhook) killed mid-rerank come back on a new worker:
+    each ends ``succeeded`` and its ``search.completed`` webhook arrives."""
+    n = 20
+    model.reset()
+    model.configure(delay=8.0)  # the searches are all mid-rerank at the kill
+    try:
+        with redis_server(tmp_path / "redis") as base_url:
+            url = base_url + "/0"
+            env = default_env(url, model.url)
+            with (
+                gateway(tmp_path / "g", env) as base,
+                httpx.Client(base_url=base, timeout=30) as client,
+            ):
+                with worker(tmp_path / "w", env, "a") as worker_a:
+                    ingest(client)
+                    ids = [
+                        client.post(
+                            "/v1/searches",
+                            json={
+                                "index": INDEX,
+                                "query": f"volcano item q{i:05d}",
+                                "webhook_url": receiver.url,
+                            },
+                            headers=ACME,
+                        ).json()["id"]
+                        for i in range(n)
+                    ]
+                    wait_for(lambda: len(model.requests()) >= n, "every search at the model")
+                    worker_a.send_signal(signal.SIGKILL)
+                    worker_a.wait(10)
+                assert not receiver.deliveries  # nothing had finished
+                model.configure(delay=MODEL_SECONDS)
+                started = time.monotonic()
+                with worker(tmp_path / "w", env, "b"):
+                    wait_for(
+                        lambda: len({d.body["data"]["id"] for d in receiver.deliveries}) == n,
+                        "every search's webhook",
+                        RECOVERY_WINDOW,
+                    )
+                    recovered = time.monotonic() - started
+                print(f"\n{n} searches and their webhooks back {recovered:.1f}s after B started")
+                statuses = {
+                    client.get(f"/v1/searches/{i}", headers=ACME).json()["status"] for i in ids
+                }
+                assert statuses == {"succeeded"}
+                assert {d.body["data"]["id"] for d in receiver.deliveries} == set(ids)
+                assert {d.body["data"]["status"] for d in receiver.deliveries} == {"succeeded"}
+                assert set(model_calls(model).values()) == {2}  # once on A, once on B
+    finally:
+        model.configure(delay=MODEL_SECONDS)
