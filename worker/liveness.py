@@ -174,6 +174,7 @@ class Reaper:
         self._restore = client.register_script(RESTORE_SCRIPT)
         self._suspects: dict[str, float] = {}  # worker id -> when first found without a beat
         self._last_check = 0.0
+        self._unroutable: set[str] = set()
 
     def check(self) -> dict[str, int]:
         """One check: answers how many deliveries went back, by former owner ("" for none).
@@ -227,7 +228,9 @@ class Reaper:
     def _put_back(self, tag: str, owner: str, raw: str | None, latest: float) -> bool:
         restore = plan_restore(self.client, raw) if raw is not None else None
         if raw is not None and restore is None:
-            log.error("unacked delivery %s names no Sift queue; left to kombu", tag)
+            if tag not in self._unroutable:  # said once, not every beat
+                self._unroutable.add(tag)
+                log.error("unacked delivery %s names no Sift queue; left to kombu", tag)
             return False
         queues = restore.queues if restore else []
         keys = [
@@ -268,6 +271,7 @@ class Liveness:
         self._held: set[str] = set()
         self._unrecorded: set[str] = set()  # held, not yet written
         self._released: set[str] = set()  # written, then acked: to drop
+        self._writing: set[str] = set()  # being written by the flush in progress
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -288,9 +292,9 @@ class Liveness:
             if tag not in self._held:
                 return
             self._held.discard(tag)
-            if tag in self._unrecorded:
-                self._unrecorded.discard(tag)
-            else:
+            never_written = tag in self._unrecorded and tag not in self._writing
+            self._unrecorded.discard(tag)
+            if not never_written:
                 self._released.add(tag)
 
     # --- the thread -------------------------------------------------------------------------
@@ -315,6 +319,7 @@ class Liveness:
     def _run(self) -> None:
         next_beat = 0.0
         while not self._stop.is_set():
+            self._wake.clear()  # before the work: a hold() during it wakes the next round
             try:
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.heartbeat_seconds
@@ -326,7 +331,6 @@ class Liveness:
             except Exception as exc:  # Redis restarting, say: the next beat tries again
                 log.warning("liveness: %s", exc)
             self._wake.wait(max(0.0, next_beat - time.monotonic()))
-            self._wake.clear()
 
     def beat(self) -> None:
         """Refresh the heartbeat, re-assert the deliveries held (a write lost to a Redis
@@ -348,6 +352,7 @@ class Liveness:
         with self._lock:
             new, gone = set(self._unrecorded), set(self._released)
             held = set(self._held) if reassert else set()
+            self._writing = new
         if not (new or gone or held):
             return
         pipe = self.client.pipeline(transaction=False)
@@ -359,7 +364,11 @@ class Liveness:
             self._release_script(
                 keys=[DELIVERY_OWNERS_KEY], args=[self.worker_id, *sorted(gone)], client=pipe
             )
-        pipe.execute()
+        try:
+            pipe.execute()
+        finally:
+            with self._lock:
+                self._writing = set()
         with self._lock:
             self._unrecorded -= new
             self._released -= gone

@@ -239,3 +239,32 @@ def test_a_worker_records_what_it_holds_and_drops_it_after_the_ack(client: redis
     assert client.hgetall(DELIVERY_OWNERS_KEY) == {"t2": "w2"}
     liveness.stop()
     assert not client.exists(heartbeat_key("w1"))
+
+
+def test_a_delivery_acked_while_its_record_is_being_written_is_dropped_after(
+    client: redis.Redis,
+) -> None:
+    liveness = Liveness(
+        client, "w1", heartbeat_seconds=BEAT, dead_after_seconds=1.0, orphan_seconds=60
+    )
+    liveness.hold("t1")
+    written = threading.Event()
+    acked = threading.Event()
+    execute = redis.client.Pipeline.execute
+
+    def slow_execute(pipe: redis.client.Pipeline, *args: object, **kwargs: object) -> object:
+        written.set()
+        acked.wait(5)  # the ack lands while the HSET is on its way
+        return execute(pipe, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(redis.client.Pipeline, "execute", slow_execute)
+        flusher = threading.Thread(target=liveness.flush)
+        flusher.start()
+        assert written.wait(5)
+        liveness.release("t1")
+        acked.set()
+        flusher.join(5)
+    assert client.hget(DELIVERY_OWNERS_KEY, "t1") == "w1"  # written after the ack...
+    liveness.flush()
+    assert not client.hexists(DELIVERY_OWNERS_KEY, "t1")  # ...and dropped by the next flush
