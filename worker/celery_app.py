@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 from celery import Celery
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
+    task_received,
     worker_init,
     worker_process_shutdown,
+    worker_shutdown,
+    worker_shutting_down,
 )
 from kombu.entity import Exchange, Queue
 
@@ -163,6 +167,38 @@ def _start_redrive(sender: Any = None, **_: Any) -> None:
     start_sweeper(app)
 
 
+def _start_liveness(sender: Any = None, **_: Any) -> None:
+    """On worker start, keep this process's heartbeat and record the deliveries it holds, so
+    a dead worker's work comes back in seconds (:mod:`worker.liveness`)."""
+    app = getattr(sender, "app", None)
+    settings: Settings | None = getattr(getattr(app, "conf", None), "sift_settings", None)
+    if settings is None or not settings.redis_url:
+        return
+    from worker import liveness
+
+    liveness.start(settings.redis_url, settings)
+
+
+def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    from worker import liveness
+
+    liveness.received(request)
+
+
+def _stopping(sig: str | None = None, **_: Any) -> None:
+    """SIGTERM/SIGINT (a rolling restart): hand the batch items not yet started back at once,
+    from a thread, since this runs in the signal handler (:mod:`worker.items`)."""
+    from worker.tasks import hand_back_items
+
+    threading.Thread(target=hand_back_items, name="sift-hand-back", daemon=True).start()
+
+
+def _stopped(**_: Any) -> None:
+    from worker import liveness
+
+    liveness.stop()
+
+
 def _child_exited(pid: int | None = None, **_: Any) -> None:
     """A prefork child exits: in multiprocess mode, drop its share of the live gauges."""
     from worker.metrics import mark_process_dead
@@ -186,6 +222,10 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     celery.conf.sift_settings = settings
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
     worker_init.connect(_start_redrive, weak=False, dispatch_uid="sift-redrive")
+    worker_init.connect(_start_liveness, weak=False, dispatch_uid="sift-liveness")
+    task_received.connect(_received, weak=False, dispatch_uid="sift-received")
+    worker_shutting_down.connect(_stopping, weak=False, dispatch_uid="sift-stopping")
+    worker_shutdown.connect(_stopped, weak=False, dispatch_uid="sift-stopped")
     worker_process_shutdown.connect(_child_exited, weak=False, dispatch_uid="sift-child-exit")
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")

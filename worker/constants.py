@@ -33,6 +33,11 @@ ACTIVE_JOBS_KEY = REDIS_PREFIX + "active"  # zset: search, ingest, standard batc
 REDRIVE_LEADER_KEY = REDIS_PREFIX + "redrive:leader"  # string: the worker sweeping this interval
 REDRIVE_SUSPECTS_KEY = REDIS_PREFIX + "redrive:suspects"  # hash job id -> positions found lost
 REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it was re-driven
+# dead-worker recovery (worker/liveness.py): each worker process's heartbeat, and which worker
+# holds each broker delivery
+WORKER_HEARTBEAT_KEY = REDIS_PREFIX + "worker-alive:"  # + worker id -> string with a TTL
+DELIVERY_OWNERS_KEY = REDIS_PREFIX + "deliveries"  # hash delivery tag -> worker id holding it
+LIVENESS_LEADER_KEY = REDIS_PREFIX + "liveness:leader"  # string: the worker checking this beat
 
 # --- retention (seconds), enforced by Redis TTLs; stated in the README ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from the last write
@@ -69,6 +74,8 @@ ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
 KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (3, 6, 9)
 KOMBU_UNACKED_KEY = "unacked"
+KOMBU_UNACKED_INDEX_KEY = "unacked_index"  # zset delivery tag -> when it was taken (unix time)
+KOMBU_BINDING_PREFIX = "_kombu.binding."  # + exchange -> set "key\x06\x16pattern\x06\x16queue"
 
 
 def kombu_queue_keys(queue: str) -> list[str]:

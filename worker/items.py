@@ -12,6 +12,11 @@ in the same script (no round trip more), and one whose batch was canceled is can
 instead of started. ``run`` may cancel a started item the same way (before its model call)
 and answer that transition.
 
+When the worker is told to stop (SIGTERM), :meth:`ItemQueue.hand_back` closes the queue:
+items not yet started go back to their chunks as ``handed_back``, and each chunk task hands
+its message back to the broker at once (``Reject(requeue=True)``) for another worker, while
+the items already running finish here.
+
     queue = ItemQueue(store, ThreadPoolExecutor(300))
     outcomes = queue.run(Chunk(batch_id, to_start, run, finished), pending_items)
 """
@@ -49,7 +54,8 @@ class Chunk:
     ``run`` runs an item, told whether it started; ``finished`` hears of each finish
     transition, and of each cancel (``canceled`` set) of an item its batch's cancel mark
     stopped. ``outcomes`` collects (batch completed, to retry) per item; ``error`` is
-    what broke a runner, if anything did."""
+    what broke a runner, if anything did; ``handed_back`` counts the items not run because
+    the worker is stopping."""
 
     batch_id: str
     to_start: Callable[[BatchItem], str | None]
@@ -57,6 +63,7 @@ class Chunk:
     finished: Callable[[ItemTransition, ErrorInfo | None], None]
     outcomes: list[tuple[bool, bool]] = field(default_factory=list, init=False)
     error: BaseException | None = field(default=None, init=False)
+    handed_back: int = field(default=0, init=False)
     _left: int = field(default=0, init=False)
     _done: threading.Event = field(default_factory=threading.Event, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
@@ -80,6 +87,12 @@ class Chunk:
         """An item's runner broke (the job store unreachable past its retries, say)."""
         with self._lock:
             self.error = self.error or error
+        self.record(False, False)
+
+    def hand_back(self) -> None:
+        """An item not started: the worker is stopping, the chunk's message goes back."""
+        with self._lock:
+            self.handed_back += 1
         self.record(False, False)
 
 
@@ -152,6 +165,7 @@ class ItemQueue:
         self._store = store
         self._pool = pool
         self._queue: deque[Entry] = deque()  # append and popleft need no lock
+        self._closed = False
 
     def run(self, chunk: Chunk, items: list[BatchItem]) -> Chunk:
         """Run ``items`` on the pool and wait for each; answers the chunk, its ``outcomes``
@@ -160,10 +174,22 @@ class ItemQueue:
         self._queue.extend((chunk, item) for item in items)
         for _ in items:
             self._pool.submit(self._work)
+        if self._closed:  # came in while the queue was being handed back
+            self.hand_back()
         chunk.wait()
         return chunk
 
+    def hand_back(self) -> None:
+        """The worker is stopping: start no more items; each one waiting goes back to its
+        chunk as handed back. Items already started run to their end."""
+        self._closed = True
+        while (entry := self._pop()) is not None:
+            entry[0].hand_back()
+
     def _take(self) -> Entry | None:
+        return None if self._closed else self._pop()
+
+    def _pop(self) -> Entry | None:
         try:
             return self._queue.popleft()
         except IndexError:
@@ -231,3 +257,5 @@ class ItemQueue:
             if taken is not None:
                 self._queue.appendleft(taken)
                 self._pool.submit(self._work)
+                if self._closed:
+                    self.hand_back()

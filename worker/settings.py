@@ -166,6 +166,14 @@ class Settings(BaseSettings):
     # and enqueues them again. 0 turns the sweeper off.
     redrive_interval_seconds: float = Field(default=30.0, ge=0)
     redrive_stall_seconds: float = Field(default=120.0, ge=0)
+    # Dead-worker recovery (worker/liveness.py): every worker process refreshes a heartbeat
+    # this often and checks (one worker at a time) for deliveries held by a worker whose
+    # heartbeat is older than SIFT_WORKER_DEAD_AFTER_SECONDS; those go back to their queue.
+    worker_heartbeat_seconds: float = Field(default=2.0, gt=0, le=60)
+    worker_dead_after_seconds: float = Field(default=10.0, gt=0, le=600)
+    # an unacked delivery no worker claims (its worker died in the milliseconds between taking
+    # it and recording it) goes back once it is this old
+    worker_orphan_delivery_seconds: float = Field(default=60.0, gt=0)
     # Past this many queued searches and batch items the gateway answers 429; 0: no limit.
     max_backlog: int = Field(default=0, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
@@ -212,6 +220,15 @@ class Settings(BaseSettings):
             raise ValueError(
                 "SIFT_RERANK_ENABLED=true needs SIFT_GENERATION_MODEL "
                 "(for example anthropic:claude-haiku-4-5)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _heartbeat_outlives_its_interval(self) -> Settings:
+        if self.worker_dead_after_seconds < 3 * self.worker_heartbeat_seconds:
+            raise ValueError(
+                "SIFT_WORKER_DEAD_AFTER_SECONDS must be at least 3x SIFT_WORKER_HEARTBEAT_SECONDS "
+                "(a worker missing one beat is not dead)"
             )
         return self
 

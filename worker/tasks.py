@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Task, shared_task
-from celery.exceptions import Retry
+from celery.exceptions import Reject, Retry
 
 from worker import metrics
 from worker.constants import (
@@ -188,6 +188,13 @@ def get_context(settings: Settings | None = None) -> WorkerContext:
     return _context
 
 
+def hand_back_items() -> None:
+    """The worker is stopping: batch items not yet started go back (:mod:`worker.items`)."""
+    context = _context
+    if context is not None and context._items is not None:
+        context._items.hand_back()
+
+
 def set_context(context: WorkerContext | None) -> None:
     """Replace the process's context (tests)."""
     global _context
@@ -207,6 +214,8 @@ class SiftTask(Task):  # type: ignore[misc]
     acks_late = True
     reject_on_worker_lost = True
     typing = False
+    # drops the delivery's record (worker/liveness.py) once it is acked or rejected
+    Request = "worker.liveness:OwnedRequest"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -258,6 +267,13 @@ class SiftTask(Task):  # type: ignore[misc]
             )
             return True
         return False
+
+    def hand_back(self, deliveries: int) -> None:
+        """The worker is stopping: put this message back on its queue now, for another
+        worker. A clean hand-back is no crash, so this delivery is not counted."""
+        store = self.context.store
+        store.set_deliveries(str(self.request.id), self.request.retries, max(0, deliveries - 1))
+        raise Reject("the worker is stopping: handed back", requeue=True)
 
     def send_webhook(
         self, event_type: str, job_id: str, tenant: str, url: str, status: str
@@ -453,6 +469,9 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
             )
     if chunk.error is not None:  # a runner broke: fail the task (its completion is sent)
         raise chunk.error
+    if chunk.handed_back:
+        log.info("batch %s: worker stopping, %d items handed back", batch_id, chunk.handed_back)
+        self.hand_back(deliveries)
     if economy and not to_retry:
         from worker.economy import maybe_submit
 

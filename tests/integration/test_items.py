@@ -99,3 +99,39 @@ def test_items_started_before_a_cancel_are_canceled_at_their_next_start(store: J
     assert len(finished) == 10 and all(t.applied and t.canceled for t in finished)
     got = store.get_batch(batch.id)
     assert got is not None and got.status == "canceled" and got.counts["canceled"] == 10
+
+
+def test_hand_back_returns_the_items_not_started_and_lets_the_running_ones_finish(
+    store: JobStore,
+) -> None:
+    """SIGTERM: the queue hands back what no runner has started; those items stay
+    ``queued`` (for the chunk's next delivery), and the ones running finish."""
+    queue = ItemQueue(store, ThreadPoolExecutor(2))
+    chunk, (batch, items, ran, _) = make_chunk(store, 20)
+    inner = chunk.run
+    both_started = threading.Barrier(3)  # the pool's two runners, and the test
+    release = threading.Event()
+
+    def slow(item: BatchItem, started: bool) -> RunOutcome:
+        if item.query_id in ("q0", "q1"):
+            both_started.wait(10)
+            release.wait(10)
+        return inner(item, started)
+
+    chunk.run = slow
+    outcome: list[Chunk] = []
+    task = threading.Thread(target=lambda: outcome.append(queue.run(chunk, items)))
+    task.start()
+    both_started.wait(10)
+    queue.hand_back()
+    release.set()
+    task.join(10)
+    assert outcome and outcome[0].error is None
+    assert len(ran) == 2 and chunk.handed_back == 18  # two runners had each started one
+    got = store.get_batch(batch.id)
+    assert got is not None
+    assert got.counts["succeeded"] == 2 and got.counts["queued"] == 18
+    assert got.counts["running"] == 0
+    # a chunk arriving after the hand-back runs nothing
+    late, (_, late_items, late_ran, _) = make_chunk(store, 5)
+    assert queue.run(late, late_items).handed_back == 5 and not late_ran

@@ -6,15 +6,12 @@ once per item.
 
 The broker's visibility timeout. Celery acks late, so a message a worker took is kept in
 kombu's "unacked" hash until the task ends. When the worker dies (SIGKILL: no warm shutdown,
-nothing is requeued), those messages go back to their queue only once they are older than
-the transport's ``visibility_timeout``; with the threads pool a single process holds up to
-``SIFT_WORKER_CONCURRENCY`` chunks this way. In production that timeout is derived to outlast
-the longest task (about 27 minutes by default). These tests set
-``SIFT_BROKER_VISIBILITY_TIMEOUT_SECONDS=6`` so the lost chunks come back within seconds;
-Sift then sweeps for them every second (``unacked_restore_interval``). A chunk still running
-when its timeout passes may be delivered twice: the job store's compare-and-set keeps each
-item to one result, and ``SIFT_TASK_MAX_DELIVERIES=10`` keeps such a chunk from being taken
-for poison.
+nothing is requeued), those messages would go back to their queue only once older than the
+transport's ``visibility_timeout`` (about 27 minutes by default). The worker-kill test runs
+with that default: the surviving worker's dead-worker check (:mod:`worker.liveness`) sees the
+killed worker's heartbeat gone and puts its deliveries back within seconds, and the job
+store's compare-and-set keeps each item to one result. The Redis test still sets
+``SIFT_BROKER_VISIBILITY_TIMEOUT_SECONDS=6`` and ``SIFT_TASK_MAX_DELIVERIES=10``.
 
 The re-drive. kombu takes a message with ``BRPOP`` and records it as unacked in a second
 command, so a worker killed, or a Redis killed, between the two loses that one chunk
@@ -61,15 +58,20 @@ from tests.services import celery_worker, free_port, gateway, redis_server
 pytestmark = pytest.mark.integration
 
 TOTAL = 1_000
-CRASH_SETTINGS = {
-    "SIFT_BROKER_VISIBILITY_TIMEOUT_SECONDS": "6",
-    "SIFT_TASK_MAX_DELIVERIES": "10",
+# the worker-kill test: recovery itself at its defaults (visibility timeout, heartbeat,
+# delivery cap); smaller chunks and fewer threads so 1,000 items take a while
+KILL_SETTINGS = {
     "SIFT_BATCH_CHUNK_SIZE": "10",
     "SIFT_BATCH_ITEM_CONCURRENCY": "32",
     # the re-drive sweeps every second and acts on a batch idle for 3 s (in production 30 s
     # and 2 minutes): a chunk message lost in kombu's pop-then-unacked window comes back fast
     "SIFT_REDRIVE_INTERVAL_SECONDS": "1",
     "SIFT_REDRIVE_STALL_SECONDS": "3",
+}
+CRASH_SETTINGS = {
+    **KILL_SETTINGS,
+    "SIFT_BROKER_VISIBILITY_TIMEOUT_SECONDS": "6",
+    "SIFT_TASK_MAX_DELIVERIES": "10",
 }
 
 
@@ -88,7 +90,7 @@ def test_a_worker_killed_mid_batch_loses_nothing(
     """SIGKILL worker A while a 1,000-item batch runs; worker B finishes it. Every item
     succeeds once, and the batch webhook arrives with the same ``webhook-id`` every time."""
     with redis_server(tmp_path / "redis") as url:
-        env = stack_env(url + "/0", model.url, **CRASH_SETTINGS)
+        env = stack_env(url + "/0", model.url, **KILL_SETTINGS)
         with (
             gateway(tmp_path / "g", env) as base,
             httpx.Client(base_url=base, timeout=30) as client,

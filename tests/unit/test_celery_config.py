@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from worker.celery_app import celery_config, create_celery_app, time_limits
 from worker.constants import ALL_QUEUES, BATCH_CHUNK_TASK, SEARCH_TASK, WEBHOOK_TASK
+from worker.errors import ConfigError
 from worker.settings import load_settings
 
 
@@ -46,3 +49,22 @@ def test_tasks_are_registered_by_name() -> None:
     for name in (SEARCH_TASK, BATCH_CHUNK_TASK, WEBHOOK_TASK):
         assert name in app.tasks
         assert app.tasks[name].acks_late
+
+
+def test_a_heartbeat_must_be_missed_several_times_before_a_worker_is_dead() -> None:
+    with pytest.raises(ConfigError, match="SIFT_WORKER_DEAD_AFTER_SECONDS"):
+        load_settings(worker_heartbeat_seconds=5, worker_dead_after_seconds=10)
+    settings = load_settings()
+    assert settings.worker_dead_after_seconds >= 3 * settings.worker_heartbeat_seconds
+
+
+def test_every_task_releases_its_delivery_record_on_ack() -> None:
+    from celery.worker.request import Request
+
+    from worker.liveness import OwnedRequest
+    from worker.tasks import SiftTask
+
+    assert SiftTask.Request == "worker.liveness:OwnedRequest"
+    assert issubclass(OwnedRequest, Request)
+    assert OwnedRequest.acknowledge is not Request.acknowledge
+    assert OwnedRequest.reject is not Request.reject

@@ -1,0 +1,270 @@
+"""Dead-worker recovery against a real redis-server and kombu's real Redis transport.
+
+The messages are taken the way a worker takes them (kombu's ``basic_get`` without ack: the
+message goes into ``unacked`` and ``unacked_index``); the reaper then puts back exactly the
+ones it should, once, and kombu's own restores afterwards find nothing left to requeue.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from kombu import Connection, Exchange, Queue
+from kombu.message import Message
+
+from worker.constants import (
+    ALL_QUEUES,
+    BATCH_QUEUE,
+    DELIVERY_OWNERS_KEY,
+    KOMBU_UNACKED_INDEX_KEY,
+    KOMBU_UNACKED_KEY,
+    SEARCH_QUEUE,
+)
+from worker.liveness import Liveness, Reaper, heartbeat_key, plan_restore
+
+pytestmark = pytest.mark.integration
+
+BEAT = 0.05  # seconds: the reaper's "two beats apart" is then 0.1 s
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def connection(redis_url: str, client: redis.Redis) -> Iterator[Connection]:
+    """kombu on the same database, with the visibility timeout a worker has by default."""
+    with Connection(redis_url, transport_options={"visibility_timeout": 1665}) as conn:
+        yield conn
+
+
+def queue(name: str) -> Queue:
+    """A Sift queue as the worker declares it: a direct exchange named like it."""
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)
+
+
+def take(connection: Connection, name: str, body: dict[str, object]) -> Message:
+    """Publish ``body`` to queue ``name`` and take it unacked, as a worker's consumer does."""
+    target = queue(name)
+    with connection.Producer() as producer:
+        producer.publish(
+            body, exchange=target.exchange, routing_key=name, declare=[target], serializer="json"
+        )
+    message = target(connection.default_channel).get(no_ack=False)
+    assert message is not None
+    return message
+
+
+def reaper(client: redis.Redis, orphan_seconds: float = 60.0) -> Reaper:
+    return Reaper(
+        client, heartbeat_seconds=BEAT, dead_after_seconds=2 * BEAT, orphan_seconds=orphan_seconds
+    )
+
+
+def check_twice(r: Reaper) -> dict[str, int]:
+    """Two checks two beats apart: a worker silent on both is dead."""
+    r.check()
+    time.sleep(2 * BEAT + 0.01)
+    return r.check()
+
+
+@pytest.mark.parametrize("name", ALL_QUEUES)
+def test_a_dead_worker_s_delivery_goes_back_once(
+    client: redis.Redis, connection: Connection, name: str
+) -> None:
+    """Searches, batch chunks, ingests and webhooks alike."""
+    message = take(connection, name, {"n": 1})
+    tag = str(message.delivery_tag)
+    client.hset(DELIVERY_OWNERS_KEY, tag, "dead-worker")  # no heartbeat: it is dead
+    assert reaper(client).check() == {}  # one check is not enough (a Redis outage)
+    assert client.llen(name) == 0
+    r = reaper(client)
+    assert check_twice(r) == {"dead-worker": 1}
+    assert client.llen(name) == 1
+    assert client.hlen(KOMBU_UNACKED_KEY) == 0 and client.zcard(KOMBU_UNACKED_INDEX_KEY) == 0
+    assert client.hlen(DELIVERY_OWNERS_KEY) == 0
+    # kombu's own restores now find nothing: no second copy
+    channel = connection.default_channel
+    channel.qos.restore_by_tag(tag)
+    channel.qos.restore_visible(num=100)
+    assert client.llen(name) == 1
+    assert r.check() == {}
+    again = queue(name)(channel).get(no_ack=False)
+    assert again is not None and again.payload == {"n": 1}
+    assert again.delivery_info.get("redelivered") or again.headers.get("redelivered")
+
+
+def test_a_live_worker_s_delivery_stays_however_old(
+    client: redis.Redis, connection: Connection
+) -> None:
+    message = take(connection, SEARCH_QUEUE, {"n": 2})
+    tag = str(message.delivery_tag)
+    client.hset(DELIVERY_OWNERS_KEY, tag, "live-worker")
+    client.set(heartbeat_key("live-worker"), "1", px=10_000)
+    client.zadd(KOMBU_UNACKED_INDEX_KEY, {tag: time.time() - 3600})  # taken an hour ago
+    assert check_twice(reaper(client, orphan_seconds=1)) == {}
+    assert client.llen(SEARCH_QUEUE) == 0 and client.hexists(KOMBU_UNACKED_KEY, tag)
+
+
+def test_an_orphan_goes_back_only_once_older_than_the_margin(
+    client: redis.Redis, connection: Connection
+) -> None:
+    message = take(connection, BATCH_QUEUE, {"n": 3})
+    tag = str(message.delivery_tag)
+    r = reaper(client, orphan_seconds=60)
+    assert check_twice(r) == {}  # no owner, but taken just now: a worker is recording it
+    client.zadd(KOMBU_UNACKED_INDEX_KEY, {tag: time.time() - 61})
+    assert r.check() == {"": 1}
+    assert client.llen(BATCH_QUEUE) == 1 and client.hlen(KOMBU_UNACKED_KEY) == 0
+
+
+def test_a_delivery_taken_after_its_recorded_owner_died_is_not_its(
+    client: redis.Redis, connection: Connection
+) -> None:
+    """A dead worker's message, requeued and taken again by a live worker whose record of
+    it has not landed yet, still names the dead worker: it was taken too recently to be
+    the dead one's, so it stays."""
+    message = take(connection, BATCH_QUEUE, {"n": 7})
+    tag = str(message.delivery_tag)
+    client.hset(DELIVERY_OWNERS_KEY, tag, "dead-worker")
+    r = Reaper(client, heartbeat_seconds=BEAT, dead_after_seconds=10.0, orphan_seconds=60)
+    assert check_twice(r) == {}
+    assert client.llen(BATCH_QUEUE) == 0 and client.hexists(KOMBU_UNACKED_KEY, tag)
+    client.zadd(KOMBU_UNACKED_INDEX_KEY, {tag: time.time() - 11})
+    assert r.check() == {"dead-worker": 1}
+
+
+def test_an_acked_delivery_of_a_dead_worker_only_loses_its_record(
+    client: redis.Redis, connection: Connection
+) -> None:
+    message = take(connection, BATCH_QUEUE, {"n": 4})
+    tag = str(message.delivery_tag)
+    client.hset(DELIVERY_OWNERS_KEY, tag, "dead-worker")
+    message.ack()
+    assert check_twice(reaper(client)) == {}
+    assert client.llen(BATCH_QUEUE) == 0 and client.hlen(DELIVERY_OWNERS_KEY) == 0
+
+
+def test_a_heartbeat_back_before_the_restore_keeps_the_delivery(
+    client: redis.Redis, connection: Connection
+) -> None:
+    """The script itself checks the heartbeat: a worker beating again between the check's
+    read and its restore keeps its message."""
+    message = take(connection, BATCH_QUEUE, {"n": 5})
+    tag = str(message.delivery_tag)
+    client.hset(DELIVERY_OWNERS_KEY, tag, "w")
+    raw = client.hget(KOMBU_UNACKED_KEY, tag)
+    r = reaper(client)
+    client.set(heartbeat_key("w"), "1", px=10_000)
+    assert not r._put_back(tag, "w", raw, time.time())
+    assert client.llen(BATCH_QUEUE) == 0 and client.hexists(KOMBU_UNACKED_KEY, tag)
+
+
+def test_concurrent_restores_requeue_each_message_once(
+    client: redis.Redis, connection: Connection, redis_url: str
+) -> None:
+    """Four reapers and kombu's visibility restore race over 50 dead deliveries."""
+    tags = [str(take(connection, BATCH_QUEUE, {"n": i}).delivery_tag) for i in range(50)]
+    client.hset(DELIVERY_OWNERS_KEY, mapping=dict.fromkeys(tags, "dead"))
+    client.zadd(KOMBU_UNACKED_INDEX_KEY, {tag: time.time() - 4000 for tag in tags})
+    reapers = [reaper(redis.Redis.from_url(redis_url, decode_responses=True)) for _ in range(4)]
+    for r in reapers:
+        r.check()  # each has seen the dead worker once
+    time.sleep(2 * BEAT + 0.01)
+    go = threading.Barrier(len(reapers))  # three reapers and kombu
+
+    def run(r: Reaper) -> None:
+        go.wait()
+        r.check()
+
+    def kombu_restore() -> None:
+        with Connection(redis_url, transport_options={"visibility_timeout": 1}) as conn:
+            go.wait()
+            conn.default_channel.qos.restore_visible(num=100)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in reapers[:-1]]
+    threads.append(threading.Thread(target=kombu_restore))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    reapers[-1].check()
+    bodies = [json.loads(raw)["body"] for raw in client.lrange(BATCH_QUEUE, 0, -1)]
+    assert len(bodies) == 50 and len(set(bodies)) == 50
+    assert client.hlen(KOMBU_UNACKED_KEY) == 0
+
+
+def test_plan_restore_follows_the_binding_and_the_priority(
+    client: redis.Redis, connection: Connection
+) -> None:
+    message = take(connection, SEARCH_QUEUE, {"n": 6})
+    raw = client.hget(KOMBU_UNACKED_KEY, str(message.delivery_tag))
+    assert raw is not None
+    plan = plan_restore(client, raw)
+    assert plan is not None and plan.queues == [SEARCH_QUEUE]
+    entry = json.loads(raw)
+    entry[0]["properties"]["priority"] = 7
+    plan = plan_restore(client, json.dumps(entry))
+    assert plan is not None and plan.queues == [SEARCH_QUEUE + "\x06\x166"]
+    assert json.loads(plan.message)["headers"]["redelivered"] is True
+    assert plan_restore(client, json.dumps([{}, "elsewhere", "elsewhere"])) is None
+
+
+def test_a_worker_records_what_it_holds_and_drops_it_after_the_ack(client: redis.Redis) -> None:
+    liveness = Liveness(
+        client, "w1", heartbeat_seconds=BEAT, dead_after_seconds=1.0, orphan_seconds=60
+    )
+    liveness.hold("t1")
+    liveness.hold("t2")
+    liveness.beat()
+    assert client.hgetall(DELIVERY_OWNERS_KEY) == {"t1": "w1", "t2": "w1"}
+    assert 0 < client.pttl(heartbeat_key("w1")) <= 1000
+    liveness.release("t1")
+    client.hset(DELIVERY_OWNERS_KEY, "t2", "w2")  # t2 was requeued and taken by w2
+    liveness.release("t2")
+    liveness.flush()
+    assert client.hgetall(DELIVERY_OWNERS_KEY) == {"t2": "w2"}  # only its own record dropped
+    liveness.hold("t3")
+    liveness.release("t3")  # acked before it was ever written: nothing to write
+    liveness.flush()
+    assert client.hgetall(DELIVERY_OWNERS_KEY) == {"t2": "w2"}
+    liveness.stop()
+    assert not client.exists(heartbeat_key("w1"))
+
+
+def test_a_delivery_acked_while_its_record_is_being_written_is_dropped_after(
+    client: redis.Redis,
+) -> None:
+    liveness = Liveness(
+        client, "w1", heartbeat_seconds=BEAT, dead_after_seconds=1.0, orphan_seconds=60
+    )
+    liveness.hold("t1")
+    written = threading.Event()
+    acked = threading.Event()
+    execute = redis.client.Pipeline.execute
+
+    def slow_execute(pipe: redis.client.Pipeline, *args: object, **kwargs: object) -> object:
+        written.set()
+        acked.wait(5)  # the ack lands while the HSET is on its way
+        return execute(pipe, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(redis.client.Pipeline, "execute", slow_execute)
+        flusher = threading.Thread(target=liveness.flush)
+        flusher.start()
+        assert written.wait(5)
+        liveness.release("t1")
+        acked.set()
+        flusher.join(5)
+    assert client.hget(DELIVERY_OWNERS_KEY, "t1") == "w1"  # written after the ack...
+    liveness.flush()
+    assert not client.hexists(DELIVERY_OWNERS_KEY, "t1")  # ...and dropped by the next flush
