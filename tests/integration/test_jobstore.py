@@ -27,7 +27,7 @@ from worker.constants import (
     STATS_KEY,
 )
 from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
-from worker.jobstore import (
+from worker.queue.jobstore import (
     AsyncJobStore,
     CancelOutcome,
     IdempotencyClaim,

@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from worker import tasks
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.errors import BackendUnavailable, ModeUnavailable
-from worker.jobstore import CancelOutcome, JobStore
+from worker.queue import tasks
+from worker.queue.jobstore import CancelOutcome, JobStore
 from worker.ratelimit import ProviderLimiter
 from worker.settings import load_settings
 

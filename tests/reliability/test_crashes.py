@@ -8,7 +8,7 @@ The broker's visibility timeout. Celery acks late, so a message a worker took is
 kombu's "unacked" hash until the task ends. When the worker dies (SIGKILL: no warm shutdown,
 nothing is requeued), those messages would go back to their queue only once older than the
 transport's ``visibility_timeout`` (about 27 minutes by default). The worker-kill test runs
-with that default: the surviving worker's dead-worker check (:mod:`worker.liveness`) sees the
+with that default: the surviving worker's dead-worker check (:mod:`worker.queue.liveness`) sees the
 killed worker's heartbeat gone and puts its deliveries back within seconds, and the job
 store's compare-and-set keeps each item to one result. The Redis test still sets
 ``SIFT_BROKER_VISIBILITY_TIMEOUT_SECONDS=6`` and ``SIFT_TASK_MAX_DELIVERIES=10``.
@@ -16,7 +16,7 @@ store's compare-and-set keeps each item to one result. The Redis test still sets
 The re-drive. kombu takes a message with ``BRPOP`` and records it as unacked in a second
 command, so a worker killed, or a Redis killed, between the two loses that one chunk
 message: it is in no queue and not unacked, and the visibility timeout never brings it back.
-The workers' re-drive (:mod:`worker.redrive`) finds a batch idle with pending items that no
+The workers' re-drive (:mod:`worker.queue.redrive`) finds a batch idle with pending items that no
 message covers and sends those chunks again; these tests run it every second on batches idle
 for 3 s, and print the re-drives it logged (usually none: the window is milliseconds wide).
 

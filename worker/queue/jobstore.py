@@ -1080,7 +1080,7 @@ class JobStore:
         """Searches and batch items queued and running now, across the deployment."""
         return _in_flight(cast(dict[str, str], self.redis.hgetall(STATS_KEY)))
 
-    # --- the re-drive's view (worker/redrive.py) ------------------------------------------
+    # --- the re-drive's view (worker/queue/redrive.py) ------------------------------------------
 
     def stalled_jobs(self, idle_seconds: float) -> list[str]:
         """Search, ingest and standard-lane batch ids not final whose status last changed more than

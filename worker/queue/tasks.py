@@ -40,9 +40,9 @@ from worker.constants import (
 )
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.errors import Canceled, SiftError
-from worker.items import CancelMarks, Chunk, ItemQueue, RunOutcome
-from worker.jobstore import BatchItem, ItemTransition, JobStore, webhook_event
 from worker.logcontext import job_context
+from worker.queue.items import CancelMarks, Chunk, ItemQueue, RunOutcome
+from worker.queue.jobstore import BatchItem, ItemTransition, JobStore, webhook_event
 from worker.ratelimit import LimitedReranker, ProviderLimiter
 from worker.settings import Settings, load_settings
 
@@ -88,7 +88,7 @@ class WorkerContext:
     @property
     def items(self) -> ItemQueue:
         """The batch items of the process's chunks, run by ``SIFT_BATCH_ITEM_CONCURRENCY``
-        threads (:mod:`worker.items`)."""
+        threads (:mod:`worker.queue.items`)."""
         if self._items is None:
             with self._lock:
                 if self._items is None:
@@ -189,7 +189,7 @@ def get_context(settings: Settings | None = None) -> WorkerContext:
 
 
 def hand_back_items() -> None:
-    """The worker is stopping: batch items not yet started go back (:mod:`worker.items`)."""
+    """The worker is stopping: batch items not yet started go back (:mod:`worker.queue.items`)."""
     context = _context
     if context is not None and context._items is not None:
         context._items.hand_back()
@@ -214,8 +214,8 @@ class SiftTask(Task):  # type: ignore[misc]
     acks_late = True
     reject_on_worker_lost = True
     typing = False
-    # drops the delivery's record (worker/liveness.py) once it is acked or rejected
-    Request = "worker.liveness:OwnedRequest"
+    # drops the delivery's record (worker/queue/liveness.py) once it is acked or rejected
+    Request = "worker.queue.liveness:OwnedRequest"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -423,7 +423,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         try:
             with metrics.running_job():
                 if economy:  # the first half now; the model's answer comes from a provider batch
-                    from worker.economy import economy_pipeline, save_prepared
+                    from worker.queue.economy import economy_pipeline, save_prepared
 
                     prepared = economy_pipeline(self).prepare(item.spec, batch.tenant)
                     if prepared.result is None:
@@ -473,7 +473,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         log.info("batch %s: worker stopping, %d items handed back", batch_id, chunk.handed_back)
         self.hand_back(deliveries)
     if economy and not to_retry:
-        from worker.economy import maybe_submit
+        from worker.queue.economy import maybe_submit
 
         maybe_submit(self, batch_id)
     if to_retry:

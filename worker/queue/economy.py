@@ -70,9 +70,9 @@ from worker.core.pipeline import (
 )
 from worker.core.types import TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed, SiftError
-from worker.jobstore import BatchJob, ItemTransition, JobStore
 from worker.logcontext import job_context
-from worker.tasks import SiftTask, _completed, error_info
+from worker.queue.jobstore import BatchJob, ItemTransition, JobStore
+from worker.queue.tasks import SiftTask, _completed, error_info
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches, BatchLine
