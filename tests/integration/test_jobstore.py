@@ -36,9 +36,8 @@ from worker.queue.jobstore import (
     IdempotencyRef,
     ItemTransition,
     JobStore,
-    _create_search_call,
-    _new_search,
 )
+from worker.queue.jobstore.searches import _create_search_call, _new_search
 
 pytestmark = pytest.mark.integration
 
