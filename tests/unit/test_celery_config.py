@@ -61,8 +61,8 @@ def test_a_heartbeat_must_be_missed_several_times_before_a_worker_is_dead() -> N
 def test_every_task_releases_its_delivery_record_on_ack() -> None:
     from celery.worker.request import Request
 
+    from worker.queue.base import SiftTask
     from worker.queue.liveness import OwnedRequest
-    from worker.queue.tasks import SiftTask
 
     assert SiftTask.Request == "worker.queue.liveness:OwnedRequest"
     assert issubclass(OwnedRequest, Request)

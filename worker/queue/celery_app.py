@@ -188,7 +188,7 @@ def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
 def _stopping(sig: str | None = None, **_: Any) -> None:
     """SIGTERM/SIGINT (a rolling restart): hand the batch items not yet started back at once,
     from a thread, since this runs in the signal handler (:mod:`worker.queue.items`)."""
-    from worker.queue.tasks import hand_back_items
+    from worker.queue.base import hand_back_items
 
     threading.Thread(target=hand_back_items, name="sift-hand-back", daemon=True).start()
 
