@@ -27,9 +27,9 @@ from api_gateway.queue import OutboxSender, TaskSender
 from api_gateway.schemas import Health
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError
-from worker.jobstore import AsyncJobStore, JobStore
 from worker.logcontext import configure_logging
 from worker.metrics import JOBS_IN_FLIGHT, metrics_response, preregister, update_backlog
+from worker.queue.jobstore import AsyncJobStore, JobStore
 from worker.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)

@@ -236,7 +236,7 @@ def _located(
 
 
 class _Fingerprint:
-    """``worker.jobstore.fingerprint(route, body.model_dump(mode="json"))`` of a batch, byte
+    """``worker.queue.jobstore.fingerprint(route, body.model_dump(mode="json"))`` of a batch, byte
     for byte the same hash (a key used before keeps matching its body), fed a slice of
     queries at a time: one ``model_dump`` of 100,000 queries holds the GIL for 0.2 s."""
 

@@ -55,7 +55,7 @@ from worker.constants import (
 )
 from worker.contract import INDEX_PATTERN, JobStatus, SearchSpec
 from worker.errors import InvalidRequest
-from worker.jobstore import (
+from worker.queue.jobstore import (
     AsyncJobStore,
     BatchJob,
     CancelOutcome,

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 
 from celery import Celery
 
-from worker.jobstore import JobStore
+from worker.queue.jobstore import JobStore
 
 TaskMessage = tuple[str, list[Any], str]  # task name, JSON args, queue
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.ports import Embedder, Recorder, Reranker, SearchBackend
 from worker.errors import ConfigError
+from worker.queue.slots import Slots, SlottedEmbedder, cpu_slots
 from worker.settings import Settings
-from worker.slots import Slots, SlottedEmbedder, cpu_slots
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches

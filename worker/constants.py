@@ -28,12 +28,12 @@ ECONOMY_PROVIDERS_KEY = REDIS_PREFIX + "eco-providers:"  # + batch id -> hash pr
 ECONOMY_STATE_KEY = REDIS_PREFIX + "eco-state:"  # + batch id -> hash: submit claim, counters
 STATS_KEY = REDIS_PREFIX + "stats:jobs"  # hash state -> jobs and items queued/running now
 STATS_UNTRACKED_KEY = REDIS_PREFIX + "stats:untracked"  # same, for ingest jobs (not in the gauge)
-# the re-drive (worker/redrive.py): unfinished jobs and what the sweeper remembers between sweeps
+# the re-drive (worker/queue/redrive.py): unfinished jobs, what the sweeper keeps between sweeps
 ACTIVE_JOBS_KEY = REDIS_PREFIX + "active"  # zset: search, ingest, standard batch ids -> progress
 REDRIVE_LEADER_KEY = REDIS_PREFIX + "redrive:leader"  # string: the worker sweeping this interval
 REDRIVE_SUSPECTS_KEY = REDIS_PREFIX + "redrive:suspects"  # hash job id -> positions found lost
 REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it was re-driven
-# dead-worker recovery (worker/liveness.py): each worker process's heartbeat, and which worker
+# dead-worker recovery (worker/queue/liveness.py): each worker process's heartbeat, and which worker
 # holds each broker delivery
 WORKER_HEARTBEAT_KEY = REDIS_PREFIX + "worker-alive:"  # + worker id -> string with a TTL
 DELIVERY_OWNERS_KEY = REDIS_PREFIX + "deliveries"  # hash delivery tag -> worker id holding it

@@ -161,12 +161,12 @@ class Settings(BaseSettings):
     # When a killed worker's unacked messages come back; unset: derived to outlast the
     # longest task. A test sets it short; it must stay longer than any one task.
     broker_visibility_timeout_seconds: int | None = Field(default=None, ge=1)
-    # The re-drive (worker/redrive.py): every this many seconds one worker looks for searches
+    # The re-drive (worker/queue/redrive.py): every this many seconds one worker looks for searches
     # and batches idle longer than the stall threshold whose task messages the broker lost,
     # and enqueues them again. 0 turns the sweeper off.
     redrive_interval_seconds: float = Field(default=30.0, ge=0)
     redrive_stall_seconds: float = Field(default=120.0, ge=0)
-    # Dead-worker recovery (worker/liveness.py): every worker process refreshes a heartbeat
+    # Dead-worker recovery (worker/queue/liveness.py): every worker process refreshes a heartbeat
     # this often and checks (one worker at a time) for deliveries held by a worker whose
     # heartbeat is older than SIFT_WORKER_DEAD_AFTER_SECONDS; those go back to their queue.
     worker_heartbeat_seconds: float = Field(default=2.0, gt=0, le=60)

@@ -11,7 +11,7 @@ import httpx
 from api_gateway.schemas import SearchRequest
 from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack
 from tests.fake_anthropic import positions, status
-from worker.jobstore import JobStore, fingerprint
+from worker.queue.jobstore import JobStore, fingerprint
 
 
 def _poll(client: httpx.Client, path: str, until: set[str], timeout: float = 20) -> Any:

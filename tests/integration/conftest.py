@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from tests.services import redis_server
-from worker.jobstore import JobStore
+from worker.queue.jobstore import JobStore
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ message; redis-server stops; the consumer ``collect()``s the connection, then ``
 (celery ``Consumer.on_connection_error_after_connected``); Redis comes back and the task that
 held the message acks it. kombu's own transport raises ``AttributeError`` (``'NoneType'
 object has no attribute 'hostname'``) from ``close()`` and from the late ack, which kills a
-Celery worker (celery/celery#10205); :mod:`worker.broker`'s closes cleanly, and the late ack
+Celery worker (celery/celery#10205); :mod:`worker.queue.broker`'s closes cleanly, and the late ack
 removes the message from the ``unacked`` hash. This is also the reproduction to attach
 upstream (README, "Reliability").
 """
@@ -22,7 +22,7 @@ from kombu import Connection, Consumer, Exchange, Producer, Queue
 from kombu.message import Message
 
 from tests.services import free_port, redis_server
-from worker.broker import TRANSPORT, broker_transport
+from worker.queue.broker import TRANSPORT, broker_transport
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ def _drop_under_consumer(
 
 def test_kombus_own_transport_still_raises_attribute_error_on_close(tmp_path: Path) -> None:
     """The upstream bug, as of kombu 5.7. When this fails, kombu has fixed it: drop
-    :mod:`worker.broker` and this module (and update the README's Reliability section)."""
+    :mod:`worker.queue.broker` and this module (and update the README's Reliability section)."""
     closed, acked, unacked = _drop_under_consumer(tmp_path, None)
     assert isinstance(closed, AttributeError) and "hostname" in str(closed), repr(closed)
     assert isinstance(acked, AttributeError), repr(acked)

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
-from worker.items import Chunk, ItemQueue, RunOutcome
-from worker.jobstore import BatchItem, ItemTransition, JobStore
+from worker.queue.items import Chunk, ItemQueue, RunOutcome
+from worker.queue.jobstore import BatchItem, ItemTransition, JobStore
 
 pytestmark = pytest.mark.integration
 

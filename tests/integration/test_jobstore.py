@@ -27,7 +27,7 @@ from worker.constants import (
     STATS_KEY,
 )
 from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
-from worker.jobstore import (
+from worker.queue.jobstore import (
     AsyncJobStore,
     CancelOutcome,
     IdempotencyClaim,
@@ -36,9 +36,8 @@ from worker.jobstore import (
     IdempotencyRef,
     ItemTransition,
     JobStore,
-    _create_search_call,
-    _new_search,
 )
+from worker.queue.jobstore.searches import _create_search_call, _new_search
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ from worker.constants import (
     KOMBU_UNACKED_KEY,
     SEARCH_QUEUE,
 )
-from worker.liveness import Liveness, Reaper, heartbeat_key, plan_restore
+from worker.queue.liveness import Liveness, Reaper, heartbeat_key, plan_restore
 
 pytestmark = pytest.mark.integration
 

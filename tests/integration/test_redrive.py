@@ -14,7 +14,6 @@ from celery import Celery
 
 from api_gateway.queue import OutboxSender
 from tests.services import celery_worker
-from worker.celery_app import create_celery_app
 from worker.constants import (
     ACTIVE_JOBS_KEY,
     ATTEMPTS_KEY,
@@ -28,8 +27,9 @@ from worker.constants import (
     SEARCH_TASK,
 )
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
-from worker.jobstore import BatchJob, IngestJob, JobStore, SearchJob
-from worker.redrive import Coverage, Redrive, Sweeper, celery_sender, coverage
+from worker.queue.celery_app import create_celery_app
+from worker.queue.jobstore import BatchJob, IngestJob, JobStore, SearchJob
+from worker.queue.redrive import Coverage, Redrive, Sweeper, celery_sender, coverage
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration

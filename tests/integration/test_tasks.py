@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from worker import tasks
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.errors import BackendUnavailable, ModeUnavailable
-from worker.jobstore import CancelOutcome, JobStore
+from worker.queue import base, tasks
+from worker.queue.jobstore import CancelOutcome, JobStore
 from worker.ratelimit import ProviderLimiter
 from worker.settings import load_settings
 
@@ -46,23 +46,23 @@ class ScriptedRuntime:
 
 
 @pytest.fixture
-def context(redis_url: str) -> Iterator[tasks.WorkerContext]:
+def context(redis_url: str) -> Iterator[base.WorkerContext]:
     settings = load_settings(redis_url=redis_url, task_max_retries=2, task_max_deliveries=2)
     store = JobStore.from_url(redis_url)
     store.redis.flushdb()
-    ctx = tasks.WorkerContext(settings=settings, store=store, limiter=ProviderLimiter(4))
-    tasks.set_context(ctx)
+    ctx = base.WorkerContext(settings=settings, store=store, limiter=ProviderLimiter(4))
+    base.set_context(ctx)
     yield ctx
-    tasks.set_context(None)
+    base.set_context(None)
     store.close()
 
 
 def _patch_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tasks.SiftTask, "backoff", lambda self: 0.0)
+    monkeypatch.setattr(base.SiftTask, "backoff", lambda self: 0.0)
 
 
 def test_retryable_errors_are_retried_then_succeed(
-    context: tasks.WorkerContext, monkeypatch: pytest.MonkeyPatch
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _patch_backoff(monkeypatch)
     runtime = ScriptedRuntime(BackendUnavailable("down"), BackendUnavailable("down"))
@@ -74,7 +74,7 @@ def test_retryable_errors_are_retried_then_succeed(
     assert runtime.calls == 3
 
 
-def test_retries_are_bounded(context: tasks.WorkerContext, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_retries_are_bounded(context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch) -> None:
     _patch_backoff(monkeypatch)
     runtime = ScriptedRuntime(*[BackendUnavailable("down")] * 10)
     context._runtime = runtime
@@ -86,7 +86,7 @@ def test_retries_are_bounded(context: tasks.WorkerContext, monkeypatch: pytest.M
     assert runtime.calls == 3  # the first try and task_max_retries=2 retries
 
 
-def test_permanent_errors_are_not_retried(context: tasks.WorkerContext) -> None:
+def test_permanent_errors_are_not_retried(context: base.WorkerContext) -> None:
     runtime = ScriptedRuntime(ModeUnavailable("no vectors in this index"))
     context._runtime = runtime
     job = context.store.create_search("acme", SearchSpec(index="docs", query="q"))
@@ -96,7 +96,7 @@ def test_permanent_errors_are_not_retried(context: tasks.WorkerContext) -> None:
     assert done.error is not None and done.error.type == "mode_unavailable"
 
 
-def test_a_poison_message_is_failed_not_looped(context: tasks.WorkerContext) -> None:
+def test_a_poison_message_is_failed_not_looped(context: base.WorkerContext) -> None:
     runtime = ScriptedRuntime()
     context._runtime = runtime
     job = context.store.create_search("acme", SearchSpec(index="docs", query="q"))
@@ -110,7 +110,7 @@ def test_a_poison_message_is_failed_not_looped(context: tasks.WorkerContext) -> 
 
 
 def test_a_chunk_skips_canceled_and_finished_items(
-    context: tasks.WorkerContext, monkeypatch: pytest.MonkeyPatch
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _patch_backoff(monkeypatch)
     runtime = ScriptedRuntime(BackendUnavailable("blip"))
@@ -134,7 +134,7 @@ def test_a_chunk_skips_canceled_and_finished_items(
 
 
 def test_a_cancel_stops_started_items_before_their_model_call(
-    context: tasks.WorkerContext,
+    context: base.WorkerContext,
 ) -> None:
     """Every item is running (retrieval done) when the cancel comes: the check before the
     model call cancels each, no model call is made, and the batch ends ``canceled``."""
@@ -162,7 +162,7 @@ def test_a_cancel_stops_started_items_before_their_model_call(
     assert store.cancel_batch(batch.id) == CancelOutcome.ALREADY_FINISHED
 
 
-def test_a_cancel_after_the_model_calls_changes_no_outcome(context: tasks.WorkerContext) -> None:
+def test_a_cancel_after_the_model_calls_changes_no_outcome(context: base.WorkerContext) -> None:
     """A cancel that comes once every item is past its model call cancels nothing: the
     batch ends ``succeeded`` (``canceled_at`` says a cancel came)."""
     store = context.store
@@ -181,7 +181,7 @@ def test_a_cancel_after_the_model_calls_changes_no_outcome(context: tasks.Worker
     assert got.counts["succeeded"] == 3 and got.counts["canceled"] == 0
 
 
-def test_ingest_task(context: tasks.WorkerContext) -> None:
+def test_ingest_task(context: base.WorkerContext) -> None:
     context._runtime = ScriptedRuntime()
     job = context.store.create_ingest("acme", "docs", [DocumentIn(id="1", text="t")])
     tasks.ingest.apply(args=[job.id])

@@ -12,7 +12,7 @@ from api_gateway.queue import OutboxSender
 from tests.services import celery_worker, redis_server
 from worker.constants import SEARCH_QUEUE, SEARCH_TASK
 from worker.contract import SearchSpec
-from worker.jobstore import JobStore, SearchJob
+from worker.queue.jobstore import JobStore, SearchJob
 
 pytestmark = pytest.mark.integration
 

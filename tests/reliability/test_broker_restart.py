@@ -7,7 +7,7 @@ reranked batch, SIGKILLs or SIGTERMs redis-server once some items are done, star
 the same port and directory, and checks:
 
 - the worker process is the same one, still running: no "Unrecoverable error" (kombu's close
-  after a dropped connection, celery/celery#10205; :mod:`worker.broker` holds the workaround);
+  after a dropped connection, celery/celery#10205; :mod:`worker.queue.broker` holds the workaround);
 - the gateway answers 503 while Redis is down, and its first request after the restart 200;
 - the batch ends ``succeeded`` with every item final exactly once (the store's counts moved
   once per item, one result per query id), without restarting anything, and no message is

@@ -6,11 +6,12 @@ exactly once per item.
 
 A killed worker's unacked messages would go back to their queue only after the broker's
 visibility timeout (about 27 minutes by default). The surviving worker's dead-worker check
-(:mod:`worker.liveness`) sees the killed worker's heartbeat gone and puts its deliveries back
-within seconds, and the job store's compare-and-set keeps each item to one result. A chunk
-message lost in kombu's pop-then-unacked window comes back through the re-drive
-(:mod:`worker.redrive`), at its defaults (a batch idle for 2 minutes, swept every 30 s); the
-test prints the re-drives it logged (usually none: the window is milliseconds wide).
+(:mod:`worker.queue.liveness`) sees the killed worker's heartbeat gone and puts its
+deliveries back within seconds, and the job store's compare-and-set keeps each item to one
+result. A chunk message lost in kombu's pop-then-unacked window comes back through the re-
+drive (:mod:`worker.queue.redrive`), at its defaults (a batch idle for 2 minutes, swept
+every 30 s); the test prints the re-drives it logged (usually none: the window is
+milliseconds wide).
 
 Redis restarts (SIGKILL and SIGTERM, AOF ``everysec``, at the defaults) are
 ``test_broker_restart.py``'s; the gateway's reconnect, ``test_gateway_reconnect.py``'s.

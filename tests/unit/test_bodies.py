@@ -15,7 +15,7 @@ from api_gateway.schemas import BatchRequest
 from worker.constants import MAX_BATCH_QUERIES
 from worker.contract import SearchSpec
 from worker.errors import InvalidRequest
-from worker.jobstore import fingerprint
+from worker.queue.jobstore import fingerprint
 
 
 def body(n: int, **extra: Any) -> dict[str, Any]:

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import cast
 
 from tests.fakes import FakeClock
-from worker.items import CANCEL_MARK_MAX_AGE_SECONDS, CancelMarks
-from worker.jobstore import JobStore
+from worker.queue.items import CANCEL_MARK_MAX_AGE_SECONDS, CancelMarks
+from worker.queue.jobstore import JobStore
 
 
 class MarkStore:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from worker.celery_app import celery_config, create_celery_app, time_limits
 from worker.constants import ALL_QUEUES, BATCH_CHUNK_TASK, SEARCH_TASK, WEBHOOK_TASK
 from worker.errors import ConfigError
+from worker.queue.celery_app import celery_config, create_celery_app, time_limits
 from worker.settings import load_settings
 
 
@@ -61,10 +61,10 @@ def test_a_heartbeat_must_be_missed_several_times_before_a_worker_is_dead() -> N
 def test_every_task_releases_its_delivery_record_on_ack() -> None:
     from celery.worker.request import Request
 
-    from worker.liveness import OwnedRequest
-    from worker.tasks import SiftTask
+    from worker.queue.base import SiftTask
+    from worker.queue.liveness import OwnedRequest
 
-    assert SiftTask.Request == "worker.liveness:OwnedRequest"
+    assert SiftTask.Request == "worker.queue.liveness:OwnedRequest"
     assert issubclass(OwnedRequest, Request)
     assert OwnedRequest.acknowledge is not Request.acknowledge
     assert OwnedRequest.reject is not Request.reject

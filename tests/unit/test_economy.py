@@ -11,8 +11,8 @@ from tests.fakes import USAGE, RecordingRecorder, fail, reply
 from tests.unit.test_pipeline import make
 from worker.contract import SearchSpec
 from worker.core.pipeline import RerankRun, dump_prepared, load_prepared
-from worker.economy import chunk_requests, custom_id, position_of
 from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed
+from worker.queue.economy import chunk_requests, custom_id, position_of
 
 SPEC = SearchSpec(index="docs", query="volcano eruption ash", limit=3, include_trace=True)
 

@@ -6,7 +6,7 @@ import json
 
 from api_gateway.queue import RedisOutbox
 from worker.constants import BATCH_CHUNK_TASK, BATCH_QUEUE, SEARCH_QUEUE, SEARCH_TASK, WEBHOOK_TASK
-from worker.redrive import Coverage, coverage, runs
+from worker.queue.redrive import Coverage, coverage, runs
 
 
 def envelope(name: str, args: list[object], queue: str) -> dict[str, object]:

@@ -68,7 +68,7 @@ def worker(
     loglevel: Annotated[str | None, typer.Option(help="default: SIFT_LOG_LEVEL")] = None,
 ) -> None:
     """Run one Celery worker, for deployment."""
-    from worker.celery_app import create_celery_app
+    from worker.queue.celery_app import create_celery_app
 
     overrides: dict[str, Any] = {}
     if concurrency:

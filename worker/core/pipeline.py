@@ -129,7 +129,7 @@ class SearchPipeline:
         sleep: Callable[[float], None] = time.sleep,
         cpu_slots: AbstractContextManager[Any] | None = None,
     ) -> None:
-        """``cpu_slots``: one is held through each first half (:mod:`worker.slots`)."""
+        """``cpu_slots``: one is held through each first half (:mod:`worker.queue.slots`)."""
         self.backend = backend
         self.embedder = embedder
         self.reranker = reranker

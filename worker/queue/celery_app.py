@@ -1,6 +1,6 @@
 """The Celery app, built from the settings: reliable delivery, time limits, queues and routes.
 
-``celery -A worker.celery_app worker`` finds ``app`` here; it is built on first
+``celery -A worker.queue.celery_app worker`` finds ``app`` here; it is built on first
 access (PEP 562), so importing this module does no work.
 
 Concurrency: the worker runs the ``threads`` pool with ``SIFT_WORKER_CONCURRENCY``
@@ -32,7 +32,6 @@ from celery.signals import (
 )
 from kombu.entity import Exchange, Queue
 
-from worker.broker import broker_transport
 from worker.constants import (
     ALL_QUEUES,
     BATCH_CHUNK_TASK,
@@ -48,6 +47,7 @@ from worker.constants import (
     WEBHOOK_TASK,
 )
 from worker.errors import ConfigError
+from worker.queue.broker import broker_transport
 from worker.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -157,44 +157,44 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
 
 
 def _start_redrive(sender: Any = None, **_: Any) -> None:
-    """On worker start, run the re-drive sweeper in this process (:mod:`worker.redrive`):
+    """On worker start, run the re-drive sweeper in this process (:mod:`worker.queue.redrive`):
     it enqueues again the searches, ingests and batch chunks whose messages the broker lost."""
     app = getattr(sender, "app", None)
     if getattr(getattr(app, "conf", None), "sift_settings", None) is None:
         return
-    from worker.redrive import start_sweeper
+    from worker.queue.redrive import start_sweeper
 
     start_sweeper(app)
 
 
 def _start_liveness(sender: Any = None, **_: Any) -> None:
     """On worker start, keep this process's heartbeat and record the deliveries it holds, so
-    a dead worker's work comes back in seconds (:mod:`worker.liveness`)."""
+    a dead worker's work comes back in seconds (:mod:`worker.queue.liveness`)."""
     app = getattr(sender, "app", None)
     settings: Settings | None = getattr(getattr(app, "conf", None), "sift_settings", None)
     if settings is None or not settings.redis_url:
         return
-    from worker import liveness
+    from worker.queue import liveness
 
     liveness.start(settings.redis_url, settings)
 
 
 def _received(sender: Any = None, request: Any = None, **_: Any) -> None:
-    from worker import liveness
+    from worker.queue import liveness
 
     liveness.received(request)
 
 
 def _stopping(sig: str | None = None, **_: Any) -> None:
     """SIGTERM/SIGINT (a rolling restart): hand the batch items not yet started back at once,
-    from a thread, since this runs in the signal handler (:mod:`worker.items`)."""
-    from worker.tasks import hand_back_items
+    from a thread, since this runs in the signal handler (:mod:`worker.queue.items`)."""
+    from worker.queue.base import hand_back_items
 
     threading.Thread(target=hand_back_items, name="sift-hand-back", daemon=True).start()
 
 
 def _stopped(**_: Any) -> None:
-    from worker import liveness
+    from worker.queue import liveness
 
     liveness.stop()
 
@@ -229,8 +229,8 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     worker_process_shutdown.connect(_child_exited, weak=False, dispatch_uid="sift-child-exit")
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")
-    import worker.economy
-    import worker.tasks  # noqa: F401  (registers the shared tasks with every app)
+    import worker.queue.economy
+    import worker.queue.tasks  # noqa: F401  (registers the shared tasks with every app)
 
     return celery
 
@@ -239,7 +239,7 @@ _app: Celery | None = None
 
 
 def __getattr__(name: str) -> Any:
-    """Build ``app`` on first access, so ``celery -A worker.celery_app`` finds it lazily."""
+    """Build ``app`` on first access, so ``celery -A worker.queue.celery_app`` finds it lazily."""
     global _app
     if name == "app":
         if _app is None:

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 
 from kombu.transport import redis as kombu_redis
 
-TRANSPORT = "worker.broker:Transport"
+TRANSPORT = "worker.queue.broker:Transport"
 
 
 class Channel(kombu_redis.Channel):

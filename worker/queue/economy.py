@@ -70,9 +70,9 @@ from worker.core.pipeline import (
 )
 from worker.core.types import TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed, SiftError
-from worker.jobstore import BatchJob, ItemTransition, JobStore
 from worker.logcontext import job_context
-from worker.tasks import SiftTask, _completed, error_info
+from worker.queue.base import SiftTask, count_completed, error_info
+from worker.queue.jobstore import BatchJob, ItemTransition, JobStore
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches, BatchLine
@@ -231,7 +231,7 @@ def _finish(
     except RerankFailed as exc:
         error, result = error_info(exc), None
     transition = task.context.store.finish_item(batch.id, query_id, result=result, error=error)
-    _completed("batch_item", transition.applied, error)
+    count_completed("batch_item", transition.applied, error)
     _item_done(task, batch, transition)
 
 

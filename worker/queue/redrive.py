@@ -65,7 +65,7 @@ from worker.constants import (
     SEARCH_TASK,
     kombu_queue_keys,
 )
-from worker.jobstore import JobStore
+from worker.queue.jobstore import JobStore
 
 log = logging.getLogger(__name__)
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from worker.contract import ErrorInfo, SearchResult
-from worker.jobstore import BatchItem, ItemTransition, JobStore
 from worker.logcontext import job_context
+from worker.queue.jobstore import BatchItem, ItemTransition, JobStore
 
 log = logging.getLogger(__name__)
 

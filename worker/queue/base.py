@@ -1,0 +1,289 @@
+"""What every Sift task shares: the worker process's context (settings, job store, provider
+limiter, runtime, item queue), built once on first use, and :class:`SiftTask`, the base class
+that times a task, counts its deliveries so a poison message is failed instead of looping, and
+owns the retry decision.
+
+:mod:`worker.queue.tasks` and :mod:`worker.queue.economy` both build on it, so neither imports
+the other for it.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from celery import Task
+from celery.exceptions import Reject, Retry
+
+from worker import metrics
+from worker.constants import (
+    ECONOMY_PRICE_DISCOUNT,
+    LANE_ECONOMY,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
+)
+from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
+from worker.errors import SiftError
+from worker.logcontext import job_context
+from worker.queue.items import CancelMarks, ItemQueue
+from worker.queue.jobstore import JobStore, webhook_event
+from worker.ratelimit import LimitedReranker, ProviderLimiter
+from worker.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from worker.adapters.anthropic_batches import AnthropicMessageBatches
+
+log = logging.getLogger(__name__)
+
+RETRY_BASE_SECONDS = 1.0
+RETRY_CAP_SECONDS = 60.0
+# A worker's job-store calls ride out a Redis restart this long rather than fail the job.
+STORE_OUTAGE_SECONDS = 30.0
+# Allocations between young-generation collections, once the runtime is built (Python's
+# default is 700): with hundreds of searches in flight, collections cost ~8% of the CPU.
+GC_YOUNG_THRESHOLD = 20_000
+
+
+class Runtime(Protocol):
+    """What the tasks need from :mod:`worker.runtime`."""
+
+    def search(
+        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+    ) -> SearchResult:
+        """``before_model`` runs just before the model call and may raise ``Canceled``."""
+        ...
+
+    def ingest(self, index: str, tenant: str, documents: list[DocumentIn]) -> int: ...
+
+
+@dataclass
+class WorkerContext:
+    """What one worker process shares across its threads, built once on first use."""
+
+    settings: Settings
+    store: JobStore
+    limiter: ProviderLimiter
+    _runtime: Runtime | None = None
+    _items: ItemQueue | None = None
+    _marks: CancelMarks | None = None
+    _batches: AnthropicMessageBatches | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def items(self) -> ItemQueue:
+        """The batch items of the process's chunks, run by ``SIFT_BATCH_ITEM_CONCURRENCY``
+        threads (:mod:`worker.queue.items`)."""
+        if self._items is None:
+            with self._lock:
+                if self._items is None:
+                    pool = ThreadPoolExecutor(
+                        self.settings.batch_item_concurrency, thread_name_prefix="sift-item"
+                    )
+                    self._items = ItemQueue(self.store, pool)
+        return self._items
+
+    @property
+    def cancel_marks(self) -> CancelMarks:
+        """The process's view of which batches have been canceled, shared by its items."""
+        if self._marks is None:
+            with self._lock:
+                if self._marks is None:
+                    self._marks = CancelMarks(self.store)
+        return self._marks
+
+    @property
+    def batches(self) -> AnthropicMessageBatches | None:
+        """The Message Batches client of the economy lane (None without a model)."""
+        if self._batches is None:
+            with self._lock:
+                if self._batches is None:
+                    from worker.bootstrap import build_batch_client
+
+                    self._batches = build_batch_client(self.settings)
+        return self._batches
+
+    @property
+    def runtime(self) -> Runtime:
+        if self._runtime is None:
+            with self._lock:
+                if self._runtime is None:
+                    self._runtime = load_runtime(self.settings, self.limiter)
+                    settle_heap()
+        return self._runtime
+
+
+def load_runtime(settings: Settings, limiter: ProviderLimiter | None = None) -> Runtime:
+    """Build the runtime with ``SIFT_RUNTIME_FACTORY`` ("module:function"), or the real one
+    wired for the queue: Prometheus recording, and the reranker behind the process's limiter."""
+    if settings.runtime_factory:
+        module_name, _, attr = settings.runtime_factory.partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+        runtime: Runtime = factory(settings)
+        return runtime
+    from worker.bootstrap import build_reranker, pipeline_config
+    from worker.runtime import Runtime as InProcessRuntime
+    from worker.runtime import build_runtime
+
+    overrides: dict[str, Any] = {"recorder": metrics.PrometheusRecorder()}
+    reranker = build_reranker(settings)
+    if reranker is not None:
+        inner = metrics.InFlightReranker(reranker)
+        overrides["reranker"] = LimitedReranker(inner, limiter) if limiter else inner
+    pipeline = build_runtime(settings, **overrides).pipeline
+    economy = pipeline.variant(
+        config=pipeline_config(settings, price_discount=ECONOMY_PRICE_DISCOUNT),
+        recorder=metrics.PrometheusRecorder(lane=LANE_ECONOMY),
+    )
+    return InProcessRuntime(pipeline, economy)
+
+
+def settle_heap() -> None:
+    """Take what lives as long as the process (the model session, the SDK, the indexes) out
+    of the collector's sight, and collect young objects less often: a collection holds the
+    GIL, so every search in flight waits on it."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
+
+
+_context: WorkerContext | None = None
+_context_lock = threading.Lock()
+
+
+def get_context(settings: Settings | None = None) -> WorkerContext:
+    global _context
+    if _context is None:
+        with _context_lock:
+            if _context is None:
+                settings = settings or load_settings()
+                assert settings.redis_url, "SIFT_REDIS_URL is required"
+                _context = WorkerContext(
+                    settings=settings,
+                    store=JobStore.from_url(
+                        settings.redis_url,
+                        max_connections=settings.worker_concurrency
+                        + settings.batch_item_concurrency
+                        + 32,
+                        outage_seconds=STORE_OUTAGE_SECONDS,
+                    ),
+                    limiter=ProviderLimiter(settings.rerank_max_in_flight),
+                )
+    return _context
+
+
+def hand_back_items() -> None:
+    """The worker is stopping: batch items not yet started go back (:mod:`worker.queue.items`)."""
+    context = _context
+    if context is not None and context._items is not None:
+        context._items.hand_back()
+
+
+def set_context(context: WorkerContext | None) -> None:
+    """Replace the process's context (tests)."""
+    global _context
+    _context = context
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """The typed error a job record shows for ``exc``."""
+    if isinstance(exc, SiftError):
+        return ErrorInfo(type=exc.code, message=exc.message, retryable=exc.retryable)
+    return ErrorInfo(type="internal_error", message=f"{type(exc).__name__}: {exc}")
+
+
+class SiftTask(Task):  # type: ignore[misc]
+    """The base of every Sift task: timing, delivery counting and the retry decision."""
+
+    acks_late = True
+    reject_on_worker_lost = True
+    typing = False
+    # drops the delivery's record (worker/queue/liveness.py) once it is acked or rejected
+    Request = "worker.queue.liveness:OwnedRequest"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        outcome = "ok"
+        job_id = str(args[0]) if args and isinstance(args[0], str) else "-"
+        if args and isinstance(args[0], dict):  # a webhook event
+            job_id = str(args[0].get("data", {}).get("id", "-"))
+        try:
+            with job_context(job_id):
+                return super().__call__(*args, **kwargs)
+        except Retry:
+            outcome = "retry"
+            metrics.TASK_RETRIES.labels(self.name).inc()
+            raise
+        except BaseException:
+            outcome = "error"
+            raise
+        finally:
+            metrics.TASK_DURATION.labels(self.name, outcome).observe(time.perf_counter() - started)
+
+    @property
+    def context(self) -> WorkerContext:
+        return get_context(getattr(self.app.conf, "sift_settings", None))
+
+    def should_retry(self, exc: BaseException) -> bool:
+        """Retry only Sift errors marked retryable, and only within the retry budget."""
+        budget = self.context.settings.task_max_retries
+        return isinstance(exc, SiftError) and exc.retryable and self.request.retries < budget
+
+    def backoff(self) -> float:
+        """Exponential backoff with full jitter, capped."""
+        ceiling = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2**self.request.retries)
+        return random.uniform(ceiling / 2, ceiling)
+
+    def delivery(self) -> int:
+        """Count this delivery of the message: how many there have been, this one included."""
+        return self.context.store.count_delivery(str(self.request.id), self.request.retries)
+
+    def poisoned(self, deliveries: int | None = None) -> bool:
+        """True when this message has been delivered more times than allowed (worker crashes)."""
+        count = self.delivery() if deliveries is None else deliveries
+        limit = self.context.settings.task_max_deliveries
+        if count > limit:
+            log.error(
+                "task %s[%s] delivered %d times; failing it as poison",
+                self.name,
+                self.request.id,
+                count,
+            )
+            return True
+        return False
+
+    def hand_back(self, deliveries: int) -> None:
+        """The worker is stopping: put this message back on its queue now, for another
+        worker. A clean hand-back is no crash, so this delivery is not counted."""
+        store = self.context.store
+        store.set_deliveries(str(self.request.id), self.request.retries, max(0, deliveries - 1))
+        raise Reject("the worker is stopping: handed back", requeue=True)
+
+    def send_webhook(
+        self, event_type: str, job_id: str, tenant: str, url: str, status: str
+    ) -> None:
+        """Enqueue one webhook delivery; its id is stable, so every retry carries the same one."""
+        event = webhook_event(event_type, job_id, tenant, url, status)
+        self.app.send_task(WEBHOOK_TASK, args=[event], queue=WEBHOOK_QUEUE)
+
+
+def count_completed(kind: str, applied: bool, error: ErrorInfo | None) -> bool:
+    """Count a job that just became final (``applied``); answers ``applied``."""
+    if applied:
+        label = None
+        if error is not None:
+            label = (
+                "internal"
+                if error.type in ("internal_error", "delivery_limit_exceeded", "expired")
+                else error.type
+            )
+        metrics.job_completed(kind, "failed" if error else "succeeded", label)
+    return applied

@@ -1,0 +1,116 @@
+"""The Redis job store: search, batch and ingest records, shared by the gateway and the workers.
+
+It depends on redis-py and :mod:`worker.contract` only, so the gateway may import it.
+
+Layout (every prefix is in :mod:`worker.constants`):
+
+    sift:search:<id>          hash   kind, tenant, status, spec, result, error, webhook_url,
+                                     created_at, started_at, finished_at
+    sift:batch:<id>           hash   tenant, index, lane, rerank, webhook_url, total,
+                                     created_at, canceled_at, finished_at
+    sift:batch-order:<id>     list   query ids in submission order (pages read from it)
+    sift:batch-specs:<id>     hash   query id -> SearchSpec JSON
+    sift:batch-items:<id>     hash   query id -> status
+    sift:batch-results:<id>   hash   query id -> {"result"} or {"error"} JSON
+    sift:batch-counts:<id>    hash   status -> count (queued, running, succeeded, failed, canceled)
+    sift:eco-prepared:<id>    hash   query id -> prepared search JSON (economy lane, until final)
+    sift:eco-runs:<id>        hash   query id -> {"pos","provider","round",...,"run"} JSON
+    sift:eco-providers:<id>   hash   provider batch id -> {"round","requests","created_at",...}
+    sift:eco-state:<id>       hash   once-only claims (``submit``)
+    sift:ingest:<id>          hash   like a search record, with index and document count
+    sift:ingest-docs:<id>     string the documents, until the ingest task has run
+    sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
+    sift:attempts:<task>:<n>  string deliveries of one task message
+    sift:stats:jobs           hash   queued / running searches and batch items right now
+    sift:active               zset   search, ingest and standard-lane batch ids not final yet
+                                     -> the time of their last status change (the re-drive's)
+
+Retention, enforced by TTLs: every job, batch and ingest record lives
+``RESULT_TTL_SECONDS`` (7 days) from its last write; an Idempotency-Key is
+remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours) from the write that creates its job (a
+claim that names no job yet, ``IDEMPOTENCY_PENDING_TTL_SECONDS``); delivery counters and
+pending ingest documents live 24 hours; a batch's items, written before its record, live
+``BATCH_STAGING_TTL_SECONDS`` until the record's commit gives them its retention. A job
+leaves ``sift:active`` when it becomes final, or, failing that, once its last change is
+older than the records' retention.
+
+Every status change is one Lua script: a compare-and-set on the status that also
+moves the counts. A record that is already ``succeeded``, ``failed`` or
+``canceled`` is never written again, so a redelivered task never produces a
+second result and the batch counts never drift.
+
+The modules, by record kind: :mod:`~worker.queue.jobstore.records` (the records and items it
+hands out), :mod:`~worker.queue.jobstore.scripts` (the Lua), :mod:`~worker.queue.jobstore.store`
+(the connection and the status transitions every kind shares), then one mixin each for
+searches, ingests, batches, the economy lane's state, Idempotency-Keys and deliveries (with
+the re-drive's view); :class:`JobStore` is all of them. :mod:`~worker.queue.jobstore.asyncstore`
+is the gateway's ``redis.asyncio`` store for a search's create.
+"""
+
+from __future__ import annotations
+
+from worker.queue.jobstore.asyncstore import AsyncJobStore
+from worker.queue.jobstore.batches import BatchRecords
+from worker.queue.jobstore.delivery import DeliveryRecords
+from worker.queue.jobstore.idempotency import (
+    IdempotencyClaim,
+    IdempotencyKeyBound,
+    IdempotencyOutcome,
+    IdempotencyRecords,
+    IdempotencyRef,
+    fingerprint,
+)
+from worker.queue.jobstore.ingests import IngestRecords
+from worker.queue.jobstore.lanes import EconomyLaneRecords
+from worker.queue.jobstore.records import (
+    FINAL,
+    BatchItem,
+    BatchJob,
+    CancelOutcome,
+    Enqueue,
+    IngestJob,
+    ItemOutcome,
+    ItemTransition,
+    SearchJob,
+    webhook_event,
+)
+from worker.queue.jobstore.searches import SearchRecords
+from worker.queue.jobstore.store import CONNECTION_OPTIONS
+
+__all__ = [
+    "CONNECTION_OPTIONS",
+    "FINAL",
+    "AsyncJobStore",
+    "BatchItem",
+    "BatchJob",
+    "CancelOutcome",
+    "Enqueue",
+    "IdempotencyClaim",
+    "IdempotencyKeyBound",
+    "IdempotencyOutcome",
+    "IdempotencyRef",
+    "IngestJob",
+    "ItemOutcome",
+    "ItemTransition",
+    "JobStore",
+    "SearchJob",
+    "fingerprint",
+    "webhook_event",
+]
+
+
+class JobStore(
+    SearchRecords,
+    IngestRecords,
+    BatchRecords,
+    EconomyLaneRecords,
+    IdempotencyRecords,
+    DeliveryRecords,
+):
+    """Job records in Redis. Thread-safe: redis-py's client pools its connections, and the
+    status transitions' own connection serves one call at a time (their coalescer's).
+
+    store = JobStore.from_url("redis://localhost:6379/0")
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"), webhook_url=None)
+    store.start_search(job.id); store.finish_search(job.id, result=result)
+    """

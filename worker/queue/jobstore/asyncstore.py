@@ -1,0 +1,80 @@
+"""The gateway's store on ``redis.asyncio``: a search's create and the in-flight gauge, with the
+same scripts and arguments as the threaded :class:`~worker.queue.jobstore.JobStore`.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import redis
+import redis.asyncio
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ConstantBackoff
+
+from worker.constants import (
+    RESULT_TTL_SECONDS,
+    STATS_KEY,
+)
+from worker.contract import SearchSpec
+from worker.queue.jobstore.idempotency import IdempotencyRef
+from worker.queue.jobstore.records import Enqueue, SearchJob, _in_flight
+from worker.queue.jobstore.scripts import _CREATE_SEARCH
+from worker.queue.jobstore.searches import _create_search_call, _new_search, _search_created
+from worker.queue.jobstore.store import CONNECTION_OPTIONS
+
+
+class AsyncJobStore:
+    """The gateway's hot path on ``redis.asyncio``: no thread per request. It runs the same
+    scripts with the same arguments as :class:`JobStore` (``_create_search_call``).
+
+    store = AsyncJobStore.from_url("redis://localhost:6379/0", max_connections=128)
+    job = await store.create_search("acme", spec, enqueue=outbox.messages_for(...))
+    """
+
+    def __init__(
+        self, client: redis.asyncio.Redis, *, result_ttl: int = RESULT_TTL_SECONDS
+    ) -> None:
+        self.redis = client
+        self.result_ttl = result_ttl
+        self._create_search = client.register_script(_CREATE_SEARCH)
+
+    @classmethod
+    def from_url(cls, url: str, *, max_connections: int = 128) -> AsyncJobStore:
+        """A store on ``url``; a request that finds every connection busy waits for one
+        (up to 20 s), as :meth:`JobStore.from_url` with ``max_connections`` does.
+
+        A command that meets a broken connection (a refused connect, a failed health check,
+        a reset) is tried once more, on a new connection, 50 ms later. That is safe for what
+        this store sends: the ``in_flight`` read, and the create script, which does nothing
+        when its record exists (its first try ran; only the reply was lost)."""
+        pool = redis.asyncio.BlockingConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            timeout=20,
+            retry=AsyncRetry(ConstantBackoff(0.05), retries=1),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            **CONNECTION_OPTIONS,
+        )
+        return cls(redis.asyncio.Redis(connection_pool=pool))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        await self.redis.connection_pool.disconnect()
+
+    async def create_search(
+        self,
+        tenant: str,
+        spec: SearchSpec,
+        *,
+        webhook_url: str | None = None,
+        enqueue: Enqueue | None = None,
+        claim: IdempotencyRef | None = None,
+    ) -> SearchJob:
+        """:meth:`JobStore.create_search`, awaited."""
+        job = _new_search(tenant, spec, webhook_url)
+        keys, args = _create_search_call(job, self.result_ttl, enqueue, claim)
+        return _search_created(job, await self._create_search(keys=keys, args=args), claim)
+
+    async def in_flight(self) -> dict[str, int]:
+        """:meth:`JobStore.in_flight`, awaited."""
+        return _in_flight(cast(dict[str, str], await self.redis.hgetall(STATS_KEY)))

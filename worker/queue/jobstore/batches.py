@@ -1,0 +1,321 @@
+"""Batch records and their items: a batch is staged item by item and committed in one MULTI
+with its task messages; each item then moves on its own, and the cancel marks the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+import redis
+
+from worker.constants import (
+    ACTIVE_JOBS_KEY,
+    BATCH_COUNTS_KEY,
+    BATCH_ID_PREFIX,
+    BATCH_ITEMS_KEY,
+    BATCH_KEY,
+    BATCH_ORDER_KEY,
+    BATCH_RESULTS_KEY,
+    BATCH_SPECS_KEY,
+    BATCH_STAGE_SLICE,
+    BATCH_STAGING_TTL_SECONDS,
+    LANE_ECONOMY,
+    STATS_KEY,
+)
+from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec
+from worker.queue.jobstore.idempotency import (
+    IdempotencyKeyBound,
+    IdempotencyRef,
+    _bound,
+    _idem_binding,
+)
+from worker.queue.jobstore.records import (
+    _STATUSES,
+    BatchItem,
+    BatchJob,
+    CancelOutcome,
+    Enqueue,
+    ItemOutcome,
+    ItemTransition,
+    _new_id,
+    _now,
+    _opt_float,
+)
+from worker.queue.jobstore.store import _CHECK_ITEM, _START_ITEM, _Move, _StoreCore
+
+
+def _staged_keys(batch_id: str) -> tuple[str, str, str]:
+    """A batch's item keys, written before its record (order, specs, statuses)."""
+    return BATCH_ORDER_KEY + batch_id, BATCH_SPECS_KEY + batch_id, BATCH_ITEMS_KEY + batch_id
+
+
+class BatchRecords(_StoreCore):
+    """A batch, its items in submission order, their statuses and results, and its cancel."""
+
+    def create_batch(
+        self,
+        tenant: str,
+        index: str,
+        items: Sequence[tuple[str, SearchSpec | str]],
+        *,
+        lane: str = "standard",
+        rerank: bool | None = None,
+        webhook_url: str | None = None,
+        enqueue: Enqueue | None = None,
+        claim: IdempotencyRef | None = None,
+    ) -> BatchJob:
+        """Store a batch and its items, all ``queued``, with its task messages from
+        ``enqueue`` and, with ``claim``, the Idempotency-Key bound to it.
+
+        The items go first, in a pipeline of slices (:meth:`_stage_items`): Redis serves
+        other clients between two slices, where one MULTI of 100,000 items held it for a
+        quarter of a second. Nothing reads them until the batch's record exists, which the
+        commit then writes in one MULTI with its counts, its task messages and the key's
+        binding (the outbox: no record without its messages). The MULTI runs under a WATCH
+        of the key and of the record: it raises :class:`IdempotencyKeyBound`, writing
+        nothing and dropping the items, if the key names a job already; and a MULTI whose
+        reply was lost to a broken connection is not written twice (the WATCH makes redis-py
+        try again, which finds the record). Query ids must be unique; a spec may come as its
+        JSON already (the gateway's, which turns each slice of a big batch into strings as it
+        validates it)."""
+        batch = BatchJob(
+            id=_new_id(BATCH_ID_PREFIX),
+            tenant=tenant,
+            index=index,
+            lane=lane,
+            total=len(items),
+            created_at=_now(),
+            rerank=rerank,
+            webhook_url=webhook_url,
+        )
+        batch.counts = {s.value: 0 for s in _STATUSES}
+        batch.counts[JobStatus.QUEUED.value] = batch.total
+        bid = batch.id
+        self._stage_items(
+            bid, [(qid, s if isinstance(s, str) else s.model_dump_json()) for qid, s in items]
+        )
+        messages = list(enqueue(bid)) if enqueue is not None else []
+        binding = _idem_binding(claim, bid) if claim is not None else None
+        watched = [BATCH_KEY + bid] + ([binding[0]] if binding is not None else [])
+
+        def commit(pipe: redis.client.Pipeline) -> None:
+            if pipe.exists(BATCH_KEY + bid):
+                return  # this MULTI was applied, its reply lost
+            if binding is not None and claim is not None:
+                earlier = _bound(cast(str | None, pipe.get(binding[0])), claim.fingerprint)
+                if earlier is not None:
+                    pipe.unwatch()
+                    self.redis.delete(*_staged_keys(bid))
+                    raise IdempotencyKeyBound(earlier)
+            pipe.multi()
+            self._commit_batch(pipe, batch, messages)
+            if binding is not None:
+                name, value, ttl = binding
+                pipe.set(name, value, ex=ttl)
+
+        self.redis.transaction(commit, *watched)
+        return batch
+
+    def _stage_items(self, batch_id: str, specs: Sequence[tuple[str, str]]) -> None:
+        """Write a new batch's items (order, specs, statuses), ``BATCH_STAGE_SLICE`` per
+        command, living ``BATCH_STAGING_TTL_SECONDS`` until the commit keeps them: a gateway
+        that dies before its commit leaves nothing for long. One pipeline, which starts by
+        emptying the keys, so a retry of it (redis-py sends it again after a broken
+        connection) does not push the order twice."""
+        order, spec_key, item_key = _staged_keys(batch_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(order, spec_key, item_key)
+        for start in range(0, len(specs), BATCH_STAGE_SLICE):
+            part = specs[start : start + BATCH_STAGE_SLICE]
+            pipe.rpush(order, *[qid for qid, _ in part])
+            pipe.hset(spec_key, mapping=dict(part))
+            pipe.hset(item_key, mapping={qid: "queued" for qid, _ in part})
+        for key in (order, spec_key, item_key):
+            pipe.expire(key, BATCH_STAGING_TTL_SECONDS)
+        pipe.execute()
+
+    def _commit_batch(
+        self, pipe: redis.client.Pipeline, batch: BatchJob, messages: Sequence[tuple[str, str]]
+    ) -> None:
+        """Queue a new batch's commit in ``pipe``'s MULTI: its record, counts, the retention
+        of every key (its staged items' too), the queued count, the re-drive's active set
+        and its task messages."""
+        bid = batch.id
+        pipe.hset(
+            BATCH_KEY + bid,
+            mapping={
+                "tenant": batch.tenant,
+                "index": batch.index,
+                "lane": batch.lane,
+                "rerank": "" if batch.rerank is None else ("1" if batch.rerank else "0"),
+                "webhook_url": batch.webhook_url or "",
+                "total": str(batch.total),
+                "created_at": repr(batch.created_at),
+            },
+        )
+        pipe.hset(BATCH_COUNTS_KEY + bid, mapping={k: str(v) for k, v in batch.counts.items()})
+        # a placeholder field ("" is never a query id) so the key exists now and takes its TTL
+        pipe.hset(BATCH_RESULTS_KEY + bid, "", "")
+        for key in (BATCH_KEY, BATCH_COUNTS_KEY, BATCH_RESULTS_KEY):
+            pipe.expire(key + bid, self.result_ttl)
+        for key in _staged_keys(bid):
+            pipe.expire(key, self.result_ttl)
+        pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
+        if batch.lane != LANE_ECONOMY:  # the economy lane's items wait on provider batches
+            pipe.zadd(ACTIVE_JOBS_KEY, {bid: batch.created_at})
+        for key, raw in messages:
+            pipe.lpush(key, raw)
+
+    def get_batch(self, batch_id: str) -> BatchJob | None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(BATCH_KEY + batch_id)
+        pipe.hgetall(BATCH_COUNTS_KEY + batch_id)
+        raw, counts = cast(list[dict[str, str]], pipe.execute())
+        if not raw:
+            return None
+        rerank = raw.get("rerank", "")
+        return BatchJob(
+            id=batch_id,
+            tenant=raw["tenant"],
+            index=raw["index"],
+            lane=raw.get("lane", "standard"),
+            total=int(raw["total"]),
+            created_at=float(raw["created_at"]),
+            counts={s.value: int(counts.get(s.value, 0)) for s in _STATUSES},
+            rerank=None if rerank == "" else rerank == "1",
+            webhook_url=raw.get("webhook_url") or None,
+            canceled_at=_opt_float(raw.get("canceled_at")),
+            finished_at=_opt_float(raw.get("finished_at")),
+        )
+
+    def batch_query_ids(self, batch_id: str, start: int, stop: int) -> list[str]:
+        """Query ids ``start`` (inclusive) to ``stop`` (exclusive), in submission order."""
+        if stop <= start:
+            return []
+        return cast(list[str], self.redis.lrange(BATCH_ORDER_KEY + batch_id, start, stop - 1))
+
+    def batch_items(self, batch_id: str, query_ids: Sequence[str]) -> list[BatchItem]:
+        if not query_ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(BATCH_ITEMS_KEY + batch_id, list(query_ids))
+        pipe.hmget(BATCH_SPECS_KEY + batch_id, list(query_ids))
+        statuses, specs = cast(list[list[str | None]], pipe.execute())
+        items = []
+        for qid, status, spec in zip(query_ids, statuses, specs, strict=True):
+            if status is None:
+                continue
+            items.append(
+                BatchItem(
+                    qid, JobStatus(status), SearchSpec.model_validate_json(spec) if spec else None
+                )
+            )
+        return items
+
+    def start_item(self, batch_id: str, query_id: str) -> bool:
+        """queued (or running, on redelivery) -> running. False if final, canceled or missing,
+        or if its batch has been canceled (then the item is canceled instead)."""
+        return self.begin_item(batch_id, query_id).started
+
+    def begin_item(self, batch_id: str, query_id: str) -> ItemTransition:
+        """:meth:`start_item`, answering the transition: ``canceled`` (and maybe
+        ``batch_completed``) when the batch's cancel mark canceled the item instead."""
+        return self._item(batch_id, query_id, *_START_ITEM)
+
+    def check_item(self, batch_id: str, query_id: str) -> ItemTransition:
+        """Before a running item's model call: if its batch has been canceled, running ->
+        canceled (``canceled`` set; go no further), else nothing changes (``applied``: go
+        on). Not ``applied``: the item is no longer running (finished by another
+        delivery); go no further either. One script, one round trip, shared with other
+        threads' transitions."""
+        return self._item(batch_id, query_id, *_CHECK_ITEM)
+
+    def batch_canceled(self, batch_id: str) -> bool:
+        """Whether a cancel has marked the batch (one ``HEXISTS``; :meth:`check_item` is
+        what acts on it, atomically)."""
+        return bool(self.redis.hexists(BATCH_KEY + batch_id, "canceled_at"))
+
+    def requeue_item(self, batch_id: str, query_id: str) -> bool:
+        return self._item(batch_id, query_id, JobStatus.QUEUED, "running", "", False).applied
+
+    def finish_item(
+        self,
+        batch_id: str,
+        query_id: str,
+        *,
+        result: SearchResult | None = None,
+        error: ErrorInfo | None = None,
+    ) -> ItemTransition:
+        """-> succeeded or failed, at most once; says whether that completed the batch."""
+        transition, _ = self.finish_and_start_item(batch_id, query_id, result=result, error=error)
+        return transition
+
+    def finish_and_start_item(
+        self,
+        batch_id: str,
+        query_id: str,
+        *,
+        result: SearchResult | None = None,
+        error: ErrorInfo | None = None,
+        start: tuple[str, str] | None = None,
+    ) -> tuple[ItemTransition, ItemTransition | None]:
+        """:meth:`finish_item`, then :meth:`begin_item` of ``start`` (batch id, query id; of
+        any batch), in one round trip: a thread that runs items back to back pays one per
+        item. Answers the finish, and the start's transition (None without ``start``)."""
+        if error is not None:
+            status, payload = JobStatus.FAILED, '{"error":' + error.model_dump_json() + "}"
+        else:
+            assert result is not None
+            status, payload = JobStatus.SUCCEEDED, '{"result":' + result.model_dump_json() + "}"
+        moves: list[_Move] = [(batch_id, query_id, status, "queued,running", payload, False)]
+        if start is not None:
+            moves.append((*start, *_START_ITEM))
+        transitions = self._items(moves)
+        return transitions[0], transitions[1] if start is not None else None
+
+    def cancel_batch(self, batch_id: str) -> tuple[int, bool] | CancelOutcome:
+        """Mark the batch canceled and cancel every item still queued; an item already
+        taken by a worker is canceled when it next checks the mark (before it starts and
+        before its model call). Returns (canceled now, batch completed now); a missing or
+        finished batch changes nothing and returns why."""
+        keys = [
+            BATCH_ITEMS_KEY + batch_id,
+            BATCH_COUNTS_KEY + batch_id,
+            BATCH_KEY + batch_id,
+            STATS_KEY,
+            ACTIVE_JOBS_KEY,
+        ]
+        canceled, completed = cast(
+            list[int], self._cancel_batch(keys=keys, args=[repr(_now()), batch_id])
+        )
+        if canceled == -1:
+            return CancelOutcome.MISSING
+        if canceled == -2:
+            return CancelOutcome.ALREADY_FINISHED
+        return int(canceled), bool(completed)
+
+    def batch_results(self, batch_id: str, start: int, count: int) -> list[ItemOutcome]:
+        """``count`` results from position ``start``, in submission order."""
+        qids = self.batch_query_ids(batch_id, start, start + count)
+        if not qids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(BATCH_ITEMS_KEY + batch_id, qids)
+        pipe.hmget(BATCH_RESULTS_KEY + batch_id, qids)
+        statuses, outcomes = cast(list[list[str | None]], pipe.execute())
+        return [
+            ItemOutcome(qid, JobStatus(status or "queued"), outcome or None)
+            for qid, status, outcome in zip(qids, statuses, outcomes, strict=True)
+        ]
+
+    def cancel_item(self, batch_id: str, query_id: str) -> ItemTransition:
+        """queued or running -> canceled (the provider canceled its request), at most once."""
+        return self._item(batch_id, query_id, JobStatus.CANCELED, "queued,running", "", False)
+
+    def query_ids_at(self, batch_id: str, positions: Sequence[int]) -> list[str | None]:
+        """The query ids at these positions of the submission order (None past the end)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for position in positions:
+            pipe.lindex(BATCH_ORDER_KEY + batch_id, position)
+        return cast(list[str | None], pipe.execute())

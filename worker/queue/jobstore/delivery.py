@@ -1,0 +1,88 @@
+"""What the queue machinery reads and counts beside the records: each task message's
+deliveries, the queued and running gauge, the re-drive's view (:mod:`worker.queue.redrive`)
+of the jobs not final yet, and broker messages pushed as kombu's Redis does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+from worker.constants import (
+    ACTIVE_JOBS_KEY,
+    ATTEMPTS_KEY,
+    ATTEMPTS_TTL_SECONDS,
+    BATCH_ITEMS_KEY,
+    BATCH_ORDER_KEY,
+    REDRIVE_COUNT_KEY,
+    STATS_KEY,
+)
+from worker.contract import JobStatus
+from worker.queue.jobstore.records import _in_flight, _now
+from worker.queue.jobstore.store import _StoreCore
+
+
+def _attempts_key(task_id: str, retry: int) -> str:
+    return f"{ATTEMPTS_KEY}{task_id}:{retry}"
+
+
+class DeliveryRecords(_StoreCore):
+    """Delivery counters, the active set and the re-drive's counters, and raw task messages."""
+
+    def count_delivery(self, task_id: str, retry: int) -> int:
+        """How many times this message (task id, retry number) has been delivered, this one too."""
+        return self._increment(_attempts_key(task_id, retry), ATTEMPTS_TTL_SECONDS)
+
+    def set_deliveries(self, task_id: str, retry: int, count: int) -> None:
+        """Start a message's delivery counter at ``count`` (a re-drive past its cap is sent
+        already spent, so the task takes its poison path)."""
+        self.redis.set(_attempts_key(task_id, retry), count, ex=ATTEMPTS_TTL_SECONDS)
+
+    def in_flight(self) -> dict[str, int]:
+        """Searches and batch items queued and running now, across the deployment."""
+        return _in_flight(cast(dict[str, str], self.redis.hgetall(STATS_KEY)))
+
+    def stalled_jobs(self, idle_seconds: float) -> list[str]:
+        """Search, ingest and standard-lane batch ids not final whose status last changed more than
+        ``idle_seconds`` ago, the longest idle first. Forgets ids idle past the retention."""
+        now = _now()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zremrangebyscore(ACTIVE_JOBS_KEY, "-inf", now - self.result_ttl)
+        pipe.zrangebyscore(ACTIVE_JOBS_KEY, "-inf", now - idle_seconds)
+        _, ids = pipe.execute()
+        return cast(list[str], ids)
+
+    def forget_active(self, job_id: str) -> None:
+        """Drop a job from the active set (its record is gone, or it is final)."""
+        self.redis.zrem(ACTIVE_JOBS_KEY, job_id)
+
+    def pending_positions(self, batch_id: str) -> list[int] | None:
+        """The submission positions of a batch's items still queued or running (None: no
+        such batch)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.lrange(BATCH_ORDER_KEY + batch_id, 0, -1)
+        pipe.hgetall(BATCH_ITEMS_KEY + batch_id)
+        order, statuses = cast(tuple[list[str], dict[str, str]], pipe.execute())
+        if not order:
+            return None
+        pending = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
+        return [i for i, qid in enumerate(order) if statuses.get(qid) in pending]
+
+    def count_redrive(self, job_id: str) -> int:
+        """Count one more re-drive of this job; answers how many there have been."""
+        return self._increment(REDRIVE_COUNT_KEY + job_id, self.result_ttl)
+
+    def push_messages(self, messages: Sequence[tuple[str, str]]) -> None:
+        """LPUSH ready-made broker messages, (list key, raw message), as kombu's Redis does."""
+        pipe = self.redis.pipeline(transaction=False)
+        for key, raw in messages:
+            pipe.lpush(key, raw)
+        pipe.execute()
+
+    def _increment(self, key: str, ttl: int) -> int:
+        """Add one to the counter at ``key`` and (re)start its TTL; answers the new count."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.incr(key)
+        pipe.expire(key, ttl)
+        count, _ = pipe.execute()
+        return int(count)

@@ -1,0 +1,123 @@
+"""Ingest records: documents to upsert into one index, held until the ingest task has run."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import cast
+
+import redis
+
+from worker.constants import (
+    ACTIVE_JOBS_KEY,
+    INGEST_DOCS_KEY,
+    INGEST_DOCS_TTL_SECONDS,
+    INGEST_ID_PREFIX,
+    INGEST_KEY,
+)
+from worker.contract import DocumentIn, ErrorInfo, JobStatus
+from worker.queue.jobstore.records import Enqueue, IngestJob, _new_id, _now, _opt_float
+from worker.queue.jobstore.store import _StoreCore
+
+
+def _stage_messages(pipe: redis.client.Pipeline, enqueue: Enqueue | None, job_id: str) -> None:
+    """Queue the job's task messages in the same MULTI as its record (an outbox)."""
+    if enqueue is not None:
+        for key, raw in enqueue(job_id):
+            pipe.lpush(key, raw)
+
+
+class IngestRecords(_StoreCore):
+    """One ingest job each, and its pending documents; ingests are not in the queued and
+    running gauge (``STATS_UNTRACKED_KEY``)."""
+
+    def create_ingest(
+        self,
+        tenant: str,
+        index: str,
+        documents: Sequence[DocumentIn],
+        *,
+        enqueue: Enqueue | None = None,
+    ) -> IngestJob:
+        job = IngestJob(
+            id=_new_id(INGEST_ID_PREFIX),
+            tenant=tenant,
+            index=index,
+            status=JobStatus.QUEUED,
+            documents=len(documents),
+            created_at=_now(),
+        )
+        key = INGEST_KEY + job.id
+        payload = json.dumps([d.model_dump() for d in documents], separators=(",", ":"))
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(INGEST_DOCS_KEY + job.id, payload, ex=INGEST_DOCS_TTL_SECONDS)
+        pipe.hset(
+            key,
+            mapping={
+                "kind": "ingest",
+                "tenant": tenant,
+                "index": index,
+                "status": job.status.value,
+                "documents": str(job.documents),
+                "created_at": repr(job.created_at),
+            },
+        )
+        pipe.expire(key, self.result_ttl)
+        pipe.zadd(ACTIVE_JOBS_KEY, {job.id: job.created_at})  # watched by the re-drive
+        _stage_messages(pipe, enqueue, job.id)
+        pipe.execute()
+        return job
+
+    def get_ingest(self, job_id: str) -> IngestJob | None:
+        raw = cast(dict[str, str], self.redis.hgetall(INGEST_KEY + job_id))
+        if not raw or raw.get("kind") != "ingest":
+            return None
+        return IngestJob(
+            id=job_id,
+            tenant=raw["tenant"],
+            index=raw["index"],
+            status=JobStatus(raw["status"]),
+            documents=int(raw["documents"]),
+            created_at=float(raw["created_at"]),
+            started_at=_opt_float(raw.get("started_at")),
+            finished_at=_opt_float(raw.get("finished_at")),
+            upserted=int(raw["upserted"]) if raw.get("upserted") else None,
+            error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
+        )
+
+    def get_ingest_status(self, job_id: str) -> JobStatus | None:
+        return self._status(INGEST_KEY + job_id)
+
+    def ingest_documents(self, job_id: str) -> list[DocumentIn] | None:
+        raw = cast(str | None, self.redis.get(INGEST_DOCS_KEY + job_id))
+        if raw is None:
+            return None
+        return [DocumentIn.model_validate(d) for d in json.loads(raw)]
+
+    def start_ingest(self, job_id: str) -> bool:
+        return self._job(
+            INGEST_KEY,
+            job_id,
+            JobStatus.RUNNING,
+            "queued,running",
+            {"started_at": repr(_now())},
+            count=False,
+        )
+
+    def requeue_ingest(self, job_id: str) -> bool:
+        return self._job(INGEST_KEY, job_id, JobStatus.QUEUED, "running", count=False)
+
+    def finish_ingest(
+        self, job_id: str, *, upserted: int | None = None, error: ErrorInfo | None = None
+    ) -> bool:
+        fields: dict[str, str] = {"finished_at": repr(_now())}
+        if error is not None:
+            status = JobStatus.FAILED
+            fields["error"] = error.model_dump_json()
+        else:
+            status = JobStatus.SUCCEEDED
+            fields["upserted"] = str(upserted or 0)
+        applied = self._job(INGEST_KEY, job_id, status, "queued,running", fields, count=False)
+        if applied:
+            self.redis.delete(INGEST_DOCS_KEY + job_id)
+        return applied

@@ -1,0 +1,68 @@
+"""The economy lane's state of a batch (:mod:`worker.queue.economy`): its prepared searches,
+its runs and provider batches (``ECONOMY_*_KEY`` hashes), and its once-only claims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import cast
+
+from worker.constants import (
+    BATCH_COUNTS_KEY,
+    BATCH_KEY,
+    ECONOMY_PREPARED_KEY,
+    ECONOMY_STATE_KEY,
+)
+from worker.queue.jobstore.records import FINAL, _now
+from worker.queue.jobstore.store import _StoreCore
+
+
+class EconomyLaneRecords(_StoreCore):
+    """The economy lane's hashes of one batch, living as long as its record."""
+
+    def economy_save(self, batch_id: str, key: str, values: dict[str, str]) -> None:
+        """HSET ``values`` into one of the batch's economy hashes (``ECONOMY_*_KEY``)."""
+        if not values:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key + batch_id, mapping={k: v for k, v in values.items()})
+        pipe.expire(key + batch_id, self.result_ttl)
+        pipe.execute()
+
+    def economy_get(self, batch_id: str, key: str, fields: Sequence[str]) -> list[str | None]:
+        if not fields:
+            return []
+        return cast(list[str | None], self.redis.hmget(key + batch_id, list(fields)))
+
+    def economy_all(self, batch_id: str, key: str) -> dict[str, str]:
+        return cast(dict[str, str], self.redis.hgetall(key + batch_id))
+
+    def economy_fields(self, batch_id: str, key: str) -> list[str]:
+        return cast(list[str], self.redis.hkeys(key + batch_id))
+
+    def economy_drop(self, batch_id: str, key: str, fields: Sequence[str]) -> None:
+        if fields:
+            self.redis.hdel(key + batch_id, *fields)
+
+    def economy_claim(self, batch_id: str, claim: str) -> bool:
+        """True for the first caller only: e.g. the one chunk that enqueues the submission."""
+        key = ECONOMY_STATE_KEY + batch_id
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hsetnx(key, claim, repr(_now()))
+        pipe.expire(key, self.result_ttl)
+        won, _ = pipe.execute()
+        return bool(won)
+
+    def economy_settled(self, batch_id: str) -> bool:
+        """True once every item of the batch is final or prepared (its prompt waits to go)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hlen(ECONOMY_PREPARED_KEY + batch_id)
+        pipe.hmget(BATCH_COUNTS_KEY + batch_id, [s.value for s in FINAL])
+        pipe.hget(BATCH_KEY + batch_id, "total")
+        prepared, finals, total = pipe.execute()
+        done = int(prepared) + sum(int(n or 0) for n in finals)
+        return total is not None and done >= int(total)
+
+    def economy_delete(self, batch_id: str) -> None:
+        """Forget a finished batch's prepared searches (the biggest economy key)."""
+        self.redis.delete(ECONOMY_PREPARED_KEY + batch_id)

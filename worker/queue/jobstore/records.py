@@ -1,0 +1,162 @@
+"""What the job store hands out: the search, ingest and batch records, a batch's items and
+their outcomes, and the small helpers the record kinds share (ids, times, the webhook
+message).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec
+
+# Given a new job's id, the broker messages to write with its record: (list key, raw message).
+Enqueue = Callable[[str], Sequence[tuple[str, str]]]
+
+FINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
+_STATUSES = tuple(JobStatus)
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def _opt_float(value: str | None) -> float | None:
+    return float(value) if value else None
+
+
+def _in_flight(stats: dict[str, str]) -> dict[str, int]:
+    return {s: max(0, int(stats.get(s, 0))) for s in ("queued", "running")}
+
+
+@dataclass(slots=True)
+class SearchJob:
+    """One search job as the store holds it."""
+
+    id: str
+    tenant: str
+    status: JobStatus
+    spec: SearchSpec
+    created_at: float
+    webhook_url: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    result: SearchResult | None = None
+    error: ErrorInfo | None = None
+
+
+@dataclass(slots=True)
+class IngestJob:
+    """One ingest job: documents upserted into one index for one tenant."""
+
+    id: str
+    tenant: str
+    index: str
+    status: JobStatus
+    documents: int
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    upserted: int | None = None
+    error: ErrorInfo | None = None
+
+
+@dataclass(slots=True)
+class BatchJob:
+    """One batch: its settings and the live counts of its items by status."""
+
+    id: str
+    tenant: str
+    index: str
+    lane: str
+    total: int
+    created_at: float
+    counts: dict[str, int] = field(default_factory=dict)
+    rerank: bool | None = None
+    webhook_url: str | None = None
+    canceled_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def status(self) -> JobStatus:
+        """Once every item is final: ``canceled`` if a cancel canceled at least one item,
+        else ``succeeded`` (a cancel that came when every item was past its model call
+        changed nothing, so it does not show). ``canceled_at`` says when a cancel came."""
+        if self.finished_at is not None:
+            if self.counts.get(JobStatus.CANCELED.value, 0) > 0:
+                return JobStatus.CANCELED
+            return JobStatus.SUCCEEDED
+        if self.counts.get("queued", 0) == self.total and self.canceled_at is None:
+            return JobStatus.QUEUED
+        return JobStatus.RUNNING
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One batch item with the spec it was submitted with."""
+
+    query_id: str
+    status: JobStatus
+    spec: SearchSpec | None
+
+
+@dataclass(frozen=True, slots=True)
+class ItemOutcome:
+    """One line of a batch's results; ``payload`` is the stored ``{"result"}`` or ``{"error"}``."""
+
+    query_id: str
+    status: JobStatus
+    payload: str | None = None
+
+    def to_json(self) -> str:
+        """``{"query_id","status","result"?,"error"?}`` without re-parsing the stored payload."""
+        head = '{"query_id":' + json.dumps(self.query_id) + ',"status":"' + self.status.value + '"'
+        if self.payload and len(self.payload) > 2:
+            return head + "," + self.payload[1:]
+        return head + "}"
+
+
+@dataclass(frozen=True, slots=True)
+class ItemTransition:
+    """What one item move did. ``canceled``: the batch had been canceled, so the move (a
+    start, or the check before the model call) canceled the item instead."""
+
+    applied: bool
+    batch_completed: bool = False
+    canceled: bool = False
+
+    @property
+    def started(self) -> bool:
+        """A start that applied and was not turned into a cancel: run the item."""
+        return self.applied and not self.canceled
+
+
+class CancelOutcome(StrEnum):
+    """Why :meth:`JobStore.cancel_batch` changed nothing."""
+
+    MISSING = "missing"
+    ALREADY_FINISHED = "already_finished"
+
+
+def webhook_event(
+    event_type: str, job_id: str, tenant: str, url: str, status: str
+) -> dict[str, Any]:
+    """The message a ``sift.webhook`` task gets. ``webhook_id`` is stable across retries."""
+    return {
+        "webhook_id": f"msg_{job_id}",
+        "type": event_type,
+        "occurred_at": datetime.now(UTC).isoformat(),
+        "tenant": tenant,
+        "url": url,
+        "data": {"id": job_id, "status": status},
+    }

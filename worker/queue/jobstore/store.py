@@ -1,0 +1,252 @@
+"""The store's core: how it connects, and the script plumbing every kind of record shares.
+
+A job's or an item's status change goes through :meth:`_StoreCore._job` or
+:meth:`_StoreCore._items`; both hand their script calls to one coalescer, so the calls that
+threads make while one round trip is out go together in the next, on the store's own
+connection.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, Self, cast
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.commands.core import Script
+from redis.exceptions import NoScriptError
+from redis.maint_notifications import MaintNotificationsConfig
+from redis.retry import Retry
+
+from worker.coalesce import Coalescer
+from worker.constants import (
+    ACTIVE_JOBS_KEY,
+    BATCH_COUNTS_KEY,
+    BATCH_ITEMS_KEY,
+    BATCH_KEY,
+    BATCH_RESULTS_KEY,
+    RESULT_TTL_SECONDS,
+    STATS_KEY,
+    STATS_UNTRACKED_KEY,
+)
+from worker.contract import ErrorInfo, JobStatus, SearchResult
+from worker.queue.jobstore.records import ItemTransition, _now
+from worker.queue.jobstore.scripts import (
+    _CANCEL_BATCH,
+    _CLAIM_IDEMPOTENCY,
+    _CREATE_SEARCH,
+    _RELEASE_IDEMPOTENCY,
+    _TRANSITION_ITEM,
+    _TRANSITION_JOB,
+)
+
+# How both stores connect: text replies, and no call left hanging on a dead connection.
+# Maintenance notifications (a Redis Enterprise/Cloud feature, on by default with RESP3 in
+# redis-py 8) make the pool skip its check-out probe, so redis.asyncio 8.1 hands out a
+# connection the server closed (redis/redis-py#4252; the sync pool with hiredis: #4128):
+# the first command after a Redis restart failed. Off, a closed connection is replaced
+# before anything is written to it.
+CONNECTION_OPTIONS: dict[str, Any] = {
+    "decode_responses": True,
+    "socket_connect_timeout": 5,
+    "socket_timeout": 30,
+    "health_check_interval": 30,
+    "maint_notifications_config": MaintNotificationsConfig(enabled=False),
+}
+
+
+_ScriptCall = tuple[Script, list[str], list[str]]  # a registered script, its keys and args
+# to, allowed-from, outcome, and whether the batch's cancel mark turns the move into a cancel
+_START_ITEM = (JobStatus.RUNNING, "queued,running", "", True)
+_CHECK_ITEM = (JobStatus.RUNNING, "running", "", True)  # before the model call
+_Move = tuple[str, str, JobStatus, str, str, bool]  # batch id, query id, then as above
+
+
+def _rerun(call: _ScriptCall) -> Any:
+    """A script call made through redis-py, which loads the script first if need be; its
+    reply, or its error."""
+    script, keys, args = call
+    try:
+        return script(keys=keys, args=args)
+    except redis.RedisError as exc:
+        return exc
+
+
+class _StoreCore:
+    """The connection, the registered scripts and the status transitions: the base of each
+    record kind's methods, which :class:`~worker.queue.jobstore.JobStore` puts together."""
+
+    def __init__(self, client: redis.Redis, *, result_ttl: int = RESULT_TTL_SECONDS) -> None:
+        self.redis = client
+        self.result_ttl = result_ttl
+        self._transition_job = client.register_script(_TRANSITION_JOB)
+        self._transition_item = client.register_script(_TRANSITION_ITEM)
+        self._cancel_batch = client.register_script(_CANCEL_BATCH)
+        self._create_search = client.register_script(_CREATE_SEARCH)
+        self._claim_idempotency = client.register_script(_CLAIM_IDEMPOTENCY)
+        self._release_idempotency = client.register_script(_RELEASE_IDEMPOTENCY)
+        # status transitions that threads ask for while one round trip is out go together
+        # in the next (a worker's hundreds of threads each make two per search)
+        self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
+            self._run_scripts, size=len
+        )
+        self._own: Any = None  # the transitions' connection (see _evalsha_all)
+        self._own_pid = 0
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, max_connections: int | None = None, outage_seconds: float = 0.0
+    ) -> Self:
+        """A store on ``url``. With ``max_connections``, a thread that finds every connection
+        busy waits for one (up to 20 s) instead of failing its job. With ``outage_seconds``,
+        a command that meets a refused or broken connection is retried, backing off from
+        50 ms to 1 s, for about that long (a Redis restart), instead of failing its job;
+        otherwise redis-py's default applies (3 quick retries)."""
+        options: dict[str, Any] = dict(CONNECTION_OPTIONS)
+        if outage_seconds > 0:
+            # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 s, then 1 s a retry
+            options["retry"] = Retry(
+                ExponentialBackoff(cap=1.0, base=0.05), retries=int(outage_seconds) + 4
+            )
+        if max_connections is None:
+            return cls(redis.Redis.from_url(url, **options))
+        pool = redis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=20, **options
+        )
+        return cls(redis.Redis(connection_pool=pool))
+
+    def close(self) -> None:
+        """Close the client and its pool's connections (a pool given to redis-py explicitly,
+        as ``from_url(max_connections=)`` does, is not closed by ``Redis.close``)."""
+        self.redis.close()
+        self.redis.connection_pool.disconnect()
+        if self._own is not None:
+            self._own.disconnect()
+
+    def ping(self) -> bool:
+        return bool(self.redis.ping())
+
+    def _status(self, key: str) -> JobStatus | None:
+        value = cast(str | None, self.redis.hget(key, "status"))
+        return JobStatus(value) if value else None
+
+    def _finish(
+        self, prefix: str, job_id: str, *, result: SearchResult | None, error: ErrorInfo | None
+    ) -> bool:
+        fields: dict[str, str] = {"finished_at": repr(_now())}
+        if error is not None:
+            status = JobStatus.FAILED
+            fields["error"] = error.model_dump_json()
+        else:
+            assert result is not None
+            status = JobStatus.SUCCEEDED
+            fields["result"] = result.model_dump_json()
+        return self._job(prefix, job_id, status, "queued,running", fields)
+
+    def _job(
+        self,
+        prefix: str,
+        job_id: str,
+        to: JobStatus,
+        allowed: str,
+        fields: dict[str, str] | None = None,
+        *,
+        count: bool = True,
+    ) -> bool:
+        args: list[str] = [to.value, allowed, str(self.result_ttl), repr(_now()), job_id]
+        for name, value in (fields or {}).items():
+            args += [name, value]
+        stats = STATS_KEY if count else STATS_UNTRACKED_KEY
+        keys = [prefix + job_id, stats, ACTIVE_JOBS_KEY]
+        (code,) = self._transitions.call([(self._transition_job, keys, args)])
+        if isinstance(code, Exception):
+            raise code
+        return int(code) == 1
+
+    def _item(
+        self,
+        batch_id: str,
+        query_id: str,
+        to: JobStatus,
+        allowed: str,
+        payload: str,
+        cancelable: bool,
+    ) -> ItemTransition:
+        (transition,) = self._items([(batch_id, query_id, to, allowed, payload, cancelable)])
+        return transition
+
+    def _items(self, moves: Sequence[_Move]) -> list[ItemTransition]:
+        """Item transitions (batch id, query id, to, allowed-from, outcome JSON or '', and
+        whether the batch's cancel mark makes it a cancel), in order, in one round trip."""
+        now = repr(_now())
+        calls: list[_ScriptCall] = [
+            (
+                self._transition_item,
+                [
+                    BATCH_ITEMS_KEY + batch_id,
+                    BATCH_RESULTS_KEY + batch_id,
+                    BATCH_COUNTS_KEY + batch_id,
+                    BATCH_KEY + batch_id,
+                    STATS_KEY,
+                    ACTIVE_JOBS_KEY,
+                ],
+                [query_id, to.value, allowed, payload, now, batch_id, "1" if cancelable else ""],
+            )
+            for batch_id, query_id, to, allowed, payload, cancelable in moves
+        ]
+        first, *rest = self._transitions.call(calls)
+        if isinstance(first, Exception):
+            raise first
+        # a later move that failed did not apply: the first one did, and is what counts
+        replies = [first] + [[0, 0] if isinstance(reply, Exception) else reply for reply in rest]
+        return [
+            ItemTransition(
+                applied=int(code) >= 1,
+                batch_completed=int(code) == 2,
+                canceled=int(code) >= 1 and int(canceled) == 1,
+            )
+            for code, canceled in replies
+        ]
+
+    def _run_scripts(self, requests: list[list[_ScriptCall]]) -> list[list[Any]]:
+        """Each request's script calls, all in one round trip; each call's reply, or its
+        error, in its place. One the server no longer holds (a restart empties its script
+        cache) runs again on its own, which loads it."""
+        replies = self._evalsha_all([call for request in requests for call in request])
+        answers: list[list[Any]] = []
+        at = 0
+        for request in requests:
+            answers.append(
+                [
+                    _rerun(call) if isinstance(reply, NoScriptError) else reply
+                    for call, reply in zip(request, replies[at : at + len(request)], strict=True)
+                ]
+            )
+            at += len(request)
+        return answers
+
+    def _evalsha_all(self, calls: list[_ScriptCall]) -> list[Any]:
+        """``EVALSHA`` of every call, written at once and read back on the store's own
+        connection, retried the way the client's commands are. The coalescer makes one call
+        at a time, so one connection serves it, with none of a pool checkout's checks."""
+        commands = [
+            ("EVALSHA", script.sha, len(keys), *keys, *args) for script, keys, args in calls
+        ]
+        if self._own is None or self._own_pid != os.getpid():
+            self._own, self._own_pid = self.redis.connection_pool.make_connection(), os.getpid()
+        conn = self._own
+
+        def send_and_read() -> list[Any]:
+            conn.send_packed_command(conn.pack_commands(commands))
+            replies: list[Any] = []
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response())
+                except redis.ResponseError as exc:  # the script's own error, or NOSCRIPT
+                    replies.append(exc)
+            return replies
+
+        return cast(
+            list[Any], conn.retry.call_with_retry(send_and_read, lambda _: conn.disconnect())
+        )
