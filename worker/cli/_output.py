@@ -60,8 +60,19 @@ def print_result(console: Console, result: dict[str, Any], *, title: str | None 
             f"{usage.get('input_tokens', 0)} input + {usage.get('output_tokens', 0)} output "
             f"tokens, cache read {usage.get('cache_read_input_tokens', 0)}, "
             f"cache write {usage.get('cache_creation_input_tokens', 0)}, "
-            f"${float(usage.get('cost_usd', 0.0)):.6f}"
+            f"{format_cost(usage.get('cost_usd'))}"
         )
+
+
+def format_cost(cost: float | None) -> str:
+    """A cost for a person: dollars, or ``unpriced`` when the model had no price (``null``).
+
+    >>> format_cost(0.5), format_cost(None)
+    ('$0.500000', 'unpriced (no price for the model: SIFT_PRICES)')
+    """
+    if cost is None:
+        return "unpriced (no price for the model: SIFT_PRICES)"
+    return f"${float(cost):.6f}"
 
 
 def sample_path(name: str) -> Path:
