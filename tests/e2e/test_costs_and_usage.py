@@ -5,6 +5,7 @@ counted in ``sift_rerank_unpriced_calls_total`` and warned about when the worker
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,23 @@ def test_a_failed_rerank_reports_its_billed_usage_on_the_job(stack: Stack, corpu
     expected = cost_usd(TokenUsage(**billed), price_for(MODEL, DEFAULT_PRICES))
     assert expected is not None and expected > 0
     assert usage["cost_usd"] == pytest.approx(expected)
+
+
+def test_a_failed_batch_item_reports_its_billed_usage(stack: Stack, corpus: object) -> None:
+    before = stack.model.usage()
+    stack.model.script([malformed("still not json")] * 3)
+    body = {"index": INDEX, "rerank": True, "queries": [{"id": "q1", "query": "green tea"}]}
+    batch = stack.live.post("/v1/batches", json=body, headers=ACME).json()
+    deadline = time.monotonic() + 30
+    while not batch["finished_at"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        batch = stack.live.get(f"/v1/batches/{batch['id']}", headers=ACME).json()
+    billed = _delta(stack.model.usage(), before)
+    [item] = stack.live.get(f"/v1/batches/{batch['id']}/results", headers=ACME).json()["results"]
+    assert item["status"] == "failed", item
+    usage = item["error"]["usage"]
+    assert usage["requests"] == 3 and billed["input_tokens"] > 0
+    assert {name: usage[name] for name in USAGE_FIELDS} == billed
 
 
 def test_a_failure_before_any_model_call_has_no_usage(stack: Stack, corpus: object) -> None:
