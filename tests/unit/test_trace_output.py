@@ -35,6 +35,8 @@ def test_the_compact_trace_says_what_was_kept_dropped_tried_and_used() -> None:
     assert f"2 request(s), {USAGE.input_tokens} input + {USAGE.output_tokens} output" in usage
     assert "$0.00" in usage
     assert "retrieval: mode hybrid, bm25 " in text and "30 candidate(s)" in text
+    [timings] = [line for line in lines if line.startswith("timings: ")]
+    assert "embed " in timings and "bm25 " in timings and "knn " in timings
     # compact: no candidate's text, and a handful of lines for 30 candidates
     assert all(c["text"] not in text for c in trace["candidates"])
     assert len(lines) <= 10
@@ -54,4 +56,5 @@ def test_no_rerank_is_one_line_after_retrieval() -> None:
     pipeline, _, _ = make()
     result = pipeline.search(spec(include_trace=True), "acme")
     assert result.trace is not None
-    assert trace_lines(result.trace)[1:] == ["rerank: not asked"]
+    assert trace_lines(result.trace)[-1] == "rerank: not asked"
+    assert len(trace_lines(result.trace)) == 3  # retrieval, timings, rerank

@@ -100,6 +100,9 @@ def trace_lines(trace: dict[str, Any]) -> list[str]:
         f"{len(candidates)} candidate(s) (coarse limit {trace.get('coarse_limit')}, "
         f"window {trace.get('channel_window')})"
     ]
+    timings = trace.get("retrieval_seconds") or {}
+    if timings:
+        lines.append("timings: " + ", ".join(f"{k} {_seconds(v)}" for k, v in timings.items()))
     if not trace.get("policy"):
         lines.append("rerank: not asked")
         return lines

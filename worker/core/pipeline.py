@@ -221,10 +221,12 @@ class SearchPipeline:
         coarse = coarse_limit(spec.limit, self.config.candidate_limit, reranking)
 
         vector = None
+        seconds: dict[str, float] = {}
         if "knn" in channels:
             started = self._clock()
             vector = self.embedder.embed([query])[0]
-            self.recorder.retrieval(self.backend.name, "embed", self._clock() - started)
+            seconds["embed"] = self._clock() - started
+            self.recorder.retrieval(self.backend.name, "embed", seconds["embed"])
         channel_query = ChannelQuery(
             index=spec.index,
             filters=HardFilters(tenant=tenant, fields=dict(spec.filters)),
@@ -250,6 +252,7 @@ class SearchPipeline:
             "channel_window": channel_query.size,
             "channel_counts": {channel: len(hits) for channel, hits in results.hits.items()},
             "fused_by_backend": results.fused is not None,
+            "retrieval_seconds": {**seconds, **results.seconds},
         }
 
         if not reranking or not candidates:
