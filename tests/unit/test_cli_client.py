@@ -349,7 +349,7 @@ def test_search_trace_is_compact(fake_gateway: FakeGateway) -> None:
     assert fake_gateway.posted("/v1/searches")[0]["include_trace"] is True
     assert "kept: 2 (doc-2)" in result.output
     assert "dropped: 2 (duplicate), 7 (out_of_range)" in result.output
-    assert "attempts: #1 ok 0.80 s; rerank 0.81 s" in result.output
+    assert "attempts: #1 ok 800.0 ms; rerank 810.0 ms" in result.output
     assert "the full text of candidate" not in result.output
 
 

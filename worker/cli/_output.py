@@ -76,7 +76,14 @@ def format_cost(cost: float | None) -> str:
 
 
 def _seconds(value: Any) -> str:
-    return f"{float(value):.2f} s" if isinstance(value, int | float) else "?"
+    """A duration for a person: milliseconds under a second (retrieval takes a few).
+
+    >>> _seconds(0.0042), _seconds(1.5), _seconds(None)
+    ('4.2 ms', '1.50 s', '?')
+    """
+    if not isinstance(value, int | float):
+        return "?"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
 def trace_lines(trace: dict[str, Any]) -> list[str]:
