@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from api_gateway.auth import KeyRing
 from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
+from api_gateway.docs import install_docs
 from api_gateway.errors import ErrorBody, install_error_handlers
 from api_gateway.jobs import router
 from api_gateway.metrics import GatewayMetrics
@@ -90,6 +91,8 @@ def create_app(
         version="1.0.0",
         summary="Queue-based hybrid search with a listwise LLM rerank",
         lifespan=lifespan,
+        docs_url=None,  # served from local assets by install_docs
+        redoc_url=None,
     )
     preregister(queues=ALL_QUEUES)
     app.state.settings = settings
@@ -98,6 +101,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     document_bodies(app)
+    install_docs(app)
 
     @app.get("/healthz", response_model=Health, tags=["ops"], summary="The process is up")
     async def healthz() -> Health:

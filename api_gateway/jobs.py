@@ -107,6 +107,12 @@ BUSY: dict[int | str, dict[str, Any]] = {
         "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}},
     }
 }
+LOCATION_HEADER: dict[str, dict[str, Any]] = {
+    "Location": {
+        "schema": {"type": "string"},
+        "description": "The job's URL, to poll (a path on this gateway).",
+    }
+}
 POLL_MIN_SECONDS = 0.005
 POLL_MAX_SECONDS = 0.1
 _ID_DIGITS = re.compile(r"[0-9a-f]{32}")
@@ -207,6 +213,19 @@ async def _poll(
     return current
 
 
+def _location(request: Request, route: str, **params: str) -> dict[str, str]:
+    """The ``Location`` header of a ``202``: the path of the job to poll, under this app's
+    ``root_path`` (a relative reference, so it stays right behind a proxy that rewrites the
+    host)."""
+    path = request.app.url_path_for(route, **params)
+    return {"Location": request.scope.get("root_path", "") + str(path)}
+
+
+def _accepted(description: str) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI entry of a route's ``202``: its description and its ``Location`` header."""
+    return {202: {"description": description, "headers": LOCATION_HEADER}}
+
+
 def _search_out(job: SearchJob) -> SearchJobOut:
     out = SearchJobOut(
         id=job.id,
@@ -225,11 +244,12 @@ def _search_out(job: SearchJob) -> SearchJobOut:
     return out
 
 
-def _search_response(job: SearchJob) -> Response:
+def _search_response(request: Request, job: SearchJob) -> Response:
     body = _search_out(job).model_dump_json(exclude_none=False)
-    return Response(
-        body, status_code=200 if job.status.final else 202, media_type="application/json"
-    )
+    if job.status.final:
+        return Response(body, media_type="application/json")
+    headers = _location(request, "get_search", job_id=job.id)
+    return Response(body, status_code=202, media_type="application/json", headers=headers)
 
 
 async def _check_url(settings: Settings, url: str | None) -> None:
@@ -323,7 +343,11 @@ def _ingest_out(job: IngestJob) -> IngestJobOut:
     "/indexes/{index}/documents",
     response_model=IngestJobOut,
     status_code=202,
-    responses={200: {"model": IngestJobOut, "description": "Ingested within `wait`."}, **ERRORS},
+    responses={
+        200: {"model": IngestJobOut, "description": "Ingested within `wait`."},
+        **_accepted("Queued or running; poll the `Location`."),
+        **ERRORS,
+    },
     summary="Upsert documents by id into an index, for the caller's tenant",
 )
 async def upsert_documents(
@@ -357,11 +381,11 @@ async def upsert_documents(
             return await _io(store.get_ingest, job.id)
 
         job = await _poll(read, lambda j: j.status.final, wait) or job
-    return Response(
-        _ingest_out(job).model_dump_json(),
-        status_code=200 if job.status.final else 202,
-        media_type="application/json",
-    )
+    body_out = _ingest_out(job).model_dump_json()
+    if job.status.final:
+        return Response(body_out, media_type="application/json")
+    headers = _location(request, "get_ingestion", job_id=job.id)
+    return Response(body_out, status_code=202, media_type="application/json", headers=headers)
 
 
 @router.get(
@@ -385,6 +409,7 @@ async def get_ingestion(request: Request, job_id: str, tenant: Tenant) -> Ingest
     status_code=202,
     responses={
         200: {"model": SearchJobOut, "description": "Finished within `wait`."},
+        **_accepted("Queued or running; poll the `Location`."),
         **ERRORS,
         **BUSY,
     },
@@ -426,11 +451,13 @@ async def create_search(
             metrics.job_submitted("search")
             job_id = fresh.id
     if fresh is not None and wait == 0:
-        return _search_response(fresh)  # just queued: no need to read it back
-    return await _answer_search(store, job_id, tenant, wait)
+        return _search_response(request, fresh)  # just queued: no need to read it back
+    return await _answer_search(request, store, job_id, tenant, wait)
 
 
-async def _answer_search(store: JobStore, job_id: str, tenant: str, wait: float) -> Response:
+async def _answer_search(
+    request: Request, store: JobStore, job_id: str, tenant: str, wait: float
+) -> Response:
     async def read() -> SearchJob | None:
         return await _io(store.get_search, job_id)
 
@@ -442,7 +469,7 @@ async def _answer_search(store: JobStore, job_id: str, tenant: str, wait: float)
     job = await read()
     if job is None or job.tenant != tenant:
         raise ApiError(404, "not_found", f"id: no search {job_id!r} (expired?)", field="id")
-    return _search_response(job)
+    return _search_response(request, job)
 
 
 @router.get(
@@ -491,7 +518,7 @@ async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob
     "/batches",
     response_model=BatchOut,
     status_code=202,
-    responses={**ERRORS, **BUSY},
+    responses={**_accepted("Accepted; poll the `Location`."), **ERRORS, **BUSY},
     summary="Submit a batch of searches",
     openapi_extra=BATCH_BODY,
 )
@@ -552,7 +579,10 @@ async def create_batch(
             batch_id = batch.id
     batch = await _owned_batch(request, batch_id, tenant)
     return Response(
-        _batch_out(batch).model_dump_json(), status_code=202, media_type="application/json"
+        _batch_out(batch).model_dump_json(),
+        status_code=202,
+        media_type="application/json",
+        headers=_location(request, "get_batch", batch_id=batch.id),
     )
 
 

@@ -187,11 +187,19 @@ class RecordingRecorder:
         self.events["attempt", result] += 1
 
     def rerank_done(
-        self, model: str, outcome: str, seconds: float, usage: dict[str, int], cost_usd: float
+        self,
+        model: str,
+        outcome: str,
+        seconds: float,
+        usage: dict[str, int],
+        cost_usd: float | None,
     ) -> None:
         self.events["rerank", outcome] += 1
         self.usage.update(usage)
-        self.cost += cost_usd
+        self.cost += cost_usd or 0.0
+
+    def rerank_unpriced(self, model: str) -> None:
+        self.events["unpriced", model] += 1
 
     def rerank_outcome(self, policy: str, outcome: str) -> None:
         self.events["outcome", outcome] += 1

@@ -6,10 +6,12 @@ pipeline = build_pipeline(settings, backend=InMemoryBackend())  # a test's fake
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from worker.core.cost import price_for
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.ports import Embedder, Recorder, Reranker, SearchBackend
 from worker.errors import ConfigError
@@ -18,6 +20,29 @@ from worker.settings import Settings
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
+
+log = logging.getLogger(__name__)
+_warned_unpriced: set[str] = set()
+
+
+def warn_if_unpriced(settings: Settings) -> bool:
+    """Warn, once per process and model, that the generation model has no price: its
+    searches will show ``cost_usd: null`` and count in ``sift_rerank_unpriced_calls_total``.
+    Answers whether the model is unpriced. A worker calls it at start-up."""
+    model = settings.generation_model_id
+    if model is None or price_for(model, settings.prices) is not None:
+        return False
+    if model not in _warned_unpriced:
+        _warned_unpriced.add(model)
+        log.warning(
+            "no price for the generation model %r: reranks will show cost_usd null and count in "
+            "sift_rerank_unpriced_calls_total; add its price per million tokens to SIFT_PRICES, "
+            'e.g. SIFT_PRICES=\'{"%s": {"input": 1, "output": 5, "cache_read": 0.1, '
+            '"cache_write": 1.25}}\' (this replaces the built-in table: list every model)',
+            model,
+            model,
+        )
+    return True
 
 
 def pipeline_config(settings: Settings, *, price_discount: float = 1.0) -> PipelineConfig:
@@ -73,6 +98,7 @@ def build_reranker(settings: Settings) -> Reranker | None:
         return None
     from worker.adapters.anthropic import AnthropicReranker
 
+    warn_if_unpriced(settings)
     return AnthropicReranker(model, effort=settings.generation_effort)
 
 

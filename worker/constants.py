@@ -101,6 +101,7 @@ METRIC_RERANK_TOKENS = "sift_rerank_tokens_total"
 METRIC_RERANK_ATTEMPTS = "sift_rerank_attempts_total"
 METRIC_RERANK_OUTCOMES = "sift_rerank_outcomes_total"
 METRIC_RERANK_COST = "sift_rerank_cost_usd_total"
+METRIC_RERANK_UNPRICED = "sift_rerank_unpriced_calls_total"
 METRIC_JOBS_IN_FLIGHT = "sift_jobs_in_flight"
 METRIC_WEBHOOK_DELIVERIES = "sift_webhook_deliveries_total"
 # extensions

@@ -101,14 +101,18 @@ class RerankInfo(BaseModel):
 
 
 class Usage(BaseModel):
-    """What one search's model calls used; token types are disjoint, so they sum to the bill."""
+    """What one search's model calls used; token types are disjoint, so they sum to the bill.
+
+    ``cost_usd`` is ``None`` when a call was to a model with no price (``SIFT_PRICES``): the
+    cost is unknown, not zero; a sum with an unknown part is unknown too.
+    """
 
     requests: int = 0
     input_tokens: int = 0
     output_tokens: int = 0
     cache_read_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
-    cost_usd: float = 0.0
+    cost_usd: float | None = 0.0
 
     def __add__(self, other: Usage) -> Usage:
         return Usage(
@@ -118,7 +122,11 @@ class Usage(BaseModel):
             cache_read_input_tokens=self.cache_read_input_tokens + other.cache_read_input_tokens,
             cache_creation_input_tokens=self.cache_creation_input_tokens
             + other.cache_creation_input_tokens,
-            cost_usd=self.cost_usd + other.cost_usd,
+            cost_usd=(
+                None
+                if self.cost_usd is None or other.cost_usd is None
+                else self.cost_usd + other.cost_usd
+            ),
         )
 
 
@@ -130,8 +138,10 @@ class SearchResult(BaseModel):
 
 
 class ErrorInfo(BaseModel):
-    """A typed failure, as the job record and the API show it."""
+    """A typed failure, as the job record and the API show it. ``usage`` is what the model
+    calls made before the failure used: attempts that failed may still have been billed."""
 
     type: str
     message: str
     retryable: bool = False
+    usage: Usage | None = None

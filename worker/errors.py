@@ -20,6 +20,10 @@ Adapters raise these with ``raise ... from exc`` so the cause stays visible.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.contract import Usage
 
 
 class AttemptOutcome(StrEnum):
@@ -39,6 +43,9 @@ class SiftError(Exception):
 
     retryable: bool = False
     code: str = "error"
+    # what the search's model calls used (and cost) before it failed: the job's error shows
+    # it as ``usage`` (not named so here: an attempt's error carries its own TokenUsage)
+    job_usage: Usage | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -105,9 +112,10 @@ class RerankFailed(SiftError):
 
     code = "rerank_failed"
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, usage: Usage | None = None) -> None:
         super().__init__(f"rerank failed ({reason}): {message}")
         self.reason = reason
+        self.job_usage = usage
 
 
 class DeadlineExceeded(SiftError):

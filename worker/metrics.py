@@ -71,6 +71,7 @@ from worker.constants import (
     METRIC_RERANK_IN_FLIGHT,
     METRIC_RERANK_OUTCOMES,
     METRIC_RERANK_TOKENS,
+    METRIC_RERANK_UNPRICED,
     METRIC_RETRIEVAL_DURATION,
     METRIC_SEARCH_DURATION,
     METRIC_TASK_DURATION,
@@ -208,6 +209,12 @@ RERANK_COST = Counter(
     "Estimated US dollars for rerank calls: the provider's usage times SIFT_PRICES.",
     ["model", "lane"],
 )
+RERANK_UNPRICED = Counter(
+    METRIC_RERANK_UNPRICED,
+    "Model calls that reported usage for a model with no price in SIFT_PRICES: their cost is "
+    "unknown (null in the job's usage) and missing from the cost counter.",
+    ["model", "lane"],
+)
 RERANK_IN_FLIGHT = Gauge(
     METRIC_RERANK_IN_FLIGHT,
     "Model calls waiting for the provider right now.",
@@ -273,6 +280,7 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     RERANK_ATTEMPTS,
     RERANK_OUTCOMES,
     RERANK_COST,
+    RERANK_UNPRICED,
     RERANK_IN_FLIGHT,
     JOBS_IN_FLIGHT,
     WEBHOOK_DELIVERIES,
@@ -336,7 +344,12 @@ class PrometheusRecorder:
 
     @_never_raises
     def rerank_done(
-        self, model: str, outcome: str, seconds: float, usage: dict[str, int], cost_usd: float
+        self,
+        model: str,
+        outcome: str,
+        seconds: float,
+        usage: dict[str, int],
+        cost_usd: float | None,
     ) -> None:
         outcome = _closed(outcome, RERANK_DURATION_OUTCOMES, "outcome")
         RERANK_DURATION.labels(model, outcome, self.lane).observe(seconds)
@@ -344,8 +357,12 @@ class PrometheusRecorder:
             tokens = usage.get(token_type, 0)
             if tokens:
                 RERANK_TOKENS.labels(model, token_type, self.lane).inc(tokens)
-        if cost_usd:
+        if cost_usd:  # None (no price) adds nothing: rerank_unpriced counted those calls
             RERANK_COST.labels(model, self.lane).inc(cost_usd)
+
+    @_never_raises
+    def rerank_unpriced(self, model: str) -> None:
+        RERANK_UNPRICED.labels(model, self.lane).inc()
 
     @_never_raises
     def rerank_outcome(self, policy: str, outcome: str) -> None:
@@ -468,6 +485,7 @@ def preregister(
             for token_type in TOKEN_TYPES:
                 RERANK_TOKENS.labels(model, token_type, lane)
             RERANK_COST.labels(model, lane)
+            RERANK_UNPRICED.labels(model, lane)
         RERANK_IN_FLIGHT.labels(model).set(0)
     for outcome in RERANK_OUTCOME_VALUES:
         RERANK_OUTCOMES.labels(POLICY_ID, outcome)

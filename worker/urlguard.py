@@ -24,6 +24,9 @@ from worker.errors import InvalidRequest
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 FIELD = "webhook_url"
+# the setting that lifts the address rule, named in a refusal so a developer running a local
+# receiver knows what to set (worker/settings.py: webhook_allow_private_networks)
+ALLOW_PRIVATE_SETTING = "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS"
 ALLOWED_SCHEMES = ("http", "https")
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -149,7 +152,11 @@ def check_webhook_url(url: str, *, allow_private: bool) -> list[IPAddress]:
         for address in addresses:
             reason = refusal_reason(address)
             if reason is not None:
-                raise InvalidRequest(
-                    FIELD, f"the host {host!r} resolves to a non-public address: {reason}"
-                )
+                message = f"the host {host!r} resolves to a non-public address: {reason}"
+                if address not in METADATA_ADDRESSES:  # never a hint towards those
+                    message += (
+                        f"; for local development only, {ALLOW_PRIVATE_SETTING}=true on the "
+                        "gateway and the workers allows it"
+                    )
+                raise InvalidRequest(FIELD, message)
     return addresses

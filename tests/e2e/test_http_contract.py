@@ -173,6 +173,9 @@ def test_ssrf_refused_at_registration(stack: Stack, url: str) -> None:
         response = stack.idle.post(path, json={**body, "webhook_url": url}, headers=ACME)
         assert response.status_code == 422, response.text
         assert response.json()["error"]["field"] == "webhook_url"
+        # the refusal names the setting for a local receiver, but never for a metadata address
+        named = "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS=true" in response.json()["error"]["message"]
+        assert named == ("169.254.169.254" not in url), response.text
 
 
 def test_unknown_ids_are_404(stack: Stack) -> None:

@@ -92,6 +92,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert proc.returncode == 0, running.printed()
 
 
+def test_sift_up_prints_where_the_webhook_secret_is(stack: Stack) -> None:
+    printed = " ".join(stack.printed().split())  # rich wraps long lines
+    dev_key = stack.data_dir / "dev-api-key.json"
+    assert f'webhooks signed with the "webhook_secret" in {dev_key}' in printed, printed
+    assert json.loads(dev_key.read_text())["webhook_secret"].startswith("whsec_")
+
+
 def _snapshot(logs: Path) -> dict[str, bytes]:
     return {log.name: log.read_bytes() for log in sorted(logs.glob("*.log"))}
 

@@ -32,6 +32,7 @@ NOT_FOUND = {
     "type": "index_not_found",
     "message": "index 'NAME' does not exist: ingest documents into it first",
     "retryable": False,
+    "usage": None,  # no model call was made
 }
 Inbox = tuple[str, "queue.Queue[tuple[bytes, dict[str, str]]]"]
 

@@ -55,6 +55,7 @@ class FakeGateway:
     batch_queries: list[dict[str, Any]] = field(default_factory=list)
     search_answers_at_once: bool = False
     ingests: dict[str, int] = field(default_factory=dict)
+    trace: dict[str, Any] | None = None  # the result's trace when the search asks for one
 
     @property
     def url(self) -> str:
@@ -87,7 +88,10 @@ class FakeGateway:
             if query.get("wait") != ["30"]:
                 return 400, {"detail": "expected wait=30"}
             if self.search_answers_at_once:
-                return 200, {"id": "s-1", "status": "succeeded", "result": SEARCH_RESULT}
+                result = SEARCH_RESULT
+                if body.get("include_trace"):
+                    result = {**SEARCH_RESULT, "trace": self.trace}
+                return 200, {"id": "s-1", "status": "succeeded", "result": result}
             return 202, {"id": "s-1", "status": "queued"}
         if method == "GET" and path == "/v1/searches/s-1":
             n = self.polls["s-1"] = self.polls.get("s-1", 0) + 1
@@ -311,6 +315,49 @@ def test_search_json_prints_the_raw_job(fake_gateway: FakeGateway) -> None:
     assert job["result"]["hits"][0]["id"] == "doc-a"
     assert fake_gateway.posted("/v1/searches")[0]["mode"] == "fts"
     assert "s-1" not in fake_gateway.polls  # 200 within wait: no polling
+
+
+TRACE = {
+    "policy": "listwise.v1",
+    "mode": "hybrid",
+    "coarse_limit": 30,
+    "channel_window": 60,
+    "channel_counts": {"bm25": 12, "knn": 60},
+    "fused_by_backend": False,
+    "model": "claude-haiku-4-5",
+    "candidates": [
+        {"position": p, "id": f"doc-{p}", "text": f"the full text of candidate {p}"}
+        for p in (1, 2, 3)
+    ],
+    "attempts": [{"n": 1, "outcome": "ok", "seconds": 0.8}],
+    "rerank_seconds": 0.81,
+    "usage": SEARCH_RESULT["usage"],
+    "returned_positions": [2, 2, 7],
+    "kept_positions": [2],
+    "dropped_positions": [
+        {"value": 2, "reason": "duplicate"},
+        {"value": 7, "reason": "out_of_range"},
+    ],
+    "fallback_reason": None,
+}
+
+
+def test_search_trace_is_compact(fake_gateway: FakeGateway) -> None:
+    fake_gateway.search_answers_at_once, fake_gateway.trace = True, TRACE
+    result = run(fake_gateway, "search", "q", "--index", "s", "--trace")
+    assert result.exit_code == 0, result.output
+    assert fake_gateway.posted("/v1/searches")[0]["include_trace"] is True
+    assert "kept: 2 (doc-2)" in result.output
+    assert "dropped: 2 (duplicate), 7 (out_of_range)" in result.output
+    assert "attempts: #1 ok 800.0 ms; rerank 810.0 ms" in result.output
+    assert "the full text of candidate" not in result.output
+
+
+def test_search_trace_json_keeps_the_raw_trace(fake_gateway: FakeGateway) -> None:
+    fake_gateway.search_answers_at_once, fake_gateway.trace = True, TRACE
+    result = run(fake_gateway, "search", "q", "--index", "s", "--trace", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["result"]["trace"] == TRACE
 
 
 def test_search_rejects_an_unknown_mode(fake_gateway: FakeGateway) -> None:

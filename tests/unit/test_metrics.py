@@ -42,12 +42,13 @@ class Delta:
         return metrics.snapshot(REGISTRY).get(key, 0.0) - self.before.get(key, 0.0)
 
 
-def pipeline_with(steps: list[object], policy: str = "fail_open") -> Runtime:
+def pipeline_with(steps: list[object], policy: str = "fail_open", **overrides: object) -> Runtime:
     settings = load_settings(
         rerank_enabled=True,
         generation_model=f"anthropic:{MODEL}",
         rerank_failure_policy=policy,
         generation_max_requests=3,
+        **overrides,
     )
     pipeline = build_pipeline(
         settings,
@@ -124,6 +125,20 @@ def test_a_failed_rerank_counts_its_class_and_the_failure() -> None:
     )
     assert delta("sift_search_duration_seconds_count", mode="hybrid", outcome="error") == 1
     assert delta("sift_rerank_cost_usd_total", model=MODEL, lane="standard") == 0
+
+
+def test_calls_to_a_model_with_no_price_are_counted_and_cost_nothing_known() -> None:
+    steps = [fail(RerankAttemptError(AttemptOutcome.TIMEOUT, "slow")), reply([2, 1])]
+    runtime = pipeline_with(steps, prices={})
+    delta = Delta()
+    result = runtime.search(SearchSpec(index="docs", query="volcano ash", limit=3), "acme")
+    assert result.usage.cost_usd is None
+    # the timeout reported no usage; only the call that did is an unpriced one
+    assert delta("sift_rerank_unpriced_calls_total", model=MODEL, lane="standard") == 1
+    assert delta("sift_rerank_cost_usd_total", model=MODEL, lane="standard") == 0
+    assert delta("sift_rerank_tokens_total", model=MODEL, type="input", lane="standard") == (
+        USAGE.input_tokens
+    )
 
 
 def test_unexpected_label_values_are_recorded_as_other() -> None:

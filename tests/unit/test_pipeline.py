@@ -284,3 +284,52 @@ def test_enabling_rerank_without_a_model_is_a_start_up_error() -> None:
         load_settings(rerank_enabled=True)
     assert "SIFT_RERANK_ENABLED" in str(info.value)
     assert "SIFT_GENERATION_MODEL" in str(info.value)
+
+
+def test_a_model_with_no_price_has_an_unknown_cost_not_a_zero_one() -> None:
+    pipeline, _, recorder = make([reply([1])], prices={})
+    result = pipeline.search(spec(), "acme")
+    assert result.usage.cost_usd is None
+    assert result.usage.input_tokens == USAGE.input_tokens  # the tokens are still reported
+    assert recorder.events["unpriced", "claude-haiku-4-5"] == 1
+    assert result.usage.model_dump()["cost_usd"] is None  # null in the job's JSON
+
+
+def test_a_priced_model_counts_no_unpriced_call() -> None:
+    pipeline, _, recorder = make([reply([1])])
+    pipeline.search(spec(), "acme")
+    assert not [key for key in recorder.events if key[0] == "unpriced"]
+
+
+def test_a_failed_rerank_reports_what_its_billed_attempts_used() -> None:
+    from worker.adapters.anthropic import RerankMalformedError
+
+    billed = RerankMalformedError("not the schema", usage=USAGE, model="claude-haiku-4-5")
+    timeout = RerankAttemptError(AttemptOutcome.TIMEOUT, "slow")  # unbilled: no usage
+    pipeline, _, _ = make([fail(billed), fail(timeout), fail(billed)])
+    with pytest.raises(RerankFailed) as info:
+        pipeline.search(spec(), "acme")
+    usage = info.value.job_usage
+    assert usage is not None
+    assert (usage.requests, usage.input_tokens, usage.output_tokens) == (3, 2000, 80)
+    one = (1000 * 1.0 + 40 * 5.0 + 200 * 0.10 + 100 * 1.25) / 1e6
+    assert usage.cost_usd == pytest.approx(2 * one)
+
+
+def test_usage_sums_to_unknown_when_any_part_is_unknown() -> None:
+    from worker.contract import Usage
+
+    assert (Usage(cost_usd=0.5) + Usage(cost_usd=0.25)).cost_usd == pytest.approx(0.75)
+    assert (Usage(cost_usd=0.5) + Usage(cost_usd=None)).cost_usd is None
+
+
+def test_an_unpriced_model_is_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:
+    from worker.bootstrap import warn_if_unpriced
+
+    settings = load_settings(generation_model="anthropic:claude-unlisted-9", prices={})
+    with caplog.at_level("WARNING", logger="worker.bootstrap"):
+        assert warn_if_unpriced(settings) and warn_if_unpriced(settings)
+    warnings = [r.getMessage() for r in caplog.records if "no price" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "claude-unlisted-9" in warnings[0] and "SIFT_PRICES" in warnings[0]
+    assert not warn_if_unpriced(load_settings(generation_model="anthropic:claude-haiku-4-5"))

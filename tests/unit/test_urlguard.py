@@ -156,3 +156,16 @@ def test_public_literals_pass(url: str) -> None:
 def test_allow_private_lifts_the_address_rule(url: str) -> None:
     addresses = check_webhook_url(url, allow_private=True)
     assert addresses and all(refusal_reason(a) is not None for a in addresses)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:9000/hook", "http://10.1.2.3/hook", "http://[::1]/hook"]
+)
+def test_a_local_refusal_names_the_setting_that_allows_it(url: str) -> None:
+    message = refused(url).message
+    assert "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS=true" in message
+    assert "local development" in message
+
+
+def test_a_metadata_refusal_points_at_no_setting() -> None:
+    assert "SIFT_WEBHOOK" not in refused("http://169.254.169.254/latest/meta-data/").message

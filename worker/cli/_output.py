@@ -60,8 +60,91 @@ def print_result(console: Console, result: dict[str, Any], *, title: str | None 
             f"{usage.get('input_tokens', 0)} input + {usage.get('output_tokens', 0)} output "
             f"tokens, cache read {usage.get('cache_read_input_tokens', 0)}, "
             f"cache write {usage.get('cache_creation_input_tokens', 0)}, "
-            f"${float(usage.get('cost_usd', 0.0)):.6f}"
+            f"{format_cost(usage.get('cost_usd'))}"
         )
+
+
+def format_cost(cost: float | None) -> str:
+    """A cost for a person: dollars, or ``unpriced`` when the model had no price (``null``).
+
+    >>> format_cost(0.5), format_cost(None)
+    ('$0.500000', 'unpriced (no price for the model: SIFT_PRICES)')
+    """
+    if cost is None:
+        return "unpriced (no price for the model: SIFT_PRICES)"
+    return f"${float(cost):.6f}"
+
+
+def _seconds(value: Any) -> str:
+    """A duration for a person: milliseconds under a second (retrieval takes a few).
+
+    >>> _seconds(0.0042), _seconds(1.5), _seconds(None)
+    ('4.2 ms', '1.50 s', '?')
+    """
+    if not isinstance(value, int | float):
+        return "?"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def trace_lines(trace: dict[str, Any]) -> list[str]:
+    """A search's trace in a few plain lines: what retrieval found, each model attempt with
+    its class and time, the positions the model returned, kept and dropped (and why), the
+    fallback, the usage. The candidates' texts (the bulk of the raw trace) are left out: the
+    raw trace is ``sift search --trace --json``.
+
+    >>> for line in trace_lines({"mode": "fts", "policy": None, "coarse_limit": 3,
+    ...         "channel_window": 6, "channel_counts": {"bm25": 4}, "candidates": [{"id": "a"}]}):
+    ...     print(line)
+    retrieval: mode fts, bm25 4, fused by rrf; 1 candidate(s) (coarse limit 3, window 6)
+    rerank: not asked
+    """
+    counts = trace.get("channel_counts") or {}
+    channels = ", ".join(f"{name} {n}" for name, n in counts.items()) or "no channel"
+    fused = "the backend" if trace.get("fused_by_backend") else "rrf"
+    candidates = trace.get("candidates") or []
+    lines = [
+        f"retrieval: mode {trace.get('mode')}, {channels}, fused by {fused}; "
+        f"{len(candidates)} candidate(s) (coarse limit {trace.get('coarse_limit')}, "
+        f"window {trace.get('channel_window')})"
+    ]
+    timings = trace.get("retrieval_seconds") or {}
+    if timings:
+        lines.append("timings: " + ", ".join(f"{k} {_seconds(v)}" for k, v in timings.items()))
+    if not trace.get("policy"):
+        lines.append("rerank: not asked")
+        return lines
+    truncated = sum(1 for c in candidates if c.get("truncated"))
+    lines.append(
+        f"rerank: {trace.get('policy')} with {trace.get('model')}"
+        + (f"; {truncated} candidate text(s) truncated in the prompt" if truncated else "")
+    )
+    attempts = trace.get("attempts")
+    if attempts is None:  # no model call was made (no candidates)
+        lines.append("attempts: none")
+        return lines
+    shown = ", ".join(
+        f"#{a.get('n')} {a.get('outcome')} {_seconds(a.get('seconds'))}" for a in attempts
+    )
+    lines.append(f"attempts: {shown or 'none'}; rerank {_seconds(trace.get('rerank_seconds'))}")
+    ids = {c.get("position"): c.get("id") for c in candidates}
+    returned = trace.get("returned_positions")
+    lines.append(f"returned: {returned if returned is not None else 'nothing'}")
+    if "kept_positions" in trace:
+        kept = ", ".join(f"{p} ({ids.get(p, '?')})" for p in trace["kept_positions"])
+        dropped = ", ".join(
+            f"{d.get('value')!r} ({d.get('reason')})" for d in trace.get("dropped_positions") or []
+        )
+        lines.append(f"kept: {kept or 'none'}")
+        lines.append(f"dropped: {dropped or 'none'}")
+    lines.append(f"fallback: {trace.get('fallback_reason') or 'none'}")
+    usage = trace.get("usage") or {}
+    lines.append(
+        f"usage: {usage.get('requests', 0)} request(s), {usage.get('input_tokens', 0)} input + "
+        f"{usage.get('output_tokens', 0)} output tokens, cache read "
+        f"{usage.get('cache_read_input_tokens', 0)}, cache write "
+        f"{usage.get('cache_creation_input_tokens', 0)}, {format_cost(usage.get('cost_usd'))}"
+    )
+    return lines
 
 
 def sample_path(name: str) -> Path:

@@ -21,10 +21,11 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 from worker.cli import app
 from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
-from worker.cli._output import print_result, progress_bar
+from worker.cli._output import print_result, progress_bar, trace_lines
 from worker.constants import (
     MAX_BATCH_QUERIES,
     MAX_DOCUMENT_CHARS,
@@ -234,7 +235,9 @@ def _print_search(console: Console, job: dict[str, Any], *, trace: bool) -> None
     result = job.get("result") or {}
     print_result(console, result)
     if trace and result.get("trace") is not None:
-        console.print_json(json.dumps(result["trace"]))
+        console.print("[bold]trace[/] (the raw trace: --json)")
+        for line in trace_lines(result["trace"]):
+            console.print(f"  {escape(line)}", soft_wrap=True)
 
 
 def _job_failure(job: dict[str, Any]) -> str:
@@ -254,7 +257,13 @@ def search(
         bool | None,
         typer.Option("--rerank/--no-rerank", help="override the server's default"),
     ] = None,
-    trace: Annotated[bool, typer.Option("--trace", help="ask for and print the trace")] = False,
+    trace: Annotated[
+        bool,
+        typer.Option(
+            "--trace",
+            help="ask for the trace and print it compactly (with --json: the raw trace)",
+        ),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="print the raw job as JSON")] = False,
 ) -> None:
     """Run one search through the gateway and print the ranked hits."""

@@ -40,6 +40,7 @@ from worker.stack import (
 )
 
 console = Console()
+DEV_KEY_FILE = "dev-api-key.json"  # in the data folder: the development key and its secret
 
 
 @app.command("gateway")
@@ -98,7 +99,7 @@ def _settings(**overrides: Any) -> Settings:
 
 def _dev_key(state: Path) -> dict[str, str]:
     """A development API key, kept in ``.sift/dev-api-key.json`` so it survives restarts."""
-    path = state / "dev-api-key.json"
+    path = state / DEV_KEY_FILE
     if path.exists():
         return dict(json.loads(path.read_text()))
     secret = base64.b64encode(secrets.token_bytes(24)).decode()
@@ -227,12 +228,21 @@ def up(
         started = _start(stack, settings, report=lambda line: console.print(f"[yellow]{line}[/]"))
         console.print(f"gateway  [bold]{started.url}[/]  (OpenAPI at {started.url}/docs)")
         console.print(f"api key  [bold]{started.api_key}[/]")
+        console.print(f"webhooks signed with {_webhook_secret_source(settings)}")
         console.print(f"redis    {started.redis_url}")
         console.print(f"logs     {started.logs}")
         console.print(f"\nexport SIFT_URL={started.url} SIFT_API_KEY={started.api_key}")
         console.print("Ctrl-C stops everything.")
         stopping.wait()
         console.print("stopping…")
+
+
+def _webhook_secret_source(settings: Settings) -> str:
+    """Where the secret that signs this stack's webhooks is, to verify them with."""
+    if settings.all_api_keys():
+        return "the key's webhook_secret in SIFT_API_KEYS / SIFT_API_KEYS_FILE"
+    path = settings.data_dir.resolve() / DEV_KEY_FILE
+    return f'the "webhook_secret" in {path} (the development key\'s)'
 
 
 @app.command("demo")

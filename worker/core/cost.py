@@ -21,10 +21,14 @@ def price_for(model: str, prices: Mapping[str, Price]) -> Price | None:
     return prices[max(matches, key=len)] if matches else None
 
 
-def cost_usd(usage: TokenUsage, price: Price | None, discount: float = 1.0) -> float:
-    """Dollars for one response: each disjoint token type at its own price per million."""
+def cost_usd(usage: TokenUsage, price: Price | None, discount: float = 1.0) -> float | None:
+    """Dollars for one response: each disjoint token type at its own price per million.
+
+    ``None`` when the model has no price: an unknown cost, which ``0.0`` would misreport as
+    free (the job shows ``null``, and ``sift_rerank_unpriced_calls_total`` counts the call).
+    """
     if price is None:
-        return 0.0
+        return None
     total = (
         usage.input_tokens * price.input
         + usage.output_tokens * price.output
@@ -32,3 +36,12 @@ def cost_usd(usage: TokenUsage, price: Price | None, discount: float = 1.0) -> f
         + usage.cache_creation_input_tokens * price.cache_write
     )
     return total * discount / 1_000_000
+
+
+def add_costs(a: float | None, b: float | None) -> float | None:
+    """The sum of two costs, unknown (``None``) if either is.
+
+    >>> add_costs(0.5, 0.25), add_costs(0.5, None)
+    (0.75, None)
+    """
+    return None if a is None or b is None else a + b

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from worker.constants import POLICY_ID
 from worker.contract import Hit, Ranks, RerankInfo, Scores, SearchResult, SearchSpec, Usage
 from worker.core.budget import Deadline, call_within_budget
-from worker.core.cost import cost_usd, price_for
+from worker.core.cost import add_costs, cost_usd, price_for
 from worker.core.fusion import admit, rrf_fuse
 from worker.core.policy import build_prompt
 from worker.core.ports import Embedder, NullRecorder, Recorder, Reranker, SearchBackend
@@ -73,7 +73,7 @@ class RerankRun:
 
     attempts: list[dict[str, Any]] = field(default_factory=list)
     usage: TokenUsage = field(default_factory=TokenUsage)
-    cost_usd: float = 0.0
+    cost_usd: float | None = 0.0  # None once a call had no price: the cost is unknown
     returned: Sequence[object] | None = None
     reply: RerankReply | None = None
     failure: SiftError | None = None
@@ -86,7 +86,7 @@ class RerankRun:
             self.usage.cache_read_input_tokens + usage.cache_read_input_tokens,
             self.usage.cache_creation_input_tokens + usage.cache_creation_input_tokens,
         )
-        self.cost_usd += cost_usd(usage, price, discount)
+        self.cost_usd = add_costs(self.cost_usd, cost_usd(usage, price, discount))
 
 
 @dataclass(slots=True)
@@ -221,10 +221,12 @@ class SearchPipeline:
         coarse = coarse_limit(spec.limit, self.config.candidate_limit, reranking)
 
         vector = None
+        seconds: dict[str, float] = {}
         if "knn" in channels:
             started = self._clock()
             vector = self.embedder.embed([query])[0]
-            self.recorder.retrieval(self.backend.name, "embed", self._clock() - started)
+            seconds["embed"] = self._clock() - started
+            self.recorder.retrieval(self.backend.name, "embed", seconds["embed"])
         channel_query = ChannelQuery(
             index=spec.index,
             filters=HardFilters(tenant=tenant, fields=dict(spec.filters)),
@@ -250,6 +252,7 @@ class SearchPipeline:
             "channel_window": channel_query.size,
             "channel_counts": {channel: len(hits) for channel, hits in results.hits.items()},
             "fused_by_backend": results.fused is not None,
+            "retrieval_seconds": {**seconds, **results.seconds},
         }
 
         if not reranking or not candidates:
@@ -368,7 +371,7 @@ class SearchPipeline:
             self.recorder.rerank_done(model, reason, run.seconds, usage_by_type, usage.cost_usd)
             if self.config.failure_policy == "fail_closed":
                 self.recorder.rerank_outcome(POLICY_ID, "failed")
-                raise RerankFailed(reason, failure.message) from failure
+                raise RerankFailed(reason, failure.message, usage) from failure
             self.recorder.rerank_outcome(POLICY_ID, "fallback_error")
             info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{reason}")
             return self._result(candidates[: spec.limit], info, usage, spec, trace)
@@ -418,11 +421,14 @@ class SearchPipeline:
         **detail: Any,
     ) -> None:
         """Count one model attempt in ``run``: its class, its usage priced at this pipeline's
-        price (and discount), its metric. ``detail`` goes into the attempt's trace entry."""
+        price (and discount), its metric. ``detail`` goes into the attempt's trace entry. A
+        call that reported usage for a model with no price is also counted as unpriced."""
         assert self.reranker is not None
         if usage is not None:
             price = price_for(self.reranker.model, self.config.prices)
             run.add_usage(usage, price, self.config.price_discount)
+            if price is None:
+                self.recorder.rerank_unpriced(self.reranker.model)
         run.attempts.append(
             {"n": len(run.attempts) + 1, "outcome": outcome.value, "seconds": seconds, **detail}
         )

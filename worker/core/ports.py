@@ -68,8 +68,16 @@ class Recorder(Protocol):
     def rerank_attempt(self, model: str, result: str) -> None: ...
 
     def rerank_done(
-        self, model: str, outcome: str, seconds: float, usage: dict[str, int], cost_usd: float
+        self,
+        model: str,
+        outcome: str,
+        seconds: float,
+        usage: dict[str, int],
+        cost_usd: float | None,
     ) -> None: ...
+
+    def rerank_unpriced(self, model: str) -> None:
+        """One model call that reported usage the price table has no price for."""
 
     def rerank_outcome(self, policy: str, outcome: str) -> None: ...
 
@@ -86,8 +94,16 @@ class NullRecorder:
         pass
 
     def rerank_done(
-        self, model: str, outcome: str, seconds: float, usage: dict[str, int], cost_usd: float
+        self,
+        model: str,
+        outcome: str,
+        seconds: float,
+        usage: dict[str, int],
+        cost_usd: float | None,
     ) -> None:
+        pass
+
+    def rerank_unpriced(self, model: str) -> None:
         pass
 
     def rerank_outcome(self, policy: str, outcome: str) -> None:

@@ -196,7 +196,9 @@ def set_context(context: WorkerContext | None) -> None:
 def error_info(exc: BaseException) -> ErrorInfo:
     """The typed error a job record shows for ``exc``."""
     if isinstance(exc, SiftError):
-        return ErrorInfo(type=exc.code, message=exc.message, retryable=exc.retryable)
+        return ErrorInfo(
+            type=exc.code, message=exc.message, retryable=exc.retryable, usage=exc.job_usage
+        )
     return ErrorInfo(type="internal_error", message=f"{type(exc).__name__}: {exc}")
 
 

@@ -27,6 +27,7 @@ from celery.signals import (
     task_received,
     worker_init,
     worker_process_shutdown,
+    worker_ready,
     worker_shutdown,
     worker_shutting_down,
 )
@@ -156,6 +157,16 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
         log.info("worker metrics on :%d/metrics", settings.worker_metrics_port)
 
 
+def _check_prices(sender: Any = None, **_: Any) -> None:
+    """On worker start (ready: its logging is set up by then), warn if the generation model
+    has no price (worker/bootstrap.py)."""
+    settings = getattr(getattr(getattr(sender, "app", None), "conf", None), "sift_settings", None)
+    if settings is not None:
+        from worker.bootstrap import warn_if_unpriced
+
+        warn_if_unpriced(settings)
+
+
 def _start_redrive(sender: Any = None, **_: Any) -> None:
     """On worker start, run the re-drive sweeper in this process (:mod:`worker.queue.redrive`):
     it enqueues again the searches, ingests and batch chunks whose messages the broker lost."""
@@ -221,6 +232,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     celery.config_from_object(celery_config(settings))
     celery.conf.sift_settings = settings
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
+    worker_ready.connect(_check_prices, weak=False, dispatch_uid="sift-prices")
     worker_init.connect(_start_redrive, weak=False, dispatch_uid="sift-redrive")
     worker_init.connect(_start_liveness, weak=False, dispatch_uid="sift-liveness")
     task_received.connect(_received, weak=False, dispatch_uid="sift-received")

@@ -145,7 +145,7 @@ def _rerank_run(record: dict[str, Any]) -> RerankRun:
     return RerankRun(
         attempts=list(record["attempts"]),
         usage=TokenUsage(*record["usage"]),
-        cost_usd=float(record["cost_usd"]),
+        cost_usd=None if record["cost_usd"] is None else float(record["cost_usd"]),
     )
 
 

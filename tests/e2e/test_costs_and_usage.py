@@ -1,0 +1,176 @@
+"""What a search cost, told truthfully over the real stack: a failed rerank still reports the
+usage its billed attempts reported, and a model with no price has an unknown cost (``null``),
+counted in ``sift_rerank_unpriced_calls_total`` and warned about when the worker starts."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, INDEX, KEYS, Stack
+from tests.fake_anthropic import USAGE_FIELDS, malformed, positions
+from tests.services import celery_worker, free_port, gateway
+from worker.core.cost import cost_usd, price_for
+from worker.core.types import TokenUsage
+from worker.settings import DEFAULT_PRICES
+
+MODEL = "claude-haiku-4-5"
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before[name] for name in USAGE_FIELDS}
+
+
+def _search(client: httpx.Client, query: str) -> dict[str, Any]:
+    response = client.post(
+        "/v1/searches",
+        params={"wait": 20},
+        json={"index": INDEX, "query": query, "rerank": True},
+        headers=ACME,
+    )
+    assert response.status_code == 200, response.text
+    job: dict[str, Any] = response.json()
+    return job
+
+
+def test_a_failed_rerank_reports_its_billed_usage_on_the_job(stack: Stack, corpus: object) -> None:
+    # three answers the provider bills but that are not in the schema: fail_closed fails the
+    # search, and the job still says what the three calls used and cost
+    before = stack.model.usage()
+    stack.model.script([malformed("no json here")] * 3)
+    job = _search(stack.live, "green tea leaves")
+    billed = _delta(stack.model.usage(), before)
+    assert job["status"] == "failed", job
+    assert job["error"]["type"] == "rerank_failed"
+    usage = job["error"]["usage"]
+    assert usage["requests"] == 3
+    assert billed["input_tokens"] > 0
+    assert {name: usage[name] for name in USAGE_FIELDS} == billed
+    expected = cost_usd(TokenUsage(**billed), price_for(MODEL, DEFAULT_PRICES))
+    assert expected is not None and expected > 0
+    assert usage["cost_usd"] == pytest.approx(expected)
+
+
+def test_a_failed_batch_item_reports_its_billed_usage(stack: Stack, corpus: object) -> None:
+    before = stack.model.usage()
+    stack.model.script([malformed("still not json")] * 3)
+    body = {"index": INDEX, "rerank": True, "queries": [{"id": "q1", "query": "green tea"}]}
+    batch = stack.live.post("/v1/batches", json=body, headers=ACME).json()
+    deadline = time.monotonic() + 30
+    while not batch["finished_at"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        batch = stack.live.get(f"/v1/batches/{batch['id']}", headers=ACME).json()
+    billed = _delta(stack.model.usage(), before)
+    [item] = stack.live.get(f"/v1/batches/{batch['id']}/results", headers=ACME).json()["results"]
+    assert item["status"] == "failed", item
+    usage = item["error"]["usage"]
+    assert usage["requests"] == 3 and billed["input_tokens"] > 0
+    assert {name: usage[name] for name in USAGE_FIELDS} == billed
+
+
+def test_a_failure_before_any_model_call_has_no_usage(stack: Stack, corpus: object) -> None:
+    response = stack.live.post(
+        "/v1/searches",
+        params={"wait": 10},
+        json={"index": "no-such-index", "query": "tea", "rerank": True},
+        headers=ACME,
+    )
+    job = response.json()
+    assert job["status"] == "failed", job
+    assert job["error"]["usage"] is None
+
+
+@dataclass
+class Unpriced:
+    client: httpx.Client
+    metrics_url: str
+    worker_log: Path
+    log_when_ready: str  # the worker's log once it was ready, before any job ran
+
+
+@pytest.fixture(scope="module")
+def unpriced(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Unpriced]:
+    """A worker and gateway on database 2 of the stack's Redis whose price table lacks the
+    model (SIFT_PRICES replaces the built-in one), against the same fake Messages API."""
+    tmp = tmp_path_factory.mktemp("unpriced")
+    metrics_port = free_port()
+    env = {
+        "SIFT_API_KEYS": json.dumps(KEYS),
+        "SIFT_DATA_DIR": str(tmp / "data"),
+        "SIFT_REDIS_URL": stack.redis_url + "/2",
+        "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
+        "SIFT_PRICES": json.dumps(
+            {
+                "claude-sonnet-4-6": {
+                    "input": 3,
+                    "output": 15,
+                    "cache_read": 0.3,
+                    "cache_write": 3.75,
+                }
+            }
+        ),
+        "ANTHROPIC_BASE_URL": stack.model.url,
+        "ANTHROPIC_API_KEY": ANTHROPIC_API_KEY,
+        "SIFT_WORKER_METRICS_PORT": str(metrics_port),
+        "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+    }
+    with (
+        celery_worker(tmp / "w", env, "unpriced", concurrency=4),
+        gateway(tmp / "g", env, "unpriced") as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        log = tmp / "w" / "unpriced.log"
+        when_ready = log.read_text()
+        documents = [{"id": f"tea-{i}", "text": f"green tea leaves, note {i}"} for i in range(5)]
+        response = client.post(
+            f"/v1/indexes/{INDEX}/documents",
+            params={"wait": 20},
+            json={"documents": documents},
+            headers=ACME,
+        )
+        assert response.status_code == 200, response.text
+        yield Unpriced(client, f"http://127.0.0.1:{metrics_port}/metrics", log, when_ready)
+
+
+def _unpriced_calls(metrics_url: str) -> float:
+    text = httpx.get(metrics_url, timeout=10).text
+    name = f'sift_rerank_unpriced_calls_total{{lane="standard",model="{MODEL}"}}'
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_model_with_no_price_warns_at_start_up(unpriced: Unpriced) -> None:
+    # the log as it was before any job ran on this worker: the warning came at start-up
+    warnings = [line for line in unpriced.log_when_ready.splitlines() if "no price" in line]
+    assert len(warnings) == 1, warnings
+    assert MODEL in warnings[0] and "SIFT_PRICES" in warnings[0]
+
+
+def test_a_model_with_no_price_shows_cost_null_and_is_counted(
+    stack: Stack, unpriced: Unpriced
+) -> None:
+    before = _unpriced_calls(unpriced.metrics_url)
+    stack.model.script([positions([2, 1])])
+    job = _search(unpriced.client, "green tea")
+    assert job["status"] == "succeeded", job
+    usage = job["result"]["usage"]
+    assert usage["requests"] == 1 and usage["input_tokens"] > 0
+    assert "cost_usd" in usage and usage["cost_usd"] is None
+    assert _unpriced_calls(unpriced.metrics_url) == before + 1
+    # a search that made no model call cost nothing, which is known: 0.0, not null
+    plain = unpriced.client.post(
+        "/v1/searches",
+        params={"wait": 20},
+        json={"index": INDEX, "query": "green tea", "rerank": False},
+        headers=ACME,
+    ).json()
+    assert plain["status"] == "succeeded", plain
+    assert plain["result"]["usage"]["cost_usd"] == 0.0
+    warnings = [line for line in unpriced.worker_log.read_text().splitlines() if "no price" in line]
+    assert len(warnings) == 1  # once, not per search

@@ -1,0 +1,60 @@
+"""``sift search --trace``'s compact trace, from a real pipeline trace (fakes for the ports)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.fakes import USAGE, fail, reply
+from tests.unit.test_pipeline import make, spec
+from worker.cli._output import trace_lines
+from worker.errors import AttemptOutcome, RerankAttemptError
+
+
+def _trace(steps: list[Any], **settings: Any) -> dict[str, Any]:
+    pipeline, _, _ = make(steps, policy="fail_open", **settings)
+    result = pipeline.search(spec(include_trace=True), "acme")
+    assert result.trace is not None
+    return json.loads(json.dumps(result.trace))  # as the CLI gets it: JSON
+
+
+def test_the_compact_trace_says_what_was_kept_dropped_tried_and_used() -> None:
+    trace = _trace(
+        [fail(RerankAttemptError(AttemptOutcome.RATE_LIMITED, "slow")), reply([3, 3, 0, 1, 99])]
+    )
+    lines = trace_lines(trace)
+    text = "\n".join(lines)
+    ids = {c["position"]: c["id"] for c in trace["candidates"]}
+    assert f"kept: 3 ({ids[3]}), 1 ({ids[1]})" in lines
+    assert "dropped: 3 (duplicate), 0 (out_of_range), 99 (out_of_range)" in lines
+    assert "returned: [3, 3, 0, 1, 99]" in lines
+    assert "fallback: none" in lines
+    [attempts] = [line for line in lines if line.startswith("attempts: ")]
+    assert "#1 rate_limited" in attempts and "#2 ok" in attempts and "rerank " in attempts
+    [usage] = [line for line in lines if line.startswith("usage: ")]
+    assert f"2 request(s), {USAGE.input_tokens} input + {USAGE.output_tokens} output" in usage
+    assert "$0.00" in usage
+    assert "retrieval: mode hybrid, bm25 " in text and "30 candidate(s)" in text
+    [timings] = [line for line in lines if line.startswith("timings: ")]
+    assert "embed " in timings and "bm25 " in timings and "knn " in timings
+    # compact: no candidate's text, and a handful of lines for 30 candidates
+    assert all(c["text"] not in text for c in trace["candidates"])
+    assert len(lines) <= 10
+
+
+def test_the_compact_trace_of_a_fallback_and_an_unpriced_model() -> None:
+    failures = [fail(RerankAttemptError(AttemptOutcome.HTTP_5XX, "down"))] * 3
+    lines = trace_lines(_trace(failures, prices={}))
+    assert "fallback: error:http_5xx" in lines
+    assert "returned: nothing" in lines
+    assert not any(line.startswith("kept: ") for line in lines)
+    unpriced = trace_lines(_trace([reply([1])], prices={}))
+    assert any(line.startswith("usage: ") and "unpriced" in line for line in unpriced)
+
+
+def test_no_rerank_is_one_line_after_retrieval() -> None:
+    pipeline, _, _ = make()
+    result = pipeline.search(spec(include_trace=True), "acme")
+    assert result.trace is not None
+    assert trace_lines(result.trace)[-1] == "rerank: not asked"
+    assert len(trace_lines(result.trace)) == 3  # retrieval, timings, rerank
