@@ -248,8 +248,8 @@ def score_results(
     ``result``) with no search of our own: each run comes from the ranks the results carry.
 
     A query with qrels counts; one that did not succeed scores 0 in every run. BM25 and kNN
-    rows appear when the results hold that channel's ranks, ``fused`` when they hold both,
-    ``final (reranked)`` when the model reranked any of them. Raises ValueError on a query
+    rows appear when the results hold that channel's ranks, ``final (reranked)`` when the
+    model reranked any of them. Raises ValueError on a query
     id seen twice.
     """
     held: dict[str, dict[str, list[str]]] = {}
@@ -271,8 +271,7 @@ def score_results(
     judged = list(held)
     per_run = {name: {qid: held[qid][name] for qid in judged} for name in SERVED_RANKINGS}
     runs = {name: per_run[name] for name in ("bm25", "knn") if any(per_run[name].values())}
-    if len(runs) == 2:
-        runs["fused"] = per_run["fused"]
+    runs["fused"] = per_run["fused"]  # RRF over the channels the searches' mode ran
     if reranked:
         runs["final (reranked)"] = per_run["final"]
     report = score_rankings(
