@@ -98,6 +98,15 @@ def eval_command(
         raise _usage_error("give exactly one of --corpus, --index and --results")
     if queries is None and results is None:
         raise _usage_error(f"{sources[0]} needs --queries")
+    misplaced = [name for name, given, home in (
+        ("--queries", queries is not None, results is None),
+        ("--data-dir", data_dir is not None, corpus is not None),
+        ("--out", out is not None, index is not None),
+        ("--rerank", rerank, results is None),
+        ("--max-queries", max_queries is not None, results is None),
+    ) if given and not home]  # fmt: skip
+    if misplaced:
+        raise _usage_error(f"{misplaced[0]} does not apply to {sources[0]}")
     try:
         if corpus is not None and queries is not None:
             report = _in_process(corpus, queries, qrels, data_dir, window, rerank, max_queries)
