@@ -157,3 +157,20 @@ def test_eval_results_scores_the_reranked_order(stack: Stack, tmp_path: Path) ->
     fused = {qid: docs for qid, docs in fused.items() if qid in final}
     assert report["runs"]["fused"] == pytest.approx(_expected(fused), abs=1e-12)
     assert report["usage"]["requests"] >= JUDGED  # the usage of the served searches
+
+
+def test_eval_index_with_rerank_adds_the_served_final_run(stack: Stack, corpus: object,
+                                                          tmp_path: Path) -> None:  # fmt: skip
+    printed = _sift(
+        stack, "eval", "--index", INDEX, "--queries", str(QUERIES), "--qrels", str(QRELS),
+        "--rerank", "--out", str(tmp_path), "--json", str(tmp_path / "report.json"),
+    )  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["batches"]) == {"bm25", "knn", "fused", "final (reranked)"}
+    final = _hits_order(tmp_path / "final.jsonl")
+    items = [json.loads(line) for line in (tmp_path / "final.jsonl").read_text().splitlines()]
+    assert all(item["result"]["rerank"]["applied"] for item in items)
+    assert report["runs"]["final (reranked)"] == pytest.approx(_expected(final), abs=1e-12)
+    assert report["depth"]["final (reranked)"] == 10
+    assert report["usage"]["requests"] >= JUDGED
+    assert "rerank usage:" in printed and "final (reranked)" in printed
