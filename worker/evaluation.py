@@ -188,6 +188,10 @@ def score_rankings(
         "window": window,
         "end_to_end": sum(recalls) / len(recalls) if recalls else 0.0,
         "queries_with_a_relevant_candidate": len(reachable),
+        # fewer than ``window`` when the results were cut shorter (a batch of limit 10)
+        "candidates_held": min(
+            (len(candidates.get(qid, [])[:window]) for qid in judged), default=0
+        ),
     }
     report["runs"]["final, conditional on the window"] = _aggregate(
         [q for q in qrel_list if q.query_id in reachable],

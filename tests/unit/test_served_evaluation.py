@@ -52,6 +52,7 @@ def test_a_failed_query_scores_zero_and_unjudged_ones_are_left_out() -> None:
     assert report["queries"] == 2 and report["failed"] == 1
     assert report["runs"]["fused"]["nDCG@10"] == pytest.approx(0.5)
     assert report["candidate_recall"]["queries_with_a_relevant_candidate"] == 1
+    assert report["candidate_recall"]["candidates_held"] == 0  # the failed query holds none
     assert "final (reranked)" not in report["runs"]
 
 

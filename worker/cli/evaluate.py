@@ -285,12 +285,18 @@ def _print_report(report: dict[str, Any]) -> None:
         f"queries with a relevant candidate in the window: "
         f"{recall['queries_with_a_relevant_candidate']}/{report['queries']}"
     )
+    held = recall.get("candidates_held", recall["window"])
+    if held < recall["window"]:
+        console.print(
+            f"[yellow]the results hold only {held} fused candidate(s) for some query[/]: "
+            f"candidate recall counts those, not {recall['window']}"
+        )
     shallow = [name for name, ranked in depth.items() if ranked < 100]
     if shallow:
         console.print(
-            f"depth: the fewest documents a run ranked for a query; {', '.join(shallow)} "
-            "ranked fewer than 100 for some query, and a measure past that depth counts "
-            "only what was ranked"
+            f"depth: the fewest documents a run ranked for a query ({', '.join(shallow)}: "
+            "under 100). A run ranks fewer when fewer documents match, or when the results "
+            "were cut (a batch's limit); a measure past its depth counts only what was ranked."
         )
     if report.get("failed"):
         console.print(f"[red]{report['failed']} search(es) did not succeed[/]; they score 0")
