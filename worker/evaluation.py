@@ -1,6 +1,8 @@
 """The evaluation harness: per-channel, fused and final quality, and candidate recall.
 
-It runs in-process over the runtime, reads a BEIR-layout collection, and scores with
+:func:`evaluate` runs in-process over the runtime on a BEIR-layout collection;
+:func:`score_results` scores what the API served (a batch's results) with no search of its
+own; both end in :func:`score_rankings`, so every source is scored by the same code with
 ``ir-measures``. Relevance comes from the qrels alone (no LLM judge): a pair counts as
 relevant when its score is at least 1, and a query with no relevant pair is left out.
 Candidate recall follows the reranking guide (seed 004): end-to-end reports every
