@@ -1,6 +1,8 @@
 """The evaluation harness: per-channel, fused and final quality, and candidate recall.
 
-It runs in-process over the runtime, reads a BEIR-layout collection, and scores with
+:func:`evaluate` runs in-process over the runtime on a BEIR-layout collection;
+:func:`score_results` scores what the API served (a batch's results) with no search of its
+own; both end in :func:`score_rankings`, so every source is scored by the same code with
 ``ir-measures``. Relevance comes from the qrels alone (no LLM judge): a pair counts as
 relevant when its score is at least 1, and a query with no relevant pair is left out.
 Candidate recall follows the reranking guide (seed 004): end-to-end reports every
@@ -10,7 +12,7 @@ query; conditional reports only the queries whose rerank window holds a relevant
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,12 +20,13 @@ from typing import Any
 import ir_measures
 from ir_measures import RR, R, nDCG
 
-from worker.contract import DocumentIn, Mode, SearchResult, SearchSpec
+from worker.contract import DocumentIn, Mode, SearchSpec
 from worker.runtime import Runtime
 
 JUDGE_POLICY = "qrels (binary: score >= 1), no LLM judge; queries without qrels left out"
 MEASURES = [nDCG @ 10, RR @ 10, R @ 10, R @ 100]
 TENANT = "eval"
+SERVED_RANKINGS = ("final", "fused", "bm25", "knn")  # what a served result's ranks give
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,39 @@ class RunSpec:
     limit: int
 
 
+def eval_runs(rerank: bool) -> list[RunSpec]:
+    """The runs an evaluation makes, in-process or served: each channel alone and fused at
+    depth 100 without a model, then the reranked run at 10 when asked for."""
+    runs = [
+        RunSpec("bm25", "fts", False, 100),
+        RunSpec("knn", "vector", False, 100),
+        RunSpec("fused", "hybrid", False, 100),
+    ]
+    if rerank:
+        runs.append(RunSpec("final (reranked)", "hybrid", True, 10))
+    return runs
+
+
+def judged_queries(
+    path: Path, qrels: dict[str, dict[str, int]], max_queries: int | None = None
+) -> list[tuple[str, str]]:
+    """``(id, text)`` of the queries with at least one relevant pair, in file order."""
+    queries = [
+        (str(row["_id"] if "_id" in row else row["id"]), row.get("text") or row["query"])
+        for row in read_jsonl(path)
+    ]
+    return [(qid, text) for qid, text in queries if qid in qrels][:max_queries]
+
+
+def _qrel_list(qrels: dict[str, dict[str, int]], judged: set[str]) -> list[ir_measures.Qrel]:
+    return [
+        ir_measures.Qrel(qid, doc, rel)
+        for qid, docs in qrels.items()
+        if qid in judged
+        for doc, rel in docs.items()
+    ]
+
+
 def evaluate(
     runtime: Runtime,
     collection: Collection,
@@ -88,37 +124,12 @@ def evaluate(
 ) -> dict[str, Any]:
     """Run every query through each run and score it; returns the report as plain data."""
     qrels = read_qrels(collection.qrels)
-    queries = [
-        (str(row["_id"] if "_id" in row else row["id"]), row.get("text") or row["query"])
-        for row in read_jsonl(collection.queries)
-    ]
-    queries = [(qid, text) for qid, text in queries if qid in qrels][:max_queries]
-    qrel_list = [
-        ir_measures.Qrel(qid, doc, rel)
-        for qid, docs in qrels.items()
-        for doc, rel in docs.items()
-        if any(q == qid for q, _ in queries)
-    ]
-
-    runs = [
-        RunSpec("bm25", "fts", False, 100),
-        RunSpec("knn", "vector", False, 100),
-        RunSpec("fused", "hybrid", False, 100),
-    ]
-    if rerank:
-        runs.append(RunSpec("final (reranked)", "hybrid", True, 10))
-
-    report: dict[str, Any] = {
-        "judge": JUDGE_POLICY,
-        "queries": len(queries),
-        "runs": {},
-        "window": window,
-    }
-    windows: dict[str, set[str]] = {}
+    queries = judged_queries(collection.queries, qrels, max_queries)
+    runs = eval_runs(rerank)
+    rankings: dict[str, dict[str, list[str]]] = {}
     usage_total: dict[str, float] = {}
-    final: list[ir_measures.ScoredDoc] = []
     for run in runs:
-        scored: list[ir_measures.ScoredDoc] = []
+        ranking = rankings[run.name] = {}
         for qid, text in queries:
             result = runtime.search(
                 SearchSpec(
@@ -126,35 +137,171 @@ def evaluate(
                 ),
                 TENANT,
             )
-            scored += _scored(qid, result)
-            if run.name == "fused":
-                windows[qid] = {hit.id for hit in result.hits[:window]}
-            for key, value in result.usage.model_dump().items():
-                usage_total[key] = usage_total.get(key, 0) + value
+            ranking[qid] = [hit.id for hit in result.hits]
+            add_usage(usage_total, result.usage.model_dump())
             if progress is not None:
                 progress(run.name, 1)
-        report["runs"][run.name] = _aggregate(qrel_list, scored)
-        final = scored  # the last run is the final one: reranked if asked, else fused
-
-    # Candidate recall at the rerank window bounds what any reranker can reach (seed 004).
-    recalls = [len(windows[qid] & qrels[qid].keys()) / len(qrels[qid]) for qid, _ in queries]
-    reachable = {qid for qid, _ in queries if windows[qid] & qrels[qid].keys()}
-    report["candidate_recall"] = {
-        "window": window,
-        "end_to_end": sum(recalls) / len(recalls) if recalls else 0.0,
-        "queries_with_a_relevant_candidate": len(reachable),
-    }
-    report["runs"]["final, conditional on the window"] = _aggregate(
-        [q for q in qrel_list if q.query_id in reachable],
-        [s for s in final if s.query_id in reachable],
+    # the last run is the final one: reranked if asked, else fused
+    report = score_rankings(
+        rankings,
+        qrels,
+        [qid for qid, _ in queries],
+        window=window,
+        candidates=rankings["fused"],
+        final=rankings[runs[-1].name],
     )
     report["usage"] = usage_total
     return report
 
 
-def _scored(qid: str, result: SearchResult) -> list[ir_measures.ScoredDoc]:
-    n = len(result.hits)
-    return [ir_measures.ScoredDoc(qid, hit.id, float(n - i)) for i, hit in enumerate(result.hits)]
+def score_rankings(
+    runs: dict[str, dict[str, list[str]]],
+    qrels: dict[str, dict[str, int]],
+    judged: list[str],
+    *,
+    window: int,
+    candidates: dict[str, list[str]],
+    final: dict[str, list[str]],
+) -> dict[str, Any]:
+    """Score each run's rankings (query id -> document ids, best first) with ir-measures.
+
+    ``candidates`` is the fused ranking whose first ``window`` documents the reranker sees;
+    ``final`` the ranking the conditional row scores. A query absent from a run scores 0.
+    ``depth`` is the fewest documents a run ranked for any query: a measure past it (R@100
+    of a run 40 deep) counts only what was ranked.
+    """
+    qrel_list = _qrel_list(qrels, set(judged))
+    report: dict[str, Any] = {
+        "judge": JUDGE_POLICY,
+        "queries": len(judged),
+        "runs": {},
+        "depth": {},
+        "window": window,
+    }
+    for name, ranking in runs.items():
+        report["runs"][name] = _aggregate(qrel_list, _scored(ranking, judged))
+        report["depth"][name] = min((len(ranking.get(qid, [])) for qid in judged), default=0)
+
+    # Candidate recall at the rerank window bounds what any reranker can reach (seed 004).
+    windows = {qid: set(candidates.get(qid, [])[:window]) for qid in judged}
+    recalls = [len(windows[qid] & qrels[qid].keys()) / len(qrels[qid]) for qid in judged]
+    reachable = {qid for qid in judged if windows[qid] & qrels[qid].keys()}
+    report["candidate_recall"] = {
+        "window": window,
+        "end_to_end": sum(recalls) / len(recalls) if recalls else 0.0,
+        "queries_with_a_relevant_candidate": len(reachable),
+        # fewer than ``window`` when the results were cut shorter (a batch of limit 10)
+        "candidates_held": min(
+            (len(candidates.get(qid, [])[:window]) for qid in judged), default=0
+        ),
+    }
+    report["runs"]["final, conditional on the window"] = _aggregate(
+        [q for q in qrel_list if q.query_id in reachable],
+        _scored(final, [qid for qid in judged if qid in reachable]),
+    )
+    return report
+
+
+def add_usage(total: dict[str, float], usage: dict[str, Any]) -> None:
+    """Add one result's usage to ``total``; a figure the result does not know (null) adds 0."""
+    for key, value in usage.items():
+        total[key] = total.get(key, 0) + (value or 0)
+
+
+def served_rankings(result: Mapping[str, Any] | None) -> dict[str, list[str]]:
+    """The rankings one served search result holds, from the ranks its hits carry (and the
+    trace's candidates when the request asked for the trace: the whole fused list).
+
+    ``final`` is the hits in order; ``fused``, ``bm25`` and ``knn`` order the documents by
+    their RRF or channel rank, and stop at the first rank the result does not hold: a
+    document it does not carry sits there, so what follows is not that ranking's next.
+    """
+    if not result:
+        return {name: [] for name in SERVED_RANKINGS}
+    hits = result.get("hits") or []
+    ranks: dict[str, dict[str, int]] = {}
+    for hit in hits:
+        held = ranks.setdefault(str(hit["id"]), {})
+        held.update({k: v for k, v in (hit.get("ranks") or {}).items() if v is not None})
+    for candidate in (result.get("trace") or {}).get("candidates") or []:
+        held = ranks.setdefault(str(candidate["id"]), {})
+        if (candidate.get("rrf") or {}).get("rank") is not None:
+            held["rrf"] = candidate["rrf"]["rank"]
+        for channel, info in (candidate.get("channels") or {}).items():
+            held[channel] = info["rank"]
+    return {
+        "final": [str(hit["id"]) for hit in hits],
+        "fused": _unbroken(ranks, "rrf"),
+        "bm25": _unbroken(ranks, "bm25"),
+        "knn": _unbroken(ranks, "knn"),
+    }
+
+
+def _unbroken(ranks: dict[str, dict[str, int]], key: str) -> list[str]:
+    ordered = sorted((held[key], doc) for doc, held in ranks.items() if key in held)
+    prefix = []
+    for position, (rank, doc) in enumerate(ordered, start=1):
+        if rank != position:
+            break
+        prefix.append(doc)
+    return prefix
+
+
+def score_results(
+    items: Iterable[Mapping[str, Any]], qrels: dict[str, dict[str, int]], *, window: int
+) -> dict[str, Any]:
+    """Score served results (the lines ``sift batch`` writes: ``query_id``, ``status``,
+    ``result``) with no search of our own: each run comes from the ranks the results carry.
+
+    A query with qrels counts; one that did not succeed scores 0 in every run. BM25 and kNN
+    rows appear when the results hold that channel's ranks, ``final (reranked)`` when the
+    model reranked any of them. Raises ValueError on a query
+    id seen twice.
+    """
+    held: dict[str, dict[str, list[str]]] = {}
+    failed = 0
+    reranked = False
+    usage: dict[str, float] = {}
+    for item in items:
+        qid = str(item.get("query_id"))
+        if qid in held:
+            raise ValueError(f"query_id {qid!r} appears twice")
+        if qid not in qrels:
+            continue
+        result = item.get("result") if item.get("status") == "succeeded" else None
+        failed += result is None
+        held[qid] = served_rankings(result)
+        if result:
+            reranked |= bool((result.get("rerank") or {}).get("applied"))
+            add_usage(usage, result.get("usage") or {})
+    judged = list(held)
+    per_run = {name: {qid: held[qid][name] for qid in judged} for name in SERVED_RANKINGS}
+    runs = {name: per_run[name] for name in ("bm25", "knn") if any(per_run[name].values())}
+    runs["fused"] = per_run["fused"]  # RRF over the channels the searches' mode ran
+    if reranked:
+        runs["final (reranked)"] = per_run["final"]
+    report = score_rankings(
+        runs,
+        qrels,
+        judged,
+        window=window,
+        candidates=per_run["fused"],
+        final=per_run["final"],
+    )
+    report["failed"] = failed
+    report["usage"] = usage
+    return report
+
+
+def _scored(ranking: dict[str, list[str]], judged: list[str]) -> list[ir_measures.ScoredDoc]:
+    """A ranking as ir-measures' run: descending scores, so its order is the ranking's."""
+    scored = []
+    for qid in judged:
+        docs = ranking.get(qid, [])
+        scored += [
+            ir_measures.ScoredDoc(qid, doc, float(len(docs) - i)) for i, doc in enumerate(docs)
+        ]
+    return scored
 
 
 def _aggregate(qrels: list[ir_measures.Qrel], run: list[ir_measures.ScoredDoc]) -> dict[str, float]:

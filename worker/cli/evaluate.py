@@ -1,9 +1,21 @@
-"""``sift eval``: the evaluation harness on the in-process runtime, with no queue."""
+"""``sift eval``: quality with ir-measures, of three sources.
+
+* ``--corpus``: in-process over the runtime, with no queue (it embeds the corpus itself).
+* ``--index``: an index already ingested through the API: every run is a batch submitted to
+  the gateway, so the queue, the worker and the settings are those of production traffic,
+  and nothing is embedded here.
+* ``--results``: the JSONL ``sift batch`` wrote, scored from the ranks its results carry.
+
+All three print the same table.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -12,13 +24,29 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli import app
+from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
 from worker.cli._output import progress_bar
 from worker.errors import SiftError
-from worker.evaluation import TENANT, Collection, evaluate, read_corpus
+from worker.evaluation import (
+    TENANT,
+    Collection,
+    RunSpec,
+    add_usage,
+    eval_runs,
+    evaluate,
+    judged_queries,
+    read_corpus,
+    read_jsonl,
+    read_qrels,
+    score_rankings,
+    score_results,
+)
 from worker.runtime import Runtime, build_runtime
 from worker.settings import load_settings
 
 console = Console()
+EXIT_USAGE = 2
+PAGE_SIZE = 500
 
 
 def _ingest(runtime: Runtime, corpus: Path, index: str, tenant: str) -> int:
@@ -28,68 +56,228 @@ def _ingest(runtime: Runtime, corpus: Path, index: str, tenant: str) -> int:
         return runtime.ingest(index, tenant, documents, lambda n: bar.advance(task, n))
 
 
+def _usage_error(message: str) -> typer.Exit:
+    console.print(f"[red]error:[/red] {message}")
+    return typer.Exit(EXIT_USAGE)
+
+
 @app.command("eval")
 def eval_command(
-    corpus: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="corpus.jsonl")],
-    queries: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="queries.jsonl")],
     qrels: Annotated[Path, typer.Option(exists=True, dir_okay=False, help="qrels (tsv or trec)")],
+    corpus: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="corpus.jsonl: index it in-process"),
+    ] = None,
+    index: Annotated[
+        str | None, typer.Option(help="an index ingested through the API: search it there")
+    ] = None,
+    results: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="RESULTS.jsonl of `sift batch`: score it"),
+    ] = None,
+    queries: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="queries.jsonl (with --corpus, --index)"),
+    ] = None,
     data_dir: Annotated[
-        Path | None, typer.Option(help="index directory; a cache per corpus by default")
+        Path | None, typer.Option(help="--corpus: index directory; a cache per corpus by default")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="--index: keep each run's results here, as `sift batch`")
     ] = None,
     window: Annotated[int, typer.Option(min=1, help="rerank window for candidate recall")] = 30,
     rerank: Annotated[bool, typer.Option(help="add the reranked run (needs a model)")] = False,
     max_queries: Annotated[int | None, typer.Option(min=1)] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report")] = None,
 ) -> None:
-    """Evaluate BM25, kNN, fused and final runs in-process with ir-measures."""
-    # one process embeds the whole corpus: let onnxruntime use every core
-    overrides: dict[str, Any] = {"embedding_threads": 0}
-    if rerank:
-        overrides["rerank_enabled"] = True
+    """Evaluate BM25, kNN, fused and final runs with ir-measures: in-process (--corpus), of a
+    served index (--index) or of a batch's results (--results)."""
+    sources = [name for name, given in (("--corpus", corpus), ("--index", index),
+                                        ("--results", results)) if given is not None]  # fmt: skip
+    if len(sources) != 1:
+        raise _usage_error("give exactly one of --corpus, --index and --results")
+    if queries is None and results is None:
+        raise _usage_error(f"{sources[0]} needs --queries")
+    misplaced = [name for name, given, home in (
+        ("--queries", queries is not None, results is None),
+        ("--data-dir", data_dir is not None, corpus is not None),
+        ("--out", out is not None, index is not None),
+        ("--rerank", rerank, results is None),
+        ("--max-queries", max_queries is not None, results is None),
+    ) if given and not home]  # fmt: skip
+    if misplaced:
+        raise _usage_error(f"{misplaced[0]} does not apply to {sources[0]}")
     try:
-        settings = load_settings(**overrides)
-        # a cache per corpus and embedding graph: vectors of two graphs must never mix
-        graph = "int8-matmul" if settings.embedding_int8_compute else "fp32"
-        key = hashlib.sha256(f"{corpus.resolve()}|{graph}".encode()).hexdigest()[:12]
-        directory = data_dir or Path(".sift/eval") / key
-        settings = settings.model_copy(update={"data_dir": directory})
-        runtime = build_runtime(settings)
-        complete = directory / "indexed.ok"  # written only after the whole corpus is in
-        if not complete.exists():
-            _ingest(runtime, corpus, "eval", TENANT)
-            complete.write_text(f"{corpus.resolve()}\n")
-        with progress_bar(console) as bar:
-            tasks: dict[str, Any] = {}
-
-            def advance(run: str, n: int) -> None:
-                if run not in tasks:
-                    tasks[run] = bar.add_task(f"run {run}", total=None)
-                bar.advance(tasks[run], n)
-
-            report = evaluate(
-                runtime,
-                Collection(corpus, queries, qrels),
-                window=window,
-                rerank=rerank,
-                max_queries=max_queries,
-                progress=advance,
-            )
+        if corpus is not None and queries is not None:
+            report = _in_process(corpus, queries, qrels, data_dir, window, rerank, max_queries)
+        elif index is not None and queries is not None:
+            report = _served(index, queries, qrels, out, window, rerank, max_queries)
+        else:
+            assert results is not None
+            report = _scored_file(results, qrels, window)
     except SiftError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(2) from error
+    except (GatewayError, ValueError) as error:
+        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
+        raise typer.Exit(1) from error
     _print_report(report)
     if json_out:
         json_out.write_text(json.dumps(report, indent=2) + "\n")
 
 
+def _in_process(
+    corpus: Path,
+    queries: Path,
+    qrels: Path,
+    data_dir: Path | None,
+    window: int,
+    rerank: bool,
+    max_queries: int | None,
+) -> dict[str, Any]:
+    # one process embeds the whole corpus: let onnxruntime use every core
+    overrides: dict[str, Any] = {"embedding_threads": 0}
+    if rerank:
+        overrides["rerank_enabled"] = True
+    settings = load_settings(**overrides)
+    # a cache per corpus and embedding graph: vectors of two graphs must never mix
+    graph = "int8-matmul" if settings.embedding_int8_compute else "fp32"
+    key = hashlib.sha256(f"{corpus.resolve()}|{graph}".encode()).hexdigest()[:12]
+    directory = data_dir or Path(".sift/eval") / key
+    settings = settings.model_copy(update={"data_dir": directory})
+    runtime = build_runtime(settings)
+    complete = directory / "indexed.ok"  # written only after the whole corpus is in
+    if not complete.exists():
+        _ingest(runtime, corpus, "eval", TENANT)
+        complete.write_text(f"{corpus.resolve()}\n")
+    total = len(judged_queries(queries, read_qrels(qrels), max_queries))
+    with progress_bar(console) as bar:
+        tasks: dict[str, Any] = {}
+
+        def advance(run: str, n: int) -> None:
+            if run not in tasks:
+                tasks[run] = bar.add_task(f"run {run}", total=total)
+            bar.advance(tasks[run], n)
+
+        return evaluate(
+            runtime,
+            Collection(corpus, queries, qrels),
+            window=window,
+            rerank=rerank,
+            max_queries=max_queries,
+            progress=advance,
+        )
+
+
+def _served(
+    index: str,
+    queries_path: Path,
+    qrels_path: Path,
+    out: Path | None,
+    window: int,
+    rerank: bool,
+    max_queries: int | None,
+) -> dict[str, Any]:
+    """Each run as one batch through the gateway (the runs of the in-process evaluation, the
+    same modes, depths and rerank choice), then scored from the hits the API returned."""
+    qrels = read_qrels(qrels_path)
+    queries = judged_queries(queries_path, qrels, max_queries)
+    if not queries:
+        raise ValueError(f"{queries_path}: no query has a relevant document in {qrels_path}")
+    runs = eval_runs(rerank)
+    rankings: dict[str, dict[str, list[str]]] = {}
+    usage: dict[str, float] = {}
+    failed = 0
+    with gateway() as client:
+        submitted = {run.name: _submit(client, index, run, queries) for run in runs}
+        with progress_bar(console) as bar:
+            tasks = {
+                name: bar.add_task(f"{name} via {index}", total=len(queries)) for name in submitted
+            }
+            pending = dict(submitted)
+            while pending:
+                for name, batch_id in list(pending.items()):
+                    counts = client.json("GET", f"/v1/batches/{batch_id}").get("counts") or {}
+                    finished = sum(int(counts.get(s, 0)) for s in FINAL_STATUSES)
+                    bar.update(tasks[name], completed=finished)
+                    if finished >= len(queries):
+                        del pending[name]
+                if pending:
+                    time.sleep(0.5)
+        for run in runs:
+            items = list(_results(client, submitted[run.name]))
+            if out is not None:
+                _write_jsonl(out / f"{run.name.split()[0]}.jsonl", items)
+            rankings[run.name] = {}
+            for item in items:
+                result = item.get("result") if item.get("status") == "succeeded" else None
+                failed += result is None
+                hits = (result or {}).get("hits") or []
+                rankings[run.name][str(item["query_id"])] = [str(hit["id"]) for hit in hits]
+                add_usage(usage, (result or {}).get("usage") or {})
+    report = score_rankings(
+        rankings,
+        qrels,
+        [qid for qid, _ in queries],
+        window=window,
+        candidates=rankings["fused"],
+        final=rankings[runs[-1].name],
+    )
+    report["failed"] = failed
+    report["usage"] = usage
+    report["batches"] = submitted
+    return report
+
+
+def _submit(client: Gateway, index: str, run: RunSpec, queries: list[tuple[str, str]]) -> str:
+    items = [
+        {"id": qid, "query": text, "mode": run.mode, "limit": run.limit} for qid, text in queries
+    ]
+    body = {"index": index, "queries": items, "rerank": run.rerank}
+    return str(client.json("POST", "/v1/batches", json=body)["id"])
+
+
+def _results(client: Gateway, batch_id: str) -> Iterator[dict[str, Any]]:
+    """Every result of a batch, page by page, in submission order."""
+    token: str | None = None
+    while True:
+        params: dict[str, Any] = {"page_size": PAGE_SIZE}
+        if token:
+            params["page_token"] = token
+        page = client.json("GET", f"/v1/batches/{batch_id}/results", params=params)
+        yield from page.get("results") or []
+        token = page.get("next_page_token")
+        if not token:
+            return
+
+
+def _write_jsonl(path: Path, items: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    temp.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
+    os.replace(temp, path)
+
+
+def _scored_file(results: Path, qrels: Path, window: int) -> dict[str, Any]:
+    report = score_results(read_jsonl(results), read_qrels(qrels), window=window)
+    if not report["queries"]:
+        raise ValueError(f"{results}: no result is for a query in {qrels}")
+    return report
+
+
 def _print_report(report: dict[str, Any]) -> None:
     table = Table(title=f"{report['queries']} queries; judge: {report['judge']}")
     measures = list(next(iter(report["runs"].values())))
+    depth = report.get("depth") or {}
     table.add_column("run")
     for measure in measures:
         table.add_column(measure, justify="right")
+    table.add_column("depth", justify="right")
     for name, values in report["runs"].items():
-        table.add_row(name, *(f"{values[m]:.3f}" for m in measures))
+        ranked = depth.get(name)
+        table.add_row(
+            name, *(f"{values[m]:.3f}" for m in measures), "" if ranked is None else str(ranked)
+        )
     console.print(table)
     recall = report["candidate_recall"]
     console.print(
@@ -97,6 +285,21 @@ def _print_report(report: dict[str, Any]) -> None:
         f"queries with a relevant candidate in the window: "
         f"{recall['queries_with_a_relevant_candidate']}/{report['queries']}"
     )
+    held = recall.get("candidates_held", recall["window"])
+    if held < recall["window"]:
+        console.print(
+            f"[yellow]the results hold only {held} fused candidate(s) for some query[/]: "
+            f"candidate recall counts those, not {recall['window']}"
+        )
+    shallow = [name for name, ranked in depth.items() if ranked < 100]
+    if shallow:
+        console.print(
+            f"depth: the fewest documents a run ranked for a query ({', '.join(shallow)}: "
+            "under 100). A run ranks fewer when fewer documents match, or when the results "
+            "were cut (a batch's limit); a measure past its depth counts only what was ranked."
+        )
+    if report.get("failed"):
+        console.print(f"[red]{report['failed']} search(es) did not succeed[/]; they score 0")
     usage = report.get("usage") or {}
     if usage.get("requests"):
         console.print(

@@ -1,0 +1,193 @@
+"""``sift eval --index`` and ``--results`` over the real stack: the CLI as a process, the
+sample corpus ingested through the API, a small qrels file of our own.
+
+Every figure the CLI reports is checked against ir-measures run here on the very results
+the API served (the ``--out`` files, or the ``sift batch`` output), and the runs are checked
+to be what the API serves to anyone (a search of our own returns the same ranking).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import ir_measures
+import pytest
+from ir_measures import RR, R, nDCG
+
+from tests.e2e.conftest import ACME, INDEX, SAMPLE, Stack
+from worker.stack import child_env, sift_command
+
+QRELS = Path(__file__).parent / "data" / "sample_qrels.tsv"
+QUERIES = SAMPLE / "sample_queries.jsonl"
+MEASURES = [nDCG @ 10, RR @ 10, R @ 10, R @ 100]
+JUDGED = 9  # q10 has no qrels; q9's second pair is judged 0
+
+
+def _qrels() -> list[ir_measures.Qrel]:
+    rows = [line.split("\t") for line in QRELS.read_text().splitlines()[1:]]
+    return [ir_measures.Qrel(q, d, int(r)) for q, d, r in rows if int(r) >= 1]
+
+
+def _expected(rankings: dict[str, list[str]]) -> dict[str, float]:
+    """ir-measures over ``rankings`` (query id -> ids, best first), on the judged queries."""
+    run = [
+        ir_measures.ScoredDoc(qid, doc, float(len(docs) - i))
+        for qid, docs in rankings.items()
+        for i, doc in enumerate(docs)
+    ]
+    qrels = [q for q in _qrels() if q.query_id in rankings]
+    values = ir_measures.calc_aggregate(MEASURES, qrels, run)
+    return {str(m): float(values[m]) for m in MEASURES}
+
+
+def _hits_order(path: Path) -> dict[str, list[str]]:
+    judged = {q.query_id for q in _qrels()}
+    items = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(item["status"] == "succeeded" for item in items), items
+    return {
+        item["query_id"]: [hit["id"] for hit in item["result"]["hits"]]
+        for item in items
+        if item["query_id"] in judged
+    }
+
+
+def _sift(stack: Stack, *args: str) -> str:
+    env = child_env({"SIFT_URL": stack.live_url, "SIFT_API_KEY": "acme-key-0001"})
+    done = subprocess.run(
+        sift_command(*args), env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def served(stack: Stack, corpus: object, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``sift eval --index`` once; its folder holds ``report.json`` and each run's results."""
+    folder = tmp_path_factory.mktemp("eval-index")
+    printed = _sift(
+        stack, "eval", "--index", INDEX, "--queries", str(QUERIES), "--qrels", str(QRELS),
+        "--out", str(folder / "runs"), "--json", str(folder / "report.json"),
+    )  # fmt: skip
+    (folder / "printed.txt").write_text(printed)
+    return folder
+
+
+def test_eval_index_reports_what_ir_measures_gives_on_the_served_results(served: Path) -> None:
+    report = json.loads((served / "report.json").read_text())
+    assert report["queries"] == JUDGED and report["failed"] == 0
+    for run in ("bm25", "knn", "fused"):
+        expected = _expected(_hits_order(served / "runs" / f"{run}.jsonl"))
+        assert report["runs"][run] == pytest.approx(expected, abs=1e-12), run
+    assert report["runs"]["fused"]["nDCG@10"] > 0.5  # the sample queries are easy
+    # candidate recall at the window: the fused run's first 30, against the judged pairs
+    fused = _hits_order(served / "runs" / "fused.jsonl")
+    relevant: dict[str, set[str]] = {}
+    for qrel in _qrels():
+        relevant.setdefault(qrel.query_id, set()).add(qrel.doc_id)
+    recalls = [len(set(fused[q][:30]) & docs) / len(docs) for q, docs in relevant.items()]
+    recall = report["candidate_recall"]
+    assert recall["end_to_end"] == pytest.approx(sum(recalls) / len(recalls))
+    assert recall["queries_with_a_relevant_candidate"] == sum(r > 0 for r in recalls)
+    printed = (served / "printed.txt").read_text()
+    for row in ("bm25", "knn", "fused", "final, conditional on the window"):
+        assert row in printed
+    assert f"{report['runs']['fused']['nDCG@10']:.3f}" in printed
+    assert f"candidate recall@30 (end-to-end): {recall['end_to_end']:.3f}" in printed
+    assert "/?" not in printed  # every progress bar had its total
+
+
+def test_eval_index_runs_are_batches_the_api_served(stack: Stack, served: Path) -> None:
+    report = json.loads((served / "report.json").read_text())
+    assert set(report["batches"]) == {"bm25", "knn", "fused"}
+    for batch_id in report["batches"].values():
+        batch = stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+        assert batch["status"] == "succeeded" and batch["counts"]["succeeded"] == JUDGED
+    # what anyone searching the index the same way gets
+    fused = _hits_order(served / "runs" / "fused.jsonl")
+    body = {"index": INDEX, "query": "who beat Kasparov", "limit": 100, "rerank": False}
+    job = stack.live.post("/v1/searches", params={"wait": 30}, json=body, headers=ACME).json()
+    assert [hit["id"] for hit in job["result"]["hits"]] == fused["q4"]
+
+
+def test_eval_results_scores_a_batch_file(stack: Stack, served: Path, tmp_path: Path) -> None:
+    """A hybrid batch of depth 100 over 30 documents holds every document either channel
+    found, so the channel runs it implies are the channel runs themselves: the BM25 and kNN
+    rows equal those of the separate fts and vector batches of ``--index``."""
+    results = tmp_path / "results.jsonl"
+    _sift(stack, "batch", str(QUERIES), "--index", INDEX, "--out", str(results),
+          "--limit", "100", "--no-rerank")  # fmt: skip
+    printed = _sift(stack, "eval", "--results", str(results), "--qrels", str(QRELS),
+                    "--json", str(tmp_path / "report.json"))  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    index_report = json.loads((served / "report.json").read_text())
+    assert report["queries"] == JUDGED
+    assert report["runs"]["fused"] == pytest.approx(_expected(_hits_order(results)), abs=1e-12)
+    for run in ("bm25", "knn", "fused"):
+        assert report["runs"][run] == pytest.approx(index_report["runs"][run], abs=1e-12), run
+        assert report["depth"][run] == index_report["depth"][run], run
+    assert report["candidate_recall"] == index_report["candidate_recall"]
+    assert "final (reranked)" not in report["runs"]
+    assert f"{report['runs']['bm25']['nDCG@10']:.3f}" in printed
+
+
+def test_eval_results_scores_the_reranked_order(stack: Stack, tmp_path: Path) -> None:
+    """Reranked results: the final row is the hits as served; the fused row is the part of
+    the RRF ranking the hits hold without a gap."""
+    results = tmp_path / "reranked.jsonl"
+    _sift(stack, "batch", str(QUERIES), "--index", INDEX, "--out", str(results),
+          "--limit", "5", "--rerank")  # fmt: skip
+    _sift(stack, "eval", "--results", str(results), "--qrels", str(QRELS),
+          "--json", str(tmp_path / "report.json"))  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    items = [json.loads(line) for line in results.read_text().splitlines()]
+    assert all(item["result"]["rerank"]["applied"] for item in items)
+    final = _hits_order(results)
+    assert report["runs"]["final (reranked)"] == pytest.approx(_expected(final), abs=1e-12)
+    assert report["depth"]["final (reranked)"] == 5
+    fused: dict[str, list[str]] = {}
+    for item in items:
+        by_rrf = sorted((hit["ranks"]["rrf"], hit["id"]) for hit in item["result"]["hits"])
+        unbroken = fused[item["query_id"]] = []
+        for n, (rank, doc) in enumerate(by_rrf, start=1):
+            if rank != n:
+                break  # a fused candidate the hits do not hold
+            unbroken.append(doc)
+    fused = {qid: docs for qid, docs in fused.items() if qid in final}
+    assert report["runs"]["fused"] == pytest.approx(_expected(fused), abs=1e-12)
+    assert report["usage"]["requests"] >= JUDGED  # the usage of the served searches
+
+
+def test_eval_index_with_rerank_adds_the_served_final_run(stack: Stack, corpus: object,
+                                                          tmp_path: Path) -> None:  # fmt: skip
+    printed = _sift(
+        stack, "eval", "--index", INDEX, "--queries", str(QUERIES), "--qrels", str(QRELS),
+        "--rerank", "--out", str(tmp_path), "--json", str(tmp_path / "report.json"),
+    )  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report["batches"]) == {"bm25", "knn", "fused", "final (reranked)"}
+    final = _hits_order(tmp_path / "final.jsonl")
+    items = [json.loads(line) for line in (tmp_path / "final.jsonl").read_text().splitlines()]
+    assert all(item["result"]["rerank"]["applied"] for item in items)
+    assert report["runs"]["final (reranked)"] == pytest.approx(_expected(final), abs=1e-12)
+    assert report["depth"]["final (reranked)"] == 10
+    assert report["usage"]["requests"] >= JUDGED
+    assert "rerank usage:" in printed and "final (reranked)" in printed
+
+
+def test_eval_index_gives_the_in_process_figures(
+    stack: Stack, served: Path, tmp_path: Path
+) -> None:
+    """The served index and an in-process index of the same corpus score the same (the
+    acceptance's 0.002 on nDCG@10; on SciFact the two agreed to the last digit)."""
+    _sift(
+        stack, "eval", "--corpus", str(SAMPLE / "sample_corpus.jsonl"), "--queries", str(QUERIES),
+        "--qrels", str(QRELS), "--data-dir", str(tmp_path / "index"),
+        "--json", str(tmp_path / "report.json"),
+    )  # fmt: skip
+    in_process = json.loads((tmp_path / "report.json").read_text())
+    report = json.loads((served / "report.json").read_text())
+    assert set(in_process["runs"]) == set(report["runs"])
+    for run, values in in_process["runs"].items():
+        assert report["runs"][run]["nDCG@10"] == pytest.approx(values["nDCG@10"], abs=0.002), run

@@ -1,0 +1,62 @@
+"""Scoring served results: the rankings a result's ranks imply, and what counts as a query."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from worker.evaluation import score_results, served_rankings
+
+
+def hit(doc: str, final: int, rrf: int, bm25: int | None, knn: int | None) -> dict[str, Any]:
+    return {"id": doc, "ranks": {"final": final, "rrf": rrf, "bm25": bm25, "knn": knn}}
+
+
+def result(*hits: dict[str, Any], trace: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"hits": list(hits), "rerank": {"applied": False}, "usage": {}, "trace": trace}
+
+
+def test_a_ranking_stops_at_the_first_rank_the_result_does_not_hold() -> None:
+    served = served_rankings(
+        result(hit("a", 1, 1, 2, 1), hit("b", 2, 2, 1, None), hit("c", 3, 4, 3, 2))
+    )
+    assert served["final"] == ["a", "b", "c"]
+    assert served["fused"] == ["a", "b"]  # rrf 3 is not among the hits: c's 4 is not the next
+    assert served["bm25"] == ["b", "a", "c"]
+    assert served["knn"] == ["a", "c"]
+
+
+def test_the_trace_candidates_extend_the_rankings() -> None:
+    trace = {
+        "candidates": [
+            {"id": "x", "rrf": {"rank": 1}, "channels": {"bm25": {"rank": 1}}},
+            {"id": "y", "rrf": {"rank": 2}, "channels": {"knn": {"rank": 1}}},
+            {"id": "z", "rrf": {"rank": 3}, "channels": {"bm25": {"rank": 2}}},
+        ]
+    }
+    served = served_rankings(result(hit("z", 1, 3, 2, None), trace=trace))  # reranked to z
+    assert served["final"] == ["z"]
+    assert served["fused"] == ["x", "y", "z"]
+    assert served["bm25"] == ["x", "z"] and served["knn"] == ["y"]
+
+
+def test_a_failed_query_scores_zero_and_unjudged_ones_are_left_out() -> None:
+    qrels = {"q1": {"a": 1}, "q2": {"b": 1}}
+    items = [
+        {"query_id": "q1", "status": "succeeded", "result": result(hit("a", 1, 1, 1, 1))},
+        {"query_id": "q2", "status": "failed", "error": {"type": "x", "message": "y"}},
+        {"query_id": "q3", "status": "succeeded", "result": result(hit("a", 1, 1, 1, 1))},
+    ]
+    report = score_results(items, qrels, window=30)
+    assert report["queries"] == 2 and report["failed"] == 1
+    assert report["runs"]["fused"]["nDCG@10"] == pytest.approx(0.5)
+    assert report["candidate_recall"]["queries_with_a_relevant_candidate"] == 1
+    assert report["candidate_recall"]["candidates_held"] == 0  # the failed query holds none
+    assert "final (reranked)" not in report["runs"]
+
+
+def test_a_query_id_twice_is_refused() -> None:
+    item = {"query_id": "q1", "status": "succeeded", "result": result(hit("a", 1, 1, 1, 1))}
+    with pytest.raises(ValueError, match="q1"):
+        score_results([item, item], {"q1": {"a": 1}}, window=30)
