@@ -21,6 +21,7 @@ import ir_measures
 from ir_measures import RR, R, nDCG
 
 from worker.contract import DocumentIn, Mode, SearchSpec
+from worker.core.cost import add_costs
 from worker.runtime import Runtime
 
 JUDGE_POLICY = "qrels (binary: score >= 1), no LLM judge; queries without qrels left out"
@@ -127,7 +128,7 @@ def evaluate(
     queries = judged_queries(collection.queries, qrels, max_queries)
     runs = eval_runs(rerank)
     rankings: dict[str, dict[str, list[str]]] = {}
-    usage_total: dict[str, float] = {}
+    usage_total: dict[str, float | None] = {}
     for run in runs:
         ranking = rankings[run.name] = {}
         for qid, text in queries:
@@ -202,10 +203,22 @@ def score_rankings(
     return report
 
 
-def add_usage(total: dict[str, float], usage: dict[str, Any]) -> None:
-    """Add one result's usage to ``total``; a figure the result does not know (null) adds 0."""
+def add_usage(total: dict[str, float | None], usage: dict[str, Any]) -> None:
+    """Add one result's usage to ``total``. A count the result lacks (null) adds 0; a cost
+    it does not know (an unpriced model's ``null``) leaves the total's cost unknown too.
+
+    >>> total: dict[str, float | None] = {}
+    >>> add_usage(total, {"requests": 1, "cost_usd": 0.5}); add_usage(total, {"requests": 1})
+    >>> total
+    {'requests': 2, 'cost_usd': 0.5}
+    >>> add_usage(total, {"requests": 1, "cost_usd": None}); total
+    {'requests': 3, 'cost_usd': None}
+    """
     for key, value in usage.items():
-        total[key] = total.get(key, 0) + (value or 0)
+        if key == "cost_usd":
+            total[key] = add_costs(total.get(key, 0.0), value)
+        else:
+            total[key] = (total.get(key) or 0) + (value or 0)
 
 
 def served_rankings(result: Mapping[str, Any] | None) -> dict[str, list[str]]:
@@ -261,7 +274,7 @@ def score_results(
     held: dict[str, dict[str, list[str]]] = {}
     failed = 0
     reranked = False
-    usage: dict[str, float] = {}
+    usage: dict[str, float | None] = {}
     for item in items:
         qid = str(item.get("query_id"))
         if qid in held:

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from worker.cli import app
 from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
-from worker.cli._output import progress_bar
+from worker.cli._output import format_cost, progress_bar
 from worker.errors import SiftError
 from worker.evaluation import (
     TENANT,
@@ -186,7 +186,7 @@ def _served(
         raise ValueError(f"{queries_path}: no query has a relevant document in {qrels_path}")
     runs = eval_runs(rerank)
     rankings: dict[str, dict[str, list[str]]] = {}
-    usage: dict[str, float] = {}
+    usage: dict[str, float | None] = {}
     failed = 0
     with gateway() as client:
         submitted = {run.name: _submit(client, index, run, queries) for run in runs}
@@ -305,5 +305,5 @@ def _print_report(report: dict[str, Any]) -> None:
         console.print(
             f"rerank usage: {int(usage['requests'])} requests, "
             f"{int(usage['input_tokens'])} input / {int(usage['output_tokens'])} output tokens, "
-            f"${usage['cost_usd']:.4f}"
+            f"{format_cost(usage.get('cost_usd', 0.0))}"
         )
