@@ -24,6 +24,8 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:stats:jobs           hash   queued / running searches and batch items right now
     sift:active               zset   search, ingest and standard-lane batch ids not final yet
                                      -> the time of their last status change (the re-drive's)
+    sift:jobs:<kind>:<tenant> zset   the tenant's search, batch or ingest ids -> created_at
+                                     (the job lists; written with the job's record)
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``RESULT_TTL_SECONDS`` (7 days) from its last write; an Idempotency-Key is
@@ -62,6 +64,7 @@ from worker.queue.jobstore.idempotency import (
 )
 from worker.queue.jobstore.ingests import IngestRecords
 from worker.queue.jobstore.lanes import EconomyLaneRecords
+from worker.queue.jobstore.listing import Cursor, JobListing, JobPage
 from worker.queue.jobstore.records import (
     FINAL,
     BatchItem,
@@ -84,6 +87,7 @@ __all__ = [
     "BatchItem",
     "BatchJob",
     "CancelOutcome",
+    "Cursor",
     "Enqueue",
     "IdempotencyClaim",
     "IdempotencyKeyBound",
@@ -92,6 +96,8 @@ __all__ = [
     "IngestJob",
     "ItemOutcome",
     "ItemTransition",
+    "JobListing",
+    "JobPage",
     "JobStore",
     "SearchJob",
     "fingerprint",
@@ -106,6 +112,7 @@ class JobStore(
     EconomyLaneRecords,
     IdempotencyRecords,
     DeliveryRecords,
+    JobListing,
 ):
     """Job records in Redis. Thread-safe: redis-py's client pools its connections, and the
     status transitions' own connection serves one call at a time (their coalescer's).
