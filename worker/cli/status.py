@@ -64,7 +64,10 @@ class QueueRow:
 
 @dataclass
 class Delivery:
+    """A task a worker holds: its delivery tag (Redis's view only), id, name and arguments."""
+
     tag: str
+    task_id: str
     task: str
     args: str
 
@@ -116,7 +119,8 @@ def _unacked(client: redis.Redis) -> dict[str, tuple[str, Delivery]]:
         except (ValueError, TypeError, AttributeError):
             continue
         task = str(headers.get("task", "?"))
-        out[tag] = (str(routing_key), Delivery(tag, task, str(headers.get("argsrepr", ""))))
+        delivery = Delivery(tag, str(headers.get("id", "")), task, str(headers.get("argsrepr", "")))
+        out[tag] = (str(routing_key), delivery)
     return out
 
 
@@ -149,7 +153,7 @@ def _workers(client: redis.Redis, unacked: dict[str, tuple[str, Delivery]]) -> l
         host, _, rest = worker_id.partition(":")
         pid_text = rest.partition(":")[0]
         holds = [
-            unacked[tag][1] if tag in unacked else Delivery(tag, "?", "")
+            unacked[tag][1] if tag in unacked else Delivery(tag, "", "?", "")
             for tag, owner in sorted(owners.items())
             if owner == worker_id
         ]
@@ -177,11 +181,7 @@ def _join_inspection(
         match = [w for w in workers if w.pid == pid and (not host or w.host == host)]
         match = match or [w for w in workers if w.pid == pid]
         tasks = [
-            Delivery(
-                str((t.get("delivery_info") or {}).get("delivery_tag", "")),
-                str(t.get("name") or t.get("type") or "?"),
-                str(t.get("args", "")),
-            )
+            Delivery("", str(t.get("id", "")), str(t.get("name") or "?"), str(t.get("args", "")))
             for t in (active.get(node) or [])
         ]
         if match:
