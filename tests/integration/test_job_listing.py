@@ -126,3 +126,15 @@ def test_a_batch_is_filtered_by_its_own_status(store: JobStore) -> None:
     assert [b.id for b in queued.jobs] == [waiting.id]
     store.redis.delete(BATCH_KEY + waiting.id)
     assert store.list_batches("acme", status=None, after=None, page_size=9).jobs[0].id == done.id
+
+
+def test_members_pruned_at_the_end_of_a_read_skip_nothing(store: JobStore) -> None:
+    """The last members of one read expired: the next read starts after them, not at an
+    offset they no longer fill."""
+    ids = [store.create_search("acme", spec()).id for _ in range(12)]
+    expired = {ids[10], ids[8], ids[4]}  # a page of 3 reads 4: ids[8] ends the first read
+    for job_id in expired:
+        store.redis.delete(SEARCH_KEY + job_id)
+    pages = every_page(store, "acme", 3, status=None)
+    listed = [job_id for page in pages for job_id in page]
+    assert listed == [job_id for job_id in reversed(ids) if job_id not in expired]

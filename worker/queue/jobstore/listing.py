@@ -104,33 +104,33 @@ class JobListing(_StoreCore):
     def _scan(
         self, key: str, after: Cursor | None, chunk: int
     ) -> Iterator[tuple[list[tuple[str, float]], bool]]:
-        """The index's members after ``after``, newest first, ``chunk`` per round trip, each
-        chunk with whether it is the last. Members of equal creation time come in Redis's
-        order for them (reverse lexicographic), so "after" is exact even for ties."""
-        top = "+inf" if after is None else repr(after.created_at)
-        offset = 0  # members at score ``top`` already seen
+        """The index's members after ``after``, newest first, about ``chunk`` per round trip,
+        each chunk with whether it is the last. Each read starts at the last member yielded
+        (never at an offset, which the members pruned meanwhile would shift). Members of equal
+        creation time come in Redis's order for them (reverse lexicographic), so "after" is
+        exact for ties too; a tie wider than a chunk is read in wider reads."""
+        cursor, num = after, chunk
         while True:
+            top = "+inf" if cursor is None else repr(cursor.created_at)
             rows = cast(
                 list[tuple[str, float]],
                 self.redis.zrange(
-                    key, top, "-inf", desc=True, byscore=True, withscores=True,
-                    offset=offset, num=chunk,
+                    key, top, "-inf", desc=True, byscore=True, withscores=True, offset=0, num=num
                 ),
-            )  # fmt: skip
+            )
             fresh = [
                 (job_id, score)
                 for job_id, score in rows
-                if after is None or score < after.created_at or job_id < after.job_id
+                if cursor is None or score < cursor.created_at or job_id < cursor.job_id
             ]
-            last = len(rows) < chunk
+            last = len(rows) < num
             if fresh:
                 yield fresh, last
+                cursor, num = Cursor(fresh[-1][1], fresh[-1][0]), chunk
+            else:
+                num *= 2  # every member read ties with the cursor: read further into the tie
             if last:
                 return
-            score = rows[-1][1]
-            tied = sum(1 for _, s in rows if s == score)
-            offset = offset + tied if repr(score) == top else tied
-            top = repr(score)
 
     def _searches(self, ids: Sequence[str]) -> list[SearchJob | None]:
         pipe = self.redis.pipeline(transaction=False)
