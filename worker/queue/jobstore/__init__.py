@@ -45,7 +45,9 @@ The modules, by record kind: :mod:`~worker.queue.jobstore.records` (the records 
 hands out), :mod:`~worker.queue.jobstore.scripts` (the Lua), :mod:`~worker.queue.jobstore.store`
 (the connection and the status transitions every kind shares), then one mixin each for
 searches, ingests, batches, the economy lane's state, Idempotency-Keys and deliveries (with
-the re-drive's view); :class:`JobStore` is all of them. :mod:`~worker.queue.jobstore.asyncstore`
+the re-drive's view), and the tenants' job lists (:mod:`~worker.queue.jobstore.jobindex`
+writes a job's entry with its record, :mod:`~worker.queue.jobstore.listing` reads them);
+:class:`JobStore` is all of them. :mod:`~worker.queue.jobstore.asyncstore`
 is the gateway's ``redis.asyncio`` store for a search's create.
 """
 
