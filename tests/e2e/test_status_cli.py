@@ -99,8 +99,9 @@ def test_sift_status_shows_the_queue_the_worker_and_the_batch(
 
     table = _status(stack)  # the same, as tables
     assert table.returncode == 0, table.stderr
-    for text in ("Queues", BATCH_QUEUE, "Workers alive: 1", worker["node"], running_batch):
+    for text in ("Queues", BATCH_QUEUE, "Workers alive: 1", worker["node"], "for jobs"):
         assert text in table.stdout
+    assert table.stdout.count(running_batch) == 2  # the worker's job, and the batch running
 
 
 def test_sift_status_without_redis_is_one_clear_error(stack: Stack) -> None:

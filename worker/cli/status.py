@@ -21,6 +21,7 @@ API key and no tenant. What it shows, and where each figure comes from:
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -265,6 +266,17 @@ def _tasks(deliveries: list[Delivery] | None) -> str:
     return ", ".join(f"{task} ×{n}" for task, n in sorted(counts.items())) or "–"
 
 
+_JOB_ID = re.compile(rf"(?:{SEARCH_ID_PREFIX}|{BATCH_ID_PREFIX}|{INGEST_ID_PREFIX})[0-9a-f]{{32}}")
+_JOBS_SHOWN = 3
+
+
+def _jobs(deliveries: list[Delivery]) -> str:
+    """The jobs a worker's deliveries are for (a chunk's batch, a search), the first few."""
+    ids = list(dict.fromkeys(m.group() for d in deliveries for m in _JOB_ID.finditer(d.args)))
+    more = f" (+{len(ids) - _JOBS_SHOWN})" if len(ids) > _JOBS_SHOWN else ""
+    return ", ".join(ids[:_JOBS_SHOWN]) + more or "–"
+
+
 def show(console: Console, status: Status) -> None:
     queues = Table(title="Queues", title_justify="left")
     for name in ("queue", "ready", "by priority (0/3/6/9)", "unacked"):
@@ -275,12 +287,14 @@ def show(console: Console, status: Status) -> None:
     console.print(queues)
 
     workers = Table(title=f"Workers alive: {len(status.workers)}", title_justify="left")
-    for name in ("worker", "celery node", "last beat", "holds", "held tasks", "active (Celery)"):
+    columns = ("worker", "celery node", "last beat", "holds", "held tasks", "for jobs",
+               "active (Celery)")  # fmt: skip
+    for name in columns:
         workers.add_column(name, overflow="fold")
     for w in status.workers:
         beat = "–" if w.beat_age_seconds is None else f"{w.beat_age_seconds:.1f} s ago"
         workers.add_row(
-            w.worker_id, w.node or "–", beat, str(len(w.holds)), _tasks(w.holds),
+            w.worker_id, w.node or "–", beat, str(len(w.holds)), _tasks(w.holds), _jobs(w.holds),
             _tasks(w.active) if status.inspect_answered else "–",
         )  # fmt: skip
     console.print(workers)
