@@ -14,7 +14,7 @@ from worker.constants import (
 )
 from worker.contract import ErrorInfo, JobStatus, SearchSpec
 from worker.queue.jobstore import Cursor, JobStore
-from worker.queue.jobstore.jobindex import KIND_SEARCH, job_index_key
+from worker.queue.jobstore.jobindex import KIND_BATCH, KIND_INGEST, KIND_SEARCH, job_index_key
 
 pytestmark = pytest.mark.integration
 
@@ -138,3 +138,22 @@ def test_members_pruned_at_the_end_of_a_read_skip_nothing(store: JobStore) -> No
     pages = every_page(store, "acme", 3, status=None)
     listed = [job_id for page in pages for job_id in page]
     assert listed == [job_id for job_id in reversed(ids) if job_id not in expired]
+
+
+def test_each_create_trims_members_too_old_to_have_a_record(store: JobStore) -> None:
+    """A tenant that never lists its jobs does not grow its index without bound: each create
+    drops the members older than the index keeps (JOB_INDEX_RETENTIONS retention periods)."""
+    keep = RESULT_TTL_SECONDS * JOB_INDEX_RETENTIONS
+    for kind, create in (
+        (KIND_SEARCH, lambda: store.create_search("acme", spec()).id),
+        (KIND_BATCH, lambda: store.create_batch("acme", "docs", [("a", spec())]).id),
+        (KIND_INGEST, lambda: store.create_ingest("acme", "docs", []).id),
+    ):
+        key = job_index_key(kind, "acme")
+        first = create()
+        now = store.redis.zscore(key, first)
+        assert now is not None
+        store.redis.zadd(key, {"ancient": now - keep - 10, "recent": now - keep + 3600})
+        newest = create()
+        assert set(store.redis.zrange(key, 0, -1)) == {first, "recent", newest}, kind
+        assert keep - 5 < store.redis.ttl(key) <= keep
