@@ -22,6 +22,7 @@ from api_gateway.bodies import document_bodies
 from api_gateway.docs import install_docs
 from api_gateway.errors import ErrorBody, install_error_handlers
 from api_gateway.jobs import router
+from api_gateway.listing import router as listing_router
 from api_gateway.metrics import GatewayMetrics
 from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
 from api_gateway.queue import OutboxSender, TaskSender
@@ -100,6 +101,7 @@ def create_app(
     app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(listing_router)
     document_bodies(app)
     install_docs(app)
 

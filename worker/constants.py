@@ -38,6 +38,8 @@ REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it 
 WORKER_HEARTBEAT_KEY = REDIS_PREFIX + "worker-alive:"  # + worker id -> string with a TTL
 DELIVERY_OWNERS_KEY = REDIS_PREFIX + "deliveries"  # hash delivery tag -> worker id holding it
 LIVENESS_LEADER_KEY = REDIS_PREFIX + "liveness:leader"  # string: the worker checking this beat
+# the job lists (GET /v1/searches, /v1/batches, /v1/ingestions): one index per kind and tenant
+JOB_INDEX_KEY = REDIS_PREFIX + "jobs:"  # + kind + ":" + tenant -> zset job id -> created_at
 
 # --- retention (seconds), enforced by Redis TTLs; stated in the README ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from the last write
@@ -49,6 +51,10 @@ ATTEMPTS_TTL_SECONDS = 24 * 3600  # delivery counters
 INGEST_DOCS_TTL_SECONDS = 24 * 3600  # documents waiting for their ingest task
 BATCH_STAGING_TTL_SECONDS = 3600  # a batch's items written before its record, until committed
 BATCH_STAGE_SLICE = 1_000  # a batch's items per Redis command (Redis serves others between)
+# a tenant's job index keeps its members this many retention periods (a record lives one
+# from its last write); reads drop the members whose record has expired before that
+JOB_INDEX_RETENTIONS = 2
+MAX_LIST_SCAN = 5_000  # index members one list request reads at most (a status filter's scan)
 
 # --- job ids: a prefix names the kind ---
 SEARCH_ID_PREFIX = "srch_"

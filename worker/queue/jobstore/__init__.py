@@ -24,6 +24,8 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:stats:jobs           hash   queued / running searches and batch items right now
     sift:active               zset   search, ingest and standard-lane batch ids not final yet
                                      -> the time of their last status change (the re-drive's)
+    sift:jobs:<kind>:<tenant> zset   the tenant's search, batch or ingest ids -> created_at
+                                     (the job lists; written with the job's record)
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``RESULT_TTL_SECONDS`` (7 days) from its last write; an Idempotency-Key is
@@ -43,7 +45,9 @@ The modules, by record kind: :mod:`~worker.queue.jobstore.records` (the records 
 hands out), :mod:`~worker.queue.jobstore.scripts` (the Lua), :mod:`~worker.queue.jobstore.store`
 (the connection and the status transitions every kind shares), then one mixin each for
 searches, ingests, batches, the economy lane's state, Idempotency-Keys and deliveries (with
-the re-drive's view); :class:`JobStore` is all of them. :mod:`~worker.queue.jobstore.asyncstore`
+the re-drive's view), and the tenants' job lists (:mod:`~worker.queue.jobstore.jobindex`
+writes a job's entry with its record, :mod:`~worker.queue.jobstore.listing` reads them);
+:class:`JobStore` is all of them. :mod:`~worker.queue.jobstore.asyncstore`
 is the gateway's ``redis.asyncio`` store for a search's create.
 """
 
@@ -62,6 +66,7 @@ from worker.queue.jobstore.idempotency import (
 )
 from worker.queue.jobstore.ingests import IngestRecords
 from worker.queue.jobstore.lanes import EconomyLaneRecords
+from worker.queue.jobstore.listing import Cursor, JobListing, JobPage
 from worker.queue.jobstore.records import (
     FINAL,
     BatchItem,
@@ -84,6 +89,7 @@ __all__ = [
     "BatchItem",
     "BatchJob",
     "CancelOutcome",
+    "Cursor",
     "Enqueue",
     "IdempotencyClaim",
     "IdempotencyKeyBound",
@@ -92,6 +98,8 @@ __all__ = [
     "IngestJob",
     "ItemOutcome",
     "ItemTransition",
+    "JobListing",
+    "JobPage",
     "JobStore",
     "SearchJob",
     "fingerprint",
@@ -106,6 +114,7 @@ class JobStore(
     EconomyLaneRecords,
     IdempotencyRecords,
     DeliveryRecords,
+    JobListing,
 ):
     """Job records in Redis. Thread-safe: redis-py's client pools its connections, and the
     status transitions' own connection serves one call at a time (their coalescer's).

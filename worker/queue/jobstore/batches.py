@@ -30,6 +30,7 @@ from worker.queue.jobstore.idempotency import (
     _bound,
     _idem_binding,
 )
+from worker.queue.jobstore.jobindex import KIND_BATCH, index_job
 from worker.queue.jobstore.records import (
     _STATUSES,
     BatchItem,
@@ -48,6 +49,26 @@ from worker.queue.jobstore.store import _CHECK_ITEM, _START_ITEM, _Move, _StoreC
 def _staged_keys(batch_id: str) -> tuple[str, str, str]:
     """A batch's item keys, written before its record (order, specs, statuses)."""
     return BATCH_ORDER_KEY + batch_id, BATCH_SPECS_KEY + batch_id, BATCH_ITEMS_KEY + batch_id
+
+
+def _batch_of(batch_id: str, raw: dict[str, str], counts: dict[str, str]) -> BatchJob | None:
+    """The batch its record and counts hashes make, None if the record is gone."""
+    if not raw:
+        return None
+    rerank = raw.get("rerank", "")
+    return BatchJob(
+        id=batch_id,
+        tenant=raw["tenant"],
+        index=raw["index"],
+        lane=raw.get("lane", "standard"),
+        total=int(raw["total"]),
+        created_at=float(raw["created_at"]),
+        counts={s.value: int(counts.get(s.value, 0)) for s in _STATUSES},
+        rerank=None if rerank == "" else rerank == "1",
+        webhook_url=raw.get("webhook_url") or None,
+        canceled_at=_opt_float(raw.get("canceled_at")),
+        finished_at=_opt_float(raw.get("finished_at")),
+    )
 
 
 class BatchRecords(_StoreCore):
@@ -164,6 +185,7 @@ class BatchRecords(_StoreCore):
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
         if batch.lane != LANE_ECONOMY:  # the economy lane's items wait on provider batches
             pipe.zadd(ACTIVE_JOBS_KEY, {bid: batch.created_at})
+        index_job(pipe, KIND_BATCH, batch.tenant, bid, batch.created_at, self.result_ttl)
         for key, raw in messages:
             pipe.lpush(key, raw)
 
@@ -172,22 +194,7 @@ class BatchRecords(_StoreCore):
         pipe.hgetall(BATCH_KEY + batch_id)
         pipe.hgetall(BATCH_COUNTS_KEY + batch_id)
         raw, counts = cast(list[dict[str, str]], pipe.execute())
-        if not raw:
-            return None
-        rerank = raw.get("rerank", "")
-        return BatchJob(
-            id=batch_id,
-            tenant=raw["tenant"],
-            index=raw["index"],
-            lane=raw.get("lane", "standard"),
-            total=int(raw["total"]),
-            created_at=float(raw["created_at"]),
-            counts={s.value: int(counts.get(s.value, 0)) for s in _STATUSES},
-            rerank=None if rerank == "" else rerank == "1",
-            webhook_url=raw.get("webhook_url") or None,
-            canceled_at=_opt_float(raw.get("canceled_at")),
-            finished_at=_opt_float(raw.get("finished_at")),
-        )
+        return _batch_of(batch_id, raw, counts)
 
     def batch_query_ids(self, batch_id: str, start: int, stop: int) -> list[str]:
         """Query ids ``start`` (inclusive) to ``stop`` (exclusive), in submission order."""

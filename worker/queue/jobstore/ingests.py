@@ -16,6 +16,7 @@ from worker.constants import (
     INGEST_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, JobStatus
+from worker.queue.jobstore.jobindex import KIND_INGEST, index_job
 from worker.queue.jobstore.records import Enqueue, IngestJob, _new_id, _now, _opt_float
 from worker.queue.jobstore.store import _StoreCore
 
@@ -25,6 +26,24 @@ def _stage_messages(pipe: redis.client.Pipeline, enqueue: Enqueue | None, job_id
     if enqueue is not None:
         for key, raw in enqueue(job_id):
             pipe.lpush(key, raw)
+
+
+def _ingest_of(job_id: str, raw: dict[str, str]) -> IngestJob | None:
+    """The ingest job a record's fields make, None if it is none."""
+    if not raw or raw.get("kind") != "ingest":
+        return None
+    return IngestJob(
+        id=job_id,
+        tenant=raw["tenant"],
+        index=raw["index"],
+        status=JobStatus(raw["status"]),
+        documents=int(raw["documents"]),
+        created_at=float(raw["created_at"]),
+        started_at=_opt_float(raw.get("started_at")),
+        finished_at=_opt_float(raw.get("finished_at")),
+        upserted=int(raw["upserted"]) if raw.get("upserted") else None,
+        error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
+    )
 
 
 class IngestRecords(_StoreCore):
@@ -64,26 +83,13 @@ class IngestRecords(_StoreCore):
         )
         pipe.expire(key, self.result_ttl)
         pipe.zadd(ACTIVE_JOBS_KEY, {job.id: job.created_at})  # watched by the re-drive
+        index_job(pipe, KIND_INGEST, tenant, job.id, job.created_at, self.result_ttl)
         _stage_messages(pipe, enqueue, job.id)
         pipe.execute()
         return job
 
     def get_ingest(self, job_id: str) -> IngestJob | None:
-        raw = cast(dict[str, str], self.redis.hgetall(INGEST_KEY + job_id))
-        if not raw or raw.get("kind") != "ingest":
-            return None
-        return IngestJob(
-            id=job_id,
-            tenant=raw["tenant"],
-            index=raw["index"],
-            status=JobStatus(raw["status"]),
-            documents=int(raw["documents"]),
-            created_at=float(raw["created_at"]),
-            started_at=_opt_float(raw.get("started_at")),
-            finished_at=_opt_float(raw.get("finished_at")),
-            upserted=int(raw["upserted"]) if raw.get("upserted") else None,
-            error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
-        )
+        return _ingest_of(job_id, cast(dict[str, str], self.redis.hgetall(INGEST_KEY + job_id)))
 
     def get_ingest_status(self, job_id: str) -> JobStatus | None:
         return self._status(INGEST_KEY + job_id)

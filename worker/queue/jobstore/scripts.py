@@ -98,26 +98,30 @@ return {n, 0}
 
 
 # A new search, atomically (one command where a MULTI would be seven round trips of parsing).
-# KEYS: record, stats, the active set, one list per task message, then the Idempotency-Key's
-# record if any. ARGV: ttl, message count m, record field count n, the job's id and its
-# score in the active set, n fields and values, m raw messages, then that key's binding to
-# this job and its TTL. Returns 1 when it created the job; the key's record (JSON) when the
-# key is already bound to a job, and nothing is written; 0 when the record exists already
-# (this very call ran before: a retry after a lost reply), and nothing is written again.
+# KEYS: record, stats, the active set, the tenant's search index, one list per task message,
+# then the Idempotency-Key's record if any. ARGV: ttl, message count m, record field count n,
+# the job's id and its score (creation time) in the active set and the index, the index's TTL,
+# n fields and values, m raw messages, then that key's binding to this job and its TTL.
+# Returns 1 when it created the job; the key's record (JSON) when the key is already bound to
+# a job, and nothing is written; 0 when the record exists already (this very call ran before:
+# a retry after a lost reply), and nothing is written again.
 _CREATE_SEARCH = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 local m, n = tonumber(ARGV[2]), tonumber(ARGV[3])
-if #KEYS > 3 + m then
-  local earlier = redis.call('GET', KEYS[4 + m])
+if #KEYS > 4 + m then
+  local earlier = redis.call('GET', KEYS[5 + m])
   if earlier and type(cjson.decode(earlier)['job']) == 'string' then return earlier end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6, 5 + n))
+redis.call('HSET', KEYS[1], unpack(ARGV, 7, 6 + n))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
 redis.call('HINCRBY', KEYS[2], 'queued', 1)
 redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
-for i = 1, m do redis.call('LPUSH', KEYS[3 + i], ARGV[5 + n + i]) end
-if #KEYS > 3 + m then
-  redis.call('SET', KEYS[4 + m], ARGV[6 + n + m], 'EX', tonumber(ARGV[7 + n + m]))
+redis.call('ZADD', KEYS[4], ARGV[5], ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', tonumber(ARGV[5]) - tonumber(ARGV[6]))
+redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6]))
+for i = 1, m do redis.call('LPUSH', KEYS[4 + i], ARGV[6 + n + i]) end
+if #KEYS > 4 + m then
+  redis.call('SET', KEYS[5 + m], ARGV[7 + n + m], 'EX', tonumber(ARGV[8 + n + m]))
 end
 return 1
 """

@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from worker.constants import (
     ACTIVE_JOBS_KEY,
+    JOB_INDEX_RETENTIONS,
     SEARCH_ID_PREFIX,
     SEARCH_KEY,
     STATS_KEY,
@@ -20,6 +21,7 @@ from worker.queue.jobstore.idempotency import (
     _claim_of,
     _idem_binding,
 )
+from worker.queue.jobstore.jobindex import KIND_SEARCH, job_index_key
 from worker.queue.jobstore.records import Enqueue, SearchJob, _new_id, _now, _opt_float
 from worker.queue.jobstore.store import _StoreCore
 
@@ -46,8 +48,10 @@ def _create_search_call(
         "created_at", repr(job.created_at),
     ]  # fmt: skip
     messages = list(enqueue(job.id)) if enqueue is not None else []
-    keys = [SEARCH_KEY + job.id, STATS_KEY, ACTIVE_JOBS_KEY, *(key for key, _ in messages)]
+    index = job_index_key(KIND_SEARCH, job.tenant)
+    keys = [SEARCH_KEY + job.id, STATS_KEY, ACTIVE_JOBS_KEY, index, *(key for key, _ in messages)]
     args: list[str | int] = [ttl, len(messages), len(fields), job.id, repr(job.created_at)]
+    args.append(ttl * JOB_INDEX_RETENTIONS)
     args += fields
     args += [raw for _, raw in messages]
     if claim is not None:
@@ -65,6 +69,24 @@ def _search_created(job: SearchJob, reply: Any, claim: IdempotencyRef | None) ->
         if earlier.job_id != job.id:  # our own id: this call had run already (a retry)
             raise IdempotencyKeyBound(earlier)
     return job
+
+
+def _search_of(job_id: str, raw: dict[str, str]) -> SearchJob | None:
+    """The search a record's fields make (``result`` only if read), None if it is none."""
+    if not raw or raw.get("kind") != "search":
+        return None
+    return SearchJob(
+        id=job_id,
+        tenant=raw["tenant"],
+        status=JobStatus(raw["status"]),
+        spec=SearchSpec.model_validate_json(raw["spec"]),
+        created_at=float(raw["created_at"]),
+        webhook_url=raw.get("webhook_url") or None,
+        started_at=_opt_float(raw.get("started_at")),
+        finished_at=_opt_float(raw.get("finished_at")),
+        result=SearchResult.model_validate_json(raw["result"]) if raw.get("result") else None,
+        error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
+    )
 
 
 class SearchRecords(_StoreCore):
@@ -87,21 +109,7 @@ class SearchRecords(_StoreCore):
         return _search_created(job, self._create_search(keys=keys, args=args), claim)
 
     def get_search(self, job_id: str) -> SearchJob | None:
-        raw = cast(dict[str, str], self.redis.hgetall(SEARCH_KEY + job_id))
-        if not raw or raw.get("kind") != "search":
-            return None
-        return SearchJob(
-            id=job_id,
-            tenant=raw["tenant"],
-            status=JobStatus(raw["status"]),
-            spec=SearchSpec.model_validate_json(raw["spec"]),
-            created_at=float(raw["created_at"]),
-            webhook_url=raw.get("webhook_url") or None,
-            started_at=_opt_float(raw.get("started_at")),
-            finished_at=_opt_float(raw.get("finished_at")),
-            result=SearchResult.model_validate_json(raw["result"]) if raw.get("result") else None,
-            error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
-        )
+        return _search_of(job_id, cast(dict[str, str], self.redis.hgetall(SEARCH_KEY + job_id)))
 
     def get_search_status(self, job_id: str) -> JobStatus | None:
         return self._status(SEARCH_KEY + job_id)

@@ -1,0 +1,211 @@
+"""The job lists: ``GET /v1/searches``, ``/v1/batches`` and ``/v1/ingestions``, the caller's
+own jobs newest first, by status, a page at a time, within the retention window.
+
+Each tenant's jobs have their own index in the job store (written with each job's record,
+:mod:`worker.queue.jobstore.jobindex`), so a list never reads another tenant's jobs. The page
+token is a cursor (where the last page ended, :class:`~worker.queue.jobstore.Cursor`), so a
+job created while a client pages through shows up on no page twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel
+
+from api_gateway.jobs import (
+    ERRORS,
+    Tenant,
+    _batch_out,
+    _ingest_out,
+    _io,
+    _is_id,
+    _store,
+)
+from api_gateway.schemas import BatchOut, IngestJobOut, iso
+from worker.constants import (
+    BATCH_ID_PREFIX,
+    DEFAULT_PAGE_SIZE,
+    INGEST_ID_PREFIX,
+    MAX_LIST_SCAN,
+    MAX_PAGE_SIZE,
+    SEARCH_ID_PREFIX,
+)
+from worker.contract import ErrorInfo, JobStatus, Mode
+from worker.errors import InvalidRequest
+from worker.queue.jobstore import Cursor, SearchJob
+
+router = APIRouter(prefix="/v1")
+
+_TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,20})?")  # a creation time, as repr() writes it
+_MAX_TOKEN_CHARS = 128
+
+PageSize = Annotated[
+    int,
+    Query(ge=1, le=MAX_PAGE_SIZE, description="Jobs per page (a filtered page may hold fewer)."),
+]
+PageToken = Annotated[
+    str | None,
+    Query(
+        max_length=_MAX_TOKEN_CHARS,
+        description="The previous page's `next_page_token`; leave it out for the first page.",
+    ),
+]
+StatusFilter = Annotated[
+    JobStatus | None, Query(description="Only the jobs in this status (a batch's own status).")
+]
+_LISTED = (
+    f"Newest first, within the retention window (7 days from a job's last write). With "
+    f"`status`, one request reads at most {MAX_LIST_SCAN} jobs, so a page can hold fewer than "
+    f"`page_size` (even none): go on while `next_page_token` is not null. A job created "
+    f"while you page through appears on none of the following pages; no job appears twice."
+)
+
+
+class SearchListItem(BaseModel):
+    """A search in a list: what it asked and how it went; its result is at
+    ``GET /v1/searches/{id}``."""
+
+    id: str
+    status: JobStatus
+    index: str
+    query: str
+    mode: Mode
+    created_at: str
+    started_at: str | None = None
+    finished_at: str | None = None
+    error: ErrorInfo | None = None
+
+
+class SearchList(BaseModel):
+    searches: list[SearchListItem]
+    next_page_token: str | None
+
+
+class BatchList(BaseModel):
+    batches: list[BatchOut]
+    next_page_token: str | None
+
+
+class IngestionList(BaseModel):
+    ingestions: list[IngestJobOut]
+    next_page_token: str | None
+
+
+def encode_cursor(cursor: Cursor | None) -> str | None:
+    if cursor is None:
+        return None
+    raw = f"c:{cursor.created_at!r}:{cursor.job_id}"
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_cursor(token: str | None, prefix: str) -> Cursor | None:
+    """The cursor in a page token of this list (its jobs' id ``prefix``). Only the exact text
+    :func:`encode_cursor` makes is one; anything else is 422 naming ``page_token`` before
+    Redis sees it (a batch-results token, another list's, an edited one)."""
+    if token is None:
+        return None
+    if not token:
+        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
+    problem = "is not a token this list issued"
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        kind, at, job_id = raw.split(":")
+    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise InvalidRequest("page_token", problem) from exc
+    if kind != "c" or not _TIME.fullmatch(at) or not _is_id(job_id, prefix):
+        raise InvalidRequest("page_token", problem)
+    cursor = Cursor(float(at), job_id)
+    if encode_cursor(cursor) != token:
+        raise InvalidRequest("page_token", problem)
+    return cursor
+
+
+def _search_item(job: SearchJob) -> SearchListItem:
+    return SearchListItem(
+        id=job.id,
+        status=job.status,
+        index=job.spec.index,
+        query=job.spec.query,
+        mode=job.spec.mode,
+        created_at=iso(job.created_at) or "",
+        started_at=iso(job.started_at),
+        finished_at=iso(job.finished_at),
+        error=job.error,
+    )
+
+
+@router.get(
+    "/searches",
+    response_model=SearchList,
+    responses=ERRORS,
+    summary="The caller's searches, newest first",
+    description=_LISTED,
+)
+async def list_searches(
+    request: Request,
+    tenant: Tenant,
+    status: StatusFilter = None,
+    page_size: PageSize = DEFAULT_PAGE_SIZE,
+    page_token: PageToken = None,
+) -> SearchList:
+    after = decode_cursor(page_token, SEARCH_ID_PREFIX)
+    page = await _io(
+        _store(request).list_searches, tenant, status=status, after=after, page_size=page_size
+    )
+    return SearchList(
+        searches=[_search_item(job) for job in page.jobs],
+        next_page_token=encode_cursor(page.next),
+    )
+
+
+@router.get(
+    "/batches",
+    response_model=BatchList,
+    responses=ERRORS,
+    summary="The caller's batches, newest first",
+    description=_LISTED,
+)
+async def list_batches(
+    request: Request,
+    tenant: Tenant,
+    status: StatusFilter = None,
+    page_size: PageSize = DEFAULT_PAGE_SIZE,
+    page_token: PageToken = None,
+) -> BatchList:
+    after = decode_cursor(page_token, BATCH_ID_PREFIX)
+    page = await _io(
+        _store(request).list_batches, tenant, status=status, after=after, page_size=page_size
+    )
+    return BatchList(
+        batches=[_batch_out(batch) for batch in page.jobs],
+        next_page_token=encode_cursor(page.next),
+    )
+
+
+@router.get(
+    "/ingestions",
+    response_model=IngestionList,
+    responses=ERRORS,
+    summary="The caller's ingest jobs, newest first",
+    description=_LISTED,
+)
+async def list_ingestions(
+    request: Request,
+    tenant: Tenant,
+    status: StatusFilter = None,
+    page_size: PageSize = DEFAULT_PAGE_SIZE,
+    page_token: PageToken = None,
+) -> IngestionList:
+    after = decode_cursor(page_token, INGEST_ID_PREFIX)
+    page = await _io(
+        _store(request).list_ingests, tenant, status=status, after=after, page_size=page_size
+    )
+    return IngestionList(
+        ingestions=[_ingest_out(job) for job in page.jobs],
+        next_page_token=encode_cursor(page.next),
+    )

@@ -1,0 +1,114 @@
+"""``sift status`` against the real stack: a running batch's queue depth, the worker that holds
+its chunks (by its heartbeat and by Celery's own inspection) and the batch itself.
+
+The e2e worker runs 16 Celery threads (``--without-gossip --without-mingle``, remote control
+on) and takes one chunk per thread; a batch of 20 chunks whose reranks wait 10 s on the fake
+model keeps 4 chunks in ``sift.batch`` and 16 unacked for those 10 s, whatever the machine's
+load, while ``sift status`` runs as its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from tests.e2e.conftest import ACME, INDEX, Stack
+from worker.constants import (
+    ALL_QUEUES,
+    BATCH_CHUNK_TASK,
+    BATCH_QUEUE,
+    DELIVERY_OWNERS_KEY,
+    KOMBU_UNACKED_KEY,
+)
+
+CHUNK = 25  # the default SIFT_BATCH_CHUNK_SIZE
+THREADS = 16  # the e2e worker's concurrency
+MODEL_SECONDS = 10.0
+
+
+def _status(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SIFT_REDIS_URL": stack.redis_url + "/0", "COLUMNS": "250"}
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", "status", *args],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def running_batch(stack: Stack, corpus: object) -> Iterator[str]:
+    """A reranked batch of 20 chunks, each rerank answered after 10 s; canceled at the end,
+    and waited for, so the next test finds the worker idle."""
+    stack.model.configure(delay=MODEL_SECONDS)
+    queries = [{"id": f"s{i}", "query": "green tea"} for i in range((THREADS + 4) * CHUNK)]
+    body = {"index": INDEX, "queries": queries, "rerank": True}
+    batch_id = str(stack.live.post("/v1/batches", json=body, headers=ACME).json()["id"])
+    try:
+        client = redis.Redis.from_url(stack.redis_url + "/0", decode_responses=True)
+        deadline = time.monotonic() + 30
+        # settled: every thread holds a chunk (and the heartbeat thread has recorded it)
+        while (client.llen(BATCH_QUEUE), client.hlen(KOMBU_UNACKED_KEY)) != (4, THREADS) or (
+            client.hlen(DELIVERY_OWNERS_KEY) != THREADS
+        ):
+            assert time.monotonic() < deadline, "the worker did not take its chunks"
+            time.sleep(0.05)
+        client.close()
+        yield batch_id
+    finally:
+        stack.model.configure(delay=0.0)
+        stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME)
+        deadline = time.monotonic() + 3 * MODEL_SECONDS
+        while not stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()["finished_at"]:
+            assert time.monotonic() < deadline, "the canceled batch did not finish"
+            time.sleep(0.2)
+
+
+def test_sift_status_shows_the_queue_the_worker_and_the_batch(
+    stack: Stack, running_batch: str
+) -> None:
+    started = time.monotonic()
+    run = _status(stack, "--json")
+    assert run.returncode == 0, run.stderr
+    assert time.monotonic() - started < MODEL_SECONDS, "too slow to see the batch running"
+    status: dict[str, Any] = json.loads(run.stdout)
+
+    queues = {q["name"]: q for q in status["queues"]}
+    assert set(queues) == set(ALL_QUEUES)
+    assert (queues[BATCH_QUEUE]["ready"], queues[BATCH_QUEUE]["unacked"]) == (4, THREADS)
+    assert queues[BATCH_QUEUE]["by_priority"]["0"] == 4
+
+    [worker] = status["workers"]
+    assert worker["node"].startswith("w1@") and worker["beat_age_seconds"] < 10
+    assert status["inspect_answered"] and status["unknown_nodes"] == []
+    for seen in (worker["holds"], worker["active"]):  # Redis's view, then Celery's
+        assert len(seen) == THREADS
+        assert {d["task"] for d in seen} == {BATCH_CHUNK_TASK}
+        assert all(running_batch in d["args"] for d in seen)
+    assert {d["task_id"] for d in worker["holds"]} == {d["task_id"] for d in worker["active"]}
+
+    [batch] = [b for b in status["batches"] if b["id"] == running_batch]
+    assert (batch["tenant"], batch["index"], batch["total"]) == ("acme", INDEX, 20 * CHUNK)
+    assert batch["counts"]["running"] > 0 and batch["counts"]["succeeded"] == 0
+
+    table = _status(stack)  # the same, as tables
+    assert table.returncode == 0, table.stderr
+    for text in ("Queues", BATCH_QUEUE, "Workers alive: 1", worker["node"], "for jobs"):
+        assert text in table.stdout
+    assert table.stdout.count(running_batch) == 2  # the worker's job, and the batch running
+
+
+def test_sift_status_without_redis_is_one_clear_error(stack: Stack) -> None:
+    env = {**os.environ, "SIFT_REDIS_URL": "redis://127.0.0.1:1/0"}
+    run = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "status", "--no-inspect"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 1 and "SIFT_REDIS_URL" in run.stderr
+    assert "Traceback" not in run.stderr

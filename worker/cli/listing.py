@@ -1,0 +1,138 @@
+"""``sift searches``, ``sift batches`` and ``sift ingestions``: the caller's jobs, newest first,
+through the gateway (``GET /v1/searches`` and the others; ``SIFT_URL``, ``SIFT_API_KEY``).
+
+    sift batches --status running
+    sift searches --limit 100 --json
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import datetime
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from worker.cli import app
+from worker.cli._http import Gateway, gateway
+from worker.cli.client import InputError, _expected_errors, _out
+from worker.constants import MAX_PAGE_SIZE
+from worker.contract import JobStatus
+
+STATUSES = tuple(status.value for status in JobStatus)
+MAX_PAGES = 1_000  # a filter that matches nothing stops after this many pages
+
+Status = Annotated[
+    str | None, typer.Option("--status", help=f"only jobs in this status: {', '.join(STATUSES)}")
+]
+Limit = Annotated[int, typer.Option("--limit", min=1, help="show at most this many (newest)")]
+JsonOut = Annotated[bool, typer.Option("--json", help="print the jobs as a JSON array")]
+
+
+def fetch_jobs(client: Gateway, path: str, key: str, status: str | None, limit: int) -> list[Any]:
+    """Up to ``limit`` jobs from a list route, newest first, page after page: a filtered
+    page can be short (the gateway bounds each request's scan), so it goes on by the token."""
+    params: dict[str, Any] = {"page_size": min(limit, MAX_PAGE_SIZE)}
+    if status is not None:
+        params["status"] = status
+    jobs: list[Any] = []
+    for _ in range(MAX_PAGES):
+        page = client.json("GET", path, params=params)
+        jobs.extend(page.get(key) or [])
+        token = page.get("next_page_token")
+        if len(jobs) >= limit or not token:
+            break
+        params["page_token"] = token
+    return jobs[:limit]
+
+
+def _when(value: Any) -> str:
+    """An ISO time as the local clock reads it, to the second."""
+    if not value:
+        return "–"
+    return datetime.fromisoformat(str(value)).astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _status(value: Any) -> str:
+    colour = {"succeeded": "green", "failed": "red", "canceled": "yellow", "running": "cyan"}
+    name = str(value)
+    return f"[{colour[name]}]{name}[/]" if name in colour else name
+
+
+def _list(
+    path: str,
+    key: str,
+    status: str | None,
+    limit: int,
+    json_out: bool,
+    columns: list[str],
+    row: Callable[[dict[str, Any]], list[str]],
+) -> None:
+    console = _out()
+    with _expected_errors():
+        if status is not None and status not in STATUSES:
+            raise InputError(f"--status: one of {', '.join(STATUSES)} is required, not {status!r}")
+        with gateway() as client:
+            jobs = fetch_jobs(client, path, key, status, limit)
+    if json_out:
+        typer.echo(json.dumps(jobs))
+        return
+    what = key if status is None else f"{status} {key}"
+    table = Table(title=f"{len(jobs)} {what}, newest first", title_justify="left")
+    for column in columns:
+        table.add_column(column, no_wrap=column == "id", overflow="ellipsis")
+    for job in jobs:
+        table.add_row(*row(job))
+    console.print(table)
+
+
+@app.command("searches")
+def searches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False) -> None:
+    """List your searches, newest first (the last 7 days)."""
+
+    def row(job: dict[str, Any]) -> list[str]:
+        error = (job.get("error") or {}).get("type", "")
+        return [
+            str(job["id"]), _status(job["status"]), str(job.get("index")), str(job.get("mode")),
+            str(job.get("query")), _when(job.get("created_at")), _when(job.get("finished_at")),
+            str(error),
+        ]  # fmt: skip
+
+    columns = ["id", "status", "index", "mode", "query", "created", "finished", "error"]
+    _list("/v1/searches", "searches", status, limit, json_out, columns, row)
+
+
+@app.command("batches")
+def batches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False) -> None:
+    """List your batches, newest first (the last 7 days), with their progress."""
+
+    def row(batch: dict[str, Any]) -> list[str]:
+        counts = batch.get("counts") or {}
+        done = sum(int(counts.get(s, 0)) for s in ("succeeded", "failed", "canceled"))
+        return [
+            str(batch["id"]), _status(batch["status"]), str(batch.get("index")),
+            str(batch.get("lane")), f"{done}/{counts.get('total', '?')}",
+            str(counts.get("failed", 0)), _when(batch.get("created_at")),
+            _when(batch.get("finished_at")),
+        ]  # fmt: skip
+
+    columns = ["id", "status", "index", "lane", "done", "failed", "created", "finished"]
+    _list("/v1/batches", "batches", status, limit, json_out, columns, row)
+
+
+@app.command("ingestions")
+def ingestions(status: Status = None, limit: Limit = 20, json_out: JsonOut = False) -> None:
+    """List your ingest jobs, newest first (the last 7 days)."""
+
+    def row(job: dict[str, Any]) -> list[str]:
+        upserted = job.get("upserted")
+        return [
+            str(job["id"]), _status(job["status"]), str(job.get("index")),
+            str(job.get("documents")), "–" if upserted is None else str(upserted),
+            _when(job.get("created_at")), _when(job.get("finished_at")),
+        ]  # fmt: skip
+
+    columns = ["id", "status", "index", "documents", "upserted", "created", "finished"]
+    _list("/v1/ingestions", "ingestions", status, limit, json_out, columns, row)

@@ -1,0 +1,360 @@
+"""``sift status``: the queue as an operator sees it, what Flower would show, in the terminal.
+
+    SIFT_REDIS_URL=redis://127.0.0.1:6379/0 sift status [--json] [--timeout 1]
+
+It reads Redis directly (``SIFT_REDIS_URL``), not the gateway: an operator's tool, with no
+API key and no tenant. What it shows, and where each figure comes from:
+
+- **queues**: each Sift queue's ready messages (kombu's Redis lists: the queue's own and one
+  per priority step, :func:`~worker.constants.kombu_queue_keys`) and its taken-but-unacked
+  ones (kombu's ``unacked`` hash, by each entry's routing key);
+- **workers**: the worker processes with a live heartbeat (``sift:worker-alive:<id>``), the
+  deliveries each holds (``sift:deliveries``, with each one's task from ``unacked``), joined
+  by host and pid with Celery's own inspection (``inspect().active()`` and ``stats()``, over
+  the broker's pidbox, within ``--timeout``): a worker that beats but does not answer is
+  stuck in a way its heartbeat thread is not;
+- **batches running**: the standard-lane batches in the job store's active set
+  (``sift:active``), with their counts and when their status last moved (economy batches wait
+  on provider batches and are not in it); and the searches and ingests in it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Annotated, Any, cast
+
+import redis
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from worker.cli import app
+from worker.constants import (
+    ACTIVE_JOBS_KEY,
+    ALL_QUEUES,
+    BATCH_ID_PREFIX,
+    DELIVERY_OWNERS_KEY,
+    INGEST_ID_PREFIX,
+    KOMBU_PRIORITY_STEPS,
+    KOMBU_UNACKED_KEY,
+    SEARCH_ID_PREFIX,
+    WORKER_HEARTBEAT_KEY,
+    kombu_queue_keys,
+)
+from worker.errors import ConfigError
+from worker.queue.jobstore import JobStore
+from worker.queue.jobstore.store import CONNECTION_OPTIONS
+from worker.settings import load_settings
+
+Inspect = Callable[[float], tuple[dict[str, Any], dict[str, Any]]]  # (active, stats) by node
+
+
+@dataclass
+class QueueRow:
+    name: str
+    ready: int
+    by_priority: dict[str, int]
+    unacked: int
+
+
+@dataclass
+class Delivery:
+    """A task a worker holds: its delivery tag (Redis's view only), id, name and arguments."""
+
+    tag: str
+    task_id: str
+    task: str
+    args: str
+
+
+@dataclass
+class WorkerRow:
+    """One worker process: its liveness id and heartbeat, the deliveries it holds, and what
+    Celery's inspection says of it (None where its node did not answer)."""
+
+    worker_id: str
+    host: str
+    pid: int | None
+    beat_age_seconds: float | None
+    holds: list[Delivery] = field(default_factory=list)
+    node: str | None = None
+    active: list[Delivery] | None = None
+
+
+@dataclass
+class BatchRow:
+    id: str
+    tenant: str
+    index: str
+    total: int
+    counts: dict[str, int]
+    age_seconds: float
+    idle_seconds: float
+
+
+@dataclass
+class Status:
+    queues: list[QueueRow]
+    workers: list[WorkerRow]
+    unknown_nodes: list[str]  # answered Celery's inspection, no heartbeat matched
+    inspect_answered: bool
+    batches: list[BatchRow]
+    active_searches: int
+    active_ingests: int
+    in_flight: dict[str, int]
+
+
+def _unacked(client: redis.Redis) -> dict[str, tuple[str, Delivery]]:
+    """kombu's unacked deliveries: tag -> (queue, the task and its arguments)."""
+    out: dict[str, tuple[str, Delivery]] = {}
+    for tag, raw in cast(dict[str, str], client.hgetall(KOMBU_UNACKED_KEY)).items():
+        try:
+            message, _exchange, routing_key = json.loads(raw)
+            headers = message.get("headers") or {}
+        except (ValueError, TypeError, AttributeError):
+            continue
+        task = str(headers.get("task", "?"))
+        delivery = Delivery(tag, str(headers.get("id", "")), task, str(headers.get("argsrepr", "")))
+        out[tag] = (str(routing_key), delivery)
+    return out
+
+
+def _queues(client: redis.Redis, unacked: dict[str, tuple[str, Delivery]]) -> list[QueueRow]:
+    pipe = client.pipeline(transaction=False)
+    for queue in ALL_QUEUES:
+        for key in kombu_queue_keys(queue):
+            pipe.llen(key)
+    lengths = iter(cast(list[int], pipe.execute()))
+    taken = Counter(queue for queue, _ in unacked.values())
+    rows = []
+    for queue in ALL_QUEUES:
+        by_priority = {str(step): next(lengths) for step in (0, *KOMBU_PRIORITY_STEPS)}
+        rows.append(QueueRow(queue, sum(by_priority.values()), by_priority, taken[queue]))
+    return rows
+
+
+def _workers(client: redis.Redis, unacked: dict[str, tuple[str, Delivery]]) -> list[WorkerRow]:
+    ids = sorted(
+        key.removeprefix(WORKER_HEARTBEAT_KEY)
+        for key in cast(list[str], list(client.scan_iter(WORKER_HEARTBEAT_KEY + "*", count=500)))
+    )
+    beats = (
+        cast(list[str | None], client.mget([WORKER_HEARTBEAT_KEY + i for i in ids])) if ids else []
+    )
+    owners = cast(dict[str, str], client.hgetall(DELIVERY_OWNERS_KEY))
+    now = time.time()
+    rows = []
+    for worker_id, beat in zip(ids, beats, strict=True):
+        host, _, rest = worker_id.partition(":")
+        pid_text = rest.partition(":")[0]
+        holds = [
+            unacked[tag][1] if tag in unacked else Delivery(tag, "", "?", "")
+            for tag, owner in sorted(owners.items())
+            if owner == worker_id
+        ]
+        rows.append(
+            WorkerRow(
+                worker_id=worker_id,
+                host=host,
+                pid=int(pid_text) if pid_text.isdigit() else None,
+                beat_age_seconds=round(now - float(beat), 1) if beat else None,
+                holds=holds,
+            )
+        )
+    return rows
+
+
+def _join_inspection(
+    workers: list[WorkerRow], active: dict[str, Any], stats: dict[str, Any]
+) -> list[str]:
+    """Give each worker its Celery node and active tasks (matched by pid, and host when the
+    node's name has one); answers the nodes that matched no heartbeat."""
+    unknown = []
+    for node in sorted(set(active) | set(stats)):
+        pid = (stats.get(node) or {}).get("pid")
+        host = node.partition("@")[2]
+        match = [w for w in workers if w.pid == pid and (not host or w.host == host)]
+        match = match or [w for w in workers if w.pid == pid]
+        tasks = [
+            Delivery("", str(t.get("id", "")), str(t.get("name") or "?"), str(t.get("args", "")))
+            for t in (active.get(node) or [])
+        ]
+        if match:
+            match[0].node, match[0].active = node, tasks
+        else:
+            unknown.append(node)
+    return unknown
+
+
+def _batches(store: JobStore, active: list[tuple[str, float]]) -> list[BatchRow]:
+    now = time.time()
+    rows = []
+    for job_id, moved in active:
+        if not job_id.startswith(BATCH_ID_PREFIX):
+            continue
+        batch = store.get_batch(job_id)
+        if batch is None:
+            continue
+        rows.append(
+            BatchRow(
+                id=batch.id,
+                tenant=batch.tenant,
+                index=batch.index,
+                total=batch.total,
+                counts=batch.counts,
+                age_seconds=round(now - batch.created_at, 1),
+                idle_seconds=round(now - moved, 1),
+            )
+        )
+    return rows
+
+
+def celery_inspect(redis_url: str) -> Inspect:
+    """Celery's own inspection of the workers, over the broker's pidbox: ``active`` and
+    ``stats``, asked at once, each waiting ``timeout`` seconds for the replies."""
+
+    def ask(timeout: float) -> tuple[dict[str, Any], dict[str, Any]]:
+        from celery import Celery
+
+        from worker.queue.broker import broker_transport
+
+        celery = Celery("sift", set_as_current=False)
+        celery.conf.update(
+            broker_url=redis_url,
+            broker_transport=broker_transport(redis_url),
+            broker_connection_retry_on_startup=False,
+            broker_connection_max_retries=1,
+        )
+        inspect = celery.control.inspect(timeout=timeout)
+        with ThreadPoolExecutor(2) as pool:
+            active, stats = pool.submit(inspect.active), pool.submit(inspect.stats)
+            return active.result() or {}, stats.result() or {}
+
+    return ask
+
+
+def collect(store: JobStore, inspect: Inspect | None, timeout: float) -> Status:
+    """Everything ``sift status`` shows, read once."""
+    client = store.redis
+    unacked = _unacked(client)
+    workers = _workers(client, unacked)
+    active, stats = inspect(timeout) if inspect is not None else ({}, {})
+    unknown = _join_inspection(workers, active, stats)
+    jobs = cast(list[tuple[str, float]], client.zrange(ACTIVE_JOBS_KEY, 0, -1, withscores=True))
+    return Status(
+        queues=_queues(client, unacked),
+        workers=workers,
+        unknown_nodes=unknown,
+        inspect_answered=bool(active or stats),
+        batches=_batches(store, jobs),
+        active_searches=sum(1 for j, _ in jobs if j.startswith(SEARCH_ID_PREFIX)),
+        active_ingests=sum(1 for j, _ in jobs if j.startswith(INGEST_ID_PREFIX)),
+        in_flight=store.in_flight(),
+    )
+
+
+def _tasks(deliveries: list[Delivery] | None) -> str:
+    if deliveries is None:
+        return "[yellow]no answer[/]"
+    counts = Counter(d.task for d in deliveries)
+    return ", ".join(f"{task} ×{n}" for task, n in sorted(counts.items())) or "–"
+
+
+_JOB_ID = re.compile(rf"(?:{SEARCH_ID_PREFIX}|{BATCH_ID_PREFIX}|{INGEST_ID_PREFIX})[0-9a-f]{{32}}")
+_JOBS_SHOWN = 3
+
+
+def _jobs(deliveries: list[Delivery]) -> str:
+    """The jobs a worker's deliveries are for (a chunk's batch, a search), the first few."""
+    ids = list(dict.fromkeys(m.group() for d in deliveries for m in _JOB_ID.finditer(d.args)))
+    more = f" (+{len(ids) - _JOBS_SHOWN})" if len(ids) > _JOBS_SHOWN else ""
+    return ", ".join(ids[:_JOBS_SHOWN]) + more or "–"
+
+
+def show(console: Console, status: Status) -> None:
+    queues = Table(title="Queues", title_justify="left")
+    for name in ("queue", "ready", "by priority (0/3/6/9)", "unacked"):
+        queues.add_column(name, justify="left" if name == "queue" else "right")
+    for q in status.queues:
+        split = "/".join(str(n) for n in q.by_priority.values())
+        queues.add_row(q.name, str(q.ready), split, str(q.unacked))
+    console.print(queues)
+
+    workers = Table(title=f"Workers alive: {len(status.workers)}", title_justify="left")
+    columns = ("worker", "celery node", "last beat", "holds", "held tasks", "for jobs",
+               "active (Celery)")  # fmt: skip
+    for name in columns:
+        workers.add_column(name, overflow="fold")
+    for w in status.workers:
+        beat = "–" if w.beat_age_seconds is None else f"{w.beat_age_seconds:.1f} s ago"
+        workers.add_row(
+            w.worker_id, w.node or "–", beat, str(len(w.holds)), _tasks(w.holds), _jobs(w.holds),
+            _tasks(w.active) if status.inspect_answered else "–",
+        )  # fmt: skip
+    console.print(workers)
+    if not status.inspect_answered:
+        console.print(
+            "[yellow]Celery's inspection: no worker answered[/] (none running, or remote "
+            "control off: workers started with --without-remote-control)"
+        )
+    for node in status.unknown_nodes:
+        console.print(f"[yellow]{node} answers Celery but has no heartbeat in Redis[/]")
+
+    batches = Table(title=f"Batches running: {len(status.batches)}", title_justify="left")
+    for name in ("batch", "tenant", "index", "done", "running", "queued", "failed", "age", "moved"):
+        batches.add_column(
+            name, justify="left" if name in ("batch", "tenant", "index") else "right"
+        )
+    for b in status.batches:
+        done = sum(b.counts.get(s, 0) for s in ("succeeded", "failed", "canceled"))
+        batches.add_row(
+            b.id, b.tenant, b.index, f"{done}/{b.total}", str(b.counts.get("running", 0)),
+            str(b.counts.get("queued", 0)), str(b.counts.get("failed", 0)),
+            f"{b.age_seconds:.0f} s", f"{b.idle_seconds:.0f} s ago",
+        )  # fmt: skip
+    console.print(batches)
+    console.print(
+        f"searches and batch items: {status.in_flight['queued']} queued, "
+        f"{status.in_flight['running']} running; unfinished searches {status.active_searches}, "
+        f"ingests {status.active_ingests}"
+    )
+
+
+@app.command("status")
+def status_command(
+    json_out: Annotated[bool, typer.Option("--json", help="print it all as JSON")] = False,
+    timeout: Annotated[
+        float, typer.Option(min=0.1, max=30, help="seconds to wait for Celery's inspection")
+    ] = 1.0,
+    no_inspect: Annotated[
+        bool, typer.Option("--no-inspect", help="skip Celery's inspection (Redis only)")
+    ] = False,
+) -> None:
+    """The queues, the workers alive and their work, and the batches running (SIFT_REDIS_URL)."""
+    err = Console(stderr=True, highlight=False)
+    try:
+        url = load_settings().redis_url
+    except ConfigError as exc:
+        err.print(f"[bold red]error:[/] {exc.message}")
+        raise typer.Exit(1) from None
+    if not url:
+        err.print("[bold red]error:[/] SIFT_REDIS_URL is not set: sift status reads Redis")
+        raise typer.Exit(1)
+    store = JobStore(redis.Redis.from_url(url, **CONNECTION_OPTIONS))
+    try:
+        status = collect(store, None if no_inspect else celery_inspect(url), timeout)
+    except (redis.RedisError, OSError) as exc:
+        err.print(f"[bold red]error:[/] cannot read Redis at SIFT_REDIS_URL: {exc}")
+        raise typer.Exit(1) from None
+    finally:
+        store.close()
+    if json_out:
+        typer.echo(json.dumps(asdict(status)))
+    else:
+        show(Console(highlight=False), status)
