@@ -69,6 +69,11 @@ class IngestJob:
     finished_at: float | None = None
     upserted: int | None = None
     error: ErrorInfo | None = None
+    # the index lifecycle: "upsert" (documents), "delete" (ids) or "drop" (the tenant's
+    # index), and the write version the gateway gave it when it accepted it
+    operation: str = "upsert"
+    version: int | None = None
+    deleted: int | None = None
 
 
 @dataclass(slots=True)
