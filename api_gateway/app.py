@@ -20,6 +20,7 @@ from api_gateway.auth import KeyRing
 from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
 from api_gateway.errors import ErrorBody, install_error_handlers
+from api_gateway.indexes import router as indexes_router
 from api_gateway.jobs import router
 from api_gateway.metrics import GatewayMetrics
 from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
@@ -97,6 +98,7 @@ def create_app(
     app.state.metrics = metrics
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(indexes_router)
     document_bodies(app)
 
     @app.get("/healthz", response_model=Health, tags=["ops"], summary="The process is up")

@@ -17,7 +17,15 @@ from worker.constants import (
     WRITE_VERSION_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, JobStatus
-from worker.queue.jobstore.records import Enqueue, IngestJob, _new_id, _now, _opt_float
+from worker.queue.jobstore.records import (
+    Enqueue,
+    IngestJob,
+    WriteOperation,
+    _new_id,
+    _now,
+    _opt_float,
+    write_operation,
+)
 from worker.queue.jobstore.store import _StoreCore
 
 
@@ -47,7 +55,7 @@ class IngestRecords(_StoreCore):
         self,
         tenant: str,
         index: str,
-        operation: str,
+        operation: WriteOperation,
         payload: str | None,
         documents: int,
         enqueue: Enqueue | None,
@@ -103,7 +111,7 @@ class IngestRecords(_StoreCore):
             finished_at=_opt_float(raw.get("finished_at")),
             upserted=int(raw["upserted"]) if raw.get("upserted") else None,
             error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
-            operation=raw.get("operation", "upsert"),
+            operation=write_operation(raw.get("operation")),
             version=int(raw["version"]) if raw.get("version") else None,
             deleted=int(raw["deleted"]) if raw.get("deleted") else None,
         )
