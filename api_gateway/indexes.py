@@ -122,7 +122,7 @@ async def _read(request: Request, operation: str, tenant: str, index: str, doc_i
     """Ask a worker for one index read; its ``found`` answer (None: the tenant has none)."""
     store = _store(request)
     key = store.new_reply_key()
-    args = [operation, tenant, index, doc_id, key]
+    args = [key, operation, tenant, index, doc_id]
     await _io(_sender(request).send, INDEX_READ_TASK, args, SEARCH_QUEUE)
     raw = await _io(store.await_reply, key, INDEX_READ_TIMEOUT_SECONDS)
     if raw is None:

@@ -273,13 +273,14 @@ def ingest(self: SiftTask, job_id: str) -> None:
 
 
 @shared_task(  # type: ignore[untyped-decorator]
-    name=INDEX_READ_TASK, base=SiftTask, bind=True, acks_late=False
+    name=INDEX_READ_TASK, base=SiftTask, bind=True
 )
 def index_read(
-    self: SiftTask, operation: str, tenant: str, index: str, doc_id: str, reply_key: str
+    self: SiftTask, reply_key: str, operation: str, tenant: str, index: str, doc_id: str
 ) -> None:
-    """Answer one index read (list, show, a document) on ``reply_key``. Never retried: the
-    gateway waits a few seconds for it, then answers 503, and the client asks again."""
+    """Answer one index read (list, show, a document) on ``reply_key`` (first, so the logs
+    name the read by it). Never retried: the gateway waits a few seconds for the answer,
+    then answers 503, and the client asks again."""
     try:
         answer = lifecycle.read(self.context.runtime, operation, tenant, index, doc_id)
     except Exception as exc:  # the gateway must hear something, not time out
