@@ -199,3 +199,11 @@ def test_delete_an_index(stack: Stack) -> None:
     assert stack.live.get("/v1/indexes/life-drop", headers=ACME).json()["documents"] == 1
     bad = stack.live.delete("/v1/indexes/Not_Valid", headers=ACME)
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "index"
+
+
+def test_a_read_no_worker_answers_is_503_not_a_hang(stack: Stack) -> None:
+    """The idle gateway's database has no worker: the read waits its 10 s, then says so."""
+    response = stack.idle.get("/v1/indexes/life-list", headers=ACME)
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["type"] == "backend_unavailable" and "no worker answered" in error["message"]
