@@ -871,12 +871,30 @@ def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
     ]
 
 
-def test_delete_documents_of_a_missing_index_deletes_nothing(
+def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
     server: FakeElasticsearchServer,
 ) -> None:
+    """A delete can run before the upsert it was accepted after: its tombstones must exist
+    in the index that upsert will write to, so the index is created as an upsert would."""
     server.on("HEAD", "/sift-docs", Answer(404))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on(
+        "PUT",
+        f"/{CONCRETE}",
+        Answer(200, {"acknowledged": True, "shards_acknowledged": True, "index": CONCRETE}),
+    )
+    server.on(
+        "PUT",
+        "/_bulk",
+        Answer(200, bulk_response(bulk_item("delete", CONCRETE, "acme:d1", 404, "not_found"))),
+    )
     assert backend_for(server).delete_documents("docs", "acme", ["d1"], version=3) == 0
-    assert not server.sent("PUT", "/_bulk")
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("HEAD", "/sift-docs"),
+        ("PUT", "/_index_template/sift-sift"),
+        ("PUT", f"/{CONCRETE}"),
+        ("PUT", "/_bulk"),
+    ]
 
 
 def test_a_bulk_delete_failing_for_other_reasons_names_the_document(

@@ -432,7 +432,8 @@ class ElasticsearchBackend:
     ) -> int:
         """Delete ``<tenant>:<id>`` for each id (external version: a newer write stays, and
         the delete's tombstone refuses an older upsert for ``index.gc_deletes``, 60 s by
-        default); answers how many existed."""
+        default); answers how many existed. The index is created first if it is missing,
+        as an upsert would: a delete may run before the upsert it was accepted after."""
         alias = self.alias(index)
         actions = [
             {"_op_type": "delete", "_index": alias, "_id": f"{tenant}:{i}", **_versioned(version)}
@@ -440,10 +441,8 @@ class ElasticsearchBackend:
         ]
         if not actions:
             return 0
-        with _translated(f"index {index!r}", index):
-            exists = bool(self._es().indices.exists(index=alias))
-        if not exists:
-            return 0
+        # created if missing, so the tombstones exist for an older upsert that runs later
+        self.ensure_index(index)
         _applied, existed = self._bulk(actions, f"bulk delete in index {index!r}", index, tenant)
         return existed
 
