@@ -206,7 +206,7 @@ async def get_index(request: Request, tenant: Tenant, index: IndexPath) -> Index
 
 
 @router.get(
-    "/indexes/{index}/documents/{doc_id}",
+    "/indexes/{index}/documents/{doc_id:path}",
     response_model=StoredDocumentOut,
     responses=ERRORS,
     summary="One of the caller's documents as stored (no vector)",
@@ -223,7 +223,7 @@ async def get_document(
 
 
 @router.delete(
-    "/indexes/{index}/documents/{doc_id}",
+    "/indexes/{index}/documents/{doc_id:path}",
     response_model=IngestJobOut,
     status_code=202,
     responses=JOB_RESPONSES,

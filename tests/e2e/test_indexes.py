@@ -207,3 +207,20 @@ def test_a_read_no_worker_answers_is_503_not_a_hang(stack: Stack) -> None:
     assert response.status_code == 503, response.text
     error = response.json()["error"]
     assert error["type"] == "backend_unavailable" and "no worker answered" in error["message"]
+
+
+def test_ids_with_slashes_and_spaces_are_addressable(stack: Stack) -> None:
+    odd = {"id": "dir/sub file.txt", "text": "tamarind chutney recipe"}
+    _ingest(stack, "life-odd", [odd])
+    path = "/v1/indexes/life-odd/documents/dir%2Fsub%20file.txt"
+    got = stack.live.get(path, headers=ACME)
+    assert got.status_code == 200 and got.json()["id"] == odd["id"], got.text
+    assert (
+        stack.live.get("/v1/indexes/life-odd/documents/dir/sub file.txt", headers=ACME).json()[
+            "text"
+        ]
+        == odd["text"]
+    )
+    gone = stack.live.delete(path, params={"wait": 20}, headers=ACME).json()
+    assert gone["deleted"] == 1
+    assert stack.live.get(path, headers=ACME).status_code == 404

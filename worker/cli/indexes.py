@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 from rich.console import Console
@@ -130,7 +131,7 @@ def documents_get(
     """Print one document as stored (text, title, metadata, revision)."""
     console = _out()
     with _expected_errors(), gateway() as client:
-        doc = client.json("GET", f"/v1/indexes/{index}/documents/{doc_id}")
+        doc = client.json("GET", f"/v1/indexes/{index}/documents/{quote(doc_id, safe='')}")
     if json_out:
         _print_json(console, doc)
         return
