@@ -55,6 +55,16 @@ IndexPath = Annotated[str, Path(min_length=1, max_length=128, pattern=INDEX_PATT
 DocIdPath = Annotated[str, Path(min_length=1, max_length=512)]
 DocId = Annotated[str, Field(min_length=1, max_length=512)]
 JOB_RESPONSES: dict[int | str, dict[str, Any]] = {
+    202: {
+        "model": IngestJobOut,
+        "description": "Accepted: the job, queued or running.",
+        "headers": {
+            "Location": {
+                "schema": {"type": "string"},
+                "description": "The job to poll: `/v1/ingestions/{id}`.",
+            }
+        },
+    },
     200: {"model": IngestJobOut, "description": "Finished within `wait`."},
     **ERRORS,
 }
