@@ -21,6 +21,7 @@ from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
 from api_gateway.docs import install_docs
 from api_gateway.errors import ErrorBody, install_error_handlers
+from api_gateway.indexes import router as indexes_router
 from api_gateway.jobs import router
 from api_gateway.listing import router as listing_router
 from api_gateway.metrics import GatewayMetrics
@@ -102,6 +103,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(listing_router)
+    app.include_router(indexes_router)
     document_bodies(app)
     install_docs(app)
 

@@ -336,6 +336,8 @@ def _ingest_out(job: IngestJob) -> IngestJobOut:
         finished_at=iso(job.finished_at),
         upserted=job.upserted,
         error=job.error,
+        operation=job.operation,
+        deleted=job.deleted,
     )
 
 

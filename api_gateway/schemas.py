@@ -116,7 +116,7 @@ class DocumentsRequest(_Strict):
 
 
 class IngestJobOut(BaseModel):
-    """An ingest job; ``upserted`` once it succeeded."""
+    """An ingest job; ``upserted`` once it succeeded (a delete job: ``deleted``)."""
 
     id: str
     status: JobStatus
@@ -126,6 +126,13 @@ class IngestJobOut(BaseModel):
     finished_at: str | None = None
     upserted: int | None = None
     error: ErrorInfo | None = None
+    operation: Literal["upsert", "delete", "drop"] = Field(
+        "upsert",
+        description="`delete`: documents by id (`documents` ids); `drop`: the caller's index.",
+    )
+    deleted: int | None = Field(
+        None, description="A delete job, once it succeeded: the caller's documents that went."
+    )
 
 
 class Health(BaseModel):

@@ -69,6 +69,9 @@ class InMemoryBackend:
         tenant: str,
         documents: Sequence[Document],
         vectors: Sequence[Sequence[float]] | None,
+        *,
+        version: int | None = None,
+        model: str | None = None,
     ) -> int:
         for i, doc in enumerate(documents):
             vector = list(vectors[i]) if vectors is not None else None

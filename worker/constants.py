@@ -21,6 +21,9 @@ BATCH_SPECS_KEY = REDIS_PREFIX + "batch-specs:"  # + batch id -> hash query_id -
 BATCH_RESULTS_KEY = REDIS_PREFIX + "batch-results:"  # + batch id -> hash query_id -> outcome JSON
 INGEST_KEY = REDIS_PREFIX + "ingest:"  # + ingest job id -> job record (hash)
 INGEST_DOCS_KEY = REDIS_PREFIX + "ingest-docs:"  # + ingest job id -> documents JSON
+# the index lifecycle (issue 13): every accepted write's version, and index reads' answers
+WRITE_VERSION_KEY = REDIS_PREFIX + "write-version"  # counter: the last write version handed out
+INDEX_REPLY_KEY = REDIS_PREFIX + "index-reply:"  # + request id -> list holding a read's answer
 # the economy lane (issue 7): a batch's prepared searches and its provider batches
 ECONOMY_PREPARED_KEY = REDIS_PREFIX + "eco-prepared:"  # + batch id -> hash query id -> JSON
 ECONOMY_RUNS_KEY = REDIS_PREFIX + "eco-runs:"  # + batch id -> hash query id -> rerank run JSON
@@ -49,6 +52,8 @@ IDEMPOTENCY_TTL_SECONDS = 24 * 3600  # an Idempotency-Key is remembered this lon
 IDEMPOTENCY_PENDING_TTL_SECONDS = 120
 ATTEMPTS_TTL_SECONDS = 24 * 3600  # delivery counters
 INGEST_DOCS_TTL_SECONDS = 24 * 3600  # documents waiting for their ingest task
+INDEX_REPLY_TTL_SECONDS = 60  # an index read's answer, until the gateway takes it
+INDEX_READ_TIMEOUT_SECONDS = 10.0  # the gateway waits this long for a worker's answer, then 503
 BATCH_STAGING_TTL_SECONDS = 3600  # a batch's items written before its record, until committed
 BATCH_STAGE_SLICE = 1_000  # a batch's items per Redis command (Redis serves others between)
 # a tenant's job index keeps its members this many retention periods (a record lives one
@@ -69,6 +74,7 @@ WEBHOOK_QUEUE = "sift.webhooks"
 SEARCH_TASK = "sift.search"
 BATCH_CHUNK_TASK = "sift.batch_chunk"
 INGEST_TASK = "sift.ingest"
+INDEX_READ_TASK = "sift.index_read"  # list / show an index, read a document (search queue)
 WEBHOOK_TASK = "sift.webhook"
 ECONOMY_SUBMIT_TASK = "sift.economy_submit"  # on BATCH_QUEUE: send a batch's prompts
 ECONOMY_POLL_TASK = "sift.economy_poll"  # on BATCH_QUEUE: poll one provider batch, map results

@@ -63,8 +63,11 @@ class Runtime:
         tenant: str,
         documents: Sequence[DocumentIn],
         progress: Callable[[int], None] | None = None,
+        *,
+        version: int | None = None,
     ) -> int:
-        """Embed and upsert by id; both channels change together. Answers how many were written."""
+        """Embed and upsert by id; both channels change together. Answers how many were written
+        (with a ``version``, an id whose newer write the backend holds is skipped)."""
         written = 0
         for start in range(0, len(documents), EMBED_BATCH):
             chunk = documents[start : start + EMBED_BATCH]
@@ -79,7 +82,14 @@ class Runtime:
                 )
                 for d in chunk
             ]
-            written += self.pipeline.backend.upsert(index, tenant, docs, vectors)
+            written += self.pipeline.backend.upsert(
+                index,
+                tenant,
+                docs,
+                vectors,
+                version=version,
+                model=self.pipeline.embedder.model_id,
+            )
             if progress is not None:
                 progress(len(chunk))
         return written

@@ -17,6 +17,7 @@ the embedded backend, and a live Elasticsearch cluster:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -212,3 +213,73 @@ class BackendContract:
         assert top.ranks.final == 1 and top.scores.rrf == pytest.approx(2 / 61)
         assert top.scores.bm25 is not None and top.scores.knn is not None
         assert [h.ranks.final for h in result.hits] == list(range(1, len(result.hits) + 1))
+
+
+class LifecycleContract(BackendContract):
+    """The index lifecycle (:class:`~worker.core.ports.IndexCatalog`) on top of the channel
+    contract, for the real backends: delete by id and a tenant's index from both channels,
+    versioned writes, and list, count and get, always the tenant's own."""
+
+    def all_ids(self, backend: SearchBackend, index: str, tenant: str) -> tuple[set[str], set[str]]:
+        if not backend.channels(index, tenant):
+            return set(), set()
+        hits = self.search(
+            backend, index, tenant, "vitamin calcium statins malaria bone", size=50
+        ).hits
+        return {h.document.id for h in hits["bm25"]}, {h.document.id for h in hits["knn"]}
+
+    def test_delete_by_id_leaves_both_channels_and_the_other_tenant(
+        self, backend: Any, index: str
+    ) -> None:
+        self.load(backend, index, "acme")
+        self.load(backend, index, "globex")
+        assert backend.delete_documents(index, "acme", ["vitd", "calc", "nope"], version=None) == 2
+        rest = {"stat", "mal"}
+        bm25, knn = self.all_ids(backend, index, "acme")
+        assert rest >= bm25 and knn == rest
+        assert backend.document(index, "acme", "vitd") is None
+        assert backend.document(index, "globex", "vitd") is not None
+        assert backend.index_info(index, "acme").documents == 2
+        assert backend.index_info(index, "globex").documents == len(CORPUS)
+
+    def test_a_versioned_write_older_than_the_held_one_is_skipped(
+        self, backend: Any, index: str
+    ) -> None:
+        doc = [CORPUS[0]]
+        assert backend.upsert(index, "acme", doc, vectors_of(doc), version=10) == 1
+        assert backend.delete_documents(index, "acme", ["vitd"], version=5) == 0  # older
+        assert backend.document(index, "acme", "vitd") is not None
+        assert backend.delete_documents(index, "acme", ["vitd"], version=12) == 1
+        assert backend.upsert(index, "acme", doc, vectors_of(doc), version=11) == 0  # older
+        assert backend.document(index, "acme", "vitd") is None
+        assert backend.upsert(index, "acme", doc, vectors_of(doc), version=13) == 1
+        assert backend.document(index, "acme", "vitd").text == CORPUS[0].text
+
+    def test_delete_index_is_the_tenants_only(self, backend: Any, index: str) -> None:
+        self.load(backend, index, "acme")
+        self.load(backend, index, "globex")
+        assert backend.delete_index(index, "acme", version=None) == len(CORPUS)
+        assert backend.channels(index, "acme") == frozenset()
+        assert backend.index_info(index, "acme") is None
+        assert backend.index_info(index, "globex").documents == len(CORPUS)
+        assert self.all_ids(backend, index, "globex")[1] == {d.id for d in CORPUS}
+        self.load(backend, index, "acme", CORPUS[:1])  # the name works again
+        assert backend.index_info(index, "acme").documents == 1
+
+    def test_list_count_and_get_are_the_tenants(self, backend: Any, index: str) -> None:
+        self.load(backend, index, "acme")
+        listed = {i.name: i for i in backend.indexes("acme")}
+        assert listed[index].documents == len(CORPUS) and listed[index].backend == backend.name
+        assert index not in {i.name for i in backend.indexes("nobody-at-all")}
+        assert backend.index_info(index, "globex") is None
+        assert backend.index_info(f"{index}-none", "acme") is None
+        doc = backend.document(index, "acme", "vitd")
+        assert (doc.id, doc.text, doc.title, doc.revision) == (
+            "vitd",
+            CORPUS[0].text,
+            "Vitamin D",
+            "1",
+        )
+        assert dict(doc.metadata) == {"topic": "bones", "year": 2020}
+        assert backend.document(index, "globex", "vitd") is None
+        assert backend.document(f"{index}-none", "acme", "vitd") is None

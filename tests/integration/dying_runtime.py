@@ -17,7 +17,15 @@ class DyingRuntime:
             os._exit(17)  # no cleanup, no ack: as an OOM kill would
         return SearchResult(hits=[], rerank=RerankInfo(applied=False))
 
-    def ingest(self, index: str, tenant: str, documents: list[DocumentIn]) -> int:
+    def ingest(
+        self,
+        index: str,
+        tenant: str,
+        documents: list[DocumentIn],
+        progress: Callable[[int], None] | None = None,
+        *,
+        version: int | None = None,
+    ) -> int:
         return len(documents)
 
 

@@ -214,6 +214,101 @@ def probes_of_a_missing_index(index: str) -> dict[str, Any]:
     return msearch_response(index_missing(index), index_missing(index))
 
 
+# --- the index lifecycle's answers, as ES 9 shapes them ------------------------------------
+
+
+def bulk_item(
+    op: str, index: str, doc_id: str, status: int, result: str, **extra: Any
+) -> dict[str, Any]:
+    """One ``_bulk`` item: ``{"<op>": {"_index", "_id", "_version", "result", "status", ...}}``."""
+    body: dict[str, Any] = {"_index": index, "_id": doc_id, "status": status, **extra}
+    if result:
+        body |= {
+            "_version": extra.get("_version", 1),
+            "result": result,
+            "_shards": {"total": 2, "successful": 1, "failed": 0},
+            "_seq_no": 3,
+            "_primary_term": 1,
+        }
+    return {op: body}
+
+
+def version_conflict(op: str, index: str, doc_id: str, held: int, sent: int) -> dict[str, Any]:
+    """A ``_bulk`` item refused by external versioning (a newer version is held): 409."""
+    reason = (
+        f"[{doc_id}]: version conflict, current version [{held}] is higher or equal to the "
+        f"one provided [{sent}]"
+    )
+    error = {"type": "version_conflict_engine_exception", "reason": reason, "index": index}
+    return {op: {"_index": index, "_id": doc_id, "status": 409, "error": error}}
+
+
+def bulk_response(*items: dict[str, Any]) -> dict[str, Any]:
+    errors = any(next(iter(i.values()))["status"] >= 300 for i in items)
+    return {"errors": errors, "took": 4, "items": list(items)}
+
+
+def delete_by_query_response(deleted: int) -> dict[str, Any]:
+    return {
+        "took": 12,
+        "timed_out": False,
+        "total": deleted,
+        "deleted": deleted,
+        "batches": 1,
+        "version_conflicts": 0,
+        "noops": 0,
+        "retries": {"bulk": 0, "search": 0},
+        "throttled_millis": 0,
+        "requests_per_second": -1.0,
+        "throttled_until_millis": 0,
+        "failures": [],
+    }
+
+
+def count_response(count: int) -> dict[str, Any]:
+    shards = {"total": 1, "successful": 1, "skipped": 0, "failed": 0}
+    return {"count": count, "_shards": shards}
+
+
+def terms_by_index_response(buckets: dict[str, int]) -> dict[str, Any]:
+    """A ``size: 0`` search with a ``terms`` aggregation named ``indexes`` on ``_index``."""
+    return {
+        "took": 2,
+        "timed_out": False,
+        "_shards": {"total": 2, "successful": 2, "skipped": 0, "failed": 0},
+        "hits": {
+            "total": {"value": sum(buckets.values()), "relation": "eq"},
+            "max_score": None,
+            "hits": [],
+        },
+        "aggregations": {
+            "indexes": {
+                "doc_count_error_upper_bound": 0,
+                "sum_other_doc_count": 0,
+                "buckets": [{"key": k, "doc_count": n} for k, n in buckets.items()],
+            }
+        },
+    }
+
+
+def get_found(index: str, tenant: str, doc_id: str, version: int, **source: Any) -> dict[str, Any]:
+    """``GET <index>/_doc/<id>`` of a document (the vector excluded from ``_source``)."""
+    return {
+        "_index": index,
+        "_id": f"{tenant}:{doc_id}",
+        "_version": version,
+        "_seq_no": 5,
+        "_primary_term": 1,
+        "found": True,
+        "_source": {"doc_id": doc_id, "tenant": tenant, "revision": "r1", "metadata": {}, **source},
+    }
+
+
+def get_missing(index: str, doc_id: str) -> dict[str, Any]:
+    """``GET <index>/_doc/<id>`` of no document: 404 with ``found: false``."""
+    return {"_index": index, "_id": doc_id, "found": False}
+
+
 def running(server: FakeElasticsearchServer) -> Iterator[FakeElasticsearchServer]:
     server.start()
     try:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes import InMemoryBackend
-from tests.integration.backend_contract import BackendContract
+from tests.integration.backend_contract import BackendContract, LifecycleContract
 from worker.core.ports import SearchBackend
 
 pytestmark = pytest.mark.integration
@@ -26,7 +26,7 @@ class TestInMemoryBackendContract(BackendContract):
         return InMemoryBackend()
 
 
-class TestEmbeddedBackendContract(BackendContract):
+class TestEmbeddedBackendContract(LifecycleContract):
     @pytest.fixture
     def backend(self, tmp_path: Path) -> SearchBackend:
         embedded = pytest.importorskip(

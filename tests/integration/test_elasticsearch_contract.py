@@ -15,7 +15,13 @@ from tests.integration.es_loopback import (
     Answer,
     FakeElasticsearchServer,
     Recorded,
+    bulk_item,
+    bulk_response,
+    count_response,
+    delete_by_query_response,
     error_body,
+    get_found,
+    get_missing,
     hit,
     index_missing,
     msearch_response,
@@ -23,6 +29,8 @@ from tests.integration.es_loopback import (
     probes_of_a_missing_index,
     running,
     search_response,
+    terms_by_index_response,
+    version_conflict,
 )
 from worker.adapters import elasticsearch
 from worker.adapters.elasticsearch import ElasticsearchBackend, num_candidates
@@ -792,3 +800,187 @@ def test_native_rrf_mode_runs_one_retriever_search_and_the_pipeline_keeps_es_ord
     tenant = {"term": {"tenant": "acme"}}
     assert tenant in children[0]["standard"]["query"]["bool"]["filter"]
     assert tenant in children[1]["knn"]["filter"]
+
+
+# --- the index lifecycle: versioned writes, delete, list, count, get ------------------------
+
+
+def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
+    server: FakeElasticsearchServer,
+) -> None:
+    server.on("HEAD", "/sift-docs", Answer(200))
+    server.on(
+        "PUT",
+        "/_bulk",
+        Answer(
+            200,
+            bulk_response(
+                bulk_item("index", CONCRETE, "acme:d1", 201, "created", _version=7),
+                version_conflict("index", CONCRETE, "acme:d2", held=9, sent=7),
+            ),
+        ),
+    )
+    docs = [Document("d1", "one", revision="r"), Document("d2", "two", revision="r")]
+    written = backend_for(server).upsert("docs", "acme", docs, None, version=7, model="m")
+    assert written == 1  # d2's newer write (9) stays, and is no error
+    actions = server.sent("PUT", "/_bulk")[0].ndjson()[0::2]
+    assert actions == [
+        {
+            "index": {
+                "_index": "sift-docs",
+                "_id": f"acme:{d}",
+                "version": 7,
+                "version_type": "external",
+            }
+        }
+        for d in ("d1", "d2")
+    ]
+
+
+def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
+    server: FakeElasticsearchServer,
+) -> None:
+    server.on("HEAD", "/sift-docs", Answer(200))
+    server.on(
+        "PUT",
+        "/_bulk",
+        Answer(
+            200,
+            bulk_response(
+                bulk_item("delete", CONCRETE, "acme:d1", 200, "deleted", _version=12),
+                bulk_item("delete", CONCRETE, "acme:gone", 404, "not_found", _version=12),
+                version_conflict("delete", CONCRETE, "acme:d3", held=15, sent=12),
+            ),
+        ),
+    )
+    deleted = backend_for(server).delete_documents(
+        "docs", "acme", ["d1", "gone", "d3", "d1"], version=12
+    )
+    assert deleted == 1
+    (bulk,) = server.sent("PUT", "/_bulk")
+    assert bulk.ndjson() == [
+        {
+            "delete": {
+                "_index": "sift-docs",
+                "_id": f"acme:{d}",
+                "version": 12,
+                "version_type": "external",
+            }
+        }
+        for d in ("d1", "gone", "d3")
+    ]
+
+
+def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
+    server: FakeElasticsearchServer,
+) -> None:
+    """A delete can run before the upsert it was accepted after: its tombstones must exist
+    in the index that upsert will write to, so the index is created as an upsert would."""
+    server.on("HEAD", "/sift-docs", Answer(404))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on(
+        "PUT",
+        f"/{CONCRETE}",
+        Answer(200, {"acknowledged": True, "shards_acknowledged": True, "index": CONCRETE}),
+    )
+    server.on(
+        "PUT",
+        "/_bulk",
+        Answer(200, bulk_response(bulk_item("delete", CONCRETE, "acme:d1", 404, "not_found"))),
+    )
+    assert backend_for(server).delete_documents("docs", "acme", ["d1"], version=3) == 0
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("HEAD", "/sift-docs"),
+        ("PUT", "/_index_template/sift-sift"),
+        ("PUT", f"/{CONCRETE}"),
+        ("PUT", "/_bulk"),
+    ]
+
+
+def test_a_bulk_delete_failing_for_other_reasons_names_the_document(
+    server: FakeElasticsearchServer,
+) -> None:
+    server.on("HEAD", "/sift-docs", Answer(200))
+    failed = {
+        "delete": {
+            "_index": CONCRETE,
+            "_id": "acme:d1",
+            "status": 503,
+            "error": error_body("unavailable_shards_exception", "primary shard is not active")[
+                "error"
+            ],
+        }
+    }
+    server.on("PUT", "/_bulk", Answer(200, bulk_response(failed)))
+    with pytest.raises(BackendUnavailable, match="d1"):
+        backend_for(server).delete_documents("docs", "acme", ["d1"], version=3)
+
+
+def test_delete_index_is_a_delete_by_query_on_the_tenant_term(
+    server: FakeElasticsearchServer,
+) -> None:
+    server.on("POST", "/sift-docs/_delete_by_query", Answer(200, delete_by_query_response(3)))
+    assert backend_for(server).delete_index("docs", "acme", version=20) == 3
+    (sent,) = server.sent("POST", "/sift-docs/_delete_by_query")
+    assert sent.json() == {"query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}}}
+    assert sent.query["conflicts"] == ["proceed"] and sent.query["refresh"] == ["true"]
+    # the shared ES index itself is never deleted
+    assert not server.sent("DELETE")
+
+
+def test_delete_index_of_a_missing_index_deletes_nothing(server: FakeElasticsearchServer) -> None:
+    server.on("POST", "/sift-docs/_delete_by_query", Answer(404, index_missing("sift-docs")))
+    assert backend_for(server).delete_index("docs", "acme", version=20) == 0
+
+
+def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearchServer) -> None:
+    server.on(
+        "POST",
+        "/sift-*/_search",
+        Answer(200, terms_by_index_response({"sift-docs-000001": 4, "sift-faq-20260101": 2})),
+    )
+    aliases = {
+        "sift-docs-000001": {"aliases": {"sift-docs": {}}},
+        "sift-faq-20260101": {"aliases": {"sift-faq": {}}},
+        "sift-old-000001": {"aliases": {}},
+    }
+    server.on("GET", "/sift-*/_alias", Answer(200, aliases))
+    listed = backend_for(server).indexes("acme")
+    assert [(i.name, i.documents, i.backend, i.dimension) for i in listed] == [
+        ("docs", 4, "elasticsearch", 384),
+        ("faq", 2, "elasticsearch", 384),
+    ]
+    (search,) = server.sent("POST", "/sift-*/_search")
+    assert search.json() == {
+        "size": 0,
+        "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
+        "aggs": {"indexes": {"terms": {"field": "_index", "size": 1000}}},
+    }
+
+
+def test_index_info_is_a_tenant_filtered_count(server: FakeElasticsearchServer) -> None:
+    server.on("POST", "/sift-docs/_count", Answer(200, count_response(5)), times=1)
+    info = backend_for(server).index_info("docs", "acme")
+    assert info is not None and info.documents == 5
+    (sent,) = server.sent("POST", "/sift-docs/_count")
+    assert sent.json() == {"query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}}}
+    # another tenant's only (count 0) and a missing index answer the same None
+    server.on("POST", "/sift-docs/_count", Answer(200, count_response(0)), times=1)
+    assert backend_for(server).index_info("docs", "globex") is None
+    server.on("POST", "/sift-docs/_count", Answer(404, index_missing("sift-docs")))
+    assert backend_for(server).index_info("docs", "globex") is None
+
+
+def test_document_gets_the_tenants_id_without_the_vector(server: FakeElasticsearchServer) -> None:
+    found = get_found(CONCRETE, "acme", "d1", 7, text="the text", title="T", metadata={"y": "1"})
+    server.on("GET", "/sift-docs/_doc/acme%3Ad1", Answer(200, found))
+    doc = backend_for(server).document("docs", "acme", "d1")
+    assert doc is not None
+    assert doc.id == "d1" and doc.text == "the text" and doc.title == "T"
+    assert doc.revision == "r1" and dict(doc.metadata) == {"y": "1"} and doc.version == 7
+    (sent,) = server.sent("GET", "/sift-docs/_doc/acme%3Ad1")
+    assert sent.query["_source_excludes"] == ["vector"]
+    server.on("GET", "/sift-docs/_doc/acme%3Ad2", Answer(404, get_missing(CONCRETE, "acme:d2")))
+    assert backend_for(server).document("docs", "acme", "d2") is None
+    server.on("GET", "/sift-none/_doc/acme%3Ad1", Answer(404, index_missing("sift-none")))
+    assert backend_for(server).document("none", "acme", "d1") is None

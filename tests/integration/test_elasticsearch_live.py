@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fakes import FakeEmbedder
-from tests.integration.backend_contract import BackendContract
+from tests.integration.backend_contract import LifecycleContract
 from worker.adapters.elasticsearch import ElasticsearchBackend
 from worker.settings import load_settings
 
@@ -32,7 +32,7 @@ def index() -> str:
     not URL,
     reason="no live cluster: set SIFT_TEST_ELASTICSEARCH_URL (deploy/README.md shows how)",
 )
-class TestElasticsearchContract(BackendContract):
+class TestElasticsearchContract(LifecycleContract):
     @pytest.fixture
     def backend(self, index: str) -> Iterator[ElasticsearchBackend]:
         settings = load_settings(

@@ -41,7 +41,15 @@ class ScriptedRuntime:
         self.model_calls += 1
         return SearchResult(hits=[], rerank=RerankInfo(applied=False))
 
-    def ingest(self, index: str, tenant: str, documents: list[DocumentIn]) -> int:
+    def ingest(
+        self,
+        index: str,
+        tenant: str,
+        documents: list[DocumentIn],
+        progress: Callable[[int], None] | None = None,
+        *,
+        version: int | None = None,
+    ) -> int:
         return len(documents)
 
 

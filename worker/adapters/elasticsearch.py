@@ -77,6 +77,7 @@ from elasticsearch import (
 )
 
 from worker.contract import Channel, FilterValue
+from worker.core.catalog import IndexInfo, StoredDocument
 from worker.core.types import ChannelHit, ChannelQuery, ChannelResults, Document, HardFilters
 from worker.errors import (
     BackendRequestError,
@@ -99,6 +100,8 @@ RRF_RANK_CONSTANT = 60
 CHANNELS_TTL_SECONDS = 60.0
 #: Past this many (alias, tenant) answers, expired ones are dropped as a new one is kept.
 CHANNELS_MEMO_SIZE = 4096
+#: The most indexes one tenant's list shows (the terms aggregation's size).
+MAX_LISTED_INDEXES = 1000
 _FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 Refresh = Literal["wait_for", "true", "false"]
 
@@ -356,8 +359,16 @@ class ElasticsearchBackend:
         tenant: str,
         documents: Sequence[Document],
         vectors: Sequence[Sequence[float]] | None,
+        *,
+        version: int | None = None,
+        model: str | None = None,
     ) -> int:
-        """Index each document as ``<tenant>:<id>`` (replacing it whole) through the bulk helper."""
+        """Index each document as ``<tenant>:<id>`` (replacing it whole) through the bulk helper.
+
+        With a ``version``, each write is ES's external versioning: ES applies it only if
+        the version is newer than the one it holds for the ``_id`` (a delete's included,
+        for ``index.gc_deletes``), and a refused one (409) is a newer write kept, not an
+        error. ``model`` is not stored on this backend."""
         if vectors is not None and len(vectors) != len(documents):
             raise InvalidRequest(
                 "vectors", f"{len(vectors)} vectors for {len(documents)} documents"
@@ -372,12 +383,23 @@ class ElasticsearchBackend:
                 "_index": alias,
                 "_id": f"{tenant}:{doc.id}",
                 "_source": self.source(tenant, doc, vectors[i] if vectors is not None else None),
+                **_versioned(version),
             }
             for i, doc in enumerate(documents)
         ]
+        written, _existed = self._bulk(actions, f"bulk write to index {index!r}", index, tenant)
+        if vectors is not None:
+            self._saw_vectors(alias, tenant)
+        return written
+
+    def _bulk(
+        self, actions: list[dict[str, Any]], what: str, index: str, tenant: str
+    ) -> tuple[int, int]:
+        """Run bulk ``actions``: (how many applied, how many found their document). A 409 (a
+        newer version held) and a delete's 404 (nothing to delete) are answers, not failures."""
         failures: list[dict[str, Any]] = []
-        written = 0
-        with _translated(f"bulk write to index {index!r}", index):
+        applied = existed = 0
+        with _translated(what, index):
             for ok, item in helpers.streaming_bulk(
                 self._es(),
                 actions,
@@ -387,15 +409,130 @@ class ElasticsearchBackend:
                 max_retries=0,
                 refresh=self.refresh,
             ):
+                op = next(iter(item.values())) if item else {}
+                status = int(op.get("status", 500))
                 if ok:
-                    written += 1
-                else:
+                    applied += 1
+                    existed += op.get("result") in ("deleted", "updated")
+                elif status == 404 and op.get("result") == "not_found":
+                    applied += 1
+                elif status != 409:
                     failures.append(item)
         if failures:
             raise _bulk_error(failures, tenant)
-        if vectors is not None:
-            self._saw_vectors(alias, tenant)
-        return written
+        return applied, existed
+
+    # --- the index lifecycle ----------------------------------------------------------
+
+    def tenant_query(self, tenant: str) -> dict[str, Any]:
+        return {"bool": {"filter": [{"term": {self.fields.tenant: tenant}}]}}
+
+    def delete_documents(
+        self, index: str, tenant: str, ids: Sequence[str], *, version: int | None = None
+    ) -> int:
+        """Delete ``<tenant>:<id>`` for each id (external version: a newer write stays, and
+        the delete's tombstone refuses an older upsert for ``index.gc_deletes``, 60 s by
+        default); answers how many existed. The index is created first if it is missing,
+        as an upsert would: a delete may run before the upsert it was accepted after."""
+        alias = self.alias(index)
+        actions = [
+            {"_op_type": "delete", "_index": alias, "_id": f"{tenant}:{i}", **_versioned(version)}
+            for i in dict.fromkeys(ids)
+        ]
+        if not actions:
+            return 0
+        # created if missing, so the tombstones exist for an older upsert that runs later
+        self.ensure_index(index)
+        _applied, existed = self._bulk(actions, f"bulk delete in index {index!r}", index, tenant)
+        return existed
+
+    def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
+        """Delete the tenant's documents in the shared index: one ``_delete_by_query`` on the
+        tenant term (other tenants' documents, and the index, stay). ``version`` orders it
+        only against writes already applied: an older upsert run after it is written."""
+        with _translated(f"delete of index {index!r}", index, missing_ok=True) as missing:
+            answer = (
+                self._es()
+                .delete_by_query(
+                    index=self.alias(index),
+                    query=self.tenant_query(tenant),
+                    conflicts="proceed",
+                    refresh=True,
+                )
+                .body
+            )
+        return 0 if missing else int(answer.get("deleted", 0))
+
+    def indexes(self, tenant: str) -> list[IndexInfo]:
+        """The tenant's indexes: one ``size: 0`` search over ``<prefix>*`` with a terms
+        aggregation on ``_index``, the concrete names mapped back to their aliases."""
+        pattern = f"{self.prefix}*"
+        with _translated("list of indexes", None, missing_ok=True) as missing:
+            answer = (
+                self._es()
+                .search(
+                    index=pattern,
+                    size=0,
+                    query=self.tenant_query(tenant),
+                    aggs={"indexes": {"terms": {"field": "_index", "size": MAX_LISTED_INDEXES}}},
+                    ignore_unavailable=True,
+                    allow_no_indices=True,
+                )
+                .body
+            )
+            aliases = self._es().indices.get_alias(index=pattern).body
+        if missing:
+            return []
+        names = {
+            concrete: next(iter(about.get("aliases") or {concrete: {}}))
+            for concrete, about in aliases.items()
+        }
+        counts: dict[str, int] = {}
+        for bucket in answer.get("aggregations", {}).get("indexes", {}).get("buckets", []):
+            name = names.get(bucket["key"], bucket["key"]).removeprefix(self.prefix)
+            counts[name] = counts.get(name, 0) + int(bucket["doc_count"])
+        return [self._info(name, count) for name, count in sorted(counts.items()) if count]
+
+    def _info(self, name: str, count: int) -> IndexInfo:
+        return IndexInfo(name, count, self.name, None, self.index_settings.dims, None)
+
+    def index_info(self, index: str, tenant: str) -> IndexInfo | None:
+        """The tenant's part of one index: a tenant-filtered ``_count``."""
+        with _translated(f"count of index {index!r}", index, missing_ok=True) as missing:
+            answer = self._es().count(index=self.alias(index), query=self.tenant_query(tenant))
+        count = 0 if missing else int(answer.body.get("count", 0))
+        return self._info(index, count) if count else None
+
+    def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
+        """``GET <alias>/_doc/<tenant>:<id>`` without the vector; None if the tenant has none."""
+        with _translated(f"document in index {index!r}", index, missing_ok=True) as missing:
+            try:
+                answer = (
+                    self._es()
+                    .get(
+                        index=self.alias(index),
+                        id=f"{tenant}:{doc_id}",
+                        source_excludes=[self.fields.vector],
+                    )
+                    .body
+                )
+            except NotFoundError as exc:
+                if _error_type(exc) == "index_not_found_exception":
+                    raise
+                return None
+        if missing or not answer.get("found"):
+            return None
+        src = answer.get("_source", {})
+        if src.get(self.fields.tenant) != tenant:
+            return None
+        return StoredDocument(
+            id=doc_id,
+            text=str(src.get(self.fields.text, "")),
+            title=str(src.get(self.fields.title, "")) if self.fields.title else "",
+            revision=str(src.get(self.fields.revision, "")),
+            metadata=dict(src.get(self.fields.metadata) or {}),
+            version=int(answer["_version"]) if "_version" in answer else None,
+        )
 
     # --- index management ------------------------------------------------------------
 
@@ -774,6 +911,11 @@ def _bulk_error(failures: Sequence[Mapping[str, Any]], tenant: str) -> SiftError
     if retryable:
         return BackendUnavailable(message)
     return BackendRequestError(message)
+
+
+def _versioned(version: int | None) -> dict[str, Any]:
+    """Bulk action metadata for ES's external versioning (none without a version)."""
+    return {} if version is None else {"version": version, "version_type": "external"}
 
 
 def _term_value(value: FilterValue) -> str:

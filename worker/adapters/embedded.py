@@ -62,6 +62,7 @@ import numpy as np
 import numpy.typing as npt
 
 from worker.contract import Channel, FilterValue
+from worker.core.catalog import IndexInfo, StoredDocument
 from worker.core.types import ChannelHit, ChannelQuery, ChannelResults, Document, HardFilters
 from worker.errors import (
     BackendRequestError,
@@ -146,7 +147,26 @@ CREATE TABLE IF NOT EXISTS docs(
 CREATE INDEX IF NOT EXISTS docs_vectors ON docs(idx, seq) WHERE has_vector;
 CREATE TABLE IF NOT EXISTS bodies(seq INTEGER PRIMARY KEY, title TEXT NOT NULL, text TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS vectors(seq INTEGER PRIMARY KEY, vector BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS writes(
+    idx TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    deleted INTEGER NOT NULL,
+    PRIMARY KEY(idx, tenant, id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS catalog(
+    idx TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    floor INTEGER NOT NULL DEFAULT 0,
+    model TEXT,
+    last_write REAL,
+    PRIMARY KEY(idx, tenant)
+) WITHOUT ROWID;
 """
+# ``writes`` and ``catalog`` came with the index lifecycle (issue 13). They are new tables
+# (CREATE IF NOT EXISTS), so a data dir of schema v1 gains them without a version bump: a
+# document written before has no version (0), which any versioned write supersedes.
 
 
 def match_expression(query: str) -> str | None:
@@ -377,30 +397,39 @@ class EmbeddedBackend:
         tenant: str,
         documents: Sequence[Document],
         vectors: Sequence[Sequence[float]] | npt.NDArray[np.floating[Any]] | None,
+        *,
+        version: int | None = None,
+        model: str | None = None,
     ) -> int:
         """Insert or replace by (index, tenant, id): text, BM25 row and vector in one commit.
 
-        A document whose ``revision`` is empty gets :func:`derive_revision`.
+        A document whose ``revision`` is empty gets :func:`derive_revision`. With a
+        ``version``, a document is written only if the version is newer than the id's last
+        write (an upsert or a delete's tombstone) and the tenant's index floor (its last
+        drop); answers how many were written.
         """
         if not documents:
             return 0
         matrix = _check_vectors(documents, vectors)
         rows = [_document_row(i, doc) for i, doc in enumerate(documents)]
         conn = self._conn()
+        written = 0
         with _translated("upsert"), _write(conn):
             num = _ensure_index(conn, index)
             if matrix is not None:
                 _claim_dimension(conn, index, matrix.shape[1])
             fts = f"fts_{num}"
+            floor = _floor(conn, index, tenant)
             for i, (doc_id, title, text, revision, metadata) in enumerate(rows):
+                held = _held_version(conn, index, tenant, doc_id)
+                if version is not None and version <= max(floor, held or 0):
+                    continue  # a newer write (or drop) of this id was accepted after this one
                 old = conn.execute(
                     "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
                     (index, tenant, doc_id),
                 ).get
                 if old is not None:
-                    for table in ("docs", "bodies", "vectors"):
-                        conn.execute(f"DELETE FROM {table} WHERE seq = ?", (old,))
-                    conn.execute(f"DELETE FROM {fts} WHERE rowid = ?", (old,))
+                    _remove_row(conn, fts, old)
                 conn.execute(
                     "INSERT INTO docs(idx, tenant, id, revision, metadata, has_vector)"
                     " VALUES (?, ?, ?, ?, ?, ?)",
@@ -413,8 +442,43 @@ class EmbeddedBackend:
                 )
                 if matrix is not None:
                     conn.execute("INSERT INTO vectors VALUES (?, ?)", (seq, matrix[i].tobytes()))
+                _set_version(conn, index, tenant, doc_id, version, held, deleted=False)
+                written += 1
+            _touch(conn, index, tenant, model)
             conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (num,))
-        return len(rows)
+        return written
+
+    def delete_documents(
+        self, index: str, tenant: str, ids: Sequence[str], *, version: int | None = None
+    ) -> int:
+        """Delete the tenant's documents by id, both channels in one commit; answers how many
+        existed. With a ``version``, each id gets a tombstone of that version, so an upsert
+        accepted before the delete and run after it is skipped, and an id whose last write
+        is newer than the delete is left alone."""
+        conn = self._conn()
+        deleted = 0
+        with _translated("delete"), _write(conn):
+            row = _index_row(conn, index)
+            floor = _floor(conn, index, tenant)
+            for doc_id in dict.fromkeys(ids):
+                held = _held_version(conn, index, tenant, doc_id)
+                if version is not None and version <= max(floor, held or 0):
+                    continue
+                old = conn.execute(
+                    "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
+                    (index, tenant, doc_id),
+                ).get
+                if old is not None and row is not None:
+                    _remove_row(conn, f"fts_{row[0]}", old)
+                    deleted += 1
+                _set_version(conn, index, tenant, doc_id, version, held, deleted=True)
+            if deleted:
+                _touch(conn, index, tenant, None)
+            if row is not None:
+                conn.execute(
+                    "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
+                )
+        return deleted
 
     # --- housekeeping ------------------------------------------------------------
 
@@ -427,25 +491,107 @@ class EmbeddedBackend:
             ).get
         return int(found)
 
-    def delete_index(self, index: str, tenant: str) -> int:
-        """Delete all of the tenant's documents in the index; answers how many went."""
+    def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
+        """Delete all of the tenant's documents in the index (rows, BM25 postings, vectors);
+        answers how many went. With a ``version``, only documents written before it go, and
+        the tenant's index keeps it as a floor: an upsert accepted before the drop and run
+        after it is skipped. The tenant's tombstones below the floor are dropped with it."""
         conn = self._conn()
         with _translated("delete_index"), _write(conn):
             row = _index_row(conn, index)
-            if row is None:
-                return 0
-            seqs = [
-                seq
-                for (seq,) in conn.execute(
-                    "SELECT seq FROM docs WHERE idx = ? AND tenant = ?", (index, tenant)
+            gone = 0
+            if row is not None:
+                above = "" if version is None else " AND version > ?"
+                keep = (
+                    set()
+                    if version is None
+                    else {
+                        doc_id
+                        for (doc_id,) in conn.execute(
+                            "SELECT id FROM writes WHERE idx = ? AND tenant = ?" + above,
+                            (index, tenant, version),
+                        )
+                    }
                 )
-            ]
-            for seq in seqs:
-                for table in ("docs", "bodies", "vectors"):
-                    conn.execute(f"DELETE FROM {table} WHERE seq = ?", (seq,))
-                conn.execute(f"DELETE FROM fts_{row[0]} WHERE rowid = ?", (seq,))
-            conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],))
-        return len(seqs)
+                seqs = [
+                    seq
+                    for seq, doc_id in conn.execute(
+                        "SELECT seq, id FROM docs WHERE idx = ? AND tenant = ?", (index, tenant)
+                    )
+                    if doc_id not in keep
+                ]
+                for seq in seqs:
+                    _remove_row(conn, f"fts_{row[0]}", seq)
+                gone = len(seqs)
+                conn.execute(
+                    "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
+                )
+            if version is not None:
+                conn.execute(
+                    "DELETE FROM writes WHERE idx = ? AND tenant = ? AND version <= ?",
+                    (index, tenant, version),
+                )
+                conn.execute(
+                    "INSERT INTO catalog(idx, tenant, floor, last_write) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT(idx, tenant) DO UPDATE SET"
+                    " floor = max(floor, excluded.floor), last_write = excluded.last_write",
+                    (index, tenant, version, time.time()),
+                )
+        return gone
+
+    # --- the catalog -------------------------------------------------------------
+
+    def indexes(self, tenant: str) -> list[IndexInfo]:
+        """The tenant's indexes (those holding one of its documents), by name."""
+        conn = self._conn()
+        with _translated("indexes"), _read(conn):
+            rows = cast(
+                list[tuple[str, int, int | None, str | None, float | None]],
+                conn.execute(
+                    "SELECT d.idx, count(*), i.dimension, c.model, c.last_write FROM docs AS d"
+                    " JOIN indexes AS i ON i.name = d.idx"
+                    " LEFT JOIN catalog AS c ON c.idx = d.idx AND c.tenant = d.tenant"
+                    " WHERE d.tenant = ? GROUP BY d.idx ORDER BY d.idx",
+                    (tenant,),
+                ).fetchall(),
+            )
+        return [
+            IndexInfo(name, int(count), self.name, model, dimension, last_write)
+            for name, count, dimension, model, last_write in rows
+        ]
+
+    def index_info(self, index: str, tenant: str) -> IndexInfo | None:
+        """The tenant's part of one index; None when it holds none of the tenant's documents
+        (whether or not another tenant uses the name)."""
+        conn = self._conn()
+        with _translated("index_info"), _read(conn):
+            row = conn.execute(
+                "SELECT count(*), i.dimension, c.model, c.last_write FROM docs AS d"
+                " JOIN indexes AS i ON i.name = d.idx"
+                " LEFT JOIN catalog AS c ON c.idx = d.idx AND c.tenant = d.tenant"
+                " WHERE d.idx = ? AND d.tenant = ?",
+                (index, tenant),
+            ).fetchone()
+        if row is None or not row[0]:
+            return None
+        count, dimension, model, last_write = row
+        return IndexInfo(index, int(count), self.name, model, dimension, last_write)
+
+    def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
+        """One of the tenant's documents as stored (no vector); None if it has no such one."""
+        conn = self._conn()
+        with _translated("document"), _read(conn):
+            row = conn.execute(
+                "SELECT d.revision, d.metadata, b.title, b.text, w.version FROM docs AS d"
+                " JOIN bodies AS b ON b.seq = d.seq"
+                " LEFT JOIN writes AS w ON w.idx = d.idx AND w.tenant = d.tenant AND w.id = d.id"
+                " WHERE d.idx = ? AND d.tenant = ? AND d.id = ?",
+                (index, tenant, doc_id),
+            ).fetchone()
+        if row is None:
+            return None
+        revision, metadata, title, text, version = row
+        return StoredDocument(doc_id, text, title, revision, json.loads(metadata), version)
 
     # --- channels ----------------------------------------------------------------
 
@@ -748,6 +894,55 @@ def _index_row(conn: apsw.Connection, index: str) -> tuple[int, int | None, int]
         "SELECT num, dimension, generation FROM indexes WHERE name = ?", (index,)
     ).fetchone()
     return None if row is None else (int(row[0]), row[1], int(row[2]))
+
+
+def _remove_row(conn: apsw.Connection, fts: str, seq: int) -> None:
+    for table in ("docs", "bodies", "vectors"):
+        conn.execute(f"DELETE FROM {table} WHERE seq = ?", (seq,))
+    conn.execute(f"DELETE FROM {fts} WHERE rowid = ?", (seq,))
+
+
+def _floor(conn: apsw.Connection, index: str, tenant: str) -> int:
+    """The version of the tenant's last drop of the index (0: never dropped)."""
+    found = conn.execute(
+        "SELECT floor FROM catalog WHERE idx = ? AND tenant = ?", (index, tenant)
+    ).fetchone()
+    return int(found[0]) if found else 0
+
+
+def _held_version(conn: apsw.Connection, index: str, tenant: str, doc_id: str) -> int | None:
+    found = conn.execute(
+        "SELECT version FROM writes WHERE idx = ? AND tenant = ? AND id = ?",
+        (index, tenant, doc_id),
+    ).fetchone()
+    return int(found[0]) if found else None
+
+
+def _set_version(
+    conn: apsw.Connection,
+    index: str,
+    tenant: str,
+    doc_id: str,
+    version: int | None,
+    held: int | None,
+    *,
+    deleted: bool,
+) -> None:
+    """Record the id's last write (an unversioned one keeps the version it had)."""
+    conn.execute(
+        "INSERT OR REPLACE INTO writes VALUES (?, ?, ?, ?, ?)",
+        (index, tenant, doc_id, version if version is not None else held or 0, deleted),
+    )
+
+
+def _touch(conn: apsw.Connection, index: str, tenant: str, model: str | None) -> None:
+    """The tenant's index was written now (with ``model``'s vectors, if given)."""
+    conn.execute(
+        "INSERT INTO catalog(idx, tenant, model, last_write) VALUES (?, ?, ?, ?)"
+        " ON CONFLICT(idx, tenant) DO UPDATE SET"
+        " model = coalesce(excluded.model, model), last_write = excluded.last_write",
+        (index, tenant, model, time.time()),
+    )
 
 
 def _ensure_index(conn: apsw.Connection, index: str) -> int:

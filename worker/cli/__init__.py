@@ -15,6 +15,7 @@ app = typer.Typer(
 from worker.cli import client as _client  # noqa: E402,F401
 from worker.cli import cost as _cost  # noqa: E402,F401
 from worker.cli import evaluate as _evaluate  # noqa: E402,F401
+from worker.cli import indexes as _indexes  # noqa: E402,F401
 from worker.cli import listing as _listing  # noqa: E402,F401
 from worker.cli import service as _service  # noqa: E402,F401
 from worker.cli import status as _status  # noqa: E402,F401

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from worker.contract import Channel
+from worker.core.catalog import IndexInfo, StoredDocument
 from worker.core.types import ChannelQuery, ChannelResults, Document, RerankPrompt, RerankReply
 
 
@@ -47,8 +48,41 @@ class SearchBackend(Protocol):
         tenant: str,
         documents: Sequence[Document],
         vectors: Sequence[Sequence[float]] | None,
+        *,
+        version: int | None = None,
+        model: str | None = None,
     ) -> int:
-        """Insert or replace by id, both channels at once; answers how many were written."""
+        """Insert or replace by id, both channels at once; answers how many were written.
+
+        With a ``version`` (see :mod:`worker.core.catalog`), an id whose last accepted write
+        (an upsert, a delete, a drop of the index) is newer is left as it is. ``model``
+        names the embedder of ``vectors``, for the index's description."""
+        ...
+
+
+class IndexCatalog(Protocol):
+    """The index lifecycle a backend offers besides search: list, read, delete.
+
+    Every method is the tenant's: another tenant's index or document reads exactly like
+    one that does not exist (None, or not listed), and is never deleted.
+    """
+
+    def indexes(self, tenant: str) -> list[IndexInfo]:
+        """The tenant's indexes (those holding one of its documents), by name."""
+        ...
+
+    def index_info(self, index: str, tenant: str) -> IndexInfo | None: ...
+
+    def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None: ...
+
+    def delete_documents(
+        self, index: str, tenant: str, ids: Sequence[str], *, version: int | None = None
+    ) -> int:
+        """Delete by id from both channels; a tombstone of ``version`` for each id."""
+        ...
+
+    def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
+        """Delete every document of the tenant in the index written before ``version``."""
         ...
 
 

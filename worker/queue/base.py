@@ -61,7 +61,15 @@ class Runtime(Protocol):
         """``before_model`` runs just before the model call and may raise ``Canceled``."""
         ...
 
-    def ingest(self, index: str, tenant: str, documents: list[DocumentIn]) -> int: ...
+    def ingest(
+        self,
+        index: str,
+        tenant: str,
+        documents: list[DocumentIn],
+        progress: Callable[[int], None] | None = None,
+        *,
+        version: int | None = None,
+    ) -> int: ...
 
 
 @dataclass

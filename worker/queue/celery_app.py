@@ -40,6 +40,7 @@ from worker.constants import (
     ECONOMY_CANCEL_TASK,
     ECONOMY_POLL_TASK,
     ECONOMY_SUBMIT_TASK,
+    INDEX_READ_TASK,
     INGEST_QUEUE,
     INGEST_TASK,
     SEARCH_QUEUE,
@@ -61,6 +62,7 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     SEARCH_TASK: {"queue": SEARCH_QUEUE},
     BATCH_CHUNK_TASK: {"queue": BATCH_QUEUE},
     INGEST_TASK: {"queue": INGEST_QUEUE},
+    INDEX_READ_TASK: {"queue": SEARCH_QUEUE},
     WEBHOOK_TASK: {"queue": WEBHOOK_QUEUE},
     ECONOMY_SUBMIT_TASK: {"queue": BATCH_QUEUE},
     ECONOMY_POLL_TASK: {"queue": BATCH_QUEUE},
@@ -75,6 +77,7 @@ def time_limits(settings: Settings) -> dict[str, tuple[float, float]]:
     return {
         SEARCH_TASK: (search_soft, search_soft + TIME_LIMIT_MARGIN_SECONDS),
         BATCH_CHUNK_TASK: (chunk_soft, chunk_soft + TIME_LIMIT_MARGIN_SECONDS),
+        INDEX_READ_TASK: (search_soft, search_soft + TIME_LIMIT_MARGIN_SECONDS),
         INGEST_TASK: (INGEST_TIME_LIMIT_SECONDS, INGEST_TIME_LIMIT_SECONDS + 30.0),
         WEBHOOK_TASK: (WEBHOOK_TIME_LIMIT_SECONDS, WEBHOOK_TIME_LIMIT_SECONDS + 15.0),
     }

@@ -10,6 +10,7 @@ exponential backoff and jitter.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -17,10 +18,11 @@ from typing import Any
 
 from celery import shared_task
 
-from worker import metrics
+from worker import lifecycle, metrics
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    INDEX_READ_TASK,
     INGEST_TASK,
     LANE_ECONOMY,
     SEARCH_QUEUE,
@@ -225,7 +227,8 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     name=INGEST_TASK, base=SiftTask, bind=True
 )
 def ingest(self: SiftTask, job_id: str) -> None:
-    """Upsert one ingest job's documents into the tenant's index."""
+    """Upsert one ingest job's documents into the tenant's index, or run a delete job (the
+    same record kind, with ``operation`` "delete" or "drop": :mod:`worker.lifecycle`)."""
     store = self.context.store
     job = store.get_ingest(job_id)
     if job is None or job.status.final:
@@ -235,14 +238,21 @@ def ingest(self: SiftTask, job_id: str) -> None:
             "ingest", store.finish_ingest(job_id, error=_poison_error(self)), _poison_error(self)
         )
         return
-    documents = store.ingest_documents(job_id)
-    if documents is None:
+    deleting = job.operation != "upsert"
+    ids = store.deletion_ids(job_id) if job.operation == "delete" else None
+    documents = store.ingest_documents(job_id) if not deleting else []
+    if documents is None or (job.operation == "delete" and ids is None):
         store.finish_ingest(job_id, error=ErrorInfo(type="expired", message="documents expired"))
         return
     if not store.start_ingest(job_id):
         return
     try:
-        upserted = self.context.runtime.ingest(job.index, job.tenant, documents)
+        if deleting:
+            deleted = lifecycle.delete(self.context.runtime, job, ids)
+        else:
+            upserted = self.context.runtime.ingest(
+                job.index, job.tenant, documents, version=job.version
+            )
     except Exception as exc:
         if self.should_retry(exc):
             store.requeue_ingest(job_id)
@@ -252,8 +262,31 @@ def ingest(self: SiftTask, job_id: str) -> None:
         error = error_info(exc)
         count_completed("ingest", store.finish_ingest(job_id, error=error), error)
         return
+    if deleting:
+        count_completed("ingest", store.finish_ingest(job_id, deleted=deleted), None)
+        log.info(
+            "ingest %s: %s, %d documents deleted from %s", job_id, job.operation, deleted, job.index
+        )
+        return
     count_completed("ingest", store.finish_ingest(job_id, upserted=upserted), None)
     log.info("ingest %s: %d documents into %s", job_id, upserted, job.index)
+
+
+@shared_task(  # type: ignore[untyped-decorator]
+    name=INDEX_READ_TASK, base=SiftTask, bind=True
+)
+def index_read(
+    self: SiftTask, reply_key: str, operation: str, tenant: str, index: str, doc_id: str
+) -> None:
+    """Answer one index read (list, show, a document) on ``reply_key`` (first, so the logs
+    name the read by it). Never retried: the gateway waits a few seconds for the answer,
+    then answers 503, and the client asks again."""
+    try:
+        answer = lifecycle.read(self.context.runtime, operation, tenant, index, doc_id)
+    except Exception as exc:  # the gateway must hear something, not time out
+        log.exception("index read %s for %s: unexpected error", operation, tenant)
+        answer = json.dumps({"error": {"type": "internal_error", "message": str(exc)}})
+    self.context.store.reply(reply_key, answer)
 
 
 @shared_task(  # type: ignore[untyped-decorator]

@@ -18,7 +18,9 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:eco-providers:<id>   hash   provider batch id -> {"round","requests","created_at",...}
     sift:eco-state:<id>       hash   once-only claims (``submit``)
     sift:ingest:<id>          hash   like a search record, with index and document count
-    sift:ingest-docs:<id>     string the documents, until the ingest task has run
+    sift:ingest-docs:<id>     string the documents (a delete: the ids), until the task has run
+    sift:write-version        string the last write version handed out (upserts, deletes, drops)
+    sift:index-reply:<id>     list   one index read's answer, for 60 s
     sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
     sift:attempts:<task>:<n>  string deliveries of one task message
     sift:stats:jobs           hash   queued / running searches and batch items right now
@@ -66,6 +68,7 @@ from worker.queue.jobstore.idempotency import (
 )
 from worker.queue.jobstore.ingests import IngestRecords
 from worker.queue.jobstore.lanes import EconomyLaneRecords
+from worker.queue.jobstore.lifecycle import LifecycleRecords
 from worker.queue.jobstore.listing import Cursor, JobListing, JobPage
 from worker.queue.jobstore.records import (
     FINAL,
@@ -109,6 +112,7 @@ __all__ = [
 
 class JobStore(
     SearchRecords,
+    LifecycleRecords,
     IngestRecords,
     BatchRecords,
     EconomyLaneRecords,

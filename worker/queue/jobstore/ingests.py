@@ -14,10 +14,19 @@ from worker.constants import (
     INGEST_DOCS_TTL_SECONDS,
     INGEST_ID_PREFIX,
     INGEST_KEY,
+    WRITE_VERSION_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, JobStatus
 from worker.queue.jobstore.jobindex import KIND_INGEST, index_job
-from worker.queue.jobstore.records import Enqueue, IngestJob, _new_id, _now, _opt_float
+from worker.queue.jobstore.records import (
+    Enqueue,
+    IngestJob,
+    WriteOperation,
+    _new_id,
+    _now,
+    _opt_float,
+    write_operation,
+)
 from worker.queue.jobstore.store import _StoreCore
 
 
@@ -43,6 +52,9 @@ def _ingest_of(job_id: str, raw: dict[str, str]) -> IngestJob | None:
         finished_at=_opt_float(raw.get("finished_at")),
         upserted=int(raw["upserted"]) if raw.get("upserted") else None,
         error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
+        operation=write_operation(raw.get("operation")),
+        version=int(raw["version"]) if raw.get("version") else None,
+        deleted=int(raw["deleted"]) if raw.get("deleted") else None,
     )
 
 
@@ -58,18 +70,35 @@ class IngestRecords(_StoreCore):
         *,
         enqueue: Enqueue | None = None,
     ) -> IngestJob:
+        payload = json.dumps([d.model_dump() for d in documents], separators=(",", ":"))
+        return self._create_write(tenant, index, "upsert", payload, len(documents), enqueue)
+
+    def _create_write(
+        self,
+        tenant: str,
+        index: str,
+        operation: WriteOperation,
+        payload: str | None,
+        documents: int,
+        enqueue: Enqueue | None,
+    ) -> IngestJob:
+        """An ingest-kind job (an upsert, a delete or a drop) with its write version: the
+        order in which writes were accepted, which the backend keeps per id, so the write
+        accepted last wins whichever worker runs it first (:mod:`worker.core.catalog`)."""
         job = IngestJob(
             id=_new_id(INGEST_ID_PREFIX),
             tenant=tenant,
             index=index,
             status=JobStatus.QUEUED,
-            documents=len(documents),
+            documents=documents,
             created_at=_now(),
+            operation=operation,
+            version=int(self.redis.incr(WRITE_VERSION_KEY)),
         )
         key = INGEST_KEY + job.id
-        payload = json.dumps([d.model_dump() for d in documents], separators=(",", ":"))
         pipe = self.redis.pipeline(transaction=True)
-        pipe.set(INGEST_DOCS_KEY + job.id, payload, ex=INGEST_DOCS_TTL_SECONDS)
+        if payload is not None:
+            pipe.set(INGEST_DOCS_KEY + job.id, payload, ex=INGEST_DOCS_TTL_SECONDS)
         pipe.hset(
             key,
             mapping={
@@ -79,6 +108,8 @@ class IngestRecords(_StoreCore):
                 "status": job.status.value,
                 "documents": str(job.documents),
                 "created_at": repr(job.created_at),
+                "operation": operation,
+                "version": str(job.version),
             },
         )
         pipe.expire(key, self.result_ttl)
@@ -114,12 +145,20 @@ class IngestRecords(_StoreCore):
         return self._job(INGEST_KEY, job_id, JobStatus.QUEUED, "running", count=False)
 
     def finish_ingest(
-        self, job_id: str, *, upserted: int | None = None, error: ErrorInfo | None = None
+        self,
+        job_id: str,
+        *,
+        upserted: int | None = None,
+        error: ErrorInfo | None = None,
+        deleted: int | None = None,
     ) -> bool:
         fields: dict[str, str] = {"finished_at": repr(_now())}
         if error is not None:
             status = JobStatus.FAILED
             fields["error"] = error.model_dump_json()
+        elif deleted is not None:
+            status = JobStatus.SUCCEEDED
+            fields["deleted"] = str(deleted)
         else:
             status = JobStatus.SUCCEEDED
             fields["upserted"] = str(upserted or 0)

@@ -12,12 +12,25 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec
 
 # Given a new job's id, the broker messages to write with its record: (list key, raw message).
 Enqueue = Callable[[str], Sequence[tuple[str, str]]]
+
+# what an ingest-kind job writes: documents, deletes by id, or the tenant's whole index
+WriteOperation = Literal["upsert", "delete", "drop"]
+WRITE_OPERATIONS: tuple[WriteOperation, ...] = ("upsert", "delete", "drop")
+
+
+def write_operation(value: str | None) -> WriteOperation:
+    """A stored operation field (none: an upsert written before deletes existed)."""
+    for operation in WRITE_OPERATIONS:
+        if value == operation:
+            return operation
+    return "upsert"
+
 
 FINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
 _STATUSES = tuple(JobStatus)
@@ -69,6 +82,11 @@ class IngestJob:
     finished_at: float | None = None
     upserted: int | None = None
     error: ErrorInfo | None = None
+    # the index lifecycle: "upsert" (documents), "delete" (ids) or "drop" (the tenant's
+    # index), and the write version the gateway gave it when it accepted it
+    operation: WriteOperation = "upsert"
+    version: int | None = None
+    deleted: int | None = None
 
 
 @dataclass(slots=True)

@@ -1,0 +1,280 @@
+"""The v1 index lifecycle routes: list and show indexes, read a document, delete documents
+or a tenant's whole index (issue 13).
+
+Reads go to a worker, which holds the backend (the gateway imports no backend): the gateway
+enqueues a ``sift.index_read`` task on the search queue with a one-off reply key and pops
+the answer with ``BLPOP`` for up to ``INDEX_READ_TIMEOUT_SECONDS``, else ``503``. Deletes are
+jobs of the ingest kind (``operation`` "delete" or "drop"), answered like an ingest: ``202``
+with a ``Location`` to poll (``GET /v1/ingestions/{id}``), or ``200`` once final within
+``?wait=``. Every route is the caller's tenant's: another tenant's index or document gives
+the very same ``404`` as one nobody has, and a delete job of it deletes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Query, Request, Response
+from pydantic import BaseModel, Field
+
+from api_gateway.errors import ApiError
+from api_gateway.jobs import (
+    ERRORS,
+    LOCATION_HEADER,
+    Tenant,
+    Wait,
+    _create_and_enqueue,
+    _decode_token,
+    _encode_token,
+    _ingest_out,
+    _io,
+    _location,
+    _poll,
+    _sender,
+    _store,
+)
+from api_gateway.schemas import IngestJobOut, _Strict, iso
+from worker import metrics
+from worker.constants import (
+    DEFAULT_PAGE_SIZE,
+    INDEX_READ_TASK,
+    INDEX_READ_TIMEOUT_SECONDS,
+    INGEST_QUEUE,
+    INGEST_TASK,
+    MAX_DOCUMENTS_PER_REQUEST,
+    MAX_PAGE_SIZE,
+    SEARCH_QUEUE,
+)
+from worker.contract import INDEX_PATTERN, FilterValue
+from worker.queue.jobstore import IngestJob
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1", tags=["indexes"])
+
+IndexPath = Annotated[str, Path(min_length=1, max_length=128, pattern=INDEX_PATTERN)]
+DocIdPath = Annotated[str, Path(min_length=1, max_length=512)]
+DocId = Annotated[str, Field(min_length=1, max_length=512)]
+JOB_RESPONSES: dict[int | str, dict[str, Any]] = {
+    202: {
+        "model": IngestJobOut,
+        "description": "Accepted: the job, queued or running.",
+        "headers": LOCATION_HEADER,
+    },
+    200: {"model": IngestJobOut, "description": "Finished within `wait`."},
+    **ERRORS,
+}
+
+
+class IndexOut(BaseModel):
+    """The caller's part of one index."""
+
+    name: str
+    documents: int = Field(description="The caller's documents in it.")
+    backend: str
+    embedding_model: str | None = Field(
+        None, description="The embedder of its vectors (not recorded by Elasticsearch)."
+    )
+    dimensions: int | None = None
+    last_write_at: str | None = Field(
+        None, description="The caller's last applied write (not recorded by Elasticsearch)."
+    )
+
+
+class IndexesPage(BaseModel):
+    indexes: list[IndexOut]
+    next_page_token: str | None = None
+
+
+class StoredDocumentOut(BaseModel):
+    """One document as stored (its vector is not returned)."""
+
+    id: str
+    text: str
+    title: str
+    revision: str
+    metadata: dict[str, FilterValue]
+    version: int | None = Field(None, description="The accepted write that stored it.")
+
+
+class DeleteDocumentsRequest(_Strict):
+    """``POST /v1/indexes/{index}/documents/delete``."""
+
+    ids: list[DocId] = Field(min_length=1, max_length=MAX_DOCUMENTS_PER_REQUEST)
+
+
+def _index_out(raw: dict[str, Any]) -> IndexOut:
+    return IndexOut(
+        name=raw["name"],
+        documents=raw["documents"],
+        backend=raw["backend"],
+        embedding_model=raw.get("model"),
+        dimensions=raw.get("dimension"),
+        last_write_at=iso(raw.get("last_write")),
+    )
+
+
+def _not_found(index: str) -> ApiError:
+    # the words of worker.errors.IndexNotFound: the same for any index the caller lacks
+    return ApiError(
+        404,
+        "index_not_found",
+        f"index {index!r} does not exist: ingest documents into it first",
+        field="index",
+    )
+
+
+async def _read(request: Request, operation: str, tenant: str, index: str, doc_id: str) -> Any:
+    """Ask a worker for one index read; its ``found`` answer (None: the tenant has none)."""
+    store = _store(request)
+    key = store.new_reply_key()
+    args = [key, operation, tenant, index, doc_id]
+    await _io(_sender(request).send, INDEX_READ_TASK, args, SEARCH_QUEUE)
+    raw = await _io(store.await_reply, key, INDEX_READ_TIMEOUT_SECONDS)
+    if raw is None:
+        raise ApiError(
+            503,
+            "backend_unavailable",
+            f"no worker answered the index read within {INDEX_READ_TIMEOUT_SECONDS:g} s; retry",
+        )
+    answer = json.loads(raw)
+    error = answer.get("error")
+    if error is not None:
+        if error.get("type") == "index_not_found":
+            raise _not_found(index)
+        raise ApiError(503, "backend_unavailable", f"the index read failed: {error['message']}")
+    return answer["found"]
+
+
+async def _delete_job(
+    request: Request, tenant: str, index: str, ids: list[str] | None, wait: float
+) -> Response:
+    store = _store(request)
+    job = await _io(
+        _create_and_enqueue,
+        _sender(request),
+        lambda enqueue: store.create_deletion(tenant, index, ids, enqueue=enqueue),
+        lambda job_id: [(INGEST_TASK, [job_id], INGEST_QUEUE)],
+    )
+    metrics.job_submitted("ingest")
+    log.info(
+        "ingest %s: %s of %d ids for %s/%s", job.id, job.operation, len(ids or []), tenant, index
+    )
+    if wait > 0:
+
+        async def read() -> IngestJob | None:
+            return await _io(store.get_ingest, job.id)
+
+        job = await _poll(read, lambda j: j.status.final, wait) or job
+    final = job.status.final
+    return Response(
+        _ingest_out(job).model_dump_json(),
+        status_code=200 if final else 202,
+        media_type="application/json",
+        headers=None if final else _location(request, "get_ingestion", job_id=job.id),
+    )
+
+
+@router.get(
+    "/indexes",
+    response_model=IndexesPage,
+    responses=ERRORS,
+    summary="The caller's indexes, by name, one page at a time",
+)
+async def list_indexes(
+    request: Request,
+    tenant: Tenant,
+    page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+    page_token: Annotated[str | None, Query(max_length=64)] = None,
+) -> IndexesPage:
+    """Each index holding at least one of the caller's documents, with the caller's count."""
+    offset = _decode_token(page_token)
+    found: list[dict[str, Any]] = await _read(request, "list", tenant, "", "")
+    page = found[offset : offset + page_size]
+    end = offset + len(page)
+    return IndexesPage(
+        indexes=[_index_out(i) for i in page],
+        next_page_token=_encode_token(end) if end < len(found) else None,
+    )
+
+
+@router.get(
+    "/indexes/{index}",
+    response_model=IndexOut,
+    responses=ERRORS,
+    summary="One of the caller's indexes",
+)
+async def get_index(request: Request, tenant: Tenant, index: IndexPath) -> IndexOut:
+    found = await _read(request, "show", tenant, index, "")
+    if found is None:
+        raise _not_found(index)
+    return _index_out(found)
+
+
+@router.get(
+    "/indexes/{index}/documents/{doc_id:path}",
+    response_model=StoredDocumentOut,
+    responses=ERRORS,
+    summary="One of the caller's documents as stored (no vector)",
+)
+async def get_document(
+    request: Request, tenant: Tenant, index: IndexPath, doc_id: DocIdPath
+) -> StoredDocumentOut:
+    found = await _read(request, "document", tenant, index, doc_id)
+    if found is None:
+        raise ApiError(
+            404, "not_found", f"id: no document {doc_id!r} in index {index!r}", field="id"
+        )
+    return StoredDocumentOut.model_validate(found)
+
+
+@router.delete(
+    "/indexes/{index}/documents/{doc_id:path}",
+    response_model=IngestJobOut,
+    status_code=202,
+    responses=JOB_RESPONSES,
+    summary="Delete one of the caller's documents (a job; poll GET /v1/ingestions/{id})",
+    description="Once the job has succeeded no search, batch item or trace returns the "
+    "document from either channel. `deleted` counts the caller's documents that existed "
+    "(0 for one nobody has, or another tenant's). Ordered with upserts of the same id: the "
+    "write accepted last wins, whichever worker runs first.",
+)
+async def delete_document(
+    request: Request, tenant: Tenant, index: IndexPath, doc_id: DocIdPath, wait: Wait = 0.0
+) -> Response:
+    return await _delete_job(request, tenant, index, [doc_id], wait)
+
+
+@router.post(
+    "/indexes/{index}/documents/delete",
+    response_model=IngestJobOut,
+    status_code=202,
+    responses=JOB_RESPONSES,
+    summary="Delete the caller's documents by id (a job; poll GET /v1/ingestions/{id})",
+)
+async def delete_documents(
+    request: Request,
+    body: DeleteDocumentsRequest,
+    tenant: Tenant,
+    index: IndexPath,
+    wait: Wait = 0.0,
+) -> Response:
+    return await _delete_job(request, tenant, index, body.ids, wait)
+
+
+@router.delete(
+    "/indexes/{index}",
+    response_model=IngestJobOut,
+    status_code=202,
+    responses=JOB_RESPONSES,
+    summary="Delete the caller's index: all of its documents (a job)",
+    description="Embedded backend: the caller's rows, BM25 postings and vectors. "
+    "Elasticsearch: a `_delete_by_query` of the caller's documents in the shared index "
+    "(other tenants' documents and the ES index stay). An upsert accepted before the delete "
+    "and run after it is skipped on the embedded backend.",
+)
+async def delete_index(
+    request: Request, tenant: Tenant, index: IndexPath, wait: Wait = 0.0
+) -> Response:
+    return await _delete_job(request, tenant, index, None, wait)

@@ -1,0 +1,226 @@
+"""The index lifecycle over the real stack: list, show, read a document, delete documents
+and an index (jobs polled at /v1/ingestions/{id}), on the embedded backend."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+from tests.e2e.conftest import ACME, Stack
+
+# words no other test's corpus holds, so a search for them finds only these documents
+DOCS = [
+    {
+        "id": "z1",
+        "title": "Zanzibar cloves",
+        "text": "zanzibar clove harvest season",
+        "metadata": {"k": "a"},
+    },
+    {
+        "id": "z2",
+        "title": "Quokka",
+        "text": "quokka smiles on rottnest island",
+        "metadata": {"k": "b"},
+    },
+    {
+        "id": "z3",
+        "title": "Xylophone",
+        "text": "xylophone mallets of rosewood",
+        "metadata": {"k": "c"},
+    },
+]
+
+
+def _ingest(stack: Stack, index: str, docs: list[dict[str, Any]]) -> dict[str, Any]:
+    response = stack.live.post(
+        f"/v1/indexes/{index}/documents",
+        params={"wait": 20},
+        json={"documents": docs},
+        headers=ACME,
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def _poll_job(client: httpx.Client, path: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        body = dict(client.get(path, headers=ACME).json())
+        if body["status"] in ("succeeded", "failed") or time.monotonic() > deadline:
+            return body
+        time.sleep(0.05)
+
+
+def _search(stack: Stack, index: str, query: str, mode: str = "hybrid") -> dict[str, Any]:
+    response = stack.live.post(
+        "/v1/searches",
+        params={"wait": 20},
+        json={"index": index, "query": query, "mode": mode, "include_trace": True, "limit": 50},
+        headers=ACME,
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def _hit_ids(job: dict[str, Any]) -> set[str]:
+    return {h["id"] for h in job["result"]["hits"]} if job.get("result") else set()
+
+
+def test_list_and_show_an_index(stack: Stack) -> None:
+    _ingest(stack, "life-list", DOCS)
+    listed = stack.live.get("/v1/indexes", headers=ACME)
+    assert listed.status_code == 200, listed.text
+    mine = {i["name"]: i for i in listed.json()["indexes"]}
+    info = mine["life-list"]
+    assert info["documents"] == 3 and info["backend"] == "embedded"
+    assert info["embedding_model"] and info["dimensions"] == 384
+    assert info["last_write_at"]
+    shown = stack.live.get("/v1/indexes/life-list", headers=ACME)
+    assert shown.status_code == 200 and shown.json() == info
+    missing = stack.live.get("/v1/indexes/life-nobody", headers=ACME)
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "index_not_found"
+    assert missing.json()["error"]["field"] == "index"
+
+
+def test_list_pages_with_strict_tokens(stack: Stack) -> None:
+    for n in range(3):
+        _ingest(stack, f"life-page-{n}", DOCS[:1])
+    everything = [i["name"] for i in stack.live.get("/v1/indexes", headers=ACME).json()["indexes"]]
+    seen: list[str] = []
+    token: str | None = None
+    while True:
+        params: dict[str, Any] = {"page_size": 1, **({"page_token": token} if token else {})}
+        page = stack.live.get("/v1/indexes", params=params, headers=ACME).json()
+        seen += [i["name"] for i in page["indexes"]]
+        token = page["next_page_token"]
+        if token is None:
+            break
+    assert seen == everything and {"life-page-0", "life-page-1", "life-page-2"} <= set(seen)
+    for bad in ("", "bm90LWEtdG9rZW4", "o:1", "b06x"):
+        response = stack.live.get("/v1/indexes", params={"page_token": bad}, headers=ACME)
+        assert response.status_code == 422, (bad, response.text)
+        assert response.json()["error"]["field"] == "page_token"
+    response = stack.live.get("/v1/indexes", params={"page_size": 0}, headers=ACME)
+    assert response.status_code == 422 and "page_size" in response.text
+
+
+def test_get_a_document_as_stored(stack: Stack) -> None:
+    _ingest(stack, "life-get", DOCS)
+    response = stack.live.get("/v1/indexes/life-get/documents/z2", headers=ACME)
+    assert response.status_code == 200, response.text
+    doc = response.json()
+    assert doc["id"] == "z2" and doc["text"] == DOCS[1]["text"] and doc["title"] == "Quokka"
+    assert doc["metadata"] == {"k": "b"} and doc["revision"]
+    assert isinstance(doc["version"], int) and "vector" not in doc
+    for path in ("/v1/indexes/life-get/documents/nope", "/v1/indexes/life-nobody/documents/z2"):
+        assert stack.live.get(path, headers=ACME).status_code == 404
+
+
+def test_delete_a_document_leaves_no_channel_and_reingest_works(stack: Stack) -> None:
+    _ingest(stack, "life-del", DOCS)
+    before = _search(stack, "life-del", "quokka rottnest island")
+    assert "z2" in _hit_ids(before)
+    response = stack.live.delete("/v1/indexes/life-del/documents/z2", headers=ACME)
+    assert response.status_code == 202, response.text
+    assert response.headers["Location"] == f"/v1/ingestions/{response.json()['id']}"
+    job = _poll_job(stack.live, response.headers["Location"])
+    assert job["status"] == "succeeded" and job["operation"] == "delete"
+    assert job["deleted"] == 1 and job["documents"] == 1
+    for mode in ("fts", "vector", "hybrid"):  # each channel alone, and fused with the trace
+        after = _search(stack, "life-del", "quokka rottnest island", mode)
+        assert "z2" not in _hit_ids(after), mode
+        assert '"z2"' not in json.dumps(after["result"]), mode
+    batch = stack.live.post(
+        "/v1/batches",
+        json={"index": "life-del", "queries": [{"id": "q", "query": "quokka island"}]},
+        headers=ACME,
+    ).json()
+    deadline = time.monotonic() + 30
+    while stack.live.get(f"/v1/batches/{batch['id']}", headers=ACME).json()["status"] not in (
+        "succeeded",
+        "failed",
+    ):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    results = stack.live.get(f"/v1/batches/{batch['id']}/results", headers=ACME).json()
+    assert '"z2"' not in json.dumps(results)
+    assert stack.live.get("/v1/indexes/life-del/documents/z2", headers=ACME).status_code == 404
+    assert stack.live.get("/v1/indexes/life-del", headers=ACME).json()["documents"] == 2
+    _ingest(stack, "life-del", [DOCS[1]])  # the same id again
+    assert "z2" in _hit_ids(_search(stack, "life-del", "quokka rottnest island", "fts"))
+    assert "z2" in _hit_ids(_search(stack, "life-del", "quokka rottnest island", "vector"))
+
+
+def test_bulk_delete_with_wait(stack: Stack) -> None:
+    _ingest(stack, "life-bulk", DOCS)
+    response = stack.live.post(
+        "/v1/indexes/life-bulk/documents/delete",
+        params={"wait": 20},
+        json={"ids": ["z1", "z3", "z1", "never-was"]},
+        headers=ACME,
+    )
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["status"] == "succeeded" and job["deleted"] == 2 and job["documents"] == 3
+    assert stack.live.get(f"/v1/ingestions/{job['id']}", headers=ACME).json() == job
+    assert _hit_ids(_search(stack, "life-bulk", "zanzibar xylophone quokka", "fts")) == {"z2"}
+    for body, field in (
+        ({"ids": []}, "ids"),
+        ({"ids": [""]}, "ids[0]"),
+        ({"ids": ["x"] * 1001}, "ids"),
+        ({"ids": ["x"], "extra": 1}, "extra"),
+    ):
+        bad = stack.live.post("/v1/indexes/life-bulk/documents/delete", json=body, headers=ACME)
+        assert bad.status_code == 422, bad.text
+        assert bad.json()["error"]["field"] == field, bad.text
+
+
+def test_delete_an_index(stack: Stack) -> None:
+    _ingest(stack, "life-drop", DOCS)
+    response = stack.live.delete("/v1/indexes/life-drop", params={"wait": 20}, headers=ACME)
+    assert response.status_code == 200, response.text
+    job = response.json()
+    assert job["operation"] == "drop" and job["deleted"] == 3
+    assert stack.live.get("/v1/indexes/life-drop", headers=ACME).status_code == 404
+    names = {i["name"] for i in stack.live.get("/v1/indexes", headers=ACME).json()["indexes"]}
+    assert "life-drop" not in names
+    search = stack.live.post(
+        "/v1/searches",
+        params={"wait": 20},
+        json={"index": "life-drop", "query": "quokka"},
+        headers=ACME,
+    ).json()
+    assert search["status"] == "failed" and search["error"]["type"] == "index_not_found"
+    _ingest(stack, "life-drop", DOCS[:1])  # the name is usable again
+    assert stack.live.get("/v1/indexes/life-drop", headers=ACME).json()["documents"] == 1
+    bad = stack.live.delete("/v1/indexes/Not_Valid", headers=ACME)
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "index"
+
+
+def test_a_read_no_worker_answers_is_503_not_a_hang(stack: Stack) -> None:
+    """The idle gateway's database has no worker: the read waits its 10 s, then says so."""
+    response = stack.idle.get("/v1/indexes/life-list", headers=ACME)
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["type"] == "backend_unavailable" and "no worker answered" in error["message"]
+
+
+def test_ids_with_slashes_and_spaces_are_addressable(stack: Stack) -> None:
+    odd = {"id": "dir/sub file.txt", "text": "tamarind chutney recipe"}
+    _ingest(stack, "life-odd", [odd])
+    path = "/v1/indexes/life-odd/documents/dir%2Fsub%20file.txt"
+    got = stack.live.get(path, headers=ACME)
+    assert got.status_code == 200 and got.json()["id"] == odd["id"], got.text
+    assert (
+        stack.live.get("/v1/indexes/life-odd/documents/dir/sub file.txt", headers=ACME).json()[
+            "text"
+        ]
+        == odd["text"]
+    )
+    gone = stack.live.delete(path, params={"wait": 20}, headers=ACME).json()
+    assert gone["deleted"] == 1
+    assert stack.live.get(path, headers=ACME).status_code == 404

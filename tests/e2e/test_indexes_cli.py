@@ -1,0 +1,78 @@
+"""``sift indexes``, ``sift index show|delete``, ``sift documents get|delete`` over the real
+stack (the CLI in-process through typer's runner, the gateway and worker as processes)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from typer.testing import CliRunner, Result
+
+from tests.e2e.conftest import ACME, Stack
+from worker.cli import app
+
+DOCS = [
+    {"id": "c1", "title": "Okapi", "text": "okapi forest giraffe", "metadata": {"zone": "ituri"}},
+    {"id": "c2", "title": "Pangolin", "text": "pangolin scales keratin"},
+    {"id": "c3", "title": "Axolotl", "text": "axolotl regrows limbs"},
+]
+
+
+def sift(stack: Stack, *args: str, stdin: str | None = None) -> Result:
+    key = ACME["Authorization"].split()[1]
+    env = {"SIFT_URL": stack.live_url, "SIFT_API_KEY": key, "COLUMNS": "200", "NO_COLOR": "1"}
+    return CliRunner().invoke(app, list(args), env=env, input=stdin)
+
+
+def _json(result: Result) -> Any:
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def _ingest(stack: Stack, index: str) -> None:
+    response = stack.live.post(
+        f"/v1/indexes/{index}/documents",
+        params={"wait": 20},
+        json={"documents": DOCS},
+        headers=ACME,
+    )
+    assert response.status_code == 200, response.text
+
+
+def test_indexes_and_index_show(stack: Stack) -> None:
+    _ingest(stack, "cli-list")
+    listed = {i["name"]: i for i in _json(sift(stack, "indexes", "--json"))}
+    assert listed["cli-list"]["documents"] == 3 and listed["cli-list"]["backend"] == "embedded"
+    table = sift(stack, "indexes")
+    assert table.exit_code == 0 and "cli-list" in table.stdout and "embedded" in table.stdout
+    shown = _json(sift(stack, "index", "show", "cli-list", "--json"))
+    assert shown == listed["cli-list"]
+    missing = sift(stack, "index", "show", "cli-nobody")
+    assert missing.exit_code == 1 and "does not exist" in missing.output
+
+
+def test_documents_get_and_delete(stack: Stack) -> None:
+    _ingest(stack, "cli-docs")
+    doc = _json(sift(stack, "documents", "get", "c1", "--index", "cli-docs", "--json"))
+    assert doc["text"] == "okapi forest giraffe" and doc["metadata"] == {"zone": "ituri"}
+    shown = sift(stack, "documents", "get", "c1", "--index", "cli-docs")
+    assert shown.exit_code == 0 and "okapi forest giraffe" in shown.stdout
+    gone = sift(stack, "documents", "delete", "c1", "c2", "--index", "cli-docs")
+    assert gone.exit_code == 0, gone.output
+    assert "deleted 2 document(s)" in gone.stdout
+    job = _json(sift(stack, "documents", "delete", "c3", "nope", "--index", "cli-docs", "--json"))
+    assert job["status"] == "succeeded" and job["deleted"] == 1 and job["operation"] == "delete"
+    after = sift(stack, "documents", "get", "c1", "--index", "cli-docs")
+    assert after.exit_code == 1 and "404" in after.output
+
+
+def test_index_delete_asks_first(stack: Stack) -> None:
+    _ingest(stack, "cli-drop")
+    declined = sift(stack, "index", "delete", "cli-drop", stdin="n\n")
+    assert declined.exit_code != 0
+    assert _json(sift(stack, "index", "show", "cli-drop", "--json"))["documents"] == 3
+    confirmed = sift(stack, "index", "delete", "cli-drop", stdin="y\n")
+    assert confirmed.exit_code == 0 and "deleted 3 document(s)" in confirmed.stdout
+    job = _json(sift(stack, "index", "delete", "cli-drop", "--yes", "--json"))
+    assert job["operation"] == "drop" and job["deleted"] == 0
+    assert sift(stack, "index", "show", "cli-drop").exit_code == 1

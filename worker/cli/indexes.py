@@ -1,0 +1,173 @@
+"""``sift indexes``, ``sift index show|delete`` and ``sift documents get|delete``: the index
+lifecycle from the shell, through the gateway (``SIFT_URL``, ``SIFT_API_KEY``).
+
+Deletes are jobs: the command submits one, waits for it to finish (``?wait=``, then polls
+``GET /v1/ingestions/{id}``) and prints how many documents went. ``--json`` prints the raw
+answers instead of tables.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+from urllib.parse import quote
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from worker.cli import app
+from worker.cli._http import Gateway, gateway
+from worker.cli.client import EXIT_ERROR, _err, _expected_errors, _out
+from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
+
+index_app = typer.Typer(help="Show or delete one of your indexes.", no_args_is_help=True)
+documents_app = typer.Typer(help="Read or delete documents by id.", no_args_is_help=True)
+app.add_typer(index_app, name="index")
+app.add_typer(documents_app, name="documents")
+
+JsonOut = Annotated[bool, typer.Option("--json", help="print the raw answer as JSON")]
+IndexOption = Annotated[str, typer.Option("--index", help="the index")]
+
+
+def _print_json(console: Console, value: Any) -> None:
+    console.print_json(json.dumps(value))
+
+
+def _table(indexes: list[dict[str, Any]]) -> Table:
+    table = Table(title=f"{len(indexes)} index(es)", title_justify="left")
+    for name in ("name", "documents", "backend", "embedding model", "dims", "last write"):
+        table.add_column(name, justify="right" if name in ("documents", "dims") else "left")
+    for i in indexes:
+        table.add_row(
+            i["name"],
+            str(i["documents"]),
+            i["backend"],
+            i.get("embedding_model") or "–",
+            str(i.get("dimensions") or "–"),
+            i.get("last_write_at") or "–",
+        )
+    return table
+
+
+def _finish(client: Gateway, job: dict[str, Any]) -> dict[str, Any]:
+    """The delete job once final (it was submitted with ``?wait=``; poll if still running)."""
+    if job.get("status") in ("succeeded", "failed"):
+        return job
+    return client.poll(f"/v1/ingestions/{job['id']}")
+
+
+def _report(console: Console, job: dict[str, Any], what: str, json_out: bool) -> None:
+    if json_out:
+        _print_json(console, job)
+    if job.get("status") != "succeeded":
+        error = job.get("error") or {}
+        _err().print(
+            f"[bold red]error:[/] {what} failed: {error.get('message', job.get('status'))}"
+        )
+        raise typer.Exit(EXIT_ERROR)
+    if not json_out:
+        console.print(f"deleted [bold]{job.get('deleted', 0)}[/] document(s) {what}")
+
+
+@app.command("indexes")
+def indexes(json_out: JsonOut = False) -> None:
+    """List your indexes: documents, backend, embedding model, dimensions, last write."""
+    console = _out()
+    with _expected_errors(), gateway() as client:
+        found: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            params: dict[str, Any] = {"page_size": MAX_PAGE_SIZE}
+            if token:
+                params["page_token"] = token
+            page = client.json("GET", "/v1/indexes", params=params)
+            found += page["indexes"]
+            token = page.get("next_page_token")
+            if not token:
+                break
+    if json_out:
+        _print_json(console, found)
+    else:
+        console.print(_table(found))
+
+
+@index_app.command("show")
+def index_show(
+    name: Annotated[str, typer.Argument(help="the index")], json_out: JsonOut = False
+) -> None:
+    """Show one of your indexes."""
+    console = _out()
+    with _expected_errors(), gateway() as client:
+        found = client.json("GET", f"/v1/indexes/{name}")
+    if json_out:
+        _print_json(console, found)
+    else:
+        console.print(_table([found]))
+
+
+@index_app.command("delete")
+def index_delete(
+    name: Annotated[str, typer.Argument(help="the index")],
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask for confirmation")] = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Delete all of your documents in an index (other tenants' stay)."""
+    console = _out()
+    if not yes:
+        typer.confirm(f"Delete all of your documents in index {name!r}?", abort=True)
+    with _expected_errors(), gateway() as client:
+        job = client.json("DELETE", f"/v1/indexes/{name}", params={"wait": MAX_WAIT_SECONDS})
+        job = _finish(client, job)
+    _report(console, job, f"from index {name}", json_out)
+
+
+@documents_app.command("get")
+def documents_get(
+    doc_id: Annotated[str, typer.Argument(help="the document id")],
+    index: IndexOption,
+    json_out: JsonOut = False,
+) -> None:
+    """Print one document as stored (text, title, metadata, revision)."""
+    console = _out()
+    with _expected_errors(), gateway() as client:
+        doc = client.json("GET", f"/v1/indexes/{index}/documents/{quote(doc_id, safe='')}")
+    if json_out:
+        _print_json(console, doc)
+        return
+    console.print(f"[bold]{doc['id']}[/]  revision {doc['revision']}  version {doc.get('version')}")
+    if doc.get("title"):
+        console.print(f"[bold]{doc['title']}[/]")
+    if doc.get("metadata"):
+        console.print(f"metadata: {json.dumps(doc['metadata'], ensure_ascii=False)}")
+    console.print(doc["text"], soft_wrap=True)
+
+
+@documents_app.command("delete")
+def documents_delete(
+    doc_ids: Annotated[list[str], typer.Argument(help="the document ids")],
+    index: IndexOption,
+    json_out: JsonOut = False,
+) -> None:
+    """Delete documents by id (one job per 1,000 ids) and wait until they are gone."""
+    console = _out()
+    jobs: list[dict[str, Any]] = []
+    with _expected_errors(), gateway() as client:
+        for start in range(0, len(doc_ids), MAX_DOCUMENTS_PER_REQUEST):
+            chunk = doc_ids[start : start + MAX_DOCUMENTS_PER_REQUEST]
+            job = client.json(
+                "POST",
+                f"/v1/indexes/{index}/documents/delete",
+                json={"ids": chunk},
+                params={"wait": MAX_WAIT_SECONDS},
+            )
+            jobs.append(_finish(client, job))
+    if len(jobs) == 1:
+        _report(console, jobs[0], f"from index {index}", json_out)
+        return
+    total = {"deleted": sum(j.get("deleted") or 0 for j in jobs), "status": "succeeded"}
+    if any(j.get("status") != "succeeded" for j in jobs):
+        total = next(j for j in jobs if j.get("status") != "succeeded")
+    _report(
+        console, {**total, "jobs": jobs} if json_out else total, f"from index {index}", json_out
+    )

@@ -1,0 +1,63 @@
+"""The index lifecycle's records: delete jobs (by id, or the tenant's whole index) and the
+answers of index reads.
+
+A delete is an ingest-kind job (``operation`` "delete" or "drop"): the same record, the
+same task, the same re-drive and outbox, polled at ``GET /v1/ingestions/{id}``; its write
+version comes from the counter every upsert's does, so the backend can order them.
+
+An index read (list, show, one document) runs on a worker, which holds the backend; it
+answers by pushing JSON onto a one-off list, ``INDEX_REPLY_KEY`` + a request id, that the
+gateway pops with a blocking ``BLPOP``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from typing import cast
+
+from worker.constants import INDEX_REPLY_KEY, INDEX_REPLY_TTL_SECONDS, INGEST_DOCS_KEY
+from worker.queue.jobstore.ingests import IngestRecords
+from worker.queue.jobstore.records import Enqueue, IngestJob
+
+
+class LifecycleRecords(IngestRecords):
+    """Delete jobs and index-read replies."""
+
+    def create_deletion(
+        self,
+        tenant: str,
+        index: str,
+        ids: Sequence[str] | None,
+        *,
+        enqueue: Enqueue | None = None,
+    ) -> IngestJob:
+        """A job deleting ``ids`` from the tenant's index, or (``ids`` None) the tenant's
+        whole index."""
+        if ids is None:
+            return self._create_write(tenant, index, "drop", None, 0, enqueue)
+        unique = list(dict.fromkeys(ids))
+        payload = json.dumps(unique, separators=(",", ":"))
+        return self._create_write(tenant, index, "delete", payload, len(unique), enqueue)
+
+    def deletion_ids(self, job_id: str) -> list[str] | None:
+        """The ids a delete job deletes; None once they expired."""
+        raw = cast(str | None, self.redis.get(INGEST_DOCS_KEY + job_id))
+        return None if raw is None else [str(i) for i in json.loads(raw)]
+
+    @staticmethod
+    def new_reply_key() -> str:
+        return INDEX_REPLY_KEY + uuid.uuid4().hex
+
+    def reply(self, key: str, answer: str) -> None:
+        """A worker's answer to one index read."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.rpush(key, answer)
+        pipe.expire(key, INDEX_REPLY_TTL_SECONDS)
+        pipe.execute()
+
+    def await_reply(self, key: str, timeout: float) -> str | None:
+        """The answer to one index read, or None if none came within ``timeout`` seconds."""
+        found = cast(tuple[str, str] | None, self.redis.blpop([key], timeout=timeout))
+        return None if found is None else found[1]
