@@ -84,9 +84,11 @@ def evaluate(
     window: int = 30,
     rerank: bool = False,
     max_queries: int | None = None,
-    progress: Callable[[str, int], None] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every query through each run and score it; returns the report as plain data."""
+    """Run every query through each run and score it; returns the report as plain data.
+
+    ``progress(run, n, total)`` hears of each query done, with the run's query count."""
     qrels = read_qrels(collection.qrels)
     queries = [
         (str(row["_id"] if "_id" in row else row["id"]), row.get("text") or row["query"])
@@ -132,7 +134,7 @@ def evaluate(
             for key, value in result.usage.model_dump().items():
                 usage_total[key] = usage_total.get(key, 0) + value
             if progress is not None:
-                progress(run.name, 1)
+                progress(run.name, 1, len(queries))
         report["runs"][run.name] = _aggregate(qrel_list, scored)
         final = scored  # the last run is the final one: reranked if asked, else fused
 

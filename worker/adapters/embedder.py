@@ -13,6 +13,15 @@ once, a graph whose matrix products run in int8 (onnxruntime's dynamic
 quantization, per channel, MatMul only; VNNI does them), about 2.2 ms a query,
 its vectors at cosine 0.99 or more to the fp32 path (``benchmarks/bench_embedding.py``).
 
+Many texts at once (a job's documents) run as separate model calls on a few threads,
+one per core: onnxruntime releases the GIL, so the cores work in parallel with no
+intra-op threads spinning. Each call is what a text alone would get (the int8 graph
+embeds one text per call; fp32 masks the padding of its mini-batch), so a document's
+vector never depends on the documents beside it (``tests/unit/test_embedder_batches.py``).
+On SciFact's abstracts (most at the 256-token cap) bigger tensors would not help: a
+mini-batch of 16 cost more CPU per text than one text per call, on both graphs
+(``benchmarks/bench_ingest.py`` measures the candidates side by side).
+
     embedder = OnnxMiniLMEmbedder()
     vectors = embedder.embed_array(["a claim", "another one"])  # (2, 384) float32
 """
@@ -25,6 +34,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -35,6 +45,7 @@ import numpy.typing as npt
 from worker.coalesce import Coalescer
 from worker.core.ports import Embedder
 from worker.errors import ConfigError
+from worker.slots import cores
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +106,9 @@ class OnnxMiniLMEmbedder:
 
     Construction does no I/O; the tokenizer and the ONNX session load once, on first
     use, under a lock. ``embed_array`` is the fast path (one float32 matrix);
-    ``embed`` returns lists, as the port asks.
+    ``embed`` returns lists, as the port asks. ``parallel_calls`` model calls of one
+    ``embed`` run at once (one per core by default), each on ``threads`` onnxruntime
+    threads: a query is one call, a job's documents keep every core busy.
     """
 
     model_id: str = MODEL_ID
@@ -108,6 +121,7 @@ class OnnxMiniLMEmbedder:
         batch_size: int = BATCH_SIZE,
         threads: int | None = None,
         int8_cache_dir: Path | None = None,
+        parallel_calls: int | None = None,
     ) -> None:
         self._model_path = model_path
         self._int8_cache_dir = int8_cache_dir
@@ -121,6 +135,8 @@ class OnnxMiniLMEmbedder:
         self._tokenizer_path = tokenizer_path
         self._batch_size = max(1, batch_size)
         self._threads = threads
+        self._parallel_calls = max(1, parallel_calls or cores())
+        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._session: Any = None
@@ -170,18 +186,40 @@ class OnnxMiniLMEmbedder:
         """An ``(n, 384)`` float32 matrix of unit vectors, row ``i`` for ``texts[i]``.
 
         Texts are sorted by token count and padded per mini-batch, so a long text
-        does not make every other one in the batch pay for its padding.
+        does not make every other one in the batch pay for its padding; the mini-batches
+        run ``parallel_calls`` at a time, longest first so no long one is left for last.
         """
         out = np.zeros((len(texts), DIMENSION), dtype=np.float32)
         if not texts:
             return out
         tokenizer, session = self._load()
         encodings = tokenizer.encode_batch(list(texts))
-        order = sorted(range(len(texts)), key=lambda i: len(encodings[i].ids))
-        for start in range(0, len(order), self._batch_size):
-            rows = order[start : start + self._batch_size]
+        order = sorted(range(len(texts)), key=lambda i: -len(encodings[i].ids))
+        batches = [
+            order[start : start + self._batch_size]
+            for start in range(0, len(order), self._batch_size)
+        ]
+
+        def run(rows: list[int]) -> None:
             out[rows] = self._run(session, [encodings[i] for i in rows])
+
+        if len(batches) == 1 or self._parallel_calls == 1:
+            for rows in batches:
+                run(rows)
+        else:
+            list(self._calls().map(run, batches))
         return out
+
+    def _calls(self) -> ThreadPoolExecutor:
+        """The threads that run one ``embed``'s model calls side by side, made on first use
+        and shared by every caller, so concurrent jobs never run more calls than cores."""
+        if self._pool is None:
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(
+                        self._parallel_calls, thread_name_prefix="sift-embed"
+                    )
+        return self._pool
 
     def _run(self, session: Any, encodings: list[Any]) -> npt.NDArray[np.float32]:
         width = max(1, max(len(e.ids) for e in encodings))

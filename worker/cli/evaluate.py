@@ -42,8 +42,9 @@ def eval_command(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report")] = None,
 ) -> None:
     """Evaluate BM25, kNN, fused and final runs in-process with ir-measures."""
-    # one process embeds the whole corpus: let onnxruntime use every core
-    overrides: dict[str, Any] = {"embedding_threads": 0}
+    # the corpus's model calls already run one per core (one onnxruntime thread each, as in
+    # a worker): more threads per call would only spin against them
+    overrides: dict[str, Any] = {}
     if rerank:
         overrides["rerank_enabled"] = True
     try:
@@ -61,9 +62,9 @@ def eval_command(
         with progress_bar(console) as bar:
             tasks: dict[str, Any] = {}
 
-            def advance(run: str, n: int) -> None:
+            def advance(run: str, n: int, total: int) -> None:
                 if run not in tasks:
-                    tasks[run] = bar.add_task(f"run {run}", total=None)
+                    tasks[run] = bar.add_task(f"run {run}", total=total)
                 bar.advance(tasks[run], n)
 
             report = evaluate(
