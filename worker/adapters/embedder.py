@@ -17,7 +17,7 @@ Many texts at once (a job's documents) run as separate model calls on a few thre
 one per core: onnxruntime releases the GIL, so the cores work in parallel with no
 intra-op threads spinning. Each call is what a text alone would get (the int8 graph
 embeds one text per call; fp32 masks the padding of its mini-batch), so a document's
-vector never depends on the documents beside it (``tests/unit/test_embedder_batches.py``).
+vector never depends on the documents beside it (``tests/integration/test_embedder_batches.py``).
 On SciFact's abstracts (most at the 256-token cap) bigger tensors would not help: a
 mini-batch of 16 cost more CPU per text than one text per call, on both graphs
 (``benchmarks/bench_ingest.py`` measures the candidates side by side).

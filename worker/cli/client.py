@@ -384,7 +384,8 @@ def batch(
                 def show(state: dict[str, Any]) -> None:
                     counts = state.get("counts") or {}
                     finished = sum(int(counts.get(s, 0)) for s in FINAL_STATUSES)
-                    progress.update(task, completed=finished, total=counts.get("total") or len(items))
+                    total = counts.get("total") or len(items)
+                    progress.update(task, completed=finished, total=total)
 
                 final = client.poll(f"/v1/batches/{batch_id}", done=_batch_done, on_update=show)
             tally = _write_results(client, batch_id, out, page_size)
