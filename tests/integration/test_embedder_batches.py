@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from worker.adapters.embedder import OnnxMiniLMEmbedder
+from worker.adapters.embedder import OnnxMiniLMEmbedder, default_model_path, without_nan_guards
 from worker.contract import DocumentIn, SearchSpec
 from worker.runtime import build_runtime, embedding_text
 from worker.settings import load_settings
@@ -134,3 +134,19 @@ def test_ingest_stores_the_vectors_the_query_path_gives(tmp_path: Path, cache_di
     assert score is not None
     alone = np.asarray(embedder.embed([embedding_text(by_id[top].title, by_id[top].text)])[0])
     assert abs(float(q @ alone) - score) < TOLERANCE
+
+
+def test_the_nan_guards_the_int8_graph_drops_change_no_vector(tmp_path: Path) -> None:
+    """The guards after each attention softmax return their input for any text, padded or
+    not: the shipped graph without them gives the same vectors, to the bit."""
+    import onnx
+
+    model = onnx.load(str(default_model_path()))
+    assert without_nan_guards(model) == 6  # one per layer
+    assert not [n for n in model.graph.node if n.op_type == "IsNaN"]
+    unguarded = tmp_path / "unguarded.onnx"
+    onnx.save(model, str(unguarded))
+    all_texts = [*texts(), ""]
+    guarded = OnnxMiniLMEmbedder(threads=1).embed_array(all_texts)  # padded mini-batches
+    stripped = OnnxMiniLMEmbedder(threads=1, model_path=unguarded).embed_array(all_texts)
+    assert np.array_equal(guarded, stripped)
