@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from worker.adapters.embedder import GRAPH_REVISION
 from worker.cli import app
 from worker.cli._output import progress_bar
 from worker.errors import SiftError
@@ -51,7 +52,8 @@ def eval_command(
         settings = load_settings(**overrides)
         # a cache per corpus and embedding graph: vectors of two graphs must never mix
         graph = "int8-matmul" if settings.embedding_int8_compute else "fp32"
-        key = hashlib.sha256(f"{corpus.resolve()}|{graph}".encode()).hexdigest()[:12]
+        key = f"{corpus.resolve()}|{graph}|{GRAPH_REVISION}"
+        key = hashlib.sha256(key.encode()).hexdigest()[:12]
         directory = data_dir or Path(".sift/eval") / key
         settings = settings.model_copy(update={"data_dir": directory})
         runtime = build_runtime(settings)
