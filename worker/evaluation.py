@@ -123,7 +123,10 @@ def evaluate(
     max_queries: int | None = None,
     progress: Callable[[str, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every query through each run and score it; returns the report as plain data."""
+    """Run every query through each run and score it; returns the report as plain data.
+
+    ``progress(run, n)`` hears of each query done (:func:`eval_runs` and
+    :func:`judged_queries` give the total ahead)."""
     qrels = read_qrels(collection.qrels)
     queries = judged_queries(collection.queries, qrels, max_queries)
     runs = eval_runs(rerank)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -56,6 +57,10 @@ class FakeGateway:
     search_answers_at_once: bool = False
     ingests: dict[str, int] = field(default_factory=dict)
     trace: dict[str, Any] | None = None  # the result's trace when the search asks for one
+    ingest_seconds: float = 0.0  # how long an ingest POST takes to answer
+    ingests_in_flight: int = 0
+    peak_ingests_in_flight: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def url(self) -> str:
@@ -74,10 +79,18 @@ class FakeGateway:
             if path.split("/")[3] == "refused":
                 detail = [{"loc": ["body", "documents", 0, "text"], "msg": "too long"}]
                 return 422, {"detail": detail}
-            # Like the gateway: the first batch finishes within ?wait, later ones are polled.
-            n = len(self.posted(path))
-            job = {"id": f"i-{n}", "status": "queued", "upserted": None}
-            self.ingests[job["id"]] = len(body["documents"])
+            with self.lock:
+                self.ingests_in_flight += 1
+                self.peak_ingests_in_flight = max(
+                    self.peak_ingests_in_flight, self.ingests_in_flight
+                )
+            time.sleep(self.ingest_seconds)
+            with self.lock:
+                self.ingests_in_flight -= 1
+                # Like the gateway: the first batch finishes within ?wait, later ones are polled.
+                n = len(self.ingests) + 1
+                job = {"id": f"i-{n}", "status": "queued", "upserted": None}
+                self.ingests[job["id"]] = len(body["documents"])
             if n == 1:
                 return 200, {**job, "status": "succeeded", "upserted": len(body["documents"])}
             return 202, job
@@ -200,7 +213,8 @@ def test_ingest_beir_corpus_in_batches(fake_gateway: FakeGateway, tmp_path: Path
     corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
     result = run(fake_gateway, "ingest", str(corpus), "--index", "scifact", "--batch-size", "2")
     assert result.exit_code == 0, result.output
-    batches = fake_gateway.posted("/v1/indexes/scifact/documents")
+    posted = fake_gateway.posted("/v1/indexes/scifact/documents")  # two requests in flight
+    batches = sorted(posted, key=lambda b: str(b["documents"][0]["id"]))
     assert [len(b["documents"]) for b in batches] == [2, 2, 1]
     assert batches[0]["documents"][0] == {
         "id": "d0",
@@ -209,6 +223,30 @@ def test_ingest_beir_corpus_in_batches(fake_gateway: FakeGateway, tmp_path: Path
         "metadata": {},
     }
     assert "indexed 5 document(s) into scifact" in result.output
+
+
+def test_ingest_keeps_two_requests_in_flight_unless_an_id_repeats(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    """Two requests at once keep the worker busy between jobs; a repeated id is sent in
+    file order, one request at a time, so its last line is the one that stays."""
+    fake_gateway.ingest_seconds = 0.2
+    unique = write_jsonl(tmp_path / "u.jsonl", [{"id": f"d{i}", "text": "t"} for i in range(6)])
+    result = run(fake_gateway, "ingest", str(unique), "--index", "u", "--batch-size", "1")
+    assert result.exit_code == 0, result.output
+    assert "indexed 6 document(s)" in result.output
+    sent = sorted(b["documents"][0]["id"] for b in fake_gateway.posted("/v1/indexes/u/documents"))
+    assert sent == [f"d{i}" for i in range(6)]
+    assert fake_gateway.peak_ingests_in_flight == 2
+
+    fake_gateway.peak_ingests_in_flight = 0
+    rows = [{"id": "a", "text": "old"}, {"id": "b", "text": "t"}, {"id": "a", "text": "new"}]
+    repeated = write_jsonl(tmp_path / "r.jsonl", rows)
+    result = run(fake_gateway, "ingest", str(repeated), "--index", "r", "--batch-size", "1")
+    assert result.exit_code == 0, result.output
+    texts = [b["documents"][0]["text"] for b in fake_gateway.posted("/v1/indexes/r/documents")]
+    assert texts == ["old", "t", "new"]
+    assert fake_gateway.peak_ingests_in_flight == 1
 
 
 def test_ingest_sift_shape_keeps_revision_and_metadata(

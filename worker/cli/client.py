@@ -13,6 +13,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,6 +199,16 @@ def _send_documents(client: Gateway, index: str, documents: list[dict[str, Any]]
     return int(job.get("upserted") or 0)
 
 
+@contextmanager
+def _pool(threads: int) -> Iterator[ThreadPoolExecutor]:
+    """Threads for requests; on an error, the ones not yet sent are dropped, not sent."""
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="sift-ingest")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 @app.command("ingest")
 def ingest(
     file: Annotated[Path, typer.Argument(help="corpus.jsonl: BEIR (_id,title,text) or Sift's")],
@@ -218,11 +229,19 @@ def ingest(
         documents = loaded.records
         started = time.monotonic()
         indexed = 0
-        with gateway() as client, progress_bar(console) as progress:
+        chunks = [documents[i : i + batch_size] for i in range(0, len(documents), batch_size)]
+        # Two requests in flight keep the worker busy while a finished job is answered and
+        # the next one sent; only when no id repeats, so a repeated id's last line still wins.
+        in_flight = 2 if len({d["id"] for d in documents}) == len(documents) else 1
+        with (
+            gateway() as client,
+            progress_bar(console) as progress,
+            _pool(in_flight) as pool,
+        ):
             task = progress.add_task(f"ingest {index}", total=len(documents))
-            for start in range(0, len(documents), batch_size):
-                chunk = documents[start : start + batch_size]
-                indexed += _send_documents(client, index, chunk)
+            sent = [pool.submit(_send_documents, client, index, chunk) for chunk in chunks]
+            for chunk, reply in zip(chunks, sent, strict=True):
+                indexed += reply.result()
                 progress.advance(task, len(chunk))
         elapsed = time.monotonic() - started
         console.print(
@@ -393,7 +412,8 @@ def batch(
                 def show(state: dict[str, Any]) -> None:
                     counts = state.get("counts") or {}
                     finished = sum(int(counts.get(s, 0)) for s in FINAL_STATUSES)
-                    progress.update(task, completed=finished, total=counts.get("total") or None)
+                    total = counts.get("total") or len(items)
+                    progress.update(task, completed=finished, total=total)
 
                 final = client.poll(f"/v1/batches/{batch_id}", done=_batch_done, on_update=show)
             tally = _write_results(client, batch_id, out, page_size)

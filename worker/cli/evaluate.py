@@ -23,6 +23,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from worker.adapters.embedder import GRAPH_REVISION
 from worker.cli import app
 from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
 from worker.cli._output import format_cost, progress_bar
@@ -135,14 +136,16 @@ def _in_process(
     rerank: bool,
     max_queries: int | None,
 ) -> dict[str, Any]:
-    # one process embeds the whole corpus: let onnxruntime use every core
-    overrides: dict[str, Any] = {"embedding_threads": 0}
+    # the corpus's model calls already run one per core (one onnxruntime thread each, as in
+    # a worker): more threads per call would only spin against them
+    overrides: dict[str, Any] = {}
     if rerank:
         overrides["rerank_enabled"] = True
     settings = load_settings(**overrides)
     # a cache per corpus and embedding graph: vectors of two graphs must never mix
     graph = "int8-matmul" if settings.embedding_int8_compute else "fp32"
-    key = hashlib.sha256(f"{corpus.resolve()}|{graph}".encode()).hexdigest()[:12]
+    key = f"{corpus.resolve()}|{graph}|{GRAPH_REVISION}"
+    key = hashlib.sha256(key.encode()).hexdigest()[:12]
     directory = data_dir or Path(".sift/eval") / key
     settings = settings.model_copy(update={"data_dir": directory})
     runtime = build_runtime(settings)
