@@ -1,7 +1,7 @@
 """The queue's benchmarks, each measured side by side in one run (issue 3's acceptance).
 
     python benchmarks/bench_queue.py throughput [--queries 2000]
-    python benchmarks/bench_queue.py rerank [--rerank-queries 1000] [--threads 300]
+    python benchmarks/bench_queue.py rerank [--rerank-queries 1000] [--threads 300] [--processes 2]
     python benchmarks/bench_queue.py gateway [--requests 5000] [--clients 64]
     python benchmarks/bench_queue.py all
 
@@ -9,7 +9,9 @@
   the in-process runtime on the same queries (target ratio >= 0.7). Rerank off.
 * rerank: with the fake Messages API answering after 1 s (the real SDK over loopback
   HTTP), the searches/s and the reranks in flight of one worker process on the
-  threads pool, against a prefork pool of concurrency 2 (target >= 150/s).
+  threads pool, against a prefork pool of concurrency 2 (target >= 150/s); with
+  ``--processes N``, also ``sift worker --processes N`` (N threads-pool processes under one
+  supervisor), its CPU summed over the supervisor and its children.
 * gateway: POST /v1/searches per second and the p99 latency on loopback, with no
   worker consuming (target >= 1000/s).
 
@@ -180,7 +182,26 @@ def cpu_seconds(pid: int) -> float:
     return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, float]:
+WARM_UP = 200  # queries run before a threads set-up is measured (8 chunks: every process)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """:func:`cpu_seconds` of ``pid`` and of its live children (a supervisor's workers)."""
+    total = cpu_seconds(pid)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                total += cpu_seconds(int(entry.name))
+    return total
+
+
+def bench_rerank(
+    n: int, threads: int, prefork_n: int, mode: str, processes: int = 1
+) -> dict[str, float]:
     qs = queries(n)
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as d:
@@ -190,10 +211,11 @@ def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, f
             redis_server(tmp / "redis") as r,
         ):
             # the baseline is the naive set-up: two processes, one search in flight each
-            for pool, conc, count, db, items in (
-                ("threads", threads, n, 0, threads),
-                ("prefork", 2, prefork_n, 1, 1),
-            ):
+            runs = [("threads", threads, n, 0, threads, 1), ("prefork", 2, prefork_n, 1, 1, 1)]
+            if processes > 1:  # the same threads set-up, on `processes` worker processes
+                runs.insert(1, ("threads", threads, n, 2, threads, processes))
+            for pool, conc, count, db, items, procs in runs:
+                label = pool if procs == 1 else f"{pool}_x{procs}"
                 env = {
                     **base_env(tmp, r, db),
                     "SIFT_BATCH_ITEM_CONCURRENCY": str(items),
@@ -206,22 +228,26 @@ def bench_rerank(n: int, threads: int, prefork_n: int, mode: str) -> dict[str, f
                     "ANTHROPIC_API_KEY": "sk-ant-fake",
                 }
                 with (
-                    celery_worker(tmp / pool, env, pool, concurrency=conc, pool=pool) as proc,
-                    gateway(tmp / pool, env) as url,
+                    celery_worker(
+                        tmp / label, env, label, concurrency=conc, pool=pool, processes=procs
+                    ) as proc,
+                    gateway(tmp / label, env) as url,
                     httpx.Client(base_url=url, timeout=60) as client,
                 ):
                     ingest(client)
-                    cpu, model_cpu = cpu_seconds(proc.pid), cpu_seconds(model.pid)
+                    if pool == "threads":  # each process loads its embedding model on its
+                        run_batch(client, qs[:WARM_UP], mode=mode)  # first search: not timed
+                    cpu, model_cpu = tree_cpu_seconds(proc.pid), cpu_seconds(model.pid)
                     seconds, peak = run_batch(client, qs[:count], mode=mode)
-                    cpu = cpu_seconds(proc.pid) - cpu
+                    cpu = tree_cpu_seconds(proc.pid) - cpu
                     model_cpu = cpu_seconds(model.pid) - model_cpu
-                out[f"{pool}_searches_per_s"] = count / seconds
-                out[f"{pool}_peak_running"] = peak
+                out[f"{label}_searches_per_s"] = count / seconds
+                out[f"{label}_peak_running"] = peak
                 if pool == "threads":  # prefork children are not reaped yet: not counted
                     # what one search costs the worker, whatever else the machine is doing
-                    out["threads_worker_cpu_ms_per_search"] = 1000 * cpu / count
+                    out[f"{label}_worker_cpu_ms_per_search"] = 1000 * cpu / count
                     # the fake model shares these two cores; a real provider would not
-                    out["threads_fake_model_cpu_ms_per_search"] = 1000 * model_cpu / count
+                    out[f"{label}_fake_model_cpu_ms_per_search"] = 1000 * model_cpu / count
     return out
 
 
@@ -289,6 +315,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=300)
     parser.add_argument("--prefork-queries", type=int, default=40)
     parser.add_argument(
+        "--processes", type=int, default=1,
+        help="rerank: also run the threads set-up on this many worker processes",
+    )  # fmt: skip
+    parser.add_argument(
         "--rerank-mode",
         choices=["hybrid", "fts"],
         default="hybrid",
@@ -302,8 +332,9 @@ def main() -> None:
         results["throughput"] = bench_throughput(args.queries, args.worker_threads)
     if args.which in ("rerank", "all"):
         results["rerank"] = bench_rerank(
-            args.rerank_queries, args.threads, args.prefork_queries, args.rerank_mode
-        )
+            args.rerank_queries, args.threads, args.prefork_queries, args.rerank_mode,
+            args.processes,
+        )  # fmt: skip
     if args.which in ("gateway", "all"):
         results["gateway"] = bench_gateway(args.requests, args.clients)
     json.dump(results, sys.stdout, indent=2)

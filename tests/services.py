@@ -29,11 +29,18 @@ __all__ = [
 
 @contextlib.contextmanager
 def celery_worker(
-    tmp: Path, env: Mapping[str, str], name: str, concurrency: int = 32, pool: str = "threads"
+    tmp: Path,
+    env: Mapping[str, str],
+    name: str,
+    concurrency: int = 32,
+    pool: str = "threads",
+    processes: int = 1,
 ) -> Iterator[Popen[bytes]]:
+    """``sift worker``: one Celery worker process, or ``processes`` under a supervisor."""
     with worker_process(
-        tmp, child_env(env, inherit_sift=False), name, concurrency=concurrency, pool=pool
-    ) as proc:
+        tmp, child_env(env, inherit_sift=False), name, concurrency=concurrency, pool=pool,
+        processes=processes,
+    ) as proc:  # fmt: skip
         yield proc
 
 

@@ -151,6 +151,9 @@ class Settings(BaseSettings):
     # Celery's pool; set it here, not with --pool: Celery cannot tell an explicit
     # "--pool prefork" from its default, so a configured pool always wins over the flag.
     worker_pool: Literal["threads", "prefork", "solo"] = "threads"
+    # Celery worker processes `sift worker` runs under one supervisor; 0: one per core (a
+    # threads pool is bound by the GIL to about one core). 1: the process is the worker.
+    worker_processes: int = Field(default=0, ge=0, le=256)
     worker_concurrency: int = Field(default=300, ge=1, le=5000)  # threads per worker process
     rerank_max_in_flight: int = Field(default=300, ge=1, le=5000)  # model calls per process
     batch_chunk_size: int = Field(default=25, ge=1, le=1000)  # batch items per chunk task

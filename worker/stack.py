@@ -60,7 +60,7 @@ def wait_until(
     check: Callable[[], object],
     what: str,
     proc: subprocess.Popen[bytes],
-    log: Path,
+    log: Path | None,
     timeout: float = READY_TIMEOUT_SECONDS,
     offset: int = 0,
 ) -> None:
@@ -77,11 +77,15 @@ def wait_until(
     raise RuntimeError(f"{what} did not become ready:\n{_log_tail(log, offset)}")
 
 
-def _log_tail(log: Path, offset: int) -> str:
+def _log_tail(log: Path | None, offset: int) -> str:
+    if log is None:
+        return "(its output is ours)"
     return log.read_bytes()[offset:][-4000:].decode(errors="replace")
 
 
-def _log_size(log: Path) -> int:
+def _log_size(log: Path | None) -> int:
+    if log is None:
+        return 0
     try:
         return log.stat().st_size
     except FileNotFoundError:
@@ -89,13 +93,23 @@ def _log_size(log: Path) -> int:
 
 
 def spawn(
-    command: list[str], log: Path, env: Mapping[str, str] | None = None
+    command: list[str],
+    log: Path | None,
+    env: Mapping[str, str] | None = None,
+    *,
+    own_group: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``command`` appending its output to ``log`` (never truncating it: a log may be a
-    running process's, and a restarted one's follows the lines that led to the restart)."""
+    running process's, and a restarted one's follows the lines that led to the restart), or
+    writing to ours if ``log`` is None. ``own_group``: in a process group of its own, so a
+    terminal's Ctrl-C reaches only us, and we pass it on (once)."""
+    group = 0 if own_group else None
+    env = None if env is None else dict(env)
+    if log is None:
+        return subprocess.Popen(command, env=env, process_group=group)
     with open(log, "ab") as out:
         return subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=None if env is None else dict(env)
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=group
         )
 
 
@@ -169,9 +183,13 @@ def worker_process(
     *,
     concurrency: int | None = None,
     pool: str | None = None,
+    processes: int | None = 1,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """One ``sift worker`` consuming every queue, yielded once Celery says it is ready."""
-    service = worker_service(directory, env, name, concurrency=concurrency, pool=pool)
+    """One ``sift worker`` consuming every queue, yielded once Celery says it is ready (with
+    several ``processes``: once the first of them is)."""
+    service = worker_service(
+        directory, env, name, concurrency=concurrency, pool=pool, processes=processes
+    )
     with running(service):
         assert service.proc is not None
         yield service.proc
@@ -184,10 +202,15 @@ def worker_service(
     *,
     concurrency: int | None = None,
     pool: str | None = None,
+    processes: int | None = 1,
 ) -> Service:
-    """The ``sift worker`` of :func:`worker_process`, not started yet."""
+    """The ``sift worker`` of :func:`worker_process`, not started yet. ``processes``: one by
+    default (the process started is the Celery worker); None leaves it to
+    ``SIFT_WORKER_PROCESSES`` (one per core unless set)."""
     directory.mkdir(parents=True, exist_ok=True)
     args = ["worker", "--name", name]
+    if processes is not None:
+        args += ["--processes", str(processes)]
     if concurrency:
         args += ["--concurrency", str(concurrency)]
     if pool:
@@ -230,10 +253,11 @@ class Service:
 
     name: str
     command: list[str]
-    log: Path
+    log: Path | None  # None: the process writes to our stdout and stderr
     env: Mapping[str, str] | None
     ready: Callable[[], object] | None = None
     ready_line: bytes | None = None
+    own_group: bool = False  # see spawn()
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     _offset: int = 0  # the log's size when the process started: its own lines follow
@@ -241,7 +265,7 @@ class Service:
     def start(self) -> subprocess.Popen[bytes]:
         """Start the process (again), appending to its log; answers it without waiting."""
         self._offset = _log_size(self.log)
-        self.proc = spawn(self.command, self.log, self.env)
+        self.proc = spawn(self.command, self.log, self.env, own_group=self.own_group)
         self.started_at = time.monotonic()
         return self.proc
 
@@ -251,7 +275,9 @@ class Service:
         offset, line, ready = self._offset, self.ready_line, self.ready
         check: Callable[[], object]
         if line is not None:
-            check = lambda: line in self.log.read_bytes()[offset:]  # noqa: E731
+            assert self.log is not None
+            log = self.log
+            check = lambda: line in log.read_bytes()[offset:]  # noqa: E731
         else:
             assert ready is not None
             check = ready
@@ -297,6 +323,8 @@ class Supervisor:
 
     report: Callable[[str], None]
     poll_seconds: float = 0.5
+    # called once with a service whose process just exited (its ``proc`` still the dead one)
+    on_exit: Callable[[Service], None] | None = None
     _watched: list[_Watched] = field(default_factory=list)
     _stopping: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -330,6 +358,8 @@ class Supervisor:
         if service.proc is None or service.proc.poll() is None or self._stopping.is_set():
             return
         if watched.restart_at is None:  # it just exited
+            if self.on_exit is not None:
+                self.on_exit(service)
             if now - service.started_at >= RESTART_RESET_AFTER_SECONDS:
                 watched.failures = 0
             delay = min(
@@ -350,9 +380,10 @@ class Supervisor:
             self._say(service, f"{service.name} restarted (pid {proc.pid})")
 
     def _say(self, service: Service, message: str) -> None:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        with contextlib.suppress(OSError), open(service.log, "a") as log:
-            log.write(f"{stamp} sift up: {message}\n")
+        if service.log is not None:
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+            with contextlib.suppress(OSError), open(service.log, "a") as log:
+                log.write(f"{stamp} sift up: {message}\n")
         self.report(message)
 
 

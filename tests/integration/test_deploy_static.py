@@ -349,6 +349,19 @@ def test_workloads_have_probes_resources_and_run_as_non_root(
     assert service["spec"]["selector"] == {"app.kubernetes.io/name": "sift-gateway"}
 
 
+def test_the_worker_runs_one_process_per_requested_cpu(
+    manifests: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """A container sees its node's every core: the process count comes from its CPU request."""
+    pod = by_kind(manifests[1])["Deployment", "sift-worker"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {item["name"]: item for item in container["env"]}
+    field = env["SIFT_WORKER_PROCESSES"]["valueFrom"]["resourceFieldRef"]
+    assert field == {"containerName": container["name"], "resource": "requests.cpu",
+                     "divisor": "1"}  # fmt: skip
+    assert container["resources"]["requests"]["cpu"]
+
+
 def test_the_worker_autoscaler_targets_the_worker_deployment(
     manifests: tuple[str, list[dict[str, Any]]],
 ) -> None:

@@ -24,6 +24,7 @@ from worker.cli import app
 from worker.cli._output import print_result, sample_path
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError, SiftError
+from worker.processes import follow_supervisor, resolve_processes, run_workers
 from worker.settings import Settings, load_settings
 from worker.stack import (
     Service,
@@ -67,8 +68,14 @@ def worker(
     pool: Annotated[str | None, typer.Option(help="threads|prefork|solo; SIFT_WORKER_POOL")] = None,
     queues: Annotated[str, typer.Option(help="comma-separated queues")] = ",".join(ALL_QUEUES),
     loglevel: Annotated[str | None, typer.Option(help="default: SIFT_LOG_LEVEL")] = None,
+    processes: Annotated[
+        int | None,
+        typer.Option(min=0, help="worker processes, 0: one per core; SIFT_WORKER_PROCESSES"),
+    ] = None,
+    supervised_by: Annotated[int | None, typer.Option(hidden=True)] = None,
 ) -> None:
-    """Run one Celery worker, for deployment."""
+    """Run Celery workers, for deployment: one process per core by default, each with its
+    threads pool, under one process that restarts any that exits and serves their metrics."""
     from worker.queue.celery_app import create_celery_app
 
     overrides: dict[str, Any] = {}
@@ -76,8 +83,20 @@ def worker(
         overrides["worker_concurrency"] = concurrency
     if pool:
         overrides["worker_pool"] = pool
+    if processes is not None:
+        overrides["worker_processes"] = processes
     settings = _settings(**overrides)
-    if settings.worker_pool == "prefork":  # children fork: their metrics go through files
+    count = 1 if supervised_by else resolve_processes(settings.worker_processes)
+    if count > 1:
+        args = ["--queues", queues]
+        args += ["--concurrency", str(concurrency)] if concurrency else []
+        args += ["--pool", pool] if pool else []
+        args += ["--loglevel", loglevel] if loglevel else []
+        run_workers(settings, count, name, args)
+        return
+    if supervised_by:  # its supervisor set up the metrics files and serves them
+        follow_supervisor(supervised_by)
+    elif settings.worker_pool == "prefork":  # children fork: their metrics go through files
         from worker import metrics
 
         directory = metrics.multiprocess_dir() or tempfile.mkdtemp(prefix="sift-metrics-")
@@ -155,7 +174,7 @@ def local_stack(
             services.append(redis)
             redis_url = extra["SIFT_REDIS_URL"] = url + "/0"
         env = child_env(extra)
-        services.append(stack.enter_context(running(worker_service(logs, env))))
+        services.append(stack.enter_context(running(worker_service(logs, env, processes=None))))
         gateway, url = gateway_service(logs, env, port=gateway_port)
         services.append(stack.enter_context(running(gateway)))
         supervisor = None

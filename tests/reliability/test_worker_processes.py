@@ -1,0 +1,235 @@
+"""``sift worker --processes 2``: two Celery workers under one supervisor, as a user starts it.
+
+A real stack (redis-server, the gateway under uvicorn, the fake Messages API answering in
+0.3 s) and ``sift worker --processes 2`` with every recovery setting at its default; only the
+metrics port and the metrics folder are given, so the test can read them.
+
+- both worker processes consume one batch (each child's own counter file holds some of its
+  items); one child SIGKILLed mid-batch is started again by the supervisor (a line on its
+  output), its live gauges are dropped, and the batch still finishes with every item once;
+  the one ``/metrics`` sums the counter over every child's file;
+- SIGTERM to the supervisor reaches both children: they hand the batch back and exit, the
+  supervisor with them, leaving no item ``running``; a new worker finishes the batch once;
+- SIGKILL of the supervisor leaves no worker behind (the children get SIGTERM).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import (
+    assert_batch_exactly_once,
+    batch_counts,
+    ingest,
+    stack_env,
+    submit_batch,
+    wait_for,
+)
+from tests.services import free_port, gateway, redis_server
+from worker.metrics import snapshot
+from worker.stack import child_env, stop, worker_process
+
+pytestmark = pytest.mark.integration
+
+TOTAL = 600
+BIG = 3000  # items: more than two workers finish during a warm shutdown
+SOFT_SHUTDOWN_SECONDS = 10.0  # the default
+COMPLETED = "sift_jobs_completed_total"
+ITEMS_DONE = (("kind", "batch_item"), ("status", "succeeded"))
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    client: httpx.Client
+    env: dict[str, str]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("procs")
+    with (
+        FakeAnthropic(delay=0.3) as model,
+        redis_server(tmp / "redis") as base_url,
+    ):
+        url = base_url + "/0"
+        env = stack_env(url, model.url)
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # its default
+        with (
+            gateway(tmp / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            yield Stack(url, client, env)
+
+
+@dataclass
+class Workers:
+    proc: subprocess.Popen[bytes]  # the supervisor
+    log: Path
+    metrics_dir: Path
+    metrics_port: int
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def children(self) -> dict[str, int]:
+        """Each running child's node name (``NAME-i``) and pid."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                command = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == self.proc.pid and b"--name" in command:
+                found[command[command.index(b"--name") + 1].decode()] = int(entry.name)
+        return found
+
+    def metrics(self) -> float:
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        return _items_done(text)
+
+
+def _items_done(text: str) -> float:
+    pattern = re.compile(
+        rf'^{COMPLETED}\{{kind="batch_item",status="succeeded"\}} (\S+)$', re.MULTILINE
+    )
+    match = pattern.search(text)
+    return float(match.group(1)) if match else 0.0
+
+
+def _items_done_by(metrics_dir: Path, pid: int, scratch: Path) -> float:
+    """The items one process counted: its counter file alone, summed by prometheus-client."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir()
+    source = metrics_dir / f"counter_{pid}.db"
+    if not source.exists():
+        return 0.0
+    shutil.copy(source, scratch / source.name)
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(scratch))  # type: ignore[no-untyped-call]
+    return snapshot(registry).get((COMPLETED, ITEMS_DONE), 0.0)
+
+
+@pytest.fixture
+def workers(stack: Stack, tmp_path: Path) -> Iterator[Workers]:
+    port = free_port()
+    metrics_dir = tmp_path / "metrics"
+    env = {**stack.env, "SIFT_WORKER_METRICS_PORT": str(port),
+           "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}  # fmt: skip
+    directory = tmp_path / "w"
+    with worker_process(directory, child_env(env, inherit_sift=False), "duo", processes=2) as proc:
+        found = Workers(proc, directory / "duo.log", metrics_dir, port)
+        wait_for(lambda: "duo-1@" in found.output() and "duo-2@" in found.output()
+                 and found.output().count(" ready.") >= 2, "both workers ready", 120)  # fmt: skip
+        yield found
+
+
+@pytest.mark.timeout(420)
+def test_two_processes_share_a_batch_and_a_killed_one_is_restarted(
+    stack: Stack, workers: Workers, tmp_path: Path
+) -> None:
+    client = stack.client
+    children = workers.children()
+    assert set(children) == {"duo-1", "duo-2"}, children
+    ingest(client)
+    batch_id = submit_batch(client, TOTAL)
+    scratch = tmp_path / "one"
+    wait_for(
+        lambda: all(_items_done_by(workers.metrics_dir, pid, scratch) for pid in children.values()),
+        "both worker processes completed items",
+    )
+    killed = children["duo-1"]
+    os.kill(killed, signal.SIGKILL)
+    running_at_kill = batch_counts(client, batch_id)["counts"]["running"]
+    wait_for(lambda: "worker duo-1 restarted" in workers.output(), "the supervisor restarted it")
+    assert "worker duo-1 exited with status -9; restarting it in 1 s" in workers.output()
+    # its share of the live gauges went with it; its counters stay
+    assert not list(workers.metrics_dir.glob(f"gauge_live*_{killed}.db"))
+    assert (workers.metrics_dir / f"counter_{killed}.db").exists()
+    assert batch_counts(client, batch_id)["counts"]["succeeded"] < TOTAL, "done before the kill"
+    wait_for(lambda: batch_counts(client, batch_id)["status"] == "succeeded", "the batch done", 300)
+    restarted = workers.children()["duo-1"]
+    assert restarted != killed
+    assert_batch_exactly_once(client, stack.redis_url, batch_id, TOTAL)
+
+    per_process = {
+        pid: _items_done_by(workers.metrics_dir, pid, scratch)
+        for pid in (killed, restarted, children["duo-2"])
+    }
+    print(f"\nitems completed per worker process: {per_process}")
+    assert per_process[children["duo-2"]] > 0, per_process
+    assert per_process[killed] + per_process[restarted] > 0, per_process
+    served = workers.metrics()
+    assert served == sum(per_process.values())  # one /metrics, every child's file summed
+    # an item is counted when it becomes final, once; a kill between the two can lose one
+    assert TOTAL - running_at_kill <= served <= TOTAL, (served, running_at_kill)
+
+
+@pytest.mark.timeout(420)
+def test_sigterm_to_the_supervisor_hands_the_work_back_and_stops_both(
+    stack: Stack, workers: Workers, tmp_path: Path
+) -> None:
+    client = stack.client
+    children = workers.children()
+    ingest(client)
+    batch_id = submit_batch(client, BIG)
+    wait_for(lambda: batch_counts(client, batch_id)["counts"]["succeeded"] >= 60, "60 items done")
+    signalled = time.monotonic()
+    workers.proc.send_signal(signal.SIGTERM)
+    workers.proc.wait(3 * SOFT_SHUTDOWN_SECONDS + 30)
+    took = time.monotonic() - signalled
+    print(f"\nsupervisor and both children stopped {took:.1f}s after SIGTERM")
+    assert workers.proc.returncode == 0
+    output = workers.output()
+    assert "SIGTERM: stopping 2 worker processes" in output
+    assert "every worker process stopped" in output
+    for pid in children.values():
+        assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+    counts = batch_counts(client, batch_id)["counts"]
+    assert counts["running"] == 0, counts  # each child handed its items back
+    assert counts["succeeded"] < BIG, "the batch finished before the SIGTERM"
+    assert output.count("items handed back") >= 1, output[-3000:]
+    env = child_env({**stack.env}, inherit_sift=False)
+    with worker_process(tmp_path / "w2", env, "next"):
+        wait_for(
+            lambda: batch_counts(client, batch_id)["status"] == "succeeded", "the batch done", 300
+        )
+    assert_batch_exactly_once(client, stack.redis_url, batch_id, BIG)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_supervisor_leaves_no_worker_behind(workers: Workers) -> None:
+    children = workers.children()
+    assert len(children) == 2
+    workers.proc.send_signal(signal.SIGKILL)
+    workers.proc.wait(10)
+    wait_for(
+        lambda: all(not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+                    for pid in children.values()),
+        "both children exited", 3 * SOFT_SHUTDOWN_SECONDS + 30,
+    )  # fmt: skip
+    stop(workers.proc)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -1,0 +1,165 @@
+"""``sift worker`` on every core: N Celery worker processes under one supervisor.
+
+One Celery threads-pool process is bound by the GIL to about one core, so by default
+(``SIFT_WORKER_PROCESSES=0``) ``sift worker`` starts one worker process per core, each a
+``sift worker --processes 1`` with its own threads pool and node name (``NAME-1@host``, …).
+The supervisor (this process):
+
+- starts each child again when it exits, after a back-off, with a line on stderr
+  (:class:`worker.stack.Supervisor`, the one ``sift up`` uses);
+- passes SIGTERM and SIGINT on to every child, so a rolling restart hands the work back as a
+  single worker does (:mod:`worker.queue.liveness`, :mod:`worker.queue.items`), and exits once
+  they all have. The children run in a process group of their own, so a terminal's Ctrl-C
+  reaches them once, through us; and they receive SIGTERM if we die (``PR_SET_PDEATHSIG``);
+- serves the one ``/metrics`` on ``SIFT_WORKER_METRICS_PORT``, summing the children's files
+  (Prometheus multiprocess mode, :mod:`worker.metrics`); a dead child's live gauges are dropped.
+
+``--processes 1`` runs the Celery worker in the process itself, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import queue
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from worker.settings import Settings
+from worker.stack import Service, Supervisor, child_env, sift_command
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def cpu_count() -> int:
+    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota
+    (``docker run --cpus``) rounded up."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    return max(1, cores)
+
+
+def resolve_processes(setting: int) -> int:
+    """How many worker processes: ``setting``, or one per core for 0."""
+    return setting or cpu_count()
+
+
+def follow_supervisor(supervisor_pid: int) -> None:
+    """In a child: receive SIGTERM when the supervisor dies (so a SIGKILLed supervisor leaves
+    no worker behind), and stop at once if it is already gone."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != supervisor_pid:
+        raise SystemExit("sift worker: the supervising process is gone")
+
+
+def _say(message: str) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    print(f"{stamp} sift worker: {message}", file=sys.stderr, flush=True)
+
+
+def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[str]) -> None:
+    """Run ``count`` supervised worker processes until SIGTERM or SIGINT, then stop them all.
+
+    ``child_args`` are the ``sift worker`` options each child gets besides its name."""
+    from worker import metrics
+
+    created = None
+    directory = metrics.multiprocess_dir()
+    if directory is None:
+        directory = created = tempfile.mkdtemp(prefix="sift-metrics-")
+    metrics.setup_multiprocess(directory)  # exports PROMETHEUS_MULTIPROC_DIR to the children
+    env = child_env({"SIFT_WORKER_METRICS_PORT": "0"})  # we serve it, for all of them
+    me = str(os.getpid())
+    services = []
+    for i in range(1, count + 1):
+        command = sift_command("worker", "--processes", "1", "--name", f"{name}-{i}",
+                               "--supervised-by", me, *child_args)  # fmt: skip
+        services.append(Service(f"worker {name}-{i}", command, None, env, own_group=True))
+    signals: queue.SimpleQueue[int] = queue.SimpleQueue()
+    supervisor = Supervisor(_say, on_exit=lambda service: _dead(service))
+
+    def on_signal(signum: int, _frame: object) -> None:
+        supervisor.stop_watching()
+        signals.put(signum)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_signal)
+    try:
+        if settings.worker_metrics_port:
+            _serve_metrics(settings)
+        for service in services:
+            service.start()
+            supervisor.watch(service)
+        _say(f"{count} worker processes started (pids "
+             f"{', '.join(str(s.proc.pid) for s in services if s.proc)})")  # fmt: skip
+        with supervisor:  # leaving it joins its thread: no restart races the stop below
+            first = _next_signal(signals, lambda: False)
+        assert first is not None
+        _say(f"{signal.Signals(first).name}: stopping {count} worker processes")
+        _forward(services, first)
+        while (more := _next_signal(signals, lambda: _all_exited(services))) is not None:
+            _forward(services, more)
+        for service in services:
+            _dead(service)
+        _say("every worker process stopped")
+    finally:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+
+
+def _next_signal(signals: queue.SimpleQueue[int], done: Callable[[], bool]) -> int | None:
+    """The next stop signal received, or None once ``done()`` answers true."""
+    while True:
+        with contextlib.suppress(queue.Empty):
+            return signals.get(timeout=0.2)
+        if done():
+            return None
+
+
+def _forward(services: Sequence[Service], signum: int) -> None:
+    for service in services:
+        if service.proc is not None and service.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                service.proc.send_signal(signum)
+
+
+def _all_exited(services: Sequence[Service]) -> bool:
+    return all(s.proc is None or s.proc.poll() is not None for s in services)
+
+
+def _dead(service: Service) -> None:
+    """A child exited: its share of the live gauges goes (its counters stay)."""
+    from worker.metrics import mark_process_dead
+
+    if service.proc is not None:
+        mark_process_dead(service.proc.pid)
+
+
+def _serve_metrics(settings: Settings) -> None:
+    from worker.constants import ALL_QUEUES
+    from worker.metrics import preregister, start_worker_metrics_server
+
+    models = [settings.generation_model_id] if settings.generation_model_id else []
+    preregister(models=models, backend=settings.search_backend, queues=ALL_QUEUES)
+    try:
+        start_worker_metrics_server(settings.worker_metrics_port)
+    except OSError as exc:
+        _say(f"worker metrics not served on :{settings.worker_metrics_port}: {exc}")
+        return
+    _say(f"metrics of every worker process on :{settings.worker_metrics_port}/metrics")
