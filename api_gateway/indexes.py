@@ -25,30 +25,24 @@ from api_gateway.jobs import (
     LOCATION_HEADER,
     Tenant,
     Wait,
-    _create_and_enqueue,
     _decode_token,
     _encode_token,
-    _ingest_out,
+    _enqueue_ingest,
+    _ingest_response,
     _io,
-    _location,
-    _poll,
     _sender,
     _store,
 )
 from api_gateway.schemas import IngestJobOut, _Strict, iso
-from worker import metrics
 from worker.constants import (
     DEFAULT_PAGE_SIZE,
     INDEX_READ_TASK,
     INDEX_READ_TIMEOUT_SECONDS,
-    INGEST_QUEUE,
-    INGEST_TASK,
     MAX_DOCUMENTS_PER_REQUEST,
     MAX_PAGE_SIZE,
     SEARCH_QUEUE,
 )
 from worker.contract import INDEX_PATTERN, FilterValue
-from worker.queue.jobstore import IngestJob
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["indexes"])
@@ -151,29 +145,13 @@ async def _delete_job(
     request: Request, tenant: str, index: str, ids: list[str] | None, wait: float
 ) -> Response:
     store = _store(request)
-    job = await _io(
-        _create_and_enqueue,
-        _sender(request),
-        lambda enqueue: store.create_deletion(tenant, index, ids, enqueue=enqueue),
-        lambda job_id: [(INGEST_TASK, [job_id], INGEST_QUEUE)],
+    job = await _enqueue_ingest(
+        request, lambda enqueue: store.create_deletion(tenant, index, ids, enqueue=enqueue)
     )
-    metrics.job_submitted("ingest")
     log.info(
         "ingest %s: %s of %d ids for %s/%s", job.id, job.operation, len(ids or []), tenant, index
     )
-    if wait > 0:
-
-        async def read() -> IngestJob | None:
-            return await _io(store.get_ingest, job.id)
-
-        job = await _poll(read, lambda j: j.status.final, wait) or job
-    final = job.status.final
-    return Response(
-        _ingest_out(job).model_dump_json(),
-        status_code=200 if final else 202,
-        media_type="application/json",
-        headers=None if final else _location(request, "get_ingestion", job_id=job.id),
-    )
+    return await _ingest_response(request, job, wait)
 
 
 @router.get(

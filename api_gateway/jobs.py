@@ -341,6 +341,38 @@ def _ingest_out(job: IngestJob) -> IngestJobOut:
     )
 
 
+async def _enqueue_ingest(
+    request: Request, create: Callable[[Enqueue | None], IngestJob]
+) -> IngestJob:
+    """Store an ingest job (an upsert or a deletion, as ``create`` makes it) and queue its
+    task."""
+    job: IngestJob = await _io(
+        _create_and_enqueue,
+        _sender(request),
+        create,
+        lambda job_id: [(INGEST_TASK, [job_id], INGEST_QUEUE)],
+    )
+    metrics.job_submitted("ingest")
+    return job
+
+
+async def _ingest_response(request: Request, job: IngestJob, wait: float) -> Response:
+    """The answer to a request that queued an ingest ``job``: 200 when it is final within
+    ``wait`` seconds, else 202 with its ``Location`` to poll."""
+    if wait > 0:
+        store = _store(request)
+
+        async def read() -> IngestJob | None:
+            return await _io(store.get_ingest, job.id)
+
+        job = await _poll(read, lambda j: j.status.final, wait) or job
+    body_out = _ingest_out(job).model_dump_json()
+    if job.status.final:
+        return Response(body_out, media_type="application/json")
+    headers = _location(request, "get_ingestion", job_id=job.id)
+    return Response(body_out, status_code=202, media_type="application/json", headers=headers)
+
+
 @router.post(
     "/indexes/{index}/documents",
     response_model=IngestJobOut,
@@ -369,25 +401,12 @@ async def upsert_documents(
         if not doc.text.strip():
             raise InvalidRequest(f"documents[{i}].text", "is empty after trimming whitespace")
     store = _store(request)
-    job = await _io(
-        _create_and_enqueue,
-        _sender(request),
+    job = await _enqueue_ingest(
+        request,
         lambda enqueue: store.create_ingest(tenant, index, body.documents, enqueue=enqueue),
-        lambda job_id: [(INGEST_TASK, [job_id], INGEST_QUEUE)],
     )
-    metrics.job_submitted("ingest")
     log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
-    if wait > 0:
-
-        async def read() -> IngestJob | None:
-            return await _io(store.get_ingest, job.id)
-
-        job = await _poll(read, lambda j: j.status.final, wait) or job
-    body_out = _ingest_out(job).model_dump_json()
-    if job.status.final:
-        return Response(body_out, media_type="application/json")
-    headers = _location(request, "get_ingestion", job_id=job.id)
-    return Response(body_out, status_code=202, media_type="application/json", headers=headers)
+    return await _ingest_response(request, job, wait)
 
 
 @router.get(

@@ -12,7 +12,8 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, TypeVar
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
@@ -37,12 +38,14 @@ from worker.constants import (
 )
 from worker.contract import ErrorInfo, JobStatus, Mode
 from worker.errors import InvalidRequest
-from worker.queue.jobstore import Cursor, SearchJob
+from worker.queue.jobstore import BatchJob, Cursor, IngestJob, JobPage, SearchJob
 
 router = APIRouter(prefix="/v1")
 
 _TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,20})?")  # a creation time, as repr() writes it
 _MAX_TOKEN_CHARS = 128
+J = TypeVar("J", SearchJob, BatchJob, IngestJob)
+Item = TypeVar("Item", bound=BaseModel)
 
 PageSize = Annotated[
     int,
@@ -125,6 +128,23 @@ def decode_cursor(token: str | None, prefix: str) -> Cursor | None:
     return cursor
 
 
+async def _page(
+    read: Callable[..., JobPage[J]],
+    out: Callable[[J], Item],
+    prefix: str,
+    tenant: str,
+    status: JobStatus | None,
+    page_size: int,
+    page_token: str | None,
+) -> tuple[list[Item], str | None]:
+    """The body of each list route: one page of the store's ``read`` (from the cursor in
+    ``page_token``, a token of the list of ids with ``prefix``), each job as ``out`` shows it,
+    and the next page's token."""
+    after = decode_cursor(page_token, prefix)
+    page = await _io(read, tenant, status=status, after=after, page_size=page_size)
+    return [out(job) for job in page.jobs], encode_cursor(page.next)
+
+
 def _search_item(job: SearchJob) -> SearchListItem:
     return SearchListItem(
         id=job.id,
@@ -153,14 +173,16 @@ async def list_searches(
     page_size: PageSize = DEFAULT_PAGE_SIZE,
     page_token: PageToken = None,
 ) -> SearchList:
-    after = decode_cursor(page_token, SEARCH_ID_PREFIX)
-    page = await _io(
-        _store(request).list_searches, tenant, status=status, after=after, page_size=page_size
+    searches, token = await _page(
+        _store(request).list_searches,
+        _search_item,
+        SEARCH_ID_PREFIX,
+        tenant,
+        status,
+        page_size,
+        page_token,
     )
-    return SearchList(
-        searches=[_search_item(job) for job in page.jobs],
-        next_page_token=encode_cursor(page.next),
-    )
+    return SearchList(searches=searches, next_page_token=token)
 
 
 @router.get(
@@ -177,14 +199,16 @@ async def list_batches(
     page_size: PageSize = DEFAULT_PAGE_SIZE,
     page_token: PageToken = None,
 ) -> BatchList:
-    after = decode_cursor(page_token, BATCH_ID_PREFIX)
-    page = await _io(
-        _store(request).list_batches, tenant, status=status, after=after, page_size=page_size
+    batches, token = await _page(
+        _store(request).list_batches,
+        _batch_out,
+        BATCH_ID_PREFIX,
+        tenant,
+        status,
+        page_size,
+        page_token,
     )
-    return BatchList(
-        batches=[_batch_out(batch) for batch in page.jobs],
-        next_page_token=encode_cursor(page.next),
-    )
+    return BatchList(batches=batches, next_page_token=token)
 
 
 @router.get(
@@ -201,11 +225,13 @@ async def list_ingestions(
     page_size: PageSize = DEFAULT_PAGE_SIZE,
     page_token: PageToken = None,
 ) -> IngestionList:
-    after = decode_cursor(page_token, INGEST_ID_PREFIX)
-    page = await _io(
-        _store(request).list_ingests, tenant, status=status, after=after, page_size=page_size
+    ingestions, token = await _page(
+        _store(request).list_ingests,
+        _ingest_out,
+        INGEST_ID_PREFIX,
+        tenant,
+        status,
+        page_size,
+        page_token,
     )
-    return IngestionList(
-        ingestions=[_ingest_out(job) for job in page.jobs],
-        next_page_token=encode_cursor(page.next),
-    )
+    return IngestionList(ingestions=ingestions, next_page_token=token)

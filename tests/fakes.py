@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from worker.contract import Channel
+from worker.contract import Channel, DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.core.types import (
     ChannelHit,
     ChannelQuery,
@@ -19,6 +19,28 @@ from worker.core.types import (
     TokenUsage,
 )
 from worker.errors import BackendUnavailable, IndexNotFound
+
+
+class EmptyRuntime:
+    """A worker runtime (:class:`worker.queue.base.Runtime`) with nothing behind it: each
+    search finds no hits, each ingest writes all it is given. Tests subclass it and script
+    the calls they are about."""
+
+    def search(
+        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+    ) -> SearchResult:
+        return SearchResult(hits=[], rerank=RerankInfo(applied=False))
+
+    def ingest(
+        self,
+        index: str,
+        tenant: str,
+        documents: list[DocumentIn],
+        progress: Callable[[int], None] | None = None,
+        *,
+        version: int | None = None,
+    ) -> int:
+        return len(documents)
 
 
 class FakeEmbedder:

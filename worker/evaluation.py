@@ -145,8 +145,22 @@ def evaluate(
             add_usage(usage_total, result.usage.model_dump())
             if progress is not None:
                 progress(run.name, 1)
-    # the last run is the final one: reranked if asked, else fused
-    report = score_rankings(
+    report = score_runs(rankings, runs, qrels, queries, window)
+    report["usage"] = usage_total
+    return report
+
+
+def score_runs(
+    rankings: dict[str, dict[str, list[str]]],
+    runs: list[RunSpec],
+    qrels: dict[str, dict[str, int]],
+    queries: list[tuple[str, str]],
+    window: int,
+) -> dict[str, Any]:
+    """:func:`score_rankings` of the :func:`eval_runs` (in-process or served): the fused run
+    is the candidates the reranker sees; the last run is the final one (reranked if asked,
+    else fused)."""
+    return score_rankings(
         rankings,
         qrels,
         [qid for qid, _ in queries],
@@ -154,8 +168,6 @@ def evaluate(
         candidates=rankings["fused"],
         final=rankings[runs[-1].name],
     )
-    report["usage"] = usage_total
-    return report
 
 
 def score_rankings(

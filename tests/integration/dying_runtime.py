@@ -5,28 +5,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
+from tests.fakes import EmptyRuntime
+from worker.contract import SearchResult, SearchSpec
 from worker.settings import Settings
 
 
-class DyingRuntime:
+class DyingRuntime(EmptyRuntime):
     def search(
         self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
     ) -> SearchResult:
         if spec.query == "die":
             os._exit(17)  # no cleanup, no ack: as an OOM kill would
-        return SearchResult(hits=[], rerank=RerankInfo(applied=False))
-
-    def ingest(
-        self,
-        index: str,
-        tenant: str,
-        documents: list[DocumentIn],
-        progress: Callable[[int], None] | None = None,
-        *,
-        version: int | None = None,
-    ) -> int:
-        return len(documents)
+        return super().search(spec, tenant, before_model)
 
 
 def build_runtime(settings: Settings) -> DyingRuntime:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.fakes import EmptyRuntime
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.errors import BackendUnavailable, ModeUnavailable
 from worker.queue import base, tasks
@@ -17,7 +18,7 @@ from worker.settings import load_settings
 pytestmark = pytest.mark.integration
 
 
-class ScriptedRuntime:
+class ScriptedRuntime(EmptyRuntime):
     """Fails with the scripted errors, in order, then answers."""
 
     def __init__(
@@ -39,18 +40,7 @@ class ScriptedRuntime:
         if before_model is not None:
             before_model()
         self.model_calls += 1
-        return SearchResult(hits=[], rerank=RerankInfo(applied=False))
-
-    def ingest(
-        self,
-        index: str,
-        tenant: str,
-        documents: list[DocumentIn],
-        progress: Callable[[int], None] | None = None,
-        *,
-        version: int | None = None,
-    ) -> int:
-        return len(documents)
+        return super().search(spec, tenant)
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -77,6 +77,26 @@ def default_env(redis_url: str, model_url: str) -> dict[str, str]:
     env = stack_env(redis_url, model_url)
     env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # back to its default (10 s)
     return env
+
+
+class RecoveryStack(NamedTuple):
+    url: str  # the Redis database the stack uses
+    env: dict[str, str]  # the environment of its processes
+    client: httpx.Client  # a client of its gateway
+
+
+@contextmanager
+def recovery_stack(tmp_path: Path, model: FakeAnthropic) -> Iterator[RecoveryStack]:
+    """redis-server and the gateway at default settings, and a client of the gateway; each
+    test starts (and kills) its own workers."""
+    with redis_server(tmp_path / "redis") as base_url:
+        url = base_url + "/0"
+        env = default_env(url, model.url)
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            yield RecoveryStack(url, env, client)
 
 
 @contextmanager
@@ -158,39 +178,33 @@ def test_a_killed_worker_s_batch_finishes_on_a_new_worker_within_the_window(
     tmp_path: Path, model: FakeAnthropic
 ) -> None:
     model.reset()
-    with redis_server(tmp_path / "redis") as base_url:
-        url = base_url + "/0"
-        env = default_env(url, model.url)
-        with (
-            gateway(tmp_path / "g", env) as base,
-            httpx.Client(base_url=base, timeout=30) as client,
-        ):
-            with worker(tmp_path / "w", env, "a") as worker_a:
-                ingest(client)
-                batch_id = submit(client, TOTAL)
-                wait_for(lambda: succeeded(client, batch_id) >= 100, "100 items done on A")
-                worker_a.send_signal(signal.SIGKILL)
-                worker_a.wait(10)
-            statuses = item_statuses(url, batch_id)
-            running_at_kill = {q for q, s in statuses.items() if s == "running"}
-            done_at_kill = sum(1 for s in statuses.values() if s == "succeeded")
-            print(f"\nworker A killed: {done_at_kill} succeeded, {len(running_at_kill)} running")
-            assert done_at_kill < TOTAL, "the batch finished before the kill"
-            started = time.monotonic()
-            with worker(tmp_path / "w", env, "b"):
-                wait_finished(client, url, batch_id, RECOVERY_WINDOW)
-                recovered = time.monotonic() - started
-                time.sleep(1.0)  # a late duplicate, if any, lands now
-            print(f"recovered: the batch finished {recovered:.1f}s after worker B started")
-            # by the dead-worker check, not by the broker's visibility timeout
-            assert "of dead worker" in (tmp_path / "w" / "b.log").read_text(errors="replace")
-            assert_batch_exactly_once(client, url, batch_id, TOTAL)
-            calls = model_calls(model)
-            assert set(calls) == {f"q{i:05d}" for i in range(TOTAL)}
-            twice = {q for q, n in calls.items() if n > 1}
-            print(f"items sent to the model twice: {len(twice)} (running at the kill)")
-            assert twice <= running_at_kill, sorted(twice - running_at_kill)[:5]
-            assert max(calls.values()) <= 2
+    with recovery_stack(tmp_path, model) as (url, env, client):
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            batch_id = submit(client, TOTAL)
+            wait_for(lambda: succeeded(client, batch_id) >= 100, "100 items done on A")
+            worker_a.send_signal(signal.SIGKILL)
+            worker_a.wait(10)
+        statuses = item_statuses(url, batch_id)
+        running_at_kill = {q for q, s in statuses.items() if s == "running"}
+        done_at_kill = sum(1 for s in statuses.values() if s == "succeeded")
+        print(f"\nworker A killed: {done_at_kill} succeeded, {len(running_at_kill)} running")
+        assert done_at_kill < TOTAL, "the batch finished before the kill"
+        started = time.monotonic()
+        with worker(tmp_path / "w", env, "b"):
+            wait_finished(client, url, batch_id, RECOVERY_WINDOW)
+            recovered = time.monotonic() - started
+            time.sleep(1.0)  # a late duplicate, if any, lands now
+        print(f"recovered: the batch finished {recovered:.1f}s after worker B started")
+        # by the dead-worker check, not by the broker's visibility timeout
+        assert "of dead worker" in (tmp_path / "w" / "b.log").read_text(errors="replace")
+        assert_batch_exactly_once(client, url, batch_id, TOTAL)
+        calls = model_calls(model)
+        assert set(calls) == {f"q{i:05d}" for i in range(TOTAL)}
+        twice = {q for q, n in calls.items() if n > 1}
+        print(f"items sent to the model twice: {len(twice)} (running at the kill)")
+        assert twice <= running_at_kill, sorted(twice - running_at_kill)[:5]
+        assert max(calls.values()) <= 2
 
 
 @pytest.mark.timeout(300)
@@ -202,26 +216,22 @@ def test_a_slow_healthy_worker_is_never_run_twice(tmp_path: Path, model: FakeAnt
     model.reset()
     model.configure(delay=15.0)
     try:
-        with redis_server(tmp_path / "redis") as base_url:
-            url = base_url + "/0"
-            env = default_env(url, model.url)
-            with (
-                gateway(tmp_path / "g", env) as base,
-                httpx.Client(base_url=base, timeout=30) as client,
-                worker(tmp_path / "w", env, "a"),
-                worker(tmp_path / "w", env, "b"),
-            ):
-                ingest(client)
-                batch_id = submit(client, n)
-                wait_finished(client, url, batch_id, 120)
-                time.sleep(3.0)  # a needless restore would have run by now
-                assert_batch_exactly_once(client, url, batch_id, n)
-                # every acked delivery's record was dropped again: nothing leaks
-                assert owner_records(url) == 0
-            calls = model_calls(model)
-            assert calls == Counter({f"q{i:05d}": 1 for i in range(n)})
-            logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "w").glob("*.log"))
-            assert "put back on their queues" not in logs
+        with (
+            recovery_stack(tmp_path, model) as (url, env, client),
+            worker(tmp_path / "w", env, "a"),
+            worker(tmp_path / "w", env, "b"),
+        ):
+            ingest(client)
+            batch_id = submit(client, n)
+            wait_finished(client, url, batch_id, 120)
+            time.sleep(3.0)  # a needless restore would have run by now
+            assert_batch_exactly_once(client, url, batch_id, n)
+            # every acked delivery's record was dropped again: nothing leaks
+            assert owner_records(url) == 0
+        calls = model_calls(model)
+        assert calls == Counter({f"q{i:05d}": 1 for i in range(n)})
+        logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "w").glob("*.log"))
+        assert "put back on their queues" not in logs
     finally:
         model.configure(delay=MODEL_SECONDS)
 
@@ -232,34 +242,28 @@ def test_sigterm_hands_the_batch_back_and_another_worker_finishes_it_once(
 ) -> None:
     model.reset()
     soft_shutdown = Settings(_env_file=None).worker_soft_shutdown_seconds  # type: ignore[call-arg]
-    with redis_server(tmp_path / "redis") as base_url:
-        url = base_url + "/0"
-        env = default_env(url, model.url)
-        with (
-            gateway(tmp_path / "g", env) as base,
-            httpx.Client(base_url=base, timeout=30) as client,
-        ):
-            with worker(tmp_path / "w", env, "a") as worker_a:
-                ingest(client)
-                batch_id = submit(client, TOTAL)
-                wait_for(lambda: succeeded(client, batch_id) >= 100, "100 items done on A")
-                stopping = time.monotonic()
-                worker_a.send_signal(signal.SIGTERM)
-                worker_a.wait(3 * soft_shutdown)
-                exited = time.monotonic() - stopping
-            statuses = Counter(item_statuses(url, batch_id).values())
-            state = broker_state(url)
-            print(f"\nworker A exited {exited:.1f}s after SIGTERM: items {dict(statuses)}; {state}")
-            assert statuses["succeeded"] < TOTAL, "the batch finished before the SIGTERM"
-            # every item A started finished there; the rest went back, not stranded running
-            assert set(statuses) <= {"queued", "succeeded"}, statuses
-            assert state[BATCH_QUEUE] > 0 and state[KOMBU_UNACKED_KEY] == 0, state
-            with worker(tmp_path / "w", env, "b"):
-                wait_finished(client, url, batch_id, RECOVERY_WINDOW)
-                time.sleep(1.0)
-            assert_batch_exactly_once(client, url, batch_id, TOTAL)
-            calls = model_calls(model)
-            assert calls == Counter({f"q{i:05d}": 1 for i in range(TOTAL)})
+    with recovery_stack(tmp_path, model) as (url, env, client):
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            batch_id = submit(client, TOTAL)
+            wait_for(lambda: succeeded(client, batch_id) >= 100, "100 items done on A")
+            stopping = time.monotonic()
+            worker_a.send_signal(signal.SIGTERM)
+            worker_a.wait(3 * soft_shutdown)
+            exited = time.monotonic() - stopping
+        statuses = Counter(item_statuses(url, batch_id).values())
+        state = broker_state(url)
+        print(f"\nworker A exited {exited:.1f}s after SIGTERM: items {dict(statuses)}; {state}")
+        assert statuses["succeeded"] < TOTAL, "the batch finished before the SIGTERM"
+        # every item A started finished there; the rest went back, not stranded running
+        assert set(statuses) <= {"queued", "succeeded"}, statuses
+        assert state[BATCH_QUEUE] > 0 and state[KOMBU_UNACKED_KEY] == 0, state
+        with worker(tmp_path / "w", env, "b"):
+            wait_finished(client, url, batch_id, RECOVERY_WINDOW)
+            time.sleep(1.0)
+        assert_batch_exactly_once(client, url, batch_id, TOTAL)
+        calls = model_calls(model)
+        assert calls == Counter({f"q{i:05d}": 1 for i in range(TOTAL)})
 
 
 @pytest.mark.timeout(300)
@@ -272,47 +276,39 @@ def test_a_killed_worker_s_searches_and_their_webhooks_come_back(
     model.reset()
     model.configure(delay=8.0)  # the searches are all mid-rerank at the kill
     try:
-        with redis_server(tmp_path / "redis") as base_url:
-            url = base_url + "/0"
-            env = default_env(url, model.url)
-            with (
-                gateway(tmp_path / "g", env) as base,
-                httpx.Client(base_url=base, timeout=30) as client,
-            ):
-                with worker(tmp_path / "w", env, "a") as worker_a:
-                    ingest(client)
-                    ids = [
-                        client.post(
-                            "/v1/searches",
-                            json={
-                                "index": INDEX,
-                                "query": f"volcano item q{i:05d}",
-                                "webhook_url": receiver.url,
-                            },
-                            headers=ACME,
-                        ).json()["id"]
-                        for i in range(n)
-                    ]
-                    wait_for(lambda: len(model.requests()) >= n, "every search at the model")
-                    worker_a.send_signal(signal.SIGKILL)
-                    worker_a.wait(10)
-                assert not receiver.deliveries  # nothing had finished
-                model.configure(delay=MODEL_SECONDS)
-                started = time.monotonic()
-                with worker(tmp_path / "w", env, "b"):
-                    wait_for(
-                        lambda: len({d.body["data"]["id"] for d in receiver.deliveries}) == n,
-                        "every search's webhook",
-                        RECOVERY_WINDOW,
-                    )
-                    recovered = time.monotonic() - started
-                print(f"\n{n} searches and their webhooks back {recovered:.1f}s after B started")
-                statuses = {
-                    client.get(f"/v1/searches/{i}", headers=ACME).json()["status"] for i in ids
-                }
-                assert statuses == {"succeeded"}
-                assert {d.body["data"]["id"] for d in receiver.deliveries} == set(ids)
-                assert {d.body["data"]["status"] for d in receiver.deliveries} == {"succeeded"}
-                assert set(model_calls(model).values()) == {2}  # once on A, once on B
+        with recovery_stack(tmp_path, model) as (_, env, client):
+            with worker(tmp_path / "w", env, "a") as worker_a:
+                ingest(client)
+                ids = [
+                    client.post(
+                        "/v1/searches",
+                        json={
+                            "index": INDEX,
+                            "query": f"volcano item q{i:05d}",
+                            "webhook_url": receiver.url,
+                        },
+                        headers=ACME,
+                    ).json()["id"]
+                    for i in range(n)
+                ]
+                wait_for(lambda: len(model.requests()) >= n, "every search at the model")
+                worker_a.send_signal(signal.SIGKILL)
+                worker_a.wait(10)
+            assert not receiver.deliveries  # nothing had finished
+            model.configure(delay=MODEL_SECONDS)
+            started = time.monotonic()
+            with worker(tmp_path / "w", env, "b"):
+                wait_for(
+                    lambda: len({d.body["data"]["id"] for d in receiver.deliveries}) == n,
+                    "every search's webhook",
+                    RECOVERY_WINDOW,
+                )
+                recovered = time.monotonic() - started
+            print(f"\n{n} searches and their webhooks back {recovered:.1f}s after B started")
+            statuses = {client.get(f"/v1/searches/{i}", headers=ACME).json()["status"] for i in ids}
+            assert statuses == {"succeeded"}
+            assert {d.body["data"]["id"] for d in receiver.deliveries} == set(ids)
+            assert {d.body["data"]["status"] for d in receiver.deliveries} == {"succeeded"}
+            assert set(model_calls(model).values()) == {2}  # once on A, once on B
     finally:
         model.configure(delay=MODEL_SECONDS)

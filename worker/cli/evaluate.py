@@ -39,8 +39,8 @@ from worker.evaluation import (
     read_corpus,
     read_jsonl,
     read_qrels,
-    score_rankings,
     score_results,
+    score_runs,
 )
 from worker.runtime import Runtime, build_runtime
 from worker.settings import load_settings
@@ -218,14 +218,7 @@ def _served(
                 hits = (result or {}).get("hits") or []
                 rankings[run.name][str(item["query_id"])] = [str(hit["id"]) for hit in hits]
                 add_usage(usage, (result or {}).get("usage") or {})
-    report = score_rankings(
-        rankings,
-        qrels,
-        [qid for qid, _ in queries],
-        window=window,
-        candidates=rankings["fused"],
-        final=rankings[runs[-1].name],
-    )
+    report = score_runs(rankings, runs, qrels, queries, window)
     report["failed"] = failed
     report["usage"] = usage
     report["batches"] = submitted
