@@ -107,10 +107,11 @@ def build_reranker(
 
 
 def build_rate_budget(settings: Settings) -> RedisRateBudget | None:
-    """The standard lane's budget shared through Redis, or None without a model or Redis.
+    """The standard lane's budget shared through Redis, or None without a model or Redis
+    (or with ``SIFT_RATE_BUDGET_ENABLED=false``).
     It meters calls once a limit is known: ``SIFT_RATE_LIMITS`` or learned from headers."""
     model = settings.generation_model_id
-    if model is None or not settings.redis_url:
+    if model is None or not settings.redis_url or not settings.rate_budget_enabled:
         return None
     import redis
 

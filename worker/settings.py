@@ -162,6 +162,7 @@ class Settings(BaseSettings):
     # (worker/adapters/rate_budget.py). A model not named here is metered once the provider's
     # anthropic-ratelimit-* headers have told its limits.
     rate_limits: Annotated[dict[str, RateLimit], NoDecode] = Field(default_factory=dict)
+    rate_budget_enabled: bool = True  # false: no shared budget, each process on its own
 
     # --- the queue (issue 3) ---
     # Celery's pool; set it here, not with --pool: Celery cannot tell an explicit

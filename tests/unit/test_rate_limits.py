@@ -42,6 +42,7 @@ def test_the_budget_takes_the_models_limits_and_needs_redis_and_a_model() -> Non
     assert budget.key == f"sift:rate-budget:standard:{MODEL}"
     assert build_rate_budget(load_settings(generation_model=f"anthropic:{MODEL}")) is None
     assert build_rate_budget(load_settings(redis_url="redis://127.0.0.1:1/0")) is None
+    assert build_rate_budget(settings.model_copy(update={"rate_budget_enabled": False})) is None
     unnamed = build_rate_budget(
         load_settings(generation_model="anthropic:other-model", redis_url="redis://127.0.0.1:1/0")
     )
