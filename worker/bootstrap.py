@@ -117,7 +117,13 @@ def build_rate_budget(settings: Settings) -> RedisRateBudget | None:
 
     from worker.adapters.rate_budget import RedisRateBudget
 
-    client = redis.Redis.from_url(settings.redis_url)
+    # every thread of the process may reserve at once: a thread finding every connection busy
+    # waits for one rather than failing its search (redis-py's default pool stops at 100)
+    threads = settings.worker_concurrency + settings.batch_item_concurrency + 32
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=threads, timeout=20, socket_connect_timeout=5
+    )
+    client = redis.Redis(connection_pool=pool)
     return RedisRateBudget(client, model, settings.rate_limits.get(model))
 
 
