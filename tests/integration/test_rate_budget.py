@@ -302,3 +302,43 @@ def test_a_429_from_the_provider_pauses_the_shared_budget(
     other = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
     refused = other.reserve(PROMPT, max_wait=1.0)
     assert not refused.admitted and 25.0 < refused.wait <= 30.0
+
+
+def test_backlog_answers_the_wait_without_reserving(client: redis.Redis) -> None:
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
+    assert budget.backlog() == 0.0  # a full bucket
+    exhaust(budget)
+    level = client.hget(budget.key, "r")
+    first = budget.backlog()
+    assert 0 < first <= 1.0  # one request frees in a second at most
+    assert budget.backlog() <= first and client.hget(budget.key, "r") == level
+
+
+def test_a_batch_item_paces_itself_until_the_queue_fits_in_its_deadline(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    settings = load_settings(
+        rerank_enabled=True, generation_model=f"anthropic:{MODEL}", search_deadline_seconds=3.0
+    )
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:  # stands for time going by: the bucket refills
+        slept.append(seconds)
+        client.hincrbyfloat(budget.key, "at", -seconds)
+
+    pipeline = build_pipeline(
+        settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=AnthropicReranker(MODEL, api_key="sk-test"),
+        rate_budget=budget,
+        sleep=sleep,
+    )
+    exhaust(budget)
+    for _ in range(5):  # a queue of 5 s, past a third of the 3 s deadline
+        assert budget.reserve(PROMPT, max_wait=60.0).admitted
+    assert budget.backlog() > 1.0
+    pipeline.pace()
+    assert slept and budget.backlog() <= 1.0
+    assert fake.requests() == []  # pacing calls no model

@@ -59,7 +59,8 @@ HEADER_LIMITS = {
 
 # KEYS[1]: the budget's hash. ARGV: 1-3 the limits per minute (requests, input tokens, output
 # tokens; 0: use the learned one, if any), 4-6 the amounts to take (negative: give back),
-# 7 the most the caller may wait in seconds (-1: take unconditionally, the settlement),
+# 7 the most the caller may wait in seconds (-1: take unconditionally, the settlement; -2:
+# only answer the wait, taking nothing),
 # 8 seconds to pause every caller for (a 429; 0: none), 9-11 learned limits to store (0: none),
 # 12 the burst fraction, 13 the hash's TTL. Answers {admitted (1/0), seconds to wait (a
 # string: Lua numbers come back from Redis as integers)}. Numbers are stored with 17 digits
@@ -103,6 +104,9 @@ for d = 1, 3 do
     end
     levels[d] = math.min(cap, level - cost)
   end
+end
+if max_wait == -2 then
+  return {0, num(wait)}
 end
 if max_wait >= 0 and wait > max_wait then
   if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
@@ -192,7 +196,7 @@ class RedisRateBudget:
         self.estimator = estimator or TokenEstimator()
         self.burst_fraction = burst_fraction
         self._script = client.register_script(BUDGET_SCRIPT)
-        self._raw: dict[tuple[str, str], float] = {}
+        self._typical = (0.0, 0.0)  # the last call's input and output tokens, for backlog()
         self._paused = False
 
     @property
@@ -228,10 +232,17 @@ class RedisRateBudget:
         admitted, wait = self._script(keys=[self.key], args=args)
         return bool(int(admitted)), float(wait)
 
+    def backlog(self) -> float:
+        """Seconds a call like the last one would wait now (nothing is reserved)."""
+        if not self.active:
+            return 0.0
+        return self._run((1, *self._typical), -2)[1]
+
     def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
         if not self.active:
             return BudgetGrant(admitted=True, wait=0.0)
         estimate = self.estimator.estimate(prompt)
+        self._typical = (float(estimate), float(prompt.max_tokens))
         admitted, wait = self._run((1, estimate, prompt.max_tokens), max(0.0, max_wait))
         if not admitted:
             return BudgetGrant(admitted=False, wait=wait)

@@ -6,6 +6,7 @@ This is DESIGN.md §2 and §4 in one place; everything it touches outside is a p
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -193,6 +194,19 @@ class SearchPipeline:
         finally:
             if outcome is not None:
                 self.recorder.search_done(spec.mode, outcome, deadline.elapsed())
+
+    def pace(self) -> None:
+        """Wait, before a search starts, until the rate budget's queue is short enough for it
+        to be served well within its deadline (a third of it). For a batch item, which no
+        caller waits on: without it, a batch larger than the budget serves in a deadline
+        would run its surplus through as ``budget_exhausted`` fallbacks. Not for interactive
+        searches: their wait counts against their deadline."""
+        if self.rate_budget is None:
+            return
+        room = self.config.deadline_seconds / 3
+        while (excess := self.rate_budget.backlog() - room) > 0:
+            # spread the re-checks: the queue frees at the limit's rate, not all at once
+            self._sleep(min(excess, 1.0) + random.uniform(0.0, 0.5))
 
     def prepare(self, spec: SearchSpec, tenant: str) -> Prepared:
         """The first half: retrieval and fusion under the search deadline, then the prompt.

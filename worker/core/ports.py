@@ -86,6 +86,10 @@ class RateBudget(Protocol):
         """The provider answered 429: no call from any process for ``seconds``."""
         ...
 
+    def backlog(self) -> float:
+        """Seconds a typical call reserved now would wait (reserving nothing)."""
+        ...
+
 
 class Recorder(Protocol):
     """Where the pipeline reports what it did; the metrics adapter implements it."""
