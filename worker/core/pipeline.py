@@ -151,6 +151,7 @@ class SearchPipeline:
         self._sleep = sleep
         self._cpu_slots = cpu_slots or nullcontext()
         self.rate_budget = rate_budget
+        self._call_seconds = 0.0  # an average of answered calls' time, with the budget on
 
     def variant(self, *, config: PipelineConfig, recorder: Recorder | None) -> SearchPipeline:
         """The same ports with another config and recorder (the economy lane's price and lane)."""
@@ -433,6 +434,7 @@ class SearchPipeline:
             grant = self._wait_for_budget(prompt, run, deadline)
             timeout = min(timeout, deadline.remaining())
             detail["budget_wait_seconds"] = grant.wait
+        sent = self._clock()
         try:
             reply = self.reranker.rerank(prompt, timeout)
         except RerankAttemptError as error:
@@ -449,6 +451,7 @@ class SearchPipeline:
             raise
         if grant is not None and self.rate_budget is not None:
             self.rate_budget.settle(grant, reply.usage)
+            self._call_seconds += 0.1 * (self._clock() - sent - self._call_seconds)
         run.returned = reply.positions
         self.record_attempt(run, AttemptOutcome.OK, reply.usage, self._clock() - started, **detail)
         return reply
@@ -457,10 +460,14 @@ class SearchPipeline:
         self, prompt: RerankPrompt, run: RerankRun, deadline: Deadline
     ) -> BudgetGrant:
         """Reserve the attempt's share of the rate budget and wait until it may be sent. When
-        the budget frees it only past the search's deadline, nothing is reserved and nothing
-        sent: the attempt is ``budget_exhausted``, which the failure policy takes from there."""
+        the budget frees it too late for the call to fit in the search's deadline (twice the
+        answered calls' average time), nothing is reserved and nothing sent: the attempt is
+        ``budget_exhausted``, which the failure policy takes from there. A call sent with
+        less time than it takes would be charged by the provider and time out."""
         assert self.rate_budget is not None
-        max_wait = max(0.0, deadline.remaining() - MIN_ATTEMPT_SECONDS)
+        # the call must still fit after the wait: twice what answered calls took, on average
+        needed = max(MIN_ATTEMPT_SECONDS, 2 * self._call_seconds)
+        max_wait = max(0.0, deadline.remaining() - needed)
         grant = self.rate_budget.reserve(prompt, max_wait)
         if not grant.admitted:
             self.record_attempt(
