@@ -342,3 +342,16 @@ def test_a_batch_item_paces_itself_until_the_queue_fits_in_its_deadline(
     pipeline.pace()
     assert slept and budget.backlog() <= 1.0
     assert fake.requests() == []  # pacing calls no model
+
+
+def test_settling_many_calls_in_flight_converges_on_the_reported_ratio(
+    client: redis.Redis,
+) -> None:
+    """Grants settled after others moved the correction (calls in flight together) still
+    calibrate toward reported / estimated, instead of feeding the correction back into itself."""
+    budget = RedisRateBudget(client, MODEL, RateLimit(itpm=100_000_000))
+    grants = [budget.reserve(PROMPT, 0.0) for _ in range(50)]
+    raw = budget.estimator.raw(PROMPT)
+    for grant in grants:
+        budget.settle(grant, TokenUsage(input_tokens=round(raw / 2), output_tokens=1))
+    assert budget.estimator.correction == pytest.approx(0.5, abs=0.02)

@@ -51,6 +51,8 @@ BURST_FRACTION = 0.9
 # The hash outlives its last use by this long (a day): it holds only levels and limits.
 BUDGET_TTL_SECONDS = 86_400
 MAX_PAUSE_SECONDS = 60.0
+# one report moves the input-token correction at most this far (a prompt of images, say)
+MIN_CORRECTION, MAX_CORRECTION = 0.1, 10.0
 HEADER_LIMITS = {
     "rpm": "anthropic-ratelimit-requests-limit",
     "itpm": "anthropic-ratelimit-input-tokens-limit",
@@ -166,7 +168,7 @@ class TokenEstimator:
         if raw_estimate <= 0 or reported <= 0:
             return
         with self._lock:
-            ratio = reported / raw_estimate
+            ratio = min(max(reported / raw_estimate, MIN_CORRECTION), MAX_CORRECTION)
             self.correction += self.smoothing * (ratio - self.correction)
 
 
@@ -241,12 +243,13 @@ class RedisRateBudget:
     def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
         if not self.active:
             return BudgetGrant(admitted=True, wait=0.0)
+        raw = self.estimator.raw(prompt)
         estimate = self.estimator.estimate(prompt)
         self._typical = (float(estimate), float(prompt.max_tokens))
         admitted, wait = self._run((1, estimate, prompt.max_tokens), max(0.0, max_wait))
         if not admitted:
             return BudgetGrant(admitted=False, wait=wait)
-        return BudgetGrant(True, wait, input_tokens=estimate, output_tokens=prompt.max_tokens)
+        return BudgetGrant(True, wait, estimate, prompt.max_tokens, raw_input=raw)
 
     def settle(self, grant: BudgetGrant, usage: TokenUsage | None) -> None:
         """Give back the unused part of the reservation. Input tokens as the provider meters
@@ -254,9 +257,9 @@ class RedisRateBudget:
         if usage is None or not grant.admitted or not (grant.input_tokens or grant.output_tokens):
             return
         used_input = usage.input_tokens + usage.cache_creation_input_tokens
-        if used_input > 0 and grant.input_tokens > 0:
-            raw = grant.input_tokens / self.estimator.correction
-            self.estimator.calibrate(raw, used_input)
+        # against the raw estimate the grant carries: rebuilding it from the correction now,
+        # which other threads move meanwhile, fed the correction back into itself
+        self.estimator.calibrate(grant.raw_input, used_input)
         # what was used beyond the reservation is taken too: a negative amount gives back
         extra_input = float(used_input - grant.input_tokens)
         extra_output = float(usage.output_tokens - grant.output_tokens)
