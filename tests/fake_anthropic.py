@@ -36,6 +36,16 @@ Each request's result is ``succeeded`` with the same answer and usage as ``/v1/m
 would give, unless scripted (:meth:`FakeAnthropic.script_batch`: per ``custom_id``, one
 outcome per submission, e.g. ``errored`` then ``succeeded``; over HTTP
 ``POST /_fake/batch-script``). ``GET /_fake/batches`` lists what was created.
+
+Rate limits, off by default: ``FakeAnthropic(rpm=3000, itpm=1_000_000, otpm=...)`` (or
+``--rpm``/``--itpm``/``--otpm``, or ``configure``) meters ``/v1/messages`` as Anthropic does,
+with one continuously refilling token bucket per limit, each holding at most a minute's worth.
+A request is admitted when the requests bucket holds one request and the input-tokens bucket
+its input tokens, and the output-tokens bucket is not empty; its output tokens are taken when
+it is answered. A refused request gets ``429`` ``rate_limit_error`` with ``retry-after`` (whole
+seconds until the short bucket holds enough). With limits set every answer carries
+``anthropic-ratelimit-{requests,input-tokens,output-tokens}-{limit,remaining,reset}`` (reset:
+RFC 3339, when that bucket would be full again). ``rate_limited()`` counts the 429s it sent.
 """
 
 from __future__ import annotations
@@ -267,6 +277,40 @@ class FakeConfig:
     batch_max_requests: int = 100_000
     batch_max_bytes: int = 256_000_000
     batch_order: Literal["shuffle", "reverse", "in_order"] = "shuffle"
+    rpm: int | None = None  # requests per minute; None: not limited
+    itpm: int | None = None  # input tokens per minute
+    otpm: int | None = None  # output tokens per minute
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """A token bucket that refills continuously at ``limit`` per minute, up to ``limit``."""
+
+    limit: int
+    level: float
+    at: float  # monotonic time of ``level``
+
+    def refill(self, now: float) -> float:
+        self.level = min(float(self.limit), self.level + (now - self.at) * self.limit / 60.0)
+        self.at = now
+        return self.level
+
+    def seconds_until(self, amount: float) -> float:
+        """Seconds until the bucket holds ``amount`` (capped at its size)."""
+        missing = min(amount, float(self.limit)) - self.level
+        return max(0.0, missing * 60.0 / self.limit)
+
+    def headers(self, name: str) -> dict[str, str]:
+        full_at = time.time() + self.seconds_until(float(self.limit))
+        reset = datetime.fromtimestamp(math.ceil(full_at), UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return {
+            f"anthropic-ratelimit-{name}-limit": str(self.limit),
+            f"anthropic-ratelimit-{name}-remaining": str(max(0, math.floor(self.level))),
+            f"anthropic-ratelimit-{name}-reset": reset,
+        }
+
+
+BUCKET_HEADER_NAMES = {"rpm": "requests", "itpm": "input-tokens", "otpm": "output-tokens"}
 
 
 USAGE_FIELDS = (
@@ -286,6 +330,8 @@ class _State:
     responses: int = 0
     batches: dict[str, _FakeBatch] = field(default_factory=dict)
     batch_script: dict[str, deque[BatchOutcome]] = field(default_factory=dict)
+    buckets: dict[str, _Bucket] = field(default_factory=dict)  # by FakeConfig field
+    rate_limited: int = 0  # 429s sent by the buckets
 
 
 @lru_cache(maxsize=1)
@@ -479,6 +525,9 @@ class FakeAnthropic:
         """Change defaults (see :class:`FakeConfig`), e.g. ``configure(delay=1.0)``."""
         with self._lock:
             self._state.config = replace(self._state.config, **changes)
+            for name in BUCKET_HEADER_NAMES:
+                if name in changes:
+                    self._state.buckets.pop(name, None)
 
     def reset(self) -> None:
         """Forget the script, the recorded requests and the usage (the config stays)."""
@@ -489,6 +538,11 @@ class FakeAnthropic:
         """Every ``/v1/messages`` request so far: ``method``, ``path``, ``headers``, ``body``."""
         with self._lock:
             return copy.deepcopy(self._state.requests)
+
+    def rate_limited(self) -> int:
+        """How many requests the rate limit buckets refused with a 429."""
+        with self._lock:
+            return self._state.rate_limited
 
     def usage(self) -> dict[str, int]:
         """The sum of the usage of every answer sent, plus ``responses``: how many."""
@@ -585,6 +639,11 @@ class FakeAnthropic:
         problem = _validate(request, body)
         if problem is not None:
             return _error(*problem)
+        if self._limited():
+            input_tokens = await run_in_threadpool(self.count_input_tokens, body)
+            refusal = self._admit(input_tokens)
+            if refusal is not None:
+                return refusal
         with self._lock:
             behaviour = self._state.queue.popleft() if self._state.queue else None
             default_delay = self._state.config.delay
@@ -593,18 +652,86 @@ class FakeAnthropic:
 
         if behaviour.kind == "status":
             code = behaviour.status or 500
-            return _error(
+            response = _error(
                 code,
                 ERROR_TYPES.get(code, "api_error"),
                 behaviour.message,
                 retry_after=behaviour.retry_after,
             )
+            response.headers.update(self._limit_headers())
+            return response
         if behaviour.kind == "drop":
             return await _drop(request)
         if behaviour.seconds > 0 and not await _wait_unless_gone(request, behaviour.seconds):
             return Response(status_code=499)  # the client left; nobody reads this
         payload = await run_in_threadpool(self._message, body, behaviour)
-        return JSONResponse(payload, headers={"request-id": f"req_{_base62(24)}"})
+        headers = {"request-id": f"req_{_base62(24)}", **self._limit_headers()}
+        return JSONResponse(payload, headers=headers)
+
+    # -- rate limits --
+
+    def _limited(self) -> bool:
+        config = self._state.config
+        return any(getattr(config, name) is not None for name in BUCKET_HEADER_NAMES)
+
+    def _buckets_unlocked(self) -> dict[str, _Bucket]:
+        """The configured buckets, refilled to now (call with the lock held); a new one is full."""
+        config, now = self._state.config, time.monotonic()
+        for name in BUCKET_HEADER_NAMES:
+            limit = getattr(config, name)
+            if limit is None:
+                self._state.buckets.pop(name, None)
+            elif name not in self._state.buckets:
+                self._state.buckets[name] = _Bucket(int(limit), float(limit), now)
+            else:
+                self._state.buckets[name].refill(now)
+        return self._state.buckets
+
+    def _admit(self, input_tokens: int) -> Response | None:
+        """Take one request and its input tokens from the buckets, or the 429 that refuses it."""
+        with self._lock:
+            buckets = self._buckets_unlocked()
+            needs = {"rpm": 1.0, "itpm": float(input_tokens), "otpm": 1.0}
+            waits = [b.seconds_until(needs[name]) for name, b in buckets.items()]
+            short = [
+                name
+                for name, b in buckets.items()
+                if b.level < min(needs[name], float(b.limit)) - 1e-9
+            ]
+            if not short:
+                for name in ("rpm", "itpm"):
+                    if name in buckets:
+                        buckets[name].level -= min(needs[name], float(buckets[name].limit))
+                return None
+            self._state.rate_limited += 1
+            headers = self._limit_headers_unlocked()
+        retry_after = max(1, math.ceil(max(waits)))
+        response = _error(
+            429,
+            "rate_limit_error",
+            f"This request would exceed your organization's rate limit ({', '.join(short)}).",
+            retry_after=retry_after,
+        )
+        response.headers.update(headers)
+        return response
+
+    def _take_output(self, output_tokens: int) -> None:
+        """Take an answer's output tokens from the output bucket (call with the lock held)."""
+        bucket = self._buckets_unlocked().get("otpm")
+        if bucket is not None:
+            bucket.level -= output_tokens
+
+    def _limit_headers(self) -> dict[str, str]:
+        if not self._limited():
+            return {}
+        with self._lock:
+            return self._limit_headers_unlocked()
+
+    def _limit_headers_unlocked(self) -> dict[str, str]:
+        headers: dict[str, str] = {}
+        for name, bucket in self._buckets_unlocked().items():
+            headers.update(bucket.headers(BUCKET_HEADER_NAMES[name]))
+        return headers
 
     def _message(self, body: Mapping[str, Any], behaviour: Behaviour) -> dict[str, Any]:
         """The answer to ``body`` as ``behaviour`` says. The prompt is tokenized before the
@@ -617,7 +744,9 @@ class FakeAnthropic:
             text = self.answer_text(body)
         input_tokens = self.count_input_tokens(body)
         with self._lock:
-            return self._message_unlocked(body, text, behaviour.stop_reason, input_tokens)
+            message = self._message_unlocked(body, text, behaviour.stop_reason, input_tokens)
+            self._take_output(int(message["usage"]["output_tokens"]))
+            return message
 
     def _message_unlocked(
         self,
@@ -915,7 +1044,9 @@ class FakeAnthropic:
         return JSONResponse(self.usage())
 
     async def _http_health(self, request: Request) -> Response:
-        return JSONResponse({"ok": True, "pending": self.pending()})
+        return JSONResponse(
+            {"ok": True, "pending": self.pending(), "rate_limited": self.rate_limited()}
+        )
 
 
 def _schema(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -1066,6 +1197,10 @@ class RemoteFakeAnthropic:
     def usage(self) -> dict[str, int]:
         return dict(self._call("GET", "/_fake/usage"))
 
+    def rate_limited(self) -> int:
+        """How many requests the rate limit buckets refused with a 429."""
+        return int(self._call("GET", "/_fake/health")["rate_limited"])
+
     def script_batch(self, outcomes: Mapping[str, Sequence[BatchOutcome]]) -> None:
         payload = {cid: [o.to_json() for o in steps] for cid, steps in outcomes.items()}
         self._call("POST", "/_fake/batch-script", {"outcomes": payload})
@@ -1121,6 +1256,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--batch-processing-seconds", type=float, default=0.0, help="a Message Batch's run time"
     )
+    parser.add_argument("--rpm", type=int, default=None, help="requests per minute (a bucket)")
+    parser.add_argument("--itpm", type=int, default=None, help="input tokens per minute")
+    parser.add_argument("--otpm", type=int, default=None, help="output tokens per minute")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     fake = FakeAnthropic(
@@ -1131,6 +1269,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         answer_limit=args.answer_limit,
         thinking_tokens=args.thinking_tokens,
         batch_processing_seconds=args.batch_processing_seconds,
+        rpm=args.rpm,
+        itpm=args.itpm,
+        otpm=args.otpm,
     )
     logger.info("fake Anthropic API on %s", fake.url)
     fake.serve_forever()

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from worker.core.cost import price_for
 from worker.core.pipeline import PipelineConfig, SearchPipeline
-from worker.core.ports import Embedder, Recorder, Reranker, SearchBackend
+from worker.core.ports import Embedder, RateBudget, Recorder, Reranker, SearchBackend
 from worker.errors import ConfigError
 from worker.queue.slots import Slots, SlottedEmbedder, cpu_slots
 from worker.settings import Settings
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
+    from worker.adapters.rate_budget import RedisRateBudget
 
 log = logging.getLogger(__name__)
 _warned_unpriced: set[str] = set()
@@ -91,15 +92,39 @@ def build_embedder(settings: Settings, cpu_slots: Slots | None = None) -> Embedd
     return slotted if settings.embedding_int8_compute else CoalescingEmbedder(slotted)
 
 
-def build_reranker(settings: Settings) -> Reranker | None:
-    """The configured model, or None: a model alone does not enable rerank by default."""
+def build_reranker(
+    settings: Settings, on_headers: Callable[[Mapping[str, str]], None] | None = None
+) -> Reranker | None:
+    """The configured model, or None: a model alone does not enable rerank by default.
+    ``on_headers`` sees every response's headers (the rate budget learns limits there)."""
     model = settings.generation_model_id
     if model is None:
         return None
     from worker.adapters.anthropic import AnthropicReranker
 
     warn_if_unpriced(settings)
-    return AnthropicReranker(model, effort=settings.generation_effort)
+    return AnthropicReranker(model, effort=settings.generation_effort, on_headers=on_headers)
+
+
+def build_rate_budget(settings: Settings) -> RedisRateBudget | None:
+    """The standard lane's budget shared through Redis, or None without a model or Redis
+    (or with ``SIFT_RATE_BUDGET_ENABLED=false``).
+    It meters calls once a limit is known: ``SIFT_RATE_LIMITS`` or learned from headers."""
+    model = settings.generation_model_id
+    if model is None or not settings.redis_url or not settings.rate_budget_enabled:
+        return None
+    import redis
+
+    from worker.adapters.rate_budget import RedisRateBudget
+
+    # every thread of the process may reserve at once: a thread finding every connection busy
+    # waits for one rather than failing its search (redis-py's default pool stops at 100)
+    threads = settings.worker_concurrency + settings.batch_item_concurrency + 32
+    pool = redis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=threads, timeout=20, socket_connect_timeout=5
+    )
+    client = redis.Redis(connection_pool=pool)
+    return RedisRateBudget(client, model, settings.rate_limits.get(model))
 
 
 def build_batch_client(settings: Settings) -> AnthropicMessageBatches | None:
@@ -122,6 +147,7 @@ def build_pipeline(
     recorder: Recorder | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    rate_budget: RateBudget | None = None,
 ) -> SearchPipeline:
     # The embedded backend computes in this process: a CPU slot is held through each whole
     # first half. Elasticsearch's retrieval waits on the network: only embedding holds one.
@@ -136,4 +162,5 @@ def build_pipeline(
         clock=clock,
         sleep=sleep,
         cpu_slots=slots if local else None,
+        rate_budget=rate_budget,
     )

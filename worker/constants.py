@@ -41,6 +41,8 @@ REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it 
 WORKER_HEARTBEAT_KEY = REDIS_PREFIX + "worker-alive:"  # + worker id -> string with a TTL
 DELIVERY_OWNERS_KEY = REDIS_PREFIX + "deliveries"  # hash delivery tag -> worker id holding it
 LIVENESS_LEADER_KEY = REDIS_PREFIX + "liveness:leader"  # string: the worker checking this beat
+# the provider's rate limits, one budget for every worker process (worker/adapters/rate_budget.py)
+RATE_BUDGET_KEY = REDIS_PREFIX + "rate-budget:"  # + lane + ":" + model -> hash: the buckets
 # the job lists (GET /v1/searches, /v1/batches, /v1/ingestions): one index per kind and tenant
 JOB_INDEX_KEY = REDIS_PREFIX + "jobs:"  # + kind + ":" + tenant -> zset job id -> created_at
 

@@ -8,7 +8,8 @@
     ├── BackendError
     │   ├── BackendUnavailable     connection, timeout, 5xx             retryable
     │   └── BackendRequestError    4xx, bad mapping, missing index      permanent
-    ├── RerankAttemptError         one model call failed, with its class (retryable unless http_4xx)
+    ├── RerankAttemptError         one model call failed, with its class (retryable unless
+    │                              http_4xx or budget_exhausted)
     ├── RerankFailed               the rerank failed for good (fail_closed), names the class
     └── DeadlineExceeded           the search's deadline ran out        permanent
 
@@ -36,6 +37,7 @@ class AttemptOutcome(StrEnum):
     CONNECTION = "connection"
     HTTP_4XX = "http_4xx"  # permanent, never retried
     MALFORMED = "malformed"  # the response failed schema validation
+    BUDGET_EXHAUSTED = "budget_exhausted"  # not sent: the rate budget frees it past the deadline
 
 
 class SiftError(Exception):
@@ -104,7 +106,7 @@ class RerankAttemptError(SiftError):
         super().__init__(f"{outcome.value}: {message}")
         self.outcome = outcome
         self.retry_after = retry_after
-        self.retryable = outcome is not AttemptOutcome.HTTP_4XX
+        self.retryable = outcome not in (AttemptOutcome.HTTP_4XX, AttemptOutcome.BUDGET_EXHAUSTED)
 
 
 class RerankFailed(SiftError):

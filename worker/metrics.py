@@ -105,6 +105,7 @@ ATTEMPT_RESULTS: Final = (
     "connection",
     "http_4xx",
     "malformed",
+    "budget_exhausted",  # not sent: the shared rate budget would free it past the deadline
 )
 RERANK_DURATION_OUTCOMES: Final = (*ATTEMPT_RESULTS, "deadline")  # the last attempt's class
 RERANK_OUTCOME_VALUES: Final = (

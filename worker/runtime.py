@@ -59,6 +59,10 @@ class Runtime:
         """One search; ``before_model`` as :meth:`SearchPipeline.search` takes it."""
         return self.pipeline.search(spec, tenant, before_model)
 
+    def pace(self) -> None:
+        """A batch item waits here for the rate budget (:meth:`SearchPipeline.pace`)."""
+        self.pipeline.pace()
+
     def ingest(
         self,
         index: str,

@@ -64,6 +64,17 @@ class Price(BaseModel):
     cache_write: float = Field(ge=0)
 
 
+class RateLimit(BaseModel):
+    """One model's rate limits at the provider, per minute, as the tier's page lists them;
+    a limit left out is not metered (or learned from the provider's response headers)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rpm: int | None = Field(default=None, ge=1)  # requests per minute
+    itpm: int | None = Field(default=None, ge=1)  # input tokens per minute
+    otpm: int | None = Field(default=None, ge=1)  # output tokens per minute
+
+
 DEFAULT_PRICES: dict[str, Price] = {
     # Published list prices per million tokens; override with SIFT_PRICES.
     "claude-haiku-4-5": Price(input=1.0, output=5.0, cache_read=0.10, cache_write=1.25),
@@ -146,6 +157,12 @@ class Settings(BaseSettings):
     prices: Annotated[dict[str, Price], NoDecode] = Field(
         default_factory=lambda: dict(DEFAULT_PRICES)
     )
+    # The provider's limits per model ({"claude-haiku-4-5": {"rpm": 4000, "itpm": 400000,
+    # "otpm": 80000}}): every worker process then draws on one budget in Redis
+    # (worker/adapters/rate_budget.py). A model not named here is metered once the provider's
+    # anthropic-ratelimit-* headers have told its limits.
+    rate_limits: Annotated[dict[str, RateLimit], NoDecode] = Field(default_factory=dict)
+    rate_budget_enabled: bool = True  # false: no shared budget, each process on its own
 
     # --- the queue (issue 3) ---
     # Celery's pool; set it here, not with --pool: Celery cannot tell an explicit
@@ -209,10 +226,12 @@ class Settings(BaseSettings):
     @classmethod
     def _decode_json(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in ("api_keys", "prices"):
+            for name in ("api_keys", "prices", "rate_limits"):
                 if name in data:
                     try:
                         data[name] = _json_or_empty(data[name])
+                        if name == "rate_limits" and data[name] == []:
+                            data[name] = {}
                     except json.JSONDecodeError as exc:
                         raise ValueError(f"SIFT_{name.upper()} is not valid JSON: {exc}") from exc
         return data

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -384,3 +385,96 @@ def test_message_batches_create_retrieve_results_cancel() -> None:
         bad = [{"custom_id": "no spaces", "params": params("x")}]
         with pytest.raises(anthropic.BadRequestError):
             client.messages.batches.create(requests=bad)  # type: ignore[arg-type]
+
+
+# --- rate limits ---------------------------------------------------------------------------
+
+
+def test_without_limits_no_ratelimit_header_is_sent(fake: FakeAnthropic) -> None:
+    response = httpx.post(f"{fake.url}/v1/messages", json=body(), headers=HEADERS)
+    assert response.status_code == 200
+    assert not [h for h in response.headers if h.startswith("anthropic-ratelimit-")]
+
+
+def test_the_requests_bucket_admits_its_size_then_answers_429_with_retry_after() -> None:
+    with FakeAnthropic(rpm=3) as limited, httpx.Client() as client:
+        answers = [
+            client.post(f"{limited.url}/v1/messages", json=body(), headers=HEADERS)
+            for _ in range(4)
+        ]
+        assert [a.status_code for a in answers] == [200, 200, 200, 429]
+        assert [a.headers["anthropic-ratelimit-requests-remaining"] for a in answers] == [
+            "2",
+            "1",
+            "0",
+            "0",
+        ]
+        for answer in answers:
+            assert answer.headers["anthropic-ratelimit-requests-limit"] == "3"
+            reset = answer.headers["anthropic-ratelimit-requests-reset"]
+            assert datetime.fromisoformat(reset).tzinfo is not None  # RFC 3339
+        refused = answers[-1]
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        # one request refills in 20 s at 3 per minute
+        assert 1 <= int(refused.headers["retry-after"]) <= 20
+        assert limited.rate_limited() == 1
+        assert limited.usage()["responses"] == 3
+
+
+def test_the_input_tokens_bucket_refuses_a_prompt_larger_than_what_is_left() -> None:
+    with FakeAnthropic() as probe:
+        tokens = probe.count_input_tokens(body())
+    with FakeAnthropic(itpm=tokens * 2 + tokens // 2) as limited, httpx.Client() as client:
+        codes = [
+            client.post(f"{limited.url}/v1/messages", json=body(), headers=HEADERS)
+            for _ in range(3)
+        ]
+        assert [c.status_code for c in codes] == [200, 200, 429]
+        assert codes[0].headers["anthropic-ratelimit-input-tokens-limit"] == str(
+            tokens * 2 + tokens // 2
+        )
+        assert int(codes[1].headers["anthropic-ratelimit-input-tokens-remaining"]) <= tokens
+        assert "anthropic-ratelimit-requests-limit" not in codes[0].headers
+
+
+def test_the_output_tokens_bucket_is_charged_what_was_answered() -> None:
+    with FakeAnthropic(otpm=5) as limited, httpx.Client() as client:
+        first = client.post(f"{limited.url}/v1/messages", json=body(), headers=HEADERS)
+        assert first.status_code == 200 and first.json()["usage"]["output_tokens"] > 5
+        assert first.headers["anthropic-ratelimit-output-tokens-remaining"] == "0"
+        second = client.post(f"{limited.url}/v1/messages", json=body(), headers=HEADERS)
+        assert second.status_code == 429
+        assert second.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_a_bucket_refills_continuously_up_to_its_limit() -> None:
+    from tests.fake_anthropic import _Bucket
+
+    bucket = _Bucket(limit=600, level=0.0, at=100.0)  # 10 per second
+    assert bucket.refill(100.5) == pytest.approx(5.0)
+    assert bucket.seconds_until(15.0) == pytest.approx(1.0)
+    assert bucket.refill(1000.0) == 600.0  # never above a minute's worth
+    assert bucket.seconds_until(10_000.0) == 0.0  # more than it holds: capped at its size
+
+
+def test_limits_are_set_over_http_and_429s_counted(fake: FakeAnthropic) -> None:
+    remote = RemoteFakeAnthropic(fake.url)
+    remote.configure(rpm=1)
+    try:
+        codes = [
+            httpx.post(f"{fake.url}/v1/messages", json=body(), headers=HEADERS).status_code
+            for _ in range(2)
+        ]
+        assert codes == [200, 429]
+        assert remote.rate_limited() == 1
+    finally:
+        remote.configure(rpm=None)
+
+
+def test_the_sdk_reads_the_429_as_a_rate_limit_error() -> None:
+    with FakeAnthropic(rpm=1) as limited:
+        client = anthropic.Anthropic(base_url=limited.url, api_key="sk-test", max_retries=0)
+        client.messages.create(**body())
+        with pytest.raises(anthropic.RateLimitError) as caught:
+            client.messages.create(**body())
+        assert float(caught.value.response.headers["retry-after"]) >= 1

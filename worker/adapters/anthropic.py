@@ -37,7 +37,7 @@ from worker.core.types import RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping
+    from collections.abc import Callable, Iterator, Mapping
     from types import ModuleType
 
     from anthropic.types import Message, MessageParam, OutputConfigParam
@@ -90,8 +90,12 @@ class AnthropicReranker:
         client: anthropic.Anthropic | None = None,
         effort: str | None = "low",
         api_key: str | None = None,
+        on_headers: Callable[[Mapping[str, str]], None] | None = None,
     ) -> None:
+        """``on_headers``: given every response's headers (answers and API errors alike),
+        e.g. the rate budget learning the ``anthropic-ratelimit-*`` limits."""
         self.model = model
+        self.on_headers = on_headers
         self.effort = effort
         self._api_key = api_key
         self._client = client
@@ -182,7 +186,14 @@ class AnthropicReranker:
         params = self.request_params(prompt)
         try:
             with self._borrowed() as client:
-                response = client.messages.create(**params, timeout=timeout_seconds)
+                if self.on_headers is None:
+                    response = client.messages.create(**params, timeout=timeout_seconds)
+                else:
+                    raw = client.messages.with_raw_response.create(
+                        **params, timeout=timeout_seconds
+                    )
+                    self._tell_headers(raw.headers)
+                    response = raw.parse()
         except anthropic.APITimeoutError as exc:
             raise RerankAttemptError(
                 AttemptOutcome.TIMEOUT, f"no answer within {timeout_seconds:g}s"
@@ -190,6 +201,7 @@ class AnthropicReranker:
         except anthropic.APIConnectionError as exc:
             raise RerankAttemptError(AttemptOutcome.CONNECTION, _describe(exc)) from exc
         except anthropic.APIStatusError as exc:
+            self._tell_headers(exc.response.headers)
             raise _status_error(exc) from exc
         except anthropic.APIResponseValidationError as exc:
             raise RerankAttemptError(AttemptOutcome.MALFORMED, _describe(exc)) from exc
@@ -202,6 +214,14 @@ class AnthropicReranker:
                 raise
             raise RerankAttemptError(AttemptOutcome.HTTP_4XX, str(exc)) from exc
         return parse_reply(response)
+
+    def _tell_headers(self, headers: Mapping[str, str]) -> None:
+        if self.on_headers is None:
+            return
+        try:
+            self.on_headers(headers)
+        except Exception:  # a listener's fault must not fail the model call
+            logger.warning("the response headers' listener failed", exc_info=True)
 
 
 def parse_reply(response: Message) -> RerankReply:

@@ -6,6 +6,7 @@ This is DESIGN.md §2 and §4 in one place; everything it touches outside is a p
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -14,14 +15,22 @@ from typing import Any, Literal
 
 from worker.constants import POLICY_ID
 from worker.contract import Hit, Ranks, RerankInfo, Scores, SearchResult, SearchSpec, Usage
-from worker.core.budget import Deadline, call_within_budget
+from worker.core.budget import MIN_ATTEMPT_SECONDS, Deadline, call_within_budget
 from worker.core.cost import add_costs, cost_usd, price_for
 from worker.core.fusion import admit, rrf_fuse
 from worker.core.policy import build_prompt
-from worker.core.ports import Embedder, NullRecorder, Recorder, Reranker, SearchBackend
+from worker.core.ports import (
+    Embedder,
+    NullRecorder,
+    RateBudget,
+    Recorder,
+    Reranker,
+    SearchBackend,
+)
 from worker.core.query import channel_window, coarse_limit, normalise_query, select_channels
 from worker.core.ranks import normalise_positions
 from worker.core.types import (
+    BudgetGrant,
     Candidate,
     ChannelQuery,
     ChannelResults,
@@ -128,8 +137,11 @@ class SearchPipeline:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         cpu_slots: AbstractContextManager[Any] | None = None,
+        rate_budget: RateBudget | None = None,
     ) -> None:
-        """``cpu_slots``: one is held through each first half (:mod:`worker.queue.slots`)."""
+        """``cpu_slots``: one is held through each first half (:mod:`worker.queue.slots`).
+        ``rate_budget``: the provider's limits shared by every process; each attempt of the
+        standard lane waits for its share first (:mod:`worker.adapters.rate_budget`)."""
         self.backend = backend
         self.embedder = embedder
         self.reranker = reranker
@@ -138,6 +150,8 @@ class SearchPipeline:
         self._clock = clock
         self._sleep = sleep
         self._cpu_slots = cpu_slots or nullcontext()
+        self.rate_budget = rate_budget
+        self._call_seconds = 0.0  # an average of answered calls' time, with the budget on
 
     def variant(self, *, config: PipelineConfig, recorder: Recorder | None) -> SearchPipeline:
         """The same ports with another config and recorder (the economy lane's price and lane)."""
@@ -150,6 +164,7 @@ class SearchPipeline:
             clock=self._clock,
             sleep=self._sleep,
             cpu_slots=self._cpu_slots,
+            rate_budget=self.rate_budget,
         )
 
     # -- the algorithm ------------------------------------------------------------
@@ -180,6 +195,19 @@ class SearchPipeline:
         finally:
             if outcome is not None:
                 self.recorder.search_done(spec.mode, outcome, deadline.elapsed())
+
+    def pace(self) -> None:
+        """Wait, before a search starts, until the rate budget's queue is short enough for it
+        to be served well within its deadline (a third of it). For a batch item, which no
+        caller waits on: without it, a batch larger than the budget serves in a deadline
+        would run its surplus through as ``budget_exhausted`` fallbacks. Not for interactive
+        searches: their wait counts against their deadline."""
+        if self.rate_budget is None:
+            return
+        room = self.config.deadline_seconds / 3
+        while (excess := self.rate_budget.backlog() - room) > 0:
+            # spread the re-checks: the queue frees at the limit's rate, not all at once
+            self._sleep(min(excess, 1.0) + random.uniform(0.0, 0.5))
 
     def prepare(self, spec: SearchSpec, tenant: str) -> Prepared:
         """The first half: retrieval and fusion under the search deadline, then the prompt.
@@ -324,7 +352,7 @@ class SearchPipeline:
         started = self._clock()
         try:
             run.reply = call_within_budget(
-                lambda timeout: self._attempt(prompt, timeout, run),
+                lambda timeout: self._attempt(prompt, timeout, run, deadline),
                 deadline=deadline,
                 max_attempts=self.config.max_requests,
                 attempt_timeout=self.config.attempt_timeout_seconds,
@@ -339,8 +367,9 @@ class SearchPipeline:
         assert self.reranker is not None
         model = self.reranker.model
         spec, candidates, trace = prepared.spec, prepared.candidates, prepared.trace
+        unsent = AttemptOutcome.BUDGET_EXHAUSTED.value
         usage = Usage(
-            requests=len(run.attempts),
+            requests=sum(1 for attempt in run.attempts if attempt["outcome"] != unsent),
             input_tokens=run.usage.input_tokens,
             output_tokens=run.usage.output_tokens,
             cache_read_input_tokens=run.usage.cache_read_input_tokens,
@@ -394,23 +423,64 @@ class SearchPipeline:
         info = RerankInfo(applied=True, policy=POLICY_ID, fallback_reason=None)
         return self._result(chosen, info, usage, spec, trace)
 
-    def _attempt(self, prompt: RerankPrompt, timeout: float, run: RerankRun) -> RerankReply:
+    def _attempt(
+        self, prompt: RerankPrompt, timeout: float, run: RerankRun, deadline: Deadline
+    ) -> RerankReply:
         assert self.reranker is not None
         started = self._clock()
+        grant: BudgetGrant | None = None
+        detail: dict[str, Any] = {}
+        if self.rate_budget is not None:
+            grant = self._wait_for_budget(prompt, run, deadline)
+            timeout = min(timeout, deadline.remaining())
+            detail["budget_wait_seconds"] = grant.wait
+        sent = self._clock()
         try:
             reply = self.reranker.rerank(prompt, timeout)
         except RerankAttemptError as error:
             usage = getattr(error, "usage", None)
-            self.record_attempt(
-                run,
-                error.outcome,
-                usage if isinstance(usage, TokenUsage) else None,
-                self._clock() - started,
-            )
+            usage = usage if isinstance(usage, TokenUsage) else None
+            if grant is not None and self.rate_budget is not None:
+                if error.outcome is AttemptOutcome.RATE_LIMITED:
+                    # refused before any token was read: give the tokens back, stop everyone
+                    self.rate_budget.settle(grant, TokenUsage())
+                    self.rate_budget.pause(error.retry_after or 1.0)
+                else:
+                    self.rate_budget.settle(grant, usage)
+            self.record_attempt(run, error.outcome, usage, self._clock() - started, **detail)
             raise
+        if grant is not None and self.rate_budget is not None:
+            self.rate_budget.settle(grant, reply.usage)
+            self._call_seconds += 0.1 * (self._clock() - sent - self._call_seconds)
         run.returned = reply.positions
-        self.record_attempt(run, AttemptOutcome.OK, reply.usage, self._clock() - started)
+        self.record_attempt(run, AttemptOutcome.OK, reply.usage, self._clock() - started, **detail)
         return reply
+
+    def _wait_for_budget(
+        self, prompt: RerankPrompt, run: RerankRun, deadline: Deadline
+    ) -> BudgetGrant:
+        """Reserve the attempt's share of the rate budget and wait until it may be sent. When
+        the budget frees it too late for the call to fit in the search's deadline (twice the
+        answered calls' average time), nothing is reserved and nothing sent: the attempt is
+        ``budget_exhausted``, which the failure policy takes from there. A call sent with
+        less time than it takes would be charged by the provider and time out."""
+        assert self.rate_budget is not None
+        # the call must still fit after the wait: twice what answered calls took, on average
+        needed = max(MIN_ATTEMPT_SECONDS, 2 * self._call_seconds)
+        max_wait = max(0.0, deadline.remaining() - needed)
+        grant = self.rate_budget.reserve(prompt, max_wait)
+        if not grant.admitted:
+            self.record_attempt(
+                run, AttemptOutcome.BUDGET_EXHAUSTED, None, 0.0, budget_wait_seconds=grant.wait
+            )
+            raise RerankAttemptError(
+                AttemptOutcome.BUDGET_EXHAUSTED,
+                f"the provider's rate budget frees this call in {grant.wait:.1f}s, "
+                f"past the search deadline ({max(0.0, deadline.remaining()):.1f}s left)",
+            )
+        if grant.wait > 0:
+            self._sleep(grant.wait)
+        return grant
 
     def record_attempt(
         self,

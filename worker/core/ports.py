@@ -10,7 +10,15 @@ from typing import Protocol
 
 from worker.contract import Channel
 from worker.core.catalog import IndexInfo, StoredDocument
-from worker.core.types import ChannelQuery, ChannelResults, Document, RerankPrompt, RerankReply
+from worker.core.types import (
+    BudgetGrant,
+    ChannelQuery,
+    ChannelResults,
+    Document,
+    RerankPrompt,
+    RerankReply,
+    TokenUsage,
+)
 
 
 class Embedder(Protocol):
@@ -92,6 +100,29 @@ class Reranker(Protocol):
     model: str
 
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply: ...
+
+
+class RateBudget(Protocol):
+    """The provider's rate limits, shared by every process calling the model (one budget per
+    model and lane). The pipeline reserves before each attempt and settles after it."""
+
+    def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
+        """Reserve one request, the prompt's estimated input tokens and its ``max_tokens``,
+        if the budget frees them within ``max_wait`` seconds; the grant says how long to wait."""
+        ...
+
+    def settle(self, grant: BudgetGrant, usage: TokenUsage | None) -> None:
+        """Give back what the call did not use (``usage`` as reported); ``None``: unknown,
+        the reservation stands."""
+        ...
+
+    def pause(self, seconds: float) -> None:
+        """The provider answered 429: no call from any process for ``seconds``."""
+        ...
+
+    def backlog(self) -> float:
+        """Seconds a typical call reserved now would wait (reserving nothing)."""
+        ...
 
 
 class Recorder(Protocol):

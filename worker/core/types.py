@@ -102,3 +102,21 @@ class RerankReply:
     positions: Sequence[object]
     usage: TokenUsage
     model: str
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetGrant:
+    """The rate budget's answer to one reservation.
+
+    ``admitted``: the call's request and tokens are reserved, and it may be sent after
+    ``wait`` seconds. Not admitted: nothing was reserved, because the budget frees the call's
+    share only in ``wait`` seconds, past the most the caller said it could wait.
+    ``input_tokens``/``output_tokens`` are what was reserved, for the settlement;
+    ``raw_input`` the uncorrected estimate, which the settlement calibrates against.
+    """
+
+    admitted: bool
+    wait: float
+    input_tokens: int = 0
+    output_tokens: int = 0
+    raw_input: float = 0.0

@@ -130,18 +130,22 @@ class WorkerContext:
 
 def load_runtime(settings: Settings, limiter: ProviderLimiter | None = None) -> Runtime:
     """Build the runtime with ``SIFT_RUNTIME_FACTORY`` ("module:function"), or the real one
-    wired for the queue: Prometheus recording, and the reranker behind the process's limiter."""
+    wired for the queue: Prometheus recording, the reranker behind the process's limiter, and
+    the rate budget that every worker process shares."""
     if settings.runtime_factory:
         module_name, _, attr = settings.runtime_factory.partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
         runtime: Runtime = factory(settings)
         return runtime
-    from worker.bootstrap import build_reranker, pipeline_config
+    from worker.bootstrap import build_rate_budget, build_reranker, pipeline_config
     from worker.runtime import Runtime as InProcessRuntime
     from worker.runtime import build_runtime
 
     overrides: dict[str, Any] = {"recorder": metrics.PrometheusRecorder()}
-    reranker = build_reranker(settings)
+    budget = build_rate_budget(settings)  # one budget for every worker process, in Redis
+    reranker = build_reranker(settings, on_headers=budget.learn if budget else None)
+    if budget is not None:
+        overrides["rate_budget"] = budget
     if reranker is not None:
         inner = metrics.InFlightReranker(reranker)
         overrides["reranker"] = LimitedReranker(inner, limiter) if limiter else inner

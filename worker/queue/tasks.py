@@ -174,6 +174,9 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                         )
                         return None
                     return prepared.result, None
+                pace = getattr(runtime, "pace", None)  # a runtime factory's may have none
+                if pace is not None:
+                    pace()  # wait for the shared rate budget before the deadline starts
                 return runtime.search(item.spec, batch.tenant, checked), None
         except Canceled:  # canceled before its model call, or finished by another delivery
             return checked.stopped if checked.stopped and checked.stopped.applied else None

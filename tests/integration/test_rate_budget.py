@@ -1,0 +1,357 @@
+"""The shared rate budget over a real redis-server: one bucket for several processes, refilled
+by Redis's clock, settled on reported usage, and a search that cannot wait for it within its
+deadline fails or falls back without calling the model (``budget_exhausted``).
+
+Admissions are counted, never timed: where the refill during a test matters, the bound is
+computed from Redis's own clock readings.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import pytest
+import redis
+from prometheus_client import REGISTRY
+
+from tests import fake_anthropic as fa
+from tests.fakes import FakeEmbedder, InMemoryBackend, RecordingRecorder
+from worker.adapters.anthropic import AnthropicReranker
+from worker.adapters.rate_budget import BURST_FRACTION, RedisRateBudget, limits_from_headers
+from worker.bootstrap import build_pipeline
+from worker.contract import DocumentIn, SearchSpec
+from worker.core.pipeline import SearchPipeline
+from worker.core.ports import Recorder
+from worker.core.types import RerankPrompt, TokenUsage
+from worker.errors import RerankFailed
+from worker.metrics import PrometheusRecorder
+from worker.runtime import Runtime
+from worker.settings import RateLimit, load_settings
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+MODEL = "claude-haiku-4-5"
+PROMPT = RerankPrompt(
+    policy="listwise.v1",
+    system="rank them",
+    user="Question: q\n" + "\n".join(f"[{i}] Title: text {i}" for i in range(1, 6)),
+    output_schema={"type": "object"},
+    max_tokens=100,
+    candidate_count=5,
+    truncated=(False,) * 5,
+)
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    client.close()
+
+
+def redis_now(client: redis.Redis) -> float:
+    seconds, micros = client.time()
+    return float(seconds) + micros / 1e6
+
+
+def _drain(redis_url: str, limits: dict[str, int], tries: int) -> int:
+    """One process's reservations that may not wait at all; answers how many were admitted."""
+    budget = RedisRateBudget(redis.Redis.from_url(redis_url), MODEL, RateLimit(**limits))
+    return sum(budget.reserve(PROMPT, max_wait=0.0).admitted for _ in range(tries))
+
+
+def test_several_processes_never_get_more_than_the_burst_plus_the_refill(
+    client: redis.Redis, redis_url: str
+) -> None:
+    rpm = 60  # one request a second; the bucket holds 54
+    burst = int(rpm * BURST_FRACTION)
+    started = redis_now(client)
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        counts = pool.starmap(_drain, [(redis_url, {"rpm": rpm}, 60)] * 4)
+    elapsed = redis_now(client) - started
+    admitted = sum(counts)
+    assert admitted >= burst  # the whole burst is usable
+    assert admitted <= burst + elapsed * rpm / 60 + 1  # never beyond it and its refill
+
+
+def test_the_bucket_refills_at_the_limits_rate(client: redis.Redis) -> None:
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
+    while budget.reserve(PROMPT, 0.0).admitted:
+        pass
+    # stand for 30 s gone by: move the bucket's last refill back on Redis's clock
+    key = budget.key
+    client.hincrbyfloat(key, "at", -30.0)
+    before = redis_now(client)
+    admitted = 0
+    while budget.reserve(PROMPT, 0.0).admitted:
+        admitted += 1
+    extra = (redis_now(client) - before) * 1.0
+    assert 30 <= admitted <= 30 + extra + 1
+
+
+def test_a_reservation_waits_in_line_instead_of_overdrawing(client: redis.Redis) -> None:
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=600))  # one every 0.1 s
+    while budget.reserve(PROMPT, 0.0).admitted:
+        pass
+    sends = []  # each reservation's send time on Redis's clock: when it was made + its wait
+    for _ in range(5):
+        grant = budget.reserve(PROMPT, max_wait=60.0)
+        assert grant.admitted and grant.wait > 0
+        sends.append(float(client.hget(budget.key, "at") or 0) + grant.wait)
+    spacing = [b - a for a, b in itertools.pairwise(sends)]
+    assert spacing == pytest.approx([0.1] * 4, abs=1e-5)  # the limit's rate, whatever the timing
+    refused = budget.reserve(PROMPT, max_wait=0.0)
+    assert not refused.admitted and refused.wait > 0
+
+
+def test_settling_gives_back_what_the_call_did_not_use(client: redis.Redis) -> None:
+    budget = RedisRateBudget(client, MODEL, RateLimit(itpm=600_000, otpm=60_000))
+    grant = budget.reserve(PROMPT, 0.0)
+    assert grant.admitted and grant.input_tokens > 0 and grant.output_tokens == 100
+    reserved_at = float(client.hget(budget.key, "at") or 0)
+    level_in = float(client.hget(budget.key, "i") or 0)
+    level_out = float(client.hget(budget.key, "o") or 0)
+    assert level_in == pytest.approx(600_000 * BURST_FRACTION - grant.input_tokens)
+    correction = budget.estimator.correction
+
+    used = TokenUsage(input_tokens=grant.input_tokens // 4, output_tokens=10)
+    budget.settle(grant, used)
+
+    settled_at = float(client.hget(budget.key, "at") or 0)
+    refill_in = (settled_at - reserved_at) * 600_000 / 60
+    refill_out = (settled_at - reserved_at) * 60_000 / 60
+    cap_in, cap_out = 600_000 * BURST_FRACTION, 60_000 * BURST_FRACTION
+    expected_in = min(cap_in, level_in + refill_in + grant.input_tokens - used.input_tokens)
+    expected_out = min(cap_out, level_out + refill_out + 100 - 10)
+    assert float(client.hget(budget.key, "i") or 0) == pytest.approx(expected_in)
+    assert float(client.hget(budget.key, "o") or 0) == pytest.approx(expected_out)
+    # the estimate learned that prompts take fewer tokens than it thought
+    assert budget.estimator.correction < correction
+
+
+def test_a_429_pauses_every_process_sharing_the_budget(client: redis.Redis) -> None:
+    one = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
+    other = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
+    assert other.reserve(PROMPT, 0.0).admitted
+    one.pause(5.0)
+    refused = other.reserve(PROMPT, max_wait=1.0)
+    assert not refused.admitted and 1.0 < refused.wait <= 5.0
+
+
+def test_limits_learned_from_headers_turn_the_budget_on() -> None:
+    headers = {
+        "anthropic-ratelimit-requests-limit": "60",
+        "anthropic-ratelimit-input-tokens-limit": "30000",
+        "anthropic-ratelimit-output-tokens-limit": "bogus",
+    }
+    assert limits_from_headers(headers) == RateLimit(rpm=60, itpm=30000)
+    assert limits_from_headers({"request-id": "x"}) is None
+
+
+def test_a_budget_without_limits_admits_at_once_until_headers_teach_it(
+    client: redis.Redis,
+) -> None:
+    budget = RedisRateBudget(client, MODEL)
+    assert all(budget.reserve(PROMPT, 0.0).admitted for _ in range(100))
+    assert not client.exists(budget.key)  # off: not one Redis write
+    budget.learn({"anthropic-ratelimit-requests-limit": "60"})
+    assert client.hget(budget.key, "Lr") == b"60"
+    admitted = 0
+    while budget.reserve(PROMPT, 0.0).admitted:
+        admitted += 1
+    assert int(60 * BURST_FRACTION) <= admitted <= int(60 * BURST_FRACTION) + 2
+
+
+# --- through the pipeline, with the real SDK against the fake Messages API ------------------
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[fa.FakeAnthropic]:
+    with fa.FakeAnthropic() as fake:
+        yield fake
+
+
+@pytest.fixture
+def fake(server: fa.FakeAnthropic) -> Iterator[fa.FakeAnthropic]:
+    server.reset()
+    server.configure(rpm=None, itpm=None, otpm=None)
+    yield server
+
+
+def build(
+    fake: fa.FakeAnthropic,
+    client: redis.Redis,
+    policy: str,
+    limits: RateLimit | None,
+    recorder: Recorder,
+) -> tuple[SearchPipeline, RedisRateBudget]:
+    settings = load_settings(
+        rerank_enabled=True,
+        generation_model=f"anthropic:{MODEL}",
+        rerank_failure_policy=policy,
+        search_deadline_seconds=3.0,
+        generation_timeout_seconds=2.0,
+    )
+    budget = RedisRateBudget(client, MODEL, limits)
+    sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
+    pipeline = build_pipeline(
+        settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=AnthropicReranker(MODEL, client=sdk, on_headers=budget.learn),
+        recorder=recorder,
+        rate_budget=budget,
+    )
+    Runtime(pipeline).ingest(
+        "docs",
+        "acme",
+        [DocumentIn(id=f"d{i}", title=f"n {i}", text=f"volcano ash {i}") for i in range(20)],
+    )
+    return pipeline, budget
+
+
+def search(pipeline: SearchPipeline) -> Any:
+    return pipeline.search(
+        SearchSpec(index="docs", query="volcano ash", limit=5, include_trace=True), "acme"
+    )
+
+
+def exhaust(budget: RedisRateBudget) -> None:
+    while budget.reserve(PROMPT, 0.0).admitted:
+        pass
+
+
+def test_a_search_the_budget_cannot_serve_in_time_falls_back_without_a_model_call(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    recorder = RecordingRecorder()
+    pipeline, budget = build(fake, client, "fail_open", RateLimit(rpm=2), recorder)
+    exhaust(budget)  # the next request frees in ~30 s; the deadline is 3 s
+    result = search(pipeline)
+    assert fake.requests() == []
+    assert result.rerank.applied is False
+    assert result.rerank.fallback_reason == "error:budget_exhausted"
+    assert result.usage.requests == 0
+    attempts = result.trace["attempts"]
+    assert [a["outcome"] for a in attempts] == ["budget_exhausted"]  # not retried
+    assert attempts[0]["budget_wait_seconds"] > 3.0
+    assert recorder.events["attempt", "budget_exhausted"] == 1
+    assert recorder.events["rerank", "budget_exhausted"] == 1
+
+
+def test_under_fail_closed_it_fails_naming_the_class_and_counts_in_metrics(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    labels = {"model": MODEL, "result": "budget_exhausted"}
+    before = REGISTRY.get_sample_value("sift_rerank_attempts_total", labels) or 0.0
+    pipeline, budget = build(fake, client, "fail_closed", RateLimit(rpm=2), PrometheusRecorder())
+    exhaust(budget)
+    with pytest.raises(RerankFailed) as failed:
+        search(pipeline)
+    assert failed.value.reason == "budget_exhausted"
+    assert fake.requests() == []
+    after = REGISTRY.get_sample_value("sift_rerank_attempts_total", labels)
+    assert after == before + 1
+
+
+def test_a_wait_that_fits_the_deadline_is_waited_then_the_model_is_called(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    recorder = RecordingRecorder()
+    pipeline, budget = build(fake, client, "fail_closed", RateLimit(rpm=600), recorder)
+    exhaust(budget)  # the next request frees in 0.1 s
+    result = search(pipeline)
+    assert result.rerank.applied is True
+    assert len(fake.requests()) == 1
+    attempt = result.trace["attempts"][0]
+    assert attempt["outcome"] == "ok" and attempt["budget_wait_seconds"] > 0
+
+
+def test_headers_of_the_provider_teach_the_budget_its_limits(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    fake.configure(rpm=120, itpm=1_000_000)
+    pipeline, budget = build(fake, client, "fail_closed", None, RecordingRecorder())
+    assert not budget.active
+    assert search(pipeline).rerank.applied is True
+    assert budget.learned == RateLimit(rpm=120, itpm=1_000_000)
+    assert budget.active
+    assert client.hget(budget.key, "Lr") == b"120"
+    assert budget.estimator.correction == 1.0  # the first call went unmetered: nothing settled
+    assert search(pipeline).rerank.applied is True
+    # the second was reserved and settled on the learned limits, calibrating the estimate
+    assert budget.estimator.correction != 1.0
+    assert float(client.hget(budget.key, "r") or 0) < 120 * BURST_FRACTION
+
+
+def test_a_429_from_the_provider_pauses_the_shared_budget(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    recorder = RecordingRecorder()
+    pipeline, _ = build(fake, client, "fail_open", RateLimit(rpm=6000), recorder)
+    fake.script([fa.status(429, retry_after=30)])
+    result = search(pipeline)  # the retry would wait 30 s: past the 3 s deadline
+    outcomes = [a["outcome"] for a in result.trace["attempts"]]
+    assert outcomes[0] == "rate_limited"
+    assert len(fake.requests()) == 1
+    other = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
+    refused = other.reserve(PROMPT, max_wait=1.0)
+    assert not refused.admitted and 25.0 < refused.wait <= 30.0
+
+
+def test_backlog_answers_the_wait_without_reserving(client: redis.Redis) -> None:
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
+    assert budget.backlog() == 0.0  # a full bucket
+    exhaust(budget)
+    level = client.hget(budget.key, "r")
+    first = budget.backlog()
+    assert 0 < first <= 1.0  # one request frees in a second at most
+    assert budget.backlog() <= first and client.hget(budget.key, "r") == level
+
+
+def test_a_batch_item_paces_itself_until_the_queue_fits_in_its_deadline(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    settings = load_settings(
+        rerank_enabled=True, generation_model=f"anthropic:{MODEL}", search_deadline_seconds=3.0
+    )
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:  # stands for time going by: the bucket refills
+        slept.append(seconds)
+        client.hincrbyfloat(budget.key, "at", -seconds)
+
+    pipeline = build_pipeline(
+        settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=AnthropicReranker(MODEL, api_key="sk-test"),
+        rate_budget=budget,
+        sleep=sleep,
+    )
+    exhaust(budget)
+    for _ in range(5):  # a queue of 5 s, past a third of the 3 s deadline
+        assert budget.reserve(PROMPT, max_wait=60.0).admitted
+    assert budget.backlog() > 1.0
+    pipeline.pace()
+    assert slept and budget.backlog() <= 1.0
+    assert fake.requests() == []  # pacing calls no model
+
+
+def test_settling_many_calls_in_flight_converges_on_the_reported_ratio(
+    client: redis.Redis,
+) -> None:
+    """Grants settled after others moved the correction (calls in flight together) still
+    calibrate toward reported / estimated, instead of feeding the correction back into itself."""
+    budget = RedisRateBudget(client, MODEL, RateLimit(itpm=100_000_000))
+    grants = [budget.reserve(PROMPT, 0.0) for _ in range(50)]
+    raw = budget.estimator.raw(PROMPT)
+    for grant in grants:
+        budget.settle(grant, TokenUsage(input_tokens=round(raw / 2), output_tokens=1))
+    assert budget.estimator.correction == pytest.approx(0.5, abs=0.02)

@@ -1,0 +1,62 @@
+"""SIFT_RATE_LIMITS, the budget it builds, and the input-token estimate's calibration."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.adapters.rate_budget import RedisRateBudget, TokenEstimator
+from worker.bootstrap import build_rate_budget
+from worker.core.types import RerankPrompt
+from worker.errors import ConfigError
+from worker.settings import RateLimit, load_settings
+
+MODEL = "claude-haiku-4-5"
+
+
+def test_rate_limits_are_read_as_json_per_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SIFT_RATE_LIMITS", '{"claude-haiku-4-5": {"rpm": 4000, "itpm": 400000}}')
+    settings = load_settings()
+    assert settings.rate_limits == {MODEL: RateLimit(rpm=4000, itpm=400_000)}
+    monkeypatch.setenv("SIFT_RATE_LIMITS", "")
+    assert load_settings().rate_limits == {}
+
+
+@pytest.mark.parametrize(
+    "value",
+    ['{"claude-haiku-4-5": {"rpm": 0}}', '{"claude-haiku-4-5": {"tpm": 5}}', "{not json"],
+)
+def test_a_bad_rate_limit_names_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("SIFT_RATE_LIMITS", value)
+    with pytest.raises(ConfigError, match="SIFT_RATE_LIMITS"):
+        load_settings()
+
+
+def test_the_budget_takes_the_models_limits_and_needs_redis_and_a_model() -> None:
+    limits = {MODEL: {"rpm": 50}, "other": {"rpm": 1}}
+    settings = load_settings(
+        generation_model=f"anthropic:{MODEL}", redis_url="redis://127.0.0.1:1/0", rate_limits=limits
+    )
+    budget = build_rate_budget(settings)
+    assert isinstance(budget, RedisRateBudget)
+    assert budget.limits == RateLimit(rpm=50) and budget.active
+    assert budget.key == f"sift:rate-budget:standard:{MODEL}"
+    assert build_rate_budget(load_settings(generation_model=f"anthropic:{MODEL}")) is None
+    assert build_rate_budget(load_settings(redis_url="redis://127.0.0.1:1/0")) is None
+    assert build_rate_budget(settings.model_copy(update={"rate_budget_enabled": False})) is None
+    unnamed = build_rate_budget(
+        load_settings(generation_model="anthropic:other-model", redis_url="redis://127.0.0.1:1/0")
+    )
+    assert unnamed is not None and not unnamed.active  # off until headers teach a limit
+
+
+def test_the_estimate_moves_toward_the_reported_usage() -> None:
+    prompt = RerankPrompt("listwise.v1", "s" * 30, "u" * 270, {}, 100, 1, (False,))
+    estimator = TokenEstimator(chars_per_token=3.0, smoothing=0.5)
+    raw = estimator.raw(prompt)
+    first = estimator.estimate(prompt)
+    assert first == round(raw)
+    for _ in range(20):
+        estimator.calibrate(raw, round(raw / 2))
+    assert estimator.estimate(prompt) == pytest.approx(raw / 2, abs=1)
+    estimator.calibrate(raw, 0)  # no report: no change
+    assert estimator.estimate(prompt) == pytest.approx(raw / 2, abs=1)
