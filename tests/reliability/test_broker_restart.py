@@ -58,6 +58,7 @@ DOWN_SECONDS = 2.0  # how long redis-server stays down: every client sees it gon
 # 3x that stall, plus the sweep.
 FINISH_TIMEOUT = 3 * 120.0 + 30.0
 
+
 class Broker:
     """redis-server with AOF ``everysec`` on one port and directory, restartable in place."""
 
