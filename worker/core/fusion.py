@@ -1,31 +1,96 @@
-"""Reciprocal Rank Fusion with constant 60 and deterministic ties (DESIGN.md §2 step 4)."""
+"""Weighted Reciprocal Rank Fusion with deterministic ties (DESIGN.md §2 step 4).
+
+``score(d) = Σ_c w_c / (rank_constant + rank_c(d))`` over the channels ``c`` that list
+``d``. With every weight 1 and ``rank_constant`` 60 it is plain RRF; a channel weighted 0
+contributes nothing, not even candidates, so ``{"bm25": 1, "knn": 0}`` is BM25 alone.
+The settings come from the request, else the index, else the defaults
+(:func:`resolve_fusion`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from worker.constants import RRF_K
 from worker.contract import Channel
 from worker.core.types import Candidate, ChannelHit
 
 
+@dataclass(frozen=True, slots=True)
+class Fusion:
+    """How two ranked lists become one: a weight per channel and the rank constant."""
+
+    weights: Mapping[Channel, float] = field(default_factory=lambda: {"bm25": 1.0, "knn": 1.0})
+    rank_constant: int = RRF_K
+
+    def weight(self, channel: Channel) -> float:
+        """A channel's weight; a channel the weights do not name counts 1."""
+        return float(self.weights.get(channel, 1.0))
+
+    def as_dict(self) -> dict[str, object]:
+        """The settings as a trace or an index's metadata shows them."""
+        return {"weights": dict(self.weights), "rank_constant": self.rank_constant}
+
+
+@dataclass(frozen=True, slots=True)
+class FusionOverride:
+    """Settings given at one level (a request or an index); ``None`` defers to the next."""
+
+    weights: Mapping[Channel, float] | None = None
+    rank_constant: int | None = None
+
+
+def resolve_fusion(default: Fusion, *overrides: FusionOverride | None) -> Fusion:
+    """The request's settings over the index's over the defaults, field by field:
+    ``overrides`` come most specific first; a weight named at a level wins over the same
+    channel's weight further down.
+
+    >>> default = Fusion({"bm25": 1.0, "knn": 1.0}, 60)
+    >>> index = FusionOverride({"knn": 0.4}, 20)
+    >>> request = FusionOverride({"bm25": 2.0})
+    >>> resolve_fusion(default, request, index).as_dict()
+    {'weights': {'bm25': 2.0, 'knn': 0.4}, 'rank_constant': 20}
+    >>> resolve_fusion(default, None, None) == default
+    True
+    """
+    weights: dict[Channel, float] = dict(default.weights)
+    rank_constant = default.rank_constant
+    for level in reversed([o for o in overrides if o is not None]):
+        weights.update(level.weights or {})
+        if level.rank_constant is not None:
+            rank_constant = level.rank_constant
+    return Fusion(weights, rank_constant)
+
+
 def rrf_fuse(
-    channel_hits: Mapping[Channel, Sequence[ChannelHit]], limit: int, k: int = RRF_K
+    channel_hits: Mapping[Channel, Sequence[ChannelHit]],
+    limit: int,
+    fusion: Fusion | None = None,
 ) -> list[Candidate]:
     """Fuse each channel's admitted hits; keep the first ``limit``.
 
     A document's rank in a channel is its 1-based place in that channel's list; a
-    document listed twice keeps its best (first) rank. ``score = Σ 1 / (k + rank)``.
-    Ties break on the best channel rank, then on the id, so equal input gives equal order.
+    document listed twice keeps its best (first) rank. ``score = Σ w / (k + rank)``.
+    Ties break on the best rank in a weighted channel, then on the id, so equal input
+    gives equal order.
 
     >>> from worker.core.types import Document
     >>> a, b = Document("a", "x"), Document("b", "y")
-    >>> [c.document.id for c in rrf_fuse({"bm25": [ChannelHit(a, 2.0), ChannelHit(b, 1.0)],
-    ...                                   "knn": [ChannelHit(b, 0.9)]}, limit=2)]
+    >>> hits = {"bm25": [ChannelHit(a, 2.0), ChannelHit(b, 1.0)], "knn": [ChannelHit(b, 0.9)]}
+    >>> [c.document.id for c in rrf_fuse(hits, limit=2)]
     ['b', 'a']
+    >>> [c.document.id for c in rrf_fuse(hits, limit=2, fusion=Fusion({"knn": 0.0}))]
+    ['a', 'b']
+    >>> round(rrf_fuse(hits, 1, Fusion({"bm25": 1.0, "knn": 0.5}, 10))[0].rrf_score, 4)
+    0.1288
     """
+    fusion = fusion or Fusion()
     fused: dict[str, Candidate] = {}
     for channel, hits in channel_hits.items():
+        weight = fusion.weight(channel)
+        if weight <= 0.0:
+            continue  # a channel weighted 0 is not fused at all
         for rank, hit in enumerate(hits, start=1):
             doc_id = hit.document.id
             candidate = fused.get(doc_id)
@@ -36,7 +101,7 @@ def rrf_fuse(
                 continue  # a repeat within one channel keeps its best rank
             candidate.channel_ranks[channel] = rank
             candidate.channel_scores[channel] = hit.score
-            candidate.rrf_score += 1.0 / (k + rank)
+            candidate.rrf_score += weight / (fusion.rank_constant + rank)
 
     ordered = sorted(
         fused.values(),
