@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import math
 import os
 import queue
 import shutil
@@ -30,27 +29,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
+from worker.machine import cpu_count
 from worker.settings import Settings
 from worker.stack import Service, Supervisor, child_env, sift_command
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def cpu_count() -> int:
-    """The cores this process may use: its CPU affinity, capped by a cgroup v2 CPU quota
-    (``docker run --cpus``) rounded up."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    with contextlib.suppress(OSError, ValueError):
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    return max(1, cores)
 
 
 def resolve_processes(setting: int) -> int:

@@ -7,7 +7,8 @@ import os
 import time
 from pathlib import Path
 
-from worker.processes import cpu_count, resolve_processes
+from worker.machine import cpu_count
+from worker.processes import resolve_processes
 from worker.settings import Settings
 from worker.stack import Service, Supervisor
 

@@ -45,7 +45,7 @@ import numpy.typing as npt
 from worker.coalesce import Coalescer
 from worker.core.ports import Embedder
 from worker.errors import ConfigError
-from worker.queue.slots import cores
+from worker.machine import cpu_count
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class OnnxMiniLMEmbedder:
         self._tokenizer_path = tokenizer_path
         self._batch_size = max(1, batch_size)
         self._threads = threads
-        self._parallel_calls = max(1, parallel_calls or cores())
+        self._parallel_calls = max(1, parallel_calls or cpu_count())
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._tokenizer: Any = None
