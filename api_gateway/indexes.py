@@ -19,20 +19,19 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from api_gateway.errors import ApiError
-from api_gateway.jobs import (
+from api_gateway.deps import (
     ERRORS,
     LOCATION_HEADER,
     Tenant,
     Wait,
-    _decode_token,
-    _encode_token,
-    _enqueue_ingest,
-    _ingest_response,
-    _io,
-    _sender,
-    _store,
+    decode_token,
+    encode_token,
+    job_store,
+    off_loop,
+    task_sender,
 )
+from api_gateway.errors import ApiError
+from api_gateway.jobs import enqueue_ingest, ingest_response
 from api_gateway.schemas import IngestJobOut, _Strict, iso
 from worker.constants import (
     DEFAULT_PAGE_SIZE,
@@ -121,11 +120,11 @@ def _not_found(index: str) -> ApiError:
 
 async def _read(request: Request, operation: str, tenant: str, index: str, doc_id: str) -> Any:
     """Ask a worker for one index read; its ``found`` answer (None: the tenant has none)."""
-    store = _store(request)
+    store = job_store(request)
     key = store.new_reply_key()
     args = [key, operation, tenant, index, doc_id]
-    await _io(_sender(request).send, INDEX_READ_TASK, args, SEARCH_QUEUE)
-    raw = await _io(store.await_reply, key, INDEX_READ_TIMEOUT_SECONDS)
+    await off_loop(task_sender(request).send, INDEX_READ_TASK, args, SEARCH_QUEUE)
+    raw = await off_loop(store.await_reply, key, INDEX_READ_TIMEOUT_SECONDS)
     if raw is None:
         raise ApiError(
             503,
@@ -144,14 +143,14 @@ async def _read(request: Request, operation: str, tenant: str, index: str, doc_i
 async def _delete_job(
     request: Request, tenant: str, index: str, ids: list[str] | None, wait: float
 ) -> Response:
-    store = _store(request)
-    job = await _enqueue_ingest(
+    store = job_store(request)
+    job = await enqueue_ingest(
         request, lambda enqueue: store.create_deletion(tenant, index, ids, enqueue=enqueue)
     )
     log.info(
         "ingest %s: %s of %d ids for %s/%s", job.id, job.operation, len(ids or []), tenant, index
     )
-    return await _ingest_response(request, job, wait)
+    return await ingest_response(request, job, wait)
 
 
 @router.get(
@@ -167,13 +166,13 @@ async def list_indexes(
     page_token: Annotated[str | None, Query(max_length=64)] = None,
 ) -> IndexesPage:
     """Each index holding at least one of the caller's documents, with the caller's count."""
-    offset = _decode_token(page_token)
+    offset = decode_token(page_token)
     found: list[dict[str, Any]] = await _read(request, "list", tenant, "", "")
     page = found[offset : offset + page_size]
     end = offset + len(page)
     return IndexesPage(
         indexes=[_index_out(i) for i in page],
-        next_page_token=_encode_token(end) if end < len(found) else None,
+        next_page_token=encode_token(end) if end < len(found) else None,
     )
 
 

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
-import asyncio
-import base64
-import binascii
 import logging
-import re
-import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
 
-from api_gateway.auth import authenticate
 from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
 from api_gateway.bodies import BATCH_BODY, parse_batch
+from api_gateway.deps import (
+    ERRORS,
+    Tenant,
+    Wait,
+    accepted,
+    app_settings,
+    async_job_store,
+    decode_token,
+    encode_token,
+    is_id,
+    job_store,
+    location,
+    off_loop,
+    poll_until,
+    task_sender,
+)
 from api_gateway.errors import ApiError, ErrorBody
 from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
 from api_gateway.schemas import (
@@ -41,11 +50,9 @@ from worker.constants import (
     INGEST_QUEUE,
     INGEST_TASK,
     LANE_ECONOMY,
-    MAX_BATCH_QUERIES,
     MAX_DOCUMENT_CHARS,
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_PAGE_SIZE,
-    MAX_WAIT_SECONDS,
     SEARCH_ID_PREFIX,
     SEARCH_QUEUE,
     SEARCH_TASK,
@@ -56,7 +63,6 @@ from worker.constants import (
 from worker.contract import INDEX_PATTERN, JobStatus, SearchSpec
 from worker.errors import InvalidRequest
 from worker.queue.jobstore import (
-    AsyncJobStore,
     BatchJob,
     CancelOutcome,
     Enqueue,
@@ -77,15 +83,6 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 T = TypeVar("T")
 
-Tenant = Annotated[str, Depends(authenticate)]
-Wait = Annotated[
-    float,
-    Query(
-        ge=0,
-        le=MAX_WAIT_SECONDS,
-        description="Seconds to wait for the job to finish; 200 if it did, else 202.",
-    ),
-]
 IdemKey = Annotated[
     str | None,
     Header(
@@ -96,9 +93,6 @@ IdemKey = Annotated[
         "While the first request is still being answered: 409.",
     ),
 ]
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 503)
-}
 BUSY: dict[int | str, dict[str, Any]] = {
     429: {
         "model": ErrorBody,
@@ -107,37 +101,6 @@ BUSY: dict[int | str, dict[str, Any]] = {
         "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}},
     }
 }
-LOCATION_HEADER: dict[str, dict[str, Any]] = {
-    "Location": {
-        "schema": {"type": "string"},
-        "description": "The job's URL, to poll (a path on this gateway).",
-    }
-}
-POLL_MIN_SECONDS = 0.005
-POLL_MAX_SECONDS = 0.1
-_ID_DIGITS = re.compile(r"[0-9a-f]{32}")
-
-
-def _is_id(value: str, prefix: str) -> bool:
-    """Whether ``value`` has the shape of the ids the store makes (``prefix`` and 32 hex
-    digits). Any other is unknown without asking Redis: a client's text never becomes part
-    of a key name, where it could name a key of another type (a WRONGTYPE error, a 5xx)."""
-    return value.startswith(prefix) and _ID_DIGITS.fullmatch(value, len(prefix)) is not None
-
-
-def _store(request: Request) -> JobStore:
-    store: JobStore = request.app.state.store
-    return store
-
-
-def _async_store(request: Request) -> AsyncJobStore:
-    store: AsyncJobStore = request.app.state.async_store
-    return store
-
-
-def _sender(request: Request) -> TaskSender:
-    sender: TaskSender = request.app.state.sender
-    return sender
 
 
 async def _admit(request: Request, items: int) -> None:
@@ -155,16 +118,6 @@ async def _admit(request: Request, items: int) -> None:
             str(exc),
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         ) from exc
-
-
-def _settings(request: Request) -> Settings:
-    settings: Settings = request.app.state.settings
-    return settings
-
-
-async def _io(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run a blocking Redis or broker call off the event loop."""
-    return await run_in_threadpool(fn, *args, **kwargs)
 
 
 J = TypeVar("J", SearchJob, BatchJob, IngestJob)
@@ -195,35 +148,8 @@ async def _create_and_enqueue_async(
         outbox = sender
         return await create(lambda job_id: outbox.messages(messages(job_id)))
     job = await create(None)
-    await _io(sender.send_many, messages(job.id))
+    await off_loop(sender.send_many, messages(job.id))
     return job
-
-
-async def _poll(
-    read: Callable[[], Awaitable[T | None]], final: Callable[[T], bool], wait: float
-) -> T | None:
-    """Read until ``final`` or ``wait`` seconds pass, backing off from 5 ms to 100 ms."""
-    deadline = time.monotonic() + wait
-    delay = POLL_MIN_SECONDS
-    current = await read()
-    while current is not None and not final(current) and time.monotonic() < deadline:
-        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-        delay = min(delay * 2, POLL_MAX_SECONDS)
-        current = await read()
-    return current
-
-
-def _location(request: Request, route: str, **params: str) -> dict[str, str]:
-    """The ``Location`` header of a ``202``: the path of the job to poll, under this app's
-    ``root_path`` (a relative reference, so it stays right behind a proxy that rewrites the
-    host)."""
-    path = request.app.url_path_for(route, **params)
-    return {"Location": request.scope.get("root_path", "") + str(path)}
-
-
-def _accepted(description: str) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI entry of a route's ``202``: its description and its ``Location`` header."""
-    return {202: {"description": description, "headers": LOCATION_HEADER}}
 
 
 def _search_out(job: SearchJob) -> SearchJobOut:
@@ -248,13 +174,15 @@ def _search_response(request: Request, job: SearchJob) -> Response:
     body = _search_out(job).model_dump_json(exclude_none=False)
     if job.status.final:
         return Response(body, media_type="application/json")
-    headers = _location(request, "get_search", job_id=job.id)
+    headers = location(request, "get_search", job_id=job.id)
     return Response(body, status_code=202, media_type="application/json", headers=headers)
 
 
 async def _check_url(settings: Settings, url: str | None) -> None:
     if url is not None:
-        await _io(check_webhook_url, url, allow_private=settings.webhook_allow_private_networks)
+        await off_loop(
+            check_webhook_url, url, allow_private=settings.webhook_allow_private_networks
+        )
 
 
 class _Idempotency:
@@ -290,7 +218,9 @@ class _Idempotency:
         """The job of an earlier request with this key, None to go ahead; raises 409/422."""
         if self.key is None:
             return None
-        return self._answer(await _io(self.store.claim_idempotency, self.tenant, self.key, self.fp))
+        return self._answer(
+            await off_loop(self.store.claim_idempotency, self.tenant, self.key, self.fp)
+        )
 
     def bound_job(self, bound: IdempotencyKeyBound) -> str:
         """The job another request with this key created while this one was on its way."""
@@ -320,13 +250,13 @@ class _Idempotency:
         """Free the key of a request that failed before its job was created (a key already
         bound to a job stays bound)."""
         if self.key is not None:
-            await _io(self.store.release_idempotency, self.tenant, self.key)
+            await off_loop(self.store.release_idempotency, self.tenant, self.key)
 
 
 # --- documents ------------------------------------------------------------------------------
 
 
-def _ingest_out(job: IngestJob) -> IngestJobOut:
+def ingest_out(job: IngestJob) -> IngestJobOut:
     return IngestJobOut(
         id=job.id,
         status=job.status,
@@ -341,14 +271,14 @@ def _ingest_out(job: IngestJob) -> IngestJobOut:
     )
 
 
-async def _enqueue_ingest(
+async def enqueue_ingest(
     request: Request, create: Callable[[Enqueue | None], IngestJob]
 ) -> IngestJob:
     """Store an ingest job (an upsert or a deletion, as ``create`` makes it) and queue its
     task."""
-    job: IngestJob = await _io(
+    job: IngestJob = await off_loop(
         _create_and_enqueue,
-        _sender(request),
+        task_sender(request),
         create,
         lambda job_id: [(INGEST_TASK, [job_id], INGEST_QUEUE)],
     )
@@ -356,20 +286,20 @@ async def _enqueue_ingest(
     return job
 
 
-async def _ingest_response(request: Request, job: IngestJob, wait: float) -> Response:
+async def ingest_response(request: Request, job: IngestJob, wait: float) -> Response:
     """The answer to a request that queued an ingest ``job``: 200 when it is final within
     ``wait`` seconds, else 202 with its ``Location`` to poll."""
     if wait > 0:
-        store = _store(request)
+        store = job_store(request)
 
         async def read() -> IngestJob | None:
-            return await _io(store.get_ingest, job.id)
+            return await off_loop(store.get_ingest, job.id)
 
-        job = await _poll(read, lambda j: j.status.final, wait) or job
-    body_out = _ingest_out(job).model_dump_json()
+        job = await poll_until(read, lambda j: j.status.final, wait) or job
+    body_out = ingest_out(job).model_dump_json()
     if job.status.final:
         return Response(body_out, media_type="application/json")
-    headers = _location(request, "get_ingestion", job_id=job.id)
+    headers = location(request, "get_ingestion", job_id=job.id)
     return Response(body_out, status_code=202, media_type="application/json", headers=headers)
 
 
@@ -379,7 +309,7 @@ async def _ingest_response(request: Request, job: IngestJob, wait: float) -> Res
     status_code=202,
     responses={
         200: {"model": IngestJobOut, "description": "Ingested within `wait`."},
-        **_accepted("Queued or running; poll the `Location`."),
+        **accepted("Queued or running; poll the `Location`."),
         **ERRORS,
     },
     summary="Upsert documents by id into an index, for the caller's tenant",
@@ -400,13 +330,13 @@ async def upsert_documents(
             )
         if not doc.text.strip():
             raise InvalidRequest(f"documents[{i}].text", "is empty after trimming whitespace")
-    store = _store(request)
-    job = await _enqueue_ingest(
+    store = job_store(request)
+    job = await enqueue_ingest(
         request,
         lambda enqueue: store.create_ingest(tenant, index, body.documents, enqueue=enqueue),
     )
     log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
-    return await _ingest_response(request, job, wait)
+    return await ingest_response(request, job, wait)
 
 
 @router.get(
@@ -414,11 +344,13 @@ async def upsert_documents(
 )
 async def get_ingestion(request: Request, job_id: str, tenant: Tenant) -> IngestJobOut:
     job = (
-        await _io(_store(request).get_ingest, job_id) if _is_id(job_id, INGEST_ID_PREFIX) else None
+        await off_loop(job_store(request).get_ingest, job_id)
+        if is_id(job_id, INGEST_ID_PREFIX)
+        else None
     )
     if job is None or job.tenant != tenant:
         raise ApiError(404, "not_found", f"id: no ingest job {job_id!r}", field="id")
-    return _ingest_out(job)
+    return ingest_out(job)
 
 
 # --- searches -------------------------------------------------------------------------------
@@ -430,7 +362,7 @@ async def get_ingestion(request: Request, job_id: str, tenant: Tenant) -> Ingest
     status_code=202,
     responses={
         200: {"model": SearchJobOut, "description": "Finished within `wait`."},
-        **_accepted("Queued or running; poll the `Location`."),
+        **accepted("Queued or running; poll the `Location`."),
         **ERRORS,
         **BUSY,
     },
@@ -445,19 +377,19 @@ async def create_search(
 ) -> Response:
     """Answers 202 with the queued job, or 200 with the finished job if it finished within
     ``wait`` seconds."""
-    settings, store = _settings(request), _store(request)
+    settings, store = app_settings(request), job_store(request)
     await _check_url(settings, body.webhook_url)
     idem = _Idempotency.of(store, tenant, idempotency_key, "POST /v1/searches", body)
     job_id = await idem.earlier_job()
     fresh: SearchJob | None = None
     if job_id is None:
-        async_store = _async_store(request)
+        async_store = async_job_store(request)
         try:
             await _admit(request, 1)
             spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
             # one script on the event loop: the record, the task message, the key's binding
             fresh = await _create_and_enqueue_async(
-                _sender(request),
+                task_sender(request),
                 lambda enqueue: async_store.create_search(
                     tenant, spec, webhook_url=body.webhook_url, enqueue=enqueue, claim=idem.ref
                 ),
@@ -480,13 +412,13 @@ async def _answer_search(
     request: Request, store: JobStore, job_id: str, tenant: str, wait: float
 ) -> Response:
     async def read() -> SearchJob | None:
-        return await _io(store.get_search, job_id)
+        return await off_loop(store.get_search, job_id)
 
     async def read_status() -> JobStatus | None:
-        return await _io(store.get_search_status, job_id)
+        return await off_loop(store.get_search_status, job_id)
 
     if wait > 0:
-        await _poll(read_status, lambda s: s.final, wait)
+        await poll_until(read_status, lambda s: s.final, wait)
     job = await read()
     if job is None or job.tenant != tenant:
         raise ApiError(404, "not_found", f"id: no search {job_id!r} (expired?)", field="id")
@@ -501,7 +433,9 @@ async def _answer_search(
 )
 async def get_search(request: Request, job_id: str, tenant: Tenant) -> Response:
     job = (
-        await _io(_store(request).get_search, job_id) if _is_id(job_id, SEARCH_ID_PREFIX) else None
+        await off_loop(job_store(request).get_search, job_id)
+        if is_id(job_id, SEARCH_ID_PREFIX)
+        else None
     )
     if job is None or job.tenant != tenant:
         raise ApiError(404, "not_found", f"id: no search {job_id!r}", field="id")
@@ -511,7 +445,7 @@ async def get_search(request: Request, job_id: str, tenant: Tenant) -> Response:
 # --- batches --------------------------------------------------------------------------------
 
 
-def _batch_out(batch: BatchJob) -> BatchOut:
+def batch_out(batch: BatchJob) -> BatchOut:
     return BatchOut(
         id=batch.id,
         status=batch.status,
@@ -526,8 +460,8 @@ def _batch_out(batch: BatchJob) -> BatchOut:
 
 async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob:
     batch = (
-        await _io(_store(request).get_batch, batch_id)
-        if _is_id(batch_id, BATCH_ID_PREFIX)
+        await off_loop(job_store(request).get_batch, batch_id)
+        if is_id(batch_id, BATCH_ID_PREFIX)
         else None
     )
     if batch is None or batch.tenant != tenant:
@@ -539,7 +473,7 @@ async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob
     "/batches",
     response_model=BatchOut,
     status_code=202,
-    responses={**_accepted("Accepted; poll the `Location`."), **ERRORS, **BUSY},
+    responses={**accepted("Accepted; poll the `Location`."), **ERRORS, **BUSY},
     summary="Submit a batch of searches",
     openapi_extra=BATCH_BODY,
 )
@@ -552,16 +486,16 @@ async def create_batch(
     ``lane="economy"`` sends the reranks as Message Batches at half the price: the batch
     completes when the provider's batches end (minutes to hours). The body
     (``BatchRequest``) is parsed and stored off the event loop."""
-    settings, store = _settings(request), _store(request)
+    settings, store = app_settings(request), job_store(request)
     route = "POST /v1/batches"
     # parsed and fingerprinted in a thread, a slice at a time (api_gateway/bodies.py)
-    parsed = await _io(parse_batch, await request.body(), route if idempotency_key else None)
+    parsed = await off_loop(parse_batch, await request.body(), route if idempotency_key else None)
     body, items = parsed.head, parsed.items
     await _check_url(settings, body.webhook_url)
     idem = _Idempotency(store, tenant, idempotency_key, parsed.fingerprint)
     batch_id = await idem.earlier_job()
     if batch_id is None:
-        size, total, sender = settings.batch_chunk_size, len(items), _sender(request)
+        size, total, sender = settings.batch_chunk_size, len(items), task_sender(request)
 
         def chunks(new_id: str) -> list[TaskMessage]:
             return [
@@ -571,7 +505,7 @@ async def create_batch(
 
         try:
             await _admit(request, len(items))  # the whole batch, or none of it
-            batch = await _io(
+            batch = await off_loop(
                 _create_and_enqueue,
                 sender,
                 lambda enqueue: store.create_batch(
@@ -600,10 +534,10 @@ async def create_batch(
             batch_id = batch.id
     batch = await _owned_batch(request, batch_id, tenant)
     return Response(
-        _batch_out(batch).model_dump_json(),
+        batch_out(batch).model_dump_json(),
         status_code=202,
         media_type="application/json",
-        headers=_location(request, "get_batch", batch_id=batch.id),
+        headers=location(request, "get_batch", batch_id=batch.id),
     )
 
 
@@ -614,31 +548,7 @@ async def create_batch(
     summary="A batch's status and counts",
 )
 async def get_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
-    return _batch_out(await _owned_batch(request, batch_id, tenant))
-
-
-def _decode_token(token: str | None) -> int:
-    """The offset in a page token. Only the exact text :func:`_encode_token` makes, of an
-    offset a batch can have, is one: anything else (``int`` alone would take "1_0", " 7",
-    Arabic digits, or 2**63, which Redis refuses) is 422 before Redis sees it. So is an
-    empty one: a client that sent the last page's ``null`` as "" would loop from page one."""
-    if token is None:
-        return 0
-    if not token:
-        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-        kind, _, value = raw.partition(":")
-        offset = int(value) if value.isascii() and value.isdigit() else -1
-    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
-        raise InvalidRequest("page_token", "is not a token this API issued") from exc
-    if kind != "o" or not 0 <= offset <= MAX_BATCH_QUERIES or _encode_token(offset) != token:
-        raise InvalidRequest("page_token", "is not a token this API issued")
-    return offset
-
-
-def _encode_token(offset: int) -> str:
-    return base64.urlsafe_b64encode(f"o:{offset}".encode()).decode().rstrip("=")
+    return batch_out(await _owned_batch(request, batch_id, tenant))
 
 
 @router.get(
@@ -655,11 +565,11 @@ async def get_batch_results(
     page_token: Annotated[str | None, Query(max_length=64)] = None,
 ) -> Response:
     """Every item appears once over the pages, with ``result`` or ``error`` once final."""
-    offset = _decode_token(page_token)
+    offset = decode_token(page_token)
     batch = await _owned_batch(request, batch_id, tenant)
-    outcomes = await _io(_store(request).batch_results, batch_id, offset, page_size)
+    outcomes = await off_loop(job_store(request).batch_results, batch_id, offset, page_size)
     end = offset + len(outcomes)
-    token = _encode_token(end) if end < batch.total else None
+    token = encode_token(end) if end < batch.total else None
     body = (
         '{"results":['
         + ",".join(o.to_json() for o in outcomes)
@@ -694,7 +604,7 @@ async def get_batch_results(
 )
 async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
     await _owned_batch(request, batch_id, tenant)
-    outcome = await _io(_store(request).cancel_batch, batch_id)
+    outcome = await off_loop(job_store(request).cancel_batch, batch_id)
     if outcome is CancelOutcome.MISSING:
         raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
     if isinstance(outcome, CancelOutcome):  # already finished: nothing changed
@@ -709,7 +619,7 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
     batch = await _owned_batch(request, batch_id, tenant)
     if batch.lane == LANE_ECONOMY and not completed and batch.finished_at is None:
         # items waiting on the provider end when their provider batches are canceled
-        await _io(_sender(request).send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
+        await off_loop(task_sender(request).send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
     if canceled:
         metrics.job_completed("batch_item", "canceled", count=canceled)
     if completed:
@@ -718,5 +628,5 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
         event = webhook_event(
             WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant, batch.webhook_url, batch.status.value
         )
-        await _io(_sender(request).send, WEBHOOK_TASK, [event], WEBHOOK_QUEUE)
-    return _batch_out(batch)
+        await off_loop(task_sender(request).send, WEBHOOK_TASK, [event], WEBHOOK_QUEUE)
+    return batch_out(batch)

@@ -18,15 +18,14 @@ from typing import Annotated, TypeVar
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
-from api_gateway.jobs import (
+from api_gateway.deps import (
     ERRORS,
     Tenant,
-    _batch_out,
-    _ingest_out,
-    _io,
-    _is_id,
-    _store,
+    is_id,
+    job_store,
+    off_loop,
 )
+from api_gateway.jobs import batch_out, ingest_out
 from api_gateway.schemas import BatchOut, IngestJobOut, iso
 from worker.constants import (
     BATCH_ID_PREFIX,
@@ -120,7 +119,7 @@ def decode_cursor(token: str | None, prefix: str) -> Cursor | None:
         kind, at, job_id = raw.split(":")
     except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
         raise InvalidRequest("page_token", problem) from exc
-    if kind != "c" or not _TIME.fullmatch(at) or not _is_id(job_id, prefix):
+    if kind != "c" or not _TIME.fullmatch(at) or not is_id(job_id, prefix):
         raise InvalidRequest("page_token", problem)
     cursor = Cursor(float(at), job_id)
     if encode_cursor(cursor) != token:
@@ -141,7 +140,7 @@ async def _page(
     ``page_token``, a token of the list of ids with ``prefix``), each job as ``out`` shows it,
     and the next page's token."""
     after = decode_cursor(page_token, prefix)
-    page = await _io(read, tenant, status=status, after=after, page_size=page_size)
+    page = await off_loop(read, tenant, status=status, after=after, page_size=page_size)
     return [out(job) for job in page.jobs], encode_cursor(page.next)
 
 
@@ -174,7 +173,7 @@ async def list_searches(
     page_token: PageToken = None,
 ) -> SearchList:
     searches, token = await _page(
-        _store(request).list_searches,
+        job_store(request).list_searches,
         _search_item,
         SEARCH_ID_PREFIX,
         tenant,
@@ -200,8 +199,8 @@ async def list_batches(
     page_token: PageToken = None,
 ) -> BatchList:
     batches, token = await _page(
-        _store(request).list_batches,
-        _batch_out,
+        job_store(request).list_batches,
+        batch_out,
         BATCH_ID_PREFIX,
         tenant,
         status,
@@ -226,8 +225,8 @@ async def list_ingestions(
     page_token: PageToken = None,
 ) -> IngestionList:
     ingestions, token = await _page(
-        _store(request).list_ingests,
-        _ingest_out,
+        job_store(request).list_ingests,
+        ingest_out,
         INGEST_ID_PREFIX,
         tenant,
         status,

@@ -1,0 +1,131 @@
+"""What the route modules share: the caller's tenant and ``wait`` parameters, the app's
+job store and task sender, blocking calls off the event loop, ids checked by shape, polling a
+job until it is final, the ``202``'s ``Location``, and page tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Query, Request
+from starlette.concurrency import run_in_threadpool
+
+from api_gateway.auth import authenticate
+from api_gateway.errors import ErrorBody
+from api_gateway.queue import TaskSender
+from worker.constants import MAX_BATCH_QUERIES, MAX_WAIT_SECONDS
+from worker.errors import InvalidRequest
+from worker.queue.jobstore import AsyncJobStore, JobStore
+from worker.settings import Settings
+
+T = TypeVar("T")
+
+Tenant = Annotated[str, Depends(authenticate)]
+Wait = Annotated[
+    float,
+    Query(
+        ge=0,
+        le=MAX_WAIT_SECONDS,
+        description="Seconds to wait for the job to finish; 200 if it did, else 202.",
+    ),
+]
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 503)
+}
+LOCATION_HEADER: dict[str, dict[str, Any]] = {
+    "Location": {
+        "schema": {"type": "string"},
+        "description": "The job's URL, to poll (a path on this gateway).",
+    }
+}
+POLL_MIN_SECONDS = 0.005
+POLL_MAX_SECONDS = 0.1
+_ID_DIGITS = re.compile(r"[0-9a-f]{32}")
+
+
+def is_id(value: str, prefix: str) -> bool:
+    """Whether ``value`` has the shape of the ids the store makes (``prefix`` and 32 hex
+    digits). Any other is unknown without asking Redis: a client's text never becomes part
+    of a key name, where it could name a key of another type (a WRONGTYPE error, a 5xx)."""
+    return value.startswith(prefix) and _ID_DIGITS.fullmatch(value, len(prefix)) is not None
+
+
+def job_store(request: Request) -> JobStore:
+    store: JobStore = request.app.state.store
+    return store
+
+
+def async_job_store(request: Request) -> AsyncJobStore:
+    store: AsyncJobStore = request.app.state.async_store
+    return store
+
+
+def task_sender(request: Request) -> TaskSender:
+    sender: TaskSender = request.app.state.sender
+    return sender
+
+
+def app_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a blocking Redis or broker call off the event loop."""
+    return await run_in_threadpool(fn, *args, **kwargs)
+
+
+async def poll_until(
+    read: Callable[[], Awaitable[T | None]], final: Callable[[T], bool], wait: float
+) -> T | None:
+    """Read until ``final`` or ``wait`` seconds pass, backing off from 5 ms to 100 ms."""
+    deadline = time.monotonic() + wait
+    delay = POLL_MIN_SECONDS
+    current = await read()
+    while current is not None and not final(current) and time.monotonic() < deadline:
+        await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+        delay = min(delay * 2, POLL_MAX_SECONDS)
+        current = await read()
+    return current
+
+
+def location(request: Request, route: str, **params: str) -> dict[str, str]:
+    """The ``Location`` header of a ``202``: the path of the job to poll, under this app's
+    ``root_path`` (a relative reference, so it stays right behind a proxy that rewrites the
+    host)."""
+    path = request.app.url_path_for(route, **params)
+    return {"Location": request.scope.get("root_path", "") + str(path)}
+
+
+def accepted(description: str) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI entry of a route's ``202``: its description and its ``Location`` header."""
+    return {202: {"description": description, "headers": LOCATION_HEADER}}
+
+
+def decode_token(token: str | None) -> int:
+    """The offset in a page token. Only the exact text :func:`encode_token` makes, of an
+    offset a batch can have, is one: anything else (``int`` alone would take "1_0", " 7",
+    Arabic digits, or 2**63, which Redis refuses) is 422 before Redis sees it. So is an
+    empty one: a client that sent the last page's ``null`` as "" would loop from page one."""
+    if token is None:
+        return 0
+    if not token:
+        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        kind, _, value = raw.partition(":")
+        offset = int(value) if value.isascii() and value.isdigit() else -1
+    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise InvalidRequest("page_token", "is not a token this API issued") from exc
+    if kind != "o" or not 0 <= offset <= MAX_BATCH_QUERIES or encode_token(offset) != token:
+        raise InvalidRequest("page_token", "is not a token this API issued")
+    return offset
+
+
+def encode_token(offset: int) -> str:
+    return base64.urlsafe_b64encode(f"o:{offset}".encode()).decode().rstrip("=")
