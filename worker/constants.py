@@ -125,6 +125,8 @@ METRIC_JOBS_SUBMITTED = "sift_jobs_submitted_total"
 METRIC_JOBS_COMPLETED = "sift_jobs_completed_total"
 METRIC_JOB_FAILURES = "sift_job_failures_total"
 METRIC_REDRIVEN = "sift_redriven_total"
+METRIC_RATE_BUDGET_WAIT = "sift_rate_budget_wait_seconds"  # the shared rate budget
+METRIC_PROVIDER_429 = "sift_provider_429_total"  # 429 answers of the model provider
 # the Prometheus scrape job names the rules and dashboards expect
 PROMETHEUS_JOB_WORKER = "sift-worker"
 PROMETHEUS_JOB_GATEWAY = "sift-gateway"

@@ -378,7 +378,9 @@ def economy_submit(self: SiftTask, batch_id: str) -> None:
     except RerankAttemptError as exc:
         if self.should_retry(exc):
             log.warning("batch %s: submission failed, retrying: %s", batch_id, exc)
-            raise self.retry(exc=exc, countdown=self.backoff()) from exc
+            # not before the rate budget or a 429's retry-after frees it
+            countdown = max(self.backoff(), exc.retry_after or 0.0)
+            raise self.retry(exc=exc, countdown=countdown) from exc
         log.error("batch %s: submission failed for good: %s", batch_id, exc)
         _fail_items(self, batch, query_ids, exc)
 
