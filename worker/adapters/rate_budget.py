@@ -233,7 +233,9 @@ def limits_from_headers(headers: Mapping[str, str]) -> RateLimit | None:
             continue
         if number >= 1:
             found[name] = number
-    return RateLimit(**found) if found else None
+    if not found:
+        return None
+    return RateLimit(rpm=found.get("rpm"), itpm=found.get("itpm"), otpm=found.get("otpm"))
 
 
 class TokenEstimator:
