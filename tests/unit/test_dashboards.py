@@ -38,7 +38,7 @@ def test_dashboard_is_provisionable(path: Path) -> None:
 def test_panels_use_only_sifts_metrics_and_known_variables(path: Path) -> None:
     for query in panel_queries(path):
         expr = concrete(query.expr)  # raises on an unknown Grafana variable
-        names = set(re.findall(r"\b(sift_[a-z_]+)", expr))
+        names = set(re.findall(r"\b(sift_[a-z0-9_]+)", expr))
         bases = {re.sub(r"_(bucket|count|sum)$", "", n) for n in names}
         assert bases <= METRIC_NAMES, f"{query}: {bases - METRIC_NAMES}"
 
