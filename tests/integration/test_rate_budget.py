@@ -528,3 +528,28 @@ def test_without_a_budget_the_economy_client_is_the_plain_one(redis_url: str) ->
     off = settings.model_copy(update={"rate_budget_enabled": False})
     assert type(build_batch_client(off)) is AnthropicMessageBatches
     assert isinstance(build_batch_client(settings), MeteredBatches)
+
+
+def test_a_429_from_the_batch_endpoints_pauses_the_economy_lane_alone(
+    client: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = load_settings(generation_model=f"anthropic:{MODEL}", redis_url=redis_url)
+    batches = build_batch_client(settings)
+    assert isinstance(batches, MeteredBatches)
+
+    def answered_429(self: AnthropicMessageBatches, batch_id: str) -> Any:
+        raise RerankAttemptError(AttemptOutcome.RATE_LIMITED, "HTTP 429", retry_after=20.0)
+
+    monkeypatch.setattr(AnthropicMessageBatches, "retrieve", answered_429)
+    counted = REGISTRY.get_sample_value(
+        "sift_provider_429_total", {"model": MODEL, "lane": "economy"}
+    )
+    with pytest.raises(RerankAttemptError):
+        batches.retrieve("msgbatch_x")
+    after = REGISTRY.get_sample_value(
+        "sift_provider_429_total", {"model": MODEL, "lane": "economy"}
+    )
+    assert after == (counted or 0) + 1
+    refused = batches.budget.reserve_call(1.0)  # every process's economy calls wait it out
+    assert not refused.admitted and 15.0 < refused.wait <= 20.0
+    assert not client.exists(f"sift:rate-budget:standard:{MODEL}")  # searches go on
