@@ -148,9 +148,12 @@ def build_batch_client(settings: Settings) -> AnthropicMessageBatches | None:
     budget = build_rate_budget(settings, LANE_ECONOMY)
     if budget is None:
         return AnthropicMessageBatches(reranker)
-    from worker.adapters.rate_budget import MeteredBatches
+    from worker.adapters.rate_budget import BatchQueue, MeteredBatches
 
-    return MeteredBatches(reranker, budget)
+    limits = settings.rate_limits.get(model)
+    cap = limits.economy.queued if limits is not None and limits.economy is not None else None
+    queue = BatchQueue(budget.client, model, cap) if cap is not None else None
+    return MeteredBatches(reranker, budget, queue=queue)
 
 
 def build_pipeline(

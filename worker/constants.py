@@ -43,6 +43,8 @@ DELIVERY_OWNERS_KEY = REDIS_PREFIX + "deliveries"  # hash delivery tag -> worker
 LIVENESS_LEADER_KEY = REDIS_PREFIX + "liveness:leader"  # string: the worker checking this beat
 # the provider's rate limits, one budget for every worker process (worker/adapters/rate_budget.py)
 RATE_BUDGET_KEY = REDIS_PREFIX + "rate-budget:"  # + lane + ":" + model -> hash: the buckets
+# + model -> hash: provider batch id -> "requests expiry", the economy lane's processing queue
+RATE_BUDGET_QUEUE_KEY = REDIS_PREFIX + "rate-budget-queue:"
 # the job lists (GET /v1/searches, /v1/batches, /v1/ingestions): one index per kind and tenant
 JOB_INDEX_KEY = REDIS_PREFIX + "jobs:"  # + kind + ":" + tenant -> zset job id -> created_at
 

@@ -25,6 +25,8 @@ from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.adapters.rate_budget import (
     BACKLOG_REFRESH_SECONDS,
     BURST_FRACTION,
+    BatchQueue,
+    BatchQueueFull,
     MeteredBatches,
     RedisRateBudget,
     limits_from_headers,
@@ -553,3 +555,53 @@ def test_a_429_from_the_batch_endpoints_pauses_the_economy_lane_alone(
     refused = batches.budget.reserve_call(1.0)  # every process's economy calls wait it out
     assert not refused.admitted and 15.0 < refused.wait <= 20.0
     assert not client.exists(f"sift:rate-budget:standard:{MODEL}")  # searches go on
+
+
+# --- the economy lane's share of the provider's processing queue ----------------------------
+
+
+def _take(redis_url: str, cap: int, want: int, tries: int) -> int:
+    queue = BatchQueue(redis.Redis.from_url(redis_url), MODEL, cap)
+    return sum(want for _ in range(tries) if queue.take(want) is not None)
+
+
+def test_several_processes_never_queue_more_than_the_cap(
+    client: redis.Redis, redis_url: str
+) -> None:
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        taken = pool.starmap(_take, [(redis_url, 100, 7, 10)] * 4)
+    assert sum(taken) == 98  # 14 submissions of 7 fit under 100; the 15th never did
+    assert BatchQueue(client, MODEL, 100).queued() == 98
+
+
+def test_a_submission_waits_for_room_in_the_processing_queue(
+    fake: fa.FakeAnthropic, client: redis.Redis, redis_url: str
+) -> None:
+    settings = load_settings(
+        generation_model=f"anthropic:{MODEL}",
+        redis_url=redis_url,
+        rate_limits={MODEL: {"economy": {"queued": 8}}},
+    )
+    batches = build_batch_client(settings)
+    assert isinstance(batches, MeteredBatches) and batches.queue is not None
+    sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
+    batches.reranker._client, batches.reranker._owns_client = sdk, False
+    params = batches.request_params(PROMPT)
+
+    def requests(n: int) -> list[dict[str, Any]]:
+        return [{"custom_id": f"i{i}", "params": params} for i in range(n)]
+
+    first = batches.create(requests(6))
+    assert batches.queue.queued() == 6
+    with pytest.raises(BatchQueueFull) as full:
+        batches.create(requests(6))  # 12 would be queued: not sent
+    assert full.value.retryable and full.value.retry_after
+    assert len(fake.batches()) == 1 and batches.queue.queued() == 6
+    with pytest.raises(RerankAttemptError):
+        batches.create([{"custom_id": "bad id!", "params": params}])  # refused by the provider
+    assert batches.queue.queued() == 6  # its places were given back
+    assert batches.retrieve(first.id).ended  # the fake processes at once
+    assert batches.queue.queued() == 0  # the ended batch left the queue
+    second = batches.create(requests(6))
+    assert len(fake.batches()) == 2
+    assert client.hkeys(batches.queue.key) == [second.id.encode()]

@@ -23,10 +23,11 @@ def test_rate_limits_are_read_as_json_per_model(monkeypatch: pytest.MonkeyPatch)
 
 def test_the_economy_lane_has_limits_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
-        "SIFT_RATE_LIMITS", '{"claude-haiku-4-5": {"rpm": 4000, "economy": {"rpm": 50}}}'
+        "SIFT_RATE_LIMITS",
+        '{"claude-haiku-4-5": {"rpm": 4000, "economy": {"rpm": 50, "queued": 100000}}}',
     )
     limits = load_settings().rate_limits[MODEL]
-    assert limits == RateLimit(rpm=4000, economy=BatchLimit(rpm=50))
+    assert limits == RateLimit(rpm=4000, economy=BatchLimit(rpm=50, queued=100_000))
 
 
 @pytest.mark.parametrize(
@@ -36,6 +37,7 @@ def test_the_economy_lane_has_limits_of_its_own(monkeypatch: pytest.MonkeyPatch)
         '{"claude-haiku-4-5": {"tpm": 5}}',
         '{"claude-haiku-4-5": {"economy": {"itpm": 5}}}',
         '{"claude-haiku-4-5": {"economy": {"rpm": 0}}}',
+        '{"claude-haiku-4-5": {"economy": {"queued": 0}}}',
         "{not json",
     ],
 )

@@ -41,13 +41,14 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from worker import metrics
 from worker.adapters.anthropic_batches import AnthropicMessageBatches, BatchLine, ProviderBatch
-from worker.constants import RATE_BUDGET_KEY
+from worker.constants import RATE_BUDGET_KEY, RATE_BUDGET_QUEUE_KEY
 from worker.core.types import BudgetGrant, RerankPrompt, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.settings import RateLimit
@@ -61,6 +62,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "BUDGET_SCRIPT",
+    "BatchQueue",
+    "BatchQueueFull",
     "MeteredBatches",
     "RedisRateBudget",
     "TokenEstimator",
@@ -88,6 +91,11 @@ BACKLOG_REFRESH_SECONDS = 0.2
 # task's thread; beyond, it is rate_limited and the task retries later
 ECONOMY_MAX_WAIT_SECONDS = 10.0
 NOT_STATED = -1.0  # a bucket the response says nothing about
+# A provider batch ends within 24 hours (it expires then): its requests are surely out of the
+# processing queue by this long after it was created, even if no poll saw it end.
+QUEUE_ENTRY_SECONDS = 25 * 3600
+# a submission the processing queue has no room for is tried again this long after
+QUEUE_RETRY_SECONDS = 60.0
 
 # KEYS[1]: the budget's hash. ARGV: 1-3 the configured limits per minute (requests, input
 # tokens, output tokens; 0: none), 4-6 the amounts to take (negative: give back), 7 the most the
@@ -171,6 +179,90 @@ redis.call('HSET', key, unpack(writes))
 redis.call('EXPIRE', key, tonumber(ARGV[13]))
 return {1, num(wait)}
 """
+
+
+# KEYS[1]: the lane's processing-queue hash: a provider batch id (or a submission's
+# placeholder) -> "requests expiry". ARGV[1] 'take': ARGV[2] the placeholder, ARGV[3] its
+# requests, ARGV[4] the cap, ARGV[5] seconds the entry lives; admitted when what the live
+# entries hold plus these fits under the cap, or nothing is queued (a batch larger than the cap
+# goes alone). 'name': ARGV[2] the placeholder becomes ARGV[3], the provider batch's id.
+# 'drop': ARGV[2] leaves. Answers {admitted (1/0), requests queued before}. Expired entries
+# (a batch whose end no poll saw) are dropped as they are met.
+QUEUE_SCRIPT = """
+local key = KEYS[1]
+local op = ARGV[1]
+if op == 'drop' then
+  redis.call('HDEL', key, ARGV[2])
+  return {1, 0}
+end
+if op == 'name' then
+  local value = redis.call('HGET', key, ARGV[2])
+  if value then
+    redis.call('HDEL', key, ARGV[2])
+    redis.call('HSET', key, ARGV[3], value)
+  end
+  return {1, 0}
+end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1])
+local queued = 0
+local entries = redis.call('HGETALL', key)
+for i = 1, #entries, 2 do
+  local n, expiry = string.match(entries[i + 1], '^(%d+) (%d+)$')
+  if n == nil or tonumber(expiry) < now then
+    redis.call('HDEL', key, entries[i])
+  else
+    queued = queued + tonumber(n)
+  end
+end
+local want = tonumber(ARGV[3])
+if queued > 0 and queued + want > tonumber(ARGV[4]) then
+  return {0, queued}
+end
+local lives = tonumber(ARGV[5])
+redis.call('HSET', key, ARGV[2], want .. ' ' .. (now + lives))
+redis.call('EXPIRE', key, lives)
+return {1, queued}
+"""
+
+
+class BatchQueueFull(RerankAttemptError):
+    """The provider's processing queue has no room for a submission now: not sent. Not a
+    failure of the batch: its submission waits (``retry_after``) for provider batches to end."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(AttemptOutcome.RATE_LIMITED, message, retry_after=QUEUE_RETRY_SECONDS)
+
+
+class BatchQueue:
+    """The economy lane's share of the provider's processing queue (the Message Batches
+    API's cap on batch requests queued at once), shared by every process in one Redis hash:
+    a submission takes its requests before it is sent, and they are given back when a poll
+    sees its provider batch end (or when the submission failed)."""
+
+    def __init__(self, client: redis.Redis, model: str, cap: int) -> None:
+        self.key = f"{RATE_BUDGET_QUEUE_KEY}{model}"
+        self.cap = cap
+        self._client = client
+        self._script = client.register_script(QUEUE_SCRIPT)
+
+    def take(self, requests: int) -> str | None:
+        """A placeholder holding ``requests`` places, or None when they do not fit now."""
+        placeholder = f"pending-{uuid.uuid4().hex}"
+        args: list[str | int] = ["take", placeholder, requests, self.cap, QUEUE_ENTRY_SECONDS]
+        admitted, _ = self._script(keys=[self.key], args=args)
+        return placeholder if int(admitted) else None
+
+    def name(self, placeholder: str, batch_id: str) -> None:
+        self._script(keys=[self.key], args=["name", placeholder, batch_id])
+
+    def drop(self, entry: str) -> None:
+        self._script(keys=[self.key], args=["drop", entry])
+
+    def queued(self) -> int:
+        """Requests the live entries hold (for tests and the CLI; expired ones counted too)."""
+        values: Any = self._client.hvals(self.key)
+        return sum(int(v.split()[0]) for v in values)
 
 
 def _number(value: str | None) -> float | None:
@@ -294,6 +386,7 @@ class RedisRateBudget:
         self.estimator = estimator or TokenEstimator()
         self.burst_fraction = burst_fraction
         self._clock = clock
+        self.client = client
         self._script = client.register_script(BUDGET_SCRIPT)
         self._typical = (0.0, 0.0)  # the last call's input and output tokens, for backlog()
         self._paused = False
@@ -436,11 +529,15 @@ class MeteredBatches(AnthropicMessageBatches):
         reranker: AnthropicReranker,
         budget: RedisRateBudget,
         *,
+        queue: BatchQueue | None = None,
         max_wait: float = ECONOMY_MAX_WAIT_SECONDS,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        """``queue``: the processing queue's cap (``"queued"``); a submission it has no room
+        for raises :class:`BatchQueueFull` unsent."""
         super().__init__(reranker)
         self.budget = budget
+        self.queue = queue
         self.max_wait = max_wait
         self._sleep = sleep
 
@@ -470,11 +567,28 @@ class MeteredBatches(AnthropicMessageBatches):
 
     def create(self, requests: Sequence[Mapping[str, Any]]) -> ProviderBatch:
         create = super().create
-        return self._metered("create", lambda: create(requests))
+        if self.queue is None:
+            return self._metered("create", lambda: create(requests))
+        placeholder = self.queue.take(len(requests))
+        if placeholder is None:
+            raise BatchQueueFull(
+                f"batches.create: the provider's processing queue has no room for "
+                f"{len(requests)} more requests (the cap is {self.queue.cap})"
+            )
+        try:
+            batch = self._metered("create", lambda: create(requests))
+        except BaseException:
+            self.queue.drop(placeholder)
+            raise
+        self.queue.name(placeholder, batch.id)
+        return batch
 
     def retrieve(self, batch_id: str) -> ProviderBatch:
         retrieve = super().retrieve
-        return self._metered("retrieve", lambda: retrieve(batch_id))
+        batch = self._metered("retrieve", lambda: retrieve(batch_id))
+        if batch.ended and self.queue is not None:
+            self.queue.drop(batch_id)  # its requests have left the processing queue
+        return batch
 
     def cancel(self, batch_id: str) -> ProviderBatch:
         cancel = super().cancel
