@@ -153,7 +153,8 @@ def build_batch_client(settings: Settings) -> AnthropicMessageBatches | None:
     limits = settings.rate_limits.get(model)
     cap = limits.economy.queued if limits is not None and limits.economy is not None else None
     queue = BatchQueue(budget.client, model, cap) if cap is not None else None
-    return MeteredBatches(reranker, budget, queue=queue)
+    # a submission the queue has no room for is tried again when a poll may have freed some
+    return MeteredBatches(reranker, budget, queue=queue, queue_retry=settings.economy_poll_seconds)
 
 
 def build_pipeline(

@@ -94,8 +94,8 @@ NOT_STATED = -1.0  # a bucket the response says nothing about
 # A provider batch ends within 24 hours (it expires then): its requests are surely out of the
 # processing queue by this long after it was created, even if no poll saw it end.
 QUEUE_ENTRY_SECONDS = 25 * 3600
-# a submission the processing queue has no room for is tried again this long after
-QUEUE_RETRY_SECONDS = 60.0
+# a submission the processing queue has no room for is tried again this long after, by default
+QUEUE_RETRY_SECONDS = 30.0
 
 # KEYS[1]: the budget's hash. ARGV: 1-3 the configured limits per minute (requests, input
 # tokens, output tokens; 0: none), 4-6 the amounts to take (negative: give back), 7 the most the
@@ -230,8 +230,8 @@ class BatchQueueFull(RerankAttemptError):
     """The provider's processing queue has no room for a submission now: not sent. Not a
     failure of the batch: its submission waits (``retry_after``) for provider batches to end."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(AttemptOutcome.RATE_LIMITED, message, retry_after=QUEUE_RETRY_SECONDS)
+    def __init__(self, message: str, retry_after: float = QUEUE_RETRY_SECONDS) -> None:
+        super().__init__(AttemptOutcome.RATE_LIMITED, message, retry_after=retry_after)
 
 
 class BatchQueue:
@@ -530,14 +530,16 @@ class MeteredBatches(AnthropicMessageBatches):
         budget: RedisRateBudget,
         *,
         queue: BatchQueue | None = None,
+        queue_retry: float = QUEUE_RETRY_SECONDS,
         max_wait: float = ECONOMY_MAX_WAIT_SECONDS,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """``queue``: the processing queue's cap (``"queued"``); a submission it has no room
-        for raises :class:`BatchQueueFull` unsent."""
+        for raises :class:`BatchQueueFull` unsent, to be tried again ``queue_retry`` later."""
         super().__init__(reranker)
         self.budget = budget
         self.queue = queue
+        self.queue_retry = queue_retry
         self.max_wait = max_wait
         self._sleep = sleep
 
@@ -573,7 +575,8 @@ class MeteredBatches(AnthropicMessageBatches):
         if placeholder is None:
             raise BatchQueueFull(
                 f"batches.create: the provider's processing queue has no room for "
-                f"{len(requests)} more requests (the cap is {self.queue.cap})"
+                f"{len(requests)} more requests (the cap is {self.queue.cap})",
+                self.queue_retry,
             )
         try:
             batch = self._metered("create", lambda: create(requests))
