@@ -11,12 +11,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from worker.constants import LANE_ECONOMY
 from worker.core.cost import price_for
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.ports import Embedder, RateBudget, Recorder, Reranker, SearchBackend
 from worker.errors import ConfigError
 from worker.queue.slots import Slots, SlottedEmbedder, cpu_slots
-from worker.settings import Settings
+from worker.settings import RateLimit, Settings
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -106,10 +107,11 @@ def build_reranker(
     return AnthropicReranker(model, effort=settings.generation_effort, on_headers=on_headers)
 
 
-def build_rate_budget(settings: Settings) -> RedisRateBudget | None:
-    """The standard lane's budget shared through Redis, or None without a model or Redis
-    (or with ``SIFT_RATE_BUDGET_ENABLED=false``).
-    It meters calls once a limit is known: ``SIFT_RATE_LIMITS`` or learned from headers."""
+def build_rate_budget(settings: Settings, lane: str = "standard") -> RedisRateBudget | None:
+    """A lane's budget shared through Redis, or None without a model or Redis (or with
+    ``SIFT_RATE_BUDGET_ENABLED=false``). It meters calls once a limit is known:
+    ``SIFT_RATE_LIMITS`` (the model's ``economy`` entry for the economy lane) or, in the
+    standard lane, learned from headers."""
     model = settings.generation_model_id
     if model is None or not settings.redis_url or not settings.rate_budget_enabled:
         return None
@@ -117,6 +119,12 @@ def build_rate_budget(settings: Settings) -> RedisRateBudget | None:
 
     from worker.adapters.rate_budget import RedisRateBudget
 
+    limits = settings.rate_limits.get(model)
+    if lane == LANE_ECONOMY:  # a few calls a minute: a small pool
+        economy = limits.economy if limits is not None else None
+        client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+        lane_limits = RateLimit(rpm=economy.rpm) if economy is not None else None
+        return RedisRateBudget(client, model, lane_limits, lane=LANE_ECONOMY)
     # every thread of the process may reserve at once: a thread finding every connection busy
     # waits for one rather than failing its search (redis-py's default pool stops at 100)
     threads = settings.worker_concurrency + settings.batch_item_concurrency + 32
@@ -124,18 +132,29 @@ def build_rate_budget(settings: Settings) -> RedisRateBudget | None:
         settings.redis_url, max_connections=threads, timeout=20, socket_connect_timeout=5
     )
     client = redis.Redis(connection_pool=pool)
-    return RedisRateBudget(client, model, settings.rate_limits.get(model))
+    return RedisRateBudget(client, model, limits)
 
 
 def build_batch_client(settings: Settings) -> AnthropicMessageBatches | None:
-    """The Message Batches client of the economy lane, or None without a generation model."""
+    """The Message Batches client of the economy lane, or None without a generation model;
+    metered by the lane's own rate budget when there is one."""
     model = settings.generation_model_id
     if model is None:
         return None
     from worker.adapters.anthropic import AnthropicReranker
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
 
-    return AnthropicMessageBatches(AnthropicReranker(model, effort=settings.generation_effort))
+    reranker = AnthropicReranker(model, effort=settings.generation_effort)
+    budget = build_rate_budget(settings, LANE_ECONOMY)
+    if budget is None:
+        return AnthropicMessageBatches(reranker)
+    from worker.adapters.rate_budget import BatchQueue, MeteredBatches
+
+    limits = settings.rate_limits.get(model)
+    cap = limits.economy.queued if limits is not None and limits.economy is not None else None
+    queue = BatchQueue(budget.client, model, cap) if cap is not None else None
+    # a submission the queue has no room for is tried again when a poll may have freed some
+    return MeteredBatches(reranker, budget, queue=queue, queue_retry=settings.economy_poll_seconds)
 
 
 def build_pipeline(

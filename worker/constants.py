@@ -43,6 +43,8 @@ DELIVERY_OWNERS_KEY = REDIS_PREFIX + "deliveries"  # hash delivery tag -> worker
 LIVENESS_LEADER_KEY = REDIS_PREFIX + "liveness:leader"  # string: the worker checking this beat
 # the provider's rate limits, one budget for every worker process (worker/adapters/rate_budget.py)
 RATE_BUDGET_KEY = REDIS_PREFIX + "rate-budget:"  # + lane + ":" + model -> hash: the buckets
+# + model -> hash: provider batch id -> "requests expiry", the economy lane's processing queue
+RATE_BUDGET_QUEUE_KEY = REDIS_PREFIX + "rate-budget-queue:"
 # the job lists (GET /v1/searches, /v1/batches, /v1/ingestions): one index per kind and tenant
 JOB_INDEX_KEY = REDIS_PREFIX + "jobs:"  # + kind + ":" + tenant -> zset job id -> created_at
 
@@ -125,6 +127,8 @@ METRIC_JOBS_SUBMITTED = "sift_jobs_submitted_total"
 METRIC_JOBS_COMPLETED = "sift_jobs_completed_total"
 METRIC_JOB_FAILURES = "sift_job_failures_total"
 METRIC_REDRIVEN = "sift_redriven_total"
+METRIC_RATE_BUDGET_WAIT = "sift_rate_budget_wait_seconds"  # the shared rate budget
+METRIC_PROVIDER_429 = "sift_provider_429_total"  # 429 answers of the model provider
 # the Prometheus scrape job names the rules and dashboards expect
 PROMETHEUS_JOB_WORKER = "sift-worker"
 PROMETHEUS_JOB_GATEWAY = "sift-gateway"

@@ -62,8 +62,10 @@ from worker.constants import (
     METRIC_JOBS_COMPLETED,
     METRIC_JOBS_IN_FLIGHT,
     METRIC_JOBS_SUBMITTED,
+    METRIC_PROVIDER_429,
     METRIC_QUEUE_BACKLOG,
     METRIC_QUEUE_WAIT,
+    METRIC_RATE_BUDGET_WAIT,
     METRIC_REDRIVEN,
     METRIC_RERANK_ATTEMPTS,
     METRIC_RERANK_COST,
@@ -159,6 +161,10 @@ RERANK_BUCKETS: Final = (
 RETRIEVAL_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 QUEUE_WAIT_BUCKETS: Final = (
     0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 14400.0,
+)  # fmt: skip
+# a call's wait for the shared rate budget: none at all, up to the longest pause (a minute)
+BUDGET_WAIT_BUCKETS: Final = (
+    0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0,
 )  # fmt: skip
 
 # --- the metrics, each defined once ----------------------------------------------------------
@@ -271,6 +277,21 @@ TASK_DURATION = Histogram(
 TASK_RETRIES = Counter(
     METRIC_TASK_RETRIES, "Tasks put back for a retry after a retryable error.", ["task"]
 )
+# The shared rate budget's metrics (extensions to §9; worker/adapters/rate_budget.py).
+BUDGET_WAIT = Histogram(
+    METRIC_RATE_BUDGET_WAIT,
+    "Seconds a model call waited for the shared rate budget before it was sent (0: none), "
+    "by model and lane; a call the budget could not serve in time is not observed here but "
+    "counted as a budget_exhausted attempt.",
+    ["model", "lane"],
+    buckets=BUDGET_WAIT_BUCKETS,
+)
+PROVIDER_429 = Counter(
+    METRIC_PROVIDER_429,
+    "HTTP 429 (rate limited) answers of the model provider, by model and lane: each paused "
+    "every worker process for its retry-after.",
+    ["model", "lane"],
+)
 
 ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     SEARCH_DURATION,
@@ -290,6 +311,8 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     JOBS_COMPLETED,
     JOB_FAILURES,
     REDRIVEN,
+    BUDGET_WAIT,
+    PROVIDER_429,
 )
 
 P = ParamSpec("P")
@@ -398,10 +421,29 @@ class InFlightReranker:
 
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:
         with rerank_in_flight(self.model):
-            return self.inner.rerank(prompt, timeout_seconds)
+            try:
+                return self.inner.rerank(prompt, timeout_seconds)
+            except Exception as exc:
+                # only the model adapter is inside: a rate_limited attempt here is a real 429
+                # (AttemptOutcome is a StrEnum; compared by value, this module imports no core)
+                if getattr(exc, "outcome", None) == "rate_limited":
+                    provider_429(self.model)
+                raise
 
 
 # --- helpers for the tasks and the gateway ---------------------------------------------------
+
+
+@_never_raises
+def budget_waited(model: str, lane: str, seconds: float) -> None:
+    """A model call of ``lane`` waited ``seconds`` for the shared rate budget (0: none)."""
+    BUDGET_WAIT.labels(model, _closed(lane, LANES, "lane")).observe(max(0.0, seconds))
+
+
+@_never_raises
+def provider_429(model: str, lane: str = "standard") -> None:
+    """The model provider answered a call of ``lane`` with HTTP 429."""
+    PROVIDER_429.labels(model, _closed(lane, LANES, "lane")).inc()
 
 
 @_never_raises
@@ -487,6 +529,8 @@ def preregister(
                 RERANK_TOKENS.labels(model, token_type, lane)
             RERANK_COST.labels(model, lane)
             RERANK_UNPRICED.labels(model, lane)
+            BUDGET_WAIT.labels(model, lane)
+            PROVIDER_429.labels(model, lane)
         RERANK_IN_FLIGHT.labels(model).set(0)
     for outcome in RERANK_OUTCOME_VALUES:
         RERANK_OUTCOMES.labels(POLICY_ID, outcome)

@@ -64,15 +64,28 @@ class Price(BaseModel):
     cache_write: float = Field(ge=0)
 
 
+class BatchLimit(BaseModel):
+    """The Message Batches API's own limits (the economy lane), as the tier's page lists them:
+    requests per minute to the batch endpoints (create, retrieve, results, cancel), and batch
+    requests in the processing queue at once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rpm: int | None = Field(default=None, ge=1)
+    queued: int | None = Field(default=None, ge=1)
+
+
 class RateLimit(BaseModel):
     """One model's rate limits at the provider, per minute, as the tier's page lists them;
-    a limit left out is not metered (or learned from the provider's response headers)."""
+    a limit left out is not metered (or learned from the provider's response headers).
+    ``economy``: the economy lane's own bucket (Message Batches), metered apart."""
 
     model_config = ConfigDict(extra="forbid")
 
     rpm: int | None = Field(default=None, ge=1)  # requests per minute
     itpm: int | None = Field(default=None, ge=1)  # input tokens per minute
     otpm: int | None = Field(default=None, ge=1)  # output tokens per minute
+    economy: BatchLimit | None = None
 
 
 DEFAULT_PRICES: dict[str, Price] = {
@@ -158,9 +171,10 @@ class Settings(BaseSettings):
         default_factory=lambda: dict(DEFAULT_PRICES)
     )
     # The provider's limits per model ({"claude-haiku-4-5": {"rpm": 4000, "itpm": 400000,
-    # "otpm": 80000}}): every worker process then draws on one budget in Redis
-    # (worker/adapters/rate_budget.py). A model not named here is metered once the provider's
-    # anthropic-ratelimit-* headers have told its limits.
+    # "otpm": 80000, "economy": {"rpm": 4000, "queued": 500000}}}): every worker process then
+    # draws on one budget per model and lane in Redis (worker/adapters/rate_budget.py). A model
+    # not named here is metered once the provider's anthropic-ratelimit-* headers have told its
+    # limits.
     rate_limits: Annotated[dict[str, RateLimit], NoDecode] = Field(default_factory=dict)
     rate_budget_enabled: bool = True  # false: no shared budget, each process on its own
 

@@ -40,7 +40,12 @@ pytestmark = [
 ]
 
 JOB = PROMETHEUS_JOB_WORKER
-PANEL_QUERIES = [query for path in DASHBOARDS for query in panel_queries(path)]
+# the rate-limits dashboard needs a rate-limited model and the shared budget in Redis: its
+# panels are proven by tests/integration/test_rate_limit_panels_prometheus.py
+RATE_LIMITS = "sift-rate-limits.json"
+PANEL_QUERIES = [
+    query for path in DASHBOARDS if path.name != RATE_LIMITS for query in panel_queries(path)
+]
 
 
 @dataclass
@@ -65,7 +70,11 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
 
 
 def test_the_dashboards_have_panels() -> None:
-    assert {path.name for path in DASHBOARDS} == {"sift-rerank-cost.json", "sift-jobs.json"}
+    assert {path.name for path in DASHBOARDS} == {
+        "sift-rerank-cost.json",
+        "sift-jobs.json",
+        RATE_LIMITS,
+    }
     assert len(PANEL_QUERIES) >= 20
 
 
@@ -125,6 +134,9 @@ def test_each_attempt_class_is_counted_exactly_as_often_as_provoked(observed: Ob
     # every class provoked, but the rate budget's: the workload meters no limit, so its
     # series is the preregistered zero (tests/integration/test_rate_budget.py provokes it)
     assert set(counted) == set(workload.EXPECTED_ATTEMPTS) | {"budget_exhausted"}
+    # the scripted rate_limited attempt came out of the model adapter: a 429, by lane
+    answered_429 = observed.prometheus.values("sum by (lane) (sift_provider_429_total)", by="lane")
+    assert answered_429 == {"standard": workload.EXPECTED_ATTEMPTS["rate_limited"], "economy": 0}
 
 
 def test_each_outcome_is_counted_exactly_as_often_as_provoked(observed: Observed) -> None:

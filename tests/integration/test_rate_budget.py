@@ -21,13 +21,22 @@ from prometheus_client import REGISTRY
 from tests import fake_anthropic as fa
 from tests.fakes import FakeEmbedder, InMemoryBackend, RecordingRecorder
 from worker.adapters.anthropic import AnthropicReranker
-from worker.adapters.rate_budget import BURST_FRACTION, RedisRateBudget, limits_from_headers
-from worker.bootstrap import build_pipeline
+from worker.adapters.anthropic_batches import AnthropicMessageBatches
+from worker.adapters.rate_budget import (
+    BACKLOG_REFRESH_SECONDS,
+    BURST_FRACTION,
+    BatchQueue,
+    BatchQueueFull,
+    MeteredBatches,
+    RedisRateBudget,
+    limits_from_headers,
+)
+from worker.bootstrap import build_batch_client, build_pipeline, build_rate_budget
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import SearchPipeline
 from worker.core.ports import Recorder
 from worker.core.types import RerankPrompt, TokenUsage
-from worker.errors import RerankFailed
+from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed
 from worker.metrics import PrometheusRecorder
 from worker.runtime import Runtime
 from worker.settings import RateLimit, load_settings
@@ -263,8 +272,8 @@ def test_a_wait_that_fits_the_deadline_is_waited_then_the_model_is_called(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:
     recorder = RecordingRecorder()
-    pipeline, budget = build(fake, client, "fail_closed", RateLimit(rpm=600), recorder)
-    exhaust(budget)  # the next request frees in 0.1 s
+    pipeline, budget = build(fake, client, "fail_closed", RateLimit(rpm=60), recorder)
+    exhaust(budget)  # the next request frees in 1 s (a busy machine's first half takes 0.1 s)
     result = search(pipeline)
     assert result.rerank.applied is True
     assert len(fake.requests()) == 1
@@ -320,11 +329,13 @@ def test_a_batch_item_paces_itself_until_the_queue_fits_in_its_deadline(
     settings = load_settings(
         rerank_enabled=True, generation_model=f"anthropic:{MODEL}", search_deadline_seconds=3.0
     )
-    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
+    now = [0.0]  # the process's clock, which the budget's backlog reading is dated by
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60), clock=lambda: now[0])
     slept: list[float] = []
 
     def sleep(seconds: float) -> None:  # stands for time going by: the bucket refills
         slept.append(seconds)
+        now[0] += seconds
         client.hincrbyfloat(budget.key, "at", -seconds)
 
     pipeline = build_pipeline(
@@ -355,3 +366,242 @@ def test_settling_many_calls_in_flight_converges_on_the_reported_ratio(
     for grant in grants:
         budget.settle(grant, TokenUsage(input_tokens=round(raw / 2), output_tokens=1))
     assert budget.estimator.correction == pytest.approx(0.5, abs=0.02)
+
+
+def test_backlog_is_read_from_redis_at_most_every_refresh_period(client: redis.Redis) -> None:
+    """A batch asks before every item: within BACKLOG_REFRESH_SECONDS of the last reading (a
+    reservation is one) the process answers it without a round trip."""
+    now = [100.0]
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60), clock=lambda: now[0])
+    exhaust(budget)
+    calls = budget.script_calls
+    first = budget.backlog()  # the refused reservation's reading, no round trip
+    assert first > 0 and budget.script_calls == calls
+    for _ in range(100):
+        assert budget.backlog() == first
+    assert budget.script_calls == calls
+    now[0] += BACKLOG_REFRESH_SECONDS
+    client.hincrbyfloat(budget.key, "at", -30.0)  # half a minute went by: the bucket refilled
+    assert budget.backlog() == 0.0 and budget.script_calls == calls + 1
+
+
+# --- what the provider's headers teach ------------------------------------------------------
+
+
+def test_a_learned_limit_below_the_configured_one_holds(client: redis.Redis) -> None:
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
+    budget.learn({"anthropic-ratelimit-requests-limit": "60"})
+    admitted = 0
+    while budget.reserve(PROMPT, 0.0).admitted:
+        admitted += 1
+    assert int(60 * BURST_FRACTION) <= admitted <= int(60 * BURST_FRACTION) + 2
+    higher = RedisRateBudget(client, "other-model", RateLimit(rpm=60))
+    higher.learn({"anthropic-ratelimit-requests-limit": "6000"})  # never above the setting
+    admitted = 0
+    while higher.reserve(PROMPT, 0.0).admitted:
+        admitted += 1
+    assert admitted <= int(60 * BURST_FRACTION) + 2
+
+
+def _settled_with(budget: RedisRateBudget, headers: dict[str, str]) -> None:
+    grant = budget.reserve(PROMPT, 0.0)
+    assert grant.admitted
+    budget.learn(headers)  # as the model adapter calls it, before the pipeline settles
+    budget.settle(grant, TokenUsage(input_tokens=grant.input_tokens, output_tokens=1))
+
+
+def test_remaining_lowers_the_bucket_in_the_settlements_own_round_trip(
+    client: redis.Redis,
+) -> None:
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=600))  # the bucket holds 540
+    budget.learn({"anthropic-ratelimit-requests-limit": "600"})
+    calls = budget.script_calls
+    _settled_with(budget, {"anthropic-ratelimit-requests-remaining": "100"})
+    assert budget.script_calls == calls + 2  # the reservation and the settlement, no more
+    level = float(client.hget(budget.key, "r") or 0)
+    # the provider's 100, less its spare tenth (60), plus the refill since the call was sent
+    assert 40.0 - 1e-6 <= level <= 40.0 + 10.0
+    admitted = 0
+    while budget.reserve(PROMPT, 0.0).admitted:
+        admitted += 1
+    assert admitted <= 50  # not the 539 Sift believed it had
+
+
+def test_remaining_never_raises_the_bucket(client: redis.Redis) -> None:
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=600))
+    exhaust(budget)
+    before = float(client.hget(budget.key, "r") or 0)
+    grant = budget.reserve(PROMPT, 60.0)  # one more, queued
+    budget.learn({"anthropic-ratelimit-requests-remaining": "600"})  # the provider's is full
+    budget.settle(grant, TokenUsage(input_tokens=grant.input_tokens, output_tokens=1))
+    after = float(client.hget(budget.key, "r") or 0)
+    assert after < before  # the queued request stays taken: the stated 600 gave nothing back
+
+
+def test_reset_stands_in_for_a_missing_remaining(client: redis.Redis) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=600))
+    full_in_50s = (datetime.now(UTC) + timedelta(seconds=50)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    headers = {
+        "anthropic-ratelimit-requests-limit": "600",
+        "anthropic-ratelimit-requests-reset": full_in_50s,
+    }
+    _settled_with(budget, headers)
+    level = float(client.hget(budget.key, "r") or 0)
+    # full in ~50 s at 10 a second: the provider holds ~100 of 600; Sift then ~40 of 540
+    assert level <= 40.0 + 20.0
+
+
+def test_a_foreign_client_draining_the_provider_slows_sift_at_once(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """Another client of the organisation empties the provider's bucket. Sift's bucket is
+    full; the first call's headers (a 429's, here) say the provider's holds nothing, and
+    Sift stops sending rather than meeting 429 after 429."""
+    fake.configure(rpm=30)
+    sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
+    for _ in range(30):  # the foreign client, on no budget
+        sdk.messages.create(model=MODEL, max_tokens=10, messages=[{"role": "user", "content": "x"}])
+    pipeline, budget = build(fake, client, "fail_open", RateLimit(rpm=30), PrometheusRecorder())
+    result = search(pipeline)
+    attempts = len(result.trace["attempts"])
+    assert attempts <= 3
+    # Sift's own count alone: 27 less one per attempt; the headers said the provider's is
+    # empty, less its spare tenth (3): Sift's bucket is below one request
+    assert float(client.hget(budget.key, "r") or 27) < 1.0
+    assert not budget.reserve(PROMPT, 0.0).admitted
+
+
+# --- the economy lane's own bucket ----------------------------------------------------------
+
+
+def test_economy_limits_are_a_bucket_of_their_own(client: redis.Redis, redis_url: str) -> None:
+    settings = load_settings(
+        generation_model=f"anthropic:{MODEL}",
+        redis_url=redis_url,
+        rate_limits={MODEL: {"rpm": 60, "economy": {"rpm": 6}}},
+    )
+    standard, economy = build_rate_budget(settings), build_rate_budget(settings, "economy")
+    assert standard is not None and economy is not None
+    assert standard.key != economy.key and economy.lane == "economy"
+    assert economy.limits == RateLimit(rpm=6)
+    exhaust(standard)
+    admitted = 0
+    while economy.reserve_call(0.0).admitted:
+        admitted += 1
+    assert admitted == int(6 * BURST_FRACTION)  # the standard lane's exhaustion took none
+    assert not standard.reserve(PROMPT, 0.0).admitted  # nor did the economy lane give any
+
+
+def test_economy_calls_wait_for_their_bucket_and_never_touch_the_standard_one(
+    fake: fa.FakeAnthropic, client: redis.Redis, redis_url: str
+) -> None:
+    settings = load_settings(
+        generation_model=f"anthropic:{MODEL}",
+        redis_url=redis_url,
+        rate_limits={MODEL: {"economy": {"rpm": 6}}},  # the bucket holds 5
+    )
+    batches = build_batch_client(settings)
+    assert isinstance(batches, MeteredBatches)
+    sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
+    batches.reranker._client, batches.reranker._owns_client = sdk, False
+    batches.max_wait = 0.0
+    slept: list[float] = []
+    batches._sleep = slept.append
+    request = {"custom_id": "i0", "params": batches.request_params(PROMPT)}
+    created = batches.create([request])
+    for _ in range(4):
+        batches.retrieve(created.id)
+    with pytest.raises(RerankAttemptError) as refused:
+        batches.retrieve(created.id)  # the sixth call in a second: not sent
+    assert refused.value.outcome is AttemptOutcome.RATE_LIMITED
+    assert "economy lane's rate budget" in refused.value.message  # refused before sending
+    assert refused.value.retry_after is not None and refused.value.retry_after > 1.0
+    assert len(fake.batches()) == 1
+    assert not client.exists(f"sift:rate-budget:standard:{MODEL}")
+    batches.max_wait = 60.0  # willing to wait: it sleeps for its share, then sends
+    batches.retrieve(created.id)
+    assert slept and slept[-1] > 1.0
+
+
+def test_without_a_budget_the_economy_client_is_the_plain_one(redis_url: str) -> None:
+    settings = load_settings(generation_model=f"anthropic:{MODEL}", redis_url=redis_url)
+    off = settings.model_copy(update={"rate_budget_enabled": False})
+    assert type(build_batch_client(off)) is AnthropicMessageBatches
+    assert isinstance(build_batch_client(settings), MeteredBatches)
+
+
+def test_a_429_from_the_batch_endpoints_pauses_the_economy_lane_alone(
+    client: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = load_settings(generation_model=f"anthropic:{MODEL}", redis_url=redis_url)
+    batches = build_batch_client(settings)
+    assert isinstance(batches, MeteredBatches)
+
+    def answered_429(self: AnthropicMessageBatches, batch_id: str) -> Any:
+        raise RerankAttemptError(AttemptOutcome.RATE_LIMITED, "HTTP 429", retry_after=20.0)
+
+    monkeypatch.setattr(AnthropicMessageBatches, "retrieve", answered_429)
+    counted = REGISTRY.get_sample_value(
+        "sift_provider_429_total", {"model": MODEL, "lane": "economy"}
+    )
+    with pytest.raises(RerankAttemptError):
+        batches.retrieve("msgbatch_x")
+    after = REGISTRY.get_sample_value(
+        "sift_provider_429_total", {"model": MODEL, "lane": "economy"}
+    )
+    assert after == (counted or 0) + 1
+    refused = batches.budget.reserve_call(1.0)  # every process's economy calls wait it out
+    assert not refused.admitted and 15.0 < refused.wait <= 20.0
+    assert not client.exists(f"sift:rate-budget:standard:{MODEL}")  # searches go on
+
+
+# --- the economy lane's share of the provider's processing queue ----------------------------
+
+
+def _take(redis_url: str, cap: int, want: int, tries: int) -> int:
+    queue = BatchQueue(redis.Redis.from_url(redis_url), MODEL, cap)
+    return sum(want for _ in range(tries) if queue.take(want) is not None)
+
+
+def test_several_processes_never_queue_more_than_the_cap(
+    client: redis.Redis, redis_url: str
+) -> None:
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        taken = pool.starmap(_take, [(redis_url, 100, 7, 10)] * 4)
+    assert sum(taken) == 98  # 14 submissions of 7 fit under 100; the 15th never did
+    assert BatchQueue(client, MODEL, 100).queued() == 98
+
+
+def test_a_submission_waits_for_room_in_the_processing_queue(
+    fake: fa.FakeAnthropic, client: redis.Redis, redis_url: str
+) -> None:
+    settings = load_settings(
+        generation_model=f"anthropic:{MODEL}",
+        redis_url=redis_url,
+        rate_limits={MODEL: {"economy": {"queued": 8}}},
+    )
+    batches = build_batch_client(settings)
+    assert isinstance(batches, MeteredBatches) and batches.queue is not None
+    sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
+    batches.reranker._client, batches.reranker._owns_client = sdk, False
+    params = batches.request_params(PROMPT)
+
+    def requests(n: int) -> list[dict[str, Any]]:
+        return [{"custom_id": f"i{i}", "params": params} for i in range(n)]
+
+    first = batches.create(requests(6))
+    assert batches.queue.queued() == 6
+    with pytest.raises(BatchQueueFull) as full:
+        batches.create(requests(6))  # 12 would be queued: not sent
+    assert full.value.retryable and full.value.retry_after
+    assert len(fake.batches()) == 1 and batches.queue.queued() == 6
+    with pytest.raises(RerankAttemptError):
+        batches.create([{"custom_id": "bad id!", "params": params}])  # refused by the provider
+    assert batches.queue.queued() == 6  # its places were given back
+    assert batches.retrieve(first.id).ended  # the fake processes at once
+    assert batches.queue.queued() == 0  # the ended batch left the queue
+    second = batches.create(requests(6))
+    assert len(fake.batches()) == 2
+    assert client.hkeys(batches.queue.key) == [second.id.encode()]

@@ -12,7 +12,11 @@ from tests.prometheus_support import DASHBOARDS, ROOT, concrete, panel_queries, 
 from worker import constants
 
 DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
-UIDS = {"sift-rerank-cost.json": "sift-rerank-cost", "sift-jobs.json": "sift-jobs"}
+UIDS = {
+    "sift-rerank-cost.json": "sift-rerank-cost",
+    "sift-jobs.json": "sift-jobs",
+    "sift-rate-limits.json": "sift-rate-limits",
+}
 METRIC_NAMES = {v for k, v in vars(constants).items() if k.startswith("METRIC_")}
 
 
@@ -34,7 +38,7 @@ def test_dashboard_is_provisionable(path: Path) -> None:
 def test_panels_use_only_sifts_metrics_and_known_variables(path: Path) -> None:
     for query in panel_queries(path):
         expr = concrete(query.expr)  # raises on an unknown Grafana variable
-        names = set(re.findall(r"\b(sift_[a-z_]+)", expr))
+        names = set(re.findall(r"\b(sift_[a-z0-9_]+)", expr))
         bases = {re.sub(r"_(bucket|count|sum)$", "", n) for n in names}
         assert bases <= METRIC_NAMES, f"{query}: {bases - METRIC_NAMES}"
 
@@ -68,5 +72,7 @@ def test_the_issues_panels_are_all_there() -> None:
         "Queue backlog",
         "Workers",
     ]
+    limits = ["Budget wait by lane (p50, p95)", "429 answers per minute"]
     assert all(words in titles["sift-rerank-cost.json"] for words in rerank)
     assert all(words in titles["sift-jobs.json"] for words in jobs)
+    assert all(words in titles["sift-rate-limits.json"] for words in limits)

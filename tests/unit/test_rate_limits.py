@@ -8,7 +8,7 @@ from worker.adapters.rate_budget import RedisRateBudget, TokenEstimator
 from worker.bootstrap import build_rate_budget
 from worker.core.types import RerankPrompt
 from worker.errors import ConfigError
-from worker.settings import RateLimit, load_settings
+from worker.settings import BatchLimit, RateLimit, load_settings
 
 MODEL = "claude-haiku-4-5"
 
@@ -21,9 +21,25 @@ def test_rate_limits_are_read_as_json_per_model(monkeypatch: pytest.MonkeyPatch)
     assert load_settings().rate_limits == {}
 
 
+def test_the_economy_lane_has_limits_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(
+        "SIFT_RATE_LIMITS",
+        '{"claude-haiku-4-5": {"rpm": 4000, "economy": {"rpm": 50, "queued": 100000}}}',
+    )
+    limits = load_settings().rate_limits[MODEL]
+    assert limits == RateLimit(rpm=4000, economy=BatchLimit(rpm=50, queued=100_000))
+
+
 @pytest.mark.parametrize(
     "value",
-    ['{"claude-haiku-4-5": {"rpm": 0}}', '{"claude-haiku-4-5": {"tpm": 5}}', "{not json"],
+    [
+        '{"claude-haiku-4-5": {"rpm": 0}}',
+        '{"claude-haiku-4-5": {"tpm": 5}}',
+        '{"claude-haiku-4-5": {"economy": {"itpm": 5}}}',
+        '{"claude-haiku-4-5": {"economy": {"rpm": 0}}}',
+        '{"claude-haiku-4-5": {"economy": {"queued": 0}}}',
+        "{not json",
+    ],
 )
 def test_a_bad_rate_limit_names_the_variable(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("SIFT_RATE_LIMITS", value)

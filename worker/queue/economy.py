@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery import shared_task
 
 from worker import metrics
+from worker.adapters.rate_budget import BatchQueueFull
 from worker.constants import (
     BATCH_ITEMS_KEY,
     BATCH_QUEUE,
@@ -375,10 +376,18 @@ def economy_submit(self: SiftTask, batch_id: str) -> None:
     query_ids = store.economy_fields(batch_id, ECONOMY_PREPARED_KEY)
     try:
         submit(self, batch, query_ids)
+    except BatchQueueFull as exc:
+        # not a failure: the provider's queue frees as its batches end. Sent again, the task
+        # keeps its retry budget; what was sent already is not sent twice (``_pending``).
+        log.info("batch %s: %s; submitting the rest later", batch_id, exc)
+        self.app.send_task(ECONOMY_SUBMIT_TASK, args=[batch_id], queue=BATCH_QUEUE,
+                           countdown=exc.retry_after)  # fmt: skip
     except RerankAttemptError as exc:
         if self.should_retry(exc):
             log.warning("batch %s: submission failed, retrying: %s", batch_id, exc)
-            raise self.retry(exc=exc, countdown=self.backoff()) from exc
+            # not before the rate budget or a 429's retry-after frees it
+            countdown = max(self.backoff(), exc.retry_after or 0.0)
+            raise self.retry(exc=exc, countdown=countdown) from exc
         log.error("batch %s: submission failed for good: %s", batch_id, exc)
         _fail_items(self, batch, query_ids, exc)
 

@@ -1,0 +1,120 @@
+"""The rate-limits dashboard's PromQL against a real Prometheus, on a real rate-limited run.
+
+A real ``prometheus`` scrapes ``/metrics`` of ``tests.rate_limit_workload`` every second. The
+workload sends real searches through the real SDK to the fake Messages API, limited to
+``RPM`` requests a minute: first a flood with no rate budget (answered 429 beyond the fake's
+bucket), then searches drawing on the shared budget in a real redis-server, which wait for it.
+Every panel of ``grafana/sift-rate-limits.json`` must then answer, and the 429 and wait
+series must equal what the fake and the searches' traces say happened.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests import fake_anthropic as fa
+from tests.prometheus_support import (
+    DASHBOARDS,
+    PanelQuery,
+    Prometheus,
+    concrete,
+    panel_queries,
+    prometheus_binary,
+    run_metrics_target,
+    run_prometheus,
+)
+from worker.constants import PROMETHEUS_JOB_WORKER
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(
+        prometheus_binary() is None,
+        reason="prometheus is not installed (apt-get install prometheus, or make services)",
+    ),
+]
+
+JOB = PROMETHEUS_JOB_WORKER
+RPM = 60  # one request a second: the flood empties the bucket, the budget then waits
+FLOOD, METERED = 80, 12
+PANEL_QUERIES = [
+    query
+    for path in DASHBOARDS
+    if path.name == "sift-rate-limits.json"
+    for query in panel_queries(path)
+]
+
+
+@dataclass
+class Observed:
+    prometheus: Prometheus
+    flood: dict[str, Any]
+    metered: dict[str, Any]
+    answered_429: int  # what the fake counted
+
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Observed]:
+    workdir = tmp_path_factory.mktemp("prometheus-limits")
+    with (
+        fa.FakeAnthropic(rpm=RPM) as fake,
+        run_metrics_target(
+            "tests.rate_limit_workload", str(workdir / "multiproc"), redis_url, fake.url, str(RPM)
+        ) as target,
+        run_prometheus(workdir / "server", {JOB: [target.address]}) as prometheus,
+    ):
+        prometheus.wait_for_scrapes(JOB, 3)  # the zero series are in, so rates have a start
+        flood = target.send(f"flood {FLOOD}")
+        metered = target.send(f"metered {METERED}")
+        answered_429 = fake.rate_limited()
+        prometheus.wait_for_value("sum(sift_provider_429_total)", answered_429)
+        prometheus.wait_for_value("sum(sift_rate_budget_wait_seconds_count)", metered["sent"])
+        prometheus.wait_for_more_scrapes(JOB, 2)
+        yield Observed(prometheus, flood, metered, answered_429)
+
+
+def test_the_dashboard_has_the_issues_panels() -> None:
+    titles = {query.panel for query in PANEL_QUERIES}
+    assert "Budget wait by lane (p50, p95)" in titles
+    assert "429 answers per minute by lane" in titles
+
+
+@pytest.mark.parametrize("query", PANEL_QUERIES, ids=str)
+def test_every_panel_returns_data(observed: Observed, query: PanelQuery) -> None:
+    result = observed.prometheus.query(concrete(query.expr))
+    assert result, f"no data for {query}: {query.expr}"
+    values = [float(series["value"][1]) for series in result]
+    assert any(math.isfinite(v) for v in values), f"only NaN for {query}: {result}"
+
+
+def test_the_429_series_counts_every_429_the_provider_sent(observed: Observed) -> None:
+    assert observed.answered_429 > 0  # the flood went past the fake's bucket
+    by_lane = observed.prometheus.values("sum by (lane) (sift_provider_429_total)", by="lane")
+    assert by_lane == {"standard": observed.answered_429, "economy": 0}
+    per_minute = observed.prometheus.values(
+        concrete("sum by (lane) (rate(sift_provider_429_total[$__rate_interval])) * 60"), by="lane"
+    )
+    assert per_minute["standard"] > 0
+
+
+def test_the_wait_series_counts_every_metered_call_and_shows_the_wait(observed: Observed) -> None:
+    p = observed.prometheus
+    counted = p.values("sum by (lane) (sift_rate_budget_wait_seconds_count)", by="lane")
+    assert counted == {"standard": observed.metered["sent"], "economy": 0}
+    # the flood emptied the provider's bucket: the metered searches waited for the budget
+    assert observed.metered["waited"] > 0
+    at_once = p.values('sum(sift_rate_budget_wait_seconds_bucket{le="0.001"})')[""]
+    assert at_once == observed.metered["sent"] - observed.metered["waited"]
+    p95 = p.values(
+        concrete(
+            "histogram_quantile(0.95, sum by (le, lane) "
+            "(rate(sift_rate_budget_wait_seconds_bucket[$__rate_interval])))"
+        ),
+        by="lane",
+    )
+    assert p95["standard"] > 0
