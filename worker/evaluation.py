@@ -28,6 +28,8 @@ JUDGE_POLICY = "qrels (binary: score >= 1), no LLM judge; queries without qrels 
 MEASURES = [nDCG @ 10, RR @ 10, R @ 10, R @ 100]
 TENANT = "eval"
 SERVED_RANKINGS = ("final", "fused", "bm25", "knn")  # what a served result's ranks give
+CHANNELS = ("bm25", "knn")
+TIE = 1e-9  # per-query nDCG@10 closer than this counts as equal
 
 
 @dataclass(frozen=True)
@@ -211,11 +213,55 @@ def score_rankings(
             (len(candidates.get(qid, [])[:window]) for qid in judged), default=0
         ),
     }
+    report["candidate_recall"]["by_ranking"] = {
+        name: _mean_recall(runs[name], qrels, judged, window) for name in CHANNELS if name in runs
+    } | {"fused": report["candidate_recall"]["end_to_end"]}
+    if all(name in runs for name in CHANNELS):
+        report["fusion_vs_channels"] = fusion_vs_channels(runs, qrel_list, judged)
     report["runs"]["final, conditional on the window"] = _aggregate(
         [q for q in qrel_list if q.query_id in reachable],
         _scored(final, [qid for qid in judged if qid in reachable]),
     )
     return report
+
+
+def _mean_recall(
+    ranking: dict[str, list[str]], qrels: dict[str, dict[str, int]], judged: list[str], window: int
+) -> float:
+    recalls = [
+        len(set(ranking.get(q, [])[:window]) & qrels[q].keys()) / len(qrels[q]) for q in judged
+    ]
+    return sum(recalls) / len(recalls) if recalls else 0.0
+
+
+def fusion_vs_channels(
+    runs: dict[str, dict[str, list[str]]], qrels: list[ir_measures.Qrel], judged: list[str]
+) -> dict[str, dict[str, float]]:
+    """For each run that fuses (all but the channels alone): the share of queries whose
+    nDCG@10 is below the better channel's on that query (``lost``), above it (``won``), or
+    equal (``tied``). A fused run that often loses says the weights need tuning."""
+    per_query = {name: _per_query_ndcg(qrels, ranking, judged) for name, ranking in runs.items()}
+    best = {q: max(per_query[c][q] for c in CHANNELS) for q in judged}
+    shares = {}
+    for name in runs:
+        if name in CHANNELS or not judged:
+            continue
+        diffs = [per_query[name][q] - best[q] for q in judged]
+        shares[name] = {
+            "lost": sum(d < -TIE for d in diffs) / len(diffs),
+            "won": sum(d > TIE for d in diffs) / len(diffs),
+            "tied": sum(abs(d) <= TIE for d in diffs) / len(diffs),
+        }
+    return shares
+
+
+def _per_query_ndcg(
+    qrels: list[ir_measures.Qrel], ranking: dict[str, list[str]], judged: list[str]
+) -> dict[str, float]:
+    values = dict.fromkeys(judged, 0.0)  # a query the run did not rank scores 0
+    for metric in ir_measures.iter_calc([nDCG @ 10], qrels, _scored(ranking, judged)):
+        values[metric.query_id] = float(metric.value)
+    return values
 
 
 def add_usage(total: dict[str, float | None], usage: dict[str, Any]) -> None:

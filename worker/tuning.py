@@ -281,10 +281,8 @@ class TuneReport:
     def best_single(self) -> tuple[Channel, float]:
         """The better channel alone and its nDCG@10 (a channel alone is not tuned: its
         held-out figure is its figure)."""
-        return max(
-            (("bm25", self.held_out["bm25"].ndcg), ("knn", self.held_out["knn"].ndcg)),
-            key=lambda pair: pair[1],
-        )
+        channel = max(CHANNELS, key=lambda c: self.held_out[c].ndcg)
+        return channel, self.held_out[channel].ndcg
 
     def folds_below_best_single(self) -> list[int]:
         """The (1-based) folds where the tuned fusion scored below the better channel."""
