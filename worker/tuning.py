@@ -9,7 +9,8 @@ fuse with those settings, as far as the fetched rankings reach (a channel fetche
 deep stands in for a deeper window; :class:`TuneReport` says how deep it was).
 
 The objective is nDCG@10 of the fused list (no model is called); ties go to the higher
-candidate recall at the window, then to the point closer to the defaults. A point is
+candidate recall at the window, then to the point closer to the defaults, and a channel
+alone wins when the best fusion beats it by less than one standard error. A point is
 chosen on k-1 folds and scored on the held-out one, so every figure reported is held out;
 the values to apply are then chosen on all queries. Nothing here does I/O.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,14 +248,34 @@ def split_folds(queries: Sequence[str], folds: int, seed: int) -> list[list[str]
 
 
 def choose(scored: Mapping[Point, Scores], queries: Sequence[str]) -> Point:
-    """The point with the best mean nDCG@10 over ``queries``; then the higher candidate
-    recall; then the one closer to the defaults."""
+    """The point with the best mean nDCG@10 over ``queries`` (then the higher candidate
+    recall, then the one closer to the defaults), unless a channel alone is within one
+    standard error of it: then that channel.
+
+    The one-standard-error rule (Breiman et al., 1984) guards the failure this tuning is
+    for: with one channel useless, a small weight on it can win on the queries tuned on by
+    chance and lose on the others. The error is that of the per-query differences.
+    """
 
     def key(point: Point) -> tuple[float, float, float]:
         measured = scored[point].mean(queries)
         return (measured.ndcg, measured.recall, -point.distance())
 
-    return max(scored, key=key)
+    best = max(scored, key=key)
+    singles = [point for point in scored if point.single]
+    if best.single or not singles:
+        return best
+    single = max(singles, key=key)
+    diffs = [scored[best].ndcg[q] - scored[single].ndcg[q] for q in queries]
+    return single if statistics.fmean(diffs) <= _standard_error(diffs) else best
+
+
+def _standard_error(values: Sequence[float]) -> float:
+    """
+    >>> round(_standard_error([0.0, 0.5, 0.5, 1.0]), 4)
+    0.2041
+    """
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
 
 
 @dataclass(frozen=True)
