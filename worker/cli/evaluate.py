@@ -432,9 +432,12 @@ def _tune_served(
 
 
 def _print_tune(report: TuneReport) -> None:
-    table = Table(title="held-out nDCG@10 per fold (chosen on the other folds)")
+    table = Table(
+        title="held-out nDCG@10 per fold, of the point chosen on the other folds "
+        "(chosen: weights bm25/knn, rank constant k, window w; recall at that window)"
+    )
     columns = ["fold", "queries", "tuned", "default RRF", "bm25", "knn"]
-    columns += ["recall@window tuned", f"recall@{DEFAULT.window} default", "chosen"]
+    columns += ["recall tuned", f"recall@{DEFAULT.window} default", "chosen"]
     for column in columns:
         table.add_column(column, justify="left" if column == "chosen" else "right")
     for n, fold in enumerate(report.folds, start=1):
@@ -445,7 +448,7 @@ def _print_tune(report: TuneReport) -> None:
             *(f"{m.ndcg:.4f}" for m in ndcgs),
             f"{fold.tuned.recall:.3f}",
             f"{fold.default.recall:.3f}",
-            _describe(fold.chosen),
+            _describe(fold.chosen, short=True),
         )
     held = report.held_out
     table.add_row(
@@ -475,7 +478,9 @@ def _print_tune(report: TuneReport) -> None:
     )
 
 
-def _describe(point: Point) -> str:
+def _describe(point: Point, short: bool = False) -> str:
+    if short:  # weights bm25/knn, rank constant, window
+        return f"{point.bm25:g}/{point.knn:g} k{point.rank_constant} w{point.window}"
     weights = f"bm25 {point.bm25:g}, knn {point.knn:g}"
     if point.single:
         return f"{point.single} alone (weights {weights}), window {point.window}"
