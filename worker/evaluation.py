@@ -12,6 +12,7 @@ query; conditional reports only the queries whose rerank window holds a relevant
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,23 +237,42 @@ def _mean_recall(
 
 def fusion_vs_channels(
     runs: dict[str, dict[str, list[str]]], qrels: list[ir_measures.Qrel], judged: list[str]
-) -> dict[str, dict[str, float]]:
-    """For each run that fuses (all but the channels alone): the share of queries whose
-    nDCG@10 is below the better channel's on that query (``lost``), above it (``won``), or
-    equal (``tied``). A fused run that often loses says the weights need tuning."""
+) -> dict[str, dict[str, Any]]:
+    """For each run that fuses (all but the channels alone), per query by nDCG@10: the
+    shares it ``lost``, ``won`` and ``tied`` against the better channel on that query (an
+    oracle no fusion reaches often), and against ``best_channel``, the channel better on
+    average, with the mean of both (``hurts``: the run is below that channel on average)."""
     per_query = {name: _per_query_ndcg(qrels, ranking, judged) for name, ranking in runs.items()}
-    best = {q: max(per_query[c][q] for c in CHANNELS) for q in judged}
-    shares = {}
+    if not judged:
+        return {}
+    oracle = {q: max(per_query[c][q] for c in CHANNELS) for q in judged}
+    mean = {name: statistics.fmean(values.values()) for name, values in per_query.items()}
+    best = max(CHANNELS, key=lambda c: mean[c])
+    report: dict[str, dict[str, Any]] = {}
     for name in runs:
-        if name in CHANNELS or not judged:
-            continue
-        diffs = [per_query[name][q] - best[q] for q in judged]
-        shares[name] = {
-            "lost": sum(d < -TIE for d in diffs) / len(diffs),
-            "won": sum(d > TIE for d in diffs) / len(diffs),
-            "tied": sum(abs(d) <= TIE for d in diffs) / len(diffs),
-        }
-    return shares
+        if name not in CHANNELS:
+            report[name] = {
+                "vs_better_channel_per_query": _shares(per_query[name], oracle),
+                "best_channel": best,
+                "vs_best_channel": _shares(per_query[name], per_query[best]),
+                "ndcg@10": mean[name],
+                "best_channel_ndcg@10": mean[best],
+                "hurts": mean[name] < mean[best],
+            }
+    return report
+
+
+def _shares(run: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    """
+    >>> _shares({"a": 0.5, "b": 0.2, "c": 0.0, "d": 1.0}, {"a": 0.6, "b": 0.2, "c": 0.0, "d": 0.1})
+    {'lost': 0.25, 'won': 0.25, 'tied': 0.5}
+    """
+    diffs = [run[q] - other[q] for q in run]
+    return {
+        "lost": sum(d < -TIE for d in diffs) / len(diffs),
+        "won": sum(d > TIE for d in diffs) / len(diffs),
+        "tied": sum(abs(d) <= TIE for d in diffs) / len(diffs),
+    }
 
 
 def _per_query_ndcg(

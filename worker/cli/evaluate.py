@@ -320,13 +320,18 @@ def _print_report(report: dict[str, Any]) -> None:
             f"candidate recall@{recall['window']} by ranking: "
             + ", ".join(f"{name} {value:.3f}" for name, value in by_ranking.items())
         )
-    for name, shares in (report.get("fusion_vs_channels") or {}).items():
-        hint = " [yellow](fusion hurts: try `sift eval --tune`)[/]"
+    for name, versus in (report.get("fusion_vs_channels") or {}).items():
         console.print(
-            f"{name} vs the better channel per query (nDCG@10): lost on "
-            f"{shares['lost']:.1%}, won on {shares['won']:.1%}, tied on {shares['tied']:.1%}"
-            + (hint if shares["lost"] > shares["won"] else "")
+            f"{name} per query (nDCG@10) vs the better channel on that query: "
+            f"{_shares(versus['vs_better_channel_per_query'])}; vs {versus['best_channel']} "
+            f"(better on average): {_shares(versus['vs_best_channel'])}"
         )
+        if versus["hurts"]:
+            console.print(
+                f"[yellow]fusion hurts here: {name} {versus['ndcg@10']:.3f} < "
+                f"{versus['best_channel']} alone {versus['best_channel_ndcg@10']:.3f}[/]; "
+                "`sift eval --tune` chooses weights on your judgments"
+            )
     held = recall.get("candidates_held", recall["window"])
     if held < recall["window"]:
         console.print(
@@ -429,6 +434,10 @@ def _tune_served(
             seed,
             progress=lambda n: bar.advance(task, n),
         )
+
+
+def _shares(shares: dict[str, float]) -> str:
+    return f"lost {shares['lost']:.1%}, won {shares['won']:.1%}, tied {shares['tied']:.1%}"
 
 
 def _print_tune(report: TuneReport) -> None:
