@@ -6,7 +6,9 @@ own; both end in :func:`score_rankings`, so every source is scored by the same c
 ``ir-measures``. Relevance comes from the qrels alone (no LLM judge): a pair counts as
 relevant when its score is at least 1, and a query with no relevant pair is left out.
 Candidate recall follows the reranking guide (seed 004): end-to-end reports every
-query; conditional reports only the queries whose rerank window holds a relevant doc.
+query; conditional reports only the queries whose rerank window holds a relevant doc,
+and it is given for each channel's ranking too. :func:`fusion_vs_channels` says, query by
+query, how often fusion lost to a channel alone.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@
   and nothing is embedded here.
 * ``--results``: the JSONL ``sift batch`` wrote, scored from the ranks its results carry.
 
-All three print the same table.
+All three print the same table. With ``--index``, ``--tune`` instead tunes the fusion's
+weights, rank constant and candidate window on the qrels by k-fold cross-validation
+(:mod:`worker.tuning`), and ``--apply`` stores the chosen settings on the index.
 """
 
 from __future__ import annotations
