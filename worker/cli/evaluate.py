@@ -126,6 +126,8 @@ def eval_command(
         ("--apply", apply, tune),
     ) if given and not home]  # fmt: skip
     if misplaced:
+        if misplaced[0] in ("--folds", "--seed", "--apply"):
+            raise _usage_error(f"{misplaced[0]} needs --tune")
         where = "--tune" if misplaced[0] == "--rerank" else sources[0]
         raise _usage_error(f"{misplaced[0]} does not apply to {where}")
     if tune:
@@ -415,7 +417,8 @@ def _tune_served(
     failed = [i for items in served.values() for i in items if i.get("status") != "succeeded"]
     if failed:
         raise ValueError(
-            f"{len(failed)} search(es) did not succeed (first: {failed[0].get('error')}); "
+            f"{len(failed)} search(es) did not succeed (first: "
+            f"{(failed[0].get('error') or {}).get('message')}); "
             "tuning needs every query's rankings"
         )
     rankings: dict[Channel, dict[str, list[str]]] = {
