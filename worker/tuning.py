@@ -384,7 +384,8 @@ def tune(
     results = []
     held_out_point: dict[str, Point] = {}
     for held in split:
-        training = [q for q in queries if q not in set(held)]
+        held_set = set(held)
+        training = [q for q in queries if q not in held_set]
         chosen = choose(scored, training)
         held_out_point.update(dict.fromkeys(held, chosen))
         results.append(
