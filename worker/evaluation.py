@@ -6,12 +6,15 @@ own; both end in :func:`score_rankings`, so every source is scored by the same c
 ``ir-measures``. Relevance comes from the qrels alone (no LLM judge): a pair counts as
 relevant when its score is at least 1, and a query with no relevant pair is left out.
 Candidate recall follows the reranking guide (seed 004): end-to-end reports every
-query; conditional reports only the queries whose rerank window holds a relevant doc.
+query; conditional reports only the queries whose rerank window holds a relevant doc,
+and it is given for each channel's ranking too. :func:`fusion_vs_channels` says, query by
+query, how often fusion lost to a channel alone.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,8 @@ JUDGE_POLICY = "qrels (binary: score >= 1), no LLM judge; queries without qrels 
 MEASURES = [nDCG @ 10, RR @ 10, R @ 10, R @ 100]
 TENANT = "eval"
 SERVED_RANKINGS = ("final", "fused", "bm25", "knn")  # what a served result's ranks give
+CHANNELS = ("bm25", "knn")
+TIE = 1e-9  # per-query nDCG@10 closer than this counts as equal
 
 
 @dataclass(frozen=True)
@@ -211,11 +216,74 @@ def score_rankings(
             (len(candidates.get(qid, [])[:window]) for qid in judged), default=0
         ),
     }
+    report["candidate_recall"]["by_ranking"] = {
+        name: _mean_recall(runs[name], qrels, judged, window) for name in CHANNELS if name in runs
+    } | {"fused": report["candidate_recall"]["end_to_end"]}
+    if all(name in runs for name in CHANNELS):
+        report["fusion_vs_channels"] = fusion_vs_channels(runs, qrel_list, judged)
     report["runs"]["final, conditional on the window"] = _aggregate(
         [q for q in qrel_list if q.query_id in reachable],
         _scored(final, [qid for qid in judged if qid in reachable]),
     )
     return report
+
+
+def _mean_recall(
+    ranking: dict[str, list[str]], qrels: dict[str, dict[str, int]], judged: list[str], window: int
+) -> float:
+    recalls = [
+        len(set(ranking.get(q, [])[:window]) & qrels[q].keys()) / len(qrels[q]) for q in judged
+    ]
+    return sum(recalls) / len(recalls) if recalls else 0.0
+
+
+def fusion_vs_channels(
+    runs: dict[str, dict[str, list[str]]], qrels: list[ir_measures.Qrel], judged: list[str]
+) -> dict[str, dict[str, Any]]:
+    """For each run that fuses (all but the channels alone), per query by nDCG@10: the
+    shares it ``lost``, ``won`` and ``tied`` against the better channel on that query (an
+    oracle no fusion reaches often), and against ``best_channel``, the channel better on
+    average, with the mean of both (``hurts``: the run is below that channel on average)."""
+    per_query = {name: _per_query_ndcg(qrels, ranking, judged) for name, ranking in runs.items()}
+    if not judged:
+        return {}
+    oracle = {q: max(per_query[c][q] for c in CHANNELS) for q in judged}
+    mean = {name: statistics.fmean(values.values()) for name, values in per_query.items()}
+    best = max(CHANNELS, key=lambda c: mean[c])
+    report: dict[str, dict[str, Any]] = {}
+    for name in runs:
+        if name not in CHANNELS:
+            report[name] = {
+                "vs_better_channel_per_query": _shares(per_query[name], oracle),
+                "best_channel": best,
+                "vs_best_channel": _shares(per_query[name], per_query[best]),
+                "ndcg@10": mean[name],
+                "best_channel_ndcg@10": mean[best],
+                "hurts": mean[name] < mean[best],
+            }
+    return report
+
+
+def _shares(run: dict[str, float], other: dict[str, float]) -> dict[str, float]:
+    """
+    >>> _shares({"a": 0.5, "b": 0.2, "c": 0.0, "d": 1.0}, {"a": 0.6, "b": 0.2, "c": 0.0, "d": 0.1})
+    {'lost': 0.25, 'won': 0.25, 'tied': 0.5}
+    """
+    diffs = [run[q] - other[q] for q in run]
+    return {
+        "lost": sum(d < -TIE for d in diffs) / len(diffs),
+        "won": sum(d > TIE for d in diffs) / len(diffs),
+        "tied": sum(abs(d) <= TIE for d in diffs) / len(diffs),
+    }
+
+
+def _per_query_ndcg(
+    qrels: list[ir_measures.Qrel], ranking: dict[str, list[str]], judged: list[str]
+) -> dict[str, float]:
+    values = dict.fromkeys(judged, 0.0)  # a query the run did not rank scores 0
+    for metric in ir_measures.iter_calc([nDCG @ 10], qrels, _scored(ranking, judged)):
+        values[metric.query_id] = float(metric.value)
+    return values
 
 
 def add_usage(total: dict[str, float | None], usage: dict[str, Any]) -> None:

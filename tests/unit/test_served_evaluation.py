@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from worker.evaluation import score_results, served_rankings
+from worker.evaluation import score_rankings, score_results, served_rankings
 
 
 def hit(doc: str, final: int, rrf: int, bm25: int | None, knn: int | None) -> dict[str, Any]:
@@ -60,3 +60,26 @@ def test_a_query_id_twice_is_refused() -> None:
     item = {"query_id": "q1", "status": "succeeded", "result": result(hit("a", 1, 1, 1, 1))}
     with pytest.raises(ValueError, match="q1"):
         score_results([item, item], {"q1": {"a": 1}}, window=30)
+
+
+def test_fusion_is_compared_with_each_channel_query_by_query() -> None:
+    """Three queries, one relevant document each: fused beats both channels on q1, loses to
+    BM25 on q2 and ties on q3; candidate recall is given for every ranking."""
+    qrels = {"q1": {"r1": 1}, "q2": {"r2": 1}, "q3": {"r3": 1}}
+    runs = {
+        "bm25": {"q1": ["x", "r1"], "q2": ["r2"], "q3": ["r3"]},
+        "knn": {"q1": ["x", "y", "r1"], "q2": ["x", "r2"], "q3": ["x"]},
+        "fused": {"q1": ["r1"], "q2": ["x", "r2"], "q3": ["r3"]},
+    }
+    report = score_rankings(
+        runs, qrels, ["q1", "q2", "q3"], window=1, candidates=runs["fused"], final=runs["fused"]
+    )
+    versus = report["fusion_vs_channels"]["fused"]
+    third = pytest.approx(1 / 3)
+    assert versus["vs_better_channel_per_query"] == {"lost": third, "won": third, "tied": third}
+    assert versus["best_channel"] == "bm25"  # r2 and r3 first, r1 second
+    assert versus["vs_best_channel"] == {"lost": third, "won": third, "tied": third}
+    assert versus["hurts"] is False  # equal means (1 + 0.63 + 1 both): only below hurts
+    assert report["candidate_recall"]["by_ranking"] == {
+        "bm25": pytest.approx(2 / 3), "knn": 0.0, "fused": pytest.approx(2 / 3)
+    }  # fmt: skip

@@ -130,6 +130,13 @@ class Gateway:
         except ValueError as exc:
             raise GatewayError(f"{method} {path}: the gateway's answer is not JSON") from exc
 
+    def update_index(self, index: str, body: dict[str, Any]) -> dict[str, Any]:
+        """``PATCH /v1/indexes/{index}``: store settings on an index; its metadata back."""
+        answer = self.json("PATCH", f"/v1/indexes/{index}", json=body)
+        if not isinstance(answer, dict):
+            raise GatewayError(f"PATCH /v1/indexes/{index}: unexpected answer {str(answer)[:200]}")
+        return answer
+
     def poll(
         self,
         path: str,

@@ -6,7 +6,9 @@
   and nothing is embedded here.
 * ``--results``: the JSONL ``sift batch`` wrote, scored from the ranks its results carry.
 
-All three print the same table.
+All three print the same table. With ``--index``, ``--tune`` instead tunes the fusion's
+weights, rank constant and candidate window on the qrels by k-fold cross-validation
+(:mod:`worker.tuning`), and ``--apply`` stores the chosen settings on the index.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from worker.adapters.embedder import GRAPH_REVISION
 from worker.cli import app
 from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
 from worker.cli._output import format_cost, progress_bar
+from worker.constants import MAX_LIMIT
+from worker.contract import Channel
 from worker.errors import SiftError
 from worker.evaluation import (
     TENANT,
@@ -44,9 +48,11 @@ from worker.evaluation import (
 )
 from worker.runtime import Runtime, build_runtime
 from worker.settings import load_settings
+from worker.tuning import CHANNELS, DEFAULT, Grid, Point, TuneReport, split_folds, tune
 
 console = Console()
 EXIT_USAGE = 2
+EXIT_REFUSED = 3  # --apply refused: the tuned fusion is below a channel alone
 PAGE_SIZE = 500
 
 
@@ -90,6 +96,14 @@ def eval_command(
     rerank: Annotated[bool, typer.Option(help="add the reranked run (needs a model)")] = False,
     max_queries: Annotated[int | None, typer.Option(min=1)] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report")] = None,
+    tune: Annotated[
+        bool, typer.Option(help="--index: tune the fusion's weights, rank constant and window")
+    ] = False,
+    folds: Annotated[int, typer.Option(min=2, help="--tune: cross-validation folds")] = 5,
+    seed: Annotated[int, typer.Option(help="--tune: the seed of the fold split")] = 0,
+    apply: Annotated[
+        bool, typer.Option(help="--tune: store the chosen settings on the index")
+    ] = False,
 ) -> None:
     """Evaluate BM25, kNN, fused and final runs with ir-measures: in-process (--corpus), of a
     served index (--index) or of a batch's results (--results)."""
@@ -105,9 +119,21 @@ def eval_command(
         ("--out", out is not None, index is not None),
         ("--rerank", rerank, results is None),
         ("--max-queries", max_queries is not None, results is None),
+        ("--tune", tune, index is not None),
+        ("--rerank", rerank, not tune),
+        ("--folds", folds != 5, tune),
+        ("--seed", seed != 0, tune),
+        ("--apply", apply, tune),
     ) if given and not home]  # fmt: skip
     if misplaced:
-        raise _usage_error(f"{misplaced[0]} does not apply to {sources[0]}")
+        if misplaced[0] in ("--folds", "--seed", "--apply"):
+            raise _usage_error(f"{misplaced[0]} needs --tune")
+        where = "--tune" if misplaced[0] == "--rerank" else sources[0]
+        raise _usage_error(f"{misplaced[0]} does not apply to {where}")
+    if tune:
+        assert index is not None and queries is not None
+        _tune_command(index, queries, qrels, out, folds, seed, apply, max_queries, json_out)
+        return
     try:
         if corpus is not None and queries is not None:
             report = _in_process(corpus, queries, qrels, data_dir, window, rerank, max_queries)
@@ -191,6 +217,27 @@ def _served(
     rankings: dict[str, dict[str, list[str]]] = {}
     usage: dict[str, float | None] = {}
     failed = 0
+    submitted, served = _run_batches(index, runs, queries, out)
+    for run in runs:
+        rankings[run.name] = {}
+        for item in served[run.name]:
+            result = item.get("result") if item.get("status") == "succeeded" else None
+            failed += result is None
+            hits = (result or {}).get("hits") or []
+            rankings[run.name][str(item["query_id"])] = [str(hit["id"]) for hit in hits]
+            add_usage(usage, (result or {}).get("usage") or {})
+    report = score_runs(rankings, runs, qrels, queries, window)
+    report["failed"] = failed
+    report["usage"] = usage
+    report["batches"] = submitted
+    return report
+
+
+def _run_batches(
+    index: str, runs: list[RunSpec], queries: list[tuple[str, str]], out: Path | None
+) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]]]:
+    """Each run as one batch through the gateway, all submitted at once: the batch ids and
+    every result of each, in submission order (kept under ``out`` when given)."""
     with gateway() as client:
         submitted = {run.name: _submit(client, index, run, queries) for run in runs}
         with progress_bar(console) as bar:
@@ -207,22 +254,12 @@ def _served(
                         del pending[name]
                 if pending:
                     time.sleep(0.5)
+        served = {}
         for run in runs:
-            items = list(_results(client, submitted[run.name]))
+            served[run.name] = list(_results(client, submitted[run.name]))
             if out is not None:
-                _write_jsonl(out / f"{run.name.split()[0]}.jsonl", items)
-            rankings[run.name] = {}
-            for item in items:
-                result = item.get("result") if item.get("status") == "succeeded" else None
-                failed += result is None
-                hits = (result or {}).get("hits") or []
-                rankings[run.name][str(item["query_id"])] = [str(hit["id"]) for hit in hits]
-                add_usage(usage, (result or {}).get("usage") or {})
-    report = score_runs(rankings, runs, qrels, queries, window)
-    report["failed"] = failed
-    report["usage"] = usage
-    report["batches"] = submitted
-    return report
+                _write_jsonl(out / f"{run.name.split()[0]}.jsonl", served[run.name])
+    return submitted, served
 
 
 def _submit(client: Gateway, index: str, run: RunSpec, queries: list[tuple[str, str]]) -> str:
@@ -281,6 +318,24 @@ def _print_report(report: dict[str, Any]) -> None:
         f"queries with a relevant candidate in the window: "
         f"{recall['queries_with_a_relevant_candidate']}/{report['queries']}"
     )
+    by_ranking = recall.get("by_ranking") or {}
+    if len(by_ranking) > 1:
+        console.print(
+            f"candidate recall@{recall['window']} by ranking: "
+            + ", ".join(f"{name} {value:.3f}" for name, value in by_ranking.items())
+        )
+    for name, versus in (report.get("fusion_vs_channels") or {}).items():
+        console.print(
+            f"{name} per query (nDCG@10) vs the better channel on that query: "
+            f"{_shares(versus['vs_better_channel_per_query'])}; vs {versus['best_channel']} "
+            f"(better on average): {_shares(versus['vs_best_channel'])}"
+        )
+        if versus["hurts"]:
+            console.print(
+                f"[yellow]fusion hurts here: {name} {versus['ndcg@10']:.3f} < "
+                f"{versus['best_channel']} alone {versus['best_channel_ndcg@10']:.3f}[/]; "
+                "`sift eval --tune` chooses weights on your judgments"
+            )
     held = recall.get("candidates_held", recall["window"])
     if held < recall["window"]:
         console.print(
@@ -303,3 +358,144 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{int(usage['input_tokens'])} input / {int(usage['output_tokens'])} output tokens, "
             f"{format_cost(usage.get('cost_usd', 0.0))}"
         )
+
+
+def _tune_command(
+    index: str,
+    queries_path: Path,
+    qrels_path: Path,
+    out: Path | None,
+    folds: int,
+    seed: int,
+    apply: bool,
+    max_queries: int | None,
+    json_out: Path | None,
+) -> None:
+    """``--tune``: tune on the served index's rankings, print the folds, and with ``--apply``
+    store the chosen settings unless the held-out figure is below a channel alone."""
+    try:
+        report = _tune_served(index, queries_path, qrels_path, out, folds, seed, max_queries)
+    except (GatewayError, ValueError) as error:
+        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
+        raise typer.Exit(1) from error
+    _print_tune(report)
+    data: dict[str, Any] = {"index": index, "folds_seed": seed, **report.as_dict()}
+    refusal = report.refusal()
+    data["applied"] = False
+    try:
+        if apply and refusal is None:
+            with gateway() as client:
+                stored = client.update_index(index, report.chosen.settings())
+            data["applied"] = True
+            console.print(f"applied to {index}: {json.dumps(stored.get('settings'))}")
+    finally:
+        if json_out:
+            json_out.write_text(json.dumps(data, indent=2) + "\n")
+    if apply and refusal is not None:
+        console.print(f"[red]refused:[/red] {refusal}", soft_wrap=True)
+        raise typer.Exit(EXIT_REFUSED)
+
+
+def _tune_served(
+    index: str,
+    queries_path: Path,
+    qrels_path: Path,
+    out: Path | None,
+    folds: int,
+    seed: int,
+    max_queries: int | None,
+) -> TuneReport:
+    """Fetch each judged query's BM25 and kNN rankings once (two batches, as deep as the API
+    serves), then tune in-process: no further search, no model."""
+    qrels = read_qrels(qrels_path)
+    queries = judged_queries(queries_path, qrels, max_queries)
+    if not queries:
+        raise ValueError(f"{queries_path}: no query has a relevant document in {qrels_path}")
+    split_folds([qid for qid, _ in queries], folds, seed)  # a bad --folds fails before searching
+    runs = [RunSpec("bm25", "fts", False, MAX_LIMIT), RunSpec("knn", "vector", False, MAX_LIMIT)]
+    _, served = _run_batches(index, runs, queries, out)
+    failed = [i for items in served.values() for i in items if i.get("status") != "succeeded"]
+    if failed:
+        raise ValueError(
+            f"{len(failed)} search(es) did not succeed (first: "
+            f"{(failed[0].get('error') or {}).get('message')}); "
+            "tuning needs every query's rankings"
+        )
+    rankings: dict[Channel, dict[str, list[str]]] = {
+        channel: {
+            str(item["query_id"]): [str(hit["id"]) for hit in item["result"]["hits"]]
+            for item in served[channel]
+        }
+        for channel in CHANNELS
+    }
+    grid = Grid()
+    with progress_bar(console) as bar:
+        task = bar.add_task("tuning: grid points scored", total=len(grid.points()))
+        return tune(
+            rankings,
+            {qid: qrels[qid] for qid, _ in queries},
+            grid,
+            folds,
+            seed,
+            progress=lambda n: bar.advance(task, n),
+        )
+
+
+def _shares(shares: dict[str, float]) -> str:
+    return f"lost {shares['lost']:.1%}, won {shares['won']:.1%}, tied {shares['tied']:.1%}"
+
+
+def _print_tune(report: TuneReport) -> None:
+    table = Table(
+        title="held-out nDCG@10 per fold, of the point chosen on the other folds "
+        "(chosen: weights bm25/knn, rank constant k, window w; recall at that window)"
+    )
+    columns = ["fold", "queries", "tuned", "default RRF", "bm25", "knn"]
+    columns += ["recall tuned", f"recall@{DEFAULT.window} default", "chosen"]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "chosen" else "right")
+    for n, fold in enumerate(report.folds, start=1):
+        ndcgs = (fold.tuned, fold.default, fold.bm25, fold.knn)
+        table.add_row(
+            str(n),
+            str(fold.queries),
+            *(f"{m.ndcg:.4f}" for m in ndcgs),
+            f"{fold.tuned.recall:.3f}",
+            f"{fold.default.recall:.3f}",
+            _describe(fold.chosen, short=True),
+        )
+    held = report.held_out
+    table.add_row(
+        "all", str(sum(f.queries for f in report.folds)),
+        *(f"[bold]{held[n].ndcg:.4f}[/]" for n in ("tuned", "default", "bm25", "knn")),
+        f"{held['tuned'].recall:.3f}", f"{held['default'].recall:.3f}", "",
+    )  # fmt: skip
+    console.print(table)
+    console.print(
+        f"chosen on all {sum(f.queries for f in report.folds)} queries: "
+        f"[bold]{_describe(report.chosen)}[/] (nDCG@10 {report.in_sample.ndcg:.4f} on the "
+        "queries it was chosen on: optimistic; the held-out row is the estimate)"
+    )
+    below = report.folds_below_best_single()
+    if below:
+        console.print(
+            f"[yellow]fold(s) {', '.join(map(str, below))}: the tuned fusion scored below "
+            "the better channel alone there[/]"
+        )
+    channel, best = report.best_single
+    console.print(
+        f"held out: tuned {held['tuned'].ndcg:.4f} vs {channel} alone {best:.4f}, "
+        f"default RRF {held['default'].ndcg:.4f}; {report.points} points searched, "
+        f"channels fetched {max(report.depth.values())} deep (a window past "
+        f"{max(report.depth.values()) // 4} fuses them there, where the worker would fuse "
+        "4 x window)"
+    )
+
+
+def _describe(point: Point, short: bool = False) -> str:
+    if short:  # weights bm25/knn, rank constant, window
+        return f"{point.bm25:g}/{point.knn:g} k{point.rank_constant} w{point.window}"
+    weights = f"bm25 {point.bm25:g}, knn {point.knn:g}"
+    if point.single:
+        return f"{point.single} alone (weights {weights}), window {point.window}"
+    return f"weights {weights}, k {point.rank_constant}, window {point.window}"

@@ -1,0 +1,187 @@
+"""Tuning the fusion (worker/tuning.py) and ``sift eval --tune --apply``'s decision.
+
+The collections here are synthetic: each query's relevant documents sit near the top of an
+informative channel's ranking, while a useless channel ranks the corpus in a random order
+(what kNN over shuffled vectors gives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import typer
+
+from worker.cli import evaluate
+from worker.cli._http import Gateway
+from worker.tuning import (
+    DEFAULT,
+    Fold,
+    Grid,
+    Measured,
+    Point,
+    TuneReport,
+    fuse,
+    split_folds,
+    tune,
+)
+
+QUERIES = [f"q{n}" for n in range(53)]
+
+
+def test_every_query_is_held_out_exactly_once_and_the_split_is_deterministic() -> None:
+    folds = split_folds(QUERIES, 5, seed=7)
+    held = [q for fold in folds for q in fold]
+    assert sorted(held) == sorted(QUERIES)  # each exactly once
+    assert {len(fold) for fold in folds} == {10, 11}  # sizes within one
+    assert split_folds(list(reversed(QUERIES)), 5, seed=7) == folds  # input order is no input
+    assert split_folds(QUERIES, 5, seed=8) != folds  # the seed is
+
+
+@pytest.mark.parametrize("folds", [1, len(QUERIES) + 1])
+def test_a_fold_count_the_queries_cannot_fill_is_refused(folds: int) -> None:
+    with pytest.raises(ValueError, match="folds"):
+        split_folds(QUERIES, folds, seed=0)
+
+
+def _collection(
+    seed: int, queries: int = 150, docs: int = 3000
+) -> tuple[dict[str, dict[str, int]], dict[str, list[str]], dict[str, list[str]]]:
+    """qrels, an informative ranking (relevant documents in its top 15) and a random one,
+    each 100 deep, per query."""
+    rng = random.Random(seed)
+    corpus = [f"d{n}" for n in range(docs)]
+    qrels: dict[str, dict[str, int]] = {}
+    useful: dict[str, list[str]] = {}
+    useless: dict[str, list[str]] = {}
+    for n in range(queries):
+        qid = f"q{n}"
+        relevant = rng.sample(corpus, rng.randint(1, 3))
+        qrels[qid] = dict.fromkeys(relevant, 1)
+        ranking = [d for d in rng.sample(corpus, 120) if d not in relevant]
+        for doc in relevant:
+            ranking.insert(min(int(rng.expovariate(0.25)), 14), doc)
+        useful[qid] = ranking[:100]
+        useless[qid] = rng.sample(corpus, 100)
+    return qrels, useful, useless
+
+
+@pytest.mark.parametrize("useful_channel", ["bm25", "knn"])
+def test_with_one_channel_useless_the_tuned_fusion_holds_out_as_well_as_the_other_alone(
+    useful_channel: str,
+) -> None:
+    qrels, useful, useless = _collection(seed=1)
+    other = "knn" if useful_channel == "bm25" else "bm25"
+    rankings: Any = {useful_channel: useful, other: useless}
+    report = tune(rankings, qrels, Grid(), folds=5, seed=0)
+    alone = report.held_out[useful_channel].ndcg
+    assert report.best_single[0] == useful_channel
+    assert report.held_out[other].ndcg < alone / 4  # the useless channel is useless
+    assert report.held_out["default"].ndcg < alone - 0.02  # and plain RRF is hurt by it
+    assert report.held_out["tuned"].ndcg >= alone - 0.005
+    chosen = report.chosen
+    assert getattr(chosen, other) < getattr(chosen, useful_channel)
+
+
+def test_the_fused_list_is_cut_where_the_worker_cuts_it() -> None:
+    """Each channel at max(4 x coarse, 32), the fused list at coarse = max(10, window)."""
+    bm25 = [f"b{n}" for n in range(100)]
+    knn = [f"k{n}" for n in range(100)]
+    fused = fuse({"bm25": bm25, "knn": knn}, Point(window=10))
+    assert len(fused) == 10
+    fused = fuse({"bm25": bm25, "knn": knn}, Point(1.0, 1.0, 60, 30))
+    assert len(fused) == 30
+    # BM25's 41st, kNN's 50th: at window 10 each channel is cut at 40, so only kNN lists
+    # it and it scores low; at window 20 (cut at 80) both list it and it comes first
+    knn = [*knn[:49], "b40", *knn[49:]]
+    assert "b40" not in fuse({"bm25": bm25, "knn": knn}, Point(1.0, 1.0, 60, 10))
+    assert fuse({"bm25": bm25, "knn": knn}, Point(1.0, 1.0, 60, 20))[0] == "b40"
+
+
+def _report(tuned: list[float], bm25: list[float], knn: list[float]) -> TuneReport:
+    folds = [
+        Fold(10, DEFAULT, Measured(t, 0.9), Measured(0.5, 0.9), Measured(b, 0.8), Measured(k, 0.8))
+        for t, b, k in zip(tuned, bm25, knn, strict=True)
+    ]
+
+    def mean(values: list[float]) -> Measured:
+        return Measured(sum(values) / len(values), 0.9)
+
+    chosen = Point(1.0, 0.25, 20, 50)
+    held = {"tuned": mean(tuned), "default": mean([0.5]), "bm25": mean(bm25), "knn": mean(knn)}
+    return TuneReport(folds, held, chosen, mean(tuned), points=1, depth={"bm25": 100})
+
+
+def test_the_refusal_rule_compares_the_held_out_mean_with_the_better_channel() -> None:
+    below = _report(tuned=[0.60, 0.62], bm25=[0.63, 0.63], knn=[0.40, 0.40])
+    refusal = below.refusal()
+    assert refusal is not None and "bm25 alone (0.6300)" in refusal
+    assert below.folds_below_best_single() == [1, 2]
+    # above on the mean though below in one fold: applied, and the fold is named
+    mixed = _report(tuned=[0.70, 0.62], bm25=[0.63, 0.63], knn=[0.40, 0.40])
+    assert mixed.refusal() is None
+    assert mixed.folds_below_best_single() == [2]
+    # kNN the better channel: compared with kNN
+    knn_better = _report(tuned=[0.60, 0.60], bm25=[0.40, 0.40], knn=[0.61, 0.61])
+    assert "knn alone" in (knn_better.refusal() or "")
+
+
+@pytest.fixture
+def patches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
+    """The gateway ``--apply`` talks to, recording each request; it answers a PATCH as the
+    fusion branch's route does (200, the index's metadata with its settings)."""
+    sent: list[tuple[str, str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"null")
+        sent.append((request.method, request.url.path, body))
+        return httpx.Response(200, json={"name": "docs", "settings": body})
+
+    @contextlib.contextmanager
+    def fake_gateway() -> Iterator[Gateway]:
+        yield Gateway("http://sift.test", "key", transport=httpx.MockTransport(handler))
+
+    monkeypatch.setattr(evaluate, "gateway", fake_gateway)
+    return sent
+
+
+def _run_tune(
+    monkeypatch: pytest.MonkeyPatch, report: TuneReport, json_out: Path, apply: bool
+) -> int:
+    monkeypatch.setattr(evaluate, "_tune_served", lambda *args: report)
+    try:
+        evaluate._tune_command(
+            "docs", Path("q"), Path("r"), None, 5, 0, apply, None, json_out
+        )  # fmt: skip
+    except typer.Exit as exit_:
+        return exit_.exit_code
+    return 0
+
+
+def test_apply_stores_the_chosen_settings(
+    monkeypatch: pytest.MonkeyPatch, patches: list[tuple[str, str, Any]], tmp_path: Path
+) -> None:
+    report = _report(tuned=[0.70, 0.70], bm25=[0.63, 0.63], knn=[0.40, 0.40])
+    assert _run_tune(monkeypatch, report, tmp_path / "r.json", apply=True) == 0
+    body = {"fusion": {"weights": {"bm25": 1.0, "knn": 0.25}, "rank_constant": 20}}
+    assert patches == [("PATCH", "/v1/indexes/docs", {**body, "candidate_limit": 50})]
+    assert json.loads((tmp_path / "r.json").read_text())["applied"] is True
+
+
+def test_apply_refuses_below_the_better_channel_and_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch, patches: list[tuple[str, str, Any]], tmp_path: Path
+) -> None:
+    report = _report(tuned=[0.60, 0.62], bm25=[0.63, 0.63], knn=[0.40, 0.40])
+    assert _run_tune(monkeypatch, report, tmp_path / "r.json", apply=True) == evaluate.EXIT_REFUSED
+    assert patches == []
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["applied"] is False and "bm25 alone" in written["refusal"]
+    # without --apply the same report is only printed: exit 0, nothing sent
+    assert _run_tune(monkeypatch, report, tmp_path / "r.json", apply=False) == 0
+    assert patches == []

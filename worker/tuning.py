@@ -1,0 +1,419 @@
+"""Tuning the fusion on the user's own judgments, with k-fold cross-validation (issue 15).
+
+Each judged query's BM25 and kNN rankings are fetched once; every point of a grid (the
+weight of each channel, the rank constant, the candidate window) is then fused here with
+:func:`~worker.core.fusion.rrf_fuse`, the function the worker fuses with, truncated as the
+worker truncates when it reranks: each channel cut at ``channel_window(coarse)`` and the
+fused list at ``coarse = max(10, window)``. So a point scores what the service would
+fuse with those settings, as far as the fetched rankings reach (a channel fetched 100
+deep stands in for a deeper window; :class:`TuneReport` says how deep it was).
+
+The objective is nDCG@10 of the fused list (no model is called); ties go to the higher
+candidate recall at the window, then to the point closer to the defaults, and a channel
+alone wins when the best fusion beats it by less than one standard error. A point is
+chosen on k-1 folds and scored on the held-out one, so every figure reported is held out;
+the values to apply are then chosen on all queries. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ir_measures
+from ir_measures import nDCG
+
+from worker.constants import RRF_K
+from worker.contract import Channel
+from worker.core.fusion import Fusion, rrf_fuse
+from worker.core.query import channel_window, coarse_limit
+from worker.core.types import ChannelHit, Document
+from worker.settings import Settings
+
+CHANNELS: tuple[Channel, ...] = ("bm25", "knn")
+LIMIT = 10  # the objective is nDCG@10
+NDCG = nDCG @ LIMIT
+DEFAULT_WINDOW: int = Settings.model_fields["rerank_candidate_limit"].default
+Rankings = Mapping[Channel, Mapping[str, Sequence[str]]]  # channel -> query id -> doc ids
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One setting of the fusion: the weights, the rank constant, the candidate window."""
+
+    bm25: float = 1.0
+    knn: float = 1.0
+    rank_constant: int = RRF_K
+    window: int = DEFAULT_WINDOW
+
+    @classmethod
+    def of_ratio(cls, ratio: float, rank_constant: int, window: int) -> Point:
+        """The point whose kNN weight is ``ratio`` times BM25's, the larger weight 1
+        (``0`` is BM25 alone, ``inf`` kNN alone).
+
+        >>> Point.of_ratio(0.5, 60, 30), Point.of_ratio(math.inf, 60, 30).knn
+        (Point(bm25=1.0, knn=0.5, rank_constant=60, window=30), 1.0)
+        """
+        if ratio <= 1.0:
+            return cls(1.0, ratio, rank_constant, window)
+        return cls(1.0 / ratio, 1.0, rank_constant, window)
+
+    @property
+    def single(self) -> Channel | None:
+        """The one channel this point fuses, when the other is weighted 0."""
+        return "bm25" if self.knn == 0 else "knn" if self.bm25 == 0 else None
+
+    def fusion(self) -> Fusion:
+        return Fusion({"bm25": self.bm25, "knn": self.knn}, self.rank_constant)
+
+    def distance(self) -> float:
+        """How far from the defaults (log scale), for the last tie-break; a single channel
+        counts as far as a ratio of 1,024.
+
+        >>> Point().distance(), Point(1.0, 0.5, 30, 30).distance()
+        (0.0, 2.0)
+        """
+        ratio = self.knn / self.bm25 if self.bm25 else math.inf
+        weights = abs(math.log2(ratio)) if 0 < ratio < math.inf else 10.0
+        return (
+            weights
+            + abs(math.log2(self.rank_constant / RRF_K))
+            + abs(math.log2(self.window / DEFAULT_WINDOW))
+        )
+
+    def settings(self) -> dict[str, Any]:
+        """The index settings this point stands for (the body ``PATCH /v1/indexes/{index}``
+        takes)."""
+        return {
+            "fusion": {
+                "weights": {"bm25": self.bm25, "knn": self.knn},
+                "rank_constant": self.rank_constant,
+            },
+            "candidate_limit": self.window,
+        }
+
+
+DEFAULT = Point()
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The points searched: every kNN/BM25 weight ratio (0 and ``inf`` are one channel
+    alone) at every rank constant and window; a single channel's order does not depend on
+    the rank constant, so it is taken at the default one only."""
+
+    ratios: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 0.7, 1.0, 1.4, 2.0, 4.0, 8.0, math.inf)
+    rank_constants: tuple[int, ...] = (1, 3, 5, 10, 20, 40, 60, 100)
+    windows: tuple[int, ...] = (10, 20, 30, 50, 100)
+
+    def points(self) -> list[Point]:
+        """
+        >>> len(Grid(ratios=(0.0, 1.0), rank_constants=(10, 60), windows=(30,)).points())
+        3
+        """
+        points = []
+        for window in self.windows:
+            for ratio in self.ratios:
+                single = ratio in (0.0, math.inf)
+                for k in (RRF_K,) if single else self.rank_constants:
+                    points.append(Point.of_ratio(ratio, k, window))
+        if DEFAULT not in points:
+            points.append(DEFAULT)  # the baseline is always scored
+        return points
+
+
+@dataclass(frozen=True)
+class Scores:
+    """Per query: nDCG@10 of the fused list and its candidate recall at the window."""
+
+    ndcg: dict[str, float]
+    recall: dict[str, float]
+
+    def mean(self, queries: Sequence[str]) -> Measured:
+        return Measured(
+            math.fsum(self.ndcg[q] for q in queries) / len(queries),
+            math.fsum(self.recall[q] for q in queries) / len(queries),
+        )
+
+
+@dataclass(frozen=True)
+class Measured:
+    ndcg: float
+    recall: float
+
+
+def fuse(rankings: Mapping[Channel, Sequence[str]], point: Point) -> list[str]:
+    """The fused list the worker would rerank at ``point``: each channel cut at its window,
+    fused with :func:`rrf_fuse`, cut at the coarse limit.
+
+    >>> fuse({"bm25": ["a", "b"], "knn": ["b", "c"]}, Point(window=10))
+    ['b', 'a', 'c']
+    >>> fuse({"bm25": ["a", "b"], "knn": ["b", "c"]}, Point(1.0, 0.0, 60, 10))
+    ['a', 'b']
+    """
+    hits = {c: [ChannelHit(Document(doc, ""), 0.0) for doc in r] for c, r in rankings.items()}
+    return _fused(hits, point, _coarse(point))
+
+
+def _coarse(point: Point) -> int:
+    return coarse_limit(LIMIT, point.window, reranking=True)
+
+
+def _fused(hits: Mapping[Channel, Sequence[ChannelHit]], point: Point, limit: int) -> list[str]:
+    depth = channel_window(_coarse(point))
+    cut = {channel: listed[:depth] for channel, listed in hits.items()}
+    return [c.document.id for c in rrf_fuse(cut, limit, point.fusion())]
+
+
+def score_grid(
+    rankings: Rankings,
+    qrels: Mapping[str, Mapping[str, int]],
+    points: Sequence[Point],
+    progress: Callable[[int], None] | None = None,
+) -> dict[Point, Scores]:
+    """Each point's per-query scores over the judged queries (those with qrels); a query a
+    channel did not rank counts as an empty list there. ``progress(1)`` after each point.
+
+    Points whose channel windows reach past every fetched ranking fuse the same lists:
+    they are fused once, at the largest coarse limit, and each keeps its own prefix (the
+    same list :func:`fuse` gives, since :func:`rrf_fuse` sorts, then cuts).
+    """
+    queries = sorted(qrels)
+    evaluator = ir_measures.evaluator(
+        [NDCG], [ir_measures.Qrel(q, d, r) for q in queries for d, r in qrels[q].items()]
+    )
+    hits = {
+        q: {
+            c: [ChannelHit(Document(doc, ""), 0.0) for doc in rankings.get(c, {}).get(q, [])]
+            for c in CHANNELS
+        }
+        for q in queries
+    }
+    fetched = max((len(listed) for per in hits.values() for listed in per.values()), default=0)
+
+    def shared(point: Point) -> tuple[float, float, int, int]:
+        depth = min(channel_window(_coarse(point)), fetched)
+        return (point.bm25, point.knn, point.rank_constant, depth)
+
+    groups: dict[tuple[float, float, int, int], list[Point]] = {}
+    for point in points:
+        groups.setdefault(shared(point), []).append(point)
+    scored: dict[Point, Scores] = {}
+    for group in groups.values():
+        longest = max(_coarse(p) for p in group)
+        fused = {q: _fused(hits[q], group[0], longest) for q in queries}
+        for point in group:
+            scored[point] = _scores(evaluator, fused, qrels, point)
+            if progress is not None:
+                progress(1)
+    return scored
+
+
+def _scores(
+    evaluator: Any,
+    fused: Mapping[str, list[str]],
+    qrels: Mapping[str, Mapping[str, int]],
+    point: Point,
+) -> Scores:
+    run = [
+        ir_measures.ScoredDoc(q, doc, float(LIMIT - i))
+        for q, docs in fused.items()
+        for i, doc in enumerate(docs[:LIMIT])
+    ]
+    ndcg = dict.fromkeys(fused, 0.0)
+    ndcg.update({m.query_id: float(m.value) for m in evaluator.iter_calc(run)})
+    recall = {
+        q: len(set(docs[: point.window]) & qrels[q].keys()) / len(qrels[q])
+        for q, docs in fused.items()
+    }
+    return Scores(ndcg, recall)
+
+
+def split_folds(queries: Sequence[str], folds: int, seed: int) -> list[list[str]]:
+    """Deal the queries into ``folds`` folds after a shuffle seeded by ``seed``: each query
+    in exactly one fold, the sizes within one, the same split for the same input.
+
+    >>> split_folds(["a", "b", "c", "d", "e"], 2, seed=0)
+    [['c', 'a', 'd'], ['b', 'e']]
+    """
+    if not 2 <= folds <= len(queries):
+        raise ValueError(f"folds: need 2 to {len(queries)} (the judged queries), got {folds}")
+    order = sorted(queries)
+    random.Random(seed).shuffle(order)
+    return [order[i::folds] for i in range(folds)]
+
+
+def choose(scored: Mapping[Point, Scores], queries: Sequence[str]) -> Point:
+    """The point with the best mean nDCG@10 over ``queries`` (then the higher candidate
+    recall, then the one closer to the defaults), unless a channel alone is within one
+    standard error of it: then that channel.
+
+    The one-standard-error rule (Breiman et al., 1984) guards the failure this tuning is
+    for: with one channel useless, a small weight on it can win on the queries tuned on by
+    chance and lose on the others. The error is that of the per-query differences.
+    """
+
+    def key(point: Point) -> tuple[float, float, float]:
+        measured = scored[point].mean(queries)
+        return (measured.ndcg, measured.recall, -point.distance())
+
+    best = max(scored, key=key)
+    singles = [point for point in scored if point.single]
+    if best.single or not singles:
+        return best
+    single = max(singles, key=key)
+    diffs = [scored[best].ndcg[q] - scored[single].ndcg[q] for q in queries]
+    return single if statistics.fmean(diffs) <= _standard_error(diffs) else best
+
+
+def _standard_error(values: Sequence[float]) -> float:
+    """
+    >>> round(_standard_error([0.0, 0.5, 0.5, 1.0]), 4)
+    0.2041
+    """
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Fold:
+    """One fold held out: the point chosen on the others, and each contender's score on it."""
+
+    queries: int
+    chosen: Point
+    tuned: Measured
+    default: Measured
+    bm25: Measured
+    knn: Measured
+
+
+@dataclass(frozen=True)
+class TuneReport:
+    folds: list[Fold]
+    held_out: dict[str, Measured]  # tuned, default, bm25, knn: every query held out once
+    chosen: Point  # chosen on all queries: what --apply stores
+    in_sample: Measured  # the chosen point on the queries it was chosen on (optimistic)
+    points: int
+    depth: dict[str, int] = field(default_factory=dict)  # the most docs a channel ranked
+
+    @property
+    def best_single(self) -> tuple[Channel, float]:
+        """The better channel alone and its nDCG@10 (a channel alone is not tuned: its
+        held-out figure is its figure)."""
+        channel = max(CHANNELS, key=lambda c: self.held_out[c].ndcg)
+        return channel, self.held_out[channel].ndcg
+
+    def folds_below_best_single(self) -> list[int]:
+        """The (1-based) folds where the tuned fusion scored below the better channel."""
+        return [
+            n
+            for n, fold in enumerate(self.folds, start=1)
+            if fold.tuned.ndcg < max(fold.bm25.ndcg, fold.knn.ndcg)
+        ]
+
+    def refusal(self) -> str | None:
+        """Why the chosen settings must not be applied, or None: the held-out nDCG@10 of the
+        tuned fusion is below the better channel's alone."""
+        channel, best = self.best_single
+        tuned = self.held_out["tuned"].ndcg
+        if tuned >= best:
+            return None
+        return (
+            f"held-out nDCG@10 of the tuned fusion ({tuned:.4f}) is below {channel} alone "
+            f"({best:.4f}): the settings are not applied"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        def point(p: Point) -> dict[str, Any]:
+            return p.settings()
+
+        def measured(m: Measured) -> dict[str, float]:
+            return {"ndcg@10": m.ndcg, "candidate_recall@window": m.recall}
+
+        return {
+            "objective": "nDCG@10 of the fused list (no rerank); ties: candidate recall@window",
+            "points": self.points,
+            "depth": self.depth,
+            "folds": [
+                {
+                    "queries": f.queries,
+                    "chosen": point(f.chosen),
+                    **{
+                        name: measured(getattr(f, name))
+                        for name in ("tuned", "default", "bm25", "knn")
+                    },
+                }
+                for f in self.folds
+            ],
+            "held_out": {name: measured(m) for name, m in self.held_out.items()},
+            "folds_below_best_single": self.folds_below_best_single(),
+            "chosen": point(self.chosen),
+            "in_sample": measured(self.in_sample),
+            "refusal": self.refusal(),
+        }
+
+
+def tune(
+    rankings: Rankings,
+    qrels: Mapping[str, Mapping[str, int]],
+    grid: Grid | None = None,
+    folds: int = 5,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> TuneReport:
+    """Tune the fusion on ``qrels`` (only queries with a relevant document count) by k-fold
+    cross-validation over ``grid``; ``progress(1)`` after each point scored.
+
+    Single channels are scored at the default window, the window their recall is read at.
+    """
+    queries = sorted(q for q, docs in qrels.items() if docs)
+    split = split_folds(queries, folds, seed)
+    points = (grid or Grid()).points()
+    scored = score_grid(rankings, {q: qrels[q] for q in queries}, points, progress)
+    contenders = {
+        "default": DEFAULT,
+        "bm25": Point(1.0, 0.0, RRF_K, DEFAULT_WINDOW),
+        "knn": Point(0.0, 1.0, RRF_K, DEFAULT_WINDOW),
+    }
+    missing = [p for p in contenders.values() if p not in scored]
+    scored.update(score_grid(rankings, {q: qrels[q] for q in queries}, missing))
+
+    results = []
+    held_out_point: dict[str, Point] = {}
+    for held in split:
+        held_set = set(held)
+        training = [q for q in queries if q not in held_set]
+        chosen = choose(scored, training)
+        held_out_point.update(dict.fromkeys(held, chosen))
+        results.append(
+            Fold(
+                queries=len(held),
+                chosen=chosen,
+                tuned=scored[chosen].mean(held),
+                default=scored[DEFAULT].mean(held),
+                bm25=scored[contenders["bm25"]].mean(held),
+                knn=scored[contenders["knn"]].mean(held),
+            )
+        )
+    tuned = Scores(
+        {q: scored[held_out_point[q]].ndcg[q] for q in queries},
+        {q: scored[held_out_point[q]].recall[q] for q in queries},
+    )
+    final = choose(scored, queries)
+    return TuneReport(
+        folds=results,
+        held_out={
+            "tuned": tuned.mean(queries),
+            **{name: scored[p].mean(queries) for name, p in contenders.items()},
+        },
+        chosen=final,
+        in_sample=scored[final].mean(queries),
+        points=len(points),
+        depth={
+            c: max((len(rankings.get(c, {}).get(q, [])) for q in queries), default=0)
+            for c in CHANNELS
+        },
+    )
