@@ -213,6 +213,8 @@ def _spec(head: BatchHead, query: BatchQueryIn) -> SearchSpec:
         "rerank": head.rerank,
         "include_trace": head.include_trace,
         "filters": query.filters,
+        "fusion": head.fusion,
+        "candidate_limit": head.candidate_limit,
     }
     if query.limit is not None:
         spec["limit"] = query.limit

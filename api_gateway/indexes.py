@@ -1,13 +1,14 @@
 """The v1 index lifecycle routes: list and show indexes, read a document, delete documents
-or a tenant's whole index (issue 13).
+or a tenant's whole index (issue 13), change an index's own search settings (issue 15).
 
 Reads go to a worker, which holds the backend (the gateway imports no backend): the gateway
 enqueues a ``sift.index_read`` task on the search queue with a one-off reply key and pops
-the answer with ``BLPOP`` for up to ``INDEX_READ_TIMEOUT_SECONDS``, else ``503``. Deletes are
-jobs of the ingest kind (``operation`` "delete" or "drop"), answered like an ingest: ``202``
-with a ``Location`` to poll (``GET /v1/ingestions/{id}``), or ``200`` once final within
-``?wait=``. Every route is the caller's tenant's: another tenant's index or document gives
-the very same ``404`` as one nobody has, and a delete job of it deletes nothing.
+the answer with ``BLPOP`` for up to ``INDEX_READ_TIMEOUT_SECONDS``, else ``503``. A settings
+change (``PATCH``) goes the same way: the worker checks the tenant has the index, then stores
+it. Deletes are jobs of the ingest kind (``operation`` "delete" or "drop"), answered like an
+ingest: ``202`` with a ``Location`` to poll (``GET /v1/ingestions/{id}``), or ``200`` once
+final within ``?wait=``. Every route is the caller's tenant's: another tenant's index or
+document gives the very same ``404`` as one nobody has, and a delete job of it deletes nothing.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from worker.constants import (
     MAX_PAGE_SIZE,
     SEARCH_QUEUE,
 )
-from worker.contract import INDEX_PATTERN, FilterValue
+from worker.contract import INDEX_PATTERN, FilterValue, IndexSettingsPatch
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["indexes"])
@@ -60,6 +61,23 @@ JOB_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
+class FusionWeightsOut(BaseModel):
+    bm25: float | None = None
+    knn: float | None = None
+
+
+class FusionSettingsOut(BaseModel):
+    weights: FusionWeightsOut = Field(default_factory=FusionWeightsOut)
+    rank_constant: int | None = None
+
+
+class IndexSettingsOut(BaseModel):
+    """The index's own search settings as stored; ``null``: unset (the default applies)."""
+
+    fusion: FusionSettingsOut = Field(default_factory=FusionSettingsOut)
+    candidate_limit: int | None = None
+
+
 class IndexOut(BaseModel):
     """The caller's part of one index."""
 
@@ -72,6 +90,11 @@ class IndexOut(BaseModel):
     dimensions: int | None = None
     last_write_at: str | None = Field(
         None, description="The caller's last applied write (not recorded by Elasticsearch)."
+    )
+    settings: IndexSettingsOut = Field(
+        default_factory=IndexSettingsOut,
+        description="Its own search settings (PATCH /v1/indexes/{index}); a search's own "
+        "override them.",
     )
 
 
@@ -105,6 +128,7 @@ def _index_out(raw: dict[str, Any]) -> IndexOut:
         embedding_model=raw.get("model"),
         dimensions=raw.get("dimension"),
         last_write_at=iso(raw.get("last_write")),
+        settings=IndexSettingsOut.model_validate(raw.get("settings") or {}),
     )
 
 
@@ -118,11 +142,13 @@ def _not_found(index: str) -> ApiError:
     )
 
 
-async def _read(request: Request, operation: str, tenant: str, index: str, doc_id: str) -> Any:
+async def _read(
+    request: Request, operation: str, tenant: str, index: str, doc_id: str, body: str = ""
+) -> Any:
     """Ask a worker for one index read; its ``found`` answer (None: the tenant has none)."""
     store = job_store(request)
     key = store.new_reply_key()
-    args = [key, operation, tenant, index, doc_id]
+    args = [key, operation, tenant, index, doc_id] + ([body] if body else [])
     await off_loop(task_sender(request).send, INDEX_READ_TASK, args, SEARCH_QUEUE)
     raw = await off_loop(store.await_reply, key, INDEX_READ_TIMEOUT_SECONDS)
     if raw is None:
@@ -136,6 +162,8 @@ async def _read(request: Request, operation: str, tenant: str, index: str, doc_i
     if error is not None:
         if error.get("type") == "index_not_found":
             raise _not_found(index)
+        if error.get("type") == "invalid_request":
+            raise ApiError(422, "invalid_request", error["message"], field=error.get("field"))
         raise ApiError(503, "backend_unavailable", f"the index read failed: {error['message']}")
     return answer["found"]
 
@@ -184,6 +212,27 @@ async def list_indexes(
 )
 async def get_index(request: Request, tenant: Tenant, index: IndexPath) -> IndexOut:
     found = await _read(request, "show", tenant, index, "")
+    if found is None:
+        raise _not_found(index)
+    return _index_out(found)
+
+
+@router.patch(
+    "/indexes/{index}",
+    response_model=IndexOut,
+    responses=ERRORS,
+    summary="Change the caller's index's own search settings",
+    description="A JSON Merge Patch: a field left out stays, `null` clears it back to the "
+    "default (`SIFT_FUSION_WEIGHTS`, `SIFT_FUSION_RANK_CONSTANT`, "
+    "`SIFT_RERANK_CANDIDATE_LIMIT`). A search's own `fusion` and `candidate_limit` override "
+    "these, field by field. Answers the index as `GET` does; the settings go with a drop of "
+    "the index. Worker processes other than the one that stored them see them within 2 s.",
+)
+async def update_index(
+    request: Request, body: IndexSettingsPatch, tenant: Tenant, index: IndexPath
+) -> IndexOut:
+    patch = body.model_dump(mode="json", exclude_unset=True)
+    found = await _read(request, "update", tenant, index, "", json.dumps(patch) or "{}")
     if found is None:
         raise _not_found(index)
     return _index_out(found)

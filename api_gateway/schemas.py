@@ -15,9 +15,11 @@ from worker.constants import (
     MAX_WEBHOOK_URL_CHARS,
 )
 from worker.contract import (
+    CandidateLimit,
     DocumentIn,
     ErrorInfo,
     FilterValue,
+    FusionSpec,
     IndexName,
     JobStatus,
     Mode,
@@ -71,6 +73,12 @@ class BatchRequest(_Strict):
     include_trace: bool = False
     webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
     lane: Literal["standard", "economy"] = "standard"
+    fusion: FusionSpec | None = Field(
+        default=None, description="Weighted RRF for every query, over the index's and defaults."
+    )
+    candidate_limit: CandidateLimit | None = Field(
+        default=None, description="The rerank candidate window for every query."
+    )
 
 
 class BatchCounts(BaseModel):

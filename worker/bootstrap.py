@@ -13,8 +13,16 @@ from typing import TYPE_CHECKING
 
 from worker.constants import LANE_ECONOMY
 from worker.core.cost import price_for
+from worker.core.fusion import Fusion, weights_of
 from worker.core.pipeline import PipelineConfig, SearchPipeline
-from worker.core.ports import Embedder, RateBudget, Recorder, Reranker, SearchBackend
+from worker.core.ports import (
+    Embedder,
+    IndexSettingsSource,
+    RateBudget,
+    Recorder,
+    Reranker,
+    SearchBackend,
+)
 from worker.errors import ConfigError
 from worker.queue.slots import Slots, SlottedEmbedder, cpu_slots
 from worker.settings import RateLimit, Settings
@@ -52,6 +60,7 @@ def pipeline_config(settings: Settings, *, price_discount: float = 1.0) -> Pipel
     return PipelineConfig(
         rerank_enabled=settings.rerank_enabled,
         candidate_limit=settings.rerank_candidate_limit,
+        fusion=default_fusion(settings),
         candidate_max_chars=settings.rerank_candidate_max_chars,
         failure_policy=settings.rerank_failure_policy,
         deadline_seconds=settings.search_deadline_seconds,
@@ -63,6 +72,21 @@ def pipeline_config(settings: Settings, *, price_discount: float = 1.0) -> Pipel
         prices=settings.prices,
         price_discount=price_discount,
     )
+
+
+def default_fusion(settings: Settings) -> Fusion:
+    """``SIFT_FUSION_WEIGHTS`` (a channel it leaves out counts 1) and the rank constant."""
+    weights = weights_of(settings.fusion_weights)
+    return Fusion({"bm25": 1.0, "knn": 1.0, **weights}, settings.fusion_rank_constant)
+
+
+def build_index_settings(settings: Settings) -> IndexSettingsSource | None:
+    """Each index's own settings, kept in Redis (none without Redis: the defaults apply)."""
+    if not settings.redis_url:
+        return None
+    from worker.adapters.index_settings import RedisIndexSettings
+
+    return RedisIndexSettings.from_url(settings.redis_url)
 
 
 def build_backend(settings: Settings) -> SearchBackend:
@@ -167,6 +191,7 @@ def build_pipeline(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     rate_budget: RateBudget | None = None,
+    index_settings: IndexSettingsSource | None = None,
 ) -> SearchPipeline:
     # The embedded backend computes in this process: a CPU slot is held through each whole
     # first half. Elasticsearch's retrieval waits on the network: only embedding holds one.
@@ -182,4 +207,5 @@ def build_pipeline(
         sleep=sleep,
         cpu_slots=slots if local else None,
         rate_budget=rate_budget,
+        index_settings=index_settings or build_index_settings(settings),
     )

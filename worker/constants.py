@@ -4,6 +4,8 @@ from __future__ import annotations
 
 # --- search algorithm (DESIGN.md §2, §3) ---
 RRF_K = 60
+MAX_RANK_CONSTANT = 10_000  # the largest RRF rank constant a request or an index may set
+MAX_CANDIDATE_LIMIT = 200  # the largest rerank candidate window (SIFT_RERANK_CANDIDATE_LIMIT)
 MIN_CHANNEL_WINDOW = 32
 CHANNEL_WINDOW_FACTOR = 4
 POLICY_ID = "listwise.v1"
@@ -24,6 +26,8 @@ INGEST_DOCS_KEY = REDIS_PREFIX + "ingest-docs:"  # + ingest job id -> documents 
 # the index lifecycle (issue 13): every accepted write's version, and index reads' answers
 WRITE_VERSION_KEY = REDIS_PREFIX + "write-version"  # counter: the last write version handed out
 INDEX_REPLY_KEY = REDIS_PREFIX + "index-reply:"  # + request id -> list holding a read's answer
+# an index's own search settings (issue 15): weighted RRF and the candidate window, per tenant
+INDEX_SETTINGS_KEY = REDIS_PREFIX + "index-settings:"  # + tenant + ":" + index -> JSON, no TTL
 # the economy lane (issue 7): a batch's prepared searches and its provider batches
 ECONOMY_PREPARED_KEY = REDIS_PREFIX + "eco-prepared:"  # + batch id -> hash query id -> JSON
 ECONOMY_RUNS_KEY = REDIS_PREFIX + "eco-runs:"  # + batch id -> hash query id -> rerank run JSON
@@ -57,6 +61,9 @@ IDEMPOTENCY_PENDING_TTL_SECONDS = 120
 ATTEMPTS_TTL_SECONDS = 24 * 3600  # delivery counters
 INGEST_DOCS_TTL_SECONDS = 24 * 3600  # documents waiting for their ingest task
 INDEX_REPLY_TTL_SECONDS = 60  # an index read's answer, until the gateway takes it
+# a worker process trusts its copy of an index's settings this long (a change made through
+# another process shows within it; the process that made it sees it at once)
+INDEX_SETTINGS_TTL_SECONDS = 2.0
 INDEX_READ_TIMEOUT_SECONDS = 10.0  # the gateway waits this long for a worker's answer, then 503
 BATCH_STAGING_TTL_SECONDS = 3600  # a batch's items written before its record, until committed
 BATCH_STAGE_SLICE = 1_000  # a batch's items per Redis command (Redis serves others between)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from worker.constants import MAX_LIMIT, MAX_QUERY_CHARS
+from worker.constants import MAX_CANDIDATE_LIMIT, MAX_LIMIT, MAX_QUERY_CHARS, MAX_RANK_CONSTANT
 
 Mode = Literal["fts", "vector", "hybrid"]
 Channel = Literal["bm25", "knn"]
@@ -59,6 +59,45 @@ QueryText = Annotated[
 ]
 
 
+Weight = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+RankConstant = Annotated[int, Field(ge=1, le=MAX_RANK_CONSTANT)]
+CandidateLimit = Annotated[int, Field(ge=1, le=MAX_CANDIDATE_LIMIT)]
+
+
+class FusionWeights(StrictModel):
+    """Weighted RRF's weight per channel (non-negative, finite). A channel left out (or
+    ``null``) takes its weight from the next level: the index's settings, then the defaults.
+    A channel weighted 0 is not fused, and in a hybrid search not even queried."""
+
+    bm25: Weight | None = None
+    knn: Weight | None = None
+
+    @model_validator(mode="after")
+    def _not_all_zero(self) -> FusionWeights:
+        if self.bm25 == 0 and self.knn == 0:
+            raise ValueError("every channel weighted 0 leaves nothing to fuse")
+        return self
+
+
+class FusionSpec(StrictModel):
+    """Weighted RRF: ``score(d) = sum over channels of weight / (rank_constant + rank)``.
+    Each field left out (or ``null``) comes from the index's settings, then the defaults
+    (``SIFT_FUSION_WEIGHTS``, ``SIFT_FUSION_RANK_CONSTANT``)."""
+
+    weights: FusionWeights | None = None
+    rank_constant: RankConstant | None = None
+
+
+class IndexSettingsPatch(StrictModel):
+    """``PATCH /v1/indexes/{index}``: the index's own search settings. A field left out stays
+    as it is; ``null`` clears it back to the default."""
+
+    fusion: FusionSpec | None = None
+    candidate_limit: CandidateLimit | None = Field(
+        default=None, description="The rerank candidate window (SIFT_RERANK_CANDIDATE_LIMIT)."
+    )
+
+
 class SearchSpec(StrictModel):
     """What one search asks for. The tenant never comes from here: the API key decides it."""
 
@@ -69,6 +108,13 @@ class SearchSpec(StrictModel):
     rerank: bool | None = None
     include_trace: bool = False
     filters: dict[str, FilterValue] = Field(default_factory=dict)
+    fusion: FusionSpec | None = Field(
+        default=None, description="Weighted RRF for this search, over the index's and defaults."
+    )
+    candidate_limit: CandidateLimit | None = Field(
+        default=None,
+        description="The rerank candidate window for this search, over the index's and default.",
+    )
 
 
 class Ranks(BaseModel):

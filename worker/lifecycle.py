@@ -1,8 +1,11 @@
-"""The index lifecycle on a worker: run a delete job, answer an index read.
+"""The index lifecycle on a worker: run a delete job, answer an index read or change an
+index's own search settings.
 
-Both go to the backend the worker's runtime holds, through the
+All go to the backend the worker's runtime holds, through the
 :class:`~worker.core.ports.IndexCatalog` port, always with the job's tenant: another
-tenant's index or document reads like one that does not exist and is never deleted.
+tenant's index or document reads like one that does not exist and is never deleted. An
+index's settings (:mod:`worker.adapters.index_settings`) are shown with it, changed only
+once the tenant is known to have the index, and go with a drop of it.
 """
 
 from __future__ import annotations
@@ -11,13 +14,14 @@ import json
 from dataclasses import asdict
 from typing import Any, cast
 
-from worker.core.catalog import IndexInfo
+from worker.adapters.index_settings import RedisIndexSettings
+from worker.core.catalog import IndexInfo, SearchSettings
 from worker.core.ports import IndexCatalog
-from worker.errors import ConfigError, SiftError
+from worker.errors import ConfigError, InvalidRequest, SiftError
 from worker.queue.jobstore import IngestJob
 from worker.runtime import Runtime
 
-READ_OPERATIONS = ("list", "show", "document")
+READ_OPERATIONS = ("list", "show", "document", "update")
 
 
 def catalog(runtime: object) -> IndexCatalog:
@@ -29,34 +33,72 @@ def catalog(runtime: object) -> IndexCatalog:
     return cast(IndexCatalog, backend)
 
 
+def settings_store(runtime: object) -> RedisIndexSettings | None:
+    """Where the runtime's pipeline reads index settings (None: nowhere, defaults only)."""
+    source = cast(Runtime, runtime).pipeline.index_settings
+    return source if isinstance(source, RedisIndexSettings) else None
+
+
 def delete(runtime: object, job: IngestJob, ids: list[str] | None) -> int:
-    """Run one delete job (by ids, or the tenant's whole index): how many documents went."""
+    """Run one delete job (by ids, or the tenant's whole index): how many documents went.
+    A drop takes the index's own settings with it."""
     backend = catalog(runtime)
     if job.operation == "drop":
-        return backend.delete_index(job.index, job.tenant, version=job.version)
+        gone = backend.delete_index(job.index, job.tenant, version=job.version)
+        store = settings_store(runtime)
+        if store is not None:
+            store.clear(job.index, job.tenant, job.version)
+        return gone
     return backend.delete_documents(job.index, job.tenant, ids or [], version=job.version)
 
 
-def _index(info: IndexInfo) -> dict[str, Any]:
-    return asdict(info)
+def _index(info: IndexInfo, settings: SearchSettings) -> dict[str, Any]:
+    return {**asdict(info), "settings": settings.shown()}
 
 
-def read(runtime: object, operation: str, tenant: str, index: str, doc_id: str) -> str:
+def _update(runtime: object, tenant: str, index: str, body: str) -> Any:
+    """Apply a settings patch to the tenant's index: its metadata, or None if it has none."""
+    info = catalog(runtime).index_info(index, tenant)
+    if info is None:
+        return None
+    store = settings_store(runtime)
+    if store is None:
+        raise ConfigError("this deployment keeps no index settings (it has no SIFT_REDIS_URL)")
+    return _index(info, store.update(index, tenant, json.loads(body or "{}")))
+
+
+def read(
+    runtime: object, operation: str, tenant: str, index: str, doc_id: str, body: str = ""
+) -> str:
     """One index read's answer, as the JSON the gateway parses: ``{"found": ...}`` (None
-    when the tenant has no such index or document) or ``{"error": {...}}``."""
+    when the tenant has no such index or document) or ``{"error": {...}}``. ``update``
+    (``body``: a validated settings patch) changes the index's settings, then reads it."""
     try:
         backend = catalog(runtime)
+        store = settings_store(runtime)
         found: Any
         if operation == "list":
-            found = [_index(i) for i in backend.indexes(tenant)]
+            infos = backend.indexes(tenant)
+            stored = (
+                store.read_many([i.name for i in infos], tenant)
+                if store is not None
+                else [SearchSettings()] * len(infos)
+            )
+            found = [_index(i, s) for i, s in zip(infos, stored, strict=True)]
         elif operation == "show":
             info = backend.index_info(index, tenant)
-            found = None if info is None else _index(info)
+            settings = store.read(index, tenant) if store and info else SearchSettings()
+            found = None if info is None else _index(info, settings)
+        elif operation == "update":
+            found = _update(runtime, tenant, index, body)
         elif operation == "document":
             doc = backend.document(index, tenant, doc_id)
             found = None if doc is None else {**asdict(doc), "metadata": dict(doc.metadata)}
         else:
             raise ValueError(f"unknown index read {operation!r}")
+    except InvalidRequest as exc:
+        error = {"type": exc.code, "message": str(exc), "field": exc.field}
+        return json.dumps({"error": error})
     except SiftError as exc:
         return json.dumps({"error": {"type": exc.code, "message": str(exc)}})
     return json.dumps({"found": found})

@@ -10,7 +10,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from worker.constants import ECONOMY_MAX_BATCH_BYTES, ECONOMY_MAX_REQUESTS_PER_BATCH
+from worker.constants import (
+    ECONOMY_MAX_BATCH_BYTES,
+    ECONOMY_MAX_REQUESTS_PER_BATCH,
+    MAX_CANDIDATE_LIMIT,
+    MAX_RANK_CONSTANT,
+    RRF_K,
+)
+from worker.contract import FusionWeights
 from worker.errors import ConfigError
 
 
@@ -154,7 +161,13 @@ class Settings(BaseSettings):
     generation_effort: Literal["low", "medium", "high"] | None = "low"
 
     rerank_enabled: bool = False
-    rerank_candidate_limit: int = Field(default=30, ge=1, le=200)
+    rerank_candidate_limit: int = Field(default=30, ge=1, le=MAX_CANDIDATE_LIMIT)
+    # The default weighted RRF (an index's settings and a request's ``fusion`` override it):
+    # a weight per channel, non-negative and finite, not all 0; a channel left out counts 1.
+    fusion_weights: Annotated[FusionWeights, NoDecode] = Field(
+        default_factory=lambda: FusionWeights(bm25=1.0, knn=1.0)
+    )
+    fusion_rank_constant: int = Field(default=RRF_K, ge=1, le=MAX_RANK_CONSTANT)
     rerank_candidate_max_chars: int = Field(default=1200, ge=50)
     rerank_failure_policy: Literal["fail_closed", "fail_open"] = "fail_closed"
     vector_min_similarity: float | None = Field(default=None, ge=-1.0, le=1.0)
@@ -240,11 +253,11 @@ class Settings(BaseSettings):
     @classmethod
     def _decode_json(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in ("api_keys", "prices", "rate_limits"):
+            for name in ("api_keys", "prices", "rate_limits", "fusion_weights"):
                 if name in data:
                     try:
                         data[name] = _json_or_empty(data[name])
-                        if name == "rate_limits" and data[name] == []:
+                        if name in ("rate_limits", "fusion_weights") and data[name] == []:
                             data[name] = {}
                     except json.JSONDecodeError as exc:
                         raise ValueError(f"SIFT_{name.upper()} is not valid JSON: {exc}") from exc

@@ -35,7 +35,9 @@ Why this shape (DESIGN.md §6):
   into ``cos`` so ``SIFT_VECTOR_MIN_SIMILARITY`` means the same on every backend.
 * **Native RRF** (:meth:`ElasticsearchBackend.retrieve_native`): one ``_search`` with
   ``retriever.rrf``. It needs a licence tier with RRF and returns fused hits only: no
-  per-channel rank or score. It is not part of the SearchBackend port.
+  per-channel rank or score. It is not part of the SearchBackend port. The search's
+  rank constant goes as ``rank_constant``, and channel weights other than 1 as each child
+  retriever's ``weight``, which needs Elasticsearch 9.2 or later.
 * **Retries**: the client's own retries are off (``max_retries=0``, no retry on status or
   timeout). The pipeline's tenacity loop is the one retry layer, bounded by the deadline;
   each request's timeout is the attempt's ``ChannelQuery.timeout_seconds``.
@@ -95,7 +97,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_NUM_CANDIDATES = 10_000
-RRF_RANK_CONSTANT = 60
 #: How long a "this index has vectors" answer is trusted before asking ES again.
 CHANNELS_TTL_SECONDS = 60.0
 #: Past this many (alias, tenant) answers, expired ones are dropped as a new one is kept.
@@ -714,19 +715,29 @@ class ElasticsearchBackend:
         return body
 
     def native_rrf_body(self, query: ChannelQuery) -> dict[str, Any]:
-        """One ``_search`` whose ``retriever.rrf`` fuses a filtered BM25 and a filtered kNN."""
+        """One ``_search`` whose ``retriever.rrf`` fuses a filtered BM25 and a filtered kNN,
+        with the search's rank constant. Weights other than 1 go as each child retriever's
+        ``weight`` (the ``{"retriever": ..., "weight": w}`` form, Elasticsearch 9.2+); at
+        equal weights of 1 the plain form is sent, which every 9.x reads."""
         bm25 = self.bm25_body(query)
         knn = self.knn_body(query)["knn"]
+        children: list[tuple[Channel, dict[str, Any]]] = [
+            ("bm25", {"standard": {"query": bm25["query"]}}),
+            ("knn", {"knn": knn}),
+        ]
+        weights = {channel: float(query.weights.get(channel, 1.0)) for channel, _ in children}
+        retrievers: list[dict[str, Any]] = (
+            [child for _, child in children]
+            if all(weight == 1.0 for weight in weights.values())
+            else [{"retriever": child, "weight": weights[c]} for c, child in children]
+        )
         return {
             "size": query.size,
             "retriever": {
                 "rrf": {
-                    "retrievers": [
-                        {"standard": {"query": bm25["query"]}},
-                        {"knn": knn},
-                    ],
+                    "retrievers": retrievers,
                     "rank_window_size": query.size,
-                    "rank_constant": RRF_RANK_CONSTANT,
+                    "rank_constant": query.rank_constant,
                 }
             },
             "_source": self.fields.source(),

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -131,11 +132,13 @@ class Gateway:
             raise GatewayError(f"{method} {path}: the gateway's answer is not JSON") from exc
 
     def update_index(self, index: str, body: dict[str, Any]) -> dict[str, Any]:
-        """``PATCH /v1/indexes/{index}``: store settings on an index; its metadata back."""
-        answer = self.json("PATCH", f"/v1/indexes/{index}", json=body)
-        if not isinstance(answer, dict):
-            raise GatewayError(f"PATCH /v1/indexes/{index}: unexpected answer {str(answer)[:200]}")
-        return answer
+        """``PATCH /v1/indexes/{index}``: change the index's own search settings (a merge
+        patch: a field left out stays, ``None`` clears it); answers the index's metadata,
+        whose ``settings`` show what is now stored."""
+        found = self.json("PATCH", f"/v1/indexes/{quote(index, safe='')}", json=body)
+        if not isinstance(found, dict):
+            raise GatewayError(f"PATCH /v1/indexes/{index}: unexpected answer {str(found)[:200]}")
+        return found
 
     def poll(
         self,

@@ -1,5 +1,5 @@
-"""``sift indexes``, ``sift index show|delete`` and ``sift documents get|delete``: the index
-lifecycle from the shell, through the gateway (``SIFT_URL``, ``SIFT_API_KEY``).
+"""``sift indexes``, ``sift index show|set|delete`` and ``sift documents get|delete``: the
+index lifecycle from the shell, through the gateway (``SIFT_URL``, ``SIFT_API_KEY``).
 
 Deletes are jobs: the command submits one, waits for it to finish (``?wait=``, then polls
 ``GET /v1/ingestions/{id}``) and prints how many documents went. ``--json`` prints the raw
@@ -21,7 +21,9 @@ from worker.cli._http import Gateway, gateway
 from worker.cli.client import EXIT_ERROR, _err, _expected_errors, _out
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 
-index_app = typer.Typer(help="Show or delete one of your indexes.", no_args_is_help=True)
+index_app = typer.Typer(
+    help="Show, set the search settings of, or delete one of your indexes.", no_args_is_help=True
+)
 documents_app = typer.Typer(help="Read or delete documents by id.", no_args_is_help=True)
 app.add_typer(index_app, name="index")
 app.add_typer(documents_app, name="documents")
@@ -34,9 +36,23 @@ def _print_json(console: Console, value: Any) -> None:
     console.print_json(json.dumps(value))
 
 
+def _settings(index: dict[str, Any]) -> str:
+    """The index's own search settings in one cell; "defaults" when none is set."""
+    settings = index.get("settings") or {}
+    fusion = settings.get("fusion") or {}
+    weights = fusion.get("weights") or {}
+    parts = [f"{c} weight {weights[c]:g}" for c in ("bm25", "knn") if weights.get(c) is not None]
+    if fusion.get("rank_constant") is not None:
+        parts.append(f"rank constant {fusion['rank_constant']}")
+    if settings.get("candidate_limit") is not None:
+        parts.append(f"candidates {settings['candidate_limit']}")
+    return ", ".join(parts) or "defaults"
+
+
 def _table(indexes: list[dict[str, Any]]) -> Table:
     table = Table(title=f"{len(indexes)} index(es)", title_justify="left")
-    for name in ("name", "documents", "backend", "embedding model", "dims", "last write"):
+    columns = ("name", "documents", "backend", "embedding model", "dims", "last write", "settings")
+    for name in columns:
         table.add_column(name, justify="right" if name in ("documents", "dims") else "left")
     for i in indexes:
         table.add_row(
@@ -46,6 +62,7 @@ def _table(indexes: list[dict[str, Any]]) -> Table:
             i.get("embedding_model") or "–",
             str(i.get("dimensions") or "–"),
             i.get("last_write_at") or "–",
+            _settings(i),
         )
     return table
 
@@ -100,6 +117,73 @@ def index_show(
     console = _out()
     with _expected_errors(), gateway() as client:
         found = client.json("GET", f"/v1/indexes/{name}")
+    if json_out:
+        _print_json(console, found)
+    else:
+        console.print(_table([found]))
+
+
+def settings_patch(
+    bm25_weight: float | None,
+    knn_weight: float | None,
+    rank_constant: int | None,
+    candidate_limit: int | None,
+    reset: bool,
+) -> dict[str, Any]:
+    """The ``PATCH /v1/indexes/{index}`` body of ``sift index set``'s options: only what was
+    given; ``reset`` first clears every setting (null), so the options given are all that stay.
+
+    >>> settings_patch(None, 0.5, None, None, False)
+    {'fusion': {'weights': {'knn': 0.5}}}
+    >>> settings_patch(None, None, None, 40, True)
+    {'fusion': None, 'candidate_limit': 40}
+    """
+    weights = {c: w for c, w in (("bm25", bm25_weight), ("knn", knn_weight)) if w is not None}
+    fusion: dict[str, Any] = {}
+    if weights:
+        fusion["weights"] = weights
+    if rank_constant is not None:
+        fusion["rank_constant"] = rank_constant
+    body: dict[str, Any] = {"fusion": None, "candidate_limit": None} if reset else {}
+    if fusion:
+        body["fusion"] = fusion
+    if candidate_limit is not None:
+        body["candidate_limit"] = candidate_limit
+    return body
+
+
+@index_app.command("set")
+def index_set(
+    name: Annotated[str, typer.Argument(help="the index")],
+    bm25_weight: Annotated[
+        float | None, typer.Option("--bm25-weight", help="BM25's weight in the fusion (>= 0)")
+    ] = None,
+    knn_weight: Annotated[
+        float | None, typer.Option("--knn-weight", help="kNN's weight in the fusion (>= 0)")
+    ] = None,
+    rank_constant: Annotated[
+        int | None, typer.Option("--rank-constant", help="RRF's rank constant (>= 1)")
+    ] = None,
+    candidate_limit: Annotated[
+        int | None, typer.Option("--candidate-limit", help="the rerank candidate window")
+    ] = None,
+    reset: Annotated[
+        bool, typer.Option("--reset", help="clear every setting first (back to the defaults)")
+    ] = False,
+    json_out: JsonOut = False,
+) -> None:
+    """Set an index's own search settings: fusion weights, rank constant, candidate window.
+
+    A search's own settings override them, and they override the defaults (SIFT_FUSION_*,
+    SIFT_RERANK_CANDIDATE_LIMIT). Settings not given stay as they are.
+    """
+    console = _out()
+    body = settings_patch(bm25_weight, knn_weight, rank_constant, candidate_limit, reset)
+    if not body:
+        _err().print("[bold red]error:[/] give at least one setting (or --reset)")
+        raise typer.Exit(EXIT_ERROR)
+    with _expected_errors(), gateway() as client:
+        found = client.update_index(name, body)
     if json_out:
         _print_json(console, found)
     else:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
-from worker.contract import FilterValue
+from worker.contract import FilterValue, FusionSpec
+from worker.core.fusion import FusionOverride
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,3 +39,65 @@ class StoredDocument:
     revision: str
     metadata: Mapping[str, FilterValue] = field(default_factory=dict)
     version: int | None = None  # the accepted write that put it there (None: unversioned)
+
+
+@dataclass(frozen=True, slots=True)
+class SearchSettings:
+    """One tenant's index's own search settings (``PATCH /v1/indexes/{index}``): its weighted
+    RRF and its rerank candidate window. ``None`` (or no weight for a channel) defers to the
+    defaults; a request's own settings override these, field by field.
+
+    ``stored`` is the JSON as kept: only the fields set, as :func:`merge_patch` leaves them.
+    """
+
+    stored: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def fusion(self) -> FusionOverride | None:
+        raw = self.stored.get("fusion")
+        return FusionOverride.from_spec(FusionSpec.model_validate(raw)) if raw else None
+
+    @property
+    def candidate_limit(self) -> int | None:
+        value = self.stored.get("candidate_limit")
+        return None if value is None else int(value)
+
+    def shown(self) -> dict[str, Any]:
+        """Every setting, ``None`` where unset, as the index's metadata shows it.
+
+        >>> SearchSettings({"fusion": {"weights": {"knn": 0.5}}}).shown()["fusion"]
+        {'weights': {'bm25': None, 'knn': 0.5}, 'rank_constant': None}
+        """
+        fusion = self.stored.get("fusion") or {}
+        weights = fusion.get("weights") or {}
+        return {
+            "fusion": {
+                "weights": {"bm25": weights.get("bm25"), "knn": weights.get("knn")},
+                "rank_constant": fusion.get("rank_constant"),
+            },
+            "candidate_limit": self.candidate_limit,
+        }
+
+
+def merge_patch(stored: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    """A JSON Merge Patch (RFC 7396) of ``patch`` onto ``stored``: an object merges field by
+    field, ``null`` removes the field (back to the default), anything else replaces it.
+
+    >>> stored = {"fusion": {"weights": {"bm25": 1.0, "knn": 0.4}}, "candidate_limit": 40}
+    >>> merge_patch(stored, {"fusion": {"weights": {"knn": None}, "rank_constant": 20}})
+    {'fusion': {'weights': {'bm25': 1.0}, 'rank_constant': 20}, 'candidate_limit': 40}
+    >>> merge_patch(stored, {"fusion": None, "candidate_limit": None})
+    {}
+    """
+    merged = dict(stored)
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        elif isinstance(value, Mapping):
+            held = merged.get(key)
+            merged[key] = merge_patch(held if isinstance(held, Mapping) else {}, value)
+            if not merged[key]:
+                merged.pop(key)
+        else:
+            merged[key] = value
+    return merged

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from worker.constants import RRF_K
-from worker.contract import Channel
+from worker.contract import Channel, FusionSpec, FusionWeights
 from worker.core.types import Candidate, ChannelHit
+from worker.errors import InvalidRequest
+
+Level = Literal["request", "index", "default"]
+CHANNELS: tuple[Channel, ...] = ("bm25", "knn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +37,37 @@ class Fusion:
         """The settings as a trace or an index's metadata shows them."""
         return {"weights": dict(self.weights), "rank_constant": self.rank_constant}
 
+    def fused_channels(self, wanted: Sequence[Channel]) -> tuple[Channel, ...]:
+        """The channels of ``wanted`` a search queries and fuses: those weighted above 0.
+        A mode of one channel keeps it whatever its weight (weights weigh channels against
+        each other; ``fts`` is BM25 whatever ``bm25``'s weight is). Raises InvalidRequest
+        when every channel of ``wanted`` is weighted 0.
+
+        >>> Fusion({"bm25": 1.0, "knn": 0.0}).fused_channels(("bm25", "knn"))
+        ('bm25',)
+        >>> Fusion({"bm25": 0.0, "knn": 1.0}).fused_channels(("bm25",))
+        ('bm25',)
+        """
+        if len(wanted) < 2:
+            return tuple(wanted)
+        kept = tuple(channel for channel in wanted if self.weight(channel) > 0.0)
+        if not kept:
+            raise InvalidRequest(
+                "fusion.weights", "every channel is weighted 0 here: nothing is left to fuse"
+            )
+        return kept
+
+    def over(self, channels: Sequence[Channel]) -> Fusion:
+        """The fusion of ``channels`` alone: one channel is fused at weight 1, so a hybrid
+        search with every other channel weighted 0 ranks and scores as that channel's mode.
+
+        >>> Fusion({"bm25": 2.0, "knn": 0.0}, 20).over(("bm25",)).as_dict()
+        {'weights': {'bm25': 1.0}, 'rank_constant': 20}
+        """
+        if len(channels) == 1:
+            return Fusion({channels[0]: 1.0}, self.rank_constant)
+        return Fusion({c: self.weight(c) for c in channels}, self.rank_constant)
+
 
 @dataclass(frozen=True, slots=True)
 class FusionOverride:
@@ -39,6 +75,58 @@ class FusionOverride:
 
     weights: Mapping[Channel, float] | None = None
     rank_constant: int | None = None
+
+    @classmethod
+    def from_spec(cls, spec: FusionSpec | None) -> FusionOverride | None:
+        """A request's (or an index's) ``fusion``; ``None`` when it sets nothing.
+
+        >>> FusionOverride.from_spec(FusionSpec.model_validate({"weights": {"knn": 0.5}}))
+        FusionOverride(weights={'knn': 0.5}, rank_constant=None)
+        """
+        if spec is None:
+            return None
+        return cls(weights_of(spec.weights) or None, spec.rank_constant)
+
+
+def weights_of(weights: FusionWeights | None) -> dict[Channel, float]:
+    """The weights a ``fusion.weights`` object sets (those left out or null are not there).
+
+    >>> weights_of(FusionWeights(knn=0.5))
+    {'knn': 0.5}
+    """
+    if weights is None:
+        return {}
+    given = {channel: getattr(weights, channel) for channel in CHANNELS}
+    return {channel: float(w) for channel, w in given.items() if w is not None}
+
+
+def fusion_levels(
+    request: FusionOverride | None, index: FusionOverride | None
+) -> dict[str, object]:
+    """Which level each setting of :func:`resolve_fusion` came from, for the trace.
+
+    >>> fusion_levels(FusionOverride({"bm25": 2.0}), FusionOverride({"knn": 0.4}, 20))
+    {'weights': {'bm25': 'request', 'knn': 'index'}, 'rank_constant': 'index'}
+    """
+
+    levels: tuple[tuple[Level, FusionOverride | None], ...] = (
+        ("request", request),
+        ("index", index),
+    )
+
+    def level(channel: Channel | None) -> Level:
+        """Where ``channel``'s weight (None: the rank constant) came from."""
+        for name, override in levels:
+            if override is None:
+                continue
+            value = (
+                override.rank_constant if channel is None else (override.weights or {}).get(channel)
+            )
+            if value is not None:
+                return name
+        return "default"
+
+    return {"weights": {c: level(c) for c in CHANNELS}, "rank_constant": level(None)}
 
 
 def resolve_fusion(default: Fusion, *overrides: FusionOverride | None) -> Fusion:

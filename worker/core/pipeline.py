@@ -16,11 +16,20 @@ from typing import Any, Literal
 from worker.constants import POLICY_ID
 from worker.contract import Hit, Ranks, RerankInfo, Scores, SearchResult, SearchSpec, Usage
 from worker.core.budget import MIN_ATTEMPT_SECONDS, Deadline, call_within_budget
+from worker.core.catalog import SearchSettings
 from worker.core.cost import add_costs, cost_usd, price_for
-from worker.core.fusion import admit, rrf_fuse
+from worker.core.fusion import (
+    Fusion,
+    FusionOverride,
+    admit,
+    fusion_levels,
+    resolve_fusion,
+    rrf_fuse,
+)
 from worker.core.policy import build_prompt
 from worker.core.ports import (
     Embedder,
+    IndexSettingsSource,
     NullRecorder,
     RateBudget,
     Recorder,
@@ -62,6 +71,7 @@ class PipelineConfig:
 
     rerank_enabled: bool = False
     candidate_limit: int = 30
+    fusion: Fusion = field(default_factory=Fusion)
     candidate_max_chars: int = 1200
     failure_policy: FailurePolicy = "fail_closed"
     deadline_seconds: float = 30.0
@@ -138,10 +148,13 @@ class SearchPipeline:
         sleep: Callable[[float], None] = time.sleep,
         cpu_slots: AbstractContextManager[Any] | None = None,
         rate_budget: RateBudget | None = None,
+        index_settings: IndexSettingsSource | None = None,
     ) -> None:
         """``cpu_slots``: one is held through each first half (:mod:`worker.queue.slots`).
         ``rate_budget``: the provider's limits shared by every process; each attempt of the
-        standard lane waits for its share first (:mod:`worker.adapters.rate_budget`)."""
+        standard lane waits for its share first (:mod:`worker.adapters.rate_budget`).
+        ``index_settings``: where each search reads its index's own fusion and candidate
+        window (none: the config's defaults, under the request's own)."""
         self.backend = backend
         self.embedder = embedder
         self.reranker = reranker
@@ -151,6 +164,7 @@ class SearchPipeline:
         self._sleep = sleep
         self._cpu_slots = cpu_slots or nullcontext()
         self.rate_budget = rate_budget
+        self.index_settings = index_settings
         self._call_seconds = 0.0  # an average of answered calls' time, with the budget on
 
     def variant(self, *, config: PipelineConfig, recorder: Recorder | None) -> SearchPipeline:
@@ -165,6 +179,7 @@ class SearchPipeline:
             sleep=self._sleep,
             cpu_slots=self._cpu_slots,
             rate_budget=self.rate_budget,
+            index_settings=self.index_settings,
         )
 
     # -- the algorithm ------------------------------------------------------------
@@ -245,8 +260,23 @@ class SearchPipeline:
     def _prepare(self, spec: SearchSpec, tenant: str, deadline: Deadline) -> Prepared:
         query = normalise_query(spec.query)
         reranking = self._reranking(spec)
-        channels = select_channels(spec.mode, spec.index, self.backend.channels(spec.index, tenant))
-        coarse = coarse_limit(spec.limit, self.config.candidate_limit, reranking)
+        available = self.backend.channels(spec.index, tenant)
+        stored = SearchSettings()
+        if available and self.index_settings is not None:  # a missing index has none
+            stored = self.index_settings.get(spec.index, tenant)
+        asked = FusionOverride.from_spec(spec.fusion)
+        fusion = resolve_fusion(self.config.fusion, asked, stored.fusion)
+        channels = select_channels(spec.mode, spec.index, available, fusion)
+        limit_from, candidate_limit = next(
+            (level, value)
+            for level, value in (
+                ("request", spec.candidate_limit),
+                ("index", stored.candidate_limit),
+                ("default", self.config.candidate_limit),
+            )
+            if value is not None
+        )
+        coarse = coarse_limit(spec.limit, candidate_limit, reranking)
 
         vector = None
         seconds: dict[str, float] = {}
@@ -262,6 +292,8 @@ class SearchPipeline:
             size=channel_window(coarse),
             text=query,
             vector=vector,
+            weights={c: fusion.weight(c) for c in channels},
+            rank_constant=fusion.rank_constant,
         )
         results = self._retrieve(channel_query, deadline)
         if results.fused is not None:  # the backend fused by itself: keep its order
@@ -271,11 +303,17 @@ class SearchPipeline:
             ]
         else:
             admitted = admit(results.hits, self.config.vector_min_similarity)
-            candidates = rrf_fuse(admitted, limit=coarse)
+            candidates = rrf_fuse(admitted, limit=coarse, fusion=fusion.over(channels))
         trace: dict[str, Any] = {
             "policy": POLICY_ID if reranking else None,
             "query": query,
             "mode": spec.mode,
+            "fusion": {
+                **fusion.as_dict(),
+                "channels": list(channels),
+                "from": fusion_levels(asked, stored.fusion),
+            },
+            "candidate_limit": {"value": candidate_limit, "from": limit_from},
             "coarse_limit": coarse,
             "channel_window": channel_query.size,
             "channel_counts": {channel: len(hits) for channel, hits in results.hits.items()},

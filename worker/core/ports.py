@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from worker.contract import Channel
-from worker.core.catalog import IndexInfo, StoredDocument
+from worker.core.catalog import IndexInfo, SearchSettings, StoredDocument
 from worker.core.types import (
     BudgetGrant,
     ChannelQuery,
@@ -91,6 +91,14 @@ class IndexCatalog(Protocol):
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
         """Delete every document of the tenant in the index written before ``version``."""
+        ...
+
+
+class IndexSettingsSource(Protocol):
+    """Where a search finds its index's own settings (``PATCH /v1/indexes/{index}``)."""
+
+    def get(self, index: str, tenant: str) -> SearchSettings:
+        """The tenant's index's settings (empty when none are set); cheap enough per search."""
         ...
 
 

@@ -6,6 +6,7 @@ from collections.abc import Set
 
 from worker.constants import CHANNEL_WINDOW_FACTOR, MIN_CHANNEL_WINDOW
 from worker.contract import Channel, Mode
+from worker.core.fusion import Fusion
 from worker.errors import IndexNotFound, InvalidRequest, ModeUnavailable
 
 MODE_CHANNELS: dict[Mode, tuple[Channel, ...]] = {
@@ -27,15 +28,22 @@ def normalise_query(query: str) -> str:
     return normalised
 
 
-def select_channels(mode: Mode, index: str, available: Set[Channel]) -> tuple[Channel, ...]:
+def select_channels(
+    mode: Mode, index: str, available: Set[Channel], fusion: Fusion | None = None
+) -> tuple[Channel, ...]:
     """The channels ``mode`` needs, or a clear error when the index cannot serve them.
 
     ``available`` is what the backend answered for the caller's tenant: empty when the
-    tenant holds no document in ``index``, whether or not another tenant does.
+    tenant holds no document in ``index``, whether or not another tenant does. With
+    ``fusion``, a hybrid search leaves out a channel weighted 0 (:meth:`Fusion.fused_channels`):
+    it is not queried, so it need not be available either.
+
+    >>> select_channels("hybrid", "docs", {"bm25"}, Fusion({"knn": 0.0}))
+    ('bm25',)
     """
     if not available:
         raise IndexNotFound(index)
-    wanted = MODE_CHANNELS[mode]
+    wanted = MODE_CHANNELS[mode] if fusion is None else fusion.fused_channels(MODE_CHANNELS[mode])
     missing = [channel for channel in wanted if channel not in available]
     if missing:
         raise ModeUnavailable(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from worker.constants import RRF_K
 from worker.contract import Channel, FilterValue
 
 
@@ -37,7 +38,11 @@ class ChannelHit:
 
 @dataclass(frozen=True, slots=True)
 class ChannelQuery:
-    """What the backend is asked for: one or both channels, filtered, each up to ``size`` hits."""
+    """What the backend is asked for: one or both channels, filtered, each up to ``size`` hits.
+
+    ``weights`` and ``rank_constant`` are the search's weighted RRF, for a backend that fuses
+    by itself (Elasticsearch's native ``retriever.rrf``); Sift's own fusion reads its own.
+    """
 
     index: str
     filters: HardFilters
@@ -46,6 +51,8 @@ class ChannelQuery:
     text: str
     vector: Sequence[float] | None = None
     timeout_seconds: float | None = None
+    weights: Mapping[Channel, float] = field(default_factory=dict)
+    rank_constant: int = RRF_K
 
 
 @dataclass(frozen=True, slots=True)

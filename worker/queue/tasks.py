@@ -279,13 +279,20 @@ def ingest(self: SiftTask, job_id: str) -> None:
     name=INDEX_READ_TASK, base=SiftTask, bind=True
 )
 def index_read(
-    self: SiftTask, reply_key: str, operation: str, tenant: str, index: str, doc_id: str
+    self: SiftTask,
+    reply_key: str,
+    operation: str,
+    tenant: str,
+    index: str,
+    doc_id: str,
+    body: str = "",
 ) -> None:
-    """Answer one index read (list, show, a document) on ``reply_key`` (first, so the logs
-    name the read by it). Never retried: the gateway waits a few seconds for the answer,
-    then answers 503, and the client asks again."""
+    """Answer one index read (list, show, a document) or settings change (``update``, with
+    its patch as ``body``) on ``reply_key`` (first, so the logs name the read by it). Never
+    retried: the gateway waits a few seconds for the answer, then answers 503, and the
+    client asks again (a change is a merge patch: applying it twice changes nothing more)."""
     try:
-        answer = lifecycle.read(self.context.runtime, operation, tenant, index, doc_id)
+        answer = lifecycle.read(self.context.runtime, operation, tenant, index, doc_id, body)
     except Exception as exc:  # the gateway must hear something, not time out
         log.exception("index read %s for %s: unexpected error", operation, tenant)
         answer = json.dumps({"error": {"type": "internal_error", "message": str(exc)}})
