@@ -802,6 +802,60 @@ def test_native_rrf_mode_runs_one_retriever_search_and_the_pipeline_keeps_es_ord
     assert tenant in children[1]["knn"]["filter"]
 
 
+def test_native_rrf_sends_the_searchs_weights_and_rank_constant(
+    server: FakeElasticsearchServer,
+) -> None:
+    """Weighted RRF on ES's own retriever: each child as ``{"retriever", "weight"}`` (ES 9.2+)
+    and the rank constant, both the ones the request resolved to."""
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    fused = search_response([hit(CONCRETE, "acme", "c", 0.05)])
+    server.on("POST", "/sift-docs/_search", Answer(200, fused))
+    backend = backend_for(server, elasticsearch_native_rrf=True)
+    pipeline = SearchPipeline(backend, FakeEmbedder(), config=PipelineConfig())
+    asked = SearchSpec.model_validate(
+        {
+            "index": "docs",
+            "query": "vitamin d",
+            "limit": 3,
+            "include_trace": True,
+            "fusion": {"weights": {"bm25": 1.0, "knn": 0.25}, "rank_constant": 20},
+        }
+    )
+    result = pipeline.search(asked, tenant="acme")
+    assert [h.id for h in result.hits] == ["c"]
+    assert result.trace is not None and result.trace["fusion"]["rank_constant"] == 20
+    rrf = server.sent("POST", "/sift-docs/_search")[-1].json()["retriever"]["rrf"]
+    assert rrf["rank_constant"] == 20
+    bm25, knn = rrf["retrievers"]
+    assert bm25["weight"] == 1.0 and knn["weight"] == 0.25
+    assert "query" in bm25["retriever"]["standard"]
+    assert knn["retriever"]["knn"]["field"] == "vector"
+    tenant = {"term": {"tenant": "acme"}}
+    assert tenant in bm25["retriever"]["standard"]["query"]["bool"]["filter"]
+    assert tenant in knn["retriever"]["knn"]["filter"]
+
+
+def test_native_rrf_with_knn_weighted_zero_runs_bm25_alone(
+    server: FakeElasticsearchServer,
+) -> None:
+    """A channel weighted 0 is not queried: no retriever, no kNN, one BM25 search."""
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    backend = backend_for(server, elasticsearch_native_rrf=True)
+    pipeline = SearchPipeline(backend, FakeEmbedder(), config=PipelineConfig())
+    bm25_only = msearch_response(search_response([hit(CONCRETE, "acme", "a", 3.0)]))
+    server.on("POST", "/_msearch", Answer(200, bm25_only))
+    asked = SearchSpec.model_validate(
+        {"index": "docs", "query": "vitamin d", "fusion": {"weights": {"knn": 0}}}
+    )
+    result = pipeline.search(asked, tenant="acme")
+    assert [h.id for h in result.hits] == ["a"] and result.hits[0].ranks.bm25 == 1
+    assert server.sent("POST", "/sift-docs/_search") == []
+    searches = server.sent("POST", "/_msearch")[-1].ndjson()
+    assert len(searches) == 2 and "knn" not in searches[1]
+
+
 # --- the index lifecycle: versioned writes, delete, list, count, get ------------------------
 
 

@@ -1,11 +1,22 @@
-"""RRF with constant 60, best-rank dedupe, deterministic ties, and channel admission."""
+"""RRF with constant 60, best-rank dedupe, deterministic ties, and channel admission; weighted
+RRF, its settings' precedence (request over index over default) and their validation."""
 
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
-from worker.core.fusion import admit, rrf_fuse
+from worker.contract import Channel, FusionSpec
+from worker.core.fusion import (
+    Fusion,
+    FusionOverride,
+    admit,
+    fusion_levels,
+    resolve_fusion,
+    rrf_fuse,
+)
 from worker.core.types import ChannelHit, Document
+from worker.errors import InvalidRequest
 
 
 def hits(*ids: str, score: float = 1.0) -> list[ChannelHit]:
@@ -55,3 +66,87 @@ def test_knn_floor_admits_only_hits_at_or_above_it() -> None:
     assert [h.document.id for h in admit(channel, 0.5)["knn"]] == ["a"]
     assert [h.document.id for h in admit(channel, None)["knn"]] == ["a", "b"]
     assert admit(channel, 0.5)["bm25"] == channel["bm25"]
+
+
+# --- weighted RRF (issue 15) ----------------------------------------------------------------
+
+
+def test_weights_scale_each_channels_share() -> None:
+    fused = rrf_fuse(
+        {"bm25": hits("a", "b"), "knn": hits("b", "a")},
+        limit=10,
+        fusion=Fusion({"bm25": 2.0, "knn": 0.5}, rank_constant=10),
+    )
+    by_id = {c.document.id: c for c in fused}
+    assert by_id["a"].rrf_score == pytest.approx(2.0 / 11 + 0.5 / 12)
+    assert by_id["b"].rrf_score == pytest.approx(2.0 / 12 + 0.5 / 11)
+    assert [c.document.id for c in fused] == ["a", "b"]
+
+
+@pytest.mark.parametrize("kept", ["bm25", "knn"])
+def test_weights_one_and_zero_reduce_to_the_one_channel(kept: Channel) -> None:
+    lists: dict[Channel, list[ChannelHit]] = {
+        "bm25": hits("a", "b", "c", "d"),
+        "knn": hits("d", "x", "c", "y"),
+    }
+    other: Channel = "knn" if kept == "bm25" else "bm25"
+    fused = rrf_fuse(lists, limit=10, fusion=Fusion({kept: 1.0, other: 0.0}))
+    alone = rrf_fuse({kept: lists[kept]}, limit=10)
+    assert [c.document.id for c in fused] == [h.document.id for h in lists[kept]]
+    assert [(c.document.id, c.rrf_score) for c in fused] == [
+        (c.document.id, c.rrf_score) for c in alone
+    ]
+    # a channel weighted 0 is not fused at all: no rank from it, none of its own candidates
+    assert all(other not in c.channel_ranks for c in fused)
+
+
+def test_ties_stay_deterministic_under_weights() -> None:
+    # equal weights, mirrored lists: every pair ties on score and on best rank; the id decides
+    fusion = Fusion({"bm25": 0.7, "knn": 0.7}, rank_constant=5)
+    lists = {"bm25": hits("q", "p"), "knn": hits("p", "q")}
+    once = [c.document.id for c in rrf_fuse(lists, limit=10, fusion=fusion)]
+    reversed_input = {"knn": lists["knn"], "bm25": lists["bm25"]}
+    again = [c.document.id for c in rrf_fuse(reversed_input, limit=10, fusion=fusion)]
+    assert once == again == ["p", "q"]
+
+
+def test_precedence_is_request_over_index_over_default_field_by_field() -> None:
+    default = Fusion({"bm25": 1.0, "knn": 1.0}, 60)
+    index = FusionOverride({"bm25": 0.8, "knn": 0.3}, 30)
+    request = FusionOverride({"knn": 0.9})
+    fusion = resolve_fusion(default, request, index)
+    assert fusion.weights == {"bm25": 0.8, "knn": 0.9} and fusion.rank_constant == 30
+    assert fusion_levels(request, index) == {
+        "weights": {"bm25": "index", "knn": "request"},
+        "rank_constant": "index",
+    }
+    only_rank = FusionOverride(rank_constant=5)
+    assert resolve_fusion(default, only_rank, None) == Fusion({"bm25": 1.0, "knn": 1.0}, 5)
+    assert fusion_levels(None, None) == {
+        "weights": {"bm25": "default", "knn": "default"},
+        "rank_constant": "default",
+    }
+
+
+def test_a_hybrid_search_drops_a_channel_weighted_zero_and_refuses_all_zero() -> None:
+    assert Fusion({"bm25": 1.0, "knn": 0.0}).fused_channels(("bm25", "knn")) == ("bm25",)
+    assert Fusion({"bm25": 0.0, "knn": 2.0}).fused_channels(("bm25", "knn")) == ("knn",)
+    assert Fusion({"bm25": 0.0}).fused_channels(("bm25",)) == ("bm25",)  # fts stays BM25
+    with pytest.raises(InvalidRequest) as refused:
+        Fusion({"bm25": 0.0, "knn": 0.0}).fused_channels(("bm25", "knn"))
+    assert refused.value.field == "fusion.weights"
+
+
+def test_request_fusion_validation_names_the_field() -> None:
+    with pytest.raises(ValidationError) as bad:
+        FusionSpec.model_validate({"weights": {"bm25": -1}})
+    assert bad.value.errors()[0]["loc"] == ("weights", "bm25")
+    with pytest.raises(ValidationError) as unknown:
+        FusionSpec.model_validate({"weights": {"splade": 1}})
+    assert unknown.value.errors()[0]["loc"] == ("weights", "splade")
+    with pytest.raises(ValidationError):
+        FusionSpec.model_validate({"weights": {"bm25": 0, "knn": 0}})
+    with pytest.raises(ValidationError):
+        FusionSpec.model_validate({"weights": {"knn": float("inf")}})
+    with pytest.raises(ValidationError):
+        FusionSpec.model_validate({"rank_constant": 0})

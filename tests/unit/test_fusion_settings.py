@@ -1,0 +1,153 @@
+"""Weighted RRF through the pipeline: the defaults (``SIFT_FUSION_*``), an index's own settings
+and a request's, field by field; the candidate window likewise; a hybrid channel weighted 0 is
+not queried; the trace names what was used and where each value came from."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from tests.fakes import FakeEmbedder, InMemoryBackend
+from worker.bootstrap import build_pipeline
+from worker.contract import DocumentIn, SearchSpec
+from worker.core.catalog import SearchSettings
+from worker.core.pipeline import SearchPipeline
+from worker.errors import ConfigError, IndexNotFound, InvalidRequest
+from worker.runtime import Runtime
+from worker.settings import load_settings
+
+TOPICS = ["volcano eruption ash", "ash tree forest", "eruption of jazz", "river delta flooding"]
+
+
+class CountingEmbedder(FakeEmbedder):
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        self.texts += texts
+        return super().embed(texts)
+
+
+class StoredSettings:
+    """An IndexSettingsSource over a dict, recording who asked."""
+
+    def __init__(self, stored: dict[tuple[str, str], dict[str, Any]] | None = None) -> None:
+        self.stored = stored or {}
+        self.asked: list[tuple[str, str]] = []
+
+    def get(self, index: str, tenant: str) -> SearchSettings:
+        self.asked.append((index, tenant))
+        return SearchSettings(self.stored.get((index, tenant), {}))
+
+
+def make(
+    stored: dict[tuple[str, str], dict[str, Any]] | None = None, **settings: Any
+) -> tuple[SearchPipeline, CountingEmbedder, InMemoryBackend, StoredSettings]:
+    embedder, backend, source = CountingEmbedder(), InMemoryBackend(), StoredSettings(stored)
+    pipeline = build_pipeline(
+        load_settings(**settings), backend=backend, embedder=embedder, index_settings=source
+    )
+    docs = [DocumentIn(id=f"d{i}", text=f"{t} {i}") for i, t in enumerate(TOPICS * 5)]
+    Runtime(pipeline).ingest("docs", "acme", docs)
+    embedder.texts.clear()
+    return pipeline, embedder, backend, source
+
+
+def spec(**kw: Any) -> SearchSpec:
+    return SearchSpec.model_validate(
+        {"index": "docs", "query": "volcano ash eruption", "limit": 8, "include_trace": True, **kw}
+    )
+
+
+def test_request_over_index_over_default_field_by_field() -> None:
+    index = {"fusion": {"weights": {"knn": 0.2}}, "candidate_limit": 12}
+    pipeline, _, _, source = make(
+        {("docs", "acme"): index}, fusion_weights='{"bm25": 1.5}', fusion_rank_constant=50
+    )
+    trace = pipeline.search(spec(), "acme").trace
+    assert trace is not None
+    assert trace["fusion"]["weights"] == {"bm25": 1.5, "knn": 0.2}
+    assert trace["fusion"]["rank_constant"] == 50
+    assert trace["fusion"]["from"] == {
+        "weights": {"bm25": "default", "knn": "index"},
+        "rank_constant": "default",
+    }
+    assert trace["candidate_limit"] == {"value": 12, "from": "index"}
+    assert source.asked == [("docs", "acme")]
+
+    asked = spec(fusion={"weights": {"bm25": 0.5}, "rank_constant": 7}, candidate_limit=9)
+    trace = pipeline.search(asked, "acme").trace
+    assert trace is not None
+    assert trace["fusion"]["weights"] == {"bm25": 0.5, "knn": 0.2}
+    assert trace["fusion"]["rank_constant"] == 7
+    assert trace["fusion"]["from"] == {
+        "weights": {"bm25": "request", "knn": "index"},
+        "rank_constant": "request",
+    }
+    assert trace["candidate_limit"] == {"value": 9, "from": "request"}
+
+
+def test_the_weights_used_change_the_fused_scores() -> None:
+    pipeline, _, _, _ = make()
+    plain = pipeline.search(spec(), "acme")
+    tilted = pipeline.search(spec(fusion={"weights": {"knn": 3.0}, "rank_constant": 5}), "acme")
+    top = tilted.hits[0]
+    expected = sum(
+        w / (5 + rank)
+        for w, rank in ((1.0, top.ranks.bm25), (3.0, top.ranks.knn))
+        if rank is not None
+    )
+    assert top.scores.rrf == pytest.approx(expected)
+    assert [h.scores.rrf for h in plain.hits] != [h.scores.rrf for h in tilted.hits]
+
+
+def test_hybrid_with_knn_weighted_zero_is_bm25_alone_without_an_embedding() -> None:
+    pipeline, embedder, backend, _ = make({("docs", "acme"): {"fusion": {"weights": {"knn": 0}}}})
+    hybrid = pipeline.search(spec(), "acme")
+    assert embedder.texts == []  # the kNN channel was not even queried
+    assert backend.calls[-1].channels == ("bm25",)
+    fts = pipeline.search(spec(mode="fts"), "acme")
+    assert [(h.id, h.ranks.bm25, h.scores.rrf) for h in hybrid.hits] == [
+        (h.id, h.ranks.bm25, h.scores.rrf) for h in fts.hits
+    ]
+    assert hybrid.trace is not None and hybrid.trace["fusion"]["channels"] == ["bm25"]
+    # a request's own knn weight puts the channel back
+    pipeline.search(spec(fusion={"weights": {"knn": 1}}), "acme")
+    assert embedder.texts == ["volcano ash eruption"]
+
+
+def test_a_single_channel_mode_ignores_its_weight() -> None:
+    pipeline, _, _, _ = make({("docs", "acme"): {"fusion": {"weights": {"bm25": 0}}}})
+    fts = pipeline.search(spec(mode="fts"), "acme")
+    assert fts.hits and all(h.ranks.bm25 is not None for h in fts.hits)
+
+
+def test_every_channel_weighted_zero_is_an_invalid_request() -> None:
+    pipeline, _, _, _ = make({("docs", "acme"): {"fusion": {"weights": {"bm25": 0}}}})
+    with pytest.raises(InvalidRequest) as refused:
+        pipeline.search(spec(fusion={"weights": {"knn": 0}}), "acme")
+    assert refused.value.field == "fusion.weights"
+
+
+def test_a_missing_index_is_not_found_before_any_settings_are_read() -> None:
+    pipeline, _, _, source = make()
+    with pytest.raises(IndexNotFound):
+        pipeline.search(spec(), "globex")
+    assert source.asked == []
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"fusion_weights": '{"bm25": 0, "knn": 0}'}, "SIFT_FUSION_WEIGHTS"),
+        ({"fusion_weights": '{"bm25": -1}'}, "SIFT_FUSION_WEIGHTS"),
+        ({"fusion_weights": '{"splade": 1}'}, "SIFT_FUSION_WEIGHTS"),
+        ({"fusion_weights": "{nope"}, "SIFT_FUSION_WEIGHTS"),
+        ({"fusion_rank_constant": 0}, "SIFT_FUSION_RANK_CONSTANT"),
+    ],
+)
+def test_bad_default_settings_name_the_setting(env: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        load_settings(**env)
