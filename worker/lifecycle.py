@@ -35,7 +35,7 @@ def catalog(runtime: object) -> IndexCatalog:
 
 def settings_store(runtime: object) -> RedisIndexSettings | None:
     """Where the runtime's pipeline reads index settings (None: nowhere, defaults only)."""
-    source = cast(Runtime, runtime).pipeline.index_settings
+    source = getattr(cast(Runtime, runtime).pipeline, "index_settings", None)
     return source if isinstance(source, RedisIndexSettings) else None
 
 

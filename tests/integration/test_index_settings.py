@@ -1,0 +1,146 @@
+"""An index's own search settings over a real redis-server and the real embedded backend: a
+change is the tenant's and needs the tenant's index; ``null`` clears; a drop clears them
+unless a change was accepted after it; other processes see a change within the TTL; a
+search uses them, below its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fakes import FakeClock, FakeEmbedder
+from worker import lifecycle
+from worker.adapters.embedded import EmbeddedBackend
+from worker.adapters.index_settings import RedisIndexSettings, settings_key
+from worker.bootstrap import build_pipeline
+from worker.contract import DocumentIn, SearchSpec
+from worker.queue.jobstore import JobStore
+from worker.runtime import Runtime
+from worker.settings import load_settings
+
+pytestmark = pytest.mark.integration
+
+DEFAULTS = {
+    "fusion": {"weights": {"bm25": None, "knn": None}, "rank_constant": None},
+    "candidate_limit": None,
+}
+
+
+@pytest.fixture
+def runtime(tmp_path: Path, store: JobStore, redis_url: str) -> Runtime:
+    pipeline = build_pipeline(
+        load_settings(redis_url=redis_url, data_dir=tmp_path / "data"),
+        backend=EmbeddedBackend(tmp_path / "data"),
+        embedder=FakeEmbedder(),
+    )
+    runtime = Runtime(pipeline)
+    for tenant in ("acme", "globex"):
+        docs = [DocumentIn(id=f"{tenant}-{i}", text=f"volcano ash {i} {tenant}") for i in range(6)]
+        runtime.ingest("docs", tenant, docs)
+    runtime.ingest("notes", "acme", [DocumentIn(id="n", text="jazz notes")])
+    return runtime
+
+
+def call(runtime: Runtime, operation: str, tenant: str, index: str, body: Any = None) -> Any:
+    answer = json.loads(
+        lifecycle.read(runtime, operation, tenant, index, "", json.dumps(body) if body else "")
+    )
+    if "error" in answer:
+        return answer
+    return answer["found"]
+
+
+def test_a_change_is_stored_shown_and_the_tenants_own(runtime: Runtime) -> None:
+    patch = {"fusion": {"weights": {"knn": 0.25}, "rank_constant": 20}, "candidate_limit": 40}
+    found = call(runtime, "update", "acme", "docs", patch)
+    assert found["name"] == "docs" and found["documents"] == 6
+    assert found["settings"] == {
+        "fusion": {"weights": {"bm25": None, "knn": 0.25}, "rank_constant": 20},
+        "candidate_limit": 40,
+    }
+    assert call(runtime, "show", "acme", "docs")["settings"] == found["settings"]
+    listed = {i["name"]: i["settings"] for i in call(runtime, "list", "acme", "")}
+    assert listed == {"docs": found["settings"], "notes": DEFAULTS}
+    # the other tenant's index of the same name has its own settings: none
+    assert call(runtime, "show", "globex", "docs")["settings"] == DEFAULTS
+    assert call(runtime, "list", "globex", "")[0]["settings"] == DEFAULTS
+
+
+def test_a_change_to_an_index_the_tenant_lacks_stores_nothing(
+    runtime: Runtime, store: JobStore
+) -> None:
+    assert call(runtime, "update", "globex", "notes", {"candidate_limit": 5}) is None
+    assert call(runtime, "update", "acme", "nothing", {"candidate_limit": 5}) is None
+    assert store.redis.keys(settings_key("*", "*")) == []
+
+
+def test_null_clears_a_field_and_every_field_cleared_leaves_no_key(
+    runtime: Runtime, store: JobStore
+) -> None:
+    call(runtime, "update", "acme", "docs", {"fusion": {"weights": {"bm25": 2, "knn": 0.5}}})
+    found = call(runtime, "update", "acme", "docs", {"fusion": {"weights": {"knn": None}}})
+    assert found["settings"]["fusion"]["weights"] == {"bm25": 2.0, "knn": None}
+    found = call(runtime, "update", "acme", "docs", {"fusion": None, "candidate_limit": None})
+    assert found["settings"] == DEFAULTS
+    assert store.redis.exists(settings_key("docs", "acme")) == 0
+
+
+def test_a_change_that_would_weight_every_channel_zero_is_refused(runtime: Runtime) -> None:
+    call(runtime, "update", "acme", "docs", {"fusion": {"weights": {"knn": 0}}})
+    answer = call(runtime, "update", "acme", "docs", {"fusion": {"weights": {"bm25": 0}}})
+    assert answer["error"]["type"] == "invalid_request"
+    assert answer["error"]["field"] == "fusion.weights"
+    weights = call(runtime, "show", "acme", "docs")["settings"]["fusion"]["weights"]
+    assert weights == {"bm25": None, "knn": 0.0}  # unchanged
+
+
+def test_a_drop_clears_them_unless_a_change_came_after_it(
+    runtime: Runtime, store: JobStore
+) -> None:
+    call(runtime, "update", "acme", "docs", {"candidate_limit": 40})
+    call(runtime, "update", "globex", "docs", {"candidate_limit": 7})
+    drop = store.create_deletion("acme", "docs", None)
+    lifecycle.delete(runtime, drop, None)
+    assert call(runtime, "show", "acme", "docs") is None
+    assert store.redis.exists(settings_key("docs", "acme")) == 0
+    assert call(runtime, "show", "globex", "docs")["settings"]["candidate_limit"] == 7
+
+    # accepted: a drop, then a change; run: the change, then the drop's task
+    runtime.ingest("notes", "acme", [DocumentIn(id="m", text="more notes")])
+    late_drop = store.create_deletion("acme", "notes", None)
+    call(runtime, "update", "acme", "notes", {"candidate_limit": 12})
+    lifecycle.delete(runtime, late_drop, None)
+    stored = json.loads(store.redis.get(settings_key("notes", "acme")))
+    assert stored["settings"] == {"candidate_limit": 12}
+
+
+def test_other_processes_see_a_change_within_the_ttl(runtime: Runtime, redis_url: str) -> None:
+    clock = FakeClock()
+    elsewhere = RedisIndexSettings.from_url(redis_url)
+    elsewhere._clock = clock  # another worker process's copy, on a clock of our own
+    assert elsewhere.get("docs", "acme").candidate_limit is None
+    call(runtime, "update", "acme", "docs", {"candidate_limit": 40})
+    assert elsewhere.get("docs", "acme").candidate_limit is None  # its copy, still fresh
+    clock.now += elsewhere._ttl
+    assert elsewhere.get("docs", "acme").candidate_limit == 40
+    # the process that made the change sees it at once, and a restarted one reads it anew
+    source = runtime.pipeline.index_settings
+    assert source is not None and source.get("docs", "acme").candidate_limit == 40
+    assert RedisIndexSettings.from_url(redis_url).get("docs", "acme").candidate_limit == 40
+
+
+def test_a_search_uses_the_indexs_settings_below_its_own(runtime: Runtime) -> None:
+    call(runtime, "update", "acme", "docs", {"fusion": {"weights": {"knn": 0.5}}})
+    asked = SearchSpec(index="docs", query="volcano ash", include_trace=True)
+    trace = runtime.search(asked, "acme").trace
+    assert trace is not None and trace["fusion"]["weights"] == {"bm25": 1.0, "knn": 0.5}
+    assert trace["fusion"]["from"]["weights"] == {"bm25": "default", "knn": "index"}
+    other = runtime.search(asked, "globex").trace
+    assert other is not None and other["fusion"]["weights"] == {"bm25": 1.0, "knn": 1.0}
+    own = SearchSpec.model_validate({**asked.model_dump(), "fusion": {"weights": {"knn": 2.0}}})
+    trace = runtime.search(own, "acme").trace
+    assert trace is not None and trace["fusion"]["weights"]["knn"] == 2.0
+    assert trace["fusion"]["from"]["weights"]["knn"] == "request"
