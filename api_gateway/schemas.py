@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from worker.constants import (
     MAX_BATCH_QUERIES,
@@ -26,6 +26,7 @@ from worker.contract import (
     QueryText,
     SearchResult,
     SearchSpec,
+    without_unset_overrides,
 )
 
 
@@ -79,6 +80,10 @@ class BatchRequest(_Strict):
     candidate_limit: CandidateLimit | None = Field(
         default=None, description="The rerank candidate window for every query."
     )
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return without_unset_overrides(handler(self))
 
 
 class BatchCounts(BaseModel):

@@ -9,7 +9,15 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from worker.constants import MAX_CANDIDATE_LIMIT, MAX_LIMIT, MAX_QUERY_CHARS, MAX_RANK_CONSTANT
 
@@ -98,6 +106,17 @@ class IndexSettingsPatch(StrictModel):
     )
 
 
+def without_unset_overrides(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without ``fusion`` and ``candidate_limit`` where they are unset (None): a
+    search or batch that sets neither serializes as before they existed, so a worker of the
+    previous release still reads its spec and an Idempotency-Key's body fingerprint is the
+    same across the upgrade."""
+    for name in ("fusion", "candidate_limit"):
+        if data.get(name) is None:
+            data.pop(name, None)
+    return data
+
+
 class SearchSpec(StrictModel):
     """What one search asks for. The tenant never comes from here: the API key decides it."""
 
@@ -115,6 +134,10 @@ class SearchSpec(StrictModel):
         default=None,
         description="The rerank candidate window for this search, over the index's and default.",
     )
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return without_unset_overrides(handler(self))
 
 
 class Ranks(BaseModel):

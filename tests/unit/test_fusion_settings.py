@@ -151,3 +151,14 @@ def test_a_missing_index_is_not_found_before_any_settings_are_read() -> None:
 def test_bad_default_settings_name_the_setting(env: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         load_settings(**env)
+
+
+def test_a_spec_without_overrides_serializes_as_before_them() -> None:
+    """So a worker of the previous release reads it, and a key's fingerprint is unchanged."""
+    plain = SearchSpec(index="docs", query="q")
+    assert set(plain.model_dump()) == {
+        "index", "query", "limit", "mode", "rerank", "include_trace", "filters"
+    }  # fmt: skip
+    tuned = SearchSpec.model_validate({"index": "docs", "query": "q", "candidate_limit": 12})
+    assert tuned.model_dump()["candidate_limit"] == 12
+    assert SearchSpec.model_validate_json(tuned.model_dump_json()) == tuned
