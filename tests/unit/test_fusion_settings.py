@@ -4,13 +4,16 @@ not queried; the trace names what was used and where each value came from."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.fakes import FakeEmbedder, InMemoryBackend
 from worker.bootstrap import build_pipeline
+from worker.cli.client import Gateway
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.catalog import SearchSettings
 from worker.core.pipeline import SearchPipeline
@@ -162,3 +165,21 @@ def test_a_spec_without_overrides_serializes_as_before_them() -> None:
     tuned = SearchSpec.model_validate({"index": "docs", "query": "q", "candidate_limit": 12})
     assert tuned.model_dump()["candidate_limit"] == 12
     assert SearchSpec.model_validate_json(tuned.model_dump_json()) == tuned
+
+
+def test_the_cli_client_patches_the_index() -> None:
+    """``Gateway.update_index``: one PATCH of the body as given, the metadata answered."""
+    seen: list[httpx.Request] = []
+    answer = {"name": "docs", "settings": {"fusion": {}, "candidate_limit": 40}}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json=answer)
+
+    client = Gateway("http://gateway.test", "key-12345678", transport=httpx.MockTransport(handle))
+    body = {"fusion": {"weights": {"knn": 0.3}}, "candidate_limit": 40}
+    assert client.update_index("docs", body) == answer
+    (request,) = seen
+    assert (request.method, request.url.path) == ("PATCH", "/v1/indexes/docs")
+    assert json.loads(request.content) == body
+    assert request.headers["authorization"] == "Bearer key-12345678"
