@@ -93,7 +93,6 @@ def test_the_default_point_is_what_a_served_hybrid_search_returns(
     assert report["held_out"]["default"]["ndcg@10"] == pytest.approx(_ndcg(results), abs=1e-12)
 
 
-@pytest.mark.skip(reason="needs PATCH /v1/indexes/{index} (the fusion branch); the lead enables")
 def test_apply_stores_the_chosen_settings_on_the_index(
     stack: Stack, corpus: list[dict[str, object]], tmp_path: Path
 ) -> None:
