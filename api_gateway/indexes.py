@@ -42,7 +42,7 @@ from worker.constants import (
     MAX_PAGE_SIZE,
     SEARCH_QUEUE,
 )
-from worker.contract import INDEX_PATTERN, FilterValue, IndexSettingsPatch
+from worker.contract import INDEX_PATTERN, FilterValue, FusionMethod, IndexSettingsPatch
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["indexes"])
@@ -67,6 +67,7 @@ class FusionWeightsOut(BaseModel):
 
 
 class FusionSettingsOut(BaseModel):
+    method: FusionMethod | None = None
     weights: FusionWeightsOut = Field(default_factory=FusionWeightsOut)
     rank_constant: int | None = None
 
@@ -223,7 +224,7 @@ async def get_index(request: Request, tenant: Tenant, index: IndexPath) -> Index
     responses=ERRORS,
     summary="Change the caller's index's own search settings",
     description="A JSON Merge Patch: a field left out stays, `null` clears it back to the "
-    "default (`SIFT_FUSION_WEIGHTS`, `SIFT_FUSION_RANK_CONSTANT`, "
+    "default (`SIFT_FUSION_METHOD`, `SIFT_FUSION_WEIGHTS`, `SIFT_FUSION_RANK_CONSTANT`, "
     "`SIFT_RERANK_CANDIDATE_LIMIT`). A search's own `fusion` and `candidate_limit` override "
     "these, field by field. Answers the index as `GET` does; the settings go with a drop of "
     "the index. Worker processes other than the one that stored them see them within 2 s.",

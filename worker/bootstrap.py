@@ -75,9 +75,14 @@ def pipeline_config(settings: Settings, *, price_discount: float = 1.0) -> Pipel
 
 
 def default_fusion(settings: Settings) -> Fusion:
-    """``SIFT_FUSION_WEIGHTS`` (a channel it leaves out counts 1) and the rank constant."""
+    """``SIFT_FUSION_WEIGHTS`` (a channel it leaves out counts 1), the rank constant and
+    ``SIFT_FUSION_METHOD``."""
     weights = weights_of(settings.fusion_weights)
-    return Fusion({"bm25": 1.0, "knn": 1.0, **weights}, settings.fusion_rank_constant)
+    return Fusion(
+        {"bm25": 1.0, "knn": 1.0, **weights},
+        settings.fusion_rank_constant,
+        settings.fusion_method,
+    )
 
 
 def build_index_settings(settings: Settings) -> IndexSettingsSource | None:

@@ -23,6 +23,7 @@ from worker.constants import MAX_CANDIDATE_LIMIT, MAX_LIMIT, MAX_QUERY_CHARS, MA
 
 Mode = Literal["fts", "vector", "hybrid"]
 Channel = Literal["bm25", "knn"]
+FusionMethod = Literal["rrf", "linear"]
 FilterValue = str | int | float | bool
 
 
@@ -88,12 +89,29 @@ class FusionWeights(StrictModel):
 
 
 class FusionSpec(StrictModel):
-    """Weighted RRF: ``score(d) = sum over channels of weight / (rank_constant + rank)``.
-    Each field left out (or ``null``) comes from the index's settings, then the defaults
-    (``SIFT_FUSION_WEIGHTS``, ``SIFT_FUSION_RANK_CONSTANT``)."""
+    """How the channels are fused. ``method`` ``rrf``: weighted RRF, ``score(d) = sum over
+    channels of weight / (rank_constant + rank)``; ``linear``: ``sum over channels of
+    weight * minmax(score)``, each channel's scores rescaled to [0, 1] over its list (the
+    rank constant is not read). Each field left out (or ``null``) comes from the index's
+    settings, then the defaults (``SIFT_FUSION_METHOD``, ``SIFT_FUSION_WEIGHTS``,
+    ``SIFT_FUSION_RANK_CONSTANT``)."""
 
     weights: FusionWeights | None = None
     rank_constant: RankConstant | None = None
+    method: FusionMethod | None = Field(
+        default=None,
+        description="`rrf` (reciprocal ranks) or `linear` (min-max normalised scores).",
+    )
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Without ``method`` when it was not given: a spec from before it existed
+        serializes as it did (a previous release's worker reads it, an Idempotency-Key's
+        fingerprint is unchanged)."""
+        data: dict[str, Any] = handler(self)
+        if "method" not in self.model_fields_set:
+            data.pop("method", None)
+        return data
 
 
 class IndexSettingsPatch(StrictModel):
@@ -141,6 +159,9 @@ class SearchSpec(StrictModel):
 
 
 class Ranks(BaseModel):
+    """A hit's places. ``rrf`` is its place in the fused list whatever the fusion method
+    (the name predates ``fusion.method``: under ``linear`` it is the linear fusion's)."""
+
     final: int | None = None
     rrf: int | None = None
     bm25: int | None = None
@@ -148,6 +169,9 @@ class Ranks(BaseModel):
 
 
 class Scores(BaseModel):
+    """A hit's scores. ``rrf`` is the fused score whatever the fusion method: under
+    ``linear``, the sum of weight times min-max normalised channel score."""
+
     rrf: float | None = None
     bm25: float | None = None
     knn: float | None = None

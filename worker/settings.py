@@ -168,6 +168,8 @@ class Settings(BaseSettings):
         default_factory=lambda: FusionWeights(bm25=1.0, knn=1.0)
     )
     fusion_rank_constant: int = Field(default=RRF_K, ge=1, le=MAX_RANK_CONSTANT)
+    # ``rrf`` (reciprocal ranks) or ``linear`` (weights times min-max normalised scores).
+    fusion_method: Literal["rrf", "linear"] = "rrf"
     rerank_candidate_max_chars: int = Field(default=1200, ge=50)
     rerank_failure_policy: Literal["fail_closed", "fail_open"] = "fail_closed"
     vector_min_similarity: float | None = Field(default=None, ge=-1.0, le=1.0)

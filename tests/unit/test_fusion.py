@@ -122,13 +122,16 @@ def test_precedence_is_request_over_index_over_default_field_by_field() -> None:
     request = FusionOverride({"knn": 0.9})
     fusion = resolve_fusion(default, request, index)
     assert fusion.weights == {"bm25": 0.8, "knn": 0.9} and fusion.rank_constant == 30
+    assert fusion.method == "rrf"
     assert fusion_levels(request, index) == {
+        "method": "default",
         "weights": {"bm25": "index", "knn": "request"},
         "rank_constant": "index",
     }
     only_rank = FusionOverride(rank_constant=5)
     assert resolve_fusion(default, only_rank, None) == Fusion({"bm25": 1.0, "knn": 1.0}, 5)
     assert fusion_levels(None, None) == {
+        "method": "default",
         "weights": {"bm25": "default", "knn": "default"},
         "rank_constant": "default",
     }

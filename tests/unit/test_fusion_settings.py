@@ -74,6 +74,7 @@ def test_request_over_index_over_default_field_by_field() -> None:
     assert trace["fusion"]["weights"] == {"bm25": 1.5, "knn": 0.2}
     assert trace["fusion"]["rank_constant"] == 50
     assert trace["fusion"]["from"] == {
+        "method": "default",
         "weights": {"bm25": "default", "knn": "index"},
         "rank_constant": "default",
     }
@@ -86,6 +87,7 @@ def test_request_over_index_over_default_field_by_field() -> None:
     assert trace["fusion"]["weights"] == {"bm25": 0.5, "knn": 0.2}
     assert trace["fusion"]["rank_constant"] == 7
     assert trace["fusion"]["from"] == {
+        "method": "default",
         "weights": {"bm25": "request", "knn": "index"},
         "rank_constant": "request",
     }
@@ -104,6 +106,60 @@ def test_the_weights_used_change_the_fused_scores() -> None:
     )
     assert top.scores.rrf == pytest.approx(expected)
     assert [h.scores.rrf for h in plain.hits] != [h.scores.rrf for h in tilted.hits]
+
+
+def test_the_method_comes_from_the_request_over_the_index_over_the_default() -> None:
+    pipeline, _, _, _ = make(
+        {("docs", "acme"): {"fusion": {"method": "rrf"}}}, fusion_method="linear"
+    )
+    trace = pipeline.search(spec(), "acme").trace
+    assert trace is not None and trace["fusion"]["method"] == "rrf"
+    assert trace["fusion"]["from"]["method"] == "index"
+    trace = pipeline.search(spec(fusion={"method": "linear"}), "acme").trace
+    assert trace is not None and trace["fusion"]["method"] == "linear"
+    assert trace["fusion"]["from"]["method"] == "request"
+    pipeline, _, _, _ = make(fusion_method="linear")
+    trace = pipeline.search(spec(), "acme").trace
+    assert trace is not None and trace["fusion"]["method"] == "linear"
+    assert trace["fusion"]["from"]["method"] == "default"
+
+
+def test_linear_fusion_scores_are_weighted_min_max_normalised_channel_scores() -> None:
+    """Every channel returns all its matches here (20 documents, a window of 32), so each
+    hit's channel scores, normalised over the whole run of that channel, rebuild its score."""
+    pipeline, _, _, _ = make()
+    weights = {"bm25": 1.0, "knn": 0.6}
+    found = pipeline.search(spec(limit=20, fusion={"method": "linear", "weights": weights}), "acme")
+    alone = {
+        mode: pipeline.search(spec(limit=20, mode=mode), "acme").hits for mode in ("fts", "vector")
+    }
+    bounds = {
+        "bm25": [h.scores.bm25 for h in alone["fts"]],
+        "knn": [h.scores.knn for h in alone["vector"]],
+    }
+    assert found.hits and all(bounds.values())
+
+    def expected(hit: Any) -> float:
+        total = 0.0
+        for channel, score in (("bm25", hit.scores.bm25), ("knn", hit.scores.knn)):
+            if score is not None:
+                low, high = min(bounds[channel]), max(bounds[channel])
+                total += weights[channel] * (score - low) / (high - low)
+        return total
+
+    assert [h.scores.rrf for h in found.hits] == pytest.approx([expected(h) for h in found.hits])
+    assert [h.scores.rrf for h in found.hits] == sorted(
+        (h.scores.rrf for h in found.hits), reverse=True
+    )
+    assert [h.ranks.rrf for h in found.hits] == list(range(1, len(found.hits) + 1))
+    # differs from RRF over the same lists: the scores, not only the ranks, decide
+    rrf = pipeline.search(spec(limit=20, fusion={"weights": weights}), "acme")
+    assert [h.scores.rrf for h in rrf.hits] != [h.scores.rrf for h in found.hits]
+
+
+def test_a_bad_method_names_the_field() -> None:
+    with pytest.raises(ValueError, match="fusion.method"):
+        spec(fusion={"method": "sum"})
 
 
 def test_hybrid_with_knn_weighted_zero_is_bm25_alone_without_an_embedding() -> None:
@@ -149,6 +205,7 @@ def test_a_missing_index_is_not_found_before_any_settings_are_read() -> None:
         ({"fusion_weights": '{"splade": 1}'}, "SIFT_FUSION_WEIGHTS"),
         ({"fusion_weights": "{nope"}, "SIFT_FUSION_WEIGHTS"),
         ({"fusion_rank_constant": 0}, "SIFT_FUSION_RANK_CONSTANT"),
+        ({"fusion_method": "sum"}, "SIFT_FUSION_METHOD"),
     ],
 )
 def test_bad_default_settings_name_the_setting(env: dict[str, Any], named: str) -> None:
@@ -165,6 +222,18 @@ def test_a_spec_without_overrides_serializes_as_before_them() -> None:
     tuned = SearchSpec.model_validate({"index": "docs", "query": "q", "candidate_limit": 12})
     assert tuned.model_dump()["candidate_limit"] == 12
     assert SearchSpec.model_validate_json(tuned.model_dump_json()) == tuned
+    # a fusion without a method serializes as before the method existed
+    weighted = SearchSpec.model_validate(
+        {"index": "docs", "query": "q", "fusion": {"weights": {"knn": 0.5}}}
+    )
+    assert weighted.model_dump()["fusion"] == {
+        "weights": {"bm25": None, "knn": 0.5}, "rank_constant": None
+    }  # fmt: skip
+    linear = SearchSpec.model_validate(
+        {"index": "docs", "query": "q", "fusion": {"method": "linear"}}
+    )
+    assert json.loads(linear.model_dump_json())["fusion"]["method"] == "linear"
+    assert SearchSpec.model_validate_json(linear.model_dump_json()) == linear
 
 
 def test_the_cli_client_patches_the_index() -> None:

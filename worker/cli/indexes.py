@@ -9,6 +9,7 @@ answers instead of tables.
 from __future__ import annotations
 
 import json
+from enum import StrEnum
 from typing import Annotated, Any
 from urllib.parse import quote
 
@@ -28,6 +29,14 @@ documents_app = typer.Typer(help="Read or delete documents by id.", no_args_is_h
 app.add_typer(index_app, name="index")
 app.add_typer(documents_app, name="documents")
 
+
+class FusionMethodOption(StrEnum):
+    """``--method``'s choices (the API's ``fusion.method``)."""
+
+    RRF = "rrf"
+    LINEAR = "linear"
+
+
 JsonOut = Annotated[bool, typer.Option("--json", help="print the raw answer as JSON")]
 IndexOption = Annotated[str, typer.Option("--index", help="the index")]
 
@@ -41,7 +50,8 @@ def _settings(index: dict[str, Any]) -> str:
     settings = index.get("settings") or {}
     fusion = settings.get("fusion") or {}
     weights = fusion.get("weights") or {}
-    parts = [f"{c} weight {weights[c]:g}" for c in ("bm25", "knn") if weights.get(c) is not None]
+    parts = [f"{fusion['method']} fusion"] if fusion.get("method") else []
+    parts += [f"{c} weight {weights[c]:g}" for c in ("bm25", "knn") if weights.get(c) is not None]
     if fusion.get("rank_constant") is not None:
         parts.append(f"rank constant {fusion['rank_constant']}")
     if settings.get("candidate_limit") is not None:
@@ -129,6 +139,7 @@ def settings_patch(
     rank_constant: int | None,
     candidate_limit: int | None,
     reset: bool,
+    method: str | None = None,
 ) -> dict[str, Any]:
     """The ``PATCH /v1/indexes/{index}`` body of ``sift index set``'s options: only what was
     given; ``reset`` first clears every setting (null), so the options given are all that stay.
@@ -137,6 +148,8 @@ def settings_patch(
     {'fusion': {'weights': {'knn': 0.5}}}
     >>> settings_patch(None, None, None, 40, True)
     {'fusion': None, 'candidate_limit': 40}
+    >>> settings_patch(None, None, None, None, False, method="linear")
+    {'fusion': {'method': 'linear'}}
     """
     weights = {c: w for c, w in (("bm25", bm25_weight), ("knn", knn_weight)) if w is not None}
     fusion: dict[str, Any] = {}
@@ -144,6 +157,8 @@ def settings_patch(
         fusion["weights"] = weights
     if rank_constant is not None:
         fusion["rank_constant"] = rank_constant
+    if method is not None:
+        fusion["method"] = method
     body: dict[str, Any] = {"fusion": None, "candidate_limit": None} if reset else {}
     if fusion:
         body["fusion"] = fusion
@@ -164,6 +179,12 @@ def index_set(
     rank_constant: Annotated[
         int | None, typer.Option("--rank-constant", help="RRF's rank constant (>= 1)")
     ] = None,
+    method: Annotated[
+        FusionMethodOption | None,
+        typer.Option(
+            "--method", help="the fusion: rrf (ranks) or linear (min-max normalised scores)"
+        ),
+    ] = None,
     candidate_limit: Annotated[
         int | None, typer.Option("--candidate-limit", help="the rerank candidate window")
     ] = None,
@@ -172,13 +193,21 @@ def index_set(
     ] = False,
     json_out: JsonOut = False,
 ) -> None:
-    """Set an index's own search settings: fusion weights, rank constant, candidate window.
+    """Set an index's own search settings: fusion method, weights, rank constant, candidate
+    window.
 
     A search's own settings override them, and they override the defaults (SIFT_FUSION_*,
     SIFT_RERANK_CANDIDATE_LIMIT). Settings not given stay as they are.
     """
     console = _out()
-    body = settings_patch(bm25_weight, knn_weight, rank_constant, candidate_limit, reset)
+    body = settings_patch(
+        bm25_weight,
+        knn_weight,
+        rank_constant,
+        candidate_limit,
+        reset,
+        method=method.value if method is not None else None,
+    )
     if not body:
         _err().print("[bold red]error:[/] give at least one setting (or --reset)")
         raise typer.Exit(EXIT_ERROR)

@@ -43,9 +43,10 @@ class StoredDocument:
 
 @dataclass(frozen=True, slots=True)
 class SearchSettings:
-    """One tenant's index's own search settings (``PATCH /v1/indexes/{index}``): its weighted
-    RRF and its rerank candidate window. ``None`` (or no weight for a channel) defers to the
-    defaults; a request's own settings override these, field by field.
+    """One tenant's index's own search settings (``PATCH /v1/indexes/{index}``): its fusion
+    (method, weights, rank constant) and its rerank candidate window. ``None`` (or no
+    weight for a channel) defers to the defaults; a request's own settings override these,
+    field by field.
 
     ``stored`` is the JSON as kept: only the fields set, as :func:`merge_patch` leaves them.
     """
@@ -66,12 +67,13 @@ class SearchSettings:
         """Every setting, ``None`` where unset, as the index's metadata shows it.
 
         >>> SearchSettings({"fusion": {"weights": {"knn": 0.5}}}).shown()["fusion"]
-        {'weights': {'bm25': None, 'knn': 0.5}, 'rank_constant': None}
+        {'method': None, 'weights': {'bm25': None, 'knn': 0.5}, 'rank_constant': None}
         """
         fusion = self.stored.get("fusion") or {}
         weights = fusion.get("weights") or {}
         return {
             "fusion": {
+                "method": fusion.get("method"),
                 "weights": {"bm25": weights.get("bm25"), "knn": weights.get("knn")},
                 "rank_constant": fusion.get("rank_constant"),
             },

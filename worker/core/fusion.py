@@ -1,33 +1,44 @@
-"""Weighted Reciprocal Rank Fusion with deterministic ties (DESIGN.md §2 step 4).
+"""Fusion of the channels' lists with deterministic ties (DESIGN.md §2 step 4): weighted
+Reciprocal Rank Fusion, or a linear combination of min-max normalised scores.
 
-``score(d) = Σ_c w_c / (rank_constant + rank_c(d))`` over the channels ``c`` that list
-``d``. With every weight 1 and ``rank_constant`` 60 it is plain RRF; a channel weighted 0
-contributes nothing, not even candidates, so ``{"bm25": 1, "knn": 0}`` is BM25 alone.
-The settings come from the request, else the index, else the defaults
-(:func:`resolve_fusion`).
+``rrf`` (the default): ``score(d) = Σ_c w_c / (rank_constant + rank_c(d))`` over the
+channels ``c`` that list ``d``. With every weight 1 and ``rank_constant`` 60 it is plain RRF.
+``linear``: ``score(d) = Σ_c w_c · minmax_c(score_c(d))``, each channel's scores rescaled
+to [0, 1] over the list it returned (what Elasticsearch's ``linear`` retriever does with
+``normalizer: minmax``); it reads the scores, not only the order, so a clear BM25 winner
+keeps its lead where RRF would flatten it. The rank constant plays no part in it.
+Either way a channel weighted 0 contributes nothing, not even candidates, so
+``{"bm25": 1, "knn": 0}`` is BM25 alone. The settings come from the request, else the
+index, else the defaults (:func:`resolve_fusion`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from worker.constants import RRF_K
-from worker.contract import Channel, FusionSpec, FusionWeights
+from worker.contract import Channel, FusionMethod, FusionSpec, FusionWeights
 from worker.core.types import Candidate, ChannelHit
 from worker.errors import InvalidRequest
 
 Level = Literal["request", "index", "default"]
+Method = FusionMethod
+METHODS: tuple[Method, ...] = ("rrf", "linear")
+MINMAX_EPSILON = 1e-6  # a channel whose scores span less than this scores each hit 1 (as ES)
 CHANNELS: tuple[Channel, ...] = ("bm25", "knn")
 
 
 @dataclass(frozen=True, slots=True)
 class Fusion:
-    """How two ranked lists become one: a weight per channel and the rank constant."""
+    """How two ranked lists become one: the method, a weight per channel and the rank
+    constant (read by ``rrf`` only)."""
 
     weights: Mapping[Channel, float] = field(default_factory=lambda: {"bm25": 1.0, "knn": 1.0})
     rank_constant: int = RRF_K
+    method: Method = "rrf"
 
     def weight(self, channel: Channel) -> float:
         """A channel's weight; a channel the weights do not name counts 1."""
@@ -35,7 +46,11 @@ class Fusion:
 
     def as_dict(self) -> dict[str, object]:
         """The settings as a trace or an index's metadata shows them."""
-        return {"weights": dict(self.weights), "rank_constant": self.rank_constant}
+        return {
+            "method": self.method,
+            "weights": dict(self.weights),
+            "rank_constant": self.rank_constant,
+        }
 
     def fused_channels(self, wanted: Sequence[Channel]) -> tuple[Channel, ...]:
         """The channels of ``wanted`` a search queries and fuses: those weighted above 0.
@@ -61,12 +76,12 @@ class Fusion:
         """The fusion of ``channels`` alone: one channel is fused at weight 1, so a hybrid
         search with every other channel weighted 0 ranks and scores as that channel's mode.
 
-        >>> Fusion({"bm25": 2.0, "knn": 0.0}, 20).over(("bm25",)).as_dict()
-        {'weights': {'bm25': 1.0}, 'rank_constant': 20}
+        >>> Fusion({"bm25": 2.0, "knn": 0.0}, 20, "linear").over(("bm25",)).as_dict()
+        {'method': 'linear', 'weights': {'bm25': 1.0}, 'rank_constant': 20}
         """
         if len(channels) == 1:
-            return Fusion({channels[0]: 1.0}, self.rank_constant)
-        return Fusion({c: self.weight(c) for c in channels}, self.rank_constant)
+            return Fusion({channels[0]: 1.0}, self.rank_constant, self.method)
+        return Fusion({c: self.weight(c) for c in channels}, self.rank_constant, self.method)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +90,18 @@ class FusionOverride:
 
     weights: Mapping[Channel, float] | None = None
     rank_constant: int | None = None
+    method: Method | None = None
 
     @classmethod
     def from_spec(cls, spec: FusionSpec | None) -> FusionOverride | None:
         """A request's (or an index's) ``fusion``; ``None`` when it sets nothing.
 
         >>> FusionOverride.from_spec(FusionSpec.model_validate({"weights": {"knn": 0.5}}))
-        FusionOverride(weights={'knn': 0.5}, rank_constant=None)
+        FusionOverride(weights={'knn': 0.5}, rank_constant=None, method=None)
         """
         if spec is None:
             return None
-        return cls(weights_of(spec.weights) or None, spec.rank_constant)
+        return cls(weights_of(spec.weights) or None, spec.rank_constant, spec.method)
 
 
 def weights_of(weights: FusionWeights | None) -> dict[Channel, float]:
@@ -105,8 +121,8 @@ def fusion_levels(
 ) -> dict[str, object]:
     """Which level each setting of :func:`resolve_fusion` came from, for the trace.
 
-    >>> fusion_levels(FusionOverride({"bm25": 2.0}), FusionOverride({"knn": 0.4}, 20))
-    {'weights': {'bm25': 'request', 'knn': 'index'}, 'rank_constant': 'index'}
+    >>> fusion_levels(FusionOverride({"bm25": 2.0}), FusionOverride({"knn": 0.4}, 20, "linear"))
+    {'method': 'index', 'weights': {'bm25': 'request', 'knn': 'index'}, 'rank_constant': 'index'}
     """
 
     levels: tuple[tuple[Level, FusionOverride | None], ...] = (
@@ -114,19 +130,26 @@ def fusion_levels(
         ("index", index),
     )
 
-    def level(channel: Channel | None) -> Level:
-        """Where ``channel``'s weight (None: the rank constant) came from."""
+    def level(setting: Channel | Literal["rank_constant", "method"]) -> Level:
+        """Where ``setting`` (a channel: its weight) came from."""
         for name, override in levels:
             if override is None:
                 continue
-            value = (
-                override.rank_constant if channel is None else (override.weights or {}).get(channel)
-            )
+            if setting == "rank_constant":
+                value: object = override.rank_constant
+            elif setting == "method":
+                value = override.method
+            else:
+                value = (override.weights or {}).get(setting)
             if value is not None:
                 return name
         return "default"
 
-    return {"weights": {c: level(c) for c in CHANNELS}, "rank_constant": level(None)}
+    return {
+        "method": level("method"),
+        "weights": {c: level(c) for c in CHANNELS},
+        "rank_constant": level("rank_constant"),
+    }
 
 
 def resolve_fusion(default: Fusion, *overrides: FusionOverride | None) -> Fusion:
@@ -135,20 +158,49 @@ def resolve_fusion(default: Fusion, *overrides: FusionOverride | None) -> Fusion
     channel's weight further down.
 
     >>> default = Fusion({"bm25": 1.0, "knn": 1.0}, 60)
-    >>> index = FusionOverride({"knn": 0.4}, 20)
+    >>> index = FusionOverride({"knn": 0.4}, 20, "linear")
     >>> request = FusionOverride({"bm25": 2.0})
     >>> resolve_fusion(default, request, index).as_dict()
-    {'weights': {'bm25': 2.0, 'knn': 0.4}, 'rank_constant': 20}
+    {'method': 'linear', 'weights': {'bm25': 2.0, 'knn': 0.4}, 'rank_constant': 20}
+    >>> resolve_fusion(default, FusionOverride(method="rrf"), index).method
+    'rrf'
     >>> resolve_fusion(default, None, None) == default
     True
     """
     weights: dict[Channel, float] = dict(default.weights)
     rank_constant = default.rank_constant
+    method = default.method
     for level in reversed([o for o in overrides if o is not None]):
         weights.update(level.weights or {})
         if level.rank_constant is not None:
             rank_constant = level.rank_constant
-    return Fusion(weights, rank_constant)
+        if level.method is not None:
+            method = level.method
+    return Fusion(weights, rank_constant, method)
+
+
+def fuse(
+    channel_hits: Mapping[Channel, Sequence[ChannelHit]],
+    limit: int,
+    fusion: Fusion | None = None,
+) -> list[Candidate]:
+    """Fuse each channel's admitted hits by ``fusion.method``; keep the first ``limit``.
+
+    A candidate's ``rrf_score`` and ``rrf_rank`` (names the API contract keeps) hold the
+    fused score and place whatever the method: for ``linear`` the linear score.
+
+    >>> from worker.core.types import Document
+    >>> a, b = Document("a", "x"), Document("b", "y")
+    >>> hits = {"bm25": [ChannelHit(a, 9.0), ChannelHit(b, 1.0)], "knn": [ChannelHit(b, 0.9)]}
+    >>> [c.document.id for c in fuse(hits, 2, Fusion({"knn": 2.0}, method="linear"))]
+    ['b', 'a']
+    >>> [c.document.id for c in fuse(hits, 2, Fusion({"knn": 0.5}, method="linear"))]
+    ['a', 'b']
+    """
+    fusion = fusion or Fusion()
+    if fusion.method == "linear":
+        return linear_fuse(channel_hits, limit, fusion)
+    return rrf_fuse(channel_hits, limit, fusion)
 
 
 def rrf_fuse(
@@ -156,7 +208,7 @@ def rrf_fuse(
     limit: int,
     fusion: Fusion | None = None,
 ) -> list[Candidate]:
-    """Fuse each channel's admitted hits; keep the first ``limit``.
+    """Weighted RRF of each channel's admitted hits; keep the first ``limit``.
 
     A document's rank in a channel is its 1-based place in that channel's list; a
     document listed twice keeps its best (first) rank. ``score = Σ w / (k + rank)``.
@@ -174,23 +226,83 @@ def rrf_fuse(
     0.1288
     """
     fusion = fusion or Fusion()
+    fused = _collect(channel_hits, fusion)
+    for candidate in fused.values():
+        candidate.rrf_score = math.fsum(
+            fusion.weight(channel) / (fusion.rank_constant + rank)
+            for channel, rank in candidate.channel_ranks.items()
+        )
+    return _ordered(fused, limit)
+
+
+def linear_fuse(
+    channel_hits: Mapping[Channel, Sequence[ChannelHit]],
+    limit: int,
+    fusion: Fusion | None = None,
+) -> list[Candidate]:
+    """Linear fusion: ``score = Σ w · minmax(score)`` over the channels that list the
+    document (one that does not adds 0); keep the first ``limit``.
+
+    Each weighted channel's scores (higher is better on every backend: FTS5's ``bm25()``
+    is negated, kNN is cosine) are rescaled over the list it returned, its best hit to 1
+    and its last to 0; a channel whose scores are all equal (one hit, say) scores each 1,
+    as Elasticsearch's ``minmax`` normalizer does. Ties as :func:`rrf_fuse`'s.
+
+    >>> from worker.core.types import Document
+    >>> a, b, c = Document("a", ""), Document("b", ""), Document("c", "")
+    >>> hits = {"bm25": [ChannelHit(a, 12.0), ChannelHit(b, 4.0), ChannelHit(c, 2.0)],
+    ...         "knn": [ChannelHit(c, 0.8), ChannelHit(b, 0.6), ChannelHit(a, 0.3)]}
+    >>> [(x.document.id, round(x.rrf_score, 6)) for x in linear_fuse(hits, 3)]
+    [('a', 1.0), ('c', 1.0), ('b', 0.8)]
+    >>> [x.document.id for x in linear_fuse(hits, 3, Fusion({"bm25": 0.0}))]
+    ['c', 'b', 'a']
+    >>> linear_fuse({"knn": [ChannelHit(a, 0.5), ChannelHit(b, 0.5)]}, 2)[1].rrf_score
+    1.0
+    """
+    fusion = fusion or Fusion()
+    fused = _collect(channel_hits, fusion)
+    bounds = {
+        channel: (min(scores), max(scores))
+        for channel in channel_hits
+        if (
+            scores := [
+                c.channel_scores[channel] for c in fused.values() if channel in c.channel_scores
+            ]
+        )
+    }
+
+    def normalised(channel: Channel, score: float) -> float:
+        low, high = bounds[channel]
+        return 1.0 if high - low < MINMAX_EPSILON else (score - low) / (high - low)
+
+    for candidate in fused.values():
+        candidate.rrf_score = math.fsum(
+            fusion.weight(channel) * normalised(channel, score)
+            for channel, score in candidate.channel_scores.items()
+        )
+    return _ordered(fused, limit)
+
+
+def _collect(
+    channel_hits: Mapping[Channel, Sequence[ChannelHit]], fusion: Fusion
+) -> dict[str, Candidate]:
+    """Each document of a weighted channel once, with its first rank and score in each
+    channel that lists it (a repeat within one channel keeps its best place)."""
     fused: dict[str, Candidate] = {}
     for channel, hits in channel_hits.items():
-        weight = fusion.weight(channel)
-        if weight <= 0.0:
+        if fusion.weight(channel) <= 0.0:
             continue  # a channel weighted 0 is not fused at all
         for rank, hit in enumerate(hits, start=1):
-            doc_id = hit.document.id
-            candidate = fused.get(doc_id)
-            if candidate is None:
-                candidate = Candidate(hit.document, 0, 0.0, {}, {})
-                fused[doc_id] = candidate
-            elif channel in candidate.channel_ranks:
-                continue  # a repeat within one channel keeps its best rank
+            candidate = fused.setdefault(hit.document.id, Candidate(hit.document, 0, 0.0, {}, {}))
+            if channel in candidate.channel_ranks:
+                continue
             candidate.channel_ranks[channel] = rank
             candidate.channel_scores[channel] = hit.score
-            candidate.rrf_score += weight / (fusion.rank_constant + rank)
+    return fused
 
+
+def _ordered(fused: Mapping[str, Candidate], limit: int) -> list[Candidate]:
+    """Best fused score first; ties on the best rank in a weighted channel, then the id."""
     ordered = sorted(
         fused.values(),
         key=lambda c: (-c.rrf_score, min(c.channel_ranks.values()), c.document.id),

@@ -22,9 +22,9 @@ from worker.core.fusion import (
     Fusion,
     FusionOverride,
     admit,
+    fuse,
     fusion_levels,
     resolve_fusion,
-    rrf_fuse,
 )
 from worker.core.policy import build_prompt
 from worker.core.ports import (
@@ -294,6 +294,7 @@ class SearchPipeline:
             vector=vector,
             weights={c: fusion.weight(c) for c in channels},
             rank_constant=fusion.rank_constant,
+            method=fusion.method,
         )
         results = self._retrieve(channel_query, deadline)
         if results.fused is not None:  # the backend fused by itself: keep its order
@@ -303,7 +304,7 @@ class SearchPipeline:
             ]
         else:
             admitted = admit(results.hits, self.config.vector_min_similarity)
-            candidates = rrf_fuse(admitted, limit=coarse, fusion=fusion.over(channels))
+            candidates = fuse(admitted, limit=coarse, fusion=fusion.over(channels))
         trace: dict[str, Any] = {
             "policy": POLICY_ID if reranking else None,
             "query": query,

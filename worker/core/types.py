@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from worker.constants import RRF_K
-from worker.contract import Channel, FilterValue
+from worker.contract import Channel, FilterValue, FusionMethod
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +40,9 @@ class ChannelHit:
 class ChannelQuery:
     """What the backend is asked for: one or both channels, filtered, each up to ``size`` hits.
 
-    ``weights`` and ``rank_constant`` are the search's weighted RRF, for a backend that fuses
-    by itself (Elasticsearch's native ``retriever.rrf``); Sift's own fusion reads its own.
+    ``method``, ``weights`` and ``rank_constant`` are the search's fusion, for a backend that
+    fuses by itself (Elasticsearch's native ``rrf`` or ``linear`` retriever); Sift's own
+    fusion reads its own.
     """
 
     index: str
@@ -53,6 +54,7 @@ class ChannelQuery:
     timeout_seconds: float | None = None
     weights: Mapping[Channel, float] = field(default_factory=dict)
     rank_constant: int = RRF_K
+    method: FusionMethod = "rrf"
 
 
 @dataclass(frozen=True, slots=True)
