@@ -836,6 +836,75 @@ def test_native_rrf_sends_the_searchs_weights_and_rank_constant(
     assert tenant in knn["retriever"]["knn"]["filter"]
 
 
+def test_native_linear_sends_es_linear_retriever_with_weights_and_minmax(
+    server: FakeElasticsearchServer,
+) -> None:
+    """``fusion.method`` linear on ES's own retriever: ``retriever.linear`` (ES 8.18+ / 9.x),
+    each child as ``{"retriever", "weight", "normalizer": "minmax"}``, no rank constant; the
+    pipeline keeps ES's order and score."""
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    fused = search_response([hit(CONCRETE, "acme", "b", 1.25), hit(CONCRETE, "acme", "a", 0.5)])
+    server.on("POST", "/sift-docs/_search", Answer(200, fused))
+    backend = backend_for(server, elasticsearch_native_rrf=True)
+    pipeline = SearchPipeline(backend, FakeEmbedder(), config=PipelineConfig())
+    asked = SearchSpec.model_validate(
+        {
+            "index": "docs",
+            "query": "vitamin d",
+            "limit": 3,
+            "include_trace": True,
+            "fusion": {"method": "linear", "weights": {"bm25": 1.0, "knn": 0.25}},
+        }
+    )
+    result = pipeline.search(asked, tenant="acme")
+    assert [h.id for h in result.hits] == ["b", "a"]
+    assert result.hits[0].scores.rrf == pytest.approx(1.25)
+    assert result.trace is not None and result.trace["fusion"]["method"] == "linear"
+    assert result.trace["fused_by_backend"] is True
+    body = server.sent("POST", "/sift-docs/_search")[-1].json()
+    assert set(body["retriever"]) == {"linear"}
+    linear = body["retriever"]["linear"]
+    assert linear["rank_window_size"] == body["size"] and "rank_constant" not in linear
+    bm25, knn = linear["retrievers"]
+    assert (bm25["weight"], bm25["normalizer"]) == (1.0, "minmax")
+    assert (knn["weight"], knn["normalizer"]) == (0.25, "minmax")
+    assert "query" in bm25["retriever"]["standard"]
+    assert knn["retriever"]["knn"]["field"] == "vector"
+    tenant = {"term": {"tenant": "acme"}}
+    assert tenant in bm25["retriever"]["standard"]["query"]["bool"]["filter"]
+    assert tenant in knn["retriever"]["knn"]["filter"]
+
+
+def test_linear_without_native_fusion_fuses_the_channel_scores_in_sift(
+    server: FakeElasticsearchServer,
+) -> None:
+    """Native fusion off: the two channel searches go in one ``_msearch`` as for RRF, and Sift
+    fuses their scores (kNN turned back into cosine; min-max is blind to that anyway)."""
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    bm25 = search_response(
+        [hit(CONCRETE, "acme", "a", 9.0), hit(CONCRETE, "acme", "b", 5.0),
+         hit(CONCRETE, "acme", "c", 1.0)]
+    )  # fmt: skip
+    knn = search_response(
+        [hit(CONCRETE, "acme", "c", 0.95), hit(CONCRETE, "acme", "b", 0.9),
+         hit(CONCRETE, "acme", "a", 0.55)]
+    )  # fmt: skip
+    server.on("POST", "/_msearch", Answer(200, msearch_response(bm25, knn)))
+    backend = backend_for(server)
+    pipeline = SearchPipeline(backend, FakeEmbedder(), config=PipelineConfig())
+    asked = SearchSpec.model_validate(
+        {"index": "docs", "query": "vitamin d", "fusion": {"method": "linear"}}
+    )
+    result = pipeline.search(asked, tenant="acme")
+    # bm25 normalised: a 1, b 0.5, c 0; knn (cos 0.9, 0.8, 0.1): c 1, b 0.875, a 0
+    assert [(h.id, round(h.scores.rrf or 0.0, 6)) for h in result.hits] == [
+        ("b", 1.375), ("a", 1.0), ("c", 1.0)
+    ]  # fmt: skip
+    assert server.sent("POST", "/sift-docs/_search") == []
+
+
 def test_native_rrf_with_knn_weighted_zero_runs_bm25_alone(
     server: FakeElasticsearchServer,
 ) -> None:

@@ -33,11 +33,14 @@ Why this shape (DESIGN.md §6):
   Sift's own RRF fuses the channels (no licence needed; each channel's rank stays
   visible). ES reports a cosine kNN hit as ``(1 + cos) / 2``; this adapter turns it back
   into ``cos`` so ``SIFT_VECTOR_MIN_SIMILARITY`` means the same on every backend.
-* **Native RRF** (:meth:`ElasticsearchBackend.retrieve_native`): one ``_search`` with
-  ``retriever.rrf``. It needs a licence tier with RRF and returns fused hits only: no
-  per-channel rank or score. It is not part of the SearchBackend port. The search's
-  rank constant goes as ``rank_constant``, and channel weights other than 1 as each child
-  retriever's ``weight``, which needs Elasticsearch 9.2 or later.
+* **Native fusion** (:meth:`ElasticsearchBackend.retrieve_native`, with
+  ``SIFT_ELASTICSEARCH_NATIVE_RRF``): one ``_search`` with ``retriever.rrf``, or with
+  ``retriever.linear`` when the search's fusion method is ``linear``. It needs a licence
+  tier with that retriever and returns fused hits only: no per-channel rank or score. It is
+  not part of the SearchBackend port. RRF's rank constant goes as ``rank_constant``, and
+  channel weights other than 1 as each child retriever's ``weight``, which needs
+  Elasticsearch 9.2 or later; ``linear`` sends every child with its ``weight`` and
+  ``normalizer: minmax`` (Elasticsearch 8.18+ / 9.x).
 * **Retries**: the client's own retries are off (``max_retries=0``, no retry on status or
   timeout). The pipeline's tenacity loop is the one retry layer, bounded by the deadline;
   each request's timeout is the attempt's ``ChannelQuery.timeout_seconds``.
@@ -325,8 +328,9 @@ class ElasticsearchBackend:
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         """Both channels in one ``_msearch``; each channel's hits best first.
 
-        With ``native_rrf`` on, a hybrid search is one ``retriever.rrf`` instead, and the
-        results carry ES's fused list only.
+        With ``native_rrf`` on, a hybrid search is one ``retriever.rrf`` (or
+        ``retriever.linear``, by the search's method) instead, and the results carry ES's
+        fused list only.
         """
         channels = tuple(dict.fromkeys(query.channels))
         if self.native_rrf and len(channels) == 2:
@@ -714,17 +718,24 @@ class ElasticsearchBackend:
             body[self.fields.vector] = [float(v) for v in vector]
         return body
 
+    def native_body(self, query: ChannelQuery) -> dict[str, Any]:
+        """The ``_search`` body that fuses on ES's side, by the search's fusion method."""
+        if query.method == "linear":
+            return self.native_linear_body(query)
+        return self.native_rrf_body(query)
+
+    def _children(self, query: ChannelQuery) -> list[tuple[Channel, dict[str, Any]]]:
+        """The filtered BM25 and kNN child retrievers of a native fusion."""
+        bm25 = self.bm25_body(query)
+        knn = self.knn_body(query)["knn"]
+        return [("bm25", {"standard": {"query": bm25["query"]}}), ("knn", {"knn": knn})]
+
     def native_rrf_body(self, query: ChannelQuery) -> dict[str, Any]:
         """One ``_search`` whose ``retriever.rrf`` fuses a filtered BM25 and a filtered kNN,
         with the search's rank constant. Weights other than 1 go as each child retriever's
         ``weight`` (the ``{"retriever": ..., "weight": w}`` form, Elasticsearch 9.2+); at
         equal weights of 1 the plain form is sent, which every 9.x reads."""
-        bm25 = self.bm25_body(query)
-        knn = self.knn_body(query)["knn"]
-        children: list[tuple[Channel, dict[str, Any]]] = [
-            ("bm25", {"standard": {"query": bm25["query"]}}),
-            ("knn", {"knn": knn}),
-        ]
+        children = self._children(query)
         weights = {channel: float(query.weights.get(channel, 1.0)) for channel, _ in children}
         retrievers: list[dict[str, Any]] = (
             [child for _, child in children]
@@ -744,14 +755,41 @@ class ElasticsearchBackend:
             "track_total_hits": False,
         }
 
-    def retrieve_native(self, query: ChannelQuery) -> list[ChannelHit]:
-        """Fused hits from ES's own ``retriever.rrf`` (needs a licence with RRF).
+    def native_linear_body(self, query: ChannelQuery) -> dict[str, Any]:
+        """One ``_search`` whose ``retriever.linear`` (Elasticsearch 8.18+ / 9.x) sums each
+        child's ``minmax``-normalised score times its weight: Sift's ``linear`` fusion. Each
+        child is normalised over its own ``rank_window_size`` hits, as Sift normalises over
+        each channel's list; the kNN score ES reports, ``(1 + cos) / 2``, normalises to the
+        same values as ``cos`` does (min-max is blind to an affine map)."""
+        return {
+            "size": query.size,
+            "retriever": {
+                "linear": {
+                    "retrievers": [
+                        {
+                            "retriever": child,
+                            "weight": float(query.weights.get(channel, 1.0)),
+                            "normalizer": "minmax",
+                        }
+                        for channel, child in self._children(query)
+                    ],
+                    "rank_window_size": query.size,
+                }
+            },
+            "_source": self.fields.source(),
+            "track_total_hits": False,
+        }
 
-        The hits carry ES's RRF score only: no per-channel rank or score, and no kNN
+    def retrieve_native(self, query: ChannelQuery) -> list[ChannelHit]:
+        """Fused hits from ES's own ``rrf`` or ``linear`` retriever (by ``query.method``;
+        each needs a licence tier that has it).
+
+        The hits carry ES's fused score only: no per-channel rank or score, and no kNN
         similarity floor can apply. :meth:`retrieve` calls it when ``native_rrf`` is on.
         """
-        body = self.native_rrf_body(query)
-        with _translated(f"native RRF search of index {query.index!r}", query.index):
+        body = self.native_body(query)
+        what = f"native {query.method} search of index {query.index!r}"
+        with _translated(what, query.index):
             response = self._es(query.timeout_seconds).search(index=self.alias(query.index), **body)
         return [self._hit("bm25", raw, native=True) for raw in response.body["hits"]["hits"]]
 
