@@ -1,12 +1,14 @@
 """Tuning the fusion on the user's own judgments, with k-fold cross-validation (issue 15).
 
-Each judged query's BM25 and kNN rankings are fetched once; every point of a grid (the
-weight of each channel, the rank constant, the candidate window) is then fused here with
-:func:`~worker.core.fusion.rrf_fuse`, the function the worker fuses with, truncated as the
-worker truncates when it reranks: each channel cut at ``channel_window(coarse)`` and the
-fused list at ``coarse = max(10, window)``. So a point scores what the service would
-fuse with those settings, as far as the fetched rankings reach (a channel fetched 100
-deep stands in for a deeper window; :class:`TuneReport` says how deep it was).
+Each judged query's BM25 and kNN rankings, with their scores, are fetched once; every point
+of a grid (the fusion method, the weight of each channel, RRF's rank constant, the
+candidate window) is then fused here with :func:`~worker.core.fusion.fuse`, the function
+the worker fuses with, truncated as the worker truncates when it reranks: each channel cut
+at ``channel_window(coarse)`` and the fused list at ``coarse = max(10, window)``. So a
+point scores what the service would fuse with those settings, as far as the fetched
+rankings reach (a channel fetched 100 deep stands in for a deeper window; for ``linear``
+the min-max bounds are then those of the first 100; :class:`TuneReport` says how deep it
+was).
 
 The objective is nDCG@10 of the fused list (no model is called); ties go to the higher
 candidate recall at the window, then to the point closer to the defaults, and a channel
@@ -29,7 +31,8 @@ from ir_measures import nDCG
 
 from worker.constants import RRF_K
 from worker.contract import Channel
-from worker.core.fusion import Fusion, rrf_fuse
+from worker.core.fusion import Fusion, Method
+from worker.core.fusion import fuse as fuse_hits
 from worker.core.query import channel_window, coarse_limit
 from worker.core.types import ChannelHit, Document
 from worker.settings import Settings
@@ -38,17 +41,22 @@ CHANNELS: tuple[Channel, ...] = ("bm25", "knn")
 LIMIT = 10  # the objective is nDCG@10
 NDCG = nDCG @ LIMIT
 DEFAULT_WINDOW: int = Settings.model_fields["rerank_candidate_limit"].default
-Rankings = Mapping[Channel, Mapping[str, Sequence[str]]]  # channel -> query id -> doc ids
+DEFAULT_METHOD: Method = Settings.model_fields["fusion_method"].default
+# One ranked document: its id, or its id and its channel score (``linear`` needs the score).
+Ranked = str | tuple[str, float]
+Rankings = Mapping[Channel, Mapping[str, Sequence[Ranked]]]  # channel -> query id -> ranked
 
 
 @dataclass(frozen=True, slots=True)
 class Point:
-    """One setting of the fusion: the weights, the rank constant, the candidate window."""
+    """One setting of the fusion: the weights, the rank constant, the candidate window and
+    the method (``linear`` points keep the default rank constant: it plays no part)."""
 
     bm25: float = 1.0
     knn: float = 1.0
     rank_constant: int = RRF_K
     window: int = DEFAULT_WINDOW
+    method: Method = "rrf"
 
     @classmethod
     def of_ratio(cls, ratio: float, rank_constant: int, window: int) -> Point:
@@ -56,11 +64,20 @@ class Point:
         (``0`` is BM25 alone, ``inf`` kNN alone).
 
         >>> Point.of_ratio(0.5, 60, 30), Point.of_ratio(math.inf, 60, 30).knn
-        (Point(bm25=1.0, knn=0.5, rank_constant=60, window=30), 1.0)
+        (Point(bm25=1.0, knn=0.5, rank_constant=60, window=30, method='rrf'), 1.0)
         """
         if ratio <= 1.0:
             return cls(1.0, ratio, rank_constant, window)
         return cls(1.0 / ratio, 1.0, rank_constant, window)
+
+    @classmethod
+    def linear(cls, knn_share: float, window: int) -> Point:
+        """The ``linear`` point weighting kNN ``knn_share`` and BM25 the rest.
+
+        >>> Point.linear(0.4, 30)
+        Point(bm25=0.6, knn=0.4, rank_constant=60, window=30, method='linear')
+        """
+        return cls(round(1.0 - knn_share, 6), knn_share, RRF_K, window, "linear")
 
     @property
     def single(self) -> Channel | None:
@@ -68,30 +85,38 @@ class Point:
         return "bm25" if self.knn == 0 else "knn" if self.bm25 == 0 else None
 
     def fusion(self) -> Fusion:
-        return Fusion({"bm25": self.bm25, "knn": self.knn}, self.rank_constant)
+        return Fusion({"bm25": self.bm25, "knn": self.knn}, self.rank_constant, self.method)
 
     def distance(self) -> float:
         """How far from the defaults (log scale), for the last tie-break; a single channel
-        counts as far as a ratio of 1,024.
+        counts as far as a ratio of 1,024, the other method as a factor of 2.
 
         >>> Point().distance(), Point(1.0, 0.5, 30, 30).distance()
         (0.0, 2.0)
+        >>> Point.linear(0.5, 30).distance()
+        1.0
         """
         ratio = self.knn / self.bm25 if self.bm25 else math.inf
         weights = abs(math.log2(ratio)) if 0 < ratio < math.inf else 10.0
         return (
             weights
+            + (1.0 if self.method != DEFAULT_METHOD else 0.0)
             + abs(math.log2(self.rank_constant / RRF_K))
             + abs(math.log2(self.window / DEFAULT_WINDOW))
         )
 
     def settings(self) -> dict[str, Any]:
         """The index settings this point stands for (the body ``PATCH /v1/indexes/{index}``
-        takes)."""
+        takes); a ``linear`` point clears the rank constant it does not read.
+
+        >>> Point.linear(0.5, 20).settings()["fusion"]
+        {'method': 'linear', 'weights': {'bm25': 0.5, 'knn': 0.5}, 'rank_constant': None}
+        """
         return {
             "fusion": {
+                "method": self.method,
                 "weights": {"bm25": self.bm25, "knn": self.knn},
-                "rank_constant": self.rank_constant,
+                "rank_constant": self.rank_constant if self.method == "rrf" else None,
             },
             "candidate_limit": self.window,
         }
@@ -102,25 +127,33 @@ DEFAULT = Point()
 
 @dataclass(frozen=True)
 class Grid:
-    """The points searched: every kNN/BM25 weight ratio (0 and ``inf`` are one channel
-    alone) at every rank constant and window; a single channel's order does not depend on
-    the rank constant, so it is taken at the default one only."""
+    """The points searched: for ``rrf``, every kNN/BM25 weight ratio (0 and ``inf`` are one
+    channel alone) at every rank constant and window; a single channel's order does not
+    depend on the rank constant, so it is taken at the default one only. For ``linear``,
+    every kNN share of the weights strictly between 0 and 1 at every window (the shares 0
+    and 1 are the channels alone again, and the rank constant plays no part)."""
 
     ratios: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 0.7, 1.0, 1.4, 2.0, 4.0, 8.0, math.inf)
     rank_constants: tuple[int, ...] = (1, 3, 5, 10, 20, 40, 60, 100)
     windows: tuple[int, ...] = (10, 20, 30, 50, 100)
+    knn_shares: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    methods: tuple[Method, ...] = ("rrf", "linear")
 
     def points(self) -> list[Point]:
         """
         >>> len(Grid(ratios=(0.0, 1.0), rank_constants=(10, 60), windows=(30,)).points())
+        12
+        >>> len(Grid((0.0, 1.0), (10, 60), (30,), methods=("rrf",)).points())
         3
         """
         points = []
         for window in self.windows:
-            for ratio in self.ratios:
+            for ratio in self.ratios if "rrf" in self.methods else ():
                 single = ratio in (0.0, math.inf)
                 for k in (RRF_K,) if single else self.rank_constants:
                     points.append(Point.of_ratio(ratio, k, window))
+            for share in self.knn_shares if "linear" in self.methods else ():
+                points.append(Point.linear(share, window))
         if DEFAULT not in points:
             points.append(DEFAULT)  # the baseline is always scored
         return points
@@ -146,17 +179,33 @@ class Measured:
     recall: float
 
 
-def fuse(rankings: Mapping[Channel, Sequence[str]], point: Point) -> list[str]:
+def fuse(rankings: Mapping[Channel, Sequence[Ranked]], point: Point) -> list[str]:
     """The fused list the worker would rerank at ``point``: each channel cut at its window,
-    fused with :func:`rrf_fuse`, cut at the coarse limit.
+    fused with :func:`~worker.core.fusion.fuse`, cut at the coarse limit.
 
     >>> fuse({"bm25": ["a", "b"], "knn": ["b", "c"]}, Point(window=10))
     ['b', 'a', 'c']
     >>> fuse({"bm25": ["a", "b"], "knn": ["b", "c"]}, Point(1.0, 0.0, 60, 10))
     ['a', 'b']
+    >>> scored = {"bm25": [("a", 20.0), ("b", 6.0), ("c", 5.0), ("d", 4.0)],
+    ...           "knn": [("c", 0.8), ("b", 0.79), ("a", 0.7), ("d", 0.3)]}
+    >>> fuse(scored, Point.linear(0.5, 10)), fuse(scored, Point(window=10))
+    (['a', 'b', 'c', 'd'], ['a', 'c', 'b', 'd'])
     """
-    hits = {c: [ChannelHit(Document(doc, ""), 0.0) for doc in r] for c, r in rankings.items()}
+    hits = {c: _hits(listed, point.method) for c, listed in rankings.items()}
     return _fused(hits, point, _coarse(point))
+
+
+def _hits(listed: Sequence[Ranked], method: Method) -> list[ChannelHit]:
+    """A channel's ranking as the hits the worker fuses; ``linear`` needs every score."""
+    hits = []
+    for ranked in listed:
+        if isinstance(ranked, str):
+            if method == "linear":
+                raise ValueError("linear fusion needs the channel scores, not only the ranks")
+            ranked = (ranked, 0.0)
+        hits.append(ChannelHit(Document(ranked[0], ""), float(ranked[1])))
+    return hits
 
 
 def _coarse(point: Point) -> int:
@@ -166,7 +215,7 @@ def _coarse(point: Point) -> int:
 def _fused(hits: Mapping[Channel, Sequence[ChannelHit]], point: Point, limit: int) -> list[str]:
     depth = channel_window(_coarse(point))
     cut = {channel: listed[:depth] for channel, listed in hits.items()}
-    return [c.document.id for c in rrf_fuse(cut, limit, point.fusion())]
+    return [c.document.id for c in fuse_hits(cut, limit, point.fusion())]
 
 
 def score_grid(
@@ -180,32 +229,34 @@ def score_grid(
 
     Points whose channel windows reach past every fetched ranking fuse the same lists:
     they are fused once, at the largest coarse limit, and each keeps its own prefix (the
-    same list :func:`fuse` gives, since :func:`rrf_fuse` sorts, then cuts).
+    same list :func:`fuse` gives, since the fusion sorts, then cuts).
     """
     queries = sorted(qrels)
     evaluator = ir_measures.evaluator(
         [NDCG], [ir_measures.Qrel(q, d, r) for q in queries for d, r in qrels[q].items()]
     )
+    methods = {point.method for point in points}
     hits = {
-        q: {
-            c: [ChannelHit(Document(doc, ""), 0.0) for doc in rankings.get(c, {}).get(q, [])]
-            for c in CHANNELS
+        method: {
+            q: {c: _hits(rankings.get(c, {}).get(q, []), method) for c in CHANNELS} for q in queries
         }
-        for q in queries
+        for method in methods
     }
-    fetched = max((len(listed) for per in hits.values() for listed in per.values()), default=0)
+    fetched = max(
+        (len(rankings.get(c, {}).get(q, [])) for q in queries for c in CHANNELS), default=0
+    )
 
-    def shared(point: Point) -> tuple[float, float, int, int]:
+    def shared(point: Point) -> tuple[str, float, float, int, int]:
         depth = min(channel_window(_coarse(point)), fetched)
-        return (point.bm25, point.knn, point.rank_constant, depth)
+        return (point.method, point.bm25, point.knn, point.rank_constant, depth)
 
-    groups: dict[tuple[float, float, int, int], list[Point]] = {}
+    groups: dict[tuple[str, float, float, int, int], list[Point]] = {}
     for point in points:
         groups.setdefault(shared(point), []).append(point)
     scored: dict[Point, Scores] = {}
     for group in groups.values():
         longest = max(_coarse(p) for p in group)
-        fused = {q: _fused(hits[q], group[0], longest) for q in queries}
+        fused = {q: _fused(hits[group[0].method][q], group[0], longest) for q in queries}
         for point in group:
             scored[point] = _scores(evaluator, fused, qrels, point)
             if progress is not None:

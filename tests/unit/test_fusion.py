@@ -1,5 +1,6 @@
 """RRF with constant 60, best-rank dedupe, deterministic ties, and channel admission; weighted
-RRF, its settings' precedence (request over index over default) and their validation."""
+RRF, its settings' precedence (request over index over default) and their validation; linear
+fusion of min-max normalised scores."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from worker.core.fusion import (
     Fusion,
     FusionOverride,
     admit,
+    fuse,
     fusion_levels,
+    linear_fuse,
     resolve_fusion,
     rrf_fuse,
 )
@@ -166,3 +169,72 @@ def test_the_doctests_hold(module: ModuleType) -> None:
     """The formula, the precedence and the merge patch are documented by examples: run them."""
     failed, tried = doctest.testmod(module)
     assert tried > 0 and failed == 0
+
+
+def scored(*pairs: tuple[str, float]) -> list[ChannelHit]:
+    return [ChannelHit(Document(i, f"text {i}"), score) for i, score in pairs]
+
+
+def test_linear_sums_weighted_min_max_normalised_scores() -> None:
+    lists = {
+        "bm25": scored(("a", 30.0), ("b", 20.0), ("c", 10.0)),
+        "knn": scored(("c", 0.9), ("d", 0.7), ("a", 0.5)),
+    }
+    fused = linear_fuse(lists, limit=10, fusion=Fusion({"bm25": 1.0, "knn": 0.5}))
+    by_id = {c.document.id: c for c in fused}
+    # bm25: a 1, b 0.5, c 0; knn: c 1, d 0.5, a 0; a channel not listing a document adds 0
+    assert by_id["a"].rrf_score == pytest.approx(1.0)
+    assert by_id["b"].rrf_score == pytest.approx(0.5)
+    assert by_id["c"].rrf_score == pytest.approx(0.5)
+    assert by_id["d"].rrf_score == pytest.approx(0.25)
+    # b and c tie at 0.5: the best rank in a channel (c is kNN's first) decides, then the id
+    assert [c.document.id for c in fused] == ["a", "c", "b", "d"]
+    assert [c.rrf_rank for c in fused] == [1, 2, 3, 4]
+    assert by_id["a"].channel_scores == {"bm25": 30.0, "knn": 0.5}  # the raw scores are kept
+    assert fuse(lists, 10, Fusion({"bm25": 1.0, "knn": 0.5}, method="linear")) == fused
+
+
+def test_linear_ignores_the_rank_constant_and_scales_with_the_weights() -> None:
+    lists = {"bm25": scored(("a", 3.0), ("b", 1.0)), "knn": scored(("b", 0.8), ("a", 0.2))}
+    one = linear_fuse(lists, 10, Fusion({"bm25": 1.0, "knn": 2.0}, rank_constant=1))
+    other = linear_fuse(lists, 10, Fusion({"bm25": 1.0, "knn": 2.0}, rank_constant=100))
+    assert [(c.document.id, c.rrf_score) for c in one] == [
+        (c.document.id, c.rrf_score) for c in other
+    ]
+    assert [c.document.id for c in one] == ["b", "a"]
+    tilted = linear_fuse(lists, 10, Fusion({"bm25": 3.0, "knn": 2.0}))
+    assert [c.document.id for c in tilted] == ["a", "b"]
+
+
+def test_linear_equal_scores_normalise_to_one_as_elasticsearch() -> None:
+    """One hit, or every hit at the same score: each scores 1 (ES's ``minmax``), so the
+    channel still counts at its full weight, and the order falls to rank, then id."""
+    single = linear_fuse({"knn": scored(("z", 0.4))}, 10)
+    assert single[0].rrf_score == 1.0
+    flat = linear_fuse({"bm25": scored(("b", 2.0), ("a", 2.0)), "knn": scored(("c", 0.3))}, 10)
+    assert [(c.document.id, c.rrf_score) for c in flat] == [("b", 1.0), ("c", 1.0), ("a", 1.0)]
+
+
+@pytest.mark.parametrize("kept", ["bm25", "knn"])
+def test_linear_with_a_channel_weighted_zero_is_that_channel_alone(kept: Channel) -> None:
+    lists = {
+        "bm25": scored(("a", 9.0), ("b", 4.0), ("c", 1.0)),
+        "knn": scored(("c", 0.9), ("x", 0.5), ("a", 0.1)),
+    }
+    other: Channel = "knn" if kept == "bm25" else "bm25"
+    fused = linear_fuse(lists, 10, Fusion({kept: 1.0, other: 0.0}))
+    assert [c.document.id for c in fused] == [h.document.id for h in lists[kept]]
+    assert all(other not in c.channel_ranks for c in fused)
+
+
+def test_linear_ties_do_not_depend_on_the_input_order() -> None:
+    lists = {"bm25": scored(("q", 2.0), ("p", 1.0)), "knn": scored(("p", 0.9), ("q", 0.1))}
+    once = [c.document.id for c in linear_fuse(lists, 10)]
+    again = [c.document.id for c in linear_fuse({"knn": lists["knn"], "bm25": lists["bm25"]}, 10)]
+    assert once == again == ["p", "q"]
+
+
+def test_a_bad_method_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValidationError) as refused:
+        FusionSpec.model_validate({"method": "sum"})
+    assert refused.value.errors()[0]["loc"] == ("method",)

@@ -158,7 +158,7 @@ def test_linear_fusion_scores_are_weighted_min_max_normalised_channel_scores() -
 
 
 def test_a_bad_method_names_the_field() -> None:
-    with pytest.raises(ValueError, match="fusion.method"):
+    with pytest.raises(ValueError, match=r"fusion\.method"):
         spec(fusion={"method": "sum"})
 
 

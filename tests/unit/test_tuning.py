@@ -52,14 +52,18 @@ def test_a_fold_count_the_queries_cannot_fill_is_refused(folds: int) -> None:
 
 def _collection(
     seed: int, queries: int = 150, docs: int = 3000
-) -> tuple[dict[str, dict[str, int]], dict[str, list[str]], dict[str, list[str]]]:
+) -> tuple[
+    dict[str, dict[str, int]],
+    dict[str, list[tuple[str, float]]],
+    dict[str, list[tuple[str, float]]],
+]:
     """qrels, an informative ranking (relevant documents in its top 15) and a random one,
-    each 100 deep, per query."""
+    each 100 deep with descending scores, per query."""
     rng = random.Random(seed)
     corpus = [f"d{n}" for n in range(docs)]
     qrels: dict[str, dict[str, int]] = {}
-    useful: dict[str, list[str]] = {}
-    useless: dict[str, list[str]] = {}
+    useful: dict[str, list[tuple[str, float]]] = {}
+    useless: dict[str, list[tuple[str, float]]] = {}
     for n in range(queries):
         qid = f"q{n}"
         relevant = rng.sample(corpus, rng.randint(1, 3))
@@ -67,8 +71,10 @@ def _collection(
         ranking = [d for d in rng.sample(corpus, 120) if d not in relevant]
         for doc in relevant:
             ranking.insert(min(int(rng.expovariate(0.25)), 14), doc)
-        useful[qid] = ranking[:100]
-        useless[qid] = rng.sample(corpus, 100)
+        scores = sorted((rng.uniform(0, 20) for _ in range(100)), reverse=True)
+        useful[qid] = list(zip(ranking[:100], scores, strict=True))
+        noise = sorted((rng.uniform(0, 1) for _ in range(100)), reverse=True)
+        useless[qid] = list(zip(rng.sample(corpus, 100), noise, strict=True))
     return qrels, useful, useless
 
 
@@ -87,6 +93,61 @@ def test_with_one_channel_useless_the_tuned_fusion_holds_out_as_well_as_the_othe
     assert report.held_out["tuned"].ndcg >= alone - 0.005
     chosen = report.chosen
     assert getattr(chosen, other) < getattr(chosen, useful_channel)
+    assert report.points == len(Grid().points())  # linear points were in the running
+
+
+def _margins(queries: int = 60) -> tuple[dict[str, dict[str, int]], Any]:
+    """Rankings whose order misleads RRF and whose scores do not: per query, one channel
+    (either, at random) ranks the relevant document first by a wide score margin and a
+    decoy second; the other ranks the decoy first and the relevant document 10th, on flat
+    scores. RRF puts the decoy first; min-max normalised scores put the relevant one."""
+    rng = random.Random(3)
+    qrels: dict[str, dict[str, int]] = {}
+    rankings: dict[str, dict[str, list[tuple[str, float]]]] = {"bm25": {}, "knn": {}}
+    for n in range(queries):
+        qid, relevant, decoy = f"q{n}", f"r{n}", f"x{n}"
+        qrels[qid] = {relevant: 1}
+        fillers = [f"f{n}-{i}" for i in range(60)]
+        sure = [relevant, decoy, *fillers[:38]]
+        flat = [decoy, *fillers[30:38], relevant, *fillers[38:]]
+        confident, unsure = ("bm25", "knn") if rng.random() < 0.5 else ("knn", "bm25")
+        rankings[confident][qid] = [
+            (d, 10.0 if i == 0 else 1.0 - i / 1000) for i, d in enumerate(sure)
+        ]
+        rankings[unsure][qid] = [(d, 1.0 - i / 1000) for i, d in enumerate(flat)]
+    return qrels, rankings
+
+
+def test_the_tuner_chooses_linear_fusion_where_the_score_margins_carry_the_answer() -> None:
+    qrels, rankings = _margins()
+    report = tune(rankings, qrels, Grid(), folds=5, seed=0)
+    assert all(fold.chosen.method == "linear" for fold in report.folds)
+    assert report.chosen.method == "linear"
+    assert report.held_out["tuned"].ndcg == pytest.approx(1.0)
+    assert report.held_out["default"].ndcg < 0.7  # RRF puts the decoy first everywhere
+    settings = report.chosen.settings()
+    assert settings["fusion"]["method"] == "linear" and settings["fusion"]["rank_constant"] is None
+    # only RRF in the grid: the same rankings cannot be fused right
+    rrf_only = tune(rankings, qrels, Grid(methods=("rrf",)), folds=5, seed=0)
+    assert all(fold.chosen.method == "rrf" for fold in rrf_only.folds)
+    assert rrf_only.held_out["tuned"].ndcg < report.held_out["tuned"].ndcg - 0.2
+
+
+def test_linear_points_with_one_channel_weighted_zero_are_that_channel_alone() -> None:
+    bm25 = [(f"b{n}", 50.0 - n) for n in range(60)]
+    knn = [(f"k{n}", 0.9 - n / 100) for n in range(60)]
+    rankings: Any = {"bm25": bm25, "knn": knn}
+    assert fuse(rankings, Point(1.0, 0.0, 60, 10, "linear")) == [d for d, _ in bm25[:10]]
+    assert fuse(rankings, Point(0.0, 1.0, 60, 10, "linear")) == [d for d, _ in knn[:10]]
+
+
+def test_linear_needs_the_scores_and_the_grid_does_not_multiply_it_by_the_rank_constant() -> None:
+    with pytest.raises(ValueError, match="scores"):
+        fuse({"bm25": ["a"], "knn": ["b"]}, Point.linear(0.5, 10))
+    grid = Grid(ratios=(1.0,), rank_constants=(10, 20, 60), windows=(10, 30))
+    linear = [p for p in grid.points() if p.method == "linear"]
+    assert len(linear) == len(grid.knn_shares) * len(grid.windows)
+    assert {p.rank_constant for p in linear} == {60}
 
 
 def test_the_fused_list_is_cut_where_the_worker_cuts_it() -> None:
@@ -169,7 +230,7 @@ def test_apply_stores_the_chosen_settings(
 ) -> None:
     report = _report(tuned=[0.70, 0.70], bm25=[0.63, 0.63], knn=[0.40, 0.40])
     assert _run_tune(monkeypatch, report, tmp_path / "r.json", apply=True) == 0
-    body = {"fusion": {"weights": {"bm25": 1.0, "knn": 0.25}, "rank_constant": 20}}
+    body = {"fusion": {"method": "rrf", "weights": {"bm25": 1.0, "knn": 0.25}, "rank_constant": 20}}
     assert patches == [("PATCH", "/v1/indexes/docs", {**body, "candidate_limit": 50})]
     assert json.loads((tmp_path / "r.json").read_text())["applied"] is True
 

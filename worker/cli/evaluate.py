@@ -7,7 +7,7 @@
 * ``--results``: the JSONL ``sift batch`` wrote, scored from the ranks its results carry.
 
 All three print the same table. With ``--index``, ``--tune`` instead tunes the fusion's
-weights, rank constant and candidate window on the qrels by k-fold cross-validation
+method, weights, rank constant and candidate window on the qrels by k-fold cross-validation
 (:mod:`worker.tuning`), and ``--apply`` stores the chosen settings on the index.
 """
 
@@ -48,7 +48,16 @@ from worker.evaluation import (
 )
 from worker.runtime import Runtime, build_runtime
 from worker.settings import load_settings
-from worker.tuning import CHANNELS, DEFAULT, Grid, Point, TuneReport, split_folds, tune
+from worker.tuning import (
+    CHANNELS,
+    DEFAULT,
+    Grid,
+    Point,
+    Ranked,
+    TuneReport,
+    split_folds,
+    tune,
+)
 
 console = Console()
 EXIT_USAGE = 2
@@ -97,7 +106,8 @@ def eval_command(
     max_queries: Annotated[int | None, typer.Option(min=1)] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report")] = None,
     tune: Annotated[
-        bool, typer.Option(help="--index: tune the fusion's weights, rank constant and window")
+        bool,
+        typer.Option(help="--index: tune the fusion's method, weights, rank constant and window"),
     ] = False,
     folds: Annotated[int, typer.Option(min=2, help="--tune: cross-validation folds")] = 5,
     seed: Annotated[int, typer.Option(help="--tune: the seed of the fold split")] = 0,
@@ -421,14 +431,22 @@ def _tune_served(
             f"{(failed[0].get('error') or {}).get('message')}); "
             "tuning needs every query's rankings"
         )
-    rankings: dict[Channel, dict[str, list[str]]] = {
+    rankings: dict[Channel, dict[str, list[Ranked]]] = {
         channel: {
-            str(item["query_id"]): [str(hit["id"]) for hit in item["result"]["hits"]]
+            str(item["query_id"]): [_ranked(hit, channel) for hit in item["result"]["hits"]]
             for item in served[channel]
         }
         for channel in CHANNELS
     }
-    grid = Grid()
+    scored = all(
+        not isinstance(ranked, str)
+        for per in rankings.values()
+        for r in per.values()
+        for ranked in r
+    )
+    grid = Grid() if scored else Grid(methods=("rrf",))
+    if not scored:
+        console.print("[yellow]the served hits carry no channel scores: linear fusion not tuned[/]")
     with progress_bar(console) as bar:
         task = bar.add_task("tuning: grid points scored", total=len(grid.points()))
         return tune(
@@ -441,6 +459,13 @@ def _tune_served(
         )
 
 
+def _ranked(hit: dict[str, Any], channel: Channel) -> Ranked:
+    """A served hit as the tuner ranks it: its id and its channel's score (``linear``
+    fusion reads the score; a hit without one is ranked by its place alone)."""
+    score = (hit.get("scores") or {}).get(channel)
+    return str(hit["id"]) if score is None else (str(hit["id"]), float(score))
+
+
 def _shares(shares: dict[str, float]) -> str:
     return f"lost {shares['lost']:.1%}, won {shares['won']:.1%}, tied {shares['tied']:.1%}"
 
@@ -448,7 +473,8 @@ def _shares(shares: dict[str, float]) -> str:
 def _print_tune(report: TuneReport) -> None:
     table = Table(
         title="held-out nDCG@10 per fold, of the point chosen on the other folds "
-        "(chosen: weights bm25/knn, rank constant k, window w; recall at that window)"
+        "(chosen: method, weights bm25/knn, RRF's rank constant k, window w; recall at that "
+        "window)"
     )
     columns = ["fold", "queries", "tuned", "default RRF", "bm25", "knn"]
     columns += ["recall tuned", f"recall@{DEFAULT.window} default", "chosen"]
@@ -493,9 +519,14 @@ def _print_tune(report: TuneReport) -> None:
 
 
 def _describe(point: Point, short: bool = False) -> str:
-    if short:  # weights bm25/knn, rank constant, window
-        return f"{point.bm25:g}/{point.knn:g} k{point.rank_constant} w{point.window}"
+    linear = point.method == "linear"
+    if short:  # method, weights bm25/knn, rank constant (RRF), window
+        if linear:
+            return f"linear {point.bm25:g}/{point.knn:g} w{point.window}"
+        return f"rrf {point.bm25:g}/{point.knn:g} k{point.rank_constant} w{point.window}"
     weights = f"bm25 {point.bm25:g}, knn {point.knn:g}"
     if point.single:
         return f"{point.single} alone (weights {weights}), window {point.window}"
-    return f"weights {weights}, k {point.rank_constant}, window {point.window}"
+    if linear:
+        return f"linear fusion, weights {weights}, window {point.window}"
+    return f"RRF, weights {weights}, k {point.rank_constant}, window {point.window}"
