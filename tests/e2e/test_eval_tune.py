@@ -2,7 +2,8 @@
 through the API, the small qrels file of ``test_eval_served.py``.
 
 The channel rankings the tuning fetched (its ``--out`` files) are the ones the API serves,
-and the default point it scores in-process is what a served hybrid search returns.
+and the default point it scores in-process is what a served hybrid search returns; so is a
+linear-fusion point, fused in-process from the channel scores those files carry.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from ir_measures import nDCG
 
 from tests.e2e.conftest import ACME, INDEX, SAMPLE, Stack
 from worker.stack import child_env, sift_command
+from worker.tuning import Point, fuse
 
 QRELS = Path(__file__).parent / "data" / "sample_qrels.tsv"
 QUERIES = SAMPLE / "sample_queries.jsonl"
@@ -91,6 +93,45 @@ def test_the_default_point_is_what_a_served_hybrid_search_returns(
           "--limit", "30", "--no-rerank")  # fmt: skip
     report = json.loads((tuned / "report.json").read_text())
     assert report["held_out"]["default"]["ndcg@10"] == pytest.approx(_ndcg(results), abs=1e-12)
+
+
+def test_a_linear_point_is_what_a_served_linear_hybrid_search_returns(
+    stack: Stack, tuned: Path
+) -> None:
+    """The tuner's in-process linear fusion (from the fetched runs' channel scores, each
+    channel cut at 40 and min-max normalised there) equals a served hybrid search of limit 10
+    with the same ``fusion`` and no model, hit for hit."""
+    point = Point.linear(0.3, 10)
+    runs = {
+        channel: {
+            item["query_id"]: [(h["id"], h["scores"][channel]) for h in item["result"]["hits"]]
+            for item in map(
+                json.loads, (tuned / "runs" / f"{channel}.jsonl").read_text().splitlines()
+            )
+        }
+        for channel in ("bm25", "knn")
+    }
+    fusion = {"method": "linear", "weights": {"bm25": point.bm25, "knn": point.knn}}
+    compared = differs = 0
+    for line in QUERIES.read_text().splitlines():
+        query = json.loads(line)
+        if query["id"] not in runs["bm25"]:
+            continue  # a query without judgments is not fetched by the tuning
+        body = {
+            "index": INDEX, "query": query["query"], "limit": 10, "rerank": False,
+            "fusion": fusion, "include_trace": True,
+        }  # fmt: skip
+        job = stack.live.post("/v1/searches", params={"wait": 30}, json=body, headers=ACME).json()
+        assert job["status"] == "succeeded", job
+        served = [hit["id"] for hit in job["result"]["hits"]]
+        ranked = {channel: runs[channel].get(query["id"], []) for channel in runs}
+        assert served == fuse(ranked, point), query
+        differs += served != fuse(ranked, Point(window=10))  # RRF over the same lists
+        assert job["result"]["trace"]["fusion"]["method"] == "linear"
+        assert job["result"]["trace"]["fusion"]["from"]["method"] == "request"
+        compared += bool(served)
+    assert compared == JUDGED  # every judged query, each with hits
+    assert differs > 0  # and linear fusion is not RRF under another name
 
 
 def test_apply_stores_the_chosen_settings_on_the_index(
