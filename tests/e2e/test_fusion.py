@@ -1,6 +1,6 @@
-"""Weighted RRF over the real stack: an index's own settings (PATCH, GET, the list, a drop),
-tenant-scoped; a search's own fusion; the 4xx that name the field; a hybrid search with kNN
-weighted 0 ranks exactly as the fts mode; ``sift index set``."""
+"""Weighted RRF and linear fusion over the real stack: an index's own settings (PATCH, GET,
+the list, a drop), tenant-scoped; a search's own fusion; the 4xx that name the field; a
+hybrid search with kNN weighted 0 ranks exactly as the fts mode; ``sift index set``."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.e2e.conftest import ACME, GLOBEX, INDEX, SAMPLE, Stack
 from worker.cli import app
 
 DEFAULTS = {
-    "fusion": {"weights": {"bm25": None, "knn": None}, "rank_constant": None},
+    "fusion": {"method": None, "weights": {"bm25": None, "knn": None}, "rank_constant": None},
     "candidate_limit": None,
 }
 DOCS = [
@@ -65,7 +65,7 @@ def test_patch_stores_the_settings_and_get_and_the_list_show_them(stack: Stack) 
     response = _patch(stack, "fusion-meta", body)
     assert response.status_code == 200, response.text
     stored = {
-        "fusion": {"weights": {"bm25": 1.0, "knn": 0.3}, "rank_constant": 20},
+        "fusion": {"method": None, "weights": {"bm25": 1.0, "knn": 0.3}, "rank_constant": 20},
         "candidate_limit": 45,
     }
     assert response.json()["name"] == "fusion-meta" and response.json()["documents"] == 3
@@ -77,6 +77,7 @@ def test_patch_stores_the_settings_and_get_and_the_list_show_them(stack: Stack) 
     # a field left out stays; null clears one field; an empty patch changes nothing
     cleared = _patch(stack, "fusion-meta", {"fusion": {"weights": {"knn": None}}}).json()
     assert cleared["settings"]["fusion"] == {
+        "method": None,
         "weights": {"bm25": 1.0, "knn": None},
         "rank_constant": 20,
     }
@@ -88,10 +89,28 @@ def test_patch_stores_the_settings_and_get_and_the_list_show_them(stack: Stack) 
     assert trace["fusion"]["weights"] == {"bm25": 1.0, "knn": 1.0}
     assert trace["fusion"]["rank_constant"] == 20
     assert trace["fusion"]["from"] == {
+        "method": "default",
         "weights": {"bm25": "index", "knn": "default"},
         "rank_constant": "index",
     }
     assert trace["candidate_limit"] == {"value": 45, "from": "index"}
+    assert trace["fusion"]["method"] == "rrf"
+
+    # the method likewise: stored, shown, used, and a request's own wins over it
+    linear = _patch(stack, "fusion-meta", {"fusion": {"method": "linear"}}).json()
+    assert linear["settings"]["fusion"]["method"] == "linear"
+    assert linear["settings"]["fusion"]["rank_constant"] == 20  # the other fields stay
+    result = _search(stack, index="fusion-meta", query="alpine marmot")
+    assert result["trace"]["fusion"]["method"] == "linear"
+    assert result["trace"]["fusion"]["from"]["method"] == "index"
+    top = result["hits"][0]["scores"]["rrf"]
+    assert 1.0 <= top <= 2.0  # a channel's best scores its weight, 1; at most 1 + 1
+    asked = _search(stack, index="fusion-meta", query="alpine marmot", fusion={"method": "rrf"})
+    assert asked["trace"]["fusion"]["method"] == "rrf"
+    assert asked["trace"]["fusion"]["from"]["method"] == "request"
+    assert asked["hits"][0]["scores"]["rrf"] <= 2 / 21  # an RRF score, rank constant 20
+    unset = _patch(stack, "fusion-meta", {"fusion": {"method": None}}).json()
+    assert unset["settings"]["fusion"]["method"] is None
 
     # every field back to null: the defaults again
     reset = _patch(stack, "fusion-meta", {"fusion": None, "candidate_limit": None})
@@ -137,6 +156,8 @@ def test_dropping_the_index_clears_its_settings(stack: Stack) -> None:
         ({"fusion": {"weights": {"bm25": "heavy"}}}, "fusion.weights.bm25"),
         ({"fusion": {"weights": {"bm25": 0, "knn": 0}}}, "fusion.weights"),
         ({"fusion": {"rank_constant": 0}}, "fusion.rank_constant"),
+        ({"fusion": {"method": "sum"}}, "fusion.method"),
+        ({"fusion": {"method": 1}}, "fusion.method"),
         ({"fusion": {"weight": {"bm25": 1}}}, "fusion.weight"),
         ({"candidate_limit": 0}, "candidate_limit"),
         ({"candidate_limit": 201}, "candidate_limit"),
@@ -176,6 +197,12 @@ def test_a_patch_that_leaves_every_weight_zero_is_refused(stack: Stack) -> None:
             "fusion.weights.dense",
         ),
         ("/v1/searches", {"query": "q", "fusion": {"rank_constant": 0}}, "fusion.rank_constant"),
+        ("/v1/searches", {"query": "q", "fusion": {"method": "convex"}}, "fusion.method"),
+        (
+            "/v1/batches",
+            {"queries": [{"id": "a", "query": "q"}], "fusion": {"method": "RRF"}},
+            "fusion.method",
+        ),
         ("/v1/searches", {"query": "q", "candidate_limit": 0}, "candidate_limit"),
         (
             "/v1/batches",
@@ -235,11 +262,17 @@ def test_sift_index_set(stack: Stack) -> None:
     result = runner.invoke(app, [*args, "--candidate-limit", "25", "--json"], env=env)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["settings"] == {
-        "fusion": {"weights": {"bm25": None, "knn": 0.4}, "rank_constant": 30},
+        "fusion": {"method": None, "weights": {"bm25": None, "knn": 0.4}, "rank_constant": 30},
         "candidate_limit": 25,
     }
     table = runner.invoke(app, ["index", "show", "fusion-cli"], env=env)
     assert table.exit_code == 0 and "knn weight 0.4" in table.stdout, table.output
+    method = runner.invoke(app, ["index", "set", "fusion-cli", "--method", "linear"], env=env)
+    assert method.exit_code == 0 and "linear fusion" in method.stdout, method.output
+    shown = runner.invoke(app, ["index", "show", "fusion-cli", "--json"], env=env)
+    assert json.loads(shown.stdout)["settings"]["fusion"]["method"] == "linear"
+    wrong = runner.invoke(app, ["index", "set", "fusion-cli", "--method", "sum"], env=env)
+    assert wrong.exit_code != 0 and "--method" in wrong.output
     bad = runner.invoke(app, ["index", "set", "fusion-cli", "--knn-weight", "-1"], env=env)
     assert bad.exit_code == 1 and "fusion.weights.knn" in bad.output
     reset = runner.invoke(app, ["index", "set", "fusion-cli", "--reset", "--json"], env=env)

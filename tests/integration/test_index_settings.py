@@ -24,7 +24,7 @@ from worker.settings import load_settings
 pytestmark = pytest.mark.integration
 
 DEFAULTS = {
-    "fusion": {"weights": {"bm25": None, "knn": None}, "rank_constant": None},
+    "fusion": {"method": None, "weights": {"bm25": None, "knn": None}, "rank_constant": None},
     "candidate_limit": None,
 }
 
@@ -58,7 +58,7 @@ def test_a_change_is_stored_shown_and_the_tenants_own(runtime: Runtime) -> None:
     found = call(runtime, "update", "acme", "docs", patch)
     assert found["name"] == "docs" and found["documents"] == 6
     assert found["settings"] == {
-        "fusion": {"weights": {"bm25": None, "knn": 0.25}, "rank_constant": 20},
+        "fusion": {"method": None, "weights": {"bm25": None, "knn": 0.25}, "rank_constant": 20},
         "candidate_limit": 40,
     }
     assert call(runtime, "show", "acme", "docs")["settings"] == found["settings"]
