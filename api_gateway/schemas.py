@@ -75,7 +75,9 @@ class BatchRequest(_Strict):
     webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
     lane: Literal["standard", "economy"] = "standard"
     fusion: FusionSpec | None = Field(
-        default=None, description="Weighted RRF for every query, over the index's and defaults."
+        default=None,
+        description="The fusion (method, weights, rank constant) for every query, over the "
+        "index's and defaults.",
     )
     candidate_limit: CandidateLimit | None = Field(
         default=None, description="The rerank candidate window for every query."

@@ -146,7 +146,9 @@ class SearchSpec(StrictModel):
     include_trace: bool = False
     filters: dict[str, FilterValue] = Field(default_factory=dict)
     fusion: FusionSpec | None = Field(
-        default=None, description="Weighted RRF for this search, over the index's and defaults."
+        default=None,
+        description="The fusion (method, weights, rank constant) for this search, over the "
+        "index's and defaults.",
     )
     candidate_limit: CandidateLimit | None = Field(
         default=None,
