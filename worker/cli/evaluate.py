@@ -516,6 +516,14 @@ def _print_tune(report: TuneReport) -> None:
         f"{max(report.depth.values()) // 4} fuses them there, where the worker would fuse "
         "4 x window)"
     )
+    chosen = report.chosen
+    if chosen.method == "linear" and chosen.window > max(report.depth.values()) // 4:
+        console.print(
+            f"[yellow]linear fusion at window {chosen.window}: the worker normalises each "
+            f"channel over its {4 * chosen.window} hits, here over the "
+            f"{max(report.depth.values())} fetched, so served figures can differ a little "
+            "(README: Tuning the fusion)[/]"
+        )
 
 
 def _describe(point: Point, short: bool = False) -> str:
