@@ -10,6 +10,7 @@ Every process started here is terminated and waited for, and every file handle c
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import socket
@@ -281,3 +282,11 @@ def concrete(expr: str, variables: Mapping[str, str] = GRAFANA_VARIABLES) -> str
         return variables[name]
 
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", replace, expr)
+
+
+def assert_panel_has_data(prometheus: Prometheus, query: PanelQuery) -> None:
+    """A panel's query, its Grafana variables filled in, answers at least one finite value."""
+    result = prometheus.query(concrete(query.expr))
+    assert result, f"no data for {query}: {query.expr}"
+    values = [float(series["value"][1]) for series in result]
+    assert any(math.isfinite(v) for v in values), f"only NaN for {query}: {result}"

@@ -24,7 +24,6 @@ fake's usage during that search, measured because searches run one at a time, st
 from __future__ import annotations
 
 import json
-import math
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -51,7 +50,7 @@ from tests.prometheus_support import (
     RULES,
     PanelQuery,
     Prometheus,
-    concrete,
+    assert_panel_has_data,
     panel_queries,
     prometheus_binary,
     run_prometheus,
@@ -408,10 +407,7 @@ def test_the_workload_provokes_every_class_and_outcome() -> None:
 
 @pytest.mark.parametrize("query", PANEL_QUERIES, ids=str)
 def test_every_panel_returns_data(observed: Observed, query: PanelQuery) -> None:
-    result = observed.prometheus.query(concrete(query.expr))
-    assert result, f"no data for {query}: {query.expr}"
-    values = [float(series["value"][1]) for series in result]
-    assert any(math.isfinite(v) for v in values), f"only NaN for {query}: {result}"
+    assert_panel_has_data(observed.prometheus, query)
 
 
 def test_the_jobs_show_what_the_script_provoked(observed: Observed) -> None:

@@ -10,7 +10,6 @@ series must equal what the fake and the searches' traces say happened.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from tests.prometheus_support import (
     DASHBOARDS,
     PanelQuery,
     Prometheus,
+    assert_panel_has_data,
     concrete,
     panel_queries,
     prometheus_binary,
@@ -86,10 +86,7 @@ def test_the_dashboard_has_the_issues_panels() -> None:
 
 @pytest.mark.parametrize("query", PANEL_QUERIES, ids=str)
 def test_every_panel_returns_data(observed: Observed, query: PanelQuery) -> None:
-    result = observed.prometheus.query(concrete(query.expr))
-    assert result, f"no data for {query}: {query.expr}"
-    values = [float(series["value"][1]) for series in result]
-    assert any(math.isfinite(v) for v in values), f"only NaN for {query}: {result}"
+    assert_panel_has_data(observed.prometheus, query)
 
 
 def test_the_429_series_counts_every_429_the_provider_sent(observed: Observed) -> None:
