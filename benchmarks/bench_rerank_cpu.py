@@ -120,7 +120,9 @@ def stage_sums(directory: Path) -> dict[str, float]:
     """The worker processes' stage sums (:mod:`benchmarks.stage_probe`), added up."""
     total: collections.Counter[str] = collections.Counter()
     for path in directory.glob("*.json"):
-        total.update(json.loads(path.read_text()))
+        sums = json.loads(path.read_text())
+        total.update(sums)
+        total[f"searches of {path.stem}"] = sums["searches"]
     return dict(total)
 
 
@@ -176,6 +178,10 @@ def measure(
                 1000 * cpu["worker"] / n - ms["search"], 3),
             "searches counted": sums.get("searches", 0),
         }  # fmt: skip
+        # how evenly the batch was shared between the worker processes
+        row["searches_per_process"] = sorted(
+            int(v) for k, v in sums.items() if k.startswith("searches of ")
+        )
     return row
 
 
