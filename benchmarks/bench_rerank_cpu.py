@@ -161,6 +161,7 @@ def measure(
         sums = {k: v - sums.get(k, 0.0) for k, v in stage_sums(stages).items()}
     n = len(qs) - WARM_UP
     row: dict[str, Any] = {
+        "load_average_1m": round(os.getloadavg()[0], 1),
         "searches_per_s": round(n / seconds, 1),
         "peak_running": peak,
         "failed": failed,
