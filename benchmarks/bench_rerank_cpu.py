@@ -23,6 +23,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -159,6 +160,9 @@ def measure(
         cpu = {name: read() - before[name] for name, read in pids.items()}
         time.sleep(1.5)  # each process writes its sums every 50 searches: let them settle
         sums = {k: v - sums.get(k, 0.0) for k, v in stage_sums(stages).items()}
+    if os.environ.get("BENCH_KEEP_LOGS"):  # the services' logs, to read after the run
+        shutil.copytree(tmp / label, Path(os.environ["BENCH_KEEP_LOGS"]) / label,
+                        ignore=shutil.ignore_patterns("data*"), dirs_exist_ok=True)  # fmt: skip
     n = len(qs) - WARM_UP
     row: dict[str, Any] = {
         "load_average_1m": round(os.getloadavg()[0], 1),

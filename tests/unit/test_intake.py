@@ -7,10 +7,19 @@ from kombu.common import QoS
 from worker.queue.intake import ConsumerIntake
 
 
+class Hub:
+    def __init__(self) -> None:
+        self.woken = 0
+
+    def call_soon(self, callback: object) -> None:
+        self.woken += 1
+
+
 class Consumer:
     def __init__(self, prefetch: int) -> None:
         self.counts: list[int] = []
         self.qos = QoS(lambda prefetch_count: self.counts.append(prefetch_count), prefetch)
+        self.hub = Hub()
 
 
 def test_pause_takes_the_prefetch_count_to_one_and_resume_gives_it_back() -> None:
@@ -25,6 +34,7 @@ def test_pause_takes_the_prefetch_count_to_one_and_resume_gives_it_back() -> Non
     intake.resume()
     intake.resume()  # given back once
     assert consumer.qos.value == 301
+    assert consumer.hub.woken == 1  # the event loop goes round to apply it
     consumer.qos.update()
     assert consumer.counts[-1] == 301
 

@@ -11,8 +11,9 @@ of them have started (:class:`worker.queue.items.ItemQueue` decides when): the r
 batch's chunks stay in Redis for whichever process has room. A paused process takes no
 search either; it had no room for one.
 
-Celery applies a changed count in its event loop (within about a second), which is why
-the process resumes at half a pool's worth, not when its queue is empty.
+Celery applies a changed count in its event loop, which a resume wakes (``hub.call_soon``);
+the process resumes at half a pool's worth, not when its queue is empty, so it has work
+while the loop comes round and the next messages arrive.
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ class ConsumerIntake:
         current: Any = getattr(self._consumer, "qos", None)
         if current is not None and current is paused:  # not a new one (after a reconnect)
             current.increment_eventually(by)
+            # wake the event loop, which may be polling with nothing to read for up to 10 s
+            # (its next timer): it applies the count when it next goes round
+            hub = getattr(self._consumer, "hub", None)
+            if hub is not None:
+                hub.call_soon(_go_round)
+
+
+def _go_round() -> None:
+    """Nothing: scheduled only to wake Celery's event loop."""
 
 
 INTAKE = ConsumerIntake()  # the process's one consumer

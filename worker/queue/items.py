@@ -194,12 +194,15 @@ class ItemQueue:
             return  # the common case: nothing to change, no lock taken
         with self._intake_lock:
             waiting = len(self._queue)
-            if not self._paused and waiting >= self._high:
-                self._paused = True
-                self._intake.pause()
-            elif self._paused and waiting < self._high // 2:
-                self._paused = False
-                self._intake.resume()
+            try:
+                if not self._paused and waiting >= self._high:
+                    self._paused = True
+                    self._intake.pause()
+                elif self._paused and waiting < self._high // 2:
+                    self._paused = False
+                    self._intake.resume()
+            except Exception:  # only a balance between processes: never an item's failure
+                log.warning("the broker intake was not changed", exc_info=True)
 
     def run(self, chunk: Chunk, items: list[BatchItem]) -> Chunk:
         """Run ``items`` on the pool and wait for each; answers the chunk, its ``outcomes``
