@@ -20,7 +20,12 @@ from tests.fake_anthropic import (
     stall,
     status,
 )
-from worker.adapters.anthropic import AnthropicReranker, RerankMalformedError, retry_after_seconds
+from worker.adapters.anthropic import (
+    AnthropicReranker,
+    RerankMalformedError,
+    retry_after_seconds,
+    sdk_spans,
+)
 from worker.core.types import RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
 
@@ -433,3 +438,26 @@ def test_one_http_request_per_attempt_across_every_class(
 )
 def test_retry_after_parsing(headers: dict[str, str], expected: float | None) -> None:
     assert retry_after_seconds(headers) == expected
+
+
+def test_sdk_spans_are_off_unless_opentelemetry_is_set_up(
+    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nobody set up tracing: the SDK's clients make no span per call (they still answer);
+    an OTEL_/ANTHROPIC_OPEN_TELEMETRY variable or a tracer provider gives it back its default."""
+    from opentelemetry import trace
+
+    for name in ("ANTHROPIC_OPEN_TELEMETRY", "OTEL_PYTHON_TRACER_PROVIDER", "OTEL_TRACES_EXPORTER",
+                 "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):  # fmt: skip
+        monkeypatch.delenv(name, raising=False)
+    assert sdk_spans() is False
+    reranker = AnthropicReranker(MODEL, api_key="test")
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
+    assert reranker.rerank(make_prompt(), 10.0).positions
+    assert all(client._tracer is None for client in reranker._idle)
+    reranker.close()
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    assert sdk_spans() is None
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER")
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: trace.NoOpTracerProvider())
+    assert sdk_spans() is None

@@ -135,3 +135,35 @@ def test_hand_back_returns_the_items_not_started_and_lets_the_running_ones_finis
     # a chunk arriving after the hand-back runs nothing
     late, (_, late_items, late_ran, _) = make_chunk(store, 5)
     assert queue.run(late, late_items).handed_back == 5 and not late_ran
+
+
+class RecordingIntake:
+    """The consumer's intake, with the number of items waiting at each pause and resume."""
+
+    def __init__(self, queue: list[ItemQueue]) -> None:
+        self.queue = queue
+        self.events: list[tuple[str, int]] = []
+
+    def pause(self) -> None:
+        self.events.append(("pause", len(self.queue[0]._queue)))
+
+    def resume(self) -> None:
+        self.events.append(("resume", len(self.queue[0]._queue)))
+
+
+def test_the_intake_pauses_at_a_pools_worth_waiting_and_resumes_at_half(store: JobStore) -> None:
+    """With 2 threads and 10 items a pool's worth, a 40-item chunk pauses the process's
+    intake as it is queued (40 waiting) and resumes it once fewer than 5 wait; every item
+    still runs once."""
+    holder: list[ItemQueue] = []
+    intake = RecordingIntake(holder)
+    queue = ItemQueue(store, ThreadPoolExecutor(2), intake, high=10)
+    holder.append(queue)
+    chunk, (_, items, ran, _) = make_chunk(store, 40)
+    queue.run(chunk, items)
+    assert sorted(ran) == sorted(f"q{i}" for i in range(40))
+    assert [kind for kind, _ in intake.events] == ["pause", "resume"]
+    assert intake.events[0][1] >= 10 and intake.events[1][1] < 5
+    small, (_, few, _, _) = make_chunk(store, 5)
+    queue.run(small, few)  # 5 waiting at most: below the mark, no pause
+    assert len(intake.events) == 2

@@ -33,6 +33,7 @@ from worker.constants import (
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.errors import SiftError
 from worker.logcontext import job_context
+from worker.queue.intake import INTAKE
 from worker.queue.items import CancelMarks, ItemQueue
 from worker.queue.jobstore import JobStore, webhook_event
 from worker.ratelimit import LimitedReranker, ProviderLimiter
@@ -95,7 +96,10 @@ class WorkerContext:
                     pool = ThreadPoolExecutor(
                         self.settings.batch_item_concurrency, thread_name_prefix="sift-item"
                     )
-                    self._items = ItemQueue(self.store, pool)
+                    # past a pool's worth of items waiting, other processes take the rest
+                    self._items = ItemQueue(
+                        self.store, pool, INTAKE, high=self.settings.batch_item_concurrency
+                    )
         return self._items
 
     @property

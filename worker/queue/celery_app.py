@@ -50,6 +50,7 @@ from worker.constants import (
 )
 from worker.errors import ConfigError
 from worker.queue.broker import broker_transport
+from worker.queue.intake import IntakeStep
 from worker.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -234,6 +235,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     celery = Celery("sift", set_as_current=False)
     celery.config_from_object(celery_config(settings))
     celery.conf.sift_settings = settings
+    celery.steps["consumer"].add(IntakeStep)  # pauses intake while batch items queue up
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
     worker_ready.connect(_check_prices, weak=False, dispatch_uid="sift-prices")
     worker_init.connect(_start_redrive, weak=False, dispatch_uid="sift-redrive")

@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 from worker.contract import ErrorInfo, SearchResult
 from worker.logcontext import job_context
@@ -158,20 +158,58 @@ class CancelMarks:
         return canceled
 
 
-class ItemQueue:
-    """The process's queue of batch items (see the module doc)."""
+class Intake(Protocol):
+    """The process's broker consumer (:class:`worker.queue.intake.ConsumerIntake`)."""
 
-    def __init__(self, store: JobStore, pool: ThreadPoolExecutor) -> None:
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+class ItemQueue:
+    """The process's queue of batch items (see the module doc).
+
+    With an ``intake``, the process takes no more messages while ``high`` items or more wait
+    unstarted, until half of them have started: another process takes the batch's other
+    chunks (:mod:`worker.queue.intake`)."""
+
+    def __init__(
+        self, store: JobStore, pool: ThreadPoolExecutor, intake: Intake | None = None, high: int = 0
+    ) -> None:
         self._store = store
         self._pool = pool
         self._queue: deque[Entry] = deque()  # append and popleft need no lock
         self._closed = False
+        self._intake = intake
+        self._high = max(2, high)
+        self._paused = False
+        self._intake_lock = threading.Lock()
+
+    def _check_intake(self) -> None:
+        """Pause the intake at ``high`` items waiting, resume it at half that."""
+        if self._intake is None:
+            return
+        waiting = len(self._queue)
+        if waiting >= self._high // 2 if self._paused else waiting < self._high:
+            return  # the common case: nothing to change, no lock taken
+        with self._intake_lock:
+            waiting = len(self._queue)
+            try:
+                if not self._paused and waiting >= self._high:
+                    self._paused = True
+                    self._intake.pause()
+                elif self._paused and waiting < self._high // 2:
+                    self._paused = False
+                    self._intake.resume()
+            except Exception:  # only a balance between processes: never an item's failure
+                log.warning("the broker intake was not changed", exc_info=True)
 
     def run(self, chunk: Chunk, items: list[BatchItem]) -> Chunk:
         """Run ``items`` on the pool and wait for each; answers the chunk, its ``outcomes``
         and its ``error`` (what broke a runner) filled in."""
         chunk.expect(len(items))
         self._queue.extend((chunk, item) for item in items)
+        self._check_intake()
         for _ in items:
             self._pool.submit(self._work)
         if self._closed:  # came in while the queue was being handed back
@@ -187,7 +225,9 @@ class ItemQueue:
             entry[0].hand_back()
 
     def _take(self) -> Entry | None:
-        return None if self._closed else self._pop()
+        entry = None if self._closed else self._pop()
+        self._check_intake()
+        return entry
 
     def _pop(self) -> Entry | None:
         try:
