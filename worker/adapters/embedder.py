@@ -22,6 +22,19 @@ On SciFact's abstracts (most at the 256-token cap) bigger tensors would not help
 mini-batch of 16 cost more CPU per text than one text per call, on both graphs
 (``benchmarks/bench_ingest.py`` measures the candidates side by side).
 
+A document costs about 17 ms of one core at the 256-token cap; what else was measured
+for documents (``benchmarks/bench_doc_embedding.py``, SciFact, in-process eval):
+
+* each layer's attention fused into one node (:func:`with_fused_attention`, the default
+  since graph r3): the same vectors to the bit, about 4-7% less CPU;
+* a shorter cap: 128 tokens halves the CPU (0.48x) but 98% of the abstracts pass 128 and
+  kNN nDCG@10 falls from 0.648 to 0.618 (fused 0.717 to 0.708); 192 costs 0.74x and
+  gives 0.639 (fused 0.711). Both fail the quality bar, so the cap stays at 256;
+* static int8 quantization (calibrated activation scales, batch-independent, QDQ):
+  cosine to fp32 0.74-0.82 and twice the CPU of the dynamic graph on this CPU;
+* int8 for the attention's own products too (``MatMulConstBOnly`` off): no faster,
+  cosine 0.985.
+
     embedder = OnnxMiniLMEmbedder()
     vectors = embedder.embed_array(["a claim", "another one"])  # (2, 384) float32
 """
