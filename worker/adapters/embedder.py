@@ -161,13 +161,14 @@ def with_fused_attention(model: Any) -> int:
     The shipped graph spells attention out as the exporter decomposed it: a dozen shape
     and mask nodes, two fp32 MatMuls, the additive mask and a Softmax per layer. After
     dynamic quantization onnxruntime no longer recognises that pattern, so it runs node by
-    node: 41% of a 256-token call (onnxruntime's profiler). The fused node takes the
-    query, key and value projections (their bias Adds, found by the initializer names of
-    the BERT export) and the attention mask as a key padding mask; scale 1/sqrt(32), as
-    the graph's two Muls by 32**-0.25 give. Its vectors equal the unfused graph's, to the
-    bit, alone or in a padded batch (``tests/integration/test_embedder_batches.py``); the
-    int8 graph runs 7% less CPU on SciFact's abstracts (``benchmarks/bench_embedding.py``).
-    A graph of another shape (no bias Adds by those names) is left as it is: 0.
+    node: its MatMuls, Softmax, Transposes and Slices alone took 33% of a 256-token call
+    (onnxruntime's profiler). The fused node takes the query, key and value projections
+    (their bias Adds, found by the initializer names of the BERT export) and the attention
+    mask as a key padding mask, at the scale the graph's own constants give
+    (:func:`_scale_of`). Its vectors equal the unfused graph's, to the bit, alone or in a
+    padded batch (``tests/integration/test_embedder_batches.py``); the int8 graph runs
+    4-7% less CPU on SciFact's abstracts (``benchmarks/bench_doc_embedding.py``). A graph
+    of another shape (no bias Adds by those names) is left as it is: 0.
     """
     from onnx import TensorProto, helper
 
