@@ -18,7 +18,13 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from worker.adapters.embedder import OnnxMiniLMEmbedder, default_model_path, without_nan_guards
+from worker.adapters.embedder import (
+    OnnxMiniLMEmbedder,
+    default_model_path,
+    int8_compute_model,
+    with_fused_attention,
+    without_nan_guards,
+)
 from worker.contract import DocumentIn, SearchSpec
 from worker.runtime import build_runtime, embedding_text
 from worker.settings import load_settings
@@ -150,3 +156,31 @@ def test_the_nan_guards_the_int8_graph_drops_change_no_vector(tmp_path: Path) ->
     guarded = OnnxMiniLMEmbedder(threads=1).embed_array(all_texts)  # padded mini-batches
     stripped = OnnxMiniLMEmbedder(threads=1, model_path=unguarded).embed_array(all_texts)
     assert np.array_equal(guarded, stripped)
+
+
+def test_fused_attention_changes_no_vector_alone_or_padded(tmp_path: Path) -> None:
+    """Each layer's attention as one MultiHeadAttention node (the mask as a key padding
+    mask) gives the vectors of the attention the export spells out, to the bit: on the
+    fp32 graph in padded mini-batches of 8, and on the int8-compute graph a worker makes."""
+    import onnx
+
+    model = onnx.load(str(default_model_path()))
+    assert with_fused_attention(model) == 6  # one per layer
+    assert not [n for n in model.graph.node if n.op_type == "Softmax"]
+    fused = tmp_path / "fused.onnx"
+    onnx.save(model, str(fused))
+    all_texts = [*texts(), ""]
+    spelled_out = OnnxMiniLMEmbedder(threads=1, batch_size=8).embed_array(all_texts)
+    padded = OnnxMiniLMEmbedder(threads=1, batch_size=8, model_path=fused)
+    assert np.array_equal(padded.embed_array(all_texts), spelled_out)
+    int8 = {
+        fuse: OnnxMiniLMEmbedder(
+            threads=1,
+            batch_size=1,
+            model_path=int8_compute_model(default_model_path(), tmp_path, fuse_attention=fuse),
+        ).embed_array(all_texts)
+        for fuse in (True, False)
+    }
+    assert np.array_equal(int8[True], int8[False])
+    # the check can fail: the int8 graph's vectors are not the fp32 graph's
+    assert not np.array_equal(int8[True], spelled_out)

