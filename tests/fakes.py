@@ -14,11 +14,12 @@ from worker.core.types import (
     ChannelQuery,
     ChannelResults,
     Document,
+    IndexProbe,
     RerankPrompt,
     RerankReply,
     TokenUsage,
 )
-from worker.errors import BackendUnavailable, IndexNotFound
+from worker.errors import BackendUnavailable, EmbeddingModelMismatch, IndexNotFound
 
 
 class EmptyRuntime:
@@ -77,6 +78,7 @@ class InMemoryBackend:
         self.rows: dict[tuple[str, str, str], _Row] = {}
         self.calls: list[ChannelQuery] = []
         self.fail_next: int = 0
+        self.models: dict[tuple[str, str], str] = {}  # (index, tenant) -> embedding model
 
     def channels(self, index: str, tenant: str) -> frozenset[Channel]:
         rows = [r for (i, t, _), r in self.rows.items() if i == index and t == tenant]
@@ -84,6 +86,9 @@ class InMemoryBackend:
             return frozenset()
         has_vectors = any(r.vector is not None for r in rows)
         return frozenset({"bm25", "knn"} if has_vectors else {"bm25"})
+
+    def probe(self, index: str, tenant: str) -> IndexProbe:
+        return IndexProbe(self.channels(index, tenant), self.models.get((index, tenant)))
 
     def upsert(
         self,
@@ -95,6 +100,11 @@ class InMemoryBackend:
         version: int | None = None,
         model: str | None = None,
     ) -> int:
+        held = self.models.get((index, tenant))
+        if vectors is not None and model is not None and held not in (None, model):
+            raise EmbeddingModelMismatch(index, str(held), model)
+        if vectors is not None and model is not None and documents:
+            self.models[(index, tenant)] = model
         for i, doc in enumerate(documents):
             vector = list(vectors[i]) if vectors is not None else None
             self.rows[(index, tenant, doc.id)] = _Row(tenant, doc, vector)

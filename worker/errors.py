@@ -5,6 +5,8 @@
     ├── ConfigError                bad settings, names the variable    permanent
     ├── ModeUnavailable            the index cannot serve the mode      permanent
     ├── IndexNotFound              no such index for this tenant        permanent
+    ├── EmbeddingModelMismatch     the index's vectors are another      permanent
+    │                              embedding model's than the worker's
     ├── BackendError
     │   ├── BackendUnavailable     connection, timeout, 5xx             retryable
     │   └── BackendRequestError    4xx, bad mapping, missing index      permanent
@@ -80,6 +82,27 @@ class IndexNotFound(SiftError):
     def __init__(self, index: str) -> None:
         super().__init__(f"index {index!r} does not exist: ingest documents into it first")
         self.index = index
+
+
+class EmbeddingModelMismatch(SiftError):
+    """The tenant's index holds vectors of another embedding model than this worker's.
+
+    Vectors of two models live in unrelated spaces: a query of one scored against
+    documents of the other ranks by noise, with no error anywhere. So a write never mixes
+    them into one index, and a kNN search never compares across them; both fail with this,
+    naming the two models and the way out."""
+
+    code = "embedding_model_mismatch"
+
+    def __init__(self, index: str, held: str, model: str) -> None:
+        super().__init__(
+            f"index {index!r} holds vectors of embedding model {held!r}, but this worker "
+            f"embeds with {model!r}: ingest into a new index, or drop this one "
+            f"(DELETE /v1/indexes/{index}) and ingest it again (or run workers with {held!r})"
+        )
+        self.index = index
+        self.held = held
+        self.model = model
 
 
 class BackendError(SiftError):

@@ -127,6 +127,7 @@ JOB_ERRORS: Final = (  # SiftError.code values (worker/errors.py), plus "interna
     "config_error",
     "mode_unavailable",
     "index_not_found",
+    "embedding_model_mismatch",
     "backend_error",
     "backend_unavailable",
     "backend_request_error",

@@ -16,8 +16,8 @@ from worker.adapters import embedded
 from worker.adapters.embedded import EmbeddedBackend, derive_revision, match_expression
 from worker.adapters.embedder import OnnxMiniLMEmbedder
 from worker.contract import Channel, FilterValue
-from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
-from worker.errors import IndexNotFound, InvalidRequest
+from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters, IndexProbe
+from worker.errors import EmbeddingModelMismatch, IndexNotFound, InvalidRequest
 
 pytestmark = pytest.mark.integration
 
@@ -392,3 +392,51 @@ def test_the_document_cache_stays_bounded_and_evicted_hits_are_read_again(
         assert len(backend._documents) <= 5
     assert knn(0)[0] == docs[0]  # long evicted: read from SQLite again, the same Document
     backend.close()
+
+
+def test_an_index_keeps_the_embedding_model_its_first_write_recorded(tmp_path: Path) -> None:
+    """Vectors of another model are refused, writing nothing, until the index is dropped;
+    deleting every document by id keeps the record (only a drop clears it)."""
+    backend = EmbeddedBackend(tmp_path)
+    one, other = [[1.0, 0.0, 0.0]], [[0.0, 1.0, 0.0]]
+    backend.upsert("sci", "acme", [Document("a", "alpha")], one, model="m-1")
+    backend.upsert("sci", "beta", [Document("b", "beta")], one, model="m-2")  # beta's own
+    with pytest.raises(EmbeddingModelMismatch, match=r"'m-1'.*'m-2'.*drop") as refused:
+        two = [Document("a", "replaced"), Document("c", "new")]
+        backend.upsert("sci", "acme", two, other * 2, model="m-2")
+    assert refused.value.code == "embedding_model_mismatch" and not refused.value.retryable
+    assert backend.count("sci", "acme") == 1  # nothing written, no partial mix
+    stored = backend.document("sci", "acme", "a")
+    assert stored is not None and stored.text == "alpha"
+    assert backend.probe("sci", "acme") == IndexProbe(frozenset(BOTH), "m-1")
+    assert backend.probe("sci", "beta").model == "m-2"
+    info = backend.index_info("sci", "acme")
+    assert info is not None and info.model == "m-1"
+    # the same model, or no vectors at all, still writes
+    assert backend.upsert("sci", "acme", [Document("c", "new")], other, model="m-1") == 1
+    assert backend.upsert("sci", "acme", [Document("d", "plain")], None, model="m-2") == 1
+
+    backend.delete_documents("sci", "acme", ["a", "c", "d"])
+    backend.upsert("sci", "acme", [Document("e", "x")], None)  # the tenant's index lives on
+    with pytest.raises(EmbeddingModelMismatch):
+        backend.upsert("sci", "acme", [Document("a", "alpha")], other, model="m-2")
+
+    backend.delete_index("sci", "acme", version=10)
+    # a write accepted before the drop is skipped, and records nothing
+    assert backend.upsert("sci", "acme", [Document("a", "old")], one, model="m-1", version=9) == 0
+    assert (
+        backend.upsert("sci", "acme", [Document("a", "new")], other, model="m-2", version=11) == 1
+    )
+    assert backend.probe("sci", "acme").model == "m-2"
+    assert backend.probe("sci", "beta").model == "m-2"  # beta's record was never touched
+
+
+def test_a_versioned_drop_keeps_the_model_of_documents_it_left(tmp_path: Path) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    vector = [[1.0, 0.0]]
+    backend.upsert("sci", "acme", [Document("a", "x")], vector, model="m-1", version=5)
+    backend.upsert("sci", "acme", [Document("b", "y")], vector, model="m-1", version=7)
+    assert backend.delete_index("sci", "acme", version=6) == 1  # "b" came after the drop
+    assert backend.probe("sci", "acme").model == "m-1"
+    with pytest.raises(EmbeddingModelMismatch):
+        backend.upsert("sci", "acme", [Document("c", "z")], vector, model="m-2", version=8)

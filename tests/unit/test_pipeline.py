@@ -23,6 +23,7 @@ from worker.errors import (
     AttemptOutcome,
     Canceled,
     ConfigError,
+    EmbeddingModelMismatch,
     InvalidRequest,
     RerankAttemptError,
     RerankFailed,
@@ -333,3 +334,36 @@ def test_an_unpriced_model_is_warned_about_once(caplog: pytest.LogCaptureFixture
     assert len(warnings) == 1
     assert "claude-unlisted-9" in warnings[0] and "SIFT_PRICES" in warnings[0]
     assert not warn_if_unpriced(load_settings(generation_model="anthropic:claude-haiku-4-5"))
+
+
+def test_a_knn_search_of_another_models_vectors_is_refused_bm25_alone_is_served() -> None:
+    """The index's vectors came from ``other-model``: a query embedded by this worker's
+    model would be scored in another space. vector and hybrid fail with the typed error
+    (no kNN ran, no BM25-only answer passed off as hybrid); fts serves as before."""
+    pipeline, _, _ = make()
+    backend = pipeline.backend
+    assert isinstance(backend, InMemoryBackend)
+    backend.models[("docs", "acme")] = "other-model"
+    for mode in ("vector", "hybrid"):
+        with pytest.raises(EmbeddingModelMismatch, match=r"'other-model'.*'fake-bow-64'"):
+            pipeline.search(SearchSpec(index="docs", query="volcano ash", mode=mode), "acme")
+    assert backend.calls == []  # refused before retrieval
+    fts = pipeline.search(SearchSpec(index="docs", query="volcano ash", mode="fts"), "acme")
+    assert fts.hits
+    # a hybrid search whose kNN channel is weighted 0 compares no vectors: served
+    spec = SearchSpec.model_validate(
+        {"index": "docs", "query": "volcano ash", "fusion": {"weights": {"knn": 0}}}
+    )
+    assert pipeline.search(spec, "acme").hits
+    assert pipeline.search(SearchSpec(index="docs", query="volcano ash"), "globex").hits
+
+
+def test_an_ingest_of_another_models_vectors_is_refused_and_writes_nothing() -> None:
+    pipeline, _, _ = make()
+    backend = pipeline.backend
+    assert isinstance(backend, InMemoryBackend)
+    before = dict(backend.rows)
+    backend.models[("docs", "acme")] = "other-model"
+    with pytest.raises(EmbeddingModelMismatch):
+        Runtime(pipeline).ingest("docs", "acme", [DocumentIn(id="acme-0", text="replaced")])
+    assert backend.rows == before

@@ -83,7 +83,14 @@ from elasticsearch import (
 
 from worker.contract import Channel, FilterValue
 from worker.core.catalog import IndexInfo, StoredDocument
-from worker.core.types import ChannelHit, ChannelQuery, ChannelResults, Document, HardFilters
+from worker.core.types import (
+    ChannelHit,
+    ChannelQuery,
+    ChannelResults,
+    Document,
+    HardFilters,
+    IndexProbe,
+)
 from worker.errors import (
     BackendRequestError,
     BackendUnavailable,
@@ -312,6 +319,10 @@ class ElasticsearchBackend:
             return frozenset({"bm25"})
         self._saw_vectors(alias, tenant)
         return frozenset({"bm25", "knn"})
+
+    def probe(self, index: str, tenant: str) -> IndexProbe:
+        """:meth:`channels`; no embedding model is recorded on this backend yet."""
+        return IndexProbe(self.channels(index, tenant))
 
     def _saw_vectors(self, alias: str, tenant: str) -> None:
         """Remember that the tenant's part of ``alias`` holds vectors (expired entries go

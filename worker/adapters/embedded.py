@@ -63,11 +63,19 @@ import numpy.typing as npt
 
 from worker.contract import Channel, FilterValue
 from worker.core.catalog import IndexInfo, StoredDocument
-from worker.core.types import ChannelHit, ChannelQuery, ChannelResults, Document, HardFilters
+from worker.core.types import (
+    ChannelHit,
+    ChannelQuery,
+    ChannelResults,
+    Document,
+    HardFilters,
+    IndexProbe,
+)
 from worker.errors import (
     BackendRequestError,
     BackendUnavailable,
     ConfigError,
+    EmbeddingModelMismatch,
     IndexNotFound,
     InvalidRequest,
     ModeUnavailable,
@@ -310,13 +318,18 @@ class EmbeddedBackend:
 
     def channels(self, index: str, tenant: str) -> frozenset[Channel]:
         """``bm25`` once the tenant holds a document in the index, plus ``knn`` once one of
-        them holds a vector; empty otherwise, whether or not another tenant uses the name.
+        them holds a vector; empty otherwise, whether or not another tenant uses the name."""
+        return self.probe(index, tenant).channels
+
+    def probe(self, index: str, tenant: str) -> IndexProbe:
+        """The tenant's channels (:meth:`channels`) and its index's recorded embedding model.
 
         One statement, the same for every answer: a few index seeks, so an index only
         another tenant has costs what one nobody has costs (microseconds). The tenant's vector
         check runs only when the index holds any vector (the partial index answers that in
         one seek), so an index without vectors never walks the tenant's rows; ``+has_vector``
         keeps the tenant's check on the ``(idx, tenant)`` index, off the other tenants' rows.
+        The model is one more seek, on the catalog's primary key.
         """
         conn = self._conn()
         with _translated("channels"):  # one statement: one snapshot, one step
@@ -324,12 +337,14 @@ class EmbeddedBackend:
                 "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2),"
                 " CASE WHEN EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND has_vector)"
                 " THEN EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2 AND +has_vector)"
-                " ELSE 0 END",
+                " ELSE 0 END,"
+                " (SELECT model FROM catalog WHERE idx = ?1 AND tenant = ?2)",
                 (index, tenant),
             ).fetchone()
         if row is None or not row[0]:
-            return frozenset()
-        return frozenset({"bm25", "knn"}) if row[1] else frozenset({"bm25"})
+            return IndexProbe(frozenset())
+        channels: frozenset[Channel] = frozenset({"bm25", "knn"} if row[1] else {"bm25"})
+        return IndexProbe(channels, row[2])
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         """Each asked channel's hits, best first, hard filters applied inside the query."""
@@ -407,6 +422,10 @@ class EmbeddedBackend:
         ``version``, a document is written only if the version is newer than the id's last
         write (an upsert or a delete's tombstone) and the tenant's index floor (its last
         drop); answers how many were written.
+
+        ``model`` (the embedder of ``vectors``) is recorded by the first write of the tenant's
+        index; a write of another model's vectors raises :class:`EmbeddingModelMismatch` in
+        the same transaction, before any row is written, until a drop clears the record.
         """
         if not documents:
             return 0
@@ -424,6 +443,8 @@ class EmbeddedBackend:
                 held = _held_version(conn, index, tenant, doc_id)
                 if version is not None and version <= max(floor, held or 0):
                     continue  # a newer write (or drop) of this id was accepted after this one
+                if not written and matrix is not None and model is not None:
+                    _check_model(conn, index, tenant, model)  # before the first row only
                 old = conn.execute(
                     "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
                     (index, tenant, doc_id),
@@ -444,7 +465,7 @@ class EmbeddedBackend:
                     conn.execute("INSERT INTO vectors VALUES (?, ?)", (seq, matrix[i].tobytes()))
                 _set_version(conn, index, tenant, doc_id, version, held, deleted=False)
                 written += 1
-            _touch(conn, index, tenant, model)
+            _touch(conn, index, tenant, model if written and matrix is not None else None)
             conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (num,))
         return written
 
@@ -537,6 +558,13 @@ class EmbeddedBackend:
                     " floor = max(floor, excluded.floor), last_write = excluded.last_write",
                     (index, tenant, version, time.time()),
                 )
+            # The recorded model goes with the last of the tenant's documents (a versioned
+            # drop keeps those written after it, and their model with them).
+            conn.execute(
+                "UPDATE catalog SET model = NULL WHERE idx = ?1 AND tenant = ?2"
+                " AND NOT EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2)",
+                (index, tenant),
+            )
         return gone
 
     # --- the catalog -------------------------------------------------------------
@@ -936,13 +964,23 @@ def _set_version(
 
 
 def _touch(conn: apsw.Connection, index: str, tenant: str, model: str | None) -> None:
-    """The tenant's index was written now (with ``model``'s vectors, if given)."""
+    """The tenant's index was written now (with ``model``'s vectors, if given). The first
+    model recorded stays (:func:`_check_model` refuses another) until a drop clears it."""
     conn.execute(
         "INSERT INTO catalog(idx, tenant, model, last_write) VALUES (?, ?, ?, ?)"
         " ON CONFLICT(idx, tenant) DO UPDATE SET"
-        " model = coalesce(excluded.model, model), last_write = excluded.last_write",
+        " model = coalesce(model, excluded.model), last_write = excluded.last_write",
         (index, tenant, model, time.time()),
     )
+
+
+def _check_model(conn: apsw.Connection, index: str, tenant: str, model: str) -> None:
+    """Raise EmbeddingModelMismatch if the tenant's index records another embedding model."""
+    held = conn.execute(
+        "SELECT model FROM catalog WHERE idx = ? AND tenant = ?", (index, tenant)
+    ).fetchone()
+    if held is not None and held[0] is not None and held[0] != model:
+        raise EmbeddingModelMismatch(index, str(held[0]), model)
 
 
 def _ensure_index(conn: apsw.Connection, index: str) -> int:

@@ -36,7 +36,13 @@ from worker.core.ports import (
     Reranker,
     SearchBackend,
 )
-from worker.core.query import channel_window, coarse_limit, normalise_query, select_channels
+from worker.core.query import (
+    channel_window,
+    check_model,
+    coarse_limit,
+    normalise_query,
+    select_channels,
+)
 from worker.core.ranks import normalise_positions
 from worker.core.types import (
     BudgetGrant,
@@ -260,13 +266,15 @@ class SearchPipeline:
     def _prepare(self, spec: SearchSpec, tenant: str, deadline: Deadline) -> Prepared:
         query = normalise_query(spec.query)
         reranking = self._reranking(spec)
-        available = self.backend.channels(spec.index, tenant)
+        probe = self.backend.probe(spec.index, tenant)
+        available = probe.channels
         stored = SearchSettings()
         if available and self.index_settings is not None:  # a missing index has none
             stored = self.index_settings.get(spec.index, tenant)
         asked = FusionOverride.from_spec(spec.fusion)
         fusion = resolve_fusion(self.config.fusion, asked, stored.fusion)
         channels = select_channels(spec.mode, spec.index, available, fusion)
+        check_model(spec.index, channels, probe.model, self.embedder.model_id)
         limit_from, candidate_limit = next(
             (level, value)
             for level, value in (

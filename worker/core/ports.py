@@ -15,6 +15,7 @@ from worker.core.types import (
     ChannelQuery,
     ChannelResults,
     Document,
+    IndexProbe,
     RerankPrompt,
     RerankReply,
     TokenUsage,
@@ -46,6 +47,11 @@ class SearchBackend(Protocol):
         """
         ...
 
+    def probe(self, index: str, tenant: str) -> IndexProbe:
+        """:meth:`channels` and the embedding model the tenant's vectors in the index were
+        written with, in one request: what a search asks before it runs."""
+        ...
+
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         """Run the asked channels. Raises BackendUnavailable or BackendRequestError."""
         ...
@@ -64,7 +70,10 @@ class SearchBackend(Protocol):
 
         With a ``version`` (see :mod:`worker.core.catalog`), an id whose last accepted write
         (an upsert, a delete, a drop of the index) is newer is left as it is. ``model``
-        names the embedder of ``vectors``, for the index's description."""
+        names the embedder of ``vectors``: the first write of the tenant's index records it,
+        and a write of another model's vectors raises
+        :class:`~worker.errors.EmbeddingModelMismatch`, writing nothing, until the index is
+        dropped."""
         ...
 
 

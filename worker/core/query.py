@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Sequence, Set
 
 from worker.constants import CHANNEL_WINDOW_FACTOR, MIN_CHANNEL_WINDOW
 from worker.contract import Channel, Mode
 from worker.core.fusion import Fusion
-from worker.errors import IndexNotFound, InvalidRequest, ModeUnavailable
+from worker.errors import EmbeddingModelMismatch, IndexNotFound, InvalidRequest, ModeUnavailable
 
 MODE_CHANNELS: dict[Mode, tuple[Channel, ...]] = {
     "fts": ("bm25",),
@@ -51,6 +51,23 @@ def select_channels(
             f"which index {index!r} cannot serve (it has: {', '.join(sorted(available))})"
         )
     return wanted
+
+
+def check_model(index: str, channels: Sequence[Channel], held: str | None, model: str) -> None:
+    """Refuse a search whose ``knn`` channel would score the index's vectors, written by
+    embedding model ``held``, against a query embedded by ``model``: another model's
+    vectors live in another space, and the ranking would be noise with no error. A hybrid
+    search fails too rather than quietly serving BM25 alone: the caller asked for both,
+    and ``mode="fts"`` still serves the index as it is.
+
+    >>> check_model("docs", ("bm25",), "model-a", "model-b")  # no knn: nothing compared
+    >>> check_model("docs", ("bm25", "knn"), "model-a", "model-b")
+    Traceback (most recent call last):
+    ...
+    worker.errors.EmbeddingModelMismatch: index 'docs' holds vectors of embedding model ...
+    """
+    if "knn" in channels and held is not None and held != model:
+        raise EmbeddingModelMismatch(index, held, model)
 
 
 def coarse_limit(limit: int, candidate_limit: int, reranking: bool) -> int:

@@ -58,6 +58,16 @@ class ChannelQuery:
 
 
 @dataclass(frozen=True, slots=True)
+class IndexProbe:
+    """What a search learns of the tenant's index before it runs: the channels it can serve
+    (empty: no such index for the tenant) and the embedding model its vectors were written
+    with (None: none recorded), from the same one request."""
+
+    channels: frozenset[Channel]
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ChannelResults:
     """Each channel's hits, best first, with the time the backend spent per channel.
 
