@@ -191,22 +191,34 @@ def msearch_response(*searches: dict[str, Any]) -> dict[str, Any]:
     return {"took": 5, "responses": [{**s, "status": s.get("status", 200)} for s in searches]}
 
 
-def probe_response(matched: int) -> dict[str, Any]:
-    """A ``size: 0, terminate_after: 1, track_total_hits: true`` search's answer, as ES 9
-    shapes it: no hits, the total of the documents seen before it stopped."""
+def probe_response(matched: int, sources: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A ``terminate_after: 1, track_total_hits: true`` search's answer, as ES 9 shapes it:
+    the total of the documents seen before it stopped, and a hit per ``sources`` (a
+    ``size: 1`` search with ``_source`` filtered: a field the document lacks is left out)."""
+    hits = [
+        {"_index": "sift-docs-000001", "_id": f"acme:d{n}", "_score": 0.0, "_source": source}
+        for n, source in enumerate(sources or [])
+    ]
     return {
         "took": 1,
         "timed_out": False,
         **({"terminated_early": True} if matched else {}),
         "_shards": {"total": 1, "successful": 1, "skipped": 0, "failed": 0},
-        "hits": {"total": {"value": matched, "relation": "eq"}, "max_score": None, "hits": []},
+        "hits": {
+            "total": {"value": matched, "relation": "eq"},
+            "max_score": 0.0 if hits else None,
+            "hits": hits,
+        },
     }
 
 
-def probes(documents: bool, vectors: bool) -> dict[str, Any]:
+def probes(documents: bool, vectors: bool, model: str | None = None) -> dict[str, Any]:
     """The ``_msearch`` answer to the backend's two channel probes: does the tenant hold a
-    document in the index, and one with a vector?"""
-    return msearch_response(probe_response(int(documents)), probe_response(int(vectors)))
+    document in the index, and one with a vector (its ``embedding_model``, if it has one)?"""
+    vector_hit = [{"embedding_model": model} if model else {}] if vectors else []
+    return msearch_response(
+        probe_response(int(documents)), probe_response(int(vectors), vector_hit)
+    )
 
 
 def probes_of_a_missing_index(index: str) -> dict[str, Any]:
@@ -265,13 +277,19 @@ def delete_by_query_response(deleted: int) -> dict[str, Any]:
     }
 
 
-def count_response(count: int) -> dict[str, Any]:
-    shards = {"total": 1, "successful": 1, "skipped": 0, "failed": 0}
-    return {"count": count, "_shards": shards}
+def models_agg(*models: str) -> dict[str, Any]:
+    """The ``models`` terms aggregation's answer (one bucket per model)."""
+    buckets = [{"key": m, "doc_count": 1} for m in models]
+    counts = {"doc_count_error_upper_bound": 0, "sum_other_doc_count": 0}
+    return {"models": {**counts, "buckets": buckets}}
 
 
-def terms_by_index_response(buckets: dict[str, int]) -> dict[str, Any]:
-    """A ``size: 0`` search with a ``terms`` aggregation named ``indexes`` on ``_index``."""
+def terms_by_index_response(
+    buckets: dict[str, int], models: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """A ``size: 0`` search with a ``terms`` aggregation named ``indexes`` on ``_index``, each
+    bucket with its ``models`` sub-aggregation (the model of ``models``, or none)."""
+    models = models or {}
     return {
         "took": 2,
         "timed_out": False,
@@ -285,7 +303,14 @@ def terms_by_index_response(buckets: dict[str, int]) -> dict[str, Any]:
             "indexes": {
                 "doc_count_error_upper_bound": 0,
                 "sum_other_doc_count": 0,
-                "buckets": [{"key": k, "doc_count": n} for k, n in buckets.items()],
+                "buckets": [
+                    {
+                        "key": k,
+                        "doc_count": n,
+                        **models_agg(*([models[k]] if k in models else [])),
+                    }
+                    for k, n in buckets.items()
+                ],
             }
         },
     }

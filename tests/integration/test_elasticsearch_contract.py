@@ -17,14 +17,15 @@ from tests.integration.es_loopback import (
     Recorded,
     bulk_item,
     bulk_response,
-    count_response,
     delete_by_query_response,
     error_body,
     get_found,
     get_missing,
     hit,
     index_missing,
+    models_agg,
     msearch_response,
+    probe_response,
     probes,
     probes_of_a_missing_index,
     running,
@@ -36,8 +37,14 @@ from worker.adapters import elasticsearch
 from worker.adapters.elasticsearch import ElasticsearchBackend, num_candidates
 from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
-from worker.core.types import ChannelQuery, Document, HardFilters
-from worker.errors import BackendRequestError, BackendUnavailable, IndexNotFound, InvalidRequest
+from worker.core.types import ChannelQuery, Document, HardFilters, IndexProbe
+from worker.errors import (
+    BackendRequestError,
+    BackendUnavailable,
+    EmbeddingModelMismatch,
+    IndexNotFound,
+    InvalidRequest,
+)
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -125,6 +132,7 @@ EXPECTED_TEMPLATE = {
                 "tenant": {"type": "keyword"},
                 "revision": {"type": "keyword"},
                 "metadata": {"type": "flattened"},
+                "embedding_model": {"type": "keyword"},
             },
         },
     },
@@ -564,7 +572,8 @@ PROBES_OF_ACME = [
     },
     {},
     {
-        "size": 0,
+        "size": 1,
+        "_source": ["embedding_model"],
         "terminate_after": 1,
         "track_total_hits": True,
         "query": {
@@ -608,11 +617,12 @@ def test_the_per_tenant_memo_drops_expired_answers_once_large(
     backend = backend_for(server)
     backend._clock = lambda: now[0]
     for tenant in ("t1", "t2", "t3"):
-        backend._saw_vectors("sift-docs", tenant)
+        backend._saw_vectors("sift-docs", tenant, None)
     now[0] = elasticsearch.CHANNELS_TTL_SECONDS + 1
-    backend._saw_vectors("sift-docs", "t4")
+    backend._saw_vectors("sift-docs", "t4", "m-1")
     assert set(backend._with_vectors) == {("sift-docs", "t4")}
     assert backend.channels("docs", "t4") == {"bm25", "knn"}  # from the memo: no request
+    assert backend.probe("docs", "t4").model == "m-1"
     assert server.requests == []
 
 
@@ -1060,7 +1070,12 @@ def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearch
     server.on(
         "POST",
         "/sift-*/_search",
-        Answer(200, terms_by_index_response({"sift-docs-000001": 4, "sift-faq-20260101": 2})),
+        Answer(
+            200,
+            terms_by_index_response(
+                {"sift-docs-000001": 4, "sift-faq-20260101": 2}, {"sift-docs-000001": "m-1"}
+            ),
+        ),
     )
     aliases = {
         "sift-docs-000001": {"aliases": {"sift-docs": {}}},
@@ -1069,28 +1084,42 @@ def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearch
     }
     server.on("GET", "/sift-*/_alias", Answer(200, aliases))
     listed = backend_for(server).indexes("acme")
-    assert [(i.name, i.documents, i.backend, i.dimension) for i in listed] == [
-        ("docs", 4, "elasticsearch", 384),
-        ("faq", 2, "elasticsearch", 384),
+    assert [(i.name, i.documents, i.backend, i.model, i.dimension) for i in listed] == [
+        ("docs", 4, "elasticsearch", "m-1", 384),
+        ("faq", 2, "elasticsearch", None, 384),  # no vector records a model
     ]
     (search,) = server.sent("POST", "/sift-*/_search")
     assert search.json() == {
         "size": 0,
         "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
-        "aggs": {"indexes": {"terms": {"field": "_index", "size": 1000}}},
+        "aggs": {
+            "indexes": {
+                "terms": {"field": "_index", "size": 1000},
+                "aggs": {"models": {"terms": {"field": "embedding_model", "size": 1}}},
+            }
+        },
     }
 
 
-def test_index_info_is_a_tenant_filtered_count(server: FakeElasticsearchServer) -> None:
-    server.on("POST", "/sift-docs/_count", Answer(200, count_response(5)), times=1)
+def test_index_info_is_a_tenant_filtered_count_with_the_recorded_model(
+    server: FakeElasticsearchServer,
+) -> None:
+    answer = {**probe_response(5), "aggregations": models_agg("m-1")}
+    server.on("POST", "/sift-docs/_search", Answer(200, answer), times=1)
     info = backend_for(server).index_info("docs", "acme")
-    assert info is not None and info.documents == 5
-    (sent,) = server.sent("POST", "/sift-docs/_count")
-    assert sent.json() == {"query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}}}
-    # another tenant's only (count 0) and a missing index answer the same None
-    server.on("POST", "/sift-docs/_count", Answer(200, count_response(0)), times=1)
+    assert info is not None and info.documents == 5 and info.model == "m-1"
+    (sent,) = server.sent("POST", "/sift-docs/_search")
+    assert sent.json() == {
+        "size": 0,
+        "track_total_hits": True,
+        "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
+        "aggs": {"models": {"terms": {"field": "embedding_model", "size": 1}}},
+    }
+    # another tenant's only (total 0) and a missing index answer the same None
+    empty = {**probe_response(0), "aggregations": models_agg()}
+    server.on("POST", "/sift-docs/_search", Answer(200, empty), times=1)
     assert backend_for(server).index_info("docs", "globex") is None
-    server.on("POST", "/sift-docs/_count", Answer(404, index_missing("sift-docs")))
+    server.on("POST", "/sift-docs/_search", Answer(404, index_missing("sift-docs")))
     assert backend_for(server).index_info("docs", "globex") is None
 
 
@@ -1107,3 +1136,92 @@ def test_document_gets_the_tenants_id_without_the_vector(server: FakeElasticsear
     assert backend_for(server).document("docs", "acme", "d2") is None
     server.on("GET", "/sift-none/_doc/acme%3Ad1", Answer(404, index_missing("sift-none")))
     assert backend_for(server).document("none", "acme", "d1") is None
+
+
+# --- the embedding model each vector records ---------------------------------------------
+
+
+MODEL_CHECK = {
+    "size": 1,
+    "terminate_after": 1,
+    "_source": ["embedding_model"],
+    "query": {
+        "bool": {
+            "filter": [{"term": {"tenant": "acme"}}, {"exists": {"field": "embedding_model"}}],
+            "must_not": [{"term": {"embedding_model": "m-1"}}],
+        }
+    },
+}
+
+
+def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_refused(
+    server: FakeElasticsearchServer,
+) -> None:
+    server.on("HEAD", "/sift-docs", Answer(200))
+    server.on("PUT", "/sift-docs/_mapping", Answer(200, {"acknowledged": True}))
+    server.on("POST", "/sift-docs/_search", Answer(200, probe_response(0)), times=2)
+    server.on("PUT", "/_bulk", bulk_ok)
+    backend = backend_for(server)
+    first = [Document("d1", "x", revision="r")]
+    assert backend.upsert("docs", "acme", first, [VECTOR], model="m-1") == 1
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("HEAD", "/sift-docs"),
+        ("PUT", "/sift-docs/_mapping"),  # an index made before the field existed takes it
+        ("POST", "/sift-docs/_search"),
+        ("PUT", "/_bulk"),
+    ]
+    assert server.requests[1].json() == {"properties": {"embedding_model": {"type": "keyword"}}}
+    assert server.requests[2].json() == MODEL_CHECK
+    _action, source = server.requests[3].ndjson()
+    assert source["embedding_model"] == "m-1" and source["vector"] == VECTOR
+    assert backend.probe("docs", "acme") == IndexProbe(frozenset({"bm25", "knn"}), "m-1")
+    assert len(server.requests) == 4  # the probe answered from the write's memo
+
+    # the next write checks again (another worker may have written), the mapping is known
+    assert backend.upsert("docs", "acme", [Document("d2", "y")], [VECTOR], model="m-1") == 1
+    assert [(r.method, r.path) for r in server.requests[4:]] == [
+        ("POST", "/sift-docs/_search"),
+        ("PUT", "/_bulk"),
+    ]
+    # the tenant holds vectors of "m-0": refused before the bulk, nothing written
+    held = probe_response(1, [{"embedding_model": "m-0"}])
+    server.on("POST", "/sift-docs/_search", Answer(200, held))
+    before = len(server.sent("PUT", "/_bulk"))
+    with pytest.raises(EmbeddingModelMismatch, match=r"'m-0'.*'m-1'"):
+        backend.upsert("docs", "acme", [Document("d3", "z")], [VECTOR], model="m-1")
+    assert len(server.sent("PUT", "/_bulk")) == before
+    # a write without vectors records and checks nothing
+    assert backend.upsert("docs", "acme", [Document("d4", "w")], None, model="m-1") == 1
+    assert "embedding_model" not in server.requests[-1].ndjson()[1]
+
+    # a drop takes the record (on the documents) and this worker's memo of it
+    server.on("POST", "/sift-docs/_delete_by_query", Answer(200, delete_by_query_response(3)))
+    backend.delete_index("docs", "acme")
+    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=False, vectors=False)))
+    assert backend.probe("docs", "acme") == IndexProbe(frozenset())
+
+
+def test_a_knn_search_of_another_models_vectors_is_refused_from_the_probe_alone(
+    server: FakeElasticsearchServer,
+) -> None:
+    """The probe's vector hit names its model: a vector or hybrid search by another model's
+    query is refused after that one round trip (and the mapping read); fts is served."""
+    server.on(
+        "POST",
+        "/sift-docs/_msearch",
+        Answer(200, probes(documents=True, vectors=True, model="m-0")),
+    )
+    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response(BM25_HITS))))
+    pipeline = SearchPipeline(backend_for(server), FakeEmbedder(), config=PipelineConfig())
+    for mode in ("vector", "hybrid"):
+        with pytest.raises(EmbeddingModelMismatch, match=r"'m-0'.*'fake-bow-64'"):
+            pipeline.search(SearchSpec(index="docs", query="vitamin", mode=mode), "acme")
+    assert server.sent("POST", "/_msearch") == []  # no channel was searched
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("POST", "/sift-docs/_msearch"),
+        ("GET", "/sift-docs/_mapping"),
+    ]  # the second search's probe came from the memo, with the model
+    assert server.requests[0].ndjson() == PROBES_OF_ACME
+    fts = pipeline.search(SearchSpec(index="docs", query="vitamin", mode="fts"), "acme")
+    assert [h.id for h in fts.hits] == [h["_source"]["doc_id"] for h in BM25_HITS]

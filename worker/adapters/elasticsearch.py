@@ -7,8 +7,15 @@ Why this shape (DESIGN.md §6):
   ``<prefix>*``) holds the mapping: ``text`` and ``title`` as ``text`` (english analyzer,
   BM25), ``vector`` as ``dense_vector`` (cosine, HNSW, int8-quantised by default),
   ``tenant``, ``revision`` and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened``
-  (every value a keyword, so equality filters work on strings, numbers and booleans).
+  (every value a keyword, so equality filters work on strings, numbers and booleans),
+  ``embedding_model`` as ``keyword``: the model that made the document's vector.
   Every field name is a setting, so an existing index can be searched as it is.
+* **Embedding models never mix.** A write of vectors first asks (one ``size: 1`` search)
+  whether the tenant holds a vector recorded by another model, and is refused with
+  ``EmbeddingModelMismatch`` if so, writing nothing; the channel probe returns the model of
+  one of the tenant's vectors, so a search learns it with no extra round trip. A drop
+  (``_delete_by_query``) takes the record with the documents. Not transactional: two
+  workers of different models writing into one empty index at once can both pass.
 * **Tenancy.** Every tenant's documents for Sift index ``NAME`` live in that one alias,
   each carrying its tenant field, and every search filters on it. So the alias existing
   says nothing about the caller: an index exists *for a tenant* once it holds one of the
@@ -95,6 +102,7 @@ from worker.errors import (
     BackendRequestError,
     BackendUnavailable,
     ConfigError,
+    EmbeddingModelMismatch,
     IndexNotFound,
     InvalidRequest,
     ModeUnavailable,
@@ -128,6 +136,7 @@ class FieldNames:
     tenant: str = "tenant"
     revision: str = "revision"
     metadata: str = "metadata"
+    model: str = "embedding_model"  # "" when the index records no embedding model
 
     def source(self) -> list[str]:
         """The ``_source`` fields a hit needs; the vector is never fetched."""
@@ -163,6 +172,8 @@ def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dic
     }
     if fields.title:
         properties[fields.title] = {"type": "text", "analyzer": "english"}
+    if fields.model:
+        properties[fields.model] = {"type": "keyword"}
     return {
         "index_patterns": [f"{prefix}*"],
         # ES refuses two templates with overlapping patterns and equal priorities; a longer
@@ -228,8 +239,9 @@ class ElasticsearchBackend:
         self._lock = threading.Lock()
         self._template_ready = False
         self._ready_aliases: set[str] = set()
-        # (alias, tenant) -> when the tenant's knn was last seen available
-        self._with_vectors: dict[tuple[str, str], float] = {}
+        self._model_mapped: set[str] = set()  # aliases whose mapping has the model field
+        # (alias, tenant) -> when the tenant's knn was last seen available, and its model
+        self._with_vectors: dict[tuple[str, str], tuple[float, str | None]] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ElasticsearchBackend:
@@ -255,6 +267,7 @@ class ElasticsearchBackend:
                 tenant=settings.elasticsearch_tenant_field,
                 revision=settings.elasticsearch_revision_field,
                 metadata=settings.elasticsearch_metadata_field,
+                model=settings.elasticsearch_model_field,
             ),
             index_settings=IndexSettings(
                 dims=settings.elasticsearch_vector_dims,
@@ -280,61 +293,74 @@ class ElasticsearchBackend:
 
     def channels(self, index: str, tenant: str) -> frozenset[Channel]:
         """``bm25`` once the tenant holds a document in the index, plus ``knn`` once one of
-        them holds a vector (and the field is a ``dense_vector``); empty otherwise.
+        them holds a vector (and the field is a ``dense_vector``); empty otherwise."""
+        return self.probe(index, tenant).channels
+
+    def probe(self, index: str, tenant: str) -> IndexProbe:
+        """The tenant's channels and the embedding model its vectors were written with.
 
         Tenants share one ES index per Sift index name, so the alias existing says nothing
         about the caller: whether the index exists *for this tenant* is one ``_msearch`` of
-        two tenant-filtered probes (``size: 0``, ``terminate_after: 1``), the tenant's
-        documents and the tenant's documents with a vector. A missing alias answers the
-        same empty set as an alias holding only other tenants' documents, after the same
-        one round trip. The mapping is read only once the tenant's own vectors are found,
-        and a positive answer is kept per (alias, tenant) for ``CHANNELS_TTL_SECONDS``.
+        two tenant-filtered probes (``terminate_after: 1``), the tenant's documents and the
+        tenant's documents with a vector; the second returns its one hit's model field
+        (writes keep one model per tenant's index, so any vector's model is the index's).
+        A missing alias answers the same empty set as an alias holding only other tenants'
+        documents, after the same one round trip. The mapping is read only once the
+        tenant's own vectors are found, and a positive answer (with the model) is kept per
+        (alias, tenant) for ``CHANNELS_TTL_SECONDS``.
         """
         alias = self.alias(index)
         seen = self._with_vectors.get((alias, tenant))
-        if seen is not None and self._clock() - seen < CHANNELS_TTL_SECONDS:
-            return frozenset({"bm25", "knn"})
+        if seen is not None and self._clock() - seen[0] < CHANNELS_TTL_SECONDS:
+            return IndexProbe(frozenset({"bm25", "knn"}), seen[1])
+        none = IndexProbe(frozenset())
         what = f"channels of index {index!r}"
         with _translated(what, index, missing_ok=True) as missing:
             response = self._es().msearch(index=alias, searches=self.probe_searches(tenant)).body
         if missing:
-            return frozenset()
+            return none
         answers = response.get("responses", [])
         if len(answers) != 2:
             raise BackendRequestError(f"_msearch answered {len(answers)} probes for 2 sent")
         if any(_index_missing(answer) for answer in answers):
-            return frozenset()
+            return none
         for answer in answers:
             _raise_for_item(answer, what, index)
         has_documents, has_vectors = (_total(answer) > 0 for answer in answers)
+        bm25: IndexProbe = IndexProbe(frozenset({"bm25"}))
         if not has_documents:
-            return frozenset()
+            return none
         if not has_vectors:
-            return frozenset({"bm25"})
+            return bm25
         with _translated(what, index, missing_ok=True) as missing:
             mappings = self._es().indices.get_mapping(index=alias).body
         if missing:
-            return frozenset()
+            return none
         if not self._maps_vectors(mappings):
-            return frozenset({"bm25"})
-        self._saw_vectors(alias, tenant)
-        return frozenset({"bm25", "knn"})
+            return bm25
+        model = self._model_of(answers[1])
+        self._saw_vectors(alias, tenant, model)
+        return IndexProbe(frozenset({"bm25", "knn"}), model)
 
-    def probe(self, index: str, tenant: str) -> IndexProbe:
-        """:meth:`channels`; no embedding model is recorded on this backend yet."""
-        return IndexProbe(self.channels(index, tenant))
+    def _model_of(self, answer: Mapping[str, Any]) -> str | None:
+        """The model field of a search answer's first hit (None: no hit, or none recorded)."""
+        hits = answer.get("hits", {}).get("hits") or []
+        if not hits or not self.fields.model:
+            return None
+        model = (hits[0].get("_source") or {}).get(self.fields.model)
+        return str(model) if model else None
 
-    def _saw_vectors(self, alias: str, tenant: str) -> None:
-        """Remember that the tenant's part of ``alias`` holds vectors (expired entries go
-        once the memo is large, so many tenants don't grow it without bound)."""
+    def _saw_vectors(self, alias: str, tenant: str, model: str | None) -> None:
+        """Remember that the tenant's part of ``alias`` holds vectors of ``model`` (expired
+        entries go once the memo is large, so many tenants don't grow it without bound)."""
         now = self._clock()
         if len(self._with_vectors) >= CHANNELS_MEMO_SIZE:  # a copy: other threads add to it
             self._with_vectors = {
                 key: seen
                 for key, seen in list(self._with_vectors.items())
-                if now - seen < CHANNELS_TTL_SECONDS
+                if now - seen[0] < CHANNELS_TTL_SECONDS
             }
-        self._with_vectors[(alias, tenant)] = now
+        self._with_vectors[(alias, tenant)] = (now, model)
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         """Both channels in one ``_msearch``; each channel's hits best first.
@@ -393,20 +419,44 @@ class ElasticsearchBackend:
             return 0
         self.ensure_index(index)
         alias = self.alias(index)
+        recorded = model if vectors is not None and self.fields.model else None
+        if recorded is not None:
+            self._check_model(index, tenant, recorded)
         actions = [
             {
                 "_op_type": "index",
                 "_index": alias,
                 "_id": f"{tenant}:{doc.id}",
-                "_source": self.source(tenant, doc, vectors[i] if vectors is not None else None),
+                "_source": self.source(
+                    tenant, doc, vectors[i] if vectors is not None else None, recorded
+                ),
                 **_versioned(version),
             }
             for i, doc in enumerate(documents)
         ]
         written, _existed = self._bulk(actions, f"bulk write to index {index!r}", index, tenant)
         if vectors is not None:
-            self._saw_vectors(alias, tenant)
+            self._saw_vectors(alias, tenant, recorded)
         return written
+
+    def _check_model(self, index: str, tenant: str, model: str) -> None:
+        """Raise EmbeddingModelMismatch if the tenant's index holds another model's vectors.
+
+        First, once per process and alias, the model field is added to the index's mapping
+        (``PUT <alias>/_mapping``: a no-op on an index made from the current template), so
+        an index made before the field existed takes it under ``dynamic: strict``."""
+        alias = self.alias(index)
+        if alias not in self._model_mapped:
+            with _translated(f"mapping of index {index!r}", index):
+                self._es().indices.put_mapping(
+                    index=alias, properties={self.fields.model: {"type": "keyword"}}
+                )
+            self._model_mapped.add(alias)
+        with _translated(f"model check of index {index!r}", index):
+            answer = self._es().search(index=alias, **self.model_check_body(tenant, model)).body
+        held = self._model_of(answer)
+        if held is not None:
+            raise EmbeddingModelMismatch(index, held, model)
 
     def _bulk(
         self, actions: list[dict[str, Any]], what: str, index: str, tenant: str
@@ -477,12 +527,17 @@ class ElasticsearchBackend:
                 )
                 .body
             )
+        self._with_vectors.pop((self.alias(index), tenant), None)  # its model went with it
         return 0 if missing else int(answer.get("deleted", 0))
 
     def indexes(self, tenant: str) -> list[IndexInfo]:
         """The tenant's indexes: one ``size: 0`` search over ``<prefix>*`` with a terms
-        aggregation on ``_index``, the concrete names mapped back to their aliases."""
+        aggregation on ``_index`` (and, inside it, on the model field), the concrete names
+        mapped back to their aliases."""
         pattern = f"{self.prefix}*"
+        by_index: dict[str, Any] = {"terms": {"field": "_index", "size": MAX_LISTED_INDEXES}}
+        if self.fields.model:
+            by_index["aggs"] = self._models_agg()
         with _translated("list of indexes", None, missing_ok=True) as missing:
             answer = (
                 self._es()
@@ -490,7 +545,7 @@ class ElasticsearchBackend:
                     index=pattern,
                     size=0,
                     query=self.tenant_query(tenant),
-                    aggs={"indexes": {"terms": {"field": "_index", "size": MAX_LISTED_INDEXES}}},
+                    aggs={"indexes": by_index},
                     ignore_unavailable=True,
                     allow_no_indices=True,
                 )
@@ -504,20 +559,39 @@ class ElasticsearchBackend:
             for concrete, about in aliases.items()
         }
         counts: dict[str, int] = {}
+        models: dict[str, str | None] = {}
         for bucket in answer.get("aggregations", {}).get("indexes", {}).get("buckets", []):
             name = names.get(bucket["key"], bucket["key"]).removeprefix(self.prefix)
             counts[name] = counts.get(name, 0) + int(bucket["doc_count"])
-        return [self._info(name, count) for name, count in sorted(counts.items()) if count]
+            models[name] = models.get(name) or _first_key(bucket)
+        return [
+            self._info(name, count, models.get(name))
+            for name, count in sorted(counts.items())
+            if count
+        ]
 
-    def _info(self, name: str, count: int) -> IndexInfo:
-        return IndexInfo(name, count, self.name, None, self.index_settings.dims, None)
+    def _models_agg(self) -> dict[str, Any]:
+        """The aggregation naming the model the tenant's vectors record (one, by design)."""
+        return {"models": {"terms": {"field": self.fields.model, "size": 1}}}
+
+    def _info(self, name: str, count: int, model: str | None) -> IndexInfo:
+        return IndexInfo(name, count, self.name, model, self.index_settings.dims, None)
 
     def index_info(self, index: str, tenant: str) -> IndexInfo | None:
-        """The tenant's part of one index: a tenant-filtered ``_count``."""
+        """The tenant's part of one index: a tenant-filtered ``size: 0`` search, its total
+        the count and its aggregation the recorded embedding model."""
+        body: dict[str, Any] = {
+            "size": 0,
+            "track_total_hits": True,
+            "query": self.tenant_query(tenant),
+        }
+        if self.fields.model:
+            body["aggs"] = self._models_agg()
         with _translated(f"count of index {index!r}", index, missing_ok=True) as missing:
-            answer = self._es().count(index=self.alias(index), query=self.tenant_query(tenant))
-        count = 0 if missing else int(answer.body.get("count", 0))
-        return self._info(index, count) if count else None
+            answer = self._es().search(index=self.alias(index), **body).body
+        count = 0 if missing else _total(answer)
+        model = None if missing else _first_key(answer.get("aggregations", {}))
+        return self._info(index, count, model) if count else None
 
     def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
         """``GET <alias>/_doc/<tenant>:<id>`` without the vector; None if the tenant has none."""
@@ -646,22 +720,42 @@ class ElasticsearchBackend:
         return terms
 
     def probe_searches(self, tenant: str) -> list[Mapping[str, Any]]:
-        """The ``_msearch`` lines of :meth:`channels`: does the tenant hold a document, and
-        one with a vector? Each probe stops at the first match (per shard) and returns none."""
+        """The ``_msearch`` lines of :meth:`probe`: does the tenant hold a document, and one
+        with a vector (returning that one's model field)? Each probe stops at the first
+        match (per shard); the first returns no hit."""
         tenant_filter = self.filters(HardFilters(tenant))
         with_vector = [*tenant_filter, {"exists": {"field": self.fields.vector}}]
+        model = {"size": 1, "_source": [self.fields.model]} if self.fields.model else {"size": 0}
         searches: list[Mapping[str, Any]] = []
-        for filters in (tenant_filter, with_vector):
+        for filters, returned in ((tenant_filter, {"size": 0}), (with_vector, model)):
             searches += [
                 {},
                 {
-                    "size": 0,
+                    **returned,
                     "terminate_after": 1,
                     "track_total_hits": True,
                     "query": {"bool": {"filter": filters}},
                 },
             ]
         return searches
+
+    def model_check_body(self, tenant: str, model: str) -> dict[str, Any]:
+        """The ``_search`` body that finds one of the tenant's vectors recorded by a model
+        other than ``model`` (documents that record none are not counted)."""
+        return {
+            "size": 1,
+            "terminate_after": 1,
+            "_source": [self.fields.model],
+            "query": {
+                "bool": {
+                    "filter": [
+                        *self.filters(HardFilters(tenant)),
+                        {"exists": {"field": self.fields.model}},
+                    ],
+                    "must_not": [{"term": {self.fields.model: model}}],
+                }
+            },
+        }
 
     def channel_body(self, channel: Channel, query: ChannelQuery) -> dict[str, Any]:
         """The ``_msearch`` body of one channel, with the hard filters inside it."""
@@ -708,8 +802,14 @@ class ElasticsearchBackend:
             "track_total_hits": False,
         }
 
-    def source(self, tenant: str, doc: Document, vector: Sequence[float] | None) -> dict[str, Any]:
-        """The ``_source`` Sift writes for one document."""
+    def source(
+        self,
+        tenant: str,
+        doc: Document,
+        vector: Sequence[float] | None,
+        model: str | None = None,
+    ) -> dict[str, Any]:
+        """The ``_source`` Sift writes for one document (``model``: its vector's embedder)."""
         for key, value in doc.metadata.items():
             if not _FILTER_KEY.match(key) or not isinstance(value, str | int | float | bool):
                 raise InvalidRequest(
@@ -727,6 +827,8 @@ class ElasticsearchBackend:
             body[self.fields.title] = doc.title
         if vector is not None:
             body[self.fields.vector] = [float(v) for v in vector]
+            if model is not None and self.fields.model:
+                body[self.fields.model] = model
         return body
 
     def native_body(self, query: ChannelQuery) -> dict[str, Any]:
@@ -941,6 +1043,12 @@ def _total(answer: Mapping[str, Any]) -> int:
     if isinstance(total, Mapping):
         return int(total.get("value", 0))
     return int(total or 0)
+
+
+def _first_key(aggregations: Mapping[str, Any]) -> str | None:
+    """The first bucket's key of the ``models`` terms aggregation (None: no bucket)."""
+    buckets = aggregations.get("models", {}).get("buckets") or []
+    return str(buckets[0]["key"]) if buckets else None
 
 
 def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
