@@ -61,7 +61,7 @@ def check_model(index: str, channels: Sequence[Channel], held: str | None, model
     and ``mode="fts"`` still serves the index as it is.
 
     >>> check_model("docs", ("bm25",), "model-a", "model-b")  # no knn: nothing compared
-    >>> check_model("docs", ("bm25", "knn"), "model-a", "model-b")
+    >>> check_model("docs", ("bm25", "knn"), "model-a", "model-b")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     worker.errors.EmbeddingModelMismatch: index 'docs' holds vectors of embedding model ...
