@@ -3,6 +3,9 @@ SHELL := /bin/bash
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# pytest-xdist processes for `make test`; each test file runs whole on one of them, and every
+# test starts its own services on free ports, so two files never share a Redis or a worker.
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench install services clean
@@ -26,7 +29,7 @@ test: install services
 	$(BIN)/ruff check worker api_gateway tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff check worker api_gateway tests benchmarks

@@ -4,16 +4,10 @@ fusion of min-max normalised scores."""
 
 from __future__ import annotations
 
-import doctest
-from types import ModuleType
-
 import pytest
 from pydantic import ValidationError
 
 from worker.contract import Channel, FusionSpec
-from worker.core import catalog as catalog_module
-from worker.core import fusion as fusion_module
-from worker.core import query as query_module
 from worker.core.fusion import (
     Fusion,
     FusionOverride,
@@ -162,13 +156,6 @@ def test_request_fusion_validation_names_the_field() -> None:
         FusionSpec.model_validate({"weights": {"knn": float("inf")}})
     with pytest.raises(ValidationError):
         FusionSpec.model_validate({"rank_constant": 0})
-
-
-@pytest.mark.parametrize("module", [fusion_module, catalog_module, query_module])
-def test_the_doctests_hold(module: ModuleType) -> None:
-    """The formula, the precedence and the merge patch are documented by examples: run them."""
-    failed, tried = doctest.testmod(module)
-    assert tried > 0 and failed == 0
 
 
 def scored(*pairs: tuple[str, float]) -> list[ChannelHit]:
