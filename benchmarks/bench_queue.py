@@ -185,9 +185,9 @@ def cpu_seconds(pid: int) -> float:
 WARM_UP = 200  # queries run before a threads set-up is measured (8 chunks: every process)
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """:func:`cpu_seconds` of ``pid`` and of its live children (a supervisor's workers)."""
-    total = cpu_seconds(pid)
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is ``pid``, from ``/proc``."""
+    found = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -195,8 +195,13 @@ def tree_cpu_seconds(pid: int) -> float:
             except OSError:
                 continue
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                total += cpu_seconds(int(entry.name))
-    return total
+                found.append(int(entry.name))
+    return found
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """:func:`cpu_seconds` of ``pid`` and of its live children (a supervisor's workers)."""
+    return cpu_seconds(pid) + sum(cpu_seconds(child) for child in children(pid))
 
 
 def bench_rerank(

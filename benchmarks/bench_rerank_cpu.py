@@ -40,6 +40,7 @@ from benchmarks.bench_queue import (  # noqa: E402
     AUTH,
     INDEX,
     KEYS,
+    children,
     corpus,
     cpu_seconds,
     failures,
@@ -93,19 +94,6 @@ def env_for(tmp: Path, redis_url: str, db: int, model_url: str, tree: Path) -> d
         "ANTHROPIC_BASE_URL": model_url,
         "ANTHROPIC_API_KEY": "sk-ant-fake",
     }
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def system_seconds(pid: int) -> float:
