@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
@@ -36,6 +37,7 @@ from api_gateway.jobs import enqueue_ingest, ingest_response
 from api_gateway.schemas import IngestJobOut, _Strict, iso
 from worker.constants import (
     DEFAULT_PAGE_SIZE,
+    INDEX_CHANGE_GRACE_SECONDS,
     INDEX_READ_TASK,
     INDEX_READ_TIMEOUT_SECONDS,
     MAX_DOCUMENTS_PER_REQUEST,
@@ -149,9 +151,13 @@ async def _read(
     """Ask a worker for one index read; its ``found`` answer (None: the tenant has none)."""
     store = job_store(request)
     key = store.new_reply_key()
-    args = [key, operation, tenant, index, doc_id] + ([body] if body else [])
+    args: list[Any] = [key, operation, tenant, index, doc_id] + ([body] if body else [])
+    wait = INDEX_READ_TIMEOUT_SECONDS
+    if operation == "update":  # started by then or never; answered within the grace after
+        args.append(time.time() + INDEX_READ_TIMEOUT_SECONDS)
+        wait += INDEX_CHANGE_GRACE_SECONDS
     await off_loop(task_sender(request).send, INDEX_READ_TASK, args, SEARCH_QUEUE)
-    raw = await off_loop(store.await_reply, key, INDEX_READ_TIMEOUT_SECONDS)
+    raw = await off_loop(store.await_reply, key, wait)
     if raw is None:
         raise ApiError(
             503,

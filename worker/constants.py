@@ -5,6 +5,9 @@ from __future__ import annotations
 # --- search algorithm (DESIGN.md §2, §3) ---
 RRF_K = 60
 MAX_RANK_CONSTANT = 10_000  # the largest RRF rank constant a request or an index may set
+# A fusion weight past this is refused (422): weights only matter relative to each other, and
+# linear fusion sums weight x score, which overflows a float near 1e308.
+MAX_FUSION_WEIGHT = 1_000_000
 MAX_CANDIDATE_LIMIT = 200  # the largest rerank candidate window (SIFT_RERANK_CANDIDATE_LIMIT)
 MIN_CHANNEL_WINDOW = 32
 CHANNEL_WINDOW_FACTOR = 4
@@ -65,6 +68,10 @@ INDEX_REPLY_TTL_SECONDS = 60  # an index read's answer, until the gateway takes 
 # another process shows within it; the process that made it sees it at once)
 INDEX_SETTINGS_TTL_SECONDS = 2.0
 INDEX_READ_TIMEOUT_SECONDS = 10.0  # the gateway waits this long for a worker's answer, then 503
+# A settings change no worker has started within INDEX_READ_TIMEOUT_SECONDS is dropped unapplied;
+# the gateway waits this much longer for one a worker started in time, so its 503 never hides
+# a change that is applied later (behind a newer one). Hosts' clocks must agree within it (NTP).
+INDEX_CHANGE_GRACE_SECONDS = 3.0
 BATCH_STAGING_TTL_SECONDS = 3600  # a batch's items written before its record, until committed
 BATCH_STAGE_SLICE = 1_000  # a batch's items per Redis command (Redis serves others between)
 # a tenant's job index keeps its members this many retention periods (a record lives one

@@ -19,7 +19,13 @@ from pydantic import (
     model_validator,
 )
 
-from worker.constants import MAX_CANDIDATE_LIMIT, MAX_LIMIT, MAX_QUERY_CHARS, MAX_RANK_CONSTANT
+from worker.constants import (
+    MAX_CANDIDATE_LIMIT,
+    MAX_FUSION_WEIGHT,
+    MAX_LIMIT,
+    MAX_QUERY_CHARS,
+    MAX_RANK_CONSTANT,
+)
 
 Mode = Literal["fts", "vector", "hybrid"]
 Channel = Literal["bm25", "knn"]
@@ -68,13 +74,13 @@ QueryText = Annotated[
 ]
 
 
-Weight = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+Weight = Annotated[float, Field(ge=0.0, le=MAX_FUSION_WEIGHT, allow_inf_nan=False)]
 RankConstant = Annotated[int, Field(ge=1, le=MAX_RANK_CONSTANT)]
 CandidateLimit = Annotated[int, Field(ge=1, le=MAX_CANDIDATE_LIMIT)]
 
 
 class FusionWeights(StrictModel):
-    """Weighted RRF's weight per channel (non-negative, finite). A channel left out (or
+    """The fusion's weight per channel (0 to ``MAX_FUSION_WEIGHT``, finite). A channel left out (or
     ``null``) takes its weight from the next level: the index's settings, then the defaults.
     A channel weighted 0 is not fused, and in a hybrid search not even queried."""
 

@@ -154,6 +154,7 @@ def test_dropping_the_index_clears_its_settings(stack: Stack) -> None:
         ({"fusion": {"weights": {"knn": -1}}}, "fusion.weights.knn"),
         ({"fusion": {"weights": {"splade": 1}}}, "fusion.weights.splade"),
         ({"fusion": {"weights": {"bm25": "heavy"}}}, "fusion.weights.bm25"),
+        ({"fusion": {"weights": {"bm25": 1e308}}}, "fusion.weights.bm25"),
         ({"fusion": {"weights": {"bm25": 0, "knn": 0}}}, "fusion.weights"),
         ({"fusion": {"rank_constant": 0}}, "fusion.rank_constant"),
         ({"fusion": {"method": "sum"}}, "fusion.method"),
@@ -197,6 +198,11 @@ def test_a_patch_that_leaves_every_weight_zero_is_refused(stack: Stack) -> None:
             "fusion.weights.dense",
         ),
         ("/v1/searches", {"query": "q", "fusion": {"rank_constant": 0}}, "fusion.rank_constant"),
+        (  # linear fusion sums weight x score: 1e308 twice would overflow in the worker
+            "/v1/searches",
+            {"query": "q", "fusion": {"method": "linear", "weights": {"bm25": 1e308}}},
+            "fusion.weights.bm25",
+        ),
         ("/v1/searches", {"query": "q", "fusion": {"method": "convex"}}, "fusion.method"),
         (
             "/v1/batches",

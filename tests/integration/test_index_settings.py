@@ -6,6 +6,7 @@ search uses them, below its own."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +145,30 @@ def test_a_search_uses_the_indexs_settings_below_its_own(runtime: Runtime) -> No
     trace = runtime.search(own, "acme").trace
     assert trace is not None and trace["fusion"]["weights"]["knn"] == 2.0
     assert trace["fusion"]["from"]["weights"]["knn"] == "request"
+
+
+def test_a_change_no_worker_started_in_time_is_dropped_unapplied(
+    runtime: Runtime, store: JobStore, redis_url: str
+) -> None:
+    """The gateway answers 503 when no worker took a change within its wait; that change must
+    never land later, behind a newer one: a change past its ``start_by`` is dropped."""
+    from worker.queue import base, tasks
+    from worker.ratelimit import ProviderLimiter
+
+    context = base.WorkerContext(
+        settings=load_settings(redis_url=redis_url), store=store, limiter=ProviderLimiter(4)
+    )
+    context._runtime = runtime
+    base.set_context(context)
+    try:
+        late = json.dumps({"candidate_limit": 50})
+        tasks.index_read.apply(args=["reply-late", "update", "acme", "docs", "", late, 1.0])
+        assert store.redis.exists("reply-late") == 0  # nobody waits for it: no answer
+        assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] is None
+        in_time = json.dumps({"candidate_limit": 20})
+        start_by = time.time() + 60
+        tasks.index_read.apply(args=["reply-ok", "update", "acme", "docs", "", in_time, start_by])
+        assert store.redis.exists("reply-ok") == 1
+        assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] == 20
+    finally:
+        base.set_context(None)

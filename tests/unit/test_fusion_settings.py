@@ -202,6 +202,7 @@ def test_a_missing_index_is_not_found_before_any_settings_are_read() -> None:
     [
         ({"fusion_weights": '{"bm25": 0, "knn": 0}'}, "SIFT_FUSION_WEIGHTS"),
         ({"fusion_weights": '{"bm25": -1}'}, "SIFT_FUSION_WEIGHTS"),
+        ({"fusion_weights": '{"knn": 1e308}'}, "SIFT_FUSION_WEIGHTS"),
         ({"fusion_weights": '{"splade": 1}'}, "SIFT_FUSION_WEIGHTS"),
         ({"fusion_weights": "{nope"}, "SIFT_FUSION_WEIGHTS"),
         ({"fusion_rank_constant": 0}, "SIFT_FUSION_RANK_CONSTANT"),

@@ -410,7 +410,8 @@ class ElasticsearchBackend:
         With a ``version``, each write is ES's external versioning: ES applies it only if
         the version is newer than the one it holds for the ``_id`` (a delete's included,
         for ``index.gc_deletes``), and a refused one (409) is a newer write kept, not an
-        error. ``model`` is not stored on this backend."""
+        error. ``model`` goes on each document with a vector
+        (``SIFT_ELASTICSEARCH_MODEL_FIELD``)."""
         if vectors is not None and len(vectors) != len(documents):
             raise InvalidRequest(
                 "vectors", f"{len(vectors)} vectors for {len(documents)} documents"

@@ -63,6 +63,7 @@ class RedisIndexSettings:
         self._clock = clock
         self._lock = threading.Lock()
         self._cache: dict[tuple[str, str], tuple[float, SearchSettings]] = {}
+        self._forgotten = 0  # bumped by forget: a read that began before it is not cached
         self._clear = client.register_script(_CLEAR)
 
     @classmethod
@@ -76,11 +77,13 @@ class RedisIndexSettings:
         cached = self._cache.get(key)
         if cached is not None and now - cached[0] < self._ttl:
             return cached[1]
+        forgotten = self._forgotten
         found = self.read(index, tenant)
         with self._lock:
             if len(self._cache) > 10_000:  # many indexes: start again rather than grow
                 self._cache.clear()
-            self._cache[key] = (now, found)
+            if forgotten == self._forgotten:  # else this process changed them meanwhile
+                self._cache[key] = (now, found)
         return found
 
     def read(self, index: str, tenant: str) -> SearchSettings:
@@ -126,6 +129,7 @@ class RedisIndexSettings:
 
     def forget(self, index: str, tenant: str) -> None:
         with self._lock:
+            self._forgotten += 1
             self._cache.pop((index, tenant), None)
 
 

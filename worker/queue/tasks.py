@@ -286,11 +286,17 @@ def index_read(
     index: str,
     doc_id: str,
     body: str = "",
+    start_by: float = 0.0,
 ) -> None:
     """Answer one index read (list, show, a document) or settings change (``update``, with
     its patch as ``body``) on ``reply_key`` (first, so the logs name the read by it). Never
     retried: the gateway waits a few seconds for the answer, then answers 503, and the
-    client asks again (a change is a merge patch: applying it twice changes nothing more)."""
+    client asks again (a change is a merge patch: applying it twice changes nothing more).
+    A change not started by ``start_by`` (epoch seconds) is dropped unapplied: its gateway
+    has answered 503 or is about to, and a later change may have been made since."""
+    if start_by and time.time() > start_by:
+        log.warning("index change for %s/%s came after its gateway gave up; dropped", tenant, index)
+        return
     try:
         answer = lifecycle.read(self.context.runtime, operation, tenant, index, doc_id, body)
     except Exception as exc:  # the gateway must hear something, not time out
