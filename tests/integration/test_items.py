@@ -154,8 +154,8 @@ class RecordingIntake:
 
 def test_the_intake_pauses_at_a_pools_worth_waiting_and_resumes_at_half(store: JobStore) -> None:
     """With 2 threads and 10 items a pool's worth, a 40-item chunk pauses the process's
-    batch-queue intake as it is queued (40 waiting) and resumes it once fewer than 5 wait; every item
-    still runs once."""
+    batch-queue intake as it is queued (40 waiting) and resumes it once fewer than 5 wait;
+    every item still runs once."""
     holder: list[ItemQueue] = []
     intake = RecordingIntake(holder)
     queue = ItemQueue(store, ThreadPoolExecutor(2), intake, high=10)
