@@ -74,9 +74,11 @@ class ConsumerIntake:
             reading = tasks.consuming_from(self._queue)
             if self._paused and reading:
                 tasks.cancel_by_queue(self._queue)
+                log.info("stopped reading %s: a pool's worth of batch items wait", self._queue)
             elif not self._paused and not reading and self._may_read(consumer):
                 tasks.add_queue(consumer.app.amqp.queues[self._queue])
                 tasks.consume()
+                log.info("reading %s again", self._queue)
         except Exception:  # only a balance between processes: never stop the event loop
             log.warning("the batch queue's intake was not changed", exc_info=True)
 
