@@ -29,14 +29,17 @@ from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     ACME,
     INDEX,
+    assert_batch_exactly_once,
     batch_counts,
+    broker_state,
     ingest,
     stack_env,
     submit_batch,
     wait_for,
 )
+from tests.reliability.test_broker_restart import DOWN_SECONDS, FINISH_TIMEOUT, broker
 from tests.services import gateway, redis_server
-from worker.constants import BATCH_QUEUE, INDEX_READ_TASK, SEARCH_TASK
+from worker.constants import ALL_QUEUES, BATCH_QUEUE, INDEX_READ_TASK, SEARCH_TASK
 from worker.settings import Settings
 from worker.stack import child_env, worker_process
 
@@ -131,3 +134,38 @@ def test_a_paused_process_still_answers_searches_and_index_reads(
 
         worker.send_signal(signal.SIGTERM)  # while paused: hands the batch back and exits
         assert worker.wait(120) == 0
+
+
+def test_a_process_paused_when_redis_restarts_reads_the_batch_queue_again(tmp_path: Path) -> None:
+    """Redis restarted (SIGTERM, AOF on) while the process is paused: the consumer after the
+    reconnect starts on every queue and is paused again while items wait, then reads the
+    batch queue again, so the batch ends with every item once and no chunk left in Redis."""
+    with (
+        FakeAnthropic(delay=3.0) as model,
+        broker(tmp_path / "redis") as redis_broker,
+    ):
+        url = redis_broker.url + "/0"
+        env = stack_env(url, model.url)
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+            worker_process(tmp_path / "w", child_env(env, inherit_sift=False)) as worker,
+        ):
+            ingest(client)
+            batch_id = submit_batch(client, TOTAL)
+            log = tmp_path / "w" / "worker.log"
+            wait_for(lambda: f"stopped reading {BATCH_QUEUE}" in log.read_text(), "a pause", 120)
+            redis_broker.kill(signal.SIGTERM)
+            time.sleep(DOWN_SECONDS)
+            redis_broker.start_again()
+            wait_for(
+                lambda: batch_counts(client, batch_id)["status"] == "succeeded",
+                "the batch finished after the restart",
+                FINISH_TIMEOUT,
+            )
+            assert_batch_exactly_once(client, url, batch_id, TOTAL)
+            assert not any(broker_state(url)[queue] for queue in ALL_QUEUES), broker_state(url)
+            text = log.read_text(errors="replace")
+            reconnected = text.index("Connection to broker lost")
+            assert f"reading {BATCH_QUEUE} again" in text[reconnected:], text[-3000:]
+            assert worker.poll() is None
