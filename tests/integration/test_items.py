@@ -138,7 +138,8 @@ def test_hand_back_returns_the_items_not_started_and_lets_the_running_ones_finis
 
 
 class RecordingIntake:
-    """The consumer's intake, with the number of items waiting at each pause and resume."""
+    """The process's reading of the batch queue, with the number of items waiting at each
+    pause and resume (what the pause does to the consumer: tests/unit/test_intake.py)."""
 
     def __init__(self, queue: list[ItemQueue]) -> None:
         self.queue = queue
@@ -153,8 +154,8 @@ class RecordingIntake:
 
 def test_the_intake_pauses_at_a_pools_worth_waiting_and_resumes_at_half(store: JobStore) -> None:
     """With 2 threads and 10 items a pool's worth, a 40-item chunk pauses the process's
-    intake as it is queued (40 waiting) and resumes it once fewer than 5 wait; every item
-    still runs once."""
+    batch-queue intake as it is queued (40 waiting) and resumes it once fewer than 5 wait;
+    every item still runs once."""
     holder: list[ItemQueue] = []
     intake = RecordingIntake(holder)
     queue = ItemQueue(store, ThreadPoolExecutor(2), intake, high=10)

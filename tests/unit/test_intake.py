@@ -1,55 +1,161 @@
-"""ConsumerIntake: the consumer's prefetch count down to 1 while paused, given back once."""
+"""ConsumerIntake: only the batch queue's reading paused, in the consumer's event loop, and
+given back only where the worker reads it; a real kombu consumer on the memory transport."""
 
 from __future__ import annotations
 
-from kombu.common import QoS
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
 
+import pytest
+from celery import Celery
+from celery.bootsteps import CLOSE, RUN
+from celery.worker import state as worker_state
+from kombu import Connection, Exchange, Queue
+
+from worker.constants import ALL_QUEUES, BATCH_QUEUE, SEARCH_QUEUE
 from worker.queue.intake import ConsumerIntake
 
 
 class Hub:
+    """The event loop: callbacks wait until :meth:`run` (in any order)."""
+
     def __init__(self) -> None:
-        self.woken = 0
+        self.ready: list[Callable[[], None]] = []
 
-    def call_soon(self, callback: object) -> None:
-        self.woken += 1
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        self.ready.append(callback)
 
-
-class Consumer:
-    def __init__(self, prefetch: int) -> None:
-        self.counts: list[int] = []
-        self.qos = QoS(lambda prefetch_count: self.counts.append(prefetch_count), prefetch)
-        self.hub = Hub()
+    def run(self, reverse: bool = False) -> None:
+        ready, self.ready = self.ready, []
+        for callback in reversed(ready) if reverse else ready:
+            callback()
 
 
-def test_pause_takes_the_prefetch_count_to_one_and_resume_gives_it_back() -> None:
-    consumer = Consumer(300)
+@pytest.fixture
+def app() -> Celery:
+    app = Celery("intake-test", set_as_current=False)
+    app.conf.task_queues = [
+        Queue(name, Exchange(name, type="direct"), routing_key=name) for name in ALL_QUEUES
+    ]
+    return app
+
+
+@pytest.fixture
+def connection() -> Iterator[Connection]:
+    with Connection("memory://") as conn:
+        yield conn
+
+
+def consumer(app: Celery, connection: Connection) -> Any:
+    """What the intake reads of Celery's consumer, its task consumer a real kombu one."""
+    tasks = app.amqp.TaskConsumer(connection.channel())
+    tasks.consume()
+    return SimpleNamespace(
+        app=app, task_consumer=tasks, hub=Hub(), blueprint=SimpleNamespace(state=RUN)
+    )
+
+
+def reading(c: Any) -> set[str]:
+    return {name for name in ALL_QUEUES if c.task_consumer.consuming_from(name)}
+
+
+def test_pause_stops_only_the_batch_queue_in_the_event_loop_and_resume_reads_it_again(
+    app: Celery, connection: Connection
+) -> None:
+    c = consumer(app, connection)
     intake = ConsumerIntake()
-    intake.resume()  # nothing paused: nothing to give back
-    intake.attach(consumer)
+    intake.attach(c)
+    c.hub.run()  # a fresh consumer, not paused: nothing changes
+    assert reading(c) == set(ALL_QUEUES)
     intake.pause()
-    intake.pause()  # already paused
-    assert consumer.qos.value == 1
-    consumer.qos.increment_eventually()  # Celery's own change meanwhile (an ETA task)
+    assert reading(c) == set(ALL_QUEUES)  # not from this thread: in the event loop
+    c.hub.run()
+    assert reading(c) == set(ALL_QUEUES) - {BATCH_QUEUE}
     intake.resume()
-    intake.resume()  # given back once
-    assert consumer.qos.value == 301
-    assert consumer.hub.woken == 1  # the event loop goes round to apply it
-    consumer.qos.update()
-    assert consumer.counts[-1] == 301
+    intake.resume()
+    c.hub.run()
+    assert reading(c) == set(ALL_QUEUES)  # added once
+    assert list(c.task_consumer.queues).count(app.amqp.queues[BATCH_QUEUE]) == 1
 
 
-def test_a_new_consumer_after_a_reconnect_is_not_given_the_old_ones_count() -> None:
+def test_callbacks_run_in_any_order_leave_the_state_last_asked(
+    app: Celery, connection: Connection
+) -> None:
+    c = consumer(app, connection)
     intake = ConsumerIntake()
-    intake.attach(Consumer(300))
+    intake.attach(c)
     intake.pause()
-    fresh = Consumer(300)
+    intake.resume()
+    c.hub.run(reverse=True)
+    assert BATCH_QUEUE in reading(c)
+    intake.pause()
+    intake.resume()
+    intake.pause()
+    c.hub.run(reverse=True)
+    assert reading(c) == set(ALL_QUEUES) - {BATCH_QUEUE}
+
+
+def test_a_consumer_after_a_reconnect_is_paused_again_and_resumed_once(
+    app: Celery, connection: Connection
+) -> None:
+    intake = ConsumerIntake()
+    old = consumer(app, connection)
+    intake.attach(old)
+    intake.pause()
+    old.hub.run()
+    fresh = consumer(app, connection)  # starts on every selected queue
     intake.attach(fresh)
+    fresh.hub.run()
+    assert reading(fresh) == set(ALL_QUEUES) - {BATCH_QUEUE}
     intake.resume()
-    assert fresh.qos.value == 300
+    fresh.hub.run()
+    assert reading(fresh) == set(ALL_QUEUES)
 
 
-def test_without_a_consumer_it_does_nothing() -> None:
+def test_a_queue_the_worker_was_not_started_with_is_never_added(
+    app: Celery, connection: Connection
+) -> None:
+    app.amqp.queues.select([SEARCH_QUEUE])  # celery worker -Q sift.search
+    c = consumer(app, connection)
+    intake = ConsumerIntake()
+    intake.attach(c)
+    intake.pause()
+    intake.resume()
+    c.hub.run()
+    assert reading(c) == {SEARCH_QUEUE}
+
+
+def test_nothing_is_added_while_the_worker_stops(
+    app: Celery, connection: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = consumer(app, connection)
+    intake = ConsumerIntake()
+    intake.attach(c)
+    intake.pause()
+    c.hub.run()
+    monkeypatch.setattr(worker_state, "should_stop", 0)  # SIGTERM: a warm shutdown, exit 0
+    intake.resume()
+    c.hub.run()
+    assert BATCH_QUEUE not in reading(c)
+    monkeypatch.setattr(worker_state, "should_stop", None)
+    c.blueprint.state = CLOSE  # the consumer stopping
+    intake.resume()
+    c.hub.run()
+    assert BATCH_QUEUE not in reading(c)
+    c.task_consumer = None  # shut down
+    intake.pause()
+    c.hub.run()  # nothing to change, no error
+
+
+def test_without_a_consumer_or_an_event_loop_it_does_nothing(
+    app: Celery, connection: Connection
+) -> None:
     intake = ConsumerIntake()
     intake.pause()
     intake.resume()
+    c = consumer(app, connection)
+    c.hub = None
+    intake.attach(c)
+    intake.pause()
+    assert reading(c) == set(ALL_QUEUES)

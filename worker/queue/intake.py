@@ -1,66 +1,100 @@
-"""How many messages a worker process takes from the broker while its batch items queue up.
+"""Whether a worker process takes batch chunks from the broker while its batch items queue up.
 
 Celery's consumer takes messages while fewer than its prefetch count (one per thread: 300)
 are unacked, and a chunk task holds its message until its items are done; so the first
 process to poll takes most of a large batch's chunks, and at the end it still has hundreds
 of items queued while another process idles (measured: 650 against 1,350 items of a
-2,000-query batch between two processes). :class:`ConsumerIntake` pauses the consumer (its
-prefetch count down to 1, which ``can_consume`` then refuses) while the process's item
-queue holds a pool's worth of items not yet started, and gives the count back once half
-of them have started (:class:`worker.queue.items.ItemQueue` decides when): the rest of the
-batch's chunks stay in Redis for whichever process has room. A paused process takes no
-search either; it had no room for one.
+2,000-query batch between two processes). :class:`ConsumerIntake` stops the consumer
+reading the batch queue (:data:`~worker.constants.BATCH_QUEUE`) while the process's item
+queue holds a pool's worth of items not yet started, and reads it again once half of them
+have started (:class:`worker.queue.items.ItemQueue` decides when): the rest of the batch's
+chunks stay in Redis for whichever process has room.
 
-Celery applies a changed count in its event loop, which a resume wakes (``hub.call_soon``);
-the process resumes at half a pool's worth, not when its queue is empty, so it has work
-while the loop comes round and the next messages arrive.
+Only that queue pauses: searches, index reads, ingests and webhooks flow on, and the
+prefetch count is never touched. What the pause delays in this process is what the batch
+queue carries: batch chunks, and the economy tasks routed there (submit, poll, cancel of
+provider batches), which another process with room takes meanwhile.
+
+Celery's consumer is not thread-safe, so a change is applied in its event loop
+(``hub.call_soon``, which takes a lock and wakes the loop). The callback reads the wanted
+state when it runs, so callbacks run in any order or twice leave the queue as last asked.
+It never adds a queue the worker was not started with (``-Q``), nor one an operator
+cancelled (both leave it out of the app's selected queues), nor any while the worker
+stops. A consumer after a reconnect starts on every selected queue; attaching it applies
+the wanted state again.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from celery import bootsteps
+from celery.bootsteps import RUN
+from celery.worker import state as worker_state
+
+from worker.constants import BATCH_QUEUE
+
+log = logging.getLogger(__name__)
 
 
 class ConsumerIntake:
-    """The process's Celery consumer, paused and resumed through its prefetch count. Calls
-    come one at a time (the item queue's lock), from any thread: kombu's ``QoS`` takes
-    its own lock, and Celery's event loop applies the change."""
+    """The process's Celery consumer, its reading of ``queue`` paused and resumed. ``pause``
+    and ``resume`` come one at a time (the item queue's lock), from any thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, queue: str = BATCH_QUEUE) -> None:
+        self._queue = queue
         self._consumer: Any = None
-        self._held: tuple[Any, int] | None = None  # (the QoS paused, by how much)
+        self._paused = False  # what the item queue asked for last
 
     def attach(self, consumer: Any) -> None:
         self._consumer = consumer
+        self._schedule()  # a consumer after a reconnect reads every queue: pause it again
 
     def pause(self) -> None:
-        qos = getattr(self._consumer, "qos", None)
-        if qos is None or self._held is not None:
-            return
-        by = max(0, int(qos.value) - 1)
-        if by:
-            qos.decrement_eventually(by)
-            self._held = (qos, by)
+        self._paused = True
+        self._schedule()
 
     def resume(self) -> None:
-        held, self._held = self._held, None
-        if held is None:
+        self._paused = False
+        self._schedule()
+
+    def _schedule(self) -> None:
+        hub = getattr(self._consumer, "hub", None)
+        if hub is not None:  # without an event loop, no thread may touch the consumer
+            hub.call_soon(self.apply)
+
+    def apply(self) -> None:
+        """In the consumer's event loop: read the queue or not, as last asked."""
+        consumer = self._consumer
+        tasks = getattr(consumer, "task_consumer", None)
+        if tasks is None:  # not started, or shut down
             return
-        paused, by = held
-        current: Any = getattr(self._consumer, "qos", None)
-        if current is not None and current is paused:  # not a new one (after a reconnect)
-            current.increment_eventually(by)
-            # wake the event loop, which may be polling with nothing to read for up to 10 s
-            # (its next timer): it applies the count when it next goes round
-            hub = getattr(self._consumer, "hub", None)
-            if hub is not None:
-                hub.call_soon(_go_round)
+        try:
+            reading = tasks.consuming_from(self._queue)
+            if self._paused and reading:
+                tasks.cancel_by_queue(self._queue)
+                log.info("stopped reading %s: a pool's worth of batch items wait", self._queue)
+            elif not self._paused and not reading and self._may_read(consumer):
+                tasks.add_queue(consumer.app.amqp.queues[self._queue])
+                tasks.consume()
+                log.info("reading %s again", self._queue)
+        except Exception:  # only a balance between processes: never stop the event loop
+            log.warning("the batch queue's intake was not changed", exc_info=True)
+
+    def _may_read(self, consumer: Any) -> bool:
+        """The worker reads the queue (selected: not left out by ``-Q`` or cancelled by an
+        operator) and is not stopping."""
+        if any(flag is not None and flag is not False for flag in _stop_flags()):  # 0 is set
+            return False
+        if getattr(consumer.blueprint, "state", None) != RUN:
+            return False
+        return self._queue in consumer.app.amqp.queues.consume_from
 
 
-def _go_round() -> None:
-    """Nothing: scheduled only to wake Celery's event loop."""
+def _stop_flags() -> tuple[object, object]:
+    """Celery's warm and cold shutdown flags (an exit code once set, 0 included)."""
+    return worker_state.should_stop, worker_state.should_terminate
 
 
 INTAKE = ConsumerIntake()  # the process's one consumer

@@ -159,7 +159,7 @@ class CancelMarks:
 
 
 class Intake(Protocol):
-    """The process's broker consumer (:class:`worker.queue.intake.ConsumerIntake`)."""
+    """The process's reading of the batch queue (:class:`worker.queue.intake.ConsumerIntake`)."""
 
     def pause(self) -> None: ...
 
@@ -169,9 +169,9 @@ class Intake(Protocol):
 class ItemQueue:
     """The process's queue of batch items (see the module doc).
 
-    With an ``intake``, the process takes no more messages while ``high`` items or more wait
-    unstarted, until half of them have started: another process takes the batch's other
-    chunks (:mod:`worker.queue.intake`)."""
+    With an ``intake``, the process reads no more of the batch queue while ``high`` items or
+    more wait unstarted, until half of them have started: another process takes the batch's
+    other chunks (:mod:`worker.queue.intake`); its other queues flow on."""
 
     def __init__(
         self, store: JobStore, pool: ThreadPoolExecutor, intake: Intake | None = None, high: int = 0

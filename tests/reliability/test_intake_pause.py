@@ -1,0 +1,171 @@
+"""A worker process paused by a big batch still answers searches and index reads at once.
+
+A real stack (redis-server, the gateway under uvicorn, one ``sift worker`` process at its
+default settings) and the fake Messages API answering in 10 s, so a reranked batch of 1,000
+queries keeps more than a pool's worth (``SIFT_BATCH_ITEM_CONCURRENCY``, 300) of items
+waiting: the process stops reading the batch queue (:mod:`worker.queue.intake`), and the
+rest of the batch's chunks stay in Redis. Unpaused it would have taken every chunk at once
+(its prefetch count is 300 messages; the batch is 40 chunks).
+
+While it is paused, an ``fts`` search and ``GET /v1/indexes/{index}`` (an index read the
+gateway answers 503 when no worker takes it in 10 s) both answer, and the batch queue still
+holds the same chunks after both: the process took them while paused, not after a resume
+(which would also have taken chunks). Then SIGTERM while paused: the worker exits on its own.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import (
+    ACME,
+    INDEX,
+    assert_batch_exactly_once,
+    batch_counts,
+    broker_state,
+    ingest,
+    stack_env,
+    submit_batch,
+    wait_for,
+)
+from tests.reliability.test_broker_restart import DOWN_SECONDS, FINISH_TIMEOUT, broker
+from tests.services import gateway, redis_server
+from worker.constants import ALL_QUEUES, BATCH_QUEUE, INDEX_READ_TASK, SEARCH_TASK
+from worker.settings import Settings
+from worker.stack import child_env, worker_process
+
+pytestmark = pytest.mark.integration
+
+TOTAL = 1000  # queries: 40 chunks of 25
+
+
+@dataclass
+class Stack:
+    redis_url: str
+    client: httpx.Client
+    env: dict[str, str]
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    with (
+        FakeAnthropic(delay=10.0) as model,
+        redis_server(tmp_path / "redis") as base_url,
+    ):
+        url = base_url + "/0"
+        env = stack_env(url, model.url)
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # its default
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            yield Stack(url, client, env)
+
+
+def received_while_paused(log: str, task: str) -> bool:
+    """The worker's log has ``task`` received after it stopped reading the batch queue and
+    before it read it again."""
+    paused = False
+    for line in log.splitlines():
+        if f"stopped reading {BATCH_QUEUE}" in line:
+            paused = True
+        elif f"reading {BATCH_QUEUE} again" in line:
+            paused = False
+        elif f"Task {task}[" in line and line.endswith("received"):
+            return paused
+    raise AssertionError(f"{task} was never received")
+
+
+def test_a_paused_process_still_answers_searches_and_index_reads(
+    stack: Stack, tmp_path: Path
+) -> None:
+    broker = redis.Redis.from_url(stack.redis_url)
+    env = child_env(stack.env, inherit_sift=False)
+    pool = Settings.model_fields["batch_item_concurrency"].default
+    with worker_process(tmp_path / "w", env) as worker:
+        ingest(stack.client)
+        batch_id = submit_batch(stack.client, TOTAL)
+
+        def paused_with_the_pool_full() -> bool:
+            """Every thread on an item (none starts for 10 s: the model's latency) and
+            chunks left in Redis, the same a second later."""
+            before = int(broker.llen(BATCH_QUEUE))
+            time.sleep(1.0)
+            started = batch_counts(stack.client, batch_id)["counts"]["running"]
+            return before == int(broker.llen(BATCH_QUEUE)) > 0 and started >= pool
+
+        wait_for(paused_with_the_pool_full, "the process paused, its pool full", 120)
+
+        search = stack.client.post(
+            "/v1/searches",
+            json={"index": INDEX, "query": "green tea", "mode": "fts", "rerank": False},
+            headers=ACME,
+        )
+        assert search.status_code in (200, 202), search.text
+        search_id = search.json()["id"]
+
+        def search_done() -> bool:
+            body = stack.client.get(f"/v1/searches/{search_id}", headers=ACME).json()
+            return bool(body["status"] in ("succeeded", "failed"))
+
+        wait_for(search_done, "the fts search answered")
+        index = stack.client.get(f"/v1/indexes/{INDEX}", headers=ACME)
+
+        # both answered while the batch runs on, the process taking them while paused
+        batch = batch_counts(stack.client, batch_id)
+        assert batch["status"] == "running" and batch["counts"]["queued"] > 0, batch
+        done = stack.client.get(f"/v1/searches/{search_id}", headers=ACME).json()
+        assert done["status"] == "succeeded", done
+        assert done["result"]["hits"] and done["result"]["rerank"]["applied"] is False
+        assert index.status_code == 200, index.text
+        assert index.json()["documents"] > 0, index.json()
+        log = (tmp_path / "w" / "worker.log").read_text(errors="replace")
+        assert received_while_paused(log, SEARCH_TASK), log[-3000:]
+        assert received_while_paused(log, INDEX_READ_TASK), log[-3000:]
+
+        worker.send_signal(signal.SIGTERM)  # while paused: hands the batch back and exits
+        assert worker.wait(120) == 0
+
+
+def test_a_process_paused_when_redis_restarts_reads_the_batch_queue_again(tmp_path: Path) -> None:
+    """Redis restarted (SIGTERM, AOF on) while the process is paused: the consumer after the
+    reconnect starts on every queue and is paused again while items wait, then reads the
+    batch queue again, so the batch ends with every item once and no chunk left in Redis."""
+    with (
+        FakeAnthropic(delay=3.0) as model,
+        broker(tmp_path / "redis") as redis_broker,
+    ):
+        url = redis_broker.url + "/0"
+        env = stack_env(url, model.url)
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+            worker_process(tmp_path / "w", child_env(env, inherit_sift=False)) as worker,
+        ):
+            ingest(client)
+            batch_id = submit_batch(client, TOTAL)
+            log = tmp_path / "w" / "worker.log"
+            wait_for(lambda: f"stopped reading {BATCH_QUEUE}" in log.read_text(), "a pause", 120)
+            redis_broker.kill(signal.SIGTERM)
+            time.sleep(DOWN_SECONDS)
+            redis_broker.start_again()
+            wait_for(
+                lambda: batch_counts(client, batch_id)["status"] == "succeeded",
+                "the batch finished after the restart",
+                FINISH_TIMEOUT,
+            )
+            assert_batch_exactly_once(client, url, batch_id, TOTAL)
+            assert not any(broker_state(url)[queue] for queue in ALL_QUEUES), broker_state(url)
+            text = log.read_text(errors="replace")
+            reconnected = text.index("Connection to broker lost")
+            assert f"reading {BATCH_QUEUE} again" in text[reconnected:], text[-3000:]
+            assert worker.poll() is None
