@@ -8,7 +8,10 @@ uvicorn, and the fake Messages API on loopback HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +23,7 @@ from typing import Any
 import httpx
 import redis
 
+from tests.services import free_port, redis_server
 from worker.constants import ALL_QUEUES, BATCH_COUNTS_KEY, BATCH_ITEMS_KEY, BATCH_RESULTS_KEY
 
 KEYS = [
@@ -225,3 +229,52 @@ def webhook_receiver() -> Iterator[Receiver]:
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+# --- a restartable broker -------------------------------------------------------------
+
+DOWN_SECONDS = 2.0  # how long redis-server stays down: every client sees it gone
+# The batch's finish after the restart: a few seconds in these runs. Items a task had not
+# stored when the broker went away come back through their message (restored at reconnect,
+# or the late ack) or, at worst, the re-drive (every 30 s, for batches idle 120 s): within
+# 3x that stall, plus the sweep.
+FINISH_TIMEOUT = 3 * 120.0 + 30.0
+
+
+class Broker:
+    """redis-server with AOF ``everysec`` on one port and directory, restartable in place."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.port = directory, free_port()
+        self._stack = contextlib.ExitStack()
+        self.url = self._start()
+
+    def _start(self) -> str:
+        context = redis_server(self.directory, port=self.port, appendonly=True)
+        return self._stack.enter_context(context)
+
+    def kill(self, signum: signal.Signals) -> None:
+        """Signal redis-server and wait for it to exit."""
+        client = redis.Redis.from_url(self.url)
+        try:
+            pid = int(client.info("server")["process_id"])
+        finally:
+            client.close()
+        os.kill(pid, signum)
+        self._stack.close()  # waits for the process (stop() only signals one still running)
+
+    def start_again(self) -> None:
+        """redis-server on the same port and directory: it loads the AOF."""
+        assert self._start() == self.url
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+@contextlib.contextmanager
+def broker(directory: Path) -> Iterator[Broker]:
+    running = Broker(directory)
+    try:
+        yield running
+    finally:
+        running.close()

@@ -21,29 +21,30 @@ re-drive tests cover.
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from subprocess import Popen
 
 import httpx
 import pytest
-import redis
 
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     ACME,
+    DOWN_SECONDS,
+    FINISH_TIMEOUT,
+    Broker,
     assert_batch_exactly_once,
     batch_counts,
+    broker,
     broker_state,
     ingest,
     stack_env,
     submit_batch,
     wait_for,
 )
-from tests.services import free_port, gateway, redis_server
+from tests.services import gateway
 from worker.constants import ALL_QUEUES
 from worker.stack import child_env, worker_process
 
@@ -51,51 +52,6 @@ pytestmark = pytest.mark.integration
 
 RUNS = 5
 TOTAL = 200  # items per batch: a few seconds of work, so each restart lands mid-batch
-DOWN_SECONDS = 2.0  # how long redis-server stays down: every client sees it gone
-# The batch's finish after the restart: a few seconds in these runs. Items a task had not
-# stored when the broker went away come back through their message (restored at reconnect,
-# or the late ack) or, at worst, the re-drive (every 30 s, for batches idle 120 s): within
-# 3x that stall, plus the sweep.
-FINISH_TIMEOUT = 3 * 120.0 + 30.0
-
-
-class Broker:
-    """redis-server with AOF ``everysec`` on one port and directory, restartable in place."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory, self.port = directory, free_port()
-        self._stack = contextlib.ExitStack()
-        self.url = self._start()
-
-    def _start(self) -> str:
-        context = redis_server(self.directory, port=self.port, appendonly=True)
-        return self._stack.enter_context(context)
-
-    def kill(self, signum: signal.Signals) -> None:
-        """Signal redis-server and wait for it to exit."""
-        client = redis.Redis.from_url(self.url)
-        try:
-            pid = int(client.info("server")["process_id"])
-        finally:
-            client.close()
-        os.kill(pid, signum)
-        self._stack.close()  # waits for the process (stop() only signals one still running)
-
-    def start_again(self) -> None:
-        """redis-server on the same port and directory: it loads the AOF."""
-        assert self._start() == self.url
-
-    def close(self) -> None:
-        self._stack.close()
-
-
-@contextlib.contextmanager
-def broker(directory: Path) -> Iterator[Broker]:
-    running = Broker(directory)
-    try:
-        yield running
-    finally:
-        running.close()
 
 
 def _succeeded(client: httpx.Client, batch_id: str) -> int:

@@ -28,16 +28,18 @@ import redis
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     ACME,
+    DOWN_SECONDS,
+    FINISH_TIMEOUT,
     INDEX,
     assert_batch_exactly_once,
     batch_counts,
+    broker,
     broker_state,
     ingest,
     stack_env,
     submit_batch,
     wait_for,
 )
-from tests.reliability.test_broker_restart import DOWN_SECONDS, FINISH_TIMEOUT, broker
 from tests.services import gateway, redis_server
 from worker.constants import ALL_QUEUES, BATCH_QUEUE, INDEX_READ_TASK, SEARCH_TASK
 from worker.settings import Settings
