@@ -90,8 +90,9 @@ def build_index_settings(settings: Settings) -> IndexSettingsSource | None:
     if not settings.redis_url:
         return None
     from worker.adapters.index_settings import RedisIndexSettings
+    from worker.redis_client import OUTAGE_SECONDS
 
-    return RedisIndexSettings.from_url(settings.redis_url)
+    return RedisIndexSettings.from_url(settings.redis_url, outage_seconds=OUTAGE_SECONDS)
 
 
 def build_backend(settings: Settings) -> SearchBackend:
@@ -144,23 +145,19 @@ def build_rate_budget(settings: Settings, lane: str = "standard") -> RedisRateBu
     model = settings.generation_model_id
     if model is None or not settings.redis_url or not settings.rate_budget_enabled:
         return None
-    import redis
-
     from worker.adapters.rate_budget import RedisRateBudget
+    from worker.redis_client import OUTAGE_SECONDS, connect
 
     limits = settings.rate_limits.get(model)
     if lane == LANE_ECONOMY:  # a few calls a minute: a small pool
         economy = limits.economy if limits is not None else None
-        client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=5)
+        client = connect(settings.redis_url, outage_seconds=OUTAGE_SECONDS)
         lane_limits = RateLimit(rpm=economy.rpm) if economy is not None else None
         return RedisRateBudget(client, model, lane_limits, lane=LANE_ECONOMY)
     # every thread of the process may reserve at once: a thread finding every connection busy
     # waits for one rather than failing its search (redis-py's default pool stops at 100)
     threads = settings.worker_concurrency + settings.batch_item_concurrency + 32
-    pool = redis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=threads, timeout=20, socket_connect_timeout=5
-    )
-    client = redis.Redis(connection_pool=pool)
+    client = connect(settings.redis_url, max_connections=threads, outage_seconds=OUTAGE_SECONDS)
     return RedisRateBudget(client, model, limits)
 
 

@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -159,9 +160,15 @@ def assert_batch_exactly_once(
     batch = batch_counts(client, batch_id)
     assert batch["status"] == "succeeded", batch
     counts = batch["counts"]
-    assert counts["succeeded"] == total, counts  # a double transition would over-count
-    assert counts["queued"] == counts["running"] == counts["failed"] == counts["canceled"] == 0
     results = all_results(client, batch_id)
+    errors = Counter(
+        f"{r['error']['type']}: {r['error'].get('message', '')[:200]}"
+        for r in results
+        if r.get("error")
+    )
+    # a double transition would over-count; a failed item names its error
+    assert counts["succeeded"] == total, (counts, errors.most_common(5))
+    assert counts["queued"] == counts["running"] == counts["failed"] == counts["canceled"] == 0
     ids = [r["query_id"] for r in results]
     assert len(ids) == total and len(set(ids)) == total  # each query id exactly once
     assert ids == [f"q{i:05d}" for i in range(total)]

@@ -32,6 +32,7 @@ from worker.constants import INDEX_SETTINGS_KEY, INDEX_SETTINGS_TTL_SECONDS, WRI
 from worker.contract import FusionSpec
 from worker.core.catalog import SearchSettings, merge_patch
 from worker.errors import InvalidRequest
+from worker.redis_client import connect
 
 # Drop the settings only if they are no newer than the drop (ARGV[1]: its version).
 _CLEAR = """
@@ -67,8 +68,9 @@ class RedisIndexSettings:
         self._clear = client.register_script(_CLEAR)
 
     @classmethod
-    def from_url(cls, url: str) -> RedisIndexSettings:
-        return cls(redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=5))
+    def from_url(cls, url: str, outage_seconds: float = 0.0) -> RedisIndexSettings:
+        """Settings on ``url``; a worker's ride out a Redis restart (``outage_seconds``)."""
+        return cls(connect(url, outage_seconds=outage_seconds))
 
     def get(self, index: str, tenant: str) -> SearchSettings:
         """The settings a search uses: at most ``ttl_seconds`` old."""

@@ -49,7 +49,7 @@ from worker.constants import (
 )
 from worker.errors import ConfigError
 from worker.queue.jobstore import JobStore
-from worker.queue.jobstore.store import CONNECTION_OPTIONS
+from worker.redis_client import CONNECTION_OPTIONS
 from worker.settings import load_settings
 
 Inspect = Callable[[float], tuple[dict[str, Any], dict[str, Any]]]  # (active, stats) by node

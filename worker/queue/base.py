@@ -37,6 +37,7 @@ from worker.queue.intake import INTAKE
 from worker.queue.items import CancelMarks, ItemQueue
 from worker.queue.jobstore import JobStore, webhook_event
 from worker.ratelimit import LimitedReranker, ProviderLimiter
+from worker.redis_client import OUTAGE_SECONDS
 from worker.settings import Settings, load_settings
 
 if TYPE_CHECKING:
@@ -46,8 +47,6 @@ log = logging.getLogger(__name__)
 
 RETRY_BASE_SECONDS = 1.0
 RETRY_CAP_SECONDS = 60.0
-# A worker's job-store calls ride out a Redis restart this long rather than fail the job.
-STORE_OUTAGE_SECONDS = 30.0
 # Allocations between young-generation collections, once the runtime is built (Python's
 # default is 700): with hundreds of searches in flight, collections cost ~8% of the CPU.
 GC_YOUNG_THRESHOLD = 20_000
@@ -189,7 +188,7 @@ def get_context(settings: Settings | None = None) -> WorkerContext:
                         max_connections=settings.worker_concurrency
                         + settings.batch_item_concurrency
                         + 32,
-                        outage_seconds=STORE_OUTAGE_SECONDS,
+                        outage_seconds=OUTAGE_SECONDS,
                     ),
                     limiter=ProviderLimiter(settings.rerank_max_in_flight),
                 )

@@ -83,7 +83,7 @@ from worker.queue.jobstore.records import (
     webhook_event,
 )
 from worker.queue.jobstore.searches import SearchRecords
-from worker.queue.jobstore.store import CONNECTION_OPTIONS
+from worker.redis_client import CONNECTION_OPTIONS
 
 __all__ = [
     "CONNECTION_OPTIONS",

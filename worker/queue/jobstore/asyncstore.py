@@ -20,7 +20,7 @@ from worker.queue.jobstore.idempotency import IdempotencyRef
 from worker.queue.jobstore.records import Enqueue, SearchJob, _in_flight
 from worker.queue.jobstore.scripts import _CREATE_SEARCH
 from worker.queue.jobstore.searches import _create_search_call, _new_search, _search_created
-from worker.queue.jobstore.store import CONNECTION_OPTIONS
+from worker.redis_client import CONNECTION_OPTIONS
 
 
 class AsyncJobStore:

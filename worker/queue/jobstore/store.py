@@ -13,11 +13,8 @@ from collections.abc import Sequence
 from typing import Any, Self, cast
 
 import redis
-from redis.backoff import ExponentialBackoff
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
-from redis.maint_notifications import MaintNotificationsConfig
-from redis.retry import Retry
 
 from worker.coalesce import Coalescer
 from worker.constants import (
@@ -40,21 +37,7 @@ from worker.queue.jobstore.scripts import (
     _TRANSITION_ITEM,
     _TRANSITION_JOB,
 )
-
-# How both stores connect: text replies, and no call left hanging on a dead connection.
-# Maintenance notifications (a Redis Enterprise/Cloud feature, on by default with RESP3 in
-# redis-py 8) make the pool skip its check-out probe, so redis.asyncio 8.1 hands out a
-# connection the server closed (redis/redis-py#4252; the sync pool with hiredis: #4128):
-# the first command after a Redis restart failed. Off, a closed connection is replaced
-# before anything is written to it.
-CONNECTION_OPTIONS: dict[str, Any] = {
-    "decode_responses": True,
-    "socket_connect_timeout": 5,
-    "socket_timeout": 30,
-    "health_check_interval": 30,
-    "maint_notifications_config": MaintNotificationsConfig(enabled=False),
-}
-
+from worker.redis_client import connect
 
 _ScriptCall = tuple[Script, list[str], list[str]]  # a registered script, its keys and args
 # to, allowed-from, outcome, and whether the batch's cancel mark turns the move into a cancel
@@ -98,23 +81,8 @@ class _StoreCore:
     def from_url(
         cls, url: str, *, max_connections: int | None = None, outage_seconds: float = 0.0
     ) -> Self:
-        """A store on ``url``. With ``max_connections``, a thread that finds every connection
-        busy waits for one (up to 20 s) instead of failing its job. With ``outage_seconds``,
-        a command that meets a refused or broken connection is retried, backing off from
-        50 ms to 1 s, for about that long (a Redis restart), instead of failing its job;
-        otherwise redis-py's default applies (3 quick retries)."""
-        options: dict[str, Any] = dict(CONNECTION_OPTIONS)
-        if outage_seconds > 0:
-            # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 s, then 1 s a retry
-            options["retry"] = Retry(
-                ExponentialBackoff(cap=1.0, base=0.05), retries=int(outage_seconds) + 4
-            )
-        if max_connections is None:
-            return cls(redis.Redis.from_url(url, **options))
-        pool = redis.BlockingConnectionPool.from_url(
-            url, max_connections=max_connections, timeout=20, **options
-        )
-        return cls(redis.Redis(connection_pool=pool))
+        """A store on ``url``, connected as :func:`worker.redis_client.connect` says."""
+        return cls(connect(url, max_connections=max_connections, outage_seconds=outage_seconds))
 
     def close(self) -> None:
         """Close the client and its pool's connections (a pool given to redis-py explicitly,
