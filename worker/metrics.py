@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import logging
 import os
 import re
@@ -623,12 +624,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class _SweepingCollector(MultiProcessCollector):
-    """Sums every process's files, after forgetting the live gauges of dead processes."""
+class SweepingCollector(MultiProcessCollector):
+    """Sums every process's files, after forgetting the live gauges of dead processes.
+
+    A file a starting process has just created is still empty (prometheus-client sizes it
+    and writes its header a moment later): it is left out of this collection rather than
+    failing the whole scrape (``struct.error``), as ``MultiProcessCollector`` would.
+    """
 
     def collect(self) -> Any:
         sweep_dead_processes(self._path)
-        return super().collect()  # type: ignore[no-untyped-call]
+        files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _has_header(f)]
+        return self.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+
+
+def _has_header(path: str) -> bool:
+    try:
+        return os.path.getsize(path) >= 8  # the used-bytes word and its padding
+    except OSError:  # removed meanwhile (a dead process's live gauge)
+        return False
 
 
 # --- exposition -------------------------------------------------------------------------------
@@ -640,7 +654,7 @@ def exposition_registry() -> Collector:
     if directory is None:
         return REGISTRY
     registry = CollectorRegistry()
-    _SweepingCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    SweepingCollector(registry, path=directory)  # type: ignore[no-untyped-call]
     return registry
 
 

@@ -28,7 +28,6 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
@@ -40,7 +39,7 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import free_port, gateway, redis_server
-from worker.metrics import snapshot
+from worker.metrics import SweepingCollector, snapshot
 from worker.stack import child_env, stop, worker_process
 
 pytestmark = pytest.mark.integration
@@ -123,7 +122,7 @@ def _items_done_by(metrics_dir: Path, pid: int, scratch: Path) -> float:
         return 0.0
     shutil.copy(source, scratch / source.name)
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(scratch))  # type: ignore[no-untyped-call]
+    SweepingCollector(registry, path=str(scratch))  # type: ignore[no-untyped-call]
     return snapshot(registry).get((COMPLETED, ITEMS_DONE), 0.0)
 
 

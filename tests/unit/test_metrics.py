@@ -341,3 +341,26 @@ def test_setup_multiprocess_refuses_once_something_was_recorded(tmp_path: Path) 
         timeout=60,
     )
     assert "must run before anything is recorded" in run.stdout, run.stderr
+
+
+def test_a_value_file_still_being_created_is_skipped_not_a_failed_scrape(tmp_path: Path) -> None:
+    """A process that starts creates its file empty and writes the header a moment later:
+    prometheus-client's own collector fails the whole scrape on it (``struct.error``)."""
+    import struct
+
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.mmap_dict import MmapedDict
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    written = MmapedDict(str(tmp_path / "counter_101.db"))
+    key = json.dumps(["sift_demo", "sift_demo_total", {}, "demo"], sort_keys=True)
+    written.write_value(key, 3.0, 0.0)
+    written.close()
+    (tmp_path / "counter_102.db").touch()  # another process's, just created
+    plain = CollectorRegistry()
+    MultiProcessCollector(plain, path=str(tmp_path))  # type: ignore[no-untyped-call]
+    with pytest.raises(struct.error):
+        metrics.snapshot(plain)
+    registry = CollectorRegistry()
+    metrics.SweepingCollector(registry, path=str(tmp_path))  # type: ignore[no-untyped-call]
+    assert metrics.snapshot(registry)[("sift_demo_total", ())] == 3.0
