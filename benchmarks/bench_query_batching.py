@@ -228,6 +228,12 @@ def cpu_ms(run: Callable[[], object], n: int) -> tuple[float, float]:
     return 1000 * (time.process_time() - cpu) / n, n / (time.perf_counter() - wall)
 
 
+def threaded(embed: Callable[[list[str]], object], texts: list[str], n: int) -> tuple[float, float]:
+    """``cpu_ms`` of ``texts`` embedded one per request from ``n`` threads at once."""
+    with ThreadPoolExecutor(n) as pool:
+        return cpu_ms(lambda: list(pool.map(lambda q: embed([q]), texts)), len(texts))
+
+
 class Counting:
     """An embedder that counts model calls and texts, to print texts per call."""
 
@@ -304,27 +310,13 @@ def main() -> None:
                 row = [f"alone {ms:.2f} ms ({rate:.0f}/s)"]
                 for n in threads:
                     texts = qs * max(1, (3 * n) // len(qs) + 1)
-                    with ThreadPoolExecutor(
-                        n
-                    ) as pool:  # each thread its own call: the worker today
-                        ms, rate = cpu_ms(
-                            lambda pool=pool, one=one, texts=texts: list(
-                                pool.map(lambda q: one.embed([q]), texts)
-                            ),
-                            len(texts),
-                        )
+                    ms, rate = threaded(one.embed, texts, n)  # a call each: the worker today
                     row.append(f"{n} threads alone {ms:.2f} ms ({rate:.0f}/s)")
                     counting = Counting(model(name))
                     coalescing = CoalescingEmbedder(counting)  # as build_embedder does for fp32
-                    with ThreadPoolExecutor(n) as pool:
-                        list(pool.map(lambda q: coalescing.embed([q]), texts[:n]))  # warm up
-                        counting.calls = counting.texts = 0
-                        ms, rate = cpu_ms(
-                            lambda pool=pool, c=coalescing, texts=texts: list(
-                                pool.map(lambda q: c.embed([q]), texts)
-                            ),
-                            len(texts),
-                        )
+                    threaded(coalescing.embed, texts[:n], n)  # warm up
+                    counting.calls = counting.texts = 0
+                    ms, rate = threaded(coalescing.embed, texts, n)
                     per_call = counting.texts / max(1, counting.calls)
                     row.append(f"coalesced {ms:.2f} ms ({rate:.0f}/s, {per_call:.1f}/call)")
                 for batch in (1, 8):
