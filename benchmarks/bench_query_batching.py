@@ -15,10 +15,12 @@ is quantized on its own. The graphs measured:
   Its coalesced rows are a reference only (what batching could give at best): its vectors
   change with the batch.
 * ``per-row``: the same folded fp32 graph, each weight MatMul's input quantized per row
-  (token), symmetric, scale ``max|row| / 127``, as uint8 with the zero point 128 (a scalar:
-  onnxruntime's CPU ``MatMulInteger`` takes no per-row zero point, and int8 x int8 takes a
-  path ten times slower here); weights int8 per output channel as ``quantize_dynamic``
-  makes them; ``com.microsoft.MatMulIntegerToFloat`` then times the row scales.
+  (token), symmetric: scale ``max|row| / 127``, the row divided by it, then uint8 with the
+  zero point 128 (a scalar: onnxruntime's CPU ``MatMulInteger`` takes no per-row zero
+  point, and int8 x int8 takes a path ten times slower here). Weights int8 per output
+  channel, as ``quantize_dynamic`` makes them. ``com.microsoft.MatMulIntegerToFloat`` takes
+  the row scales as a ``[batch, tokens, 1]`` A scale and broadcasts it over its output
+  (onnxruntime 1.32; it would add a bias before that scale, so the bias Add stays apart).
 * ``nbits8``: onnxruntime's own op for it, ``com.microsoft.MatMulNBits`` with 8-bit weights
   in blocks of 32 and ``accuracy_level=4`` (the activations quantized to int8 per row and
   block inside the kernel).
@@ -113,66 +115,49 @@ def per_row_model(model: Any) -> Any:
     """``model`` (folded fp32) with every weight MatMul's input quantized per row: a row's
     int8 values and scale depend on that row alone, so no text's vector depends on its batch.
     MatMuls that share an input (query, key, value) share its quantization."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     inits, matmuls = _weight_matmuls(model)
     consts = {
         "pr_inv127": np.array(1 / 127, np.float32),
         "pr_tiny": np.array(1e-12, np.float32),
-        "pr_zero": np.array(0, np.float32),
-        "pr_128": np.array(128, np.float32),
         "pr_one": np.array(1.0, np.float32),
         "pr_zp": np.array(128, np.uint8),
-        "pr_col": np.array([-1, 1], np.int64),
-        "pr_first": np.array([0], np.int64),
-        "pr_last": np.array([-1], np.int64),
     }
     extra = [numpy_helper.from_array(v, k) for k, v in consts.items()]
     replaced: dict[int, list[Any]] = {}
     rows: dict[str, str] = {}  # an input -> the prefix of its quantized form
     for node in matmuls:
         a, weight = node.input[0], inits[node.input[1]]
-        k, n = weight.dims
         new: list[Any] = []
         if a not in rows:
             p = rows[a] = f"pr{len(rows)}"
-            extra.append(numpy_helper.from_array(np.array([-1, k], np.int64), p + "_2d"))
             mk = helper.make_node
             new += [
-                mk("Shape", [a], [p + "_shape"]),
-                mk("Slice", [p + "_shape", "pr_first", "pr_last"], [p + "_lead"]),
-                mk("Reshape", [a, p + "_2d"], [p + "_a"]),
-                mk("Abs", [p + "_a"], [p + "_abs"]),
-                mk("ReduceMax", [p + "_abs"], [p + "_amax"], axes=[-1], keepdims=0),
+                mk("Abs", [a], [p + "_abs"]),
+                mk("ReduceMax", [p + "_abs"], [p + "_amax"], axes=[-1], keepdims=1),
                 mk("Mul", [p + "_amax", "pr_inv127"], [p + "_s0"]),
-                mk("Max", [p + "_s0", "pr_tiny"], [p + "_s"]),
-                mk("Mul", [p + "_s", "pr_zero"], [p + "_z0"]),  # a zero point per row: 128
-                mk("Add", [p + "_z0", "pr_128"], [p + "_z1"]),
-                mk("Cast", [p + "_z1"], [p + "_zp"], to=TensorProto.UINT8),
-                mk("QuantizeLinear", [p + "_a", p + "_s", p + "_zp"], [p + "_q"], axis=0),
-                mk("Reshape", [p + "_s", "pr_col"], [p + "_scol"]),
+                mk("Max", [p + "_s0", "pr_tiny"], [p + "_s"]),  # [batch, tokens, 1]
+                mk("Div", [a, p + "_s"], [p + "_x"]),
+                mk("QuantizeLinear", [p + "_x", "pr_one", "pr_zp"], [p + "_q"]),
             ]
         p = rows[a]
         w = numpy_helper.to_array(weight).astype(np.float32)
         w_scale = (np.maximum(np.abs(w).max(axis=0), 1e-12) / 127).astype(np.float32)
         w_q = np.clip(np.round(w / w_scale), -127, 127).astype(np.int8)
-        b, out = weight.name, node.output[0]
+        b = weight.name
         extra += [
             numpy_helper.from_array(w_q, b + "_pr"),
             numpy_helper.from_array(w_scale, b + "_pr_scale"),
-            numpy_helper.from_array(np.array([n], np.int64), b + "_pr_n"),
         ]
-        new += [
-            helper.make_node(
-                "MatMulIntegerToFloat",
-                [p + "_q", b + "_pr", "pr_one", b + "_pr_scale", "pr_zp"],
-                [out + "_pr_f"],
+        new.append(
+            helper.make_node(  # the row scales broadcast over the output (no bias input here:
+                "MatMulIntegerToFloat",  # onnxruntime adds it before a non-scalar scale)
+                [p + "_q", b + "_pr", p + "_s", b + "_pr_scale", "pr_zp"],
+                list(node.output),
                 domain="com.microsoft",
-            ),
-            helper.make_node("Mul", [out + "_pr_f", p + "_scol"], [out + "_pr_m"]),
-            helper.make_node("Concat", [p + "_lead", b + "_pr_n"], [out + "_pr_shape"], axis=0),
-            helper.make_node("Reshape", [out + "_pr_m", out + "_pr_shape"], [out]),
-        ]
+            )
+        )
         replaced[id(node)] = new
     _replace(model, replaced, extra)
     return model
@@ -269,6 +254,9 @@ def main() -> None:
     parser.add_argument("--threads", default="8,32,300", help="coalesced thread counts")
     parser.add_argument("--docs", type=int, default=48, help="abstracts for the document rows")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--mini-batch", type=int, default=8, help="texts per model call when coalesced"
+    )
     parser.add_argument("--graphs", default="int8,per-row", help="of int8,per-row,nbits8")
     args = parser.parse_args()
     qs = [json.loads(line)["text"] for line in args.queries.read_text().splitlines() if line]
@@ -312,7 +300,7 @@ def main() -> None:
                     texts = qs * max(1, (3 * n) // len(qs) + 1)
                     ms, rate = threaded(one.embed, texts, n)  # a call each: the worker today
                     row.append(f"{n} threads alone {ms:.2f} ms ({rate:.0f}/s)")
-                    counting = Counting(model(name))
+                    counting = Counting(model(name, batch=args.mini_batch))
                     coalescing = CoalescingEmbedder(counting)  # as build_embedder does for fp32
                     threaded(coalescing.embed, texts[:n], n)  # warm up
                     counting.calls = counting.texts = 0
