@@ -28,9 +28,11 @@ is quantized on its own. The graphs measured:
 It prints, per graph: the largest difference between a text's vector alone and in batches
 (all queries in one call, and random groupings), the smallest cosine to the fp32 graph over
 the queries and ``--docs`` abstracts, the process CPU per query (all threads) and the rate,
-one per call and through :class:`~worker.adapters.embedder.CoalescingEmbedder` with each
-thread count (the mean texts per model call beside it), and CPU per abstract one per call
-against mini-batches of 8. Rounds are interleaved; the load average is printed with each.
+one per call, then from each count of threads: a call each and coalesced through
+:class:`~worker.adapters.embedder.CoalescingEmbedder` (the mean texts per model call beside
+it), each model call holding one of the worker's CPU slots (``SIFT_CPU_SLOTS`` at its
+default, one per core and one more) as ``build_embedder`` wraps it; and CPU per abstract one
+per call against mini-batches of 8. Rounds are interleaved; the load average is printed with each.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from worker.adapters.embedder import (  # noqa: E402
     without_nan_guards,
 )
 from worker.evaluation import read_corpus  # noqa: E402
+from worker.queue.slots import SlottedEmbedder, cpu_slots  # noqa: E402
 from worker.runtime import embedding_text  # noqa: E402
 
 Vectors = npt.NDArray[np.float32]
@@ -298,10 +301,13 @@ def main() -> None:
                 row = [f"alone {ms:.2f} ms ({rate:.0f}/s)"]
                 for n in threads:
                     texts = qs * max(1, (3 * n) // len(qs) + 1)
-                    ms, rate = threaded(one.embed, texts, n)  # a call each: the worker today
+                    # a call each, holding one of the worker's CPU slots: the worker today
+                    slotted = SlottedEmbedder(one, cpu_slots(0))
+                    ms, rate = threaded(slotted.embed, texts, n)
                     row.append(f"{n} threads alone {ms:.2f} ms ({rate:.0f}/s)")
                     counting = Counting(model(name, batch=args.mini_batch))
-                    coalescing = CoalescingEmbedder(counting)  # as build_embedder does for fp32
+                    # as build_embedder does for fp32: one call at a time, holding a slot
+                    coalescing = CoalescingEmbedder(SlottedEmbedder(counting, cpu_slots(0)))
                     threaded(coalescing.embed, texts[:n], n)  # warm up
                     counting.calls = counting.texts = 0
                     ms, rate = threaded(coalescing.embed, texts, n)
