@@ -5,7 +5,9 @@ measured side by side in one run, with the cosine between their vectors.
     python benchmarks/bench_embedding.py [--queries 512] [--threads 64]
 
 Prints CPU milliseconds per query (this process, all threads) and the ratios against one
-query per call. The worker's searches embed their queries through ``CoalescingEmbedder``.
+query per call. On the fp32 graph (``SIFT_EMBEDDING_INT8_COMPUTE=false``) the worker's
+searches embed their queries through ``CoalescingEmbedder``; on the int8 graph one per call
+(``bench_query_batching.py`` measures batch-independent int8 graphs coalesced).
 """
 
 from __future__ import annotations

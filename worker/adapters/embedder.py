@@ -297,7 +297,11 @@ class OnnxMiniLMEmbedder:
             # Dynamic quantization scales the activations per call, so in a batch a text's
             # vector would depend on the texts beside it: one text per call keeps the same
             # text at the same vector, always (and costs little: a long text fills the
-            # products alone, a short query at 2.3 ms is still half the fp32 cost).
+            # products alone, a short query at 2.3 ms is still half the fp32 cost). A graph
+            # that quantizes each token on its own batches safely, but coalesced it saved
+            # under a quarter of a query's CPU even at 300 queries in flight, cost more at 8,
+            # and made documents dearer: a query pays per token, not per call
+            # (benchmarks/bench_query_batching.py).
             batch_size = 1
         self._tokenizer_path = tokenizer_path
         self._batch_size = max(1, batch_size)
