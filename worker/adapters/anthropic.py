@@ -10,7 +10,11 @@ Every failure is a :class:`~worker.errors.RerankAttemptError` whose ``outcome`` 
 ``timeout``, ``connection``, ``rate_limited``, ``http_5xx``, ``http_4xx`` or ``malformed``
 (DESIGN.md §4), raised ``from`` the SDK's exception. A malformed answer is a
 :class:`RerankMalformedError`, which also carries the ``usage`` of the response, because the
-tokens spent on it are billed all the same.
+tokens spent on it are billed all the same. A ``200`` whose body is not a message (not JSON, no
+``usage``...) is ``malformed`` too, raised from pydantic's ValidationError.
+
+The SDK sends the request and maps the transport and status errors; the body of an answer is
+read by :func:`parse_body` (``with_raw_response``), not parsed into the SDK's ``Message``.
 
 The SDK's own retries are off (``max_retries=0``): the core's tenacity loop is the one retry
 layer, and it honours ``retry_after``.
