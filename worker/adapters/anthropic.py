@@ -257,7 +257,7 @@ _OTEL_VARIABLES = (
 
 
 class _Usage(BaseModel):
-    """The token counts of a response (missing cache fields count as 0)."""
+    """The token counts of a response (a missing one counts as 0)."""
 
     input_tokens: int | None = None
     output_tokens: int | None = None
