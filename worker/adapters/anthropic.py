@@ -194,8 +194,8 @@ class AnthropicReranker:
         try:
             with self._borrowed() as client:
                 raw = client.messages.with_raw_response.create(**params, timeout=timeout_seconds)
+                body = raw.read()  # read in full already (not streamed): no I/O here
             self._tell_headers(raw.headers)
-            body = raw.read()
         except anthropic.APITimeoutError as exc:
             raise RerankAttemptError(
                 AttemptOutcome.TIMEOUT, f"no answer within {timeout_seconds:g}s"
