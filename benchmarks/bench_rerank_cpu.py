@@ -11,10 +11,10 @@ and the gateway; then the baseline's worker CPU per search over today's. The bas
 same benchmark against a checkout of ``--baseline`` (``git archive``), with its own gateway and
 worker on that tree, the fake and Redis shared; the sides alternate run by run.
 
-``--profile`` samples the worker processes of today's side with py-spy during the measured
-batch (``pip install py-spy``) and splits the worker CPU per search by stage (embedding,
-retrieval, prompt, the SDK's call, the job store, Celery...) by the share of the samples
-in each, beside the raw cost of the same embedding and retrieval calls made in this process.
+``--profile`` runs the workers under :mod:`benchmarks.stage_probe`, which sums each stage's
+thread CPU (embedding, retrieval, the model call, the rest of the search; outside the search:
+job store, Celery...) per search, on today's side and on the baseline's when its tree has the
+probe; beside it, the raw cost of the same embedding and retrieval calls made in this process.
 """
 
 from __future__ import annotations
@@ -94,6 +94,11 @@ def env_for(tmp: Path, redis_url: str, db: int, model_url: str, tree: Path) -> d
         "ANTHROPIC_BASE_URL": model_url,
         "ANTHROPIC_API_KEY": "sk-ant-fake",
     }
+
+
+def probed(tree: Path) -> bool:
+    """Whether ``tree`` has :mod:`benchmarks.stage_probe` (a293bac, the first baseline, has not)."""
+    return (tree / "benchmarks" / "stage_probe.py").exists()
 
 
 def system_seconds(pid: int) -> float:
@@ -224,7 +229,7 @@ def main() -> None:
     parser.add_argument("--baseline", default="a293bac", help="the commit to compare with")
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--profile", action="store_true", help="today's worker CPU by stage")
+    parser.add_argument("--profile", action="store_true", help="worker CPU by stage")
     parser.add_argument("--env", action="append", default=[], metavar="SIFT_X=V",
                         help="a setting of today's side (to try one)")  # fmt: skip
     args = parser.parse_args()
@@ -251,7 +256,7 @@ def main() -> None:
                 for side in order:
                     db += 1
                     row = measure(tmp, f"{side}{run}", sides[side], redis, (model_url, model.pid),
-                                  db, qs, args.profile and side == "today",
+                                  db, qs, args.profile and probed(sides[side]),
                                   extra if side == "today" else {})  # fmt: skip
                     runs[side].append(row)
                     print(side, json.dumps(row), file=sys.stderr, flush=True)

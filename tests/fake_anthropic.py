@@ -74,7 +74,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import httpx
 import uvicorn
@@ -115,7 +115,7 @@ ERROR_MESSAGES: dict[str, str] = {
     "overloaded_error": "Overloaded",
 }
 
-Kind = Literal["good", "positions", "malformed", "status", "stall", "drop"]
+Kind = Literal["good", "positions", "malformed", "status", "stall", "drop", "body"]
 Order = Literal["reverse", "identity"] | Callable[[list[int]], list[int]]
 
 
@@ -144,7 +144,7 @@ class Behaviour:
         unknown = set(data) - known
         if unknown:
             raise ValueError(f"unknown behaviour fields: {sorted(unknown)}")
-        if data.get("kind") not in ("good", "positions", "malformed", "status", "stall", "drop"):
+        if data.get("kind") not in get_args(Kind):
             raise ValueError(f"unknown behaviour kind: {data.get('kind')!r}")
         return cls(**data)
 
@@ -182,6 +182,11 @@ def good() -> Behaviour:
 def drop() -> Behaviour:
     """Close the connection after reading the request, with no response at all."""
     return Behaviour("drop")
+
+
+def body(text: str) -> Behaviour:
+    """Answer ``200`` with ``text`` as the whole ``application/json`` body (a broken message)."""
+    return Behaviour("body", text=text)
 
 
 # --- Message Batches: one request's scripted result ------------------------------------------
@@ -662,6 +667,8 @@ class FakeAnthropic:
             return response
         if behaviour.kind == "drop":
             return await _drop(request)
+        if behaviour.kind == "body":
+            return Response(behaviour.text or "", media_type="application/json")
         if behaviour.seconds > 0 and not await _wait_unless_gone(request, behaviour.seconds):
             return Response(status_code=499)  # the client left; nobody reads this
         payload = await run_in_threadpool(self._message, body, behaviour)

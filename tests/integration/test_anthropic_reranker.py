@@ -14,6 +14,7 @@ import pytest
 
 from tests.fake_anthropic import (
     FakeAnthropic,
+    body,
     drop,
     malformed,
     positions,
@@ -300,6 +301,77 @@ def test_thinking_that_eats_max_tokens_is_malformed(
         reranker.rerank(make_prompt(max_tokens=100), 5.0)
     assert "max_tokens" in info.value.message
     assert info.value.usage.output_tokens == 100
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<html>bad gateway</html>",
+        "",
+        "{}",
+        '{"model": "m", "content": [{"type": "text", "text": "{}"}]}',  # no usage
+        '{"model": "m", "content": "text", "usage": {"input_tokens": 1, "output_tokens": 1}}',
+        '{"model": "m", "content": [{"text": "x"}], "usage": {"input_tokens": 1}}',  # no type
+        '{"model": "m", "content": [], "usage": {"input_tokens": "many"}}',
+        "[1, 2]",
+    ],
+    ids=["html", "empty", "empty-object", "no-usage", "content-string", "block-no-type",
+         "usage-not-int", "array"],
+)  # fmt: skip
+def test_a_body_that_is_not_a_message_is_malformed(
+    fake: FakeAnthropic, reranker: AnthropicReranker, text: str
+) -> None:
+    """Sift reads the body itself (no SDK ``Message``): what it reads is validated, and a
+    broken body is a retryable ``malformed`` attempt, never another exception."""
+    fake.script([body(text)])
+    error = attempt_error(reranker)
+    assert error.outcome is AttemptOutcome.MALFORMED
+    assert error.retryable
+    assert not isinstance(error, RerankMalformedError)  # no usage could be read
+    assert "not a message" in error.message
+
+
+def test_a_message_with_extra_fields_and_blocks_is_read(
+    fake: FakeAnthropic, reranker: AnthropicReranker
+) -> None:
+    """Fields and block types Sift does not read are ignored; text blocks are joined."""
+    fake.script([body(
+        '{"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",'
+        ' "content": [{"type": "thinking", "thinking": "hm", "signature": "s"},'
+        ' {"type": "text", "text": "{\\"positions\\": [3,", "citations": null},'
+        ' {"type": "text", "text": " 1]}"}],'
+        ' "stop_reason": "end_turn", "stop_sequence": null, "container": null,'
+        ' "usage": {"input_tokens": 11, "output_tokens": 7, "cache_read_input_tokens": null,'
+        ' "server_tool_use": null, "service_tier": "standard"}}'
+    )])  # fmt: skip
+    reply = reranker.rerank(make_prompt(), 5.0)
+    assert list(reply.positions) == [3, 1]
+    assert reply.model == "claude-x"
+    assert reply.usage == TokenUsage(
+        input_tokens=11, output_tokens=7, cache_read_input_tokens=0, cache_creation_input_tokens=0
+    )
+
+
+def test_on_headers_sees_answers_and_api_errors_and_its_faults_do_not_fail_the_call(
+    fake: FakeAnthropic, client: anthropic.Anthropic
+) -> None:
+    fake.configure(rpm=1000)  # every answer carries anthropic-ratelimit-* headers
+    seen: list[str | None] = []
+
+    def listener(headers: Any) -> None:
+        seen.append(headers.get("anthropic-ratelimit-requests-limit"))
+        if len(seen) == 2:
+            raise RuntimeError("a broken listener")
+
+    reranker = AnthropicReranker(MODEL, client=client, on_headers=listener)
+    fake.script([positions([2, 1]), status(529), positions([1])])
+    try:
+        assert list(reranker.rerank(make_prompt(), 5.0).positions) == [2, 1]
+        assert attempt_error(reranker).outcome is AttemptOutcome.HTTP_5XX
+        assert list(reranker.rerank(make_prompt(), 5.0).positions) == [1]
+    finally:
+        fake.configure(rpm=None)  # the config outlives the test (reset keeps it)
+    assert seen == ["1000", "1000", "1000"]
 
 
 # --- transport and status classes --------------------------------------------------------

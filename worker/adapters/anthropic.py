@@ -10,7 +10,11 @@ Every failure is a :class:`~worker.errors.RerankAttemptError` whose ``outcome`` 
 ``timeout``, ``connection``, ``rate_limited``, ``http_5xx``, ``http_4xx`` or ``malformed``
 (DESIGN.md §4), raised ``from`` the SDK's exception. A malformed answer is a
 :class:`RerankMalformedError`, which also carries the ``usage`` of the response, because the
-tokens spent on it are billed all the same.
+tokens spent on it are billed all the same. A ``200`` whose body is not a message (not JSON, no
+``usage``...) is ``malformed`` too, raised from pydantic's ValidationError.
+
+The SDK sends the request and maps the transport and status errors; the body of an answer is
+read by :func:`parse_body` (``with_raw_response``), not parsed into the SDK's ``Message``.
 
 The SDK's own retries are off (``max_retries=0``): the core's tenacity loop is the one retry
 layer, and it honours ``retry_after``.
@@ -28,7 +32,7 @@ import threading
 from collections import deque
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import anthropic
 from anthropic._constants import DEFAULT_CONNECTION_LIMITS
@@ -189,14 +193,9 @@ class AnthropicReranker:
         params = self.request_params(prompt)
         try:
             with self._borrowed() as client:
-                if self.on_headers is None:
-                    response = client.messages.create(**params, timeout=timeout_seconds)
-                else:
-                    raw = client.messages.with_raw_response.create(
-                        **params, timeout=timeout_seconds
-                    )
-                    self._tell_headers(raw.headers)
-                    response = raw.parse()
+                raw = client.messages.with_raw_response.create(**params, timeout=timeout_seconds)
+                body = raw.read()  # read in full already (not streamed): no I/O here
+            self._tell_headers(raw.headers)
         except anthropic.APITimeoutError as exc:
             raise RerankAttemptError(
                 AttemptOutcome.TIMEOUT, f"no answer within {timeout_seconds:g}s"
@@ -216,7 +215,7 @@ class AnthropicReranker:
             if "authentication" not in str(exc):
                 raise
             raise RerankAttemptError(AttemptOutcome.HTTP_4XX, str(exc)) from exc
-        return parse_reply(response)
+        return parse_body(body)
 
     def _tell_headers(self, headers: Mapping[str, str]) -> None:
         if self.on_headers is None:
@@ -257,37 +256,95 @@ _OTEL_VARIABLES = (
 )
 
 
+class _Usage(BaseModel):
+    """The token counts of a response (a missing one counts as 0)."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+
+
+class _Block(BaseModel):
+    """A content block: its type, and a ``text`` block's text (other blocks have none)."""
+
+    type: str
+    text: str = ""
+
+
+class _Message(BaseModel):
+    """What Sift reads of a Messages API response body, validated there (other fields ignored).
+
+    Validated straight from the body's bytes by pydantic-core: the SDK's ``raw.parse()``
+    builds its ``Message`` field by field in Python (``construct``, no validation), about a
+    fifth of the SDK's CPU per call.
+    """
+
+    model: str
+    content: list[_Block]
+    stop_reason: str | None = None
+    usage: _Usage
+
+
+class _UsageLike(Protocol):
+    """The SDK's ``Usage`` or :class:`_Usage`."""
+
+    @property
+    def input_tokens(self) -> int | None: ...
+    @property
+    def output_tokens(self) -> int | None: ...
+    @property
+    def cache_read_input_tokens(self) -> int | None: ...
+    @property
+    def cache_creation_input_tokens(self) -> int | None: ...
+
+
+def parse_body(body: bytes) -> RerankReply:
+    """Turn a Messages API response body into a reply, or raise RerankAttemptError
+    (``malformed``: a body that is not a message; RerankMalformedError: an answer not in the
+    schema)."""
+    try:
+        message = _Message.model_validate_json(body)
+    except ValidationError as exc:
+        raise RerankAttemptError(
+            AttemptOutcome.MALFORMED,
+            f"the response is not a message ({exc.error_count()} errors): {_clip(repr(body))}",
+        ) from exc
+    texts = [block.text for block in message.content if block.type == "text"]
+    return _reply(texts, message.stop_reason, message.model, read_usage(message.usage))
+
+
 def parse_reply(response: Message) -> RerankReply:
-    """Turn a Messages API response into a reply, or raise RerankMalformedError."""
-    usage = read_usage(response)
+    """Turn the SDK's ``Message`` (a Message Batch's result) into a reply, or raise
+    RerankMalformedError."""
     texts = [block.text for block in response.content if block.type == "text"]
+    return _reply(texts, response.stop_reason, response.model, read_usage(response.usage))
+
+
+def _reply(texts: list[str], stop_reason: str | None, model: str, usage: TokenUsage) -> RerankReply:
+    """The positions of the answer's text blocks, or RerankMalformedError."""
     if not texts:
         raise RerankMalformedError(
-            f"no text block (stop_reason={response.stop_reason})",
-            usage=usage,
-            model=response.model,
+            f"no text block (stop_reason={stop_reason})", usage=usage, model=model
         )
     text = "".join(texts)
     try:
         answer = _Positions.model_validate_json(text)
     except ValidationError as exc:
-        if response.stop_reason == "max_tokens":
+        if stop_reason == "max_tokens":
             reason = "answer cut at max_tokens"
         elif any(error["type"] == "json_invalid" for error in exc.errors()):
             reason = "answer is not JSON"
         else:
             reason = "answer fails the schema"
         raise RerankMalformedError(
-            f"{reason} (stop_reason={response.stop_reason}): {_clip(text)!r}",
-            usage=usage,
-            model=response.model,
+            f"{reason} (stop_reason={stop_reason}): {_clip(text)!r}", usage=usage, model=model
         ) from exc
-    return RerankReply(positions=list(answer.positions), usage=usage, model=response.model)
+    return RerankReply(positions=list(answer.positions), usage=usage, model=model)
 
 
-def read_usage(response: Message) -> TokenUsage:
-    """The response's token counts; missing cache fields count as 0."""
-    usage = response.usage
+def read_usage(usage: _UsageLike) -> TokenUsage:
+    """A response's token counts; missing fields count as 0."""
     return TokenUsage(
         input_tokens=usage.input_tokens or 0,
         output_tokens=usage.output_tokens or 0,
