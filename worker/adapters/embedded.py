@@ -314,6 +314,7 @@ class EmbeddedBackend:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             conn = apsw.Connection(str(self.data_dir / DB_FILE))
             conn.set_busy_timeout(BUSY_TIMEOUT_MS)
+            conn.config(apsw.SQLITE_DBCONFIG_ENABLE_QPSG, 1)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
             conn.execute(f"PRAGMA mmap_size={MMAP_BYTES}")
