@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import apsw
 import numpy as np
 import pytest
 
@@ -440,3 +441,50 @@ def test_a_versioned_drop_keeps_the_model_of_documents_it_left(tmp_path: Path) -
     assert backend.probe("sci", "acme").model == "m-1"
     with pytest.raises(EmbeddingModelMismatch):
         backend.upsert("sci", "acme", [Document("c", "z")], vector, model="m-2", version=8)
+
+
+def test_searches_reuse_their_prepared_statements_on_a_many_segment_index(tmp_path: Path) -> None:
+    """No statement is compiled again search after search, FTS5's own included.
+
+    Every write transaction adds a segment to the FTS5 index; past one, FTS5 rebinds one
+    of its statements for each term it looks up, and SQLite would compile that statement
+    again at every binding (its plan had looked at the bound value) unless the planner
+    ignores bound values (the query-planner stability guarantee). The authorizer is asked
+    at each compilation, so it counts them.
+    """
+    backend = EmbeddedBackend(tmp_path)
+    for tenant in ("acme", "beta"):
+        for doc in docs_of(CORPUS):  # one transaction, one segment, each
+            backend.upsert("sci", tenant, [doc], None)
+    queries = ["vitamin fractures", "statins cholesterol", "malaria therapy", "sleep obesity"]
+
+    def run() -> list[list[tuple[str, float]]]:
+        return [
+            [
+                (hit.document.id, hit.score)
+                for hit in backend.retrieve(
+                    ChannelQuery("sci", HardFilters("acme"), ("bm25",), 10, text)
+                ).hits["bm25"]
+            ]
+            for text in queries
+        ]
+
+    first = run()
+    compiled: list[tuple[int, str | None]] = []
+
+    def authorizer(
+        op: int, one: str | None, two: str | None, db: str | None, view: str | None
+    ) -> int:
+        compiled.append((op, one))
+        return apsw.SQLITE_OK
+
+    (conn,) = backend._connections
+    conn.authorizer = authorizer  # expires every prepared statement: compiled once more here
+    assert run() == first
+    assert compiled  # the authorizer sees compilations, FTS5's among them
+    compiled.clear()
+    for _ in range(3):
+        assert run() == first
+    assert compiled == []
+    assert all(hits for hits in first)
+    backend.close()

@@ -255,7 +255,7 @@ _NOTHING = _Ranked([], [], lambda i: ("", "", ""))
 class EmbeddedBackend:
     """The :class:`~worker.core.ports.SearchBackend` port on SQLite FTS5 and numpy.
 
-    Safe to share between threads (each call has a pooled connection to itself) and between
+    Safe to share between threads (each thread gets its own connection) and between
     processes on one machine (WAL and a busy timeout). Opens nothing until first use.
     """
 
@@ -264,56 +264,37 @@ class EmbeddedBackend:
     def __init__(self, data_dir: Path, vector_min_similarity: float | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.vector_min_similarity = vector_min_similarity
+        self._local = threading.local()
         self._lock = threading.Lock()
         # Insertion order, the oldest evicted first. An OrderedDict, as a dict's next(iter())
         # walks every slot deleted since its last resize: 2 ms per full-cache search measured.
         self._documents: OrderedDict[int, Document] = OrderedDict()
         self._vectors: dict[str, _Vectors] = {}
-        self._connections: list[apsw.Connection] = []  # every open one, lent or idle
-        self._idle: list[apsw.Connection] = []  # the pool: the last given back on top
-        self._epoch = 0  # bumped by close(): a connection lent before is not taken back
+        self._connections: list[apsw.Connection] = []
         self._inherited: list[apsw.Connection] = []  # kept referenced, so never closed here
         self._pid = os.getpid()
         self._schema_ready = False
 
     # --- connections -------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _conn(self) -> Iterator[apsw.Connection]:
-        """A connection of this process, the caller's alone until the block ends.
-
-        Connections are lent from one pool, the last one given back lent first, so the
-        process holds as many as were ever in use at once (a worker's CPU slots keep that
-        to a few) and a search runs on a connection that ran one a moment ago. One
-        connection per thread, as before, left each of a worker's hundreds of threads its
-        own, mostly idle, page and statement caches.
-        """
-        with self._lock:
-            if os.getpid() != self._pid:  # forked: never use (nor close) the parent's
+    def _conn(self) -> apsw.Connection:
+        if os.getpid() != self._pid:  # forked: never use (nor close) the parent's connections
+            with self._lock:
                 self._inherited += self._connections
                 self._pid, self._connections, self._vectors = os.getpid(), [], {}
-                self._idle, self._documents = [], OrderedDict()
-            conn = self._idle.pop() if self._idle else None
-            epoch = self._epoch
-        if conn is None:
-            conn = self._open()
-        try:
-            yield conn
-        finally:
-            with self._lock:
-                if epoch != self._epoch:
-                    pass  # closed by close() meanwhile
-                elif conn.in_transaction:  # a failed COMMIT or ROLLBACK: not lent again
-                    self._connections.remove(conn)
-                    conn.close()
-                else:
-                    self._idle.append(conn)
-
-    def _open(self) -> apsw.Connection:
+                self._documents = OrderedDict()
+                self._local = threading.local()
+        conn: apsw.Connection | None = getattr(self._local, "conn", None)
+        if conn is not None:
+            return conn
         with _translated("open"):
             self.data_dir.mkdir(parents=True, exist_ok=True)
             conn = apsw.Connection(str(self.data_dir / DB_FILE))
             conn.set_busy_timeout(BUSY_TIMEOUT_MS)
+            # Plans never read bound values (no statistics are kept, no LIKE is asked): without
+            # this, a bound LIMIT and FTS5's own term lookups had SQLite compile the BM25
+            # statement and an FTS5 statement again at every search: most of the BM25 CPU on a
+            # small index (bench_retrieval_threads.py).
             conn.config(apsw.SQLITE_DBCONFIG_ENABLE_QPSG, 1)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
@@ -324,6 +305,7 @@ class EmbeddedBackend:
                     conn.execute(_SCHEMA)
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
                 self._schema_ready = True
+        self._local.conn = conn
         with self._lock:
             self._connections.append(conn)
         return conn
@@ -331,8 +313,8 @@ class EmbeddedBackend:
     def close(self) -> None:
         """Close every connection this backend opened; it reopens on next use."""
         with self._lock:
-            connections, self._connections, self._idle = self._connections, [], []
-            self._epoch += 1
+            connections, self._connections = self._connections, []
+            self._local = threading.local()
             self._vectors = {}
         for conn in connections:
             conn.close()
@@ -354,7 +336,8 @@ class EmbeddedBackend:
         keeps the tenant's check on the ``(idx, tenant)`` index, off the other tenants' rows.
         The model is one more seek, on the catalog's primary key.
         """
-        with self._conn() as conn, _translated("channels"):  # one statement: one snapshot, one step
+        conn = self._conn()
+        with _translated("channels"):  # one statement: one snapshot, one step
             row = conn.execute(
                 "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2),"
                 " CASE WHEN EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND has_vector)"
@@ -370,14 +353,10 @@ class EmbeddedBackend:
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         """Each asked channel's hits, best first, hard filters applied inside the query."""
+        conn = self._conn()
         hits: dict[Channel, list[ChannelHit]] = {}
         seconds: dict[str, float] = {}
-        with (
-            self._conn() as conn,
-            _translated("retrieve"),
-            _deadline(conn, query.timeout_seconds),
-            _read(conn),
-        ):
+        with _translated("retrieve"), _deadline(conn, query.timeout_seconds), _read(conn):
             row = _index_row(conn, query.index)
             if row is None:
                 raise IndexNotFound(query.index)
@@ -457,8 +436,9 @@ class EmbeddedBackend:
             return 0
         matrix = _check_vectors(documents, vectors)
         rows = [_document_row(i, doc) for i, doc in enumerate(documents)]
+        conn = self._conn()
         written = 0
-        with self._conn() as conn, _translated("upsert"), _write(conn):
+        with _translated("upsert"), _write(conn):
             num = _ensure_index(conn, index)
             if matrix is not None:
                 _claim_dimension(conn, index, matrix.shape[1])
@@ -501,8 +481,9 @@ class EmbeddedBackend:
         existed. With a ``version``, each id gets a tombstone of that version, so an upsert
         accepted before the delete and run after it is skipped, and an id whose last write
         is newer than the delete is left alone."""
+        conn = self._conn()
         deleted = 0
-        with self._conn() as conn, _translated("delete"), _write(conn):
+        with _translated("delete"), _write(conn):
             row = _index_row(conn, index)
             floor = _floor(conn, index, tenant)
             for doc_id in dict.fromkeys(ids):
@@ -529,7 +510,8 @@ class EmbeddedBackend:
 
     def count(self, index: str, tenant: str) -> int:
         """How many documents the tenant holds in the index."""
-        with self._conn() as conn, _translated("count"):
+        conn = self._conn()
+        with _translated("count"):
             found = conn.execute(
                 "SELECT count(*) FROM docs WHERE idx = ? AND tenant = ?", (index, tenant)
             ).get
@@ -540,7 +522,8 @@ class EmbeddedBackend:
         answers how many went. With a ``version``, only documents written before it go, and
         the tenant's index keeps it as a floor: an upsert accepted before the drop and run
         after it is skipped. The tenant's tombstones below the floor are dropped with it."""
-        with self._conn() as conn, _translated("delete_index"), _write(conn):
+        conn = self._conn()
+        with _translated("delete_index"), _write(conn):
             row = _index_row(conn, index)
             gone = 0
             if row is not None:
@@ -593,7 +576,8 @@ class EmbeddedBackend:
 
     def indexes(self, tenant: str) -> list[IndexInfo]:
         """The tenant's indexes (those holding one of its documents), by name."""
-        with self._conn() as conn, _translated("indexes"), _read(conn):
+        conn = self._conn()
+        with _translated("indexes"), _read(conn):
             rows = cast(
                 list[tuple[str, int, int | None, str | None, float | None]],
                 conn.execute(
@@ -612,7 +596,8 @@ class EmbeddedBackend:
     def index_info(self, index: str, tenant: str) -> IndexInfo | None:
         """The tenant's part of one index; None when it holds none of the tenant's documents
         (whether or not another tenant uses the name)."""
-        with self._conn() as conn, _translated("index_info"), _read(conn):
+        conn = self._conn()
+        with _translated("index_info"), _read(conn):
             row = conn.execute(
                 "SELECT count(*), i.dimension, c.model, c.last_write FROM docs AS d"
                 " JOIN indexes AS i ON i.name = d.idx"
@@ -627,7 +612,8 @@ class EmbeddedBackend:
 
     def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
         """One of the tenant's documents as stored (no vector); None if it has no such one."""
-        with self._conn() as conn, _translated("document"), _read(conn):
+        conn = self._conn()
+        with _translated("document"), _read(conn):
             row = conn.execute(
                 "SELECT d.revision, d.metadata, b.title, b.text, w.version FROM docs AS d"
                 " JOIN bodies AS b ON b.seq = d.seq"
