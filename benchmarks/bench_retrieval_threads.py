@@ -1,6 +1,7 @@
 """CPU per retrieval of the embedded backend with one thread and with a worker's hundreds.
 
     python benchmarks/bench_retrieval_threads.py [--baseline 66e1ffc] [--corpus scifact]
+                                                 [--batch 500] [--optimize]
                                                  [--threads 1,300] [--retrievals 1200]
                                                  [--rounds 3] [--wait 0.02]
 
@@ -25,7 +26,10 @@ The corpus: SciFact's 5,183 abstracts (``--corpus scifact``; titles and texts ar
 BM25 is) or the 30-document sample corpus that ``bench_rerank_cpu.py`` searches
 (``--corpus sample``), each with random unit vectors of 384 dimensions (the kNN scan's cost
 does not depend on the values; embedding SciFact would cost some 90 CPU-seconds), under the
-tenant ``bench`` plus an equal ``noise`` tenant, so the tenant filter does real work.
+tenant ``bench`` plus an equal ``noise`` tenant, so the tenant filter does real work. Each
+write transaction (``--batch`` documents) adds an FTS5 segment until FTS5 merges them, as
+a service's ingests do; ``--optimize`` merges them into one, as a single bulk load leaves it
+(``bench_rerank_cpu.py``'s index is one write of 30 documents: one segment).
 """
 
 from __future__ import annotations
@@ -100,17 +104,24 @@ def unit_rows(rng: np.random.Generator, n: int) -> Any:
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
-def build(data_dir: Path, docs: list[Document]) -> None:
-    """The index: every document under ``bench`` and again (other ids) under ``noise``."""
+def build(data_dir: Path, docs: list[Document], batch: int, optimize: bool) -> int:
+    """The index: every document under ``bench`` and again (other ids) under ``noise``, in
+    transactions of ``batch`` documents (each adds an FTS5 segment, until FTS5 merges
+    them); ``optimize`` merges them all into one. Answers the count of segments."""
     backend = EmbeddedBackend(data_dir)
     rng = np.random.default_rng(7)
     for tenant in (TENANT, NOISE):
-        for at in range(0, len(docs), 500):
-            part = docs[at : at + 500]
+        for at in range(0, len(docs), batch):
+            part = docs[at : at + batch]
             if tenant == NOISE:
                 part = [Document(f"n{d.id}", d.text, d.title, "", d.metadata) for d in part]
             backend.upsert(INDEX, tenant, part, unit_rows(rng, len(part)))
+    conn = backend._conn()
+    if optimize:
+        conn.execute("INSERT INTO fts_1(fts_1) VALUES ('optimize')")
+    segments = conn.execute("SELECT count(DISTINCT segid) FROM fts_1_idx").get
     backend.close()
+    return int(segments)
 
 
 class Side:
@@ -158,6 +169,8 @@ def main() -> None:
     parser.add_argument("--baseline", default="66e1ffc", help="the commit to compare with")
     parser.add_argument("--corpus", choices=("scifact", "sample"), default="scifact")
     parser.add_argument("--scifact", type=Path, default=SCIFACT)
+    parser.add_argument("--batch", type=int, default=500, help="documents per write")
+    parser.add_argument("--optimize", action="store_true", help="merge FTS5's segments")
     parser.add_argument("--threads", default="1,300", help="thread counts, comma-separated")
     parser.add_argument("--retrievals", type=int, default=1200, help="searches per round")
     parser.add_argument("--rounds", type=int, default=3)
@@ -185,9 +198,10 @@ def main() -> None:
     counts = [int(t) for t in args.threads.split(",")]
     with tempfile.TemporaryDirectory(prefix="sift-bench-") as tmp:
         data_dir = Path(tmp)
-        build(data_dir, docs)
+        segments = build(data_dir, docs, args.batch, args.optimize)
         print(
-            f"{args.corpus}: {len(docs):,} documents per tenant, window {size}, "
+            f"{args.corpus}: {len(docs):,} documents per tenant, written {args.batch} per "
+            f"transaction, {segments} FTS5 segments; window {size}, "
             f"{args.retrievals} searches per round, {os.cpu_count()} CPUs, "
             f"{cpu_slots(0)._initial_value} CPU slots"  # type: ignore[attr-defined]
         )
