@@ -446,11 +446,11 @@ def test_a_versioned_drop_keeps_the_model_of_documents_it_left(tmp_path: Path) -
 def test_searches_reuse_their_prepared_statements_on_a_many_segment_index(tmp_path: Path) -> None:
     """No statement is compiled again search after search, FTS5's own included.
 
-    Every write transaction adds a segment to the FTS5 index; past one, FTS5 rebinds one
-    of its statements for each term it looks up, and SQLite would compile that statement
-    again at every binding (its plan had looked at the bound value) unless the planner
-    ignores bound values (the query-planner stability guarantee). The authorizer is asked
-    at each compilation, so it counts them.
+    SQLite compiles a statement again at each binding of a parameter whose value its plan
+    read: without the query-planner stability guarantee the BM25 statement was (its join
+    of the FTS5 table with ``docs`` reads the bound index name), and on an index of more
+    than one segment (each write transaction adds one) an FTS5 statement of its own, per
+    term. The authorizer is asked at each compilation, so it counts them.
     """
     backend = EmbeddedBackend(tmp_path)
     for tenant in ("acme", "beta"):
@@ -481,7 +481,7 @@ def test_searches_reuse_their_prepared_statements_on_a_many_segment_index(tmp_pa
     (conn,) = backend._connections
     conn.authorizer = authorizer  # expires every prepared statement: compiled once more here
     assert run() == first
-    assert compiled  # the authorizer sees compilations, FTS5's among them
+    assert compiled  # the authorizer does see compilations
     compiled.clear()
     for _ in range(3):
         assert run() == first
