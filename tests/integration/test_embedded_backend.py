@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import apsw
 import numpy as np
 import pytest
 
@@ -440,3 +441,50 @@ def test_a_versioned_drop_keeps_the_model_of_documents_it_left(tmp_path: Path) -
     assert backend.probe("sci", "acme").model == "m-1"
     with pytest.raises(EmbeddingModelMismatch):
         backend.upsert("sci", "acme", [Document("c", "z")], vector, model="m-2", version=8)
+
+
+def test_searches_reuse_their_prepared_statements_on_a_many_segment_index(tmp_path: Path) -> None:
+    """No statement is compiled again search after search, FTS5's own included.
+
+    SQLite compiles a statement again at each binding of a parameter whose value its plan
+    read: without the query-planner stability guarantee the BM25 statement was (its join
+    of the FTS5 table with ``docs`` reads the bound index name), and on an index of more
+    than one segment (each write transaction adds one) an FTS5 statement of its own, per
+    term. The authorizer is asked at each compilation, so it counts them.
+    """
+    backend = EmbeddedBackend(tmp_path)
+    for tenant in ("acme", "beta"):
+        for doc in docs_of(CORPUS):  # one transaction, one segment, each
+            backend.upsert("sci", tenant, [doc], None)
+    queries = ["vitamin fractures", "statins cholesterol", "malaria therapy", "sleep obesity"]
+
+    def run() -> list[list[tuple[str, float]]]:
+        return [
+            [
+                (hit.document.id, hit.score)
+                for hit in backend.retrieve(
+                    ChannelQuery("sci", HardFilters("acme"), ("bm25",), 10, text)
+                ).hits["bm25"]
+            ]
+            for text in queries
+        ]
+
+    first = run()
+    compiled: list[tuple[int, str | None]] = []
+
+    def authorizer(
+        op: int, one: str | None, two: str | None, db: str | None, view: str | None
+    ) -> int:
+        compiled.append((op, one))
+        return apsw.SQLITE_OK
+
+    (conn,) = backend._connections
+    conn.authorizer = authorizer  # expires every prepared statement: compiled once more here
+    assert run() == first
+    assert compiled  # the authorizer does see compilations
+    compiled.clear()
+    for _ in range(3):
+        assert run() == first
+    assert compiled == []
+    assert all(hits for hits in first)
+    backend.close()

@@ -291,6 +291,12 @@ class EmbeddedBackend:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             conn = apsw.Connection(str(self.data_dir / DB_FILE))
             conn.set_busy_timeout(BUSY_TIMEOUT_MS)
+            # Plans never read bound values (no statistics are kept, no LIKE is asked). Without
+            # this, SQLite compiled the BM25 statement (its join of the FTS5 table with docs
+            # read the bound index name) and, past one FTS5 segment, a statement of FTS5's own
+            # again at every search: most of the BM25 CPU on a small index. Set before any
+            # statement: one compiled without it kept being compiled again.
+            conn.config(apsw.SQLITE_DBCONFIG_ENABLE_QPSG, 1)
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
             conn.execute(f"PRAGMA mmap_size={MMAP_BYTES}")
