@@ -35,11 +35,9 @@ a service's ingests do; ``--optimize`` merges them into one, as a single bulk lo
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -54,6 +52,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.baseline import module_at  # noqa: E402
 from benchmarks.bench_queue import corpus as sample_corpus  # noqa: E402
 from benchmarks.bench_queue import queries as sample_queries  # noqa: E402
 from worker.adapters.embedded import EmbeddedBackend  # noqa: E402
@@ -70,19 +69,7 @@ SCIFACT = REPO.parent.parent / "shared" / "data" / "scifact"
 
 def baseline_module(commit: str) -> ModuleType:
     """``worker/adapters/embedded.py`` as it was at ``commit``, as a module of its own."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{commit}:worker/adapters/embedded.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    name = "bench_baseline_embedded"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    exec(compile(source, f"{commit}:worker/adapters/embedded.py", "exec"), module.__dict__)
-    return module
+    return module_at(commit, "worker/adapters/embedded.py", "bench_baseline_embedded")
 
 
 def load_corpus(name: str, scifact: Path) -> tuple[list[Document], list[str]]:

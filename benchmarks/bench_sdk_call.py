@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
-import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +44,7 @@ import httpcore2
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.baseline import module_at  # noqa: E402
 from benchmarks.bench_pipeline_cpu import candidates  # noqa: E402
 from tests.fake_anthropic import fake_process  # noqa: E402
 from worker.adapters import anthropic as today  # noqa: E402
@@ -58,19 +57,7 @@ KEY = "sk-ant-bench"
 
 def baseline_module(commit: str) -> ModuleType:
     """``worker/adapters/anthropic.py`` as it was at ``commit``, as a module of its own."""
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{commit}:worker/adapters/anthropic.py"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    name = "bench_baseline_anthropic"
-    spec = importlib.util.spec_from_loader(name, loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # pydantic resolves the models' annotations through it
-    exec(compile(source, f"{commit}:worker/adapters/anthropic.py", "exec"), module.__dict__)
-    return module
+    return module_at(commit, "worker/adapters/anthropic.py", "bench_baseline_anthropic")
 
 
 def prompt() -> RerankPrompt:
