@@ -16,7 +16,7 @@ from worker.core.fusion import rrf_fuse
 from worker.core.pipeline import _hit, _trace_candidates
 from worker.core.policy import build_prompt
 from worker.core.ranks import normalise_positions
-from worker.core.types import ChannelHit, Document
+from worker.core.types import ChannelHit, Document, RerankPrompt
 
 WORDS = "protein cell gene expression tumour growth factor receptor pathway signal".split()
 
@@ -36,8 +36,9 @@ def candidates(n: int = 30) -> list:  # type: ignore[type-arg]
     return rrf_fuse({"bm25": bm25, "knn": knn}, limit=n)
 
 
-def stage(fused: list) -> int:  # type: ignore[type-arg]
-    prompt = build_prompt(
+def worker_prompt(fused: list) -> RerankPrompt:  # type: ignore[type-arg]
+    """The worker's prompt for ``fused``: candidates of up to 1,200 characters, k=10."""
+    return build_prompt(
         "which receptor drives tumour growth",
         [(c.document.title, c.document.text) for c in fused],
         k=10,
@@ -45,6 +46,10 @@ def stage(fused: list) -> int:  # type: ignore[type-arg]
         thinking_tokens=1024,
         tokens_per_position=8,
     )
+
+
+def stage(fused: list) -> int:  # type: ignore[type-arg]
+    prompt = worker_prompt(fused)
     kept = normalise_positions([7, 3, 3, 0, 31, 12, 1, 2, 9, 4, 5, 6, 8], len(fused), 10).kept
     trace = _trace_candidates(fused, prompt)
     hits = [_hit(fused[p - 1], final) for final, p in enumerate(kept, start=1)]

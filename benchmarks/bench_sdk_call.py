@@ -45,10 +45,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.baseline import module_at  # noqa: E402
-from benchmarks.bench_pipeline_cpu import candidates  # noqa: E402
+from benchmarks.bench_pipeline_cpu import candidates, worker_prompt  # noqa: E402
 from tests.fake_anthropic import fake_process  # noqa: E402
 from worker.adapters import anthropic as today  # noqa: E402
-from worker.core.policy import build_prompt  # noqa: E402
 from worker.core.types import RerankPrompt  # noqa: E402
 
 MODEL = "claude-haiku-4-5"
@@ -62,15 +61,7 @@ def baseline_module(commit: str) -> ModuleType:
 
 def prompt() -> RerankPrompt:
     """A worker's prompt: 30 candidates of up to 1,200 characters, k=10."""
-    fused = candidates()
-    return build_prompt(
-        "which receptor drives tumour growth",
-        [(c.document.title, c.document.text) for c in fused],
-        k=10,
-        max_chars=1200,
-        thinking_tokens=1024,
-        tokens_per_position=8,
-    )
+    return worker_prompt(candidates())
 
 
 def listener(headers: Any) -> None:
