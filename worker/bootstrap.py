@@ -146,18 +146,25 @@ def build_rate_budget(settings: Settings, lane: str = "standard") -> RedisRateBu
     if model is None or not settings.redis_url or not settings.rate_budget_enabled:
         return None
     from worker.adapters.rate_budget import RedisRateBudget
-    from worker.redis_client import OUTAGE_SECONDS, connect
+    from worker.redis_client import OUTAGE_SECONDS, QUICK_SOCKET_TIMEOUT, connect
 
     limits = settings.rate_limits.get(model)
     if lane == LANE_ECONOMY:  # a few calls a minute: a small pool
         economy = limits.economy if limits is not None else None
-        client = connect(settings.redis_url, outage_seconds=OUTAGE_SECONDS)
+        client = connect(
+            settings.redis_url, outage_seconds=OUTAGE_SECONDS, socket_timeout=QUICK_SOCKET_TIMEOUT
+        )
         lane_limits = RateLimit(rpm=economy.rpm) if economy is not None else None
         return RedisRateBudget(client, model, lane_limits, lane=LANE_ECONOMY)
     # every thread of the process may reserve at once: a thread finding every connection busy
     # waits for one rather than failing its search (redis-py's default pool stops at 100)
     threads = settings.worker_concurrency + settings.batch_item_concurrency + 32
-    client = connect(settings.redis_url, max_connections=threads, outage_seconds=OUTAGE_SECONDS)
+    client = connect(
+        settings.redis_url,
+        max_connections=threads,
+        outage_seconds=OUTAGE_SECONDS,
+        socket_timeout=QUICK_SOCKET_TIMEOUT,
+    )
     return RedisRateBudget(client, model, limits)
 
 

@@ -2,18 +2,26 @@
 
 The job store, each index's settings and the shared rate budget all sit on the search path, so
 each must survive what the store survives: a Redis restart under a running batch. With
-``outage_seconds``, a command that meets a refused or broken connection is retried, backing
-off from 50 ms to 1 s, for about that long, instead of failing the search it serves.
+``outage_seconds``, a command that meets a refused, broken or silent connection is retried,
+backing off from 50 ms to 1 s, until that much time has passed since its first try, instead of
+failing the search it serves. The bound is on time, not on a count of tries: redis-py's own
+``Retry`` counts tries, and a try against a server that accepts connections but never answers
+waits a whole socket timeout (nested, as its connect retries its handshake too), so a count
+sized for a restart would hold a call for hours there.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+T = TypeVar("T")
 
 # Text replies, and no call left hanging on a dead connection. Maintenance notifications (a
 # Redis Enterprise/Cloud feature, on by default with RESP3 in redis-py 8) make the pool skip
@@ -28,28 +36,98 @@ CONNECTION_OPTIONS: dict[str, Any] = {
     "maint_notifications_config": MaintNotificationsConfig(enabled=False),
 }
 
-# How long a worker's clients keep retrying a refused or broken connection (a restart).
+# How long a worker's clients keep retrying a refused, broken or silent connection (a restart).
 OUTAGE_SECONDS = 30.0
+# The socket timeout of a client whose commands all answer in under a millisecond (an
+# index's settings, a rate-budget reservation): a silent server is found out in 5 s, not 30.
+QUICK_SOCKET_TIMEOUT = 5.0
+
+
+class OutageRetry(Retry):
+    """redis-py's retry, bounded by time: tries until ``seconds`` have passed since the first
+    (tenacity's loop; each failure goes to redis-py's ``fail`` handler, which drops the
+    connection, as its own loop does).
+
+    >>> calls = []
+    >>> def down() -> None:
+    ...     calls.append(1)
+    ...     raise redis.ConnectionError("refused")
+    >>> OutageRetry(0.2).call_with_retry(down, lambda error: None)
+    Traceback (most recent call last):
+    redis.exceptions.ConnectionError: refused
+    >>> 2 <= len(calls) <= 5  # 50, 100 ms... backoff until 0.2 s had passed
+    True
+    """
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(NoBackoff(), retries=-1)
+        self.seconds = seconds
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        failures = 0
+
+        def once() -> T:
+            nonlocal failures
+            try:
+                return do()
+            except self._supported_errors as error:
+                if is_retryable is not None and not is_retryable(error):
+                    raise _Final(error) from error
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                raise
+
+        retrying = Retrying(
+            retry=retry_if_exception_type(self._supported_errors),
+            stop=stop_after_delay(self.seconds),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            reraise=True,
+        )
+        try:
+            return retrying(once)
+        except _Final as final:
+            raise final.error from None
+
+
+class _Final(Exception):
+    """An error redis-py's ``is_retryable`` refused: raised at once, as itself."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 def connect(
-    url: str, *, max_connections: int | None = None, outage_seconds: float = 0.0
+    url: str,
+    *,
+    max_connections: int | None = None,
+    outage_seconds: float = 0.0,
+    socket_timeout: float | None = None,
 ) -> redis.Redis:
     """A client on ``url``. With ``max_connections``, a thread that finds every connection
     busy waits for one (up to 20 s) instead of failing its job. With ``outage_seconds``,
-    a refused or broken connection is retried for about that long (redis-py's default
-    otherwise: 3 quick retries).
+    a refused, broken or silent connection is retried for that long (redis-py's default
+    otherwise: 3 quick retries). ``socket_timeout`` replaces the 30 s of
+    :data:`CONNECTION_OPTIONS` (a client whose commands are all quick says so).
 
     >>> client = connect("redis://127.0.0.1:1/0", outage_seconds=2)
-    >>> client.get_retry()._retries
-    6
+    >>> client.get_retry().seconds
+    2
     """
     options: dict[str, Any] = dict(CONNECTION_OPTIONS)
     if outage_seconds > 0:
-        # 0.05 + 0.1 + 0.2 + 0.4 + 0.8 s, then 1 s a retry
-        options["retry"] = Retry(
-            ExponentialBackoff(cap=1.0, base=0.05), retries=int(outage_seconds) + 4
-        )
+        options["retry"] = OutageRetry(outage_seconds)
+    if socket_timeout is not None:
+        options["socket_timeout"] = socket_timeout
     if max_connections is None:
         return redis.Redis.from_url(url, **options)
     pool = redis.BlockingConnectionPool.from_url(

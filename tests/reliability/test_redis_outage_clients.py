@@ -10,7 +10,9 @@ redis-server comes back on the same port 2 s later, and the call must return nor
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -18,12 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from tests.reliability.support import broker
 from worker.bootstrap import build_index_settings, build_rate_budget
 from worker.core.types import RerankPrompt
 from worker.queue.jobstore import JobStore
-from worker.redis_client import OUTAGE_SECONDS
+from worker.redis_client import OUTAGE_SECONDS, connect
 from worker.settings import RateLimit, Settings
 
 pytestmark = pytest.mark.integration
@@ -81,3 +84,37 @@ def test_each_search_path_client_waits_out_a_redis_restart(
         assert not failed, failed
         assert set(results) == set(calls)
         assert results["rate budget"] == ("ok", True)  # admitted once Redis was back
+
+
+def test_a_silent_server_is_given_up_on_after_the_outage_window_not_after_a_count() -> None:
+    """A server that accepts connections and never answers (a frozen redis-server, a proxy
+    mid-failover): each try waits a socket timeout, and redis-py's handshake retries inside
+    the command's retry, so a retry counted for a restart (35 tries) would make 36² tries
+    here, for hours at the defaults. Bounded by time, a call gives up after its window with
+    a handful of connections tried."""
+    accepted: list[socket.socket] = []
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                accepted.append(server.accept()[0])  # held open, never answered
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    client = connect(f"redis://127.0.0.1:{port}/0", outage_seconds=1.0, socket_timeout=0.2)
+    try:
+        with pytest.raises((redis.TimeoutError, redis.ConnectionError)):
+            client.get("key")
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+        for conn in accepted:
+            conn.close()
+    # 1 s window, 0.2 s a try, nested at most two deep: well under the 36 a count would make
+    print(f"{len(accepted)} connections tried")
+    assert 1 <= len(accepted) <= 15, len(accepted)

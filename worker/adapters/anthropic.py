@@ -205,8 +205,6 @@ class AnthropicReranker:
         except anthropic.APIStatusError as exc:
             self._tell_headers(exc.response.headers)
             raise _status_error(exc) from exc
-        except anthropic.APIResponseValidationError as exc:
-            raise RerankAttemptError(AttemptOutcome.MALFORMED, _describe(exc)) from exc
         except anthropic.AnthropicError as exc:
             # E.g. CredentialsError: nothing was sent, and retrying cannot help.
             raise RerankAttemptError(AttemptOutcome.HTTP_4XX, _describe(exc)) from exc

@@ -32,7 +32,7 @@ from worker.constants import INDEX_SETTINGS_KEY, INDEX_SETTINGS_TTL_SECONDS, WRI
 from worker.contract import FusionSpec
 from worker.core.catalog import SearchSettings, merge_patch
 from worker.errors import InvalidRequest
-from worker.redis_client import connect
+from worker.redis_client import QUICK_SOCKET_TIMEOUT, connect
 
 # Drop the settings only if they are no newer than the drop (ARGV[1]: its version).
 _CLEAR = """
@@ -70,7 +70,7 @@ class RedisIndexSettings:
     @classmethod
     def from_url(cls, url: str, outage_seconds: float = 0.0) -> RedisIndexSettings:
         """Settings on ``url``; a worker's ride out a Redis restart (``outage_seconds``)."""
-        return cls(connect(url, outage_seconds=outage_seconds))
+        return cls(connect(url, outage_seconds=outage_seconds, socket_timeout=QUICK_SOCKET_TIMEOUT))
 
     def get(self, index: str, tenant: str) -> SearchSettings:
         """The settings a search uses: at most ``ttl_seconds`` old."""
