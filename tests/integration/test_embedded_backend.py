@@ -339,13 +339,16 @@ def test_derived_revision_is_stable_and_content_bound() -> None:
     assert derive_revision("t", "x", {"a": 1}) != derive_revision("t", "y", {"a": 1})
 
 
-def test_a_data_dir_of_another_schema_version_is_refused_not_misread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [0, 1])  # v1: one index per name, shared by tenants
+def test_a_data_dir_of_another_schema_version_is_refused_not_misread(
+    tmp_path: Path, version: int
+) -> None:
     import apsw
 
     from worker.errors import ConfigError
 
     conn = apsw.Connection(str(tmp_path / "sift.db"))
-    conn.execute("CREATE TABLE docs(x); PRAGMA user_version=0")
+    conn.execute(f"CREATE TABLE docs(x); PRAGMA user_version={version}")
     conn.close()
     backend = EmbeddedBackend(tmp_path)
     with pytest.raises(ConfigError, match="SIFT_DATA_DIR"):
