@@ -10,8 +10,8 @@ side by side: ``--baseline``'s ``EmbeddedBackend`` (its ``worker/adapters/embedd
 loaded with ``git show``: one FTS5 table per index name, shared by its tenants) and today's
 (one per index and tenant), each alone and beside A, each in a data dir its own code wrote,
 in a new order every round. It prints the thread CPU (``time.thread_time``) per search,
-median over the rounds, and how many of B's queries got other top-10 ids or scores beside A
-than alone: A's documents entering B's BM25 statistics.
+median over the rounds, and how many of B's queries got other top-10 scores, and other
+top-10 ids or order, beside A than alone: A's documents entering B's BM25 statistics.
 """
 
 from __future__ import annotations
@@ -96,8 +96,10 @@ def main() -> None:
         )
         for side in kinds:
             alone, beside = (top(backends[(side, n)], texts) for n in ("alone", "beside A"))
-            changed = sum(a != b for a, b in zip(alone, beside, strict=True))
-            print(f"  {side:8} queries whose top-10 ids or scores A changed: {changed}")
+            pairs = list(zip(alone, beside, strict=True))
+            scores = sum(a != b for a, b in pairs)
+            order = sum([i for i, _ in a] != [i for i, _ in b] for a, b in pairs)
+            print(f"  {side:8} queries whose top-10 A changed: scores {scores}, ids/order {order}")
         rng = random.Random(7)
         samples: dict[tuple[str, str], list[float]] = {key: [] for key in backends}
         for _ in range(args.rounds):
