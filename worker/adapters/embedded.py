@@ -335,7 +335,7 @@ class EmbeddedBackend:
     def probe(self, index: str, tenant: str) -> IndexProbe:
         """The tenant's channels (:meth:`channels`) and its index's recorded embedding model.
 
-        One statement, the same for every answer: three index seeks, all on the tenant's own
+        One statement, the same for every answer: two index seeks, both on the tenant's own
         rows (the vector check on the partial ``(idx, tenant, seq)`` index), so an index only
         another tenant has costs what one nobody has costs (microseconds). The model is one
         more seek, on the catalog's primary key.
