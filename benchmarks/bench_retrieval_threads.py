@@ -14,13 +14,14 @@ CPU slots (``worker.queue.slots.cpu_slots(0)``: one per core, plus one) through 
 120), then letting it go and sleeping ``--wait`` seconds, as a search waits on its model, so
 the pool spreads the searches over all of its threads as the worker's does.
 
-Two backends read the same index side by side: ``--baseline``'s ``EmbeddedBackend`` (its
-``worker/adapters/embedded.py``, loaded with ``git show``) and today's, each with its own
-persistent pool, in alternating order round by round. Each round prints, per side and thread
-count, the thread CPU (``time.thread_time``: waits on the GIL, the slots or the disk are not
-counted) per ``retrieve`` and per ``probe``, the process CPU per search (everything, the
-pool's hand-offs included), how many SQLite connections the backend holds, and the load
-average. The first round includes each thread's first search.
+Two backends read the same index side by side (each its own copy, written by its own code):
+``--baseline``'s ``EmbeddedBackend`` (its ``worker/adapters/embedded.py``, loaded with
+``git show``) and today's, each with its own persistent pool, in alternating order round by round.
+Each round prints, per side and thread count, the thread CPU (``time.thread_time``: waits on
+the GIL, the slots or the disk are not counted) per ``retrieve`` and per ``probe``, the
+process CPU per search (everything, the pool's hand-offs included), how many SQLite
+connections the backend holds, and the load average. The first round includes each thread's
+first search.
 
 The corpus: SciFact's 5,183 abstracts (``--corpus scifact``; titles and texts are real, so
 BM25 is) or the 30-document sample corpus that ``bench_rerank_cpu.py`` searches
@@ -91,11 +92,15 @@ def unit_rows(rng: np.random.Generator, n: int) -> Any:
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
 
 
-def build(data_dir: Path, docs: list[Document], batch: int, optimize: bool) -> int:
+def build(
+    backend_type: Any, data_dir: Path, docs: list[Document], batch: int, optimize: bool
+) -> int:
     """The index: every document under ``bench`` and again (other ids) under ``noise``, in
     transactions of ``batch`` documents (each adds an FTS5 segment, until FTS5 merges
-    them); ``optimize`` merges them all into one. Answers the count of segments."""
-    backend = EmbeddedBackend(data_dir)
+    them); ``optimize`` merges them all into one. Answers the count of segments of
+    ``bench``'s FTS5 table (``fts_1``, written first, in either schema). Each side builds
+    its own data dir: a schema version reads no other's."""
+    backend = backend_type(data_dir)
     rng = np.random.default_rng(7)
     for tenant in (TENANT, NOISE):
         for at in range(0, len(docs), batch):
@@ -184,8 +189,9 @@ def main() -> None:
     old = baseline_module(args.baseline)
     counts = [int(t) for t in args.threads.split(",")]
     with tempfile.TemporaryDirectory(prefix="sift-bench-") as tmp:
-        data_dir = Path(tmp)
-        segments = build(data_dir, docs, args.batch, args.optimize)
+        dirs = {"baseline": Path(tmp) / "baseline", "today": Path(tmp) / "today"}
+        segments = build(old.EmbeddedBackend, dirs["baseline"], docs, args.batch, args.optimize)
+        build(EmbeddedBackend, dirs["today"], docs, args.batch, args.optimize)
         print(
             f"{args.corpus}: {len(docs):,} documents per tenant, written {args.batch} per "
             f"transaction, {segments} FTS5 segments; window {size}, "
@@ -194,8 +200,8 @@ def main() -> None:
         )
         sides = {
             t: [
-                Side("baseline", old.EmbeddedBackend(data_dir), t),
-                Side("today", EmbeddedBackend(data_dir), t),
+                Side("baseline", old.EmbeddedBackend(dirs["baseline"]), t),
+                Side("today", EmbeddedBackend(dirs["today"]), t),
             ]
             for t in counts
         }

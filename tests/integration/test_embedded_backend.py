@@ -339,13 +339,16 @@ def test_derived_revision_is_stable_and_content_bound() -> None:
     assert derive_revision("t", "x", {"a": 1}) != derive_revision("t", "y", {"a": 1})
 
 
-def test_a_data_dir_of_another_schema_version_is_refused_not_misread(tmp_path: Path) -> None:
+@pytest.mark.parametrize("version", [0, 1])  # v1: one index per name, shared by tenants
+def test_a_data_dir_of_another_schema_version_is_refused_not_misread(
+    tmp_path: Path, version: int
+) -> None:
     import apsw
 
     from worker.errors import ConfigError
 
     conn = apsw.Connection(str(tmp_path / "sift.db"))
-    conn.execute("CREATE TABLE docs(x); PRAGMA user_version=0")
+    conn.execute(f"CREATE TABLE docs(x); PRAGMA user_version={version}")
     conn.close()
     backend = EmbeddedBackend(tmp_path)
     with pytest.raises(ConfigError, match="SIFT_DATA_DIR"):
@@ -488,3 +491,80 @@ def test_searches_reuse_their_prepared_statements_on_a_many_segment_index(tmp_pa
     assert compiled == []
     assert all(hits for hits in first)
     backend.close()
+
+
+# --- each tenant's index is its own -------------------------------------------------------
+
+
+def bm25_hits(backend: EmbeddedBackend, tenant: str, text: str) -> list[tuple[str, float]]:
+    query = ChannelQuery("sci", HardFilters(tenant), ("bm25",), 10, text)
+    return [(hit.document.id, hit.score) for hit in backend.retrieve(query).hits["bm25"]]
+
+
+def test_another_tenants_documents_change_neither_bm25_scores_nor_ranking(
+    tmp_path: Path,
+) -> None:
+    """BM25's statistics (IDF, average length) are the tenant's own: another tenant writing
+    the query's terms into the same index name leaves the caller's scores as they were."""
+    backend = EmbeddedBackend(tmp_path)
+    mine = {
+        "x": ("", "alpha alpha gamma"),
+        "y": ("", "beta delta epsilon"),
+        **{f"f{i}": ("", f"filler words number {i}") for i in range(6)},
+    }
+    backend.upsert("sci", "acme", docs_of(mine), None)
+    before = bm25_hits(backend, "acme", "alpha beta")
+    assert [doc_id for doc_id, _ in before] == ["x", "y"]  # two alphas beat one beta
+
+    theirs = {f"t{i}": ("", f"alpha {'padding ' * (i % 7)}") for i in range(60)}
+    backend.upsert("sci", "globex", docs_of(theirs), None)
+    assert bm25_hits(backend, "acme", "alpha beta") == before
+    assert len(bm25_hits(backend, "globex", "alpha beta")) == 10
+
+
+def test_tenants_may_use_different_vector_dimensions_under_one_index_name(
+    tmp_path: Path,
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    wide = np.eye(len(CORPUS), 8, dtype=np.float32) + 0.1
+    narrow = np.eye(len(CORPUS), 4, dtype=np.float32) + 0.1
+    backend.upsert("sci", "acme", docs_of(CORPUS), wide)
+    backend.upsert("sci", "globex", docs_of(CORPUS), narrow)
+    for tenant, vectors in (("acme", wide), ("globex", narrow)):
+        query = ChannelQuery("sci", HardFilters(tenant), ("knn",), 1, "x", vector=vectors[2])
+        assert [h.document.id for h in backend.retrieve(query).hits["knn"]] == ["mal"]
+        assert backend.index_info("sci", tenant).dimension == vectors.shape[1]  # type: ignore[union-attr]
+    with pytest.raises(InvalidRequest) as dimension:  # each tenant's own claim still holds
+        backend.upsert("sci", "globex", docs_of(CORPUS)[:1], wide[:1])
+    assert dimension.value.field == "vectors"
+
+
+def test_dropping_one_tenants_index_leaves_anothers_intact_and_searchable(
+    tmp_path: Path,
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    vectors = np.eye(len(CORPUS), 8, dtype=np.float32) + 0.1
+    for tenant in ("acme", "globex"):
+        backend.upsert("sci", tenant, docs_of(CORPUS), vectors)
+
+    def both(tenant: str) -> ChannelResults:
+        return backend.retrieve(
+            ChannelQuery("sci", HardFilters(tenant), BOTH, 10, "vitamin", vector=vectors[0])
+        )
+
+    before = both("globex")
+    assert before.hits["bm25"] and before.hits["knn"]
+    assert backend.delete_index("sci", "acme") == len(CORPUS)
+    after = both("globex")
+    for channel in BOTH:
+        assert [(h.document.id, h.score) for h in after.hits[channel]] == [
+            (h.document.id, h.score) for h in before.hits[channel]
+        ]
+    assert backend.channels("sci", "globex") == frozenset(BOTH)
+    assert backend.count("sci", "globex") == len(CORPUS)
+    assert backend.channels("sci", "acme") == frozenset()
+    assert backend.index_info("sci", "acme") is None
+    # The dropped index holds no vector, so it holds no dimension either: a new model may differ.
+    backend.upsert("sci", "acme", docs_of(CORPUS), np.eye(len(CORPUS), 4, dtype=np.float32) + 0.1)
+    assert backend.index_info("sci", "acme").dimension == 4  # type: ignore[union-attr]
+    assert backend.index_info("sci", "globex").dimension == 8  # type: ignore[union-attr]

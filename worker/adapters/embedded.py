@@ -5,7 +5,8 @@ Why this shape (DESIGN.md §6, §10):
 * **One SQLite database (through ``apsw``) holds everything**: a narrow ``docs``
   row per document (index, tenant, id, revision, metadata: what filters read),
   its title and text in ``bodies``, its vector as a float32 blob in ``vectors``,
-  all keyed by the row's ``seq``, and an FTS5 table per index for BM25. An upsert
+  all keyed by the row's ``seq``, and an FTS5 table per index and tenant for BM25
+  (an ``indexes`` row per (name, tenant): each tenant's index is its own). An upsert
   by id therefore replaces the text, the BM25 postings and the vector in one
   transaction: atomic and durable. WAL mode and a busy timeout let several worker
   processes read and write the same directory. ``apsw`` is used because it ships a
@@ -13,14 +14,15 @@ Why this shape (DESIGN.md §6, §10):
 * **BM25 is FTS5's own ``bm25()``** over title and text, tokenizer ``porter
   unicode61 remove_diacritics 2``. The MATCH expression is built here from the
   query's word tokens, English stopwords removed, each term quoted and OR-ed, so no
-  user text is ever parsed as FTS5 syntax. Statistics are per index (one FTS table
-  each), as in an Elasticsearch index.
+  user text is ever parsed as FTS5 syntax. Statistics are per tenant's index (one FTS
+  table each): another tenant's documents change neither the caller's scores nor the
+  cost of its search.
 * **kNN is exact cosine with numpy**: a dot product of unit vectors over an
   in-memory float32 matrix loaded from SQLite. Rows get a monotonic ``seq``
   (AUTOINCREMENT; a replaced document gets a new one) and each index a
   ``generation`` bumped by every write, so a query checks one integer inside its
-  read transaction and loads only what changed. The matrix is kept in one block
-  per tenant, with each row's id, revision and metadata, so a kNN search scans only
+  read transaction and loads only what changed. The matrix is kept per tenant's
+  index, with each row's id, revision and metadata, so a kNN search scans only
   its tenant's rows and reads nothing from SQLite but its hits' bodies. At 50-100k
   vectors a full scan takes a few milliseconds, so no approximate index is needed
   (and none is hand-written).
@@ -121,7 +123,7 @@ _UNAVAILABLE = (
     apsw.ConnectionClosedError,
 )
 
-SCHEMA_VERSION = 1  # bump on any change to _SCHEMA; an older data dir is refused, never misread
+SCHEMA_VERSION = 2  # bump on any change to _SCHEMA; an older data dir is refused, never misread
 
 
 def _check_schema_version(conn: apsw.Connection, data_dir: Path) -> None:
@@ -138,9 +140,11 @@ def _check_schema_version(conn: apsw.Connection, data_dir: Path) -> None:
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS indexes(
     num INTEGER PRIMARY KEY,
-    name TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL,
+    tenant TEXT NOT NULL,
     dimension INTEGER,
-    generation INTEGER NOT NULL DEFAULT 0
+    generation INTEGER NOT NULL DEFAULT 0,
+    UNIQUE(name, tenant)
 );
 CREATE TABLE IF NOT EXISTS docs(
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -152,7 +156,7 @@ CREATE TABLE IF NOT EXISTS docs(
     has_vector INTEGER NOT NULL,
     UNIQUE(idx, tenant, id)
 );
-CREATE INDEX IF NOT EXISTS docs_vectors ON docs(idx, seq) WHERE has_vector;
+CREATE INDEX IF NOT EXISTS docs_vectors ON docs(idx, tenant, seq) WHERE has_vector;
 CREATE TABLE IF NOT EXISTS bodies(seq INTEGER PRIMARY KEY, title TEXT NOT NULL, text TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS vectors(seq INTEGER PRIMARY KEY, vector BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS writes(
@@ -172,9 +176,8 @@ CREATE TABLE IF NOT EXISTS catalog(
     PRIMARY KEY(idx, tenant)
 ) WITHOUT ROWID;
 """
-# ``writes`` and ``catalog`` came with the index lifecycle (issue 13). They are new tables
-# (CREATE IF NOT EXISTS), so a data dir of schema v1 gains them without a version bump: a
-# document written before has no version (0), which any versioned write supersedes.
+# v2: ``indexes`` is keyed by (name, tenant), so each tenant's index has its own FTS5 table
+# (BM25 statistics), dimension and generation; a v1 data dir (one per name) is refused.
 
 
 def match_expression(query: str) -> str | None:
@@ -199,7 +202,7 @@ def derive_revision(title: str, text: str, metadata: Mapping[str, FilterValue]) 
 
 @dataclass
 class _Block:
-    """One tenant's vectors in one index, rows in ``seq`` order; ``matrix`` may have spare rows.
+    """One tenant's index's vectors, rows in ``seq`` order; ``matrix`` may have spare rows.
 
     Besides the vectors it holds what a hit needs from ``docs`` (id, revision, metadata
     as stored), so a kNN search reads only the hits' bodies from SQLite. A ``seq`` never
@@ -219,17 +222,19 @@ class _Block:
 
 @dataclass
 class _Vectors:
-    """One index's vectors in memory, one contiguous block per tenant.
+    """One tenant's index's vectors in memory, as of its ``generation``, in one block.
 
-    The tenant is a hard filter of every search, so a kNN scan reads only its tenant's
-    block: another tenant's rows cost neither a multiply nor a gather.
+    Each (index, tenant) is its own index, so a kNN scan reads only its tenant's rows:
+    another tenant's cost neither a multiply nor a gather, nor a reload when they change.
     """
 
     generation: int = -1
     max_seq: int = 0
-    size: int = 0
-    dimension: int = 0
-    blocks: dict[str, _Block] = field(default_factory=dict)
+    block: _Block = field(default_factory=_Block)
+
+    @property
+    def dimension(self) -> int:
+        return int(self.block.matrix.shape[1]) if self.block.size else 0
 
 
 #: What a row needs besides its body to become a ``Document``: id, revision, metadata.
@@ -269,7 +274,7 @@ class EmbeddedBackend:
         # Insertion order, the oldest evicted first. An OrderedDict, as a dict's next(iter())
         # walks every slot deleted since its last resize: 2 ms per full-cache search measured.
         self._documents: OrderedDict[int, Document] = OrderedDict()
-        self._vectors: dict[str, _Vectors] = {}
+        self._vectors: dict[tuple[str, str], _Vectors] = {}  # by (index, tenant)
         self._connections: list[apsw.Connection] = []
         self._inherited: list[apsw.Connection] = []  # kept referenced, so never closed here
         self._pid = os.getpid()
@@ -330,20 +335,16 @@ class EmbeddedBackend:
     def probe(self, index: str, tenant: str) -> IndexProbe:
         """The tenant's channels (:meth:`channels`) and its index's recorded embedding model.
 
-        One statement, the same for every answer: a few index seeks, so an index only
-        another tenant has costs what one nobody has costs (microseconds). The tenant's vector
-        check runs only when the index holds any vector (the partial index answers that in
-        one seek), so an index without vectors never walks the tenant's rows; ``+has_vector``
-        keeps the tenant's check on the ``(idx, tenant)`` index, off the other tenants' rows.
-        The model is one more seek, on the catalog's primary key.
+        One statement, the same for every answer: two index seeks, both on the tenant's own
+        rows (the vector check on the partial ``(idx, tenant, seq)`` index), so an index only
+        another tenant has costs what one nobody has costs (microseconds). The model is one
+        more seek, on the catalog's primary key.
         """
         conn = self._conn()
         with _translated("channels"):  # one statement: one snapshot, one step
             row = conn.execute(
                 "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2),"
-                " CASE WHEN EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND has_vector)"
-                " THEN EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2 AND +has_vector)"
-                " ELSE 0 END,"
+                " EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2 AND has_vector),"
                 " (SELECT model FROM catalog WHERE idx = ?1 AND tenant = ?2)",
                 (index, tenant),
             ).fetchone()
@@ -358,9 +359,16 @@ class EmbeddedBackend:
         hits: dict[Channel, list[ChannelHit]] = {}
         seconds: dict[str, float] = {}
         with _translated("retrieve"), _deadline(conn, query.timeout_seconds), _read(conn):
-            row = _index_row(conn, query.index)
+            row = _index_row(conn, query.index, query.filters.tenant)
             if row is None:
-                raise IndexNotFound(query.index)
+                # As when one index held every tenant: a name another tenant uses answers
+                # empty channels here (the pipeline's probe has already answered IndexNotFound).
+                if not conn.execute(
+                    "SELECT EXISTS(SELECT 1 FROM indexes WHERE name = ?)", (query.index,)
+                ).get:
+                    raise IndexNotFound(query.index)
+                empty = dict.fromkeys(query.channels)
+                return ChannelResults({c: [] for c in empty}, {c: 0.0 for c in empty})
             num, _dimension, generation = row
             ranked: dict[Channel, _Ranked] = {}
             for channel in dict.fromkeys(query.channels):
@@ -440,9 +448,9 @@ class EmbeddedBackend:
         conn = self._conn()
         written = 0
         with _translated("upsert"), _write(conn):
-            num = _ensure_index(conn, index)
+            num = _ensure_index(conn, index, tenant)
             if matrix is not None:
-                _claim_dimension(conn, index, matrix.shape[1])
+                _claim_dimension(conn, num, index, matrix.shape[1])
             fts = f"fts_{num}"
             floor = _floor(conn, index, tenant)
             for i, (doc_id, title, text, revision, metadata) in enumerate(rows):
@@ -485,7 +493,7 @@ class EmbeddedBackend:
         conn = self._conn()
         deleted = 0
         with _translated("delete"), _write(conn):
-            row = _index_row(conn, index)
+            row = _index_row(conn, index, tenant)
             floor = _floor(conn, index, tenant)
             for doc_id in dict.fromkeys(ids):
                 held = _held_version(conn, index, tenant, doc_id)
@@ -525,7 +533,7 @@ class EmbeddedBackend:
         after it is skipped. The tenant's tombstones below the floor are dropped with it."""
         conn = self._conn()
         with _translated("delete_index"), _write(conn):
-            row = _index_row(conn, index)
+            row = _index_row(conn, index, tenant)
             gone = 0
             if row is not None:
                 above = "" if version is None else " AND version > ?"
@@ -565,10 +573,16 @@ class EmbeddedBackend:
                     (index, tenant, version, time.time()),
                 )
             # The recorded model goes with the last of the tenant's documents (a versioned
-            # drop keeps those written after it, and their model with them).
+            # drop keeps those written after it, and their model with them), and the claimed
+            # dimension with the last of its vectors: a new model may embed in another.
             conn.execute(
                 "UPDATE catalog SET model = NULL WHERE idx = ?1 AND tenant = ?2"
                 " AND NOT EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2)",
+                (index, tenant),
+            )
+            conn.execute(
+                "UPDATE indexes SET dimension = NULL WHERE name = ?1 AND tenant = ?2 AND NOT"
+                " EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2 AND has_vector)",
                 (index, tenant),
             )
         return gone
@@ -583,7 +597,7 @@ class EmbeddedBackend:
                 list[tuple[str, int, int | None, str | None, float | None]],
                 conn.execute(
                     "SELECT d.idx, count(*), i.dimension, c.model, c.last_write FROM docs AS d"
-                    " JOIN indexes AS i ON i.name = d.idx"
+                    " JOIN indexes AS i ON i.name = d.idx AND i.tenant = d.tenant"
                     " LEFT JOIN catalog AS c ON c.idx = d.idx AND c.tenant = d.tenant"
                     " WHERE d.tenant = ? GROUP BY d.idx ORDER BY d.idx",
                     (tenant,),
@@ -601,7 +615,7 @@ class EmbeddedBackend:
         with _translated("index_info"), _read(conn):
             row = conn.execute(
                 "SELECT count(*), i.dimension, c.model, c.last_write FROM docs AS d"
-                " JOIN indexes AS i ON i.name = d.idx"
+                " JOIN indexes AS i ON i.name = d.idx AND i.tenant = d.tenant"
                 " LEFT JOIN catalog AS c ON c.idx = d.idx AND c.tenant = d.tenant"
                 " WHERE d.idx = ? AND d.tenant = ?",
                 (index, tenant),
@@ -652,9 +666,13 @@ class EmbeddedBackend:
     def _knn(self, conn: apsw.Connection, generation: int, query: ChannelQuery) -> _Ranked:
         if query.vector is None:
             raise BackendRequestError("the knn channel needs a query vector")
-        snapshot = self._refresh(conn, query.index, generation)
-        if snapshot.size == 0:
-            raise ModeUnavailable(f"index {query.index!r} holds no vectors; knn is unavailable")
+        snapshot = self._refresh(conn, query.index, query.filters.tenant, generation)
+        if snapshot.block.size == 0:  # answered as when one index held every tenant
+            if not conn.execute(
+                "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ? AND has_vector)", (query.index,)
+            ).get:
+                raise ModeUnavailable(f"index {query.index!r} holds no vectors; knn is unavailable")
+            return _NOTHING
         q = np.asarray(query.vector, dtype=np.float32).reshape(-1)
         if q.shape[0] != snapshot.dimension:
             raise BackendRequestError(
@@ -663,9 +681,7 @@ class EmbeddedBackend:
         norm = math.sqrt(float(np.dot(q, q)))
         if not math.isfinite(norm) or norm == 0.0 or query.size <= 0:
             return _NOTHING
-        block = snapshot.blocks.get(query.filters.tenant)
-        if block is None:
-            return _NOTHING
+        block = snapshot.block
         rows = self._passing_rows(conn, block, query)  # None: every row of the tenant passes
         n = block.size
         if rows is not None and rows.size == 0:
@@ -725,79 +741,67 @@ class EmbeddedBackend:
         )
         return np.flatnonzero(np.isin(block.seqs[: block.size], allowed))
 
-    def _refresh(self, conn: apsw.Connection, index: str, generation: int) -> _Vectors:
-        """The index's vectors as of ``generation``, loading only rows added since last time."""
+    def _refresh(self, conn: apsw.Connection, index: str, tenant: str, generation: int) -> _Vectors:
+        """The tenant's index's vectors as of ``generation``, loading only rows added since."""
         with self._lock:
-            cached = self._vectors.get(index, _Vectors())
+            cached = self._vectors.get((index, tenant), _Vectors())
             if cached.generation >= generation:
                 return cached
-            kept: dict[str, npt.NDArray[np.intp]] = {}  # per tenant, when some rows went
-            if cached.size:
+            old = cached.block
+            rows: npt.NDArray[np.intp] = np.arange(old.size)
+            if old.size:
                 alive = conn.execute(
-                    "SELECT count(*) FROM docs WHERE idx = ? AND has_vector AND seq <= ?",
-                    (index, cached.max_seq),
+                    "SELECT count(*) FROM docs"
+                    " WHERE idx = ? AND tenant = ? AND has_vector AND seq <= ?",
+                    (index, tenant, cached.max_seq),
                 ).get
-                if alive < cached.size:
+                if alive < old.size:
                     alive_seqs = np.fromiter(
                         (
                             s
                             for (s,) in conn.execute(
-                                "SELECT seq FROM docs WHERE idx = ? AND has_vector AND seq <= ?",
-                                (index, cached.max_seq),
+                                "SELECT seq FROM docs"
+                                " WHERE idx = ? AND tenant = ? AND has_vector AND seq <= ?",
+                                (index, tenant, cached.max_seq),
                             )
                         ),
                         dtype=np.int64,
                     )
-                    for tenant, block in cached.blocks.items():
-                        rows = np.flatnonzero(np.isin(block.seqs, alive_seqs))
-                        if rows.size < block.size:
-                            kept[tenant] = rows
-            new = cast(
-                list[tuple[int, str, str, str, str, bytes]],
+                    rows = np.flatnonzero(np.isin(old.seqs, alive_seqs))
+            more = cast(
+                list[tuple[int, str, str, str, bytes]],
                 conn.execute(
-                    "SELECT d.seq, d.tenant, d.id, d.revision, d.metadata, v.vector"
+                    "SELECT d.seq, d.id, d.revision, d.metadata, v.vector"
                     " FROM docs AS d JOIN vectors AS v ON v.seq = d.seq"
-                    " WHERE d.idx = ? AND d.has_vector AND d.seq > ? ORDER BY d.seq",
-                    (index, cached.max_seq),
+                    " WHERE d.idx = ? AND d.tenant = ? AND d.has_vector AND d.seq > ?"
+                    " ORDER BY d.seq",
+                    (index, tenant, cached.max_seq),
                 ).fetchall(),
             )
-            added: dict[str, list[tuple[int, str, str, str, str, bytes]]] = {}
-            for r in new:
-                added.setdefault(r[1], []).append(r)
-            blocks = dict(cached.blocks)
-            for tenant in kept.keys() | added.keys():
-                old = blocks.get(tenant, _Block())
-                rows = kept.get(tenant, np.arange(old.size))
-                more = added.get(tenant, [])
-                whole = rows.size == old.size
+            whole = rows.size == old.size
+            block = old
+            if more or not whole:
                 block = _Block(
                     seqs=np.concatenate([old.seqs[rows], np.array([r[0] for r in more], np.int64)]),
-                    ids=_kept(old.ids, rows, whole) + [r[2] for r in more],
-                    revisions=_kept(old.revisions, rows, whole) + [r[3] for r in more],
-                    metadata=_kept(old.metadata, rows, whole) + [r[4] for r in more],
-                    matrix=_grow(old.matrix, old.size, rows, [r[5] for r in more]),
+                    ids=_kept(old.ids, rows, whole) + [r[1] for r in more],
+                    revisions=_kept(old.revisions, rows, whole) + [r[2] for r in more],
+                    metadata=_kept(old.metadata, rows, whole) + [r[3] for r in more],
+                    matrix=_grow(old.matrix, old.size, rows, [r[4] for r in more]),
                 )
-                if block.size:
-                    blocks[tenant] = block
-                else:
-                    blocks.pop(tenant, None)
-            dimensions = {b.matrix.shape[1] for b in blocks.values()}
+                logger.debug(
+                    "index %s of %s: %d vectors (+%d, -%d)",
+                    index,
+                    tenant,
+                    block.size,
+                    len(more),
+                    old.size - rows.size,
+                )
             fresh = _Vectors(
                 generation=generation,
-                max_seq=max(cached.max_seq, new[-1][0] if new else 0),
-                size=sum(b.size for b in blocks.values()),
-                dimension=dimensions.pop() if len(dimensions) == 1 else cached.dimension,
-                blocks=blocks,
+                max_seq=max(cached.max_seq, more[-1][0] if more else 0),
+                block=block,
             )
-            self._vectors[index] = fresh
-            if new or kept:
-                logger.debug(
-                    "index %s: %d vectors (+%d, -%d)",
-                    index,
-                    fresh.size,
-                    len(new),
-                    cached.size + len(new) - fresh.size,
-                )
+            self._vectors[(index, tenant)] = fresh
             return fresh
 
 
@@ -836,7 +840,7 @@ def _grow(
     matrix: npt.NDArray[np.float32], size: int, kept: npt.NDArray[np.intp], blobs: list[bytes]
 ) -> npt.NDArray[np.float32]:
     """Append vectors after the kept rows, reusing spare capacity (1.5x growth, from 16 rows:
-    one block per tenant, so many small tenants stay small).
+    one block per tenant's index, so many small tenants stay small).
 
     Rows already visible to other readers are never written: appends go past ``size``,
     and a deletion or a full buffer builds a new matrix.
@@ -923,9 +927,12 @@ def _filter_sql(filters: HardFilters) -> tuple[str, list[FilterValue]]:
     return " AND ".join(clauses), params
 
 
-def _index_row(conn: apsw.Connection, index: str) -> tuple[int, int | None, int] | None:
+def _index_row(
+    conn: apsw.Connection, index: str, tenant: str
+) -> tuple[int, int | None, int] | None:
     row = conn.execute(
-        "SELECT num, dimension, generation FROM indexes WHERE name = ?", (index,)
+        "SELECT num, dimension, generation FROM indexes WHERE name = ? AND tenant = ?",
+        (index, tenant),
     ).fetchone()
     return None if row is None else (int(row[0]), row[1], int(row[2]))
 
@@ -989,9 +996,12 @@ def _check_model(conn: apsw.Connection, index: str, tenant: str, model: str) -> 
         raise EmbeddingModelMismatch(index, str(held[0]), model)
 
 
-def _ensure_index(conn: apsw.Connection, index: str) -> int:
-    conn.execute("INSERT OR IGNORE INTO indexes(name) VALUES (?)", (index,))
-    num = int(conn.execute("SELECT num FROM indexes WHERE name = ?", (index,)).get)
+def _ensure_index(conn: apsw.Connection, index: str, tenant: str) -> int:
+    """The number of the tenant's index (its FTS5 table ``fts_{num}``), created if new."""
+    conn.execute("INSERT OR IGNORE INTO indexes(name, tenant) VALUES (?, ?)", (index, tenant))
+    num = int(
+        conn.execute("SELECT num FROM indexes WHERE name = ? AND tenant = ?", (index, tenant)).get
+    )
     conn.execute(
         f"CREATE VIRTUAL TABLE IF NOT EXISTS fts_{num} USING fts5("
         f"title, text, content='', contentless_delete=1, tokenize='{FTS_TOKENIZER}')"
@@ -999,10 +1009,11 @@ def _ensure_index(conn: apsw.Connection, index: str) -> int:
     return num
 
 
-def _claim_dimension(conn: apsw.Connection, index: str, dimension: int) -> None:
-    held = conn.execute("SELECT dimension FROM indexes WHERE name = ?", (index,)).get
+def _claim_dimension(conn: apsw.Connection, num: int, index: str, dimension: int) -> None:
+    """The tenant's index (``num``) takes the dimension of its first vectors and keeps it."""
+    held = conn.execute("SELECT dimension FROM indexes WHERE num = ?", (num,)).get
     if held is None:
-        conn.execute("UPDATE indexes SET dimension = ? WHERE name = ?", (dimension, index))
+        conn.execute("UPDATE indexes SET dimension = ? WHERE num = ?", (dimension, num))
     elif held != dimension:
         raise InvalidRequest("vectors", f"dimension {dimension}, but index {index!r} holds {held}")
 
