@@ -25,6 +25,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.embedder import GRAPH_REVISION
 from worker.cli import app
 from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
@@ -178,9 +179,10 @@ def _in_process(
     if rerank:
         overrides["rerank_enabled"] = True
     settings = load_settings(**overrides)
-    # a cache per corpus and embedding graph: vectors of two graphs must never mix
+    # a cache per corpus, embedding graph and index schema: vectors of two graphs must never
+    # mix, and a data dir of an older schema is refused (it is made again instead)
     graph = "int8-matmul" if settings.embedding_int8_compute else "fp32"
-    key = f"{corpus.resolve()}|{graph}|{GRAPH_REVISION}"
+    key = f"{corpus.resolve()}|{graph}|{GRAPH_REVISION}|{SCHEMA_VERSION}"
     key = hashlib.sha256(key.encode()).hexdigest()[:12]
     directory = data_dir or Path(".sift/eval") / key
     settings = settings.model_copy(update={"data_dir": directory})
