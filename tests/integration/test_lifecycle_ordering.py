@@ -23,6 +23,7 @@ from worker import lifecycle
 from worker.adapters.embedded import EmbeddedBackend
 from worker.contract import DocumentIn
 from worker.core.types import ChannelQuery, Document, HardFilters
+from worker.errors import EmbeddingModelMismatch
 from worker.queue.jobstore import IngestJob, JobStore
 
 IDS = ["a", "b", "c", "d"]
@@ -142,3 +143,34 @@ def test_an_unversioned_write_still_applies(backend: EmbeddedBackend) -> None:
     assert backend.upsert("plain", TENANT, docs, EMBEDDER.embed(["plain words"])) == 1
     assert backend.delete_index("plain", TENANT) == 1
     assert backend.index_info("plain", TENANT) is None
+
+
+def _vectors(rows: int, width: int) -> list[list[float]]:
+    return [[1.0 if j == i % width else 0.1 for j in range(width)] for i in range(rows)]
+
+
+def test_a_stale_write_run_after_a_drop_claims_nothing_the_drop_freed(
+    backend: EmbeddedBackend,
+) -> None:
+    """An ingest accepted before a drop and run after it (a retry, a redelivery) writes no row,
+    so it must not claim the vector dimension back either: the re-ingest with another model,
+    of another width, which the drop was for, goes in."""
+    docs = [Document(id=f"d{i}", text=f"text {i}", revision="") for i in range(3)]
+    assert backend.upsert("stale", TENANT, docs, _vectors(3, 8), version=1, model="old") == 3
+    assert backend.delete_index("stale", TENANT, version=3) == 3
+    assert backend.upsert("stale", TENANT, docs, _vectors(3, 8), version=2, model="old") == 0
+    assert backend.upsert("stale", TENANT, docs, _vectors(3, 4), version=4, model="new") == 3
+    info = backend.index_info("stale", TENANT)
+    assert info is not None and info.documents == 3 and info.dimension == 4
+
+
+def test_another_models_vectors_of_another_width_are_a_model_mismatch(
+    backend: EmbeddedBackend,
+) -> None:
+    """A model change usually changes the width too: the error names the models (the job's
+    `embedding_model_mismatch`), not the width of the vectors."""
+    docs = [Document(id="m", text="text", revision="")]
+    assert backend.upsert("models", TENANT, docs, _vectors(1, 8), version=1, model="old") == 1
+    with pytest.raises(EmbeddingModelMismatch):
+        backend.upsert("models", TENANT, docs, _vectors(1, 4), version=2, model="new")
+    assert backend.index_info("models", TENANT).documents == 1  # type: ignore[union-attr]

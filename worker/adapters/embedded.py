@@ -449,16 +449,18 @@ class EmbeddedBackend:
         written = 0
         with _translated("upsert"), _write(conn):
             num = _ensure_index(conn, index, tenant)
-            if matrix is not None:
-                _claim_dimension(conn, num, index, matrix.shape[1])
             fts = f"fts_{num}"
             floor = _floor(conn, index, tenant)
             for i, (doc_id, title, text, revision, metadata) in enumerate(rows):
                 held = _held_version(conn, index, tenant, doc_id)
                 if version is not None and version <= max(floor, held or 0):
                     continue  # a newer write (or drop) of this id was accepted after this one
-                if not written and matrix is not None and model is not None:
-                    _check_model(conn, index, tenant, model)  # before the first row only
+                if not written and matrix is not None:  # before the first row written only:
+                    # a stale write (every row skipped) claims nothing a drop freed, and
+                    # another model's vectors are a model mismatch before a dimension one
+                    if model is not None:
+                        _check_model(conn, index, tenant, model)
+                    _claim_dimension(conn, num, index, matrix.shape[1])
                 old = conn.execute(
                     "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
                     (index, tenant, doc_id),
