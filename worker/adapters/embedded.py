@@ -260,7 +260,7 @@ _NOTHING = _Ranked([], [], lambda i: ("", "", ""))
 class EmbeddedBackend:
     """The :class:`~worker.core.ports.SearchBackend` port on SQLite FTS5 and numpy.
 
-    Safe to share between threads (each thread gets its own connection) and between
+    Safe to share between threads (each call has a pooled connection to itself) and between
     processes on one machine (WAL and a busy timeout). Opens nothing until first use.
     """
 
@@ -269,29 +269,57 @@ class EmbeddedBackend:
     def __init__(self, data_dir: Path, vector_min_similarity: float | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.vector_min_similarity = vector_min_similarity
-        self._local = threading.local()
         self._lock = threading.Lock()
         # Insertion order, the oldest evicted first. An OrderedDict, as a dict's next(iter())
         # walks every slot deleted since its last resize: 2 ms per full-cache search measured.
         self._documents: OrderedDict[int, Document] = OrderedDict()
         self._vectors: dict[tuple[str, str], _Vectors] = {}  # by (index, tenant)
-        self._connections: list[apsw.Connection] = []
+        self._connections: list[apsw.Connection] = []  # every open one, lent or idle
+        self._idle: list[apsw.Connection] = []  # the pool: the last given back on top
+        self._epoch = 0  # bumped by close(): a connection lent before is not taken back
         self._inherited: list[apsw.Connection] = []  # kept referenced, so never closed here
         self._pid = os.getpid()
         self._schema_ready = False
 
     # --- connections -------------------------------------------------------------
 
-    def _conn(self) -> apsw.Connection:
-        if os.getpid() != self._pid:  # forked: never use (nor close) the parent's connections
-            with self._lock:
+    @contextlib.contextmanager
+    def _conn(self) -> Iterator[apsw.Connection]:
+        """A connection of this process, the caller's alone until the block ends.
+
+        Connections are lent from one pool, the last one given back lent first, so the
+        process holds as many as were ever in use at once (searches run under a worker's
+        few CPU slots) and a search runs on a connection that ran one a moment ago. One
+        per thread, as before, gave each of a worker's ~600 threads its own: every tenant's
+        first write (a CREATE VIRTUAL TABLE) made each of them parse the whole schema again
+        (33 ms of CPU each at 1,000 tenant indexes) and hold its own copy of it in memory.
+        A connection a failed COMMIT or ROLLBACK left in a transaction is closed, not lent.
+        """
+        with self._lock:
+            if os.getpid() != self._pid:  # forked: never use (nor close) the parent's
                 self._inherited += self._connections
                 self._pid, self._connections, self._vectors = os.getpid(), [], {}
-                self._documents = OrderedDict()
-                self._local = threading.local()
-        conn: apsw.Connection | None = getattr(self._local, "conn", None)
-        if conn is not None:
-            return conn
+                self._idle, self._documents = [], OrderedDict()
+            conn = self._idle.pop() if self._idle else None
+            epoch = self._epoch
+        if conn is None:
+            conn = self._open()
+            with self._lock:
+                if epoch == self._epoch:
+                    self._connections.append(conn)
+        try:
+            yield conn
+        finally:
+            with self._lock:
+                if epoch != self._epoch or os.getpid() != self._pid:
+                    pass  # closed by close() meanwhile, or the parent's: not ours to keep
+                elif conn.in_transaction:
+                    self._connections.remove(conn)
+                    conn.close()
+                else:
+                    self._idle.append(conn)
+
+    def _open(self) -> apsw.Connection:
         with _translated("open"):
             self.data_dir.mkdir(parents=True, exist_ok=True)
             conn = apsw.Connection(str(self.data_dir / DB_FILE))
@@ -311,16 +339,16 @@ class EmbeddedBackend:
                     conn.execute(_SCHEMA)
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
                 self._schema_ready = True
-        self._local.conn = conn
-        with self._lock:
-            self._connections.append(conn)
         return conn
 
     def close(self) -> None:
-        """Close every connection this backend opened; it reopens on next use."""
+        """Close every connection this backend opened; it reopens on next use. One lent
+        meanwhile is closed here too (its operation fails as unavailable, and is retried)."""
         with self._lock:
-            connections, self._connections = self._connections, []
-            self._local = threading.local()
+            if os.getpid() != self._pid:
+                return  # the parent's: never closed here (the next use starts afresh)
+            connections, self._connections, self._idle = self._connections, [], []
+            self._epoch += 1
             self._vectors = {}
         for conn in connections:
             conn.close()
@@ -340,8 +368,7 @@ class EmbeddedBackend:
         another tenant has costs what one nobody has costs (microseconds). The model is one
         more seek, on the catalog's primary key.
         """
-        conn = self._conn()
-        with _translated("channels"):  # one statement: one snapshot, one step
+        with self._conn() as conn, _translated("channels"):  # one statement: one snapshot, one step
             row = conn.execute(
                 "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2),"
                 " EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2 AND has_vector),"
@@ -355,10 +382,14 @@ class EmbeddedBackend:
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         """Each asked channel's hits, best first, hard filters applied inside the query."""
-        conn = self._conn()
         hits: dict[Channel, list[ChannelHit]] = {}
         seconds: dict[str, float] = {}
-        with _translated("retrieve"), _deadline(conn, query.timeout_seconds), _read(conn):
+        with (
+            self._conn() as conn,
+            _translated("retrieve"),
+            _deadline(conn, query.timeout_seconds),
+            _read(conn),
+        ):
             row = _index_row(conn, query.index, query.filters.tenant)
             if row is None:
                 # As when one index held every tenant: a name another tenant uses answers
@@ -374,7 +405,13 @@ class EmbeddedBackend:
             for channel in dict.fromkeys(query.channels):
                 started = time.perf_counter()
                 if channel == "bm25":
-                    ranked[channel] = self._bm25(conn, num, query)
+                    # A drop that emptied the tenant's index dropped its FTS5 table (in this
+                    # snapshot exactly when no document is left), until the next write
+                    ranked[channel] = (
+                        self._bm25(conn, num, query)
+                        if _holds(conn, query.index, query.filters.tenant)
+                        else _NOTHING
+                    )
                 elif channel == "knn":
                     ranked[channel] = self._knn(conn, generation, query)
                 else:
@@ -445,9 +482,8 @@ class EmbeddedBackend:
             return 0
         matrix = _check_vectors(documents, vectors)
         rows = [_document_row(i, doc) for i, doc in enumerate(documents)]
-        conn = self._conn()
         written = 0
-        with _translated("upsert"), _write(conn):
+        with self._conn() as conn, _translated("upsert"), _write(conn):
             num = _ensure_index(conn, index, tenant)
             fts = f"fts_{num}"
             floor = _floor(conn, index, tenant)
@@ -492,9 +528,8 @@ class EmbeddedBackend:
         existed. With a ``version``, each id gets a tombstone of that version, so an upsert
         accepted before the delete and run after it is skipped, and an id whose last write
         is newer than the delete is left alone."""
-        conn = self._conn()
         deleted = 0
-        with _translated("delete"), _write(conn):
+        with self._conn() as conn, _translated("delete"), _write(conn):
             row = _index_row(conn, index, tenant)
             floor = _floor(conn, index, tenant)
             for doc_id in dict.fromkeys(ids):
@@ -521,8 +556,7 @@ class EmbeddedBackend:
 
     def count(self, index: str, tenant: str) -> int:
         """How many documents the tenant holds in the index."""
-        conn = self._conn()
-        with _translated("count"):
+        with self._conn() as conn, _translated("count"):
             found = conn.execute(
                 "SELECT count(*) FROM docs WHERE idx = ? AND tenant = ?", (index, tenant)
             ).get
@@ -533,8 +567,7 @@ class EmbeddedBackend:
         answers how many went. With a ``version``, only documents written before it go, and
         the tenant's index keeps it as a floor: an upsert accepted before the drop and run
         after it is skipped. The tenant's tombstones below the floor are dropped with it."""
-        conn = self._conn()
-        with _translated("delete_index"), _write(conn):
+        with self._conn() as conn, _translated("delete_index"), _write(conn):
             row = _index_row(conn, index, tenant)
             gone = 0
             if row is not None:
@@ -563,6 +596,12 @@ class EmbeddedBackend:
                 conn.execute(
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
                 )
+                if not _holds(conn, index, tenant):
+                    # An empty index keeps no FTS5 table (five schema rows each connection
+                    # parses and holds); its ``indexes`` row stays, so its generation keeps
+                    # counting for the vector caches of other processes. The next write
+                    # makes the table again (:func:`_ensure_index`).
+                    conn.execute(f"DROP TABLE IF EXISTS fts_{row[0]}")
             if version is not None:
                 conn.execute(
                     "DELETE FROM writes WHERE idx = ? AND tenant = ? AND version <= ?",
@@ -593,8 +632,7 @@ class EmbeddedBackend:
 
     def indexes(self, tenant: str) -> list[IndexInfo]:
         """The tenant's indexes (those holding one of its documents), by name."""
-        conn = self._conn()
-        with _translated("indexes"), _read(conn):
+        with self._conn() as conn, _translated("indexes"), _read(conn):
             rows = cast(
                 list[tuple[str, int, int | None, str | None, float | None]],
                 conn.execute(
@@ -613,8 +651,7 @@ class EmbeddedBackend:
     def index_info(self, index: str, tenant: str) -> IndexInfo | None:
         """The tenant's part of one index; None when it holds none of the tenant's documents
         (whether or not another tenant uses the name)."""
-        conn = self._conn()
-        with _translated("index_info"), _read(conn):
+        with self._conn() as conn, _translated("index_info"), _read(conn):
             row = conn.execute(
                 "SELECT count(*), i.dimension, c.model, c.last_write FROM docs AS d"
                 " JOIN indexes AS i ON i.name = d.idx AND i.tenant = d.tenant"
@@ -629,8 +666,7 @@ class EmbeddedBackend:
 
     def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
         """One of the tenant's documents as stored (no vector); None if it has no such one."""
-        conn = self._conn()
-        with _translated("document"), _read(conn):
+        with self._conn() as conn, _translated("document"), _read(conn):
             row = conn.execute(
                 "SELECT d.revision, d.metadata, b.title, b.text, w.version FROM docs AS d"
                 " JOIN bodies AS b ON b.seq = d.seq"
@@ -782,7 +818,9 @@ class EmbeddedBackend:
             )
             whole = rows.size == old.size
             block = old
-            if more or not whole:
+            if not more and rows.size == 0:
+                block = _Block()  # emptied (a drop): no spare rows of the old width kept
+            elif more or not whole:
                 block = _Block(
                     seqs=np.concatenate([old.seqs[rows], np.array([r[0] for r in more], np.int64)]),
                     ids=_kept(old.ids, rows, whole) + [r[1] for r in more],
@@ -937,6 +975,15 @@ def _index_row(
         (index, tenant),
     ).fetchone()
     return None if row is None else (int(row[0]), row[1], int(row[2]))
+
+
+def _holds(conn: apsw.Connection, index: str, tenant: str) -> bool:
+    """Whether the tenant holds a document in the index (one seek on its unique key)."""
+    return bool(
+        conn.execute(
+            "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ? AND tenant = ?)", (index, tenant)
+        ).get
+    )
 
 
 def _remove_row(conn: apsw.Connection, fts: str, seq: int) -> None:
