@@ -2,6 +2,7 @@
 
     python benchmarks/bench_tenant_schema.py [--baseline main] [--tenants 1000]
                                              [--threads 300] [--rounds 3]
+                                             [--sides baseline,today]
 
 Each tenant's index is its own FTS5 table (five ``sqlite_master`` rows with its shadow
 tables), so a tenant's first write changes the schema, and every other open connection
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -83,9 +85,11 @@ def measure(
     failures: list[BaseException] = []
 
     def run(k: int) -> None:
-        query = ChannelQuery(INDEX, HardFilters(f"t{k % tenants}"), ("bm25",), 10, "hello")
+        rng = random.Random(k)
         for event in go:
             event.wait()
+            tenant = f"t{rng.randrange(tenants)}"  # a worker's next search: any tenant's
+            query = ChannelQuery(INDEX, HardFilters(tenant), ("bm25",), 10, "hello")
             try:
                 with slots:
                     assert backend.retrieve(query).hits["bm25"], "no hit"
@@ -133,6 +137,9 @@ def main() -> None:
     parser.add_argument("--tenants", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--sides", default="baseline,today", help="baseline,today or one of them (memory)"
+    )
     parser.add_argument("--side", help=argparse.SUPPRESS)  # one side, in a child process
     parser.add_argument("--data-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -150,7 +157,7 @@ def main() -> None:
             f"({time.process_time() - started:.1f} s CPU to build); {args.threads} threads, "
             f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
         )
-        for side in ("baseline", "today"):
+        for side in args.sides.split(","):
             child = subprocess.run(
                 [
                     *(sys.executable, __file__, "--side", side, "--data-dir", tmp),
