@@ -32,6 +32,10 @@ Why this shape (DESIGN.md §6, §10):
 * **Bodies are read once per search**: each channel ranks on narrow rows, then one
   statement reads the title and text of the union of both channels' hits, and a hit
   found by both channels shares one ``Document``.
+* **Connections are lent from a pool, one per operation, not kept per thread**: a
+  tenant's first write creates a table, and every open connection then parses the whole
+  schema again and holds a copy of it, so a process keeps only as many as it used at
+  once. A drop that leaves a tenant's index empty drops its FTS5 table for the same reason.
 
 Usage::
 
