@@ -48,6 +48,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import apsw
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.baseline import module_at  # noqa: E402
 from benchmarks.bench_queue import corpus as sample_corpus  # noqa: E402
 from benchmarks.bench_queue import queries as sample_queries  # noqa: E402
-from worker.adapters.embedded import EmbeddedBackend  # noqa: E402
+from worker.adapters.embedded import DB_FILE, EmbeddedBackend  # noqa: E402
 from worker.core.query import channel_window, coarse_limit  # noqa: E402
 from worker.core.types import ChannelQuery, Document, HardFilters  # noqa: E402
 from worker.queue.slots import cpu_slots  # noqa: E402
@@ -108,11 +109,12 @@ def build(
             if tenant == NOISE:
                 part = [Document(f"n{d.id}", d.text, d.title, "", d.metadata) for d in part]
             backend.upsert(INDEX, tenant, part, unit_rows(rng, len(part)))
-    conn = backend._conn()
+    backend.close()
+    conn = apsw.Connection(str(data_dir / DB_FILE))  # either side's: its own, not the pool's
     if optimize:
         conn.execute("INSERT INTO fts_1(fts_1) VALUES ('optimize')")
     segments = conn.execute("SELECT count(DISTINCT segid) FROM fts_1_idx").get
-    backend.close()
+    conn.close()
     return int(segments)
 
 
