@@ -346,8 +346,8 @@ class EmbeddedBackend:
         return conn
 
     def close(self) -> None:
-        """Close every connection this backend opened; it reopens on next use. One lent
-        meanwhile is closed here too (its operation fails as unavailable, and is retried)."""
+        """Close every connection this backend opened; it reopens on next use. Meant for
+        when no operation runs (shutdown, tests); one lent meanwhile is not taken back."""
         with self._lock:
             if os.getpid() != self._pid:
                 return  # the parent's: never closed here (the next use starts afresh)
