@@ -355,6 +355,28 @@ def test_a_data_dir_of_another_schema_version_is_refused_not_misread(
         backend.channels("docs", "acme")
 
 
+def test_sift_worker_stops_at_start_on_a_data_dir_of_another_schema(tmp_path: Path) -> None:
+    """Not a worker that comes up healthy and fails every job: ``sift worker`` says it and
+    exits 2 before it starts a process (nor does it touch Redis: none listens here)."""
+    conn = apsw.Connection(str(tmp_path / "sift.db"))
+    conn.execute("CREATE TABLE docs(x); PRAGMA user_version=1")
+    conn.close()
+    run = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "worker"],
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            "SIFT_DATA_DIR": str(tmp_path),
+            "SIFT_REDIS_URL": "redis://127.0.0.1:9/0",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "schema v1" in run.stdout and "SIFT_DATA_DIR" in run.stdout, run.stdout
+
+
 def test_equal_scores_order_by_id_in_both_channels_and_a_shared_hit_is_one_document(
     tmp_path: Path,
 ) -> None:

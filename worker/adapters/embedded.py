@@ -345,6 +345,13 @@ class EmbeddedBackend:
                 self._schema_ready = True
         return conn
 
+    def check(self) -> None:
+        """Open the data dir now (making it and its schema if new), so a data dir of another
+        schema version stops a worker at its start with :class:`ConfigError`, rather than
+        failing each job it takes."""
+        with self._conn():
+            pass
+
     def close(self) -> None:
         """Close every connection this backend opened; it reopens on next use. Meant for
         when no operation runs (shutdown, tests); one lent meanwhile is not taken back."""

@@ -86,6 +86,8 @@ def worker(
     if processes is not None:
         overrides["worker_processes"] = processes
     settings = _settings(**overrides)
+    if not supervised_by and settings.search_backend == "embedded":
+        _check_data_dir(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
         args = ["--queues", queues]
@@ -106,6 +108,20 @@ def worker(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel or settings.log_level,
          "--without-gossip", "--without-mingle"]
     )  # fmt: skip
+
+
+def _check_data_dir(settings: Settings) -> None:
+    """The embedded backend's data dir must be of this Sift's schema: said at start, once."""
+    from worker.adapters.embedded import EmbeddedBackend
+
+    backend = EmbeddedBackend(settings.data_dir)
+    try:
+        backend.check()
+    except SiftError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from error
+    finally:
+        backend.close()
 
 
 def _settings(**overrides: Any) -> Settings:
