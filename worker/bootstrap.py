@@ -146,7 +146,12 @@ def build_rate_budget(settings: Settings, lane: str = "standard") -> RedisRateBu
     if model is None or not settings.redis_url or not settings.rate_budget_enabled:
         return None
     from worker.adapters.rate_budget import RedisRateBudget
-    from worker.redis_client import OUTAGE_SECONDS, QUICK_SOCKET_TIMEOUT, connect
+    from worker.redis_client import (
+        OUTAGE_SECONDS,
+        QUICK_SOCKET_TIMEOUT,
+        connect,
+        worker_connections,
+    )
 
     limits = settings.rate_limits.get(model)
     if lane == LANE_ECONOMY:  # a few calls a minute: a small pool
@@ -156,12 +161,9 @@ def build_rate_budget(settings: Settings, lane: str = "standard") -> RedisRateBu
         )
         lane_limits = RateLimit(rpm=economy.rpm) if economy is not None else None
         return RedisRateBudget(client, model, lane_limits, lane=LANE_ECONOMY)
-    # every thread of the process may reserve at once: a thread finding every connection busy
-    # waits for one rather than failing its search (redis-py's default pool stops at 100)
-    threads = settings.worker_concurrency + settings.batch_item_concurrency + 32
-    client = connect(
+    client = connect(  # every thread of the process may reserve at once
         settings.redis_url,
-        max_connections=threads,
+        max_connections=worker_connections(settings),
         outage_seconds=OUTAGE_SECONDS,
         socket_timeout=QUICK_SOCKET_TIMEOUT,
     )

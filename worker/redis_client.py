@@ -13,13 +13,16 @@ sized for a restart would hold a call for hours there.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
 
 T = TypeVar("T")
 
@@ -41,6 +44,14 @@ OUTAGE_SECONDS = 30.0
 # The socket timeout of a client whose commands all answer in under a millisecond (an
 # index's settings, a rate-budget reservation): a silent server is found out in 5 s, not 30.
 QUICK_SOCKET_TIMEOUT = 5.0
+
+
+def worker_connections(settings: Settings) -> int:
+    """How many connections a worker process's client may need at once: one for each of its
+    threads (Celery's and the batch items'), and a few for its own loops. A thread that finds
+    every one busy waits for one rather than failing its job (redis-py's default pool stops
+    at 100)."""
+    return settings.worker_concurrency + settings.batch_item_concurrency + 32
 
 
 class OutageRetry(Retry):

@@ -37,7 +37,7 @@ from worker.queue.intake import INTAKE
 from worker.queue.items import CancelMarks, ItemQueue
 from worker.queue.jobstore import JobStore, webhook_event
 from worker.ratelimit import LimitedReranker, ProviderLimiter
-from worker.redis_client import OUTAGE_SECONDS
+from worker.redis_client import OUTAGE_SECONDS, worker_connections
 from worker.settings import Settings, load_settings
 
 if TYPE_CHECKING:
@@ -185,9 +185,7 @@ def get_context(settings: Settings | None = None) -> WorkerContext:
                     settings=settings,
                     store=JobStore.from_url(
                         settings.redis_url,
-                        max_connections=settings.worker_concurrency
-                        + settings.batch_item_concurrency
-                        + 32,
+                        max_connections=worker_connections(settings),
                         outage_seconds=OUTAGE_SECONDS,
                     ),
                     limiter=ProviderLimiter(settings.rerank_max_in_flight),
