@@ -839,6 +839,12 @@ def test_native_rrf_sends_the_searchs_weights_and_rank_constant(
     assert rrf["rank_constant"] == 20
     bm25, knn = rrf["retrievers"]
     assert bm25["weight"] == 1.0 and knn["weight"] == 0.25
+    _assert_weighted_channels(bm25, knn)
+
+
+def _assert_weighted_channels(bm25: dict[str, Any], knn: dict[str, Any]) -> None:
+    """A native fusion's two weighted children: BM25's query and kNN on the vector field,
+    each filtered to the tenant."""
     assert "query" in bm25["retriever"]["standard"]
     assert knn["retriever"]["knn"]["field"] == "vector"
     tenant = {"term": {"tenant": "acme"}}
@@ -879,11 +885,7 @@ def test_native_linear_sends_es_linear_retriever_with_weights_and_minmax(
     bm25, knn = linear["retrievers"]
     assert (bm25["weight"], bm25["normalizer"]) == (1.0, "minmax")
     assert (knn["weight"], knn["normalizer"]) == (0.25, "minmax")
-    assert "query" in bm25["retriever"]["standard"]
-    assert knn["retriever"]["knn"]["field"] == "vector"
-    tenant = {"term": {"tenant": "acme"}}
-    assert tenant in bm25["retriever"]["standard"]["query"]["bool"]["filter"]
-    assert tenant in knn["retriever"]["knn"]["filter"]
+    _assert_weighted_channels(bm25, knn)
 
 
 def test_linear_without_native_fusion_fuses_the_channel_scores_in_sift(
