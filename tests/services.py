@@ -36,7 +36,9 @@ def celery_worker(
     pool: str = "threads",
     processes: int = 1,
 ) -> Iterator[Popen[bytes]]:
-    """``sift worker``: one Celery worker process, or ``processes`` under a supervisor."""
+    """``sift worker``: one Celery worker process, or ``processes`` under a supervisor; its
+    data dir in ``tmp`` unless ``env`` names one (never the checkout's ``.sift/data``)."""
+    env = {"SIFT_DATA_DIR": str(tmp / "data"), **env}
     with worker_process(
         tmp, child_env(env, inherit_sift=False), name, concurrency=concurrency, pool=pool,
         processes=processes,

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -24,7 +25,8 @@ from typing import Any
 import httpx
 import redis
 
-from tests.services import free_port, redis_server
+from tests.fake_anthropic import FakeAnthropic
+from tests.services import free_port, gateway, redis_server
 from worker.constants import ALL_QUEUES, BATCH_COUNTS_KEY, BATCH_ITEMS_KEY, BATCH_RESULTS_KEY
 
 KEYS = [
@@ -40,9 +42,12 @@ SAMPLE = Path(__file__).resolve().parents[2] / "worker" / "data"
 
 
 def stack_env(redis_url: str, model_url: str, **extra: str) -> dict[str, str]:
-    """The environment of one gateway or worker: rerank on, the fake model, short retries."""
+    """The environment of one gateway or worker: rerank on, the fake model, short retries,
+    and a data dir of its own (the default, ``.sift/data`` under the checkout, would be
+    shared by every test running at once, and by whatever a developer ingested there)."""
     env = {
         "SIFT_REDIS_URL": redis_url,
+        "SIFT_DATA_DIR": tempfile.mkdtemp(prefix="sift-test-data-"),
         "SIFT_API_KEYS": json.dumps(KEYS),
         "SIFT_RERANK_ENABLED": "true",
         "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
@@ -285,3 +290,30 @@ def broker(directory: Path) -> Iterator[Broker]:
         yield running
     finally:
         running.close()
+
+
+@dataclass
+class Stack:
+    """Redis, the fake model and a gateway, without a worker (a test starts its own)."""
+
+    redis_url: str
+    client: httpx.Client
+    env: dict[str, str]
+
+
+@contextlib.contextmanager
+def gateway_stack(directory: Path, model_delay: float) -> Iterator[Stack]:
+    """A :class:`Stack` in ``directory``, its workers' environment at the defaults (the soft
+    shutdown window included), the model answering after ``model_delay`` seconds."""
+    with (
+        FakeAnthropic(delay=model_delay) as model,
+        redis_server(directory / "redis") as base_url,
+    ):
+        url = base_url + "/0"
+        env = stack_env(url, model.url)
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # its default
+        with (
+            gateway(directory / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            yield Stack(url, client, env)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -31,16 +30,18 @@ from tests.reliability.support import (
     DOWN_SECONDS,
     FINISH_TIMEOUT,
     INDEX,
+    Stack,
     assert_batch_exactly_once,
     batch_counts,
     broker,
     broker_state,
+    gateway_stack,
     ingest,
     stack_env,
     submit_batch,
     wait_for,
 )
-from tests.services import gateway, redis_server
+from tests.services import gateway
 from worker.constants import ALL_QUEUES, BATCH_QUEUE, INDEX_READ_TASK, SEARCH_TASK
 from worker.settings import Settings
 from worker.stack import child_env, worker_process
@@ -50,27 +51,10 @@ pytestmark = pytest.mark.integration
 TOTAL = 1000  # queries: 40 chunks of 25
 
 
-@dataclass
-class Stack:
-    redis_url: str
-    client: httpx.Client
-    env: dict[str, str]
-
-
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    with (
-        FakeAnthropic(delay=10.0) as model,
-        redis_server(tmp_path / "redis") as base_url,
-    ):
-        url = base_url + "/0"
-        env = stack_env(url, model.url)
-        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # its default
-        with (
-            gateway(tmp_path / "g", env) as base,
-            httpx.Client(base_url=base, timeout=30) as client,
-        ):
-            yield Stack(url, client, env)
+    with gateway_stack(tmp_path, model_delay=10.0) as running:
+        yield running
 
 
 def received_while_paused(log: str, task: str) -> bool:

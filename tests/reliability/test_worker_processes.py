@@ -29,16 +29,16 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
+    Stack,
     assert_batch_exactly_once,
     batch_counts,
+    gateway_stack,
     ingest,
-    stack_env,
     submit_batch,
     wait_for,
 )
-from tests.services import free_port, gateway, redis_server
+from tests.services import free_port
 from worker.metrics import SweepingCollector, snapshot
 from worker.stack import child_env, stop, worker_process
 
@@ -51,28 +51,10 @@ COMPLETED = "sift_jobs_completed_total"
 ITEMS_DONE = (("kind", "batch_item"), ("status", "succeeded"))
 
 
-@dataclass
-class Stack:
-    redis_url: str
-    client: httpx.Client
-    env: dict[str, str]
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("procs")
-    with (
-        FakeAnthropic(delay=0.3) as model,
-        redis_server(tmp / "redis") as base_url,
-    ):
-        url = base_url + "/0"
-        env = stack_env(url, model.url)
-        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # its default
-        with (
-            gateway(tmp / "g", env) as base,
-            httpx.Client(base_url=base, timeout=30) as client,
-        ):
-            yield Stack(url, client, env)
+    with gateway_stack(tmp_path_factory.mktemp("procs"), model_delay=0.3) as running:
+        yield running
 
 
 @dataclass
