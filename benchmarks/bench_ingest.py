@@ -58,7 +58,7 @@ from worker.adapters.embedder import (  # noqa: E402
     int8_compute_model,
 )
 from worker.evaluation import read_corpus  # noqa: E402
-from worker.queue.slots import cores  # noqa: E402
+from worker.machine import cpu_count as cores  # noqa: E402
 from worker.runtime import embedding_text  # noqa: E402
 from worker.stack import (  # noqa: E402
     child_env,
