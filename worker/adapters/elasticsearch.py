@@ -2,36 +2,52 @@
 
 Why this shape (DESIGN.md §6):
 
-* **Index layout.** Sift index ``NAME`` is the alias ``<prefix>NAME`` over one concrete
-  index ``<prefix>NAME-<UTC timestamp>``. An index template (``<prefix>sift``, pattern
+* **Index layout: one physical index per (tenant, name).** Sift index ``NAME`` of tenant
+  ``T`` is the alias ``<prefix><key>--NAME`` over one concrete index
+  ``<prefix><key>--NAME-<000001 or UTC timestamp>``, where ``<key>`` is
+  :func:`tenant_key`: 16 hex digits of the tenant id's SHA-256 (tenant ids may hold
+  characters ES refuses in index names; the key never does, and it has a fixed length, so
+  the name after ``--`` is exactly the Sift name). So another tenant's documents change
+  neither a tenant's BM25 statistics (document frequency, average length) nor its search
+  cost, and a tenant's first write into a name always creates its own index, whether
+  another tenant uses the name or not. An index template (``<prefix>sift``, pattern
   ``<prefix>*``) holds the mapping: ``text`` and ``title`` as ``text`` (english analyzer,
   BM25), ``vector`` as ``dense_vector`` (cosine, HNSW, int8-quantised by default),
   ``tenant``, ``revision`` and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened``
   (every value a keyword, so equality filters work on strings, numbers and booleans),
   ``embedding_model`` as ``keyword``: the model that made the document's vector.
-  Every field name is a setting, so an existing index can be searched as it is.
+  Every field name is a setting, so an existing index can be searched through a tenant's
+  alias pointed at it.
 * **Embedding models never mix.** A write of vectors first asks (one ``size: 1`` search)
   whether the tenant holds a vector recorded by another model, and is refused with
   ``EmbeddingModelMismatch`` if so, writing nothing; the channel probe returns the model of
   one of the tenant's vectors, so a search learns it with no extra round trip. A drop
   (``_delete_by_query``) takes the record with the documents. Not transactional: two
   workers of different models writing into one empty index at once can both pass.
-* **Tenancy.** Every tenant's documents for Sift index ``NAME`` live in that one alias,
-  each carrying its tenant field, and every search filters on it. So the alias existing
-  says nothing about the caller: an index exists *for a tenant* once it holds one of the
-  tenant's documents. :meth:`ElasticsearchBackend.channels` asks exactly that (two
-  tenant-filtered ``size: 0`` probes in one ``_msearch``), and a missing alias gives the
-  same empty answer, so the pipeline raises the same ``IndexNotFound`` for an index only
-  another tenant uses as for one nobody has.
-* **Writes** go through ``elasticsearch.helpers.streaming_bulk``. The ``_id`` is
-  ``"<tenant>:<doc id>"``: tenants never collide, and an upsert by id replaces the whole
-  document, vector included. ``refresh=wait_for`` (the default) makes a write visible to
-  search before the call returns; ``false`` gives eventual visibility (about 1 s).
-* **Reindexing** (:meth:`ElasticsearchBackend.reindex`): create a new concrete index from
-  the current template, copy with ``_reindex`` (vectors included, also on 9.2+ where they
-  are left out of ``_source``), refresh, then move the alias in one atomic ``_aliases``
-  call (remove from the old indexes, add to the new). Searches never see a half-built
-  index; the old index is kept for a rollback unless ``delete_old`` is set.
+* **Tenancy, in depth.** Each document still carries its tenant field, every search
+  and count still filters on it, and the ``_id`` stays ``"<tenant>:<doc id>"``: a
+  64-bit key collision, or an alias an operator pointed at a shared index, still keeps
+  tenants apart, and a migration from the shared layout copies ``_id`` and external
+  version as they are. An index exists *for a tenant* once it holds one of the tenant's
+  documents: :meth:`ElasticsearchBackend.channels` asks exactly that (two tenant-filtered
+  ``size: 0`` probes in one ``_msearch`` on the tenant's alias); a missing alias (a name
+  only another tenant has, or nobody) gives the same empty answer after the same one
+  round trip, so the pipeline raises the same ``IndexNotFound`` for both.
+* **Writes** go through ``elasticsearch.helpers.streaming_bulk`` with ``require_alias``:
+  a write never auto-creates a concrete index under the alias's name (after another
+  worker dropped the index); it is refused, and the index is made again properly. An
+  upsert by id replaces the whole document, vector included. ``refresh=wait_for`` (the
+  default) makes a write visible to search before the call returns; ``false`` gives
+  eventual visibility (about 1 s).
+* **Drops** (:meth:`ElasticsearchBackend.delete_index`) delete the tenant's concrete
+  index outright (its alias goes with it), unless it holds another tenant's document
+  too, when only the tenant's documents go (``_delete_by_query``).
+* **Reindexing** (:meth:`ElasticsearchBackend.reindex`, per tenant): create a new
+  concrete index from the current template, copy with ``_reindex`` (vectors included, also
+  on 9.2+ where they are left out of ``_source``; versions kept), refresh, then move the
+  alias in one atomic ``_aliases`` call (remove from the old indexes, add to the new).
+  Searches never see a half-built index; the old index is kept for a rollback unless
+  ``delete_old`` is set.
 * **Reads**: the BM25 and kNN searches go in ONE ``_msearch`` round trip. The tenant term
   and the caller's metadata terms sit inside both: the ``bool.filter`` of the BM25 query
   and ``knn.filter``, which ES applies *before* it picks the top k (a ``post_filter``
@@ -59,6 +75,7 @@ Why this shape (DESIGN.md §6):
 Usage::
 
     backend = ElasticsearchBackend.from_settings(settings)   # no network call here
+    backend.check()  # once at start: refuses indexes of the shared layout (see migrate_shared)
     backend.upsert("docs", "acme", [Document(id="1", text="...")], vectors)
     results = backend.retrieve(ChannelQuery(index="docs", filters=HardFilters("acme"),
                                             channels=("bm25", "knn"), size=120,
@@ -122,6 +139,23 @@ CHANNELS_MEMO_SIZE = 4096
 #: The most indexes one tenant's list shows (the terms aggregation's size).
 MAX_LISTED_INDEXES = 1000
 _FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+#: Hex digits of the tenant key in index names: 64 bits, collision-free for any real
+#: number of tenants (and a collision still keeps tenants apart: see "Tenancy, in depth").
+TENANT_KEY_LENGTH = 16
+#: Between the tenant key and the Sift index name. Sift names may hold ``--`` too; the key's
+#: fixed length is what makes a name readable back.
+KEY_SEPARATOR = "--"
+#: Elasticsearch's limit on an index name, in bytes.
+MAX_INDEX_NAME_BYTES = 255
+#: What Elasticsearch accepts as an index name (lowercase; none of ``\ / * ? " < > | , # :``
+#: or spaces; not starting with ``-``, ``_`` or ``+``; not ``.`` or ``..``), restricted to
+#: what Sift ever composes: the prefix, the key, ``--`` and a Sift index name, all in
+#: ``[a-z0-9_.-]``.
+_ES_INDEX_NAME = re.compile(r"^(?![-_+])(?!\.{1,2}$)[a-z0-9_.-]+$")
+#: An alias of the per-tenant layout, after the prefix: a tenant key, ``--``, a Sift name.
+_TENANT_ALIAS = re.compile(rf"^[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}[a-z0-9]")
+#: How Sift names a concrete index after its alias: ``000001`` or a reindex's timestamp.
+_SIFT_CONCRETE = re.compile(r"000001|\d{8}t\d{12}")
 Refresh = Literal["wait_for", "true", "false"]
 
 
@@ -207,6 +241,34 @@ def derive_revision(title: str, text: str, metadata: Mapping[str, FilterValue]) 
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def tenant_key(tenant: str) -> str:
+    """The tenant's part of its index names: a fixed-length hex digest of the tenant id.
+
+    Tenant ids may hold what ES refuses in an index name (capitals, ``:``, ``/``, spaces,
+    any Unicode); the digest never does. It is stable across releases: existing indexes
+    are named by it.
+
+    >>> tenant_key("acme"), len(tenant_key("Ünïcode/tenant: *?"))
+    ('822b33ad87c148a0', 16)
+    """
+    return hashlib.sha256(tenant.encode()).hexdigest()[:TENANT_KEY_LENGTH]
+
+
+def checked_index_name(name: str, what: str = "index") -> str:
+    """``name`` if Elasticsearch accepts it as an index or alias name; InvalidRequest if not.
+
+    >>> checked_index_name("sift-822b33ad87c148a0--docs")
+    'sift-822b33ad87c148a0--docs'
+    >>> checked_index_name("sift-822b33ad87c148a0--Docs")
+    Traceback (most recent call last):
+    ...
+    worker.errors.InvalidRequest: index: 'sift-822b33ad87c148a0--Docs' is no Elasticsea...
+    """
+    if len(name.encode()) > MAX_INDEX_NAME_BYTES or not _ES_INDEX_NAME.match(name):
+        raise InvalidRequest(what, f"{name!r} is no Elasticsearch index name")
+    return name
+
+
 class ElasticsearchBackend:
     """A SearchBackend over an Elasticsearch 9.x cluster (see the module docstring)."""
 
@@ -282,9 +344,17 @@ class ElasticsearchBackend:
             native_rrf=settings.elasticsearch_native_rrf,
         )
 
-    def alias(self, index: str) -> str:
-        """The ES alias (or, for an existing index, the index name) behind Sift index ``index``."""
-        return f"{self.prefix}{index}"
+    def tenant_stem(self, tenant: str) -> str:
+        """What every alias of the tenant starts with: ``<prefix><key>--``."""
+        return f"{self.prefix}{tenant_key(tenant)}{KEY_SEPARATOR}"
+
+    def alias(self, index: str, tenant: str) -> str:
+        """The ES alias behind the tenant's Sift index ``index``: ``<prefix><key>--<index>``.
+
+        The gateway admits ``[a-z0-9][a-z0-9_.-]*`` of at most 128 characters, the prefix is
+        at most 64 of ``[a-z0-9_.-]``: with the key, the separator and a concrete index's
+        ``-<timestamp>``, at most 233 bytes. Checked anyway, for callers of this class."""
+        return checked_index_name(f"{self.tenant_stem(tenant)}{index}")
 
     def _es(self, timeout: float | None = None) -> Elasticsearch:
         return self._client.options(request_timeout=timeout or self.request_timeout)
@@ -299,17 +369,17 @@ class ElasticsearchBackend:
     def probe(self, index: str, tenant: str) -> IndexProbe:
         """The tenant's channels and the embedding model its vectors were written with.
 
-        Tenants share one ES index per Sift index name, so the alias existing says nothing
-        about the caller: whether the index exists *for this tenant* is one ``_msearch`` of
-        two tenant-filtered probes (``terminate_after: 1``), the tenant's documents and the
-        tenant's documents with a vector; the second returns its one hit's model field
-        (writes keep one model per tenant's index, so any vector's model is the index's).
-        A missing alias answers the same empty set as an alias holding only other tenants'
-        documents, after the same one round trip. The mapping is read only once the
-        tenant's own vectors are found, and a positive answer (with the model) is kept per
+        One ``_msearch`` on the tenant's own alias with two tenant-filtered probes
+        (``terminate_after: 1``): the tenant's documents, and the tenant's documents with a
+        vector; the second returns its one hit's model field (writes keep one model per
+        tenant's index, so any vector's model is the index's). The alias existing is not
+        enough: a drop by ids can leave it empty, and an empty index reads like none. A
+        missing alias (a name another tenant has, or nobody) answers the same empty set
+        after the same one round trip. The mapping is read only once the tenant's own
+        vectors are found, and a positive answer (with the model) is kept per
         (alias, tenant) for ``CHANNELS_TTL_SECONDS``.
         """
-        alias = self.alias(index)
+        alias = self.alias(index, tenant)
         seen = self._with_vectors.get((alias, tenant))
         if seen is not None and self._clock() - seen[0] < CHANNELS_TTL_SECONDS:
             return IndexProbe(frozenset({"bm25", "knn"}), seen[1])
@@ -374,12 +444,16 @@ class ElasticsearchBackend:
             started = self._clock()
             fused = self.retrieve_native(query)
             return ChannelResults(hits={}, seconds={"rrf": self._clock() - started}, fused=fused)
+        # The tenant's own index in the URL, none in the header lines: the request cannot
+        # reach another index (and ES's rest.action.multi.allow_explicit_index=false holds).
+        alias = self.alias(query.index, query.filters.tenant)
         searches: list[Mapping[str, Any]] = []
         for channel in channels:
-            searches += [{"index": self.alias(query.index)}, self.channel_body(channel, query)]
+            searches += [{}, self.channel_body(channel, query)]
         started = self._clock()
         with _translated(f"search of index {query.index!r}", query.index):
-            response = self._es(query.timeout_seconds).msearch(searches=searches).body
+            es = self._es(query.timeout_seconds)
+            response = es.msearch(index=alias, searches=searches).body
         round_trip = self._clock() - started
         answers = response.get("responses", [])
         if len(answers) != len(channels):
@@ -405,7 +479,8 @@ class ElasticsearchBackend:
         version: int | None = None,
         model: str | None = None,
     ) -> int:
-        """Index each document as ``<tenant>:<id>`` (replacing it whole) through the bulk helper.
+        """Index each document as ``<tenant>:<id>`` (replacing it whole) into the tenant's own
+        index (made on its first write) through the bulk helper.
 
         With a ``version``, each write is ES's external versioning: ES applies it only if
         the version is newer than the one it holds for the ``_id`` (a delete's included,
@@ -418,8 +493,8 @@ class ElasticsearchBackend:
             )
         if not documents:
             return 0
-        self.ensure_index(index)
-        alias = self.alias(index)
+        alias = self.alias(index, tenant)
+        self.ensure_index(index, tenant)
         recorded = model if vectors is not None and self.fields.model else None
         if recorded is not None:
             self._check_model(index, tenant, recorded)
@@ -435,7 +510,9 @@ class ElasticsearchBackend:
             }
             for i, doc in enumerate(documents)
         ]
-        written, _existed = self._bulk(actions, f"bulk write to index {index!r}", index, tenant)
+        written, _existed = self._bulk_into(
+            index, tenant, actions, f"bulk write to index {index!r}"
+        )
         if vectors is not None:
             self._saw_vectors(alias, tenant, recorded)
         return written
@@ -445,25 +522,44 @@ class ElasticsearchBackend:
 
         First, once per process and alias, the model field is added to the index's mapping
         (``PUT <alias>/_mapping``: a no-op on an index made from the current template), so
-        an index made before the field existed takes it under ``dynamic: strict``."""
-        alias = self.alias(index)
+        an index made before the field existed takes it under ``dynamic: strict``. An index
+        another worker dropped meanwhile holds no model; the bulk write makes it again."""
+        alias = self.alias(index, tenant)
         if alias not in self._model_mapped:
-            with _translated(f"mapping of index {index!r}", index):
+            with _translated(f"mapping of index {index!r}", index, missing_ok=True) as missing:
                 self._es().indices.put_mapping(
                     index=alias, properties={self.fields.model: {"type": "keyword"}}
                 )
+            if missing:
+                return
             self._model_mapped.add(alias)
-        with _translated(f"model check of index {index!r}", index):
+        with _translated(f"model check of index {index!r}", index, missing_ok=True) as missing:
             answer = self._es().search(index=alias, **self.model_check_body(tenant, model)).body
-        held = self._model_of(answer)
+        held = None if missing else self._model_of(answer)
         if held is not None:
             raise EmbeddingModelMismatch(index, held, model)
+
+    def _bulk_into(
+        self, index: str, tenant: str, actions: list[dict[str, Any]], what: str
+    ) -> tuple[int, int]:
+        """:meth:`_bulk` into the tenant's index, made again once if another worker dropped
+        it since this process last saw it (``require_alias`` refused the write): every
+        action is sent again, which external versions and whole-document writes make safe."""
+        try:
+            return self._bulk(actions, what, index, tenant)
+        except _AliasGone:
+            self._forget(self.alias(index, tenant), tenant)
+            self.ensure_index(index, tenant)
+            return self._bulk(actions, what, index, tenant)
 
     def _bulk(
         self, actions: list[dict[str, Any]], what: str, index: str, tenant: str
     ) -> tuple[int, int]:
         """Run bulk ``actions``: (how many applied, how many found their document). A 409 (a
-        newer version held) and a delete's 404 (nothing to delete) are answers, not failures."""
+        newer version held) and a delete's 404 (nothing to delete) are answers, not failures.
+        ``require_alias``: an action whose alias is gone fails (``_AliasGone``) instead of
+        auto-creating a bare concrete index of that name, with no alias and no template's
+        settings beyond the mapping."""
         failures: list[dict[str, Any]] = []
         applied = existed = 0
         with _translated(what, index):
@@ -475,6 +571,7 @@ class ElasticsearchBackend:
                 raise_on_exception=True,
                 max_retries=0,
                 refresh=self.refresh,
+                require_alias=True,
             ):
                 op = next(iter(item.values())) if item else {}
                 status = int(op.get("status", 500))
@@ -483,11 +580,20 @@ class ElasticsearchBackend:
                     existed += op.get("result") in ("deleted", "updated")
                 elif status == 404 and op.get("result") == "not_found":
                     applied += 1
+                elif _index_missing(op):
+                    raise _AliasGone(index)
                 elif status != 409:
                     failures.append(item)
         if failures:
             raise _bulk_error(failures, tenant)
         return applied, existed
+
+    def _forget(self, alias: str, tenant: str) -> None:
+        """Drop what this process remembers of an alias that is gone."""
+        with self._lock:
+            self._ready_aliases.discard(alias)
+            self._model_mapped.discard(alias)
+        self._with_vectors.pop((alias, tenant), None)
 
     # --- the index lifecycle ----------------------------------------------------------
 
@@ -499,9 +605,10 @@ class ElasticsearchBackend:
     ) -> int:
         """Delete ``<tenant>:<id>`` for each id (external version: a newer write stays, and
         the delete's tombstone refuses an older upsert for ``index.gc_deletes``, 60 s by
-        default); answers how many existed. The index is created first if it is missing,
-        as an upsert would: a delete may run before the upsert it was accepted after."""
-        alias = self.alias(index)
+        default); answers how many existed. The tenant's index is created first if it is
+        missing, as an upsert would: a delete may run before the upsert it was accepted
+        after."""
+        alias = self.alias(index, tenant)
         actions = [
             {"_op_type": "delete", "_index": alias, "_id": f"{tenant}:{i}", **_versioned(version)}
             for i in dict.fromkeys(ids)
@@ -509,33 +616,105 @@ class ElasticsearchBackend:
         if not actions:
             return 0
         # created if missing, so the tombstones exist for an older upsert that runs later
-        self.ensure_index(index)
-        _applied, existed = self._bulk(actions, f"bulk delete in index {index!r}", index, tenant)
+        self.ensure_index(index, tenant)
+        what = f"bulk delete in index {index!r}"
+        _applied, existed = self._bulk_into(index, tenant, actions, what)
         return existed
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
-        """Delete the tenant's documents in the shared index: one ``_delete_by_query`` on the
-        tenant term (other tenants' documents, and the index, stay). ``version`` orders it
-        only against writes already applied: an older upsert run after it is written."""
-        with _translated(f"delete of index {index!r}", index, missing_ok=True) as missing:
+        """Delete the tenant's index: its concrete index (the alias goes with it); answers
+        how many of the tenant's documents it held.
+
+        One ``_msearch`` on the alias first counts the tenant's documents and looks for one
+        of another tenant's (``terminate_after: 1``). An index holding one (a key collision,
+        or an alias an operator pointed at a shared index) is never deleted: only the
+        tenant's documents go, with one ``_delete_by_query`` on the tenant term.
+
+        ``version`` is not a floor here: an upsert accepted before the drop and run after it
+        makes the tenant's index again and is written, and one accepted after the drop but
+        run before it goes with the index (the embedded backend keeps a per-tenant floor
+        and gets both right; deploy/README.md §6 says so)."""
+        alias = self.alias(index, tenant)
+        what = f"delete of index {index!r}"
+        with _translated(what, index, missing_ok=True) as missing:
+            response = self._es().msearch(index=alias, searches=self.drop_searches(tenant)).body
+        answers = [] if missing else response.get("responses", [])
+        if missing or any(_index_missing(answer) for answer in answers):
+            self._forget(alias, tenant)
+            return 0
+        for answer in answers:
+            _raise_for_item(answer, what, index)
+        mine, others = (_total(answer) for answer in answers)
+        if others:
+            gone = self._delete_tenants_documents(alias, tenant, what, index)
+        else:
+            self._delete_concrete(alias, what, index)
+            gone = mine
+        self._forget(alias, tenant)
+        return gone
+
+    def drop_searches(self, tenant: str) -> list[Mapping[str, Any]]:
+        """The ``_msearch`` lines of :meth:`delete_index`: the tenant's documents counted, and
+        whether the index holds any other tenant's (stopping at the first)."""
+        others = {"bool": {"must_not": [{"term": {self.fields.tenant: tenant}}]}}
+        return [
+            {},
+            {"size": 0, "track_total_hits": True, "query": self.tenant_query(tenant)},
+            {},
+            {"size": 0, "terminate_after": 1, "track_total_hits": True, "query": others},
+        ]
+
+    def _delete_concrete(self, alias: str, what: str, index: str) -> None:
+        """Delete the concrete indexes behind ``alias`` (ES deletes no index by its alias);
+        one another worker deleted first is no error."""
+        with _translated(what, index, missing_ok=True):
+            concrete = self._concrete(alias)
+            if concrete:
+                self._es().indices.delete(index=",".join(concrete))
+
+    def _concrete(self, alias: str) -> list[str]:
+        """The concrete indexes ``alias`` points at (none: the alias is missing, a 404
+        ``{"error": "alias [..] missing", "status": 404}``)."""
+        answer = self._es().options(ignore_status=404).indices.get_alias(name=alias).body
+        return sorted(
+            name
+            for name, about in answer.items()
+            if isinstance(about, Mapping) and alias in (about.get("aliases") or {})
+        )
+
+    def _delete_tenants_documents(self, alias: str, tenant: str, what: str, index: str) -> int:
+        """Only the tenant's documents, from an index another tenant's share."""
+        with _translated(what, index, missing_ok=True) as missing:
             answer = (
                 self._es()
                 .delete_by_query(
-                    index=self.alias(index),
+                    index=alias,
                     query=self.tenant_query(tenant),
                     conflicts="proceed",
                     refresh=True,
                 )
                 .body
             )
-        self._with_vectors.pop((self.alias(index), tenant), None)  # its model went with it
         return 0 if missing else int(answer.get("deleted", 0))
 
     def indexes(self, tenant: str) -> list[IndexInfo]:
-        """The tenant's indexes: one ``size: 0`` search over ``<prefix>*`` with a terms
-        aggregation on ``_index`` (and, inside it, on the model field), the concrete names
-        mapped back to their aliases."""
-        pattern = f"{self.prefix}*"
+        """The tenant's indexes: its aliases (``GET _alias/<prefix><key>--*``; a wildcard
+        that matches nothing answers ``{}``), then one tenant-filtered ``size: 0`` search
+        over the same pattern with a terms aggregation on ``_index`` (and, inside it, on
+        the model field) for the counts. A concrete index no alias of the tenant points at
+        (one a reindex kept) is not listed, nor an index holding none of its documents."""
+        stem = self.tenant_stem(tenant)
+        pattern = f"{stem}*"
+        with _translated("list of indexes", None):
+            aliases = self._es().indices.get_alias(name=pattern).body
+        names = {
+            concrete: alias.removeprefix(stem)
+            for concrete, about in aliases.items()
+            for alias in (about.get("aliases") or {})
+            if alias.startswith(stem)
+        }
+        if not names:
+            return []
         by_index: dict[str, Any] = {"terms": {"field": "_index", "size": MAX_LISTED_INDEXES}}
         if self.fields.model:
             by_index["aggs"] = self._models_agg()
@@ -552,24 +731,14 @@ class ElasticsearchBackend:
                 )
                 .body
             )
-            aliases = self._es().indices.get_alias(index=pattern).body
         if missing:
             return []
-        names = {
-            concrete: next(iter(about.get("aliases") or {concrete: {}}))
-            for concrete, about in aliases.items()
-        }
-        counts: dict[str, int] = {}
-        models: dict[str, str | None] = {}
+        listed: dict[str, IndexInfo] = {}
         for bucket in answer.get("aggregations", {}).get("indexes", {}).get("buckets", []):
-            name = names.get(bucket["key"], bucket["key"]).removeprefix(self.prefix)
-            counts[name] = counts.get(name, 0) + int(bucket["doc_count"])
-            models[name] = models.get(name) or _first_key(bucket)
-        return [
-            self._info(name, count, models.get(name))
-            for name, count in sorted(counts.items())
-            if count
-        ]
+            name = names.get(bucket["key"])
+            if name is not None and int(bucket["doc_count"]):
+                listed[name] = self._info(name, int(bucket["doc_count"]), _first_key(bucket))
+        return [listed[name] for name in sorted(listed)]
 
     def _models_agg(self) -> dict[str, Any]:
         """The aggregation naming the model the tenant's vectors record (one, by design)."""
@@ -589,7 +758,7 @@ class ElasticsearchBackend:
         if self.fields.model:
             body["aggs"] = self._models_agg()
         with _translated(f"count of index {index!r}", index, missing_ok=True) as missing:
-            answer = self._es().search(index=self.alias(index), **body).body
+            answer = self._es().search(index=self.alias(index, tenant), **body).body
         count = 0 if missing else _total(answer)
         model = None if missing else _first_key(answer.get("aggregations", {}))
         return self._info(index, count, model) if count else None
@@ -601,7 +770,7 @@ class ElasticsearchBackend:
                 answer = (
                     self._es()
                     .get(
-                        index=self.alias(index),
+                        index=self.alias(index, tenant),
                         id=f"{tenant}:{doc_id}",
                         source_excludes=[self.fields.vector],
                     )
@@ -648,9 +817,9 @@ class ElasticsearchBackend:
             self._es().indices.put_index_template(name=f"{self.prefix}sift", **body)
         self._template_ready = True
 
-    def ensure_index(self, index: str) -> None:
-        """Create the alias and its first concrete index if they don't exist yet."""
-        alias = self.alias(index)
+    def ensure_index(self, index: str, tenant: str) -> None:
+        """Create the tenant's alias and its first concrete index if they don't exist yet."""
+        alias = self.alias(index, tenant)
         if alias in self._ready_aliases:
             return
         with self._lock:
@@ -668,46 +837,146 @@ class ElasticsearchBackend:
                             raise
             self._ready_aliases.add(alias)
 
-    def reindex(self, index: str, *, delete_old: bool = False) -> str:
-        """Rebuild ``index`` into a new concrete index, then swap the alias atomically.
+    def reindex(self, index: str, tenant: str, *, delete_old: bool = False) -> str:
+        """Rebuild the tenant's ``index`` into a new concrete index, then swap the alias
+        atomically.
 
-        1. ``PUT <prefix><index>-<timestamp>`` (the current template applies: new
-           mapping, quantisation, shard count);
-        2. ``POST _reindex`` from the alias into it, then ``POST <new>/_refresh``;
+        1. ``PUT <alias>-<timestamp>`` (the current template applies: new mapping,
+           quantisation, shard count);
+        2. ``POST _reindex`` from the alias into it (``version_type: external``: each
+           document keeps its version, so the write ordering holds across it), then
+           ``POST <new>/_refresh``;
         3. ``POST _aliases`` with ``remove`` of the alias from every old index and ``add``
            to the new one, in one request (atomic: searches see old or new, never none);
         4. optionally delete the old indexes (kept by default, for a rollback).
 
         Answers the new concrete index's name.
         """
-        alias = self.alias(index)
+        alias = self.alias(index, tenant)
         stamp = datetime.now(UTC).strftime("%Y%m%dt%H%M%S%f")
         concrete = f"{alias}-{stamp}"
         self._template_ready = False  # put the template again: the current settings apply
         with _translated(f"reindex of index {index!r}", index):
-            old = sorted(self._es().indices.get_alias(name=alias).body)
+            old = self._concrete(alias)
+            if not old:
+                raise IndexNotFound(index)
             self._es().indices.create(index=concrete, **self._explicit_body())
-            es = self._client.options(request_timeout=None)
-            report = es.reindex(
-                source={"index": alias}, dest={"index": concrete}, wait_for_completion=True
-            ).body
-            if report.get("failures"):
-                raise BackendRequestError(
-                    f"reindex of index {index!r} into {concrete!r} failed: "
-                    f"{json.dumps(report['failures'][:3])}"
-                )
-            es.indices.refresh(index=concrete)
+            self._copy({"index": alias}, concrete, f"reindex of index {index!r}")
             actions: list[Mapping[str, Any]] = [
                 {"remove": {"index": name, "alias": alias}} for name in old
             ]
             actions.append({"add": {"index": concrete, "alias": alias}})
             self._es().indices.update_aliases(actions=actions)
-            if delete_old and old:
+            if delete_old:
                 self._es().indices.delete(index=",".join(old))
-        for key in [key for key in list(self._with_vectors) if key[0] == alias]:
-            self._with_vectors.pop(key, None)
+        self._forget(alias, tenant)
         logger.info("reindexed %s: %s -> %s", alias, old, concrete)
         return concrete
+
+    def _copy(self, source: Mapping[str, Any], dest: str, what: str) -> int:
+        """``POST _reindex`` (no timeout: it runs as long as the copy), keeping each
+        document's ``_id`` and version (a newer one already in ``dest`` stays), then refresh
+        ``dest``; answers how many documents were written."""
+        es = self._client.options(request_timeout=None)
+        report = es.reindex(
+            source=dict(source),
+            dest={"index": dest, "version_type": "external"},
+            conflicts="proceed",
+            wait_for_completion=True,
+        ).body
+        if report.get("failures"):
+            raise BackendRequestError(
+                f"{what} into {dest!r} failed: {json.dumps(report['failures'][:3])}"
+            )
+        es.indices.refresh(index=dest)
+        return int(report.get("created", 0)) + int(report.get("updated", 0))
+
+    # --- the shared layout of earlier releases -------------------------------------------
+
+    def check(self) -> None:
+        """Refuse to run over indexes of the shared layout (one index per Sift name for every
+        tenant, ``<prefix>NAME``), which this adapter no longer reads: their documents would
+        silently vanish from every search. ConfigError names them and what to run; meant
+        for a worker's start (``sift worker``), once."""
+        legacy = self.shared_layout()
+        if not legacy:
+            return
+        names = ", ".join(sorted(legacy)[:5]) + (" and more" if len(legacy) > 5 else "")
+        raise ConfigError(
+            f"Elasticsearch holds {len(legacy)} index(es) of Sift's old shared layout, one "
+            f"index per name for every tenant ({names}), which this Sift does not read: "
+            "stop the workers and run `sift elasticsearch-migrate` (deploy/README.md §6, "
+            "'Migrating from the shared layout')"
+        )
+
+    def shared_layout(self) -> dict[str, list[str]]:
+        """The aliases of the shared layout and their concrete indexes: an alias under the
+        prefix that does not start with a tenant key, over a concrete index Sift named
+        (``<alias>-000001`` or ``<alias>-<timestamp>``), so an alias an operator made, or a
+        tenant alias pointed at an existing index, is not one."""
+        with _translated("list of indexes", None):
+            answer = self._es().indices.get_alias(name=f"{self.prefix}*").body
+        found: dict[str, list[str]] = {}
+        for concrete, about in answer.items():
+            for alias in (about.get("aliases") or {}) if isinstance(about, Mapping) else {}:
+                rest = alias.removeprefix(self.prefix)
+                ours = concrete.startswith(f"{alias}-") and _SIFT_CONCRETE.fullmatch(
+                    concrete.removeprefix(f"{alias}-")
+                )
+                if ours and alias.startswith(self.prefix) and not _TENANT_ALIAS.match(rest):
+                    found.setdefault(alias, []).append(concrete)
+        return {alias: sorted(concretes) for alias, concretes in found.items()}
+
+    def migrate_shared(self, *, delete_old: bool = False) -> dict[str, dict[str, int]]:
+        """Copy every shared-layout index into per-tenant indexes, then take its alias away.
+
+        For each alias ``<prefix>NAME`` of :meth:`shared_layout` and each tenant holding a
+        document in it: make the tenant's index ``NAME`` and ``_reindex`` the tenant's
+        documents into it (same ``_id`` and external version; run again, it copies nothing
+        twice). Then the old alias is removed, so :meth:`check` passes; the old concrete
+        indexes are kept for a rollback unless ``delete_old``. Answers, per Sift name, how
+        many documents each tenant got. Run it with no worker writing."""
+        report: dict[str, dict[str, int]] = {}
+        for alias, concretes in sorted(self.shared_layout().items()):
+            name = alias.removeprefix(self.prefix)
+            copied: dict[str, int] = {}
+            for tenant in self._tenants_in(alias):
+                self.ensure_index(name, tenant)
+                source = {"index": alias, "query": self.tenant_query(tenant)}
+                what = f"migration of index {name!r}"
+                copied[tenant] = self._copy(source, self.alias(name, tenant), what)
+            with _translated(f"migration of index {name!r}", name):
+                removed = [{"remove": {"index": c, "alias": alias}} for c in concretes]
+                self._es().indices.update_aliases(actions=removed)
+                if delete_old:
+                    self._es().indices.delete(index=",".join(concretes))
+            logger.info("migrated %s: %d tenant(s), %s", alias, len(copied), copied)
+            report[name] = copied
+        return report
+
+    def _tenants_in(self, alias: str) -> list[str]:
+        """Every tenant holding a document in ``alias``: a ``composite`` aggregation on the
+        tenant field, page by page (no limit on how many)."""
+        tenants: list[str] = []
+        after: dict[str, Any] | None = None
+        while True:
+            composite: dict[str, Any] = {
+                "size": 1000,
+                "sources": [{"tenant": {"terms": {"field": self.fields.tenant}}}],
+            }
+            if after is not None:
+                composite["after"] = after
+            with _translated(f"tenants of {alias!r}", None):
+                answer = (
+                    self._es().search(
+                        index=alias, size=0, aggs={"tenants": {"composite": composite}}
+                    )
+                ).body
+            page = answer.get("aggregations", {}).get("tenants", {})
+            tenants += [str(bucket["key"]["tenant"]) for bucket in page.get("buckets", [])]
+            after = page.get("after_key")
+            if not page.get("buckets") or after is None:
+                return tenants
 
     # --- request bodies (pure) -----------------------------------------------------------
 
@@ -904,7 +1173,8 @@ class ElasticsearchBackend:
         body = self.native_body(query)
         what = f"native {query.method} search of index {query.index!r}"
         with _translated(what, query.index):
-            response = self._es(query.timeout_seconds).search(index=self.alias(query.index), **body)
+            alias = self.alias(query.index, query.filters.tenant)
+            response = self._es(query.timeout_seconds).search(index=alias, **body)
         return [self._hit("bm25", raw, native=True) for raw in response.body["hits"]["hits"]]
 
     # --- parsing ---------------------------------------------------------------------
@@ -944,6 +1214,10 @@ class ElasticsearchBackend:
 
 
 # --- error translation -------------------------------------------------------------------
+
+
+class _AliasGone(Exception):
+    """A bulk write's alias is gone (``require_alias``): another worker dropped the index."""
 
 
 class _Missing:
