@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -1398,3 +1401,98 @@ def test_a_knn_search_of_another_models_vectors_is_refused_from_the_probe_alone(
     assert server.requests[0].ndjson() == PROBES_OF_ACME
     fts = pipeline.search(SearchSpec(index="docs", query="vitamin", mode="fts"), "acme")
     assert [h.id for h in fts.hits] == [h["_source"]["doc_id"] for h in BM25_HITS]
+
+
+# --- the shared layout of earlier releases: refused at start, migrated per tenant ------------
+
+
+SHARED = aliases(
+    ("sift-docs-000001", "sift-docs"),  # the old layout: every tenant's "docs"
+    (CONCRETE, ACME),  # the new one
+    ("catalogue-v3", "sift-custom"),  # an operator's alias over an index Sift did not make
+)
+
+
+def composite_page(request: Recorded) -> Answer:
+    """The tenants of ``sift-docs`` by a ``composite`` aggregation: one page, then none."""
+    after = request.json()["aggs"]["tenants"]["composite"].get("after")
+    buckets = [] if after else [
+        {"key": {"tenant": "acme"}, "doc_count": 3},
+        {"key": {"tenant": "beta"}, "doc_count": 1},
+    ]  # fmt: skip
+    page: dict[str, Any] = {"buckets": buckets}
+    if buckets:
+        page["after_key"] = buckets[-1]["key"]
+    return Answer(200, {**probe_response(0), "aggregations": {"tenants": page}})
+
+
+def test_check_refuses_indexes_of_the_shared_layout_naming_what_to_run(
+    server: FakeElasticsearchServer,
+) -> None:
+    server.on("GET", "/_alias/sift-*", Answer(200, SHARED))
+    with pytest.raises(ConfigError, match=r"\(sift-docs\).*sift elasticsearch-migrate"):
+        backend_for(server).check()
+    server.on("GET", "/_alias/sift-*", Answer(200, aliases((CONCRETE, ACME))))
+    backend_for(server).check()  # the per-tenant layout alone passes
+
+
+def test_migrate_shared_copies_each_tenants_documents_into_its_own_index(
+    server: FakeElasticsearchServer,
+) -> None:
+    """Per tenant of the shared index: make its own index, ``_reindex`` its documents (same
+    ``_id`` and external version, so a second run copies nothing twice), refresh; then the
+    old alias goes (its concrete index is kept) and ``check`` passes."""
+    server.on("GET", "/_alias/sift-*", Answer(200, SHARED))
+    server.on("POST", "/sift-docs/_search", composite_page)
+    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("HEAD", f"/{BETA}", Answer(404))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("PUT", f"/{BETA}-000001", Answer(200, {"acknowledged": True, "index": BETA}))
+    server.on("POST", "/_reindex", lambda r: Answer(200, reindex_response(3)))
+    refreshed = {"_shards": {"total": 2, "successful": 1, "failed": 0}}
+    for alias in (ACME, BETA):
+        server.on("POST", f"/{alias}/_refresh", Answer(200, refreshed))
+    server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
+    report = backend_for(server).migrate_shared()
+    assert report == {"docs": {"acme": 3, "beta": 3}}
+    copies = [r.json() for r in server.sent("POST", "/_reindex")]
+    assert copies == [
+        {
+            "source": {
+                "index": "sift-docs",
+                "query": {"bool": {"filter": [{"term": {"tenant": tenant}}]}},
+            },
+            "dest": {"index": alias, "version_type": "external"},
+            "conflicts": "proceed",
+        }
+        for tenant, alias in (("acme", ACME), ("beta", BETA))
+    ]
+    (swap,) = server.sent("POST", "/_aliases")
+    assert swap.json() == {
+        "actions": [{"remove": {"index": "sift-docs-000001", "alias": "sift-docs"}}]
+    }
+    assert not server.sent("DELETE")  # kept for a rollback
+
+
+def test_sift_worker_stops_at_start_over_the_shared_layout(
+    server: FakeElasticsearchServer, tmp_path: Path
+) -> None:
+    """Not a worker that comes up healthy while every tenant's documents are out of reach:
+    ``sift worker`` exits 2 naming the migration, before it touches Redis (none listens)."""
+    server.on("GET", "/_alias/sift-*", Answer(200, SHARED))
+    run = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "worker"],
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            "SIFT_DATA_DIR": str(tmp_path),
+            "SIFT_REDIS_URL": "redis://127.0.0.1:9/0",
+            "SIFT_SEARCH_BACKEND": "elasticsearch",
+            "SIFT_ELASTICSEARCH_URL": server.url,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "sift elasticsearch-migrate" in run.stdout and "sift-docs" in run.stdout, run.stdout
