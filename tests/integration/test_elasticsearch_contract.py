@@ -399,6 +399,34 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
     assert server.requests[-1].path == f"/_alias/{BETA}"
 
 
+def test_reindex_all_rebuilds_every_tenants_index_of_the_name_and_no_other(
+    server: FakeElasticsearchServer,
+) -> None:
+    """An operator knows a name, not its tenants: every ``<prefix><key>--docs`` alias is
+    rebuilt, and acme's ``foo--docs`` (which the pattern also matches) is not."""
+    other = f"sift-{tenant_key('acme')}--foo--docs"
+    found = aliases((CONCRETE, ACME), (f"{BETA}-000001", BETA), (f"{other}-000001", other))
+    server.on("GET", "/_alias/sift-*--docs", Answer(200, found))
+    for alias in (ACME, BETA):
+        server.on("GET", f"/_alias/{alias}", Answer(200, aliases((f"{alias}-000001", alias))))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("POST", "/_reindex", Answer(200, reindex_response(1)))
+    server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
+    original = server._answer
+
+    def answer(request: Recorded) -> Answer:
+        if request.method in ("PUT", "POST") and "--docs-2" in request.path:
+            return Answer(200, {"acknowledged": True, "_shards": {"total": 1}})
+        return original(request)
+
+    server._answer = answer  # type: ignore[method-assign]
+    rebuilt = backend_for(server).reindex_all("docs")
+    assert [name.rsplit("-", 1)[0] for name in rebuilt] == sorted([ACME, BETA])
+    swaps = [r.json()["actions"][-1]["add"]["alias"] for r in server.sent("POST", "/_aliases")]
+    assert swaps == sorted([ACME, BETA])
+    assert other not in str([r.path for r in server.requests[1:]])
+
+
 # --- the read path: exact msearch bodies -----------------------------------------------------
 
 

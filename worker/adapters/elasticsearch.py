@@ -852,7 +852,25 @@ class ElasticsearchBackend:
 
         Answers the new concrete index's name.
         """
-        alias = self.alias(index, tenant)
+        return self._rebuild(index, self.alias(index, tenant), delete_old)
+
+    def reindex_all(self, index: str, *, delete_old: bool = False) -> list[str]:
+        """:meth:`reindex` of every tenant's ``index`` (an operator knows names, not which
+        tenants hold them): each alias ``<prefix><key>--<index>`` found by
+        ``GET _alias/<prefix>*--<index>`` (a name that merely ends so is left out)."""
+        exact = re.compile(
+            rf"{re.escape(self.prefix)}[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}"
+            + re.escape(index)
+        )
+        self.alias(index, "")  # refuses a name ES would
+        with _translated(f"reindex of index {index!r}", index):
+            pattern = f"{self.prefix}*{KEY_SEPARATOR}{index}"
+            answer = self._es().indices.get_alias(name=pattern).body
+        found = {a for about in answer.values() for a in (about.get("aliases") or {})}
+        return [self._rebuild(index, a, delete_old) for a in sorted(found) if exact.fullmatch(a)]
+
+    def _rebuild(self, index: str, alias: str, delete_old: bool) -> str:
+        """The steps of :meth:`reindex` for one alias."""
         stamp = datetime.now(UTC).strftime("%Y%m%dt%H%M%S%f")
         concrete = f"{alias}-{stamp}"
         self._template_ready = False  # put the template again: the current settings apply
@@ -869,7 +887,10 @@ class ElasticsearchBackend:
             self._es().indices.update_aliases(actions=actions)
             if delete_old:
                 self._es().indices.delete(index=",".join(old))
-        self._forget(alias, tenant)
+        with self._lock:
+            self._model_mapped.discard(alias)
+        for key in [key for key in list(self._with_vectors) if key[0] == alias]:
+            self._with_vectors.pop(key, None)
         logger.info("reindexed %s: %s -> %s", alias, old, concrete)
         return concrete
 
