@@ -1300,6 +1300,9 @@ def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearch
     server.on("GET", nobody, Answer(200, {}))
     assert backend_for(server).indexes("nobody") == []
     assert server.requests[-1].path == nobody
+    # with security on and no index the key may see yet, ES answers 404 index_not_found
+    server.on("GET", nobody, Answer(404, index_missing("_all")))
+    assert backend_for(server).indexes("nobody") == []
 
 
 def test_index_info_is_a_tenant_filtered_count_with_the_recorded_model(
@@ -1462,6 +1465,8 @@ def test_check_refuses_indexes_of_the_shared_layout_naming_what_to_run(
         backend_for(server).check()
     server.on("GET", "/_alias/sift-*", Answer(200, aliases((CONCRETE, ACME))))
     backend_for(server).check()  # the per-tenant layout alone passes
+    server.on("GET", "/_alias/sift-*", Answer(404, index_missing("_all")))
+    backend_for(server).check()  # and a cluster holding no index yet
 
 
 def test_migrate_shared_copies_each_tenants_documents_into_its_own_index(

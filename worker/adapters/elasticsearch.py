@@ -22,7 +22,7 @@ Why this shape (DESIGN.md §6):
   whether the tenant holds a vector recorded by another model, and is refused with
   ``EmbeddingModelMismatch`` if so, writing nothing; the channel probe returns the model of
   one of the tenant's vectors, so a search learns it with no extra round trip. A drop
-  (``_delete_by_query``) takes the record with the documents. Not transactional: two
+  takes the record with the tenant's index. Not transactional: two
   workers of different models writing into one empty index at once can both pass.
 * **Tenancy, in depth.** Each document still carries its tenant field, every search
   and count still filters on it, and the ``_id`` stays ``"<tenant>:<doc id>"``: a
@@ -673,14 +673,22 @@ class ElasticsearchBackend:
                 self._es().indices.delete(index=",".join(concrete))
 
     def _concrete(self, alias: str) -> list[str]:
-        """The concrete indexes ``alias`` points at (none: the alias is missing, a 404
-        ``{"error": "alias [..] missing", "status": 404}``)."""
-        answer = self._es().options(ignore_status=404).indices.get_alias(name=alias).body
-        return sorted(
-            name
-            for name, about in answer.items()
-            if isinstance(about, Mapping) and alias in (about.get("aliases") or {})
-        )
+        """The concrete indexes ``alias`` points at (none if it is missing)."""
+        return sorted(name for name, held in self._aliases(alias).items() if alias in held)
+
+    def _aliases(self, name: str) -> dict[str, list[str]]:
+        """``GET _alias/<name or pattern>`` as concrete index -> its aliases matching it.
+
+        Nothing found is ``{}`` in every shape ES answers it: a wildcard matching nothing
+        (200 ``{}``), a missing alias (404 ``{"error": "alias [..] missing", "status":
+        404}``), or, with security on and no index the key may see yet, a 404
+        ``index_not_found_exception``."""
+        answer = self._es().options(ignore_status=404).indices.get_alias(name=name).body
+        return {
+            concrete: list(about.get("aliases") or {})
+            for concrete, about in answer.items()
+            if isinstance(about, Mapping) and "aliases" in about
+        }
 
     def _delete_tenants_documents(self, alias: str, tenant: str, what: str, index: str) -> int:
         """Only the tenant's documents, from an index another tenant's share."""
@@ -706,11 +714,11 @@ class ElasticsearchBackend:
         stem = self.tenant_stem(tenant)
         pattern = f"{stem}*"
         with _translated("list of indexes", None):
-            aliases = self._es().indices.get_alias(name=pattern).body
+            aliases = self._aliases(pattern)
         names = {
             concrete: alias.removeprefix(stem)
-            for concrete, about in aliases.items()
-            for alias in (about.get("aliases") or {})
+            for concrete, held in aliases.items()
+            for alias in held
             if alias.startswith(stem)
         }
         if not names:
@@ -864,9 +872,8 @@ class ElasticsearchBackend:
         )
         self.alias(index, "")  # refuses a name ES would
         with _translated(f"reindex of index {index!r}", index):
-            pattern = f"{self.prefix}*{KEY_SEPARATOR}{index}"
-            answer = self._es().indices.get_alias(name=pattern).body
-        found = {a for about in answer.values() for a in (about.get("aliases") or {})}
+            answer = self._aliases(f"{self.prefix}*{KEY_SEPARATOR}{index}")
+        found = {alias for held in answer.values() for alias in held}
         return [self._rebuild(index, a, delete_old) for a in sorted(found) if exact.fullmatch(a)]
 
     def _rebuild(self, index: str, alias: str, delete_old: bool) -> str:
@@ -936,10 +943,10 @@ class ElasticsearchBackend:
         (``<alias>-000001`` or ``<alias>-<timestamp>``), so an alias an operator made, or a
         tenant alias pointed at an existing index, is not one."""
         with _translated("list of indexes", None):
-            answer = self._es().indices.get_alias(name=f"{self.prefix}*").body
+            answer = self._aliases(f"{self.prefix}*")
         found: dict[str, list[str]] = {}
-        for concrete, about in answer.items():
-            for alias in (about.get("aliases") or {}) if isinstance(about, Mapping) else {}:
+        for concrete, held in answer.items():
+            for alias in held:
                 rest = alias.removeprefix(self.prefix)
                 ours = concrete.startswith(f"{alias}-") and _SIFT_CONCRETE.fullmatch(
                     concrete.removeprefix(f"{alias}-")
