@@ -1529,3 +1529,33 @@ def test_sift_worker_stops_at_start_over_the_shared_layout(
     )
     assert run.returncode == 2, run.stdout + run.stderr
     assert "sift elasticsearch-migrate" in run.stdout and "sift-docs" in run.stdout, run.stdout
+
+
+def test_sift_elasticsearch_migrate_runs_the_migration_and_says_what_it_copied(
+    server: FakeElasticsearchServer, tmp_path: Path
+) -> None:
+    """The command an operator runs: the shared ``sift-docs`` goes to acme's and beta's own
+    indexes, and the report names how many documents went to how many tenants."""
+    server.on("GET", "/_alias/sift-*", Answer(200, SHARED))
+    server.on("POST", "/sift-docs/_search", composite_page)
+    for alias in (ACME, BETA):
+        server.on("HEAD", f"/{alias}", Answer(200))
+        server.on("POST", f"/{alias}/_refresh", Answer(200, {"_shards": {"total": 1}}))
+    server.on("POST", "/_reindex", Answer(200, reindex_response(2)))
+    server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
+    run = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "elasticsearch-migrate"],
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            "SIFT_DATA_DIR": str(tmp_path),
+            "SIFT_SEARCH_BACKEND": "elasticsearch",
+            "SIFT_ELASTICSEARCH_URL": server.url,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "docs: 4 document(s) into 2 tenant(s)" in run.stdout, run.stdout
+    assert len(server.sent("POST", "/_reindex")) == 2 and server.sent("POST", "/_aliases")
