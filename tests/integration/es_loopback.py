@@ -407,6 +407,33 @@ def reindex_response(created: int, updated: int = 0, conflicts: int = 0) -> dict
     }
 
 
+def floor_found(index: str, alias: str, version: int) -> dict[str, Any]:
+    """``GET <floors>/_doc/<alias>`` of a drop floor: an empty document, its external version
+    the drop's."""
+    return {
+        "_index": index,
+        "_id": alias,
+        "_version": version,
+        "_seq_no": 0,
+        "_primary_term": 1,
+        "found": True,
+        "_source": {},
+    }
+
+
+def floor_written(index: str, alias: str, version: int) -> dict[str, Any]:
+    """``PUT <floors>/_doc/<alias>?version=<v>&version_type=external``: 201 created."""
+    return {
+        "_index": index,
+        "_id": alias,
+        "_version": version,
+        "result": "created",
+        "_shards": {"total": 2, "successful": 1, "failed": 0},
+        "_seq_no": 1,
+        "_primary_term": 1,
+    }
+
+
 def running(server: FakeElasticsearchServer) -> Iterator[FakeElasticsearchServer]:
     server.start()
     try:

@@ -26,6 +26,8 @@ from tests.integration.es_loopback import (
     delete_by_query_response,
     drop_counts,
     error_body,
+    floor_found,
+    floor_written,
     get_found,
     get_missing,
     hit,
@@ -65,6 +67,8 @@ ACME = f"sift-{tenant_key('acme')}--docs"  # acme's own alias of Sift index "doc
 BETA = f"sift-{tenant_key('beta')}--docs"
 CONCRETE = f"{ACME}-000001"
 MSEARCH = f"/{ACME}/_msearch"  # acme's probes and searches alike
+FLOORS = "sift-sift-floors"
+FLOOR = f"/{FLOORS}/_doc/{ACME}"  # acme's drop floor for "docs"
 SOURCE = ["doc_id", "text", "title", "revision", "metadata", "tenant"]
 VECTOR = [0.6, 0.8, 0.0]
 
@@ -1142,8 +1146,10 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
         "/_bulk",
         Answer(200, bulk_response(bulk_item("delete", CONCRETE, "acme:d1", 404, "not_found"))),
     )
+    server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)))
     assert backend_for(server).delete_documents("docs", "acme", ["d1"], version=3) == 0
     assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", FLOOR),  # no drop of acme's "docs" ran: no floor
         ("HEAD", f"/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
@@ -1187,21 +1193,36 @@ DROP_SEARCHES = [
 ]
 
 
+def on_floors(server: FakeElasticsearchServer, version: int = 20) -> None:
+    """Answer a drop's floor write: the template, the floors index, acme's floor."""
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("PUT", f"/{FLOORS}", Answer(200, {"acknowledged": True, "index": FLOORS}))
+    server.on("PUT", FLOOR, Answer(201, floor_written(FLOORS, ACME, version)))
+
+
 def test_delete_index_deletes_the_tenants_physical_index_and_nothing_else(
     server: FakeElasticsearchServer,
 ) -> None:
-    """Count acme's documents and look for another tenant's, resolve acme's alias, delete
-    its concrete index: beta's index of the same name is in no request."""
+    """Raise acme's floor for "docs" first, count acme's documents and look for another
+    tenant's, resolve acme's alias, delete its concrete index: beta's index of the same
+    name is in no request."""
+    on_floors(server)
     on_searches(server, Answer(200, drop_counts(3, 0)))
     server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
     server.on("DELETE", f"/{CONCRETE}", Answer(200, {"acknowledged": True}))
     assert backend_for(server).delete_index("docs", "acme", version=20) == 3
     assert [(r.method, r.path) for r in server.requests] == [
+        ("PUT", "/_index_template/sift-sift"),
+        ("PUT", f"/{FLOORS}"),  # once per process
+        ("PUT", FLOOR),  # before anything is deleted
         ("POST", MSEARCH),
         ("GET", f"/_alias/{ACME}"),
         ("DELETE", f"/{CONCRETE}"),
     ]
-    assert server.requests[0].ndjson() == DROP_SEARCHES
+    floor = server.requests[2]
+    assert floor.json() == {}
+    assert floor.query == {"version": ["20"], "version_type": ["external"]}
+    assert server.requests[3].ndjson() == DROP_SEARCHES
     assert BETA not in str([(r.path, r.body) for r in server.requests])
     assert not server.sent("POST", f"/{ACME}/_delete_by_query")
 
@@ -1213,7 +1234,7 @@ def test_delete_index_holding_another_tenants_document_deletes_only_the_tenants(
     collision, or an alias pointed at a shared index) is never deleted outright."""
     on_searches(server, Answer(200, drop_counts(3, 1)))
     server.on("POST", f"/{ACME}/_delete_by_query", Answer(200, delete_by_query_response(3)))
-    assert backend_for(server).delete_index("docs", "acme", version=20) == 3
+    assert backend_for(server).delete_index("docs", "acme") == 3
     (sent,) = server.sent("POST", f"/{ACME}/_delete_by_query")
     assert sent.json() == {"query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}}}
     assert sent.query["conflicts"] == ["proceed"] and sent.query["refresh"] == ["true"]
@@ -1221,6 +1242,7 @@ def test_delete_index_holding_another_tenants_document_deletes_only_the_tenants(
 
 
 def test_delete_index_of_a_missing_index_deletes_nothing(server: FakeElasticsearchServer) -> None:
+    on_floors(server)
     for answer in (
         Answer(404, index_missing(ACME)),
         Answer(200, msearch_response(index_missing(ACME), index_missing(ACME))),
@@ -1228,7 +1250,11 @@ def test_delete_index_of_a_missing_index_deletes_nothing(server: FakeElasticsear
         server.requests.clear()
         on_searches(server, answer)
         assert backend_for(server).delete_index("docs", "acme", version=20) == 0
-        assert [(r.method, r.path) for r in server.requests] == [("POST", MSEARCH)]
+        # the floor still goes up: an upsert accepted before this drop may run after it
+        assert [(r.method, r.path) for r in server.requests][-2:] == [
+            ("PUT", FLOOR),
+            ("POST", MSEARCH),
+        ]
     # another worker deleted it between the count and the delete: no error either
     on_searches(server, Answer(200, drop_counts(2, 0)))
     server.on("GET", f"/_alias/{ACME}", Answer(404, alias_missing(ACME)))
@@ -1244,6 +1270,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
     again from the template, and the write is sent once more."""
     server.on("HEAD", f"/{ACME}", Answer(200), times=1)
     server.on("PUT", "/_bulk", bulk_ok)
+    server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)))
     backend = backend_for(server)
     assert backend.upsert("docs", "acme", [Document("d1", "x")], None, version=4) == 1
     server.requests.clear()
@@ -1254,7 +1281,9 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
     server.on("PUT", f"/{CONCRETE}", Answer(200, {"acknowledged": True, "index": CONCRETE}))
     assert backend.upsert("docs", "acme", [Document("d2", "y")], None, version=5) == 1
     assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", FLOOR),
         ("PUT", "/_bulk"),
+        ("GET", FLOOR),  # the drop was an older one than this write: make the index again
         ("HEAD", f"/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
@@ -1263,6 +1292,54 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
     first, again = server.sent("PUT", "/_bulk")
     assert first.ndjson() == again.ndjson()  # the same actions, the same version
     assert again.query["require_alias"] == ["true"]
+
+
+def test_writes_accepted_before_a_drop_that_has_run_are_skipped(
+    server: FakeElasticsearchServer,
+) -> None:
+    """A drop of version 20 ran (the floor holds 20): an upsert or delete accepted before it
+    (a retry, a redelivery) writes nothing and makes no index; one accepted after it runs."""
+    server.on("GET", FLOOR, Answer(200, floor_found(FLOORS, ACME, 20)))
+    backend = backend_for(server)
+    assert backend.upsert("docs", "acme", [Document("d1", "old")], None, version=19) == 0
+    assert backend.delete_documents("docs", "acme", ["d1"], version=20) == 0
+    assert [(r.method, r.path) for r in server.requests] == [("GET", FLOOR)] * 2
+    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("PUT", "/_bulk", bulk_ok)
+    assert backend.upsert("docs", "acme", [Document("d1", "new")], None, version=21) == 1
+    assert backend.upsert("docs", "acme", [Document("d2", "any")], None) == 1  # unversioned
+    assert len(server.sent("GET", FLOOR)) == 3  # an unversioned write reads no floor
+
+
+def test_a_drop_running_between_a_writes_floor_check_and_its_bulk_still_wins(
+    server: FakeElasticsearchServer,
+) -> None:
+    """The write passed the floor check, then the drop (accepted after it) raised the floor
+    and deleted the index: ``require_alias`` refuses the bulk, the floor is read again, and
+    the write is dropped, not written into a re-made index."""
+    server.on("GET", FLOOR, Answer(200, floor_found(FLOORS, ACME, 30)))
+    server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)), times=1)  # asked first
+    server.on("HEAD", f"/{ACME}", Answer(200))
+    refused = bulk_response(require_alias_refused("index", ACME, "acme:d1"))
+    server.on("PUT", "/_bulk", Answer(200, refused))
+    backend = backend_for(server)
+    assert backend.upsert("docs", "acme", [Document("d1", "x")], None, version=29) == 0
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", FLOOR),
+        ("HEAD", f"/{ACME}"),
+        ("PUT", "/_bulk"),
+        ("GET", FLOOR),
+    ]
+
+
+def test_a_drop_older_than_the_held_floor_leaves_it(server: FakeElasticsearchServer) -> None:
+    """Two drops run out of order: the older one's floor write is a 409 (ES keeps the
+    higher external version), which is no error."""
+    on_floors(server)
+    conflict = version_conflict("index", FLOORS, ACME, held=30, sent=20)["index"]["error"]
+    server.on("PUT", FLOOR, Answer(409, {"error": conflict, "status": 409}))
+    on_searches(server, Answer(200, msearch_response(index_missing(ACME), index_missing(ACME))))
+    assert backend_for(server).delete_index("docs", "acme", version=20) == 0
 
 
 def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearchServer) -> None:

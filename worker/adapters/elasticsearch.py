@@ -145,6 +145,8 @@ TENANT_KEY_LENGTH = 16
 #: Between the tenant key and the Sift index name. Sift names may hold ``--`` too; the key's
 #: fixed length is what makes a name readable back.
 KEY_SEPARATOR = "--"
+#: The index of drop floors, after the prefix (no tenant key: see ``floors_index``).
+FLOORS_INDEX = "sift-floors"
 #: Elasticsearch's limit on an index name, in bytes.
 MAX_INDEX_NAME_BYTES = 255
 #: What Elasticsearch accepts as an index name (lowercase; none of ``\ / * ? " < > | , # :``
@@ -300,6 +302,7 @@ class ElasticsearchBackend:
         self._clock = clock
         self._lock = threading.Lock()
         self._template_ready = False
+        self._floors_ready = False
         self._ready_aliases: set[str] = set()
         self._model_mapped: set[str] = set()  # aliases whose mapping has the model field
         # (alias, tenant) -> when the tenant's knn was last seen available, and its model
@@ -494,7 +497,10 @@ class ElasticsearchBackend:
         if not documents:
             return 0
         alias = self.alias(index, tenant)
-        self.ensure_index(index, tenant)
+        if self._below_floor(alias, version) or (
+            self.ensure_index(index, tenant) and self._below_floor(alias, version)
+        ):
+            return 0  # accepted before a drop that has run: the drop wins
         recorded = model if vectors is not None and self.fields.model else None
         if recorded is not None:
             self._check_model(index, tenant, recorded)
@@ -511,7 +517,7 @@ class ElasticsearchBackend:
             for i, doc in enumerate(documents)
         ]
         written, _existed = self._bulk_into(
-            index, tenant, actions, f"bulk write to index {index!r}"
+            index, tenant, actions, f"bulk write to index {index!r}", version
         )
         if vectors is not None:
             self._saw_vectors(alias, tenant, recorded)
@@ -540,15 +546,24 @@ class ElasticsearchBackend:
             raise EmbeddingModelMismatch(index, held, model)
 
     def _bulk_into(
-        self, index: str, tenant: str, actions: list[dict[str, Any]], what: str
+        self,
+        index: str,
+        tenant: str,
+        actions: list[dict[str, Any]],
+        what: str,
+        version: int | None,
     ) -> tuple[int, int]:
         """:meth:`_bulk` into the tenant's index, made again once if another worker dropped
         it since this process last saw it (``require_alias`` refused the write): every
-        action is sent again, which external versions and whole-document writes make safe."""
+        action is sent again, which external versions and whole-document writes make safe,
+        unless the drop that took the index was accepted after these writes."""
         try:
             return self._bulk(actions, what, index, tenant)
         except _AliasGone:
-            self._forget(self.alias(index, tenant), tenant)
+            alias = self.alias(index, tenant)
+            self._forget(alias, tenant)
+            if self._below_floor(alias, version):
+                return 0, 0
             self.ensure_index(index, tenant)
             return self._bulk(actions, what, index, tenant)
 
@@ -613,12 +628,12 @@ class ElasticsearchBackend:
             {"_op_type": "delete", "_index": alias, "_id": f"{tenant}:{i}", **_versioned(version)}
             for i in dict.fromkeys(ids)
         ]
-        if not actions:
+        if not actions or self._below_floor(alias, version):
             return 0
         # created if missing, so the tombstones exist for an older upsert that runs later
         self.ensure_index(index, tenant)
         what = f"bulk delete in index {index!r}"
-        _applied, existed = self._bulk_into(index, tenant, actions, what)
+        _applied, existed = self._bulk_into(index, tenant, actions, what, version)
         return existed
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
@@ -630,12 +645,15 @@ class ElasticsearchBackend:
         or an alias an operator pointed at a shared index) is never deleted: only the
         tenant's documents go, with one ``_delete_by_query`` on the tenant term.
 
-        ``version`` is not a floor here: an upsert accepted before the drop and run after it
-        makes the tenant's index again and is written, and one accepted after the drop but
-        run before it goes with the index (the embedded backend keeps a per-tenant floor
-        and gets both right; deploy/README.md §6 says so)."""
+        With a ``version``, the drop first raises the tenant's floor for the index
+        (:meth:`_raise_floor`), before anything is deleted: a write accepted before the drop
+        and run after it is skipped, as on the embedded backend. One accepted after the
+        drop but run before it goes with the index (the embedded backend keeps it;
+        deploy/README.md §6 says so)."""
         alias = self.alias(index, tenant)
         what = f"delete of index {index!r}"
+        if version is not None:
+            self._raise_floor(alias, version, what, index)
         with _translated(what, index, missing_ok=True) as missing:
             response = self._es().msearch(index=alias, searches=self.drop_searches(tenant)).body
         answers = [] if missing else response.get("responses", [])
@@ -704,6 +722,51 @@ class ElasticsearchBackend:
                 .body
             )
         return 0 if missing else int(answer.get("deleted", 0))
+
+    # --- drop floors: what orders a drop before the writes accepted ahead of it -------
+
+    def floors_index(self) -> str:
+        """Where drop floors live: one empty document per dropped alias, its external
+        ``_version`` the version of the alias's last drop (ES keeps the highest: a lower
+        one is a 409). Not under any tenant's key, so no tenant lists or probes it."""
+        return f"{self.prefix}{FLOORS_INDEX}"
+
+    def _floor(self, alias: str) -> int:
+        """The version of the last drop of ``alias`` (0: never dropped, or no floors yet).
+        A realtime ``GET`` by id: it sees a floor written a moment ago."""
+        with _translated("drop floor", None):
+            answer = (
+                self._es().options(ignore_status=404).get(index=self.floors_index(), id=alias)
+            ).body
+        return int(answer.get("_version", 0)) if answer.get("found") else 0
+
+    def _below_floor(self, alias: str, version: int | None) -> bool:
+        """Whether a write of ``version`` was accepted before a drop that has already run."""
+        return version is not None and version <= self._floor(alias)
+
+    def _raise_floor(self, alias: str, version: int, what: str, index: str) -> None:
+        """Record a drop of ``version`` for ``alias`` (a newer drop's floor stays)."""
+        with _translated(what, index):
+            self._ensure_floors_index()
+            self._es().options(ignore_status=409).index(
+                index=self.floors_index(),
+                id=alias,
+                document={},
+                version=version,
+                version_type="external",
+            )
+
+    def _ensure_floors_index(self) -> None:
+        """Create the floors index once per process (the template's mapping, and its one
+        shard, apply; an empty document fits any mapping)."""
+        if self._floors_ready:
+            return
+        try:
+            self._es().indices.create(index=self.floors_index(), **self._explicit_body())
+        except ApiError as exc:
+            if _error_type(exc) != "resource_already_exists_exception":
+                raise
+        self._floors_ready = True
 
     def indexes(self, tenant: str) -> list[IndexInfo]:
         """The tenant's indexes: its aliases (``GET _alias/<prefix><key>--*``; a wildcard
@@ -825,11 +888,13 @@ class ElasticsearchBackend:
             self._es().indices.put_index_template(name=f"{self.prefix}sift", **body)
         self._template_ready = True
 
-    def ensure_index(self, index: str, tenant: str) -> None:
-        """Create the tenant's alias and its first concrete index if they don't exist yet."""
+    def ensure_index(self, index: str, tenant: str) -> bool:
+        """Create the tenant's alias and its first concrete index if they don't exist yet;
+        whether this call created them."""
         alias = self.alias(index, tenant)
         if alias in self._ready_aliases:
-            return
+            return False
+        created = False
         with self._lock:
             with _translated(f"index {index!r}", index):
                 exists = bool(self._es().indices.exists(index=alias))
@@ -840,10 +905,12 @@ class ElasticsearchBackend:
                         self._es().indices.create(
                             index=concrete, aliases={alias: {}}, **self._explicit_body()
                         )
+                        created = True
                     except ApiError as exc:
                         if _error_type(exc) != "resource_already_exists_exception":
                             raise
             self._ready_aliases.add(alias)
+        return created
 
     def reindex(self, index: str, tenant: str, *, delete_old: bool = False) -> str:
         """Rebuild the tenant's ``index`` into a new concrete index, then swap the alias
