@@ -41,7 +41,9 @@ Why this shape (DESIGN.md §6):
   eventual visibility (about 1 s).
 * **Drops** (:meth:`ElasticsearchBackend.delete_index`) delete the tenant's concrete
   index outright (its alias goes with it), unless it holds another tenant's document
-  too, when only the tenant's documents go (``_delete_by_query``).
+  too, when only the tenant's documents go (``_delete_by_query``). A versioned drop first
+  leaves a floor (``<prefix>sift-floors``) that every versioned write reads, so a write
+  accepted before the drop and run after it is skipped, as on the embedded backend.
 * **Reindexing** (:meth:`ElasticsearchBackend.reindex`, per tenant): create a new
   concrete index from the current template, copy with ``_reindex`` (vectors included, also
   on 9.2+ where they are left out of ``_source``; versions kept), refresh, then move the
