@@ -304,8 +304,7 @@ async def delete_documents(
     summary="Delete the caller's index: all of its documents (a job)",
     description="Embedded backend: the caller's rows, BM25 postings and vectors. "
     "Elasticsearch: the caller's own ES index (other tenants' indexes of the same name "
-    "stay). An upsert accepted before the delete and run after it is skipped on the "
-    "embedded backend.",
+    "stay). An upsert accepted before the delete and run after it is skipped on both.",
 )
 async def delete_index(
     request: Request, tenant: Tenant, index: IndexPath, wait: Wait = 0.0
