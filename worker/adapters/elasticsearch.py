@@ -499,10 +499,8 @@ class ElasticsearchBackend:
         if not documents:
             return 0
         alias = self.alias(index, tenant)
-        if self._below_floor(alias, version) or (
-            self.ensure_index(index, tenant) and self._below_floor(alias, version)
-        ):
-            return 0  # accepted before a drop that has run: the drop wins
+        if not self._writable(index, tenant, version):
+            return 0
         recorded = model if vectors is not None and self.fields.model else None
         if recorded is not None:
             self._check_model(index, tenant, recorded)
@@ -524,6 +522,15 @@ class ElasticsearchBackend:
         if vectors is not None:
             self._saw_vectors(alias, tenant, recorded)
         return written
+
+    def _writable(self, index: str, tenant: str, version: int | None) -> bool:
+        """Make the tenant's index if it is missing; False (and nothing made) if a drop
+        accepted after this write has already run. The floor is read before the index is
+        made, and again if this call made it, so a drop running in between still wins."""
+        alias = self.alias(index, tenant)
+        if self._below_floor(alias, version):
+            return False
+        return not (self.ensure_index(index, tenant) and self._below_floor(alias, version))
 
     def _check_model(self, index: str, tenant: str, model: str) -> None:
         """Raise EmbeddingModelMismatch if the tenant's index holds another model's vectors.
@@ -630,10 +637,10 @@ class ElasticsearchBackend:
             {"_op_type": "delete", "_index": alias, "_id": f"{tenant}:{i}", **_versioned(version)}
             for i in dict.fromkeys(ids)
         ]
-        if not actions or self._below_floor(alias, version):
+        # the index is made if missing, so the tombstones exist for an older upsert that
+        # runs later
+        if not actions or not self._writable(index, tenant, version):
             return 0
-        # created if missing, so the tombstones exist for an older upsert that runs later
-        self.ensure_index(index, tenant)
         what = f"bulk delete in index {index!r}"
         _applied, existed = self._bulk_into(index, tenant, actions, what, version)
         return existed
