@@ -120,8 +120,14 @@ class BackendContract:
         assert only_beta.hits["bm25"]
         assert all("beta secret" in h.document.text for h in only_beta.hits["bm25"])
         assert all("beta secret" in h.document.text for h in only_beta.hits["knn"])
-        nobody = self.search(backend, index, "gamma", "vitamin bone fractures")
-        assert nobody.hits["bm25"] == [] and nobody.hits["knn"] == []
+        # a tenant with no documents finds none: empty channels, or (a backend with an index
+        # per tenant: Elasticsearch) no index of its own at all
+        try:
+            nobody = self.search(backend, index, "gamma", "vitamin bone fractures")
+        except IndexNotFound:
+            pass
+        else:
+            assert nobody.hits["bm25"] == [] and nobody.hits["knn"] == []
 
     def test_metadata_filters_hold_inside_both_channels(
         self, backend: SearchBackend, index: str

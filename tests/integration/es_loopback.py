@@ -66,6 +66,8 @@ class FakeElasticsearchServer:
 
     def __init__(self) -> None:
         self.requests: list[Recorded] = []
+        #: Answers what no route does (a stateful stand-in); a 404 if None.
+        self.fallback: Route | None = None
         self._routes: list[tuple[str, str, Route | Answer, int | None, When | None]] = []
         server = self
 
@@ -149,6 +151,9 @@ class FakeElasticsearchServer:
                 else:
                     self._routes[i] = (method, path, answer, times - 1, when)
             return result
+        answer = self.fallback(request) if self.fallback is not None else None
+        if answer is not None:
+            return answer
         return Answer(404, error_body("resource_not_found_exception", f"no route {request.path}"))
 
     def sent(self, method: str | None = None, path: str | None = None) -> list[Recorded]:
