@@ -445,3 +445,15 @@ def running(server: FakeElasticsearchServer) -> Iterator[FakeElasticsearchServer
         yield server
     finally:
         server.stop()
+
+
+def resolved(*indexes: tuple[str, list[str]]) -> dict[str, Any]:
+    """``GET _resolve/index/<pattern>``: each matching concrete index with its aliases (a
+    wildcard matching nothing answers empty lists with 200)."""
+    return {
+        "indices": [
+            {"name": name, "aliases": held, "attributes": ["open"]} for name, held in indexes
+        ],
+        "aliases": [],
+        "data_streams": [],
+    }

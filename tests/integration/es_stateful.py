@@ -124,6 +124,8 @@ class StatefulElasticsearch:
             return 200, self.bulk(r.ndjson(), q)
         if parts == ["_alias"] or (parts[:1] == ["_alias"] and len(parts) == 2):
             return self.get_alias(parts[1] if len(parts) > 1 else "*")
+        if parts[:2] == ["_resolve", "index"]:
+            return 200, self.resolve_index(parts[2])
         if parts == ["_aliases"] and method == "POST":
             return 200, self.update_aliases(body.get("actions", []))
         if parts == ["_reindex"]:
@@ -249,7 +251,7 @@ class StatefulElasticsearch:
             self.create_index(name, body)
             return 200, {"acknowledged": True, "shards_acknowledged": True, "index": name}
         if method == "DELETE":
-            return self.delete_indexes(name)
+            return self.delete_indexes(name, q.get("ignore_unavailable") == "true")
         if method == "GET":
             return 200, {
                 i.name: {"aliases": self._aliases_of(i.name), "mappings": i.mappings}
@@ -257,7 +259,7 @@ class StatefulElasticsearch:
             }
         raise _refuse("unsupported", f"{method} /{name}")
 
-    def delete_indexes(self, expression: str) -> tuple[int, Any]:
+    def delete_indexes(self, expression: str, ignore_unavailable: bool) -> tuple[int, Any]:
         names = expression.split(",")
         for name in names:
             if "*" in name:
@@ -271,15 +273,34 @@ class StatefulElasticsearch:
                     f"The provided expression [{name}] matches an alias, specify the "
                     "corresponding concrete indices instead.",
                 )
-            if name not in self.indexes:
+            if name not in self.indexes and not ignore_unavailable:
                 raise _missing(name)
         for name in names:
-            del self.indexes[name]
+            if self.indexes.pop(name, None) is None:
+                continue
             for alias in list(self.aliases):
                 self.aliases[alias].discard(name)
                 if not self.aliases[alias]:
                     del self.aliases[alias]
         return 200, {"acknowledged": True}
+
+    def resolve_index(self, expression: str) -> dict[str, Any]:
+        """``GET _resolve/index/<expr>``: matching indexes and aliases, listed apart."""
+        indexes: set[str] = set()
+        aliases: set[str] = set()
+        for part in expression.split(","):
+            indexes |= {n for n in self.indexes if fnmatch.fnmatchcase(n, part)}
+            aliases |= {a for a in self.aliases if fnmatch.fnmatchcase(a, part)}
+            if "*" not in part and not (indexes | aliases):
+                raise _missing(part)
+        return {
+            "indices": [
+                {"name": n, "aliases": sorted(self._aliases_of(n)), "attributes": ["open"]}
+                for n in sorted(indexes)
+            ],
+            "aliases": [{"name": a, "indices": sorted(self.aliases[a])} for a in sorted(aliases)],
+            "data_streams": [],
+        }
 
     def _aliases_of(self, concrete: str) -> dict[str, Any]:
         return {a: {} for a, held in sorted(self.aliases.items()) if concrete in held}

@@ -41,6 +41,7 @@ from tests.integration.es_loopback import (
     probes_of_a_missing_index,
     reindex_response,
     require_alias_refused,
+    resolved,
     running,
     search_response,
     terms_by_index_response,
@@ -65,7 +66,7 @@ pytestmark = pytest.mark.integration
 
 ACME = f"sift-{tenant_key('acme')}--docs"  # acme's own alias of Sift index "docs"
 BETA = f"sift-{tenant_key('beta')}--docs"
-CONCRETE = f"{ACME}-000001"
+CONCRETE = f"{ACME}~000001"
 MSEARCH = f"/{ACME}/_msearch"  # acme's probes and searches alike
 FLOORS = "sift-sift-floors"
 FLOOR = f"/{FLOORS}/_doc/{ACME}"  # acme's drop floor for "docs"
@@ -247,7 +248,7 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
     server.on("HEAD", f"/{ACME}", Answer(200))
     server.on("HEAD", f"/{BETA}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
-    server.on("PUT", f"/{BETA}-000001", Answer(200, {"acknowledged": True, "index": BETA}))
+    server.on("PUT", f"/{BETA}~000001", Answer(200, {"acknowledged": True, "index": BETA}))
     server.on("PUT", "/_bulk", bulk_ok)
     backend = backend_for(server)
     assert backend.upsert("docs", "acme", [Document("d1", "acme's text")], None) == 1
@@ -256,7 +257,7 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
     assert [(r.method, r.path) for r in server.requests] == [
         ("HEAD", f"/{BETA}"),
         ("PUT", "/_index_template/sift-sift"),  # once per process: acme's index existed
-        ("PUT", f"/{BETA}-000001"),
+        ("PUT", f"/{BETA}~000001"),
         ("PUT", "/_bulk"),
     ]
     assert server.requests[2].json() == {"aliases": {BETA: {}}}
@@ -298,6 +299,7 @@ def test_an_index_created_by_a_racing_worker_is_fine(server: FakeElasticsearchSe
         f"/{CONCRETE}",
         Answer(400, error_body("resource_already_exists_exception", "index exists")),
     )
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))  # the racing worker made both
     server.on("PUT", "/_bulk", bulk_ok)
     assert backend_for(server).upsert("docs", "acme", [Document("d1", "x")], None) == 1
 
@@ -358,11 +360,11 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
     server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
     server.on("POST", "/_reindex", Answer(200, reindex_response(2)))
     backend = backend_for(server, elasticsearch_vector_quantization="hnsw")
-    # Any PUT or POST of /<acme's alias>-2... is the new index.
+    # Any PUT or POST of /<acme's alias>~2... is the new index.
     original = server._answer
 
     def answer(request: Recorded) -> Answer:
-        if request.method in ("PUT", "POST") and request.path.startswith(f"/{ACME}-2"):
+        if request.method in ("PUT", "POST") and request.path.startswith(f"/{ACME}~2"):
             return Answer(200, {"acknowledged": True, "_shards": {"total": 1}})
         return original(request)
 
@@ -370,7 +372,7 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
     server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
     new = backend.reindex("docs", "acme")
 
-    assert new.startswith(f"{ACME}-2")
+    assert new.startswith(f"{ACME}~2")
     steps = [(r.method, r.path) for r in server.requests]
     assert steps == [
         ("GET", f"/_alias/{ACME}"),
@@ -409,23 +411,23 @@ def test_reindex_all_rebuilds_every_tenants_index_of_the_name_and_no_other(
     """An operator knows a name, not its tenants: every ``<prefix><key>--docs`` alias is
     rebuilt, and acme's ``foo--docs`` (which the pattern also matches) is not."""
     other = f"sift-{tenant_key('acme')}--foo--docs"
-    found = aliases((CONCRETE, ACME), (f"{BETA}-000001", BETA), (f"{other}-000001", other))
+    found = aliases((CONCRETE, ACME), (f"{BETA}~000001", BETA), (f"{other}~000001", other))
     server.on("GET", "/_alias/sift-*--docs", Answer(200, found))
     for alias in (ACME, BETA):
-        server.on("GET", f"/_alias/{alias}", Answer(200, aliases((f"{alias}-000001", alias))))
+        server.on("GET", f"/_alias/{alias}", Answer(200, aliases((f"{alias}~000001", alias))))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("POST", "/_reindex", Answer(200, reindex_response(1)))
     server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
     original = server._answer
 
     def answer(request: Recorded) -> Answer:
-        if request.method in ("PUT", "POST") and "--docs-2" in request.path:
+        if request.method in ("PUT", "POST") and "--docs~2" in request.path:
             return Answer(200, {"acknowledged": True, "_shards": {"total": 1}})
         return original(request)
 
     server._answer = answer  # type: ignore[method-assign]
     rebuilt = backend_for(server).reindex_all("docs")
-    assert [name.rsplit("-", 1)[0] for name in rebuilt] == sorted([ACME, BETA])
+    assert [name.rsplit("~", 1)[0] for name in rebuilt] == sorted([ACME, BETA])
     swaps = [r.json()["actions"][-1]["add"]["alias"] for r in server.sent("POST", "/_aliases")]
     assert swaps == sorted([ACME, BETA])
     assert other not in str([r.path for r in server.requests[1:]])
@@ -1153,8 +1155,7 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
         ("HEAD", f"/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
-        ("GET", FLOOR),  # this call made the index: a drop may have run meanwhile
-        ("PUT", "/_bulk"),
+        ("PUT", "/_bulk"),  # a delete writes nothing back: no floor read after it
     ]
 
 
@@ -1205,12 +1206,16 @@ def test_delete_index_deletes_the_tenants_physical_index_and_nothing_else(
     server: FakeElasticsearchServer,
 ) -> None:
     """Raise acme's floor for "docs" first, count acme's documents and look for another
-    tenant's, resolve acme's alias, delete its concrete index: beta's index of the same
-    name is in no request."""
+    tenant's, resolve acme's alias, delete its concrete index, then the one a reindex kept:
+    beta's index of the same name is in no request."""
+    kept = f"{ACME}~20260101t000000000000"
     on_floors(server)
     on_searches(server, Answer(200, drop_counts(3, 0)))
     server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
     server.on("DELETE", f"/{CONCRETE}", Answer(200, {"acknowledged": True}))
+    found = resolved((CONCRETE, [ACME]), (kept, []), (f"{ACME}~other", []))
+    server.on("POST", f"/_resolve/index/{ACME}~*", Answer(200, found))
+    server.on("DELETE", f"/{kept}", Answer(200, {"acknowledged": True}))
     assert backend_for(server).delete_index("docs", "acme", version=20) == 3
     assert [(r.method, r.path) for r in server.requests] == [
         ("PUT", "/_index_template/sift-sift"),
@@ -1219,7 +1224,10 @@ def test_delete_index_deletes_the_tenants_physical_index_and_nothing_else(
         ("POST", MSEARCH),
         ("GET", f"/_alias/{ACME}"),
         ("DELETE", f"/{CONCRETE}"),
+        ("POST", f"/_resolve/index/{ACME}~*"),
+        ("DELETE", f"/{kept}"),  # a name Sift did not make (~other) is left
     ]
+    assert server.requests[-1].query == {"ignore_unavailable": ["true"]}
     floor = server.requests[2]
     assert floor.json() == {}
     assert floor.query == {"version": ["20"], "version_type": ["external"]}
@@ -1256,11 +1264,17 @@ def test_delete_index_of_a_missing_index_deletes_nothing(server: FakeElasticsear
             ("PUT", FLOOR),
             ("POST", MSEARCH),
         ]
-    # another worker deleted it between the count and the delete: no error either
+    # another worker deleted it between the count and the delete: no error either, and
+    # the documents are that drop's to count, not this one's
+    server.on("POST", f"/_resolve/index/{ACME}~*", Answer(200, resolved()))
     on_searches(server, Answer(200, drop_counts(2, 0)))
     server.on("GET", f"/_alias/{ACME}", Answer(404, alias_missing(ACME)))
-    assert backend_for(server).delete_index("docs", "acme") == 2
+    assert backend_for(server).delete_index("docs", "acme") == 0
     assert not server.sent("DELETE")
+    # ... or between resolving the alias and the delete
+    server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
+    server.on("DELETE", f"/{CONCRETE}", Answer(404, index_missing(CONCRETE)))
+    assert backend_for(server).delete_index("docs", "acme") == 0
 
 
 def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
@@ -1289,6 +1303,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
         ("PUT", "/_bulk"),
+        ("GET", FLOOR),  # after the write: no drop of this version or newer ran meanwhile
     ]
     first, again = server.sent("PUT", "/_bulk")
     assert first.ndjson() == again.ndjson()  # the same actions, the same version
@@ -1309,7 +1324,8 @@ def test_writes_accepted_before_a_drop_that_has_run_are_skipped(
     server.on("PUT", "/_bulk", bulk_ok)
     assert backend.upsert("docs", "acme", [Document("d1", "new")], None, version=21) == 1
     assert backend.upsert("docs", "acme", [Document("d2", "any")], None) == 1  # unversioned
-    assert len(server.sent("GET", FLOOR)) == 3  # an unversioned write reads no floor
+    # before and after the versioned write; an unversioned write reads no floor
+    assert len(server.sent("GET", FLOOR)) == 4
 
 
 def test_a_drop_running_between_a_writes_floor_check_and_its_bulk_still_wins(
@@ -1350,10 +1366,10 @@ def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearch
     server.on(
         "GET",
         f"/_alias/{stem}*",
-        Answer(200, aliases((CONCRETE, ACME), (f"{stem}faq-20260101t000000000000", f"{stem}faq"))),
+        Answer(200, aliases((CONCRETE, ACME), (f"{stem}faq~20260101t000000000000", f"{stem}faq"))),
     )
     counts = terms_by_index_response(
-        {CONCRETE: 4, f"{stem}faq-20260101t000000000000": 2, f"{stem}old-000001": 7},
+        {CONCRETE: 4, f"{stem}faq~20260101t000000000000": 2, f"{stem}old~000001": 7},
         {CONCRETE: "m-1"},
     )
     server.on("POST", f"/{stem}*/_search", Answer(200, counts))
@@ -1482,6 +1498,7 @@ def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_r
     on_searches(server, Answer(200, drop_counts(3, 0)))
     server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
     server.on("DELETE", f"/{CONCRETE}", Answer(200, {"acknowledged": True}))
+    server.on("POST", f"/_resolve/index/{ACME}~*", Answer(200, resolved((CONCRETE, [ACME]))))
     backend.delete_index("docs", "acme")
     on_probes(server, Answer(200, probes_of_a_missing_index(ACME)))
     assert backend.probe("docs", "acme") == IndexProbe(frozenset())
@@ -1558,7 +1575,7 @@ def test_migrate_shared_copies_each_tenants_documents_into_its_own_index(
     server.on("HEAD", f"/{ACME}", Answer(200))
     server.on("HEAD", f"/{BETA}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
-    server.on("PUT", f"/{BETA}-000001", Answer(200, {"acknowledged": True, "index": BETA}))
+    server.on("PUT", f"/{BETA}~000001", Answer(200, {"acknowledged": True, "index": BETA}))
     server.on("POST", "/_reindex", lambda r: Answer(200, reindex_response(3)))
     refreshed = {"_shards": {"total": 2, "successful": 1, "failed": 0}}
     for alias in (ACME, BETA):

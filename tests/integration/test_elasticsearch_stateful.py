@@ -4,16 +4,26 @@ by what a tenant reads afterwards, not by the requests sent."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from elasticsearch import ApiError, Elasticsearch
 
-from tests.integration.backend_contract import LifecycleContract
-from tests.integration.es_loopback import FakeElasticsearchServer, running
+from tests.integration.backend_contract import LifecycleContract, vectors_of
+from tests.integration.es_loopback import (
+    Answer,
+    FakeElasticsearchServer,
+    Recorded,
+    bulk_response,
+    require_alias_refused,
+    running,
+)
 from tests.integration.es_stateful import StatefulElasticsearch, stateful_server
 from worker.adapters.elasticsearch import ElasticsearchBackend
+from worker.core.types import Document
+from worker.errors import BackendUnavailable
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -90,3 +100,117 @@ def test_the_stand_in_refuses_as_es_does(
     assert item["error"]["type"] == "index_not_found_exception"
     assert item["error"]["reason"].endswith("[a~1] is not an alias")
     assert es.get(index="a", id="x").body["_version"] == 5
+
+
+# --- the lifecycle's races and name clashes -------------------------------------------------
+
+DOC = Document("vitd", "Vitamin D deficiency raises the risk of bone fractures.", "Vitamin D")
+CALC = Document("calc", "Calcium supplements and bone density in older adults.", "Calcium")
+
+
+def write(backend: ElasticsearchBackend, doc: Document, version: int | None) -> int:
+    return backend.upsert("docs", "acme", [doc], vectors_of([doc]), version=version)
+
+
+def indexes_named(state: StatefulElasticsearch, alias: str) -> list[str]:
+    """Every concrete index of ``alias`` (pointed at by it, or kept by a reindex)."""
+    with state.lock:
+        return sorted(n for n in state.indexes if n.startswith(alias) and n != alias)
+
+
+def test_a_drop_after_a_reindex_that_kept_the_old_index_deletes_both_and_the_name_works_again(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, state = fake
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    assert write(backend, DOC, version=1) == 1
+    backend.reindex("docs", "acme")  # the old index is kept for a rollback
+    assert len(indexes_named(state, alias)) == 2
+    assert backend.delete_index("docs", "acme", version=2) == 1
+    assert indexes_named(state, alias) == []  # the dropped documents are gone, kept ones too
+    # this process, and one that never saw the index
+    assert write(backend, CALC, version=3) == 1
+    assert write(backend_on(server), DOC, version=4) == 1
+    assert backend.index_info("docs", "acme").documents == 2
+    assert backend.document("docs", "acme", "vitd").version == 4
+
+
+def test_a_leftover_concrete_index_without_its_alias_is_a_retryable_error_naming_it(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A concrete index of the alias's first name exists but the alias does not (a drop cut
+    short): the write is refused, retryably, naming the index, and nothing is written."""
+    server, state = fake
+    backend = backend_on(server)
+    write(backend, CALC, version=1)
+    (first,) = indexes_named(state, backend.alias("docs", "acme"))
+    with state.lock:
+        state.aliases.clear()  # the alias went, its index did not
+    with pytest.raises(BackendUnavailable, match=re.escape(first)) as caught:
+        write(backend_on(server), DOC, version=2)
+    assert caught.value.retryable
+    assert state.live_ids(first) == {"acme:calc"}
+
+
+def test_require_alias_refusing_every_attempt_is_bounded_and_retryable(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, _state = fake
+    backend = backend_on(server)
+    write(backend, CALC, version=1)
+    refused = bulk_response(require_alias_refused("index", backend.alias("docs", "acme"), "x"))
+    server.on("PUT", "/_bulk", Answer(200, refused))
+    with pytest.raises(BackendUnavailable) as caught:
+        write(backend, DOC, version=2)
+    assert caught.value.retryable
+    assert 2 <= len(server.sent("PUT", "/_bulk")) - 1 <= 5
+
+
+def test_a_stale_upsert_landing_in_an_index_a_newer_writer_made_again_is_taken_back(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """W1 (version 10, accepted before drop 12) passes its floor check on worker 1; drop 12
+    runs on worker 2; W2 (version 13) on worker 3 makes the index again; then W1's bulk
+    finds the alias and writes. W1 reads the floor again, takes its document back, and says
+    it wrote nothing; W2's document stays."""
+    server, _state = fake
+    w1, dropper, w3 = backend_on(server), backend_on(server), backend_on(server)
+    assert write(w1, CALC, version=5) == 1  # worker 1 knows the index
+    fired: list[int] = []
+
+    def between(request: Recorded) -> None:
+        if not fired and '"version":10' in request.body.decode().replace(" ", ""):
+            fired.append(1)
+            assert dropper.delete_index("docs", "acme", version=12) == 1
+            assert write(w3, CALC, version=13) == 1
+
+    server.on("PUT", "/_bulk", between)
+    assert write(w1, DOC, version=10) == 0
+    assert fired
+    assert w1.document("docs", "acme", "vitd") is None
+    assert w1.document("docs", "acme", "calc") is not None
+    assert w1.index_info("docs", "acme").documents == 1
+
+
+@pytest.mark.parametrize("first", ["docs", "docs-000001"])
+def test_a_name_like_another_names_concrete_index_is_its_own(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch], first: str
+) -> None:
+    """``docs-000001`` (or a reindex's timestamped name) is a valid Sift name: it never is
+    the concrete index of ``docs``, in either order of first writes."""
+    server, _state = fake
+    backend = backend_on(server)
+    docs = {"docs": DOC, "docs-000001": CALC}
+    for name in (first, *(set(docs) - {first})):
+        assert backend.upsert(name, "acme", [docs[name]], vectors_of([docs[name]]), version=1) == 1
+    backend.reindex("docs", "acme", delete_old=True)
+    stamp = backend._concrete(backend.alias("docs", "acme"))[0].rsplit("~", 1)[-1]
+    assert backend.upsert(f"docs-{stamp}", "acme", [CALC], None, version=1) == 1
+    for name, doc in docs.items():
+        assert backend.index_info(name, "acme").documents == 1
+        assert backend.document(name, "acme", doc.id) is not None
+    assert backend.delete_index("docs-000001", "acme", version=2) == 1
+    assert backend.index_info("docs", "acme").documents == 1
+    assert backend.document("docs", "acme", "vitd") is not None
+    assert sorted(i.name for i in backend.indexes("acme")) == ["docs", f"docs-{stamp}"]

@@ -4,10 +4,11 @@ Why this shape (DESIGN.md §6):
 
 * **Index layout: one physical index per (tenant, name).** Sift index ``NAME`` of tenant
   ``T`` is the alias ``<prefix><key>--NAME`` over one concrete index
-  ``<prefix><key>--NAME-<000001 or UTC timestamp>``, where ``<key>`` is
+  ``<prefix><key>--NAME~<000001 or UTC timestamp>``, where ``<key>`` is
   :func:`tenant_key`: 16 hex digits of the tenant id's SHA-256 (tenant ids may hold
   characters ES refuses in index names; the key never does, and it has a fixed length, so
-  the name after ``--`` is exactly the Sift name). So another tenant's documents change
+  the name after ``--`` is exactly the Sift name). ``~`` is valid in an ES index name and
+  never in a Sift name, so no Sift name's alias is another name's concrete index. So another tenant's documents change
   neither a tenant's BM25 statistics (document frequency, average length) nor its search
   cost, and a tenant's first write into a name always creates its own index, whether
   another tenant uses the name or not. An index template (``<prefix>sift``, pattern
@@ -35,15 +36,19 @@ Why this shape (DESIGN.md §6):
   round trip, so the pipeline raises the same ``IndexNotFound`` for both.
 * **Writes** go through ``elasticsearch.helpers.streaming_bulk`` with ``require_alias``:
   a write never auto-creates a concrete index under the alias's name (after another
-  worker dropped the index); it is refused, and the index is made again properly. An
-  upsert by id replaces the whole document, vector included. ``refresh=wait_for`` (the
+  worker dropped the index); it is refused, and the index is made again properly, at most
+  ``WRITE_ATTEMPTS`` times, reading the drop floor each time; then the write fails
+  retryably (``BackendUnavailable``). An upsert by id replaces the whole document, vector included. ``refresh=wait_for`` (the
   default) makes a write visible to search before the call returns; ``false`` gives
   eventual visibility (about 1 s).
 * **Drops** (:meth:`ElasticsearchBackend.delete_index`) delete the tenant's concrete
-  index outright (its alias goes with it), unless it holds another tenant's document
-  too, when only the tenant's documents go (``_delete_by_query``). A versioned drop first
-  leaves a floor (``<prefix>sift-floors``) that every versioned write reads, so a write
-  accepted before the drop and run after it is skipped, as on the embedded backend.
+  index outright (its alias goes with it), and any a reindex kept for a rollback, unless
+  it holds another tenant's document too, when only the tenant's documents go
+  (``_delete_by_query``). A versioned drop first leaves a floor (``<prefix>sift-floors``)
+  that every versioned write reads before it writes and again after: a write accepted
+  before the drop and run after it writes nothing, or, if the drop ran between its check
+  and its bulk, what it wrote is deleted again (by id, with the drop's version, so a newer
+  writer's document stays) and it reports none written.
 * **Reindexing** (:meth:`ElasticsearchBackend.reindex`, per tenant): create a new
   concrete index from the current template, copy with ``_reindex`` (vectors included, also
   on 9.2+ where they are left out of ``_source``; versions kept), refresh, then move the
@@ -86,6 +91,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -153,13 +159,20 @@ FLOORS_INDEX = "sift-floors"
 MAX_INDEX_NAME_BYTES = 255
 #: What Elasticsearch accepts as an index name (lowercase; none of ``\ / * ? " < > | , # :``
 #: or spaces; not starting with ``-``, ``_`` or ``+``; not ``.`` or ``..``), restricted to
-#: what Sift ever composes: the prefix, the key, ``--`` and a Sift index name, all in
-#: ``[a-z0-9_.-]``.
-_ES_INDEX_NAME = re.compile(r"^(?![-_+])(?!\.{1,2}$)[a-z0-9_.-]+$")
+#: what Sift ever composes: the prefix, the key, ``--``, a Sift index name, all in
+#: ``[a-z0-9_.-]``, and ``~`` before a concrete index's suffix.
+_ES_INDEX_NAME = re.compile(r"^(?![-_+])(?!\.{1,2}$)[a-z0-9_.~-]+$")
 #: An alias of the per-tenant layout, after the prefix: a tenant key, ``--``, a Sift name.
 _TENANT_ALIAS = re.compile(rf"^[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}[a-z0-9]")
+#: Between an alias and the suffix of its concrete indexes (``000001`` or a reindex's
+#: timestamp). ES accepts ``~`` in an index name; Sift's own names never hold it, so no
+#: Sift name's alias can ever be another name's concrete index.
+CONCRETE_SEPARATOR = "~"
 #: How Sift names a concrete index after its alias: ``000001`` or a reindex's timestamp.
 _SIFT_CONCRETE = re.compile(r"000001|\d{8}t\d{12}")
+#: How often a write makes its index again after ``require_alias`` found it gone (another
+#: worker's drop ran in between) before it gives up, retryably.
+WRITE_ATTEMPTS = 3
 Refresh = Literal["wait_for", "true", "false"]
 
 
@@ -256,6 +269,15 @@ def tenant_key(tenant: str) -> str:
     ('822b33ad87c148a0', 16)
     """
     return hashlib.sha256(tenant.encode()).hexdigest()[:TENANT_KEY_LENGTH]
+
+
+def concrete_name(alias: str, suffix: str) -> str:
+    """The name of one of ``alias``'s concrete indexes: ``<alias>~<suffix>``.
+
+    >>> concrete_name("sift-822b33ad87c148a0--docs", "000001")
+    'sift-822b33ad87c148a0--docs~000001'
+    """
+    return f"{alias}{CONCRETE_SEPARATOR}{suffix}"
 
 
 def checked_index_name(name: str, what: str = "index") -> str:
@@ -499,11 +521,7 @@ class ElasticsearchBackend:
         if not documents:
             return 0
         alias = self.alias(index, tenant)
-        if not self._writable(index, tenant, version):
-            return 0
         recorded = model if vectors is not None and self.fields.model else None
-        if recorded is not None:
-            self._check_model(index, tenant, recorded)
         actions = [
             {
                 "_op_type": "index",
@@ -516,21 +534,19 @@ class ElasticsearchBackend:
             }
             for i, doc in enumerate(documents)
         ]
-        written, _existed = self._bulk_into(
-            index, tenant, actions, f"bulk write to index {index!r}", version
-        )
-        if vectors is not None:
+        what = f"bulk write to index {index!r}"
+
+        def check_model() -> None:
+            if recorded is not None:
+                self._check_model(index, tenant, recorded)
+
+        outcome = self._write(index, tenant, actions, what, version, prepare=check_model)
+        if outcome is None:
+            return 0
+        written = self._take_back(index, tenant, outcome, version, what)
+        if vectors is not None and written:
             self._saw_vectors(alias, tenant, recorded)
         return written
-
-    def _writable(self, index: str, tenant: str, version: int | None) -> bool:
-        """Make the tenant's index if it is missing; False (and nothing made) if a drop
-        accepted after this write has already run. The floor is read before the index is
-        made, and again if this call made it, so a drop running in between still wins."""
-        alias = self.alias(index, tenant)
-        if self._below_floor(alias, version):
-            return False
-        return not (self.ensure_index(index, tenant) and self._below_floor(alias, version))
 
     def _check_model(self, index: str, tenant: str, model: str) -> None:
         """Raise EmbeddingModelMismatch if the tenant's index holds another model's vectors.
@@ -554,38 +570,96 @@ class ElasticsearchBackend:
         if held is not None:
             raise EmbeddingModelMismatch(index, held, model)
 
-    def _bulk_into(
+    def _write(
         self,
         index: str,
         tenant: str,
         actions: list[dict[str, Any]],
         what: str,
         version: int | None,
-    ) -> tuple[int, int]:
-        """:meth:`_bulk` into the tenant's index, made again once if another worker dropped
-        it since this process last saw it (``require_alias`` refused the write): every
-        action is sent again, which external versions and whole-document writes make safe,
-        unless the drop that took the index was accepted after these writes."""
-        try:
-            return self._bulk(actions, what, index, tenant)
-        except _AliasGone:
-            alias = self.alias(index, tenant)
-            self._forget(alias, tenant)
-            if self._below_floor(alias, version):
-                return 0, 0
-            self.ensure_index(index, tenant)
-            return self._bulk(actions, what, index, tenant)
+        prepare: Callable[[], None] | None = None,
+    ) -> _Bulked | None:
+        """Run ``actions`` into the tenant's index, made if missing; None if a drop accepted
+        after this write has already run (nothing is written, no index made).
 
-    def _bulk(
-        self, actions: list[dict[str, Any]], what: str, index: str, tenant: str
-    ) -> tuple[int, int]:
-        """Run bulk ``actions``: (how many applied, how many found their document). A 409 (a
-        newer version held) and a delete's 404 (nothing to delete) are answers, not failures.
-        ``require_alias``: an action whose alias is gone fails (``_AliasGone``) instead of
+        Each attempt reads the drop floor first, makes the index, runs ``prepare`` (the
+        model check) and the bulk. ``require_alias`` refusing the bulk (another worker
+        dropped the index since), or the index's first concrete name found without its
+        alias, starts the next attempt; every action is sent again, which external versions
+        and whole-document writes make safe. After ``WRITE_ATTEMPTS`` the write fails
+        retryably (``BackendUnavailable``), naming what it found."""
+        alias = self.alias(index, tenant)
+        existed = 0
+        gone = _AliasGone(index)
+        for _attempt in range(WRITE_ATTEMPTS):
+            if self._below_floor(alias, version):
+                return None if not existed else _Bulked(0, existed, [])
+            try:
+                self.ensure_index(index, tenant)
+                if prepare is not None:
+                    prepare()
+                bulked = self._bulk(actions, what, index, tenant)
+            except _AliasGone as refused:
+                self._forget(alias, tenant)
+                existed += refused.existed
+                gone = refused
+                continue
+            bulked.existed += existed
+            return bulked
+        if gone.leftover:
+            raise BackendUnavailable(
+                f"the {what} cannot make index {index!r}: the concrete index "
+                f"{gone.leftover!r} exists without its alias {alias!r} (a drop cut short): "
+                f"drop index {index!r} again, or delete {gone.leftover!r}"
+            ) from gone
+        raise BackendUnavailable(
+            f"the {what} found index {index!r} dropped by another worker {WRITE_ATTEMPTS} "
+            "times as it made it again"
+        ) from gone
+
+    def _take_back(
+        self, index: str, tenant: str, bulked: _Bulked, version: int | None, what: str
+    ) -> int:
+        """How many of a versioned write's documents stay written, once a drop it lost to
+        is accounted for.
+
+        The floor check and the bulk are two requests: a drop accepted after this write can
+        run between them, and a newer writer can make the index again, so the bulk finds
+        the alias and writes. So the floor is read again after the bulk; if a drop of this
+        write's version or newer has run, what this write put in is deleted by id with the
+        drop's version as external version: a document a newer writer put in since answers
+        409 and stays. Then none of this write stays (0)."""
+        if version is None or not bulked.written:
+            return bulked.applied
+        alias = self.alias(index, tenant)
+        floor = self._floor(alias)
+        if floor < version:
+            return bulked.applied
+        deletes = [
+            {"_op_type": "delete", "_index": alias, "_id": _id, **_versioned(floor)}
+            for _id in bulked.written
+        ]
+        with contextlib.suppress(_AliasGone):  # dropped again: nothing of it is left
+            self._bulk(deletes, f"{what} (taken back after drop {floor})", index, tenant)
+        self._forget(alias, tenant)
+        logger.info(
+            "%s: version %d lost to drop %d run meanwhile; %d document(s) taken back",
+            what,
+            version,
+            floor,
+            len(deletes),
+        )
+        return 0
+
+    def _bulk(self, actions: list[dict[str, Any]], what: str, index: str, tenant: str) -> _Bulked:
+        """Run bulk ``actions``: how many applied, how many found their document, and the
+        ``_id`` of each one applied. A 409 (a newer version held) and a delete's 404 (nothing
+        to delete) are answers, not failures. ``require_alias``: an action whose alias is
+        gone fails (``_AliasGone``, with what was deleted before it) instead of
         auto-creating a bare concrete index of that name, with no alias and no template's
         settings beyond the mapping."""
         failures: list[dict[str, Any]] = []
-        applied = existed = 0
+        bulked = _Bulked(0, 0, [])
         with _translated(what, index):
             for ok, item in helpers.streaming_bulk(
                 self._es(),
@@ -600,17 +674,18 @@ class ElasticsearchBackend:
                 op = next(iter(item.values())) if item else {}
                 status = int(op.get("status", 500))
                 if ok:
-                    applied += 1
-                    existed += op.get("result") in ("deleted", "updated")
+                    bulked.applied += 1
+                    bulked.existed += op.get("result") in ("deleted", "updated")
+                    bulked.written.append(str(op.get("_id")))
                 elif status == 404 and op.get("result") == "not_found":
-                    applied += 1
+                    bulked.applied += 1
                 elif _index_missing(op):
-                    raise _AliasGone(index)
+                    raise _AliasGone(index, existed=bulked.existed)
                 elif status != 409:
                     failures.append(item)
         if failures:
             raise _bulk_error(failures, tenant)
-        return applied, existed
+        return bulked
 
     def _forget(self, alias: str, tenant: str) -> None:
         """Drop what this process remembers of an alias that is gone."""
@@ -639,11 +714,10 @@ class ElasticsearchBackend:
         ]
         # the index is made if missing, so the tombstones exist for an older upsert that
         # runs later
-        if not actions or not self._writable(index, tenant, version):
+        if not actions:
             return 0
-        what = f"bulk delete in index {index!r}"
-        _applied, existed = self._bulk_into(index, tenant, actions, what, version)
-        return existed
+        bulked = self._write(index, tenant, actions, f"bulk delete in index {index!r}", version)
+        return 0 if bulked is None else bulked.existed
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
         """Delete the tenant's index: its concrete index (the alias goes with it); answers
@@ -675,8 +749,7 @@ class ElasticsearchBackend:
         if others:
             gone = self._delete_tenants_documents(alias, tenant, what, index)
         else:
-            self._delete_concrete(alias, what, index)
-            gone = mine
+            gone = mine if self._delete_concrete(alias, what, index) else 0
         self._forget(alias, tenant)
         return gone
 
@@ -691,13 +764,33 @@ class ElasticsearchBackend:
             {"size": 0, "terminate_after": 1, "track_total_hits": True, "query": others},
         ]
 
-    def _delete_concrete(self, alias: str, what: str, index: str) -> None:
-        """Delete the concrete indexes behind ``alias`` (ES deletes no index by its alias);
-        one another worker deleted first is no error."""
-        with _translated(what, index, missing_ok=True):
-            concrete = self._concrete(alias)
-            if concrete:
-                self._es().indices.delete(index=",".join(concrete))
+    def _delete_concrete(self, alias: str, what: str, index: str) -> bool:
+        """Delete every concrete index of ``alias`` (ES deletes no index by its alias): the
+        ones it points at, and those a reindex kept for a rollback (``<alias>~<suffix>``,
+        no alias), whose documents the drop takes too and whose first name would otherwise
+        block the next write. Whether this call deleted the index the alias pointed at: a
+        concurrent drop that got there first deleted it, and counts it."""
+        with _translated(what, index, missing_ok=True) as missing:
+            live = self._concrete(alias)
+            if live:
+                self._es().indices.delete(index=",".join(live))
+        with _translated(what, index):
+            kept = [name for name in self._kept(alias) if name not in live]
+            if kept:
+                self._es().indices.delete(index=",".join(kept), ignore_unavailable=True)
+        return bool(live) and not missing
+
+    def _kept(self, alias: str) -> list[str]:
+        """The concrete indexes named after ``alias`` (``GET _resolve/index/<alias>~*``):
+        the live one and any a reindex kept."""
+        answer = self._es().indices.resolve_index(name=f"{alias}{CONCRETE_SEPARATOR}*").body
+        stem = f"{alias}{CONCRETE_SEPARATOR}"
+        return sorted(
+            str(found["name"])
+            for found in answer.get("indices", [])
+            if str(found.get("name", "")).startswith(stem)
+            and _SIFT_CONCRETE.fullmatch(str(found["name"]).removeprefix(stem))
+        )
 
     def _concrete(self, alias: str) -> list[str]:
         """The concrete indexes ``alias`` points at (none if it is missing)."""
@@ -899,7 +992,11 @@ class ElasticsearchBackend:
 
     def ensure_index(self, index: str, tenant: str) -> bool:
         """Create the tenant's alias and its first concrete index if they don't exist yet;
-        whether this call created them."""
+        whether this call created them.
+
+        The first concrete name is fixed, so two workers racing both end with the one index.
+        Found already there, the alias is checked too: that index without its alias (a drop
+        cut short) is never written into again (``_AliasGone`` naming it)."""
         alias = self.alias(index, tenant)
         if alias in self._ready_aliases:
             return False
@@ -908,7 +1005,7 @@ class ElasticsearchBackend:
             with _translated(f"index {index!r}", index):
                 exists = bool(self._es().indices.exists(index=alias))
             if not exists:
-                concrete = f"{alias}-000001"  # fixed: two workers racing create the same one
+                concrete = concrete_name(alias, "000001")
                 with _translated(f"create index {index!r}", index):
                     try:
                         self._es().indices.create(
@@ -918,6 +1015,8 @@ class ElasticsearchBackend:
                     except ApiError as exc:
                         if _error_type(exc) != "resource_already_exists_exception":
                             raise
+                        if not self._es().indices.exists_alias(name=alias):
+                            raise _AliasGone(index, leftover=concrete) from exc
             self._ready_aliases.add(alias)
         return created
 
@@ -955,7 +1054,7 @@ class ElasticsearchBackend:
     def _rebuild(self, index: str, alias: str, delete_old: bool) -> str:
         """The steps of :meth:`reindex` for one alias."""
         stamp = datetime.now(UTC).strftime("%Y%m%dt%H%M%S%f")
-        concrete = f"{alias}-{stamp}"
+        concrete = concrete_name(alias, stamp)
         self._template_ready = False  # put the template again: the current settings apply
         with _translated(f"reindex of index {index!r}", index):
             old = self._concrete(alias)
@@ -1321,7 +1420,22 @@ class ElasticsearchBackend:
 
 
 class _AliasGone(Exception):
-    """A bulk write's alias is gone (``require_alias``): another worker dropped the index."""
+    """A bulk write's alias is gone (``require_alias``): another worker dropped the index;
+    or the index's first concrete name exists without its alias (``leftover``)."""
+
+    def __init__(self, index: str, existed: int = 0, leftover: str = "") -> None:
+        super().__init__(index)
+        self.existed = existed  # documents deleted before the refusal
+        self.leftover = leftover
+
+
+@dataclass(slots=True)
+class _Bulked:
+    """What one bulk call did: actions applied, documents found, ``_id`` of each applied."""
+
+    applied: int
+    existed: int
+    written: list[str]
 
 
 class _Missing:
