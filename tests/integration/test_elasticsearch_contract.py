@@ -47,8 +47,16 @@ from tests.integration.es_loopback import (
     terms_by_index_response,
     version_conflict,
 )
+from tests.integration.es_stateful import stateful_server
 from worker.adapters import elasticsearch
-from worker.adapters.elasticsearch import ElasticsearchBackend, num_candidates, tenant_key
+from worker.adapters.elasticsearch import (
+    ElasticsearchBackend,
+    FieldNames,
+    IndexSettings,
+    index_template,
+    num_candidates,
+    tenant_key,
+)
 from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import ChannelQuery, Document, HardFilters, IndexProbe
@@ -156,6 +164,7 @@ EXPECTED_TEMPLATE = {
         "settings": {"number_of_shards": 1, "number_of_replicas": 1},
         "mappings": {
             "dynamic": "strict",
+            "_meta": {"sift": {"layout": "per-tenant", "prefix": "sift-"}},
             "properties": {
                 "doc_id": {"type": "keyword"},
                 "text": {"type": "text", "analyzer": "english"},
@@ -351,6 +360,22 @@ def test_bulk_rejections_are_retryable(server: FakeElasticsearchServer) -> None:
     assert len(server.sent("PUT", "/_bulk")) == 1  # the helper did not retry by itself
 
 
+TASK = "oTUltX4IQMOUUVeiohTt8A:12345"
+
+
+def on_copies(server: FakeElasticsearchServer, created: int) -> None:
+    """A copy as a task: no reindex running yet, ``_reindex`` answers its task, which is done
+    at the first read (``GET _tasks/<id>``: ``completed`` and the reindex report)."""
+    server.on("GET", "/_tasks", Answer(200, {"nodes": {}}))
+    server.on("POST", "/_reindex", Answer(200, {"task": TASK}))
+    done = {"completed": True, "task": {"node": "oTUltX4IQMOUUVeiohTt8A", "id": 12345}}
+    server.on(
+        "GET",
+        f"/_tasks/{TASK.replace(':', '%3A')}",
+        Answer(200, {**done, "response": reindex_response(created)}),
+    )
+
+
 def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
     server: FakeElasticsearchServer,
 ) -> None:
@@ -358,7 +383,7 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
     document's version (``version_type: external``), then one atomic alias swap."""
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
-    server.on("POST", "/_reindex", Answer(200, reindex_response(2)))
+    on_copies(server, 2)
     backend = backend_for(server, elasticsearch_vector_quantization="hnsw")
     # Any PUT or POST of /<acme's alias>~2... is the new index.
     original = server._answer
@@ -378,7 +403,9 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
         ("GET", f"/_alias/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{new}"),
+        ("GET", "/_tasks"),  # no copy into it running
         ("POST", "/_reindex"),
+        ("GET", f"/_tasks/{TASK.replace(':', '%3A')}"),  # polled until done
         ("POST", f"/{new}/_refresh"),
         ("POST", "/_aliases"),
     ]
@@ -386,13 +413,14 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
     assert template["template"]["mappings"]["properties"]["vector"]["index_options"] == {
         "type": "hnsw"
     }
-    assert server.requests[3].json() == {
+    assert server.requests[4].json() == {
         "dest": {"index": new, "version_type": "external"},
         "source": {"index": ACME},
         "conflicts": "proceed",  # a newer version already there stays
     }
-    assert server.requests[3].query == {"wait_for_completion": ["true"]}
-    assert server.requests[5].json() == {
+    assert server.requests[4].query == {"wait_for_completion": ["false"]}
+    assert server.requests[3].query == {"actions": ["*reindex"], "detailed": ["true"]}
+    assert server.requests[7].json() == {
         "actions": [
             {"remove": {"index": CONCRETE, "alias": ACME}},
             {"add": {"index": new, "alias": ACME}},
@@ -416,7 +444,7 @@ def test_reindex_all_rebuilds_every_tenants_index_of_the_name_and_no_other(
     for alias in (ACME, BETA):
         server.on("GET", f"/_alias/{alias}", Answer(200, aliases((f"{alias}~000001", alias))))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
-    server.on("POST", "/_reindex", Answer(200, reindex_response(1)))
+    on_copies(server, 1)
     server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
     original = server._answer
 
@@ -1532,32 +1560,36 @@ def test_a_knn_search_of_another_models_vectors_is_refused_from_the_probe_alone(
 # --- the shared layout of earlier releases: refused at start, migrated per tenant ------------
 
 
-SHARED = aliases(
-    ("sift-docs-000001", "sift-docs"),  # the old layout: every tenant's "docs"
-    (CONCRETE, ACME),  # the new one
-    ("catalogue-v3", "sift-custom"),  # an operator's alias over an index Sift did not make
-)
+def old_layout_server() -> FakeElasticsearchServer:
+    """A stateful stand-in holding Sift's shared ``sift-docs`` (acme's 3 documents, beta's 1,
+    the mapping the shared layout's template gave), an operator's alias over an index Sift
+    did not make, and acme's per-tenant ``docs``."""
+    server, state = stateful_server()
+    mappings = dict(index_template("sift-", FieldNames(), IndexSettings())["template"]["mappings"])
+    del mappings["_meta"]  # no marker then
+    with state.lock:
+        state.create_index("sift-docs-000001", {"aliases": {"sift-docs": {}}, "mappings": mappings})
+        state.create_index("catalogue-v3", {"aliases": {"sift-custom": {}}})
+        state.create_index(CONCRETE, {"aliases": {ACME: {}}, "mappings": mappings})
+        shared = state.indexes["sift-docs-000001"]
+        for n, (tenant, doc) in enumerate(
+            [("acme", "a1"), ("acme", "a2"), ("acme", "a3"), ("beta", "b1")]
+        ):
+            source = {"doc_id": doc, "text": doc, "tenant": tenant, "revision": "1"}
+            state.write(shared, f"{tenant}:{doc}", source, 10 + n, external=True)
+    return server
 
 
-def composite_page(request: Recorded) -> Answer:
-    """The tenants of ``sift-docs`` by a ``composite`` aggregation: one page, then none."""
-    after = request.json()["aggs"]["tenants"]["composite"].get("after")
-    buckets = [] if after else [
-        {"key": {"tenant": "acme"}, "doc_count": 3},
-        {"key": {"tenant": "beta"}, "doc_count": 1},
-    ]  # fmt: skip
-    page: dict[str, Any] = {"buckets": buckets}
-    if buckets:
-        page["after_key"] = buckets[-1]["key"]
-    return Answer(200, {**probe_response(0), "aggregations": {"tenants": page}})
+@pytest.fixture
+def old_layout() -> Iterator[FakeElasticsearchServer]:
+    yield from running(old_layout_server())
 
 
 def test_check_refuses_indexes_of_the_shared_layout_naming_what_to_run(
-    server: FakeElasticsearchServer,
+    old_layout: FakeElasticsearchServer, server: FakeElasticsearchServer
 ) -> None:
-    server.on("GET", "/_alias/sift-*", Answer(200, SHARED))
     with pytest.raises(ConfigError, match=r"\(sift-docs\).*sift elasticsearch-migrate"):
-        backend_for(server).check()
+        backend_for(old_layout).check()
     server.on("GET", "/_alias/sift-*", Answer(200, aliases((CONCRETE, ACME))))
     backend_for(server).check()  # the per-tenant layout alone passes
     server.on("GET", "/_alias/sift-*", Answer(404, index_missing("_all")))
@@ -1565,26 +1597,16 @@ def test_check_refuses_indexes_of_the_shared_layout_naming_what_to_run(
 
 
 def test_migrate_shared_copies_each_tenants_documents_into_its_own_index(
-    server: FakeElasticsearchServer,
+    old_layout: FakeElasticsearchServer,
 ) -> None:
     """Per tenant of the shared index: make its own index, ``_reindex`` its documents (same
-    ``_id`` and external version, so a second run copies nothing twice), refresh; then the
-    old alias goes (its concrete index is kept) and ``check`` passes."""
-    server.on("GET", "/_alias/sift-*", Answer(200, SHARED))
-    server.on("POST", "/sift-docs/_search", composite_page)
-    server.on("HEAD", f"/{ACME}", Answer(200))
-    server.on("HEAD", f"/{BETA}", Answer(404))
-    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
-    server.on("PUT", f"/{BETA}~000001", Answer(200, {"acknowledged": True, "index": BETA}))
-    server.on("POST", "/_reindex", lambda r: Answer(200, reindex_response(3)))
-    refreshed = {"_shards": {"total": 2, "successful": 1, "failed": 0}}
-    for alias in (ACME, BETA):
-        server.on("POST", f"/{alias}/_refresh", Answer(200, refreshed))
-    server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
-    report = backend_for(server).migrate_shared()
-    assert report == {"docs": {"acme": 3, "beta": 3}}
-    copies = [r.json() for r in server.sent("POST", "/_reindex")]
-    assert copies == [
+    ``_id`` and external version, so a second run copies nothing twice) as a task polled to
+    its end, refresh; then the old alias goes (its concrete index is kept) and ``check``
+    passes. The operator's ``sift-custom`` is not touched."""
+    backend = backend_for(old_layout)
+    assert backend.migrate_shared() == {"docs": {"acme": 3, "beta": 1}}
+    copies = [r for r in old_layout.sent("POST", "/_reindex")]
+    assert [r.json() for r in copies] == [
         {
             "source": {
                 "index": "sift-docs",
@@ -1595,62 +1617,59 @@ def test_migrate_shared_copies_each_tenants_documents_into_its_own_index(
         }
         for tenant, alias in (("acme", ACME), ("beta", BETA))
     ]
-    (swap,) = server.sent("POST", "/_aliases")
+    assert all(r.query == {"wait_for_completion": ["false"]} for r in copies)
+    (swap,) = old_layout.sent("POST", "/_aliases")
     assert swap.json() == {
         "actions": [{"remove": {"index": "sift-docs-000001", "alias": "sift-docs"}}]
     }
-    assert not server.sent("DELETE")  # kept for a rollback
+    assert not old_layout.sent("DELETE")  # kept for a rollback
+    backend.check()
+    assert backend.document("docs", "acme", "a2").version == 11
+    assert backend.index_info("docs", "beta").documents == 1
+    assert backend.migrate_shared() == {}
 
 
-def test_sift_worker_stops_at_start_over_the_shared_layout(
-    server: FakeElasticsearchServer, tmp_path: Path
-) -> None:
-    """Not a worker that comes up healthy while every tenant's documents are out of reach:
-    ``sift worker`` exits 2 naming the migration, before it touches Redis (none listens)."""
-    server.on("GET", "/_alias/sift-*", Answer(200, SHARED))
-    run = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "worker"],
+def sift(command: str, url: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``sift <command>`` as an operator runs it, on Elasticsearch at ``url`` (no Redis)."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", *command.split()],
         env={
             "PATH": "/usr/bin:/bin",
             "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
             "SIFT_DATA_DIR": str(tmp_path),
             "SIFT_REDIS_URL": "redis://127.0.0.1:9/0",
             "SIFT_SEARCH_BACKEND": "elasticsearch",
-            "SIFT_ELASTICSEARCH_URL": server.url,
+            "SIFT_ELASTICSEARCH_URL": url,
         },
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_sift_worker_stops_at_start_over_the_shared_layout(
+    old_layout: FakeElasticsearchServer, tmp_path: Path
+) -> None:
+    """Not a worker that comes up healthy while every tenant's documents are out of reach:
+    ``sift worker`` exits 2 naming the migration, before it touches Redis (none listens)."""
+    run = sift("worker", old_layout.url, tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr
     assert "sift elasticsearch-migrate" in run.stdout and "sift-docs" in run.stdout, run.stdout
 
 
 def test_sift_elasticsearch_migrate_runs_the_migration_and_says_what_it_copied(
-    server: FakeElasticsearchServer, tmp_path: Path
+    old_layout: FakeElasticsearchServer, tmp_path: Path
 ) -> None:
-    """The command an operator runs: the shared ``sift-docs`` goes to acme's and beta's own
-    indexes, and the report names how many documents went to how many tenants."""
-    server.on("GET", "/_alias/sift-*", Answer(200, SHARED))
-    server.on("POST", "/sift-docs/_search", composite_page)
-    for alias in (ACME, BETA):
-        server.on("HEAD", f"/{alias}", Answer(200))
-        server.on("POST", f"/{alias}/_refresh", Answer(200, {"_shards": {"total": 1}}))
-    server.on("POST", "/_reindex", Answer(200, reindex_response(2)))
-    server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
-    run = subprocess.run(
-        [sys.executable, "-m", "worker.cli", "elasticsearch-migrate"],
-        env={
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-            "SIFT_DATA_DIR": str(tmp_path),
-            "SIFT_SEARCH_BACKEND": "elasticsearch",
-            "SIFT_ELASTICSEARCH_URL": server.url,
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    """The command an operator runs: ``--dry-run`` says what would go and writes nothing;
+    then the shared ``sift-docs`` goes to acme's and beta's own indexes, and the report
+    names how many documents went to how many tenants."""
+    dry = sift("elasticsearch-migrate --dry-run", old_layout.url, tmp_path)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "sift-docs -> docs: 4 document(s) would go to 2 tenant(s)" in dry.stdout, dry.stdout
+    assert not old_layout.sent("POST", "/_reindex") and not old_layout.sent("POST", "/_aliases")
+    run = sift("elasticsearch-migrate", old_layout.url, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "docs: 4 document(s) into 2 tenant(s)" in run.stdout, run.stdout
-    assert len(server.sent("POST", "/_reindex")) == 2 and server.sent("POST", "/_aliases")
+    assert "sift-docs -> docs: 4 document(s) went to 2 tenant(s)" in run.stdout, run.stdout
+    assert len(old_layout.sent("POST", "/_reindex")) == 2 and old_layout.sent("POST", "/_aliases")
+    again = sift("elasticsearch-migrate", old_layout.url, tmp_path)
+    assert "nothing to migrate" in again.stdout, again.stdout

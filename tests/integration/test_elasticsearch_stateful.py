@@ -17,13 +17,19 @@ from tests.integration.es_loopback import (
     FakeElasticsearchServer,
     Recorded,
     bulk_response,
+    error_body,
     require_alias_refused,
     running,
 )
 from tests.integration.es_stateful import StatefulElasticsearch, stateful_server
-from worker.adapters.elasticsearch import ElasticsearchBackend
+from worker.adapters.elasticsearch import (
+    ElasticsearchBackend,
+    FieldNames,
+    IndexSettings,
+    index_template,
+)
 from worker.core.types import Document
-from worker.errors import BackendUnavailable
+from worker.errors import BackendUnavailable, ConfigError
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -214,3 +220,150 @@ def test_a_name_like_another_names_concrete_index_is_its_own(
     assert backend.index_info("docs", "acme").documents == 1
     assert backend.document("docs", "acme", "vitd") is not None
     assert sorted(i.name for i in backend.indexes("acme")) == ["docs", f"docs-{stamp}"]
+
+
+# --- the shared layout of earlier releases: what is Sift's, and its migration ------------------
+
+
+def old_mapping() -> dict[str, Any]:
+    """The mapping the shared layout's template gave (no ``_meta`` marker then)."""
+    template = index_template("sift-", FieldNames(), IndexSettings(dims=64))
+    mappings: dict[str, Any] = template["template"]["mappings"]
+    return {k: v for k, v in mappings.items() if k != "_meta"}
+
+
+def make_index(
+    server: FakeElasticsearchServer,
+    alias: str,
+    concrete: str,
+    docs: dict[str, dict[str, Any]],
+    mappings: dict[str, Any] | None = None,
+) -> None:
+    es = client(server)
+    es.indices.create(index=concrete, aliases={alias: {}}, mappings=mappings or {})
+    for n, (doc_id, source) in enumerate(sorted(docs.items())):
+        es.index(index=alias, id=doc_id, document=source, version=7 + n, version_type="external")
+
+
+def shared_doc(tenant: str, doc_id: str, text: str) -> dict[str, Any]:
+    vector = vectors_of([Document(doc_id, text)])[0]
+    return {
+        "doc_id": doc_id,
+        "text": text,
+        "title": "",
+        "tenant": tenant,
+        "revision": "1",
+        "metadata": {},
+        "vector": vector,
+    }
+
+
+def test_only_sifts_own_shared_indexes_are_the_shared_layout(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A sibling deployment's per-tenant aliases (prefix ``sift-staging-`` beside ``sift-``),
+    an operator's rollover alias under the prefix, and one with Sift's name shape but not
+    its mapping are none of it; Sift's own old index is."""
+    server, state = fake
+    staging = backend_on(server, elasticsearch_index_prefix="sift-staging-")
+    assert write(staging, DOC, version=1) == 1
+    make_index(server, "sift-audit", "sift-audit-000001", {"e1": {"event": "login"}})
+    make_index(server, "sift-faq", "sift-faq-000001", {"f1": {"tenant": "acme", "text": "x"}})
+    prod = backend_on(server)
+    assert prod.shared_layout() == {}
+    prod.check()
+    assert prod.migrate_shared(delete_old=True) == {}
+    make_index(
+        server,
+        "sift-docs",
+        "sift-docs-000001",
+        {"acme:vitd": shared_doc("acme", "vitd", DOC.text)},
+        old_mapping(),
+    )
+    assert prod.shared_layout() == {"sift-docs": ["sift-docs-000001"]}
+    with pytest.raises(ConfigError, match=r"\(sift-docs\)"):
+        prod.check()
+    with state.lock:
+        assert {"sift-audit", "sift-faq"} <= set(state.aliases)
+
+
+def test_with_an_empty_prefix_an_operators_rollover_alias_is_left_alone(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, state = fake
+    make_index(server, "logs-app", "logs-app-000001", {"l1": {"message": "GET /"}})
+    bare = backend_on(server, elasticsearch_index_prefix="")
+    assert bare.shared_layout() == {}
+    bare.check()
+    assert bare.migrate_shared(delete_old=True) == {}
+    assert state.concrete("logs-app") == ["logs-app-000001"]
+    assert state.live_ids("logs-app") == {"l1"}
+
+
+def test_a_shared_index_holding_no_tenants_documents_is_neither_refused_nor_touched(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, state = fake
+    make_index(server, "sift-empty", "sift-empty-000001", {}, old_mapping())
+    backend = backend_on(server)
+    assert backend.shared_layout() == {"sift-empty": ["sift-empty-000001"]}
+    backend.check()  # nothing in it would vanish
+    assert backend.migrate_shared(delete_old=True) == {"empty": {}}
+    assert state.concrete("sift-empty") == ["sift-empty-000001"]
+
+
+def test_the_migration_dry_run_then_run_then_run_again(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, state = fake
+    docs = {
+        "acme:vitd": shared_doc("acme", "vitd", DOC.text),
+        "acme:calc": shared_doc("acme", "calc", CALC.text),
+        "beta:vitd": shared_doc("beta", "vitd", "beta secret"),
+    }
+    make_index(server, "sift-docs", "sift-docs-000001", docs, old_mapping())
+    backend = backend_on(server)
+    assert backend.migrate_shared(dry_run=True) == {"docs": {"acme": 2, "beta": 1}}
+    assert state.concrete("sift-docs") == ["sift-docs-000001"]
+    assert backend.indexes("acme") == []  # nothing written
+    assert backend.migrate_shared() == {"docs": {"acme": 2, "beta": 1}}
+    backend.check()
+    assert backend.index_info("docs", "acme").documents == 2
+    assert backend.document("docs", "beta", "vitd").text == "beta secret"
+    assert backend.document("docs", "acme", "calc").version == docs_version("acme:calc", docs)
+    assert backend.migrate_shared() == {}  # the old alias is gone: nothing twice
+    assert "sift-docs-000001" in state.indexes  # kept for a rollback
+
+
+def docs_version(doc_id: str, docs: dict[str, Any]) -> int:
+    return 7 + sorted(docs).index(doc_id)
+
+
+def test_a_copy_still_running_is_not_started_twice_and_es_errors_are_sifts(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, _state = fake
+    docs = {"acme:vitd": shared_doc("acme", "vitd", DOC.text)}
+    make_index(server, "sift-docs", "sift-docs-000001", docs, old_mapping())
+    backend = backend_on(server)
+    dest = backend.alias("docs", "acme")
+    running = {
+        "nodes": {
+            "n1": {
+                "tasks": {
+                    "n1:42": {
+                        "action": "indices:data/write/reindex",
+                        "description": f"reindex from [sift-docs] to [{dest}]",
+                    }
+                }
+            }
+        }
+    }
+    server.on("GET", "/_tasks", Answer(200, running), times=1)
+    with pytest.raises(BackendUnavailable, match="n1:42"):
+        backend.migrate_shared()
+    assert not server.sent("POST", "/_reindex")
+    server.on("POST", "/_reindex", Answer(503, error_body("unavailable", "busy", 503)), times=1)
+    with pytest.raises(BackendUnavailable, match="503"):
+        backend.migrate_shared()
+    assert backend.migrate_shared() == {"docs": {"acme": 1}}

@@ -4,21 +4,20 @@ Why this shape (DESIGN.md §6):
 
 * **Index layout: one physical index per (tenant, name).** Sift index ``NAME`` of tenant
   ``T`` is the alias ``<prefix><key>--NAME`` over one concrete index
-  ``<prefix><key>--NAME~<000001 or UTC timestamp>``, where ``<key>`` is
-  :func:`tenant_key`: 16 hex digits of the tenant id's SHA-256 (tenant ids may hold
-  characters ES refuses in index names; the key never does, and it has a fixed length, so
-  the name after ``--`` is exactly the Sift name). ``~`` is valid in an ES index name and
-  never in a Sift name, so no Sift name's alias is another name's concrete index. So another tenant's documents change
+  ``<prefix><key>--NAME~<000001 or UTC timestamp>``, where ``<key>`` is :func:`tenant_key`:
+  16 hex digits of the tenant id's SHA-256 (tenant ids may hold characters ES refuses in
+  index names; the key never does, and it has a fixed length, so the name after ``--`` is
+  exactly the Sift name). ``~`` is valid in an ES index name and never in a Sift name, so no
+  Sift name's alias is another name's concrete index. So another tenant's documents change
   neither a tenant's BM25 statistics (document frequency, average length) nor its search
-  cost, and a tenant's first write into a name always creates its own index, whether
-  another tenant uses the name or not. An index template (``<prefix>sift``, pattern
-  ``<prefix>*``) holds the mapping: ``text`` and ``title`` as ``text`` (english analyzer,
-  BM25), ``vector`` as ``dense_vector`` (cosine, HNSW, int8-quantised by default),
-  ``tenant``, ``revision`` and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened``
-  (every value a keyword, so equality filters work on strings, numbers and booleans),
-  ``embedding_model`` as ``keyword``: the model that made the document's vector.
-  Every field name is a setting, so an existing index can be searched through a tenant's
-  alias pointed at it.
+  cost, and a tenant's first write into a name always creates its own index, whether another
+  tenant uses the name or not. An index template (``<prefix>sift``, pattern ``<prefix>*``)
+  holds the mapping: ``text`` and ``title`` as ``text`` (english analyzer, BM25), ``vector``
+  as ``dense_vector`` (cosine, HNSW, int8-quantised by default), ``tenant``, ``revision``
+  and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened`` (every value a keyword, so
+  equality filters work on strings, numbers and booleans), ``embedding_model`` as
+  ``keyword``: the model that made the document's vector. Every field name is a setting, so
+  an existing index can be searched through a tenant's alias pointed at it.
 * **Embedding models never mix.** A write of vectors first asks (one ``size: 1`` search)
   whether the tenant holds a vector recorded by another model, and is refused with
   ``EmbeddingModelMismatch`` if so, writing nothing; the channel probe returns the model of
@@ -38,9 +37,9 @@ Why this shape (DESIGN.md §6):
   a write never auto-creates a concrete index under the alias's name (after another
   worker dropped the index); it is refused, and the index is made again properly, at most
   ``WRITE_ATTEMPTS`` times, reading the drop floor each time; then the write fails
-  retryably (``BackendUnavailable``). An upsert by id replaces the whole document, vector included. ``refresh=wait_for`` (the
-  default) makes a write visible to search before the call returns; ``false`` gives
-  eventual visibility (about 1 s).
+  retryably (``BackendUnavailable``). An upsert by id replaces the whole document, vector
+  included. ``refresh=wait_for`` (the default) makes a write visible to search before the
+  call returns; ``false`` gives eventual visibility (about 1 s).
 * **Drops** (:meth:`ElasticsearchBackend.delete_index`) delete the tenant's concrete
   index outright (its alias goes with it), and any a reindex kept for a rollback, unless
   it holds another tenant's document too, when only the tenant's documents go
@@ -98,6 +97,7 @@ import logging
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -112,6 +112,7 @@ from elasticsearch import (
     TransportError,
     helpers,
 )
+from elasticsearch.exceptions import GeneralAvailabilityWarning
 
 from worker.contract import Channel, FilterValue
 from worker.core.catalog import IndexInfo, StoredDocument
@@ -164,6 +165,10 @@ MAX_INDEX_NAME_BYTES = 255
 _ES_INDEX_NAME = re.compile(r"^(?![-_+])(?!\.{1,2}$)[a-z0-9_.~-]+$")
 #: An alias of the per-tenant layout, after the prefix: a tenant key, ``--``, a Sift name.
 _TENANT_ALIAS = re.compile(rf"^[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}[a-z0-9]")
+#: A tenant key and ``--`` anywhere: another (longer) prefix's per-tenant alias.
+_ANY_TENANT_ALIAS = re.compile(rf"(^|[_.-])[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}")
+#: How long a migration's copy waits between two reads of its task.
+COPY_POLL_SECONDS = 0.5
 #: Between an alias and the suffix of its concrete indexes (``000001`` or a reindex's
 #: timestamp). ES accepts ``~`` in an index name; Sift's own names never hold it, so no
 #: Sift name's alias can ever be another name's concrete index.
@@ -235,7 +240,13 @@ def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dic
                 "number_of_shards": index.shards,
                 "number_of_replicas": index.replicas,
             },
-            "mappings": {"dynamic": "strict", "properties": properties},
+            # Each index Sift makes says so: the start-up check and the migration of the
+            # shared layout go by it, never by a name alone.
+            "mappings": {
+                "dynamic": "strict",
+                "_meta": {"sift": {"layout": "per-tenant", "prefix": prefix}},
+                "properties": properties,
+            },
         },
         "_meta": {"managed_by": "sift"},
     }
@@ -1077,31 +1088,68 @@ class ElasticsearchBackend:
         return concrete
 
     def _copy(self, source: Mapping[str, Any], dest: str, what: str) -> int:
-        """``POST _reindex`` (no timeout: it runs as long as the copy), keeping each
-        document's ``_id`` and version (a newer one already in ``dest`` stays), then refresh
-        ``dest``; answers how many documents were written."""
-        es = self._client.options(request_timeout=None)
-        report = es.reindex(
-            source=dict(source),
-            dest={"index": dest, "version_type": "external"},
-            conflicts="proceed",
-            wait_for_completion=True,
-        ).body
-        if report.get("failures"):
-            raise BackendRequestError(
-                f"{what} into {dest!r} failed: {json.dumps(report['failures'][:3])}"
+        """``POST _reindex`` into ``dest`` keeping each document's ``_id`` and version (a newer
+        one already in ``dest`` stays), then refresh ``dest``; answers how many documents
+        were written.
+
+        The copy runs as an ES task (``wait_for_completion=false``), polled with the
+        adapter's request timeout, so no request waits for the whole copy and a cut
+        connection leaves the task running on its own. A copy into ``dest`` still running
+        (an earlier run cut short) refuses a second one, retryably, naming its task."""
+        with _translated(what, None):
+            running = self._running_copy(dest)
+            if running:
+                raise BackendUnavailable(
+                    f"a copy into {dest!r} is still running (task {running}): wait for it "
+                    "to end, then run again"
+                )
+            task = (
+                self._es()
+                .reindex(
+                    source=dict(source),
+                    dest={"index": dest, "version_type": "external"},
+                    conflicts="proceed",
+                    wait_for_completion=False,
+                )
+                .body["task"]
             )
-        es.indices.refresh(index=dest)
+            answer = self._task(task)
+            while not answer.get("completed"):
+                time.sleep(COPY_POLL_SECONDS)
+                answer = self._task(task)
+            report = answer.get("response") or {}
+            failed = answer.get("error") or report.get("failures")
+            if failed:
+                raise BackendRequestError(f"{what} into {dest!r} failed: {json.dumps(failed)}")
+            self._es().indices.refresh(index=dest)
         return int(report.get("created", 0)) + int(report.get("updated", 0))
+
+    def _task(self, task: str) -> Mapping[str, Any]:
+        """``GET _tasks/<id>`` (the client flags the task API a preview; it is in every 9.x)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GeneralAvailabilityWarning)
+            answer: Mapping[str, Any] = self._es().tasks.get(task_id=task).body
+        return answer
+
+    def _running_copy(self, dest: str) -> str | None:
+        """The id of a running ``_reindex`` task into ``dest`` (``GET _tasks``), if any."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GeneralAvailabilityWarning)
+            answer = self._es().tasks.list(actions="*reindex", detailed=True).body
+        for node in (answer.get("nodes") or {}).values():
+            for task_id, task in (node.get("tasks") or {}).items():
+                if f"to [{dest}]" in str(task.get("description", "")):
+                    return str(task_id)
+        return None
 
     # --- the shared layout of earlier releases -------------------------------------------
 
     def check(self) -> None:
         """Refuse to run over indexes of the shared layout (one index per Sift name for every
-        tenant, ``<prefix>NAME``), which this adapter no longer reads: their documents would
-        silently vanish from every search. ConfigError names them and what to run; meant
-        for a worker's start (``sift worker``), once."""
-        legacy = self.shared_layout()
+        tenant, ``<prefix>NAME``) that hold documents, which this adapter no longer reads:
+        they would silently vanish from every search. ConfigError names them and what to
+        run; meant for a worker's start (``sift worker``), once."""
+        legacy = [alias for alias in self.shared_layout() if self._holds_documents(alias)]
         if not legacy:
             return
         names = ", ".join(sorted(legacy)[:5]) + (" and more" if len(legacy) > 5 else "")
@@ -1113,42 +1161,103 @@ class ElasticsearchBackend:
         )
 
     def shared_layout(self) -> dict[str, list[str]]:
-        """The aliases of the shared layout and their concrete indexes: an alias under the
-        prefix that does not start with a tenant key, over a concrete index Sift named
-        (``<alias>-000001`` or ``<alias>-<timestamp>``), so an alias an operator made, or a
-        tenant alias pointed at an existing index, is not one."""
+        """The aliases of the shared layout and their concrete indexes.
+
+        An alias is one only if all of these hold: it is under the prefix and does not
+        start with a tenant key, nor hold another prefix's ``<key>--`` (a sibling
+        deployment's per-tenant alias, ``sift-staging-<key>--docs`` under ``sift-``); it
+        points at concrete indexes Sift named (``<alias>-000001`` or
+        ``<alias>-<timestamp>``); and each of them carries Sift's own mapping of the shared
+        layout: no ``_meta.sift`` marker (every index made since has one), ``dynamic:
+        strict``, and the id, text, tenant, revision, metadata and vector fields mapped as
+        :func:`index_template` maps them. An operator's rollover alias (``logs-app`` over
+        ``logs-app-000001``) is none of these."""
         with _translated("list of indexes", None):
             answer = self._aliases(f"{self.prefix}*")
-        found: dict[str, list[str]] = {}
-        for concrete, held in answer.items():
-            for alias in held:
-                rest = alias.removeprefix(self.prefix)
-                ours = concrete.startswith(f"{alias}-") and _SIFT_CONCRETE.fullmatch(
-                    concrete.removeprefix(f"{alias}-")
-                )
-                if ours and alias.startswith(self.prefix) and not _TENANT_ALIAS.match(rest):
-                    found.setdefault(alias, []).append(concrete)
-        return {alias: sorted(concretes) for alias, concretes in found.items()}
+            found: dict[str, list[str]] = {}
+            for concrete, held in answer.items():
+                for alias in held:
+                    if self._shared_shape(alias, concrete):
+                        found.setdefault(alias, []).append(concrete)
+            ours = self._with_shared_mapping(sorted({c for cs in found.values() for c in cs}))
+        return {
+            alias: sorted(concretes)
+            for alias, concretes in found.items()
+            if all(concrete in ours for concrete in concretes)
+        }
 
-    def migrate_shared(self, *, delete_old: bool = False) -> dict[str, dict[str, int]]:
+    def _shared_shape(self, alias: str, concrete: str) -> bool:
+        """Whether ``alias`` over ``concrete`` is named as the shared layout named them."""
+        if not alias.startswith(self.prefix) or not concrete.startswith(f"{alias}-"):
+            return False
+        rest = alias.removeprefix(self.prefix)
+        return (
+            bool(_SIFT_CONCRETE.fullmatch(concrete.removeprefix(f"{alias}-")))
+            and not _TENANT_ALIAS.match(rest)
+            and not _ANY_TENANT_ALIAS.search(rest)
+        )
+
+    def _with_shared_mapping(self, concretes: list[str]) -> set[str]:
+        """Those of ``concretes`` whose mapping is Sift's shared layout's (a few per
+        ``GET <names>/_mapping``, so no URL grows past what a proxy takes)."""
+        ours: set[str] = set()
+        for start in range(0, len(concretes), 20):
+            batch = concretes[start : start + 20]
+            mappings = self._es().indices.get_mapping(index=",".join(batch)).body
+            for name in batch:
+                if self._is_shared_mapping(mappings.get(name, {}).get("mappings", {})):
+                    ours.add(name)
+        return ours
+
+    def _is_shared_mapping(self, mapping: Mapping[str, Any]) -> bool:
+        if "sift" in (mapping.get("_meta") or {}) or mapping.get("dynamic") != "strict":
+            return False
+        properties = mapping.get("properties") or {}
+        fields = self.fields
+        wanted = {
+            fields.id: "keyword",
+            fields.text: "text",
+            fields.tenant: "keyword",
+            fields.revision: "keyword",
+            fields.metadata: "flattened",
+            fields.vector: "dense_vector",
+        }
+        return all(
+            (properties.get(name) or {}).get("type") == kind for name, kind in wanted.items()
+        )
+
+    def _holds_documents(self, alias: str) -> bool:
+        with _translated(f"count of {alias!r}", None, missing_ok=True) as missing:
+            count = int(self._es().count(index=alias).body.get("count", 0))
+        return not missing and count > 0
+
+    def migrate_shared(
+        self, *, delete_old: bool = False, dry_run: bool = False
+    ) -> dict[str, dict[str, int]]:
         """Copy every shared-layout index into per-tenant indexes, then take its alias away.
 
         For each alias ``<prefix>NAME`` of :meth:`shared_layout` and each tenant holding a
         document in it: make the tenant's index ``NAME`` and ``_reindex`` the tenant's
         documents into it (same ``_id`` and external version; run again, it copies nothing
         twice). Then the old alias is removed, so :meth:`check` passes; the old concrete
-        indexes are kept for a rollback unless ``delete_old``. Answers, per Sift name, how
-        many documents each tenant got. Run it with no worker writing."""
+        indexes are kept for a rollback unless ``delete_old``. An alias whose index holds
+        no tenant's document is left as it is (reported with no tenant). Answers, per Sift
+        name, how many documents each tenant got (with ``dry_run``: holds, and nothing is
+        written). Run it with no worker writing."""
         report: dict[str, dict[str, int]] = {}
         for alias, concretes in sorted(self.shared_layout().items()):
             name = alias.removeprefix(self.prefix)
+            what = f"migration of index {name!r}"
+            tenants = self._tenants_in(alias)
+            if dry_run or not tenants:
+                report[name] = tenants
+                continue
             copied: dict[str, int] = {}
-            for tenant in self._tenants_in(alias):
-                self.ensure_index(name, tenant)
+            for tenant in tenants:
+                self._ensure_for_copy(name, tenant, what)
                 source = {"index": alias, "query": self.tenant_query(tenant)}
-                what = f"migration of index {name!r}"
                 copied[tenant] = self._copy(source, self.alias(name, tenant), what)
-            with _translated(f"migration of index {name!r}", name):
+            with _translated(what, name):
                 removed = [{"remove": {"index": c, "alias": alias}} for c in concretes]
                 self._es().indices.update_aliases(actions=removed)
                 if delete_old:
@@ -1157,10 +1266,20 @@ class ElasticsearchBackend:
             report[name] = copied
         return report
 
-    def _tenants_in(self, alias: str) -> list[str]:
-        """Every tenant holding a document in ``alias``: a ``composite`` aggregation on the
-        tenant field, page by page (no limit on how many)."""
-        tenants: list[str] = []
+    def _ensure_for_copy(self, index: str, tenant: str, what: str) -> None:
+        """:meth:`ensure_index`, its leftover found (a drop cut short) a retryable error."""
+        try:
+            self.ensure_index(index, tenant)
+        except _AliasGone as gone:
+            raise BackendUnavailable(
+                f"the {what} cannot make index {index!r} of tenant {tenant!r}: the concrete "
+                f"index {gone.leftover!r} exists without its alias"
+            ) from gone
+
+    def _tenants_in(self, alias: str) -> dict[str, int]:
+        """Every tenant holding a document in ``alias`` and how many: a ``composite``
+        aggregation on the tenant field, page by page (no limit on how many)."""
+        tenants: dict[str, int] = {}
         after: dict[str, Any] | None = None
         while True:
             composite: dict[str, Any] = {
@@ -1176,7 +1295,8 @@ class ElasticsearchBackend:
                     )
                 ).body
             page = answer.get("aggregations", {}).get("tenants", {})
-            tenants += [str(bucket["key"]["tenant"]) for bucket in page.get("buckets", [])]
+            for bucket in page.get("buckets", []):
+                tenants[str(bucket["key"]["tenant"])] = int(bucket.get("doc_count", 0))
             after = page.get("after_key")
             if not page.get("buckets") or after is None:
                 return tenants

@@ -145,6 +145,9 @@ def elasticsearch_migrate(
     delete_old: Annotated[
         bool, typer.Option(help="delete the shared indexes once copied (default: keep them)")
     ] = False,
+    dry_run: Annotated[
+        bool, typer.Option(help="only list what would be copied; write and remove nothing")
+    ] = False,
 ) -> None:
     """Copy every index of the old shared layout (one index per name for every tenant) into
     one index per tenant and name, then take the old aliases away. Run with no worker up."""
@@ -154,13 +157,20 @@ def elasticsearch_migrate(
     if settings.search_backend != "elasticsearch":
         console.print("[red]error:[/red] SIFT_SEARCH_BACKEND is not elasticsearch")
         raise typer.Exit(2)
+    backend = ElasticsearchBackend.from_settings(settings)
     try:
-        report = ElasticsearchBackend.from_settings(settings).migrate_shared(delete_old=delete_old)
+        report = backend.migrate_shared(delete_old=delete_old, dry_run=dry_run)
     except SiftError as error:
         console.print(f"[red]error:[/red] {error}")
         raise typer.Exit(1) from error
+    verb = "would go" if dry_run else "went"
     for name, tenants in report.items():
-        console.print(f"{name}: {sum(tenants.values())} document(s) into {len(tenants)} tenant(s)")
+        alias = f"{settings.elasticsearch_index_prefix}{name}"
+        if not tenants:
+            console.print(f"{alias}: holds no tenant's documents; left as it is")
+            continue
+        count = sum(tenants.values())
+        console.print(f"{alias} -> {name}: {count} document(s) {verb} to {len(tenants)} tenant(s)")
     if not report:
         console.print("nothing to migrate: no index of the shared layout")
 
