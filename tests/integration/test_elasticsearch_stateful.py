@@ -367,3 +367,25 @@ def test_a_copy_still_running_is_not_started_twice_and_es_errors_are_sifts(
     with pytest.raises(BackendUnavailable, match="503"):
         backend.migrate_shared()
     assert backend.migrate_shared() == {"docs": {"acme": 1}}
+
+
+def test_a_delete_by_ids_counts_what_it_deleted_before_a_drop_cut_it_short(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """One document per bulk chunk: the first chunk deletes ``calc``, then another worker
+    drops the index, so the second chunk is refused and the call makes the index again and
+    sends both once more (neither is there). ``calc`` existed: 1, not the last attempt's 0."""
+    server, _state = fake
+    backend = backend_on(server, elasticsearch_bulk_chunk_size=1)
+    backend.upsert("docs", "acme", [CALC, DOC], vectors_of([CALC, DOC]))
+    dropper = backend_on(server)
+    chunks: list[int] = []
+
+    def between(request: Recorded) -> None:
+        chunks.append(1)
+        if len(chunks) == 2:  # the second chunk of the delete
+            dropper.delete_index("docs", "acme")
+
+    server.on("PUT", "/_bulk", between)
+    assert backend.delete_documents("docs", "acme", ["calc", "vitd"]) == 1
+    assert backend.document("docs", "acme", "vitd") is None
