@@ -53,7 +53,8 @@ Why this shape (DESIGN.md §6):
   on 9.2+ where they are left out of ``_source``; versions kept), refresh, then move the
   alias in one atomic ``_aliases`` call (remove from the old indexes, add to the new).
   Searches never see a half-built index; the old index is kept for a rollback unless
-  ``delete_old`` is set.
+  ``delete_old`` is set (a drop of the name deletes it too). The copy is an ES task,
+  polled, never started twice into one index.
 * **Reads**: the BM25 and kNN searches go in ONE ``_msearch`` round trip. The tenant term
   and the caller's metadata terms sit inside both: the ``bool.filter`` of the BM25 query
   and ``knn.filter``, which ES applies *before* it picks the top k (a ``post_filter``
