@@ -1,6 +1,8 @@
 """The Elasticsearch search backend: BM25 and kNN channels of an ES 9.x index, in one ``_msearch``.
 
-Why this shape (DESIGN.md §6):
+Why this shape (DESIGN.md §6). Beside this module: ``es_layout`` (index names, drop floors),
+``es_errors`` (ES's errors as Sift's) and ``es_migrate`` (the shared layout of earlier
+releases: the start-up check and ``sift elasticsearch-migrate``).
 
 * **Index layout: one physical index per (tenant, name).** Sift index ``NAME`` of tenant
   ``T`` is the alias ``<prefix><key>--NAME`` over one concrete index
@@ -106,15 +108,35 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from elasticsearch import (
     ApiError,
-    ConnectionError,
-    ConnectionTimeout,
     Elasticsearch,
     NotFoundError,
-    TransportError,
     helpers,
 )
 from elasticsearch.exceptions import GeneralAvailabilityWarning
 
+from worker.adapters.es_errors import (
+    _AliasGone,
+    _bulk_error,
+    _Bulked,
+    _error_type,
+    _first_key,
+    _index_missing,
+    _raise_for_item,
+    _total,
+    _translated,
+)
+from worker.adapters.es_layout import (
+    _SIFT_CONCRETE,
+    CONCRETE_SEPARATOR,
+    FLOORS_INDEX,
+    KEY_SEPARATOR,
+    TENANT_KEY_LENGTH,
+    DropFloors,
+    checked_index_name,
+    concrete_name,
+    tenant_key,
+)
+from worker.adapters.es_migrate import SharedLayout
 from worker.contract import Channel, FilterValue
 from worker.core.catalog import IndexInfo, StoredDocument
 from worker.core.types import (
@@ -133,7 +155,6 @@ from worker.errors import (
     IndexNotFound,
     InvalidRequest,
     ModeUnavailable,
-    SiftError,
 )
 
 if TYPE_CHECKING:
@@ -149,33 +170,8 @@ CHANNELS_MEMO_SIZE = 4096
 #: The most indexes one tenant's list shows (the terms aggregation's size).
 MAX_LISTED_INDEXES = 1000
 _FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
-#: Hex digits of the tenant key in index names: 64 bits, collision-free for any real
-#: number of tenants (and a collision still keeps tenants apart: see "Tenancy, in depth").
-TENANT_KEY_LENGTH = 16
-#: Between the tenant key and the Sift index name. Sift names may hold ``--`` too; the key's
-#: fixed length is what makes a name readable back.
-KEY_SEPARATOR = "--"
-#: The index of drop floors, after the prefix (no tenant key: see ``floors_index``).
-FLOORS_INDEX = "sift-floors"
-#: Elasticsearch's limit on an index name, in bytes.
-MAX_INDEX_NAME_BYTES = 255
-#: What Elasticsearch accepts as an index name (lowercase; none of ``\ / * ? " < > | , # :``
-#: or spaces; not starting with ``-``, ``_`` or ``+``; not ``.`` or ``..``), restricted to
-#: what Sift ever composes: the prefix, the key, ``--``, a Sift index name, all in
-#: ``[a-z0-9_.-]``, and ``~`` before a concrete index's suffix.
-_ES_INDEX_NAME = re.compile(r"^(?![-_+])(?!\.{1,2}$)[a-z0-9_.~-]+$")
-#: An alias of the per-tenant layout, after the prefix: a tenant key, ``--``, a Sift name.
-_TENANT_ALIAS = re.compile(rf"^[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}[a-z0-9]")
-#: A tenant key and ``--`` anywhere: another (longer) prefix's per-tenant alias.
-_ANY_TENANT_ALIAS = re.compile(rf"(^|[_.-])[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}")
 #: How long a migration's copy waits between two reads of its task.
 COPY_POLL_SECONDS = 0.5
-#: Between an alias and the suffix of its concrete indexes (``000001`` or a reindex's
-#: timestamp). ES accepts ``~`` in an index name; Sift's own names never hold it, so no
-#: Sift name's alias can ever be another name's concrete index.
-CONCRETE_SEPARATOR = "~"
-#: How Sift names a concrete index after its alias: ``000001`` or a reindex's timestamp.
-_SIFT_CONCRETE = re.compile(r"000001|\d{8}t\d{12}")
 #: How often a write makes its index again after ``require_alias`` found it gone (another
 #: worker's drop ran in between) before it gives up, retryably.
 WRITE_ATTEMPTS = 3
@@ -270,43 +266,6 @@ def derive_revision(title: str, text: str, metadata: Mapping[str, FilterValue]) 
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def tenant_key(tenant: str) -> str:
-    """The tenant's part of its index names: a fixed-length hex digest of the tenant id.
-
-    Tenant ids may hold what ES refuses in an index name (capitals, ``:``, ``/``, spaces,
-    any Unicode); the digest never does. It is stable across releases: existing indexes
-    are named by it.
-
-    >>> tenant_key("acme"), len(tenant_key("Ünïcode/tenant: *?"))
-    ('822b33ad87c148a0', 16)
-    """
-    return hashlib.sha256(tenant.encode()).hexdigest()[:TENANT_KEY_LENGTH]
-
-
-def concrete_name(alias: str, suffix: str) -> str:
-    """The name of one of ``alias``'s concrete indexes: ``<alias>~<suffix>``.
-
-    >>> concrete_name("sift-822b33ad87c148a0--docs", "000001")
-    'sift-822b33ad87c148a0--docs~000001'
-    """
-    return f"{alias}{CONCRETE_SEPARATOR}{suffix}"
-
-
-def checked_index_name(name: str, what: str = "index") -> str:
-    """``name`` if Elasticsearch accepts it as an index or alias name; InvalidRequest if not.
-
-    >>> checked_index_name("sift-822b33ad87c148a0--docs")
-    'sift-822b33ad87c148a0--docs'
-    >>> checked_index_name("sift-822b33ad87c148a0--Docs")
-    Traceback (most recent call last):
-    ...
-    worker.errors.InvalidRequest: index: 'sift-822b33ad87c148a0--Docs' is no Elasticsea...
-    """
-    if len(name.encode()) > MAX_INDEX_NAME_BYTES or not _ES_INDEX_NAME.match(name):
-        raise InvalidRequest(what, f"{name!r} is no Elasticsearch index name")
-    return name
-
-
 class ElasticsearchBackend:
     """A SearchBackend over an Elasticsearch 9.x cluster (see the module docstring)."""
 
@@ -338,7 +297,9 @@ class ElasticsearchBackend:
         self._clock = clock
         self._lock = threading.Lock()
         self._template_ready = False
-        self._floors_ready = False
+        self._floors = DropFloors(
+            self._es, f"{prefix}{FLOORS_INDEX}", lambda: self._explicit_body()
+        )
         self._ready_aliases: set[str] = set()
         self._model_mapped: set[str] = set()  # aliases whose mapping has the model field
         # (alias, tenant) -> when the tenant's knn was last seen available, and its model
@@ -382,6 +343,10 @@ class ElasticsearchBackend:
             bulk_chunk_size=settings.elasticsearch_bulk_chunk_size,
             native_rrf=settings.elasticsearch_native_rrf,
         )
+
+    def floors_index(self) -> str:
+        """Where drop floors live (:class:`~worker.adapters.es_layout.DropFloors`)."""
+        return self._floors.index
 
     def tenant_stem(self, tenant: str) -> str:
         """What every alias of the tenant starts with: ``<prefix><key>--``."""
@@ -604,7 +569,7 @@ class ElasticsearchBackend:
         existed = 0
         gone = _AliasGone(index)
         for _attempt in range(WRITE_ATTEMPTS):
-            if self._below_floor(alias, version):
+            if self._floors.below(alias, version):
                 return None if not existed else _Bulked(0, existed, [])
             try:
                 self.ensure_index(index, tenant)
@@ -644,7 +609,7 @@ class ElasticsearchBackend:
         if version is None or not bulked.written:
             return bulked.applied
         alias = self.alias(index, tenant)
-        floor = self._floor(alias)
+        floor = self._floors.floor(alias)
         if floor < version:
             return bulked.applied
         deletes = [
@@ -741,14 +706,14 @@ class ElasticsearchBackend:
         tenant's documents go, with one ``_delete_by_query`` on the tenant term.
 
         With a ``version``, the drop first raises the tenant's floor for the index
-        (:meth:`_raise_floor`), before anything is deleted: a write accepted before the drop
+        (:meth:`DropFloors.raise_to`), before anything is deleted: a write accepted before the drop
         and run after it is skipped, as on the embedded backend. One accepted after the
         drop but run before it goes with the index (the embedded backend keeps it;
         deploy/README.md §6 says so)."""
         alias = self.alias(index, tenant)
         what = f"delete of index {index!r}"
         if version is not None:
-            self._raise_floor(alias, version, what, index)
+            self._floors.raise_to(alias, version, what, index)
         with _translated(what, index, missing_ok=True) as missing:
             response = self._es().msearch(index=alias, searches=self.drop_searches(tenant)).body
         answers = [] if missing else response.get("responses", [])
@@ -836,51 +801,6 @@ class ElasticsearchBackend:
                 .body
             )
         return 0 if missing else int(answer.get("deleted", 0))
-
-    # --- drop floors: what orders a drop before the writes accepted ahead of it -------
-
-    def floors_index(self) -> str:
-        """Where drop floors live: one empty document per dropped alias, its external
-        ``_version`` the version of the alias's last drop (ES keeps the highest: a lower
-        one is a 409). Not under any tenant's key, so no tenant lists or probes it."""
-        return f"{self.prefix}{FLOORS_INDEX}"
-
-    def _floor(self, alias: str) -> int:
-        """The version of the last drop of ``alias`` (0: never dropped, or no floors yet).
-        A realtime ``GET`` by id: it sees a floor written a moment ago."""
-        with _translated("drop floor", None):
-            answer = (
-                self._es().options(ignore_status=404).get(index=self.floors_index(), id=alias)
-            ).body
-        return int(answer.get("_version", 0)) if answer.get("found") else 0
-
-    def _below_floor(self, alias: str, version: int | None) -> bool:
-        """Whether a write of ``version`` was accepted before a drop that has already run."""
-        return version is not None and version <= self._floor(alias)
-
-    def _raise_floor(self, alias: str, version: int, what: str, index: str) -> None:
-        """Record a drop of ``version`` for ``alias`` (a newer drop's floor stays)."""
-        with _translated(what, index):
-            self._ensure_floors_index()
-            self._es().options(ignore_status=409).index(
-                index=self.floors_index(),
-                id=alias,
-                document={},
-                version=version,
-                version_type="external",
-            )
-
-    def _ensure_floors_index(self) -> None:
-        """Create the floors index once per process (the template's mapping, and its one
-        shard, apply; an empty document fits any mapping)."""
-        if self._floors_ready:
-            return
-        try:
-            self._es().indices.create(index=self.floors_index(), **self._explicit_body())
-        except ApiError as exc:
-            if _error_type(exc) != "resource_already_exists_exception":
-                raise
-        self._floors_ready = True
 
     def indexes(self, tenant: str) -> list[IndexInfo]:
         """The tenant's indexes: its aliases (``GET _alias/<prefix><key>--*``; a wildcard
@@ -1143,164 +1063,21 @@ class ElasticsearchBackend:
                     return str(task_id)
         return None
 
-    # --- the shared layout of earlier releases -------------------------------------------
+    # --- the shared layout of earlier releases (worker/adapters/es_migrate.py) ----------
 
     def check(self) -> None:
-        """Refuse to run over indexes of the shared layout (one index per Sift name for every
-        tenant, ``<prefix>NAME``) that hold documents, which this adapter no longer reads:
-        they would silently vanish from every search. ConfigError names them and what to
-        run; meant for a worker's start (``sift worker``), once."""
-        legacy = [alias for alias in self.shared_layout() if self._holds_documents(alias)]
-        if not legacy:
-            return
-        names = ", ".join(sorted(legacy)[:5]) + (" and more" if len(legacy) > 5 else "")
-        raise ConfigError(
-            f"Elasticsearch holds {len(legacy)} index(es) of Sift's old shared layout, one "
-            f"index per name for every tenant ({names}), which this Sift does not read: "
-            "stop the workers and run `sift elasticsearch-migrate` (deploy/README.md §6, "
-            "'Migrating from the shared layout')"
-        )
+        """Refuse to run over the shared layout's indexes (:meth:`SharedLayout.check`)."""
+        SharedLayout(self).check()
 
     def shared_layout(self) -> dict[str, list[str]]:
-        """The aliases of the shared layout and their concrete indexes.
-
-        An alias is one only if all of these hold: it is under the prefix and does not
-        start with a tenant key, nor hold another prefix's ``<key>--`` (a sibling
-        deployment's per-tenant alias, ``sift-staging-<key>--docs`` under ``sift-``); it
-        points at concrete indexes Sift named (``<alias>-000001`` or
-        ``<alias>-<timestamp>``); and each of them carries Sift's own mapping of the shared
-        layout: no ``_meta.sift`` marker (every index made since has one), ``dynamic:
-        strict``, and the id, text, tenant, revision, metadata and vector fields mapped as
-        :func:`index_template` maps them. An operator's rollover alias (``logs-app`` over
-        ``logs-app-000001``) is none of these."""
-        with _translated("list of indexes", None):
-            answer = self._aliases(f"{self.prefix}*")
-            found: dict[str, list[str]] = {}
-            for concrete, held in answer.items():
-                for alias in held:
-                    if self._shared_shape(alias, concrete):
-                        found.setdefault(alias, []).append(concrete)
-            ours = self._with_shared_mapping(sorted({c for cs in found.values() for c in cs}))
-        return {
-            alias: sorted(concretes)
-            for alias, concretes in found.items()
-            if all(concrete in ours for concrete in concretes)
-        }
-
-    def _shared_shape(self, alias: str, concrete: str) -> bool:
-        """Whether ``alias`` over ``concrete`` is named as the shared layout named them."""
-        if not alias.startswith(self.prefix) or not concrete.startswith(f"{alias}-"):
-            return False
-        rest = alias.removeprefix(self.prefix)
-        return (
-            bool(_SIFT_CONCRETE.fullmatch(concrete.removeprefix(f"{alias}-")))
-            and not _TENANT_ALIAS.match(rest)
-            and not _ANY_TENANT_ALIAS.search(rest)
-        )
-
-    def _with_shared_mapping(self, concretes: list[str]) -> set[str]:
-        """Those of ``concretes`` whose mapping is Sift's shared layout's (a few per
-        ``GET <names>/_mapping``, so no URL grows past what a proxy takes)."""
-        ours: set[str] = set()
-        for start in range(0, len(concretes), 20):
-            batch = concretes[start : start + 20]
-            mappings = self._es().indices.get_mapping(index=",".join(batch)).body
-            for name in batch:
-                if self._is_shared_mapping(mappings.get(name, {}).get("mappings", {})):
-                    ours.add(name)
-        return ours
-
-    def _is_shared_mapping(self, mapping: Mapping[str, Any]) -> bool:
-        if "sift" in (mapping.get("_meta") or {}) or mapping.get("dynamic") != "strict":
-            return False
-        properties = mapping.get("properties") or {}
-        fields = self.fields
-        wanted = {
-            fields.id: "keyword",
-            fields.text: "text",
-            fields.tenant: "keyword",
-            fields.revision: "keyword",
-            fields.metadata: "flattened",
-            fields.vector: "dense_vector",
-        }
-        return all(
-            (properties.get(name) or {}).get("type") == kind for name, kind in wanted.items()
-        )
-
-    def _holds_documents(self, alias: str) -> bool:
-        with _translated(f"count of {alias!r}", None, missing_ok=True) as missing:
-            count = int(self._es().count(index=alias).body.get("count", 0))
-        return not missing and count > 0
+        """The shared layout's aliases and their concrete indexes (:meth:`SharedLayout.find`)."""
+        return SharedLayout(self).find()
 
     def migrate_shared(
         self, *, delete_old: bool = False, dry_run: bool = False
     ) -> dict[str, dict[str, int]]:
-        """Copy every shared-layout index into per-tenant indexes, then take its alias away.
-
-        For each alias ``<prefix>NAME`` of :meth:`shared_layout` and each tenant holding a
-        document in it: make the tenant's index ``NAME`` and ``_reindex`` the tenant's
-        documents into it (same ``_id`` and external version; run again, it copies nothing
-        twice). Then the old alias is removed, so :meth:`check` passes; the old concrete
-        indexes are kept for a rollback unless ``delete_old``. An alias whose index holds
-        no tenant's document is left as it is (reported with no tenant). Answers, per Sift
-        name, how many documents each tenant got (with ``dry_run``: holds, and nothing is
-        written). Run it with no worker writing."""
-        report: dict[str, dict[str, int]] = {}
-        for alias, concretes in sorted(self.shared_layout().items()):
-            name = alias.removeprefix(self.prefix)
-            what = f"migration of index {name!r}"
-            tenants = self._tenants_in(alias)
-            if dry_run or not tenants:
-                report[name] = tenants
-                continue
-            copied: dict[str, int] = {}
-            for tenant in tenants:
-                self._ensure_for_copy(name, tenant, what)
-                source = {"index": alias, "query": self.tenant_query(tenant)}
-                copied[tenant] = self._copy(source, self.alias(name, tenant), what)
-            with _translated(what, name):
-                removed = [{"remove": {"index": c, "alias": alias}} for c in concretes]
-                self._es().indices.update_aliases(actions=removed)
-                if delete_old:
-                    self._es().indices.delete(index=",".join(concretes))
-            logger.info("migrated %s: %d tenant(s), %s", alias, len(copied), copied)
-            report[name] = copied
-        return report
-
-    def _ensure_for_copy(self, index: str, tenant: str, what: str) -> None:
-        """:meth:`ensure_index`, its leftover found (a drop cut short) a retryable error."""
-        try:
-            self.ensure_index(index, tenant)
-        except _AliasGone as gone:
-            raise BackendUnavailable(
-                f"the {what} cannot make index {index!r} of tenant {tenant!r}: the concrete "
-                f"index {gone.leftover!r} exists without its alias"
-            ) from gone
-
-    def _tenants_in(self, alias: str) -> dict[str, int]:
-        """Every tenant holding a document in ``alias`` and how many: a ``composite``
-        aggregation on the tenant field, page by page (no limit on how many)."""
-        tenants: dict[str, int] = {}
-        after: dict[str, Any] | None = None
-        while True:
-            composite: dict[str, Any] = {
-                "size": 1000,
-                "sources": [{"tenant": {"terms": {"field": self.fields.tenant}}}],
-            }
-            if after is not None:
-                composite["after"] = after
-            with _translated(f"tenants of {alias!r}", None):
-                answer = (
-                    self._es().search(
-                        index=alias, size=0, aggs={"tenants": {"composite": composite}}
-                    )
-                ).body
-            page = answer.get("aggregations", {}).get("tenants", {})
-            for bucket in page.get("buckets", []):
-                tenants[str(bucket["key"]["tenant"])] = int(bucket.get("doc_count", 0))
-            after = page.get("after_key")
-            if not page.get("buckets") or after is None:
-                return tenants
+        """Copy the shared layout into per-tenant indexes (:meth:`SharedLayout.migrate`)."""
+        return SharedLayout(self).migrate(delete_old=delete_old, dry_run=dry_run)
 
     # --- request bodies (pure) -----------------------------------------------------------
 
@@ -1535,164 +1312,6 @@ class ElasticsearchBackend:
         if channel == "knn" and not native:
             score = 2.0 * score - 1.0  # ES's cosine score is (1 + cos) / 2
         return ChannelHit(document, score)
-
-
-# --- error translation -------------------------------------------------------------------
-
-
-class _AliasGone(Exception):
-    """A bulk write's alias is gone (``require_alias``): another worker dropped the index;
-    or the index's first concrete name exists without its alias (``leftover``)."""
-
-    def __init__(self, index: str, existed: int = 0, leftover: str = "") -> None:
-        super().__init__(index)
-        self.existed = existed  # documents deleted before the refusal
-        self.leftover = leftover
-
-
-@dataclass(slots=True)
-class _Bulked:
-    """What one bulk call did: actions applied, documents found, ``_id`` of each applied."""
-
-    applied: int
-    existed: int
-    written: list[str]
-
-
-class _Missing:
-    """Set inside a ``_translated(..., missing_ok=True)`` block when the index is missing."""
-
-    def __init__(self) -> None:
-        self.value = False
-
-    def __bool__(self) -> bool:
-        return self.value
-
-
-class _translated:  # a context manager; named like one
-    """Translate the client's errors into Sift's, ``raise ... from exc``."""
-
-    def __init__(self, what: str, index: str | None, missing_ok: bool = False) -> None:
-        self.what = what
-        self.index = index
-        self.missing = _Missing()
-        self.missing_ok = missing_ok
-
-    def __enter__(self) -> _Missing:
-        return self.missing
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
-    ) -> bool:
-        if exc is None or isinstance(exc, SiftError):
-            return False
-        if isinstance(exc, NotFoundError) and _error_type(exc) == "index_not_found_exception":
-            if self.missing_ok:
-                self.missing.value = True
-                return True
-            raise IndexNotFound(self.index or "") from exc
-        if isinstance(exc, ApiError):
-            status = exc.meta.status
-            reason = _reason(exc.body) or str(exc.message)
-            if status == 429 or status >= 500:
-                raise BackendUnavailable(
-                    f"Elasticsearch answered {status} to the {self.what}: {reason}"
-                ) from exc
-            if _error_type(exc) == "media_type_header_exception":
-                reason += (
-                    " (the 9.x client sends compatible-with=9, which Elasticsearch 8.x "
-                    "refuses: Sift needs Elasticsearch 9)"
-                )
-            raise BackendRequestError(
-                f"Elasticsearch refused the {self.what} ({status}): {reason}"
-            ) from exc
-        if isinstance(exc, ConnectionTimeout):
-            raise BackendUnavailable(f"Elasticsearch timed out on the {self.what}") from exc
-        if isinstance(exc, ConnectionError):
-            raise BackendUnavailable(
-                f"cannot reach Elasticsearch for the {self.what}: {exc}"
-            ) from exc
-        if isinstance(exc, TransportError):
-            raise BackendUnavailable(
-                f"Elasticsearch transport error on the {self.what}: {exc}"
-            ) from exc
-        if isinstance(exc, helpers.BulkIndexError):
-            raise BackendRequestError(f"the {self.what} failed: {exc}") from exc
-        return False
-
-
-def _error_type(exc: ApiError) -> str | None:
-    body = exc.body
-    if isinstance(body, Mapping):
-        error = body.get("error")
-        if isinstance(error, Mapping):
-            kind = error.get("type")
-            return str(kind) if kind else None
-    return None
-
-
-def _reason(body: Any) -> str | None:
-    """ES's own explanation from an error body: the root cause's type and reason."""
-    if not isinstance(body, Mapping):
-        return str(body) if body else None
-    error = body.get("error")
-    if isinstance(error, str):
-        return error
-    if not isinstance(error, Mapping):
-        return None
-    causes = error.get("root_cause") or [error]
-    first = causes[0] if isinstance(causes, list) and causes else error
-    return f"{first.get('type', 'error')}: {first.get('reason', '')}".strip()
-
-
-def _index_missing(answer: Mapping[str, Any]) -> bool:
-    """Whether one ``_msearch`` item failed because its index does not exist."""
-    error = answer.get("error")
-    return isinstance(error, Mapping) and error.get("type") == "index_not_found_exception"
-
-
-def _total(answer: Mapping[str, Any]) -> int:
-    """``hits.total.value`` of one search answer (0 when ES left it out)."""
-    total = answer.get("hits", {}).get("total")
-    if isinstance(total, Mapping):
-        return int(total.get("value", 0))
-    return int(total or 0)
-
-
-def _first_key(aggregations: Mapping[str, Any]) -> str | None:
-    """The first bucket's key of the ``models`` terms aggregation (None: no bucket)."""
-    buckets = aggregations.get("models", {}).get("buckets") or []
-    return str(buckets[0]["key"]) if buckets else None
-
-
-def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
-    """One ``_msearch`` item that carries an error raises like a whole-request error."""
-    if "error" not in answer:
-        return
-    status = int(answer.get("status", 500))
-    reason = _reason(answer) or "unknown error"
-    if _index_missing(answer):
-        raise IndexNotFound(index)
-    if status == 429 or status >= 500:
-        raise BackendUnavailable(f"Elasticsearch answered {status} to the {what}: {reason}")
-    raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {reason}")
-
-
-def _bulk_error(failures: Sequence[Mapping[str, Any]], tenant: str) -> SiftError:
-    """One error naming the documents the bulk call could not write, and why."""
-    named: list[str] = []
-    retryable = True
-    for item in failures:
-        op = next(iter(item.values())) if item else {}
-        status = int(op.get("status", 500))
-        retryable = retryable and (status == 429 or status >= 500)
-        doc = str(op.get("_id", "?")).removeprefix(f"{tenant}:")
-        named.append(f"{doc} ({status} {_reason(op) or 'error'})")
-    listing = "; ".join(named[:5]) + (f"; and {len(named) - 5} more" if len(named) > 5 else "")
-    message = f"{len(failures)} document(s) not written: {listing}"
-    if retryable:
-        return BackendUnavailable(message)
-    return BackendRequestError(message)
 
 
 def _versioned(version: int | None) -> dict[str, Any]:
