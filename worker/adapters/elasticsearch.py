@@ -664,12 +664,30 @@ class ElasticsearchBackend:
             raise _bulk_error(failures, tenant)
         return bulked
 
-    def _forget(self, alias: str, tenant: str) -> None:
-        """Drop what this process remembers of an alias that is gone."""
+    def _forget(self, alias: str, tenant: str | None = None) -> None:
+        """Drop what this process remembers of an alias that is gone or was rebuilt: for
+        ``tenant``'s part of it, or every tenant's (None)."""
         with self._lock:
             self._ready_aliases.discard(alias)
             self._model_mapped.discard(alias)
-        self._with_vectors.pop((alias, tenant), None)
+        for key in [key for key in list(self._with_vectors) if key[0] == alias]:
+            if tenant is None or key[1] == tenant:
+                self._with_vectors.pop(key, None)
+
+    def move_alias(
+        self, alias: str, old: Sequence[str], new: str | None, *, delete_old: bool
+    ) -> None:
+        """In one ``POST _aliases`` (atomic: searches see the old indexes or the new one,
+        never none), remove ``alias`` from ``old`` and add it to ``new`` (None: nowhere);
+        then delete ``old`` if ``delete_old``. Errors are the caller's to translate."""
+        actions: list[Mapping[str, Any]] = [
+            {"remove": {"index": name, "alias": alias}} for name in old
+        ]
+        if new is not None:
+            actions.append({"add": {"index": new, "alias": alias}})
+        self._es().indices.update_aliases(actions=actions)
+        if delete_old:
+            self._es().indices.delete(index=",".join(old))
 
     # --- the index lifecycle ----------------------------------------------------------
 
@@ -994,17 +1012,8 @@ class ElasticsearchBackend:
                 raise IndexNotFound(index)
             self._es().indices.create(index=concrete, **self._explicit_body())
             self._copy({"index": alias}, concrete, f"reindex of index {index!r}")
-            actions: list[Mapping[str, Any]] = [
-                {"remove": {"index": name, "alias": alias}} for name in old
-            ]
-            actions.append({"add": {"index": concrete, "alias": alias}})
-            self._es().indices.update_aliases(actions=actions)
-            if delete_old:
-                self._es().indices.delete(index=",".join(old))
-        with self._lock:
-            self._model_mapped.discard(alias)
-        for key in [key for key in list(self._with_vectors) if key[0] == alias]:
-            self._with_vectors.pop(key, None)
+            self.move_alias(alias, old, concrete, delete_old=delete_old)
+        self._forget(alias)
         logger.info("reindexed %s: %s -> %s", alias, old, concrete)
         return concrete
 

@@ -138,10 +138,7 @@ class SharedLayout:
                 source = {"index": alias, "query": self.backend.tenant_query(tenant)}
                 copied[tenant] = self.backend._copy(source, self.backend.alias(name, tenant), what)
             with _translated(what, name):
-                removed = [{"remove": {"index": c, "alias": alias}} for c in concretes]
-                self.backend._es().indices.update_aliases(actions=removed)
-                if delete_old:
-                    self.backend._es().indices.delete(index=",".join(concretes))
+                self.backend.move_alias(alias, concretes, None, delete_old=delete_old)
             logger.info("migrated %s: %d tenant(s), %s", alias, len(copied), copied)
             report[name] = copied
         return report
