@@ -303,9 +303,11 @@ async def delete_documents(
     responses=JOB_RESPONSES,
     summary="Delete the caller's index: all of its documents (a job)",
     description="Embedded backend: the caller's rows, BM25 postings and vectors. "
-    "Elasticsearch: a `_delete_by_query` of the caller's documents in the shared index "
-    "(other tenants' documents and the ES index stay). An upsert accepted before the delete "
-    "and run after it is skipped on the embedded backend.",
+    "Elasticsearch: the caller's own ES index and any a reindex kept (other tenants' "
+    "indexes of the same name stay). An upsert accepted before the delete and run after it "
+    "leaves nothing on both (on Elasticsearch one that ran into the delete's window is "
+    "deleted again by id and reports 0 written). On Elasticsearch an upsert accepted after "
+    "the delete but run before it goes with the index, though its job reported it written.",
 )
 async def delete_index(
     request: Request, tenant: Tenant, index: IndexPath, wait: Wait = 0.0

@@ -119,8 +119,12 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".sift/data")
     elasticsearch_url: str | None = None
     elasticsearch_api_key: str | None = None
-    # Elasticsearch (DESIGN.md §6). Sift index NAME is the alias <prefix>NAME.
-    elasticsearch_index_prefix: str = Field(default="sift-", pattern=r"^[a-z0-9_.-]*$")
+    # Elasticsearch (DESIGN.md §6). Tenant T's Sift index NAME is the alias
+    # <prefix><key of T>--NAME; a prefix of at most 64 keeps every name under ES's 255 bytes.
+    # ES refuses an index name starting with - _ or +, and hides one starting with a dot.
+    elasticsearch_index_prefix: str = Field(
+        default="sift-", max_length=64, pattern=r"^(?:[a-z0-9][a-z0-9_.-]*)?$"
+    )
     elasticsearch_native_rrf: bool = False  # fuse in ES (retriever.rrf); needs a licence
     elasticsearch_num_candidates: int = Field(default=200, ge=1, le=10_000)
     elasticsearch_vector_quantization: Literal["int8_hnsw", "hnsw", "bbq_hnsw"] = "int8_hnsw"

@@ -47,6 +47,18 @@ class Answer:
 
 
 Route = Callable[[Recorded], Answer | None]
+When = Callable[[Recorded], bool]
+
+
+def is_probe(request: Recorded) -> bool:
+    """An ``_msearch`` of the backend's channel probes (each ``terminate_after: 1``), not a
+    search of the channels: both go to ``POST /<alias>/_msearch``."""
+    bodies = request.ndjson()[1::2] if request.body else []
+    return bool(bodies) and all("terminate_after" in body for body in bodies)
+
+
+def is_search(request: Recorded) -> bool:
+    return not is_probe(request)
 
 
 class FakeElasticsearchServer:
@@ -54,7 +66,9 @@ class FakeElasticsearchServer:
 
     def __init__(self) -> None:
         self.requests: list[Recorded] = []
-        self._routes: list[tuple[str, str, Route | Answer, int | None]] = []
+        #: Answers what no route does (a stateful stand-in); a 404 if None.
+        self.fallback: Route | None = None
+        self._routes: list[tuple[str, str, Route | Answer, int | None, When | None]] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -110,13 +124,23 @@ class FakeElasticsearchServer:
         self._httpd.shutdown()
         self._httpd.server_close()
 
-    def on(self, method: str, path: str, answer: Route | Answer, times: int | None = None) -> None:
-        """Answer ``method path`` with ``answer`` (``times`` times, or always)."""
-        self._routes.insert(0, (method, path, answer, times))
+    def on(
+        self,
+        method: str,
+        path: str,
+        answer: Route | Answer,
+        times: int | None = None,
+        when: When | None = None,
+    ) -> None:
+        """Answer ``method path`` with ``answer`` (``times`` times, or always; only requests
+        ``when`` holds for, if given)."""
+        self._routes.insert(0, (method, path, answer, times, when))
 
     def _answer(self, request: Recorded) -> Answer:
-        for i, (method, path, answer, times) in enumerate(self._routes):
+        for i, (method, path, answer, times, when) in enumerate(self._routes):
             if method != request.method or path != request.path:
+                continue
+            if when is not None and not when(request):
                 continue
             result = answer(request) if callable(answer) else answer
             if result is None:
@@ -125,8 +149,11 @@ class FakeElasticsearchServer:
                 if times <= 1:
                     del self._routes[i]
                 else:
-                    self._routes[i] = (method, path, answer, times - 1)
+                    self._routes[i] = (method, path, answer, times - 1, when)
             return result
+        answer = self.fallback(request) if self.fallback is not None else None
+        if answer is not None:
+            return answer
         return Answer(404, error_body("resource_not_found_exception", f"no route {request.path}"))
 
     def sent(self, method: str | None = None, path: str | None = None) -> list[Recorded]:
@@ -334,9 +361,99 @@ def get_missing(index: str, doc_id: str) -> dict[str, Any]:
     return {"_index": index, "_id": doc_id, "found": False}
 
 
+def drop_counts(mine: int, others: int) -> dict[str, Any]:
+    """The ``_msearch`` answer to a drop's two searches on the tenant's alias: how many of the
+    tenant's documents it holds (``track_total_hits``), and whether it holds another
+    tenant's (``terminate_after: 1``)."""
+    return msearch_response(probe_response(mine), probe_response(others))
+
+
+def aliases(*pairs: tuple[str, str]) -> dict[str, Any]:
+    """``GET _alias/<name or pattern>``: ``{concrete: {"aliases": {alias: {}}}}`` per pair; a
+    wildcard matching nothing answers ``{}`` with 200 (ES 7+)."""
+    answer: dict[str, Any] = {}
+    for concrete, alias in pairs:
+        answer.setdefault(concrete, {"aliases": {}})["aliases"][alias] = {}
+    return answer
+
+
+def alias_missing(name: str) -> dict[str, Any]:
+    """``GET _alias/<name>`` of a missing alias (no wildcard): 404 with a bare string error."""
+    return {"error": f"alias [{name}] missing", "status": 404}
+
+
+def require_alias_refused(op: str, alias: str, doc_id: str) -> dict[str, Any]:
+    """A ``_bulk`` item refused by ``require_alias=true``: its target is no alias (gone)."""
+    reason = (
+        f"no such index [{alias}] and [require_alias] request flag is [true] and "
+        f"[{alias}] is not an alias"
+    )
+    error = {"type": "index_not_found_exception", "reason": reason, "index": alias}
+    return {op: {"_index": alias, "_id": doc_id, "status": 404, "error": error}}
+
+
+def reindex_response(created: int, updated: int = 0, conflicts: int = 0) -> dict[str, Any]:
+    """``POST _reindex?wait_for_completion=true``'s report."""
+    return {
+        "took": 40,
+        "timed_out": False,
+        "total": created + updated + conflicts,
+        "updated": updated,
+        "created": created,
+        "deleted": 0,
+        "batches": 1,
+        "version_conflicts": conflicts,
+        "noops": 0,
+        "retries": {"bulk": 0, "search": 0},
+        "throttled_millis": 0,
+        "requests_per_second": -1.0,
+        "throttled_until_millis": 0,
+        "failures": [],
+    }
+
+
+def floor_found(index: str, alias: str, version: int) -> dict[str, Any]:
+    """``GET <floors>/_doc/<alias>`` of a drop floor: an empty document, its external version
+    the drop's."""
+    return {
+        "_index": index,
+        "_id": alias,
+        "_version": version,
+        "_seq_no": 0,
+        "_primary_term": 1,
+        "found": True,
+        "_source": {},
+    }
+
+
+def floor_written(index: str, alias: str, version: int) -> dict[str, Any]:
+    """``PUT <floors>/_doc/<alias>?version=<v>&version_type=external``: 201 created."""
+    return {
+        "_index": index,
+        "_id": alias,
+        "_version": version,
+        "result": "created",
+        "_shards": {"total": 2, "successful": 1, "failed": 0},
+        "_seq_no": 1,
+        "_primary_term": 1,
+    }
+
+
 def running(server: FakeElasticsearchServer) -> Iterator[FakeElasticsearchServer]:
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+def resolved(*indexes: tuple[str, list[str]]) -> dict[str, Any]:
+    """``GET _resolve/index/<pattern>``: each matching concrete index with its aliases (a
+    wildcard matching nothing answers empty lists with 200)."""
+    return {
+        "indices": [
+            {"name": name, "aliases": held, "attributes": ["open"]} for name, held in indexes
+        ],
+        "aliases": [],
+        "data_streams": [],
+    }

@@ -4,8 +4,12 @@ the fused result through the pipeline, and the error mapping (no client-side ret
 
 from __future__ import annotations
 
+import re
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,32 +19,51 @@ from tests.integration.es_loopback import (
     Answer,
     FakeElasticsearchServer,
     Recorded,
+    alias_missing,
+    aliases,
     bulk_item,
     bulk_response,
     delete_by_query_response,
+    drop_counts,
     error_body,
+    floor_found,
+    floor_written,
     get_found,
     get_missing,
     hit,
     index_missing,
+    is_probe,
+    is_search,
     models_agg,
     msearch_response,
     probe_response,
     probes,
     probes_of_a_missing_index,
+    reindex_response,
+    require_alias_refused,
+    resolved,
     running,
     search_response,
     terms_by_index_response,
     version_conflict,
 )
+from tests.integration.es_stateful import stateful_server
 from worker.adapters import elasticsearch
-from worker.adapters.elasticsearch import ElasticsearchBackend, num_candidates
+from worker.adapters.elasticsearch import (
+    ElasticsearchBackend,
+    FieldNames,
+    IndexSettings,
+    index_template,
+    num_candidates,
+    tenant_key,
+)
 from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import ChannelQuery, Document, HardFilters, IndexProbe
 from worker.errors import (
     BackendRequestError,
     BackendUnavailable,
+    ConfigError,
     EmbeddingModelMismatch,
     IndexNotFound,
     InvalidRequest,
@@ -49,7 +72,12 @@ from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
 
-CONCRETE = "sift-docs-000001"
+ACME = f"sift-{tenant_key('acme')}--docs"  # acme's own alias of Sift index "docs"
+BETA = f"sift-{tenant_key('beta')}--docs"
+CONCRETE = f"{ACME}~000001"
+MSEARCH = f"/{ACME}/_msearch"  # acme's probes and searches alike
+FLOORS = "sift-sift-floors"
+FLOOR = f"/{FLOORS}/_doc/{ACME}"  # acme's drop floor for "docs"
 SOURCE = ["doc_id", "text", "title", "revision", "metadata", "tenant"]
 VECTOR = [0.6, 0.8, 0.0]
 
@@ -104,6 +132,24 @@ def bulk_ok(request: Recorded) -> Answer:
     return Answer(200, {"errors": False, "took": 7, "items": items})
 
 
+def on_probes(server: FakeElasticsearchServer, answer: Answer, times: int | None = None) -> None:
+    """Answer acme's channel probes (``POST /<acme's alias>/_msearch``) with ``answer``."""
+    server.on("POST", MSEARCH, answer, times, when=is_probe)
+
+
+def on_searches(server: FakeElasticsearchServer, answer: Answer, times: int | None = None) -> None:
+    """Answer acme's channel searches (the same path as its probes) with ``answer``."""
+    server.on("POST", MSEARCH, answer, times, when=is_search)
+
+
+def probes_sent(server: FakeElasticsearchServer) -> list[Recorded]:
+    return [r for r in server.sent("POST", MSEARCH) if is_probe(r)]
+
+
+def searches_sent(server: FakeElasticsearchServer) -> list[Recorded]:
+    return [r for r in server.sent("POST", MSEARCH) if is_search(r)]
+
+
 def no_post_filter(body: Any) -> None:
     assert "post_filter" not in str(body)
 
@@ -118,6 +164,7 @@ EXPECTED_TEMPLATE = {
         "settings": {"number_of_shards": 1, "number_of_replicas": 1},
         "mappings": {
             "dynamic": "strict",
+            "_meta": {"sift": {"layout": "per-tenant", "prefix": "sift-"}},
             "properties": {
                 "doc_id": {"type": "keyword"},
                 "text": {"type": "text", "analyzer": "english"},
@@ -143,7 +190,7 @@ EXPECTED_TEMPLATE = {
 def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", "/sift-docs", Answer(404))
+    server.on("HEAD", f"/{ACME}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on(
         "PUT",
@@ -159,20 +206,21 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
     assert backend.upsert("docs", "acme", docs, [VECTOR, [0.0, 1.0, 0.0]]) == 2
 
     assert [(r.method, r.path) for r in server.requests] == [
-        ("HEAD", "/sift-docs"),
+        ("HEAD", f"/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
         ("PUT", "/_bulk"),
     ]
     assert server.requests[1].json() == EXPECTED_TEMPLATE
-    assert server.requests[2].json() == {"aliases": {"sift-docs": {}}}
+    assert server.requests[2].json() == {"aliases": {ACME: {}}}
     bulk = server.requests[3]
-    assert bulk.query == {"refresh": ["wait_for"]}
+    # require_alias: a write whose alias another worker dropped is refused, not auto-created
+    assert bulk.query == {"refresh": ["wait_for"], "require_alias": ["true"]}
     assert bulk.headers["content-type"] == (
         "application/vnd.elasticsearch+x-ndjson; compatible-with=9"
     )
     assert bulk.ndjson() == [
-        {"index": {"_id": "acme:d1", "_index": "sift-docs"}},
+        {"index": {"_id": "acme:d1", "_index": ACME}},
         {
             "doc_id": "d1",
             "text": "Vitamin D and fractures",
@@ -182,7 +230,7 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
             "metadata": {"year": 2020, "lang": "en"},
             "vector": VECTOR,
         },
-        {"index": {"_id": "acme:d2", "_index": "sift-docs"}},
+        {"index": {"_id": "acme:d2", "_index": ACME}},
         {
             "doc_id": "d2",
             "text": "Statins lower LDL",
@@ -194,29 +242,79 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
         },
     ]
 
-    # The index is known now: the next upsert goes straight to _bulk, with no vector field.
-    assert backend.upsert("docs", "beta", [Document("d1", "other tenant", revision="")], None) == 1
+    # acme's index is known now: its next upsert goes straight to _bulk
+    assert backend.upsert("docs", "acme", [Document("d3", "again", revision="r")], None) == 1
     assert [(r.method, r.path) for r in server.requests[4:]] == [("PUT", "/_bulk")]
-    action, source = server.requests[4].ndjson()
-    assert action == {"index": {"_id": "beta:d1", "_index": "sift-docs"}}
+    assert server.requests[4].ndjson()[0] == {"index": {"_id": "acme:d3", "_index": ACME}}
+
+
+def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
+    server: FakeElasticsearchServer,
+) -> None:
+    """Beta's first write into "docs", which acme already holds, makes beta's own index:
+    the same requests as a first write into a name nobody has (no timing tells them apart),
+    and no byte of it reaches acme's index."""
+    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("HEAD", f"/{BETA}", Answer(404))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("PUT", f"/{BETA}~000001", Answer(200, {"acknowledged": True, "index": BETA}))
+    server.on("PUT", "/_bulk", bulk_ok)
+    backend = backend_for(server)
+    assert backend.upsert("docs", "acme", [Document("d1", "acme's text")], None) == 1
+    server.requests.clear()
+    assert backend.upsert("docs", "beta", [Document("d1", "other tenant", revision="")], None) == 1
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("HEAD", f"/{BETA}"),
+        ("PUT", "/_index_template/sift-sift"),  # once per process: acme's index existed
+        ("PUT", f"/{BETA}~000001"),
+        ("PUT", "/_bulk"),
+    ]
+    assert server.requests[2].json() == {"aliases": {BETA: {}}}
+    action, source = server.requests[3].ndjson()
+    assert action == {"index": {"_id": "beta:d1", "_index": BETA}}
     assert "vector" not in source and source["tenant"] == "beta"
     assert len(source["revision"]) == 16  # derived from the content when none came
+    assert ACME != BETA and ACME not in str([r.path for r in server.requests])
+    assert ACME.encode() not in b"".join(r.body for r in server.requests)
+
+
+@pytest.mark.parametrize(
+    "tenant", ["Acme Corp", "org:42/team?x", "ÜNÏCODE*<>|,#", "-_+lead", "a" * 300, ".."]
+)
+def test_a_tenant_id_es_refuses_in_a_name_still_makes_a_valid_index_name(
+    server: FakeElasticsearchServer, tenant: str
+) -> None:
+    """Tenant ids are free text: the name holds a fixed-length hex key of it, so capitals,
+    ``:``, ``/``, ``*``, spaces, Unicode or a leading ``-`` never reach ES, and the longest
+    Sift name under the longest prefix still fits ES's 255 bytes with a reindex's stamp."""
+    longest = "n" * 128
+    backend = backend_for(server, elasticsearch_index_prefix="p" * 64)
+    alias = backend.alias(longest, tenant)
+    assert alias == f"{'p' * 64}{tenant_key(tenant)}--{longest}"
+    assert len(f"{alias}-20261201t205337123456".encode()) <= 255
+    assert re.fullmatch(r"[a-z0-9][a-z0-9_.-]*", alias)
+    for forbidden in '\\/*?"<>|,# :':
+        assert forbidden not in backend_for(server).alias("docs", tenant)
+    with pytest.raises(ConfigError, match=r"SIFT_ELASTICSEARCH_INDEX_PREFIX.* 64"):
+        load_settings(elasticsearch_index_prefix="p" * 65)
+    assert server.requests == []
 
 
 def test_an_index_created_by_a_racing_worker_is_fine(server: FakeElasticsearchServer) -> None:
-    server.on("HEAD", "/sift-docs", Answer(404))
+    server.on("HEAD", f"/{ACME}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on(
         "PUT",
         f"/{CONCRETE}",
         Answer(400, error_body("resource_already_exists_exception", "index exists")),
     )
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))  # the racing worker made both
     server.on("PUT", "/_bulk", bulk_ok)
     assert backend_for(server).upsert("docs", "acme", [Document("d1", "x")], None) == 1
 
 
 def test_bulk_item_errors_name_the_documents(server: FakeElasticsearchServer) -> None:
-    server.on("HEAD", "/sift-docs", Answer(200))
+    server.on("HEAD", f"/{ACME}", Answer(200))
 
     def partly(request: Recorded) -> Answer:
         failed = {
@@ -242,7 +340,7 @@ def test_bulk_item_errors_name_the_documents(server: FakeElasticsearchServer) ->
 
 
 def test_bulk_rejections_are_retryable(server: FakeElasticsearchServer) -> None:
-    server.on("HEAD", "/sift-docs", Answer(200))
+    server.on("HEAD", f"/{ACME}", Answer(200))
 
     def rejected(request: Recorded) -> Answer:
         answer = bulk_ok(request)
@@ -262,35 +360,52 @@ def test_bulk_rejections_are_retryable(server: FakeElasticsearchServer) -> None:
     assert len(server.sent("PUT", "/_bulk")) == 1  # the helper did not retry by itself
 
 
+TASK = "oTUltX4IQMOUUVeiohTt8A:12345"
+
+
+def on_copies(server: FakeElasticsearchServer, created: int) -> None:
+    """A copy as a task: no reindex running yet, ``_reindex`` answers its task, which is done
+    at the first read (``GET _tasks/<id>``: ``completed`` and the reindex report)."""
+    server.on("GET", "/_tasks", Answer(200, {"nodes": {}}))
+    server.on("POST", "/_reindex", Answer(200, {"task": TASK}))
+    done = {"completed": True, "task": {"node": "oTUltX4IQMOUUVeiohTt8A", "id": 12345}}
+    server.on(
+        "GET",
+        f"/_tasks/{TASK.replace(':', '%3A')}",
+        Answer(200, {**done, "response": reindex_response(created)}),
+    )
+
+
 def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
     server: FakeElasticsearchServer,
 ) -> None:
+    """Acme's index only: a new concrete index under acme's alias, ``_reindex`` keeping each
+    document's version (``version_type: external``), then one atomic alias swap."""
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
-    server.on("GET", "/_alias/sift-docs", Answer(200, {CONCRETE: {"aliases": {"sift-docs": {}}}}))
-
-    server.on(
-        "POST", "/_reindex", Answer(200, {"took": 40, "total": 2, "created": 2, "failures": []})
-    )
+    server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
+    on_copies(server, 2)
     backend = backend_for(server, elasticsearch_vector_quantization="hnsw")
-    # Any PUT /sift-docs-<stamp> is the new index.
+    # Any PUT or POST of /<acme's alias>~2... is the new index.
     original = server._answer
 
     def answer(request: Recorded) -> Answer:
-        if request.method in ("PUT", "POST") and request.path.startswith("/sift-docs-2"):
+        if request.method in ("PUT", "POST") and request.path.startswith(f"/{ACME}~2"):
             return Answer(200, {"acknowledged": True, "_shards": {"total": 1}})
         return original(request)
 
     server._answer = answer  # type: ignore[method-assign]
     server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
-    new = backend.reindex("docs")
+    new = backend.reindex("docs", "acme")
 
-    assert new.startswith("sift-docs-2")
+    assert new.startswith(f"{ACME}~2")
     steps = [(r.method, r.path) for r in server.requests]
     assert steps == [
-        ("GET", "/_alias/sift-docs"),
+        ("GET", f"/_alias/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{new}"),
+        ("GET", "/_tasks"),  # no copy into it running
         ("POST", "/_reindex"),
+        ("GET", f"/_tasks/{TASK.replace(':', '%3A')}"),  # polled until done
         ("POST", f"/{new}/_refresh"),
         ("POST", "/_aliases"),
     ]
@@ -298,17 +413,52 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
     assert template["template"]["mappings"]["properties"]["vector"]["index_options"] == {
         "type": "hnsw"
     }
-    assert server.requests[3].json() == {
-        "dest": {"index": new},
-        "source": {"index": "sift-docs"},
+    assert server.requests[4].json() == {
+        "dest": {"index": new, "version_type": "external"},
+        "source": {"index": ACME},
+        "conflicts": "proceed",  # a newer version already there stays
     }
-    assert server.requests[3].query == {"wait_for_completion": ["true"]}
-    assert server.requests[5].json() == {
+    assert server.requests[4].query == {"wait_for_completion": ["false"]}
+    assert server.requests[3].query == {"actions": ["*reindex"], "detailed": ["true"]}
+    assert server.requests[7].json() == {
         "actions": [
-            {"remove": {"index": CONCRETE, "alias": "sift-docs"}},
-            {"add": {"index": new, "alias": "sift-docs"}},
+            {"remove": {"index": CONCRETE, "alias": ACME}},
+            {"add": {"index": new, "alias": ACME}},
         ]
     }
+    # a tenant with no such index: IndexNotFound, nothing made
+    server.on("GET", f"/_alias/{BETA}", Answer(404, alias_missing(BETA)))
+    with pytest.raises(IndexNotFound):
+        backend.reindex("docs", "beta")
+    assert server.requests[-1].path == f"/_alias/{BETA}"
+
+
+def test_reindex_all_rebuilds_every_tenants_index_of_the_name_and_no_other(
+    server: FakeElasticsearchServer,
+) -> None:
+    """An operator knows a name, not its tenants: every ``<prefix><key>--docs`` alias is
+    rebuilt, and acme's ``foo--docs`` (which the pattern also matches) is not."""
+    other = f"sift-{tenant_key('acme')}--foo--docs"
+    found = aliases((CONCRETE, ACME), (f"{BETA}~000001", BETA), (f"{other}~000001", other))
+    server.on("GET", "/_alias/sift-*--docs", Answer(200, found))
+    for alias in (ACME, BETA):
+        server.on("GET", f"/_alias/{alias}", Answer(200, aliases((f"{alias}~000001", alias))))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    on_copies(server, 1)
+    server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
+    original = server._answer
+
+    def answer(request: Recorded) -> Answer:
+        if request.method in ("PUT", "POST") and "--docs~2" in request.path:
+            return Answer(200, {"acknowledged": True, "_shards": {"total": 1}})
+        return original(request)
+
+    server._answer = answer  # type: ignore[method-assign]
+    rebuilt = backend_for(server).reindex_all("docs")
+    assert [name.rsplit("~", 1)[0] for name in rebuilt] == sorted([ACME, BETA])
+    swaps = [r.json()["actions"][-1]["add"]["alias"] for r in server.sent("POST", "/_aliases")]
+    assert swaps == sorted([ACME, BETA])
+    assert other not in str([r.path for r in server.requests[1:]])
 
 
 # --- the read path: exact msearch bodies -----------------------------------------------------
@@ -366,15 +516,15 @@ def test_every_search_path_filters_by_tenant_inside_each_channel(
     channels: tuple[Channel, ...],
     fields: dict[str, FilterValue],
 ) -> None:
-    server.on(
-        "POST",
-        "/_msearch",
+    on_searches(
+        server,
         Answer(200, msearch_response(*[search_response([]) for _ in channels])),
     )
     results = backend_for(server).retrieve(query(channels, **fields))
     assert set(results.hits) == set(channels)
 
     (sent,) = server.requests
+    assert sent.path == MSEARCH  # acme's own index, in the URL; none in the header lines
     assert sent.headers["content-type"] == (
         "application/vnd.elasticsearch+x-ndjson; compatible-with=9"
     )
@@ -385,7 +535,7 @@ def test_every_search_path_filters_by_tenant_inside_each_channel(
     ]
     expected: list[Any] = []
     for channel in channels:
-        expected.append({"index": "sift-docs"})
+        expected.append({})
         expected.append(
             bm25_body(120, filters) if channel == "bm25" else knn_body(120, 200, filters)
         )
@@ -403,7 +553,7 @@ def test_every_search_path_filters_by_tenant_inside_each_channel(
 def test_num_candidates_is_at_least_k_and_at_most_10000(
     server: FakeElasticsearchServer, size: int, setting: int, expected: int
 ) -> None:
-    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response([]))))
+    on_searches(server, Answer(200, msearch_response(search_response([]))))
     backend_for(server, elasticsearch_num_candidates=setting).retrieve(query(("knn",), size=size))
     body = server.requests[0].ndjson()[1]
     assert body["knn"]["k"] == size and body["knn"]["num_candidates"] == expected
@@ -421,8 +571,12 @@ def test_more_than_10000_candidates_is_refused_before_any_request(
 
 
 def test_existing_index_field_names_are_used_everywhere(server: FakeElasticsearchServer) -> None:
+    """An existing index's field names; with no prefix acme's alias is ``<key>--docs`` (an
+    operator points it at the existing index: deploy/README.md §4)."""
     server.on(
-        "POST", "/_msearch", Answer(200, msearch_response(search_response([]), search_response([])))
+        "POST",
+        f"/{tenant_key('acme')}--docs/_msearch",
+        Answer(200, msearch_response(search_response([]), search_response([]))),
     )
     backend = backend_for(
         server,
@@ -437,7 +591,7 @@ def test_existing_index_field_names_are_used_everywhere(server: FakeElasticsearc
     )
     backend.retrieve(query(lang="en"))
     header, bm25, _, knn = server.requests[0].ndjson()
-    assert header == {"index": "docs"}
+    assert header == {}
     filters = [{"term": {"org_id": "acme"}}, {"term": {"attrs.lang": "en"}}]
     assert bm25["query"]["bool"]["filter"] == filters
     assert bm25["query"]["bool"]["must"]["multi_match"]["fields"] == ["body"]
@@ -449,7 +603,7 @@ def test_native_rrf_uses_the_retriever_with_filters_in_both_children(
     server: FakeElasticsearchServer,
 ) -> None:
     fused = search_response([hit(CONCRETE, "acme", "a", 0.0325)])
-    server.on("POST", "/sift-docs/_search", Answer(200, fused))
+    server.on("POST", f"/{ACME}/_search", Answer(200, fused))
     hits = backend_for(server).retrieve_native(query(lang="en"))
     assert [h.document.id for h in hits] == ["a"] and hits[0].score == pytest.approx(0.0325)
     body = server.requests[0].json()
@@ -486,9 +640,8 @@ KNN_HITS = [  # ES reports cosine as (1 + cos) / 2
 
 
 def test_responses_parse_into_channel_hits_best_first(server: FakeElasticsearchServer) -> None:
-    server.on(
-        "POST",
-        "/_msearch",
+    on_searches(
+        server,
         Answer(200, msearch_response(search_response(BM25_HITS, 4), search_response(KNN_HITS, 9))),
     )
     results = backend_for(server).retrieve(query())
@@ -515,11 +668,10 @@ def mapping(with_vector: bool = True) -> dict[str, Any]:
 def test_pipeline_fuses_the_channels_with_sift_rrf_and_keeps_each_rank(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
-    server.on(
-        "POST",
-        "/_msearch",
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
+    on_searches(
+        server,
         Answer(200, msearch_response(search_response(BM25_HITS), search_response(KNN_HITS))),
     )
     pipeline = SearchPipeline(backend_for(server), FakeEmbedder(), config=PipelineConfig())
@@ -537,9 +689,9 @@ def test_pipeline_fuses_the_channels_with_sift_rrf_and_keeps_each_rank(
     assert a.scores.knn == pytest.approx(0.8) and a.scores.bm25 == pytest.approx(7.5)
 
     assert [(r.method, r.path) for r in server.requests] == [
-        ("POST", "/sift-docs/_msearch"),
-        ("GET", "/sift-docs/_mapping"),
-        ("POST", "/_msearch"),
+        ("POST", MSEARCH),
+        ("GET", f"/{ACME}/_mapping"),
+        ("POST", MSEARCH),
     ]
     assert server.requests[0].ndjson() == PROBES_OF_ACME
     _, bm25, _, knn = server.requests[2].ndjson()
@@ -552,9 +704,9 @@ def test_pipeline_fuses_the_channels_with_sift_rrf_and_keeps_each_rank(
 
 
 def test_a_min_similarity_floor_reads_cosine_not_es_scores(server: FakeElasticsearchServer) -> None:
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
-    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response(KNN_HITS))))
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
+    on_searches(server, Answer(200, msearch_response(search_response(KNN_HITS))))
     pipeline = SearchPipeline(
         backend_for(server), FakeEmbedder(), config=PipelineConfig(vector_min_similarity=0.6)
     )
@@ -586,25 +738,26 @@ PROBES_OF_ACME = [
 def test_channels_are_the_tenants_documents_and_vectors(server: FakeElasticsearchServer) -> None:
     """Two tenant-filtered probes in one ``_msearch``; the mapping only once vectors are found."""
     backend = backend_for(server)
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes_of_a_missing_index("sift-docs")))
+    on_probes(server, Answer(200, probes_of_a_missing_index(ACME)))
     assert backend.channels("docs", "acme") == frozenset()
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=False, vectors=False)))
-    assert backend.channels("docs", "acme") == frozenset()  # only other tenants' documents
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=False)))
+    on_probes(server, Answer(200, probes(documents=False, vectors=False)))
+    assert backend.channels("docs", "acme") == frozenset()  # emptied by deletes by id
+    on_probes(server, Answer(200, probes(documents=True, vectors=False)))
     assert backend.channels("docs", "acme") == {"bm25"}
-    assert [r.path for r in server.requests] == ["/sift-docs/_msearch"] * 3  # no mapping read
+    assert [r.path for r in server.requests] == [MSEARCH] * 3  # no mapping read
     for request in server.requests:
         assert request.ndjson() == PROBES_OF_ACME
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping(with_vector=False)))
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping(with_vector=False)))
     assert backend.channels("docs", "acme") == {"bm25"}  # a vector field that is no dense_vector
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
     assert backend.channels("docs", "acme") == {"bm25", "knn"}
     before = len(server.requests)
     assert backend.channels("docs", "acme") == {"bm25", "knn"}  # remembered for a while
     assert len(server.requests) == before
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=False, vectors=False)))
+    server.on("POST", f"/{BETA}/_msearch", Answer(200, probes_of_a_missing_index(BETA)))
     assert backend.channels("docs", "beta") == frozenset()  # acme's answer is not beta's
+    assert server.requests[-1].path == f"/{BETA}/_msearch"  # beta's own index is asked
     beta = server.requests[-1].ndjson()
     assert beta[1]["query"]["bool"]["filter"] == [{"term": {"tenant": "beta"}}]
 
@@ -617,10 +770,10 @@ def test_the_per_tenant_memo_drops_expired_answers_once_large(
     backend = backend_for(server)
     backend._clock = lambda: now[0]
     for tenant in ("t1", "t2", "t3"):
-        backend._saw_vectors("sift-docs", tenant, None)
+        backend._saw_vectors(backend.alias("docs", tenant), tenant, None)
     now[0] = elasticsearch.CHANNELS_TTL_SECONDS + 1
-    backend._saw_vectors("sift-docs", "t4", "m-1")
-    assert set(backend._with_vectors) == {("sift-docs", "t4")}
+    backend._saw_vectors(backend.alias("docs", "t4"), "t4", "m-1")
+    assert set(backend._with_vectors) == {(backend.alias("docs", "t4"), "t4")}
     assert backend.channels("docs", "t4") == {"bm25", "knn"}  # from the memo: no request
     assert backend.probe("docs", "t4").model == "m-1"
     assert server.requests == []
@@ -629,28 +782,31 @@ def test_the_per_tenant_memo_drops_expired_answers_once_large(
 def test_a_whole_request_404_on_the_probes_is_a_missing_index(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("POST", "/sift-docs/_msearch", Answer(404, index_missing("sift-docs")))
+    on_probes(server, Answer(404, index_missing(ACME)))
     assert backend_for(server).channels("docs", "acme") == frozenset()
 
 
 def test_an_index_only_another_tenant_has_is_not_found_like_a_missing_one(
     server: FakeElasticsearchServer,
 ) -> None:
-    """Beta searching acme's index name, and a name nobody has: the same error, word for word,
-    after the same one request; the alias existing is never asked on its own."""
+    """Beta searching "docs", which acme holds: beta's probes go to beta's own alias, which
+    does not exist, so ES answers exactly what it answers for a name nobody has; acme's
+    index is never in beta's requests. An alias of beta's emptied by deletes by id, and a
+    whole-request 404, say the same words after the same one request."""
     pipeline = SearchPipeline(backend_for(server), FakeEmbedder(), config=PipelineConfig())
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))  # acme's: never asked
     errors: list[IndexNotFound] = []
     for answer in (
-        Answer(200, probes(documents=False, vectors=False)),  # the alias exists: acme's
-        Answer(200, probes_of_a_missing_index("sift-docs")),  # no such alias at all
-        Answer(404, index_missing("sift-docs")),
+        Answer(200, probes_of_a_missing_index(BETA)),  # no alias of beta's: acme's or nobody's
+        Answer(200, probes(documents=False, vectors=False)),  # beta's own, emptied by ids
+        Answer(404, index_missing(BETA)),
     ):
         server.requests.clear()
-        server.on("POST", "/sift-docs/_msearch", answer)
+        server.on("POST", f"/{BETA}/_msearch", answer)
         with pytest.raises(IndexNotFound) as caught:
             pipeline.search(SearchSpec(index="docs", query="vitamin d"), tenant="beta")
         errors.append(caught.value)
-        assert [(r.method, r.path) for r in server.requests] == [("POST", "/sift-docs/_msearch")]
+        assert [(r.method, r.path) for r in server.requests] == [("POST", f"/{BETA}/_msearch")]
         assert server.requests[0].ndjson()[1]["query"]["bool"]["filter"] == [
             {"term": {"tenant": "beta"}}
         ]
@@ -658,10 +814,11 @@ def test_an_index_only_another_tenant_has_is_not_found_like_a_missing_one(
         ("index_not_found", "index 'docs' does not exist: ingest documents into it first", False)
     }
     # and a search whose alias vanished after the probes says the same words
-    server.on("POST", "/_msearch", Answer(404, index_missing("sift-docs")))
+    server.on("POST", f"/{BETA}/_msearch", Answer(404, index_missing(BETA)))
     with pytest.raises(IndexNotFound) as late:
         backend_for(server).retrieve(query(tenant="beta"))
     assert late.value.message == errors[0].message
+    assert probes_sent(server) == [] and searches_sent(server) == []  # acme's: untouched
 
 
 # --- errors ------------------------------------------------------------------------------
@@ -671,7 +828,7 @@ def test_an_index_only_another_tenant_has_is_not_found_like_a_missing_one(
 def test_5xx_and_429_are_retryable_and_the_client_does_not_retry(
     server: FakeElasticsearchServer, status: int
 ) -> None:
-    server.on("POST", "/_msearch", Answer(status, error_body("unavailable", "try later", status)))
+    on_searches(server, Answer(status, error_body("unavailable", "try later", status)))
     with pytest.raises(BackendUnavailable, match=str(status)) as caught:
         backend_for(server).retrieve(query())
     assert caught.value.retryable
@@ -680,9 +837,8 @@ def test_5xx_and_429_are_retryable_and_the_client_does_not_retry(
 
 
 def test_400_is_a_permanent_request_error_with_es_reason(server: FakeElasticsearchServer) -> None:
-    server.on(
-        "POST",
-        "/_msearch",
+    on_searches(
+        server,
         Answer(400, error_body("x_content_parse_exception", "[knn] unknown field [bogus]")),
     )
     with pytest.raises(BackendRequestError, match=r"400\): x_content_parse_exception") as caught:
@@ -692,24 +848,22 @@ def test_400_is_a_permanent_request_error_with_es_reason(server: FakeElasticsear
 
 
 def test_missing_index_is_index_not_found(server: FakeElasticsearchServer) -> None:
-    server.on("POST", "/_msearch", Answer(404, index_missing("sift-docs")))
+    on_searches(server, Answer(404, index_missing(ACME)))
     with pytest.raises(IndexNotFound, match="'docs'"):
         backend_for(server).retrieve(query())
 
 
 def test_an_error_inside_one_msearch_item_is_mapped(server: FakeElasticsearchServer) -> None:
-    item = {**index_missing("sift-docs")}
-    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response([]), item)))
+    item = {**index_missing(ACME)}
+    on_searches(server, Answer(200, msearch_response(search_response([]), item)))
     with pytest.raises(IndexNotFound):
         backend_for(server).retrieve(query())
     shard_failure = error_body("search_phase_execution_exception", "all shards failed", 503)
-    server.on(
-        "POST", "/_msearch", Answer(200, msearch_response(shard_failure, search_response([])))
-    )
+    on_searches(server, Answer(200, msearch_response(shard_failure, search_response([]))))
     with pytest.raises(BackendUnavailable, match="bm25 search"):
         backend_for(server).retrieve(query())
     bad = error_body("illegal_argument_exception", "[num_candidates] cannot exceed [10000]")
-    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response([]), bad)))
+    on_searches(server, Answer(200, msearch_response(search_response([]), bad)))
     with pytest.raises(BackendRequestError, match="num_candidates"):
         backend_for(server).retrieve(query())
 
@@ -725,32 +879,31 @@ def test_connection_refused_is_retryable() -> None:
 
 def test_the_attempt_timeout_is_the_request_timeout(server: FakeElasticsearchServer) -> None:
     slow = Answer(200, msearch_response(search_response([]), search_response([])), delay=1.0)
-    server.on("POST", "/_msearch", slow)
+    on_searches(server, slow)
     with pytest.raises(BackendUnavailable, match="timed out"):
         backend_for(server).retrieve(query(timeout=0.2))
     assert len(server.requests) == 1
 
 
 def test_the_pipeline_is_the_one_retry_layer(server: FakeElasticsearchServer) -> None:
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=False)))
-    server.on(
-        "POST",
-        "/_msearch",
+    on_probes(server, Answer(200, probes(documents=True, vectors=False)))
+    on_searches(
+        server,
         Answer(200, msearch_response(search_response(BM25_HITS))),
     )
-    server.on("POST", "/_msearch", Answer(503, error_body("unavailable", "busy", 503)), times=1)
+    on_searches(server, Answer(503, error_body("unavailable", "busy", 503)), times=1)
     sleeps: list[float] = []
     pipeline = SearchPipeline(
         backend_for(server), FakeEmbedder(), config=PipelineConfig(), sleep=sleeps.append
     )
     result = pipeline.search(SearchSpec(index="docs", query="q", mode="fts"), tenant="acme")
     assert [h.id for h in result.hits] == ["a", "b", "c"]
-    assert len(server.sent("POST", "/_msearch")) == 2 and len(sleeps) == 1
+    assert len(searches_sent(server)) == 2 and len(sleeps) == 1
 
 
 def test_the_client_speaks_es9_media_types(server: FakeElasticsearchServer) -> None:
     """The 9.x client sends ``compatible-with=9``, which an 8.x server refuses: use ES 9."""
-    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response([]))))
+    on_searches(server, Answer(200, msearch_response(search_response([]))))
     backend_for(server).retrieve(query(("bm25",)))
     assert server.requests[0].headers["accept"] == (
         "application/vnd.elasticsearch+json; compatible-with=9"
@@ -764,7 +917,7 @@ def test_an_8x_server_refusing_the_media_type_gets_a_clear_message(
         "media_type_header_exception",
         "Invalid media-type value on headers [Content-Type, Accept]",
     )
-    server.on("POST", "/_msearch", Answer(400, refused))
+    on_searches(server, Answer(400, refused))
     with pytest.raises(BackendRequestError, match="Sift needs Elasticsearch 9"):
         backend_for(server).retrieve(query())
 
@@ -789,10 +942,10 @@ def test_bootstrap_builds_the_backend_without_a_network_call(
 def test_native_rrf_mode_runs_one_retriever_search_and_the_pipeline_keeps_es_order(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
     fused = search_response([hit(CONCRETE, "acme", "c", 0.033), hit(CONCRETE, "acme", "a", 0.03)])
-    server.on("POST", "/sift-docs/_search", Answer(200, fused))
+    server.on("POST", f"/{ACME}/_search", Answer(200, fused))
     backend = backend_for(server)
     backend.native_rrf = True
     pipeline = SearchPipeline(backend, FakeEmbedder(), config=PipelineConfig())
@@ -805,7 +958,7 @@ def test_native_rrf_mode_runs_one_retriever_search_and_the_pipeline_keeps_es_ord
     assert c.scores.rrf == pytest.approx(0.033) and c.scores.bm25 is None
     assert result.trace is not None and result.trace["fused_by_backend"] is True
     search = server.requests[-1]
-    assert (search.method, search.path) == ("POST", "/sift-docs/_search")
+    assert (search.method, search.path) == ("POST", f"/{ACME}/_search")
     children = search.json()["retriever"]["rrf"]["retrievers"]
     tenant = {"term": {"tenant": "acme"}}
     assert tenant in children[0]["standard"]["query"]["bool"]["filter"]
@@ -817,10 +970,10 @@ def test_native_rrf_sends_the_searchs_weights_and_rank_constant(
 ) -> None:
     """Weighted RRF on ES's own retriever: each child as ``{"retriever", "weight"}`` (ES 9.2+)
     and the rank constant, both the ones the request resolved to."""
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
     fused = search_response([hit(CONCRETE, "acme", "c", 0.05)])
-    server.on("POST", "/sift-docs/_search", Answer(200, fused))
+    server.on("POST", f"/{ACME}/_search", Answer(200, fused))
     backend = backend_for(server, elasticsearch_native_rrf=True)
     pipeline = SearchPipeline(backend, FakeEmbedder(), config=PipelineConfig())
     asked = SearchSpec.model_validate(
@@ -835,7 +988,7 @@ def test_native_rrf_sends_the_searchs_weights_and_rank_constant(
     result = pipeline.search(asked, tenant="acme")
     assert [h.id for h in result.hits] == ["c"]
     assert result.trace is not None and result.trace["fusion"]["rank_constant"] == 20
-    rrf = server.sent("POST", "/sift-docs/_search")[-1].json()["retriever"]["rrf"]
+    rrf = server.sent("POST", f"/{ACME}/_search")[-1].json()["retriever"]["rrf"]
     assert rrf["rank_constant"] == 20
     bm25, knn = rrf["retrievers"]
     assert bm25["weight"] == 1.0 and knn["weight"] == 0.25
@@ -858,10 +1011,10 @@ def test_native_linear_sends_es_linear_retriever_with_weights_and_minmax(
     """``fusion.method`` linear on ES's own retriever: ``retriever.linear`` (ES 8.18+ / 9.x),
     each child as ``{"retriever", "weight", "normalizer": "minmax"}``, no rank constant; the
     pipeline keeps ES's order and score."""
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
     fused = search_response([hit(CONCRETE, "acme", "b", 1.25), hit(CONCRETE, "acme", "a", 0.5)])
-    server.on("POST", "/sift-docs/_search", Answer(200, fused))
+    server.on("POST", f"/{ACME}/_search", Answer(200, fused))
     backend = backend_for(server, elasticsearch_native_rrf=True)
     pipeline = SearchPipeline(backend, FakeEmbedder(), config=PipelineConfig())
     asked = SearchSpec.model_validate(
@@ -878,7 +1031,7 @@ def test_native_linear_sends_es_linear_retriever_with_weights_and_minmax(
     assert result.hits[0].scores.rrf == pytest.approx(1.25)
     assert result.trace is not None and result.trace["fusion"]["method"] == "linear"
     assert result.trace["fused_by_backend"] is True
-    body = server.sent("POST", "/sift-docs/_search")[-1].json()
+    body = server.sent("POST", f"/{ACME}/_search")[-1].json()
     assert set(body["retriever"]) == {"linear"}
     linear = body["retriever"]["linear"]
     assert linear["rank_window_size"] == body["size"] and "rank_constant" not in linear
@@ -893,8 +1046,8 @@ def test_linear_without_native_fusion_fuses_the_channel_scores_in_sift(
 ) -> None:
     """Native fusion off: the two channel searches go in one ``_msearch`` as for RRF, and Sift
     fuses their scores (kNN turned back into cosine; min-max is blind to that anyway)."""
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
     bm25 = search_response(
         [hit(CONCRETE, "acme", "a", 9.0), hit(CONCRETE, "acme", "b", 5.0),
          hit(CONCRETE, "acme", "c", 1.0)]
@@ -903,7 +1056,7 @@ def test_linear_without_native_fusion_fuses_the_channel_scores_in_sift(
         [hit(CONCRETE, "acme", "c", 0.95), hit(CONCRETE, "acme", "b", 0.9),
          hit(CONCRETE, "acme", "a", 0.55)]
     )  # fmt: skip
-    server.on("POST", "/_msearch", Answer(200, msearch_response(bm25, knn)))
+    on_searches(server, Answer(200, msearch_response(bm25, knn)))
     backend = backend_for(server)
     pipeline = SearchPipeline(backend, FakeEmbedder(), config=PipelineConfig())
     asked = SearchSpec.model_validate(
@@ -914,26 +1067,26 @@ def test_linear_without_native_fusion_fuses_the_channel_scores_in_sift(
     assert [(h.id, round(h.scores.rrf or 0.0, 6)) for h in result.hits] == [
         ("b", 1.375), ("a", 1.0), ("c", 1.0)
     ]  # fmt: skip
-    assert server.sent("POST", "/sift-docs/_search") == []
+    assert server.sent("POST", f"/{ACME}/_search") == []
 
 
 def test_native_rrf_with_knn_weighted_zero_runs_bm25_alone(
     server: FakeElasticsearchServer,
 ) -> None:
     """A channel weighted 0 is not queried: no retriever, no kNN, one BM25 search."""
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=True, vectors=True)))
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
     backend = backend_for(server, elasticsearch_native_rrf=True)
     pipeline = SearchPipeline(backend, FakeEmbedder(), config=PipelineConfig())
     bm25_only = msearch_response(search_response([hit(CONCRETE, "acme", "a", 3.0)]))
-    server.on("POST", "/_msearch", Answer(200, bm25_only))
+    on_searches(server, Answer(200, bm25_only))
     asked = SearchSpec.model_validate(
         {"index": "docs", "query": "vitamin d", "fusion": {"weights": {"knn": 0}}}
     )
     result = pipeline.search(asked, tenant="acme")
     assert [h.id for h in result.hits] == ["a"] and result.hits[0].ranks.bm25 == 1
-    assert server.sent("POST", "/sift-docs/_search") == []
-    searches = server.sent("POST", "/_msearch")[-1].ndjson()
+    assert server.sent("POST", f"/{ACME}/_search") == []
+    searches = searches_sent(server)[-1].ndjson()
     assert len(searches) == 2 and "knn" not in searches[1]
 
 
@@ -943,7 +1096,7 @@ def test_native_rrf_with_knn_weighted_zero_runs_bm25_alone(
 def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", "/sift-docs", Answer(200))
+    server.on("HEAD", f"/{ACME}", Answer(200))
     server.on(
         "PUT",
         "/_bulk",
@@ -962,7 +1115,7 @@ def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
     assert actions == [
         {
             "index": {
-                "_index": "sift-docs",
+                "_index": ACME,
                 "_id": f"acme:{d}",
                 "version": 7,
                 "version_type": "external",
@@ -975,7 +1128,7 @@ def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
 def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", "/sift-docs", Answer(200))
+    server.on("HEAD", f"/{ACME}", Answer(200))
     server.on(
         "PUT",
         "/_bulk",
@@ -996,7 +1149,7 @@ def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
     assert bulk.ndjson() == [
         {
             "delete": {
-                "_index": "sift-docs",
+                "_index": ACME,
                 "_id": f"acme:{d}",
                 "version": 12,
                 "version_type": "external",
@@ -1011,7 +1164,7 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
 ) -> None:
     """A delete can run before the upsert it was accepted after: its tombstones must exist
     in the index that upsert will write to, so the index is created as an upsert would."""
-    server.on("HEAD", "/sift-docs", Answer(404))
+    server.on("HEAD", f"/{ACME}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on(
         "PUT",
@@ -1023,19 +1176,21 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
         "/_bulk",
         Answer(200, bulk_response(bulk_item("delete", CONCRETE, "acme:d1", 404, "not_found"))),
     )
+    server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)))
     assert backend_for(server).delete_documents("docs", "acme", ["d1"], version=3) == 0
     assert [(r.method, r.path) for r in server.requests] == [
-        ("HEAD", "/sift-docs"),
+        ("GET", FLOOR),  # no drop of acme's "docs" ran: no floor
+        ("HEAD", f"/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
-        ("PUT", "/_bulk"),
+        ("PUT", "/_bulk"),  # a delete writes nothing back: no floor read after it
     ]
 
 
 def test_a_bulk_delete_failing_for_other_reasons_names_the_document(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", "/sift-docs", Answer(200))
+    server.on("HEAD", f"/{ACME}", Answer(200))
     failed = {
         "delete": {
             "_index": CONCRETE,
@@ -1051,46 +1206,207 @@ def test_a_bulk_delete_failing_for_other_reasons_names_the_document(
         backend_for(server).delete_documents("docs", "acme", ["d1"], version=3)
 
 
-def test_delete_index_is_a_delete_by_query_on_the_tenant_term(
+DROP_SEARCHES = [
+    {},
+    {
+        "size": 0,
+        "track_total_hits": True,
+        "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
+    },
+    {},
+    {
+        "size": 0,
+        "terminate_after": 1,
+        "track_total_hits": True,
+        "query": {"bool": {"must_not": [{"term": {"tenant": "acme"}}]}},
+    },
+]
+
+
+def on_floors(server: FakeElasticsearchServer, version: int = 20) -> None:
+    """Answer a drop's floor write: the template, the floors index, acme's floor."""
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("PUT", f"/{FLOORS}", Answer(200, {"acknowledged": True, "index": FLOORS}))
+    server.on("PUT", FLOOR, Answer(201, floor_written(FLOORS, ACME, version)))
+
+
+def test_delete_index_deletes_the_tenants_physical_index_and_nothing_else(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("POST", "/sift-docs/_delete_by_query", Answer(200, delete_by_query_response(3)))
+    """Raise acme's floor for "docs" first, count acme's documents and look for another
+    tenant's, resolve acme's alias, delete its concrete index, then the one a reindex kept:
+    beta's index of the same name is in no request."""
+    kept = f"{ACME}~20260101t000000000000"
+    on_floors(server)
+    on_searches(server, Answer(200, drop_counts(3, 0)))
+    server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
+    server.on("DELETE", f"/{CONCRETE}", Answer(200, {"acknowledged": True}))
+    found = resolved((CONCRETE, [ACME]), (kept, []), (f"{ACME}~other", []))
+    server.on("POST", f"/_resolve/index/{ACME}~*", Answer(200, found))
+    server.on("DELETE", f"/{kept}", Answer(200, {"acknowledged": True}))
     assert backend_for(server).delete_index("docs", "acme", version=20) == 3
-    (sent,) = server.sent("POST", "/sift-docs/_delete_by_query")
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("PUT", "/_index_template/sift-sift"),
+        ("PUT", f"/{FLOORS}"),  # once per process
+        ("PUT", FLOOR),  # before anything is deleted
+        ("POST", MSEARCH),
+        ("GET", f"/_alias/{ACME}"),
+        ("DELETE", f"/{CONCRETE}"),
+        ("POST", f"/_resolve/index/{ACME}~*"),
+        ("DELETE", f"/{kept}"),  # a name Sift did not make (~other) is left
+    ]
+    assert server.requests[-1].query == {"ignore_unavailable": ["true"]}
+    floor = server.requests[2]
+    assert floor.json() == {}
+    assert floor.query == {"version": ["20"], "version_type": ["external"]}
+    assert server.requests[3].ndjson() == DROP_SEARCHES
+    assert BETA not in str([(r.path, r.body) for r in server.requests])
+    assert not server.sent("POST", f"/{ACME}/_delete_by_query")
+
+
+def test_delete_index_holding_another_tenants_document_deletes_only_the_tenants(
+    server: FakeElasticsearchServer,
+) -> None:
+    """Defence in depth: an index that also holds another tenant's document (a key
+    collision, or an alias pointed at a shared index) is never deleted outright."""
+    on_searches(server, Answer(200, drop_counts(3, 1)))
+    server.on("POST", f"/{ACME}/_delete_by_query", Answer(200, delete_by_query_response(3)))
+    assert backend_for(server).delete_index("docs", "acme") == 3
+    (sent,) = server.sent("POST", f"/{ACME}/_delete_by_query")
     assert sent.json() == {"query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}}}
     assert sent.query["conflicts"] == ["proceed"] and sent.query["refresh"] == ["true"]
-    # the shared ES index itself is never deleted
-    assert not server.sent("DELETE")
+    assert not server.sent("DELETE") and not server.sent("GET")
 
 
 def test_delete_index_of_a_missing_index_deletes_nothing(server: FakeElasticsearchServer) -> None:
-    server.on("POST", "/sift-docs/_delete_by_query", Answer(404, index_missing("sift-docs")))
+    on_floors(server)
+    for answer in (
+        Answer(404, index_missing(ACME)),
+        Answer(200, msearch_response(index_missing(ACME), index_missing(ACME))),
+    ):
+        server.requests.clear()
+        on_searches(server, answer)
+        assert backend_for(server).delete_index("docs", "acme", version=20) == 0
+        # the floor still goes up: an upsert accepted before this drop may run after it
+        assert [(r.method, r.path) for r in server.requests][-2:] == [
+            ("PUT", FLOOR),
+            ("POST", MSEARCH),
+        ]
+    # another worker deleted it between the count and the delete: no error either, and
+    # the documents are that drop's to count, not this one's
+    server.on("POST", f"/_resolve/index/{ACME}~*", Answer(200, resolved()))
+    on_searches(server, Answer(200, drop_counts(2, 0)))
+    server.on("GET", f"/_alias/{ACME}", Answer(404, alias_missing(ACME)))
+    assert backend_for(server).delete_index("docs", "acme") == 0
+    assert not server.sent("DELETE")
+    # ... or between resolving the alias and the delete
+    server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
+    server.on("DELETE", f"/{CONCRETE}", Answer(404, index_missing(CONCRETE)))
+    assert backend_for(server).delete_index("docs", "acme") == 0
+
+
+def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
+    server: FakeElasticsearchServer,
+) -> None:
+    """This process saw acme's index; another worker dropped it. ``require_alias`` refuses
+    the bulk write (no bare index auto-created under the alias's name), the index is made
+    again from the template, and the write is sent once more."""
+    server.on("HEAD", f"/{ACME}", Answer(200), times=1)
+    server.on("PUT", "/_bulk", bulk_ok)
+    server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)))
+    backend = backend_for(server)
+    assert backend.upsert("docs", "acme", [Document("d1", "x")], None, version=4) == 1
+    server.requests.clear()
+    refused = bulk_response(require_alias_refused("index", ACME, "acme:d2"))
+    server.on("PUT", "/_bulk", Answer(200, refused), times=1)
+    server.on("HEAD", f"/{ACME}", Answer(404))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("PUT", f"/{CONCRETE}", Answer(200, {"acknowledged": True, "index": CONCRETE}))
+    assert backend.upsert("docs", "acme", [Document("d2", "y")], None, version=5) == 1
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", FLOOR),
+        ("PUT", "/_bulk"),
+        ("GET", FLOOR),  # the drop was an older one than this write: make the index again
+        ("HEAD", f"/{ACME}"),
+        ("PUT", "/_index_template/sift-sift"),
+        ("PUT", f"/{CONCRETE}"),
+        ("PUT", "/_bulk"),
+        ("GET", FLOOR),  # after the write: no drop of this version or newer ran meanwhile
+    ]
+    first, again = server.sent("PUT", "/_bulk")
+    assert first.ndjson() == again.ndjson()  # the same actions, the same version
+    assert again.query["require_alias"] == ["true"]
+
+
+def test_writes_accepted_before_a_drop_that_has_run_are_skipped(
+    server: FakeElasticsearchServer,
+) -> None:
+    """A drop of version 20 ran (the floor holds 20): an upsert or delete accepted before it
+    (a retry, a redelivery) writes nothing and makes no index; one accepted after it runs."""
+    server.on("GET", FLOOR, Answer(200, floor_found(FLOORS, ACME, 20)))
+    backend = backend_for(server)
+    assert backend.upsert("docs", "acme", [Document("d1", "old")], None, version=19) == 0
+    assert backend.delete_documents("docs", "acme", ["d1"], version=20) == 0
+    assert [(r.method, r.path) for r in server.requests] == [("GET", FLOOR)] * 2
+    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("PUT", "/_bulk", bulk_ok)
+    assert backend.upsert("docs", "acme", [Document("d1", "new")], None, version=21) == 1
+    assert backend.upsert("docs", "acme", [Document("d2", "any")], None) == 1  # unversioned
+    # before and after the versioned write; an unversioned write reads no floor
+    assert len(server.sent("GET", FLOOR)) == 4
+
+
+def test_a_drop_running_between_a_writes_floor_check_and_its_bulk_still_wins(
+    server: FakeElasticsearchServer,
+) -> None:
+    """The write passed the floor check, then the drop (accepted after it) raised the floor
+    and deleted the index: ``require_alias`` refuses the bulk, the floor is read again, and
+    the write is dropped, not written into a re-made index."""
+    server.on("GET", FLOOR, Answer(200, floor_found(FLOORS, ACME, 30)))
+    server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)), times=1)  # asked first
+    server.on("HEAD", f"/{ACME}", Answer(200))
+    refused = bulk_response(require_alias_refused("index", ACME, "acme:d1"))
+    server.on("PUT", "/_bulk", Answer(200, refused))
+    backend = backend_for(server)
+    assert backend.upsert("docs", "acme", [Document("d1", "x")], None, version=29) == 0
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", FLOOR),
+        ("HEAD", f"/{ACME}"),
+        ("PUT", "/_bulk"),
+        ("GET", FLOOR),
+    ]
+
+
+def test_a_drop_older_than_the_held_floor_leaves_it(server: FakeElasticsearchServer) -> None:
+    """Two drops run out of order: the older one's floor write is a 409 (ES keeps the
+    higher external version), which is no error."""
+    on_floors(server)
+    conflict = version_conflict("index", FLOORS, ACME, held=30, sent=20)["index"]["error"]
+    server.on("PUT", FLOOR, Answer(409, {"error": conflict, "status": 409}))
+    on_searches(server, Answer(200, msearch_response(index_missing(ACME), index_missing(ACME))))
     assert backend_for(server).delete_index("docs", "acme", version=20) == 0
 
 
 def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearchServer) -> None:
+    """Acme's aliases by its key's pattern, then one count per concrete index: an index a
+    reindex kept (no alias) and one holding none of acme's documents are not listed."""
+    stem = f"sift-{tenant_key('acme')}--"
     server.on(
-        "POST",
-        "/sift-*/_search",
-        Answer(
-            200,
-            terms_by_index_response(
-                {"sift-docs-000001": 4, "sift-faq-20260101": 2}, {"sift-docs-000001": "m-1"}
-            ),
-        ),
+        "GET",
+        f"/_alias/{stem}*",
+        Answer(200, aliases((CONCRETE, ACME), (f"{stem}faq~20260101t000000000000", f"{stem}faq"))),
     )
-    aliases = {
-        "sift-docs-000001": {"aliases": {"sift-docs": {}}},
-        "sift-faq-20260101": {"aliases": {"sift-faq": {}}},
-        "sift-old-000001": {"aliases": {}},
-    }
-    server.on("GET", "/sift-*/_alias", Answer(200, aliases))
+    counts = terms_by_index_response(
+        {CONCRETE: 4, f"{stem}faq~20260101t000000000000": 2, f"{stem}old~000001": 7},
+        {CONCRETE: "m-1"},
+    )
+    server.on("POST", f"/{stem}*/_search", Answer(200, counts))
     listed = backend_for(server).indexes("acme")
     assert [(i.name, i.documents, i.backend, i.model, i.dimension) for i in listed] == [
         ("docs", 4, "elasticsearch", "m-1", 384),
         ("faq", 2, "elasticsearch", None, 384),  # no vector records a model
     ]
-    (search,) = server.sent("POST", "/sift-*/_search")
+    (search,) = server.sent("POST", f"/{stem}*/_search")
     assert search.json() == {
         "size": 0,
         "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
@@ -1101,40 +1417,50 @@ def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearch
             }
         },
     }
+    # a tenant with no alias at all: ES answers the wildcard with {}, and nothing is counted
+    nobody = f"/_alias/sift-{tenant_key('nobody')}--*"
+    server.on("GET", nobody, Answer(200, {}))
+    assert backend_for(server).indexes("nobody") == []
+    assert server.requests[-1].path == nobody
+    # with security on and no index the key may see yet, ES answers 404 index_not_found
+    server.on("GET", nobody, Answer(404, index_missing("_all")))
+    assert backend_for(server).indexes("nobody") == []
 
 
 def test_index_info_is_a_tenant_filtered_count_with_the_recorded_model(
     server: FakeElasticsearchServer,
 ) -> None:
     answer = {**probe_response(5), "aggregations": models_agg("m-1")}
-    server.on("POST", "/sift-docs/_search", Answer(200, answer), times=1)
+    server.on("POST", f"/{ACME}/_search", Answer(200, answer), times=1)
     info = backend_for(server).index_info("docs", "acme")
     assert info is not None and info.documents == 5 and info.model == "m-1"
-    (sent,) = server.sent("POST", "/sift-docs/_search")
+    (sent,) = server.sent("POST", f"/{ACME}/_search")
     assert sent.json() == {
         "size": 0,
         "track_total_hits": True,
         "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
         "aggs": {"models": {"terms": {"field": "embedding_model", "size": 1}}},
     }
-    # another tenant's only (total 0) and a missing index answer the same None
+    # globex's own index, emptied by deletes (total 0), and none (404): the same None
+    globex = f"/sift-{tenant_key('globex')}--docs/_search"
     empty = {**probe_response(0), "aggregations": models_agg()}
-    server.on("POST", "/sift-docs/_search", Answer(200, empty), times=1)
+    server.on("POST", globex, Answer(200, empty), times=1)
     assert backend_for(server).index_info("docs", "globex") is None
-    server.on("POST", "/sift-docs/_search", Answer(404, index_missing("sift-docs")))
+    server.on("POST", globex, Answer(404, index_missing(globex[1:-8])))
     assert backend_for(server).index_info("docs", "globex") is None
+    assert len(server.sent("POST", f"/{ACME}/_search")) == 1  # acme's was never asked again
 
 
 def test_document_gets_the_tenants_id_without_the_vector(server: FakeElasticsearchServer) -> None:
     found = get_found(CONCRETE, "acme", "d1", 7, text="the text", title="T", metadata={"y": "1"})
-    server.on("GET", "/sift-docs/_doc/acme%3Ad1", Answer(200, found))
+    server.on("GET", f"/{ACME}/_doc/acme%3Ad1", Answer(200, found))
     doc = backend_for(server).document("docs", "acme", "d1")
     assert doc is not None
     assert doc.id == "d1" and doc.text == "the text" and doc.title == "T"
     assert doc.revision == "r1" and dict(doc.metadata) == {"y": "1"} and doc.version == 7
-    (sent,) = server.sent("GET", "/sift-docs/_doc/acme%3Ad1")
+    (sent,) = server.sent("GET", f"/{ACME}/_doc/acme%3Ad1")
     assert sent.query["_source_excludes"] == ["vector"]
-    server.on("GET", "/sift-docs/_doc/acme%3Ad2", Answer(404, get_missing(CONCRETE, "acme:d2")))
+    server.on("GET", f"/{ACME}/_doc/acme%3Ad2", Answer(404, get_missing(CONCRETE, "acme:d2")))
     assert backend_for(server).document("docs", "acme", "d2") is None
     server.on("GET", "/sift-none/_doc/acme%3Ad1", Answer(404, index_missing("sift-none")))
     assert backend_for(server).document("none", "acme", "d1") is None
@@ -1159,17 +1485,17 @@ MODEL_CHECK = {
 def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_refused(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", "/sift-docs", Answer(200))
-    server.on("PUT", "/sift-docs/_mapping", Answer(200, {"acknowledged": True}))
-    server.on("POST", "/sift-docs/_search", Answer(200, probe_response(0)), times=2)
+    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}))
+    server.on("POST", f"/{ACME}/_search", Answer(200, probe_response(0)), times=2)
     server.on("PUT", "/_bulk", bulk_ok)
     backend = backend_for(server)
     first = [Document("d1", "x", revision="r")]
     assert backend.upsert("docs", "acme", first, [VECTOR], model="m-1") == 1
     assert [(r.method, r.path) for r in server.requests] == [
-        ("HEAD", "/sift-docs"),
-        ("PUT", "/sift-docs/_mapping"),  # an index made before the field existed takes it
-        ("POST", "/sift-docs/_search"),
+        ("HEAD", f"/{ACME}"),
+        ("PUT", f"/{ACME}/_mapping"),  # an index made before the field existed takes it
+        ("POST", f"/{ACME}/_search"),
         ("PUT", "/_bulk"),
     ]
     assert server.requests[1].json() == {"properties": {"embedding_model": {"type": "keyword"}}}
@@ -1182,12 +1508,12 @@ def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_r
     # the next write checks again (another worker may have written), the mapping is known
     assert backend.upsert("docs", "acme", [Document("d2", "y")], [VECTOR], model="m-1") == 1
     assert [(r.method, r.path) for r in server.requests[4:]] == [
-        ("POST", "/sift-docs/_search"),
+        ("POST", f"/{ACME}/_search"),
         ("PUT", "/_bulk"),
     ]
     # the tenant holds vectors of "m-0": refused before the bulk, nothing written
     held = probe_response(1, [{"embedding_model": "m-0"}])
-    server.on("POST", "/sift-docs/_search", Answer(200, held))
+    server.on("POST", f"/{ACME}/_search", Answer(200, held))
     before = len(server.sent("PUT", "/_bulk"))
     with pytest.raises(EmbeddingModelMismatch, match=r"'m-0'.*'m-1'"):
         backend.upsert("docs", "acme", [Document("d3", "z")], [VECTOR], model="m-1")
@@ -1196,10 +1522,13 @@ def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_r
     assert backend.upsert("docs", "acme", [Document("d4", "w")], None, model="m-1") == 1
     assert "embedding_model" not in server.requests[-1].ndjson()[1]
 
-    # a drop takes the record (on the documents) and this worker's memo of it
-    server.on("POST", "/sift-docs/_delete_by_query", Answer(200, delete_by_query_response(3)))
+    # a drop takes the record (with the index) and this worker's memo of it
+    on_searches(server, Answer(200, drop_counts(3, 0)))
+    server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
+    server.on("DELETE", f"/{CONCRETE}", Answer(200, {"acknowledged": True}))
+    server.on("POST", f"/_resolve/index/{ACME}~*", Answer(200, resolved((CONCRETE, [ACME]))))
     backend.delete_index("docs", "acme")
-    server.on("POST", "/sift-docs/_msearch", Answer(200, probes(documents=False, vectors=False)))
+    on_probes(server, Answer(200, probes_of_a_missing_index(ACME)))
     assert backend.probe("docs", "acme") == IndexProbe(frozenset())
 
 
@@ -1208,22 +1537,139 @@ def test_a_knn_search_of_another_models_vectors_is_refused_from_the_probe_alone(
 ) -> None:
     """The probe's vector hit names its model: a vector or hybrid search by another model's
     query is refused after that one round trip (and the mapping read); fts is served."""
-    server.on(
-        "POST",
-        "/sift-docs/_msearch",
+    on_probes(
+        server,
         Answer(200, probes(documents=True, vectors=True, model="m-0")),
     )
-    server.on("GET", "/sift-docs/_mapping", Answer(200, mapping()))
-    server.on("POST", "/_msearch", Answer(200, msearch_response(search_response(BM25_HITS))))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
+    on_searches(server, Answer(200, msearch_response(search_response(BM25_HITS))))
     pipeline = SearchPipeline(backend_for(server), FakeEmbedder(), config=PipelineConfig())
     for mode in ("vector", "hybrid"):
         with pytest.raises(EmbeddingModelMismatch, match=r"'m-0'.*'fake-bow-64'"):
             pipeline.search(SearchSpec(index="docs", query="vitamin", mode=mode), "acme")
-    assert server.sent("POST", "/_msearch") == []  # no channel was searched
+    assert searches_sent(server) == []  # no channel was searched
     assert [(r.method, r.path) for r in server.requests] == [
-        ("POST", "/sift-docs/_msearch"),
-        ("GET", "/sift-docs/_mapping"),
+        ("POST", MSEARCH),
+        ("GET", f"/{ACME}/_mapping"),
     ]  # the second search's probe came from the memo, with the model
     assert server.requests[0].ndjson() == PROBES_OF_ACME
     fts = pipeline.search(SearchSpec(index="docs", query="vitamin", mode="fts"), "acme")
     assert [h.id for h in fts.hits] == [h["_source"]["doc_id"] for h in BM25_HITS]
+
+
+# --- the shared layout of earlier releases: refused at start, migrated per tenant ------------
+
+
+def old_layout_server() -> FakeElasticsearchServer:
+    """A stateful stand-in holding Sift's shared ``sift-docs`` (acme's 3 documents, beta's 1,
+    the mapping the shared layout's template gave), an operator's alias over an index Sift
+    did not make, and acme's per-tenant ``docs``."""
+    server, state = stateful_server()
+    mappings = dict(index_template("sift-", FieldNames(), IndexSettings())["template"]["mappings"])
+    del mappings["_meta"]  # no marker then
+    with state.lock:
+        state.create_index("sift-docs-000001", {"aliases": {"sift-docs": {}}, "mappings": mappings})
+        state.create_index("catalogue-v3", {"aliases": {"sift-custom": {}}})
+        state.create_index(CONCRETE, {"aliases": {ACME: {}}, "mappings": mappings})
+        shared = state.indexes["sift-docs-000001"]
+        for n, (tenant, doc) in enumerate(
+            [("acme", "a1"), ("acme", "a2"), ("acme", "a3"), ("beta", "b1")]
+        ):
+            source = {"doc_id": doc, "text": doc, "tenant": tenant, "revision": "1"}
+            state.write(shared, f"{tenant}:{doc}", source, 10 + n, external=True)
+    return server
+
+
+@pytest.fixture
+def old_layout() -> Iterator[FakeElasticsearchServer]:
+    yield from running(old_layout_server())
+
+
+def test_check_refuses_indexes_of_the_shared_layout_naming_what_to_run(
+    old_layout: FakeElasticsearchServer, server: FakeElasticsearchServer
+) -> None:
+    with pytest.raises(ConfigError, match=r"\(sift-docs\).*sift elasticsearch-migrate"):
+        backend_for(old_layout).check()
+    server.on("GET", "/_alias/sift-*", Answer(200, aliases((CONCRETE, ACME))))
+    backend_for(server).check()  # the per-tenant layout alone passes
+    server.on("GET", "/_alias/sift-*", Answer(404, index_missing("_all")))
+    backend_for(server).check()  # and a cluster holding no index yet
+
+
+def test_migrate_shared_copies_each_tenants_documents_into_its_own_index(
+    old_layout: FakeElasticsearchServer,
+) -> None:
+    """Per tenant of the shared index: make its own index, ``_reindex`` its documents (same
+    ``_id`` and external version, so a second run copies nothing twice) as a task polled to
+    its end, refresh; then the old alias goes (its concrete index is kept) and ``check``
+    passes. The operator's ``sift-custom`` is not touched."""
+    backend = backend_for(old_layout)
+    assert backend.migrate_shared() == {"docs": {"acme": 3, "beta": 1}}
+    copies = [r for r in old_layout.sent("POST", "/_reindex")]
+    assert [r.json() for r in copies] == [
+        {
+            "source": {
+                "index": "sift-docs",
+                "query": {"bool": {"filter": [{"term": {"tenant": tenant}}]}},
+            },
+            "dest": {"index": alias, "version_type": "external"},
+            "conflicts": "proceed",
+        }
+        for tenant, alias in (("acme", ACME), ("beta", BETA))
+    ]
+    assert all(r.query == {"wait_for_completion": ["false"]} for r in copies)
+    (swap,) = old_layout.sent("POST", "/_aliases")
+    assert swap.json() == {
+        "actions": [{"remove": {"index": "sift-docs-000001", "alias": "sift-docs"}}]
+    }
+    assert not old_layout.sent("DELETE")  # kept for a rollback
+    backend.check()
+    assert backend.document("docs", "acme", "a2").version == 11
+    assert backend.index_info("docs", "beta").documents == 1
+    assert backend.migrate_shared() == {}
+
+
+def sift(command: str, url: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``sift <command>`` as an operator runs it, on Elasticsearch at ``url`` (no Redis)."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", *command.split()],
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            "SIFT_DATA_DIR": str(tmp_path),
+            "SIFT_REDIS_URL": "redis://127.0.0.1:9/0",
+            "SIFT_SEARCH_BACKEND": "elasticsearch",
+            "SIFT_ELASTICSEARCH_URL": url,
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_sift_worker_stops_at_start_over_the_shared_layout(
+    old_layout: FakeElasticsearchServer, tmp_path: Path
+) -> None:
+    """Not a worker that comes up healthy while every tenant's documents are out of reach:
+    ``sift worker`` exits 2 naming the migration, before it touches Redis (none listens)."""
+    run = sift("worker", old_layout.url, tmp_path)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "sift elasticsearch-migrate" in run.stdout and "sift-docs" in run.stdout, run.stdout
+
+
+def test_sift_elasticsearch_migrate_runs_the_migration_and_says_what_it_copied(
+    old_layout: FakeElasticsearchServer, tmp_path: Path
+) -> None:
+    """The command an operator runs: ``--dry-run`` says what would go and writes nothing;
+    then the shared ``sift-docs`` goes to acme's and beta's own indexes, and the report
+    names how many documents went to how many tenants."""
+    dry = sift("elasticsearch-migrate --dry-run", old_layout.url, tmp_path)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert "sift-docs -> docs: 4 document(s) would go to 2 tenant(s)" in dry.stdout, dry.stdout
+    assert not old_layout.sent("POST", "/_reindex") and not old_layout.sent("POST", "/_aliases")
+    run = sift("elasticsearch-migrate", old_layout.url, tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "sift-docs -> docs: 4 document(s) went to 2 tenant(s)" in run.stdout, run.stdout
+    assert len(old_layout.sent("POST", "/_reindex")) == 2 and old_layout.sent("POST", "/_aliases")
+    again = sift("elasticsearch-migrate", old_layout.url, tmp_path)
+    assert "nothing to migrate" in again.stdout, again.stdout

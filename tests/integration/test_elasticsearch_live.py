@@ -2,7 +2,7 @@
 
 Runs only when ``SIFT_TEST_ELASTICSEARCH_URL`` is set, for instance with ``deploy/``'s
 cluster: ``SIFT_TEST_ELASTICSEARCH_URL=http://elastic:$ELASTIC_PASSWORD@localhost:9200``.
-Each test writes to a fresh index and deletes it afterwards.
+Each test writes to a fresh index name and deletes every tenant's index of it afterwards.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import pytest
 from tests.fakes import FakeEmbedder
 from tests.integration.backend_contract import LifecycleContract
 from worker.adapters.elasticsearch import ElasticsearchBackend
+from worker.core.types import ChannelQuery, Document, HardFilters
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
 
 URL = os.environ.get("SIFT_TEST_ELASTICSEARCH_URL")
+PREFIX = "sifttest-"
 
 
 @pytest.fixture
@@ -28,23 +30,69 @@ def index() -> str:
     return f"contract-{uuid.uuid4().hex[:10]}"
 
 
-@pytest.mark.skipif(
+def live_backend() -> ElasticsearchBackend:
+    settings = load_settings(
+        search_backend="elasticsearch",
+        elasticsearch_url=URL,
+        elasticsearch_index_prefix=PREFIX,
+        elasticsearch_vector_dims=FakeEmbedder.dimension,
+        elasticsearch_replicas=0,
+        elasticsearch_refresh="wait_for",
+    )
+    return ElasticsearchBackend.from_settings(settings)
+
+
+def delete_every_tenants(backend: ElasticsearchBackend, index: str) -> None:
+    """Every tenant's concrete indexes of ``index`` (and of names it begins), by name: ES
+    refuses a wildcard delete (``action.destructive_requires_name``)."""
+    es = backend._client
+    found = es.indices.get(index=f"{PREFIX}*--{index}*", expand_wildcards="all").body
+    if found:
+        es.options(ignore_status=404).indices.delete(index=",".join(found))
+
+
+skip_without_a_cluster = pytest.mark.skipif(
     not URL,
     reason="no live cluster: set SIFT_TEST_ELASTICSEARCH_URL (deploy/README.md shows how)",
 )
+
+
+@skip_without_a_cluster
 class TestElasticsearchContract(LifecycleContract):
     @pytest.fixture
     def backend(self, index: str) -> Iterator[ElasticsearchBackend]:
-        settings = load_settings(
-            search_backend="elasticsearch",
-            elasticsearch_url=URL,
-            elasticsearch_index_prefix="sifttest-",
-            elasticsearch_vector_dims=FakeEmbedder.dimension,
-            elasticsearch_replicas=0,
-            elasticsearch_refresh="wait_for",
-        )
-        backend = ElasticsearchBackend.from_settings(settings)
+        backend = live_backend()
         yield backend
-        backend._client.options(ignore_status=404).indices.delete(
-            index=f"{backend.alias(index)}-*", expand_wildcards="all"
-        )
+        delete_every_tenants(backend, index)
+
+
+def bm25_hits(backend: ElasticsearchBackend, index: str, tenant: str) -> list[tuple[str, float]]:
+    query = ChannelQuery(index, HardFilters(tenant), ("bm25",), 10, "alpha beta", None, 10.0)
+    return [(hit.document.id, hit.score) for hit in backend.retrieve(query).hits["bm25"]]
+
+
+@skip_without_a_cluster
+def test_another_tenants_documents_change_neither_bm25_scores_nor_ranking(index: str) -> None:
+    """BM25's statistics (IDF, average length) are the tenant's own index's: another tenant
+    writing the query's terms into the same Sift name leaves the caller's scores exactly as
+    they were (in one shared index, 60 more documents with "alpha" lower its IDF)."""
+    backend = live_backend()
+    try:
+        mine = [Document("x", "alpha alpha gamma"), Document("y", "beta delta epsilon")]
+        mine += [Document(f"f{i}", f"filler words number {i}") for i in range(6)]
+        backend.upsert(index, "acme", mine, None)
+        before = bm25_hits(backend, index, "acme")
+        assert [doc_id for doc_id, _ in before] == ["x", "y"]  # two alphas beat one beta
+
+        theirs = [Document(f"t{i}", f"alpha {'padding ' * (i % 7)}") for i in range(60)]
+        backend.upsert(index, "globex", theirs, None)
+        assert bm25_hits(backend, index, "acme") == before
+        assert len(bm25_hits(backend, index, "globex")) == 10
+        assert backend.alias(index, "acme") != backend.alias(index, "globex")
+        assert [i.name for i in backend.indexes("acme") if i.name == index] == [index]
+        # globex's drop deletes its physical index; acme's scores still stand
+        assert backend.delete_index(index, "globex") == len(theirs)
+        assert not backend._client.indices.exists_alias(name=backend.alias(index, "globex"))
+        assert bm25_hits(backend, index, "acme") == before
+    finally:
+        delete_every_tenants(backend, index)

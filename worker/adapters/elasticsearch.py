@@ -1,37 +1,62 @@
 """The Elasticsearch search backend: BM25 and kNN channels of an ES 9.x index, in one ``_msearch``.
 
-Why this shape (DESIGN.md §6):
+Why this shape (DESIGN.md §6). Beside this module: ``es_layout`` (index names, drop floors),
+``es_errors`` (ES's errors as Sift's) and ``es_migrate`` (the shared layout of earlier
+releases: the start-up check and ``sift elasticsearch-migrate``).
 
-* **Index layout.** Sift index ``NAME`` is the alias ``<prefix>NAME`` over one concrete
-  index ``<prefix>NAME-<UTC timestamp>``. An index template (``<prefix>sift``, pattern
-  ``<prefix>*``) holds the mapping: ``text`` and ``title`` as ``text`` (english analyzer,
-  BM25), ``vector`` as ``dense_vector`` (cosine, HNSW, int8-quantised by default),
-  ``tenant``, ``revision`` and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened``
-  (every value a keyword, so equality filters work on strings, numbers and booleans),
-  ``embedding_model`` as ``keyword``: the model that made the document's vector.
-  Every field name is a setting, so an existing index can be searched as it is.
+* **Index layout: one physical index per (tenant, name).** Sift index ``NAME`` of tenant
+  ``T`` is the alias ``<prefix><key>--NAME`` over one concrete index
+  ``<prefix><key>--NAME~<000001 or UTC timestamp>``, where ``<key>`` is :func:`tenant_key`:
+  16 hex digits of the tenant id's SHA-256 (tenant ids may hold characters ES refuses in
+  index names; the key never does, and it has a fixed length, so the name after ``--`` is
+  exactly the Sift name). ``~`` is valid in an ES index name and never in a Sift name, so no
+  Sift name's alias is another name's concrete index. So another tenant's documents change
+  neither a tenant's BM25 statistics (document frequency, average length) nor its search
+  cost, and a tenant's first write into a name always creates its own index, whether another
+  tenant uses the name or not. An index template (``<prefix>sift``, pattern ``<prefix>*``)
+  holds the mapping: ``text`` and ``title`` as ``text`` (english analyzer, BM25), ``vector``
+  as ``dense_vector`` (cosine, HNSW, int8-quantised by default), ``tenant``, ``revision``
+  and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened`` (every value a keyword, so
+  equality filters work on strings, numbers and booleans), ``embedding_model`` as
+  ``keyword``: the model that made the document's vector. Every field name is a setting, so
+  an existing index can be searched through a tenant's alias pointed at it.
 * **Embedding models never mix.** A write of vectors first asks (one ``size: 1`` search)
   whether the tenant holds a vector recorded by another model, and is refused with
   ``EmbeddingModelMismatch`` if so, writing nothing; the channel probe returns the model of
   one of the tenant's vectors, so a search learns it with no extra round trip. A drop
-  (``_delete_by_query``) takes the record with the documents. Not transactional: two
+  takes the record with the tenant's index. Not transactional: two
   workers of different models writing into one empty index at once can both pass.
-* **Tenancy.** Every tenant's documents for Sift index ``NAME`` live in that one alias,
-  each carrying its tenant field, and every search filters on it. So the alias existing
-  says nothing about the caller: an index exists *for a tenant* once it holds one of the
-  tenant's documents. :meth:`ElasticsearchBackend.channels` asks exactly that (two
-  tenant-filtered ``size: 0`` probes in one ``_msearch``), and a missing alias gives the
-  same empty answer, so the pipeline raises the same ``IndexNotFound`` for an index only
-  another tenant uses as for one nobody has.
-* **Writes** go through ``elasticsearch.helpers.streaming_bulk``. The ``_id`` is
-  ``"<tenant>:<doc id>"``: tenants never collide, and an upsert by id replaces the whole
-  document, vector included. ``refresh=wait_for`` (the default) makes a write visible to
-  search before the call returns; ``false`` gives eventual visibility (about 1 s).
-* **Reindexing** (:meth:`ElasticsearchBackend.reindex`): create a new concrete index from
-  the current template, copy with ``_reindex`` (vectors included, also on 9.2+ where they
-  are left out of ``_source``), refresh, then move the alias in one atomic ``_aliases``
-  call (remove from the old indexes, add to the new). Searches never see a half-built
-  index; the old index is kept for a rollback unless ``delete_old`` is set.
+* **Tenancy, in depth.** Each document still carries its tenant field, every search
+  and count still filters on it, and the ``_id`` stays ``"<tenant>:<doc id>"``: a
+  64-bit key collision, or an alias an operator pointed at a shared index, still keeps
+  tenants apart, and a migration from the shared layout copies ``_id`` and external
+  version as they are. An index exists *for a tenant* once it holds one of the tenant's
+  documents: :meth:`ElasticsearchBackend.channels` asks exactly that (two tenant-filtered
+  ``size: 0`` probes in one ``_msearch`` on the tenant's alias); a missing alias (a name
+  only another tenant has, or nobody) gives the same empty answer after the same one
+  round trip, so the pipeline raises the same ``IndexNotFound`` for both.
+* **Writes** go through ``elasticsearch.helpers.streaming_bulk`` with ``require_alias``:
+  a write never auto-creates a concrete index under the alias's name (after another
+  worker dropped the index); it is refused, and the index is made again properly, at most
+  ``WRITE_ATTEMPTS`` times, reading the drop floor each time; then the write fails
+  retryably (``BackendUnavailable``). An upsert by id replaces the whole document, vector
+  included. ``refresh=wait_for`` (the default) makes a write visible to search before the
+  call returns; ``false`` gives eventual visibility (about 1 s).
+* **Drops** (:meth:`ElasticsearchBackend.delete_index`) delete the tenant's concrete
+  index outright (its alias goes with it), and any a reindex kept for a rollback, unless
+  it holds another tenant's document too, when only the tenant's documents go
+  (``_delete_by_query``). A versioned drop first leaves a floor (``<prefix>sift-floors``)
+  that every versioned write reads before it writes and again after: a write accepted
+  before the drop and run after it writes nothing, or, if the drop ran between its check
+  and its bulk, what it wrote is deleted again (by id, with the drop's version, so a newer
+  writer's document stays) and it reports none written.
+* **Reindexing** (:meth:`ElasticsearchBackend.reindex`, per tenant): create a new
+  concrete index from the current template, copy with ``_reindex`` (vectors included, also
+  on 9.2+ where they are left out of ``_source``; versions kept), refresh, then move the
+  alias in one atomic ``_aliases`` call (remove from the old indexes, add to the new).
+  Searches never see a half-built index; the old index is kept for a rollback unless
+  ``delete_old`` is set (a drop of the name deletes it too). The copy is an ES task,
+  polled, never started twice into one index.
 * **Reads**: the BM25 and kNN searches go in ONE ``_msearch`` round trip. The tenant term
   and the caller's metadata terms sit inside both: the ``bool.filter`` of the BM25 query
   and ``knn.filter``, which ES applies *before* it picks the top k (a ``post_filter``
@@ -59,6 +84,7 @@ Why this shape (DESIGN.md §6):
 Usage::
 
     backend = ElasticsearchBackend.from_settings(settings)   # no network call here
+    backend.check()  # once at start: refuses indexes of the shared layout (see migrate_shared)
     backend.upsert("docs", "acme", [Document(id="1", text="...")], vectors)
     results = backend.retrieve(ChannelQuery(index="docs", filters=HardFilters("acme"),
                                             channels=("bm25", "knn"), size=120,
@@ -67,12 +93,14 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import re
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -80,14 +108,35 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from elasticsearch import (
     ApiError,
-    ConnectionError,
-    ConnectionTimeout,
     Elasticsearch,
     NotFoundError,
-    TransportError,
     helpers,
 )
+from elasticsearch.exceptions import GeneralAvailabilityWarning
 
+from worker.adapters.es_errors import (
+    _AliasGone,
+    _bulk_error,
+    _Bulked,
+    _error_type,
+    _first_key,
+    _index_missing,
+    _raise_for_item,
+    _total,
+    _translated,
+)
+from worker.adapters.es_layout import (
+    _SIFT_CONCRETE,
+    CONCRETE_SEPARATOR,
+    FLOORS_INDEX,
+    KEY_SEPARATOR,
+    TENANT_KEY_LENGTH,
+    DropFloors,
+    checked_index_name,
+    concrete_name,
+    tenant_key,
+)
+from worker.adapters.es_migrate import SharedLayout
 from worker.contract import Channel, FilterValue
 from worker.core.catalog import IndexInfo, StoredDocument
 from worker.core.types import (
@@ -106,7 +155,6 @@ from worker.errors import (
     IndexNotFound,
     InvalidRequest,
     ModeUnavailable,
-    SiftError,
 )
 
 if TYPE_CHECKING:
@@ -122,6 +170,11 @@ CHANNELS_MEMO_SIZE = 4096
 #: The most indexes one tenant's list shows (the terms aggregation's size).
 MAX_LISTED_INDEXES = 1000
 _FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+#: How long a migration's copy waits between two reads of its task.
+COPY_POLL_SECONDS = 0.5
+#: How often a write makes its index again after ``require_alias`` found it gone (another
+#: worker's drop ran in between) before it gives up, retryably.
+WRITE_ATTEMPTS = 3
 Refresh = Literal["wait_for", "true", "false"]
 
 
@@ -184,7 +237,13 @@ def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dic
                 "number_of_shards": index.shards,
                 "number_of_replicas": index.replicas,
             },
-            "mappings": {"dynamic": "strict", "properties": properties},
+            # Each index Sift makes says so: the start-up check and the migration of the
+            # shared layout go by it, never by a name alone.
+            "mappings": {
+                "dynamic": "strict",
+                "_meta": {"sift": {"layout": "per-tenant", "prefix": prefix}},
+                "properties": properties,
+            },
         },
         "_meta": {"managed_by": "sift"},
     }
@@ -238,6 +297,9 @@ class ElasticsearchBackend:
         self._clock = clock
         self._lock = threading.Lock()
         self._template_ready = False
+        self._floors = DropFloors(
+            self._es, f"{prefix}{FLOORS_INDEX}", lambda: self._explicit_body()
+        )
         self._ready_aliases: set[str] = set()
         self._model_mapped: set[str] = set()  # aliases whose mapping has the model field
         # (alias, tenant) -> when the tenant's knn was last seen available, and its model
@@ -282,9 +344,21 @@ class ElasticsearchBackend:
             native_rrf=settings.elasticsearch_native_rrf,
         )
 
-    def alias(self, index: str) -> str:
-        """The ES alias (or, for an existing index, the index name) behind Sift index ``index``."""
-        return f"{self.prefix}{index}"
+    def floors_index(self) -> str:
+        """Where drop floors live (:class:`~worker.adapters.es_layout.DropFloors`)."""
+        return self._floors.index
+
+    def tenant_stem(self, tenant: str) -> str:
+        """What every alias of the tenant starts with: ``<prefix><key>--``."""
+        return f"{self.prefix}{tenant_key(tenant)}{KEY_SEPARATOR}"
+
+    def alias(self, index: str, tenant: str) -> str:
+        """The ES alias behind the tenant's Sift index ``index``: ``<prefix><key>--<index>``.
+
+        The gateway admits ``[a-z0-9][a-z0-9_.-]*`` of at most 128 characters, the prefix is
+        at most 64 of ``[a-z0-9_.-]``: with the key, the separator and a concrete index's
+        ``-<timestamp>``, at most 233 bytes. Checked anyway, for callers of this class."""
+        return checked_index_name(f"{self.tenant_stem(tenant)}{index}")
 
     def _es(self, timeout: float | None = None) -> Elasticsearch:
         return self._client.options(request_timeout=timeout or self.request_timeout)
@@ -299,17 +373,17 @@ class ElasticsearchBackend:
     def probe(self, index: str, tenant: str) -> IndexProbe:
         """The tenant's channels and the embedding model its vectors were written with.
 
-        Tenants share one ES index per Sift index name, so the alias existing says nothing
-        about the caller: whether the index exists *for this tenant* is one ``_msearch`` of
-        two tenant-filtered probes (``terminate_after: 1``), the tenant's documents and the
-        tenant's documents with a vector; the second returns its one hit's model field
-        (writes keep one model per tenant's index, so any vector's model is the index's).
-        A missing alias answers the same empty set as an alias holding only other tenants'
-        documents, after the same one round trip. The mapping is read only once the
-        tenant's own vectors are found, and a positive answer (with the model) is kept per
+        One ``_msearch`` on the tenant's own alias with two tenant-filtered probes
+        (``terminate_after: 1``): the tenant's documents, and the tenant's documents with a
+        vector; the second returns its one hit's model field (writes keep one model per
+        tenant's index, so any vector's model is the index's). The alias existing is not
+        enough: a drop by ids can leave it empty, and an empty index reads like none. A
+        missing alias (a name another tenant has, or nobody) answers the same empty set
+        after the same one round trip. The mapping is read only once the tenant's own
+        vectors are found, and a positive answer (with the model) is kept per
         (alias, tenant) for ``CHANNELS_TTL_SECONDS``.
         """
-        alias = self.alias(index)
+        alias = self.alias(index, tenant)
         seen = self._with_vectors.get((alias, tenant))
         if seen is not None and self._clock() - seen[0] < CHANNELS_TTL_SECONDS:
             return IndexProbe(frozenset({"bm25", "knn"}), seen[1])
@@ -374,12 +448,16 @@ class ElasticsearchBackend:
             started = self._clock()
             fused = self.retrieve_native(query)
             return ChannelResults(hits={}, seconds={"rrf": self._clock() - started}, fused=fused)
+        # The tenant's own index in the URL, none in the header lines: the request cannot
+        # reach another index (and ES's rest.action.multi.allow_explicit_index=false holds).
+        alias = self.alias(query.index, query.filters.tenant)
         searches: list[Mapping[str, Any]] = []
         for channel in channels:
-            searches += [{"index": self.alias(query.index)}, self.channel_body(channel, query)]
+            searches += [{}, self.channel_body(channel, query)]
         started = self._clock()
         with _translated(f"search of index {query.index!r}", query.index):
-            response = self._es(query.timeout_seconds).msearch(searches=searches).body
+            es = self._es(query.timeout_seconds)
+            response = es.msearch(index=alias, searches=searches).body
         round_trip = self._clock() - started
         answers = response.get("responses", [])
         if len(answers) != len(channels):
@@ -405,7 +483,8 @@ class ElasticsearchBackend:
         version: int | None = None,
         model: str | None = None,
     ) -> int:
-        """Index each document as ``<tenant>:<id>`` (replacing it whole) through the bulk helper.
+        """Index each document as ``<tenant>:<id>`` (replacing it whole) into the tenant's own
+        index (made on its first write) through the bulk helper.
 
         With a ``version``, each write is ES's external versioning: ES applies it only if
         the version is newer than the one it holds for the ``_id`` (a delete's included,
@@ -418,11 +497,8 @@ class ElasticsearchBackend:
             )
         if not documents:
             return 0
-        self.ensure_index(index)
-        alias = self.alias(index)
+        alias = self.alias(index, tenant)
         recorded = model if vectors is not None and self.fields.model else None
-        if recorded is not None:
-            self._check_model(index, tenant, recorded)
         actions = [
             {
                 "_op_type": "index",
@@ -435,8 +511,17 @@ class ElasticsearchBackend:
             }
             for i, doc in enumerate(documents)
         ]
-        written, _existed = self._bulk(actions, f"bulk write to index {index!r}", index, tenant)
-        if vectors is not None:
+        what = f"bulk write to index {index!r}"
+
+        def check_model() -> None:
+            if recorded is not None:
+                self._check_model(index, tenant, recorded)
+
+        outcome = self._write(index, tenant, actions, what, version, prepare=check_model)
+        if outcome is None:
+            return 0
+        written = self._take_back(index, tenant, outcome, version, what)
+        if vectors is not None and written:
             self._saw_vectors(alias, tenant, recorded)
         return written
 
@@ -445,27 +530,113 @@ class ElasticsearchBackend:
 
         First, once per process and alias, the model field is added to the index's mapping
         (``PUT <alias>/_mapping``: a no-op on an index made from the current template), so
-        an index made before the field existed takes it under ``dynamic: strict``."""
-        alias = self.alias(index)
+        an index made before the field existed takes it under ``dynamic: strict``. An index
+        another worker dropped meanwhile holds no model; the bulk write makes it again."""
+        alias = self.alias(index, tenant)
         if alias not in self._model_mapped:
-            with _translated(f"mapping of index {index!r}", index):
+            with _translated(f"mapping of index {index!r}", index, missing_ok=True) as missing:
                 self._es().indices.put_mapping(
                     index=alias, properties={self.fields.model: {"type": "keyword"}}
                 )
+            if missing:
+                return
             self._model_mapped.add(alias)
-        with _translated(f"model check of index {index!r}", index):
+        with _translated(f"model check of index {index!r}", index, missing_ok=True) as missing:
             answer = self._es().search(index=alias, **self.model_check_body(tenant, model)).body
-        held = self._model_of(answer)
+        held = None if missing else self._model_of(answer)
         if held is not None:
             raise EmbeddingModelMismatch(index, held, model)
 
-    def _bulk(
-        self, actions: list[dict[str, Any]], what: str, index: str, tenant: str
-    ) -> tuple[int, int]:
-        """Run bulk ``actions``: (how many applied, how many found their document). A 409 (a
-        newer version held) and a delete's 404 (nothing to delete) are answers, not failures."""
+    def _write(
+        self,
+        index: str,
+        tenant: str,
+        actions: list[dict[str, Any]],
+        what: str,
+        version: int | None,
+        prepare: Callable[[], None] | None = None,
+    ) -> _Bulked | None:
+        """Run ``actions`` into the tenant's index, made if missing; None if a drop accepted
+        after this write has already run (nothing is written, no index made).
+
+        Each attempt reads the drop floor first, makes the index, runs ``prepare`` (the
+        model check) and the bulk. ``require_alias`` refusing the bulk (another worker
+        dropped the index since), or the index's first concrete name found without its
+        alias, starts the next attempt; every action is sent again, which external versions
+        and whole-document writes make safe. After ``WRITE_ATTEMPTS`` the write fails
+        retryably (``BackendUnavailable``), naming what it found."""
+        alias = self.alias(index, tenant)
+        existed = 0
+        gone = _AliasGone(index)
+        for _attempt in range(WRITE_ATTEMPTS):
+            if self._floors.below(alias, version):
+                return None if not existed else _Bulked(0, existed, [])
+            try:
+                self.ensure_index(index, tenant)
+                if prepare is not None:
+                    prepare()
+                bulked = self._bulk(actions, what, index, tenant)
+            except _AliasGone as refused:
+                self._forget(alias, tenant)
+                existed += refused.existed
+                gone = refused
+                continue
+            bulked.existed += existed
+            return bulked
+        if gone.leftover:
+            raise BackendUnavailable(
+                f"the {what} cannot make index {index!r}: the concrete index "
+                f"{gone.leftover!r} exists without its alias {alias!r} (a drop cut short): "
+                f"drop index {index!r} again, or delete {gone.leftover!r}"
+            ) from gone
+        raise BackendUnavailable(
+            f"the {what} found index {index!r} dropped by another worker {WRITE_ATTEMPTS} "
+            "times as it made it again"
+        ) from gone
+
+    def _take_back(
+        self, index: str, tenant: str, bulked: _Bulked, version: int | None, what: str
+    ) -> int:
+        """How many of a versioned write's documents stay written, once a drop it lost to
+        is accounted for.
+
+        The floor check and the bulk are two requests: a drop accepted after this write can
+        run between them, and a newer writer can make the index again, so the bulk finds
+        the alias and writes. So the floor is read again after the bulk; if a drop of this
+        write's version or newer has run, what this write put in is deleted by id with the
+        drop's version as external version: a document a newer writer put in since answers
+        409 and stays. Then none of this write stays (0)."""
+        if version is None or not bulked.written:
+            return bulked.applied
+        alias = self.alias(index, tenant)
+        floor = self._floors.floor(alias)
+        if floor < version:
+            return bulked.applied
+        deletes = [
+            {"_op_type": "delete", "_index": alias, "_id": _id, **_versioned(floor)}
+            for _id in bulked.written
+        ]
+        with contextlib.suppress(_AliasGone):  # dropped again: nothing of it is left
+            self._bulk(deletes, f"{what} (taken back after drop {floor})", index, tenant)
+        self._forget(alias, tenant)
+        logger.info(
+            "%s: version %d lost to drop %d run meanwhile; %d document(s) taken back",
+            what,
+            version,
+            floor,
+            len(deletes),
+        )
+        return 0
+
+    def _bulk(self, actions: list[dict[str, Any]], what: str, index: str, tenant: str) -> _Bulked:
+        """Run bulk ``actions``: how many applied, how many found their document, and the
+        ``_id`` of each one applied. A 409 (a newer version held) and a delete's 404 (nothing
+        to delete) are answers, not failures. ``require_alias``: an action whose alias is
+        gone fails (``_AliasGone``, with what was deleted before it) instead of
+        auto-creating a bare concrete index of that name, with no alias and no template's
+        settings beyond the mapping."""
         failures: list[dict[str, Any]] = []
-        applied = existed = 0
+        bulked = _Bulked(0, 0, [])
         with _translated(what, index):
             for ok, item in helpers.streaming_bulk(
                 self._es(),
@@ -475,19 +646,48 @@ class ElasticsearchBackend:
                 raise_on_exception=True,
                 max_retries=0,
                 refresh=self.refresh,
+                require_alias=True,
             ):
                 op = next(iter(item.values())) if item else {}
                 status = int(op.get("status", 500))
                 if ok:
-                    applied += 1
-                    existed += op.get("result") in ("deleted", "updated")
+                    bulked.applied += 1
+                    bulked.existed += op.get("result") in ("deleted", "updated")
+                    bulked.written.append(str(op.get("_id")))
                 elif status == 404 and op.get("result") == "not_found":
-                    applied += 1
+                    bulked.applied += 1
+                elif _index_missing(op):
+                    raise _AliasGone(index, existed=bulked.existed)
                 elif status != 409:
                     failures.append(item)
         if failures:
             raise _bulk_error(failures, tenant)
-        return applied, existed
+        return bulked
+
+    def _forget(self, alias: str, tenant: str | None = None) -> None:
+        """Drop what this process remembers of an alias that is gone or was rebuilt: for
+        ``tenant``'s part of it, or every tenant's (None)."""
+        with self._lock:
+            self._ready_aliases.discard(alias)
+            self._model_mapped.discard(alias)
+        for key in [key for key in list(self._with_vectors) if key[0] == alias]:
+            if tenant is None or key[1] == tenant:
+                self._with_vectors.pop(key, None)
+
+    def move_alias(
+        self, alias: str, old: Sequence[str], new: str | None, *, delete_old: bool
+    ) -> None:
+        """In one ``POST _aliases`` (atomic: searches see the old indexes or the new one,
+        never none), remove ``alias`` from ``old`` and add it to ``new`` (None: nowhere);
+        then delete ``old`` if ``delete_old``. Errors are the caller's to translate."""
+        actions: list[Mapping[str, Any]] = [
+            {"remove": {"index": name, "alias": alias}} for name in old
+        ]
+        if new is not None:
+            actions.append({"add": {"index": new, "alias": alias}})
+        self._es().indices.update_aliases(actions=actions)
+        if delete_old:
+            self._es().indices.delete(index=",".join(old))
 
     # --- the index lifecycle ----------------------------------------------------------
 
@@ -499,43 +699,145 @@ class ElasticsearchBackend:
     ) -> int:
         """Delete ``<tenant>:<id>`` for each id (external version: a newer write stays, and
         the delete's tombstone refuses an older upsert for ``index.gc_deletes``, 60 s by
-        default); answers how many existed. The index is created first if it is missing,
-        as an upsert would: a delete may run before the upsert it was accepted after."""
-        alias = self.alias(index)
+        default); answers how many existed. The tenant's index is created first if it is
+        missing, as an upsert would: a delete may run before the upsert it was accepted
+        after."""
+        alias = self.alias(index, tenant)
         actions = [
             {"_op_type": "delete", "_index": alias, "_id": f"{tenant}:{i}", **_versioned(version)}
             for i in dict.fromkeys(ids)
         ]
+        # the index is made if missing, so the tombstones exist for an older upsert that
+        # runs later
         if not actions:
             return 0
-        # created if missing, so the tombstones exist for an older upsert that runs later
-        self.ensure_index(index)
-        _applied, existed = self._bulk(actions, f"bulk delete in index {index!r}", index, tenant)
-        return existed
+        bulked = self._write(index, tenant, actions, f"bulk delete in index {index!r}", version)
+        return 0 if bulked is None else bulked.existed
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
-        """Delete the tenant's documents in the shared index: one ``_delete_by_query`` on the
-        tenant term (other tenants' documents, and the index, stay). ``version`` orders it
-        only against writes already applied: an older upsert run after it is written."""
-        with _translated(f"delete of index {index!r}", index, missing_ok=True) as missing:
+        """Delete the tenant's index: its concrete index (the alias goes with it); answers
+        how many of the tenant's documents it held.
+
+        One ``_msearch`` on the alias first counts the tenant's documents and looks for one
+        of another tenant's (``terminate_after: 1``). An index holding one (a key collision,
+        or an alias an operator pointed at a shared index) is never deleted: only the
+        tenant's documents go, with one ``_delete_by_query`` on the tenant term.
+
+        With a ``version``, the drop first raises the tenant's floor for the index
+        (:meth:`DropFloors.raise_to`), before anything is deleted: a write accepted before the drop
+        and run after it is skipped, as on the embedded backend. One accepted after the
+        drop but run before it goes with the index (the embedded backend keeps it;
+        deploy/README.md §6 says so)."""
+        alias = self.alias(index, tenant)
+        what = f"delete of index {index!r}"
+        if version is not None:
+            self._floors.raise_to(alias, version, what, index)
+        with _translated(what, index, missing_ok=True) as missing:
+            response = self._es().msearch(index=alias, searches=self.drop_searches(tenant)).body
+        answers = [] if missing else response.get("responses", [])
+        if missing or any(_index_missing(answer) for answer in answers):
+            self._forget(alias, tenant)
+            return 0
+        for answer in answers:
+            _raise_for_item(answer, what, index)
+        mine, others = (_total(answer) for answer in answers)
+        if others:
+            gone = self._delete_tenants_documents(alias, tenant, what, index)
+        else:
+            gone = mine if self._delete_concrete(alias, what, index) else 0
+        self._forget(alias, tenant)
+        return gone
+
+    def drop_searches(self, tenant: str) -> list[Mapping[str, Any]]:
+        """The ``_msearch`` lines of :meth:`delete_index`: the tenant's documents counted, and
+        whether the index holds any other tenant's (stopping at the first)."""
+        others = {"bool": {"must_not": [{"term": {self.fields.tenant: tenant}}]}}
+        return [
+            {},
+            {"size": 0, "track_total_hits": True, "query": self.tenant_query(tenant)},
+            {},
+            {"size": 0, "terminate_after": 1, "track_total_hits": True, "query": others},
+        ]
+
+    def _delete_concrete(self, alias: str, what: str, index: str) -> bool:
+        """Delete every concrete index of ``alias`` (ES deletes no index by its alias): the
+        ones it points at, and those a reindex kept for a rollback (``<alias>~<suffix>``,
+        no alias), whose documents the drop takes too and whose first name would otherwise
+        block the next write. Whether this call deleted the index the alias pointed at: a
+        concurrent drop that got there first deleted it, and counts it."""
+        with _translated(what, index, missing_ok=True) as missing:
+            live = self._concrete(alias)
+            if live:
+                self._es().indices.delete(index=",".join(live))
+        with _translated(what, index):
+            kept = [name for name in self._kept(alias) if name not in live]
+            if kept:
+                self._es().indices.delete(index=",".join(kept), ignore_unavailable=True)
+        return bool(live) and not missing
+
+    def _kept(self, alias: str) -> list[str]:
+        """The concrete indexes named after ``alias`` (``GET _resolve/index/<alias>~*``):
+        the live one and any a reindex kept."""
+        answer = self._es().indices.resolve_index(name=f"{alias}{CONCRETE_SEPARATOR}*").body
+        stem = f"{alias}{CONCRETE_SEPARATOR}"
+        return sorted(
+            str(found["name"])
+            for found in answer.get("indices", [])
+            if str(found.get("name", "")).startswith(stem)
+            and _SIFT_CONCRETE.fullmatch(str(found["name"]).removeprefix(stem))
+        )
+
+    def _concrete(self, alias: str) -> list[str]:
+        """The concrete indexes ``alias`` points at (none if it is missing)."""
+        return sorted(name for name, held in self._aliases(alias).items() if alias in held)
+
+    def _aliases(self, name: str) -> dict[str, list[str]]:
+        """``GET _alias/<name or pattern>`` as concrete index -> its aliases matching it.
+
+        Nothing found is ``{}`` in every shape ES answers it: a wildcard matching nothing
+        (200 ``{}``), a missing alias (404 ``{"error": "alias [..] missing", "status":
+        404}``), or, with security on and no index the key may see yet, a 404
+        ``index_not_found_exception``."""
+        answer = self._es().options(ignore_status=404).indices.get_alias(name=name).body
+        return {
+            concrete: list(about.get("aliases") or {})
+            for concrete, about in answer.items()
+            if isinstance(about, Mapping) and "aliases" in about
+        }
+
+    def _delete_tenants_documents(self, alias: str, tenant: str, what: str, index: str) -> int:
+        """Only the tenant's documents, from an index another tenant's share."""
+        with _translated(what, index, missing_ok=True) as missing:
             answer = (
                 self._es()
                 .delete_by_query(
-                    index=self.alias(index),
+                    index=alias,
                     query=self.tenant_query(tenant),
                     conflicts="proceed",
                     refresh=True,
                 )
                 .body
             )
-        self._with_vectors.pop((self.alias(index), tenant), None)  # its model went with it
         return 0 if missing else int(answer.get("deleted", 0))
 
     def indexes(self, tenant: str) -> list[IndexInfo]:
-        """The tenant's indexes: one ``size: 0`` search over ``<prefix>*`` with a terms
-        aggregation on ``_index`` (and, inside it, on the model field), the concrete names
-        mapped back to their aliases."""
-        pattern = f"{self.prefix}*"
+        """The tenant's indexes: its aliases (``GET _alias/<prefix><key>--*``; a wildcard
+        that matches nothing answers ``{}``), then one tenant-filtered ``size: 0`` search
+        over the same pattern with a terms aggregation on ``_index`` (and, inside it, on
+        the model field) for the counts. A concrete index no alias of the tenant points at
+        (one a reindex kept) is not listed, nor an index holding none of its documents."""
+        stem = self.tenant_stem(tenant)
+        pattern = f"{stem}*"
+        with _translated("list of indexes", None):
+            aliases = self._aliases(pattern)
+        names = {
+            concrete: alias.removeprefix(stem)
+            for concrete, held in aliases.items()
+            for alias in held
+            if alias.startswith(stem)
+        }
+        if not names:
+            return []
         by_index: dict[str, Any] = {"terms": {"field": "_index", "size": MAX_LISTED_INDEXES}}
         if self.fields.model:
             by_index["aggs"] = self._models_agg()
@@ -552,24 +854,14 @@ class ElasticsearchBackend:
                 )
                 .body
             )
-            aliases = self._es().indices.get_alias(index=pattern).body
         if missing:
             return []
-        names = {
-            concrete: next(iter(about.get("aliases") or {concrete: {}}))
-            for concrete, about in aliases.items()
-        }
-        counts: dict[str, int] = {}
-        models: dict[str, str | None] = {}
+        listed: dict[str, IndexInfo] = {}
         for bucket in answer.get("aggregations", {}).get("indexes", {}).get("buckets", []):
-            name = names.get(bucket["key"], bucket["key"]).removeprefix(self.prefix)
-            counts[name] = counts.get(name, 0) + int(bucket["doc_count"])
-            models[name] = models.get(name) or _first_key(bucket)
-        return [
-            self._info(name, count, models.get(name))
-            for name, count in sorted(counts.items())
-            if count
-        ]
+            name = names.get(bucket["key"])
+            if name is not None and int(bucket["doc_count"]):
+                listed[name] = self._info(name, int(bucket["doc_count"]), _first_key(bucket))
+        return [listed[name] for name in sorted(listed)]
 
     def _models_agg(self) -> dict[str, Any]:
         """The aggregation naming the model the tenant's vectors record (one, by design)."""
@@ -589,7 +881,7 @@ class ElasticsearchBackend:
         if self.fields.model:
             body["aggs"] = self._models_agg()
         with _translated(f"count of index {index!r}", index, missing_ok=True) as missing:
-            answer = self._es().search(index=self.alias(index), **body).body
+            answer = self._es().search(index=self.alias(index, tenant), **body).body
         count = 0 if missing else _total(answer)
         model = None if missing else _first_key(answer.get("aggregations", {}))
         return self._info(index, count, model) if count else None
@@ -601,7 +893,7 @@ class ElasticsearchBackend:
                 answer = (
                     self._es()
                     .get(
-                        index=self.alias(index),
+                        index=self.alias(index, tenant),
                         id=f"{tenant}:{doc_id}",
                         source_excludes=[self.fields.vector],
                     )
@@ -648,66 +940,153 @@ class ElasticsearchBackend:
             self._es().indices.put_index_template(name=f"{self.prefix}sift", **body)
         self._template_ready = True
 
-    def ensure_index(self, index: str) -> None:
-        """Create the alias and its first concrete index if they don't exist yet."""
-        alias = self.alias(index)
+    def ensure_index(self, index: str, tenant: str) -> bool:
+        """Create the tenant's alias and its first concrete index if they don't exist yet;
+        whether this call created them.
+
+        The first concrete name is fixed, so two workers racing both end with the one index.
+        Found already there, the alias is checked too: that index without its alias (a drop
+        cut short) is never written into again (``_AliasGone`` naming it)."""
+        alias = self.alias(index, tenant)
         if alias in self._ready_aliases:
-            return
+            return False
+        created = False
         with self._lock:
             with _translated(f"index {index!r}", index):
                 exists = bool(self._es().indices.exists(index=alias))
             if not exists:
-                concrete = f"{alias}-000001"  # fixed: two workers racing create the same one
+                concrete = concrete_name(alias, "000001")
                 with _translated(f"create index {index!r}", index):
                     try:
                         self._es().indices.create(
                             index=concrete, aliases={alias: {}}, **self._explicit_body()
                         )
+                        created = True
                     except ApiError as exc:
                         if _error_type(exc) != "resource_already_exists_exception":
                             raise
+                        if not self._es().indices.exists_alias(name=alias):
+                            raise _AliasGone(index, leftover=concrete) from exc
             self._ready_aliases.add(alias)
+        return created
 
-    def reindex(self, index: str, *, delete_old: bool = False) -> str:
-        """Rebuild ``index`` into a new concrete index, then swap the alias atomically.
+    def reindex(self, index: str, tenant: str, *, delete_old: bool = False) -> str:
+        """Rebuild the tenant's ``index`` into a new concrete index, then swap the alias
+        atomically.
 
-        1. ``PUT <prefix><index>-<timestamp>`` (the current template applies: new
-           mapping, quantisation, shard count);
-        2. ``POST _reindex`` from the alias into it, then ``POST <new>/_refresh``;
+        1. ``PUT <alias>-<timestamp>`` (the current template applies: new mapping,
+           quantisation, shard count);
+        2. ``POST _reindex`` from the alias into it (``version_type: external``: each
+           document keeps its version, so the write ordering holds across it), then
+           ``POST <new>/_refresh``;
         3. ``POST _aliases`` with ``remove`` of the alias from every old index and ``add``
            to the new one, in one request (atomic: searches see old or new, never none);
         4. optionally delete the old indexes (kept by default, for a rollback).
 
         Answers the new concrete index's name.
         """
-        alias = self.alias(index)
+        return self._rebuild(index, self.alias(index, tenant), delete_old)
+
+    def reindex_all(self, index: str, *, delete_old: bool = False) -> list[str]:
+        """:meth:`reindex` of every tenant's ``index`` (an operator knows names, not which
+        tenants hold them): each alias ``<prefix><key>--<index>`` found by
+        ``GET _alias/<prefix>*--<index>`` (a name that merely ends so is left out)."""
+        exact = re.compile(
+            rf"{re.escape(self.prefix)}[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}"
+            + re.escape(index)
+        )
+        self.alias(index, "")  # refuses a name ES would
+        with _translated(f"reindex of index {index!r}", index):
+            answer = self._aliases(f"{self.prefix}*{KEY_SEPARATOR}{index}")
+        found = {alias for held in answer.values() for alias in held}
+        return [self._rebuild(index, a, delete_old) for a in sorted(found) if exact.fullmatch(a)]
+
+    def _rebuild(self, index: str, alias: str, delete_old: bool) -> str:
+        """The steps of :meth:`reindex` for one alias."""
         stamp = datetime.now(UTC).strftime("%Y%m%dt%H%M%S%f")
-        concrete = f"{alias}-{stamp}"
+        concrete = concrete_name(alias, stamp)
         self._template_ready = False  # put the template again: the current settings apply
         with _translated(f"reindex of index {index!r}", index):
-            old = sorted(self._es().indices.get_alias(name=alias).body)
+            old = self._concrete(alias)
+            if not old:
+                raise IndexNotFound(index)
             self._es().indices.create(index=concrete, **self._explicit_body())
-            es = self._client.options(request_timeout=None)
-            report = es.reindex(
-                source={"index": alias}, dest={"index": concrete}, wait_for_completion=True
-            ).body
-            if report.get("failures"):
-                raise BackendRequestError(
-                    f"reindex of index {index!r} into {concrete!r} failed: "
-                    f"{json.dumps(report['failures'][:3])}"
-                )
-            es.indices.refresh(index=concrete)
-            actions: list[Mapping[str, Any]] = [
-                {"remove": {"index": name, "alias": alias}} for name in old
-            ]
-            actions.append({"add": {"index": concrete, "alias": alias}})
-            self._es().indices.update_aliases(actions=actions)
-            if delete_old and old:
-                self._es().indices.delete(index=",".join(old))
-        for key in [key for key in list(self._with_vectors) if key[0] == alias]:
-            self._with_vectors.pop(key, None)
+            self._copy({"index": alias}, concrete, f"reindex of index {index!r}")
+            self.move_alias(alias, old, concrete, delete_old=delete_old)
+        self._forget(alias)
         logger.info("reindexed %s: %s -> %s", alias, old, concrete)
         return concrete
+
+    def _copy(self, source: Mapping[str, Any], dest: str, what: str) -> int:
+        """``POST _reindex`` into ``dest`` keeping each document's ``_id`` and version (a newer
+        one already in ``dest`` stays), then refresh ``dest``; answers how many documents
+        were written.
+
+        The copy runs as an ES task (``wait_for_completion=false``), polled with the
+        adapter's request timeout, so no request waits for the whole copy and a cut
+        connection leaves the task running on its own. A copy into ``dest`` still running
+        (an earlier run cut short) refuses a second one, retryably, naming its task."""
+        with _translated(what, None):
+            running = self._running_copy(dest)
+            if running:
+                raise BackendUnavailable(
+                    f"a copy into {dest!r} is still running (task {running}): wait for it "
+                    "to end, then run again"
+                )
+            task = (
+                self._es()
+                .reindex(
+                    source=dict(source),
+                    dest={"index": dest, "version_type": "external"},
+                    conflicts="proceed",
+                    wait_for_completion=False,
+                )
+                .body["task"]
+            )
+            answer = self._task(task)
+            while not answer.get("completed"):
+                time.sleep(COPY_POLL_SECONDS)
+                answer = self._task(task)
+            report = answer.get("response") or {}
+            failed = answer.get("error") or report.get("failures")
+            if failed:
+                raise BackendRequestError(f"{what} into {dest!r} failed: {json.dumps(failed)}")
+            self._es().indices.refresh(index=dest)
+        return int(report.get("created", 0)) + int(report.get("updated", 0))
+
+    def _task(self, task: str) -> Mapping[str, Any]:
+        """``GET _tasks/<id>`` (the client flags the task API a preview; it is in every 9.x)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GeneralAvailabilityWarning)
+            answer: Mapping[str, Any] = self._es().tasks.get(task_id=task).body
+        return answer
+
+    def _running_copy(self, dest: str) -> str | None:
+        """The id of a running ``_reindex`` task into ``dest`` (``GET _tasks``), if any."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GeneralAvailabilityWarning)
+            answer = self._es().tasks.list(actions="*reindex", detailed=True).body
+        for node in (answer.get("nodes") or {}).values():
+            for task_id, task in (node.get("tasks") or {}).items():
+                if f"to [{dest}]" in str(task.get("description", "")):
+                    return str(task_id)
+        return None
+
+    # --- the shared layout of earlier releases (worker/adapters/es_migrate.py) ----------
+
+    def check(self) -> None:
+        """Refuse to run over the shared layout's indexes (:meth:`SharedLayout.check`)."""
+        SharedLayout(self).check()
+
+    def shared_layout(self) -> dict[str, list[str]]:
+        """The shared layout's aliases and their concrete indexes (:meth:`SharedLayout.find`)."""
+        return SharedLayout(self).find()
+
+    def migrate_shared(
+        self, *, delete_old: bool = False, dry_run: bool = False
+    ) -> dict[str, dict[str, int]]:
+        """Copy the shared layout into per-tenant indexes (:meth:`SharedLayout.migrate`)."""
+        return SharedLayout(self).migrate(delete_old=delete_old, dry_run=dry_run)
 
     # --- request bodies (pure) -----------------------------------------------------------
 
@@ -904,7 +1283,8 @@ class ElasticsearchBackend:
         body = self.native_body(query)
         what = f"native {query.method} search of index {query.index!r}"
         with _translated(what, query.index):
-            response = self._es(query.timeout_seconds).search(index=self.alias(query.index), **body)
+            alias = self.alias(query.index, query.filters.tenant)
+            response = self._es(query.timeout_seconds).search(index=alias, **body)
         return [self._hit("bm25", raw, native=True) for raw in response.body["hits"]["hits"]]
 
     # --- parsing ---------------------------------------------------------------------
@@ -941,145 +1321,6 @@ class ElasticsearchBackend:
         if channel == "knn" and not native:
             score = 2.0 * score - 1.0  # ES's cosine score is (1 + cos) / 2
         return ChannelHit(document, score)
-
-
-# --- error translation -------------------------------------------------------------------
-
-
-class _Missing:
-    """Set inside a ``_translated(..., missing_ok=True)`` block when the index is missing."""
-
-    def __init__(self) -> None:
-        self.value = False
-
-    def __bool__(self) -> bool:
-        return self.value
-
-
-class _translated:  # a context manager; named like one
-    """Translate the client's errors into Sift's, ``raise ... from exc``."""
-
-    def __init__(self, what: str, index: str | None, missing_ok: bool = False) -> None:
-        self.what = what
-        self.index = index
-        self.missing = _Missing()
-        self.missing_ok = missing_ok
-
-    def __enter__(self) -> _Missing:
-        return self.missing
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
-    ) -> bool:
-        if exc is None or isinstance(exc, SiftError):
-            return False
-        if isinstance(exc, NotFoundError) and _error_type(exc) == "index_not_found_exception":
-            if self.missing_ok:
-                self.missing.value = True
-                return True
-            raise IndexNotFound(self.index or "") from exc
-        if isinstance(exc, ApiError):
-            status = exc.meta.status
-            reason = _reason(exc.body) or str(exc.message)
-            if status == 429 or status >= 500:
-                raise BackendUnavailable(
-                    f"Elasticsearch answered {status} to the {self.what}: {reason}"
-                ) from exc
-            if _error_type(exc) == "media_type_header_exception":
-                reason += (
-                    " (the 9.x client sends compatible-with=9, which Elasticsearch 8.x "
-                    "refuses: Sift needs Elasticsearch 9)"
-                )
-            raise BackendRequestError(
-                f"Elasticsearch refused the {self.what} ({status}): {reason}"
-            ) from exc
-        if isinstance(exc, ConnectionTimeout):
-            raise BackendUnavailable(f"Elasticsearch timed out on the {self.what}") from exc
-        if isinstance(exc, ConnectionError):
-            raise BackendUnavailable(
-                f"cannot reach Elasticsearch for the {self.what}: {exc}"
-            ) from exc
-        if isinstance(exc, TransportError):
-            raise BackendUnavailable(
-                f"Elasticsearch transport error on the {self.what}: {exc}"
-            ) from exc
-        if isinstance(exc, helpers.BulkIndexError):
-            raise BackendRequestError(f"the {self.what} failed: {exc}") from exc
-        return False
-
-
-def _error_type(exc: ApiError) -> str | None:
-    body = exc.body
-    if isinstance(body, Mapping):
-        error = body.get("error")
-        if isinstance(error, Mapping):
-            kind = error.get("type")
-            return str(kind) if kind else None
-    return None
-
-
-def _reason(body: Any) -> str | None:
-    """ES's own explanation from an error body: the root cause's type and reason."""
-    if not isinstance(body, Mapping):
-        return str(body) if body else None
-    error = body.get("error")
-    if isinstance(error, str):
-        return error
-    if not isinstance(error, Mapping):
-        return None
-    causes = error.get("root_cause") or [error]
-    first = causes[0] if isinstance(causes, list) and causes else error
-    return f"{first.get('type', 'error')}: {first.get('reason', '')}".strip()
-
-
-def _index_missing(answer: Mapping[str, Any]) -> bool:
-    """Whether one ``_msearch`` item failed because its index does not exist."""
-    error = answer.get("error")
-    return isinstance(error, Mapping) and error.get("type") == "index_not_found_exception"
-
-
-def _total(answer: Mapping[str, Any]) -> int:
-    """``hits.total.value`` of one search answer (0 when ES left it out)."""
-    total = answer.get("hits", {}).get("total")
-    if isinstance(total, Mapping):
-        return int(total.get("value", 0))
-    return int(total or 0)
-
-
-def _first_key(aggregations: Mapping[str, Any]) -> str | None:
-    """The first bucket's key of the ``models`` terms aggregation (None: no bucket)."""
-    buckets = aggregations.get("models", {}).get("buckets") or []
-    return str(buckets[0]["key"]) if buckets else None
-
-
-def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
-    """One ``_msearch`` item that carries an error raises like a whole-request error."""
-    if "error" not in answer:
-        return
-    status = int(answer.get("status", 500))
-    reason = _reason(answer) or "unknown error"
-    if _index_missing(answer):
-        raise IndexNotFound(index)
-    if status == 429 or status >= 500:
-        raise BackendUnavailable(f"Elasticsearch answered {status} to the {what}: {reason}")
-    raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {reason}")
-
-
-def _bulk_error(failures: Sequence[Mapping[str, Any]], tenant: str) -> SiftError:
-    """One error naming the documents the bulk call could not write, and why."""
-    named: list[str] = []
-    retryable = True
-    for item in failures:
-        op = next(iter(item.values())) if item else {}
-        status = int(op.get("status", 500))
-        retryable = retryable and (status == 429 or status >= 500)
-        doc = str(op.get("_id", "?")).removeprefix(f"{tenant}:")
-        named.append(f"{doc} ({status} {_reason(op) or 'error'})")
-    listing = "; ".join(named[:5]) + (f"; and {len(named) - 5} more" if len(named) > 5 else "")
-    message = f"{len(failures)} document(s) not written: {listing}"
-    if retryable:
-        return BackendUnavailable(message)
-    return BackendRequestError(message)
 
 
 def _versioned(version: int | None) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """An index's own search settings in Redis: weighted RRF and the candidate window (issue 15).
 
 Why Redis: the settings are Sift's, not a backend's, and must read the same on both
-backends. Elasticsearch holds no per-tenant metadata of an index (tenants share one ES
-index), while Redis already holds Sift's durable state (AOF in ``deploy/`` and under
-``sift up``). One key per tenant and index, ``sift:index-settings:<tenant>:<index>``,
-holding ``{"settings": <only the fields set>, "version": <write version>}``, with no TTL.
+backends. Sift keeps no metadata of its own in an Elasticsearch index, while Redis
+already holds Sift's durable state (AOF in ``deploy/`` and under ``sift up``). One key per
+tenant and index, ``sift:index-settings:<tenant>:<index>``, holding
+``{"settings": <only the fields set>, "version": <write version>}``, with no TTL.
 
 Why a short cache: a search reads its index's settings once; each worker process keeps
 what it read for ``INDEX_SETTINGS_TTL_SECONDS`` (2 s), so a busy index costs one ``GET``

@@ -88,6 +88,8 @@ def worker(
     settings = _settings(**overrides)
     if not supervised_by and settings.search_backend == "embedded":
         _check_data_dir(settings)
+    if not supervised_by and settings.search_backend == "elasticsearch":
+        _check_elasticsearch(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
         args = ["--queues", queues]
@@ -122,6 +124,55 @@ def _check_data_dir(settings: Settings) -> None:
         raise typer.Exit(2) from error
     finally:
         backend.close()
+
+
+def _check_elasticsearch(settings: Settings) -> None:
+    """Indexes of the old shared layout stop a worker at its start (their documents would
+    vanish from every search); a cluster not answering yet only warns: jobs retry."""
+    from worker.adapters.elasticsearch import ElasticsearchBackend
+
+    try:
+        ElasticsearchBackend.from_settings(settings).check()
+    except ConfigError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(2) from error
+    except SiftError as error:
+        console.print(f"[yellow]warning:[/yellow] could not check the indexes' layout: {error}")
+
+
+@app.command("elasticsearch-migrate")
+def elasticsearch_migrate(
+    delete_old: Annotated[
+        bool, typer.Option(help="delete the shared indexes once copied (default: keep them)")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option(help="only list what would be copied; write and remove nothing")
+    ] = False,
+) -> None:
+    """Copy every index of the old shared layout (one index per name for every tenant) into
+    one index per tenant and name, then take the old aliases away. Run with no worker up."""
+    from worker.adapters.elasticsearch import ElasticsearchBackend
+
+    settings = _settings()
+    if settings.search_backend != "elasticsearch":
+        console.print("[red]error:[/red] SIFT_SEARCH_BACKEND is not elasticsearch")
+        raise typer.Exit(2)
+    backend = ElasticsearchBackend.from_settings(settings)
+    try:
+        report = backend.migrate_shared(delete_old=delete_old, dry_run=dry_run)
+    except SiftError as error:
+        console.print(f"[red]error:[/red] {error}")
+        raise typer.Exit(1) from error
+    verb = "would go" if dry_run else "went"
+    for name, tenants in report.items():
+        alias = f"{settings.elasticsearch_index_prefix}{name}"
+        if not tenants:
+            console.print(f"{alias}: holds no tenant's documents; left as it is")
+            continue
+        count = sum(tenants.values())
+        console.print(f"{alias} -> {name}: {count} document(s) {verb} to {len(tenants)} tenant(s)")
+    if not report:
+        console.print("nothing to migrate: no index of the shared layout")
 
 
 def _settings(**overrides: Any) -> Settings:

@@ -1,0 +1,764 @@
+"""A small stateful stand-in for Elasticsearch 9, behind the loopback server's plumbing.
+
+Unlike the scripted routes of :mod:`tests.integration.es_loopback`, it keeps state and
+answers as ES does, so a test of the index lifecycle asserts outcomes (what a tenant reads
+after a drop, a reindex, a race) instead of the requests the adapter happens to send:
+
+* concrete indexes with their mapping (an index template applies on create; ``dynamic:
+  strict`` refuses an unmapped top-level field; a ``dense_vector``'s ``dims`` is checked),
+  their ``_meta``, and aliases pointing at them;
+* documents with versions: internal (+1), or external (``version_type=external``: applied
+  only if newer than the held one, tombstones included, else a 409
+  ``version_conflict_engine_exception``);
+* ``PUT <index>``: ``resource_already_exists_exception`` for an existing index,
+  ``invalid_index_name_exception`` for a name an alias holds;
+* ``_bulk`` with ``require_alias``: an item whose target is no alias is refused (404
+  ``index_not_found_exception`` "... is not an alias"); without it, a missing index is
+  auto-created;
+* ``GET _alias/<expr>``: a wildcard matching nothing is 200 ``{}``, a missing exact alias
+  is 404 ``{"error": "alias [x] missing", "status": 404}``;
+* ``DELETE <index,...>``: concrete names only (an alias or a wildcard is refused);
+* ``_search``, ``_msearch``, ``_count``, ``GET _doc``, ``_delete_by_query``, ``_reindex``
+  (``wait_for_completion=false`` gives a task, read by ``GET _tasks/<id>``), ``_aliases``,
+  ``_refresh``, ``_mapping``.
+
+BM25 is crude (term overlap weighted by each index's own idf, best field wins); kNN is exact
+cosine over the filtered documents, reported as ES does, ``(1 + cos) / 2``. Writes are
+visible at once (every write behaves as if refreshed).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import itertools
+import json
+import math
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+from tests.integration.es_loopback import (
+    Answer,
+    FakeElasticsearchServer,
+    Recorded,
+    error_body,
+    index_missing,
+)
+
+_WORD = re.compile(r"\w+")
+#: What ES refuses anywhere in an index name, and at its start.
+_INVALID_CHARS = set('\\/*?"<>| ,#:')
+
+
+@dataclass
+class Doc:
+    """One document (``source`` None: a delete's tombstone) and its version."""
+
+    source: dict[str, Any] | None
+    version: int
+
+
+@dataclass
+class Index:
+    """One concrete index."""
+
+    name: str
+    mappings: dict[str, Any]
+    settings: dict[str, Any]
+    docs: dict[str, Doc] = field(default_factory=dict)
+
+    def live(self) -> Iterator[tuple[str, Doc]]:
+        return ((i, d) for i, d in self.docs.items() if d.source is not None)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        self.status = status
+        self.body = body
+
+
+def _refuse(kind: str, reason: str, status: int = 400, **extra: Any) -> _Refused:
+    return _Refused(status, error_body(kind, reason, status=status, **extra))
+
+
+def _missing(name: str) -> _Refused:
+    return _Refused(404, index_missing(name))
+
+
+class StatefulElasticsearch:
+    """The state and the answers; :func:`stateful_server` puts it behind a loopback server.
+
+    A test can still script a route on the server (``server.on``) to inject a failure or to
+    run something between two requests; unscripted requests reach this fallback."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.indexes: dict[str, Index] = {}
+        self.aliases: dict[str, set[str]] = {}  # alias -> concrete indexes
+        self.templates: dict[str, dict[str, Any]] = {}
+        self.tasks: dict[str, dict[str, Any]] = {}
+        self._task_ids = itertools.count(1)
+
+    # --- entry -----------------------------------------------------------------------
+
+    def __call__(self, request: Recorded) -> Answer:
+        try:
+            with self.lock:
+                status, body = self._route(request)
+        except _Refused as refused:
+            return Answer(refused.status, refused.body)
+        return Answer(status, body)
+
+    def _route(self, r: Recorded) -> tuple[int, Any]:
+        parts = [unquote(p) for p in r.path.strip("/").split("/")] if r.path != "/" else []
+        method = r.method
+        q = {k: v[-1] for k, v in r.query.items()}
+        body = r.json() if r.body and not r.path.endswith(("_bulk", "_msearch")) else {}
+        if parts[:1] == ["_index_template"] and method == "PUT":
+            self.templates[parts[1]] = body
+            return 200, {"acknowledged": True}
+        if parts == ["_bulk"] or parts[1:] == ["_bulk"]:
+            return 200, self.bulk(r.ndjson(), q)
+        if parts == ["_alias"] or (parts[:1] == ["_alias"] and len(parts) == 2):
+            return self.get_alias(parts[1] if len(parts) > 1 else "*")
+        if parts[:2] == ["_resolve", "index"]:
+            return 200, self.resolve_index(parts[2])
+        if parts == ["_aliases"] and method == "POST":
+            return 200, self.update_aliases(body.get("actions", []))
+        if parts == ["_reindex"]:
+            return 200, self.reindex(body, q)
+        if parts[:1] == ["_tasks"]:
+            return self.get_tasks(parts[1:], q)
+        if len(parts) == 1:
+            return self.index_level(method, parts[0], body, q)
+        target, action = parts[0], parts[1]
+        if action == "_msearch":
+            return 200, self.msearch(target, r.ndjson())
+        if action == "_search":
+            return 200, self.search(target, body, q)
+        if action == "_count":
+            return 200, {"count": len(self._matching(target, body.get("query"), q))}
+        if action == "_doc":
+            return self.doc(method, target, parts[2], body, q)
+        if action == "_delete_by_query":
+            return 200, self.delete_by_query(target, body)
+        if action == "_refresh":
+            self._resolve(target, q)
+            return 200, {"_shards": {"total": 1, "successful": 1, "failed": 0}}
+        if action == "_mapping":
+            return self.mapping(method, target, body)
+        raise _refuse("unsupported", f"the stateful fake has no {method} {r.path}")
+
+    # --- names -----------------------------------------------------------------------
+
+    def _resolve(
+        self, expression: str, q: Mapping[str, str] | None = None, write: bool = False
+    ) -> list[Index]:
+        """Concrete indexes an expression names: index names, aliases, wildcards of both."""
+        q = q or {}
+        ignore = q.get("ignore_unavailable") == "true"
+        found: dict[str, Index] = {}
+        for part in expression.split(","):
+            if "*" in part:
+                names = [n for n in self.indexes if fnmatch.fnmatchcase(n, part)]
+                for alias, held in self.aliases.items():
+                    if fnmatch.fnmatchcase(alias, part):
+                        names += sorted(held)
+                if not names and q.get("allow_no_indices") == "false":
+                    raise _missing(part)
+            elif part in self.indexes:
+                names = [part]
+            elif part in self.aliases:
+                names = sorted(self.aliases[part])
+                if write and len(names) != 1:
+                    raise _refuse(
+                        "illegal_argument_exception",
+                        f"no write index is defined for alias [{part}]",
+                    )
+            elif ignore:
+                names = []
+            else:
+                raise _missing(part)
+            found |= {n: self.indexes[n] for n in names}
+        return list(found.values())
+
+    @staticmethod
+    def _check_name(name: str) -> None:
+        if (
+            name != name.lower()
+            or any(c in _INVALID_CHARS for c in name)
+            or name[:1] in ("-", "_", "+")
+            or name in (".", "..")
+            or len(name.encode()) > 255
+        ):
+            raise _refuse("invalid_index_name_exception", f"Invalid index name [{name}]")
+
+    def create_index(self, name: str, body: Mapping[str, Any]) -> None:
+        self._check_name(name)
+        if name in self.indexes:
+            raise _refuse(
+                "resource_already_exists_exception",
+                f"index [{name}/uuid] already exists",
+                index=name,
+            )
+        if name in self.aliases:
+            raise _refuse(
+                "invalid_index_name_exception",
+                f"Invalid index name [{name}], already exists as alias",
+                index=name,
+            )
+        for alias in body.get("aliases") or {}:
+            if alias in self.indexes:
+                raise _refuse(
+                    "invalid_alias_name_exception",
+                    f"Invalid alias name [{alias}]: an index or data stream exists with the "
+                    "same name as the alias",
+                )
+        template = self._template_for(name)
+        mappings = json.loads(json.dumps(template.get("mappings", {})))
+        settings = dict(template.get("settings", {}))
+        given = body.get("mappings") or {}
+        mappings.setdefault("properties", {}).update(given.get("properties", {}))
+        mappings |= {k: v for k, v in given.items() if k != "properties"}
+        settings |= body.get("settings") or {}
+        self.indexes[name] = Index(name, mappings, settings)
+        for alias in body.get("aliases") or {}:
+            self.aliases.setdefault(alias, set()).add(name)
+
+    def _template_for(self, name: str) -> dict[str, Any]:
+        matching = [
+            t
+            for t in self.templates.values()
+            if any(fnmatch.fnmatchcase(name, p) for p in t.get("index_patterns", []))
+        ]
+        if not matching:
+            return {}
+        best = max(matching, key=lambda t: int(t.get("priority", 0)))
+        return dict(best.get("template", {}))
+
+    def index_level(
+        self, method: str, name: str, body: Mapping[str, Any], q: Mapping[str, str]
+    ) -> tuple[int, Any]:
+        if method == "HEAD":
+            try:
+                return (200 if self._resolve(name) else 404), None
+            except _Refused:
+                return 404, None
+        if method == "PUT":
+            self.create_index(name, body)
+            return 200, {"acknowledged": True, "shards_acknowledged": True, "index": name}
+        if method == "DELETE":
+            return self.delete_indexes(name, q.get("ignore_unavailable") == "true")
+        if method == "GET":
+            return 200, {
+                i.name: {"aliases": self._aliases_of(i.name), "mappings": i.mappings}
+                for i in self._resolve(name, q)
+            }
+        raise _refuse("unsupported", f"{method} /{name}")
+
+    def delete_indexes(self, expression: str, ignore_unavailable: bool) -> tuple[int, Any]:
+        names = expression.split(",")
+        for name in names:
+            if "*" in name:
+                raise _refuse(
+                    "illegal_argument_exception",
+                    "Wildcard expressions or all indices are not allowed",
+                )
+            if name in self.aliases:
+                raise _refuse(
+                    "illegal_argument_exception",
+                    f"The provided expression [{name}] matches an alias, specify the "
+                    "corresponding concrete indices instead.",
+                )
+            if name not in self.indexes and not ignore_unavailable:
+                raise _missing(name)
+        for name in names:
+            if self.indexes.pop(name, None) is None:
+                continue
+            for alias in list(self.aliases):
+                self.aliases[alias].discard(name)
+                if not self.aliases[alias]:
+                    del self.aliases[alias]
+        return 200, {"acknowledged": True}
+
+    def resolve_index(self, expression: str) -> dict[str, Any]:
+        """``GET _resolve/index/<expr>``: matching indexes and aliases, listed apart."""
+        indexes: set[str] = set()
+        aliases: set[str] = set()
+        for part in expression.split(","):
+            indexes |= {n for n in self.indexes if fnmatch.fnmatchcase(n, part)}
+            aliases |= {a for a in self.aliases if fnmatch.fnmatchcase(a, part)}
+            if "*" not in part and not (indexes | aliases):
+                raise _missing(part)
+        return {
+            "indices": [
+                {"name": n, "aliases": sorted(self._aliases_of(n)), "attributes": ["open"]}
+                for n in sorted(indexes)
+            ],
+            "aliases": [{"name": a, "indices": sorted(self.aliases[a])} for a in sorted(aliases)],
+            "data_streams": [],
+        }
+
+    def _aliases_of(self, concrete: str) -> dict[str, Any]:
+        return {a: {} for a, held in sorted(self.aliases.items()) if concrete in held}
+
+    def get_alias(self, expression: str) -> tuple[int, Any]:
+        answer: dict[str, Any] = {}
+        missing: list[str] = []
+        for part in expression.split(","):
+            matched = [a for a in self.aliases if fnmatch.fnmatchcase(a, part)]
+            if not matched and "*" not in part:
+                missing.append(part)
+            for alias in matched:
+                for concrete in self.aliases[alias]:
+                    answer.setdefault(concrete, {"aliases": {}})["aliases"][alias] = {}
+        if missing:
+            names = ",".join(missing)
+            return 404, {"error": f"alias [{names}] missing", "status": 404, **answer}
+        return 200, answer
+
+    def update_aliases(self, actions: list[Mapping[str, Any]]) -> dict[str, Any]:
+        staged = {a: set(h) for a, h in self.aliases.items()}
+        for action in actions:
+            (kind, args), *_ = action.items()
+            indexes = [args["index"]] if "index" in args else list(args.get("indices", []))
+            alias = args.get("alias")
+            for name in indexes:
+                if name not in self.indexes:
+                    raise _missing(name)
+                if kind == "add":
+                    if alias in self.indexes:
+                        raise _refuse("invalid_alias_name_exception", f"[{alias}] is an index")
+                    staged.setdefault(alias, set()).add(name)
+                elif kind == "remove":
+                    if name not in staged.get(alias, set()):
+                        raise _refuse(
+                            "aliases_not_found_exception",
+                            f"aliases [{alias}] missing",
+                            status=404,
+                        )
+                    staged[alias].discard(name)
+                else:
+                    raise _refuse("unsupported", f"alias action {kind}")
+        self.aliases = {a: h for a, h in staged.items() if h}
+        return {"acknowledged": True, "errors": False}
+
+    # --- documents -------------------------------------------------------------------
+
+    def _check_source(self, index: Index, source: Mapping[str, Any]) -> None:
+        properties = index.mappings.get("properties", {})
+        if index.mappings.get("dynamic") == "strict":
+            for key in source:
+                if key not in properties:
+                    raise _refuse(
+                        "strict_dynamic_mapping_exception",
+                        f"[1:2] mapping set to strict, dynamic introduction of [{key}] "
+                        "within [_doc] is not allowed",
+                    )
+        for key, value in source.items():
+            about = properties.get(key, {})
+            if about.get("type") == "dense_vector" and len(value) != about.get("dims"):
+                raise _refuse(
+                    "document_parsing_exception",
+                    f"[1:2] failed to parse: The [dense_vector] field [{key}] in doc has a "
+                    f"number of dimensions [{len(value)}] less than defined in the mapping "
+                    f"[{about.get('dims')}]",
+                )
+
+    def write(
+        self,
+        index: Index,
+        doc_id: str,
+        source: dict[str, Any] | None,
+        version: int | None,
+        external: bool,
+    ) -> tuple[int, dict[str, Any]]:
+        """Index (``source``) or delete (None) one document; (status, item) as ``_bulk``."""
+        held = index.docs.get(doc_id)
+        base = {"_index": index.name, "_id": doc_id}
+        if external:
+            assert version is not None
+            if held is not None and held.version >= version:
+                reason = (
+                    f"[{doc_id}]: version conflict, current version [{held.version}] is "
+                    f"higher or equal to the one provided [{version}]"
+                )
+                error = {
+                    "type": "version_conflict_engine_exception",
+                    "reason": reason,
+                    "index": index.name,
+                }
+                return 409, {**base, "status": 409, "error": error}
+            new_version = version
+        else:
+            new_version = (held.version if held is not None else 0) + 1
+        if source is not None:
+            self._check_source(index, source)
+            result, status = ("updated", 200) if held and held.source else ("created", 201)
+        else:
+            found = held is not None and held.source is not None
+            result, status = ("deleted", 200) if found else ("not_found", 404)
+            if not found and not external and held is None:
+                new_version = 1
+        index.docs[doc_id] = Doc(source, new_version)
+        shards = {"total": 2, "successful": 1, "failed": 0}
+        return status, {
+            **base,
+            "_version": new_version,
+            "result": result,
+            "_shards": shards,
+            "status": status,
+        }
+
+    def bulk(self, lines: list[Any], q: Mapping[str, str]) -> dict[str, Any]:
+        require_alias = q.get("require_alias") == "true"
+        items: list[dict[str, Any]] = []
+        it = iter(lines)
+        for action in it:
+            (op, meta), *_ = action.items()
+            source = next(it) if op in ("index", "create") else None
+            target, doc_id = meta["_index"], str(meta["_id"])
+            version = int(meta["version"]) if "version" in meta else None
+            external = meta.get("version_type") == "external"
+            try:
+                if require_alias and target not in self.aliases:
+                    reason = (
+                        f"no such index [{target}] and [require_alias] request flag is "
+                        f"[true] and [{target}] is not an alias"
+                    )
+                    raise _refuse("index_not_found_exception", reason, 404, index=target)
+                if target not in self.indexes and target not in self.aliases:
+                    if op == "delete":
+                        raise _missing(target)
+                    self.create_index(target, {})
+                (index,) = self._resolve(target, write=True)
+                _status, item = self.write(index, doc_id, source, version, external)
+            except _Refused as refused:
+                error = refused.body["error"]
+                error = {k: v for k, v in error.items() if k != "root_cause"}
+                item = {"_index": target, "_id": doc_id, "status": refused.status, "error": error}
+            items.append({op: item})
+        errors = any(next(iter(i.values()))["status"] >= 300 for i in items)
+        return {"errors": errors, "took": 1, "items": items}
+
+    def doc(
+        self, method: str, target: str, doc_id: str, body: Any, q: Mapping[str, str]
+    ) -> tuple[int, Any]:
+        if method in ("PUT", "POST"):
+            if target not in self.indexes and target not in self.aliases:
+                self.create_index(target, {})
+            (index,) = self._resolve(target, write=True)
+            external = q.get("version_type") == "external"
+            version = int(q["version"]) if "version" in q else None
+            status, item = self.write(index, doc_id, dict(body), version, external)
+            if "error" in item:
+                raise _Refused(409, {"error": item["error"], "status": 409})
+            return status, {k: v for k, v in item.items() if k != "status"}
+        if method == "GET":
+            (index,) = self._resolve(target)
+            held = index.docs.get(doc_id)
+            if held is None or held.source is None:
+                return 404, {"_index": index.name, "_id": doc_id, "found": False}
+            excludes = q.get("_source_excludes", "")
+            source = {k: v for k, v in held.source.items() if k not in excludes.split(",")}
+            return 200, {
+                "_index": index.name,
+                "_id": doc_id,
+                "_version": held.version,
+                "_seq_no": 0,
+                "_primary_term": 1,
+                "found": True,
+                "_source": source,
+            }
+        raise _refuse("unsupported", f"{method} _doc")
+
+    def mapping(self, method: str, target: str, body: Mapping[str, Any]) -> tuple[int, Any]:
+        indexes = self._resolve(target)
+        if method == "PUT":
+            for index in indexes:
+                index.mappings.setdefault("properties", {}).update(body.get("properties", {}))
+            return 200, {"acknowledged": True}
+        return 200, {i.name: {"mappings": i.mappings} for i in indexes}
+
+    def delete_by_query(self, target: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        deleted = 0
+        for index, doc_id, _doc in self._matching(target, body.get("query"), {}):
+            self.write(index, doc_id, None, None, external=False)
+            deleted += 1
+        return {"took": 1, "timed_out": False, "total": deleted, "deleted": deleted}
+
+    def reindex(self, body: Mapping[str, Any], q: Mapping[str, str]) -> dict[str, Any]:
+        source, dest = body["source"], body["dest"]
+        external = dest.get("version_type") == "external"
+        if dest["index"] not in self.indexes and dest["index"] not in self.aliases:
+            self.create_index(dest["index"], {})
+        (into,) = self._resolve(dest["index"], write=True)
+        created = updated = conflicts = 0
+        for _index, doc_id, doc in self._matching(source["index"], source.get("query"), {}):
+            assert doc.source is not None
+            status, _item = self.write(
+                into, doc_id, dict(doc.source), doc.version if external else None, external
+            )
+            created += status == 201
+            updated += status == 200
+            conflicts += status == 409
+        report = {
+            "took": 1,
+            "timed_out": False,
+            "total": created + updated + conflicts,
+            "created": created,
+            "updated": updated,
+            "deleted": 0,
+            "version_conflicts": conflicts,
+            "failures": [],
+        }
+        if q.get("wait_for_completion") == "false":
+            task = f"fakenode:{next(self._task_ids)}"
+            self.tasks[task] = {
+                "completed": True,
+                "task": {"node": "fakenode", "action": "indices:data/write/reindex"},
+                "description": f"reindex from [{source['index']}] to [{dest['index']}]",
+                "response": report,
+            }
+            return {"task": task}
+        return report
+
+    def get_tasks(self, parts: list[str], q: Mapping[str, str]) -> tuple[int, Any]:
+        if parts:
+            task = self.tasks.get(parts[0])
+            if task is None:
+                return 404, error_body("resource_not_found_exception", "task not found", 404)
+            return 200, task
+        # every task here has completed: none is running
+        return 200, {"nodes": {}}
+
+    # --- searching -------------------------------------------------------------------
+
+    def _matching(
+        self, target: str, query: Any, q: Mapping[str, str]
+    ) -> list[tuple[Index, str, Doc]]:
+        return [
+            (index, doc_id, doc)
+            for index in self._resolve(target, q)
+            for doc_id, doc in index.live()
+            if self._matches(index, doc_id, doc.source or {}, query)
+        ]
+
+    def _matches(self, index: Index, doc_id: str, source: Mapping[str, Any], query: Any) -> bool:
+        if not query or "match_all" in query:
+            return True
+        (kind, args), *_ = query.items()
+        if kind == "bool":
+            clauses = [*_listed(args.get("filter")), *_listed(args.get("must"))]
+            return all(self._matches(index, doc_id, source, c) for c in clauses) and not any(
+                self._matches(index, doc_id, source, c) for c in _listed(args.get("must_not"))
+            )
+        if kind == "term":
+            (name, wanted), *_ = args.items()
+            wanted = wanted["value"] if isinstance(wanted, Mapping) else wanted
+            if name == "_index":
+                return bool(index.name == wanted)
+            return _keyword(_field(source, name)) == _keyword(wanted)
+        if kind == "terms":
+            (name, wanted), *_ = args.items()
+            return _keyword(_field(source, name)) in {_keyword(w) for w in wanted}
+        if kind == "exists":
+            return _field(source, args["field"]) is not None
+        if kind == "multi_match":
+            return self._bm25(index, source, args) > 0
+        raise _refuse("unsupported", f"query {kind}")
+
+    def _bm25(self, index: Index, source: Mapping[str, Any], args: Mapping[str, Any]) -> float:
+        words = set(_WORD.findall(str(args["query"]).lower()))
+        docs = [d.source or {} for _, d in index.live()]
+        best = 0.0
+        for name in args["fields"]:
+            mine = _WORD.findall(str(_field(source, name) or "").lower())
+            score = 0.0
+            for word in words & set(mine):
+                df = sum(word in _WORD.findall(str(_field(d, name) or "").lower()) for d in docs)
+                tf = mine.count(word)
+                idf = math.log(1 + (len(docs) - df + 0.5) / (df + 0.5))
+                score += idf * tf / (tf + 1.2 * (0.25 + 0.75 * len(mine) / 8))
+            best = max(best, score)
+        return best
+
+    def search(self, target: str, body: Mapping[str, Any], q: Mapping[str, str]) -> dict[str, Any]:
+        q = {"allow_no_indices": "true", **q}
+        indexes = self._resolve(target, q)
+        query = body.get("query")
+        scored: list[tuple[float, Index, str, Doc]] = []
+        if "knn" in body:
+            knn = body["knn"]
+            wanted = [float(v) for v in knn["query_vector"]]
+            filters = {"bool": {"filter": _listed(knn.get("filter"))}}
+            candidates = []
+            for index, doc_id, doc in self._matching(target, filters, q):
+                vector = _field(doc.source or {}, knn["field"])
+                if vector is not None:
+                    candidates.append(((1 + _cosine(wanted, vector)) / 2, index, doc_id, doc))
+            scored = sorted(candidates, key=lambda c: -c[0])[: int(knn["k"])]
+        else:
+            must = _listed((query or {}).get("bool", {}).get("must"))
+            for index in indexes:
+                for doc_id, doc in index.live():
+                    source = doc.source or {}
+                    if not self._matches(index, doc_id, source, query):
+                        continue
+                    score = sum(
+                        self._bm25(index, source, m["multi_match"])
+                        for m in must
+                        if "multi_match" in m
+                    )
+                    scored.append((score, index, doc_id, doc))
+            scored.sort(key=lambda c: -c[0])
+        total = len(scored)
+        terminate = body.get("terminate_after")
+        answer: dict[str, Any] = {
+            "took": 1,
+            "timed_out": False,
+            "_shards": {"total": len(indexes), "successful": len(indexes), "failed": 0},
+        }
+        if terminate is not None:
+            total = min(total, int(terminate) * max(1, len(indexes)))
+            if total:
+                answer["terminated_early"] = True
+        size = int(body.get("size", 10))
+        includes = body.get("_source")
+        hits = [
+            {
+                "_index": index.name,
+                "_id": doc_id,
+                "_score": score,
+                "_source": _filtered(doc.source or {}, includes),
+            }
+            for score, index, doc_id, doc in scored[:size]
+        ]
+        answer["hits"] = {"max_score": hits[0]["_score"] if hits else None, "hits": hits}
+        if body.get("track_total_hits", True) is not False:
+            answer["hits"]["total"] = {"value": total, "relation": "eq"}
+        if "aggs" in body:
+            matched = [(index, source_of(doc)) for _, index, _, doc in scored]
+            answer["aggregations"] = self._aggs(body["aggs"], matched)
+        return answer
+
+    def _aggs(
+        self, aggs: Mapping[str, Any], docs: list[tuple[Index, dict[str, Any]]]
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, agg in aggs.items():
+            if "terms" in agg:
+                by: dict[str, list[tuple[Index, dict[str, Any]]]] = {}
+                for index, source in docs:
+                    key = index.name if agg["terms"]["field"] == "_index" else None
+                    if key is None:
+                        value = _field(source, agg["terms"]["field"])
+                        key = None if value is None else _keyword(value)
+                    if key is not None:
+                        by.setdefault(key, []).append((index, source))
+                ranked = sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+                size = int(agg["terms"].get("size", 10))
+                out[name] = {
+                    "doc_count_error_upper_bound": 0,
+                    "sum_other_doc_count": sum(len(v) for _, v in ranked[size:]),
+                    "buckets": [
+                        {"key": k, "doc_count": len(v), **self._aggs(agg.get("aggs", {}), v)}
+                        for k, v in ranked[:size]
+                    ],
+                }
+            elif "composite" in agg:
+                (source_name, source_agg), *_ = agg["composite"]["sources"][0].items()
+                keys = sorted(
+                    {
+                        _keyword(value)
+                        for _, source in docs
+                        if (value := _field(source, source_agg["terms"]["field"])) is not None
+                    }
+                )
+                after = (agg["composite"].get("after") or {}).get(source_name)
+                keys = [k for k in keys if after is None or k > after]
+                page = keys[: int(agg["composite"].get("size", 10))]
+                counts = {
+                    k: sum(_keyword(_field(s, source_agg["terms"]["field"])) == k for _, s in docs)
+                    for k in page
+                }
+                out[name] = {
+                    "buckets": [{"key": {source_name: k}, "doc_count": counts[k]} for k in page]
+                }
+                if page:
+                    out[name]["after_key"] = {source_name: page[-1]}
+            else:
+                raise _refuse("unsupported", f"aggregation {agg}")
+        return out
+
+    def msearch(self, target: str, lines: list[Any]) -> dict[str, Any]:
+        responses: list[dict[str, Any]] = []
+        for header, body in zip(lines[0::2], lines[1::2], strict=True):
+            where = header.get("index", target)
+            try:
+                responses.append({**self.search(where, body, {}), "status": 200})
+            except _Refused as refused:
+                responses.append({**refused.body, "status": refused.status})
+        return {"took": 1, "responses": responses}
+
+    # --- for tests -------------------------------------------------------------------
+
+    def concrete(self, alias: str) -> list[str]:
+        with self.lock:
+            return sorted(self.aliases.get(alias, set()))
+
+    def live_ids(self, name: str) -> set[str]:
+        with self.lock:
+            return {i for index in self._resolve(name) for i, _ in index.live()}
+
+
+def source_of(doc: Doc) -> dict[str, Any]:
+    return doc.source or {}
+
+
+def _listed(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _field(source: Mapping[str, Any], name: str) -> Any:
+    """A field by its dotted name (a ``flattened`` field's keys included)."""
+    node: Any = source
+    for part in name.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _keyword(value: Any) -> str:
+    """How a keyword (or a ``flattened`` leaf) holds a value: ``true``, ``5``, ``2.5``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _filtered(source: Mapping[str, Any], includes: Any) -> dict[str, Any]:
+    if includes is None or includes is True:
+        return dict(source)
+    if includes is False:
+        return {}
+    return {k: v for k, v in source.items() if k in _listed(includes)}
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norms if norms else 0.0
+
+
+def stateful_server() -> tuple[FakeElasticsearchServer, StatefulElasticsearch]:
+    """A loopback server (not started) whose unscripted requests the stateful fake answers."""
+    server = FakeElasticsearchServer()
+    state = StatefulElasticsearch()
+    server.fallback = state
+    return server, state

@@ -1,0 +1,391 @@
+"""The Elasticsearch adapter against a stateful ES stand-in (:mod:`tests.integration.es_stateful`):
+the shared lifecycle contract, and the races and name clashes of the per-tenant layout, asserted
+by what a tenant reads afterwards, not by the requests sent."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from elasticsearch import ApiError, Elasticsearch
+
+from tests.integration.backend_contract import LifecycleContract, vectors_of
+from tests.integration.es_loopback import (
+    Answer,
+    FakeElasticsearchServer,
+    Recorded,
+    bulk_response,
+    error_body,
+    require_alias_refused,
+    running,
+)
+from tests.integration.es_stateful import StatefulElasticsearch, stateful_server
+from worker.adapters.elasticsearch import (
+    ElasticsearchBackend,
+    FieldNames,
+    IndexSettings,
+    index_template,
+)
+from worker.core.types import Document
+from worker.errors import BackendUnavailable, ConfigError
+from worker.settings import load_settings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeElasticsearchServer, StatefulElasticsearch]]:
+    server, state = stateful_server()
+    for started in running(server):
+        yield started, state
+
+
+def backend_on(server: FakeElasticsearchServer, **settings: Any) -> ElasticsearchBackend:
+    """A worker process's backend (each call: another process, with its own memo)."""
+    return ElasticsearchBackend.from_settings(
+        load_settings(
+            search_backend="elasticsearch",
+            elasticsearch_url=server.url,
+            elasticsearch_vector_dims=64,
+            **settings,
+        )
+    )
+
+
+class TestStatefulElasticsearchContract(LifecycleContract):
+    @pytest.fixture
+    def index(self) -> str:
+        return "contract"
+
+    @pytest.fixture
+    def backend(
+        self, fake: tuple[FakeElasticsearchServer, StatefulElasticsearch]
+    ) -> ElasticsearchBackend:
+        return backend_on(fake[0])
+
+
+# --- the stand-in answers as ES does --------------------------------------------------------
+
+
+def client(server: FakeElasticsearchServer) -> Elasticsearch:
+    return Elasticsearch(server.url, max_retries=0)
+
+
+def error_of(call: Any) -> tuple[int, str]:
+    with pytest.raises(ApiError) as caught:
+        call()
+    return caught.value.meta.status, caught.value.body["error"]["type"]
+
+
+def test_the_stand_in_refuses_as_es_does(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    es = client(fake[0])
+    es.indices.create(index="a~1", aliases={"a": {}})
+    assert error_of(lambda: es.indices.create(index="a~1")) == (
+        400,
+        "resource_already_exists_exception",
+    )
+    assert error_of(lambda: es.indices.create(index="a")) == (400, "invalid_index_name_exception")
+    assert error_of(lambda: es.indices.delete(index="a")) == (400, "illegal_argument_exception")
+    assert es.options(ignore_status=404).indices.get_alias(name="b*").body == {}
+    missing = es.options(ignore_status=404).indices.get_alias(name="b")
+    assert missing.meta.status == 404 and missing.body["error"] == "alias [b] missing"
+    assert es.indices.get_alias(name="a").body == {"a~1": {"aliases": {"a": {}}}}
+    es.index(index="a", id="x", document={"n": 1}, version=5, version_type="external")
+    assert error_of(
+        lambda: es.index(index="a", id="x", document={}, version=5, version_type="external")
+    ) == (409, "version_conflict_engine_exception")
+    answer = es.bulk(
+        operations=[{"index": {"_index": "a~1", "_id": "y"}}, {"n": 2}], require_alias=True
+    ).body
+    item = answer["items"][0]["index"]
+    assert answer["errors"] and item["status"] == 404
+    assert item["error"]["type"] == "index_not_found_exception"
+    assert item["error"]["reason"].endswith("[a~1] is not an alias")
+    assert es.get(index="a", id="x").body["_version"] == 5
+
+
+# --- the lifecycle's races and name clashes -------------------------------------------------
+
+DOC = Document("vitd", "Vitamin D deficiency raises the risk of bone fractures.", "Vitamin D")
+CALC = Document("calc", "Calcium supplements and bone density in older adults.", "Calcium")
+
+
+def write(backend: ElasticsearchBackend, doc: Document, version: int | None) -> int:
+    return backend.upsert("docs", "acme", [doc], vectors_of([doc]), version=version)
+
+
+def indexes_named(state: StatefulElasticsearch, alias: str) -> list[str]:
+    """Every concrete index of ``alias`` (pointed at by it, or kept by a reindex)."""
+    with state.lock:
+        return sorted(n for n in state.indexes if n.startswith(alias) and n != alias)
+
+
+def test_a_drop_after_a_reindex_that_kept_the_old_index_deletes_both_and_the_name_works_again(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, state = fake
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    assert write(backend, DOC, version=1) == 1
+    backend.reindex("docs", "acme")  # the old index is kept for a rollback
+    assert len(indexes_named(state, alias)) == 2
+    assert backend.delete_index("docs", "acme", version=2) == 1
+    assert indexes_named(state, alias) == []  # the dropped documents are gone, kept ones too
+    # this process, and one that never saw the index
+    assert write(backend, CALC, version=3) == 1
+    assert write(backend_on(server), DOC, version=4) == 1
+    assert backend.index_info("docs", "acme").documents == 2
+    assert backend.document("docs", "acme", "vitd").version == 4
+
+
+def test_a_leftover_concrete_index_without_its_alias_is_a_retryable_error_naming_it(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A concrete index of the alias's first name exists but the alias does not (a drop cut
+    short): the write is refused, retryably, naming the index, and nothing is written."""
+    server, state = fake
+    backend = backend_on(server)
+    write(backend, CALC, version=1)
+    (first,) = indexes_named(state, backend.alias("docs", "acme"))
+    with state.lock:
+        state.aliases.clear()  # the alias went, its index did not
+    with pytest.raises(BackendUnavailable, match=re.escape(first)) as caught:
+        write(backend_on(server), DOC, version=2)
+    assert caught.value.retryable
+    assert state.live_ids(first) == {"acme:calc"}
+
+
+def test_require_alias_refusing_every_attempt_is_bounded_and_retryable(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, _state = fake
+    backend = backend_on(server)
+    write(backend, CALC, version=1)
+    refused = bulk_response(require_alias_refused("index", backend.alias("docs", "acme"), "x"))
+    server.on("PUT", "/_bulk", Answer(200, refused))
+    with pytest.raises(BackendUnavailable) as caught:
+        write(backend, DOC, version=2)
+    assert caught.value.retryable
+    assert 2 <= len(server.sent("PUT", "/_bulk")) - 1 <= 5
+
+
+def test_a_stale_upsert_landing_in_an_index_a_newer_writer_made_again_is_taken_back(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """W1 (version 10, accepted before drop 12) passes its floor check on worker 1; drop 12
+    runs on worker 2; W2 (version 13) on worker 3 makes the index again; then W1's bulk
+    finds the alias and writes. W1 reads the floor again, takes its document back, and says
+    it wrote nothing; W2's document stays."""
+    server, _state = fake
+    w1, dropper, w3 = backend_on(server), backend_on(server), backend_on(server)
+    assert write(w1, CALC, version=5) == 1  # worker 1 knows the index
+    fired: list[int] = []
+
+    def between(request: Recorded) -> None:
+        if not fired and '"version":10' in request.body.decode().replace(" ", ""):
+            fired.append(1)
+            assert dropper.delete_index("docs", "acme", version=12) == 1
+            assert write(w3, CALC, version=13) == 1
+
+    server.on("PUT", "/_bulk", between)
+    assert write(w1, DOC, version=10) == 0
+    assert fired
+    assert w1.document("docs", "acme", "vitd") is None
+    assert w1.document("docs", "acme", "calc") is not None
+    assert w1.index_info("docs", "acme").documents == 1
+
+
+@pytest.mark.parametrize("first", ["docs", "docs-000001"])
+def test_a_name_like_another_names_concrete_index_is_its_own(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch], first: str
+) -> None:
+    """``docs-000001`` (or a reindex's timestamped name) is a valid Sift name: it never is
+    the concrete index of ``docs``, in either order of first writes."""
+    server, _state = fake
+    backend = backend_on(server)
+    docs = {"docs": DOC, "docs-000001": CALC}
+    for name in (first, *(set(docs) - {first})):
+        assert backend.upsert(name, "acme", [docs[name]], vectors_of([docs[name]]), version=1) == 1
+    backend.reindex("docs", "acme", delete_old=True)
+    stamp = backend._concrete(backend.alias("docs", "acme"))[0].rsplit("~", 1)[-1]
+    assert backend.upsert(f"docs-{stamp}", "acme", [CALC], None, version=1) == 1
+    for name, doc in docs.items():
+        assert backend.index_info(name, "acme").documents == 1
+        assert backend.document(name, "acme", doc.id) is not None
+    assert backend.delete_index("docs-000001", "acme", version=2) == 1
+    assert backend.index_info("docs", "acme").documents == 1
+    assert backend.document("docs", "acme", "vitd") is not None
+    assert sorted(i.name for i in backend.indexes("acme")) == ["docs", f"docs-{stamp}"]
+
+
+# --- the shared layout of earlier releases: what is Sift's, and its migration ------------------
+
+
+def old_mapping() -> dict[str, Any]:
+    """The mapping the shared layout's template gave (no ``_meta`` marker then)."""
+    template = index_template("sift-", FieldNames(), IndexSettings(dims=64))
+    mappings: dict[str, Any] = template["template"]["mappings"]
+    return {k: v for k, v in mappings.items() if k != "_meta"}
+
+
+def make_index(
+    server: FakeElasticsearchServer,
+    alias: str,
+    concrete: str,
+    docs: dict[str, dict[str, Any]],
+    mappings: dict[str, Any] | None = None,
+) -> None:
+    es = client(server)
+    es.indices.create(index=concrete, aliases={alias: {}}, mappings=mappings or {})
+    for n, (doc_id, source) in enumerate(sorted(docs.items())):
+        es.index(index=alias, id=doc_id, document=source, version=7 + n, version_type="external")
+
+
+def shared_doc(tenant: str, doc_id: str, text: str) -> dict[str, Any]:
+    vector = vectors_of([Document(doc_id, text)])[0]
+    return {
+        "doc_id": doc_id,
+        "text": text,
+        "title": "",
+        "tenant": tenant,
+        "revision": "1",
+        "metadata": {},
+        "vector": vector,
+    }
+
+
+def test_only_sifts_own_shared_indexes_are_the_shared_layout(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A sibling deployment's per-tenant aliases (prefix ``sift-staging-`` beside ``sift-``),
+    an operator's rollover alias under the prefix, and one with Sift's name shape but not
+    its mapping are none of it; Sift's own old index is."""
+    server, state = fake
+    staging = backend_on(server, elasticsearch_index_prefix="sift-staging-")
+    assert write(staging, DOC, version=1) == 1
+    make_index(server, "sift-audit", "sift-audit-000001", {"e1": {"event": "login"}})
+    make_index(server, "sift-faq", "sift-faq-000001", {"f1": {"tenant": "acme", "text": "x"}})
+    prod = backend_on(server)
+    assert prod.shared_layout() == {}
+    prod.check()
+    assert prod.migrate_shared(delete_old=True) == {}
+    make_index(
+        server,
+        "sift-docs",
+        "sift-docs-000001",
+        {"acme:vitd": shared_doc("acme", "vitd", DOC.text)},
+        old_mapping(),
+    )
+    assert prod.shared_layout() == {"sift-docs": ["sift-docs-000001"]}
+    with pytest.raises(ConfigError, match=r"\(sift-docs\)"):
+        prod.check()
+    with state.lock:
+        assert {"sift-audit", "sift-faq"} <= set(state.aliases)
+
+
+def test_with_an_empty_prefix_an_operators_rollover_alias_is_left_alone(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, state = fake
+    make_index(server, "logs-app", "logs-app-000001", {"l1": {"message": "GET /"}})
+    bare = backend_on(server, elasticsearch_index_prefix="")
+    assert bare.shared_layout() == {}
+    bare.check()
+    assert bare.migrate_shared(delete_old=True) == {}
+    assert state.concrete("logs-app") == ["logs-app-000001"]
+    assert state.live_ids("logs-app") == {"l1"}
+
+
+def test_a_shared_index_holding_no_tenants_documents_is_neither_refused_nor_touched(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, state = fake
+    make_index(server, "sift-empty", "sift-empty-000001", {}, old_mapping())
+    backend = backend_on(server)
+    assert backend.shared_layout() == {"sift-empty": ["sift-empty-000001"]}
+    backend.check()  # nothing in it would vanish
+    assert backend.migrate_shared(delete_old=True) == {"empty": {}}
+    assert state.concrete("sift-empty") == ["sift-empty-000001"]
+
+
+def test_the_migration_dry_run_then_run_then_run_again(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, state = fake
+    docs = {
+        "acme:vitd": shared_doc("acme", "vitd", DOC.text),
+        "acme:calc": shared_doc("acme", "calc", CALC.text),
+        "beta:vitd": shared_doc("beta", "vitd", "beta secret"),
+    }
+    make_index(server, "sift-docs", "sift-docs-000001", docs, old_mapping())
+    backend = backend_on(server)
+    assert backend.migrate_shared(dry_run=True) == {"docs": {"acme": 2, "beta": 1}}
+    assert state.concrete("sift-docs") == ["sift-docs-000001"]
+    assert backend.indexes("acme") == []  # nothing written
+    assert backend.migrate_shared() == {"docs": {"acme": 2, "beta": 1}}
+    backend.check()
+    assert backend.index_info("docs", "acme").documents == 2
+    assert backend.document("docs", "beta", "vitd").text == "beta secret"
+    assert backend.document("docs", "acme", "calc").version == docs_version("acme:calc", docs)
+    assert backend.migrate_shared() == {}  # the old alias is gone: nothing twice
+    assert "sift-docs-000001" in state.indexes  # kept for a rollback
+
+
+def docs_version(doc_id: str, docs: dict[str, Any]) -> int:
+    return 7 + sorted(docs).index(doc_id)
+
+
+def test_a_copy_still_running_is_not_started_twice_and_es_errors_are_sifts(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, _state = fake
+    docs = {"acme:vitd": shared_doc("acme", "vitd", DOC.text)}
+    make_index(server, "sift-docs", "sift-docs-000001", docs, old_mapping())
+    backend = backend_on(server)
+    dest = backend.alias("docs", "acme")
+    running = {
+        "nodes": {
+            "n1": {
+                "tasks": {
+                    "n1:42": {
+                        "action": "indices:data/write/reindex",
+                        "description": f"reindex from [sift-docs] to [{dest}]",
+                    }
+                }
+            }
+        }
+    }
+    server.on("GET", "/_tasks", Answer(200, running), times=1)
+    with pytest.raises(BackendUnavailable, match="n1:42"):
+        backend.migrate_shared()
+    assert not server.sent("POST", "/_reindex")
+    server.on("POST", "/_reindex", Answer(503, error_body("unavailable", "busy", 503)), times=1)
+    with pytest.raises(BackendUnavailable, match="503"):
+        backend.migrate_shared()
+    assert backend.migrate_shared() == {"docs": {"acme": 1}}
+
+
+def test_a_delete_by_ids_counts_what_it_deleted_before_a_drop_cut_it_short(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """One document per bulk chunk: the first chunk deletes ``calc``, then another worker
+    drops the index, so the second chunk is refused and the call makes the index again and
+    sends both once more (neither is there). ``calc`` existed: 1, not the last attempt's 0."""
+    server, _state = fake
+    backend = backend_on(server, elasticsearch_bulk_chunk_size=1)
+    backend.upsert("docs", "acme", [CALC, DOC], vectors_of([CALC, DOC]))
+    dropper = backend_on(server)
+    chunks: list[int] = []
+
+    def between(request: Recorded) -> None:
+        chunks.append(1)
+        if len(chunks) == 2:  # the second chunk of the delete
+            dropper.delete_index("docs", "acme")
+
+    server.on("PUT", "/_bulk", between)
+    assert backend.delete_documents("docs", "acme", ["calc", "vitd"]) == 1
+    assert backend.document("docs", "acme", "vitd") is None

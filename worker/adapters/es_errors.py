@@ -1,0 +1,179 @@
+"""How the Elasticsearch adapter reads ES's errors: the client's exceptions and the error
+items of ``_msearch`` and ``_bulk`` answers, as Sift's errors (retryable or not)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from elasticsearch import (
+    ApiError,
+    ConnectionError,
+    ConnectionTimeout,
+    NotFoundError,
+    TransportError,
+    helpers,
+)
+
+from worker.errors import (
+    BackendRequestError,
+    BackendUnavailable,
+    IndexNotFound,
+    SiftError,
+)
+
+
+class _AliasGone(Exception):
+    """A bulk write's alias is gone (``require_alias``): another worker dropped the index;
+    or the index's first concrete name exists without its alias (``leftover``)."""
+
+    def __init__(self, index: str, existed: int = 0, leftover: str = "") -> None:
+        super().__init__(index)
+        self.existed = existed  # documents deleted before the refusal
+        self.leftover = leftover
+
+
+@dataclass(slots=True)
+class _Bulked:
+    """What one bulk call did: actions applied, documents found, ``_id`` of each applied."""
+
+    applied: int
+    existed: int
+    written: list[str]
+
+
+class _Missing:
+    """Set inside a ``_translated(..., missing_ok=True)`` block when the index is missing."""
+
+    def __init__(self) -> None:
+        self.value = False
+
+    def __bool__(self) -> bool:
+        return self.value
+
+
+class _translated:  # a context manager; named like one
+    """Translate the client's errors into Sift's, ``raise ... from exc``."""
+
+    def __init__(self, what: str, index: str | None, missing_ok: bool = False) -> None:
+        self.what = what
+        self.index = index
+        self.missing = _Missing()
+        self.missing_ok = missing_ok
+
+    def __enter__(self) -> _Missing:
+        return self.missing
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> bool:
+        if exc is None or isinstance(exc, SiftError):
+            return False
+        if isinstance(exc, NotFoundError) and _error_type(exc) == "index_not_found_exception":
+            if self.missing_ok:
+                self.missing.value = True
+                return True
+            raise IndexNotFound(self.index or "") from exc
+        if isinstance(exc, ApiError):
+            status = exc.meta.status
+            reason = _reason(exc.body) or str(exc.message)
+            if status == 429 or status >= 500:
+                raise BackendUnavailable(
+                    f"Elasticsearch answered {status} to the {self.what}: {reason}"
+                ) from exc
+            if _error_type(exc) == "media_type_header_exception":
+                reason += (
+                    " (the 9.x client sends compatible-with=9, which Elasticsearch 8.x "
+                    "refuses: Sift needs Elasticsearch 9)"
+                )
+            raise BackendRequestError(
+                f"Elasticsearch refused the {self.what} ({status}): {reason}"
+            ) from exc
+        if isinstance(exc, ConnectionTimeout):
+            raise BackendUnavailable(f"Elasticsearch timed out on the {self.what}") from exc
+        if isinstance(exc, ConnectionError):
+            raise BackendUnavailable(
+                f"cannot reach Elasticsearch for the {self.what}: {exc}"
+            ) from exc
+        if isinstance(exc, TransportError):
+            raise BackendUnavailable(
+                f"Elasticsearch transport error on the {self.what}: {exc}"
+            ) from exc
+        if isinstance(exc, helpers.BulkIndexError):
+            raise BackendRequestError(f"the {self.what} failed: {exc}") from exc
+        return False
+
+
+def _error_type(exc: ApiError) -> str | None:
+    body = exc.body
+    if isinstance(body, Mapping):
+        error = body.get("error")
+        if isinstance(error, Mapping):
+            kind = error.get("type")
+            return str(kind) if kind else None
+    return None
+
+
+def _reason(body: Any) -> str | None:
+    """ES's own explanation from an error body: the root cause's type and reason."""
+    if not isinstance(body, Mapping):
+        return str(body) if body else None
+    error = body.get("error")
+    if isinstance(error, str):
+        return error
+    if not isinstance(error, Mapping):
+        return None
+    causes = error.get("root_cause") or [error]
+    first = causes[0] if isinstance(causes, list) and causes else error
+    return f"{first.get('type', 'error')}: {first.get('reason', '')}".strip()
+
+
+def _index_missing(answer: Mapping[str, Any]) -> bool:
+    """Whether one ``_msearch`` item failed because its index does not exist."""
+    error = answer.get("error")
+    return isinstance(error, Mapping) and error.get("type") == "index_not_found_exception"
+
+
+def _total(answer: Mapping[str, Any]) -> int:
+    """``hits.total.value`` of one search answer (0 when ES left it out)."""
+    total = answer.get("hits", {}).get("total")
+    if isinstance(total, Mapping):
+        return int(total.get("value", 0))
+    return int(total or 0)
+
+
+def _first_key(aggregations: Mapping[str, Any]) -> str | None:
+    """The first bucket's key of the ``models`` terms aggregation (None: no bucket)."""
+    buckets = aggregations.get("models", {}).get("buckets") or []
+    return str(buckets[0]["key"]) if buckets else None
+
+
+def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
+    """One ``_msearch`` item that carries an error raises like a whole-request error."""
+    if "error" not in answer:
+        return
+    status = int(answer.get("status", 500))
+    reason = _reason(answer) or "unknown error"
+    if _index_missing(answer):
+        raise IndexNotFound(index)
+    if status == 429 or status >= 500:
+        raise BackendUnavailable(f"Elasticsearch answered {status} to the {what}: {reason}")
+    raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {reason}")
+
+
+def _bulk_error(failures: Sequence[Mapping[str, Any]], tenant: str) -> SiftError:
+    """One error naming the documents the bulk call could not write, and why."""
+    named: list[str] = []
+    retryable = True
+    for item in failures:
+        op = next(iter(item.values())) if item else {}
+        status = int(op.get("status", 500))
+        retryable = retryable and (status == 429 or status >= 500)
+        doc = str(op.get("_id", "?")).removeprefix(f"{tenant}:")
+        named.append(f"{doc} ({status} {_reason(op) or 'error'})")
+    listing = "; ".join(named[:5]) + (f"; and {len(named) - 5} more" if len(named) > 5 else "")
+    message = f"{len(failures)} document(s) not written: {listing}"
+    if retryable:
+        return BackendUnavailable(message)
+    return BackendRequestError(message)
