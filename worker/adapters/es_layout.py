@@ -71,10 +71,10 @@ def checked_index_name(name: str, what: str = "index") -> str:
 
     >>> checked_index_name("sift-822b33ad87c148a0--docs")
     'sift-822b33ad87c148a0--docs'
-    >>> checked_index_name("sift-822b33ad87c148a0--Docs")
+    >>> checked_index_name("sift-822b--Docs")  # ES names are lowercase
     Traceback (most recent call last):
     ...
-    worker.errors.InvalidRequest: index: 'sift-822b33ad87c148a0--Docs' is no Elasticsea...
+    worker.errors.InvalidRequest: index: 'sift-822b--Docs' is no Elasticsearch index name
     """
     if len(name.encode()) > MAX_INDEX_NAME_BYTES or not _ES_INDEX_NAME.match(name):
         raise InvalidRequest(what, f"{name!r} is no Elasticsearch index name")
