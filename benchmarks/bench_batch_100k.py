@@ -76,7 +76,12 @@ from tests.reliability.support import (  # noqa: E402
     stack_env,
 )
 from tests.services import Received, gateway, webhook_inbox  # noqa: E402
-from worker.constants import ALL_QUEUES  # noqa: E402
+from worker.constants import (  # noqa: E402
+    ALL_QUEUES,
+    BATCH_COUNTS_KEY,
+    BATCH_ITEMS_KEY,
+    BATCH_RESULTS_KEY,
+)
 from worker.stack import child_env, worker_process  # noqa: E402
 
 FINAL = ("succeeded", "failed", "canceled")
@@ -305,6 +310,19 @@ def read_results(
     return ids, statuses, errors, bad
 
 
+def store_tally(url: str, batch_id: str) -> tuple[Counter[str], dict[str, int], int]:
+    """What the job store itself holds: the items' states, its counts, and how many result
+    fields (one per item, plus a placeholder): a double transition would show here."""
+    store = redis.Redis.from_url(url, decode_responses=True)
+    try:
+        states = Counter(str(v) for v in store.hvals(BATCH_ITEMS_KEY + batch_id))
+        raw = store.hgetall(BATCH_COUNTS_KEY + batch_id).items()
+        counts = {str(k): int(v) for k, v in raw}
+        return states, counts, int(store.hlen(BATCH_RESULTS_KEY + batch_id))
+    finally:
+        store.close()
+
+
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -425,6 +443,11 @@ def run_and_check(
     checks.check(bad == 0, "every result final, a succeeded one with its result", f"{bad} not")
     checks.check(all(statuses[s] == counts[s] for s in FINAL) and sum(statuses.values()) == n,
                  "the counts agree with the results' statuses", dict(statuses))  # fmt: skip
+    states, raw, stored = store_tally(url, batch_id)
+    checks.check(dict(states) == dict(statuses) and stored == n + 1
+                 and raw == {s: counts[s] for s in ("queued", "running", *FINAL)},
+                 "the job store agrees: items' states, its counts, one result field each",
+                 f"{dict(states)}, {raw}, {stored} result fields")  # fmt: skip
     hooks = verified_webhooks(inbox, 60)
     hook_ids = {h["id"] for h in hooks}
     said = {(h["payload"]["type"], h["payload"]["data"]["id"], h["payload"]["data"]["status"])
