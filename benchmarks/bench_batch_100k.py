@@ -80,7 +80,10 @@ from worker.constants import (  # noqa: E402
     ALL_QUEUES,
     BATCH_COUNTS_KEY,
     BATCH_ITEMS_KEY,
+    BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
+    BATCH_SPECS_KEY,
+    REDIS_PREFIX,
 )
 from worker.stack import child_env, worker_process  # noqa: E402
 
@@ -323,6 +326,21 @@ def store_tally(url: str, batch_id: str) -> tuple[Counter[str], dict[str, int], 
         store.close()
 
 
+def batch_memory(url: str, batch_id: str) -> dict[str, int]:
+    """Bytes Redis holds for each of the batch's large keys (``MEMORY USAGE``, every field)."""
+    store = redis.Redis.from_url(url)
+    try:
+        keys = (BATCH_RESULTS_KEY, BATCH_SPECS_KEY, BATCH_ITEMS_KEY, BATCH_ORDER_KEY)
+        return {
+            key.removeprefix(REDIS_PREFIX).rstrip(":"): int(
+                store.memory_usage(key + batch_id, samples=0) or 0
+            )
+            for key in keys
+        }
+    finally:
+        store.close()
+
+
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -473,6 +491,7 @@ def run_and_check(
 
     calls, usage = fake.counts(), fake.usage()
     info = redis_info(url)
+    by_key = batch_memory(url, batch_id)
     watch.redis_peak_bytes = max(watch.redis_peak_bytes, int(info["used_memory_peak"]))
     console.print("\n[bold]faults[/bold]")
     for event in watch.events:
@@ -497,6 +516,8 @@ def run_and_check(
         ("Redis used_memory_peak", f"{watch.redis_peak_bytes / 2**20:.0f} MB "
          f"({watch.redis_peak_bytes / n / 1024:.1f} KB per item); now "
          f"{int(info['used_memory']) / 2**20:.0f} MB"),
+        ("Redis memory of the batch's keys, per item",
+         ", ".join(f"{k} {v / n:.0f} B" for k, v in by_key.items())),
         ("worker peak RSS (VmHWM) per process",
          ", ".join(f"{pid}: {mb:.0f} MB" for pid, mb in sorted(watch.worker_peak_mb.items()))),
         ("load average at the end", " ".join(f"{x:.2f}" for x in load)),
