@@ -179,6 +179,17 @@ class Watch:
     redis_peak_bytes: int = 0
     worker_peak_mb: dict[int, float] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
+    progress: list[tuple[float, int]] = field(default_factory=list)  # (seconds, items final)
+
+    def longest_stall(self) -> tuple[float, float, int]:
+        """The longest time no item became final: (seconds, from when, items final then)."""
+        best = (0.0, 0.0, 0)
+        since, held = self.progress[0] if self.progress else (0.0, 0)
+        for at, done in self.progress[1:]:
+            if done > held:
+                best = max(best, (at - since, since, held))
+                since, held = at, done
+        return best
 
     def sample(self) -> None:
         try:
@@ -258,6 +269,7 @@ def wait_final(
                 time.sleep(0.5)  # Redis restarting: 503 for a moment
                 continue
             done = sum(last["counts"][s] for s in FINAL)
+            watch.progress.append((time.monotonic() - started, done))
             bar.update(task, completed=done, rate=done / max(1e-9, time.monotonic() - started))
             while pending and done >= pending[0][0] * n:
                 _, fire = pending.pop(0)
@@ -339,6 +351,15 @@ def batch_memory(url: str, batch_id: str) -> dict[str, int]:
         }
     finally:
         store.close()
+
+
+RECOVERY_LINES = ("put back on their queues", "re-driven")  # liveness.py, redrive.py
+
+
+def recovery_lines(log: Path) -> list[str]:
+    """The worker's log lines that say it recovered lost or orphaned work."""
+    text = log.read_text(errors="replace").splitlines()
+    return [line[:220] for line in text if any(mark in line for mark in RECOVERY_LINES)]
 
 
 def uptime() -> str:
@@ -496,6 +517,11 @@ def run_and_check(
     console.print("\n[bold]faults[/bold]")
     for event in watch.events:
         console.print(f"  {event}")
+    for line in recovery_lines(tmp / "w" / "bench.log"):
+        console.print(f"  worker log: {line}")
+    stall, since, at = watch.longest_stall()
+    console.print(f"  longest time with no item becoming final: {stall:.1f} s "
+                  f"(from {since:.1f} s, at {at} final)")  # fmt: skip
     console.print("\n[bold]outcome[/bold]")
     for name, count in statuses.most_common():
         console.print(f"  {name:>10}: {count}")
