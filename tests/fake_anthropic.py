@@ -24,7 +24,13 @@ As a process (``ANTHROPIC_BASE_URL=http://127.0.0.1:8765`` for the workers)::
     python -m tests.fake_anthropic --port 8765 [--delay 1.0]
 
 and script it over HTTP with :class:`RemoteFakeAnthropic` (``POST /_fake/script``,
-``GET /_fake/requests``, ``GET /_fake/usage``, ``POST /_fake/reset``, ``POST /_fake/config``).
+``GET /_fake/requests``, ``GET /_fake/usage``, ``POST /_fake/reset``, ``POST /_fake/config``,
+``POST /_fake/outage``, ``GET /_fake/counts``).
+
+``requests()`` keeps the last ``max_recorded`` requests (10,000 by default: a long run must not
+hold every body); ``counts()`` counts them all: received, answers by status, and how many
+distinct prompts were sent (and answered) more than once. ``outage(seconds, (529, 429),
+retry_after=2)`` answers every request with those errors in turn for a while: a provider outage.
 
 The Message Batches API is served too: ``POST /v1/messages/batches`` (create),
 ``GET /v1/messages/batches/{id}`` (retrieve: ``in_progress`` until
@@ -55,6 +61,7 @@ import asyncio
 import contextlib
 import copy
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -66,7 +73,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -285,6 +292,9 @@ class FakeConfig:
     rpm: int | None = None  # requests per minute; None: not limited
     itpm: int | None = None  # input tokens per minute
     otpm: int | None = None  # output tokens per minute
+    # ``requests()`` keeps the last this many requests (a 100,000-search run would otherwise
+    # hold gigabytes of bodies); ``counts()`` counts every one
+    max_recorded: int = 10_000
 
 
 @dataclass(slots=True)
@@ -327,10 +337,27 @@ USAGE_FIELDS = (
 
 
 @dataclass(slots=True)
+class _Outage:
+    """Every ``/v1/messages`` answered with an error until ``until`` (monotonic): the
+    ``statuses`` in turn (529, 429...), each with ``retry-after: retry_after``."""
+
+    until: float
+    statuses: tuple[int, ...]
+    retry_after: float | None
+    sent: int = 0
+
+
+@dataclass(slots=True)
 class _State:
     config: FakeConfig = field(default_factory=FakeConfig)
     queue: deque[Behaviour] = field(default_factory=deque)
-    requests: list[dict[str, Any]] = field(default_factory=list)
+    requests: deque[dict[str, Any]] = field(default_factory=deque)
+    received: int = 0  # every /v1/messages request, recorded or not
+    statuses: Counter[int] = field(default_factory=Counter)  # answers sent, by HTTP status
+    # per prompt (a digest of its messages): how often it was sent, and answered 200
+    sent: Counter[bytes] = field(default_factory=Counter)
+    answered: Counter[bytes] = field(default_factory=Counter)
+    outage: _Outage | None = None
     usage: dict[str, int] = field(default_factory=lambda: dict.fromkeys(USAGE_FIELDS, 0))
     responses: int = 0
     batches: dict[str, _FakeBatch] = field(default_factory=dict)
@@ -427,6 +454,8 @@ class FakeAnthropic:
                     Route("/_fake/batches", self._http_batches, methods=["GET"]),
                     Route("/_fake/script", self._http_script, methods=["POST"]),
                     Route("/_fake/config", self._http_config, methods=["POST"]),
+                    Route("/_fake/outage", self._http_outage, methods=["POST"]),
+                    Route("/_fake/counts", self._http_counts, methods=["GET"]),
                     Route("/_fake/reset", self._http_reset, methods=["POST"]),
                     Route("/_fake/requests", self._http_requests, methods=["GET"]),
                     Route("/_fake/usage", self._http_usage, methods=["GET"]),
@@ -540,9 +569,39 @@ class FakeAnthropic:
             self._state = _State(config=self._state.config)
 
     def requests(self) -> list[dict[str, Any]]:
-        """Every ``/v1/messages`` request so far: ``method``, ``path``, ``headers``, ``body``."""
+        """The ``/v1/messages`` requests so far (the last ``max_recorded``): ``method``,
+        ``path``, ``headers``, ``body``."""
         with self._lock:
-            return copy.deepcopy(self._state.requests)
+            return copy.deepcopy(list(self._state.requests))
+
+    def outage(
+        self,
+        seconds: float,
+        statuses: Sequence[int] = (529, 429),
+        *,
+        retry_after: float | None = None,
+    ) -> None:
+        """Answer every ``/v1/messages`` with an error for the next ``seconds``: the
+        ``statuses`` in turn, each with ``retry-after`` if given (a provider outage)."""
+        if seconds < 0 or not statuses:
+            raise ValueError("an outage needs seconds >= 0 and at least one status")
+        until = time.monotonic() + seconds
+        with self._lock:
+            self._state.outage = _Outage(until, tuple(statuses), retry_after)
+
+    def counts(self) -> dict[str, Any]:
+        """Every ``/v1/messages`` request counted: ``received``; ``statuses`` (answers by HTTP
+        status; 499 when the client left first); ``prompts`` (distinct prompts), and how many
+        were sent, and answered 200, more than once."""
+        with self._lock:
+            state = self._state
+            return {
+                "received": state.received,
+                "statuses": {str(code): n for code, n in sorted(state.statuses.items())},
+                "prompts": len(state.sent),
+                "prompts_sent_more_than_once": sum(1 for n in state.sent.values() if n > 1),
+                "prompts_answered_more_than_once": sum(1 for n in state.answered.values() if n > 1),
+            }
 
     def rate_limited(self) -> int:
         """How many requests the rate limit buckets refused with a 429."""
@@ -631,8 +690,10 @@ class FakeAnthropic:
             body: Any = json.loads(raw) if raw else None
         except ValueError:
             body = None
+        prompt = _prompt_digest(body)
         with self._lock:
-            self._state.requests.append(
+            state = self._state
+            state.requests.append(
                 {
                     "method": request.method,
                     "path": request.url.path,
@@ -641,9 +702,36 @@ class FakeAnthropic:
                     "time": time.time(),
                 }
             )
+            while len(state.requests) > state.config.max_recorded:
+                state.requests.popleft()
+            state.received += 1
+            state.sent[prompt] += 1
+        response = await self._answer(request, body)
+        with self._lock:
+            if state is self._state:  # not reset meanwhile
+                state.statuses[response.status_code] += 1
+                if response.status_code == 200:
+                    state.answered[prompt] += 1
+        return response
+
+    def _outage_answer(self) -> Response | None:
+        """The error of a running outage for this request, or None."""
+        with self._lock:
+            outage = self._state.outage
+            if outage is None or time.monotonic() >= outage.until:
+                return None
+            code = outage.statuses[outage.sent % len(outage.statuses)]
+            outage.sent += 1
+        return _error(code, ERROR_TYPES.get(code, "api_error"), None,
+                      retry_after=outage.retry_after)  # fmt: skip
+
+    async def _answer(self, request: Request, body: Any) -> Response:
         problem = _validate(request, body)
         if problem is not None:
             return _error(*problem)
+        outage = self._outage_answer()
+        if outage is not None:
+            return outage
         if self._limited():
             input_tokens = await run_in_threadpool(self.count_input_tokens, body)
             refusal = self._admit(input_tokens)
@@ -1032,6 +1120,17 @@ class FakeAnthropic:
         self.script(behaviours)
         return JSONResponse({"pending": self.pending()})
 
+    async def _http_outage(self, request: Request) -> Response:
+        data = await request.json()
+        try:
+            self.outage(**data)
+        except (TypeError, ValueError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse({"ok": True})
+
+    async def _http_counts(self, request: Request) -> Response:
+        return JSONResponse(self.counts())
+
     async def _http_config(self, request: Request) -> Response:
         data = await request.json()
         try:
@@ -1054,6 +1153,13 @@ class FakeAnthropic:
         return JSONResponse(
             {"ok": True, "pending": self.pending(), "rate_limited": self.rate_limited()}
         )
+
+
+def _prompt_digest(body: Any) -> bytes:
+    """A short digest of a request's messages: the same search sent twice has the same one."""
+    messages = body.get("messages") if isinstance(body, dict) else body
+    text = json.dumps(messages, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(text.encode(), digest_size=12).digest()
 
 
 def _schema(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
@@ -1203,6 +1309,16 @@ class RemoteFakeAnthropic:
 
     def usage(self) -> dict[str, int]:
         return dict(self._call("GET", "/_fake/usage"))
+
+    def outage(
+        self, seconds: float, statuses: Sequence[int] = (529, 429), *,
+        retry_after: float | None = None,
+    ) -> None:  # fmt: skip
+        payload = {"seconds": seconds, "statuses": list(statuses), "retry_after": retry_after}
+        self._call("POST", "/_fake/outage", payload)
+
+    def counts(self) -> dict[str, Any]:
+        return dict(self._call("GET", "/_fake/counts"))
 
     def rate_limited(self) -> int:
         """How many requests the rate limit buckets refused with a 429."""

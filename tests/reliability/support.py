@@ -143,7 +143,12 @@ def batch_counts(client: httpx.Client, batch_id: str) -> dict[str, Any]:
 
 def all_results(client: httpx.Client, batch_id: str) -> list[dict[str, Any]]:
     """Every line of a batch's results, following the page tokens."""
-    results: list[dict[str, Any]] = []
+    return list(iter_results(client, batch_id))
+
+
+def iter_results(client: httpx.Client, batch_id: str) -> Iterator[dict[str, Any]]:
+    """:func:`all_results` a page at a time (a 100,000-item batch's would not fit in memory
+    at once)."""
     token: str | None = None
     while True:
         params: dict[str, Any] = {"page_size": 1000}
@@ -152,10 +157,10 @@ def all_results(client: httpx.Client, batch_id: str) -> list[dict[str, Any]]:
         response = client.get(f"/v1/batches/{batch_id}/results", params=params, headers=ACME)
         response.raise_for_status()
         page = response.json()
-        results += page["results"]
+        yield from page["results"]
         token = page["next_page_token"]
         if not token:
-            return results
+            return
 
 
 def assert_batch_exactly_once(

@@ -478,3 +478,47 @@ def test_the_sdk_reads_the_429_as_a_rate_limit_error() -> None:
         with pytest.raises(anthropic.RateLimitError) as caught:
             client.messages.create(**body())
         assert float(caught.value.response.headers["retry-after"]) >= 1
+
+
+# --- long runs: bounded records, exact counts, an outage window -----------------------------
+
+
+def test_keeps_the_last_requests_but_counts_every_one(fake: FakeAnthropic) -> None:
+    fake.configure(max_recorded=3)
+    try:
+        with httpx.Client(base_url=fake.url, timeout=10.0) as http:
+            for n in (1, 2, 3, 4, 2):  # the prompt of 2 sent twice
+                http.post("/v1/messages", headers=HEADERS, json=body(n))
+            http.post("/v1/messages", headers=HEADERS, json=body(5, temperature=0))  # a 400
+    finally:
+        fake.configure(max_recorded=10_000)
+    assert [len(r["body"]["messages"][0]["content"]) for r in fake.requests()] == [
+        len(body(n)["messages"][0]["content"]) for n in (4, 2, 5)
+    ]
+    assert fake.usage()["responses"] == 5
+    assert fake.counts() == {
+        "received": 6,
+        "statuses": {"200": 5, "400": 1},
+        "prompts": 5,
+        "prompts_sent_more_than_once": 1,
+        "prompts_answered_more_than_once": 1,
+    }
+
+
+def test_an_outage_answers_its_statuses_in_turn_then_ends(fake: FakeAnthropic) -> None:
+    remote = RemoteFakeAnthropic(fake.url)
+    remote.outage(0.6, (529, 429), retry_after=2)
+    with httpx.Client(base_url=fake.url, timeout=10.0) as http:
+        during = [http.post("/v1/messages", headers=HEADERS, json=body()) for _ in range(3)]
+        time.sleep(0.7)
+        after = http.post("/v1/messages", headers=HEADERS, json=body())
+    assert_api_error(during[0], 529, "overloaded_error")
+    assert_api_error(during[1], 429, "rate_limit_error")
+    assert_api_error(during[2], 529, "overloaded_error")
+    assert {r.headers["retry-after"] for r in during} == {"2"}
+    assert after.status_code == 200
+    assert remote.counts()["statuses"] == {"200": 1, "429": 1, "529": 2}
+    assert remote.counts()["prompts_sent_more_than_once"] == 1
+    assert remote.counts()["prompts_answered_more_than_once"] == 0
+    bad = httpx.post(f"{fake.url}/_fake/outage", json={"seconds": 1, "statuses": []})
+    assert bad.status_code == 400 and "status" in bad.json()["error"]
