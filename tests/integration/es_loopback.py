@@ -287,14 +287,14 @@ def bulk_response(*items: dict[str, Any]) -> dict[str, Any]:
     return {"errors": errors, "took": 4, "items": list(items)}
 
 
-def delete_by_query_response(deleted: int) -> dict[str, Any]:
+def _by_scroll_report(took: int, total: int, **counts: int) -> dict[str, Any]:
+    """The report ``_delete_by_query`` and ``_reindex`` share (a BulkByScrollResponse)."""
     return {
-        "took": 12,
+        "took": took,
         "timed_out": False,
-        "total": deleted,
-        "deleted": deleted,
+        "total": total,
+        **counts,
         "batches": 1,
-        "version_conflicts": 0,
         "noops": 0,
         "retries": {"bulk": 0, "search": 0},
         "throttled_millis": 0,
@@ -302,6 +302,10 @@ def delete_by_query_response(deleted: int) -> dict[str, Any]:
         "throttled_until_millis": 0,
         "failures": [],
     }
+
+
+def delete_by_query_response(deleted: int) -> dict[str, Any]:
+    return _by_scroll_report(12, deleted, deleted=deleted, version_conflicts=0)
 
 
 def models_agg(*models: str) -> dict[str, Any]:
@@ -394,22 +398,10 @@ def require_alias_refused(op: str, alias: str, doc_id: str) -> dict[str, Any]:
 
 def reindex_response(created: int, updated: int = 0, conflicts: int = 0) -> dict[str, Any]:
     """``POST _reindex?wait_for_completion=true``'s report."""
-    return {
-        "took": 40,
-        "timed_out": False,
-        "total": created + updated + conflicts,
-        "updated": updated,
-        "created": created,
-        "deleted": 0,
-        "batches": 1,
-        "version_conflicts": conflicts,
-        "noops": 0,
-        "retries": {"bulk": 0, "search": 0},
-        "throttled_millis": 0,
-        "requests_per_second": -1.0,
-        "throttled_until_millis": 0,
-        "failures": [],
-    }
+    total = created + updated + conflicts
+    return _by_scroll_report(
+        40, total, updated=updated, created=created, deleted=0, version_conflicts=conflicts
+    )
 
 
 def floor_found(index: str, alias: str, version: int) -> dict[str, Any]:
