@@ -30,6 +30,13 @@ message is never requeued twice. A slow worker whose heartbeat is alive keeps it
 The job store's compare-and-set still keeps one result per item: a restored chunk takes
 over the items the dead worker left ``running`` and skips the ones it finished.
 
+A dead worker may also have lost a message no check can put back: one it had popped but not
+yet recorded in ``unacked`` (kombu's pop-then-record window). Only the re-drive
+(:mod:`worker.queue.redrive`) recovers that one, so a check that finds a worker dead, even
+with nothing to put back, opens the re-drive's urgent window: its next two sweeps look at
+every active job, and the lost positions go out again within an interval or two instead of
+once their whole batch has gone idle.
+
     liveness = Liveness(client, worker_id, heartbeat_seconds=2, dead_after_seconds=10,
                         orphan_seconds=60)
     liveness.start()       # the thread; liveness.hold(tag) / liveness.release(tag)
@@ -62,6 +69,7 @@ from worker.constants import (
     LIVENESS_LEADER_KEY,
     WORKER_HEARTBEAT_KEY,
 )
+from worker.queue.redrive import open_urgent_window
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +174,18 @@ class Reaper:
         heartbeat_seconds: float,
         dead_after_seconds: float,
         orphan_seconds: float,
+        redrive_interval_seconds: float = 0.0,
     ) -> None:
+        """``redrive_interval_seconds`` is the re-drive's ``SIFT_REDRIVE_INTERVAL_SECONDS``,
+        for the urgent window a dead worker opens (0: the re-drive is off, no window)."""
         self.client = client
         self.heartbeat_seconds = heartbeat_seconds
         self.dead_after_seconds = dead_after_seconds
         self.orphan_seconds = orphan_seconds
+        self.redrive_interval_seconds = redrive_interval_seconds
         self._restore = client.register_script(RESTORE_SCRIPT)
         self._suspects: dict[str, float] = {}  # worker id -> when first found without a beat
+        self._announced: set[str] = set()  # dead workers this check opened a window for
         self._last_check = 0.0
         self._unroutable: set[str] = set()
 
@@ -184,6 +197,7 @@ class Reaper:
         dead on the first check, and each has beaten again by the next."""
         owners = cast(dict[str, str], self.client.hgetall(DELIVERY_OWNERS_KEY))
         dead = self._dead_workers(set(owners.values()))
+        self._announce(dead, set(owners.values()))
         doomed = [(tag, owner) for tag, owner in owners.items() if owner in dead]
         cutoff = time.time() - self.orphan_seconds
         taken_long_ago = cast(
@@ -209,6 +223,21 @@ class Reaper:
                 f"dead worker {owner}" if owner else "no worker (orphaned)",
             )
         return restored
+
+    def _announce(self, dead: set[str], owners: set[str]) -> None:
+        """Open the re-drive's urgent window for workers newly found dead: each may have lost
+        a message it popped and never recorded. Once per worker while its records remain, so
+        a delivery that cannot go back yet does not reopen it every beat."""
+        self._announced &= owners
+        new = dead - self._announced
+        if not new:
+            return
+        self._announced |= new
+        open_urgent_window(
+            self.client,
+            self.redrive_interval_seconds,
+            f"worker {', '.join(sorted(new))} found dead",
+        )
 
     def _dead_workers(self, workers: set[str]) -> set[str]:
         names = sorted(workers)
@@ -255,6 +284,7 @@ class Liveness:
         heartbeat_seconds: float,
         dead_after_seconds: float,
         orphan_seconds: float,
+        redrive_interval_seconds: float = 0.0,
     ) -> None:
         self.client = client
         self.worker_id = worker_id
@@ -265,6 +295,7 @@ class Liveness:
             heartbeat_seconds=heartbeat_seconds,
             dead_after_seconds=dead_after_seconds,
             orphan_seconds=orphan_seconds,
+            redrive_interval_seconds=redrive_interval_seconds,
         )
         self._release_script = client.register_script(RELEASE_SCRIPT)
         self._lock = threading.Lock()
@@ -408,6 +439,7 @@ def start(redis_url: str, settings: Any) -> Liveness:
         heartbeat_seconds=settings.worker_heartbeat_seconds,
         dead_after_seconds=settings.worker_dead_after_seconds,
         orphan_seconds=settings.worker_orphan_delivery_seconds,
+        redrive_interval_seconds=settings.redrive_interval_seconds,
     )
     _liveness.start()
     log.info(
