@@ -160,7 +160,7 @@ def open_urgent_window(client: redis.Redis, interval_seconds: float, reason: str
     window_ms = max(1, int(URGENT_WINDOW_INTERVALS * interval_seconds * 1000))
     client.set(REDRIVE_URGENT_KEY, reason, px=window_ms)
     log.warning(
-        "re-drive: %s; the sweeps of the next %gs look at every active job, not only the idle",
+        "re-drive: %s; for the next %gs its sweeps look at every active job, not only idle ones",
         reason,
         window_ms / 1000,
     )
