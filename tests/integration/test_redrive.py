@@ -439,3 +439,20 @@ def test_a_redis_restart_opens_the_window(tmp_path: Path) -> None:
         finally:
             app.close()
             store.close()
+
+
+def test_a_worker_s_broker_reconnect_opens_the_window(
+    store: JobStore, redis_url: str, tmp_path: Path
+) -> None:
+    """A connection that breaks while Redis stays up (no new run_id to see): the worker's
+    consumer, started again on a new connection, opens the window itself."""
+    env = {**worker_env(redis_url), "SIFT_REDRIVE_INTERVAL_SECONDS": "30"}  # the default
+    with celery_worker(tmp_path / "w", env, "reconnect", concurrency=2):
+        wait_until(lambda: store.redis.exists(f"_kombu.binding.{BATCH_QUEUE}"), "consuming")
+        assert not store.redis.exists(REDRIVE_URGENT_KEY)  # a first start opens nothing
+        store.redis.client_kill_filter(_type="normal", skipme=True)
+        wait_until(lambda: store.redis.exists(REDRIVE_URGENT_KEY), "the window opened")
+    assert (
+        store.redis.get(REDRIVE_URGENT_KEY) == "this worker's broker connection dropped and is back"
+    )
+    assert 0 < store.redis.pttl(REDRIVE_URGENT_KEY) <= 75_000

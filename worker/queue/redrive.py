@@ -43,8 +43,10 @@ do every interval for every batch in progress, and the two-sweep confirmation, n
 filter, is what keeps a waiting message from being sent twice. So a busy batch is left alone,
 except right after the two events that lose a message, when the cost is paid to recover it
 in one or two intervals instead of after the whole batch has gone idle: the dead-worker check
-(:mod:`worker.queue.liveness`) finding a dead worker, and a sweep finding Redis's ``run_id``
-changed since the last one (Redis restarted). Either sets ``sift:redrive:urgent`` for
+(:mod:`worker.queue.liveness`) finding a dead worker, and a broker connection that broke: a
+sweep finding Redis's ``run_id`` changed since the last one (Redis restarted), or a worker's
+consumer starting again after its connection dropped (:class:`ReconnectStep`; the only sign
+of a connection that broke while Redis stayed up). Each sets ``sift:redrive:urgent`` for
 :data:`URGENT_WINDOW_INTERVALS` intervals, the next two sweeps, and logs why
 (:func:`open_urgent_window`); while it is set, a sweep reads every active job. The stored
 ``run_id`` survives a restart with the AOF on, as ``sift up`` and ``deploy/`` run Redis;
@@ -71,6 +73,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
+from celery import bootsteps
 
 from worker import metrics
 from worker.constants import (
@@ -90,6 +93,7 @@ from worker.constants import (
     kombu_queue_keys,
 )
 from worker.queue.jobstore import JobStore
+from worker.redis_client import connect
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +168,42 @@ def open_urgent_window(client: redis.Redis, interval_seconds: float, reason: str
         reason,
         window_ms / 1000,
     )
+
+
+def broker_reconnected(settings: Any) -> None:
+    """This worker's broker connection dropped and is back: a ``BRPOP`` reply it cut off may
+    have lost a message, so open the urgent window (a failure is only logged: the run_id
+    check still sees a restart)."""
+    if not settings.redrive_interval_seconds or not settings.redis_url:
+        return
+    client = connect(settings.redis_url, socket_timeout=5.0)
+    try:
+        open_urgent_window(
+            client,
+            settings.redrive_interval_seconds,
+            "this worker's broker connection dropped and is back",
+        )
+    except redis.RedisError as exc:
+        log.warning("re-drive: could not open the urgent window after a reconnect: %s", exc)
+    finally:
+        client.close()
+
+
+class ReconnectStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """A consumer bootstep: Celery starts the consumer again after a lost broker connection,
+    and every start but the first calls :func:`broker_reconnected`."""
+
+    requires = ("celery.worker.consumer.connection:Connection",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        self.starts = 0
+
+    def start(self, c: Any) -> None:
+        self.starts += 1
+        settings = getattr(c.app.conf, "sift_settings", None)
+        if self.starts > 1 and settings is not None:
+            broker_reconnected(settings)
 
 
 def celery_sender(app: Any) -> Send:
