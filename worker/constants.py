@@ -50,6 +50,7 @@ REDRIVE_RUN_ID_KEY = REDIS_PREFIX + "redrive:run-id"  # string: Redis's run_id a
 # dead-worker recovery (worker/queue/liveness.py): each worker process's heartbeat, and which worker
 # holds each broker delivery
 WORKER_HEARTBEAT_KEY = REDIS_PREFIX + "worker-alive:"  # + worker id -> string with a TTL
+WORKERS_KEY = REDIS_PREFIX + "workers"  # set: worker ids beating, until found dead or stopped
 DELIVERY_OWNERS_KEY = REDIS_PREFIX + "deliveries"  # hash delivery tag -> worker id holding it
 LIVENESS_LEADER_KEY = REDIS_PREFIX + "liveness:leader"  # string: the worker checking this beat
 # the provider's rate limits, one budget for every worker process (worker/adapters/rate_budget.py)

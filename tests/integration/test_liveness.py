@@ -25,6 +25,7 @@ from worker.constants import (
     KOMBU_UNACKED_KEY,
     REDRIVE_URGENT_KEY,
     SEARCH_QUEUE,
+    WORKERS_KEY,
 )
 from worker.queue.liveness import Liveness, Reaper, heartbeat_key, plan_restore
 
@@ -300,3 +301,37 @@ def test_a_dead_worker_opens_the_redrive_s_urgent_window_once(
         "re-drive: worker dead-worker found dead; for the next 75s its sweeps look at every "
         "active job, not only idle ones"
     ]
+
+
+def test_a_worker_killed_holding_nothing_is_found_dead_too(client: redis.Redis) -> None:
+    """Killed right after a pop, before recording anything: its message is lost and it holds
+    no delivery, so only the set of workers shows it was there. A live worker and one that
+    stopped cleanly open no window."""
+    killed, live, stopped = (
+        Liveness(
+            client, name, heartbeat_seconds=BEAT, dead_after_seconds=2 * BEAT, orphan_seconds=60
+        )
+        for name in ("killed", "live", "stopped")
+    )
+    for worker in (killed, live, stopped):
+        worker.beat()
+    assert client.smembers(WORKERS_KEY) == {"killed", "live", "stopped"}
+    stopped.stop()
+    client.delete(heartbeat_key("killed"))  # SIGKILLed: its heartbeat lapses, nothing else
+    r = Reaper(
+        client,
+        heartbeat_seconds=BEAT,
+        dead_after_seconds=2 * BEAT,
+        orphan_seconds=60,
+        redrive_interval_seconds=30,
+    )
+    r.check()
+    live.beat()
+    time.sleep(2 * BEAT + 0.01)
+    live.beat()
+    assert r.check() == {}  # nothing to put back
+    assert client.get(REDRIVE_URGENT_KEY) == "worker killed found dead"
+    assert client.smembers(WORKERS_KEY) == {"live"}
+    client.delete(REDRIVE_URGENT_KEY)
+    live.beat()
+    assert r.check() == {} and not client.exists(REDRIVE_URGENT_KEY)
