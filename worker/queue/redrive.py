@@ -41,12 +41,13 @@ Why stalled jobs only, and the urgent window. Reading a job's pending positions 
 100,000-query batch, an ``LRANGE`` of its order and an ``HGETALL`` of its items: too much to
 do every interval for every batch in progress, and the two-sweep confirmation, not the stall
 filter, is what keeps a waiting message from being sent twice. So a busy batch is left alone,
-except right after the two events that lose a message, when the cost is paid to recover it
-in one or two intervals instead of after the whole batch has gone idle: the dead-worker check
-(:mod:`worker.queue.liveness`) finding a dead worker, and a broker connection that broke: a
-sweep finding Redis's ``run_id`` changed since the last one (Redis restarted), or a worker's
-consumer starting again after its connection dropped (:class:`ReconnectStep`; the only sign
-of a connection that broke while Redis stayed up). Each sets ``sift:redrive:urgent`` for
+except right after an event that can lose a message, when the cost is paid to recover it in
+one or two intervals instead of after the whole batch has gone idle: a worker killed (the
+dead-worker check of :mod:`worker.queue.liveness` finding it dead), or a broker connection
+broken while a reply was on its way (a sweep finding Redis's ``run_id`` changed since the
+last one: Redis restarted; or a worker's consumer starting again after its connection
+dropped, :class:`ReconnectStep`, the only sign of a connection that broke while Redis stayed
+up). Each sets ``sift:redrive:urgent`` for
 :data:`URGENT_WINDOW_INTERVALS` intervals, the next two sweeps, and logs why
 (:func:`open_urgent_window`); while it is set, a sweep reads every active job. The stored
 ``run_id`` survives a restart with the AOF on, as ``sift up`` and ``deploy/`` run Redis;
@@ -426,7 +427,7 @@ def start_sweeper(app: Any) -> Sweeper | None:
     sweeper.start()
     log.info(
         "re-drive: sweeping every %gs for jobs idle over %gs (every active job after a dead "
-        "worker or a Redis restart)",
+        "worker, a Redis restart or a broker reconnect)",
         settings.redrive_interval_seconds,
         settings.redrive_stall_seconds,
     )
