@@ -452,6 +452,8 @@ def test_a_worker_s_broker_reconnect_opens_the_window(
         assert not store.redis.exists(REDRIVE_URGENT_KEY)  # a first start opens nothing
         store.redis.client_kill_filter(_type="normal", skipme=True)
         wait_until(lambda: store.redis.exists(REDRIVE_URGENT_KEY), "the window opened")
+        search = create_search(store)  # and the worker goes on consuming
+        wait_until(lambda: store.get_search_status(search.id) == "succeeded", "search done")
     assert (
         store.redis.get(REDRIVE_URGENT_KEY) == "this worker's broker connection dropped and is back"
     )

@@ -184,7 +184,7 @@ def broker_reconnected(settings: Any) -> None:
             settings.redrive_interval_seconds,
             "this worker's broker connection dropped and is back",
         )
-    except redis.RedisError as exc:
+    except Exception as exc:  # never in the way of the consumer starting again
         log.warning("re-drive: could not open the urgent window after a reconnect: %s", exc)
     finally:
         client.close()
