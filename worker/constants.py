@@ -43,9 +43,14 @@ ACTIVE_JOBS_KEY = REDIS_PREFIX + "active"  # zset: search, ingest, standard batc
 REDRIVE_LEADER_KEY = REDIS_PREFIX + "redrive:leader"  # string: the worker sweeping this interval
 REDRIVE_SUSPECTS_KEY = REDIS_PREFIX + "redrive:suspects"  # hash job id -> positions found lost
 REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it was re-driven
+# string with a TTL: while it is set, a sweep looks at every active job, not only the stalled
+# ones (set right after a dead worker or a Redis restart, the events that lose a message)
+REDRIVE_URGENT_KEY = REDIS_PREFIX + "redrive:urgent"
+REDRIVE_RUN_ID_KEY = REDIS_PREFIX + "redrive:run-id"  # string: Redis's run_id at the last sweep
 # dead-worker recovery (worker/queue/liveness.py): each worker process's heartbeat, and which worker
 # holds each broker delivery
 WORKER_HEARTBEAT_KEY = REDIS_PREFIX + "worker-alive:"  # + worker id -> string with a TTL
+WORKERS_KEY = REDIS_PREFIX + "workers"  # set: worker ids beating, until found dead or stopped
 DELIVERY_OWNERS_KEY = REDIS_PREFIX + "deliveries"  # hash delivery tag -> worker id holding it
 LIVENESS_LEADER_KEY = REDIS_PREFIX + "liveness:leader"  # string: the worker checking this beat
 # the provider's rate limits, one budget for every worker process (worker/adapters/rate_budget.py)

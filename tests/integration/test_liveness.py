@@ -23,7 +23,9 @@ from worker.constants import (
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_INDEX_KEY,
     KOMBU_UNACKED_KEY,
+    REDRIVE_URGENT_KEY,
     SEARCH_QUEUE,
+    WORKERS_KEY,
 )
 from worker.queue.liveness import Liveness, Reaper, heartbeat_key, plan_restore
 
@@ -268,3 +270,68 @@ def test_a_delivery_acked_while_its_record_is_being_written_is_dropped_after(
     assert client.hget(DELIVERY_OWNERS_KEY, "t1") == "w1"  # written after the ack...
     liveness.flush()
     assert not client.hexists(DELIVERY_OWNERS_KEY, "t1")  # ...and dropped by the next flush
+
+
+def test_a_dead_worker_opens_the_redrive_s_urgent_window_once(
+    client: redis.Redis, connection: Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found dead, even with nothing to put back (it may have popped a message it never
+    recorded): the re-drive's next two sweeps (2.5 intervals) look at every active job. A
+    worker found dead on every beat, its delivery not yet old enough to go back, opens it
+    once; so does nothing when the re-drive is off."""
+    message = take(connection, BATCH_QUEUE, {"n": 8})
+    client.hset(DELIVERY_OWNERS_KEY, str(message.delivery_tag), "dead-worker")
+    off = Reaper(client, heartbeat_seconds=BEAT, dead_after_seconds=10.0, orphan_seconds=60)
+    assert check_twice(off) == {} and not client.exists(REDRIVE_URGENT_KEY)
+
+    r = Reaper(
+        client,
+        heartbeat_seconds=BEAT,
+        dead_after_seconds=10.0,  # taken just now: too recent to be the dead worker's to put back
+        orphan_seconds=60,
+        redrive_interval_seconds=30,
+    )
+    with caplog.at_level("WARNING", logger="worker.queue.redrive"):
+        assert check_twice(r) == {}
+        assert 0 < client.pttl(REDRIVE_URGENT_KEY) <= 75_000
+        client.delete(REDRIVE_URGENT_KEY)
+        assert r.check() == {}  # still dead, its delivery still here: announced already
+    assert not client.exists(REDRIVE_URGENT_KEY)
+    assert [rec.getMessage() for rec in caplog.records if "found dead" in rec.getMessage()] == [
+        "re-drive: worker dead-worker found dead; for the next 75s its sweeps look at every "
+        "active job, not only idle ones"
+    ]
+
+
+def test_a_worker_killed_holding_nothing_is_found_dead_too(client: redis.Redis) -> None:
+    """Killed right after a pop, before recording anything: its message is lost and it holds
+    no delivery, so only the set of workers shows it was there. A live worker and one that
+    stopped cleanly open no window."""
+    killed, live, stopped = (
+        Liveness(
+            client, name, heartbeat_seconds=BEAT, dead_after_seconds=2 * BEAT, orphan_seconds=60
+        )
+        for name in ("killed", "live", "stopped")
+    )
+    for worker in (killed, live, stopped):
+        worker.beat()
+    assert client.smembers(WORKERS_KEY) == {"killed", "live", "stopped"}
+    stopped.stop()
+    client.delete(heartbeat_key("killed"))  # SIGKILLed: its heartbeat lapses, nothing else
+    r = Reaper(
+        client,
+        heartbeat_seconds=BEAT,
+        dead_after_seconds=2 * BEAT,
+        orphan_seconds=60,
+        redrive_interval_seconds=30,
+    )
+    r.check()
+    live.beat()
+    time.sleep(2 * BEAT + 0.01)
+    live.beat()
+    assert r.check() == {}  # nothing to put back
+    assert client.get(REDRIVE_URGENT_KEY) == "worker killed found dead"
+    assert client.smembers(WORKERS_KEY) == {"live"}
+    client.delete(REDRIVE_URGENT_KEY)
+    live.beat()
+    assert r.check() == {} and not client.exists(REDRIVE_URGENT_KEY)

@@ -5,30 +5,36 @@ that is merely waiting (in a queue or held unacked) is ever sent twice."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from celery import Celery
+from kombu import Connection, Exchange, Queue
 
 from api_gateway.queue import OutboxSender
+from tests.reliability.support import broker
 from tests.services import celery_worker
 from worker.constants import (
     ACTIVE_JOBS_KEY,
     ATTEMPTS_KEY,
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    DELIVERY_OWNERS_KEY,
     INGEST_QUEUE,
     INGEST_TASK,
     KOMBU_UNACKED_KEY,
     REDRIVE_SUSPECTS_KEY,
+    REDRIVE_URGENT_KEY,
     SEARCH_QUEUE,
     SEARCH_TASK,
 )
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.queue.celery_app import create_celery_app
 from worker.queue.jobstore import BatchJob, IngestJob, JobStore, SearchJob
+from worker.queue.liveness import Reaper, heartbeat_key
 from worker.queue.redrive import Coverage, Redrive, Sweeper, celery_sender, coverage
 from worker.settings import load_settings
 
@@ -290,3 +296,165 @@ def test_the_active_set_follows_the_transitions(store: JobStore) -> None:
     canceled = store.create_batch("acme", "docs", [("a", SearchSpec(index="docs", query="a"))])
     assert store.cancel_batch(canceled.id) == (1, True)
     assert store.redis.zcard(ACTIVE_JOBS_KEY) == 0
+
+
+# --- the urgent window: an active job's lost message, right after the event that lost it -------
+
+BEAT = 0.05  # the reaper's heartbeat: a worker silent on two checks 0.1 s apart is dead
+
+
+@pytest.fixture
+def default_sweeper(store: JobStore, app: Celery) -> Sweeper:
+    """A sweeper at the default interval and stall threshold (30 s, 120 s), run by hand."""
+    return sweeper_at_defaults(store, app)
+
+
+def sweeper_at_defaults(store: JobStore, app: Celery) -> Sweeper:
+    settings = load_settings()
+    return Sweeper(
+        store,
+        celery_sender(app),
+        interval_seconds=settings.redrive_interval_seconds,
+        stall_seconds=settings.redrive_stall_seconds,
+        chunk_size=10,
+        max_deliveries=MAX_DELIVERIES,
+    )
+
+
+def reaper(store: JobStore) -> Reaper:
+    """The dead-worker check as a worker runs it, with the default re-drive interval."""
+    return Reaper(
+        store.redis,
+        heartbeat_seconds=BEAT,
+        dead_after_seconds=2 * BEAT,
+        orphan_seconds=60,
+        redrive_interval_seconds=load_settings().redrive_interval_seconds,
+    )
+
+
+def check_twice(r: Reaper) -> dict[str, int]:
+    """Two checks two beats apart: a worker silent on both is dead."""
+    r.check()
+    time.sleep(2 * BEAT + 0.01)
+    return r.check()
+
+
+@pytest.fixture
+def connection(redis_url: str) -> Iterator[Connection]:
+    """A worker's kombu connection: what it takes stays unacked while it is open (closing it
+    would restore them, as a clean shutdown does; a killed worker never closes it)."""
+    with Connection(redis_url) as conn:
+        yield conn
+
+
+def take(store: JobStore, connection: Connection, queue: str, worker: str) -> Coverage | None:
+    """Take the next message off ``queue`` as ``worker``'s consumer does (kombu's get without
+    ack: it goes into ``unacked``), and record it as that worker's delivery."""
+    target = Queue(queue, Exchange(queue, type="direct"), routing_key=queue)
+    message = target(connection.default_channel).get(no_ack=False)
+    assert message is not None
+    store.redis.hset(DELIVERY_OWNERS_KEY, str(message.delivery_tag), worker)
+    raw = store.redis.hget(KOMBU_UNACKED_KEY, str(message.delivery_tag))
+    assert isinstance(raw, str)
+    return coverage(json.loads(raw)[0])
+
+
+def sweep_twice(sweeper: Sweeper) -> list[Redrive]:
+    first = sweeper.sweep()
+    return first + sweeper.sweep()
+
+
+def test_an_active_batch_s_lost_chunk_is_redriven_right_after_a_dead_worker(
+    store: JobStore, default_sweeper: Sweeper, connection: Connection
+) -> None:
+    """A worker held chunk [10, 20) and had popped [0, 10) when it was killed: the one is put
+    back by the dead-worker check, the other only the re-drive can send again."""
+    batch = create_batch(store)
+    assert lose_oldest(store, BATCH_QUEUE) == Coverage(batch.id, range(0, 10))
+    assert take(store, connection, BATCH_QUEUE, "dead-worker") == Coverage(batch.id, range(10, 20))
+    store.start_item(batch.id, "q10")  # the batch moved moments ago: it is not stalled
+
+    # No event, no look: an active batch's positions are not read (the cost trade-off), so
+    # its lost chunk waits for the batch to go idle.
+    assert sweep_twice(default_sweeper) == []
+    assert store.redis.exists(REDRIVE_SUSPECTS_KEY) == 0
+
+    assert check_twice(reaper(store)) == {"dead-worker": 1}
+    assert sorted(c.positions.start for c in queued(store, BATCH_QUEUE) if c) == [10, 20]
+    assert default_sweeper.sweep() == []  # seen lost once
+    assert default_sweeper.sweep() == [Redrive(batch.id, "batch", [(0, 10)], poison=False)]
+    assert default_sweeper.sweep() == []  # covered again: sent once
+    assert sorted(c.positions.start for c in queued(store, BATCH_QUEUE) if c) == [0, 10, 20]
+
+
+def test_covered_positions_are_never_redriven_in_the_window(
+    store: JobStore, default_sweeper: Sweeper, connection: Connection
+) -> None:
+    """In the window every active job is read: chunks queued, one held unacked by a live worker
+    (running, or waiting out a retry's countdown), a search put back by the check, and a
+    queued search are all covered; only the chunk no message covers goes out again."""
+    batch = create_batch(store)
+    search, waiting = create_search(store), create_search(store, "coffee")
+    store.redis.set(heartbeat_key("live-worker"), "1", px=60_000)
+    assert take(store, connection, BATCH_QUEUE, "live-worker") == Coverage(batch.id, range(0, 10))
+    store.start_item(batch.id, "q00")  # its worker is running it
+    assert take(store, connection, SEARCH_QUEUE, "dead-worker") == Coverage(search.id, range(1))
+    assert lose_oldest(store, BATCH_QUEUE) == Coverage(batch.id, range(10, 20))
+
+    assert check_twice(reaper(store)) == {"dead-worker": 1}
+    assert store.redis.pttl(REDRIVE_URGENT_KEY) > 0
+    assert sweep_twice(default_sweeper) == [Redrive(batch.id, "batch", [(10, 20)], poison=False)]
+    for _ in range(2):
+        assert default_sweeper.sweep() == []
+    assert store.redis.exists(REDRIVE_SUSPECTS_KEY) == 0
+    assert store.redis.hlen(KOMBU_UNACKED_KEY) == 1  # the live worker's chunk stays its own
+    assert sorted(c.positions.start for c in queued(store, BATCH_QUEUE) if c) == [10, 20]
+    assert sorted(c.job_id for c in queued(store, SEARCH_QUEUE) if c) == sorted(
+        [search.id, waiting.id]
+    )
+
+
+def test_a_redis_restart_opens_the_window(tmp_path: Path) -> None:
+    """redis-server stopped and started again on its AOF after a pop whose reply it cut off:
+    the next two sweeps find the restart and re-drive the active batch's lost chunk."""
+    with broker(tmp_path / "redis") as running:
+        store = JobStore.from_url(running.url + "/0")
+        app = create_celery_app(load_settings(redis_url=running.url + "/0"))
+        try:
+            sweeper = sweeper_at_defaults(store, app)
+            batch = create_batch(store)
+            assert sweeper.sweep() == []  # the run_id it started with is stored
+            assert lose_oldest(store, BATCH_QUEUE) == Coverage(batch.id, range(0, 10))
+            assert sweeper.sweep() == []  # active, not stalled: not looked at
+
+            running.kill(signal.SIGTERM)
+            running.start_again()
+            store.start_item(batch.id, "q10")  # the batch goes on moving
+
+            assert sweeper.sweep() == []  # the restart seen, the chunk seen lost once
+            assert store.redis.pttl(REDRIVE_URGENT_KEY) > 0
+            assert sweeper.sweep() == [Redrive(batch.id, "batch", [(0, 10)], poison=False)]
+            assert sweeper.sweep() == []
+            assert sorted(c.positions.start for c in queued(store, BATCH_QUEUE) if c) == [0, 10, 20]
+        finally:
+            app.close()
+            store.close()
+
+
+def test_a_worker_s_broker_reconnect_opens_the_window(
+    store: JobStore, redis_url: str, tmp_path: Path
+) -> None:
+    """A connection that breaks while Redis stays up (no new run_id to see): the worker's
+    consumer, started again on a new connection, opens the window itself."""
+    env = {**worker_env(redis_url), "SIFT_REDRIVE_INTERVAL_SECONDS": "30"}  # the default
+    with celery_worker(tmp_path / "w", env, "reconnect", concurrency=2):
+        wait_until(lambda: store.redis.exists(f"_kombu.binding.{BATCH_QUEUE}"), "consuming")
+        assert not store.redis.exists(REDRIVE_URGENT_KEY)  # a first start opens nothing
+        store.redis.client_kill_filter(_type="normal", skipme=True)
+        wait_until(lambda: store.redis.exists(REDRIVE_URGENT_KEY), "the window opened")
+        search = create_search(store)  # and the worker goes on consuming
+        wait_until(lambda: store.get_search_status(search.id) == "succeeded", "search done")
+    assert (
+        store.redis.get(REDRIVE_URGENT_KEY) == "this worker's broker connection dropped and is back"
+    )
+    assert 0 < store.redis.pttl(REDRIVE_URGENT_KEY) <= 75_000

@@ -51,6 +51,7 @@ from worker.constants import (
 from worker.errors import ConfigError
 from worker.queue.broker import broker_transport
 from worker.queue.intake import IntakeStep
+from worker.queue.redrive import ReconnectStep
 from worker.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -236,6 +237,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     celery.config_from_object(celery_config(settings))
     celery.conf.sift_settings = settings
     celery.steps["consumer"].add(IntakeStep)  # pauses intake while batch items queue up
+    celery.steps["consumer"].add(ReconnectStep)  # a reconnect opens the re-drive's urgent window
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
     worker_ready.connect(_check_prices, weak=False, dispatch_uid="sift-prices")
     worker_init.connect(_start_redrive, weak=False, dispatch_uid="sift-redrive")

@@ -10,7 +10,8 @@ recovery path.
 How. Each worker process (:class:`Liveness`, one thread):
 
 - keeps a heartbeat key ``sift:worker-alive:<id>`` that expires after
-  ``SIFT_WORKER_DEAD_AFTER_SECONDS``, refreshed every ``SIFT_WORKER_HEARTBEAT_SECONDS``;
+  ``SIFT_WORKER_DEAD_AFTER_SECONDS``, refreshed every ``SIFT_WORKER_HEARTBEAT_SECONDS``, and
+  its id in the ``sift:workers`` set, so a check finds it dead even holding no delivery;
 - records which deliveries it holds in the ``sift:deliveries`` hash (delivery tag ->
   worker id): a tag is added as the message is received (``task_received``), written within
   milliseconds, and dropped after its ack or reject (:class:`OwnedRequest`);
@@ -29,6 +30,13 @@ message is never requeued twice. A slow worker whose heartbeat is alive keeps it
 
 The job store's compare-and-set still keeps one result per item: a restored chunk takes
 over the items the dead worker left ``running`` and skips the ones it finished.
+
+A dead worker may also have lost a message no check can put back: one it had popped but not
+yet recorded in ``unacked`` (kombu's pop-then-record window). Only the re-drive
+(:mod:`worker.queue.redrive`) recovers that one, so a check that finds a worker dead, even
+with nothing to put back, opens the re-drive's urgent window: its next two sweeps look at
+every active job, and the lost positions go out again within an interval or two instead of
+once their whole batch has gone idle. A dead worker then leaves ``sift:workers``.
 
     liveness = Liveness(client, worker_id, heartbeat_seconds=2, dead_after_seconds=10,
                         orphan_seconds=60)
@@ -61,7 +69,9 @@ from worker.constants import (
     KOMBU_UNACKED_KEY,
     LIVENESS_LEADER_KEY,
     WORKER_HEARTBEAT_KEY,
+    WORKERS_KEY,
 )
+from worker.queue.redrive import open_urgent_window
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +176,18 @@ class Reaper:
         heartbeat_seconds: float,
         dead_after_seconds: float,
         orphan_seconds: float,
+        redrive_interval_seconds: float = 0.0,
     ) -> None:
+        """``redrive_interval_seconds`` is the re-drive's ``SIFT_REDRIVE_INTERVAL_SECONDS``,
+        for the urgent window a dead worker opens (0: the re-drive is off, no window)."""
         self.client = client
         self.heartbeat_seconds = heartbeat_seconds
         self.dead_after_seconds = dead_after_seconds
         self.orphan_seconds = orphan_seconds
+        self.redrive_interval_seconds = redrive_interval_seconds
         self._restore = client.register_script(RESTORE_SCRIPT)
         self._suspects: dict[str, float] = {}  # worker id -> when first found without a beat
+        self._announced: set[str] = set()  # dead workers this check opened a window for
         self._last_check = 0.0
         self._unroutable: set[str] = set()
 
@@ -183,7 +198,9 @@ class Reaper:
         beats apart: after a Redis outage longer than the heartbeat's TTL, every worker looks
         dead on the first check, and each has beaten again by the next."""
         owners = cast(dict[str, str], self.client.hgetall(DELIVERY_OWNERS_KEY))
-        dead = self._dead_workers(set(owners.values()))
+        holding = set(owners.values())
+        dead = self._dead_workers(holding | cast(set[str], self.client.smembers(WORKERS_KEY)))
+        self._announce(dead, holding)
         doomed = [(tag, owner) for tag, owner in owners.items() if owner in dead]
         cutoff = time.time() - self.orphan_seconds
         taken_long_ago = cast(
@@ -209,6 +226,24 @@ class Reaper:
                 f"dead worker {owner}" if owner else "no worker (orphaned)",
             )
         return restored
+
+    def _announce(self, dead: set[str], holding: set[str]) -> None:
+        """Open the re-drive's urgent window for workers newly found dead: each may have lost
+        a message it popped and never recorded. Once per worker while it still holds
+        deliveries, so one that cannot go back yet does not reopen it every beat; a dead
+        worker leaves the set of workers (a live one that was only stalled joins it again at
+        its next beat)."""
+        self._announced &= holding
+        new = dead - self._announced
+        if not new:
+            return
+        self._announced |= new & holding
+        self.client.srem(WORKERS_KEY, *sorted(new))
+        open_urgent_window(
+            self.client,
+            self.redrive_interval_seconds,
+            f"worker {', '.join(sorted(new))} found dead",
+        )
 
     def _dead_workers(self, workers: set[str]) -> set[str]:
         names = sorted(workers)
@@ -255,6 +290,7 @@ class Liveness:
         heartbeat_seconds: float,
         dead_after_seconds: float,
         orphan_seconds: float,
+        redrive_interval_seconds: float = 0.0,
     ) -> None:
         self.client = client
         self.worker_id = worker_id
@@ -265,6 +301,7 @@ class Liveness:
             heartbeat_seconds=heartbeat_seconds,
             dead_after_seconds=dead_after_seconds,
             orphan_seconds=orphan_seconds,
+            redrive_interval_seconds=redrive_interval_seconds,
         )
         self._release_script = client.register_script(RELEASE_SCRIPT)
         self._lock = threading.Lock()
@@ -313,6 +350,7 @@ class Liveness:
         try:
             self.flush()
             self.client.delete(heartbeat_key(self.worker_id))
+            self.client.srem(WORKERS_KEY, self.worker_id)  # a clean stop is no death
         except redis.RedisError as exc:
             log.warning("liveness: could not remove the heartbeat at shutdown: %s", exc)
 
@@ -336,9 +374,10 @@ class Liveness:
         """Refresh the heartbeat, re-assert the deliveries held (a write lost to a Redis
         restart comes back), and write what changed since the last flush."""
         ttl_ms = int(self.dead_after_seconds * 1000)
-        previous = self.client.set(
-            heartbeat_key(self.worker_id), str(time.time()), px=ttl_ms, get=True
-        )
+        pipe = self.client.pipeline(transaction=False)
+        pipe.set(heartbeat_key(self.worker_id), str(time.time()), px=ttl_ms, get=True)
+        pipe.sadd(WORKERS_KEY, self.worker_id)
+        previous, _ = pipe.execute()
         if previous is None and self._beaten:
             log.error(
                 "liveness: this worker's heartbeat had expired (stalled for over %gs, or Redis "
@@ -408,6 +447,7 @@ def start(redis_url: str, settings: Any) -> Liveness:
         heartbeat_seconds=settings.worker_heartbeat_seconds,
         dead_after_seconds=settings.worker_dead_after_seconds,
         orphan_seconds=settings.worker_orphan_delivery_seconds,
+        redrive_interval_seconds=settings.redrive_interval_seconds,
     )
     _liveness.start()
     log.info(

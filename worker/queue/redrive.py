@@ -11,17 +11,23 @@ How. Every worker process runs a :class:`Sweeper` thread; every
 ``SIFT_REDRIVE_INTERVAL_SECONDS`` one of them, the holder of a ``SET NX PX`` lock, sweeps:
 
 1. the job store's active set names the searches, ingests and standard-lane batches whose
-   status has not changed for ``SIFT_REDRIVE_STALL_SECONDS``; a job making progress is never
-   read;
+   status has not changed for ``SIFT_REDRIVE_STALL_SECONDS``; a job making progress is not
+   read, unless an *urgent window* is open (below), when every active job is;
 2. of those, the positions still ``queued`` or ``running`` are *pending* (a search or an
    ingest is the one position 0, a batch item its submission position);
 3. every message of the search, batch and ingest queues (``LRANGE``) and every unacked one
    (the ``unacked`` hash: running, prefetched, or waiting out a retry's countdown) *covers*
    its search or ingest, or its chunk's positions ``[start, stop)``;
 4. a pending position no message covers is *lost*. Only positions found lost on two sweeps in
-   a row are re-driven: a message is missing from both places for a few milliseconds while a
-   worker takes it (``BRPOP``, then ``unacked``), and a job that moved in between is no longer
-   idle, so it is not looked at again;
+   a row are re-driven: a message is missing from both places only for the few milliseconds
+   a worker takes to move it (``BRPOP``, then ``unacked``), never on two sweeps an interval
+   apart, because a chunk task holds its message in ``unacked`` until each of its items is
+   final, and whatever else moves it keeps it covered: a retry publishes its next message
+   before the ack, a hand-back (``Reject(requeue=True)``) and every restore move it from
+   ``unacked`` to a queue in one transaction, a paused batch-queue intake leaves its
+   prefetched messages unacked, and a submission commits its job and its messages in one
+   ``MULTI``. ``unacked`` is read both before and after the queues, so a message moved
+   from one to the other while they are read is still seen;
 5. re-driving sends a fresh ``sift.search``, ``sift.ingest`` or ``sift.batch_chunk`` message,
    chunks of at most
    ``SIFT_BATCH_CHUNK_SIZE`` positions. The tasks are idempotent (the store's compare-and-set
@@ -30,6 +36,23 @@ How. Every worker process runs a :class:`Sweeper` thread; every
 A job is re-driven at most ``SIFT_TASK_MAX_DELIVERIES`` times. Past that its next message is
 sent with its delivery counter already spent, so the task takes its poison path: the pending
 items fail as ``delivery_limit_exceeded`` (metrics and webhook as usual) instead of looping.
+
+Why stalled jobs only, and the urgent window. Reading a job's pending positions costs, for a
+100,000-query batch, an ``LRANGE`` of its order and an ``HGETALL`` of its items: too much to
+do every interval for every batch in progress, and the two-sweep confirmation, not the stall
+filter, is what keeps a waiting message from being sent twice. So a busy batch is left alone,
+except right after an event that can lose a message, when the cost is paid to recover it in
+one or two intervals instead of after the whole batch has gone idle: a worker killed (the
+dead-worker check of :mod:`worker.queue.liveness` finding it dead), or a broker connection
+broken while a reply was on its way (a sweep finding Redis's ``run_id`` changed since the
+last one: Redis restarted; or a worker's consumer starting again after its connection
+dropped, :class:`ReconnectStep`, the only sign of a connection that broke while Redis stayed
+up). Each sets ``sift:redrive:urgent`` for
+:data:`URGENT_WINDOW_INTERVALS` intervals, the next two sweeps, and logs why
+(:func:`open_urgent_window`); while it is set, a sweep reads every active job. The stored
+``run_id`` survives a restart with the AOF on, as ``sift up`` and ``deploy/`` run Redis;
+without persistence a restart loses every job and message anyway, so there is nothing to
+recover.
 
 The economy lane is not swept: its items wait on provider batches for hours by design.
 
@@ -50,6 +73,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
+import redis
+from celery import bootsteps
+
 from worker import metrics
 from worker.constants import (
     BATCH_CHUNK_TASK,
@@ -60,12 +86,15 @@ from worker.constants import (
     INGEST_TASK,
     KOMBU_UNACKED_KEY,
     REDRIVE_LEADER_KEY,
+    REDRIVE_RUN_ID_KEY,
     REDRIVE_SUSPECTS_KEY,
+    REDRIVE_URGENT_KEY,
     SEARCH_QUEUE,
     SEARCH_TASK,
     kombu_queue_keys,
 )
 from worker.queue.jobstore import JobStore
+from worker.redis_client import connect
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +103,9 @@ Send = Callable[[str, list[Any], str, str], None]
 
 PAGE = 1_000  # messages read per LRANGE or HSCAN step
 SUSPECTS_KEPT_SWEEPS = 10  # the suspects of a sweep expire this many intervals later
+# An urgent window lasts this many intervals: the next two sweeps, with room for one that runs
+# a little late (the lock's holder wakes an interval after its last sweep ended).
+URGENT_WINDOW_INTERVALS = 2.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +154,57 @@ def runs(positions: Iterable[int], longest: int | None = None) -> list[tuple[int
         else:
             out.append((p, p + 1))
     return out
+
+
+def open_urgent_window(client: redis.Redis, interval_seconds: float, reason: str) -> None:
+    """Make the next two sweeps look at every active job, not only the stalled ones: a message
+    may have just been lost (``reason`` says how; logged). A window already open is extended.
+    Nothing when the re-drive is off (``interval_seconds`` 0)."""
+    if interval_seconds <= 0:
+        return
+    window_ms = max(1, int(URGENT_WINDOW_INTERVALS * interval_seconds * 1000))
+    client.set(REDRIVE_URGENT_KEY, reason, px=window_ms)
+    log.warning(
+        "re-drive: %s; for the next %gs its sweeps look at every active job, not only idle ones",
+        reason,
+        window_ms / 1000,
+    )
+
+
+def broker_reconnected(settings: Any) -> None:
+    """This worker's broker connection dropped and is back: a ``BRPOP`` reply it cut off may
+    have lost a message, so open the urgent window (a failure is only logged: the run_id
+    check still sees a restart)."""
+    if not settings.redrive_interval_seconds or not settings.redis_url:
+        return
+    client = connect(settings.redis_url, socket_timeout=5.0)
+    try:
+        open_urgent_window(
+            client,
+            settings.redrive_interval_seconds,
+            "this worker's broker connection dropped and is back",
+        )
+    except Exception as exc:  # never in the way of the consumer starting again
+        log.warning("re-drive: could not open the urgent window after a reconnect: %s", exc)
+    finally:
+        client.close()
+
+
+class ReconnectStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """A consumer bootstep: Celery starts the consumer again after a lost broker connection,
+    and every start but the first calls :func:`broker_reconnected`."""
+
+    requires = ("celery.worker.consumer.connection:Connection",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        self.starts = 0
+
+    def start(self, c: Any) -> None:
+        self.starts += 1
+        settings = getattr(c.app.conf, "sift_settings", None)
+        if self.starts > 1 and settings is not None:
+            broker_reconnected(settings)
 
 
 def celery_sender(app: Any) -> Send:
@@ -188,17 +271,35 @@ class Sweeper:
 
     def sweep(self) -> list[Redrive]:
         """Re-drive what this sweep and the one before both found lost; answers what it sent."""
-        lost = self.lost_positions()
+        self.note_restart()
+        urgent = bool(self.store.redis.exists(REDRIVE_URGENT_KEY))
+        lost = self.lost_positions(urgent=urgent)
         previous = self._suspects()
         confirmed = {job: lost[job] & previous[job] for job in lost if job in previous}
         confirmed = {job: positions for job, positions in confirmed.items() if positions}
         self._remember({job: lost[job] - confirmed.get(job, set()) for job in lost})
         return [self._redrive(job, positions) for job, positions in confirmed.items()]
 
-    def lost_positions(self) -> dict[str, set[int]]:
-        """Positions of idle jobs still pending with no message in the broker, by job id."""
+    def note_restart(self) -> None:
+        """Open an urgent window if Redis has restarted since the last sweep: a pop whose reply
+        the restart cut off has lost its message. Redis's ``run_id`` changes at every start;
+        the one this sweep sees replaces the one the last sweep stored."""
+        client = self.store.redis
+        run_id = str(client.info("server")["run_id"])
+        previous = cast(str | None, client.set(REDRIVE_RUN_ID_KEY, run_id, get=True))
+        if previous is not None and previous != run_id:
+            open_urgent_window(
+                client, self.interval_seconds, f"Redis restarted (run_id {previous} -> {run_id})"
+            )
+
+    def lost_positions(self, *, urgent: bool = False) -> dict[str, set[int]]:
+        """Positions of idle jobs (every active job when ``urgent``) still pending with no
+        message in the broker, by job id."""
+        watched = (
+            self.store.active_jobs() if urgent else self.store.stalled_jobs(self.stall_seconds)
+        )
         pending: dict[str, set[int]] = {}
-        for job_id in self.store.stalled_jobs(self.stall_seconds):
+        for job_id in watched:
             positions = self._pending(job_id)
             if positions:
                 pending[job_id] = positions
@@ -224,12 +325,15 @@ class Sweeper:
         return {0} if status is not None and not status.final else set()
 
     def _broker_messages(self) -> Iterator[Mapping[str, Any]]:
-        """Every envelope waiting in the search, batch and ingest queues, then every unacked
-        one.
+        """Every unacked envelope, every one waiting in the search, batch and ingest queues,
+        then every unacked one again.
 
         Read in pages while workers keep pushing and popping: a push only shifts what is left
-        to read (seen twice at worst), and a message popped meanwhile is in ``unacked`` by the
-        time that is read, or in the millisecond window the second sweep is there for."""
+        to read (seen twice at worst); a message popped meanwhile is in ``unacked`` by the
+        second read of it, or in the millisecond window the second sweep is there for; one
+        restored or handed back from ``unacked`` to a queue meanwhile was in ``unacked`` at
+        the first read, or is in its queue by the time that is read."""
+        yield from self._unacked_messages()
         client = self.store.redis
         for queue in (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE):
             for key in kombu_queue_keys(queue):
@@ -239,7 +343,10 @@ class Sweeper:
                         if envelope := _loads(raw):
                             yield envelope
                     start += PAGE
-        for _, raw in client.hscan_iter(KOMBU_UNACKED_KEY, count=PAGE):
+        yield from self._unacked_messages()
+
+    def _unacked_messages(self) -> Iterator[Mapping[str, Any]]:
+        for _, raw in self.store.redis.hscan_iter(KOMBU_UNACKED_KEY, count=PAGE):
             entry = _loads(raw)  # [message, exchange, routing key]
             if isinstance(entry, list) and entry and isinstance(entry[0], dict):
                 yield entry[0]
@@ -319,7 +426,8 @@ def start_sweeper(app: Any) -> Sweeper | None:
     )
     sweeper.start()
     log.info(
-        "re-drive: sweeping every %gs for jobs idle over %gs",
+        "re-drive: sweeping every %gs for jobs idle over %gs (every active job after a dead "
+        "worker, a Redis restart or a broker reconnect)",
         settings.redrive_interval_seconds,
         settings.redrive_stall_seconds,
     )

@@ -45,10 +45,18 @@ class DeliveryRecords(_StoreCore):
     def stalled_jobs(self, idle_seconds: float) -> list[str]:
         """Search, ingest and standard-lane batch ids not final whose status last changed more than
         ``idle_seconds`` ago, the longest idle first. Forgets ids idle past the retention."""
-        now = _now()
+        return self._active_until(_now() - idle_seconds)
+
+    def active_jobs(self) -> list[str]:
+        """Every search, ingest and standard-lane batch id not final, however recently it moved
+        (a clock ahead on the host that moved it too), the longest idle first. Forgets ids idle
+        past the retention."""
+        return self._active_until("+inf")
+
+    def _active_until(self, last_moved: float | str) -> list[str]:
         pipe = self.redis.pipeline(transaction=False)
-        pipe.zremrangebyscore(ACTIVE_JOBS_KEY, "-inf", now - self.result_ttl)
-        pipe.zrangebyscore(ACTIVE_JOBS_KEY, "-inf", now - idle_seconds)
+        pipe.zremrangebyscore(ACTIVE_JOBS_KEY, "-inf", _now() - self.result_ttl)
+        pipe.zrangebyscore(ACTIVE_JOBS_KEY, "-inf", last_moved)
         _, ids = pipe.execute()
         return cast(list[str], ids)
 
