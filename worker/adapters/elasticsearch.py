@@ -36,27 +36,38 @@ releases: the start-up check and ``sift elasticsearch-migrate``).
   only another tenant has, or nobody) gives the same empty answer after the same one
   round trip, so the pipeline raises the same ``IndexNotFound`` for both.
 * **Writes** go through ``elasticsearch.helpers.streaming_bulk`` with ``require_alias``:
-  a write never auto-creates a concrete index under the alias's name (after another
+  an upsert never auto-creates a concrete index under the alias's name (after another
   worker dropped the index); it is refused, and the index is made again properly, at most
   ``WRITE_ATTEMPTS`` times, reading the drop floor each time; then the write fails
-  retryably (``BackendUnavailable``). An upsert by id replaces the whole document, vector
+  retryably (``BackendUnavailable``). ES holds no delete to ``require_alias`` and makes a
+  missing index for an external-versioned one, so a delete bulk first checks the alias
+  (``HEAD _alias``), and one that made a bare index anyway (the alias dropped between the
+  check and the bulk: its item answers from an index named like the alias) deletes that
+  index (it holds only tombstones) and makes the index again. A concrete index in the
+  alias's way that no retry clears (the first concrete name without its alias, or a bare
+  index holding documents) fails the write permanently (``BackendRequestError``) naming it
+  and the remedy (drop the name again). An upsert by id replaces the whole document, vector
   included. ``refresh=wait_for`` (the default) makes a write visible to search before the
   call returns; ``false`` gives eventual visibility (about 1 s).
-* **Drops** (:meth:`ElasticsearchBackend.delete_index`) delete the tenant's concrete
-  index outright (its alias goes with it), and any a reindex kept for a rollback, unless
-  it holds another tenant's document too, when only the tenant's documents go
-  (``_delete_by_query``). A versioned drop first leaves a floor (``<prefix>sift-floors``)
-  that every versioned write reads before it writes and again after: a write accepted
-  before the drop and run after it writes nothing, or, if the drop ran between its check
-  and its bulk, what it wrote is deleted again (by id, with the drop's version, so a newer
-  writer's document stays) and it reports none written.
+* **Drops** (:meth:`ElasticsearchBackend.delete_index`) find every concrete index of the
+  tenant's alias first (one ``GET _resolve/index/<alias>*``, closed ones included), then
+  delete those a reindex kept for a rollback, then the live one (its alias goes with it),
+  unless the live one holds another tenant's document too, when only the tenant's
+  documents go (``_delete_by_query``). A drop whose alias is already gone (one cut short)
+  still deletes what it finds named after it. A versioned drop first leaves a floor
+  (``<prefix>sift-floors``) that every versioned write reads before it writes and again
+  after: a write accepted before the drop and run after it writes nothing, or, if the drop
+  ran between its check and its bulk, what it wrote is deleted again (by id, with the
+  drop's version, so a newer writer's document stays) and it reports none written; the
+  deletes go again on every retry of that write, so a take-back cut short completes.
 * **Reindexing** (:meth:`ElasticsearchBackend.reindex`, per tenant): create a new
   concrete index from the current template, copy with ``_reindex`` (vectors included, also
   on 9.2+ where they are left out of ``_source``; versions kept), refresh, then move the
   alias in one atomic ``_aliases`` call (remove from the old indexes, add to the new).
   Searches never see a half-built index; the old index is kept for a rollback unless
   ``delete_old`` is set (a drop of the name deletes it too). The copy is an ES task,
-  polled, never started twice into one index.
+  polled for at most ``COPY_MAX_SECONDS``, never started twice into one index; a task
+  cancelled, failed or not done by then moves no alias and deletes nothing.
 * **Reads**: the BM25 and kNN searches go in ONE ``_msearch`` round trip. The tenant term
   and the caller's metadata terms sit inside both: the ``bool.filter`` of the BM25 query
   and ``knn.filter``, which ES applies *before* it picks the top k (a ``post_filter``
@@ -605,8 +616,7 @@ class ElasticsearchBackend:
                 f"the {what} cannot make index {index!r}: the concrete index "
                 f"{gone.leftover!r} exists without its alias {alias!r} ({gone.reason}), "
                 f"and no retry clears it: drop index {index!r} again (the drop deletes "
-                f"{gone.leftover!r} unless it holds another tenant's documents), or delete "
-                f"{gone.leftover!r}"
+                f"it), or delete {gone.leftover!r} by name"
             ) from gone
         raise BackendUnavailable(
             f"the {what} found the alias {alias!r} of index {index!r} gone "
