@@ -639,3 +639,34 @@ def test_a_cancelled_or_unfinished_copy_moves_no_alias(
         backend.reindex("docs", "acme", delete_old=True)
     assert state.concrete(alias) == before
     assert backend.document("docs", "acme", "vitd") is not None
+
+
+def test_the_migration_clears_a_bare_index_and_names_a_leftover_for_good(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A tenant's alias name taken by an empty bare index (a delete made it) is cleared and
+    the copy goes on; another's first concrete name without its alias stops the migration
+    with a lasting error naming it, and a drop of that name lets the run complete."""
+    server, state = fake
+    docs = {
+        "acme:vitd": shared_doc("acme", "vitd", DOC.text),
+        "beta:vitd": shared_doc("beta", "vitd", "beta secret"),
+    }
+    make_index(server, "sift-docs", "sift-docs-000001", docs, old_mapping())
+    backend = backend_on(server)
+    es = client(server)
+    acme, beta = backend.alias("docs", "acme"), backend.alias("docs", "beta")
+    delete = {"_index": acme, "_id": "acme:x", "version": 2, "version_type": "external"}
+    es.bulk(operations=[{"delete": delete}])
+    es.indices.create(index=f"{beta}~000001")
+    with pytest.raises(BackendRequestError, match=re.escape(f"{beta}~000001")) as caught:
+        backend.migrate_shared()
+    assert not caught.value.retryable
+    assert state.concrete("sift-docs") == ["sift-docs-000001"]  # the alias stays
+    assert backend.delete_index("docs", "beta", version=3) == 0
+    # acme's copy was made by the first run: the second copies it not twice
+    assert backend.migrate_shared() == {"docs": {"acme": 0, "beta": 1}}
+    with state.lock:
+        assert acme not in state.indexes
+    assert backend.document("docs", "acme", "vitd") is not None
+    assert backend.document("docs", "beta", "vitd").text == "beta secret"
