@@ -304,10 +304,15 @@ async def delete_documents(
     summary="Delete the caller's index: all of its documents (a job)",
     description="Embedded backend: the caller's rows, BM25 postings and vectors. "
     "Elasticsearch: the caller's own ES index and any a reindex kept (other tenants' "
-    "indexes of the same name stay). An upsert accepted before the delete and run after it "
-    "leaves nothing on both (on Elasticsearch one that ran into the delete's window is "
-    "deleted again by id and reports 0 written). On Elasticsearch an upsert accepted after "
-    "the delete but run before it goes with the index, though its job reported it written.",
+    "indexes of the same name stay; an index that also holds another tenant's documents "
+    "loses only the caller's). A delete job that fails part-way (Elasticsearch down) is "
+    "retried; each run deletes what it finds, so one that succeeds leaves nothing. An "
+    "upsert accepted before the delete and run after it writes nothing on both: on "
+    "Elasticsearch one that ran into the delete's window has its documents deleted again "
+    "by id (each retry of its job repeats that) and reports 0 written; if that take-back "
+    "never succeeds, the upsert's job fails rather than succeeds. On Elasticsearch an "
+    "upsert accepted after the delete but run before it goes with the index, though its "
+    "job reported it written.",
 )
 async def delete_index(
     request: Request, tenant: Tenant, index: IndexPath, wait: Wait = 0.0

@@ -136,6 +136,10 @@ class FakeElasticsearchServer:
         ``when`` holds for, if given)."""
         self._routes.insert(0, (method, path, answer, times, when))
 
+    def off(self, method: str, path: str) -> None:
+        """Remove every route of ``method path``."""
+        self._routes = [r for r in self._routes if (r[0], r[1]) != (method, path)]
+
     def _answer(self, request: Recorded) -> Answer:
         for i, (method, path, answer, times, when) in enumerate(self._routes):
             if method != request.method or path != request.path:
@@ -442,10 +446,14 @@ def running(server: FakeElasticsearchServer) -> Iterator[FakeElasticsearchServer
 def resolved(*indexes: tuple[str, list[str]]) -> dict[str, Any]:
     """``GET _resolve/index/<pattern>``: each matching concrete index with its aliases (a
     wildcard matching nothing answers empty lists with 200)."""
+    by_alias: dict[str, list[str]] = {}
+    for name, held in indexes:
+        for alias in held:
+            by_alias.setdefault(alias, []).append(name)
     return {
         "indices": [
             {"name": name, "aliases": held, "attributes": ["open"]} for name, held in indexes
         ],
-        "aliases": [],
+        "aliases": [{"name": a, "indices": sorted(n)} for a, n in sorted(by_alias.items())],
         "data_streams": [],
     }

@@ -12,9 +12,13 @@ after a drop, a reindex, a race) instead of the requests the adapter happens to 
   ``version_conflict_engine_exception``);
 * ``PUT <index>``: ``resource_already_exists_exception`` for an existing index,
   ``invalid_index_name_exception`` for a name an alias holds;
-* ``_bulk`` with ``require_alias``: an item whose target is no alias is refused (404
-  ``index_not_found_exception`` "... is not an alias"); without it, a missing index is
-  auto-created;
+* ``_bulk`` with ``require_alias``: an index/create item whose target is no alias is refused
+  (404 ``index_not_found_exception`` "... is not an alias"); without it, a missing index is
+  auto-created. As in ES 9 (``DeleteRequest.isRequireAlias()`` is false; TransportBulkAction
+  creates a missing index for a delete only under external versioning), ``require_alias``
+  never applies to a delete: an external-versioned delete on a missing target auto-creates a
+  bare index of that name, any other delete on it answers 404;
+* ``GET _resolve/index/<expr>`` (GET only, as ES registers it: any other method is 405);
 * ``GET _alias/<expr>``: a wildcard matching nothing is 200 ``{}``, a missing exact alias
   is 404 ``{"error": "alias [x] missing", "status": 404}``;
 * ``DELETE <index,...>``: concrete names only (an alias or a wildcard is refused);
@@ -125,6 +129,12 @@ class StatefulElasticsearch:
         if parts == ["_alias"] or (parts[:1] == ["_alias"] and len(parts) == 2):
             return self.get_alias(parts[1] if len(parts) > 1 else "*")
         if parts[:2] == ["_resolve", "index"]:
+            if method != "GET":
+                return 405, {
+                    "error": f"Incorrect HTTP method for uri [{r.path}] and method "
+                    f"[{method}], allowed: [GET]",
+                    "status": 405,
+                }
             return 200, self.resolve_index(parts[2])
         if parts == ["_aliases"] and method == "POST":
             return 200, self.update_aliases(body.get("actions", []))
@@ -424,14 +434,14 @@ class StatefulElasticsearch:
             version = int(meta["version"]) if "version" in meta else None
             external = meta.get("version_type") == "external"
             try:
-                if require_alias and target not in self.aliases:
+                if require_alias and op != "delete" and target not in self.aliases:
                     reason = (
                         f"no such index [{target}] and [require_alias] request flag is "
                         f"[true] and [{target}] is not an alias"
                     )
                     raise _refuse("index_not_found_exception", reason, 404, index=target)
                 if target not in self.indexes and target not in self.aliases:
-                    if op == "delete":
+                    if op == "delete" and not external:
                         raise _missing(target)
                     self.create_index(target, {})
                 (index,) = self._resolve(target, write=True)

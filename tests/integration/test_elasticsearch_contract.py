@@ -78,6 +78,7 @@ CONCRETE = f"{ACME}~000001"
 MSEARCH = f"/{ACME}/_msearch"  # acme's probes and searches alike
 FLOORS = "sift-sift-floors"
 FLOOR = f"/{FLOORS}/_doc/{ACME}"  # acme's drop floor for "docs"
+RESOLVE = f"/_resolve/index/{ACME}*"  # a drop's one look for acme's concrete indexes
 SOURCE = ["doc_id", "text", "title", "revision", "metadata", "tenant"]
 VECTOR = [0.6, 0.8, 0.0]
 
@@ -190,7 +191,7 @@ EXPECTED_TEMPLATE = {
 def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", f"/{ACME}", Answer(404))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on(
         "PUT",
@@ -206,7 +207,7 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
     assert backend.upsert("docs", "acme", docs, [VECTOR, [0.0, 1.0, 0.0]]) == 2
 
     assert [(r.method, r.path) for r in server.requests] == [
-        ("HEAD", f"/{ACME}"),
+        ("HEAD", f"/_alias/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
         ("PUT", "/_bulk"),
@@ -254,8 +255,8 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
     """Beta's first write into "docs", which acme already holds, makes beta's own index:
     the same requests as a first write into a name nobody has (no timing tells them apart),
     and no byte of it reaches acme's index."""
-    server.on("HEAD", f"/{ACME}", Answer(200))
-    server.on("HEAD", f"/{BETA}", Answer(404))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    server.on("HEAD", f"/_alias/{BETA}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("PUT", f"/{BETA}~000001", Answer(200, {"acknowledged": True, "index": BETA}))
     server.on("PUT", "/_bulk", bulk_ok)
@@ -264,7 +265,7 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
     server.requests.clear()
     assert backend.upsert("docs", "beta", [Document("d1", "other tenant", revision="")], None) == 1
     assert [(r.method, r.path) for r in server.requests] == [
-        ("HEAD", f"/{BETA}"),
+        ("HEAD", f"/_alias/{BETA}"),
         ("PUT", "/_index_template/sift-sift"),  # once per process: acme's index existed
         ("PUT", f"/{BETA}~000001"),
         ("PUT", "/_bulk"),
@@ -301,20 +302,20 @@ def test_a_tenant_id_es_refuses_in_a_name_still_makes_a_valid_index_name(
 
 
 def test_an_index_created_by_a_racing_worker_is_fine(server: FakeElasticsearchServer) -> None:
-    server.on("HEAD", f"/{ACME}", Answer(404))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))  # the racing worker made both
+    server.on("HEAD", f"/_alias/{ACME}", Answer(404), times=1)
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on(
         "PUT",
         f"/{CONCRETE}",
         Answer(400, error_body("resource_already_exists_exception", "index exists")),
     )
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))  # the racing worker made both
     server.on("PUT", "/_bulk", bulk_ok)
     assert backend_for(server).upsert("docs", "acme", [Document("d1", "x")], None) == 1
 
 
 def test_bulk_item_errors_name_the_documents(server: FakeElasticsearchServer) -> None:
-    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
 
     def partly(request: Recorded) -> Answer:
         failed = {
@@ -340,7 +341,7 @@ def test_bulk_item_errors_name_the_documents(server: FakeElasticsearchServer) ->
 
 
 def test_bulk_rejections_are_retryable(server: FakeElasticsearchServer) -> None:
-    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
 
     def rejected(request: Recorded) -> Answer:
         answer = bulk_ok(request)
@@ -1096,7 +1097,7 @@ def test_native_rrf_with_knn_weighted_zero_runs_bm25_alone(
 def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
     server.on(
         "PUT",
         "/_bulk",
@@ -1128,7 +1129,7 @@ def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
 def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
     server.on(
         "PUT",
         "/_bulk",
@@ -1164,7 +1165,7 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
 ) -> None:
     """A delete can run before the upsert it was accepted after: its tombstones must exist
     in the index that upsert will write to, so the index is created as an upsert would."""
-    server.on("HEAD", f"/{ACME}", Answer(404))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on(
         "PUT",
@@ -1180,7 +1181,7 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
     assert backend_for(server).delete_documents("docs", "acme", ["d1"], version=3) == 0
     assert [(r.method, r.path) for r in server.requests] == [
         ("GET", FLOOR),  # no drop of acme's "docs" ran: no floor
-        ("HEAD", f"/{ACME}"),
+        ("HEAD", f"/_alias/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
         ("PUT", "/_bulk"),  # a delete writes nothing back: no floor read after it
@@ -1190,7 +1191,7 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
 def test_a_bulk_delete_failing_for_other_reasons_names_the_document(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
     failed = {
         "delete": {
             "_index": CONCRETE,
@@ -1233,33 +1234,33 @@ def on_floors(server: FakeElasticsearchServer, version: int = 20) -> None:
 def test_delete_index_deletes_the_tenants_physical_index_and_nothing_else(
     server: FakeElasticsearchServer,
 ) -> None:
-    """Raise acme's floor for "docs" first, count acme's documents and look for another
-    tenant's, resolve acme's alias, delete its concrete index, then the one a reindex kept:
-    beta's index of the same name is in no request."""
+    """Raise acme's floor for "docs" first, find every concrete index of acme's alias (the
+    live one, one a reindex kept, closed ones too) in one GET before deleting any, count
+    acme's documents and look for another tenant's, delete the kept index, then the live
+    one: beta's index of the same name is in no request."""
     kept = f"{ACME}~20260101t000000000000"
     on_floors(server)
     on_searches(server, Answer(200, drop_counts(3, 0)))
-    server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
     server.on("DELETE", f"/{CONCRETE}", Answer(200, {"acknowledged": True}))
     found = resolved((CONCRETE, [ACME]), (kept, []), (f"{ACME}~other", []))
-    server.on("POST", f"/_resolve/index/{ACME}~*", Answer(200, found))
+    server.on("GET", RESOLVE, Answer(200, found))
     server.on("DELETE", f"/{kept}", Answer(200, {"acknowledged": True}))
     assert backend_for(server).delete_index("docs", "acme", version=20) == 3
     assert [(r.method, r.path) for r in server.requests] == [
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{FLOORS}"),  # once per process
         ("PUT", FLOOR),  # before anything is deleted
+        ("GET", RESOLVE),  # ES registers GET only for _resolve/index
         ("POST", MSEARCH),
-        ("GET", f"/_alias/{ACME}"),
-        ("DELETE", f"/{CONCRETE}"),
-        ("POST", f"/_resolve/index/{ACME}~*"),
         ("DELETE", f"/{kept}"),  # a name Sift did not make (~other) is left
+        ("DELETE", f"/{CONCRETE}"),  # last: a drop cut short leaves the alias to find
     ]
-    assert server.requests[-1].query == {"ignore_unavailable": ["true"]}
+    assert server.requests[3].query == {"expand_wildcards": ["all"]}
+    assert server.requests[-2].query == {"ignore_unavailable": ["true"]}
     floor = server.requests[2]
     assert floor.json() == {}
     assert floor.query == {"version": ["20"], "version_type": ["external"]}
-    assert server.requests[3].ndjson() == DROP_SEARCHES
+    assert server.requests[4].ndjson() == DROP_SEARCHES
     assert BETA not in str([(r.path, r.body) for r in server.requests])
     assert not server.sent("POST", f"/{ACME}/_delete_by_query")
 
@@ -1270,16 +1271,18 @@ def test_delete_index_holding_another_tenants_document_deletes_only_the_tenants(
     """Defence in depth: an index that also holds another tenant's document (a key
     collision, or an alias pointed at a shared index) is never deleted outright."""
     on_searches(server, Answer(200, drop_counts(3, 1)))
+    server.on("GET", RESOLVE, Answer(200, resolved((CONCRETE, [ACME]))))
     server.on("POST", f"/{ACME}/_delete_by_query", Answer(200, delete_by_query_response(3)))
     assert backend_for(server).delete_index("docs", "acme") == 3
     (sent,) = server.sent("POST", f"/{ACME}/_delete_by_query")
     assert sent.json() == {"query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}}}
     assert sent.query["conflicts"] == ["proceed"] and sent.query["refresh"] == ["true"]
-    assert not server.sent("DELETE") and not server.sent("GET")
+    assert not server.sent("DELETE")
 
 
 def test_delete_index_of_a_missing_index_deletes_nothing(server: FakeElasticsearchServer) -> None:
     on_floors(server)
+    server.on("GET", RESOLVE, Answer(200, resolved()))
     for answer in (
         Answer(404, index_missing(ACME)),
         Answer(200, msearch_response(index_missing(ACME), index_missing(ACME))),
@@ -1288,19 +1291,20 @@ def test_delete_index_of_a_missing_index_deletes_nothing(server: FakeElasticsear
         on_searches(server, answer)
         assert backend_for(server).delete_index("docs", "acme", version=20) == 0
         # the floor still goes up: an upsert accepted before this drop may run after it
-        assert [(r.method, r.path) for r in server.requests][-2:] == [
+        assert [(r.method, r.path) for r in server.requests][-3:] == [
             ("PUT", FLOOR),
+            ("GET", RESOLVE),
             ("POST", MSEARCH),
         ]
-    # another worker deleted it between the count and the delete: no error either, and
-    # the documents are that drop's to count, not this one's
-    server.on("POST", f"/_resolve/index/{ACME}~*", Answer(200, resolved()))
+    assert not server.sent("DELETE")
+    # a newer writer made the index again after the drop found no name: its index is not
+    # deleted, nor its documents counted
     on_searches(server, Answer(200, drop_counts(2, 0)))
-    server.on("GET", f"/_alias/{ACME}", Answer(404, alias_missing(ACME)))
     assert backend_for(server).delete_index("docs", "acme") == 0
     assert not server.sent("DELETE")
-    # ... or between resolving the alias and the delete
-    server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
+    # another worker deleted it between finding the names and the delete: no error either,
+    # and the documents are that drop's to count, not this one's
+    server.on("GET", RESOLVE, Answer(200, resolved((CONCRETE, [ACME]))))
     server.on("DELETE", f"/{CONCRETE}", Answer(404, index_missing(CONCRETE)))
     assert backend_for(server).delete_index("docs", "acme") == 0
 
@@ -1311,7 +1315,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
     """This process saw acme's index; another worker dropped it. ``require_alias`` refuses
     the bulk write (no bare index auto-created under the alias's name), the index is made
     again from the template, and the write is sent once more."""
-    server.on("HEAD", f"/{ACME}", Answer(200), times=1)
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200), times=1)
     server.on("PUT", "/_bulk", bulk_ok)
     server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)))
     backend = backend_for(server)
@@ -1319,7 +1323,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
     server.requests.clear()
     refused = bulk_response(require_alias_refused("index", ACME, "acme:d2"))
     server.on("PUT", "/_bulk", Answer(200, refused), times=1)
-    server.on("HEAD", f"/{ACME}", Answer(404))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("PUT", f"/{CONCRETE}", Answer(200, {"acknowledged": True, "index": CONCRETE}))
     assert backend.upsert("docs", "acme", [Document("d2", "y")], None, version=5) == 1
@@ -1327,7 +1331,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
         ("GET", FLOOR),
         ("PUT", "/_bulk"),
         ("GET", FLOOR),  # the drop was an older one than this write: make the index again
-        ("HEAD", f"/{ACME}"),
+        ("HEAD", f"/_alias/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
         ("PUT", "/_bulk"),
@@ -1345,15 +1349,21 @@ def test_writes_accepted_before_a_drop_that_has_run_are_skipped(
     (a retry, a redelivery) writes nothing and makes no index; one accepted after it runs."""
     server.on("GET", FLOOR, Answer(200, floor_found(FLOORS, ACME, 20)))
     backend = backend_for(server)
+    server.on("HEAD", f"/_alias/{ACME}", Answer(404))
     assert backend.upsert("docs", "acme", [Document("d1", "old")], None, version=19) == 0
     assert backend.delete_documents("docs", "acme", ["d1"], version=20) == 0
-    assert [(r.method, r.path) for r in server.requests] == [("GET", FLOOR)] * 2
-    server.on("HEAD", f"/{ACME}", Answer(200))
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", FLOOR),
+        ("GET", FLOOR),  # the upsert's take-back: an earlier attempt's documents go too
+        ("HEAD", f"/_alias/{ACME}"),  # ... if the alias is there (a delete would make it)
+        ("GET", FLOOR),
+    ]
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
     server.on("PUT", "/_bulk", bulk_ok)
     assert backend.upsert("docs", "acme", [Document("d1", "new")], None, version=21) == 1
     assert backend.upsert("docs", "acme", [Document("d2", "any")], None) == 1  # unversioned
     # before and after the versioned write; an unversioned write reads no floor
-    assert len(server.sent("GET", FLOOR)) == 4
+    assert len(server.sent("GET", FLOOR)) == 5
 
 
 def test_a_drop_running_between_a_writes_floor_check_and_its_bulk_still_wins(
@@ -1361,19 +1371,29 @@ def test_a_drop_running_between_a_writes_floor_check_and_its_bulk_still_wins(
 ) -> None:
     """The write passed the floor check, then the drop (accepted after it) raised the floor
     and deleted the index: ``require_alias`` refuses the bulk, the floor is read again, and
-    the write is dropped, not written into a re-made index."""
+    the write is dropped, not written into a re-made index. Its ids are deleted at the
+    floor's version where the alias is (a newer writer made it again): an earlier attempt
+    of the write may have put them there."""
     server.on("GET", FLOOR, Answer(200, floor_found(FLOORS, ACME, 30)))
     server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)), times=1)  # asked first
-    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    deleted = {"_index": CONCRETE, "_id": "acme:d1", "_version": 30, "result": "deleted"}
+    server.on("PUT", "/_bulk", Answer(200, bulk_response({"delete": {**deleted, "status": 200}})))
     refused = bulk_response(require_alias_refused("index", ACME, "acme:d1"))
-    server.on("PUT", "/_bulk", Answer(200, refused))
+    server.on("PUT", "/_bulk", Answer(200, refused), times=1)
     backend = backend_for(server)
     assert backend.upsert("docs", "acme", [Document("d1", "x")], None, version=29) == 0
     assert [(r.method, r.path) for r in server.requests] == [
         ("GET", FLOOR),
-        ("HEAD", f"/{ACME}"),
+        ("HEAD", f"/_alias/{ACME}"),
         ("PUT", "/_bulk"),
         ("GET", FLOOR),
+        ("GET", FLOOR),
+        ("HEAD", f"/_alias/{ACME}"),
+        ("PUT", "/_bulk"),
+    ]
+    assert server.requests[-1].ndjson() == [
+        {"delete": {"_index": ACME, "_id": "acme:d1", "version": 30, "version_type": "external"}}
     ]
 
 
@@ -1383,6 +1403,7 @@ def test_a_drop_older_than_the_held_floor_leaves_it(server: FakeElasticsearchSer
     on_floors(server)
     conflict = version_conflict("index", FLOORS, ACME, held=30, sent=20)["index"]["error"]
     server.on("PUT", FLOOR, Answer(409, {"error": conflict, "status": 409}))
+    server.on("GET", RESOLVE, Answer(200, resolved()))
     on_searches(server, Answer(200, msearch_response(index_missing(ACME), index_missing(ACME))))
     assert backend_for(server).delete_index("docs", "acme", version=20) == 0
 
@@ -1485,7 +1506,7 @@ MODEL_CHECK = {
 def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_refused(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", f"/{ACME}", Answer(200))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
     server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}))
     server.on("POST", f"/{ACME}/_search", Answer(200, probe_response(0)), times=2)
     server.on("PUT", "/_bulk", bulk_ok)
@@ -1493,7 +1514,7 @@ def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_r
     first = [Document("d1", "x", revision="r")]
     assert backend.upsert("docs", "acme", first, [VECTOR], model="m-1") == 1
     assert [(r.method, r.path) for r in server.requests] == [
-        ("HEAD", f"/{ACME}"),
+        ("HEAD", f"/_alias/{ACME}"),
         ("PUT", f"/{ACME}/_mapping"),  # an index made before the field existed takes it
         ("POST", f"/{ACME}/_search"),
         ("PUT", "/_bulk"),
@@ -1524,9 +1545,8 @@ def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_r
 
     # a drop takes the record (with the index) and this worker's memo of it
     on_searches(server, Answer(200, drop_counts(3, 0)))
-    server.on("GET", f"/_alias/{ACME}", Answer(200, aliases((CONCRETE, ACME))))
     server.on("DELETE", f"/{CONCRETE}", Answer(200, {"acknowledged": True}))
-    server.on("POST", f"/_resolve/index/{ACME}~*", Answer(200, resolved((CONCRETE, [ACME]))))
+    server.on("GET", RESOLVE, Answer(200, resolved((CONCRETE, [ACME]))))
     backend.delete_index("docs", "acme")
     on_probes(server, Answer(200, probes_of_a_missing_index(ACME)))
     assert backend.probe("docs", "acme") == IndexProbe(frozenset())

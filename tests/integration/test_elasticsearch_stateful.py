@@ -29,7 +29,7 @@ from worker.adapters.elasticsearch import (
     index_template,
 )
 from worker.core.types import Document
-from worker.errors import BackendUnavailable, ConfigError
+from worker.errors import BackendRequestError, BackendUnavailable, ConfigError
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -142,21 +142,29 @@ def test_a_drop_after_a_reindex_that_kept_the_old_index_deletes_both_and_the_nam
     assert backend.document("docs", "acme", "vitd").version == 4
 
 
-def test_a_leftover_concrete_index_without_its_alias_is_a_retryable_error_naming_it(
+def test_a_leftover_concrete_index_without_its_alias_is_a_lasting_error_a_drop_clears(
     fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
 ) -> None:
     """A concrete index of the alias's first name exists but the alias does not (a drop cut
-    short): the write is refused, retryably, naming the index, and nothing is written."""
+    short): the write is refused, not retryably (no retry clears it), naming the index and
+    the remedy, and nothing is written. The remedy works: a drop, though the alias is gone,
+    deletes the leftover, and the name takes writes again."""
     server, state = fake
     backend = backend_on(server)
     write(backend, CALC, version=1)
     (first,) = indexes_named(state, backend.alias("docs", "acme"))
     with state.lock:
         state.aliases.clear()  # the alias went, its index did not
-    with pytest.raises(BackendUnavailable, match=re.escape(first)) as caught:
+    with pytest.raises(BackendRequestError, match=re.escape(first)) as caught:
         write(backend_on(server), DOC, version=2)
-    assert caught.value.retryable
+    assert not caught.value.retryable
+    assert "drop index 'docs' again" in str(caught.value)
     assert state.live_ids(first) == {"acme:calc"}
+    assert backend.delete_index("docs", "acme", version=3) == 0
+    assert indexes_named(state, backend.alias("docs", "acme")) == []
+    assert write(backend_on(server), DOC, version=4) == 1
+    assert backend.document("docs", "acme", "vitd") is not None
+    assert backend.document("docs", "acme", "calc") is None
 
 
 def test_require_alias_refusing_every_attempt_is_bounded_and_retryable(
@@ -389,3 +397,276 @@ def test_a_delete_by_ids_counts_what_it_deleted_before_a_drop_cut_it_short(
     server.on("PUT", "/_bulk", between)
     assert backend.delete_documents("docs", "acme", ["calc", "vitd"]) == 1
     assert backend.document("docs", "acme", "vitd") is None
+
+
+# --- deletes as ES 9 runs them: require_alias does not hold them ------------------------------
+
+
+def test_the_stand_in_runs_deletes_as_es_does(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """``require_alias`` does not apply to a delete; an external-versioned delete on a
+    missing index makes it (a bare index of that name), an unversioned one answers 404; and
+    ``_resolve/index`` answers GET only."""
+    server, state = fake
+    es = client(server)
+    versioned = {"delete": {"_index": "gone", "_id": "x", "version": 3, "version_type": "external"}}
+    plain = {"delete": {"_index": "never", "_id": "x"}}
+    items = es.bulk(operations=[plain, versioned], require_alias=True).body["items"]
+    assert items[0]["delete"]["status"] == 404
+    assert items[0]["delete"]["error"]["type"] == "index_not_found_exception"
+    assert items[1]["delete"] == {**items[1]["delete"], "_index": "gone", "result": "not_found"}
+    with state.lock:
+        assert sorted(state.indexes) == ["gone"] and not state.aliases
+    assert es.perform_request("GET", "/_resolve/index/g*").body["indices"][0]["name"] == "gone"
+    with pytest.raises(ApiError) as caught:
+        es.indices.resolve_index(name="g*")  # the 9.5 client sends POST
+    assert caught.value.meta.status == 405
+
+
+def test_a_delete_by_ids_racing_a_drop_leaves_no_bare_index_and_the_name_works(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """Delete v2 passes its checks; drop v3 runs before its bulk; the bulk's external
+    versioned delete makes a bare index of the alias's name (ES does). The delete clears it
+    and, being below the floor on its next attempt, stops: no index is left, and later
+    writes and drops of the name work."""
+    server, state = fake
+    backend, dropper = backend_on(server), backend_on(server)
+    alias = backend.alias("docs", "acme")
+    write(backend, CALC, version=1)
+    fired: list[int] = []
+
+    def between(request: Recorded) -> None:
+        if not fired and b'"delete"' in request.body:
+            fired.append(1)
+            assert dropper.delete_index("docs", "acme", version=3) == 1
+
+    server.on("PUT", "/_bulk", between)
+    assert backend.delete_documents("docs", "acme", ["calc"], version=2) == 0
+    assert fired
+    server.off("PUT", "/_bulk")
+    with state.lock:
+        assert alias not in state.indexes and indexes_named(state, alias) == []
+    assert write(backend, DOC, version=4) == 1
+    assert write(backend_on(server), CALC, version=5) == 1
+    assert backend.delete_index("docs", "acme", version=6) == 2
+    assert write(backend_on(server), DOC, version=7) == 1
+
+
+def test_a_take_back_racing_the_drop_itself_makes_no_bare_index(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """W1 (v10) writes; drop 12 deletes the index just before W1's take-back reads the
+    floor. The take-back finds the alias gone and sends no delete (one would make a bare
+    index); a later write (v13) makes the index as usual."""
+    server, state = fake
+    w1, dropper = backend_on(server), backend_on(server)
+    alias = w1.alias("docs", "acme")
+    write(w1, CALC, version=5)
+    reads: list[int] = []
+
+    def between(request: Recorded) -> None:
+        reads.append(1)
+        if len(reads) == 2:  # the take-back's floor read (the first: the floor check)
+            assert dropper.delete_index("docs", "acme", version=12) == 2
+
+    server.on("GET", f"/sift-sift-floors/_doc/{alias}", between)
+    assert write(w1, DOC, version=10) == 0
+    server.off("GET", f"/sift-sift-floors/_doc/{alias}")
+    with state.lock:
+        assert alias not in state.indexes and not state.aliases
+    assert write(backend_on(server), DOC, version=13) == 1
+    assert w1.document("docs", "acme", "vitd") is not None
+
+
+@pytest.mark.parametrize("holds", [False, True])
+def test_a_bare_index_named_like_the_alias_is_cleared_or_named(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch], holds: bool
+) -> None:
+    """A concrete index of the alias's own name (an earlier release's delete made it): a
+    write deletes it if it holds no document and goes on; one holding documents is named
+    in a lasting error, and a drop deletes it (it holds only this tenant's)."""
+    server, state = fake
+    es = client(server)
+    backend = backend_on(server)
+    backend.ensure_template()
+    alias = backend.alias("docs", "acme")
+    delete = {
+        "delete": {"_index": alias, "_id": "acme:x", "version": 2, "version_type": "external"}
+    }
+    es.bulk(operations=[delete])
+    if holds:
+        es.index(index=alias, id="acme:calc", document=backend.source("acme", CALC, None))
+        with pytest.raises(BackendRequestError, match=re.escape(repr(alias))) as caught:
+            write(backend, DOC, version=3)
+        assert not caught.value.retryable
+        assert backend.delete_index("docs", "acme", version=4) == 1
+    assert write(backend_on(server), DOC, version=5) == 1
+    with state.lock:
+        assert alias not in state.indexes and state.concrete(alias) == [f"{alias}~000001"]
+
+
+def test_a_retry_after_a_take_back_cut_short_completes_it(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """W1 (v10) passes its floor check; drop 12 runs and W3 (v13) makes the index again
+    before W1's bulk, which writes ``vitd``; the take-back's deletes answer 503 (retryable).
+    The job's retry finds W1 below the floor and sends the deletes again: ``vitd`` (accepted
+    before the drop) goes, W3's ``calc`` stays."""
+    server, _state = fake
+    w1, dropper, w3 = backend_on(server), backend_on(server), backend_on(server)
+    write(w1, CALC, version=5)
+    fired: list[int] = []
+
+    def between(request: Recorded) -> Answer | None:
+        body = request.body.decode().replace(" ", "")
+        if not fired and '"version":10' in body:
+            fired.append(1)
+            dropper.delete_index("docs", "acme", version=12)
+            write(w3, CALC, version=13)
+        if '"delete"' in body:
+            return Answer(503, error_body("unavailable_shards_exception", "busy", 503))
+        return None
+
+    server.on("PUT", "/_bulk", between)
+    with pytest.raises(BackendUnavailable) as caught:
+        write(w1, DOC, version=10)
+    assert caught.value.retryable and fired
+    server.off("PUT", "/_bulk")
+    assert w1.document("docs", "acme", "vitd") is not None  # the cut-short take-back's
+    assert write(w1, DOC, version=10) == 0
+    assert w1.document("docs", "acme", "vitd") is None
+    assert w1.document("docs", "acme", "calc") is not None
+
+
+def test_a_drop_cut_short_between_its_deletes_completes_when_run_again(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """After a reindex that kept ``~000001``, a drop's first DELETE answers 503. Run again,
+    the drop deletes both indexes, the dropped document is nowhere, and the name works."""
+    server, state = fake
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    write(backend, DOC, version=1)
+    backend.reindex("docs", "acme")
+    assert len(indexes_named(state, alias)) == 2
+    busy = Answer(503, error_body("process_cluster_event_timeout_exception", "busy", 503))
+    server.on("DELETE", f"/{alias}~000001", busy, times=1)
+    with pytest.raises(BackendUnavailable):
+        backend.delete_index("docs", "acme", version=2)
+    assert backend.delete_index("docs", "acme", version=2) == 1
+    assert indexes_named(state, alias) == []
+    assert write(backend_on(server), CALC, version=3) == 1
+    assert backend.delete_index("docs", "acme", version=4) == 1
+    assert indexes_named(state, alias) == []
+
+
+def test_a_drop_whose_alias_is_gone_still_deletes_the_kept_index(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A drop cut short under an earlier release deleted the live index and not the kept
+    one: a drop of the name, though the alias is gone, deletes it."""
+    server, state = fake
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    write(backend, DOC, version=1)
+    backend.reindex("docs", "acme")
+    (live,) = state.concrete(alias)
+    client(server).indices.delete(index=live)
+    assert indexes_named(state, alias) == [f"{alias}~000001"]
+    assert backend.delete_index("docs", "acme", version=2) == 0
+    assert indexes_named(state, alias) == []
+    assert write(backend_on(server), CALC, version=3) == 1
+
+
+def test_a_drop_never_deletes_an_index_a_newer_writer_makes_while_it_runs(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """After ``reindex --delete-old``, drop 2 deletes the live index; W2 (v3, accepted after
+    the drop) makes ``~000001`` again right then. The drop found its names before deleting
+    any, so W2's index and document stay."""
+    server, state = fake
+    backend, w2 = backend_on(server), backend_on(server)
+    alias = backend.alias("docs", "acme")
+    write(backend, DOC, version=1)
+    backend.reindex("docs", "acme", delete_old=True)
+    (live,) = state.concrete(alias)
+    after: list[int] = []
+
+    def deleted_then_written(request: Recorded) -> Answer:
+        with state.lock:
+            state.delete_indexes(live, ignore_unavailable=False)
+        after.append(write(w2, CALC, version=3))
+        return Answer(200, {"acknowledged": True})
+
+    server.on("DELETE", f"/{live}", deleted_then_written, times=1)
+    assert backend.delete_index("docs", "acme", version=2) == 1
+    assert after == [1]
+    assert state.concrete(alias) == [f"{alias}~000001"]
+    assert backend.document("docs", "acme", "calc") is not None
+    assert backend.document("docs", "acme", "vitd") is None
+
+
+@pytest.mark.parametrize("ending", ["canceled", "timeout"])
+def test_a_cancelled_or_unfinished_copy_moves_no_alias(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+    ending: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reindex whose copy task reports ``canceled`` (no failures), or is not done within
+    the bound, fails: the alias stays on the old index and the old index is not deleted."""
+    server, state = fake
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    write(backend, DOC, version=1)
+    before = state.concrete(alias)
+
+    real = state.get_tasks
+
+    def report(parts: list[str], q: Any) -> tuple[int, Any]:
+        status, task = real(parts, q)
+        if parts and ending == "canceled":
+            task = {**task, "response": {**task["response"], "canceled": "by user request"}}
+        elif parts:
+            task = {**task, "completed": False}
+            backend.copy_max_seconds = 0
+        return status, task
+
+    monkeypatch.setattr(state, "get_tasks", report)
+    error = BackendRequestError if ending == "canceled" else BackendUnavailable
+    with pytest.raises(error, match="by user request" if ending == "canceled" else "not done"):
+        backend.reindex("docs", "acme", delete_old=True)
+    assert state.concrete(alias) == before
+    assert backend.document("docs", "acme", "vitd") is not None
+
+
+def test_the_migration_clears_a_bare_index_and_names_a_leftover_for_good(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A tenant's alias name taken by an empty bare index (a delete made it) is cleared and
+    the copy goes on; another's first concrete name without its alias stops the migration
+    with a lasting error naming it, and a drop of that name lets the run complete."""
+    server, state = fake
+    docs = {
+        "acme:vitd": shared_doc("acme", "vitd", DOC.text),
+        "beta:vitd": shared_doc("beta", "vitd", "beta secret"),
+    }
+    make_index(server, "sift-docs", "sift-docs-000001", docs, old_mapping())
+    backend = backend_on(server)
+    es = client(server)
+    acme, beta = backend.alias("docs", "acme"), backend.alias("docs", "beta")
+    delete = {"_index": acme, "_id": "acme:x", "version": 2, "version_type": "external"}
+    es.bulk(operations=[{"delete": delete}])
+    es.indices.create(index=f"{beta}~000001")
+    with pytest.raises(BackendRequestError, match=re.escape(f"{beta}~000001")) as caught:
+        backend.migrate_shared()
+    assert not caught.value.retryable
+    assert state.concrete("sift-docs") == ["sift-docs-000001"]  # the alias stays
+    assert backend.delete_index("docs", "beta", version=3) == 0
+    # acme's copy was made by the first run: the second copies it not twice
+    assert backend.migrate_shared() == {"docs": {"acme": 0, "beta": 1}}
+    with state.lock:
+        assert acme not in state.indexes
+    assert backend.document("docs", "acme", "vitd") is not None
+    assert backend.document("docs", "beta", "vitd").text == "beta secret"

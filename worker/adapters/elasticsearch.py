@@ -36,27 +36,38 @@ releases: the start-up check and ``sift elasticsearch-migrate``).
   only another tenant has, or nobody) gives the same empty answer after the same one
   round trip, so the pipeline raises the same ``IndexNotFound`` for both.
 * **Writes** go through ``elasticsearch.helpers.streaming_bulk`` with ``require_alias``:
-  a write never auto-creates a concrete index under the alias's name (after another
+  an upsert never auto-creates a concrete index under the alias's name (after another
   worker dropped the index); it is refused, and the index is made again properly, at most
   ``WRITE_ATTEMPTS`` times, reading the drop floor each time; then the write fails
-  retryably (``BackendUnavailable``). An upsert by id replaces the whole document, vector
+  retryably (``BackendUnavailable``). ES holds no delete to ``require_alias`` and makes a
+  missing index for an external-versioned one, so a delete bulk first checks the alias
+  (``HEAD _alias``), and one that made a bare index anyway (the alias dropped between the
+  check and the bulk: its item answers from an index named like the alias) deletes that
+  index (it holds only tombstones) and makes the index again. A concrete index in the
+  alias's way that no retry clears (the first concrete name without its alias, or a bare
+  index holding documents) fails the write permanently (``BackendRequestError``) naming it
+  and the remedy (drop the name again). An upsert by id replaces the whole document, vector
   included. ``refresh=wait_for`` (the default) makes a write visible to search before the
   call returns; ``false`` gives eventual visibility (about 1 s).
-* **Drops** (:meth:`ElasticsearchBackend.delete_index`) delete the tenant's concrete
-  index outright (its alias goes with it), and any a reindex kept for a rollback, unless
-  it holds another tenant's document too, when only the tenant's documents go
-  (``_delete_by_query``). A versioned drop first leaves a floor (``<prefix>sift-floors``)
-  that every versioned write reads before it writes and again after: a write accepted
-  before the drop and run after it writes nothing, or, if the drop ran between its check
-  and its bulk, what it wrote is deleted again (by id, with the drop's version, so a newer
-  writer's document stays) and it reports none written.
+* **Drops** (:meth:`ElasticsearchBackend.delete_index`) find every concrete index of the
+  tenant's alias first (one ``GET _resolve/index/<alias>*``, closed ones included), then
+  delete those a reindex kept for a rollback, then the live one (its alias goes with it),
+  unless the live one holds another tenant's document too, when only the tenant's
+  documents go (``_delete_by_query``). A drop whose alias is already gone (one cut short)
+  still deletes what it finds named after it. A versioned drop first leaves a floor
+  (``<prefix>sift-floors``) that every versioned write reads before it writes and again
+  after: a write accepted before the drop and run after it writes nothing, or, if the drop
+  ran between its check and its bulk, what it wrote is deleted again (by id, with the
+  drop's version, so a newer writer's document stays) and it reports none written; the
+  deletes go again on every retry of that write, so a take-back cut short completes.
 * **Reindexing** (:meth:`ElasticsearchBackend.reindex`, per tenant): create a new
   concrete index from the current template, copy with ``_reindex`` (vectors included, also
   on 9.2+ where they are left out of ``_source``; versions kept), refresh, then move the
   alias in one atomic ``_aliases`` call (remove from the old indexes, add to the new).
   Searches never see a half-built index; the old index is kept for a rollback unless
   ``delete_old`` is set (a drop of the name deletes it too). The copy is an ES task,
-  polled, never started twice into one index.
+  polled for at most ``COPY_MAX_SECONDS``, never started twice into one index; a task
+  cancelled, failed or not done by then moves no alias and deletes nothing.
 * **Reads**: the BM25 and kNN searches go in ONE ``_msearch`` round trip. The tenant term
   and the caller's metadata terms sit inside both: the ``bool.filter`` of the BM25 query
   and ``knn.filter``, which ES applies *before* it picks the top k (a ``post_filter``
@@ -105,6 +116,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import quote
 
 from elasticsearch import (
     ApiError,
@@ -172,6 +184,9 @@ MAX_LISTED_INDEXES = 1000
 _FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 #: How long a migration's copy waits between two reads of its task.
 COPY_POLL_SECONDS = 0.5
+#: How long a reindex or migration waits for its copy task before it gives up (retryably,
+#: naming the task, which runs on: a run made after it ends starts the copy again).
+COPY_MAX_SECONDS = 6 * 3600.0
 #: How often a write makes its index again after ``require_alias`` found it gone (another
 #: worker's drop ran in between) before it gives up, retryably.
 WRITE_ATTEMPTS = 3
@@ -292,6 +307,7 @@ class ElasticsearchBackend:
         self.index_settings = index_settings or IndexSettings()
         self.num_candidates = num_candidates
         self.refresh = refresh
+        self.copy_max_seconds = COPY_MAX_SECONDS
         self.request_timeout = request_timeout
         self.bulk_chunk_size = bulk_chunk_size
         self._clock = clock
@@ -518,9 +534,12 @@ class ElasticsearchBackend:
                 self._check_model(index, tenant, recorded)
 
         outcome = self._write(index, tenant, actions, what, version, prepare=check_model)
-        if outcome is None:
+        ids = [str(action["_id"]) for action in actions]
+        # below the floor on this call (None) or after its bulk: an earlier attempt of this
+        # write (a retry after a take-back cut short) may have left documents in
+        if self._take_back(index, tenant, ids, version, what) or outcome is None:
             return 0
-        written = self._take_back(index, tenant, outcome, version, what)
+        written = outcome.applied
         if vectors is not None and written:
             self._saw_vectors(alias, tenant, recorded)
         return written
@@ -560,18 +579,27 @@ class ElasticsearchBackend:
         after this write has already run (nothing is written, no index made).
 
         Each attempt reads the drop floor first, makes the index, runs ``prepare`` (the
-        model check) and the bulk. ``require_alias`` refusing the bulk (another worker
-        dropped the index since), or the index's first concrete name found without its
-        alias, starts the next attempt; every action is sent again, which external versions
-        and whole-document writes make safe. After ``WRITE_ATTEMPTS`` the write fails
-        retryably (``BackendUnavailable``), naming what it found."""
+        model check) and the bulk. A delete bulk checks the alias first, not what this
+        process remembers: ``require_alias`` does not apply to a delete, so one sent to a
+        dropped alias would make a bare index of its name (:meth:`_bulk` clears it).
+        The alias found gone (another worker dropped the index since), or the index's first
+        concrete name found without its alias, starts the next attempt; every action is sent
+        again, which external versions and whole-document writes make safe. After
+        ``WRITE_ATTEMPTS`` the write fails, naming what it found: retryably
+        (``BackendUnavailable``) if drops kept removing the alias, not retryably
+        (``BackendRequestError``) if an index without its alias is in the way, which no
+        retry clears."""
         alias = self.alias(index, tenant)
         existed = 0
         gone = _AliasGone(index)
+        deleting = any(action.get("_op_type") == "delete" for action in actions)
         for _attempt in range(WRITE_ATTEMPTS):
             if self._floors.below(alias, version):
                 return None if not existed else _Bulked(0, existed, [])
             try:
+                if deleting:
+                    with self._lock:
+                        self._ready_aliases.discard(alias)  # ensure_index asks ES
                 self.ensure_index(index, tenant)
                 if prepare is not None:
                     prepare()
@@ -584,40 +612,47 @@ class ElasticsearchBackend:
             bulked.existed += existed
             return bulked
         if gone.leftover:
-            raise BackendUnavailable(
+            raise BackendRequestError(
                 f"the {what} cannot make index {index!r}: the concrete index "
-                f"{gone.leftover!r} exists without its alias {alias!r} (a drop cut short): "
-                f"drop index {index!r} again, or delete {gone.leftover!r}"
+                f"{gone.leftover!r} exists without its alias {alias!r} ({gone.reason}), "
+                f"and no retry clears it: drop index {index!r} again (the drop deletes "
+                f"it), or delete {gone.leftover!r} by name"
             ) from gone
         raise BackendUnavailable(
-            f"the {what} found index {index!r} dropped by another worker {WRITE_ATTEMPTS} "
-            "times as it made it again"
+            f"the {what} found the alias {alias!r} of index {index!r} gone "
+            f"{WRITE_ATTEMPTS} times as it made it again ({gone.reason}): another "
+            "worker's drops kept removing it"
         ) from gone
 
     def _take_back(
-        self, index: str, tenant: str, bulked: _Bulked, version: int | None, what: str
-    ) -> int:
-        """How many of a versioned write's documents stay written, once a drop it lost to
-        is accounted for.
+        self, index: str, tenant: str, ids: Sequence[str], version: int | None, what: str
+    ) -> bool:
+        """Whether a versioned write lost to a drop (then none of it stays written).
 
         The floor check and the bulk are two requests: a drop accepted after this write can
         run between them, and a newer writer can make the index again, so the bulk finds
         the alias and writes. So the floor is read again after the bulk; if a drop of this
-        write's version or newer has run, what this write put in is deleted by id with the
-        drop's version as external version: a document a newer writer put in since answers
-        409 and stays. Then none of this write stays (0)."""
-        if version is None or not bulked.written:
-            return bulked.applied
+        write's version or newer has run, every ``_id`` of the write (``ids``) is deleted
+        with the drop's version as external version: a document a newer writer put in
+        since answers 409 and stays. The deletes go every time the floor is at or above the
+        version, even when this call wrote nothing: a retry of a write whose take-back was
+        cut short (a 5xx, a crash) completes it. They go only while the alias exists
+        (``HEAD _alias``): a delete is not held to ``require_alias``, and one reaching a
+        dropped alias would make a bare index of its name; one that does anyway (the alias
+        dropped between the check and the bulk) is cleared by :meth:`_bulk`."""
+        if version is None or not ids:
+            return False
         alias = self.alias(index, tenant)
         floor = self._floors.floor(alias)
         if floor < version:
-            return bulked.applied
+            return False
+        taken = f"{what} (taken back after drop {floor})"
         deletes = [
-            {"_op_type": "delete", "_index": alias, "_id": _id, **_versioned(floor)}
-            for _id in bulked.written
+            {"_op_type": "delete", "_index": alias, "_id": _id, **_versioned(floor)} for _id in ids
         ]
-        with contextlib.suppress(_AliasGone):  # dropped again: nothing of it is left
-            self._bulk(deletes, f"{what} (taken back after drop {floor})", index, tenant)
+        if self._alias_exists(alias, taken, index):
+            with contextlib.suppress(_AliasGone):  # dropped again: nothing of it is left
+                self._bulk(deletes, taken, index, tenant)
         self._forget(alias, tenant)
         logger.info(
             "%s: version %d lost to drop %d run meanwhile; %d document(s) taken back",
@@ -626,17 +661,41 @@ class ElasticsearchBackend:
             floor,
             len(deletes),
         )
-        return 0
+        return True
+
+    def _alias_exists(self, alias: str, what: str, index: str) -> bool:
+        """``HEAD _alias/<alias>``."""
+        with _translated(what, index):
+            found = bool(self._es().indices.exists_alias(name=alias))
+        return found
+
+    def _clear_bare(self, alias: str, what: str, index: str) -> bool:
+        """Delete the bare concrete index named ``alias`` (one a versioned delete
+        auto-created after the alias was dropped: Sift's name, the template's mapping, only
+        delete tombstones) if it holds no document; whether it is gone. Nothing but deletes
+        can land in it meanwhile (every other write is held to ``require_alias``)."""
+        with _translated(what, index, missing_ok=True) as missing:
+            held = int(self._es().count(index=alias).body.get("count", 0))
+            if not held:
+                self._es().indices.delete(index=alias, ignore_unavailable=True)
+        if missing or not held:
+            logger.warning("%s: deleted the bare index %s a delete made", what, alias)
+            return True
+        return False
 
     def _bulk(self, actions: list[dict[str, Any]], what: str, index: str, tenant: str) -> _Bulked:
         """Run bulk ``actions``: how many applied, how many found their document, and the
         ``_id`` of each one applied. A 409 (a newer version held) and a delete's 404 (nothing
-        to delete) are answers, not failures. ``require_alias``: an action whose alias is
-        gone fails (``_AliasGone``, with what was deleted before it) instead of
-        auto-creating a bare concrete index of that name, with no alias and no template's
-        settings beyond the mapping."""
+        to delete) are answers, not failures. ``require_alias``: an index action whose alias
+        is gone fails (``_AliasGone``, with what was deleted before it) instead of
+        auto-creating a bare concrete index of that name. ES does not hold a delete to
+        ``require_alias``, and makes a missing index for an external-versioned one: a delete
+        answered from an index named like the alias itself found the alias dropped since
+        its check and made that bare index, which is deleted here (:meth:`_clear_bare`)
+        before the attempt counts as the alias gone; the rest of the bulk is not sent."""
         failures: list[dict[str, Any]] = []
         bulked = _Bulked(0, 0, [])
+        alias = self.alias(index, tenant)
         with _translated(what, index):
             for ok, item in helpers.streaming_bulk(
                 self._es(),
@@ -650,6 +709,14 @@ class ElasticsearchBackend:
             ):
                 op = next(iter(item.values())) if item else {}
                 status = int(op.get("status", 500))
+                if "error" not in op and op.get("_index") == alias:  # a delete made it
+                    cleared = self._clear_bare(alias, what, index)
+                    raise _AliasGone(
+                        index,
+                        existed=bulked.existed,
+                        leftover="" if cleared else alias,
+                        reason=f"a delete made the bare index {alias!r}",
+                    )
                 if ok:
                     bulked.applied += 1
                     bulked.existed += op.get("result") in ("deleted", "updated")
@@ -657,7 +724,7 @@ class ElasticsearchBackend:
                 elif status == 404 and op.get("result") == "not_found":
                     bulked.applied += 1
                 elif _index_missing(op):
-                    raise _AliasGone(index, existed=bulked.existed)
+                    raise _AliasGone(index, existed=bulked.existed, reason="require_alias")
                 elif status != 409:
                     failures.append(item)
         if failures:
@@ -715,13 +782,21 @@ class ElasticsearchBackend:
         return 0 if bulked is None else bulked.existed
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
-        """Delete the tenant's index: its concrete index (the alias goes with it); answers
-        how many of the tenant's documents it held.
+        """Delete the tenant's index: its concrete indexes (the alias goes with them);
+        answers how many of the tenant's documents the one the alias pointed at held.
 
-        One ``_msearch`` on the alias first counts the tenant's documents and looks for one
-        of another tenant's (``terminate_after: 1``). An index holding one (a key collision,
-        or an alias an operator pointed at a shared index) is never deleted: only the
-        tenant's documents go, with one ``_delete_by_query`` on the tenant term.
+        The names to delete are found first, before anything is deleted (a write accepted
+        after the drop may make the index again while it runs; its new index is not on the
+        list), in one request (``GET _resolve/index/<alias>*``, closed ones too): the
+        indexes the alias points at, and every concrete index named after it: those a reindex
+        kept (``<alias>~<suffix>``) and a bare index of the alias's own name (a delete
+        made it). Then one ``_msearch`` on the alias (or that bare index) counts the
+        tenant's documents and looks for one of another tenant's (``terminate_after: 1``).
+        An index holding one (a key collision, or an alias an operator pointed at an index
+        it shares) is never deleted: only the tenant's documents go, with one
+        ``_delete_by_query`` on the tenant term. Else the kept indexes are deleted, then the
+        live ones. The alias already gone (a drop cut short, or run twice) still deletes what
+        is found named after it, so a drop run again completes one cut short.
 
         With a ``version``, the drop first raises the tenant's floor for the index
         (:meth:`DropFloors.raise_to`), before anything is deleted: a write accepted before the drop
@@ -732,19 +807,21 @@ class ElasticsearchBackend:
         what = f"delete of index {index!r}"
         if version is not None:
             self._floors.raise_to(alias, version, what, index)
+        with _translated(what, index):
+            live, named = self._named(alias)
         with _translated(what, index, missing_ok=True) as missing:
             response = self._es().msearch(index=alias, searches=self.drop_searches(tenant)).body
         answers = [] if missing else response.get("responses", [])
         if missing or any(_index_missing(answer) for answer in answers):
-            self._forget(alias, tenant)
-            return 0
-        for answer in answers:
-            _raise_for_item(answer, what, index)
-        mine, others = (_total(answer) for answer in answers)
+            mine = others = 0
+        else:
+            for answer in answers:
+                _raise_for_item(answer, what, index)
+            mine, others = (_total(answer) for answer in answers)
         if others:
             gone = self._delete_tenants_documents(alias, tenant, what, index)
         else:
-            gone = mine if self._delete_concrete(alias, what, index) else 0
+            gone = mine if self._delete_concrete(live, named, what, index) else 0
         self._forget(alias, tenant)
         return gone
 
@@ -759,33 +836,53 @@ class ElasticsearchBackend:
             {"size": 0, "terminate_after": 1, "track_total_hits": True, "query": others},
         ]
 
-    def _delete_concrete(self, alias: str, what: str, index: str) -> bool:
-        """Delete every concrete index of ``alias`` (ES deletes no index by its alias): the
-        ones it points at, and those a reindex kept for a rollback (``<alias>~<suffix>``,
-        no alias), whose documents the drop takes too and whose first name would otherwise
-        block the next write. Whether this call deleted the index the alias pointed at: a
-        concurrent drop that got there first deleted it, and counts it."""
-        with _translated(what, index, missing_ok=True) as missing:
-            live = self._concrete(alias)
-            if live:
-                self._es().indices.delete(index=",".join(live))
+    def _delete_concrete(
+        self, live: Sequence[str], named: Sequence[str], what: str, index: str
+    ) -> bool:
+        """Delete the concrete indexes of an alias, found before (ES deletes no index by
+        its alias): ``named`` (those a reindex kept for a rollback, whose documents the drop
+        takes too and whose first name would otherwise block the next write; a bare index
+        of the alias's name), then ``live``, the ones it points at, last: a drop cut short
+        leaves the alias, and the next one finds everything again. Whether this call
+        deleted the index the alias pointed at: a concurrent drop that got there first
+        deleted it, and counts it."""
         with _translated(what, index):
-            kept = [name for name in self._kept(alias) if name not in live]
+            kept = [name for name in named if name not in live]
             if kept:
                 self._es().indices.delete(index=",".join(kept), ignore_unavailable=True)
+        with _translated(what, index, missing_ok=True) as missing:
+            if live:
+                self._es().indices.delete(index=",".join(live))
         return bool(live) and not missing
 
-    def _kept(self, alias: str) -> list[str]:
-        """The concrete indexes named after ``alias`` (``GET _resolve/index/<alias>~*``):
-        the live one and any a reindex kept."""
-        answer = self._es().indices.resolve_index(name=f"{alias}{CONCRETE_SEPARATOR}*").body
-        stem = f"{alias}{CONCRETE_SEPARATOR}"
-        return sorted(
-            str(found["name"])
-            for found in answer.get("indices", [])
-            if str(found.get("name", "")).startswith(stem)
-            and _SIFT_CONCRETE.fullmatch(str(found["name"]).removeprefix(stem))
+    def _named(self, alias: str) -> tuple[list[str], list[str]]:
+        """The concrete indexes ``alias`` points at (or a bare index named ``alias`` itself,
+        one a delete made), and those named after it, ``<alias>~<suffix>`` (the live one
+        and any a reindex kept). One snapshot of both:
+        ``GET _resolve/index/<alias>*?expand_wildcards=all`` (ES registers only GET for it;
+        ``all``: a closed kept index is found too)."""
+        answer = self._es().perform_request(
+            "GET",
+            f"/_resolve/index/{quote(alias, safe='')}*",
+            params={"expand_wildcards": "all"},
+            headers={"accept": "application/json"},
         )
+        stem = f"{alias}{CONCRETE_SEPARATOR}"
+        names = [str(found.get("name", "")) for found in answer.body.get("indices", [])]
+        live = [
+            str(name)
+            for found in answer.body.get("aliases", [])
+            if found.get("name") == alias
+            for name in found.get("indices", [])
+        ]
+        named = [
+            name
+            for name in names
+            if name.startswith(stem) and _SIFT_CONCRETE.fullmatch(name.removeprefix(stem))
+        ]
+        if alias in names:  # no alias then: that bare index is what the alias's name reads
+            live.append(alias)
+        return sorted(live), sorted(named)
 
     def _concrete(self, alias: str) -> list[str]:
         """The concrete indexes ``alias`` points at (none if it is missing)."""
@@ -944,31 +1041,47 @@ class ElasticsearchBackend:
         """Create the tenant's alias and its first concrete index if they don't exist yet;
         whether this call created them.
 
-        The first concrete name is fixed, so two workers racing both end with the one index.
-        Found already there, the alias is checked too: that index without its alias (a drop
-        cut short) is never written into again (``_AliasGone`` naming it)."""
+        The alias is what is looked for (``HEAD _alias/<alias>``): a concrete index of the
+        alias's own name is not it. The first concrete name is fixed, so two workers racing
+        both end with the one index. Found already there, the alias is checked too: that
+        index without its alias (a drop cut short) is never written into again
+        (``_AliasGone`` naming it). A concrete index named like the alias (a delete sent as
+        the alias was dropped made it: ES holds no delete to ``require_alias``) makes the
+        create fail; it is deleted if it holds no document (:meth:`_clear_bare`) and the
+        next attempt makes the index, else it is named as in the way (``_AliasGone``)."""
         alias = self.alias(index, tenant)
         if alias in self._ready_aliases:
             return False
         created = False
         with self._lock:
-            with _translated(f"index {index!r}", index):
-                exists = bool(self._es().indices.exists(index=alias))
-            if not exists:
-                concrete = concrete_name(alias, "000001")
-                with _translated(f"create index {index!r}", index):
-                    try:
-                        self._es().indices.create(
-                            index=concrete, aliases={alias: {}}, **self._explicit_body()
-                        )
-                        created = True
-                    except ApiError as exc:
-                        if _error_type(exc) != "resource_already_exists_exception":
-                            raise
-                        if not self._es().indices.exists_alias(name=alias):
-                            raise _AliasGone(index, leftover=concrete) from exc
+            if not self._alias_exists(alias, f"index {index!r}", index):
+                created = self._create_first(index, alias)
             self._ready_aliases.add(alias)
         return created
+
+    def _create_first(self, index: str, alias: str) -> bool:
+        """``PUT <alias>~000001`` with the alias; whether this call made it."""
+        concrete = concrete_name(alias, "000001")
+        what = f"create index {index!r}"
+        with _translated(what, index):
+            try:
+                self._es().indices.create(
+                    index=concrete, aliases={alias: {}}, **self._explicit_body()
+                )
+                return True
+            except ApiError as exc:
+                kind = _error_type(exc)
+                if kind == "invalid_alias_name_exception":  # an index has the alias's name
+                    cleared = self._clear_bare(alias, what, index)
+                    reason = f"the concrete index {alias!r} has the alias's name"
+                    leftover = "" if cleared else alias
+                    raise _AliasGone(index, leftover=leftover, reason=reason) from exc
+                if kind != "resource_already_exists_exception":
+                    raise
+                if not self._es().indices.exists_alias(name=alias):
+                    reason = "a drop cut short, or the alias removed by hand"
+                    raise _AliasGone(index, leftover=concrete, reason=reason) from exc
+        return False
 
     def reindex(self, index: str, tenant: str, *, delete_old: bool = False) -> str:
         """Rebuild the tenant's ``index`` into a new concrete index, then swap the alias
@@ -1025,7 +1138,12 @@ class ElasticsearchBackend:
         The copy runs as an ES task (``wait_for_completion=false``), polled with the
         adapter's request timeout, so no request waits for the whole copy and a cut
         connection leaves the task running on its own. A copy into ``dest`` still running
-        (an earlier run cut short) refuses a second one, retryably, naming its task."""
+        (an earlier run cut short) refuses a second one, retryably, naming its task (a
+        check, then the start: two runs started at the same moment can both copy; the
+        external versions keep the result right). A task that reports failures, an error,
+        or ``canceled`` (someone ran ``_tasks/<id>/_cancel``: a partial copy) fails the
+        copy, and so does one not done after ``COPY_MAX_SECONDS`` (retryably): the caller
+        then neither moves an alias nor deletes a source."""
         with _translated(what, None):
             running = self._running_copy(dest)
             if running:
@@ -1044,10 +1162,23 @@ class ElasticsearchBackend:
                 .body["task"]
             )
             answer = self._task(task)
+            deadline = self._clock() + self.copy_max_seconds
             while not answer.get("completed"):
+                if self._clock() >= deadline:
+                    raise BackendUnavailable(
+                        f"{what} into {dest!r} not done after {self.copy_max_seconds:g} s "
+                        f"(task {task} runs on): wait for it to end, then run again"
+                    )
                 time.sleep(COPY_POLL_SECONDS)
                 answer = self._task(task)
             report = answer.get("response") or {}
+            status = (answer.get("task") or {}).get("status") or {}
+            canceled = report.get("canceled") or status.get("canceled")
+            if canceled:
+                raise BackendRequestError(
+                    f"{what} into {dest!r} was cancelled (task {task}: {canceled}): the copy "
+                    "is partial; run it again"
+                )
             failed = answer.get("error") or report.get("failures")
             if failed:
                 raise BackendRequestError(f"{what} into {dest!r} failed: {json.dumps(failed)}")

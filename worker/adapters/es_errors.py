@@ -28,10 +28,13 @@ class _AliasGone(Exception):
     """A bulk write's alias is gone (``require_alias``): another worker dropped the index;
     or the index's first concrete name exists without its alias (``leftover``)."""
 
-    def __init__(self, index: str, existed: int = 0, leftover: str = "") -> None:
+    def __init__(
+        self, index: str, existed: int = 0, leftover: str = "", reason: str = "alias missing"
+    ) -> None:
         super().__init__(index)
         self.existed = existed  # documents deleted before the refusal
         self.leftover = leftover
+        self.reason = reason  # what showed the alias gone, for the error after the attempts
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from worker.adapters.es_errors import _AliasGone, _translated
 from worker.adapters.es_layout import _ANY_TENANT_ALIAS, _SIFT_CONCRETE, _TENANT_ALIAS
-from worker.errors import BackendUnavailable, ConfigError
+from worker.errors import BackendRequestError, BackendUnavailable, ConfigError
 
 if TYPE_CHECKING:
     from worker.adapters.elasticsearch import ElasticsearchBackend
@@ -144,14 +144,27 @@ class SharedLayout:
         return report
 
     def _ensure_for_copy(self, index: str, tenant: str, what: str) -> None:
-        """:meth:`ensure_index`, its leftover found (a drop cut short) a retryable error."""
-        try:
-            self.backend.ensure_index(index, tenant)
-        except _AliasGone as gone:
-            raise BackendUnavailable(
-                f"the {what} cannot make index {index!r} of tenant {tenant!r}: the concrete "
-                f"index {gone.leftover!r} exists without its alias"
-            ) from gone
+        """:meth:`ensure_index`, tried twice (a bare index of the alias's name it cleared
+        lets the second make the index); an index in the way that no retry clears (a
+        leftover) is a lasting error naming it and the remedy."""
+        gone = _AliasGone(index)
+        for _attempt in range(2):
+            try:
+                self.backend.ensure_index(index, tenant)
+                return
+            except _AliasGone as refused:
+                gone = refused
+                if refused.leftover:
+                    raise BackendRequestError(
+                        f"the {what} cannot make index {index!r} of tenant {tenant!r}: the "
+                        f"concrete index {refused.leftover!r} is in its alias's way "
+                        f"({refused.reason}): drop index {index!r} of that tenant, or "
+                        f"delete {refused.leftover!r} by name, then run again"
+                    ) from refused
+        raise BackendUnavailable(
+            f"the {what} cannot make index {index!r} of tenant {tenant!r} ({gone.reason}): "
+            "run again"
+        ) from gone
 
     def _tenants_in(self, alias: str) -> dict[str, int]:
         """Every tenant holding a document in ``alias`` and how many: a ``composite``
