@@ -35,7 +35,8 @@ Why this shape (DESIGN.md §6, §10):
 * **Connections are lent from a pool, one per operation, not kept per thread**: a
   tenant's first write creates a table, and every open connection then parses the whole
   schema again and holds a copy of it, so a process keeps only as many as it used at
-  once. A drop that leaves a tenant's index empty drops its FTS5 table for the same reason.
+  once. A drop or delete that leaves a tenant's index empty drops its FTS5 table for the
+  same reason: a tenant's index exists while it holds one of the tenant's documents.
 
 Usage::
 
@@ -401,28 +402,21 @@ class EmbeddedBackend:
             _deadline(conn, query.timeout_seconds),
             _read(conn),
         ):
-            row = _index_row(conn, query.index, query.filters.tenant)
-            if row is None:
-                # As when one index held every tenant: a name another tenant uses answers
-                # empty channels here (the pipeline's probe has already answered IndexNotFound).
-                if not conn.execute(
-                    "SELECT EXISTS(SELECT 1 FROM indexes WHERE name = ?)", (query.index,)
-                ).get:
-                    raise IndexNotFound(query.index)
-                empty = dict.fromkeys(query.channels)
-                return ChannelResults({c: [] for c in empty}, {c: 0.0 for c in empty})
-            num, _dimension, generation = row
+            searched = _searched_index(conn, query.index, query.filters.tenant)
+            if searched is None:
+                # No document of the tenant in this snapshot: never written, only another
+                # tenant's, or emptied (by a drop or deletes) since the pipeline's probe. Each
+                # answers as a name nobody has, and the emptied one's FTS5 table is gone. Its
+                # vectors are let go (a later write loads them afresh).
+                with self._lock:
+                    self._vectors.pop((query.index, query.filters.tenant), None)
+                raise IndexNotFound(query.index)
+            num, generation = searched
             ranked: dict[Channel, _Ranked] = {}
             for channel in dict.fromkeys(query.channels):
                 started = time.perf_counter()
                 if channel == "bm25":
-                    # A drop that emptied the tenant's index dropped its FTS5 table (in this
-                    # snapshot exactly when no document is left), until the next write
-                    ranked[channel] = (
-                        self._bm25(conn, num, query)
-                        if _holds(conn, query.index, query.filters.tenant)
-                        else _NOTHING
-                    )
+                    ranked[channel] = self._bm25(conn, num, query)
                 elif channel == "knn":
                     ranked[channel] = self._knn(conn, generation, query)
                 else:
@@ -561,6 +555,8 @@ class EmbeddedBackend:
                 conn.execute(
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
                 )
+                if deleted:
+                    _settle_emptied(conn, row[0], index, tenant)
         return deleted
 
     # --- housekeeping ------------------------------------------------------------
@@ -607,12 +603,7 @@ class EmbeddedBackend:
                 conn.execute(
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
                 )
-                if not _holds(conn, index, tenant):
-                    # An empty index keeps no FTS5 table (five schema rows each connection
-                    # parses and holds); its ``indexes`` row stays, so its generation keeps
-                    # counting for the vector caches of other processes. The next write
-                    # makes the table again (:func:`_ensure_index`).
-                    conn.execute(f"DROP TABLE IF EXISTS fts_{row[0]}")
+                _settle_emptied(conn, row[0], index, tenant)
             if version is not None:
                 conn.execute(
                     "DELETE FROM writes WHERE idx = ? AND tenant = ? AND version <= ?",
@@ -624,19 +615,6 @@ class EmbeddedBackend:
                     " floor = max(floor, excluded.floor), last_write = excluded.last_write",
                     (index, tenant, version, time.time()),
                 )
-            # The recorded model goes with the last of the tenant's documents (a versioned
-            # drop keeps those written after it, and their model with them), and the claimed
-            # dimension with the last of its vectors: a new model may embed in another.
-            conn.execute(
-                "UPDATE catalog SET model = NULL WHERE idx = ?1 AND tenant = ?2"
-                " AND NOT EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2)",
-                (index, tenant),
-            )
-            conn.execute(
-                "UPDATE indexes SET dimension = NULL WHERE name = ?1 AND tenant = ?2 AND NOT"
-                " EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2 AND has_vector)",
-                (index, tenant),
-            )
         return gone
 
     # --- the catalog -------------------------------------------------------------
@@ -716,12 +694,13 @@ class EmbeddedBackend:
         if query.vector is None:
             raise BackendRequestError("the knn channel needs a query vector")
         snapshot = self._refresh(conn, query.index, query.filters.tenant, generation)
-        if snapshot.block.size == 0:  # answered as when one index held every tenant
+        if snapshot.block.size == 0:  # the tenant's own vectors decide, as in probe()
             if not conn.execute(
-                "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ? AND has_vector)", (query.index,)
+                "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ? AND tenant = ? AND has_vector)",
+                (query.index, query.filters.tenant),
             ).get:
                 raise ModeUnavailable(f"index {query.index!r} holds no vectors; knn is unavailable")
-            return _NOTHING
+            return _NOTHING  # a newer snapshot's block, emptied since this one
         q = np.asarray(query.vector, dtype=np.float32).reshape(-1)
         if q.shape[0] != snapshot.dimension:
             raise BackendRequestError(
@@ -988,6 +967,18 @@ def _index_row(
     return None if row is None else (int(row[0]), row[1], int(row[2]))
 
 
+def _searched_index(conn: apsw.Connection, index: str, tenant: str) -> tuple[int, int] | None:
+    """The number and generation of the tenant's index, if it holds one of the tenant's
+    documents: one statement, a seek on each table's key. None otherwise (its FTS5 table
+    may be gone: :func:`_settle_emptied`)."""
+    row = conn.execute(
+        "SELECT num, generation FROM indexes WHERE name = ?1 AND tenant = ?2"
+        " AND EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2)",
+        (index, tenant),
+    ).fetchone()
+    return None if row is None else (int(row[0]), int(row[1]))
+
+
 def _holds(conn: apsw.Connection, index: str, tenant: str) -> bool:
     """Whether the tenant holds a document in the index (one seek on its unique key)."""
     return bool(
@@ -995,6 +986,29 @@ def _holds(conn: apsw.Connection, index: str, tenant: str) -> bool:
             "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ? AND tenant = ?)", (index, tenant)
         ).get
     )
+
+
+def _settle_emptied(conn: apsw.Connection, num: int, index: str, tenant: str) -> None:
+    """After a delete or a drop: what goes with the last of the tenant's documents.
+
+    A tenant's index exists while it holds one of the tenant's documents, however the last
+    one went (a drop, or deletes by id). So with the last document go its FTS5 table (five
+    schema rows each connection parses and holds; the next write makes it again,
+    :func:`_ensure_index`) and its recorded embedding model (a versioned drop keeps the
+    documents written after it, and their model with them), and with the last vector its
+    claimed dimension: a new model may embed in another. Its ``indexes`` row stays, so its
+    generation keeps counting for the vector caches of other processes.
+    """
+    if _holds(conn, index, tenant):
+        conn.execute(
+            "UPDATE indexes SET dimension = NULL WHERE num = ?1 AND NOT EXISTS("
+            "SELECT 1 FROM docs WHERE idx = ?2 AND tenant = ?3 AND has_vector)",
+            (num, index, tenant),
+        )
+        return
+    conn.execute(f"DROP TABLE IF EXISTS fts_{num}")
+    conn.execute("UPDATE catalog SET model = NULL WHERE idx = ? AND tenant = ?", (index, tenant))
+    conn.execute("UPDATE indexes SET dimension = NULL WHERE num = ?", (num,))
 
 
 def _remove_row(conn: apsw.Connection, fts: str, seq: int) -> None:
