@@ -405,7 +405,7 @@ def test_equal_scores_order_by_id_in_both_channels_and_a_shared_hit_is_one_docum
 def test_the_document_cache_stays_bounded_and_evicted_hits_are_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(embedded.caches, "DOCUMENT_CACHE_SIZE", 5)
+    monkeypatch.setattr(embedded._caches, "DOCUMENT_CACHE_SIZE", 5)
     backend = EmbeddedBackend(tmp_path)
     docs = [Document(f"d{i}", f"shared word{i}", f"title {i}") for i in range(12)]
     vectors = np.eye(12, dtype=np.float32)

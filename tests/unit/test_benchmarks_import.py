@@ -29,7 +29,7 @@ def test_a_baseline_loads_an_earlier_package_with_its_own_modules(tmp_path: Path
     old = module_at("HEAD", "worker/adapters/embedded.py", "bench_test_baseline_embedded")
     assert old.EmbeddedBackend is not EmbeddedBackend
     assert {c.__module__ for c in old.EmbeddedBackend.__mro__[1:-1]} <= {
-        f"bench_test_baseline_embedded.{part}"
+        f"bench_test_baseline_embedded._{part}"
         for part in ("search", "caches", "pool", "writes", "listing")
     }
     backend = old.EmbeddedBackend(tmp_path)

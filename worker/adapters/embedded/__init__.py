@@ -46,22 +46,22 @@ Usage::
                                             channels=("bm25", "knn"), size=120,
                                             text="query", vector=query_vector))
 
-The package's modules, one part each: :mod:`.schema` (tables, schema version, each tenant's
-index and FTS5 table), :mod:`.pool` (connections, transactions, error translation),
-:mod:`.caches` (vectors and documents in memory), :mod:`.search` (probe and channels),
-:mod:`.writes` (upserts, deletes, drops, write versions) and :mod:`.listing` (the catalog's
+The package's modules, one part each: :mod:`._schema` (tables, schema version, each tenant's
+index and FTS5 table), :mod:`._pool` (connections, transactions, error translation),
+:mod:`._caches` (vectors and documents in memory), :mod:`._search` (probe and channels),
+:mod:`._writes` (upserts, deletes, drops, write versions) and :mod:`._listing` (the catalog's
 reads). :class:`EmbeddedBackend` is made of one class from each; within the package imports
 are relative, so ``benchmarks/baseline.py`` can load a whole earlier version beside it.
 """
 
 from __future__ import annotations
 
-from .caches import DOCUMENT_CACHE_SIZE
-from .listing import _Listing
-from .pool import BUSY_TIMEOUT_MS, CACHE_KIB, MMAP_BYTES
-from .schema import DB_FILE, FTS_TOKENIZER, SCHEMA_VERSION
-from .search import BLAS_MIN_PRODUCT, ENGLISH_STOPWORDS, _Search, match_expression
-from .writes import _Writes, derive_revision
+from ._caches import DOCUMENT_CACHE_SIZE
+from ._listing import _Listing
+from ._pool import BUSY_TIMEOUT_MS, CACHE_KIB, MMAP_BYTES
+from ._schema import DB_FILE, FTS_TOKENIZER, SCHEMA_VERSION
+from ._search import BLAS_MIN_PRODUCT, ENGLISH_STOPWORDS, _Search, match_expression
+from ._writes import _Writes, derive_revision
 
 __all__ = [
     "BLAS_MIN_PRODUCT",

@@ -1,5 +1,5 @@
 """The embedded backend's reads for a search: the channel probe, and each channel's ranked
-hits (BM25 by FTS5, exact kNN by numpy over :mod:`.caches`) with the hard filters applied
+hits (BM25 by FTS5, exact kNN by numpy over :mod:`._caches`) with the hard filters applied
 inside, then their bodies read once for both channels."""
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from worker.core.types import (
 )
 from worker.errors import BackendRequestError, IndexNotFound, InvalidRequest, ModeUnavailable
 
-from .caches import _Block, _VectorCache
-from .pool import _deadline, _read, _translated
-from .schema import _FILTER_KEY, _searched_index
+from ._caches import _Block, _VectorCache
+from ._pool import _deadline, _read, _translated
+from ._schema import _FILTER_KEY, _searched_index
 
 _NLTK_STOPWORDS = """
     i me my myself we our ours ourselves you you're you've you'll you'd your yours

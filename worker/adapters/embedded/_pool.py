@@ -2,7 +2,7 @@
 transactions, deadline and error translation every operation runs its statements under.
 
 :class:`_Pool` is the base of every part of :class:`~worker.adapters.embedded.EmbeddedBackend`
-and holds all of its state: the pool, and the caches (:mod:`.caches`), which a fork
+and holds all of its state: the pool, and the caches (:mod:`._caches`), which a fork
 resets with the pool."""
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import apsw
 
 from worker.errors import BackendRequestError, BackendUnavailable
 
-from .schema import _SCHEMA, DB_FILE, SCHEMA_VERSION, _check_schema_version
+from ._schema import _SCHEMA, DB_FILE, SCHEMA_VERSION, _check_schema_version
 
 if TYPE_CHECKING:
     from worker.core.types import Document
 
-    from .caches import _Vectors
+    from ._caches import _Vectors
 
 BUSY_TIMEOUT_MS = 10_000
 CACHE_KIB = 32 * 1024  # page cache per connection

@@ -18,8 +18,8 @@ from worker.contract import FilterValue
 from worker.core.types import Document
 from worker.errors import EmbeddingModelMismatch, InvalidRequest
 
-from .pool import _Pool, _translated, _write
-from .schema import (
+from ._pool import _Pool, _translated, _write
+from ._schema import (
     _FILTER_KEY,
     _claim_dimension,
     _ensure_index,

@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from worker.core.types import Document
 
-from .pool import _Pool
+from ._pool import _Pool
 
 # The package's logger, as before the split (log settings and tests name it).
 logger = logging.getLogger(__package__)

@@ -8,7 +8,7 @@ from typing import cast
 
 from worker.core.catalog import IndexInfo, StoredDocument
 
-from .pool import _Pool, _read, _translated
+from ._pool import _Pool, _read, _translated
 
 
 class _Listing(_Pool):
