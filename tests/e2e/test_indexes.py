@@ -201,6 +201,41 @@ def test_delete_an_index(stack: Stack) -> None:
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "index"
 
 
+def test_deleting_every_document_by_id_leaves_no_index(stack: Stack) -> None:
+    """An index exists while it holds a document, however the last one went (unlike an
+    Elasticsearch index, which stays when emptied): unlisted, 404, searches fail as for a
+    name nobody has, and the name works again."""
+    _ingest(stack, "life-empty", DOCS)
+    response = stack.live.post(
+        "/v1/indexes/life-empty/documents/delete",
+        params={"wait": 20},
+        json={"ids": [d["id"] for d in DOCS]},
+        headers=ACME,
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] == "succeeded" and response.json()["deleted"] == 3
+    shown = stack.live.get("/v1/indexes/life-empty", headers=ACME)
+    nobody = stack.live.get("/v1/indexes/life-nobody-at-all", headers=ACME)
+    assert shown.status_code == nobody.status_code == 404
+    assert shown.json()["error"]["type"] == "index_not_found"
+    names = {i["name"] for i in stack.live.get("/v1/indexes", headers=ACME).json()["indexes"]}
+    assert "life-empty" not in names
+    for mode in ("fts", "vector", "hybrid"):
+        search = stack.live.post(
+            "/v1/searches",
+            params={"wait": 20},
+            json={"index": "life-empty", "query": "quokka", "mode": mode},
+            headers=ACME,
+        ).json()
+        assert search["status"] == "failed", mode
+        assert search["error"]["type"] == "index_not_found", mode
+    _ingest(stack, "life-empty", DOCS[1:2])  # the name is usable again
+    assert stack.live.get("/v1/indexes/life-empty", headers=ACME).json()["documents"] == 1
+    assert _hit_ids(_search(stack, "life-empty", "quokka rottnest island", "hybrid")) == {"z2"}
+    dropped = stack.live.delete("/v1/indexes/life-empty", params={"wait": 20}, headers=ACME)
+    assert dropped.status_code == 200 and dropped.json()["deleted"] == 1
+
+
 def test_a_read_no_worker_answers_is_503_not_a_hang(stack: Stack) -> None:
     """The idle gateway's database has no worker: the read waits its 10 s, then says so."""
     response = stack.idle.get("/v1/indexes/life-list", headers=ACME)

@@ -157,7 +157,8 @@ def test_tenants_are_isolated_before_the_window(
         assert ids(results, channel)[0] == "vitd"
         assert all(not i.startswith("r") for i in ids(results, channel))
         assert len(results.hits[channel]) == 3  # acme's own documents fill the window
-    assert search(backend, embedder, "nobody", "vitamin D").hits == {"bm25": [], "knn": []}
+    with pytest.raises(IndexNotFound):  # a tenant with no document there: no index of its own
+        search(backend, embedder, "nobody", "vitamin D")
     assert backend.count("sci", "rival") == 61
 
 
@@ -243,7 +244,8 @@ def test_deletes_and_vectorless_replacements_leave_the_knn_channel(
     assert len(search(backend, embedder, "rival", "cancer").hits["knn"]) == len(CORPUS)
 
     assert backend.delete_index("sci", "rival") == len(CORPUS)
-    assert search(backend, embedder, "rival", "cancer").hits == {"bm25": [], "knn": []}
+    with pytest.raises(IndexNotFound):  # as a name nobody has, acme's vectors or not
+        search(backend, embedder, "rival", "cancer")
     backend.upsert("sci", "acme", docs_of({"smoke": CORPUS["smoke"]}), None)
     results = search(backend, embedder, "acme", "lung cancer smoking")
     assert ids(results, "bm25")[0] == "smoke"
@@ -403,7 +405,7 @@ def test_equal_scores_order_by_id_in_both_channels_and_a_shared_hit_is_one_docum
 def test_the_document_cache_stays_bounded_and_evicted_hits_are_read_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(embedded, "DOCUMENT_CACHE_SIZE", 5)
+    monkeypatch.setattr(embedded._caches, "DOCUMENT_CACHE_SIZE", 5)
     backend = EmbeddedBackend(tmp_path)
     docs = [Document(f"d{i}", f"shared word{i}", f"title {i}") for i in range(12)]
     vectors = np.eye(12, dtype=np.float32)
@@ -421,8 +423,8 @@ def test_the_document_cache_stays_bounded_and_evicted_hits_are_read_again(
 
 
 def test_an_index_keeps_the_embedding_model_its_first_write_recorded(tmp_path: Path) -> None:
-    """Vectors of another model are refused, writing nothing, until the index is dropped;
-    deleting every document by id keeps the record (only a drop clears it)."""
+    """Vectors of another model are refused, writing nothing, while the tenant's index holds
+    a document; the record goes with the last of them, by a drop or by deletes by id."""
     backend = EmbeddedBackend(tmp_path)
     one, other = [[1.0, 0.0, 0.0]], [[0.0, 1.0, 0.0]]
     backend.upsert("sci", "acme", [Document("a", "alpha")], one, model="m-1")
@@ -442,10 +444,14 @@ def test_an_index_keeps_the_embedding_model_its_first_write_recorded(tmp_path: P
     assert backend.upsert("sci", "acme", [Document("c", "new")], other, model="m-1") == 1
     assert backend.upsert("sci", "acme", [Document("d", "plain")], None, model="m-2") == 1
 
-    backend.delete_documents("sci", "acme", ["a", "c", "d"])
-    backend.upsert("sci", "acme", [Document("e", "x")], None)  # the tenant's index lives on
+    backend.delete_documents("sci", "acme", ["a", "c"])
+    assert backend.probe("sci", "acme").model == "m-1"  # "d" holds the index: the record stays
     with pytest.raises(EmbeddingModelMismatch):
         backend.upsert("sci", "acme", [Document("a", "alpha")], other, model="m-2")
+    backend.delete_documents("sci", "acme", ["d"])  # the last one: no index, no record
+    assert backend.probe("sci", "acme") == IndexProbe(frozenset())
+    assert backend.upsert("sci", "acme", [Document("a", "alpha")], other, model="m-2") == 1
+    assert backend.probe("sci", "acme").model == "m-2"
 
     backend.delete_index("sci", "acme", version=10)
     # a write accepted before the drop is skipped, and records nothing

@@ -16,6 +16,7 @@ import pytest
 from worker.adapters.embedded import DB_FILE, EmbeddedBackend
 from worker.contract import Channel
 from worker.core.types import ChannelQuery, Document, HardFilters
+from worker.errors import IndexNotFound
 
 pytestmark = pytest.mark.integration
 
@@ -176,13 +177,15 @@ def test_a_drop_that_empties_a_tenants_index_drops_its_fts5_table(tmp_path: Path
     assert backend.delete_index("sci", "acme") == 1
     tables = fts_tables(tmp_path)
     assert f"fts_{acme}" not in tables and f"fts_{globex}" in tables
-    # The other connections' next search: empty channels, not an error (no such table).
+    # The other connections' next search: the answer a name nobody has gets (IndexNotFound),
+    # not another error (no such table).
     for reader in (other, backend):
-        assert search(reader, "acme") == {"bm25": [], "knn": []}
+        with pytest.raises(IndexNotFound):
+            search(reader, "acme")
         assert reader.channels("sci", "acme") == frozenset()
         assert set(search(reader, "globex")["bm25"]) == {"d0", "d1", "d2"}
-    # The emptied vector block keeps no matrix of the old width.
-    assert other._vectors[("sci", "acme")].block.matrix.size == 0
+    # The search that found the index gone let go of its vectors.
+    assert ("sci", "acme") not in other._vectors and ("sci", "globex") in other._vectors
     # The index's row stays, its generation still counting; a re-ingest makes the table again.
     again, later = num_of(tmp_path, "sci", "acme")
     assert again == acme and later > generation

@@ -1,0 +1,226 @@
+"""The embedded backend's answers at the edges of an index's life, for real (SQLite on disk,
+and a second process writing): a tenant's index exists while it holds one of the tenant's
+documents, so every way of having none (never written, only another tenant's, dropped,
+every document deleted by id, a drop racing the search) answers as a name nobody has."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import apsw
+import numpy as np
+import pytest
+
+from worker.adapters.embedded import DB_FILE, EmbeddedBackend
+from worker.contract import Channel
+from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
+from worker.errors import IndexNotFound, ModeUnavailable
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BOTH: tuple[Channel, ...] = ("bm25", "knn")
+VECTORS = np.eye(3, 8, dtype=np.float32) + 0.1
+DOCS = [Document(f"d{i}", f"vitamin words {i}") for i in range(3)]
+ASKS: tuple[tuple[Channel, ...], ...] = (("bm25",), ("knn",), BOTH)
+
+
+def fts_tables(data_dir: Path) -> set[str]:
+    conn = apsw.Connection(str(data_dir / DB_FILE))
+    try:
+        return {
+            name
+            for (name,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE sql LIKE 'CREATE VIRTUAL TABLE%'"
+            )
+        }
+    finally:
+        conn.close()
+
+
+def retrieve(
+    backend: EmbeddedBackend, tenant: str, channels: tuple[Channel, ...] = BOTH, index: str = "sci"
+) -> ChannelResults:
+    vector = VECTORS[0] if "knn" in channels else None
+    return backend.retrieve(
+        ChannelQuery(index, HardFilters(tenant), channels, 10, "vitamin", vector=vector)
+    )
+
+
+def not_found_words(backend: EmbeddedBackend, tenant: str, index: str) -> set[str]:
+    """What each channel set's search answers, the index name blanked: one set of words."""
+    words = set()
+    for channels in ASKS:
+        with pytest.raises(IndexNotFound) as caught:
+            retrieve(backend, tenant, channels, index)
+        words.add(caught.value.message.replace(repr(index), "NAME"))
+    return words
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[EmbeddedBackend]:
+    opened = EmbeddedBackend(tmp_path)
+    yield opened
+    opened.close()
+
+
+def test_a_name_only_another_tenant_has_answers_retrieve_as_one_nobody_has(
+    backend: EmbeddedBackend,
+) -> None:
+    backend.upsert("sci", "acme", DOCS, VECTORS)
+    nobody = not_found_words(backend, "beta", "nobody")
+    assert len(nobody) == 1
+    assert not_found_words(backend, "beta", "sci") == nobody
+
+
+@pytest.mark.parametrize("neighbour", ["none", "vectors", "text only"])
+def test_a_search_after_its_tenants_drop_answers_not_found_whatever_others_hold(
+    tmp_path: Path, neighbour: str
+) -> None:
+    """The tenant's ``indexes`` row outlives the drop (its generation keeps counting), so
+    this is the state a search racing a drop meets: it must not depend on another tenant."""
+    backend = EmbeddedBackend(tmp_path)
+    backend.upsert("sci", "acme", DOCS, VECTORS)
+    if neighbour != "none":
+        backend.upsert("sci", "globex", DOCS, VECTORS if neighbour == "vectors" else None)
+    retrieve(backend, "acme")  # warm: a cached vector block and prepared statements
+    assert backend.delete_index("sci", "acme") == len(DOCS)
+    assert not_found_words(backend, "acme", "sci") == not_found_words(backend, "acme", "nobody")
+    backend.close()
+
+
+@pytest.mark.parametrize("neighbour_vectors", [False, True])
+def test_knn_without_the_tenants_own_vectors_is_unavailable_whatever_others_hold(
+    tmp_path: Path, neighbour_vectors: bool
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    backend.upsert("sci", "acme", DOCS, None)
+    backend.upsert("sci", "globex", DOCS, VECTORS if neighbour_vectors else None)
+    assert retrieve(backend, "acme", ("bm25",)).hits["bm25"]
+    with pytest.raises(ModeUnavailable, match="holds no vectors"):
+        retrieve(backend, "acme", ("knn",))
+    backend.close()
+
+
+def test_a_warm_search_finds_the_tenants_index_in_one_statement(
+    backend: EmbeddedBackend,
+) -> None:
+    """The index's number, its generation and whether the tenant holds a document come
+    from one statement: no second lookup (a seek of its own) before the channels run."""
+    backend.upsert("sci", "acme", DOCS, VECTORS)
+    for channels in ASKS:
+        retrieve(backend, "acme", channels)  # warm: documents and vectors cached
+    (conn,) = backend._connections
+    ran: list[str] = []
+
+    def tracer(cursor: apsw.Cursor, sql: str, bindings: object) -> bool:
+        ran.append(sql.split()[0].upper())
+        return True
+
+    conn.exec_trace = tracer
+    for channels, expected in (
+        (("bm25",), ["BEGIN", "SELECT", "SELECT", "COMMIT"]),  # the lookup, the BM25 query
+        (("knn",), ["BEGIN", "SELECT", "COMMIT"]),  # the lookup; the scan is in memory
+    ):
+        ran.clear()
+        assert retrieve(backend, "acme", channels).hits[channels[0]]
+        assert ran == expected, channels
+
+
+def test_deleting_every_document_by_id_ends_the_index_as_a_drop_does(
+    tmp_path: Path, backend: EmbeddedBackend
+) -> None:
+    """No FTS5 table, no listing, no count, no channels, no recorded model or dimension:
+    the same as after a drop; the other tenant's index untouched; the name usable again,
+    with another model and dimension; a drop of the emptied name still answers."""
+    other = EmbeddedBackend(tmp_path)  # another process's connections, in effect
+    for tenant in ("acme", "globex"):
+        backend.upsert("sci", tenant, DOCS, VECTORS, model="m-1")
+    assert retrieve(other, "acme").hits["bm25"]  # its statement on the FTS5 table, cached
+    before = fts_tables(tmp_path)
+    assert backend.delete_documents("sci", "acme", ["d0", "d1"]) == 2
+    assert fts_tables(tmp_path) == before  # one document left: the table stays
+    assert backend.probe("sci", "acme").model == "m-1"
+    assert backend.delete_documents("sci", "acme", ["d2", "never"]) == 1
+
+    (gone,) = before - fts_tables(tmp_path)
+    assert len(before) == 2
+    for reader in (backend, other):
+        assert reader.count("sci", "acme") == 0
+        assert reader.index_info("sci", "acme") is None
+        assert "sci" not in {info.name for info in reader.indexes("acme")}
+        assert reader.channels("sci", "acme") == frozenset()
+        assert not_found_words(reader, "acme", "sci") == not_found_words(reader, "acme", "nobody")
+        assert {h.document.id for h in retrieve(reader, "globex").hits["knn"]} == {"d0", "d1", "d2"}
+    info = backend.index_info("sci", "globex")
+    assert info is not None and (info.documents, info.model, info.dimension) == (3, "m-1", 8)
+
+    wide = np.eye(2, 4, dtype=np.float32) + 0.1
+    assert backend.upsert("sci", "acme", DOCS[:2], wide, model="m-2") == 2  # no mismatch
+    assert gone in fts_tables(tmp_path)
+    info = other.index_info("sci", "acme")
+    assert info is not None and (info.documents, info.model, info.dimension) == (2, "m-2", 4)
+    assert {h.document.id for h in retrieve(other, "acme", ("bm25",)).hits["bm25"]} == {"d0", "d1"}
+    assert backend.delete_documents("sci", "acme", ["d0", "d1"]) == 2
+    assert gone not in fts_tables(tmp_path)
+    assert backend.delete_index("sci", "acme") == 0  # a drop of the emptied name: nothing left
+    assert backend.count("sci", "acme") == 0 and backend.count("sci", "globex") == 3
+    other.close()
+
+
+def test_searches_racing_drops_in_another_process_answer_hits_or_not_found(
+    tmp_path: Path,
+) -> None:
+    """A writer process fills and empties the tenant's index (drops, and deletes by id) as
+    fast as it can; this process probes then searches, as the pipeline does. A search whose
+    probe saw documents the writer removed before its query must answer IndexNotFound (the
+    words a name nobody has gets), never another error, never another tenant's answer."""
+    backend = EmbeddedBackend(tmp_path)
+    backend.upsert("sci", "acme", DOCS, VECTORS)
+    stop = tmp_path / "stop"
+    writer = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        import numpy as np
+        from worker.adapters.embedded import EmbeddedBackend
+        from worker.core.types import Document
+        backend = EmbeddedBackend(Path({str(tmp_path)!r}))
+        docs = [Document(f"d{{i}}", f"vitamin words {{i}}") for i in range(3)]
+        vectors = np.eye(3, 8, dtype=np.float32) + 0.1
+        stop = Path({str(stop)!r})
+        for cycle in range(20_000):
+            if stop.exists():
+                break
+            backend.upsert("sci", "acme", docs, vectors)
+            if cycle % 2:
+                backend.delete_index("sci", "acme")
+            else:
+                backend.delete_documents("sci", "acme", [d.id for d in docs])
+        """
+    )
+    process = subprocess.Popen([sys.executable, "-c", writer], cwd=REPO_ROOT)
+    nobody = not_found_words(backend, "acme", "nobody")
+    raced = found = 0
+    try:
+        while process.poll() is None and raced < 10:
+            if not backend.channels("sci", "acme"):
+                continue
+            try:
+                results = retrieve(backend, "acme")
+            except IndexNotFound as exc:
+                assert exc.message.replace("'sci'", "NAME") in nobody
+                raced += 1
+            else:
+                found += 1
+                for channel in BOTH:  # the writer always writes all three, with vectors
+                    assert {h.document.id for h in results.hits[channel]} == {"d0", "d1", "d2"}
+    finally:
+        stop.touch()
+        process.wait(timeout=60)
+    assert process.returncode == 0
+    assert raced and found, (raced, found)
+    backend.close()

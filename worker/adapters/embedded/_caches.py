@@ -1,0 +1,163 @@
+"""The embedded backend's in-memory caches, per process: each tenant's index's vectors (the
+matrix a kNN search scans, refreshed by the index's generation, loading only rows added
+since) and built ``Document``s by ``seq``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import cast
+
+import apsw
+import numpy as np
+import numpy.typing as npt
+
+from worker.core.types import Document
+
+from ._pool import _Pool
+
+# The package's logger, as before the split (log settings and tests name it).
+logger = logging.getLogger(__package__)
+
+# Built Documents by seq. A seq names one immutable version (a replace gets a new seq,
+# and seqs are never reused), so an entry can go stale only by never being asked for.
+DOCUMENT_CACHE_SIZE = 20_000
+
+
+@dataclass
+class _Block:
+    """One tenant's index's vectors, rows in ``seq`` order; ``matrix`` may have spare rows.
+
+    Besides the vectors it holds what a hit needs from ``docs`` (id, revision, metadata
+    as stored), so a kNN search reads only the hits' bodies from SQLite. A ``seq`` never
+    changes content (a replaced document gets a new one), so these never go stale.
+    """
+
+    seqs: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    ids: list[str] = field(default_factory=list)
+    revisions: list[str] = field(default_factory=list)
+    metadata: list[str] = field(default_factory=list)
+    matrix: npt.NDArray[np.float32] = field(default_factory=lambda: np.zeros((0, 0), np.float32))
+
+    @property
+    def size(self) -> int:
+        return int(self.seqs.shape[0])
+
+
+@dataclass
+class _Vectors:
+    """One tenant's index's vectors in memory, as of its ``generation``, in one block.
+
+    Each (index, tenant) is its own index, so a kNN scan reads only its tenant's rows:
+    another tenant's cost neither a multiply nor a gather, nor a reload when they change.
+    """
+
+    generation: int = -1
+    max_seq: int = 0
+    block: _Block = field(default_factory=_Block)
+
+    @property
+    def dimension(self) -> int:
+        return int(self.block.matrix.shape[1]) if self.block.size else 0
+
+
+class _VectorCache(_Pool):
+    """The caches' reads and writes (their state is :class:`_Pool`'s)."""
+
+    def _remember(self, built: dict[int, Document]) -> None:
+        with self._lock:
+            self._documents.update(built)
+            for _ in range(len(self._documents) - DOCUMENT_CACHE_SIZE):
+                self._documents.popitem(last=False)
+
+    def _refresh(self, conn: apsw.Connection, index: str, tenant: str, generation: int) -> _Vectors:
+        """The tenant's index's vectors as of ``generation``, loading only rows added since."""
+        with self._lock:
+            cached = self._vectors.get((index, tenant), _Vectors())
+            if cached.generation >= generation:
+                return cached
+            old = cached.block
+            rows: npt.NDArray[np.intp] = np.arange(old.size)
+            if old.size:
+                alive = conn.execute(
+                    "SELECT count(*) FROM docs"
+                    " WHERE idx = ? AND tenant = ? AND has_vector AND seq <= ?",
+                    (index, tenant, cached.max_seq),
+                ).get
+                if alive < old.size:
+                    alive_seqs = np.fromiter(
+                        (
+                            s
+                            for (s,) in conn.execute(
+                                "SELECT seq FROM docs"
+                                " WHERE idx = ? AND tenant = ? AND has_vector AND seq <= ?",
+                                (index, tenant, cached.max_seq),
+                            )
+                        ),
+                        dtype=np.int64,
+                    )
+                    rows = np.flatnonzero(np.isin(old.seqs, alive_seqs))
+            more = cast(
+                list[tuple[int, str, str, str, bytes]],
+                conn.execute(
+                    "SELECT d.seq, d.id, d.revision, d.metadata, v.vector"
+                    " FROM docs AS d JOIN vectors AS v ON v.seq = d.seq"
+                    " WHERE d.idx = ? AND d.tenant = ? AND d.has_vector AND d.seq > ?"
+                    " ORDER BY d.seq",
+                    (index, tenant, cached.max_seq),
+                ).fetchall(),
+            )
+            whole = rows.size == old.size
+            block = old
+            if not more and rows.size == 0:
+                block = _Block()  # emptied (a drop): no spare rows of the old width kept
+            elif more or not whole:
+                block = _Block(
+                    seqs=np.concatenate([old.seqs[rows], np.array([r[0] for r in more], np.int64)]),
+                    ids=_kept(old.ids, rows, whole) + [r[1] for r in more],
+                    revisions=_kept(old.revisions, rows, whole) + [r[2] for r in more],
+                    metadata=_kept(old.metadata, rows, whole) + [r[3] for r in more],
+                    matrix=_grow(old.matrix, old.size, rows, [r[4] for r in more]),
+                )
+                logger.debug(
+                    "index %s of %s: %d vectors (+%d, -%d)",
+                    index,
+                    tenant,
+                    block.size,
+                    len(more),
+                    old.size - rows.size,
+                )
+            fresh = _Vectors(
+                generation=generation,
+                max_seq=max(cached.max_seq, more[-1][0] if more else 0),
+                block=block,
+            )
+            self._vectors[(index, tenant)] = fresh
+            return fresh
+
+
+def _kept(values: list[str], rows: npt.NDArray[np.intp], whole: bool) -> list[str]:
+    """The values at ``rows`` (a copy of all of them when ``whole``)."""
+    return list(values) if whole else [values[k] for k in rows.tolist()]
+
+
+def _grow(
+    matrix: npt.NDArray[np.float32], size: int, kept: npt.NDArray[np.intp], blobs: list[bytes]
+) -> npt.NDArray[np.float32]:
+    """Append vectors after the kept rows, reusing spare capacity (1.5x growth, from 16 rows:
+    one block per tenant's index, so many small tenants stay small).
+
+    Rows already visible to other readers are never written: appends go past ``size``,
+    and a deletion or a full buffer builds a new matrix.
+    """
+    dim = len(blobs[0]) // 4 if blobs else matrix.shape[1]
+    added = np.frombuffer(b"".join(blobs), dtype=np.float32).reshape(len(blobs), dim)
+    total = kept.size + len(blobs)
+    if kept.size == size and matrix.shape[0] >= total and matrix.shape[1] == dim:
+        out = matrix  # append in place, past every reader's row count
+    else:
+        out = np.empty((max(total + total // 2, 16), dim), dtype=np.float32)
+        if kept.size:
+            out[: kept.size] = matrix[:size] if kept.size == size else matrix[kept]
+    out[kept.size : total] = added
+    return out

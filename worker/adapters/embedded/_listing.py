@@ -1,0 +1,72 @@
+"""The embedded backend's catalog reads: the tenant's indexes, one index, one document as
+stored, and a count; each only ever the tenant's own."""
+
+from __future__ import annotations
+
+import json
+from typing import cast
+
+from worker.core.catalog import IndexInfo, StoredDocument
+
+from ._pool import _Pool, _read, _translated
+
+
+class _Listing(_Pool):
+    """The :class:`~worker.core.ports.IndexCatalog` reads."""
+
+    def count(self, index: str, tenant: str) -> int:
+        """How many documents the tenant holds in the index."""
+        with self._conn() as conn, _translated("count"):
+            found = conn.execute(
+                "SELECT count(*) FROM docs WHERE idx = ? AND tenant = ?", (index, tenant)
+            ).get
+        return int(found)
+
+    def indexes(self, tenant: str) -> list[IndexInfo]:
+        """The tenant's indexes (those holding one of its documents), by name."""
+        with self._conn() as conn, _translated("indexes"), _read(conn):
+            rows = cast(
+                list[tuple[str, int, int | None, str | None, float | None]],
+                conn.execute(
+                    "SELECT d.idx, count(*), i.dimension, c.model, c.last_write FROM docs AS d"
+                    " JOIN indexes AS i ON i.name = d.idx AND i.tenant = d.tenant"
+                    " LEFT JOIN catalog AS c ON c.idx = d.idx AND c.tenant = d.tenant"
+                    " WHERE d.tenant = ? GROUP BY d.idx ORDER BY d.idx",
+                    (tenant,),
+                ).fetchall(),
+            )
+        return [
+            IndexInfo(name, int(count), self.name, model, dimension, last_write)
+            for name, count, dimension, model, last_write in rows
+        ]
+
+    def index_info(self, index: str, tenant: str) -> IndexInfo | None:
+        """The tenant's part of one index; None when it holds none of the tenant's documents
+        (whether or not another tenant uses the name)."""
+        with self._conn() as conn, _translated("index_info"), _read(conn):
+            row = conn.execute(
+                "SELECT count(*), i.dimension, c.model, c.last_write FROM docs AS d"
+                " JOIN indexes AS i ON i.name = d.idx AND i.tenant = d.tenant"
+                " LEFT JOIN catalog AS c ON c.idx = d.idx AND c.tenant = d.tenant"
+                " WHERE d.idx = ? AND d.tenant = ?",
+                (index, tenant),
+            ).fetchone()
+        if row is None or not row[0]:
+            return None
+        count, dimension, model, last_write = row
+        return IndexInfo(index, int(count), self.name, model, dimension, last_write)
+
+    def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
+        """One of the tenant's documents as stored (no vector); None if it has no such one."""
+        with self._conn() as conn, _translated("document"), _read(conn):
+            row = conn.execute(
+                "SELECT d.revision, d.metadata, b.title, b.text, w.version FROM docs AS d"
+                " JOIN bodies AS b ON b.seq = d.seq"
+                " LEFT JOIN writes AS w ON w.idx = d.idx AND w.tenant = d.tenant AND w.id = d.id"
+                " WHERE d.idx = ? AND d.tenant = ? AND d.id = ?",
+                (index, tenant, doc_id),
+            ).fetchone()
+        if row is None:
+            return None
+        revision, metadata, title, text, version = row
+        return StoredDocument(doc_id, text, title, revision, json.loads(metadata), version)

@@ -1,0 +1,189 @@
+"""The embedded backend's connections: a pool per process, lent one per operation, and the
+transactions, deadline and error translation every operation runs its statements under.
+
+:class:`_Pool` is the base of every part of :class:`~worker.adapters.embedded.EmbeddedBackend`
+and holds all of its state: the pool, and the caches (:mod:`._caches`), which a fork
+resets with the pool."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import apsw
+
+from worker.errors import BackendRequestError, BackendUnavailable
+
+from ._schema import _SCHEMA, DB_FILE, SCHEMA_VERSION, _check_schema_version
+
+if TYPE_CHECKING:
+    from worker.core.types import Document
+
+    from ._caches import _Vectors
+
+BUSY_TIMEOUT_MS = 10_000
+CACHE_KIB = 32 * 1024  # page cache per connection
+MMAP_BYTES = 1 << 30  # reads through the OS page cache, shared by every process
+
+_UNAVAILABLE = (
+    apsw.BusyError,
+    apsw.LockedError,
+    apsw.IOError,
+    apsw.CantOpenError,
+    apsw.FullError,
+    apsw.InterruptError,
+    apsw.ConnectionClosedError,
+)
+
+
+class _Pool:
+    """The backend's state and its connections (see :class:`EmbeddedBackend`)."""
+
+    name: str
+
+    def __init__(self, data_dir: Path, vector_min_similarity: float | None = None) -> None:
+        self.data_dir = Path(data_dir)
+        self.vector_min_similarity = vector_min_similarity
+        self._lock = threading.Lock()
+        # Insertion order, the oldest evicted first. An OrderedDict, as a dict's next(iter())
+        # walks every slot deleted since its last resize: 2 ms per full-cache search measured.
+        self._documents: OrderedDict[int, Document] = OrderedDict()
+        self._vectors: dict[tuple[str, str], _Vectors] = {}  # by (index, tenant)
+        self._connections: list[apsw.Connection] = []  # every open one, lent or idle
+        self._idle: list[apsw.Connection] = []  # the pool: the last given back on top
+        self._epoch = 0  # bumped by close(): a connection lent before is not taken back
+        self._inherited: list[apsw.Connection] = []  # kept referenced, so never closed here
+        self._pid = os.getpid()
+        self._schema_ready = False
+
+    @contextlib.contextmanager
+    def _conn(self) -> Iterator[apsw.Connection]:
+        """A connection of this process, the caller's alone until the block ends.
+
+        Connections are lent from one pool, the last one given back lent first, so the
+        process holds as many as were ever in use at once (searches run under a worker's
+        few CPU slots) and a search runs on a connection that ran one a moment ago. One
+        per thread, as before, gave each of a worker's ~600 threads its own: every tenant's
+        first write (a CREATE VIRTUAL TABLE) made each of them parse the whole schema again
+        (33 ms of CPU each at 1,000 tenant indexes) and hold its own copy of it in memory.
+        A connection a failed COMMIT or ROLLBACK left in a transaction is closed, not lent.
+        """
+        with self._lock:
+            if os.getpid() != self._pid:  # forked: never use (nor close) the parent's
+                self._inherited += self._connections
+                self._pid, self._connections, self._vectors = os.getpid(), [], {}
+                self._idle, self._documents = [], OrderedDict()
+            conn = self._idle.pop() if self._idle else None
+            epoch = self._epoch
+        if conn is None:
+            conn = self._open()
+            with self._lock:
+                if epoch == self._epoch:
+                    self._connections.append(conn)
+        try:
+            yield conn
+        finally:
+            with self._lock:
+                if epoch != self._epoch or os.getpid() != self._pid:
+                    pass  # closed by close() meanwhile, or the parent's: not ours to keep
+                elif conn.in_transaction:
+                    self._connections.remove(conn)
+                    conn.close()
+                else:
+                    self._idle.append(conn)
+
+    def _open(self) -> apsw.Connection:
+        with _translated("open"):
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            conn = apsw.Connection(str(self.data_dir / DB_FILE))
+            conn.set_busy_timeout(BUSY_TIMEOUT_MS)
+            # Plans never read bound values (no statistics are kept, no LIKE is asked). Without
+            # this, SQLite compiled the BM25 statement (its join of the FTS5 table with docs
+            # read the bound index name) and, past one FTS5 segment, a statement of FTS5's own
+            # again at every search: most of the BM25 CPU on a small index. Set before any
+            # statement: one compiled without it kept being compiled again.
+            conn.config(apsw.SQLITE_DBCONFIG_ENABLE_QPSG, 1)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
+            conn.execute(f"PRAGMA mmap_size={MMAP_BYTES}")
+            if not self._schema_ready:
+                with _write(conn):
+                    _check_schema_version(conn, self.data_dir)
+                    conn.execute(_SCHEMA)
+                    conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+                self._schema_ready = True
+        return conn
+
+    def check(self) -> None:
+        """Open the data dir now (making it and its schema if new), so a data dir of another
+        schema version stops a worker at its start with :class:`ConfigError`, rather than
+        failing each job it takes."""
+        with self._conn():
+            pass
+
+    def close(self) -> None:
+        """Close every connection this backend opened; it reopens on next use. Meant for
+        when no operation runs (shutdown, tests); one lent meanwhile is not taken back."""
+        with self._lock:
+            if os.getpid() != self._pid:
+                return  # the parent's: never closed here (the next use starts afresh)
+            connections, self._connections, self._idle = self._connections, [], []
+            self._epoch += 1
+            self._vectors = {}
+        for conn in connections:
+            conn.close()
+
+
+@contextlib.contextmanager
+def _read(conn: apsw.Connection) -> Iterator[None]:
+    """One read transaction, so every statement of a search sees the same snapshot."""
+    conn.execute("BEGIN")
+    try:
+        yield
+    finally:
+        if conn.in_transaction:
+            conn.execute("COMMIT")
+
+
+@contextlib.contextmanager
+def _write(conn: apsw.Connection) -> Iterator[None]:
+    """One write transaction, taking the write lock up front (no deadlock on upgrade)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+@contextlib.contextmanager
+def _deadline(conn: apsw.Connection, seconds: float | None) -> Iterator[None]:
+    """Interrupt SQLite work that runs past ``seconds`` (surfaces as InterruptError)."""
+    if seconds is None:
+        yield
+        return
+    end = time.monotonic() + max(seconds, 0.0)
+    conn.set_progress_handler(lambda: time.monotonic() > end, 10_000)
+    try:
+        yield
+    finally:
+        conn.set_progress_handler(None)
+
+
+@contextlib.contextmanager
+def _translated(operation: str) -> Iterator[None]:
+    """apsw errors as Sift's: busy, locked, I/O and timeouts retryable; the rest permanent."""
+    try:
+        yield
+    except _UNAVAILABLE as exc:
+        raise BackendUnavailable(f"embedded backend {operation}: {exc}") from exc
+    except apsw.Error as exc:
+        raise BackendRequestError(f"embedded backend {operation}: {exc}") from exc

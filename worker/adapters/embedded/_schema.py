@@ -1,0 +1,154 @@
+"""The embedded backend's tables: the schema and its version check, and the ``indexes`` row
+and FTS5 table of each tenant's index, made by its first write and let go with its last
+document.
+
+The schema is made at a connection's first open (``CREATE ... IF NOT EXISTS``). A data dir
+of another schema version is refused, never migrated in place: it stops the worker with
+:class:`~worker.errors.ConfigError` (re-ingest into a new directory)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import apsw
+
+from worker.errors import ConfigError, InvalidRequest
+
+DB_FILE = "sift.db"
+FTS_TOKENIZER = "porter unicode61 remove_diacritics 2"
+
+#: What a metadata key may be: filters read it by a ``json_extract`` path built from it.
+_FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+SCHEMA_VERSION = 2  # bump on any change to _SCHEMA; an older data dir is refused, never misread
+
+
+def _check_schema_version(conn: apsw.Connection, data_dir: Path) -> None:
+    found = conn.execute("PRAGMA user_version").fetchone()
+    version = int(found[0]) if found else 0
+    has_tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    if has_tables and has_tables[0] and version != SCHEMA_VERSION:
+        raise ConfigError(
+            f"SIFT_DATA_DIR {data_dir} holds embedded-index schema v{version}, this Sift "
+            f"reads v{SCHEMA_VERSION}: point SIFT_DATA_DIR at a new directory and re-ingest"
+        )
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS indexes(
+    num INTEGER PRIMARY KEY,
+    name TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    dimension INTEGER,
+    generation INTEGER NOT NULL DEFAULT 0,
+    UNIQUE(name, tenant)
+);
+CREATE TABLE IF NOT EXISTS docs(
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    idx TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
+    revision TEXT NOT NULL,
+    metadata TEXT NOT NULL,
+    has_vector INTEGER NOT NULL,
+    UNIQUE(idx, tenant, id)
+);
+CREATE INDEX IF NOT EXISTS docs_vectors ON docs(idx, tenant, seq) WHERE has_vector;
+CREATE TABLE IF NOT EXISTS bodies(seq INTEGER PRIMARY KEY, title TEXT NOT NULL, text TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS vectors(seq INTEGER PRIMARY KEY, vector BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS writes(
+    idx TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    deleted INTEGER NOT NULL,
+    PRIMARY KEY(idx, tenant, id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS catalog(
+    idx TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    floor INTEGER NOT NULL DEFAULT 0,
+    model TEXT,
+    last_write REAL,
+    PRIMARY KEY(idx, tenant)
+) WITHOUT ROWID;
+"""
+# v2: ``indexes`` is keyed by (name, tenant), so each tenant's index has its own FTS5 table
+# (BM25 statistics), dimension and generation; a v1 data dir (one per name) is refused.
+
+
+def _ensure_index(conn: apsw.Connection, index: str, tenant: str) -> int:
+    """The number of the tenant's index (its FTS5 table ``fts_{num}``), created if new."""
+    conn.execute("INSERT OR IGNORE INTO indexes(name, tenant) VALUES (?, ?)", (index, tenant))
+    num = int(
+        conn.execute("SELECT num FROM indexes WHERE name = ? AND tenant = ?", (index, tenant)).get
+    )
+    conn.execute(
+        f"CREATE VIRTUAL TABLE IF NOT EXISTS fts_{num} USING fts5("
+        f"title, text, content='', contentless_delete=1, tokenize='{FTS_TOKENIZER}')"
+    )
+    return num
+
+
+def _claim_dimension(conn: apsw.Connection, num: int, index: str, dimension: int) -> None:
+    """The tenant's index (``num``) takes the dimension of its first vectors and keeps it."""
+    held = conn.execute("SELECT dimension FROM indexes WHERE num = ?", (num,)).get
+    if held is None:
+        conn.execute("UPDATE indexes SET dimension = ? WHERE num = ?", (dimension, num))
+    elif held != dimension:
+        raise InvalidRequest("vectors", f"dimension {dimension}, but index {index!r} holds {held}")
+
+
+def _index_row(
+    conn: apsw.Connection, index: str, tenant: str
+) -> tuple[int, int | None, int] | None:
+    row = conn.execute(
+        "SELECT num, dimension, generation FROM indexes WHERE name = ? AND tenant = ?",
+        (index, tenant),
+    ).fetchone()
+    return None if row is None else (int(row[0]), row[1], int(row[2]))
+
+
+def _searched_index(conn: apsw.Connection, index: str, tenant: str) -> tuple[int, int] | None:
+    """The number and generation of the tenant's index, if it holds one of the tenant's
+    documents: one statement, a seek on each table's key. None otherwise (its FTS5 table
+    may be gone: :func:`_settle_emptied`)."""
+    row = conn.execute(
+        "SELECT num, generation FROM indexes WHERE name = ?1 AND tenant = ?2"
+        " AND EXISTS(SELECT 1 FROM docs WHERE idx = ?1 AND tenant = ?2)",
+        (index, tenant),
+    ).fetchone()
+    return None if row is None else (int(row[0]), int(row[1]))
+
+
+def _holds(conn: apsw.Connection, index: str, tenant: str) -> bool:
+    """Whether the tenant holds a document in the index (one seek on its unique key)."""
+    return bool(
+        conn.execute(
+            "SELECT EXISTS(SELECT 1 FROM docs WHERE idx = ? AND tenant = ?)", (index, tenant)
+        ).get
+    )
+
+
+def _settle_emptied(conn: apsw.Connection, num: int, index: str, tenant: str) -> None:
+    """After a delete or a drop: what goes with the last of the tenant's documents.
+
+    A tenant's index exists while it holds one of the tenant's documents, however the last
+    one went (a drop, or deletes by id). So with the last document go its FTS5 table (five
+    schema rows each connection parses and holds; the next write makes it again,
+    :func:`_ensure_index`) and its recorded embedding model (a versioned drop keeps the
+    documents written after it, and their model with them), and with the last vector its
+    claimed dimension: a new model may embed in another. Its ``indexes`` row stays, so its
+    generation keeps counting for the vector caches of other processes.
+    """
+    if _holds(conn, index, tenant):
+        conn.execute(
+            "UPDATE indexes SET dimension = NULL WHERE num = ?1 AND NOT EXISTS("
+            "SELECT 1 FROM docs WHERE idx = ?2 AND tenant = ?3 AND has_vector)",
+            (num, index, tenant),
+        )
+        return
+    conn.execute(f"DROP TABLE IF EXISTS fts_{num}")
+    conn.execute("UPDATE catalog SET model = NULL WHERE idx = ? AND tenant = ?", (index, tenant))
+    conn.execute("UPDATE indexes SET dimension = NULL WHERE num = ?", (num,))

@@ -1,0 +1,275 @@
+"""The embedded backend's writes: upserts, deletes by id and drops, each one transaction
+holding the text, the BM25 row and the vector together, ordered by write versions
+(tombstones per id, a floor per drop) and one embedding model per tenant's index."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import apsw
+import numpy as np
+import numpy.typing as npt
+
+from worker.contract import FilterValue
+from worker.core.types import Document
+from worker.errors import EmbeddingModelMismatch, InvalidRequest
+
+from ._pool import _Pool, _translated, _write
+from ._schema import (
+    _FILTER_KEY,
+    _claim_dimension,
+    _ensure_index,
+    _index_row,
+    _settle_emptied,
+)
+
+
+class _Writes(_Pool):
+    """The :class:`~worker.core.ports.SearchBackend` writes and the catalog's deletes."""
+
+    def upsert(
+        self,
+        index: str,
+        tenant: str,
+        documents: Sequence[Document],
+        vectors: Sequence[Sequence[float]] | npt.NDArray[np.floating[Any]] | None,
+        *,
+        version: int | None = None,
+        model: str | None = None,
+    ) -> int:
+        """Insert or replace by (index, tenant, id): text, BM25 row and vector in one commit.
+
+        A document whose ``revision`` is empty gets :func:`derive_revision`. With a
+        ``version``, a document is written only if the version is newer than the id's last
+        write (an upsert or a delete's tombstone) and the tenant's index floor (its last
+        drop); answers how many were written.
+
+        ``model`` (the embedder of ``vectors``) is recorded by the first write of the tenant's
+        index; a write of another model's vectors raises :class:`EmbeddingModelMismatch` in
+        the same transaction, before any row is written, until a drop clears the record.
+        """
+        if not documents:
+            return 0
+        matrix = _check_vectors(documents, vectors)
+        rows = [_document_row(i, doc) for i, doc in enumerate(documents)]
+        written = 0
+        with self._conn() as conn, _translated("upsert"), _write(conn):
+            num = _ensure_index(conn, index, tenant)
+            fts = f"fts_{num}"
+            floor = _floor(conn, index, tenant)
+            for i, (doc_id, title, text, revision, metadata) in enumerate(rows):
+                held = _held_version(conn, index, tenant, doc_id)
+                if version is not None and version <= max(floor, held or 0):
+                    continue  # a newer write (or drop) of this id was accepted after this one
+                if not written and matrix is not None:  # before the first row written only:
+                    # a stale write (every row skipped) claims nothing a drop freed, and
+                    # another model's vectors are a model mismatch before a dimension one
+                    if model is not None:
+                        _check_model(conn, index, tenant, model)
+                    _claim_dimension(conn, num, index, matrix.shape[1])
+                old = conn.execute(
+                    "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
+                    (index, tenant, doc_id),
+                ).get
+                if old is not None:
+                    _remove_row(conn, fts, old)
+                conn.execute(
+                    "INSERT INTO docs(idx, tenant, id, revision, metadata, has_vector)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (index, tenant, doc_id, revision, metadata, matrix is not None),
+                )
+                seq = conn.last_insert_rowid()
+                conn.execute("INSERT INTO bodies VALUES (?, ?, ?)", (seq, title, text))
+                conn.execute(
+                    f"INSERT INTO {fts}(rowid, title, text) VALUES (?, ?, ?)", (seq, title, text)
+                )
+                if matrix is not None:
+                    conn.execute("INSERT INTO vectors VALUES (?, ?)", (seq, matrix[i].tobytes()))
+                _set_version(conn, index, tenant, doc_id, version, held, deleted=False)
+                written += 1
+            _touch(conn, index, tenant, model if written and matrix is not None else None)
+            conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (num,))
+        return written
+
+    def delete_documents(
+        self, index: str, tenant: str, ids: Sequence[str], *, version: int | None = None
+    ) -> int:
+        """Delete the tenant's documents by id, both channels in one commit; answers how many
+        existed. With a ``version``, each id gets a tombstone of that version, so an upsert
+        accepted before the delete and run after it is skipped, and an id whose last write
+        is newer than the delete is left alone."""
+        deleted = 0
+        with self._conn() as conn, _translated("delete"), _write(conn):
+            row = _index_row(conn, index, tenant)
+            floor = _floor(conn, index, tenant)
+            for doc_id in dict.fromkeys(ids):
+                held = _held_version(conn, index, tenant, doc_id)
+                if version is not None and version <= max(floor, held or 0):
+                    continue
+                old = conn.execute(
+                    "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
+                    (index, tenant, doc_id),
+                ).get
+                if old is not None and row is not None:
+                    _remove_row(conn, f"fts_{row[0]}", old)
+                    deleted += 1
+                _set_version(conn, index, tenant, doc_id, version, held, deleted=True)
+            if deleted:
+                _touch(conn, index, tenant, None)
+            if row is not None:
+                conn.execute(
+                    "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
+                )
+                if deleted:
+                    _settle_emptied(conn, row[0], index, tenant)
+        return deleted
+
+    def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
+        """Delete all of the tenant's documents in the index (rows, BM25 postings, vectors);
+        answers how many went. With a ``version``, only documents written before it go, and
+        the tenant's index keeps it as a floor: an upsert accepted before the drop and run
+        after it is skipped. The tenant's tombstones below the floor are dropped with it."""
+        with self._conn() as conn, _translated("delete_index"), _write(conn):
+            row = _index_row(conn, index, tenant)
+            gone = 0
+            if row is not None:
+                above = "" if version is None else " AND version > ?"
+                keep = (
+                    set()
+                    if version is None
+                    else {
+                        doc_id
+                        for (doc_id,) in conn.execute(
+                            "SELECT id FROM writes WHERE idx = ? AND tenant = ?" + above,
+                            (index, tenant, version),
+                        )
+                    }
+                )
+                seqs = [
+                    seq
+                    for seq, doc_id in conn.execute(
+                        "SELECT seq, id FROM docs WHERE idx = ? AND tenant = ?", (index, tenant)
+                    )
+                    if doc_id not in keep
+                ]
+                for seq in seqs:
+                    _remove_row(conn, f"fts_{row[0]}", seq)
+                gone = len(seqs)
+                conn.execute(
+                    "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
+                )
+                _settle_emptied(conn, row[0], index, tenant)
+            if version is not None:
+                conn.execute(
+                    "DELETE FROM writes WHERE idx = ? AND tenant = ? AND version <= ?",
+                    (index, tenant, version),
+                )
+                conn.execute(
+                    "INSERT INTO catalog(idx, tenant, floor, last_write) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT(idx, tenant) DO UPDATE SET"
+                    " floor = max(floor, excluded.floor), last_write = excluded.last_write",
+                    (index, tenant, version, time.time()),
+                )
+        return gone
+
+
+def derive_revision(title: str, text: str, metadata: Mapping[str, FilterValue]) -> str:
+    """A stable revision for a document that came without one: same content, same revision."""
+    payload = json.dumps([title, text, dict(metadata)], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _check_vectors(
+    documents: Sequence[Document],
+    vectors: Sequence[Sequence[float]] | npt.NDArray[np.floating[Any]] | None,
+) -> npt.NDArray[np.float32] | None:
+    """The vectors as unit-length float32 rows, or InvalidRequest naming what is wrong."""
+    if vectors is None:
+        return None
+    try:
+        matrix = np.asarray(vectors, dtype=np.float32)
+    except ValueError as exc:
+        raise InvalidRequest("vectors", f"not a matrix of numbers ({exc})") from exc
+    if matrix.ndim != 2 or matrix.shape[0] != len(documents) or matrix.shape[1] == 0:
+        raise InvalidRequest(
+            "vectors", f"expected {len(documents)} vectors of one dimension, got {matrix.shape}"
+        )
+    norms = np.linalg.norm(matrix, axis=1)
+    bad = np.flatnonzero(~np.isfinite(norms) | (norms == 0.0))
+    if bad.size:
+        raise InvalidRequest(f"vectors[{bad[0]}]", "zero or non-finite vector")
+    return np.ascontiguousarray(matrix / norms[:, None], dtype=np.float32)
+
+
+def _document_row(i: int, doc: Document) -> tuple[str, str, str, str, str]:
+    if not doc.id:
+        raise InvalidRequest(f"documents[{i}].id", "empty id")
+    for key, value in doc.metadata.items():
+        if not _FILTER_KEY.match(key) or not isinstance(value, str | int | float | bool):
+            raise InvalidRequest(f"documents[{i}].metadata", f"bad key or value for {key!r}")
+    revision = doc.revision or derive_revision(doc.title, doc.text, doc.metadata)
+    metadata = json.dumps(dict(doc.metadata), sort_keys=True, ensure_ascii=False)
+    return doc.id, doc.title, doc.text, revision, metadata
+
+
+def _remove_row(conn: apsw.Connection, fts: str, seq: int) -> None:
+    for table in ("docs", "bodies", "vectors"):
+        conn.execute(f"DELETE FROM {table} WHERE seq = ?", (seq,))
+    conn.execute(f"DELETE FROM {fts} WHERE rowid = ?", (seq,))
+
+
+def _floor(conn: apsw.Connection, index: str, tenant: str) -> int:
+    """The version of the tenant's last drop of the index (0: never dropped)."""
+    found = conn.execute(
+        "SELECT floor FROM catalog WHERE idx = ? AND tenant = ?", (index, tenant)
+    ).fetchone()
+    return int(found[0]) if found else 0
+
+
+def _held_version(conn: apsw.Connection, index: str, tenant: str, doc_id: str) -> int | None:
+    found = conn.execute(
+        "SELECT version FROM writes WHERE idx = ? AND tenant = ? AND id = ?",
+        (index, tenant, doc_id),
+    ).fetchone()
+    return int(found[0]) if found else None
+
+
+def _set_version(
+    conn: apsw.Connection,
+    index: str,
+    tenant: str,
+    doc_id: str,
+    version: int | None,
+    held: int | None,
+    *,
+    deleted: bool,
+) -> None:
+    """Record the id's last write (an unversioned one keeps the version it had)."""
+    conn.execute(
+        "INSERT OR REPLACE INTO writes VALUES (?, ?, ?, ?, ?)",
+        (index, tenant, doc_id, version if version is not None else held or 0, deleted),
+    )
+
+
+def _touch(conn: apsw.Connection, index: str, tenant: str, model: str | None) -> None:
+    """The tenant's index was written now (with ``model``'s vectors, if given). The first
+    model recorded stays (:func:`_check_model` refuses another) until a drop clears it."""
+    conn.execute(
+        "INSERT INTO catalog(idx, tenant, model, last_write) VALUES (?, ?, ?, ?)"
+        " ON CONFLICT(idx, tenant) DO UPDATE SET"
+        " model = coalesce(model, excluded.model), last_write = excluded.last_write",
+        (index, tenant, model, time.time()),
+    )
+
+
+def _check_model(conn: apsw.Connection, index: str, tenant: str, model: str) -> None:
+    """Raise EmbeddingModelMismatch if the tenant's index records another embedding model."""
+    held = conn.execute(
+        "SELECT model FROM catalog WHERE idx = ? AND tenant = ?", (index, tenant)
+    ).fetchone()
+    if held is not None and held[0] is not None and held[0] != model:
+        raise EmbeddingModelMismatch(index, str(held[0]), model)
