@@ -5,7 +5,8 @@ All go to the backend the worker's runtime holds, through the
 :class:`~worker.core.ports.IndexCatalog` port, always with the job's tenant: another
 tenant's index or document reads like one that does not exist and is never deleted. An
 index's settings (:mod:`worker.adapters.index_settings`) are shown with it, changed only
-once the tenant is known to have the index, and go with a drop of it.
+once the tenant is known to have the index, and go with it: with a drop, or with the
+delete that takes its last document.
 """
 
 from __future__ import annotations
@@ -41,15 +42,20 @@ def settings_store(runtime: object) -> RedisIndexSettings | None:
 
 def delete(runtime: object, job: IngestJob, ids: list[str] | None) -> int:
     """Run one delete job (by ids, or the tenant's whole index): how many documents went.
-    A drop takes the index's own settings with it."""
+    The index's own settings go with it: with a drop, and with a delete by ids that leaves
+    the index without a document (an index exists while it holds one, so a later ingest
+    starts a new index, at the defaults, as after a drop)."""
     backend = catalog(runtime)
     if job.operation == "drop":
         gone = backend.delete_index(job.index, job.tenant, version=job.version)
-        store = settings_store(runtime)
-        if store is not None:
-            store.clear(job.index, job.tenant, job.version)
-        return gone
-    return backend.delete_documents(job.index, job.tenant, ids or [], version=job.version)
+    else:
+        gone = backend.delete_documents(job.index, job.tenant, ids or [], version=job.version)
+    store = settings_store(runtime)
+    if store is not None and (
+        job.operation == "drop" or backend.index_info(job.index, job.tenant) is None
+    ):
+        store.clear(job.index, job.tenant, job.version)
+    return gone
 
 
 def _index(info: IndexInfo, settings: SearchSettings) -> dict[str, Any]:

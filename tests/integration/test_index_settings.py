@@ -172,3 +172,21 @@ def test_a_change_no_worker_started_in_time_is_dropped_unapplied(
         assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] == 20
     finally:
         base.set_context(None)
+
+
+def test_deleting_an_indexs_last_document_clears_them_as_a_drop_does(
+    runtime: Runtime, store: JobStore
+) -> None:
+    call(runtime, "update", "acme", "notes", {"candidate_limit": 12})
+    call(runtime, "update", "acme", "docs", {"candidate_limit": 40})
+    some = store.create_deletion("acme", "docs", ["acme-0", "acme-1"])
+    lifecycle.delete(runtime, some, ["acme-0", "acme-1"])
+    assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] == 40
+
+    last = store.create_deletion("acme", "notes", ["n"])
+    assert lifecycle.delete(runtime, last, ["n"]) == 1
+    assert call(runtime, "show", "acme", "notes") is None
+    assert store.redis.exists(settings_key("notes", "acme")) == 0
+    # a new index of the name starts at the defaults
+    runtime.ingest("notes", "acme", [DocumentIn(id="n2", text="new notes")])
+    assert call(runtime, "show", "acme", "notes")["settings"] == DEFAULTS
