@@ -314,7 +314,9 @@ def up(
         console.print(f"webhooks signed with {_webhook_secret_source(settings)}")
         console.print(f"redis    {started.redis_url}")
         console.print(f"logs     {started.logs}")
-        console.print(f"\nexport SIFT_URL={started.url} SIFT_API_KEY={started.api_key}")
+        # one line however narrow the terminal, so that it pastes as one command
+        export = f"export SIFT_URL={started.url} SIFT_API_KEY={started.api_key}"
+        console.print(f"\n{export}", soft_wrap=True)
         console.print("Ctrl-C stops everything.")
         stopping.wait()
         console.print("stopping…")
