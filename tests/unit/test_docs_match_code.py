@@ -166,6 +166,20 @@ def test_every_sift_command_and_flag_shown_exists(document: str) -> None:
             assert flag in options, f"{document}: `sift {' '.join(path)}` has no {flag}"
 
 
+def test_every_option_and_argument_says_what_it_is_in_help() -> None:
+    def undocumented(command: Any, path: str) -> list[str]:
+        missing = [
+            f"{path} {p.name}"
+            for p in command.params
+            if not getattr(p, "hidden", False) and not getattr(p, "help", None)
+        ]
+        for name, sub in getattr(command, "commands", {}).items():
+            missing += undocumented(sub, f"{path} {name}")
+        return missing
+
+    assert undocumented(COMMAND, "sift") == []
+
+
 # --- metrics and routes ---------------------------------------------------------------------
 
 

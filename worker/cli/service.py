@@ -331,7 +331,9 @@ def _webhook_secret_source(settings: Settings) -> str:
 
 
 @app.command("demo")
-def demo(limit: Annotated[int, typer.Option(min=1, max=100)] = 3) -> None:
+def demo(
+    limit: Annotated[int, typer.Option(min=1, max=100, help="hits shown per query")] = 3,
+) -> None:
     """The whole path on this machine: start the stack, ingest the bundled sample corpus,
     run a batch of searches through the gateway and the queue, print them, stop."""
     started = time.monotonic()
