@@ -1,6 +1,7 @@
 """The README says what the code does: its Settings table (every setting, its default), the
 ``sift`` commands and flags it and ``deploy/README.md`` show, its metrics table (names and
-labels), the HTTP routes it names, and the ``SIFT_`` variables ``deploy/`` sets.
+labels), the HTTP routes, files and tests it names, and the ``SIFT_`` variables ``deploy/``
+sets.
 
 Each check reads the documents as a newcomer would and compares them with the objects the
 code runs on (the settings class, the typer app, the Prometheus metrics, the OpenAPI
@@ -211,3 +212,29 @@ def test_every_route_the_readme_names_is_served() -> None:
     assert len(named) > 10
     for method, path in named:
         assert (method, re.sub(r"\{[^}]+\}", "{}", path)) in served, f"{method} {path}"
+
+
+# --- files ----------------------------------------------------------------------------------
+
+MADE_BY_THE_USER = {"deploy/.env", "deploy/sift.env"}  # copied from their .example
+
+
+@pytest.mark.parametrize("document", ["README.md", "deploy/README.md"])
+def test_every_file_and_test_the_docs_name_exists(document: str) -> None:
+    text = (ROOT / document).read_text()
+    paths = set(
+        re.findall(
+            r"`((?:tests|benchmarks|worker|api_gateway|deploy|grafana|scripts|k8s|prometheus)/[\w./-]+)",
+            text,
+        )
+    )
+    paths = {p.rstrip(".") for p in paths} - MADE_BY_THE_USER
+    assert paths
+    missing = [p for p in paths if not (ROOT / p).exists() and not (ROOT / "deploy" / p).exists()]
+    assert missing == []
+    for module, test in re.findall(r"\b(test_\w+\.py)::(test_\w+)", text):
+        found = list((ROOT / "tests").rglob(module))
+        assert found, f"{module} is in no tests/ folder"
+        assert f"def {test}(" in found[0].read_text(), f"{module}::{test}"
+    for module in set(re.findall(r"`(test_\w+\.py)", text)):
+        assert list((ROOT / "tests").rglob(module)), module
