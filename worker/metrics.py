@@ -313,6 +313,8 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     JOBS_COMPLETED,
     JOB_FAILURES,
     REDRIVEN,
+    TASK_DURATION,
+    TASK_RETRIES,
     BUDGET_WAIT,
     PROVIDER_429,
 )

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from worker.constants import (
@@ -82,6 +82,11 @@ class BatchLimit(BaseModel):
     queued: int | None = Field(default=None, ge=1)
 
 
+def _per_minute(short: str, long: str) -> Any:
+    """A limit per minute, read by its short name or by DESIGN.md §9's long one."""
+    return Field(default=None, ge=1, validation_alias=AliasChoices(short, long))
+
+
 class RateLimit(BaseModel):
     """One model's rate limits at the provider, per minute, as the tier's page lists them;
     a limit left out is not metered (or learned from the provider's response headers).
@@ -89,9 +94,9 @@ class RateLimit(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rpm: int | None = Field(default=None, ge=1)  # requests per minute
-    itpm: int | None = Field(default=None, ge=1)  # input tokens per minute
-    otpm: int | None = Field(default=None, ge=1)  # output tokens per minute
+    rpm: int | None = _per_minute("rpm", "requests_per_minute")
+    itpm: int | None = _per_minute("itpm", "input_tokens_per_minute")
+    otpm: int | None = _per_minute("otpm", "output_tokens_per_minute")
     economy: BatchLimit | None = None
 
 
@@ -247,7 +252,7 @@ class Settings(BaseSettings):
     )
 
     # the level of Sift's, Celery's and uvicorn's loggers; third-party loggers that would
-    # print request bodies (the model SDK, httpx, httpcore) stay at INFO or above
+    # print request bodies (the model SDK, httpx, httpcore) stay at WARNING or above
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)

@@ -21,6 +21,23 @@ def test_rate_limits_are_read_as_json_per_model(monkeypatch: pytest.MonkeyPatch)
     assert load_settings().rate_limits == {}
 
 
+def test_design_s_long_names_are_read_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DESIGN.md §9 names the limits ``requests_per_minute``, ``input_tokens_per_minute`` and
+    ``output_tokens_per_minute``; the short names the README shows are the same fields, and an
+    entry giving one limit under both names is refused rather than read one way."""
+    monkeypatch.setenv(
+        "SIFT_RATE_LIMITS",
+        '{"claude-haiku-4-5": {"requests_per_minute": 4000, "input_tokens_per_minute": 400000,'
+        ' "output_tokens_per_minute": 80000}}',
+    )
+    assert load_settings().rate_limits == {MODEL: RateLimit(rpm=4000, itpm=400_000, otpm=80_000)}
+    monkeypatch.setenv(
+        "SIFT_RATE_LIMITS", '{"claude-haiku-4-5": {"rpm": 4000, "requests_per_minute": 5}}'
+    )
+    with pytest.raises(ConfigError, match="SIFT_RATE_LIMITS"):
+        load_settings()
+
+
 def test_the_economy_lane_has_limits_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(
         "SIFT_RATE_LIMITS",

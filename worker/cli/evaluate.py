@@ -105,7 +105,9 @@ def eval_command(
     ] = None,
     window: Annotated[int, typer.Option(min=1, help="rerank window for candidate recall")] = 30,
     rerank: Annotated[bool, typer.Option(help="add the reranked run (needs a model)")] = False,
-    max_queries: Annotated[int | None, typer.Option(min=1)] = None,
+    max_queries: Annotated[
+        int | None, typer.Option(min=1, help="only the first N judged queries, in file order")
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the report")] = None,
     tune: Annotated[
         bool,

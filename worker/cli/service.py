@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import typer
 from rich.console import Console
@@ -86,10 +86,8 @@ def worker(
     if processes is not None:
         overrides["worker_processes"] = processes
     settings = _settings(**overrides)
-    if not supervised_by and settings.search_backend == "embedded":
-        _check_data_dir(settings)
-    if not supervised_by and settings.search_backend == "elasticsearch":
-        _check_elasticsearch(settings)
+    if not supervised_by:  # its supervisor checked
+        _check_backend(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
         args = ["--queues", queues]
@@ -112,32 +110,31 @@ def worker(
     )  # fmt: skip
 
 
-def _check_data_dir(settings: Settings) -> None:
-    """The embedded backend's data dir must be of this Sift's schema: said at start, once."""
-    from worker.adapters.embedded import EmbeddedBackend
-
-    backend = EmbeddedBackend(settings.data_dir)
-    try:
-        backend.check()
-    except SiftError as error:
-        console.print(f"[red]error:[/red] {error}")
-        raise typer.Exit(2) from error
-    finally:
-        backend.close()
-
-
-def _check_elasticsearch(settings: Settings) -> None:
-    """Indexes of the old shared layout stop a worker at its start (their documents would
-    vanish from every search); a cluster not answering yet only warns: jobs retry."""
-    from worker.adapters.elasticsearch import ElasticsearchBackend
+def _check_backend(settings: Settings) -> None:
+    """The backend is checked once, at the worker's start, not by each job it would fail.
+    What this Sift cannot serve stops it (exit 2): a missing setting, a data dir of another
+    schema, Elasticsearch indexes of the old shared layout (their documents would vanish from
+    every search). So does any other error of the embedded backend, whose data dir is local;
+    an Elasticsearch cluster not answering yet only warns, since jobs retry."""
+    from worker.bootstrap import build_backend
 
     try:
-        ElasticsearchBackend.from_settings(settings).check()
-    except ConfigError as error:
-        console.print(f"[red]error:[/red] {error}")
-        raise typer.Exit(2) from error
+        backend = build_backend(settings)
+        try:
+            backend.check()
+        finally:
+            if isinstance(backend, _Closable):
+                backend.close()  # the workers open their own
     except SiftError as error:
+        if isinstance(error, ConfigError) or settings.search_backend == "embedded":
+            console.print(f"[red]error:[/red] {error}")
+            raise typer.Exit(2) from error
         console.print(f"[yellow]warning:[/yellow] could not check the indexes' layout: {error}")
+
+
+@runtime_checkable
+class _Closable(Protocol):
+    def close(self) -> None: ...
 
 
 @app.command("elasticsearch-migrate")
@@ -317,7 +314,9 @@ def up(
         console.print(f"webhooks signed with {_webhook_secret_source(settings)}")
         console.print(f"redis    {started.redis_url}")
         console.print(f"logs     {started.logs}")
-        console.print(f"\nexport SIFT_URL={started.url} SIFT_API_KEY={started.api_key}")
+        # one line however narrow the terminal, so that it pastes as one command
+        export = f"export SIFT_URL={started.url} SIFT_API_KEY={started.api_key}"
+        console.print(f"\n{export}", soft_wrap=True)
         console.print("Ctrl-C stops everything.")
         stopping.wait()
         console.print("stopping…")
@@ -332,7 +331,9 @@ def _webhook_secret_source(settings: Settings) -> str:
 
 
 @app.command("demo")
-def demo(limit: Annotated[int, typer.Option(min=1, max=100)] = 3) -> None:
+def demo(
+    limit: Annotated[int, typer.Option(min=1, max=100, help="hits shown per query")] = 3,
+) -> None:
     """The whole path on this machine: start the stack, ingest the bundled sample corpus,
     run a batch of searches through the gateway and the queue, print them, stop."""
     started = time.monotonic()

@@ -344,7 +344,10 @@ def status_command(
         err.print(f"[bold red]error:[/] {exc.message}")
         raise typer.Exit(1) from None
     if not url:
-        err.print("[bold red]error:[/] SIFT_REDIS_URL is not set: sift status reads Redis")
+        err.print(
+            "[bold red]error:[/] SIFT_REDIS_URL is not set: sift status reads Redis "
+            "(a `sift up` stack prints its URL on its `redis` line)"
+        )
         raise typer.Exit(1)
     store = JobStore(redis.Redis.from_url(url, **CONNECTION_OPTIONS))
     try:

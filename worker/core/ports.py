@@ -76,6 +76,12 @@ class SearchBackend(Protocol):
         dropped."""
         ...
 
+    def check(self) -> None:
+        """At a worker's start, once: raise :class:`~worker.errors.ConfigError` if the store
+        holds what this Sift cannot serve (a data dir of another schema version, indexes of
+        an earlier layout), rather than failing each job the worker then takes."""
+        ...
+
 
 class IndexCatalog(Protocol):
     """The index lifecycle a backend offers besides search: list, read, delete.

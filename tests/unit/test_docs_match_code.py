@@ -1,0 +1,240 @@
+"""The README says what the code does: its Settings table (every setting, its default), the
+``sift`` commands and flags it and ``deploy/README.md`` show, its metrics table (names and
+labels), the HTTP routes, files and tests it names, and the ``SIFT_`` variables ``deploy/``
+sets.
+
+Each check reads the documents as a newcomer would and compares them with the objects the
+code runs on (the settings class, the typer app, the Prometheus metrics, the OpenAPI
+document), so a setting, flag or label added, renamed or dropped on one side only fails
+here, not in a user's terminal."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+from prometheus_client.metrics import MetricWrapperBase
+
+from api_gateway.app import create_app
+from api_gateway.metrics import GatewayMetrics
+from worker import metrics
+from worker.cli import app
+from worker.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+VARIABLE = re.compile(r"`(SIFT_[A-Z0-9_]+)`")
+# deploy-only variables: compose's image tag, KEDA's Redis address (read by no Sift process)
+DEPLOY_ONLY = {"SIFT_IMAGE", "SIFT_REDIS_ADDRESS"}
+
+
+def section(title: str) -> str:
+    """The README's section under ``title`` (a ``## `` heading), up to the next one."""
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end != -1 else None]
+
+
+def settings_rows() -> list[tuple[list[str], str]]:
+    """Each row of the Settings table: its variables and its default cell."""
+    rows = []
+    for line in section("Settings").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if line.startswith("| `SIFT_") and len(cells) == 3:
+            rows.append((VARIABLE.findall(cells[0]), cells[1]))
+    return rows
+
+
+def env_names() -> dict[str, str]:
+    """Every setting's variable, and its field."""
+    return {f"SIFT_{name.upper()}": name for name in Settings.model_fields}
+
+
+def test_every_setting_is_in_the_readme_table_and_every_row_is_a_setting() -> None:
+    documented = {name for names, _ in settings_rows() for name in names}
+    assert set(env_names()) - documented == set(), "settings missing from README's table"
+    assert documented - set(env_names()) == set(), "README rows that are no setting"
+
+
+_UNCHECKED = object()
+
+
+def documented_value(cell: str) -> str | object | None:
+    """A default cell's value as text (``unset``: None): a number, ``true``/``false``, or a
+    whole backticked cell; anything else (``derived``, ``built-in table``, JSON) is not
+    checked. A trailing parenthesis (``0 (no limit)``) is a comment."""
+    cell = re.sub(r"\s*\(.*\)$", "", cell.strip())
+    if cell == "unset":
+        return None
+    if re.fullmatch(r"-?\d+(\.\d+)?|true|false", cell):
+        return cell
+    if re.fullmatch(r"`[^`{]*`", cell):
+        return cell.strip("`")
+    return _UNCHECKED
+
+
+def same_default(documented: str | None, actual: Any) -> bool:
+    """Whether the README's text names the code's default, read as the code's type."""
+    if documented is None:
+        return actual in (None, [], {})
+    if isinstance(actual, bool):
+        return documented == str(actual).lower()
+    if isinstance(actual, int | float):
+        return re.fullmatch(r"-?\d+(\.\d+)?", documented) is not None and math.isclose(
+            float(documented), actual
+        )
+    if isinstance(actual, Path):
+        return Path(documented).expanduser() == actual
+    return bool(documented == actual)
+
+
+def test_the_readme_table_gives_each_setting_s_default() -> None:
+    fields = env_names()
+    checked = []
+    for names, cell in settings_rows():
+        parts = [cell] if len(names) == 1 else cell.split(", ")
+        if len(parts) == 1:
+            parts = parts * len(names)
+        assert len(parts) == len(names), f"{names}: {len(parts)} defaults for {len(names)}"
+        for name, part in zip(names, parts, strict=True):
+            value = documented_value(part)
+            if value is _UNCHECKED:
+                continue
+            assert value is None or isinstance(value, str)
+            field = Settings.model_fields[fields[name]]
+            actual = field.get_default(call_default_factory=True)
+            assert same_default(value, actual), f"{name}: README {part!r}, code {actual!r}"
+            checked.append(name)
+    assert len(checked) >= len(fields) - 5, f"only {len(checked)} defaults could be read"
+
+
+def test_deploy_sets_only_real_settings() -> None:
+    files = [
+        p
+        for p in (ROOT / "deploy").rglob("*")
+        if p.is_file() and p.suffix in (".yml", ".yaml", ".example", "") and "README" not in p.name
+    ]
+    assert any(p.name == "docker-compose.yml" for p in files)
+    found = {name for p in files for name in re.findall(r"\b(SIFT_[A-Z0-9_]+)", p.read_text())}
+    assert found, "no SIFT_ variable found under deploy/"
+    assert found - set(env_names()) - DEPLOY_ONLY == set()
+
+
+# --- the sift command ---------------------------------------------------------------------
+
+COMMAND = typer.main.get_command(app)
+# ``sift <words> <arguments and options>`` inside a code span or block; ``-n sift ...`` is
+# kubectl's namespace, not this command
+SIFT_CALL = re.compile(r"(?<!-n )(?<![\w.-])sift ([a-z][a-z-]*(?: [a-z][a-z-]*)?)([^\n`#]*)")
+
+
+def code_spans(text: str) -> list[str]:
+    blocks = re.findall(r"```.*?```", text, re.S)
+    rest = re.sub(r"```.*?```", "", text, flags=re.S)
+    return blocks + re.findall(r"`([^`]+)`", rest)
+
+
+def calls(text: str) -> list[tuple[list[str], Any, str]]:
+    """Each ``sift`` call shown: the command path, the click command and what follows."""
+    found = []
+    for span in code_spans(text):
+        for match in SIFT_CALL.finditer(span):
+            words = match.group(1).split()
+            command: Any = COMMAND
+            path: list[str] = []
+            for word in words:
+                commands = getattr(command, "commands", {})
+                if word not in commands:
+                    break
+                command, path = commands[word], [*path, word]
+            rest = " ".join(words[len(path) :]) + match.group(2)
+            found.append((path or words, command if path else None, rest))
+    return found
+
+
+@pytest.mark.parametrize("document", ["README.md", "deploy/README.md"])
+def test_every_sift_command_and_flag_shown_exists(document: str) -> None:
+    shown = calls((ROOT / document).read_text())
+    assert len(shown) > 5
+    for path, command, rest in shown:
+        assert command is not None, f"{document}: no command `sift {' '.join(path)}`"
+        options = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
+        for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-z])\b", rest):
+            assert flag in options, f"{document}: `sift {' '.join(path)}` has no {flag}"
+
+
+def test_every_option_and_argument_says_what_it_is_in_help() -> None:
+    def undocumented(command: Any, path: str) -> list[str]:
+        missing = [
+            f"{path} {p.name}"
+            for p in command.params
+            if not getattr(p, "hidden", False) and not getattr(p, "help", None)
+        ]
+        for name, sub in getattr(command, "commands", {}).items():
+            missing += undocumented(sub, f"{path} {name}")
+        return missing
+
+    assert undocumented(COMMAND, "sift") == []
+
+
+# --- metrics and routes ---------------------------------------------------------------------
+
+
+def exported_metrics() -> dict[str, set[str]]:
+    """Every metric a worker or the gateway exports, by its exposed name, with its labels."""
+    gateway = GatewayMetrics()
+    found = [m for m in vars(metrics).values() if isinstance(m, MetricWrapperBase)]
+    found += [gateway.requests, gateway.duration]
+    return {m._name + ("_total" if m._type == "counter" else ""): set(m._labelnames) for m in found}
+
+
+def test_the_readme_metrics_table_names_what_is_exported_with_its_labels() -> None:
+    table = section("Observability: what reranking costs, and how it fails")
+    table = table[table.index("| metric |") :]
+    table = table[: table.index("\n\n")]
+    documented = re.findall(r"`(sift_[a-z0-9_]+)(?:\{([a-z_,]*)\})?`", table)
+    exported = exported_metrics()
+    assert {name for name, _ in documented} == set(exported)
+    for name, labels in documented:
+        assert labels, f"{name}: give its labels"
+        assert set(labels.split(",")) == exported[name], f"{name}: {labels}"
+
+
+def test_every_route_the_readme_names_is_served() -> None:
+    paths = create_app(Settings(redis_url="redis://127.0.0.1:9/0")).openapi()["paths"]
+    served = {(m.upper(), re.sub(r"\{[^}]+\}", "{}", p)) for p, ops in paths.items() for m in ops}
+    text = re.sub(r"`\s*\n\s*", "`", README.replace("`POST\n/", "`POST /"))
+    named = set(re.findall(r"\b(GET|POST|PATCH|DELETE) (/v1/[a-z/{}_]+[a-z}])", text))
+    assert len(named) > 10
+    for method, path in named:
+        assert (method, re.sub(r"\{[^}]+\}", "{}", path)) in served, f"{method} {path}"
+
+
+# --- files ----------------------------------------------------------------------------------
+
+MADE_BY_THE_USER = {"deploy/.env", "deploy/sift.env"}  # copied from their .example
+
+
+@pytest.mark.parametrize("document", ["README.md", "deploy/README.md"])
+def test_every_file_and_test_the_docs_name_exists(document: str) -> None:
+    text = (ROOT / document).read_text()
+    paths = set(
+        re.findall(
+            r"`((?:tests|benchmarks|worker|api_gateway|deploy|grafana|scripts|k8s|prometheus)/[\w./-]+)",
+            text,
+        )
+    )
+    paths = {p.rstrip(".") for p in paths} - MADE_BY_THE_USER
+    assert paths
+    missing = [p for p in paths if not (ROOT / p).exists() and not (ROOT / "deploy" / p).exists()]
+    assert missing == []
+    for module, test in re.findall(r"\b(test_\w+\.py)::(test_\w+)", text):
+        found = list((ROOT / "tests").rglob(module))
+        assert found, f"{module} is in no tests/ folder"
+        assert f"def {test}(" in found[0].read_text(), f"{module}::{test}"
+    for module in set(re.findall(r"`(test_\w+\.py)", text)):
+        assert list((ROOT / "tests").rglob(module)), module
