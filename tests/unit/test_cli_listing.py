@@ -42,3 +42,37 @@ def test_the_list_ends_at_a_null_token_and_the_page_size_is_capped() -> None:
     jobs = fetch_jobs(gateway_of(pages, seen), "/v1/searches", "searches", None, 5000)
     assert [j["id"] for j in jobs] == ["s1"]
     assert seen == [{"page_size": str(MAX_PAGE_SIZE)}]
+
+
+def test_at_80_columns_whole_cells_are_shown_and_what_did_not_fit_is_named(
+    monkeypatch: Any,
+) -> None:
+    """A narrow terminal gets whole ids and statuses (to copy and read), fewer columns, and a
+    line naming the ones left out; a wide one gets every column."""
+    import contextlib
+
+    from typer.testing import CliRunner
+
+    from worker.cli import app, listing
+
+    job = {
+        "id": "srch_0123456789abcdef0123456789abcdef", "status": "succeeded",
+        "index": "scifact", "mode": "hybrid", "query": "0-dimensional biomaterials show "
+        "inductive properties", "created_at": "2026-12-01T23:15:08+00:00",
+        "finished_at": "2026-12-01T23:15:09+00:00", "error": None,
+    }  # fmt: skip
+    page = {"searches": [job], "next_page_token": None}
+
+    @contextlib.contextmanager
+    def fake_gateway() -> Any:
+        yield gateway_of([page, page], [])
+
+    monkeypatch.setattr(listing, "gateway", fake_gateway)
+    narrow = CliRunner().invoke(app, ["searches"], env={"COLUMNS": "80"})
+    assert narrow.exit_code == 0, narrow.output
+    assert max(len(line) for line in narrow.output.splitlines()) <= 80
+    assert job["id"] in narrow.output and "succeeded" in narrow.output and "…" not in narrow.output
+    assert "left out at this width: finished, mode, index (--json has all)" in narrow.output
+    wide = CliRunner().invoke(app, ["searches"], env={"COLUMNS": "200"})
+    assert "left out" not in wide.output
+    assert all(word in wide.output for word in ("hybrid", "scifact", "inductive properties"))

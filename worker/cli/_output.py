@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from datetime import datetime
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 
 def progress_bar(console: Console) -> Progress:
@@ -21,6 +25,78 @@ def progress_bar(console: Console) -> Progress:
         console=console,
         transient=False,
     )
+
+
+def local_time(value: Any) -> str:
+    """An ISO time as the local clock reads it, to the second; the year left out (jobs are
+    listed for 7 days, and a year is rarely what one looks for in a listing)."""
+    if not value:
+        return "–"
+    return datetime.fromisoformat(str(value)).astimezone().strftime("%m-%d %H:%M:%S")
+
+
+WRAPPED_WIDTH = 12  # the least a free-text column (a query, a title) is given before it goes
+
+
+def fitted_table(
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    *,
+    width: int,
+    drop_order: Sequence[str] = (),
+    wrapped: Sequence[str] = (),
+    right: Sequence[str] = (),
+) -> tuple[Table, list[str]]:
+    """A table of whole cells in ``width`` columns of terminal: rather than cut every cell
+    to "st…", the columns in ``drop_order`` are left out, first named first, until the rest
+    fit, each at its widest cell (a column in ``wrapped`` wraps down to
+    :data:`WRAPPED_WIDTH`); an empty one of them goes first. Returns the table and the
+    columns with something in them that were left out (for a note: the JSON output has them
+    all). Cells may hold rich markup.
+
+    >>> _, out = fitted_table("t", ["id", "note", "when"], [["x" * 30, "a b", "2026-12-01"]],
+    ...                       width=40, drop_order=["when", "note"])
+    >>> out
+    ['when']
+    """
+    cells = [[Text.from_markup(cell).cell_len for cell in row] for row in rows]
+
+    def need(name: str) -> int:
+        i = list(columns).index(name)
+        widest = max([len(name), *(row[i] for row in cells)])
+        return min(widest, WRAPPED_WIDTH) if name in wrapped else widest
+
+    def empty(name: str) -> bool:
+        i = list(columns).index(name)
+        return all(str(row[i]) in ("", "–") for row in rows)
+
+    shown, left_out = list(columns), []
+    # a column with nothing in it goes first, and unnamed: nothing is lost
+    for name in sorted(drop_order, key=lambda name: not empty(name)):
+        if sum(need(c) for c in shown) + 2 * len(shown) <= width:
+            break
+        shown.remove(name)
+        if not empty(name):
+            left_out.append(name)
+    table = Table(
+        title=title,
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for name in shown:
+        table.add_column(
+            name,
+            justify="right" if name in right else "left",
+            no_wrap=name not in wrapped,
+            overflow="fold",
+        )
+    keep = [list(columns).index(name) for name in shown]
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
+    return table, left_out
 
 
 def _rank(value: Any) -> str:

@@ -15,10 +15,10 @@ from urllib.parse import quote
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
 from worker.cli import app
 from worker.cli._http import Gateway, gateway
+from worker.cli._output import fitted_table, local_time
 from worker.cli.client import EXIT_ERROR, _err, _expected_errors, _out
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 
@@ -59,22 +59,32 @@ def _settings(index: dict[str, Any]) -> str:
     return ", ".join(parts) or "defaults"
 
 
-def _table(indexes: list[dict[str, Any]]) -> Table:
-    table = Table(title=f"{len(indexes)} index(es)", title_justify="left")
-    columns = ("name", "documents", "backend", "embedding model", "dims", "last write", "settings")
-    for name in columns:
-        table.add_column(name, justify="right" if name in ("documents", "dims") else "left")
-    for i in indexes:
-        table.add_row(
+def _print_indexes(console: Console, indexes: list[dict[str, Any]]) -> None:
+    columns = ["name", "documents", "backend", "embedding model", "dims", "last write", "settings"]
+    rows = [
+        [
             i["name"],
             str(i["documents"]),
             i["backend"],
             i.get("embedding_model") or "–",
             str(i.get("dimensions") or "–"),
-            i.get("last_write_at") or "–",
+            local_time(i.get("last_write_at")),
             _settings(i),
-        )
-    return table
+        ]
+        for i in indexes
+    ]
+    table, left_out = fitted_table(
+        f"{len(indexes)} index(es)",
+        columns,
+        rows,
+        width=console.width,
+        drop_order=["backend", "dims", "last write", "embedding model"],
+        wrapped=("settings",),
+        right=("documents", "dims"),
+    )
+    console.print(table)
+    if left_out:
+        console.print(f"[dim]left out at this width: {', '.join(left_out)} (--json has all)[/]")
 
 
 def _finish(client: Gateway, job: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +126,7 @@ def indexes(json_out: JsonOut = False) -> None:
     if json_out:
         _print_json(console, found)
     else:
-        console.print(_table(found))
+        _print_indexes(console, found)
 
 
 @index_app.command("show")
@@ -130,7 +140,7 @@ def index_show(
     if json_out:
         _print_json(console, found)
     else:
-        console.print(_table([found]))
+        _print_indexes(console, [found])
 
 
 def settings_patch(
@@ -216,7 +226,7 @@ def index_set(
     if json_out:
         _print_json(console, found)
     else:
-        console.print(_table([found]))
+        _print_indexes(console, [found])
 
 
 @index_app.command("delete")

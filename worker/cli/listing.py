@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import datetime
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from worker.cli import app
 from worker.cli._http import Gateway, gateway
+from worker.cli._output import fitted_table, local_time
 from worker.cli.client import InputError, _expected_errors, _out
 from worker.constants import MAX_PAGE_SIZE
 from worker.contract import JobStatus
@@ -48,13 +47,6 @@ def fetch_jobs(client: Gateway, path: str, key: str, status: str | None, limit: 
     return jobs[:limit]
 
 
-def _when(value: Any) -> str:
-    """An ISO time as the local clock reads it, to the second."""
-    if not value:
-        return "–"
-    return datetime.fromisoformat(str(value)).astimezone().strftime("%Y-%m-%d %H:%M:%S")
-
-
 def _status(value: Any) -> str:
     colour = {"succeeded": "green", "failed": "red", "canceled": "yellow", "running": "cyan"}
     name = str(value)
@@ -69,6 +61,7 @@ def _list(
     json_out: bool,
     columns: list[str],
     row: Callable[[dict[str, Any]], list[str]],
+    drop_order: list[str],
 ) -> None:
     console = _out()
     with _expected_errors():
@@ -80,12 +73,17 @@ def _list(
         typer.echo(json.dumps(jobs))
         return
     what = key if status is None else f"{status} {key}"
-    table = Table(title=f"{len(jobs)} {what}, newest first", title_justify="left")
-    for column in columns:
-        table.add_column(column, no_wrap=column == "id", overflow="ellipsis")
-    for job in jobs:
-        table.add_row(*row(job))
+    table, left_out = fitted_table(
+        f"{len(jobs)} {what}, newest first",
+        columns,
+        [row(job) for job in jobs],
+        width=console.width,
+        drop_order=drop_order,
+        wrapped=("query", "error"),
+    )
     console.print(table)
+    if left_out:
+        console.print(f"[dim]left out at this width: {', '.join(left_out)} (--json has all)[/]")
 
 
 @app.command("searches")
@@ -96,12 +94,13 @@ def searches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False
         error = (job.get("error") or {}).get("type", "")
         return [
             str(job["id"]), _status(job["status"]), str(job.get("index")), str(job.get("mode")),
-            str(job.get("query")), _when(job.get("created_at")), _when(job.get("finished_at")),
-            str(error),
+            str(job.get("query")), local_time(job.get("created_at")),
+            local_time(job.get("finished_at")), str(error),
         ]  # fmt: skip
 
     columns = ["id", "status", "index", "mode", "query", "created", "finished", "error"]
-    _list("/v1/searches", "searches", status, limit, json_out, columns, row)
+    drop = ["finished", "mode", "index", "created", "error"]
+    _list("/v1/searches", "searches", status, limit, json_out, columns, row, drop)
 
 
 @app.command("batches")
@@ -114,12 +113,13 @@ def batches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False)
         return [
             str(batch["id"]), _status(batch["status"]), str(batch.get("index")),
             str(batch.get("lane")), f"{done}/{counts.get('total', '?')}",
-            str(counts.get("failed", 0)), _when(batch.get("created_at")),
-            _when(batch.get("finished_at")),
+            str(counts.get("failed", 0)), local_time(batch.get("created_at")),
+            local_time(batch.get("finished_at")),
         ]  # fmt: skip
 
     columns = ["id", "status", "index", "lane", "done", "failed", "created", "finished"]
-    _list("/v1/batches", "batches", status, limit, json_out, columns, row)
+    drop = ["finished", "lane", "index", "created"]
+    _list("/v1/batches", "batches", status, limit, json_out, columns, row, drop)
 
 
 @app.command("ingestions")
@@ -131,8 +131,9 @@ def ingestions(status: Status = None, limit: Limit = 20, json_out: JsonOut = Fal
         return [
             str(job["id"]), _status(job["status"]), str(job.get("index")),
             str(job.get("documents")), "–" if upserted is None else str(upserted),
-            _when(job.get("created_at")), _when(job.get("finished_at")),
+            local_time(job.get("created_at")), local_time(job.get("finished_at")),
         ]  # fmt: skip
 
     columns = ["id", "status", "index", "documents", "upserted", "created", "finished"]
-    _list("/v1/ingestions", "ingestions", status, limit, json_out, columns, row)
+    drop = ["finished", "upserted", "index", "created"]
+    _list("/v1/ingestions", "ingestions", status, limit, json_out, columns, row, drop)
