@@ -94,6 +94,7 @@ def test_eval_index_reports_what_ir_measures_gives_on_the_served_results(served:
     for row in ("bm25", "knn", "fused", "final, conditional on the window"):
         assert row in printed
     assert f"{report['runs']['fused']['nDCG@10']:.3f}" in printed
+    assert "MRR@10" in printed and f"{report['runs']['fused']['RR@10']:.3f}" in printed
     assert f"candidate recall@30 (end-to-end): {recall['end_to_end']:.3f}" in printed
     assert "/?" not in printed  # every progress bar had its total
 

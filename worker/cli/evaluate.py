@@ -318,8 +318,8 @@ def _print_report(report: dict[str, Any]) -> None:
     measures = list(next(iter(report["runs"].values())))
     depth = report.get("depth") or {}
     table.add_column("run")
-    for measure in measures:
-        table.add_column(measure, justify="right")
+    for measure in measures:  # ir-measures' RR@10, averaged over the queries, is MRR@10
+        table.add_column("MRR@10" if measure == "RR@10" else measure, justify="right")
     table.add_column("depth", justify="right")
     for name, values in report["runs"].items():
         ranked = depth.get(name)
