@@ -36,6 +36,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from standardwebhooks.webhooks import Webhook
 
+from worker.constants import WEBHOOK_EVENT_BATCH_COMPLETED, WEBHOOK_EVENT_SEARCH_COMPLETED
 from worker.errors import InvalidRequest
 from worker.urlguard import IPAddress, check_webhook_url
 
@@ -44,8 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SEARCH_COMPLETED = "search.completed"
-BATCH_COMPLETED = "batch.completed"
+SEARCH_COMPLETED = WEBHOOK_EVENT_SEARCH_COMPLETED
+BATCH_COMPLETED = WEBHOOK_EVENT_BATCH_COMPLETED
 EVENT_TYPES = (SEARCH_COMPLETED, BATCH_COMPLETED)
 
 USER_AGENT = "Sift-Webhooks/1"
