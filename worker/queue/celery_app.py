@@ -85,16 +85,24 @@ def time_limits(settings: Settings) -> dict[str, tuple[float, float]]:
     }
 
 
+def visibility_timeout(
+    settings: Settings, limits: dict[str, tuple[float, float]] | None = None
+) -> int:
+    """Seconds after which kombu puts back a message still unacked: it must outlast the
+    longest task, and an economy poll, which waits up to SIFT_ECONOMY_POLL_MAX_SECONDS as an
+    unacked ETA task. A longer wait (a webhook's retry) is made in hops shorter than this."""
+    longest_hard = max(hard for _, hard in (limits or time_limits(settings)).values())
+    return settings.broker_visibility_timeout_seconds or (
+        int(2 * max(longest_hard, settings.economy_poll_max_seconds)) + 60
+    )
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Every Celery setting Sift relies on, in one place."""
     if not settings.redis_url:
         raise ConfigError("SIFT_REDIS_URL is required to run the queue")
     limits = time_limits(settings)
-    longest_hard = max(hard for _, hard in limits.values())
-    # an economy poll waits up to SIFT_ECONOMY_POLL_MAX_SECONDS as an unacked ETA task
-    visibility = settings.broker_visibility_timeout_seconds or (
-        int(2 * max(longest_hard, settings.economy_poll_max_seconds)) + 60
-    )
+    visibility = visibility_timeout(settings, limits)
     return {
         "broker_url": settings.redis_url,
         # kombu's Redis transport with a fix that keeps the worker alive when Redis restarts
