@@ -247,7 +247,8 @@ def ingest(self: SiftTask, job_id: str) -> None:
     ids = store.deletion_ids(job_id) if job.operation == "delete" else None
     documents = store.ingest_documents(job_id) if not deleting else []
     if documents is None or (job.operation == "delete" and ids is None):
-        store.finish_ingest(job_id, error=ErrorInfo(type="expired", message="documents expired"))
+        expired = ErrorInfo(type="expired", message="documents expired")
+        count_completed("ingest", store.finish_ingest(job_id, error=expired), expired)
         return
     if not store.start_ingest(job_id):
         return
