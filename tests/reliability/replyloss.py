@@ -15,6 +15,10 @@ other byte passes untouched, so a worker or a gateway can run its whole stack th
         ...
         assert proxy.fired.wait(30)
 
+Armed with ``outage=`` seconds, the proxy plays a Redis restart at that command instead:
+the command never reaches Redis, every connection breaks, and new ones are refused for that
+long.
+
 A reply that is a ``NOSCRIPT`` error (the script not yet loaded: nothing ran) passes, and
 the proxy stays armed for the next command that carries the bytes.
 """
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -40,15 +45,19 @@ class ReplyLoss:
         self.lost = b""  # the command whose reply was lost (for a failure message)
         self._target = target_port
         self._markers: tuple[bytes, ...] | None = None
+        self._outage = 0.0  # with the markers: how long Redis then seems down
+        self._down_until = 0.0  # time.monotonic() until which no connection is served
         self._lock = threading.Lock()
         self._server = socket.create_server(("127.0.0.1", self.port))
         self._open: list[socket.socket] = []
         self._closed = False
 
-    def arm(self, *markers: bytes) -> None:
-        """Lose the reply to the next command carrying every one of ``markers``."""
+    def arm(self, *markers: bytes, outage: float = 0.0) -> None:
+        """Lose the reply to the next command carrying every one of ``markers``. With
+        ``outage`` seconds, Redis goes down at that command instead: it is not sent, every
+        connection is broken, and new ones are closed at once for that long (a restart)."""
         with self._lock:
-            self._markers = markers
+            self._markers, self._outage = markers, outage
             self.fired.clear()
 
     def __enter__(self) -> ReplyLoss:
@@ -73,6 +82,9 @@ class ReplyLoss:
                 client, _ = self._server.accept()
             except OSError:
                 return
+            if time.monotonic() < self._down_until:  # "down": refused
+                _close(client)
+                continue
             upstream = socket.create_connection(("127.0.0.1", self._target))
             with self._lock:
                 self._open += [client, upstream]
@@ -96,12 +108,25 @@ class ReplyLoss:
             while data := link.client.recv(65536):
                 # a script call's keys and first arguments come in its first read
                 markers = self._claim(data)
+                if markers is not None and self._outage > 0:
+                    self._go_down(data)
+                    return
                 if markers is not None:
                     link.doomed, self.lost = markers, data
                 link.upstream.sendall(data)
         except OSError:
             pass
         link.close()
+
+    def _go_down(self, data: bytes) -> None:
+        """Redis "restarts" at ``data``, which is never sent: every connection breaks."""
+        with self._lock:
+            self._down_until = time.monotonic() + self._outage
+            self.lost = data
+            opened, self._open = self._open, []
+        self.fired.set()
+        for sock in opened:
+            _close(sock)
 
     def _down(self, link: _Link) -> None:
         """Redis to client: every byte, until the reply to a marked command, which is lost."""

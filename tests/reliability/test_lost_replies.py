@@ -38,7 +38,7 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import celery_worker, free_port, gateway, redis_server
-from worker.constants import BATCH_ITEMS_KEY, SEARCH_KEY
+from worker.constants import BATCH_ITEMS_KEY, SEARCH_KEY, WEBHOOK_QUEUE
 from worker.queue.jobstore.scripts import _CANCEL_BATCH
 
 pytestmark = pytest.mark.integration
@@ -182,3 +182,25 @@ def test_a_cancel_whose_reply_was_lost_answers_and_counts_what_it_canceled(
         },
         ("batch", "canceled"): 1.0,
     }, (moved, counts)
+
+
+@pytest.mark.timeout(300)
+def test_a_redis_restart_as_a_webhook_is_enqueued_delays_it_only_by_the_restart(
+    stack: LossStack, receiver: Receiver
+) -> None:
+    """Redis goes down for 2 s (as ``test_broker_restart.py`` restarts it) just as the
+    worker enqueues a finished search's webhook. The job store rides the restart out; the
+    webhook's enqueue must too, or it was lost with the task's failure (its message acked,
+    or left unacked until the visibility timeout brought it back, 27 minutes later)."""
+    stack.proxy.arm(b"LPUSH", WEBHOOK_QUEUE.encode(), outage=2.0)
+    response = stack.client.post(
+        "/v1/searches",
+        json={"index": INDEX, "query": sample_queries()[2], "webhook_url": receiver.url},
+        headers=ACME,
+    )
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    assert stack.proxy.fired.wait(60), "Redis never went down at the enqueue"
+    assert the_webhook(receiver, job_id) == ["succeeded"]
+    status = stack.client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"]
+    assert status == "succeeded"

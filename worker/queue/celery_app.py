@@ -52,6 +52,7 @@ from worker.errors import ConfigError
 from worker.queue.broker import broker_transport
 from worker.queue.intake import IntakeStep
 from worker.queue.redrive import ReconnectStep
+from worker.redis_client import OUTAGE_SECONDS
 from worker.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,16 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     ECONOMY_SUBMIT_TASK: {"queue": BATCH_QUEUE},
     ECONOMY_POLL_TASK: {"queue": BATCH_QUEUE},
     ECONOMY_CANCEL_TASK: {"queue": BATCH_QUEUE},
+}
+
+
+# Tries of a publish on a broken broker connection: 0.5 s, then every second, for about the
+# job store's outage window (worker/redis_client.py).
+PUBLISH_RETRY_POLICY: dict[str, float] = {
+    "max_retries": int(OUTAGE_SECONDS),
+    "interval_start": 0.0,
+    "interval_step": 0.5,
+    "interval_max": 1.0,
 }
 
 
@@ -114,6 +125,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "event_serializer": "json",
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
+        # a message a task sends (a webhook, a retry) rides out a Redis restart as the job
+        # store does: Celery's default gives up after 3 tries in 0.6 s, and the task failed
+        # with its job final and its webhook never enqueued
+        "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
         "worker_prefetch_multiplier": 1,
         "worker_pool": settings.worker_pool,
         "worker_concurrency": settings.worker_concurrency,
