@@ -24,10 +24,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import ACME, INDEX, ingest, sample_queries, stack_env, wait_for
-from tests.services import celery_worker, gateway, redis_server
+from tests.services import celery_worker, free_port, gateway, redis_server
 from worker.webhooks import RETRY_SCHEDULE_SECONDS
 
 pytestmark = pytest.mark.integration
@@ -77,6 +78,17 @@ class FlakyReceiver:
             return len(self.bodies)
 
 
+def deliveries(url: str) -> dict[str, float]:
+    """``sift_webhook_deliveries_total`` by ``result``, as the worker serves it."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        if family.name == "sift_webhook_deliveries":
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.value:
+                    out[sample.labels["result"]] = sample.value
+    return out
+
+
 @pytest.fixture
 def flaky() -> Iterator[FlakyReceiver]:
     yield from FlakyReceiver(FAILURES).serve()
@@ -88,10 +100,12 @@ def test_a_retry_waiting_past_the_visibility_timeout_is_sent_once(
 ) -> None:
     # the wait before the attempt that succeeds outlasts the visibility timeout
     assert RETRY_SCHEDULE_SECONDS[FAILURES] * SCALE * 0.8 > 2 * VISIBILITY_SECONDS
+    port = free_port()
     with FakeAnthropic(delay=0.05) as model, redis_server(tmp_path / "redis") as url:
         env = stack_env(
             url + "/0",
             model.url,
+            SIFT_WORKER_METRICS_PORT=str(port),
             SIFT_BROKER_VISIBILITY_TIMEOUT_SECONDS=str(VISIBILITY_SECONDS),
             SIFT_WEBHOOK_RETRY_SCALE=str(SCALE),
         )
@@ -113,7 +127,9 @@ def test_a_retry_waiting_past_the_visibility_timeout_is_sent_once(
             # another attempt's, which a 204 ends: give both time to land
             time.sleep(3 * VISIBILITY_SECONDS)
             status = client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"]
+            counted = deliveries(f"http://127.0.0.1:{port}/metrics")
     bodies = flaky.bodies
     assert len(bodies) == FAILURES + 1, [b["timestamp"] for b in bodies]
     assert all(b == bodies[0] for b in bodies)  # the same event, the same bytes
     assert bodies[0]["data"] == {"id": job_id, "status": status}
+    assert counted == {"retry": float(FAILURES), "delivered": 1.0}  # one count per attempt
