@@ -603,8 +603,21 @@ async def get_batch_results(
     "processed come back canceled.",
 )
 async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
-    await _owned_batch(request, batch_id, tenant)
-    outcome = await off_loop(job_store(request).cancel_batch, batch_id)
+    owned = await _owned_batch(request, batch_id, tenant)
+    sender = task_sender(request)
+    # the webhook of a cancel that completes the batch goes out with the cancel itself (one
+    # script): announced even if the answer is lost or this gateway dies right after
+    announce: list[tuple[str, str]] = []
+    if owned.webhook_url and isinstance(sender, OutboxSender):
+        event = webhook_event(
+            WEBHOOK_EVENT_BATCH_COMPLETED,
+            batch_id,
+            tenant,
+            owned.webhook_url,
+            JobStatus.CANCELED.value,
+        )
+        announce = sender.messages([(WEBHOOK_TASK, [event], WEBHOOK_QUEUE)])
+    outcome = await off_loop(job_store(request).cancel_batch, batch_id, announce=announce)
     if outcome is CancelOutcome.MISSING:
         raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
     if isinstance(outcome, CancelOutcome):  # already finished: nothing changed
@@ -619,14 +632,14 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
     batch = await _owned_batch(request, batch_id, tenant)
     if batch.lane == LANE_ECONOMY and not completed and batch.finished_at is None:
         # items waiting on the provider end when their provider batches are canceled
-        await off_loop(task_sender(request).send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
+        await off_loop(sender.send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
     if canceled:
         metrics.job_completed("batch_item", "canceled", count=canceled)
     if completed:
         metrics.job_completed("batch", batch.status.value)
-    if completed and batch.webhook_url:
+    if completed and batch.webhook_url and not announce:
         event = webhook_event(
             WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant, batch.webhook_url, batch.status.value
         )
-        await off_loop(task_sender(request).send, WEBHOOK_TASK, [event], WEBHOOK_QUEUE)
+        await off_loop(sender.send, WEBHOOK_TASK, [event], WEBHOOK_QUEUE)
     return batch_out(batch)

@@ -24,6 +24,8 @@ ATTEMPTS_KEY = REDIS_PREFIX + "attempts:"  # + task id + ":" + retry number -> d
 BATCH_ORDER_KEY = REDIS_PREFIX + "batch-order:"  # + batch id -> list of query ids, submission order
 BATCH_SPECS_KEY = REDIS_PREFIX + "batch-specs:"  # + batch id -> hash query_id -> SearchSpec JSON
 BATCH_RESULTS_KEY = REDIS_PREFIX + "batch-results:"  # + batch id -> hash query_id -> outcome JSON
+# + batch id -> hash query_id -> the token and answer of the move that made the item final
+BATCH_MOVES_KEY = REDIS_PREFIX + "batch-moves:"
 INGEST_KEY = REDIS_PREFIX + "ingest:"  # + ingest job id -> job record (hash)
 INGEST_DOCS_KEY = REDIS_PREFIX + "ingest-docs:"  # + ingest job id -> documents JSON
 # the index lifecycle (issue 13): every accepted write's version, and index reads' answers

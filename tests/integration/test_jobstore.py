@@ -7,6 +7,7 @@ import json
 import random
 import threading
 import time
+from typing import Any
 
 import pytest
 import redis
@@ -15,6 +16,7 @@ from worker.constants import (
     BATCH_COUNTS_KEY,
     BATCH_ITEMS_KEY,
     BATCH_KEY,
+    BATCH_MOVES_KEY,
     BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
     BATCH_SPECS_KEY,
@@ -231,6 +233,59 @@ def test_a_cancel_racing_the_last_finish_is_decided_by_one_side(store: JobStore)
     assert len(seen) >= 2  # the race went more than one way
 
 
+def test_a_status_change_sent_again_after_it_ran_answers_as_it_ran(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """redis-py sends a command again when the connection broke with its reply still out (a
+    Redis restart, a network blip): every status change here runs twice, as it then does.
+    The second run answers what the first did and changes nothing more, so a finish is
+    still announced (webhook, count), the finish that completed a batch still says so, and
+    a cancel still says what it canceled (not ``already_finished``); its webhook, written
+    by the cancel when it completes the batch, is written once."""
+    real_scripts, real_cancel = store._evalsha_all, store._cancel_batch
+
+    def twice(calls: list[Any]) -> list[Any]:
+        real_scripts(calls)
+        return real_scripts(calls)
+
+    def cancel_twice(**kwargs: Any) -> Any:
+        real_cancel(**kwargs)
+        return real_cancel(**kwargs)
+
+    monkeypatch.setattr(store, "_evalsha_all", twice)
+    monkeypatch.setattr(store, "_cancel_batch", cancel_twice)
+    job = store.create_search("acme", spec())
+    assert store.start_search(job.id)
+    assert store.finish_search(job.id, result=result("r"))
+    assert not store.finish_search(job.id, result=result("late"))  # another call: refused
+    assert store.get_search_status(job.id) == "succeeded"
+
+    single = store.create_batch("acme", "docs", [("a", spec())])
+    assert store.start_item(single.id, "a")
+    done = store.finish_item(single.id, "a", result=result("r"))
+    assert done.applied and done.batch_completed
+
+    batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(3)])
+    assert store.start_item(batch.id, "q0")
+    assert store.finish_item(batch.id, "q0", result=result("r")) == ItemTransition(True)
+    assert store.start_item(batch.id, "q1")
+    hooks = [("q.hooks", "batch.completed")]
+    assert store.cancel_batch(batch.id, announce=hooks) == (1, False)  # q2; q1 is running
+    stopped = store.check_item(batch.id, "q1")  # before its model call: canceled
+    assert stopped == ItemTransition(applied=True, batch_completed=True, canceled=True)
+    assert store.redis.llen("q.hooks") == 0  # the worker that completed it announces it
+    got = store.get_batch(batch.id)
+    assert got is not None and got.status == "canceled"
+    assert got.counts == {"queued": 0, "running": 0, "succeeded": 1, "failed": 0, "canceled": 2}
+
+    queued = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(2)])
+    assert store.cancel_batch(queued.id, announce=hooks) == (2, True)
+    assert store.redis.lrange("q.hooks", 0, -1) == ["batch.completed"]  # once
+    assert store.cancel_batch(queued.id, announce=hooks) is CancelOutcome.ALREADY_FINISHED
+    assert store.redis.llen("q.hooks") == 1
+    assert store.in_flight() == {"queued": 0, "running": 0}
+
+
 def test_finish_and_start_item_moves_both_in_one_call(store: JobStore) -> None:
     batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(3)])
     assert store.start_item(batch.id, "q0")
@@ -307,6 +362,7 @@ def test_every_record_has_a_ttl(store: JobStore) -> None:
             BATCH_ITEMS_KEY,
             BATCH_COUNTS_KEY,
             BATCH_RESULTS_KEY,
+            BATCH_MOVES_KEY,
         )
     ]
     for key in keys:

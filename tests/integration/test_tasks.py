@@ -185,3 +185,35 @@ def test_ingest_task(context: base.WorkerContext) -> None:
     tasks.ingest.apply(args=[job.id])
     done = context.store.get_ingest(job.id)
     assert done is not None and done.status == "succeeded" and done.upserted == 1
+
+
+def test_an_ingest_whose_documents_expired_is_failed_and_counted_once(
+    context: base.WorkerContext,
+) -> None:
+    """The documents wait 24 h for their task; one run later fails ``expired``, and that
+    failure is counted like any other (it was not: the record said failed, the counters
+    said nothing). A redelivery of it changes nothing and counts nothing more."""
+    from prometheus_client import REGISTRY
+
+    from worker.constants import INGEST_DOCS_KEY
+
+    def counted() -> tuple[float, float]:
+        done = REGISTRY.get_sample_value(
+            "sift_jobs_completed_total", {"kind": "ingest", "status": "failed"}
+        )
+        failures = REGISTRY.get_sample_value(
+            "sift_job_failures_total", {"kind": "ingest", "error": "internal"}
+        )
+        return done or 0.0, failures or 0.0
+
+    context._runtime = ScriptedRuntime()
+    job = context.store.create_ingest("acme", "docs", [DocumentIn(id="1", text="t")])
+    context.store.redis.delete(INGEST_DOCS_KEY + job.id)  # past its TTL
+    before = counted()
+    for _ in range(2):
+        tasks.ingest.apply(args=[job.id])
+    done = context.store.get_ingest(job.id)
+    assert done is not None and done.status == "failed"
+    assert done.error is not None and done.error.type == "expired"
+    after = counted()
+    assert (after[0] - before[0], after[1] - before[1]) == (1.0, 1.0)

@@ -52,6 +52,7 @@ from worker.errors import ConfigError
 from worker.queue.broker import broker_transport
 from worker.queue.intake import IntakeStep
 from worker.queue.redrive import ReconnectStep
+from worker.redis_client import OUTAGE_SECONDS
 from worker.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,16 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
 }
 
 
+# Tries of a publish on a broken broker connection: 0.5 s, then every second, for about the
+# job store's outage window (worker/redis_client.py).
+PUBLISH_RETRY_POLICY: dict[str, float] = {
+    "max_retries": int(OUTAGE_SECONDS),
+    "interval_start": 0.0,
+    "interval_step": 0.5,
+    "interval_max": 1.0,
+}
+
+
 def time_limits(settings: Settings) -> dict[str, tuple[float, float]]:
     """(soft, hard) seconds per task, derived from the search deadline."""
     search_soft = settings.search_deadline_seconds + 5.0
@@ -85,16 +96,24 @@ def time_limits(settings: Settings) -> dict[str, tuple[float, float]]:
     }
 
 
+def visibility_timeout(
+    settings: Settings, limits: dict[str, tuple[float, float]] | None = None
+) -> int:
+    """Seconds after which kombu puts back a message still unacked: it must outlast the
+    longest task, and an economy poll, which waits up to SIFT_ECONOMY_POLL_MAX_SECONDS as an
+    unacked ETA task. A longer wait (a webhook's retry) is made in hops shorter than this."""
+    longest_hard = max(hard for _, hard in (limits or time_limits(settings)).values())
+    return settings.broker_visibility_timeout_seconds or (
+        int(2 * max(longest_hard, settings.economy_poll_max_seconds)) + 60
+    )
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Every Celery setting Sift relies on, in one place."""
     if not settings.redis_url:
         raise ConfigError("SIFT_REDIS_URL is required to run the queue")
     limits = time_limits(settings)
-    longest_hard = max(hard for _, hard in limits.values())
-    # an economy poll waits up to SIFT_ECONOMY_POLL_MAX_SECONDS as an unacked ETA task
-    visibility = settings.broker_visibility_timeout_seconds or (
-        int(2 * max(longest_hard, settings.economy_poll_max_seconds)) + 60
-    )
+    visibility = visibility_timeout(settings, limits)
     return {
         "broker_url": settings.redis_url,
         # kombu's Redis transport with a fix that keeps the worker alive when Redis restarts
@@ -106,6 +125,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "event_serializer": "json",
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
+        # a message a task sends (a webhook, a retry) rides out a Redis restart as the job
+        # store does: Celery's default gives up after 3 tries in 0.6 s, and the task failed
+        # with its job final and its webhook never enqueued
+        "task_publish_retry_policy": PUBLISH_RETRY_POLICY,
         "worker_prefetch_multiplier": 1,
         "worker_pool": settings.worker_pool,
         "worker_concurrency": settings.worker_concurrency,

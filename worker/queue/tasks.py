@@ -34,9 +34,11 @@ from worker.constants import (
 from worker.contract import ErrorInfo
 from worker.errors import Canceled, SiftError
 from worker.queue.base import SiftTask, count_completed, error_info
+from worker.queue.celery_app import visibility_timeout
 from worker.queue.economy import economy_pipeline, maybe_submit, save_prepared
 from worker.queue.items import CancelMarks, Chunk, RunOutcome
 from worker.queue.jobstore import BatchItem, ItemTransition, JobStore
+from worker.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +247,8 @@ def ingest(self: SiftTask, job_id: str) -> None:
     ids = store.deletion_ids(job_id) if job.operation == "delete" else None
     documents = store.ingest_documents(job_id) if not deleting else []
     if documents is None or (job.operation == "delete" and ids is None):
-        store.finish_ingest(job_id, error=ErrorInfo(type="expired", message="documents expired"))
+        expired = ErrorInfo(type="expired", message="documents expired")
+        count_completed("ingest", store.finish_ingest(job_id, error=expired), expired)
         return
     if not store.start_ingest(job_id):
         return
@@ -309,10 +312,20 @@ def index_read(
     name=WEBHOOK_TASK, base=SiftTask, bind=True, max_retries=None
 )
 def webhook(self: SiftTask, event: dict[str, Any]) -> None:
-    """Deliver one signed webhook; :func:`worker.webhooks.run_delivery` decides the retry."""
+    """Deliver one signed webhook; :func:`worker.webhooks.run_delivery` decides the retry.
+
+    The event carries its attempt number and, while it waits for that attempt, when it is
+    due (``due_at``). A wait is made in hops of at most half the broker's visibility timeout,
+    each a message of its own, acked as the next is sent: a message held unacked past the
+    timeout is put back by kombu while its worker still holds it, and the copies each made
+    the attempt (the schedule's waits run to 10 hours; the timeout is about 27 minutes)."""
     from worker import webhooks
 
     settings = self.context.settings
+    wait = float(event.get("due_at", 0.0)) - time.time()
+    if wait > 0:  # not yet due: another hop
+        raise self.retry(args=[event], countdown=min(wait, _hop_seconds(settings)))
+    attempt = int(event.get("attempt", self.request.retries + 1))
     secrets = next(
         (k.webhook_secrets() for k in settings.all_api_keys() if k.tenant == event["tenant"]), None
     )
@@ -330,10 +343,16 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         job_id=data["id"],
         status=data["status"],
         occurred_at=event["occurred_at"],
-        attempt=self.request.retries + 1,
+        attempt=attempt,
         secrets=secrets,
         settings=settings,
     )
     metrics.webhook_delivery(decision.result.outcome.value)
     if decision.retry_in is not None:
-        raise self.retry(countdown=decision.retry_in)
+        later = {**event, "attempt": attempt + 1, "due_at": time.time() + decision.retry_in}
+        raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
+
+
+def _hop_seconds(settings: Settings) -> float:
+    """The longest a webhook's message waits for its attempt: half the visibility timeout."""
+    return visibility_timeout(settings) / 2

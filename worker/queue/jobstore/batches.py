@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import cast
 
 import redis
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from worker.constants import (
     ACTIVE_JOBS_KEY,
@@ -43,7 +44,17 @@ from worker.queue.jobstore.records import (
     _now,
     _opt_float,
 )
-from worker.queue.jobstore.store import _CHECK_ITEM, _START_ITEM, _Move, _StoreCore
+from worker.queue.jobstore.store import (
+    _CHECK_ITEM,
+    _START_ITEM,
+    _Move,
+    _StoreCore,
+    move_token,
+)
+
+# How long a cancel is sent again on a broken connection (a Redis restart) before the gateway
+# answers 503: it is safe to send again (its token), and its answer says what was canceled.
+CANCEL_RETRY_SECONDS = 5.0
 
 
 def _staged_keys(batch_id: str) -> tuple[str, str, str]:
@@ -281,21 +292,36 @@ class BatchRecords(_StoreCore):
         transitions = self._items(moves)
         return transitions[0], transitions[1] if start is not None else None
 
-    def cancel_batch(self, batch_id: str) -> tuple[int, bool] | CancelOutcome:
+    def cancel_batch(
+        self, batch_id: str, *, announce: Sequence[tuple[str, str]] = ()
+    ) -> tuple[int, bool] | CancelOutcome:
         """Mark the batch canceled and cancel every item still queued; an item already
         taken by a worker is canceled when it next checks the mark (before it starts and
         before its model call). Returns (canceled now, batch completed now); a missing or
-        finished batch changes nothing and returns why."""
+        finished batch changes nothing and returns why.
+
+        ``announce`` (broker messages, (list key, raw message): the batch's webhook) is
+        written by the same script if the cancel completes the batch, so that completion is
+        announced even when the caller never hears the answer. The script is sent again,
+        with the same token, on a broken connection for :data:`CANCEL_RETRY_SECONDS`: a
+        reply lost after the cancel ran is answered as it ran (not ``already_finished``)."""
         keys = [
             BATCH_ITEMS_KEY + batch_id,
             BATCH_COUNTS_KEY + batch_id,
             BATCH_KEY + batch_id,
             STATS_KEY,
             ACTIVE_JOBS_KEY,
+            *[key for key, _ in announce],
         ]
-        canceled, completed = cast(
-            list[int], self._cancel_batch(keys=keys, args=[repr(_now()), batch_id])
+        args = [repr(_now()), batch_id, move_token(), *[raw for _, raw in announce]]
+        retrying = Retrying(
+            retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
+            stop=stop_after_delay(CANCEL_RETRY_SECONDS),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            reraise=True,
         )
+        reply = retrying(self._cancel_batch, keys=keys, args=args)
+        canceled, completed = cast(list[int], reply)
         if canceled == -1:
             return CancelOutcome.MISSING
         if canceled == -2:

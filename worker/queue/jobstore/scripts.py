@@ -6,16 +6,21 @@ They are plain sources here; :class:`~worker.queue.jobstore.store._StoreCore` re
 
 from __future__ import annotations
 
-# KEYS: record, stats, active. ARGV: to, allowed-from (comma list), ttl, now, job id, then
-# field/value pairs. Returns -1 when the record is missing, 0 when refused, 1 when applied.
+# KEYS: record, stats, active. ARGV: to, allowed-from (comma list), ttl, now, job id, the
+# move's token, then field/value pairs. Returns -1 when the record is missing, 0 when refused,
+# 1 when applied. The token makes the call safe to send again: the client sends it again when
+# the connection breaks after the script ran (only its reply lost), and then the record
+# already holds the token, so the answer is the first run's (1), not a refusal that would
+# leave the finish unannounced (no webhook, no count).
 _TRANSITION_JOB = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
+if ARGV[6] ~= '' and redis.call('HGET', KEYS[1], 'move') == ARGV[6] then return 1 end
 if cur == 'succeeded' or cur == 'failed' or cur == 'canceled' then return 0 end
 local to = ARGV[1]
 if not string.find(',' .. ARGV[2] .. ',', ',' .. cur .. ',', 1, true) then return 0 end
-redis.call('HSET', KEYS[1], 'status', to)
-for i = 6, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('HSET', KEYS[1], 'status', to, 'move', ARGV[6])
+for i = 7, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 if cur ~= to then
   if cur == 'queued' or cur == 'running' then redis.call('HINCRBY', KEYS[2], cur, -1) end
   if to == 'queued' or to == 'running' then redis.call('HINCRBY', KEYS[2], to, 1) end
@@ -29,15 +34,26 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return 1
 """
 
-# KEYS: items, results, counts, batch, stats, active.
-# ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now, batch id, and '1'
+# KEYS: items, results, counts, batch, stats, active, moves.
+# ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now, batch id, '1'
 # when a cancel of the batch turns this move into a cancel (a start, or the check before the
-# model call; the batch's cancel mark is read in the same script, so no round trip more).
+# model call; the batch's cancel mark is read in the same script, so no round trip more), and
+# the move's token.
 # Returns {code, 1 if the move became a cancel}: code -1 missing, 0 refused, 1 applied,
-# 2 applied and the batch just completed.
+# 2 applied and the batch just completed. A move that makes the item final keeps its token
+# and answer in the moves hash (living as long as the results hash), so the same call sent
+# again after its reply was lost (a broken connection, a Redis restart) answers what the first
+# run did, and the batch's completion is not lost with that reply.
 _TRANSITION_ITEM = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return {-1, 0} end
+if ARGV[8] ~= '' then
+  local last = redis.call('HGET', KEYS[7], ARGV[1])
+  if last then
+    local token, code, canceled = string.match(last, '^(%S+) (%d) (%d)$')
+    if token == ARGV[8] then return {tonumber(code), tonumber(canceled)} end
+  end
+end
 if cur == 'succeeded' or cur == 'failed' or cur == 'canceled' then return {0, 0} end
 local to, outcome, canceled = ARGV[2], ARGV[4], 0
 if not string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return {0, 0} end
@@ -52,25 +68,46 @@ if cur ~= to then
   if cur == 'queued' or cur == 'running' then redis.call('HINCRBY', KEYS[5], cur, -1) end
   if to == 'queued' or to == 'running' then redis.call('HINCRBY', KEYS[5], to, 1) end
 end
-if to == 'succeeded' or to == 'failed' or to == 'canceled' then
-  local c = redis.call('HMGET', KEYS[3], 'succeeded', 'failed', 'canceled')
-  local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
-  local total = tonumber(redis.call('HGET', KEYS[4], 'total')) or -1
-  if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 then
-    redis.call('ZREM', KEYS[6], ARGV[6])
-    return {2, canceled}
-  end
+if to ~= 'succeeded' and to ~= 'failed' and to ~= 'canceled' then
+  redis.call('ZADD', KEYS[6], 'XX', ARGV[5], ARGV[6])
+  return {1, canceled}
 end
-redis.call('ZADD', KEYS[6], 'XX', ARGV[5], ARGV[6])
-return {1, canceled}
+local code = 1
+local c = redis.call('HMGET', KEYS[3], 'succeeded', 'failed', 'canceled')
+local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
+local total = tonumber(redis.call('HGET', KEYS[4], 'total')) or -1
+if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 then
+  redis.call('ZREM', KEYS[6], ARGV[6])
+  code = 2
+else
+  redis.call('ZADD', KEYS[6], 'XX', ARGV[5], ARGV[6])
+end
+if ARGV[8] ~= '' then
+  redis.call('HSET', KEYS[7], ARGV[1], ARGV[8] .. ' ' .. code .. ' ' .. canceled)
+  local ttl = redis.call('TTL', KEYS[2])
+  if ttl > 0 and redis.call('TTL', KEYS[7]) == -1 then redis.call('EXPIRE', KEYS[7], ttl) end
+end
+return {code, canceled}
 """
 
-# KEYS: items, counts, batch, stats, active. ARGV: now, batch id.
+# KEYS: items, counts, batch, stats, active, then one list per message to push if the
+# cancel completes the batch (its webhook). ARGV: now, batch id, the cancel's token, then
+# those raw messages. A cancel that completes the batch canceled at least one item (a
+# running one would have kept it open), so the batch ends ``canceled``.
 # Returns {canceled count, 1 if the batch just completed}, {-1, 0} when missing, and
 # {-2, 0} when the batch had already finished: then nothing is written (the check and the
 # cancel are one script, so a cancel racing the last item's finish is decided by one side).
+# The batch keeps the last cancel's token and answer, so the same call sent again after its
+# reply was lost answers what it did (not "already finished" for a cancel that finished it).
 _CANCEL_BATCH = """
 if redis.call('EXISTS', KEYS[3]) == 0 then return {-1, 0} end
+if ARGV[3] ~= '' then
+  local last = redis.call('HGET', KEYS[3], 'cancel_move')
+  if last then
+    local token, n, completed = string.match(last, '^(%S+) (%d+) (%d)$')
+    if token == ARGV[3] then return {tonumber(n), tonumber(completed)} end
+  end
+end
 if redis.call('HEXISTS', KEYS[3], 'finished_at') == 1 then return {-2, 0} end
 redis.call('HSETNX', KEYS[3], 'canceled_at', ARGV[1])
 local all = redis.call('HGETALL', KEYS[1])
@@ -89,11 +126,16 @@ end
 local c = redis.call('HMGET', KEYS[2], 'succeeded', 'failed', 'canceled')
 local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0)
 local total = tonumber(redis.call('HGET', KEYS[3], 'total')) or -1
+local completed = 0
 if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 then
   redis.call('ZREM', KEYS[5], ARGV[2])
-  return {n, 1}
+  completed = 1
+  for i = 6, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 2]) end
 end
-return {n, 0}
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[3], 'cancel_move', ARGV[3] .. ' ' .. n .. ' ' .. completed)
+end
+return {n, completed}
 """
 
 

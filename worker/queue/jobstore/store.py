@@ -22,6 +22,7 @@ from worker.constants import (
     BATCH_COUNTS_KEY,
     BATCH_ITEMS_KEY,
     BATCH_KEY,
+    BATCH_MOVES_KEY,
     BATCH_RESULTS_KEY,
     RESULT_TTL_SECONDS,
     STATS_KEY,
@@ -44,6 +45,13 @@ _ScriptCall = tuple[Script, list[str], list[str]]  # a registered script, its ke
 _START_ITEM = (JobStatus.RUNNING, "queued,running", "", True)
 _CHECK_ITEM = (JobStatus.RUNNING, "running", "", True)  # before the model call
 _Move = tuple[str, str, JobStatus, str, str, bool]  # batch id, query id, then as above
+
+
+def move_token() -> str:
+    """A fresh token for one status change: its script keeps it with what it did, so the same
+    call sent again (redis-py does, after a connection broke with the reply still out) answers
+    what the first run did instead of refusing its own move."""
+    return os.urandom(8).hex()
 
 
 def _rerun(call: _ScriptCall) -> Any:
@@ -122,7 +130,7 @@ class _StoreCore:
         *,
         count: bool = True,
     ) -> bool:
-        args: list[str] = [to.value, allowed, str(self.result_ttl), repr(_now()), job_id]
+        args = [to.value, allowed, str(self.result_ttl), repr(_now()), job_id, move_token()]
         for name, value in (fields or {}).items():
             args += [name, value]
         stats = STATS_KEY if count else STATS_UNTRACKED_KEY
@@ -158,8 +166,18 @@ class _StoreCore:
                     BATCH_KEY + batch_id,
                     STATS_KEY,
                     ACTIVE_JOBS_KEY,
+                    BATCH_MOVES_KEY + batch_id,
                 ],
-                [query_id, to.value, allowed, payload, now, batch_id, "1" if cancelable else ""],
+                [
+                    query_id,
+                    to.value,
+                    allowed,
+                    payload,
+                    now,
+                    batch_id,
+                    "1" if cancelable else "",
+                    move_token(),
+                ],
             )
             for batch_id, query_id, to, allowed, payload, cancelable in moves
         ]

@@ -1,0 +1,112 @@
+"""The same Celery message delivered twice tells the truth once, on a real stack at defaults.
+
+A broker can deliver a message twice (kombu's restore racing an ack, a client publishing
+again after a lost reply). Here every task message of a search and of a batch is copied in
+the broker's queue before the worker starts, so the two copies run side by side. The job
+store's compare-and-set must keep one outcome per job and per item, and the job's status,
+its counts, its result pages, its ``*.completed`` webhook and the worker's
+``sift_jobs_completed_total`` must each say it once.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import (
+    ACME,
+    INDEX,
+    Receiver,
+    all_results,
+    batch_counts,
+    ingest,
+    sample_queries,
+    stack_env,
+    submit_batch,
+    wait_for,
+)
+from tests.reliability.test_lost_replies import completed, increase
+from tests.services import celery_worker, free_port, gateway, redis_server
+from worker.constants import BATCH_QUEUE, SEARCH_QUEUE
+
+pytestmark = pytest.mark.integration
+
+TOTAL = 60  # three chunks at the default chunk size
+
+
+def _duplicate(client: redis.Redis, queue: str) -> int:
+    """Push a second copy of every message waiting in ``queue``; answers how many."""
+    messages = client.lrange(queue, 0, -1)
+    for raw in messages:
+        client.lpush(queue, raw)
+    return len(messages)
+
+
+@pytest.mark.timeout(300)
+def test_every_message_delivered_twice_still_finishes_each_job_once(
+    tmp_path: Path, receiver: Receiver
+) -> None:
+    port = free_port()
+    metrics = f"http://127.0.0.1:{port}/metrics"
+    with FakeAnthropic(delay=0.2) as model, redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", model.url, SIFT_WORKER_METRICS_PORT=str(port))
+        raw = redis.Redis.from_url(url + "/0")
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            with celery_worker(tmp_path / "w0", env, "w0"):
+                ingest(client)  # then no worker: the messages wait, and are copied
+            search = client.post(
+                "/v1/searches",
+                json={"index": INDEX, "query": sample_queries()[1], "webhook_url": receiver.url},
+                headers=ACME,
+            )
+            assert search.status_code == 202, search.text
+            search_id = search.json()["id"]
+            batch_id = submit_batch(client, TOTAL, webhook_url=receiver.url)
+            assert _duplicate(raw, SEARCH_QUEUE) == 1
+            assert _duplicate(raw, BATCH_QUEUE) == 3
+            with celery_worker(tmp_path / "w", env, "w"):
+                before = completed(metrics)
+                wait_for(
+                    lambda: batch_counts(client, batch_id)["finished_at"] is not None,
+                    "the batch finished",
+                )
+                wait_for(
+                    lambda: (
+                        client.get(f"/v1/searches/{search_id}", headers=ACME).json()["status"]
+                        == "succeeded"
+                    ),
+                    "the search finished",
+                )
+                wait_for(lambda: raw.llen(BATCH_QUEUE) == 0, "both copies taken")
+                wait_for(lambda: len(receiver.deliveries) >= 2, "the webhooks")
+                time.sleep(2.0)  # a second webhook, if any, lands now
+                moved = increase(before, completed(metrics))
+            batch = batch_counts(client, batch_id)
+            results = all_results(client, batch_id)
+        raw.close()
+    counts = batch["counts"]
+    assert batch["status"] == "succeeded" and counts["succeeded"] == TOTAL, batch
+    assert [r["query_id"] for r in results] == [f"q{i:05d}" for i in range(TOTAL)]
+    assert all(r["status"] == "succeeded" and "result" in r for r in results)
+    statuses = {
+        job: [d.body["data"]["status"] for d in receiver.for_job(job)]
+        for job in (search_id, batch_id)
+    }
+    # a copy that finds its job already final sends the webhook again (the same webhook-id):
+    # at least once, and always the final status
+    assert statuses[batch_id] == ["succeeded"], statuses
+    assert set(statuses[search_id]) == {"succeeded"}, statuses
+    assert moved == {
+        ("search", "succeeded"): 1.0,
+        ("batch_item", "succeeded"): float(TOTAL),
+        ("batch", "succeeded"): 1.0,
+    }, moved
+    print(f"model calls for {TOTAL + 1} searches delivered twice: {len(model.requests())}")

@@ -1,0 +1,206 @@
+"""A status change whose reply was lost still tells the truth, on a real stack at defaults.
+
+The worker and the gateway reach Redis through :class:`~tests.reliability.replyloss.ReplyLoss`,
+which lets one command through and breaks the connection before its reply comes back (a
+Redis restart or a network blip at that instant). redis-py sends the command again on a new
+connection; the job store's scripts must answer that second run as the first ran, or the
+change is made and nobody hears of it: a search or batch finished with no webhook and no
+count, a cancel that canceled the items answered ``409 already_finished``.
+
+Each test checks that the job's status, its counts, its ``*.completed`` webhook and the
+``sift_jobs_completed_total`` counters of the worker and the gateway agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.replyloss import ReplyLoss
+from tests.reliability.support import (
+    ACME,
+    INDEX,
+    Receiver,
+    batch_counts,
+    ingest,
+    sample_queries,
+    stack_env,
+    submit_batch,
+    wait_for,
+)
+from tests.services import celery_worker, free_port, gateway, redis_server
+from worker.constants import BATCH_ITEMS_KEY, SEARCH_KEY, WEBHOOK_QUEUE
+from worker.queue.jobstore.scripts import _CANCEL_BATCH
+
+pytestmark = pytest.mark.integration
+
+# what a script call that finishes a job or an item carries: its new status, and the ones it
+# may come from
+FINISHED = (b"EVALSHA", b"\r\nsucceeded\r\n", b"\r\nqueued,running\r\n")
+CANCEL_SCRIPT = hashlib.sha1(_CANCEL_BATCH.encode()).hexdigest().encode()
+
+
+@dataclass
+class LossStack:
+    client: httpx.Client
+    proxy: ReplyLoss
+    worker_metrics: str
+    model: FakeAnthropic
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LossStack]:
+    tmp = Path(tmp_path_factory.mktemp("lost-replies"))
+    port = free_port()
+    with (
+        FakeAnthropic(delay=0.05) as model,
+        redis_server(tmp / "redis") as url,
+        ReplyLoss(int(url.rsplit(":", 1)[1])) as proxy,
+    ):
+        env = stack_env(proxy.url + "/0", model.url, SIFT_WORKER_METRICS_PORT=str(port))
+        with (
+            gateway(tmp / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+            celery_worker(tmp / "w", env, "w"),
+        ):
+            ingest(client)
+            yield LossStack(client, proxy, f"http://127.0.0.1:{port}/metrics", model)
+
+
+def completed(url: str) -> dict[tuple[str, str], float]:
+    """``sift_jobs_completed_total`` by (kind, status), as ``url`` serves it now."""
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        if family.name == "sift_jobs_completed":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    key = (sample.labels["kind"], sample.labels["status"])
+                    out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def increase(
+    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]
+) -> dict[tuple[str, str], float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def the_webhook(receiver: Receiver, job_id: str) -> list[str]:
+    """The statuses of the job's webhooks, once one has come (and a second had time to)."""
+    wait_for(lambda: bool(receiver.for_job(job_id)), f"the webhook of {job_id}", 60)
+    time.sleep(1.0)
+    return [d.body["data"]["status"] for d in receiver.for_job(job_id)]
+
+
+def counters(stack: LossStack) -> dict[tuple[str, str], float]:
+    """The worker's and the gateway's counters, summed."""
+    both = completed(stack.worker_metrics)
+    for key, value in completed(str(stack.client.base_url) + "/metrics").items():
+        both[key] = both.get(key, 0.0) + value
+    return both
+
+
+@pytest.mark.timeout(180)
+def test_a_search_whose_finish_reply_was_lost_still_sends_its_webhook_and_counts_once(
+    stack: LossStack, receiver: Receiver
+) -> None:
+    before = counters(stack)
+    stack.proxy.arm(*FINISHED, SEARCH_KEY.encode())
+    response = stack.client.post(
+        "/v1/searches",
+        json={"index": INDEX, "query": sample_queries()[0], "webhook_url": receiver.url},
+        headers=ACME,
+    )
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    assert stack.proxy.fired.wait(60), "the finish's reply was never lost"
+    wait_for(
+        lambda: (
+            stack.client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"] == "succeeded"
+        ),
+        "the search succeeded",
+    )
+    assert the_webhook(receiver, job_id) == ["succeeded"]
+    assert increase(before, counters(stack)) == {("search", "succeeded"): 1.0}
+
+
+@pytest.mark.timeout(180)
+def test_a_batch_whose_last_finish_reply_was_lost_completes_once_with_its_webhook(
+    stack: LossStack, receiver: Receiver
+) -> None:
+    before = counters(stack)
+    stack.proxy.arm(*FINISHED, BATCH_ITEMS_KEY.encode())
+    batch_id = submit_batch(stack.client, 1, webhook_url=receiver.url)
+    assert stack.proxy.fired.wait(60), "the finish's reply was never lost"
+    wait_for(
+        lambda: batch_counts(stack.client, batch_id)["finished_at"] is not None, "batch finished"
+    )
+    batch = batch_counts(stack.client, batch_id)
+    assert batch["status"] == "succeeded" and batch["counts"]["succeeded"] == 1, batch
+    assert the_webhook(receiver, batch_id) == ["succeeded"]
+    assert increase(before, counters(stack)) == {
+        ("batch_item", "succeeded"): 1.0,
+        ("batch", "succeeded"): 1.0,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_a_cancel_whose_reply_was_lost_answers_and_counts_what_it_canceled(
+    stack: LossStack, receiver: Receiver
+) -> None:
+    total = 600
+    stack.model.reset()
+    before = counters(stack)
+    stack.proxy.arm(CANCEL_SCRIPT)
+    batch_id = submit_batch(stack.client, total, webhook_url=receiver.url)
+    response = stack.client.delete(f"/v1/batches/{batch_id}", headers=ACME)
+    assert stack.proxy.fired.is_set(), "the cancel's reply was never lost"
+    assert response.status_code == 200, response.text
+    wait_for(
+        lambda: batch_counts(stack.client, batch_id)["finished_at"] is not None, "batch finished"
+    )
+    batch: dict[str, Any] = batch_counts(stack.client, batch_id)
+    counts = batch["counts"]
+    assert counts["canceled"] > 0 and batch["status"] == "canceled", batch
+    assert sum(counts[s] for s in ("succeeded", "failed", "canceled")) == total, counts
+    assert the_webhook(receiver, batch_id) == ["canceled"]
+    moved = increase(before, counters(stack))
+    assert moved == {
+        **{
+            ("batch_item", s): float(counts[s])
+            for s in ("succeeded", "failed", "canceled")
+            if counts[s]
+        },
+        ("batch", "canceled"): 1.0,
+    }, (moved, counts)
+
+
+@pytest.mark.timeout(300)
+def test_a_redis_restart_as_a_webhook_is_enqueued_delays_it_only_by_the_restart(
+    stack: LossStack, receiver: Receiver
+) -> None:
+    """Redis goes down for 2 s (as ``test_broker_restart.py`` restarts it) just as the
+    worker enqueues a finished search's webhook. The job store rides the restart out; the
+    webhook's enqueue must too, or it was lost with the task's failure (its message acked,
+    or left unacked until the visibility timeout brought it back, 27 minutes later)."""
+    stack.proxy.arm(b"LPUSH", WEBHOOK_QUEUE.encode(), outage=2.0)
+    response = stack.client.post(
+        "/v1/searches",
+        json={"index": INDEX, "query": sample_queries()[2], "webhook_url": receiver.url},
+        headers=ACME,
+    )
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    assert stack.proxy.fired.wait(60), "Redis never went down at the enqueue"
+    assert the_webhook(receiver, job_id) == ["succeeded"]
+    status = stack.client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"]
+    assert status == "succeeded"

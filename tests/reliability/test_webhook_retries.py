@@ -1,0 +1,135 @@
+"""A webhook whose delivery fails, then succeeds, is delivered once per attempt, however long
+its retry waits.
+
+A retry waits as a Celery countdown: the worker holds the message, unacked, until it is due.
+kombu's Redis transport puts back every message unacked for longer than the broker's
+visibility timeout (about 27 minutes at the defaults), so a wait past it (the schedule's
+waits run to 10 hours) came back as a second copy, then a third: each copy made the attempt
+and scheduled its own next one, and a receiver down for a few hours was sent the same event
+many times over, in a number that grew with each attempt.
+
+The test shortens the two things it is about and nothing else: the visibility timeout (4 s)
+and the retry schedule (``SIFT_WEBHOOK_RETRY_SCALE`` 0.05: the third attempt comes 12 to
+18 s after the second, well past the timeout). The receiver answers 500 twice, then 204.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import ACME, INDEX, ingest, sample_queries, stack_env, wait_for
+from tests.services import celery_worker, free_port, gateway, redis_server
+from worker.webhooks import RETRY_SCHEDULE_SECONDS
+
+pytestmark = pytest.mark.integration
+
+VISIBILITY_SECONDS = 4
+SCALE = 0.05
+FAILURES = 2  # the receiver's first answers are 500
+
+
+class FlakyReceiver:
+    """Answers 500 to its first ``failures`` POSTs, then 204; records each body."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.bodies: list[dict[str, object]] = []
+        self.lock = threading.Lock()
+        self.url = ""
+
+    def serve(self) -> Iterator[FlakyReceiver]:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers["content-length"]))
+                with receiver.lock:
+                    receiver.bodies.append(json.loads(raw))
+                    failing = len(receiver.bodies) <= receiver.failures
+                self.send_response(500 if failing else 204)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        self.url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+        try:
+            yield self
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(5)
+
+    def posts(self) -> int:
+        with self.lock:
+            return len(self.bodies)
+
+
+def deliveries(url: str) -> dict[str, float]:
+    """``sift_webhook_deliveries_total`` by ``result``, as the worker serves it."""
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        if family.name == "sift_webhook_deliveries":
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.value:
+                    out[sample.labels["result"]] = sample.value
+    return out
+
+
+@pytest.fixture
+def flaky() -> Iterator[FlakyReceiver]:
+    yield from FlakyReceiver(FAILURES).serve()
+
+
+@pytest.mark.timeout(240)
+def test_a_retry_waiting_past_the_visibility_timeout_is_sent_once(
+    tmp_path: Path, flaky: FlakyReceiver
+) -> None:
+    # the wait before the attempt that succeeds outlasts the visibility timeout
+    assert RETRY_SCHEDULE_SECONDS[FAILURES] * SCALE * 0.8 > 2 * VISIBILITY_SECONDS
+    port = free_port()
+    with FakeAnthropic(delay=0.05) as model, redis_server(tmp_path / "redis") as url:
+        env = stack_env(
+            url + "/0",
+            model.url,
+            SIFT_WORKER_METRICS_PORT=str(port),
+            SIFT_BROKER_VISIBILITY_TIMEOUT_SECONDS=str(VISIBILITY_SECONDS),
+            SIFT_WEBHOOK_RETRY_SCALE=str(SCALE),
+        )
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+            celery_worker(tmp_path / "w", env, "w"),
+        ):
+            ingest(client)
+            response = client.post(
+                "/v1/searches",
+                json={"index": INDEX, "query": sample_queries()[0], "webhook_url": flaky.url},
+                headers=ACME,
+            )
+            assert response.status_code == 202, response.text
+            job_id = response.json()["id"]
+            wait_for(lambda: flaky.posts() > FAILURES, "the attempt that succeeds", 120)
+            # copies of the last attempt are due at the same moment; a later one would be
+            # another attempt's, which a 204 ends: give both time to land
+            time.sleep(3 * VISIBILITY_SECONDS)
+            status = client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"]
+            counted = deliveries(f"http://127.0.0.1:{port}/metrics")
+    bodies = flaky.bodies
+    assert len(bodies) == FAILURES + 1, [b["timestamp"] for b in bodies]
+    assert all(b == bodies[0] for b in bodies)  # the same event, the same bytes
+    assert bodies[0]["data"] == {"id": job_id, "status": status}
+    assert counted == {"retry": float(FAILURES), "delivered": 1.0}  # one count per attempt
