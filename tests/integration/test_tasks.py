@@ -217,3 +217,33 @@ def test_an_ingest_whose_documents_expired_is_failed_and_counted_once(
     assert done.error is not None and done.error.type == "expired"
     after = counted()
     assert (after[0] - before[0], after[1] - before[1]) == (1.0, 1.0)
+
+
+def test_a_redelivered_economy_poll_of_a_finished_batch_sends_its_webhook_again(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker whose result mapping completed an economy batch may die before it enqueues
+    the webhook: the poll's message comes back, finds the batch finished, and sends it (the
+    same webhook-id). A first delivery that finds it finished (a cancel won) sends nothing:
+    the cancel sent it."""
+    from worker.queue import economy
+
+    sent: list[tuple[str, str, str]] = []
+    monkeypatch.setattr(
+        base.SiftTask,
+        "send_webhook",
+        lambda self, event, job_id, tenant, url, status: sent.append((event, job_id, status)),
+    )
+    store = context.store
+    spec = SearchSpec(index="docs", query="q")
+    batch = store.create_batch(
+        "acme", "docs", [("q0", spec)], lane="economy", webhook_url="https://hooks.example/x"
+    )
+    store.start_item(batch.id, "q0")
+    store.finish_item(
+        batch.id, "q0", result=SearchResult(hits=[], rerank=RerankInfo(applied=False))
+    )
+    economy.economy_poll.apply(args=[batch.id, "msgbatch_1"], task_id="poll-1")
+    assert sent == []  # a first delivery: not a lost webhook
+    economy.economy_poll.apply(args=[batch.id, "msgbatch_1"], task_id="poll-1")  # redelivered
+    assert sent == [("batch.completed", batch.id, "succeeded")]

@@ -414,6 +414,16 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
     batch = store.get_batch(batch_id)
     if batch is None:
         return
+    if batch.finished_at is not None and self.delivery() > 1:
+        # a redelivered poll of a finished batch: the worker whose mapping completed it may
+        # have died before enqueueing its webhook, so send it again (the same webhook-id)
+        log.info("batch %s: completed (webhook sent again)", batch_id)
+        if batch.webhook_url:
+            self.send_webhook(
+                WEBHOOK_EVENT_BATCH_COMPLETED, batch.id, batch.tenant, batch.webhook_url,
+                batch.status.value,
+            )  # fmt: skip
+        return
     client = _batches(self)
     try:
         status = client.retrieve(provider_id)
