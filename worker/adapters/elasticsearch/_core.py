@@ -85,7 +85,7 @@ class _Core:
 
         The gateway admits ``[a-z0-9][a-z0-9_.-]*`` of at most 128 characters, the prefix is
         at most 64 of ``[a-z0-9_.-]``: with the key, the separator and a concrete index's
-        ``-<timestamp>``, at most 233 bytes. Checked anyway, for callers of this class."""
+        ``~<timestamp>``, at most 233 bytes. Checked anyway, for callers of this class."""
         return checked_index_name(f"{self.tenant_stem(tenant)}{index}")
 
     def _es(self, timeout: float | None = None) -> Elasticsearch:

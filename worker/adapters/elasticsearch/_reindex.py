@@ -37,7 +37,7 @@ class _Reindex(_Core):
         """Rebuild the tenant's ``index`` into a new concrete index, then swap the alias
         atomically.
 
-        1. ``PUT <alias>-<timestamp>`` (the current template applies: new mapping,
+        1. ``PUT <alias>~<timestamp>`` (the current template applies: new mapping,
            quantisation, shard count);
         2. ``POST _reindex`` from the alias into it (``version_type: external``: each
            document keeps its version, so the write ordering holds across it), then
