@@ -53,6 +53,7 @@ from worker.adapters.elasticsearch import (
     ElasticsearchBackend,
     FieldNames,
     IndexSettings,
+    _search,
     index_template,
     num_candidates,
     tenant_key,
@@ -766,7 +767,7 @@ def test_channels_are_the_tenants_documents_and_vectors(server: FakeElasticsearc
 def test_the_per_tenant_memo_drops_expired_answers_once_large(
     server: FakeElasticsearchServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(elasticsearch, "CHANNELS_MEMO_SIZE", 3)
+    monkeypatch.setattr(_search, "CHANNELS_MEMO_SIZE", 3)  # where the memo reads it
     now = [0.0]
     backend = backend_for(server)
     backend._clock = lambda: now[0]

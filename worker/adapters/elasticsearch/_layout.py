@@ -2,7 +2,7 @@
 
 Tenant ``T``'s Sift index ``NAME`` is the alias ``<prefix><key>--NAME`` over concrete indexes
 ``<alias>~<000001 or a reindex's timestamp>``; drop floors live in ``<prefix>sift-floors``
-(see the adapter's module docstring, and deploy/README.md §6).
+(see the package's docstring, and deploy/README.md §6).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from elasticsearch import ApiError, Elasticsearch
 
-from worker.adapters.es_errors import _error_type, _translated
+from worker.adapters.elasticsearch._errors import _error_type, _translated
 from worker.errors import InvalidRequest
 
 #: Hex digits of the tenant key in index names: 64 bits, collision-free for any real

@@ -8,8 +8,8 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from worker.adapters.es_errors import _AliasGone, _translated
-from worker.adapters.es_layout import _ANY_TENANT_ALIAS, _SIFT_CONCRETE, _TENANT_ALIAS
+from worker.adapters.elasticsearch._errors import _AliasGone, _translated
+from worker.adapters.elasticsearch._layout import _ANY_TENANT_ALIAS, _SIFT_CONCRETE, _TENANT_ALIAS
 from worker.errors import BackendRequestError, BackendUnavailable, ConfigError
 
 if TYPE_CHECKING:

@@ -1,0 +1,77 @@
+"""The Elasticsearch backend itself: the parts of this package in one class, built from
+the settings, and the check and migration of the shared layout of earlier releases
+(:mod:`worker.adapters.elasticsearch._migrate`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from elasticsearch import Elasticsearch
+
+from worker.adapters.elasticsearch._drops import _Drops
+from worker.adapters.elasticsearch._listing import _Listing
+from worker.adapters.elasticsearch._mapping import FieldNames, IndexSettings
+from worker.adapters.elasticsearch._migrate import SharedLayout
+from worker.adapters.elasticsearch._reindex import _Reindex
+from worker.adapters.elasticsearch._writes import _Writes
+from worker.errors import ConfigError
+
+if TYPE_CHECKING:
+    from worker.settings import Settings
+
+
+class ElasticsearchBackend(_Writes, _Drops, _Listing, _Reindex):
+    """A SearchBackend over an Elasticsearch 9.x cluster (see the package docstring)."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ElasticsearchBackend:
+        """Build the client (no network call yet) with its own retries off."""
+        if not settings.elasticsearch_url:
+            raise ConfigError("SIFT_SEARCH_BACKEND=elasticsearch needs SIFT_ELASTICSEARCH_URL")
+        client = Elasticsearch(
+            settings.elasticsearch_url,
+            api_key=settings.elasticsearch_api_key,
+            request_timeout=settings.elasticsearch_request_timeout,
+            max_retries=0,
+            retry_on_status=(),
+            retry_on_timeout=False,
+        )
+        return cls(
+            client,
+            prefix=settings.elasticsearch_index_prefix,
+            fields=FieldNames(
+                id=settings.elasticsearch_id_field,
+                text=settings.elasticsearch_text_field,
+                title=settings.elasticsearch_title_field,
+                vector=settings.elasticsearch_vector_field,
+                tenant=settings.elasticsearch_tenant_field,
+                revision=settings.elasticsearch_revision_field,
+                metadata=settings.elasticsearch_metadata_field,
+                model=settings.elasticsearch_model_field,
+            ),
+            index_settings=IndexSettings(
+                dims=settings.elasticsearch_vector_dims,
+                quantization=settings.elasticsearch_vector_quantization,
+                shards=settings.elasticsearch_shards,
+                replicas=settings.elasticsearch_replicas,
+            ),
+            num_candidates=settings.elasticsearch_num_candidates,
+            refresh=settings.elasticsearch_refresh,
+            request_timeout=settings.elasticsearch_request_timeout,
+            bulk_chunk_size=settings.elasticsearch_bulk_chunk_size,
+            native_rrf=settings.elasticsearch_native_rrf,
+        )
+
+    def check(self) -> None:
+        """Refuse to run over the shared layout's indexes (:meth:`SharedLayout.check`)."""
+        SharedLayout(self).check()
+
+    def shared_layout(self) -> dict[str, list[str]]:
+        """The shared layout's aliases and their concrete indexes (:meth:`SharedLayout.find`)."""
+        return SharedLayout(self).find()
+
+    def migrate_shared(
+        self, *, delete_old: bool = False, dry_run: bool = False
+    ) -> dict[str, dict[str, int]]:
+        """Copy the shared layout into per-tenant indexes (:meth:`SharedLayout.migrate`)."""
+        return SharedLayout(self).migrate(delete_old=delete_old, dry_run=dry_run)

@@ -1,0 +1,235 @@
+"""The request bodies the backend sends (pure: built from the field names and the query,
+no request is made here): the hard filters, the BM25 and kNN channels, the probes, the
+model check, a document's ``_source`` and the bodies of native fusion; and two rules they
+use: ``num_candidates`` of a kNN search, and the revision derived for a document sent
+without one (the embedded backend's rule)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from worker.adapters.elasticsearch._core import _Core
+from worker.contract import Channel, FilterValue
+from worker.core.types import ChannelQuery, Document, HardFilters
+from worker.errors import BackendRequestError, InvalidRequest, ModeUnavailable
+
+MAX_NUM_CANDIDATES = 10_000
+_FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def num_candidates(size: int, setting: int) -> int:
+    """``num_candidates`` for a kNN search of ``k = size``: at least k, at most 10,000.
+
+    >>> num_candidates(120, 200), num_candidates(500, 200), num_candidates(50, 20_000)
+    (200, 500, 10000)
+    """
+    if size > MAX_NUM_CANDIDATES:
+        raise InvalidRequest("size", f"at most {MAX_NUM_CANDIDATES} kNN candidates, got {size}")
+    return min(MAX_NUM_CANDIDATES, max(size, setting))
+
+
+def derive_revision(title: str, text: str, metadata: Mapping[str, FilterValue]) -> str:
+    """A stable revision for a document that came without one (same rule as the embedded one)."""
+    payload = json.dumps([title, text, dict(metadata)], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class _Bodies(_Core):
+    """The request bodies, from the backend's field names and settings."""
+
+    def tenant_query(self, tenant: str) -> dict[str, Any]:
+        return {"bool": {"filter": [{"term": {self.fields.tenant: tenant}}]}}
+
+    def filters(self, filters: HardFilters) -> list[dict[str, Any]]:
+        """The hard filters as ES ``term`` queries: the tenant first, then the caller's."""
+        terms: list[dict[str, Any]] = [{"term": {self.fields.tenant: filters.tenant}}]
+        for key, value in sorted(filters.fields.items()):
+            if not _FILTER_KEY.match(key):
+                raise InvalidRequest(f"filters.{key}", "filter names use letters, digits and _.:-")
+            terms.append({"term": {f"{self.fields.metadata}.{key}": _term_value(value)}})
+        return terms
+
+    def probe_searches(self, tenant: str) -> list[Mapping[str, Any]]:
+        """The ``_msearch`` lines of :meth:`probe`: does the tenant hold a document, and one
+        with a vector (returning that one's model field)? Each probe stops at the first
+        match (per shard); the first returns no hit."""
+        tenant_filter = self.filters(HardFilters(tenant))
+        with_vector = [*tenant_filter, {"exists": {"field": self.fields.vector}}]
+        model = {"size": 1, "_source": [self.fields.model]} if self.fields.model else {"size": 0}
+        searches: list[Mapping[str, Any]] = []
+        for filters, returned in ((tenant_filter, {"size": 0}), (with_vector, model)):
+            searches += [
+                {},
+                {
+                    **returned,
+                    "terminate_after": 1,
+                    "track_total_hits": True,
+                    "query": {"bool": {"filter": filters}},
+                },
+            ]
+        return searches
+
+    def model_check_body(self, tenant: str, model: str) -> dict[str, Any]:
+        """The ``_search`` body that finds one of the tenant's vectors recorded by a model
+        other than ``model`` (documents that record none are not counted)."""
+        return {
+            "size": 1,
+            "terminate_after": 1,
+            "_source": [self.fields.model],
+            "query": {
+                "bool": {
+                    "filter": [
+                        *self.filters(HardFilters(tenant)),
+                        {"exists": {"field": self.fields.model}},
+                    ],
+                    "must_not": [{"term": {self.fields.model: model}}],
+                }
+            },
+        }
+
+    def channel_body(self, channel: Channel, query: ChannelQuery) -> dict[str, Any]:
+        """The ``_msearch`` body of one channel, with the hard filters inside it."""
+        if channel == "bm25":
+            return self.bm25_body(query)
+        if channel == "knn":
+            return self.knn_body(query)
+        raise BackendRequestError(f"unknown channel {channel!r}")
+
+    def bm25_body(self, query: ChannelQuery) -> dict[str, Any]:
+        text_fields = [name for name in (self.fields.title, self.fields.text) if name]
+        return {
+            "size": query.size,
+            "query": {
+                "bool": {
+                    "must": {
+                        "multi_match": {
+                            "query": query.text,
+                            "fields": text_fields,
+                            "type": "best_fields",
+                            "operator": "or",
+                        }
+                    },
+                    "filter": self.filters(query.filters),
+                }
+            },
+            "_source": self.fields.source(),
+            "track_total_hits": False,
+        }
+
+    def knn_body(self, query: ChannelQuery) -> dict[str, Any]:
+        if query.vector is None:
+            raise ModeUnavailable("the knn channel needs a query vector")
+        return {
+            "size": query.size,
+            "knn": {
+                "field": self.fields.vector,
+                "query_vector": [float(v) for v in query.vector],
+                "k": query.size,
+                "num_candidates": num_candidates(query.size, self.num_candidates),
+                "filter": self.filters(query.filters),
+            },
+            "_source": self.fields.source(),
+            "track_total_hits": False,
+        }
+
+    def source(
+        self,
+        tenant: str,
+        doc: Document,
+        vector: Sequence[float] | None,
+        model: str | None = None,
+    ) -> dict[str, Any]:
+        """The ``_source`` Sift writes for one document (``model``: its vector's embedder)."""
+        for key, value in doc.metadata.items():
+            if not _FILTER_KEY.match(key) or not isinstance(value, str | int | float | bool):
+                raise InvalidRequest(
+                    f"documents[{doc.id}].metadata", f"bad key or value for {key!r}"
+                )
+        revision = doc.revision or derive_revision(doc.title, doc.text, doc.metadata)
+        body: dict[str, Any] = {
+            self.fields.id: doc.id,
+            self.fields.text: doc.text,
+            self.fields.tenant: tenant,
+            self.fields.revision: revision,
+            self.fields.metadata: dict(doc.metadata),
+        }
+        if self.fields.title:
+            body[self.fields.title] = doc.title
+        if vector is not None:
+            body[self.fields.vector] = [float(v) for v in vector]
+            if model is not None and self.fields.model:
+                body[self.fields.model] = model
+        return body
+
+    def native_body(self, query: ChannelQuery) -> dict[str, Any]:
+        """The ``_search`` body that fuses on ES's side, by the search's fusion method."""
+        if query.method == "linear":
+            return self.native_linear_body(query)
+        return self.native_rrf_body(query)
+
+    def _children(self, query: ChannelQuery) -> list[tuple[Channel, dict[str, Any]]]:
+        """The filtered BM25 and kNN child retrievers of a native fusion."""
+        bm25 = self.bm25_body(query)
+        knn = self.knn_body(query)["knn"]
+        return [("bm25", {"standard": {"query": bm25["query"]}}), ("knn", {"knn": knn})]
+
+    def native_rrf_body(self, query: ChannelQuery) -> dict[str, Any]:
+        """One ``_search`` whose ``retriever.rrf`` fuses a filtered BM25 and a filtered kNN,
+        with the search's rank constant. Weights other than 1 go as each child retriever's
+        ``weight`` (the ``{"retriever": ..., "weight": w}`` form, Elasticsearch 9.2+); at
+        equal weights of 1 the plain form is sent, which every 9.x reads."""
+        children = self._children(query)
+        weights = {channel: float(query.weights.get(channel, 1.0)) for channel, _ in children}
+        retrievers: list[dict[str, Any]] = (
+            [child for _, child in children]
+            if all(weight == 1.0 for weight in weights.values())
+            else [{"retriever": child, "weight": weights[c]} for c, child in children]
+        )
+        return {
+            "size": query.size,
+            "retriever": {
+                "rrf": {
+                    "retrievers": retrievers,
+                    "rank_window_size": query.size,
+                    "rank_constant": query.rank_constant,
+                }
+            },
+            "_source": self.fields.source(),
+            "track_total_hits": False,
+        }
+
+    def native_linear_body(self, query: ChannelQuery) -> dict[str, Any]:
+        """One ``_search`` whose ``retriever.linear`` (Elasticsearch 8.18+ / 9.x) sums each
+        child's ``minmax``-normalised score times its weight: Sift's ``linear`` fusion. Each
+        child is normalised over its own ``rank_window_size`` hits, as Sift normalises over
+        each channel's list; the kNN score ES reports, ``(1 + cos) / 2``, normalises to the
+        same values as ``cos`` does (min-max is blind to an affine map)."""
+        return {
+            "size": query.size,
+            "retriever": {
+                "linear": {
+                    "retrievers": [
+                        {
+                            "retriever": child,
+                            "weight": float(query.weights.get(channel, 1.0)),
+                            "normalizer": "minmax",
+                        }
+                        for channel, child in self._children(query)
+                    ],
+                    "rank_window_size": query.size,
+                }
+            },
+            "_source": self.fields.source(),
+            "track_total_hits": False,
+        }
+
+
+def _term_value(value: FilterValue) -> str:
+    """A ``flattened`` field holds every value as a keyword: ``true``, ``5``, ``2.5``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

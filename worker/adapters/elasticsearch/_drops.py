@@ -1,0 +1,140 @@
+"""Drops of a tenant's index: the floor raised first (for versioned drops), every concrete
+index of the alias found before anything is deleted, the kept ones deleted before the
+live one, and only the tenant's documents deleted from an index another tenant shares."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+from worker.adapters.elasticsearch._bodies import _Bodies
+from worker.adapters.elasticsearch._errors import (
+    _index_missing,
+    _raise_for_item,
+    _total,
+    _translated,
+)
+from worker.adapters.elasticsearch._layout import _SIFT_CONCRETE, CONCRETE_SEPARATOR
+
+
+class _Drops(_Bodies):
+    """Delete a tenant's index (or its documents from a shared one)."""
+
+    def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
+        """Delete the tenant's index: its concrete indexes (the alias goes with them);
+        answers how many of the tenant's documents the one the alias pointed at held.
+
+        The names to delete are found first, before anything is deleted (a write accepted
+        after the drop may make the index again while it runs; its new index is not on the
+        list), in one request (``GET _resolve/index/<alias>*``, closed ones too): the
+        indexes the alias points at, and every concrete index named after it: those a reindex
+        kept (``<alias>~<suffix>``) and a bare index of the alias's own name (a delete
+        made it). Then one ``_msearch`` on the alias (or that bare index) counts the
+        tenant's documents and looks for one of another tenant's (``terminate_after: 1``).
+        An index holding one (a key collision, or an alias an operator pointed at an index
+        it shares) is never deleted: only the tenant's documents go, with one
+        ``_delete_by_query`` on the tenant term. Else the kept indexes are deleted, then the
+        live ones. The alias already gone (a drop cut short, or run twice) still deletes what
+        is found named after it, so a drop run again completes one cut short.
+
+        With a ``version``, the drop first raises the tenant's floor for the index
+        (:meth:`DropFloors.raise_to`), before anything is deleted: a write accepted before the drop
+        and run after it is skipped, as on the embedded backend. One accepted after the
+        drop but run before it goes with the index (the embedded backend keeps it;
+        deploy/README.md §6 says so)."""
+        alias = self.alias(index, tenant)
+        what = f"delete of index {index!r}"
+        if version is not None:
+            self._floors.raise_to(alias, version, what, index)
+        with _translated(what, index):
+            live, named = self._named(alias)
+        with _translated(what, index, missing_ok=True) as missing:
+            response = self._es().msearch(index=alias, searches=self.drop_searches(tenant)).body
+        answers = [] if missing else response.get("responses", [])
+        if missing or any(_index_missing(answer) for answer in answers):
+            mine = others = 0
+        else:
+            for answer in answers:
+                _raise_for_item(answer, what, index)
+            mine, others = (_total(answer) for answer in answers)
+        if others:
+            gone = self._delete_tenants_documents(alias, tenant, what, index)
+        else:
+            gone = mine if self._delete_concrete(live, named, what, index) else 0
+        self._forget(alias, tenant)
+        return gone
+
+    def drop_searches(self, tenant: str) -> list[Mapping[str, Any]]:
+        """The ``_msearch`` lines of :meth:`delete_index`: the tenant's documents counted, and
+        whether the index holds any other tenant's (stopping at the first)."""
+        others = {"bool": {"must_not": [{"term": {self.fields.tenant: tenant}}]}}
+        return [
+            {},
+            {"size": 0, "track_total_hits": True, "query": self.tenant_query(tenant)},
+            {},
+            {"size": 0, "terminate_after": 1, "track_total_hits": True, "query": others},
+        ]
+
+    def _delete_concrete(
+        self, live: Sequence[str], named: Sequence[str], what: str, index: str
+    ) -> bool:
+        """Delete the concrete indexes of an alias, found before (ES deletes no index by
+        its alias): ``named`` (those a reindex kept for a rollback, whose documents the drop
+        takes too and whose first name would otherwise block the next write; a bare index
+        of the alias's name), then ``live``, the ones it points at, last: a drop cut short
+        leaves the alias, and the next one finds everything again. Whether this call
+        deleted the index the alias pointed at: a concurrent drop that got there first
+        deleted it, and counts it."""
+        with _translated(what, index):
+            kept = [name for name in named if name not in live]
+            if kept:
+                self._es().indices.delete(index=",".join(kept), ignore_unavailable=True)
+        with _translated(what, index, missing_ok=True) as missing:
+            if live:
+                self._es().indices.delete(index=",".join(live))
+        return bool(live) and not missing
+
+    def _named(self, alias: str) -> tuple[list[str], list[str]]:
+        """The concrete indexes ``alias`` points at (or a bare index named ``alias`` itself,
+        one a delete made), and those named after it, ``<alias>~<suffix>`` (the live one
+        and any a reindex kept). One snapshot of both:
+        ``GET _resolve/index/<alias>*?expand_wildcards=all`` (ES registers only GET for it;
+        ``all``: a closed kept index is found too)."""
+        answer = self._es().perform_request(
+            "GET",
+            f"/_resolve/index/{quote(alias, safe='')}*",
+            params={"expand_wildcards": "all"},
+            headers={"accept": "application/json"},
+        )
+        stem = f"{alias}{CONCRETE_SEPARATOR}"
+        names = [str(found.get("name", "")) for found in answer.body.get("indices", [])]
+        live = [
+            str(name)
+            for found in answer.body.get("aliases", [])
+            if found.get("name") == alias
+            for name in found.get("indices", [])
+        ]
+        named = [
+            name
+            for name in names
+            if name.startswith(stem) and _SIFT_CONCRETE.fullmatch(name.removeprefix(stem))
+        ]
+        if alias in names:  # no alias then: that bare index is what the alias's name reads
+            live.append(alias)
+        return sorted(live), sorted(named)
+
+    def _delete_tenants_documents(self, alias: str, tenant: str, what: str, index: str) -> int:
+        """Only the tenant's documents, from an index another tenant's share."""
+        with _translated(what, index, missing_ok=True) as missing:
+            answer = (
+                self._es()
+                .delete_by_query(
+                    index=alias,
+                    query=self.tenant_query(tenant),
+                    conflicts="proceed",
+                    refresh=True,
+                )
+                .body
+            )
+        return 0 if missing else int(answer.get("deleted", 0))

@@ -1,0 +1,85 @@
+"""Making a tenant's index: its alias and first concrete index, made once and found again
+by the alias (never by a concrete name), and the bare index named like an alias (one a
+delete made after a drop) cleared out of the way when it holds no document."""
+
+from __future__ import annotations
+
+import logging
+
+from elasticsearch import ApiError
+
+from worker.adapters.elasticsearch._core import _Core
+from worker.adapters.elasticsearch._errors import _AliasGone, _error_type, _translated
+from worker.adapters.elasticsearch._layout import concrete_name
+
+logger = logging.getLogger(__name__)
+
+
+class _Indexes(_Core):
+    """Make the tenant's index if it is missing; clear a bare index in its alias's way."""
+
+    def ensure_index(self, index: str, tenant: str) -> bool:
+        """Create the tenant's alias and its first concrete index if they don't exist yet;
+        whether this call created them.
+
+        The alias is what is looked for (``HEAD _alias/<alias>``): a concrete index of the
+        alias's own name is not it. The first concrete name is fixed, so two workers racing
+        both end with the one index. Found already there, the alias is checked too: that
+        index without its alias (a drop cut short) is never written into again
+        (``_AliasGone`` naming it). A concrete index named like the alias (a delete sent as
+        the alias was dropped made it: ES holds no delete to ``require_alias``) makes the
+        create fail; it is deleted if it holds no document (:meth:`_clear_bare`) and the
+        next attempt makes the index, else it is named as in the way (``_AliasGone``)."""
+        alias = self.alias(index, tenant)
+        if alias in self._ready_aliases:
+            return False
+        created = False
+        with self._lock:
+            if not self._alias_exists(alias, f"index {index!r}", index):
+                created = self._create_first(index, alias)
+            self._ready_aliases.add(alias)
+        return created
+
+    def _create_first(self, index: str, alias: str) -> bool:
+        """``PUT <alias>~000001`` with the alias; whether this call made it."""
+        concrete = concrete_name(alias, "000001")
+        what = f"create index {index!r}"
+        with _translated(what, index):
+            try:
+                self._es().indices.create(
+                    index=concrete, aliases={alias: {}}, **self._explicit_body()
+                )
+                return True
+            except ApiError as exc:
+                kind = _error_type(exc)
+                if kind == "invalid_alias_name_exception":  # an index has the alias's name
+                    cleared = self._clear_bare(alias, what, index)
+                    reason = f"the concrete index {alias!r} has the alias's name"
+                    leftover = "" if cleared else alias
+                    raise _AliasGone(index, leftover=leftover, reason=reason) from exc
+                if kind != "resource_already_exists_exception":
+                    raise
+                if not self._es().indices.exists_alias(name=alias):
+                    reason = "a drop cut short, or the alias removed by hand"
+                    raise _AliasGone(index, leftover=concrete, reason=reason) from exc
+        return False
+
+    def _alias_exists(self, alias: str, what: str, index: str) -> bool:
+        """``HEAD _alias/<alias>``."""
+        with _translated(what, index):
+            found = bool(self._es().indices.exists_alias(name=alias))
+        return found
+
+    def _clear_bare(self, alias: str, what: str, index: str) -> bool:
+        """Delete the bare concrete index named ``alias`` (one a versioned delete
+        auto-created after the alias was dropped: Sift's name, the template's mapping, only
+        delete tombstones) if it holds no document; whether it is gone. Nothing but deletes
+        can land in it meanwhile (every other write is held to ``require_alias``)."""
+        with _translated(what, index, missing_ok=True) as missing:
+            held = int(self._es().count(index=alias).body.get("count", 0))
+            if not held:
+                self._es().indices.delete(index=alias, ignore_unavailable=True)
+        if missing or not held:
+            logger.warning("%s: deleted the bare index %s a delete made", what, alias)
+            return True
+        return False

@@ -1,0 +1,116 @@
+"""Reads of what a tenant holds: its indexes with their counts and embedding models, one
+index's count and model, and one document by id (never another tenant's)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elasticsearch import NotFoundError
+
+from worker.adapters.elasticsearch._bodies import _Bodies
+from worker.adapters.elasticsearch._errors import _error_type, _first_key, _total, _translated
+from worker.core.catalog import IndexInfo, StoredDocument
+
+#: The most indexes one tenant's list shows (the terms aggregation's size).
+MAX_LISTED_INDEXES = 1000
+
+
+class _Listing(_Bodies):
+    """List the tenant's indexes, count one, get one document."""
+
+    def indexes(self, tenant: str) -> list[IndexInfo]:
+        """The tenant's indexes: its aliases (``GET _alias/<prefix><key>--*``; a wildcard
+        that matches nothing answers ``{}``), then one tenant-filtered ``size: 0`` search
+        over the same pattern with a terms aggregation on ``_index`` (and, inside it, on
+        the model field) for the counts. A concrete index no alias of the tenant points at
+        (one a reindex kept) is not listed, nor an index holding none of its documents."""
+        stem = self.tenant_stem(tenant)
+        pattern = f"{stem}*"
+        with _translated("list of indexes", None):
+            aliases = self._aliases(pattern)
+        names = {
+            concrete: alias.removeprefix(stem)
+            for concrete, held in aliases.items()
+            for alias in held
+            if alias.startswith(stem)
+        }
+        if not names:
+            return []
+        by_index: dict[str, Any] = {"terms": {"field": "_index", "size": MAX_LISTED_INDEXES}}
+        if self.fields.model:
+            by_index["aggs"] = self._models_agg()
+        with _translated("list of indexes", None, missing_ok=True) as missing:
+            answer = (
+                self._es()
+                .search(
+                    index=pattern,
+                    size=0,
+                    query=self.tenant_query(tenant),
+                    aggs={"indexes": by_index},
+                    ignore_unavailable=True,
+                    allow_no_indices=True,
+                )
+                .body
+            )
+        if missing:
+            return []
+        listed: dict[str, IndexInfo] = {}
+        for bucket in answer.get("aggregations", {}).get("indexes", {}).get("buckets", []):
+            name = names.get(bucket["key"])
+            if name is not None and int(bucket["doc_count"]):
+                listed[name] = self._info(name, int(bucket["doc_count"]), _first_key(bucket))
+        return [listed[name] for name in sorted(listed)]
+
+    def _models_agg(self) -> dict[str, Any]:
+        """The aggregation naming the model the tenant's vectors record (one, by design)."""
+        return {"models": {"terms": {"field": self.fields.model, "size": 1}}}
+
+    def _info(self, name: str, count: int, model: str | None) -> IndexInfo:
+        return IndexInfo(name, count, self.name, model, self.index_settings.dims, None)
+
+    def index_info(self, index: str, tenant: str) -> IndexInfo | None:
+        """The tenant's part of one index: a tenant-filtered ``size: 0`` search, its total
+        the count and its aggregation the recorded embedding model."""
+        body: dict[str, Any] = {
+            "size": 0,
+            "track_total_hits": True,
+            "query": self.tenant_query(tenant),
+        }
+        if self.fields.model:
+            body["aggs"] = self._models_agg()
+        with _translated(f"count of index {index!r}", index, missing_ok=True) as missing:
+            answer = self._es().search(index=self.alias(index, tenant), **body).body
+        count = 0 if missing else _total(answer)
+        model = None if missing else _first_key(answer.get("aggregations", {}))
+        return self._info(index, count, model) if count else None
+
+    def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
+        """``GET <alias>/_doc/<tenant>:<id>`` without the vector; None if the tenant has none."""
+        with _translated(f"document in index {index!r}", index, missing_ok=True) as missing:
+            try:
+                answer = (
+                    self._es()
+                    .get(
+                        index=self.alias(index, tenant),
+                        id=f"{tenant}:{doc_id}",
+                        source_excludes=[self.fields.vector],
+                    )
+                    .body
+                )
+            except NotFoundError as exc:
+                if _error_type(exc) == "index_not_found_exception":
+                    raise
+                return None
+        if missing or not answer.get("found"):
+            return None
+        src = answer.get("_source", {})
+        if src.get(self.fields.tenant) != tenant:
+            return None
+        return StoredDocument(
+            id=doc_id,
+            text=str(src.get(self.fields.text, "")),
+            title=str(src.get(self.fields.title, "")) if self.fields.title else "",
+            revision=str(src.get(self.fields.revision, "")),
+            metadata=dict(src.get(self.fields.metadata) or {}),
+            version=int(answer["_version"]) if "_version" in answer else None,
+        )

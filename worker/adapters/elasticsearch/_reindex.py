@@ -1,0 +1,173 @@
+"""Rebuilding an index (``reindex``): a new concrete index from the current template, a
+copy run as an ES task and polled (also what the migration of the shared layout copies
+with), then the alias moved to it in one atomic ``_aliases`` call."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+from elasticsearch.exceptions import GeneralAvailabilityWarning
+
+from worker.adapters.elasticsearch._core import _Core
+from worker.adapters.elasticsearch._errors import _translated
+from worker.adapters.elasticsearch._layout import (
+    KEY_SEPARATOR,
+    TENANT_KEY_LENGTH,
+    concrete_name,
+)
+from worker.errors import BackendRequestError, BackendUnavailable, IndexNotFound
+
+logger = logging.getLogger(__name__)
+
+#: How long a migration's copy waits between two reads of its task.
+COPY_POLL_SECONDS = 0.5
+
+
+class _Reindex(_Core):
+    """Rebuild a tenant's index (or every tenant's) and swap its alias; copy with ``_reindex``."""
+
+    def reindex(self, index: str, tenant: str, *, delete_old: bool = False) -> str:
+        """Rebuild the tenant's ``index`` into a new concrete index, then swap the alias
+        atomically.
+
+        1. ``PUT <alias>~<timestamp>`` (the current template applies: new mapping,
+           quantisation, shard count);
+        2. ``POST _reindex`` from the alias into it (``version_type: external``: each
+           document keeps its version, so the write ordering holds across it), then
+           ``POST <new>/_refresh``;
+        3. ``POST _aliases`` with ``remove`` of the alias from every old index and ``add``
+           to the new one, in one request (atomic: searches see old or new, never none);
+        4. optionally delete the old indexes (kept by default, for a rollback).
+
+        Answers the new concrete index's name.
+        """
+        return self._rebuild(index, self.alias(index, tenant), delete_old)
+
+    def reindex_all(self, index: str, *, delete_old: bool = False) -> list[str]:
+        """:meth:`reindex` of every tenant's ``index`` (an operator knows names, not which
+        tenants hold them): each alias ``<prefix><key>--<index>`` found by
+        ``GET _alias/<prefix>*--<index>`` (a name that merely ends so is left out)."""
+        exact = re.compile(
+            rf"{re.escape(self.prefix)}[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}"
+            + re.escape(index)
+        )
+        self.alias(index, "")  # refuses a name ES would
+        with _translated(f"reindex of index {index!r}", index):
+            answer = self._aliases(f"{self.prefix}*{KEY_SEPARATOR}{index}")
+        found = {alias for held in answer.values() for alias in held}
+        return [self._rebuild(index, a, delete_old) for a in sorted(found) if exact.fullmatch(a)]
+
+    def _rebuild(self, index: str, alias: str, delete_old: bool) -> str:
+        """The steps of :meth:`reindex` for one alias."""
+        stamp = datetime.now(UTC).strftime("%Y%m%dt%H%M%S%f")
+        concrete = concrete_name(alias, stamp)
+        self._template_ready = False  # put the template again: the current settings apply
+        with _translated(f"reindex of index {index!r}", index):
+            old = self._concrete(alias)
+            if not old:
+                raise IndexNotFound(index)
+            self._es().indices.create(index=concrete, **self._explicit_body())
+            self._copy({"index": alias}, concrete, f"reindex of index {index!r}")
+            self.move_alias(alias, old, concrete, delete_old=delete_old)
+        self._forget(alias)
+        logger.info("reindexed %s: %s -> %s", alias, old, concrete)
+        return concrete
+
+    def _copy(self, source: Mapping[str, Any], dest: str, what: str) -> int:
+        """``POST _reindex`` into ``dest`` keeping each document's ``_id`` and version (a newer
+        one already in ``dest`` stays), then refresh ``dest``; answers how many documents
+        were written.
+
+        The copy runs as an ES task (``wait_for_completion=false``), polled with the
+        adapter's request timeout, so no request waits for the whole copy and a cut
+        connection leaves the task running on its own. A copy into ``dest`` still running
+        (an earlier run cut short) refuses a second one, retryably, naming its task (a
+        check, then the start: two runs started at the same moment can both copy; the
+        external versions keep the result right). A task that reports failures, an error,
+        or ``canceled`` (someone ran ``_tasks/<id>/_cancel``: a partial copy) fails the
+        copy, and so does one not done after ``COPY_MAX_SECONDS`` (retryably): the caller
+        then neither moves an alias nor deletes a source."""
+        with _translated(what, None):
+            running = self._running_copy(dest)
+            if running:
+                raise BackendUnavailable(
+                    f"a copy into {dest!r} is still running (task {running}): wait for it "
+                    "to end, then run again"
+                )
+            task = (
+                self._es()
+                .reindex(
+                    source=dict(source),
+                    dest={"index": dest, "version_type": "external"},
+                    conflicts="proceed",
+                    wait_for_completion=False,
+                )
+                .body["task"]
+            )
+            answer = self._task(task)
+            deadline = self._clock() + self.copy_max_seconds
+            while not answer.get("completed"):
+                if self._clock() >= deadline:
+                    raise BackendUnavailable(
+                        f"{what} into {dest!r} not done after {self.copy_max_seconds:g} s "
+                        f"(task {task} runs on): wait for it to end, then run again"
+                    )
+                time.sleep(COPY_POLL_SECONDS)
+                answer = self._task(task)
+            report = answer.get("response") or {}
+            status = (answer.get("task") or {}).get("status") or {}
+            canceled = report.get("canceled") or status.get("canceled")
+            if canceled:
+                raise BackendRequestError(
+                    f"{what} into {dest!r} was cancelled (task {task}: {canceled}): the copy "
+                    "is partial; run it again"
+                )
+            failed = answer.get("error") or report.get("failures")
+            if failed:
+                raise BackendRequestError(f"{what} into {dest!r} failed: {json.dumps(failed)}")
+            self._es().indices.refresh(index=dest)
+        return int(report.get("created", 0)) + int(report.get("updated", 0))
+
+    def _task(self, task: str) -> Mapping[str, Any]:
+        """``GET _tasks/<id>`` (the client flags the task API a preview; it is in every 9.x)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GeneralAvailabilityWarning)
+            answer: Mapping[str, Any] = self._es().tasks.get(task_id=task).body
+        return answer
+
+    def _running_copy(self, dest: str) -> str | None:
+        """The id of a running ``_reindex`` task into ``dest`` (``GET _tasks``), if any."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GeneralAvailabilityWarning)
+            answer = self._es().tasks.list(actions="*reindex", detailed=True).body
+        for node in (answer.get("nodes") or {}).values():
+            for task_id, task in (node.get("tasks") or {}).items():
+                if f"to [{dest}]" in str(task.get("description", "")):
+                    return str(task_id)
+        return None
+
+    def move_alias(
+        self, alias: str, old: Sequence[str], new: str | None, *, delete_old: bool
+    ) -> None:
+        """In one ``POST _aliases`` (atomic: searches see the old indexes or the new one,
+        never none), remove ``alias`` from ``old`` and add it to ``new`` (None: nowhere);
+        then delete ``old`` if ``delete_old``. Errors are the caller's to translate."""
+        actions: list[Mapping[str, Any]] = [
+            {"remove": {"index": name, "alias": alias}} for name in old
+        ]
+        if new is not None:
+            actions.append({"add": {"index": new, "alias": alias}})
+        self._es().indices.update_aliases(actions=actions)
+        if delete_old:
+            self._es().indices.delete(index=",".join(old))
+
+    def _concrete(self, alias: str) -> list[str]:
+        """The concrete indexes ``alias`` points at (none if it is missing)."""
+        return sorted(name for name, held in self._aliases(alias).items() if alias in held)

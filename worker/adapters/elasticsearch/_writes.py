@@ -1,0 +1,288 @@
+"""Writes: upserts and deletes by id through the bulk helper with ``require_alias``, made
+again at most ``WRITE_ATTEMPTS`` times when a drop removed the alias meanwhile, the model
+check before vectors are written, and the take-back of a versioned write that lost to a
+drop run between its floor check and its bulk."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from elasticsearch import helpers
+
+from worker.adapters.elasticsearch._errors import (
+    _AliasGone,
+    _bulk_error,
+    _Bulked,
+    _index_missing,
+    _translated,
+)
+from worker.adapters.elasticsearch._indexes import _Indexes
+from worker.adapters.elasticsearch._search import _Search
+from worker.core.types import Document
+from worker.errors import (
+    BackendRequestError,
+    BackendUnavailable,
+    EmbeddingModelMismatch,
+    InvalidRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+#: How often a write makes its index again after ``require_alias`` found it gone (another
+#: worker's drop ran in between) before it gives up, retryably.
+WRITE_ATTEMPTS = 3
+
+
+class _Writes(_Search, _Indexes):
+    """Upserts, deletes by id, and the take-back of a write that lost to a drop (on
+    ``_Search``: a write of vectors reads and updates its probe memo)."""
+
+    def upsert(
+        self,
+        index: str,
+        tenant: str,
+        documents: Sequence[Document],
+        vectors: Sequence[Sequence[float]] | None,
+        *,
+        version: int | None = None,
+        model: str | None = None,
+    ) -> int:
+        """Index each document as ``<tenant>:<id>`` (replacing it whole) into the tenant's own
+        index (made on its first write) through the bulk helper.
+
+        With a ``version``, each write is ES's external versioning: ES applies it only if
+        the version is newer than the one it holds for the ``_id`` (a delete's included,
+        for ``index.gc_deletes``), and a refused one (409) is a newer write kept, not an
+        error. ``model`` goes on each document with a vector
+        (``SIFT_ELASTICSEARCH_MODEL_FIELD``)."""
+        if vectors is not None and len(vectors) != len(documents):
+            raise InvalidRequest(
+                "vectors", f"{len(vectors)} vectors for {len(documents)} documents"
+            )
+        if not documents:
+            return 0
+        alias = self.alias(index, tenant)
+        recorded = model if vectors is not None and self.fields.model else None
+        actions = [
+            {
+                "_op_type": "index",
+                "_index": alias,
+                "_id": f"{tenant}:{doc.id}",
+                "_source": self.source(
+                    tenant, doc, vectors[i] if vectors is not None else None, recorded
+                ),
+                **_versioned(version),
+            }
+            for i, doc in enumerate(documents)
+        ]
+        what = f"bulk write to index {index!r}"
+
+        def check_model() -> None:
+            if recorded is not None:
+                self._check_model(index, tenant, recorded)
+
+        outcome = self._write(index, tenant, actions, what, version, prepare=check_model)
+        ids = [str(action["_id"]) for action in actions]
+        # below the floor on this call (None) or after its bulk: an earlier attempt of this
+        # write (a retry after a take-back cut short) may have left documents in
+        if self._take_back(index, tenant, ids, version, what) or outcome is None:
+            return 0
+        written = outcome.applied
+        if vectors is not None and written:
+            self._saw_vectors(alias, tenant, recorded)
+        return written
+
+    def _check_model(self, index: str, tenant: str, model: str) -> None:
+        """Raise EmbeddingModelMismatch if the tenant's index holds another model's vectors.
+
+        First, once per process and alias, the model field is added to the index's mapping
+        (``PUT <alias>/_mapping``: a no-op on an index made from the current template), so
+        an index made before the field existed takes it under ``dynamic: strict``. An index
+        another worker dropped meanwhile holds no model; the bulk write makes it again."""
+        alias = self.alias(index, tenant)
+        if alias not in self._model_mapped:
+            with _translated(f"mapping of index {index!r}", index, missing_ok=True) as missing:
+                self._es().indices.put_mapping(
+                    index=alias, properties={self.fields.model: {"type": "keyword"}}
+                )
+            if missing:
+                return
+            self._model_mapped.add(alias)
+        with _translated(f"model check of index {index!r}", index, missing_ok=True) as missing:
+            answer = self._es().search(index=alias, **self.model_check_body(tenant, model)).body
+        held = None if missing else self._model_of(answer)
+        if held is not None:
+            raise EmbeddingModelMismatch(index, held, model)
+
+    def _write(
+        self,
+        index: str,
+        tenant: str,
+        actions: list[dict[str, Any]],
+        what: str,
+        version: int | None,
+        prepare: Callable[[], None] | None = None,
+    ) -> _Bulked | None:
+        """Run ``actions`` into the tenant's index, made if missing; None if a drop accepted
+        after this write has already run (nothing is written, no index made).
+
+        Each attempt reads the drop floor first, makes the index, runs ``prepare`` (the
+        model check) and the bulk. A delete bulk checks the alias first, not what this
+        process remembers: ``require_alias`` does not apply to a delete, so one sent to a
+        dropped alias would make a bare index of its name (:meth:`_bulk` clears it).
+        The alias found gone (another worker dropped the index since), or the index's first
+        concrete name found without its alias, starts the next attempt; every action is sent
+        again, which external versions and whole-document writes make safe. After
+        ``WRITE_ATTEMPTS`` the write fails, naming what it found: retryably
+        (``BackendUnavailable``) if drops kept removing the alias, not retryably
+        (``BackendRequestError``) if an index without its alias is in the way, which no
+        retry clears."""
+        alias = self.alias(index, tenant)
+        existed = 0
+        gone = _AliasGone(index)
+        deleting = any(action.get("_op_type") == "delete" for action in actions)
+        for _attempt in range(WRITE_ATTEMPTS):
+            if self._floors.below(alias, version):
+                return None if not existed else _Bulked(0, existed, [])
+            try:
+                if deleting:
+                    with self._lock:
+                        self._ready_aliases.discard(alias)  # ensure_index asks ES
+                self.ensure_index(index, tenant)
+                if prepare is not None:
+                    prepare()
+                bulked = self._bulk(actions, what, index, tenant)
+            except _AliasGone as refused:
+                self._forget(alias, tenant)
+                existed += refused.existed
+                gone = refused
+                continue
+            bulked.existed += existed
+            return bulked
+        if gone.leftover:
+            raise BackendRequestError(
+                f"the {what} cannot make index {index!r}: the concrete index "
+                f"{gone.leftover!r} exists without its alias {alias!r} ({gone.reason}), "
+                f"and no retry clears it: drop index {index!r} again (the drop deletes "
+                f"it), or delete {gone.leftover!r} by name"
+            ) from gone
+        raise BackendUnavailable(
+            f"the {what} found the alias {alias!r} of index {index!r} gone "
+            f"{WRITE_ATTEMPTS} times as it made it again ({gone.reason}): another "
+            "worker's drops kept removing it"
+        ) from gone
+
+    def _take_back(
+        self, index: str, tenant: str, ids: Sequence[str], version: int | None, what: str
+    ) -> bool:
+        """Whether a versioned write lost to a drop (then none of it stays written).
+
+        The floor check and the bulk are two requests: a drop accepted after this write can
+        run between them, and a newer writer can make the index again, so the bulk finds
+        the alias and writes. So the floor is read again after the bulk; if a drop of this
+        write's version or newer has run, every ``_id`` of the write (``ids``) is deleted
+        with the drop's version as external version: a document a newer writer put in
+        since answers 409 and stays. The deletes go every time the floor is at or above the
+        version, even when this call wrote nothing: a retry of a write whose take-back was
+        cut short (a 5xx, a crash) completes it. They go only while the alias exists
+        (``HEAD _alias``): a delete is not held to ``require_alias``, and one reaching a
+        dropped alias would make a bare index of its name; one that does anyway (the alias
+        dropped between the check and the bulk) is cleared by :meth:`_bulk`."""
+        if version is None or not ids:
+            return False
+        alias = self.alias(index, tenant)
+        floor = self._floors.floor(alias)
+        if floor < version:
+            return False
+        taken = f"{what} (taken back after drop {floor})"
+        deletes = [
+            {"_op_type": "delete", "_index": alias, "_id": _id, **_versioned(floor)} for _id in ids
+        ]
+        if self._alias_exists(alias, taken, index):
+            with contextlib.suppress(_AliasGone):  # dropped again: nothing of it is left
+                self._bulk(deletes, taken, index, tenant)
+        self._forget(alias, tenant)
+        logger.info(
+            "%s: version %d lost to drop %d run meanwhile; %d document(s) taken back",
+            what,
+            version,
+            floor,
+            len(deletes),
+        )
+        return True
+
+    def _bulk(self, actions: list[dict[str, Any]], what: str, index: str, tenant: str) -> _Bulked:
+        """Run bulk ``actions``: how many applied, how many found their document, and the
+        ``_id`` of each one applied. A 409 (a newer version held) and a delete's 404 (nothing
+        to delete) are answers, not failures. ``require_alias``: an index action whose alias
+        is gone fails (``_AliasGone``, with what was deleted before it) instead of
+        auto-creating a bare concrete index of that name. ES does not hold a delete to
+        ``require_alias``, and makes a missing index for an external-versioned one: a delete
+        answered from an index named like the alias itself found the alias dropped since
+        its check and made that bare index, which is deleted here (:meth:`_clear_bare`)
+        before the attempt counts as the alias gone; the rest of the bulk is not sent."""
+        failures: list[dict[str, Any]] = []
+        bulked = _Bulked(0, 0, [])
+        alias = self.alias(index, tenant)
+        with _translated(what, index):
+            for ok, item in helpers.streaming_bulk(
+                self._es(),
+                actions,
+                chunk_size=self.bulk_chunk_size,
+                raise_on_error=False,
+                raise_on_exception=True,
+                max_retries=0,
+                refresh=self.refresh,
+                require_alias=True,
+            ):
+                op = next(iter(item.values())) if item else {}
+                status = int(op.get("status", 500))
+                if "error" not in op and op.get("_index") == alias:  # a delete made it
+                    cleared = self._clear_bare(alias, what, index)
+                    raise _AliasGone(
+                        index,
+                        existed=bulked.existed,
+                        leftover="" if cleared else alias,
+                        reason=f"a delete made the bare index {alias!r}",
+                    )
+                if ok:
+                    bulked.applied += 1
+                    bulked.existed += op.get("result") in ("deleted", "updated")
+                    bulked.written.append(str(op.get("_id")))
+                elif status == 404 and op.get("result") == "not_found":
+                    bulked.applied += 1
+                elif _index_missing(op):
+                    raise _AliasGone(index, existed=bulked.existed, reason="require_alias")
+                elif status != 409:
+                    failures.append(item)
+        if failures:
+            raise _bulk_error(failures, tenant)
+        return bulked
+
+    def delete_documents(
+        self, index: str, tenant: str, ids: Sequence[str], *, version: int | None = None
+    ) -> int:
+        """Delete ``<tenant>:<id>`` for each id (external version: a newer write stays, and
+        the delete's tombstone refuses an older upsert for ``index.gc_deletes``, 60 s by
+        default); answers how many existed. The tenant's index is created first if it is
+        missing, as an upsert would: a delete may run before the upsert it was accepted
+        after."""
+        alias = self.alias(index, tenant)
+        actions = [
+            {"_op_type": "delete", "_index": alias, "_id": f"{tenant}:{i}", **_versioned(version)}
+            for i in dict.fromkeys(ids)
+        ]
+        # the index is made if missing, so the tombstones exist for an older upsert that
+        # runs later
+        if not actions:
+            return 0
+        bulked = self._write(index, tenant, actions, f"bulk delete in index {index!r}", version)
+        return 0 if bulked is None else bulked.existed
+
+
+def _versioned(version: int | None) -> dict[str, Any]:
+    """Bulk action metadata for ES's external versioning (none without a version)."""
+    return {} if version is None else {"version": version, "version_type": "external"}
