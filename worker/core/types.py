@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -18,6 +20,20 @@ class Document:
     title: str = ""
     revision: str = "1"
     metadata: Mapping[str, FilterValue] = field(default_factory=dict)
+
+
+def derive_revision(title: str, text: str, metadata: Mapping[str, FilterValue]) -> str:
+    """A stable revision for a document that came without one: same content, same revision,
+    on every backend.
+
+    >>> derive_revision("", "volcano ash", {"year": 2020}) == derive_revision(
+    ...     "", "volcano ash", {"year": 2020})
+    True
+    >>> derive_revision("", "volcano ash", {}) == derive_revision("", "volcano ash", {"a": 1})
+    False
+    """
+    payload = json.dumps([title, text, dict(metadata)], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True, slots=True)

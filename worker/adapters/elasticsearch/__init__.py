@@ -120,11 +120,7 @@ Usage::
 """
 
 from worker.adapters.elasticsearch._backend import ElasticsearchBackend
-from worker.adapters.elasticsearch._bodies import (
-    MAX_NUM_CANDIDATES,
-    derive_revision,
-    num_candidates,
-)
+from worker.adapters.elasticsearch._bodies import MAX_NUM_CANDIDATES, num_candidates
 from worker.adapters.elasticsearch._core import COPY_MAX_SECONDS, Refresh
 from worker.adapters.elasticsearch._layout import (
     CONCRETE_SEPARATOR,
@@ -143,6 +139,7 @@ from worker.adapters.elasticsearch._migrate import SharedLayout
 from worker.adapters.elasticsearch._reindex import COPY_POLL_SECONDS
 from worker.adapters.elasticsearch._search import CHANNELS_MEMO_SIZE, CHANNELS_TTL_SECONDS
 from worker.adapters.elasticsearch._writes import WRITE_ATTEMPTS
+from worker.core.types import derive_revision
 
 __all__ = [
     "CHANNELS_MEMO_SIZE",

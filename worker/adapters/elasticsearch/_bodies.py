@@ -6,15 +6,13 @@ without one (the embedded backend's rule)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from worker.adapters.elasticsearch._core import _Core
 from worker.contract import Channel, FilterValue
-from worker.core.types import ChannelQuery, Document, HardFilters
+from worker.core.types import ChannelQuery, Document, HardFilters, derive_revision
 from worker.errors import BackendRequestError, InvalidRequest, ModeUnavailable
 
 MAX_NUM_CANDIDATES = 10_000
@@ -30,12 +28,6 @@ def num_candidates(size: int, setting: int) -> int:
     if size > MAX_NUM_CANDIDATES:
         raise InvalidRequest("size", f"at most {MAX_NUM_CANDIDATES} kNN candidates, got {size}")
     return min(MAX_NUM_CANDIDATES, max(size, setting))
-
-
-def derive_revision(title: str, text: str, metadata: Mapping[str, FilterValue]) -> str:
-    """A stable revision for a document that came without one (same rule as the embedded one)."""
-    payload = json.dumps([title, text, dict(metadata)], sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 class _Bodies(_Core):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from worker.adapters.elasticsearch._bodies import _Bodies, derive_revision
+from worker.adapters.elasticsearch._bodies import _Bodies
 from worker.adapters.elasticsearch._errors import (
     _index_missing,
     _raise_for_item,
@@ -21,6 +21,7 @@ from worker.core.types import (
     ChannelResults,
     Document,
     IndexProbe,
+    derive_revision,
 )
 from worker.errors import BackendRequestError
 

@@ -56,12 +56,14 @@ are relative, so ``benchmarks/baseline.py`` can load a whole earlier version bes
 
 from __future__ import annotations
 
+from worker.core.types import derive_revision
+
 from ._caches import DOCUMENT_CACHE_SIZE
 from ._listing import _Listing
 from ._pool import BUSY_TIMEOUT_MS, CACHE_KIB, MMAP_BYTES
 from ._schema import DB_FILE, FTS_TOKENIZER, SCHEMA_VERSION
 from ._search import BLAS_MIN_PRODUCT, ENGLISH_STOPWORDS, _Search, match_expression
-from ._writes import _Writes, derive_revision
+from ._writes import _Writes
 
 __all__ = [
     "BLAS_MIN_PRODUCT",

@@ -4,18 +4,16 @@ holding the text, the BM25 row and the vector together, ordered by write version
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import apsw
 import numpy as np
 import numpy.typing as npt
 
-from worker.contract import FilterValue
-from worker.core.types import Document
+from worker.core.types import Document, derive_revision
 from worker.errors import EmbeddingModelMismatch, InvalidRequest
 
 from ._pool import _Pool, _translated, _write
@@ -175,12 +173,6 @@ class _Writes(_Pool):
                     (index, tenant, version, time.time()),
                 )
         return gone
-
-
-def derive_revision(title: str, text: str, metadata: Mapping[str, FilterValue]) -> str:
-    """A stable revision for a document that came without one: same content, same revision."""
-    payload = json.dumps([title, text, dict(metadata)], sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def _check_vectors(
