@@ -38,7 +38,13 @@ class KeyRing:
 
 
 def _unauthenticated(message: str) -> ApiError:
-    return ApiError(401, "unauthenticated", message, headers={"WWW-Authenticate": "Bearer"})
+    return ApiError(
+        401,
+        "unauthenticated",
+        message,
+        field="Authorization",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 async def authenticate(
@@ -51,5 +57,7 @@ async def authenticate(
     ring: KeyRing = request.app.state.keyring
     tenant = ring.tenant_for(credentials.credentials)
     if tenant is None:
-        raise ApiError(403, "forbidden", "Authorization: the API key is not valid")
+        raise ApiError(
+            403, "forbidden", "Authorization: the API key is not valid", field="Authorization"
+        )
     return tenant

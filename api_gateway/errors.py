@@ -80,13 +80,14 @@ def error_response(
     )
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\])$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\]|\[key\])$")
 
 
 def field_name(loc: Sequence[int | str]) -> str:
     """("body", "queries", 3, "id") -> "queries[3].id"; ("query", "wait") -> "wait".
 
-    A union's branch tag at the end ("filters.a.str") is dropped: the field is "filters.a".
+    A union's branch tag at the end ("filters.a.str") is dropped: the field is "filters.a";
+    so is a refused dict key's "[key]" ("filters.a b.[key]" -> "filters.a b").
     """
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
@@ -154,6 +155,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:
+            # FastAPI's one 400: a body its JSON reader could not decode (not UTF-8, -16
+            # or -32), "There was an error parsing the body", which named no field
+            reason = str(exc.__cause__ or exc.detail)
+            problem = FieldProblem(field="body", message=f"is not valid JSON: {reason}")
+            return error_response(
+                400, "invalid_request", f"body: {problem.message}", field="body", fields=[problem]
+            )
         type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(
             exc.status_code, type_, str(exc.detail), headers=getattr(exc, "headers", None)
