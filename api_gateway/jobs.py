@@ -115,7 +115,7 @@ async def _admit(request: Request, items: int) -> None:
         raise ApiError(
             429,
             "backlog_full",
-            str(exc),
+            exc.public,
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         ) from exc
 
