@@ -128,6 +128,20 @@ def problems_of(errors: Sequence[Any]) -> list[FieldProblem]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if isinstance(exc.body, bytes):
+            # FastAPI reads a body as JSON only under a JSON Content-Type (or none); any
+            # other (curl -d sends a form's) left the raw bytes, which then "should be a
+            # valid dictionary", a 422 that did not say why
+            sent = request.headers.get("content-type")
+            problem = FieldProblem(
+                field="body",
+                message=(f"was sent as {sent!r}" if sent else "was sent without a Content-Type")
+                + ", not read as JSON: send it with Content-Type: application/json",
+            )
+            return error_response(
+                415, "unsupported_media_type", f"body: {problem.message}", field="body",
+                fields=[problem],
+            )  # fmt: skip
         problems = problems_of(exc.errors())
         if not problems:
             problems = [FieldProblem(field="body", message="is invalid")]

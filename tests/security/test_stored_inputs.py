@@ -15,7 +15,9 @@ once passed the gateway:
   revision or a metadata value: the ingest failed as ``internal_error``;
 * two documents with one id in one request: the job said succeeded and the later one was
   silently dropped;
-* a body not in UTF-8 (or -16, -32): ``400`` naming no field; so were ``401`` and ``403``.
+* a body not in UTF-8 (or -16, -32): ``400`` naming no field; so were ``401`` and ``403``;
+* a JSON body sent under another Content-Type (``curl -d`` sends a form's): ``422`` saying
+  the body "should be a valid dictionary"; now ``415`` naming the type it came as.
 
 The property test sends generated metadata and filters (keys and values of any JSON type,
 with NaN, infinities, huge integers, surrogates, NUL and control characters) and checks
@@ -183,6 +185,24 @@ def test_a_body_not_in_unicode_is_400_naming_body(stack: Stack, method: str, pat
     response = stack.live.request(method, path, content=raw, headers={**ACME, **JSON})
     error = names_the_field(response, 400, "body")
     assert error["type"] == "invalid_request"
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/x-www-form-urlencoded", "text/plain", "multipart/form-data", None]
+)
+@pytest.mark.parametrize(("method", "path"), [r for r in BODY_ROUTES if r[1] != "/v1/batches"])
+def test_a_body_not_sent_as_json_is_415_naming_body_and_the_content_type(
+    stack: Stack, method: str, path: str, content_type: str | None
+) -> None:
+    """``curl -d '{...}'`` sends a form's Content-Type: the body was left unread and the
+    answer was a 422 saying it "should be a valid dictionary". (``POST /v1/batches`` reads
+    its body whatever the Content-Type says.)"""
+    raw = json.dumps({"index": INDEX, "query": "hello", "ids": ["a"], "documents": []})
+    headers = {**ACME, **({"content-type": content_type} if content_type else {})}
+    response = stack.live.request(method, path, content=raw.encode(), headers=headers)
+    error = names_the_field(response, 415, "body")
+    assert "application/json" in error["message"], error
+    assert (content_type or "without a Content-Type") in error["message"], error
 
 
 @pytest.mark.parametrize(
