@@ -177,10 +177,17 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(
                 400, "invalid_request", f"body: {problem.message}", field="body", fields=[problem]
             )
-        type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(
-            exc.status_code, type_, str(exc.detail), headers=getattr(exc, "headers", None)
-        )
+        headers = getattr(exc, "headers", None)
+        path = request.url.path
+        if exc.status_code == 404:  # the routes' own 404s are ApiErrors: here, no route
+            message = f"path: no route {path!r} (the routes are in /openapi.json)"
+            return error_response(404, "not_found", message, field="path", headers=headers)
+        if exc.status_code == 405:
+            message = f"method: {request.method} is not a method of {path!r}"
+            return error_response(
+                405, "method_not_allowed", message, field="method", headers=headers
+            )
+        return error_response(exc.status_code, "http_error", str(exc.detail), headers=headers)
 
     # Redis errors are handled here rather than by the catch-all below: Starlette re-raises
     # what reaches that one after answering, and uvicorn then closes the keep-alive

@@ -17,7 +17,9 @@ once passed the gateway:
   silently dropped;
 * a body not in UTF-8 (or -16, -32): ``400`` naming no field; so were ``401`` and ``403``;
 * a JSON body sent under another Content-Type (``curl -d`` sends a form's): ``422`` saying
-  the body "should be a valid dictionary"; now ``415`` naming the type it came as.
+  the body "should be a valid dictionary"; now ``415`` naming the type it came as;
+* a path no route has (an index name with ``%2F``) or a method a route lacks: ``404`` /
+  ``405`` naming no field; now ``path`` / ``method``.
 
 The property test sends generated metadata and filters (keys and values of any JSON type,
 with NaN, infinities, huge integers, surrogates, NUL and control characters) and checks
@@ -203,6 +205,26 @@ def test_a_body_not_sent_as_json_is_415_naming_body_and_the_content_type(
     error = names_the_field(response, 415, "body")
     assert "application/json" in error["message"], error
     assert (content_type or "without a Content-Type") in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "field"),
+    [
+        ("GET", "/v1/nope", 404, "path"),
+        ("GET", "/v1/indexes/a%2Fb", 404, "path"),
+        ("POST", "/v1/indexes/a%2Fb/documents", 404, "path"),
+        ("GET", "/docs/assets/nope.js", 404, "path"),
+        ("PUT", "/v1/searches", 405, "method"),
+        ("DELETE", "/v1/searches/srch_0", 405, "method"),
+    ],
+)
+def test_a_path_or_method_no_route_has_is_a_4xx_naming_it(
+    stack: Stack, method: str, path: str, status: int, field: str
+) -> None:
+    """An index name holding ``%2F`` decodes to a path no route has: ``404`` "Not
+    Found" used to name no field (nor did ``405``)."""
+    response = stack.live.request(method, path, headers=ACME)
+    names_the_field(response, status, field)
 
 
 @pytest.mark.parametrize(
