@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -40,8 +41,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from api_gateway.queue import OutboxSender
 from tests.e2e.conftest import ACME, GLOBEX, Stack
 from tests.security.test_limits import names_the_field
+from worker.constants import INGEST_QUEUE, INGEST_TASK
+from worker.contract import DocumentIn
+from worker.queue.jobstore import JobStore
 
 INDEX = "stored-inputs"
 JSON = {"content-type": "application/json"}
@@ -370,4 +375,44 @@ def test_generated_filters_are_refused_naming_them_or_the_search_succeeds(
         assert response.json()["status"] == "succeeded", response.text
         got = stack.live.get(f"/v1/searches/{response.json()['id']}", headers=ACME)
         assert got.status_code == 200, got.text
+    list_is_readable(stack)
+
+
+# --- what the previous release let in stays readable ------------------------------------
+
+
+def test_a_document_stored_with_nan_metadata_before_the_check_does_not_break_searches(
+    stack: Stack,
+) -> None:
+    """An ingest job as the previous release's gateway stored it, NaN and Infinity in the
+    metadata, run by the real worker. The backend holds the values; a search returning the
+    document wrote its hits' metadata back as ``null``, which no read of the result took:
+    every search returning the document was a 500, and so was the tenant's search list,
+    for as long as the document stayed. A hit now shows the value by name."""
+    store = JobStore.from_url(stack.redis_url + "/0")
+    outbox = OutboxSender(store)
+    metadata: dict[str, Any] = {"nan": math.nan, "inf": math.inf, "ninf": -math.inf, "ok": 1.5}
+    try:
+        job = store.create_ingest(
+            "acme",
+            INDEX,
+            [DocumentIn(id="legacy-nan", text="hello legacy", metadata=metadata)],
+            enqueue=lambda job_id: outbox.messages([(INGEST_TASK, [job_id], INGEST_QUEUE)]),
+        )
+    finally:
+        store.close()
+    for _ in range(400):
+        ingested = stack.live.get(f"/v1/ingestions/{job.id}", headers=ACME).json()
+        if ingested["status"] != "queued" and ingested["status"] != "running":
+            break
+        time.sleep(0.05)
+    assert ingested["status"] == "succeeded", ingested
+    found = search(stack, query="legacy", filters={"ok": 1.5})
+    assert found.status_code == 200, found.text
+    assert found.json()["status"] == "succeeded", found.text
+    hit = found.json()["result"]["hits"][0]
+    assert hit["id"] == "legacy-nan"
+    assert hit["metadata"] == {"nan": "NaN", "inf": "Infinity", "ninf": "-Infinity", "ok": 1.5}
+    again = stack.live.get(f"/v1/searches/{found.json()['id']}", headers=ACME)
+    assert again.status_code == 200 and again.json()["result"]["hits"][0] == hit, again.text
     list_is_readable(stack)
