@@ -44,8 +44,8 @@ FilterValue = str | int | float | bool
 #   refuse it: ``_FILTER_KEY`` in worker/adapters/embedded.py and elasticsearch.py);
 # * NaN or Infinity (Python's JSON reader takes them) was stored, written back as ``null``,
 #   and every later read of the record (the search, its list, a hit's metadata) was a 500;
-# * an integer past 64 bits: SQLite cannot bind it (a filter's search failed, an
-#   ``OverflowError``), nor can Elasticsearch hold it as a number;
+# * an integer past 64 bits: SQLite cannot bind it (a filter on it failed the search, an
+#   ``OverflowError``);
 # * a lone surrogate (``"\ud800"``, valid JSON, no UTF-8): Redis, SQLite and the tokenizer
 #   cannot encode it, a 500 at the gateway or an ingest failed as ``internal_error``.
 METADATA_KEY_PATTERN = rf"^[A-Za-z0-9_.:-]{{1,{MAX_METADATA_KEY_CHARS}}}$"
