@@ -15,7 +15,8 @@ once passed the gateway:
   revision or a metadata value: the ingest failed as ``internal_error``;
 * two documents with one id in one request: the job said succeeded and the later one was
   silently dropped;
-* a body not in UTF-8 (or -16, -32): ``400`` naming no field; so were ``401`` and ``403``;
+* a body not in UTF-8 (or -16, -32), or nested past Python's recursion limit: ``400``
+  naming no field; so were ``401`` and ``403``;
 * a JSON body sent under another Content-Type (``curl -d`` sends a form's): ``422`` saying
   the body "should be a valid dictionary"; now ``415`` naming the type it came as;
 * a path no route has (an index name with ``%2F``) or a method a route lacks: ``404`` /
@@ -186,9 +187,17 @@ BODY_ROUTES = [
 ]
 
 
+UNREADABLE = {
+    "Latin-1": b'{"index": "caf\xe9", "query": "\xff"}',  # not UTF-8, -16 or -32
+    "nested too deep": b'{"filters": {"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}",
+}
+
+
+@pytest.mark.parametrize("raw", UNREADABLE.values(), ids=UNREADABLE.keys())
 @pytest.mark.parametrize(("method", "path"), BODY_ROUTES)
-def test_a_body_not_in_unicode_is_400_naming_body(stack: Stack, method: str, path: str) -> None:
-    raw = b'{"index": "caf\xe9", "query": "\xff"}'  # Latin-1: not UTF-8, -16 or -32
+def test_a_body_json_cannot_read_is_400_naming_body(
+    stack: Stack, method: str, path: str, raw: bytes
+) -> None:
     response = stack.live.request(method, path, content=raw, headers={**ACME, **JSON})
     error = names_the_field(response, 400, "body")
     assert error["type"] == "invalid_request"
