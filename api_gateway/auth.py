@@ -10,6 +10,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api_gateway.errors import ApiError
+from worker.errors import ConfigError
 from worker.settings import ApiKey
 
 bearer = HTTPBearer(auto_error=False, description="An API key; it decides the tenant.")
@@ -24,6 +25,16 @@ class KeyRing:
 
     def __init__(self, keys: Sequence[ApiKey]) -> None:
         self._entries = [(k.digest(), k.tenant) for k in keys]
+        owners: dict[bytes, str] = {}
+        for digest, tenant in self._entries:
+            # one key for two tenants (a pasted entry, a digest of another tenant's key)
+            # would serve its holder whichever was listed last: refused at start-up
+            other = owners.setdefault(digest, tenant)
+            if other != tenant:
+                raise ConfigError(
+                    f"SIFT_API_KEYS, SIFT_API_KEYS_FILE: one key is given for tenants "
+                    f"{other!r} and {tenant!r}; a key must decide one tenant"
+                )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -38,7 +49,13 @@ class KeyRing:
 
 
 def _unauthenticated(message: str) -> ApiError:
-    return ApiError(401, "unauthenticated", message, headers={"WWW-Authenticate": "Bearer"})
+    return ApiError(
+        401,
+        "unauthenticated",
+        message,
+        field="Authorization",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
 
 
 async def authenticate(
@@ -51,5 +68,7 @@ async def authenticate(
     ring: KeyRing = request.app.state.keyring
     tenant = ring.tenant_for(credentials.credentials)
     if tenant is None:
-        raise ApiError(403, "forbidden", "Authorization: the API key is not valid")
+        raise ApiError(
+            403, "forbidden", "Authorization: the API key is not valid", field="Authorization"
+        )
     return tenant

@@ -20,7 +20,8 @@ RETRY_AFTER_SECONDS = 5
 
 
 class BacklogFull(Exception):
-    """The backlog is at its limit: answer 429 with ``Retry-After``."""
+    """The backlog is at its limit: answer 429 with ``Retry-After``. ``str()`` is the log's
+    line, with the queued count; :attr:`public` is the client's, without it."""
 
     def __init__(self, queued: int, adding: int, limit: int) -> None:
         self.queued, self.adding, self.limit = queued, adding, limit
@@ -28,6 +29,15 @@ class BacklogFull(Exception):
             f"the backlog is full: {queued} searches and batch items are queued, and "
             f"{adding} more would pass the limit of {limit} (SIFT_MAX_BACKLOG); "
             f"retry after {RETRY_AFTER_SECONDS} s"
+        )
+
+    @property
+    def public(self) -> str:
+        """What the caller is told. Not the queued count: that is every tenant's work, and
+        with one other tenant busy it was that tenant's own volume, to the item."""
+        return (
+            f"the backlog is full: {self.adding} more searches and batch items would pass "
+            f"the limit of {self.limit} (SIFT_MAX_BACKLOG); retry after {RETRY_AFTER_SECONDS} s"
         )
 
 

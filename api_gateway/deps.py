@@ -35,7 +35,7 @@ Wait = Annotated[
     ),
 ]
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 503)
+    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 415, 422, 503)
 }
 LOCATION_HEADER: dict[str, dict[str, Any]] = {
     "Location": {

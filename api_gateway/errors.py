@@ -80,13 +80,14 @@ def error_response(
     )
 
 
-_UNION_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\])$")
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|bytes|[a-z-]+\[.*\]|\[key\])$")
 
 
 def field_name(loc: Sequence[int | str]) -> str:
     """("body", "queries", 3, "id") -> "queries[3].id"; ("query", "wait") -> "wait".
 
-    A union's branch tag at the end ("filters.a.str") is dropped: the field is "filters.a".
+    A union's branch tag at the end ("filters.a.str") is dropped: the field is "filters.a";
+    so is a refused dict key's "[key]" ("filters.a b.[key]" -> "filters.a b").
     """
     parts = list(loc)
     if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
@@ -127,6 +128,20 @@ def problems_of(errors: Sequence[Any]) -> list[FieldProblem]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if isinstance(exc.body, bytes):
+            # FastAPI reads a body as JSON only under a JSON Content-Type (or none); any
+            # other (curl -d sends a form's) left the raw bytes, which then "should be a
+            # valid dictionary", a 422 that did not say why
+            sent = request.headers.get("content-type")
+            problem = FieldProblem(
+                field="body",
+                message=(f"was sent as {sent!r}" if sent else "was sent without a Content-Type")
+                + ", not read as JSON: send it with Content-Type: application/json",
+            )
+            return error_response(
+                415, "unsupported_media_type", f"body: {problem.message}", field="body",
+                fields=[problem],
+            )  # fmt: skip
         problems = problems_of(exc.errors())
         if not problems:
             problems = [FieldProblem(field="body", message="is invalid")]
@@ -154,10 +169,25 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(
-            exc.status_code, type_, str(exc.detail), headers=getattr(exc, "headers", None)
-        )
+        if exc.status_code == 400:
+            # FastAPI's one 400: a body its JSON reader could not decode (not UTF-8, -16
+            # or -32), "There was an error parsing the body", which named no field
+            reason = str(exc.__cause__ or exc.detail)
+            problem = FieldProblem(field="body", message=f"is not valid JSON: {reason}")
+            return error_response(
+                400, "invalid_request", f"body: {problem.message}", field="body", fields=[problem]
+            )
+        headers = getattr(exc, "headers", None)
+        path = request.url.path
+        if exc.status_code == 404:  # the routes' own 404s are ApiErrors: here, no route
+            message = f"path: no route {path!r} (the routes are in /openapi.json)"
+            return error_response(404, "not_found", message, field="path", headers=headers)
+        if exc.status_code == 405:
+            message = f"method: {request.method} is not a method of {path!r}"
+            return error_response(
+                405, "method_not_allowed", message, field="method", headers=headers
+            )
+        return error_response(exc.status_code, "http_error", str(exc.detail), headers=headers)
 
     # Redis errors are handled here rather than by the catch-all below: Starlette re-raises
     # what reaches that one after answering, and uvicorn then closes the keep-alive

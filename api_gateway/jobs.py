@@ -115,7 +115,7 @@ async def _admit(request: Request, items: int) -> None:
         raise ApiError(
             429,
             "backlog_full",
-            str(exc),
+            exc.public,
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         ) from exc
 
@@ -323,7 +323,16 @@ async def upsert_documents(
 ) -> Response:
     """Enqueues an ingest job and answers 202 with its id (poll
     ``GET /v1/ingestions/{id}``), or 200 when it finished within ``wait`` seconds."""
+    first_at: dict[str, int] = {}
     for i, doc in enumerate(body.documents):
+        # one write per id: the job's documents share one write version, so a backend
+        # kept the first of two and silently dropped the later one (not newer)
+        if doc.id in first_at:
+            raise InvalidRequest(
+                f"documents[{i}].id",
+                f"duplicate id {doc.id!r} (first at documents[{first_at[doc.id]}])",
+            )
+        first_at[doc.id] = i
         if len(doc.text) > MAX_DOCUMENT_CHARS:
             raise InvalidRequest(
                 f"documents[{i}].text", f"longer than {MAX_DOCUMENT_CHARS} characters"

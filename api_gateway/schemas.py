@@ -18,14 +18,15 @@ from worker.contract import (
     CandidateLimit,
     DocumentIn,
     ErrorInfo,
-    FilterValue,
     FusionSpec,
     IndexName,
     JobStatus,
+    Metadata,
     Mode,
     QueryText,
     SearchResult,
     SearchSpec,
+    Utf8Text,
     without_unset_overrides,
 )
 
@@ -41,6 +42,7 @@ class _Strict(BaseModel):
 class SearchRequest(SearchSpec):
     """``POST /v1/searches``: the search, and where to send its webhook."""
 
+    filters: Metadata = Field(default_factory=dict)
     webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
 
 
@@ -61,7 +63,7 @@ class BatchQueryIn(_Strict):
     query: QueryText
     limit: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
     mode: Mode | None = None
-    filters: dict[str, FilterValue] = Field(default_factory=dict)
+    filters: Metadata = Field(default_factory=dict)
 
 
 class BatchRequest(_Strict):
@@ -124,10 +126,19 @@ class BatchResultsPage(BaseModel):
     next_page_token: str | None
 
 
+class DocumentRequest(DocumentIn):
+    """One document of ``POST /v1/indexes/{index}/documents``: a ``DocumentIn`` whose
+    title, revision and metadata every backend can store (``worker.contract.Metadata``)."""
+
+    title: Utf8Text = ""
+    revision: Utf8Text | None = None
+    metadata: Metadata = Field(default_factory=dict)
+
+
 class DocumentsRequest(_Strict):
     """``POST /v1/indexes/{index}/documents``."""
 
-    documents: list[DocumentIn] = Field(min_length=1, max_length=MAX_DOCUMENTS_PER_REQUEST)
+    documents: list[DocumentRequest] = Field(min_length=1, max_length=MAX_DOCUMENTS_PER_REQUEST)
 
 
 class IngestJobOut(BaseModel):

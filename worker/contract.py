@@ -6,6 +6,7 @@ This module is the only part of ``worker`` that ``api_gateway`` imports (with
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -14,6 +15,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     SerializerFunctionWrapHandler,
     model_serializer,
     model_validator,
@@ -23,6 +25,7 @@ from worker.constants import (
     MAX_CANDIDATE_LIMIT,
     MAX_FUSION_WEIGHT,
     MAX_LIMIT,
+    MAX_METADATA_KEY_CHARS,
     MAX_QUERY_CHARS,
     MAX_RANK_CONSTANT,
 )
@@ -31,6 +34,57 @@ Mode = Literal["fts", "vector", "hybrid"]
 Channel = Literal["bm25", "knn"]
 FusionMethod = Literal["rrf", "linear"]
 FilterValue = str | int | float | bool
+
+# --- what a client may send as metadata and filters -----------------------------------------
+# Checked where a request comes in (the gateway's request models), not on the types the
+# job store and the worker read back: a record stored before a check existed must stay
+# readable. Each of these once passed the gateway and broke later (DESIGN.md §9: bad input
+# is a 4xx naming the field):
+# * a key outside the backends' pattern failed the ingest or search job (both backends
+#   refuse it: ``_FILTER_KEY`` in worker/adapters/embedded.py and elasticsearch.py);
+# * NaN or Infinity (Python's JSON reader takes them) was stored, written back as ``null``,
+#   and every later read of the record (the search, its list, a hit's metadata) was a 500;
+# * an integer past 64 bits: SQLite cannot bind it (a filter on it failed the search, an
+#   ``OverflowError``);
+# * a lone surrogate (``"\ud800"``, valid JSON, no UTF-8): Redis, SQLite and the tokenizer
+#   cannot encode it, a 500 at the gateway or an ingest failed as ``internal_error``.
+METADATA_KEY_PATTERN = rf"^[A-Za-z0-9_.:-]{{1,{MAX_METADATA_KEY_CHARS}}}$"
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _utf8(value: str) -> str:
+    """``value`` if UTF-8 can encode it (no lone surrogate); pydantic checks this only for
+    strings with a length or pattern constraint."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"is not valid Unicode: a lone surrogate at character {exc.start}"
+        ) from exc
+    return value
+
+
+def _metadata_value(value: object) -> FilterValue:
+    """A metadata or filter value every backend can store and compare exactly."""
+    if isinstance(value, bool | str):
+        return _utf8(value) if isinstance(value, str) else value
+    if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError("an integer must fit in 64 bits (-2^63 to 2^63 - 1)")
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number, not NaN or Infinity")
+        return value
+    raise ValueError("must be a string, a number or a boolean")
+
+
+Utf8Text = Annotated[str, AfterValidator(_utf8)]
+MetadataKey = Annotated[str, Field(pattern=METADATA_KEY_PATTERN)]
+MetadataValue = Annotated[
+    FilterValue, PlainValidator(_metadata_value, json_schema_input_type=FilterValue)
+]
+Metadata = dict[MetadataKey, MetadataValue]
 
 
 class JobStatus(StrEnum):

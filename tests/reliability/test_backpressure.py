@@ -72,6 +72,10 @@ def test_a_batch_larger_than_what_is_left_is_refused_whole(tmp_path: Path) -> No
             assert c.post("/v1/batches", json=_batch(8, "a"), headers=ACME).status_code == 202
             refused = c.post("/v1/batches", json=_batch(3, "b"), headers=ACME)
             assert refused.status_code == 429, refused.text
+            # the queued count (8) is every tenant's work: the caller is not told it
+            message = refused.json()["error"]["message"]
+            assert "3 more" in message and "limit of 10" in message
+            assert "8" not in message, message
             assert _queued(url + "/0") == 8  # not 10: no half-accepted batch
             assert c.post("/v1/batches", json=_batch(2, "c"), headers=ACME).status_code == 202
             assert _queued(url + "/0") == 10

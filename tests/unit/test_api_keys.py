@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from api_gateway.app import create_app
 from api_gateway.auth import KeyRing
 from worker.errors import ConfigError
 from worker.settings import ApiKey, load_settings
@@ -70,3 +71,21 @@ def test_a_bad_entry_is_refused_naming_the_variable_and_the_fields(tmp_path: Pat
     assert KEY not in str(raised.value) and SECRET not in str(raised.value)  # not quoted
     with pytest.raises(ConfigError, match=r"(?s)SIFT_API_KEYS: .*key, key_sha256"):
         load_settings(api_keys=json.dumps(both))
+
+
+@pytest.mark.parametrize("globex", [{"key": KEY}, {"key_sha256": DIGEST.upper()}])
+def test_one_key_for_two_tenants_is_refused_at_start_up(globex: dict[str, str]) -> None:
+    """Before, the entry listed last won: acme's key served globex's data, silently."""
+    keys = [
+        {"key": KEY, "tenant": "acme", "webhook_secret": SECRET},
+        {**globex, "tenant": "globex", "webhook_secret": SECRET},
+    ]
+    settings = load_settings(api_keys=keys)
+    with pytest.raises(ConfigError, match="one key is given for tenants 'acme' and 'globex'"):
+        create_app(settings)
+
+
+def test_one_key_listed_twice_for_one_tenant_is_taken() -> None:
+    entry = ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)
+    digest = ApiKey(key_sha256=DIGEST, tenant="acme", webhook_secret=SECRET)
+    assert KeyRing([entry, digest]).tenant_for(KEY) == "acme"

@@ -6,6 +6,7 @@ This is DESIGN.md §2 and §4 in one place; everything it touches outside is a p
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -14,7 +15,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from worker.constants import POLICY_ID
-from worker.contract import Hit, Ranks, RerankInfo, Scores, SearchResult, SearchSpec, Usage
+from worker.contract import (
+    FilterValue,
+    Hit,
+    Ranks,
+    RerankInfo,
+    Scores,
+    SearchResult,
+    SearchSpec,
+    Usage,
+)
 from worker.core.budget import MIN_ATTEMPT_SECONDS, Deadline, call_within_budget
 from worker.core.catalog import SearchSettings
 from worker.core.cost import add_costs, cost_usd, price_for
@@ -565,6 +575,20 @@ class SearchPipeline:
         )
 
 
+def _shown(value: FilterValue) -> FilterValue:
+    """A metadata value as a hit shows it. A non-finite float (the gateway refuses them now;
+    a document stored before may hold one) goes by its name: JSON has no such number, and
+    written as ``null`` the hit could not be read back, so every search returning the
+    document was a 500.
+
+    >>> _shown(float("nan")), _shown(float("inf")), _shown(-float("inf")), _shown(1.5)
+    ('NaN', 'Infinity', '-Infinity', 1.5)
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    return value
+
+
 def _hit(candidate: Candidate, final: int) -> Hit:
     doc = candidate.document
     return Hit(
@@ -572,7 +596,7 @@ def _hit(candidate: Candidate, final: int) -> Hit:
         revision=doc.revision,
         title=doc.title,
         text=doc.text,
-        metadata=dict(doc.metadata),
+        metadata={key: _shown(value) for key, value in doc.metadata.items()},
         ranks=Ranks(
             final=final,
             rrf=candidate.rrf_rank,

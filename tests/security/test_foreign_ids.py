@@ -1,0 +1,78 @@
+"""Another tenant's job reads, byte for byte, like one that never existed.
+
+Over the real stack: globex holds a search, a batch and an ingest job; acme asks for each by
+id on every route that takes one (``GET`` the job, a batch's result pages with and without
+a page token, ``DELETE`` a batch). Each answer is compared with the answer to a made-up id
+of the same shape: the same status, the same headers (the date aside), and the same body
+once the id it echoes is swapped. Nothing in any of them tells that the id exists.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ACME, GLOBEX, Stack
+
+INDEX = "foreign-ids"
+
+
+@pytest.fixture(scope="module")
+def globex_jobs(stack: Stack) -> dict[str, str]:
+    """globex's search (finished), batch and ingest job, by kind."""
+    ingest = stack.live.post(
+        f"/v1/indexes/{INDEX}/documents",
+        params={"wait": 20},
+        json={"documents": [{"id": "g", "text": "globex hello"}]},
+        headers=GLOBEX,
+    )
+    assert ingest.status_code == 200, ingest.text
+    search = stack.live.post(
+        "/v1/searches",
+        params={"wait": 20},
+        json={"index": INDEX, "query": "hello"},
+        headers=GLOBEX,
+    )
+    assert search.status_code == 200, search.text
+    batch = stack.live.post(
+        "/v1/batches",
+        json={"index": INDEX, "queries": [{"id": "q", "query": "hello"}]},
+        headers=GLOBEX,
+    )
+    assert batch.status_code == 202, batch.text
+    jobs = {"search": search, "batch": batch, "ingest": ingest}
+    return {kind: str(response.json()["id"]) for kind, response in jobs.items()}
+
+
+def seen(response: httpx.Response, job_id: str) -> tuple[int, dict[str, str], str]:
+    headers = {k: v for k, v in response.headers.items() if k != "date"}
+    return response.status_code, headers, response.text.replace(job_id, "<id>")
+
+
+ROUTES = [
+    ("GET", "/v1/searches/{}", "search"),
+    ("GET", "/v1/ingestions/{}", "ingest"),
+    ("GET", "/v1/batches/{}", "batch"),
+    ("GET", "/v1/batches/{}/results", "batch"),
+    ("GET", "/v1/batches/{}/results?page_size=1&page_token=bzox", "batch"),
+    ("DELETE", "/v1/batches/{}", "batch"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "kind"), ROUTES)
+def test_another_tenants_job_answers_exactly_as_a_made_up_id(
+    stack: Stack, globex_jobs: dict[str, str], method: str, path: str, kind: str
+) -> None:
+    theirs = globex_jobs[kind]
+    made_up = theirs.split("_")[0] + "_" + uuid.uuid4().hex
+    foreign = stack.live.request(method, path.format(theirs), headers=ACME)
+    nobodys = stack.live.request(method, path.format(made_up), headers=ACME)
+    assert foreign.status_code == 404, foreign.text
+    assert seen(foreign, theirs) == seen(nobodys, made_up)
+    # and the owner still reads it (the DELETE above changed nothing of globex's)
+    owner = stack.live.get(path.format(theirs).split("?")[0].removesuffix("/results"),
+                           headers=GLOBEX)  # fmt: skip
+    assert owner.status_code == 200, owner.text
+    assert owner.json().get("canceled_at") is None

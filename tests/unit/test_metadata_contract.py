@@ -1,0 +1,35 @@
+"""The metadata and filter keys the gateway takes are exactly those both backends filter on:
+``worker.contract.METADATA_KEY_PATTERN`` against each backend's own ``_FILTER_KEY``, so the
+check at the gateway cannot drift from the one a job would fail later."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import TypeAdapter, ValidationError
+
+from worker.adapters import elasticsearch, embedded
+from worker.contract import INT64_MAX, INT64_MIN, METADATA_KEY_PATTERN, Metadata
+
+METADATA = TypeAdapter(Metadata)
+
+
+def test_the_key_pattern_is_each_backends() -> None:
+    for backend in (embedded, elasticsearch):
+        assert backend._FILTER_KEY.pattern == METADATA_KEY_PATTERN, backend.__name__
+
+
+@pytest.mark.parametrize(
+    "value", ["", "a\x00b", "\U0001f600", True, False, 0, INT64_MIN, INT64_MAX, 1.5, -0.0, 5e-324]
+)
+def test_what_every_backend_holds_is_taken_as_it_is(value: object) -> None:
+    taken = METADATA.validate_python({"k": value})["k"]
+    assert taken == value and type(taken) is type(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [float("nan"), float("inf"), INT64_MAX + 1, INT64_MIN - 1, "\ud800", None, [1], {"a": 1}],
+)
+def test_what_a_backend_cannot_hold_is_refused(value: object) -> None:
+    with pytest.raises(ValidationError):
+        METADATA.validate_python({"k": value})
