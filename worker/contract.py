@@ -41,7 +41,7 @@ FilterValue = str | int | float | bool
 # readable. Each of these once passed the gateway and broke later (DESIGN.md §9: bad input
 # is a 4xx naming the field):
 # * a key outside the backends' pattern failed the ingest or search job (both backends
-#   refuse it: ``_FILTER_KEY`` in worker/adapters/embedded.py and elasticsearch.py);
+#   refuse it: both compile this pattern as their ``_FILTER_KEY``);
 # * NaN or Infinity (Python's JSON reader takes them) was stored, written back as ``null``,
 #   and every later read of the record (the search, its list, a hit's metadata) was a 500;
 # * an integer past 64 bits: SQLite cannot bind it (a filter on it failed the search, an

@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from worker.adapters import elasticsearch, embedded
+from worker.adapters.elasticsearch import _bodies
+from worker.adapters.embedded import _schema
 from worker.contract import INT64_MAX, INT64_MIN, METADATA_KEY_PATTERN, Metadata
 
 METADATA = TypeAdapter(Metadata)
 
 
 def test_the_key_pattern_is_each_backends() -> None:
-    for backend in (embedded, elasticsearch):
+    for backend in (_schema, _bodies):
         assert backend._FILTER_KEY.pattern == METADATA_KEY_PATTERN, backend.__name__
 
 

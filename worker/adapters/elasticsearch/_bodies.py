@@ -11,12 +11,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from worker.adapters.elasticsearch._core import _Core
-from worker.contract import Channel, FilterValue
+from worker.contract import METADATA_KEY_PATTERN, Channel, FilterValue
 from worker.core.types import ChannelQuery, Document, HardFilters, derive_revision
 from worker.errors import BackendRequestError, InvalidRequest, ModeUnavailable
 
 MAX_NUM_CANDIDATES = 10_000
-_FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_FILTER_KEY = re.compile(METADATA_KEY_PATTERN)  # the gateway checks the same
 
 
 def num_candidates(size: int, setting: int) -> int:

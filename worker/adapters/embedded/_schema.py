@@ -13,13 +13,14 @@ from pathlib import Path
 
 import apsw
 
+from worker.contract import METADATA_KEY_PATTERN
 from worker.errors import ConfigError, InvalidRequest
 
 DB_FILE = "sift.db"
 FTS_TOKENIZER = "porter unicode61 remove_diacritics 2"
 
 #: What a metadata key may be: filters read it by a ``json_extract`` path built from it.
-_FILTER_KEY = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_FILTER_KEY = re.compile(METADATA_KEY_PATTERN)  # the gateway checks the same
 
 SCHEMA_VERSION = 2  # bump on any change to _SCHEMA; an older data dir is refused, never misread
 
