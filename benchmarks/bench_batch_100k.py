@@ -80,6 +80,7 @@ from worker.constants import (  # noqa: E402
     ALL_QUEUES,
     BATCH_COUNTS_KEY,
     BATCH_ITEMS_KEY,
+    BATCH_MOVES_KEY,
     BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
     BATCH_SPECS_KEY,
@@ -342,7 +343,13 @@ def batch_memory(url: str, batch_id: str) -> dict[str, int]:
     """Bytes Redis holds for each of the batch's large keys (``MEMORY USAGE``, every field)."""
     store = redis.Redis.from_url(url)
     try:
-        keys = (BATCH_RESULTS_KEY, BATCH_SPECS_KEY, BATCH_ITEMS_KEY, BATCH_ORDER_KEY)
+        keys = (
+            BATCH_RESULTS_KEY,
+            BATCH_SPECS_KEY,
+            BATCH_ITEMS_KEY,
+            BATCH_MOVES_KEY,
+            BATCH_ORDER_KEY,
+        )
         return {
             key.removeprefix(REDIS_PREFIX).rstrip(":"): int(
                 store.memory_usage(key + batch_id, samples=0) or 0

@@ -272,12 +272,15 @@ REDRIVEN = Counter(
 # was put back for a retry.
 TASK_DURATION = Histogram(
     METRIC_TASK_DURATION,
-    "Wall time of one Celery task run, by task and outcome (ok, retry, error).",
+    "Wall time of one Celery task run, by task and outcome (ok, retry, error; wait: a "
+    "webhook's hop toward its next attempt).",
     ["task", "outcome"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
 )
 TASK_RETRIES = Counter(
-    METRIC_TASK_RETRIES, "Tasks put back for a retry after a retryable error.", ["task"]
+    METRIC_TASK_RETRIES,
+    "Tasks put back for a retry after a retryable error (not a webhook's hop of its wait).",
+    ["task"],
 )
 # The shared rate budget's metrics (extensions to §9; worker/adapters/rate_budget.py).
 BUDGET_WAIT = Histogram(

@@ -3,13 +3,18 @@
 The Celery task ``sift.webhook`` (queue ``sift.webhooks``) calls
 :func:`run_delivery` once per attempt and acts on the decision::
 
+    attempt = event.get("attempt", 1)
     decision = run_delivery(
         url=url, event_type=SEARCH_COMPLETED, job_id=job_id, status="succeeded",
-        occurred_at=occurred_at, attempt=self.request.retries + 1,
+        occurred_at=occurred_at, attempt=attempt,
         secrets=api_key.webhook_secrets(), settings=settings,
     )
-    if decision.retry_in is not None:
-        raise self.retry(countdown=decision.retry_in)
+    if decision.retry_in is not None:  # the next attempt's message, due retry_in from now
+        raise self.retry(args=[{**event, "attempt": attempt + 1, "due_at": ...}], ...)
+
+The attempt number rides in the event, not in Celery's retry count: a wait longer than half
+the broker's visibility timeout is made in hops, each a Celery retry of its own
+(:func:`worker.queue.tasks.webhook`).
 
 Delivery is at least once. The ``webhook-id`` is ``msg_<job id>`` on every
 attempt and the body is the same bytes on every attempt (its timestamp is the
@@ -304,7 +309,7 @@ def run_delivery(
 ) -> DeliveryDecision:
     """One attempt of the ``sift.webhook`` task: build, sign, send, and decide what comes next.
 
-    ``attempt`` is 1-based (Celery's ``self.request.retries + 1``).
+    ``attempt`` is 1-based (the event's ``attempt``; a first message has none: 1).
     ``occurred_at`` is when the job finished (a datetime or its ISO string, as a
     JSON task argument carries it); it is the payload's timestamp, so every
     attempt sends the same bytes. ``retry_in`` is the countdown for the next

@@ -14,6 +14,8 @@ Each test checks that the job's status, its counts, its ``*.completed`` webhook 
 from __future__ import annotations
 
 import hashlib
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +24,8 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
+from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fake_anthropic import FakeAnthropic
@@ -31,6 +35,7 @@ from tests.reliability.support import (
     INDEX,
     Receiver,
     batch_counts,
+    broker,
     ingest,
     sample_queries,
     stack_env,
@@ -38,8 +43,10 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import celery_worker, free_port, gateway, redis_server
-from worker.constants import BATCH_ITEMS_KEY, SEARCH_KEY, WEBHOOK_QUEUE
+from worker.constants import BATCH_ITEMS_KEY, SEARCH_KEY, WEBHOOK_QUEUE, WEBHOOK_TASK
+from worker.queue.celery_app import celery_config
 from worker.queue.jobstore.scripts import _CANCEL_BATCH
+from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
 
@@ -204,3 +211,40 @@ def test_a_redis_restart_as_a_webhook_is_enqueued_delays_it_only_by_the_restart(
     assert the_webhook(receiver, job_id) == ["succeeded"]
     status = stack.client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"]
     assert status == "succeeded"
+
+
+@pytest.mark.timeout(120)
+def test_every_publisher_of_a_worker_rides_out_a_redis_restart(tmp_path: Path) -> None:
+    """redis-server SIGKILLed and started again 8 s later (a restart longer than the 2 s
+    above) while three threads publish at once through the worker's Celery settings: each
+    publish waits for Redis and gets through. One producer had published before the
+    restart; the pool makes the other two during it, and a new producer's connect gave up
+    after kombu's 4 s connect timeout (``task_publish_retry_policy`` covers a connection
+    that broke, not one being made): the task failed and its webhook was lost."""
+    with broker(tmp_path / "redis") as server:
+        app = Celery("publishers", set_as_current=False)
+        app.conf.update(celery_config(load_settings(redis_url=server.url + "/0")))
+        app.send_task(WEBHOOK_TASK, args=[{"n": 0}], queue=WEBHOOK_QUEUE)  # a warm producer
+        server.kill(signal.SIGKILL)
+        failures: list[BaseException] = []
+
+        def publish(n: int) -> None:
+            try:
+                app.send_task(WEBHOOK_TASK, args=[{"n": n}], queue=WEBHOOK_QUEUE)
+            except Exception as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=publish, args=(n,)) for n in range(1, 4)]
+        for thread in threads:
+            thread.start()
+        time.sleep(8.0)  # Redis is down this long
+        server.start_again()
+        for thread in threads:
+            thread.join(60)
+        client = redis.Redis.from_url(server.url)
+        try:
+            queued = client.llen(WEBHOOK_QUEUE)
+        finally:
+            client.close()
+        app.close()
+    assert failures == [] and queued == 4, (failures, queued)

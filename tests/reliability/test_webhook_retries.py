@@ -78,15 +78,20 @@ class FlakyReceiver:
             return len(self.bodies)
 
 
-def deliveries(url: str) -> dict[str, float]:
-    """``sift_webhook_deliveries_total`` by ``result``, as the worker serves it."""
+def deliveries(url: str) -> tuple[dict[str, float], float]:
+    """``sift_webhook_deliveries_total`` by ``result``, and ``sift_task_retries_total`` of
+    the webhook task, as the worker serves them."""
     out: dict[str, float] = {}
+    retries = 0.0
     for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
-        if family.name == "sift_webhook_deliveries":
-            for sample in family.samples:
-                if sample.name.endswith("_total") and sample.value:
-                    out[sample.labels["result"]] = sample.value
-    return out
+        for sample in family.samples:
+            if not sample.name.endswith("_total") or not sample.value:
+                continue
+            if family.name == "sift_webhook_deliveries":
+                out[sample.labels["result"]] = sample.value
+            elif family.name == "sift_task_retries" and sample.labels["task"] == "sift.webhook":
+                retries = sample.value
+    return out, retries
 
 
 @pytest.fixture
@@ -127,9 +132,12 @@ def test_a_retry_waiting_past_the_visibility_timeout_is_sent_once(
             # another attempt's, which a 204 ends: give both time to land
             time.sleep(3 * VISIBILITY_SECONDS)
             status = client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"]
-            counted = deliveries(f"http://127.0.0.1:{port}/metrics")
+            counted, retries = deliveries(f"http://127.0.0.1:{port}/metrics")
     bodies = flaky.bodies
     assert len(bodies) == FAILURES + 1, [b["timestamp"] for b in bodies]
     assert all(b == bodies[0] for b in bodies)  # the same event, the same bytes
     assert bodies[0]["data"] == {"id": job_id, "status": status}
     assert counted == {"retry": float(FAILURES), "delivered": 1.0}  # one count per attempt
+    # a hop of the wait is no retry: the task was put back once per failed attempt (the
+    # third attempt's wait alone is 6 to 9 hops of 2 s)
+    assert retries == float(FAILURES)

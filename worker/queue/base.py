@@ -206,6 +206,12 @@ def set_context(context: WorkerContext | None) -> None:
     _context = context
 
 
+class WaitHop(Retry):  # type: ignore[misc]
+    """A task's wait for its next attempt, handed on to a message of its own (a webhook's
+    waits outlast the broker's visibility timeout, so they are made in hops): a Celery retry
+    to the broker, but no retry of the work, so it is not counted as one."""
+
+
 def error_info(exc: BaseException) -> ErrorInfo:
     """The typed error a job record shows for ``exc``."""
     if isinstance(exc, SiftError):
@@ -233,6 +239,9 @@ class SiftTask(Task):  # type: ignore[misc]
         try:
             with job_context(job_id):
                 return super().__call__(*args, **kwargs)
+        except WaitHop:
+            outcome = "wait"  # a wait going on in a message of its own: no retry
+            raise
         except Retry:
             outcome = "retry"
             metrics.TASK_RETRIES.labels(self.name).inc()

@@ -73,8 +73,9 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
 }
 
 
-# Tries of a publish on a broken broker connection: 0.5 s, then every second, for about the
-# job store's outage window (worker/redis_client.py).
+# Tries of a publish on a broken broker connection: at once, after 0.5 s, then every second,
+# for about the job store's outage window (worker/redis_client.py). A producer that has no
+# connection yet waits as long for one (``connect_retries_timeout`` in celery_config).
 PUBLISH_RETRY_POLICY: dict[str, float] = {
     "max_retries": int(OUTAGE_SECONDS),
     "interval_start": 0.0,
@@ -148,6 +149,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             # a worker killed during its sweep leaves the sweep's lock behind: held this long
             # (kombu's default, 300 s, would stall a short timeout's recovery for 5 minutes)
             "unacked_mutex_expire": min(300, visibility),
+            # a publish on a producer that has no connection yet (the pool makes one for
+            # each publisher at once) connects for as long as task_publish_retry_policy
+            # retries one that broke; kombu's default, the 4 s connect timeout, failed it
+            "connect_retries_timeout": OUTAGE_SECONDS,
         },
         # one direct exchange per queue, named like it: what send_task(queue=...) creates on
         # the gateway's side too. A shared exchange and key would copy a message into every queue.

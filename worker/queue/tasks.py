@@ -33,7 +33,7 @@ from worker.constants import (
 )
 from worker.contract import ErrorInfo
 from worker.errors import Canceled, SiftError
-from worker.queue.base import SiftTask, count_completed, error_info
+from worker.queue.base import SiftTask, WaitHop, count_completed, error_info
 from worker.queue.celery_app import visibility_timeout
 from worker.queue.economy import economy_pipeline, maybe_submit, save_prepared
 from worker.queue.items import CancelMarks, Chunk, RunOutcome
@@ -324,7 +324,8 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     settings = self.context.settings
     wait = float(event.get("due_at", 0.0)) - time.time()
     if wait > 0:  # not yet due: another hop
-        raise self.retry(args=[event], countdown=min(wait, _hop_seconds(settings)))
+        hop = self.retry(args=[event], countdown=min(wait, _hop_seconds(settings)), throw=False)
+        raise WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
     attempt = int(event.get("attempt", self.request.retries + 1))
     secrets = next(
         (k.webhook_secrets() for k in settings.all_api_keys() if k.tenant == event["tenant"]), None

@@ -5,14 +5,18 @@ It depends on redis-py and :mod:`worker.contract` only, so the gateway may impor
 Layout (every prefix is in :mod:`worker.constants`):
 
     sift:search:<id>          hash   kind, tenant, status, spec, result, error, webhook_url,
-                                     created_at, started_at, finished_at
+                                     created_at, started_at, finished_at, move (the token
+                                     of its last status change)
     sift:batch:<id>           hash   tenant, index, lane, rerank, webhook_url, total,
-                                     created_at, canceled_at, finished_at
+                                     created_at, canceled_at, finished_at, cancel_move (the
+                                     last cancel's token and answer)
     sift:batch-order:<id>     list   query ids in submission order (pages read from it)
     sift:batch-specs:<id>     hash   query id -> SearchSpec JSON
     sift:batch-items:<id>     hash   query id -> status
     sift:batch-results:<id>   hash   query id -> {"result"} or {"error"} JSON
     sift:batch-counts:<id>    hash   status -> count (queued, running, succeeded, failed, canceled)
+    sift:batch-moves:<id>     hash   query id -> the token and answer of the move that made
+                                     the item final (a move sent again answers as it ran)
     sift:eco-prepared:<id>    hash   query id -> prepared search JSON (economy lane, until final)
     sift:eco-runs:<id>        hash   query id -> {"pos","provider","round",...,"run"} JSON
     sift:eco-providers:<id>   hash   provider batch id -> {"round","requests","created_at",...}
