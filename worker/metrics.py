@@ -238,7 +238,8 @@ JOBS_IN_FLIGHT = Gauge(
 )
 WEBHOOK_DELIVERIES = Counter(
     METRIC_WEBHOOK_DELIVERIES,
-    "Webhook delivery attempts, by result (delivered, retry, failed).",
+    "Webhook delivery attempts, by result (delivered; retry: another attempt follows; "
+    "failed: none does, refused or the schedule spent).",
     ["result"],
 )
 QUEUE_BACKLOG = Gauge(

@@ -247,3 +247,41 @@ def test_a_redelivered_economy_poll_of_a_finished_batch_sends_its_webhook_again(
     assert sent == []  # a first delivery: not a lost webhook
     economy.economy_poll.apply(args=[batch.id, "msgbatch_1"], task_id="poll-1")  # redelivered
     assert sent == [("batch.completed", batch.id, "succeeded")]
+
+
+@pytest.mark.parametrize(("retry_in", "counted"), [(None, "failed"), (60.0, "retry")])
+def test_a_webhook_attempt_that_ends_a_spent_schedule_is_counted_failed(
+    context: base.WorkerContext,
+    monkeypatch: pytest.MonkeyPatch,
+    retry_in: float | None,
+    counted: str,
+) -> None:
+    """A 5xx on the schedule's last attempt is a failed delivery (nothing follows it), not a
+    retry; the same answer earlier in the schedule is a retry."""
+    from types import SimpleNamespace
+
+    from celery.exceptions import Retry
+
+    from worker import metrics, webhooks
+    from worker.settings import Settings
+
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500)
+    decision = webhooks.DeliveryDecision(result=answer, attempt=8, retry_in=retry_in)
+    monkeypatch.setattr(webhooks, "run_delivery", lambda **_: decision)
+    monkeypatch.setattr(base.SiftTask, "retry", lambda self, **_: Retry("later"))
+    event = {
+        "type": "search.completed", "tenant": "acme", "url": "https://hooks.example/x",
+        "attempt": 8, "occurred_at": "2026-12-01T00:00:00Z",
+        "data": {"id": "srch_1", "status": "succeeded"},
+    }  # fmt: skip
+
+    def count(result: str) -> float:
+        return float(metrics.WEBHOOK_DELIVERIES.labels(result)._value.get())
+
+    before = {r: count(r) for r in ("retry", "failed")}
+    tasks.webhook.apply(args=[event])
+    assert {r: count(r) - before[r] for r in before} == {
+        r: float(r == counted) for r in ("retry", "failed")
+    }
