@@ -84,7 +84,10 @@ MetadataKey = Annotated[str, Field(pattern=METADATA_KEY_PATTERN)]
 MetadataValue = Annotated[
     FilterValue, PlainValidator(_metadata_value, json_schema_input_type=FilterValue)
 ]
-Metadata = dict[MetadataKey, MetadataValue]
+# no other key either, in the OpenAPI document too (``patternProperties`` alone allows any)
+Metadata = Annotated[
+    dict[MetadataKey, MetadataValue], Field(json_schema_extra={"additionalProperties": False})
+]
 
 
 class JobStatus(StrEnum):
