@@ -118,6 +118,16 @@ class DocumentIn(StrictModel):
     metadata: dict[str, FilterValue] = Field(default_factory=dict)
 
 
+class DocumentRequest(DocumentIn):
+    """One document of ``POST /v1/indexes/{index}/documents``: a ``DocumentIn`` whose
+    title, revision and metadata every backend can store (:data:`Metadata`). Here, not in
+    the gateway's schemas, so ``sift ingest`` checks its lines by the same rules."""
+
+    title: Utf8Text = ""
+    revision: Utf8Text | None = None
+    metadata: Metadata = Field(default_factory=dict)
+
+
 def _not_blank(value: str) -> str:
     if not value.strip():
         raise ValueError("is empty after trimming whitespace")
