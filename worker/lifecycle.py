@@ -18,6 +18,7 @@ from typing import Any, cast
 from worker.adapters.index_settings import RedisIndexSettings
 from worker.constants import INGEST_ID_PREFIX
 from worker.core.catalog import IndexInfo, SearchSettings
+from worker.core.pipeline import shown_metadata
 from worker.core.ports import IndexCatalog
 from worker.errors import ConfigError, InvalidRequest, SiftError
 from worker.queue.jobstore import IngestJob, JobStore
@@ -132,7 +133,9 @@ def read(
             found = _update(runtime, tenant, index, body)
         elif operation == "document":
             doc = backend.document(index, tenant, doc_id)
-            found = None if doc is None else {**asdict(doc), "metadata": dict(doc.metadata)}
+            found = (
+                None if doc is None else {**asdict(doc), "metadata": shown_metadata(doc.metadata)}
+            )
         else:
             raise ValueError(f"unknown index read {operation!r}")
     except InvalidRequest as exc:
