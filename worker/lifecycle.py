@@ -72,7 +72,9 @@ def _earlier_upsert_pending(jobs: JobStore, delete: IngestJob) -> bool:
     finished: it lands after the delete, so in the order the writes were accepted the index
     was never empty (new documents sent, then the old deleted, the delete's task run first
     while the upsert was being embedded). Its documents are visible before it is final, so
-    one finished already would have been counted. Asked only of a delete that emptied the
+    one finished already would have been counted. (One whose every id the delete took lands
+    nothing, and the settings stay with an index that has none until a drop or a later
+    delete: kept is the safer way to be wrong.) Asked only of a delete that emptied the
     index: the active jobs are read once, and only ingests' records."""
     if delete.version is None:
         return False
