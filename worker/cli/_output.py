@@ -51,7 +51,8 @@ def fitted_table(
     """A table of whole cells in ``width`` columns of terminal: rather than cut every cell
     to "st…", the columns in ``drop_order`` are left out, first named first, until the rest
     fit, each at its widest cell (a column in ``wrapped`` wraps down to
-    :data:`WRAPPED_WIDTH`); an empty one of them goes first. Returns the table and the
+    :data:`WRAPPED_WIDTH`); an empty one of them goes first, a wrapped one not in
+    ``drop_order`` last, and a cell that still cannot fit ends in "…". Returns the table and the
     columns with something in them that were left out (for a note: the JSON output has them
     all). Cells may hold rich markup.
 
@@ -72,8 +73,11 @@ def fitted_table(
         return all(str(row[i]) in ("", "–") for row in rows)
 
     shown, left_out = list(columns), []
-    # a column with nothing in it goes first, and unnamed: nothing is lost
-    for name in sorted(drop_order, key=lambda name: not empty(name)):
+    # a column with nothing in it goes first, and unnamed: nothing is lost. Then a wrapped
+    # column, should the rest still not fit: squeezed under its least width rich folds it to
+    # a few letters, then out of sight, and the columns beside it are cut
+    last = [name for name in wrapped if name in columns and name not in drop_order]
+    for name in [*sorted(drop_order, key=lambda name: not empty(name)), *last]:
         if sum(need(c) for c in shown) + 2 * len(shown) <= width:
             break
         shown.remove(name)
@@ -91,7 +95,8 @@ def fitted_table(
             name,
             justify="right" if name in right else "left",
             no_wrap=name not in wrapped,
-            overflow="fold",
+            # a cell cut all the same (a terminal narrower than an id) says so
+            overflow="fold" if name in wrapped else "ellipsis",
         )
     keep = [list(columns).index(name) for name in shown]
     for row in rows:
