@@ -118,3 +118,33 @@ def test_below_the_droppable_columns_nothing_is_cut_or_lost_unnamed(
         assert "…" in row, shown.output  # cut, and marked so
     else:
         assert "succeeded" in row or "…" in row, shown.output
+
+
+def test_written_to_a_pipe_the_note_says_the_width_is_a_pipes(monkeypatch: Any) -> None:
+    """Piped (``sift searches | less``) or redirected, rich takes 80 columns however wide the
+    terminal: "left out at this width" pointed at a width the user never had."""
+    import contextlib
+
+    from typer.testing import CliRunner
+
+    from worker.cli import app, listing
+
+    job = {
+        "id": "srch_0123456789abcdef0123456789abcdef", "status": "succeeded",
+        "index": "scifact", "mode": "hybrid", "query": "0-dimensional biomaterials show "
+        "inductive properties", "created_at": "2026-12-01T23:15:08+00:00",
+        "finished_at": "2026-12-01T23:15:09+00:00", "error": None,
+    }  # fmt: skip
+    page = {"searches": [job], "next_page_token": None}
+
+    @contextlib.contextmanager
+    def fake_gateway() -> Any:
+        yield gateway_of([page], [])
+
+    monkeypatch.setattr(listing, "gateway", fake_gateway)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    piped = CliRunner().invoke(app, ["searches"], env={"COLUMNS": None})
+    assert piped.exit_code == 0, piped.output
+    note = " ".join(piped.output.split("left out")[1].split())
+    assert note.startswith("at 80 columns, the width when the output is not a terminal:"), note
+    assert "COLUMNS=200 shows more" in note

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from datetime import datetime
 from importlib import resources
@@ -33,6 +34,19 @@ def local_time(value: Any) -> str:
     if not value:
         return "–"
     return datetime.fromisoformat(str(value)).astimezone().strftime("%m-%d %H:%M:%S")
+
+
+def left_out_note(console: Console, left_out: Sequence[str]) -> str:
+    """The line under a fitted table naming the columns left out. Written to a pipe or a
+    file, rich takes 80 columns whatever the terminal: the line says so, and how to change it.
+    """
+    names = ", ".join(left_out)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return f"[dim]left out at this width: {names} (--json has all)[/]"
+    return (
+        f"[dim]left out at {console.width} columns, the width when the output is not a "
+        f"terminal: {names} (COLUMNS=200 shows more, --json has all)[/]"
+    )
 
 
 WRAPPED_WIDTH = 12  # the least a free-text column (a query, a title) is given before it goes
