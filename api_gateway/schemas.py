@@ -16,7 +16,7 @@ from worker.constants import (
 )
 from worker.contract import (
     CandidateLimit,
-    DocumentIn,
+    DocumentRequest,
     ErrorInfo,
     FusionSpec,
     IndexName,
@@ -26,7 +26,6 @@ from worker.contract import (
     QueryText,
     SearchResult,
     SearchSpec,
-    Utf8Text,
     without_unset_overrides,
 )
 
@@ -124,15 +123,6 @@ class BatchResultsPage(BaseModel):
 
     results: list[BatchResultItem]
     next_page_token: str | None
-
-
-class DocumentRequest(DocumentIn):
-    """One document of ``POST /v1/indexes/{index}/documents``: a ``DocumentIn`` whose
-    title, revision and metadata every backend can store (``worker.contract.Metadata``)."""
-
-    title: Utf8Text = ""
-    revision: Utf8Text | None = None
-    metadata: Metadata = Field(default_factory=dict)
 
 
 class DocumentsRequest(_Strict):

@@ -84,7 +84,10 @@ MetadataKey = Annotated[str, Field(pattern=METADATA_KEY_PATTERN)]
 MetadataValue = Annotated[
     FilterValue, PlainValidator(_metadata_value, json_schema_input_type=FilterValue)
 ]
-Metadata = dict[MetadataKey, MetadataValue]
+# no other key either, in the OpenAPI document too (``patternProperties`` alone allows any)
+Metadata = Annotated[
+    dict[MetadataKey, MetadataValue], Field(json_schema_extra={"additionalProperties": False})
+]
 
 
 class JobStatus(StrEnum):
@@ -113,6 +116,16 @@ class DocumentIn(StrictModel):
     title: str = ""
     revision: str | None = None
     metadata: dict[str, FilterValue] = Field(default_factory=dict)
+
+
+class DocumentRequest(DocumentIn):
+    """One document of ``POST /v1/indexes/{index}/documents``: a ``DocumentIn`` whose
+    title, revision and metadata every backend can store (:data:`Metadata`). Here, not in
+    the gateway's schemas, so ``sift ingest`` checks its lines by the same rules."""
+
+    title: Utf8Text = ""
+    revision: Utf8Text | None = None
+    metadata: Metadata = Field(default_factory=dict)
 
 
 def _not_blank(value: str) -> str:

@@ -16,10 +16,12 @@ from dataclasses import asdict
 from typing import Any, cast
 
 from worker.adapters.index_settings import RedisIndexSettings
+from worker.constants import INGEST_ID_PREFIX
 from worker.core.catalog import IndexInfo, SearchSettings
+from worker.core.pipeline import shown_metadata
 from worker.core.ports import IndexCatalog
 from worker.errors import ConfigError, InvalidRequest, SiftError
-from worker.queue.jobstore import IngestJob
+from worker.queue.jobstore import IngestJob, JobStore
 from worker.runtime import Runtime
 
 READ_OPERATIONS = ("list", "show", "document", "update")
@@ -40,11 +42,14 @@ def settings_store(runtime: object) -> RedisIndexSettings | None:
     return source if isinstance(source, RedisIndexSettings) else None
 
 
-def delete(runtime: object, job: IngestJob, ids: list[str] | None) -> int:
+def delete(
+    runtime: object, job: IngestJob, ids: list[str] | None, *, jobs: JobStore | None = None
+) -> int:
     """Run one delete job (by ids, or the tenant's whole index): how many documents went.
     The index's own settings go with it: with a drop, and with a delete by ids that leaves
     the index without a document (an index exists while it holds one, so a later ingest
-    starts a new index, at the defaults, as after a drop)."""
+    starts a new index, at the defaults, as after a drop), unless an upsert of the index
+    accepted before the delete has yet to land (``jobs``: the job store that knows)."""
     backend = catalog(runtime)
     if job.operation == "drop":
         gone = backend.delete_index(job.index, job.tenant, version=job.version)
@@ -52,10 +57,41 @@ def delete(runtime: object, job: IngestJob, ids: list[str] | None) -> int:
         gone = backend.delete_documents(job.index, job.tenant, ids or [], version=job.version)
     store = settings_store(runtime)
     if store is not None and (
-        job.operation == "drop" or backend.index_info(job.index, job.tenant) is None
+        job.operation == "drop"
+        or (
+            backend.index_info(job.index, job.tenant) is None
+            and not (jobs is not None and _earlier_upsert_pending(jobs, job))
+        )
     ):
         store.clear(job.index, job.tenant, job.version)
     return gone
+
+
+def _earlier_upsert_pending(jobs: JobStore, delete: IngestJob) -> bool:
+    """An upsert of the index accepted before ``delete`` (a lower write version) and not yet
+    finished: it lands after the delete, so in the order the writes were accepted the index
+    was never empty (new documents sent, then the old deleted, the delete's task run first
+    while the upsert was being embedded). Its documents are visible before it is final, so
+    one finished already would have been counted. (One whose every id the delete took lands
+    nothing, and the settings stay with an index that has none until a drop or a later
+    delete: kept is the safer way to be wrong.) Asked only of a delete that emptied the
+    index: the active jobs are read once, and only ingests' records."""
+    if delete.version is None:
+        return False
+    for job_id in jobs.active_jobs():
+        if not job_id.startswith(INGEST_ID_PREFIX) or job_id == delete.id:
+            continue
+        other = jobs.get_ingest(job_id)
+        if (
+            other is not None
+            and other.operation == "upsert"
+            and (other.tenant, other.index) == (delete.tenant, delete.index)
+            and other.version is not None
+            and other.version < delete.version
+            and not other.status.final
+        ):
+            return True
+    return False
 
 
 def _index(info: IndexInfo, settings: SearchSettings) -> dict[str, Any]:
@@ -99,7 +135,9 @@ def read(
             found = _update(runtime, tenant, index, body)
         elif operation == "document":
             doc = backend.document(index, tenant, doc_id)
-            found = None if doc is None else {**asdict(doc), "metadata": dict(doc.metadata)}
+            found = (
+                None if doc is None else {**asdict(doc), "metadata": shown_metadata(doc.metadata)}
+            )
         else:
             raise ValueError(f"unknown index read {operation!r}")
     except InvalidRequest as exc:

@@ -9,7 +9,11 @@ from typing import Any
 
 import httpx
 
+from api_gateway.queue import OutboxSender
 from tests.e2e.conftest import ACME, Stack
+from worker.constants import INGEST_QUEUE, INGEST_TASK
+from worker.contract import DocumentIn
+from worker.queue.jobstore import JobStore
 
 # words no other test's corpus holds, so a search for them finds only these documents
 DOCS = [
@@ -259,3 +263,34 @@ def test_ids_with_slashes_and_spaces_are_addressable(stack: Stack) -> None:
     gone = stack.live.delete(path, params={"wait": 20}, headers=ACME).json()
     assert gone["deleted"] == 1
     assert stack.live.get(path, headers=ACME).status_code == 404
+
+
+def test_an_upsert_accepted_before_the_last_documents_delete_keeps_the_settings(
+    stack: Stack,
+) -> None:
+    """New documents sent, then the old deleted, the delete's task run first (the upsert's
+    still embedding): the index is empty for that moment, but never in the order the writes
+    were accepted. The worker's delete kept the index's settings for the upsert to land
+    into; it used to clear them, and the index went on at the defaults."""
+    _ingest(stack, "life-replace", DOCS[:1])
+    patched = stack.live.patch(
+        "/v1/indexes/life-replace", json={"candidate_limit": 33}, headers=ACME
+    )
+    assert patched.status_code == 200, patched.text
+    store = JobStore.from_url(stack.redis_url + "/0")
+    try:
+        # accepted as the gateway accepts it, its task message held back (still embedding)
+        upsert = store.create_ingest("acme", "life-replace", [DocumentIn(**DOCS[1])])
+        deleted = stack.live.post(
+            "/v1/indexes/life-replace/documents/delete",
+            params={"wait": 20},
+            json={"ids": ["z1"]},
+            headers=ACME,
+        )
+        assert deleted.status_code == 200 and deleted.json()["deleted"] == 1, deleted.text
+        OutboxSender(store).send(INGEST_TASK, [upsert.id], INGEST_QUEUE)
+    finally:
+        store.close()
+    assert _poll_job(stack.live, f"/v1/ingestions/{upsert.id}")["status"] == "succeeded"
+    shown = stack.live.get("/v1/indexes/life-replace", headers=ACME).json()
+    assert shown["documents"] == 1 and shown["settings"]["candidate_limit"] == 33, shown

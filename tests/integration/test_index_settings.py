@@ -190,3 +190,26 @@ def test_deleting_an_indexs_last_document_clears_them_as_a_drop_does(
     # a new index of the name starts at the defaults
     runtime.ingest("notes", "acme", [DocumentIn(id="n2", text="new notes")])
     assert call(runtime, "show", "acme", "notes")["settings"] == DEFAULTS
+
+
+def test_an_upsert_accepted_before_the_delete_of_the_last_document_keeps_them(
+    runtime: Runtime, store: JobStore
+) -> None:
+    """Replacing an index's documents (new ones sent, then the old deleted): the delete's
+    task may run first, while the upsert accepted before it is still being embedded. The
+    index is empty for that moment, but never in the order the writes were accepted, and
+    the upsert lands after: the index keeps its settings. Once no earlier upsert is left, a
+    delete that empties the index clears them."""
+    call(runtime, "update", "acme", "notes", {"candidate_limit": 12})
+    new = [DocumentIn(id="n2", text="new jazz notes")]
+    upsert = store.create_ingest("acme", "notes", new)  # accepted first, its task not run yet
+    old = store.create_deletion("acme", "notes", ["n"])
+    assert lifecycle.delete(runtime, old, ["n"], jobs=store) == 1  # its task runs first
+    assert runtime.ingest("notes", "acme", new, version=upsert.version) == 1
+    assert store.start_ingest(upsert.id) and store.finish_ingest(upsert.id, upserted=1)
+    shown = call(runtime, "show", "acme", "notes")
+    assert shown["documents"] == 1 and shown["settings"]["candidate_limit"] == 12
+
+    last = store.create_deletion("acme", "notes", ["n2"])
+    assert lifecycle.delete(runtime, last, ["n2"], jobs=store) == 1
+    assert store.redis.exists(settings_key("notes", "acme")) == 0

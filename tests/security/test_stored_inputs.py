@@ -425,3 +425,33 @@ def test_a_document_stored_with_nan_metadata_before_the_check_does_not_break_sea
     again = stack.live.get(f"/v1/searches/{found.json()['id']}", headers=ACME)
     assert again.status_code == 200 and again.json()["result"]["hits"][0] == hit, again.text
     list_is_readable(stack)
+
+
+def test_a_document_stored_with_nan_metadata_before_the_check_can_be_read_by_id(
+    stack: Stack,
+) -> None:
+    """``GET /v1/indexes/{index}/documents/{id}`` of such a document: the worker's answer
+    carried the value as JSON's ``NaN``, which the gateway's JSON response cannot write, a
+    500 for as long as the document stayed. It shows the value by name, as a hit does."""
+    store = JobStore.from_url(stack.redis_url + "/0")
+    outbox = OutboxSender(store)
+    metadata: dict[str, Any] = {"nan": math.nan, "inf": math.inf, "ninf": -math.inf, "ok": 1.5}
+    try:
+        job = store.create_ingest(
+            "acme",
+            INDEX,
+            [DocumentIn(id="legacy-nan-doc", text="hello legacy doc", metadata=metadata)],
+            enqueue=lambda job_id: outbox.messages([(INGEST_TASK, [job_id], INGEST_QUEUE)]),
+        )
+    finally:
+        store.close()
+    for _ in range(400):
+        ingested = stack.live.get(f"/v1/ingestions/{job.id}", headers=ACME).json()
+        if ingested["status"] != "queued" and ingested["status"] != "running":
+            break
+        time.sleep(0.05)
+    assert ingested["status"] == "succeeded", ingested
+    got = stack.live.get(f"/v1/indexes/{INDEX}/documents/legacy-nan-doc", headers=ACME)
+    assert got.status_code == 200, got.text
+    shown = {"nan": "NaN", "inf": "Infinity", "ninf": "-Infinity", "ok": 1.5}
+    assert got.json()["metadata"] == shown, got.text

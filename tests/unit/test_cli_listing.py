@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
 from worker.cli._http import Gateway
 from worker.cli.listing import fetch_jobs
@@ -76,3 +77,74 @@ def test_at_80_columns_whole_cells_are_shown_and_what_did_not_fit_is_named(
     wide = CliRunner().invoke(app, ["searches"], env={"COLUMNS": "200"})
     assert "left out" not in wide.output
     assert all(word in wide.output for word in ("hybrid", "scifact", "inductive properties"))
+
+
+@pytest.mark.parametrize("columns", [40, 45, 50, 55, 60, 64])
+def test_below_the_droppable_columns_nothing_is_cut_or_lost_unnamed(
+    monkeypatch: Any, columns: int
+) -> None:
+    """Narrower than the columns no drop can spare: the query (a wrapped column) was squeezed
+    under its least width and then out of sight at 50 columns, named nowhere, and the id and
+    status cut with no mark ('…abcde', 'succeede'): an id that reads whole and is not. Now
+    a wrapped column goes too, named, and a cell that cannot fit ends in '…'."""
+    import contextlib
+
+    from typer.testing import CliRunner
+
+    from worker.cli import app, listing
+
+    job = {
+        "id": "srch_0123456789abcdef0123456789abcdef", "status": "succeeded",
+        "index": "scifact", "mode": "hybrid", "query": "0-dimensional biomaterials",
+        "created_at": "2026-12-01T23:15:08+00:00", "finished_at": None, "error": None,
+    }  # fmt: skip
+    page = {"searches": [job], "next_page_token": None}
+
+    @contextlib.contextmanager
+    def fake_gateway() -> Any:
+        yield gateway_of([page], [])
+
+    monkeypatch.setattr(listing, "gateway", fake_gateway)
+    shown = CliRunner().invoke(app, ["searches"], env={"COLUMNS": str(columns)})
+    assert shown.exit_code == 0, shown.output
+    table, note = shown.output.split("left out at this width:")
+    assert max(len(line) for line in table.splitlines()) <= columns
+    note = " ".join(note.split())
+    assert ("query" in table) != ("query" in note), shown.output
+    if "query" in table:
+        assert "biomaterials" in table.replace("\n", "")  # whole, if wrapped
+    row = next(line for line in table.splitlines() if "srch_" in line)
+    if job["id"] not in row:
+        assert "…" in row, shown.output  # cut, and marked so
+    else:
+        assert "succeeded" in row or "…" in row, shown.output
+
+
+def test_written_to_a_pipe_the_note_says_the_width_is_a_pipes(monkeypatch: Any) -> None:
+    """Piped (``sift searches | less``) or redirected, rich takes 80 columns however wide the
+    terminal: "left out at this width" pointed at a width the user never had."""
+    import contextlib
+
+    from typer.testing import CliRunner
+
+    from worker.cli import app, listing
+
+    job = {
+        "id": "srch_0123456789abcdef0123456789abcdef", "status": "succeeded",
+        "index": "scifact", "mode": "hybrid", "query": "0-dimensional biomaterials show "
+        "inductive properties", "created_at": "2026-12-01T23:15:08+00:00",
+        "finished_at": "2026-12-01T23:15:09+00:00", "error": None,
+    }  # fmt: skip
+    page = {"searches": [job], "next_page_token": None}
+
+    @contextlib.contextmanager
+    def fake_gateway() -> Any:
+        yield gateway_of([page], [])
+
+    monkeypatch.setattr(listing, "gateway", fake_gateway)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    piped = CliRunner().invoke(app, ["searches"], env={"COLUMNS": None})
+    assert piped.exit_code == 0, piped.output
+    note = " ".join(piped.output.split("left out")[1].split())
+    assert note.startswith("at 80 columns, the width when the output is not a terminal:"), note
+    assert "COLUMNS=200 shows more" in note

@@ -4,6 +4,7 @@ check at the gateway cannot drift from the one a job would fail later."""
 
 from __future__ import annotations
 
+import jsonschema
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
@@ -34,3 +35,14 @@ def test_what_every_backend_holds_is_taken_as_it_is(value: object) -> None:
 def test_what_a_backend_cannot_hold_is_refused(value: object) -> None:
     with pytest.raises(ValidationError):
         METADATA.validate_python({"k": value})
+
+
+def test_the_openapi_document_refuses_what_the_gateway_refuses() -> None:
+    """A client generated from ``/openapi.json`` (or a validator run on its bodies) learns
+    the key rule there: ``patternProperties`` alone lets every other key through. (An integer
+    past 64 bits it cannot tell from a number, which JSON Schema lets integers be.)"""
+    schema = TypeAdapter(Metadata).json_schema()
+    for refused in ({"a b": 1}, {"": 1}, {"k" * 129: 1}, {"k": None}, {"k": [1]}):
+        assert not jsonschema.Draft202012Validator(schema).is_valid(refused), refused
+    for taken in ({"a.b:c-d_e": INT64_MAX}, {"k": INT64_MIN}, {"k": 1.5}, {"k": "x"}, {}):
+        assert jsonschema.Draft202012Validator(schema).is_valid(taken), taken

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from datetime import datetime
 from importlib import resources
@@ -35,6 +36,19 @@ def local_time(value: Any) -> str:
     return datetime.fromisoformat(str(value)).astimezone().strftime("%m-%d %H:%M:%S")
 
 
+def left_out_note(console: Console, left_out: Sequence[str]) -> str:
+    """The line under a fitted table naming the columns left out. Written to a pipe or a
+    file, rich takes 80 columns whatever the terminal: the line says so, and how to change it.
+    """
+    names = ", ".join(left_out)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return f"[dim]left out at this width: {names} (--json has all)[/]"
+    return (
+        f"[dim]left out at {console.width} columns, the width when the output is not a "
+        f"terminal: {names} (COLUMNS=200 shows more, --json has all)[/]"
+    )
+
+
 WRAPPED_WIDTH = 12  # the least a free-text column (a query, a title) is given before it goes
 
 
@@ -51,7 +65,8 @@ def fitted_table(
     """A table of whole cells in ``width`` columns of terminal: rather than cut every cell
     to "st…", the columns in ``drop_order`` are left out, first named first, until the rest
     fit, each at its widest cell (a column in ``wrapped`` wraps down to
-    :data:`WRAPPED_WIDTH`); an empty one of them goes first. Returns the table and the
+    :data:`WRAPPED_WIDTH`); an empty one of them goes first, a wrapped one not in
+    ``drop_order`` last, and a cell that still cannot fit ends in "…". Returns the table and the
     columns with something in them that were left out (for a note: the JSON output has them
     all). Cells may hold rich markup.
 
@@ -72,8 +87,11 @@ def fitted_table(
         return all(str(row[i]) in ("", "–") for row in rows)
 
     shown, left_out = list(columns), []
-    # a column with nothing in it goes first, and unnamed: nothing is lost
-    for name in sorted(drop_order, key=lambda name: not empty(name)):
+    # a column with nothing in it goes first, and unnamed: nothing is lost. Then a wrapped
+    # column, should the rest still not fit: squeezed under its least width rich folds it to
+    # a few letters, then out of sight, and the columns beside it are cut
+    last = [name for name in wrapped if name in columns and name not in drop_order]
+    for name in [*sorted(drop_order, key=lambda name: not empty(name)), *last]:
         if sum(need(c) for c in shown) + 2 * len(shown) <= width:
             break
         shown.remove(name)
@@ -91,7 +109,8 @@ def fitted_table(
             name,
             justify="right" if name in right else "left",
             no_wrap=name not in wrapped,
-            overflow="fold",
+            # a cell cut all the same (a terminal narrower than an id) says so
+            overflow="fold" if name in wrapped else "ellipsis",
         )
     keep = [list(columns).index(name) for name in shown]
     for row in rows:

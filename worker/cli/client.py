@@ -35,7 +35,7 @@ from worker.constants import (
     MAX_QUERY_CHARS,
     MAX_WAIT_SECONDS,
 )
-from worker.contract import DocumentIn
+from worker.contract import DocumentRequest
 
 MODES = ("fts", "vector", "hybrid")
 LANES = ("standard", "economy")
@@ -107,8 +107,8 @@ def document_from(obj: Any) -> dict[str, Any]:
         raise ValueError("a line must be a JSON object")
     if "_id" in obj:  # BEIR: _id, title, text (its optional metadata is not Sift's)
         obj = {"id": obj["_id"], "title": obj.get("title") or "", "text": obj.get("text")}
-    try:
-        document = DocumentIn.model_validate(obj)
+    try:  # the gateway's own checks (metadata every backend can hold), so nothing is sent
+        document = DocumentRequest.model_validate(obj)
     except ValidationError as exc:
         raise ValueError(_pydantic_problem(exc)) from None
     if len(document.text) > MAX_DOCUMENT_CHARS:
@@ -199,6 +199,21 @@ def _send_documents(client: Gateway, index: str, documents: list[dict[str, Any]]
     return int(job.get("upserted") or 0)
 
 
+def _chunks(documents: list[dict[str, Any]], size: int) -> list[list[dict[str, Any]]]:
+    """The requests' documents, ``size`` at most each, in file order. No request holds an id
+    twice (the gateway refuses it: one write per id and request): a repeated id starts the
+    next request, so its last line is written last and wins."""
+    chunks: list[list[dict[str, Any]]] = []
+    ids: set[str] = set()
+    for document in documents:
+        if not chunks or len(chunks[-1]) == size or document["id"] in ids:
+            chunks.append([])
+            ids = set()
+        chunks[-1].append(document)
+        ids.add(document["id"])
+    return chunks
+
+
 @contextmanager
 def _pool(threads: int) -> Iterator[ThreadPoolExecutor]:
     """Threads for requests; on an error, the ones not yet sent are dropped, not sent."""
@@ -229,7 +244,7 @@ def ingest(
         documents = loaded.records
         started = time.monotonic()
         indexed = 0
-        chunks = [documents[i : i + batch_size] for i in range(0, len(documents), batch_size)]
+        chunks = _chunks(documents, batch_size)
         # Two requests in flight keep the worker busy while a finished job is answered and
         # the next one sent; only when no id repeats, so a repeated id's last line still wins.
         in_flight = 2 if len({d["id"] for d in documents}) == len(documents) else 1

@@ -15,7 +15,7 @@ import typer
 
 from worker.cli import app
 from worker.cli._http import Gateway, gateway
-from worker.cli._output import fitted_table, local_time
+from worker.cli._output import fitted_table, left_out_note, local_time
 from worker.cli.client import InputError, _expected_errors, _out
 from worker.constants import MAX_PAGE_SIZE
 from worker.contract import JobStatus
@@ -83,7 +83,7 @@ def _list(
     )
     console.print(table)
     if left_out:
-        console.print(f"[dim]left out at this width: {', '.join(left_out)} (--json has all)[/]")
+        console.print(left_out_note(console, left_out))
 
 
 @app.command("searches")

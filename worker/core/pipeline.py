@@ -575,15 +575,19 @@ class SearchPipeline:
         )
 
 
-def _shown(value: FilterValue) -> FilterValue:
-    """A metadata value as a hit shows it. A non-finite float (the gateway refuses them now;
-    a document stored before may hold one) goes by its name: JSON has no such number, and
-    written as ``null`` the hit could not be read back, so every search returning the
-    document was a 500.
+def shown_metadata(metadata: Mapping[str, FilterValue]) -> dict[str, FilterValue]:
+    """Metadata as a hit or a document read shows it. A non-finite float (the gateway refuses
+    them now; a document stored before may hold one) goes by its name: JSON has no such
+    number, and written as ``null`` the hit could not be read back, so every search
+    returning the document was a 500 (a document read said ``null``).
 
-    >>> _shown(float("nan")), _shown(float("inf")), _shown(-float("inf")), _shown(1.5)
-    ('NaN', 'Infinity', '-Infinity', 1.5)
+    >>> shown_metadata({"a": float("nan"), "b": float("inf"), "c": -float("inf"), "d": 1.5})
+    {'a': 'NaN', 'b': 'Infinity', 'c': '-Infinity', 'd': 1.5}
     """
+    return {key: _shown(value) for key, value in metadata.items()}
+
+
+def _shown(value: FilterValue) -> FilterValue:
     if isinstance(value, float) and not math.isfinite(value):
         return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
     return value
@@ -596,7 +600,7 @@ def _hit(candidate: Candidate, final: int) -> Hit:
         revision=doc.revision,
         title=doc.title,
         text=doc.text,
-        metadata={key: _shown(value) for key, value in doc.metadata.items()},
+        metadata=shown_metadata(doc.metadata),
         ranks=Ranks(
             final=final,
             rrf=candidate.rrf_rank,

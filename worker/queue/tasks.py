@@ -254,7 +254,7 @@ def ingest(self: SiftTask, job_id: str) -> None:
         return
     try:
         if deleting:
-            deleted = lifecycle.delete(self.context.runtime, job, ids)
+            deleted = lifecycle.delete(self.context.runtime, job, ids, jobs=store)
         else:
             upserted = self.context.runtime.ingest(
                 job.index, job.tenant, documents, version=job.version
