@@ -21,6 +21,30 @@ def gateway_of(pages: list[dict[str, Any]], seen: list[dict[str, str]]) -> Gatew
     return Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
 
 
+JOB: dict[str, Any] = {
+    "id": "srch_0123456789abcdef0123456789abcdef", "status": "succeeded",
+    "index": "scifact", "mode": "hybrid", "query": "0-dimensional biomaterials show "
+    "inductive properties", "created_at": "2026-12-01T23:15:08+00:00",
+    "finished_at": "2026-12-01T23:15:09+00:00", "error": None,
+}  # fmt: skip
+
+
+def list_searches(monkeypatch: Any, job: dict[str, Any], env: dict[str, str | None]) -> Any:
+    """``sift searches`` run with ``env``, against a gateway that lists ``job`` alone."""
+    import contextlib
+
+    from typer.testing import CliRunner
+
+    from worker.cli import app, listing
+
+    @contextlib.contextmanager
+    def fake_gateway() -> Any:
+        yield gateway_of([{"searches": [job], "next_page_token": None}], [])
+
+    monkeypatch.setattr(listing, "gateway", fake_gateway)
+    return CliRunner().invoke(app, ["searches"], env=env)
+
+
 def test_short_filtered_pages_are_followed_to_the_limit() -> None:
     pages = [
         {"batches": [], "next_page_token": "t1"},  # the scan bound: nothing matched yet
@@ -50,31 +74,13 @@ def test_at_80_columns_whole_cells_are_shown_and_what_did_not_fit_is_named(
 ) -> None:
     """A narrow terminal gets whole ids and statuses (to copy and read), fewer columns, and a
     line naming the ones left out; a wide one gets every column."""
-    import contextlib
-
-    from typer.testing import CliRunner
-
-    from worker.cli import app, listing
-
-    job = {
-        "id": "srch_0123456789abcdef0123456789abcdef", "status": "succeeded",
-        "index": "scifact", "mode": "hybrid", "query": "0-dimensional biomaterials show "
-        "inductive properties", "created_at": "2026-12-01T23:15:08+00:00",
-        "finished_at": "2026-12-01T23:15:09+00:00", "error": None,
-    }  # fmt: skip
-    page = {"searches": [job], "next_page_token": None}
-
-    @contextlib.contextmanager
-    def fake_gateway() -> Any:
-        yield gateway_of([page, page], [])
-
-    monkeypatch.setattr(listing, "gateway", fake_gateway)
-    narrow = CliRunner().invoke(app, ["searches"], env={"COLUMNS": "80"})
+    job = dict(JOB)
+    narrow = list_searches(monkeypatch, job, {"COLUMNS": "80"})
     assert narrow.exit_code == 0, narrow.output
     assert max(len(line) for line in narrow.output.splitlines()) <= 80
     assert job["id"] in narrow.output and "succeeded" in narrow.output and "…" not in narrow.output
     assert "left out at this width: finished, mode, index (--json has all)" in narrow.output
-    wide = CliRunner().invoke(app, ["searches"], env={"COLUMNS": "200"})
+    wide = list_searches(monkeypatch, job, {"COLUMNS": "200"})
     assert "left out" not in wide.output
     assert all(word in wide.output for word in ("hybrid", "scifact", "inductive properties"))
 
@@ -87,25 +93,8 @@ def test_below_the_droppable_columns_nothing_is_cut_or_lost_unnamed(
     under its least width and then out of sight at 50 columns, named nowhere, and the id and
     status cut with no mark ('…abcde', 'succeede'): an id that reads whole and is not. Now
     a wrapped column goes too, named, and a cell that cannot fit ends in '…'."""
-    import contextlib
-
-    from typer.testing import CliRunner
-
-    from worker.cli import app, listing
-
-    job = {
-        "id": "srch_0123456789abcdef0123456789abcdef", "status": "succeeded",
-        "index": "scifact", "mode": "hybrid", "query": "0-dimensional biomaterials",
-        "created_at": "2026-12-01T23:15:08+00:00", "finished_at": None, "error": None,
-    }  # fmt: skip
-    page = {"searches": [job], "next_page_token": None}
-
-    @contextlib.contextmanager
-    def fake_gateway() -> Any:
-        yield gateway_of([page], [])
-
-    monkeypatch.setattr(listing, "gateway", fake_gateway)
-    shown = CliRunner().invoke(app, ["searches"], env={"COLUMNS": str(columns)})
+    job = {**JOB, "query": "0-dimensional biomaterials", "finished_at": None}
+    shown = list_searches(monkeypatch, job, {"COLUMNS": str(columns)})
     assert shown.exit_code == 0, shown.output
     table, note = shown.output.split("left out at this width:")
     assert max(len(line) for line in table.splitlines()) <= columns
@@ -123,27 +112,8 @@ def test_below_the_droppable_columns_nothing_is_cut_or_lost_unnamed(
 def test_written_to_a_pipe_the_note_says_the_width_is_a_pipes(monkeypatch: Any) -> None:
     """Piped (``sift searches | less``) or redirected, rich takes 80 columns however wide the
     terminal: "left out at this width" pointed at a width the user never had."""
-    import contextlib
-
-    from typer.testing import CliRunner
-
-    from worker.cli import app, listing
-
-    job = {
-        "id": "srch_0123456789abcdef0123456789abcdef", "status": "succeeded",
-        "index": "scifact", "mode": "hybrid", "query": "0-dimensional biomaterials show "
-        "inductive properties", "created_at": "2026-12-01T23:15:08+00:00",
-        "finished_at": "2026-12-01T23:15:09+00:00", "error": None,
-    }  # fmt: skip
-    page = {"searches": [job], "next_page_token": None}
-
-    @contextlib.contextmanager
-    def fake_gateway() -> Any:
-        yield gateway_of([page], [])
-
-    monkeypatch.setattr(listing, "gateway", fake_gateway)
     monkeypatch.delenv("COLUMNS", raising=False)
-    piped = CliRunner().invoke(app, ["searches"], env={"COLUMNS": None})
+    piped = list_searches(monkeypatch, dict(JOB), {"COLUMNS": None})
     assert piped.exit_code == 0, piped.output
     note = " ".join(piped.output.split("left out")[1].split())
     assert note.startswith("at 80 columns, the width when the output is not a terminal:"), note
