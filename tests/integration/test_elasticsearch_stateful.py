@@ -108,6 +108,42 @@ def test_the_stand_in_refuses_as_es_does(
     assert es.get(index="a", id="x").body["_version"] == 5
 
 
+def test_the_stand_in_refuses_an_id_over_512_bytes_as_es_does(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """ES validates every item's ``_id`` length (UTF-8 bytes) before running any: one too
+    long fails the whole bulk, 400, and nothing of it is written."""
+    es = client(fake[0])
+    es.indices.create(index="a~1", aliases={"a": {}})
+    fits, over = "é" * 256, "é" * 256 + "x"  # 512 and 513 bytes, 256 and 257 characters
+    with pytest.raises(ApiError) as caught:
+        es.bulk(
+            operations=[
+                {"index": {"_index": "a", "_id": fits}},
+                {"n": 1},
+                {"delete": {"_index": "a", "_id": over}},
+            ]
+        )
+    assert caught.value.meta.status == 400
+    assert caught.value.body["error"]["type"] == "action_request_validation_exception"
+    assert caught.value.body["error"]["reason"] == (
+        f"Validation Failed: 1: id [{over}] is too long, must be no longer than 512 bytes "
+        "but was: 513;"
+    )
+    assert not fake[1].indexes["a~1"].docs
+    assert error_of(lambda: es.index(index="a", id=over, document={})) == (
+        400,
+        "action_request_validation_exception",
+    )
+    assert (
+        es.bulk(operations=[{"index": {"_index": "a", "_id": fits}}, {"n": 1}]).body["items"][0][
+            "index"
+        ]["status"]
+        == 201
+    )
+    assert es.options(ignore_status=404).get(index="a", id=over).body["found"] is False
+
+
 # --- the lifecycle's races and name clashes -------------------------------------------------
 
 DOC = Document("vitd", "Vitamin D deficiency raises the risk of bone fractures.", "Vitamin D")
