@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -217,14 +218,15 @@ def test_require_alias_refusing_every_attempt_is_bounded_and_retryable(
     assert 2 <= len(server.sent("PUT", "/_bulk")) - 1 <= 5
 
 
+@pytest.mark.parametrize("doc_id", ["vitd", "𝔡" * 512])  # the longest: a hashed _id
 def test_a_stale_upsert_landing_in_an_index_a_newer_writer_made_again_is_taken_back(
-    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch], doc_id: str
 ) -> None:
     """W1 (version 10, accepted before drop 12) passes its floor check on worker 1; drop 12
     runs on worker 2; W2 (version 13) on worker 3 makes the index again; then W1's bulk
     finds the alias and writes. W1 reads the floor again, takes its document back, and says
     it wrote nothing; W2's document stays."""
-    server, _state = fake
+    server, state = fake
     w1, dropper, w3 = backend_on(server), backend_on(server), backend_on(server)
     assert write(w1, CALC, version=5) == 1  # worker 1 knows the index
     fired: list[int] = []
@@ -236,11 +238,16 @@ def test_a_stale_upsert_landing_in_an_index_a_newer_writer_made_again_is_taken_b
             assert write(w3, CALC, version=13) == 1
 
     server.on("PUT", "/_bulk", between)
-    assert write(w1, DOC, version=10) == 0
+    assert write(w1, replace(DOC, id=doc_id), version=10) == 0
     assert fired
-    assert w1.document("docs", "acme", "vitd") is None
+    assert w1.document("docs", "acme", doc_id) is None
     assert w1.document("docs", "acme", "calc") is not None
     assert w1.index_info("docs", "acme").documents == 1
+    (concrete,) = indexes_named(state, w1.alias("docs", "acme"))
+    with state.lock:  # the take-back's delete, at the drop's version, hit W1's _id
+        docs = state.indexes[concrete].docs
+        assert [d.version for d in docs.values() if d.source is None] == [12]
+        assert set(docs) == {"acme:calc", *(i for i, d in docs.items() if d.source is None)}
 
 
 @pytest.mark.parametrize("first", ["docs", "docs-000001"])
