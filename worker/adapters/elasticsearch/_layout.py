@@ -80,7 +80,7 @@ def document_es_id(tenant: str, doc_id: str) -> str:
     'acme:doc-1'
     >>> document_es_id("acme", "x" * 507) == "acme:" + "x" * 507  # 512 bytes: still short
     True
-    >>> hashed = document_es_id("acme", "é" * 254)  # 508 characters, 513 bytes with the prefix
+    >>> hashed = document_es_id("acme", "é" * 254)  # 508 bytes, 513 with the prefix
     >>> hashed.startswith("#sha256:"), len(hashed), hashed == document_es_id("acme2", "é" * 254)
     (True, 72, False)
     """
