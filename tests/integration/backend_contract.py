@@ -289,6 +289,35 @@ class LifecycleContract(BackendContract):
         self.load(backend, index, "acme", CORPUS[:1])  # the name works again
         assert backend.index_info(index, "acme").documents == 1
 
+    def test_the_longest_ids_the_gateway_accepts_are_written_found_read_and_deleted(
+        self, backend: Any, index: str
+    ) -> None:
+        """The gateway takes a document id of up to 512 characters: 2,048 bytes in UTF-8 for
+        four-byte characters, 517 with Elasticsearch's ``acme:`` prefix for an ASCII one (ES
+        refuses an ``_id`` over 512 bytes). Each is written, found in both channels, read,
+        deleted by id, and its delete still refuses an older upsert; a short id beside them,
+        and another tenant's document of the same long id, are left alone."""
+        longest = [
+            Document("𝔡" * 512, CORPUS[0].text, CORPUS[0].title),
+            Document("d" * 512, CORPUS[1].text, CORPUS[1].title),
+        ]
+        ids = {doc.id for doc in longest}
+        written = [*longest, CORPUS[2]]
+        assert backend.upsert(index, "acme", written, vectors_of(written), version=10) == 3
+        assert backend.upsert(index, "globex", longest[:1], vectors_of(longest[:1])) == 1
+        for doc in longest:
+            hits = self.search(backend, index, "acme", f"{doc.title} {doc.text}").hits
+            assert doc.id in {h.document.id for h in hits["bm25"]}
+            assert hits["knn"][0].document.id == doc.id
+            stored = backend.document(index, "acme", doc.id)
+            assert (stored.id, stored.text, stored.title) == (doc.id, doc.text, doc.title)
+        assert backend.document(index, "acme", "d" * 511) is None  # its neighbour is not it
+        assert backend.delete_documents(index, "acme", sorted(ids), version=12) == 2
+        assert backend.upsert(index, "acme", longest, vectors_of(longest), version=11) == 0
+        assert all(backend.document(index, "acme", i) is None for i in ids)
+        assert self.all_ids(backend, index, "acme")[1] == {CORPUS[2].id}
+        assert backend.document(index, "globex", longest[0].id).text == CORPUS[0].text
+
     def test_list_count_and_get_are_the_tenants(self, backend: Any, index: str) -> None:
         self.load(backend, index, "acme")
         listed = {i.name: i for i in backend.indexes("acme")}

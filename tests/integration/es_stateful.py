@@ -18,6 +18,10 @@ after a drop, a reindex, a race) instead of the requests the adapter happens to 
   creates a missing index for a delete only under external versioning), ``require_alias``
   never applies to a delete: an external-versioned delete on a missing target auto-creates a
   bare index of that name, any other delete on it answers 404;
+* an ``_id`` over 512 bytes (UTF-8) in a write: the whole request is refused, 400
+  ``action_request_validation_exception`` "Validation Failed: 1: id [...] is too long, must
+  be no longer than 512 bytes but was: N;" (``DocWriteRequest.validateDocIdLength``, checked
+  by ``BulkRequest.validate`` for every item before any runs); a ``GET`` of one finds nothing;
 * ``GET _resolve/index/<expr>`` (GET only, as ES registers it: any other method is 405);
 * ``GET _alias/<expr>``: a wildcard matching nothing is 200 ``{}``, a missing exact alias
   is 404 ``{"error": "alias [x] missing", "status": 404}``;
@@ -55,6 +59,8 @@ from tests.integration.es_loopback import (
 _WORD = re.compile(r"\w+")
 #: What ES refuses anywhere in an index name, and at its start.
 _INVALID_CHARS = set('\\/*?"<>| ,#:')
+#: ES's limit on a document's ``_id``, in UTF-8 bytes.
+_MAX_ID_BYTES = 512
 
 
 @dataclass
@@ -90,6 +96,22 @@ def _refuse(kind: str, reason: str, status: int = 400, **extra: Any) -> _Refused
 
 def _missing(name: str) -> _Refused:
     return _Refused(404, index_missing(name))
+
+
+def _check_ids(ids: list[str]) -> None:
+    """Refuse a write request holding an ``_id`` over 512 bytes, as ES's request validation
+    does: one 400 for the whole request, every such id numbered in the reason."""
+    errors = []
+    for doc_id in ids:
+        size = len(doc_id.encode("utf-8", "replace"))  # as Java's getBytes(UTF_8) counts
+        if size > _MAX_ID_BYTES:
+            errors.append(
+                f"id [{doc_id}] is too long, must be no longer than {_MAX_ID_BYTES} bytes "
+                f"but was: {size}"
+            )
+    if errors:
+        numbered = "".join(f"{n}: {error};" for n, error in enumerate(errors, 1))
+        raise _refuse("action_request_validation_exception", f"Validation Failed: {numbered}")
 
 
 class StatefulElasticsearch:
@@ -425,11 +447,14 @@ class StatefulElasticsearch:
 
     def bulk(self, lines: list[Any], q: Mapping[str, str]) -> dict[str, Any]:
         require_alias = q.get("require_alias") == "true"
-        items: list[dict[str, Any]] = []
+        requests: list[tuple[str, dict[str, Any], Any]] = []  # (op, metadata, source)
         it = iter(lines)
         for action in it:
             (op, meta), *_ = action.items()
-            source = next(it) if op in ("index", "create") else None
+            requests.append((op, meta, next(it) if op in ("index", "create") else None))
+        _check_ids([str(meta["_id"]) for _op, meta, _source in requests])
+        items: list[dict[str, Any]] = []
+        for op, meta, source in requests:
             target, doc_id = meta["_index"], str(meta["_id"])
             version = int(meta["version"]) if "version" in meta else None
             external = meta.get("version_type") == "external"
@@ -458,6 +483,7 @@ class StatefulElasticsearch:
         self, method: str, target: str, doc_id: str, body: Any, q: Mapping[str, str]
     ) -> tuple[int, Any]:
         if method in ("PUT", "POST"):
+            _check_ids([doc_id])
             if target not in self.indexes and target not in self.aliases:
                 self.create_index(target, {})
             (index,) = self._resolve(target, write=True)

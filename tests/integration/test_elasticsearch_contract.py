@@ -4,6 +4,7 @@ the fused result through the pipeline, and the error mapping (no client-side ret
 
 from __future__ import annotations
 
+import hashlib
 import re
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 
@@ -1486,6 +1488,81 @@ def test_document_gets_the_tenants_id_without_the_vector(server: FakeElasticsear
     assert backend_for(server).document("docs", "acme", "d2") is None
     server.on("GET", "/sift-none/_doc/acme%3Ad1", Answer(404, index_missing("sift-none")))
     assert backend_for(server).document("none", "acme", "d1") is None
+
+
+def hashed_id(tenant: str, doc_id: str) -> str:
+    """The ``_id`` of a document whose ``<tenant>:<id>`` is over ES's 512 bytes."""
+    return "#sha256:" + hashlib.sha256(f"{tenant}:{doc_id}".encode()).hexdigest()
+
+
+def test_an_id_over_512_bytes_with_its_prefix_is_hashed_in_every_request(
+    server: FakeElasticsearchServer,
+) -> None:
+    """ES refuses an ``_id`` over 512 bytes, the gateway takes an id of 512 characters: a
+    longer ``<tenant>:<id>`` is sent as a fixed-length digest, in the upsert, the delete and
+    the read; an id that fits keeps its ``<tenant>:<id>``, 512 bytes included."""
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    server.on("PUT", "/_bulk", bulk_ok)
+    fits, ascii_512, wide_512 = "f" * 507, "d" * 512, "𝔡" * 512  # 512, 517, 2,053 bytes
+    docs = [Document(i, "x") for i in (fits, ascii_512, wide_512)]
+    backend = backend_for(server)
+    assert backend.upsert("docs", "acme", docs, None) == 3
+    (bulk,) = server.sent("PUT", "/_bulk")
+    sent = bulk.ndjson()
+    ids = [fits, ascii_512, wide_512]
+    assert [a["index"]["_id"] for a in sent[0::2]] == [
+        f"acme:{fits}",
+        hashed_id("acme", ascii_512),
+        hashed_id("acme", wide_512),
+    ]
+    assert [source["doc_id"] for source in sent[1::2]] == ids  # hits read the field
+    server.on(
+        "PUT",
+        "/_bulk",
+        Answer(
+            200,
+            bulk_response(
+                bulk_item("delete", CONCRETE, hashed_id("acme", wide_512), 200, "deleted"),
+            ),
+        ),
+    )
+    assert backend.delete_documents("docs", "acme", [wide_512], version=None) == 1
+    assert server.sent("PUT", "/_bulk")[-1].ndjson() == [
+        {"delete": {"_index": ACME, "_id": hashed_id("acme", wide_512)}}
+    ]
+    path = f"/{ACME}/_doc/" + quote(hashed_id("acme", ascii_512), safe="")
+    found = get_found(CONCRETE, "acme", ascii_512, 4, text="x")
+    server.on("GET", path, Answer(200, found | {"_id": hashed_id("acme", ascii_512)}))
+    stored = backend.document("docs", "acme", ascii_512)
+    assert stored is not None and (stored.id, stored.version) == (ascii_512, 4)
+
+
+def test_a_bulk_error_on_a_hashed_id_names_the_document(server: FakeElasticsearchServer) -> None:
+    """The document a failed item names is found through the actions sent (a digest holds
+    no id to strip a prefix from)."""
+    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    long_id = "é" * 300
+
+    def refused(request: Recorded) -> Answer:
+        answer = bulk_ok(request)
+        answer.body["errors"] = True
+        answer.body["items"][0] = {
+            "index": {
+                "_index": CONCRETE,
+                "_id": hashed_id("acme", long_id),
+                "status": 400,
+                "error": {"type": "document_parsing_exception", "reason": "bad field"},
+            }
+        }
+        return answer
+
+    server.on("PUT", "/_bulk", refused)
+    docs = [Document(long_id, "x"), Document("fine", "y")]
+    with pytest.raises(BackendRequestError) as caught:
+        backend_for(server).upsert("docs", "acme", docs, None)
+    assert str(caught.value).endswith(
+        f"1 document(s) not written: {long_id} (400 document_parsing_exception: bad field)"
+    )
 
 
 # --- the embedding model each vector records ---------------------------------------------

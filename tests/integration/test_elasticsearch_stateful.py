@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -108,6 +109,42 @@ def test_the_stand_in_refuses_as_es_does(
     assert es.get(index="a", id="x").body["_version"] == 5
 
 
+def test_the_stand_in_refuses_an_id_over_512_bytes_as_es_does(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """ES validates every item's ``_id`` length (UTF-8 bytes) before running any: one too
+    long fails the whole bulk, 400, and nothing of it is written."""
+    es = client(fake[0])
+    es.indices.create(index="a~1", aliases={"a": {}})
+    fits, over = "é" * 256, "é" * 256 + "x"  # 512 and 513 bytes, 256 and 257 characters
+    with pytest.raises(ApiError) as caught:
+        es.bulk(
+            operations=[
+                {"index": {"_index": "a", "_id": fits}},
+                {"n": 1},
+                {"delete": {"_index": "a", "_id": over}},
+            ]
+        )
+    assert caught.value.meta.status == 400
+    assert caught.value.body["error"]["type"] == "action_request_validation_exception"
+    assert caught.value.body["error"]["reason"] == (
+        f"Validation Failed: 1: id [{over}] is too long, must be no longer than 512 bytes "
+        "but was: 513;"
+    )
+    assert not fake[1].indexes["a~1"].docs
+    assert error_of(lambda: es.index(index="a", id=over, document={})) == (
+        400,
+        "action_request_validation_exception",
+    )
+    assert (
+        es.bulk(operations=[{"index": {"_index": "a", "_id": fits}}, {"n": 1}]).body["items"][0][
+            "index"
+        ]["status"]
+        == 201
+    )
+    assert es.options(ignore_status=404).get(index="a", id=over).body["found"] is False
+
+
 # --- the lifecycle's races and name clashes -------------------------------------------------
 
 DOC = Document("vitd", "Vitamin D deficiency raises the risk of bone fractures.", "Vitamin D")
@@ -181,14 +218,15 @@ def test_require_alias_refusing_every_attempt_is_bounded_and_retryable(
     assert 2 <= len(server.sent("PUT", "/_bulk")) - 1 <= 5
 
 
+@pytest.mark.parametrize("doc_id", ["vitd", "𝔡" * 512])  # the longest: a hashed _id
 def test_a_stale_upsert_landing_in_an_index_a_newer_writer_made_again_is_taken_back(
-    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch], doc_id: str
 ) -> None:
     """W1 (version 10, accepted before drop 12) passes its floor check on worker 1; drop 12
     runs on worker 2; W2 (version 13) on worker 3 makes the index again; then W1's bulk
     finds the alias and writes. W1 reads the floor again, takes its document back, and says
     it wrote nothing; W2's document stays."""
-    server, _state = fake
+    server, state = fake
     w1, dropper, w3 = backend_on(server), backend_on(server), backend_on(server)
     assert write(w1, CALC, version=5) == 1  # worker 1 knows the index
     fired: list[int] = []
@@ -200,11 +238,16 @@ def test_a_stale_upsert_landing_in_an_index_a_newer_writer_made_again_is_taken_b
             assert write(w3, CALC, version=13) == 1
 
     server.on("PUT", "/_bulk", between)
-    assert write(w1, DOC, version=10) == 0
+    assert write(w1, replace(DOC, id=doc_id), version=10) == 0
     assert fired
-    assert w1.document("docs", "acme", "vitd") is None
+    assert w1.document("docs", "acme", doc_id) is None
     assert w1.document("docs", "acme", "calc") is not None
     assert w1.index_info("docs", "acme").documents == 1
+    (concrete,) = indexes_named(state, w1.alias("docs", "acme"))
+    with state.lock:  # the take-back's delete, at the drop's version, hit W1's _id
+        docs = state.indexes[concrete].docs
+        assert [d.version for d in docs.values() if d.source is None] == [12]
+        assert set(docs) == {"acme:calc", *(i for i, d in docs.items() if d.source is None)}
 
 
 @pytest.mark.parametrize("first", ["docs", "docs-000001"])

@@ -44,7 +44,8 @@ Why this shape (DESIGN.md §6).
   takes the record with the tenant's index. Not transactional: two
   workers of different models writing into one empty index at once can both pass.
 * **Tenancy, in depth.** Each document still carries its tenant field, every search
-  and count still filters on it, and the ``_id`` stays ``"<tenant>:<doc id>"``: a
+  and count still filters on it, and the ``_id`` stays ``"<tenant>:<doc id>"`` (a
+  digest of it past ES's 512 bytes: ``_layout.document_es_id``): a
   64-bit key collision, or an alias an operator pointed at a shared index, still keeps
   tenants apart, and a migration from the shared layout copies ``_id`` and external
   version as they are. An index exists *for a tenant* once it holds one of the tenant's

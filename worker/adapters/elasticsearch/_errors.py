@@ -165,15 +165,18 @@ def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
     raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {reason}")
 
 
-def _bulk_error(failures: Sequence[Mapping[str, Any]], tenant: str) -> SiftError:
-    """One error naming the documents the bulk call could not write, and why."""
+def _bulk_error(failures: Sequence[Mapping[str, Any]], names: Mapping[str, str]) -> SiftError:
+    """One error naming the documents the bulk call could not write, and why: each item's
+    ``_id`` mapped back through ``names`` (the ``_id`` of each action sent: a hashed one
+    holds no document id to strip a prefix from), the ``_id`` itself if it is not there."""
     named: list[str] = []
     retryable = True
     for item in failures:
         op = next(iter(item.values())) if item else {}
         status = int(op.get("status", 500))
         retryable = retryable and (status == 429 or status >= 500)
-        doc = str(op.get("_id", "?")).removeprefix(f"{tenant}:")
+        es_id = str(op.get("_id", "?"))
+        doc = names.get(es_id, es_id)
         named.append(f"{doc} ({status} {_reason(op) or 'error'})")
     listing = "; ".join(named[:5]) + (f"; and {len(named) - 5} more" if len(named) > 5 else "")
     message = f"{len(failures)} document(s) not written: {listing}"

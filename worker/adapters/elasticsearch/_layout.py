@@ -36,6 +36,11 @@ _ES_INDEX_NAME = re.compile(r"^(?![-_+])(?!\.{1,2}$)[a-z0-9_.~-]+$")
 _TENANT_ALIAS = re.compile(rf"^[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}[a-z0-9]")
 #: A tenant key and ``--`` anywhere: another (longer) prefix's per-tenant alias.
 _ANY_TENANT_ALIAS = re.compile(rf"(^|[_.-])[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}")
+#: Elasticsearch's limit on a document's ``_id``, in UTF-8 bytes (a longer one fails the whole
+#: request with ``action_request_validation_exception``).
+MAX_ID_BYTES = 512
+#: What starts a hashed ``_id`` (see :func:`document_es_id`). A tenant id never holds ``#``.
+HASHED_ID_MARKER = "#sha256:"
 #: Between an alias and the suffix of its concrete indexes (``000001`` or a reindex's
 #: timestamp). ES accepts ``~`` in an index name; Sift's own names never hold it, so no
 #: Sift name's alias can ever be another name's concrete index.
@@ -55,6 +60,35 @@ def tenant_key(tenant: str) -> str:
     ('822b33ad87c148a0', 16)
     """
     return hashlib.sha256(tenant.encode()).hexdigest()[:TENANT_KEY_LENGTH]
+
+
+def document_es_id(tenant: str, doc_id: str) -> str:
+    """The ``_id`` of the tenant's document ``doc_id``: ``<tenant>:<doc id>`` if that fits in
+    Elasticsearch's 512 bytes, else ``#sha256:`` and the SHA-256 hex digest of that long form.
+
+    The gateway accepts a document id of up to 512 *characters* (up to 2,048 bytes in UTF-8),
+    and the tenant prefix comes on top, so without the digest ES would refuse the write of an
+    id the embedded backend takes. The short form is what every existing index holds, and no
+    id that ever fitted changes: ES never stored an ``_id`` over 512 bytes. No short form can
+    equal a hashed one: a short form starts with its tenant id, whose characters are
+    ``[A-Za-z0-9_.-]`` (``ApiKey.tenant``), never ``#``; the digest is over the whole short
+    form, so two tenants' hashed ids differ as their short forms do, and it is 72 bytes for
+    any tenant. Bytes are counted as ES counts them (Java's UTF-8 encoder puts one ``?`` for
+    a lone surrogate); the digest keeps lone surrogates apart (``surrogatepass``).
+
+    >>> document_es_id("acme", "doc-1")
+    'acme:doc-1'
+    >>> document_es_id("acme", "x" * 507) == "acme:" + "x" * 507  # 512 bytes: still short
+    True
+    >>> hashed = document_es_id("acme", "é" * 254)  # 508 bytes, 513 with the prefix
+    >>> hashed.startswith("#sha256:"), len(hashed), hashed == document_es_id("acme2", "é" * 254)
+    (True, 72, False)
+    """
+    short = f"{tenant}:{doc_id}"
+    if len(short.encode("utf-8", "replace")) <= MAX_ID_BYTES:
+        return short
+    digest = hashlib.sha256(short.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"{HASHED_ID_MARKER}{digest}"
 
 
 def concrete_name(alias: str, suffix: str) -> str:

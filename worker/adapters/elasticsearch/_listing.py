@@ -9,6 +9,7 @@ from elasticsearch import NotFoundError
 
 from worker.adapters.elasticsearch._bodies import _Bodies
 from worker.adapters.elasticsearch._errors import _error_type, _first_key, _total, _translated
+from worker.adapters.elasticsearch._layout import document_es_id
 from worker.core.catalog import IndexInfo, StoredDocument
 
 #: The most indexes one tenant's list shows (the terms aggregation's size).
@@ -85,14 +86,15 @@ class _Listing(_Bodies):
         return self._info(index, count, model) if count else None
 
     def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
-        """``GET <alias>/_doc/<tenant>:<id>`` without the vector; None if the tenant has none."""
+        """``GET <alias>/_doc/<_id>`` (:func:`document_es_id`) without the vector; None if the
+        tenant has none."""
         with _translated(f"document in index {index!r}", index, missing_ok=True) as missing:
             try:
                 answer = (
                     self._es()
                     .get(
                         index=self.alias(index, tenant),
-                        id=f"{tenant}:{doc_id}",
+                        id=document_es_id(tenant, doc_id),
                         source_excludes=[self.fields.vector],
                     )
                     .body

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from elasticsearch import helpers
@@ -20,6 +20,7 @@ from worker.adapters.elasticsearch._errors import (
     _translated,
 )
 from worker.adapters.elasticsearch._indexes import _Indexes
+from worker.adapters.elasticsearch._layout import document_es_id
 from worker.adapters.elasticsearch._search import _Search
 from worker.core.types import Document
 from worker.errors import (
@@ -50,8 +51,9 @@ class _Writes(_Search, _Indexes):
         version: int | None = None,
         model: str | None = None,
     ) -> int:
-        """Index each document as ``<tenant>:<id>`` (replacing it whole) into the tenant's own
-        index (made on its first write) through the bulk helper.
+        """Index each document under its ``_id`` (:func:`document_es_id`: ``<tenant>:<id>``,
+        or a digest of it past 512 bytes), replacing it whole, into the tenant's own index
+        (made on its first write) through the bulk helper.
 
         With a ``version``, each write is ES's external versioning: ES applies it only if
         the version is newer than the one it holds for the ``_id`` (a delete's included,
@@ -66,11 +68,12 @@ class _Writes(_Search, _Indexes):
             return 0
         alias = self.alias(index, tenant)
         recorded = model if vectors is not None and self.fields.model else None
+        names = {document_es_id(tenant, doc.id): doc.id for doc in documents}
         actions = [
             {
                 "_op_type": "index",
                 "_index": alias,
-                "_id": f"{tenant}:{doc.id}",
+                "_id": document_es_id(tenant, doc.id),
                 "_source": self.source(
                     tenant, doc, vectors[i] if vectors is not None else None, recorded
                 ),
@@ -84,11 +87,10 @@ class _Writes(_Search, _Indexes):
             if recorded is not None:
                 self._check_model(index, tenant, recorded)
 
-        outcome = self._write(index, tenant, actions, what, version, prepare=check_model)
-        ids = [str(action["_id"]) for action in actions]
+        outcome = self._write(index, tenant, actions, names, what, version, prepare=check_model)
         # below the floor on this call (None) or after its bulk: an earlier attempt of this
         # write (a retry after a take-back cut short) may have left documents in
-        if self._take_back(index, tenant, ids, version, what) or outcome is None:
+        if self._take_back(index, tenant, names, version, what) or outcome is None:
             return 0
         written = outcome.applied
         if vectors is not None and written:
@@ -122,12 +124,14 @@ class _Writes(_Search, _Indexes):
         index: str,
         tenant: str,
         actions: list[dict[str, Any]],
+        names: Mapping[str, str],
         what: str,
         version: int | None,
         prepare: Callable[[], None] | None = None,
     ) -> _Bulked | None:
         """Run ``actions`` into the tenant's index, made if missing; None if a drop accepted
-        after this write has already run (nothing is written, no index made).
+        after this write has already run (nothing is written, no index made). ``names``
+        maps each action's ``_id`` to its document id, for the error naming what failed.
 
         Each attempt reads the drop floor first, makes the index, runs ``prepare`` (the
         model check) and the bulk. A delete bulk checks the alias first, not what this
@@ -154,7 +158,7 @@ class _Writes(_Search, _Indexes):
                 self.ensure_index(index, tenant)
                 if prepare is not None:
                     prepare()
-                bulked = self._bulk(actions, what, index, tenant)
+                bulked = self._bulk(actions, what, index, tenant, names)
             except _AliasGone as refused:
                 self._forget(alias, tenant)
                 existed += refused.existed
@@ -176,14 +180,14 @@ class _Writes(_Search, _Indexes):
         ) from gone
 
     def _take_back(
-        self, index: str, tenant: str, ids: Sequence[str], version: int | None, what: str
+        self, index: str, tenant: str, names: Mapping[str, str], version: int | None, what: str
     ) -> bool:
         """Whether a versioned write lost to a drop (then none of it stays written).
 
         The floor check and the bulk are two requests: a drop accepted after this write can
         run between them, and a newer writer can make the index again, so the bulk finds
         the alias and writes. So the floor is read again after the bulk; if a drop of this
-        write's version or newer has run, every ``_id`` of the write (``ids``) is deleted
+        write's version or newer has run, every ``_id`` of the write (``names``) is deleted
         with the drop's version as external version: a document a newer writer put in
         since answers 409 and stays. The deletes go every time the floor is at or above the
         version, even when this call wrote nothing: a retry of a write whose take-back was
@@ -191,7 +195,7 @@ class _Writes(_Search, _Indexes):
         (``HEAD _alias``): a delete is not held to ``require_alias``, and one reaching a
         dropped alias would make a bare index of its name; one that does anyway (the alias
         dropped between the check and the bulk) is cleared by :meth:`_bulk`."""
-        if version is None or not ids:
+        if version is None or not names:
             return False
         alias = self.alias(index, tenant)
         floor = self._floors.floor(alias)
@@ -199,11 +203,12 @@ class _Writes(_Search, _Indexes):
             return False
         taken = f"{what} (taken back after drop {floor})"
         deletes = [
-            {"_op_type": "delete", "_index": alias, "_id": _id, **_versioned(floor)} for _id in ids
+            {"_op_type": "delete", "_index": alias, "_id": _id, **_versioned(floor)}
+            for _id in names
         ]
         if self._alias_exists(alias, taken, index):
             with contextlib.suppress(_AliasGone):  # dropped again: nothing of it is left
-                self._bulk(deletes, taken, index, tenant)
+                self._bulk(deletes, taken, index, tenant, names)
         self._forget(alias, tenant)
         logger.info(
             "%s: version %d lost to drop %d run meanwhile; %d document(s) taken back",
@@ -214,8 +219,16 @@ class _Writes(_Search, _Indexes):
         )
         return True
 
-    def _bulk(self, actions: list[dict[str, Any]], what: str, index: str, tenant: str) -> _Bulked:
-        """Run bulk ``actions``: how many applied, how many found their document, and the
+    def _bulk(
+        self,
+        actions: list[dict[str, Any]],
+        what: str,
+        index: str,
+        tenant: str,
+        names: Mapping[str, str],
+    ) -> _Bulked:
+        """Run bulk ``actions`` (``names``: each ``_id``'s document id, for the error naming
+        the documents not written): how many applied, how many found their document, and the
         ``_id`` of each one applied. A 409 (a newer version held) and a delete's 404 (nothing
         to delete) are answers, not failures. ``require_alias``: an index action whose alias
         is gone fails (``_AliasGone``, with what was deleted before it) instead of
@@ -259,27 +272,29 @@ class _Writes(_Search, _Indexes):
                 elif status != 409:
                     failures.append(item)
         if failures:
-            raise _bulk_error(failures, tenant)
+            raise _bulk_error(failures, names)
         return bulked
 
     def delete_documents(
         self, index: str, tenant: str, ids: Sequence[str], *, version: int | None = None
     ) -> int:
-        """Delete ``<tenant>:<id>`` for each id (external version: a newer write stays, and
-        the delete's tombstone refuses an older upsert for ``index.gc_deletes``, 60 s by
-        default); answers how many existed. The tenant's index is created first if it is
-        missing, as an upsert would: a delete may run before the upsert it was accepted
-        after."""
+        """Delete each id's ``_id`` (:func:`document_es_id`), external-versioned: a newer
+        write stays, and the delete's tombstone refuses an older upsert for
+        ``index.gc_deletes``, 60 s by default. Answers how many existed. The tenant's index
+        is created first if it is missing, as an upsert would: a delete may run before the
+        upsert it was accepted after."""
         alias = self.alias(index, tenant)
+        names = {document_es_id(tenant, i): i for i in ids}
         actions = [
-            {"_op_type": "delete", "_index": alias, "_id": f"{tenant}:{i}", **_versioned(version)}
-            for i in dict.fromkeys(ids)
+            {"_op_type": "delete", "_index": alias, "_id": _id, **_versioned(version)}
+            for _id in names
         ]
         # the index is made if missing, so the tombstones exist for an older upsert that
         # runs later
         if not actions:
             return 0
-        bulked = self._write(index, tenant, actions, f"bulk delete in index {index!r}", version)
+        what = f"bulk delete in index {index!r}"
+        bulked = self._write(index, tenant, actions, names, what, version)
         return 0 if bulked is None else bulked.existed
 
 
