@@ -15,7 +15,8 @@ import apsw
 import numpy as np
 import pytest
 
-from worker.adapters.embedded import DB_FILE, EmbeddedBackend
+from tests.integration.test_embedded_connections import fts_tables
+from worker.adapters.embedded import EmbeddedBackend
 from worker.contract import Channel
 from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
 from worker.errors import IndexNotFound, ModeUnavailable
@@ -27,19 +28,6 @@ BOTH: tuple[Channel, ...] = ("bm25", "knn")
 VECTORS = np.eye(3, 8, dtype=np.float32) + 0.1
 DOCS = [Document(f"d{i}", f"vitamin words {i}") for i in range(3)]
 ASKS: tuple[tuple[Channel, ...], ...] = (("bm25",), ("knn",), BOTH)
-
-
-def fts_tables(data_dir: Path) -> set[str]:
-    conn = apsw.Connection(str(data_dir / DB_FILE))
-    try:
-        return {
-            name
-            for (name,) in conn.execute(
-                "SELECT name FROM sqlite_master WHERE sql LIKE 'CREATE VIRTUAL TABLE%'"
-            )
-        }
-    finally:
-        conn.close()
 
 
 def retrieve(

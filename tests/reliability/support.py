@@ -236,12 +236,19 @@ def webhook_receiver() -> Iterator[Receiver]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    with serve_hook(Handler) as receiver.url:
+        yield receiver
+
+
+@contextlib.contextmanager
+def serve_hook(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """Serve ``handler`` on a free loopback port, in a thread, until the block ends: the
+    receiver's ``/hook`` URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    receiver.url = f"http://127.0.0.1:{server.server_address[1]}/hook"
     try:
-        yield receiver
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook"
     finally:
         server.shutdown()
         server.server_close()

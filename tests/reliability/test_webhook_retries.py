@@ -19,7 +19,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -27,7 +27,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fake_anthropic import FakeAnthropic
-from tests.reliability.support import ACME, INDEX, ingest, sample_queries, stack_env, wait_for
+from tests.reliability.support import (
+    ACME,
+    INDEX,
+    ingest,
+    sample_queries,
+    serve_hook,
+    stack_env,
+    wait_for,
+)
 from tests.services import celery_worker, free_port, gateway, redis_server
 from worker.webhooks import RETRY_SCHEDULE_SECONDS
 
@@ -62,16 +70,8 @@ class FlakyReceiver:
             def log_message(self, *args: object) -> None:
                 pass
 
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        self.url = f"http://127.0.0.1:{server.server_address[1]}/hook"
-        try:
+        with serve_hook(Handler) as self.url:
             yield self
-        finally:
-            server.shutdown()
-            server.server_close()
-            thread.join(5)
 
     def posts(self) -> int:
         with self.lock:
