@@ -348,10 +348,9 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         secrets=secrets,
         settings=settings,
     )
-    outcome = decision.result.outcome
     # the last attempt of a spent schedule is a failure, not a retry: nothing comes after it
-    spent = outcome is webhooks.DeliveryOutcome.RETRY and decision.retry_in is None
-    metrics.webhook_delivery(webhooks.DeliveryOutcome.FAILED if spent else outcome)
+    failed = webhooks.DeliveryOutcome.FAILED
+    metrics.webhook_delivery(failed if decision.gave_up else decision.result.outcome)
     if decision.retry_in is not None:
         later = {**event, "attempt": attempt + 1, "due_at": time.time() + decision.retry_in}
         raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
