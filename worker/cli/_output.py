@@ -75,16 +75,15 @@ def fitted_table(
     >>> out
     ['when']
     """
+    at = {name: i for i, name in enumerate(columns)}
     cells = [[Text.from_markup(cell).cell_len for cell in row] for row in rows]
 
     def need(name: str) -> int:
-        i = list(columns).index(name)
-        widest = max([len(name), *(row[i] for row in cells)])
+        widest = max([len(name), *(row[at[name]] for row in cells)])
         return min(widest, WRAPPED_WIDTH) if name in wrapped else widest
 
     def empty(name: str) -> bool:
-        i = list(columns).index(name)
-        return all(str(row[i]) in ("", "–") for row in rows)
+        return all(str(row[at[name]]) in ("", "–") for row in rows)
 
     shown, left_out = list(columns), []
     # a column with nothing in it goes first, and unnamed: nothing is lost. Then a wrapped
@@ -112,10 +111,24 @@ def fitted_table(
             # a cell cut all the same (a terminal narrower than an id) says so
             overflow="fold" if name in wrapped else "ellipsis",
         )
-    keep = [list(columns).index(name) for name in shown]
     for row in rows:
-        table.add_row(*(row[i] for i in keep))
+        table.add_row(*(row[at[name]] for name in shown))
     return table, left_out
+
+
+def print_fitted(
+    console: Console,
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    **fit: Sequence[str],
+) -> None:
+    """:func:`fitted_table` at the console's width, printed, with the line naming what it
+    left out (``fit``: its ``drop_order``, ``wrapped`` and ``right``)."""
+    table, left_out = fitted_table(title, columns, rows, width=console.width, **fit)
+    console.print(table)
+    if left_out:
+        console.print(left_out_note(console, left_out))
 
 
 def _rank(value: Any) -> str:

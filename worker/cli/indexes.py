@@ -18,7 +18,7 @@ from rich.console import Console
 
 from worker.cli import app
 from worker.cli._http import Gateway, gateway
-from worker.cli._output import fitted_table, left_out_note, local_time
+from worker.cli._output import local_time, print_fitted
 from worker.cli.client import EXIT_ERROR, _err, _expected_errors, _out
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 
@@ -73,18 +73,15 @@ def _print_indexes(console: Console, indexes: list[dict[str, Any]]) -> None:
         ]
         for i in indexes
     ]
-    table, left_out = fitted_table(
+    print_fitted(
+        console,
         f"{len(indexes)} index(es)",
         columns,
         rows,
-        width=console.width,
         drop_order=["backend", "dims", "last write", "embedding model"],
         wrapped=("settings",),
         right=("documents", "dims"),
     )
-    console.print(table)
-    if left_out:
-        console.print(left_out_note(console, left_out))
 
 
 def _finish(client: Gateway, job: dict[str, Any]) -> dict[str, Any]:

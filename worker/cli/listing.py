@@ -15,7 +15,7 @@ import typer
 
 from worker.cli import app
 from worker.cli._http import Gateway, gateway
-from worker.cli._output import fitted_table, left_out_note, local_time
+from worker.cli._output import local_time, print_fitted
 from worker.cli.client import InputError, _expected_errors, _out
 from worker.constants import MAX_PAGE_SIZE
 from worker.contract import JobStatus
@@ -73,17 +73,14 @@ def _list(
         typer.echo(json.dumps(jobs))
         return
     what = key if status is None else f"{status} {key}"
-    table, left_out = fitted_table(
+    print_fitted(
+        console,
         f"{len(jobs)} {what}, newest first",
         columns,
         [row(job) for job in jobs],
-        width=console.width,
         drop_order=drop_order,
         wrapped=("query", "error"),
     )
-    console.print(table)
-    if left_out:
-        console.print(left_out_note(console, left_out))
 
 
 @app.command("searches")
