@@ -56,15 +56,17 @@ def delete(
     else:
         gone = backend.delete_documents(job.index, job.tenant, ids or [], version=job.version)
     store = settings_store(runtime)
-    if store is not None and (
-        job.operation == "drop"
-        or (
-            backend.index_info(job.index, job.tenant) is None
-            and not (jobs is not None and _earlier_upsert_pending(jobs, job))
-        )
-    ):
+    if store is not None and (job.operation == "drop" or _left_empty(backend, job, jobs)):
         store.clear(job.index, job.tenant, job.version)
     return gone
+
+
+def _left_empty(backend: IndexCatalog, job: IngestJob, jobs: JobStore | None) -> bool:
+    """The delete by ids left the tenant's index without a document, and no upsert accepted
+    before it is still to land."""
+    if backend.index_info(job.index, job.tenant) is not None:
+        return False
+    return jobs is None or not _earlier_upsert_pending(jobs, job)
 
 
 def _earlier_upsert_pending(jobs: JobStore, delete: IngestJob) -> bool:
