@@ -336,16 +336,20 @@ generated = st.one_of(
 rounds = iter(range(10**6))
 
 
-def _field_under(error: dict[str, Any], prefix: str) -> bool:
-    return bool(error["field"].startswith(prefix)) and error["message"].startswith(error["field"])
-
-
-@settings(
+# the two property tests' runs: 60 examples each, the same on every run (CI included)
+GENERATED_RUNS = settings(
     max_examples=60,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+
+
+def _field_under(error: dict[str, Any], prefix: str) -> bool:
+    return bool(error["field"].startswith(prefix)) and error["message"].startswith(error["field"])
+
+
+@GENERATED_RUNS
 @given(metadata=generated)
 def test_generated_metadata_is_refused_naming_it_or_stored_and_found_exactly(
     stack: Stack, metadata: dict[str, Any]
@@ -365,12 +369,7 @@ def test_generated_metadata_is_refused_naming_it_or_stored_and_found_exactly(
     assert doc_id in [hit["id"] for hit in found.json()["result"]["hits"]]
 
 
-@settings(
-    max_examples=60,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@GENERATED_RUNS
 @given(filters=generated)
 def test_generated_filters_are_refused_naming_them_or_the_search_succeeds(
     stack: Stack, filters: dict[str, Any]
