@@ -27,6 +27,7 @@ from worker import metrics
 from worker.constants import (
     ECONOMY_PRICE_DISCOUNT,
     LANE_ECONOMY,
+    WEBHOOK_EVENT_BATCH_COMPLETED,
     WEBHOOK_QUEUE,
     WEBHOOK_TASK,
 )
@@ -35,7 +36,7 @@ from worker.errors import SiftError
 from worker.logcontext import job_context
 from worker.queue.intake import INTAKE
 from worker.queue.items import CancelMarks, ItemQueue
-from worker.queue.jobstore import JobStore, webhook_event
+from worker.queue.jobstore import BatchJob, JobStore, webhook_event
 from worker.ratelimit import LimitedReranker, ProviderLimiter
 from worker.redis_client import OUTAGE_SECONDS, worker_connections
 from worker.settings import Settings, load_settings
@@ -297,6 +298,13 @@ class SiftTask(Task):  # type: ignore[misc]
         """Enqueue one webhook delivery; its id is stable, so every retry carries the same one."""
         event = webhook_event(event_type, job_id, tenant, url, status)
         self.app.send_task(WEBHOOK_TASK, args=[event], queue=WEBHOOK_QUEUE)
+
+    def announce_batch(self, batch: BatchJob, status: str) -> None:
+        """Enqueue a finished batch's ``batch.completed`` webhook, if it asked for one."""
+        if batch.webhook_url:
+            self.send_webhook(
+                WEBHOOK_EVENT_BATCH_COMPLETED, batch.id, batch.tenant, batch.webhook_url, status
+            )
 
 
 def count_completed(kind: str, applied: bool, error: ErrorInfo | None) -> bool:

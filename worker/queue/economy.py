@@ -59,7 +59,6 @@ from worker.constants import (
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RUNS_KEY,
     ECONOMY_SUBMIT_TASK,
-    WEBHOOK_EVENT_BATCH_COMPLETED,
 )
 from worker.contract import ErrorInfo, JobStatus
 from worker.core.pipeline import (
@@ -208,10 +207,7 @@ def _item_done(task: SiftTask, batch: BatchJob, transition: ItemTransition) -> N
         log.info("batch %s: completed", batch.id)
         status = done.status.value if done else JobStatus.SUCCEEDED.value
         metrics.job_completed("batch", status)  # once: only one transition completes it
-        if batch.webhook_url:
-            task.send_webhook(
-                WEBHOOK_EVENT_BATCH_COMPLETED, batch.id, batch.tenant, batch.webhook_url, status
-            )
+        task.announce_batch(batch, status)
 
 
 def _cancel(task: SiftTask, batch: BatchJob, query_id: str) -> None:
@@ -418,11 +414,7 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         # a redelivered poll of a finished batch: the worker whose mapping completed it may
         # have died before enqueueing its webhook, so send it again (the same webhook-id)
         log.info("batch %s: completed (webhook sent again)", batch_id)
-        if batch.webhook_url:
-            self.send_webhook(
-                WEBHOOK_EVENT_BATCH_COMPLETED, batch.id, batch.tenant, batch.webhook_url,
-                batch.status.value,
-            )  # fmt: skip
+        self.announce_batch(batch, batch.status.value)
         return
     client = _batches(self)
     try:

@@ -27,7 +27,6 @@ from worker.constants import (
     LANE_ECONOMY,
     SEARCH_QUEUE,
     SEARCH_TASK,
-    WEBHOOK_EVENT_BATCH_COMPLETED,
     WEBHOOK_EVENT_SEARCH_COMPLETED,
     WEBHOOK_TASK,
 )
@@ -210,10 +209,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         status = done.status.value if done else "succeeded"
         if completed:
             metrics.job_completed("batch", status)  # once: only one transition completes it
-        if batch.webhook_url:
-            self.send_webhook(
-                WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, batch.tenant, batch.webhook_url, status
-            )
+        self.announce_batch(batch, status)
     if chunk.error is not None:  # a runner broke: fail the task (its completion is sent)
         raise chunk.error
     if chunk.handed_back:
