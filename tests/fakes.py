@@ -62,6 +62,14 @@ class FakeEmbedder:
         return out
 
 
+def _same_json(held: object, wanted: object) -> bool:
+    """Whether a metadata value equals a filter value as JSON values (README, "Metadata
+    filters"): numbers by value, a boolean only itself (Python's ``True == 1`` is not)."""
+    if isinstance(held, bool) or isinstance(wanted, bool):
+        return type(held) is type(wanted) and held == wanted
+    return held == wanted
+
+
 @dataclass
 class _Row:
     tenant: str
@@ -120,7 +128,9 @@ class InMemoryBackend:
             for (i, t, _), r in sorted(self.rows.items())
             if i == query.index
             and t == query.filters.tenant
-            and all(r.document.metadata.get(k) == v for k, v in query.filters.fields.items())
+            and all(
+                _same_json(r.document.metadata.get(k), v) for k, v in query.filters.fields.items()
+            )
         ]
         if not any(i == query.index for (i, _, _) in self.rows):
             raise IndexNotFound(query.index)

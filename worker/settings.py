@@ -149,6 +149,9 @@ class Settings(BaseSettings):
     elasticsearch_metadata_field: str = Field(default="metadata", min_length=1)
     # a keyword with each vector's embedding model; empty: not recorded, and not checked
     elasticsearch_model_field: str = "embedding_model"
+    # a keyword of typed metadata tokens, what filters match (JSON-value equality); empty:
+    # none, and filters compare the metadata field as text
+    elasticsearch_metadata_terms_field: str = "metadata_terms"
     embedding_model: Literal["all-MiniLM-L6-v2-onnx-int8"] = "all-MiniLM-L6-v2-onnx-int8"
     # onnxruntime threads per embedding call; 0 = one per core. A worker embeds many queries
     # at once from its own threads, so one each avoids the pool's spinning on 2 cores.

@@ -145,6 +145,65 @@ class BackendContract:
         assert {h.document.id for h in both.hits["knn"]} == {"vitd"}
         assert both.hits["bm25"][0].document.metadata == {"topic": "bones", "year": 2020}
 
+    def test_metadata_filters_compare_json_values(self, backend: SearchBackend, index: str) -> None:
+        """A filter matches a metadata value equal to it as a JSON value: numbers by their
+        exact value (``5`` is ``5.0``; an integer past 2^53 is not the float next to it), a
+        boolean only itself (``true`` is not ``1``), a string only itself (``"5"`` is not
+        ``5``, ``"true"`` is not ``true``). Both channels answer the same set."""
+        held: dict[str, FilterValue] = {
+            "int5": 5,
+            "float5": 5.0,
+            "float55": 5.5,
+            "str5": "5",
+            "true": True,
+            "one": 1,
+            "onef": 1.0,
+            "false": False,
+            "zero": 0,
+            "negzero": -0.0,
+            "strtrue": "true",
+            "big": 9007199254740993,
+            "bigf": 9007199254740992.0,
+            "neg": -7,
+        }
+        documents = [Document(i, f"alpha {i}", "", "1", {"n": v}) for i, v in held.items()]
+        documents += [
+            Document("none", "alpha none", "", "1", {}),
+            Document("dotted", "alpha dotted", "", "1", {"a.b": "x", "n.x": 5}),
+        ]
+        self.load(backend, index, "acme", documents)
+        cases: list[tuple[str, FilterValue, set[str]]] = [
+            ("n", 5, {"int5", "float5"}),
+            ("n", 5.0, {"int5", "float5"}),
+            ("n", 5.5, {"float55"}),
+            ("n", "5", {"str5"}),
+            ("n", True, {"true"}),
+            ("n", 1, {"one", "onef"}),
+            ("n", 1.0, {"one", "onef"}),
+            ("n", False, {"false"}),
+            ("n", 0, {"zero", "negzero"}),
+            ("n", -0.0, {"zero", "negzero"}),
+            ("n", "true", {"strtrue"}),
+            ("n", "True", set()),
+            ("n", 9007199254740993, {"big"}),
+            ("n", 9007199254740992, {"bigf"}),
+            ("n", 9007199254740992.0, {"bigf"}),
+            ("n", -7.0, {"neg"}),
+            ("a.b", "x", {"dotted"}),
+            ("n.x", 5, {"dotted"}),
+            ("missing", 5, set()),
+        ]
+        for key, value, expected in cases:
+            hits = self.search(backend, index, "acme", "alpha", size=50, **{key: value}).hits
+            for channel in BOTH:
+                found = {h.document.id for h in hits[channel]}
+                assert found == expected, (key, value, channel, found)
+        stored = {h.document.id: h.document.metadata for h in hits["bm25"]}
+        assert stored == {}  # the last case matches nothing
+        both = self.search(backend, index, "acme", "alpha", size=50, n=5.0).hits["bm25"]
+        assert {h.document.id: h.document.metadata["n"] for h in both} == {"int5": 5, "float5": 5.0}
+        assert {type(h.document.metadata["n"]) for h in both} == {int, float}
+
     def test_upsert_by_id_replaces_text_revision_and_vector(
         self, backend: SearchBackend, index: str
     ) -> None:

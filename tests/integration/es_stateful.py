@@ -589,20 +589,27 @@ class StatefulElasticsearch:
         (kind, args), *_ = query.items()
         if kind == "bool":
             clauses = [*_listed(args.get("filter")), *_listed(args.get("must"))]
-            return all(self._matches(index, doc_id, source, c) for c in clauses) and not any(
-                self._matches(index, doc_id, source, c) for c in _listed(args.get("must_not"))
+            should = _listed(args.get("should"))
+            # ES: with no must/filter clause at least one should must match, else none need
+            least = int(args.get("minimum_should_match", 0 if clauses else 1 if should else 0))
+            return (
+                all(self._matches(index, doc_id, source, c) for c in clauses)
+                and sum(self._matches(index, doc_id, source, c) for c in should) >= least
+                and not any(
+                    self._matches(index, doc_id, source, c) for c in _listed(args.get("must_not"))
+                )
             )
         if kind == "term":
             (name, wanted), *_ = args.items()
             wanted = wanted["value"] if isinstance(wanted, Mapping) else wanted
             if name == "_index":
                 return bool(index.name == wanted)
-            return _keyword(_field(source, name)) == _keyword(wanted)
+            return _keyword(wanted) in _keywords(_field(source, name))
         if kind == "terms":
             (name, wanted), *_ = args.items()
-            return _keyword(_field(source, name)) in {_keyword(w) for w in wanted}
-        if kind == "exists":
-            return _field(source, args["field"]) is not None
+            return bool({_keyword(w) for w in wanted} & _keywords(_field(source, name)))
+        if kind == "exists":  # null and [] hold no indexed value
+            return bool(_keywords(_field(source, args["field"])))
         if kind == "multi_match":
             return self._bm25(index, source, args) > 0
         raise _refuse("unsupported", f"query {kind}")
@@ -762,13 +769,24 @@ def _listed(value: Any) -> list[Any]:
 
 
 def _field(source: Mapping[str, Any], name: str) -> Any:
-    """A field by its dotted name (a ``flattened`` field's keys included)."""
-    node: Any = source
-    for part in name.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
+    """A field by its dotted name (a ``flattened`` field's keys included). As in ES, a key
+    holding dots (``{"a.b": 1}``) is the same path as the objects ``{"a": {"b": 1}}``."""
+    if name in source:
+        return source[name]
+    parts = name.split(".")
+    for cut in range(1, len(parts)):
+        head = ".".join(parts[:cut])
+        node = source.get(head)
+        if isinstance(node, Mapping):
+            found = _field(node, ".".join(parts[cut:]))
+            if found is not None:
+                return found
+    return None
+
+
+def _keywords(value: Any) -> set[str]:
+    """The keywords a field's value indexes: one per element of an array, none for null."""
+    return {_keyword(v) for v in _listed(value) if v is not None}
 
 
 def _keyword(value: Any) -> str:

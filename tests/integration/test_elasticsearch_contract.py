@@ -136,6 +136,13 @@ def bulk_ok(request: Recorded) -> Answer:
     return Answer(200, {"errors": False, "took": 7, "items": items})
 
 
+def on_existing_index(server: FakeElasticsearchServer, alias: str = ACME) -> None:
+    """The tenant's index exists (``HEAD _alias`` 200), made by another process or an earlier
+    release: a write's first ``PUT _mapping`` adds the fields the template gained since."""
+    server.on("HEAD", f"/_alias/{alias}", Answer(200))
+    server.on("PUT", f"/{alias}/_mapping", Answer(200, {"acknowledged": True}))
+
+
 def on_probes(server: FakeElasticsearchServer, answer: Answer, times: int | None = None) -> None:
     """Answer acme's channel probes (``POST /<acme's alias>/_msearch``) with ``answer``."""
     server.on("POST", MSEARCH, answer, times, when=is_probe)
@@ -184,6 +191,7 @@ EXPECTED_TEMPLATE = {
                 "revision": {"type": "keyword"},
                 "metadata": {"type": "flattened"},
                 "embedding_model": {"type": "keyword"},
+                "metadata_terms": {"type": "keyword"},
             },
         },
     },
@@ -232,6 +240,7 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
             "tenant": "acme",
             "revision": "r7",
             "metadata": {"year": 2020, "lang": "en"},
+            "metadata_terms": ["lang=s:en", "year=n:2020"],
             "vector": VECTOR,
         },
         {"index": {"_id": "acme:d2", "_index": ACME}},
@@ -242,6 +251,7 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
             "tenant": "acme",
             "revision": "r1",
             "metadata": {},
+            "metadata_terms": [],
             "vector": [0.0, 1.0, 0.0],
         },
     ]
@@ -258,7 +268,7 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
     """Beta's first write into "docs", which acme already holds, makes beta's own index:
     the same requests as a first write into a name nobody has (no timing tells them apart),
     and no byte of it reaches acme's index."""
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    on_existing_index(server)
     server.on("HEAD", f"/_alias/{BETA}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("PUT", f"/{BETA}~000001", Answer(200, {"acknowledged": True, "index": BETA}))
@@ -313,12 +323,15 @@ def test_an_index_created_by_a_racing_worker_is_fine(server: FakeElasticsearchSe
         f"/{CONCRETE}",
         Answer(400, error_body("resource_already_exists_exception", "index exists")),
     )
+    server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}))
     server.on("PUT", "/_bulk", bulk_ok)
     assert backend_for(server).upsert("docs", "acme", [Document("d1", "x")], None) == 1
+    # the racing worker's index may be of an earlier template: the new fields are added
+    assert server.sent("PUT", f"/{ACME}/_mapping")
 
 
 def test_bulk_item_errors_name_the_documents(server: FakeElasticsearchServer) -> None:
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    on_existing_index(server)
 
     def partly(request: Recorded) -> Answer:
         failed = {
@@ -344,7 +357,7 @@ def test_bulk_item_errors_name_the_documents(server: FakeElasticsearchServer) ->
 
 
 def test_bulk_rejections_are_retryable(server: FakeElasticsearchServer) -> None:
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    on_existing_index(server)
 
     def rejected(request: Recorded) -> Answer:
         answer = bulk_ok(request)
@@ -514,6 +527,27 @@ PATHS: list[tuple[tuple[Channel, ...], dict[str, FilterValue]]] = [
 ]
 
 
+def metadata_filter(
+    token: str, as_text: dict[str, str], terms: str = "metadata_terms"
+) -> dict[str, Any]:
+    """One metadata filter: the typed token, or, on a document holding none (written before
+    the tokens existed, or not by Sift), the ``flattened`` field's text."""
+    return {
+        "bool": {
+            "should": [
+                {"term": {terms: token}},
+                {
+                    "bool": {
+                        "filter": [{"term": as_text}],
+                        "must_not": [{"exists": {"field": terms}}],
+                    }
+                },
+            ],
+            "minimum_should_match": 1,
+        }
+    }
+
+
 @pytest.mark.parametrize(("channels", "fields"), PATHS)
 def test_every_search_path_filters_by_tenant_inside_each_channel(
     server: FakeElasticsearchServer,
@@ -532,9 +566,10 @@ def test_every_search_path_filters_by_tenant_inside_each_channel(
     assert sent.headers["content-type"] == (
         "application/vnd.elasticsearch+x-ndjson; compatible-with=9"
     )
+    tokens = {"lang": "lang=s:en", "year": "year=n:2020", "open": "open=b:true"}
     filters: list[dict[str, Any]] = [{"term": {"tenant": "acme"}}]
     filters += [
-        {"term": {f"metadata.{k}": ("true" if v is True else str(v))}}
+        metadata_filter(tokens[k], {f"metadata.{k}": ("true" if v is True else str(v))})
         for k, v in sorted(fields.items())
     ]
     expected: list[Any] = []
@@ -596,7 +631,7 @@ def test_existing_index_field_names_are_used_everywhere(server: FakeElasticsearc
     backend.retrieve(query(lang="en"))
     header, bm25, _, knn = server.requests[0].ndjson()
     assert header == {}
-    filters = [{"term": {"org_id": "acme"}}, {"term": {"attrs.lang": "en"}}]
+    filters = [{"term": {"org_id": "acme"}}, metadata_filter("lang=s:en", {"attrs.lang": "en"})]
     assert bm25["query"]["bool"]["filter"] == filters
     assert bm25["query"]["bool"]["must"]["multi_match"]["fields"] == ["body"]
     assert knn["knn"]["field"] == "emb" and knn["knn"]["filter"] == filters
@@ -611,7 +646,7 @@ def test_native_rrf_uses_the_retriever_with_filters_in_both_children(
     hits = backend_for(server).retrieve_native(query(lang="en"))
     assert [h.document.id for h in hits] == ["a"] and hits[0].score == pytest.approx(0.0325)
     body = server.requests[0].json()
-    filters = [{"term": {"tenant": "acme"}}, {"term": {"metadata.lang": "en"}}]
+    filters = [{"term": {"tenant": "acme"}}, metadata_filter("lang=s:en", {"metadata.lang": "en"})]
     assert body == {
         "size": 120,
         "retriever": {
@@ -699,7 +734,7 @@ def test_pipeline_fuses_the_channels_with_sift_rrf_and_keeps_each_rank(
     ]
     assert server.requests[0].ndjson() == PROBES_OF_ACME
     _, bm25, _, knn = server.requests[2].ndjson()
-    filters = [{"term": {"tenant": "acme"}}, {"term": {"metadata.lang": "en"}}]
+    filters = [{"term": {"tenant": "acme"}}, metadata_filter("lang=s:en", {"metadata.lang": "en"})]
     assert bm25["query"]["bool"]["filter"] == filters and knn["knn"]["filter"] == filters
     assert bm25["size"] == knn["knn"]["k"] == 32  # max(4 * 3, 32)
     assert knn["knn"]["query_vector"] == pytest.approx(
@@ -1100,7 +1135,7 @@ def test_native_rrf_with_knn_weighted_zero_runs_bm25_alone(
 def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    on_existing_index(server)
     server.on(
         "PUT",
         "/_bulk",
@@ -1132,7 +1167,7 @@ def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
 def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    on_existing_index(server)
     server.on(
         "PUT",
         "/_bulk",
@@ -1194,7 +1229,7 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
 def test_a_bulk_delete_failing_for_other_reasons_names_the_document(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    on_existing_index(server)
     failed = {
         "delete": {
             "_index": CONCRETE,
@@ -1319,6 +1354,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
     the bulk write (no bare index auto-created under the alias's name), the index is made
     again from the template, and the write is sent once more."""
     server.on("HEAD", f"/_alias/{ACME}", Answer(200), times=1)
+    server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}), times=1)
     server.on("PUT", "/_bulk", bulk_ok)
     server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)))
     backend = backend_for(server)
@@ -1361,7 +1397,7 @@ def test_writes_accepted_before_a_drop_that_has_run_are_skipped(
         ("HEAD", f"/_alias/{ACME}"),  # ... if the alias is there (a delete would make it)
         ("GET", FLOOR),
     ]
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    on_existing_index(server)
     server.on("PUT", "/_bulk", bulk_ok)
     assert backend.upsert("docs", "acme", [Document("d1", "new")], None, version=21) == 1
     assert backend.upsert("docs", "acme", [Document("d2", "any")], None) == 1  # unversioned
@@ -1379,7 +1415,7 @@ def test_a_drop_running_between_a_writes_floor_check_and_its_bulk_still_wins(
     of the write may have put them there."""
     server.on("GET", FLOOR, Answer(200, floor_found(FLOORS, ACME, 30)))
     server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)), times=1)  # asked first
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    on_existing_index(server)
     deleted = {"_index": CONCRETE, "_id": "acme:d1", "_version": 30, "result": "deleted"}
     server.on("PUT", "/_bulk", Answer(200, bulk_response({"delete": {**deleted, "status": 200}})))
     refused = bulk_response(require_alias_refused("index", ACME, "acme:d1"))
@@ -1389,6 +1425,7 @@ def test_a_drop_running_between_a_writes_floor_check_and_its_bulk_still_wins(
     assert [(r.method, r.path) for r in server.requests] == [
         ("GET", FLOOR),
         ("HEAD", f"/_alias/{ACME}"),
+        ("PUT", f"/{ACME}/_mapping"),  # once per process: the fields the template gained
         ("PUT", "/_bulk"),
         ("GET", FLOOR),
         ("GET", FLOOR),
@@ -1501,7 +1538,7 @@ def test_an_id_over_512_bytes_with_its_prefix_is_hashed_in_every_request(
     """ES refuses an ``_id`` over 512 bytes, the gateway takes an id of 512 characters: a
     longer ``<tenant>:<id>`` is sent as a fixed-length digest, in the upsert, the delete and
     the read; an id that fits keeps its ``<tenant>:<id>``, 512 bytes included."""
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    on_existing_index(server)
     server.on("PUT", "/_bulk", bulk_ok)
     fits, ascii_512, wide_512 = "f" * 507, "d" * 512, "𝔡" * 512  # 512, 517, 2,053 bytes
     docs = [Document(i, "x") for i in (fits, ascii_512, wide_512)]
@@ -1540,7 +1577,7 @@ def test_an_id_over_512_bytes_with_its_prefix_is_hashed_in_every_request(
 def test_a_bulk_error_on_a_hashed_id_names_the_document(server: FakeElasticsearchServer) -> None:
     """The document a failed item names is found through the actions sent (a digest holds
     no id to strip a prefix from)."""
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
+    on_existing_index(server)
     long_id = "é" * 300
 
     def refused(request: Recorded) -> Answer:
@@ -1584,8 +1621,7 @@ MODEL_CHECK = {
 def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_refused(
     server: FakeElasticsearchServer,
 ) -> None:
-    server.on("HEAD", f"/_alias/{ACME}", Answer(200))
-    server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}))
+    on_existing_index(server)
     server.on("POST", f"/{ACME}/_search", Answer(200, probe_response(0)), times=2)
     server.on("PUT", "/_bulk", bulk_ok)
     backend = backend_for(server)
@@ -1593,11 +1629,16 @@ def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_r
     assert backend.upsert("docs", "acme", first, [VECTOR], model="m-1") == 1
     assert [(r.method, r.path) for r in server.requests] == [
         ("HEAD", f"/_alias/{ACME}"),
-        ("PUT", f"/{ACME}/_mapping"),  # an index made before the field existed takes it
+        ("PUT", f"/{ACME}/_mapping"),  # an index made before the fields existed takes them
         ("POST", f"/{ACME}/_search"),
         ("PUT", "/_bulk"),
     ]
-    assert server.requests[1].json() == {"properties": {"embedding_model": {"type": "keyword"}}}
+    assert server.requests[1].json() == {
+        "properties": {
+            "embedding_model": {"type": "keyword"},
+            "metadata_terms": {"type": "keyword"},
+        }
+    }
     assert server.requests[2].json() == MODEL_CHECK
     _action, source = server.requests[3].ndjson()
     assert source["embedding_model"] == "m-1" and source["vector"] == VECTOR

@@ -713,3 +713,43 @@ def test_the_migration_clears_a_bare_index_and_names_a_leftover_for_good(
         assert acme not in state.indexes
     assert backend.document("docs", "acme", "vitd") is not None
     assert backend.document("docs", "beta", "vitd").text == "beta secret"
+
+
+def test_an_index_of_the_previous_release_keeps_answering_filters_and_takes_typed_terms(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """An index made before the metadata-terms field (its mapping ``dynamic: strict``
+    without it) and its documents (no tokens): filters still find them, compared as text
+    as before; the first write of this release adds the field to the mapping, and what it
+    writes compares as JSON values; a document written again through Sift does too."""
+    server, state = fake
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    template = index_template("sift-", replace(FieldNames(), metadata_terms=""), IndexSettings(64))
+    before = template["template"]["mappings"]
+    assert "metadata_terms" not in before["properties"]
+    old = {**shared_doc("acme", "old", "alpha old"), "metadata": {"year": 5}}
+    make_index(server, alias, f"{alias}~000001", {"acme:old": old}, before)
+
+    def found(**filters: Any) -> set[str]:
+        hits = (
+            TestStatefulElasticsearchContract()
+            .search(backend, "docs", "acme", "alpha", size=10, **filters)
+            .hits
+        )
+        assert {h.document.id for h in hits["bm25"]} == {h.document.id for h in hits["knn"]}
+        return {h.document.id for h in hits["bm25"]}
+
+    assert found(year=5) == {"old"}
+    assert found(year="5") == {"old"}  # as text, as the previous release compared it
+    new = Document("new", "alpha new", "", "1", {"year": 5.0})
+    assert backend.upsert("docs", "acme", [new], vectors_of([new]), version=1) == 1
+    (concrete,) = state.concrete(alias)
+    assert state.indexes[concrete].mappings["properties"]["metadata_terms"] == {"type": "keyword"}
+    assert found(year=5) == {"old", "new"}
+    assert found(year="5") == {"old"}
+    assert found(year=5.5) == set()
+    again = Document("old", "alpha old", "", "1", {"year": 5})
+    assert backend.upsert("docs", "acme", [again], vectors_of([again]), version=20) == 1
+    assert found(year="5") == set()
+    assert found(year=5) == {"old", "new"}

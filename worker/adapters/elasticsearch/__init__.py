@@ -33,10 +33,13 @@ Why this shape (DESIGN.md §6).
   tenant uses the name or not. An index template (``<prefix>sift``, pattern ``<prefix>*``)
   holds the mapping: ``text`` and ``title`` as ``text`` (english analyzer, BM25), ``vector``
   as ``dense_vector`` (cosine, HNSW, int8-quantised by default), ``tenant``, ``revision``
-  and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened`` (every value a keyword, so
-  equality filters work on strings, numbers and booleans), ``embedding_model`` as
-  ``keyword``: the model that made the document's vector. Every field name is a setting, so
-  an existing index can be searched through a tenant's alias pointed at it.
+  and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened`` (what a hit's metadata is
+  read from), ``metadata_terms`` as ``keyword`` (one typed token per metadata value,
+  ``year=n:2020``: what filters match, see *Reads*), ``embedding_model`` as ``keyword``:
+  the model that made the document's vector. A write adds the fields a later template
+  gained to an index made before (``PUT <alias>/_mapping``, once per process and alias).
+  Every field name is a setting, so an existing index can be searched through a tenant's
+  alias pointed at it.
 * **Embedding models never mix.** A write of vectors first asks (one ``size: 1`` search)
   whether the tenant holds a vector recorded by another model, and is refused with
   ``EmbeddingModelMismatch`` if so, writing nothing; the channel probe returns the model of
@@ -89,7 +92,12 @@ Why this shape (DESIGN.md §6).
 * **Reads**: the BM25 and kNN searches go in ONE ``_msearch`` round trip. The tenant term
   and the caller's metadata terms sit inside both: the ``bool.filter`` of the BM25 query
   and ``knn.filter``, which ES applies *before* it picks the top k (a ``post_filter``
-  would apply after, and could return fewer than k; it is never used).
+  would apply after, and could return fewer than k; it is never used). A metadata filter
+  compares JSON values as the embedded backend does (``5`` is ``5.0``, ``true`` is not
+  ``1``, ``"5"`` is not ``5``): a ``term`` on the document's typed tokens
+  (:func:`~worker.adapters.elasticsearch._bodies.metadata_term`), or, on a document
+  without them (written before they existed, or not by Sift), on its ``flattened``
+  metadata, as text.
   ``num_candidates`` is ``min(10000, max(size, SIFT_ELASTICSEARCH_NUM_CANDIDATES))``.
   Sift's own RRF fuses the channels (no licence needed; each channel's rank stays
   visible). ES reports a cosine kNN hit as ``(1 + cos) / 2``; this adapter turns it back

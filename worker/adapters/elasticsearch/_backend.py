@@ -48,6 +48,7 @@ class ElasticsearchBackend(_Writes, _Drops, _Listing, _Reindex):
                 revision=settings.elasticsearch_revision_field,
                 metadata=settings.elasticsearch_metadata_field,
                 model=settings.elasticsearch_model_field,
+                metadata_terms=settings.elasticsearch_metadata_terms_field,
             ),
             index_settings=IndexSettings(
                 dims=settings.elasticsearch_vector_dims,

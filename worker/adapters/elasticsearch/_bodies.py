@@ -37,12 +37,32 @@ class _Bodies(_Core):
         return {"bool": {"filter": [{"term": {self.fields.tenant: tenant}}]}}
 
     def filters(self, filters: HardFilters) -> list[dict[str, Any]]:
-        """The hard filters as ES ``term`` queries: the tenant first, then the caller's."""
+        """The hard filters as ES ``term`` queries: the tenant first, then the caller's.
+
+        A metadata filter is a ``term`` on the document's typed tokens
+        (:func:`metadata_terms`), so it compares JSON values as the embedded backend does.
+        A document without tokens (written before they existed, or into an index Sift did
+        not make) is compared as ES's ``flattened`` field holds it instead: as text."""
         terms: list[dict[str, Any]] = [{"term": {self.fields.tenant: filters.tenant}}]
         for key, value in sorted(filters.fields.items()):
             if not _FILTER_KEY.match(key):
                 raise InvalidRequest(f"filters.{key}", "filter names use letters, digits and _.:-")
-            terms.append({"term": {f"{self.fields.metadata}.{key}": _term_value(value)}})
+            as_text = {"term": {f"{self.fields.metadata}.{key}": _term_value(value)}}
+            if not self.fields.metadata_terms:
+                terms.append(as_text)
+                continue
+            untyped = {"exists": {"field": self.fields.metadata_terms}}
+            terms.append(
+                {
+                    "bool": {
+                        "should": [
+                            {"term": {self.fields.metadata_terms: metadata_term(key, value)}},
+                            {"bool": {"filter": [as_text], "must_not": [untyped]}},
+                        ],
+                        "minimum_should_match": 1,
+                    }
+                }
+            )
         return terms
 
     def probe_searches(self, tenant: str) -> list[Mapping[str, Any]]:
@@ -149,6 +169,8 @@ class _Bodies(_Core):
             self.fields.revision: revision,
             self.fields.metadata: dict(doc.metadata),
         }
+        if self.fields.metadata_terms:
+            body[self.fields.metadata_terms] = metadata_terms(doc.metadata)
         if self.fields.title:
             body[self.fields.title] = doc.title
         if vector is not None:
@@ -218,6 +240,35 @@ class _Bodies(_Core):
             "_source": self.fields.source(),
             "track_total_hits": False,
         }
+
+
+def metadata_term(key: str, value: FilterValue) -> str:
+    """The keyword that stands for ``key: value`` in a document's typed metadata tokens and
+    in a filter on it: equal tokens for equal JSON values, as the embedded backend compares.
+
+    A number is ``n:`` and its exact value: an integral one (``5``, ``5.0``, ``-0.0``)
+    within 64 bits as that integer, any other float as its shortest repr, which is unique
+    per float; a boolean is ``b:`` and a string ``s:``, so neither equals a number.
+
+    >>> [metadata_term("year", v) for v in (5, 5.0, 5.5, "5", True, 1, -0.0)]
+    ['year=n:5', 'year=n:5', 'year=n:5.5', 'year=s:5', 'year=b:true', 'year=n:1', 'year=n:0']
+    >>> metadata_term("n", 9007199254740993), metadata_term("n", 9007199254740992.0)
+    ('n=n:9007199254740993', 'n=n:9007199254740992')
+    >>> metadata_term("n", 1e20)
+    'n=n:1e+20'
+    """
+    if isinstance(value, bool):
+        return f"{key}=b:{'true' if value else 'false'}"
+    if isinstance(value, str):
+        return f"{key}=s:{value}"
+    if isinstance(value, float) and value.is_integer() and -(2.0**63) <= value < 2.0**63:
+        value = int(value)
+    return f"{key}=n:{value!r}"
+
+
+def metadata_terms(metadata: Mapping[str, FilterValue]) -> list[str]:
+    """A document's typed metadata tokens (:func:`metadata_term`), one per key, sorted."""
+    return sorted(metadata_term(key, value) for key, value in metadata.items())
 
 
 def _term_value(value: FilterValue) -> str:

@@ -68,7 +68,8 @@ class _Core:
             self._es, f"{prefix}{FLOORS_INDEX}", lambda: self._explicit_body()
         )
         self._ready_aliases: set[str] = set()
-        self._model_mapped: set[str] = set()  # aliases whose mapping has the model field
+        # aliases whose mapping has the model and metadata-terms fields
+        self._fields_mapped: set[str] = set()
         # (alias, tenant) -> when the tenant's knn was last seen available, and its model
         self._with_vectors: dict[tuple[str, str], tuple[float, str | None]] = {}
 
@@ -96,7 +97,7 @@ class _Core:
         ``tenant``'s part of it, or every tenant's (None)."""
         with self._lock:
             self._ready_aliases.discard(alias)
-            self._model_mapped.discard(alias)
+            self._fields_mapped.discard(alias)
         for key in [key for key in list(self._with_vectors) if key[0] == alias]:
             if tenant is None or key[1] == tenant:
                 self._with_vectors.pop(key, None)

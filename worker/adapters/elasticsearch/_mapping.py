@@ -21,6 +21,9 @@ class FieldNames:
     revision: str = "revision"
     metadata: str = "metadata"
     model: str = "embedding_model"  # "" when the index records no embedding model
+    # a keyword of typed tokens ``key=n:5`` per metadata value, what filters match;
+    # "" when the index has none (filters then compare the metadata field as text)
+    metadata_terms: str = "metadata_terms"
 
     def source(self) -> list[str]:
         """The ``_source`` fields a hit needs; the vector is never fetched."""
@@ -58,6 +61,8 @@ def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dic
         properties[fields.title] = {"type": "text", "analyzer": "english"}
     if fields.model:
         properties[fields.model] = {"type": "keyword"}
+    if fields.metadata_terms:
+        properties[fields.metadata_terms] = {"type": "keyword"}
     return {
         "index_patterns": [f"{prefix}*"],
         # ES refuses two templates with overlapping patterns and equal priorities; a longer

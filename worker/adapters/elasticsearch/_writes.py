@@ -83,11 +83,13 @@ class _Writes(_Search, _Indexes):
         ]
         what = f"bulk write to index {index!r}"
 
-        def check_model() -> None:
+        def prepare() -> None:
+            if not self._map_fields(index, tenant):
+                return  # dropped meanwhile: the bulk makes the index again
             if recorded is not None:
                 self._check_model(index, tenant, recorded)
 
-        outcome = self._write(index, tenant, actions, names, what, version, prepare=check_model)
+        outcome = self._write(index, tenant, actions, names, what, version, prepare=prepare)
         # below the floor on this call (None) or after its bulk: an earlier attempt of this
         # write (a retry after a take-back cut short) may have left documents in
         if self._take_back(index, tenant, names, version, what) or outcome is None:
@@ -97,22 +99,28 @@ class _Writes(_Search, _Indexes):
             self._saw_vectors(alias, tenant, recorded)
         return written
 
-    def _check_model(self, index: str, tenant: str, model: str) -> None:
-        """Raise EmbeddingModelMismatch if the tenant's index holds another model's vectors.
-
-        First, once per process and alias, the model field is added to the index's mapping
-        (``PUT <alias>/_mapping``: a no-op on an index made from the current template), so
-        an index made before the field existed takes it under ``dynamic: strict``. An index
-        another worker dropped meanwhile holds no model; the bulk write makes it again."""
+    def _map_fields(self, index: str, tenant: str) -> bool:
+        """Once per process and alias, add the model field and the metadata-terms field to
+        the index's mapping (``PUT <alias>/_mapping``: a no-op on an index made from the
+        current template), so an index made before a field existed takes it under
+        ``dynamic: strict``. False if the index is missing (another worker dropped it
+        meanwhile; the bulk write makes it again)."""
         alias = self.alias(index, tenant)
-        if alias not in self._model_mapped:
-            with _translated(f"mapping of index {index!r}", index, missing_ok=True) as missing:
-                self._es().indices.put_mapping(
-                    index=alias, properties={self.fields.model: {"type": "keyword"}}
-                )
-            if missing:
-                return
-            self._model_mapped.add(alias)
+        names = (self.fields.model, self.fields.metadata_terms)
+        added = {name: {"type": "keyword"} for name in names if name}
+        if alias in self._fields_mapped or not added:
+            return True
+        with _translated(f"mapping of index {index!r}", index, missing_ok=True) as missing:
+            self._es().indices.put_mapping(index=alias, properties=added)
+        if missing:
+            return False
+        self._fields_mapped.add(alias)
+        return True
+
+    def _check_model(self, index: str, tenant: str, model: str) -> None:
+        """Raise EmbeddingModelMismatch if the tenant's index holds another model's vectors
+        (an index another worker dropped meanwhile holds no model)."""
+        alias = self.alias(index, tenant)
         with _translated(f"model check of index {index!r}", index, missing_ok=True) as missing:
             answer = self._es().search(index=alias, **self.model_check_body(tenant, model)).body
         held = None if missing else self._model_of(answer)

@@ -324,12 +324,28 @@ def _bodies(conn: apsw.Connection, seqs: Collection[int]) -> Iterator[tuple[int,
 
 
 def _filter_sql(filters: HardFilters) -> tuple[str, list[FilterValue]]:
-    """The WHERE clause (over ``docs AS d``) for the tenant and the metadata equalities."""
+    """The WHERE clause (over ``docs AS d``) for the tenant and the metadata equalities.
+
+    Each compares JSON values (README, "Metadata filters"): SQLite reads a JSON ``true`` as
+    the integer 1, so a boolean is matched by its JSON type and a number only against a
+    number (SQLite compares an integer and a real exactly: ``5 = 5.0``); a string is text,
+    which no number equals."""
     clauses: list[str] = ["d.tenant = ?"]
     params: list[FilterValue] = [filters.tenant]
     for key, value in sorted(filters.fields.items()):
         if not _FILTER_KEY.match(key):
             raise InvalidRequest(f"filters.{key}", "filter names use letters, digits and _.:-")
-        clauses.append(f"json_extract(d.metadata, '$.\"{key}\"') = ?")
-        params.append(value)
+        path = f"'$.\"{key}\"'"
+        if isinstance(value, bool):
+            clauses.append(f"json_type(d.metadata, {path}) = ?")
+            params.append("true" if value else "false")
+        elif isinstance(value, str):
+            clauses.append(f"json_extract(d.metadata, {path}) = ?")
+            params.append(value)
+        else:
+            clauses.append(
+                f"json_extract(d.metadata, {path}) = ?"
+                f" AND json_type(d.metadata, {path}) IN ('integer', 'real')"
+            )
+            params.append(value)
     return " AND ".join(clauses), params
