@@ -127,6 +127,11 @@ class StatefulElasticsearch:
         self.templates: dict[str, dict[str, Any]] = {}
         self.tasks: dict[str, dict[str, Any]] = {}
         self._task_ids = itertools.count(1)
+        #: How many reads of ``GET _tasks/<id>`` a copy started from now on answers as
+        #: still running (listed by ``GET _tasks`` meanwhile); its documents are copied
+        #: when it starts.
+        self.copy_running_reads = 0
+        self._running: dict[str, int] = {}  # task id -> reads left while running
 
     # --- entry -----------------------------------------------------------------------
 
@@ -555,10 +560,16 @@ class StatefulElasticsearch:
             task = f"fakenode:{next(self._task_ids)}"
             self.tasks[task] = {
                 "completed": True,
-                "task": {"node": "fakenode", "action": "indices:data/write/reindex"},
-                "description": f"reindex from [{source['index']}] to [{dest['index']}]",
+                "task": {
+                    "node": "fakenode",
+                    "id": int(task.split(":")[1]),
+                    "action": "indices:data/write/reindex",
+                    "description": f"reindex from [{source['index']}] to [{dest['index']}]",
+                },
                 "response": report,
             }
+            if self.copy_running_reads:
+                self._running[task] = self.copy_running_reads
             return {"task": task}
         return report
 
@@ -567,9 +578,18 @@ class StatefulElasticsearch:
             task = self.tasks.get(parts[0])
             if task is None:
                 return 404, error_body("resource_not_found_exception", "task not found", 404)
+            if self._running.get(parts[0]):
+                self._running[parts[0]] -= 1
+                return 200, {"completed": False, "task": task["task"]}
+            self._running.pop(parts[0], None)
             return 200, task
-        # every task here has completed: none is running
-        return 200, {"nodes": {}}
+        running = {
+            task: {**self.tasks[task]["task"], "running_time_in_nanos": 1}
+            for task in sorted(self._running)
+        }
+        return 200, {
+            "nodes": {"fakenode": {"name": "fakenode", "tasks": running}} if running else {}
+        }
 
     # --- searching -------------------------------------------------------------------
 

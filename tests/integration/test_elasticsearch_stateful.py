@@ -390,7 +390,7 @@ def docs_version(doc_id: str, docs: dict[str, Any]) -> int:
     return 7 + sorted(docs).index(doc_id)
 
 
-def test_a_copy_still_running_is_not_started_twice_and_es_errors_are_sifts(
+def test_a_copy_still_running_is_waited_on_not_started_twice_and_es_errors_are_sifts(
     fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
 ) -> None:
     server, _state = fake
@@ -411,9 +411,29 @@ def test_a_copy_still_running_is_not_started_twice_and_es_errors_are_sifts(
         }
     }
     server.on("GET", "/_tasks", Answer(200, running), times=1)
-    with pytest.raises(BackendUnavailable, match="n1:42"):
+    # a run again waits on that copy (here: it ends failed) instead of starting another
+    ended = {"completed": False, "task": running["nodes"]["n1"]["tasks"]["n1:42"]}
+    server.on(
+        "GET",
+        "/_tasks/n1%3A42",
+        Answer(
+            200,
+            {
+                **ended,
+                "completed": True,
+                "error": {
+                    "type": "search_phase_execution_exception",
+                    "reason": "n1:42 lost a shard",
+                },
+            },
+        ),
+        times=1,
+    )
+    server.on("GET", "/_tasks/n1%3A42", Answer(200, ended), times=1)
+    with pytest.raises(BackendRequestError, match="n1:42 lost a shard"):
         backend.migrate_shared()
     assert not server.sent("POST", "/_reindex")
+    assert len(server.sent("GET", "/_tasks/n1%3A42")) == 2
     server.on("POST", "/_reindex", Answer(503, error_body("unavailable", "busy", 503)), times=1)
     with pytest.raises(BackendUnavailable, match="503"):
         backend.migrate_shared()
@@ -753,3 +773,51 @@ def test_an_index_of_the_previous_release_keeps_answering_filters_and_takes_type
     assert backend.upsert("docs", "acme", [again], vectors_of([again]), version=20) == 1
     assert found(year="5") == set()
     assert found(year=5) == {"old", "new"}
+
+
+def test_a_reindex_run_again_after_giving_up_waits_on_the_running_copy_and_uses_it(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reindex that gave up waiting for its copy (the task runs on) moved no alias; run
+    again, it finds that copy running (``GET _tasks``), waits on it and moves the alias to
+    its index: one copy, one new index, not a second of each."""
+    server, state = fake
+    monkeypatch.setattr("worker.adapters.elasticsearch._reindex.COPY_POLL_SECONDS", 0.01)
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    write(backend, DOC, version=1)
+    write(backend, CALC, version=2)
+    (first,) = state.concrete(alias)
+    state.copy_running_reads = 3
+    backend.copy_max_seconds = 0
+    with pytest.raises(BackendUnavailable, match="runs on"):
+        backend.reindex("docs", "acme")
+    assert state.concrete(alias) == [first]
+    (copying,) = [n for n in indexes_named(state, alias) if n != first]
+
+    again = backend_on(server)  # another run: its own process
+    assert again.reindex("docs", "acme", delete_old=True) == copying
+    assert len(server.sent("POST", "/_reindex")) == 1
+    assert state.concrete(alias) == [copying]
+    assert indexes_named(state, alias) == [copying]  # no second copy's index
+    assert state.live_ids(alias) == {"acme:vitd", "acme:calc"}
+    assert again.document("docs", "acme", "calc") is not None
+    # a copy from another alias, or into the live index, is not taken for this one's
+    state.copy_running_reads = 0
+    assert again.reindex("docs", "acme") not in (first, copying)
+    assert len(server.sent("POST", "/_reindex")) == 2
+
+
+def test_a_node_that_does_not_answer_the_task_list_is_no_proof_that_no_copy_runs(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    server, state = fake
+    backend = backend_on(server)
+    write(backend, DOC, version=1)
+    failed = {"nodes": {}, "node_failures": [{"type": "failed_node_exception", "reason": "n2"}]}
+    server.on("GET", "/_tasks", Answer(200, failed), times=1)
+    with pytest.raises(BackendUnavailable, match="did not answer"):
+        backend.reindex("docs", "acme")
+    assert not server.sent("POST", "/_reindex")
+    assert len(state.concrete(backend.alias("docs", "acme"))) == 1

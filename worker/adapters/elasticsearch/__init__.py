@@ -87,8 +87,9 @@ Why this shape (DESIGN.md §6).
   alias in one atomic ``_aliases`` call (remove from the old indexes, add to the new).
   Searches never see a half-built index; the old index is kept for a rollback unless
   ``delete_old`` is set (a drop of the name deletes it too). The copy is an ES task,
-  polled for at most ``COPY_MAX_SECONDS``, never started twice into one index; a task
-  cancelled, failed or not done by then moves no alias and deletes nothing.
+  polled for at most ``COPY_MAX_SECONDS``; a run made while an earlier run's copy from the
+  alias still runs (``GET _tasks``) waits on that copy and uses its index, never starting a
+  second; a task cancelled, failed or not done by then moves no alias and deletes nothing.
 * **Reads**: the BM25 and kNN searches go in ONE ``_msearch`` round trip. The tenant term
   and the caller's metadata terms sit inside both: the ``bool.filter`` of the BM25 query
   and ``knn.filter``, which ES applies *before* it picks the top k (a ``post_filter``

@@ -23,7 +23,8 @@ from worker.adapters.elasticsearch._layout import (
 from worker.adapters.elasticsearch._mapping import FieldNames, IndexSettings, index_template
 
 #: How long a reindex or migration waits for its copy task before it gives up (retryably,
-#: naming the task, which runs on: a run made after it ends starts the copy again).
+#: naming the task, which runs on: a run made while it does waits on it, one made after it
+#: ended starts the copy again).
 COPY_MAX_SECONDS = 6 * 3600.0
 Refresh = Literal["wait_for", "true", "false"]
 

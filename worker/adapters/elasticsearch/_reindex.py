@@ -65,16 +65,27 @@ class _Reindex(_Core):
         return [self._rebuild(index, a, delete_old) for a in sorted(found) if exact.fullmatch(a)]
 
     def _rebuild(self, index: str, alias: str, delete_old: bool) -> str:
-        """The steps of :meth:`reindex` for one alias."""
-        stamp = datetime.now(UTC).strftime("%Y%m%dt%H%M%S%f")
-        concrete = concrete_name(alias, stamp)
-        self._template_ready = False  # put the template again: the current settings apply
-        with _translated(f"reindex of index {index!r}", index):
+        """The steps of :meth:`reindex` for one alias.
+
+        A copy from the alias still running (an earlier run of this rebuild that gave up
+        waiting, or was cut) is waited on and its index used: a run again never starts a
+        second copy of the same documents."""
+        what = f"reindex of index {index!r}"
+        with _translated(what, index):
             old = self._concrete(alias)
             if not old:
                 raise IndexNotFound(index)
-            self._es().indices.create(index=concrete, **self._explicit_body())
-            self._copy({"index": alias}, concrete, f"reindex of index {index!r}")
+            running = self._running_copy_from(alias, old)
+            if running is not None:
+                task, concrete = running
+                logger.info("%s: waiting on the copy into %s (task %s)", what, concrete, task)
+                self._await_copy(task, concrete, what)
+            else:
+                stamp = datetime.now(UTC).strftime("%Y%m%dt%H%M%S%f")
+                concrete = concrete_name(alias, stamp)
+                self._template_ready = False  # put the template again: current settings
+                self._es().indices.create(index=concrete, **self._explicit_body())
+                self._start_copy({"index": alias}, concrete, what)  # a new name: none runs
             self.move_alias(alias, old, concrete, delete_old=delete_old)
         self._forget(alias)
         logger.info("reindexed %s: %s -> %s", alias, old, concrete)
@@ -88,19 +99,22 @@ class _Reindex(_Core):
         The copy runs as an ES task (``wait_for_completion=false``), polled with the
         adapter's request timeout, so no request waits for the whole copy and a cut
         connection leaves the task running on its own. A copy into ``dest`` still running
-        (an earlier run cut short) refuses a second one, retryably, naming its task (a
-        check, then the start: two runs started at the same moment can both copy; the
-        external versions keep the result right). A task that reports failures, an error,
-        or ``canceled`` (someone ran ``_tasks/<id>/_cancel``: a partial copy) fails the
-        copy, and so does one not done after ``COPY_MAX_SECONDS`` (retryably): the caller
-        then neither moves an alias nor deletes a source."""
+        (an earlier run cut short) is waited on instead of starting a second one (a check,
+        then the start: two runs started at the same moment can both copy; the external
+        versions keep the result right). A task that reports failures, an error, or
+        ``canceled`` (someone ran ``_tasks/<id>/_cancel``: a partial copy) fails the copy,
+        and so does one not done after ``COPY_MAX_SECONDS`` (retryably): the caller then
+        neither moves an alias nor deletes a source."""
         with _translated(what, None):
             running = self._running_copy(dest)
-            if running:
-                raise BackendUnavailable(
-                    f"a copy into {dest!r} is still running (task {running}): wait for it "
-                    "to end, then run again"
-                )
+        if running:
+            logger.info("%s: waiting on the copy into %s (task %s)", what, dest, running)
+            return self._await_copy(running, dest, what)
+        return self._start_copy(source, dest, what)
+
+    def _start_copy(self, source: Mapping[str, Any], dest: str, what: str) -> int:
+        """Start the copy task of :meth:`_copy` (none is running into ``dest``) and wait."""
+        with _translated(what, None):
             task = (
                 self._es()
                 .reindex(
@@ -111,13 +125,20 @@ class _Reindex(_Core):
                 )
                 .body["task"]
             )
+        return self._await_copy(str(task), dest, what)
+
+    def _await_copy(self, task: str, dest: str, what: str) -> int:
+        """Poll the copy ``task`` into ``dest`` until it is done (at most
+        ``COPY_MAX_SECONDS``), fail as :meth:`_copy` says if it did not copy everything,
+        else refresh ``dest``; answers how many documents it wrote."""
+        with _translated(what, None):
             answer = self._task(task)
             deadline = self._clock() + self.copy_max_seconds
             while not answer.get("completed"):
                 if self._clock() >= deadline:
                     raise BackendUnavailable(
                         f"{what} into {dest!r} not done after {self.copy_max_seconds:g} s "
-                        f"(task {task} runs on): wait for it to end, then run again"
+                        f"(task {task} runs on): run again to wait on it"
                     )
                 time.sleep(COPY_POLL_SECONDS)
                 answer = self._task(task)
@@ -142,15 +163,41 @@ class _Reindex(_Core):
             answer: Mapping[str, Any] = self._es().tasks.get(task_id=task).body
         return answer
 
-    def _running_copy(self, dest: str) -> str | None:
-        """The id of a running ``_reindex`` task into ``dest`` (``GET _tasks``), if any."""
+    def _running_copies(self) -> dict[str, str]:
+        """Every running ``_reindex`` task (``GET _tasks``): its id -> its description,
+        ``reindex from [<source>] to [<dest>]``. A node that did not answer may be running
+        a copy, so its failure is an error (retryable), never "none running"."""
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", GeneralAvailabilityWarning)
             answer = self._es().tasks.list(actions="*reindex", detailed=True).body
-        for node in (answer.get("nodes") or {}).values():
-            for task_id, task in (node.get("tasks") or {}).items():
-                if f"to [{dest}]" in str(task.get("description", "")):
-                    return str(task_id)
+        failed = answer.get("node_failures") or answer.get("task_failures")
+        if failed:
+            raise BackendUnavailable(
+                f"cannot tell which copies are running, a node did not answer: {json.dumps(failed)}"
+            )
+        return {
+            str(task_id): str(task.get("description", ""))
+            for node in (answer.get("nodes") or {}).values()
+            for task_id, task in (node.get("tasks") or {}).items()
+        }
+
+    def _running_copy(self, dest: str) -> str | None:
+        """The id of a running ``_reindex`` task into ``dest``, if any."""
+        for task_id, description in self._running_copies().items():
+            if description.endswith(f" to [{dest}]"):
+                return task_id
+        return None
+
+    def _running_copy_from(self, alias: str, live: Sequence[str]) -> tuple[str, str] | None:
+        """A running copy from ``alias`` into one of its own concrete indexes the alias
+        does not point at (``live``): an earlier rebuild's, as (task id, that index)."""
+        pattern = re.compile(
+            rf"reindex from \[{re.escape(alias)}\] to \[({re.escape(alias)}~[^\]]+)\]"
+        )
+        for task_id, description in sorted(self._running_copies().items()):
+            found = pattern.fullmatch(description)
+            if found and found.group(1) not in live:
+                return task_id, found.group(1)
         return None
 
     def move_alias(
