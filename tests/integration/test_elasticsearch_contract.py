@@ -907,6 +907,46 @@ def test_an_error_inside_one_msearch_item_is_mapped(server: FakeElasticsearchSer
         backend_for(server).retrieve(query())
 
 
+def partial(answer: dict[str, Any]) -> dict[str, Any]:
+    """``answer`` as ES gives it when one of two shards failed (a node left, a shard request
+    rejected): 200, the other shard's hits and totals only, the failure in ``_shards``."""
+    failure = {
+        "shard": 1,
+        "index": CONCRETE,
+        "node": "n2",
+        "reason": {"type": "node_not_connected_exception", "reason": "[n2] not connected"},
+    }
+    shards = {"total": 2, "successful": 1, "skipped": 0, "failed": 1, "failures": [failure]}
+    return {**answer, "_shards": shards}
+
+
+def test_an_answer_from_some_shards_only_is_retryable_never_a_smaller_truth(
+    server: FakeElasticsearchServer,
+) -> None:
+    """A search ES answered from some of the index's shards (200, ``_shards.failed``) lacks
+    the failed shards' documents: used, it would read the tenant's index as missing
+    (``index_not_found``, for good), rank without them, or count too few. Each is a
+    retryable ``BackendUnavailable`` naming the failure instead."""
+    backend = backend_for(server)
+    on_probes(server, Answer(200, msearch_response(partial(probe_response(0)), probe_response(0))))
+    with pytest.raises(BackendUnavailable, match=r"1 of 2 shards.*not connected"):
+        backend.probe("docs", "acme")
+    hits = [hit(CONCRETE, "acme", "a", 3.0)]
+    on_searches(server, Answer(200, msearch_response(partial(search_response(hits)))))
+    with pytest.raises(BackendUnavailable, match="bm25 search"):
+        backend.retrieve(query(("bm25",)))
+    counted = {**partial(probe_response(2)), "aggregations": models_agg("m-1")}
+    server.on("POST", f"/{ACME}/_search", Answer(200, counted))
+    with pytest.raises(BackendUnavailable, match="count of index 'docs'"):
+        backend.index_info("docs", "acme")
+    server.on("POST", f"/sift-{tenant_key('acme')}--*/_search", Answer(200, counted))
+    server.on(
+        "GET", f"/_alias/sift-{tenant_key('acme')}--*", Answer(200, aliases((CONCRETE, ACME)))
+    )
+    with pytest.raises(BackendUnavailable, match="list of indexes"):
+        backend.indexes("acme")
+
+
 def test_connection_refused_is_retryable() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -1316,6 +1356,31 @@ def test_delete_index_holding_another_tenants_document_deletes_only_the_tenants(
     assert sent.json() == {"query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}}}
     assert sent.query["conflicts"] == ["proceed"] and sent.query["refresh"] == ["true"]
     assert not server.sent("DELETE")
+
+
+def test_a_delete_by_query_cut_short_fails_the_drop_retryably(
+    server: FakeElasticsearchServer,
+) -> None:
+    """ES answers a ``_delete_by_query`` that stopped part way with the highest status of its
+    failures (a 429 for a rejected bulk), or 408 when it timed out, the report as the body:
+    the drop did not take all of the tenant's documents and is retried, not reported done
+    nor failed for good."""
+    on_searches(server, Answer(200, drop_counts(3, 1)))
+    server.on("GET", RESOLVE, Answer(200, resolved((CONCRETE, [ACME]))))
+    rejected = {
+        "index": CONCRETE,
+        "id": "acme:d2",
+        "status": 429,
+        "cause": {"type": "es_rejected_execution_exception", "reason": "bulk queue full"},
+    }
+    report = {**delete_by_query_response(1), "failures": [rejected]}
+    dbq = f"/{ACME}/_delete_by_query"
+    server.on("POST", dbq, Answer(429, report), times=1)
+    with pytest.raises(BackendUnavailable, match="429"):
+        backend_for(server).delete_index("docs", "acme")
+    server.on("POST", dbq, Answer(408, {**delete_by_query_response(1), "timed_out": True}), times=1)
+    with pytest.raises(BackendUnavailable, match="408"):
+        backend_for(server).delete_index("docs", "acme")
 
 
 def test_delete_index_of_a_missing_index_deletes_nothing(server: FakeElasticsearchServer) -> None:

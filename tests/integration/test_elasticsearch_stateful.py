@@ -671,14 +671,21 @@ def test_a_drop_never_deletes_an_index_a_newer_writer_makes_while_it_runs(
     assert backend.document("docs", "acme", "vitd") is None
 
 
-@pytest.mark.parametrize("ending", ["canceled", "timeout"])
+FAILURES = {
+    "rejected": (429, "es_rejected_execution_exception", BackendUnavailable),
+    "refused": (400, "document_parsing_exception", BackendRequestError),
+}
+
+
+@pytest.mark.parametrize("ending", ["canceled", "timeout", *FAILURES])
 def test_a_cancelled_or_unfinished_copy_moves_no_alias(
     fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
     ending: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A reindex whose copy task reports ``canceled`` (no failures), or is not done within
-    the bound, fails: the alias stays on the old index and the old index is not deleted."""
+    """A reindex whose copy task reports ``canceled`` (no failures), failures (retryably if
+    each is a passing one, a 429), or is not done within the bound, fails: the alias stays
+    on the old index and the old index is not deleted."""
     server, state = fake
     backend = backend_on(server)
     alias = backend.alias("docs", "acme")
@@ -691,14 +698,23 @@ def test_a_cancelled_or_unfinished_copy_moves_no_alias(
         status, task = real(parts, q)
         if parts and ending == "canceled":
             task = {**task, "response": {**task["response"], "canceled": "by user request"}}
+        elif parts and ending in FAILURES:
+            status, kind, _error = FAILURES[ending]
+            cause = {"type": kind, "reason": "one item"}
+            failure = {"index": "x", "id": "acme:vitd", "status": status, "cause": cause}
+            task = {**task, "response": {**task["response"], "failures": [failure]}}
         elif parts:
             task = {**task, "completed": False}
             backend.copy_max_seconds = 0
         return status, task
 
     monkeypatch.setattr(state, "get_tasks", report)
-    error = BackendRequestError if ending == "canceled" else BackendUnavailable
-    with pytest.raises(error, match="by user request" if ending == "canceled" else "not done"):
+    error, match = {
+        "canceled": (BackendRequestError, "by user request"),
+        "timeout": (BackendUnavailable, "not done"),
+        **{name: (e, kind) for name, (_, kind, e) in FAILURES.items()},
+    }[ending]
+    with pytest.raises(error, match=match):
         backend.reindex("docs", "acme", delete_old=True)
     assert state.concrete(alias) == before
     assert backend.document("docs", "acme", "vitd") is not None

@@ -114,9 +114,11 @@ Why this shape (DESIGN.md §6).
 * **Retries**: the client's own retries are off (``max_retries=0``, no retry on status or
   timeout). The pipeline's tenacity loop is the one retry layer, bounded by the deadline;
   each request's timeout is the attempt's ``ChannelQuery.timeout_seconds``.
-* **Errors**: connection errors, timeouts, 429 and 5xx become ``BackendUnavailable``
-  (retryable); other 4xx become ``BackendRequestError`` (permanent) with ES's reason; a
-  missing index becomes ``IndexNotFound``. The 9.x client sends
+* **Errors**: connection errors, timeouts, 408, 429 and 5xx become ``BackendUnavailable``
+  (retryable), and so does a search or count answered from some shards only (200 with
+  ``_shards.failed``: used, it would read an index as empty or rank without documents);
+  other 4xx become ``BackendRequestError`` (permanent) with ES's reason; a missing index
+  becomes ``IndexNotFound``. The 9.x client sends
   ``compatible-with=9`` media types, which 8.x servers refuse with a 400: use ES 9.
 
 Usage::

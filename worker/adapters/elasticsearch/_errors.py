@@ -81,7 +81,7 @@ class _translated:  # a context manager; named like one
         if isinstance(exc, ApiError):
             status = exc.meta.status
             reason = _reason(exc.body) or str(exc.message)
-            if status == 429 or status >= 500:
+            if _retryable(status):
                 raise BackendUnavailable(
                     f"Elasticsearch answered {status} to the {self.what}: {reason}"
                 ) from exc
@@ -106,6 +106,13 @@ class _translated:  # a context manager; named like one
         if isinstance(exc, helpers.BulkIndexError):
             raise BackendRequestError(f"the {self.what} failed: {exc}") from exc
         return False
+
+
+def _retryable(status: int) -> bool:
+    """Whether an ES status is a passing failure: 429 (rejected: a queue full), 5xx, or 408
+    (a request that timed out on the server: a ``_delete_by_query`` answers so, its partial
+    report as the body)."""
+    return status in (408, 429) or status >= 500
 
 
 def _error_type(exc: ApiError) -> str | None:
@@ -152,15 +159,41 @@ def _first_key(aggregations: Mapping[str, Any]) -> str | None:
     return str(buckets[0]["key"]) if buckets else None
 
 
+def _raise_if_partial(answer: Mapping[str, Any], what: str) -> None:
+    """A search or count ES answered from some shards only raises ``BackendUnavailable``.
+
+    ES answers 200 when some of an index's shards failed (a node left, a shard request was
+    rejected), with the rest's hits and totals and the failures in ``_shards``. Used, such
+    an answer would read a tenant's index as empty (``index_not_found``, for good), rank
+    without the failed shards' documents, or count too few: it is a retryable failure."""
+    shards = answer.get("_shards")
+    if not isinstance(shards, Mapping) or not shards.get("failed"):
+        return
+    failures = shards.get("failures") or [{}]
+    cause = failures[0].get("reason") if isinstance(failures[0], Mapping) else None
+    why = (
+        f"{cause.get('type', 'error')}: {cause.get('reason', '')}"
+        if isinstance(cause, Mapping)
+        else str(cause or "unknown")
+    )
+    raise BackendUnavailable(
+        f"Elasticsearch answered the {what} from {shards.get('successful', 0)} of "
+        f"{shards.get('total', '?')} shards ({shards['failed']} failed, {why}): a partial "
+        "answer is not used"
+    )
+
+
 def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
-    """One ``_msearch`` item that carries an error raises like a whole-request error."""
+    """One ``_msearch`` item that carries an error raises like a whole-request error; one
+    answered from some shards only, as :func:`_raise_if_partial` says."""
     if "error" not in answer:
+        _raise_if_partial(answer, what)
         return
     status = int(answer.get("status", 500))
     reason = _reason(answer) or "unknown error"
     if _index_missing(answer):
         raise IndexNotFound(index)
-    if status == 429 or status >= 500:
+    if _retryable(status):
         raise BackendUnavailable(f"Elasticsearch answered {status} to the {what}: {reason}")
     raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {reason}")
 
@@ -174,7 +207,7 @@ def _bulk_error(failures: Sequence[Mapping[str, Any]], names: Mapping[str, str])
     for item in failures:
         op = next(iter(item.values())) if item else {}
         status = int(op.get("status", 500))
-        retryable = retryable and (status == 429 or status >= 500)
+        retryable = retryable and _retryable(status)
         es_id = str(op.get("_id", "?"))
         doc = names.get(es_id, es_id)
         named.append(f"{doc} ({status} {_reason(op) or 'error'})")

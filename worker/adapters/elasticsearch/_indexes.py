@@ -9,7 +9,12 @@ import logging
 from elasticsearch import ApiError
 
 from worker.adapters.elasticsearch._core import _Core
-from worker.adapters.elasticsearch._errors import _AliasGone, _error_type, _translated
+from worker.adapters.elasticsearch._errors import (
+    _AliasGone,
+    _error_type,
+    _raise_if_partial,
+    _translated,
+)
 from worker.adapters.elasticsearch._layout import concrete_name
 
 logger = logging.getLogger(__name__)
@@ -77,7 +82,9 @@ class _Indexes(_Core):
         delete tombstones) if it holds no document; whether it is gone. Nothing but deletes
         can land in it meanwhile (every other write is held to ``require_alias``)."""
         with _translated(what, index, missing_ok=True) as missing:
-            held = int(self._es().count(index=alias).body.get("count", 0))
+            counted = self._es().count(index=alias).body
+            _raise_if_partial(counted, what)  # a partial 0 would delete documents
+            held = int(counted.get("count", 0))
             if not held:
                 self._es().indices.delete(index=alias, ignore_unavailable=True)
         if missing or not held:

@@ -8,7 +8,13 @@ from typing import Any
 from elasticsearch import NotFoundError
 
 from worker.adapters.elasticsearch._bodies import _Bodies
-from worker.adapters.elasticsearch._errors import _error_type, _first_key, _total, _translated
+from worker.adapters.elasticsearch._errors import (
+    _error_type,
+    _first_key,
+    _raise_if_partial,
+    _total,
+    _translated,
+)
 from worker.adapters.elasticsearch._layout import document_es_id
 from worker.core.catalog import IndexInfo, StoredDocument
 
@@ -55,6 +61,7 @@ class _Listing(_Bodies):
             )
         if missing:
             return []
+        _raise_if_partial(answer, "list of indexes")
         listed: dict[str, IndexInfo] = {}
         for bucket in answer.get("aggregations", {}).get("indexes", {}).get("buckets", []):
             name = names.get(bucket["key"])
@@ -81,6 +88,8 @@ class _Listing(_Bodies):
             body["aggs"] = self._models_agg()
         with _translated(f"count of index {index!r}", index, missing_ok=True) as missing:
             answer = self._es().search(index=self.alias(index, tenant), **body).body
+        if not missing:
+            _raise_if_partial(answer, f"count of index {index!r}")
         count = 0 if missing else _total(answer)
         model = None if missing else _first_key(answer.get("aggregations", {}))
         return self._info(index, count, model) if count else None

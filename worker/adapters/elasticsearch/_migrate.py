@@ -8,7 +8,7 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from worker.adapters.elasticsearch._errors import _AliasGone, _translated
+from worker.adapters.elasticsearch._errors import _AliasGone, _raise_if_partial, _translated
 from worker.adapters.elasticsearch._layout import _ANY_TENANT_ALIAS, _SIFT_CONCRETE, _TENANT_ALIAS
 from worker.errors import BackendRequestError, BackendUnavailable, ConfigError
 
@@ -108,7 +108,9 @@ class SharedLayout:
 
     def _holds_documents(self, alias: str) -> bool:
         with _translated(f"count of {alias!r}", None, missing_ok=True) as missing:
-            count = int(self.backend._es().count(index=alias).body.get("count", 0))
+            counted = self.backend._es().count(index=alias).body
+            _raise_if_partial(counted, f"count of {alias!r}")
+            count = int(counted.get("count", 0))
         return not missing and count > 0
 
     def migrate(
@@ -184,6 +186,7 @@ class SharedLayout:
                         index=alias, size=0, aggs={"tenants": {"composite": composite}}
                     )
                 ).body
+            _raise_if_partial(answer, f"tenants of {alias!r}")  # else a tenant left behind
             page = answer.get("aggregations", {}).get("tenants", {})
             for bucket in page.get("buckets", []):
                 tenants[str(bucket["key"]["tenant"])] = int(bucket.get("doc_count", 0))

@@ -16,7 +16,7 @@ from typing import Any
 from elasticsearch.exceptions import GeneralAvailabilityWarning
 
 from worker.adapters.elasticsearch._core import _Core
-from worker.adapters.elasticsearch._errors import _translated
+from worker.adapters.elasticsearch._errors import _retryable, _translated
 from worker.adapters.elasticsearch._layout import (
     KEY_SEPARATOR,
     TENANT_KEY_LENGTH,
@@ -152,7 +152,13 @@ class _Reindex(_Core):
                 )
             failed = answer.get("error") or report.get("failures")
             if failed:
-                raise BackendRequestError(f"{what} into {dest!r} failed: {json.dumps(failed)}")
+                message = f"{what} into {dest!r} failed: {json.dumps(failed)}"
+                statuses = [f.get("status") for f in report.get("failures") or [] if f]
+                if not answer.get("error") and all(
+                    isinstance(n, int) and _retryable(n) for n in statuses
+                ):
+                    raise BackendUnavailable(f"{message}: run again")  # rejected, a node gone
+                raise BackendRequestError(message)
             self._es().indices.refresh(index=dest)
         return int(report.get("created", 0)) + int(report.get("updated", 0))
 

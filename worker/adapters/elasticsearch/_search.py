@@ -11,6 +11,7 @@ from worker.adapters.elasticsearch._bodies import _Bodies
 from worker.adapters.elasticsearch._errors import (
     _index_missing,
     _raise_for_item,
+    _raise_if_partial,
     _total,
     _translated,
 )
@@ -154,6 +155,7 @@ class _Search(_Bodies):
         with _translated(what, query.index):
             alias = self.alias(query.index, query.filters.tenant)
             response = self._es(query.timeout_seconds).search(index=alias, **body)
+        _raise_if_partial(response.body, what)
         return [self._hit("bm25", raw, native=True) for raw in response.body["hits"]["hits"]]
 
     def _maps_vectors(self, mappings: Mapping[str, Any]) -> bool:

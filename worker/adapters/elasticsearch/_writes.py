@@ -17,6 +17,7 @@ from worker.adapters.elasticsearch._errors import (
     _bulk_error,
     _Bulked,
     _index_missing,
+    _raise_if_partial,
     _translated,
 )
 from worker.adapters.elasticsearch._indexes import _Indexes
@@ -123,6 +124,8 @@ class _Writes(_Search, _Indexes):
         alias = self.alias(index, tenant)
         with _translated(f"model check of index {index!r}", index, missing_ok=True) as missing:
             answer = self._es().search(index=alias, **self.model_check_body(tenant, model)).body
+        if not missing:
+            _raise_if_partial(answer, f"model check of index {index!r}")
         held = None if missing else self._model_of(answer)
         if held is not None:
             raise EmbeddingModelMismatch(index, held, model)
