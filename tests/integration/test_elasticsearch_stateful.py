@@ -837,3 +837,37 @@ def test_a_node_that_does_not_answer_the_task_list_is_no_proof_that_no_copy_runs
         backend.reindex("docs", "acme")
     assert not server.sent("POST", "/_reindex")
     assert len(state.concrete(backend.alias("docs", "acme"))) == 1
+
+
+def test_a_write_retried_after_some_items_were_rejected_reports_every_document_it_wrote(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A bulk write whose one item ES rejected (429, its queue full) fails retryably, the
+    rest written; the retry writes that one, finds the others holding its own version (a
+    409), and reports all three written, as the same write on the embedded backend (all or
+    nothing) reports after its retry."""
+    server, state = fake
+    backend = backend_on(server)
+    docs = [Document(i, f"alpha {i}") for i in ("a", "b", "c")]
+    assert backend.upsert("docs", "acme", docs[:1], None, version=1) == 1  # the index exists
+
+    def reject_b(request: Recorded) -> Answer:
+        lines = request.ndjson()
+        pairs = list(zip(lines[0::2], lines[1::2], strict=True))
+        kept = [line for pair in pairs if pair[0]["index"]["_id"] != "acme:b" for line in pair]
+        with state.lock:
+            answer = state.bulk(kept, {k: v[-1] for k, v in request.query.items()})
+        error = {"type": "es_rejected_execution_exception", "reason": "bulk queue full"}
+        rejected = {"index": {"_id": "acme:b", "status": 429, "error": error}}
+        answer["items"].insert(1, rejected)
+        return Answer(200, {**answer, "errors": True})
+
+    server.on("PUT", "/_bulk", reject_b, times=1)
+    with pytest.raises(BackendUnavailable, match=r"b \(429 es_rejected_execution_exception"):
+        backend.upsert("docs", "acme", docs, None, version=5)
+    assert state.live_ids(backend.alias("docs", "acme")) == {"acme:a", "acme:c"}
+    assert backend.upsert("docs", "acme", docs, None, version=5) == 3
+    assert backend.index_info("docs", "acme").documents == 3
+    # a newer write of "a" since: the retry of version 5 does not count it
+    assert backend.upsert("docs", "acme", docs[:1], None, version=7) == 1
+    assert backend.upsert("docs", "acme", docs, None, version=5) == 2

@@ -3,6 +3,7 @@ items of ``_msearch`` and ``_bulk`` answers, as Sift's errors (retryable or not)
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,23 @@ def _reason(body: Any) -> str | None:
     causes = error.get("root_cause") or [error]
     first = causes[0] if isinstance(causes, list) and causes else error
     return f"{first.get('type', 'error')}: {first.get('reason', '')}".strip()
+
+
+#: How ES explains an external-versioned write refused by the version it holds (the
+#: reason of a 409 ``version_conflict_engine_exception``).
+_HELD_VERSION = re.compile(
+    r"current version \[(\d+)\] is higher or equal to the one provided \[(\d+)\]"
+)
+
+
+def _holds_own_version(op: Mapping[str, Any]) -> bool:
+    """Whether a refused (409) external-versioned bulk item found its own version held: the
+    same write applied by an earlier attempt (one counter gives every write its version,
+    so no other write holds it), as a retry after a partial bulk failure finds it."""
+    error = op.get("error")
+    reason = str(error.get("reason", "")) if isinstance(error, Mapping) else ""
+    found = _HELD_VERSION.search(reason)
+    return found is not None and found.group(1) == found.group(2)
 
 
 def _index_missing(answer: Mapping[str, Any]) -> bool:

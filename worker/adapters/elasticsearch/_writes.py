@@ -16,6 +16,7 @@ from worker.adapters.elasticsearch._errors import (
     _AliasGone,
     _bulk_error,
     _Bulked,
+    _holds_own_version,
     _index_missing,
     _raise_if_partial,
     _translated,
@@ -241,9 +242,12 @@ class _Writes(_Search, _Indexes):
         """Run bulk ``actions`` (``names``: each ``_id``'s document id, for the error naming
         the documents not written): how many applied, how many found their document, and the
         ``_id`` of each one applied. A 409 (a newer version held) and a delete's 404 (nothing
-        to delete) are answers, not failures. ``require_alias``: an index action whose alias
-        is gone fails (``_AliasGone``, with what was deleted before it) instead of
-        auto-creating a bare concrete index of that name. ES does not hold a delete to
+        to delete) are answers, not failures; a 409 on an upsert that finds its own version
+        held counts as applied (an earlier attempt of this write, cut short by a failure of
+        other items, put the document there: the retry reports every document it wrote).
+        ``require_alias``: an index action whose alias is gone fails (``_AliasGone``, with
+        what was deleted before it) instead of auto-creating a bare concrete index of that
+        name. ES does not hold a delete to
         ``require_alias``, and makes a missing index for an external-versioned one: a delete
         answered from an index named like the alias itself found the alias dropped since
         its check and made that bare index, which is deleted here (:meth:`_clear_bare`)
@@ -278,6 +282,8 @@ class _Writes(_Search, _Indexes):
                     bulked.written.append(str(op.get("_id")))
                 elif status == 404 and op.get("result") == "not_found":
                     bulked.applied += 1
+                elif status == 409 and "index" in item and _holds_own_version(op):
+                    bulked.applied += 1  # an earlier attempt of this write put it there
                 elif _index_missing(op):
                     raise _AliasGone(index, existed=bulked.existed, reason="require_alias")
                 elif status != 409:
