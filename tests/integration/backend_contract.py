@@ -308,6 +308,24 @@ class LifecycleContract(BackendContract):
         assert backend.index_info(index, "acme").documents == 2
         assert backend.index_info(index, "globex").documents == len(CORPUS)
 
+    def test_an_index_emptied_by_deletes_reads_like_a_missing_one(
+        self, backend: Any, index: str
+    ) -> None:
+        """The tenant's last documents deleted by id (right after a search, so a backend
+        that remembers a probe has just answered one): its channels are empty, every mode
+        fails ``index_not_found`` as for a name nobody has, and it is not listed."""
+        self.load(backend, index, "acme")
+        pipeline = SearchPipeline(backend, EMBEDDER, config=PipelineConfig())
+        assert pipeline.search(SearchSpec(index=index, query="vitamin"), "acme").hits
+        assert backend.delete_documents(index, "acme", [d.id for d in CORPUS]) == len(CORPUS)
+        assert backend.channels(index, "acme") == frozenset()
+        for mode in ("fts", "vector", "hybrid"):
+            spec = SearchSpec(index=index, query="vitamin", mode=mode, rerank=False)
+            with pytest.raises(IndexNotFound):
+                pipeline.search(spec, tenant="acme")
+        assert backend.index_info(index, "acme") is None
+        assert index not in {i.name for i in backend.indexes("acme")}
+
     def test_a_versioned_write_older_than_the_held_one_is_skipped(
         self, backend: Any, index: str
     ) -> None:

@@ -558,10 +558,12 @@ def test_every_search_path_filters_by_tenant_inside_each_channel(
         server,
         Answer(200, msearch_response(*[search_response([]) for _ in channels])),
     )
+    on_probes(server, Answer(200, probes(True, False)))
     results = backend_for(server).retrieve(query(channels, **fields))
     assert set(results.hits) == set(channels)
 
-    (sent,) = server.requests
+    sent, probed = server.requests
+    assert is_probe(probed)  # nothing found: does the tenant still hold a document?
     assert sent.path == MSEARCH  # acme's own index, in the URL; none in the header lines
     assert sent.headers["content-type"] == (
         "application/vnd.elasticsearch+x-ndjson; compatible-with=9"
@@ -593,6 +595,7 @@ def test_num_candidates_is_at_least_k_and_at_most_10000(
     server: FakeElasticsearchServer, size: int, setting: int, expected: int
 ) -> None:
     on_searches(server, Answer(200, msearch_response(search_response([]))))
+    on_probes(server, Answer(200, probes(True, False)))
     backend_for(server, elasticsearch_num_candidates=setting).retrieve(query(("knn",), size=size))
     body = server.requests[0].ndjson()[1]
     assert body["knn"]["k"] == size and body["knn"]["num_candidates"] == expected
@@ -616,6 +619,12 @@ def test_existing_index_field_names_are_used_everywhere(server: FakeElasticsearc
         "POST",
         f"/{tenant_key('acme')}--docs/_msearch",
         Answer(200, msearch_response(search_response([]), search_response([]))),
+    )
+    server.on(
+        "POST",
+        f"/{tenant_key('acme')}--docs/_msearch",
+        Answer(200, probes(True, False)),
+        when=is_probe,
     )
     backend = backend_for(
         server,
@@ -801,6 +810,35 @@ def test_channels_are_the_tenants_documents_and_vectors(server: FakeElasticsearc
     assert beta[1]["query"]["bool"]["filter"] == [{"term": {"tenant": "beta"}}]
 
 
+def test_a_search_finding_nothing_in_an_index_emptied_elsewhere_is_index_not_found(
+    server: FakeElasticsearchServer,
+) -> None:
+    """This worker remembers acme's vectors (its probe answer, for a while); another worker
+    deleted acme's last documents by id. The search finds nothing, so the probe is asked
+    again, bypassing the memo: no document is left, so the index reads as missing, as on
+    the embedded backend, not as an index with no match. One with documents left answers
+    its empty hits."""
+    backend = backend_for(server)
+    on_probes(server, Answer(200, probes(documents=True, vectors=True, model="m-1")))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
+    assert backend.channels("docs", "acme") == {"bm25", "knn"}
+    on_probes(server, Answer(200, probes(documents=False, vectors=False)))
+    assert backend.channels("docs", "acme") == {"bm25", "knn"}  # the memo answers
+    on_searches(server, Answer(200, msearch_response(search_response([]), search_response([]))))
+    with pytest.raises(IndexNotFound):
+        backend.retrieve(query())
+    assert backend.channels("docs", "acme") == frozenset()  # the memo is let go
+    hits = [hit(CONCRETE, "acme", "a", 3.0)]
+    on_searches(server, Answer(200, msearch_response(search_response(hits))))
+    on_probes(server, Answer(200, probes(documents=True, vectors=False)))
+    before = len(probes_sent(server))
+    assert [h.document.id for h in backend.retrieve(query(("bm25",))).hits["bm25"]] == ["a"]
+    assert len(probes_sent(server)) == before  # hits found: no probe
+    on_searches(server, Answer(200, msearch_response(search_response([]))))
+    assert backend.retrieve(query(("bm25",), lang="none")).hits == {"bm25": []}
+    assert len(probes_sent(server)) == before + 1
+
+
 def test_the_per_tenant_memo_drops_expired_answers_once_large(
     server: FakeElasticsearchServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -983,6 +1021,7 @@ def test_the_pipeline_is_the_one_retry_layer(server: FakeElasticsearchServer) ->
 def test_the_client_speaks_es9_media_types(server: FakeElasticsearchServer) -> None:
     """The 9.x client sends ``compatible-with=9``, which an 8.x server refuses: use ES 9."""
     on_searches(server, Answer(200, msearch_response(search_response([]))))
+    on_probes(server, Answer(200, probes(True, False)))
     backend_for(server).retrieve(query(("bm25",)))
     assert server.requests[0].headers["accept"] == (
         "application/vnd.elasticsearch+json; compatible-with=9"

@@ -24,7 +24,7 @@ from worker.core.types import (
     IndexProbe,
     derive_revision,
 )
-from worker.errors import BackendRequestError
+from worker.errors import BackendRequestError, IndexNotFound
 
 #: How long a "this index has vectors" answer is trusted before asking ES again.
 CHANNELS_TTL_SECONDS = 60.0
@@ -141,7 +141,22 @@ class _Search(_Bodies):
             hits[channel] = [self._hit(channel, raw) for raw in answer["hits"]["hits"]]
             took = answer.get("took")  # the server's time for this search, in ms
             seconds[channel] = float(took) / 1000.0 if took is not None else round_trip
+        if not any(hits.values()):
+            self._check_still_held(query)
         return ChannelResults(hits=hits, seconds=seconds)
+
+    def _check_still_held(self, query: ChannelQuery) -> None:
+        """After a search that found nothing: raise IndexNotFound if the tenant's index holds
+        none of its documents any more, as the embedded backend does.
+
+        The pipeline's probe may have answered from this process's memo of the tenant's
+        vectors (``CHANNELS_TTL_SECONDS``), while the tenant's last documents were deleted
+        by id here or in another worker: an emptied index must read like a missing one, not
+        as one with no match. One probe, only when a search came back empty."""
+        alias = self.alias(query.index, query.filters.tenant)
+        self._with_vectors.pop((alias, query.filters.tenant), None)
+        if not self.probe(query.index, query.filters.tenant).channels:
+            raise IndexNotFound(query.index)
 
     def retrieve_native(self, query: ChannelQuery) -> list[ChannelHit]:
         """Fused hits from ES's own ``rrf`` or ``linear`` retriever (by ``query.method``;
@@ -156,7 +171,10 @@ class _Search(_Bodies):
             alias = self.alias(query.index, query.filters.tenant)
             response = self._es(query.timeout_seconds).search(index=alias, **body)
         _raise_if_partial(response.body, what)
-        return [self._hit("bm25", raw, native=True) for raw in response.body["hits"]["hits"]]
+        fused = [self._hit("bm25", raw, native=True) for raw in response.body["hits"]["hits"]]
+        if not fused:
+            self._check_still_held(query)
+        return fused
 
     def _maps_vectors(self, mappings: Mapping[str, Any]) -> bool:
         for mapping in mappings.values():

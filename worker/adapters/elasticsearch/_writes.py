@@ -312,6 +312,8 @@ class _Writes(_Search, _Indexes):
             return 0
         what = f"bulk delete in index {index!r}"
         bulked = self._write(index, tenant, actions, names, what, version)
+        if bulked is not None and bulked.existed:  # maybe its last vectors: probe again
+            self._with_vectors.pop((alias, tenant), None)
         return 0 if bulked is None else bulked.existed
 
 
