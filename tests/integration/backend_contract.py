@@ -339,6 +339,21 @@ class LifecycleContract(BackendContract):
         assert backend.upsert(index, "acme", doc, vectors_of(doc), version=13) == 1
         assert backend.document(index, "acme", "vitd").text == CORPUS[0].text
 
+    def test_a_versioned_write_run_again_reports_the_documents_it_holds(
+        self, backend: Any, index: str
+    ) -> None:
+        """A write run again with its own version (a job's retry, a redelivery) changes
+        nothing and reports its documents written, as the first run did: on Elasticsearch a
+        retry after a partial bulk failure finds some of them already there. Once a newer
+        write of one of them ran, that one is not counted."""
+        self.load(backend, index, "acme")
+        assert backend.upsert(index, "acme", CORPUS, vectors_of(CORPUS), version=20) == 4
+        assert backend.upsert(index, "acme", CORPUS, vectors_of(CORPUS), version=20) == 4
+        assert backend.index_info(index, "acme").documents == len(CORPUS)
+        assert backend.delete_documents(index, "acme", ["vitd"], version=21) == 1
+        assert backend.upsert(index, "acme", CORPUS, vectors_of(CORPUS), version=20) == 3
+        assert backend.document(index, "acme", "vitd") is None
+
     def test_an_upsert_accepted_before_a_drop_and_run_after_it_is_skipped(
         self, backend: Any, index: str
     ) -> None:

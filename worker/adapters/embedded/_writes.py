@@ -44,7 +44,8 @@ class _Writes(_Pool):
         A document whose ``revision`` is empty gets :func:`derive_revision`. With a
         ``version``, a document is written only if the version is newer than the id's last
         write (an upsert or a delete's tombstone) and the tenant's index floor (its last
-        drop); answers how many were written.
+        drop); answers how many were written, counting those this same write (its version)
+        put there on an earlier run.
 
         ``model`` (the embedder of ``vectors``) is recorded by the first write of the tenant's
         index; a write of another model's vectors raises :class:`EmbeddingModelMismatch` in
@@ -54,7 +55,7 @@ class _Writes(_Pool):
             return 0
         matrix = _check_vectors(documents, vectors)
         rows = [_document_row(i, doc) for i, doc in enumerate(documents)]
-        written = 0
+        written = again = 0
         with self._conn() as conn, _translated("upsert"), _write(conn):
             num = _ensure_index(conn, index, tenant)
             fts = f"fts_{num}"
@@ -62,7 +63,11 @@ class _Writes(_Pool):
             for i, (doc_id, title, text, revision, metadata) in enumerate(rows):
                 held = _held_version(conn, index, tenant, doc_id)
                 if version is not None and version <= max(floor, held or 0):
-                    continue  # a newer write (or drop) of this id was accepted after this one
+                    # a newer write (or drop) of this id was accepted after this one; or
+                    # this very write ran before (a retry, a redelivery: one counter gives
+                    # each write its version), which counts, as on Elasticsearch
+                    again += version == held and version > floor
+                    continue
                 if not written and matrix is not None:  # before the first row written only:
                     # a stale write (every row skipped) claims nothing a drop freed, and
                     # another model's vectors are a model mismatch before a dimension one
@@ -91,7 +96,7 @@ class _Writes(_Pool):
                 written += 1
             _touch(conn, index, tenant, model if written and matrix is not None else None)
             conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (num,))
-        return written
+        return written + again
 
     def delete_documents(
         self, index: str, tenant: str, ids: Sequence[str], *, version: int | None = None
