@@ -170,6 +170,9 @@ MAX_DOCUMENT_CHARS = 100_000
 MAX_WAIT_SECONDS = 30.0
 MAX_BATCH_QUERY_ID_CHARS = 256
 MAX_METADATA_KEY_CHARS = 128  # the backends' filter-name pattern allows no more
+# a string metadata or filter value, in UTF-8 bytes: Elasticsearch indexes each as one term
+# (with its key, in ``metadata_terms``), and Lucene refuses a term over 32,766 bytes
+MAX_METADATA_VALUE_BYTES = 8_192
 MAX_PAGE_SIZE = 1_000
 DEFAULT_PAGE_SIZE = 100
 MAX_WEBHOOK_URL_CHARS = 2_048

@@ -26,6 +26,7 @@ from worker.constants import (
     MAX_FUSION_WEIGHT,
     MAX_LIMIT,
     MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_VALUE_BYTES,
     MAX_QUERY_CHARS,
     MAX_RANK_CONSTANT,
 )
@@ -47,7 +48,9 @@ FilterValue = str | int | float | bool
 # * an integer past 64 bits: SQLite cannot bind it (a filter on it failed the search, an
 #   ``OverflowError``);
 # * a lone surrogate (``"\ud800"``, valid JSON, no UTF-8): Redis, SQLite and the tokenizer
-#   cannot encode it, a 500 at the gateway or an ingest failed as ``internal_error``.
+#   cannot encode it, a 500 at the gateway or an ingest failed as ``internal_error``;
+# * a string past Lucene's term limit (32,766 bytes): the embedded backend stored it, and
+#   Elasticsearch refused the whole document (``max_bytes_length_exceeded_exception``).
 METADATA_KEY_PATTERN = rf"^[A-Za-z0-9_.:-]{{1,{MAX_METADATA_KEY_CHARS}}}$"
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -66,8 +69,12 @@ def _utf8(value: str) -> str:
 
 def _metadata_value(value: object) -> FilterValue:
     """A metadata or filter value every backend can store and compare exactly."""
-    if isinstance(value, bool | str):
-        return _utf8(value) if isinstance(value, str) else value
+    if isinstance(value, str):
+        if len(_utf8(value).encode()) > MAX_METADATA_VALUE_BYTES:
+            raise ValueError(f"a string must be at most {MAX_METADATA_VALUE_BYTES} bytes in UTF-8")
+        return value
+    if isinstance(value, bool):
+        return value
     if isinstance(value, int):
         if not INT64_MIN <= value <= INT64_MAX:
             raise ValueError("an integer must fit in 64 bits (-2^63 to 2^63 - 1)")

@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 from api_gateway.queue import OutboxSender
 from tests.e2e.conftest import ACME, GLOBEX, Stack
 from tests.security.test_limits import names_the_field
-from worker.constants import INGEST_QUEUE, INGEST_TASK
+from worker.constants import INGEST_QUEUE, INGEST_TASK, MAX_METADATA_VALUE_BYTES
 from worker.contract import DocumentIn
 from worker.queue.jobstore import JobStore
 
@@ -101,6 +101,8 @@ BAD_VALUES = {
     "10^30": 10**30,
     "lone surrogate": "\ud800",
     "surrogate in text": "ok \udfff ok",
+    "8,193 bytes": "x" * (MAX_METADATA_VALUE_BYTES + 1),
+    "2,049 four-byte characters": "\U0001f600" * (MAX_METADATA_VALUE_BYTES // 4 + 1),
     "null": None,
     "a list": [1],
     "an object": {"a": 1},
@@ -273,6 +275,7 @@ EDGE_METADATA: dict[str, Any] = {
     "emoji": "\U0001f600",
     "rtl": "\u202eabc",
     "json_path": "$.x",
+    "longest_string": "\u00e9" * (MAX_METADATA_VALUE_BYTES // 2),
     "a.b:c-d_E9": "every allowed key character",
     "k" * 128: "the longest key",
 }
