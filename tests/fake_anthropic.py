@@ -42,6 +42,11 @@ Each request's result is ``succeeded`` with the same answer and usage as ``/v1/m
 would give, unless scripted (:meth:`FakeAnthropic.script_batch`: per ``custom_id``, one
 outcome per submission, e.g. ``errored`` then ``succeeded``; over HTTP
 ``POST /_fake/batch-script``). ``GET /_fake/batches`` lists what was created.
+The endpoints themselves can be scripted too (:meth:`FakeAnthropic.script_batch_calls`:
+per endpoint, one answer per call): ``status(529)`` answers that API error without doing
+anything, as the real API does when it is overloaded or rate-limited; ``drop()`` closes the
+connection with no answer, and on ``create`` only after the batch was created (the answer
+lost, the provider batch real: what a timeout or a worker killed mid-call leaves).
 
 Rate limits, off by default: ``FakeAnthropic(rpm=3000, itpm=1_000_000, otpm=...)`` (or
 ``--rpm``/``--itpm``/``--otpm``, or ``configure``) meters ``/v1/messages`` as Anthropic does,
@@ -199,6 +204,7 @@ def body(text: str) -> Behaviour:
 # --- Message Batches: one request's scripted result ------------------------------------------
 
 BatchKind = Literal["succeeded", "errored", "expired", "canceled", "missing"]
+BatchCall = Literal["create", "retrieve", "results", "cancel"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,6 +368,8 @@ class _State:
     responses: int = 0
     batches: dict[str, _FakeBatch] = field(default_factory=dict)
     batch_script: dict[str, deque[BatchOutcome]] = field(default_factory=dict)
+    # per batch endpoint (create, retrieve, results, cancel): scripted answers, one per call
+    batch_calls: dict[str, deque[Behaviour]] = field(default_factory=dict)
     buckets: dict[str, _Bucket] = field(default_factory=dict)  # by FakeConfig field
     rate_limited: int = 0  # 429s sent by the buckets
 
@@ -624,6 +632,27 @@ class FakeAnthropic:
         with self._lock:
             for custom_id, steps in outcomes.items():
                 self._state.batch_script.setdefault(custom_id, deque()).extend(steps)
+
+    def script_batch_calls(self, call: BatchCall, answers: Sequence[Behaviour]) -> None:
+        """Script the next answers of one Message Batches endpoint, one per call, then the
+        normal answer again: ``good()`` (the normal answer), ``status(code, retry_after=...)``
+        (the API error, nothing done) or ``drop()`` (no answer; on ``create``, after the batch
+        was created). ``results`` retrieves the batch first (as the SDK does): that call is a
+        ``retrieve``."""
+        if call not in get_args(BatchCall):
+            raise ValueError(f"unknown batch call: {call!r}")
+        for answer in answers:
+            if answer.kind not in ("good", "status", "drop"):
+                raise ValueError("a batch call answers as good(), status(...) or drop()")
+        with self._lock:
+            self._state.batch_calls.setdefault(call, deque()).extend(answers)
+
+    def _scripted_call(self, call: BatchCall) -> Behaviour | None:
+        """The next scripted answer of ``call`` (None: answer normally)."""
+        with self._lock:
+            answers = self._state.batch_calls.get(call)
+            answer = answers.popleft() if answers else None
+        return None if answer is None or answer.kind == "good" else answer
 
     def batches(self) -> list[dict[str, Any]]:
         """Every Message Batch created: ``id``, ``status``, ``custom_ids``, ``params``."""
@@ -1019,6 +1048,9 @@ class FakeAnthropic:
         problem = _validate_headers(request)
         if problem is not None:
             return _error(*problem)
+        scripted = self._scripted_call("create")
+        if scripted is not None and scripted.kind == "status":
+            return _scripted_error(scripted)
         requests = body.get("requests") if isinstance(body, dict) else None
         if not isinstance(requests, list) or not requests:
             return _error(400, "invalid_request_error", "requests: Field required")
@@ -1048,6 +1080,8 @@ class FakeAnthropic:
             )
             self._state.batches[batch.id] = batch
             payload = self._batch_json(batch, _base(request))
+        if scripted is not None:  # drop(): created, and the answer lost
+            return await _drop(request)
         return JSONResponse(payload, headers={"request-id": f"req_{_base62(24)}"})
 
     def _find(self, request: Request) -> _FakeBatch | None:
@@ -1064,6 +1098,9 @@ class FakeAnthropic:
         )
 
     async def _batch_retrieve(self, request: Request) -> Response:
+        scripted = self._scripted_call("retrieve")
+        if scripted is not None:
+            return await _drop(request) if scripted.kind == "drop" else _scripted_error(scripted)
         with self._lock:
             batch = self._batch_or_error(request)
             if isinstance(batch, Response):
@@ -1071,6 +1108,9 @@ class FakeAnthropic:
             return JSONResponse(self._batch_json(batch, _base(request)))
 
     async def _batch_cancel(self, request: Request) -> Response:
+        scripted = self._scripted_call("cancel")
+        if scripted is not None:
+            return await _drop(request) if scripted.kind == "drop" else _scripted_error(scripted)
         with self._lock:
             batch = self._batch_or_error(request)
             if isinstance(batch, Response):
@@ -1082,6 +1122,9 @@ class FakeAnthropic:
             return JSONResponse(self._batch_json(batch, _base(request)))
 
     async def _batch_results(self, request: Request) -> Response:
+        scripted = self._scripted_call("results")
+        if scripted is not None:
+            return await _drop(request) if scripted.kind == "drop" else _scripted_error(scripted)
         with self._lock:
             batch = self._batch_or_error(request)
             if isinstance(batch, Response):
@@ -1226,6 +1269,13 @@ def _validate_params(body: Any) -> tuple[int, str, str] | None:
         if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
             return 400, "invalid_request_error", f"output_config.effort: invalid value {effort!r}"
     return None
+
+
+def _scripted_error(answer: Behaviour) -> Response:
+    code = answer.status or 500
+    return _error(
+        code, ERROR_TYPES.get(code, "api_error"), answer.message, retry_after=answer.retry_after
+    )
 
 
 def _error(

@@ -360,12 +360,22 @@ def _fail_items(
         _finish(task, batch, qid, load_prepared(pipeline, data), run)
 
 
+def _unsent(task: SiftTask, batch: BatchJob, query_ids: Sequence[str]) -> list[str]:
+    """The items among ``query_ids`` still running and in no provider batch yet."""
+    return [qid for qid, _, run in _running(task, batch, query_ids) if run["provider"] is None]
+
+
 @shared_task(  # type: ignore[untyped-decorator]
-    name=ECONOMY_SUBMIT_TASK, base=SiftTask, bind=True
+    name=ECONOMY_SUBMIT_TASK, base=SiftTask, bind=True, max_retries=None
 )
 def economy_submit(self: SiftTask, batch_id: str) -> None:
-    """Send a batch's prepared prompts as Message Batches."""
-    store = self.context.store
+    """Send a batch's prepared prompts as Message Batches.
+
+    A transient failure (429, 5xx, 529, a timeout) is retried at the poll's cadence for as
+    long as the economy deadline lasts, not within the task retry budget: a provider outage
+    of a minute must not fail a batch that may take 24 hours. A permanent one fails only the
+    items not sent yet: those already in a provider batch wait for its results."""
+    store, settings = self.context.store, self.context.settings
     batch = store.get_batch(batch_id)
     if batch is None:
         return
@@ -379,13 +389,14 @@ def economy_submit(self: SiftTask, batch_id: str) -> None:
         self.app.send_task(ECONOMY_SUBMIT_TASK, args=[batch_id], queue=BATCH_QUEUE,
                            countdown=exc.retry_after)  # fmt: skip
     except RerankAttemptError as exc:
-        if self.should_retry(exc):
+        deadline = batch.created_at + settings.economy_deadline_seconds
+        if exc.retryable and time.time() < deadline:
             log.warning("batch %s: submission failed, retrying: %s", batch_id, exc)
             # not before the rate budget or a 429's retry-after frees it
-            countdown = max(self.backoff(), exc.retry_after or 0.0)
+            countdown = max(_poll_countdown(self), exc.retry_after or 0.0)
             raise self.retry(exc=exc, countdown=countdown) from exc
         log.error("batch %s: submission failed for good: %s", batch_id, exc)
-        _fail_items(self, batch, query_ids, exc)
+        _fail_items(self, batch, _unsent(self, batch, query_ids), exc)
 
 
 # --- polling and mapping the results --------------------------------------------------------

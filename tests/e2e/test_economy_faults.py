@@ -1,0 +1,61 @@
+"""The economy lane when the Message Batches endpoints themselves fail, through the real stack.
+
+The same stack as ``test_economy.py`` (a real redis-server, Celery worker and gateway, the
+real SDK against the fake Messages API over HTTP), with the fake's batch endpoints scripted
+(:meth:`FakeAnthropic.script_batch_calls`): a create answered 529 or 400, an answer lost after
+the provider batch was made, a results file with lines the SDK's shapes do not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.e2e.conftest import Stack
+from tests.e2e.test_economy import _items, _results, _submit, _wait
+from tests.fake_anthropic import good, status
+from worker.queue.economy import position_of
+
+
+@pytest.fixture(autouse=True)
+def clean_fake(stack: Stack) -> Iterator[None]:
+    stack.model.reset()
+    stack.model.configure(batch_processing_seconds=0.0)
+    yield
+    stack.model.reset()
+    stack.model.configure(batch_processing_seconds=0.0)
+
+
+def test_a_provider_outage_at_submission_is_waited_out(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # more overloaded answers in a row than SIFT_TASK_MAX_RETRIES (3, the default): the
+    # submission waits them out at the poll cadence instead of failing the batch
+    stack.model.script_batch_calls("create", [status(529, retry_after=0.1)] * 5)
+    batch_id = _submit(stack, _items(queries, 3), "economy")
+    done = _wait(stack, batch_id)
+    assert done["counts"]["succeeded"] == 3, done
+    assert all(r["result"]["rerank"]["applied"] for r in _results(stack, batch_id).values())
+    assert len(stack.model.batches()) == 1  # the refused creates made nothing
+
+
+def test_a_create_refused_for_good_fails_only_the_items_it_would_have_sent(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # 6 items, provider batches of 4: the first goes through, the second is refused (400)
+    stack.model.script_batch_calls("create", [good(), status(400, message="requests: bad")])
+    batch_id = _submit(stack, _items(queries, 6), "economy", include_trace=True)
+    done = _wait(stack, batch_id)
+    [sent] = stack.model.batches()
+    in_provider = {f"q{position_of(c)}" for c in sent["custom_ids"]}
+    assert len(in_provider) == 4
+    results = _results(stack, batch_id)
+    for qid, item in results.items():
+        if qid in in_provider:  # their provider batch ran: they have its answer
+            assert item["status"] == "succeeded", item
+            assert item["result"]["trace"]["attempts"][0]["provider_batch"] == sent["id"]
+        else:
+            assert item["status"] == "failed", item
+            assert "http_4xx" in item["error"]["message"]
+    assert done["counts"]["succeeded"] == 4 and done["counts"]["failed"] == 2, done
