@@ -45,8 +45,10 @@ outcome per submission, e.g. ``errored`` then ``succeeded``; over HTTP
 The endpoints themselves can be scripted too (:meth:`FakeAnthropic.script_batch_calls`:
 per endpoint, one answer per call): ``status(529)`` answers that API error without doing
 anything, as the real API does when it is overloaded or rate-limited; ``drop()`` closes the
-connection with no answer, and on ``create`` only after the batch was created (the answer
-lost, the provider batch real: what a timeout or a worker killed mid-call leaves).
+connection with no answer, on ``create`` only after the batch was created (the answer
+lost, the provider batch real: what a timeout or a worker killed mid-call leaves), and on
+``results`` half-way through the file (a download cut). ``garbled(line)`` scripts a
+request's results line verbatim (not JSON, or an undocumented shape).
 
 Rate limits, off by default: ``FakeAnthropic(rpm=3000, itpm=1_000_000, otpm=...)`` (or
 ``--rpm``/``--itpm``/``--otpm``, or ``configure``) meters ``/v1/messages`` as Anthropic does,
@@ -93,7 +95,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -203,7 +205,7 @@ def body(text: str) -> Behaviour:
 
 # --- Message Batches: one request's scripted result ------------------------------------------
 
-BatchKind = Literal["succeeded", "errored", "expired", "canceled", "missing"]
+BatchKind = Literal["succeeded", "errored", "expired", "canceled", "missing", "garbled"]
 BatchCall = Literal["create", "retrieve", "results", "cancel"]
 
 
@@ -218,23 +220,26 @@ class BatchOutcome:
     kind: BatchKind
     behaviour: Behaviour | None = None
     error_type: str = "api_error"
+    line: str | None = None  # garbled: the results line, verbatim
 
     def to_json(self) -> dict[str, Any]:
         return {
             "kind": self.kind,
             "behaviour": self.behaviour.to_json() if self.behaviour else None,
             "error_type": self.error_type,
+            "line": self.line,
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> BatchOutcome:
-        if data.get("kind") not in ("succeeded", "errored", "expired", "canceled", "missing"):
+        if data.get("kind") not in get_args(BatchKind):
             raise ValueError(f"unknown batch outcome kind: {data.get('kind')!r}")
         behaviour = data.get("behaviour")
         return cls(
             kind=data["kind"],
             behaviour=Behaviour.from_json(behaviour) if behaviour else None,
             error_type=data.get("error_type", "api_error"),
+            line=data.get("line"),
         )
 
 
@@ -253,6 +258,12 @@ def errored(error_type: str = "api_error") -> BatchOutcome:
 def expired() -> BatchOutcome:
     """A request the batch did not reach before it expired."""
     return BatchOutcome("expired")
+
+
+def garbled(line: str) -> BatchOutcome:
+    """The request's line of the results file is ``line``, verbatim: not JSON, or JSON of a
+    shape the API does not document (a provider fault to survive)."""
+    return BatchOutcome("garbled", line=line)
 
 
 def missing() -> BatchOutcome:
@@ -637,8 +648,8 @@ class FakeAnthropic:
         """Script the next answers of one Message Batches endpoint, one per call, then the
         normal answer again: ``good()`` (the normal answer), ``status(code, retry_after=...)``
         (the API error, nothing done) or ``drop()`` (no answer; on ``create``, after the batch
-        was created). ``results`` retrieves the batch first (as the SDK does): that call is a
-        ``retrieve``."""
+        was created; on ``results``, half the file, then the connection closed). The SDK's
+        ``results`` retrieves the batch first: that call is a ``retrieve``."""
         if call not in get_args(BatchCall):
             raise ValueError(f"unknown batch call: {call!r}")
         for answer in answers:
@@ -665,7 +676,7 @@ class FakeAnthropic:
                     "params": [r["params"] for r in b.requests],
                     "outcomes": [o.kind for o in b.outcomes],
                     "result_order": (
-                        [line["custom_id"] for line in b.results] if b.results else None
+                        [line.get("custom_id") for line in b.results] if b.results else None
                     ),
                 }
                 for b in self._state.batches.values()
@@ -964,6 +975,9 @@ class FakeAnthropic:
                 outcome = BatchOutcome("canceled")
             if outcome.kind == "missing":
                 continue
+            if outcome.kind == "garbled":
+                results.append({"raw": outcome.line or ""})
+                continue
             results.append(
                 {"custom_id": req["custom_id"], "result": self._batch_result(req, outcome)}
             )
@@ -1016,7 +1030,10 @@ class FakeAnthropic:
             counts["processing"] = len(batch.requests)
         else:
             for line in batch.results:
-                counts[line["result"]["type"]] += 1
+                if "result" in line:  # a garbled line counts as the request's errored
+                    counts[line["result"]["type"]] += 1
+                else:
+                    counts["errored"] += 1
 
         def iso(ts: float | None) -> str | None:
             return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()
@@ -1123,8 +1140,9 @@ class FakeAnthropic:
 
     async def _batch_results(self, request: Request) -> Response:
         scripted = self._scripted_call("results")
-        if scripted is not None:
-            return await _drop(request) if scripted.kind == "drop" else _scripted_error(scripted)
+        cut_file = scripted is not None and scripted.kind == "drop"
+        if scripted is not None and not cut_file:
+            return _scripted_error(scripted)
         with self._lock:
             batch = self._batch_or_error(request)
             if isinstance(batch, Response):
@@ -1133,7 +1151,12 @@ class FakeAnthropic:
                 return _error(400, "invalid_request_error", "the batch has not ended")
             self._end(batch)
             assert batch.results is not None
-            body = "".join(json.dumps(line) + "\n" for line in batch.results)
+            body = "".join(
+                (line["raw"] if "raw" in line else json.dumps(line)) + "\n"
+                for line in batch.results
+            )
+        if cut_file:
+            return _cut(body)
         return Response(body, media_type="application/binary")
 
     async def _http_batch_script(self, request: Request) -> Response:
@@ -1315,6 +1338,18 @@ async def _wait_unless_gone(request: Request, seconds: float) -> bool:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return sleeper in done and watcher not in done
+
+
+def _cut(body: str) -> Response:
+    """The results file's first half, then the connection closed mid-body (a download cut:
+    the client reads an incomplete chunked body)."""
+    half = body[: len(body) // 2].encode()
+
+    async def chunks() -> Any:
+        yield half
+        raise ConnectionAbortedError("the fake cut the results download")
+
+    return StreamingResponse(chunks(), media_type="application/binary")
 
 
 async def _drop(request: Request) -> Response:

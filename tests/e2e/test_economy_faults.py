@@ -14,7 +14,7 @@ import pytest
 
 from tests.e2e.conftest import Stack
 from tests.e2e.test_economy import _items, _results, _submit, _wait
-from tests.fake_anthropic import good, status
+from tests.fake_anthropic import drop, garbled, good, status
 from worker.queue.economy import position_of
 
 
@@ -59,3 +59,42 @@ def test_a_create_refused_for_good_fails_only_the_items_it_would_have_sent(
             assert item["status"] == "failed", item
             assert "http_4xx" in item["error"]["message"]
     assert done["counts"]["succeeded"] == 4 and done["counts"]["failed"] == 2, done
+
+
+def test_results_lines_that_do_not_parse_cost_only_their_own_item(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    stack.model.script_batch(
+        {
+            "i0": [garbled("not json at all")],  # names no request: that item is left out
+            "i1": [garbled('{"custom_id":"i1","result":{"type":"paused"}}')],  # unknown type
+            "i2": [garbled('{"custom_id":"i2","result":{"type":"succeeded"}}')],  # no message
+        }
+    )
+    batch_id = _submit(stack, _items(queries, 4), "economy", include_trace=True)
+    done = _wait(stack, batch_id, timeout=30)
+    results = _results(stack, batch_id)
+    # an unreadable line is not a reason to stop reading: every other line is mapped
+    assert results["q3"]["status"] == "succeeded"
+    # a line of an unknown shape is a malformed result of its item (never a guess such as
+    # canceled): resubmitted, and answered the second time
+    for qid in ("q1", "q2"):
+        attempts = results[qid]["result"]["trace"]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["malformed", "ok"], attempts
+        assert attempts[0]["provider_result"] == "malformed"
+    # the line that names no request leaves its item without a result: it fails, named so
+    assert results["q0"]["status"] == "failed"
+    assert "malformed" in results["q0"]["error"]["message"]
+    assert done["counts"]["succeeded"] == 3 and done["counts"]["failed"] == 1, done
+
+
+def test_a_results_download_cut_midway_is_read_again(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    stack.model.script_batch_calls("results", [drop()])  # half the file, then the cut
+    batch_id = _submit(stack, _items(queries, 4), "economy", include_trace=True)
+    done = _wait(stack, batch_id, timeout=30)
+    assert done["counts"]["succeeded"] == 4, done
+    for item in _results(stack, batch_id).values():  # each answer counted once
+        assert [a["outcome"] for a in item["result"]["trace"]["attempts"]] == ["ok"]
+    assert len(stack.model.batches()) == 1

@@ -19,12 +19,15 @@ A failed API call is a :class:`~worker.errors.RerankAttemptError` with its class
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anthropic
+from anthropic.types import Message
+from anthropic.types.messages import MessageBatchIndividualResponse
 
 from worker.adapters.anthropic import (
     AnthropicReranker,
@@ -37,11 +40,17 @@ from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import AttemptOutcome, RerankAttemptError
 
 if TYPE_CHECKING:
-    from anthropic.types.messages import MessageBatch, MessageBatchIndividualResponse
+    from anthropic.types.messages import MessageBatch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AnthropicMessageBatches", "BatchLine", "ProviderBatch", "errored_outcome"]
+__all__ = [
+    "AnthropicMessageBatches",
+    "BatchLine",
+    "ProviderBatch",
+    "errored_outcome",
+    "parse_line",
+]
 
 T = TypeVar("T")
 CALL_TIMEOUT_SECONDS = 60.0  # create, retrieve, cancel
@@ -77,15 +86,16 @@ class ProviderBatch:
 
 @dataclass(frozen=True, slots=True)
 class BatchLine:
-    """One line of a results file. ``kind`` is the provider's result type.
+    """One line of a results file. ``kind`` is the provider's result type, or ``malformed``.
 
     ``succeeded``: ``reply`` is set, or ``error`` is a ``malformed`` RerankMalformedError (the
     answer failed the schema; its usage is on the error). ``errored``: ``error`` has the class.
-    ``expired`` and ``canceled``: neither.
+    ``expired`` and ``canceled``: neither. ``malformed``: the line itself did not parse;
+    ``error`` is ``malformed`` (resubmitted like a malformed answer).
     """
 
     custom_id: str
-    kind: Literal["succeeded", "errored", "expired", "canceled"]
+    kind: Literal["succeeded", "errored", "expired", "canceled", "malformed"]
     reply: RerankReply | None = None
     error: RerankAttemptError | None = None
 
@@ -124,31 +134,73 @@ class AnthropicMessageBatches:
         )
 
     def results(self, batch_id: str) -> Iterator[BatchLine]:
-        """Stream an ended batch's results file, line by line, in the provider's order."""
+        """Stream an ended batch's results file, line by line, in the provider's order.
+
+        The lines are read here, not by the SDK's decoder: a line that is not JSON would end
+        its iteration for good (every line after it lost on each try), and a transport error
+        mid-file escapes it as an ``httpx`` error, not an SDK one. Here a download cut is a
+        ``connection`` attempt error (retryable: the poll reads the file again), and a line
+        that does not parse is a ``malformed`` line of its own (:func:`parse_line`)."""
         batches = self.reranker.client.messages.batches
         decoder = _call(
             lambda: batches.results(batch_id, timeout=RESULTS_TIMEOUT_SECONDS), "results"
         )
         try:
-            iterator = iter(decoder)
+            lines = decoder.http_response.iter_lines()
             while True:
                 try:
-                    response = next(iterator)
+                    raw = next(lines)
                 except StopIteration:
                     return
-                except (anthropic.AnthropicError, OSError, ValueError) as exc:
+                except Exception as exc:  # any transport failure mid-file: the download cut
                     raise RerankAttemptError(
-                        AttemptOutcome.CONNECTION, f"results of {batch_id} cut: {exc}"
+                        AttemptOutcome.CONNECTION, f"results of {batch_id} cut: {exc!r}"
                     ) from exc
-                yield _line(response)
+                if raw.strip():
+                    yield parse_line(raw)
         finally:
             decoder.close()
+
+
+def parse_line(raw: str) -> BatchLine:
+    """One line of a results file. A line that is not JSON, or has no ``custom_id``, is a
+    ``malformed`` line with ``custom_id`` ``""`` (no item's); one whose result does not have
+    the documented shape (an unknown ``type``, a ``succeeded`` without its message) is a
+    ``malformed`` line of its item, never a guess at what it meant.
+
+    >>> parse_line('{"custom_id":"i1","result":{"type":"expired"}}').kind
+    'expired'
+    >>> line = parse_line('{"custom_id":"i1","result":{"type":"paused"}}')
+    >>> line.custom_id, line.kind, line.error.outcome.value
+    ('i1', 'malformed', 'malformed')
+    >>> parse_line("not json").custom_id
+    ''
+    """
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = None
+    custom_id = value.get("custom_id") if isinstance(value, dict) else None
+    if not isinstance(custom_id, str):
+        return _malformed("", f"a results line that names no request: {raw[:200]!r}")
+    try:
+        return _line(MessageBatchIndividualResponse.construct(**value))
+    except (AttributeError, TypeError, KeyError, ValueError) as exc:
+        return _malformed(custom_id, f"a result of an unknown shape ({exc}): {raw[:200]!r}")
+
+
+def _malformed(custom_id: str, message: str) -> BatchLine:
+    return BatchLine(
+        custom_id, "malformed", error=RerankAttemptError(AttemptOutcome.MALFORMED, message)
+    )
 
 
 def _line(response: MessageBatchIndividualResponse) -> BatchLine:
     result = response.result
     custom_id = response.custom_id
     if result.type == "succeeded":
+        if not isinstance(result.message, Message):
+            raise ValueError("a succeeded result without its message")
         try:
             return BatchLine(custom_id, "succeeded", reply=parse_reply(result.message))
         except RerankMalformedError as error:
@@ -164,7 +216,9 @@ def _line(response: MessageBatchIndividualResponse) -> BatchLine:
         )
     if result.type == "expired":
         return BatchLine(custom_id, "expired")
-    return BatchLine(custom_id, "canceled")
+    if result.type == "canceled":
+        return BatchLine(custom_id, "canceled")
+    raise ValueError(f"unknown result type {result.type!r}")
 
 
 def _provider_batch(batch: MessageBatch) -> ProviderBatch:
