@@ -33,6 +33,7 @@ distinct prompts were sent (and answered) more than once. ``outage(seconds, (529
 retry_after=2)`` answers every request with those errors in turn for a while: a provider outage.
 
 The Message Batches API is served too: ``POST /v1/messages/batches`` (create),
+``GET /v1/messages/batches`` (list, newest first, paged by ``after_id``),
 ``GET /v1/messages/batches/{id}`` (retrieve: ``in_progress`` until
 ``batch_processing_seconds`` have passed, then ``ended``, with ``request_counts`` and a
 ``results_url``), ``GET /v1/messages/batches/{id}/results`` (JSONL, deliberately out of
@@ -206,7 +207,7 @@ def body(text: str) -> Behaviour:
 # --- Message Batches: one request's scripted result ------------------------------------------
 
 BatchKind = Literal["succeeded", "errored", "expired", "canceled", "missing", "garbled"]
-BatchCall = Literal["create", "retrieve", "results", "cancel"]
+BatchCall = Literal["create", "retrieve", "results", "cancel", "list"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,6 +465,7 @@ class FakeAnthropic:
                 routes=[
                     Route("/v1/messages", self._messages, methods=["POST"]),
                     Route("/v1/messages/batches", self._batch_create, methods=["POST"]),
+                    Route("/v1/messages/batches", self._batch_list, methods=["GET"]),
                     Route("/v1/messages/batches/{id}", self._batch_retrieve, methods=["GET"]),
                     Route(
                         "/v1/messages/batches/{id}/results", self._batch_results, methods=["GET"]
@@ -639,7 +641,9 @@ class FakeAnthropic:
 
     def script_batch(self, outcomes: Mapping[str, Sequence[BatchOutcome]]) -> None:
         """Script Message Batch results by ``custom_id``: one outcome per submission of that
-        id, in order (``{"i3": [errored(), succeeded()]}``); then the default again."""
+        id, in order (``{"i3": [errored(), succeeded()]}``); then the default again. Sift's
+        ``custom_id`` is ``i<position>-<submission>``: a script keyed ``i3`` is each
+        submission's of position 3."""
         with self._lock:
             for custom_id, steps in outcomes.items():
                 self._state.batch_script.setdefault(custom_id, deque()).extend(steps)
@@ -1087,6 +1091,8 @@ class FakeAnthropic:
             outcomes = []
             for item in requests:
                 steps = self._state.batch_script.get(item["custom_id"])
+                if steps is None:  # Sift's i<position>-<submission>: scripted by i<position>
+                    steps = self._state.batch_script.get(item["custom_id"].split("-")[0])
                 outcomes.append(steps.popleft() if steps else BatchOutcome("succeeded"))
             batch = _FakeBatch(
                 id=f"msgbatch_01{_base62(22)}",
@@ -1100,6 +1106,38 @@ class FakeAnthropic:
         if scripted is not None:  # drop(): created, and the answer lost
             return await _drop(request)
         return JSONResponse(payload, headers={"request-id": f"req_{_base62(24)}"})
+
+    async def _batch_list(self, request: Request) -> Response:
+        """``GET /v1/messages/batches``: newest first, ``limit`` (1-1000, 20 by default) a
+        page, ``after_id`` the cursor of the next page, as the real API pages them."""
+        scripted = self._scripted_call("list")
+        if scripted is not None:
+            return await _drop(request) if scripted.kind == "drop" else _scripted_error(scripted)
+        problem = _validate_headers(request)
+        if problem is not None:
+            return _error(*problem)
+        try:
+            limit = int(request.query_params.get("limit", "20"))
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 1000:
+            return _error(400, "invalid_request_error", "limit: must be between 1 and 1000")
+        with self._lock:
+            newest = sorted(self._state.batches.values(), key=lambda b: -b.created)
+            after = request.query_params.get("after_id")
+            if after is not None:
+                ids = [b.id for b in newest]
+                newest = newest[ids.index(after) + 1 :] if after in ids else []
+            page = [self._batch_json(b, _base(request)) for b in newest[:limit]]
+            more = len(newest) > limit
+        return JSONResponse(
+            {
+                "data": page,
+                "has_more": more,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+            }
+        )
 
     def _find(self, request: Request) -> _FakeBatch | None:
         return self._state.batches.get(request.path_params["id"])

@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.conftest import ACME, ECONOMY_DEADLINE_SECONDS, INDEX, Stack
 from tests.fake_anthropic import errored, expired, malformed, missing, positions, succeeded
+from worker.queue.economy import position_of, submission_of
 
 FINAL = {"succeeded", "failed", "canceled"}
 
@@ -92,7 +93,10 @@ def test_economy_gives_the_standard_lanes_hits_at_half_the_cost(
     sent = [p for b in batches for p in b["params"]]
     assert sorted(map(_canonical, sent)) == sorted(map(_canonical, messages))
     custom_ids = [c for b in batches for c in b["custom_ids"]]
-    assert sorted(custom_ids) == sorted(f"i{i}" for i in range(10))
+    assert sorted(position_of(c) for c in custom_ids) == list(range(10))
+    # each create's custom_ids name its own submission, one per provider batch
+    submissions = [{submission_of(c) for c in b["custom_ids"]} for b in batches]
+    assert all(len(s) == 1 for s in submissions) and len(set.union(*submissions)) == 3
 
 
 def test_out_of_order_results_are_mapped_by_custom_id(
@@ -143,8 +147,8 @@ def test_errored_expired_and_malformed_requests_are_resubmitted_or_fail_by_polic
     assert results["q4"]["status"] == "failed"
     assert "http_5xx" in results["q4"]["error"]["message"]
     # three provider batches for the first round, then the resubmissions of q0, q1, q2, q4
-    resubmitted = [c for b in stack.model.batches()[2:] for c in b["custom_ids"]]
-    assert sorted(resubmitted) == ["i0", "i1", "i2", "i4", "i4"]
+    resubmitted = [position_of(c) for b in stack.model.batches()[2:] for c in b["custom_ids"]]
+    assert sorted(resubmitted) == [0, 1, 2, 4, 4]
 
 
 def test_once_the_economy_deadline_is_out_the_failure_policy_applies(

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import anthropic
 import pytest
 
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import ANTHROPIC_API_KEY, Stack
 from tests.e2e.test_economy import _items, _results, _submit, _wait
 from tests.fake_anthropic import drop, garbled, good, status
-from worker.queue.economy import position_of
+from worker.queue.economy import position_of, submission_of
 
 
 @pytest.fixture(autouse=True)
@@ -98,3 +99,70 @@ def test_a_results_download_cut_midway_is_read_again(
     for item in _results(stack, batch_id).values():  # each answer counted once
         assert [a["outcome"] for a in item["result"]["trace"]["attempts"]] == ["ok"]
     assert len(stack.model.batches()) == 1
+
+
+def _foreign_batch(stack: Stack, requests: int) -> str:
+    """Another client's provider batch in the same workspace: ``requests`` requests, made now."""
+    client = anthropic.Anthropic(base_url=stack.model.url, api_key=ANTHROPIC_API_KEY)
+    params = {"model": "claude-haiku-4-5", "max_tokens": 16,
+              "messages": [{"role": "user", "content": "[1] a\n[2] b"}]}  # fmt: skip
+    batch = client.messages.batches.create(
+        requests=[{"custom_id": f"i{i}", "params": params} for i in range(requests)]  # type: ignore[misc]
+    )
+    return batch.id
+
+
+def test_a_create_whose_answer_was_lost_is_found_not_made_twice(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # the provider makes the batch, and the answer never reaches the worker (a timeout, a
+    # cut connection: the SDK sees a connection error); the task retries
+    stack.model.script_batch_calls("create", [drop()])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    done = _wait(stack, batch_id)
+    assert done["counts"]["succeeded"] == 3, done
+    [made] = stack.model.batches()  # one provider batch, paid once
+    for item in _results(stack, batch_id).values():
+        attempts = item["result"]["trace"]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["ok"]
+        assert attempts[0]["provider_batch"] == made["id"]
+
+
+def test_a_lost_create_is_told_from_another_clients_batch_by_its_results(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # another client's batch of the same size, created just before Sift's, whose answer is
+    # lost: two candidates. Neither is canceled; only the lines of Sift's create are mapped.
+    stack.model.configure(batch_processing_seconds=1.0)
+    foreign = _foreign_batch(stack, 3)
+    stack.model.script_batch_calls("create", [drop()])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    done = _wait(stack, batch_id)
+    assert done["counts"]["succeeded"] == 3, done
+    batches = {b["id"]: b for b in stack.model.batches()}
+    assert len(batches) == 2 and batches[foreign]["status"] == "ended"
+    assert batches[foreign]["outcomes"] == ["succeeded"] * 3  # run to its end, not canceled
+    [ours] = [b for b in batches.values() if b["id"] != foreign]
+    for item in _results(stack, batch_id).values():
+        assert item["result"]["trace"]["attempts"][0]["provider_batch"] == ours["id"]
+
+
+def test_a_create_that_made_nothing_is_sent_again_after_its_candidate_proves_foreign(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # a 500 may come after the provider made the batch: in doubt. The one candidate is
+    # another client's; once it ended with no line of Sift's create, the items go again.
+    stack.model.configure(batch_processing_seconds=0.5)
+    foreign = _foreign_batch(stack, 3)
+    stack.model.script_batch_calls("create", [status(500)])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    done = _wait(stack, batch_id)
+    assert done["counts"]["succeeded"] == 3, done
+    batches = stack.model.batches()
+    assert len(batches) == 2 and batches[0]["id"] == foreign
+    ours = batches[1]
+    assert len({submission_of(c) for c in ours["custom_ids"]}) == 1
+    for item in _results(stack, batch_id).values():
+        attempts = item["result"]["trace"]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["ok"]  # the foreign answers never counted
+        assert attempts[0]["provider_batch"] == ours["id"]

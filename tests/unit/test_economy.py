@@ -12,7 +12,13 @@ from tests.unit.test_pipeline import make
 from worker.contract import SearchSpec
 from worker.core.pipeline import RerankRun, dump_prepared, load_prepared
 from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed
-from worker.queue.economy import chunk_requests, custom_id, position_of
+from worker.queue.economy import (
+    chunk_requests,
+    custom_id,
+    new_submission,
+    position_of,
+    submission_of,
+)
 
 SPEC = SearchSpec(index="docs", query="volcano eruption ash", limit=3, include_trace=True)
 
@@ -101,8 +107,12 @@ def test_chunks_stay_under_both_limits() -> None:
 def test_custom_ids_name_positions() -> None:
     import re
 
+    submission = new_submission()
     for position in (0, 7, 99_999):
-        value = custom_id(position)
+        value = custom_id(position, submission)
         assert re.fullmatch(r"^[a-zA-Z0-9_-]{1,64}$", value)
         assert position_of(value) == position
+        assert submission_of(value) == submission
+    assert new_submission() != submission  # each create its own
     assert position_of("msg_other") is None and position_of("i") is None
+    assert position_of("i3") == 3 and submission_of("i3") is None  # before submissions

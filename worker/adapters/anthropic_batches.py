@@ -55,6 +55,7 @@ __all__ = [
 T = TypeVar("T")
 CALL_TIMEOUT_SECONDS = 60.0  # create, retrieve, cancel
 RESULTS_TIMEOUT_SECONDS = 300.0  # streaming a results file
+LIST_PAGE = 100  # Message Batches listed a call (the API allows 1 to 1,000)
 
 # An errored request's error type -> the attempt class (DESIGN.md §4): what the same error
 # would be, answered as an HTTP status to a standard-lane call.
@@ -78,10 +79,16 @@ class ProviderBatch:
     id: str
     processing_status: str  # in_progress | canceling | ended
     request_counts: Mapping[str, int] = field(default_factory=dict)
+    created_at: float | None = None  # epoch seconds
 
     @property
     def ended(self) -> bool:
         return self.processing_status == "ended"
+
+    @property
+    def requests(self) -> int:
+        """How many requests it holds (its counts always add up to them)."""
+        return sum(self.request_counts.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +132,24 @@ class AnthropicMessageBatches:
         return _provider_batch(
             _call(lambda: batches.retrieve(batch_id, timeout=CALL_TIMEOUT_SECONDS), "retrieve")
         )
+
+    def created_between(self, start: float, end: float) -> list[ProviderBatch]:
+        """The workspace's Message Batches created between ``start`` and ``end`` (epoch
+        seconds), read newest first, a page at a time, until one is older than ``start``.
+        The API has no idempotency key: this is how a create whose answer was lost is found."""
+        batches = self.reranker.client.messages.batches
+        page = _call(lambda: batches.list(limit=LIST_PAGE, timeout=CALL_TIMEOUT_SECONDS), "list")
+        found: list[ProviderBatch] = []
+        while True:
+            for batch in page.data:
+                created = batch.created_at.timestamp()
+                if created < start:
+                    return found
+                if created <= end:
+                    found.append(_provider_batch(batch))
+            if not page.has_next_page():
+                return found
+            page = _call(page.get_next_page, "list")
 
     def cancel(self, batch_id: str) -> ProviderBatch:
         """Ask the provider to cancel; the batch goes ``canceling``, then ``ended``."""
@@ -225,6 +250,7 @@ def _provider_batch(batch: MessageBatch) -> ProviderBatch:
     counts = batch.request_counts
     return ProviderBatch(
         id=batch.id,
+        created_at=batch.created_at.timestamp() if batch.created_at else None,
         processing_status=batch.processing_status,
         request_counts={
             "processing": counts.processing,

@@ -597,6 +597,10 @@ class MeteredBatches(AnthropicMessageBatches):
         cancel = super().cancel
         return self._metered("cancel", lambda: cancel(batch_id))
 
+    def created_between(self, start: float, end: float) -> list[ProviderBatch]:
+        created_between = super().created_between
+        return self._metered("list", lambda: created_between(start, end))
+
     def results(self, batch_id: str) -> Iterator[BatchLine]:
         self._admit("results")
         try:

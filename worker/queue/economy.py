@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -86,18 +87,38 @@ SUBMIT_CLAIM = "submit"
 # provider gives up and applies the failure policy to what is left.
 PROVIDER_EXPIRY_SECONDS = 24 * 3600.0
 _ENVELOPE = len('{"requests":[]}')
+SUBMISSION_CHARS = 12
+# A create whose answer was lost (a timeout, a cut connection, the worker killed) may have
+# made a provider batch: it is looked for among those created this long either side of the
+# call (the call's own timeout and the clocks' skew).
+DOUBT_WINDOW_SECONDS = 120.0
+DOUBT = "doubt:"  # a run's provider while its create is in doubt: "doubt:<submission>"
 
 
-def custom_id(position: int) -> str:
-    """The ``custom_id`` of the item at ``position`` (``^[a-zA-Z0-9_-]{1,64}$``)."""
-    return f"i{position}"
+def custom_id(position: int, submission: str) -> str:
+    """The ``custom_id`` of the item at ``position`` in the provider batch a submission
+    creates (``^[a-zA-Z0-9_-]{1,64}$``): ``i<position>-<submission>``. The submission part
+    tells a result of this create from one of any other provider batch."""
+    return f"i{position}-{submission}"
 
 
 def position_of(value: str) -> int | None:
     """The position a ``custom_id`` names, or None for one Sift did not write."""
-    if not value.startswith("i") or not value[1:].isdigit():
+    head = value.split("-", 1)[0]
+    if not head.startswith("i") or not head[1:].isdigit():
         return None
-    return int(value[1:])
+    return int(head[1:])
+
+
+def submission_of(value: str) -> str | None:
+    """The submission a ``custom_id`` names (None: none)."""
+    _, dash, tail = value.partition("-")
+    return tail if dash and tail else None
+
+
+def new_submission() -> str:
+    """A fresh submission token: each create's own, written before the call is made."""
+    return uuid.uuid4().hex[:SUBMISSION_CHARS]
 
 
 def chunk_requests(
@@ -129,6 +150,8 @@ def _new_run(position: int) -> dict[str, Any]:
     return {
         "pos": position,
         "provider": None,  # the provider batch the item is in now
+        "submission": None,  # the token of the create that put it there
+        "pending": None,  # a create under way: {"submission", "at", "requests"}
         "handled": None,  # the provider batch whose result was counted last
         "round": 0,
         "resubmit": False,
@@ -246,15 +269,16 @@ class _Pending:
 def _pending(
     task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None
 ) -> Iterator[_Pending]:
-    """The items to send now: running, and in provider batch ``expected`` (None: never sent)."""
+    """The items to send now: running, and in provider batch ``expected`` (None: never sent).
+    Their ``custom_id`` is set when their provider batch is made up (:func:`submit`)."""
     pipeline, client = economy_pipeline(task), _batches(task)
     for qid, data, run in _running(task, batch, query_ids):
-        if run["provider"] != expected:
-            continue  # sent already (a redelivered task)
+        if run["provider"] != expected or run.get("pending"):
+            continue  # sent already (a redelivered task), or its create is in doubt
         item = load_prepared(pipeline, data)
         assert item.prompt is not None
         request = {
-            "custom_id": custom_id(run["pos"]),
+            "custom_id": custom_id(run["pos"], "x" * SUBMISSION_CHARS),  # its size, for now
             "params": client.request_params(item.prompt),
         }
         size = len(json.dumps(request, separators=(",", ":")).encode())
@@ -279,16 +303,127 @@ def _running(
             yield qid, data, json.loads(raw_run) if raw_run else _new_run(int(data["pos"]))
 
 
+def _save_runs(task: SiftTask, batch: BatchJob, runs: Iterable[tuple[str, dict[str, Any]]]) -> None:
+    task.context.store.economy_save(
+        batch.id,
+        ECONOMY_RUNS_KEY,
+        {qid: json.dumps(run, separators=(",", ":")) for qid, run in runs},
+    )
+
+
+def _may_have_created(error: RerankAttemptError) -> bool:
+    """False when the create surely made nothing: refused (4xx, 429) or never sent (the
+    rate budget, the processing queue's cap). A timeout, a cut connection or a 5xx may have
+    come after the provider made the batch."""
+    return error.outcome not in (
+        AttemptOutcome.HTTP_4XX,
+        AttemptOutcome.RATE_LIMITED,
+        AttemptOutcome.BUDGET_EXHAUSTED,
+    )
+
+
+def _record_provider(
+    task: SiftTask, batch: BatchJob, provider_id: str, record: dict[str, Any]
+) -> None:
+    """Keep a provider batch on the batch's record and start polling it."""
+    store = task.context.store
+    store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
+    _send_poll(task, batch, provider_id)
+
+
+def _send_poll(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
+    task.app.send_task(
+        ECONOMY_POLL_TASK,
+        args=[batch.id, provider_id],
+        queue=BATCH_QUEUE,
+        countdown=task.context.settings.economy_poll_seconds,
+    )
+
+
+def settle_doubts(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None
+) -> None:
+    """Find the provider batches of creates whose answer never came (a timeout, a cut
+    connection, a worker killed between the call and its record), before anything is sent
+    again: the Message Batches API has no idempotency key, so a second create would be a
+    second provider batch, paid twice.
+
+    A create in doubt left ``pending`` on its items' runs: its submission token, when it was
+    made and how many requests it held. The workspace's provider batches created within
+    :data:`DOUBT_WINDOW_SECONDS` of it, with as many requests, that this batch does not know
+    yet are its candidates. None: the create made nothing, and its items are sent now.
+    Otherwise every candidate is polled (never canceled: it may be another client's), its
+    items wait as ``doubt:<submission>``, and the results tell: lines whose ``custom_id``
+    carries the submission prove the candidate ours (:func:`map_results`); when every
+    candidate ended without one, the items are sent again."""
+    doubts: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for qid, _, run in _running(task, batch, query_ids):
+        pending = run.get("pending")
+        if pending and run["provider"] == expected:
+            doubts.setdefault(pending["submission"], []).append((qid, run))
+    if not doubts:
+        return
+    client, store = _batches(task), task.context.store
+    known = {
+        provider_id: json.loads(raw).get("submission")
+        for provider_id, raw in store.economy_all(batch.id, ECONOMY_PROVIDERS_KEY).items()
+    }
+    for submission, items in doubts.items():
+        pending = items[0][1]["pending"]
+        at, requests = float(pending["at"]), int(pending["requests"])
+        recorded = [pid for pid, sub in known.items() if sub == submission]
+        if recorded:  # its answer came and was kept: the runs just never said so
+            for _, run in items:
+                run.update(provider=recorded[0], submission=submission, pending=None,
+                           round=run["round"] + 1, resubmit=False, submitted_at=at,
+                           first_submitted_at=run["first_submitted_at"] or at)  # fmt: skip
+            _save_runs(task, batch, items)
+            _send_poll(task, batch, recorded[0])  # its poll may not have been sent
+            continue
+        found = [
+            b.id
+            for b in client.created_between(at - DOUBT_WINDOW_SECONDS, at + DOUBT_WINDOW_SECONDS)
+            if b.requests == requests and b.id not in known
+        ]
+        round_ = max(run["round"] for _, run in items) + 1
+        for _, run in items:
+            run["pending"] = None
+            if found:
+                run.update(
+                    provider=DOUBT + submission,
+                    submission=submission,
+                    round=run["round"] + 1,
+                    resubmit=False,
+                    submitted_at=at,
+                    first_submitted_at=run["first_submitted_at"] or at,
+                )
+        _save_runs(task, batch, items)
+        for provider_id in found:
+            record = {"round": round_, "requests": requests, "created_at": at,
+                      "ended_at": None, "submission": submission, "doubt": True}  # fmt: skip
+            _record_provider(task, batch, provider_id, record)
+        log.warning(
+            "batch %s: a create of %d requests got no answer; %s",
+            batch.id,
+            requests,
+            f"polling its candidates {found}" if found else "it made no provider batch",
+        )
+
+
 def submit(
     task: SiftTask, batch: BatchJob, query_ids: Sequence[str], *, expected: str | None = None
 ) -> list[str]:
-    """Send these items' prompts as provider batches; answers the provider batch ids."""
-    store, settings = task.context.store, task.context.settings
+    """Send these items' prompts as provider batches; answers the provider batch ids.
+
+    Each create is written down before it is made (its items' ``pending``), so that one whose
+    answer is lost is looked for before anything is sent again (:func:`settle_doubts`)."""
+    settings = task.context.settings
     if batch.canceled_at is not None:
         for qid in query_ids:
             _cancel(task, batch, qid)
         return []
     client = _batches(task)
+    settle_doubts(task, batch, query_ids, expected)
     created: list[str] = []
     chunks = chunk_requests(
         _pending(task, batch, query_ids, expected),
@@ -297,35 +432,38 @@ def submit(
         max_bytes=settings.economy_max_batch_bytes,
     )
     for chunk in chunks:
-        provider = client.create([p.request for p in chunk])
+        submission = new_submission()
+        started = time.time()
+        for p in chunk:
+            p.request["custom_id"] = custom_id(p.run["pos"], submission)
+            p.run["pending"] = {"submission": submission, "at": started, "requests": len(chunk)}
+        _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+        try:
+            provider = client.create([p.request for p in chunk])
+        except RerankAttemptError as exc:
+            if not _may_have_created(exc):
+                for p in chunk:
+                    p.run["pending"] = None
+                _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+            raise
         now = time.time()
         round_ = max(p.run["round"] for p in chunk) + 1
-        store.economy_save(
-            batch.id,
-            ECONOMY_PROVIDERS_KEY,
-            {
-                provider.id: json.dumps(
-                    {"round": round_, "requests": len(chunk), "created_at": now, "ended_at": None}
-                )
-            },
-        )
-        runs: dict[str, str] = {}
+        # the provider batch first: killed before the runs say so, the items are still
+        # pending, and settle_doubts finds it here by its submission
+        record = {"round": round_, "requests": len(chunk), "created_at": now,
+                  "ended_at": None, "submission": submission}  # fmt: skip
+        _record_provider(task, batch, provider.id, record)
         for p in chunk:
             p.run.update(
                 provider=provider.id,
+                submission=submission,
+                pending=None,
                 round=p.run["round"] + 1,
                 resubmit=False,
                 submitted_at=now,
                 first_submitted_at=p.run["first_submitted_at"] or now,
             )
-            runs[p.query_id] = json.dumps(p.run, separators=(",", ":"))
-        store.economy_save(batch.id, ECONOMY_RUNS_KEY, runs)
-        task.app.send_task(
-            ECONOMY_POLL_TASK,
-            args=[batch.id, provider.id],
-            queue=BATCH_QUEUE,
-            countdown=settings.economy_poll_seconds,
-        )
+        _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
         created.append(provider.id)
         log.info(
             "batch %s: provider batch %s with %d requests (round %d)",
@@ -334,7 +472,7 @@ def submit(
             len(chunk),
             round_,
         )
-    again = store.get_batch(batch.id)
+    again = task.context.store.get_batch(batch.id)
     if created and again is not None and again.canceled_at is not None:
         for provider_id in created:  # canceled while we were sending: cancel what we sent
             _cancel_quietly(client, provider_id)
@@ -412,6 +550,38 @@ def _poll_countdown(task: SiftTask) -> float:
     )
 
 
+def _provider_record(store: JobStore, batch_id: str, provider_id: str) -> dict[str, Any]:
+    raw = store.economy_get(batch_id, ECONOMY_PROVIDERS_KEY, [provider_id])[0]
+    record: dict[str, Any] = json.loads(raw) if raw else {}
+    return record
+
+
+def _is_current(run: dict[str, Any], provider_id: str, submission: str | None) -> bool:
+    """Whether a result of ``provider_id`` whose ``custom_id`` names ``submission`` is the
+    answer the item waits for: its create's (the one recorded, or one still in doubt)."""
+    if submission is None:  # a custom_id of before submissions were named
+        return bool(run["provider"] == provider_id)
+    pending = run.get("pending") or {}
+    return submission in (run.get("submission"), pending.get("submission"))
+
+
+def _waits_on(run: dict[str, Any], provider_id: str, submission: str | None) -> bool:
+    """Whether an item waits on this provider batch (or on the create it answers)."""
+    return run["provider"] == provider_id or (
+        submission is not None and run["provider"] == DOUBT + submission
+    )
+
+
+def _items_waiting(
+    store: JobStore, batch_id: str, provider_id: str, submission: str | None
+) -> list[str]:
+    return [
+        qid
+        for qid, raw in store.economy_all(batch_id, ECONOMY_RUNS_KEY).items()
+        if _waits_on(json.loads(raw), provider_id, submission)
+    ]
+
+
 @shared_task(  # type: ignore[untyped-decorator]
     name=ECONOMY_POLL_TASK, base=SiftTask, bind=True, max_retries=None
 )
@@ -428,10 +598,13 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         self.announce_batch(batch, batch.status.value)
         return
     client = _batches(self)
+    record = _provider_record(store, batch_id, provider_id)
     try:
         status = client.retrieve(provider_id)
         if not status.ended:
-            if batch.canceled_at is not None and status.processing_status == "in_progress":
+            # a candidate of a create in doubt may be another client's: never canceled
+            ours = not record.get("doubt")
+            if batch.canceled_at is not None and status.processing_status == "in_progress" and ours:
                 client.cancel(provider_id)
             raise self.retry(countdown=_poll_countdown(self))
         map_results(self, batch, provider_id)
@@ -441,46 +614,72 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
             log.warning("provider batch %s: %s; polling again", provider_id, exc)
             raise self.retry(countdown=_poll_countdown(self)) from exc
         log.error("provider batch %s: giving up: %s", provider_id, exc)
-        mine = [
-            qid
-            for qid, raw in store.economy_all(batch_id, ECONOMY_RUNS_KEY).items()
-            if json.loads(raw)["provider"] == provider_id
-        ]
+        if record.get("doubt"):  # not shown to be ours: as if it were another client's
+            _candidate_ended(self, batch, provider_id, proven=False)
+            return
+        mine = _items_waiting(store, batch_id, provider_id, record.get("submission"))
         _fail_items(self, batch, mine, exc)
+
+
+def _candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, proven: bool) -> None:
+    """A candidate of a create in doubt ended: kept as such, and if every candidate of that
+    create ended without a line of it, the create made nothing: its items are sent again."""
+    store = task.context.store
+    record = _provider_record(store, batch.id, provider_id)
+    record.update(ended_at=record.get("ended_at") or time.time(), proven=proven)
+    store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
+    submission = record.get("submission")
+    if proven or submission is None:
+        return
+    group = [
+        json.loads(raw)
+        for raw in store.economy_all(batch.id, ECONOMY_PROVIDERS_KEY).values()
+        if json.loads(raw).get("submission") == submission
+    ]
+    if any(r.get("proven") or r.get("ended_at") is None for r in group):
+        return  # ours, or one still running may be
+    waiting = _items_waiting(store, batch.id, DOUBT + submission, None)
+    if waiting:
+        log.warning("batch %s: no provider batch was made by create %s; sending its %d "
+                    "requests again", batch.id, submission, len(waiting))  # fmt: skip
+        submit(task, store.get_batch(batch.id) or batch, waiting, expected=DOUBT + submission)
 
 
 def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
     """Stream an ended provider batch's results and map each line to its item."""
-    client = _batches(task)
+    client, store = _batches(task), task.context.store
+    record = _provider_record(store, batch.id, provider_id)
+    submission = record.get("submission")
     resubmit: list[str] = []
     page: list[BatchLine] = []
-    lines = 0
+    lines = ours = 0
     for line in client.results(provider_id):
         page.append(line)
         lines += 1
+        ours += submission is not None and submission_of(line.custom_id) == submission
         if len(page) >= PAGE:
             resubmit += _map_page(task, batch, provider_id, page)
             page = []
     resubmit += _map_page(task, batch, provider_id, page)
     if resubmit:
-        fresh = task.context.store.get_batch(batch.id) or batch
+        fresh = store.get_batch(batch.id) or batch
         submit(task, fresh, resubmit, expected=provider_id)
-    store = task.context.store
+    if record.get("doubt") and not ours:
+        log.info("provider batch %s: not the create in doubt (no line of it)", provider_id)
+        _candidate_ended(task, batch, provider_id, proven=False)
+        return
     # A request the results left out would wait forever: it failed, in the malformed class.
-    left_out = [
-        qid
-        for qid, raw in store.economy_all(batch.id, ECONOMY_RUNS_KEY).items()
-        if json.loads(raw)["provider"] == provider_id
-    ]
+    left_out = _items_waiting(store, batch.id, provider_id, submission)
     if left_out:
         log.warning("provider batch %s: %d requests had no result", provider_id, len(left_out))
         failure = RerankAttemptError(
             AttemptOutcome.MALFORMED, f"provider batch {provider_id} ended without its result"
         )
         _fail_items(task, batch, left_out, failure)
-    raw = store.economy_get(batch.id, ECONOMY_PROVIDERS_KEY, [provider_id])[0]
-    record = json.loads(raw) if raw else {}
+    record = _provider_record(store, batch.id, provider_id)
     record.update(ended_at=time.time(), results=lines, resubmitted=len(resubmit))
+    if record.get("doubt"):
+        record["proven"] = True
     store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
     log.info(
         "batch %s: provider batch %s mapped, %d results, %d resubmitted",
@@ -520,8 +719,11 @@ def _map_page(
         if status != JobStatus.RUNNING.value or raw is None or raw_run is None:
             continue  # final already, or canceled
         record = json.loads(raw_run)
-        if record["provider"] != provider_id:
-            continue  # a stale result: the item moved on to another provider batch
+        submission = submission_of(line.custom_id)
+        if not _is_current(record, provider_id, submission):
+            continue  # a stale result (the item moved on), or another create's
+        record.update(provider=provider_id, pending=None)
+        record["submission"] = submission or record.get("submission")
         with job_context(f"{batch.id}/{qid}"):
             if line.kind == "canceled":
                 _cancel(task, batch, qid)
@@ -590,6 +792,7 @@ def economy_cancel(self: SiftTask, batch_id: str) -> None:
         return
     client = _batches(self)
     for provider_id, raw in providers.items():
-        if json.loads(raw).get("ended_at") is None:
+        record = json.loads(raw)
+        if record.get("ended_at") is None and not record.get("doubt"):  # never another's
             _cancel_quietly(client, provider_id)
             log.info("batch %s: provider batch %s canceled", batch_id, provider_id)
