@@ -652,13 +652,17 @@ class FakeAnthropic:
         """Script the next answers of one Message Batches endpoint, one per call, then the
         normal answer again: ``good()`` (the normal answer), ``status(code, retry_after=...)``
         (the API error, nothing done) or ``drop()`` (no answer; on ``create``, after the batch
-        was created; on ``results``, half the file, then the connection closed). The SDK's
+        was created; on ``results``, half the file, then the connection closed) or, on
+        ``create``, ``stall(seconds)`` (the batch made at once, its answer that much later:
+        time to kill the caller between the two). The SDK's
         ``results`` retrieves the batch first: that call is a ``retrieve``."""
         if call not in get_args(BatchCall):
             raise ValueError(f"unknown batch call: {call!r}")
         for answer in answers:
-            if answer.kind not in ("good", "status", "drop"):
-                raise ValueError("a batch call answers as good(), status(...) or drop()")
+            if answer.kind not in ("good", "status", "drop", "stall"):
+                raise ValueError("a batch call answers as good(), status(...), drop() or stall()")
+            if answer.kind == "stall" and call != "create":
+                raise ValueError("stall() is for create: the batch made, its answer late")
         with self._lock:
             self._state.batch_calls.setdefault(call, deque()).extend(answers)
 
@@ -1103,7 +1107,10 @@ class FakeAnthropic:
             )
             self._state.batches[batch.id] = batch
             payload = self._batch_json(batch, _base(request))
-        if scripted is not None:  # drop(): created, and the answer lost
+        if scripted is not None and scripted.kind == "stall":  # made; the answer late
+            if not await _wait_unless_gone(request, scripted.seconds):
+                return Response(status_code=499)
+        elif scripted is not None:  # drop(): created, and the answer lost
             return await _drop(request)
         return JSONResponse(payload, headers={"request-id": f"req_{_base62(24)}"})
 
