@@ -222,6 +222,7 @@ class BatchOutcome:
     behaviour: Behaviour | None = None
     error_type: str = "api_error"
     line: str | None = None  # garbled: the results line, verbatim
+    copies: int = 1  # how many times its line is in the results file (duplicated: 2)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -229,6 +230,7 @@ class BatchOutcome:
             "behaviour": self.behaviour.to_json() if self.behaviour else None,
             "error_type": self.error_type,
             "line": self.line,
+            "copies": self.copies,
         }
 
     @classmethod
@@ -241,6 +243,7 @@ class BatchOutcome:
             behaviour=Behaviour.from_json(behaviour) if behaviour else None,
             error_type=data.get("error_type", "api_error"),
             line=data.get("line"),
+            copies=int(data.get("copies", 1)),
         )
 
 
@@ -265,6 +268,11 @@ def garbled(line: str) -> BatchOutcome:
     """The request's line of the results file is ``line``, verbatim: not JSON, or JSON of a
     shape the API does not document (a provider fault to survive)."""
     return BatchOutcome("garbled", line=line)
+
+
+def duplicated(outcome: BatchOutcome) -> BatchOutcome:
+    """``outcome``, its line twice in the results file (a provider fault to survive)."""
+    return replace(outcome, copies=2)
 
 
 def missing() -> BatchOutcome:
@@ -986,9 +994,8 @@ class FakeAnthropic:
             if outcome.kind == "garbled":
                 results.append({"raw": outcome.line or ""})
                 continue
-            results.append(
-                {"custom_id": req["custom_id"], "result": self._batch_result(req, outcome)}
-            )
+            line = {"custom_id": req["custom_id"], "result": self._batch_result(req, outcome)}
+            results.extend([line] * max(1, outcome.copies))
         order = self._state.config.batch_order
         if order == "reverse":
             results.reverse()

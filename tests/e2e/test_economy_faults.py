@@ -15,7 +15,15 @@ import pytest
 
 from tests.e2e.conftest import ANTHROPIC_API_KEY, Stack
 from tests.e2e.test_economy import _items, _results, _submit, _wait
-from tests.fake_anthropic import drop, garbled, good, status
+from tests.fake_anthropic import (
+    drop,
+    duplicated,
+    errored,
+    garbled,
+    good,
+    status,
+    succeeded,
+)
 from worker.queue.economy import position_of, submission_of
 
 
@@ -166,3 +174,20 @@ def test_a_create_that_made_nothing_is_sent_again_after_its_candidate_proves_for
         attempts = item["result"]["trace"]["attempts"]
         assert [a["outcome"] for a in attempts] == ["ok"]  # the foreign answers never counted
         assert attempts[0]["provider_batch"] == ours["id"]
+
+
+def test_a_result_line_given_twice_is_counted_once(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    stack.model.script_batch(
+        {"i0": [duplicated(errored("overloaded_error"))], "i1": [duplicated(succeeded())]}
+    )
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    done = _wait(stack, batch_id, timeout=30)
+    assert done["counts"]["succeeded"] == 3, done
+    results = _results(stack, batch_id)
+    outcomes = {q: [a["outcome"] for a in r["result"]["trace"]["attempts"]]
+                for q, r in results.items()}  # fmt: skip
+    # one errored result, one attempt: resent once, alone
+    assert outcomes == {"q0": ["http_5xx", "ok"], "q1": ["ok"], "q2": ["ok"]}, outcomes
+    assert [len(b["custom_ids"]) for b in stack.model.batches()] == [3, 1]

@@ -653,7 +653,13 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
     resubmit: list[str] = []
     page: list[BatchLine] = []
     lines = ours = 0
+    seen: set[str] = set()
     for line in client.results(provider_id):
+        if line.custom_id in seen:  # a request's result given twice: the first one counts
+            log.warning("provider batch %s: %r again; ignored", provider_id, line.custom_id)
+            continue
+        if line.custom_id:
+            seen.add(line.custom_id)
         page.append(line)
         lines += 1
         ours += submission is not None and submission_of(line.custom_id) == submission
@@ -663,7 +669,8 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
     resubmit += _map_page(task, batch, provider_id, page)
     if resubmit:
         fresh = store.get_batch(batch.id) or batch
-        submit(task, fresh, resubmit, expected=provider_id)
+        # once each: a custom_id twice in one create is refused (400) for the whole batch
+        submit(task, fresh, list(dict.fromkeys(resubmit)), expected=provider_id)
     if record.get("doubt") and not ours:
         log.info("provider batch %s: not the create in doubt (no line of it)", provider_id)
         _candidate_ended(task, batch, provider_id, proven=False)
