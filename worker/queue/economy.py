@@ -9,18 +9,23 @@ The flow (DESIGN.md §7; the README's "Choosing a lane"):
    item final or prepared enqueues ``sift.economy_submit``, once.
 2. ``sift.economy_submit`` sends the prompts as Message Batches, chunked under the
    provider's limits (``SIFT_ECONOMY_MAX_REQUESTS_PER_BATCH``, 100,000 requests, and
-   ``SIFT_ECONOMY_MAX_BATCH_BYTES``, 256 MB). Each request's ``custom_id`` is ``i<position>``,
-   the item's place in the submission order; its ``params`` are the standard lane's own.
-   One ``sift.economy_poll`` per provider batch follows.
+   ``SIFT_ECONOMY_MAX_BATCH_BYTES``, 256 MB). Each request's ``custom_id`` is
+   ``i<position>-<submission>``: the item's place in the submission order, and the token of
+   the create that sent it; its ``params`` are the standard lane's own. Each create is
+   written down before it is made, so that one whose answer was lost is found, not made
+   twice (:func:`settle_doubts`). A failed call is retried at the poll cadence until the
+   economy deadline. One ``sift.economy_poll`` per provider batch follows.
 3. ``sift.economy_poll`` retrieves its provider batch with backoff
    (``SIFT_ECONOMY_POLL_SECONDS`` doubling up to ``SIFT_ECONOMY_POLL_MAX_SECONDS``) until it
    ended, then streams the JSONL results, in whatever order they come, and maps each line
-   back by its ``custom_id``:
+   back by its ``custom_id`` (a line counts only if it names the item's current submission,
+   and once):
 
    - ``succeeded``: the pipeline's second half, :meth:`SearchPipeline.finish`, with the
      model's positions: the same normalisation and fallback as the standard lane;
    - ``errored`` (its class from the error type), ``expired`` (class ``timeout``) and a
-     ``succeeded`` answer that fails the schema (``malformed``): resubmitted in a new
+     ``succeeded`` answer that fails the schema, or a line of an unknown shape
+     (``malformed``): resubmitted in a new
      provider batch while the class is retryable, the attempt budget
      (``SIFT_GENERATION_MAX_REQUESTS``) lasts and ``SIFT_ECONOMY_DEADLINE_SECONDS`` since
      the batch was submitted has not passed; else the failure policy, as in the standard
