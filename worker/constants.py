@@ -38,6 +38,9 @@ ECONOMY_PREPARED_KEY = REDIS_PREFIX + "eco-prepared:"  # + batch id -> hash quer
 ECONOMY_RUNS_KEY = REDIS_PREFIX + "eco-runs:"  # + batch id -> hash query id -> rerank run JSON
 ECONOMY_PROVIDERS_KEY = REDIS_PREFIX + "eco-providers:"  # + batch id -> hash provider id -> JSON
 ECONOMY_STATE_KEY = REDIS_PREFIX + "eco-state:"  # + batch id -> hash: submit claim, counters
+# zset "<batch id> <provider batch id | submit>" -> the time by which that economy task
+# should have run again: the re-drive's sweep sends one past it (a lost message)
+ECONOMY_WATCH_KEY = REDIS_PREFIX + "eco-watch"
 STATS_KEY = REDIS_PREFIX + "stats:jobs"  # hash state -> jobs and items queued/running now
 STATS_UNTRACKED_KEY = REDIS_PREFIX + "stats:untracked"  # same, for ingest jobs (not in the gauge)
 # the re-drive (worker/queue/redrive.py): unfinished jobs, what the sweeper keeps between sweeps

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import anthropic
 import pytest
+import redis
 
 from tests.e2e.conftest import ANTHROPIC_API_KEY, Stack
 from tests.e2e.test_economy import _items, _results, _submit, _wait
@@ -24,6 +25,7 @@ from tests.fake_anthropic import (
     status,
     succeeded,
 )
+from worker.constants import ECONOMY_WATCH_KEY
 from worker.queue.economy import position_of, submission_of
 
 
@@ -134,6 +136,11 @@ def test_a_create_whose_answer_was_lost_is_found_not_made_twice(
         attempts = item["result"]["trace"]["attempts"]
         assert [a["outcome"] for a in attempts] == ["ok"]
         assert attempts[0]["provider_batch"] == made["id"]
+    # every submission and poll said it was done: nothing left for the watch to wake
+    watched = redis.Redis.from_url(stack.redis_url + "/0", decode_responses=True).zrange(
+        ECONOMY_WATCH_KEY, 0, -1
+    )
+    assert [m for m in watched if m.startswith(batch_id)] == []
 
 
 def test_a_lost_create_is_told_from_another_clients_batch_by_its_results(

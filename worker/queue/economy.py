@@ -98,6 +98,11 @@ SUBMISSION_CHARS = 12
 # call (the call's own timeout and the clocks' skew).
 DOUBT_WINDOW_SECONDS = 120.0
 DOUBT = "doubt:"  # a run's provider while its create is in doubt: "doubt:<submission>"
+# Each submission and poll says by when it should run next (its countdown plus this margin:
+# a worker's death and restore, a long mapping between its marks). One not run by then lost
+# its message (the broker's pop-then-record window; a retry not published during a Redis
+# outage): the re-drive's sweep sends it again (:func:`rewake`).
+WATCH_MARGIN_SECONDS = 300.0
 
 
 def custom_id(position: int, submission: str) -> str:
@@ -223,8 +228,39 @@ def maybe_submit(task: SiftTask, batch_id: str) -> None:
     """Enqueue the submission once every item is final or prepared (one chunk wins)."""
     store = task.context.store
     if store.economy_settled(batch_id) and store.economy_claim(batch_id, SUBMIT_CLAIM):
+        _expect(task, batch_id, SUBMIT_CLAIM, 0.0)
         task.app.send_task(ECONOMY_SUBMIT_TASK, args=[batch_id], queue=BATCH_QUEUE)
         log.info("batch %s: every item prepared; submission enqueued", batch_id)
+
+
+def _expect(task: SiftTask, batch_id: str, what: str, countdown: float) -> None:
+    """The economy task for ``what`` (a provider batch, or the submission) runs again within
+    ``countdown`` seconds, or its message was lost (:func:`rewake`)."""
+    due = time.time() + countdown + WATCH_MARGIN_SECONDS
+    task.context.store.economy_expect(batch_id, what, due)
+
+
+def rewake(store: JobStore, send: Callable[[str, list[Any], str, str], None], now: float) -> int:
+    """Send again every economy task that should have run by ``now`` and did not: its message
+    was lost, and nothing else would bring it back (the economy lane's batches wait for hours
+    by design, so the re-drive's stall test does not apply to them). A batch finished or gone
+    needs none. Answers how many were sent. ``send`` is the re-drive's
+    ``(task name, args, queue, task id)``."""
+    sent = 0
+    for batch_id, what in store.economy_overdue(now):
+        batch = store.get_batch(batch_id)
+        if batch is None or batch.finished_at is not None:
+            store.economy_met(batch_id, what)
+            continue
+        if what == SUBMIT_CLAIM:
+            name, args = ECONOMY_SUBMIT_TASK, [batch_id]
+        else:
+            name, args = ECONOMY_POLL_TASK, [batch_id, what]
+        store.economy_expect(batch_id, what, now + WATCH_MARGIN_SECONDS)
+        send(name, args, BATCH_QUEUE, f"rewake-{uuid.uuid4().hex}")
+        log.warning("batch %s: its %s task did not run when due; sent again", batch_id, what)
+        sent += 1
+    return sent
 
 
 def _item_done(task: SiftTask, batch: BatchJob, transition: ItemTransition) -> None:
@@ -337,6 +373,7 @@ def _record_provider(
 
 
 def _send_poll(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
+    _expect(task, batch.id, provider_id, task.context.settings.economy_poll_seconds)
     task.app.send_task(
         ECONOMY_POLL_TASK,
         args=[batch.id, provider_id],
@@ -521,14 +558,18 @@ def economy_submit(self: SiftTask, batch_id: str) -> None:
     store, settings = self.context.store, self.context.settings
     batch = store.get_batch(batch_id)
     if batch is None:
+        store.economy_met(batch_id, SUBMIT_CLAIM)
         return
+    _expect(self, batch_id, SUBMIT_CLAIM, 0.0)
     query_ids = store.economy_fields(batch_id, ECONOMY_PREPARED_KEY)
     try:
         submit(self, batch, query_ids)
+        store.economy_met(batch_id, SUBMIT_CLAIM)
     except BatchQueueFull as exc:
         # not a failure: the provider's queue frees as its batches end. Sent again, the task
         # keeps its retry budget; what was sent already is not sent twice (``_pending``).
         log.info("batch %s: %s; submitting the rest later", batch_id, exc)
+        _expect(self, batch_id, SUBMIT_CLAIM, exc.retry_after or 0.0)
         self.app.send_task(ECONOMY_SUBMIT_TASK, args=[batch_id], queue=BATCH_QUEUE,
                            countdown=exc.retry_after)  # fmt: skip
     except RerankAttemptError as exc:
@@ -537,9 +578,11 @@ def economy_submit(self: SiftTask, batch_id: str) -> None:
             log.warning("batch %s: submission failed, retrying: %s", batch_id, exc)
             # not before the rate budget or a 429's retry-after frees it
             countdown = max(_poll_countdown(self), exc.retry_after or 0.0)
+            _expect(self, batch_id, SUBMIT_CLAIM, countdown)
             raise self.retry(exc=exc, countdown=countdown) from exc
         log.error("batch %s: submission failed for good: %s", batch_id, exc)
         _fail_items(self, batch, _unsent(self, batch, query_ids), exc)
+        store.economy_met(batch_id, SUBMIT_CLAIM)
 
 
 # --- polling and mapping the results --------------------------------------------------------
@@ -594,6 +637,8 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
     """Poll one provider batch until it ended, then map its results to the batch's items."""
     store, settings = self.context.store, self.context.settings
     batch = store.get_batch(batch_id)
+    if batch is None or batch.finished_at is not None:
+        store.economy_met(batch_id, provider_id)
     if batch is None:
         return
     if batch.finished_at is not None and self.delivery() > 1:
@@ -604,6 +649,7 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         return
     client = _batches(self)
     record = _provider_record(store, batch_id, provider_id)
+    _expect(self, batch_id, provider_id, 0.0)
     try:
         status = client.retrieve(provider_id)
         if not status.ended:
@@ -611,14 +657,18 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
             ours = not record.get("doubt")
             if batch.canceled_at is not None and status.processing_status == "in_progress" and ours:
                 client.cancel(provider_id)
+            _expect(self, batch_id, provider_id, _poll_countdown(self))
             raise self.retry(countdown=_poll_countdown(self))
         map_results(self, batch, provider_id)
+        store.economy_met(batch_id, provider_id)
     except RerankAttemptError as exc:
         give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
         if exc.retryable and time.time() < give_up:
             log.warning("provider batch %s: %s; polling again", provider_id, exc)
+            _expect(self, batch_id, provider_id, _poll_countdown(self))
             raise self.retry(countdown=_poll_countdown(self)) from exc
         log.error("provider batch %s: giving up: %s", provider_id, exc)
+        store.economy_met(batch_id, provider_id)
         if record.get("doubt"):  # not shown to be ours: as if it were another client's
             _candidate_ended(self, batch, provider_id, proven=False)
             return
@@ -671,6 +721,7 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
         if len(page) >= PAGE:
             resubmit += _map_page(task, batch, provider_id, page)
             page = []
+            _expect(task, batch.id, provider_id, 0.0)  # a long mapping is no lost message
     resubmit += _map_page(task, batch, provider_id, page)
     if resubmit:
         fresh = store.get_batch(batch.id) or batch

@@ -54,7 +54,9 @@ up). Each sets ``sift:redrive:urgent`` for
 without persistence a restart loses every job and message anyway, so there is nothing to
 recover.
 
-The economy lane is not swept: its items wait on provider batches for hours by design.
+The economy lane is not swept so: its items wait on provider batches for hours by design.
+Its submissions and polls say by when each should run again instead, and a sweep sends
+again one that did not (:func:`worker.queue.economy.rewake`).
 
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
     sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)
@@ -68,6 +70,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -272,6 +275,7 @@ class Sweeper:
     def sweep(self) -> list[Redrive]:
         """Re-drive what this sweep and the one before both found lost; answers what it sent."""
         self.note_restart()
+        self.rewake_economy()
         urgent = bool(self.store.redis.exists(REDRIVE_URGENT_KEY))
         lost = self.lost_positions(urgent=urgent)
         previous = self._suspects()
@@ -279,6 +283,13 @@ class Sweeper:
         confirmed = {job: positions for job, positions in confirmed.items() if positions}
         self._remember({job: lost[job] - confirmed.get(job, set()) for job in lost})
         return [self._redrive(job, positions) for job, positions in confirmed.items()]
+
+    def rewake_economy(self) -> int:
+        """The economy lane's tasks whose message was lost, sent again (its batches are not
+        swept as the others are: they wait on provider batches for hours by design)."""
+        from worker.queue.economy import rewake
+
+        return rewake(self.store, self.send, time.time())
 
     def note_restart(self) -> None:
         """Open an urgent window if Redis has restarted since the last sweep: a pop whose reply

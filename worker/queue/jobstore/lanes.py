@@ -12,6 +12,7 @@ from worker.constants import (
     BATCH_KEY,
     ECONOMY_PREPARED_KEY,
     ECONOMY_STATE_KEY,
+    ECONOMY_WATCH_KEY,
 )
 from worker.queue.jobstore.records import FINAL, _now
 from worker.queue.jobstore.store import _StoreCore
@@ -66,3 +67,19 @@ class EconomyLaneRecords(_StoreCore):
     def economy_delete(self, batch_id: str) -> None:
         """Forget a finished batch's prepared searches (the biggest economy key)."""
         self.redis.delete(ECONOMY_PREPARED_KEY + batch_id)
+
+    def economy_expect(self, batch_id: str, what: str, due: float) -> None:
+        """The economy task for ``what`` (a provider batch id, or ``submit``) of the batch
+        should run again by ``due`` (epoch seconds); past it, its message was lost."""
+        self.redis.zadd(ECONOMY_WATCH_KEY, {f"{batch_id} {what}": due})
+
+    def economy_met(self, batch_id: str, what: str) -> None:
+        """That economy task needs no other run (its provider batch mapped, say)."""
+        self.redis.zrem(ECONOMY_WATCH_KEY, f"{batch_id} {what}")
+
+    def economy_overdue(self, now: float, limit: int = 1000) -> list[tuple[str, str]]:
+        """(batch id, what) of the economy tasks that should have run by ``now``."""
+        members = cast(
+            list[str], self.redis.zrangebyscore(ECONOMY_WATCH_KEY, "-inf", now, 0, limit)
+        )
+        return [cast(tuple[str, str], tuple(m.split(" ", 1))) for m in members if " " in m]

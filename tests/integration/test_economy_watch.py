@@ -1,0 +1,51 @@
+"""The economy lane's watch against a real redis-server: a submission or poll whose message
+was lost is sent again by the re-drive's sweep, once per margin, and never for a finished
+batch (:func:`worker.queue.economy.rewake`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from worker.constants import BATCH_QUEUE, ECONOMY_POLL_TASK, ECONOMY_SUBMIT_TASK
+from worker.contract import RerankInfo, SearchResult, SearchSpec
+from worker.queue.economy import WATCH_MARGIN_SECONDS, rewake
+from worker.queue.jobstore import JobStore
+from worker.queue.redrive import Sweeper
+
+
+def _economy_batch(store: JobStore) -> str:
+    spec = SearchSpec(index="docs", query="q")
+    batch = store.create_batch("acme", "docs", [("q0", spec)], lane="economy")
+    store.start_item(batch.id, "q0")
+    return batch.id
+
+
+def test_a_lost_poll_or_submission_is_sent_again_once_it_is_overdue(store: JobStore) -> None:
+    batch_id = _economy_batch(store)
+    now = time.time()
+    store.economy_expect(batch_id, "msgbatch_lost", now - 1)  # due, never ran: lost
+    store.economy_expect(batch_id, "submit", now - 1)
+    store.economy_expect(batch_id, "msgbatch_waiting", now + 60)  # its poll is not due yet
+    sent: list[tuple[str, list[Any], str]] = []
+    sweeper = Sweeper(store, lambda name, args, queue, task_id: sent.append((name, args, queue)),
+                      interval_seconds=30, stall_seconds=120)  # fmt: skip
+    sweeper.sweep()
+    assert sorted(sent) == [
+        (ECONOMY_POLL_TASK, [batch_id, "msgbatch_lost"], BATCH_QUEUE),
+        (ECONOMY_SUBMIT_TASK, [batch_id], BATCH_QUEUE),
+    ]
+    # sent once: due again a margin later, not at every sweep
+    assert store.economy_overdue(now + 1) == []
+    assert len(store.economy_overdue(now + WATCH_MARGIN_SECONDS + 61)) == 3
+
+
+def test_a_finished_batch_is_never_woken(store: JobStore) -> None:
+    batch_id = _economy_batch(store)
+    store.finish_item(
+        batch_id, "q0", result=SearchResult(hits=[], rerank=RerankInfo(applied=False))
+    )
+    store.economy_expect(batch_id, "msgbatch_done", time.time() - 1)
+    sent: list[str] = []
+    assert rewake(store, lambda name, *_: sent.append(name), time.time()) == 0
+    assert sent == [] and store.economy_overdue(time.time()) == []  # and forgotten
