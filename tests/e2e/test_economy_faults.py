@@ -8,13 +8,14 @@ the provider batch was made, a results file with lines the SDK's shapes do not f
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import anthropic
 import pytest
 import redis
 
-from tests.e2e.conftest import ANTHROPIC_API_KEY, Stack
+from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, Stack
 from tests.e2e.test_economy import _items, _results, _submit, _wait
 from tests.fake_anthropic import (
     drop,
@@ -198,3 +199,21 @@ def test_a_result_line_given_twice_is_counted_once(
     # one errored result, one attempt: resent once, alone
     assert outcomes == {"q0": ["http_5xx", "ok"], "q1": ["ok"], "q2": ["ok"]}, outcomes
     assert [len(b["custom_ids"]) for b in stack.model.batches()] == [3, 1]
+
+
+def test_a_cancel_the_provider_refuses_never_fails_the_items(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # the provider refuses the cancels (as it does once a batch ended, say): Sift's cancel
+    # and the poll's both meet a 400; the poll tries again, it never fails the items for it
+    stack.model.configure(batch_processing_seconds=300.0)
+    batch_id = _submit(stack, _items(queries, 3), "economy")
+    deadline = time.monotonic() + 30
+    while not stack.model.batches():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stack.model.script_batch_calls("cancel", [status(400, message="batch ended")] * 2)
+    assert stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME).status_code == 200
+    done = _wait(stack, batch_id, timeout=30)
+    assert done["status"] == "canceled" and done["counts"]["canceled"] == 3, done
+    assert all(r["status"] == "canceled" for r in _results(stack, batch_id).values())

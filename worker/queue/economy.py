@@ -656,7 +656,9 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
             # a candidate of a create in doubt may be another client's: never canceled
             ours = not record.get("doubt")
             if batch.canceled_at is not None and status.processing_status == "in_progress" and ours:
-                client.cancel(provider_id)
+                # a refused cancel (the batch ended meanwhile, say) is no failure of its
+                # items: the next poll sees it ended, or asks again
+                _cancel_quietly(client, provider_id)
             _expect(self, batch_id, provider_id, _poll_countdown(self))
             raise self.retry(countdown=_poll_countdown(self))
         map_results(self, batch, provider_id)
