@@ -130,7 +130,9 @@ ERROR_MESSAGES: dict[str, str] = {
     "overloaded_error": "Overloaded",
 }
 
-Kind = Literal["good", "positions", "malformed", "status", "stall", "drop", "body"]
+Kind = Literal[
+    "good", "positions", "malformed", "status", "stall", "drop", "body", "trickle", "cut"
+]
 Order = Literal["reverse", "identity"] | Callable[[list[int]], list[int]]
 
 
@@ -197,6 +199,20 @@ def good() -> Behaviour:
 def drop() -> Behaviour:
     """Close the connection after reading the request, with no response at all."""
     return Behaviour("drop")
+
+
+def trickle(seconds: float) -> Behaviour:
+    """A good answer whose status and headers (``content-length`` included, as the real API
+    sends for a whole message) go at once, and whose body then trickles in small pieces over
+    ``seconds``: a slow or congested link, or a proxy that buffers. No single read waits
+    long, so a per-read timeout never fires."""
+    return Behaviour("trickle", seconds=seconds)
+
+
+def cut() -> Behaviour:
+    """A good answer's status, headers and the first half of its body, then the connection
+    is closed: a reset in the middle of a response."""
+    return Behaviour("cut")
 
 
 def body(text: str) -> Behaviour:
@@ -813,6 +829,10 @@ class FakeAnthropic:
             return await _drop(request)
         if behaviour.kind == "body":
             return Response(behaviour.text or "", media_type="application/json")
+        if behaviour.kind in ("trickle", "cut"):
+            payload = await run_in_threadpool(self._message, body, behaviour)
+            headers = {"request-id": f"req_{_base62(24)}", **self._limit_headers()}
+            return _SlowResponse(payload, headers, behaviour)
         if behaviour.seconds > 0 and not await _wait_unless_gone(request, behaviour.seconds):
             return Response(status_code=499)  # the client left; nobody reads this
         payload = await run_in_threadpool(self._message, body, behaviour)
@@ -1402,6 +1422,39 @@ def _cut(body: str) -> Response:
         raise ConnectionAbortedError("the fake cut the results download")
 
     return StreamingResponse(chunks(), media_type="application/binary")
+
+
+TRICKLE_PIECE_SECONDS = 0.2  # a trickled body sends one piece this often
+
+
+class _SlowResponse(Response):
+    """A ``200`` whose headers (``content-length`` included) go at once and whose body then
+    trickles in pieces over ``seconds`` (``trickle``), or stops half way with the connection
+    closed (``cut``)."""
+
+    def __init__(
+        self, payload: Mapping[str, Any], headers: Mapping[str, str], behaviour: Behaviour
+    ) -> None:
+        super().__init__(json.dumps(payload).encode(), 200, dict(headers), "application/json")
+        self.behaviour = behaviour
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        data = self.body
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        if self.behaviour.kind == "cut":
+            await send({"type": "http.response.body", "body": data[: len(data) // 2],
+                        "more_body": True})  # fmt: skip
+            await _drop(Request(scope, receive))
+            return
+        pieces = max(2, math.ceil(self.behaviour.seconds / TRICKLE_PIECE_SECONDS))
+        size = math.ceil(len(data) / pieces)
+        request = Request(scope, receive)
+        for offset in range(0, len(data), size):
+            if offset and not await _wait_unless_gone(request, self.behaviour.seconds / pieces):
+                return  # the client left
+            more = offset + size < len(data)
+            await send({"type": "http.response.body", "body": data[offset : offset + size],
+                        "more_body": more})  # fmt: skip
 
 
 async def _drop(request: Request) -> Response:

@@ -15,11 +15,13 @@ import pytest
 from tests.fake_anthropic import (
     FakeAnthropic,
     body,
+    cut,
     drop,
     malformed,
     positions,
     stall,
     status,
+    trickle,
 )
 from worker.adapters.anthropic import (
     AnthropicReranker,
@@ -437,6 +439,37 @@ def test_dropped_connection(fake: FakeAnthropic, reranker: AnthropicReranker) ->
     assert type(error.__cause__) is anthropic.APIConnectionError
     assert len(fake.requests()) == 1
     assert reranker.rerank(make_prompt(), 5.0).positions[0] == 30  # the pool recovers
+
+
+def test_a_body_that_trickles_past_the_timeout_is_a_timeout(fake_from_env: FakeAnthropic) -> None:
+    """Headers at once, then the body a piece every 0.2 s for 6 s: no single read waits as
+    long as the 1 s timeout, but the attempt as a whole must end at it. (It used to read the
+    whole body, 6 s, and answer as if it had been in time.)"""
+    fake = fake_from_env
+    fake.script([trickle(6.0), trickle(0.4)])
+    reranker = AnthropicReranker(MODEL)
+    try:
+        error = attempt_error(reranker, timeout=1.0)
+        assert error.outcome is AttemptOutcome.TIMEOUT
+        assert isinstance(error.__cause__, anthropic.APITimeoutError)
+        # a body that trickles in within the timeout is read whole, on a fresh connection
+        assert list(reranker.rerank(make_prompt(), 5.0).positions)[:2] == [30, 29]
+    finally:
+        reranker.close()
+    assert len(fake.requests()) == 2
+
+
+def test_a_connection_cut_mid_body_is_a_connection_error(fake_from_env: FakeAnthropic) -> None:
+    fake = fake_from_env
+    fake.script([cut()])
+    reranker = AnthropicReranker(MODEL)
+    try:
+        error = attempt_error(reranker)
+        assert error.outcome is AttemptOutcome.CONNECTION
+        assert "RemoteProtocolError" in error.message
+        assert reranker.rerank(make_prompt(), 5.0).positions[0] == 30  # the next one is fine
+    finally:
+        reranker.close()
 
 
 def test_refused_connection() -> None:

@@ -45,6 +45,9 @@ class Case:
 # the second gets what is left of the 2 s deadline, and the search ends at the deadline.
 CASES: dict[str, Case] = {
     "timeout": Case([fa.stall(10)] * 3, "timeout", 0, reason=None),
+    # headers at once, then the body a piece at a time for 10 s: no read waits long, but
+    # each attempt still ends at its timeout, and the search at the deadline
+    "trickle": Case([fa.trickle(10)] * 3, "timeout", 0, reason=None),
     "http_5xx": Case([fa.status(500), fa.status(503), fa.status(500)], "http_5xx", 3),
     "overloaded_529": Case([fa.status(529)] * 3, "http_5xx", 3),
     "rate_limited_429": Case([fa.status(429, retry_after=0.1)] * 3, "rate_limited", 3),

@@ -18,23 +18,32 @@ read by :func:`parse_body` (``with_raw_response``), not parsed into the SDK's ``
 
 The SDK's own retries are off (``max_retries=0``): the core's tenacity loop is the one retry
 layer, and it honours ``retry_after``.
+
+An attempt's timeout is a deadline for the whole exchange: connecting, sending, waiting for
+the answer and reading its body. The SDK's timeout (httpx's) bounds each socket operation
+alone, so a body that trickles in, a piece now and then, kept an attempt of 1 s going for as
+long as the provider sent; each connection of the clients built here clamps every
+operation's timeout to what is left of the attempt's (:class:`_DeadlineBackend`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import importlib
 import logging
 import math
 import os
 import ssl
 import threading
+import time
 from collections import deque
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import anthropic
+import httpcore2
 from anthropic._constants import DEFAULT_CONNECTION_LIMITS
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
@@ -42,10 +51,11 @@ from worker.core.types import RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Mapping
+    from collections.abc import Callable, Iterable, Iterator, Mapping
     from types import ModuleType
 
     from anthropic.types import Message, MessageParam, OutputConfigParam
+    from httpcore2._types import SOCKET_OPTION
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +81,99 @@ class _Positions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     positions: list[StrictInt]
+
+
+# the monotonic instant by which the attempt this thread is making must be over (None: no
+# attempt, e.g. a Message Batches call on the same clients' module)
+_attempt_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "sift_attempt_deadline", default=None
+)
+
+
+def _left(timeout: float | None, expired: type[httpcore2.TimeoutException]) -> float | None:
+    """``timeout`` for one socket operation, cut to what is left of the attempt's deadline;
+    ``expired`` (the operation's httpcore timeout, which the SDK maps to APITimeoutError)
+    when nothing is left."""
+    deadline = _attempt_deadline.get()
+    if deadline is None:
+        return timeout
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise expired("the attempt's timeout ran out")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore2.NetworkStream):
+    """A connection whose every read and write waits at most until the attempt's deadline."""
+
+    def __init__(self, inner: httpcore2.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _left(timeout, httpcore2.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _left(timeout, httpcore2.WriteTimeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore2.NetworkStream:
+        timeout = _left(timeout, httpcore2.ConnectTimeout)
+        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore2.NetworkBackend):
+    """httpcore's network backend, its connections made :class:`_DeadlineStream`."""
+
+    def __init__(self, inner: httpcore2.NetworkBackend) -> None:
+        self._inner = inner
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[SOCKET_OPTION] | None = None,
+    ) -> httpcore2.NetworkStream:
+        timeout = _left(timeout, httpcore2.ConnectTimeout)
+        stream = self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
+        return _DeadlineStream(stream)
+
+    def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,
+        socket_options: Iterable[SOCKET_OPTION] | None = None,
+    ) -> httpcore2.NetworkStream:
+        timeout = _left(timeout, httpcore2.ConnectTimeout)
+        return _DeadlineStream(self._inner.connect_unix_socket(path, timeout, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+def _bound_by_deadline(http_client: Any) -> None:
+    """Give every connection pool of ``http_client`` (its transport, and a proxy's from the
+    environment) the :class:`_DeadlineBackend`. httpx takes no network backend, so this
+    reaches into its transports (``_transport``, ``_mounts``, ``_pool``); a change there
+    raises here rather than leaving attempts unbounded."""
+    transports = [http_client._transport, *http_client._mounts.values()]
+    for transport in transports:
+        pool = getattr(transport, "_pool", None)
+        if transport is not None and not hasattr(pool, "_network_backend"):
+            raise RuntimeError(f"cannot bound the attempts of {type(transport).__name__}")
+        if pool is not None and not isinstance(pool._network_backend, _DeadlineBackend):
+            pool._network_backend = _DeadlineBackend(pool._network_backend)
 
 
 def _http() -> ModuleType:
@@ -131,11 +234,10 @@ class AnthropicReranker:
             max_keepalive_connections=connections,
             keepalive_expiry=30.0,
         )
+        http_client = anthropic.DefaultHttpxClient(limits=limits, verify=self._tls)
+        _bound_by_deadline(http_client)
         return anthropic.Anthropic(
-            api_key=self._api_key,
-            max_retries=0,
-            http_client=anthropic.DefaultHttpxClient(limits=limits, verify=self._tls),
-            open_telemetry=spans,
+            api_key=self._api_key, max_retries=0, http_client=http_client, open_telemetry=spans
         )
 
     @contextlib.contextmanager
@@ -191,6 +293,7 @@ class AnthropicReranker:
         if not timeout_seconds > 0:
             raise RerankAttemptError(AttemptOutcome.TIMEOUT, "no time left for an attempt")
         params = self.request_params(prompt)
+        deadline = _attempt_deadline.set(time.monotonic() + timeout_seconds)
         try:
             with self._borrowed() as client:
                 raw = client.messages.with_raw_response.create(**params, timeout=timeout_seconds)
@@ -213,6 +316,8 @@ class AnthropicReranker:
             if "authentication" not in str(exc):
                 raise
             raise RerankAttemptError(AttemptOutcome.HTTP_4XX, str(exc)) from exc
+        finally:
+            _attempt_deadline.reset(deadline)
         return parse_body(body)
 
     def _tell_headers(self, headers: Mapping[str, str]) -> None:
