@@ -162,6 +162,17 @@ def test_limits_learned_from_headers_turn_the_budget_on() -> None:
     assert limits_from_headers({"request-id": "x"}) is None
 
 
+@pytest.mark.parametrize("absurd", ["inf", "-inf", "1e999", "nan", "0", "-5", "0.5", ""])
+def test_an_absurd_limit_header_is_ignored_and_the_others_still_learned(absurd: str) -> None:
+    """A misbehaving provider (or proxy) stating an infinite limit raised OverflowError out of
+    the headers' listener: the response's other, valid, limits were not learned either."""
+    headers = {
+        "anthropic-ratelimit-requests-limit": absurd,
+        "anthropic-ratelimit-input-tokens-limit": "30000",
+    }
+    assert limits_from_headers(headers) == RateLimit(itpm=30000)
+
+
 def test_a_budget_without_limits_admits_at_once_until_headers_teach_it(
     client: redis.Redis,
 ) -> None:

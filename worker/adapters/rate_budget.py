@@ -313,7 +313,14 @@ def _from_reset(reset: str | None, limit: float | None, now: float | None) -> fl
 
 
 def limits_from_headers(headers: Mapping[str, str]) -> RateLimit | None:
-    """The limits a provider response states (``anthropic-ratelimit-*-limit``), or None."""
+    """The limits a provider response states (``anthropic-ratelimit-*-limit``), or None.
+    A value that is no number, or not a finite one of at least 1, is left out: the others
+    are still learned.
+
+    >>> limits_from_headers({"anthropic-ratelimit-requests-limit": "inf",
+    ...                      "anthropic-ratelimit-input-tokens-limit": "400000"})
+    RateLimit(rpm=None, itpm=400000, otpm=None, economy=None)
+    """
     found: dict[str, int] = {}
     for name, header in HEADER_LIMITS.items():
         value = headers.get(header)
@@ -321,7 +328,7 @@ def limits_from_headers(headers: Mapping[str, str]) -> RateLimit | None:
             continue
         try:
             number = int(float(value))
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: "inf", "1e999"
             continue
         if number >= 1:
             found[name] = number
