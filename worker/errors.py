@@ -119,16 +119,24 @@ class BackendRequestError(BackendError):
 
 
 class RerankAttemptError(SiftError):
-    """One model call failed. ``outcome`` is its class; ``retry_after`` comes from the provider."""
+    """One model call failed. ``outcome`` is its class; ``retry_after`` comes from the provider.
+    ``sent`` is False for an attempt this process held back before sending it (its in-flight
+    limit full, or a 429's pause, past the attempt's time): the provider never saw it."""
 
     code = "rerank_attempt_failed"
 
     def __init__(
-        self, outcome: AttemptOutcome, message: str, retry_after: float | None = None
+        self,
+        outcome: AttemptOutcome,
+        message: str,
+        retry_after: float | None = None,
+        *,
+        sent: bool = True,
     ) -> None:
         super().__init__(f"{outcome.value}: {message}")
         self.outcome = outcome
         self.retry_after = retry_after
+        self.sent = sent
         self.retryable = outcome not in (AttemptOutcome.HTTP_4XX, AttemptOutcome.BUDGET_EXHAUSTED)
 
 

@@ -110,7 +110,8 @@ class LimitedReranker:
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:
         """One attempt. When the pause or a full limiter outlasts the attempt's timeout, the
         attempt is a ``rate_limited`` one (with the pause left as ``retry_after``), so the
-        core's budget and failure policy decide, as for a 429 from the provider."""
+        core's budget and failure policy decide, as for a 429 from the provider; but it is
+        marked not ``sent``: it pauses no one else and is not a request in the usage."""
         deadline = self._clock() + timeout_seconds
         try:
             with self.limiter.slot(deadline=deadline):
@@ -124,7 +125,10 @@ class LimitedReranker:
         except DeadlineExceeded as exc:
             left = max(0.0, self.limiter.paused_until - self._clock())
             raise RerankAttemptError(
-                AttemptOutcome.RATE_LIMITED, f"not sent: {exc.message}", retry_after=left or None
+                AttemptOutcome.RATE_LIMITED,
+                f"not sent: {exc.message}",
+                retry_after=left or None,
+                sent=False,
             ) from exc
 
 

@@ -38,6 +38,7 @@ from worker.core.ports import Recorder
 from worker.core.types import RerankPrompt, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed
 from worker.metrics import PrometheusRecorder
+from worker.ratelimit import LimitedReranker, ProviderLimiter
 from worker.runtime import Runtime
 from worker.settings import RateLimit, load_settings
 
@@ -322,6 +323,32 @@ def test_a_429_from_the_provider_pauses_the_shared_budget(
     other = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
     refused = other.reserve(PROMPT, max_wait=1.0)
     assert not refused.admitted and 25.0 < refused.wait <= 30.0
+
+
+def test_an_attempt_the_process_limiter_never_sent_neither_pauses_the_cluster_nor_counts(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """Every one of the process's ``SIFT_RERANK_MAX_IN_FLIGHT`` slots stays taken (here 1, held
+    by this test) for the whole search: its attempts are ``rate_limited`` but were never sent.
+    Such an attempt used to pause the whole cluster's budget for a second, as a 429 from the
+    provider does, and to count in ``usage.requests``; no request reached the provider."""
+    recorder = RecordingRecorder()
+    pipeline, _ = build(fake, client, "fail_open", RateLimit(rpm=6000), recorder)
+    limiter = ProviderLimiter(max_in_flight=1)
+    assert pipeline.reranker is not None
+    pipeline.reranker = LimitedReranker(pipeline.reranker, limiter)
+    with limiter.slot():  # the process's only slot, taken for the whole search
+        result = search(pipeline)
+    assert fake.requests() == []
+    attempts = result.trace["attempts"]
+    assert attempts and all(a["outcome"] == "rate_limited" for a in attempts)
+    assert all(a["sent"] is False for a in attempts)
+    assert result.rerank.fallback_reason == "error:rate_limited"
+    assert result.usage.requests == 0
+    assert recorder.events["attempt", "rate_limited"] == len(attempts)
+    # nobody else waits: the shared budget was not paused
+    other = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
+    assert other.reserve(PROMPT, max_wait=0.0).admitted
 
 
 def test_backlog_answers_the_wait_without_reserving(client: redis.Redis) -> None:

@@ -426,7 +426,11 @@ class SearchPipeline:
         spec, candidates, trace = prepared.spec, prepared.candidates, prepared.trace
         unsent = AttemptOutcome.BUDGET_EXHAUSTED.value
         usage = Usage(
-            requests=sum(1 for attempt in run.attempts if attempt["outcome"] != unsent),
+            requests=sum(
+                1
+                for attempt in run.attempts
+                if attempt["outcome"] != unsent and attempt.get("sent", True)
+            ),
             input_tokens=run.usage.input_tokens,
             output_tokens=run.usage.output_tokens,
             cache_read_input_tokens=run.usage.cache_read_input_tokens,
@@ -498,12 +502,15 @@ class SearchPipeline:
             usage = getattr(error, "usage", None)
             usage = usage if isinstance(usage, TokenUsage) else None
             if grant is not None and self.rate_budget is not None:
-                if error.outcome is AttemptOutcome.RATE_LIMITED:
-                    # refused before any token was read: give the tokens back, stop everyone
+                if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
+                    # refused before any token was read: give the tokens back
                     self.rate_budget.settle(grant, TokenUsage())
-                    self.rate_budget.pause(error.retry_after or 1.0)
+                    if error.sent:  # the provider's 429 stops everyone; a local hold, no one
+                        self.rate_budget.pause(error.retry_after or 1.0)
                 else:
                     self.rate_budget.settle(grant, usage)
+            if not error.sent:
+                detail["sent"] = False
             self.record_attempt(run, error.outcome, usage, self._clock() - started, **detail)
             raise
         if grant is not None and self.rate_budget is not None:
