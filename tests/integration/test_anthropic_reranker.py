@@ -485,7 +485,9 @@ def test_refused_connection() -> None:
 def test_no_time_left_is_a_timeout_without_a_request(
     fake: FakeAnthropic, reranker: AnthropicReranker
 ) -> None:
-    assert attempt_error(reranker, timeout=0.0).outcome is AttemptOutcome.TIMEOUT
+    error = attempt_error(reranker, timeout=0.0)
+    assert error.outcome is AttemptOutcome.TIMEOUT
+    assert not error.sent  # not a request in the search's usage
     assert fake.requests() == []
 
 

@@ -291,7 +291,9 @@ class AnthropicReranker:
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:
         """One attempt: ask the model, parse its positions. Raises RerankAttemptError."""
         if not timeout_seconds > 0:
-            raise RerankAttemptError(AttemptOutcome.TIMEOUT, "no time left for an attempt")
+            raise RerankAttemptError(
+                AttemptOutcome.TIMEOUT, "no time left for an attempt", sent=False
+            )
         params = self.request_params(prompt)
         deadline = _attempt_deadline.set(time.monotonic() + timeout_seconds)
         try:
