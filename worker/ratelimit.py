@@ -45,7 +45,12 @@ class ProviderLimiter:
             raise ValueError("max_in_flight must be at least 1")
         self.max_in_flight = max_in_flight
         self._clock = clock
-        self._cond = threading.Condition()
+        # two conditions on one lock: a freed slot wakes a thread waiting for a slot, never
+        # one waiting out a pause (with one condition, notify() woke the longest waiting,
+        # often a pause's, and the slot's waiter slept on with a slot free)
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the pause
+        self._slot_freed = threading.Condition(lock)
         self._in_flight = 0
         self._paused_until = 0.0
 
@@ -77,19 +82,19 @@ class ProviderLimiter:
     @contextmanager
     def slot(self, deadline: float | None = None) -> Iterator[None]:
         """Hold one of the ``max_in_flight`` places for the duration of one model call."""
-        with self._cond:
+        with self._slot_freed:
             while self._in_flight >= self.max_in_flight:
                 timeout = None if deadline is None else deadline - self._clock()
                 if timeout is not None and timeout <= 0:
                     raise DeadlineExceeded("no rerank slot became free before the deadline")
-                self._cond.wait(timeout)
+                self._slot_freed.wait(timeout)
             self._in_flight += 1
         try:
             yield
         finally:
-            with self._cond:
+            with self._slot_freed:
                 self._in_flight -= 1
-                self._cond.notify()
+                self._slot_freed.notify()
 
 
 class LimitedReranker:

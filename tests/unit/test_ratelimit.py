@@ -83,3 +83,36 @@ def test_a_429_pauses_every_later_call() -> None:
     assert caught.value.outcome is AttemptOutcome.RATE_LIMITED
     assert caught.value.retry_after is not None and caught.value.retry_after > 0.5
     assert reranker.inner.calls == calls  # type: ignore[attr-defined]
+
+
+def test_a_freed_slot_reaches_a_thread_waiting_for_one_while_others_wait_out_a_pause() -> None:
+    """A holds a slot and waits out a 429's pause; C waits for a slot; B frees one. The
+    release used to wake one waiter of the limiter's single condition, the longest waiting:
+    A, which went back to its pause, while C slept on with a slot free (until A's pause
+    ended and A let go of its own; at the defaults, until its attempt's time was spent and
+    it went unsent)."""
+    limiter = ProviderLimiter(2)
+    limiter.pause(2.0)
+    a_holds = threading.Event()
+    order: list[str] = []
+
+    def a() -> None:
+        with limiter.slot():
+            a_holds.set()
+            limiter.wait(deadline=time.monotonic() + 30)
+            order.append("A's pause over")
+
+    def c() -> None:
+        with limiter.slot(deadline=time.monotonic() + 30):
+            order.append("C has a slot")
+
+    holder_a = threading.Thread(target=a)
+    holder_a.start()
+    a_holds.wait()
+    with limiter.slot():  # B: the second slot, so that C has to wait
+        waiter_c = threading.Thread(target=c)
+        waiter_c.start()
+        time.sleep(0.2)  # C is waiting for a slot (A, already, for the pause)
+    waiter_c.join()
+    holder_a.join()
+    assert order == ["C has a slot", "A's pause over"]
