@@ -32,6 +32,11 @@ hold every body); ``counts()`` counts them all: received, answers by status, and
 distinct prompts were sent (and answered) more than once. ``outage(seconds, (529, 429),
 retry_after=2)`` answers every request with those errors in turn for a while: a provider outage.
 
+Besides errors by status (:func:`status`), it fails on the wire as a provider or its network
+can: :func:`stall` (no answer for a while), :func:`drop` (the connection closed with no
+answer), :func:`trickle` (headers at once, then the body in small pieces: no single read
+waits long) and :func:`cut` (half a body, then the connection closed).
+
 The Message Batches API is served too: ``POST /v1/messages/batches`` (create),
 ``GET /v1/messages/batches`` (list, newest first, paged by ``after_id``),
 ``GET /v1/messages/batches/{id}`` (retrieve: ``in_progress`` until
