@@ -26,6 +26,7 @@ from tests.fake_anthropic import (
 from worker.adapters.anthropic import (
     AnthropicReranker,
     RerankMalformedError,
+    _DeadlineBackend,
     retry_after_seconds,
     sdk_spans,
 )
@@ -457,6 +458,25 @@ def test_a_body_that_trickles_past_the_timeout_is_a_timeout(fake_from_env: FakeA
     finally:
         reranker.close()
     assert len(fake.requests()) == 2
+
+
+def test_a_proxy_from_the_environment_is_bounded_by_the_attempt_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """httpx gives a proxy of ``HTTPS_PROXY`` a transport of its own: its connections are
+    clamped to the attempt's deadline as well."""
+    monkeypatch.setenv("HTTPS_PROXY", "http://127.0.0.1:3128")
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:3128")
+    reranker = AnthropicReranker(MODEL, api_key="k")
+    client = reranker._new_client(connections=1)
+    try:
+        http = client._client
+        transports = [http._transport, *(t for t in http._mounts.values() if t is not None)]
+        assert len(transports) >= 2  # the direct one and the proxy's
+        for transport in transports:
+            assert isinstance(transport._pool._network_backend, _DeadlineBackend)
+    finally:
+        client.close()
 
 
 def test_a_connection_cut_mid_body_is_a_connection_error(fake_from_env: FakeAnthropic) -> None:
