@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import threading
 import time
@@ -23,6 +25,7 @@ from tests.fake_anthropic import (
     status,
     trickle,
 )
+from worker.adapters import anthropic as anthropic_adapter
 from worker.adapters.anthropic import (
     AnthropicReranker,
     RerankMalformedError,
@@ -458,6 +461,57 @@ def test_a_body_that_trickles_past_the_timeout_is_a_timeout(fake_from_env: FakeA
     finally:
         reranker.close()
     assert len(fake.requests()) == 2
+
+
+def test_a_name_lookup_that_hangs_ends_at_the_attempts_timeout(
+    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The provider's host name does not resolve until the resolver answers (a DNS server
+    that does not: the resolver's own timeouts, 5 s a try by default, are all that bound
+    it). The lookup ignores every socket timeout, so an attempt of 1 s used to wait for it;
+    now the attempt ends while the lookup is still hanging."""
+    lookup = socket.getaddrinfo
+    answered = threading.Event()
+
+    def hanging(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "localhost":
+            answered.wait(8.0)  # the resolver answers after 8 s at the latest
+            answered.set()
+        return lookup(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", f"http://localhost:{fake.port}")
+    reranker = AnthropicReranker(MODEL, api_key="k")
+    try:
+        error = attempt_error(reranker, timeout=1.0)
+        assert not answered.is_set()  # it did not wait for the lookup
+        assert error.outcome is AttemptOutcome.TIMEOUT
+        answered.set()  # the resolver answers again
+        assert reranker.rerank(make_prompt(), 5.0).positions[0] == 30
+    finally:
+        answered.set()
+        reranker.close()
+    assert len(fake.requests()) == 1
+
+
+def test_a_forked_worker_process_looks_names_up_too() -> None:
+    """The lookup threads' pool is the process's: a child forked after its parent looked a
+    name up (Celery's prefork pool) would hold a copy that believes it has an idle thread,
+    start none, and every attempt of the child would time out looking its host up."""
+    assert anthropic_adapter._addresses_within(5.0, "localhost") == ["127.0.0.1"]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        try:
+            found = anthropic_adapter._addresses_within(5.0, "localhost")
+            os.write(write, json.dumps(found).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        answer = pipe.read()
+    os.waitpid(pid, 0)
+    assert json.loads(answer or "null") == ["127.0.0.1"]
 
 
 def test_a_proxy_from_the_environment_is_bounded_by_the_attempt_too(

@@ -19,11 +19,13 @@ read by :func:`parse_body` (``with_raw_response``), not parsed into the SDK's ``
 The SDK's own retries are off (``max_retries=0``): the core's tenacity loop is the one retry
 layer, and it honours ``retry_after``.
 
-An attempt's timeout is a deadline for the whole exchange: connecting, sending, waiting for
-the answer and reading its body. The SDK's timeout (httpx's) bounds each socket operation
-alone, so a body that trickles in, a piece now and then, kept an attempt of 1 s going for as
-long as the provider sent; each connection of the clients built here clamps every
-operation's timeout to what is left of the attempt's (:class:`_DeadlineBackend`).
+An attempt's timeout is a deadline for the whole exchange: looking the host up, connecting,
+sending, waiting for the answer and reading its body. The SDK's timeout (httpx's) bounds each
+socket operation alone, so a body that trickles in, a piece now and then, kept an attempt of
+1 s going for as long as the provider sent, and a name lookup (which takes no timeout) as
+long as the resolver took. Each connection of the clients built here clamps every
+operation's timeout to what is left of the attempt's, and looks its host up in a thread it
+waits on no longer than that (:class:`_DeadlineBackend`).
 """
 
 from __future__ import annotations
@@ -31,13 +33,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+import ipaddress
 import logging
 import math
 import os
+import socket
 import ssl
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
@@ -145,9 +151,22 @@ class _DeadlineBackend(httpcore2.NetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[SOCKET_OPTION] | None = None,
     ) -> httpcore2.NetworkStream:
-        timeout = _left(timeout, httpcore2.ConnectTimeout)
-        stream = self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
-        return _DeadlineStream(stream)
+        error: httpcore2.ConnectError | None = None
+        for address in _addresses(host, port):  # each in turn, as socket.create_connection
+            try:
+                stream = self._inner.connect_tcp(
+                    address,
+                    port,
+                    _left(timeout, httpcore2.ConnectTimeout),
+                    local_address,
+                    socket_options,
+                )
+            except httpcore2.ConnectError as exc:
+                error = exc
+                continue
+            return _DeadlineStream(stream)
+        assert error is not None  # _addresses answers one at least
+        raise error
 
     def connect_unix_socket(
         self,
@@ -160,6 +179,55 @@ class _DeadlineBackend(httpcore2.NetworkBackend):
 
     def sleep(self, seconds: float) -> None:
         self._inner.sleep(seconds)
+
+
+# name lookups for new connections: getaddrinfo takes no timeout, so an attempt waits for
+# its answer here only as long as the attempt has left (a hung lookup keeps its thread)
+_RESOLVER = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sift-resolve")
+
+
+def _new_resolver() -> None:
+    """A forked child gets a pool of its own: its parent's threads did not come along, and
+    the copy of the parent's pool could believe it has idle ones and never start any."""
+    global _RESOLVER
+    _RESOLVER = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sift-resolve")
+
+
+os.register_at_fork(after_in_child=_new_resolver)
+
+
+def _addresses(host: str, port: int) -> list[str]:
+    """``host``'s addresses, looked up within what is left of the attempt (an IP address is
+    its own). A lookup that does not answer in time is a ConnectTimeout; one that fails, a
+    ConnectError."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    else:
+        return [host]
+    if _attempt_deadline.get() is None:
+        return [host]  # not an attempt: the connection looks it up itself
+    lookup = _RESOLVER.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
+    try:
+        found = lookup.result(timeout=_left(None, httpcore2.ConnectTimeout))
+    except FutureTimeout:
+        raise httpcore2.ConnectTimeout(f"{host} did not resolve in the attempt's time") from None
+    except OSError as exc:
+        raise httpcore2.ConnectError(f"{host} did not resolve: {exc}") from exc
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in found))
+    if not addresses:
+        raise httpcore2.ConnectError(f"{host} resolved to no address")
+    return addresses
+
+
+def _addresses_within(seconds: float, host: str, port: int = 443) -> list[str]:
+    """``host``'s addresses as an attempt of ``seconds`` looks them up (for tests)."""
+    token = _attempt_deadline.set(time.monotonic() + seconds)
+    try:
+        return _addresses(host, port)
+    finally:
+        _attempt_deadline.reset(token)
 
 
 def _bound_by_deadline(http_client: Any) -> None:
