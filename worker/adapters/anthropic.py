@@ -89,8 +89,8 @@ class _Positions(BaseModel):
     positions: list[StrictInt]
 
 
-# the monotonic instant by which the attempt this thread is making must be over (None: no
-# attempt, e.g. a Message Batches call on the same clients' module)
+# the monotonic instant by which the attempt this thread is making must be over (None
+# outside an attempt: the connections then keep httpx's own timeouts alone)
 _attempt_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "sift_attempt_deadline", default=None
 )
