@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from worker.core.budget import MIN_ATTEMPT_SECONDS
 from worker.core.ports import Reranker
 from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
@@ -118,9 +119,12 @@ class LimitedReranker:
         core's budget and failure policy decide, as for a 429 from the provider; but it is
         marked not ``sent``: it pauses no one else and is not a request in the usage."""
         deadline = self._clock() + timeout_seconds
+        # a call must still have MIN_ATTEMPT_SECONDS once the slot and the pause allow it
+        # (one sent with what a pause left, milliseconds, timed out at once, perhaps billed)
+        send_by = deadline - MIN_ATTEMPT_SECONDS
         try:
-            with self.limiter.slot(deadline=deadline):
-                self.limiter.wait(deadline=deadline)
+            with self.limiter.slot(deadline=send_by):
+                self.limiter.wait(deadline=send_by)
                 try:
                     return self.inner.rerank(prompt, max(0.0, deadline - self._clock()))
                 except RerankAttemptError as exc:

@@ -116,3 +116,19 @@ def test_a_freed_slot_reaches_a_thread_waiting_for_one_while_others_wait_out_a_p
     waiter_c.join()
     holder_a.join()
     assert order == ["C has a slot", "A's pause over"]
+
+
+def test_a_pause_that_leaves_the_attempt_no_real_time_sends_nothing() -> None:
+    """The pause ends 10 ms before the attempt's time is up: too little for a call (the
+    core starts none with under MIN_ATTEMPT_SECONDS left). It used to be sent with those
+    10 ms, to time out at once, counted as a timeout, perhaps billed."""
+    limiter = ProviderLimiter(4)
+    inner = _Flaky()
+    reranker = LimitedReranker(inner, limiter)  # type: ignore[arg-type]
+    limiter.pause(0.5)
+    timeout = limiter.paused_until - time.monotonic() + 0.01
+    with pytest.raises(RerankAttemptError) as caught:
+        reranker.rerank(None, timeout)  # type: ignore[arg-type]
+    assert caught.value.outcome is AttemptOutcome.RATE_LIMITED
+    assert caught.value.sent is False
+    assert inner.calls == 0
