@@ -337,6 +337,30 @@ def test_a_body_that_is_not_a_message_is_malformed(
     assert "not a message" in error.message
 
 
+def test_more_positions_than_max_tokens_could_hold_is_malformed(
+    fake: FakeAnthropic, reranker: AnthropicReranker
+) -> None:
+    """Each position costs an output token at least, so no model answers more than
+    ``max_tokens`` of them (the fake, like the API, cuts the answer there). A body that does
+    (200,000 from a misbehaving endpoint: 1.3 MB) is not a model's answer; kept, it cost the
+    normalisation a drop record per position (17 MB: 2.8 s of CPU and 300 MB) and the trace
+    as many entries."""
+    values = list(range(200_000, 0, -1))
+    text = json.dumps({"positions": values})
+    fake.script([body(json.dumps({
+        "model": MODEL, "content": [{"type": "text", "text": text}], "stop_reason": "end_turn",
+        "usage": {"input_tokens": 10, "output_tokens": 20},
+    }))])  # fmt: skip
+    with pytest.raises(RerankMalformedError) as info:
+        reranker.rerank(make_prompt(max_tokens=1104), 5.0)
+    assert "200000 positions" in info.value.message
+    assert info.value.usage.output_tokens == 20  # billed all the same
+    # as many as a model could write in max_tokens is still an answer (normalised later)
+    fake.script([positions(list(range(1, 1105)))])
+    reply = reranker.rerank(make_prompt(max_tokens=4 * 1104), 5.0)
+    assert len(reply.positions) == 1104
+
+
 def test_a_message_with_extra_fields_and_blocks_is_read(
     fake: FakeAnthropic, reranker: AnthropicReranker
 ) -> None:

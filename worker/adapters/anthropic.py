@@ -388,7 +388,7 @@ class AnthropicReranker:
             raise RerankAttemptError(AttemptOutcome.HTTP_4XX, str(exc)) from exc
         finally:
             _attempt_deadline.reset(deadline)
-        return parse_body(body)
+        return parse_body(body, max_positions=prompt.max_tokens)
 
     def _tell_headers(self, headers: Mapping[str, str]) -> None:
         if self.on_headers is None:
@@ -472,10 +472,11 @@ class _UsageLike(Protocol):
     def cache_creation_input_tokens(self) -> int | None: ...
 
 
-def parse_body(body: bytes) -> RerankReply:
+def parse_body(body: bytes, *, max_positions: int | None = None) -> RerankReply:
     """Turn a Messages API response body into a reply, or raise RerankAttemptError
     (``malformed``: a body that is not a message; RerankMalformedError: an answer not in the
-    schema)."""
+    schema, or with more than ``max_positions`` positions: the request's ``max_tokens``,
+    since every position costs the model an output token at least)."""
     try:
         message = _Message.model_validate_json(body)
     except ValidationError as exc:
@@ -484,7 +485,15 @@ def parse_body(body: bytes) -> RerankReply:
             f"the response is not a message ({exc.error_count()} errors): {_clip(repr(body))}",
         ) from exc
     texts = [block.text for block in message.content if block.type == "text"]
-    return _reply(texts, message.stop_reason, message.model, read_usage(message.usage))
+    reply = _reply(texts, message.stop_reason, message.model, read_usage(message.usage))
+    if max_positions is not None and len(reply.positions) > max_positions:
+        raise RerankMalformedError(
+            f"{len(reply.positions)} positions, more than max_tokens ({max_positions}) lets "
+            "a model write: not a model's answer",
+            usage=reply.usage,
+            model=reply.model,
+        )
+    return reply
 
 
 def parse_reply(response: Message) -> RerankReply:
