@@ -118,7 +118,8 @@ class IndexSettingsSource(Protocol):
 
 
 class Reranker(Protocol):
-    """One listwise model call. Raises RerankAttemptError with the attempt's class."""
+    """One listwise model call. Raises RerankAttemptError with the attempt's class (its
+    ``sent`` False when the call never left this process: no request, no pause for others)."""
 
     model: str
 
