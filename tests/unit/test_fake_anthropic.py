@@ -22,10 +22,12 @@ from tests.fake_anthropic import (
     FakeAnthropic,
     RemoteFakeAnthropic,
     count_tokens,
+    cut,
     delay,
     malformed,
     positions,
     status,
+    trickle,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -242,6 +244,30 @@ def test_status_behaviours(http: httpx.Client, fake: FakeAnthropic) -> None:
     assert_api_error(
         http.post("/v1/messages", headers=HEADERS, json=body()), 400, "invalid_request_error"
     )
+
+
+def test_a_trickled_body_comes_in_pieces_after_its_headers(
+    http: httpx.Client, fake: FakeAnthropic
+) -> None:
+    """``trickle``: a whole, valid message, its length announced, sent a piece at a time."""
+    fake.script([trickle(0.6)])
+    with http.stream("POST", "/v1/messages", headers=HEADERS, json=body()) as response:
+        assert response.status_code == 200
+        announced = int(response.headers["content-length"])
+        pieces = list(response.iter_raw())
+    assert len(pieces) > 1
+    data = b"".join(pieces)
+    assert len(data) == announced
+    assert json.loads(data)["type"] == "message"
+
+
+def test_a_cut_body_stops_half_way_with_the_connection_closed(
+    http: httpx.Client, fake: FakeAnthropic
+) -> None:
+    fake.script([cut()])
+    with pytest.raises(httpx.RemoteProtocolError, match="complete message body"):
+        http.post("/v1/messages", headers=HEADERS, json=body())
+    assert http.post("/v1/messages", headers=HEADERS, json=body()).status_code == 200
 
 
 def test_records_bodies_and_headers(fake: FakeAnthropic, http: httpx.Client) -> None:
