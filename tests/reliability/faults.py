@@ -52,6 +52,7 @@ CASES: dict[str, Case] = {
     "overloaded_529": Case([fa.status(529)] * 3, "http_5xx", 3),
     "rate_limited_429": Case([fa.status(429, retry_after=0.1)] * 3, "rate_limited", 3),
     "connection_drop": Case([fa.drop()] * 3, "connection", 3),
+    "connection_cut_mid_body": Case([fa.cut()] * 3, "connection", 3),
     "http_4xx": Case([fa.status(400)], "http_4xx", 1),
     "malformed": Case(
         [fa.malformed("not json"), fa.malformed('{"positions": ["1"]}'), fa.positions([1.5])],
