@@ -231,17 +231,12 @@ class RecordingRecorder:
     def rerank_attempt(self, model: str, result: str) -> None:
         self.events["attempt", result] += 1
 
-    def rerank_done(
-        self,
-        model: str,
-        outcome: str,
-        seconds: float,
-        usage: dict[str, int],
-        cost_usd: float | None,
-    ) -> None:
-        self.events["rerank", outcome] += 1
+    def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:
         self.usage.update(usage)
         self.cost += cost_usd or 0.0
+
+    def rerank_done(self, model: str, outcome: str, seconds: float) -> None:
+        self.events["rerank", outcome] += 1
 
     def rerank_unpriced(self, model: str) -> None:
         self.events["unpriced", model] += 1

@@ -372,22 +372,18 @@ class PrometheusRecorder:
         RERANK_ATTEMPTS.labels(model, _closed(result, ATTEMPT_RESULTS, "result")).inc()
 
     @_never_raises
-    def rerank_done(
-        self,
-        model: str,
-        outcome: str,
-        seconds: float,
-        usage: dict[str, int],
-        cost_usd: float | None,
-    ) -> None:
-        outcome = _closed(outcome, RERANK_DURATION_OUTCOMES, "outcome")
-        RERANK_DURATION.labels(model, outcome, self.lane).observe(seconds)
+    def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:
         for token_type in TOKEN_TYPES:
             tokens = usage.get(token_type, 0)
             if tokens:
                 RERANK_TOKENS.labels(model, token_type, self.lane).inc(tokens)
         if cost_usd:  # None (no price) adds nothing: rerank_unpriced counted those calls
             RERANK_COST.labels(model, self.lane).inc(cost_usd)
+
+    @_never_raises
+    def rerank_done(self, model: str, outcome: str, seconds: float) -> None:
+        outcome = _closed(outcome, RERANK_DURATION_OUTCOMES, "outcome")
+        RERANK_DURATION.labels(model, outcome, self.lane).observe(seconds)
 
     @_never_raises
     def rerank_unpriced(self, model: str) -> None:

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.fake_anthropic import FakeAnthropic
-from tests.services import celery_worker, gateway, redis_server
+from tests.services import celery_worker, free_port, gateway, redis_server
 
 KEYS = [
     {
@@ -53,6 +53,7 @@ class Stack:
     redis_url: str
     model: FakeAnthropic
     logs: list[Path]  # every process's log file: the worker's and both gateways'
+    worker_metrics_url: str = ""  # the live worker's /metrics
 
 
 @contextlib.contextmanager
@@ -90,15 +91,18 @@ def start_stack(
             "SIFT_REDIS_URL": redis_url + "/1",
             "SIFT_MAX_BODY_BYTES": str(IDLE_BODY_LIMIT),
         }
+        metrics_port = free_port()
+        worker_env = {**live_env, "SIFT_WORKER_METRICS_PORT": str(metrics_port)}
         with (
-            celery_worker(tmp / "w", live_env, "w1", concurrency=16),
+            celery_worker(tmp / "w", worker_env, "w1", concurrency=16),
             gateway(tmp / "g", live_env, "live") as live_url,
             gateway(tmp / "g", idle_env, "idle") as idle_url,
             httpx.Client(base_url=live_url, timeout=30) as live,
             httpx.Client(base_url=idle_url, timeout=30) as idle,
         ):
             logs = [tmp / "w" / "w1.log", tmp / "g" / "live.log", tmp / "g" / "idle.log"]
-            yield Stack(live, idle, live_url, idle_url, redis_url, model, logs)
+            metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+            yield Stack(live, idle, live_url, idle_url, redis_url, model, logs, metrics_url)
 
 
 @pytest.fixture(scope="session")

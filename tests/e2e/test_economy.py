@@ -12,11 +12,17 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import ACME, ECONOMY_DEADLINE_SECONDS, INDEX, Stack
 from tests.fake_anthropic import errored, expired, malformed, missing, positions, succeeded
+from worker.constants import ECONOMY_PRICE_DISCOUNT
+from worker.core.cost import cost_usd, price_for
+from worker.core.types import TokenUsage
 from worker.queue.economy import position_of, submission_of
+from worker.settings import DEFAULT_PRICES
 
 FINAL = {"succeeded", "failed", "canceled"}
 
@@ -186,6 +192,63 @@ def test_canceling_an_economy_batch_cancels_its_provider_batches(
     results = _results(stack, batch_id)
     assert all(r["status"] == "canceled" and "result" not in r for r in results.values())
     assert all(b["status"] == "ended" for b in stack.model.batches())
+
+
+def _economy_usage(stack: Stack) -> dict[str, float]:
+    """The live worker's economy-lane token counters by type, and its cost counter."""
+    text = httpx.get(stack.worker_metrics_url, timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("lane") != "economy":
+                continue
+            if sample.name == "sift_rerank_tokens_total":
+                out[sample.labels["type"]] = out.get(sample.labels["type"], 0.0) + sample.value
+            elif sample.name == "sift_rerank_cost_usd_total":
+                out["cost_usd"] = out.get("cost_usd", 0.0) + sample.value
+    return out
+
+
+def test_a_billed_round_shows_in_the_metrics_though_its_item_is_then_canceled(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    """Round one's answer is malformed (billed), so the item is resubmitted; the batch is
+    canceled while round two is in progress. The provider billed round one: the worker's
+    token and cost counters must show it, though the item ends canceled."""
+    stack.model.configure(batch_processing_seconds=0.5)
+    stack.model.script_batch({"i0": [succeeded(malformed("not json"))]})
+    before = _economy_usage(stack)
+    batch_id = _submit(stack, _items(queries, 1), "economy")
+    deadline = time.monotonic() + 30
+    while len(stack.model.batches()) < 2:  # round two submitted
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    stack.model.configure(batch_processing_seconds=300.0)  # round two stays in progress
+    assert stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME).status_code == 200
+    done = _wait(stack, batch_id)
+    assert done["counts"]["canceled"] == 1, done["counts"]
+    billed = stack.model.usage()
+    assert billed["responses"] == 1 and billed["input_tokens"] > 0
+    after = _economy_usage(stack)
+    for key, kind in (
+        ("input_tokens", "input"),
+        ("output_tokens", "output"),
+        ("cache_read_input_tokens", "cache_read"),
+        ("cache_creation_input_tokens", "cache_creation"),
+    ):
+        assert after.get(kind, 0.0) - before.get(kind, 0.0) == billed[key], kind
+    price = price_for("claude-haiku-4-5", DEFAULT_PRICES)
+    expected = cost_usd(
+        TokenUsage(
+            billed["input_tokens"],
+            billed["output_tokens"],
+            billed["cache_read_input_tokens"],
+            billed["cache_creation_input_tokens"],
+        ),
+        price,
+        ECONOMY_PRICE_DISCOUNT,
+    )
+    assert after["cost_usd"] - before.get("cost_usd", 0.0) == pytest.approx(expected)
 
 
 def test_an_economy_batch_with_rerank_off_finishes_without_the_provider(

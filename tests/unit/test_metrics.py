@@ -20,6 +20,7 @@ from worker.bootstrap import build_pipeline
 from worker.constants import POLICY_ID, SEARCH_QUEUE
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.cost import cost_usd, price_for
+from worker.core.types import TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.runtime import Runtime
 from worker.settings import DEFAULT_PRICES, load_settings
@@ -128,6 +129,25 @@ def test_a_failed_rerank_counts_its_class_and_the_failure() -> None:
     assert delta("sift_rerank_cost_usd_total", model=MODEL, lane="standard") == 0
 
 
+def test_a_billed_attempt_is_counted_even_when_the_search_then_dies() -> None:
+    """Tokens and dollars are counted as each call reports them, not when the rerank ends: a
+    malformed answer is billed, and if the search then dies (an unexpected error, the task
+    killed, the item canceled in the economy lane between rounds) the bill still shows."""
+    billed = TokenUsage(input_tokens=1234, output_tokens=56, cache_read_input_tokens=700)
+    malformed = RerankAttemptError(AttemptOutcome.MALFORMED, "not the schema")
+    malformed.usage = billed  # type: ignore[attr-defined]  # as the Anthropic adapter attaches it
+    runtime = pipeline_with([fail(malformed), fail(RuntimeError("the worker died"))])
+    delta = Delta()
+    with pytest.raises(RuntimeError):
+        runtime.search(SearchSpec(index="docs", query="volcano ash", limit=3), "acme")
+    lane = {"model": MODEL, "lane": "standard"}
+    assert delta("sift_rerank_tokens_total", type="input", **lane) == 1234
+    assert delta("sift_rerank_tokens_total", type="output", **lane) == 56
+    assert delta("sift_rerank_tokens_total", type="cache_read", **lane) == 700
+    price = price_for(MODEL, DEFAULT_PRICES)
+    assert delta("sift_rerank_cost_usd_total", **lane) == pytest.approx(cost_usd(billed, price))
+
+
 def test_calls_to_a_model_with_no_price_are_counted_and_cost_nothing_known() -> None:
     steps = [fail(RerankAttemptError(AttemptOutcome.TIMEOUT, "slow")), reply([2, 1])]
     runtime = pipeline_with(steps, prices={})
@@ -155,7 +175,7 @@ def test_unexpected_label_values_are_recorded_as_other() -> None:
 
 def test_the_recorder_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     recorder = metrics.PrometheusRecorder()
-    recorder.rerank_done(MODEL, "ok", 0.5, {"input": -5}, -1.0)  # counters refuse negatives
+    recorder.rerank_usage(MODEL, {"input": -5}, -1.0)  # counters refuse negatives
     assert "recording a metric failed" in caplog.text
 
 
@@ -222,7 +242,7 @@ def test_an_economy_rerank_of_minutes_to_hours_lands_in_a_finite_bucket(seconds:
     """An economy rerank is timed from its provider batch's submission to the answer:
     minutes to hours. Each percentile must be estimable, not all of it +Inf (read as 60 s)."""
     before = dict(metrics.snapshot(REGISTRY))
-    metrics.PrometheusRecorder(lane="economy").rerank_done(MODEL, "ok", seconds, {}, 0.0)
+    metrics.PrometheusRecorder(lane="economy").rerank_done(MODEL, "ok", seconds)
     counted = [
         float(dict(labels)["le"])
         for (name, labels), count in metrics.snapshot(REGISTRY).items()
@@ -285,7 +305,8 @@ MULTIPROCESS_SCRIPT = textwrap.dedent(
         recorder = metrics.PrometheusRecorder()
         for _ in range(n):
             recorder.rerank_attempt("m", "ok")
-            recorder.rerank_done("m", "ok", 0.5, {"input": 10, "output": 2}, 0.25)
+            recorder.rerank_usage("m", {"input": 10, "output": 2}, 0.25)
+            recorder.rerank_done("m", "ok", 0.5)
         metrics.RERANK_IN_FLIGHT.labels("m").inc()  # still "in flight" when it exits
         if hold is not None:
             hold.wait()

@@ -443,13 +443,6 @@ class SearchPipeline:
             usage=usage.model_dump(),
             returned_positions=list(run.returned) if run.returned is not None else None,
         )
-        usage_by_type = {
-            "input": usage.input_tokens,
-            "output": usage.output_tokens,
-            "cache_read": usage.cache_read_input_tokens,
-            "cache_creation": usage.cache_creation_input_tokens,
-        }
-
         reply = run.reply
         if reply is None:
             failure = run.failure
@@ -458,7 +451,7 @@ class SearchPipeline:
                 failure.outcome.value if isinstance(failure, RerankAttemptError) else "deadline"
             )
             trace["fallback_reason"] = f"error:{reason}"
-            self.recorder.rerank_done(model, reason, run.seconds, usage_by_type, usage.cost_usd)
+            self.recorder.rerank_done(model, reason, run.seconds)
             if self.config.failure_policy == "fail_closed":
                 self.recorder.rerank_outcome(POLICY_ID, "failed")
                 raise RerankFailed(reason, failure.message, usage) from failure
@@ -466,7 +459,7 @@ class SearchPipeline:
             info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{reason}")
             return self._result(candidates[: spec.limit], info, usage, spec, trace)
 
-        self.recorder.rerank_done(model, "ok", run.seconds, usage_by_type, usage.cost_usd)
+        self.recorder.rerank_done(model, "ok", run.seconds)
         normalised = normalise_positions(reply.positions, len(candidates), spec.limit)
         trace["kept_positions"] = list(normalised.kept)
         trace["dropped_positions"] = [
@@ -555,12 +548,19 @@ class SearchPipeline:
         **detail: Any,
     ) -> None:
         """Count one model attempt in ``run``: its class, its usage priced at this pipeline's
-        price (and discount), its metric. ``detail`` goes into the attempt's trace entry. A
-        call that reported usage for a model with no price is also counted as unpriced."""
+        price (and discount), its metrics. ``detail`` goes into the attempt's trace entry. A
+        call that reported usage for a model with no price is also counted as unpriced. The
+        usage goes to the metrics here, not when the rerank ends: it was billed whatever
+        becomes of the search."""
         assert self.reranker is not None
         if usage is not None:
             price = price_for(self.reranker.model, self.config.prices)
             run.add_usage(usage, price, self.config.price_discount)
+            self.recorder.rerank_usage(
+                self.reranker.model,
+                usage_by_type(usage),
+                cost_usd(usage, price, self.config.price_discount),
+            )
             if price is None:
                 self.recorder.rerank_unpriced(self.reranker.model)
         run.attempts.append(
@@ -580,6 +580,20 @@ class SearchPipeline:
         return SearchResult(
             hits=hits, rerank=info, usage=usage, trace=trace if spec.include_trace else None
         )
+
+
+def usage_by_type(usage: TokenUsage) -> dict[str, int]:
+    """A call's usage keyed by the metrics' token types (disjoint: they sum to the bill).
+
+    >>> usage_by_type(TokenUsage(10, 2, 30, 4))
+    {'input': 10, 'output': 2, 'cache_read': 30, 'cache_creation': 4}
+    """
+    return {
+        "input": usage.input_tokens,
+        "output": usage.output_tokens,
+        "cache_read": usage.cache_read_input_tokens,
+        "cache_creation": usage.cache_creation_input_tokens,
+    }
 
 
 def shown_metadata(metadata: Mapping[str, FilterValue]) -> dict[str, FilterValue]:

@@ -156,14 +156,12 @@ class Recorder(Protocol):
 
     def rerank_attempt(self, model: str, result: str) -> None: ...
 
-    def rerank_done(
-        self,
-        model: str,
-        outcome: str,
-        seconds: float,
-        usage: dict[str, int],
-        cost_usd: float | None,
-    ) -> None: ...
+    def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:
+        """One model call's usage by token type and its cost, as soon as the call reports
+        them: a billed call shows even if its search never ends (the task dies, the item is
+        canceled between economy rounds). ``cost_usd`` None: the model has no price."""
+
+    def rerank_done(self, model: str, outcome: str, seconds: float) -> None: ...
 
     def rerank_unpriced(self, model: str) -> None:
         """One model call that reported usage the price table has no price for."""
@@ -182,14 +180,10 @@ class NullRecorder:
     def rerank_attempt(self, model: str, result: str) -> None:
         pass
 
-    def rerank_done(
-        self,
-        model: str,
-        outcome: str,
-        seconds: float,
-        usage: dict[str, int],
-        cost_usd: float | None,
-    ) -> None:
+    def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:
+        pass
+
+    def rerank_done(self, model: str, outcome: str, seconds: float) -> None:
         pass
 
     def rerank_unpriced(self, model: str) -> None:
