@@ -195,7 +195,10 @@ def test_sift_cost_reads_the_same_totals(observed: Observed, tmp_path: Path) -> 
     assert {k: v for k, v in report.attempts.items() if v} == workload.EXPECTED_ATTEMPTS
     assert report.outcomes == workload.EXPECTED_OUTCOMES
     assert report.searches == sum(workload.EXPECTED_SEARCHES.values())
-    assert report.latency["p50"] is not None
+    # one set of percentiles per lane: the economy lane's minutes must not hide the standard's
+    assert set(report.latency) == {"standard", "economy"}
+    assert all(report.latency[lane]["p50"] is not None for lane in report.latency)
+    assert report.unpriced_calls == 0  # the workload's model has a price
 
 
 def test_sift_cost_prints_a_table_and_writes_a_png(observed: Observed, tmp_path: Path) -> None:

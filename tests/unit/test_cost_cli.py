@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich.console import Console
 from typer.testing import CliRunner
 
 import worker.cli.cost as cost
@@ -33,3 +34,31 @@ def test_an_unreachable_prometheus_is_a_clear_error() -> None:
 def test_the_window_is_an_hour_or_a_day() -> None:
     run = CliRunner().invoke(app, ["cost", "--window", "1w"])
     assert run.exit_code == 2
+
+
+def _printed(report: cost.CostReport) -> str:
+    console = Console(width=160, record=True)
+    for item in cost.render(report, "http://prometheus"):
+        console.print(item)
+    return console.export_text()
+
+
+def test_unpriced_calls_are_reported_beside_the_cost_they_leave_out() -> None:
+    """Calls to a model with no price add nothing to the cost counter: the report must say
+    its dollars are too low, not print them as the whole bill."""
+    report = cost.CostReport("1h", {"m": 0.5}, {}, {}, {}, 10, {}, unpriced_calls=7)
+    out = _printed(report)
+    assert "7 model calls" in out and "SIFT_PRICES" in out and "too low" in out
+    priced = cost.CostReport("1h", {"m": 0.5}, {}, {}, {}, 10, {})
+    assert "warning" not in _printed(priced)
+
+
+def test_latency_is_shown_per_lane() -> None:
+    latency: dict[str, dict[str, float | None]] = {
+        "standard": {"p50": 1.25, "p95": 2.5, "p99": 3.0},
+        "economy": {"p50": 600.0, "p95": None, "p99": None},
+    }
+    out = _printed(cost.CostReport("1h", {}, {}, {}, {}, 0, latency))
+    standard = next(line for line in out.splitlines() if "standard" in line)
+    economy = next(line for line in out.splitlines() if "economy" in line)
+    assert "1.250" in standard and "3.000" in standard and "600.000" in economy

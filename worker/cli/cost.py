@@ -5,7 +5,10 @@
 Counter totals are exact: each series' raw samples in the window are summed increase by
 increase, a counter reset counted as a restart from zero, with no extrapolation. So they can be
 a little lower than Grafana's ``increase()``, which extrapolates to the window's edges. Latency
-percentiles are Prometheus's ``histogram_quantile`` estimates over the window.
+percentiles are Prometheus's ``histogram_quantile`` estimates over the window, one set per lane:
+an economy rerank takes minutes to hours, and mixed in it would hide the standard lane's
+seconds. Calls to a model with no price (``sift_rerank_unpriced_calls_total``) add nothing to
+the cost counter, so the report says so when there were any: its dollars are then too low.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from worker.constants import (
     METRIC_RERANK_DURATION,
     METRIC_RERANK_OUTCOMES,
     METRIC_RERANK_TOKENS,
+    METRIC_RERANK_UNPRICED,
     METRIC_SEARCH_DURATION,
 )
 from worker.errors import SiftError
@@ -58,7 +62,8 @@ class CostReport:
     outcomes: dict[str, float]
     attempts: dict[str, float]
     searches: float
-    latency: dict[str, float | None]
+    latency: dict[str, dict[str, float | None]]  # lane -> percentile -> seconds
+    unpriced_calls: float = 0.0  # calls whose cost is unknown, so missing from cost_by_model
 
     @property
     def total_cost(self) -> float:
@@ -120,15 +125,18 @@ def increases_by(
 def fetch_report(url: str, window: str) -> CostReport:
     """Read one window's report from the Prometheus at ``url``."""
     with PrometheusClient(url) as client:
-        latency: dict[str, float | None] = {}
+        latency: dict[str, dict[str, float | None]] = defaultdict(dict)
         for name, q in QUANTILES.items():
             expr = (
-                f"histogram_quantile({q}, sum by (le) "
+                f"histogram_quantile({q}, sum by (le, lane) "
                 f"(rate({METRIC_RERANK_DURATION}_bucket[{window}])))"
             )
-            found = [float(s["value"][1]) for s in client.query(expr)]
-            latency[name] = found[0] if found and math.isfinite(found[0]) else None
+            for series in client.query(expr):
+                seconds = float(series["value"][1])
+                lane = series["metric"].get("lane", "")
+                latency[lane][name] = seconds if math.isfinite(seconds) else None
         searches = increases_by(client, f"{METRIC_SEARCH_DURATION}_count", window, "__none__")
+        unpriced = increases_by(client, METRIC_RERANK_UNPRICED, window, "__none__")
         return CostReport(
             window=window,
             cost_by_model=increases_by(client, METRIC_RERANK_COST, window, "model"),
@@ -136,7 +144,8 @@ def fetch_report(url: str, window: str) -> CostReport:
             outcomes=increases_by(client, METRIC_RERANK_OUTCOMES, window, "outcome"),
             attempts=increases_by(client, METRIC_RERANK_ATTEMPTS, window, "result"),
             searches=sum(searches.values()),
-            latency=latency,
+            latency=dict(latency),
+            unpriced_calls=sum(unpriced.values()),
         )
 
 
@@ -170,14 +179,24 @@ def render(report: CostReport, url: str) -> Iterable[Table | str]:
         f"{per_1k:.6f}" if per_1k is not None else "-",
     )
     yield cost
+    if report.unpriced_calls:
+        yield (
+            f"[yellow]warning:[/] {report.unpriced_calls:,.0f} model calls were to a model with "
+            "no price in SIFT_PRICES: their cost is unknown and not in the figures above, "
+            "which are too low"
+        )
     yield _count_table("Tokens by type (summed: billed)", "type", report.tokens_by_type)
     yield _count_table("Rerank outcomes", "outcome", report.outcomes)
     yield _count_table("Attempts by class", "result", report.attempts)
-    latency = Table(title="Rerank latency", title_justify="left")
-    latency.add_column("percentile")
-    latency.add_column("seconds", justify="right")
-    for name, seconds in report.latency.items():
-        latency.add_row(name, f"{seconds:.3f}" if seconds is not None else "-")
+    latency = Table(title="Rerank latency (seconds), by lane", title_justify="left")
+    latency.add_column("lane")
+    lanes = sorted(report.latency)
+    for name in QUANTILES:
+        latency.add_column(name, justify="right")
+    for lane in lanes:
+        found = report.latency[lane]
+        cells = [found.get(name) for name in QUANTILES]
+        latency.add_row(lane, *(f"{v:.3f}" if v is not None else "-" for v in cells))
     yield latency
 
 
@@ -192,6 +211,11 @@ def write_chart(report: CostReport, path: Path) -> None:
     figure.suptitle(
         f"Sift rerank, last {report.window}: {report.total_cost:.4f} USD"
         + (f", {per_1k:.4f} USD per 1,000 searches" if per_1k is not None else "")
+        + (
+            f" ({report.unpriced_calls:,.0f} unpriced calls: too low)"
+            if report.unpriced_calls
+            else ""
+        )
     )
     panels = [
         ("Cost by model (USD)", report.cost_by_model),
