@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from api_gateway.auth import KeyRing
+from api_gateway.auth import KeyRing, require_metrics_token
 from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
 from api_gateway.docs import install_docs
@@ -135,10 +135,11 @@ def create_app(
         "/metrics",
         tags=["ops"],
         response_class=Response,
-        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
-        summary="Prometheus metrics",
+        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, 401: {"model": ErrorBody}},
+        summary="Prometheus metrics (Bearer SIFT_METRICS_TOKEN when it is set)",
     )
     async def prometheus(request: Request) -> Response:
+        require_metrics_token(request, settings.metrics_token)
         store: JobStore = request.app.state.store
 
         def render() -> bytes:

@@ -72,3 +72,16 @@ async def authenticate(
             403, "forbidden", "Authorization: the API key is not valid", field="Authorization"
         )
     return tenant
+
+
+def require_metrics_token(request: Request, token: str | None) -> None:
+    """``/metrics`` is the operator's: fleet-wide traffic, backlog and spend, which no tenant
+    should read. With ``SIFT_METRICS_TOKEN`` set only that Bearer token reads it (401
+    otherwise, whatever API key is shown); unset, it is open."""
+    if token is None:
+        return
+    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        presented.strip().encode(), token.encode()
+    ):
+        raise _unauthenticated("Authorization: /metrics needs the Bearer SIFT_METRICS_TOKEN")

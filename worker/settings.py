@@ -259,6 +259,10 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     gateway_port: int = Field(default=8080, ge=1, le=65535)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)
+    # When set, the gateway's /metrics answers only `Authorization: Bearer <this>` (Prometheus's
+    # `authorization` scrape option); a tenant's API key is not enough. Unset: open, like the
+    # workers' port, so keep the gateway's /metrics off any network tenants reach.
+    metrics_token: str | None = Field(default=None, min_length=16)
     prometheus_url: str = "http://127.0.0.1:9090"  # what `sift cost` reads
 
     # --- the CLI client (``sift ingest``, ``sift search``, ``sift batch``) ---
