@@ -178,7 +178,8 @@ SEARCH_DURATION = Histogram(
 )
 QUEUE_WAIT = Histogram(
     METRIC_QUEUE_WAIT,
-    "Seconds from a job's submission to a worker starting it, by queue.",
+    "Seconds from a job's submission to a worker starting it, by queue; a webhook attempt: "
+    "from when it was due (its job's end, or its retry's time) to its run.",
     ["queue"],
     buckets=QUEUE_WAIT_BUCKETS,
 )

@@ -285,3 +285,66 @@ def test_a_webhook_attempt_that_ends_a_spent_schedule_is_counted_failed(
     assert {r: count(r) - before[r] for r in before} == {
         r: float(r == counted) for r in ("retry", "failed")
     }
+
+
+def _queue_waits(queue: str) -> tuple[float, float]:
+    """``sift_job_queue_wait_seconds{queue}``: its count and sum."""
+    from prometheus_client import REGISTRY
+
+    labels = {"queue": queue}
+    count = REGISTRY.get_sample_value("sift_job_queue_wait_seconds_count", labels) or 0.0
+    total = REGISTRY.get_sample_value("sift_job_queue_wait_seconds_sum", labels) or 0.0
+    return count, total
+
+
+def test_an_ingest_observes_its_queue_wait_once(context: base.WorkerContext) -> None:
+    """Every queue's wait is visible, the ingest queue's too (its series was pre-registered
+    on every dashboard and never observed)."""
+    import time
+
+    from worker.constants import INGEST_QUEUE
+
+    context._runtime = ScriptedRuntime()
+    job = context.store.create_ingest("acme", "docs", [DocumentIn(id="1", text="t")])
+    time.sleep(0.05)
+    before = _queue_waits(INGEST_QUEUE)
+    tasks.ingest.apply(args=[job.id])
+    tasks.ingest.apply(args=[job.id])  # a redelivery of a finished job: no second wait
+    count, total = _queue_waits(INGEST_QUEUE)
+    assert count - before[0] == 1
+    assert 0.05 <= total - before[1] < 60
+
+
+@pytest.mark.parametrize("retry", [False, True])
+def test_a_webhook_attempt_observes_how_late_it_ran(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch, retry: bool
+) -> None:
+    """A webhook attempt's queue wait: from when it was due (the job's end for the first
+    attempt, its retry's time after) to its run, so a backed-up webhook queue shows."""
+    import time
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    from worker import webhooks
+    from worker.constants import WEBHOOK_QUEUE
+    from worker.settings import Settings
+
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.DELIVERED, "http 204", 204)
+    decision = webhooks.DeliveryDecision(result=answer, attempt=1, retry_in=None)
+    monkeypatch.setattr(webhooks, "run_delivery", lambda **_: decision)
+    finished = datetime.now(UTC) - timedelta(seconds=300)  # the job ended 5 minutes ago
+    event: dict[str, object] = {
+        "type": "search.completed", "tenant": "acme", "url": "https://hooks.example/x",
+        "occurred_at": finished.isoformat(), "data": {"id": "srch_1", "status": "succeeded"},
+    }  # fmt: skip
+    late = 300.0
+    if retry:  # a second attempt due 2 s ago
+        event.update(attempt=2, due_at=time.time() - 2.0)
+        late = 2.0
+    before = _queue_waits(WEBHOOK_QUEUE)
+    tasks.webhook.apply(args=[event])
+    count, total = _queue_waits(WEBHOOK_QUEUE)
+    assert count - before[0] == 1
+    assert late <= total - before[1] < late + 30

@@ -14,6 +14,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from celery import shared_task
@@ -23,11 +24,13 @@ from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
     INDEX_READ_TASK,
+    INGEST_QUEUE,
     INGEST_TASK,
     LANE_ECONOMY,
     SEARCH_QUEUE,
     SEARCH_TASK,
     WEBHOOK_EVENT_SEARCH_COMPLETED,
+    WEBHOOK_QUEUE,
     WEBHOOK_TASK,
 )
 from worker.contract import ErrorInfo
@@ -248,6 +251,8 @@ def ingest(self: SiftTask, job_id: str) -> None:
         return
     if not store.start_ingest(job_id):
         return
+    if job.started_at is None:
+        metrics.observe_queue_wait(INGEST_QUEUE, time.time() - job.created_at)
     try:
         if deleting:
             deleted = lifecycle.delete(self.context.runtime, job, ids, jobs=store)
@@ -323,6 +328,9 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         hop = self.retry(args=[event], countdown=min(wait, _hop_seconds(settings)), throw=False)
         raise WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
     attempt = int(event.get("attempt", self.request.retries + 1))
+    # how late the attempt runs after it was due: the job's end, or its retry's time
+    due = event.get("due_at") or datetime.fromisoformat(event["occurred_at"]).timestamp()
+    metrics.observe_queue_wait(WEBHOOK_QUEUE, time.time() - float(due))
     secrets = next(
         (k.webhook_secrets() for k in settings.all_api_keys() if k.tenant == event["tenant"]), None
     )
