@@ -80,6 +80,12 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+# The methods a route of the gateway answers; any other is counted as "other". The method is
+# the caller's to choose (HTTP/1.1 allows any token; uvicorn's h11 parser takes them all), and
+# each new value would be a new series on every scrape.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
 class MetricsMiddleware:
     """Count and time every request by method, route template and status."""
 
@@ -105,6 +111,6 @@ class MetricsMiddleware:
         finally:
             route: Any = scope.get("route")
             template = getattr(route, "path", "unmatched")
-            method = scope["method"]
+            method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
             self.metrics.requests.labels(method, template, str(status)).inc()
             self.metrics.duration.labels(method, template).observe(time.perf_counter() - started)
