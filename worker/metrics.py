@@ -99,7 +99,7 @@ OTHER: Final = (
 )
 SEARCH_MODES: Final = ("fts", "vector", "hybrid")
 SEARCH_OUTCOMES: Final = ("ok", "fallback", "error")
-RETRIEVAL_CHANNELS: Final = ("bm25", "knn", "embed")
+RETRIEVAL_CHANNELS: Final = ("bm25", "knn", "embed", "fuse")  # embed, fuse: Sift's own stages
 ATTEMPT_RESULTS: Final = (
     "ok",
     "timeout",
@@ -185,7 +185,8 @@ QUEUE_WAIT = Histogram(
 )
 RETRIEVAL_DURATION = Histogram(
     METRIC_RETRIEVAL_DURATION,
-    "Seconds one backend spent on one channel of one search (embed is the query embedding).",
+    "Seconds one backend spent on one channel of one search (embed: the query embedding; "
+    "fuse: admission and fusion of the channels' hits).",
     ["backend", "channel"],
     buckets=RETRIEVAL_BUCKETS,
 )

@@ -80,8 +80,10 @@ def test_the_pipeline_reports_through_the_prometheus_recorder() -> None:
         delta("sift_rerank_duration_seconds_count", model=MODEL, outcome="ok", lane="standard") == 1
     )
     assert delta("sift_search_duration_seconds_count", mode="hybrid", outcome="ok") == 1
-    for channel in ("bm25", "knn", "embed"):
-        assert delta("sift_retrieval_duration_seconds_count", backend="memory", channel=channel)
+    # every stage before the model, Sift's own included: the query embedding, the fusion
+    for channel in ("bm25", "knn", "embed", "fuse"):
+        counted = delta("sift_retrieval_duration_seconds_count", backend="memory", channel=channel)
+        assert counted == 1, channel
 
     tokens = {
         "input": USAGE.input_tokens,

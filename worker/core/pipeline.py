@@ -315,14 +315,18 @@ class SearchPipeline:
             method=fusion.method,
         )
         results = self._retrieve(channel_query, deadline)
+        seconds.update(results.seconds)
         if results.fused is not None:  # the backend fused by itself: keep its order
             candidates = [
                 Candidate(hit.document, rank, hit.score, {}, {})
                 for rank, hit in enumerate(results.fused[:coarse], start=1)
             ]
-        else:
+        else:  # admission and fusion, timed as a stage of their own ("fuse")
+            started = self._clock()
             admitted = admit(results.hits, self.config.vector_min_similarity)
             candidates = fuse(admitted, limit=coarse, fusion=fusion.over(channels))
+            seconds["fuse"] = self._clock() - started
+            self.recorder.retrieval(self.backend.name, "fuse", seconds["fuse"])
         trace: dict[str, Any] = {
             "policy": POLICY_ID if reranking else None,
             "query": query,
@@ -337,7 +341,7 @@ class SearchPipeline:
             "channel_window": channel_query.size,
             "channel_counts": {channel: len(hits) for channel, hits in results.hits.items()},
             "fused_by_backend": results.fused is not None,
-            "retrieval_seconds": {**seconds, **results.seconds},
+            "retrieval_seconds": seconds,  # embed, each channel, fuse: in the order they ran
         }
 
         if not reranking or not candidates:
