@@ -31,7 +31,13 @@ from api_gateway.schemas import Health
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError
 from worker.logcontext import configure_logging
-from worker.metrics import JOBS_IN_FLIGHT, metrics_response, preregister, update_backlog
+from worker.metrics import (
+    JOBS_IN_FLIGHT,
+    metrics_response,
+    multiprocess_dir,
+    preregister,
+    update_backlog,
+)
 from worker.queue.jobstore import AsyncJobStore, JobStore
 from worker.settings import Settings, load_settings
 
@@ -149,6 +155,9 @@ def create_app(
             except redis_errors() as exc:
                 log.warning("metrics: Redis unavailable: %s", exc)
             shared, _ = metrics_response()
+            if multiprocess_dir() is not None:
+                # every value is in the files (its own HTTP metrics too): served once
+                return shared
             return shared + generate_latest(metrics.registry)
 
         return Response(await run_in_threadpool(render), media_type=CONTENT_TYPE_LATEST)
