@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, INDEX, KEYS, Stack
-from tests.fake_anthropic import USAGE_FIELDS, malformed, positions
+from tests.fake_anthropic import USAGE_FIELDS, malformed, positions, status
 from tests.services import celery_worker, free_port, gateway
 from worker.core.cost import cost_usd, price_for
 from worker.core.types import TokenUsage
@@ -174,3 +174,72 @@ def test_a_model_with_no_price_shows_cost_null_and_is_counted(
     assert plain["result"]["usage"]["cost_usd"] == 0.0
     warnings = [line for line in unpriced.worker_log.read_text().splitlines() if "no price" in line]
     assert len(warnings) == 1  # once, not per search
+
+
+def _worker_usage(stack: Stack) -> dict[str, float]:
+    """The live worker's standard-lane token counters by type, and its cost counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(stack.worker_metrics_url, timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("lane") != "standard":
+                continue
+            if sample.name == "sift_rerank_tokens_total":
+                kind = sample.labels["type"]
+                out[kind] = out.get(kind, 0.0) + sample.value
+            elif sample.name == "sift_rerank_cost_usd_total":
+                out["cost_usd"] = out.get("cost_usd", 0.0) + sample.value
+    return out
+
+
+def test_a_batchs_items_cost_what_the_counters_rose_by(stack: Stack, corpus: object) -> None:
+    """A batch over the real stack, every item's usage on every path it can end on: applied,
+    retried after a billed malformed answer, after a 529, a valid answer with no usable rank,
+    a 400 (failed at once under fail_closed) and three billed malformed answers (failed, its
+    error's usage), with cache tokens on every answer. The items' tokens and dollars summed
+    equal what the fake billed, and what the worker's counters rose by."""
+    queries = ["green tea", "coffee beans", "black tea", "herbal infusion", "espresso", "matcha"]
+    stack.model.configure(cache_read_input_tokens=300, cache_creation_input_tokens=40)
+    try:
+        before_fake, before_metrics = stack.model.usage(), _worker_usage(stack)
+        stack.model.script(
+            [malformed("nope"), positions([99]), status(529), status(400)]
+            + [malformed("still nope")] * 3
+        )
+        items = [{"id": f"q{i}", "query": q} for i, q in enumerate(queries)]
+        body = {"index": INDEX, "rerank": True, "queries": items}
+        batch = stack.live.post("/v1/batches", json=body, headers=ACME).json()
+        deadline = time.monotonic() + 60
+        while not batch["finished_at"]:
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.1)
+            batch = stack.live.get(f"/v1/batches/{batch['id']}", headers=ACME).json()
+        results = stack.live.get(f"/v1/batches/{batch['id']}/results", headers=ACME).json()[
+            "results"
+        ]
+        billed = _delta(stack.model.usage(), before_fake)
+        after_metrics = _worker_usage(stack)
+    finally:
+        stack.model.configure(cache_read_input_tokens=0, cache_creation_input_tokens=0)
+    assert {r["status"] for r in results} == {"succeeded", "failed"}, results
+    usages = [
+        (r.get("result") or {}).get("usage") or (r.get("error") or {}).get("usage") or {}
+        for r in results
+    ]
+    summed = {name: sum(u.get(name, 0) for u in usages) for name in USAGE_FIELDS}
+    assert summed == billed and billed["cache_read_input_tokens"] > 0
+    kinds = {
+        "input_tokens": "input",
+        "output_tokens": "output",
+        "cache_read_input_tokens": "cache_read",
+        "cache_creation_input_tokens": "cache_creation",
+    }
+    for name, kind in kinds.items():
+        assert after_metrics[kind] - before_metrics.get(kind, 0.0) == billed[name], kind
+    items_cost = sum(u["cost_usd"] for u in usages if u)
+    expected = cost_usd(TokenUsage(**billed), price_for(MODEL, DEFAULT_PRICES))
+    assert items_cost == pytest.approx(expected)
+    counted = after_metrics["cost_usd"] - before_metrics.get("cost_usd", 0.0)
+    assert counted == pytest.approx(items_cost)
