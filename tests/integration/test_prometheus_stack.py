@@ -59,10 +59,12 @@ from tests.prometheus_support import (
 from tests.services import celery_worker, free_port, gateway, redis_server
 from worker.constants import (
     BATCH_QUEUE,
+    INGEST_QUEUE,
     POLICY_ID,
     PROMETHEUS_JOB_GATEWAY,
     PROMETHEUS_JOB_WORKER,
     SEARCH_QUEUE,
+    WEBHOOK_QUEUE,
 )
 from worker.core.cost import cost_usd, price_for
 from worker.core.types import TokenUsage
@@ -172,7 +174,7 @@ PREREGISTERED = {
     f'count(sift_rerank_cost_usd_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 1.0,
     f'count(sift_rerank_duration_seconds_count{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 9.0,
     f'count(sift_rerank_in_flight{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 1.0,
-    'count(sift_retrieval_duration_seconds_count{backend="embedded"} == 0)': 2 * 3.0,
+    'count(sift_retrieval_duration_seconds_count{backend="embedded"} == 0)': 2 * 4.0,
     f'count(sift_rerank_outcomes_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 5.0,
 }
 
@@ -534,9 +536,15 @@ def test_job_and_webhook_metrics(observed: Observed) -> None:
         ("search", "rerank_failed", "1")
     ]
     wait = p.values("sum by (queue) (sift_job_queue_wait_seconds_count) > 0", by="queue")
-    assert wait == {SEARCH_QUEUE: searches, BATCH_QUEUE: len(BATCH_QUERIES)}
     deliveries = p.values("sum by (result) (sift_webhook_deliveries_total)", by="result")
     assert deliveries == {"delivered": 1, "retry": 1, "failed": 1}
+    # every queue's wait: each search, chunk and ingest once, each webhook attempt once
+    assert wait == {
+        SEARCH_QUEUE: searches,
+        BATCH_QUEUE: len(BATCH_QUERIES),
+        INGEST_QUEUE: 2,
+        WEBHOOK_QUEUE: sum(deliveries.values()),
+    }
     assert p.values("sum(sift_rerank_in_flight)")[""] == 0
     assert p.values('sum(sift_jobs_in_flight{state="running"})')[""] == 0
     assert p.values("sum(sift_queue_backlog)")[""] == 0
