@@ -66,3 +66,52 @@ def test_counts_from_every_child_are_summed(tmp_path: Path) -> None:
             assert _sum(text, "sift_search_duration_seconds_count") == searches
             pids = {f.stem.rsplit("_", 1)[-1] for f in (tmp_path / "metrics").glob("*.db")}
             assert pids - {str(proc.pid)}, "no child wrote a metrics file"
+
+
+STALE_GAUGE = """
+import os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+from worker import metrics
+metrics.JOBS_IN_FLIGHT.labels("running").inc(5)   # jobs running when this process was killed
+metrics.JOBS_COMPLETED.labels("search", "succeeded").inc(7)
+print(os.getpid())
+"""
+
+
+def test_a_single_process_worker_starts_on_a_clean_metrics_folder(tmp_path: Path) -> None:
+    """The Docker image sets PROMETHEUS_MULTIPROC_DIR for every container, and deploy/k8s runs
+    one worker process per pod (SIFT_WORKER_PROCESSES from requests.cpu: 1) on an emptyDir
+    /tmp that outlives a container restart. The restarted worker is PID 1 again, so its
+    predecessor's live-gauge files looked alive and were summed in for good:
+    sift_jobs_in_flight{state="running"} kept the jobs running at the kill. A worker that
+    finds files from an earlier run must start from none (a counter reset, which Prometheus
+    takes in its stride)."""
+    import os
+    import subprocess
+    import sys
+
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    written = subprocess.run(
+        [sys.executable, "-c", STALE_GAUGE, str(folder)], capture_output=True, text=True
+    )
+    assert written.returncode == 0, written.stderr
+    old = int(written.stdout)
+    # the predecessor's pid is in use again (PID 1 of the restarted container): here, ours
+    for path in folder.glob(f"*_{old}.db"):
+        path.rename(folder / path.name.replace(f"_{old}.db", f"_{os.getpid()}.db"))
+    port = free_port()
+    with redis_server(tmp_path / "redis") as url:
+        env = {
+            "SIFT_REDIS_URL": url + "/0",
+            "SIFT_API_KEYS": json.dumps(KEYS[:1]),
+            "SIFT_DATA_DIR": str(tmp_path / "data"),
+            "SIFT_WORKER_METRICS_PORT": str(port),
+            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+            "PROMETHEUS_MULTIPROC_DIR": str(folder),
+        }
+        with celery_worker(tmp_path / "w", env, "solo", concurrency=2, processes=1):
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    running = [line for line in text.splitlines() if line.startswith("sift_jobs_in_flight{")]
+    assert running == ['sift_jobs_in_flight{state="running"} 0.0'], running
+    assert 'sift_jobs_completed_total{kind="search",status="succeeded"} 0.0' in text

@@ -98,11 +98,16 @@ def worker(
         return
     if supervised_by:  # its supervisor set up the metrics files and serves them
         follow_supervisor(supervised_by)
-    elif settings.worker_pool == "prefork":  # children fork: their metrics go through files
+    else:
         from worker import metrics
 
-        directory = metrics.multiprocess_dir() or tempfile.mkdtemp(prefix="sift-metrics-")
-        metrics.setup_multiprocess(directory)
+        # prefork children write their metrics to files. A folder given by
+        # PROMETHEUS_MULTIPROC_DIR (the Docker image sets it) may hold an earlier run's files:
+        # emptied, or a restarted container's PID 1 would take its predecessor's live gauges
+        # (jobs running at the kill) for its own, for good
+        if settings.worker_pool == "prefork" or metrics.multiprocess_dir() is not None:
+            directory = metrics.multiprocess_dir() or tempfile.mkdtemp(prefix="sift-metrics-")
+            metrics.setup_multiprocess(directory)
     celery = create_celery_app(settings)
     celery.worker_main(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel or settings.log_level,
