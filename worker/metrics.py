@@ -172,7 +172,9 @@ BUDGET_WAIT_BUCKETS: Final = (
 
 SEARCH_DURATION = Histogram(
     METRIC_SEARCH_DURATION,
-    "Seconds for one search, retrieval to final hits, by mode and outcome (ok, fallback, error).",
+    "Seconds for one search, retrieval to final hits, by mode and outcome (ok, fallback, "
+    "error); an economy-lane search's own work, without the provider batch's wait (that is "
+    'sift_rerank_duration_seconds{lane="economy"}).',
     ["mode", "outcome"],
     buckets=SEARCH_BUCKETS,
 )
