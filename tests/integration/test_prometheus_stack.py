@@ -538,7 +538,7 @@ def test_job_and_webhook_metrics(observed: Observed) -> None:
     wait = p.values("sum by (queue) (sift_job_queue_wait_seconds_count) > 0", by="queue")
     deliveries = p.values("sum by (result) (sift_webhook_deliveries_total)", by="result")
     assert deliveries == {"delivered": 1, "retry": 1, "failed": 1}
-    # every queue's wait: each search, chunk and ingest once, each webhook attempt once
+    # every queue's wait: each search, batch item and ingest once, each webhook attempt once
     assert wait == {
         SEARCH_QUEUE: searches,
         BATCH_QUEUE: len(BATCH_QUERIES),
