@@ -41,3 +41,21 @@ def test_a_method_no_route_serves_is_counted_as_other() -> None:
         if sample.name == "sift_http_requests_total"
     }
     assert methods == {"GET", "other"}
+
+
+def test_a_request_that_waited_its_longest_wait_lands_in_a_finite_bucket() -> None:
+    """``?wait=`` holds a request up to MAX_WAIT_SECONDS; it answers a moment after. Those
+    requests must not all read as +Inf."""
+    from worker.constants import MAX_WAIT_SECONDS
+
+    metrics = GatewayMetrics()
+    metrics.duration.labels("POST", "/v1/searches").observe(MAX_WAIT_SECONDS + 0.05)
+    finite = [
+        float(sample.labels["le"])
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == "sift_http_request_duration_seconds_bucket"
+        and sample.labels["le"] != "+Inf"
+        and sample.value >= 1
+    ]
+    assert finite and min(finite) <= 4 * MAX_WAIT_SECONDS
