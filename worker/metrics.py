@@ -277,7 +277,8 @@ TASK_DURATION = Histogram(
     "Wall time of one Celery task run, by task and outcome (ok, retry, error; wait: a "
     "webhook's hop toward its next attempt).",
     ["task", "outcome"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+    # up to the longest time limit a task has at the defaults (a batch chunk's: ~770 s)
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 900),
 )
 TASK_RETRIES = Counter(
     METRIC_TASK_RETRIES,

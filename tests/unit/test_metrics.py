@@ -257,6 +257,13 @@ def test_an_economy_rerank_of_minutes_to_hours_lands_in_a_finite_bucket(seconds:
     assert min(counted) <= 4 * seconds  # and the bucket that holds it is not far above it
 
 
+def test_every_task_run_the_time_limits_allow_fits_the_buckets() -> None:
+    from worker.queue.celery_app import time_limits
+
+    longest = max(hard for _, hard in time_limits(load_settings()).values())
+    assert max(metrics.TASK_DURATION._upper_bounds[:-1]) >= longest
+
+
 def test_the_longest_economy_rerank_fits_the_buckets() -> None:
     assert metrics.RERANK_BUCKETS[-1] >= load_settings().economy_deadline_seconds
 
