@@ -4,7 +4,10 @@
 
 Counter totals are exact: each series' raw samples in the window are summed increase by
 increase, a counter reset counted as a restart from zero, with no extrapolation. So they can be
-a little lower than Grafana's ``increase()``, which extrapolates to the window's edges. Latency
+a little lower than Grafana's ``increase()``, which extrapolates to the window's edges. A series
+that first appears inside the window (a new worker instance) counts from its first scrape: what
+it did before that scrape (up to a scrape interval of work; its series start at zero) is left
+out, as Prometheus's own ``increase()`` leaves it out. Latency
 percentiles are Prometheus's ``histogram_quantile`` estimates over the window, one set per lane:
 an economy rerank takes minutes to hours, and mixed in it would hide the standard lane's
 seconds. Calls to a model with no price (``sift_rerank_unpriced_calls_total``) add nothing to
