@@ -228,6 +228,9 @@ class RecordingRecorder:
     def retrieval(self, backend: str, channel: str, seconds: float) -> None:
         self.events["retrieval", channel] += 1
 
+    def retrieval_hits(self, backend: str, channel: str, hits: int) -> None:
+        self.events["hits", channel] += 1
+
     def rerank_attempt(self, model: str, result: str) -> None:
         self.events["attempt", result] += 1
 

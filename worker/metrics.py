@@ -76,6 +76,7 @@ from worker.constants import (
     METRIC_RERANK_TOKENS,
     METRIC_RERANK_UNPRICED,
     METRIC_RETRIEVAL_DURATION,
+    METRIC_RETRIEVAL_HITS,
     METRIC_SEARCH_DURATION,
     METRIC_TASK_DURATION,
     METRIC_TASK_RETRIES,
@@ -158,6 +159,9 @@ RERANK_BUCKETS: Final = (
 RETRIEVAL_BUCKETS: Final = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
+# hits one channel returned for one search (its window is max(4 * coarse limit, 32): 120 at
+# the defaults), or the candidates fusion kept (the coarse limit); 0 is an empty channel
+HITS_BUCKETS: Final = (0, 1, 5, 10, 20, 32, 50, 100, 120, 250, 500, 1000, 2500, 10000)
 QUEUE_WAIT_BUCKETS: Final = (
     0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 14400.0,
 )  # fmt: skip
@@ -191,6 +195,13 @@ RETRIEVAL_DURATION = Histogram(
     "fuse: admission and fusion of the channels' hits).",
     ["backend", "channel"],
     buckets=RETRIEVAL_BUCKETS,
+)
+RETRIEVAL_HITS = Histogram(
+    METRIC_RETRIEVAL_HITS,
+    "Hits one channel of one search returned (bm25, knn), and the candidates fusion kept "
+    'of them (fuse); an empty channel is the le="0" bucket.',
+    ["backend", "channel"],
+    buckets=HITS_BUCKETS,
 )
 RERANK_DURATION = Histogram(
     METRIC_RERANK_DURATION,
@@ -305,6 +316,7 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     SEARCH_DURATION,
     QUEUE_WAIT,
     RETRIEVAL_DURATION,
+    RETRIEVAL_HITS,
     RERANK_DURATION,
     RERANK_TOKENS,
     RERANK_ATTEMPTS,
@@ -371,6 +383,11 @@ class PrometheusRecorder:
     def retrieval(self, backend: str, channel: str, seconds: float) -> None:
         channel = _closed(channel, RETRIEVAL_CHANNELS, "channel")
         RETRIEVAL_DURATION.labels(backend, channel).observe(seconds)
+
+    @_never_raises
+    def retrieval_hits(self, backend: str, channel: str, hits: int) -> None:
+        channel = _closed(channel, RETRIEVAL_CHANNELS, "channel")
+        RETRIEVAL_HITS.labels(backend, channel).observe(hits)
 
     @_never_raises
     def rerank_attempt(self, model: str, result: str) -> None:
@@ -546,6 +563,8 @@ def preregister(
     if backend is not None:
         for channel in RETRIEVAL_CHANNELS:
             RETRIEVAL_DURATION.labels(backend, channel)
+            if channel != "embed":
+                RETRIEVAL_HITS.labels(backend, channel)
     for queue in queues:
         QUEUE_WAIT.labels(queue)
     for kind in JOB_KINDS:

@@ -131,6 +131,27 @@ def test_a_failed_rerank_counts_its_class_and_the_failure() -> None:
     assert delta("sift_rerank_cost_usd_total", model=MODEL, lane="standard") == 0
 
 
+def test_each_channel_shows_how_many_hits_it_returned_and_fusion_how_many_it_kept() -> None:
+    """The work of each stage before the model, not only its time: hits per channel (an
+    empty channel is the le="0" bucket) and the candidates fusion kept."""
+    runtime = pipeline_with([reply([1])])
+    delta = Delta()
+    result = runtime.search(
+        SearchSpec(index="docs", query="volcano ash", limit=3, include_trace=True), "acme"
+    )
+    assert result.trace is not None
+    counts = dict(result.trace["channel_counts"])
+    counts["fuse"] = len(result.trace["candidates"])
+    assert counts["bm25"] > 0 and counts["knn"] > 0 and counts["fuse"] > 0
+    for channel, hits in counts.items():
+        labels = {"backend": "memory", "channel": channel}
+        assert delta("sift_retrieval_hits_count", **labels) == 1, channel
+        assert delta("sift_retrieval_hits_sum", **labels) == hits, channel
+    # a query no document matches: BM25 returns nothing, counted in the zero bucket
+    runtime.search(SearchSpec(index="docs", query="zyzzyva", limit=3, mode="fts"), "acme")
+    assert delta("sift_retrieval_hits_bucket", backend="memory", channel="bm25", le="0.0") == 1
+
+
 def test_a_billed_attempt_is_counted_even_when_the_search_then_dies() -> None:
     """Tokens and dollars are counted as each call reports them, not when the rerank ends: a
     malformed answer is billed, and if the search then dies (an unexpected error, the task

@@ -327,6 +327,9 @@ class SearchPipeline:
             candidates = fuse(admitted, limit=coarse, fusion=fusion.over(channels))
             seconds["fuse"] = self._clock() - started
             self.recorder.retrieval(self.backend.name, "fuse", seconds["fuse"])
+        for channel, hits in results.hits.items():
+            self.recorder.retrieval_hits(self.backend.name, channel, len(hits))
+        self.recorder.retrieval_hits(self.backend.name, "fuse", len(candidates))
         trace: dict[str, Any] = {
             "policy": POLICY_ID if reranking else None,
             "query": query,

@@ -154,6 +154,9 @@ class Recorder(Protocol):
 
     def retrieval(self, backend: str, channel: str, seconds: float) -> None: ...
 
+    def retrieval_hits(self, backend: str, channel: str, hits: int) -> None:
+        """How many hits a channel returned for one search, or fusion kept (``fuse``)."""
+
     def rerank_attempt(self, model: str, result: str) -> None: ...
 
     def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:
@@ -175,6 +178,9 @@ class NullRecorder:
     """A Recorder that records nothing."""
 
     def retrieval(self, backend: str, channel: str, seconds: float) -> None:
+        pass
+
+    def retrieval_hits(self, backend: str, channel: str, hits: int) -> None:
         pass
 
     def rerank_attempt(self, model: str, result: str) -> None:
