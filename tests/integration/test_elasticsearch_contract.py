@@ -209,6 +209,7 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
         f"/{CONCRETE}",
         Answer(200, {"acknowledged": True, "shards_acknowledged": True, "index": CONCRETE}),
     )
+    server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}))
     server.on("PUT", "/_bulk", bulk_ok)
     backend = backend_for(server)
     docs = [
@@ -221,11 +222,20 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
         ("HEAD", f"/_alias/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
+        ("PUT", f"/{ACME}/_mapping"),
         ("PUT", "/_bulk"),
     ]
     assert server.requests[1].json() == EXPECTED_TEMPLATE
     assert server.requests[2].json() == {"aliases": {ACME: {}}}
-    bulk = server.requests[3]
+    # the index just made may come from a template an earlier release's worker put since
+    # this one's: the fields writes carry are mapped on it all the same
+    assert server.requests[3].json() == {
+        "properties": {
+            "embedding_model": {"type": "keyword"},
+            "metadata_terms": {"type": "keyword"},
+        }
+    }
+    bulk = server.requests[4]
     # require_alias: a write whose alias another worker dropped is refused, not auto-created
     assert bulk.query == {"refresh": ["wait_for"], "require_alias": ["true"]}
     assert bulk.headers["content-type"] == (
@@ -258,8 +268,8 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
 
     # acme's index is known now: its next upsert goes straight to _bulk
     assert backend.upsert("docs", "acme", [Document("d3", "again", revision="r")], None) == 1
-    assert [(r.method, r.path) for r in server.requests[4:]] == [("PUT", "/_bulk")]
-    assert server.requests[4].ndjson()[0] == {"index": {"_id": "acme:d3", "_index": ACME}}
+    assert [(r.method, r.path) for r in server.requests[5:]] == [("PUT", "/_bulk")]
+    assert server.requests[5].ndjson()[0] == {"index": {"_id": "acme:d3", "_index": ACME}}
 
 
 def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
@@ -272,6 +282,7 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
     server.on("HEAD", f"/_alias/{BETA}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("PUT", f"/{BETA}~000001", Answer(200, {"acknowledged": True, "index": BETA}))
+    server.on("PUT", f"/{BETA}/_mapping", Answer(200, {"acknowledged": True}))
     server.on("PUT", "/_bulk", bulk_ok)
     backend = backend_for(server)
     assert backend.upsert("docs", "acme", [Document("d1", "acme's text")], None) == 1
@@ -281,10 +292,11 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
         ("HEAD", f"/_alias/{BETA}"),
         ("PUT", "/_index_template/sift-sift"),  # once per process: acme's index existed
         ("PUT", f"/{BETA}~000001"),
+        ("PUT", f"/{BETA}/_mapping"),
         ("PUT", "/_bulk"),
     ]
     assert server.requests[2].json() == {"aliases": {BETA: {}}}
-    action, source = server.requests[3].ndjson()
+    action, source = server.requests[4].ndjson()
     assert action == {"index": {"_id": "beta:d1", "_index": BETA}}
     assert "vector" not in source and source["tenant"] == "beta"
     assert len(source["revision"]) == 16  # derived from the content when none came
@@ -424,6 +436,7 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
         ("POST", "/_reindex"),
         ("GET", f"/_tasks/{TASK.replace(':', '%3A')}"),  # polled until done
         ("POST", f"/{new}/_refresh"),
+        ("PUT", f"/{new}/_mapping"),  # fields an earlier release's template may lack
         ("POST", "/_aliases"),
     ]
     template = server.requests[2].json()
@@ -438,6 +451,12 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
     assert server.requests[4].query == {"wait_for_completion": ["false"]}
     assert server.requests[1].query == {"actions": ["*reindex"], "detailed": ["true"]}
     assert server.requests[7].json() == {
+        "properties": {
+            "embedding_model": {"type": "keyword"},
+            "metadata_terms": {"type": "keyword"},
+        }
+    }
+    assert server.requests[8].json() == {
         "actions": [
             {"remove": {"index": CONCRETE, "alias": ACME}},
             {"add": {"index": new, "alias": ACME}},
@@ -1469,6 +1488,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
     server.on("HEAD", f"/_alias/{ACME}", Answer(404))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("PUT", f"/{CONCRETE}", Answer(200, {"acknowledged": True, "index": CONCRETE}))
+    server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}), times=1)
     assert backend.upsert("docs", "acme", [Document("d2", "y")], None, version=5) == 1
     assert [(r.method, r.path) for r in server.requests] == [
         ("GET", FLOOR),
@@ -1477,6 +1497,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
         ("HEAD", f"/_alias/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
+        ("PUT", f"/{ACME}/_mapping"),
         ("PUT", "/_bulk"),
         ("GET", FLOOR),  # after the write: no drop of this version or newer ran meanwhile
     ]

@@ -871,3 +871,67 @@ def test_a_write_retried_after_some_items_were_rejected_reports_every_document_i
     # a newer write of "a" since: the retry of version 5 does not count it
     assert backend.upsert("docs", "acme", docs[:1], None, version=7) == 1
     assert backend.upsert("docs", "acme", docs, None, version=5) == 2
+
+
+def previous_release_template() -> dict[str, Any]:
+    """The index template a worker of the release before metadata terms puts."""
+    fields = replace(FieldNames(), metadata_terms="")
+    return index_template("sift-", fields, IndexSettings(64))
+
+
+def filtered(backend: ElasticsearchBackend, tenant: str, **filters: Any) -> set[str]:
+    hits = (
+        TestStatefulElasticsearchContract()
+        .search(backend, "docs", tenant, "alpha", size=10, **filters)
+        .hits
+    )
+    return {h.document.id for h in hits["bm25"]}
+
+
+def test_an_index_made_from_a_template_a_previous_release_put_since_takes_the_fields(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A worker puts its template once; a worker of the previous release (a rolling upgrade)
+    may put its own since, so an index this worker makes later can lack the metadata-terms
+    field under ``dynamic: strict``. Its first write there still adds the field: the
+    write is not refused (``strict_dynamic_mapping_exception``, for good, while the
+    process lives), and filters compare its documents as JSON values."""
+    server, state = fake
+    backend = backend_on(server)
+    write(backend, DOC, version=1)  # this worker's template is put, acme's index made
+    state.templates["sift-sift"] = previous_release_template()
+    doc = Document("new", "alpha new", "", "1", {"year": 5})
+    assert backend.upsert("docs", "beta", [doc], vectors_of([doc]), version=2) == 1
+    (concrete,) = state.concrete(backend.alias("docs", "beta"))
+    assert state.indexes[concrete].mappings["properties"]["metadata_terms"] == {"type": "keyword"}
+    assert filtered(backend, "beta", year=5.0) == {"new"}
+    assert filtered(backend, "beta", year="5") == set()
+
+
+def test_a_reindex_that_waits_on_a_previous_releases_copy_gives_its_index_the_fields(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reindex of the previous release gave up waiting on its copy, into an index made
+    from that release's template (no metadata-terms field, ``dynamic: strict``). Run again
+    on this release, it waits on that copy and moves the alias there: a worker that wrote
+    through the alias before (and so remembers its mapping as done) keeps writing."""
+    server, state = fake
+    monkeypatch.setattr("worker.adapters.elasticsearch._reindex.COPY_POLL_SECONDS", 0.01)
+    previous = backend_on(server, elasticsearch_metadata_terms_field="")
+    first = Document("a", "alpha a", "", "1", {"year": 5})
+    assert previous.upsert("docs", "acme", [first], vectors_of([first]), version=1) == 1
+    alias = previous.alias("docs", "acme")
+    state.copy_running_reads = 3
+    previous.copy_max_seconds = 0
+    with pytest.raises(BackendUnavailable, match="runs on"):
+        previous.reindex("docs", "acme")
+    (copying,) = [n for n in indexes_named(state, alias) if n not in state.concrete(alias)]
+    assert "metadata_terms" not in state.indexes[copying].mappings["properties"]
+    writer = backend_on(server)  # upgraded: its write (the same again) maps the live index
+    assert writer.upsert("docs", "acme", [first], vectors_of([first]), version=1) == 1
+
+    assert backend_on(server).reindex("docs", "acme") == copying
+    later = Document("b", "alpha b", "", "1", {"year": 5.0})
+    assert writer.upsert("docs", "acme", [later], vectors_of([later]), version=2) == 1
+    assert filtered(writer, "acme", year=5) == {"a", "b"}

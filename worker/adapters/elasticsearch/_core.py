@@ -103,6 +103,14 @@ class _Core:
             if tenant is None or key[1] == tenant:
                 self._with_vectors.pop(key, None)
 
+    def _added_fields(self) -> dict[str, Any]:
+        """The fields a release added to Sift's mapping after its first (the model field,
+        the metadata-terms field), for ``PUT <target>/_mapping`` on an index made before
+        them: writes carry them, and ``dynamic: strict`` refuses a document with a field
+        its index does not map. Empty if neither is set."""
+        names = (self.fields.model, self.fields.metadata_terms)
+        return {name: {"type": "keyword"} for name in names if name}
+
     def _aliases(self, name: str) -> dict[str, list[str]]:
         """``GET _alias/<name or pattern>`` as concrete index -> its aliases matching it.
 

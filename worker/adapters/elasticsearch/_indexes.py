@@ -54,7 +54,6 @@ class _Indexes(_Core):
                 self._es().indices.create(
                     index=concrete, aliases={alias: {}}, **self._explicit_body()
                 )
-                self._fields_mapped.add(alias)  # made from this process's template
                 return True
             except ApiError as exc:
                 kind = _error_type(exc)

@@ -41,7 +41,8 @@ class _Reindex(_Core):
            quantisation, shard count);
         2. ``POST _reindex`` from the alias into it (``version_type: external``: each
            document keeps its version, so the write ordering holds across it), then
-           ``POST <new>/_refresh``;
+           ``POST <new>/_refresh`` and ``PUT <new>/_mapping`` of the fields writes carry
+           (:meth:`_added_fields`: the new index may come from an earlier release);
         3. ``POST _aliases`` with ``remove`` of the alias from every old index and ``add``
            to the new one, in one request (atomic: searches see old or new, never none);
         4. optionally delete the old indexes (kept by default, for a rollback).
@@ -86,6 +87,11 @@ class _Reindex(_Core):
                 self._template_ready = False  # put the template again: current settings
                 self._es().indices.create(index=concrete, **self._explicit_body())
                 self._start_copy({"index": alias}, concrete, what)  # a new name: none runs
+            # the index may be an earlier release's (the copy waited on), or made from a
+            # template such a release put since: workers that mapped the alias's fields
+            # before (``_map_fields``, once per alias) write them into it from the move on
+            if added := self._added_fields():
+                self._es().indices.put_mapping(index=concrete, properties=added)
             self.move_alias(alias, old, concrete, delete_old=delete_old)
         self._forget(alias)
         logger.info("reindexed %s: %s -> %s", alias, old, concrete)

@@ -105,11 +105,12 @@ class _Writes(_Search, _Indexes):
         """Once per process and alias, add the model field and the metadata-terms field to
         the index's mapping (``PUT <alias>/_mapping``: a no-op on an index made from the
         current template), so an index made before a field existed takes it under
-        ``dynamic: strict``. False if the index is missing (another worker dropped it
+        ``dynamic: strict``. An index this process just made is no exception: the template
+        ES holds is the one put last, maybe by a worker of an earlier release (a rolling
+        upgrade), not this one's. False if the index is missing (another worker dropped it
         meanwhile; the bulk write makes it again)."""
         alias = self.alias(index, tenant)
-        names = (self.fields.model, self.fields.metadata_terms)
-        added = {name: {"type": "keyword"} for name in names if name}
+        added = self._added_fields()
         if alias in self._fields_mapped or not added:
             return True
         with _translated(f"mapping of index {index!r}", index, missing_ok=True) as missing:
