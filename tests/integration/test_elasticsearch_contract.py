@@ -577,12 +577,10 @@ def test_every_search_path_filters_by_tenant_inside_each_channel(
         server,
         Answer(200, msearch_response(*[search_response([]) for _ in channels])),
     )
-    on_probes(server, Answer(200, probes(True, False)))
     results = backend_for(server).retrieve(query(channels, **fields))
     assert set(results.hits) == set(channels)
 
-    sent, probed = server.requests
-    assert is_probe(probed)  # nothing found: does the tenant still hold a document?
+    (sent,) = server.requests  # nothing found, no memo in the way: nothing asked again
     assert sent.path == MSEARCH  # acme's own index, in the URL; none in the header lines
     assert sent.headers["content-type"] == (
         "application/vnd.elasticsearch+x-ndjson; compatible-with=9"
@@ -614,7 +612,6 @@ def test_num_candidates_is_at_least_k_and_at_most_10000(
     server: FakeElasticsearchServer, size: int, setting: int, expected: int
 ) -> None:
     on_searches(server, Answer(200, msearch_response(search_response([]))))
-    on_probes(server, Answer(200, probes(True, False)))
     backend_for(server, elasticsearch_num_candidates=setting).retrieve(query(("knn",), size=size))
     body = server.requests[0].ndjson()[1]
     assert body["knn"]["k"] == size and body["knn"]["num_candidates"] == expected
@@ -638,12 +635,6 @@ def test_existing_index_field_names_are_used_everywhere(server: FakeElasticsearc
         "POST",
         f"/{tenant_key('acme')}--docs/_msearch",
         Answer(200, msearch_response(search_response([]), search_response([]))),
-    )
-    server.on(
-        "POST",
-        f"/{tenant_key('acme')}--docs/_msearch",
-        Answer(200, probes(True, False)),
-        when=is_probe,
     )
     backend = backend_for(
         server,
@@ -833,10 +824,11 @@ def test_a_search_finding_nothing_in_an_index_emptied_elsewhere_is_index_not_fou
     server: FakeElasticsearchServer,
 ) -> None:
     """This worker remembers acme's vectors (its probe answer, for a while); another worker
-    deleted acme's last documents by id. The search finds nothing, so the probe is asked
-    again, bypassing the memo: no document is left, so the index reads as missing, as on
-    the embedded backend, not as an index with no match. One with documents left answers
-    its empty hits."""
+    deleted acme's last documents by id. The search finds nothing, so whether acme still
+    holds a document is asked (the probe's first search, bypassing the memo): none is
+    left, so the index reads as missing, as on the embedded backend, not as an index with
+    no match. One with documents left answers its empty hits and keeps the memo; a tenant
+    the memo does not hold was probed from ES within the search: nothing is asked again."""
     backend = backend_for(server)
     on_probes(server, Answer(200, probes(documents=True, vectors=True, model="m-1")))
     server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
@@ -844,18 +836,31 @@ def test_a_search_finding_nothing_in_an_index_emptied_elsewhere_is_index_not_fou
     on_probes(server, Answer(200, probes(documents=False, vectors=False)))
     assert backend.channels("docs", "acme") == {"bm25", "knn"}  # the memo answers
     on_searches(server, Answer(200, msearch_response(search_response([]), search_response([]))))
+    server.on("POST", f"/{ACME}/_search", Answer(200, probe_response(0)), times=1)
     with pytest.raises(IndexNotFound):
         backend.retrieve(query())
+    (held,) = server.sent("POST", f"/{ACME}/_search")
+    assert held.json() == {
+        "size": 0,
+        "terminate_after": 1,
+        "track_total_hits": True,
+        "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
+    }
     assert backend.channels("docs", "acme") == frozenset()  # the memo is let go
-    hits = [hit(CONCRETE, "acme", "a", 3.0)]
-    on_searches(server, Answer(200, msearch_response(search_response(hits))))
-    on_probes(server, Answer(200, probes(documents=True, vectors=False)))
-    before = len(probes_sent(server))
-    assert [h.document.id for h in backend.retrieve(query(("bm25",))).hits["bm25"]] == ["a"]
-    assert len(probes_sent(server)) == before  # hits found: no probe
+
+    on_probes(server, Answer(200, probes(documents=True, vectors=True, model="m-1")))
+    assert backend.channels("docs", "acme") == {"bm25", "knn"}
+    server.on("POST", f"/{ACME}/_search", Answer(200, probe_response(1)), times=1)
+    assert backend.retrieve(query(lang="none")).hits == {"bm25": [], "knn": []}
+    assert len(server.sent("POST", f"/{ACME}/_search")) == 2
+    before = len(server.requests)
+    assert backend.channels("docs", "acme") == {"bm25", "knn"}  # kept: documents are left
+    assert len(server.requests) == before
+
+    backend._with_vectors.clear()  # a tenant without vectors: never in the memo
     on_searches(server, Answer(200, msearch_response(search_response([]))))
     assert backend.retrieve(query(("bm25",), lang="none")).hits == {"bm25": []}
-    assert len(probes_sent(server)) == before + 1
+    assert len(server.requests) == before + 1  # the search alone
 
 
 def test_the_per_tenant_memo_drops_expired_answers_once_large(
@@ -1040,7 +1045,6 @@ def test_the_pipeline_is_the_one_retry_layer(server: FakeElasticsearchServer) ->
 def test_the_client_speaks_es9_media_types(server: FakeElasticsearchServer) -> None:
     """The 9.x client sends ``compatible-with=9``, which an 8.x server refuses: use ES 9."""
     on_searches(server, Answer(200, msearch_response(search_response([]))))
-    on_probes(server, Answer(200, probes(True, False)))
     backend_for(server).retrieve(query(("bm25",)))
     assert server.requests[0].headers["accept"] == (
         "application/vnd.elasticsearch+json; compatible-with=9"

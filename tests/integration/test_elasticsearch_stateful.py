@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from elasticsearch import ApiError, Elasticsearch
 
-from tests.integration.backend_contract import LifecycleContract, vectors_of
+from tests.integration.backend_contract import EMBEDDER, LifecycleContract, vectors_of
 from tests.integration.es_loopback import (
     Answer,
     FakeElasticsearchServer,
@@ -29,8 +29,10 @@ from worker.adapters.elasticsearch import (
     IndexSettings,
     index_template,
 )
+from worker.contract import SearchSpec
+from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import Document
-from worker.errors import BackendRequestError, BackendUnavailable, ConfigError
+from worker.errors import BackendRequestError, BackendUnavailable, ConfigError, IndexNotFound
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -935,3 +937,41 @@ def test_a_reindex_that_waits_on_a_previous_releases_copy_gives_its_index_the_fi
     later = Document("b", "alpha b", "", "1", {"year": 5.0})
     assert writer.upsert("docs", "acme", [later], vectors_of([later]), version=2) == 1
     assert filtered(writer, "acme", year=5) == {"a", "b"}
+
+
+def test_a_search_finding_nothing_asks_again_only_what_a_remembered_probe_may_have_missed(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A search that finds nothing checks whether the tenant still holds a document only
+    when the pipeline's probe may have answered from this process's memo (a tenant with
+    vectors, remembered for a while), and with one small search: a tenant without vectors
+    was just probed from ES within the same search. The memo stays while documents do."""
+    server, _state = fake
+    backend = backend_on(server)
+    pipeline = SearchPipeline(backend, EMBEDDER, config=PipelineConfig())
+    words = Document("w", "alpha words", "", "1", {"year": 5})
+    assert backend.upsert("docs", "beta", [words], None, version=1) == 1
+    server.requests.clear()
+    spec = SearchSpec(index="docs", query="alpha", mode="fts", filters={"year": 6}, rerank=False)
+    assert pipeline.search(spec, "beta").hits == []
+    beta = backend.alias("docs", "beta")
+    assert [r.path for r in server.requests] == [f"/{beta}/_msearch"] * 2  # probe, search
+
+    vectors = Document("v", "alpha vectors", "", "1", {"year": 5})
+    assert backend.upsert("docs", "acme", [vectors], vectors_of([vectors]), version=2) == 1
+    acme = backend.alias("docs", "acme")
+    hybrid = SearchSpec(index="docs", query="alpha", filters={"year": 6}, rerank=False)
+    server.requests.clear()
+    assert pipeline.search(hybrid, "acme").hits == []  # the probe answered from the memo
+    assert [r.path for r in server.requests] == [f"/{acme}/_msearch", f"/{acme}/_search"]
+    server.requests.clear()
+    assert [
+        h.id for h in pipeline.search(hybrid.model_copy(update={"filters": {}}), "acme").hits
+    ] == ["v"]
+    assert [r.path for r in server.requests] == [f"/{acme}/_msearch"]  # the memo stayed
+    # another worker deletes acme's last document: the memo answers the probe, the search
+    # finds nothing, and the check reads the index as missing, as the embedded backend does
+    assert backend_on(server).delete_documents("docs", "acme", ["v"], version=3) == 1
+    with pytest.raises(IndexNotFound):
+        pipeline.search(hybrid.model_copy(update={"filters": {}}), "acme")
+    assert backend.channels("docs", "acme") == frozenset()

@@ -152,10 +152,21 @@ class _Search(_Bodies):
         The pipeline's probe may have answered from this process's memo of the tenant's
         vectors (``CHANNELS_TTL_SECONDS``), while the tenant's last documents were deleted
         by id here or in another worker: an emptied index must read like a missing one, not
-        as one with no match. One probe, only when a search came back empty."""
-        alias = self.alias(query.index, query.filters.tenant)
-        self._with_vectors.pop((alias, query.filters.tenant), None)
-        if not self.probe(query.index, query.filters.tenant).channels:
+        as one with no match. Only then is it asked, with one small search (the probe's
+        first); the memo goes only if no document is left. A tenant not in the memo (no
+        vectors seen) was probed from ES within this search: nothing is sent."""
+        tenant = query.filters.tenant
+        alias = self.alias(query.index, tenant)
+        if (alias, tenant) not in self._with_vectors:
+            return
+        what = f"documents of index {query.index!r}"
+        body = self.probe_searches(tenant)[1]
+        with _translated(what, query.index, missing_ok=True) as missing:
+            answer = self._es(query.timeout_seconds).search(index=alias, **body).body
+        if not missing:
+            _raise_if_partial(answer, what)
+        if missing or not _total(answer):
+            self._with_vectors.pop((alias, tenant), None)
             raise IndexNotFound(query.index)
 
     def retrieve_native(self, query: ChannelQuery) -> list[ChannelHit]:
