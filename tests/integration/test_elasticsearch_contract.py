@@ -547,17 +547,19 @@ PATHS: list[tuple[tuple[Channel, ...], dict[str, FilterValue]]] = [
 
 
 def metadata_filter(
-    token: str, as_text: dict[str, str], terms: str = "metadata_terms"
+    token: str, as_text: dict[str, str | list[str]], terms: str = "metadata_terms"
 ) -> dict[str, Any]:
     """One metadata filter: the typed token, or, on a document holding none (written before
-    the tokens existed, or not by Sift), the ``flattened`` field's text."""
+    the tokens existed, or not by Sift), the ``flattened`` field's text (a list: each
+    spelling of a number)."""
+    ((_field, text),) = as_text.items()
     return {
         "bool": {
             "should": [
                 {"term": {terms: token}},
                 {
                     "bool": {
-                        "filter": [{"term": as_text}],
+                        "filter": [{"terms" if isinstance(text, list) else "term": as_text}],
                         "must_not": [{"exists": {"field": terms}}],
                     }
                 },
@@ -586,11 +588,10 @@ def test_every_search_path_filters_by_tenant_inside_each_channel(
         "application/vnd.elasticsearch+x-ndjson; compatible-with=9"
     )
     tokens = {"lang": "lang=s:en", "year": "year=n:2020", "open": "open=b:true"}
+    # a number is compared as text (on a document without tokens) in each JSON spelling
+    texts: dict[str, str | list[str]] = {"lang": "en", "year": ["2020", "2020.0"], "open": "true"}
     filters: list[dict[str, Any]] = [{"term": {"tenant": "acme"}}]
-    filters += [
-        metadata_filter(tokens[k], {f"metadata.{k}": ("true" if v is True else str(v))})
-        for k, v in sorted(fields.items())
-    ]
+    filters += [metadata_filter(tokens[k], {f"metadata.{k}": texts[k]}) for k in sorted(fields)]
     expected: list[Any] = []
     for channel in channels:
         expected.append({})

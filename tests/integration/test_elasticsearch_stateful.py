@@ -975,3 +975,34 @@ def test_a_search_finding_nothing_asks_again_only_what_a_remembered_probe_may_ha
     with pytest.raises(IndexNotFound):
         pipeline.search(hybrid.model_copy(update={"filters": {}}), "acme")
     assert backend.channels("docs", "acme") == frozenset()
+
+
+def test_a_number_filter_matches_a_document_without_tokens_however_it_was_written(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """Documents of the previous release (no tokens) hold each value as the text it was
+    written with, ``5`` or ``5.0``; one written since holds a typed token. A number filter
+    finds both kinds, whichever way either was spelled (``5`` is ``5.0``): the text it
+    compares an untyped document on is every spelling of the number, not one."""
+    server, _state = fake
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    before = previous_release_template()["template"]["mappings"]
+    old = {
+        "acme:int": {**shared_doc("acme", "int", "alpha int"), "metadata": {"n": 5}},
+        "acme:float": {**shared_doc("acme", "float", "alpha float"), "metadata": {"n": 5.0}},
+        "acme:big": {**shared_doc("acme", "big", "alpha big"), "metadata": {"n": 1e16}},
+        "acme:zero": {**shared_doc("acme", "zero", "alpha zero"), "metadata": {"n": -0.0}},
+    }
+    make_index(server, alias, f"{alias}~000001", old, before)
+    new = [
+        Document("newint", "alpha newint", "", "1", {"n": 5}),
+        Document("newfloat", "alpha newfloat", "", "1", {"n": 5.0}),
+    ]
+    assert backend.upsert("docs", "acme", new, vectors_of(new), version=20) == 2
+    five = {"int", "float", "newint", "newfloat"}
+    assert filtered(backend, "acme", n=5) == five
+    assert filtered(backend, "acme", n=5.0) == five
+    assert filtered(backend, "acme", n=10**16) == {"big"}
+    assert filtered(backend, "acme", n=0) == {"zero"}
+    assert filtered(backend, "acme", n=5.5) == set()

@@ -98,7 +98,7 @@ Why this shape (DESIGN.md §6).
   ``1``, ``"5"`` is not ``5``): a ``term`` on the document's typed tokens
   (:func:`~worker.adapters.elasticsearch._bodies.metadata_term`), or, on a document
   without them (written before they existed, or not by Sift), on its ``flattened``
-  metadata, as text.
+  metadata, as text (a number in each of its JSON spellings, ``5`` and ``5.0``).
   ``num_candidates`` is ``min(10000, max(size, SIFT_ELASTICSEARCH_NUM_CANDIDATES))``.
   Sift's own RRF fuses the channels (no licence needed; each channel's rank stays
   visible). ES reports a cosine kNN hit as ``(1 + cos) / 2``; this adapter turns it back

@@ -42,12 +42,14 @@ class _Bodies(_Core):
         A metadata filter is a ``term`` on the document's typed tokens
         (:func:`metadata_terms`), so it compares JSON values as the embedded backend does.
         A document without tokens (written before they existed, or into an index Sift did
-        not make) is compared as ES's ``flattened`` field holds it instead: as text."""
+        not make) is compared as ES's ``flattened`` field holds it instead: as text, a
+        number on each of its spellings (:func:`_term_texts`)."""
         terms: list[dict[str, Any]] = [{"term": {self.fields.tenant: filters.tenant}}]
         for key, value in sorted(filters.fields.items()):
             if not _FILTER_KEY.match(key):
                 raise InvalidRequest(f"filters.{key}", "filter names use letters, digits and _.:-")
-            as_text = {"term": {f"{self.fields.metadata}.{key}": _term_value(value)}}
+            field, texts = f"{self.fields.metadata}.{key}", _term_texts(value)
+            as_text = {"terms": {field: texts}} if len(texts) > 1 else {"term": {field: texts[0]}}
             if not self.fields.metadata_terms:
                 terms.append(as_text)
                 continue
@@ -271,8 +273,28 @@ def metadata_terms(metadata: Mapping[str, FilterValue]) -> list[str]:
     return sorted(metadata_term(key, value) for key, value in metadata.items())
 
 
-def _term_value(value: FilterValue) -> str:
-    """A ``flattened`` field holds every value as a keyword: ``true``, ``5``, ``2.5``."""
+def _term_texts(value: FilterValue) -> list[str]:
+    """The keywords a ``flattened`` field may hold for a value equal to ``value``: what a
+    document without metadata tokens is compared on. It holds each value as the text it
+    was written with, so a number is every way JSON (Python's ``json``, which Sift's client
+    writes with) spells an equal one: ``5`` and ``5.0``, ``1e+16`` and
+    ``10000000000000000``, the three zeros. A boolean is ``true``/``false`` and a string
+    itself, which the text cannot tell from the string ``"true"`` or ``"5"``.
+
+    >>> _term_texts(5), _term_texts(5.0), _term_texts(5.5), _term_texts(True)
+    (['5', '5.0'], ['5', '5.0'], ['5.5'], ['true'])
+    >>> _term_texts(10**16), _term_texts(9007199254740993), _term_texts(0)
+    (['10000000000000000', '1e+16'], ['9007199254740993'], ['-0.0', '0', '0.0'])
+    """
     if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+        return ["true" if value else "false"]
+    if isinstance(value, str):
+        return [value]
+    texts = {repr(value)}
+    if isinstance(value, float) and value.is_integer() and -(2.0**63) <= value < 2.0**63:
+        texts.add(str(int(value)))
+    if isinstance(value, int) and float(value) == value:
+        texts.add(repr(float(value)))
+    if value == 0:
+        texts |= {"0", "0.0", "-0.0"}
+    return sorted(texts)
