@@ -583,9 +583,20 @@ class StatefulElasticsearch:
                 return 200, {"completed": False, "task": task["task"]}
             self._running.pop(parts[0], None)
             return 200, task
+        # ES lists the tasks whose action matches ``actions`` (wildcards, comma-separated),
+        # with their description only when ``detailed`` is true
+        actions = q.get("actions", "*").split(",")
         running = {
-            task: {**self.tasks[task]["task"], "running_time_in_nanos": 1}
+            task: {
+                **{
+                    k: v
+                    for k, v in self.tasks[task]["task"].items()
+                    if k != "description" or q.get("detailed") == "true"
+                },
+                "running_time_in_nanos": 1,
+            }
             for task in sorted(self._running)
+            if any(fnmatch.fnmatchcase(self.tasks[task]["task"]["action"], a) for a in actions)
         }
         return 200, {
             "nodes": {"fakenode": {"name": "fakenode", "tasks": running}} if running else {}

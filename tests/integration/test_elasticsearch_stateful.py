@@ -5,12 +5,14 @@ by what a tenant reads afterwards, not by the requests sent."""
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import pytest
 from elasticsearch import ApiError, Elasticsearch
+from elasticsearch.exceptions import GeneralAvailabilityWarning
 
 from tests.integration.backend_contract import EMBEDDER, LifecycleContract, vectors_of
 from tests.integration.es_loopback import (
@@ -1006,3 +1008,24 @@ def test_a_number_filter_matches_a_document_without_tokens_however_it_was_writte
     assert filtered(backend, "acme", n=10**16) == {"big"}
     assert filtered(backend, "acme", n=0) == {"zero"}
     assert filtered(backend, "acme", n=5.5) == set()
+
+
+def test_the_stand_in_lists_running_tasks_as_es_does(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """``GET _tasks``: the running tasks whose action matches ``actions``, each with its
+    description only when ``detailed`` is true (what finds a copy to wait on)."""
+    server, state = fake
+    es = client(server)
+    es.indices.create(index="a~1", aliases={"a": {}})
+    state.copy_running_reads = 1
+    task = es.reindex(source={"index": "a"}, dest={"index": "b"}, wait_for_completion=False)
+    with warnings.catch_warnings():  # the client calls the task list a technical preview
+        warnings.simplefilter("ignore", GeneralAvailabilityWarning)
+        detailed = es.tasks.list(actions="*reindex", detailed=True).body
+        plain = es.tasks.list(actions="*reindex").body
+        other = es.tasks.list(actions="*search", detailed=True).body
+    listed = detailed["nodes"]["fakenode"]["tasks"][task["task"]]
+    assert listed["description"] == "reindex from [a] to [b]"
+    assert "description" not in plain["nodes"]["fakenode"]["tasks"][task["task"]]
+    assert other == {"nodes": {}}
