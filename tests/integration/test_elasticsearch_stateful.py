@@ -1029,3 +1029,27 @@ def test_the_stand_in_lists_running_tasks_as_es_does(
     assert listed["description"] == "reindex from [a] to [b]"
     assert "description" not in plain["nodes"]["fakenode"]["tasks"][task["task"]]
     assert other == {"nodes": {}}
+
+
+def test_an_index_made_again_by_a_previous_release_worker_is_mapped_again_on_the_retry(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """This worker mapped acme's fields (once per alias); a worker of the previous release
+    (a rolling upgrade) dropped acme's index and made it again from its own template,
+    without the metadata-terms field. This worker's next write is refused by ``dynamic:
+    strict`` for that field: a retryable failure that lets the memo go, so the job's retry
+    maps the field and writes, instead of failing for good while the process lives."""
+    server, _state = fake
+    backend = backend_on(server)
+    first = Document("a", "alpha a", "", "1", {"year": 5})
+    assert backend.upsert("docs", "acme", [first], vectors_of([first]), version=1) == 1
+    previous = backend_on(server, elasticsearch_metadata_terms_field="")
+    previous.delete_index("docs", "acme", version=2)
+    old = Document("o", "alpha o", "", "1", {"year": 5})
+    assert previous.upsert("docs", "acme", [old], vectors_of([old]), version=3) == 1
+    later = Document("b", "alpha b", "", "1", {"year": 5.0})
+    with pytest.raises(BackendUnavailable, match="metadata_terms"):
+        backend.upsert("docs", "acme", [later], vectors_of([later]), version=4)
+    assert backend.upsert("docs", "acme", [later], vectors_of([later]), version=4) == 1
+    assert filtered(backend, "acme", year=5) == {"o", "b"}
+    assert filtered(backend, "acme", year="5") == {"o"}  # the old one, compared as text

@@ -290,8 +290,32 @@ class _Writes(_Search, _Indexes):
                 elif status != 409:
                     failures.append(item)
         if failures:
+            self._unmapped(alias, failures)
             raise _bulk_error(failures, names)
         return bulked
+
+    def _unmapped(self, alias: str, failures: Sequence[Mapping[str, Any]]) -> None:
+        """Raise BackendUnavailable (retryable) if ``dynamic: strict`` refused a field this
+        process had mapped on the alias (:meth:`_map_fields`, once per alias), letting that
+        memo go: the index was made again since from a template without it (a worker of an
+        earlier release dropped and re-made it), and the retry maps it before it writes."""
+        added = self._added_fields()
+        for item in failures:
+            error = (next(iter(item.values())) if item else {}).get("error")
+            reason = str(error.get("reason", "")) if isinstance(error, Mapping) else ""
+            kind = error.get("type") if isinstance(error, Mapping) else None
+            field = next((name for name in added if f"[{name}]" in reason), None)
+            if (
+                kind == "strict_dynamic_mapping_exception"
+                and field
+                and alias in self._fields_mapped
+            ):
+                with self._lock:
+                    self._fields_mapped.discard(alias)
+                raise BackendUnavailable(
+                    f"index {alias!r} does not map {field!r} any more (made again since from "
+                    f"an earlier release's template): {reason}; the retry maps it"
+                )
 
     def delete_documents(
         self, index: str, tenant: str, ids: Sequence[str], *, version: int | None = None
