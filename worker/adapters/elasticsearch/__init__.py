@@ -37,7 +37,10 @@ Why this shape (DESIGN.md §6).
   read from), ``metadata_terms`` as ``keyword`` (one typed token per metadata value,
   ``year=n:2020``: what filters match, see *Reads*), ``embedding_model`` as ``keyword``:
   the model that made the document's vector. A write adds the fields a later template
-  gained to an index made before (``PUT <alias>/_mapping``, once per process and alias).
+  gained to an index made before (``PUT <alias>/_mapping``, once per process and alias,
+  an index it just made included: the template ES holds may be an earlier release's; a
+  write ``dynamic: strict`` refuses for such a field fails retryably and maps it again),
+  and a reindex adds them to its new index before the alias moves.
   Every field name is a setting, so an existing index can be searched through a tenant's
   alias pointed at it.
 * **Embedding models never mix.** A write of vectors first asks (one ``size: 1`` search)
