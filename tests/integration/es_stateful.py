@@ -519,8 +519,18 @@ class StatefulElasticsearch:
     def mapping(self, method: str, target: str, body: Mapping[str, Any]) -> tuple[int, Any]:
         indexes = self._resolve(target)
         if method == "PUT":
+            given = body.get("properties", {})
+            for index in indexes:  # ES adds fields; a mapped field keeps its type
+                for name, about in given.items():
+                    held = index.mappings.get("properties", {}).get(name)
+                    if held is not None and held.get("type") != about.get("type"):
+                        raise _refuse(
+                            "illegal_argument_exception",
+                            f"mapper [{name}] cannot be changed from type "
+                            f"[{held.get('type')}] to [{about.get('type')}]",
+                        )
             for index in indexes:
-                index.mappings.setdefault("properties", {}).update(body.get("properties", {}))
+                index.mappings.setdefault("properties", {}).update(given)
             return 200, {"acknowledged": True}
         return 200, {i.name: {"mappings": i.mappings} for i in indexes}
 

@@ -111,6 +111,11 @@ def test_the_stand_in_refuses_as_es_does(
     assert item["error"]["type"] == "index_not_found_exception"
     assert item["error"]["reason"].endswith("[a~1] is not an alias")
     assert es.get(index="a", id="x").body["_version"] == 5
+    es.indices.put_mapping(index="a", properties={"k": {"type": "keyword"}})  # via the alias
+    es.indices.put_mapping(index="a", properties={"k": {"type": "keyword"}})  # again: a no-op
+    assert error_of(
+        lambda: es.indices.put_mapping(index="a", properties={"k": {"type": "text"}})
+    ) == (400, "illegal_argument_exception")
 
 
 def test_the_stand_in_refuses_an_id_over_512_bytes_as_es_does(
