@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anthropic
+import httpcore2
 import pytest
 
 from tests.fake_anthropic import (
@@ -516,6 +517,35 @@ def test_a_name_lookup_that_hangs_ends_at_the_attempts_timeout(
         answered.set()
         reranker.close()
     assert len(fake.requests()) == 1
+
+
+def test_a_lookup_given_up_on_before_it_started_is_never_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the lookup threads all hang (one here), an attempt's lookup waits in the pool's
+    queue; the attempt gives up at its timeout, and so must the lookup. It used to stay
+    queued and run later for nobody: while a DNS server hangs, every attempt added one, and
+    once it answered, the live attempts' lookups waited behind all of those."""
+    made: list[str] = []
+    hung = threading.Event()
+
+    def lookup(host: str, *args: Any, **kwargs: Any) -> Any:
+        made.append(host)
+        if host == "hangs.invalid":
+            hung.wait(30.0)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 443))]
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(anthropic_adapter, "_RESOLVER", pool)
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    try:
+        for host in ("hangs.invalid", "queued.invalid"):
+            with pytest.raises(httpcore2.ConnectTimeout):
+                anthropic_adapter._addresses_within(0.05, host)
+    finally:
+        hung.set()
+        pool.shutdown(wait=True)
+    assert made == ["hangs.invalid"]
 
 
 def test_a_forked_worker_process_looks_names_up_too() -> None:

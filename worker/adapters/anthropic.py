@@ -208,10 +208,14 @@ def _addresses(host: str, port: int) -> list[str]:
         return [host]
     if _attempt_deadline.get() is None:
         return [host]  # not an attempt: the connection looks it up itself
+    wait = _left(None, httpcore2.ConnectTimeout)
     lookup = _RESOLVER.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     try:
-        found = lookup.result(timeout=_left(None, httpcore2.ConnectTimeout))
+        found = lookup.result(timeout=wait)
     except FutureTimeout:
+        # still queued behind hung lookups: drop it, or it would run later for nobody and
+        # hold up the lookups of the attempts still waiting
+        lookup.cancel()
         raise httpcore2.ConnectTimeout(f"{host} did not resolve in the attempt's time") from None
     except OSError as exc:
         raise httpcore2.ConnectError(f"{host} did not resolve: {exc}") from exc
