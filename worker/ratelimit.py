@@ -118,13 +118,19 @@ class LimitedReranker:
         attempt is a ``rate_limited`` one (with the pause left as ``retry_after``), so the
         core's budget and failure policy decide, as for a 429 from the provider; but it is
         marked not ``sent``: it pauses no one else and is not a request in the usage."""
-        deadline = self._clock() + timeout_seconds
+        started = self._clock()
+        deadline = started + timeout_seconds
         # a call must still have MIN_ATTEMPT_SECONDS once the slot and the pause allow it
         # (one sent with what a pause left, milliseconds, timed out at once, perhaps billed)
         send_by = deadline - MIN_ATTEMPT_SECONDS
         try:
             with self.limiter.slot(deadline=send_by):
                 self.limiter.wait(deadline=send_by)
+                # the slot or the pause may end just before send_by and its waiter wake
+                # after it (or a slot come free as the wait timed out): that is too late
+                # too (an attempt given under MIN_ATTEMPT_SECONDS by the core goes on)
+                if started <= send_by < self._clock():
+                    raise DeadlineExceeded("the slot or the pause ended too late for a call")
                 try:
                     return self.inner.rerank(prompt, max(0.0, deadline - self._clock()))
                 except RerankAttemptError as exc:

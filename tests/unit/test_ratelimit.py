@@ -132,3 +132,53 @@ def test_a_pause_that_leaves_the_attempt_no_real_time_sends_nothing() -> None:
     assert caught.value.outcome is AttemptOutcome.RATE_LIMITED
     assert caught.value.sent is False
     assert inner.calls == 0
+
+
+class _SteppedClock:
+    """A monotonic clock the test moves by hand; ``read_enough`` is set at its ``reads``-th
+    reading (the value read is taken before the event is set, so moving the clock after the
+    event never changes what that reading saw)."""
+
+    def __init__(self, reads: int) -> None:
+        self.now = 0.0
+        self.read_enough = threading.Event()
+        self._reads_left = reads
+
+    def __call__(self) -> float:
+        value = self.now
+        self._reads_left -= 1
+        if self._reads_left == 0:
+            self.read_enough.set()
+        return value
+
+
+def test_a_slot_freed_with_less_than_an_attempts_worth_left_sends_nothing() -> None:
+    """The attempt waits for the process's one slot, which comes free only once 20 ms of the
+    attempt's time are left (on a busy worker, a waiter also wakes late: the same thing). The
+    slot's loop took the free slot without a look at the time, and the call was sent with
+    those 20 ms, to time out at once, perhaps billed, though the limiter must send nothing
+    with under MIN_ATTEMPT_SECONDS left. The clock is the test's, so nothing here is timed."""
+    clock = _SteppedClock(reads=2)  # the attempt's start, then its wait for the slot
+    limiter = ProviderLimiter(1, clock=clock)
+    inner = _Flaky()
+    reranker = LimitedReranker(inner, limiter, clock=clock)  # type: ignore[arg-type]
+    caught: list[RerankAttemptError] = []
+
+    def attempt() -> None:
+        try:
+            reranker.rerank(None, 100.0)  # type: ignore[arg-type]
+        except RerankAttemptError as exc:
+            caught.append(exc)
+
+    with limiter.slot():  # another call holds the slot
+        waiter = threading.Thread(target=attempt)
+        waiter.start()
+        clock.read_enough.wait()  # the waiter saw 99.95 s to wait, under the limiter's lock
+        clock.now = 100.0 - 0.02
+    # the release took the limiter's lock, so the waiter was waiting: it has the slot now
+    waiter.join()
+    assert inner.calls == 0
+    (error,) = caught
+    assert error.outcome is AttemptOutcome.RATE_LIMITED
+    assert error.sent is False
+    assert limiter.in_flight == 0
