@@ -121,12 +121,15 @@ def test_a_freed_slot_reaches_a_thread_waiting_for_one_while_others_wait_out_a_p
 def test_a_pause_that_leaves_the_attempt_no_real_time_sends_nothing() -> None:
     """The pause ends 10 ms before the attempt's time is up: too little for a call (the
     core starts none with under MIN_ATTEMPT_SECONDS left). It used to be sent with those
-    10 ms, to time out at once, counted as a timeout, perhaps billed."""
+    10 ms, to time out at once, counted as a timeout, perhaps billed. (The attempt starts
+    at the instant its timeout was measured from, however late the thread gets to it.)"""
     limiter = ProviderLimiter(4)
     inner = _Flaky()
-    reranker = LimitedReranker(inner, limiter)  # type: ignore[arg-type]
+    start = [time.monotonic()]
+    clock = lambda: start.pop() if start else time.monotonic()  # noqa: E731
+    reranker = LimitedReranker(inner, limiter, clock=clock)  # type: ignore[arg-type]
     limiter.pause(0.5)
-    timeout = limiter.paused_until - time.monotonic() + 0.01
+    timeout = limiter.paused_until - start[0] + 0.01
     with pytest.raises(RerankAttemptError) as caught:
         reranker.rerank(None, timeout)  # type: ignore[arg-type]
     assert caught.value.outcome is AttemptOutcome.RATE_LIMITED
