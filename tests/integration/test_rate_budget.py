@@ -351,6 +351,26 @@ def test_an_attempt_the_process_limiter_never_sent_neither_pauses_the_cluster_no
     assert other.reserve(PROMPT, max_wait=0.0).admitted
 
 
+def test_an_attempt_the_process_limiter_never_sent_gives_its_request_back(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """The held-back attempt's reservation is given back whole: its tokens and its request,
+    which the provider never saw. The tokens were given back but the request stayed taken,
+    so each attempt a full limiter held back spent one of the cluster's requests a minute.
+    At 6 a minute the budget holds 5.4 and refills one in 10 s: the search's attempts, every
+    one held back, must leave it full, not one down per attempt."""
+    pipeline, budget = build(fake, client, "fail_open", RateLimit(rpm=6), RecordingRecorder())
+    limiter = ProviderLimiter(max_in_flight=1)
+    assert pipeline.reranker is not None
+    pipeline.reranker = LimitedReranker(pipeline.reranker, limiter)
+    with limiter.slot():  # the process's only slot, taken for the whole search
+        result = search(pipeline)
+    attempts = result.trace["attempts"]
+    assert attempts and all(a["sent"] is False for a in attempts)
+    assert fake.requests() == []
+    assert float(client.hget(budget.key, "r") or 0) == pytest.approx(6 * BURST_FRACTION)
+
+
 def test_backlog_answers_the_wait_without_reserving(client: redis.Redis) -> None:
     budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
     assert budget.backlog() == 0.0  # a full bucket

@@ -470,8 +470,9 @@ class RedisRateBudget:
         metrics.budget_waited(self.model, self.lane, wait)
         return BudgetGrant(True, wait, estimate, prompt.max_tokens, raw_input=raw)
 
-    def settle(self, grant: BudgetGrant, usage: TokenUsage | None) -> None:
-        """Give back the unused part of the reservation. Input tokens as the provider meters
+    def settle(self, grant: BudgetGrant, usage: TokenUsage | None, *, sent: bool = True) -> None:
+        """Give back the unused part of the reservation (and its request, for a call never
+        ``sent``: the provider did not count it). Input tokens as the provider meters
         them: uncached plus cache writes (cache reads do not count against ITPM). What the
         call's response headers said the provider's buckets hold (:meth:`learn`) goes in the
         same script call."""
@@ -486,7 +487,7 @@ class RedisRateBudget:
         # what was used beyond the reservation is taken too: a negative amount gives back
         extra_input = float(used_input - grant.input_tokens)
         extra_output = float(usage.output_tokens - grant.output_tokens)
-        take = (0.0, extra_input, extra_output)
+        take = (0.0 if sent else -1.0, extra_input, extra_output)
         if stated is None:
             self._run(take, -1)
             return

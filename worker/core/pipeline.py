@@ -503,8 +503,9 @@ class SearchPipeline:
             usage = usage if isinstance(usage, TokenUsage) else None
             if grant is not None and self.rate_budget is not None:
                 if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
-                    # refused before any token was read: give the tokens back
-                    self.rate_budget.settle(grant, TokenUsage())
+                    # refused before any token was read: give the tokens back (and the
+                    # request, when it never left this process)
+                    self.rate_budget.settle(grant, TokenUsage(), sent=error.sent)
                     if error.sent:  # the provider's 429 stops everyone; a local hold, no one
                         self.rate_budget.pause(error.retry_after or 1.0)
                 else:

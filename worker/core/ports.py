@@ -135,9 +135,10 @@ class RateBudget(Protocol):
         if the budget frees them within ``max_wait`` seconds; the grant says how long to wait."""
         ...
 
-    def settle(self, grant: BudgetGrant, usage: TokenUsage | None) -> None:
+    def settle(self, grant: BudgetGrant, usage: TokenUsage | None, *, sent: bool = True) -> None:
         """Give back what the call did not use (``usage`` as reported); ``None``: unknown,
-        the reservation stands."""
+        the reservation stands. ``sent`` False: the call never left this process, so its
+        request is given back too."""
         ...
 
     def pause(self, seconds: float) -> None:
