@@ -91,7 +91,18 @@ def test_a_freed_slot_reaches_a_thread_waiting_for_one_while_others_wait_out_a_p
     A, which went back to its pause, while C slept on with a slot free (until A's pause
     ended and A let go of its own; at the defaults, until its attempt's time was spent and
     it went unsent)."""
-    limiter = ProviderLimiter(2)
+    reads = 0
+    both_waiting = threading.Event()
+
+    def clock() -> float:  # the real time; the third reading is C's, A's having been taken
+        nonlocal reads
+        now = time.monotonic()
+        reads += 1
+        if reads == 3:  # the pause's, A's (in its wait) and C's (in its wait for a slot)
+            both_waiting.set()
+        return now
+
+    limiter = ProviderLimiter(2, clock=clock)
     limiter.pause(2.0)
     a_holds = threading.Event()
     order: list[str] = []
@@ -112,7 +123,9 @@ def test_a_freed_slot_reaches_a_thread_waiting_for_one_while_others_wait_out_a_p
     with limiter.slot():  # B: the second slot, so that C has to wait
         waiter_c = threading.Thread(target=c)
         waiter_c.start()
-        time.sleep(0.2)  # C is waiting for a slot (A, already, for the pause)
+        # each read the clock under the limiter's lock and holds it until it waits: B's
+        # release, which takes that lock, comes once both are waiting
+        both_waiting.wait()
     waiter_c.join()
     holder_a.join()
     assert order == ["C has a slot", "A's pause over"]
