@@ -70,25 +70,37 @@ class ProviderLimiter:
             self._paused_until = max(self._paused_until, self._clock() + seconds)
 
     def wait(self, deadline: float | None = None) -> None:
-        """Block while a pause is on. Raises DeadlineExceeded if it would outlast ``deadline``."""
+        """Block while a pause is on. Raises DeadlineExceeded if it would outlast ``deadline``,
+        or if the thread, having waited, is woken past it (a busy process wakes late)."""
+        waited = False
         with self._cond:
             while True:
                 now = self._clock()
                 if now >= self._paused_until:
+                    if waited and deadline is not None and now > deadline:
+                        raise DeadlineExceeded("the pause ended too late for the deadline")
                     return
                 if deadline is not None and self._paused_until >= deadline:
                     raise DeadlineExceeded("the provider asked to pause past the search deadline")
                 self._cond.wait(self._paused_until - now)
+                waited = True
 
     @contextmanager
     def slot(self, deadline: float | None = None) -> Iterator[None]:
-        """Hold one of the ``max_in_flight`` places for the duration of one model call."""
+        """Hold one of the ``max_in_flight`` places for the duration of one model call.
+        Raises DeadlineExceeded if none is free by ``deadline``; a thread that waited and got
+        one only past it (woken late, or freed as its wait timed out) takes none either."""
+        waited = False
         with self._slot_freed:
             while self._in_flight >= self.max_in_flight:
                 timeout = None if deadline is None else deadline - self._clock()
                 if timeout is not None and timeout <= 0:
                     raise DeadlineExceeded("no rerank slot became free before the deadline")
                 self._slot_freed.wait(timeout)
+                waited = True
+            if waited and deadline is not None and self._clock() > deadline:
+                self._slot_freed.notify()  # the slot it was woken for goes to another waiter
+                raise DeadlineExceeded("a rerank slot became free too late for the deadline")
             self._in_flight += 1
         try:
             yield
@@ -118,19 +130,13 @@ class LimitedReranker:
         attempt is a ``rate_limited`` one (with the pause left as ``retry_after``), so the
         core's budget and failure policy decide, as for a 429 from the provider; but it is
         marked not ``sent``: it pauses no one else and is not a request in the usage."""
-        started = self._clock()
-        deadline = started + timeout_seconds
+        deadline = self._clock() + timeout_seconds
         # a call must still have MIN_ATTEMPT_SECONDS once the slot and the pause allow it
         # (one sent with what a pause left, milliseconds, timed out at once, perhaps billed)
         send_by = deadline - MIN_ATTEMPT_SECONDS
         try:
             with self.limiter.slot(deadline=send_by):
                 self.limiter.wait(deadline=send_by)
-                # the slot or the pause may end just before send_by and its waiter wake
-                # after it (or a slot come free as the wait timed out): that is too late
-                # too (an attempt given under MIN_ATTEMPT_SECONDS by the core goes on)
-                if started <= send_by < self._clock():
-                    raise DeadlineExceeded("the slot or the pause ended too late for a call")
                 try:
                     return self.inner.rerank(prompt, max(0.0, deadline - self._clock()))
                 except RerankAttemptError as exc:

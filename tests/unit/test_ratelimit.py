@@ -198,3 +198,78 @@ def test_a_slot_freed_with_less_than_an_attempts_worth_left_sends_nothing() -> N
     assert error.outcome is AttemptOutcome.RATE_LIMITED
     assert error.sent is False
     assert limiter.in_flight == 0
+
+
+def test_a_waiter_woken_too_late_passes_its_slot_on() -> None:
+    """Two threads wait for the one slot: W1 until 10, W2 until 1000. The slot comes free at
+    20: W1, woken first, is past its deadline and takes none, and the slot must go to W2
+    (the notification W1 was woken by is passed on: W2 would otherwise sleep on with the
+    slot free, here for 1000 s, and the test would hit its timeout)."""
+    clock = _SteppedClock(reads=1)
+    limiter = ProviderLimiter(1, clock=clock)
+    outcome: dict[str, str] = {}
+
+    def waiter(name: str, deadline: float) -> None:
+        try:
+            with limiter.slot(deadline=deadline):
+                outcome[name] = "slot"
+        except DeadlineExceeded:
+            outcome[name] = "too late"
+
+    with limiter.slot():
+        w1 = threading.Thread(target=waiter, args=("W1", 10.0))
+        w1.start()
+        clock.read_enough.wait()  # W1 is waiting (it read the clock under the lock)
+        clock.read_enough.clear()
+        clock._reads_left = 1
+        w2 = threading.Thread(target=waiter, args=("W2", 1000.0))
+        w2.start()
+        clock.read_enough.wait()  # W2 too, after W1
+        clock.now = 20.0
+    w1.join()
+    w2.join()
+    assert outcome == {"W1": "too late", "W2": "slot"}
+    assert limiter.in_flight == 0
+
+
+def test_a_pause_waited_out_but_woken_past_the_send_by_sends_nothing() -> None:
+    """The pause ends at 1, well before the attempt's send-by (5.05 - 0.05); the thread
+    waiting it out is woken only at 5.02 (a busy process). The pause's wait returned all the
+    same, and the call went with 30 ms. (The clock is the test's: the thread waits 1 s of
+    real time, again if the clock has not moved yet.)"""
+    clock = _SteppedClock(reads=3)  # the pause's, the attempt's start, its wait
+    limiter = ProviderLimiter(4, clock=clock)
+    inner = _Flaky()
+    reranker = LimitedReranker(inner, limiter, clock=clock)  # type: ignore[arg-type]
+    limiter.pause(1.0)
+    caught: list[RerankAttemptError] = []
+
+    def attempt() -> None:
+        try:
+            reranker.rerank(None, 5.05)  # type: ignore[arg-type]
+        except RerankAttemptError as exc:
+            caught.append(exc)
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    clock.read_enough.wait()
+    clock.now = 5.02
+    thread.join()
+    assert inner.calls == 0
+    (error,) = caught
+    assert error.outcome is AttemptOutcome.RATE_LIMITED
+    assert error.sent is False
+
+
+def test_an_attempt_the_limiter_did_not_hold_goes_to_the_provider() -> None:
+    """No slot to wait for, no pause: the attempt is the provider's to answer, however
+    little time it has (only the core decides not to start one). A limiter that refused it
+    would call it rate_limited, held back in the worker, which it was not."""
+    readings = iter([0.0])
+    clock = lambda: next(readings, 0.03)  # noqa: E731  (later readings: 30 ms on)
+    inner = _Flaky()
+    reranker = LimitedReranker(inner, ProviderLimiter(4, clock=clock), clock=clock)  # type: ignore[arg-type]
+    with pytest.raises(RerankAttemptError) as caught:
+        reranker.rerank(None, 0.06)  # type: ignore[arg-type]
+    assert inner.calls == 1
+    assert caught.value.sent is True  # the provider's 429 (the fake's answer)
