@@ -1,5 +1,5 @@
 """What bounding each rerank attempt by its deadline costs a call: the adapter's connections
-clamped to the attempt (:class:`worker.adapters.anthropic._DeadlineBackend`) against the same
+clamped to the attempt (:class:`worker.adapters.attempt_deadline.DeadlineBackend`) against the same
 adapter with httpx's plain network backend (its per-operation timeouts alone).
 
     python benchmarks/bench_attempt_clamp.py [--calls 2000] [--rounds 10]
@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.services import free_port  # noqa: E402
 from worker.adapters import anthropic as adapter  # noqa: E402
+from worker.adapters.attempt_deadline import DeadlineBackend  # noqa: E402
 from worker.core.policy import build_prompt  # noqa: E402
 
 
@@ -35,7 +36,7 @@ class Unclamped(adapter.AnthropicReranker):
     def _new_client(self, connections: int | None = None) -> Any:
         client = super()._new_client(connections)
         pool = client._client._transport._pool
-        if isinstance(pool._network_backend, adapter._DeadlineBackend):
+        if isinstance(pool._network_backend, DeadlineBackend):
             pool._network_backend = pool._network_backend._inner
         return client
 

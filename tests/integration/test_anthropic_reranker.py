@@ -26,14 +26,14 @@ from tests.fake_anthropic import (
     status,
     trickle,
 )
-from worker.adapters import anthropic as anthropic_adapter
+from worker.adapters import attempt_deadline as deadline_http
 from worker.adapters.anthropic import (
     AnthropicReranker,
     RerankMalformedError,
-    _DeadlineBackend,
     retry_after_seconds,
     sdk_spans,
 )
+from worker.adapters.attempt_deadline import DeadlineBackend
 from worker.core.types import RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
 
@@ -538,12 +538,12 @@ def test_a_lookup_given_up_on_before_it_started_is_never_made(
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", 443))]
 
     pool = ThreadPoolExecutor(max_workers=1)
-    monkeypatch.setattr(anthropic_adapter, "_RESOLVER", pool)
+    monkeypatch.setattr(deadline_http, "_RESOLVER", pool)
     monkeypatch.setattr(socket, "getaddrinfo", lookup)
     try:
         for host in ("hangs.invalid", "queued.invalid"):
             with pytest.raises(httpcore2.ConnectTimeout):
-                anthropic_adapter._addresses_within(0.05, host)
+                deadline_http.addresses_within(0.05, host)
     finally:
         hung.set()
         pool.shutdown(wait=True)
@@ -554,13 +554,13 @@ def test_a_forked_worker_process_looks_names_up_too() -> None:
     """The lookup threads' pool is the process's: a child forked after its parent looked a
     name up (Celery's prefork pool) would hold a copy that believes it has an idle thread,
     start none, and every attempt of the child would time out looking its host up."""
-    looked_up = anthropic_adapter._addresses_within(5.0, "localhost")
+    looked_up = deadline_http.addresses_within(5.0, "localhost")
     assert "127.0.0.1" in looked_up  # (with "::1" too where the hosts file says so)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child
         try:
-            found = anthropic_adapter._addresses_within(5.0, "localhost")
+            found = deadline_http.addresses_within(5.0, "localhost")
             os.write(write, json.dumps(found).encode())
         finally:
             os._exit(0)
@@ -585,7 +585,7 @@ def test_a_proxy_from_the_environment_is_bounded_by_the_attempt_too(
         transports = [http._transport, *(t for t in http._mounts.values() if t is not None)]
         assert len(transports) >= 2  # the direct one and the proxy's
         for transport in transports:
-            assert isinstance(transport._pool._network_backend, _DeadlineBackend)
+            assert isinstance(transport._pool._network_backend, DeadlineBackend)
     finally:
         client.close()
 

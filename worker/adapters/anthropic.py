@@ -25,43 +25,37 @@ socket operation alone, so a body that trickles in, a piece now and then, kept a
 1 s going for as long as the provider sent, and a name lookup (which takes no timeout) as
 long as the resolver took. Each connection of the clients built here clamps every
 operation's timeout to what is left of the attempt's, and looks its host up in a thread it
-waits on no longer than that (:class:`_DeadlineBackend`).
+waits on no longer than that (:mod:`worker.adapters.attempt_deadline`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import importlib
-import ipaddress
 import logging
 import math
 import os
-import socket
 import ssl
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import anthropic
-import httpcore2
 from anthropic._constants import DEFAULT_CONNECTION_LIMITS
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
+from worker.adapters.attempt_deadline import attempt_deadline, bound_by_deadline
 from worker.core.types import RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Iterator, Mapping
+    from collections.abc import Callable, Iterator, Mapping
     from types import ModuleType
 
     from anthropic.types import Message, MessageParam, OutputConfigParam
-    from httpcore2._types import SOCKET_OPTION
 
 logger = logging.getLogger(__name__)
 
@@ -87,175 +81,6 @@ class _Positions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     positions: list[StrictInt]
-
-
-# the monotonic instant by which the attempt this thread is making must be over (None
-# outside an attempt: the connections then keep httpx's own timeouts alone)
-_attempt_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "sift_attempt_deadline", default=None
-)
-
-
-def _left(timeout: float | None, expired: type[httpcore2.TimeoutException]) -> float | None:
-    """``timeout`` for one socket operation, cut to what is left of the attempt's deadline;
-    ``expired`` (the operation's httpcore timeout, which the SDK maps to APITimeoutError)
-    when nothing is left."""
-    deadline = _attempt_deadline.get()
-    if deadline is None:
-        return timeout
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise expired("the attempt's timeout ran out")
-    return left if timeout is None else min(timeout, left)
-
-
-class _DeadlineStream(httpcore2.NetworkStream):
-    """A connection whose every read and write waits at most until the attempt's deadline."""
-
-    def __init__(self, inner: httpcore2.NetworkStream) -> None:
-        self._inner = inner
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._inner.read(max_bytes, _left(timeout, httpcore2.ReadTimeout))
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._inner.write(buffer, _left(timeout, httpcore2.WriteTimeout))
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def start_tls(
-        self,
-        ssl_context: ssl.SSLContext,
-        server_hostname: str | None = None,
-        timeout: float | None = None,
-    ) -> httpcore2.NetworkStream:
-        timeout = _left(timeout, httpcore2.ConnectTimeout)
-        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._inner.get_extra_info(info)
-
-
-class _DeadlineBackend(httpcore2.NetworkBackend):
-    """httpcore's network backend, its connections made :class:`_DeadlineStream`."""
-
-    def __init__(self, inner: httpcore2.NetworkBackend) -> None:
-        self._inner = inner
-
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[SOCKET_OPTION] | None = None,
-    ) -> httpcore2.NetworkStream:
-        error: httpcore2.ConnectError | None = None
-        for address in _addresses(host, port):  # each in turn, as socket.create_connection
-            try:
-                stream = self._inner.connect_tcp(
-                    address,
-                    port,
-                    _left(timeout, httpcore2.ConnectTimeout),
-                    local_address,
-                    socket_options,
-                )
-            except httpcore2.ConnectError as exc:
-                error = exc
-                continue
-            return _DeadlineStream(stream)
-        assert error is not None  # _addresses answers one at least
-        raise error
-
-    def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,
-        socket_options: Iterable[SOCKET_OPTION] | None = None,
-    ) -> httpcore2.NetworkStream:
-        timeout = _left(timeout, httpcore2.ConnectTimeout)
-        return _DeadlineStream(self._inner.connect_unix_socket(path, timeout, socket_options))
-
-    def sleep(self, seconds: float) -> None:
-        self._inner.sleep(seconds)
-
-
-# name lookups for new connections: getaddrinfo takes no timeout, so an attempt waits for
-# its answer here only as long as the attempt has left (a hung lookup keeps its thread)
-_RESOLVER = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sift-resolve")
-
-
-def _new_resolver() -> None:
-    """A forked child gets a pool of its own: its parent's threads did not come along, and
-    the copy of the parent's pool could believe it has idle ones and never start any."""
-    global _RESOLVER
-    _RESOLVER = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sift-resolve")
-
-
-os.register_at_fork(after_in_child=_new_resolver)
-
-
-def _addresses(host: str, port: int) -> list[str]:
-    """``host``'s addresses, looked up within what is left of the attempt (an IP address is
-    its own). A lookup that does not answer in time is a ConnectTimeout; one that fails, a
-    ConnectError."""
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        pass
-    else:
-        return [host]
-    if _attempt_deadline.get() is None:
-        return [host]  # not an attempt: the connection looks it up itself
-    wait = _left(None, httpcore2.ConnectTimeout)
-    lookup = _RESOLVER.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
-    try:
-        found = lookup.result(timeout=wait)
-    except FutureTimeout:
-        # still queued behind hung lookups: drop it, or it would run later for nobody and
-        # hold up the lookups of the attempts still waiting
-        lookup.cancel()
-        raise httpcore2.ConnectTimeout(f"{host} did not resolve in the attempt's time") from None
-    except OSError as exc:
-        raise httpcore2.ConnectError(f"{host} did not resolve: {exc}") from exc
-    addresses = list(dict.fromkeys(str(info[4][0]) for info in found))
-    if not addresses:
-        raise httpcore2.ConnectError(f"{host} resolved to no address")
-    return addresses
-
-
-def _addresses_within(seconds: float, host: str, port: int = 443) -> list[str]:
-    """``host``'s addresses as an attempt of ``seconds`` looks them up (for tests)."""
-    token = _attempt_deadline.set(time.monotonic() + seconds)
-    try:
-        return _addresses(host, port)
-    finally:
-        _attempt_deadline.reset(token)
-
-
-def _bound_by_deadline(http_client: Any) -> None:
-    """Give every connection pool of ``http_client`` (its transport, and a proxy's from the
-    environment) the :class:`_DeadlineBackend`. httpx takes no network backend, so this
-    reaches into its transports (``_transport``, ``_mounts``, ``_pool``). Should a release
-    of httpx change those, the attempts keep httpx's per-operation timeouts alone (as before
-    the clamp) and an error is logged: the tests of the clamp fail then, but reranking
-    still works."""
-    transports = [getattr(http_client, "_transport", None)]
-    transports += list(getattr(http_client, "_mounts", {}).values())
-    for transport in transports:
-        if transport is None:
-            continue
-        pool: Any = getattr(transport, "_pool", None)
-        if not hasattr(pool, "_network_backend"):
-            logger.error(
-                "the model calls' connections of %s cannot be bounded by the attempt's "
-                "deadline: a body that trickles in can outlast it",
-                type(transport).__name__,
-            )
-            continue
-        if not isinstance(pool._network_backend, _DeadlineBackend):
-            pool._network_backend = _DeadlineBackend(pool._network_backend)
 
 
 def _http() -> ModuleType:
@@ -317,7 +142,7 @@ class AnthropicReranker:
             keepalive_expiry=30.0,
         )
         http_client = anthropic.DefaultHttpxClient(limits=limits, verify=self._tls)
-        _bound_by_deadline(http_client)
+        bound_by_deadline(http_client)
         return anthropic.Anthropic(
             api_key=self._api_key, max_retries=0, http_client=http_client, open_telemetry=spans
         )
@@ -377,7 +202,7 @@ class AnthropicReranker:
                 AttemptOutcome.TIMEOUT, "no time left for an attempt", sent=False
             )
         params = self.request_params(prompt)
-        deadline = _attempt_deadline.set(time.monotonic() + timeout_seconds)
+        deadline = attempt_deadline.set(time.monotonic() + timeout_seconds)
         try:
             with self._borrowed() as client:
                 raw = client.messages.with_raw_response.create(**params, timeout=timeout_seconds)
@@ -401,7 +226,7 @@ class AnthropicReranker:
                 raise
             raise RerankAttemptError(AttemptOutcome.HTTP_4XX, str(exc)) from exc
         finally:
-            _attempt_deadline.reset(deadline)
+            attempt_deadline.reset(deadline)
         return parse_body(body, max_positions=prompt.max_tokens)
 
     def _tell_headers(self, headers: Mapping[str, str]) -> None:
