@@ -611,6 +611,44 @@ def test_refused_connection() -> None:
     with anthropic.Anthropic(base_url=url, api_key="k", max_retries=0) as sdk:
         error = attempt_error(AnthropicReranker(MODEL, client=sdk))
     assert error.outcome is AttemptOutcome.CONNECTION
+    assert not error.sent  # the provider never saw it: no request in the usage, none budgeted
+
+
+def test_a_host_that_does_not_resolve_is_a_connection_error_never_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def lookup(host: str, *args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    url = "http://sift-no-such-host.invalid"
+    with anthropic.Anthropic(base_url=url, api_key="k", max_retries=0) as sdk:
+        error = attempt_error(AnthropicReranker(MODEL, client=sdk))
+    assert error.outcome is AttemptOutcome.CONNECTION
+    assert not error.sent
+
+
+def test_a_connection_not_accepted_in_time_is_a_timeout_never_sent() -> None:
+    """A listener whose accept queue is full: the connect waits out the attempt."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(0)
+        port = sock.getsockname()[1]
+        fillers = []
+        try:
+            for _ in range(8):  # fill the backlog: later SYNs go unanswered
+                filler = socket.socket()
+                filler.setblocking(False)
+                filler.connect_ex(("127.0.0.1", port))
+                fillers.append(filler)
+            url = f"http://127.0.0.1:{port}"
+            with anthropic.Anthropic(base_url=url, api_key="k", max_retries=0) as sdk:
+                error = attempt_error(AnthropicReranker(MODEL, client=sdk), timeout=0.5)
+        finally:
+            for filler in fillers:
+                filler.close()
+    assert error.outcome is AttemptOutcome.TIMEOUT
+    assert not error.sent
 
 
 def test_no_time_left_is_a_timeout_without_a_request(

@@ -210,16 +210,20 @@ class AnthropicReranker:
             self._tell_headers(raw.headers)
         except anthropic.APITimeoutError as exc:
             raise RerankAttemptError(
-                AttemptOutcome.TIMEOUT, f"no answer within {timeout_seconds:g}s"
+                AttemptOutcome.TIMEOUT,
+                f"no answer within {timeout_seconds:g}s",
+                sent=not _never_connected(exc),
             ) from exc
         except anthropic.APIConnectionError as exc:
-            raise RerankAttemptError(AttemptOutcome.CONNECTION, _describe(exc)) from exc
+            raise RerankAttemptError(
+                AttemptOutcome.CONNECTION, _describe(exc), sent=not _never_connected(exc)
+            ) from exc
         except anthropic.APIStatusError as exc:
             self._tell_headers(exc.response.headers)
             raise _status_error(exc) from exc
         except anthropic.AnthropicError as exc:
             # E.g. CredentialsError: nothing was sent, and retrying cannot help.
-            raise RerankAttemptError(AttemptOutcome.HTTP_4XX, _describe(exc)) from exc
+            raise RerankAttemptError(AttemptOutcome.HTTP_4XX, _describe(exc), sent=False) from exc
         except TypeError as exc:
             # The SDK raises TypeError when it finds no API key at all; that is permanent too.
             if "authentication" not in str(exc):
@@ -411,6 +415,16 @@ def _status_error(exc: anthropic.APIStatusError) -> RerankAttemptError:
     if status >= 500:
         return RerankAttemptError(AttemptOutcome.HTTP_5XX, message, retry_after)
     return RerankAttemptError(AttemptOutcome.HTTP_4XX, message)
+
+
+def _never_connected(exc: anthropic.APIConnectionError) -> bool:
+    """Whether the SDK's connection error or timeout came before any byte of the request left:
+    the host not found or not answering its lookup in time, the connection refused, or not
+    made (TCP or TLS) in time. The provider never saw such a request, so it is no request in
+    the search's usage and the rate budget gets it back; a connection that broke or timed out
+    later may have carried the request, and counts as sent."""
+    http = _http()
+    return isinstance(exc.__cause__, http.ConnectError | http.ConnectTimeout)
 
 
 def _describe(exc: anthropic.AnthropicError) -> str:

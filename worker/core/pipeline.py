@@ -504,7 +504,7 @@ class SearchPipeline:
             if grant is not None and self.rate_budget is not None:
                 if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
                     # refused before any token was read: give the tokens back (and the
-                    # request, when it never left this process)
+                    # request, when it never reached the provider)
                     self.rate_budget.settle(grant, TokenUsage(), sent=error.sent)
                     if error.sent:  # the provider's 429 stops everyone; a local hold, no one
                         self.rate_budget.pause(error.retry_after or 1.0)
