@@ -42,6 +42,14 @@ def test_the_compact_trace_says_what_was_kept_dropped_tried_and_used() -> None:
     assert len(lines) <= 10
 
 
+def test_the_compact_trace_says_which_attempts_were_never_sent() -> None:
+    held = RerankAttemptError(AttemptOutcome.RATE_LIMITED, "held back", sent=False)
+    lines = trace_lines(_trace([fail(held), reply([1])]))
+    [attempts] = [line for line in lines if line.startswith("attempts: ")]
+    assert "#1 rate_limited (not sent) " in attempts and "#2 ok " in attempts
+    assert "not sent" not in attempts.split("#2", 1)[1]
+
+
 def test_the_compact_trace_of_a_fallback_and_an_unpriced_model() -> None:
     failures = [fail(RerankAttemptError(AttemptOutcome.HTTP_5XX, "down"))] * 3
     lines = trace_lines(_trace(failures, prices={}))

@@ -231,7 +231,9 @@ def trace_lines(trace: dict[str, Any]) -> list[str]:
         lines.append("attempts: none")
         return lines
     shown = ", ".join(
-        f"#{a.get('n')} {a.get('outcome')} {_seconds(a.get('seconds'))}" for a in attempts
+        f"#{a.get('n')} {a.get('outcome')}{' (not sent)' if a.get('sent') is False else ''} "
+        f"{_seconds(a.get('seconds'))}"
+        for a in attempts
     )
     lines.append(f"attempts: {shown or 'none'}; rerank {_seconds(trace.get('rerank_seconds'))}")
     ids = {c.get("position"): c.get("id") for c in candidates}
