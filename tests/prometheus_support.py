@@ -24,9 +24,13 @@ from pathlib import Path
 from typing import IO, Any
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((ROOT / "grafana").glob("*.json"))
+# Its panels need a rate-limited model and the shared budget in Redis, so only
+# tests/integration/test_rate_limit_panels_prometheus.py can give them data.
+RATE_LIMITS_DASHBOARD = "sift-rate-limits.json"
 RULES = ROOT / "deploy" / "prometheus" / "rules" / "sift.yml"
 READY_SECONDS = 60.0  # generous: only ever a bound on waiting for readiness
 
@@ -45,6 +49,18 @@ def prometheus_binary() -> str | None:
 
 def promtool_binary() -> str | None:
     return shutil.which("promtool")
+
+
+def requires_prometheus(*, promtool: bool = False) -> pytest.MarkDecorator:
+    """Skip a module's tests where no ``prometheus`` (or, if asked, ``promtool``) is installed.
+
+    Put in a module's ``pytestmark``, so each test file that needs a real Prometheus says it
+    the same way, with one install hint.
+    """
+    missing = prometheus_binary() is None or (promtool and promtool_binary() is None)
+    return pytest.mark.skipif(
+        missing, reason="prometheus is not installed (apt-get install prometheus, or make services)"
+    )
 
 
 def free_port() -> int:
@@ -241,6 +257,24 @@ def run_metrics_target(module: str, *args: str) -> Iterator[MetricsTarget]:
         stop(process)
 
 
+@contextmanager
+def scrape_target(
+    workdir: Path, job: str, command: Sequence[str], rule_files: Sequence[Path] = ()
+) -> Iterator[tuple[MetricsTarget, Prometheus]]:
+    """Run the metrics target ``python -m module *args`` and a Prometheus scraping it as ``job``.
+
+    ``command`` is ``[module, *args]``. The target is given ``workdir / "multiproc"`` as its
+    first argument (its ``PROMETHEUS_MULTIPROC_DIR``), before ``args``; Prometheus keeps its
+    TSDB under ``workdir / "server"``.
+    """
+    module, *args = command
+    with (
+        run_metrics_target(module, str(workdir / "multiproc"), *args) as target,
+        run_prometheus(workdir / "server", {job: [target.address]}, rule_files) as prometheus,
+    ):
+        yield target, prometheus
+
+
 # --- dashboards ------------------------------------------------------------------------------
 
 
@@ -269,6 +303,16 @@ def panel_queries(path: Path) -> list[PanelQuery]:
         for panel in panels(dashboard)
         for target in panel.get("targets", [])
         if target.get("expr")
+    ]
+
+
+def dashboard_queries(*, rate_limits: bool) -> list[PanelQuery]:
+    """The panel queries of the rate-limits dashboard (``True``) or of every other dashboard."""
+    return [
+        query
+        for path in DASHBOARDS
+        if (path.name == RATE_LIMITS_DASHBOARD) == rate_limits
+        for query in panel_queries(path)
     ]
 
 

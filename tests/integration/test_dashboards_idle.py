@@ -23,18 +23,14 @@ from tests.prometheus_support import (
     Prometheus,
     concrete,
     panel_queries,
-    prometheus_binary,
-    run_metrics_target,
-    run_prometheus,
+    requires_prometheus,
+    scrape_target,
 )
 from worker.constants import PROMETHEUS_JOB_WORKER
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(
-        prometheus_binary() is None,
-        reason="prometheus is not installed (apt-get install prometheus, or make services)",
-    ),
+    requires_prometheus(),
 ]
 
 JOB = PROMETHEUS_JOB_WORKER
@@ -50,10 +46,7 @@ RECORDED = [
 @pytest.fixture(scope="module")
 def idle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prometheus]:
     workdir = tmp_path_factory.mktemp("prometheus-idle")
-    with (
-        run_metrics_target("tests.metrics_workload", str(workdir / "multiproc")) as target,
-        run_prometheus(workdir / "server", {JOB: [target.address]}, [RULES]) as prometheus,
-    ):
+    with scrape_target(workdir, JOB, ["tests.metrics_workload"], [RULES]) as (_, prometheus):
         prometheus.wait_for_scrapes(JOB, 5)  # enough samples in a 1m window for every rate()
         yield prometheus
 

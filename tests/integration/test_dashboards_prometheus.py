@@ -19,32 +19,24 @@ import pytest
 from tests import metrics_workload as workload
 from tests.prometheus_support import (
     DASHBOARDS,
+    RATE_LIMITS_DASHBOARD,
     RULES,
     PanelQuery,
     Prometheus,
     assert_panel_has_data,
-    panel_queries,
-    prometheus_binary,
-    run_metrics_target,
-    run_prometheus,
+    dashboard_queries,
+    requires_prometheus,
+    scrape_target,
 )
 from worker.constants import INGEST_QUEUE, POLICY_ID, PROMETHEUS_JOB_WORKER, SEARCH_QUEUE
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(
-        prometheus_binary() is None,
-        reason="prometheus is not installed (apt-get install prometheus, or make services)",
-    ),
+    requires_prometheus(),
 ]
 
 JOB = PROMETHEUS_JOB_WORKER
-# the rate-limits dashboard needs a rate-limited model and the shared budget in Redis: its
-# panels are proven by tests/integration/test_rate_limit_panels_prometheus.py
-RATE_LIMITS = "sift-rate-limits.json"
-PANEL_QUERIES = [
-    query for path in DASHBOARDS if path.name != RATE_LIMITS for query in panel_queries(path)
-]
+PANEL_QUERIES = dashboard_queries(rate_limits=False)
 
 
 @dataclass
@@ -56,10 +48,7 @@ class Observed:
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
     workdir = tmp_path_factory.mktemp("prometheus")
-    with (
-        run_metrics_target("tests.metrics_workload", str(workdir / "multiproc")) as target,
-        run_prometheus(workdir / "server", {JOB: [target.address]}, [RULES]) as prometheus,
-    ):
+    with scrape_target(workdir, JOB, ["tests.metrics_workload"], [RULES]) as (target, prometheus):
         prometheus.wait_for_scrapes(JOB, 3)  # the zero series are in, so rates have a start
         did = target.send("go")
         attempts = sum(workload.EXPECTED_ATTEMPTS.values())
@@ -72,7 +61,7 @@ def test_the_dashboards_have_panels() -> None:
     assert {path.name for path in DASHBOARDS} == {
         "sift-rerank-cost.json",
         "sift-jobs.json",
-        RATE_LIMITS,
+        RATE_LIMITS_DASHBOARD,
     }
     assert len(PANEL_QUERIES) >= 20
 

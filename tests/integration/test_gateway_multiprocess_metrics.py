@@ -22,8 +22,8 @@ import pytest
 
 from tests.prometheus_support import (
     Prometheus,
-    prometheus_binary,
     promtool_binary,
+    requires_prometheus,
     run_prometheus,
 )
 from tests.services import gateway, redis_server
@@ -31,10 +31,7 @@ from worker.constants import PROMETHEUS_JOB_GATEWAY
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(
-        prometheus_binary() is None or promtool_binary() is None,
-        reason="prometheus is not installed (apt-get install prometheus, or make services)",
-    ),
+    requires_prometheus(promtool=True),
 ]
 
 KEY = {"key": "acme-key-0001", "tenant": "acme", "webhook_secret": "whsec_YWNtZQ=="}

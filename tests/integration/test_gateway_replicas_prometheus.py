@@ -21,7 +21,7 @@ from tests.prometheus_support import (
     Prometheus,
     concrete,
     panel_queries,
-    prometheus_binary,
+    requires_prometheus,
     run_prometheus,
     wait_until,
 )
@@ -30,10 +30,7 @@ from worker.constants import PROMETHEUS_JOB_GATEWAY
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(
-        prometheus_binary() is None,
-        reason="prometheus is not installed (apt-get install prometheus, or make services)",
-    ),
+    requires_prometheus(),
 ]
 
 ROOT = Path(__file__).resolve().parents[2]

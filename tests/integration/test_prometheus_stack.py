@@ -46,13 +46,12 @@ from tests.fake_anthropic import (
     status,
 )
 from tests.prometheus_support import (
-    DASHBOARDS,
     RULES,
     PanelQuery,
     Prometheus,
     assert_panel_has_data,
-    panel_queries,
-    prometheus_binary,
+    dashboard_queries,
+    requires_prometheus,
     run_prometheus,
     wait_until,
 )
@@ -72,10 +71,7 @@ from worker.settings import DEFAULT_PRICES
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(
-        prometheus_binary() is None,
-        reason="prometheus is not installed (apt-get install prometheus, or make services)",
-    ),
+    requires_prometheus(),
 ]
 
 MODEL = "claude-haiku-4-5"
@@ -87,14 +83,7 @@ KEY = {
 AUTH = {"Authorization": f"Bearer {KEY['key']}"}
 INDEX = "docs"
 SAMPLE = Path(__file__).resolve().parents[2] / "worker" / "data" / "sample_corpus.jsonl"
-# the rate-limits dashboard needs a rate-limited model and a limit set: its panels are
-# proven by tests/integration/test_rate_limit_panels_prometheus.py
-PANEL_QUERIES = [
-    query
-    for path in DASHBOARDS
-    if path.name != "sift-rate-limits.json"
-    for query in panel_queries(path)
-]
+PANEL_QUERIES = dashboard_queries(rate_limits=False)
 # What the fake adds to every answer, so every token type has data (thinking is output).
 FAKE_CONFIG: dict[str, Any] = {"thinking_tokens": 16, "cache_read_input_tokens": 40,
                                "cache_creation_input_tokens": 24}  # fmt: skip

@@ -18,36 +18,26 @@ import pytest
 
 from tests import fake_anthropic as fa
 from tests.prometheus_support import (
-    DASHBOARDS,
     PanelQuery,
     Prometheus,
     assert_panel_has_data,
     concrete,
-    panel_queries,
-    prometheus_binary,
-    run_metrics_target,
-    run_prometheus,
+    dashboard_queries,
+    requires_prometheus,
+    scrape_target,
 )
 from worker.constants import PROMETHEUS_JOB_WORKER
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        prometheus_binary() is None,
-        reason="prometheus is not installed (apt-get install prometheus, or make services)",
-    ),
+    requires_prometheus(),
 ]
 
 JOB = PROMETHEUS_JOB_WORKER
 RPM = 60  # one request a second: the flood empties the bucket, the budget then waits
 FLOOD, METERED = 80, 12
-PANEL_QUERIES = [
-    query
-    for path in DASHBOARDS
-    if path.name == "sift-rate-limits.json"
-    for query in panel_queries(path)
-]
+PANEL_QUERIES = dashboard_queries(rate_limits=True)
 
 
 @dataclass
@@ -61,21 +51,17 @@ class Observed:
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterator[Observed]:
     workdir = tmp_path_factory.mktemp("prometheus-limits")
-    with (
-        fa.FakeAnthropic(rpm=RPM) as fake,
-        run_metrics_target(
-            "tests.rate_limit_workload", str(workdir / "multiproc"), redis_url, fake.url, str(RPM)
-        ) as target,
-        run_prometheus(workdir / "server", {JOB: [target.address]}) as prometheus,
-    ):
-        prometheus.wait_for_scrapes(JOB, 3)  # the zero series are in, so rates have a start
-        flood = target.send(f"flood {FLOOD}")
-        metered = target.send(f"metered {METERED}")
-        answered_429 = fake.rate_limited()
-        prometheus.wait_for_value("sum(sift_provider_429_total)", answered_429)
-        prometheus.wait_for_value("sum(sift_rate_budget_wait_seconds_count)", metered["sent"])
-        prometheus.wait_for_more_scrapes(JOB, 2)
-        yield Observed(prometheus, flood, metered, answered_429)
+    with fa.FakeAnthropic(rpm=RPM) as fake:
+        workload = ["tests.rate_limit_workload", redis_url, fake.url, str(RPM)]
+        with scrape_target(workdir, JOB, workload) as (target, prometheus):
+            prometheus.wait_for_scrapes(JOB, 3)  # the zero series are in, so rates have a start
+            flood = target.send(f"flood {FLOOD}")
+            metered = target.send(f"metered {METERED}")
+            answered_429 = fake.rate_limited()
+            prometheus.wait_for_value("sum(sift_provider_429_total)", answered_429)
+            prometheus.wait_for_value("sum(sift_rate_budget_wait_seconds_count)", metered["sent"])
+            prometheus.wait_for_more_scrapes(JOB, 2)
+            yield Observed(prometheus, flood, metered, answered_429)
 
 
 def test_the_dashboard_has_the_issues_panels() -> None:
