@@ -25,16 +25,21 @@ def _sum(text: str, name: str) -> float:
     )
 
 
+def _worker_env(tmp_path: Path, redis_url: str, metrics_port: int) -> dict[str, str]:
+    """The settings of a worker (and gateway) on this Redis, its metrics on ``metrics_port``."""
+    return {
+        "SIFT_REDIS_URL": redis_url + "/0",
+        "SIFT_API_KEYS": json.dumps(KEYS[:1]),
+        "SIFT_DATA_DIR": str(tmp_path / "data"),
+        "SIFT_WORKER_METRICS_PORT": str(metrics_port),
+        "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+    }
+
+
 def test_counts_from_every_child_are_summed(tmp_path: Path) -> None:
     port = free_port()
     with redis_server(tmp_path / "redis") as url:
-        env = {
-            "SIFT_REDIS_URL": url + "/0",
-            "SIFT_API_KEYS": json.dumps(KEYS[:1]),
-            "SIFT_DATA_DIR": str(tmp_path / "data"),
-            "SIFT_WORKER_METRICS_PORT": str(port),
-            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
-        }
+        env = _worker_env(tmp_path, url, port)
         forks = {**env, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")}
         with (
             celery_worker(tmp_path / "w", forks, "forks", concurrency=2, pool="prefork") as proc,
@@ -102,14 +107,7 @@ def test_a_single_process_worker_starts_on_a_clean_metrics_folder(tmp_path: Path
         path.rename(folder / path.name.replace(f"_{old}.db", f"_{os.getpid()}.db"))
     port = free_port()
     with redis_server(tmp_path / "redis") as url:
-        env = {
-            "SIFT_REDIS_URL": url + "/0",
-            "SIFT_API_KEYS": json.dumps(KEYS[:1]),
-            "SIFT_DATA_DIR": str(tmp_path / "data"),
-            "SIFT_WORKER_METRICS_PORT": str(port),
-            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
-            "PROMETHEUS_MULTIPROC_DIR": str(folder),
-        }
+        env = {**_worker_env(tmp_path, url, port), "PROMETHEUS_MULTIPROC_DIR": str(folder)}
         with celery_worker(tmp_path / "w", env, "solo", concurrency=2, processes=1):
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     running = [line for line in text.splitlines() if line.startswith("sift_jobs_in_flight{")]
