@@ -167,6 +167,28 @@ class _SteppedClock:
             self.read_enough.set()
         return value
 
+    def expect(self, reads: int) -> None:
+        """Set ``read_enough`` again, at the ``reads``-th reading from now."""
+        self.read_enough.clear()
+        self._reads_left = reads
+
+
+def _attempt_in_thread(
+    reranker: LimitedReranker, timeout: float
+) -> tuple[threading.Thread, list[RerankAttemptError]]:
+    """Start one attempt on a thread of its own; the list gets the attempt error it raises."""
+    caught: list[RerankAttemptError] = []
+
+    def attempt() -> None:
+        try:
+            reranker.rerank(None, timeout)  # type: ignore[arg-type]
+        except RerankAttemptError as exc:
+            caught.append(exc)
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    return thread, caught
+
 
 def test_a_slot_freed_with_less_than_an_attempts_worth_left_sends_nothing() -> None:
     """The attempt waits for the process's one slot, which comes free only once 20 ms of the
@@ -178,17 +200,8 @@ def test_a_slot_freed_with_less_than_an_attempts_worth_left_sends_nothing() -> N
     limiter = ProviderLimiter(1, clock=clock)
     inner = _Flaky()
     reranker = LimitedReranker(inner, limiter, clock=clock)  # type: ignore[arg-type]
-    caught: list[RerankAttemptError] = []
-
-    def attempt() -> None:
-        try:
-            reranker.rerank(None, 100.0)  # type: ignore[arg-type]
-        except RerankAttemptError as exc:
-            caught.append(exc)
-
     with limiter.slot():  # another call holds the slot
-        waiter = threading.Thread(target=attempt)
-        waiter.start()
+        waiter, caught = _attempt_in_thread(reranker, 100.0)
         clock.read_enough.wait()  # the waiter saw 99.95 s to wait, under the limiter's lock
         clock.now = 100.0 - 0.02
     # the release took the limiter's lock, so the waiter was waiting: it has the slot now
@@ -220,8 +233,7 @@ def test_a_waiter_woken_too_late_passes_its_slot_on() -> None:
         w1 = threading.Thread(target=waiter, args=("W1", 10.0))
         w1.start()
         clock.read_enough.wait()  # W1 is waiting (it read the clock under the lock)
-        clock.read_enough.clear()
-        clock._reads_left = 1
+        clock.expect(reads=1)
         w2 = threading.Thread(target=waiter, args=("W2", 1000.0))
         w2.start()
         clock.read_enough.wait()  # W2 too, after W1
@@ -242,16 +254,7 @@ def test_a_pause_waited_out_but_woken_past_the_send_by_sends_nothing() -> None:
     inner = _Flaky()
     reranker = LimitedReranker(inner, limiter, clock=clock)  # type: ignore[arg-type]
     limiter.pause(1.0)
-    caught: list[RerankAttemptError] = []
-
-    def attempt() -> None:
-        try:
-            reranker.rerank(None, 5.05)  # type: ignore[arg-type]
-        except RerankAttemptError as exc:
-            caught.append(exc)
-
-    thread = threading.Thread(target=attempt)
-    thread.start()
+    thread, caught = _attempt_in_thread(reranker, 5.05)
     clock.read_enough.wait()
     clock.now = 5.02
     thread.join()
