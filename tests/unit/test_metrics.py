@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -260,20 +260,31 @@ def test_buckets_suit_their_range() -> None:
     assert metrics.RETRIEVAL_BUCKETS[-1] >= load_settings().search_deadline_seconds
 
 
+def _finite_buckets_hit(
+    before: Mapping[tuple[str, tuple[tuple[str, str], ...]], float],
+    bucket: str,
+    label: str,
+    label_value: str,
+) -> list[float]:
+    """The finite upper bounds (``le``) of ``bucket`` whose count for ``label=label_value``
+    rose since ``before``: where an observation landed, +Inf left out."""
+    return [
+        float(dict(labels)["le"])
+        for (name, labels), count in metrics.snapshot(REGISTRY).items()
+        if name == bucket
+        and dict(labels).get(label) == label_value
+        and dict(labels)["le"] != "+Inf"
+        and count - before.get((name, labels), 0.0) >= 1
+    ]
+
+
 @pytest.mark.parametrize("seconds", [90.0, 20 * 60.0, 5 * 3600.0])
 def test_an_economy_rerank_of_minutes_to_hours_lands_in_a_finite_bucket(seconds: float) -> None:
     """An economy rerank is timed from its provider batch's submission to the answer:
     minutes to hours. Each percentile must be estimable, not all of it +Inf (read as 60 s)."""
     before = dict(metrics.snapshot(REGISTRY))
     metrics.PrometheusRecorder(lane="economy").rerank_done(MODEL, "ok", seconds)
-    counted = [
-        float(dict(labels)["le"])
-        for (name, labels), count in metrics.snapshot(REGISTRY).items()
-        if name == "sift_rerank_duration_seconds_bucket"
-        and dict(labels).get("lane") == "economy"
-        and dict(labels)["le"] != "+Inf"
-        and count - before.get((name, labels), 0.0) >= 1
-    ]
+    counted = _finite_buckets_hit(before, "sift_rerank_duration_seconds_bucket", "lane", "economy")
     assert counted, f"an economy rerank of {seconds} s fell in +Inf only"
     assert min(counted) <= 4 * seconds  # and the bucket that holds it is not far above it
 
@@ -292,14 +303,9 @@ def test_the_longest_economy_rerank_fits_the_buckets() -> None:
 def test_a_slow_retrieval_lands_in_a_finite_bucket() -> None:
     before = dict(metrics.snapshot(REGISTRY))
     metrics.PrometheusRecorder().retrieval("elasticsearch", "bm25", 3.0)
-    counted = [
-        float(dict(labels)["le"])
-        for (name, labels), count in metrics.snapshot(REGISTRY).items()
-        if name == "sift_retrieval_duration_seconds_bucket"
-        and dict(labels).get("backend") == "elasticsearch"
-        and dict(labels)["le"] != "+Inf"
-        and count - before.get((name, labels), 0.0) >= 1
-    ]
+    counted = _finite_buckets_hit(
+        before, "sift_retrieval_duration_seconds_bucket", "backend", "elasticsearch"
+    )
     assert counted and min(counted) <= 4 * 3.0
 
 
