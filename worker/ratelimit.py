@@ -50,7 +50,7 @@ class ProviderLimiter:
         # one waiting out a pause (with one condition, notify() woke the longest waiting,
         # often a pause's, and the slot's waiter slept on with a slot free)
         lock = threading.Lock()
-        self._cond = threading.Condition(lock)  # the pause
+        self._pause_over = threading.Condition(lock)
         self._slot_freed = threading.Condition(lock)
         self._in_flight = 0
         self._paused_until = 0.0
@@ -66,14 +66,14 @@ class ProviderLimiter:
     def pause(self, seconds: float) -> None:
         """Hold every sender off for ``seconds`` from now (never shortens a longer pause)."""
         seconds = min(max(seconds, 0.0), MAX_PAUSE_SECONDS)
-        with self._cond:
+        with self._pause_over:
             self._paused_until = max(self._paused_until, self._clock() + seconds)
 
     def wait(self, deadline: float | None = None) -> None:
         """Block while a pause is on. Raises DeadlineExceeded if it would outlast ``deadline``,
         or if the thread, having waited, is woken past it (a busy process wakes late)."""
         waited = False
-        with self._cond:
+        with self._pause_over:
             while True:
                 now = self._clock()
                 if now >= self._paused_until:
@@ -82,7 +82,7 @@ class ProviderLimiter:
                     return
                 if deadline is not None and self._paused_until >= deadline:
                     raise DeadlineExceeded("the provider asked to pause past the search deadline")
-                self._cond.wait(self._paused_until - now)
+                self._pause_over.wait(self._paused_until - now)
                 waited = True
 
     @contextmanager
