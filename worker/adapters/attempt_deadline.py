@@ -133,16 +133,24 @@ class DeadlineBackend(httpcore2.NetworkBackend):
         self._inner.sleep(seconds)
 
 
-# name lookups for new connections: getaddrinfo takes no timeout, so an attempt waits for
-# its answer here only as long as the attempt has left (a hung lookup keeps its thread)
-_RESOLVER = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sift-resolve")
+# threads looking up the hosts of new connections at once; a hung lookup keeps its thread
+RESOLVER_THREADS = 32
+
+
+def _resolver_pool() -> ThreadPoolExecutor:
+    """The threads that look up hosts for new connections: getaddrinfo takes no timeout, so
+    an attempt waits for its answer here only as long as the attempt has left."""
+    return ThreadPoolExecutor(max_workers=RESOLVER_THREADS, thread_name_prefix="sift-resolve")
+
+
+_RESOLVER = _resolver_pool()
 
 
 def _new_resolver() -> None:
     """A forked child gets a pool of its own: its parent's threads did not come along, and
     the copy of the parent's pool could believe it has idle ones and never start any."""
     global _RESOLVER
-    _RESOLVER = ThreadPoolExecutor(max_workers=32, thread_name_prefix="sift-resolve")
+    _RESOLVER = _resolver_pool()
 
 
 os.register_at_fork(after_in_child=_new_resolver)
