@@ -76,17 +76,7 @@ class _Reindex(_Core):
             old = self._concrete(alias)
             if not old:
                 raise IndexNotFound(index)
-            running = self._running_copy_from(alias, old)
-            if running is not None:
-                task, concrete = running
-                logger.info("%s: waiting on the copy into %s (task %s)", what, concrete, task)
-                self._await_copy(task, concrete, what)
-            else:
-                stamp = datetime.now(UTC).strftime("%Y%m%dt%H%M%S%f")
-                concrete = concrete_name(alias, stamp)
-                self._template_ready = False  # put the template again: current settings
-                self._es().indices.create(index=concrete, **self._explicit_body())
-                self._start_copy({"index": alias}, concrete, what)  # a new name: none runs
+            concrete = self._copied_index(alias, old, what)
             # the index may be an earlier release's (the copy waited on), or made from a
             # template such a release put since: workers that mapped the alias's fields
             # before (``_map_fields``, once per alias) write them into it from the move on
@@ -95,6 +85,23 @@ class _Reindex(_Core):
             self.move_alias(alias, old, concrete, delete_old=delete_old)
         self._forget(alias)
         logger.info("reindexed %s: %s -> %s", alias, old, concrete)
+        return concrete
+
+    def _copied_index(self, alias: str, old: Sequence[str], what: str) -> str:
+        """Step 2 of :meth:`reindex`: the new index holding a copy of ``alias``'s documents.
+        An earlier rebuild's copy still running (``old``: the indexes the alias points at) is
+        waited on and its index answered; else a new index is made and copied into."""
+        running = self._running_copy_from(alias, old)
+        if running is not None:
+            task, concrete = running
+            logger.info("%s: waiting on the copy into %s (task %s)", what, concrete, task)
+            self._await_copy(task, concrete, what)
+            return concrete
+        stamp = datetime.now(UTC).strftime("%Y%m%dt%H%M%S%f")
+        concrete = concrete_name(alias, stamp)
+        self._template_ready = False  # put the template again: current settings
+        self._es().indices.create(index=concrete, **self._explicit_body())
+        self._start_copy({"index": alias}, concrete, what)  # a new name: none runs
         return concrete
 
     def _copy(self, source: Mapping[str, Any], dest: str, what: str) -> int:
