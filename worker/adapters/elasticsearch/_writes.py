@@ -248,11 +248,11 @@ class _Writes(_Search, _Indexes):
         other items, put the document there: the retry reports every document it wrote).
         ``require_alias``: an index action whose alias is gone fails (``_AliasGone``, with
         what was deleted before it) instead of auto-creating a bare concrete index of that
-        name. ES does not hold a delete to
-        ``require_alias``, and makes a missing index for an external-versioned one: a delete
-        answered from an index named like the alias itself found the alias dropped since
-        its check and made that bare index, which is deleted here (:meth:`_clear_bare`)
-        before the attempt counts as the alias gone; the rest of the bulk is not sent."""
+        name. ES does not hold a delete to ``require_alias``, and makes a missing index for
+        an external-versioned one: a delete answered from an index named like the alias
+        itself found the alias dropped since its check and made that bare index, which is
+        deleted here (:meth:`_clear_bare`) before the attempt counts as the alias gone; the
+        rest of the bulk is not sent."""
         failures: list[dict[str, Any]] = []
         bulked = _Bulked(0, 0, [])
         alias = self.alias(index, tenant)
@@ -290,11 +290,11 @@ class _Writes(_Search, _Indexes):
                 elif status != 409:
                     failures.append(item)
         if failures:
-            self._unmapped(alias, failures)
+            self._raise_if_unmapped(alias, failures)
             raise _bulk_error(failures, names)
         return bulked
 
-    def _unmapped(self, alias: str, failures: Sequence[Mapping[str, Any]]) -> None:
+    def _raise_if_unmapped(self, alias: str, failures: Sequence[Mapping[str, Any]]) -> None:
         """Raise BackendUnavailable (retryable) if ``dynamic: strict`` refused a field this
         process had mapped on the alias (:meth:`_map_fields`, once per alias), letting that
         memo go: the index was made again since from a template without it (a worker of an
