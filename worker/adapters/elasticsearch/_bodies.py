@@ -37,35 +37,37 @@ class _Bodies(_Core):
         return {"bool": {"filter": [{"term": {self.fields.tenant: tenant}}]}}
 
     def filters(self, filters: HardFilters) -> list[dict[str, Any]]:
-        """The hard filters as ES ``term`` queries: the tenant first, then the caller's.
-
-        A metadata filter is a ``term`` on the document's typed tokens
-        (:func:`metadata_terms`), so it compares JSON values as the embedded backend does.
-        A document without tokens (written before they existed, or into an index Sift did
-        not make) is compared as ES's ``flattened`` field holds it instead: as text, a
-        number on each of its spellings (:func:`_term_texts`)."""
+        """The hard filters as ES ``term`` queries: the tenant first, then the caller's
+        (:meth:`metadata_filter`)."""
         terms: list[dict[str, Any]] = [{"term": {self.fields.tenant: filters.tenant}}]
         for key, value in sorted(filters.fields.items()):
             if not _FILTER_KEY.match(key):
                 raise InvalidRequest(f"filters.{key}", "filter names use letters, digits and _.:-")
-            field, texts = f"{self.fields.metadata}.{key}", _term_texts(value)
-            as_text = {"terms": {field: texts}} if len(texts) > 1 else {"term": {field: texts[0]}}
-            if not self.fields.metadata_terms:
-                terms.append(as_text)
-                continue
-            untyped = {"exists": {"field": self.fields.metadata_terms}}
-            terms.append(
-                {
-                    "bool": {
-                        "should": [
-                            {"term": {self.fields.metadata_terms: metadata_term(key, value)}},
-                            {"bool": {"filter": [as_text], "must_not": [untyped]}},
-                        ],
-                        "minimum_should_match": 1,
-                    }
-                }
-            )
+            terms.append(self.metadata_filter(key, value))
         return terms
+
+    def metadata_filter(self, key: str, value: FilterValue) -> dict[str, Any]:
+        """The query for one metadata filter ``key: value``.
+
+        It is a ``term`` on the document's typed tokens (:func:`metadata_terms`), so it
+        compares JSON values as the embedded backend does. A document without tokens
+        (written before they existed, or into an index Sift did not make) is compared as
+        ES's ``flattened`` field holds it instead: as text, a number on each of its
+        spellings (:func:`_term_texts`)."""
+        field, texts = f"{self.fields.metadata}.{key}", _term_texts(value)
+        as_text = {"terms": {field: texts}} if len(texts) > 1 else {"term": {field: texts[0]}}
+        if not self.fields.metadata_terms:
+            return as_text
+        untyped = {"exists": {"field": self.fields.metadata_terms}}
+        return {
+            "bool": {
+                "should": [
+                    {"term": {self.fields.metadata_terms: metadata_term(key, value)}},
+                    {"bool": {"filter": [as_text], "must_not": [untyped]}},
+                ],
+                "minimum_should_match": 1,
+            }
+        }
 
     def probe_searches(self, tenant: str) -> list[Mapping[str, Any]]:
         """The ``_msearch`` lines of :meth:`probe`: does the tenant hold a document, and one
