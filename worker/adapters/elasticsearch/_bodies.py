@@ -265,7 +265,7 @@ def metadata_term(key: str, value: FilterValue) -> str:
         return f"{key}=b:{'true' if value else 'false'}"
     if isinstance(value, str):
         return f"{key}=s:{value}"
-    if isinstance(value, float) and value.is_integer() and -(2.0**63) <= value < 2.0**63:
+    if _integral_int64(value):
         value = int(value)
     return f"{key}=n:{value!r}"
 
@@ -273,6 +273,16 @@ def metadata_term(key: str, value: FilterValue) -> str:
 def metadata_terms(metadata: Mapping[str, FilterValue]) -> list[str]:
     """A document's typed metadata tokens (:func:`metadata_term`), one per key, sorted."""
     return sorted(metadata_term(key, value) for key, value in metadata.items())
+
+
+def _integral_int64(value: FilterValue) -> bool:
+    """Whether ``value`` is a float with an integral value a 64-bit integer holds (``5.0``,
+    ``-0.0``): its typed token and its texts are then those of that integer.
+
+    >>> _integral_int64(5.0), _integral_int64(5.5), _integral_int64(2.0**63), _integral_int64(5)
+    (True, False, False, False)
+    """
+    return isinstance(value, float) and value.is_integer() and -(2.0**63) <= value < 2.0**63
 
 
 def _term_texts(value: FilterValue) -> list[str]:
@@ -293,7 +303,7 @@ def _term_texts(value: FilterValue) -> list[str]:
     if isinstance(value, str):
         return [value]
     texts = {repr(value)}
-    if isinstance(value, float) and value.is_integer() and -(2.0**63) <= value < 2.0**63:
+    if _integral_int64(value):
         texts.add(str(int(value)))
     if isinstance(value, int) and float(value) == value:
         texts.add(repr(float(value)))
