@@ -120,8 +120,10 @@ class BackendRequestError(BackendError):
 
 class RerankAttemptError(SiftError):
     """One model call failed. ``outcome`` is its class; ``retry_after`` comes from the provider.
-    ``sent`` is False for an attempt this process held back before sending it (its in-flight
-    limit full, or a 429's pause, past the attempt's time): the provider never saw it."""
+    ``sent`` is False for an attempt the provider never saw: one this process held back (its
+    in-flight limit full, or a 429's pause, past the attempt's time, or no time left at all),
+    or one whose connection was never made (the host's lookup failed or timed out, the
+    connection was refused or timed out, the SDK found no credentials)."""
 
     code = "rerank_attempt_failed"
 

@@ -119,7 +119,7 @@ class IndexSettingsSource(Protocol):
 
 class Reranker(Protocol):
     """One listwise model call. Raises RerankAttemptError with the attempt's class (its
-    ``sent`` False when the call never left this process: no request, no pause for others)."""
+    ``sent`` False when the provider never saw the call: no request, no pause for others)."""
 
     model: str
 
@@ -137,7 +137,7 @@ class RateBudget(Protocol):
 
     def settle(self, grant: BudgetGrant, usage: TokenUsage | None, *, sent: bool = True) -> None:
         """Give back what the call did not use (``usage`` as reported); ``None``: unknown,
-        the reservation stands. ``sent`` False: the call never left this process, so its
+        the reservation stands. ``sent`` False: the provider never saw the call, so its
         request is given back too."""
         ...
 
