@@ -501,15 +501,8 @@ class SearchPipeline:
         except RerankAttemptError as error:
             usage = getattr(error, "usage", None)
             usage = usage if isinstance(usage, TokenUsage) else None
-            if grant is not None and self.rate_budget is not None:
-                if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
-                    # refused before any token was read: give the tokens back (and the
-                    # request, when it never reached the provider)
-                    self.rate_budget.settle(grant, TokenUsage(), sent=error.sent)
-                    if error.sent:  # the provider's 429 stops everyone; a local hold, no one
-                        self.rate_budget.pause(error.retry_after or 1.0)
-                else:
-                    self.rate_budget.settle(grant, usage)
+            if grant is not None:
+                self._settle_failed(grant, error, usage)
             if not error.sent:
                 detail["sent"] = False
             self.record_attempt(run, error.outcome, usage, self._clock() - started, **detail)
@@ -520,6 +513,21 @@ class SearchPipeline:
         run.returned = reply.positions
         self.record_attempt(run, AttemptOutcome.OK, reply.usage, self._clock() - started, **detail)
         return reply
+
+    def _settle_failed(
+        self, grant: BudgetGrant, error: RerankAttemptError, usage: TokenUsage | None
+    ) -> None:
+        """Settle a failed attempt's reservation with the rate budget. One refused before any
+        token was read (a 429, or never sent) gives its tokens back, and its request too when
+        the provider never saw it; the provider's 429 pauses every worker, a local hold no
+        one. Any other failure is settled on the ``usage`` it reported."""
+        assert self.rate_budget is not None
+        if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
+            self.rate_budget.settle(grant, TokenUsage(), sent=error.sent)
+            if error.sent:
+                self.rate_budget.pause(error.retry_after or 1.0)
+        else:
+            self.rate_budget.settle(grant, usage)
 
     def _wait_for_budget(
         self, prompt: RerankPrompt, run: RerankRun, deadline: Deadline
