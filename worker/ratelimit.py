@@ -24,13 +24,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from worker.core.budget import MIN_ATTEMPT_SECONDS
+from worker.core.budget import DEFAULT_429_PAUSE_SECONDS, MIN_ATTEMPT_SECONDS
 from worker.core.ports import Reranker
 from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
 
 MAX_PAUSE_SECONDS = 60.0  # a retry-after longer than this is capped
-DEFAULT_429_PAUSE_SECONDS = 1.0  # a 429 without retry-after pauses this long
 
 
 class ProviderLimiter:

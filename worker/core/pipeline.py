@@ -25,7 +25,12 @@ from worker.contract import (
     SearchSpec,
     Usage,
 )
-from worker.core.budget import MIN_ATTEMPT_SECONDS, Deadline, call_within_budget
+from worker.core.budget import (
+    DEFAULT_429_PAUSE_SECONDS,
+    MIN_ATTEMPT_SECONDS,
+    Deadline,
+    call_within_budget,
+)
 from worker.core.catalog import SearchSettings
 from worker.core.cost import add_costs, cost_usd, price_for
 from worker.core.fusion import (
@@ -525,7 +530,7 @@ class SearchPipeline:
         if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
             self.rate_budget.settle(grant, TokenUsage(), sent=error.sent)
             if error.sent:
-                self.rate_budget.pause(error.retry_after or 1.0)
+                self.rate_budget.pause(error.retry_after or DEFAULT_429_PAUSE_SECONDS)
         else:
             self.rate_budget.settle(grant, usage)
 
