@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from worker.constants import POLICY_ID
 from worker.contract import (
+    Channel,
     FilterValue,
     Hit,
     Ranks,
@@ -321,20 +322,7 @@ class SearchPipeline:
         )
         results = self._retrieve(channel_query, deadline)
         seconds.update(results.seconds)
-        if results.fused is not None:  # the backend fused by itself: keep its order
-            candidates = [
-                Candidate(hit.document, rank, hit.score, {}, {})
-                for rank, hit in enumerate(results.fused[:coarse], start=1)
-            ]
-        else:  # admission and fusion, timed as a stage of their own ("fuse")
-            started = self._clock()
-            admitted = admit(results.hits, self.config.vector_min_similarity)
-            candidates = fuse(admitted, limit=coarse, fusion=fusion.over(channels))
-            seconds["fuse"] = self._clock() - started
-            self.recorder.retrieval(self.backend.name, "fuse", seconds["fuse"])
-        for channel, hits in results.hits.items():
-            self.recorder.retrieval_hits(self.backend.name, channel, len(hits))
-        self.recorder.retrieval_hits(self.backend.name, "fuse", len(candidates))
+        candidates = self._candidates(results, coarse, fusion, channels, seconds)
         trace: dict[str, Any] = {
             "policy": POLICY_ID if reranking else None,
             "query": query,
@@ -364,6 +352,35 @@ class SearchPipeline:
         trace["candidates"] = _trace_candidates(candidates, prompt)
         trace["model"] = self.reranker.model
         return Prepared(spec, candidates, trace, prompt=prompt)
+
+    def _candidates(
+        self,
+        results: ChannelResults,
+        coarse: int,
+        fusion: Fusion,
+        channels: Sequence[Channel],
+        seconds: dict[str, float],
+    ) -> list[Candidate]:
+        """The ``coarse`` first candidates of the channels' ``results``: in the backend's own
+        order when it fused them, else admitted and fused here with ``fusion`` over
+        ``channels``, a stage timed on its own (``fuse``, added to ``seconds``). Each
+        channel's hits and the candidates kept are counted too, so the metrics show what
+        each stage gave the next."""
+        if results.fused is not None:  # the backend fused by itself: keep its order
+            candidates = [
+                Candidate(hit.document, rank, hit.score, {}, {})
+                for rank, hit in enumerate(results.fused[:coarse], start=1)
+            ]
+        else:
+            started = self._clock()
+            admitted = admit(results.hits, self.config.vector_min_similarity)
+            candidates = fuse(admitted, limit=coarse, fusion=fusion.over(channels))
+            seconds["fuse"] = self._clock() - started
+            self.recorder.retrieval(self.backend.name, "fuse", seconds["fuse"])
+        for channel, hits in results.hits.items():
+            self.recorder.retrieval_hits(self.backend.name, channel, len(hits))
+        self.recorder.retrieval_hits(self.backend.name, "fuse", len(candidates))
+        return candidates
 
     def build_prompt(
         self, query: str, spec: SearchSpec, candidates: Sequence[Candidate]
