@@ -487,6 +487,7 @@ class RedisRateBudget:
         # what was used beyond the reservation is taken too: a negative amount gives back
         extra_input = float(used_input - grant.input_tokens)
         extra_output = float(usage.output_tokens - grant.output_tokens)
+        # (requests, input, output): a call never sent gives its request back as well
         take = (0.0 if sent else -1.0, extra_input, extra_output)
         if stated is None:
             self._run(take, -1)
