@@ -99,20 +99,26 @@ def worker(
     if supervised_by:  # its supervisor set up the metrics files and serves them
         follow_supervisor(supervised_by)
     else:
-        from worker import metrics
-
-        # prefork children write their metrics to files. A folder given by
-        # PROMETHEUS_MULTIPROC_DIR (the Docker image sets it) may hold an earlier run's files:
-        # emptied, or a restarted container's PID 1 would take its predecessor's live gauges
-        # (jobs running at the kill) for its own, for good
-        if settings.worker_pool == "prefork" or metrics.multiprocess_dir() is not None:
-            directory = metrics.multiprocess_dir() or tempfile.mkdtemp(prefix="sift-metrics-")
-            metrics.setup_multiprocess(directory)
+        _single_process_metrics(settings)
     celery = create_celery_app(settings)
     celery.worker_main(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel or settings.log_level,
          "--without-gossip", "--without-mingle"]
     )  # fmt: skip
+
+
+def _single_process_metrics(settings: Settings) -> None:
+    """Put a worker run as one process (no supervisor) in multiprocess mode when it needs it.
+
+    Prefork children write their metrics to files. A folder given by
+    ``PROMETHEUS_MULTIPROC_DIR`` (the Docker image sets it) may hold an earlier run's files:
+    emptied, or a restarted container's PID 1 would take its predecessor's live gauges (jobs
+    running at the kill) for its own, for good."""
+    from worker import metrics
+
+    if settings.worker_pool == "prefork" or metrics.multiprocess_dir() is not None:
+        directory = metrics.multiprocess_dir() or tempfile.mkdtemp(prefix="sift-metrics-")
+        metrics.setup_multiprocess(directory)
 
 
 def _check_backend(settings: Settings) -> None:
