@@ -589,7 +589,8 @@ def multiprocess_dir() -> str | None:
 
 
 def setup_multiprocess(directory: str | os.PathLike[str]) -> Path:
-    """Switch to multiprocess mode with a clean ``directory``. Supervisor only, before forking.
+    """Switch to multiprocess mode with a clean ``directory``, once, before forking: in the
+    supervisor of worker processes, or in a worker run as one process (``sift worker``).
 
     Empties the directory of value files from an earlier run, exports
     ``PROMETHEUS_MULTIPROC_DIR`` for the children, and switches this process to file-backed
