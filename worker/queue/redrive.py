@@ -54,9 +54,9 @@ up). Each sets ``sift:redrive:urgent`` for
 without persistence a restart loses every job and message anyway, so there is nothing to
 recover.
 
-The economy lane is not swept so: its items wait on provider batches for hours by design.
-Its submissions and polls say by when each should run again instead, and a sweep sends
-again one that did not (:func:`worker.queue.economy.rewake`).
+The economy lane's items are not swept this way: they wait on provider batches for hours by
+design. Its submissions and polls say by when each should run again instead, and a sweep
+sends again one that did not (:func:`worker.queue.economy.rewake`).
 
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
     sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)
