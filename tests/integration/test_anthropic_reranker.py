@@ -188,6 +188,23 @@ def test_adapter_honours_anthropic_base_url_from_the_environment(
     assert api_key_of(request) == "sk-from-env"
 
 
+def test_no_api_key_at_all_is_a_permanent_4xx_never_sent(
+    fake: FakeAnthropic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
+    for name in ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    reranker = AnthropicReranker(MODEL)
+    try:
+        error = attempt_error(reranker)
+    finally:
+        reranker.close()
+    assert error.outcome is AttemptOutcome.HTTP_4XX
+    assert not error.retryable
+    assert not error.sent  # the provider never saw it: no request in the usage
+    assert fake.requests() == []
+
+
 def test_concurrent_calls_borrow_their_own_clients_and_close_closes_them_all(
     fake_from_env: FakeAnthropic,
 ) -> None:

@@ -228,7 +228,7 @@ class AnthropicReranker:
             # The SDK raises TypeError when it finds no API key at all; that is permanent too.
             if "authentication" not in str(exc):
                 raise
-            raise RerankAttemptError(AttemptOutcome.HTTP_4XX, str(exc)) from exc
+            raise RerankAttemptError(AttemptOutcome.HTTP_4XX, str(exc), sent=False) from exc
         finally:
             attempt_deadline.reset(deadline)
         return parse_body(body, max_positions=prompt.max_tokens)
