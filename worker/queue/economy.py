@@ -228,9 +228,39 @@ def maybe_submit(task: SiftTask, batch_id: str) -> None:
     """Enqueue the submission once every item is final or prepared (one chunk wins)."""
     store = task.context.store
     if store.economy_settled(batch_id) and store.economy_claim(batch_id, SUBMIT_CLAIM):
-        _expect(task, batch_id, SUBMIT_CLAIM, 0.0)
-        task.app.send_task(ECONOMY_SUBMIT_TASK, args=[batch_id], queue=BATCH_QUEUE)
+        _send(task, batch_id, SUBMIT_CLAIM, 0.0)
         log.info("batch %s: every item prepared; submission enqueued", batch_id)
+
+
+def _send(task: SiftTask, batch_id: str, what: str, countdown: float) -> None:
+    """Send the economy task for ``what`` (a provider batch's poll, or the submission) as a
+    new message, which supersedes any other of that task still on its way (:func:`_taken`)."""
+    task_id = f"eco-{uuid.uuid4().hex}"
+    task.context.store.economy_hand_over(batch_id, what, task_id)
+    _expect(task, batch_id, what, countdown)
+    name, args = _task_of(batch_id, what)
+    task.app.send_task(name, args=args, queue=BATCH_QUEUE, task_id=task_id,
+                       countdown=countdown or None)  # fmt: skip
+
+
+def _task_of(batch_id: str, what: str) -> tuple[str, list[Any]]:
+    if what == SUBMIT_CLAIM:
+        return ECONOMY_SUBMIT_TASK, [batch_id]
+    return ECONOMY_POLL_TASK, [batch_id, what]
+
+
+def _taken(task: SiftTask, batch_id: str, what: str) -> bool:
+    """Whether this message is the one to run the economy task for ``what``. A message sent
+    again by :func:`rewake`, or a poll sent again for a provider batch found recorded,
+    supersedes the one before it, which may yet come (late, not lost: held by a worker
+    killed during a long outage, behind a backlog of the batch queue): that one stops here,
+    or two polls would each go on retrying and each map the results (a failed item
+    resubmitted twice, paid twice), two submissions each create the same items' batches.
+    A retry keeps its task id, so the chain it continues stays the one."""
+    if task.context.store.economy_take(batch_id, what, str(task.request.id)):
+        return True
+    log.info("batch %s: its %s task was sent again since this message; it stops", batch_id, what)
+    return False
 
 
 def _expect(task: SiftTask, batch_id: str, what: str, countdown: float) -> None:
@@ -252,12 +282,11 @@ def rewake(store: JobStore, send: Callable[[str, list[Any], str, str], None], no
         if batch is None or batch.finished_at is not None:
             store.economy_met(batch_id, what)
             continue
-        if what == SUBMIT_CLAIM:
-            name, args = ECONOMY_SUBMIT_TASK, [batch_id]
-        else:
-            name, args = ECONOMY_POLL_TASK, [batch_id, what]
+        name, args = _task_of(batch_id, what)
+        task_id = f"rewake-{uuid.uuid4().hex}"
+        store.economy_hand_over(batch_id, what, task_id)  # the late one, if it comes, stops
         store.economy_expect(batch_id, what, now + WATCH_MARGIN_SECONDS)
-        send(name, args, BATCH_QUEUE, f"rewake-{uuid.uuid4().hex}")
+        send(name, args, BATCH_QUEUE, task_id)
         log.warning("batch %s: its %s task did not run when due; sent again", batch_id, what)
         sent += 1
     return sent
@@ -373,13 +402,7 @@ def _record_provider(
 
 
 def _send_poll(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
-    _expect(task, batch.id, provider_id, task.context.settings.economy_poll_seconds)
-    task.app.send_task(
-        ECONOMY_POLL_TASK,
-        args=[batch.id, provider_id],
-        queue=BATCH_QUEUE,
-        countdown=task.context.settings.economy_poll_seconds,
-    )
+    _send(task, batch.id, provider_id, task.context.settings.economy_poll_seconds)
 
 
 def settle_doubts(
@@ -453,12 +476,20 @@ def settle_doubts(
 
 
 def submit(
-    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], *, expected: str | None = None
+    task: SiftTask,
+    batch: BatchJob,
+    query_ids: Sequence[str],
+    *,
+    expected: str | None = None,
+    watch: str = SUBMIT_CLAIM,
 ) -> list[str]:
     """Send these items' prompts as provider batches; answers the provider batch ids.
 
     Each create is written down before it is made (its items' ``pending``), so that one whose
-    answer is lost is looked for before anything is sent again (:func:`settle_doubts`)."""
+    answer is lost is looked for before anything is sent again (:func:`settle_doubts`).
+    ``watch`` is the task sending them (the submission, or a provider batch's poll): each
+    create tells the watch it is alive, so that a long submission is not sent again while
+    it runs (a second one would create the same items' batches again)."""
     settings = task.context.settings
     if batch.canceled_at is not None:
         for qid in query_ids:
@@ -474,6 +505,7 @@ def submit(
         max_bytes=settings.economy_max_batch_bytes,
     )
     for chunk in chunks:
+        _expect(task, batch.id, watch, 0.0)
         submission = new_submission()
         started = time.time()
         for p in chunk:
@@ -560,6 +592,8 @@ def economy_submit(self: SiftTask, batch_id: str) -> None:
     if batch is None:
         store.economy_met(batch_id, SUBMIT_CLAIM)
         return
+    if not _taken(self, batch_id, SUBMIT_CLAIM):
+        return
     _expect(self, batch_id, SUBMIT_CLAIM, 0.0)
     query_ids = store.economy_fields(batch_id, ECONOMY_PREPARED_KEY)
     try:
@@ -569,9 +603,7 @@ def economy_submit(self: SiftTask, batch_id: str) -> None:
         # not a failure: the provider's queue frees as its batches end. Sent again, the task
         # keeps its retry budget; what was sent already is not sent twice (``_pending``).
         log.info("batch %s: %s; submitting the rest later", batch_id, exc)
-        _expect(self, batch_id, SUBMIT_CLAIM, exc.retry_after or 0.0)
-        self.app.send_task(ECONOMY_SUBMIT_TASK, args=[batch_id], queue=BATCH_QUEUE,
-                           countdown=exc.retry_after)  # fmt: skip
+        _send(self, batch_id, SUBMIT_CLAIM, exc.retry_after or 0.0)
     except RerankAttemptError as exc:
         deadline = batch.created_at + settings.economy_deadline_seconds
         if exc.retryable and time.time() < deadline:
@@ -639,7 +671,7 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
     batch = store.get_batch(batch_id)
     if batch is None or batch.finished_at is not None:
         store.economy_met(batch_id, provider_id)
-    if batch is None:
+    if batch is None or not _taken(self, batch_id, provider_id):
         return
     if batch.finished_at is not None and self.delivery() > 1:
         # a redelivered poll of a finished batch: the worker whose mapping completed it may
@@ -699,7 +731,8 @@ def _candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, prove
     if waiting:
         log.warning("batch %s: no provider batch was made by create %s; sending its %d "
                     "requests again", batch.id, submission, len(waiting))  # fmt: skip
-        submit(task, store.get_batch(batch.id) or batch, waiting, expected=DOUBT + submission)
+        submit(task, store.get_batch(batch.id) or batch, waiting, expected=DOUBT + submission,
+               watch=provider_id)  # fmt: skip
 
 
 def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
@@ -728,7 +761,7 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
     if resubmit:
         fresh = store.get_batch(batch.id) or batch
         # once each: a custom_id twice in one create is refused (400) for the whole batch
-        submit(task, fresh, list(dict.fromkeys(resubmit)), expected=provider_id)
+        submit(task, fresh, list(dict.fromkeys(resubmit)), expected=provider_id, watch=provider_id)
     if record.get("doubt") and not ours:
         log.info("provider batch %s: not the create in doubt (no line of it)", provider_id)
         _candidate_ended(task, batch, provider_id, proven=False)

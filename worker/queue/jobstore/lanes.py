@@ -73,6 +73,26 @@ class EconomyLaneRecords(_StoreCore):
         should run again by ``due`` (epoch seconds); past it, its message was lost."""
         self.redis.zadd(ECONOMY_WATCH_KEY, {f"{batch_id} {what}": due})
 
+    def economy_hand_over(self, batch_id: str, what: str, task_id: str) -> None:
+        """The message ``task_id``, about to be sent, is the one to run the economy task for
+        ``what``: any other message of that task still on its way is superseded."""
+        key = ECONOMY_STATE_KEY + batch_id
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(key, f"chain {what}", task_id)
+        pipe.expire(key, self.result_ttl)
+        pipe.execute()
+
+    def economy_take(self, batch_id: str, what: str, task_id: str) -> bool:
+        """Whether the message ``task_id`` is the one to run the economy task for ``what``
+        (one sent before any was named, as by an earlier release, is taken as it)."""
+        key = ECONOMY_STATE_KEY + batch_id
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hsetnx(key, f"chain {what}", task_id)
+        pipe.hget(key, f"chain {what}")
+        pipe.expire(key, self.result_ttl)
+        _, owner, _ = pipe.execute()
+        return bool(owner == task_id)
+
     def economy_met(self, batch_id: str, what: str) -> None:
         """That economy task needs no other run (its provider batch mapped, say)."""
         self.redis.zrem(ECONOMY_WATCH_KEY, f"{batch_id} {what}")
