@@ -217,3 +217,20 @@ def test_a_cancel_the_provider_refuses_never_fails_the_items(
     done = _wait(stack, batch_id, timeout=30)
     assert done["status"] == "canceled" and done["counts"]["canceled"] == 3, done
     assert all(r["status"] == "canceled" for r in _results(stack, batch_id).values())
+
+
+def test_a_candidate_that_cannot_be_polled_and_a_failed_resend_leave_no_item_waiting(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # a create in doubt (500) that made nothing; its one candidate, another client's batch,
+    # cannot be retrieved (404: its owner deleted it), so it is judged not Sift's and the
+    # items are sent again; that create meets an overloaded provider (529). The resend is
+    # tried again, as any failed create is: no item is left running with nothing to run it.
+    stack.model.configure(batch_processing_seconds=0.5)
+    _foreign_batch(stack, 3)
+    stack.model.script_batch_calls("create", [status(500), status(529)])
+    stack.model.script_batch_calls("retrieve", [status(404, message="not found")])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    done = _wait(stack, batch_id, timeout=30)
+    assert done["counts"]["succeeded"] == 3, done
+    assert len(stack.model.batches()) == 2  # the foreign one, and the resend that went

@@ -704,10 +704,31 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         log.error("provider batch %s: giving up: %s", provider_id, exc)
         store.economy_met(batch_id, provider_id)
         if record.get("doubt"):  # not shown to be ours: as if it were another client's
-            _candidate_ended(self, batch, provider_id, proven=False)
+            _resend_after_candidate(self, batch, provider_id, give_up)
             return
         mine = _items_waiting(store, batch_id, provider_id, record.get("submission"))
         _fail_items(self, batch, mine, exc)
+
+
+def _resend_after_candidate(
+    task: SiftTask, batch: BatchJob, provider_id: str, give_up: float
+) -> None:
+    """A candidate that cannot be polled any more is judged not Sift's (:func:`_candidate_ended`).
+    Should that resend of its items fail, it is retried as any failed create is (this poll
+    again: the candidate is kept as ended, so only the resend is), else the items take their
+    failure policy. The error never escapes the task: its watch is met by then, so nothing
+    would run it again, and the items would wait forever."""
+    try:
+        _candidate_ended(task, batch, provider_id, proven=False)
+    except RerankAttemptError as exc:
+        if exc.retryable and time.time() < give_up:
+            log.warning("batch %s: resending after candidate %s failed, retrying: %s",
+                        batch.id, provider_id, exc)  # fmt: skip
+            _expect(task, batch.id, provider_id, _poll_countdown(task))
+            raise task.retry(countdown=_poll_countdown(task)) from exc
+        submission = _provider_record(task.context.store, batch.id, provider_id).get("submission")
+        waiting = _items_waiting(task.context.store, batch.id, DOUBT + str(submission), None)
+        _fail_items(task, batch, waiting, exc)
 
 
 def _candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, proven: bool) -> None:
