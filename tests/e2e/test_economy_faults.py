@@ -234,3 +234,25 @@ def test_a_candidate_that_cannot_be_polled_and_a_failed_resend_leave_no_item_wai
     done = _wait(stack, batch_id, timeout=30)
     assert done["counts"]["succeeded"] == 3, done
     assert len(stack.model.batches()) == 2  # the foreign one, and the resend that went
+
+
+def test_a_cancel_while_a_create_is_in_doubt_ends_the_batch_without_waiting_on_its_candidate(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # a create in doubt (500) whose one candidate is another client's long batch: that one is
+    # never canceled, and the items waiting to learn whether it is theirs are not in any
+    # provider batch Sift may cancel. The user's cancel ends them now, not when it ends.
+    stack.model.configure(batch_processing_seconds=300.0)
+    foreign = _foreign_batch(stack, 3)
+    stack.model.script_batch_calls("create", [status(500)])
+    batch_id = _submit(stack, _items(queries, 3), "economy")
+    watch = redis.Redis.from_url(stack.redis_url + "/0", decode_responses=True)
+    deadline = time.monotonic() + 30
+    while watch.zscore(ECONOMY_WATCH_KEY, f"{batch_id} {foreign}") is None:  # polled
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME).status_code == 200
+    done = _wait(stack, batch_id, timeout=30)
+    assert done["status"] == "canceled" and done["counts"]["canceled"] == 3, done
+    [made] = stack.model.batches()  # the create made nothing, and the foreign batch ...
+    assert made["id"] == foreign and made["status"] == "in_progress"  # ... runs on

@@ -904,7 +904,11 @@ def _map_page(
     name=ECONOMY_CANCEL_TASK, base=SiftTask, bind=True
 )
 def economy_cancel(self: SiftTask, batch_id: str) -> None:
-    """Cancel a canceled Sift batch's provider batches that have not ended."""
+    """Cancel a canceled Sift batch's provider batches that have not ended, and the items
+    waiting on a create in doubt: its candidates are never canceled (each may be another
+    client's), so no canceled line would end them; they would wait for every candidate to
+    end, up to the provider's 24 hours. Should a candidate prove theirs, its lines find
+    them final and count for nothing (its cost is the price of not canceling another's)."""
     store = self.context.store
     providers = store.economy_all(batch_id, ECONOMY_PROVIDERS_KEY)
     if not providers:
@@ -915,3 +919,9 @@ def economy_cancel(self: SiftTask, batch_id: str) -> None:
         if record.get("ended_at") is None and not record.get("doubt"):  # never another's
             _cancel_quietly(client, provider_id)
             log.info("batch %s: provider batch %s canceled", batch_id, provider_id)
+    batch = store.get_batch(batch_id)
+    if batch is None:
+        return
+    for qid, raw in store.economy_all(batch_id, ECONOMY_RUNS_KEY).items():
+        if str(json.loads(raw)["provider"] or "").startswith(DOUBT):
+            _cancel(self, batch, qid)
