@@ -430,13 +430,14 @@ def settle_doubts(
         return
     client, store = _batches(task), task.context.store
     known = {
-        provider_id: json.loads(raw).get("submission")
+        provider_id: json.loads(raw)
         for provider_id, raw in store.economy_all(batch.id, ECONOMY_PROVIDERS_KEY).items()
     }
     for submission, items in doubts.items():
         pending = items[0][1]["pending"]
         at, requests = float(pending["at"]), int(pending["requests"])
-        recorded = [pid for pid, sub in known.items() if sub == submission]
+        mine = [pid for pid, r in known.items() if r.get("submission") == submission]
+        recorded = [pid for pid in mine if not known[pid].get("doubt")]
         if recorded:  # its answer came and was kept: the runs just never said so
             for _, run in items:
                 run.update(provider=recorded[0], submission=submission, pending=None,
@@ -445,12 +446,24 @@ def settle_doubts(
             _save_runs(task, batch, items)
             _send_poll(task, batch, recorded[0])  # its poll may not have been sent
             continue
-        found = [
+        # candidates kept already: a settling killed before the runs said so; else looked for
+        found = mine or [
             b.id
             for b in client.created_between(at - DOUBT_WINDOW_SECONDS, at + DOUBT_WINDOW_SECONDS)
             if b.requests == requests and b.id not in known
         ]
         round_ = max(run["round"] for _, run in items) + 1
+        # the candidates first, each watched: killed before the runs are saved, the items are
+        # still pending and the next settling finds them here; killed after, before a poll
+        # went, the watch sends it. Never the runs first: items waiting on candidates that
+        # no record names, and no poll, would wait forever.
+        for provider_id in found:
+            if provider_id not in known:
+                record = {"round": round_, "requests": requests, "created_at": at,
+                          "ended_at": None, "submission": submission, "doubt": True}  # fmt: skip
+                store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY,
+                                   {provider_id: json.dumps(record)})  # fmt: skip
+            _expect(task, batch.id, provider_id, task.context.settings.economy_poll_seconds)
         for _, run in items:
             run["pending"] = None
             if found:
@@ -464,9 +477,7 @@ def settle_doubts(
                 )
         _save_runs(task, batch, items)
         for provider_id in found:
-            record = {"round": round_, "requests": requests, "created_at": at,
-                      "ended_at": None, "submission": submission, "doubt": True}  # fmt: skip
-            _record_provider(task, batch, provider_id, record)
+            _send_poll(task, batch, provider_id)
         log.warning(
             "batch %s: a create of %d requests got no answer; %s",
             batch.id,
