@@ -256,3 +256,11 @@ def test_a_cancel_while_a_create_is_in_doubt_ends_the_batch_without_waiting_on_i
     assert done["status"] == "canceled" and done["counts"]["canceled"] == 3, done
     [made] = stack.model.batches()  # the create made nothing, and the foreign batch ...
     assert made["id"] == foreign and made["status"] == "in_progress"  # ... runs on
+    # and nothing polls it for the finished batch (for up to 24 hours): its poll, next due
+    # within a second here, stops and leaves the watch
+    deadline = time.monotonic() + 10
+    while watch.zscore(ECONOMY_WATCH_KEY, f"{batch_id} {foreign}") is not None:
+        assert time.monotonic() < deadline, "a finished batch's poll goes on"
+        time.sleep(0.1)
+    time.sleep(3)  # a few poll periods (SIFT_ECONOMY_POLL_MAX_SECONDS is 1 here)
+    assert watch.zscore(ECONOMY_WATCH_KEY, f"{batch_id} {foreign}") is None

@@ -684,11 +684,15 @@ def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         store.economy_met(batch_id, provider_id)
     if batch is None or not _taken(self, batch_id, provider_id):
         return
-    if batch.finished_at is not None and self.delivery() > 1:
-        # a redelivered poll of a finished batch: the worker whose mapping completed it may
-        # have died before enqueueing its webhook, so send it again (the same webhook-id)
-        log.info("batch %s: completed (webhook sent again)", batch_id)
-        self.announce_batch(batch, batch.status.value)
+    if batch.finished_at is not None:
+        if self.delivery() > 1:
+            # a redelivered poll of a finished batch: the worker whose mapping completed it
+            # may have died before enqueueing its webhook: sent again (the same webhook-id)
+            log.info("batch %s: completed (webhook sent again)", batch_id)
+            self.announce_batch(batch, batch.status.value)
+        # every item is final: nothing the provider batch holds would count. Polled on, a
+        # provider batch Sift may not cancel (a candidate of a create in doubt, maybe
+        # another client's) would be retrieved every 10 minutes for up to 24 hours.
         return
     client = _batches(self)
     record = _provider_record(store, batch_id, provider_id)
