@@ -212,3 +212,20 @@ def test_searches_racing_drops_in_another_process_answer_hits_or_not_found(
     assert process.returncode == 0
     assert raced and found, (raced, found)
     backend.close()
+
+
+def test_a_delete_run_again_reports_the_documents_its_first_run_deleted(
+    backend: EmbeddedBackend,
+) -> None:
+    """A delete job's worker killed after the delete's commit but before its job record
+    moved: the redelivered task runs the delete again with its own version, which finds
+    nothing left to delete. It reports what its first run deleted (as an upsert run again
+    reports what it wrote), so the job's ``deleted`` matches the documents that went: the
+    id that never existed is not counted, and one a newer write holds since is not either."""
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3
+    assert backend.delete_documents("sci", "acme", ["d0", "d1", "nope"], version=11) == 2
+    assert backend.delete_documents("sci", "acme", ["d0", "d1", "nope"], version=11) == 2
+    assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=12) == 1
+    assert backend.delete_documents("sci", "acme", ["d0", "d1", "nope"], version=11) == 1
+    assert backend.document("sci", "acme", "d0") is not None
+    assert backend.document("sci", "acme", "d1") is None

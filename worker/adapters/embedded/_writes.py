@@ -92,7 +92,7 @@ class _Writes(_Pool):
                 )
                 if matrix is not None:
                     conn.execute("INSERT INTO vectors VALUES (?, ?)", (seq, matrix[i].tobytes()))
-                _set_version(conn, index, tenant, doc_id, version, held, deleted=False)
+                _set_version(conn, index, tenant, doc_id, version, held, deleted=LIVE)
                 written += 1
             _touch(conn, index, tenant, model if written and matrix is not None else None)
             conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (num,))
@@ -104,23 +104,42 @@ class _Writes(_Pool):
         """Delete the tenant's documents by id, both channels in one commit; answers how many
         existed. With a ``version``, each id gets a tombstone of that version, so an upsert
         accepted before the delete and run after it is skipped, and an id whose last write
-        is newer than the delete is left alone."""
+        is newer than the delete is left alone. The tombstone says whether it removed a
+        document (:data:`REMOVED`), so the same delete run again (a redelivery, a retry)
+        reports what its first run deleted, as an upsert run again does."""
         deleted = 0
         with self._conn() as conn, _translated("delete"), _write(conn):
             row = _index_row(conn, index, tenant)
             floor = _floor(conn, index, tenant)
+            again = 0
             for doc_id in dict.fromkeys(ids):
                 held = _held_version(conn, index, tenant, doc_id)
                 if version is not None and version <= max(floor, held or 0):
+                    # this very delete ran before (a redelivery after a crash between its
+                    # commit and its job's finish): count what that run removed
+                    again += (
+                        version == held
+                        and version > floor
+                        and _removed(conn, index, tenant, doc_id)
+                    )
                     continue
                 old = conn.execute(
                     "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
                     (index, tenant, doc_id),
                 ).get
-                if old is not None and row is not None:
+                removed = old is not None and row is not None
+                if removed:
                     _remove_row(conn, f"fts_{row[0]}", old)
                     deleted += 1
-                _set_version(conn, index, tenant, doc_id, version, held, deleted=True)
+                _set_version(
+                    conn,
+                    index,
+                    tenant,
+                    doc_id,
+                    version,
+                    held,
+                    deleted=REMOVED if removed else TOMBSTONE,
+                )
             if deleted:
                 _touch(conn, index, tenant, None)
             if row is not None:
@@ -129,7 +148,7 @@ class _Writes(_Pool):
                 )
                 if deleted:
                     _settle_emptied(conn, row[0], index, tenant)
-        return deleted
+        return deleted + again
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
         """Delete all of the tenant's documents in the index (rows, BM25 postings, vectors);
@@ -235,6 +254,21 @@ def _held_version(conn: apsw.Connection, index: str, tenant: str, doc_id: str) -
     return int(found[0]) if found else None
 
 
+#: ``writes.deleted``: the id's last write was an upsert (``LIVE``), a delete that found no
+#: document (``TOMBSTONE``), or a delete that removed one (``REMOVED``; a tombstone written
+#: before this distinction reads as ``TOMBSTONE``, its delete run again counting nothing).
+LIVE, TOMBSTONE, REMOVED = 0, 1, 2
+
+
+def _removed(conn: apsw.Connection, index: str, tenant: str, doc_id: str) -> bool:
+    """The id's last write is a delete that removed its document."""
+    found = conn.execute(
+        "SELECT deleted FROM writes WHERE idx = ? AND tenant = ? AND id = ?",
+        (index, tenant, doc_id),
+    ).fetchone()
+    return bool(found) and int(found[0]) == REMOVED
+
+
 def _set_version(
     conn: apsw.Connection,
     index: str,
@@ -243,9 +277,10 @@ def _set_version(
     version: int | None,
     held: int | None,
     *,
-    deleted: bool,
+    deleted: int,
 ) -> None:
-    """Record the id's last write (an unversioned one keeps the version it had)."""
+    """Record the id's last write (an unversioned one keeps the version it had), and what it
+    was (``deleted``: :data:`LIVE`, :data:`TOMBSTONE` or :data:`REMOVED`)."""
     conn.execute(
         "INSERT OR REPLACE INTO writes VALUES (?, ?, ?, ?, ?)",
         (index, tenant, doc_id, version if version is not None else held or 0, deleted),
