@@ -127,10 +127,11 @@ class _Writes(_Pool):
                     "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
                     (index, tenant, doc_id),
                 ).get
-                removed = old is not None and row is not None
-                if removed:
+                removed = False
+                if old is not None and row is not None:
                     _remove_row(conn, f"fts_{row[0]}", old)
                     deleted += 1
+                    removed = True
                 _set_version(
                     conn,
                     index,
@@ -266,7 +267,7 @@ def _removed(conn: apsw.Connection, index: str, tenant: str, doc_id: str) -> boo
         "SELECT deleted FROM writes WHERE idx = ? AND tenant = ? AND id = ?",
         (index, tenant, doc_id),
     ).fetchone()
-    return bool(found) and int(found[0]) == REMOVED
+    return found is not None and int(found[0]) == REMOVED
 
 
 def _set_version(
