@@ -9,7 +9,9 @@ after a drop, a reindex, a race) instead of the requests the adapter happens to 
   their ``_meta``, and aliases pointing at them;
 * documents with versions: internal (+1), or external (``version_type=external``: applied
   only if newer than the held one, tombstones included, else a 409
-  ``version_conflict_engine_exception``);
+  ``version_conflict_engine_exception``); a delete's tombstone is forgotten once the index's
+  ``index.gc_deletes`` (60 s unless its settings say otherwise) has passed on the stand-in's
+  clock (``now``, which a test moves on), as ES prunes it from its version map;
 * ``PUT <index>``: ``resource_already_exists_exception`` for an existing index,
   ``invalid_index_name_exception`` for a name an alias holds;
 * ``_bulk`` with ``require_alias``: an index/create item whose target is no alias is refused
@@ -69,6 +71,7 @@ class Doc:
 
     source: dict[str, Any] | None
     version: int
+    deleted_at: float | None = None  # a tombstone's time, on the stand-in's clock
 
 
 @dataclass
@@ -82,6 +85,18 @@ class Index:
 
     def live(self) -> Iterator[tuple[str, Doc]]:
         return ((i, d) for i, d in self.docs.items() if d.source is not None)
+
+    def gc_deletes(self) -> float:
+        """Seconds a delete's tombstone is kept (``index.gc_deletes``, flat or nested)."""
+        value = self.settings.get("index.gc_deletes")
+        if value is None:
+            value = (self.settings.get("index") or {}).get("gc_deletes", "60s")
+        text = str(value)
+        units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+        for unit in sorted(units, key=len, reverse=True):
+            if text.endswith(unit):
+                return float(text.removesuffix(unit)) * units[unit]
+        raise _refuse("illegal_argument_exception", f"failed to parse [{text}] as a time value")
 
 
 class _Refused(Exception):
@@ -132,6 +147,9 @@ class StatefulElasticsearch:
         #: when it starts.
         self.copy_running_reads = 0
         self._running: dict[str, int] = {}  # task id -> reads left while running
+        #: The stand-in's clock (seconds): a tombstone older than its index's
+        #: ``index.gc_deletes`` on it is forgotten. A test moves it on.
+        self.now = 0.0
 
     # --- entry -----------------------------------------------------------------------
 
@@ -415,6 +433,13 @@ class StatefulElasticsearch:
     ) -> tuple[int, dict[str, Any]]:
         """Index (``source``) or delete (None) one document; (status, item) as ``_bulk``."""
         held = index.docs.get(doc_id)
+        if (
+            held is not None
+            and held.deleted_at is not None
+            and self.now - held.deleted_at > index.gc_deletes()
+        ):
+            held = None  # the tombstone was pruned: ES no longer knows the delete's version
+            del index.docs[doc_id]
         base = {"_index": index.name, "_id": doc_id}
         if external:
             assert version is not None
@@ -440,7 +465,7 @@ class StatefulElasticsearch:
             result, status = ("deleted", 200) if found else ("not_found", 404)
             if not found and not external and held is None:
                 new_version = 1
-        index.docs[doc_id] = Doc(source, new_version)
+        index.docs[doc_id] = Doc(source, new_version, None if source is not None else self.now)
         shards = {"total": 2, "successful": 1, "failed": 0}
         return status, {
             **base,

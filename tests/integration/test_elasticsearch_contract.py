@@ -172,7 +172,11 @@ EXPECTED_TEMPLATE = {
     "index_patterns": ["sift-*"],
     "priority": 105,  # 100 + len("sift-")
     "template": {
-        "settings": {"number_of_shards": 1, "number_of_replicas": 1},
+        "settings": {
+            "number_of_shards": 1,
+            "number_of_replicas": 1,
+            "index.gc_deletes": "7200s",
+        },
         "mappings": {
             "dynamic": "strict",
             "_meta": {"sift": {"layout": "per-tenant", "prefix": "sift-"}},

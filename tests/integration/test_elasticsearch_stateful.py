@@ -11,7 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from elasticsearch import ApiError, Elasticsearch
+from elasticsearch import ApiError, ConflictError, Elasticsearch
 from elasticsearch.exceptions import GeneralAvailabilityWarning
 
 from tests.integration.backend_contract import EMBEDDER, LifecycleContract, vectors_of
@@ -31,10 +31,13 @@ from worker.adapters.elasticsearch import (
     IndexSettings,
     index_template,
 )
+from worker.constants import INGEST_TASK
 from worker.contract import SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import Document
 from worker.errors import BackendRequestError, BackendUnavailable, ConfigError, IndexNotFound
+from worker.queue.base import RETRY_CAP_SECONDS
+from worker.queue.celery_app import time_limits, visibility_timeout
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -1058,3 +1061,51 @@ def test_an_index_made_again_by_a_previous_release_worker_is_mapped_again_on_the
     assert backend.upsert("docs", "acme", [later], vectors_of([later]), version=4) == 1
     assert filtered(backend, "acme", year=5) == {"o", "b"}
     assert filtered(backend, "acme", year="5") == {"o"}  # the old one, compared as text
+
+
+def redelivery_window() -> float:
+    """The longest an ingest task, taken before a later delete ran, can still write at the
+    defaults: each delivery the broker may make runs to the ingest's hard time limit and
+    waits out the visibility timeout before the next, and each retry its capped backoff."""
+    settings = load_settings(redis_url="redis://localhost")
+    _soft, hard = time_limits(settings)[INGEST_TASK]
+    deliveries = settings.task_max_deliveries * (visibility_timeout(settings) + hard)
+    return deliveries + settings.task_max_retries * RETRY_CAP_SECONDS
+
+
+def test_the_stand_in_forgets_a_tombstone_after_gc_deletes_as_es_does(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """ES's default ``index.gc_deletes`` is 60 s: after that, an external-versioned write
+    older than the delete is applied (the stand-in's clock moved on, no waiting)."""
+    server, state = fake
+    es = client(server)
+    es.indices.create(index="plain")
+    es.index(index="plain", id="x", document={}, version=5, version_type="external")
+    delete = {"_index": "plain", "_id": "x", "version": 7, "version_type": "external"}
+    assert es.bulk(operations=[{"delete": delete}])["items"][0]["delete"]["result"] == "deleted"
+    with pytest.raises(ConflictError):
+        es.index(index="plain", id="x", document={}, version=6, version_type="external")
+    with state.lock:
+        state.now += 61
+    assert (
+        es.index(index="plain", id="x", document={}, version=6, version_type="external")["result"]
+        == "created"
+    )
+
+
+def test_a_delete_wins_over_an_older_ingest_redelivered_at_the_end_of_the_window(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """An ingest accepted before a delete of the same id, whose worker was killed after it
+    took the message (the delete ran meanwhile), redelivered as late as the defaults allow:
+    the delete's tombstone still refuses it (Sift's index template sets ``gc_deletes`` past
+    that window), so the document stays deleted and the ingest reports nothing written."""
+    server, state = fake
+    backend = backend_on(server)
+    assert write(backend, CALC, version=10) == 1
+    assert backend.delete_documents("docs", "acme", ["calc"], version=12) == 1
+    with state.lock:
+        state.now += redelivery_window()
+    assert write(backend_on(server), CALC, version=11) == 0
+    assert backend.document("docs", "acme", "calc") is None

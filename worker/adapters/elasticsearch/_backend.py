@@ -55,6 +55,7 @@ class ElasticsearchBackend(_Writes, _Drops, _Listing, _Reindex):
                 quantization=settings.elasticsearch_vector_quantization,
                 shards=settings.elasticsearch_shards,
                 replicas=settings.elasticsearch_replicas,
+                gc_deletes_seconds=settings.elasticsearch_gc_deletes_seconds,
             ),
             num_candidates=settings.elasticsearch_num_candidates,
             refresh=settings.elasticsearch_refresh,

@@ -39,6 +39,10 @@ class IndexSettings:
     quantization: str = "int8_hnsw"
     shards: int = 1
     replicas: int = 1
+    #: ``index.gc_deletes``: how long a delete's tombstone refuses an older upsert. ES's 60 s
+    #: default is far shorter than the broker's redelivery window: an ingest accepted before
+    #: a delete, whose worker died after taking it, would be written back when redelivered.
+    gc_deletes_seconds: int = 7200
 
 
 def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dict[str, Any]:
@@ -72,6 +76,7 @@ def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dic
             "settings": {
                 "number_of_shards": index.shards,
                 "number_of_replicas": index.replicas,
+                "index.gc_deletes": f"{index.gc_deletes_seconds}s",
             },
             # Each index Sift makes says so: the start-up check and the migration of the
             # shared layout go by it, never by a name alone.
