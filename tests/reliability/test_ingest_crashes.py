@@ -1,0 +1,208 @@
+"""A worker SIGKILLed mid-ingest or mid-delete leaves no job stuck, doubled or mislabelled.
+
+The real stack at its defaults (redis-server with AOF ``everysec`` as ``sift up`` runs it,
+the gateway under uvicorn, ``sift worker``), the worker's real runtime with one kill point
+(:mod:`tests.reliability.crashing_runtime`): worker A dies at the point, then worker B
+starts and its dead-worker check gives A's message back (the broker's visibility timeout,
+about 27 minutes, is not waited for). Afterwards the job's status, its ``upserted`` or
+``deleted``, the documents present and ``sift_jobs_completed_total`` all agree, and no job
+is left ``running``:
+
+- killed while embedding, or inside the SQLite write transaction (rolled back): the job
+  runs again and writes every document once;
+- killed after the upsert's commit, before the job record moved: the job runs again,
+  changes nothing, and still reports every document written;
+- killed after a delete's commit, before its job record moved: the job reports the
+  documents its first run deleted (it reported 0 before the fix);
+- an ingest killed while embedding, then a delete of its ids accepted after it: whichever
+  of the two B runs first, the delete wins.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import ACME, INDEX, stack_env, wait_for
+from tests.services import free_port, gateway, redis_server
+from worker.stack import child_env, worker_process
+
+pytestmark = pytest.mark.integration
+
+KEPT = [{"id": f"k{i}", "text": f"calcium and bone density note {i}"} for i in range(3)]
+
+
+class Crash(NamedTuple):
+    client: httpx.Client
+    env: dict[str, str]
+    directory: Path
+
+
+@contextmanager
+def crash_stack(tmp_path: Path) -> Iterator[Crash]:
+    """redis-server (AOF everysec) and the gateway at the defaults; workers are the test's."""
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    with (
+        FakeAnthropic() as model,
+        redis_server(tmp_path / "redis", appendonly=True) as base_url,
+    ):
+        env = stack_env(
+            base_url + "/0",
+            model.url,
+            SIFT_RUNTIME_FACTORY="tests.reliability.crashing_runtime:build_runtime",
+            CRASH_ONCE_DIR=str(crashes),
+        )
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # its default
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            yield Crash(client, env, tmp_path)
+
+
+@contextmanager
+def worker(crash: Crash, name: str, metrics_port: int = 0) -> Iterator[Any]:
+    env = {**crash.env, "SIFT_WORKER_METRICS_PORT": str(metrics_port)}
+    with worker_process(crash.directory / "w", child_env(env, inherit_sift=False), name) as proc:
+        yield proc
+
+
+def post(client: httpx.Client, path: str, body: Any = None, method: str = "POST") -> str:
+    response = client.request(method, path, json=body, headers=ACME)
+    assert response.status_code in (200, 202), response.text
+    return str(response.json()["id"])
+
+
+def upsert(client: httpx.Client, documents: list[dict[str, Any]]) -> str:
+    return post(client, f"/v1/indexes/{INDEX}/documents", {"documents": documents})
+
+
+def delete(client: httpx.Client, ids: list[str]) -> str:
+    return post(client, f"/v1/indexes/{INDEX}/documents/delete", {"ids": ids})
+
+
+def job(client: httpx.Client, job_id: str) -> dict[str, Any]:
+    response = client.get(f"/v1/ingestions/{job_id}", headers=ACME)
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def final(client: httpx.Client, job_id: str) -> dict[str, Any]:
+    wait_for(lambda: job(client, job_id)["status"] in ("succeeded", "failed"), job_id, 120)
+    return job(client, job_id)
+
+
+def present(client: httpx.Client, ids: list[str]) -> set[str]:
+    """Which of ``ids`` the tenant's index holds (read through a worker)."""
+    found = set()
+    for doc_id in ids:
+        response = client.get(f"/v1/indexes/{INDEX}/documents/{doc_id}", headers=ACME)
+        assert response.status_code in (200, 404), response.text
+        if response.status_code == 200:
+            found.add(doc_id)
+    return found
+
+
+def completed(port: int) -> dict[str, float]:
+    """``sift_jobs_completed_total{kind="ingest"}`` by status (those above 0), as worker B
+    serves it."""
+    out: dict[str, float] = {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        if family.name == "sift_jobs_completed":
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels["kind"] == "ingest":
+                    status = sample.labels["status"]
+                    out[status] = out.get(status, 0.0) + sample.value
+    return {status: n for status, n in out.items() if n}
+
+
+def killed(proc: Any) -> None:
+    """Worker A died by its kill point (SIGKILL), not otherwise."""
+    assert proc.wait(120) == -9
+
+
+def recovered_by_the_dead_worker_check(crash: Crash) -> None:
+    log = (crash.directory / "w" / "b.log").read_text(errors="replace")
+    assert "of dead worker" in log
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("point", ["die-embedding", "die-in-write", "die-after-write"])
+def test_an_ingest_whose_worker_was_killed_runs_again_once_and_says_what_it_wrote(
+    tmp_path: Path, point: str
+) -> None:
+    marker = {"id": point, "text": f"{point}: a document whose ingest kills its worker"}
+    documents = [marker, *KEPT]
+    ids = [d["id"] for d in documents]
+    with crash_stack(tmp_path) as crash:
+        with worker(crash, "a") as worker_a:
+            job_id = upsert(crash.client, documents)
+            killed(worker_a)
+        assert job(crash.client, job_id)["status"] == "running"  # started, then lost
+        port = free_port()
+        with worker(crash, "b", port):
+            done = final(crash.client, job_id)
+            assert done["status"] == "succeeded", done
+            assert done["upserted"] == len(documents)
+            assert present(crash.client, ids) == set(ids)
+            time.sleep(1.0)  # a late duplicate, if any, finishes now
+            assert completed(port) == {"succeeded": 1.0}
+            assert job(crash.client, job_id) == done
+        recovered_by_the_dead_worker_check(crash)
+
+
+@pytest.mark.timeout(300)
+def test_a_delete_whose_worker_was_killed_after_its_commit_reports_what_it_deleted(
+    tmp_path: Path,
+) -> None:
+    ids = [d["id"] for d in KEPT]
+    with crash_stack(tmp_path) as crash:
+        with worker(crash, "a") as worker_a:
+            assert final(crash.client, upsert(crash.client, KEPT))["upserted"] == len(KEPT)
+            job_id = delete(crash.client, [*ids[:2], "never-written", "die-after-delete"])
+            killed(worker_a)
+        port = free_port()
+        with worker(crash, "b", port):
+            done = final(crash.client, job_id)
+            assert done["status"] == "succeeded", done
+            assert present(crash.client, ids) == {ids[2]}
+            assert done["deleted"] == 2  # what went, though its second run found it gone
+            time.sleep(1.0)
+            assert completed(port) == {"succeeded": 1.0}
+        recovered_by_the_dead_worker_check(crash)
+
+
+@pytest.mark.timeout(300)
+def test_a_delete_accepted_after_a_killed_ingest_wins_whichever_runs_first(
+    tmp_path: Path,
+) -> None:
+    marker = {"id": "die-embedding", "text": "die-embedding: kills its worker once"}
+    documents = [marker, *KEPT]
+    ids = [d["id"] for d in documents]
+    with crash_stack(tmp_path) as crash:
+        with worker(crash, "a") as worker_a:
+            ingest_id = upsert(crash.client, documents)
+            killed(worker_a)
+        delete_id = delete(crash.client, ids)  # accepted after the ingest, run in any order
+        port = free_port()
+        with worker(crash, "b", port):
+            ingested, deleted = final(crash.client, ingest_id), final(crash.client, delete_id)
+            assert ingested["status"] == deleted["status"] == "succeeded"
+            assert present(crash.client, ids) == set()
+            # the ingest ran first (all written, then all deleted) or second (none written)
+            pair = (ingested["upserted"], deleted["deleted"])
+            assert pair in ((len(ids), len(ids)), (0, 0)), pair
+            time.sleep(1.0)
+            assert completed(port) == {"succeeded": 2.0}
+        recovered_by_the_dead_worker_check(crash)
