@@ -229,3 +229,22 @@ def test_a_delete_run_again_reports_the_documents_its_first_run_deleted(
     assert backend.delete_documents("sci", "acme", ["d0", "d1", "nope"], version=11) == 1
     assert backend.document("sci", "acme", "d0") is not None
     assert backend.document("sci", "acme", "d1") is None
+
+
+def test_a_drop_run_again_reports_the_documents_its_first_run_deleted(
+    backend: EmbeddedBackend,
+) -> None:
+    """A drop's worker killed after the drop's commit, before its job record moved: the
+    redelivered drop finds nothing left, and reports what its first run deleted. A document
+    written by a newer ingest since stays, and is not counted; a newer drop since takes the
+    record with it (the rerun then counts nothing)."""
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3
+    assert backend.delete_index("sci", "acme", version=11) == 3
+    assert backend.delete_index("sci", "acme", version=11) == 3
+    assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=12) == 1
+    assert backend.delete_index("sci", "acme", version=11) == 3
+    assert backend.document("sci", "acme", "d0") is not None
+    assert backend.delete_index("sci", "acme", version=13) == 1
+    assert backend.delete_index("sci", "acme", version=11) == 0
+    assert backend.delete_index("sci", "acme", version=13) == 1
+    assert backend.index_info("sci", "acme") is None

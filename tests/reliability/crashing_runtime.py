@@ -9,7 +9,8 @@ only: a file in ``$CRASH_ONCE_DIR`` says it happened, so the redelivered task ru
 - ``die-in-write``: inside the embedded backend's SQLite write transaction, after a row of
   the upsert was written and before the commit;
 - ``die-after-write``: after the upsert's commit, before the job record moves;
-- ``die-after-delete``: after a delete by ids committed, before its job record moves.
+- ``die-after-delete``: after a delete by ids committed, before its job record moves;
+- an index named ``die-after-drop``: after its drop committed, before its job record moves.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def build_runtime(settings: Settings) -> Runtime:
     embedder: Any = runtime.pipeline.embedder
     backend: Any = runtime.pipeline.backend
     embed, ingest, delete = embedder.embed, runtime.ingest, backend.delete_documents
+    drop = backend.delete_index
     set_version = _writes._set_version
 
     def embedding(texts: Sequence[str]) -> Any:
@@ -67,8 +69,15 @@ def build_runtime(settings: Settings) -> Runtime:
             die_once("die-after-delete")
         return deleted
 
+    def after_drop(index: str, tenant: str, **kw: Any) -> int:
+        gone: int = drop(index, tenant, **kw)
+        if index == "die-after-drop":
+            die_once("die-after-drop")
+        return gone
+
     embedder.embed = embedding
     _writes._set_version = in_write
     runtime.ingest = after_write  # type: ignore[method-assign]
     backend.delete_documents = after_delete
+    backend.delete_index = after_drop
     return runtime

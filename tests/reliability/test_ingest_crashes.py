@@ -12,8 +12,8 @@ is left ``running``:
   runs again and writes every document once;
 - killed after the upsert's commit, before the job record moved: the job runs again,
   changes nothing, and still reports every document written;
-- killed after a delete's commit, before its job record moved: the job reports the
-  documents its first run deleted (it reported 0 before the fix);
+- killed after a delete's commit, or a drop's, before its job record moved: the job
+  reports the documents its first run deleted (it reported 0 before the fix);
 - an ingest killed while embedding, then a delete of its ids accepted after it: whichever
   of the two B runs first, the delete wins.
 """
@@ -82,8 +82,8 @@ def post(client: httpx.Client, path: str, body: Any = None, method: str = "POST"
     return str(response.json()["id"])
 
 
-def upsert(client: httpx.Client, documents: list[dict[str, Any]]) -> str:
-    return post(client, f"/v1/indexes/{INDEX}/documents", {"documents": documents})
+def upsert(client: httpx.Client, documents: list[dict[str, Any]], index: str = INDEX) -> str:
+    return post(client, f"/v1/indexes/{index}/documents", {"documents": documents})
 
 
 def delete(client: httpx.Client, ids: list[str]) -> str:
@@ -102,11 +102,11 @@ def final(client: httpx.Client, job_id: str) -> dict[str, Any]:
     return job(client, job_id)
 
 
-def present(client: httpx.Client, ids: list[str]) -> set[str]:
+def present(client: httpx.Client, ids: list[str], index: str = INDEX) -> set[str]:
     """Which of ``ids`` the tenant's index holds (read through a worker)."""
     found = set()
     for doc_id in ids:
-        response = client.get(f"/v1/indexes/{INDEX}/documents/{doc_id}", headers=ACME)
+        response = client.get(f"/v1/indexes/{index}/documents/{doc_id}", headers=ACME)
         assert response.status_code in (200, 404), response.text
         if response.status_code == 200:
             found.add(doc_id)
@@ -205,4 +205,29 @@ def test_a_delete_accepted_after_a_killed_ingest_wins_whichever_runs_first(
             assert pair in ((len(ids), len(ids)), (0, 0)), pair
             time.sleep(1.0)
             assert completed(port) == {"succeeded": 2.0}
+        recovered_by_the_dead_worker_check(crash)
+
+
+@pytest.mark.timeout(300)
+def test_a_drop_whose_worker_was_killed_after_its_commit_reports_what_it_deleted(
+    tmp_path: Path,
+) -> None:
+    index = "die-after-drop"
+    ids = [d["id"] for d in KEPT]
+    with crash_stack(tmp_path) as crash:
+        with worker(crash, "a") as worker_a:
+            written = final(crash.client, upsert(crash.client, KEPT, index))
+            assert written["upserted"] == len(KEPT)
+            job_id = post(crash.client, f"/v1/indexes/{index}", method="DELETE")
+            killed(worker_a)
+        port = free_port()
+        with worker(crash, "b", port):
+            done = final(crash.client, job_id)
+            assert done["status"] == "succeeded", done
+            assert present(crash.client, ids, index) == set()
+            assert done["deleted"] == len(KEPT)  # what went, though its rerun found none
+            response = crash.client.get(f"/v1/indexes/{index}", headers=ACME)
+            assert response.status_code == 404, response.text
+            time.sleep(1.0)
+            assert completed(port) == {"succeeded": 1.0}
         recovered_by_the_dead_worker_check(crash)

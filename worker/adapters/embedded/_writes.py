@@ -112,7 +112,7 @@ class _Writes(_Pool):
             row = _index_row(conn, index, tenant)
             floor = _floor(conn, index, tenant)
             again = 0
-            for doc_id in dict.fromkeys(ids):
+            for doc_id in dict.fromkeys(i for i in ids if i != DROP_ID):
                 held = _held_version(conn, index, tenant, doc_id)
                 if version is not None and version <= max(floor, held or 0):
                     # this very delete ran before (a redelivery after a crash between its
@@ -155,10 +155,13 @@ class _Writes(_Pool):
         """Delete all of the tenant's documents in the index (rows, BM25 postings, vectors);
         answers how many went. With a ``version``, only documents written before it go, and
         the tenant's index keeps it as a floor: an upsert accepted before the drop and run
-        after it is skipped. The tenant's tombstones below the floor are dropped with it."""
+        after it is skipped. The tenant's tombstones below the floor are dropped with it,
+        and the drop's own record is kept (:data:`DROP_ID`): the same drop run again (a
+        redelivery after a crash between its commit and its job's finish) reports what its
+        first run deleted, until a newer drop replaces the record."""
         with self._conn() as conn, _translated("delete_index"), _write(conn):
             row = _index_row(conn, index, tenant)
-            gone = 0
+            gone = 0 if version is None else _dropped(conn, index, tenant, version)
             if row is not None:
                 above = "" if version is None else " AND version > ?"
                 keep = (
@@ -181,7 +184,7 @@ class _Writes(_Pool):
                 ]
                 for seq in seqs:
                     _remove_row(conn, f"fts_{row[0]}", seq)
-                gone = len(seqs)
+                gone += len(seqs)
                 conn.execute(
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
                 )
@@ -191,6 +194,11 @@ class _Writes(_Pool):
                     "DELETE FROM writes WHERE idx = ? AND tenant = ? AND version <= ?",
                     (index, tenant, version),
                 )
+                if version >= _floor(conn, index, tenant):  # the newest drop: its record
+                    conn.execute(
+                        "INSERT OR REPLACE INTO writes VALUES (?, ?, ?, ?, ?)",
+                        (index, tenant, DROP_ID, version, gone),
+                    )
                 conn.execute(
                     "INSERT INTO catalog(idx, tenant, floor, last_write) VALUES (?, ?, ?, ?)"
                     " ON CONFLICT(idx, tenant) DO UPDATE SET"
@@ -259,6 +267,20 @@ def _held_version(conn: apsw.Connection, index: str, tenant: str, doc_id: str) -
 #: document (``TOMBSTONE``), or a delete that removed one (``REMOVED``; a tombstone written
 #: before this distinction reads as ``TOMBSTONE``, its delete run again counting nothing).
 LIVE, TOMBSTONE, REMOVED = 0, 1, 2
+#: The ``writes`` id of the tenant's last drop of the index (no document has an empty id,
+#: the gateway and :func:`_document_row` refuse one): its version, and in ``deleted`` how
+#: many documents that drop deleted.
+DROP_ID = ""
+
+
+def _dropped(conn: apsw.Connection, index: str, tenant: str, version: int) -> int:
+    """How many documents the drop of ``version`` deleted when it ran before (0: not run
+    yet, or a newer drop has run since)."""
+    found = conn.execute(
+        "SELECT deleted FROM writes WHERE idx = ? AND tenant = ? AND id = ? AND version = ?",
+        (index, tenant, DROP_ID, version),
+    ).fetchone()
+    return int(found[0]) if found else 0
 
 
 def _removed(conn: apsw.Connection, index: str, tenant: str, doc_id: str) -> bool:
