@@ -11,12 +11,17 @@ only: a file in ``$CRASH_ONCE_DIR`` says it happened, so the redelivered task ru
 - ``die-after-write``: after the upsert's commit, before the job record moves;
 - ``die-after-delete``: after a delete by ids committed, before its job record moves;
 - an index named ``die-after-drop``: after its drop committed, before its job record moves.
+
+And one pause, not a kill: ``hold-embedding`` in a document's text holds its first
+embedding until the file ``release`` appears in ``$CRASH_ONCE_DIR`` (a test restarts Redis
+meanwhile).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +42,18 @@ def die_once(point: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def hold_once(point: str) -> None:
+    """Wait (at most 120 s) for ``$CRASH_ONCE_DIR/release``, the first time at ``point``."""
+    directory = Path(os.environ["CRASH_ONCE_DIR"])
+    try:
+        (directory / point).touch(exist_ok=False)
+    except FileExistsError:
+        return
+    deadline = time.monotonic() + 120.0
+    while not (directory / "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def build_runtime(settings: Settings) -> Runtime:
     """The worker's real runtime (as without ``SIFT_RUNTIME_FACTORY``), with the kill points."""
     loaded: Any = load_runtime(settings.model_copy(update={"runtime_factory": None}))
@@ -50,6 +67,8 @@ def build_runtime(settings: Settings) -> Runtime:
     def embedding(texts: Sequence[str]) -> Any:
         if any("die-embedding" in text for text in texts):
             die_once("die-embedding")
+        if any("hold-embedding" in text for text in texts):
+            hold_once("hold-embedding")
         return embed(texts)
 
     def in_write(conn: Any, index: str, tenant: str, doc_id: str, *args: Any, **kw: Any) -> None:

@@ -15,11 +15,14 @@ is left ``running``:
 - killed after a delete's commit, or a drop's, before its job record moved: the job
   reports the documents its first run deleted (it reported 0 before the fix);
 - an ingest killed while embedding, then a delete of its ids accepted after it: whichever
-  of the two B runs first, the delete wins.
+  of the two B runs first, the delete wins;
+- Redis SIGKILLed and started again (from its AOF) while an ingest is being embedded: the
+  same worker finishes the job once, with every document written.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,7 +34,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fake_anthropic import FakeAnthropic
-from tests.reliability.support import ACME, INDEX, stack_env, wait_for
+from tests.reliability.support import ACME, DOWN_SECONDS, INDEX, broker, stack_env, wait_for
 from tests.services import free_port, gateway, redis_server
 from worker.stack import child_env, worker_process
 
@@ -231,3 +234,43 @@ def test_a_drop_whose_worker_was_killed_after_its_commit_reports_what_it_deleted
             time.sleep(1.0)
             assert completed(port) == {"succeeded": 1.0}
         recovered_by_the_dead_worker_check(crash)
+
+
+@pytest.mark.timeout(300)
+def test_redis_killed_mid_ingest_the_job_finishes_once(tmp_path: Path) -> None:
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    marker = {"id": "held", "text": "hold-embedding: its embedding waits for the restart"}
+    documents = [marker, *KEPT]
+    ids = [d["id"] for d in documents]
+    port = free_port()
+    with FakeAnthropic() as model, broker(tmp_path / "redis") as redis_broker:
+        env = stack_env(
+            redis_broker.url + "/0",
+            model.url,
+            SIFT_RUNTIME_FACTORY="tests.reliability.crashing_runtime:build_runtime",
+            CRASH_ONCE_DIR=str(crashes),
+            SIFT_WORKER_METRICS_PORT=str(port),
+        )
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")
+        env = child_env(env, inherit_sift=False)
+        with (
+            worker_process(tmp_path / "w", env) as proc,
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            job_id = upsert(client, documents)
+            wait_for(lambda: (crashes / "hold-embedding").exists(), "the ingest embedding")
+            assert job(client, job_id)["status"] == "running"
+            time.sleep(1.5)  # past appendfsync everysec: the job's start is on disk
+            redis_broker.kill(signal.SIGKILL)
+            time.sleep(DOWN_SECONDS)
+            redis_broker.start_again()
+            (crashes / "release").touch()
+            done = final(client, job_id)
+            assert done["status"] == "succeeded", done
+            assert done["upserted"] == len(documents)
+            assert present(client, ids) == set(ids)
+            time.sleep(1.0)
+            assert completed(port) == {"succeeded": 1.0}
+            assert proc.poll() is None  # the same worker, still running
