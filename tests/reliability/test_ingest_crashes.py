@@ -14,8 +14,8 @@ is left ``running``:
   changes nothing, and still reports every document written;
 - killed after a delete's commit, or a drop's, before its job record moved: the job
   reports the documents its first run deleted (it reported 0 before the fix);
-- an ingest killed while embedding, then a delete of its ids accepted after it: whichever
-  of the two B runs first, the delete wins;
+- an ingest killed while embedding, then a delete of its ids (or a drop of its index)
+  accepted after it: whichever of the two B runs first, the delete wins;
 - Redis SIGKILLed and started again (from its AOF) while an ingest is being embedded: the
   same worker finishes the job once, with every document written.
 """
@@ -187,9 +187,12 @@ def test_a_delete_whose_worker_was_killed_after_its_commit_reports_what_it_delet
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("by", ["ids", "drop"])
 def test_a_delete_accepted_after_a_killed_ingest_wins_whichever_runs_first(
-    tmp_path: Path,
+    tmp_path: Path, by: str
 ) -> None:
+    """By ids or by dropping the index: the ingest's message comes back to worker B with the
+    delete's, in whichever order, and nothing of the ingest is left."""
     marker = {"id": "die-embedding", "text": "die-embedding: kills its worker once"}
     documents = [marker, *KEPT]
     ids = [d["id"] for d in documents]
@@ -197,12 +200,19 @@ def test_a_delete_accepted_after_a_killed_ingest_wins_whichever_runs_first(
         with worker(crash, "a") as worker_a:
             ingest_id = upsert(crash.client, documents)
             killed(worker_a)
-        delete_id = delete(crash.client, ids)  # accepted after the ingest, run in any order
+        # accepted after the ingest, run in any order
+        if by == "ids":
+            delete_id = delete(crash.client, ids)
+        else:
+            delete_id = post(crash.client, f"/v1/indexes/{INDEX}", method="DELETE")
         port = free_port()
         with worker(crash, "b", port):
             ingested, deleted = final(crash.client, ingest_id), final(crash.client, delete_id)
             assert ingested["status"] == deleted["status"] == "succeeded"
             assert present(crash.client, ids) == set()
+            if by == "drop":
+                response = crash.client.get(f"/v1/indexes/{INDEX}", headers=ACME)
+                assert response.status_code == 404, response.text
             # the ingest ran first (all written, then all deleted) or second (none written)
             pair = (ingested["upserted"], deleted["deleted"])
             assert pair in ((len(ids), len(ids)), (0, 0)), pair
