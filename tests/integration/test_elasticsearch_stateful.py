@@ -31,13 +31,11 @@ from worker.adapters.elasticsearch import (
     IndexSettings,
     index_template,
 )
-from worker.constants import INGEST_TASK
 from worker.contract import SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import Document
 from worker.errors import BackendRequestError, BackendUnavailable, ConfigError, IndexNotFound
-from worker.queue.base import RETRY_CAP_SECONDS
-from worker.queue.celery_app import time_limits, visibility_timeout
+from worker.queue.celery_app import ingest_redelivery_window
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -1065,12 +1063,8 @@ def test_an_index_made_again_by_a_previous_release_worker_is_mapped_again_on_the
 
 def redelivery_window() -> float:
     """The longest an ingest task, taken before a later delete ran, can still write at the
-    defaults: each delivery the broker may make runs to the ingest's hard time limit and
-    waits out the visibility timeout before the next, and each retry its capped backoff."""
-    settings = load_settings(redis_url="redis://localhost")
-    _soft, hard = time_limits(settings)[INGEST_TASK]
-    deliveries = settings.task_max_deliveries * (visibility_timeout(settings) + hard)
-    return deliveries + settings.task_max_retries * RETRY_CAP_SECONDS
+    defaults (:func:`ingest_redelivery_window`)."""
+    return ingest_redelivery_window(load_settings(redis_url="redis://localhost"))
 
 
 def test_the_stand_in_forgets_a_tombstone_after_gc_deletes_as_es_does(

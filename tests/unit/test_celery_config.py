@@ -6,7 +6,13 @@ import pytest
 
 from worker.constants import ALL_QUEUES, BATCH_CHUNK_TASK, SEARCH_TASK, WEBHOOK_TASK
 from worker.errors import ConfigError
-from worker.queue.celery_app import celery_config, create_celery_app, time_limits
+from worker.queue.celery_app import (
+    celery_config,
+    create_celery_app,
+    ingest_redelivery_window,
+    time_limits,
+    warn_if_tombstones_too_short,
+)
 from worker.settings import load_settings
 
 
@@ -68,3 +74,20 @@ def test_every_task_releases_its_delivery_record_on_ack() -> None:
     assert issubclass(OwnedRequest, Request)
     assert OwnedRequest.acknowledge is not Request.acknowledge
     assert OwnedRequest.reject is not Request.reject
+
+
+def test_the_es_tombstones_outlast_an_ingests_redelivery_at_the_defaults() -> None:
+    """Elasticsearch keeps a delete's tombstone SIFT_ELASTICSEARCH_GC_DELETES_SECONDS: at the
+    defaults that outlasts the longest an ingest accepted before the delete can still run;
+    raising the delivery limit past it (or shortening the tombstones) is warned about."""
+    settings = load_settings(redis_url="redis://localhost", search_backend="elasticsearch")
+    window = ingest_redelivery_window(settings)
+    assert window > 60  # Elasticsearch's own default would not do
+    assert settings.elasticsearch_gc_deletes_seconds >= window
+    assert not warn_if_tombstones_too_short(settings)
+    more = load_settings(
+        redis_url="redis://localhost", search_backend="elasticsearch", task_max_deliveries=10
+    )
+    assert warn_if_tombstones_too_short(more)
+    embedded = load_settings(redis_url="redis://localhost", task_max_deliveries=10)
+    assert not warn_if_tombstones_too_short(embedded)

@@ -109,6 +109,39 @@ def visibility_timeout(
     )
 
 
+def ingest_redelivery_window(settings: Settings) -> float:
+    """The longest an ingest (or delete) task taken before a later write ran can still
+    write: each delivery runs up to the ingest's hard time limit and is given back after
+    the visibility timeout (or sooner, by the dead-worker check), up to
+    SIFT_TASK_MAX_DELIVERIES times, and each retry waits its capped backoff. A delete's
+    tombstone on Elasticsearch (``index.gc_deletes``) must outlast it."""
+    from worker.queue.base import RETRY_CAP_SECONDS
+
+    _soft, hard = time_limits(settings)[INGEST_TASK]
+    deliveries = settings.task_max_deliveries * (visibility_timeout(settings) + hard)
+    return deliveries + settings.task_max_retries * RETRY_CAP_SECONDS
+
+
+def warn_if_tombstones_too_short(settings: Settings) -> bool:
+    """Warn (and answer True) if Elasticsearch would forget a delete's tombstone before an
+    ingest accepted before the delete can no longer run: that ingest would write back
+    documents the delete took (raise SIFT_ELASTICSEARCH_GC_DELETES_SECONDS)."""
+    window = ingest_redelivery_window(settings)
+    if settings.search_backend != "elasticsearch":
+        return False
+    if settings.elasticsearch_gc_deletes_seconds >= window:
+        return False
+    log.warning(
+        "SIFT_ELASTICSEARCH_GC_DELETES_SECONDS=%d is shorter than the ingest redelivery "
+        "window (%.0f s at these settings): an ingest redelivered after a later delete of "
+        "the same id may write it back; raise it to at least %.0f",
+        settings.elasticsearch_gc_deletes_seconds,
+        window,
+        window,
+    )
+    return True
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Every Celery setting Sift relies on, in one place."""
     if not settings.redis_url:
@@ -192,12 +225,14 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
 
 def _check_prices(sender: Any = None, **_: Any) -> None:
     """On worker start (ready: its logging is set up by then), warn if the generation model
-    has no price (worker/bootstrap.py)."""
+    has no price (worker/bootstrap.py), or if Elasticsearch's tombstones would not outlast
+    an ingest's redelivery (:func:`warn_if_tombstones_too_short`)."""
     settings = getattr(getattr(getattr(sender, "app", None), "conf", None), "sift_settings", None)
     if settings is not None:
         from worker.bootstrap import warn_if_unpriced
 
         warn_if_unpriced(settings)
+        warn_if_tombstones_too_short(settings)
 
 
 def _start_redrive(sender: Any = None, **_: Any) -> None:
