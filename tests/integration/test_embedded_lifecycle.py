@@ -229,6 +229,11 @@ def test_a_delete_run_again_reports_the_documents_its_first_run_deleted(
     assert backend.delete_documents("sci", "acme", ["d0", "d1", "nope"], version=11) == 1
     assert backend.document("sci", "acme", "d0") is not None
     assert backend.document("sci", "acme", "d1") is None
+    # the last documents: the index goes with them, the count stays
+    assert backend.delete_documents("sci", "acme", ["d0", "d2"], version=13) == 2
+    assert backend.index_info("sci", "acme") is None
+    assert backend.delete_documents("sci", "acme", ["d0", "d2"], version=13) == 2
+    assert backend.index_info("sci", "acme") is None
 
 
 def test_a_drop_run_again_reports_the_documents_its_first_run_deleted(
