@@ -1103,3 +1103,21 @@ def test_a_delete_wins_over_an_older_ingest_redelivered_at_the_end_of_the_window
         state.now += redelivery_window()
     assert write(backend_on(server), CALC, version=11) == 0
     assert backend.document("docs", "acme", "calc") is None
+
+
+def test_a_delete_or_drop_run_again_reports_0_on_elasticsearch(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """What deploy/README.md §6 says of a delete or drop whose worker died after ES applied
+    it: the rerun changes nothing and reports 0 (a tombstone does not say whether a
+    document existed; the drop finds the alias gone), unlike the embedded backend."""
+    server, _state = fake
+    backend = backend_on(server)
+    assert write(backend, CALC, version=10) == 1
+    assert write(backend, DOC, version=11) == 1
+    assert backend.delete_documents("docs", "acme", ["calc"], version=12) == 1
+    assert backend_on(server).delete_documents("docs", "acme", ["calc"], version=12) == 0
+    assert backend.document("docs", "acme", "calc") is None
+    assert backend.delete_index("docs", "acme", version=13) == 1
+    assert backend_on(server).delete_index("docs", "acme", version=13) == 0
+    assert backend.index_info("docs", "acme") is None
