@@ -30,7 +30,7 @@ from tests.reliability.support import (
     submit_batch,
     wait_for,
 )
-from tests.reliability.test_lost_replies import completed
+from tests.reliability.test_lost_replies import completed, increase
 from tests.services import celery_worker, free_port, gateway, redis_server
 from worker.constants import BATCH_QUEUE, SEARCH_QUEUE
 
