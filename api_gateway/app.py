@@ -33,6 +33,7 @@ from worker.errors import ConfigError
 from worker.logcontext import configure_logging
 from worker.metrics import (
     JOBS_IN_FLIGHT,
+    ensure_multiprocess_dir,
     metrics_response,
     multiprocess_dir,
     preregister,
@@ -57,6 +58,7 @@ def create_app(
     in tests."""
     settings = settings or load_settings()
     keyring = KeyRing(settings.all_api_keys())
+    ensure_multiprocess_dir()  # deploy/k8s's emptyDir /tmp hides the image's folder
     metrics = GatewayMetrics()
 
     @asynccontextmanager

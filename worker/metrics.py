@@ -588,6 +588,17 @@ def multiprocess_dir() -> str | None:
     return os.environ.get(MULTIPROC_DIR_ENV) or None
 
 
+def ensure_multiprocess_dir() -> None:
+    """Make the folder ``PROMETHEUS_MULTIPROC_DIR`` names, if it is set and missing, before the
+    first value is written there (prometheus-client opens its files in it and does not make it).
+
+    For a process that keeps others' files (the gateway): it empties nothing. deploy/k8s mounts
+    an ``emptyDir`` at ``/tmp``, which hides the ``/tmp/sift-metrics`` the image made."""
+    directory = multiprocess_dir()
+    if directory is not None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+
+
 def setup_multiprocess(directory: str | os.PathLike[str]) -> Path:
     """Switch to multiprocess mode with a clean ``directory``, once, before forking: in the
     supervisor of worker processes, or in a worker run as one process (``sift worker``).

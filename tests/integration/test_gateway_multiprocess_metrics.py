@@ -91,3 +91,24 @@ def test_prometheus_stores_the_gateways_requests(scraped: Scraped) -> None:
 
 def test_the_gateway_did_run_in_multiprocess_mode(scraped: Scraped) -> None:
     assert list(scraped.directory.glob("counter_*.db"))
+
+
+def test_the_gateway_makes_a_missing_metrics_folder(tmp_path: Path) -> None:
+    """deploy/k8s mounts an emptyDir at /tmp (the root filesystem is read-only), which hides
+    the /tmp/sift-metrics the Dockerfile made: the gateway's PROMETHEUS_MULTIPROC_DIR names a
+    folder that does not exist. The gateway must make it and serve, not fail its first metric
+    (FileNotFoundError in preregister) and never come up."""
+    folder = tmp_path / "tmp" / "sift-metrics"  # its parent exists, as the emptyDir /tmp does
+    folder.parent.mkdir()
+    with redis_server(tmp_path / "redis") as redis_url:
+        env = {
+            "SIFT_API_KEYS": json.dumps([KEY]),
+            "SIFT_REDIS_URL": f"{redis_url}/0",
+            "SIFT_DATA_DIR": str(tmp_path / "data"),
+            "PROMETHEUS_MULTIPROC_DIR": str(folder),
+        }
+        with gateway(tmp_path, env, "gateway") as url:
+            assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+    assert 'sift_http_requests_total{method="GET",route="/healthz",status="200"}' in text
+    assert list(folder.glob("counter_*.db"))
