@@ -249,8 +249,13 @@ def local_stack(
             services.append(redis)
             redis_url = extra["SIFT_REDIS_URL"] = url + "/0"
         env = child_env(extra)
-        services.append(stack.enter_context(running(worker_service(logs, env, processes=None))))
-        gateway, url = gateway_service(logs, env, port=gateway_port)
+        worker_env = _own_metrics_folder(env, data_dir / "metrics" / "worker")
+        services.append(
+            stack.enter_context(running(worker_service(logs, worker_env, processes=None)))
+        )
+        gateway, url = gateway_service(
+            logs, _own_metrics_folder(env, data_dir / "metrics" / "gateway"), port=gateway_port
+        )
         services.append(stack.enter_context(running(gateway)))
         supervisor = None
         if report is not None:
@@ -259,6 +264,19 @@ def local_stack(
                 supervisor.watch(service)
             stack.enter_context(supervisor)  # left first: nothing restarts while stopping
         yield LocalStack(url, api_key, redis_url, logs, supervisor)
+
+
+def _own_metrics_folder(env: dict[str, str], folder: Path) -> dict[str, str]:
+    """``env`` with a multiprocess metrics folder of the child's own, if it has one at all.
+
+    The worker and the gateway are two scrape targets: in one folder each ``/metrics`` summed
+    the other's files too (every count twice in a sum over targets), and the worker, which
+    empties its folder when it starts, deleted the gateway's live files when restarted."""
+    from worker.metrics import MULTIPROC_DIR_ENV
+
+    if not env.get(MULTIPROC_DIR_ENV):
+        return env
+    return {**env, MULTIPROC_DIR_ENV: str(folder)}
 
 
 def _api_key(settings: Settings, data_dir: Path) -> tuple[str, dict[str, str]]:
