@@ -613,6 +613,7 @@ def setup_multiprocess(directory: str | os.PathLike[str]) -> Path:
         raise RuntimeError(f"setup_multiprocess() must run before anything is recorded: {names}")
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
+    _warn_if_shared(path)
     for stale in path.glob("*.db"):
         stale.unlink()
     os.environ[MULTIPROC_DIR_ENV] = str(path)
@@ -620,6 +621,23 @@ def setup_multiprocess(directory: str | os.PathLike[str]) -> Path:
     # the directory is known, so values created from here on go to files.
     _prometheus_values.ValueClass = _prometheus_values.get_value_class()  # type: ignore[no-untyped-call]
     return path
+
+
+def _warn_if_shared(path: Path) -> None:
+    """Say so when ``path`` holds files of another process still running: it shares the
+    folder (two ``sift worker``, or a worker and a gateway, given one
+    ``PROMETHEUS_MULTIPROC_DIR``). Emptying it takes that process's values from its
+    ``/metrics`` for good, and while both write there each serves the other's too. A warning,
+    not a refusal: the pid may be an unrelated process that reused a dead writer's number."""
+    pids = {int(m.group(1)) for f in path.glob("*.db") if (m := _VALUE_FILE.match(f.name))}
+    live = sorted(pid for pid in pids if pid != os.getpid() and _alive(pid))
+    if live:
+        log.warning(
+            "PROMETHEUS_MULTIPROC_DIR %s holds the metrics files of running pid(s) %s: give each "
+            "sift worker and gateway a folder of its own; emptying it now",
+            path,
+            ", ".join(map(str, live)),
+        )
 
 
 def mark_process_dead(pid: int) -> None:
@@ -634,6 +652,7 @@ def mark_process_dead(pid: int) -> None:
 
 
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
+_VALUE_FILE = re.compile(r"^[a-z_]+_(\d+)\.db$")  # counter_12.db, gauge_livesum_12.db, ...
 
 
 def sweep_dead_processes(directory: str | os.PathLike[str]) -> list[int]:

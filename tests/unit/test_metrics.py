@@ -466,3 +466,40 @@ def test_all_metrics_holds_every_metric_of_the_module() -> None:
     for the metrics in ALL_METRICS (the task metrics were once left out)."""
     defined = {m for m in vars(metrics).values() if isinstance(m, MetricWrapperBase)}
     assert set(metrics.ALL_METRICS) == defined
+
+
+def test_setup_multiprocess_warns_when_a_running_process_shares_the_folder(
+    tmp_path: Path,
+) -> None:
+    """Two ``sift worker`` (or a worker and a gateway) given one PROMETHEUS_MULTIPROC_DIR: the
+    one starting empties the other's live files. It says so, naming the running pid; files of
+    a process that is gone are emptied without a word."""
+    folder = tmp_path / "metrics"
+    folder.mkdir()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (folder / f"counter_{other.pid}.db").write_bytes(b"x" * 16)
+        (folder / "gauge_livesum_999999.db").write_bytes(b"x" * 16)  # no such process
+        code = textwrap.dedent(
+            """
+            import logging, sys
+            logging.basicConfig(level=logging.WARNING, format="%(message)s")
+            from worker import metrics
+            metrics.setup_multiprocess(sys.argv[1])
+            """
+        )
+        run = subprocess.run(
+            [sys.executable, "-c", code, str(folder)],
+            cwd=ROOT,
+            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        other.kill()
+        other.wait()
+    assert run.returncode == 0, run.stderr
+    assert f"running pid(s) {other.pid}:" in run.stderr, run.stderr
+    assert "999999" not in run.stderr
+    assert list(folder.glob("*.db")) == []
