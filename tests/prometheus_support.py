@@ -143,13 +143,16 @@ def write_config(
     targets: Mapping[str, Sequence[str]],
     rule_files: Sequence[Path] = (),
     scrape_interval: str = "1s",
+    job_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
-    """A prometheus.yml scraping each job's targets every ``scrape_interval`` (JSON is YAML)."""
+    """A prometheus.yml scraping each job's targets every ``scrape_interval`` (JSON is YAML),
+    with ``job_options[job]`` (``authorization``, say) added to that job's scrape config."""
+    options = job_options or {}
     config = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
         "rule_files": [str(p) for p in rule_files],
         "scrape_configs": [
-            {"job_name": job, "static_configs": [{"targets": list(hosts)}]}
+            {"job_name": job, "static_configs": [{"targets": list(hosts)}], **options.get(job, {})}
             for job, hosts in targets.items()
         ],
     }
@@ -163,13 +166,16 @@ def run_prometheus(
     targets: Mapping[str, Sequence[str]],
     rule_files: Sequence[Path] = (),
     scrape_interval: str = "1s",
+    job_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Iterator[Prometheus]:
     """Start ``prometheus`` on a free loopback port with its own TSDB; stop it on exit."""
     binary = prometheus_binary()
     if binary is None:
         raise RuntimeError("prometheus is not installed (apt-get install prometheus)")
     workdir.mkdir(parents=True, exist_ok=True)
-    config = write_config(workdir / "prometheus.yml", targets, rule_files, scrape_interval)
+    config = write_config(
+        workdir / "prometheus.yml", targets, rule_files, scrape_interval, job_options
+    )
     port = free_port()
     log_path = workdir / "prometheus.log"
     with log_path.open("wb") as log, httpx.Client(timeout=10) as client:
