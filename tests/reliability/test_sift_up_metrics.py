@@ -4,7 +4,8 @@ The stack's worker and gateway are two scrape targets. Given one folder, each ``
 served the other's files too (the worker's carried the gateway's HTTP requests: every count
 doubled in a sum over targets), and the worker, which empties its folder when it starts, took
 the gateway's live files from under it when ``sift up`` restarted it: the gateway's counters
-vanished from its ``/metrics`` for the rest of its life. Each gets a folder of its own.
+vanished from its ``/metrics`` for the rest of its life. Each gets a folder of its own, in the
+stack's data folder, emptied when the stack starts (the gateway never empties its own).
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ from worker.stack import stop
 pytestmark = pytest.mark.integration
 
 
+EARLIER_RUN = """
+import os, sys
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+from api_gateway.metrics import GatewayMetrics
+GatewayMetrics().requests.labels("GET", "/healthz", "200").inc(5)
+"""
+
+
 def _healthz(text: str) -> float:
     found = re.findall(
         r'^sift_http_requests_total\{method="GET",route="/healthz",status="200"\} (\S+)$',
@@ -41,6 +50,11 @@ def test_the_worker_and_the_gateway_keep_their_metrics_apart(tmp_path: Path) -> 
     port, metrics_port = free_port(), free_port()
     env = {**_env(), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "multiproc")}
     (tmp_path / "multiproc").mkdir()
+    # an earlier sift up on this data folder left its gateway's files behind
+    earlier = tmp_path / "a" / "metrics" / "gateway"
+    earlier.mkdir(parents=True)
+    written = subprocess.run([sys.executable, "-c", EARLIER_RUN, str(earlier)], env=env)
+    assert written.returncode == 0
     out = tmp_path / "up.out"
     with open(out, "wb") as sink:
         proc = subprocess.Popen(

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -267,7 +268,9 @@ def local_stack(
 
 
 def _own_metrics_folder(env: dict[str, str], folder: Path) -> dict[str, str]:
-    """``env`` with a multiprocess metrics folder of the child's own, if it has one at all.
+    """``env`` with a multiprocess metrics folder of the child's own, if it has one at all,
+    emptied: the stack starts from zero, as a worker does (the gateway never empties its
+    folder, so every earlier run's files would pile up there, summed in).
 
     The worker and the gateway are two scrape targets: in one folder each ``/metrics`` summed
     the other's files too (every count twice in a sum over targets), and the worker, which
@@ -276,6 +279,8 @@ def _own_metrics_folder(env: dict[str, str], folder: Path) -> dict[str, str]:
 
     if not env.get(MULTIPROC_DIR_ENV):
         return env
+    shutil.rmtree(folder, ignore_errors=True)  # this stack's: it holds the data folder's lock
+    folder.mkdir(parents=True)
     return {**env, MULTIPROC_DIR_ENV: str(folder)}
 
 
