@@ -7,7 +7,15 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from worker.constants import (
@@ -266,7 +274,10 @@ class Settings(BaseSettings):
     # When set, the gateway's /metrics answers only `Authorization: Bearer <this>` (Prometheus's
     # `authorization` scrape option); a tenant's API key is not enough. Unset: open, like the
     # workers' port, so keep the gateway's /metrics off any network tenants reach.
-    metrics_token: str | None = Field(default=None, min_length=16)
+    # Stripped, as the presented token is: a Secret made from a file ends with its newline.
+    metrics_token: (
+        Annotated[str, StringConstraints(strip_whitespace=True, min_length=16)] | None
+    ) = None
     prometheus_url: str = "http://127.0.0.1:9090"  # what `sift cost` reads
 
     # --- the CLI client (``sift ingest``, ``sift search``, ``sift batch``) ---

@@ -89,3 +89,21 @@ def test_one_key_listed_twice_for_one_tenant_is_taken() -> None:
     entry = ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)
     digest = ApiKey(key_sha256=DIGEST, tenant="acme", webhook_secret=SECRET)
     assert KeyRing([entry, digest]).tenant_for(KEY) == "acme"
+
+
+def test_a_metrics_token_set_with_a_trailing_newline_is_the_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Kubernetes Secret made from a file (``kubectl create secret --from-file``) ends the
+    variable with the file's newline. The presented Bearer token is read stripped, so a
+    configured token kept with its newline could never be presented: every scrape a 401."""
+    from starlette.requests import Request
+
+    from api_gateway.auth import require_metrics_token
+
+    token = "metrics-token-0123456789abcdef"
+    monkeypatch.setenv("SIFT_METRICS_TOKEN", token + "\n")
+    settings = load_settings()
+    assert settings.metrics_token == token
+    header = (b"authorization", f"Bearer {token}".encode())
+    require_metrics_token(Request({"type": "http", "headers": [header]}), settings.metrics_token)
