@@ -113,3 +113,24 @@ def test_a_single_process_worker_starts_on_a_clean_metrics_folder(tmp_path: Path
     running = [line for line in text.splitlines() if line.startswith("sift_jobs_in_flight{")]
     assert running == ['sift_jobs_in_flight{state="running"} 0.0'], running
     assert 'sift_jobs_completed_total{kind="search",status="succeeded"} 0.0' in text
+
+
+def test_a_single_process_worker_makes_a_missing_metrics_folder(tmp_path: Path) -> None:
+    """deploy/k8s mounts an emptyDir at /tmp, hiding the image's /tmp/sift-metrics: the
+    worker's PROMETHEUS_MULTIPROC_DIR names a folder that does not exist yet."""
+    folder = tmp_path / "tmp" / "sift-metrics"
+    folder.parent.mkdir()
+    port = free_port()
+    with redis_server(tmp_path / "redis") as url:
+        env = {
+            "SIFT_REDIS_URL": url + "/0",
+            "SIFT_API_KEYS": json.dumps(KEYS[:1]),
+            "SIFT_DATA_DIR": str(tmp_path / "data"),
+            "SIFT_WORKER_METRICS_PORT": str(port),
+            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+            "PROMETHEUS_MULTIPROC_DIR": str(folder),
+        }
+        with celery_worker(tmp_path / "w", env, "solo", concurrency=2, processes=1):
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    assert 'sift_jobs_in_flight{state="running"} 0.0' in text
+    assert list(folder.glob("*.db"))
