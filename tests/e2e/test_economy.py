@@ -54,6 +54,14 @@ def _wait(stack: Stack, batch_id: str, timeout: float = 60) -> dict[str, Any]:
         time.sleep(0.1)
 
 
+def _wait_for_provider_batches(stack: Stack, count: int, timeout: float = 30.0) -> None:
+    """Until the fake holds ``count`` provider batches (Sift's creates, and any foreign one)."""
+    deadline = time.monotonic() + timeout
+    while len(stack.model.batches()) < count:
+        assert time.monotonic() < deadline, f"{len(stack.model.batches())} provider batches"
+        time.sleep(0.02)
+
+
 def _results(stack: Stack, batch_id: str) -> dict[str, dict[str, Any]]:
     page = stack.live.get(
         f"/v1/batches/{batch_id}/results", params={"page_size": 1000}, headers=ACME
@@ -180,10 +188,7 @@ def test_canceling_an_economy_batch_cancels_its_provider_batches(
 ) -> None:
     stack.model.configure(batch_processing_seconds=300.0)
     batch_id = _submit(stack, _items(queries, 6), "economy")
-    deadline = time.monotonic() + 30
-    while len(stack.model.batches()) < 2:  # 6 requests: two provider batches
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _wait_for_provider_batches(stack, 2)  # 6 requests: two provider batches
     response = stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME)
     assert response.status_code == 200
     done = _wait(stack, batch_id)
@@ -219,10 +224,7 @@ def test_a_billed_round_shows_in_the_metrics_though_its_item_is_then_canceled(
     stack.model.script_batch({"i0": [succeeded(malformed("not json"))]})
     before = _economy_usage(stack)
     batch_id = _submit(stack, _items(queries, 1), "economy")
-    deadline = time.monotonic() + 30
-    while len(stack.model.batches()) < 2:  # round two submitted
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    _wait_for_provider_batches(stack, 2)  # round two submitted
     stack.model.configure(batch_processing_seconds=300.0)  # round two stays in progress
     assert stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME).status_code == 200
     done = _wait(stack, batch_id)

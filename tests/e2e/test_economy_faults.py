@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, Stack
-from tests.e2e.test_economy import _items, _results, _submit, _wait
+from tests.e2e.test_economy import _items, _results, _submit, _wait, _wait_for_provider_batches
 from tests.fake_anthropic import (
     drop,
     duplicated,
@@ -208,10 +208,7 @@ def test_a_cancel_the_provider_refuses_never_fails_the_items(
     # and the poll's both meet a 400; the poll tries again, it never fails the items for it
     stack.model.configure(batch_processing_seconds=300.0)
     batch_id = _submit(stack, _items(queries, 3), "economy")
-    deadline = time.monotonic() + 30
-    while not stack.model.batches():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    _wait_for_provider_batches(stack, 1)
     stack.model.script_batch_calls("cancel", [status(400, message="batch ended")] * 2)
     assert stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME).status_code == 200
     done = _wait(stack, batch_id, timeout=30)

@@ -92,13 +92,21 @@ def ingest(client: httpx.Client) -> int:
 
 
 def submit_batch(
-    client: httpx.Client, n: int, *, webhook_url: str | None = None, rerank: bool = True
+    client: httpx.Client,
+    n: int,
+    *,
+    webhook_url: str | None = None,
+    rerank: bool = True,
+    **fields: Any,
 ) -> str:
+    """A batch of ``n`` of the sample queries; ``fields`` go into the request's body as given
+    (``lane="economy"``, ``include_trace=True``...)."""
     queries = sample_queries()
     body: dict[str, Any] = {
         "index": INDEX,
         "rerank": rerank,
         "queries": [{"id": f"q{i:05d}", "query": queries[i % len(queries)]} for i in range(n)],
+        **fields,
     }
     if webhook_url:
         body["webhook_url"] = webhook_url

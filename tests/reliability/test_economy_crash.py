@@ -34,15 +34,13 @@ import redis
 
 from tests.fake_anthropic import FakeAnthropic, stall, status
 from tests.reliability.support import (
-    ACME,
-    INDEX,
     Receiver,
     all_results,
     assert_batch_exactly_once,
     batch_counts,
     ingest,
-    sample_queries,
     stack_env,
+    submit_batch,
     wait_for,
     webhook_receiver,
 )
@@ -89,19 +87,7 @@ def worker(directory: Path, env: dict[str, str], name: str) -> Iterator[subproce
 
 
 def submit_economy(client: httpx.Client, n: int, webhook_url: str | None = None) -> str:
-    queries = sample_queries()
-    body: dict[str, Any] = {
-        "index": INDEX,
-        "rerank": True,
-        "lane": "economy",
-        "include_trace": True,
-        "queries": [{"id": f"q{i:05d}", "query": queries[i % len(queries)]} for i in range(n)],
-    }
-    if webhook_url:
-        body["webhook_url"] = webhook_url
-    response = client.post("/v1/batches", json=body, headers=ACME)
-    assert response.status_code == 202, response.text
-    return str(response.json()["id"])
+    return submit_batch(client, n, webhook_url=webhook_url, lane="economy", include_trace=True)
 
 
 def finished(client: httpx.Client, batch_id: str) -> bool:
