@@ -145,9 +145,9 @@ class Settings(BaseSettings):
     elasticsearch_shards: int = Field(default=1, ge=1, le=1024)
     elasticsearch_replicas: int = Field(default=1, ge=0, le=16)
     # index.gc_deletes of every index Sift makes: a delete's tombstone must outlast the
-    # longest an ingest accepted before it can still run (redeliveries, retries: 6,870 s at
-    # the defaults, tests/integration/test_elasticsearch_stateful.py), or the ingest wins
-    elasticsearch_gc_deletes_seconds: int = Field(default=7200, ge=60)
+    # longest an ingest accepted before it can still run (redeliveries of each of its retries'
+    # messages: 26,940 s at the defaults, celery_app.ingest_redelivery_window), or it wins
+    elasticsearch_gc_deletes_seconds: int = Field(default=27_000, ge=60)
     elasticsearch_refresh: Literal["wait_for", "true", "false"] = "wait_for"
     elasticsearch_request_timeout: float = Field(default=10.0, gt=0)
     elasticsearch_bulk_chunk_size: int = Field(default=500, ge=1, le=10_000)

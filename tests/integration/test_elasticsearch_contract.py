@@ -175,7 +175,7 @@ EXPECTED_TEMPLATE = {
         "settings": {
             "number_of_shards": 1,
             "number_of_replicas": 1,
-            "index.gc_deletes": "7200s",
+            "index.gc_deletes": "27000s",
         },
         "mappings": {
             "dynamic": "strict",

@@ -91,3 +91,20 @@ def test_the_es_tombstones_outlast_an_ingests_redelivery_at_the_defaults() -> No
     assert warn_if_tombstones_too_short(more)
     embedded = load_settings(redis_url="redis://localhost", task_max_deliveries=10)
     assert not warn_if_tombstones_too_short(embedded)
+
+
+def test_the_redelivery_window_counts_every_retrys_own_deliveries() -> None:
+    """A retry is a new message with its own delivery budget (the counter is kept per task id
+    *and* retry number, ``JobStore.count_delivery``), so an ingest can be taken
+    SIFT_TASK_MAX_DELIVERIES times for each of its 1 + SIFT_TASK_MAX_RETRIES messages, each
+    take given back no sooner than the visibility timeout: the window, and at the defaults
+    the tombstones, must outlast all of them."""
+    from worker.queue.celery_app import visibility_timeout
+
+    settings = load_settings(redis_url="redis://localhost", search_backend="elasticsearch")
+    takes = (settings.task_max_retries + 1) * settings.task_max_deliveries
+    assert takes == 12  # the defaults: 4 messages, 3 deliveries each
+    assert ingest_redelivery_window(settings) >= takes * visibility_timeout(settings)
+    assert settings.elasticsearch_gc_deletes_seconds >= takes * visibility_timeout(settings)
+    fewer = load_settings(redis_url="redis://localhost", task_max_retries=0)
+    assert ingest_redelivery_window(fewer) < ingest_redelivery_window(settings)

@@ -113,12 +113,16 @@ def ingest_redelivery_window(settings: Settings) -> float:
     """The longest an ingest (or delete) task taken before a later write ran can still
     write: each delivery runs up to the ingest's hard time limit and is given back after
     the visibility timeout (or sooner, by the dead-worker check), up to
-    SIFT_TASK_MAX_DELIVERIES times, and each retry waits its capped backoff. A delete's
-    tombstone on Elasticsearch (``index.gc_deletes``) must outlast it."""
+    SIFT_TASK_MAX_DELIVERIES times per message; a retry is a new message with a delivery
+    budget of its own (the counter is per task id and retry number), so the job has
+    1 + SIFT_TASK_MAX_RETRIES such budgets, and each retry waits its capped backoff. A
+    delete's tombstone on Elasticsearch (``index.gc_deletes``) must outlast it. (Not
+    counted: a re-drive of a message the broker lost, :mod:`worker.queue.redrive`.)"""
     from worker.queue.base import RETRY_CAP_SECONDS
 
     _soft, hard = time_limits(settings)[INGEST_TASK]
-    deliveries = settings.task_max_deliveries * (visibility_timeout(settings) + hard)
+    messages = settings.task_max_retries + 1
+    deliveries = messages * settings.task_max_deliveries * (visibility_timeout(settings) + hard)
     return deliveries + settings.task_max_retries * RETRY_CAP_SECONDS
 
 

@@ -42,7 +42,7 @@ class IndexSettings:
     #: ``index.gc_deletes``: how long a delete's tombstone refuses an older upsert. ES's 60 s
     #: default is far shorter than the broker's redelivery window: an ingest accepted before
     #: a delete, whose worker died after taking it, would be written back when redelivered.
-    gc_deletes_seconds: int = 7200
+    gc_deletes_seconds: int = 27_000
 
 
 def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dict[str, Any]:

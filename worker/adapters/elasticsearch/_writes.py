@@ -322,7 +322,8 @@ class _Writes(_Search, _Indexes):
     ) -> int:
         """Delete each id's ``_id`` (:func:`document_es_id`), external-versioned: a newer
         write stays, and the delete's tombstone refuses an older upsert for
-        ``index.gc_deletes``, 60 s by default. Answers how many existed. The tenant's index
+        ``index.gc_deletes`` (SIFT_ELASTICSEARCH_GC_DELETES_SECONDS in Sift's index template;
+        ES's own default is 60 s). Answers how many existed. The tenant's index
         is created first if it is missing, as an upsert would: a delete may run before the
         upsert it was accepted after."""
         alias = self.alias(index, tenant)
