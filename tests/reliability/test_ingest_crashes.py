@@ -31,11 +31,13 @@ from typing import Any, NamedTuple
 
 import httpx
 import pytest
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import ACME, DOWN_SECONDS, INDEX, broker, stack_env, wait_for
 from tests.services import free_port, gateway, redis_server
+from worker.constants import INGEST_QUEUE, KOMBU_UNACKED_KEY
 from worker.stack import child_env, worker_process
 
 pytestmark = pytest.mark.integration
@@ -130,6 +132,17 @@ def completed(port: int) -> dict[str, float]:
     return {status: n for status, n in out.items() if n}
 
 
+def drained(env: dict[str, str]) -> None:
+    """The broker holds no message any more: none queued, none taken and not yet acked. So
+    a duplicate of a job (a second restore of its message) would have run by now, and
+    ``sift_jobs_completed_total`` read after this counts it: no sleep that can end first."""
+    with redis.Redis.from_url(env["SIFT_REDIS_URL"]) as client:
+        wait_for(
+            lambda: not client.llen(INGEST_QUEUE) and not client.hlen(KOMBU_UNACKED_KEY),
+            "the broker drained",
+        )
+
+
 def killed(proc: Any) -> None:
     """Worker A died by its kill point (SIGKILL), not otherwise."""
     assert proc.wait(120) == -9
@@ -159,7 +172,7 @@ def test_an_ingest_whose_worker_was_killed_runs_again_once_and_says_what_it_wrot
             assert done["status"] == "succeeded", done
             assert done["upserted"] == len(documents)
             assert present(crash.client, ids) == set(ids)
-            time.sleep(1.0)  # a late duplicate, if any, finishes now
+            drained(crash.env)  # a late duplicate, if any, has run (and counted) by now
             assert completed(port) == {"succeeded": 1.0}
             assert job(crash.client, job_id) == done
         recovered_by_the_dead_worker_check(crash)
@@ -181,7 +194,7 @@ def test_a_delete_whose_worker_was_killed_after_its_commit_reports_what_it_delet
             assert done["status"] == "succeeded", done
             assert present(crash.client, ids) == {ids[2]}
             assert done["deleted"] == 2  # what went, though its second run found it gone
-            time.sleep(1.0)
+            drained(crash.env)
             assert completed(port) == {"succeeded": 1.0}
         recovered_by_the_dead_worker_check(crash)
 
@@ -216,7 +229,7 @@ def test_a_delete_accepted_after_a_killed_ingest_wins_whichever_runs_first(
             # the ingest ran first (all written, then all deleted) or second (none written)
             pair = (ingested["upserted"], deleted["deleted"])
             assert pair in ((len(ids), len(ids)), (0, 0)), pair
-            time.sleep(1.0)
+            drained(crash.env)
             assert completed(port) == {"succeeded": 2.0}
         recovered_by_the_dead_worker_check(crash)
 
@@ -241,7 +254,7 @@ def test_a_drop_whose_worker_was_killed_after_its_commit_reports_what_it_deleted
             assert done["deleted"] == len(KEPT)  # what went, though its rerun found none
             response = crash.client.get(f"/v1/indexes/{index}", headers=ACME)
             assert response.status_code == 404, response.text
-            time.sleep(1.0)
+            drained(crash.env)
             assert completed(port) == {"succeeded": 1.0}
         recovered_by_the_dead_worker_check(crash)
 
@@ -281,6 +294,6 @@ def test_redis_killed_mid_ingest_the_job_finishes_once(tmp_path: Path) -> None:
             assert done["status"] == "succeeded", done
             assert done["upserted"] == len(documents)
             assert present(client, ids) == set(ids)
-            time.sleep(1.0)
+            drained(env)
             assert completed(port) == {"succeeded": 1.0}
             assert proc.poll() is None  # the same worker, still running
