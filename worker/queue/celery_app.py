@@ -117,7 +117,8 @@ def ingest_redelivery_window(settings: Settings) -> float:
     budget of its own (the counter is per task id and retry number), so the job has
     1 + SIFT_TASK_MAX_RETRIES such budgets, and each retry waits its capped backoff. A
     delete's tombstone on Elasticsearch (``index.gc_deletes``) must outlast it. (Not
-    counted: a re-drive of a message the broker lost, :mod:`worker.queue.redrive`.)"""
+    counted: a re-drive of a message the broker lost, :mod:`worker.queue.redrive`; nor a run
+    past the hard limit, which only ``--pool prefork`` enforces, not the default threads.)"""
     from worker.queue.base import RETRY_CAP_SECONDS
 
     _soft, hard = time_limits(settings)[INGEST_TASK]
