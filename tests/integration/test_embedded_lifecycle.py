@@ -253,3 +253,20 @@ def test_a_drop_run_again_reports_the_documents_its_first_run_deleted(
     assert backend.delete_index("sci", "acme", version=11) == 0
     assert backend.delete_index("sci", "acme", version=13) == 1
     assert backend.index_info("sci", "acme") is None
+
+
+def test_a_drops_record_is_the_tenants_own(backend: EmbeddedBackend) -> None:
+    """The record a drop keeps (the empty id in ``writes``) is per tenant: another tenant's
+    drop of the same name, newer, neither replaces it nor is counted by it, and it is
+    never a document, an index or part of a count."""
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3
+    assert backend.upsert("sci", "beta", DOCS[:1], VECTORS[:1], version=11) == 1
+    assert backend.delete_index("sci", "acme", version=12) == 3
+    assert backend.delete_index("sci", "beta", version=13) == 1
+    assert backend.delete_index("sci", "acme", version=12) == 3
+    assert backend.delete_index("sci", "beta", version=13) == 1
+    assert backend.document("sci", "acme", "") is None
+    assert backend.count("sci", "acme") == 0
+    assert backend.indexes("acme") == []
+    assert backend.delete_documents("sci", "acme", [""], version=14) == 0
+    assert backend.delete_index("sci", "acme", version=12) == 3  # the delete left it alone
