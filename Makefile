@@ -29,7 +29,7 @@ test: install services
 	$(BIN)/ruff check worker api_gateway tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 lint: install
 	$(BIN)/ruff check worker api_gateway tests benchmarks
