@@ -10,15 +10,12 @@ except what a test cannot run without (the Redis URL, the keys, the model's addr
   one; every item is answered once, from it;
 - killed half-way through recording a provider batch's results: the new worker maps the
   rest, every item finished once, with one attempt, and one ``batch.completed`` webhook;
-- killed while its poll waits out its countdown, and that poll's message then lost (taken
-  out of the broker, as kombu's pop-then-record window loses one): the new worker's re-drive
-  sweep sends the poll again once it is overdue, and the batch finishes.
+- (a poll's message lost, or late, after its worker was killed: test_economy_lost_polls.py)
 """
 
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 import time
@@ -46,12 +43,9 @@ from tests.reliability.support import (
 )
 from tests.services import gateway, redis_server
 from worker.constants import (
-    ECONOMY_POLL_TASK,
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RUNS_KEY,
     ECONOMY_WATCH_KEY,
-    KOMBU_UNACKED_INDEX_KEY,
-    KOMBU_UNACKED_KEY,
 )
 from worker.stack import child_env, worker_process
 
@@ -144,103 +138,6 @@ def test_a_worker_killed_while_recording_results_leaves_each_item_finished_once(
         deliveries = hooks.for_job(batch_id)
         assert {d.headers.get("webhook-id") for d in deliveries} == {f"msg_{batch_id}"}
         assert {d.body["data"]["status"] for d in deliveries} == {"succeeded"}
-
-
-def _lose_polls(client: redis.Redis) -> int:
-    """Take every economy poll message out of the broker (unacked and queued): lost."""
-    lost = 0
-    for tag, raw in client.hgetall(KOMBU_UNACKED_KEY).items():
-        if json.loads(raw)[0]["headers"]["task"] == ECONOMY_POLL_TASK:
-            client.hdel(KOMBU_UNACKED_KEY, tag)
-            client.zrem(KOMBU_UNACKED_INDEX_KEY, tag)
-            lost += 1
-    for queue in client.keys("sift.*"):
-        if client.type(queue) != "list":
-            continue
-        for raw in client.lrange(queue, 0, -1):
-            if json.loads(raw)["headers"]["task"] == ECONOMY_POLL_TASK:
-                lost += client.lrem(queue, 0, raw)
-    return lost
-
-
-def test_a_lost_poll_message_is_sent_again_by_the_sweep(tmp_path: Path) -> None:
-    with FakeAnthropic() as model, economy_stack(tmp_path, model) as (env, client):
-        model.configure(batch_processing_seconds=5.0)
-        broker = redis.Redis.from_url(env["SIFT_REDIS_URL"], decode_responses=True)
-
-        def watched() -> list[str]:
-            return list(broker.zrange(ECONOMY_WATCH_KEY, 0, -1))
-
-        with worker(tmp_path / "w", env, "a") as worker_a:
-            ingest(client)
-            batch_id = submit_economy(client, 5)
-            wait_for(lambda: len(model.batches()) == 1, "the provider batch made", 120)
-            [provider] = [b["id"] for b in model.batches()]
-            wait_for(lambda: f"{batch_id} {provider}" in watched(), "its poll scheduled", 30)
-            worker_a.send_signal(signal.SIGKILL)  # holding the poll, waiting out its 30 s
-            worker_a.wait(10)
-        assert _lose_polls(broker) == 1
-        # time passing: the poll's due time (30 s + the 300 s margin) is now
-        broker.zadd(ECONOMY_WATCH_KEY, {f"{batch_id} {provider}": 0})
-        with worker(tmp_path / "w", env, "b"):
-            wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW)
-        log = (tmp_path / "w" / "b.log").read_text(errors="replace")
-        assert f"its {provider} task did not run when due; sent again" in log
-        assert_batch_exactly_once(client, env["SIFT_REDIS_URL"], batch_id, 5)
-        assert len(model.batches()) == 1
-        assert [m for m in watched() if m.startswith(batch_id)] == []
-
-
-def _take_polls(client: redis.Redis) -> list[str]:
-    """Take the economy poll messages out of the broker, answering them (as queued): each
-    held up somewhere, as behind a long backlog of the batch queue, to come back later."""
-    taken: list[str] = []
-    for tag, raw in client.hgetall(KOMBU_UNACKED_KEY).items():
-        message = json.loads(raw)[0]
-        if message["headers"]["task"] == ECONOMY_POLL_TASK:
-            client.hdel(KOMBU_UNACKED_KEY, tag)
-            client.zrem(KOMBU_UNACKED_INDEX_KEY, tag)
-            taken.append(json.dumps(message))
-    return taken
-
-
-def test_a_poll_sent_again_while_its_late_message_comes_back_keeps_one_poll_going(
-    tmp_path: Path,
-) -> None:
-    # A poll's message late past its due time (the worker killed while holding it and back
-    # after a long outage; a backlog of the batch queue before it) but not lost: the sweep
-    # sends it again, then the late message runs too. Only one of them may go on polling:
-    # two would each retry for as long as the provider batch runs, and each map its results
-    # (an errored line resubmitted twice: a second provider batch, paid twice).
-    with FakeAnthropic() as model, economy_stack(tmp_path, model) as (env, client):
-        model.configure(batch_processing_seconds=150.0)
-        broker = redis.Redis.from_url(env["SIFT_REDIS_URL"], decode_responses=True)
-        with worker(tmp_path / "w", env, "a") as worker_a:
-            ingest(client)
-            batch_id = submit_economy(client, 5)
-            wait_for(lambda: len(model.batches()) == 1, "the provider batch made", 120)
-            [provider] = [b["id"] for b in model.batches()]
-            member = f"{batch_id} {provider}"
-            wait_for(lambda: broker.zscore(ECONOMY_WATCH_KEY, member) is not None, "its poll", 30)
-            worker_a.send_signal(signal.SIGKILL)  # holding the poll, waiting out its 30 s
-            worker_a.wait(10)
-        [late] = _take_polls(broker)
-        broker.zadd(ECONOMY_WATCH_KEY, {member: 0})  # its due time passed
-        log_b = tmp_path / "w" / "b.log"
-        with worker(tmp_path / "w", env, "b"):
-            wait_for(
-                lambda: "did not run when due; sent again" in log_b.read_text(errors="replace"),
-                "the sweep's new poll",
-                120,
-            )
-            broker.lpush("sift.batch", late)  # and now the late message arrives
-            wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW)
-        log = log_b.read_text(errors="replace")
-        polling = set(re.findall(r"Task sift\.economy_poll\[([^\]]+)\] retry:", log))
-        assert len(polling) == 1, f"{len(polling)} polls going on: {sorted(polling)}"
-        assert log.count(f"provider batch {provider} mapped") == 1
-        assert_batch_exactly_once(client, env["SIFT_REDIS_URL"], batch_id, 5)
-        assert len(model.batches()) == 1
 
 
 def _foreign_batch(model: FakeAnthropic, requests: int) -> str:
