@@ -120,14 +120,17 @@ class RerankRun:
     failure: SiftError | None = None
     seconds: float = 0.0
 
-    def add_usage(self, usage: TokenUsage, price: Price | None, discount: float) -> None:
+    def add_usage(self, usage: TokenUsage, price: Price | None, discount: float) -> float | None:
+        """Add one call's ``usage`` and its cost; answers that call's cost (None: unpriced)."""
         self.usage = TokenUsage(
             self.usage.input_tokens + usage.input_tokens,
             self.usage.output_tokens + usage.output_tokens,
             self.usage.cache_read_input_tokens + usage.cache_read_input_tokens,
             self.usage.cache_creation_input_tokens + usage.cache_creation_input_tokens,
         )
-        self.cost_usd = add_costs(self.cost_usd, cost_usd(usage, price, discount))
+        cost = cost_usd(usage, price, discount)
+        self.cost_usd = add_costs(self.cost_usd, cost)
+        return cost
 
 
 @dataclass(slots=True)
@@ -593,12 +596,8 @@ class SearchPipeline:
         assert self.reranker is not None
         if usage is not None:
             price = price_for(self.reranker.model, self.config.prices)
-            run.add_usage(usage, price, self.config.price_discount)
-            self.recorder.rerank_usage(
-                self.reranker.model,
-                usage_by_type(usage),
-                cost_usd(usage, price, self.config.price_discount),
-            )
+            cost = run.add_usage(usage, price, self.config.price_discount)
+            self.recorder.rerank_usage(self.reranker.model, usage_by_type(usage), cost)
             if price is None:
                 self.recorder.rerank_unpriced(self.reranker.model)
         run.attempts.append(
