@@ -145,3 +145,21 @@ def corpus(stack: Stack) -> list[dict[str, object]]:
 def queries() -> list[str]:
     lines = (SAMPLE / "sample_queries.jsonl").read_text().splitlines()
     return [json.loads(line)["query"] for line in lines if line.strip()]
+
+
+def worker_usage(stack: Stack, lane: str) -> dict[str, float]:
+    """The live worker's token counters of ``lane`` by type, and its cost counter."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(stack.worker_metrics_url, timeout=10).text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("lane") != lane:
+                continue
+            if sample.name == "sift_rerank_tokens_total":
+                kind = sample.labels["type"]
+                out[kind] = out.get(kind, 0.0) + sample.value
+            elif sample.name == "sift_rerank_cost_usd_total":
+                out["cost_usd"] = out.get("cost_usd", 0.0) + sample.value
+    return out

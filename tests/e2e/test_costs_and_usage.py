@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, INDEX, KEYS, Stack
+from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, INDEX, KEYS, Stack, worker_usage
 from tests.fake_anthropic import USAGE_FIELDS, malformed, positions, status
 from tests.services import celery_worker, free_port, gateway
 from worker.core.cost import cost_usd, price_for
@@ -176,24 +176,6 @@ def test_a_model_with_no_price_shows_cost_null_and_is_counted(
     assert len(warnings) == 1  # once, not per search
 
 
-def _worker_usage(stack: Stack) -> dict[str, float]:
-    """The live worker's standard-lane token counters by type, and its cost counter."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(stack.worker_metrics_url, timeout=10).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.labels.get("lane") != "standard":
-                continue
-            if sample.name == "sift_rerank_tokens_total":
-                kind = sample.labels["type"]
-                out[kind] = out.get(kind, 0.0) + sample.value
-            elif sample.name == "sift_rerank_cost_usd_total":
-                out["cost_usd"] = out.get("cost_usd", 0.0) + sample.value
-    return out
-
-
 def test_a_batchs_items_cost_what_the_counters_rose_by(stack: Stack, corpus: object) -> None:
     """A batch over the real stack, every item's usage on every path it can end on: applied,
     retried after a billed malformed answer, after a 529, a valid answer with no usable rank,
@@ -203,7 +185,7 @@ def test_a_batchs_items_cost_what_the_counters_rose_by(stack: Stack, corpus: obj
     queries = ["green tea", "coffee beans", "black tea", "herbal infusion", "espresso", "matcha"]
     stack.model.configure(cache_read_input_tokens=300, cache_creation_input_tokens=40)
     try:
-        before_fake, before_metrics = stack.model.usage(), _worker_usage(stack)
+        before_fake, before_metrics = stack.model.usage(), worker_usage(stack, "standard")
         stack.model.script(
             [malformed("nope"), positions([99]), status(529), status(400)]
             + [malformed("still nope")] * 3
@@ -220,7 +202,7 @@ def test_a_batchs_items_cost_what_the_counters_rose_by(stack: Stack, corpus: obj
             "results"
         ]
         billed = _delta(stack.model.usage(), before_fake)
-        after_metrics = _worker_usage(stack)
+        after_metrics = worker_usage(stack, "standard")
     finally:
         stack.model.configure(cache_read_input_tokens=0, cache_creation_input_tokens=0)
     assert {r["status"] for r in results} == {"succeeded", "failed"}, results

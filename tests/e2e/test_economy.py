@@ -12,11 +12,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import ACME, ECONOMY_DEADLINE_SECONDS, INDEX, Stack
+from tests.e2e.conftest import ACME, ECONOMY_DEADLINE_SECONDS, INDEX, Stack, worker_usage
 from tests.fake_anthropic import errored, expired, malformed, missing, positions, succeeded
 from worker.constants import ECONOMY_PRICE_DISCOUNT
 from worker.core.cost import cost_usd, price_for
@@ -199,21 +197,6 @@ def test_canceling_an_economy_batch_cancels_its_provider_batches(
     assert all(b["status"] == "ended" for b in stack.model.batches())
 
 
-def _economy_usage(stack: Stack) -> dict[str, float]:
-    """The live worker's economy-lane token counters by type, and its cost counter."""
-    text = httpx.get(stack.worker_metrics_url, timeout=10).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.labels.get("lane") != "economy":
-                continue
-            if sample.name == "sift_rerank_tokens_total":
-                out[sample.labels["type"]] = out.get(sample.labels["type"], 0.0) + sample.value
-            elif sample.name == "sift_rerank_cost_usd_total":
-                out["cost_usd"] = out.get("cost_usd", 0.0) + sample.value
-    return out
-
-
 def test_a_billed_round_shows_in_the_metrics_though_its_item_is_then_canceled(
     stack: Stack, corpus: object, queries: list[str]
 ) -> None:
@@ -222,7 +205,7 @@ def test_a_billed_round_shows_in_the_metrics_though_its_item_is_then_canceled(
     token and cost counters must show it, though the item ends canceled."""
     stack.model.configure(batch_processing_seconds=0.5)
     stack.model.script_batch({"i0": [succeeded(malformed("not json"))]})
-    before = _economy_usage(stack)
+    before = worker_usage(stack, "economy")
     batch_id = _submit(stack, _items(queries, 1), "economy")
     _wait_for_provider_batches(stack, 2)  # round two submitted
     stack.model.configure(batch_processing_seconds=300.0)  # round two stays in progress
@@ -231,7 +214,7 @@ def test_a_billed_round_shows_in_the_metrics_though_its_item_is_then_canceled(
     assert done["counts"]["canceled"] == 1, done["counts"]
     billed = stack.model.usage()
     assert billed["responses"] == 1 and billed["input_tokens"] > 0
-    after = _economy_usage(stack)
+    after = worker_usage(stack, "economy")
     for key, kind in (
         ("input_tokens", "input"),
         ("output_tokens", "output"),
