@@ -11,9 +11,27 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
+
+
+def plain(value: Any) -> str:
+    """``value`` as text to put in rich markup: a string from the gateway or a file (an id, a
+    title, a query, an error message) is shown as written, never read as markup, where
+    ``[/x]`` raised MarkupError and ``[red]m-2`` showed as ``m-2``. The consoles are made with
+    ``emoji=False`` too, so ``:fire:`` stays as written.
+
+    >>> print(plain("[/x] at [a-z0-9]"))
+    \\[/x] at \\[a-z0-9]
+    """
+    return escape(str(value))
+
+
+def cli_console(*, stderr: bool = False) -> Console:
+    """A console for the CLI: no emoji codes, no guessed highlighting of numbers and URLs."""
+    return Console(stderr=stderr, highlight=False, emoji=False)
 
 
 def progress_bar(console: Console) -> Progress:
@@ -76,7 +94,7 @@ def fitted_table(
     ['when']
     """
     at = {name: i for i, name in enumerate(columns)}
-    cells = [[Text.from_markup(cell).cell_len for cell in row] for row in rows]
+    cells = [[Text.from_markup(cell, emoji=False).cell_len for cell in row] for row in rows]
 
     def need(name: str) -> int:
         widest = max([len(name), *(row[at[name]] for row in cells)])
@@ -149,8 +167,8 @@ def print_result(console: Console, result: dict[str, Any], *, title: str | None 
         ranks = hit.get("ranks") or {}
         table.add_row(
             _rank(ranks.get("final")),
-            str(hit.get("id")),
-            str(hit.get("title") or ""),
+            plain(hit.get("id")),
+            plain(hit.get("title") or ""),
             *(_rank(ranks.get(name)) for name in ("rrf", "bm25", "knn")),
         )
     console.print(table)
@@ -158,7 +176,8 @@ def print_result(console: Console, result: dict[str, Any], *, title: str | None 
     if rerank.get("applied"):
         console.print(f"rerank: applied ({rerank.get('policy')})")
     elif rerank.get("fallback_reason"):
-        console.print(f"rerank: [yellow]not applied[/], fallback: {rerank['fallback_reason']}")
+        reason = plain(rerank["fallback_reason"])
+        console.print(f"rerank: [yellow]not applied[/], fallback: {reason}")
     else:
         console.print("rerank: not applied")
     usage = result.get("usage") or {}

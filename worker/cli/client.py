@@ -22,11 +22,10 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 from rich.console import Console
-from rich.markup import escape
 
 from worker.cli import app
 from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
-from worker.cli._output import print_result, progress_bar, trace_lines
+from worker.cli._output import cli_console, plain, print_result, progress_bar, trace_lines
 from worker.constants import (
     MAX_BATCH_QUERIES,
     MAX_DOCUMENT_CHARS,
@@ -56,11 +55,11 @@ class Loaded:
 
 
 def _out() -> Console:
-    return Console(highlight=False)
+    return cli_console()
 
 
 def _err() -> Console:
-    return Console(stderr=True, highlight=False)
+    return cli_console(stderr=True)
 
 
 @contextmanager
@@ -69,7 +68,7 @@ def _expected_errors() -> Iterator[None]:
     try:
         yield
     except (GatewayError, InputError) as exc:
-        _err().print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        _err().print(f"[bold red]error:[/] {plain(exc)}", soft_wrap=True)
         raise typer.Exit(EXIT_ERROR) from None
 
 
@@ -176,7 +175,7 @@ def _report_skipped(console: Console, problems: list[str]) -> None:
         return
     _err().print(f"[yellow]skipped {len(problems)} invalid line(s):[/]")
     for problem in problems[:10]:
-        _err().print(f"  {problem}", soft_wrap=True)
+        _err().print(f"  {plain(problem)}", soft_wrap=True)
     if len(problems) > 10:
         _err().print(f"  … and {len(problems) - 10} more")
 
@@ -271,7 +270,7 @@ def _print_search(console: Console, job: dict[str, Any], *, trace: bool) -> None
     if trace and result.get("trace") is not None:
         console.print("[bold]trace[/] (the raw trace: --json)")
         for line in trace_lines(result["trace"]):
-            console.print(f"  {escape(line)}", soft_wrap=True)
+            console.print(f"  {plain(line)}", soft_wrap=True)
 
 
 def _job_failure(job: dict[str, Any]) -> str:
@@ -438,7 +437,8 @@ def batch(
         elapsed = time.monotonic() - started
         parts = [f"{name} {tally.get(name, 0)}" for name in ("succeeded", "failed", "canceled")]
         console.print(
-            f"wrote {written} result(s) to [bold]{out}[/] in {elapsed:.1f} s: " + ", ".join(parts)
+            f"wrote {written} result(s) to [bold]{plain(out)}[/] in {elapsed:.1f} s: "
+            + ", ".join(parts)
         )
         if written != total:
             raise GatewayError(f"batch {batch_id}: {total} queries but {written} results returned")
@@ -446,7 +446,7 @@ def batch(
         if not_ok:
             _err().print(
                 f"[bold red]{tally.get('failed', 0)} failed, {tally.get('canceled', 0)} canceled[/]"
-                f" of {total}; see the error of each in {out}"
+                f" of {total}; see the error of each in {plain(out)}"
             )
             if strict:
                 raise typer.Exit(EXIT_ITEMS_FAILED)

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli import app
+from worker.cli._output import plain
 from worker.constants import (
     METRIC_RERANK_ATTEMPTS,
     METRIC_RERANK_COST,
@@ -43,7 +44,7 @@ from worker.constants import (
 from worker.errors import SiftError
 from worker.settings import load_settings
 
-console = Console()
+console = Console(emoji=False)
 
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
 
@@ -174,7 +175,7 @@ def render(report: CostReport, url: str) -> Iterable[Table | str]:
     cost.add_column("model")
     cost.add_column("USD", justify="right")
     for model, usd in sorted(report.cost_by_model.items()):
-        cost.add_row(model, f"{usd:.6f}")
+        cost.add_row(plain(model), f"{usd:.6f}")
     cost.add_row("[bold]total[/]", f"[bold]{report.total_cost:.6f}[/]")
     per_1k = report.cost_per_1k_searches
     cost.add_row(
@@ -255,5 +256,5 @@ def cost_command(
             write_chart(report, png)
             console.print(f"wrote [bold]{png}[/]")
     except SiftError as exc:
-        console.print(f"[red]error:[/] {exc.message}")
+        console.print(f"[red]error:[/] {plain(exc.message)}")
         raise typer.Exit(1) from exc

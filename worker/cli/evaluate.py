@@ -30,7 +30,7 @@ from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.embedder import GRAPH_REVISION
 from worker.cli import app
 from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
-from worker.cli._output import format_cost, progress_bar
+from worker.cli._output import format_cost, plain, progress_bar
 from worker.constants import MAX_LIMIT
 from worker.contract import Channel
 from worker.errors import SiftError
@@ -61,7 +61,7 @@ from worker.tuning import (
     tune,
 )
 
-console = Console()
+console = Console(emoji=False)
 EXIT_USAGE = 2
 EXIT_REFUSED = 3  # --apply refused: the tuned fusion is below a channel alone
 PAGE_SIZE = 500
@@ -75,7 +75,7 @@ def _ingest(runtime: Runtime, corpus: Path, index: str, tenant: str) -> int:
 
 
 def _usage_error(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
+    console.print(f"[red]error:[/red] {plain(message)}")
     return typer.Exit(EXIT_USAGE)
 
 
@@ -157,10 +157,10 @@ def eval_command(
             assert results is not None
             report = _scored_file(results, qrels, window)
     except SiftError as error:
-        console.print(f"[red]error:[/red] {error}")
+        console.print(f"[red]error:[/red] {plain(error)}")
         raise typer.Exit(2) from error
     except (GatewayError, ValueError) as error:
-        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
+        console.print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
         raise typer.Exit(1) from error
     _print_report(report)
     if json_out:
@@ -391,7 +391,7 @@ def _tune_command(
     try:
         report = _tune_served(index, queries_path, qrels_path, out, folds, seed, max_queries)
     except (GatewayError, ValueError) as error:
-        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
+        console.print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
         raise typer.Exit(1) from error
     _print_tune(report)
     data: dict[str, Any] = {"index": index, "folds_seed": seed, **report.as_dict()}

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from worker.cli import app
 from worker.cli._http import Gateway, gateway
-from worker.cli._output import local_time, print_fitted
+from worker.cli._output import local_time, plain, print_fitted
 from worker.cli.client import EXIT_ERROR, _err, _expected_errors, _out
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 
@@ -63,10 +63,10 @@ def _print_indexes(console: Console, indexes: list[dict[str, Any]]) -> None:
     columns = ["name", "documents", "backend", "embedding model", "dims", "last write", "settings"]
     rows = [
         [
-            i["name"],
+            plain(i["name"]),
             str(i["documents"]),
-            i["backend"],
-            i.get("embedding_model") or "–",
+            plain(i["backend"]),
+            plain(i.get("embedding_model") or "–"),
             str(i.get("dimensions") or "–"),
             local_time(i.get("last_write_at")),
             _settings(i),
@@ -97,7 +97,7 @@ def _report(console: Console, job: dict[str, Any], what: str, json_out: bool) ->
     if job.get("status") != "succeeded":
         error = job.get("error") or {}
         _err().print(
-            f"[bold red]error:[/] {what} failed: {error.get('message', job.get('status'))}"
+            f"[bold red]error:[/] {what} failed: {plain(error.get('message', job.get('status')))}"
         )
         raise typer.Exit(EXIT_ERROR)
     if not json_out:
@@ -255,12 +255,15 @@ def documents_get(
     if json_out:
         _print_json(console, doc)
         return
-    console.print(f"[bold]{doc['id']}[/]  revision {doc['revision']}  version {doc.get('version')}")
+    console.print(
+        f"[bold]{plain(doc['id'])}[/]  revision {plain(doc['revision'])}  "
+        f"version {doc.get('version')}"
+    )
     if doc.get("title"):
-        console.print(f"[bold]{doc['title']}[/]")
+        console.print(f"[bold]{plain(doc['title'])}[/]")
     if doc.get("metadata"):
-        console.print(f"metadata: {json.dumps(doc['metadata'], ensure_ascii=False)}")
-    console.print(doc["text"], soft_wrap=True)
+        console.print(f"metadata: {plain(json.dumps(doc['metadata'], ensure_ascii=False))}")
+    console.print(doc["text"], soft_wrap=True, markup=False)
 
 
 @documents_app.command("delete")

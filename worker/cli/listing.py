@@ -15,7 +15,7 @@ import typer
 
 from worker.cli import app
 from worker.cli._http import Gateway, gateway
-from worker.cli._output import local_time, print_fitted
+from worker.cli._output import local_time, plain, print_fitted
 from worker.cli.client import InputError, _expected_errors, _out
 from worker.constants import MAX_PAGE_SIZE
 from worker.contract import JobStatus
@@ -50,7 +50,7 @@ def fetch_jobs(client: Gateway, path: str, key: str, status: str | None, limit: 
 def _status(value: Any) -> str:
     colour = {"succeeded": "green", "failed": "red", "canceled": "yellow", "running": "cyan"}
     name = str(value)
-    return f"[{colour[name]}]{name}[/]" if name in colour else name
+    return f"[{colour[name]}]{name}[/]" if name in colour else plain(name)
 
 
 def _list(
@@ -90,9 +90,9 @@ def searches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False
     def row(job: dict[str, Any]) -> list[str]:
         error = (job.get("error") or {}).get("type", "")
         return [
-            str(job["id"]), _status(job["status"]), str(job.get("index")), str(job.get("mode")),
-            str(job.get("query")), local_time(job.get("created_at")),
-            local_time(job.get("finished_at")), str(error),
+            plain(job["id"]), _status(job["status"]), plain(job.get("index")),
+            plain(job.get("mode")), plain(job.get("query")), local_time(job.get("created_at")),
+            local_time(job.get("finished_at")), plain(error),
         ]  # fmt: skip
 
     columns = ["id", "status", "index", "mode", "query", "created", "finished", "error"]
@@ -108,8 +108,8 @@ def batches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False)
         counts = batch.get("counts") or {}
         done = sum(int(counts.get(s, 0)) for s in ("succeeded", "failed", "canceled"))
         return [
-            str(batch["id"]), _status(batch["status"]), str(batch.get("index")),
-            str(batch.get("lane")), f"{done}/{counts.get('total', '?')}",
+            plain(batch["id"]), _status(batch["status"]), plain(batch.get("index")),
+            plain(batch.get("lane")), f"{done}/{counts.get('total', '?')}",
             str(counts.get("failed", 0)), local_time(batch.get("created_at")),
             local_time(batch.get("finished_at")),
         ]  # fmt: skip
@@ -126,7 +126,7 @@ def ingestions(status: Status = None, limit: Limit = 20, json_out: JsonOut = Fal
     def row(job: dict[str, Any]) -> list[str]:
         upserted = job.get("upserted")
         return [
-            str(job["id"]), _status(job["status"]), str(job.get("index")),
+            plain(job["id"]), _status(job["status"]), plain(job.get("index")),
             str(job.get("documents")), "–" if upserted is None else str(upserted),
             local_time(job.get("created_at")), local_time(job.get("finished_at")),
         ]  # fmt: skip

@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 
 from worker.cli import app
-from worker.cli._output import print_result, sample_path
+from worker.cli._output import plain, print_result, sample_path
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError, SiftError
 from worker.processes import follow_supervisor, resolve_processes, run_workers
@@ -41,7 +41,7 @@ from worker.stack import (
     worker_service,
 )
 
-console = Console()
+console = Console(emoji=False)
 DEV_KEY_FILE = "dev-api-key.json"  # in the data folder: the development key and its secret
 
 
@@ -139,9 +139,11 @@ def _check_backend(settings: Settings) -> None:
                 backend.close()  # the workers open their own
     except SiftError as error:
         if isinstance(error, ConfigError) or settings.search_backend == "embedded":
-            console.print(f"[red]error:[/red] {error}")
+            console.print(f"[red]error:[/red] {plain(error)}")
             raise typer.Exit(2) from error
-        console.print(f"[yellow]warning:[/yellow] could not check the indexes' layout: {error}")
+        console.print(
+            f"[yellow]warning:[/yellow] could not check the indexes' layout: {plain(error)}"
+        )
 
 
 @runtime_checkable
@@ -170,7 +172,7 @@ def elasticsearch_migrate(
     try:
         report = backend.migrate_shared(delete_old=delete_old, dry_run=dry_run)
     except SiftError as error:
-        console.print(f"[red]error:[/red] {error}")
+        console.print(f"[red]error:[/red] {plain(error)}")
         raise typer.Exit(1) from error
     verb = "would go" if dry_run else "went"
     for name, tenants in report.items():
@@ -188,7 +190,7 @@ def _settings(**overrides: Any) -> Settings:
     try:
         return load_settings(**overrides)
     except SiftError as error:
-        console.print(f"[red]error:[/red] {error}")
+        console.print(f"[red]error:[/red] {plain(error)}")
         raise typer.Exit(2) from error
 
 
@@ -307,7 +309,7 @@ def _start(
         with console.status("starting redis, a worker and the gateway…"):
             return stack.enter_context(local_stack(settings, report))
     except (RuntimeError, SiftError) as error:
-        console.print(f"[red]error:[/red] {error}")
+        console.print(f"[red]error:[/red] {plain(error)}")
         raise typer.Exit(1) from error
 
 
@@ -342,7 +344,9 @@ def up(
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
     with contextlib.ExitStack() as stack:
-        started = _start(stack, settings, report=lambda line: console.print(f"[yellow]{line}[/]"))
+        started = _start(
+            stack, settings, report=lambda line: console.print(f"[yellow]{plain(line)}[/]")
+        )
         console.print(f"gateway  [bold]{started.url}[/]  (OpenAPI at {started.url}/docs)")
         console.print(f"api key  [bold]{started.api_key}[/]")
         console.print(f"webhooks signed with {_webhook_secret_source(settings)}")
@@ -387,10 +391,12 @@ def demo(
         for line in out.read_text().splitlines():
             item = json.loads(line)
             if item["status"] == "succeeded":
-                title = f"“{texts.get(item['query_id'], item['query_id'])}”"
+                title = f"“{plain(texts.get(item['query_id'], item['query_id']))}”"
                 print_result(console, item["result"], title=title)
             else:
-                console.print(f"[red]{item['query_id']} {item['status']}[/]: {item['error']}")
+                console.print(
+                    f"[red]{plain(item['query_id'])} {item['status']}[/]: {plain(item['error'])}"
+                )
         console.print("stopping the stack…")
     elapsed = time.monotonic() - started
     console.print(f"[green]demo done[/] in {elapsed:.1f} s; every process stopped")

@@ -35,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli import app
+from worker.cli._output import cli_console, plain
 from worker.constants import (
     ACTIVE_JOBS_KEY,
     ALL_QUEUES,
@@ -294,7 +295,8 @@ def show(console: Console, status: Status) -> None:
     for w in status.workers:
         beat = "–" if w.beat_age_seconds is None else f"{w.beat_age_seconds:.1f} s ago"
         workers.add_row(
-            w.worker_id, w.node or "–", beat, str(len(w.holds)), _tasks(w.holds), _jobs(w.holds),
+            plain(w.worker_id), plain(w.node or "–"), beat, str(len(w.holds)),
+            _tasks(w.holds), _jobs(w.holds),
             _tasks(w.active) if status.inspect_answered else "–",
         )  # fmt: skip
     console.print(workers)
@@ -304,7 +306,7 @@ def show(console: Console, status: Status) -> None:
             "control off: workers started with --without-remote-control)"
         )
     for node in status.unknown_nodes:
-        console.print(f"[yellow]{node} answers Celery but has no heartbeat in Redis[/]")
+        console.print(f"[yellow]{plain(node)} answers Celery but has no heartbeat in Redis[/]")
 
     batches = Table(title=f"Batches running: {len(status.batches)}", title_justify="left")
     for name in ("batch", "tenant", "index", "done", "running", "queued", "failed", "age", "moved"):
@@ -314,7 +316,8 @@ def show(console: Console, status: Status) -> None:
     for b in status.batches:
         done = sum(b.counts.get(s, 0) for s in ("succeeded", "failed", "canceled"))
         batches.add_row(
-            b.id, b.tenant, b.index, f"{done}/{b.total}", str(b.counts.get("running", 0)),
+            plain(b.id), plain(b.tenant), plain(b.index), f"{done}/{b.total}",
+            str(b.counts.get("running", 0)),
             str(b.counts.get("queued", 0)), str(b.counts.get("failed", 0)),
             f"{b.age_seconds:.0f} s", f"{b.idle_seconds:.0f} s ago",
         )  # fmt: skip
@@ -337,11 +340,11 @@ def status_command(
     ] = False,
 ) -> None:
     """The queues, the workers alive and their work, and the batches running (SIFT_REDIS_URL)."""
-    err = Console(stderr=True, highlight=False)
+    err = cli_console(stderr=True)
     try:
         url = load_settings().redis_url
     except ConfigError as exc:
-        err.print(f"[bold red]error:[/] {exc.message}")
+        err.print(f"[bold red]error:[/] {plain(exc.message)}")
         raise typer.Exit(1) from None
     if not url:
         err.print(
@@ -353,11 +356,11 @@ def status_command(
     try:
         status = collect(store, None if no_inspect else celery_inspect(url), timeout)
     except (redis.RedisError, OSError) as exc:
-        err.print(f"[bold red]error:[/] cannot read Redis at SIFT_REDIS_URL: {exc}")
+        err.print(f"[bold red]error:[/] cannot read Redis at SIFT_REDIS_URL: {plain(exc)}")
         raise typer.Exit(1) from None
     finally:
         store.close()
     if json_out:
         typer.echo(json.dumps(asdict(status)))
     else:
-        show(Console(highlight=False), status)
+        show(cli_console(), status)
