@@ -29,7 +29,9 @@ BATCH_MOVES_KEY = REDIS_PREFIX + "batch-moves:"
 INGEST_KEY = REDIS_PREFIX + "ingest:"  # + ingest job id -> job record (hash)
 INGEST_DOCS_KEY = REDIS_PREFIX + "ingest-docs:"  # + ingest job id -> documents JSON
 # the index lifecycle (issue 13): every accepted write's version, and index reads' answers
-WRITE_VERSION_KEY = REDIS_PREFIX + "write-version"  # counter: the last write version handed out
+# the counter of earlier releases, shared by every tenant: now only where each tenant's starts
+WRITE_VERSION_KEY = REDIS_PREFIX + "write-version"
+WRITE_VERSION_TENANT_KEY = REDIS_PREFIX + "write-version:"  # + tenant -> its last version, no TTL
 INDEX_REPLY_KEY = REDIS_PREFIX + "index-reply:"  # + request id -> list holding a read's answer
 # an index's own search settings (issue 15): weighted RRF and the candidate window, per tenant
 INDEX_SETTINGS_KEY = REDIS_PREFIX + "index-settings:"  # + tenant + ":" + index -> JSON, no TTL

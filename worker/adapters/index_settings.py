@@ -11,10 +11,10 @@ what it read for ``INDEX_SETTINGS_TTL_SECONDS`` (2 s), so a busy index costs one
 per process every 2 s, not one per search. A change is seen at once by the process that
 made it (it drops its copy), by the others within the TTL.
 
-Ordering with a drop: every change takes a write version from the counter that upserts,
-deletes and drops share (``sift:write-version``), and a drop clears the settings only if
-they are older than it: a change accepted after a drop was accepted survives the drop's
-task, whichever runs first.
+Ordering with a drop: every change takes a write version from the tenant's counter that its
+upserts, deletes and drops share (:mod:`worker.write_versions`), and a drop clears the
+settings only if they are older than it: a change accepted after a drop was accepted
+survives the drop's task, whichever runs first.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ from typing import Any
 import redis
 from pydantic import ValidationError
 
-from worker.constants import INDEX_SETTINGS_KEY, INDEX_SETTINGS_TTL_SECONDS, WRITE_VERSION_KEY
+from worker.constants import INDEX_SETTINGS_KEY, INDEX_SETTINGS_TTL_SECONDS
 from worker.contract import FusionSpec
 from worker.core.catalog import SearchSettings, merge_patch
 from worker.errors import InvalidRequest
 from worker.redis_client import QUICK_SOCKET_TIMEOUT, connect
+from worker.write_versions import next_write_version
 
 # Drop the settings only if they are no newer than the drop (ARGV[1]: its version).
 _CLEAR = """
@@ -110,7 +111,7 @@ class RedisIndexSettings:
                     pipe.watch(key)  # type: ignore[no-untyped-call]
                     merged = merge_patch(_parse(pipe.get(key)).stored, patch)
                     _check(merged)
-                    version = int(self._redis.incr(WRITE_VERSION_KEY))
+                    version = next_write_version(self._redis, tenant)
                     pipe.multi()
                     if merged:
                         pipe.set(key, json.dumps({"settings": merged, "version": version}))

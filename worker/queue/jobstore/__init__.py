@@ -23,7 +23,8 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:eco-state:<id>       hash   once-only claims (``submit``)
     sift:ingest:<id>          hash   like a search record, with index and document count
     sift:ingest-docs:<id>     string the documents (a delete: the ids), until the task has run
-    sift:write-version        string the last write version handed out (upserts, deletes, drops)
+    sift:write-version:<t>    string the tenant's last write version (upserts, deletes, drops,
+                                     settings); starts from sift:write-version, earlier releases'
     sift:index-reply:<id>     list   one index read's answer, for 60 s
     sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
     sift:attempts:<task>:<n>  string deliveries of one task message

@@ -14,7 +14,6 @@ from worker.constants import (
     INGEST_DOCS_TTL_SECONDS,
     INGEST_ID_PREFIX,
     INGEST_KEY,
-    WRITE_VERSION_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, JobStatus
 from worker.queue.jobstore.jobindex import KIND_INGEST, index_job
@@ -28,6 +27,7 @@ from worker.queue.jobstore.records import (
     write_operation,
 )
 from worker.queue.jobstore.store import _StoreCore
+from worker.write_versions import next_write_version
 
 
 def _stage_messages(pipe: redis.client.Pipeline, enqueue: Enqueue | None, job_id: str) -> None:
@@ -93,7 +93,7 @@ class IngestRecords(_StoreCore):
             documents=documents,
             created_at=_now(),
             operation=operation,
-            version=int(self.redis.incr(WRITE_VERSION_KEY)),
+            version=next_write_version(self.redis, tenant),
         )
         key = INGEST_KEY + job.id
         pipe = self.redis.pipeline(transaction=True)
