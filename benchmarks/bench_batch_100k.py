@@ -84,6 +84,8 @@ from worker.constants import (  # noqa: E402
     BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
     BATCH_SPECS_KEY,
+    MAX_DOCUMENTS_PER_REQUEST,
+    MAX_WAIT_SECONDS,
     REDIS_PREFIX,
 )
 from worker.stack import child_env, worker_process  # noqa: E402
@@ -132,14 +134,21 @@ def ingest_corpus(client: httpx.Client, documents: list[dict[str, Any]], sample:
     if sample:
         ingest(client)
         return
-    for start in range(0, len(documents), 1000):
+    for start in range(0, len(documents), MAX_DOCUMENTS_PER_REQUEST):
+        # the API waits at most MAX_WAIT_SECONDS (a longer wait is a 422): poll past it
         response = client.post(
             f"/v1/indexes/{INDEX}/documents",
-            params={"wait": 600},
-            json={"documents": documents[start : start + 1000]},
+            params={"wait": MAX_WAIT_SECONDS},
+            json={"documents": documents[start : start + MAX_DOCUMENTS_PER_REQUEST]},
             headers=ACME,
         )
         response.raise_for_status()
+        job = response.json()
+        while job["status"] not in FINAL:
+            time.sleep(1)
+            job = client.get(response.headers["location"], headers=ACME).json()
+        if job["status"] != "succeeded":
+            raise SystemExit(f"ingest {job['id']} {job['status']}: {job.get('error')}")
         assert response.json()["status"] == "succeeded", response.text
 
 
