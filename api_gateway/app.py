@@ -12,13 +12,14 @@ from contextlib import asynccontextmanager
 
 import redis
 import redis.asyncio
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import KeyRing, require_metrics_token
 from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
+from api_gateway.deps import query_parameters
 from api_gateway.docs import install_docs
 from api_gateway.errors import ErrorBody, install_error_handlers
 from api_gateway.indexes import router as indexes_router
@@ -109,9 +110,10 @@ def create_app(
     app.state.keyring = keyring
     app.state.metrics = metrics
     install_error_handlers(app)
-    app.include_router(router)
-    app.include_router(listing_router)
-    app.include_router(indexes_router)
+    checked = [Depends(query_parameters)]  # an unknown or repeated query parameter is a 422
+    app.include_router(router, dependencies=checked)
+    app.include_router(listing_router, dependencies=checked)
+    app.include_router(indexes_router, dependencies=checked)
     document_bodies(app)
     install_docs(app)
 

@@ -9,10 +9,13 @@ import base64
 import binascii
 import re
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastapi import Depends, Query, Request
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import authenticate
@@ -53,6 +56,30 @@ def is_id(value: str, prefix: str) -> bool:
     digits). Any other is unknown without asking Redis: a client's text never becomes part
     of a key name, where it could name a key of another type (a WRONGTYPE error, a 5xx)."""
     return value.startswith(prefix) and _ID_DIGITS.fullmatch(value, len(prefix)) is not None
+
+
+def _query_names(dependant: Dependant) -> frozenset[str]:
+    """The query parameters a route's ``dependant`` takes: its own and its dependencies'."""
+    names = {param.alias for param in dependant.query_params}
+    return frozenset(names.union(*(_query_names(d) for d in dependant.dependencies)))
+
+
+def query_parameters(request: Request, _tenant: Tenant) -> None:
+    """Refuse a query parameter the route does not take, or one it takes given twice: a
+    ``422`` naming it, as an unknown body field is. Ignored, a typo (``?statu=failed``,
+    ``?wiat=10``) silently listed everything or did not wait, and ``?status=a&status=b`` kept
+    the last. After the key check (``_tenant``), so a request without a key is still 401."""
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    known = _query_names(route.dependant)  # a walk of a few objects: no cache needed
+    for name, times in Counter(name for name, _ in request.query_params.multi_items()).items():
+        if name not in known:
+            takes = ", ".join(sorted(known)) or "no query parameter"
+            where = f"{request.method} {route.path}"
+            raise InvalidRequest(name, f"is not a query parameter of {where} (it takes {takes})")
+        if times > 1:
+            raise InvalidRequest(name, f"is given {times} times: give it once")
 
 
 def job_store(request: Request) -> JobStore:

@@ -1,0 +1,72 @@
+"""A query parameter a route does not take, or one it takes given twice, is a 422 naming it,
+as an unknown body field is: never silently ignored.
+
+Before, ``GET /v1/searches?statu=failed`` (a typo) listed every search as if unfiltered,
+``POST /v1/searches?wiat=10`` answered 202 at once instead of waiting, ``GET
+/v1/searches/{id}?wait=5`` (a long poll the API does not have) answered at once, and
+``?status=queued&status=failed`` silently kept the last. Through the gateway app on a real
+Redis; no worker is needed, since each is refused before anything is stored or enqueued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from starlette.testclient import TestClient
+
+from api_gateway.app import create_app
+from worker.queue.jobstore import JobStore
+from worker.settings import ApiKey, Settings
+
+KEY = "key-acme-0123456789"
+ACME = {"Authorization": f"Bearer {KEY}"}
+SEARCH = {"index": "docs", "query": "tea"}
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LKLYYb"
+JOB = "srch_" + "0" * 32
+
+
+@pytest.fixture
+def client(redis_url: str, store: JobStore) -> Iterator[TestClient]:
+    """The gateway app on the emptied database ``store`` gives."""
+    settings = Settings(
+        redis_url=redis_url, api_keys=[ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)]
+    )
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "field"),
+    [
+        ("GET", "/v1/searches?statu=failed", "statu"),
+        ("GET", "/v1/batches?page_size=5&index=docs", "index"),
+        ("GET", "/v1/ingestions?limit=5", "limit"),
+        ("GET", "/v1/indexes?status=queued", "status"),
+        ("GET", f"/v1/searches/{JOB}?wait=5", "wait"),
+        ("POST", "/v1/searches?wiat=10", "wiat"),
+        ("POST", "/v1/batches?wait=10", "wait"),
+        ("GET", "/v1/searches?status=queued&status=failed", "status"),
+        ("POST", "/v1/searches?wait=1&wait=2", "wait"),
+    ],
+)
+def test_an_unknown_or_repeated_query_parameter_is_422_naming_it(
+    client: TestClient, method: str, path: str, field: str
+) -> None:
+    body = (
+        {"index": "docs", "queries": [{"id": "a", "query": "tea"}]} if "batches" in path else SEARCH
+    )
+    response = client.request(method, path, json=body if method == "POST" else None, headers=ACME)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == field and error["message"].startswith(f"{field}: "), error
+    assert client.get("/v1/searches", headers=ACME).json()["searches"] == []  # nothing stored
+
+
+def test_the_parameters_a_route_takes_are_still_taken(client: TestClient) -> None:
+    assert client.get("/v1/searches?status=failed&page_size=5", headers=ACME).status_code == 200
+    assert client.post("/v1/searches?wait=0", json=SEARCH, headers=ACME).status_code == 202
+
+
+def test_without_a_key_it_is_still_401(client: TestClient) -> None:
+    assert client.get("/v1/searches?statu=failed").status_code == 401
