@@ -294,6 +294,23 @@ def test_ingest_skip_invalid_sends_the_rest(fake_gateway: FakeGateway, tmp_path:
     assert "corpus.jsonl:2: field 'text'" in result.output
 
 
+def test_skip_invalid_skips_a_line_that_is_not_json_too(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    """A file cut off mid-line (a copy interrupted, a writer killed) ends in a line that is not
+    JSON: --skip-invalid skips it as any bad line. Before, it stopped the command."""
+    cut = '{"_id": "d3", "te'
+    rows = [{"_id": "d0", "text": "a"}, "{not json", {"_id": "d2", "text": "c"}, cut]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "s", "--skip-invalid")
+    assert result.exit_code == 0, result.output
+    [batch] = fake_gateway.posted("/v1/indexes/s/documents")
+    assert [d["id"] for d in batch["documents"]] == ["d0", "d2"]
+    assert "skipped 2 invalid line" in result.output
+    assert "corpus.jsonl:2: not valid JSON" in result.output
+    assert "corpus.jsonl:4: not valid JSON" in result.output
+
+
 def test_a_gateway_4xx_is_printed_with_its_field(fake_gateway: FakeGateway, tmp_path: Path) -> None:
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "b"}])
     result = run(fake_gateway, "ingest", str(corpus), "--index", "refused")

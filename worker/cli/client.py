@@ -72,8 +72,9 @@ def _expected_errors() -> Iterator[None]:
         raise typer.Exit(EXIT_ERROR) from None
 
 
-def _jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """``(line number, parsed object)`` per non-blank line; bad JSON raises at its line."""
+def _jsonl(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` per non-blank line; each is parsed by :func:`_parsed`, where a
+    line that is not JSON is a bad line like any other (``--skip-invalid`` skips it)."""
     try:
         handle = path.open(encoding="utf-8")
     except OSError as exc:
@@ -81,14 +82,18 @@ def _jsonl(path: Path) -> Iterator[tuple[int, Any]]:
     with handle:
         try:
             for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield number, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise InputError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+                if line.strip():
+                    yield number, line
         except UnicodeDecodeError as exc:
             raise InputError(f"{path}: not UTF-8 text ({exc.reason})") from exc
+
+
+def _parsed(line: str) -> Any:
+    """One line's JSON; raises ValueError saying it is not JSON."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
 
 
 def _pydantic_problem(exc: ValidationError) -> str:
@@ -151,9 +156,9 @@ def _load(path: Path, parse: Any, *, skip_invalid: bool, unique_ids: bool = Fals
     """Read and check every line first, so a bad line stops the command before anything is sent."""
     loaded = Loaded()
     seen: set[str] = set()
-    for number, obj in _jsonl(path):
+    for number, line in _jsonl(path):
         try:
-            record = parse(obj)
+            record = parse(_parsed(line))
             if unique_ids:
                 if record["id"] in seen:
                     raise ValueError(f"field 'id': {record['id']!r} appears twice")
