@@ -40,6 +40,7 @@ MODES = ("fts", "vector", "hybrid")
 LANES = ("standard", "economy")
 EXIT_ERROR = 1
 EXIT_ITEMS_FAILED = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 class InputError(Exception):
@@ -278,6 +279,38 @@ def _print_search(console: Console, job: dict[str, Any], *, trace: bool) -> None
             console.print(f"  {plain(line)}", soft_wrap=True)
 
 
+@contextmanager
+def _cancel_on_interrupt(client: Gateway, batch_id: str) -> Iterator[None]:
+    """Ctrl-C while ``sift batch`` waits cancels the batch (``DELETE /v1/batches/{id}``) and
+    exits 130, saying what was canceled: the results file is this command's to write, so a
+    batch left running would spend its searches and model calls for nothing."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err = _err()
+        err.print(f"interrupted: canceling batch {batch_id}")
+        try:
+            batch = client.json("DELETE", f"/v1/batches/{batch_id}")
+        except GatewayError as exc:
+            if exc.status_code == 409:
+                err.print(f"batch {batch_id} had already finished: nothing canceled")
+            else:
+                err.print(
+                    f"[bold red]error:[/] {plain(exc)}; the batch may still be running "
+                    f"(DELETE /v1/batches/{batch_id} cancels it)",
+                    soft_wrap=True,
+                )
+        else:
+            counts = batch.get("counts") or {}
+            finished = int(counts.get("succeeded", 0)) + int(counts.get("failed", 0))
+            err.print(
+                f"batch {batch_id} canceled: {counts.get('canceled', 0)} item(s) canceled, "
+                f"{finished} finished; items already waiting on the model finish too",
+                soft_wrap=True,
+            )
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
 def _job_failure(job: dict[str, Any]) -> str:
     error = job.get("error") or {}
     if isinstance(error, dict):
@@ -425,7 +458,7 @@ def batch(
             submitted = client.json("POST", "/v1/batches", json=body)
             batch_id = str(submitted["id"])
             console.print(f"batch [bold]{batch_id}[/]: {len(items)} queries submitted")
-            with progress_bar(console) as progress:
+            with _cancel_on_interrupt(client, batch_id), progress_bar(console) as progress:
                 task = progress.add_task(f"batch {index}", total=len(items))
 
                 def show(state: dict[str, Any]) -> None:

@@ -1,0 +1,77 @@
+"""``sift batch`` interrupted (Ctrl-C) while it waits cancels the batch it submitted, and says
+what was canceled.
+
+Before, Ctrl-C exited 130 with nothing said and the batch ran on: every item searched (and
+reranked, at the model's price) while no results file would ever be written, since the
+command that writes it was gone. A cancel also stops items not yet at their model call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from worker.cli import app, client
+from worker.cli._http import Gateway
+
+BATCH = "bat_" + "1" * 32
+COUNTS = {"total": 3, "queued": 1, "running": 0, "succeeded": 1, "failed": 0, "canceled": 1}
+
+
+def served(answers: dict[str, Any], sent: list[tuple[str, str]]) -> Any:
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append((request.method, request.url.path))
+        if request.method == "POST":
+            return httpx.Response(202, json={"id": BATCH, "status": "queued"})
+        if request.method == "GET":
+            raise KeyboardInterrupt  # Ctrl-C while the command polls
+        reply = answers["delete"]
+        return httpx.Response(reply[0], json=reply[1])
+
+    @contextlib.contextmanager
+    def gateway() -> Iterator[Gateway]:
+        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
+
+    return gateway
+
+
+def run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, delete: tuple[int, Any]) -> Any:
+    sent: list[tuple[str, str]] = []
+    monkeypatch.setattr(client, "gateway", served({"delete": delete}, sent))
+    queries = tmp_path / "q.jsonl"
+    queries.write_text(
+        "".join(json.dumps({"id": f"q{i}", "query": "tea"}) + "\n" for i in range(3))
+    )
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(
+        app, ["batch", str(queries), "--index", "s", "--out", str(out)], env={"COLUMNS": "200"}
+    )
+    return result, sent
+
+
+def test_ctrl_c_cancels_the_batch_and_says_what_was_canceled(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    canceled = {"id": BATCH, "status": "running", "counts": COUNTS}
+    result, sent = run(monkeypatch, tmp_path, (200, canceled))
+    assert result.exit_code == 130, result.output
+    assert ("DELETE", f"/v1/batches/{BATCH}") in sent
+    assert f"batch {BATCH} canceled: 1 item(s) canceled, 1 finished" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_ctrl_c_after_the_batch_finished_cancels_nothing_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    finished = {"error": {"type": "already_finished", "message": "id: done", "field": "id"}}
+    result, sent = run(monkeypatch, tmp_path, (409, finished))
+    assert result.exit_code == 130, result.output
+    assert ("DELETE", f"/v1/batches/{BATCH}") in sent
+    assert f"batch {BATCH} had already finished: nothing canceled" in result.output
