@@ -34,6 +34,7 @@ Wait = Annotated[
     Query(
         ge=0,
         le=MAX_WAIT_SECONDS,
+        allow_inf_nan=False,  # "nan" was refused as not at most 30, not as what it is
         description="Seconds to wait for the job to finish; 200 if it did, else 202.",
     ),
 ]

@@ -70,3 +70,11 @@ def test_the_parameters_a_route_takes_are_still_taken(client: TestClient) -> Non
 
 def test_without_a_key_it_is_still_401(client: TestClient) -> None:
     assert client.get("/v1/searches?statu=failed").status_code == 401
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_wait_that_is_not_a_finite_number_says_so(client: TestClient, value: str) -> None:
+    """``wait=nan`` was refused as "less than or equal to 30", which it is not about."""
+    response = client.post(f"/v1/searches?wait={value}", json=SEARCH, headers=ACME)
+    assert response.status_code == 422, response.text
+    assert response.json()["error"]["message"] == "wait: Input should be a finite number"
