@@ -40,3 +40,14 @@ def test_a_tenants_versions_go_on_from_the_deployments_shared_counter(store: Job
     assert ingest_version(store, "globex") == 1_001
     assert store.create_deletion("acme", "shared", None).version == 1_002
     assert ingest_version(store, "initech") == 1_001
+
+
+def test_a_write_accepted_after_one_of_an_earlier_release_gets_a_higher_version(
+    store: JobStore,
+) -> None:
+    """During a rolling upgrade a gateway (or worker) of the earlier release still moves the
+    shared counter: a write accepted after such a write, by an upgraded gateway, must get a
+    higher version, or it would lose to the older write (a delete undone)."""
+    assert ingest_version(store, "acme") == 1
+    store.redis.set(WRITE_VERSION_KEY, 40)  # an earlier release's gateway took 2..40
+    assert ingest_version(store, "acme") == 41
