@@ -11,16 +11,17 @@ from worker.constants import (
     MAX_BATCH_QUERIES,
     MAX_BATCH_QUERY_ID_CHARS,
     MAX_DOCUMENTS_PER_REQUEST,
-    MAX_LIMIT,
     MAX_WEBHOOK_URL_CHARS,
 )
 from worker.contract import (
     CandidateLimit,
     DocumentRequest,
     ErrorInfo,
+    Flag,
     FusionSpec,
     IndexName,
     JobStatus,
+    Limit,
     Metadata,
     Mode,
     QueryText,
@@ -60,7 +61,7 @@ class SearchJobOut(BaseModel):
 class BatchQueryIn(_Strict):
     id: str = Field(min_length=1, max_length=MAX_BATCH_QUERY_ID_CHARS)
     query: QueryText
-    limit: int | None = Field(default=None, ge=1, le=MAX_LIMIT)
+    limit: Limit | None = None
     mode: Mode | None = None
     filters: Metadata = Field(default_factory=dict)
 
@@ -71,8 +72,8 @@ class BatchRequest(_Strict):
 
     index: IndexName
     queries: list[BatchQueryIn] = Field(min_length=1, max_length=MAX_BATCH_QUERIES)
-    rerank: bool | None = None
-    include_trace: bool = False
+    rerank: Flag | None = None
+    include_trace: Flag = False
     webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
     lane: Literal["standard", "economy"] = "standard"
     fusion: FusionSpec | None = Field(

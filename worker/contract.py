@@ -17,6 +17,7 @@ from pydantic import (
     Field,
     PlainValidator,
     SerializerFunctionWrapHandler,
+    Strict,
     model_serializer,
     model_validator,
 )
@@ -149,8 +150,13 @@ QueryText = Annotated[
 
 
 Weight = Annotated[float, Field(ge=0.0, le=MAX_FUSION_WEIGHT, allow_inf_nan=False)]
-RankConstant = Annotated[int, Field(ge=1, le=MAX_RANK_CONSTANT)]
-CandidateLimit = Annotated[int, Field(ge=1, le=MAX_CANDIDATE_LIMIT)]
+# Strict: a boolean, a string or a float where an integer (or a boolean) goes is a wrong type
+# (a 422 naming it), not a value to convert: `"limit": true` ran a one-hit search, `"rerank":
+# "yes"` reranked. JSON's integers and booleans, and what Sift stores, are unchanged.
+RankConstant = Annotated[int, Strict(), Field(ge=1, le=MAX_RANK_CONSTANT)]
+CandidateLimit = Annotated[int, Strict(), Field(ge=1, le=MAX_CANDIDATE_LIMIT)]
+Limit = Annotated[int, Strict(), Field(ge=1, le=MAX_LIMIT)]
+Flag = Annotated[bool, Strict()]
 
 
 class FusionWeights(StrictModel):
@@ -220,10 +226,10 @@ class SearchSpec(StrictModel):
 
     index: IndexName
     query: QueryText
-    limit: int = Field(default=10, ge=1, le=MAX_LIMIT)
+    limit: Limit = 10
     mode: Mode = "hybrid"
-    rerank: bool | None = None
-    include_trace: bool = False
+    rerank: Flag | None = None
+    include_trace: Flag = False
     filters: dict[str, FilterValue] = Field(default_factory=dict)
     fusion: FusionSpec | None = Field(
         default=None,

@@ -22,6 +22,8 @@ from worker.settings import ApiKey, Settings
 KEY = "key-acme-0123456789"
 ACME = {"Authorization": f"Bearer {KEY}"}
 SEARCH = {"index": "docs", "query": "tea"}
+QUERY = {"id": "a", "query": "tea"}
+BATCH = {"index": "docs", "queries": [QUERY]}
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LKLYYb"
 JOB = "srch_" + "0" * 32
 
@@ -78,3 +80,35 @@ def test_a_wait_that_is_not_a_finite_number_says_so(client: TestClient, value: s
     response = client.post(f"/v1/searches?wait={value}", json=SEARCH, headers=ACME)
     assert response.status_code == 422, response.text
     assert response.json()["error"]["message"] == "wait: Input should be a finite number"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/searches", {**SEARCH, "limit": True}, "limit"),
+        ("/v1/searches", {**SEARCH, "limit": "5"}, "limit"),
+        ("/v1/searches", {**SEARCH, "limit": 5.0}, "limit"),
+        ("/v1/searches", {**SEARCH, "rerank": "yes"}, "rerank"),
+        ("/v1/searches", {**SEARCH, "include_trace": 1}, "include_trace"),
+        ("/v1/searches", {**SEARCH, "candidate_limit": True}, "candidate_limit"),
+        ("/v1/searches", {**SEARCH, "fusion": {"rank_constant": "60"}}, "fusion.rank_constant"),
+        ("/v1/batches", {**BATCH, "rerank": "no"}, "rerank"),
+        (
+            "/v1/batches",
+            {**BATCH, "queries": [{"id": "a", "query": "t", "limit": True}]},
+            "queries[0].limit",
+        ),
+    ],
+)
+def test_a_body_value_of_the_wrong_json_type_is_422_naming_it(
+    client: TestClient, path: str, body: dict[str, object], field: str
+) -> None:
+    """A boolean, a string or a float where the API takes an integer (or a boolean) is a
+    wrong type, not a value to convert: ``"limit": true`` ran a search of one hit,
+    ``"rerank": "yes"`` reranked, ``"rerank": "no"`` did not."""
+    response = client.post(path, json=body, headers=ACME)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == field and error["message"].startswith(f"{field}: "), error
+    assert client.get("/v1/searches", headers=ACME).json()["searches"] == []
+    assert client.get("/v1/batches", headers=ACME).json()["batches"] == []
