@@ -1,4 +1,5 @@
-"""Pure ASGI middleware: the request body size limit (413) and per-route HTTP metrics."""
+"""Pure ASGI middleware: the request body size limit (413), a compressed body (415), and
+per-route HTTP metrics."""
 
 from __future__ import annotations
 
@@ -11,40 +12,46 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from api_gateway.metrics import GatewayMetrics
 
 
+async def _refuse(send: Send, status: int, type_: str, field: str, message: str) -> None:
+    """Answer with the gateway's error body, before the app has read anything."""
+    error = {"type": type_, "message": f"{field}: {message}", "field": field}
+    body = json.dumps({"error": error}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
 class BodyLimitMiddleware:
-    """Refuse a body larger than ``limit`` bytes with 413, before the app parses it."""
+    """Refuse a body larger than ``limit`` bytes with 413, before the app parses it; and a
+    compressed one (``Content-Encoding`` other than ``identity``) with 415: the body is read as
+    sent, and a gzip body was a 400 "not valid JSON: can't decode byte 0x8b" that did not say
+    why."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
         self.limit = limit
 
     async def _too_large(self, send: Send) -> None:
-        body = json.dumps(
-            {
-                "error": {
-                    "type": "payload_too_large",
-                    "message": f"body: larger than the limit of {self.limit} bytes",
-                    "field": "body",
-                }
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        message = f"larger than the limit of {self.limit} bytes"
+        await _refuse(send, 413, "payload_too_large", "body", message)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
         for name, value in scope["headers"]:
+            if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
+                why = f"{value.decode('latin-1')!r} is not accepted: send the body uncompressed"
+                await _refuse(send, 415, "unsupported_media_type", "Content-Encoding", why)
+                return
             if name == b"content-length":
                 try:
                     declared = int(value)

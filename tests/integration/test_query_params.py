@@ -10,6 +10,8 @@ Redis; no worker is needed, since each is refused before anything is stored or e
 
 from __future__ import annotations
 
+import gzip
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -112,3 +114,23 @@ def test_a_body_value_of_the_wrong_json_type_is_422_naming_it(
     assert error["field"] == field and error["message"].startswith(f"{field}: "), error
     assert client.get("/v1/searches", headers=ACME).json()["searches"] == []
     assert client.get("/v1/batches", headers=ACME).json()["batches"] == []
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "br", "deflate, gzip"])
+def test_a_compressed_body_is_415_naming_content_encoding(
+    client: TestClient, encoding: str
+) -> None:
+    """The gateway reads bodies as sent: a compressed one was a 400 "body: is not valid JSON:
+    'utf-8' codec can't decode byte 0x8b", which did not say that compression was the cause."""
+    body = gzip.compress(json.dumps(SEARCH).encode())
+    headers = {**ACME, "content-type": "application/json", "content-encoding": encoding}
+    response = client.post("/v1/searches", content=body, headers=headers)
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["field"] == "Content-Encoding", error
+    assert error["message"].startswith(f"Content-Encoding: {encoding!r} is not accepted"), error
+
+
+def test_an_identity_content_encoding_is_read(client: TestClient) -> None:
+    headers = {**ACME, "content-encoding": "identity"}
+    assert client.post("/v1/searches", json=SEARCH, headers=headers).status_code == 202
