@@ -1,4 +1,6 @@
-"""A query parameter a route does not take, or one it takes given twice, is a 422 naming it,
+"""What the gateway refuses that it used to take and misread: each a 4xx naming the field.
+
+A query parameter a route does not take, or one it takes given twice, is a 422 naming it,
 as an unknown body field is: never silently ignored.
 
 Before, ``GET /v1/searches?statu=failed`` (a typo) listed every search as if unfiltered,
