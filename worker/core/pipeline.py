@@ -140,6 +140,8 @@ class Prepared:
     ``result`` is set when no model call is needed (no rerank, or no candidates): it is final.
     Otherwise ``prompt`` is what to send, and :meth:`SearchPipeline.finish` turns the model's
     answer (or the failure) into the result. ``seconds`` is the time the first half took.
+    ``trace`` lists the candidates only when the search asked for its trace
+    (``include_trace``): otherwise no one reads it, and it is a dict per candidate.
     """
 
     spec: SearchSpec
@@ -347,12 +349,14 @@ class SearchPipeline:
             if reranking:
                 self.recorder.rerank_outcome(POLICY_ID, "skipped")
             info = RerankInfo(applied=False, policy=None, fallback_reason=None)
-            trace["candidates"] = _trace_candidates(candidates, None)
+            if spec.include_trace:
+                trace["candidates"] = _trace_candidates(candidates, None)
             result = self._result(candidates[: spec.limit], info, Usage(), spec, trace)
             return Prepared(spec, candidates, trace, result=result)
         assert self.reranker is not None
         prompt = self.build_prompt(query, spec, candidates)
-        trace["candidates"] = _trace_candidates(candidates, prompt)
+        if spec.include_trace:  # a dict per candidate: built only for a trace that is shown
+            trace["candidates"] = _trace_candidates(candidates, prompt)
         trace["model"] = self.reranker.model
         return Prepared(spec, candidates, trace, prompt=prompt)
 
@@ -469,12 +473,10 @@ class SearchPipeline:
             cache_creation_input_tokens=run.usage.cache_creation_input_tokens,
             cost_usd=run.cost_usd,
         )
-        trace.update(
-            attempts=run.attempts,
-            rerank_seconds=run.seconds,
-            usage=usage.model_dump(),
-            returned_positions=list(run.returned) if run.returned is not None else None,
-        )
+        trace.update(attempts=run.attempts, rerank_seconds=run.seconds)
+        if spec.include_trace:  # the trace's parts built per candidate or model: only if shown
+            trace["usage"] = usage.model_dump()
+        trace["returned_positions"] = list(run.returned) if run.returned is not None else None
         reply = run.reply
         if reply is None:
             failure = run.failure
@@ -742,5 +744,6 @@ def load_prepared(pipeline: SearchPipeline, data: Mapping[str, Any]) -> Prepared
     ]
     trace = dict(data["trace"])
     prompt = pipeline.build_prompt(str(trace["query"]), spec, candidates)
-    trace["candidates"] = _trace_candidates(candidates, prompt)
+    if spec.include_trace:
+        trace["candidates"] = _trace_candidates(candidates, prompt)
     return Prepared(spec, candidates, trace, prompt=prompt, seconds=float(data["seconds"]))
