@@ -18,10 +18,7 @@ from worker.constants import POLICY_ID
 from worker.contract import (
     Channel,
     FilterValue,
-    Hit,
-    Ranks,
     RerankInfo,
-    Scores,
     SearchResult,
     SearchSpec,
     Usage,
@@ -615,9 +612,15 @@ class SearchPipeline:
         spec: SearchSpec,
         trace: dict[str, Any],
     ) -> SearchResult:
-        hits = [_hit(candidate, final) for final, candidate in enumerate(chosen, start=1)]
-        return SearchResult(
-            hits=hits, rerank=info, usage=usage, trace=trace if spec.include_trace else None
+        # one validation of the whole result, its hits as plain data: the same checks as a
+        # Hit, Ranks and Scores built one by one (three model inits a hit), a third of the CPU
+        return SearchResult.model_validate(
+            {
+                "hits": [_hit(candidate, final) for final, candidate in enumerate(chosen, start=1)],
+                "rerank": info,
+                "usage": usage,
+                "trace": trace if spec.include_trace else None,
+            }
         )
 
 
@@ -653,26 +656,30 @@ def _shown(value: FilterValue) -> FilterValue:
     return value
 
 
-def _hit(candidate: Candidate, final: int) -> Hit:
+def _hit(candidate: Candidate, final: int) -> dict[str, Any]:
+    """A candidate as a :class:`~worker.contract.Hit`'s data (every field given, as a
+    ``Hit(...)`` built field by field had them: the same fields set), to validate with its
+    result."""
     doc = candidate.document
-    return Hit(
-        id=doc.id,
-        revision=doc.revision,
-        title=doc.title,
-        text=doc.text,
-        metadata=shown_metadata(doc.metadata),
-        ranks=Ranks(
-            final=final,
-            rrf=candidate.rrf_rank,
-            bm25=candidate.channel_ranks.get("bm25"),
-            knn=candidate.channel_ranks.get("knn"),
-        ),
-        scores=Scores(
-            rrf=candidate.rrf_score,
-            bm25=candidate.channel_scores.get("bm25"),
-            knn=candidate.channel_scores.get("knn"),
-        ),
-    )
+    ranks, scores = candidate.channel_ranks, candidate.channel_scores
+    return {
+        "id": doc.id,
+        "revision": doc.revision,
+        "title": doc.title,
+        "text": doc.text,
+        "metadata": shown_metadata(doc.metadata),
+        "ranks": {
+            "final": final,
+            "rrf": candidate.rrf_rank,
+            "bm25": ranks.get("bm25"),
+            "knn": ranks.get("knn"),
+        },
+        "scores": {
+            "rrf": candidate.rrf_score,
+            "bm25": scores.get("bm25"),
+            "knn": scores.get("knn"),
+        },
+    }
 
 
 def _trace_candidates(

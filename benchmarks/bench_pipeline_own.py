@@ -1,0 +1,133 @@
+"""The pipeline's own CPU per reranked search, today's against a baseline commit, in one run.
+
+    python benchmarks/bench_pipeline_own.py [--baseline b49c850] [--rounds 6] [--searches 3000]
+
+What ``bench_rerank_cpu.py --profile`` calls "the rest of the search" (fusion, the prompt,
+the result, the trace, the metrics, the retry layer), without what the ports do: the backend
+answers the same 30 documents in each channel from memory, the embedder a fixed vector, the
+model a fixed reply, so only :mod:`worker.core.pipeline` and what it calls is measured, with
+the worker's Prometheus recorder in multiprocess mode. ``--baseline``'s
+``worker/core/pipeline.py`` (``git show``) runs beside today's, on the same ports, in
+alternating rounds; each round prints the thread CPU per search of both, and the end the
+median of the rounds and of their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+class Backend:
+    """The same 30 documents in both channels (kNN in another order), from memory."""
+
+    name = "embedded"
+
+    def __init__(self) -> None:
+        from benchmarks.bench_queue import corpus
+        from worker.core.types import ChannelHit, Document
+
+        docs = [Document(d["id"], d["text"], d["title"], "r1", d["metadata"]) for d in corpus()]
+        self.bm25 = [ChannelHit(d, 12.0 - i / 4) for i, d in enumerate(docs)]
+        self.knn = [ChannelHit(d, 0.9 - i / 100) for i, d in enumerate(reversed(docs))]
+
+    def probe(self, index: str, tenant: str) -> Any:
+        from worker.core.types import IndexProbe
+
+        return IndexProbe(frozenset({"bm25", "knn"}), Embedder.model_id)
+
+    def retrieve(self, query: Any) -> Any:
+        from worker.core.types import ChannelResults
+
+        return ChannelResults({"bm25": self.bm25, "knn": self.knn}, {"bm25": 0.0001, "knn": 0.0001})
+
+
+class Embedder:
+    model_id = "stub-embedder"
+    dimension = 4
+
+    def embed(self, texts: Any) -> list[list[float]]:
+        return [[0.5, 0.5, 0.5, 0.5] for _ in texts]
+
+
+class Reranker:
+    model = "claude-haiku-4-5"
+
+    def rerank(self, prompt: Any, timeout_seconds: float) -> Any:
+        from worker.core.types import RerankReply, TokenUsage
+
+        return RerankReply([3, 1, 2, 30, 7, 9, 11, 4, 5, 6], TokenUsage(3000, 40), self.model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--baseline", default="b49c850")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--searches", type=int, default=3000, help="per side and round")
+    args = parser.parse_args()
+    from worker import metrics
+
+    metrics.setup_multiprocess(Path(tempfile.mkdtemp()) / "metrics")
+    from benchmarks.baseline import module_at
+    from benchmarks.bench_queue import queries
+    from worker.bootstrap import pipeline_config
+    from worker.contract import SearchSpec
+    from worker.core import pipeline as today
+    from worker.settings import load_settings
+
+    baseline = module_at(args.baseline, "worker/core/pipeline.py", "baseline_pipeline")
+    settings = load_settings(
+        data_dir=Path(tempfile.mkdtemp()), redis_url=None, rerank_enabled=True,
+        generation_model="anthropic:claude-haiku-4-5",
+    )  # fmt: skip
+    pipelines = {
+        side: module.SearchPipeline(
+            Backend(),
+            Embedder(),
+            Reranker(),
+            pipeline_config(settings),
+            metrics.PrometheusRecorder(),
+        )
+        for side, module in (("baseline", baseline), ("today", today))
+    }
+    specs = [SearchSpec(index="bench", query=q) for q in queries(args.searches)]
+    for pipeline in pipelines.values():  # warm up, and check both answer alike
+        results = [pipeline.search(spec, "bench").model_dump_json() for spec in specs[:50]]
+    same = [p.search(specs[0], "bench").model_dump_json() for p in pipelines.values()]
+    assert same[0] == same[1], same
+    rows: dict[str, list[float]] = {side: [] for side in pipelines}
+    for round_ in range(args.rounds):
+        order = list(pipelines) if round_ % 2 == 0 else list(pipelines)[::-1]
+        for side in order:
+            search = pipelines[side].search
+            started = time.thread_time()
+            for spec in specs:
+                search(spec, "bench")
+            rows[side].append(1e6 * (time.thread_time() - started) / len(specs))
+        print(f"round {round_ + 1}: " + ", ".join(
+            f"{side} {rows[side][-1]:.1f} us" for side in pipelines), file=sys.stderr)  # fmt: skip
+    ratios = [b / t for b, t in zip(rows["baseline"], rows["today"], strict=True)]
+    out = {
+        "baseline": args.baseline,
+        "us_per_search_median": {side: round(statistics.median(v), 1) for side, v in rows.items()},
+        "ratio_baseline_over_today_median": round(statistics.median(ratios), 3),
+        "ratios": [round(r, 3) for r in ratios],
+        "load_average": os.getloadavg(),
+        "results_alike": len(results) == 50,
+    }
+    json.dump(out, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
