@@ -9,7 +9,8 @@ model a fixed reply, so only :mod:`worker.core.pipeline` and what it calls is me
 the worker's Prometheus recorder in multiprocess mode. ``--baseline``'s
 ``worker/core/pipeline.py`` (``git show``) runs beside today's, on the same ports, in
 alternating rounds; each round prints the thread CPU per search of both, and the end the
-median of the rounds and of their ratios.
+median of the rounds and of their ratios. Then ``rrf_fuse`` alone, ``--baseline``'s
+``worker/core/fusion.py`` beside today's (the pipeline above imports today's fusion).
 """
 
 from __future__ import annotations
@@ -69,6 +70,41 @@ class Reranker:
         return RerankReply([3, 1, 2, 30, 7, 9, 11, 4, 5, 6], TokenUsage(3000, 40), self.model)
 
 
+def fusion_alone(commit: str, rounds: int, calls: int) -> dict[str, dict[str, float]]:
+    """``rrf_fuse`` of ``commit``'s ``worker/core/fusion.py`` and today's, side by side, on
+    the benchmark's 30 + 30 hits and on 120 + 120 (the channel window of 30 candidates)."""
+    from benchmarks.baseline import module_at
+    from benchmarks.bench_pipeline_cpu import candidates
+    from worker.core import fusion as today
+    from worker.core.types import ChannelHit
+
+    baseline = module_at(commit, "worker/core/fusion.py", "baseline_fusion")
+    backend = Backend()
+    docs = [c.document for c in candidates(120)]
+    many = [ChannelHit(d, 10.0 - i / 10) for i, d in enumerate(docs)]
+    inputs = {
+        "30+30 hits": {"bm25": backend.bm25, "knn": backend.knn},
+        "120+120 hits": {"bm25": many, "knn": list(reversed(many))},
+    }
+    out: dict[str, dict[str, float]] = {}
+    for name, hits in inputs.items():
+        got = [m.rrf_fuse(hits, 30) for m in (baseline, today)]
+        assert [(c.document.id, c.rrf_score, c.rrf_rank) for c in got[0]] == [
+            (c.document.id, c.rrf_score, c.rrf_rank) for c in got[1]
+        ]
+        times: dict[str, list[float]] = {"baseline": [], "today": []}
+        for round_ in range(rounds):
+            sides = [("baseline", baseline), ("today", today)]
+            for side, module in sides if round_ % 2 == 0 else sides[::-1]:
+                started = time.thread_time()
+                for _ in range(calls):
+                    module.rrf_fuse(hits, 30)
+                times[side].append(1e6 * (time.thread_time() - started) / calls)
+        out[name] = {side: round(statistics.median(v), 1) for side, v in times.items()}
+        print(f"rrf_fuse, {name}: {out[name]}", file=sys.stderr)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--baseline", default="b49c850")
@@ -117,6 +153,7 @@ def main() -> None:
         print(f"round {round_ + 1}: " + ", ".join(
             f"{side} {rows[side][-1]:.1f} us" for side in pipelines), file=sys.stderr)  # fmt: skip
     ratios = [b / t for b, t in zip(rows["baseline"], rows["today"], strict=True)]
+    fusion = fusion_alone(args.baseline, args.rounds, args.searches)
     out = {
         "baseline": args.baseline,
         "us_per_search_median": {side: round(statistics.median(v), 1) for side, v in rows.items()},
@@ -124,6 +161,7 @@ def main() -> None:
         "ratios": [round(r, 3) for r in ratios],
         "load_average": os.getloadavg(),
         "results_alike": len(results) == 50,
+        "fusion_alone_us_per_call_median": fusion,
     }
     json.dump(out, sys.stdout, indent=2)
     sys.stdout.write("\n")

@@ -227,10 +227,12 @@ def rrf_fuse(
     """
     fusion = fusion or Fusion()
     fused = _collect(channel_hits, fusion)
+    # each channel's weight read once, not once per candidate: the same terms, in the same order
+    weights = {channel: fusion.weight(channel) for channel in channel_hits}
+    k = fusion.rank_constant
     for candidate in fused.values():
         candidate.rrf_score = math.fsum(
-            fusion.weight(channel) / (fusion.rank_constant + rank)
-            for channel, rank in candidate.channel_ranks.items()
+            [weights[channel] / (k + rank) for channel, rank in candidate.channel_ranks.items()]
         )
     return _ordered(fused, limit)
 
@@ -293,8 +295,10 @@ def _collect(
         if fusion.weight(channel) <= 0.0:
             continue  # a channel weighted 0 is not fused at all
         for rank, hit in enumerate(hits, start=1):
-            candidate = fused.setdefault(hit.document.id, Candidate(hit.document, 0, 0.0, {}, {}))
-            if channel in candidate.channel_ranks:
+            candidate = fused.get(hit.document.id)
+            if candidate is None:  # built for a new document only (setdefault built one a hit)
+                candidate = fused[hit.document.id] = Candidate(hit.document, 0, 0.0, {}, {})
+            elif channel in candidate.channel_ranks:
                 continue
             candidate.channel_ranks[channel] = rank
             candidate.channel_scores[channel] = hit.score
