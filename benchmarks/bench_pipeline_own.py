@@ -10,7 +10,8 @@ the worker's Prometheus recorder in multiprocess mode. ``--baseline``'s
 ``worker/core/pipeline.py`` (``git show``) runs beside today's, on the same ports, in
 alternating rounds; each round prints the thread CPU per search of both, and the end the
 median of the rounds and of their ratios. Then ``rrf_fuse`` alone, ``--baseline``'s
-``worker/core/fusion.py`` beside today's (the pipeline above imports today's fusion).
+``worker/core/fusion.py`` beside today's (the pipeline above imports today's fusion); and
+today's pipeline with the metrics' children looked up at every call and kept.
 """
 
 from __future__ import annotations
@@ -105,6 +106,31 @@ def fusion_alone(commit: str, rounds: int, calls: int) -> dict[str, dict[str, fl
     return out
 
 
+def label_children(pipeline: Any, specs: list[Any], rounds: int) -> dict[str, float]:
+    """Today's pipeline with the metrics' children looked up by ``labels`` at every call (as
+    before ``metrics._child`` kept them: that lookup, plus one function call) and kept,
+    side by side (the baseline's pipeline above records through today's metrics)."""
+    from worker import metrics
+
+    kept = metrics._child
+    sides = {"labels each call": lambda metric, *values: metric.labels(*values), "kept": kept}
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    try:
+        for round_ in range(rounds):
+            order = list(sides) if round_ % 2 == 0 else list(sides)[::-1]
+            for side in order:
+                metrics._child = sides[side]  # type: ignore[assignment]
+                started = time.thread_time()
+                for spec in specs:
+                    pipeline.search(spec, "bench")
+                times[side].append(1e6 * (time.thread_time() - started) / len(specs))
+    finally:
+        metrics._child = kept
+    out = {side: round(statistics.median(v), 1) for side, v in times.items()}
+    print(f"metrics children: {out}", file=sys.stderr)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--baseline", default="b49c850")
@@ -154,6 +180,7 @@ def main() -> None:
             f"{side} {rows[side][-1]:.1f} us" for side in pipelines), file=sys.stderr)  # fmt: skip
     ratios = [b / t for b, t in zip(rows["baseline"], rows["today"], strict=True)]
     fusion = fusion_alone(args.baseline, args.rounds, args.searches)
+    children = label_children(pipelines["today"], specs, args.rounds)
     out = {
         "baseline": args.baseline,
         "us_per_search_median": {side: round(statistics.median(v), 1) for side, v in rows.items()},
@@ -162,6 +189,7 @@ def main() -> None:
         "load_average": os.getloadavg(),
         "results_alike": len(results) == 50,
         "fusion_alone_us_per_call_median": fusion,
+        "today_us_per_search_labels_each_call_or_kept_median": children,
     }
     json.dump(out, sys.stdout, indent=2)
     sys.stdout.write("\n")

@@ -353,6 +353,21 @@ def _never_raises(method: Callable[P, None]) -> Callable[P, None]:
     return wrapper
 
 
+_children: dict[tuple[object, tuple[str, ...]], Any] = {}
+
+
+def _child(metric: Counter | Gauge | Histogram, *values: str) -> Any:
+    """``metric.labels(*values)``, kept after its first call. prometheus-client checks the
+    values and takes its lock at every ``labels`` (a search makes some fifteen such calls, a
+    tenth of the pipeline's own CPU); the child it answers is the same object every time,
+    since nothing here removes one, so the kept one is the one it would answer."""
+    key = (metric, values)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*values)
+    return child
+
+
 _warned: set[tuple[str, str]] = set()
 
 
@@ -382,30 +397,30 @@ class PrometheusRecorder:
     @_never_raises
     def retrieval(self, backend: str, channel: str, seconds: float) -> None:
         channel = _closed(channel, RETRIEVAL_CHANNELS, "channel")
-        RETRIEVAL_DURATION.labels(backend, channel).observe(seconds)
+        _child(RETRIEVAL_DURATION, backend, channel).observe(seconds)
 
     @_never_raises
     def retrieval_hits(self, backend: str, channel: str, hits: int) -> None:
         channel = _closed(channel, RETRIEVAL_CHANNELS, "channel")
-        RETRIEVAL_HITS.labels(backend, channel).observe(hits)
+        _child(RETRIEVAL_HITS, backend, channel).observe(hits)
 
     @_never_raises
     def rerank_attempt(self, model: str, result: str) -> None:
-        RERANK_ATTEMPTS.labels(model, _closed(result, ATTEMPT_RESULTS, "result")).inc()
+        _child(RERANK_ATTEMPTS, model, _closed(result, ATTEMPT_RESULTS, "result")).inc()
 
     @_never_raises
     def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:
         for token_type in TOKEN_TYPES:
             tokens = usage.get(token_type, 0)
             if tokens:
-                RERANK_TOKENS.labels(model, token_type, self.lane).inc(tokens)
+                _child(RERANK_TOKENS, model, token_type, self.lane).inc(tokens)
         if cost_usd:  # None (no price) adds nothing: rerank_unpriced counted those calls
-            RERANK_COST.labels(model, self.lane).inc(cost_usd)
+            _child(RERANK_COST, model, self.lane).inc(cost_usd)
 
     @_never_raises
     def rerank_done(self, model: str, outcome: str, seconds: float) -> None:
         outcome = _closed(outcome, RERANK_DURATION_OUTCOMES, "outcome")
-        RERANK_DURATION.labels(model, outcome, self.lane).observe(seconds)
+        _child(RERANK_DURATION, model, outcome, self.lane).observe(seconds)
 
     @_never_raises
     def rerank_unpriced(self, model: str) -> None:
@@ -413,18 +428,19 @@ class PrometheusRecorder:
 
     @_never_raises
     def rerank_outcome(self, policy: str, outcome: str) -> None:
-        RERANK_OUTCOMES.labels(policy, _closed(outcome, RERANK_OUTCOME_VALUES, "outcome")).inc()
+        _child(RERANK_OUTCOMES, policy, _closed(outcome, RERANK_OUTCOME_VALUES, "outcome")).inc()
 
     @_never_raises
     def search_done(self, mode: str, outcome: str, seconds: float) -> None:
         mode = _closed(mode, SEARCH_MODES, "mode")
-        SEARCH_DURATION.labels(mode, _closed(outcome, SEARCH_OUTCOMES, "outcome")).observe(seconds)
+        outcome = _closed(outcome, SEARCH_OUTCOMES, "outcome")
+        _child(SEARCH_DURATION, mode, outcome).observe(seconds)
 
 
 @contextlib.contextmanager
 def rerank_in_flight(model: str) -> Iterator[None]:
     """Counts one model call in ``sift_rerank_in_flight`` while the block runs."""
-    gauge = RERANK_IN_FLIGHT.labels(model)
+    gauge = _child(RERANK_IN_FLIGHT, model)
     gauge.inc()
     try:
         yield
@@ -460,7 +476,7 @@ class InFlightReranker:
 @_never_raises
 def budget_waited(model: str, lane: str, seconds: float) -> None:
     """A model call of ``lane`` waited ``seconds`` for the shared rate budget (0: none)."""
-    BUDGET_WAIT.labels(model, _closed(lane, LANES, "lane")).observe(max(0.0, seconds))
+    _child(BUDGET_WAIT, model, _closed(lane, LANES, "lane")).observe(max(0.0, seconds))
 
 
 @_never_raises
@@ -472,7 +488,7 @@ def provider_429(model: str, lane: str = "standard") -> None:
 @_never_raises
 def observe_queue_wait(queue: str, seconds: float) -> None:
     """A worker started a job ``seconds`` after it was submitted to ``queue``."""
-    QUEUE_WAIT.labels(queue).observe(max(0.0, seconds))
+    _child(QUEUE_WAIT, queue).observe(max(0.0, seconds))
 
 
 @_never_raises
@@ -485,7 +501,7 @@ def job_submitted(kind: str, count: int = 1) -> None:
 def job_completed(kind: str, status: str, error: str | None = None, count: int = 1) -> None:
     """``count`` jobs reached a final status; a failed one also counts under its error class."""
     kind = _closed(kind, JOB_KINDS, "kind")
-    JOBS_COMPLETED.labels(kind, _closed(status, JOB_STATUSES, "status")).inc(count)
+    _child(JOBS_COMPLETED, kind, _closed(status, JOB_STATUSES, "status")).inc(count)
     if status == "failed":
         JOB_FAILURES.labels(kind, _closed(error or "internal", JOB_ERRORS, "error")).inc(count)
 
@@ -493,7 +509,7 @@ def job_completed(kind: str, status: str, error: str | None = None, count: int =
 @contextlib.contextmanager
 def running_job() -> Iterator[None]:
     """Counts one job in ``sift_jobs_in_flight{state="running"}`` while the block runs."""
-    gauge = JOBS_IN_FLIGHT.labels("running")
+    gauge = _child(JOBS_IN_FLIGHT, "running")
     gauge.inc()
     try:
         yield
