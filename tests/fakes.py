@@ -28,7 +28,12 @@ class EmptyRuntime:
     the calls they are about."""
 
     def search(
-        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+        self,
+        spec: SearchSpec,
+        tenant: str,
+        before_model: Callable[[], None] | None = None,
+        *,
+        spent: float = 0.0,
     ) -> SearchResult:
         return SearchResult(hits=[], rerank=RerankInfo(applied=False))
 

@@ -54,10 +54,16 @@ class Runtime:
         )
 
     def search(
-        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+        self,
+        spec: SearchSpec,
+        tenant: str,
+        before_model: Callable[[], None] | None = None,
+        *,
+        spent: float = 0.0,
     ) -> SearchResult:
-        """One search; ``before_model`` as :meth:`SearchPipeline.search` takes it."""
-        return self.pipeline.search(spec, tenant, before_model)
+        """One search; ``before_model`` and ``spent`` as :meth:`SearchPipeline.search` takes
+        them."""
+        return self.pipeline.search(spec, tenant, before_model, spent=spent)
 
     def pace(self) -> None:
         """A batch item waits here for the rate budget (:meth:`SearchPipeline.pace`)."""

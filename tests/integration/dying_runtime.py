@@ -12,7 +12,12 @@ from worker.settings import Settings
 
 class DyingRuntime(EmptyRuntime):
     def search(
-        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+        self,
+        spec: SearchSpec,
+        tenant: str,
+        before_model: Callable[[], None] | None = None,
+        *,
+        spent: float = 0.0,
     ) -> SearchResult:
         if spec.query == "die":
             os._exit(17)  # no cleanup, no ack: as an OOM kill would

@@ -30,7 +30,12 @@ class ScriptedRuntime(EmptyRuntime):
         self.first_half = first_half  # runs where retrieval would, before the model call
 
     def search(
-        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+        self,
+        spec: SearchSpec,
+        tenant: str,
+        before_model: Callable[[], None] | None = None,
+        *,
+        spent: float = 0.0,
     ) -> SearchResult:
         self.calls += 1
         if self.errors:

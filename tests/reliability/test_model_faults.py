@@ -7,7 +7,10 @@ a typed, retried, then clearly reported failure. Timing figures live in
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -21,7 +24,7 @@ from tests.reliability.faults import (
     fault_stack,
     run_case,
 )
-from tests.reliability.support import ACME, INDEX, stack_env
+from tests.reliability.support import ACME, INDEX, stack_env, wait_for
 from tests.services import celery_worker, free_port, gateway, redis_server
 
 pytestmark = pytest.mark.integration
@@ -108,3 +111,70 @@ def test_the_search_backend_down_is_typed_retried_then_reported(tmp_path: Path) 
     assert "elasticsearch" in error["message"].lower() or "connect" in error["message"].lower()
     log = (tmp_path / "w" / "w-es.log").read_text()
     assert "retryable error, retrying" in log  # the task-level retry happened too
+
+
+@contextmanager
+def _silent_server() -> Iterator[str]:
+    """An address that takes connections and never answers (a hung Elasticsearch)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            with suppress(TimeoutError):
+                held.append(listener.accept()[0])
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join()
+        for connection in held:
+            connection.close()
+        listener.close()
+
+
+def test_a_task_retry_runs_in_what_is_left_of_the_search_deadline(tmp_path: Path) -> None:
+    """A backend that hangs: the search's one run spends its whole deadline (and more, the
+    channels probe waiting out the client's own timeout) and ends ``backend_unavailable``,
+    a retryable error. The task must not run it again under a fresh deadline (it did, three
+    times at the default ``SIFT_TASK_MAX_RETRIES``): no time is left of the search's one
+    deadline, so the job fails with that error after one run."""
+    with redis_server(tmp_path / "redis") as url, _silent_server() as hung:
+        env = stack_env(
+            url + "/0",
+            "http://127.0.0.1:9",
+            SIFT_RERANK_ENABLED="false",
+            SIFT_SEARCH_BACKEND="elasticsearch",
+            SIFT_ELASTICSEARCH_URL=hung,
+            SIFT_SEARCH_DEADLINE_SECONDS="2",
+        )
+        with (
+            celery_worker(tmp_path / "w", env, "w-hung", concurrency=2),
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=60) as client,
+        ):
+            response = client.post(
+                "/v1/searches", json={"index": INDEX, "query": "tea"}, headers=ACME
+            )
+            assert response.status_code == 202, response.text
+            job_id = response.json()["id"]
+            wait_for(
+                lambda: (
+                    client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"]
+                    in {"succeeded", "failed"}
+                ),
+                "the search final",
+                timeout=120,
+            )
+            job = client.get(f"/v1/searches/{job_id}", headers=ACME).json()
+    assert job["status"] == "failed" and job["error"]["type"] == "backend_unavailable", job
+    log = (tmp_path / "w" / "w-hung.log").read_text()
+    assert log.count(f"search {job_id}: running") == 1, log
+    assert "retryable error, retrying" not in log

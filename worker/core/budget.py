@@ -30,14 +30,23 @@ DEFAULT_429_PAUSE_SECONDS = 1.0
 
 @dataclass(slots=True)
 class Deadline:
-    """A point in monotonic time by which the whole search must be done."""
+    """A point in monotonic time by which the whole search must be done.
+
+    ``spent``: the seconds earlier runs of the same search already used (a task retry, or a
+    redelivery after a worker was lost): the deadline is one for the search, not per run.
+
+    >>> ticks = iter([100.0, 104.0])
+    >>> Deadline(30.0, lambda: next(ticks), spent=25.0).remaining()
+    1.0
+    """
 
     seconds: float
     clock: Callable[[], float] = time.monotonic
+    spent: float = 0.0
     started: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.started = self.clock()
+        self.started = self.clock() - self.spent
 
     def remaining(self) -> float:
         return self.seconds - (self.clock() - self.started)

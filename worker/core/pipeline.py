@@ -209,12 +209,19 @@ class SearchPipeline:
     # -- the algorithm ------------------------------------------------------------
 
     def search(
-        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+        self,
+        spec: SearchSpec,
+        tenant: str,
+        before_model: Callable[[], None] | None = None,
+        *,
+        spent: float = 0.0,
     ) -> SearchResult:
         """``before_model`` runs after the first half, just before the model call (not when
         none is needed); it may raise :class:`~worker.errors.Canceled` to stop there (a batch
-        item whose batch was canceled meanwhile), and the search is then not counted as done."""
-        deadline = Deadline(self.config.deadline_seconds, self._clock)
+        item whose batch was canceled meanwhile), and the search is then not counted as done.
+        ``spent``: the deadline's seconds earlier runs of this search used (a retry runs in
+        what is left of the one deadline)."""
+        deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
         outcome: str | None = "error"
         try:
             with self._cpu_slots:

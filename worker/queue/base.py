@@ -57,9 +57,15 @@ class Runtime(Protocol):
     """What the tasks need from :mod:`worker.runtime`."""
 
     def search(
-        self, spec: SearchSpec, tenant: str, before_model: Callable[[], None] | None = None
+        self,
+        spec: SearchSpec,
+        tenant: str,
+        before_model: Callable[[], None] | None = None,
+        *,
+        spent: float = 0.0,
     ) -> SearchResult:
-        """``before_model`` runs just before the model call and may raise ``Canceled``."""
+        """``before_model`` runs just before the model call and may raise ``Canceled``;
+        ``spent`` is the deadline's time earlier runs of the search used."""
         ...
 
     def ingest(
@@ -264,8 +270,12 @@ class SiftTask(Task):  # type: ignore[misc]
 
     def backoff(self) -> float:
         """Exponential backoff with full jitter, capped."""
-        ceiling = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2**self.request.retries)
+        ceiling = self.backoff_ceiling()
         return random.uniform(ceiling / 2, ceiling)
+
+    def backoff_ceiling(self) -> float:
+        """The longest :meth:`backoff` this delivery can wait."""
+        return float(min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2**self.request.retries))
 
     def delivery(self) -> int:
         """Count this delivery of the message: how many there have been, this one included."""

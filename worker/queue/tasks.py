@@ -34,12 +34,14 @@ from worker.constants import (
     WEBHOOK_TASK,
 )
 from worker.contract import ErrorInfo
+from worker.core.budget import MIN_ATTEMPT_SECONDS
 from worker.errors import Canceled, SiftError
+from worker.queue import liveness
 from worker.queue.base import SiftTask, WaitHop, count_completed, error_info
 from worker.queue.celery_app import visibility_timeout
 from worker.queue.economy import economy_pipeline, maybe_submit, save_prepared
 from worker.queue.items import CancelMarks, Chunk, RunOutcome
-from worker.queue.jobstore import BatchItem, ItemTransition, JobStore
+from worker.queue.jobstore import BatchItem, ItemTransition, JobStore, RunClaim
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -80,23 +82,36 @@ def search(self: SiftTask, job_id: str) -> None:
     else:
         if not store.start_search(job_id):
             return
+        deadline = self.context.settings.search_deadline_seconds
+        claim = store.claim_search(job_id, _run_owner(), lease_seconds=deadline)
+        if not claim.granted:  # another delivery is running it (jobstore/runs.py)
+            log.info("search %s: another run holds it; this delivery leaves it", job_id)
+            return
         if job.started_at is None:
             metrics.observe_queue_wait(SEARCH_QUEUE, time.time() - job.created_at)
         log.info("search %s: running for tenant %s", job_id, job.tenant)
         try:
-            with metrics.running_job():
-                result = self.context.runtime.search(job.spec, job.tenant)
-        except Exception as exc:
-            if self.should_retry(exc):
-                log.warning("search %s: retryable error, retrying: %s", job_id, exc)
-                store.requeue_search(job_id)
-                raise self.retry(exc=exc, countdown=self.backoff()) from exc
-            if not isinstance(exc, SiftError):
-                log.exception("search %s: unexpected error", job_id)
-            error = error_info(exc)
-            finished = count_completed("search", store.finish_search(job_id, error=error), error)
-        else:
-            finished = count_completed("search", store.finish_search(job_id, result=result), None)
+            try:
+                with metrics.running_job():
+                    result = self.context.runtime.search(job.spec, job.tenant, spent=claim.spent)
+            except Exception as exc:
+                countdown = self.backoff()
+                if self.should_retry(exc) and _retry_fits(claim, deadline, countdown):
+                    log.warning("search %s: retryable error, retrying: %s", job_id, exc)
+                    store.requeue_search(job_id)
+                    raise self.retry(exc=exc, countdown=countdown) from exc
+                if not isinstance(exc, SiftError):
+                    log.exception("search %s: unexpected error", job_id)
+                error = error_info(exc)
+                finished = count_completed(
+                    "search", store.finish_search(job_id, error=error), error
+                )
+            else:
+                finished = count_completed(
+                    "search", store.finish_search(job_id, result=result), None
+                )
+        finally:  # after the finish: a run that starts meanwhile finds the search final
+            store.release_search(job_id, claim)
     if finished:
         final = store.get_search_status(job_id)
         log.info("search %s: %s", job_id, final)
@@ -104,6 +119,20 @@ def search(self: SiftTask, job_id: str) -> None:
             self.send_webhook(
                 WEBHOOK_EVENT_SEARCH_COMPLETED, job_id, job.tenant, job.webhook_url, final.value
             )
+
+
+def _run_owner() -> str:
+    """This worker's id, for run claims: '' without a heartbeat (no liveness thread), whose
+    claims exclude no other run."""
+    current = liveness.current()
+    return current.worker_id if current is not None else ""
+
+
+def _retry_fits(claim: RunClaim, deadline: float, countdown: float) -> bool:
+    """Whether a task retry after ``countdown`` seconds would still start within the search's
+    one deadline: a retry runs in what is left of it, never in a deadline of its own."""
+    left = deadline - (time.time() - claim.first) - countdown
+    return left >= MIN_ATTEMPT_SECONDS
 
 
 @dataclass
@@ -146,7 +175,10 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     economy = batch.lane == LANE_ECONOMY
     # self.request is thread-local: take what the item threads need from it here
     may_retry = self.request.retries < self.context.settings.task_max_retries
+    retry_wait = self.backoff_ceiling()
     first_delivery = self.request.retries == 0
+    deadline = self.context.settings.search_deadline_seconds
+    owner = _run_owner()
     runtime = self.context.runtime if not poisoned else None
     marks = self.context.cancel_marks
 
@@ -168,6 +200,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
             metrics.observe_queue_wait(BATCH_QUEUE, time.time() - batch.created_at)
         assert runtime is not None and item.spec is not None
         checked = _ModelCheck(store, marks, batch_id, item.query_id)
+        claim: RunClaim | None = None
         try:
             with metrics.running_job():
                 if economy:  # the first half now; the model's answer comes from a provider batch
@@ -181,12 +214,21 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 pace = getattr(runtime, "pace", None)  # a runtime factory's may have none
                 if pace is not None:
                     pace()  # wait for the shared rate budget before the deadline starts
-                return runtime.search(item.spec, batch.tenant, checked), None
+                claim = store.claim_item(batch_id, item.query_id, owner, lease_seconds=deadline)
+                if not claim.granted:  # another delivery is running it (jobstore/runs.py)
+                    log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
+                    return None
+                return runtime.search(item.spec, batch.tenant, checked, spent=claim.spent), None
         except Canceled:  # canceled before its model call, or finished by another delivery
             return checked.stopped if checked.stopped and checked.stopped.applied else None
         except Exception as exc:
-            if may_retry and isinstance(exc, SiftError) and exc.retryable:
+            retryable = may_retry and isinstance(exc, SiftError) and exc.retryable
+            # a retry runs in what is left of the search's deadline (the economy lane's first
+            # half, claimed by no run, is retried as it was)
+            if retryable and (claim is None or _retry_fits(claim, deadline, retry_wait)):
                 store.requeue_item(batch_id, item.query_id)
+                if claim is not None:
+                    store.release_item(batch_id, item.query_id, claim)
                 return "retry"
             if not isinstance(exc, SiftError):
                 log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)

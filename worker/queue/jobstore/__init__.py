@@ -17,6 +17,8 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:batch-counts:<id>    hash   status -> count (queued, running, succeeded, failed, canceled)
     sift:batch-moves:<id>     hash   query id -> the token and answer of the move that made
                                      the item final (a move sent again answers as it ran)
+    sift:batch-runs:<id>      hash   query id -> its run claim (runs.py; a search's is its
+                                     record's ``run`` field)
     sift:eco-prepared:<id>    hash   query id -> prepared search JSON (economy lane, until final)
     sift:eco-runs:<id>        hash   query id -> {"pos","provider","round",...,"run"} JSON
     sift:eco-providers:<id>   hash   provider batch id -> {"round","requests","created_at",...}
@@ -87,6 +89,7 @@ from worker.queue.jobstore.records import (
     SearchJob,
     webhook_event,
 )
+from worker.queue.jobstore.runs import RunClaim, RunRecords
 from worker.queue.jobstore.searches import SearchRecords
 from worker.redis_client import CONNECTION_OPTIONS
 
@@ -109,6 +112,7 @@ __all__ = [
     "JobListing",
     "JobPage",
     "JobStore",
+    "RunClaim",
     "SearchJob",
     "fingerprint",
     "webhook_event",
@@ -123,6 +127,7 @@ class JobStore(
     EconomyLaneRecords,
     IdempotencyRecords,
     DeliveryRecords,
+    RunRecords,
     JobListing,
 ):
     """Job records in Redis. Thread-safe: redis-py's client pools its connections, and the

@@ -184,3 +184,43 @@ local earlier = redis.call('GET', KEYS[1])
 if not earlier or type(cjson.decode(earlier)['job']) == 'string' then return 0 end
 return redis.call('DEL', KEYS[1])
 """
+
+# Claim the run of a search or a batch item (worker/queue/jobstore/runs.py). KEYS: the hash
+# holding the claim. ARGV: its field, now, the claiming worker's id ('' : none), the run's
+# token, the lease (seconds), the heartbeat key prefix, the hash's TTL ('0': the hash is a
+# job record with its own TTL, and a missing one is not created). The value is
+# "<first start>|<owner>|<claimed at>|<token>". Refused while another run holds it: its
+# owner named, the owner's heartbeat alive and its lease not over. Returns {claimed (0/1),
+# the first start}: the first run's start is kept through every claim after it.
+_CLAIM_RUN = """
+local now = tonumber(ARGV[2])
+local first = ARGV[2]
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if cur then
+  local f, owner, since = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|')
+  if f then
+    first = f
+    if owner ~= '' and now < tonumber(since) + tonumber(ARGV[5])
+        and redis.call('EXISTS', ARGV[6] .. owner) == 1 then
+      return {0, first}
+    end
+  end
+end
+if ARGV[7] == '0' then
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {1, first} end
+end
+redis.call('HSET', KEYS[1], ARGV[1], first .. '|' .. ARGV[3] .. '|' .. ARGV[2] .. '|' .. ARGV[4])
+if ARGV[7] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[7])) end
+return {1, first}
+"""
+
+# Let a run's claim go, keeping the first start. KEYS: the hash. ARGV: the field, the run's
+# token. Returns 1 when that run still held it.
+_RELEASE_RUN = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+local f, token = string.match(cur, '^([^|]*)|[^|]*|[^|]*|(.*)$')
+if token ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], f .. '||0|')
+return 1
+"""

@@ -33,8 +33,10 @@ from worker.queue.jobstore.records import ItemTransition, _now
 from worker.queue.jobstore.scripts import (
     _CANCEL_BATCH,
     _CLAIM_IDEMPOTENCY,
+    _CLAIM_RUN,
     _CREATE_SEARCH,
     _RELEASE_IDEMPOTENCY,
+    _RELEASE_RUN,
     _TRANSITION_ITEM,
     _TRANSITION_JOB,
 )
@@ -77,6 +79,8 @@ class _StoreCore:
         self._create_search = client.register_script(_CREATE_SEARCH)
         self._claim_idempotency = client.register_script(_CLAIM_IDEMPOTENCY)
         self._release_idempotency = client.register_script(_RELEASE_IDEMPOTENCY)
+        self._claim_run = client.register_script(_CLAIM_RUN)
+        self._release_run = client.register_script(_RELEASE_RUN)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(

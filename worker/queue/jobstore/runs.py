@@ -1,0 +1,100 @@
+"""Run claims: which run of a search or a batch item may make its model call, and since when
+the search has been running.
+
+Why. A message can be delivered twice while its first run is still going: kombu's
+visibility-timeout restore, a re-drive, a client's publish sent again. The status
+compare-and-set keeps one result, but both runs started (``running`` may start again, so a
+dead worker's item is taken over), and each paid for a model call. And a task retry or a
+redelivery ran the search under a fresh deadline, so a search could run for several
+deadlines in all.
+
+How. Just before its search starts (after a batch item's pacing), a run claims the item:
+one script (:data:`~worker.queue.jobstore.scripts._CLAIM_RUN`) that refuses while another run
+holds the claim, its worker's heartbeat alive (:mod:`worker.queue.liveness`) and its lease
+(one search deadline) not over, and otherwise records this run, keeping the time the first
+run started. The run's deadline is what is left of one deadline from that first start
+(:class:`~worker.core.budget.Deadline`'s ``spent``), and a run that is refused makes no
+model call: the run holding the claim finishes the item. A run lets its claim go as it
+ends, however it ends, so a later delivery need not wait for the lease.
+
+A worker killed mid-run leaves its claim: its heartbeat expires within
+``SIFT_WORKER_DEAD_AFTER_SECONDS``, which is when :mod:`worker.queue.liveness` puts its
+messages back, and the redelivered run takes the claim over with what is left of the
+deadline. A worker without a heartbeat (no liveness thread) claims with no owner: the first
+start is kept, nothing is excluded.
+
+    claim = store.claim_item(batch_id, query_id, owner, lease_seconds=30.0)
+    if claim.granted:
+        try: run(spent=claim.spent)
+        finally: store.release_item(batch_id, query_id, claim)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from worker.constants import BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
+from worker.queue.jobstore.store import _StoreCore
+
+
+@dataclass(frozen=True, slots=True)
+class RunClaim:
+    """A claim's answer: ``granted`` (this run may go on), ``first`` (when the first run
+    started, epoch seconds) and this run's ``token``."""
+
+    granted: bool
+    first: float
+    token: str
+    claimed_at: float
+
+    @property
+    def spent(self) -> float:
+        """The deadline's time already spent by earlier runs, as of the claim."""
+        return max(0.0, self.claimed_at - self.first)
+
+
+class RunRecords(_StoreCore):
+    """Run claims of searches (a field of the search's record) and of batch items (a hash per
+    batch, living as long as the batch's records)."""
+
+    def claim_search(self, job_id: str, owner: str, *, lease_seconds: float) -> RunClaim:
+        return self._claim(SEARCH_KEY + job_id, "run", owner, lease_seconds, ttl=0)
+
+    def release_search(self, job_id: str, claim: RunClaim) -> None:
+        self._release(SEARCH_KEY + job_id, "run", claim)
+
+    def claim_item(
+        self, batch_id: str, query_id: str, owner: str, *, lease_seconds: float
+    ) -> RunClaim:
+        return self._claim(
+            BATCH_RUNS_KEY + batch_id, query_id, owner, lease_seconds, ttl=self.result_ttl
+        )
+
+    def release_item(self, batch_id: str, query_id: str, claim: RunClaim) -> None:
+        self._release(BATCH_RUNS_KEY + batch_id, query_id, claim)
+
+    def _claim(self, key: str, field: str, owner: str, lease: float, *, ttl: int) -> RunClaim:
+        now = time.time()
+        token = os.urandom(8).hex()
+        args = [field, repr(now), owner, token, repr(lease), WORKER_HEARTBEAT_KEY, str(ttl)]
+        (reply,) = self._transitions.call([(self._claim_run, [key], args)])
+        if isinstance(reply, Exception):
+            raise reply
+        granted, first = _pair(reply)
+        return RunClaim(granted=granted, first=first, token=token, claimed_at=now)
+
+    def _release(self, key: str, field: str, claim: RunClaim) -> None:
+        if not claim.granted:
+            return
+        (reply,) = self._transitions.call([(self._release_run, [key], [field, claim.token])])
+        if isinstance(reply, Exception):
+            raise reply
+
+
+def _pair(reply: Any) -> tuple[bool, float]:
+    granted, first = reply
+    first = first.decode() if isinstance(first, bytes) else first
+    return int(granted) == 1, float(first)
