@@ -35,6 +35,7 @@ from worker.logcontext import configure_logging
 from worker.metrics import (
     JOBS_IN_FLIGHT,
     ensure_multiprocess_dir,
+    job_store_unread,
     metrics_response,
     multiprocess_dir,
     preregister,
@@ -158,6 +159,7 @@ def create_app(
                 update_backlog(store.redis, ALL_QUEUES)
             except redis_errors() as exc:
                 log.warning("metrics: Redis unavailable: %s", exc)
+                job_store_unread(ALL_QUEUES)  # unknown now, not the last values read
             shared, _ = metrics_response()
             if multiprocess_dir() is not None:
                 # every value is in the files (its own HTTP metrics too): served once

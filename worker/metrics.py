@@ -34,6 +34,7 @@ import contextlib
 import functools
 import glob
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -546,6 +547,16 @@ def update_backlog(redis_client: RedisLike, queues: Iterable[str]) -> dict[str, 
         lengths[queue] = sum(int(redis_client.llen(key)) for key in kombu_queue_keys(queue))
         QUEUE_BACKLOG.labels(queue).set(lengths[queue])
     return lengths
+
+
+def job_store_unread(queues: Iterable[str]) -> None:
+    """The job store could not be read: ``sift_jobs_in_flight{state="queued"}`` and each
+    queue's ``sift_queue_backlog`` become NaN, not the last values read. A gateway kept
+    serving those, and the dashboards' and alerts' max over replicas showed a stale high
+    count as now; Prometheus's ``max`` passes over a NaN while another replica reads."""
+    JOBS_IN_FLIGHT.labels("queued").set(math.nan)
+    for queue in queues:
+        QUEUE_BACKLOG.labels(queue).set(math.nan)
 
 
 def preregister(

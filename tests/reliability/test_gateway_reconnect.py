@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import time
@@ -26,9 +27,11 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reliability.support import ACME, INDEX, KEYS
 from tests.services import free_port, gateway, redis_server
+from worker.constants import METRIC_JOBS_IN_FLIGHT, METRIC_QUEUE_BACKLOG, SEARCH_QUEUE
 
 Request = Callable[[httpx.Client, str, str], httpx.Response]
 
@@ -161,3 +164,39 @@ def test_while_redis_is_down_each_request_is_a_503_logged_once_on_a_connection_k
         assert len(lines) == len(down), lines
         assert all("ConnectionError" in line for line in lines), lines
         assert "Traceback" not in text and "Exception in ASGI application" not in text
+
+
+def _gauges(client: httpx.Client) -> dict[tuple[str, str], float]:
+    """The gateway's ``sift_jobs_in_flight`` and ``sift_queue_backlog`` samples, by (name,
+    label value)."""
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    return {
+        (sample.name, sample.labels.get("state") or sample.labels.get("queue", "")): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+        if sample.name in {METRIC_JOBS_IN_FLIGHT, METRIC_QUEUE_BACKLOG}
+    }
+
+
+@pytest.mark.timeout(120)
+def test_a_gateway_that_cannot_read_redis_exports_no_stale_queued_count(tmp_path: Path) -> None:
+    """Three searches queued (no worker): the gateway's metrics say 3. With Redis down, they
+    must not go on saying 3 (another replica's max would show it as now): NaN, unknown, which
+    Prometheus's ``max`` over replicas passes over; once Redis is back, the count again."""
+    with redis_and_gateway(tmp_path) as (server, client, _):
+        for _ in range(3):
+            created = client.post("/v1/searches", json=_search(), headers=ACME)
+            assert created.status_code == 202, created.text
+        queued = (METRIC_JOBS_IN_FLIGHT, "queued")
+        backlog = (METRIC_QUEUE_BACKLOG, SEARCH_QUEUE)
+        up = _gauges(client)
+        assert up[queued] == up[backlog] == 3, up
+
+        server.stop(signal.SIGKILL)
+        down = _gauges(client)
+        assert math.isnan(down[queued]) and math.isnan(down[backlog]), down
+
+        server.start()
+        again = _gauges(client)
+        assert again[queued] == again[backlog] == 3, again
