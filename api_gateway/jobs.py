@@ -6,6 +6,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
+import redis
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import BaseModel
 
@@ -27,7 +28,7 @@ from api_gateway.deps import (
     poll_until,
     task_sender,
 )
-from api_gateway.errors import ApiError, ErrorBody
+from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorBody
 from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
 from api_gateway.schemas import (
     BatchCounts,
@@ -596,8 +597,9 @@ async def get_batch_results(
         **ERRORS,
         409: {
             "model": ErrorBody,
-            "description": "`already_finished`: every item of the batch was already final; "
-            "nothing changed (its status, counts and webhook stand).",
+            "description": "`already_finished`: every item of the batch was already final "
+            "and no cancel had canceled any (it ended `succeeded`); nothing changed (its "
+            "status, counts and webhook stand).",
         },
     },
     summary="Cancel the items of a batch that have not reached their model call",
@@ -607,7 +609,10 @@ async def get_batch_results(
     "model call); items past it finish. The batch ends `canceled` if the cancel canceled at "
     "least one item, otherwise with the status it would have had, and its `batch.completed` "
     "webhook says the same. Cancelling again before it ends cancels only what was requeued "
-    "since; a batch already finished is `409 already_finished` and is left as it was. In the "
+    "since; a batch already finished is `409 already_finished` and is left as it was, unless "
+    "an earlier cancel made it `canceled`: a cancel repeated then answers `200` with the "
+    "batch as it is (so a client whose cancel was answered `503`, its outcome unknown, learns "
+    "that it took effect). In the "
     "economy lane, the batch's provider batches are canceled too: their requests not yet "
     "processed come back canceled.",
 )
@@ -626,10 +631,30 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
             JobStatus.CANCELED.value,
         )
         announce = sender.messages([(WEBHOOK_TASK, [event], WEBHOOK_QUEUE)])
-    outcome = await off_loop(job_store(request).cancel_batch, batch_id, announce=announce)
+    try:
+        outcome = await off_loop(job_store(request).cancel_batch, batch_id, announce=announce)
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # the store retried the cancel's script for 5 s (the same token: a reply lost after
+        # it ran is answered as it ran); past that, whether it ran is unknown, and a plain
+        # "retry" read as "not canceled" while the batch may end canceled
+        log.error("batch %s: the cancel's answer was not heard: %s", batch_id, exc)
+        raise ApiError(
+            503,
+            "unavailable",
+            f"id: the job store is unavailable, so whether batch {batch_id!r} was canceled is "
+            f"unknown; send the cancel again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s (a "
+            "cancel that took effect answers 200 with the batch canceled)",
+            field="id",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+        ) from exc
     if outcome is CancelOutcome.MISSING:
         raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
-    if isinstance(outcome, CancelOutcome):  # already finished: nothing changed
+    if isinstance(outcome, CancelOutcome):  # already finished: nothing changed now
+        finished = await _owned_batch(request, batch_id, tenant)
+        if finished.status is JobStatus.CANCELED:
+            # an earlier cancel canceled items and the batch ended canceled: this one repeats
+            # it (a client whose first cancel's answer was lost learns it took effect)
+            return batch_out(finished)
         raise ApiError(
             409,
             "already_finished",

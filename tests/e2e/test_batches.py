@@ -107,8 +107,8 @@ def test_cancel_a_queued_batch(stack: Stack) -> None:
     assert [r["status"] for r in page["results"]] == ["canceled"] * 50
     assert page["next_page_token"] is None
     again = stack.idle.delete(f"/v1/batches/{batch['id']}", headers=ACME)
-    assert again.status_code == 409  # the first cancel finished it
-    assert again.json()["error"]["type"] == "already_finished"
+    # the first cancel finished it, canceled: a repeat says so, and changes nothing
+    assert again.status_code == 200 and again.json() == canceled, again.text
     assert stack.idle.get(f"/v1/batches/{batch['id']}", headers=ACME).json() == canceled
     after = _completed(stack.idle)  # the cancel completed 50 items and the batch, once
     assert after["batch_item", "canceled"] - completed["batch_item", "canceled"] == 50

@@ -17,7 +17,8 @@ other byte passes untouched, so a worker or a gateway can run its whole stack th
 
 Armed with ``outage=`` seconds, the proxy plays a Redis restart at that command instead:
 the command never reaches Redis, every connection breaks, and new ones are refused for that
-long.
+long. Armed with ``down_after=`` seconds, the command runs and its reply is lost, and then
+Redis seems down that long (the restart came just after the command ran).
 
 A reply that is a ``NOSCRIPT`` error (the script not yet loaded: nothing ran) passes, and
 the proxy stays armed for the next command that carries the bytes.
@@ -46,18 +47,21 @@ class ReplyLoss:
         self._target = target_port
         self._markers: tuple[bytes, ...] | None = None
         self._outage = 0.0  # with the markers: how long Redis then seems down
+        self._down_after = 0.0  # with the markers: how long Redis seems down after the reply
         self._down_until = 0.0  # time.monotonic() until which no connection is served
         self._lock = threading.Lock()
         self._server = socket.create_server(("127.0.0.1", self.port))
         self._open: list[socket.socket] = []
         self._closed = False
 
-    def arm(self, *markers: bytes, outage: float = 0.0) -> None:
+    def arm(self, *markers: bytes, outage: float = 0.0, down_after: float = 0.0) -> None:
         """Lose the reply to the next command carrying every one of ``markers``. With
         ``outage`` seconds, Redis goes down at that command instead: it is not sent, every
-        connection is broken, and new ones are closed at once for that long (a restart)."""
+        connection is broken, and new ones are closed at once for that long (a restart).
+        With ``down_after`` seconds, the command runs, its reply is lost, and then Redis is
+        down so long."""
         with self._lock:
-            self._markers, self._outage = markers, outage
+            self._markers, self._outage, self._down_after = markers, outage, down_after
             self.fired.clear()
 
     def __enter__(self) -> ReplyLoss:
@@ -118,10 +122,11 @@ class ReplyLoss:
             pass
         link.close()
 
-    def _go_down(self, data: bytes) -> None:
-        """Redis "restarts" at ``data``, which is never sent: every connection breaks."""
+    def _go_down(self, data: bytes, seconds: float | None = None) -> None:
+        """Redis "restarts" at ``data`` (not sent, unless ``seconds`` says how long it is
+        down after it ran): every connection breaks."""
         with self._lock:
-            self._down_until = time.monotonic() + self._outage
+            self._down_until = time.monotonic() + (self._outage if seconds is None else seconds)
             self.lost = data
             opened, self._open = self._open, []
         self.fired.set()
@@ -136,8 +141,10 @@ class ReplyLoss:
                 if markers is not None:
                     link.doomed = None
                     if b"NOSCRIPT" in data:  # nothing ran: pass it on, stay armed
-                        self.arm(*markers)
+                        self.arm(*markers, down_after=self._down_after)
                     else:
+                        if self._down_after > 0:
+                            self._go_down(self.lost, self._down_after)
                         self.fired.set()
                         break  # the reply is lost with the connection
                 link.client.sendall(data)

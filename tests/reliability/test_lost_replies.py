@@ -248,3 +248,32 @@ def test_every_publisher_of_a_worker_rides_out_a_redis_restart(tmp_path: Path) -
             client.close()
         app.close()
     assert failures == [] and queued == 4, (failures, queued)
+
+
+@pytest.mark.timeout(300)
+def test_a_cancel_whose_reply_is_lost_while_redis_stays_down_is_not_reported_as_not_taken(
+    stack: LossStack,
+) -> None:
+    """The cancel runs, its reply is lost, and Redis stays down 8 s: past the 5 s the gateway
+    retries a cancel for. The answer must say the outcome is unknown (a ``503`` naming it,
+    not a bare "retry"), and the cancel sent again, once Redis is back and the batch has
+    ended ``canceled`` by the first one, must say it took effect: it answered ``409
+    already_finished``, "nothing was canceled", for a batch that reads ``canceled``."""
+    total = 200
+    stack.proxy.arm(CANCEL_SCRIPT, down_after=8.0)
+    batch_id = submit_batch(stack.client, total)
+    response = stack.client.delete(f"/v1/batches/{batch_id}", headers=ACME)
+    assert stack.proxy.fired.is_set(), "the cancel's reply was never lost"
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["type"] == "unavailable" and error["field"] == "id", error
+    assert "unknown" in error["message"] and "cancel" in error["message"], error
+    assert response.headers["retry-after"] == "1"
+    wait_for(
+        lambda: batch_counts(stack.client, batch_id)["finished_at"] is not None, "batch finished"
+    )
+    batch = batch_counts(stack.client, batch_id)
+    assert batch["status"] == "canceled" and batch["counts"]["canceled"] > 0, batch
+    again = stack.client.delete(f"/v1/batches/{batch_id}", headers=ACME)
+    assert again.status_code == 200, again.text
+    assert again.json() == batch
