@@ -312,3 +312,43 @@ def test_a_killed_worker_s_searches_and_their_webhooks_come_back(
             assert set(model_calls(model).values()) == {2}  # once on A, once on B
     finally:
         model.configure(delay=MODEL_SECONDS)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_worker_s_search_comes_back_with_what_is_left_of_its_deadline(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """A search killed mid-rerank comes back on a new worker once the dead worker's heartbeat
+    is gone (10 s, then two checks), by which time its one deadline (8 s here: the setting
+    under test; every other at its default) is spent. The redelivered run must not start
+    again under a fresh deadline (it did, and called the model a second time): it fails
+    ``deadline_exceeded`` with no second model call."""
+    model.reset()
+    model.configure(delay=60.0)  # the search is mid-rerank at the kill
+    try:
+        with recovery_stack(tmp_path, model) as (_, env, client):
+            env = {**env, "SIFT_SEARCH_DEADLINE_SECONDS": "8"}
+            with worker(tmp_path / "w", env, "a") as worker_a:
+                ingest(client)
+                body = {"index": INDEX, "query": "volcano item q00000"}
+                created = client.post("/v1/searches", json=body, headers=ACME)
+                assert created.status_code == 202, created.text
+                job_id = created.json()["id"]
+                wait_for(lambda: len(model.requests()) >= 1, "the search at the model")
+                worker_a.send_signal(signal.SIGKILL)
+                worker_a.wait(10)
+            with worker(tmp_path / "w", env, "b"):
+                wait_for(
+                    lambda: (
+                        client.get(f"/v1/searches/{job_id}", headers=ACME).json()["status"]
+                        in {"succeeded", "failed"}
+                    ),
+                    "the search final",
+                    RECOVERY_WINDOW,
+                )
+            job = client.get(f"/v1/searches/{job_id}", headers=ACME).json()
+            calls = len(model.requests())
+        assert job["status"] == "failed" and job["error"]["type"] == "deadline_exceeded", job
+        assert calls == 1, calls
+    finally:
+        model.configure(delay=MODEL_SECONDS)
