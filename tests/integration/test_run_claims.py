@@ -1,0 +1,57 @@
+"""Run claims against a real redis-server (worker/queue/jobstore/runs.py): one run at a time
+per search or batch item while its worker's heartbeat lives and its lease lasts, the first
+start kept through every claim after it, and a claim let go only by the run holding it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from worker.constants import BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
+from worker.contract import SearchSpec
+from worker.queue.jobstore import JobStore
+
+pytestmark = pytest.mark.integration
+
+
+def _alive(store: JobStore, worker: str) -> None:
+    store.redis.set(WORKER_HEARTBEAT_KEY + worker, "1", px=60_000)
+
+
+def test_a_live_worker_s_claim_refuses_a_second_run_until_it_lets_go(store: JobStore) -> None:
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    _alive(store, "w1")
+    first = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
+    assert first.granted and first.spent == 0.0
+    second = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)  # the same worker too
+    assert not second.granted and second.first == first.first
+    store.release_item(batch.id, "q0", second)  # refused: it holds nothing to let go
+    assert not store.claim_item(batch.id, "q0", "w2", lease_seconds=30).granted
+    store.release_item(batch.id, "q0", first)
+    time.sleep(0.01)
+    third = store.claim_item(batch.id, "q0", "w2", lease_seconds=30)
+    assert third.granted and third.first == first.first and third.spent > 0  # one deadline
+    assert 0 < store.redis.ttl(BATCH_RUNS_KEY + batch.id) <= store.result_ttl
+
+
+def test_a_dead_worker_s_claim_or_a_spent_lease_is_taken_over(store: JobStore) -> None:
+    job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
+    held = store.claim_search(job.id, "gone", lease_seconds=30)  # no heartbeat: dead
+    assert held.granted
+    taken = store.claim_search(job.id, "w1", lease_seconds=30)
+    assert taken.granted and taken.first == held.first
+    _alive(store, "w1")
+    assert not store.claim_search(job.id, "w2", lease_seconds=30).granted
+    time.sleep(0.05)  # a lease of 0.01 s is over: the run holding it can start no model call
+    assert store.claim_search(job.id, "w2", lease_seconds=0.01).granted
+
+
+def test_a_claim_without_an_owner_excludes_nothing_and_a_missing_search_writes_nothing(
+    store: JobStore,
+) -> None:
+    job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
+    first = store.claim_search(job.id, "", lease_seconds=30)
+    assert first.granted and store.claim_search(job.id, "", lease_seconds=30).granted
+    assert store.claim_search("srch_missing", "w1", lease_seconds=30).granted
+    assert not store.redis.exists(SEARCH_KEY + "srch_missing")
