@@ -25,13 +25,13 @@ def test_a_live_worker_s_claim_refuses_a_second_run_until_it_lets_go(store: JobS
     first = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
     assert first.granted and first.spent == 0.0
     second = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)  # the same worker too
-    assert not second.granted and second.first == first.first
+    assert not second.granted
     store.release_item(batch.id, "q0", second)  # refused: it holds nothing to let go
     assert not store.claim_item(batch.id, "q0", "w2", lease_seconds=30).granted
     store.release_item(batch.id, "q0", first)
     time.sleep(0.01)
     third = store.claim_item(batch.id, "q0", "w2", lease_seconds=30)
-    assert third.granted and third.first == first.first and third.spent > 0  # one deadline
+    assert third.granted and third.spent >= 0.01  # from the first start: one deadline
     assert 0 < store.redis.ttl(BATCH_RUNS_KEY + batch.id) <= store.result_ttl
 
 
@@ -39,8 +39,9 @@ def test_a_dead_worker_s_claim_or_a_spent_lease_is_taken_over(store: JobStore) -
     job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
     held = store.claim_search(job.id, "gone", lease_seconds=30)  # no heartbeat: dead
     assert held.granted
+    time.sleep(0.01)
     taken = store.claim_search(job.id, "w1", lease_seconds=30)
-    assert taken.granted and taken.first == held.first
+    assert taken.granted and taken.spent >= 0.01
     _alive(store, "w1")
     assert not store.claim_search(job.id, "w2", lease_seconds=30).granted
     time.sleep(0.05)  # a lease of 0.01 s is over: the run holding it can start no model call

@@ -131,8 +131,7 @@ def _run_owner() -> str:
 def _retry_fits(claim: RunClaim, deadline: float, countdown: float) -> bool:
     """Whether a task retry after ``countdown`` seconds would still start within the search's
     one deadline: a retry runs in what is left of it, never in a deadline of its own."""
-    left = deadline - (time.time() - claim.first) - countdown
-    return left >= MIN_ATTEMPT_SECONDS
+    return deadline - claim.spent_now() - countdown >= MIN_ATTEMPT_SECONDS
 
 
 @dataclass

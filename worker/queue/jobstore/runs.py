@@ -34,7 +34,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from worker.constants import BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
 from worker.queue.jobstore.store import _StoreCore
@@ -42,18 +41,19 @@ from worker.queue.jobstore.store import _StoreCore
 
 @dataclass(frozen=True, slots=True)
 class RunClaim:
-    """A claim's answer: ``granted`` (this run may go on), ``first`` (when the first run
-    started, epoch seconds) and this run's ``token``."""
+    """A claim's answer: ``granted`` (this run may go on), ``spent`` (the seconds since the
+    first run started, as of the claim, in Redis's clock: the deadline's time earlier runs
+    used), this run's ``token``, and ``local_at``, this process's monotonic clock at the
+    claim (what :meth:`spent_now` adds to ``spent``)."""
 
     granted: bool
-    first: float
+    spent: float
     token: str
-    claimed_at: float
+    local_at: float
 
-    @property
-    def spent(self) -> float:
-        """The deadline's time already spent by earlier runs, as of the claim."""
-        return max(0.0, self.claimed_at - self.first)
+    def spent_now(self) -> float:
+        """The deadline's time spent by now, earlier runs included."""
+        return self.spent + time.monotonic() - self.local_at
 
 
 class RunRecords(_StoreCore):
@@ -77,14 +77,19 @@ class RunRecords(_StoreCore):
         self._release(BATCH_RUNS_KEY + batch_id, query_id, claim)
 
     def _claim(self, key: str, field: str, owner: str, lease: float, *, ttl: int) -> RunClaim:
-        now = time.time()
         token = os.urandom(8).hex()
-        args = [field, repr(now), owner, token, repr(lease), WORKER_HEARTBEAT_KEY, str(ttl)]
+        args = [field, "", owner, token, repr(lease), WORKER_HEARTBEAT_KEY, str(ttl)]
         (reply,) = self._transitions.call([(self._claim_run, [key], args)])
+        local_at = time.monotonic()
         if isinstance(reply, Exception):
             raise reply
-        granted, first = _pair(reply)
-        return RunClaim(granted=granted, first=first, token=token, claimed_at=now)
+        granted, first, now = reply
+        return RunClaim(
+            granted=int(granted) == 1,
+            spent=max(0.0, float(now) - float(first)),
+            token=token,
+            local_at=local_at,
+        )
 
     def _release(self, key: str, field: str, claim: RunClaim) -> None:
         if not claim.granted:
@@ -92,9 +97,3 @@ class RunRecords(_StoreCore):
         (reply,) = self._transitions.call([(self._release_run, [key], [field, claim.token])])
         if isinstance(reply, Exception):
             raise reply
-
-
-def _pair(reply: Any) -> tuple[bool, float]:
-    granted, first = reply
-    first = first.decode() if isinstance(first, bytes) else first
-    return int(granted) == 1, float(first)

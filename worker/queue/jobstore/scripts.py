@@ -186,15 +186,18 @@ return redis.call('DEL', KEYS[1])
 """
 
 # Claim the run of a search or a batch item (worker/queue/jobstore/runs.py). KEYS: the hash
-# holding the claim. ARGV: its field, now, the claiming worker's id ('' : none), the run's
-# token, the lease (seconds), the heartbeat key prefix, the hash's TTL ('0': the hash is a
-# job record with its own TTL, and a missing one is not created). The value is
-# "<first start>|<owner>|<claimed at>|<token>". Refused while another run holds it: its
-# owner named, the owner's heartbeat alive and its lease not over. Returns {claimed (0/1),
-# the first start}: the first run's start is kept through every claim after it.
+# holding the claim. ARGV: its field, (unused), the claiming worker's id ('' : none), the
+# run's token, the lease (seconds), the heartbeat key prefix, the hash's TTL ('0': the hash
+# is a job record with its own TTL, and a missing one is not created). The value is
+# "<first start>|<owner>|<claimed at>|<token>", in Redis's clock (one clock for every
+# worker's runs). Refused while another run holds it: its owner named, the owner's
+# heartbeat alive and its lease not over. Returns {claimed (0/1), the first start, now}
+# (strings): the first run's start is kept through every claim after it.
 _CLAIM_RUN = """
-local now = tonumber(ARGV[2])
-local first = ARGV[2]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local stamp = string.format('%.6f', now)
+local first = stamp
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur then
   local f, owner, since = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|')
@@ -202,16 +205,16 @@ if cur then
     first = f
     if owner ~= '' and now < tonumber(since) + tonumber(ARGV[5])
         and redis.call('EXISTS', ARGV[6] .. owner) == 1 then
-      return {0, first}
+      return {0, first, stamp}
     end
   end
 end
 if ARGV[7] == '0' then
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {1, first} end
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {1, first, stamp} end
 end
-redis.call('HSET', KEYS[1], ARGV[1], first .. '|' .. ARGV[3] .. '|' .. ARGV[2] .. '|' .. ARGV[4])
+redis.call('HSET', KEYS[1], ARGV[1], first .. '|' .. ARGV[3] .. '|' .. stamp .. '|' .. ARGV[4])
 if ARGV[7] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[7])) end
-return {1, first}
+return {1, first, stamp}
 """
 
 # Let a run's claim go, keeping the first start. KEYS: the hash. ARGV: the field, the run's
