@@ -6,7 +6,7 @@ Layout (every prefix is in :mod:`worker.constants`):
 
     sift:search:<id>          hash   kind, tenant, status, spec, result, error, webhook_url,
                                      created_at, started_at, finished_at, move (the token
-                                     of its last status change)
+                                     of its last status change), run (its run claim)
     sift:batch:<id>           hash   tenant, index, lane, rerank, webhook_url, total,
                                      created_at, canceled_at, finished_at, cancel_move (the
                                      last cancel's token and answer)
