@@ -642,8 +642,9 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
             503,
             "unavailable",
             f"id: the job store is unavailable, so whether batch {batch_id!r} was canceled is "
-            f"unknown; send the cancel again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s (a "
-            "cancel that took effect answers 200 with the batch canceled)",
+            f"unknown; send the cancel again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s: it "
+            "answers 200 with the batch (its canceled_at set if a cancel took effect) unless "
+            "the batch finished without one (409 already_finished)",
             field="id",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
         ) from exc
