@@ -270,12 +270,8 @@ class SiftTask(Task):  # type: ignore[misc]
 
     def backoff(self) -> float:
         """Exponential backoff with full jitter, capped."""
-        ceiling = self.backoff_ceiling()
+        ceiling = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2**self.request.retries)
         return random.uniform(ceiling / 2, ceiling)
-
-    def backoff_ceiling(self) -> float:
-        """The longest :meth:`backoff` this delivery can wait."""
-        return float(min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2**self.request.retries))
 
     def delivery(self) -> int:
         """Count this delivery of the message: how many there have been, this one included."""

@@ -95,11 +95,10 @@ def search(self: SiftTask, job_id: str) -> None:
                 with metrics.running_job():
                     result = self.context.runtime.search(job.spec, job.tenant, spent=claim.spent)
             except Exception as exc:
-                countdown = self.backoff()
-                if self.should_retry(exc) and _retry_fits(claim, deadline, countdown):
+                if self.should_retry(exc) and _retry_fits(claim, deadline):
                     log.warning("search %s: retryable error, retrying: %s", job_id, exc)
                     store.requeue_search(job_id)
-                    raise self.retry(exc=exc, countdown=countdown) from exc
+                    raise self.retry(exc=exc, countdown=self.backoff()) from exc
                 if not isinstance(exc, SiftError):
                     log.exception("search %s: unexpected error", job_id)
                 error = error_info(exc)
@@ -128,10 +127,11 @@ def _run_owner() -> str:
     return current.worker_id if current is not None else ""
 
 
-def _retry_fits(claim: RunClaim, deadline: float, countdown: float) -> bool:
-    """Whether a task retry after ``countdown`` seconds would still start within the search's
-    one deadline: a retry runs in what is left of it, never in a deadline of its own."""
-    return deadline - claim.spent_now() - countdown >= MIN_ATTEMPT_SECONDS
+def _retry_fits(claim: RunClaim, deadline: float) -> bool:
+    """Whether a task retry would have any of the search's one deadline left to run in: a
+    retry runs in what is left of it, never in a deadline of its own (the wait before the
+    retry is not counted, as the queue wait before the first run is not)."""
+    return deadline - claim.spent_now() >= MIN_ATTEMPT_SECONDS
 
 
 @dataclass
@@ -174,7 +174,6 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     economy = batch.lane == LANE_ECONOMY
     # self.request is thread-local: take what the item threads need from it here
     may_retry = self.request.retries < self.context.settings.task_max_retries
-    retry_wait = self.backoff_ceiling()
     first_delivery = self.request.retries == 0
     deadline = self.context.settings.search_deadline_seconds
     owner = _run_owner()
@@ -224,7 +223,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
             retryable = may_retry and isinstance(exc, SiftError) and exc.retryable
             # a retry runs in what is left of the search's deadline (the economy lane's first
             # half, claimed by no run, is retried as it was)
-            if retryable and (claim is None or _retry_fits(claim, deadline, retry_wait)):
+            if retryable and (claim is None or _retry_fits(claim, deadline)):
                 store.requeue_item(batch_id, item.query_id)
                 if claim is not None:
                     store.release_item(batch_id, item.query_id, claim)

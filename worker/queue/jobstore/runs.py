@@ -1,5 +1,5 @@
-"""Run claims: which run of a search or a batch item may make its model call, and since when
-the search has been running.
+"""Run claims: which run of a search or a batch item may make its model call, and how much
+of the search's one deadline its runs have used.
 
 Why. A message can be delivered twice while its first run is still going: kombu's
 visibility-timeout restore, a re-drive, a client's publish sent again. The status
@@ -11,17 +11,20 @@ deadlines in all.
 How. Just before its search starts (after a batch item's pacing), a run claims the item:
 one script (:data:`~worker.queue.jobstore.scripts._CLAIM_RUN`) that refuses while another run
 holds the claim, its worker's heartbeat alive (:mod:`worker.queue.liveness`) and its lease
-(one search deadline) not over, and otherwise records this run, keeping the time the first
-run started. The run's deadline is what is left of one deadline from that first start
-(:class:`~worker.core.budget.Deadline`'s ``spent``), and a run that is refused makes no
-model call: the run holding the claim finishes the item. A run lets its claim go as it
-ends, however it ends, so a later delivery need not wait for the lease.
+(one search deadline) not over, and otherwise records this run. A run that is refused makes
+no model call: the run holding the claim finishes the item. The claim also adds up the time
+the search's runs have run, in Redis's clock: a run's deadline is what is left of the one
+deadline (:class:`~worker.core.budget.Deadline`'s ``spent``), and the task retries only
+while some is left. The waits between runs (a retry's backoff, a batch chunk's retry
+waiting for its other items, the queue) are not counted, as the wait before the first run
+is not; a run whose worker died counts until the run that takes it over.
 
-A worker killed mid-run leaves its claim: its heartbeat expires within
-``SIFT_WORKER_DEAD_AFTER_SECONDS``, which is when :mod:`worker.queue.liveness` puts its
-messages back, and the redelivered run takes the claim over with what is left of the
-deadline. A worker without a heartbeat (no liveness thread) claims with no owner: the first
-start is kept, nothing is excluded.
+A run that leaves its search unfinished (a task retry) lets its claim go, adding its time;
+one that finishes it need not (the search is final: no run starts again). A worker killed
+mid-run leaves its claim: its heartbeat expires within ``SIFT_WORKER_DEAD_AFTER_SECONDS``,
+which is when :mod:`worker.queue.liveness` puts its messages back, and the redelivered run
+takes the claim over with what is left of the deadline. A worker without a heartbeat (no
+liveness thread) claims with no owner: its time is counted, nothing is excluded.
 
     claim = store.claim_item(batch_id, query_id, owner, lease_seconds=30.0)
     if claim.granted:
@@ -41,10 +44,10 @@ from worker.queue.jobstore.store import _StoreCore
 
 @dataclass(frozen=True, slots=True)
 class RunClaim:
-    """A claim's answer: ``granted`` (this run may go on), ``spent`` (the seconds since the
-    first run started, as of the claim, in Redis's clock: the deadline's time earlier runs
-    used), this run's ``token``, and ``local_at``, this process's monotonic clock at the
-    claim (what :meth:`spent_now` adds to ``spent``)."""
+    """A claim's answer: ``granted`` (this run may go on), ``spent`` (the seconds the
+    search's earlier runs ran, in Redis's clock: the deadline's time they used), this run's
+    ``token``, and ``local_at``, this process's monotonic clock at the claim (what
+    :meth:`spent_now` adds to ``spent``)."""
 
     granted: bool
     spent: float
@@ -83,12 +86,9 @@ class RunRecords(_StoreCore):
         local_at = time.monotonic()
         if isinstance(reply, Exception):
             raise reply
-        granted, first, now = reply
+        granted, spent = reply
         return RunClaim(
-            granted=int(granted) == 1,
-            spent=max(0.0, float(now) - float(first)),
-            token=token,
-            local_at=local_at,
+            granted=int(granted) == 1, spent=float(spent), token=token, local_at=local_at
         )
 
     def _release(self, key: str, field: str, claim: RunClaim) -> None:

@@ -189,41 +189,51 @@ return redis.call('DEL', KEYS[1])
 # holding the claim. ARGV: its field, (unused), the claiming worker's id ('' : none), the
 # run's token, the lease (seconds), the heartbeat key prefix, the hash's TTL ('0': the hash
 # is a job record with its own TTL, and a missing one is not created). The value is
-# "<first start>|<owner>|<claimed at>|<token>", in Redis's clock (one clock for every
-# worker's runs). Refused while another run holds it: its owner named, the owner's
-# heartbeat alive and its lease not over. Returns {claimed (0/1), the first start, now}
-# (strings): the first run's start is kept through every claim after it.
+# "<seconds used>|<owner>|<claimed at>|<token>", in Redis's clock (one clock for every
+# worker's runs): the seconds the runs that ended used, and the run holding it (token ''
+# once let go). Refused while another run holds it: its owner named, the owner's heartbeat
+# alive and its lease not over. A run that never let go (its worker died, or its lease is
+# over) used the time from its claim to now. Returns {claimed (0/1), the seconds used by
+# every run before this one} (the second a string).
 _CLAIM_RUN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local stamp = string.format('%.6f', now)
-local first = stamp
+local used = 0
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur then
-  local f, owner, since = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|')
-  if f then
-    first = f
-    if owner ~= '' and now < tonumber(since) + tonumber(ARGV[5])
-        and redis.call('EXISTS', ARGV[6] .. owner) == 1 then
-      return {0, first, stamp}
+  local u, owner, since, token = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  if u then
+    used = tonumber(u)
+    if token ~= '' then
+      local ran = math.max(0, now - tonumber(since))
+      if owner ~= '' and ran < tonumber(ARGV[5])
+          and redis.call('EXISTS', ARGV[6] .. owner) == 1 then
+        return {0, string.format('%.6f', used + ran)}
+      end
+      used = used + ran
     end
   end
 end
+local spent = string.format('%.6f', used)
 if ARGV[7] == '0' then
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {1, first, stamp} end
+  if redis.call('EXISTS', KEYS[1]) == 0 then return {1, spent} end
 end
-redis.call('HSET', KEYS[1], ARGV[1], first .. '|' .. ARGV[3] .. '|' .. stamp .. '|' .. ARGV[4])
+redis.call('HSET', KEYS[1], ARGV[1],
+  spent .. '|' .. ARGV[3] .. '|' .. string.format('%.6f', now) .. '|' .. ARGV[4])
 if ARGV[7] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[7])) end
-return {1, first, stamp}
+return {1, spent}
 """
 
-# Let a run's claim go, keeping the first start. KEYS: the hash. ARGV: the field, the run's
-# token. Returns 1 when that run still held it.
+# Let a run's claim go, adding the seconds it ran to those used. KEYS: the hash. ARGV: the
+# field, the run's token. Returns 1 when that run still held it.
 _RELEASE_RUN = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return 0 end
-local f, token = string.match(cur, '^([^|]*)|[^|]*|[^|]*|(.*)$')
-if token ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], f .. '||0|')
+local u, since, token = string.match(cur, '^([^|]*)|[^|]*|([^|]*)|(.*)$')
+if not u or token ~= ARGV[2] then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local used = tonumber(u) + math.max(0, now - tonumber(since))
+redis.call('HSET', KEYS[1], ARGV[1], string.format('%.6f', used) .. '||0|')
 return 1
 """
