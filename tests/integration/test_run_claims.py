@@ -61,3 +61,16 @@ def test_a_claim_without_an_owner_excludes_nothing_and_a_missing_search_writes_n
     assert first.granted and store.claim_search(job.id, "", lease_seconds=30).granted
     assert store.claim_search("srch_missing", "w1", lease_seconds=30).granted
     assert not store.redis.exists(SEARCH_KEY + "srch_missing")
+
+
+def test_a_claim_sent_again_after_its_reply_was_lost_answers_as_it_ran(store: JobStore) -> None:
+    """redis-py sends a script again when the connection broke with its reply out: the second
+    run of a claim must not find its own claim and refuse it (the run would then make no
+    model call, and the item wait for its lease to lapse)."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    _alive(store, "w1")
+    args = ["q0", "w1", "t0ken", "30", WORKER_HEARTBEAT_KEY, str(store.result_ttl)]
+    first = store._claim_run(keys=[BATCH_RUNS_KEY + batch.id], args=args)
+    again = store._claim_run(keys=[BATCH_RUNS_KEY + batch.id], args=args)
+    assert int(first[0]) == int(again[0]) == 1 and float(again[1]) == float(first[1]) == 0.0
+    assert not store.claim_item(batch.id, "q0", "w2", lease_seconds=30).granted

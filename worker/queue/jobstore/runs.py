@@ -81,7 +81,7 @@ class RunRecords(_StoreCore):
 
     def _claim(self, key: str, field: str, owner: str, lease: float, *, ttl: int) -> RunClaim:
         token = os.urandom(8).hex()
-        args = [field, "", owner, token, repr(lease), WORKER_HEARTBEAT_KEY, str(ttl)]
+        args = [field, owner, token, repr(lease), WORKER_HEARTBEAT_KEY, str(ttl)]
         (reply,) = self._transitions.call([(self._claim_run, [key], args)])
         local_at = time.monotonic()
         if isinstance(reply, Exception):

@@ -186,15 +186,16 @@ return redis.call('DEL', KEYS[1])
 """
 
 # Claim the run of a search or a batch item (worker/queue/jobstore/runs.py). KEYS: the hash
-# holding the claim. ARGV: its field, (unused), the claiming worker's id ('' : none), the
-# run's token, the lease (seconds), the heartbeat key prefix, the hash's TTL ('0': the hash
-# is a job record with its own TTL, and a missing one is not created). The value is
+# holding the claim. ARGV: its field, the claiming worker's id ('' : none), the run's token,
+# the lease (seconds), the heartbeat key prefix, the hash's TTL ('0': the hash is a job
+# record with its own TTL, and a missing one is not created). The value is
 # "<seconds used>|<owner>|<claimed at>|<token>", in Redis's clock (one clock for every
 # worker's runs): the seconds the runs that ended used, and the run holding it (token ''
 # once let go). Refused while another run holds it: its owner named, the owner's heartbeat
 # alive and its lease not over. A run that never let go (its worker died, or its lease is
-# over) used the time from its claim to now. Returns {claimed (0/1), the seconds used by
-# every run before this one} (the second a string).
+# over) used the time from its claim to now. The same call sent again (its reply lost on a
+# broken connection) finds its own token and answers as it did. Returns {claimed (0/1), the
+# seconds used by every run before this one} (the second a string).
 _CLAIM_RUN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -203,11 +204,12 @@ local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur then
   local u, owner, since, token = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
   if u then
+    if token == ARGV[3] then return {1, u} end
     used = tonumber(u)
     if token ~= '' then
       local ran = math.max(0, now - tonumber(since))
-      if owner ~= '' and ran < tonumber(ARGV[5])
-          and redis.call('EXISTS', ARGV[6] .. owner) == 1 then
+      if owner ~= '' and ran < tonumber(ARGV[4])
+          and redis.call('EXISTS', ARGV[5] .. owner) == 1 then
         return {0, string.format('%.6f', used + ran)}
       end
       used = used + ran
@@ -215,12 +217,12 @@ if cur then
   end
 end
 local spent = string.format('%.6f', used)
-if ARGV[7] == '0' then
+if ARGV[6] == '0' then
   if redis.call('EXISTS', KEYS[1]) == 0 then return {1, spent} end
 end
 redis.call('HSET', KEYS[1], ARGV[1],
-  spent .. '|' .. ARGV[3] .. '|' .. string.format('%.6f', now) .. '|' .. ARGV[4])
-if ARGV[7] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[7])) end
+  spent .. '|' .. ARGV[2] .. '|' .. string.format('%.6f', now) .. '|' .. ARGV[3])
+if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6])) end
 return {1, spent}
 """
 
