@@ -425,15 +425,26 @@ class Liveness:
 # --- the process's one Liveness, and the Celery hooks -----------------------------------------
 
 _liveness: Liveness | None = None
+_liveness_pid = 0  # the process that started it (a prefork child has a copy, not the thread)
 
 
 def current() -> Liveness | None:
     return _liveness
 
 
+def run_owner() -> str:
+    """The id a run claim names this process by (:mod:`worker.queue.jobstore.runs`): its
+    worker id while this process keeps that heartbeat; '' otherwise (no liveness, or a
+    prefork child: its parent's heartbeat outlives the child, so it cannot say the child's
+    run is alive, and a claim naming it would hold the job from the child's redelivery)."""
+    if _liveness is None or os.getpid() != _liveness_pid:
+        return ""
+    return _liveness.worker_id
+
+
 def start(redis_url: str, settings: Any) -> Liveness:
     """Start this process's heartbeat and reaper (``worker_init``)."""
-    global _liveness
+    global _liveness, _liveness_pid
     client = redis.Redis.from_url(
         redis_url,
         decode_responses=True,
@@ -450,6 +461,7 @@ def start(redis_url: str, settings: Any) -> Liveness:
         redrive_interval_seconds=settings.redrive_interval_seconds,
     )
     _liveness.start()
+    _liveness_pid = os.getpid()
     log.info(
         "liveness: worker %s beating every %gs; a worker silent %gs is dead",
         _liveness.worker_id,

@@ -83,7 +83,7 @@ def search(self: SiftTask, job_id: str) -> None:
         if not store.start_search(job_id):
             return
         deadline = self.context.settings.search_deadline_seconds
-        claim = store.claim_search(job_id, _run_owner(), lease_seconds=deadline)
+        claim = store.claim_search(job_id, liveness.run_owner(), lease_seconds=deadline)
         if not claim.granted:  # another delivery is running it (jobstore/runs.py)
             log.info("search %s: another run holds it; this delivery leaves it", job_id)
             return
@@ -118,13 +118,6 @@ def search(self: SiftTask, job_id: str) -> None:
             self.send_webhook(
                 WEBHOOK_EVENT_SEARCH_COMPLETED, job_id, job.tenant, job.webhook_url, final.value
             )
-
-
-def _run_owner() -> str:
-    """This worker's id, for run claims: '' without a heartbeat (no liveness thread), whose
-    claims exclude no other run."""
-    current = liveness.current()
-    return current.worker_id if current is not None else ""
 
 
 def _retry_fits(claim: RunClaim, deadline: float) -> bool:
@@ -176,7 +169,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     may_retry = self.request.retries < self.context.settings.task_max_retries
     first_delivery = self.request.retries == 0
     deadline = self.context.settings.search_deadline_seconds
-    owner = _run_owner()
+    owner = liveness.run_owner()
     runtime = self.context.runtime if not poisoned else None
     marks = self.context.cancel_marks
 
