@@ -33,6 +33,8 @@ def served(answers: dict[str, Any], sent: list[tuple[str, str]]) -> Any:
         if request.method == "GET":
             raise KeyboardInterrupt  # Ctrl-C while the command polls
         reply = answers["delete"]
+        if reply[1] is KeyboardInterrupt:
+            raise KeyboardInterrupt  # Ctrl-C again while the cancel is on its way
         return httpx.Response(reply[0], json=reply[1])
 
     @contextlib.contextmanager
@@ -75,3 +77,16 @@ def test_ctrl_c_after_the_batch_finished_cancels_nothing_and_says_so(
     assert result.exit_code == 130, result.output
     assert ("DELETE", f"/v1/batches/{BATCH}") in sent
     assert f"batch {BATCH} had already finished: nothing canceled" in result.output
+
+
+def test_a_second_ctrl_c_during_the_cancel_says_the_batch_may_still_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ctrl-C again while the cancel is on its way (a slow gateway: up to the CLI's 60 s
+    timeout) ended the command at its last line, "interrupted: canceling batch ...": nothing
+    said that the cancel may not have been made, or how to make it."""
+    result, sent = run(monkeypatch, tmp_path, (0, KeyboardInterrupt))
+    assert ("DELETE", f"/v1/batches/{BATCH}") in sent
+    assert result.exit_code == 130, result.output
+    assert "the cancel may not have been made; the batch may still be running" in result.output
+    assert f"DELETE /v1/batches/{BATCH} cancels it" in result.output

@@ -289,17 +289,17 @@ def _cancel_on_interrupt(client: Gateway, batch_id: str) -> Iterator[None]:
     except KeyboardInterrupt:
         err = _err()
         err.print(f"interrupted: canceling batch {batch_id}")
+        still = f"the batch may still be running (DELETE /v1/batches/{batch_id} cancels it)"
         try:
             batch = client.json("DELETE", f"/v1/batches/{batch_id}")
+        except KeyboardInterrupt:  # Ctrl-C again: the cancel may or may not have been made
+            err.print(f"interrupted again: the cancel may not have been made; {still}")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except GatewayError as exc:
             if exc.status_code == 409:
                 err.print(f"batch {batch_id} had already finished: nothing canceled")
             else:
-                err.print(
-                    f"[bold red]error:[/] {plain(exc)}; the batch may still be running "
-                    f"(DELETE /v1/batches/{batch_id} cancels it)",
-                    soft_wrap=True,
-                )
+                err.print(f"[bold red]error:[/] {plain(exc)}; {still}", soft_wrap=True)
         else:
             counts = batch.get("counts") or {}
             finished = int(counts.get("succeeded", 0)) + int(counts.get("failed", 0))
