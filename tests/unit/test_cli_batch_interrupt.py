@@ -65,8 +65,36 @@ def test_ctrl_c_cancels_the_batch_and_says_what_was_canceled(
     result, sent = run(monkeypatch, tmp_path, (200, canceled))
     assert result.exit_code == 130, result.output
     assert ("DELETE", f"/v1/batches/{BATCH}") in sent
-    assert f"batch {BATCH} canceled: 1 item(s) canceled, 1 finished" in result.output
+    assert f"batch {BATCH}: cancel made; 1 item(s) canceled so far, 1 finished" in " ".join(
+        result.output.split()
+    )
     assert "Traceback" not in result.output
+
+
+def test_a_cancel_that_canceled_nothing_yet_does_not_call_the_batch_canceled(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Every item left was held by a worker: the cancel canceled none at once, and those past
+    their model call finish, so the batch may end ``succeeded``. It was reported as "batch ...
+    canceled: 0 item(s) canceled"."""
+    counts = {**COUNTS, "queued": 0, "running": 2, "canceled": 0}
+    result, _ = run(
+        monkeypatch, tmp_path, (200, {"id": BATCH, "status": "running", "counts": counts})
+    )
+    assert result.exit_code == 130, result.output
+    assert f"batch {BATCH} canceled" not in result.output
+    assert f"batch {BATCH}: cancel made; 0 item(s) canceled so far" in result.output
+
+
+def test_a_cancel_that_completed_the_batch_says_its_final_status(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    counts = {**COUNTS, "queued": 0, "canceled": 2}
+    result, _ = run(
+        monkeypatch, tmp_path, (200, {"id": BATCH, "status": "canceled", "counts": counts})
+    )
+    assert result.exit_code == 130, result.output
+    assert f"batch {BATCH} canceled: 2 item(s) canceled, 1 finished" in result.output
 
 
 def test_ctrl_c_after_the_batch_finished_cancels_nothing_and_says_so(

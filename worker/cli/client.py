@@ -301,14 +301,31 @@ def _cancel_on_interrupt(client: Gateway, batch_id: str) -> Iterator[None]:
             else:
                 err.print(f"[bold red]error:[/] {plain(exc)}; {still}", soft_wrap=True)
         else:
-            counts = batch.get("counts") or {}
-            finished = int(counts.get("succeeded", 0)) + int(counts.get("failed", 0))
-            err.print(
-                f"batch {batch_id} canceled: {counts.get('canceled', 0)} item(s) canceled, "
-                f"{finished} finished; items already waiting on the model finish too",
-                soft_wrap=True,
-            )
+            err.print(_cancel_outcome(batch_id, batch), soft_wrap=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _cancel_outcome(batch_id: str, batch: dict[str, Any]) -> str:
+    """What a cancel's answer says, as it says it: a batch the cancel completed is final
+    (``canceled``); else it is still running, and its items a worker holds are canceled
+    before their model call or, past it, finish: it may yet end ``succeeded``, so it is not
+    called canceled.
+
+    >>> print(_cancel_outcome("b", {"status": "running", "counts": {"succeeded": 2}}))
+    batch b: cancel made; 0 item(s) canceled so far, 2 finished; items past their model call finish
+    >>> _cancel_outcome("b", {"status": "canceled", "counts": {"canceled": 3, "failed": 1}})
+    'batch b canceled: 3 item(s) canceled, 1 finished'
+    """
+    counts = batch.get("counts") or {}
+    canceled = int(counts.get("canceled", 0))
+    finished = int(counts.get("succeeded", 0)) + int(counts.get("failed", 0))
+    status = str(batch.get("status"))
+    if status in FINAL_STATUSES:
+        return f"batch {batch_id} {status}: {canceled} item(s) canceled, {finished} finished"
+    return (
+        f"batch {batch_id}: cancel made; {canceled} item(s) canceled so far, {finished} "
+        "finished; items past their model call finish"
+    )
 
 
 def _job_failure(job: dict[str, Any]) -> str:
