@@ -29,6 +29,8 @@ def served(answers: dict[str, Any], sent: list[tuple[str, str]]) -> Any:
     def answer(request: httpx.Request) -> httpx.Response:
         sent.append((request.method, request.url.path))
         if request.method == "POST":
+            if answers.get("post") is KeyboardInterrupt:
+                raise KeyboardInterrupt  # Ctrl-C while the batch is being submitted
             return httpx.Response(202, json={"id": BATCH, "status": "queued"})
         if request.method == "GET":
             raise KeyboardInterrupt  # Ctrl-C while the command polls
@@ -44,9 +46,11 @@ def served(answers: dict[str, Any], sent: list[tuple[str, str]]) -> Any:
     return gateway
 
 
-def run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, delete: tuple[int, Any]) -> Any:
+def run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, delete: tuple[int, Any], post: Any = None
+) -> Any:
     sent: list[tuple[str, str]] = []
-    monkeypatch.setattr(client, "gateway", served({"delete": delete}, sent))
+    monkeypatch.setattr(client, "gateway", served({"delete": delete, "post": post}, sent))
     queries = tmp_path / "q.jsonl"
     queries.write_text(
         "".join(json.dumps({"id": f"q{i}", "query": "tea"}) + "\n" for i in range(3))
@@ -118,3 +122,17 @@ def test_a_second_ctrl_c_during_the_cancel_says_the_batch_may_still_run(
     assert result.exit_code == 130, result.output
     assert "the cancel may not have been made; the batch may still be running" in result.output
     assert f"DELETE /v1/batches/{BATCH} cancels it" in result.output
+
+
+def test_ctrl_c_while_submitting_says_the_batch_may_run_and_how_to_find_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ctrl-C during the POST (a 100,000-query batch takes seconds to send and store): the
+    gateway may have accepted it, and the command has no id to cancel. It exited 130 with
+    nothing said while the batch might run on."""
+    result, sent = run(monkeypatch, tmp_path, (0, None), post=KeyboardInterrupt)
+    assert sent == [("POST", "/v1/batches")]
+    assert result.exit_code == 130, result.output
+    shown = " ".join(result.output.split())
+    assert "interrupted while submitting: the batch may have been accepted" in shown
+    assert "`sift batches --limit 1` shows it" in shown

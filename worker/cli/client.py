@@ -472,7 +472,15 @@ def batch(
             body["webhook_url"] = webhook_url
         started = time.monotonic()
         with gateway() as client:
-            submitted = client.json("POST", "/v1/batches", json=body)
+            try:
+                submitted = client.json("POST", "/v1/batches", json=body)
+            except KeyboardInterrupt:  # no id to cancel: the batch may run all the same
+                _err().print(
+                    "interrupted while submitting: the batch may have been accepted and run on; "
+                    "`sift batches --limit 1` shows it, DELETE /v1/batches/{id} cancels it",
+                    soft_wrap=True,
+                )
+                raise typer.Exit(EXIT_INTERRUPTED) from None
             batch_id = str(submitted["id"])
             console.print(f"batch [bold]{batch_id}[/]: {len(items)} queries submitted")
             with _cancel_on_interrupt(client, batch_id), progress_bar(console) as progress:
