@@ -36,6 +36,11 @@ INGEST_DOCS_KEY = REDIS_PREFIX + "ingest-docs:"  # + ingest job id -> documents 
 # the counter of earlier releases, shared by every tenant: now only where each tenant's starts
 WRITE_VERSION_KEY = REDIS_PREFIX + "write-version"
 WRITE_VERSION_TENANT_KEY = REDIS_PREFIX + "write-version:"  # + tenant -> its last version, no TTL
+# hash {mark, seen}: where this release last left the shared counter, and when a write of an
+# earlier release (the counter moved since) was last noticed; no TTL (worker/write_versions.py)
+LEGACY_WRITE_VERSION_KEY = REDIS_PREFIX + "write-version-legacy"
+# how long after an earlier release's last write each write still moves the shared counter
+LEGACY_WRITE_VERSION_WINDOW_SECONDS = 24 * 3600
 INDEX_REPLY_KEY = REDIS_PREFIX + "index-reply:"  # + request id -> list holding a read's answer
 # an index's own search settings (issue 15): weighted RRF and the candidate window, per tenant
 INDEX_SETTINGS_KEY = REDIS_PREFIX + "index-settings:"  # + tenant + ":" + index -> JSON, no TTL

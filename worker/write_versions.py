@@ -7,13 +7,24 @@ write accepted last wins whichever worker runs it first. Nothing compares the ve
 tenants, and each tenant reads its own back (a document's ``version``), so the counter is the
 tenant's: one shared by every tenant told each of them how many writes the others made.
 
-Each version is also above the deployment's shared counter of earlier releases
-(``sift:write-version``, no longer moved once every gateway and worker is upgraded), so it is
-above any version the tenant's documents hold from before, and, during a rolling upgrade, above
-every write an earlier release's gateway or worker accepted before it. The one order a rolling
-upgrade can still get wrong is the reverse: a write an earlier release accepts after an
-upgraded one, for the same document or index, may lose to it; and while both run, a tenant's
-versions jump by the earlier release's writes of every tenant.
+Earlier releases numbered every write from one counter for the deployment
+(``sift:write-version``, ``INCR``). Each version is above it, so above any version the
+tenant's documents hold from before, and above every write an earlier release's gateway or
+worker accepted before it. A rolling upgrade (``deploy/k8s`` rolls the gateways one pod at a
+time) runs both releases at once, so the other order happens too: a write an earlier release
+accepts after an upgraded one (a delete of a document just ingested) must come after it,
+and that release numbers it ``INCR`` of the shared counter. So while an earlier release may
+still be running, each write also moves the shared counter up to its own version.
+
+Whether one may be running is told by the shared counter itself: if it moved since this
+release's last write left it there (the hash ``LEGACY_WRITE_VERSION_KEY``: ``mark``), an
+earlier release wrote meanwhile (``seen``: when that was last noticed); a deployment that was
+upgraded (the shared counter set) and has no ``mark`` yet counts as one seen now. For
+:data:`~worker.constants.LEGACY_WRITE_VERSION_WINDOW_SECONDS` (a day) after one was last
+seen, the shared counter keeps moving, and a tenant's versions count every tenant's writes
+then, as they did before; after it, the tenant's own only. An earlier release's process that
+writes nothing for a day, then writes right after an upgraded one, can still lose to it; that
+write moves the shared counter off its ``mark`` and opens the window again.
 """
 
 from __future__ import annotations
@@ -22,20 +33,38 @@ from typing import cast
 
 import redis
 
-from worker.constants import WRITE_VERSION_KEY, WRITE_VERSION_TENANT_KEY
+from worker.constants import (
+    LEGACY_WRITE_VERSION_KEY,
+    LEGACY_WRITE_VERSION_WINDOW_SECONDS,
+    WRITE_VERSION_KEY,
+    WRITE_VERSION_TENANT_KEY,
+)
 
-# KEYS[1] the tenant's counter, KEYS[2] the shared counter of earlier releases: a floor
+# KEYS[1] the tenant's counter, KEYS[2] the shared counter of earlier releases, KEYS[3] the
+# hash {mark: where this release last left KEYS[2], seen: when an earlier release's write was
+# last noticed}. ARGV[1] the window in seconds. The time is the server's (one clock for all).
 _NEXT_VERSION = """
 local last = tonumber(redis.call('GET', KEYS[1]) or '0')
 local shared = tonumber(redis.call('GET', KEYS[2]) or '0')
+local state = redis.call('HMGET', KEYS[3], 'mark', 'seen')
+local mark = tonumber(state[1] or '0')
+local seen = tonumber(state[2] or '0')
+local now = tonumber(redis.call('TIME')[1])
+if shared ~= mark then seen = now end
 local version = math.max(last, shared) + 1
 redis.call('SET', KEYS[1], string.format('%d', version))
+if now - seen < tonumber(ARGV[1]) then
+  shared = version
+  redis.call('SET', KEYS[2], string.format('%d', version))
+end
+redis.call('HSET', KEYS[3], 'mark', string.format('%d', shared), 'seen', string.format('%d', seen))
 return version
 """
 
 
 def next_write_version(client: redis.Redis, tenant: str) -> int:
-    """The tenant's next write version, in one script (the read of both counters and the
-    write can't be split by another write)."""
-    keys = [WRITE_VERSION_TENANT_KEY + tenant, WRITE_VERSION_KEY]
-    return int(cast(int, client.eval(_NEXT_VERSION, len(keys), *keys)))
+    """The tenant's next write version, in one script (the read of the counters and the
+    writes can't be split by another write, of this release or an earlier one)."""
+    keys = [WRITE_VERSION_TENANT_KEY + tenant, WRITE_VERSION_KEY, LEGACY_WRITE_VERSION_KEY]
+    args = [LEGACY_WRITE_VERSION_WINDOW_SECONDS]
+    return int(cast(int, client.eval(_NEXT_VERSION, len(keys), *keys, *args)))

@@ -11,9 +11,17 @@ a drop and the settings), so one counter per tenant keeps every guarantee.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from worker.adapters.embedded import EmbeddedBackend
 from worker.adapters.index_settings import RedisIndexSettings
-from worker.constants import WRITE_VERSION_KEY
+from worker.constants import (
+    LEGACY_WRITE_VERSION_KEY,
+    LEGACY_WRITE_VERSION_WINDOW_SECONDS,
+    WRITE_VERSION_KEY,
+)
 from worker.contract import DocumentIn
+from worker.core.types import Document
 from worker.queue.jobstore import JobStore
 
 
@@ -32,10 +40,19 @@ def test_another_tenants_writes_do_not_move_a_tenants_versions(store: JobStore) 
     assert ingest_version(store, "globex") == first + 1
 
 
+def upgraded_long_ago(store: JobStore, shared: int) -> None:
+    """The earlier release's last write (to ``shared``) was noticed more than the window ago."""
+    now = int(store.redis.time()[0])
+    store.redis.set(WRITE_VERSION_KEY, shared)
+    seen = now - LEGACY_WRITE_VERSION_WINDOW_SECONDS - 1
+    store.redis.hset(LEGACY_WRITE_VERSION_KEY, mapping={"mark": shared, "seen": seen})
+
+
 def test_a_tenants_versions_go_on_from_the_deployments_shared_counter(store: JobStore) -> None:
     """Documents written before the per-tenant counters hold versions of the shared one: a
-    tenant's first version is above it, or its new writes would lose to its old ones."""
-    store.redis.set(WRITE_VERSION_KEY, 1_000)
+    tenant's first version is above it, or its new writes would lose to its old ones. Once
+    no earlier release has written for the window, the shared counter stays where it is."""
+    upgraded_long_ago(store, 1_000)
     assert ingest_version(store, "acme") == 1_001
     assert ingest_version(store, "globex") == 1_001
     assert store.create_deletion("acme", "shared", None).version == 1_002
@@ -51,3 +68,39 @@ def test_a_write_accepted_after_one_of_an_earlier_release_gets_a_higher_version(
     assert ingest_version(store, "acme") == 1
     store.redis.set(WRITE_VERSION_KEY, 40)  # an earlier release's gateway took 2..40
     assert ingest_version(store, "acme") == 41
+
+
+def test_a_write_an_earlier_release_accepts_after_an_upgraded_one_comes_after_it(
+    store: JobStore, tmp_path: Path
+) -> None:
+    """The other order of a rolling upgrade (deploy/k8s rolls the gateways one pod at a time):
+    an upgraded gateway accepts an ingest of d1, then a gateway of the earlier release accepts
+    its delete, numbering it as that release does (``INCR sift:write-version``). The delete
+    must win. It took the ingest's very version (41, 41): the embedded backend skipped it as
+    a run of a write already applied, and d1 stayed, searchable, its delete 'succeeded'."""
+    store.redis.set(WRITE_VERSION_KEY, 40)  # an earlier release has been writing
+    ingest = ingest_version(store, "acme")
+    delete = int(store.redis.incr(WRITE_VERSION_KEY))  # the earlier release's gateway
+    assert delete > ingest
+    backend = EmbeddedBackend(tmp_path)
+    try:
+        backend.upsert("shared", "acme", [Document("d1", "hello")], None, version=ingest)
+        assert backend.delete_documents("shared", "acme", ["d1"], version=delete) == 1
+        assert backend.document("shared", "acme", "d1") is None
+    finally:
+        backend.close()
+
+
+def test_while_an_earlier_release_may_run_versions_count_every_tenants_writes(
+    store: JobStore,
+) -> None:
+    """The price of the order above, for the window after an earlier release's last write:
+    the shared counter moves with every write, as it did before, so a tenant's versions do
+    count the other tenants' writes; once the window is over they don't."""
+    store.redis.set(WRITE_VERSION_KEY, 1_000)  # upgraded just now: no mark yet
+    assert [ingest_version(store, t) for t in ("acme", "globex", "acme")] == [1_001, 1_002, 1_003]
+    assert int(store.redis.get(WRITE_VERSION_KEY) or 0) == 1_003
+    upgraded_long_ago(store, 1_003)
+    assert [ingest_version(store, t) for t in ("acme", "globex", "acme")] == [1_004, 1_004, 1_005]
+    store.redis.incr(WRITE_VERSION_KEY)  # an earlier release's process writes again: noticed
+    assert [ingest_version(store, t) for t in ("globex", "acme")] == [1_005, 1_006]

@@ -27,6 +27,7 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:ingest-docs:<id>     string the documents (a delete: the ids), until the task has run
     sift:write-version:<t>    string the tenant's last write version (upserts, deletes, drops,
                                      settings); starts from sift:write-version, earlier releases'
+    sift:write-version-legacy hash   {mark, seen}: whether an earlier release still writes
     sift:index-reply:<id>     list   one index read's answer, for 60 s
     sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
     sift:attempts:<task>:<n>  string deliveries of one task message
