@@ -311,6 +311,27 @@ def test_skip_invalid_skips_a_line_that_is_not_json_too(
     assert "corpus.jsonl:4: not valid JSON" in result.output
 
 
+def test_skip_invalid_skips_a_line_cut_inside_a_character(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    """A file cut off mid-line is cut inside a character as often as not when the text is not
+    ASCII ("café", Greek, CJK): its last line is not UTF-8, a bad line like any other. It
+    stopped the command whatever --skip-invalid said ("not UTF-8 text"), after the lines
+    before it had been read; without --skip-invalid it names the line."""
+    good = "".join(json.dumps({"_id": f"d{i}", "text": "café"}) + "\n" for i in range(2))
+    cut = b'{"_id": "d2", "text": "caf' + "é".encode()[:1]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(good.encode() + cut)
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "s", "--skip-invalid")
+    assert result.exit_code == 0, result.output
+    [batch] = fake_gateway.posted("/v1/indexes/s/documents")
+    assert [d["id"] for d in batch["documents"]] == ["d0", "d1"]
+    assert "corpus.jsonl:3: not UTF-8 text" in result.output
+    refused = run(fake_gateway, "ingest", str(corpus), "--index", "s")
+    assert refused.exit_code == 1
+    assert "corpus.jsonl:3: not UTF-8 text" in refused.output
+
+
 def test_a_gateway_4xx_is_printed_with_its_field(fake_gateway: FakeGateway, tmp_path: Path) -> None:
     corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "a", "text": "b"}])
     result = run(fake_gateway, "ingest", str(corpus), "--index", "refused")

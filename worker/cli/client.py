@@ -75,22 +75,25 @@ def _expected_errors() -> Iterator[None]:
 
 def _jsonl(path: Path) -> Iterator[tuple[int, str]]:
     """``(line number, line)`` per non-blank line; each is parsed by :func:`_parsed`, where a
-    line that is not JSON is a bad line like any other (``--skip-invalid`` skips it)."""
+    line that is not UTF-8 or not JSON is a bad line like any other (``--skip-invalid`` skips
+    it: a file cut off mid-line may be cut inside a character). Bytes that are not UTF-8 are
+    kept as lone surrogates (``surrogateescape``), which no decoded text holds."""
     try:
-        handle = path.open(encoding="utf-8")
+        handle = path.open(encoding="utf-8", errors="surrogateescape")
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     with handle:
-        try:
-            for number, line in enumerate(handle, start=1):
-                if line.strip():
-                    yield number, line
-        except UnicodeDecodeError as exc:
-            raise InputError(f"{path}: not UTF-8 text ({exc.reason})") from exc
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield number, line
 
 
 def _parsed(line: str) -> Any:
-    """One line's JSON; raises ValueError saying it is not JSON."""
+    """One line's JSON; raises ValueError saying it is not UTF-8 or not JSON."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # a byte surrogateescape kept: the line is not UTF-8
+        raise ValueError("not UTF-8 text") from None
     try:
         return json.loads(line)
     except json.JSONDecodeError as exc:
