@@ -27,6 +27,7 @@ from worker.contract import (
     QueryText,
     SearchResult,
     SearchSpec,
+    Usage,
     without_unset_overrides,
 )
 
@@ -113,10 +114,14 @@ class BatchOut(BaseModel):
 
 
 class BatchResultItem(BaseModel):
+    """``usage`` only on a ``canceled`` item whose model calls were billed before the cancel
+    (an economy item resubmitted, then canceled): a finished item's is in its result or error."""
+
     query_id: str
     status: JobStatus
     result: SearchResult | None = None
     error: ErrorInfo | None = None
+    usage: Usage | None = None
 
 
 class BatchResultsPage(BaseModel):

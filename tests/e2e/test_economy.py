@@ -202,7 +202,8 @@ def test_a_billed_round_shows_in_the_metrics_though_its_item_is_then_canceled(
 ) -> None:
     """Round one's answer is malformed (billed), so the item is resubmitted; the batch is
     canceled while round two is in progress. The provider billed round one: the worker's
-    token and cost counters must show it, though the item ends canceled."""
+    token and cost counters must show it, though the item ends canceled, and so must the
+    canceled item's record (its ``usage``: the job agrees with the counters and the bill)."""
     stack.model.configure(batch_processing_seconds=0.5)
     stack.model.script_batch({"i0": [succeeded(malformed("not json"))]})
     before = worker_usage(stack, "economy")
@@ -234,6 +235,14 @@ def test_a_billed_round_shows_in_the_metrics_though_its_item_is_then_canceled(
         ECONOMY_PRICE_DISCOUNT,
     )
     assert after["cost_usd"] - before.get("cost_usd", 0.0) == pytest.approx(expected)
+    [item] = _results(stack, batch_id).values()
+    assert item["status"] == "canceled" and "result" not in item, item
+    shown = item.get("usage")
+    assert shown is not None, item
+    assert shown["requests"] == 1, shown
+    for key in billed.keys() - {"responses"}:
+        assert shown[key] == billed[key], key
+    assert shown["cost_usd"] == pytest.approx(expected)
 
 
 def test_an_economy_batch_with_rerank_off_finishes_without_the_provider(

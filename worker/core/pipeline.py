@@ -129,6 +129,29 @@ class RerankRun:
         self.cost_usd = add_costs(self.cost_usd, cost)
         return cost
 
+    def job_usage(self) -> Usage:
+        """The run's usage as a job record shows it: the calls sent (an attempt the rate
+        budget refused, or one never sent, is no request) and their tokens and cost.
+
+        >>> run = RerankRun(attempts=[{"outcome": "ok"}, {"outcome": "budget_exhausted"}],
+        ...                 usage=TokenUsage(5, 1, 0, 0), cost_usd=0.5)
+        >>> (run.job_usage().requests, run.job_usage().input_tokens)
+        (1, 5)
+        """
+        unsent = AttemptOutcome.BUDGET_EXHAUSTED.value
+        return Usage(
+            requests=sum(
+                1
+                for attempt in self.attempts
+                if attempt["outcome"] != unsent and attempt.get("sent", True)
+            ),
+            input_tokens=self.usage.input_tokens,
+            output_tokens=self.usage.output_tokens,
+            cache_read_input_tokens=self.usage.cache_read_input_tokens,
+            cache_creation_input_tokens=self.usage.cache_creation_input_tokens,
+            cost_usd=self.cost_usd,
+        )
+
 
 @dataclass(slots=True)
 class Prepared:
@@ -464,19 +487,7 @@ class SearchPipeline:
         assert self.reranker is not None
         model = self.reranker.model
         spec, candidates, trace = prepared.spec, prepared.candidates, prepared.trace
-        unsent = AttemptOutcome.BUDGET_EXHAUSTED.value
-        usage = Usage(
-            requests=sum(
-                1
-                for attempt in run.attempts
-                if attempt["outcome"] != unsent and attempt.get("sent", True)
-            ),
-            input_tokens=run.usage.input_tokens,
-            output_tokens=run.usage.output_tokens,
-            cache_read_input_tokens=run.usage.cache_read_input_tokens,
-            cache_creation_input_tokens=run.usage.cache_creation_input_tokens,
-            cost_usd=run.cost_usd,
-        )
+        usage = run.job_usage()
         trace.update(attempts=run.attempts, rerank_seconds=run.seconds)
         if spec.include_trace:  # the trace's parts built per candidate or model: only if shown
             trace["usage"] = usage.model_dump()

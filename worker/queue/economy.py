@@ -303,8 +303,17 @@ def _item_done(task: SiftTask, batch: BatchJob, transition: ItemTransition) -> N
         task.announce_batch(batch, status)
 
 
-def _cancel(task: SiftTask, batch: BatchJob, query_id: str) -> None:
-    transition = task.context.store.cancel_item(batch.id, query_id)
+def _cancel(
+    task: SiftTask, batch: BatchJob, query_id: str, record: dict[str, Any] | None = None
+) -> None:
+    """Cancel one item. ``record`` is its run (None: read here): what its earlier rounds
+    were billed goes on the canceled item's record, as the counters counted it."""
+    store = task.context.store
+    if record is None:
+        raw = store.economy_get(batch.id, ECONOMY_RUNS_KEY, [query_id])[0]
+        record = json.loads(raw) if raw else None
+    usage = _rerank_run(record).job_usage() if record and record["attempts"] else None
+    transition = store.cancel_item(batch.id, query_id, usage=usage)
     if transition.applied:
         metrics.job_completed("batch_item", "canceled")
     _item_done(task, batch, transition)
@@ -860,7 +869,7 @@ def _map_page(
         record["submission"] = submission or record.get("submission")
         with job_context(f"{batch.id}/{qid}"):
             if line.kind == "canceled":
-                _cancel(task, batch, qid)
+                _cancel(task, batch, qid, record)
                 continue
             if record["handled"] == provider_id:  # counted by an earlier delivery of this task
                 if record["resubmit"]:
@@ -938,5 +947,6 @@ def economy_cancel(self: SiftTask, batch_id: str) -> None:
     if batch is None:
         return
     for qid, raw in store.economy_all(batch_id, ECONOMY_RUNS_KEY).items():
-        if str(json.loads(raw)["provider"] or "").startswith(DOUBT):
-            _cancel(self, batch, qid)
+        record = json.loads(raw)
+        if str(record["provider"] or "").startswith(DOUBT):
+            _cancel(self, batch, qid, record)

@@ -24,7 +24,7 @@ from worker.constants import (
     LANE_ECONOMY,
     STATS_KEY,
 )
-from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec
+from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec, Usage
 from worker.queue.jobstore.idempotency import (
     IdempotencyKeyBound,
     IdempotencyRef,
@@ -342,9 +342,15 @@ class BatchRecords(_StoreCore):
             for qid, status, outcome in zip(qids, statuses, outcomes, strict=True)
         ]
 
-    def cancel_item(self, batch_id: str, query_id: str) -> ItemTransition:
-        """queued or running -> canceled (the provider canceled its request), at most once."""
-        return self._item(batch_id, query_id, JobStatus.CANCELED, "queued,running", "", False)
+    def cancel_item(
+        self, batch_id: str, query_id: str, *, usage: Usage | None = None
+    ) -> ItemTransition:
+        """queued or running -> canceled (the provider canceled its request), at most once.
+        ``usage``: what the item's earlier rounds were billed (an economy item resubmitted,
+        then canceled), shown on its record as ``usage``, so that the record agrees with the
+        counters and the bill; a canceled item has no result or error to carry it."""
+        payload = '{"usage":' + usage.model_dump_json() + "}" if usage is not None else ""
+        return self._item(batch_id, query_id, JobStatus.CANCELED, "queued,running", payload, False)
 
     def query_ids_at(self, batch_id: str, positions: Sequence[int]) -> list[str | None]:
         """The query ids at these positions of the submission order (None past the end)."""
