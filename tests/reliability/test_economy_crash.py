@@ -10,6 +10,9 @@ except what a test cannot run without (the Redis URL, the keys, the model's addr
   one; every item is answered once, from it;
 - killed half-way through recording a provider batch's results: the new worker maps the
   rest, every item finished once, with one attempt, and one ``batch.completed`` webhook;
+- killed just after it counted a result line in the metrics (before the item's run was
+  saved, before the fix): the new worker's poll counts that line no second time; the tokens
+  counted, the item's record and the bill agree;
 - (a poll's message lost, or late, after its worker was killed: test_economy_lost_polls.py)
 """
 
@@ -29,7 +32,7 @@ import httpx
 import pytest
 import redis
 
-from tests.fake_anthropic import FakeAnthropic, stall, status
+from tests.fake_anthropic import FakeAnthropic, malformed, stall, status, succeeded
 from tests.reliability.support import (
     Receiver,
     all_results,
@@ -62,10 +65,10 @@ def hooks() -> Iterator[Receiver]:
 
 @contextmanager
 def economy_stack(
-    tmp_path: Path, model: FakeAnthropic
+    tmp_path: Path, model: FakeAnthropic, **extra: str
 ) -> Iterator[tuple[dict[str, str], httpx.Client]]:
     with redis_server(tmp_path / "redis") as base_url:
-        env = stack_env(base_url + "/0", model.url)
+        env = stack_env(base_url + "/0", model.url, **extra)
         env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # back to its default
         with (
             gateway(tmp_path / "g", env) as base,
@@ -188,3 +191,43 @@ def test_a_worker_killed_while_settling_a_create_in_doubt_leaves_no_item_waiting
         for item in all_results(client, batch_id):
             assert item["status"] == "succeeded", item
             assert item["result"]["trace"]["attempts"][-1]["provider_batch"] == made[1]["id"]
+
+
+@pytest.mark.parametrize("first", ["succeeded", "malformed"])
+def test_a_poll_killed_after_counting_a_result_counts_it_once(tmp_path: Path, first: str) -> None:
+    # The economy recorder writes every usage count to a file (a killed worker's counters die
+    # with it) and kills the worker after the first attempt counted. Worker B runs the
+    # redelivered poll: it must find the line counted and finish the item without counting
+    # it again. "malformed": an answer that fails the schema (billed), resubmitted, then
+    # answered.
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    factory = "tests.reliability.economy_counting_runtime:build_runtime"
+    with (
+        FakeAnthropic() as model,
+        economy_stack(
+            tmp_path, model, SIFT_RUNTIME_FACTORY=factory, CRASH_ONCE_DIR=str(crashes)
+        ) as (env, client),  # fmt: skip
+    ):
+        if first == "malformed":
+            model.script_batch({"i0": [succeeded(malformed("not json")), succeeded()]})
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            batch_id = submit_economy(client, 1)
+            wait_for(lambda: worker_a.poll() is not None, "worker A killed after a count", 180)
+        with worker(tmp_path / "w", env, "b"):
+            wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW * 2)
+        assert_batch_exactly_once(client, env["SIFT_REDIS_URL"], batch_id, 1)
+        billed = model.usage()
+        counted = [json.loads(line) for line in (crashes / "counted").read_text().splitlines()]
+        assert len(counted) == billed["responses"] == (2 if first == "malformed" else 1), counted
+        assert sum(c["input"] for c in counted) == billed["input_tokens"], counted
+        assert sum(c["output"] for c in counted) == billed["output_tokens"], counted
+        [item] = all_results(client, batch_id)
+        usage = item["result"]["usage"]
+        assert (usage["input_tokens"], usage["output_tokens"]) == (
+            billed["input_tokens"],
+            billed["output_tokens"],
+        )
+        outcomes = [a["outcome"] for a in item["result"]["trace"]["attempts"]]
+        assert outcomes == (["malformed", "ok"] if first == "malformed" else ["ok"]), outcomes

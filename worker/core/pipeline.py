@@ -610,16 +610,40 @@ class SearchPipeline:
         call that reported usage for a model with no price is also counted as unpriced. The
         usage goes to the metrics here, not when the rerank ends: it was billed whatever
         becomes of the search."""
+        cost = self.add_attempt(run, outcome, usage, seconds, **detail)
+        self.count_attempt(outcome, usage, cost)
+
+    def add_attempt(
+        self,
+        run: RerankRun,
+        outcome: AttemptOutcome,
+        usage: TokenUsage | None,
+        seconds: float,
+        **detail: Any,
+    ) -> float | None:
+        """:meth:`record_attempt`'s part in ``run`` alone; answers the call's cost. A lane that
+        must save the run before the metrics count it (so that a task run again after a
+        crash between the two does not count it twice) calls :meth:`count_attempt` after."""
         assert self.reranker is not None
+        cost: float | None = 0.0
         if usage is not None:
             price = price_for(self.reranker.model, self.config.prices)
             cost = run.add_usage(usage, price, self.config.price_discount)
-            self.recorder.rerank_usage(self.reranker.model, usage_by_type(usage), cost)
-            if price is None:
-                self.recorder.rerank_unpriced(self.reranker.model)
         run.attempts.append(
             {"n": len(run.attempts) + 1, "outcome": outcome.value, "seconds": seconds, **detail}
         )
+        return cost
+
+    def count_attempt(
+        self, outcome: AttemptOutcome, usage: TokenUsage | None, cost: float | None
+    ) -> None:
+        """:meth:`record_attempt`'s part in the metrics: the attempt, its tokens and ``cost``
+        (None: the model has no price, counted as unpriced)."""
+        assert self.reranker is not None
+        if usage is not None:
+            self.recorder.rerank_usage(self.reranker.model, usage_by_type(usage), cost)
+            if cost is None:
+                self.recorder.rerank_unpriced(self.reranker.model)
         self.recorder.rerank_attempt(self.reranker.model, outcome.value)
 
     @staticmethod

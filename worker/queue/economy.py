@@ -855,9 +855,9 @@ def _map_page(
     statuses = store.economy_get(batch.id, BATCH_ITEMS_KEY, ids)
     prepared = store.economy_get(batch.id, ECONOMY_PREPARED_KEY, ids)
     runs = store.economy_get(batch.id, ECONOMY_RUNS_KEY, ids)
-    resubmit: list[str] = []
     now = time.time()
     deadline = batch.created_at + settings.economy_deadline_seconds
+    mapped: list[_Mapped] = []
     for (line, qid), status, raw, raw_run in zip(known, statuses, prepared, runs, strict=True):
         if status != JobStatus.RUNNING.value or raw is None or raw_run is None:
             continue  # final already, or canceled
@@ -867,58 +867,91 @@ def _map_page(
             continue  # a stale result (the item moved on), or another create's
         record.update(provider=provider_id, pending=None)
         record["submission"] = submission or record.get("submission")
-        with job_context(f"{batch.id}/{qid}"):
-            if line.kind == "canceled":
+        if line.kind == "canceled":
+            with job_context(f"{batch.id}/{qid}"):
                 _cancel(task, batch, qid, record)
-                continue
-            if record["handled"] == provider_id:  # counted by an earlier delivery of this task
-                if record["resubmit"]:
-                    resubmit.append(qid)
-                continue
-            item = load_prepared(pipeline, json.loads(raw))
-            run = _rerank_run(record)
-            waited = now - float(record["submitted_at"] or now)
-            run.seconds = now - float(record["first_submitted_at"] or now)
-            detail = {"provider_batch": provider_id, "provider_result": line.kind}
-            if line.reply is not None:
-                pipeline.record_attempt(run, AttemptOutcome.OK, line.reply.usage, waited, **detail)
-                run.reply, run.returned = line.reply, line.reply.positions
-                _finish(task, batch, qid, item, run)
-                continue
-            if line.kind == "expired":
-                failure = RerankAttemptError(
-                    AttemptOutcome.TIMEOUT,
-                    f"the provider expired the request unprocessed (batch {provider_id})",
-                )
-            else:
-                assert line.error is not None
-                failure = line.error
-            usage = getattr(failure, "usage", None)
-            pipeline.record_attempt(
-                run,
-                failure.outcome,
-                usage if isinstance(usage, TokenUsage) else None,
-                waited,
-                **detail,
-            )
-            record["handled"] = provider_id
-            again = (
-                failure.retryable
-                and len(run.attempts) < pipeline.config.max_requests
-                and now < deadline
-                and batch.canceled_at is None
-            )
-            if again:
-                _store_run(record, run)
-                record.update(resubmit=True, last_error=failure.message)
-                store.economy_save(batch.id, ECONOMY_RUNS_KEY, {qid: json.dumps(record)})
-                resubmit.append(qid)
-                continue
-            _store_run(record, run)
-            store.economy_save(batch.id, ECONOMY_RUNS_KEY, {qid: json.dumps(record)})
-            run.failure = failure
-            _finish(task, batch, qid, item, run)
+            continue
+        item = load_prepared(pipeline, json.loads(raw))
+        one = _Mapped(qid, line, record, item, _rerank_run(record))
+        one.run.seconds = now - float(record["first_submitted_at"] or now)
+        one.failure = None if line.reply is not None else _line_failure(line, provider_id)
+        if record["handled"] != provider_id:  # else counted by an earlier run of this task
+            _add_attempt(pipeline, one, provider_id, now, deadline, batch.canceled_at is None)
+        mapped.append(one)
+    # The runs are saved before the metrics count their attempts: a task run again after a
+    # kill between the two finds them ``handled`` and counts nothing twice.
+    fresh = [one for one in mapped if one.counted is not None]
+    _save_runs(task, batch, ((one.qid, one.record) for one in fresh))
+    for one in fresh:
+        assert one.counted is not None
+        pipeline.count_attempt(*one.counted)
+    resubmit: list[str] = []
+    for one in mapped:
+        if one.record["resubmit"]:
+            resubmit.append(one.qid)
+            continue
+        if one.line.reply is not None:
+            one.run.reply, one.run.returned = one.line.reply, one.line.reply.positions
+        else:
+            one.run.failure = one.failure
+        with job_context(f"{batch.id}/{one.qid}"):
+            _finish(task, batch, one.qid, one.item, one.run)
     return resubmit
+
+
+@dataclass(slots=True)
+class _Mapped:
+    """One result line mapped to its item, between its run's save and its item's finish."""
+
+    qid: str
+    line: BatchLine
+    record: dict[str, Any]
+    item: Prepared
+    run: RerankRun
+    failure: RerankAttemptError | None = None
+    counted: tuple[AttemptOutcome, TokenUsage | None, float | None] | None = None
+
+
+def _line_failure(line: BatchLine, provider_id: str) -> RerankAttemptError:
+    """The failure a result line without an answer stands for."""
+    if line.kind == "expired":
+        return RerankAttemptError(
+            AttemptOutcome.TIMEOUT,
+            f"the provider expired the request unprocessed (batch {provider_id})",
+        )
+    assert line.error is not None
+    return line.error
+
+
+def _add_attempt(
+    pipeline: SearchPipeline, one: _Mapped, provider_id: str, now: float, deadline: float,
+    live: bool,
+) -> None:  # fmt: skip
+    """Count a line's attempt in its item's run (not yet in the metrics: ``one.counted``
+    says what to count once the run is saved), and decide whether it is resubmitted."""
+    record, run, failure = one.record, one.run, one.failure
+    waited = now - float(record["submitted_at"] or now)
+    detail = {"provider_batch": provider_id, "provider_result": one.line.kind}
+    usage: TokenUsage | None
+    if one.line.reply is not None:
+        outcome, usage = AttemptOutcome.OK, one.line.reply.usage
+    else:
+        assert failure is not None
+        found = getattr(failure, "usage", None)
+        outcome, usage = failure.outcome, found if isinstance(found, TokenUsage) else None
+    cost = pipeline.add_attempt(run, outcome, usage, waited, **detail)
+    one.counted = (outcome, usage, cost)
+    again = (
+        failure is not None
+        and failure.retryable
+        and len(run.attempts) < pipeline.config.max_requests
+        and now < deadline
+        and live
+    )
+    _store_run(record, run)
+    record.update(handled=provider_id, resubmit=again)
+    if failure is not None:
+        record["last_error"] = failure.message
 
 
 # --- cancel ---------------------------------------------------------------------------------
