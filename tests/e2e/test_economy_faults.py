@@ -8,6 +8,7 @@ the provider batch was made, a results file with lines the SDK's shapes do not f
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -261,3 +262,29 @@ def test_a_cancel_while_a_create_is_in_doubt_ends_the_batch_without_waiting_on_i
         time.sleep(0.1)
     time.sleep(3)  # a few poll periods (SIFT_ECONOMY_POLL_MAX_SECONDS is 1 here)
     assert watch.zscore(ECONOMY_WATCH_KEY, f"{batch_id} {foreign}") is None
+
+
+def test_an_answer_longer_than_max_tokens_allows_is_malformed_as_in_the_standard_lane(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # 20,000 positions: more than any request's max_tokens (a thinking allowance plus 8 a
+    # position) lets a model write. The standard lane's parse_body calls that malformed; an
+    # economy result line with the same answer is malformed too (resubmitted, answered the
+    # second time), its round billed, never normalised into an applied rerank.
+    text = json.dumps({"positions": list(range(1, 20_001))})
+    message = {"id": "msg_long", "type": "message", "role": "assistant",
+               "model": "claude-haiku-4-5", "content": [{"type": "text", "text": text}],
+               "stop_reason": "end_turn", "stop_sequence": None,
+               "usage": {"input_tokens": 10, "output_tokens": 20}}  # fmt: skip
+    line = {"custom_id": "i0", "result": {"type": "succeeded", "message": message}}
+    stack.model.script_batch({"i0": [garbled(json.dumps(line))]})
+    batch_id = _submit(stack, _items(queries, 1), "economy", include_trace=True)
+    done = _wait(stack, batch_id, timeout=30)
+    [item] = _results(stack, batch_id).values()
+    assert done["counts"]["succeeded"] == 1, done
+    attempts = item["result"]["trace"]["attempts"]
+    assert [a["outcome"] for a in attempts] == ["malformed", "ok"], attempts
+    assert attempts[0]["provider_result"] == "succeeded"
+    assert len(stack.model.batches()) == 2  # resubmitted once
+    # the long answer's round is billed and shown: its 20 output tokens and the answer's
+    assert item["result"]["usage"]["output_tokens"] == 20 + stack.model.usage()["output_tokens"]

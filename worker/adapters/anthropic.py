@@ -329,7 +329,15 @@ def parse_body(body: bytes, *, max_positions: int | None = None) -> RerankReply:
         ) from exc
     texts = [block.text for block in message.content if block.type == "text"]
     reply = _reply(texts, message.stop_reason, message.model, read_usage(message.usage))
-    if max_positions is not None and len(reply.positions) > max_positions:
+    return reply if max_positions is None else check_positions(reply, max_positions)
+
+
+def check_positions(reply: RerankReply, max_positions: int) -> RerankReply:
+    """``reply``, unless it has more than ``max_positions`` positions (the request's
+    ``max_tokens``: every position costs the model an output token at least): then it is
+    not a model's answer, a RerankMalformedError (billed all the same). Both lanes apply it:
+    the standard lane's :func:`parse_body`, the economy lane's results."""
+    if len(reply.positions) > max_positions:
         raise RerankMalformedError(
             f"{len(reply.positions)} positions, more than max_tokens ({max_positions}) lets "
             "a model write: not a model's answer",

@@ -34,6 +34,7 @@ from worker.adapters.anthropic import (
     RerankMalformedError,
     _describe,
     _status_error,
+    check_positions,
     parse_reply,
 )
 from worker.core.types import RerankPrompt, RerankReply
@@ -117,6 +118,21 @@ class AnthropicMessageBatches:
     def request_params(self, prompt: RerankPrompt) -> dict[str, Any]:
         """One request's ``params``: exactly the standard lane's ``messages.create`` arguments."""
         return self.reranker.request_params(prompt)
+
+    @staticmethod
+    def checked(line: BatchLine, prompt: RerankPrompt) -> BatchLine:
+        """``line`` as the standard lane would read its answer to ``prompt``: a succeeded
+        answer with more positions than the request's ``max_tokens`` lets a model write is
+        ``malformed`` (:func:`~worker.adapters.anthropic.check_positions`), billed all the
+        same. The results file does not say which request a line answered, so it is checked
+        once the line is mapped to its item."""
+        if line.reply is None:
+            return line
+        try:
+            check_positions(line.reply, prompt.max_tokens)
+        except RerankMalformedError as error:
+            return BatchLine(line.custom_id, line.kind, error=error)
+        return line
 
     def create(self, requests: Sequence[Mapping[str, Any]]) -> ProviderBatch:
         """Create one Message Batch of ``{"custom_id", "params"}`` requests."""

@@ -24,8 +24,9 @@ The flow (DESIGN.md §7; the README's "Choosing a lane"):
    - ``succeeded``: the pipeline's second half, :meth:`SearchPipeline.finish`, with the
      model's positions: the same normalisation and fallback as the standard lane;
    - ``errored`` (its class from the error type), ``expired`` (class ``timeout``) and a
-     ``succeeded`` answer that fails the schema, or a line of an unknown shape
-     (``malformed``): resubmitted in a new
+     ``succeeded`` answer that fails the schema or has more positions than the request's
+     ``max_tokens`` lets a model write (the standard lane's check), or a line of an unknown
+     shape (``malformed``): resubmitted in a new
      provider batch while the class is retryable, the attempt budget
      (``SIFT_GENERATION_MAX_REQUESTS``) lasts and ``SIFT_ECONOMY_DEADLINE_SECONDS`` since
      the batch was submitted has not passed; else the failure policy, as in the standard
@@ -839,7 +840,7 @@ def _map_page(
     """Map one page of result lines; answers the query ids to resubmit."""
     if not lines:
         return []
-    store, pipeline = task.context.store, economy_pipeline(task)
+    store, pipeline, client = task.context.store, economy_pipeline(task), _batches(task)
     settings = task.context.settings
     positions = [position_of(line.custom_id) for line in lines]
     qids = store.query_ids_at(batch.id, [p if p is not None else -1 for p in positions])
@@ -872,6 +873,8 @@ def _map_page(
                 _cancel(task, batch, qid, record)
             continue
         item = load_prepared(pipeline, json.loads(raw))
+        if item.prompt is not None:  # the standard lane's check of an answer's length
+            line = client.checked(line, item.prompt)
         one = _Mapped(qid, line, record, item, _rerank_run(record))
         one.run.seconds = now - float(record["first_submitted_at"] or now)
         one.failure = None if line.reply is not None else _line_failure(line, provider_id)
