@@ -23,6 +23,7 @@ from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
     DELIVERY_OWNERS_KEY,
+    ECONOMY_PREPARED_KEY,
     INGEST_QUEUE,
     INGEST_TASK,
     KOMBU_UNACKED_KEY,
@@ -76,7 +77,7 @@ def worker_env(redis_url: str) -> dict[str, str]:
     }
 
 
-def create_batch(store: JobStore, total: int = 25) -> BatchJob:
+def create_batch(store: JobStore, total: int = 25, lane: str = "standard") -> BatchJob:
     """A batch submitted as the gateway does: record and chunk messages in one MULTI."""
     outbox = OutboxSender(store)
     items = [(f"q{i:02d}", SearchSpec(index="docs", query=f"query {i}")) for i in range(total)]
@@ -84,6 +85,7 @@ def create_batch(store: JobStore, total: int = 25) -> BatchJob:
         "acme",
         "docs",
         items,
+        lane=lane,
         enqueue=lambda bid: outbox.messages(
             [
                 (BATCH_CHUNK_TASK, [bid, start, min(start + 10, total)], BATCH_QUEUE)
@@ -270,6 +272,36 @@ def test_one_worker_sweeps_an_interval(store: JobStore, app: Celery) -> None:
     assert first.sweep_if_leader() is None  # the lock holds for the whole interval
 
 
+def test_an_economy_batch_s_lost_chunk_is_redriven_but_never_its_prepared_items(
+    store: JobStore, sweeper: Sweeper
+) -> None:
+    """A chunk message of an economy batch lost: its items stay queued, and with them the
+    whole batch (no submission starts before every item is prepared). It is re-driven as a
+    standard batch's; the items other chunks prepared wait on provider batches, with no
+    message of theirs, and are never re-driven; once every item is prepared, the batch
+    leaves the re-drive's watch (its submission and polls have their own)."""
+    batch = create_batch(store, lane="economy")
+    assert lose_oldest(store, BATCH_QUEUE) == Coverage(batch.id, range(0, 10))
+    qids = [f"q{i:02d}" for i in range(25)]
+    for _ in range(2):  # the two other chunks ran and prepared their items: acked, gone
+        assert lose_oldest(store, BATCH_QUEUE) is not None
+    for qid in qids[10:]:
+        store.start_item(batch.id, qid)
+    store.economy_save(batch.id, ECONOMY_PREPARED_KEY, {qid: "{}" for qid in qids[10:]})
+
+    assert sweeper.sweep() == []  # seen lost once
+    assert sweeper.sweep() == [Redrive(batch.id, "batch", [(0, 10)], poison=False)]
+    assert [c.positions for c in queued(store, BATCH_QUEUE) if c] == [range(0, 10)]
+    assert sweeper.sweep() == []  # covered again
+
+    store.redis.delete(BATCH_QUEUE)  # the re-driven chunk ran and prepared its items
+    for qid in qids[:10]:
+        store.start_item(batch.id, qid)
+    store.economy_save(batch.id, ECONOMY_PREPARED_KEY, {qid: "{}" for qid in qids[:10]})
+    assert sweeper.sweep() == [] and sweeper.sweep() == []  # waiting on the provider: not lost
+    assert store.redis.zscore(ACTIVE_JOBS_KEY, batch.id) is None  # no longer watched here
+
+
 def test_the_active_set_follows_the_transitions(store: JobStore) -> None:
     result = SearchResult(hits=[], rerank=RerankInfo(applied=False))
     search = create_search(store)
@@ -285,7 +317,11 @@ def test_the_active_set_follows_the_transitions(store: JobStore) -> None:
     economy = store.create_batch(
         "acme", "docs", [("a", SearchSpec(index="docs", query="a"))], lane="economy"
     )
-    assert store.redis.zscore(ACTIVE_JOBS_KEY, economy.id) is None  # never swept
+    assert store.pending_positions(economy.id) == [0]  # its chunk is re-driven as any batch's
+    store.start_item(economy.id, "a")
+    store.economy_save(economy.id, ECONOMY_PREPARED_KEY, {"a": "{}"})
+    assert store.pending_positions(economy.id) == []  # prepared: it waits on a provider batch
+    store.forget_active(economy.id)
     assert store.pending_positions(batch.id) == [0]
     store.start_item(batch.id, "a")
     assert store.redis.zscore(ACTIVE_JOBS_KEY, batch.id) is not None

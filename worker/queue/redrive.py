@@ -10,7 +10,7 @@ back, and its job would stay ``queued`` forever.
 How. Every worker process runs a :class:`Sweeper` thread; every
 ``SIFT_REDRIVE_INTERVAL_SECONDS`` one of them, the holder of a ``SET NX PX`` lock, sweeps:
 
-1. the job store's active set names the searches, ingests and standard-lane batches whose
+1. the job store's active set names the searches, ingests and batches whose
    status has not changed for ``SIFT_REDRIVE_STALL_SECONDS``; a job making progress is not
    read, unless an *urgent window* is open (below), when every active job is;
 2. of those, the positions still ``queued`` or ``running`` are *pending* (a search or an
@@ -54,9 +54,13 @@ up). Each sets ``sift:redrive:urgent`` for
 without persistence a restart loses every job and message anyway, so there is nothing to
 recover.
 
-The economy lane's items are not swept this way: they wait on provider batches for hours by
-design. Its submissions and polls say by when each should run again instead, and a sweep
-sends again one that did not (:func:`worker.queue.economy.rewake`).
+An economy batch's chunks are swept this way too, but not its prepared items: they wait on
+provider batches for hours by design (not *pending*: :meth:`JobStore.pending_positions`), and
+once all are prepared the batch leaves the active set. Its submissions and polls say by when
+each should run again instead, and a sweep sends again one that did not
+(:func:`worker.queue.economy.rewake`). A re-driven chunk of an economy batch prepares its
+items, and the one chunk that finds every item prepared or final enqueues the one
+submission (a once-only claim), so a re-drive never makes a second provider batch.
 
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
     sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)

@@ -32,7 +32,7 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
     sift:attempts:<task>:<n>  string deliveries of one task message
     sift:stats:jobs           hash   queued / running searches and batch items right now
-    sift:active               zset   search, ingest and standard-lane batch ids not final yet
+    sift:active               zset   search, ingest and batch ids not final yet
                                      -> the time of their last status change (the re-drive's)
     sift:jobs:<kind>:<tenant> zset   the tenant's search, batch or ingest ids -> created_at
                                      (the job lists; written with the job's record)

@@ -21,7 +21,6 @@ from worker.constants import (
     BATCH_SPECS_KEY,
     BATCH_STAGE_SLICE,
     BATCH_STAGING_TTL_SECONDS,
-    LANE_ECONOMY,
     STATS_KEY,
 )
 from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec, Usage
@@ -194,8 +193,10 @@ class BatchRecords(_StoreCore):
         for key in _staged_keys(bid):
             pipe.expire(key, self.result_ttl)
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
-        if batch.lane != LANE_ECONOMY:  # the economy lane's items wait on provider batches
-            pipe.zadd(ACTIVE_JOBS_KEY, {bid: batch.created_at})
+        # An economy batch too: its chunks are re-driven as any batch's. Once its items are
+        # prepared they wait on provider batches (not pending for the re-drive, which then
+        # forgets the batch); its submission and polls have their own watch.
+        pipe.zadd(ACTIVE_JOBS_KEY, {bid: batch.created_at})
         index_job(pipe, KIND_BATCH, batch.tenant, bid, batch.created_at, self.result_ttl)
         for key, raw in messages:
             pipe.lpush(key, raw)

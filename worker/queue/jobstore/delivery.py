@@ -14,6 +14,7 @@ from worker.constants import (
     ATTEMPTS_TTL_SECONDS,
     BATCH_ITEMS_KEY,
     BATCH_ORDER_KEY,
+    ECONOMY_PREPARED_KEY,
     REDRIVE_COUNT_KEY,
     STATS_KEY,
 )
@@ -43,12 +44,12 @@ class DeliveryRecords(_StoreCore):
         return _in_flight(cast(dict[str, str], self.redis.hgetall(STATS_KEY)))
 
     def stalled_jobs(self, idle_seconds: float) -> list[str]:
-        """Search, ingest and standard-lane batch ids not final whose status last changed more than
+        """Search, ingest and batch ids not final whose status last changed more than
         ``idle_seconds`` ago, the longest idle first. Forgets ids idle past the retention."""
         return self._active_until(_now() - idle_seconds)
 
     def active_jobs(self) -> list[str]:
-        """Every search, ingest and standard-lane batch id not final, however recently it moved
+        """Every search, ingest and batch id not final, however recently it moved
         (a clock ahead on the host that moved it too), the longest idle first. Forgets ids idle
         past the retention."""
         return self._active_until("+inf")
@@ -65,16 +66,24 @@ class DeliveryRecords(_StoreCore):
         self.redis.zrem(ACTIVE_JOBS_KEY, job_id)
 
     def pending_positions(self, batch_id: str) -> list[int] | None:
-        """The submission positions of a batch's items still queued or running (None: no
-        such batch)."""
+        """The submission positions of a batch's items still queued or running and waiting
+        on a chunk task (None: no such batch). An economy-lane item prepared already waits on
+        a provider batch, not on a chunk: its submission and polls have their own watch
+        (``sift:eco-watch``), so it is not pending here (a standard batch has no such hash)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.lrange(BATCH_ORDER_KEY + batch_id, 0, -1)
         pipe.hgetall(BATCH_ITEMS_KEY + batch_id)
-        order, statuses = cast(tuple[list[str], dict[str, str]], pipe.execute())
+        pipe.hkeys(ECONOMY_PREPARED_KEY + batch_id)
+        order, statuses, prepared = cast(
+            tuple[list[str], dict[str, str], list[str]], pipe.execute()
+        )
         if not order:
             return None
         pending = (JobStatus.QUEUED.value, JobStatus.RUNNING.value)
-        return [i for i, qid in enumerate(order) if statuses.get(qid) in pending]
+        waiting = set(prepared)
+        return [
+            i for i, qid in enumerate(order) if statuses.get(qid) in pending and qid not in waiting
+        ]
 
     def count_redrive(self, job_id: str) -> int:
         """Count one more re-drive of this job; answers how many there have been."""
