@@ -136,7 +136,7 @@ ERROR_MESSAGES: dict[str, str] = {
 }
 
 Kind = Literal[
-    "good", "positions", "malformed", "status", "stall", "drop", "body", "trickle", "cut"
+    "good", "positions", "malformed", "status", "stall", "slow", "drop", "body", "trickle", "cut"
 ]
 Order = Literal["reverse", "identity"] | Callable[[list[int]], list[int]]
 
@@ -189,6 +189,13 @@ def status(code: int, *, retry_after: float | None = None, message: str | None =
 def stall(seconds: float) -> Behaviour:
     """Wait ``seconds`` (without blocking others) before a good answer; stops if the client goes."""
     return Behaviour("stall", seconds=seconds)
+
+
+def slow(seconds: float) -> Behaviour:
+    """On a Message Batches ``create``: ``seconds`` pass before the batch is made (then it is
+    answered at once), as a create of a large body takes its time: meanwhile no provider
+    batch exists to be found, unlike :func:`stall`'s."""
+    return Behaviour("slow", seconds=seconds)
 
 
 def delay(seconds: float) -> Behaviour:
@@ -683,15 +690,18 @@ class FakeAnthropic:
         (the API error, nothing done) or ``drop()`` (no answer; on ``create``, after the batch
         was created; on ``results``, half the file, then the connection closed) or, on
         ``create``, ``stall(seconds)`` (the batch made at once, its answer that much later:
-        time to kill the caller between the two). The SDK's
+        time to kill the caller between the two) or ``slow(seconds)`` (the batch made, and
+        answered, only that much later). The SDK's
         ``results`` retrieves the batch first: that call is a ``retrieve``."""
         if call not in get_args(BatchCall):
             raise ValueError(f"unknown batch call: {call!r}")
         for answer in answers:
-            if answer.kind not in ("good", "status", "drop", "stall"):
-                raise ValueError("a batch call answers as good(), status(...), drop() or stall()")
-            if answer.kind == "stall" and call != "create":
-                raise ValueError("stall() is for create: the batch made, its answer late")
+            if answer.kind not in ("good", "status", "drop", "stall", "slow"):
+                raise ValueError(
+                    "a batch call answers as good(), status(...), drop(), stall() or slow()"
+                )
+            if answer.kind in ("stall", "slow") and call != "create":
+                raise ValueError("stall() and slow() are for create")
         with self._lock:
             self._state.batch_calls.setdefault(call, deque()).extend(answers)
 
@@ -1108,6 +1118,10 @@ class FakeAnthropic:
         scripted = self._scripted_call("create")
         if scripted is not None and scripted.kind == "status":
             return _scripted_error(scripted)
+        if scripted is not None and scripted.kind == "slow":  # nothing made until it is done
+            if not await _wait_unless_gone(request, scripted.seconds):
+                return Response(status_code=499)
+            scripted = None
         requests = body.get("requests") if isinstance(body, dict) else None
         if not isinstance(requests, list) or not requests:
             return _error(400, "invalid_request_error", "requests: Field required")

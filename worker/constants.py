@@ -52,6 +52,9 @@ ECONOMY_STATE_KEY = REDIS_PREFIX + "eco-state:"  # + batch id -> hash: submit cl
 # zset "<batch id> <provider batch id | submit>" -> the time by which that economy task
 # should have run again: the re-drive's sweep sends one past it (a lost message)
 ECONOMY_WATCH_KEY = REDIS_PREFIX + "eco-watch"
+# + "<batch id> <provider batch id | submit>" -> "<worker id> <run token>": the one run of that
+# economy task under way (a second run of it stands down while that worker's heartbeat lives)
+ECONOMY_LEASE_KEY = REDIS_PREFIX + "eco-lease:"
 STATS_KEY = REDIS_PREFIX + "stats:jobs"  # hash state -> jobs and items queued/running now
 STATS_UNTRACKED_KEY = REDIS_PREFIX + "stats:untracked"  # same, for ingest jobs (not in the gauge)
 # the re-drive (worker/queue/redrive.py): unfinished jobs, what the sweeper keeps between sweeps

@@ -7,7 +7,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from worker.constants import BATCH_QUEUE, ECONOMY_POLL_TASK, ECONOMY_SUBMIT_TASK
+from worker.constants import (
+    BATCH_QUEUE,
+    ECONOMY_POLL_TASK,
+    ECONOMY_SUBMIT_TASK,
+    WORKER_HEARTBEAT_KEY,
+)
 from worker.contract import RerankInfo, SearchResult, SearchSpec
 from worker.queue.economy import WATCH_MARGIN_SECONDS, rewake
 from worker.queue.jobstore import JobStore
@@ -49,3 +54,25 @@ def test_a_finished_batch_is_never_woken(store: JobStore) -> None:
     sent: list[str] = []
     assert rewake(store, lambda name, *_: sent.append(name), time.time()) == 0
     assert sent == [] and store.economy_overdue(time.time()) == []  # and forgotten
+
+
+def test_one_run_of_an_economy_task_holds_its_lease_while_its_worker_lives(
+    store: JobStore,
+) -> None:
+    """Two runs of one economy task (the same message delivered again, or a re-send while
+    the first still runs): the second stands down while the first's worker beats; a dead
+    worker's lease is taken over; only its holder gives a lease back."""
+    batch_id = _economy_batch(store)
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)
+    assert store.economy_lease(batch_id, "submit", "w1 run-a", 300)
+    assert not store.economy_lease(batch_id, "submit", "w2 run-b", 300)  # w1 lives
+    assert store.economy_lease(batch_id, "submit", "w1 run-a", 300)  # its own: renewed
+    assert store.economy_lease(batch_id, "msgbatch_x", "w2 run-c", 300)  # another task's
+    store.economy_unlease(batch_id, "submit", "w2 run-b")  # not the holder: nothing
+    assert not store.economy_lease(batch_id, "submit", "w2 run-b", 300)
+    store.redis.delete(WORKER_HEARTBEAT_KEY + "w1")  # w1 died
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w2", "1", px=60_000)
+    assert store.economy_lease(batch_id, "submit", "w2 run-b", 300)  # taken over
+    assert not store.economy_lease(batch_id, "submit", "w1 run-a", 300)  # fenced: stops
+    store.economy_unlease(batch_id, "submit", "w2 run-b")
+    assert store.economy_lease(batch_id, "submit", "w3 run-d", 300)  # free again

@@ -9,7 +9,9 @@ a file of its own so that the test runs beside that file's, not after them).
   on polling;
 - a chunk message lost before any worker took it (its items still ``queued``, so no
   submission can start): the re-drive sends it again, and one submission makes one
-  provider batch of every item.
+  provider batch of every item;
+- the submission's message delivered again while its run's create is still under way (no
+  provider batch made yet): the second run stands down; one provider batch.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.fake_anthropic import FakeAnthropic
-from tests.reliability.support import assert_batch_exactly_once, ingest, wait_for
+from tests.fake_anthropic import FakeAnthropic, slow
+from tests.reliability.support import all_results, assert_batch_exactly_once, ingest, wait_for
 from tests.reliability.test_economy_crash import (
     FINISH_WINDOW,
     economy_stack,
@@ -33,6 +35,8 @@ from tests.reliability.test_economy_crash import (
 )
 from worker.constants import (
     ECONOMY_POLL_TASK,
+    ECONOMY_RUNS_KEY,
+    ECONOMY_SUBMIT_TASK,
     ECONOMY_WATCH_KEY,
     KOMBU_UNACKED_INDEX_KEY,
     KOMBU_UNACKED_KEY,
@@ -174,3 +178,42 @@ def test_a_lost_chunk_message_is_sent_again_and_makes_one_submission(tmp_path: P
         assert len(made["custom_ids"]) == 30
         assert {position_of(c) for c in made["custom_ids"]} == set(range(30))
 
+
+def test_the_same_submission_delivered_again_during_its_slow_create_stands_down(
+    tmp_path: Path,
+) -> None:
+    # The submission's create takes 20 s before the provider makes the batch (a large body),
+    # and its message is delivered again meanwhile (as kombu's restore does once the
+    # visibility timeout passes, the run still going on): the same message, the same task
+    # id, run by a second thread. It must stand down: run on, it would find the create in
+    # doubt, no provider batch made yet, and send the items again: two provider batches.
+    with FakeAnthropic() as model, economy_stack(tmp_path, model) as (env, client):
+        broker = redis.Redis.from_url(env["SIFT_REDIS_URL"], decode_responses=True)
+        model.script_batch_calls("create", [slow(20.0)])
+
+        def pending() -> int:
+            runs = [json.loads(r) for r in broker.hvals(ECONOMY_RUNS_KEY + batch_id)]
+            return sum(1 for r in runs if r.get("pending"))
+
+        with worker(tmp_path / "w", env, "a"):
+            ingest(client)
+            batch_id = submit_economy(client, 3)
+            wait_for(lambda: pending() == 3, "the slow create under way", 120)
+            [held] = [
+                json.loads(raw)[0]
+                for raw in broker.hvals(KOMBU_UNACKED_KEY)
+                if json.loads(raw)[0]["headers"]["task"] == ECONOMY_SUBMIT_TASK
+            ]
+            broker.lpush("sift.batch", json.dumps(held))  # the same message, again
+            wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW)
+            log = (tmp_path / "w" / "a.log").read_text(errors="replace")
+        made = model.batches()
+        assert len(made) == 1, [b["id"] for b in made]  # one provider batch: the slow create's
+        assert len(made[0]["custom_ids"]) == 3
+        assert_batch_exactly_once(client, env["SIFT_REDIS_URL"], batch_id, 3)
+        for item in all_results(client, batch_id):
+            assert item["status"] == "succeeded", item
+            attempts = item["result"]["trace"]["attempts"]
+            assert [a["outcome"] for a in attempts] == ["ok"], attempts
+            assert attempts[0]["provider_batch"] == made[0]["id"]
+        assert "this one stands down" in log

@@ -40,13 +40,15 @@ The flow (DESIGN.md §7; the README's "Choosing a lane"):
 The Sift batch completes, and its webhook fires, when its last item is final: when the
 results of its last provider batch have been mapped. Every write goes through the job
 store's compare-and-set, and a run records which provider result it already counted, so a
-redelivered task neither finishes an item twice nor counts an attempt twice.
+redelivered task neither finishes an item twice nor counts an attempt twice; and one run of
+each submission or poll goes on at a time (:func:`_leased`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -78,6 +80,7 @@ from worker.core.pipeline import (
 from worker.core.types import TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed, SiftError
 from worker.logcontext import job_context
+from worker.queue import liveness
 from worker.queue.base import SiftTask, count_completed, error_info
 from worker.queue.jobstore import BatchJob, ItemTransition, JobStore
 
@@ -239,6 +242,7 @@ def _send(task: SiftTask, batch_id: str, what: str, countdown: float) -> None:
     task_id = f"eco-{uuid.uuid4().hex}"
     task.context.store.economy_hand_over(batch_id, what, task_id)
     _expect(task, batch_id, what, countdown)
+    _give_back(task, batch_id, what)
     name, args = _task_of(batch_id, what)
     task.app.send_task(name, args=args, queue=BATCH_QUEUE, task_id=task_id,
                        countdown=countdown or None)  # fmt: skip
@@ -264,11 +268,66 @@ def _taken(task: SiftTask, batch_id: str, what: str) -> bool:
     return False
 
 
+class _StoodDown(Exception):
+    """Another run of this economy task took its lease over: this one stops where it is."""
+
+
+_RUN = threading.local()  # the lease of the economy run this thread is in: (batch, what, holder)
+
+
+def _leased(task: SiftTask, batch_id: str, what: str, run: Callable[[], None]) -> None:
+    """Run the economy task for ``what`` as the one run of it under way. Two runs of one task
+    can overlap: the same message delivered again while its run goes on (kombu restores it
+    once the visibility timeout passes), or the watch's re-send of a run whose create or
+    results page took longer than its margin. Each would map the same results and resubmit
+    the same items, or settle the other's create as in doubt and make the items' provider
+    batch again. So a run holds a lease (its worker id and a token): a second run finding it
+    held by a live worker stands down at once, and the holder's own marks (each create, each
+    results page: :func:`_expect`) renew it, so a holder whose lease was taken over (its
+    worker judged dead: its heartbeat gone) stands down at its next mark. The run under way
+    keeps the task's watch, which sends it again should it die with nothing else to follow."""
+    store = task.context.store
+    beat = liveness.current()
+    holder = f"{beat.worker_id if beat else ''} {uuid.uuid4().hex}"
+    if not store.economy_lease(batch_id, what, holder, WATCH_MARGIN_SECONDS):
+        log.info("batch %s: another run of its %s task is under way; this one stands down",
+                 batch_id, what)  # fmt: skip
+        return
+    _RUN.lease = (batch_id, what, holder)
+    try:
+        run()
+    except _StoodDown:
+        log.warning("batch %s: another run took its %s task over; this one stopped",
+                    batch_id, what)  # fmt: skip
+    finally:
+        _RUN.lease = None
+        store.economy_unlease(batch_id, what, holder)
+
+
 def _expect(task: SiftTask, batch_id: str, what: str, countdown: float) -> None:
     """The economy task for ``what`` (a provider batch, or the submission) runs again within
-    ``countdown`` seconds, or its message was lost (:func:`rewake`)."""
-    due = time.time() + countdown + WATCH_MARGIN_SECONDS
-    task.context.store.economy_expect(batch_id, what, due)
+    ``countdown`` seconds, or its message was lost (:func:`rewake`). A mark of the run under
+    way (``countdown`` 0) also renews its lease, or stops it if another run took it over; a
+    later one (its retry's, or a new message's, countdown) gives the lease back."""
+    store = task.context.store
+    lease: tuple[str, str, str] | None = getattr(_RUN, "lease", None)
+    holder = lease[2] if lease is not None and lease[:2] == (batch_id, what) else None
+    renew = countdown == 0.0 and holder is not None
+    if renew and not store.economy_lease(batch_id, what, str(holder), WATCH_MARGIN_SECONDS):
+        raise _StoodDown(what)
+    store.economy_expect(batch_id, what, time.time() + countdown + WATCH_MARGIN_SECONDS)
+    if countdown > 0.0:
+        _give_back(task, batch_id, what)
+
+
+def _give_back(task: SiftTask, batch_id: str, what: str) -> None:
+    """This run hands the task for ``what`` over to its next message (a retry, or one sent
+    anew): its lease is given back before that message is published, or the message might
+    come first and stand down."""
+    lease: tuple[str, str, str] | None = getattr(_RUN, "lease", None)
+    if lease is not None and lease[:2] == (batch_id, what):
+        task.context.store.economy_unlease(batch_id, what, lease[2])
+        _RUN.lease = None
 
 
 def rewake(store: JobStore, send: Callable[[str, list[Any], str, str], None], now: float) -> int:
@@ -602,6 +661,12 @@ def _unsent(task: SiftTask, batch: BatchJob, query_ids: Sequence[str]) -> list[s
     name=ECONOMY_SUBMIT_TASK, base=SiftTask, bind=True, max_retries=None
 )
 def economy_submit(self: SiftTask, batch_id: str) -> None:
+    """Send a batch's prepared prompts as Message Batches (:func:`_submit`), as the one run
+    of the submission under way (:func:`_leased`)."""
+    _leased(self, batch_id, SUBMIT_CLAIM, lambda: _submit(self, batch_id))
+
+
+def _submit(self: SiftTask, batch_id: str) -> None:
     """Send a batch's prepared prompts as Message Batches.
 
     A transient failure (429, 5xx, 529, a timeout) is retried at the poll's cadence for as
@@ -687,6 +752,12 @@ def _items_waiting(
     name=ECONOMY_POLL_TASK, base=SiftTask, bind=True, max_retries=None
 )
 def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
+    """Poll one provider batch until it ended, then map its results to the batch's items
+    (:func:`_poll`), as the one run of that poll under way (:func:`_leased`)."""
+    _leased(self, batch_id, provider_id, lambda: _poll(self, batch_id, provider_id))
+
+
+def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
     """Poll one provider batch until it ended, then map its results to the batch's items."""
     store, settings = self.context.store, self.context.settings
     batch = store.get_batch(batch_id)

@@ -23,6 +23,7 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:eco-runs:<id>        hash   query id -> {"pos","provider","round",...,"run"} JSON
     sift:eco-providers:<id>   hash   provider batch id -> {"round","requests","created_at",...}
     sift:eco-state:<id>       hash   once-only claims (``submit``)
+    sift:eco-lease:<id> <w>   string the run of economy task ``w`` under way: worker, token
     sift:ingest:<id>          hash   like a search record, with index and document count
     sift:ingest-docs:<id>     string the documents (a delete: the ids), until the task has run
     sift:write-version:<t>    string the tenant's last write version (upserts, deletes, drops,

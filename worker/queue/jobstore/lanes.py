@@ -7,12 +7,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
+import redis
+
 from worker.constants import (
     BATCH_COUNTS_KEY,
     BATCH_KEY,
+    ECONOMY_LEASE_KEY,
     ECONOMY_PREPARED_KEY,
     ECONOMY_STATE_KEY,
     ECONOMY_WATCH_KEY,
+    WORKER_HEARTBEAT_KEY,
 )
 from worker.queue.jobstore.records import FINAL, _now
 from worker.queue.jobstore.store import _StoreCore
@@ -92,6 +96,45 @@ class EconomyLaneRecords(_StoreCore):
         pipe.expire(key, self.result_ttl)
         _, owner, _ = pipe.execute()
         return bool(owner == task_id)
+
+    def economy_lease(self, batch_id: str, what: str, holder: str, seconds: float) -> bool:
+        """Take, or keep, the lease on running the economy task for ``what``: True if the run
+        ``holder`` (``"<worker id> <run token>"``) holds it now, for ``seconds`` more. False
+        while another run holds it and that run's worker is alive (its heartbeat key lives;
+        a holder of no known worker, until the lease expires): that run is under way, and two
+        runs at once would each map and resubmit. A dead worker's lease is taken over."""
+        key = ECONOMY_LEASE_KEY + f"{batch_id} {what}"
+        with self.redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(key)  # type: ignore[no-untyped-call]
+                    current = cast(str | None, pipe.get(key))
+                    if current is not None and current != holder:
+                        worker = current.split(" ", 1)[0]
+                        if not worker or pipe.exists(WORKER_HEARTBEAT_KEY + worker):
+                            pipe.unwatch()
+                            return False
+                    pipe.multi()
+                    pipe.set(key, holder, px=max(1, int(seconds * 1000)))
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+
+    def economy_unlease(self, batch_id: str, what: str, holder: str) -> None:
+        """Give the lease back, if ``holder`` still holds it (its run ended)."""
+        key = ECONOMY_LEASE_KEY + f"{batch_id} {what}"
+        with self.redis.pipeline(transaction=True) as pipe:
+            try:
+                pipe.watch(key)  # type: ignore[no-untyped-call]
+                if pipe.get(key) == holder:
+                    pipe.multi()
+                    pipe.delete(key)
+                    pipe.execute()
+                else:
+                    pipe.unwatch()
+            except redis.WatchError:
+                pass  # taken meanwhile: no longer ours to give back
 
     def economy_met(self, batch_id: str, what: str) -> None:
         """That economy task needs no other run (its provider batch mapped, say)."""
