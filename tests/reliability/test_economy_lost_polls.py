@@ -47,6 +47,17 @@ from worker.queue.redrive import coverage
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 
+def _polls_held(client: redis.Redis) -> int:
+    """The economy poll messages a worker holds (unacked): the watch's entry is written just
+    before its message is published, so a worker killed on seeing the entry may not have
+    published it yet."""
+    return sum(
+        1
+        for raw in client.hvals(KOMBU_UNACKED_KEY)
+        if json.loads(raw)[0]["headers"]["task"] == ECONOMY_POLL_TASK
+    )
+
+
 def _lose_polls(client: redis.Redis) -> int:
     """Take every economy poll message out of the broker (unacked and queued): lost."""
     lost = 0
@@ -78,6 +89,7 @@ def test_a_lost_poll_message_is_sent_again_by_the_sweep(tmp_path: Path) -> None:
             wait_for(lambda: len(model.batches()) == 1, "the provider batch made", 120)
             [provider] = [b["id"] for b in model.batches()]
             wait_for(lambda: f"{batch_id} {provider}" in watched(), "its poll scheduled", 30)
+            wait_for(lambda: _polls_held(broker) == 1, "its poll message held", 30)
             worker_a.send_signal(signal.SIGKILL)  # holding the poll, waiting out its 30 s
             worker_a.wait(10)
         assert _lose_polls(broker) == 1
@@ -123,6 +135,7 @@ def test_a_poll_sent_again_while_its_late_message_comes_back_keeps_one_poll_goin
             [provider] = [b["id"] for b in model.batches()]
             member = f"{batch_id} {provider}"
             wait_for(lambda: broker.zscore(ECONOMY_WATCH_KEY, member) is not None, "its poll", 30)
+            wait_for(lambda: _polls_held(broker) == 1, "its poll message held", 30)
             worker_a.send_signal(signal.SIGKILL)  # holding the poll, waiting out its 30 s
             worker_a.wait(10)
         [late] = _take_polls(broker)
