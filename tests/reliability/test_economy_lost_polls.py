@@ -125,8 +125,12 @@ def test_a_poll_sent_again_while_its_late_message_comes_back_keeps_one_poll_goin
     # sends it again, then the late message runs too. Only one of them may go on polling:
     # two would each retry for as long as the provider batch runs, and each map its results
     # (an errored line resubmitted twice: a second provider batch, paid twice).
+    # The provider batch stays in_progress until the late message has run (so it, too, finds
+    # the batch going and would poll on), then ends: the polls run at the default cadence
+    # throughout, and the test no longer waits out a fixed 150 s batch and the backoff
+    # around it (it took 255 s of the CI).
     with FakeAnthropic() as model, economy_stack(tmp_path, model) as (env, client):
-        model.configure(batch_processing_seconds=150.0)
+        model.configure(batch_processing_seconds=3600.0)
         broker = redis.Redis.from_url(env["SIFT_REDIS_URL"], decode_responses=True)
         with worker(tmp_path / "w", env, "a") as worker_a:
             ingest(client)
@@ -148,6 +152,15 @@ def test_a_poll_sent_again_while_its_late_message_comes_back_keeps_one_poll_goin
                 120,
             )
             broker.lpush("sift.batch", late)  # and now the late message arrives
+            late_id = json.loads(late)["headers"]["id"]
+            ran = re.compile(rf"economy_poll\[{late_id}\] (succeeded|retry:)")
+            wait_for(
+                lambda: ran.search(log_b.read_text(errors="replace")) is not None,
+                "the late message run, the provider batch still in_progress",
+                120,
+            )
+            assert model.batches()[0]["status"] == "in_progress"
+            model.configure(batch_processing_seconds=0.0)  # the provider batch ends now
             wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW)
         log = log_b.read_text(errors="replace")
         polling = set(re.findall(r"Task sift\.economy_poll\[([^\]]+)\] retry:", log))
