@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 # pytest-xdist processes for `make test`; each test file runs whole on one of them, and every
 # test starts its own services on free ports, so two files never share a Redis or a worker.
+# --no-loadscope-reorder: files are handed out in testpaths order (the longest first, see
+# pyproject.toml); xdist's default reorders them by test count, the one-test reliability runs last.
 TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
@@ -29,7 +31,7 @@ test: install services
 	$(BIN)/ruff check worker api_gateway tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: install
 	$(BIN)/ruff check worker api_gateway tests benchmarks
