@@ -9,8 +9,9 @@ model's address, and no metrics port (several workers on one machine).
 
 - kill -9 of the only worker mid-batch, then a new worker: the batch finishes within
   :data:`RECOVERY_WINDOW` of the new worker's start (the design figure is about 20 s; the
-  window is over 3x that), every item succeeded once, and only the items the dead worker
-  had running were sent to the model twice;
+  window is over 3x that), every item succeeded once, only the items the dead worker
+  had running were sent to the model twice, and the ``batch.completed`` webhook arrives
+  with ``webhook-id: msg_<batch id>`` on every try;
 - a slow healthy worker (every model call takes longer than the heartbeat's TTL) never has
   its work taken back: every item is sent to the model exactly once;
 - SIGTERM (a rolling restart) hands the batch back at once: the stopping worker exits within
@@ -106,7 +107,7 @@ def worker(directory: Path, env: dict[str, str], name: str) -> Iterator[subproce
         yield proc
 
 
-def submit(client: httpx.Client, n: int) -> str:
+def submit(client: httpx.Client, n: int, webhook_url: str | None = None) -> str:
     """A batch whose every query names its item, so the model's requests say which item
     each one is for."""
     queries = sample_queries()
@@ -118,6 +119,8 @@ def submit(client: httpx.Client, n: int) -> str:
             for i in range(n)
         ],
     }
+    if webhook_url:
+        body["webhook_url"] = webhook_url
     response = client.post("/v1/batches", json=body, headers=ACME)
     assert response.status_code == 202, response.text
     return str(response.json()["id"])
@@ -175,13 +178,13 @@ def test_the_defaults_are_what_this_file_claims() -> None:
 
 @pytest.mark.timeout(420)
 def test_a_killed_worker_s_batch_finishes_on_a_new_worker_within_the_window(
-    tmp_path: Path, model: FakeAnthropic
+    tmp_path: Path, model: FakeAnthropic, receiver: Receiver
 ) -> None:
     model.reset()
     with recovery_stack(tmp_path, model) as (url, env, client):
         with worker(tmp_path / "w", env, "a") as worker_a:
             ingest(client)
-            batch_id = submit(client, TOTAL)
+            batch_id = submit(client, TOTAL, webhook_url=receiver.url)
             wait_for(lambda: succeeded(client, batch_id) >= 100, "100 items done on A")
             worker_a.send_signal(signal.SIGKILL)
             worker_a.wait(10)
@@ -194,6 +197,7 @@ def test_a_killed_worker_s_batch_finishes_on_a_new_worker_within_the_window(
         with worker(tmp_path / "w", env, "b"):
             wait_finished(client, url, batch_id, RECOVERY_WINDOW)
             recovered = time.monotonic() - started
+            wait_for(lambda: bool(receiver.for_job(batch_id)), "the batch webhook", 30)
             time.sleep(1.0)  # a late duplicate, if any, lands now
         print(f"recovered: the batch finished {recovered:.1f}s after worker B started")
         # by the dead-worker check, not by the broker's visibility timeout
@@ -205,6 +209,11 @@ def test_a_killed_worker_s_batch_finishes_on_a_new_worker_within_the_window(
         print(f"items sent to the model twice: {len(twice)} (running at the kill)")
         assert twice <= running_at_kill, sorted(twice - running_at_kill)[:5]
         assert max(calls.values()) <= 2
+        # the batch.completed webhook (at least once: a retry is allowed) under one webhook-id
+        deliveries = receiver.for_job(batch_id)
+        assert {d.headers["webhook-id"] for d in deliveries} == {f"msg_{batch_id}"}
+        assert {d.body["type"] for d in deliveries} == {"batch.completed"}
+        print(f"batch webhook delivered {len(deliveries)} time(s)")
 
 
 @pytest.mark.timeout(300)
