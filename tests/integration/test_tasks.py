@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from tests.fakes import EmptyRuntime
+from worker.constants import WORKER_HEARTBEAT_KEY
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.errors import BackendUnavailable, ModeUnavailable
-from worker.queue import base, tasks
+from worker.queue import base, liveness, tasks
 from worker.queue.jobstore import CancelOutcome, JobStore
 from worker.ratelimit import ProviderLimiter
 from worker.settings import load_settings
@@ -75,6 +77,38 @@ def test_retryable_errors_are_retried_then_succeed(
     done = context.store.get_search(job.id)
     assert done is not None and done.status == "succeeded"
     assert runtime.calls == 3
+
+
+def test_a_search_s_retry_finds_its_claim_let_go_when_it_is_sent(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task retry is a message another thread or worker may take as soon as its countdown
+    (half a second at the least) is over. The run that sends it must have let its claim go
+    by then (worker/queue/jobstore/runs.py): it let go only after the retry was sent, so a
+    retry taken before that release landed found the claim held by a live worker, made no
+    model call and left the search ``running`` with no message, for the re-drive to find
+    minutes later. Here the retry's delivery is played at the moment it is sent."""
+    _patch_backoff(monkeypatch)
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)  # this worker, alive
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w1")
+    runtime = ScriptedRuntime(BackendUnavailable("down"))
+    context._runtime = runtime
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"))
+    sent = base.SiftTask.retry
+    delivered: list[bool] = []
+
+    def retry(self: base.SiftTask, *args: Any, **kwargs: Any) -> Any:
+        taken = store.claim_search(job.id, "w2", lease_seconds=30)  # the retry, delivered
+        delivered.append(taken.granted)
+        store.release_search(job.id, taken)
+        return sent(self, *args, **kwargs)
+
+    monkeypatch.setattr(base.SiftTask, "retry", retry)
+    tasks.search.apply(args=[job.id])
+    assert delivered == [True], delivered
+    done = store.get_search(job.id)
+    assert done is not None and done.status == "succeeded" and runtime.calls == 2
 
 
 def test_retries_are_bounded(context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -98,6 +98,9 @@ def search(self: SiftTask, job_id: str) -> None:
                 if self.should_retry(exc) and _retry_fits(claim, deadline):
                     log.warning("search %s: retryable error, retrying: %s", job_id, exc)
                     store.requeue_search(job_id)
+                    # let go before the retry is sent: a retry taken while this run still
+                    # held the claim would leave the search running with no message left
+                    store.release_search(job_id, claim)
                     raise self.retry(exc=exc, countdown=self.backoff()) from exc
                 if not isinstance(exc, SiftError):
                     log.exception("search %s: unexpected error", job_id)
@@ -110,6 +113,7 @@ def search(self: SiftTask, job_id: str) -> None:
                     "search", store.finish_search(job_id, result=result), None
                 )
         finally:  # after the finish: a run that starts meanwhile finds the search final
+            # (a retry let go before it was sent: this release then finds nothing to do)
             store.release_search(job_id, claim)
     if finished:
         final = store.get_search_status(job_id)

@@ -19,7 +19,8 @@ while some is left. The waits between runs (a retry's backoff, a batch chunk's r
 waiting for its other items, the queue) are not counted, as the wait before the first run
 is not; a run whose worker died counts until the run that takes it over.
 
-A run that leaves its search unfinished (a task retry) lets its claim go, adding its time;
+A run that leaves its search unfinished (a task retry) lets its claim go, adding its time,
+before it sends the retry (which another thread may take half a second later);
 one that finishes it need not (the search is final: no run starts again). A worker killed
 mid-run leaves its claim: its heartbeat expires within ``SIFT_WORKER_DEAD_AFTER_SECONDS``,
 which is when :mod:`worker.queue.liveness` puts its messages back, and the redelivered run
