@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from worker.constants import BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
+from worker.constants import BATCH_KEY, BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
 from worker.contract import SearchSpec
 from worker.queue.jobstore import JobStore
 
@@ -69,8 +69,25 @@ def test_a_claim_sent_again_after_its_reply_was_lost_answers_as_it_ran(store: Jo
     model call, and the item wait for its lease to lapse)."""
     batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
     _alive(store, "w1")
-    args = ["q0", "w1", "t0ken", "30", WORKER_HEARTBEAT_KEY, str(store.result_ttl)]
-    first = store._claim_run(keys=[BATCH_RUNS_KEY + batch.id], args=args)
-    again = store._claim_run(keys=[BATCH_RUNS_KEY + batch.id], args=args)
+    args = ["q0", "w1", "t0ken", "30", WORKER_HEARTBEAT_KEY]
+    keys = [BATCH_RUNS_KEY + batch.id, BATCH_KEY + batch.id]
+    first = store._claim_run(keys=keys, args=args)
+    again = store._claim_run(keys=keys, args=args)
     assert int(first[0]) == int(again[0]) == 1 and float(again[1]) == float(first[1]) == 0.0
     assert not store.claim_item(batch.id, "q0", "w2", lease_seconds=30).granted
+
+
+def test_a_batch_s_claims_live_as_long_as_the_batch_and_a_gone_batch_s_are_not_written(
+    store: JobStore,
+) -> None:
+    """An item's claim shares its batch's retention (as its final move does): it took a
+    full ``result_ttl`` from each claim, so the hash outlived every other key of the batch
+    by as long as the batch had run; and a claim for a batch whose records are gone wrote a
+    hash that nothing else of the batch has."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    time.sleep(1.1)  # the batch has run a while: its keys have less than result_ttl left
+    assert store.claim_item(batch.id, "q0", "w1", lease_seconds=30).granted
+    runs = store.redis.ttl(BATCH_RUNS_KEY + batch.id)
+    assert 0 < runs <= store.redis.ttl(BATCH_KEY + batch.id) < store.result_ttl, runs
+    assert store.claim_item("bat_gone", "q0", "w1", lease_seconds=30).granted
+    assert not store.redis.exists(BATCH_RUNS_KEY + "bat_gone")

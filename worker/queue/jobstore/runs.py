@@ -41,7 +41,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from worker.constants import BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
+from worker.constants import BATCH_KEY, BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
 from worker.queue.jobstore.store import _StoreCore
 
 
@@ -64,10 +64,11 @@ class RunClaim:
 
 class RunRecords(_StoreCore):
     """Run claims of searches (a field of the search's record) and of batch items (a hash per
-    batch, living as long as the batch's records)."""
+    batch, living as long as the batch's record: it takes that key's TTL at each claim)."""
 
     def claim_search(self, job_id: str, owner: str, *, lease_seconds: float) -> RunClaim:
-        return self._claim(SEARCH_KEY + job_id, "run", owner, lease_seconds, ttl=0)
+        key = SEARCH_KEY + job_id
+        return self._claim(key, "run", owner, lease_seconds, life=key)
 
     def release_search(self, job_id: str, claim: RunClaim) -> None:
         self._release(SEARCH_KEY + job_id, "run", claim)
@@ -76,16 +77,18 @@ class RunRecords(_StoreCore):
         self, batch_id: str, query_id: str, owner: str, *, lease_seconds: float
     ) -> RunClaim:
         return self._claim(
-            BATCH_RUNS_KEY + batch_id, query_id, owner, lease_seconds, ttl=self.result_ttl
+            BATCH_RUNS_KEY + batch_id, query_id, owner, lease_seconds, life=BATCH_KEY + batch_id
         )
 
     def release_item(self, batch_id: str, query_id: str, claim: RunClaim) -> None:
         self._release(BATCH_RUNS_KEY + batch_id, query_id, claim)
 
-    def _claim(self, key: str, field: str, owner: str, lease: float, *, ttl: int) -> RunClaim:
+    def _claim(self, key: str, field: str, owner: str, lease: float, *, life: str) -> RunClaim:
+        """``life``: the job record the claim lives as long as (its TTL; gone, no claim is
+        written)."""
         token = os.urandom(8).hex()
-        args = [field, owner, token, repr(lease), WORKER_HEARTBEAT_KEY, str(ttl)]
-        (reply,) = self._transitions.call([(self._claim_run, [key], args)])
+        args = [field, owner, token, repr(lease), WORKER_HEARTBEAT_KEY]
+        (reply,) = self._transitions.call([(self._claim_run, [key, life], args)])
         local_at = time.monotonic()
         if isinstance(reply, Exception):
             raise reply

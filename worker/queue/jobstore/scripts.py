@@ -186,9 +186,10 @@ return redis.call('DEL', KEYS[1])
 """
 
 # Claim the run of a search or a batch item (worker/queue/jobstore/runs.py). KEYS: the hash
-# holding the claim. ARGV: its field, the claiming worker's id ('' : none), the run's token,
-# the lease (seconds), the heartbeat key prefix, the hash's TTL ('0': the hash is a job
-# record with its own TTL, and a missing one is not created). The value is
+# holding the claim, the job record it lives as long as (the hash itself for a search; the
+# batch's record for an item: the hash takes its TTL, as the batch's moves do; a missing
+# record, expired, has nothing written). ARGV: its field, the claiming worker's id ('' :
+# none), the run's token, the lease (seconds), the heartbeat key prefix. The value is
 # "<seconds used>|<owner>|<claimed at>|<token>", in Redis's clock (one clock for every
 # worker's runs): the seconds the runs that ended used, and the run holding it (token ''
 # once let go). Refused while another run holds it: its owner named, the owner's heartbeat
@@ -217,12 +218,11 @@ if cur then
   end
 end
 local spent = string.format('%.6f', used)
-if ARGV[6] == '0' then
-  if redis.call('EXISTS', KEYS[1]) == 0 then return {1, spent} end
-end
+local life = redis.call('PTTL', KEYS[2])
+if life == -2 then return {1, spent} end
 redis.call('HSET', KEYS[1], ARGV[1],
   spent .. '|' .. ARGV[2] .. '|' .. string.format('%.6f', now) .. '|' .. ARGV[3])
-if ARGV[6] ~= '0' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[6])) end
+if KEYS[2] ~= KEYS[1] and life > 0 then redis.call('PEXPIRE', KEYS[1], life) end
 return {1, spent}
 """
 
