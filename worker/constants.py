@@ -26,9 +26,9 @@ BATCH_SPECS_KEY = REDIS_PREFIX + "batch-specs:"  # + batch id -> hash query_id -
 BATCH_RESULTS_KEY = REDIS_PREFIX + "batch-results:"  # + batch id -> hash query_id -> outcome JSON
 # + batch id -> hash query_id -> the token and answer of the move that made the item final
 BATCH_MOVES_KEY = REDIS_PREFIX + "batch-moves:"
-# + batch id -> hash query id -> "<first start>|<worker id>|<claimed at>|<token>" (Redis's
-# clock): each item's run claim (worker/queue/jobstore/runs.py); a search keeps its own in
-# its record's "run" field
+# + batch id -> hash query id -> "<seconds used>|<worker id>|<claimed at>|<token>" (Redis's
+# clock; token '' once let go): each item's run claim (worker/queue/jobstore/runs.py), with
+# the batch record's TTL; a search keeps its own in its record's "run" field
 BATCH_RUNS_KEY = REDIS_PREFIX + "batch-runs:"
 INGEST_KEY = REDIS_PREFIX + "ingest:"  # + ingest job id -> job record (hash)
 INGEST_DOCS_KEY = REDIS_PREFIX + "ingest-docs:"  # + ingest job id -> documents JSON
