@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 
 from tests.fakes import EmptyRuntime
 from worker.constants import WORKER_HEARTBEAT_KEY
@@ -168,6 +169,34 @@ def test_a_chunk_skips_canceled_and_finished_items(
     assert got.counts == {"queued": 0, "running": 0, "succeeded": 3, "failed": 0, "canceled": 3}
     assert runtime.calls == 3  # q1 twice, q2 once
     assert got.status == "canceled" and got.finished_at is not None
+
+
+def test_a_batch_item_whose_claim_the_job_store_cannot_take_is_not_failed(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An item's run claim is the job store's call, not the item's work: one that fails
+    (Redis unreachable past the client's 30 s of retries) must not finish the item ``failed``
+    with ``internal_error`` (it did, once Redis was back for the finish). The chunk's runner
+    breaks, as when the item's start fails: the item stays running for a redelivery (the
+    re-drive), which runs it."""
+    store = context.store
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q0"))])
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(store, "claim_item", down)
+    broke = tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    got = store.get_batch(batch.id)
+    assert got is not None
+    assert got.counts["failed"] == 0, got.counts
+    assert got.counts["running"] == 1 and broke.failed() and runtime.model_calls == 0
+    monkeypatch.delattr(store, "claim_item")  # Redis is back: the re-drive's chunk runs it
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    done = store.get_batch(batch.id)
+    assert done is not None and done.status == "succeeded" and runtime.model_calls == 1
 
 
 def test_a_cancel_stops_started_items_before_their_model_call(

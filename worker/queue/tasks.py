@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import redis
 from celery import shared_task
 
 from worker import lifecycle, metrics
@@ -217,6 +218,12 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         except Canceled:  # canceled before its model call, or finished by another delivery
             return checked.stopped if checked.stopped and checked.stopped.applied else None
         except Exception as exc:
+            if claim is None and not economy and isinstance(exc, redis.RedisError):
+                # the job store failed before the item's run began (its claim, or its pacing
+                # on the shared budget), not the item: the runner breaks, as when an item's
+                # start fails, and the item stays running for a redelivery (the re-drive)
+                # instead of ending failed internal_error once Redis is back for the finish
+                raise
             retryable = may_retry and isinstance(exc, SiftError) and exc.retryable
             # a retry runs in what is left of the search's deadline (the economy lane's first
             # half, claimed by no run, is retried as it was)
