@@ -195,8 +195,10 @@ return redis.call('DEL', KEYS[1])
 # once let go). Refused while another run holds it: its owner named, the owner's heartbeat
 # alive and its lease not over. A run that never let go (its worker died, or its lease is
 # over) used the time from its claim to now. The same call sent again (its reply lost on a
-# broken connection) finds its own token and answers as it did. Returns {claimed (0/1), the
-# seconds used by every run before this one} (the second a string).
+# broken connection) finds its own token and answers as it did, its run starting now: the
+# run's deadline starts at the answer, so its record and lease do too (the outage between
+# the two sends is not the run's time). Returns {claimed (0/1), the seconds used by every
+# run before this one} (the second a string).
 _CLAIM_RUN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -205,7 +207,11 @@ local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur then
   local u, owner, since, token = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
   if u then
-    if token == ARGV[3] then return {1, u} end
+    if token == ARGV[3] then
+      redis.call('HSET', KEYS[1], ARGV[1],
+        u .. '|' .. owner .. '|' .. string.format('%.6f', now) .. '|' .. token)
+      return {1, u}
+    end
     used = tonumber(u)
     if token ~= '' then
       local ran = math.max(0, now - tonumber(since))
