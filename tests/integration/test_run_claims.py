@@ -31,9 +31,9 @@ def test_a_live_worker_s_claim_refuses_a_second_run_until_it_lets_go(store: JobS
     store.release_item(batch.id, "q0", second)  # refused: it holds nothing to let go
     assert not store.claim_item(batch.id, "q0", "w2", lease_seconds=30).granted
     store.release_item(batch.id, "q0", first)
-    time.sleep(0.5)  # a wait between runs (a retry's backoff): not counted
+    time.sleep(1.5)  # a wait between runs (a retry's backoff): not counted
     third = store.claim_item(batch.id, "q0", "w2", lease_seconds=30)
-    assert third.granted and 0.2 <= third.spent < 0.5, third  # the first run's time only
+    assert third.granted and 0.2 <= third.spent < 1.5, third  # the first run's time only
     assert 0 < store.redis.ttl(BATCH_RUNS_KEY + batch.id) <= store.result_ttl
 
 
