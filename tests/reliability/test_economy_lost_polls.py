@@ -40,6 +40,7 @@ from worker.constants import (
     ECONOMY_WATCH_KEY,
     KOMBU_UNACKED_INDEX_KEY,
     KOMBU_UNACKED_KEY,
+    WORKER_HEARTBEAT_KEY,
 )
 from worker.queue.economy import position_of
 from worker.queue.redrive import coverage
@@ -93,6 +94,7 @@ def test_a_lost_poll_message_is_sent_again_by_the_sweep(tmp_path: Path) -> None:
             worker_a.send_signal(signal.SIGKILL)  # holding the poll, waiting out its 30 s
             worker_a.wait(10)
         assert _lose_polls(broker) == 1
+        _wait_heartbeats_gone(broker)
         # time passing: the poll's due time (30 s + the 300 s margin) is now
         broker.zadd(ECONOMY_WATCH_KEY, {f"{batch_id} {provider}": 0})
         with worker(tmp_path / "w", env, "b"):
@@ -102,6 +104,16 @@ def test_a_lost_poll_message_is_sent_again_by_the_sweep(tmp_path: Path) -> None:
         assert_batch_exactly_once(client, env["SIFT_REDIS_URL"], batch_id, 5)
         assert len(model.batches()) == 1
         assert [m for m in watched() if m.startswith(batch_id)] == []
+
+
+def _wait_heartbeats_gone(client: redis.Redis) -> None:
+    """Wait until the killed worker's heartbeat has lapsed (its dead-worker TTL, 10 s at the
+    defaults), as it has long before a poll's due time (30 s and the 300 s margin) passes:
+    the test makes that time pass at once, and a sweep run in those seconds sent a poll
+    that found the lease still held by a live-looking worker, stood down, and left no poll
+    going for the late message to race."""
+    gone = "the killed worker's heartbeat gone"
+    wait_for(lambda: not client.keys(WORKER_HEARTBEAT_KEY + "*"), gone, 60)
 
 
 def _take_polls(client: redis.Redis) -> list[str]:
@@ -143,6 +155,7 @@ def test_a_poll_sent_again_while_its_late_message_comes_back_keeps_one_poll_goin
             worker_a.send_signal(signal.SIGKILL)  # holding the poll, waiting out its 30 s
             worker_a.wait(10)
         [late] = _take_polls(broker)
+        _wait_heartbeats_gone(broker)
         broker.zadd(ECONOMY_WATCH_KEY, {member: 0})  # its due time passed
         log_b = tmp_path / "w" / "b.log"
         with worker(tmp_path / "w", env, "b"):
