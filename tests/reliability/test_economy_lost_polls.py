@@ -42,7 +42,7 @@ from worker.constants import (
     KOMBU_UNACKED_KEY,
     WORKER_HEARTBEAT_KEY,
 )
-from worker.queue.economy import position_of
+from worker.queue.economy import SUBMIT_CLAIM, position_of
 from worker.queue.redrive import coverage
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -57,6 +57,14 @@ def _polls_held(client: redis.Redis) -> int:
         for raw in client.hvals(KOMBU_UNACKED_KEY)
         if json.loads(raw)[0]["headers"]["task"] == ECONOMY_POLL_TASK
     )
+
+
+def _submission_over(client: redis.Redis, batch_id: str) -> bool:
+    """Whether the batch's submission ran to its end (it leaves the watch last, once its
+    items' runs name their provider batch). A worker killed before that leaves it to be
+    delivered again, and that run settles the create and sends a poll of its own (a new
+    due time on the watch, over the one a test set): no sweep would then send one again."""
+    return client.zscore(ECONOMY_WATCH_KEY, f"{batch_id} {SUBMIT_CLAIM}") is None
 
 
 def _lose_polls(client: redis.Redis) -> int:
@@ -91,6 +99,7 @@ def test_a_lost_poll_message_is_sent_again_by_the_sweep(tmp_path: Path) -> None:
             [provider] = [b["id"] for b in model.batches()]
             wait_for(lambda: f"{batch_id} {provider}" in watched(), "its poll scheduled", 30)
             wait_for(lambda: _polls_held(broker) == 1, "its poll message held", 30)
+            wait_for(lambda: _submission_over(broker, batch_id), "the submission over", 30)
             worker_a.send_signal(signal.SIGKILL)  # holding the poll, waiting out its 30 s
             worker_a.wait(10)
         assert _lose_polls(broker) == 1
@@ -152,6 +161,7 @@ def test_a_poll_sent_again_while_its_late_message_comes_back_keeps_one_poll_goin
             member = f"{batch_id} {provider}"
             wait_for(lambda: broker.zscore(ECONOMY_WATCH_KEY, member) is not None, "its poll", 30)
             wait_for(lambda: _polls_held(broker) == 1, "its poll message held", 30)
+            wait_for(lambda: _submission_over(broker, batch_id), "the submission over", 30)
             worker_a.send_signal(signal.SIGKILL)  # holding the poll, waiting out its 30 s
             worker_a.wait(10)
         [late] = _take_polls(broker)
