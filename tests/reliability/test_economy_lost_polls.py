@@ -11,7 +11,11 @@ a file of its own so that the test runs beside that file's, not after them).
   submission can start): the re-drive sends it again, and one submission makes one
   provider batch of every item;
 - the submission's message delivered again while its run's create is still under way (no
-  provider batch made yet): the second run stands down; one provider batch.
+  provider batch made yet): the second run stands down; one provider batch;
+- the submission's worker stalled (SIGSTOP) past its heartbeat during that slow create: its
+  message goes to another worker, whose run takes the lease over and finds the create in
+  doubt with no candidate yet; it waits out the doubt window rather than send the items
+  again; one provider batch.
 """
 
 from __future__ import annotations
@@ -266,3 +270,48 @@ def test_the_same_submission_delivered_again_during_its_slow_create_stands_down(
             assert [a["outcome"] for a in attempts] == ["ok"], attempts
             assert attempts[0]["provider_batch"] == made[0]["id"]
         assert "this one stands down" in log
+
+
+def test_a_submission_taken_over_from_a_stalled_worker_waits_for_its_create_in_flight(
+    tmp_path: Path,
+) -> None:
+    # Worker A's create takes 60 s before the provider makes the batch, and A stalls meanwhile
+    # (SIGSTOP: a VM paused, a swap storm) past its heartbeat's TTL: worker B's dead-worker
+    # check gives A's submission message back, and B's run takes the lease over. The create
+    # it finds in doubt has no candidate yet, but its call never came back: it may still be
+    # under way, as it is. B must not send the items again before the doubt window ends (two
+    # provider batches, paid twice); A, resumed, records the one it made.
+    with FakeAnthropic() as model, economy_stack(tmp_path, model) as (env, client):
+        broker = redis.Redis.from_url(env["SIFT_REDIS_URL"], decode_responses=True)
+        model.script_batch_calls("create", [slow(60.0)])
+
+        def pending() -> int:
+            runs = [json.loads(r) for r in broker.hvals(ECONOMY_RUNS_KEY + batch_id)]
+            return sum(1 for r in runs if r.get("pending"))
+
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            batch_id = submit_economy(client, 3)
+            wait_for(lambda: pending() == 3, "the slow create under way", 120)
+            with worker(tmp_path / "w", env, "b"):
+                worker_a.send_signal(signal.SIGSTOP)
+                try:
+                    log_b = tmp_path / "w" / "b.log"
+                    wait_for(
+                        lambda: "of dead worker" in log_b.read_text(errors="replace"),
+                        "A's submission given back",
+                        60,
+                    )
+                    wait_for(lambda: len(model.batches()) >= 1, "the slow create's batch", 120)
+                finally:
+                    worker_a.send_signal(signal.SIGCONT)
+                wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW)
+        made = model.batches()
+        assert len(made) == 1, [b["id"] for b in made]  # the slow create's, paid once
+        assert_batch_exactly_once(client, env["SIFT_REDIS_URL"], batch_id, 3)
+        for item in all_results(client, batch_id):
+            assert item["status"] == "succeeded", item
+            attempts = item["result"]["trace"]["attempts"]
+            assert [a["outcome"] for a in attempts] == ["ok"], attempts
+            assert attempts[0]["provider_batch"] == made[0]["id"]
+        assert "may still be under way" in log_b.read_text(errors="replace")

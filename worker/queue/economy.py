@@ -483,9 +483,12 @@ def settle_doubts(
     second provider batch, paid twice.
 
     A create in doubt left ``pending`` on its items' runs: its submission token, when it was
-    made and how many requests it held. The workspace's provider batches created within
-    :data:`DOUBT_WINDOW_SECONDS` of it, with as many requests, that this batch does not know
-    yet are its candidates. None: the create made nothing, and its items are sent now.
+    made and how many requests it held, and ``answered`` once its call came back (failed).
+    The workspace's provider batches created within :data:`DOUBT_WINDOW_SECONDS` of it, with
+    as many requests, that this batch does not know yet are its candidates. None: the create
+    made nothing, and its items are sent now; but a create whose call never came back may
+    still be under way in a run judged dead (stalled) or slow, until the window's end: till
+    then the settling is tried again later (a retryable error).
     Otherwise every candidate is polled (never canceled: it may be another client's), its
     items wait as ``doubt:<submission>``, and the results tell: lines whose ``custom_id``
     carries the submission prove the candidate ours (:func:`map_results`); when every
@@ -521,6 +524,16 @@ def settle_doubts(
             for b in client.created_between(at - DOUBT_WINDOW_SECONDS, at + DOUBT_WINDOW_SECONDS)
             if b.requests == requests and b.id not in known
         ]
+        wait = at + DOUBT_WINDOW_SECONDS - time.time()
+        if not found and not pending.get("answered") and wait > 0:
+            # No answer came to its run, which may not be dead but stalled (its lease taken
+            # over) or slow, its create still under way: the provider may make the batch yet,
+            # as late as the window's end. Sent again now, the items would be paid twice.
+            raise RerankAttemptError(
+                AttemptOutcome.CONNECTION,
+                f"create {submission} of {requests} requests may still be under way",
+                retry_after=wait,
+            )
         round_ = max(run["round"] for _, run in items) + 1
         # the candidates first, each watched: killed before the runs are saved, the items are
         # still pending and the next settling finds them here; killed after, before a poll
@@ -595,10 +608,12 @@ def submit(
         try:
             provider = client.create([p.request for p in chunk])
         except RerankAttemptError as exc:
-            if not _may_have_created(exc):
-                for p in chunk:
+            for p in chunk:
+                if _may_have_created(exc):  # its call is over: settled at once, not waited for
+                    p.run["pending"]["answered"] = True
+                else:
                     p.run["pending"] = None
-                _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+            _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
             raise
         now = time.time()
         round_ = max(p.run["round"] for p in chunk) + 1
