@@ -288,3 +288,55 @@ def test_an_answer_longer_than_max_tokens_allows_is_malformed_as_in_the_standard
     assert len(stack.model.batches()) == 2  # resubmitted once
     # the long answer's round is billed and shown: its 20 output tokens and the answer's
     assert item["result"]["usage"]["output_tokens"] == 20 + stack.model.usage()["output_tokens"]
+
+
+def test_a_chunk_delivered_again_after_its_items_went_out_keeps_the_candidates_the_model_saw(
+    stack: Stack, corpus: list[dict[str, object]], queries: list[str]
+) -> None:
+    # A chunk's message delivered again once its items are prepared and in a provider batch
+    # (its worker killed before the ack; a re-drive's copy and a late original). Meanwhile a
+    # document came in that the query now retrieves. The second run must not prepare the
+    # items again: the model's answer is positions in the candidates its prompt listed, and
+    # mapped onto a new list they would rank documents the model never saw.
+    from worker.constants import BATCH_CHUNK_TASK, BATCH_QUEUE, ECONOMY_PREPARED_KEY
+    from worker.queue.celery_app import create_celery_app
+    from worker.settings import load_settings
+
+    index = "chunk-again"
+    ingest = stack.live.post(f"/v1/indexes/{index}/documents", params={"wait": 20},
+                             json={"documents": corpus}, headers=ACME)  # fmt: skip
+    assert ingest.status_code == 200 and ingest.json()["status"] == "succeeded", ingest.text
+    stack.model.configure(batch_processing_seconds=5.0)
+    body = {"index": index, "queries": _items(queries, 1), "rerank": True, "lane": "economy",
+            "include_trace": True}  # fmt: skip
+    response = stack.live.post("/v1/batches", json=body, headers=ACME)
+    assert response.status_code == 202, response.text
+    batch_id = response.json()["id"]
+    _wait_for_provider_batches(stack, 1)
+    broker = redis.Redis.from_url(stack.redis_url + "/0", decode_responses=True)
+    prepared = broker.hgetall(ECONOMY_PREPARED_KEY + batch_id)
+    assert list(prepared) == ["q0"]
+    newcomer = {"id": "newcomer", "text": f"{queries[0]} " * 20, "title": queries[0]}
+    ingest = stack.live.post(f"/v1/indexes/{index}/documents", params={"wait": 20},
+                             json={"documents": [newcomer]}, headers=ACME)  # fmt: skip
+    assert ingest.status_code == 200 and ingest.json()["status"] == "succeeded", ingest.text
+    app = create_celery_app(load_settings(redis_url=stack.redis_url + "/0"))
+    task_id = f"again-{batch_id}"
+    try:
+        app.send_task(BATCH_CHUNK_TASK, args=[batch_id, 0, 1], queue=BATCH_QUEUE, task_id=task_id)
+    finally:
+        app.close()
+    deadline = time.monotonic() + 30
+    while f"sift.batch_chunk[{task_id}] succeeded" not in stack.logs[0].read_text():
+        assert time.monotonic() < deadline, "the chunk delivered again did not run"
+        time.sleep(0.05)
+    assert broker.hgetall(ECONOMY_PREPARED_KEY + batch_id) == prepared  # as the prompt was
+    done = _wait(stack, batch_id)
+    assert done["counts"]["succeeded"] == 1, done
+    [item] = _results(stack, batch_id).values()
+    # the answer's positions mapped onto the candidates the prompt listed (before: onto the
+    # new list, the newcomer first and every other one a place down: each hit mislabelled)
+    saw = [c["id"] for c in json.loads(prepared["q0"])["candidates"]]
+    mapped = [c["id"] for c in item["result"]["trace"]["candidates"]]
+    assert mapped == saw, (mapped, saw)
+    assert "newcomer" not in [hit["id"] for hit in item["result"]["hits"]]

@@ -218,13 +218,22 @@ def _batches(task: SiftTask) -> AnthropicMessageBatches:
     return client
 
 
+def is_prepared(store: JobStore, batch_id: str, query_id: str) -> bool:
+    """Whether an item's first half ran already (a chunk delivered again need not, and must
+    not, run it again: :func:`save_prepared`)."""
+    return store.economy_get(batch_id, ECONOMY_PREPARED_KEY, [query_id])[0] is not None
+
+
 def save_prepared(store: JobStore, batch_id: str, query_id: str, position: int,
                   prepared: Prepared) -> None:  # fmt: skip
-    """Keep a prepared item's state until its provider result comes back."""
+    """Keep a prepared item's state until its provider result comes back. The first one kept
+    stays: its prompt may have gone out already, and the model's answer is positions in the
+    candidates it listed. A chunk run again (delivered again, re-driven) prepares anew, and
+    the index may have changed meanwhile: its candidates in another order, or others."""
     data = dump_prepared(prepared)
     data["pos"] = position
-    store.economy_save(
-        batch_id, ECONOMY_PREPARED_KEY, {query_id: json.dumps(data, separators=(",", ":"))}
+    store.economy_save_new(
+        batch_id, ECONOMY_PREPARED_KEY, query_id, json.dumps(data, separators=(",", ":"))
     )
 
 

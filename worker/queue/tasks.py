@@ -40,7 +40,7 @@ from worker.errors import Canceled, SiftError
 from worker.queue import liveness
 from worker.queue.base import SiftTask, WaitHop, count_completed, error_info
 from worker.queue.celery_app import visibility_timeout
-from worker.queue.economy import economy_pipeline, maybe_submit, save_prepared
+from worker.queue.economy import economy_pipeline, is_prepared, maybe_submit, save_prepared
 from worker.queue.items import CancelMarks, Chunk, RunOutcome
 from worker.queue.jobstore import BatchItem, ItemTransition, JobStore, RunClaim
 from worker.settings import Settings
@@ -200,6 +200,8 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         try:
             with metrics.running_job():
                 if economy:  # the first half now; the model's answer comes from a provider batch
+                    if is_prepared(store, batch_id, item.query_id):
+                        return None  # by an earlier run of this chunk: its prompt may be out
                     prepared = economy_pipeline(self).prepare(item.spec, batch.tenant)
                     if prepared.result is None:
                         save_prepared(

@@ -34,6 +34,15 @@ class EconomyLaneRecords(_StoreCore):
         pipe.expire(key + batch_id, self.result_ttl)
         pipe.execute()
 
+    def economy_save_new(self, batch_id: str, key: str, field: str, value: str) -> bool:
+        """HSETNX one field of the batch's economy hash: True if it was written, False if the
+        field was there already (kept as it was)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hsetnx(key + batch_id, field, value)
+        pipe.expire(key + batch_id, self.result_ttl)
+        written, _ = pipe.execute()
+        return bool(written)
+
     def economy_get(self, batch_id: str, key: str, fields: Sequence[str]) -> list[str | None]:
         if not fields:
             return []
