@@ -272,3 +272,7 @@ def test_a_request_the_results_leave_out_fails_instead_of_waiting_forever(
     assert results["q1"]["error"]["type"] == "rerank_failed"
     assert "malformed" in results["q1"]["error"]["message"]
     assert {results[q]["status"] for q in ("q0", "q2")} == {"succeeded"}
+    [made] = stack.model.batches()  # the log names the one left out, not those answered too
+    log = stack.logs[0].read_text(errors="replace")
+    assert f"provider batch {made['id']}: 1 requests had no result" in log
+    assert f"provider batch {made['id']}: 3 requests had no result" not in log

@@ -908,7 +908,9 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
         _candidate_ended(task, batch, provider_id, proven=False)
         return
     # A request the results left out would wait forever: it failed, in the malformed class.
-    left_out = _items_waiting(store, batch.id, provider_id, submission)
+    # (Its item still running: the runs of items finished from this file still name it.)
+    waiting = _items_waiting(store, batch.id, provider_id, submission)
+    left_out = [qid for qid, _, _ in _running(task, batch, waiting)]
     if left_out:
         log.warning("provider batch %s: %d requests had no result", provider_id, len(left_out))
         failure = RerankAttemptError(
