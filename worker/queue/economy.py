@@ -598,6 +598,9 @@ def submit(
             _cancel(task, batch, qid)
         return []
     client = _batches(task)
+    # still this run's to do (a run whose lease was taken over stops before it settles or
+    # sends anything: the new holder does; after a results page this is the mapping's mark)
+    _expect(task, batch.id, watch, 0.0)
     settle_doubts(task, batch, query_ids, expected)
     created: list[str] = []
     chunks = chunk_requests(
@@ -617,6 +620,9 @@ def submit(
         try:
             provider = client.create([p.request for p in chunk])
         except RerankAttemptError as exc:
+            # a run stalled past its lease (taken over meanwhile) writes nothing more: the
+            # items' runs may be the new holder's by now (sent again once the window passed)
+            _expect(task, batch.id, watch, 0.0)
             for p in chunk:
                 if _may_have_created(exc):  # its call is over: settled at once, not waited for
                     p.run["pending"]["answered"] = True
