@@ -229,6 +229,7 @@ class RecordingRecorder:
         self.events: Counter[tuple[str, ...]] = Counter()
         self.usage: Counter[str] = Counter()
         self.cost = 0.0
+        self.search_seconds: list[float] = []
 
     def retrieval(self, backend: str, channel: str, seconds: float) -> None:
         self.events["retrieval", channel] += 1
@@ -254,3 +255,4 @@ class RecordingRecorder:
 
     def search_done(self, mode: str, outcome: str, seconds: float) -> None:
         self.events["search", outcome] += 1
+        self.search_seconds.append(seconds)

@@ -230,6 +230,21 @@ def test_slow_model_never_pushes_the_search_past_its_deadline() -> None:
     assert all(timeout <= 4.0 for _, timeout in reranker.calls)
 
 
+def test_a_retried_search_runs_in_what_is_left_and_observes_only_its_own_run() -> None:
+    # A task retry or redelivery passes the seconds earlier runs used: the deadline is what is
+    # left of the one search's, while the latency metric takes this run's own time (the
+    # earlier runs were observed when they ended; counting them again inflates the sum).
+    clock = FakeClock()
+    steps = [fail(RerankAttemptError(AttemptOutcome.TIMEOUT, "slow"), clock, takes=4.0)] * 5
+    pipeline, reranker, recorder = make(steps, policy="fail_open", clock=clock)
+    start = clock.now
+    result = pipeline.search(spec(), "acme", spent=7.0)
+    assert clock.now - start <= 3.0  # 10 s deadline, 7 s already spent
+    assert result.rerank.fallback_reason == "error:timeout"
+    assert reranker is not None and all(timeout <= 3.0 for _, timeout in reranker.calls)
+    assert recorder.search_seconds == [clock.now - start]
+
+
 def test_usage_and_cost_come_from_the_reported_usage() -> None:
     pipeline, _, recorder = make([reply([1])])
     result = pipeline.search(spec(), "acme")

@@ -35,9 +35,10 @@ class Deadline:
     ``spent``: the seconds earlier runs of the same search already used (a task retry, or a
     redelivery after a worker was lost): the deadline is one for the search, not per run.
 
-    >>> ticks = iter([100.0, 104.0])
-    >>> Deadline(30.0, lambda: next(ticks), spent=25.0).remaining()
-    1.0
+    >>> ticks = iter([100.0, 104.0, 104.0, 104.0])
+    >>> deadline = Deadline(30.0, lambda: next(ticks), spent=25.0)
+    >>> deadline.remaining(), deadline.elapsed(), deadline.run_elapsed()
+    (1.0, 29.0, 4.0)
     """
 
     seconds: float
@@ -53,6 +54,11 @@ class Deadline:
 
     def elapsed(self) -> float:
         return self.clock() - self.started
+
+    def run_elapsed(self) -> float:
+        """This run's own seconds: what a per-run measure (the search latency metric) takes,
+        so a retried search's earlier runs are not observed again."""
+        return self.elapsed() - self.spent
 
 
 class _Wait:

@@ -263,7 +263,7 @@ class SearchPipeline:
             return result
         finally:
             if outcome is not None:
-                self.recorder.search_done(spec.mode, outcome, deadline.elapsed())
+                self.recorder.search_done(spec.mode, outcome, deadline.run_elapsed())
 
     def pace(self) -> None:
         """Wait, before a search starts, until the rate budget's queue is short enough for it
