@@ -643,8 +643,9 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
             "unavailable",
             f"id: the job store is unavailable, so whether batch {batch_id!r} was canceled is "
             f"unknown; send the cancel again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s: it "
-            "answers 200 with the batch (its canceled_at set if a cancel took effect) unless "
-            "the batch finished without one (409 already_finished)",
+            "answers 200 with the batch if it is still running or ended canceled, and 409 "
+            "already_finished if it ran to its end with no item canceled (a cancel that "
+            "came too late to cancel any item changes nothing)",
             field="id",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
         ) from exc
