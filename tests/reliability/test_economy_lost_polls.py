@@ -25,6 +25,7 @@ import re
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -232,6 +233,28 @@ def test_a_lost_chunk_message_is_sent_again_and_makes_one_submission(tmp_path: P
         assert {position_of(c) for c in made["custom_ids"]} == set(range(30))
 
 
+def _pending(broker: redis.Redis, batch_id: str) -> int:
+    """How many of the batch's items wait on a create recorded but not yet answered."""
+    runs = [json.loads(r) for r in broker.hvals(ECONOMY_RUNS_KEY + batch_id)]
+    return sum(1 for r in runs if r.get("pending"))
+
+
+def _assert_one_provider_batch_answered_all(
+    model: FakeAnthropic, client: httpx.Client, env: dict[str, str], batch_id: str, items: int
+) -> None:
+    """One provider batch made (paid once), holding every item, and each item answered by
+    it in one attempt, finished exactly once."""
+    made = model.batches()
+    assert len(made) == 1, [b["id"] for b in made]
+    assert len(made[0]["custom_ids"]) == items
+    assert_batch_exactly_once(client, env["SIFT_REDIS_URL"], batch_id, items)
+    for item in all_results(client, batch_id):
+        assert item["status"] == "succeeded", item
+        attempts = item["result"]["trace"]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["ok"], attempts
+        assert attempts[0]["provider_batch"] == made[0]["id"]
+
+
 def test_the_same_submission_delivered_again_during_its_slow_create_stands_down(
     tmp_path: Path,
 ) -> None:
@@ -244,14 +267,10 @@ def test_the_same_submission_delivered_again_during_its_slow_create_stands_down(
         broker = redis.Redis.from_url(env["SIFT_REDIS_URL"], decode_responses=True)
         model.script_batch_calls("create", [slow(20.0)])
 
-        def pending() -> int:
-            runs = [json.loads(r) for r in broker.hvals(ECONOMY_RUNS_KEY + batch_id)]
-            return sum(1 for r in runs if r.get("pending"))
-
         with worker(tmp_path / "w", env, "a"):
             ingest(client)
             batch_id = submit_economy(client, 3)
-            wait_for(lambda: pending() == 3, "the slow create under way", 120)
+            wait_for(lambda: _pending(broker, batch_id) == 3, "the slow create under way", 120)
             [held] = [
                 json.loads(raw)[0]
                 for raw in broker.hvals(KOMBU_UNACKED_KEY)
@@ -260,15 +279,7 @@ def test_the_same_submission_delivered_again_during_its_slow_create_stands_down(
             broker.lpush("sift.batch", json.dumps(held))  # the same message, again
             wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW)
             log = (tmp_path / "w" / "a.log").read_text(errors="replace")
-        made = model.batches()
-        assert len(made) == 1, [b["id"] for b in made]  # one provider batch: the slow create's
-        assert len(made[0]["custom_ids"]) == 3
-        assert_batch_exactly_once(client, env["SIFT_REDIS_URL"], batch_id, 3)
-        for item in all_results(client, batch_id):
-            assert item["status"] == "succeeded", item
-            attempts = item["result"]["trace"]["attempts"]
-            assert [a["outcome"] for a in attempts] == ["ok"], attempts
-            assert attempts[0]["provider_batch"] == made[0]["id"]
+        _assert_one_provider_batch_answered_all(model, client, env, batch_id, 3)
         assert "this one stands down" in log
 
 
@@ -285,14 +296,10 @@ def test_a_submission_taken_over_from_a_stalled_worker_waits_for_its_create_in_f
         broker = redis.Redis.from_url(env["SIFT_REDIS_URL"], decode_responses=True)
         model.script_batch_calls("create", [slow(60.0)])
 
-        def pending() -> int:
-            runs = [json.loads(r) for r in broker.hvals(ECONOMY_RUNS_KEY + batch_id)]
-            return sum(1 for r in runs if r.get("pending"))
-
         with worker(tmp_path / "w", env, "a") as worker_a:
             ingest(client)
             batch_id = submit_economy(client, 3)
-            wait_for(lambda: pending() == 3, "the slow create under way", 120)
+            wait_for(lambda: _pending(broker, batch_id) == 3, "the slow create under way", 120)
             with worker(tmp_path / "w", env, "b"):
                 worker_a.send_signal(signal.SIGSTOP)
                 try:
@@ -306,12 +313,5 @@ def test_a_submission_taken_over_from_a_stalled_worker_waits_for_its_create_in_f
                 finally:
                     worker_a.send_signal(signal.SIGCONT)
                 wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW)
-        made = model.batches()
-        assert len(made) == 1, [b["id"] for b in made]  # the slow create's, paid once
-        assert_batch_exactly_once(client, env["SIFT_REDIS_URL"], batch_id, 3)
-        for item in all_results(client, batch_id):
-            assert item["status"] == "succeeded", item
-            attempts = item["result"]["trace"]["attempts"]
-            assert [a["outcome"] for a in attempts] == ["ok"], attempts
-            assert attempts[0]["provider_batch"] == made[0]["id"]
+        _assert_one_provider_batch_answered_all(model, client, env, batch_id, 3)
         assert "may still be under way" in log_b.read_text(errors="replace")
