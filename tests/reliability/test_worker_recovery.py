@@ -324,14 +324,15 @@ def test_a_killed_worker_s_searches_and_their_webhooks_come_back(
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_worker_s_search_comes_back_with_what_is_left_of_its_deadline(
+def test_a_killed_worker_s_search_is_finished_by_the_next_worker_past_its_first_deadline(
     tmp_path: Path, model: FakeAnthropic
 ) -> None:
     """A search killed mid-rerank comes back on a new worker once the dead worker's heartbeat
-    is gone (10 s, then two checks), by which time its one deadline (8 s here: the setting
-    under test; every other at its default) is spent. The redelivered run must not start
-    again under a fresh deadline (it did, and called the model a second time): it fails
-    ``deadline_exceeded`` with no second model call."""
+    is gone (10 s, then two checks): more than its deadline (8 s here: the setting under
+    test; every other at its default) after its first start. The dead run's time is not
+    charged (how long it ran is unknown): the new worker runs it and it succeeds. Charged to
+    the takeover, it failed ``deadline_exceeded`` with no model call, as 275 in-flight items
+    of a killed worker process's batch did in a CI run at the defaults."""
     model.reset()
     model.configure(delay=60.0)  # the search is mid-rerank at the kill
     try:
@@ -346,6 +347,7 @@ def test_a_killed_worker_s_search_comes_back_with_what_is_left_of_its_deadline(
                 wait_for(lambda: len(model.requests()) >= 1, "the search at the model")
                 worker_a.send_signal(signal.SIGKILL)
                 worker_a.wait(10)
+            model.configure(delay=MODEL_SECONDS)  # the provider answers again
             with worker(tmp_path / "w", env, "b"):
                 wait_for(
                     lambda: (
@@ -357,7 +359,8 @@ def test_a_killed_worker_s_search_comes_back_with_what_is_left_of_its_deadline(
                 )
             job = client.get(f"/v1/searches/{job_id}", headers=ACME).json()
             calls = len(model.requests())
-        assert job["status"] == "failed" and job["error"]["type"] == "deadline_exceeded", job
-        assert calls == 1, calls
+        assert job["status"] == "succeeded", job
+        assert job["result"]["rerank"]["applied"] is True, job["result"]["rerank"]
+        assert calls == 2, calls  # the dead run's call died with it; the new run's answered
     finally:
         model.configure(delay=MODEL_SECONDS)

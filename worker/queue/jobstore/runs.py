@@ -17,14 +17,17 @@ the search's runs have run, in Redis's clock: a run's deadline is what is left o
 deadline (:class:`~worker.core.budget.Deadline`'s ``spent``), and the task retries only
 while some is left. The waits between runs (a retry's backoff, a batch chunk's retry
 waiting for its other items, the queue) are not counted, as the wait before the first run
-is not; a run whose worker died counts until the run that takes it over.
+is not; nor is a run taken over (its worker died, or its lease is over): how long it ran
+is unknown, and counting it until the takeover (the dead-worker check, then the redelivered
+message's wait behind the rest of its batch) failed a killed worker's in-flight batch items
+``deadline_exceeded`` by the hundreds, where the next worker finishes them.
 
 A run that leaves its search unfinished (a task retry) lets its claim go, adding its time,
 before it sends the retry (which another thread may take half a second later);
 one that finishes it need not (the search is final: no run starts again). A worker killed
 mid-run leaves its claim: its heartbeat expires within ``SIFT_WORKER_DEAD_AFTER_SECONDS``,
 which is when :mod:`worker.queue.liveness` puts its messages back, and the redelivered run
-takes the claim over with what is left of the deadline. A process without a heartbeat of
+takes the claim over with what the runs that ended left of the deadline. A process without a heartbeat of
 its own (no liveness thread, or a prefork child, whose parent's heartbeat outlives it:
 :func:`worker.queue.liveness.run_owner`) claims with no owner: its time is counted, nothing
 is excluded.

@@ -194,7 +194,9 @@ return redis.call('DEL', KEYS[1])
 # worker's runs): the seconds the runs that ended used, and the run holding it (token ''
 # once let go). Refused while another run holds it: its owner named, the owner's heartbeat
 # alive and its lease not over. A run that never let go (its worker died, or its lease is
-# over) used the time from its claim to now. The same call sent again (its reply lost on a
+# over) is taken over and its time not counted: how long it ran before it died is unknown,
+# and counting it to now (the dead-worker check, then the queue behind the rest of the
+# batch) failed a killed worker's in-flight items deadline_exceeded. The same call sent again (its reply lost on a
 # broken connection) finds its own token and answers as it did, its run starting now: the
 # run's deadline starts at the answer, so its record and lease do too (the outage between
 # the two sends is not the run's time). Returns {claimed (0/1), the seconds used by every
@@ -219,7 +221,7 @@ if cur then
           and redis.call('EXISTS', ARGV[5] .. owner) == 1 then
         return {0, string.format('%.6f', used + ran)}
       end
-      used = used + ran
+      -- taken over (its worker dead, or its lease over): its time is not counted
     end
   end
 end
