@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -62,3 +65,36 @@ def test_latency_is_shown_per_lane() -> None:
     standard = next(line for line in out.splitlines() if "standard" in line)
     economy = next(line for line in out.splitlines() if "economy" in line)
     assert "1.250" in standard and "3.000" in standard and "600.000" in economy
+
+
+def test_json_prints_the_whole_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    latency: dict[str, dict[str, float | None]] = {"standard": {"p50": 1.25, "p95": None}}
+    report = cost.CostReport(
+        "1d", {"m": 0.5, "n": 0.25}, {"input": 700.0}, {"applied": 3.0}, {"ok": 4.0}, 250,
+        latency, unpriced_calls=2,
+    )  # fmt: skip
+    asked: list[tuple[str, str]] = []
+
+    def fetch(url: str, window: str) -> cost.CostReport:
+        asked.append((url, window))
+        return report
+
+    monkeypatch.setattr(cost, "fetch_report", fetch)
+    url = "http://prometheus:9090"
+    args = ["cost", "--prometheus-url", url, "--window", "1d", "--json"]
+    run = CliRunner().invoke(app, args, env={"COLUMNS": "80"})
+    assert run.exit_code == 0, run.output
+    assert asked == [(url, "1d")]
+    assert json.loads(run.output) == {
+        "prometheus_url": url,
+        "window": "1d",
+        "cost_by_model": {"m": 0.5, "n": 0.25},
+        "tokens_by_type": {"input": 700.0},
+        "outcomes": {"applied": 3.0},
+        "attempts": {"ok": 4.0},
+        "searches": 250,
+        "latency": {"standard": {"p50": 1.25, "p95": None}},
+        "unpriced_calls": 2,
+        "total_cost": 0.75,
+        "cost_per_1k_searches": 3.0,
+    }

@@ -1,6 +1,7 @@
 """``sift cost``: what reranking cost over the last hour or day, read from Prometheus.
 
     sift cost --window 1d --png cost.png
+    sift cost --json
 
 Counter totals are exact: each series' raw samples in the window are summed increase by
 increase, a counter reset counted as a restart from zero, with no extrapolation. So they can be
@@ -17,10 +18,11 @@ the cost counter, so the report says so when there were any: its dollars are the
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -156,6 +158,17 @@ def fetch_report(url: str, window: str) -> CostReport:
 # --- rendering -----------------------------------------------------------------------------------
 
 
+def as_json(report: CostReport, url: str) -> dict[str, Any]:
+    """The report as ``--json`` prints it: every field, the totals it derives, and its source
+    (a latency percentile Prometheus could not estimate is null)."""
+    return {
+        "prometheus_url": url,
+        **asdict(report),
+        "total_cost": report.total_cost,
+        "cost_per_1k_searches": report.cost_per_1k_searches,
+    }
+
+
 def _count_table(title: str, label: str, counts: Mapping[str, float]) -> Table:
     table = Table(title=title, title_justify="left")
     table.add_column(label)
@@ -245,13 +258,17 @@ def cost_command(
     png: Annotated[
         Path | None, typer.Option(dir_okay=False, help="also write a PNG chart to this file")
     ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
     """Rerank cost, tokens, outcomes, attempts and latency of the last hour or day."""
     try:
         url = prometheus_url or load_settings().prometheus_url
         report = fetch_report(url, window.value)
-        for item in render(report, url):
-            console.print(item)
+        if json_out:
+            typer.echo(json.dumps(as_json(report, url)))
+        else:
+            for item in render(report, url):
+                console.print(item)
         if png is not None:
             write_chart(report, png)
             console.print(f"wrote [bold]{png}[/]")
