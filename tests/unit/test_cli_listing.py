@@ -118,3 +118,36 @@ def test_written_to_a_pipe_the_note_says_the_width_is_a_pipes(monkeypatch: Any) 
     note = " ".join(piped.output.split("left out")[1].split())
     assert note.startswith("at 80 columns, the width when the output is not a terminal:"), note
     assert "COLUMNS=200 shows more" in note
+
+
+@pytest.mark.parametrize(
+    ("command", "jobs", "args", "title"),
+    [
+        ("searches", 1, [], "1 search, newest first"),
+        ("searches", 2, [], "2 searches, newest first"),
+        ("batches", 1, ["--status", "failed"], "1 failed batch, newest first"),
+        ("batches", 0, ["--status", "failed"], "0 failed batches, newest first"),
+        ("ingestions", 1, [], "1 ingestion, newest first"),
+        ("ingestions", 3, [], "3 ingestions, newest first"),
+    ],
+)
+def test_the_title_counts_in_the_singular_for_one(
+    monkeypatch: Any, command: str, jobs: int, args: list[str], title: str
+) -> None:
+    """The title read "1 searches"."""
+    import contextlib
+
+    from typer.testing import CliRunner
+
+    from worker.cli import app, listing
+
+    listed = [{**JOB, "id": f"job_{i}", "status": "failed"} for i in range(jobs)]
+
+    @contextlib.contextmanager
+    def fake_gateway() -> Any:
+        yield gateway_of([{command: listed, "next_page_token": None}], [])
+
+    monkeypatch.setattr(listing, "gateway", fake_gateway)
+    shown = CliRunner().invoke(app, [command, *args], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert shown.output.splitlines()[0].strip() == title, shown.output

@@ -98,3 +98,8 @@ def test_json_prints_the_whole_report(monkeypatch: pytest.MonkeyPatch) -> None:
         "total_cost": 0.75,
         "cost_per_1k_searches": 3.0,
     }
+
+
+def test_one_search_is_counted_in_the_singular() -> None:
+    assert "(1 search)" in _printed(cost.CostReport("1h", {"m": 0.5}, {}, {}, {}, 1, {}))
+    assert "(2 searches)" in _printed(cost.CostReport("1h", {"m": 0.5}, {}, {}, {}, 2, {}))

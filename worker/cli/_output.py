@@ -134,6 +134,15 @@ def fitted_table(
     return table, left_out
 
 
+def counted(count: float, one: str, many: str) -> str:
+    """``count`` and the noun, singular for exactly one.
+
+    >>> counted(1, "search", "searches"), counted(0, "batch", "batches"), counted(1500, "a", "b")
+    ('1 search', '0 batches', '1,500 b')
+    """
+    return f"{count:,.0f} {one if count == 1 else many}"
+
+
 def print_fitted(
     console: Console,
     title: str,

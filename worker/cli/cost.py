@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli import app
-from worker.cli._output import plain
+from worker.cli._output import counted, plain
 from worker.constants import (
     METRIC_RERANK_ATTEMPTS,
     METRIC_RERANK_COST,
@@ -192,7 +192,7 @@ def render(report: CostReport, url: str) -> Iterable[Table | str]:
     cost.add_row("[bold]total[/]", f"[bold]{report.total_cost:.6f}[/]")
     per_1k = report.cost_per_1k_searches
     cost.add_row(
-        f"per 1,000 searches ({report.searches:,.0f} searches)",
+        f"per 1,000 searches ({counted(report.searches, 'search', 'searches')})",
         f"{per_1k:.6f}" if per_1k is not None else "-",
     )
     yield cost

@@ -15,7 +15,7 @@ import typer
 
 from worker.cli import app
 from worker.cli._http import Gateway, gateway
-from worker.cli._output import local_time, plain, print_fitted
+from worker.cli._output import counted, local_time, plain, print_fitted
 from worker.cli.client import InputError, _expected_errors, _out
 from worker.constants import MAX_PAGE_SIZE
 from worker.contract import JobStatus
@@ -56,6 +56,7 @@ def _status(value: Any) -> str:
 def _list(
     path: str,
     key: str,
+    one: str,
     status: str | None,
     limit: int,
     json_out: bool,
@@ -72,10 +73,10 @@ def _list(
     if json_out:
         typer.echo(json.dumps(jobs))
         return
-    what = key if status is None else f"{status} {key}"
+    prefix = "" if status is None else f"{status} "
     print_fitted(
         console,
-        f"{len(jobs)} {what}, newest first",
+        f"{counted(len(jobs), prefix + one, prefix + key)}, newest first",
         columns,
         [row(job) for job in jobs],
         drop_order=drop_order,
@@ -97,7 +98,7 @@ def searches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False
 
     columns = ["id", "status", "index", "mode", "query", "created", "finished", "error"]
     drop = ["finished", "mode", "index", "created", "error"]
-    _list("/v1/searches", "searches", status, limit, json_out, columns, row, drop)
+    _list("/v1/searches", "searches", "search", status, limit, json_out, columns, row, drop)
 
 
 @app.command("batches")
@@ -116,7 +117,7 @@ def batches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False)
 
     columns = ["id", "status", "index", "lane", "done", "failed", "created", "finished"]
     drop = ["finished", "lane", "index", "created"]
-    _list("/v1/batches", "batches", status, limit, json_out, columns, row, drop)
+    _list("/v1/batches", "batches", "batch", status, limit, json_out, columns, row, drop)
 
 
 @app.command("ingestions")
@@ -133,4 +134,4 @@ def ingestions(status: Status = None, limit: Limit = 20, json_out: JsonOut = Fal
 
     columns = ["id", "status", "index", "documents", "upserted", "created", "finished"]
     drop = ["finished", "upserted", "index", "created"]
-    _list("/v1/ingestions", "ingestions", status, limit, json_out, columns, row, drop)
+    _list("/v1/ingestions", "ingestions", "ingestion", status, limit, json_out, columns, row, drop)
