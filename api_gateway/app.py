@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from api_gateway.auth import KeyRing, require_metrics_token
 from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
-from api_gateway.deps import query_parameters
+from api_gateway.deps import query_parameters, single_headers
 from api_gateway.docs import install_docs
 from api_gateway.errors import ErrorBody, install_error_handlers
 from api_gateway.indexes import router as indexes_router
@@ -111,7 +111,8 @@ def create_app(
     app.state.keyring = keyring
     app.state.metrics = metrics
     install_error_handlers(app)
-    checked = [Depends(query_parameters)]  # an unknown or repeated query parameter is a 422
+    # an unknown or repeated query parameter is a 422, and so is a repeated Idempotency-Key
+    checked = [Depends(query_parameters), Depends(single_headers)]
     app.include_router(router, dependencies=checked)
     app.include_router(listing_router, dependencies=checked)
     app.include_router(indexes_router, dependencies=checked)

@@ -47,6 +47,7 @@ LOCATION_HEADER: dict[str, dict[str, Any]] = {
         "description": "The job's URL, to poll (a path on this gateway).",
     }
 }
+SINGLE_HEADERS = ("Idempotency-Key",)  # each given at most once (single_headers)
 POLL_MIN_SECONDS = 0.005
 POLL_MAX_SECONDS = 0.1
 _ID_DIGITS = re.compile(r"[0-9a-f]{32}")
@@ -79,6 +80,16 @@ def query_parameters(request: Request, _tenant: Tenant) -> None:
             takes = ", ".join(sorted(known)) or "no query parameter"
             where = f"{request.method} {route.path}"
             raise InvalidRequest(name, f"is not a query parameter of {where} (it takes {takes})")
+        if times > 1:
+            raise InvalidRequest(name, f"is given {times} times: give it once")
+
+
+def single_headers(request: Request, _tenant: Tenant) -> None:
+    """Refuse a header whose meaning is one value (``Idempotency-Key``) given on several
+    lines: a ``422`` naming it, as a repeated query parameter is. Before, one of the values
+    was silently used and the other ignored. After the key check (``_tenant``)."""
+    for name in SINGLE_HEADERS:
+        times = len(request.headers.getlist(name))
         if times > 1:
             raise InvalidRequest(name, f"is given {times} times: give it once")
 

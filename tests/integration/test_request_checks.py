@@ -1,7 +1,8 @@
 """What the gateway refuses that it used to take and misread: each a 4xx naming the field.
 
 A query parameter a route does not take, or one it takes given twice, is a 422 naming it,
-as an unknown body field is: never silently ignored.
+as an unknown body field is: never silently ignored. So is an ``Idempotency-Key`` header
+given twice.
 
 Before, ``GET /v1/searches?statu=failed`` (a typo) listed every search as if unfiltered,
 ``POST /v1/searches?wiat=10`` answered 202 at once instead of waiting, ``GET
@@ -67,6 +68,23 @@ def test_an_unknown_or_repeated_query_parameter_is_422_naming_it(
     error = response.json()["error"]
     assert error["field"] == field and error["message"].startswith(f"{field}: "), error
     assert client.get("/v1/searches", headers=ACME).json()["searches"] == []  # nothing stored
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/searches", SEARCH), ("/v1/batches", BATCH)])
+@pytest.mark.parametrize("keys", [("key-a", "key-b"), ("key-a", "key-a")])
+def test_a_repeated_idempotency_key_is_422_naming_it(
+    client: TestClient, path: str, body: dict[str, object], keys: tuple[str, str]
+) -> None:
+    """Two ``Idempotency-Key`` lines on one request: one was used, the other ignored."""
+    headers = [*ACME.items(), *(("Idempotency-Key", key) for key in keys)]
+    response = client.post(path, json=body, headers=headers)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == "Idempotency-Key", error
+    assert error["message"] == "Idempotency-Key: is given 2 times: give it once", error
+    assert client.get(path, headers=ACME).json()[path.rsplit("/", 1)[1]] == []  # nothing stored
+    once = client.post(path, json=body, headers={**ACME, "Idempotency-Key": keys[0]})
+    assert once.status_code == 202, once.text  # one is taken, as before
 
 
 def test_the_parameters_a_route_takes_are_still_taken(client: TestClient) -> None:
