@@ -27,10 +27,10 @@ before it sends the retry (which another thread may take half a second later);
 one that finishes it need not (the search is final: no run starts again). A worker killed
 mid-run leaves its claim: its heartbeat expires within ``SIFT_WORKER_DEAD_AFTER_SECONDS``,
 which is when :mod:`worker.queue.liveness` puts its messages back, and the redelivered run
-takes the claim over with what the runs that ended left of the deadline. A process without a heartbeat of
-its own (no liveness thread, or a prefork child, whose parent's heartbeat outlives it:
-:func:`worker.queue.liveness.run_owner`) claims with no owner: its time is counted, nothing
-is excluded.
+takes the claim over with what the runs that ended left of the deadline. A process without
+a heartbeat of its own (no liveness thread, or a prefork child, whose parent's heartbeat
+outlives it: :func:`worker.queue.liveness.run_owner`) claims with no owner: its time is
+counted when it lets go, nothing is excluded.
 
     claim = store.claim_item(batch_id, query_id, owner, lease_seconds=30.0)
     if claim.granted:

@@ -196,11 +196,11 @@ return redis.call('DEL', KEYS[1])
 # alive and its lease not over. A run that never let go (its worker died, or its lease is
 # over) is taken over and its time not counted: how long it ran before it died is unknown,
 # and counting it to now (the dead-worker check, then the queue behind the rest of the
-# batch) failed a killed worker's in-flight items deadline_exceeded. The same call sent again (its reply lost on a
-# broken connection) finds its own token and answers as it did, its run starting now: the
-# run's deadline starts at the answer, so its record and lease do too (the outage between
-# the two sends is not the run's time). Returns {claimed (0/1), the seconds used by every
-# run before this one} (the second a string).
+# batch) failed a killed worker's in-flight items deadline_exceeded. The same call sent
+# again (its reply lost on a broken connection) finds its own token and answers as it did,
+# its run starting now: the run's deadline starts at the answer, so its record and lease do
+# too (the outage between the two sends is not the run's time). Returns {claimed (0/1),
+# the seconds used by every run before this one} (the second a string).
 _CLAIM_RUN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
