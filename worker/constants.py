@@ -193,5 +193,7 @@ MAX_METADATA_KEY_CHARS = 128  # the backends' filter-name pattern allows no more
 MAX_METADATA_VALUE_BYTES = 8_192
 MAX_PAGE_SIZE = 1_000
 DEFAULT_PAGE_SIZE = 100
+# a document listing shows this many characters of each text (GET one document for all of it)
+DOCUMENT_PREVIEW_CHARS = 200
 MAX_WEBHOOK_URL_CHARS = 2_048
 MAX_IDEMPOTENCY_KEY_CHARS = 255

@@ -427,3 +427,57 @@ class LifecycleContract(BackendContract):
         assert dict(doc.metadata) == {"topic": "bones", "year": 2020}
         assert backend.document(index, "globex", "vitd") is None
         assert backend.document(f"{index}-none", "acme", "vitd") is None
+
+    def test_documents_page_by_id_the_tenants_own(self, backend: Any, index: str) -> None:
+        """The tenant's documents a page at a time, by id (code point order: ``"Z"`` before
+        ``"a"``, a four-byte character last), each page starting after the last id of the
+        one before, with no repeat and no gap; the text as a preview and its length, never
+        the vector; another tenant's documents of the same ids never; an index the tenant
+        does not hold (another's, or nobody's) None, a page past the last document empty."""
+        long_text = "word " * 100  # 500 characters: the listing shows the first 200
+        ids = ["a", "b-2", "b-10", "Z", "𝔡", "c/d e"]
+        mine = [
+            Document(i, f"{CORPUS[n % 4].text} {long_text}", f"T{n}", str(n), {"n": n})
+            for n, i in enumerate(ids)
+        ]
+        self.load(backend, index, "acme", mine)
+        self.load(backend, index, "globex", CORPUS)
+        self.load(backend, index, "globex", [Document("a", "globex's a", "G", "9", {})])
+        pages: list[list[Any]] = []
+        after = None
+        while page := backend.documents(index, "acme", after, 4 if not pages else 2):
+            pages.append(page)
+            after = page[-1].id
+        assert [len(p) for p in pages] == [4, 2]
+        listed = [doc for page in pages for doc in page]
+        assert [d.id for d in listed] == sorted(ids) == ["Z", "a", "b-10", "b-2", "c/d e", "𝔡"]
+        by_id = {d.id: d for d in listed}
+        for n, doc in enumerate(mine):
+            shown = by_id[doc.id]
+            assert (shown.title, shown.revision, dict(shown.metadata)) == (
+                f"T{n}",
+                str(n),
+                {"n": n},
+            )
+            assert shown.text_length == len(doc.text) and shown.text_preview == doc.text[:200]
+            assert shown.version == backend.document(index, "acme", doc.id).version
+            assert not hasattr(shown, "vector")
+        assert backend.documents(index, "acme", "𝔡", 10) == []
+        assert backend.documents(index, "acme", "b-2", 1)[0].id == "c/d e"
+        assert [d.id for d in backend.documents(index, "globex", None, 10)] == sorted(
+            [d.id for d in CORPUS] + ["a"]
+        )
+        (theirs,) = backend.documents(index, "globex", None, 1)
+        assert (theirs.id, theirs.text_preview, theirs.title) == ("a", "globex's a", "G")
+        assert backend.documents(index, "beta", None, 10) is None
+        assert backend.documents(f"{index}-none", "acme", None, 10) is None
+        assert backend.documents(f"{index}-none", "acme", "a", 10) is None
+        assert backend.delete_documents(index, "acme", ["a", "Z"]) == 2
+        assert [d.id for d in backend.documents(index, "acme", None, 10)] == sorted(ids)[2:]
+        assert (
+            len(backend.documents(index, "acme", None, 10))
+            == backend.index_info(index, "acme").documents
+        )
+        assert backend.delete_documents(index, "acme", sorted(ids)[2:]) == 4
+        assert backend.documents(index, "acme", None, 10) is None
+        assert backend.documents(index, "acme", "b-2", 10) is None

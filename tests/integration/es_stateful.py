@@ -725,6 +725,7 @@ class StatefulElasticsearch:
                     scored.append((score, index, doc_id, doc))
             scored.sort(key=lambda c: -c[0])
         total = len(scored)
+        scored = _sorted(scored, body)
         terminate = body.get("terminate_after")
         answer: dict[str, Any] = {
             "took": 1,
@@ -737,18 +738,25 @@ class StatefulElasticsearch:
                 answer["terminated_early"] = True
         size = int(body.get("size", 10))
         includes = body.get("_source")
+        sort = _sort_keys(body)
         hits = [
             {
                 "_index": index.name,
                 "_id": doc_id,
                 "_score": score,
                 "_source": _filtered(doc.source or {}, includes),
+                **({"_version": doc.version} if body.get("version") else {}),
+                **({"sort": [_field(doc.source or {}, k) for k in sort]} if sort else {}),
             }
             for score, index, doc_id, doc in scored[:size]
         ]
         answer["hits"] = {"max_score": hits[0]["_score"] if hits else None, "hits": hits}
-        if body.get("track_total_hits", True) is not False:
-            answer["hits"]["total"] = {"value": total, "relation": "eq"}
+        tracked = body.get("track_total_hits", True)
+        if tracked is not False:
+            # an integer: counted exactly up to it, then a lower bound ("gte")
+            upto = total if tracked is True else min(total, int(tracked))
+            relation = "eq" if upto == total else "gte"
+            answer["hits"]["total"] = {"value": upto, "relation": relation}
         if "aggs" in body:
             matched = [(index, source_of(doc)) for _, index, _, doc in scored]
             answer["aggregations"] = self._aggs(body["aggs"], matched)
@@ -867,7 +875,47 @@ def _filtered(source: Mapping[str, Any], includes: Any) -> dict[str, Any]:
         return dict(source)
     if includes is False:
         return {}
+    if isinstance(includes, Mapping):  # {"includes": [...], "excludes": [...]}
+        kept = _filtered(source, includes.get("includes"))
+        return {k: v for k, v in kept.items() if k not in _listed(includes.get("excludes"))}
     return {k: v for k, v in source.items() if k in _listed(includes)}
+
+
+def _sort_keys(body: Mapping[str, Any]) -> list[str]:
+    """The fields of a ``sort`` of ``[{field: "asc"}]`` (the one shape the adapter sends)."""
+    keys = []
+    for clause in _listed(body.get("sort")):
+        (name, order), *_ = clause.items()
+        if order != "asc":
+            raise _refuse("unsupported", f"sort {clause}")
+        keys.append(name)
+    return keys
+
+
+def _sorted(
+    scored: list[tuple[float, Index, str, Doc]], body: Mapping[str, Any]
+) -> list[tuple[float, Index, str, Doc]]:
+    """``scored`` in the body's ``sort`` order (keywords compare as UTF-8 bytes, which is
+    code point order), from after its ``search_after``. ES counts ``hits.total`` before
+    ``search_after``: so does :meth:`StatefulElasticsearch.search`."""
+    keys = _sort_keys(body)
+    if not keys:
+        if "search_after" in body:
+            raise _refuse("illegal_argument_exception", "search_after needs a sort")
+        return scored
+
+    def key(entry: tuple[float, Index, str, Doc]) -> list[str]:
+        source = entry[3].source or {}
+        return [_keyword(_field(source, k)) for k in keys]
+
+    ordered = sorted(scored, key=key)
+    after = body.get("search_after")
+    if after is None:
+        return ordered
+    if len(after) != len(keys):
+        raise _refuse("illegal_argument_exception", "search_after has the wrong length")
+    wanted = [_keyword(v) for v in after]
+    return [entry for entry in ordered if key(entry) > wanted]
 
 
 def _cosine(a: list[float], b: list[float]) -> float:

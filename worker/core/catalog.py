@@ -42,6 +42,21 @@ class StoredDocument:
 
 
 @dataclass(frozen=True, slots=True)
+class ListedDocument:
+    """A document as a listing shows it: what a read shows, but the text only as its first
+    ``preview`` characters and its length (a text runs to 100,000 characters, a page to
+    1,000 documents); never the vector."""
+
+    id: str
+    title: str
+    revision: str
+    text_preview: str
+    text_length: int  # characters (code points) of the whole text
+    metadata: Mapping[str, FilterValue] = field(default_factory=dict)
+    version: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SearchSettings:
     """One tenant's index's own search settings (``PATCH /v1/indexes/{index}``): its fusion
     (method, weights, rank constant) and its rerank candidate window. ``None`` (or no

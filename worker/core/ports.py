@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from worker.contract import Channel
-from worker.core.catalog import IndexInfo, SearchSettings, StoredDocument
+from worker.core.catalog import IndexInfo, ListedDocument, SearchSettings, StoredDocument
 from worker.core.types import (
     BudgetGrant,
     ChannelQuery,
@@ -97,6 +97,14 @@ class IndexCatalog(Protocol):
     def index_info(self, index: str, tenant: str) -> IndexInfo | None: ...
 
     def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None: ...
+
+    def documents(
+        self, index: str, tenant: str, after: str | None, limit: int
+    ) -> list[ListedDocument] | None:
+        """Up to ``limit`` of the tenant's documents with ids after ``after`` (all, if None),
+        by id (code point order, as UTF-8 bytes compare); None when the tenant has no such
+        index (an empty list: nothing after ``after``). A seek, not a scan, on each page."""
+        ...
 
     def delete_documents(
         self, index: str, tenant: str, ids: Sequence[str], *, version: int | None = None

@@ -1,5 +1,6 @@
 """Reads of what a tenant holds: its indexes with their counts and embedding models, one
-index's count and model, and one document by id (never another tenant's)."""
+index's count and model, one document by id, and a page of its documents by id (never
+another tenant's)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ from worker.adapters.elasticsearch._errors import (
     _translated,
 )
 from worker.adapters.elasticsearch._layout import document_es_id
-from worker.core.catalog import IndexInfo, StoredDocument
+from worker.constants import DOCUMENT_PREVIEW_CHARS
+from worker.core.catalog import IndexInfo, ListedDocument, StoredDocument
 
 #: The most indexes one tenant's list shows (the terms aggregation's size).
 MAX_LISTED_INDEXES = 1000
 
 
 class _Listing(_Bodies):
-    """List the tenant's indexes, count one, get one document."""
+    """List the tenant's indexes, count one, get one document, list its documents."""
 
     def indexes(self, tenant: str) -> list[IndexInfo]:
         """The tenant's indexes: its aliases (``GET _alias/<prefix><key>--*``; a wildcard
@@ -124,4 +126,53 @@ class _Listing(_Bodies):
             revision=str(src.get(self.fields.revision, "")),
             metadata=dict(src.get(self.fields.metadata) or {}),
             version=int(answer["_version"]) if "_version" in answer else None,
+        )
+
+    def documents(
+        self, index: str, tenant: str, after: str | None, limit: int
+    ) -> list[ListedDocument] | None:
+        """Up to ``limit`` of the tenant's documents after id ``after``: one tenant-filtered
+        search on its alias sorted by the id field (a ``keyword``: UTF-8 byte order, which is
+        code point order) from ``search_after``, without the vector (``_source.excludes``),
+        with each hit's ``_version``. Keyset paging needs no point in time: each page starts
+        after an id, so a write between pages moves no document across a page's edge (a
+        PIT would only pin a snapshot, and it expires). ``track_total_hits: 1`` (ES counts
+        the query's matches before ``search_after``) tells a page past the last document
+        (``[]``) from an index the tenant does not hold (None, as a missing alias is). A
+        document without the id field (an operator's index: Sift always writes it) is not
+        listed: it has no place in the order."""
+        fields = self.fields
+        query = self.tenant_query(tenant)
+        query["bool"]["filter"].append({"exists": {"field": fields.id}})
+        body: dict[str, Any] = {
+            "size": limit,
+            "track_total_hits": 1,
+            "query": query,
+            "sort": [{fields.id: "asc"}],
+            "_source": {"excludes": [fields.vector]},
+            "version": True,
+        }
+        if after is not None:
+            body["search_after"] = [after]
+        what = f"documents of index {index!r}"
+        with _translated(what, index, missing_ok=True) as missing:
+            answer = self._es().search(index=self.alias(index, tenant), **body).body
+        if missing:
+            return None
+        _raise_if_partial(answer, what)
+        if not _total(answer):
+            return None
+        return [self._listed(hit) for hit in answer.get("hits", {}).get("hits", [])]
+
+    def _listed(self, hit: dict[str, Any]) -> ListedDocument:
+        src = hit.get("_source", {})
+        text = str(src.get(self.fields.text, ""))
+        return ListedDocument(
+            id=str(src[self.fields.id]),
+            title=str(src.get(self.fields.title, "")) if self.fields.title else "",
+            revision=str(src.get(self.fields.revision, "")),
+            text_preview=text[:DOCUMENT_PREVIEW_CHARS],
+            text_length=len(text),
+            metadata=dict(src.get(self.fields.metadata) or {}),
+            version=int(hit["_version"]) if "_version" in hit else None,
         )

@@ -1,14 +1,16 @@
 """The embedded backend's catalog reads: the tenant's indexes, one index, one document as
-stored, and a count; each only ever the tenant's own."""
+stored, a page of its documents by id, and a count; each only ever the tenant's own."""
 
 from __future__ import annotations
 
 import json
 from typing import cast
 
-from worker.core.catalog import IndexInfo, StoredDocument
+from worker.constants import DOCUMENT_PREVIEW_CHARS
+from worker.core.catalog import IndexInfo, ListedDocument, StoredDocument
 
 from ._pool import _Pool, _read, _translated
+from ._schema import _holds
 
 
 class _Listing(_Pool):
@@ -70,3 +72,32 @@ class _Listing(_Pool):
             return None
         revision, metadata, title, text, version = row
         return StoredDocument(doc_id, text, title, revision, json.loads(metadata), version)
+
+    def documents(
+        self, index: str, tenant: str, after: str | None, limit: int
+    ) -> list[ListedDocument] | None:
+        """Up to ``limit`` of the tenant's documents after id ``after``, by id; None when the
+        tenant holds none in the index. A range seek on ``docs``'s unique (idx, tenant, id)
+        index, read in its order (no sort step), then one seek per row on ``bodies`` and
+        ``writes``: a page costs its own rows, wherever in the index it starts (the
+        query plan is pinned by ``test_embedded_lifecycle.py``). The text is cut in SQLite
+        (``substr``; ``length`` counts characters as Python does), so at most
+        ``DOCUMENT_PREVIEW_CHARS`` of each leaves the database."""
+        with self._conn() as conn, _translated("documents"), _read(conn):
+            rows = conn.execute(DOCUMENTS_PAGE, (index, tenant, after or "", limit)).fetchall()
+            if not rows and not _holds(conn, index, tenant):
+                return None
+        return [
+            ListedDocument(doc_id, title, revision, preview, int(length), json.loads(meta), version)
+            for doc_id, revision, meta, title, preview, length, version in rows
+        ]
+
+
+#: One page of a tenant's documents; ``id > ''`` is every id (the gateway takes none empty).
+DOCUMENTS_PAGE = (
+    "SELECT d.id, d.revision, d.metadata, b.title,"
+    f" substr(b.text, 1, {DOCUMENT_PREVIEW_CHARS}), length(b.text), w.version FROM docs AS d"
+    " JOIN bodies AS b ON b.seq = d.seq"
+    " LEFT JOIN writes AS w ON w.idx = d.idx AND w.tenant = d.tenant AND w.id = d.id"
+    " WHERE d.idx = ? AND d.tenant = ? AND d.id > ? ORDER BY d.id LIMIT ?"
+)
