@@ -1661,6 +1661,69 @@ def test_document_gets_the_tenants_id_without_the_vector(server: FakeElasticsear
     assert backend_for(server).document("none", "acme", "d1") is None
 
 
+def listed_page(*hits: dict[str, Any], total: int = 1) -> dict[str, Any]:
+    """A sorted ``search_after`` page as ES 9 answers it: ``track_total_hits: 1`` (the
+    total counted before ``search_after``, at most 1, "gte" past it), each hit with its
+    ``_version`` and ``sort`` values and a null ``_score`` (sorted by a field)."""
+    answer = probe_response(min(total, 1))
+    answer.pop("terminated_early", None)
+    answer["hits"]["total"]["relation"] = "gte" if total > 1 else "eq"
+    answer["hits"]["max_score"] = None
+    answer["hits"]["hits"] = list(hits)
+    return answer
+
+
+def listed_hit(doc_id: str, version: int, text: str) -> dict[str, Any]:
+    found = hit(CONCRETE, "acme", doc_id, 0.0, text=text, title=f"T {doc_id}")
+    return {**found, "_score": None, "_version": version, "sort": [doc_id]}
+
+
+def test_documents_page_is_a_tenant_filtered_sorted_search_after_without_the_vector(
+    server: FakeElasticsearchServer,
+) -> None:
+    """One search on the tenant's alias per page: the tenant term and the id field's
+    presence as filters, sorted by the id field, from ``search_after`` the cursor's id, the
+    vector excluded from ``_source``, versions asked for; the text cut to its preview. A
+    page past the last document (total 1, no hit) is empty; no document of the tenant
+    (total 0) and no alias (404) both read as no index (None)."""
+    long_text = "x" * 250
+    first = listed_page(listed_hit("a", 3, long_text), listed_hit("b", 5, "short"), total=9)
+    server.on("POST", f"/{ACME}/_search", Answer(200, first), times=1)
+    page = backend_for(server).documents("docs", "acme", None, 2)
+    assert page is not None
+    assert [(d.id, d.version, d.title, d.text_length) for d in page] == [
+        ("a", 3, "T a", 250),
+        ("b", 5, "T b", 5),
+    ]
+    assert page[0].text_preview == "x" * 200 and page[1].text_preview == "short"
+    expected = {
+        "size": 2,
+        "track_total_hits": 1,
+        "query": {
+            "bool": {"filter": [{"term": {"tenant": "acme"}}, {"exists": {"field": "doc_id"}}]}
+        },
+        "sort": [{"doc_id": "asc"}],
+        "_source": {"excludes": ["vector"]},
+        "version": True,
+    }
+    (sent,) = server.sent("POST", f"/{ACME}/_search")
+    assert sent.json() == expected
+    server.on("POST", f"/{ACME}/_search", Answer(200, listed_page(total=9)), times=1)
+    assert backend_for(server).documents("docs", "acme", "b", 2) == []
+    assert server.sent("POST", f"/{ACME}/_search")[-1].json() == {
+        **expected,
+        "search_after": ["b"],
+    }
+    server.on("POST", f"/{ACME}/_search", Answer(200, listed_page(total=0)), times=1)
+    assert backend_for(server).documents("docs", "acme", "b", 2) is None
+    globex = f"/sift-{tenant_key('globex')}--docs/_search"
+    server.on("POST", globex, Answer(404, index_missing(globex[1:-8])))
+    assert backend_for(server).documents("docs", "globex", None, 2) is None
+    server.on("POST", f"/{ACME}/_search", Answer(200, partial(first)), times=1)
+    with pytest.raises(BackendUnavailable):
+        backend_for(server).documents("docs", "acme", None, 2)
+
+
 def hashed_id(tenant: str, doc_id: str) -> str:
     """The ``_id`` of a document whose ``<tenant>:<id>`` is over ES's 512 bytes."""
     return "#sha256:" + hashlib.sha256(f"{tenant}:{doc_id}".encode()).hexdigest()
