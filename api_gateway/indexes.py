@@ -1,5 +1,5 @@
-"""The v1 index lifecycle routes: list and show indexes, read a document, delete documents
-or a tenant's whole index (issue 13), change an index's own search settings (issue 15).
+"""The v1 index lifecycle routes: list and show indexes, list and read documents, delete
+documents or a tenant's whole index (issue 13), change an index's own search settings (issue 15).
 
 Reads go to a worker, which holds the backend (the gateway imports no backend): the gateway
 enqueues a ``sift.index_read`` task on the search queue with a one-off reply key and pops
@@ -13,6 +13,9 @@ document gives the very same ``404`` as one nobody has, and a delete job of it d
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import json
 import logging
 import time
@@ -37,6 +40,7 @@ from api_gateway.jobs import enqueue_ingest, ingest_response
 from api_gateway.schemas import IngestJobOut, _Strict, iso
 from worker.constants import (
     DEFAULT_PAGE_SIZE,
+    DOCUMENT_PREVIEW_CHARS,
     INDEX_CHANGE_GRACE_SECONDS,
     INDEX_READ_TASK,
     INDEX_READ_TIMEOUT_SECONDS,
@@ -45,13 +49,18 @@ from worker.constants import (
     SEARCH_QUEUE,
 )
 from worker.contract import INDEX_PATTERN, FilterValue, FusionMethod, IndexSettingsPatch
+from worker.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["indexes"])
 
+MAX_DOC_ID_CHARS = 512
 IndexPath = Annotated[str, Path(min_length=1, max_length=128, pattern=INDEX_PATTERN)]
-DocIdPath = Annotated[str, Path(min_length=1, max_length=512)]
-DocId = Annotated[str, Field(min_length=1, max_length=512)]
+DocIdPath = Annotated[str, Path(min_length=1, max_length=MAX_DOC_ID_CHARS)]
+DocId = Annotated[str, Field(min_length=1, max_length=MAX_DOC_ID_CHARS)]
+_CURSOR_DIGEST_BYTES = 8
+# "d:<digest hex>:<id>", an id of up to 512 four-byte characters, in unpadded base64
+_MAX_CURSOR_CHARS = 4 * -(-(3 + 2 * _CURSOR_DIGEST_BYTES + 4 * MAX_DOC_ID_CHARS) // 3)
 JOB_RESPONSES: dict[int | str, dict[str, Any]] = {
     202: {
         "model": IngestJobOut,
@@ -117,6 +126,28 @@ class StoredDocumentOut(BaseModel):
     version: int | None = Field(None, description="The accepted write that stored it.")
 
 
+class ListedDocumentOut(BaseModel):
+    """One document in a listing: what ``GET .../documents/{id}`` shows but the text, of
+    which only the start and the length (a text runs to 100,000 characters; a page holds up
+    to 1,000 documents). Never the vector."""
+
+    id: str
+    title: str
+    revision: str
+    metadata: dict[str, FilterValue]
+    version: int | None = Field(None, description="The accepted write that stored it.")
+    text_preview: str = Field(
+        description=f"The first {DOCUMENT_PREVIEW_CHARS} characters of the text "
+        "(GET the document for all of it)."
+    )
+    text_length: int = Field(description="The whole text's length in characters.")
+
+
+class DocumentsPage(BaseModel):
+    documents: list[ListedDocumentOut]
+    next_page_token: str | None = None
+
+
 class DeleteDocumentsRequest(_Strict):
     """``POST /v1/indexes/{index}/documents/delete``."""
 
@@ -133,6 +164,44 @@ def _index_out(raw: dict[str, Any]) -> IndexOut:
         last_write_at=iso(raw.get("last_write")),
         settings=IndexSettingsOut.model_validate(raw.get("settings") or {}),
     )
+
+
+def _cursor_digest(tenant: str, index: str, doc_id: str) -> str:
+    key = "\0".join((tenant, index, doc_id)).encode()
+    return hashlib.blake2b(key, digest_size=_CURSOR_DIGEST_BYTES).hexdigest()
+
+
+def encode_document_cursor(tenant: str, index: str, doc_id: str) -> str:
+    """The page token of a document listing: the last id listed, and a digest that ties it
+    to the tenant's index (a token of another listing, or edited, is refused)."""
+    raw = f"d:{_cursor_digest(tenant, index, doc_id)}:{doc_id}"
+    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+
+def decode_document_cursor(token: str | None, tenant: str, index: str) -> str | None:
+    """The id a document listing's page starts after. Only the exact text
+    :func:`encode_document_cursor` made for this tenant's index is one; anything else is a
+    422 naming ``page_token`` before a worker sees it. The digest is no secret (it only
+    catches edits and mix-ups): a token says where in the caller's own list to start, so a
+    forged one shows nothing more than a page the caller may read anyway."""
+    if token is None:
+        return None
+    if not token:
+        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
+    problem = "is not a token this list issued"
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        kind, digest, doc_id = raw.split(":", 2)
+    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise InvalidRequest("page_token", problem) from exc
+    if (
+        kind != "d"
+        or not 1 <= len(doc_id) <= MAX_DOC_ID_CHARS
+        or digest != _cursor_digest(tenant, index, doc_id)
+        or encode_document_cursor(tenant, index, doc_id) != token
+    ):
+        raise InvalidRequest("page_token", problem)
+    return doc_id
 
 
 def _not_found(index: str) -> ApiError:
@@ -243,6 +312,43 @@ async def update_index(
     if found is None:
         raise _not_found(index)
     return _index_out(found)
+
+
+@router.get(
+    "/indexes/{index}/documents",
+    response_model=DocumentsPage,
+    responses=ERRORS,
+    summary="The caller's documents in one of its indexes, by id, one page at a time",
+    description="Ordered by id (Unicode code point order). Each page starts after the last "
+    "id of the one before (`next_page_token`, `null` on the last page), so a document "
+    "written or deleted while you page through moves no other across a page's edge: none "
+    "that was there throughout is shown twice or missed. A document whose delete job has "
+    "succeeded is not listed; across all pages, the count is the index's `documents`. "
+    f"Each text as its first {DOCUMENT_PREVIEW_CHARS} characters and its length, never "
+    "the vector. An index the caller does not have is the 404 `GET /v1/indexes/{index}` "
+    "answers, whether another tenant uses the name or nobody does.",
+)
+async def list_documents(
+    request: Request,
+    tenant: Tenant,
+    index: IndexPath,
+    page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+    page_token: Annotated[
+        str | None,
+        Query(
+            max_length=_MAX_CURSOR_CHARS,
+            description="The previous page's `next_page_token`; leave it out for the first.",
+        ),
+    ] = None,
+) -> DocumentsPage:
+    after = decode_document_cursor(page_token, tenant, index)
+    body = json.dumps({"after": after, "limit": page_size})
+    found = await _read(request, "documents", tenant, index, "", body)
+    if found is None:
+        raise _not_found(index)
+    docs = [ListedDocumentOut.model_validate(d) for d in found["documents"]]
+    token = encode_document_cursor(tenant, index, docs[-1].id) if found["more"] else None
+    return DocumentsPage(documents=docs, next_page_token=token)
 
 
 @router.get(

@@ -24,14 +24,14 @@ from worker.errors import ConfigError, InvalidRequest, SiftError
 from worker.queue.jobstore import IngestJob, JobStore
 from worker.runtime import Runtime
 
-READ_OPERATIONS = ("list", "show", "document", "update")
+READ_OPERATIONS = ("list", "show", "document", "documents", "update")
 
 
 def catalog(runtime: object) -> IndexCatalog:
     """The runtime's backend as an :class:`IndexCatalog` (both shipped backends are one).
     ``runtime`` is a :class:`~worker.runtime.Runtime` (the tasks see it through a Protocol)."""
     backend: Any = cast(Runtime, runtime).pipeline.backend
-    if not all(hasattr(backend, m) for m in ("indexes", "index_info", "document")):
+    if not all(hasattr(backend, m) for m in ("indexes", "index_info", "document", "documents")):
         raise ConfigError(f"the {backend.name} backend has no index lifecycle")
     return cast(IndexCatalog, backend)
 
@@ -111,12 +111,27 @@ def _update(runtime: object, tenant: str, index: str, body: str) -> Any:
     return _index(info, store.update(index, tenant, json.loads(body or "{}")))
 
 
+def _documents(backend: IndexCatalog, tenant: str, index: str, body: str) -> Any:
+    """A page of the tenant's documents (``body``: ``{"after": id or null, "limit": n}``,
+    checked by the gateway): ``{"documents": [...], "more": bool}``, or None when the
+    tenant has no such index. One more than the page is read, so ``more`` is known without
+    a request for an empty last page."""
+    asked = json.loads(body)
+    limit = int(asked["limit"])
+    docs = backend.documents(index, tenant, asked.get("after"), limit + 1)
+    if docs is None:
+        return None
+    shown = [{**asdict(d), "metadata": shown_metadata(d.metadata)} for d in docs[:limit]]
+    return {"documents": shown, "more": len(docs) > limit}
+
+
 def read(
     runtime: object, operation: str, tenant: str, index: str, doc_id: str, body: str = ""
 ) -> str:
     """One index read's answer, as the JSON the gateway parses: ``{"found": ...}`` (None
     when the tenant has no such index or document) or ``{"error": {...}}``. ``update``
-    (``body``: a validated settings patch) changes the index's settings, then reads it."""
+    (``body``: a validated settings patch) changes the index's settings, then reads it;
+    ``documents`` (``body``: where the page starts and its size) lists a page."""
     try:
         backend = catalog(runtime)
         store = settings_store(runtime)
@@ -135,6 +150,8 @@ def read(
             found = None if info is None else _index(info, settings)
         elif operation == "update":
             found = _update(runtime, tenant, index, body)
+        elif operation == "documents":
+            found = _documents(backend, tenant, index, body)
         elif operation == "document":
             doc = backend.document(index, tenant, doc_id)
             found = (

@@ -84,11 +84,14 @@ class _Listing(_Pool):
         (``substr``; ``length`` counts characters as Python does), so at most
         ``DOCUMENT_PREVIEW_CHARS`` of each leaves the database."""
         with self._conn() as conn, _translated("documents"), _read(conn):
-            rows = conn.execute(DOCUMENTS_PAGE, (index, tenant, after or "", limit)).fetchall()
+            rows = cast(
+                list[tuple[str, str, str, str, str, int, int | None]],
+                conn.execute(DOCUMENTS_PAGE, (index, tenant, after or "", limit)).fetchall(),
+            )
             if not rows and not _holds(conn, index, tenant):
                 return None
         return [
-            ListedDocument(doc_id, title, revision, preview, int(length), json.loads(meta), version)
+            ListedDocument(doc_id, title, revision, preview, length, json.loads(meta), version)
             for doc_id, revision, meta, title, preview, length, version in rows
         ]
 
