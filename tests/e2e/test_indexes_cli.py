@@ -1,4 +1,4 @@
-"""``sift indexes``, ``sift index show|delete``, ``sift documents get|delete`` over the real
+"""``sift indexes``, ``sift index show|delete``, ``sift documents list|get|delete`` over the real
 stack (the CLI in-process through typer's runner, the gateway and worker as processes)."""
 
 from __future__ import annotations
@@ -76,3 +76,34 @@ def test_index_delete_asks_first(stack: Stack) -> None:
     job = _json(sift(stack, "index", "delete", "cli-drop", "--yes", "--json"))
     assert job["operation"] == "drop" and job["deleted"] == 0
     assert sift(stack, "index", "show", "cli-drop").exit_code == 1
+
+
+def test_documents_list_pages_through_escapes_markup_and_lists_all(stack: Stack) -> None:
+    docs = [
+        {"id": f"m{n:02d}", "title": f"[red]t{n}[/]", "text": f"[bold]text {n}[/] " + "w " * 80}
+        for n in range(12)
+    ]
+    response = stack.live.post(
+        "/v1/indexes/cli-list-docs/documents",
+        params={"wait": 20},
+        json={"documents": docs},
+        headers=ACME,
+    )
+    assert response.status_code == 200, response.text
+    first = _json(sift(stack, "documents", "list", "cli-list-docs", "--limit", "5", "--json"))
+    assert [d["id"] for d in first] == ["m00", "m01", "m02", "m03", "m04"]
+    assert "vector" not in first[0] and first[0]["text_length"] == len(docs[0]["text"])
+    every = _json(sift(stack, "documents", "list", "cli-list-docs", "--all", "--json"))
+    assert [d["id"] for d in every] == [d["id"] for d in docs]
+    table = sift(stack, "documents", "list", "cli-list-docs", "--limit", "3")
+    assert table.exit_code == 0, table.output
+    assert "3 documents of 12 in cli-list-docs" in table.stdout
+    assert "[red]t0[/]" in table.stdout and "[bold]text 0[/]" in table.stdout  # not markup
+    assert "more documents follow" in table.stdout and "m03" not in table.stdout
+    whole = sift(stack, "documents", "list", "cli-list-docs", "--all")
+    assert whole.exit_code == 0 and "12 documents of 12" in whole.stdout and "m11" in whole.stdout
+    assert "more documents follow" not in whole.stdout
+    both = sift(stack, "documents", "list", "cli-list-docs", "--all", "--limit", "2")
+    assert both.exit_code == 1 and "--limit and --all" in both.output
+    missing = sift(stack, "documents", "list", "cli-nobody")
+    assert missing.exit_code == 1 and "does not exist" in missing.output

@@ -151,3 +151,27 @@ def test_the_title_counts_in_the_singular_for_one(
     shown = CliRunner().invoke(app, [command, *args], env={"COLUMNS": "200"})
     assert shown.exit_code == 0, shown.output
     assert shown.output.splitlines()[0].strip() == title, shown.output
+
+
+def test_documents_are_followed_page_after_page_and_cut_at_the_limit() -> None:
+    """``sift documents list``: ``--all`` follows every token at the largest page (each
+    page counted for the progress bar); ``--limit`` asks for that many and says whether
+    more are left, from the token or from a longer page."""
+    from worker.cli.indexes import fetch_documents
+
+    pages = [
+        {"documents": [{"id": "a"}, {"id": "b"}], "next_page_token": "t1"},
+        {"documents": [{"id": "c"}], "next_page_token": None},
+    ]
+    seen: list[dict[str, str]] = []
+    counts: list[int] = []
+    docs, more = fetch_documents(gateway_of(pages, seen), "docs", None, counts.append)
+    assert ([d["id"] for d in docs], more, counts) == (["a", "b", "c"], False, [2, 1])
+    assert seen == [{"page_size": str(MAX_PAGE_SIZE)}, {"page_size": "1000", "page_token": "t1"}]
+    seen.clear()
+    docs, more = fetch_documents(gateway_of(pages, seen), "docs", 2)
+    assert ([d["id"] for d in docs], more) == (["a", "b"], True)
+    assert seen == [{"page_size": "2"}]
+    seen.clear()
+    last = [{"documents": [{"id": "c"}], "next_page_token": None}]
+    assert fetch_documents(gateway_of(last, seen), "docs", 1) == ([{"id": "c"}], False)

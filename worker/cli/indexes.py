@@ -1,5 +1,5 @@
-"""``sift indexes``, ``sift index show|set|delete`` and ``sift documents get|delete``: the
-index lifecycle from the shell, through the gateway (``SIFT_URL``, ``SIFT_API_KEY``).
+"""``sift indexes``, ``sift index show|set|delete`` and ``sift documents list|get|delete``:
+the index lifecycle from the shell, through the gateway (``SIFT_URL``, ``SIFT_API_KEY``).
 
 Deletes are jobs: the command submits one, waits for it to finish (``?wait=``, then polls
 ``GET /v1/ingestions/{id}``) and prints how many documents went. ``--json`` prints the raw
@@ -9,6 +9,7 @@ answers instead of tables.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated, Any
 from urllib.parse import quote
@@ -18,14 +19,14 @@ from rich.console import Console
 
 from worker.cli import app
 from worker.cli._http import Gateway, gateway
-from worker.cli._output import local_time, plain, print_fitted
-from worker.cli.client import EXIT_ERROR, _err, _expected_errors, _out
+from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
+from worker.cli.client import EXIT_ERROR, InputError, _err, _expected_errors, _out
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 
 index_app = typer.Typer(
     help="Show, set the search settings of, or delete one of your indexes.", no_args_is_help=True
 )
-documents_app = typer.Typer(help="Read or delete documents by id.", no_args_is_help=True)
+documents_app = typer.Typer(help="List, read or delete documents.", no_args_is_help=True)
 app.add_typer(index_app, name="index")
 app.add_typer(documents_app, name="documents")
 
@@ -39,6 +40,8 @@ class FusionMethodOption(StrEnum):
 
 JsonOut = Annotated[bool, typer.Option("--json", help="print the raw answer as JSON")]
 IndexOption = Annotated[str, typer.Option("--index", help="the index")]
+DEFAULT_DOCUMENTS_SHOWN = 20
+PREVIEW_SHOWN = 60  # characters of each text in the table (--json has the API's 200)
 
 
 def _print_json(console: Console, value: Any) -> None:
@@ -240,6 +243,101 @@ def index_delete(
         job = client.json("DELETE", f"/v1/indexes/{name}", params={"wait": MAX_WAIT_SECONDS})
         job = _finish(client, job)
     _report(console, job, f"from index {name}", json_out)
+
+
+def fetch_documents(
+    client: Gateway, index: str, limit: int | None, on_page: Callable[[int], object] | None = None
+) -> tuple[list[dict[str, Any]], bool]:
+    """The first ``limit`` of the index's documents by id (all of them: None), page after
+    page of ``GET /v1/indexes/{index}/documents``, and whether more are left; ``on_page`` is
+    called with each page's count."""
+    params: dict[str, Any] = {"page_size": min(limit or MAX_PAGE_SIZE, MAX_PAGE_SIZE)}
+    docs: list[dict[str, Any]] = []
+    while True:
+        page = client.json("GET", f"/v1/indexes/{quote(index, safe='')}/documents", params=params)
+        docs += page["documents"]
+        if on_page is not None:
+            on_page(len(page["documents"]))
+        token = page.get("next_page_token")
+        if not token or (limit is not None and len(docs) >= limit):
+            break
+        params["page_token"] = token
+    if limit is None:
+        return docs, False
+    return docs[:limit], bool(token) or len(docs) > limit
+
+
+def _preview(doc: dict[str, Any]) -> str:
+    text = " ".join(str(doc.get("text_preview", "")).split())
+    cut = len(text) > PREVIEW_SHOWN or int(doc.get("text_length", 0)) > len(text)
+    return plain(text[:PREVIEW_SHOWN] + ("…" if cut else ""))
+
+
+def _print_documents(
+    console: Console, index: str, docs: list[dict[str, Any]], total: int, more: bool
+) -> None:
+    columns = ["id", "title", "revision", "version", "chars", "metadata", "text"]
+    rows = [
+        [
+            plain(d["id"]),
+            plain(d.get("title") or "–"),
+            plain(d.get("revision") or "–"),
+            "–" if d.get("version") is None else str(d["version"]),
+            f"{int(d.get('text_length', 0)):,}",
+            plain(json.dumps(d["metadata"], ensure_ascii=False)) if d.get("metadata") else "–",
+            _preview(d),
+        ]
+        for d in docs
+    ]
+    print_fitted(
+        console,
+        f"{counted(len(docs), 'document', 'documents')} of {total:,} in {plain(index)}, by id",
+        columns,
+        rows,
+        drop_order=["revision", "version", "chars", "metadata", "title"],
+        wrapped=("title", "metadata", "text"),
+        right=("version", "chars"),
+    )
+    if more:
+        console.print("[dim]more documents follow: --limit N shows more, --all shows every one[/]")
+
+
+@documents_app.command("list")
+def documents_list(
+    index: Annotated[str, typer.Argument(help="the index")],
+    limit: Annotated[
+        int | None,
+        typer.Option(
+            "--limit", min=1, help=f"show the first N by id (default {DEFAULT_DOCUMENTS_SHOWN})"
+        ),
+    ] = None,
+    every: Annotated[
+        bool, typer.Option("--all", help="every document, page after page, with a progress bar")
+    ] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="print the documents as a JSON array")
+    ] = False,
+) -> None:
+    """List your documents in an index by id: title, revision, version, length, metadata and
+    the start of the text (never the vector)."""
+    console = _out()
+    with _expected_errors():
+        if every and limit is not None:
+            raise InputError("--limit and --all: give one of them")
+        with gateway() as client:
+            total = int(client.json("GET", f"/v1/indexes/{quote(index, safe='')}")["documents"])
+            if every:
+                with progress_bar(_err()) as progress:
+                    task = progress.add_task(f"list {index}", total=total)
+                    docs, more = fetch_documents(
+                        client, index, None, lambda n: progress.advance(task, n)
+                    )
+            else:
+                docs, more = fetch_documents(client, index, limit or DEFAULT_DOCUMENTS_SHOWN)
+    if json_out:
+        typer.echo(json.dumps(docs, ensure_ascii=False))
+    else:
+        _print_documents(console, index, docs, total, more)
 
 
 @documents_app.command("get")
