@@ -751,12 +751,8 @@ class StatefulElasticsearch:
             for score, index, doc_id, doc in scored[:size]
         ]
         answer["hits"] = {"max_score": hits[0]["_score"] if hits else None, "hits": hits}
-        tracked = body.get("track_total_hits", True)
-        if tracked is not False:
-            # an integer: counted exactly up to it, then a lower bound ("gte")
-            upto = total if tracked is True else min(total, int(tracked))
-            relation = "eq" if upto == total else "gte"
-            answer["hits"]["total"] = {"value": upto, "relation": relation}
+        if body.get("track_total_hits", True) is not False:
+            answer["hits"]["total"] = {"value": total, "relation": "eq"}
         if "aggs" in body:
             matched = [(index, source_of(doc)) for _, index, _, doc in scored]
             answer["aggregations"] = self._aggs(body["aggs"], matched)
@@ -896,8 +892,7 @@ def _sorted(
     scored: list[tuple[float, Index, str, Doc]], body: Mapping[str, Any]
 ) -> list[tuple[float, Index, str, Doc]]:
     """``scored`` in the body's ``sort`` order (keywords compare as UTF-8 bytes, which is
-    code point order), from after its ``search_after``. ES counts ``hits.total`` before
-    ``search_after``: so does :meth:`StatefulElasticsearch.search`."""
+    code point order), from after its ``search_after``."""
     keys = _sort_keys(body)
     if not keys:
         if "search_after" in body:

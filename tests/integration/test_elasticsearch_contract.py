@@ -1661,15 +1661,11 @@ def test_document_gets_the_tenants_id_without_the_vector(server: FakeElasticsear
     assert backend_for(server).document("none", "acme", "d1") is None
 
 
-def listed_page(*hits: dict[str, Any], total: int = 1) -> dict[str, Any]:
-    """A sorted ``search_after`` page as ES 9 answers it: ``track_total_hits: 1`` (the
-    total counted before ``search_after``, at most 1, "gte" past it), each hit with its
-    ``_version`` and ``sort`` values and a null ``_score`` (sorted by a field)."""
-    answer = probe_response(min(total, 1))
-    answer.pop("terminated_early", None)
-    answer["hits"]["total"]["relation"] = "gte" if total > 1 else "eq"
+def listed_page(*hits: dict[str, Any]) -> dict[str, Any]:
+    """A sorted ``search_after`` page as ES 9 answers it with ``track_total_hits: false``:
+    no total, each hit with its ``_version`` and ``sort`` values and a null ``_score``."""
+    answer = search_response(list(hits))
     answer["hits"]["max_score"] = None
-    answer["hits"]["hits"] = list(hits)
     return answer
 
 
@@ -1683,12 +1679,13 @@ def test_documents_page_is_a_tenant_filtered_sorted_search_after_without_the_vec
 ) -> None:
     """One search on the tenant's alias per page: the tenant term and the id field's
     presence as filters, sorted by the id field, from ``search_after`` the cursor's id, the
-    vector excluded from ``_source``, versions asked for; the text cut to its preview. A
-    page past the last document (total 1, no hit) is empty; no document of the tenant
-    (total 0) and no alias (404) both read as no index (None)."""
+    vector excluded from ``_source``, versions asked for, no total; the text cut to its
+    preview. No hit on a first page, or no alias (404), is no index (None); no hit after an
+    id asks the tenant's count: still some (an empty page) or none (None)."""
     long_text = "x" * 250
-    first = listed_page(listed_hit("a", 3, long_text), listed_hit("b", 5, "short"), total=9)
-    server.on("POST", f"/{ACME}/_search", Answer(200, first), times=1)
+    first = listed_page(listed_hit("a", 3, long_text), listed_hit("b", 5, "short"))
+    page_path = f"/{ACME}/_search"
+    server.on("POST", page_path, Answer(200, first), times=1)
     page = backend_for(server).documents("docs", "acme", None, 2)
     assert page is not None
     assert [(d.id, d.version, d.title, d.text_length) for d in page] == [
@@ -1698,7 +1695,7 @@ def test_documents_page_is_a_tenant_filtered_sorted_search_after_without_the_vec
     assert page[0].text_preview == "x" * 200 and page[1].text_preview == "short"
     expected = {
         "size": 2,
-        "track_total_hits": 1,
+        "track_total_hits": False,
         "query": {
             "bool": {"filter": [{"term": {"tenant": "acme"}}, {"exists": {"field": "doc_id"}}]}
         },
@@ -1706,20 +1703,28 @@ def test_documents_page_is_a_tenant_filtered_sorted_search_after_without_the_vec
         "_source": {"excludes": ["vector"]},
         "version": True,
     }
-    (sent,) = server.sent("POST", f"/{ACME}/_search")
+    (sent,) = server.sent("POST", page_path)
     assert sent.json() == expected
-    server.on("POST", f"/{ACME}/_search", Answer(200, listed_page(total=9)), times=1)
+    # no hit on a first page: no index, without a count
+    server.on("POST", page_path, Answer(200, listed_page()), times=1)
+    assert backend_for(server).documents("docs", "acme", None, 2) is None
+    assert len(server.sent("POST", page_path)) == 2
+    # no hit after an id: the count says whether the tenant still holds a document
+    counted = {**probe_response(4), "aggregations": models_agg("m-1")}
+    server.on("POST", page_path, Answer(200, counted), times=1)  # the later route answers first
+    server.on("POST", page_path, Answer(200, listed_page()), times=1)
     assert backend_for(server).documents("docs", "acme", "b", 2) == []
-    assert server.sent("POST", f"/{ACME}/_search")[-1].json() == {
-        **expected,
-        "search_after": ["b"],
-    }
-    server.on("POST", f"/{ACME}/_search", Answer(200, listed_page(total=0)), times=1)
+    after, count = server.sent("POST", page_path)[-2:]
+    assert after.json() == {**expected, "search_after": ["b"]}
+    assert count.json()["size"] == 0 and count.json()["track_total_hits"] is True
+    none = {**probe_response(0), "aggregations": models_agg()}
+    server.on("POST", page_path, Answer(200, none), times=1)
+    server.on("POST", page_path, Answer(200, listed_page()), times=1)
     assert backend_for(server).documents("docs", "acme", "b", 2) is None
     globex = f"/sift-{tenant_key('globex')}--docs/_search"
     server.on("POST", globex, Answer(404, index_missing(globex[1:-8])))
     assert backend_for(server).documents("docs", "globex", None, 2) is None
-    server.on("POST", f"/{ACME}/_search", Answer(200, partial(first)), times=1)
+    server.on("POST", page_path, Answer(200, partial(first)), times=1)
     with pytest.raises(BackendUnavailable):
         backend_for(server).documents("docs", "acme", None, 2)
 

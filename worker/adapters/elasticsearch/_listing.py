@@ -134,19 +134,19 @@ class _Listing(_Bodies):
         """Up to ``limit`` of the tenant's documents after id ``after``: one tenant-filtered
         search on its alias sorted by the id field (a ``keyword``: UTF-8 byte order, which is
         code point order) from ``search_after``, without the vector (``_source.excludes``),
-        with each hit's ``_version``. Keyset paging needs no point in time: each page starts
-        after an id, so a write between pages moves no document across a page's edge (a
-        PIT would only pin a snapshot, and it expires). ``track_total_hits: 1`` (ES counts
-        the query's matches before ``search_after``) tells a page past the last document
-        (``[]``) from an index the tenant does not hold (None, as a missing alias is). A
-        document without the id field (an operator's index: Sift always writes it) is not
-        listed: it has no place in the order."""
+        with each hit's ``_version``, and no total. Keyset paging needs no point in time:
+        each page starts after an id, so a write between pages moves no document across a
+        page's edge (a PIT would only pin a snapshot, and it expires). A missing alias, or
+        a first page with no hit, is no index (None); an empty page after an id (the rest
+        deleted since the token was made) asks :meth:`index_info` whether the tenant still
+        holds one (``[]``) or none (None). A document without the id field (an operator's
+        index: Sift always writes it) is not listed: it has no place in the order."""
         fields = self.fields
         query = self.tenant_query(tenant)
         query["bool"]["filter"].append({"exists": {"field": fields.id}})
         body: dict[str, Any] = {
             "size": limit,
-            "track_total_hits": 1,
+            "track_total_hits": False,
             "query": query,
             "sort": [{fields.id: "asc"}],
             "_source": {"excludes": [fields.vector]},
@@ -160,9 +160,10 @@ class _Listing(_Bodies):
         if missing:
             return None
         _raise_if_partial(answer, what)
-        if not _total(answer):
+        hits = answer.get("hits", {}).get("hits", [])
+        if not hits and (after is None or self.index_info(index, tenant) is None):
             return None
-        return [self._listed(hit) for hit in answer.get("hits", {}).get("hits", [])]
+        return [self._listed(hit) for hit in hits]
 
     def _listed(self, hit: dict[str, Any]) -> ListedDocument:
         src = hit.get("_source", {})
