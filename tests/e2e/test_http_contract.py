@@ -209,6 +209,10 @@ def test_openapi_declares_the_contract(stack: Stack) -> None:
     assert "$ref" in str(post["responses"]["202"]) and "SearchJobOut" in str(post["responses"])
     assert "ErrorBody" in str(post["responses"]["422"])
     assert "BatchResultsPage" in str(paths["/v1/batches/{batch_id}/results"]["get"])
+    listed = paths["/v1/indexes/{index}/documents"]["get"]
+    assert "DocumentsPage" in str(listed["responses"]["200"]) and "ErrorBody" in str(listed)
+    assert {p["name"] for p in listed["parameters"]} >= {"index", "page_size", "page_token"}
+    assert "vector" not in doc["components"]["schemas"]["ListedDocumentOut"]["properties"]
     assert "Idempotency-Key" in str(post["parameters"])
     schemas = doc["components"]["schemas"]
     assert set(schemas["BatchCounts"]["properties"]) == {
