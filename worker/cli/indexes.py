@@ -268,8 +268,10 @@ def fetch_documents(
 
 
 def _preview(doc: dict[str, Any]) -> str:
-    text = " ".join(str(doc.get("text_preview", "")).split())
-    cut = len(text) > PREVIEW_SHOWN or int(doc.get("text_length", 0)) > len(text)
+    """The start of the text on one line, "…" when there is more of it."""
+    raw = str(doc.get("text_preview", ""))
+    text = " ".join(raw.split())
+    cut = len(text) > PREVIEW_SHOWN or int(doc.get("text_length", 0)) > len(raw)
     return plain(text[:PREVIEW_SHOWN] + ("…" if cut else ""))
 
 
