@@ -34,6 +34,7 @@ class EmptyRuntime:
         before_model: Callable[[], None] | None = None,
         *,
         spent: float = 0.0,
+        answers: object = None,
     ) -> SearchResult:
         return SearchResult(hits=[], rerank=RerankInfo(applied=False))
 

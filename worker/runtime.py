@@ -19,6 +19,7 @@ from worker.bootstrap import build_pipeline
 from worker.constants import ECONOMY_PRICE_DISCOUNT
 from worker.contract import DocumentIn, SearchResult, SearchSpec
 from worker.core.pipeline import SearchPipeline
+from worker.core.ports import AnswerKeeper
 from worker.core.types import Document
 from worker.settings import Settings
 
@@ -60,10 +61,11 @@ class Runtime:
         before_model: Callable[[], None] | None = None,
         *,
         spent: float = 0.0,
+        answers: AnswerKeeper | None = None,
     ) -> SearchResult:
-        """One search; ``before_model`` and ``spent`` as :meth:`SearchPipeline.search` takes
-        them."""
-        return self.pipeline.search(spec, tenant, before_model, spent=spent)
+        """One search; ``before_model``, ``spent`` and ``answers`` as
+        :meth:`SearchPipeline.search` takes them."""
+        return self.pipeline.search(spec, tenant, before_model, spent=spent, answers=answers)
 
     def pace(self) -> None:
         """A batch item waits here for the rate budget (:meth:`SearchPipeline.pace`)."""

@@ -18,6 +18,7 @@ class DyingRuntime(EmptyRuntime):
         before_model: Callable[[], None] | None = None,
         *,
         spent: float = 0.0,
+        answers: object = None,
     ) -> SearchResult:
         if spec.query == "die":
             os._exit(17)  # no cleanup, no ack: as an OOM kill would

@@ -125,3 +125,31 @@ def test_a_batch_s_claims_live_as_long_as_the_batch_and_a_gone_batch_s_are_not_w
     assert 0 < runs <= batch_ttl < store.result_ttl, (runs, batch_ttl)
     assert store.claim_item("bat_gone", "q0", "w1", lease_seconds=30).granted
     assert not store.redis.exists(BATCH_RUNS_KEY + "bat_gone")
+
+
+def test_a_kept_answer_goes_to_the_run_taking_the_claim_over_and_a_let_go_run_leaves_none(
+    store: JobStore,
+) -> None:
+    """The model's answer kept with a claim outlives its run's process: the run that takes
+    the claim over (its worker dead) is answered it, and carries it on; a run that let go
+    (a task retry) leaves none; a run no longer holding the claim keeps nothing."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    dead = store.claim_item(batch.id, "q0", "gone", lease_seconds=30)  # no heartbeat
+    assert dead.granted and dead.answer == ""
+    keep = store.item_answers(batch.id, "q0", dead)
+    keep.save({"positions": [2, 1], "note": "a|b"})
+    taken = store.claim_item(batch.id, "q0", "gone2", lease_seconds=30)
+    assert taken.granted and store.item_answers(batch.id, "q0", taken).saved() == {
+        "positions": [2, 1],
+        "note": "a|b",
+    }
+    assert not store.keep_answer(BATCH_RUNS_KEY + batch.id, "q0", dead, "{}")  # not its claim
+    again = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)  # carried on
+    assert again.answer == taken.answer != ""
+    store.release_item(batch.id, "q0", again)
+    after = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
+    assert after.granted and after.answer == "" and after.spent > again.spent  # its time added
+    job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
+    first = store.claim_search(job.id, "", lease_seconds=30)
+    store.search_answers(job.id, first).save({"x": 1})
+    assert store.claim_search(job.id, "", lease_seconds=30).answer == '{"x":1}'

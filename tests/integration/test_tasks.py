@@ -39,6 +39,7 @@ class ScriptedRuntime(EmptyRuntime):
         before_model: Callable[[], None] | None = None,
         *,
         spent: float = 0.0,
+        answers: object = None,
     ) -> SearchResult:
         self.calls += 1
         if self.errors:

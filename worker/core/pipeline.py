@@ -41,6 +41,7 @@ from worker.core.fusion import (
 )
 from worker.core.policy import build_prompt
 from worker.core.ports import (
+    AnswerKeeper,
     Embedder,
     IndexSettingsSource,
     NullRecorder,
@@ -238,12 +239,17 @@ class SearchPipeline:
         before_model: Callable[[], None] | None = None,
         *,
         spent: float = 0.0,
+        answers: AnswerKeeper | None = None,
     ) -> SearchResult:
         """``before_model`` runs after the first half, just before the model call (not when
         none is needed); it may raise :class:`~worker.errors.Canceled` to stop there (a batch
         item whose batch was canceled meanwhile), and the search is then not counted as done.
         ``spent``: the deadline's seconds earlier runs of this search used (a retry runs in
-        what is left of the one deadline)."""
+        what is left of the one deadline). ``answers``: where the model's answer is kept as
+        soon as the call returns; one an earlier run kept (its process died before the result
+        was saved) is finished instead of calling the model again: the call was paid for and
+        counted once, by the run that made it (no attempt, token or cost is counted here;
+        ``before_model`` is not run either: the call it guards was made)."""
         deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
         outcome: str | None = "error"
         try:
@@ -252,13 +258,20 @@ class SearchPipeline:
             if prepared.result is not None:
                 result = prepared.result
             else:
-                if before_model is not None:
-                    try:
-                        before_model()
-                    except Canceled:
-                        outcome = None
-                        raise
-                result = self._finish(prepared, self._call_model(prepared, deadline))
+                kept = answers.saved() if answers is not None else None
+                if kept is not None:
+                    run = load_run(kept)
+                else:
+                    if before_model is not None:
+                        try:
+                            before_model()
+                        except Canceled:
+                            outcome = None
+                            raise
+                    run = self._call_model(prepared, deadline)
+                    if answers is not None and run.job_usage().requests:  # a call was billed
+                        answers.save(dump_run(run))
+                result = self._finish(prepared, run)
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
         finally:
@@ -743,6 +756,81 @@ def _trace_candidates(
         }
         for i, candidate in enumerate(candidates)
     ]
+
+
+def dump_run(run: RerankRun) -> dict[str, Any]:
+    """What :meth:`SearchPipeline.finish` needs of a standard-lane rerank, as small JSON-able
+    data (no prompt, no candidate): the attempts, the usage and cost, the positions the
+    model returned, and its reply or the failure that ended it. :func:`load_run` inverts it.
+
+    >>> run = RerankRun(attempts=[{"n": 1, "outcome": "ok", "seconds": 0.5}],
+    ...                 usage=TokenUsage(90, 7, 0, 0), cost_usd=0.0001, returned=[2, 1],
+    ...                 reply=RerankReply([2, 1], TokenUsage(90, 7, 0, 0), "m"), seconds=0.5)
+    >>> load_run(dump_run(run)) == run
+    True
+    >>> failed = RerankRun(failure=RerankAttemptError(AttemptOutcome.TIMEOUT, "no answer"))
+    >>> back = load_run(dump_run(failed)).failure
+    >>> (type(back).__name__, back.message)
+    ('RerankAttemptError', 'timeout: no answer')
+    """
+    u, reply, failure = run.usage, run.reply, run.failure
+    data: dict[str, Any] = {
+        "attempts": run.attempts,
+        "usage": [
+            u.input_tokens,
+            u.output_tokens,
+            u.cache_read_input_tokens,
+            u.cache_creation_input_tokens,
+        ],
+        "cost": run.cost_usd,
+        "returned": list(run.returned) if run.returned is not None else None,
+        "seconds": run.seconds,
+    }
+    if reply is not None:
+        r = reply.usage
+        data["reply"] = {
+            "positions": list(reply.positions),
+            "usage": [
+                r.input_tokens,
+                r.output_tokens,
+                r.cache_read_input_tokens,
+                r.cache_creation_input_tokens,
+            ],
+            "model": reply.model,
+        }
+    if isinstance(failure, RerankAttemptError):
+        prefix = f"{failure.outcome.value}: "
+        data["failure"] = [failure.outcome.value, failure.message.removeprefix(prefix)]
+    elif failure is not None:  # the deadline ran out
+        data["failure"] = [None, failure.message]
+    return data
+
+
+def load_run(data: Mapping[str, Any]) -> RerankRun:
+    """The inverse of :func:`dump_run`."""
+    reply = data.get("reply")
+    failure: SiftError | None = None
+    if (kept := data.get("failure")) is not None:
+        outcome, message = kept
+        failure = (
+            DeadlineExceeded(message)
+            if outcome is None
+            else RerankAttemptError(AttemptOutcome(outcome), message)
+        )
+    returned = data["returned"]
+    return RerankRun(
+        attempts=[dict(attempt) for attempt in data["attempts"]],
+        usage=TokenUsage(*data["usage"]),
+        cost_usd=None if data["cost"] is None else float(data["cost"]),
+        returned=list(returned) if returned is not None else None,
+        reply=(
+            RerankReply(list(reply["positions"]), TokenUsage(*reply["usage"]), reply["model"])
+            if reply is not None
+            else None
+        ),
+        failure=failure,
+        seconds=float(data["seconds"]),
+    )
 
 
 def dump_prepared(prepared: Prepared) -> dict[str, Any]:

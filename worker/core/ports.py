@@ -5,8 +5,8 @@ Adapters live in :mod:`worker.adapters`; fakes for tests live in ``tests/``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from worker.contract import Channel
 from worker.core.catalog import IndexInfo, ListedDocument, SearchSettings, StoredDocument
@@ -132,6 +132,20 @@ class Reranker(Protocol):
     model: str
 
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply: ...
+
+
+class AnswerKeeper(Protocol):
+    """Where one run of a search keeps its model's answer past its own process (the queue's
+    run claim, in Redis): a worker killed after the model answered, before the result was
+    saved, would otherwise have the search's next run pay for the same call again."""
+
+    def saved(self) -> Mapping[str, Any] | None:
+        """The answer an earlier run of this search kept (None: the model is to be called)."""
+        ...
+
+    def save(self, answer: Mapping[str, Any]) -> None:
+        """Keep this run's answer (JSON-able data), just after the model call returns."""
+        ...
 
 
 class RateBudget(Protocol):

@@ -32,6 +32,7 @@ from worker.constants import (
     WEBHOOK_TASK,
 )
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
+from worker.core.ports import AnswerKeeper
 from worker.errors import SiftError
 from worker.logcontext import job_context
 from worker.queue.intake import INTAKE
@@ -63,9 +64,11 @@ class Runtime(Protocol):
         before_model: Callable[[], None] | None = None,
         *,
         spent: float = 0.0,
+        answers: AnswerKeeper | None = None,
     ) -> SearchResult:
         """``before_model`` runs just before the model call and may raise ``Canceled``;
-        ``spent`` is the deadline's time earlier runs of the search used."""
+        ``spent`` is the deadline's time earlier runs of the search used; ``answers`` keeps
+        the model's answer past the process (the run claim), or has an earlier run's."""
         ...
 
     def ingest(

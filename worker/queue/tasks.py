@@ -94,7 +94,12 @@ def search(self: SiftTask, job_id: str) -> None:
         try:
             try:
                 with metrics.running_job():
-                    result = self.context.runtime.search(job.spec, job.tenant, spent=claim.spent)
+                    result = self.context.runtime.search(
+                        job.spec,
+                        job.tenant,
+                        spent=claim.spent,
+                        answers=store.search_answers(job_id, claim),
+                    )
             except Exception as exc:
                 if self.should_retry(exc) and _retry_fits(claim, deadline):
                     log.warning("search %s: retryable error, retrying: %s", job_id, exc)
@@ -216,7 +221,11 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 if not claim.granted:  # another delivery is running it (jobstore/runs.py)
                     log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
                     return None
-                return runtime.search(item.spec, batch.tenant, checked, spent=claim.spent), None
+                answers = store.item_answers(batch_id, item.query_id, claim)
+                result = runtime.search(
+                    item.spec, batch.tenant, checked, spent=claim.spent, answers=answers
+                )
+                return result, None
         except Canceled:  # canceled before its model call, or finished by another delivery
             return checked.stopped if checked.stopped and checked.stopped.applied else None
         except Exception as exc:

@@ -32,37 +32,78 @@ a heartbeat of its own (no liveness thread, or a prefork child, whose parent's h
 outlives it: :func:`worker.queue.liveness.run_owner`) claims with no owner: its time is
 counted when it lets go, nothing is excluded.
 
+The claim also keeps the model's answer. A worker killed after its model call returned,
+before the result was saved, had the redelivered run call the model again: the cost paid
+twice. The run saves the answer (the positions, the usage and cost, the attempts: a few
+hundred bytes) into its claim as soon as the call returns, one round trip
+(:meth:`RunRecords.keep_answer`); a run taking the claim over is answered it by the claim
+itself, and finishes the search on it with no model call (nothing counted again: the calls
+were counted by the run that made them). A run that lets go drops it.
+
     claim = store.claim_item(batch_id, query_id, owner, lease_seconds=30.0)
     if claim.granted:
-        try: run(spent=claim.spent)
+        try: run(spent=claim.spent, answers=store.item_answers(batch_id, query_id, claim))
         finally: store.release_item(batch_id, query_id, claim)
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import redis
 
 from worker.constants import BATCH_KEY, BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
 from worker.queue.jobstore.store import _StoreCore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class RunClaim:
     """A claim's answer: ``granted`` (this run may go on), ``spent`` (the seconds the
     search's earlier runs ran, in Redis's clock: the deadline's time they used), this run's
-    ``token``, and ``local_at``, this process's monotonic clock at the claim (what
-    :meth:`spent_now` adds to ``spent``)."""
+    ``token``, ``local_at``, this process's monotonic clock at the claim (what
+    :meth:`spent_now` adds to ``spent``), and ``answer``: the model's answer an earlier run
+    kept in the claim (JSON; '' : none)."""
 
     granted: bool
     spent: float
     token: str
     local_at: float
+    answer: str = ""
 
     def spent_now(self) -> float:
         """The deadline's time spent by now, earlier runs included."""
         return self.spent + time.monotonic() - self.local_at
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimAnswers:
+    """A run claim as the pipeline's :class:`~worker.core.ports.AnswerKeeper`: the answer
+    the claim came with, and where this run keeps its own."""
+
+    records: RunRecords
+    key: str
+    field: str
+    claim: RunClaim
+
+    def saved(self) -> Mapping[str, Any] | None:
+        return json.loads(self.claim.answer) if self.claim.answer else None  # type: ignore[no-any-return]
+
+    def save(self, answer: Mapping[str, Any]) -> None:
+        """Kept if Redis takes it: if not, the search goes on (its result is still worth
+        saving), and only a crash before that save would call the model again."""
+        data = json.dumps(answer, separators=(",", ":"))
+        try:
+            self.records.keep_answer(self.key, self.field, self.claim, data)
+        except redis.RedisError as exc:
+            log.warning("the model's answer could not be kept with the run claim: %s", exc)
 
 
 class RunRecords(_StoreCore):
@@ -86,6 +127,23 @@ class RunRecords(_StoreCore):
     def release_item(self, batch_id: str, query_id: str, claim: RunClaim) -> None:
         self._release(BATCH_RUNS_KEY + batch_id, query_id, claim)
 
+    def search_answers(self, job_id: str, claim: RunClaim) -> ClaimAnswers:
+        """Where the run holding ``claim`` keeps its model's answer, and finds an earlier one."""
+        return ClaimAnswers(self, SEARCH_KEY + job_id, "run", claim)
+
+    def item_answers(self, batch_id: str, query_id: str, claim: RunClaim) -> ClaimAnswers:
+        return ClaimAnswers(self, BATCH_RUNS_KEY + batch_id, query_id, claim)
+
+    def keep_answer(self, key: str, field: str, claim: RunClaim, answer: str) -> bool:
+        """Keep ``answer`` in the claim, if its run still holds it; answers whether it did."""
+        if not claim.granted:
+            return False
+        args = [field, claim.token, answer]
+        (reply,) = self._transitions.call([(self._keep_answer, [key], args)])
+        if isinstance(reply, Exception):
+            raise reply
+        return int(reply) == 1
+
     def _claim(self, key: str, field: str, owner: str, lease: float, *, life: str) -> RunClaim:
         """``life``: the job record the claim lives as long as (its TTL; gone, no claim is
         written)."""
@@ -95,9 +153,13 @@ class RunRecords(_StoreCore):
         local_at = time.monotonic()
         if isinstance(reply, Exception):
             raise reply
-        granted, spent = reply
+        granted, spent, answer = reply
         return RunClaim(
-            granted=int(granted) == 1, spent=float(spent), token=token, local_at=local_at
+            granted=int(granted) == 1,
+            spent=float(spent),
+            token=token,
+            local_at=local_at,
+            answer=answer.decode() if isinstance(answer, bytes) else str(answer),
         )
 
     def _release(self, key: str, field: str, claim: RunClaim) -> None:

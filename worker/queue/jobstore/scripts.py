@@ -199,47 +199,70 @@ return redis.call('DEL', KEYS[1])
 # batch) failed a killed worker's in-flight items deadline_exceeded. The same call sent
 # again (its reply lost on a broken connection) finds its own token and answers as it did,
 # its run starting now: the run's deadline starts at the answer, so its record and lease do
-# too (the outage between the two sends is not the run's time). Returns {claimed (0/1),
-# the seconds used by every run before this one} (the second a string).
+# too (the outage between the two sends is not the run's time). A run that holds the claim
+# may append its model's answer ("|<answer>", _KEEP_ANSWER): a run taking the claim over
+# carries it on, and is answered it (the dead run paid for that call; its result was never
+# saved); a run that let go leaves none. Returns {claimed (0/1), the seconds used by every
+# run before this one (a string), the answer kept ('' : none)}.
 _CLAIM_RUN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local used = 0
+local answer = ''
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur then
-  local u, owner, since, token = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+  local u, owner, since, token, kept =
+    string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|?(.*)$')
   if u then
+    local tail = kept ~= '' and '|' .. kept or ''
     if token == ARGV[3] then
       redis.call('HSET', KEYS[1], ARGV[1],
-        u .. '|' .. owner .. '|' .. string.format('%.6f', now) .. '|' .. token)
-      return {1, u}
+        u .. '|' .. owner .. '|' .. string.format('%.6f', now) .. '|' .. token .. tail)
+      return {1, u, kept}
     end
     used = tonumber(u)
     if token ~= '' then
       local ran = math.max(0, now - tonumber(since))
       if owner ~= '' and ran < tonumber(ARGV[4])
           and redis.call('EXISTS', ARGV[5] .. owner) == 1 then
-        return {0, string.format('%.6f', used + ran)}
+        return {0, string.format('%.6f', used + ran), ''}
       end
-      -- taken over (its worker dead, or its lease over): its time is not counted
+      -- taken over (its worker dead, or its lease over): its time is not counted, its
+      -- model's answer, if it kept one, is this run's
+      answer = kept
     end
   end
 end
 local spent = string.format('%.6f', used)
 local life = redis.call('PTTL', KEYS[2])
-if life == -2 then return {1, spent} end
+if life == -2 then return {1, spent, ''} end
+local tail = answer ~= '' and '|' .. answer or ''
 redis.call('HSET', KEYS[1], ARGV[1],
-  spent .. '|' .. ARGV[2] .. '|' .. string.format('%.6f', now) .. '|' .. ARGV[3])
+  spent .. '|' .. ARGV[2] .. '|' .. string.format('%.6f', now) .. '|' .. ARGV[3] .. tail)
 if KEYS[2] ~= KEYS[1] and life > 0 then redis.call('PEXPIRE', KEYS[1], life) end
-return {1, spent}
+return {1, spent, answer}
 """
 
-# Let a run's claim go, adding the seconds it ran to those used. KEYS: the hash. ARGV: the
-# field, the run's token. Returns 1 when that run still held it.
+# Keep the model's answer of the run holding a claim (_CLAIM_RUN's value, "|<answer>"
+# appended), just after its call returned. KEYS: the hash. ARGV: the field, the run's token,
+# the answer. Returns 1 when that run still held the claim (else nothing is written: the
+# run that took it over keeps its own).
+_KEEP_ANSWER = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+local head, token = string.match(cur, '^([^|]*|[^|]*|[^|]*)|([^|]*)')
+if not head or token ~= ARGV[2] then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], head .. '|' .. token .. '|' .. ARGV[3])
+return 1
+"""
+
+# Let a run's claim go, adding the seconds it ran to those used (and dropping the answer it
+# kept: the run ended, its answer used or failed). KEYS: the hash. ARGV: the field, the run's
+# token. Returns 1 when that run still held it.
 _RELEASE_RUN = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return 0 end
-local u, since, token = string.match(cur, '^([^|]*)|[^|]*|([^|]*)|(.*)$')
+local u, since, token = string.match(cur, '^([^|]*)|[^|]*|([^|]*)|([^|]*)')
 if not u or token ~= ARGV[2] then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000

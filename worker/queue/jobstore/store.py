@@ -35,6 +35,7 @@ from worker.queue.jobstore.scripts import (
     _CLAIM_IDEMPOTENCY,
     _CLAIM_RUN,
     _CREATE_SEARCH,
+    _KEEP_ANSWER,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
     _TRANSITION_ITEM,
@@ -81,6 +82,7 @@ class _StoreCore:
         self._release_idempotency = client.register_script(_RELEASE_IDEMPOTENCY)
         self._claim_run = client.register_script(_CLAIM_RUN)
         self._release_run = client.register_script(_RELEASE_RUN)
+        self._keep_answer = client.register_script(_KEEP_ANSWER)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
