@@ -94,7 +94,7 @@ class ClaimAnswers:
     claim: RunClaim
 
     def saved(self) -> Mapping[str, Any] | None:
-        return json.loads(self.claim.answer) if self.claim.answer else None  # type: ignore[no-any-return]
+        return json.loads(self.claim.answer) if self.claim.answer else None
 
     def save(self, answer: Mapping[str, Any]) -> None:
         """Kept if Redis takes it: if not, the search goes on (its result is still worth

@@ -1,0 +1,50 @@
+"""A real pipeline (the Anthropic SDK against the fake Messages API, an in-memory index) in a
+worker whose process dies once, on demand, just after the model answered and before the
+search's result is saved: when the file named by ``DIE_AFTER_MODEL_FLAG`` exists, the first
+``rerank_done`` (the result's own first step, after the model call) deletes it and exits.
+Every model usage the pipeline counts is appended to ``MODEL_USAGE_LOG``, one line each,
+so a test reads what the metrics were told across the worker's processes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tests.fakes import FakeEmbedder, InMemoryBackend
+from worker import metrics
+from worker.bootstrap import build_reranker
+from worker.contract import DocumentIn
+from worker.runtime import Runtime, build_runtime
+from worker.settings import Settings
+
+DOCUMENTS = [
+    DocumentIn(id=f"d{i}", text=f"{word} is a word about {word} and more {word}")
+    for i, word in enumerate(["alpha", "beta", "gamma", "delta", "epsilon"])
+]
+
+
+class DyingRecorder(metrics.PrometheusRecorder):
+    def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:
+        super().rerank_usage(model, usage, cost_usd)
+        with Path(os.environ["MODEL_USAGE_LOG"]).open("a") as log:
+            log.write(json.dumps(usage) + "\n")
+
+    def rerank_done(self, model: str, outcome: str, seconds: float) -> None:
+        flag = Path(os.environ["DIE_AFTER_MODEL_FLAG"])
+        if flag.exists():
+            flag.unlink()
+            os._exit(17)  # no cleanup, no ack: as an OOM kill would
+        super().rerank_done(model, outcome, seconds)
+
+
+def build(settings: Settings) -> Runtime:
+    runtime = build_runtime(
+        settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=build_reranker(settings),
+        recorder=DyingRecorder(),
+    )
+    runtime.ingest("docs", "acme", DOCUMENTS)
+    return runtime

@@ -1,0 +1,122 @@
+"""A worker killed after the model answered, before the result was saved: the redelivered
+run finishes on the answer its claim kept, and the model is called once (it was called
+twice, the cost paid twice, when the answer died with the process). The job's usage, its
+trace and the usage the metrics were told all show that one call.
+
+The worker is a real Celery worker (prefork, one child: the child's death is redelivered at
+once, which the threads pool does once the dead worker's heartbeat lapses) running a real
+pipeline, the Anthropic SDK against the fake Messages API, an in-memory index
+(``answering_runtime``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from api_gateway.queue import OutboxSender
+from tests.fake_anthropic import FakeAnthropic
+from tests.services import celery_worker, redis_server
+from worker.constants import BATCH_CHUNK_TASK, BATCH_QUEUE, SEARCH_QUEUE, SEARCH_TASK
+from worker.contract import SearchResult, SearchSpec
+from worker.queue.jobstore import JobStore
+
+pytestmark = pytest.mark.integration
+
+
+class Setup(NamedTuple):
+    store: JobStore
+    model: FakeAnthropic
+    flag: Path  # exists: the worker dies after its next model answer
+    usage_log: Path  # a line per model usage the metrics were told
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+    tmp = Path(tmp_path_factory.mktemp("answer"))
+    with redis_server(tmp / "redis") as url, FakeAnthropic() as model:
+        env = {
+            "SIFT_REDIS_URL": url + "/0",
+            "SIFT_RUNTIME_FACTORY": "tests.integration.answering_runtime:build",
+            "SIFT_RERANK_ENABLED": "true",
+            "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
+            "ANTHROPIC_BASE_URL": model.url,
+            "ANTHROPIC_API_KEY": "sk-ant-test",
+            "SIFT_WORKER_METRICS_PORT": "0",
+            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+            "DIE_AFTER_MODEL_FLAG": str(tmp / "die"),
+            "MODEL_USAGE_LOG": str(tmp / "usage.log"),
+        }
+        store = JobStore.from_url(url + "/0")
+        with celery_worker(tmp / "w", env, "answer", concurrency=1, pool="prefork"):
+            yield Setup(store, model, tmp / "die", tmp / "usage.log")
+        store.close()
+
+
+def _wait(read: object, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if read():  # type: ignore[operator]
+            return
+        time.sleep(0.1)
+    raise AssertionError("never final")
+
+
+def _one_call(setup: Setup, result: SearchResult | None) -> None:
+    """The model was called once, and the job's usage, its trace and the metrics say so."""
+    assert not setup.flag.exists()  # the worker did die after the model answered
+    assert result is not None and result.rerank.applied
+    calls = setup.model.requests()
+    assert len(calls) == 1, len(calls)
+    billed = setup.model.usage()
+    assert result.usage.requests == 1
+    assert result.usage.input_tokens == billed["input_tokens"] > 0
+    assert result.usage.output_tokens == billed["output_tokens"]
+    assert result.trace is not None and [a["outcome"] for a in result.trace["attempts"]] == ["ok"]
+    told = setup.usage_log.read_text().splitlines()
+    assert len(told) == 1, told
+
+
+def _arm(setup: Setup) -> None:
+    setup.model.reset()
+    setup.usage_log.write_text("")
+    setup.flag.touch()
+
+
+def test_a_search_whose_worker_died_after_the_model_answered_calls_it_once(setup: Setup) -> None:
+    _arm(setup)
+    sender = OutboxSender(setup.store)
+    spec = SearchSpec(index="docs", query="gamma", rerank=True, include_trace=True)
+    job = setup.store.create_search(
+        "acme",
+        spec,
+        enqueue=lambda job_id: sender.messages([(SEARCH_TASK, [job_id], SEARCH_QUEUE)]),
+    )
+    _wait(lambda: (j := setup.store.get_search(job.id)) is not None and j.status.final)
+    done = setup.store.get_search(job.id)
+    assert done is not None and done.status == "succeeded", done
+    _one_call(setup, done.result)
+
+
+def test_a_batch_item_whose_worker_died_after_the_model_answered_calls_it_once(
+    setup: Setup,
+) -> None:
+    _arm(setup)
+    sender = OutboxSender(setup.store)
+    spec = SearchSpec(index="docs", query="delta", rerank=True, include_trace=True)
+    batch = setup.store.create_batch(
+        "acme",
+        "docs",
+        [("q0", spec)],
+        enqueue=lambda batch_id: sender.messages(
+            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
+        ),
+    )
+    _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
+    (item,) = setup.store.batch_results(batch.id, 0, 1)
+    assert item.status == "succeeded" and item.payload is not None, item
+    _one_call(setup, SearchResult.model_validate(json.loads(item.payload)["result"]))
