@@ -10,7 +10,7 @@ import time
 import pytest
 
 from worker.constants import BATCH_KEY, BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
-from worker.contract import SearchSpec
+from worker.contract import ErrorInfo, SearchSpec
 from worker.queue.jobstore import JobStore, RunClaim
 
 pytestmark = pytest.mark.integration
@@ -149,6 +149,11 @@ def test_a_kept_answer_goes_to_the_run_taking_the_claim_over_and_a_let_go_run_le
     store.release_item(batch.id, "q0", again)
     after = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
     assert after.granted and after.answer == "" and after.spent > again.spent  # its time added
+    store.item_answers(batch.id, "q0", after).save({"positions": [1]})
+    assert store.begin_item(batch.id, "q0").applied
+    store.finish_item(batch.id, "q0", error=ErrorInfo(type="x", message="y"))
+    held = store.redis.hget(BATCH_RUNS_KEY + batch.id, "q0")  # final: its answer dropped
+    assert held is not None and held.endswith("|" + after.token), held
     job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
     first = store.claim_search(job.id, "", lease_seconds=30)
     store.search_answers(job.id, first).save({"x": 1})

@@ -34,7 +34,7 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return 1
 """
 
-# KEYS: items, results, counts, batch, stats, active, moves.
+# KEYS: items, results, counts, batch, stats, active, moves, run claims.
 # ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now, batch id, '1'
 # when a cancel of the batch turns this move into a cancel (a start, or the check before the
 # model call; the batch's cancel mark is read in the same script, so no round trip more), and
@@ -43,7 +43,8 @@ return 1
 # 2 applied and the batch just completed. A move that makes the item final keeps its token
 # and answer in the moves hash (living as long as the results hash), so the same call sent
 # again after its reply was lost (a broken connection, a Redis restart) answers what the first
-# run did, and the batch's completion is not lost with that reply.
+# run did, and the batch's completion is not lost with that reply. A move that makes the
+# item final drops the model's answer its run claim kept (_KEEP_ANSWER): no run comes after.
 _TRANSITION_ITEM = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return {-1, 0} end
@@ -71,6 +72,11 @@ end
 if to ~= 'succeeded' and to ~= 'failed' and to ~= 'canceled' then
   redis.call('ZADD', KEYS[6], 'XX', ARGV[5], ARGV[6])
   return {1, canceled}
+end
+local run = redis.call('HGET', KEYS[8], ARGV[1])
+if run then
+  local claim = string.match(run, '^([^|]*|[^|]*|[^|]*|[^|]*)|')
+  if claim then redis.call('HSET', KEYS[8], ARGV[1], claim) end
 end
 local code = 1
 local c = redis.call('HMGET', KEYS[3], 'succeeded', 'failed', 'canceled')

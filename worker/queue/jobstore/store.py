@@ -24,6 +24,7 @@ from worker.constants import (
     BATCH_KEY,
     BATCH_MOVES_KEY,
     BATCH_RESULTS_KEY,
+    BATCH_RUNS_KEY,
     RESULT_TTL_SECONDS,
     STATS_KEY,
     STATS_UNTRACKED_KEY,
@@ -173,6 +174,7 @@ class _StoreCore:
                     STATS_KEY,
                     ACTIVE_JOBS_KEY,
                     BATCH_MOVES_KEY + batch_id,
+                    BATCH_RUNS_KEY + batch_id,
                 ],
                 [
                     query_id,
