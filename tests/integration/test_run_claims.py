@@ -52,13 +52,24 @@ def test_a_dead_worker_s_claim_or_a_spent_lease_is_taken_over_its_time_not_count
     held = store.claim_search(job.id, "gone", lease_seconds=30)  # no heartbeat: dead
     assert held.granted and 0.2 <= held.spent < 1.5, held
     time.sleep(0.5)
-    taken = store.claim_search(job.id, "w1", lease_seconds=30)
-    assert taken.granted and taken.spent == held.spent, (taken, held)  # the dead run: none
     _alive(store, "w1")
+    taken = store.claim_search(job.id, "w1", lease_seconds=1.0)
+    assert taken.granted and taken.spent == held.spent, (taken, held)  # the dead run: none
     assert not store.claim_search(job.id, "w2", lease_seconds=30).granted
-    time.sleep(0.05)  # a lease of 0.01 s is over: the run holding it can start no model call
-    late = store.claim_search(job.id, "w2", lease_seconds=0.01)
+    time.sleep(1.1)  # its lease of 1 s is over: the run holding it can start no model call
+    late = store.claim_search(job.id, "w2", lease_seconds=30)
     assert late.granted and late.spent == held.spent, late
+
+
+def test_a_claim_is_judged_by_its_holder_s_lease_not_the_claimant_s(store: JobStore) -> None:
+    """Workers with different SIFT_SEARCH_DEADLINE_SECONDS judge a claim alike: a worker of
+    a short deadline took over a live run well within its own (longer) one, and both made
+    the model call."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
+    _alive(store, "w1")
+    assert store.claim_search(job.id, "w1", lease_seconds=30).granted
+    time.sleep(0.2)  # past the claimant's lease, within the holder's
+    assert not store.claim_search(job.id, "w2", lease_seconds=0.1).granted
 
 
 def test_a_claim_without_an_owner_excludes_nothing_and_a_missing_search_writes_nothing(
@@ -153,7 +164,7 @@ def test_a_kept_answer_goes_to_the_run_taking_the_claim_over_and_a_let_go_run_le
     assert store.begin_item(batch.id, "q0").applied
     store.finish_item(batch.id, "q0", error=ErrorInfo(type="x", message="y"))
     held = store.redis.hget(BATCH_RUNS_KEY + batch.id, "q0")  # final: its answer dropped
-    assert held is not None and held.endswith("|" + after.token), held
+    assert held is not None and held.endswith(f"|{after.token}|30"), held
     job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
     first = store.claim_search(job.id, "", lease_seconds=30)
     store.search_answers(job.id, first).save({"x": 1})

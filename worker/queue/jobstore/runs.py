@@ -11,7 +11,8 @@ deadlines in all.
 How. Just before its search starts (after a batch item's pacing), a run claims the item:
 one script (:data:`~worker.queue.jobstore.scripts._CLAIM_RUN`) that refuses while another run
 holds the claim, its worker's heartbeat alive (:mod:`worker.queue.liveness`) and its lease
-(one search deadline) not over, and otherwise records this run. A run that is refused makes
+(its worker's search deadline, kept in the claim, so that workers with different deadlines
+judge it alike) not over, and otherwise records this run. A run that is refused makes
 no model call: the run holding the claim finishes the item. The claim also adds up the time
 the search's runs have run, in Redis's clock: a run's deadline is what is left of the one
 deadline (:class:`~worker.core.budget.Deadline`'s ``spent``), and the task retries only

@@ -75,7 +75,7 @@ if to ~= 'succeeded' and to ~= 'failed' and to ~= 'canceled' then
 end
 local run = redis.call('HGET', KEYS[8], ARGV[1])
 if run then
-  local claim = string.match(run, '^([^|]*|[^|]*|[^|]*|[^|]*)|')
+  local claim = string.match(run, '^([^|]*|[^|]*|[^|]*|[^|]*|[^|]*)|')
   if claim then redis.call('HSET', KEYS[8], ARGV[1], claim) end
 end
 local code = 1
@@ -195,14 +195,16 @@ return redis.call('DEL', KEYS[1])
 # holding the claim, the job record it lives as long as (the hash itself for a search; the
 # batch's record for an item: the hash takes its TTL, as the batch's moves do; a missing
 # record, expired, has nothing written). ARGV: its field, the claiming worker's id ('' :
-# none), the run's token, the lease (seconds), the heartbeat key prefix. The value is
-# "<seconds used>|<owner>|<claimed at>|<token>", in Redis's clock (one clock for every
+# none), the run's token, its lease (seconds), the heartbeat key prefix. The value is
+# "<seconds used>|<owner>|<claimed at>|<token>|<lease>", in Redis's clock (one clock for every
 # worker's runs): the seconds the runs that ended used, and the run holding it (token ''
-# once let go). Refused while another run holds it: its owner named, the owner's heartbeat
-# alive and its lease not over. A run that never let go (its worker died, or its lease is
-# over) is taken over and its time not counted: how long it ran before it died is unknown,
-# and counting it to now (the dead-worker check, then the queue behind the rest of the
-# batch) failed a killed worker's in-flight items deadline_exceeded. The same call sent
+# once let go) with its lease. Refused while another run holds it: its owner named, the
+# owner's heartbeat alive and its own lease not over (the holder's, kept in the claim: every
+# worker judges a claim alike, whatever its own SIFT_SEARCH_DEADLINE_SECONDS). A run that
+# never let go (its worker died, or its lease is over) is taken over and its time not
+# counted: how long it ran before it died is unknown, and counting it to now (the dead-worker
+# check, then the queue behind the rest of the batch) failed a killed worker's in-flight
+# items deadline_exceeded. The same call sent
 # again (its reply lost on a broken connection) finds its own token and answers as it did,
 # its run starting now: the run's deadline starts at the answer, so its record and lease do
 # too (the outage between the two sends is not the run's time). A run that holds the claim
@@ -217,19 +219,19 @@ local used = 0
 local answer = ''
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if cur then
-  local u, owner, since, token, kept =
-    string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|?(.*)$')
+  local u, owner, since, token, lease, kept =
+    string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|?([^|]*)|?(.*)$')
   if u then
-    local tail = kept ~= '' and '|' .. kept or ''
     if token == ARGV[3] then
-      redis.call('HSET', KEYS[1], ARGV[1],
-        u .. '|' .. owner .. '|' .. string.format('%.6f', now) .. '|' .. token .. tail)
+      redis.call('HSET', KEYS[1], ARGV[1], u .. '|' .. owner .. '|' .. string.format('%.6f', now)
+        .. '|' .. token .. '|' .. ARGV[4] .. (kept ~= '' and '|' .. kept or ''))
       return {1, u, kept}
     end
     used = tonumber(u)
     if token ~= '' then
       local ran = math.max(0, now - tonumber(since))
-      if owner ~= '' and ran < tonumber(ARGV[4])
+      -- the holder's own lease (a claim written before claims kept theirs: the claimant's)
+      if owner ~= '' and ran < (tonumber(lease) or tonumber(ARGV[4]))
           and redis.call('EXISTS', ARGV[5] .. owner) == 1 then
         return {0, string.format('%.6f', used + ran), ''}
       end
@@ -242,9 +244,8 @@ end
 local spent = string.format('%.6f', used)
 local life = redis.call('PTTL', KEYS[2])
 if life == -2 then return {1, spent, ''} end
-local tail = answer ~= '' and '|' .. answer or ''
-redis.call('HSET', KEYS[1], ARGV[1],
-  spent .. '|' .. ARGV[2] .. '|' .. string.format('%.6f', now) .. '|' .. ARGV[3] .. tail)
+redis.call('HSET', KEYS[1], ARGV[1], spent .. '|' .. ARGV[2] .. '|' .. string.format('%.6f', now)
+  .. '|' .. ARGV[3] .. '|' .. ARGV[4] .. (answer ~= '' and '|' .. answer or ''))
 if KEYS[2] ~= KEYS[1] and life > 0 then redis.call('PEXPIRE', KEYS[1], life) end
 return {1, spent, answer}
 """
@@ -256,9 +257,9 @@ return {1, spent, answer}
 _KEEP_ANSWER = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return 0 end
-local head, token = string.match(cur, '^([^|]*|[^|]*|[^|]*)|([^|]*)')
+local head, token, lease = string.match(cur, '^([^|]*|[^|]*|[^|]*)|([^|]*)|?([^|]*)')
 if not head or token ~= ARGV[2] then return 0 end
-redis.call('HSET', KEYS[1], ARGV[1], head .. '|' .. token .. '|' .. ARGV[3])
+redis.call('HSET', KEYS[1], ARGV[1], head .. '|' .. token .. '|' .. lease .. '|' .. ARGV[3])
 return 1
 """
 
