@@ -45,6 +45,7 @@ from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_ID_PREFIX,
     BATCH_QUEUE,
+    CANCEL_COUNT_TASK,
     DEFAULT_PAGE_SIZE,
     ECONOMY_CANCEL_TASK,
     INGEST_ID_PREFIX,
@@ -590,6 +591,21 @@ async def get_batch_results(
     return Response(body, media_type="application/json")
 
 
+async def _count_cancel(request: Request, batch_id: str) -> None:
+    """Count what the batch's cancels ended and no one has counted (this one's, and an
+    earlier one's whose answer was lost); left to the cancel's count message if the job
+    store is out of reach now."""
+    try:
+        items, completed = await off_loop(job_store(request).take_cancel_count, batch_id)
+    except redis.RedisError as exc:
+        log.warning("batch %s: the cancel's count is left to a worker: %s", batch_id, exc)
+        return
+    if items:
+        metrics.job_completed("batch_item", "canceled", count=items)
+    if completed:  # a cancel that completes its batch canceled an item: it ends canceled
+        metrics.job_completed("batch", JobStatus.CANCELED.value)
+
+
 @router.delete(
     "/batches/{batch_id}",
     response_model=BatchOut,
@@ -622,6 +638,11 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
     # the webhook of a cancel that completes the batch goes out with the cancel itself (one
     # script): announced even if the answer is lost or this gateway dies right after
     announce: list[tuple[str, str]] = []
+    # so is the count of what it ends (sift_jobs_completed_total): counted here once the
+    # answer is heard, else by the worker that takes this message (taken once, either way)
+    count: tuple[str, str] | None = None
+    if isinstance(sender, OutboxSender):
+        (count,) = sender.messages([(CANCEL_COUNT_TASK, [batch_id], BATCH_QUEUE)])
     if owned.webhook_url and isinstance(sender, OutboxSender):
         event = webhook_event(
             WEBHOOK_EVENT_BATCH_COMPLETED,
@@ -632,7 +653,9 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
         )
         announce = sender.messages([(WEBHOOK_TASK, [event], WEBHOOK_QUEUE)])
     try:
-        outcome = await off_loop(job_store(request).cancel_batch, batch_id, announce=announce)
+        outcome = await off_loop(
+            job_store(request).cancel_batch, batch_id, announce=announce, count=count
+        )
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # the store retried the cancel's script for 5 s (the same token: a reply lost after
         # it ran is answered as it ran); past that, whether it ran is unknown, and a plain
@@ -652,6 +675,8 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
     if outcome is CancelOutcome.MISSING:
         raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
     if isinstance(outcome, CancelOutcome):  # already finished: nothing changed now
+        if count is not None:  # what an earlier cancel, its answer lost, ended
+            await _count_cancel(request, batch_id)
         finished = await _owned_batch(request, batch_id, tenant)
         if finished.status is JobStatus.CANCELED:
             # an earlier cancel canceled items and the batch ended canceled: this one repeats
@@ -669,10 +694,13 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
     if batch.lane == LANE_ECONOMY and not completed and batch.finished_at is None:
         # items waiting on the provider end when their provider batches are canceled
         await off_loop(sender.send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
-    if canceled:
-        metrics.job_completed("batch_item", "canceled", count=canceled)
-    if completed:
-        metrics.job_completed("batch", batch.status.value)
+    if count is not None:
+        await _count_cancel(request, batch_id)
+    else:  # no outbox carried the count: it is this answer's
+        if canceled:
+            metrics.job_completed("batch_item", "canceled", count=canceled)
+        if completed:
+            metrics.job_completed("batch", batch.status.value)
     if completed and batch.webhook_url and not announce:
         event = webhook_event(
             WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant, batch.webhook_url, batch.status.value

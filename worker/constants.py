@@ -121,6 +121,7 @@ WEBHOOK_TASK = "sift.webhook"
 ECONOMY_SUBMIT_TASK = "sift.economy_submit"  # on BATCH_QUEUE: send a batch's prompts
 ECONOMY_POLL_TASK = "sift.economy_poll"  # on BATCH_QUEUE: poll one provider batch, map results
 ECONOMY_CANCEL_TASK = "sift.economy_cancel"  # on BATCH_QUEUE: cancel a batch's provider batches
+CANCEL_COUNT_TASK = "sift.cancel_count"  # on BATCH_QUEUE: count what a batch's cancel ended
 ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
 # kombu's Redis transport: priority 0 lives in the queue's own list, the other steps of its
 # PRIORITY_STEPS [0, 3, 6, 9] in lists named queue + separator + step; a message a worker has

@@ -37,6 +37,7 @@ from worker.constants import (
     ALL_QUEUES,
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    CANCEL_COUNT_TASK,
     ECONOMY_CANCEL_TASK,
     ECONOMY_POLL_TASK,
     ECONOMY_SUBMIT_TASK,
@@ -70,6 +71,7 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     ECONOMY_SUBMIT_TASK: {"queue": BATCH_QUEUE},
     ECONOMY_POLL_TASK: {"queue": BATCH_QUEUE},
     ECONOMY_CANCEL_TASK: {"queue": BATCH_QUEUE},
+    CANCEL_COUNT_TASK: {"queue": BATCH_QUEUE},
 }
 
 

@@ -24,6 +24,7 @@ from worker import lifecycle, metrics
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    CANCEL_COUNT_TASK,
     INDEX_READ_TASK,
     INGEST_QUEUE,
     INGEST_TASK,
@@ -280,6 +281,21 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
             "batch %s: %d items hit retryable errors; retrying the chunk", batch_id, to_retry
         )
         raise self.retry(countdown=self.backoff())
+
+
+@shared_task(  # type: ignore[untyped-decorator]
+    name=CANCEL_COUNT_TASK, base=SiftTask, bind=True
+)
+def cancel_count(self: SiftTask, batch_id: str) -> None:
+    """Count what a batch's cancel ended that its gateway did not (the cancel wrote this
+    message with it, in one script: counted even when the gateway never heard the cancel's
+    answer, or died before it counted). Taken from the batch's record, so what the gateway
+    took, a second delivery, or a second cancel's message counts nothing more."""
+    items, completed = self.context.store.take_cancel_count(batch_id)
+    if items:
+        metrics.job_completed("batch_item", "canceled", count=items)
+    if completed:  # a cancel that completes its batch canceled an item: the batch ends canceled
+        metrics.job_completed("batch", "canceled")
 
 
 @shared_task(  # type: ignore[untyped-decorator]

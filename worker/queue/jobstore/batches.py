@@ -294,7 +294,11 @@ class BatchRecords(_StoreCore):
         return transitions[0], transitions[1] if start is not None else None
 
     def cancel_batch(
-        self, batch_id: str, *, announce: Sequence[tuple[str, str]] = ()
+        self,
+        batch_id: str,
+        *,
+        announce: Sequence[tuple[str, str]] = (),
+        count: tuple[str, str] | None = None,
     ) -> tuple[int, bool] | CancelOutcome:
         """Mark the batch canceled and cancel every item still queued; an item already
         taken by a worker is canceled when it next checks the mark (before it starts and
@@ -305,16 +309,29 @@ class BatchRecords(_StoreCore):
         written by the same script if the cancel completes the batch, so that completion is
         announced even when the caller never hears the answer. The script is sent again,
         with the same token, on a broken connection for :data:`CANCEL_RETRY_SECONDS`: a
-        reply lost after the cancel ran is answered as it ran (not ``already_finished``)."""
+        reply lost after the cancel ran is answered as it ran (not ``already_finished``).
+
+        ``count`` (a broker message: the batch's :data:`~worker.constants.CANCEL_COUNT_TASK`)
+        is written by the same script if the cancel ended any item, which it adds up in the
+        batch's record for that task to count (:meth:`take_cancel_count`): counted once, even
+        when the caller never hears the answer (who hears it then counts nothing). Without
+        it, counting is the caller's."""
+        messages = [*([count] if count is not None else []), *announce]
         keys = [
             BATCH_ITEMS_KEY + batch_id,
             BATCH_COUNTS_KEY + batch_id,
             BATCH_KEY + batch_id,
             STATS_KEY,
             ACTIVE_JOBS_KEY,
-            *[key for key, _ in announce],
+            *[key for key, _ in messages],
         ]
-        args = [repr(_now()), batch_id, move_token(), *[raw for _, raw in announce]]
+        args = [
+            repr(_now()),
+            batch_id,
+            move_token(),
+            "1" if count is not None else "0",
+            *[raw for _, raw in messages],
+        ]
         retrying = Retrying(
             retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
             stop=stop_after_delay(CANCEL_RETRY_SECONDS),
@@ -328,6 +345,20 @@ class BatchRecords(_StoreCore):
         if canceled == -2:
             return CancelOutcome.ALREADY_FINISHED
         return int(canceled), bool(completed)
+
+    def take_cancel_count(self, batch_id: str) -> tuple[int, bool]:
+        """What the batch's cancels ended that is not counted yet (items canceled, whether a
+        cancel completed the batch), taken: the next take answers (0, False). Sent again
+        with the same token on a broken connection, as a cancel is: a reply lost after the
+        take ran is answered as it ran, so what it took is still counted."""
+        retrying = Retrying(
+            retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
+            stop=stop_after_delay(CANCEL_RETRY_SECONDS),
+            wait=wait_exponential(multiplier=0.05, max=1.0),
+            reraise=True,
+        )
+        got = retrying(self._take_cancel_count, keys=[BATCH_KEY + batch_id], args=[move_token()])
+        return int(got[0]), bool(int(got[1]))
 
     def batch_results(self, batch_id: str, start: int, count: int) -> list[ItemOutcome]:
         """``count`` results from position ``start``, in submission order."""

@@ -96,10 +96,14 @@ end
 return {code, canceled}
 """
 
-# KEYS: items, counts, batch, stats, active, then one list per message to push if the
-# cancel completes the batch (its webhook). ARGV: now, batch id, the cancel's token, then
-# those raw messages. A cancel that completes the batch canceled at least one item (a
-# running one would have kept it open), so the batch ends ``canceled``.
+# KEYS: items, counts, batch, stats, active, then one list per message to push. ARGV: now,
+# batch id, the cancel's token, how many of the messages are the count's (0 or 1), then the
+# raw messages: the count's first (pushed if the cancel ended any item; what it ended is
+# added up in the batch's record, "cancel_uncounted" items and "cancel_completed", for
+# _TAKE_CANCEL_COUNT: counted by the task even when this reply is lost), then those pushed
+# if the cancel completes the batch (its webhook). A cancel that completes the batch
+# canceled at least one item (a running one would have kept it open), so the batch ends
+# ``canceled``.
 # Returns {canceled count, 1 if the batch just completed}, {-1, 0} when missing, and
 # {-2, 0} when the batch had already finished: then nothing is written (the check and the
 # cancel are one script, so a cancel racing the last item's finish is decided by one side).
@@ -136,7 +140,12 @@ local completed = 0
 if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 then
   redis.call('ZREM', KEYS[5], ARGV[2])
   completed = 1
-  for i = 6, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 2]) end
+  for i = 6 + tonumber(ARGV[4]), #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 1]) end
+end
+if ARGV[4] == '1' and (n > 0 or completed == 1) then
+  if n > 0 then redis.call('HINCRBY', KEYS[3], 'cancel_uncounted', n) end
+  if completed == 1 then redis.call('HSET', KEYS[3], 'cancel_completed', '1') end
+  redis.call('LPUSH', KEYS[6], ARGV[5])
 end
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[3], 'cancel_move', ARGV[3] .. ' ' .. n .. ' ' .. completed)
@@ -261,6 +270,24 @@ local head, token, lease = string.match(cur, '^([^|]*|[^|]*|[^|]*)|([^|]*)|?([^|
 if not head or token ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], head .. '|' .. token .. '|' .. lease .. '|' .. ARGV[3])
 return 1
+"""
+
+# Take what batch cancels ended and no one has counted yet (_CANCEL_BATCH's count), once.
+# KEYS: the batch. ARGV: the take's token. Returns {items canceled, 1 if a cancel completed
+# the batch}. The last take's token and answer stay in the batch's record, so the same call
+# sent again after its reply was lost answers what it took (not nothing).
+_TAKE_CANCEL_COUNT = """
+local last = redis.call('HGET', KEYS[1], 'cancel_taken')
+if last then
+  local token, n, completed = string.match(last, '^(%S+) (%d+) (%d)$')
+  if token == ARGV[1] then return {tonumber(n), tonumber(completed)} end
+end
+local got = redis.call('HMGET', KEYS[1], 'cancel_uncounted', 'cancel_completed')
+local n, completed = tonumber(got[1]) or 0, tonumber(got[2]) or 0
+if n == 0 and completed == 0 then return {0, 0} end
+redis.call('HDEL', KEYS[1], 'cancel_uncounted', 'cancel_completed')
+redis.call('HSET', KEYS[1], 'cancel_taken', ARGV[1] .. ' ' .. n .. ' ' .. completed)
+return {n, completed}
 """
 
 # Let a run's claim go, adding the seconds it ran to those used (and dropping the answer it

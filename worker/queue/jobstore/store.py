@@ -39,6 +39,7 @@ from worker.queue.jobstore.scripts import (
     _KEEP_ANSWER,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
+    _TAKE_CANCEL_COUNT,
     _TRANSITION_ITEM,
     _TRANSITION_JOB,
 )
@@ -84,6 +85,7 @@ class _StoreCore:
         self._claim_run = client.register_script(_CLAIM_RUN)
         self._release_run = client.register_script(_RELEASE_RUN)
         self._keep_answer = client.register_script(_KEEP_ANSWER)
+        self._take_cancel_count = client.register_script(_TAKE_CANCEL_COUNT)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(

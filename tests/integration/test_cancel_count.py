@@ -1,0 +1,132 @@
+"""What a batch's cancel ends is counted in ``sift_jobs_completed_total`` once, whether the
+gateway hears the cancel's answer or not: the count is a task message the cancel's own script
+writes (the outbox), and the task takes it from the batch's record. The gateway counted from
+the answer, so a cancel whose answer was lost (the gateway's 503, or a gateway killed right
+after) left its items uncounted for good: a cancel sent again found them canceled already.
+
+The gateway (in-process, real Redis) and the task (run in-process on the same registry) share
+the counters, so a count made twice would show too."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from prometheus_client import REGISTRY
+from starlette.testclient import TestClient
+
+from api_gateway.app import create_app
+from worker.constants import BATCH_KEY, BATCH_QUEUE
+from worker.contract import SearchSpec
+from worker.queue import base, tasks
+from worker.queue.jobstore import JobStore
+from worker.ratelimit import ProviderLimiter
+from worker.settings import ApiKey, Settings, load_settings
+
+pytestmark = pytest.mark.integration
+
+KEY = "key-acme-0123456789"
+ACME = {"Authorization": f"Bearer {KEY}"}
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LKLYYb"
+
+
+@pytest.fixture
+def client(redis_url: str, store: JobStore) -> Iterator[TestClient]:
+    key = ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)
+    settings = Settings(redis_url=redis_url, api_keys=[key])
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.fixture
+def worker(redis_url: str, store: JobStore) -> Iterator[None]:
+    settings = load_settings(redis_url=redis_url)
+    base.set_context(base.WorkerContext(settings=settings, store=store, limiter=ProviderLimiter(1)))
+    yield
+    base.set_context(None)
+
+
+def _completed(kind: str) -> float:
+    labels = {"kind": kind, "status": "canceled"}
+    return REGISTRY.get_sample_value("sift_jobs_completed_total", labels) or 0.0
+
+
+def _deliver(store: JobStore) -> int:
+    """Run the count messages waiting on the batch queue (twice each: a redelivery)."""
+    runs = 0
+    while (raw := store.redis.rpop(BATCH_QUEUE)) is not None:
+        message = json.loads(raw)
+        assert message["headers"]["task"] == "sift.cancel_count", message
+        args, _, _ = json.loads(base64.b64decode(message["body"]))
+        tasks.cancel_count.apply(args=args)
+        tasks.cancel_count.apply(args=args)
+        runs += 1
+    return runs
+
+
+def _batch(store: JobStore) -> str:
+    spec = SearchSpec(index="docs", query="a")
+    return store.create_batch("acme", "docs", [(f"q{i}", spec) for i in range(3)]).id
+
+
+def _lose_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran = JobStore.cancel_batch
+
+    def lost(self: JobStore, *args: Any, **kwargs: Any) -> Any:
+        ran(self, *args, **kwargs)  # the cancel ran; its answer never came back
+        monkeypatch.setattr(JobStore, "cancel_batch", ran)
+        raise redis.ConnectionError("connection lost")
+
+    monkeypatch.setattr(JobStore, "cancel_batch", lost)
+
+
+@pytest.mark.usefixtures("worker")
+@pytest.mark.parametrize("resent", [False, True])
+def test_a_cancel_whose_answer_was_lost_is_counted_once(
+    client: TestClient, store: JobStore, monkeypatch: pytest.MonkeyPatch, resent: bool
+) -> None:
+    """Counted by the worker that takes the cancel's count message, or, if the client sends
+    the cancel again first, by the gateway that answers it; never by both."""
+    batch_id = _batch(store)
+    items, batches = _completed("batch_item"), _completed("batch")
+    _lose_the_answer(monkeypatch)
+    assert client.delete(f"/v1/batches/{batch_id}", headers=ACME).status_code == 503
+    if resent:
+        again = client.delete(f"/v1/batches/{batch_id}", headers=ACME)
+        assert again.status_code == 200 and again.json()["status"] == "canceled", again.text
+        assert _completed("batch_item") - items == 3
+    assert _deliver(store) == 1
+    assert _completed("batch_item") - items == 3
+    assert _completed("batch") - batches == 1
+
+
+@pytest.mark.usefixtures("worker")
+def test_a_cancel_whose_answer_was_heard_is_counted_once_by_the_gateway(
+    client: TestClient, store: JobStore
+) -> None:
+    batch_id = _batch(store)
+    assert store.begin_item(batch_id, "q0").applied  # running: the batch stays open
+    items, batches = _completed("batch_item"), _completed("batch")
+    answer = client.delete(f"/v1/batches/{batch_id}", headers=ACME)
+    assert answer.status_code == 200 and answer.json()["counts"]["canceled"] == 2, answer.text
+    assert _completed("batch_item") - items == 2  # at once, with no worker
+    assert client.delete(f"/v1/batches/{batch_id}", headers=ACME).status_code == 200
+    assert _deliver(store) == 1  # the second cancel ended nothing: no message
+    assert _completed("batch_item") - items == 2
+    assert _completed("batch") - batches == 0
+
+
+def test_a_take_sent_again_after_its_reply_was_lost_answers_what_it_took(
+    store: JobStore,
+) -> None:
+    batch_id = _batch(store)
+    assert store.cancel_batch(batch_id, count=("a-queue", "a message")) == (3, True)
+    keys, token = [BATCH_KEY + batch_id], "t0ken"
+    first = store._take_cancel_count(keys=keys, args=[token])
+    assert first == store._take_cancel_count(keys=keys, args=[token]) == [3, 1]
+    assert store.take_cancel_count(batch_id) == (0, False)  # another take: nothing left
+    assert store.redis.lrange("a-queue", 0, -1) == ["a message"]
