@@ -43,7 +43,7 @@ class Backend:
         self.bm25 = [ChannelHit(d, 12.0 - i / 4) for i, d in enumerate(docs)]
         self.knn = [ChannelHit(d, 0.9 - i / 100) for i, d in enumerate(reversed(docs))]
 
-    def probe(self, index: str, tenant: str) -> Any:
+    def probe(self, index: str, tenant: str, *, timeout_seconds: float | None = None) -> Any:
         from worker.core.types import IndexProbe
 
         return IndexProbe(frozenset({"bm25", "knn"}), Embedder.model_id)

@@ -101,7 +101,7 @@ class InMemoryBackend:
         has_vectors = any(r.vector is not None for r in rows)
         return frozenset({"bm25", "knn"} if has_vectors else {"bm25"})
 
-    def probe(self, index: str, tenant: str) -> IndexProbe:
+    def probe(self, index: str, tenant: str, *, timeout_seconds: float | None = None) -> IndexProbe:
         return IndexProbe(self.channels(index, tenant), self.models.get((index, tenant)))
 
     def upsert(

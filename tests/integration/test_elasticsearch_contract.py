@@ -60,6 +60,7 @@ from worker.adapters.elasticsearch import (
     num_candidates,
     tenant_key,
 )
+from worker.bootstrap import pipeline_config
 from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import ChannelQuery, Document, HardFilters, IndexProbe
@@ -67,6 +68,7 @@ from worker.errors import (
     BackendRequestError,
     BackendUnavailable,
     ConfigError,
+    DeadlineExceeded,
     EmbeddingModelMismatch,
     IndexNotFound,
     InvalidRequest,
@@ -1029,6 +1031,26 @@ def test_the_attempt_timeout_is_the_request_timeout(server: FakeElasticsearchSer
     with pytest.raises(BackendUnavailable, match="timed out"):
         backend_for(server).retrieve(query(timeout=0.2))
     assert len(server.requests) == 1
+
+
+def test_the_probe_waits_no_longer_than_the_search_has_left(
+    server: FakeElasticsearchServer,
+) -> None:
+    """A run with little of its search's deadline left (after a task retry, or a lost
+    worker) sent the channels probe under the request timeout alone
+    (``SIFT_ELASTICSEARCH_REQUEST_TIMEOUT``, 10 s): a slow ES held it seconds past its
+    deadline. The probe is bounded by what is left, as the retrieval is (default settings)."""
+    settings = load_settings(search_backend="elasticsearch", elasticsearch_url=server.url)
+    on_probes(server, Answer(200, probes(documents=True, vectors=False), delay=3.0))
+    on_searches(server, Answer(200, msearch_response(search_response(BM25_HITS))))
+    pipeline = SearchPipeline(backend_for(server), FakeEmbedder(), config=pipeline_config(settings))
+    spent = settings.search_deadline_seconds - 0.3  # 0.3 s left: less than the probe takes
+    spec = SearchSpec(index="docs", query="q", mode="fts")
+    with pytest.raises(DeadlineExceeded, match="during the index probe") as caught:
+        pipeline.search(spec, tenant="acme", spent=spent)
+    assert isinstance(caught.value.__cause__, BackendUnavailable), caught.value.__cause__
+    assert "timed out" in caught.value.__cause__.message
+    assert len(probes_sent(server)) == 1 and not searches_sent(server)
 
 
 def test_the_pipeline_is_the_one_retry_layer(server: FakeElasticsearchServer) -> None:

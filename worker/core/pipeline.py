@@ -65,6 +65,7 @@ from worker.core.types import (
     ChannelResults,
     Document,
     HardFilters,
+    IndexProbe,
     RerankPrompt,
     RerankReply,
     TokenUsage,
@@ -327,7 +328,7 @@ class SearchPipeline:
     def _prepare(self, spec: SearchSpec, tenant: str, deadline: Deadline) -> Prepared:
         query = normalise_query(spec.query)
         reranking = self._reranking(spec)
-        probe = self.backend.probe(spec.index, tenant)
+        probe = self._probe(spec.index, tenant, deadline)
         available = probe.channels
         stored = SearchSettings()
         if available and self.index_settings is not None:  # a missing index has none
@@ -399,6 +400,22 @@ class SearchPipeline:
             trace["candidates"] = _trace_candidates(candidates, prompt)
         trace["model"] = self.reranker.model
         return Prepared(spec, candidates, trace, prompt=prompt)
+
+    def _probe(self, index: str, tenant: str, deadline: Deadline) -> IndexProbe:
+        """The index's channels, asked within what is left of the deadline, as retrieval is
+        (a run after a task retry or a lost worker may have little left): a probe that
+        runs out of it is the deadline's failure, not the backend's."""
+        try:
+            return self.backend.probe(
+                index, tenant, timeout_seconds=max(MIN_ATTEMPT_SECONDS, deadline.remaining())
+            )
+        except SiftError as error:
+            if error.retryable and deadline.remaining() < MIN_ATTEMPT_SECONDS:
+                raise DeadlineExceeded(
+                    f"the search deadline of {deadline.seconds:g}s ran out during the "
+                    f"index probe: {error.message}"
+                ) from error
+            raise
 
     def _candidates(
         self,

@@ -47,9 +47,11 @@ class SearchBackend(Protocol):
         """
         ...
 
-    def probe(self, index: str, tenant: str) -> IndexProbe:
+    def probe(self, index: str, tenant: str, *, timeout_seconds: float | None = None) -> IndexProbe:
         """:meth:`channels` and the embedding model the tenant's vectors in the index were
-        written with, in one request: what a search asks before it runs."""
+        written with, in one request: what a search asks before it runs. A backend that
+        waits on the network waits ``timeout_seconds`` at most (what is left of the
+        search's deadline; None: its own request timeout)."""
         ...
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:

@@ -40,7 +40,7 @@ class _Search(_Bodies):
         them holds a vector (and the field is a ``dense_vector``); empty otherwise."""
         return self.probe(index, tenant).channels
 
-    def probe(self, index: str, tenant: str) -> IndexProbe:
+    def probe(self, index: str, tenant: str, *, timeout_seconds: float | None = None) -> IndexProbe:
         """The tenant's channels and the embedding model its vectors were written with.
 
         One ``_msearch`` on the tenant's own alias with two tenant-filtered probes
@@ -51,7 +51,9 @@ class _Search(_Bodies):
         missing alias (a name another tenant has, or nobody) answers the same empty set
         after the same one round trip. The mapping is read only once the tenant's own
         vectors are found, and a positive answer (with the model) is kept per
-        (alias, tenant) for ``CHANNELS_TTL_SECONDS``.
+        (alias, tenant) for ``CHANNELS_TTL_SECONDS``. Each request waits at most
+        ``timeout_seconds`` (what is left of the search's deadline), within the request
+        timeout: a search must not wait past its deadline on the probe alone.
         """
         alias = self.alias(index, tenant)
         seen = self._with_vectors.get((alias, tenant))
@@ -59,8 +61,12 @@ class _Search(_Bodies):
             return IndexProbe(frozenset({"bm25", "knn"}), seen[1])
         none = IndexProbe(frozenset())
         what = f"channels of index {index!r}"
+        bound = self.request_timeout
+        if timeout_seconds is not None:
+            bound = min(bound, timeout_seconds)
         with _translated(what, index, missing_ok=True) as missing:
-            response = self._es().msearch(index=alias, searches=self.probe_searches(tenant)).body
+            es = self._es(bound)
+            response = es.msearch(index=alias, searches=self.probe_searches(tenant)).body
         if missing:
             return none
         answers = response.get("responses", [])
@@ -77,7 +83,7 @@ class _Search(_Bodies):
         if not has_vectors:
             return bm25
         with _translated(what, index, missing_ok=True) as missing:
-            mappings = self._es().indices.get_mapping(index=alias).body
+            mappings = es.indices.get_mapping(index=alias).body
         if missing:
             return none
         if not self._maps_vectors(mappings):

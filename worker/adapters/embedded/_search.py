@@ -78,8 +78,9 @@ class _Search(_VectorCache):
         them holds a vector; empty otherwise, whether or not another tenant uses the name."""
         return self.probe(index, tenant).channels
 
-    def probe(self, index: str, tenant: str) -> IndexProbe:
-        """The tenant's channels (:meth:`channels`) and its index's recorded embedding model.
+    def probe(self, index: str, tenant: str, *, timeout_seconds: float | None = None) -> IndexProbe:
+        """The tenant's channels (:meth:`channels`) and its index's recorded embedding model
+        (``timeout_seconds`` unused: a local read of microseconds).
 
         One statement, the same for every answer: two index seeks, both on the tenant's own
         rows (the vector check on the partial ``(idx, tenant, seq)`` index), so an index only
