@@ -168,4 +168,9 @@ def test_a_kept_answer_goes_to_the_run_taking_the_claim_over_and_a_let_go_run_le
     job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
     first = store.claim_search(job.id, "", lease_seconds=30)
     store.search_answers(job.id, first).save({"x": 1})
-    assert store.claim_search(job.id, "", lease_seconds=30).answer == '{"x":1}'
+    second = store.claim_search(job.id, "", lease_seconds=30)
+    assert second.answer == '{"x":1}'
+    assert store.start_search(job.id)
+    store.finish_search(job.id, error=ErrorInfo(type="x", message="y"))  # final: dropped
+    held = store.redis.hget(SEARCH_KEY + job.id, "run")
+    assert held is not None and held.endswith(f"|{second.token}|30"), held

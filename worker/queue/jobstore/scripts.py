@@ -11,7 +11,8 @@ from __future__ import annotations
 # 1 when applied. The token makes the call safe to send again: the client sends it again when
 # the connection breaks after the script ran (only its reply lost), and then the record
 # already holds the token, so the answer is the first run's (1), not a refusal that would
-# leave the finish unannounced (no webhook, no count).
+# leave the finish unannounced (no webhook, no count). A final move drops the model's answer
+# a search's run claim kept (its "run" field, _KEEP_ANSWER): no run comes after.
 _TRANSITION_JOB = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
@@ -27,6 +28,9 @@ if cur ~= to then
 end
 if to == 'succeeded' or to == 'failed' or to == 'canceled' then
   redis.call('ZREM', KEYS[3], ARGV[5])
+  local run = redis.call('HGET', KEYS[1], 'run')
+  local claim = run and string.match(run, '^([^|]*|[^|]*|[^|]*|[^|]*|[^|]*)|')
+  if claim then redis.call('HSET', KEYS[1], 'run', claim) end
 else
   redis.call('ZADD', KEYS[3], 'XX', ARGV[4], ARGV[5])
 end
