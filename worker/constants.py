@@ -49,6 +49,10 @@ ECONOMY_PREPARED_KEY = REDIS_PREFIX + "eco-prepared:"  # + batch id -> hash quer
 ECONOMY_RUNS_KEY = REDIS_PREFIX + "eco-runs:"  # + batch id -> hash query id -> rerank run JSON
 ECONOMY_PROVIDERS_KEY = REDIS_PREFIX + "eco-providers:"  # + batch id -> hash provider id -> JSON
 ECONOMY_STATE_KEY = REDIS_PREFIX + "eco-state:"  # + batch id -> hash: submit claim, counters
+# a field of that hash: + submission -> the candidate (provider batch id) whose poll sends
+# the items of that create in doubt again, once every candidate ended without a line of it:
+# one poll only, however many map their candidates at the same instant
+ECONOMY_RESEND_CLAIM = "resend "
 # zset "<batch id> <provider batch id | submit>" -> the time by which that economy task
 # should have run again: the re-drive's sweep sends one past it (a lost message)
 ECONOMY_WATCH_KEY = REDIS_PREFIX + "eco-watch"

@@ -66,6 +66,7 @@ from worker.constants import (
     ECONOMY_POLL_TASK,
     ECONOMY_PREPARED_KEY,
     ECONOMY_PROVIDERS_KEY,
+    ECONOMY_RESEND_CLAIM,
     ECONOMY_RUNS_KEY,
     ECONOMY_SUBMIT_TASK,
 )
@@ -874,6 +875,14 @@ def _candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, prove
     ]
     if any(r.get("proven") or r.get("ended_at") is None for r in group):
         return  # ours, or one still running may be
+    # Two candidates' polls that map their results at the same instant both find every
+    # candidate ended, and both read the items waiting before either sends them: each would
+    # send them, two provider batches paid. One poll claims the resend (its own retries and
+    # redeliveries keep it: a resend that failed, or died, is done by that poll again).
+    if not store.economy_claim_for(batch.id, ECONOMY_RESEND_CLAIM + submission, provider_id):
+        log.info("batch %s: create %s's requests are sent again by another candidate's poll",
+                 batch.id, submission)  # fmt: skip
+        return
     waiting = _items_waiting(store, batch.id, DOUBT + submission, None)
     if waiting:
         log.warning("batch %s: no provider batch was made by create %s; sending its %d "

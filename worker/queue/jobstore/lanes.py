@@ -67,6 +67,17 @@ class EconomyLaneRecords(_StoreCore):
         won, _ = pipe.execute()
         return bool(won)
 
+    def economy_claim_for(self, batch_id: str, claim: str, owner: str) -> bool:
+        """True for ``owner`` if it is the first to claim ``claim``, or the one that did: a
+        once-only step that its owner's next run (a retry, a redelivery) may still take."""
+        key = ECONOMY_STATE_KEY + batch_id
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hsetnx(key, claim, owner)
+        pipe.hget(key, claim)
+        pipe.expire(key, self.result_ttl)
+        _, holder, _ = pipe.execute()
+        return bool(holder == owner)
+
     def economy_settled(self, batch_id: str) -> bool:
         """True once every item of the batch is final or prepared (its prompt waits to go)."""
         pipe = self.redis.pipeline(transaction=False)
