@@ -100,7 +100,7 @@ import httpx
 import uvicorn
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -1104,7 +1104,10 @@ class FakeAnthropic:
         }
 
     async def _batch_create(self, request: Request) -> Response:
-        raw = await request.body()
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # an upload the client stopped short: no batch, no answer
+            return Response(status_code=400)
         config = self._state.config
         if len(raw) > config.batch_max_bytes:
             return _error(413, "request_too_large", "the batch is over its size limit")

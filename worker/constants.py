@@ -53,6 +53,10 @@ ECONOMY_STATE_KEY = REDIS_PREFIX + "eco-state:"  # + batch id -> hash: submit cl
 # the items of that create in doubt again, once every candidate ended without a line of it:
 # one poll only, however many map their candidates at the same instant
 ECONOMY_RESEND_CLAIM = "resend "
+# a field of that hash: + submission -> when its create's run last held its lease just before
+# a piece of the body went out: the latest its batch can have been made, give or take the
+# provider's own time (a run taken over stops its upload short, the body incomplete)
+ECONOMY_SENDING_MARK = "sending "
 # zset "<batch id> <provider batch id | submit>" -> the time by which that economy task
 # should have run again: the re-drive's sweep sends one past it (a lost message)
 ECONOMY_WATCH_KEY = REDIS_PREFIX + "eco-watch"

@@ -19,9 +19,17 @@ from tests.fake_anthropic import FakeAnthropic
 from tests.unit.test_pipeline import make
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import AnthropicMessageBatches
-from worker.constants import ECONOMY_PROVIDERS_KEY, ECONOMY_RESEND_CLAIM, ECONOMY_RUNS_KEY
+from worker.constants import (
+    ECONOMY_PROVIDERS_KEY,
+    ECONOMY_RESEND_CLAIM,
+    ECONOMY_RUNS_KEY,
+    ECONOMY_SENDING_MARK,
+    ECONOMY_STATE_KEY,
+    WORKER_HEARTBEAT_KEY,
+)
 from worker.contract import SearchSpec
-from worker.queue import economy
+from worker.errors import RerankAttemptError
+from worker.queue import economy, liveness
 from worker.queue.base import WorkerContext
 from worker.queue.jobstore import BatchJob, JobStore
 from worker.ratelimit import ProviderLimiter
@@ -190,3 +198,200 @@ def test_the_resend_claim_stays_with_the_poll_that_took_it(store: JobStore) -> N
     assert store.economy_claim_for(batch.id, claim, "msgbatch_a")  # its own, run again
     other = ECONOMY_RESEND_CLAIM + "other"
     assert store.economy_claim_for(batch.id, other, "msgbatch_b")  # another create's
+
+
+# --- a create whose run is taken over while its body goes out --------------------------------
+
+
+class Stall:
+    """A run stopped where it calls this (SIGSTOP, a VM paused, a swap storm) until the test
+    lets it go on."""
+
+    def __init__(self) -> None:
+        self.reached = threading.Event()
+        self.go = threading.Event()
+
+    def __call__(self) -> None:
+        self.reached.set()
+        assert self.go.wait(60), "the test never let the stalled run go on"
+
+
+def _prepared(context: WorkerContext, n: int) -> tuple[BatchJob, list[str]]:
+    """A batch of ``n`` items, each prepared (its prompt waiting to go), none sent yet."""
+    store = context.store
+    items = [(f"q{i}", SPEC) for i in range(n)]
+    batch = store.create_batch("acme", "docs", items, lane="economy")
+    pipeline = economy.economy_pipeline(_Task(context, "chunk"))  # type: ignore[arg-type]
+    for position, (qid, spec) in enumerate(items):
+        store.start_item(batch.id, qid)
+        economy.save_prepared(store, batch.id, qid, position, pipeline.prepare(spec, "acme"))
+    return batch, [qid for qid, _ in items]
+
+
+def _backdate(store: JobStore, batch_id: str, seconds: float, *, marks: bool) -> None:
+    """Time passing: the creates written down on the batch's runs started ``seconds``
+    earlier (and, with ``marks``, their bodies' last pieces went out that much earlier)."""
+    runs = {}
+    for qid, raw in store.economy_all(batch_id, ECONOMY_RUNS_KEY).items():
+        run = json.loads(raw)
+        if run.get("pending"):
+            run["pending"]["at"] -= seconds
+            runs[qid] = json.dumps(run)
+    store.economy_save(batch_id, ECONOMY_RUNS_KEY, runs)
+    if marks:
+        state = store.economy_all(batch_id, ECONOMY_STATE_KEY)
+        store.economy_save(batch_id, ECONOMY_STATE_KEY, {
+            field: repr(float(value) - seconds)
+            for field, value in state.items() if field.startswith(ECONOMY_SENDING_MARK)
+        })  # fmt: skip
+
+
+@pytest.fixture
+def workers(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each thread is a worker of its own, named after it, its heartbeat alive."""
+    monkeypatch.setattr(
+        liveness, "current", lambda: SimpleNamespace(worker_id=threading.current_thread().name)
+    )
+    for name in ("w1", threading.current_thread().name):
+        store.redis.set(WORKER_HEARTBEAT_KEY + name, "1", px=600_000)
+
+
+def _submission(context: WorkerContext, batch: BatchJob, qids: list[str], name: str) -> None:
+    """One run of the batch's submission (``sift.economy_submit``'s, under its lease)."""
+    task = _Task(context, f"submit-{name}")
+    fresh = context.store.get_batch(batch.id) or batch
+    economy._leased(task, batch.id, economy.SUBMIT_CLAIM, lambda: economy.submit(task, fresh, qids))  # type: ignore[arg-type]
+
+
+def _in_thread(
+    target: Callable[[], None], name: str
+) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            target()
+        except BaseException as exc:  # asserted by the test, in its own thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, name=name)
+    thread.start()
+    return thread, errors
+
+
+def _answered_by(context: WorkerContext, batch: BatchJob, provider: dict[str, Any]) -> None:
+    """Every item waits on ``provider`` (and only it), each named in it once."""
+    runs = [json.loads(r) for r in context.store.economy_all(batch.id, ECONOMY_RUNS_KEY).values()]
+    assert {r["provider"] for r in runs} == {provider["id"]}
+    assert {r["submission"] for r in runs} == {economy.submission_of(provider["custom_ids"][0])}
+    assert sorted(economy.position_of(c) for c in provider["custom_ids"]) == [0, 1]
+
+
+def test_a_run_taken_over_before_its_upload_never_makes_its_batch_after_all(
+    context: WorkerContext, model: FakeAnthropic, workers: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Run 1 writes its create down and stalls before its body goes out, past its heartbeat
+    and past the doubt window: run 2 takes the submission over, finds no batch made, and
+    sends the items; then gives the lease back as it ends. Run 1, resumed, must not make its
+    batch after all (two provider batches, paid twice): it finds its lease gone and stops
+    the upload short, though nobody holds the lease by then."""
+    batch, qids = _prepared(context, 2)
+    client = context.batches
+    assert client is not None
+    create, stall = client.create, Stall()
+
+    def stalled(*args: Any, **kwargs: Any) -> Any:
+        stall()
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(client, "create", stalled)
+    first, errors = _in_thread(lambda: _submission(context, batch, qids, "1"), "w1")
+    assert stall.reached.wait(60)
+    context.store.redis.delete(WORKER_HEARTBEAT_KEY + "w1")  # judged dead: its beat lapsed
+    _backdate(context.store, batch.id, economy.DOUBT_WINDOW_SECONDS + 1, marks=True)
+    monkeypatch.setattr(client, "create", create)
+    _submission(context, batch, qids, "2")
+    [sent] = model.batches()
+    stall.go.set()
+    first.join(60)
+    assert not errors, errors
+    assert [b["id"] for b in model.batches()] == [sent["id"]]  # run 1 made none
+    _answered_by(context, batch, sent)
+
+
+def test_a_run_taken_over_during_its_upload_is_waited_for_and_stops_short(
+    context: WorkerContext, model: FakeAnthropic, workers: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Run 1's create started longer ago than the doubt window, and its body is still going
+    out (a large body, a slow link) when it stalls, a piece sent: run 2, taking over, must
+    not take the create to have made nothing (its batch may yet be made, when the body's
+    last piece goes), but wait the window past the last piece. Run 1, resumed, stops its
+    upload short; once the window has passed, the next run sends the items, once."""
+    batch, qids = _prepared(context, 2)
+    client = context.batches
+    assert client is not None
+    create, stall = client.create, Stall()
+
+    def stalled(requests: Any, before_write: Callable[[], None]) -> Any:
+        pieces = 0
+
+        def guard() -> None:
+            nonlocal pieces
+            pieces += 1
+            if pieces == 2:  # its first piece gone out, the last not yet
+                stall()
+            before_write()
+
+        return create(requests, before_write=guard)
+
+    monkeypatch.setattr(client, "create", stalled)
+    first, errors = _in_thread(lambda: _submission(context, batch, qids, "1"), "w1")
+    assert stall.reached.wait(60)
+    context.store.redis.delete(WORKER_HEARTBEAT_KEY + "w1")
+    _backdate(context.store, batch.id, economy.DOUBT_WINDOW_SECONDS + 1, marks=False)
+    monkeypatch.setattr(client, "create", create)
+    with pytest.raises(RerankAttemptError, match="may still be under way") as waited:
+        _submission(context, batch, qids, "2")
+    assert waited.value.retry_after is not None and waited.value.retry_after > 0
+    assert model.batches() == []
+    stall.go.set()
+    first.join(60)
+    assert not errors, errors
+    assert model.batches() == []  # stopped short: the provider never had the whole body
+    _backdate(context.store, batch.id, economy.DOUBT_WINDOW_SECONDS + 1, marks=True)
+    _submission(context, batch, qids, "3")
+    [sent] = model.batches()
+    _answered_by(context, batch, sent)
+
+
+def test_a_create_in_doubt_whose_upload_outlasted_the_window_finds_its_batch(
+    context: WorkerContext, model: FakeAnthropic, workers: None
+) -> None:
+    """A create whose body took longer than the doubt window to go out, its answer then
+    lost (a timeout): its batch was made when the last piece went, past the window after
+    the create's start. It is looked for up to the window past that last piece, found, and
+    polled as a candidate: the items are not sent a second time."""
+    batch, qids = _prepared(context, 2)
+    store, started = context.store, time.time() - 600
+    runs = {}
+    for position, qid in enumerate(qids):
+        run = economy._new_run(position)
+        run["pending"] = {"submission": "sub", "at": started, "requests": 2, "answered": True}
+        runs[qid] = json.dumps(run)
+    store.economy_save(batch.id, ECONOMY_RUNS_KEY, runs)
+    store.economy_save(
+        batch.id, ECONOMY_STATE_KEY, {ECONOMY_SENDING_MARK + "sub": repr(time.time())}
+    )
+    sdk = anthropic.Anthropic(base_url=model.url, api_key="sk-ant-test")
+    params = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+    made = sdk.messages.batches.create(
+        requests=[{"custom_id": economy.custom_id(i, "sub"), "params": params} for i in range(2)]  # type: ignore[misc]
+    )
+    task = _Task(context, "submit-1")
+    economy.submit(task, batch, qids)  # type: ignore[arg-type]
+    assert [b["id"] for b in model.batches()] == [made.id]  # nothing sent again
+    waiting = [json.loads(r) for r in store.economy_all(batch.id, ECONOMY_RUNS_KEY).values()]
+    assert {r["provider"] for r in waiting} == {economy.DOUBT + "sub"}
+    assert [kw["args"] for _, kw in task.sent] == [[batch.id, made.id]]  # its poll

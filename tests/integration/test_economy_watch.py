@@ -75,4 +75,6 @@ def test_one_run_of_an_economy_task_holds_its_lease_while_its_worker_lives(
     assert store.economy_lease(batch_id, "submit", "w2 run-b", 300)  # taken over
     assert not store.economy_lease(batch_id, "submit", "w1 run-a", 300)  # fenced: stops
     store.economy_unlease(batch_id, "submit", "w2 run-b")
+    # the stale run finds it free, and still may not take it again where it stopped
+    assert not store.economy_lease(batch_id, "submit", "w1 run-a", 300, renew=True)
     assert store.economy_lease(batch_id, "submit", "w3 run-d", 300)  # free again

@@ -23,11 +23,11 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anthropic
 from anthropic.types import Message
-from anthropic.types.messages import MessageBatchIndividualResponse
+from anthropic.types.messages import MessageBatch, MessageBatchIndividualResponse
 
 from worker.adapters.anthropic import (
     AnthropicReranker,
@@ -39,9 +39,6 @@ from worker.adapters.anthropic import (
 )
 from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import AttemptOutcome, RerankAttemptError
-
-if TYPE_CHECKING:
-    from anthropic.types.messages import MessageBatch
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +54,7 @@ T = TypeVar("T")
 CALL_TIMEOUT_SECONDS = 60.0  # create, retrieve, cancel
 RESULTS_TIMEOUT_SECONDS = 300.0  # streaming a results file
 LIST_PAGE = 100  # Message Batches listed a call (the API allows 1 to 1,000)
+UPLOAD_PIECE_BYTES = 1 << 20  # a create's body goes out this much at a time (its guard between)
 
 # An errored request's error type -> the attempt class (DESIGN.md §4): what the same error
 # would be, answered as an HTTP status to a standard-lane call.
@@ -134,11 +132,37 @@ class AnthropicMessageBatches:
             return BatchLine(line.custom_id, line.kind, error=error)
         return line
 
-    def create(self, requests: Sequence[Mapping[str, Any]]) -> ProviderBatch:
-        """Create one Message Batch of ``{"custom_id", "params"}`` requests."""
-        batches = self.reranker.client.messages.batches
+    def create(
+        self, requests: Sequence[Mapping[str, Any]], before_write: Callable[[], None] | None = None
+    ) -> ProviderBatch:
+        """Create one Message Batch of ``{"custom_id", "params"}`` requests.
+
+        The body (``batches.create``'s own, ``{"requests": [...]}``, with its length) goes out
+        through the SDK's ``post`` a piece at a time, :data:`UPLOAD_PIECE_BYTES`, then its last
+        byte alone, and ``before_write`` runs before each piece: raising, it stops the upload
+        short of its end, so the provider, which never had the whole body, makes nothing.
+        The API has no idempotency key: this is how a create whose run was taken over (the
+        new run may send the same requests again) is kept from making its batch after all."""
+        body = json.dumps({"requests": list(requests)}, separators=(",", ":")).encode()
+
+        def pieces() -> Iterator[bytes]:
+            for start in range(0, len(body) - 1, UPLOAD_PIECE_BYTES):
+                if before_write is not None:
+                    before_write()
+                yield body[start : min(start + UPLOAD_PIECE_BYTES, len(body) - 1)]
+            if before_write is not None:
+                before_write()
+            yield body[-1:]
+
+        client = self.reranker.client
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
         batch = _call(
-            lambda: batches.create(requests=requests, timeout=CALL_TIMEOUT_SECONDS),  # type: ignore[arg-type]
+            lambda: client.post(
+                "/v1/messages/batches",
+                cast_to=MessageBatch,
+                content=pieces(),
+                options={"headers": headers, "timeout": CALL_TIMEOUT_SECONDS},
+            ),
             "create",
         )
         return _provider_batch(batch)

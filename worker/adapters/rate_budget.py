@@ -576,10 +576,12 @@ class MeteredBatches(AnthropicMessageBatches):
             self._told(error)
             raise
 
-    def create(self, requests: Sequence[Mapping[str, Any]]) -> ProviderBatch:
+    def create(
+        self, requests: Sequence[Mapping[str, Any]], before_write: Callable[[], None] | None = None
+    ) -> ProviderBatch:
         create = super().create
         if self.queue is None:
-            return self._metered("create", lambda: create(requests))
+            return self._metered("create", lambda: create(requests, before_write))
         placeholder = self.queue.take(len(requests))
         if placeholder is None:
             raise BatchQueueFull(
@@ -588,7 +590,7 @@ class MeteredBatches(AnthropicMessageBatches):
                 self.queue_retry,
             )
         try:
-            batch = self._metered("create", lambda: create(requests))
+            batch = self._metered("create", lambda: create(requests, before_write))
         except BaseException:
             self.queue.drop(placeholder)
             raise

@@ -68,6 +68,8 @@ from worker.constants import (
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RESEND_CLAIM,
     ECONOMY_RUNS_KEY,
+    ECONOMY_SENDING_MARK,
+    ECONOMY_STATE_KEY,
     ECONOMY_SUBMIT_TASK,
 )
 from worker.contract import ErrorInfo, JobStatus
@@ -99,8 +101,9 @@ PROVIDER_EXPIRY_SECONDS = 24 * 3600.0
 _ENVELOPE = len('{"requests":[]}')
 SUBMISSION_CHARS = 12
 # A create whose answer was lost (a timeout, a cut connection, the worker killed) may have
-# made a provider batch: it is looked for among those created this long either side of the
-# call (the call's own timeout and the clocks' skew).
+# made a provider batch: it is looked for among those created from this long before the call
+# to this long after the last piece of its body went out (the provider's own time to make
+# it, and the clocks' skew).
 DOUBT_WINDOW_SECONDS = 120.0
 DOUBT = "doubt:"  # a run's provider while its create is in doubt: "doubt:<submission>"
 # Each submission and poll says by when it should run next (its countdown plus this margin:
@@ -293,8 +296,9 @@ def _leased(task: SiftTask, batch_id: str, what: str, run: Callable[[], None]) -
     the same items, or settle the other's create as in doubt and make the items' provider
     batch again. So a run holds a lease (its worker id and a token): a second run finding it
     held by a live worker stands down at once, and the holder's own marks (each create, each
-    results page: :func:`_expect`) renew it, so a holder whose lease was taken over (its
-    worker judged dead: its heartbeat gone) stands down at its next mark. The run under way
+    piece of a create's body, each results page: :func:`_expect`) renew it, so a holder
+    whose lease was taken over (its worker judged dead: its heartbeat gone) stands down at
+    its next mark, even if the lease is free again by then. The run under way
     keeps the task's watch, which sends it again should it die with nothing else to follow."""
     store = task.context.store
     beat = liveness.current()
@@ -314,20 +318,40 @@ def _leased(task: SiftTask, batch_id: str, what: str, run: Callable[[], None]) -
         store.economy_unlease(batch_id, what, holder)
 
 
-def _expect(task: SiftTask, batch_id: str, what: str, countdown: float) -> None:
+def _expect(
+    task: SiftTask, batch_id: str, what: str, countdown: float, *, sending: str | None = None
+) -> None:
     """The economy task for ``what`` (a provider batch, or the submission) runs again within
     ``countdown`` seconds, or its message was lost (:func:`rewake`). A mark of the run under
     way (``countdown`` 0) also renews its lease, or stops it if another run took it over; a
-    later one (its retry's, or a new message's, countdown) gives the lease back."""
+    later one (its retry's, or a new message's, countdown) gives the lease back.
+    ``sending``: the mark is the guard of a piece of that submission's create body
+    (:func:`_sending`), and the time is kept with the lease, under the same check."""
     store = task.context.store
     lease: tuple[str, str, str] | None = getattr(_RUN, "lease", None)
     holder = lease[2] if lease is not None and lease[:2] == (batch_id, what) else None
     renew = countdown == 0.0 and holder is not None
-    if renew and not store.economy_lease(batch_id, what, str(holder), WATCH_MARGIN_SECONDS):
+    mark = None if sending is None else (ECONOMY_SENDING_MARK + sending, repr(time.time()))
+    if renew and not store.economy_lease(
+        batch_id, what, str(holder), WATCH_MARGIN_SECONDS, renew=True, mark=mark
+    ):
         raise _StoodDown(what)
+    if mark is not None and not renew:
+        store.economy_save(batch_id, ECONOMY_STATE_KEY, {mark[0]: mark[1]})
     store.economy_expect(batch_id, what, time.time() + countdown + WATCH_MARGIN_SECONDS)
     if countdown > 0.0:
         _give_back(task, batch_id, what)
+
+
+def _sending(task: SiftTask, batch_id: str, what: str, submission: str) -> Callable[[], None]:
+    """The guard of a create's upload, run before each piece of its body goes out
+    (:meth:`AnthropicMessageBatches.create`'s ``before_write``). The run's lease is renewed,
+    or the upload stops short of its end (taken over: the new run may send the same requests
+    again, and this create, completed after all, would be a second provider batch, paid
+    twice); and the time is marked, in the same step, as the latest at which this create's
+    body could have been completed: :func:`settle_doubts` waits the doubt window past it,
+    and looks for its batch up to then, not only the window past the create's start."""
+    return lambda: _expect(task, batch_id, what, 0.0, sending=submission)
 
 
 def _give_back(task: SiftTask, batch_id: str, what: str) -> None:
@@ -494,11 +518,15 @@ def settle_doubts(
 
     A create in doubt left ``pending`` on its items' runs: its submission token, when it was
     made and how many requests it held, and ``answered`` once its call came back (failed).
-    The workspace's provider batches created within :data:`DOUBT_WINDOW_SECONDS` of it, with
-    as many requests, that this batch does not know yet are its candidates. None: the create
-    made nothing, and its items are sent now; but a create whose call never came back may
-    still be under way in a run judged dead (stalled) or slow, until the window's end: till
-    then the settling is tried again later (a retryable error).
+    The workspace's provider batches created from :data:`DOUBT_WINDOW_SECONDS` before it to
+    that long past the last piece of its body (marked as it went out: :func:`_sending`; a
+    large body on a slow link outlasts the window), with as many requests, that this batch
+    does not know yet are its candidates. None: the create made nothing, and its items are
+    sent now; but a create whose call never came back may still be under way in a run
+    judged dead (stalled) or slow, until the window's end past that last piece: till then
+    the settling is tried again later (a retryable error). A run taken over sends no piece
+    more (its guard finds its lease gone), so its batch, if the provider makes it, was made
+    by then.
     Otherwise every candidate is polled (never canceled: it may be another client's), its
     items wait as ``doubt:<submission>``, and the results tell: lines whose ``custom_id``
     carries the submission prove the candidate ours (:func:`map_results`); when every
@@ -515,9 +543,15 @@ def settle_doubts(
         provider_id: json.loads(raw)
         for provider_id, raw in store.economy_all(batch.id, ECONOMY_PROVIDERS_KEY).items()
     }
-    for submission, items in doubts.items():
+    marks = store.economy_get(
+        batch.id, ECONOMY_STATE_KEY, [ECONOMY_SENDING_MARK + s for s in doubts]
+    )
+    for (submission, items), mark in zip(doubts.items(), marks, strict=True):
         pending = items[0][1]["pending"]
         at, requests = float(pending["at"]), int(pending["requests"])
+        # the last piece of its body went out by then, or never will (its run, taken over,
+        # stops its upload short): a create whose upload lasted past the window is covered
+        last = max(at, float(mark)) if mark else at
         mine = [pid for pid, r in known.items() if r.get("submission") == submission]
         recorded = [pid for pid in mine if not known[pid].get("doubt")]
         if recorded:  # its answer came and was kept: the runs just never said so
@@ -531,10 +565,10 @@ def settle_doubts(
         # candidates kept already: a settling killed before the runs said so; else looked for
         found = mine or [
             b.id
-            for b in client.created_between(at - DOUBT_WINDOW_SECONDS, at + DOUBT_WINDOW_SECONDS)
+            for b in client.created_between(at - DOUBT_WINDOW_SECONDS, last + DOUBT_WINDOW_SECONDS)
             if b.requests == requests and b.id not in known
         ]
-        wait = at + DOUBT_WINDOW_SECONDS - time.time()
+        wait = last + DOUBT_WINDOW_SECONDS - time.time()
         if not found and not pending.get("answered") and wait > 0:
             # No answer came to its run, which may not be dead but stalled (its lease taken
             # over) or slow, its create still under way: the provider may make the batch yet,
@@ -619,7 +653,8 @@ def submit(
             p.run["pending"] = {"submission": submission, "at": started, "requests": len(chunk)}
         _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
         try:
-            provider = client.create([p.request for p in chunk])
+            guard = _sending(task, batch.id, watch, submission)
+            provider = client.create([p.request for p in chunk], before_write=guard)
         except RerankAttemptError as exc:
             # a run stalled past its lease (taken over meanwhile) writes nothing more: the
             # items' runs may be the new holder's by now (sent again once the window passed)

@@ -117,18 +117,30 @@ class EconomyLaneRecords(_StoreCore):
         _, owner, _ = pipe.execute()
         return bool(owner == task_id)
 
-    def economy_lease(self, batch_id: str, what: str, holder: str, seconds: float) -> bool:
+    def economy_lease(
+        self, batch_id: str, what: str, holder: str, seconds: float, *,
+        renew: bool = False, mark: tuple[str, str] | None = None,
+    ) -> bool:  # fmt: skip
         """Take, or keep, the lease on running the economy task for ``what``: True if the run
         ``holder`` (``"<worker id> <run token>"``) holds it now, for ``seconds`` more. False
         while another run holds it and that run's worker is alive (its heartbeat key lives;
         a holder of no known worker, until the lease expires): that run is under way, and two
-        runs at once would each map and resubmit. A dead worker's lease is taken over."""
+        runs at once would each map and resubmit. A dead worker's lease is taken over.
+        ``renew``: only kept, never taken again: False unless ``holder`` holds it still. A
+        run whose lease was taken over may find it free again (its taker ended, or the lease
+        ran out), and taking it again, would go on where another run went on already.
+        ``mark`` (a field and value of the batch's ``ECONOMY_STATE_KEY`` hash) is written in
+        the same step, only if the lease is held: what its holder did while it held it."""
         key = ECONOMY_LEASE_KEY + f"{batch_id} {what}"
+        state = ECONOMY_STATE_KEY + batch_id
         with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(key)  # type: ignore[no-untyped-call]
                     current = cast(str | None, pipe.get(key))
+                    if renew and current != holder:
+                        pipe.unwatch()
+                        return False
                     if current is not None and current != holder:
                         worker = current.split(" ", 1)[0]
                         if not worker or pipe.exists(WORKER_HEARTBEAT_KEY + worker):
@@ -136,6 +148,9 @@ class EconomyLaneRecords(_StoreCore):
                             return False
                     pipe.multi()
                     pipe.set(key, holder, px=max(1, int(seconds * 1000)))
+                    if mark is not None:
+                        pipe.hset(state, mark[0], mark[1])
+                        pipe.expire(state, self.result_ttl)
                     pipe.execute()
                     return True
                 except redis.WatchError:
