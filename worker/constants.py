@@ -61,7 +61,8 @@ ECONOMY_SENDING_MARK = "sending "
 # should have run again: the re-drive's sweep sends one past it (a lost message)
 ECONOMY_WATCH_KEY = REDIS_PREFIX + "eco-watch"
 # + "<batch id> <provider batch id | submit>" -> "<worker id> <run token>": the one run of that
-# economy task under way (a second run of it stands down while that worker's heartbeat lives)
+# economy task under way, kept alive by its process (a second run of it stands down while the
+# lease lives and that worker's heartbeat does)
 ECONOMY_LEASE_KEY = REDIS_PREFIX + "eco-lease:"
 STATS_KEY = REDIS_PREFIX + "stats:jobs"  # hash state -> jobs and items queued/running now
 STATS_UNTRACKED_KEY = REDIS_PREFIX + "stats:untracked"  # same, for ingest jobs (not in the gauge)

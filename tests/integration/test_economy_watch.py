@@ -4,8 +4,13 @@ batch (:func:`worker.queue.economy.rewake`)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from worker.constants import (
     BATCH_QUEUE,
@@ -14,9 +19,13 @@ from worker.constants import (
     WORKER_HEARTBEAT_KEY,
 )
 from worker.contract import RerankInfo, SearchResult, SearchSpec
+from worker.queue import economy, liveness
+from worker.queue.base import WorkerContext
 from worker.queue.economy import WATCH_MARGIN_SECONDS, rewake
 from worker.queue.jobstore import JobStore
 from worker.queue.redrive import Sweeper
+from worker.ratelimit import ProviderLimiter
+from worker.settings import load_settings
 
 
 def _economy_batch(store: JobStore) -> str:
@@ -78,3 +87,57 @@ def test_one_run_of_an_economy_task_holds_its_lease_while_its_worker_lives(
     # the stale run finds it free, and still may not take it again where it stopped
     assert not store.economy_lease(batch_id, "submit", "w1 run-a", 300, renew=True)
     assert store.economy_lease(batch_id, "submit", "w3 run-d", 300)  # free again
+
+
+# A prefork child of worker "w1": it takes the submission's lease and holds it, running.
+_CHILD = """
+import sys, time
+from types import SimpleNamespace
+from worker.queue import economy, liveness
+from worker.queue.base import WorkerContext
+from worker.queue.jobstore import JobStore
+from worker.ratelimit import ProviderLimiter
+from worker.settings import load_settings
+
+url, batch_id = sys.argv[1], sys.argv[2]
+liveness.current = lambda: SimpleNamespace(worker_id="w1")
+store = JobStore.from_url(url)
+context = WorkerContext(settings=load_settings(redis_url=url), store=store,
+                        limiter=ProviderLimiter(1))
+
+def hold():
+    print("holding", flush=True)
+    time.sleep(600)
+
+economy._leased(SimpleNamespace(context=context), batch_id, "submit", hold)
+"""
+
+
+def test_a_run_whose_process_died_alone_lets_the_next_run_take_its_lease(
+    store: JobStore, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the prefork pool a worker's children share its heartbeat. A child's run holds
+    the submission's lease: while the child lives, another run (its message delivered
+    again) waits and stands down, however long the run goes on. The child killed alone, its
+    worker beating on, the redelivered run takes the lease over within the time a lease
+    lives unrenewed, not once its 300 s term ran out (while the watch's re-send waited)."""
+    batch_id = _economy_batch(store)
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=600_000)  # the supervisor beats on
+    monkeypatch.setattr(liveness, "current", lambda: SimpleNamespace(worker_id="w1"))
+    settings = load_settings(redis_url=redis_url)
+    context = WorkerContext(settings=settings, store=store, limiter=ProviderLimiter(1))
+    task = SimpleNamespace(context=context)  # another child of the same worker
+    with subprocess.Popen(
+        [sys.executable, "-c", _CHILD, redis_url, batch_id], stdout=subprocess.PIPE
+    ) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline().strip() == b"holding"
+            ran: list[str] = []
+            economy._leased(task, batch_id, "submit", lambda: ran.append("beside it"))  # type: ignore[arg-type]
+            assert ran == []  # it waited past a lease's unrenewed life: the child keeps it
+            child.kill()
+            child.wait(10)
+            economy._leased(task, batch_id, "submit", lambda: ran.append("after it"))  # type: ignore[arg-type]
+            assert ran == ["after it"]
+        finally:
+            child.kill()
