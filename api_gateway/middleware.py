@@ -1,8 +1,9 @@
-"""Pure ASGI middleware: the request body size limit (413), a compressed body (415), and
-per-route HTTP metrics."""
+"""Pure ASGI middleware: the request body size limit (413), a compressed body or one in
+another charset than UTF-8 (415), and per-route HTTP metrics."""
 
 from __future__ import annotations
 
+import email.message
 import json
 import time
 from typing import Any
@@ -29,11 +30,37 @@ async def _refuse(send: Send, status: int, type_: str, field: str, message: str)
     await send({"type": "http.response.body", "body": body})
 
 
+# The charset values that mean UTF-8: JSON between systems is UTF-8 (RFC 8259, 8.1), and
+# ``application/json`` defines no charset parameter (section 11)
+UTF8_CHARSETS = frozenset({"utf-8", "utf8"})
+
+
+def charset_problem(values: list[bytes]) -> str | None:
+    """Why a body sent under these ``Content-Type`` header values cannot be read as the UTF-8
+    JSON it is read as, or ``None``. A body declared in another charset was read as UTF-8
+    anyway: a 400 "can't decode byte 0xe9" for Latin-1's "é", or worse, another text without
+    an error (Latin-1's "Ã©" is UTF-8's "é"). Two values: which one the body is in is a guess.
+    """
+    if len(values) > 1:
+        return f"is given {len(values)} times: give it once"
+    if not values:
+        return None
+    header = email.message.Message()  # the parser FastAPI reads the media type with
+    header["content-type"] = values[0].decode("latin-1")
+    charset = header.get_param("charset")
+    if charset is None or not isinstance(charset, str):  # absent, or RFC 2231 parts
+        return None if charset is None else "its charset parameter is not understood"
+    if charset.strip().lower() in UTF8_CHARSETS:
+        return None
+    return f"charset {charset!r} is not accepted: send the body as UTF-8 (charset=utf-8, or none)"
+
+
 class BodyLimitMiddleware:
     """Refuse a body larger than ``limit`` bytes with 413, before the app parses it; and a
     compressed one (``Content-Encoding`` other than ``identity``) with 415: the body is read as
     sent, and a gzip body was a 400 "not valid JSON: can't decode byte 0x8b" that did not say
-    why."""
+    why. So is a body whose ``Content-Type`` names a charset other than UTF-8, on every route
+    (:func:`charset_problem`)."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -47,7 +74,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
+        content_types: list[bytes] = []
         for name, value in scope["headers"]:
+            if name == b"content-type":
+                content_types.append(value)
             if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
                 why = f"{value.decode('latin-1')!r} is not accepted: send the body uncompressed"
                 await _refuse(send, 415, "unsupported_media_type", "Content-Encoding", why)
@@ -75,6 +105,10 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
+        problem = charset_problem(content_types) if body else None
+        if problem is not None:  # a body-less POST (a cancel) is read whatever its type says
+            await _refuse(send, 415, "unsupported_media_type", "Content-Type", problem)
+            return
         sent = False
 
         async def replay() -> Message:

@@ -154,3 +154,67 @@ def test_a_compressed_body_is_415_naming_content_encoding(
 def test_an_identity_content_encoding_is_read(client: TestClient) -> None:
     headers = {**ACME, "content-encoding": "identity"}
     assert client.post("/v1/searches", json=SEARCH, headers=headers).status_code == 202
+
+
+LATIN1_SEARCH = '{"index": "docs", "query": "café Ã©"}'.encode("latin-1")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/searches", LATIN1_SEARCH),
+        ("/v1/batches", json.dumps(BATCH).encode()),  # ASCII: it was read, whatever it said
+        ("/v1/indexes/docs/documents", b'{"documents": [{"id": "d", "text": "\\u00e9"}]}'),
+    ],
+)
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json; charset=latin-1",
+        "application/json; charset=ISO-8859-1",
+        'application/json; charset="windows-1252"',
+        "application/json;charset=utf-16",
+        "text/plain; charset=latin-1",
+    ],
+)
+def test_a_body_in_another_charset_than_utf8_is_415_naming_content_type(
+    client: TestClient, path: str, body: bytes, content_type: str
+) -> None:
+    """JSON is UTF-8 (RFC 8259): a body declared in Latin-1 was read as UTF-8 anyway, a 400
+    "can't decode byte 0xe9" for "é", and "Ã©" (valid UTF-8 bytes) silently became "é"."""
+    response = client.post(path, content=body, headers={**ACME, "content-type": content_type})
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["type"] == "unsupported_media_type" and error["field"] == "Content-Type", error
+    charset = content_type.split("charset=")[1].strip('"')
+    assert error["message"].startswith(f"Content-Type: charset {charset!r} is not accepted"), error
+    assert client.get("/v1/searches", headers=ACME).json()["searches"] == []  # nothing stored
+    assert client.get("/v1/batches", headers=ACME).json()["batches"] == []
+    assert client.get("/v1/ingestions", headers=ACME).json()["ingestions"] == []
+
+
+def test_two_content_types_are_415_naming_it(client: TestClient) -> None:
+    """Which of two types the body is in would be a guess (FastAPI took the first)."""
+    headers = [*ACME.items(), ("content-type", "application/json"), ("content-type", "text/csv")]
+    response = client.post("/v1/searches", content=json.dumps(SEARCH).encode(), headers=headers)
+    assert response.status_code == 415, response.text
+    assert response.json()["error"]["message"] == "Content-Type: is given 2 times: give it once"
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json; charset=utf-8",
+        'application/json; charset="UTF-8"',
+        "application/json;charset=UTF8",
+        "APPLICATION/JSON",
+        "application/vnd.sift+json; charset=utf-8",
+    ],
+)
+def test_utf8_json_is_read_under_each_spelling(client: TestClient, content_type: str) -> None:
+    body = '{"index": "docs", "query": "café"}'.encode()
+    response = client.post(
+        "/v1/searches", content=body, headers={**ACME, "content-type": content_type}
+    )
+    assert response.status_code == 202, response.text
+    assert client.get("/v1/searches", headers=ACME).json()["searches"][0]["query"] == "café"
