@@ -110,6 +110,13 @@ async def _admit(request: Request, items: int) -> None:
     backlog: Backlog | None = getattr(request.app.state, "backlog", None)
     if backlog is None or backlog.limit <= 0:
         return
+    if items > backlog.limit:  # a 429 would say "retry", and no retry admits it
+        raise InvalidRequest(
+            "queries",
+            f"{items} queries are more than the backlog holds (SIFT_MAX_BACKLOG is "
+            f"{backlog.limit}), so no retry admits them: send them in batches of at most "
+            f"{backlog.limit}",
+        )
     try:
         await backlog.admit(items)
     except BacklogFull as exc:

@@ -87,3 +87,27 @@ def test_the_openapi_document_lists_the_429(idle: tuple[httpx.Client, str]) -> N
     for path in ("/v1/searches", "/v1/batches"):
         busy = paths[path]["post"]["responses"]["429"]
         assert "Retry-After" in busy["headers"]
+
+
+def test_a_batch_larger_than_the_whole_limit_is_422_not_a_429_to_retry(
+    idle: tuple[httpx.Client, str],
+) -> None:
+    """A batch of more queries than ``SIFT_MAX_BACKLOG`` can never be admitted, even by an
+    empty queue: its 429 said "retry after 5 s", and a client that honours ``Retry-After``
+    retried it forever. It is a 422 naming ``queries`` and the size that fits, whatever is
+    queued; and an Idempotency-Key it carried is free again."""
+    client, url = idle
+    before = _queued(url)
+    headers = {**ACME, "Idempotency-Key": "too-big-1"}
+    for _ in range(2):  # the same answer again: nothing was claimed or stored
+        refused = client.post("/v1/batches", json=_batch(LIMIT + 1, "big"), headers=headers)
+        assert refused.status_code == 422, refused.text
+        assert "retry-after" not in refused.headers
+        error = refused.json()["error"]
+        assert error["type"] == "invalid_request" and error["field"] == "queries", error
+        assert error["message"] == (
+            f"queries: {LIMIT + 1} queries are more than the backlog holds "
+            f"(SIFT_MAX_BACKLOG is {LIMIT}), so no retry admits them: send them in batches "
+            f"of at most {LIMIT}"
+        ), error
+        assert _queued(url) == before
