@@ -125,7 +125,10 @@ LANES: Final = ("standard", "economy")
 JOB_STATES: Final = ("queued", "running")
 JOB_KINDS: Final = ("search", "batch", "batch_item", "ingest", "webhook")
 JOB_STATUSES: Final = ("succeeded", "failed", "canceled")
-JOB_ERRORS: Final = (  # SiftError.code values (worker/errors.py), plus "internal" for the rest
+# a failed job's ``error.type``, exactly: the SiftError.code values (worker/errors.py), and the
+# three a record gets otherwise (worker/queue/base.py's error_info, worker/queue/tasks.py). The
+# label was "internal" for those three: a crash loop's jobs, expired documents and a bug in one
+JOB_ERRORS: Final = (
     "invalid_request",
     "config_error",
     "mode_unavailable",
@@ -137,7 +140,9 @@ JOB_ERRORS: Final = (  # SiftError.code values (worker/errors.py), plus "interna
     "rerank_attempt_failed",
     "rerank_failed",
     "deadline_exceeded",
-    "internal",
+    "internal_error",
+    "delivery_limit_exceeded",
+    "expired",
 )
 WEBHOOK_RESULTS: Final = ("delivered", "retry", "failed")
 REDRIVE_KINDS: Final = ("search", "batch", "ingest")
@@ -504,7 +509,8 @@ def job_completed(kind: str, status: str, error: str | None = None, count: int =
     kind = _closed(kind, JOB_KINDS, "kind")
     _child(JOBS_COMPLETED, kind, _closed(status, JOB_STATUSES, "status")).inc(count)
     if status == "failed":
-        JOB_FAILURES.labels(kind, _closed(error or "internal", JOB_ERRORS, "error")).inc(count)
+        label = _closed(error or "internal_error", JOB_ERRORS, "error")
+        JOB_FAILURES.labels(kind, label).inc(count)
 
 
 @contextlib.contextmanager

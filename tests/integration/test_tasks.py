@@ -136,16 +136,26 @@ def test_permanent_errors_are_not_retried(context: base.WorkerContext) -> None:
 
 
 def test_a_poison_message_is_failed_not_looped(context: base.WorkerContext) -> None:
+    """And counted under its record's own error type: the failures counter said "internal",
+    the label of a bug, for a job whose worker kept dying."""
+    from prometheus_client import REGISTRY
+
+    def failures() -> float:
+        labels = {"kind": "search", "error": "delivery_limit_exceeded"}
+        return REGISTRY.get_sample_value("sift_job_failures_total", labels) or 0.0
+
     runtime = ScriptedRuntime()
     context._runtime = runtime
     job = context.store.create_search("acme", SearchSpec(index="docs", query="q"))
     for _ in range(2):  # two deliveries whose worker died mid-task
         context.store.count_delivery("poison-1", 0)
+    before = failures()
     tasks.search.apply(args=[job.id], task_id="poison-1")
     done = context.store.get_search(job.id)
     assert done is not None and done.status == "failed"
     assert done.error is not None and done.error.type == "delivery_limit_exceeded"
     assert runtime.calls == 0
+    assert failures() - before == 1.0
 
 
 def test_a_chunk_skips_canceled_and_finished_items(
@@ -271,7 +281,7 @@ def test_an_ingest_whose_documents_expired_is_failed_and_counted_once(
             "sift_jobs_completed_total", {"kind": "ingest", "status": "failed"}
         )
         failures = REGISTRY.get_sample_value(
-            "sift_job_failures_total", {"kind": "ingest", "error": "internal"}
+            "sift_job_failures_total", {"kind": "ingest", "error": "expired"}
         )
         return done or 0.0, failures or 0.0
 

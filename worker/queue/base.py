@@ -318,13 +318,7 @@ class SiftTask(Task):  # type: ignore[misc]
 
 def count_completed(kind: str, applied: bool, error: ErrorInfo | None) -> bool:
     """Count a job that just became final (``applied``); answers ``applied``."""
-    if applied:
-        label = None
-        if error is not None:
-            label = (
-                "internal"
-                if error.type in ("internal_error", "delivery_limit_exceeded", "expired")
-                else error.type
-            )
+    if applied:  # a failure's label is its record's error.type, whatever it is
+        label = None if error is None else error.type
         metrics.job_completed(kind, "failed" if error else "succeeded", label)
     return applied
