@@ -47,6 +47,8 @@ def charset_problem(values: list[bytes]) -> str | None:
         return None
     header = email.message.Message()  # the parser FastAPI reads the media type with
     header["content-type"] = values[0].decode("latin-1")
+    if sum(name.strip().lower() == "charset" for name, _ in header.get_params() or []) > 1:
+        return "its charset parameter is given twice: give it once"  # which one the body is in
     charset = header.get_param("charset")
     if charset is None or not isinstance(charset, str):  # absent, or RFC 2231 parts
         return None if charset is None else "its charset parameter is not understood"

@@ -193,12 +193,25 @@ def test_a_body_in_another_charset_than_utf8_is_415_naming_content_type(
     assert client.get("/v1/ingestions", headers=ACME).json()["ingestions"] == []
 
 
-def test_two_content_types_are_415_naming_it(client: TestClient) -> None:
-    """Which of two types the body is in would be a guess (FastAPI took the first)."""
-    headers = [*ACME.items(), ("content-type", "application/json"), ("content-type", "text/csv")]
+@pytest.mark.parametrize(
+    ("content_types", "message"),
+    [
+        (["application/json", "text/csv"], "is given 2 times: give it once"),
+        (
+            ["application/json; charset=utf-8; charset=latin-1"],
+            "its charset parameter is given twice: give it once",
+        ),
+    ],
+)
+def test_two_content_types_or_charsets_are_415_naming_it(
+    client: TestClient, content_types: list[str], message: str
+) -> None:
+    """Which of two types or charsets the body is in would be a guess (both took the first)."""
+    headers = [*ACME.items(), *(("content-type", value) for value in content_types)]
     response = client.post("/v1/searches", content=json.dumps(SEARCH).encode(), headers=headers)
     assert response.status_code == 415, response.text
-    assert response.json()["error"]["message"] == "Content-Type: is given 2 times: give it once"
+    assert response.json()["error"]["message"] == f"Content-Type: {message}"
+    assert client.get("/v1/searches", headers=ACME).json()["searches"] == []
 
 
 @pytest.mark.parametrize(
