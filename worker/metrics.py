@@ -123,7 +123,9 @@ RERANK_OUTCOME_VALUES: Final = (
 TOKEN_TYPES: Final = ("input", "output", "cache_read", "cache_creation")
 LANES: Final = ("standard", "economy")
 JOB_STATES: Final = ("queued", "running")
-JOB_KINDS: Final = ("search", "batch", "batch_item", "ingest", "webhook")
+# no "webhook": a delivery is sift_webhook_deliveries_total's, and a kind="webhook" job series,
+# counted by nothing, read 0 submitted and 0 completed while webhooks went out
+JOB_KINDS: Final = ("search", "batch", "batch_item", "ingest")
 JOB_STATUSES: Final = ("succeeded", "failed", "canceled")
 # a failed job's ``error.type``, exactly: the SiftError.code values (worker/errors.py), and the
 # three a record gets otherwise (worker/queue/base.py's error_info, worker/queue/tasks.py). The
