@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -9,21 +10,47 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from worker.errors import ConfigError
 from worker.settings import load_settings
 
 FINAL_STATUSES = frozenset({"succeeded", "failed", "canceled"})
 USER_AGENT = "sift-cli/1"
+# A gateway restarting (no connection, or one closed with no answer), Redis restarting (503),
+# a proxy's 502 or 504: a request that may retry does so for this long. `sift batch` stopped
+# at its first such poll while its batch ran on, and a submit whose answer was lost left the
+# user to send the batch again, and pay for it twice.
+RETRY_SECONDS = 120.0
+TRANSIENT_STATUSES = frozenset({502, 503, 504})
 
 
 class GatewayError(Exception):
-    """An expected failure talking to the gateway, worded for the user (no traceback)."""
+    """An expected failure talking to the gateway, worded for the user (no traceback).
+    ``transient``: the same request may succeed when sent again."""
 
-    def __init__(self, message: str, *, status_code: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, status_code: int | None = None, transient: bool = False
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
+        self.transient = transient
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, GatewayError) and exc.transient
+
+
+def _say_retrying(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    sys.stderr.write(f"{exc}; trying again\n")
 
 
 def _field_of(loc: Any) -> str:
@@ -68,6 +95,16 @@ def describe_error(response: httpx.Response) -> str:
     return f"{prefix}: " + "; ".join(problems)
 
 
+def _in_progress(response: httpx.Response) -> bool:
+    """A 409 saying the same Idempotency-Key's first request is still being written."""
+    if response.status_code != 409:
+        return False
+    try:
+        return bool(response.json()["error"]["type"] == "idempotency_key_in_progress")
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
 class Gateway:
     """The gateway at ``base_url``, with the bearer key on every request."""
 
@@ -102,26 +139,62 @@ class Gateway:
         *,
         json: Any = None,
         params: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+        retry_for: float = 0.0,
     ) -> httpx.Response:
-        """Send one request; a 4xx/5xx or a network failure becomes a GatewayError."""
+        """Send one request; a 4xx/5xx or a network failure becomes a GatewayError. With
+        ``retry_for``, a transient failure is sent again, backing off, for that many seconds
+        (only for a request that is safe to repeat: a GET, or a POST with an Idempotency-Key)."""
+        if retry_for <= 0:
+            return self._send(method, path, json=json, params=params, headers=headers)
+        retrying = Retrying(
+            retry=retry_if_exception(_transient),
+            stop=stop_after_delay(retry_for),
+            wait=wait_exponential(multiplier=0.25, max=5.0),
+            before_sleep=_say_retrying,
+            reraise=True,
+        )
+        response: httpx.Response = retrying(
+            self._send, method, path, json=json, params=params, headers=headers
+        )
+        return response
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any,
+        params: dict[str, Any] | None,
+        headers: dict[str, str] | None,
+    ) -> httpx.Response:
         try:
-            response = self._client.request(method, path, json=json, params=params)
+            response = self._client.request(method, path, json=json, params=params, headers=headers)
         except httpx.ConnectError as exc:
             raise GatewayError(
                 f"cannot connect to the gateway at {self.base_url} (SIFT_URL); "
-                "is it running? Start one with `sift up`."
+                "is it running? Start one with `sift up`.",
+                transient=True,
             ) from exc
         except httpx.TimeoutException as exc:
             raise GatewayError(
-                f"the gateway at {self.base_url} (SIFT_URL) did not answer in time"
+                f"the gateway at {self.base_url} (SIFT_URL) did not answer in time",
+                transient=True,
             ) from exc
         except httpx.HTTPError as exc:
-            raise GatewayError(f"talking to {self.base_url} (SIFT_URL) failed: {exc}") from exc
+            raise GatewayError(
+                f"talking to {self.base_url} (SIFT_URL) failed: {exc}",
+                transient=isinstance(exc, httpx.TransportError),
+            ) from exc
         if response.status_code == 401:
             hint = "check SIFT_API_KEY" if self.has_key else "SIFT_API_KEY is not set"
             raise GatewayError(f"{describe_error(response)} ({hint})", status_code=401)
         if response.status_code >= 400:
-            raise GatewayError(describe_error(response), status_code=response.status_code)
+            raise GatewayError(
+                describe_error(response),
+                status_code=response.status_code,
+                transient=response.status_code in TRANSIENT_STATUSES or _in_progress(response),
+            )
         return response
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
@@ -154,7 +227,7 @@ class Gateway:
         is_done = done or (lambda body: body.get("status") in FINAL_STATUSES)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            body = self.json("GET", path)
+            body = self.json("GET", path, retry_for=RETRY_SECONDS)
             if not isinstance(body, dict):
                 raise GatewayError(f"GET {path}: unexpected answer {str(body)[:200]}")
             if on_update is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -24,7 +25,7 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from worker.cli import app
-from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
+from worker.cli._http import FINAL_STATUSES, RETRY_SECONDS, Gateway, GatewayError, gateway
 from worker.cli._output import cli_console, plain, print_result, progress_bar, trace_lines
 from worker.constants import (
     MAX_BATCH_QUERIES,
@@ -406,7 +407,12 @@ def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) ->
                 params: dict[str, Any] = {"page_size": page_size}
                 if token:
                     params["page_token"] = token
-                page = client.json("GET", f"/v1/batches/{batch_id}/results", params=params)
+                page = client.json(
+                    "GET",
+                    f"/v1/batches/{batch_id}/results",
+                    params=params,
+                    retry_for=RETRY_SECONDS,
+                )
                 for item in page.get("results") or []:
                     handle.write(json.dumps(item) + "\n")
                     status = str(item.get("status"))
@@ -476,7 +482,12 @@ def batch(
         started = time.monotonic()
         with gateway() as client:
             try:
-                submitted = client.json("POST", "/v1/batches", json=body)
+                # one key for every resend: a submit whose answer was lost (the gateway
+                # restarting) is answered with the batch it made, never made twice
+                key = {"Idempotency-Key": f"sift-batch-{uuid.uuid4().hex}"}
+                submitted = client.json(
+                    "POST", "/v1/batches", json=body, headers=key, retry_for=RETRY_SECONDS
+                )
             except KeyboardInterrupt:  # no id to cancel: the batch may run all the same
                 _err().print(
                     "interrupted while submitting: the batch may have been accepted and run on; "

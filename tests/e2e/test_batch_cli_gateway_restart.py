@@ -1,0 +1,128 @@
+"""``sift batch`` through a gateway that restarts under it: the CLI in-process (typer's
+runner), the real stack behind a small proxy that loses what a restart loses.
+
+The proxy forwards every request to the live gateway, except that it closes the connection
+with no answer after forwarding the first ``POST /v1/batches`` (the batch was made; its
+answer died with the gateway) and answers ``503`` to the first polls (the gateway, back,
+finding Redis still restarting). Before, ``sift batch`` stopped at the lost answer ("Server
+disconnected without sending a response", exit 1) with the batch running on: sent again, it
+was made, and paid for, twice. Now it sends the one batch with an ``Idempotency-Key`` and
+sends it again with the same key, waits through the 503s, and writes every result.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from tests.e2e.conftest import ACME, INDEX, Stack
+from tests.services import free_port
+from worker.cli import app
+
+QUERIES = 12
+UNAVAILABLE_POLLS = 3
+
+
+class _Proxy(http.server.ThreadingHTTPServer):
+    def __init__(self, target: str) -> None:
+        super().__init__(("127.0.0.1", free_port()), _Handler)
+        self.target = target
+        self.lock = threading.Lock()
+        self.batch_posts: list[str | None] = []  # each submit's Idempotency-Key
+        self.polls_refused = 0
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Proxy
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _forward(self, body: bytes | None) -> httpx.Response:
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host",)}
+        return httpx.request(
+            self.command, self.server.target + self.path, headers=headers, content=body, timeout=60
+        )
+
+    def _answer(self, response: httpx.Response) -> None:
+        self.send_response(response.status_code)
+        for name in ("content-type", "retry-after", "location"):
+            if name in response.headers:
+                self.send_header(name, response.headers[name])
+        self.send_header("content-length", str(len(response.content)))
+        self.end_headers()
+        self.wfile.write(response.content)
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        response = self._forward(body)
+        if self.path == "/v1/batches":
+            with self.server.lock:
+                self.server.batch_posts.append(self.headers.get("idempotency-key"))
+                first = len(self.server.batch_posts) == 1
+            if first:  # made, and its answer lost with the gateway
+                self.close_connection = True
+                return
+        self._answer(response)
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/v1/batches/bat_") and "/results" not in self.path:
+            with self.server.lock:
+                refuse = self.server.polls_refused < UNAVAILABLE_POLLS
+                self.server.polls_refused += refuse
+            if refuse:
+                error = {"type": "unavailable", "message": "the job store is unavailable"}
+                self._answer(httpx.Response(503, json={"error": error}))
+                return
+        self._answer(self._forward(None))
+
+    def do_DELETE(self) -> None:
+        self._answer(self._forward(None))
+
+
+@pytest.fixture
+def proxy(stack: Stack) -> Iterator[_Proxy]:
+    server = _Proxy(stack.live_url)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _batch_ids(stack: Stack) -> set[str]:
+    listing = stack.live.get("/v1/batches", params={"page_size": 1000}, headers=ACME).json()
+    return {batch["id"] for batch in listing["batches"]}
+
+
+def test_sift_batch_survives_a_lost_submit_answer_and_503_polls_with_one_batch(
+    stack: Stack, corpus: object, queries: list[str], proxy: _Proxy, tmp_path: Path
+) -> None:
+    lines = [{"id": f"g{i}", "query": queries[i % len(queries)]} for i in range(QUERIES)]
+    source = tmp_path / "queries.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "results.jsonl"
+    before = _batch_ids(stack)
+    key = ACME["Authorization"].split()[1]
+    env = {"SIFT_URL": f"http://127.0.0.1:{proxy.server_address[1]}", "SIFT_API_KEY": key,
+           "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
+    args = ["batch", str(source), "--index", INDEX, "--out", str(out), "--strict"]
+    result = CliRunner().invoke(app, args, env=env)
+    assert result.exit_code == 0, result.output
+    made = _batch_ids(stack) - before
+    assert len(made) == 1, made  # the resend was answered with the batch the first one made
+    assert len(proxy.batch_posts) == 2 and proxy.batch_posts[0], proxy.batch_posts
+    assert proxy.batch_posts[0] == proxy.batch_posts[1]  # one key for both
+    assert proxy.polls_refused >= UNAVAILABLE_POLLS
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["query_id"] for r in written) == sorted(line["id"] for line in lines)
+    assert {r["status"] for r in written} == {"succeeded"}
