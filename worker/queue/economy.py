@@ -1020,24 +1020,17 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
             page = []
             _expect(task, batch.id, provider_id, 0.0)  # a long mapping is no lost message
     resubmit += _map_page(task, batch, provider_id, page)
+    in_doubt = bool(record.get("doubt")) and not ours
+    if not in_doubt:
+        resubmit += _map_left_out(task, batch, provider_id, submission)
     if resubmit:
         fresh = store.get_batch(batch.id) or batch
         # once each: a custom_id twice in one create is refused (400) for the whole batch
         submit(task, fresh, list(dict.fromkeys(resubmit)), expected=provider_id, watch=provider_id)
-    if record.get("doubt") and not ours:
+    if in_doubt:
         log.info("provider batch %s: not the create in doubt (no line of it)", provider_id)
         _candidate_ended(task, batch, provider_id, proven=False)
         return
-    # A request the results left out would wait forever: it failed, in the malformed class.
-    # (Its item still running: the runs of items finished from this file still name it.)
-    waiting = _items_waiting(store, batch.id, provider_id, submission)
-    left_out = [qid for qid, _, _ in _running(task, batch, waiting)]
-    if left_out:
-        log.warning("provider batch %s: %d requests had no result", provider_id, len(left_out))
-        failure = RerankAttemptError(
-            AttemptOutcome.MALFORMED, f"provider batch {provider_id} ended without its result"
-        )
-        _fail_items(task, batch, left_out, failure)
     record = _provider_record(store, batch.id, provider_id)
     record.update(ended_at=time.time(), results=lines, resubmitted=len(resubmit))
     if record.get("doubt"):
@@ -1050,6 +1043,46 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
         lines,
         len(resubmit),
     )
+
+
+def _map_left_out(
+    task: SiftTask, batch: BatchJob, provider_id: str, submission: str | None
+) -> list[str]:
+    """The requests an ended provider batch's results left out (no line, or one that named
+    no request), each mapped as a ``malformed`` result of its item: resubmitted while its
+    attempts and the deadline last, as the standard lane retries an unreadable answer, then
+    the failure policy. They were failed at once, with two attempts of the three unused,
+    so a batch's economy lane failed items its standard lane would have answered. (Items
+    whose line this file had are ``handled``; a task run again maps none twice.)"""
+    from worker.adapters.anthropic_batches import BatchLine  # the adapter is the worker's
+
+    waiting = _items_waiting(task.context.store, batch.id, provider_id, submission)
+    left_out = [
+        (int(data["pos"]), run.get("submission") if submission is None else submission)
+        for _, data, run in _running(task, batch, waiting)
+        if run.get("handled") != provider_id
+    ]
+    if not left_out:
+        return []
+    log.warning("provider batch %s: %d requests had no result", provider_id, len(left_out))
+    failure = RerankAttemptError(
+        AttemptOutcome.MALFORMED, f"provider batch {provider_id} ended without its result"
+    )
+    lines = [
+        BatchLine(custom_id(pos, sub) if sub else f"i{pos}", "malformed", error=failure)
+        for pos, sub in left_out
+    ]
+    resubmit: list[str] = []
+    for start in range(0, len(lines), PAGE):
+        resubmit += _map_page(task, batch, provider_id, lines[start : start + PAGE])
+    # an item the mapping did not take as current (none should be) fails, as all did before,
+    # rather than wait forever
+    stuck = [
+        qid for qid, _, run in _running(task, batch, waiting) if run.get("handled") != provider_id
+    ]
+    if stuck:
+        _fail_items(task, batch, stuck, failure)
+    return resubmit
 
 
 def _map_page(
