@@ -1022,7 +1022,7 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
     resubmit += _map_page(task, batch, provider_id, page)
     in_doubt = bool(record.get("doubt")) and not ours
     if not in_doubt:
-        resubmit += _map_left_out(task, batch, provider_id, submission)
+        resubmit += _map_left_out(task, batch, provider_id, submission, set(resubmit))
     if resubmit:
         fresh = store.get_batch(batch.id) or batch
         # once each: a custom_id twice in one create is refused (400) for the whole batch
@@ -1046,21 +1046,28 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
 
 
 def _map_left_out(
-    task: SiftTask, batch: BatchJob, provider_id: str, submission: str | None
+    task: SiftTask,
+    batch: BatchJob,
+    provider_id: str,
+    submission: str | None,
+    resubmitting: set[str],
 ) -> list[str]:
     """The requests an ended provider batch's results left out (no line, or one that named
     no request), each mapped as a ``malformed`` result of its item: resubmitted while its
     attempts and the deadline last, as the standard lane retries an unreadable answer, then
     the failure policy. They were failed at once, with two attempts of the three unused,
-    so a batch's economy lane failed items its standard lane would have answered. (Items
-    whose line this file had are ``handled``; a task run again maps none twice.)"""
+    so a batch's economy lane failed items its standard lane would have answered.
+
+    Every item still waiting on the provider batch and not among ``resubmitting`` (the
+    file's lines to resubmit) is one: a task run again after a kill maps it again, counting
+    nothing twice (its run is ``handled``) and resubmitting it if it was to be."""
     from worker.adapters.anthropic_batches import BatchLine  # the adapter is the worker's
 
     waiting = _items_waiting(task.context.store, batch.id, provider_id, submission)
     left_out = [
-        (int(data["pos"]), run.get("submission") if submission is None else submission)
-        for _, data, run in _running(task, batch, waiting)
-        if run.get("handled") != provider_id
+        (qid, int(data["pos"]), run.get("submission") if submission is None else submission)
+        for qid, data, run in _running(task, batch, waiting)
+        if qid not in resubmitting
     ]
     if not left_out:
         return []
@@ -1070,16 +1077,15 @@ def _map_left_out(
     )
     lines = [
         BatchLine(custom_id(pos, sub) if sub else f"i{pos}", "malformed", error=failure)
-        for pos, sub in left_out
+        for _, pos, sub in left_out
     ]
     resubmit: list[str] = []
     for start in range(0, len(lines), PAGE):
         resubmit += _map_page(task, batch, provider_id, lines[start : start + PAGE])
     # an item the mapping did not take as current (none should be) fails, as all did before,
     # rather than wait forever
-    stuck = [
-        qid for qid, _, run in _running(task, batch, waiting) if run.get("handled") != provider_id
-    ]
+    taken = resubmitting | set(resubmit)
+    stuck = [qid for qid, _, _ in _running(task, batch, waiting) if qid not in taken]
     if stuck:
         _fail_items(task, batch, stuck, failure)
     return resubmit
