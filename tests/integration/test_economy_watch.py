@@ -35,8 +35,17 @@ def _economy_batch(store: JobStore) -> str:
     return batch.id
 
 
+def _redriven(kind: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("sift_redriven_total", {"kind": kind}) or 0.0
+
+
 def test_a_lost_poll_or_submission_is_sent_again_once_it_is_overdue(store: JobStore) -> None:
+    """And counted in ``sift_redriven_total``, whose "above zero is a crash that would have
+    lost work" it is: a poll lost with a Redis restart was sent again with the counter at 0."""
     batch_id = _economy_batch(store)
+    before = _redriven("economy")
     now = time.time()
     store.economy_expect(batch_id, "msgbatch_lost", now - 1)  # due, never ran: lost
     store.economy_expect(batch_id, "submit", now - 1)
@@ -49,6 +58,7 @@ def test_a_lost_poll_or_submission_is_sent_again_once_it_is_overdue(store: JobSt
         (ECONOMY_POLL_TASK, [batch_id, "msgbatch_lost"], BATCH_QUEUE),
         (ECONOMY_SUBMIT_TASK, [batch_id], BATCH_QUEUE),
     ]
+    assert _redriven("economy") - before == 2
     # sent once: due again a margin later, not at every sweep
     assert store.economy_overdue(now + 1) == []
     assert len(store.economy_overdue(now + WATCH_MARGIN_SECONDS + 61)) == 3
@@ -61,7 +71,9 @@ def test_a_finished_batch_is_never_woken(store: JobStore) -> None:
     )
     store.economy_expect(batch_id, "msgbatch_done", time.time() - 1)
     sent: list[str] = []
+    before = _redriven("economy")
     assert rewake(store, lambda name, *_: sent.append(name), time.time()) == 0
+    assert _redriven("economy") == before
     assert sent == [] and store.economy_overdue(time.time()) == []  # and forgotten
 
 

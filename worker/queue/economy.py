@@ -452,6 +452,7 @@ def rewake(store: JobStore, send: Callable[[str, list[Any], str, str], None], no
         store.economy_hand_over(batch_id, what, task_id)  # the late one, if it comes, stops
         store.economy_expect(batch_id, what, now + WATCH_MARGIN_SECONDS)
         send(name, args, BATCH_QUEUE, task_id)
+        metrics.redriven("economy")  # a lost message, as the re-drive's others are counted
         log.warning("batch %s: its %s task did not run when due; sent again", batch_id, what)
         sent += 1
     return sent
