@@ -1,0 +1,62 @@
+"""What the economy lane's reliability tests share: a stack at default settings, its
+workers, a submission and its end.
+
+A real stack of the test's own (redis-server, the gateway under uvicorn, ``sift worker``
+processes, the fake Messages API on loopback HTTP with the real SDK); every ``SIFT_``
+setting at its default (the economy lane's first poll after 30 s, the dead-worker check)
+except what a test cannot run without (the Redis URL, the keys, the model's address).
+
+The tests are in several files (test_economy_crash*.py, test_economy_lost_*.py,
+test_economy_slow_create.py), not two long ones: ``make test`` runs each file whole on one
+pytest-xdist process, so a file of five minute-long tests would run alone at the end.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import batch_counts, stack_env, submit_batch
+from tests.services import gateway, redis_server
+from worker.stack import child_env, worker_process
+
+FINISH_WINDOW = 240.0  # from the new worker's start: dead-worker check + a 30 s poll + slack
+
+
+@contextmanager
+def economy_stack(
+    tmp_path: Path, model: FakeAnthropic, **extra: str
+) -> Iterator[tuple[dict[str, str], httpx.Client]]:
+    """redis-server and the gateway, no worker (a test starts and kills its own); ``extra``
+    settings over the test environment's, the soft shutdown window at its default."""
+    with redis_server(tmp_path / "redis") as base_url:
+        env = stack_env(base_url + "/0", model.url, **extra)
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # back to its default
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            yield env, client
+
+
+@contextmanager
+def worker(directory: Path, env: dict[str, str], name: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``sift worker`` ``name`` (its log ``directory/<name>.log``) with ``env`` only: no
+    ``SIFT_`` setting of the shell running the tests."""
+    with worker_process(directory, child_env(env, inherit_sift=False), name) as proc:
+        yield proc
+
+
+def submit_economy(client: httpx.Client, n: int, webhook_url: str | None = None) -> str:
+    """An economy-lane batch of ``n`` sample queries, each result with its trace."""
+    return submit_batch(client, n, webhook_url=webhook_url, lane="economy", include_trace=True)
+
+
+def finished(client: httpx.Client, batch_id: str) -> bool:
+    """Whether the batch has ended (its ``finished_at`` set)."""
+    return batch_counts(client, batch_id)["finished_at"] is not None

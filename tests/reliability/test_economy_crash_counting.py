@@ -1,0 +1,58 @@
+"""The economy lane when its worker is SIGKILLed just after it counted a result line in
+the metrics (before the item's run was saved, before the fix), at default settings (the
+stack of :mod:`tests.reliability.economy`): the new worker's poll counts that line no second
+time; the tokens counted, the item's record and the bill agree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.fake_anthropic import FakeAnthropic, malformed, succeeded
+from tests.reliability.economy import FINISH_WINDOW, economy_stack, finished, submit_economy, worker
+from tests.reliability.support import all_results, assert_batch_exactly_once, ingest, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+
+@pytest.mark.parametrize("first", ["succeeded", "malformed"])
+def test_a_poll_killed_after_counting_a_result_counts_it_once(tmp_path: Path, first: str) -> None:
+    # The economy recorder writes every usage count to a file (a killed worker's counters die
+    # with it) and kills the worker after the first attempt counted. Worker B runs the
+    # redelivered poll: it must find the line counted and finish the item without counting
+    # it again. "malformed": an answer that fails the schema (billed), resubmitted, then
+    # answered.
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    factory = "tests.reliability.economy_counting_runtime:build_runtime"
+    with (
+        FakeAnthropic() as model,
+        economy_stack(
+            tmp_path, model, SIFT_RUNTIME_FACTORY=factory, CRASH_ONCE_DIR=str(crashes)
+        ) as (env, client),  # fmt: skip
+    ):
+        if first == "malformed":
+            model.script_batch({"i0": [succeeded(malformed("not json")), succeeded()]})
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            batch_id = submit_economy(client, 1)
+            wait_for(lambda: worker_a.poll() is not None, "worker A killed after a count", 180)
+        with worker(tmp_path / "w", env, "b"):
+            wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW * 2)
+        assert_batch_exactly_once(client, env["SIFT_REDIS_URL"], batch_id, 1)
+        billed = model.usage()
+        counted = [json.loads(line) for line in (crashes / "counted").read_text().splitlines()]
+        assert len(counted) == billed["responses"] == (2 if first == "malformed" else 1), counted
+        assert sum(c["input"] for c in counted) == billed["input_tokens"], counted
+        assert sum(c["output"] for c in counted) == billed["output_tokens"], counted
+        [item] = all_results(client, batch_id)
+        usage = item["result"]["usage"]
+        assert (usage["input_tokens"], usage["output_tokens"]) == (
+            billed["input_tokens"],
+            billed["output_tokens"],
+        )
+        outcomes = [a["outcome"] for a in item["result"]["trace"]["attempts"]]
+        assert outcomes == (["malformed", "ok"] if first == "malformed" else ["ok"]), outcomes
