@@ -3,6 +3,7 @@ limit, and ``--limit`` is sent as the page size (at most the gateway's maximum).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -175,3 +176,87 @@ def test_documents_are_followed_page_after_page_and_cut_at_the_limit() -> None:
     seen.clear()
     last = [{"documents": [{"id": "c"}], "next_page_token": None}]
     assert fetch_documents(gateway_of(last, seen), "docs", 1) == ([{"id": "c"}], False)
+
+
+def documents_gateway(
+    monkeypatch: Any, answers: list[httpx.Response], written: list[str]
+) -> list[str]:
+    """``sift documents list`` against a gateway that holds index ``docs`` of three documents
+    and answers its document pages with ``answers`` in turn; ``written`` gets what stdout
+    held when each page was asked for. Answers the paths asked."""
+    import contextlib
+    import sys
+
+    from worker.cli import indexes
+
+    asked: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        asked.append(str(request.url.params))
+        if request.url.path == "/v1/indexes/docs":
+            return httpx.Response(200, json={"name": "docs", "documents": 3})
+        sys.stdout.flush()
+        written.append(sys.stdout.buffer.getvalue().decode())  # type: ignore[attr-defined]
+        return answers.pop(0)
+
+    @contextlib.contextmanager
+    def fake_gateway() -> Any:
+        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
+
+    monkeypatch.setattr(indexes, "gateway", fake_gateway)
+    return asked
+
+
+DOC_PAGES = [
+    {
+        "documents": [{"id": "a", "metadata": {}}, {"id": "b", "metadata": {}}],
+        "next_page_token": "t1",
+    },
+    {"documents": [{"id": "c", "metadata": {}}], "next_page_token": None},
+]
+
+
+def test_documents_list_all_reads_a_page_again_through_a_gateway_restart(
+    monkeypatch: Any,
+) -> None:
+    """A page read is a GET: a 503 (no worker answered in time, Redis restarting) or a lost
+    connection half-way through ``--all`` is sent again, as ``sift batch`` reads its result
+    pages; it ended the command with every page read so far thrown away."""
+    from typer.testing import CliRunner
+
+    from worker.cli import app
+
+    answers = [
+        httpx.Response(200, json=DOC_PAGES[0]),
+        httpx.Response(503, json={"error": {"type": "unavailable", "message": "no worker"}}),
+        httpx.Response(200, json=DOC_PAGES[1]),
+    ]
+    asked = documents_gateway(monkeypatch, answers, [])
+    shown = CliRunner().invoke(app, ["documents", "list", "docs", "--all", "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert [d["id"] for d in json.loads(shown.stdout)] == ["a", "b", "c"]
+    assert asked[-2:] == ["page_size=1000&page_token=t1"] * 2
+
+
+def test_documents_list_all_json_writes_each_page_before_reading_the_next(
+    monkeypatch: Any,
+) -> None:
+    """``--all --json`` on a big index: each page is written as it comes (one JSON array in
+    the end), so memory holds a page, not the index (1,000,000 documents held as dicts are
+    about a GB); and a failure half-way leaves what was read, unterminated, with exit 1."""
+    from typer.testing import CliRunner
+
+    from worker.cli import app
+
+    written: list[str] = []
+    documents_gateway(monkeypatch, [httpx.Response(200, json=p) for p in DOC_PAGES], written)
+    shown = CliRunner().invoke(app, ["documents", "list", "docs", "--all", "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout) == [*DOC_PAGES[0]["documents"], *DOC_PAGES[1]["documents"]]
+    assert '"id": "b"' in written[1]  # page one was out before page two was asked for
+    gone = {"error": {"type": "index_not_found", "message": "index 'docs' does not exist"}}
+    answers = [httpx.Response(200, json=DOC_PAGES[0]), httpx.Response(404, json=gone)]
+    documents_gateway(monkeypatch, answers, [])
+    cut = CliRunner().invoke(app, ["documents", "list", "docs", "--all", "--json"])
+    assert cut.exit_code == 1 and "does not exist" in cut.stderr
+    assert cut.stdout.startswith('[{"id": "a"') and not cut.stdout.rstrip().endswith("]")

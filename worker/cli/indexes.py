@@ -9,7 +9,7 @@ answers instead of tables.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from enum import StrEnum
 from typing import Annotated, Any
 from urllib.parse import quote
@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 
 from worker.cli import app
-from worker.cli._http import Gateway, gateway
+from worker.cli._http import RETRY_SECONDS, Gateway, gateway
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
 from worker.cli.client import EXIT_ERROR, InputError, _err, _expected_errors, _out
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
@@ -245,26 +245,61 @@ def index_delete(
     _report(console, job, f"from index {name}", json_out)
 
 
+def document_pages(
+    client: Gateway, index: str, page_size: int
+) -> Iterator[tuple[list[dict[str, Any]], str | None]]:
+    """Each page of ``GET /v1/indexes/{index}/documents`` from the first, with its
+    ``next_page_token``, following the tokens to the end. A page read is a GET, so one that
+    meets a transient failure (a 503, a gateway restarting) is sent again for up to
+    ``RETRY_SECONDS``, as ``sift batch`` reads its result pages: ``--all`` stopped at the
+    first, every page read before it lost."""
+    params: dict[str, Any] = {"page_size": page_size}
+    path = f"/v1/indexes/{quote(index, safe='')}/documents"
+    while True:
+        page = client.json("GET", path, params=params, retry_for=RETRY_SECONDS)
+        token = page.get("next_page_token")
+        yield page["documents"], token
+        if not token:
+            return
+        params["page_token"] = token
+
+
 def fetch_documents(
     client: Gateway, index: str, limit: int | None, on_page: Callable[[int], object] | None = None
 ) -> tuple[list[dict[str, Any]], bool]:
     """The first ``limit`` of the index's documents by id (all of them: None), page after
     page of ``GET /v1/indexes/{index}/documents``, and whether more are left; ``on_page`` is
     called with each page's count."""
-    params: dict[str, Any] = {"page_size": min(limit or MAX_PAGE_SIZE, MAX_PAGE_SIZE)}
     docs: list[dict[str, Any]] = []
-    while True:
-        page = client.json("GET", f"/v1/indexes/{quote(index, safe='')}/documents", params=params)
-        docs += page["documents"]
+    left = False  # the last page read has a next_page_token
+    size = min(limit or MAX_PAGE_SIZE, MAX_PAGE_SIZE)
+    for page, token in document_pages(client, index, size):
+        docs += page
+        left = bool(token)
         if on_page is not None:
-            on_page(len(page["documents"]))
-        token = page.get("next_page_token")
-        if not token or (limit is not None and len(docs) >= limit):
+            on_page(len(page))
+        if limit is not None and len(docs) >= limit:
             break
-        params["page_token"] = token
     if limit is None:
         return docs, False
-    return docs[:limit], bool(token) or len(docs) > limit
+    return docs[:limit], left or len(docs) > limit
+
+
+def _echo_json_array(
+    pages: Iterable[tuple[list[dict[str, Any]], str | None]], on_page: Callable[[int], object]
+) -> None:
+    """The documents as one JSON array (what ``json.dumps`` of the list writes), each page
+    written as it comes: ``--all`` holds one page, not the index (a million documents held
+    as dicts are about a GB). A failure half-way leaves the array unterminated (and exit 1),
+    so what was written cannot pass for the whole list."""
+    sep = ""
+    typer.echo("[", nl=False)
+    for page, _token in pages:
+        for doc in page:
+            typer.echo(sep + json.dumps(doc, ensure_ascii=False), nl=False)
+            sep = ", "
+        on_page(len(page))
+    typer.echo("]")
 
 
 def _preview(doc: dict[str, Any]) -> str:
@@ -331,9 +366,14 @@ def documents_list(
             if every:
                 with progress_bar(_err()) as progress:
                     task = progress.add_task(f"list {index}", total=total)
-                    docs, more = fetch_documents(
-                        client, index, None, lambda n: progress.advance(task, n)
-                    )
+
+                    def advance(n: int) -> None:
+                        progress.advance(task, n)
+
+                    if json_out:
+                        _echo_json_array(document_pages(client, index, MAX_PAGE_SIZE), advance)
+                        return
+                    docs, more = fetch_documents(client, index, None, advance)
             else:
                 docs, more = fetch_documents(client, index, limit or DEFAULT_DOCUMENTS_SHOWN)
     if json_out:
