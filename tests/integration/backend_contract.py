@@ -481,3 +481,13 @@ class LifecycleContract(BackendContract):
         assert backend.delete_documents(index, "acme", sorted(ids)[2:]) == 4
         assert backend.documents(index, "acme", None, 10) is None
         assert backend.documents(index, "acme", "b-2", 10) is None
+
+    def test_a_listed_text_with_a_nul_is_shown_whole(self, backend: Any, index: str) -> None:
+        """A text may hold U+0000 (valid JSON, taken by the ingest). SQLite's ``length`` and
+        ``substr`` stop at the first NUL: the embedded listing showed ``"ab"`` and a length of
+        2 for a 300-character text that the document's read and Elasticsearch show whole."""
+        text = "ab\x00cd é " + "z" * 300
+        self.load(backend, index, "acme", [Document("nul", text, "T", "1", {})])
+        (listed,) = backend.documents(index, "acme", None, 10)
+        assert backend.document(index, "acme", "nul").text == text
+        assert (listed.text_preview, listed.text_length) == (text[:200], len(text))

@@ -82,24 +82,36 @@ class _Listing(_Pool):
         ``writes``: a page costs its own rows, wherever in the index it starts (the
         query plan is pinned by ``test_embedded_lifecycle.py``). The text is cut in SQLite
         (``substr``; ``length`` counts characters as Python does), so at most
-        ``DOCUMENT_PREVIEW_CHARS`` of each leaves the database."""
+        ``DOCUMENT_PREVIEW_CHARS`` of each leaves the database; but both stop at a text's
+        first U+0000 (which the ingest takes), so a text holding one is read whole and cut
+        here (rare: ``instr`` on its bytes finds it)."""
         with self._conn() as conn, _translated("documents"), _read(conn):
             rows = cast(
-                list[tuple[str, str, str, str, str, int, int | None]],
+                list[tuple[str, str, str, str, str, int, int | None, str | None]],
                 conn.execute(DOCUMENTS_PAGE, (index, tenant, after or "", limit)).fetchall(),
             )
             if not rows and not _holds(conn, index, tenant):
                 return None
         return [
-            ListedDocument(doc_id, title, revision, preview, length, json.loads(meta), version)
-            for doc_id, revision, meta, title, preview, length, version in rows
+            ListedDocument(
+                doc_id,
+                title,
+                revision,
+                preview if whole is None else whole[:DOCUMENT_PREVIEW_CHARS],
+                length if whole is None else len(whole),
+                json.loads(meta),
+                version,
+            )
+            for doc_id, revision, meta, title, preview, length, version, whole in rows
         ]
 
 
-#: One page of a tenant's documents; ``id > ''`` is every id (the gateway takes none empty).
+#: One page of a tenant's documents; ``id > ''`` is every id (the gateway takes none empty);
+#: the last column is the whole text of one holding a U+0000 (NULL for any other).
 DOCUMENTS_PAGE = (
     "SELECT d.id, d.revision, d.metadata, b.title,"
-    f" substr(b.text, 1, {DOCUMENT_PREVIEW_CHARS}), length(b.text), w.version FROM docs AS d"
+    f" substr(b.text, 1, {DOCUMENT_PREVIEW_CHARS}), length(b.text), w.version,"
+    " CASE WHEN instr(CAST(b.text AS BLOB), x'00') THEN b.text END FROM docs AS d"
     " JOIN bodies AS b ON b.seq = d.seq"
     " LEFT JOIN writes AS w ON w.idx = d.idx AND w.tenant = d.tenant AND w.id = d.id"
     " WHERE d.idx = ? AND d.tenant = ? AND d.id > ? ORDER BY d.id LIMIT ?"
