@@ -145,7 +145,7 @@ class ListedDocumentOut(BaseModel):
 
 class DocumentsPage(BaseModel):
     documents: list[ListedDocumentOut]
-    next_page_token: str | None = None
+    next_page_token: str | None  # on every page (null on the last), so declared required
 
 
 class DeleteDocumentsRequest(_Strict):

@@ -213,6 +213,11 @@ def test_openapi_declares_the_contract(stack: Stack) -> None:
     assert "DocumentsPage" in str(listed["responses"]["200"]) and "ErrorBody" in str(listed)
     assert {p["name"] for p in listed["parameters"]} >= {"index", "page_size", "page_token"}
     assert "vector" not in doc["components"]["schemas"]["ListedDocumentOut"]["properties"]
+    # every page has the token, null on the last: a client reads it, never tests for it
+    assert set(doc["components"]["schemas"]["DocumentsPage"]["required"]) == {
+        "documents",
+        "next_page_token",
+    }
     assert "Idempotency-Key" in str(post["parameters"])
     schemas = doc["components"]["schemas"]
     assert set(schemas["BatchCounts"]["properties"]) == {
