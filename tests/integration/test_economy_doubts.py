@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import anthropic
+import httpx2
 import pytest
 
 from tests.fake_anthropic import FakeAnthropic
@@ -395,3 +396,32 @@ def test_a_create_in_doubt_whose_upload_outlasted_the_window_finds_its_batch(
     waiting = [json.loads(r) for r in store.economy_all(batch.id, ECONOMY_RUNS_KEY).values()]
     assert {r["provider"] for r in waiting} == {economy.DOUBT + "sub"}
     assert [kw["args"] for _, kw in task.sent] == [[batch.id, made.id]]  # its poll
+
+
+def test_a_streamed_create_sends_the_bytes_the_sdks_typed_create_would(
+    model: FakeAnthropic,
+) -> None:
+    """The create's body goes out a piece at a time through the SDK's ``post``: it must be the
+    bytes ``messages.batches.create`` sends (the SDK's JSON: UTF-8, not ``\\uXXXX``), so that
+    a body that fits the provider's size limit sent by the SDK fits it sent in pieces too.
+    Escaped, a request of non-ASCII text took up to three times its bytes (an emoji's 4 bytes
+    as 12): this one was refused (413) at the limit the SDK's own body fits exactly."""
+    seen: list[bytes] = []
+
+    def record(request: Any) -> None:
+        seen.append(request.read())
+
+    params = {"model": MODEL, "max_tokens": 16,
+              "messages": [{"role": "user", "content": "café, 日本の火山灰 😀 " * 40}]}  # fmt: skip
+    requests = [{"custom_id": f"i{i}-abcdefabcdef", "params": params} for i in range(3)]
+    hooked = httpx2.Client(event_hooks={"request": [record]})
+    with anthropic.Anthropic(
+        base_url=model.url, api_key="sk-ant-test", max_retries=0, http_client=hooked
+    ) as sdk:
+        sdk.messages.batches.create(requests=requests)  # type: ignore[arg-type]
+    (typed,) = seen
+    model.configure(batch_max_bytes=len(typed))
+    with anthropic.Anthropic(base_url=model.url, api_key="sk-ant-test", max_retries=0) as plain:
+        made = AnthropicMessageBatches(AnthropicReranker(MODEL, client=plain)).create(requests)
+    assert made.requests == 3
+    assert len(model.batches()) == 2  # the SDK's, and the streamed one: not refused

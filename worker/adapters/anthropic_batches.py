@@ -46,6 +46,7 @@ __all__ = [
     "AnthropicMessageBatches",
     "BatchLine",
     "ProviderBatch",
+    "encode_body",
     "errored_outcome",
     "parse_line",
 ]
@@ -143,7 +144,7 @@ class AnthropicMessageBatches:
         short of its end, so the provider, which never had the whole body, makes nothing.
         The API has no idempotency key: this is how a create whose run was taken over (the
         new run may send the same requests again) is kept from making its batch after all."""
-        body = json.dumps({"requests": list(requests)}, separators=(",", ":")).encode()
+        body = encode_body({"requests": list(requests)})
 
         def pieces() -> Iterator[bytes]:
             for start in range(0, len(body) - 1, UPLOAD_PIECE_BYTES):
@@ -225,6 +226,17 @@ class AnthropicMessageBatches:
                     yield parse_line(raw)
         finally:
             decoder.close()
+
+
+def encode_body(value: Any) -> bytes:
+    """``value`` as the SDK's own JSON body: UTF-8 text unescaped, compact, no NaN (its
+    ``openapi_dumps``). ``json.dumps``'s default writes non-ASCII as ``\\uXXXX``: a body
+    of the same JSON up to three times as long, refused (413) at a size the SDK's fits.
+
+    >>> encode_body({"t": "café 😀"})
+    b'{"t":"caf\\xc3\\xa9 \\xf0\\x9f\\x98\\x80"}'
+    """
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def parse_line(raw: str) -> BatchLine:

@@ -526,7 +526,8 @@ def _pending(
             "custom_id": custom_id(run["pos"], "x" * SUBMISSION_CHARS),  # its size, for now
             "params": client.request_params(item.prompt),
         }
-        size = len(json.dumps(request, separators=(",", ":")).encode())
+        # its bytes in the create's body, as the SDK writes JSON (encode_body): UTF-8 unescaped
+        size = len(json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode())
         yield _Pending(qid, request, size, run)
 
 
