@@ -15,11 +15,12 @@ from typing import Any
 import anthropic
 import httpx2
 import pytest
+from opentelemetry import trace
 
 from tests.fake_anthropic import FakeAnthropic
 from tests.unit.test_pipeline import make
 from worker.adapters.anthropic import AnthropicReranker
-from worker.adapters.anthropic_batches import AnthropicMessageBatches
+from worker.adapters.anthropic_batches import CALL_TIMEOUT_SECONDS, AnthropicMessageBatches
 from worker.constants import (
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RESEND_CLAIM,
@@ -425,3 +426,55 @@ def test_a_streamed_create_sends_the_bytes_the_sdks_typed_create_would(
         made = AnthropicMessageBatches(AnthropicReranker(MODEL, client=plain)).create(requests)
     assert made.requests == 3
     assert len(model.batches()) == 2  # the SDK's, and the streamed one: not refused
+
+
+class _Tracer(trace.Tracer):
+    """A tracer whose every span carries one valid, sampled context (no SDK installed)."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+
+    def start_span(self, name: str, *_: Any, **__: Any) -> trace.Span:
+        self.started.append(name)
+        context = trace.SpanContext(
+            0x5EED, 0xB47C, is_remote=False, trace_flags=trace.TraceFlags(1)
+        )
+        return trace.NonRecordingSpan(context)
+
+    def start_as_current_span(self, *_: Any, **__: Any) -> Any:
+        raise NotImplementedError
+
+
+class _Provider(trace.TracerProvider):
+    def __init__(self) -> None:
+        self.tracer = _Tracer()
+
+    def get_tracer(self, *_: Any, **__: Any) -> trace.Tracer:
+        return self.tracer
+
+
+def test_a_streamed_create_sends_the_headers_the_sdks_typed_create_would(
+    model: FakeAnthropic,
+) -> None:
+    """With OpenTelemetry on, the SDK's typed create starts its span and sends its trace
+    context (``traceparent``); a ``post`` that names no span had neither: the create, the one
+    Message Batches call that costs, went untraced. Every header the typed create sends,
+    the streamed one sends (the body's length aside, which the other test checks)."""
+    heads: list[dict[str, str]] = []
+    provider = _Provider()
+    hooked = httpx2.Client(event_hooks={"request": [lambda r: heads.append(dict(r.headers))]})
+    params = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+    requests = [{"custom_id": f"i{i}-abcdefabcdef", "params": params} for i in range(2)]
+    with anthropic.Anthropic(
+        base_url=model.url,
+        api_key="sk-ant-test",
+        max_retries=0,
+        http_client=hooked,
+        open_telemetry={"tracer_provider": provider},
+    ) as sdk:
+        sdk.messages.batches.create(requests=requests, timeout=CALL_TIMEOUT_SECONDS)  # type: ignore[arg-type]
+        AnthropicMessageBatches(AnthropicReranker(MODEL, client=sdk)).create(requests)
+    typed, streamed = ({k: v for k, v in h.items() if k != "content-length"} for h in heads)
+    assert typed["traceparent"].startswith("00-")
+    assert streamed == typed
+    assert provider.tracer.started == ["anthropic.messages.batches.create"] * 2

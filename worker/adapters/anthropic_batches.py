@@ -157,12 +157,19 @@ class AnthropicMessageBatches:
 
         client = self.reranker.client
         headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        # and the span ``batches.create`` names (the SDK's internal options): without a span
+        # name the SDK starts none for a call and sends no trace context (``traceparent``)
+        options: Any = {
+            "headers": headers,
+            "timeout": CALL_TIMEOUT_SECONDS,
+            "span_name": "anthropic.messages.batches.create",
+            "span_route": "/v1/messages/batches",
+            "span_attributes": {"anthropic.message.batch.request_count": len(requests)},
+            "span_created_id": "anthropic.message.batch.id",
+        }
         batch = _call(
             lambda: client.post(
-                "/v1/messages/batches",
-                cast_to=MessageBatch,
-                content=pieces(),
-                options={"headers": headers, "timeout": CALL_TIMEOUT_SECONDS},
+                "/v1/messages/batches", cast_to=MessageBatch, content=pieces(), options=options
             ),
             "create",
         )
