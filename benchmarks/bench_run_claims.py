@@ -2,7 +2,8 @@
 (:mod:`worker.queue.jobstore.runs`): a claim and its release, against ``begin_item``, the one
 transition per item a runner already makes, on a redis-server of its own; and what keeping
 the model's answer in the claim adds (``dump_run`` of a typical one-call rerank, 10
-positions, and the ``keep_answer`` round trip), the added cost of every reranked search.
+positions, the digest of the 50 candidates it answered, and the ``keep_answer`` round
+trip), the added cost of every reranked search.
 
     python benchmarks/bench_run_claims.py [--items 20000] [--rounds 10]
 
@@ -29,8 +30,8 @@ sys.path.insert(0, str(REPO))
 from tests.services import redis_server  # noqa: E402
 from worker.constants import WORKER_HEARTBEAT_KEY  # noqa: E402
 from worker.contract import SearchSpec  # noqa: E402
-from worker.core.pipeline import RerankRun, dump_run  # noqa: E402
-from worker.core.types import RerankReply, TokenUsage  # noqa: E402
+from worker.core.pipeline import RerankRun, dump_run, shown_digest  # noqa: E402
+from worker.core.types import Candidate, Document, RerankReply, TokenUsage  # noqa: E402
 from worker.queue.jobstore import JobStore  # noqa: E402
 
 POSITIONS = [3, 1, 7, 2, 9, 4, 12, 5, 6, 8]
@@ -43,6 +44,14 @@ ANSWER = RerankRun(  # what one answered call leaves: the answer a search keeps
     reply=RerankReply(POSITIONS, USAGE, "claude-haiku-4-5"),
     seconds=0.8124,
 )
+SHOWN = [  # the candidates it answered, whose digest is kept with it
+    Candidate(Document(f"doc-{i}", "", revision=f"{i:016x}"), i, 0.01, {}, {}) for i in range(50)
+]
+
+
+def _kept() -> dict[str, object]:
+    """What a run keeps: its answer and the digest of the candidates it was shown."""
+    return {**dump_run(ANSWER), "shown": shown_digest(SHOWN)}
 
 
 def _redis_cpu(store: JobStore) -> float:
@@ -73,7 +82,7 @@ def main() -> None:
                     else:
                         claim = store.claim_item(batch.id, qid, "w1", lease_seconds=30.0)
                         if name == "keep":
-                            store.item_answers(batch.id, qid, claim).save(dump_run(ANSWER))
+                            store.item_answers(batch.id, qid, claim).save(_kept())
                         store.release_item(batch.id, qid, claim)
                 spent[name][0] += time.process_time() - cpu
                 spent[name][1] += _redis_cpu(store) - redis_cpu
@@ -96,7 +105,7 @@ def main() -> None:
     added = [(spent["keep"][i] - spent["claim"][i]) / n * 1e6 for i in (0, 1)]
     print(
         f"the answer kept, added per search: {added[0]:.1f} µs client CPU, {added[1]:.1f} µs "
-        f"Redis CPU ({len(json.dumps(dump_run(ANSWER), separators=(',', ':')))} B kept)"
+        f"Redis CPU ({len(json.dumps(_kept(), separators=(',', ':')))} B kept)"
     )
 
 

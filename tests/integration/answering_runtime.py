@@ -3,7 +3,11 @@ worker whose process dies once, on demand, just after the model answered and bef
 search's result is saved: when the file named by ``DIE_AFTER_MODEL_FLAG`` exists, the first
 ``rerank_done`` (the result's own first step, after the model call) deletes it and exits.
 Every model usage the pipeline counts is appended to ``MODEL_USAGE_LOG``, one line each,
-so a test reads what the metrics were told across the worker's processes."""
+so a test reads what the metrics were told across the worker's processes. Tenant "zeta" has
+the same documents, and one more once the file named by ``EXTRA_DOCUMENT_FLAG`` exists (read
+when a process builds its runtime: an ingest that landed between two runs of a search).
+
+``EXTRA_DOCUMENT`` is that document: it matches the queries best, so it leads the candidates."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ DOCUMENTS = [
     DocumentIn(id=f"d{i}", text=f"{word} is a word about {word} and more {word}")
     for i, word in enumerate(["alpha", "beta", "gamma", "delta", "epsilon"])
 ]
+EXTRA_DOCUMENT = DocumentIn(id="new", text="gamma gamma gamma delta delta delta, newly ingested")
 
 
 class DyingRecorder(metrics.PrometheusRecorder):
@@ -47,4 +52,7 @@ def build(settings: Settings) -> Runtime:
         recorder=DyingRecorder(),
     )
     runtime.ingest("docs", "acme", DOCUMENTS)
+    extra = os.environ.get("EXTRA_DOCUMENT_FLAG")
+    changed = extra is not None and Path(extra).exists()
+    runtime.ingest("docs", "zeta", [*DOCUMENTS, *([EXTRA_DOCUMENT] if changed else [])])
     return runtime

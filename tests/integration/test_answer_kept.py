@@ -11,10 +11,11 @@ pipeline, the Anthropic SDK against the fake Messages API, an in-memory index
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -33,6 +34,7 @@ class Setup(NamedTuple):
     model: FakeAnthropic
     flag: Path  # exists: the worker dies after its next model answer
     usage_log: Path  # a line per model usage the metrics were told
+    extra: Path  # exists: a process built from now on has tenant zeta's extra document
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +52,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
             "DIE_AFTER_MODEL_FLAG": str(tmp / "die"),
             "MODEL_USAGE_LOG": str(tmp / "usage.log"),
+            "EXTRA_DOCUMENT_FLAG": str(tmp / "extra"),
         }
         store = JobStore.from_url(url + "/0")
         with celery_worker(tmp / "w", env, "answer", concurrency=1, pool="prefork"):
-            yield Setup(store, model, tmp / "die", tmp / "usage.log")
+            yield Setup(store, model, tmp / "die", tmp / "usage.log", tmp / "extra")
         store.close()
 
 
@@ -120,3 +123,45 @@ def test_a_batch_item_whose_worker_died_after_the_model_answered_calls_it_once(
     (item,) = setup.store.batch_results(batch.id, 0, 1)
     assert item.status == "succeeded" and item.payload is not None, item
     _one_call(setup, SearchResult.model_validate(json.loads(item.payload)["result"]))
+
+
+def _shown(request: dict[str, Any]) -> list[str]:
+    """The candidate texts a model request showed, in its order (the prompt's "[N] ..." lines)."""
+    (message,) = request["body"]["messages"]
+    content = message["content"]
+    text = content if isinstance(content, str) else "".join(b["text"] for b in content)
+    return [m.group(1).strip() for m in re.finditer(r"^\s*\[\d+\] (.*)$", text, re.M)]
+
+
+def test_a_kept_answer_is_not_applied_to_candidates_the_model_never_saw(setup: Setup) -> None:
+    """The index changed between the run that called the model and the run that took its
+    claim over (an ingest landed meanwhile): the kept positions number the first run's
+    candidates, so the result must not be those positions applied to the second run's
+    (before: ``rerank.applied`` with a document the model was never shown, in an order
+    it never gave). The result is the model's answer over what it was shown."""
+    sender = OutboxSender(setup.store)
+    spec = SearchSpec(index="docs", query="gamma delta", rerank=True, include_trace=True)
+
+    def run() -> SearchResult:
+        job = setup.store.create_search(
+            "zeta",
+            spec,
+            enqueue=lambda job_id: sender.messages([(SEARCH_TASK, [job_id], SEARCH_QUEUE)]),
+        )
+        _wait(lambda: (j := setup.store.get_search(job.id)) is not None and j.status.final)
+        done = setup.store.get_search(job.id)
+        assert done is not None and done.status == "succeeded" and done.result, done
+        return done.result
+
+    setup.extra.unlink(missing_ok=True)
+    run()  # the worker's process has built its runtime: without the extra document
+    _arm(setup)
+    setup.extra.touch()  # the process taking the claim over will have it
+    result = run()
+    assert not setup.flag.exists()  # the worker did die after the model answered
+    shown = _shown(setup.model.requests()[-1])
+    assert result.rerank.applied
+    got = [hit.text for hit in result.hits]
+    # the fake ranks what it was shown in reverse: the result is that, for the last prompt
+    assert got and got == list(reversed(shown))[: len(got)], (got, shown)
+    assert result.usage.requests == len(result.trace["attempts"]) == 1  # type: ignore[index]

@@ -5,6 +5,7 @@ This is DESIGN.md §2 and §4 in one place; everything it touches outside is a p
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
@@ -250,7 +251,10 @@ class SearchPipeline:
         soon as the call returns; one an earlier run kept (its process died before the result
         was saved) is finished instead of calling the model again: the call was paid for and
         counted once, by the run that made it (no attempt, token or cost is counted here;
-        ``before_model`` is not run either: the call it guards was made)."""
+        ``before_model`` is not run either: the call it guards was made). Only if it answered
+        these very candidates (:func:`shown_digest`): its positions number the ones it was
+        shown, and an index changed between the two runs gives others (then it is called
+        again, as before answers were kept: the record shows that second call alone)."""
         deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
         outcome: str | None = "error"
         try:
@@ -260,9 +264,10 @@ class SearchPipeline:
                 result = prepared.result
             else:
                 kept = answers.saved() if answers is not None else None
-                if kept is not None:
+                shown = shown_digest(prepared.candidates)
+                if kept is not None and kept.get("shown") == shown:
                     run = load_run(kept)
-                else:
+                else:  # none kept, or kept for other candidates (the index changed meanwhile)
                     if before_model is not None:
                         try:
                             before_model()
@@ -271,7 +276,7 @@ class SearchPipeline:
                             raise
                     run = self._call_model(prepared, deadline)
                     if answers is not None and run.job_usage().requests:  # a call was billed
-                        answers.save(dump_run(run))
+                        answers.save({**dump_run(run), "shown": shown})
                 result = self._finish(prepared, run)
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
@@ -773,6 +778,23 @@ def _trace_candidates(
         }
         for i, candidate in enumerate(candidates)
     ]
+
+
+def shown_digest(candidates: Sequence[Candidate]) -> str:
+    """A short digest of the candidates the model is shown, in their order (ids and
+    revisions: the prompt is a pure function of them, the query and the config): a kept
+    answer is finished only by a run whose candidates have the same one. Hashing a few
+    hundred bytes, not the prompt's text (up to tens of KB).
+
+    >>> a, b = Document("a", "x", revision="1"), Document("b", "y", revision="1")
+    >>> def shown(*docs): return shown_digest([Candidate(d, 1, 0.1, {}, {}) for d in docs])
+    >>> shown(a, b) == shown(a, b), shown(a, b) == shown(b, a)
+    (True, False)
+    >>> shown(a, b) == shown(a, replace(b, revision="2"))
+    False
+    """
+    text = "\n".join(f"{c.document.id}\t{c.document.revision}" for c in candidates)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
 def dump_run(run: RerankRun) -> dict[str, Any]:
