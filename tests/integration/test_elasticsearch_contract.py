@@ -1053,6 +1053,27 @@ def test_the_probe_waits_no_longer_than_the_search_has_left(
     assert len(probes_sent(server)) == 1 and not searches_sent(server)
 
 
+def test_the_probe_with_its_mapping_read_waits_no_longer_than_the_search_has_left(
+    server: FakeElasticsearchServer,
+) -> None:
+    """The probe's two requests (the ``_msearch``, then the mapping read once the tenant's
+    vectors are found) share what is left of the deadline: each was given all of it, so a
+    probe could wait up to twice what the search had left (default settings)."""
+    settings = load_settings(search_backend="elasticsearch", elasticsearch_url=server.url)
+    on_probes(server, Answer(200, probes(documents=True, vectors=True), delay=1.2))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping(), delay=1.2))
+    on_searches(server, Answer(200, msearch_response(search_response(BM25_HITS))))
+    pipeline = SearchPipeline(backend_for(server), FakeEmbedder(), config=pipeline_config(settings))
+    spent = settings.search_deadline_seconds - 2.0  # 2 s left: less than the two take
+    spec = SearchSpec(index="docs", query="q", mode="fts")
+    with pytest.raises(DeadlineExceeded, match="during the index probe") as caught:
+        pipeline.search(spec, tenant="acme", spent=spent)
+    assert isinstance(caught.value.__cause__, BackendUnavailable), caught.value.__cause__
+    assert "timed out" in caught.value.__cause__.message
+    sent = [(r.method, r.path) for r in server.requests]
+    assert sent == [("POST", MSEARCH), ("GET", f"/{ACME}/_mapping")], sent
+
+
 def test_the_pipeline_is_the_one_retry_layer(server: FakeElasticsearchServer) -> None:
     on_probes(server, Answer(200, probes(documents=True, vectors=False)))
     on_searches(

@@ -51,7 +51,7 @@ class _Search(_Bodies):
         missing alias (a name another tenant has, or nobody) answers the same empty set
         after the same one round trip. The mapping is read only once the tenant's own
         vectors are found, and a positive answer (with the model) is kept per
-        (alias, tenant) for ``CHANNELS_TTL_SECONDS``. Each request waits at most
+        (alias, tenant) for ``CHANNELS_TTL_SECONDS``. Its requests together wait at most
         ``timeout_seconds`` (what is left of the search's deadline), within the request
         timeout: a search must not wait past its deadline on the probe alone.
         """
@@ -64,6 +64,7 @@ class _Search(_Bodies):
         bound = self.request_timeout
         if timeout_seconds is not None:
             bound = min(bound, timeout_seconds)
+        started = self._clock()
         with _translated(what, index, missing_ok=True) as missing:
             es = self._es(bound)
             response = es.msearch(index=alias, searches=self.probe_searches(tenant)).body
@@ -82,8 +83,11 @@ class _Search(_Bodies):
             return none
         if not has_vectors:
             return bm25
+        # the mapping read has what the _msearch left of the bound (each given all of it, the
+        # probe waited up to twice that); none left, it times out at once
+        left = max(bound - (self._clock() - started), 0.001)
         with _translated(what, index, missing_ok=True) as missing:
-            mappings = es.indices.get_mapping(index=alias).body
+            mappings = self._es(left).indices.get_mapping(index=alias).body
         if missing:
             return none
         if not self._maps_vectors(mappings):
