@@ -7,6 +7,10 @@ so a test reads what the metrics were told across the worker's processes. Tenant
 the same documents, and one more once the file named by ``EXTRA_DOCUMENT_FLAG`` exists (read
 when a process builds its runtime: an ingest that landed between two runs of a search).
 
+The retrieval of a process's first searches fails (``BackendUnavailable``) as many times as
+the file named by ``FAIL_RETRIEVAL_FLAG`` says, if it exists when the process builds its
+runtime (it is then deleted): a redelivered run whose search is retried.
+
 ``EXTRA_DOCUMENT`` is that document: it matches the queries best, so it leads the candidates."""
 
 from __future__ import annotations
@@ -44,9 +48,14 @@ class DyingRecorder(metrics.PrometheusRecorder):
 
 
 def build(settings: Settings) -> Runtime:
+    backend = InMemoryBackend()
+    failing = os.environ.get("FAIL_RETRIEVAL_FLAG")
+    if failing is not None and Path(failing).exists():
+        backend.fail_next = int(Path(failing).read_text())
+        Path(failing).unlink()
     runtime = build_runtime(
         settings,
-        backend=InMemoryBackend(),
+        backend=backend,
         embedder=FakeEmbedder(),
         reranker=build_reranker(settings),
         recorder=DyingRecorder(),

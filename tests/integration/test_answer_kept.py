@@ -35,6 +35,7 @@ class Setup(NamedTuple):
     flag: Path  # exists: the worker dies after its next model answer
     usage_log: Path  # a line per model usage the metrics were told
     extra: Path  # exists: a process built from now on has tenant zeta's extra document
+    failing: Path  # exists: the next process built fails that many retrievals first
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +54,13 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "DIE_AFTER_MODEL_FLAG": str(tmp / "die"),
             "MODEL_USAGE_LOG": str(tmp / "usage.log"),
             "EXTRA_DOCUMENT_FLAG": str(tmp / "extra"),
+            "FAIL_RETRIEVAL_FLAG": str(tmp / "failing"),
         }
         store = JobStore.from_url(url + "/0")
         with celery_worker(tmp / "w", env, "answer", concurrency=1, pool="prefork"):
-            yield Setup(store, model, tmp / "die", tmp / "usage.log", tmp / "extra")
+            yield Setup(
+                store, model, tmp / "die", tmp / "usage.log", tmp / "extra", tmp / "failing"
+            )
         store.close()
 
 
@@ -165,3 +169,30 @@ def test_a_kept_answer_is_not_applied_to_candidates_the_model_never_saw(setup: S
     # the fake ranks what it was shown in reverse: the result is that, for the last prompt
     assert got and got == list(reversed(shown))[: len(got)], (got, shown)
     assert result.usage.requests == len(result.trace["attempts"]) == 1  # type: ignore[index]
+
+
+def test_a_kept_answer_outlives_a_task_retry_of_the_run_taking_it_over(setup: Setup) -> None:
+    """The run taking the claim over (with the answer kept) fails before it reaches it (its
+    retrieval unavailable, the pipeline's attempts spent: a task retry): the retry finishes
+    on the answer. Before, the run letting go before its retry dropped the answer, and the
+    retry called the model again: the cost paid twice."""
+    sender = OutboxSender(setup.store)
+    spec = SearchSpec(index="docs", query="epsilon", mode="fts", rerank=True, include_trace=True)
+
+    def run() -> SearchResult:
+        job = setup.store.create_search(
+            "acme",
+            spec,
+            enqueue=lambda job_id: sender.messages([(SEARCH_TASK, [job_id], SEARCH_QUEUE)]),
+        )
+        _wait(lambda: (j := setup.store.get_search(job.id)) is not None and j.status.final)
+        done = setup.store.get_search(job.id)
+        assert done is not None and done.status == "succeeded" and done.result, done
+        return done.result
+
+    run()  # the worker's process has built its runtime: its retrievals do not fail
+    _arm(setup)
+    setup.failing.write_text("3")  # the process taking the claim over: its 3 attempts fail
+    result = run()
+    assert not setup.failing.exists()  # the run taking over did fail (and was retried)
+    _one_call(setup, result)

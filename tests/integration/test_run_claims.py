@@ -138,12 +138,13 @@ def test_a_batch_s_claims_live_as_long_as_the_batch_and_a_gone_batch_s_are_not_w
     assert not store.redis.exists(BATCH_RUNS_KEY + "bat_gone")
 
 
-def test_a_kept_answer_goes_to_the_run_taking_the_claim_over_and_a_let_go_run_leaves_none(
+def test_a_kept_answer_goes_to_the_run_taking_the_claim_over_and_past_a_let_go_run(
     store: JobStore,
 ) -> None:
     """The model's answer kept with a claim outlives its run's process: the run that takes
-    the claim over (its worker dead) is answered it, and carries it on; a run that let go
-    (a task retry) leaves none; a run no longer holding the claim keeps nothing."""
+    the claim over (its worker dead) is answered it, and carries it on, past its letting go
+    (a task retry: the retry is answered it); a run no longer holding the claim keeps
+    nothing; the final move drops it."""
     batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
     dead = store.claim_item(batch.id, "q0", "gone", lease_seconds=30)  # no heartbeat
     assert dead.granted and dead.answer == ""
@@ -158,8 +159,9 @@ def test_a_kept_answer_goes_to_the_run_taking_the_claim_over_and_a_let_go_run_le
     again = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)  # carried on
     assert again.answer == taken.answer != ""
     store.release_item(batch.id, "q0", again)
-    after = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
-    assert after.granted and after.answer == "" and after.spent > again.spent  # its time added
+    after = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)  # the retry's run
+    assert after.granted and after.spent > again.spent  # its time added
+    assert after.answer == taken.answer  # carried on: the retry finishes on it
     store.item_answers(batch.id, "q0", after).save({"positions": [1]})
     assert store.begin_item(batch.id, "q0").applied
     store.finish_item(batch.id, "q0", error=ErrorInfo(type="x", message="y"))

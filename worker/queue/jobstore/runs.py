@@ -39,8 +39,10 @@ twice. The run saves the answer (the positions, the usage and cost, the attempts
 hundred bytes) into its claim as soon as the call returns, one round trip
 (:meth:`RunRecords.keep_answer`); a run taking the claim over is answered it by the claim
 itself, and finishes the search on it with no model call (nothing counted again: the calls
-were counted by the run that made them). A run that lets go drops it, and so does the
-job's (or the item's) final move, in the same script.
+were counted by the run that made them), if it was shown the same candidates. A run that
+lets go (to be retried: its retrieval failed before it reached the answer) carries it on to
+its retry, which dropping it had pay for the call again; the job's (or the item's) final
+move drops it, in the same script.
 
     claim = store.claim_item(batch_id, query_id, owner, lease_seconds=30.0)
     if claim.granted:

@@ -223,8 +223,9 @@ return redis.call('DEL', KEYS[1])
 # too (the outage between the two sends is not the run's time). A run that holds the claim
 # may append its model's answer ("|<answer>", _KEEP_ANSWER): a run taking the claim over
 # carries it on, and is answered it (the dead run paid for that call; its result was never
-# saved); a run that let go leaves none. Returns {claimed (0/1), the seconds used by every
-# run before this one (a string), the answer kept ('' : none)}.
+# saved); so is the run after one that let go (_RELEASE_RUN carries it on). Returns
+# {claimed (0/1), the seconds used by every run before this one (a string), the answer kept
+# ('' : none)}.
 _CLAIM_RUN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -248,10 +249,11 @@ if cur then
           and redis.call('EXISTS', ARGV[5] .. owner) == 1 then
         return {0, string.format('%.6f', used + ran), ''}
       end
-      -- taken over (its worker dead, or its lease over): its time is not counted, its
-      -- model's answer, if it kept one, is this run's
-      answer = kept
+      -- taken over (its worker dead, or its lease over): its time is not counted
     end
+    -- its model's answer, if one was kept (by a run taken over, or carried on by a run that
+    -- let go before reaching it: a task retry), is this run's
+    answer = kept
   end
 end
 local spent = string.format('%.6f', used)
@@ -294,17 +296,21 @@ redis.call('HSET', KEYS[1], 'cancel_taken', ARGV[1] .. ' ' .. n .. ' ' .. comple
 return {n, completed}
 """
 
-# Let a run's claim go, adding the seconds it ran to those used (and dropping the answer it
-# kept: the run ended, its answer used or failed). KEYS: the hash. ARGV: the field, the run's
-# token. Returns 1 when that run still held it.
+# Let a run's claim go, adding the seconds it ran to those used, and carrying on the answer
+# kept with it ("<used>||0|||<answer>": no owner, no token, no lease): a run lets go only to
+# be retried (one that finishes its search need not, and the final move drops the answer),
+# and a run retried before it reached a kept answer (its retrieval failed) left that answer
+# to its retry: dropping it had the retry pay for the call again. KEYS: the hash. ARGV: the
+# field, the run's token. Returns 1 when that run still held it.
 _RELEASE_RUN = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return 0 end
-local u, since, token = string.match(cur, '^([^|]*)|[^|]*|([^|]*)|([^|]*)')
+local u, since, token, kept = string.match(cur, '^([^|]*)|[^|]*|([^|]*)|([^|]*)|?[^|]*|?(.*)$')
 if not u or token ~= ARGV[2] then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local used = tonumber(u) + math.max(0, now - tonumber(since))
-redis.call('HSET', KEYS[1], ARGV[1], string.format('%.6f', used) .. '||0|')
+redis.call('HSET', KEYS[1], ARGV[1],
+  string.format('%.6f', used) .. '||0|' .. (kept ~= '' and '||' .. kept or ''))
 return 1
 """
