@@ -33,9 +33,11 @@ async def _refuse(send: Send, status: int, type_: str, field: str, message: str)
 # The charset values that mean UTF-8: JSON between systems is UTF-8 (RFC 8259, 8.1), and
 # ``application/json`` defines no charset parameter (section 11)
 UTF8_CHARSETS = frozenset({"utf-8", "utf8"})
+# US-ASCII is UTF-8's first 128 characters: a body that is ASCII, as declared, reads the same
+ASCII_CHARSETS = frozenset({"us-ascii", "ascii"})
 
 
-def charset_problem(values: list[bytes]) -> str | None:
+def charset_problem(values: list[bytes], body: bytes = b"") -> str | None:
     """Why a body sent under these ``Content-Type`` header values cannot be read as the UTF-8
     JSON it is read as, or ``None``. A body declared in another charset was read as UTF-8
     anyway: a 400 "can't decode byte 0xe9" for Latin-1's "é", or worse, another text without
@@ -52,9 +54,15 @@ def charset_problem(values: list[bytes]) -> str | None:
     charset = header.get_param("charset")
     if charset is None or not isinstance(charset, str):  # absent, or RFC 2231 parts
         return None if charset is None else "its charset parameter is not understood"
+    fix = "send the body as UTF-8 (charset=utf-8, or none)"
     if charset.strip().lower() in UTF8_CHARSETS:
         return None
-    return f"charset {charset!r} is not accepted: send the body as UTF-8 (charset=utf-8, or none)"
+    if charset.strip().lower() in ASCII_CHARSETS:
+        if body.isascii():
+            return None
+        at = next(i for i, byte in enumerate(body) if byte > 127)
+        return f"charset {charset!r} is not what the body is in (byte {body[at]:#x} at {at}): {fix}"
+    return f"charset {charset!r} is not accepted: {fix}"
 
 
 class BodyLimitMiddleware:
@@ -107,7 +115,7 @@ class BodyLimitMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        problem = charset_problem(content_types) if body else None
+        problem = charset_problem(content_types, body) if body else None
         if problem is not None:  # a body-less POST (a cancel) is read whatever its type says
             await _refuse(send, 415, "unsupported_media_type", "Content-Type", problem)
             return

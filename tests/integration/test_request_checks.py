@@ -231,3 +231,40 @@ def test_utf8_json_is_read_under_each_spelling(client: TestClient, content_type:
     )
     assert response.status_code == 202, response.text
     assert client.get("/v1/searches", headers=ACME).json()["searches"][0]["query"] == "café"
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        "application/json; charset=us-ascii",
+        "application/json; charset=US-ASCII",
+        "application/json;charset=ascii",
+    ],
+)
+def test_an_ascii_body_declared_us_ascii_is_read(client: TestClient, content_type: str) -> None:
+    """US-ASCII is UTF-8's first 128 characters: an ASCII body reads the same as either, and
+    JSON's escapes carry any text in it (``json.dumps`` writes them by default). It was 415
+    "charset 'us-ascii' is not accepted", a valid request refused."""
+    body = json.dumps({"index": "docs", "query": "café"}).encode("ascii")  # "caf\\u00e9"
+    response = client.post(
+        "/v1/searches", content=body, headers={**ACME, "content-type": content_type}
+    )
+    assert response.status_code == 202, response.text
+    assert client.get("/v1/searches", headers=ACME).json()["searches"][0]["query"] == "café"
+
+
+def test_a_body_declared_us_ascii_that_is_not_is_415_naming_content_type(
+    client: TestClient,
+) -> None:
+    """A byte past 127 is no US-ASCII: which charset it is in would be a guess."""
+    body = '{"index": "docs", "query": "café"}'.encode("latin-1")
+    headers = {**ACME, "content-type": "application/json; charset=us-ascii"}
+    response = client.post("/v1/searches", content=body, headers=headers)
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["field"] == "Content-Type", error
+    assert error["message"] == (
+        "Content-Type: charset 'us-ascii' is not what the body is in (byte 0xe9 at 31): "
+        "send the body as UTF-8 (charset=utf-8, or none)"
+    ), error
+    assert client.get("/v1/searches", headers=ACME).json()["searches"] == []
