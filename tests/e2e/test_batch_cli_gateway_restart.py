@@ -15,16 +15,21 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 from typer.testing import CliRunner
 
+from api_gateway.bodies import parse_batch
 from tests.e2e.conftest import ACME, INDEX, Stack
 from tests.services import free_port
 from worker.cli import app
+from worker.queue.jobstore import IdempotencyOutcome, JobStore
+from worker.queue.jobstore.idempotency import _idem_key
 
 QUERIES = 12
 UNAVAILABLE_POLLS = 3
@@ -126,3 +131,83 @@ def test_sift_batch_survives_a_lost_submit_answer_and_503_polls_with_one_batch(
     written = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(r["query_id"] for r in written) == sorted(line["id"] for line in lines)
     assert {r["status"] for r in written} == {"succeeded"}
+
+
+# The retry window and the pending marker's life, scaled down alike (both 120 s in Sift):
+# the race is between the two, not in their size
+SCALED_SECONDS = 5.0
+CLAIM_AFTER_SECONDS = 3.0
+
+
+class _DeadClaimHandler(_Handler):
+    """The first submit is claimed (its Idempotency-Key's pending marker, as the gateway
+    writes it, to live ``SCALED_SECONDS``) ``CLAIM_AFTER_SECONDS`` after it came in (a big
+    body parsed first), and then its gateway dies: no batch, no answer, and the marker
+    answers ``409 idempotency_key_in_progress`` until it expires. Every other request is
+    forwarded."""
+
+    def do_POST(self) -> None:
+        if self.path != "/v1/batches":
+            super().do_POST()
+            return
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        key = self.headers.get("idempotency-key")
+        with self.server.lock:
+            self.server.batch_posts.append(key)
+            first = len(self.server.batch_posts) == 1
+        if first and key:
+            time.sleep(CLAIM_AFTER_SECONDS)
+            fingerprint = parse_batch(body, "POST /v1/batches").fingerprint
+            url = self.server.redis_url  # type: ignore[attr-defined]
+            claim = JobStore.from_url(url).claim_idempotency("acme", key, fingerprint)
+            assert claim.outcome is IdempotencyOutcome.NEW, claim
+            marker = _idem_key("acme", key)
+            assert redis.Redis.from_url(url).pexpire(marker, int(SCALED_SECONDS * 1000))
+            self.close_connection = True
+            return
+        self._answer(self._forward(body))
+
+
+def test_sift_batch_outwaits_the_claim_of_a_submit_whose_gateway_died(
+    stack: Stack,
+    corpus: object,
+    queries: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A submit whose gateway died between claiming its key and making the batch (or whose
+    key's release was lost with Redis) leaves the key "in progress" for
+    ``IDEMPOTENCY_PENDING_TTL_SECONDS`` (120 s) from that claim. The CLI retried for 120 s
+    from its own first send, which came earlier: it gave up on the 409 ("retry") before the
+    key was free, exit 1 and no batch made, whenever the claim came a few seconds in (a big
+    body's parse). Now the submit retries for the marker's life past its own window."""
+    for module in ("worker.cli._http", "worker.cli.client"):
+        monkeypatch.setattr(f"{module}.RETRY_SECONDS", SCALED_SECONDS)
+    monkeypatch.setattr(
+        "worker.cli.client.IDEMPOTENCY_PENDING_TTL_SECONDS", SCALED_SECONDS, raising=False
+    )
+    server = _Proxy(stack.live_url)
+    server.RequestHandlerClass = _DeadClaimHandler
+    server.redis_url = stack.redis_url + "/0"  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        lines = [{"id": f"d{i}", "query": queries[i % len(queries)]} for i in range(4)]
+        source = tmp_path / "queries.jsonl"
+        source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        out = tmp_path / "results.jsonl"
+        before = _batch_ids(stack)
+        key = ACME["Authorization"].split()[1]
+        env = {"SIFT_URL": f"http://127.0.0.1:{server.server_address[1]}", "SIFT_API_KEY": key,
+               "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
+        args = ["batch", str(source), "--index", INDEX, "--out", str(out), "--strict"]
+        result = CliRunner().invoke(app, args, env=env)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.exit_code == 0, result.output
+    assert "has not created its job yet; retry; trying again" in result.output  # the 409s
+    assert len(_batch_ids(stack) - before) == 1
+    assert len(set(server.batch_posts)) == 1 and len(server.batch_posts) > 2
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["query_id"] for r in written) == sorted(line["id"] for line in lines)

@@ -28,6 +28,7 @@ from worker.cli import app
 from worker.cli._http import FINAL_STATUSES, RETRY_SECONDS, Gateway, GatewayError, gateway
 from worker.cli._output import cli_console, plain, print_result, progress_bar, trace_lines
 from worker.constants import (
+    IDEMPOTENCY_PENDING_TTL_SECONDS,
     MAX_BATCH_QUERIES,
     MAX_DOCUMENT_CHARS,
     MAX_DOCUMENTS_PER_REQUEST,
@@ -483,10 +484,14 @@ def batch(
         with gateway() as client:
             try:
                 # one key for every resend: a submit whose answer was lost (the gateway
-                # restarting) is answered with the batch it made, never made twice
+                # restarting) is answered with the batch it made, never made twice. A send
+                # whose gateway died between claiming the key and making the batch leaves
+                # it 409 "in progress" for the pending marker's life from that claim, which
+                # may come late in the window: the submit outwaits it
                 key = {"Idempotency-Key": f"sift-batch-{uuid.uuid4().hex}"}
+                window = RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
                 submitted = client.json(
-                    "POST", "/v1/batches", json=body, headers=key, retry_for=RETRY_SECONDS
+                    "POST", "/v1/batches", json=body, headers=key, retry_for=window
                 )
             except KeyboardInterrupt:  # no id to cancel: the batch may run all the same
                 _err().print(
