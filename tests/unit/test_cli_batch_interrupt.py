@@ -136,3 +136,41 @@ def test_ctrl_c_while_submitting_says_the_batch_may_run_and_how_to_find_it(
     shown = " ".join(result.output.split())
     assert "interrupted while submitting: the batch may have been accepted" in shown
     assert "`sift batches --limit 1` shows it" in shown
+
+
+def test_ctrl_c_while_the_results_are_read_says_the_batch_finished_and_where_they_are(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ctrl-C once the batch has finished, while its result pages are read (a page retried
+    through a gateway or Redis restart waits up to 120 s, a line on stderr each try): the
+    command exited 130 with nothing said, no results file, and no word that the batch had
+    finished and its results were still there to read."""
+    sent: list[tuple[str, str]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append((request.method, request.url.path))
+        if request.method == "POST":
+            return httpx.Response(202, json={"id": BATCH, "status": "queued"})
+        if request.url.path.endswith("/results"):
+            raise KeyboardInterrupt
+        done = {**COUNTS, "queued": 0, "succeeded": 2}
+        return httpx.Response(200, json={"id": BATCH, "status": "succeeded", "counts": done})
+
+    @contextlib.contextmanager
+    def gateway() -> Iterator[Gateway]:
+        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
+
+    monkeypatch.setattr(client, "gateway", gateway)
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps({"id": f"q{i}", "query": "t"}) + "\n" for i in range(3)))
+    out = tmp_path / "out.jsonl"
+    args = ["batch", str(queries), "--index", "s", "--out", str(out)]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 130, result.output
+    assert not any(method == "DELETE" for method, _ in sent)  # nothing left to cancel
+    assert not out.exists() and list(tmp_path.iterdir()) == [queries]  # no partial file left
+    shown = " ".join(result.output.split())
+    assert (
+        f"interrupted while writing the results: batch {BATCH} has finished; nothing was "
+        f"written to {out}; GET /v1/batches/{BATCH}/results pages its results"
+    ) in shown, shown

@@ -512,7 +512,16 @@ def batch(
                     progress.update(task, completed=finished, total=total)
 
                 final = client.poll(f"/v1/batches/{batch_id}", done=_batch_done, on_update=show)
-            tally = _write_results(client, batch_id, out, page_size)
+            try:
+                tally = _write_results(client, batch_id, out, page_size)
+            except KeyboardInterrupt:  # the batch is final: nothing to cancel, all to read
+                _err().print(
+                    f"interrupted while writing the results: batch {batch_id} has finished; "
+                    f"nothing was written to {plain(out)}; GET /v1/batches/{batch_id}/results "
+                    "pages its results",
+                    soft_wrap=True,
+                )
+                raise typer.Exit(EXIT_INTERRUPTED) from None
         written = sum(tally.values())
         counts = final.get("counts") or {}
         total = int(counts.get("total") or len(items))
