@@ -174,3 +174,36 @@ def test_ctrl_c_while_the_results_are_read_says_the_batch_finished_and_where_the
         f"interrupted while writing the results: batch {BATCH} has finished; nothing was "
         f"written to {out}; GET /v1/batches/{BATCH}/results pages its results"
     ) in shown, shown
+
+
+def test_polls_given_up_after_the_retry_window_say_the_batch_may_still_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The gateway unreachable past the polls' retry window: the command gave up with the
+    last error alone ("cannot connect ... Start one with `sift up`"), exit 1, and not a word
+    that the batch it submitted runs on, spending, with no results file coming."""
+    from worker.cli import _http
+
+    monkeypatch.setattr(_http, "RETRY_SECONDS", 0.5)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(202, json={"id": BATCH, "status": "queued"})
+        raise httpx.ConnectError("refused", request=request)
+
+    @contextlib.contextmanager
+    def gateway() -> Iterator[Gateway]:
+        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
+
+    monkeypatch.setattr(client, "gateway", gateway)
+    queries = tmp_path / "q.jsonl"
+    queries.write_text("".join(json.dumps({"id": f"q{i}", "query": "t"}) + "\n" for i in range(3)))
+    args = ["batch", str(queries), "--index", "s", "--out", str(tmp_path / "out.jsonl")]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.output
+    shown = " ".join(result.output.split())
+    assert "error: cannot connect to the gateway at http://gw" in shown, shown
+    assert (
+        f"batch {BATCH} may still be running, with no results file written "
+        f"(DELETE /v1/batches/{BATCH} cancels it)"
+    ) in shown, shown

@@ -511,7 +511,15 @@ def batch(
                     total = counts.get("total") or len(items)
                     progress.update(task, completed=finished, total=total)
 
-                final = client.poll(f"/v1/batches/{batch_id}", done=_batch_done, on_update=show)
+                try:
+                    final = client.poll(f"/v1/batches/{batch_id}", done=_batch_done, on_update=show)
+                except GatewayError as exc:  # given up: the batch runs on without us
+                    if not exc.transient:
+                        raise
+                    raise GatewayError(
+                        f"{exc.message}; batch {batch_id} may still be running, with no "
+                        f"results file written (DELETE /v1/batches/{batch_id} cancels it)"
+                    ) from exc
             try:
                 tally = _write_results(client, batch_id, out, page_size)
             except KeyboardInterrupt:  # the batch is final: nothing to cancel, all to read
