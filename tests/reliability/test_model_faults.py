@@ -141,11 +141,11 @@ def _silent_server() -> Iterator[str]:
 
 
 def test_a_task_retry_runs_in_what_is_left_of_the_search_deadline(tmp_path: Path) -> None:
-    """A backend that hangs: the search's one run spends its whole deadline (and more, the
-    channels probe waiting out the client's own timeout) and ends ``backend_unavailable``,
-    a retryable error. The task must not run it again under a fresh deadline (it did, three
-    times at the default ``SIFT_TASK_MAX_RETRIES``): no time is left of the search's one
-    deadline, so the job fails with that error after one run."""
+    """A backend that hangs: the search's one run spends its whole deadline on the channels
+    probe (bounded by what is left of the deadline) and ends ``deadline_exceeded``, the
+    backend's timeout its cause. The task must not run it again under a fresh deadline (it
+    did, three times at the default ``SIFT_TASK_MAX_RETRIES``): no time is left of the
+    search's one deadline, so the job fails after one run."""
     with redis_server(tmp_path / "redis") as url, _silent_server() as hung:
         env = stack_env(
             url + "/0",
@@ -174,7 +174,8 @@ def test_a_task_retry_runs_in_what_is_left_of_the_search_deadline(tmp_path: Path
                 timeout=120,
             )
             job = client.get(f"/v1/searches/{job_id}", headers=ACME).json()
-    assert job["status"] == "failed" and job["error"]["type"] == "backend_unavailable", job
+    assert job["status"] == "failed" and job["error"]["type"] == "deadline_exceeded", job
+    assert "during the index probe" in job["error"]["message"], job
     log = (tmp_path / "w" / "w-hung.log").read_text()
     assert log.count(f"search {job_id}: running") == 1, log
     assert "retryable error, retrying" not in log
