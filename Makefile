@@ -7,11 +7,11 @@ BIN := $(VENV)/bin
 # test starts its own services on free ports, so two files never share a Redis or a worker.
 # --no-loadscope-reorder: files are handed out in testpaths order (the longest first, see
 # pyproject.toml); xdist's default reorders them by test count, the one-test reliability runs last.
-# Three on two cores: the suite mostly waits (dead-worker checks, poll cadences, sweeps at their
-# defaults) and keeps about 0.6 of the two cores busy; three took a clean-clone run from about
-# 16 to 12.5 minutes. The run is bound by its total (about 2,150 s of tests over three), not
-# by one file: none takes much over 4 minutes since the economy files were split.
-TEST_WORKERS ?= 3
+# Four on two cores: the suite mostly waits (dead-worker checks, poll cadences, sweeps at their
+# defaults) and keeps about 0.6 of the two cores busy with three. The run is bound by its
+# total (about 2,300 s of tests), not by one file: none takes much over 4 minutes since the
+# economy files were split. A clean-clone run under load with three took 850 s of tests.
+TEST_WORKERS ?= 4
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench install services clean
