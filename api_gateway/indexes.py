@@ -13,8 +13,6 @@ document gives the very same ``404`` as one nobody has, and a delete job of it d
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import json
 import logging
@@ -37,6 +35,7 @@ from api_gateway.deps import (
 )
 from api_gateway.errors import ApiError
 from api_gateway.jobs import enqueue_ingest, ingest_response
+from api_gateway.listing import NOT_OURS, pack_token, unpack_token
 from api_gateway.schemas import IngestJobOut, _Strict, iso
 from worker.constants import (
     DEFAULT_PAGE_SIZE,
@@ -174,8 +173,7 @@ def _cursor_digest(tenant: str, index: str, doc_id: str) -> str:
 def encode_document_cursor(tenant: str, index: str, doc_id: str) -> str:
     """The page token of a document listing: the last id listed, and a digest that ties it
     to the tenant's index (a token of another listing, or edited, is refused)."""
-    raw = f"d:{_cursor_digest(tenant, index, doc_id)}:{doc_id}"
-    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+    return pack_token("d", _cursor_digest(tenant, index, doc_id), doc_id)
 
 
 def decode_document_cursor(token: str | None, tenant: str, index: str) -> str | None:
@@ -184,23 +182,17 @@ def decode_document_cursor(token: str | None, tenant: str, index: str) -> str | 
     422 naming ``page_token`` before a worker sees it. The digest is no secret (it only
     catches edits and mix-ups): a token says where in the caller's own list to start, so a
     forged one shows nothing more than a page the caller may read anyway."""
-    if token is None:
+    parts = unpack_token(token, 3)
+    if parts is None:
         return None
-    if not token:
-        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
-    problem = "is not a token this list issued"
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-        kind, digest, doc_id = raw.split(":", 2)
-    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
-        raise InvalidRequest("page_token", problem) from exc
+    kind, digest, doc_id = parts
     if (
         kind != "d"
         or not 1 <= len(doc_id) <= MAX_DOC_ID_CHARS
         or digest != _cursor_digest(tenant, index, doc_id)
         or encode_document_cursor(tenant, index, doc_id) != token
     ):
-        raise InvalidRequest("page_token", problem)
+        raise InvalidRequest("page_token", NOT_OURS)
     return doc_id
 
 

@@ -98,32 +98,51 @@ class IngestionList(BaseModel):
     next_page_token: str | None
 
 
+NOT_OURS = "is not a token this list issued"
+
+
+def pack_token(*fields: str) -> str:
+    """A page token: ``fields`` joined by ``:``, URL-safe base64 without padding."""
+    return base64.urlsafe_b64encode(":".join(fields).encode()).decode().rstrip("=")
+
+
+def unpack_token(token: str | None, fields: int) -> list[str] | None:
+    """The ``fields`` of a page token :func:`pack_token` made (the last may hold ``:``);
+    ``None`` for no token, a 422 naming ``page_token`` for an empty one or one not made so.
+    Each list then checks its fields, and that packing them again gives the token exactly."""
+    if token is None:
+        return None
+    if not token:
+        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise InvalidRequest("page_token", NOT_OURS) from exc
+    parts = raw.split(":", fields - 1)
+    if len(parts) != fields:
+        raise InvalidRequest("page_token", NOT_OURS)
+    return parts
+
+
 def encode_cursor(cursor: Cursor | None) -> str | None:
     if cursor is None:
         return None
-    raw = f"c:{cursor.created_at!r}:{cursor.job_id}"
-    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+    return pack_token("c", repr(cursor.created_at), cursor.job_id)
 
 
 def decode_cursor(token: str | None, prefix: str) -> Cursor | None:
     """The cursor in a page token of this list (its jobs' id ``prefix``). Only the exact text
     :func:`encode_cursor` makes is one; anything else is 422 naming ``page_token`` before
     Redis sees it (a batch-results token, another list's, an edited one)."""
-    if token is None:
+    parts = unpack_token(token, 3)
+    if parts is None:
         return None
-    if not token:
-        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
-    problem = "is not a token this list issued"
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-        kind, at, job_id = raw.split(":")
-    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
-        raise InvalidRequest("page_token", problem) from exc
+    kind, at, job_id = parts
     if kind != "c" or not _TIME.fullmatch(at) or not is_id(job_id, prefix):
-        raise InvalidRequest("page_token", problem)
+        raise InvalidRequest("page_token", NOT_OURS)
     cursor = Cursor(float(at), job_id)
     if encode_cursor(cursor) != token:
-        raise InvalidRequest("page_token", problem)
+        raise InvalidRequest("page_token", NOT_OURS)
     return cursor
 
 
