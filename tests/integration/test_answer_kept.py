@@ -94,19 +94,24 @@ def _arm(setup: Setup) -> None:
     setup.flag.touch()
 
 
-def test_a_search_whose_worker_died_after_the_model_answered_calls_it_once(setup: Setup) -> None:
-    _arm(setup)
+def _search(setup: Setup, tenant: str, spec: SearchSpec) -> SearchResult:
+    """Run one search through the queue to its end: it must succeed; its result."""
     sender = OutboxSender(setup.store)
-    spec = SearchSpec(index="docs", query="gamma", rerank=True, include_trace=True)
     job = setup.store.create_search(
-        "acme",
+        tenant,
         spec,
         enqueue=lambda job_id: sender.messages([(SEARCH_TASK, [job_id], SEARCH_QUEUE)]),
     )
     _wait(lambda: (j := setup.store.get_search(job.id)) is not None and j.status.final)
     done = setup.store.get_search(job.id)
-    assert done is not None and done.status == "succeeded", done
-    _one_call(setup, done.result)
+    assert done is not None and done.status == "succeeded" and done.result, done
+    return done.result
+
+
+def test_a_search_whose_worker_died_after_the_model_answered_calls_it_once(setup: Setup) -> None:
+    _arm(setup)
+    spec = SearchSpec(index="docs", query="gamma", rerank=True, include_trace=True)
+    _one_call(setup, _search(setup, "acme", spec))
 
 
 def test_a_batch_item_whose_worker_died_after_the_model_answered_calls_it_once(
@@ -143,25 +148,13 @@ def test_a_kept_answer_is_not_applied_to_candidates_the_model_never_saw(setup: S
     candidates, so the result must not be those positions applied to the second run's
     (before: ``rerank.applied`` with a document the model was never shown, in an order
     it never gave). The result is the model's answer over what it was shown."""
-    sender = OutboxSender(setup.store)
     spec = SearchSpec(index="docs", query="gamma delta", rerank=True, include_trace=True)
-
-    def run() -> SearchResult:
-        job = setup.store.create_search(
-            "zeta",
-            spec,
-            enqueue=lambda job_id: sender.messages([(SEARCH_TASK, [job_id], SEARCH_QUEUE)]),
-        )
-        _wait(lambda: (j := setup.store.get_search(job.id)) is not None and j.status.final)
-        done = setup.store.get_search(job.id)
-        assert done is not None and done.status == "succeeded" and done.result, done
-        return done.result
-
     setup.extra.unlink(missing_ok=True)
-    run()  # the worker's process has built its runtime: without the extra document
+    # the worker's process builds its runtime here: without the extra document
+    _search(setup, "zeta", spec)
     _arm(setup)
     setup.extra.touch()  # the process taking the claim over will have it
-    result = run()
+    result = _search(setup, "zeta", spec)
     assert not setup.flag.exists()  # the worker did die after the model answered
     shown = _shown(setup.model.requests()[-1])
     assert result.rerank.applied
@@ -176,23 +169,11 @@ def test_a_kept_answer_outlives_a_task_retry_of_the_run_taking_it_over(setup: Se
     retrieval unavailable, the pipeline's attempts spent: a task retry): the retry finishes
     on the answer. Before, the run letting go before its retry dropped the answer, and the
     retry called the model again: the cost paid twice."""
-    sender = OutboxSender(setup.store)
     spec = SearchSpec(index="docs", query="epsilon", mode="fts", rerank=True, include_trace=True)
-
-    def run() -> SearchResult:
-        job = setup.store.create_search(
-            "acme",
-            spec,
-            enqueue=lambda job_id: sender.messages([(SEARCH_TASK, [job_id], SEARCH_QUEUE)]),
-        )
-        _wait(lambda: (j := setup.store.get_search(job.id)) is not None and j.status.final)
-        done = setup.store.get_search(job.id)
-        assert done is not None and done.status == "succeeded" and done.result, done
-        return done.result
-
-    run()  # the worker's process has built its runtime: its retrievals do not fail
+    # the worker's process builds its runtime here: its retrievals do not fail
+    _search(setup, "acme", spec)
     _arm(setup)
     setup.failing.write_text("3")  # the process taking the claim over: its 3 attempts fail
-    result = run()
+    result = _search(setup, "acme", spec)
     assert not setup.failing.exists()  # the run taking over did fail (and was retried)
     _one_call(setup, result)
