@@ -39,18 +39,18 @@ def served(answers: dict[str, Any], sent: list[tuple[str, str]]) -> Any:
             raise KeyboardInterrupt  # Ctrl-C again while the cancel is on its way
         return httpx.Response(reply[0], json=reply[1])
 
+    return answer
+
+
+def invoke_batch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, answer: Any) -> tuple[Any, Path]:
+    """``sift batch`` of three queries against a gateway that ``answer`` plays: the result
+    and the ``--out`` path."""
+
     @contextlib.contextmanager
     def gateway() -> Iterator[Gateway]:
         yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
 
-    return gateway
-
-
-def run(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, delete: tuple[int, Any], post: Any = None
-) -> Any:
-    sent: list[tuple[str, str]] = []
-    monkeypatch.setattr(client, "gateway", served({"delete": delete, "post": post}, sent))
+    monkeypatch.setattr(client, "gateway", gateway)
     queries = tmp_path / "q.jsonl"
     queries.write_text(
         "".join(json.dumps({"id": f"q{i}", "query": "tea"}) + "\n" for i in range(3))
@@ -59,6 +59,15 @@ def run(
     result = CliRunner().invoke(
         app, ["batch", str(queries), "--index", "s", "--out", str(out)], env={"COLUMNS": "200"}
     )
+    return result, out
+
+
+def run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, delete: tuple[int, Any], post: Any = None
+) -> Any:
+    sent: list[tuple[str, str]] = []
+    answer = served({"delete": delete, "post": post}, sent)
+    result, _ = invoke_batch(monkeypatch, tmp_path, answer)
     return result, sent
 
 
@@ -156,19 +165,10 @@ def test_ctrl_c_while_the_results_are_read_says_the_batch_finished_and_where_the
         done = {**COUNTS, "queued": 0, "succeeded": 2}
         return httpx.Response(200, json={"id": BATCH, "status": "succeeded", "counts": done})
 
-    @contextlib.contextmanager
-    def gateway() -> Iterator[Gateway]:
-        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
-
-    monkeypatch.setattr(client, "gateway", gateway)
-    queries = tmp_path / "q.jsonl"
-    queries.write_text("".join(json.dumps({"id": f"q{i}", "query": "t"}) + "\n" for i in range(3)))
-    out = tmp_path / "out.jsonl"
-    args = ["batch", str(queries), "--index", "s", "--out", str(out)]
-    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    result, out = invoke_batch(monkeypatch, tmp_path, answer)
     assert result.exit_code == 130, result.output
     assert not any(method == "DELETE" for method, _ in sent)  # nothing left to cancel
-    assert not out.exists() and list(tmp_path.iterdir()) == [queries]  # no partial file left
+    assert not out.exists() and [p.name for p in tmp_path.iterdir()] == ["q.jsonl"]  # no partial
     shown = " ".join(result.output.split())
     assert (
         f"interrupted while writing the results: batch {BATCH} has finished; nothing was "
@@ -191,15 +191,7 @@ def test_polls_given_up_after_the_retry_window_say_the_batch_may_still_run(
             return httpx.Response(202, json={"id": BATCH, "status": "queued"})
         raise httpx.ConnectError("refused", request=request)
 
-    @contextlib.contextmanager
-    def gateway() -> Iterator[Gateway]:
-        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
-
-    monkeypatch.setattr(client, "gateway", gateway)
-    queries = tmp_path / "q.jsonl"
-    queries.write_text("".join(json.dumps({"id": f"q{i}", "query": "t"}) + "\n" for i in range(3)))
-    args = ["batch", str(queries), "--index", "s", "--out", str(tmp_path / "out.jsonl")]
-    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    result, _ = invoke_batch(monkeypatch, tmp_path, answer)
     assert result.exit_code == 1, result.output
     shown = " ".join(result.output.split())
     assert "error: cannot connect to the gateway at http://gw" in shown, shown
