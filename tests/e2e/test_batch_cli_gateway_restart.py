@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -109,19 +110,28 @@ def _batch_ids(stack: Stack) -> set[str]:
     return {batch["id"] for batch in listing["batches"]}
 
 
-def test_sift_batch_survives_a_lost_submit_answer_and_503_polls_with_one_batch(
-    stack: Stack, corpus: object, queries: list[str], proxy: _Proxy, tmp_path: Path
-) -> None:
-    lines = [{"id": f"g{i}", "query": queries[i % len(queries)]} for i in range(QUERIES)]
+def _sift_batch(
+    proxy: _Proxy, queries: list[str], count: int, tmp_path: Path
+) -> tuple[Any, list[str]]:
+    """``sift batch --strict`` of ``count`` queries through ``proxy``, as a user runs it:
+    its result, and the ids of the queries sent."""
+    lines = [{"id": f"g{i}", "query": queries[i % len(queries)]} for i in range(count)]
     source = tmp_path / "queries.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    out = tmp_path / "results.jsonl"
-    before = _batch_ids(stack)
     key = ACME["Authorization"].split()[1]
     env = {"SIFT_URL": f"http://127.0.0.1:{proxy.server_address[1]}", "SIFT_API_KEY": key,
            "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
-    args = ["batch", str(source), "--index", INDEX, "--out", str(out), "--strict"]
-    result = CliRunner().invoke(app, args, env=env)
+    args = ["batch", str(source), "--index", INDEX, "--out", str(tmp_path / "results.jsonl")]
+    result = CliRunner().invoke(app, [*args, "--strict"], env=env)
+    return result, [line["id"] for line in lines]
+
+
+def test_sift_batch_survives_a_lost_submit_answer_and_503_polls_with_one_batch(
+    stack: Stack, corpus: object, queries: list[str], proxy: _Proxy, tmp_path: Path
+) -> None:
+    out = tmp_path / "results.jsonl"
+    before = _batch_ids(stack)
+    result, sent = _sift_batch(proxy, queries, QUERIES, tmp_path)
     assert result.exit_code == 0, result.output
     made = _batch_ids(stack) - before
     assert len(made) == 1, made  # the resend was answered with the batch the first one made
@@ -129,7 +139,7 @@ def test_sift_batch_survives_a_lost_submit_answer_and_503_polls_with_one_batch(
     assert proxy.batch_posts[0] == proxy.batch_posts[1]  # one key for both
     assert proxy.polls_refused >= UNAVAILABLE_POLLS
     written = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["query_id"] for r in written) == sorted(line["id"] for line in lines)
+    assert sorted(r["query_id"] for r in written) == sorted(sent)
     assert {r["status"] for r in written} == {"succeeded"}
 
 
@@ -192,16 +202,9 @@ def test_sift_batch_outwaits_the_claim_of_a_submit_whose_gateway_died(
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        lines = [{"id": f"d{i}", "query": queries[i % len(queries)]} for i in range(4)]
-        source = tmp_path / "queries.jsonl"
-        source.write_text("".join(json.dumps(line) + "\n" for line in lines))
         out = tmp_path / "results.jsonl"
         before = _batch_ids(stack)
-        key = ACME["Authorization"].split()[1]
-        env = {"SIFT_URL": f"http://127.0.0.1:{server.server_address[1]}", "SIFT_API_KEY": key,
-               "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
-        args = ["batch", str(source), "--index", INDEX, "--out", str(out), "--strict"]
-        result = CliRunner().invoke(app, args, env=env)
+        result, sent = _sift_batch(server, queries, 4, tmp_path)
     finally:
         server.shutdown()
         server.server_close()
@@ -210,4 +213,4 @@ def test_sift_batch_outwaits_the_claim_of_a_submit_whose_gateway_died(
     assert len(_batch_ids(stack) - before) == 1
     assert len(set(server.batch_posts)) == 1 and len(server.batch_posts) > 2
     written = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["query_id"] for r in written) == sorted(line["id"] for line in lines)
+    assert sorted(r["query_id"] for r in written) == sorted(sent)
