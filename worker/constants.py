@@ -57,6 +57,10 @@ ECONOMY_RESEND_CLAIM = "resend "
 # a piece of the body went out: the latest its batch can have been made, give or take the
 # provider's own time (a run taken over stops its upload short, the body incomplete)
 ECONOMY_SENDING_MARK = "sending "
+# a field of that hash: + economy task ("submit" or a provider batch id) -> the run that last
+# took its lease: a lease that ran out while Redis was away is kept by that run again, one
+# that another run took since (and maybe gave back) is not
+ECONOMY_LEASED_MARK = "leased "
 # zset "<batch id> <provider batch id | submit>" -> the time by which that economy task
 # should have run again: the re-drive's sweep sends one past it (a lost message)
 ECONOMY_WATCH_KEY = REDIS_PREFIX + "eco-watch"

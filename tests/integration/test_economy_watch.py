@@ -14,6 +14,7 @@ import pytest
 
 from worker.constants import (
     BATCH_QUEUE,
+    ECONOMY_LEASE_KEY,
     ECONOMY_POLL_TASK,
     ECONOMY_SUBMIT_TASK,
     WORKER_HEARTBEAT_KEY,
@@ -99,6 +100,29 @@ def test_one_run_of_an_economy_task_holds_its_lease_while_its_worker_lives(
     # the stale run finds it free, and still may not take it again where it stopped
     assert not store.economy_lease(batch_id, "submit", "w1 run-a", 300, renew=True)
     assert store.economy_lease(batch_id, "submit", "w3 run-d", 300)  # free again
+
+
+def test_a_lease_that_ran_out_while_redis_was_away_is_kept_by_its_run(store: JobStore) -> None:
+    """Redis away past a lease's term (restarted from its append-only file, the lease's key
+    expired on load) while its run goes on: no run took it since, so the run's next renewal
+    keeps it. Before, the renewal found it gone and the run stood down, and its work waited
+    for the watch to send it again, minutes later. The process's keeper thread, which may
+    race the run giving its lease back, only keeps a lease still held."""
+    batch_id = _economy_batch(store)
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)
+    assert store.economy_lease(batch_id, "submit", "w1 run-a", 10)
+    store.redis.delete(ECONOMY_LEASE_KEY + f"{batch_id} submit")  # ran out meanwhile
+    # the keeper's renewal only keeps a lease held (it may race the run giving it back)
+    assert not store.economy_lease(batch_id, "submit", "w1 run-a", 10, renew=True)
+    # the run's own next step takes it again and goes on
+    assert store.economy_lease(batch_id, "submit", "w1 run-a", 10, renew=True, resume=True)
+    assert not store.economy_lease(batch_id, "submit", "w2 run-b", 10)  # held again
+    # taken by another run since (its run ended and gave it back): not the stale run's
+    store.redis.delete(WORKER_HEARTBEAT_KEY + "w1")
+    store.redis.delete(ECONOMY_LEASE_KEY + f"{batch_id} submit")
+    assert store.economy_lease(batch_id, "submit", "w2 run-b", 10)
+    store.economy_unlease(batch_id, "submit", "w2 run-b")
+    assert not store.economy_lease(batch_id, "submit", "w1 run-a", 10, renew=True, resume=True)
 
 
 # A prefork child of worker "w1": it takes the submission's lease and holds it, running.

@@ -401,7 +401,7 @@ def _expect(
     renew = countdown == 0.0 and holder is not None
     mark = None if sending is None else (ECONOMY_SENDING_MARK + sending, repr(time.time()))
     if renew and not store.economy_lease(
-        batch_id, what, str(holder), _lease_seconds(task), renew=True, mark=mark
+        batch_id, what, str(holder), _lease_seconds(task), renew=True, resume=True, mark=mark
     ):
         raise _StoodDown(what)
     if renew and lease is not None:

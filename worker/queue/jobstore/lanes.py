@@ -13,6 +13,7 @@ from worker.constants import (
     BATCH_COUNTS_KEY,
     BATCH_KEY,
     ECONOMY_LEASE_KEY,
+    ECONOMY_LEASED_MARK,
     ECONOMY_PREPARED_KEY,
     ECONOMY_STATE_KEY,
     ECONOMY_WATCH_KEY,
@@ -119,7 +120,7 @@ class EconomyLaneRecords(_StoreCore):
 
     def economy_lease(
         self, batch_id: str, what: str, holder: str, seconds: float, *,
-        renew: bool = False, mark: tuple[str, str] | None = None,
+        renew: bool = False, resume: bool = False, mark: tuple[str, str] | None = None,
     ) -> bool:  # fmt: skip
         """Take, or keep, the lease on running the economy task for ``what``: True if the run
         ``holder`` (``"<worker id> <run token>"``) holds it now, for ``seconds`` more. False
@@ -129,16 +130,24 @@ class EconomyLaneRecords(_StoreCore):
         ``renew``: only kept, never taken again: False unless ``holder`` holds it still. A
         run whose lease was taken over may find it free again (its taker ended, or the lease
         ran out), and taking it again, would go on where another run went on already.
+        ``resume`` (with ``renew``, the run's own next step): also taken again if it ran out
+        with no run taking it since (Redis away past its term), as every take records its
+        taker; the run goes on where it was.
         ``mark`` (a field and value of the batch's ``ECONOMY_STATE_KEY`` hash) is written in
         the same step, only if the lease is held: what its holder did while it held it."""
         key = ECONOMY_LEASE_KEY + f"{batch_id} {what}"
         state = ECONOMY_STATE_KEY + batch_id
+        taker = ECONOMY_LEASED_MARK + what  # every take writes it (a take changes ``key``)
         with self.redis.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     pipe.watch(key)  # type: ignore[no-untyped-call]
                     current = cast(str | None, pipe.get(key))
-                    if renew and current != holder:
+                    if (
+                        renew
+                        and current != holder
+                        and (current is not None or not resume or pipe.hget(state, taker) != holder)
+                    ):
                         pipe.unwatch()
                         return False
                     if current is not None and current != holder:
@@ -148,8 +157,11 @@ class EconomyLaneRecords(_StoreCore):
                             return False
                     pipe.multi()
                     pipe.set(key, holder, px=max(1, int(seconds * 1000)))
+                    if current != holder:
+                        pipe.hset(state, taker, holder)
                     if mark is not None:
                         pipe.hset(state, mark[0], mark[1])
+                    if current != holder or mark is not None:
                         pipe.expire(state, self.result_ttl)
                     pipe.execute()
                     return True
