@@ -27,18 +27,29 @@ from pathlib import Path
 from typing import Any
 
 from worker.adapters.embedded import _writes
+from worker.queue import liveness
 from worker.queue.base import load_runtime
 from worker.runtime import Runtime
 from worker.settings import Settings
 
 
 def die_once(point: str) -> None:
-    """SIGKILL this process, unless it (or an earlier worker) already died at ``point``."""
+    """SIGKILL this process, unless it (or an earlier worker) already died at ``point``.
+
+    It dies once the deliveries it holds are on record (the liveness thread writes them
+    within milliseconds of their receipt; on a starved CPU a task reached its kill point
+    first, and its message came back by the 60 s orphan path, not the dead-worker check
+    these tests are about)."""
     flag = Path(os.environ["CRASH_ONCE_DIR"]) / point
     try:
         flag.touch(exist_ok=False)
     except FileExistsError:
         return
+    keeper = liveness.current()  # (a prefork child has no liveness thread of its own)
+    if keeper is not None and keeper._thread is not None and keeper._thread.is_alive():
+        deadline = time.monotonic() + 30
+        while keeper._unrecorded and time.monotonic() < deadline:
+            time.sleep(0.01)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
