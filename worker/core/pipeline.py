@@ -812,29 +812,18 @@ def dump_run(run: RerankRun) -> dict[str, Any]:
     >>> (type(back).__name__, back.message)
     ('RerankAttemptError', 'timeout: no answer')
     """
-    u, reply, failure = run.usage, run.reply, run.failure
+    reply, failure = run.reply, run.failure
     data: dict[str, Any] = {
         "attempts": run.attempts,
-        "usage": [
-            u.input_tokens,
-            u.output_tokens,
-            u.cache_read_input_tokens,
-            u.cache_creation_input_tokens,
-        ],
+        "usage": run.usage.counts(),
         "cost": run.cost_usd,
         "returned": list(run.returned) if run.returned is not None else None,
         "seconds": run.seconds,
     }
     if reply is not None:
-        r = reply.usage
         data["reply"] = {
             "positions": list(reply.positions),
-            "usage": [
-                r.input_tokens,
-                r.output_tokens,
-                r.cache_read_input_tokens,
-                r.cache_creation_input_tokens,
-            ],
+            "usage": reply.usage.counts(),
             "model": reply.model,
         }
     if isinstance(failure, RerankAttemptError):

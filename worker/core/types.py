@@ -129,6 +129,19 @@ class TokenUsage:
     cache_read_input_tokens: int = 0
     cache_creation_input_tokens: int = 0
 
+    def counts(self) -> list[int]:
+        """The four counts in field order, as stored (``TokenUsage(*counts)`` reads them back).
+
+        >>> TokenUsage(90, 7, 1, 2).counts()
+        [90, 7, 1, 2]
+        """
+        return [
+            self.input_tokens,
+            self.output_tokens,
+            self.cache_read_input_tokens,
+            self.cache_creation_input_tokens,
+        ]
+
 
 @dataclass(frozen=True, slots=True)
 class RerankReply:

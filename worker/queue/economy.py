@@ -193,13 +193,7 @@ def _rerank_run(record: dict[str, Any]) -> RerankRun:
 
 def _store_run(record: dict[str, Any], run: RerankRun) -> None:
     record["attempts"] = run.attempts
-    u = run.usage
-    record["usage"] = [
-        u.input_tokens,
-        u.output_tokens,
-        u.cache_read_input_tokens,
-        u.cache_creation_input_tokens,
-    ]
+    record["usage"] = run.usage.counts()
     record["cost_usd"] = run.cost_usd
 
 
