@@ -510,6 +510,8 @@ def _pending(
 ) -> Iterator[_Pending]:
     """The items to send now: running, and in provider batch ``expected`` (None: never sent).
     Their ``custom_id`` is set when their provider batch is made up (:func:`submit`)."""
+    from worker.adapters.anthropic_batches import encode_body  # the adapter is the worker's
+
     pipeline, client = economy_pipeline(task), _batches(task)
     for qid, data, run in _running(task, batch, query_ids):
         if run["provider"] != expected or run.get("pending"):
@@ -520,8 +522,7 @@ def _pending(
             "custom_id": custom_id(run["pos"], "x" * SUBMISSION_CHARS),  # its size, for now
             "params": client.request_params(item.prompt),
         }
-        # its bytes in the create's body, as the SDK writes JSON (encode_body): UTF-8 unescaped
-        size = len(json.dumps(request, ensure_ascii=False, separators=(",", ":")).encode())
+        size = len(encode_body(request))  # its bytes in the create's body
         yield _Pending(qid, request, size, run)
 
 
