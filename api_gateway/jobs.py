@@ -607,10 +607,7 @@ async def _count_cancel(request: Request, batch_id: str) -> None:
     except redis.RedisError as exc:
         log.warning("batch %s: the cancel's count is left to a worker: %s", batch_id, exc)
         return
-    if items:
-        metrics.job_completed("batch_item", "canceled", count=items)
-    if completed:  # a cancel that completes its batch canceled an item: it ends canceled
-        metrics.job_completed("batch", JobStatus.CANCELED.value)
+    metrics.cancel_counted(items, completed)
 
 
 @router.delete(

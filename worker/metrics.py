@@ -515,6 +515,16 @@ def job_completed(kind: str, status: str, error: str | None = None, count: int =
         JOB_FAILURES.labels(kind, label).inc(count)
 
 
+def cancel_counted(items: int, completed: bool) -> None:
+    """What a batch's cancel ended, taken once from its record (the gateway that heard the
+    cancel, or the worker that took its count message): ``items`` canceled, and the batch if
+    the cancel completed it (a cancel that completes its batch canceled an item: canceled)."""
+    if items:
+        job_completed("batch_item", "canceled", count=items)
+    if completed:
+        job_completed("batch", "canceled")
+
+
 @contextlib.contextmanager
 def running_job() -> Iterator[None]:
     """Counts one job in ``sift_jobs_in_flight{state="running"}`` while the block runs."""

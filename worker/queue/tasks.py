@@ -291,11 +291,7 @@ def cancel_count(self: SiftTask, batch_id: str) -> None:
     message with it, in one script: counted even when the gateway never heard the cancel's
     answer, or died before it counted). Taken from the batch's record, so what the gateway
     took, a second delivery, or a second cancel's message counts nothing more."""
-    items, completed = self.context.store.take_cancel_count(batch_id)
-    if items:
-        metrics.job_completed("batch_item", "canceled", count=items)
-    if completed:  # a cancel that completes its batch canceled an item: the batch ends canceled
-        metrics.job_completed("batch", "canceled")
+    metrics.cancel_counted(*self.context.store.take_cancel_count(batch_id))
 
 
 @shared_task(  # type: ignore[untyped-decorator]
