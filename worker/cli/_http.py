@@ -204,6 +204,24 @@ class Gateway:
         except ValueError as exc:
             raise GatewayError(f"{method} {path}: the gateway's answer is not JSON") from exc
 
+    def pages(
+        self, path: str, params: dict[str, Any], *, retry_for: float = 0.0
+    ) -> Iterator[dict[str, Any]]:
+        """Each page of the list at ``path`` (a GET with ``params``), from the first, following
+        its ``next_page_token`` to the end; a caller that stops early sends no more requests.
+
+            for page in client.pages("/v1/indexes", {"page_size": 1000}):
+                names += [index["name"] for index in page["indexes"]]
+        """
+        params = dict(params)
+        while True:
+            page = self.json("GET", path, params=params, retry_for=retry_for)
+            yield page
+            token = page.get("next_page_token")
+            if not token:
+                return
+            params["page_token"] = token
+
     def update_index(self, index: str, body: dict[str, Any]) -> dict[str, Any]:
         """``PATCH /v1/indexes/{index}``: change the index's own search settings (a merge
         patch: a field left out stays, ``None`` clears it); answers the index's metadata,

@@ -403,24 +403,12 @@ def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) ->
     tally: dict[str, int] = {}
     try:
         with temp.open("w", encoding="utf-8") as handle:
-            token: str | None = None
-            while True:
-                params: dict[str, Any] = {"page_size": page_size}
-                if token:
-                    params["page_token"] = token
-                page = client.json(
-                    "GET",
-                    f"/v1/batches/{batch_id}/results",
-                    params=params,
-                    retry_for=RETRY_SECONDS,
-                )
+            path = f"/v1/batches/{batch_id}/results"
+            for page in client.pages(path, {"page_size": page_size}, retry_for=RETRY_SECONDS):
                 for item in page.get("results") or []:
                     handle.write(json.dumps(item) + "\n")
                     status = str(item.get("status"))
                     tally[status] = tally.get(status, 0) + 1
-                token = page.get("next_page_token")
-                if not token:
-                    break
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, out)

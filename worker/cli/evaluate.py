@@ -287,16 +287,8 @@ def _submit(client: Gateway, index: str, run: RunSpec, queries: list[tuple[str, 
 
 def _results(client: Gateway, batch_id: str) -> Iterator[dict[str, Any]]:
     """Every result of a batch, page by page, in submission order."""
-    token: str | None = None
-    while True:
-        params: dict[str, Any] = {"page_size": PAGE_SIZE}
-        if token:
-            params["page_token"] = token
-        page = client.json("GET", f"/v1/batches/{batch_id}/results", params=params)
+    for page in client.pages(f"/v1/batches/{batch_id}/results", {"page_size": PAGE_SIZE}):
         yield from page.get("results") or []
-        token = page.get("next_page_token")
-        if not token:
-            return
 
 
 def _write_jsonl(path: Path, items: list[dict[str, Any]]) -> None:

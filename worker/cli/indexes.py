@@ -113,16 +113,8 @@ def indexes(json_out: JsonOut = False) -> None:
     console = _out()
     with _expected_errors(), gateway() as client:
         found: list[dict[str, Any]] = []
-        token: str | None = None
-        while True:
-            params: dict[str, Any] = {"page_size": MAX_PAGE_SIZE}
-            if token:
-                params["page_token"] = token
-            page = client.json("GET", "/v1/indexes", params=params)
+        for page in client.pages("/v1/indexes", {"page_size": MAX_PAGE_SIZE}):
             found += page["indexes"]
-            token = page.get("next_page_token")
-            if not token:
-                break
     if json_out:
         _print_json(console, found)
     else:
@@ -253,15 +245,9 @@ def document_pages(
     meets a transient failure (a 503, a gateway restarting) is sent again for up to
     ``RETRY_SECONDS``, as ``sift batch`` reads its result pages: ``--all`` stopped at the
     first, every page read before it lost."""
-    params: dict[str, Any] = {"page_size": page_size}
     path = f"/v1/indexes/{quote(index, safe='')}/documents"
-    while True:
-        page = client.json("GET", path, params=params, retry_for=RETRY_SECONDS)
-        token = page.get("next_page_token")
-        yield page["documents"], token
-        if not token:
-            return
-        params["page_token"] = token
+    for page in client.pages(path, {"page_size": page_size}, retry_for=RETRY_SECONDS):
+        yield page["documents"], page.get("next_page_token")
 
 
 def fetch_documents(

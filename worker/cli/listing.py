@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from itertools import islice
 from typing import Annotated, Any
 
 import typer
@@ -37,13 +38,10 @@ def fetch_jobs(client: Gateway, path: str, key: str, status: str | None, limit: 
     if status is not None:
         params["status"] = status
     jobs: list[Any] = []
-    for _ in range(MAX_PAGES):
-        page = client.json("GET", path, params=params)
+    for page in islice(client.pages(path, params), MAX_PAGES):
         jobs.extend(page.get(key) or [])
-        token = page.get("next_page_token")
-        if len(jobs) >= limit or not token:
+        if len(jobs) >= limit:
             break
-        params["page_token"] = token
     return jobs[:limit]
 
 
