@@ -29,23 +29,52 @@ USER_AGENT = "sift-cli/1"
 # user to send the batch again, and pay for it twice.
 RETRY_SECONDS = 120.0
 TRANSIENT_STATUSES = frozenset({502, 503, 504})
+# A ``Retry-After`` (the gateway's 503 says 1 s; a proxy's 429 its own) is waited out, up to
+# this: a longer one is waited no longer than this before the next try.
+MAX_RETRY_AFTER_SECONDS = 30.0
 
 
 class GatewayError(Exception):
     """An expected failure talking to the gateway, worded for the user (no traceback).
-    ``transient``: the same request may succeed when sent again."""
+    ``transient``: the same request may succeed when sent again, after ``retry_after``
+    seconds when the answer said so."""
 
     def __init__(
-        self, message: str, *, status_code: int | None = None, transient: bool = False
+        self,
+        message: str,
+        *,
+        status_code: int | None = None,
+        transient: bool = False,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.transient = transient
+        self.retry_after = retry_after
 
 
 def _transient(exc: BaseException) -> bool:
     return isinstance(exc, GatewayError) and exc.transient
+
+
+_backoff = wait_exponential(multiplier=0.25, max=5.0)
+
+
+def _wait(state: RetryCallState) -> float:
+    """The backoff's wait, or the answer's ``Retry-After`` when that is longer."""
+    exc = state.outcome.exception() if state.outcome is not None else None
+    told = exc.retry_after if isinstance(exc, GatewayError) else None
+    return max(_backoff(state), told or 0.0)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The answer's ``Retry-After`` in seconds (the delay form; an HTTP date is not used)."""
+    try:
+        seconds = float(response.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
 
 
 def _say_retrying(state: RetryCallState) -> None:
@@ -150,7 +179,7 @@ class Gateway:
         retrying = Retrying(
             retry=retry_if_exception(_transient),
             stop=stop_after_delay(retry_for),
-            wait=wait_exponential(multiplier=0.25, max=5.0),
+            wait=_wait,
             before_sleep=_say_retrying,
             reraise=True,
         )
@@ -190,10 +219,15 @@ class Gateway:
             hint = "check SIFT_API_KEY" if self.has_key else "SIFT_API_KEY is not set"
             raise GatewayError(f"{describe_error(response)} ({hint})", status_code=401)
         if response.status_code >= 400:
+            code = response.status_code
+            # a 429 to a read (a proxy's rate limit) passes; one to a submit is the backlog
+            # full, which the user is told of (the gateway says when to send it again)
+            limited = code == 429 and method == "GET"
             raise GatewayError(
                 describe_error(response),
-                status_code=response.status_code,
-                transient=response.status_code in TRANSIENT_STATUSES or _in_progress(response),
+                status_code=code,
+                transient=code in TRANSIENT_STATUSES or limited or _in_progress(response),
+                retry_after=_retry_after(response),
             )
         return response
 
@@ -205,17 +239,21 @@ class Gateway:
             raise GatewayError(f"{method} {path}: the gateway's answer is not JSON") from exc
 
     def pages(
-        self, path: str, params: dict[str, Any], *, retry_for: float = 0.0
+        self, path: str, params: dict[str, Any], *, retry_for: float | None = None
     ) -> Iterator[dict[str, Any]]:
         """Each page of the list at ``path`` (a GET with ``params``), from the first, following
         its ``next_page_token`` to the end; a caller that stops early sends no more requests.
+        A page read is a GET: one that meets a transient failure is sent again for up to
+        ``retry_for`` seconds (``RETRY_SECONDS`` by default), so a 503 half-way does not lose
+        the pages read before it.
 
             for page in client.pages("/v1/indexes", {"page_size": 1000}):
                 names += [index["name"] for index in page["indexes"]]
         """
         params = dict(params)
+        window = RETRY_SECONDS if retry_for is None else retry_for
         while True:
-            page = self.json("GET", path, params=params, retry_for=retry_for)
+            page = self.json("GET", path, params=params, retry_for=window)
             yield page
             token = page.get("next_page_token")
             if not token:

@@ -404,7 +404,7 @@ def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) ->
     try:
         with temp.open("w", encoding="utf-8") as handle:
             path = f"/v1/batches/{batch_id}/results"
-            for page in client.pages(path, {"page_size": page_size}, retry_for=RETRY_SECONDS):
+            for page in client.pages(path, {"page_size": page_size}):
                 for item in page.get("results") or []:
                     handle.write(json.dumps(item) + "\n")
                     status = str(item.get("status"))

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 
 from worker.cli import app
-from worker.cli._http import RETRY_SECONDS, Gateway, gateway
+from worker.cli._http import Gateway, gateway
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
 from worker.cli.client import EXIT_ERROR, InputError, _err, _expected_errors, _out
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
@@ -241,12 +241,11 @@ def document_pages(
     client: Gateway, index: str, page_size: int
 ) -> Iterator[tuple[list[dict[str, Any]], str | None]]:
     """Each page of ``GET /v1/indexes/{index}/documents`` from the first, with its
-    ``next_page_token``, following the tokens to the end. A page read is a GET, so one that
-    meets a transient failure (a 503, a gateway restarting) is sent again for up to
-    ``RETRY_SECONDS``, as ``sift batch`` reads its result pages: ``--all`` stopped at the
-    first, every page read before it lost."""
+    ``next_page_token``, following the tokens to the end; a page that meets a transient
+    failure (a 503, a gateway restarting) is read again (``Gateway.pages``): ``--all``
+    stopped at the first, every page read before it lost."""
     path = f"/v1/indexes/{quote(index, safe='')}/documents"
-    for page in client.pages(path, {"page_size": page_size}, retry_for=RETRY_SECONDS):
+    for page in client.pages(path, {"page_size": page_size}):
         yield page["documents"], page.get("next_page_token")
 
 

@@ -1,0 +1,148 @@
+"""Every paginated list the CLI reads (``Gateway.pages``) reads a page again through a
+transient failure half-way: a lost connection, a 502/503/504, or a 429 after its
+``Retry-After``. Before, only ``sift documents list`` and ``sift batch``'s result pages did:
+``sift indexes``, ``sift searches|batches|ingestions`` and ``sift eval``'s result pages
+stopped at the first such answer (exit 1), every page read before it lost."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from worker.cli import app, client, evaluate, indexes, listing
+from worker.cli._http import Gateway
+
+
+def _refused(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+FAILURES: dict[str, Callable[[httpx.Request], httpx.Response]] = {
+    "no connection": _refused,
+    "502": lambda _: httpx.Response(502, text="bad gateway"),
+    "503": lambda _: httpx.Response(
+        503, json={"error": {"type": "unavailable", "message": "the job store is unavailable"}}
+    ),
+    "504": lambda _: httpx.Response(504, text="gateway timeout"),
+    "429": lambda _: httpx.Response(
+        429, headers={"retry-after": "7"}, json={"error": {"type": "rate_limited"}}
+    ),
+}
+
+
+class Played:
+    """A gateway whose list at any path has two pages of ``key`` (ids a, b then c), and
+    that answers the second page's first request with ``failure``."""
+
+    def __init__(self, key: str, failure: Callable[[httpx.Request], httpx.Response]) -> None:
+        self.key = key
+        self.failure = failure
+        self.asked: list[str] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        params = dict(request.url.params)
+        self.asked.append(params.get("page_token", "first"))
+        if "page_token" not in params:
+            items = [{"id": "a", "status": "succeeded"}, {"id": "b", "status": "succeeded"}]
+            return httpx.Response(200, json={self.key: items, "next_page_token": "t1"})
+        if self.asked.count("t1") == 1:
+            return self.failure(request)
+        return httpx.Response(200, json={self.key: [{"id": "c", "status": "succeeded"}]})
+
+    def gateway(self) -> Gateway:
+        return Gateway("http://gw", "key", transport=httpx.MockTransport(self))
+
+
+def _indexes(gw: Gateway, _: Path) -> list[str]:
+    return [i["id"] for page in gw.pages("/v1/indexes", {}) for i in page["indexes"]]
+
+
+def _jobs(gw: Gateway, _: Path) -> list[str]:
+    return [j["id"] for j in listing.fetch_jobs(gw, "/v1/batches", "batches", None, 10)]
+
+
+def _documents(gw: Gateway, _: Path) -> list[str]:
+    return [d["id"] for d in indexes.fetch_documents(gw, "docs", None)[0]]
+
+
+def _batch_results(gw: Gateway, tmp_path: Path) -> list[str]:
+    out = tmp_path / "results.jsonl"
+    client._write_results(gw, "bat_1", out, 500)
+    return [json.loads(line)["id"] for line in out.read_text().splitlines()]
+
+
+def _eval_results(gw: Gateway, _: Path) -> list[str]:
+    return [r["id"] for r in evaluate._results(gw, "bat_1")]
+
+
+READERS: dict[str, tuple[str, Callable[[Gateway, Path], list[str]]]] = {
+    "sift indexes (Gateway.pages)": ("indexes", _indexes),
+    "sift searches|batches|ingestions (fetch_jobs)": ("batches", _jobs),
+    "sift documents list (document_pages)": ("documents", _documents),
+    "sift batch's results": ("results", _batch_results),
+    "sift eval's results": ("results", _eval_results),
+}
+
+
+@pytest.fixture
+def slept(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The retry waits, recorded instead of slept (tenacity sleeps by ``time.sleep``)."""
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    return waits
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+@pytest.mark.parametrize("reader", list(READERS))
+def test_each_list_reads_a_page_again_through_a_transient_failure(
+    reader: str, failure: str, slept: list[float], tmp_path: Path
+) -> None:
+    key, read = READERS[reader]
+    played = Played(key, FAILURES[failure])
+    assert read(played.gateway(), tmp_path) == ["a", "b", "c"]
+    assert played.asked == ["first", "t1", "t1"]
+    assert len(slept) == 1
+    if failure == "429":
+        assert slept == [7.0]  # the Retry-After, not the backoff's first quarter second
+
+
+def test_sift_indexes_lists_every_page_through_a_503_half_way(
+    monkeypatch: pytest.MonkeyPatch, slept: list[float]
+) -> None:
+    """The command itself: the same table and exit 0 as with no 503."""
+
+    def listed(failure: Callable[[httpx.Request], httpx.Response]) -> Any:
+        def answer(request: httpx.Request) -> httpx.Response:
+            response = played(request)
+            if response.status_code == 200:
+                body = response.json()
+                body["indexes"] = [
+                    {"name": i["id"], "documents": 1, "backend": "embedded"}
+                    for i in body["indexes"]
+                ]
+                return httpx.Response(200, json=body)
+            return response
+
+        played = Played("indexes", failure)
+
+        @contextlib.contextmanager
+        def fake_gateway() -> Iterator[Gateway]:
+            yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
+
+        monkeypatch.setattr(indexes, "gateway", fake_gateway)
+        return CliRunner().invoke(app, ["indexes"], env={"COLUMNS": "200"})
+
+    calm = listed(lambda _: httpx.Response(200, json={"indexes": [{"id": "c"}]}))
+    through = listed(FAILURES["503"])
+    assert through.exit_code == calm.exit_code == 0, through.output
+    assert through.stdout == calm.stdout
+    assert "3 index(es)" in through.stdout
+    assert "trying again" in through.stderr
