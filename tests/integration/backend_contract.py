@@ -482,6 +482,27 @@ class LifecycleContract(BackendContract):
         assert backend.documents(index, "acme", None, 10) is None
         assert backend.documents(index, "acme", "b-2", 10) is None
 
+    def test_a_listed_preview_counts_characters_outside_the_bmp_once(
+        self, backend: Any, index: str
+    ) -> None:
+        """The preview is the text's first 200 characters (code points, as Python slices)
+        and the length counts characters, on every backend. Elasticsearch computes both in
+        painless, whose strings are UTF-16: there a character outside the BMP (an emoji,
+        "𝔡") is two units, so a cut at 200 units stops at 100 of them or splits a pair, and
+        a length in units counts each twice."""
+        texts = {
+            "astral": "😀" * 250,
+            "straddle": "a" * 199 + "𝔡" + "b" * 50,
+            "exact": "𝔡" * 200,
+            "mixed": "é😀 " * 70,
+            "short": "é😀",
+        }
+        self.load(backend, index, "acme", [Document(i, t, "T", "1", {}) for i, t in texts.items()])
+        listed = backend.documents(index, "acme", None, 10)
+        assert {d.id: (d.text_preview, d.text_length) for d in listed} == {
+            i: (t[:200], len(t)) for i, t in texts.items()
+        }
+
     def test_a_listed_text_with_a_nul_is_shown_whole(self, backend: Any, index: str) -> None:
         """A text may hold U+0000 (valid JSON, taken by the ingest). SQLite's ``length`` and
         ``substr`` stop at the first NUL: the embedded listing showed ``"ab"`` and a length of

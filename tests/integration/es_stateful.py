@@ -28,6 +28,9 @@ after a drop, a reindex, a race) instead of the requests the adapter happens to 
 * ``GET _alias/<expr>``: a wildcard matching nothing is 200 ``{}``, a missing exact alias
   is 404 ``{"error": "alias [x] missing", "status": 404}``;
 * ``DELETE <index,...>``: concrete names only (an alias or a wildcard is refused);
+* ``script_fields`` of the two painless scripts the documents listing sends (no other: a
+  script the stand-in does not know is refused), run with Java's string semantics: UTF-16
+  units, a surrogate pair one code point to ``codePointCount`` and ``offsetByCodePoints``;
 * ``_search``, ``_msearch``, ``_count``, ``GET _doc``, ``_delete_by_query``, ``_reindex``
   (``wait_for_completion=false`` gives a task, read by ``GET _tasks/<id>``), ``_aliases``,
   ``_refresh``, ``_mapping``.
@@ -57,6 +60,7 @@ from tests.integration.es_loopback import (
     error_body,
     index_missing,
 )
+from worker.adapters.elasticsearch._listing import LENGTH_SCRIPT, PREVIEW_SCRIPT
 
 _WORD = re.compile(r"\w+")
 #: What ES refuses anywhere in an index name, and at its start.
@@ -745,6 +749,7 @@ class StatefulElasticsearch:
                 "_id": doc_id,
                 "_score": score,
                 "_source": _filtered(doc.source or {}, includes),
+                **_script_fields(doc.source or {}, body.get("script_fields")),
                 **({"_version": doc.version} if body.get("version") else {}),
                 **({"sort": [_field(doc.source or {}, k) for k in sort]} if sort else {}),
             }
@@ -875,6 +880,54 @@ def _filtered(source: Mapping[str, Any], includes: Any) -> dict[str, Any]:
         kept = _filtered(source, includes.get("includes"))
         return {k: v for k, v in kept.items() if k not in _listed(includes.get("excludes"))}
     return {k: v for k, v in source.items() if k in _listed(includes)}
+
+
+def _script_fields(source: Mapping[str, Any], scripts: Any) -> dict[str, Any]:
+    """A hit's ``fields`` from the request's ``script_fields``: each value in a list, none
+    for a null (as ES leaves a script field out when its script returns null)."""
+    values = {name: _painless(spec["script"], source) for name, spec in (scripts or {}).items()}
+    fields = {name: [value] for name, value in values.items() if value is not None}
+    return {"fields": fields} if fields else {}
+
+
+def _painless(script: Mapping[str, Any], source: Mapping[str, Any]) -> Any:
+    """The listing's two scripts as painless runs them, on the text's UTF-16 units."""
+    params = script.get("params", {})
+    value = source.get(params.get("field"))
+    if script.get("source") not in (PREVIEW_SCRIPT, LENGTH_SCRIPT) or not isinstance(
+        value, str | None
+    ):
+        raise _refuse("script_exception", f"the stand-in cannot run {script!r}")
+    units = (value or "").encode("utf-16-le", "surrogatepass")
+    units_of = [int.from_bytes(units[i : i + 2], "little") for i in range(0, len(units), 2)]
+    count = _code_point_count(units_of)
+    if script["source"] == LENGTH_SCRIPT:
+        return count
+    if count <= params["chars"]:
+        return value or ""
+    end = _offset_by_code_points(units_of, params["chars"])
+    return bytes(units[: 2 * end]).decode("utf-16-le", "surrogatepass")
+
+
+def _pair_at(units: list[int], i: int) -> bool:
+    return 0xD800 <= units[i] < 0xDC00 and i + 1 < len(units) and 0xDC00 <= units[i + 1] < 0xE000
+
+
+def _code_point_count(units: list[int]) -> int:
+    """Java's ``String.codePointCount(0, length())``: a lone surrogate counts one."""
+    i = count = 0
+    while i < len(units):
+        i += 2 if _pair_at(units, i) else 1
+        count += 1
+    return count
+
+
+def _offset_by_code_points(units: list[int], points: int) -> int:
+    """Java's ``String.offsetByCodePoints(0, points)``: the unit index ``points`` in."""
+    i = 0
+    for _ in range(points):
+        i += 2 if _pair_at(units, i) else 1
+    return i
 
 
 def _sort_keys(body: Mapping[str, Any]) -> list[str]:

@@ -60,6 +60,7 @@ from worker.adapters.elasticsearch import (
     num_candidates,
     tenant_key,
 )
+from worker.adapters.elasticsearch._listing import LENGTH_SCRIPT, PREVIEW_SCRIPT
 from worker.bootstrap import pipeline_config
 from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
@@ -1713,8 +1714,23 @@ def listed_page(*hits: dict[str, Any]) -> dict[str, Any]:
 
 
 def listed_hit(doc_id: str, version: int, text: str) -> dict[str, Any]:
-    found = hit(CONCRETE, "acme", doc_id, 0.0, text=text, title=f"T {doc_id}")
-    return {**found, "_score": None, "_version": version, "sort": [doc_id]}
+    """A listed hit as ES 9 answers the listing: ``_source`` without the text, and the
+    text's preview and length as script fields (each value in a list)."""
+    found = hit(CONCRETE, "acme", doc_id, 0.0, title=f"T {doc_id}")
+    del found["_source"]["text"]
+    fields = {"text_preview": [text[:200]], "text_length": [len(text)]}
+    return {**found, "_score": None, "_version": version, "sort": [doc_id], "fields": fields}
+
+
+def text_script(source: str, field: str = "text") -> dict[str, Any]:
+    params = {"field": field, "chars": 200}
+    return {"script": {"lang": "painless", "source": source, "params": params}}
+
+
+TEXT_SCRIPTS = {
+    "text_preview": text_script(PREVIEW_SCRIPT),
+    "text_length": text_script(LENGTH_SCRIPT),
+}
 
 
 def test_documents_page_is_a_tenant_filtered_sorted_search_after_without_the_vector(
@@ -1722,9 +1738,10 @@ def test_documents_page_is_a_tenant_filtered_sorted_search_after_without_the_vec
 ) -> None:
     """One search on the tenant's alias per page: the tenant term and the id field's
     presence as filters, sorted by the id field, from ``search_after`` the cursor's id, the
-    vector excluded from ``_source``, versions asked for, no total; the text cut to its
-    preview. No hit on a first page, or no alias (404), is no index (None); no hit after an
-    id asks the tenant's count: still some (an empty page) or none (None)."""
+    vector and the text excluded from ``_source``, the text's preview and length as script
+    fields, versions asked for, no total. No hit on a first page, or no alias (404), is no
+    index (None); no hit after an id asks the tenant's count: still some (an empty page) or
+    none (None)."""
     long_text = "x" * 250
     first = listed_page(listed_hit("a", 3, long_text), listed_hit("b", 5, "short"))
     page_path = f"/{ACME}/_search"
@@ -1743,7 +1760,8 @@ def test_documents_page_is_a_tenant_filtered_sorted_search_after_without_the_vec
             "bool": {"filter": [{"term": {"tenant": "acme"}}, {"exists": {"field": "doc_id"}}]}
         },
         "sort": [{"doc_id": "asc"}],
-        "_source": {"excludes": ["vector"]},
+        "_source": {"excludes": ["vector", "text"]},
+        "script_fields": TEXT_SCRIPTS,
         "version": True,
     }
     (sent,) = server.sent("POST", page_path)
@@ -1770,6 +1788,35 @@ def test_documents_page_is_a_tenant_filtered_sorted_search_after_without_the_vec
     server.on("POST", page_path, Answer(200, partial(first)), times=1)
     with pytest.raises(BackendUnavailable):
         backend_for(server).documents("docs", "acme", None, 2)
+
+
+def test_a_documents_page_asks_elasticsearch_for_each_preview_not_each_text(
+    server: FakeElasticsearchServer,
+) -> None:
+    """A listing shows each text's first 200 characters and its length, and the page's
+    search fetched every text whole to cut it in the worker: a page of 1,000 texts of
+    100,000 characters moved 100 MB. The text field (the configured one) is left out of
+    ``_source``, and the preview and length are painless script fields, the field and the
+    cut their params (a constant source, compiled once); a hit whose text is missing (the
+    scripts answer null, and ES leaves the field out) lists as empty."""
+    page_path = f"/{ACME}/_search"
+    bare = listed_hit("b", 1, "")
+    del bare["fields"]
+    page = listed_page(listed_hit("a", 1, "é" * 300), bare)
+    server.on("POST", page_path, Answer(200, page), times=1)
+    backend = backend_for(server, elasticsearch_text_field="body")
+    listed = backend.documents("docs", "acme", None, 1000)
+    assert [(d.id, d.text_preview, d.text_length) for d in listed or []] == [
+        ("a", "é" * 200, 300),
+        ("b", "", 0),
+    ]
+    (sent,) = server.sent("POST", page_path)
+    body = sent.json()
+    assert body["_source"] == {"excludes": ["vector", "body"]}
+    assert body["script_fields"] == {
+        "text_preview": text_script(PREVIEW_SCRIPT, "body"),
+        "text_length": text_script(LENGTH_SCRIPT, "body"),
+    }
 
 
 def hashed_id(tenant: str, doc_id: str) -> str:

@@ -4,6 +4,7 @@ by what a tenant reads afterwards, not by the requests sent."""
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from collections.abc import Iterator
@@ -1121,3 +1122,31 @@ def test_a_delete_or_drop_run_again_reports_0_on_elasticsearch(
     assert backend.delete_index("docs", "acme", version=13) == 1
     assert backend_on(server).delete_index("docs", "acme", version=13) == 0
     assert backend.index_info("docs", "acme") is None
+
+
+def test_a_documents_page_of_long_texts_leaves_the_texts_in_elasticsearch(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A listing shows 200 characters of each text, and its search fetched every text
+    whole to cut it in the worker: this page of 20 texts of 100,000 characters came back
+    as 2 MB. Now Elasticsearch cuts the preview and counts the length (script fields), and
+    the page's answer holds 200 characters of each text, whatever the texts' length."""
+    server, state = fake
+    answered: list[int] = []
+
+    def measured(request: Recorded) -> Answer | None:
+        answer = state(request)
+        if answer is not None and request.path.endswith("/_search") and b'"sort"' in request.body:
+            answered.append(len(json.dumps(answer.body)))
+        return answer
+
+    server.fallback = measured
+    backend = backend_on(server)
+    docs = [Document(f"d{n:02}", f"{n} " + "long text " * 10_000, "T", "1", {}) for n in range(20)]
+    assert backend.upsert("docs", "acme", docs, vectors_of(docs)) == 20
+    listed = backend.documents("docs", "acme", None, 100)
+    assert [(d.text_preview, d.text_length) for d in listed or []] == [
+        (d.text[:200], len(d.text)) for d in docs
+    ]
+    (size,) = answered
+    assert size < 20 * 1_000, size  # a preview, an id, a title, a version and a few keys each

@@ -23,6 +23,21 @@ from worker.core.catalog import IndexInfo, ListedDocument, StoredDocument
 #: The most indexes one tenant's list shows (the terms aggregation's size).
 MAX_LISTED_INDEXES = 1000
 
+# A listed document's text preview and length, computed in Elasticsearch (``script_fields``)
+# so a page of long texts never leaves the cluster whole. Painless strings are Java's: UTF-16,
+# so both count code points (as Python's ``len`` and slices do, and the embedded backend's
+# SQLite ``substr``/``length``): a cut at 200 UTF-16 units could split a surrogate pair, and
+# a length in units counts a character outside the BMP twice. The source is constant (the
+# field and the cut are params), so Elasticsearch compiles each once.
+_TEXT_OF_SOURCE = (
+    "def t = params['_source'][params.field]; String s = t == null ? '' : String.valueOf(t);"
+)
+PREVIEW_SCRIPT = (
+    _TEXT_OF_SOURCE + " return s.codePointCount(0, s.length()) <= params.chars ? s"
+    " : s.substring(0, s.offsetByCodePoints(0, params.chars));"
+)
+LENGTH_SCRIPT = _TEXT_OF_SOURCE + " return s.codePointCount(0, s.length());"
+
 
 class _Listing(_Bodies):
     """List the tenant's indexes, count one, get one document, list its documents."""
@@ -133,8 +148,11 @@ class _Listing(_Bodies):
     ) -> list[ListedDocument] | None:
         """Up to ``limit`` of the tenant's documents after id ``after``: one tenant-filtered
         search on its alias sorted by the id field (a ``keyword``: UTF-8 byte order, which is
-        code point order) from ``search_after``, without the vector (``_source.excludes``),
-        with each hit's ``_version``, and no total. Keyset paging needs no point in time:
+        code point order) from ``search_after``, without the vector or the text
+        (``_source.excludes``): the text's preview and length are ``script_fields``
+        (:data:`PREVIEW_SCRIPT`, :data:`LENGTH_SCRIPT`), so a page of 1,000 texts of 100,000
+        characters sends 200 characters of each, not 100 MB; with each hit's ``_version``,
+        and no total. Keyset paging needs no point in time:
         each page starts after an id, so a write between pages moves no document across a
         page's edge (a PIT would only pin a snapshot, and it expires). A missing alias, or
         a first page with no hit, is no index (None); an empty page after an id (the rest
@@ -149,7 +167,11 @@ class _Listing(_Bodies):
             "track_total_hits": False,
             "query": query,
             "sort": [{fields.id: "asc"}],
-            "_source": {"excludes": [fields.vector]},
+            "_source": {"excludes": [fields.vector, fields.text]},
+            "script_fields": {
+                "text_preview": self._text_script(PREVIEW_SCRIPT),
+                "text_length": self._text_script(LENGTH_SCRIPT),
+            },
             "version": True,
         }
         if after is not None:
@@ -165,15 +187,19 @@ class _Listing(_Bodies):
             return None
         return [self._listed(hit) for hit in hits]
 
+    def _text_script(self, source: str) -> dict[str, Any]:
+        params = {"field": self.fields.text, "chars": DOCUMENT_PREVIEW_CHARS}
+        return {"script": {"lang": "painless", "source": source, "params": params}}
+
     def _listed(self, hit: dict[str, Any]) -> ListedDocument:
         src = hit.get("_source", {})
-        text = str(src.get(self.fields.text, ""))
+        computed = hit.get("fields", {})  # each script field's value, in a list
         return ListedDocument(
             id=str(src[self.fields.id]),
             title=str(src.get(self.fields.title, "")) if self.fields.title else "",
             revision=str(src.get(self.fields.revision, "")),
-            text_preview=text[:DOCUMENT_PREVIEW_CHARS],
-            text_length=len(text),
+            text_preview=str((computed.get("text_preview") or [""])[0]),
+            text_length=int((computed.get("text_length") or [0])[0]),
             metadata=dict(src.get(self.fields.metadata) or {}),
             version=int(hit["_version"]) if "_version" in hit else None,
         )
