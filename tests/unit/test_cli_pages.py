@@ -146,3 +146,35 @@ def test_sift_indexes_lists_every_page_through_a_503_half_way(
     assert through.stdout == calm.stdout
     assert "3 index(es)" in through.stdout
     assert "trying again" in through.stderr
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_sift_eval_index_waits_for_its_batches_through_a_transient_failure(
+    failure: str, monkeypatch: pytest.MonkeyPatch, slept: list[float]
+) -> None:
+    """``sift eval --index`` waits for its batches by reading each one's status, a GET like
+    its result pages; one that met a 503 (or a lost connection, a 429) ended the evaluation
+    (exit 1), its batches running on unread, while ``sift batch``'s wait reads through it."""
+    statuses: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(202, json={"id": "bat_1", "status": "queued"})
+        if request.url.path == "/v1/batches/bat_1":
+            statuses.append("asked")
+            if len(statuses) == 1:
+                return FAILURES[failure](request)
+            return httpx.Response(200, json={"status": "succeeded", "counts": {"succeeded": 2}})
+        results = [{"id": q, "query_id": q, "status": "succeeded"} for q in ("q1", "q2")]
+        return httpx.Response(200, json={"results": results})
+
+    @contextlib.contextmanager
+    def fake_gateway() -> Iterator[Gateway]:
+        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
+
+    monkeypatch.setattr(evaluate, "gateway", fake_gateway)
+    run = evaluate.RunSpec("bm25", "fts", False, 10)
+    submitted, served = evaluate._run_batches("docs", [run], [("q1", "a"), ("q2", "b")], None)
+    assert submitted == {"bm25": "bat_1"}
+    assert [r["query_id"] for r in served["bm25"]] == ["q1", "q2"]
+    assert statuses == ["asked", "asked"]

@@ -29,7 +29,7 @@ from rich.table import Table
 from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.embedder import GRAPH_REVISION
 from worker.cli import app
-from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway
+from worker.cli._http import FINAL_STATUSES, RETRY_SECONDS, Gateway, GatewayError, gateway
 from worker.cli._output import format_cost, plain, progress_bar
 from worker.constants import MAX_LIMIT
 from worker.contract import Channel
@@ -262,7 +262,9 @@ def _run_batches(
             pending = dict(submitted)
             while pending:
                 for name, batch_id in list(pending.items()):
-                    counts = client.json("GET", f"/v1/batches/{batch_id}").get("counts") or {}
+                    # a GET: read again through a transient failure, as `sift batch` waits
+                    path = f"/v1/batches/{batch_id}"
+                    counts = client.json("GET", path, retry_for=RETRY_SECONDS).get("counts") or {}
                     finished = sum(int(counts.get(s, 0)) for s in FINAL_STATUSES)
                     bar.update(tasks[name], completed=finished)
                     if finished >= len(queries):
