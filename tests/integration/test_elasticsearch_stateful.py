@@ -1150,3 +1150,22 @@ def test_a_documents_page_of_long_texts_leaves_the_texts_in_elasticsearch(
     ]
     (size,) = answered
     assert size < 20 * 1_000, size  # a preview, an id, a title, a version and a few keys each
+
+
+def test_a_document_whose_text_is_null_reads_as_empty_listed_or_got(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """A document of an operator's index may hold ``"text": null``. The listing's scripts
+    read it as empty (preview ``""``, length 0), and ``GET`` of the same document said
+    ``"None"`` (Python's ``str`` of the null): the two reads of one document disagreed,
+    and neither text was ever written."""
+    server, _ = fake
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    mappings = index_template("sift-", FieldNames(), IndexSettings(64))["template"]["mappings"]
+    held = {**shared_doc("acme", "n", "x"), "text": None}
+    make_index(server, alias, f"{alias}~000001", {"acme:n": held}, mappings)
+    (listed,) = backend.documents("docs", "acme", None, 10) or []
+    assert (listed.text_preview, listed.text_length) == ("", 0)
+    got = backend.document("docs", "acme", "n")
+    assert got is not None and got.text == ""

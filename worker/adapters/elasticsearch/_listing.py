@@ -134,9 +134,10 @@ class _Listing(_Bodies):
         src = answer.get("_source", {})
         if src.get(self.fields.tenant) != tenant:
             return None
+        text = src.get(self.fields.text)  # null (an operator's index) is empty, as listed
         return StoredDocument(
             id=doc_id,
-            text=str(src.get(self.fields.text, "")),
+            text="" if text is None else str(text),
             title=str(src.get(self.fields.title, "")) if self.fields.title else "",
             revision=str(src.get(self.fields.revision, "")),
             metadata=dict(src.get(self.fields.metadata) or {}),
