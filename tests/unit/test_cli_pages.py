@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from worker.cli import app, client, evaluate, indexes, listing
-from worker.cli._http import Gateway
+from worker.cli._http import Gateway, GatewayError
 
 
 def _refused(request: httpx.Request) -> httpx.Response:
@@ -178,3 +178,20 @@ def test_sift_eval_index_waits_for_its_batches_through_a_transient_failure(
     assert submitted == {"bm25": "bat_1"}
     assert [r["query_id"] for r in served["bm25"]] == ["q1", "q2"]
     assert statuses == ["asked", "asked"]
+
+
+def test_a_gateway_never_reached_is_told_at_once_not_retried() -> None:
+    """A refused connection before the gateway has ever answered this client means no gateway
+    is running (a newcomer who has not run `sift up`): the command says so after one attempt
+    rather than retrying for RETRY_SECONDS (two minutes) first. Once the gateway has answered,
+    a refused connection is a restart, and is retried (the cases above)."""
+    attempts: list[str] = []
+
+    def refused(request: httpx.Request) -> httpx.Response:
+        attempts.append(request.url.path)
+        return _refused(request)
+
+    gw = Gateway("http://gw", "key", transport=httpx.MockTransport(refused))
+    with pytest.raises(GatewayError, match=r"cannot connect .* Start one with `sift up`"):
+        next(gw.pages("/v1/indexes", {}))
+    assert attempts == ["/v1/indexes"]

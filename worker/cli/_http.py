@@ -147,6 +147,9 @@ class Gateway:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.has_key = bool(api_key)
+        # a gateway that has never answered this client is not running, not restarting:
+        # a refused connection is then told at once rather than retried for minutes
+        self._answered = False
         headers = {"user-agent": USER_AGENT}
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
@@ -203,7 +206,7 @@ class Gateway:
             raise GatewayError(
                 f"cannot connect to the gateway at {self.base_url} (SIFT_URL); "
                 "is it running? Start one with `sift up`.",
-                transient=True,
+                transient=self._answered,
             ) from exc
         except httpx.TimeoutException as exc:
             raise GatewayError(
@@ -215,6 +218,7 @@ class Gateway:
                 f"talking to {self.base_url} (SIFT_URL) failed: {exc}",
                 transient=isinstance(exc, httpx.TransportError),
             ) from exc
+        self._answered = True
         if response.status_code == 401:
             hint = "check SIFT_API_KEY" if self.has_key else "SIFT_API_KEY is not set"
             raise GatewayError(f"{describe_error(response)} ({hint})", status_code=401)
