@@ -1,7 +1,9 @@
 """A real pipeline (the Anthropic SDK against the fake Messages API, an in-memory index) in a
 worker whose process dies once, on demand, just after the model answered and before the
 search's result is saved: when the file named by ``DIE_AFTER_MODEL_FLAG`` exists, the first
-``rerank_done`` (the result's own first step, after the model call) deletes it and exits.
+``rerank_done`` (the result's own first step, after the model call) deletes it and exits; if
+the file says ``cancel``, a batch item's batch is canceled first (a cancel landing between the
+death and the redelivered run).
 Every model usage the pipeline counts is appended to ``MODEL_USAGE_LOG``, one line each,
 so a test reads what the metrics were told across the worker's processes. Tenant "zeta" has
 the same documents, and one more once the file named by ``EXTRA_DOCUMENT_FLAG`` exists (read
@@ -16,6 +18,7 @@ runtime (it is then deleted): a redelivered run whose search is retried.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -23,6 +26,8 @@ from tests.fakes import FakeEmbedder, InMemoryBackend
 from worker import metrics
 from worker.bootstrap import build_reranker
 from worker.contract import DocumentIn
+from worker.logcontext import JobIdFilter
+from worker.queue.jobstore import JobStore
 from worker.runtime import Runtime, build_runtime
 from worker.settings import Settings
 
@@ -42,6 +47,11 @@ class DyingRecorder(metrics.PrometheusRecorder):
     def rerank_done(self, model: str, outcome: str, seconds: float) -> None:
         flag = Path(os.environ["DIE_AFTER_MODEL_FLAG"])
         if flag.exists():
+            if flag.read_text() == "cancel":
+                record = logging.makeLogRecord({})
+                JobIdFilter().filter(record)  # the item's "batch id/query id"
+                store = JobStore.from_url(os.environ["SIFT_REDIS_URL"])
+                assert store.cancel_batch(record.job_id.split("/")[0]) == (0, False)
             flag.unlink()
             os._exit(17)  # no cleanup, no ack: as an OOM kill would
         super().rerank_done(model, outcome, seconds)

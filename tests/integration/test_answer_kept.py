@@ -134,6 +134,34 @@ def test_a_batch_item_whose_worker_died_after_the_model_answered_calls_it_once(
     _one_call(setup, SearchResult.model_validate(json.loads(item.payload)["result"]))
 
 
+def test_a_batch_canceled_after_its_item_s_model_answered_finishes_the_item_on_it(
+    setup: Setup,
+) -> None:
+    """The batch is canceled between the worker's death (after the model answered) and the
+    item's redelivered start: the item is past its model call, paid for, so it finishes on the
+    kept answer, as an item whose worker lived does once its call was made. Before, the start
+    canceled it, and its record showed none of that call's usage (the metrics had counted it)."""
+    _arm(setup)
+    setup.flag.write_text("cancel")
+    sender = OutboxSender(setup.store)
+    spec = SearchSpec(index="docs", query="beta", rerank=True, include_trace=True)
+    batch = setup.store.create_batch(
+        "acme",
+        "docs",
+        [("q0", spec)],
+        enqueue=lambda batch_id: sender.messages(
+            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
+        ),
+    )
+    _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
+    done = setup.store.get_batch(batch.id)
+    assert done is not None and done.canceled_at is not None  # the cancel did land
+    (item,) = setup.store.batch_results(batch.id, 0, 1)
+    assert item.status == "succeeded" and item.payload is not None, item
+    _one_call(setup, SearchResult.model_validate(json.loads(item.payload)["result"]))
+    assert done.status == "succeeded" and done.counts["succeeded"] == 1, done
+
+
 def _shown(request: dict[str, Any]) -> list[str]:
     """The candidate texts a model request showed, in its order (the prompt's "[N] ..." lines)."""
     (message,) = request["body"]["messages"]

@@ -9,7 +9,8 @@ at once.
 
 An item taken but not started is still cancelable: its start reads the batch's cancel mark
 in the same script (no round trip more), and one whose batch was canceled is canceled
-instead of started. ``run`` may cancel a started item the same way (before its model call)
+instead of started (unless its run claim kept the model's answer: past its model call, it
+finishes on that answer). ``run`` may cancel a started item the same way (before its model call)
 and answer that transition.
 
 When the worker is told to stop (SIGTERM), :meth:`ItemQueue.hand_back` closes the queue:

@@ -46,6 +46,7 @@ from worker.queue.jobstore.records import (
 from worker.queue.jobstore.store import (
     _CHECK_ITEM,
     _START_ITEM,
+    NO_CANCEL,
     _Move,
     _StoreCore,
     move_token,
@@ -234,7 +235,8 @@ class BatchRecords(_StoreCore):
 
     def start_item(self, batch_id: str, query_id: str) -> bool:
         """queued (or running, on redelivery) -> running. False if final, canceled or missing,
-        or if its batch has been canceled (then the item is canceled instead)."""
+        or if its batch has been canceled (then the item is canceled instead, unless its run
+        claim kept the model's answer: then it starts, to finish on that paid answer)."""
         return self.begin_item(batch_id, query_id).started
 
     def begin_item(self, batch_id: str, query_id: str) -> ItemTransition:
@@ -256,7 +258,7 @@ class BatchRecords(_StoreCore):
         return bool(self.redis.hexists(BATCH_KEY + batch_id, "canceled_at"))
 
     def requeue_item(self, batch_id: str, query_id: str) -> bool:
-        return self._item(batch_id, query_id, JobStatus.QUEUED, "running", "", False).applied
+        return self._item(batch_id, query_id, JobStatus.QUEUED, "running", "", NO_CANCEL).applied
 
     def finish_item(
         self,
@@ -287,7 +289,7 @@ class BatchRecords(_StoreCore):
         else:
             assert result is not None
             status, payload = JobStatus.SUCCEEDED, '{"result":' + result.model_dump_json() + "}"
-        moves: list[_Move] = [(batch_id, query_id, status, "queued,running", payload, False)]
+        moves: list[_Move] = [(batch_id, query_id, status, "queued,running", payload, NO_CANCEL)]
         if start is not None:
             moves.append((*start, *_START_ITEM))
         transitions = self._items(moves)
@@ -382,7 +384,9 @@ class BatchRecords(_StoreCore):
         then canceled), shown on its record as ``usage``, so that the record agrees with the
         counters and the bill; a canceled item has no result or error to carry it."""
         payload = '{"usage":' + usage.model_dump_json() + "}" if usage is not None else ""
-        return self._item(batch_id, query_id, JobStatus.CANCELED, "queued,running", payload, False)
+        return self._item(
+            batch_id, query_id, JobStatus.CANCELED, "queued,running", payload, NO_CANCEL
+        )
 
     def query_ids_at(self, batch_id: str, positions: Sequence[int]) -> list[str | None]:
         """The query ids at these positions of the submission order (None past the end)."""

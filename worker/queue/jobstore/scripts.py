@@ -40,9 +40,10 @@ return 1
 
 # KEYS: items, results, counts, batch, stats, active, moves, run claims.
 # ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now, batch id, '1'
-# when a cancel of the batch turns this move into a cancel (a start, or the check before the
-# model call; the batch's cancel mark is read in the same script, so no round trip more), and
-# the move's token.
+# when a cancel of the batch turns this move into a cancel (the check before the model call;
+# the batch's cancel mark is read in the same script, so no round trip more), '2' when it
+# does unless the item's run claim kept the model's answer (a start: the item is past its
+# model call, which was paid for, and its run finishes on that answer), and the move's token.
 # Returns {code, 1 if the move became a cancel}: code -1 missing, 0 refused, 1 applied,
 # 2 applied and the batch just completed. A move that makes the item final keeps its token
 # and answer in the moves hash (living as long as the results hash), so the same call sent
@@ -62,8 +63,12 @@ end
 if cur == 'succeeded' or cur == 'failed' or cur == 'canceled' then return {0, 0} end
 local to, outcome, canceled = ARGV[2], ARGV[4], 0
 if not string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return {0, 0} end
-if ARGV[7] == '1' and redis.call('HEXISTS', KEYS[4], 'canceled_at') == 1 then
-  to, outcome, canceled = 'canceled', '', 1
+if ARGV[7] ~= '' and redis.call('HEXISTS', KEYS[4], 'canceled_at') == 1 then
+  -- the claim's sixth field is the answer kept (_CLAIM_RUN's value)
+  local run = ARGV[7] == '2' and redis.call('HGET', KEYS[8], ARGV[1]) or ''
+  if not string.find(run, '^[^|]*|[^|]*|[^|]*|[^|]*|[^|]*|.') then
+    to, outcome, canceled = 'canceled', '', 1
+  end
 end
 redis.call('HSET', KEYS[1], ARGV[1], to)
 if outcome ~= '' then redis.call('HSET', KEYS[2], ARGV[1], outcome) end

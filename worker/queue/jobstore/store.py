@@ -46,10 +46,15 @@ from worker.queue.jobstore.scripts import (
 from worker.redis_client import connect
 
 _ScriptCall = tuple[Script, list[str], list[str]]  # a registered script, its keys and args
-# to, allowed-from, outcome, and whether the batch's cancel mark turns the move into a cancel
-_START_ITEM = (JobStatus.RUNNING, "queued,running", "", True)
-_CHECK_ITEM = (JobStatus.RUNNING, "running", "", True)  # before the model call
-_Move = tuple[str, str, JobStatus, str, str, bool]  # batch id, query id, then as above
+# Whether the batch's cancel mark turns an item's move into a cancel: never, always (the check
+# before the model call), or unless the item's run claim kept a model answer (a start: the
+# item is past its model call, paid for, and finishes on that answer as an item whose worker
+# lived does; canceled, its record lost that call's usage)
+NO_CANCEL, CANCEL, CANCEL_UNANSWERED = "", "1", "2"
+# to, allowed-from, outcome, and when the batch's cancel mark turns the move into a cancel
+_START_ITEM = (JobStatus.RUNNING, "queued,running", "", CANCEL_UNANSWERED)
+_CHECK_ITEM = (JobStatus.RUNNING, "running", "", CANCEL)  # before the model call
+_Move = tuple[str, str, JobStatus, str, str, str]  # batch id, query id, then as above
 
 
 def move_token() -> str:
@@ -156,14 +161,14 @@ class _StoreCore:
         to: JobStatus,
         allowed: str,
         payload: str,
-        cancelable: bool,
+        cancelable: str,
     ) -> ItemTransition:
         (transition,) = self._items([(batch_id, query_id, to, allowed, payload, cancelable)])
         return transition
 
     def _items(self, moves: Sequence[_Move]) -> list[ItemTransition]:
         """Item transitions (batch id, query id, to, allowed-from, outcome JSON or '', and
-        whether the batch's cancel mark makes it a cancel), in order, in one round trip."""
+        when the batch's cancel mark makes it a cancel), in order, in one round trip."""
         now = repr(_now())
         calls: list[_ScriptCall] = [
             (
@@ -185,7 +190,7 @@ class _StoreCore:
                     payload,
                     now,
                     batch_id,
-                    "1" if cancelable else "",
+                    cancelable,
                     move_token(),
                 ],
             )
