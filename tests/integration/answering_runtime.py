@@ -1,11 +1,13 @@
 """A real pipeline (the Anthropic SDK against the fake Messages API, an in-memory index) in a
 worker whose process dies once, on demand, just after the model answered and before the
 search's result is saved: when the file named by ``DIE_AFTER_MODEL_FLAG`` exists, the first
-``rerank_done`` (the result's own first step, after the model call) deletes it and exits; if
-the file says ``cancel``, a batch item's batch is canceled first (a cancel landing between the
-death and the redelivered run).
+run to keep its model's answer (in its run claim) deletes it and exits; if the file says
+``cancel``, a batch item's batch is canceled first (a cancel landing between the death and
+the redelivered run).
 Every model usage the pipeline counts is appended to ``MODEL_USAGE_LOG``, one line each,
-so a test reads what the metrics were told across the worker's processes. Tenant "zeta" has
+and every search it counts done to ``SEARCH_DONE_LOG``, so a test reads what the metrics
+were told across the worker's processes. When the file named by ``DIE_AFTER_DONE_FLAG``
+exists, the first ``search_done`` deletes it and exits once it is counted. Tenant "zeta" has
 the same documents, and one more once the file named by ``EXTRA_DOCUMENT_FLAG`` exists (read
 when a process builds its runtime: an ingest that landed between two runs of a search).
 
@@ -20,12 +22,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.fakes import FakeEmbedder, InMemoryBackend
 from worker import metrics
 from worker.bootstrap import build_reranker
-from worker.contract import DocumentIn
+from worker.contract import DocumentIn, SearchResult, SearchSpec
+from worker.core.ports import AnswerKeeper
 from worker.logcontext import JobIdFilter
 from worker.queue.jobstore import JobStore
 from worker.runtime import Runtime, build_runtime
@@ -44,7 +50,30 @@ class DyingRecorder(metrics.PrometheusRecorder):
         with Path(os.environ["MODEL_USAGE_LOG"]).open("a") as log:
             log.write(json.dumps(usage) + "\n")
 
-    def rerank_done(self, model: str, outcome: str, seconds: float) -> None:
+    def search_done(self, mode: str, outcome: str, seconds: float) -> None:
+        super().search_done(mode, outcome, seconds)
+        with Path(os.environ["SEARCH_DONE_LOG"]).open("a") as log:
+            log.write(outcome + "\n")
+        flag = Path(os.environ["DIE_AFTER_DONE_FLAG"])
+        if flag.exists():
+            flag.unlink()
+            os._exit(17)
+
+
+@dataclass(frozen=True)
+class DyingKeeper:
+    """The run claim's keeper, dying once just after it kept the model's answer."""
+
+    inner: AnswerKeeper
+
+    def saved(self) -> Mapping[str, Any] | None:
+        return self.inner.saved()
+
+    def later(self, figures: Sequence[Callable[[], None]]) -> None:
+        self.inner.later(figures)
+
+    def save(self, answer: Mapping[str, Any]) -> None:
+        self.inner.save(answer)
         flag = Path(os.environ["DIE_AFTER_MODEL_FLAG"])
         if flag.exists():
             if flag.read_text() == "cancel":
@@ -54,7 +83,20 @@ class DyingRecorder(metrics.PrometheusRecorder):
                 assert store.cancel_batch(record.job_id.split("/")[0]) == (0, False)
             flag.unlink()
             os._exit(17)  # no cleanup, no ack: as an OOM kill would
-        super().rerank_done(model, outcome, seconds)
+
+
+class DyingRuntime(Runtime):
+    def search(
+        self,
+        spec: SearchSpec,
+        tenant: str,
+        before_model: Callable[[], None] | None = None,
+        *,
+        spent: float = 0.0,
+        answers: AnswerKeeper | None = None,
+    ) -> SearchResult:
+        keeper = DyingKeeper(answers) if answers is not None else None
+        return super().search(spec, tenant, before_model, spent=spent, answers=keeper)
 
 
 def build(settings: Settings) -> Runtime:
@@ -63,13 +105,14 @@ def build(settings: Settings) -> Runtime:
     if failing is not None and Path(failing).exists():
         backend.fail_next = int(Path(failing).read_text())
         Path(failing).unlink()
-    runtime = build_runtime(
+    built = build_runtime(
         settings,
         backend=backend,
         embedder=FakeEmbedder(),
         reranker=build_reranker(settings),
         recorder=DyingRecorder(),
     )
+    runtime = DyingRuntime(built.pipeline, built.economy)
     runtime.ingest("docs", "acme", DOCUMENTS)
     extra = os.environ.get("EXTRA_DOCUMENT_FLAG")
     changed = extra is not None and Path(extra).exists()

@@ -53,6 +53,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
             "DIE_AFTER_MODEL_FLAG": str(tmp / "die"),
             "MODEL_USAGE_LOG": str(tmp / "usage.log"),
+            "SEARCH_DONE_LOG": str(tmp / "done.log"),
+            "DIE_AFTER_DONE_FLAG": str(tmp / "die-done"),
             "EXTRA_DOCUMENT_FLAG": str(tmp / "extra"),
             "FAIL_RETRIEVAL_FLAG": str(tmp / "failing"),
         }
@@ -160,6 +162,43 @@ def test_a_batch_canceled_after_its_item_s_model_answered_finishes_the_item_on_i
     assert item.status == "succeeded" and item.payload is not None, item
     _one_call(setup, SearchResult.model_validate(json.loads(item.payload)["result"]))
     assert done.status == "succeeded" and done.counts["succeeded"] == 1, done
+
+
+def test_a_search_is_counted_done_once_when_its_worker_died_after_counting_it(
+    setup: Setup,
+) -> None:
+    """The worker dies just after the pipeline counted the search done, before its result
+    was saved: the redelivered run finishes on the kept answer, and the search (then a batch
+    item) is counted done once (before: twice, each run counting its own; the tokens and cost
+    were once)."""
+    _arm(setup)
+    setup.flag.unlink()  # this one dies after the count, not after the model answered
+    done_log, die = setup.usage_log.with_name("done.log"), setup.flag.with_name("die-done")
+    done_log.write_text("")
+    die.touch()
+    spec = SearchSpec(index="docs", query="alpha", rerank=True, include_trace=True)
+    result = _search(setup, "acme", spec)
+    assert not die.exists()  # the worker did die
+    assert done_log.read_text().splitlines() == ["ok"]
+    assert len(setup.model.requests()) == 1 and result.usage.requests == 1
+    # and a batch item's
+    setup.model.reset()
+    done_log.write_text("")
+    die.touch()
+    sender = OutboxSender(setup.store)
+    batch = setup.store.create_batch(
+        "acme",
+        "docs",
+        [("q0", spec)],
+        enqueue=lambda batch_id: sender.messages(
+            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
+        ),
+    )
+    _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
+    assert not die.exists()
+    assert done_log.read_text().splitlines() == ["ok"]
+    (item,) = setup.store.batch_results(batch.id, 0, 1)
+    assert item.status == "succeeded" and len(setup.model.requests()) == 1, item
 
 
 def _shown(request: dict[str, Any]) -> list[str]:

@@ -40,7 +40,7 @@ def make_chunk(store: JobStore, n: int, *, boom: str | None = None) -> tuple[Chu
             return None, ErrorInfo(type="e", message="seven")
         return result(item.query_id), None
 
-    def on_finish(transition: ItemTransition, error: ErrorInfo | None) -> None:
+    def on_finish(item: BatchItem, transition: ItemTransition, error: ErrorInfo | None) -> None:
         with lock:
             finished.append(transition)
 

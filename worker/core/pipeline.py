@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Literal
 
 from worker.constants import POLICY_ID
@@ -254,9 +255,12 @@ class SearchPipeline:
         ``before_model`` is not run either: the call it guards was made). Only if it answered
         these very candidates (:func:`shown_digest`): its positions number the ones it was
         shown, and an index changed between the two runs gives others (then it is called
-        again, as before answers were kept: the record shows that second call alone)."""
+        again, as before answers were kept: the record shows that second call alone). With
+        ``answers``, the search's own figures (its outcome and duration, the model answer's)
+        are handed to it to record once the result is saved (:meth:`AnswerKeeper.later`)."""
         deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
         outcome: str | None = "error"
+        figures: list[Callable[[], None]] = []
         try:
             with self._cpu_slots:
                 prepared = self._prepare(spec, tenant, deadline)
@@ -277,12 +281,17 @@ class SearchPipeline:
                     run = self._call_model(prepared, deadline)
                     if answers is not None and run.job_usage().requests:  # a call was billed
                         answers.save({**dump_run(run), "shown": shown})
-                result = self._finish(prepared, run)
+                result = self._finish(prepared, run, figures)
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
         finally:
             if outcome is not None:
-                self.recorder.search_done(spec.mode, outcome, deadline.run_elapsed())
+                seconds = deadline.run_elapsed()
+                figures.append(partial(self.recorder.search_done, spec.mode, outcome, seconds))
+            if answers is not None:
+                answers.later(figures)
+            else:
+                _record(figures)
 
     def pace(self) -> None:
         """Wait, before a search starts, until the rate budget's queue is short enough for it
@@ -322,11 +331,13 @@ class SearchPipeline:
         """
         started = self._clock()
         outcome = "error"
+        figures: list[Callable[[], None]] = []
         try:
-            result = self._finish(prepared, run)
+            result = self._finish(prepared, run, figures)
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
         finally:
+            _record(figures)
             seconds = prepared.seconds + self._clock() - started
             self.recorder.search_done(prepared.spec.mode, outcome, seconds)
 
@@ -518,9 +529,13 @@ class SearchPipeline:
         run.seconds = self._clock() - started
         return run
 
-    def _finish(self, prepared: Prepared, run: RerankRun) -> SearchResult:
+    def _finish(
+        self, prepared: Prepared, run: RerankRun, figures: list[Callable[[], None]]
+    ) -> SearchResult:
+        """The result of ``run``; the figures it makes (the model answer's duration and
+        outcome) are appended to ``figures``, for the caller to record."""
         assert self.reranker is not None
-        model = self.reranker.model
+        model, recorder = self.reranker.model, self.recorder
         spec, candidates, trace = prepared.spec, prepared.candidates, prepared.trace
         usage = run.job_usage()
         trace.update(attempts=run.attempts, rerank_seconds=run.seconds)
@@ -535,15 +550,15 @@ class SearchPipeline:
                 failure.outcome.value if isinstance(failure, RerankAttemptError) else "deadline"
             )
             trace["fallback_reason"] = f"error:{reason}"
-            self.recorder.rerank_done(model, reason, run.seconds)
+            figures.append(partial(recorder.rerank_done, model, reason, run.seconds))
             if self.config.failure_policy == "fail_closed":
-                self.recorder.rerank_outcome(POLICY_ID, "failed")
+                figures.append(partial(recorder.rerank_outcome, POLICY_ID, "failed"))
                 raise RerankFailed(reason, failure.message, usage) from failure
-            self.recorder.rerank_outcome(POLICY_ID, "fallback_error")
+            figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_error"))
             info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{reason}")
             return self._result(candidates[: spec.limit], info, usage, spec, trace)
 
-        self.recorder.rerank_done(model, "ok", run.seconds)
+        figures.append(partial(recorder.rerank_done, model, "ok", run.seconds))
         normalised = normalise_positions(reply.positions, len(candidates), spec.limit)
         trace["kept_positions"] = list(normalised.kept)
         trace["dropped_positions"] = [
@@ -551,11 +566,11 @@ class SearchPipeline:
         ]
         if not normalised.kept:
             trace["fallback_reason"] = "no_valid_ranks"
-            self.recorder.rerank_outcome(POLICY_ID, "fallback_no_valid_ranks")
+            figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_no_valid_ranks"))
             info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason="no_valid_ranks")
             return self._result(candidates[: spec.limit], info, usage, spec, trace)
 
-        self.recorder.rerank_outcome(POLICY_ID, "applied")
+        figures.append(partial(recorder.rerank_outcome, POLICY_ID, "applied"))
         trace["fallback_reason"] = None
         chosen = [candidates[position - 1] for position in normalised.kept]
         info = RerankInfo(applied=True, policy=POLICY_ID, fallback_reason=None)
@@ -778,6 +793,11 @@ def _trace_candidates(
         }
         for i, candidate in enumerate(candidates)
     ]
+
+
+def _record(figures: Sequence[Callable[[], None]]) -> None:
+    for record in figures:
+        record()
 
 
 def shown_digest(candidates: Sequence[Candidate]) -> str:

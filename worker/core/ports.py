@@ -5,7 +5,7 @@ Adapters live in :mod:`worker.adapters`; fakes for tests live in ``tests/``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from worker.contract import Channel
@@ -147,6 +147,13 @@ class AnswerKeeper(Protocol):
 
     def save(self, answer: Mapping[str, Any]) -> None:
         """Keep this run's answer (JSON-able data), just after the model call returns."""
+        ...
+
+    def later(self, figures: Sequence[Callable[[], None]]) -> None:
+        """The run's figures of the search (its outcome and duration, its model answer's),
+        to record once its result is saved (or the run is retried): a run dying before that
+        leaves them to the run finishing the search, which recorded them again on a kept
+        answer when they were recorded before the save."""
         ...
 
 

@@ -53,15 +53,15 @@ class Chunk:
 
     ``to_start`` answers the query id to start (None: run it unstarted, or skip it);
     ``run`` runs an item, told whether it started; ``finished`` hears of each finish
-    transition, and of each cancel (``canceled`` set) of an item its batch's cancel mark
-    stopped. ``outcomes`` collects (batch completed, to retry) per item; ``error`` is
+    transition (with its item), and of each cancel (``canceled`` set) of an item its batch's
+    cancel mark stopped. ``outcomes`` collects (batch completed, to retry) per item; ``error`` is
     what broke a runner, if anything did; ``handed_back`` counts the items not run because
     the worker is stopping."""
 
     batch_id: str
     to_start: Callable[[BatchItem], str | None]
     run: Callable[[BatchItem, bool], RunOutcome]
-    finished: Callable[[ItemTransition, ErrorInfo | None], None]
+    finished: Callable[[BatchItem, ItemTransition, ErrorInfo | None], None]
     outcomes: list[tuple[bool, bool]] = field(default_factory=list, init=False)
     error: BaseException | None = field(default=None, init=False)
     handed_back: int = field(default=0, init=False)
@@ -271,7 +271,7 @@ class ItemQueue:
                 if isinstance(outcome, ItemTransition):  # canceled; the store has it already
                     chunk.record(outcome.batch_completed, False)
                     current = None
-                    chunk.finished(outcome, None)
+                    chunk.finished(item, outcome, None)
                     begun = self._begin(taken)
                 elif outcome is None or outcome == "retry":
                     chunk.record(False, outcome == "retry")
@@ -289,7 +289,7 @@ class ItemQueue:
                     )
                     chunk.record(transition.batch_completed, False)
                     current = None
-                    chunk.finished(transition, error)
+                    chunk.finished(item, transition, error)
                 current, taken = taken, None
         except BaseException as exc:
             log.exception("batch item runner broke")

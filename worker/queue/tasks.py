@@ -43,7 +43,7 @@ from worker.queue.base import SiftTask, WaitHop, count_completed, error_info
 from worker.queue.celery_app import visibility_timeout
 from worker.queue.economy import economy_pipeline, is_prepared, maybe_submit, save_prepared
 from worker.queue.items import CancelMarks, Chunk, RunOutcome
-from worker.queue.jobstore import BatchItem, ItemTransition, JobStore, RunClaim
+from worker.queue.jobstore import BatchItem, ClaimAnswers, ItemTransition, JobStore, RunClaim
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -92,14 +92,12 @@ def search(self: SiftTask, job_id: str) -> None:
         if job.started_at is None:
             metrics.observe_queue_wait(SEARCH_QUEUE, time.time() - job.created_at)
         log.info("search %s: running for tenant %s", job_id, job.tenant)
+        answers = store.search_answers(job_id, claim)
         try:
             try:
                 with metrics.running_job():
                     result = self.context.runtime.search(
-                        job.spec,
-                        job.tenant,
-                        spent=claim.spent,
-                        answers=store.search_answers(job_id, claim),
+                        job.spec, job.tenant, spent=claim.spent, answers=answers
                     )
             except Exception as exc:
                 if self.should_retry(exc) and _retry_fits(claim, deadline):
@@ -108,6 +106,7 @@ def search(self: SiftTask, job_id: str) -> None:
                     # let go before the retry is sent: a retry taken while this run still
                     # held the claim would leave the search running with no message left
                     store.release_search(job_id, claim)
+                    answers.record()
                     raise self.retry(exc=exc, countdown=self.backoff()) from exc
                 if not isinstance(exc, SiftError):
                     log.exception("search %s: unexpected error", job_id)
@@ -119,6 +118,8 @@ def search(self: SiftTask, job_id: str) -> None:
                 finished = count_completed(
                     "search", store.finish_search(job_id, result=result), None
                 )
+            if finished:  # the run's figures of the search, once it is saved (ClaimAnswers)
+                answers.record()
         finally:  # after the finish: a run that starts meanwhile finds the search final
             # (a retry let go before it was sent: this release then finds nothing to do)
             store.release_search(job_id, claim)
@@ -183,6 +184,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     owner = liveness.run_owner()
     runtime = self.context.runtime if not poisoned else None
     marks = self.context.cancel_marks
+    held: dict[str, ClaimAnswers] = {}  # each running item's, until its finish (ClaimAnswers)
 
     def to_start(item: BatchItem) -> str | None:
         """The item's query id if it is to be started (a poisoned chunk fails its items as
@@ -222,7 +224,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 if not claim.granted:  # another delivery is running it (jobstore/runs.py)
                     log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
                     return None
-                answers = store.item_answers(batch_id, item.query_id, claim)
+                answers = held[item.query_id] = store.item_answers(batch_id, item.query_id, claim)
                 result = runtime.search(
                     item.spec, batch.tenant, checked, spent=claim.spent, answers=answers
                 )
@@ -243,14 +245,17 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 store.requeue_item(batch_id, item.query_id)
                 if claim is not None:
                     store.release_item(batch_id, item.query_id, claim)
+                    held.pop(item.query_id).record()
                 return "retry"
             if not isinstance(exc, SiftError):
                 log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
             return None, error_info(exc)
 
-    def finished(transition: ItemTransition, error: ErrorInfo | None) -> None:
+    def finished(item: BatchItem, transition: ItemTransition, error: ErrorInfo | None) -> None:
+        answers = held.pop(item.query_id, None)
         if not transition.canceled:
-            count_completed("batch_item", transition.applied, error)
+            if count_completed("batch_item", transition.applied, error) and answers is not None:
+                answers.record()  # the run's figures of the search, once it is saved
         elif transition.applied:
             metrics.job_completed("batch_item", "canceled")
 

@@ -91,7 +91,7 @@ from worker.queue.jobstore.records import (
     SearchJob,
     webhook_event,
 )
-from worker.queue.jobstore.runs import RunClaim, RunRecords
+from worker.queue.jobstore.runs import ClaimAnswers, RunClaim, RunRecords
 from worker.queue.jobstore.searches import SearchRecords
 from worker.redis_client import CONNECTION_OPTIONS
 
@@ -102,6 +102,7 @@ __all__ = [
     "BatchItem",
     "BatchJob",
     "CancelOutcome",
+    "ClaimAnswers",
     "Cursor",
     "Enqueue",
     "IdempotencyClaim",

@@ -56,8 +56,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 import redis
@@ -90,12 +91,16 @@ class RunClaim:
 @dataclass(frozen=True, slots=True)
 class ClaimAnswers:
     """A run claim as the pipeline's :class:`~worker.core.ports.AnswerKeeper`: the answer
-    the claim came with, and where this run keeps its own."""
+    the claim came with, and where this run keeps its own. Its ``figures`` (the search's
+    outcome and duration, its model answer's) wait for :meth:`record`, which the task calls
+    once this run's move of the search is made (its result saved, or its retry queued): a run
+    dying between the two leaves them to the run that finishes the search, once."""
 
     records: RunRecords
     key: str
     field: str
     claim: RunClaim
+    figures: list[Callable[[], None]] = dataclass_field(default_factory=list)
 
     def saved(self) -> Mapping[str, Any] | None:
         return json.loads(self.claim.answer) if self.claim.answer else None
@@ -108,6 +113,14 @@ class ClaimAnswers:
             self.records.keep_answer(self.key, self.field, self.claim, data)
         except redis.RedisError as exc:
             log.warning("the model's answer could not be kept with the run claim: %s", exc)
+
+    def later(self, figures: Sequence[Callable[[], None]]) -> None:
+        self.figures.extend(figures)
+
+    def record(self) -> None:
+        """Record the run's figures (once: they are then gone)."""
+        while self.figures:
+            self.figures.pop(0)()
 
 
 class RunRecords(_StoreCore):
