@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 import redis
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi import APIRouter, BackgroundTasks, Header, Path, Query, Request, Response
 from pydantic import BaseModel
 
 from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
@@ -84,6 +87,11 @@ from worker.urlguard import check_webhook_url
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")
 T = TypeVar("T")
+
+# How long a gateway goes on sending a cancel's count take again, after the cancel's answer,
+# when the take's own answer was not heard (Redis down past its 5 s): a Redis restart, or a
+# failover, and then some. Past it, what that take took (if it ran) is never counted.
+COUNT_RETAKE_SECONDS = 600.0
 
 IdemKey = Annotated[
     str | None,
@@ -598,16 +606,38 @@ async def get_batch_results(
     return Response(body, media_type="application/json")
 
 
-async def _count_cancel(request: Request, batch_id: str) -> None:
+async def _count_cancel(request: Request, batch_id: str, later: BackgroundTasks) -> None:
     """Count what the batch's cancels ended and no one has counted (this one's, and an
-    earlier one's whose answer was lost); left to the cancel's count message if the job
-    store is out of reach now."""
+    earlier one's whose answer was lost). A take whose answer is not heard (Redis down past
+    its 5 s of retries) may have run: then what it took is in no record, and the cancel's
+    count message finds nothing. So it is sent again with its token, after the answer, until
+    Redis answers it (:func:`_take_again`)."""
+    store, token = job_store(request), os.urandom(8).hex()
     try:
-        items, completed = await off_loop(job_store(request).take_cancel_count, batch_id)
+        items, completed = await off_loop(store.take_cancel_count, batch_id, token)
     except redis.RedisError as exc:
-        log.warning("batch %s: the cancel's count is left to a worker: %s", batch_id, exc)
+        log.warning("batch %s: the cancel's count is taken again later: %s", batch_id, exc)
+        later.add_task(_take_again, store, batch_id, token)
         return
     metrics.cancel_counted(items, completed)
+
+
+async def _take_again(store: JobStore, batch_id: str, token: str) -> None:
+    """A take sent again with its token for :data:`COUNT_RETAKE_SECONDS`: answered what it
+    took if it ran, and if it did not, it takes what the count message has not taken (that
+    message's take, with a token of its own, then finds nothing): counted once either way."""
+    give_up = time.monotonic() + COUNT_RETAKE_SECONDS
+    while True:
+        try:
+            items, completed = await off_loop(store.take_cancel_count, batch_id, token)
+        except redis.RedisError as exc:
+            if time.monotonic() < give_up:
+                await asyncio.sleep(1.0)
+                continue
+            log.error("batch %s: what the cancel ended may be left uncounted: %s", batch_id, exc)
+            return
+        metrics.cancel_counted(items, completed)
+        return
 
 
 @router.delete(
@@ -636,7 +666,9 @@ async def _count_cancel(request: Request, batch_id: str) -> None:
     "economy lane, the batch's provider batches are canceled too: their requests not yet "
     "processed come back canceled.",
 )
-async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
+async def cancel_batch(
+    request: Request, batch_id: str, tenant: Tenant, later: BackgroundTasks
+) -> BatchOut:
     owned = await _owned_batch(request, batch_id, tenant)
     sender = task_sender(request)
     # the webhook of a cancel that completes the batch goes out with the cancel itself (one
@@ -680,7 +712,7 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
         raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
     if isinstance(outcome, CancelOutcome):  # already finished: nothing changed now
         if count is not None:  # what an earlier cancel, its answer lost, ended
-            await _count_cancel(request, batch_id)
+            await _count_cancel(request, batch_id, later)
         finished = await _owned_batch(request, batch_id, tenant)
         if finished.status is JobStatus.CANCELED:
             # an earlier cancel canceled items and the batch ended canceled: this one repeats
@@ -699,7 +731,7 @@ async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batch
         # items waiting on the provider end when their provider batches are canceled
         await off_loop(sender.send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
     if count is not None:
-        await _count_cancel(request, batch_id)
+        await _count_cancel(request, batch_id, later)
     else:  # no outbox carried the count: it is this answer's
         if canceled:
             metrics.job_completed("batch_item", "canceled", count=canceled)

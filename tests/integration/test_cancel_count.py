@@ -120,6 +120,32 @@ def test_a_cancel_whose_answer_was_heard_is_counted_once_by_the_gateway(
     assert _completed("batch") - batches == 0
 
 
+@pytest.mark.usefixtures("worker")
+def test_a_take_whose_answer_the_gateway_never_heard_is_counted_once(
+    client: TestClient, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway's take ran, and its answer was lost with Redis down past the take's 5 s of
+    retries: what it took is in no record any more, so the worker's count message finds
+    nothing. The gateway takes again with the same token once Redis answers, which answers
+    what the first take took. Before, it gave up: the 3 items and the batch never counted."""
+    batch_id = _batch(store)
+    items, batches = _completed("batch_item"), _completed("batch")
+    ran = JobStore.take_cancel_count
+
+    def lost(self: JobStore, *args: Any, **kwargs: Any) -> Any:
+        ran(self, *args, **kwargs)  # the take ran; its answer never came back
+        monkeypatch.setattr(JobStore, "take_cancel_count", ran)
+        raise redis.ConnectionError("connection lost")
+
+    monkeypatch.setattr(JobStore, "take_cancel_count", lost)
+    answer = client.delete(f"/v1/batches/{batch_id}", headers=ACME)
+    assert answer.status_code == 200 and answer.json()["status"] == "canceled", answer.text
+    assert JobStore.take_cancel_count is ran  # the lost take did run
+    assert _deliver(store) == 1
+    assert _completed("batch_item") - items == 3
+    assert _completed("batch") - batches == 1
+
+
 def test_a_take_sent_again_after_its_reply_was_lost_answers_what_it_took(
     store: JobStore,
 ) -> None:
@@ -130,3 +156,19 @@ def test_a_take_sent_again_after_its_reply_was_lost_answers_what_it_took(
     assert first == store._take_cancel_count(keys=keys, args=[token]) == [3, 1]
     assert store.take_cancel_count(batch_id) == (0, False)  # another take: nothing left
     assert store.redis.lrange("a-queue", 0, -1) == ["a message"]
+
+
+def test_a_take_sent_again_after_another_cancel_s_take_answers_what_it_took(
+    store: JobStore,
+) -> None:
+    """A gateway sends its take again once Redis is back; a second cancel's take may have
+    run meanwhile. The first take's answer must still be its own (it was the second's, so
+    what the first took was never counted)."""
+    batch_id = _batch(store)
+    assert store.begin_item(batch_id, "q0").applied  # running: the batch stays open
+    assert store.cancel_batch(batch_id, count=("a-queue", "m")) == (2, False)
+    assert store.take_cancel_count(batch_id, "first") == (2, False)  # its reply lost
+    assert store.requeue_item(batch_id, "q0")  # a retry's requeue, then a second cancel
+    assert store.cancel_batch(batch_id, count=("a-queue", "m")) == (1, True)
+    assert store.take_cancel_count(batch_id, "second") == (1, True)
+    assert store.take_cancel_count(batch_id, "first") == (2, False)

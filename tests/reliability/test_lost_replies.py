@@ -45,7 +45,7 @@ from tests.reliability.support import (
 from tests.services import celery_worker, free_port, gateway, redis_server
 from worker.constants import BATCH_ITEMS_KEY, SEARCH_KEY, WEBHOOK_QUEUE, WEBHOOK_TASK
 from worker.queue.celery_app import celery_config
-from worker.queue.jobstore.scripts import _CANCEL_BATCH
+from worker.queue.jobstore.scripts import _CANCEL_BATCH, _TAKE_CANCEL_COUNT
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -54,6 +54,7 @@ pytestmark = pytest.mark.integration
 # may come from
 FINISHED = (b"EVALSHA", b"\r\nsucceeded\r\n", b"\r\nqueued,running\r\n")
 CANCEL_SCRIPT = hashlib.sha1(_CANCEL_BATCH.encode()).hexdigest().encode()
+TAKE_SCRIPT = hashlib.sha1(_TAKE_CANCEL_COUNT.encode()).hexdigest().encode()
 
 
 @dataclass
@@ -277,3 +278,37 @@ def test_a_cancel_whose_reply_is_lost_while_redis_stays_down_is_not_reported_as_
     again = stack.client.delete(f"/v1/batches/{batch_id}", headers=ACME)
     assert again.status_code == 200, again.text
     assert again.json() == batch
+
+
+@pytest.mark.timeout(300)
+def test_a_cancel_count_take_whose_reply_is_lost_while_redis_stays_down_is_counted_once(
+    stack: LossStack,
+) -> None:
+    """The gateway hears the cancel; its take of the cancel's count runs, its reply is lost,
+    and Redis stays down 8 s, past the take's 5 s of retries. What the take took is in no
+    record any more (the cancel's count message then finds nothing), so the gateway sends
+    the take again with its token once Redis is back: every item and the batch are counted
+    once. Before, the gateway gave up and they were never counted."""
+    total = 600  # the count message waits behind the batch's chunks: the gateway takes first
+    before = counters(stack)
+    stack.proxy.arm(TAKE_SCRIPT, down_after=8.0)
+    batch_id = submit_batch(stack.client, total)
+    response = stack.client.delete(f"/v1/batches/{batch_id}", headers=ACME)
+    assert stack.proxy.fired.is_set(), "the take's reply was never lost"
+    assert response.status_code == 200, response.text
+    wait_for(
+        lambda: batch_counts(stack.client, batch_id)["finished_at"] is not None, "batch finished"
+    )
+    counts = batch_counts(stack.client, batch_id)["counts"]
+    assert counts["canceled"] > 0, counts
+    expected = {
+        **{
+            ("batch_item", s): float(counts[s])
+            for s in ("succeeded", "failed", "canceled")
+            if counts[s]
+        },
+        ("batch", "canceled"): 1.0,
+    }
+    wait_for(lambda: increase(before, counters(stack)) == expected, "counted", 60)
+    time.sleep(2.0)  # and not counted twice
+    assert increase(before, counters(stack)) == expected

@@ -348,18 +348,21 @@ class BatchRecords(_StoreCore):
             return CancelOutcome.ALREADY_FINISHED
         return int(canceled), bool(completed)
 
-    def take_cancel_count(self, batch_id: str) -> tuple[int, bool]:
+    def take_cancel_count(self, batch_id: str, token: str | None = None) -> tuple[int, bool]:
         """What the batch's cancels ended that is not counted yet (items canceled, whether a
         cancel completed the batch), taken: the next take answers (0, False). Sent again
         with the same token on a broken connection, as a cancel is: a reply lost after the
-        take ran is answered as it ran, so what it took is still counted."""
+        take ran is answered as it ran, so what it took is still counted. ``token``: the
+        take's own (a caller sending it again after this gave up, Redis down past
+        :data:`CANCEL_RETRY_SECONDS`, is answered what it took); a fresh one if None."""
         retrying = Retrying(
             retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
             stop=stop_after_delay(CANCEL_RETRY_SECONDS),
             wait=wait_exponential(multiplier=0.05, max=1.0),
             reraise=True,
         )
-        got = retrying(self._take_cancel_count, keys=[BATCH_KEY + batch_id], args=[move_token()])
+        args = [token or move_token()]
+        got = retrying(self._take_cancel_count, keys=[BATCH_KEY + batch_id], args=args)
         return int(got[0]), bool(int(got[1]))
 
     def batch_results(self, batch_id: str, start: int, count: int) -> list[ItemOutcome]:

@@ -285,19 +285,21 @@ return 1
 
 # Take what batch cancels ended and no one has counted yet (_CANCEL_BATCH's count), once.
 # KEYS: the batch. ARGV: the take's token. Returns {items canceled, 1 if a cancel completed
-# the batch}. The last take's token and answer stay in the batch's record, so the same call
-# sent again after its reply was lost answers what it took (not nothing).
+# the batch}. Each take that took something keeps its answer in the batch's record under its
+# token ("cancel_taken:<token>": one per cancel that ended items, at most), so the same call
+# sent again after its reply was lost answers what it took (not nothing), even after another
+# cancel's take since (a gateway sends its take again after Redis came back).
 _TAKE_CANCEL_COUNT = """
-local last = redis.call('HGET', KEYS[1], 'cancel_taken')
+local last = redis.call('HGET', KEYS[1], 'cancel_taken:' .. ARGV[1])
 if last then
-  local token, n, completed = string.match(last, '^(%S+) (%d+) (%d)$')
-  if token == ARGV[1] then return {tonumber(n), tonumber(completed)} end
+  local n, completed = string.match(last, '^(%d+) (%d)$')
+  return {tonumber(n), tonumber(completed)}
 end
 local got = redis.call('HMGET', KEYS[1], 'cancel_uncounted', 'cancel_completed')
 local n, completed = tonumber(got[1]) or 0, tonumber(got[2]) or 0
 if n == 0 and completed == 0 then return {0, 0} end
 redis.call('HDEL', KEYS[1], 'cancel_uncounted', 'cancel_completed')
-redis.call('HSET', KEYS[1], 'cancel_taken', ARGV[1] .. ' ' .. n .. ' ' .. completed)
+redis.call('HSET', KEYS[1], 'cancel_taken:' .. ARGV[1], n .. ' ' .. completed)
 return {n, completed}
 """
 
