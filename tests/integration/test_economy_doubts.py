@@ -33,6 +33,7 @@ from worker.contract import SearchSpec
 from worker.errors import RerankAttemptError
 from worker.queue import economy, liveness
 from worker.queue.base import WorkerContext
+from worker.queue.economy import leases, records, submission
 from worker.queue.jobstore import BatchJob, JobStore
 from worker.ratelimit import ProviderLimiter
 from worker.settings import load_settings
@@ -123,7 +124,7 @@ def _in_doubt(context: WorkerContext, model: FakeAnthropic, n: int) -> tuple[Bat
     for position, (qid, spec) in enumerate(items):
         store.start_item(batch.id, qid)
         economy.save_prepared(store, batch.id, qid, position, pipeline.prepare(spec, "acme"))
-        run = economy._new_run(position)
+        run = records._new_run(position)
         run.update(provider=economy.DOUBT + "sub", submission="sub", round=1, submitted_at=at,
                    first_submitted_at=at)  # fmt: skip
         runs[qid] = json.dumps(run)
@@ -165,13 +166,13 @@ def test_two_candidate_polls_mapping_at_once_send_the_items_again_once(
     # each run is held just before it would write its create down (its reads all done)
     # until the other got as far, or ended without sending: the race's worst interleaving
     rendezvous = Rendezvous(2)
-    new_submission = economy.new_submission
+    new_submission = submission.new_submission
 
     def held() -> str:
         rendezvous.arrive()
         return new_submission()
 
-    monkeypatch.setattr(economy, "new_submission", held)
+    monkeypatch.setattr(submission, "new_submission", held)  # where submit() reads it
     tasks = [_Task(context, f"poll-{provider_id}") for provider_id in candidates]
     _concurrently(
         [
@@ -262,7 +263,7 @@ def _submission(context: WorkerContext, batch: BatchJob, qids: list[str], name: 
     """One run of the batch's submission (``sift.economy_submit``'s, under its lease)."""
     task = _Task(context, f"submit-{name}")
     fresh = context.store.get_batch(batch.id) or batch
-    economy._leased(task, batch.id, economy.SUBMIT_CLAIM, lambda: economy.submit(task, fresh, qids))  # type: ignore[arg-type]
+    leases._leased(task, batch.id, economy.SUBMIT_CLAIM, lambda: economy.submit(task, fresh, qids))  # type: ignore[arg-type]
 
 
 def _in_thread(
@@ -379,7 +380,7 @@ def test_a_create_in_doubt_whose_upload_outlasted_the_window_finds_its_batch(
     store, started = context.store, time.time() - 600
     runs = {}
     for position, qid in enumerate(qids):
-        run = economy._new_run(position)
+        run = records._new_run(position)
         run["pending"] = {"submission": "sub", "at": started, "requests": 2, "answered": True}
         runs[qid] = json.dumps(run)
     store.economy_save(batch.id, ECONOMY_RUNS_KEY, runs)

@@ -20,9 +20,9 @@ from worker.constants import (
     WORKER_HEARTBEAT_KEY,
 )
 from worker.contract import RerankInfo, SearchResult, SearchSpec
-from worker.queue import economy, liveness
+from worker.queue import liveness
 from worker.queue.base import WorkerContext
-from worker.queue.economy import WATCH_MARGIN_SECONDS, rewake
+from worker.queue.economy import WATCH_MARGIN_SECONDS, leases, rewake
 from worker.queue.jobstore import JobStore
 from worker.queue.redrive import Sweeper
 from worker.ratelimit import ProviderLimiter
@@ -129,7 +129,8 @@ def test_a_lease_that_ran_out_while_redis_was_away_is_kept_by_its_run(store: Job
 _CHILD = """
 import sys, time
 from types import SimpleNamespace
-from worker.queue import economy, liveness
+from worker.queue import liveness
+from worker.queue.economy import leases
 from worker.queue.base import WorkerContext
 from worker.queue.jobstore import JobStore
 from worker.ratelimit import ProviderLimiter
@@ -145,7 +146,7 @@ def hold():
     print("holding", flush=True)
     time.sleep(600)
 
-economy._leased(SimpleNamespace(context=context), batch_id, "submit", hold)
+leases._leased(SimpleNamespace(context=context), batch_id, "submit", hold)
 """
 
 
@@ -169,11 +170,11 @@ def test_a_run_whose_process_died_alone_lets_the_next_run_take_its_lease(
         try:
             assert child.stdout is not None and child.stdout.readline().strip() == b"holding"
             ran: list[str] = []
-            economy._leased(task, batch_id, "submit", lambda: ran.append("beside it"))  # type: ignore[arg-type]
+            leases._leased(task, batch_id, "submit", lambda: ran.append("beside it"))  # type: ignore[arg-type]
             assert ran == []  # it waited past a lease's unrenewed life: the child keeps it
             child.kill()
             child.wait(10)
-            economy._leased(task, batch_id, "submit", lambda: ran.append("after it"))  # type: ignore[arg-type]
+            leases._leased(task, batch_id, "submit", lambda: ran.append("after it"))  # type: ignore[arg-type]
             assert ran == ["after it"]
         finally:
             child.kill()

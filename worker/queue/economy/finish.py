@@ -1,0 +1,75 @@
+"""An economy item's end: the pipeline's second half and its final status, the failure policy
+for items that could not be sent or polled, or a cancel; and the batch's completion with its
+last item."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from worker import metrics
+from worker.constants import ECONOMY_RUNS_KEY
+from worker.contract import ErrorInfo, JobStatus
+from worker.core.pipeline import Prepared, RerankRun, load_prepared
+from worker.errors import RerankAttemptError, RerankFailed
+from worker.queue.base import SiftTask, count_completed, error_info
+from worker.queue.economy.records import _rerank_run, _running, economy_pipeline
+from worker.queue.jobstore import BatchJob, ItemTransition
+
+log = logging.getLogger(__name__)
+
+
+def _item_done(task: SiftTask, batch: BatchJob, transition: ItemTransition) -> None:
+    if transition.batch_completed:
+        store = task.context.store
+        store.economy_delete(batch.id)
+        done = store.get_batch(batch.id)
+        log.info("batch %s: completed", batch.id)
+        status = done.status.value if done else JobStatus.SUCCEEDED.value
+        metrics.job_completed("batch", status)  # once: only one transition completes it
+        task.announce_batch(batch, status)
+
+
+def _cancel(
+    task: SiftTask, batch: BatchJob, query_id: str, record: dict[str, Any] | None = None
+) -> None:
+    """Cancel one item. ``record`` is its run (None: read here): what its earlier rounds
+    were billed goes on the canceled item's record, as the counters counted it."""
+    store = task.context.store
+    if record is None:
+        raw = store.economy_get(batch.id, ECONOMY_RUNS_KEY, [query_id])[0]
+        record = json.loads(raw) if raw else None
+    usage = _rerank_run(record).job_usage() if record and record["attempts"] else None
+    transition = store.cancel_item(batch.id, query_id, usage=usage)
+    if transition.applied:
+        metrics.job_completed("batch_item", "canceled")
+    _item_done(task, batch, transition)
+
+
+def _finish(
+    task: SiftTask, batch: BatchJob, query_id: str, prepared: Prepared, run: RerankRun
+) -> None:
+    """The pipeline's second half for one item, and its final status."""
+    pipeline = economy_pipeline(task)
+    error: ErrorInfo | None = None
+    try:
+        result = pipeline.finish(prepared, run)
+    except RerankFailed as exc:
+        error, result = error_info(exc), None
+    transition = task.context.store.finish_item(batch.id, query_id, result=result, error=error)
+    count_completed("batch_item", transition.applied, error)
+    _item_done(task, batch, transition)
+
+
+def _fail_items(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], failure: RerankAttemptError
+) -> None:
+    """Apply the failure policy to running items that could not be sent or polled."""
+    pipeline = economy_pipeline(task)
+    for qid, data, record in _running(task, batch, query_ids):
+        run = _rerank_run(record)
+        pipeline.record_attempt(run, failure.outcome, None, 0.0, provider_error=True)
+        run.failure = failure
+        _finish(task, batch, qid, load_prepared(pipeline, data), run)

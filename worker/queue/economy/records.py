@@ -1,0 +1,146 @@
+"""What the economy lane keeps of a batch in Redis, and reads back: its prepared items, each
+item's run (what the provider did for it, across rounds), the provider batches it made; and
+the lane's pipeline and Message Batches client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from worker.constants import (
+    BATCH_ITEMS_KEY,
+    ECONOMY_PREPARED_KEY,
+    ECONOMY_PROVIDERS_KEY,
+    ECONOMY_RUNS_KEY,
+)
+from worker.contract import JobStatus
+from worker.core.pipeline import Prepared, RerankRun, SearchPipeline, dump_prepared
+from worker.core.types import TokenUsage
+from worker.errors import AttemptOutcome, RerankAttemptError, SiftError
+from worker.queue.base import SiftTask
+from worker.queue.jobstore import BatchJob, JobStore
+
+if TYPE_CHECKING:
+    from worker.adapters.anthropic_batches import AnthropicMessageBatches
+
+
+PAGE = 500  # items read from Redis, or results mapped, at a time
+DOUBT = "doubt:"  # a run's provider while its create is in doubt: "doubt:<submission>"
+
+
+def _new_run(position: int) -> dict[str, Any]:
+    return {
+        "pos": position,
+        "provider": None,  # the provider batch the item is in now
+        "submission": None,  # the token of the create that put it there
+        "pending": None,  # a create under way: {"submission", "at", "requests"}
+        "handled": None,  # the provider batch whose result was counted last
+        "round": 0,
+        "resubmit": False,
+        "first_submitted_at": None,
+        "submitted_at": None,
+        "attempts": [],
+        "usage": [0, 0, 0, 0],
+        "cost_usd": 0.0,
+        "last_error": None,
+    }
+
+
+def _rerank_run(record: dict[str, Any]) -> RerankRun:
+    return RerankRun(
+        attempts=list(record["attempts"]),
+        usage=TokenUsage(*record["usage"]),
+        cost_usd=None if record["cost_usd"] is None else float(record["cost_usd"]),
+    )
+
+
+def _store_run(record: dict[str, Any], run: RerankRun) -> None:
+    record["attempts"] = run.attempts
+    record["usage"] = run.usage.counts()
+    record["cost_usd"] = run.cost_usd
+
+
+def economy_pipeline(task: SiftTask) -> SearchPipeline:
+    """The runtime's pipeline at the Message Batches price, labelled ``lane="economy"``."""
+    pipeline = getattr(task.context.runtime, "economy", None)
+    if not isinstance(pipeline, SearchPipeline):
+        raise SiftError("this worker's runtime has no economy pipeline")
+    return pipeline
+
+
+def _batches(task: SiftTask) -> AnthropicMessageBatches:
+    client = task.context.batches
+    if client is None:
+        raise RerankAttemptError(
+            AttemptOutcome.HTTP_4XX, "the economy lane needs SIFT_GENERATION_MODEL"
+        )
+    return client
+
+
+def is_prepared(store: JobStore, batch_id: str, query_id: str) -> bool:
+    """Whether an item's first half ran already (a chunk delivered again need not, and must
+    not, run it again: :func:`save_prepared`)."""
+    return store.economy_get(batch_id, ECONOMY_PREPARED_KEY, [query_id])[0] is not None
+
+
+def save_prepared(store: JobStore, batch_id: str, query_id: str, position: int,
+                  prepared: Prepared) -> None:  # fmt: skip
+    """Keep a prepared item's state until its provider result comes back. The first one kept
+    stays: its prompt may have gone out already, and the model's answer is positions in the
+    candidates it listed. A chunk run again (delivered again, re-driven) prepares anew, and
+    the index may have changed meanwhile: its candidates in another order, or others."""
+    data = dump_prepared(prepared)
+    data["pos"] = position
+    store.economy_save_new(
+        batch_id, ECONOMY_PREPARED_KEY, query_id, json.dumps(data, separators=(",", ":"))
+    )
+
+
+def _running(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str]
+) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """The items among ``query_ids`` still running, with their prepared state and run record,
+    read a page at a time."""
+    store = task.context.store
+    for start in range(0, len(query_ids), PAGE):
+        page = list(query_ids[start : start + PAGE])
+        statuses = store.economy_get(batch.id, BATCH_ITEMS_KEY, page)
+        prepared = store.economy_get(batch.id, ECONOMY_PREPARED_KEY, page)
+        runs = store.economy_get(batch.id, ECONOMY_RUNS_KEY, page)
+        for qid, status, raw, raw_run in zip(page, statuses, prepared, runs, strict=True):
+            if status != JobStatus.RUNNING.value or raw is None:
+                continue
+            data = json.loads(raw)
+            yield qid, data, json.loads(raw_run) if raw_run else _new_run(int(data["pos"]))
+
+
+def _save_runs(task: SiftTask, batch: BatchJob, runs: Iterable[tuple[str, dict[str, Any]]]) -> None:
+    task.context.store.economy_save(
+        batch.id,
+        ECONOMY_RUNS_KEY,
+        {qid: json.dumps(run, separators=(",", ":")) for qid, run in runs},
+    )
+
+
+def _provider_record(store: JobStore, batch_id: str, provider_id: str) -> dict[str, Any]:
+    raw = store.economy_get(batch_id, ECONOMY_PROVIDERS_KEY, [provider_id])[0]
+    record: dict[str, Any] = json.loads(raw) if raw else {}
+    return record
+
+
+def _waits_on(run: dict[str, Any], provider_id: str, submission: str | None) -> bool:
+    """Whether an item waits on this provider batch (or on the create it answers)."""
+    return run["provider"] == provider_id or (
+        submission is not None and run["provider"] == DOUBT + submission
+    )
+
+
+def _items_waiting(
+    store: JobStore, batch_id: str, provider_id: str, submission: str | None
+) -> list[str]:
+    return [
+        qid
+        for qid, raw in store.economy_all(batch_id, ECONOMY_RUNS_KEY).items()
+        if _waits_on(json.loads(raw), provider_id, submission)
+    ]

@@ -1,0 +1,224 @@
+"""Sending a batch's prepared prompts as Message Batches (``sift.economy_submit``), chunked
+under the provider's limits, each create written down before it is made."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from celery import shared_task
+
+from worker.adapters.rate_budget import BatchQueueFull
+from worker.constants import ECONOMY_PREPARED_KEY, ECONOMY_PROVIDERS_KEY, ECONOMY_SUBMIT_TASK
+from worker.core.pipeline import load_prepared
+from worker.errors import AttemptOutcome, RerankAttemptError
+from worker.queue.base import SiftTask
+from worker.queue.economy.cancel import _cancel_quietly
+from worker.queue.economy.doubts import settle_doubts
+from worker.queue.economy.finish import _cancel, _fail_items
+from worker.queue.economy.ids import SUBMISSION_CHARS, chunk_requests, custom_id, new_submission
+from worker.queue.economy.leases import _expect, _leased, _sending
+from worker.queue.economy.records import _batches, _running, _save_runs, economy_pipeline
+from worker.queue.economy.watch import SUBMIT_CLAIM, _poll_countdown, _send, _send_poll, _taken
+from worker.queue.jobstore import BatchJob
+
+log = logging.getLogger(__name__)
+
+
+def maybe_submit(task: SiftTask, batch_id: str) -> None:
+    """Enqueue the submission once every item is final or prepared (one chunk wins)."""
+    store = task.context.store
+    if store.economy_settled(batch_id) and store.economy_claim(batch_id, SUBMIT_CLAIM):
+        _send(task, batch_id, SUBMIT_CLAIM, 0.0)
+        log.info("batch %s: every item prepared; submission enqueued", batch_id)
+
+
+@dataclass(slots=True)
+class _Pending:
+    query_id: str
+    request: dict[str, Any]
+    size: int
+    run: dict[str, Any]
+
+
+def _pending(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], expected: str | None
+) -> Iterator[_Pending]:
+    """The items to send now: running, and in provider batch ``expected`` (None: never sent).
+    Their ``custom_id`` is set when their provider batch is made up (:func:`submit`)."""
+    from worker.adapters.anthropic_batches import encode_body  # the adapter is the worker's
+
+    pipeline, client = economy_pipeline(task), _batches(task)
+    for qid, data, run in _running(task, batch, query_ids):
+        if run["provider"] != expected or run.get("pending"):
+            continue  # sent already (a redelivered task), or its create is in doubt
+        item = load_prepared(pipeline, data)
+        assert item.prompt is not None
+        request = {
+            "custom_id": custom_id(run["pos"], "x" * SUBMISSION_CHARS),  # its size, for now
+            "params": client.request_params(item.prompt),
+        }
+        size = len(encode_body(request))  # its bytes in the create's body
+        yield _Pending(qid, request, size, run)
+
+
+def _may_have_created(error: RerankAttemptError) -> bool:
+    """False when the create surely made nothing: refused (4xx, 429) or never sent (the
+    rate budget, the processing queue's cap). A timeout, a cut connection or a 5xx may have
+    come after the provider made the batch."""
+    return error.outcome not in (
+        AttemptOutcome.HTTP_4XX,
+        AttemptOutcome.RATE_LIMITED,
+        AttemptOutcome.BUDGET_EXHAUSTED,
+    )
+
+
+def _record_provider(
+    task: SiftTask, batch: BatchJob, provider_id: str, record: dict[str, Any]
+) -> None:
+    """Keep a provider batch on the batch's record and start polling it."""
+    store = task.context.store
+    store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
+    _send_poll(task, batch, provider_id)
+
+
+def submit(
+    task: SiftTask,
+    batch: BatchJob,
+    query_ids: Sequence[str],
+    *,
+    expected: str | None = None,
+    watch: str = SUBMIT_CLAIM,
+) -> list[str]:
+    """Send these items' prompts as provider batches; answers the provider batch ids.
+
+    Each create is written down before it is made (its items' ``pending``), so that one whose
+    answer is lost is looked for before anything is sent again (:func:`settle_doubts`).
+    ``watch`` is the task sending them (the submission, or a provider batch's poll): each
+    create tells the watch it is alive, so that a long submission is not sent again while
+    it runs (a second one would create the same items' batches again)."""
+    settings = task.context.settings
+    if batch.canceled_at is not None:
+        for qid in query_ids:
+            _cancel(task, batch, qid)
+        return []
+    client = _batches(task)
+    # still this run's to do (a run whose lease was taken over stops before it settles or
+    # sends anything: the new holder does; after a results page this is the mapping's mark)
+    _expect(task, batch.id, watch, 0.0)
+    settle_doubts(task, batch, query_ids, expected)
+    created: list[str] = []
+    chunks = chunk_requests(
+        _pending(task, batch, query_ids, expected),
+        lambda p: p.size,
+        max_requests=settings.economy_max_requests_per_batch,
+        max_bytes=settings.economy_max_batch_bytes,
+    )
+    for chunk in chunks:
+        _expect(task, batch.id, watch, 0.0)
+        submission = new_submission()
+        started = time.time()
+        for p in chunk:
+            p.request["custom_id"] = custom_id(p.run["pos"], submission)
+            p.run["pending"] = {"submission": submission, "at": started, "requests": len(chunk)}
+        _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+        try:
+            guard = _sending(task, batch.id, watch, submission)
+            provider = client.create([p.request for p in chunk], before_write=guard)
+        except RerankAttemptError as exc:
+            # a run stalled past its lease (taken over meanwhile) writes nothing more: the
+            # items' runs may be the new holder's by now (sent again once the window passed)
+            _expect(task, batch.id, watch, 0.0)
+            for p in chunk:
+                if _may_have_created(exc):  # its call is over: settled at once, not waited for
+                    p.run["pending"]["answered"] = True
+                else:
+                    p.run["pending"] = None
+            _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+            raise
+        now = time.time()
+        round_ = max(p.run["round"] for p in chunk) + 1
+        # the provider batch first: killed before the runs say so, the items are still
+        # pending, and settle_doubts finds it here by its submission
+        record = {"round": round_, "requests": len(chunk), "created_at": now,
+                  "ended_at": None, "submission": submission}  # fmt: skip
+        _record_provider(task, batch, provider.id, record)
+        for p in chunk:
+            p.run.update(
+                provider=provider.id,
+                submission=submission,
+                pending=None,
+                round=p.run["round"] + 1,
+                resubmit=False,
+                submitted_at=now,
+                first_submitted_at=p.run["first_submitted_at"] or now,
+            )
+        _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+        created.append(provider.id)
+        log.info(
+            "batch %s: provider batch %s with %d requests (round %d)",
+            batch.id,
+            provider.id,
+            len(chunk),
+            round_,
+        )
+    again = task.context.store.get_batch(batch.id)
+    if created and again is not None and again.canceled_at is not None:
+        for provider_id in created:  # canceled while we were sending: cancel what we sent
+            _cancel_quietly(client, provider_id)
+    return created
+
+
+def _unsent(task: SiftTask, batch: BatchJob, query_ids: Sequence[str]) -> list[str]:
+    """The items among ``query_ids`` still running and in no provider batch yet."""
+    return [qid for qid, _, run in _running(task, batch, query_ids) if run["provider"] is None]
+
+
+@shared_task(  # type: ignore[untyped-decorator]
+    name=ECONOMY_SUBMIT_TASK, base=SiftTask, bind=True, max_retries=None
+)
+def economy_submit(self: SiftTask, batch_id: str) -> None:
+    """Send a batch's prepared prompts as Message Batches (:func:`_submit`), as the one run
+    of the submission under way (:func:`_leased`)."""
+    _leased(self, batch_id, SUBMIT_CLAIM, lambda: _submit(self, batch_id))
+
+
+def _submit(self: SiftTask, batch_id: str) -> None:
+    """Send a batch's prepared prompts as Message Batches.
+
+    A transient failure (429, 5xx, 529, a timeout) is retried at the poll's cadence for as
+    long as the economy deadline lasts, not within the task retry budget: a provider outage
+    of a minute must not fail a batch that may take 24 hours. A permanent one fails only the
+    items not sent yet: those already in a provider batch wait for its results."""
+    store, settings = self.context.store, self.context.settings
+    batch = store.get_batch(batch_id)
+    if batch is None:
+        store.economy_met(batch_id, SUBMIT_CLAIM)
+        return
+    if not _taken(self, batch_id, SUBMIT_CLAIM):
+        return
+    _expect(self, batch_id, SUBMIT_CLAIM, 0.0)
+    query_ids = store.economy_fields(batch_id, ECONOMY_PREPARED_KEY)
+    try:
+        submit(self, batch, query_ids)
+        store.economy_met(batch_id, SUBMIT_CLAIM)
+    except BatchQueueFull as exc:
+        # not a failure: the provider's queue frees as its batches end. Sent again, the task
+        # keeps its retry budget; what was sent already is not sent twice (``_pending``).
+        log.info("batch %s: %s; submitting the rest later", batch_id, exc)
+        _send(self, batch_id, SUBMIT_CLAIM, exc.retry_after or 0.0)
+    except RerankAttemptError as exc:
+        deadline = batch.created_at + settings.economy_deadline_seconds
+        if exc.retryable and time.time() < deadline:
+            log.warning("batch %s: submission failed, retrying: %s", batch_id, exc)
+            # not before the rate budget or a 429's retry-after frees it
+            countdown = max(_poll_countdown(self), exc.retry_after or 0.0)
+            _expect(self, batch_id, SUBMIT_CLAIM, countdown)
+            raise self.retry(exc=exc, countdown=countdown) from exc
+        log.error("batch %s: submission failed for good: %s", batch_id, exc)
+        _fail_items(self, batch, _unsent(self, batch, query_ids), exc)
+        store.economy_met(batch_id, SUBMIT_CLAIM)

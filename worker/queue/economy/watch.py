@@ -1,0 +1,90 @@
+"""Each economy task's message: sent anew to supersede any other still on its way, run by the
+one it names, retried with backoff, and sent again by the re-drive's sweep when it was lost
+(:func:`rewake`)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from worker import metrics
+from worker.constants import BATCH_QUEUE, ECONOMY_POLL_TASK, ECONOMY_SUBMIT_TASK
+from worker.queue.base import SiftTask
+from worker.queue.economy.leases import WATCH_MARGIN_SECONDS, _expect, _give_back
+from worker.queue.jobstore import BatchJob, JobStore
+
+log = logging.getLogger(__name__)
+
+
+SUBMIT_CLAIM = "submit"
+
+
+def _send(task: SiftTask, batch_id: str, what: str, countdown: float) -> None:
+    """Send the economy task for ``what`` (a provider batch's poll, or the submission) as a
+    new message, which supersedes any other of that task still on its way (:func:`_taken`)."""
+    task_id = f"eco-{uuid.uuid4().hex}"
+    task.context.store.economy_hand_over(batch_id, what, task_id)
+    _expect(task, batch_id, what, countdown)
+    _give_back(task, batch_id, what)
+    name, args = _task_of(batch_id, what)
+    task.app.send_task(name, args=args, queue=BATCH_QUEUE, task_id=task_id,
+                       countdown=countdown or None)  # fmt: skip
+
+
+def _send_poll(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
+    _send(task, batch.id, provider_id, task.context.settings.economy_poll_seconds)
+
+
+def _task_of(batch_id: str, what: str) -> tuple[str, list[Any]]:
+    if what == SUBMIT_CLAIM:
+        return ECONOMY_SUBMIT_TASK, [batch_id]
+    return ECONOMY_POLL_TASK, [batch_id, what]
+
+
+def _taken(task: SiftTask, batch_id: str, what: str) -> bool:
+    """Whether this message is the one to run the economy task for ``what``. A message sent
+    again by :func:`rewake`, or a poll sent again for a provider batch found recorded,
+    supersedes the one before it, which may yet come (late, not lost: held by a worker
+    killed during a long outage, behind a backlog of the batch queue): that one stops here,
+    or two polls would each go on retrying and each map the results (a failed item
+    resubmitted twice, paid twice), two submissions each create the same items' batches.
+    A retry keeps its task id, so the chain it continues stays the one."""
+    if task.context.store.economy_take(batch_id, what, str(task.request.id)):
+        return True
+    log.info("batch %s: its %s task was sent again since this message; it stops", batch_id, what)
+    return False
+
+
+def _poll_countdown(task: SiftTask) -> float:
+    settings = task.context.settings
+    return float(
+        min(
+            settings.economy_poll_max_seconds,
+            settings.economy_poll_seconds * 2 ** min(task.request.retries, 30),
+        )
+    )
+
+
+def rewake(store: JobStore, send: Callable[[str, list[Any], str, str], None], now: float) -> int:
+    """Send again every economy task that should have run by ``now`` and did not: its message
+    was lost, and nothing else would bring it back (the economy lane's batches wait for hours
+    by design, so the re-drive's stall test does not apply to them). A batch finished or gone
+    needs none. Answers how many were sent. ``send`` is the re-drive's
+    ``(task name, args, queue, task id)``."""
+    sent = 0
+    for batch_id, what in store.economy_overdue(now):
+        batch = store.get_batch(batch_id)
+        if batch is None or batch.finished_at is not None:
+            store.economy_met(batch_id, what)
+            continue
+        name, args = _task_of(batch_id, what)
+        task_id = f"rewake-{uuid.uuid4().hex}"
+        store.economy_hand_over(batch_id, what, task_id)  # the late one, if it comes, stops
+        store.economy_expect(batch_id, what, now + WATCH_MARGIN_SECONDS)
+        send(name, args, BATCH_QUEUE, task_id)
+        metrics.redriven("economy")  # a lost message, as the re-drive's others are counted
+        log.warning("batch %s: its %s task did not run when due; sent again", batch_id, what)
+        sent += 1
+    return sent
