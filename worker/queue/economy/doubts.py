@@ -13,7 +13,7 @@ from worker.constants import ECONOMY_PROVIDERS_KEY, ECONOMY_SENDING_MARK, ECONOM
 from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.queue.base import SiftTask
 from worker.queue.economy.leases import _expect
-from worker.queue.economy.records import DOUBT, _batches, _running, _save_runs
+from worker.queue.economy.records import DOUBT, _batches, _running, _save_runs, _sent
 from worker.queue.economy.watch import _send_poll
 from worker.queue.jobstore import BatchJob
 
@@ -75,9 +75,7 @@ def settle_doubts(
         recorded = [pid for pid in mine if not known[pid].get("doubt")]
         if recorded:  # its answer came and was kept: the runs just never said so
             for _, run in items:
-                run.update(provider=recorded[0], submission=submission, pending=None,
-                           round=run["round"] + 1, resubmit=False, submitted_at=at,
-                           first_submitted_at=run["first_submitted_at"] or at)  # fmt: skip
+                _sent(run, recorded[0], submission, at)
             _save_runs(task, batch, items)
             _send_poll(task, batch, recorded[0])  # its poll may not have been sent
             continue
@@ -112,14 +110,7 @@ def settle_doubts(
         for _, run in items:
             run["pending"] = None
             if found:
-                run.update(
-                    provider=DOUBT + submission,
-                    submission=submission,
-                    round=run["round"] + 1,
-                    resubmit=False,
-                    submitted_at=at,
-                    first_submitted_at=run["first_submitted_at"] or at,
-                )
+                _sent(run, DOUBT + submission, submission, at)
         _save_runs(task, batch, items)
         for provider_id in found:
             _send_poll(task, batch, provider_id)

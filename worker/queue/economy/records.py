@@ -61,6 +61,20 @@ def _store_run(record: dict[str, Any], run: RerankRun) -> None:
     record["cost_usd"] = run.cost_usd
 
 
+def _sent(run: dict[str, Any], provider: str, submission: str, at: float) -> None:
+    """A run's item went out at ``at`` in create ``submission``, and waits on ``provider`` now
+    (a provider batch, or ``doubt:<submission>``): its next round, nothing pending."""
+    run.update(
+        provider=provider,
+        submission=submission,
+        pending=None,
+        round=run["round"] + 1,
+        resubmit=False,
+        submitted_at=at,
+        first_submitted_at=run["first_submitted_at"] or at,
+    )
+
+
 def economy_pipeline(task: SiftTask) -> SearchPipeline:
     """The runtime's pipeline at the Message Batches price, labelled ``lane="economy"``."""
     pipeline = getattr(task.context.runtime, "economy", None)

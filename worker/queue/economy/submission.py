@@ -22,7 +22,7 @@ from worker.queue.economy.doubts import settle_doubts
 from worker.queue.economy.finish import _cancel, _fail_items
 from worker.queue.economy.ids import SUBMISSION_CHARS, chunk_requests, custom_id, new_submission
 from worker.queue.economy.leases import _expect, _leased, _sending
-from worker.queue.economy.records import _batches, _running, _save_runs, economy_pipeline
+from worker.queue.economy.records import _batches, _running, _save_runs, _sent, economy_pipeline
 from worker.queue.economy.watch import SUBMIT_CLAIM, _poll_countdown, _send, _send_poll, _taken
 from worker.queue.jobstore import BatchJob
 
@@ -148,15 +148,7 @@ def submit(
                   "ended_at": None, "submission": submission}  # fmt: skip
         _record_provider(task, batch, provider.id, record)
         for p in chunk:
-            p.run.update(
-                provider=provider.id,
-                submission=submission,
-                pending=None,
-                round=p.run["round"] + 1,
-                resubmit=False,
-                submitted_at=now,
-                first_submitted_at=p.run["first_submitted_at"] or now,
-            )
+            _sent(p.run, provider.id, submission, now)
         _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
         created.append(provider.id)
         log.info(
