@@ -124,7 +124,7 @@ def _in_doubt(context: WorkerContext, model: FakeAnthropic, n: int) -> tuple[Bat
     for position, (qid, spec) in enumerate(items):
         store.start_item(batch.id, qid)
         economy.save_prepared(store, batch.id, qid, position, pipeline.prepare(spec, "acme"))
-        run = records._new_run(position)
+        run = records.new_run(position)
         run.update(provider=economy.DOUBT + "sub", submission="sub", round=1, submitted_at=at,
                    first_submitted_at=at)  # fmt: skip
         runs[qid] = json.dumps(run)
@@ -263,7 +263,7 @@ def _submission(context: WorkerContext, batch: BatchJob, qids: list[str], name: 
     """One run of the batch's submission (``sift.economy_submit``'s, under its lease)."""
     task = _Task(context, f"submit-{name}")
     fresh = context.store.get_batch(batch.id) or batch
-    leases._leased(task, batch.id, economy.SUBMIT_CLAIM, lambda: economy.submit(task, fresh, qids))  # type: ignore[arg-type]
+    leases.leased(task, batch.id, economy.SUBMIT_CLAIM, lambda: economy.submit(task, fresh, qids))  # type: ignore[arg-type]
 
 
 def _in_thread(
@@ -380,7 +380,7 @@ def test_a_create_in_doubt_whose_upload_outlasted_the_window_finds_its_batch(
     store, started = context.store, time.time() - 600
     runs = {}
     for position, qid in enumerate(qids):
-        run = records._new_run(position)
+        run = records.new_run(position)
         run["pending"] = {"submission": "sub", "at": started, "requests": 2, "answered": True}
         runs[qid] = json.dumps(run)
     store.economy_save(batch.id, ECONOMY_RUNS_KEY, runs)

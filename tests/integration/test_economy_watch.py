@@ -146,7 +146,7 @@ def hold():
     print("holding", flush=True)
     time.sleep(600)
 
-leases._leased(SimpleNamespace(context=context), batch_id, "submit", hold)
+leases.leased(SimpleNamespace(context=context), batch_id, "submit", hold)
 """
 
 
@@ -170,11 +170,11 @@ def test_a_run_whose_process_died_alone_lets_the_next_run_take_its_lease(
         try:
             assert child.stdout is not None and child.stdout.readline().strip() == b"holding"
             ran: list[str] = []
-            leases._leased(task, batch_id, "submit", lambda: ran.append("beside it"))  # type: ignore[arg-type]
+            leases.leased(task, batch_id, "submit", lambda: ran.append("beside it"))  # type: ignore[arg-type]
             assert ran == []  # it waited past a lease's unrenewed life: the child keeps it
             child.kill()
             child.wait(10)
-            leases._leased(task, batch_id, "submit", lambda: ran.append("after it"))  # type: ignore[arg-type]
+            leases.leased(task, batch_id, "submit", lambda: ran.append("after it"))  # type: ignore[arg-type]
             assert ran == ["after it"]
         finally:
             child.kill()

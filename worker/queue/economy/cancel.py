@@ -12,8 +12,8 @@ from celery import shared_task
 from worker.constants import ECONOMY_CANCEL_TASK, ECONOMY_PROVIDERS_KEY, ECONOMY_RUNS_KEY
 from worker.errors import RerankAttemptError
 from worker.queue.base import SiftTask
-from worker.queue.economy.finish import _cancel
-from worker.queue.economy.records import DOUBT, _batches
+from worker.queue.economy.finish import cancel_item
+from worker.queue.economy.records import DOUBT, batches_client
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _cancel_quietly(client: AnthropicMessageBatches, provider_id: str) -> None:
+def cancel_quietly(client: AnthropicMessageBatches, provider_id: str) -> None:
     try:
         client.cancel(provider_id)
     except RerankAttemptError as exc:
@@ -41,11 +41,11 @@ def economy_cancel(self: SiftTask, batch_id: str) -> None:
     providers = store.economy_all(batch_id, ECONOMY_PROVIDERS_KEY)
     if not providers:
         return
-    client = _batches(self)
+    client = batches_client(self)
     for provider_id, raw in providers.items():
         record = json.loads(raw)
         if record.get("ended_at") is None and not record.get("doubt"):  # never another's
-            _cancel_quietly(client, provider_id)
+            cancel_quietly(client, provider_id)
             log.info("batch %s: provider batch %s canceled", batch_id, provider_id)
     batch = store.get_batch(batch_id)
     if batch is None:
@@ -53,4 +53,4 @@ def economy_cancel(self: SiftTask, batch_id: str) -> None:
     for qid, raw in store.economy_all(batch_id, ECONOMY_RUNS_KEY).items():
         record = json.loads(raw)
         if str(record["provider"] or "").startswith(DOUBT):
-            _cancel(self, batch, qid, record)
+            cancel_item(self, batch, qid, record)

@@ -12,9 +12,15 @@ from typing import Any
 from worker.constants import ECONOMY_PROVIDERS_KEY, ECONOMY_SENDING_MARK, ECONOMY_STATE_KEY
 from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.queue.base import SiftTask
-from worker.queue.economy.leases import _expect
-from worker.queue.economy.records import DOUBT, _batches, _running, _save_runs, _sent
-from worker.queue.economy.watch import _send_poll
+from worker.queue.economy.leases import expect
+from worker.queue.economy.records import (
+    DOUBT,
+    batches_client,
+    record_sent,
+    running_items,
+    save_runs,
+)
+from worker.queue.economy.watch import send_poll
 from worker.queue.jobstore import BatchJob
 
 log = logging.getLogger(__name__)
@@ -38,7 +44,7 @@ def settle_doubts(
     A create in doubt left ``pending`` on its items' runs: its submission token, when it was
     made and how many requests it held, and ``answered`` once its call came back (failed).
     The workspace's provider batches created from :data:`DOUBT_WINDOW_SECONDS` before it to
-    that long past the last piece of its body (marked as it went out: :func:`_sending`; a
+    that long past the last piece of its body (marked as it went out: :func:`upload_guard`; a
     large body on a slow link outlasts the window), with as many requests, that this batch
     does not know yet are its candidates. None: the create made nothing, and its items are
     sent now; but a create whose call never came back may still be under way in a run
@@ -51,13 +57,13 @@ def settle_doubts(
     carries the submission prove the candidate ours (:func:`map_results`); when every
     candidate ended without one, the items are sent again."""
     doubts: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-    for qid, _, run in _running(task, batch, query_ids):
+    for qid, _, run in running_items(task, batch, query_ids):
         pending = run.get("pending")
         if pending and run["provider"] == expected:
             doubts.setdefault(pending["submission"], []).append((qid, run))
     if not doubts:
         return
-    client, store = _batches(task), task.context.store
+    client, store = batches_client(task), task.context.store
     known = {
         provider_id: json.loads(raw)
         for provider_id, raw in store.economy_all(batch.id, ECONOMY_PROVIDERS_KEY).items()
@@ -75,9 +81,9 @@ def settle_doubts(
         recorded = [pid for pid in mine if not known[pid].get("doubt")]
         if recorded:  # its answer came and was kept: the runs just never said so
             for _, run in items:
-                _sent(run, recorded[0], submission, at)
-            _save_runs(task, batch, items)
-            _send_poll(task, batch, recorded[0])  # its poll may not have been sent
+                record_sent(run, recorded[0], submission, at)
+            save_runs(task, batch, items)
+            send_poll(task, batch, recorded[0])  # its poll may not have been sent
             continue
         # candidates kept already: a settling killed before the runs said so; else looked for
         found = mine or [
@@ -106,14 +112,14 @@ def settle_doubts(
                           "ended_at": None, "submission": submission, "doubt": True}  # fmt: skip
                 store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY,
                                    {provider_id: json.dumps(record)})  # fmt: skip
-            _expect(task, batch.id, provider_id, task.context.settings.economy_poll_seconds)
+            expect(task, batch.id, provider_id, task.context.settings.economy_poll_seconds)
         for _, run in items:
             run["pending"] = None
             if found:
-                _sent(run, DOUBT + submission, submission, at)
-        _save_runs(task, batch, items)
+                record_sent(run, DOUBT + submission, submission, at)
+        save_runs(task, batch, items)
         for provider_id in found:
-            _send_poll(task, batch, provider_id)
+            send_poll(task, batch, provider_id)
         log.warning(
             "batch %s: a create of %d requests got no answer; %s",
             batch.id,

@@ -15,7 +15,7 @@ from worker.contract import ErrorInfo, JobStatus
 from worker.core.pipeline import Prepared, RerankRun, load_prepared
 from worker.errors import RerankAttemptError, RerankFailed
 from worker.queue.base import SiftTask, count_completed, error_info
-from worker.queue.economy.records import _rerank_run, _running, economy_pipeline
+from worker.queue.economy.records import economy_pipeline, rerank_run, running_items
 from worker.queue.jobstore import BatchJob, ItemTransition
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def _item_done(task: SiftTask, batch: BatchJob, transition: ItemTransition) -> N
         task.announce_batch(batch, status)
 
 
-def _cancel(
+def cancel_item(
     task: SiftTask, batch: BatchJob, query_id: str, record: dict[str, Any] | None = None
 ) -> None:
     """Cancel one item. ``record`` is its run (None: read here): what its earlier rounds
@@ -41,14 +41,14 @@ def _cancel(
     if record is None:
         raw = store.economy_get(batch.id, ECONOMY_RUNS_KEY, [query_id])[0]
         record = json.loads(raw) if raw else None
-    usage = _rerank_run(record).job_usage() if record and record["attempts"] else None
+    usage = rerank_run(record).job_usage() if record and record["attempts"] else None
     transition = store.cancel_item(batch.id, query_id, usage=usage)
     if transition.applied:
         metrics.job_completed("batch_item", "canceled")
     _item_done(task, batch, transition)
 
 
-def _finish(
+def finish_item(
     task: SiftTask, batch: BatchJob, query_id: str, prepared: Prepared, run: RerankRun
 ) -> None:
     """The pipeline's second half for one item, and its final status."""
@@ -63,13 +63,13 @@ def _finish(
     _item_done(task, batch, transition)
 
 
-def _fail_items(
+def fail_items(
     task: SiftTask, batch: BatchJob, query_ids: Sequence[str], failure: RerankAttemptError
 ) -> None:
     """Apply the failure policy to running items that could not be sent or polled."""
     pipeline = economy_pipeline(task)
-    for qid, data, record in _running(task, batch, query_ids):
-        run = _rerank_run(record)
+    for qid, data, record in running_items(task, batch, query_ids):
+        run = rerank_run(record)
         pipeline.record_attempt(run, failure.outcome, None, 0.0, provider_error=True)
         run.failure = failure
-        _finish(task, batch, qid, load_prepared(pipeline, data), run)
+        finish_item(task, batch, qid, load_prepared(pipeline, data), run)

@@ -1,6 +1,6 @@
 """One run of each economy task at a time: the lease a run holds while its process lives
 (kept alive by a :class:`_Keeper` thread per process), the run's marks that renew it and
-move its watch (:func:`_expect`), and its handing over to the task's next message."""
+move its watch (:func:`expect`), and its handing over to the task's next message."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class _Keeper:
     pool the children share their supervisor's heartbeat, so a child killed alone left its
     lease looking alive for the lease's whole term (300 s), and its redelivered run stood
     down; now that lease lapses within seconds, and the redelivered run, waiting for it
-    (:func:`_leased`), takes it over. A run stuck past its watch's margin since its last
+    (:func:`leased`), takes it over. A run stuck past its watch's margin since its last
     mark is let go (its lease lapses, as a lease with no keeper did). A fork (a prefork
     child) starts a keeper of its own: threads do not survive it."""
 
@@ -90,7 +90,7 @@ def _lease_seconds(task: SiftTask) -> float:
     return float(task.context.settings.worker_dead_after_seconds)
 
 
-def _leased(task: SiftTask, batch_id: str, what: str, run: Callable[[], None]) -> None:
+def leased(task: SiftTask, batch_id: str, what: str, run: Callable[[], None]) -> None:
     """Run the economy task for ``what`` as the one run of it under way. Two runs of one task
     can overlap: the same message delivered again while its run goes on (kombu restores it
     once the visibility timeout passes), or the watch's re-send of a run whose create or
@@ -100,7 +100,7 @@ def _leased(task: SiftTask, batch_id: str, what: str, run: Callable[[], None]) -
     process lives (:class:`_Keeper`): a second run finding it held by a live worker waits
     for it as long as a lease lives unrenewed (a holder that died lets it lapse by then),
     then stands down; and the holder's own marks (each create, each piece of a create's
-    body, each results page: :func:`_expect`) renew it, so a holder whose lease was taken
+    body, each results page: :func:`expect`) renew it, so a holder whose lease was taken
     over (its worker judged dead: its heartbeat gone, or its process stalled) stands down at
     its next mark, even if the lease is free again by then. The run under way
     keeps the task's watch, which sends it again should it die with nothing else to follow."""
@@ -130,7 +130,7 @@ def _leased(task: SiftTask, batch_id: str, what: str, run: Callable[[], None]) -
         store.economy_unlease(batch_id, what, holder)
 
 
-def _expect(
+def expect(
     task: SiftTask, batch_id: str, what: str, countdown: float, *, sending: str | None = None
 ) -> None:
     """The economy task for ``what`` (a provider batch, or the submission) runs again within
@@ -138,7 +138,7 @@ def _expect(
     way (``countdown`` 0) also renews its lease, or stops it if another run took it over; a
     later one (its retry's, or a new message's, countdown) gives the lease back.
     ``sending``: the mark is the guard of a piece of that submission's create body
-    (:func:`_sending`), and the time is kept with the lease, under the same check."""
+    (:func:`upload_guard`), and the time is kept with the lease, under the same check."""
     store = task.context.store
     lease: tuple[str, str, str] | None = getattr(_RUN, "lease", None)
     holder = lease[2] if lease is not None and lease[:2] == (batch_id, what) else None
@@ -154,10 +154,10 @@ def _expect(
         store.economy_save(batch_id, ECONOMY_STATE_KEY, {mark[0]: mark[1]})
     store.economy_expect(batch_id, what, time.time() + countdown + WATCH_MARGIN_SECONDS)
     if countdown > 0.0:
-        _give_back(task, batch_id, what)
+        give_back(task, batch_id, what)
 
 
-def _sending(task: SiftTask, batch_id: str, what: str, submission: str) -> Callable[[], None]:
+def upload_guard(task: SiftTask, batch_id: str, what: str, submission: str) -> Callable[[], None]:
     """The guard of a create's upload, run before each piece of its body goes out
     (:meth:`AnthropicMessageBatches.create`'s ``before_write``). The run's lease is renewed,
     or the upload stops short of its end (taken over: the new run may send the same requests
@@ -165,10 +165,10 @@ def _sending(task: SiftTask, batch_id: str, what: str, submission: str) -> Calla
     twice); and the time is marked, in the same step, as the latest at which this create's
     body could have been completed: :func:`settle_doubts` waits the doubt window past it,
     and looks for its batch up to then, not only the window past the create's start."""
-    return lambda: _expect(task, batch_id, what, 0.0, sending=submission)
+    return lambda: expect(task, batch_id, what, 0.0, sending=submission)
 
 
-def _give_back(task: SiftTask, batch_id: str, what: str) -> None:
+def give_back(task: SiftTask, batch_id: str, what: str) -> None:
     """This run hands the task for ``what`` over to its next message (a retry, or one sent
     anew): its lease is given back before that message is published, or the message might
     come first and stand down."""

@@ -12,12 +12,12 @@ from celery import shared_task
 from worker.constants import ECONOMY_POLL_TASK
 from worker.errors import RerankAttemptError
 from worker.queue.base import SiftTask
-from worker.queue.economy.cancel import _cancel_quietly
-from worker.queue.economy.finish import _fail_items
-from worker.queue.economy.leases import _expect, _leased
-from worker.queue.economy.records import DOUBT, _batches, _items_waiting, _provider_record
-from worker.queue.economy.results import _candidate_ended, map_results
-from worker.queue.economy.watch import _poll_countdown, _taken
+from worker.queue.economy.cancel import cancel_quietly
+from worker.queue.economy.finish import fail_items
+from worker.queue.economy.leases import expect, leased
+from worker.queue.economy.records import DOUBT, batches_client, items_waiting, provider_record
+from worker.queue.economy.results import candidate_ended, map_results
+from worker.queue.economy.watch import message_taken, poll_countdown
 from worker.queue.jobstore import BatchJob
 
 log = logging.getLogger(__name__)
@@ -33,8 +33,8 @@ PROVIDER_EXPIRY_SECONDS = 24 * 3600.0
 )
 def economy_poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
     """Poll one provider batch until it ended, then map its results to the batch's items
-    (:func:`_poll`), as the one run of that poll under way (:func:`_leased`)."""
-    _leased(self, batch_id, provider_id, lambda: _poll(self, batch_id, provider_id))
+    (:func:`_poll`), as the one run of that poll under way (:func:`leased`)."""
+    leased(self, batch_id, provider_id, lambda: _poll(self, batch_id, provider_id))
 
 
 def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
@@ -43,7 +43,7 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
     batch = store.get_batch(batch_id)
     if batch is None or batch.finished_at is not None:
         store.economy_met(batch_id, provider_id)
-    if batch is None or not _taken(self, batch_id, provider_id):
+    if batch is None or not message_taken(self, batch_id, provider_id):
         return
     if batch.finished_at is not None:
         if self.delivery() > 1:
@@ -55,9 +55,9 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         # provider batch Sift may not cancel (a candidate of a create in doubt, maybe
         # another client's) would be retrieved every 10 minutes for up to 24 hours.
         return
-    client = _batches(self)
-    record = _provider_record(store, batch_id, provider_id)
-    _expect(self, batch_id, provider_id, 0.0)
+    client = batches_client(self)
+    record = provider_record(store, batch_id, provider_id)
+    expect(self, batch_id, provider_id, 0.0)
     try:
         status = client.retrieve(provider_id)
         if not status.ended:
@@ -66,42 +66,42 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
             if batch.canceled_at is not None and status.processing_status == "in_progress" and ours:
                 # a refused cancel (the batch ended meanwhile, say) is no failure of its
                 # items: the next poll sees it ended, or asks again
-                _cancel_quietly(client, provider_id)
-            _expect(self, batch_id, provider_id, _poll_countdown(self))
-            raise self.retry(countdown=_poll_countdown(self))
+                cancel_quietly(client, provider_id)
+            expect(self, batch_id, provider_id, poll_countdown(self))
+            raise self.retry(countdown=poll_countdown(self))
         map_results(self, batch, provider_id)
         store.economy_met(batch_id, provider_id)
     except RerankAttemptError as exc:
         give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
         if exc.retryable and time.time() < give_up:
             log.warning("provider batch %s: %s; polling again", provider_id, exc)
-            _expect(self, batch_id, provider_id, _poll_countdown(self))
-            raise self.retry(countdown=_poll_countdown(self)) from exc
+            expect(self, batch_id, provider_id, poll_countdown(self))
+            raise self.retry(countdown=poll_countdown(self)) from exc
         log.error("provider batch %s: giving up: %s", provider_id, exc)
         store.economy_met(batch_id, provider_id)
         if record.get("doubt"):  # not shown to be ours: as if it were another client's
             _resend_after_candidate(self, batch, provider_id, give_up)
             return
-        mine = _items_waiting(store, batch_id, provider_id, record.get("submission"))
-        _fail_items(self, batch, mine, exc)
+        mine = items_waiting(store, batch_id, provider_id, record.get("submission"))
+        fail_items(self, batch, mine, exc)
 
 
 def _resend_after_candidate(
     task: SiftTask, batch: BatchJob, provider_id: str, give_up: float
 ) -> None:
-    """A candidate that cannot be polled any more is judged not Sift's (:func:`_candidate_ended`).
+    """A candidate that cannot be polled any more is judged not Sift's (:func:`candidate_ended`).
     Should that resend of its items fail, it is retried as any failed create is (this poll
     again: the candidate is kept as ended, so only the resend is), else the items take their
     failure policy. The error never escapes the task: its watch is met by then, so nothing
     would run it again, and the items would wait forever."""
     try:
-        _candidate_ended(task, batch, provider_id, proven=False)
+        candidate_ended(task, batch, provider_id, proven=False)
     except RerankAttemptError as exc:
         if exc.retryable and time.time() < give_up:
             log.warning("batch %s: resending after candidate %s failed, retrying: %s",
                         batch.id, provider_id, exc)  # fmt: skip
-            _expect(task, batch.id, provider_id, _poll_countdown(task))
-            raise task.retry(countdown=_poll_countdown(task)) from exc
-        submission = _provider_record(task.context.store, batch.id, provider_id).get("submission")
-        waiting = _items_waiting(task.context.store, batch.id, DOUBT + str(submission), None)
-        _fail_items(task, batch, waiting, exc)
+            expect(task, batch.id, provider_id, poll_countdown(task))
+            raise task.retry(countdown=poll_countdown(task)) from exc
+        submission = provider_record(task.context.store, batch.id, provider_id).get("submission")
+        waiting = items_waiting(task.context.store, batch.id, DOUBT + str(submission), None)
+        fail_items(task, batch, waiting, exc)

@@ -29,7 +29,7 @@ PAGE = 500  # items read from Redis, or results mapped, at a time
 DOUBT = "doubt:"  # a run's provider while its create is in doubt: "doubt:<submission>"
 
 
-def _new_run(position: int) -> dict[str, Any]:
+def new_run(position: int) -> dict[str, Any]:
     return {
         "pos": position,
         "provider": None,  # the provider batch the item is in now
@@ -47,7 +47,7 @@ def _new_run(position: int) -> dict[str, Any]:
     }
 
 
-def _rerank_run(record: dict[str, Any]) -> RerankRun:
+def rerank_run(record: dict[str, Any]) -> RerankRun:
     return RerankRun(
         attempts=list(record["attempts"]),
         usage=TokenUsage(*record["usage"]),
@@ -55,13 +55,13 @@ def _rerank_run(record: dict[str, Any]) -> RerankRun:
     )
 
 
-def _store_run(record: dict[str, Any], run: RerankRun) -> None:
+def store_run(record: dict[str, Any], run: RerankRun) -> None:
     record["attempts"] = run.attempts
     record["usage"] = run.usage.counts()
     record["cost_usd"] = run.cost_usd
 
 
-def _sent(run: dict[str, Any], provider: str, submission: str, at: float) -> None:
+def record_sent(run: dict[str, Any], provider: str, submission: str, at: float) -> None:
     """A run's item went out at ``at`` in create ``submission``, and waits on ``provider`` now
     (a provider batch, or ``doubt:<submission>``): its next round, nothing pending."""
     run.update(
@@ -83,7 +83,7 @@ def economy_pipeline(task: SiftTask) -> SearchPipeline:
     return pipeline
 
 
-def _batches(task: SiftTask) -> AnthropicMessageBatches:
+def batches_client(task: SiftTask) -> AnthropicMessageBatches:
     client = task.context.batches
     if client is None:
         raise RerankAttemptError(
@@ -111,7 +111,7 @@ def save_prepared(store: JobStore, batch_id: str, query_id: str, position: int,
     )
 
 
-def _running(
+def running_items(
     task: SiftTask, batch: BatchJob, query_ids: Sequence[str]
 ) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
     """The items among ``query_ids`` still running, with their prepared state and run record,
@@ -126,10 +126,10 @@ def _running(
             if status != JobStatus.RUNNING.value or raw is None:
                 continue
             data = json.loads(raw)
-            yield qid, data, json.loads(raw_run) if raw_run else _new_run(int(data["pos"]))
+            yield qid, data, json.loads(raw_run) if raw_run else new_run(int(data["pos"]))
 
 
-def _save_runs(task: SiftTask, batch: BatchJob, runs: Iterable[tuple[str, dict[str, Any]]]) -> None:
+def save_runs(task: SiftTask, batch: BatchJob, runs: Iterable[tuple[str, dict[str, Any]]]) -> None:
     task.context.store.economy_save(
         batch.id,
         ECONOMY_RUNS_KEY,
@@ -137,7 +137,7 @@ def _save_runs(task: SiftTask, batch: BatchJob, runs: Iterable[tuple[str, dict[s
     )
 
 
-def _provider_record(store: JobStore, batch_id: str, provider_id: str) -> dict[str, Any]:
+def provider_record(store: JobStore, batch_id: str, provider_id: str) -> dict[str, Any]:
     raw = store.economy_get(batch_id, ECONOMY_PROVIDERS_KEY, [provider_id])[0]
     record: dict[str, Any] = json.loads(raw) if raw else {}
     return record
@@ -150,7 +150,7 @@ def _waits_on(run: dict[str, Any], provider_id: str, submission: str | None) -> 
     )
 
 
-def _items_waiting(
+def items_waiting(
     store: JobStore, batch_id: str, provider_id: str, submission: str | None
 ) -> list[str]:
     return [

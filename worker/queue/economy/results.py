@@ -24,20 +24,20 @@ from worker.core.types import TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.logcontext import job_context
 from worker.queue.base import SiftTask
-from worker.queue.economy.finish import _cancel, _fail_items, _finish
+from worker.queue.economy.finish import cancel_item, fail_items, finish_item
 from worker.queue.economy.ids import custom_id, position_of, submission_of
-from worker.queue.economy.leases import _expect
+from worker.queue.economy.leases import expect
 from worker.queue.economy.records import (
     DOUBT,
     PAGE,
-    _batches,
-    _items_waiting,
-    _provider_record,
-    _rerank_run,
-    _running,
-    _save_runs,
-    _store_run,
+    batches_client,
     economy_pipeline,
+    items_waiting,
+    provider_record,
+    rerank_run,
+    running_items,
+    save_runs,
+    store_run,
 )
 from worker.queue.economy.submission import submit
 from worker.queue.jobstore import BatchJob
@@ -57,11 +57,11 @@ def _is_current(run: dict[str, Any], provider_id: str, submission: str | None) -
     return submission in (run.get("submission"), pending.get("submission"))
 
 
-def _candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, proven: bool) -> None:
+def candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, proven: bool) -> None:
     """A candidate of a create in doubt ended: kept as such, and if every candidate of that
     create ended without a line of it, the create made nothing: its items are sent again."""
     store = task.context.store
-    record = _provider_record(store, batch.id, provider_id)
+    record = provider_record(store, batch.id, provider_id)
     record.update(ended_at=record.get("ended_at") or time.time(), proven=proven)
     store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
     submission = record.get("submission")
@@ -82,7 +82,7 @@ def _candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, prove
         log.info("batch %s: create %s's requests are sent again by another candidate's poll",
                  batch.id, submission)  # fmt: skip
         return
-    waiting = _items_waiting(store, batch.id, DOUBT + submission, None)
+    waiting = items_waiting(store, batch.id, DOUBT + submission, None)
     if waiting:
         log.warning("batch %s: no provider batch was made by create %s; sending its %d "
                     "requests again", batch.id, submission, len(waiting))  # fmt: skip
@@ -92,8 +92,8 @@ def _candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, prove
 
 def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
     """Stream an ended provider batch's results and map each line to its item."""
-    client, store = _batches(task), task.context.store
-    record = _provider_record(store, batch.id, provider_id)
+    client, store = batches_client(task), task.context.store
+    record = provider_record(store, batch.id, provider_id)
     submission = record.get("submission")
     resubmit: list[str] = []
     page: list[BatchLine] = []
@@ -111,7 +111,7 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
         if len(page) >= PAGE:
             resubmit += _map_page(task, batch, provider_id, page)
             page = []
-            _expect(task, batch.id, provider_id, 0.0)  # a long mapping is no lost message
+            expect(task, batch.id, provider_id, 0.0)  # a long mapping is no lost message
     resubmit += _map_page(task, batch, provider_id, page)
     in_doubt = bool(record.get("doubt")) and not ours
     if not in_doubt:
@@ -122,9 +122,9 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
         submit(task, fresh, list(dict.fromkeys(resubmit)), expected=provider_id, watch=provider_id)
     if in_doubt:
         log.info("provider batch %s: not the create in doubt (no line of it)", provider_id)
-        _candidate_ended(task, batch, provider_id, proven=False)
+        candidate_ended(task, batch, provider_id, proven=False)
         return
-    record = _provider_record(store, batch.id, provider_id)
+    record = provider_record(store, batch.id, provider_id)
     record.update(ended_at=time.time(), results=lines, resubmitted=len(resubmit))
     if record.get("doubt"):
         record["proven"] = True
@@ -156,10 +156,10 @@ def _map_left_out(
     nothing twice (its run is ``handled``) and resubmitting it if it was to be."""
     from worker.adapters.anthropic_batches import BatchLine  # the adapter is the worker's
 
-    waiting = _items_waiting(task.context.store, batch.id, provider_id, submission)
+    waiting = items_waiting(task.context.store, batch.id, provider_id, submission)
     left_out = [
         (qid, int(data["pos"]), run.get("submission") if submission is None else submission)
-        for qid, data, run in _running(task, batch, waiting)
+        for qid, data, run in running_items(task, batch, waiting)
         if qid not in resubmitting
     ]
     if not left_out:
@@ -178,9 +178,9 @@ def _map_left_out(
     # an item the mapping did not take as current (none should be) fails, as all did before,
     # rather than wait forever
     taken = resubmitting | set(resubmit)
-    stuck = [qid for qid, _, _ in _running(task, batch, waiting) if qid not in taken]
+    stuck = [qid for qid, _, _ in running_items(task, batch, waiting) if qid not in taken]
     if stuck:
-        _fail_items(task, batch, stuck, failure)
+        fail_items(task, batch, stuck, failure)
     return resubmit
 
 
@@ -190,7 +190,7 @@ def _map_page(
     """Map one page of result lines; answers the query ids to resubmit."""
     if not lines:
         return []
-    store, pipeline, client = task.context.store, economy_pipeline(task), _batches(task)
+    store, pipeline, client = task.context.store, economy_pipeline(task), batches_client(task)
     settings = task.context.settings
     positions = [position_of(line.custom_id) for line in lines]
     qids = store.query_ids_at(batch.id, [p if p is not None else -1 for p in positions])
@@ -220,12 +220,12 @@ def _map_page(
         record["submission"] = submission or record.get("submission")
         if line.kind == "canceled":
             with job_context(f"{batch.id}/{qid}"):
-                _cancel(task, batch, qid, record)
+                cancel_item(task, batch, qid, record)
             continue
         item = load_prepared(pipeline, json.loads(raw))
         if item.prompt is not None:  # the standard lane's check of an answer's length
             line = client.checked(line, item.prompt)
-        one = _Mapped(qid, line, record, item, _rerank_run(record))
+        one = _Mapped(qid, line, record, item, rerank_run(record))
         one.run.seconds = now - float(record["first_submitted_at"] or now)
         one.failure = None if line.reply is not None else _line_failure(line, provider_id)
         if record["handled"] != provider_id:  # else counted by an earlier run of this task
@@ -234,7 +234,7 @@ def _map_page(
     # The runs are saved before the metrics count their attempts: a task run again after a
     # kill between the two finds them ``handled`` and counts nothing twice.
     fresh = [one for one in mapped if one.counted is not None]
-    _save_runs(task, batch, ((one.qid, one.record) for one in fresh))
+    save_runs(task, batch, ((one.qid, one.record) for one in fresh))
     for one in fresh:
         assert one.counted is not None
         pipeline.count_attempt(*one.counted)
@@ -248,7 +248,7 @@ def _map_page(
         else:
             one.run.failure = one.failure
         with job_context(f"{batch.id}/{one.qid}"):
-            _finish(task, batch, one.qid, one.item, one.run)
+            finish_item(task, batch, one.qid, one.item, one.run)
     return resubmit
 
 
@@ -301,7 +301,7 @@ def _add_attempt(
         and now < deadline
         and live
     )
-    _store_run(record, run)
+    store_run(record, run)
     record.update(handled=provider_id, resubmit=again)
     if failure is not None:
         record["last_error"] = failure.message

@@ -17,13 +17,25 @@ from worker.constants import ECONOMY_PREPARED_KEY, ECONOMY_PROVIDERS_KEY, ECONOM
 from worker.core.pipeline import load_prepared
 from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.queue.base import SiftTask
-from worker.queue.economy.cancel import _cancel_quietly
+from worker.queue.economy.cancel import cancel_quietly
 from worker.queue.economy.doubts import settle_doubts
-from worker.queue.economy.finish import _cancel, _fail_items
+from worker.queue.economy.finish import cancel_item, fail_items
 from worker.queue.economy.ids import SUBMISSION_CHARS, chunk_requests, custom_id, new_submission
-from worker.queue.economy.leases import _expect, _leased, _sending
-from worker.queue.economy.records import _batches, _running, _save_runs, _sent, economy_pipeline
-from worker.queue.economy.watch import SUBMIT_CLAIM, _poll_countdown, _send, _send_poll, _taken
+from worker.queue.economy.leases import expect, leased, upload_guard
+from worker.queue.economy.records import (
+    batches_client,
+    economy_pipeline,
+    record_sent,
+    running_items,
+    save_runs,
+)
+from worker.queue.economy.watch import (
+    SUBMIT_CLAIM,
+    message_taken,
+    poll_countdown,
+    send_anew,
+    send_poll,
+)
 from worker.queue.jobstore import BatchJob
 
 log = logging.getLogger(__name__)
@@ -33,7 +45,7 @@ def maybe_submit(task: SiftTask, batch_id: str) -> None:
     """Enqueue the submission once every item is final or prepared (one chunk wins)."""
     store = task.context.store
     if store.economy_settled(batch_id) and store.economy_claim(batch_id, SUBMIT_CLAIM):
-        _send(task, batch_id, SUBMIT_CLAIM, 0.0)
+        send_anew(task, batch_id, SUBMIT_CLAIM, 0.0)
         log.info("batch %s: every item prepared; submission enqueued", batch_id)
 
 
@@ -52,8 +64,8 @@ def _pending(
     Their ``custom_id`` is set when their provider batch is made up (:func:`submit`)."""
     from worker.adapters.anthropic_batches import encode_body  # the adapter is the worker's
 
-    pipeline, client = economy_pipeline(task), _batches(task)
-    for qid, data, run in _running(task, batch, query_ids):
+    pipeline, client = economy_pipeline(task), batches_client(task)
+    for qid, data, run in running_items(task, batch, query_ids):
         if run["provider"] != expected or run.get("pending"):
             continue  # sent already (a redelivered task), or its create is in doubt
         item = load_prepared(pipeline, data)
@@ -83,7 +95,7 @@ def _record_provider(
     """Keep a provider batch on the batch's record and start polling it."""
     store = task.context.store
     store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
-    _send_poll(task, batch, provider_id)
+    send_poll(task, batch, provider_id)
 
 
 def submit(
@@ -104,12 +116,12 @@ def submit(
     settings = task.context.settings
     if batch.canceled_at is not None:
         for qid in query_ids:
-            _cancel(task, batch, qid)
+            cancel_item(task, batch, qid)
         return []
-    client = _batches(task)
+    client = batches_client(task)
     # still this run's to do (a run whose lease was taken over stops before it settles or
     # sends anything: the new holder does; after a results page this is the mapping's mark)
-    _expect(task, batch.id, watch, 0.0)
+    expect(task, batch.id, watch, 0.0)
     settle_doubts(task, batch, query_ids, expected)
     created: list[str] = []
     chunks = chunk_requests(
@@ -119,26 +131,26 @@ def submit(
         max_bytes=settings.economy_max_batch_bytes,
     )
     for chunk in chunks:
-        _expect(task, batch.id, watch, 0.0)
+        expect(task, batch.id, watch, 0.0)
         submission = new_submission()
         started = time.time()
         for p in chunk:
             p.request["custom_id"] = custom_id(p.run["pos"], submission)
             p.run["pending"] = {"submission": submission, "at": started, "requests": len(chunk)}
-        _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+        save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
         try:
-            guard = _sending(task, batch.id, watch, submission)
+            guard = upload_guard(task, batch.id, watch, submission)
             provider = client.create([p.request for p in chunk], before_write=guard)
         except RerankAttemptError as exc:
             # a run stalled past its lease (taken over meanwhile) writes nothing more: the
             # items' runs may be the new holder's by now (sent again once the window passed)
-            _expect(task, batch.id, watch, 0.0)
+            expect(task, batch.id, watch, 0.0)
             for p in chunk:
                 if _may_have_created(exc):  # its call is over: settled at once, not waited for
                     p.run["pending"]["answered"] = True
                 else:
                     p.run["pending"] = None
-            _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+            save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
             raise
         now = time.time()
         round_ = max(p.run["round"] for p in chunk) + 1
@@ -148,8 +160,8 @@ def submit(
                   "ended_at": None, "submission": submission}  # fmt: skip
         _record_provider(task, batch, provider.id, record)
         for p in chunk:
-            _sent(p.run, provider.id, submission, now)
-        _save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+            record_sent(p.run, provider.id, submission, now)
+        save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
         created.append(provider.id)
         log.info(
             "batch %s: provider batch %s with %d requests (round %d)",
@@ -161,13 +173,13 @@ def submit(
     again = task.context.store.get_batch(batch.id)
     if created and again is not None and again.canceled_at is not None:
         for provider_id in created:  # canceled while we were sending: cancel what we sent
-            _cancel_quietly(client, provider_id)
+            cancel_quietly(client, provider_id)
     return created
 
 
 def _unsent(task: SiftTask, batch: BatchJob, query_ids: Sequence[str]) -> list[str]:
     """The items among ``query_ids`` still running and in no provider batch yet."""
-    return [qid for qid, _, run in _running(task, batch, query_ids) if run["provider"] is None]
+    return [qid for qid, _, run in running_items(task, batch, query_ids) if run["provider"] is None]
 
 
 @shared_task(  # type: ignore[untyped-decorator]
@@ -175,8 +187,8 @@ def _unsent(task: SiftTask, batch: BatchJob, query_ids: Sequence[str]) -> list[s
 )
 def economy_submit(self: SiftTask, batch_id: str) -> None:
     """Send a batch's prepared prompts as Message Batches (:func:`_submit`), as the one run
-    of the submission under way (:func:`_leased`)."""
-    _leased(self, batch_id, SUBMIT_CLAIM, lambda: _submit(self, batch_id))
+    of the submission under way (:func:`leased`)."""
+    leased(self, batch_id, SUBMIT_CLAIM, lambda: _submit(self, batch_id))
 
 
 def _submit(self: SiftTask, batch_id: str) -> None:
@@ -191,9 +203,9 @@ def _submit(self: SiftTask, batch_id: str) -> None:
     if batch is None:
         store.economy_met(batch_id, SUBMIT_CLAIM)
         return
-    if not _taken(self, batch_id, SUBMIT_CLAIM):
+    if not message_taken(self, batch_id, SUBMIT_CLAIM):
         return
-    _expect(self, batch_id, SUBMIT_CLAIM, 0.0)
+    expect(self, batch_id, SUBMIT_CLAIM, 0.0)
     query_ids = store.economy_fields(batch_id, ECONOMY_PREPARED_KEY)
     try:
         submit(self, batch, query_ids)
@@ -202,15 +214,15 @@ def _submit(self: SiftTask, batch_id: str) -> None:
         # not a failure: the provider's queue frees as its batches end. Sent again, the task
         # keeps its retry budget; what was sent already is not sent twice (``_pending``).
         log.info("batch %s: %s; submitting the rest later", batch_id, exc)
-        _send(self, batch_id, SUBMIT_CLAIM, exc.retry_after or 0.0)
+        send_anew(self, batch_id, SUBMIT_CLAIM, exc.retry_after or 0.0)
     except RerankAttemptError as exc:
         deadline = batch.created_at + settings.economy_deadline_seconds
         if exc.retryable and time.time() < deadline:
             log.warning("batch %s: submission failed, retrying: %s", batch_id, exc)
             # not before the rate budget or a 429's retry-after frees it
-            countdown = max(_poll_countdown(self), exc.retry_after or 0.0)
-            _expect(self, batch_id, SUBMIT_CLAIM, countdown)
+            countdown = max(poll_countdown(self), exc.retry_after or 0.0)
+            expect(self, batch_id, SUBMIT_CLAIM, countdown)
             raise self.retry(exc=exc, countdown=countdown) from exc
         log.error("batch %s: submission failed for good: %s", batch_id, exc)
-        _fail_items(self, batch, _unsent(self, batch, query_ids), exc)
+        fail_items(self, batch, _unsent(self, batch, query_ids), exc)
         store.economy_met(batch_id, SUBMIT_CLAIM)

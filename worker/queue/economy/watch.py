@@ -12,7 +12,7 @@ from typing import Any
 from worker import metrics
 from worker.constants import BATCH_QUEUE, ECONOMY_POLL_TASK, ECONOMY_SUBMIT_TASK
 from worker.queue.base import SiftTask
-from worker.queue.economy.leases import WATCH_MARGIN_SECONDS, _expect, _give_back
+from worker.queue.economy.leases import WATCH_MARGIN_SECONDS, expect, give_back
 from worker.queue.jobstore import BatchJob, JobStore
 
 log = logging.getLogger(__name__)
@@ -21,20 +21,21 @@ log = logging.getLogger(__name__)
 SUBMIT_CLAIM = "submit"
 
 
-def _send(task: SiftTask, batch_id: str, what: str, countdown: float) -> None:
+def send_anew(task: SiftTask, batch_id: str, what: str, countdown: float) -> None:
     """Send the economy task for ``what`` (a provider batch's poll, or the submission) as a
-    new message, which supersedes any other of that task still on its way (:func:`_taken`)."""
+    new message, which supersedes any other of that task still on its way
+    (:func:`message_taken`)."""
     task_id = f"eco-{uuid.uuid4().hex}"
     task.context.store.economy_hand_over(batch_id, what, task_id)
-    _expect(task, batch_id, what, countdown)
-    _give_back(task, batch_id, what)
+    expect(task, batch_id, what, countdown)
+    give_back(task, batch_id, what)
     name, args = _task_of(batch_id, what)
     task.app.send_task(name, args=args, queue=BATCH_QUEUE, task_id=task_id,
                        countdown=countdown or None)  # fmt: skip
 
 
-def _send_poll(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
-    _send(task, batch.id, provider_id, task.context.settings.economy_poll_seconds)
+def send_poll(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
+    send_anew(task, batch.id, provider_id, task.context.settings.economy_poll_seconds)
 
 
 def _task_of(batch_id: str, what: str) -> tuple[str, list[Any]]:
@@ -43,7 +44,7 @@ def _task_of(batch_id: str, what: str) -> tuple[str, list[Any]]:
     return ECONOMY_POLL_TASK, [batch_id, what]
 
 
-def _taken(task: SiftTask, batch_id: str, what: str) -> bool:
+def message_taken(task: SiftTask, batch_id: str, what: str) -> bool:
     """Whether this message is the one to run the economy task for ``what``. A message sent
     again by :func:`rewake`, or a poll sent again for a provider batch found recorded,
     supersedes the one before it, which may yet come (late, not lost: held by a worker
@@ -57,7 +58,7 @@ def _taken(task: SiftTask, batch_id: str, what: str) -> bool:
     return False
 
 
-def _poll_countdown(task: SiftTask) -> float:
+def poll_countdown(task: SiftTask) -> float:
     settings = task.context.settings
     return float(
         min(
