@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import logging
 import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
+import redis
 from fastapi import Depends, Query, Request
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
@@ -27,6 +29,11 @@ from worker.queue.jobstore import AsyncJobStore, JobStore
 from worker.settings import Settings
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+# what a read meets while Redis restarts or loads (the 503 "unavailable" of errors.py)
+STORE_AWAY = (redis.ConnectionError, redis.TimeoutError)
 
 Tenant = Annotated[str, Depends(authenticate)]
 Wait = Annotated[
@@ -122,15 +129,28 @@ async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 async def poll_until(
     read: Callable[[], Awaitable[T | None]], final: Callable[[T], bool], wait: float
 ) -> T | None:
-    """Read until ``final`` or ``wait`` seconds pass, backing off from 5 ms to 100 ms."""
+    """Read until ``final`` or ``wait`` seconds pass, backing off from 5 ms to 100 ms; the
+    last value read (None: the job is gone, or no read got through). A read that meets Redis
+    away (a restart) is no news and the wait goes on: the request waiting made its job
+    already, and a 503 had its client send it again and make a second one."""
     deadline = time.monotonic() + wait
     delay = POLL_MIN_SECONDS
-    current = await read()
-    while current is not None and not final(current) and time.monotonic() < deadline:
+    current: T | None = None
+    away = False
+    while True:
+        try:
+            current = await read()
+        except STORE_AWAY as exc:
+            if not away:
+                log.warning("the job store is away while a request waits on its job: %s", exc)
+            away = True
+        else:
+            if current is None or final(current):
+                return current
+        if time.monotonic() >= deadline:
+            return current
         await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
         delay = min(delay * 2, POLL_MAX_SECONDS)
-        current = await read()
-    return current
 
 
 def location(request: Request, route: str, **params: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
 from api_gateway.bodies import BATCH_BODY, parse_batch
 from api_gateway.deps import (
     ERRORS,
+    STORE_AWAY,
     Tenant,
     Wait,
     accepted,
@@ -431,12 +432,21 @@ async def create_search(
             job_id = fresh.id
     if fresh is not None and wait == 0:
         return _search_response(request, fresh)  # just queued: no need to read it back
-    return await _answer_search(request, store, job_id, tenant, wait)
+    return await _answer_search(request, store, job_id, tenant, wait, fresh)
 
 
 async def _answer_search(
-    request: Request, store: JobStore, job_id: str, tenant: str, wait: float
+    request: Request,
+    store: JobStore,
+    job_id: str,
+    tenant: str,
+    wait: float,
+    fresh: SearchJob | None,
 ) -> Response:
+    """The search ``job_id`` once final or after ``wait``; ``fresh`` is the one this request
+    made (answered as accepted if Redis is away then: it exists, and a 503 had the client
+    send the request again and make a second one; a resent key's job is read or 503)."""
+
     async def read() -> SearchJob | None:
         return await off_loop(store.get_search, job_id)
 
@@ -445,7 +455,13 @@ async def _answer_search(
 
     if wait > 0:
         await poll_until(read_status, lambda s: s.final, wait)
-    job = await read()
+    try:
+        job = await read()
+    except STORE_AWAY:
+        if fresh is None:
+            raise
+        log.warning("search %s: the job store is away; answered as accepted", job_id)
+        job = fresh
     if job is None or job.tenant != tenant:
         raise ApiError(404, "not_found", f"id: no search {job_id!r} (expired?)", field="id")
     return _search_response(request, job)
@@ -520,6 +536,7 @@ async def create_batch(
     await _check_url(settings, body.webhook_url)
     idem = _Idempotency(store, tenant, idempotency_key, parsed.fingerprint)
     batch_id = await idem.earlier_job()
+    made: BatchJob | None = None  # by this request
     if batch_id is None:
         size, total, sender = settings.batch_chunk_size, len(items), task_sender(request)
 
@@ -557,8 +574,15 @@ async def create_batch(
             log.info(
                 "batch %s: %d items in chunks of %d for %s", batch.id, batch.total, size, tenant
             )
-            batch_id = batch.id
-    batch = await _owned_batch(request, batch_id, tenant)
+            batch_id, made = batch.id, batch
+    try:
+        batch = await _owned_batch(request, batch_id, tenant)
+    except STORE_AWAY:
+        if made is None:
+            raise
+        # it exists: a 503 had the client send it again and make a second batch
+        log.warning("batch %s: the job store is away; answered as accepted", batch_id)
+        batch = made
     return Response(
         batch_out(batch).model_dump_json(),
         status_code=202,

@@ -1,0 +1,113 @@
+"""A request that made a job answers with that job, even when Redis goes away right after.
+
+The gateway reaches Redis through :class:`~tests.reliability.replyloss.ReplyLoss`, armed to
+play a Redis restart at the first read the request makes once its job is written (the
+``?wait=`` poll of a search or an ingest, a batch's read-back) and to stay down past the
+request. The job exists, so the answer must be that job (``202`` with its id and
+``Location``): a ``503`` "retry after 1 s" had the client send the request again, with no
+``Idempotency-Key`` to tie the two, and make a second job (a second search's model call, a
+second ingest or drop, a second batch). No worker runs: the jobs stay queued.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import pytest
+import redis
+
+from tests.reliability.replyloss import ReplyLoss
+from tests.reliability.support import ACME, INDEX, KEYS
+from tests.services import gateway, redis_server
+from worker.constants import BATCH_KEY, INGEST_KEY, SEARCH_KEY
+
+pytestmark = pytest.mark.integration
+
+# longer than each request takes with Redis away (its wait, and its reads' retries)
+OUTAGE_SECONDS = 60.0
+
+
+class Case(NamedTuple):
+    send: Callable[[httpx.Client], httpx.Response]
+    markers: tuple[bytes, ...]  # the first read of the job, once written
+    prefix: str  # its record's key prefix
+    location: str
+
+
+CASES = {
+    "a search's wait": Case(
+        lambda c: c.post(
+            "/v1/searches", params={"wait": 2}, json={"index": INDEX, "query": "tea"}, headers=ACME
+        ),
+        (b"$4\r\nHGET\r\n", SEARCH_KEY.encode(), b"\r\nstatus\r\n"),
+        SEARCH_KEY,
+        "/v1/searches/",
+    ),
+    "an ingest's wait": Case(
+        lambda c: c.post(
+            f"/v1/indexes/{INDEX}/documents",
+            params={"wait": 2},
+            json={"documents": [{"id": "d1", "text": "green tea"}]},
+            headers=ACME,
+        ),
+        (b"HGETALL", INGEST_KEY.encode()),
+        INGEST_KEY,
+        "/v1/ingestions/",
+    ),
+    "a batch's read-back": Case(
+        lambda c: c.post(
+            "/v1/batches",
+            json={"index": INDEX, "queries": [{"id": "1", "query": "tea"}]},
+            headers=ACME,
+        ),
+        (b"HGETALL", BATCH_KEY.encode()),
+        BATCH_KEY,
+        "/v1/batches/",
+    ),
+}
+
+
+class Outage(NamedTuple):
+    client: httpx.Client
+    proxy: ReplyLoss
+    direct: redis.Redis
+
+
+@pytest.fixture
+def outage(tmp_path: Path) -> Iterator[Outage]:
+    """redis-server (AOF everysec, as ``sift up`` runs it), the proxy, the gateway through it
+    at its defaults, and a client of Redis's own (not through the proxy)."""
+    with (
+        redis_server(tmp_path / "redis", appendonly=True) as url,
+        ReplyLoss(int(url.rsplit(":", 1)[1])) as proxy,
+    ):
+        env = {"SIFT_REDIS_URL": proxy.url + "/0", "SIFT_API_KEYS": json.dumps(KEYS)}
+        direct = redis.Redis.from_url(url + "/0", decode_responses=True)
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=120) as client,
+        ):
+            try:
+                yield Outage(client, proxy, direct)
+            finally:
+                direct.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_job_made_before_redis_went_away_is_answered_not_503(outage: Outage, name: str) -> None:
+    case = CASES[name]
+    outage.proxy.arm(*case.markers, outage=OUTAGE_SECONDS)
+    response = case.send(outage.client)
+    assert outage.proxy.fired.is_set(), "Redis never went away"
+    jobs = [k.removeprefix(case.prefix) for k in outage.direct.scan_iter(case.prefix + "*")]
+    assert len(jobs) == 1, jobs  # the request made its job, once
+    assert response.status_code == 202, response.text
+    body = response.json()
+    assert body["id"] == jobs[0]
+    assert body["status"] == "queued"
+    assert response.headers["location"] == case.location + jobs[0]
