@@ -25,6 +25,10 @@ seen, the shared counter keeps moving, and a tenant's versions count every tenan
 then, as they did before; after it, the tenant's own only. An earlier release's process that
 writes nothing for a day, then writes right after an upgraded one, can still lose to it; that
 write moves the shared counter off its ``mark`` and opens the window again.
+
+A version is never below the Redis server's clock in microseconds, so a Redis that comes back
+without the counters still numbers new writes above every one the backend applied (see
+``_NEXT_VERSION``).
 """
 
 from __future__ import annotations
@@ -43,15 +47,23 @@ from worker.constants import (
 # KEYS[1] the tenant's counter, KEYS[2] the shared counter of earlier releases, KEYS[3] the
 # hash {mark: where this release last left KEYS[2], seen: when an earlier release's write was
 # last noticed}. ARGV[1] the window in seconds. The time is the server's (one clock for all).
+# A version is never below the server's clock in microseconds: the counters live in Redis and
+# the versions applied on disk in the backend, so a Redis that comes back without them (no
+# persistence, or the last second of an AOF ``everysec`` lost with a SIGKILL) would number
+# new writes from below what the backend holds, and they would be skipped as stale (an upsert
+# of a version already held even reported as written). The clock has moved past every
+# version handed out before the restart (a counter can lead it only by the writes of one
+# microsecond), so those writes stay the newest.
 _NEXT_VERSION = """
 local last = tonumber(redis.call('GET', KEYS[1]) or '0')
 local shared = tonumber(redis.call('GET', KEYS[2]) or '0')
 local state = redis.call('HMGET', KEYS[3], 'mark', 'seen')
 local mark = tonumber(state[1] or '0')
 local seen = tonumber(state[2] or '0')
-local now = tonumber(redis.call('TIME')[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1])
 if shared ~= mark then seen = now end
-local version = math.max(last, shared) + 1
+local version = math.max(last + 1, shared + 1, now * 1000000 + tonumber(t[2]))
 redis.call('SET', KEYS[1], string.format('%d', version))
 if now - seen < tonumber(ARGV[1]) then
   shared = version

@@ -1,0 +1,83 @@
+"""Writes accepted after Redis comes back empty still land.
+
+Redis restarted without its persistence (``--save '' --appendonly no``, as the README's stack
+by hand runs it; a Redis pod without a volume; a failover to an empty replica) loses every
+job, and with them the tenants' write-version counters. The backend keeps its documents, and
+the version of the last write of each id, on disk. A write accepted after the restart must
+still be newer than every write the backend applied before it: numbered from a counter back
+at zero, an upsert of a document written before took the version it already held and was
+skipped as a run of that earlier write (yet reported ``upserted: 1``), and a delete's lower
+version left the document in place (``deleted: 0``, its job ``succeeded``).
+
+Real redis-server, gateway and ``sift worker`` at their defaults; the same worker and gateway
+ride out the restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import ACME, INDEX, stack_env, wait_for
+from tests.services import celery_worker, free_port, gateway, redis_server
+
+pytestmark = pytest.mark.integration
+
+
+def write(client: httpx.Client, method: str, path: str, **kwargs: object) -> dict[str, object]:
+    """One write with ``?wait=``, once Redis answers again; its finished job."""
+    answers: list[httpx.Response] = []
+
+    def sent() -> bool:
+        answers.append(client.request(method, path, params={"wait": 30}, headers=ACME, **kwargs))
+        return answers[-1].status_code != 503
+
+    wait_for(sent, f"{method} {path} accepted", 60)
+    response = answers[-1]
+    assert response.status_code == 200, response.text
+    body: dict[str, object] = response.json()
+    assert body["status"] == "succeeded", body
+    return body
+
+
+def document(client: httpx.Client, doc_id: str) -> httpx.Response:
+    return client.get(f"/v1/indexes/{INDEX}/documents/{doc_id}", headers=ACME)
+
+
+@pytest.mark.timeout(240)
+def test_writes_after_redis_came_back_empty_are_newer_than_the_ones_before(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    docs = f"/v1/indexes/{INDEX}/documents"
+    with contextlib.ExitStack() as stack:
+        model = stack.enter_context(FakeAnthropic())
+        first = stack.enter_context(contextlib.ExitStack())
+        url = first.enter_context(redis_server(tmp_path / "redis-1", port=port))
+        env = stack_env(url + "/0", model.url)
+        client = stack.enter_context(
+            httpx.Client(base_url=stack.enter_context(gateway(tmp_path / "g", env)), timeout=60)
+        )
+        stack.enter_context(celery_worker(tmp_path / "w", env, "w"))
+        before = [
+            {"id": "kept", "text": "calcium and bone density, as first written"},
+            {"id": "gone", "text": "a note on green tea to be deleted"},
+        ]
+        write(client, "POST", docs, json={"documents": before})
+
+        first.close()  # Redis stopped; the same port, empty, with no persistence
+        stack.enter_context(redis_server(tmp_path / "redis-2", port=port))
+
+        changed = {"id": "kept", "text": "calcium and bone density, as written again"}
+        assert write(client, "POST", docs, json={"documents": [changed]})["upserted"] == 1
+        assert document(client, "kept").json()["text"] == changed["text"]
+
+        assert write(client, "DELETE", f"{docs}/gone")["deleted"] == 1
+        assert document(client, "gone").status_code == 404
+        listed = client.get(docs, headers=ACME).json()
+        assert json.dumps(sorted(d["id"] for d in listed["documents"])) == '["kept"]'
