@@ -111,3 +111,27 @@ def test_a_job_made_before_redis_went_away_is_answered_not_503(outage: Outage, n
     assert body["id"] == jobs[0]
     assert body["status"] == "queued"
     assert response.headers["location"] == case.location + jobs[0]
+
+
+# what a batch's or an ingest's commit carries: its MULTI, and its record's key
+COMMITS = {
+    "a batch": (CASES["a batch's read-back"], BATCH_KEY),
+    "an ingest": (CASES["an ingest's wait"], INGEST_KEY),
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(COMMITS))
+def test_a_job_whose_commit_reply_was_lost_is_answered_once(outage: Outage, name: str) -> None:
+    """The commit (one MULTI: the record, its task messages) ran and its reply was lost with
+    the connection (a Redis restart or a network blip at that instant). Sent again, it finds
+    its record and writes nothing twice; the answer is the one job (a 503 had the client
+    send the request again: a second job)."""
+    case, key = COMMITS[name]
+    outage.proxy.arm(b"MULTI", key.encode())
+    response = case.send(outage.client)
+    assert outage.proxy.fired.is_set(), "no reply was lost"
+    jobs = [k.removeprefix(case.prefix) for k in outage.direct.scan_iter(case.prefix + "*")]
+    assert len(jobs) == 1, jobs
+    assert response.status_code in (200, 202), response.text
+    assert response.json()["id"] == jobs[0]

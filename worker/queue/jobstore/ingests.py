@@ -96,27 +96,35 @@ class IngestRecords(_StoreCore):
             version=next_write_version(self.redis, tenant),
         )
         key = INGEST_KEY + job.id
-        pipe = self.redis.pipeline(transaction=True)
-        if payload is not None:
-            pipe.set(INGEST_DOCS_KEY + job.id, payload, ex=INGEST_DOCS_TTL_SECONDS)
-        pipe.hset(
-            key,
-            mapping={
-                "kind": "ingest",
-                "tenant": tenant,
-                "index": index,
-                "status": job.status.value,
-                "documents": str(job.documents),
-                "created_at": repr(job.created_at),
-                "operation": operation,
-                "version": str(job.version),
-            },
-        )
-        pipe.expire(key, self.result_ttl)
-        pipe.zadd(ACTIVE_JOBS_KEY, {job.id: job.created_at})  # watched by the re-drive
-        index_job(pipe, KIND_INGEST, tenant, job.id, job.created_at, self.result_ttl)
-        _stage_messages(pipe, enqueue, job.id)
-        pipe.execute()
+
+        def commit(pipe: redis.client.Pipeline) -> None:
+            # under a WATCH of the record: a MULTI whose reply was lost with the connection
+            # makes redis-py run this again, which finds the record and writes nothing twice
+            # (sent again blindly, or answered 503, it made a second job: the client retried)
+            if pipe.exists(key):
+                return
+            pipe.multi()
+            if payload is not None:
+                pipe.set(INGEST_DOCS_KEY + job.id, payload, ex=INGEST_DOCS_TTL_SECONDS)
+            pipe.hset(
+                key,
+                mapping={
+                    "kind": "ingest",
+                    "tenant": tenant,
+                    "index": index,
+                    "status": job.status.value,
+                    "documents": str(job.documents),
+                    "created_at": repr(job.created_at),
+                    "operation": operation,
+                    "version": str(job.version),
+                },
+            )
+            pipe.expire(key, self.result_ttl)
+            pipe.zadd(ACTIVE_JOBS_KEY, {job.id: job.created_at})  # watched by the re-drive
+            index_job(pipe, KIND_INGEST, tenant, job.id, job.created_at, self.result_ttl)
+            _stage_messages(pipe, enqueue, job.id)
+
+        self.redis.transaction(commit, key)
         return job
 
     def get_ingest(self, job_id: str) -> IngestJob | None:
