@@ -135,3 +135,24 @@ def test_a_job_whose_commit_reply_was_lost_is_answered_once(outage: Outage, name
     assert len(jobs) == 1, jobs
     assert response.status_code in (200, 202), response.text
     assert response.json()["id"] == jobs[0]
+
+
+@pytest.mark.timeout(180)
+def test_a_search_whose_create_reply_was_lost_with_redis_then_away_is_answered_once(
+    outage: Outage,
+) -> None:
+    """The search's create script ran, its reply was lost, and Redis was then away for a
+    moment (a restart just after the write: ``down_after``). The script is safe to send
+    again (it does nothing when its record exists), so it is sent again until Redis
+    answers, as a cancel is, for a few seconds: the answer is the one search. It was tried
+    once more after 50 ms, then a 503 for a search that existed."""
+    case = CASES["a search's wait"]
+    outage.proxy.arm(b"EVALSHA", SEARCH_KEY.encode(), down_after=2.0)
+    response = outage.client.post(
+        "/v1/searches", json={"index": INDEX, "query": "tea"}, headers=ACME
+    )
+    assert outage.proxy.fired.is_set(), "no reply was lost"
+    jobs = [k.removeprefix(case.prefix) for k in outage.direct.scan_iter(case.prefix + "*")]
+    assert len(jobs) == 1, jobs
+    assert response.status_code == 202, response.text
+    assert response.json()["id"] == jobs[0]
