@@ -121,14 +121,18 @@ COMMITS = {
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("down", [0.0, 2.0], ids=["a blip", "then away 2 s"])
 @pytest.mark.parametrize("name", list(COMMITS))
-def test_a_job_whose_commit_reply_was_lost_is_answered_once(outage: Outage, name: str) -> None:
+def test_a_job_whose_commit_reply_was_lost_is_answered_once(
+    outage: Outage, name: str, down: float
+) -> None:
     """The commit (one MULTI: the record, its task messages) ran and its reply was lost with
-    the connection (a Redis restart or a network blip at that instant). Sent again, it finds
-    its record and writes nothing twice; the answer is the one job (a 503 had the client
-    send the request again: a second job)."""
+    the connection (a network blip at that instant; or a Redis restart, away for ``down``
+    seconds after). Sent again once Redis answers, it finds its record and writes nothing
+    twice; the answer is the one job (a 503 had the client send the request again: a
+    second job)."""
     case, key = COMMITS[name]
-    outage.proxy.arm(b"MULTI", key.encode())
+    outage.proxy.arm(b"MULTI", key.encode(), down_after=down)
     response = case.send(outage.client)
     assert outage.proxy.fired.is_set(), "no reply was lost"
     jobs = [k.removeprefix(case.prefix) for k in outage.direct.scan_iter(case.prefix + "*")]

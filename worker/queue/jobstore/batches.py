@@ -50,6 +50,7 @@ from worker.queue.jobstore.store import (
     _Move,
     _StoreCore,
     move_token,
+    resending,
 )
 
 # How long a cancel is sent again on a broken connection (a Redis restart) before the gateway
@@ -108,9 +109,10 @@ class BatchRecords(_StoreCore):
         of the key and of the record: it raises :class:`IdempotencyKeyBound`, writing
         nothing and dropping the items, if the key names a job already; and a MULTI whose
         reply was lost to a broken connection is not written twice (the WATCH makes redis-py
-        try again, which finds the record). Query ids must be unique; a spec may come as its
-        JSON already (the gateway's, which turns each slice of a big batch into strings as it
-        validates it)."""
+        try again, which finds the record; with Redis away then, a restart, it is tried
+        again for :data:`~worker.queue.jobstore.store.RESEND_SECONDS`). Query ids must be
+        unique; a spec may come as its JSON already (the gateway's, which turns each slice
+        of a big batch into strings as it validates it)."""
         batch = BatchJob(
             id=_new_id(BATCH_ID_PREFIX),
             tenant=tenant,
@@ -146,7 +148,7 @@ class BatchRecords(_StoreCore):
                 name, value, ttl = binding
                 pipe.set(name, value, ex=ttl)
 
-        self.redis.transaction(commit, *watched)
+        resending()(self.redis.transaction, commit, *watched)
         return batch
 
     def _stage_items(self, batch_id: str, specs: Sequence[tuple[str, str]]) -> None:

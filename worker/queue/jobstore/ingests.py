@@ -26,7 +26,7 @@ from worker.queue.jobstore.records import (
     _opt_float,
     write_operation,
 )
-from worker.queue.jobstore.store import _StoreCore
+from worker.queue.jobstore.store import _StoreCore, resending
 from worker.write_versions import next_write_version
 
 
@@ -124,7 +124,7 @@ class IngestRecords(_StoreCore):
             index_job(pipe, KIND_INGEST, tenant, job.id, job.created_at, self.result_ttl)
             _stage_messages(pipe, enqueue, job.id)
 
-        self.redis.transaction(commit, key)
+        resending()(self.redis.transaction, commit, key)  # Redis away then: a few seconds
         return job
 
     def get_ingest(self, job_id: str) -> IngestJob | None:

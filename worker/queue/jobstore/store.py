@@ -15,6 +15,7 @@ from typing import Any, Self, cast
 import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from worker.coalesce import Coalescer
 from worker.constants import (
@@ -55,6 +56,28 @@ NO_CANCEL, CANCEL, CANCEL_UNANSWERED = "", "1", "2"
 _START_ITEM = (JobStatus.RUNNING, "queued,running", "", CANCEL_UNANSWERED)
 _CHECK_ITEM = (JobStatus.RUNNING, "running", "", CANCEL)  # before the model call
 _Move = tuple[str, str, JobStatus, str, str, str]  # batch id, query id, then as above
+
+
+# How long the gateway sends again, on a broken connection (a Redis restart), a write that is
+# safe to send again (a batch's or an ingest's commit: it checks for its own record first)
+# before it answers 503: a 503 for a job whose write ran, its reply lost, had the client make
+# a second job.
+RESEND_SECONDS = 5.0
+
+
+def resending() -> Retrying:
+    """The retry of such a write: on a broken connection, backing off from 50 ms to 1 s, for
+    :data:`RESEND_SECONDS`.
+
+    >>> resending()(lambda: "written")
+    'written'
+    """
+    return Retrying(
+        retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
+        stop=stop_after_delay(RESEND_SECONDS),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        reraise=True,
+    )
 
 
 def move_token() -> str:
