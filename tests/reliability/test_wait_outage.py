@@ -12,6 +12,7 @@ second ingest or drop, a second batch). No worker runs: the jobs stay queued.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -160,3 +161,20 @@ def test_a_search_whose_create_reply_was_lost_with_redis_then_away_is_answered_o
     assert len(jobs) == 1, jobs
     assert response.status_code == 202, response.text
     assert response.json()["id"] == jobs[0]
+
+
+@pytest.mark.timeout(180)
+def test_a_batch_whose_items_redis_lost_before_its_commit_is_not_made(outage: Outage) -> None:
+    """Redis restarted empty (no persistence) between the batch's items and its commit: the
+    commit, sent again once Redis answers, must not make a batch with no items (it would stay
+    ``queued`` forever, its chunks finding nothing to run); the request is a 503, and no
+    batch exists."""
+    case = CASES["a batch's read-back"]
+    outage.proxy.arm(b"MULTI", BATCH_KEY.encode(), outage=2.0)
+    wiped = threading.Thread(target=lambda: outage.proxy.fired.wait(60) and outage.direct.flushdb())
+    wiped.start()
+    response = case.send(outage.client)
+    wiped.join()
+    assert outage.proxy.fired.is_set(), "Redis never went away"
+    assert list(outage.direct.scan_iter(BATCH_KEY + "*")) == []
+    assert response.status_code == 503, response.text

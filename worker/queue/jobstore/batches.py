@@ -136,6 +136,9 @@ class BatchRecords(_StoreCore):
         def commit(pipe: redis.client.Pipeline) -> None:
             if pipe.exists(BATCH_KEY + bid):
                 return  # this MULTI was applied, its reply lost
+            if not pipe.exists(BATCH_ORDER_KEY + bid):  # Redis came back without them
+                pipe.unwatch()
+                raise redis.ConnectionError(f"batch {bid}: its items were lost before its commit")
             if binding is not None and claim is not None:
                 earlier = _bound(cast(str | None, pipe.get(binding[0])), claim.fingerprint)
                 if earlier is not None:
