@@ -24,7 +24,7 @@ import redis
 from tests.reliability.replyloss import ReplyLoss
 from tests.reliability.support import ACME, INDEX, KEYS
 from tests.services import gateway, redis_server
-from worker.constants import BATCH_KEY, INGEST_KEY, SEARCH_KEY
+from worker.constants import BATCH_KEY, IDEMPOTENCY_KEY, INGEST_KEY, SEARCH_KEY
 
 pytestmark = pytest.mark.integration
 
@@ -178,3 +178,22 @@ def test_a_batch_whose_items_redis_lost_before_its_commit_is_not_made(outage: Ou
     assert outage.proxy.fired.is_set(), "Redis never went away"
     assert list(outage.direct.scan_iter(BATCH_KEY + "*")) == []
     assert response.status_code == 503, response.text
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("down", [0.0, 2.0], ids=["a blip", "then away 2 s"])
+def test_a_key_whose_claim_reply_was_lost_makes_its_job(outage: Outage, down: float) -> None:
+    """The Idempotency-Key's claim ran and its reply was lost (a blip, or a Redis restart
+    just after it). Sent again, the claim finds its own marker and goes on: the request makes
+    its one job, and the key is bound to it. It was a 503, and every resend of the key a 409
+    ``idempotency_key_in_progress`` until the marker expired, 120 s later."""
+    headers = {**ACME, "Idempotency-Key": "claim-lost-1"}
+    body = {"index": INDEX, "query": "tea"}
+    outage.proxy.arm(b"EVALSHA", IDEMPOTENCY_KEY.encode(), b"pending", down_after=down)
+    response = outage.client.post("/v1/searches", json=body, headers=headers)
+    assert outage.proxy.fired.is_set(), "no reply was lost"
+    assert response.status_code == 202, response.text
+    again = outage.client.post("/v1/searches", json=body, headers=headers)
+    assert again.status_code == 202, again.text
+    assert again.json()["id"] == response.json()["id"]
+    assert len(list(outage.direct.scan_iter(SEARCH_KEY + "*"))) == 1

@@ -16,7 +16,7 @@ from worker.constants import (
     IDEMPOTENCY_PENDING_TTL_SECONDS,
     IDEMPOTENCY_TTL_SECONDS,
 )
-from worker.queue.jobstore.store import _StoreCore
+from worker.queue.jobstore.store import _StoreCore, move_token, resending
 
 
 class IdempotencyOutcome(StrEnum):
@@ -99,9 +99,15 @@ class IdempotencyRecords(_StoreCore):
         """Claim ``key`` for this request (a pending marker, ``IDEMPOTENCY_PENDING_TTL_SECONDS``),
         or say what an earlier request with it did: a key bound to a job replays that job,
         whether or not the request that created it is still being answered."""
-        marker = json.dumps({"fp": fingerprint, "state": "pending", "job": None})
-        earlier = self._claim_idempotency(
-            keys=[_idem_key(tenant, key)], args=[marker, IDEMPOTENCY_PENDING_TTL_SECONDS]
+        token = move_token()
+        marker = json.dumps({"fp": fingerprint, "state": "pending", "job": None, "by": token})
+        # sent again on a broken connection for a few seconds: a claim whose reply was lost
+        # finds its own marker (its token) and goes on; it was a 503, then 409 "in progress"
+        # for every resend of the key until the marker expired
+        earlier = resending()(
+            self._claim_idempotency,
+            keys=[_idem_key(tenant, key)],
+            args=[marker, IDEMPOTENCY_PENDING_TTL_SECONDS, token],
         )
         if earlier is None:
             return IdempotencyClaim(IdempotencyOutcome.NEW)
