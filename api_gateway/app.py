@@ -23,7 +23,7 @@ from api_gateway.deps import query_parameters, single_headers
 from api_gateway.docs import install_docs
 from api_gateway.errors import ErrorBody, install_error_handlers
 from api_gateway.indexes import router as indexes_router
-from api_gateway.jobs import router
+from api_gateway.jobs import router, stop_retakes
 from api_gateway.listing import router as listing_router
 from api_gateway.metrics import GatewayMetrics
 from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
@@ -89,9 +89,11 @@ def create_app(
         app.state.async_store = async_store
         app.state.backlog = Backlog(async_store.in_flight, settings.max_backlog)
         app.state.sender = sender
+        app.state.retakes = set()  # cancel-count takes sent again (api_gateway/jobs.py)
         try:
             yield
         finally:
+            await stop_retakes(app.state.retakes)
             if celery_sender is None:
                 sender.close()
             if redis is None:

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 import redis
-from fastapi import APIRouter, BackgroundTasks, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import BaseModel
 
 from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
@@ -630,18 +630,23 @@ async def get_batch_results(
     return Response(body, media_type="application/json")
 
 
-async def _count_cancel(request: Request, batch_id: str, later: BackgroundTasks) -> None:
+async def _count_cancel(request: Request, batch_id: str) -> None:
     """Count what the batch's cancels ended and no one has counted (this one's, and an
     earlier one's whose answer was lost). A take whose answer is not heard (Redis down past
     its 5 s of retries) may have run: then what it took is in no record, and the cancel's
-    count message finds nothing. So it is sent again with its token, after the answer, until
-    Redis answers it (:func:`_take_again`)."""
+    count message finds nothing. So it is sent again with its token until Redis answers it
+    (:func:`_take_again`), in a task of the gateway's own (``app.state.retakes``), not the
+    request's: the request is over (counted and timed) once answered, and a gateway told to
+    stop does not wait for Redis (:func:`stop_retakes`)."""
     store, token = job_store(request), os.urandom(8).hex()
     try:
         items, completed = await off_loop(store.take_cancel_count, batch_id, token)
     except redis.RedisError as exc:
         log.warning("batch %s: the cancel's count is taken again later: %s", batch_id, exc)
-        later.add_task(_take_again, store, batch_id, token)
+        retakes: set[asyncio.Task[None]] = request.app.state.retakes
+        task = asyncio.create_task(_take_again(store, batch_id, token))
+        retakes.add(task)
+        task.add_done_callback(retakes.discard)
         return
     metrics.cancel_counted(items, completed)
 
@@ -651,17 +656,33 @@ async def _take_again(store: JobStore, batch_id: str, token: str) -> None:
     took if it ran, and if it did not, it takes what the count message has not taken (that
     message's take, with a token of its own, then finds nothing): counted once either way."""
     give_up = time.monotonic() + COUNT_RETAKE_SECONDS
-    while True:
-        try:
-            items, completed = await off_loop(store.take_cancel_count, batch_id, token)
-        except redis.RedisError as exc:
-            if time.monotonic() < give_up:
-                await asyncio.sleep(1.0)
-                continue
-            log.error("batch %s: what the cancel ended may be left uncounted: %s", batch_id, exc)
+    try:
+        while True:
+            try:
+                items, completed = await off_loop(store.take_cancel_count, batch_id, token)
+            except redis.RedisError as exc:
+                if time.monotonic() < give_up:
+                    await asyncio.sleep(1.0)
+                    continue
+                log.error(
+                    "batch %s: what the cancel ended may be left uncounted: %s", batch_id, exc
+                )
+                return
+            metrics.cancel_counted(items, completed)
             return
-        metrics.cancel_counted(items, completed)
-        return
+    except asyncio.CancelledError:  # the gateway stops (stop_retakes)
+        log.error(
+            "batch %s: the gateway stops: what the cancel ended may be left uncounted", batch_id
+        )
+        raise
+
+
+async def stop_retakes(retakes: set[asyncio.Task[None]]) -> None:
+    """The gateway stops: give up the takes still sent again (each waits for the Redis call
+    it has under way, at most its 5 s of retries), as a gateway dying gives them up."""
+    for task in retakes:
+        task.cancel()
+    await asyncio.gather(*retakes, return_exceptions=True)
 
 
 @router.delete(
@@ -690,9 +711,7 @@ async def _take_again(store: JobStore, batch_id: str, token: str) -> None:
     "economy lane, the batch's provider batches are canceled too: their requests not yet "
     "processed come back canceled.",
 )
-async def cancel_batch(
-    request: Request, batch_id: str, tenant: Tenant, later: BackgroundTasks
-) -> BatchOut:
+async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
     owned = await _owned_batch(request, batch_id, tenant)
     sender = task_sender(request)
     # the webhook of a cancel that completes the batch goes out with the cancel itself (one
@@ -736,7 +755,7 @@ async def cancel_batch(
         raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
     if isinstance(outcome, CancelOutcome):  # already finished: nothing changed now
         if count is not None:  # what an earlier cancel, its answer lost, ended
-            await _count_cancel(request, batch_id, later)
+            await _count_cancel(request, batch_id)
         finished = await _owned_batch(request, batch_id, tenant)
         if finished.status is JobStatus.CANCELED:
             # an earlier cancel canceled items and the batch ended canceled: this one repeats
@@ -755,7 +774,7 @@ async def cancel_batch(
         # items waiting on the provider end when their provider batches are canceled
         await off_loop(sender.send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
     if count is not None:
-        await _count_cancel(request, batch_id, later)
+        await _count_cancel(request, batch_id)
     else:  # no outbox carried the count: it is this answer's
         if canceled:
             metrics.job_completed("batch_item", "canceled", count=canceled)

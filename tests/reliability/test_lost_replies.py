@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ from worker.constants import BATCH_ITEMS_KEY, SEARCH_KEY, WEBHOOK_QUEUE, WEBHOOK
 from worker.queue.celery_app import celery_config
 from worker.queue.jobstore.scripts import _CANCEL_BATCH, _TAKE_CANCEL_COUNT
 from worker.settings import load_settings
+from worker.stack import child_env, gateway_service, running
 
 pytestmark = pytest.mark.integration
 
@@ -312,3 +314,50 @@ def test_a_cancel_count_take_whose_reply_is_lost_while_redis_stays_down_is_count
     wait_for(lambda: increase(before, counters(stack)) == expected, "counted", 60)
     time.sleep(2.0)  # and not counted twice
     assert increase(before, counters(stack)) == expected
+
+
+def _cancels_counted(base_url: str) -> float:
+    """The gateway's ``sift_http_requests_total`` of ``DELETE /v1/batches/{batch_id}``."""
+    families = text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text)
+    return sum(
+        sample.value
+        for family in families
+        if family.name == "sift_http_requests"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+        and sample.labels["method"] == "DELETE"
+        and sample.labels["route"] == "/v1/batches/{batch_id}"
+    )
+
+
+@pytest.mark.timeout(300)
+def test_a_take_sent_again_holds_neither_the_cancel_s_request_nor_the_gateway_s_stop(
+    tmp_path: Path,
+) -> None:
+    """The gateway's take of a heard cancel's count runs, its reply is lost, and Redis stays
+    down (120 s here): the take is sent again in the gateway's background, and that must
+    hold neither the cancel's request (answered, it is counted and timed in
+    sift_http_requests_total and sift_http_request_duration_seconds at once) nor the
+    gateway's stop (SIGTERM: it exits, the take given up, as a gateway dying does). Before,
+    the take ran as the request's background task: the request was counted and timed only
+    once the take was answered, and uvicorn, on SIGTERM, waited for it before exiting."""
+    with (
+        redis_server(tmp_path / "redis") as url,
+        ReplyLoss(int(url.rsplit(":", 1)[1])) as proxy,
+    ):
+        env = child_env(stack_env(proxy.url + "/0", "http://127.0.0.1:9"), inherit_sift=False)
+        service, base = gateway_service(tmp_path / "g", env)
+        with running(service), httpx.Client(base_url=base, timeout=30) as client:
+            batch_id = submit_batch(client, 3)
+            proxy.arm(TAKE_SCRIPT, down_after=120.0)
+            response = client.delete(f"/v1/batches/{batch_id}", headers=ACME)
+            assert proxy.fired.is_set(), "the take's reply was never lost"
+            assert response.status_code == 200, response.text
+            wait_for(lambda: _cancels_counted(base) == 1.0, "the cancel's request counted", 20)
+            assert service.proc is not None
+            service.proc.send_signal(signal.SIGTERM)
+            try:
+                code = service.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                code = None
+            assert code is not None, "the gateway did not exit on SIGTERM while Redis was down"
