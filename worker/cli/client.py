@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -396,6 +397,22 @@ def _batch_done(batch: dict[str, Any]) -> bool:
     return isinstance(total, int) and total > 0 and finished >= total
 
 
+def _check_out(out: Path) -> None:
+    """Refuse a results path that cannot be written (a folder, a path under a file, a place
+    this user may not write) before the batch is sent: the items would run, and be paid for,
+    with nowhere to put their results. Creates its missing folders."""
+    if out.is_dir():
+        raise InputError(f"--out: {out} is a folder, not a file; nothing was sent")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".check"):
+            pass
+    except OSError as exc:
+        raise InputError(
+            f"--out: cannot write {out} ({exc.strerror or exc}); nothing was sent"
+        ) from exc
+
+
 def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) -> dict[str, int]:
     """Page every result into ``out`` via a temp file renamed at the end; counts by status."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -458,6 +475,7 @@ def batch(
             raise InputError(f"{queries}: no queries to send")
         if len(items) > MAX_BATCH_QUERIES:
             raise InputError(f"{queries}: {len(items)} queries; a batch holds {MAX_BATCH_QUERIES}")
+        _check_out(out)
         for item in items:
             if limit is not None:
                 item.setdefault("limit", limit)
@@ -518,6 +536,11 @@ def batch(
                     soft_wrap=True,
                 )
                 raise typer.Exit(EXIT_INTERRUPTED) from None
+            except OSError as exc:  # writable when checked, not now (a full disk...)
+                raise InputError(
+                    f"--out: cannot write {out} ({exc.strerror or exc}); batch {batch_id} has "
+                    f"finished: GET /v1/batches/{batch_id}/results pages its results"
+                ) from exc
         written = sum(tally.values())
         counts = final.get("counts") or {}
         total = int(counts.get("total") or len(items))

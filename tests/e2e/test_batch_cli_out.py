@@ -1,0 +1,63 @@
+"""``sift batch --out`` over the real stack (the CLI in-process through typer's runner, the
+gateway and worker as processes): a results path that cannot be written is refused before the
+batch is sent.
+
+Before, the command submitted the batch, waited for every item (searches and model calls spent)
+and only then opened the file: a folder, or a place it may not write, ended in a traceback
+(``IsADirectoryError``, ``FileNotFoundError``) with no results file, no word of ``--out``, and
+a finished batch the user did not know how to read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from tests.e2e.conftest import ACME, INDEX, SAMPLE, Stack
+from worker.cli import app
+
+
+def sift(stack: Stack, *args: str) -> Result:
+    key = ACME["Authorization"].split()[1]
+    env = {"SIFT_URL": stack.live_url, "SIFT_API_KEY": key, "COLUMNS": "200", "NO_COLOR": "1"}
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def batch_ids(stack: Stack) -> set[str]:
+    listed = stack.live.get("/v1/batches", params={"page_size": 1000}, headers=ACME)
+    assert listed.status_code == 200, listed.text
+    return {b["id"] for b in listed.json()["batches"]}
+
+
+@pytest.mark.parametrize("where", ["a folder", "under a file", "under /proc"])
+def test_an_out_that_cannot_be_written_is_refused_before_the_batch_is_sent(
+    stack: Stack, corpus: list[dict[str, object]], tmp_path: Path, where: str
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    out = {
+        "a folder": tmp_path,
+        "under a file": a_file / "results.jsonl",
+        "under /proc": Path("/proc/sift-results.jsonl"),
+    }[where]
+    before = batch_ids(stack)
+    result = sift(stack, "batch", str(SAMPLE / "sample_queries.jsonl"),
+                  "--index", INDEX, "--out", str(out))  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "--out" in result.output and str(out) in result.output, result.output
+    assert "nothing was sent" in result.output, result.output
+    assert batch_ids(stack) == before  # no batch made, nothing spent
+
+
+def test_an_out_in_a_new_folder_is_written(
+    stack: Stack, corpus: list[dict[str, object]], tmp_path: Path
+) -> None:
+    out = tmp_path / "new" / "folder" / "results.jsonl"
+    result = sift(stack, "batch", str(SAMPLE / "sample_queries.jsonl"),
+                  "--index", INDEX, "--out", str(out))  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert len(out.read_text().splitlines()) == 10
+    assert [p.name for p in out.parent.iterdir()] == ["results.jsonl"]  # no probe left behind
