@@ -107,6 +107,9 @@ def create_app(
         lifespan=lifespan,
         docs_url=None,  # served from local assets by install_docs
         redoc_url=None,
+        # a path with a slash too many is a 404 naming it, not an empty 307 to the path
+        # without it (which a client following redirects sent a DELETE on to)
+        redirect_slashes=False,
     )
     preregister(queues=ALL_QUEUES)
     app.state.settings = settings

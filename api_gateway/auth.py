@@ -62,7 +62,11 @@ async def authenticate(
     request: Request,
     credentials: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008
 ) -> str:
-    """The caller's tenant. 401 without a Bearer key; 403 for a key that is not known."""
+    """The caller's tenant. 401 without a Bearer key, or with two (one was used and the
+    other ignored: the tenant depended on the headers' order); 403 for a key not known."""
+    times = len(request.headers.getlist("authorization"))
+    if times > 1:
+        raise _unauthenticated(f"Authorization: is given {times} times: give one key")
     if credentials is None or not credentials.credentials:
         raise _unauthenticated("Authorization: a Bearer API key is required")
     ring: KeyRing = request.app.state.keyring

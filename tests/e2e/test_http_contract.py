@@ -190,6 +190,53 @@ def test_unknown_ids_are_404(stack: Stack) -> None:
     assert stack.live.delete("/v1/batches/bat_nope", headers=ACME).status_code == 404
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/indexes/"),
+        ("GET", f"/v1/indexes/{INDEX}/"),
+        ("DELETE", f"/v1/indexes/{INDEX}/"),
+        ("POST", "/v1/searches/"),
+        ("GET", "/v1/batches/"),
+    ],
+)
+def test_a_trailing_slash_is_404_naming_path(
+    stack: Stack, corpus: object, method: str, path: str
+) -> None:
+    """A path with a slash too many is a path no route has. Starlette answered it with an
+    empty ``307`` to the path without the slash, built from the request's ``Host`` header:
+    no error body, and a client that follows redirects (307 keeps the method) sent
+    ``DELETE /v1/indexes/docs/``, a typo, on as ``DELETE /v1/indexes/docs``, the index's drop."""
+    kwargs: dict[str, Any] = {"headers": ACME}
+    if method == "POST":
+        kwargs["json"] = SEARCH
+    response = stack.live.request(method, path, **kwargs)
+    assert response.status_code == 404, (response.status_code, response.headers)
+    assert "location" not in response.headers
+    error = response.json()["error"]
+    assert error["field"] == "path" and path in error["message"], error
+    shown = stack.live.get(f"/v1/indexes/{INDEX}", headers=ACME)
+    assert shown.status_code == 200 and shown.json()["documents"] > 0, shown.text
+
+
+@pytest.mark.parametrize(
+    "keys", [("acme-key-0001", "globex-key-0001"), ("globex-key-0001", "acme-key-0001")]
+)
+def test_two_authorization_headers_are_401_naming_it(
+    stack: Stack, corpus: object, keys: tuple[str, str]
+) -> None:
+    """Two keys on one request: the first was used and the other ignored, so the tenant a
+    request ran as depended on the order a client or a proxy put its headers in."""
+    headers = [("Authorization", f"Bearer {key}") for key in keys]
+    for method, path in (("GET", "/v1/indexes"), ("GET", f"/v1/indexes/{INDEX}")):
+        response = stack.live.request(method, path, headers=headers)
+        assert response.status_code == 401, response.text
+        error = response.json()["error"]
+        assert error["field"] == "Authorization" and "2 times" in error["message"], error
+    response = stack.live.post("/v1/searches", json=SEARCH, headers=headers)
+    assert response.status_code == 401, response.text
+
+
 def test_openapi_declares_the_contract(stack: Stack) -> None:
     doc = stack.live.get("/openapi.json").json()
     paths = doc["paths"]
