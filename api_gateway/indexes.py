@@ -21,6 +21,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
+from starlette.convertors import Convertor, register_url_convertor
 
 from api_gateway.deps import (
     ERRORS,
@@ -52,6 +53,23 @@ from worker.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["indexes"])
+
+
+class DocIdConvertor(Convertor[str]):
+    """A document id in a path: the rest of the path, line breaks included. Starlette's
+    ``path`` is ``.*``, which stops at a line break, and its route's ``$`` matches before a
+    last one: ``DELETE .../documents/d1%0A`` deleted document ``d1``."""
+
+    regex = "(?s:.*)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("doc_id", DocIdConvertor())
 
 MAX_DOC_ID_CHARS = 512
 IndexPath = Annotated[str, Path(min_length=1, max_length=128, pattern=INDEX_PATTERN)]
@@ -344,7 +362,7 @@ async def list_documents(
 
 
 @router.get(
-    "/indexes/{index}/documents/{doc_id:path}",
+    "/indexes/{index}/documents/{doc_id:doc_id}",
     response_model=StoredDocumentOut,
     responses=ERRORS,
     summary="One of the caller's documents as stored (no vector)",
@@ -361,7 +379,7 @@ async def get_document(
 
 
 @router.delete(
-    "/indexes/{index}/documents/{doc_id:path}",
+    "/indexes/{index}/documents/{doc_id:doc_id}",
     response_model=IngestJobOut,
     status_code=202,
     responses=JOB_RESPONSES,

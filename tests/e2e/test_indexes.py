@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -263,6 +264,31 @@ def test_ids_with_slashes_and_spaces_are_addressable(stack: Stack) -> None:
     gone = stack.live.delete(path, params={"wait": 20}, headers=ACME).json()
     assert gone["deleted"] == 1
     assert stack.live.get(path, headers=ACME).status_code == 404
+
+
+def test_an_id_with_a_line_break_is_that_document_not_another(stack: Stack) -> None:
+    """The id's route matched ``.*``, which stops at a line break, then ``$``, which matches
+    before a last one: ``GET .../documents/d1%0A`` read document ``d1``, and its ``DELETE``
+    deleted ``d1`` (``deleted: 1``) and left ``d1\n``; an id with a line break inside was
+    ``404`` "no route". Such ids are taken, listed and deleted in bulk, so each must be
+    addressable alone."""
+    docs = [
+        {"id": "d1", "text": "marmalade without a line break"},
+        {"id": "d1\n", "text": "marmalade after a line break"},
+        {"id": "line\nbreak", "text": "marmalade split by a line break"},
+    ]
+    _ingest(stack, "life-breaks", docs)
+    base = "/v1/indexes/life-breaks/documents/"
+    for doc in docs[1:]:
+        got = stack.live.get(base + quote(doc["id"], safe=""), headers=ACME)
+        assert got.status_code == 200 and got.json()["text"] == doc["text"], got.text
+    gone = stack.live.delete(base + "d1%0A", params={"wait": 20}, headers=ACME)
+    assert gone.status_code == 200 and gone.json()["deleted"] == 1, gone.text
+    listed = stack.live.get(base.rstrip("/"), headers=ACME).json()["documents"]
+    assert sorted(d["id"] for d in listed) == ["d1", "line\nbreak"]
+    gone = stack.live.delete(base + "line%0Abreak", params={"wait": 20}, headers=ACME)
+    assert gone.status_code == 200 and gone.json()["deleted"] == 1, gone.text
+    assert stack.live.get(base + "d1", headers=ACME).json()["text"] == docs[0]["text"]
 
 
 def test_an_upsert_accepted_before_the_last_documents_delete_keeps_the_settings(
