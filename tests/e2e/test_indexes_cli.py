@@ -4,6 +4,7 @@ stack (the CLI in-process through typer's runner, the gateway and worker as proc
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from typer.testing import CliRunner, Result
@@ -64,6 +65,37 @@ def test_documents_get_and_delete(stack: Stack) -> None:
     assert job["status"] == "succeeded" and job["deleted"] == 1 and job["operation"] == "delete"
     after = sift(stack, "documents", "get", "c1", "--index", "cli-docs")
     assert after.exit_code == 1 and "404" in after.output
+
+
+def test_every_id_and_name_is_one_path_segment(stack: Stack, tmp_path: Path) -> None:
+    """The CLI put an index name into the path as typed, and a document id percent-encoded
+    but for its dots, which the HTTP client then resolved as ``.``/``..`` segments: ``sift
+    documents get .. --index X`` read the index itself (a ``KeyError`` traceback), and
+    ``sift index delete X/documents/c1 --yes`` deleted document ``c1`` of ``X`` (the gateway
+    routes on the decoded path, so an encoded ``/`` does not help: a name is checked first)."""
+    _ingest(stack, "cli-dots")
+    dots = [{"id": ".", "text": "a lone dot"}, {"id": "..", "text": "two dots"}]
+    response = stack.live.post(
+        "/v1/indexes/cli-dots/documents", params={"wait": 20}, json={"documents": dots},
+        headers=ACME,
+    )  # fmt: skip
+    assert response.status_code == 200, response.text
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "c9", "text": "never sent"}) + "\n")
+    for doc in dots:
+        shown = _json(sift(stack, "documents", "get", doc["id"], "--index", "cli-dots", "--json"))
+        assert shown["id"] == doc["id"] and shown["text"] == doc["text"], shown
+    for args in (
+        ("index", "delete", "cli-dots/documents/c1", "--yes"),
+        ("index", "show", "cli-dots/documents/c1"),
+        ("documents", "get", "c1", "--index", "cli-dots/documents/c2"),
+        ("documents", "delete", "c1", "--index", "cli-dots/documents/c2"),
+        ("ingest", str(corpus), "--index", ".."),
+    ):
+        refused = sift(stack, *args)  # a usage error naming the option, nothing sent
+        assert refused.exit_code == 2, (args, refused.output)
+        assert "is not an index name" in refused.output, (args, refused.output)
+    assert _json(sift(stack, "index", "show", "cli-dots", "--json"))["documents"] == 5
 
 
 def test_index_delete_asks_first(stack: Stack) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -10,6 +11,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+import typer
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -18,6 +20,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from worker.contract import INDEX_PATTERN
 from worker.errors import ConfigError
 from worker.settings import load_settings
 
@@ -32,6 +35,31 @@ TRANSIENT_STATUSES = frozenset({502, 503, 504})
 # A ``Retry-After`` (the gateway's 503 says 1 s; a proxy's 429 its own) is waited out, up to
 # this: a longer one is waited no longer than this before the next try.
 MAX_RETRY_AFTER_SECONDS = 30.0
+MAX_INDEX_CHARS = 128  # the gateway's IndexName
+
+
+def index_name(value: str | None) -> str | None:
+    """A typer callback: ``value`` if the gateway takes it as an index name, else a usage error
+    naming the option (the gateway routes on the decoded path, so a name such as
+    ``docs/documents/d1`` reached another route: ``sift index delete`` deleted a document)."""
+    if value is not None and (len(value) > MAX_INDEX_CHARS or not re.match(INDEX_PATTERN, value)):
+        raise typer.BadParameter(
+            f"{value!r} is not an index name: lowercase letters, digits, '_', '.' and '-', "
+            f"starting with a letter or digit, up to {MAX_INDEX_CHARS} characters"
+        )
+    return value
+
+
+def segment(text: str) -> str:
+    """``text`` (an index name, a document id) as one segment of a request's path: every
+    ``/`` percent-encoded, and so is a ``.`` or ``..`` segment, which the HTTP client would
+    otherwise resolve (``documents/..`` is the index itself).
+
+    >>> segment("a/b c"), segment(".."), segment("v1.2")
+    ('a%2Fb%20c', '%2E%2E', 'v1.2')
+    """
+    quoted = quote(text, safe="")
+    return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
 
 
 class GatewayError(Exception):
@@ -268,7 +296,7 @@ class Gateway:
         """``PATCH /v1/indexes/{index}``: change the index's own search settings (a merge
         patch: a field left out stays, ``None`` clears it); answers the index's metadata,
         whose ``settings`` show what is now stored."""
-        found = self.json("PATCH", f"/v1/indexes/{quote(index, safe='')}", json=body)
+        found = self.json("PATCH", f"/v1/indexes/{segment(index)}", json=body)
         if not isinstance(found, dict):
             raise GatewayError(f"PATCH /v1/indexes/{index}: unexpected answer {str(found)[:200]}")
         return found

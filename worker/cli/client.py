@@ -26,7 +26,15 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from worker.cli import app
-from worker.cli._http import FINAL_STATUSES, RETRY_SECONDS, Gateway, GatewayError, gateway
+from worker.cli._http import (
+    FINAL_STATUSES,
+    RETRY_SECONDS,
+    Gateway,
+    GatewayError,
+    gateway,
+    index_name,
+    segment,
+)
 from worker.cli._output import cli_console, plain, print_result, progress_bar, trace_lines
 from worker.constants import (
     IDEMPOTENCY_PENDING_TTL_SECONDS,
@@ -198,7 +206,7 @@ def _send_documents(client: Gateway, index: str, documents: list[dict[str, Any]]
     The gateway answers 200 with the finished job when it finished within ``wait``, else
     202 with a job to poll at ``GET /v1/ingestions/{id}``.
     """
-    path = f"/v1/indexes/{index}/documents"
+    path = f"/v1/indexes/{segment(index)}/documents"
     response = client.request("POST", path, params={"wait": 30}, json={"documents": documents})
     job = response.json()
     if job.get("status") not in ("succeeded", "failed", "canceled"):
@@ -238,7 +246,9 @@ def _pool(threads: int) -> Iterator[ThreadPoolExecutor]:
 @app.command("ingest")
 def ingest(
     file: Annotated[Path, typer.Argument(help="corpus.jsonl: BEIR (_id,title,text) or Sift's")],
-    index: Annotated[str, typer.Option("--index", help="the index to load into")],
+    index: Annotated[
+        str, typer.Option("--index", callback=index_name, help="the index to load into")
+    ],
     batch_size: Annotated[
         int,
         typer.Option(min=1, max=MAX_DOCUMENTS_PER_REQUEST, help="documents per request"),
@@ -344,7 +354,7 @@ def _job_failure(job: dict[str, Any]) -> str:
 @app.command("search")
 def search(
     query: Annotated[str, typer.Argument(help="the query text")],
-    index: Annotated[str, typer.Option("--index", help="the index to search")],
+    index: Annotated[str, typer.Option("--index", callback=index_name, help="the index to search")],
     limit: Annotated[int, typer.Option(min=1, max=MAX_LIMIT, help="hits to return")] = 10,
     mode: Annotated[str, typer.Option(help="fts, vector or hybrid")] = "hybrid",
     rerank: Annotated[
@@ -437,7 +447,7 @@ def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) ->
 @app.command("batch")
 def batch(
     queries: Annotated[Path, typer.Argument(help="queries.jsonl: BEIR (_id,text) or Sift's")],
-    index: Annotated[str, typer.Option("--index", help="the index to search")],
+    index: Annotated[str, typer.Option("--index", callback=index_name, help="the index to search")],
     out: Annotated[Path, typer.Option("--out", help="where to write RESULTS.jsonl")],
     limit: Annotated[
         int | None, typer.Option(min=1, max=MAX_LIMIT, help="hits per query, if a line has none")

@@ -29,7 +29,14 @@ from rich.table import Table
 from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.embedder import GRAPH_REVISION
 from worker.cli import app
-from worker.cli._http import FINAL_STATUSES, RETRY_SECONDS, Gateway, GatewayError, gateway
+from worker.cli._http import (
+    FINAL_STATUSES,
+    RETRY_SECONDS,
+    Gateway,
+    GatewayError,
+    gateway,
+    index_name,
+)
 from worker.cli._output import format_cost, plain, progress_bar
 from worker.constants import MAX_LIMIT
 from worker.contract import Channel
@@ -87,7 +94,10 @@ def eval_command(
         typer.Option(exists=True, dir_okay=False, help="corpus.jsonl: index it in-process"),
     ] = None,
     index: Annotated[
-        str | None, typer.Option(help="an index ingested through the API: search it there")
+        str | None,
+        typer.Option(
+            callback=index_name, help="an index ingested through the API: search it there"
+        ),
     ] = None,
     results: Annotated[
         Path | None,

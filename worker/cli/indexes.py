@@ -12,13 +12,12 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from enum import StrEnum
 from typing import Annotated, Any
-from urllib.parse import quote
 
 import typer
 from rich.console import Console
 
 from worker.cli import app
-from worker.cli._http import Gateway, gateway
+from worker.cli._http import Gateway, gateway, index_name, segment
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
 from worker.cli.client import EXIT_ERROR, InputError, _err, _expected_errors, _out
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
@@ -39,7 +38,8 @@ class FusionMethodOption(StrEnum):
 
 
 JsonOut = Annotated[bool, typer.Option("--json", help="print the raw answer as JSON")]
-IndexOption = Annotated[str, typer.Option("--index", help="the index")]
+IndexOption = Annotated[str, typer.Option("--index", callback=index_name, help="the index")]
+IndexArgument = Annotated[str, typer.Argument(callback=index_name, help="the index")]
 DEFAULT_DOCUMENTS_SHOWN = 20
 PREVIEW_SHOWN = 60  # characters of each text in the table (--json has the API's 200)
 
@@ -122,13 +122,11 @@ def indexes(json_out: JsonOut = False) -> None:
 
 
 @index_app.command("show")
-def index_show(
-    name: Annotated[str, typer.Argument(help="the index")], json_out: JsonOut = False
-) -> None:
+def index_show(name: IndexArgument, json_out: JsonOut = False) -> None:
     """Show one of your indexes."""
     console = _out()
     with _expected_errors(), gateway() as client:
-        found = client.json("GET", f"/v1/indexes/{name}")
+        found = client.json("GET", f"/v1/indexes/{segment(name)}")
     if json_out:
         _print_json(console, found)
     else:
@@ -171,7 +169,7 @@ def settings_patch(
 
 @index_app.command("set")
 def index_set(
-    name: Annotated[str, typer.Argument(help="the index")],
+    name: IndexArgument,
     bm25_weight: Annotated[
         float | None, typer.Option("--bm25-weight", help="BM25's weight in the fusion (>= 0)")
     ] = None,
@@ -223,7 +221,7 @@ def index_set(
 
 @index_app.command("delete")
 def index_delete(
-    name: Annotated[str, typer.Argument(help="the index")],
+    name: IndexArgument,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="do not ask for confirmation")] = False,
     json_out: JsonOut = False,
 ) -> None:
@@ -232,7 +230,9 @@ def index_delete(
     if not yes:
         typer.confirm(f"Delete all of your documents in index {name!r}?", abort=True)
     with _expected_errors(), gateway() as client:
-        job = client.json("DELETE", f"/v1/indexes/{name}", params={"wait": MAX_WAIT_SECONDS})
+        job = client.json(
+            "DELETE", f"/v1/indexes/{segment(name)}", params={"wait": MAX_WAIT_SECONDS}
+        )
         job = _finish(client, job)
     _report(console, job, f"from index {name}", json_out)
 
@@ -244,7 +244,7 @@ def document_pages(
     ``next_page_token``, following the tokens to the end; a page that meets a transient
     failure (a 503, a gateway restarting) is read again (``Gateway.pages``): ``--all``
     stopped at the first, every page read before it lost."""
-    path = f"/v1/indexes/{quote(index, safe='')}/documents"
+    path = f"/v1/indexes/{segment(index)}/documents"
     for page in client.pages(path, {"page_size": page_size}):
         yield page["documents"], page.get("next_page_token")
 
@@ -326,7 +326,7 @@ def _print_documents(
 
 @documents_app.command("list")
 def documents_list(
-    index: Annotated[str, typer.Argument(help="the index")],
+    index: IndexArgument,
     limit: Annotated[
         int | None,
         typer.Option(
@@ -347,7 +347,7 @@ def documents_list(
         if every and limit is not None:
             raise InputError("--limit and --all: give one of them")
         with gateway() as client:
-            total = int(client.json("GET", f"/v1/indexes/{quote(index, safe='')}")["documents"])
+            total = int(client.json("GET", f"/v1/indexes/{segment(index)}")["documents"])
             if every:
                 with progress_bar(_err()) as progress:
                     task = progress.add_task(f"list {index}", total=total)
@@ -376,7 +376,7 @@ def documents_get(
     """Print one document as stored (text, title, metadata, revision)."""
     console = _out()
     with _expected_errors(), gateway() as client:
-        doc = client.json("GET", f"/v1/indexes/{index}/documents/{quote(doc_id, safe='')}")
+        doc = client.json("GET", f"/v1/indexes/{segment(index)}/documents/{segment(doc_id)}")
     if json_out:
         _print_json(console, doc)
         return
@@ -405,7 +405,7 @@ def documents_delete(
             chunk = doc_ids[start : start + MAX_DOCUMENTS_PER_REQUEST]
             job = client.json(
                 "POST",
-                f"/v1/indexes/{index}/documents/delete",
+                f"/v1/indexes/{segment(index)}/documents/delete",
                 json={"ids": chunk},
                 params={"wait": MAX_WAIT_SECONDS},
             )
