@@ -54,6 +54,7 @@ def gateway(
     import uvicorn
 
     settings = _settings()
+    _require_redis(settings, "the gateway")
     uvicorn.run(
         "api_gateway.app:serve", factory=True, host=host, port=port or settings.gateway_port,
         access_log=False, log_level=settings.log_level.lower(),
@@ -88,6 +89,7 @@ def worker(
         overrides["worker_processes"] = processes
     settings = _settings(**overrides)
     if not supervised_by:  # its supervisor checked
+        _require_redis(settings, "the workers")
         _check_backend(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
@@ -106,6 +108,17 @@ def worker(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel or settings.log_level,
          "--without-gossip", "--without-mingle"]
     )  # fmt: skip
+
+
+def _require_redis(settings: Settings, what: str) -> None:
+    """Stop (exit 2, one line) a gateway or worker with no Redis to share, before it starts:
+    the worker's processes each died on it and were started again for as long as it ran."""
+    if not settings.redis_url:
+        console.print(
+            f"[red]error:[/red] SIFT_REDIS_URL is required to run {what}: the Redis the "
+            "gateways and workers share (`sift up` runs one of its own)"
+        )
+        raise typer.Exit(2)
 
 
 def _single_process_metrics(settings: Settings) -> None:

@@ -1,0 +1,39 @@
+"""``sift worker`` and ``sift gateway`` started without ``SIFT_REDIS_URL``: one line naming it,
+exit 2, as every other bad setting is, and nothing started.
+
+Before, ``sift worker`` (one process per core by default) started its processes, each of
+which died on a ``ConfigError`` traceback, and its supervisor started them again, with a
+back-off, for as long as it ran; ``sift gateway`` printed uvicorn's traceback of the app's
+start-up. Real processes, as a newcomer runs them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.stack import free_port
+
+SIFT = str(Path(sys.executable).with_name("sift"))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["worker", "--processes", "2"], ["worker", "--processes", "1"], ["gateway", "--port"]],
+)
+def test_no_redis_url_is_one_line_naming_it(tmp_path: Path, args: list[str]) -> None:
+    if args[-1] == "--port":
+        args = [*args, str(free_port())]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+    env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_WORKER_METRICS_PORT="0", COLUMNS="200")
+    ran = subprocess.run(
+        [SIFT, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert "SIFT_REDIS_URL" in said and "Traceback" not in said, said
+    assert "restarting" not in said, said
