@@ -18,7 +18,8 @@ from typing import Any
 
 from typer.testing import CliRunner, Result
 
-from tests.e2e.conftest import ACME, Stack
+from tests.e2e.conftest import ACME, KEYS, Stack
+from tests.services import gateway
 from worker.cli import app
 
 
@@ -66,3 +67,35 @@ def test_metadata_the_gateway_refuses_stops_the_command_before_anything_is_sent(
         assert "nothing was sent" in result.output
         gone = stack.live.get(f"/v1/indexes/{index}", headers=ACME)
         assert gone.status_code == 404, (metadata, gone.text)
+
+
+def test_a_request_over_the_gateways_body_limit_is_sent_in_halves(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Every document within its 100,000 characters, the default ``--batch-size`` (500) of
+    them is up to 50 MB of JSON, over the gateway's ``SIFT_MAX_BODY_BYTES`` (32 MiB): ``sift
+    ingest`` of such a corpus stopped at its first request with "the gateway answered 413",
+    which named no option. A request answered 413 is now sent again in halves, down to one
+    document, and a document that alone is over the limit is named. Here a gateway of the
+    stack's Redis (its worker) with a 64 KiB limit, and 20 KB documents."""
+    env = {
+        "SIFT_API_KEYS": json.dumps(KEYS),
+        "SIFT_REDIS_URL": stack.redis_url + "/0",
+        "SIFT_MAX_BODY_BYTES": "65536",
+    }
+    rows = [{"id": f"big{i}", "text": f"capybara {i} " + "x" * 20_000} for i in range(12)]
+    corpus = write_jsonl(tmp_path / "big.jsonl", rows)
+    huge = write_jsonl(tmp_path / "huge.jsonl", [{"id": "huge", "text": "y" * 70_000}])
+    key = ACME["Authorization"].split()[1]
+    with gateway(tmp_path / "g", env, "small") as url:
+        cli_env = {"SIFT_URL": url, "SIFT_API_KEY": key, "COLUMNS": "200", "NO_COLOR": "1"}
+        result = CliRunner().invoke(app, ["ingest", str(corpus), "--index", "cli-split"],
+                                    env=cli_env)  # fmt: skip
+        assert result.exit_code == 0, result.output
+        assert "indexed 12 document(s)" in result.output, result.output
+        refused = CliRunner().invoke(app, ["ingest", str(huge), "--index", "cli-split"],
+                                     env=cli_env)  # fmt: skip
+    assert refused.exit_code == 1, refused.output
+    assert "'huge'" in refused.output and "SIFT_MAX_BODY_BYTES" in refused.output, refused.output
+    shown = stack.live.get("/v1/indexes/cli-split", headers=ACME)
+    assert shown.status_code == 200 and shown.json()["documents"] == 12, shown.text

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -204,10 +205,26 @@ def _send_documents(client: Gateway, index: str, documents: list[dict[str, Any]]
     """POST one batch and wait for its ingest job; answers how many documents it upserted.
 
     The gateway answers 200 with the finished job when it finished within ``wait``, else
-    202 with a job to poll at ``GET /v1/ingestions/{id}``.
+    202 with a job to poll at ``GET /v1/ingestions/{id}``. A batch over the gateway's body
+    limit (413: 500 documents of up to 100,000 characters each pass its 32 MiB) is sent
+    again in halves, in order; a document alone over it is named.
     """
     path = f"/v1/indexes/{segment(index)}/documents"
-    response = client.request("POST", path, params={"wait": 30}, json={"documents": documents})
+    try:
+        response = client.request("POST", path, params={"wait": 30}, json={"documents": documents})
+    except GatewayError as exc:
+        if exc.status_code != HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
+            raise
+        if len(documents) == 1:
+            raise GatewayError(
+                f"document {documents[0]['id']!r} alone is larger than the gateway takes in "
+                f"one request ({exc.message}; SIFT_MAX_BODY_BYTES on the gateway)",
+                status_code=exc.status_code,
+            ) from exc
+        half = len(documents) // 2
+        return _send_documents(client, index, documents[:half]) + _send_documents(
+            client, index, documents[half:]
+        )
     job = response.json()
     if job.get("status") not in ("succeeded", "failed", "canceled"):
         job = client.poll(f"/v1/ingestions/{job['id']}")
