@@ -16,12 +16,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from worker.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
 UNAVAILABLE_RETRY_AFTER_SECONDS = 1  # a Redis restart takes about that long
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 _HEADER_NAMES = {"idempotency-key": "Idempotency-Key", "authorization": "Authorization"}
 
 
@@ -125,6 +127,18 @@ def problems_of(errors: Sequence[Any]) -> list[FieldProblem]:
     return problems
 
 
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route takes on the request's path, asked of each route as the
+    router does. Starlette's ``Allow`` lists the first matching route's alone, and here each
+    method is a route of its own: a batch's ``GET`` without the ``DELETE`` that cancels it."""
+    routes = request.app.router.routes
+    return sorted(
+        method
+        for method in _METHODS
+        if any(r.matches({**request.scope, "method": method})[0] is Match.FULL for r in routes)
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -184,6 +198,7 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(404, "not_found", message, field="path", headers=headers)
         if exc.status_code == 405:
             message = f"method: {request.method} is not a method of {path!r}"
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
             return error_response(
                 405, "method_not_allowed", message, field="method", headers=headers
             )

@@ -237,6 +237,32 @@ def test_two_authorization_headers_are_401_naming_it(
     assert response.status_code == 401, response.text
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("OPTIONS", "/v1/batches/bat_0", "DELETE, GET"),
+        ("PUT", "/v1/batches/bat_0", "DELETE, GET"),
+        ("PUT", f"/v1/indexes/{INDEX}", "DELETE, GET, PATCH"),
+        ("PUT", f"/v1/indexes/{INDEX}/documents", "GET, POST"),
+        ("PUT", f"/v1/indexes/{INDEX}/documents/d1", "DELETE, GET"),
+        # the bulk delete's path is also document "delete"'s
+        ("PUT", f"/v1/indexes/{INDEX}/documents/delete", "DELETE, GET, POST"),
+        ("PUT", "/v1/searches", "GET, POST"),
+    ],
+)
+def test_a_405_allows_every_method_of_its_path(
+    stack: Stack, method: str, path: str, allow: str
+) -> None:
+    """``Allow`` listed the methods of the first route of the path only (Starlette's: each
+    method is a route of its own): ``GET`` for a batch that a ``DELETE`` cancels, ``GET`` for
+    an index that ``PATCH`` and ``DELETE`` change too, and ``GET`` alone for the bulk delete's
+    ``POST`` path."""
+    response = stack.live.request(method, path, headers=ACME)
+    assert response.status_code == 405, response.text
+    assert response.headers["allow"] == allow
+    assert response.json()["error"]["field"] == "method"
+
+
 def test_openapi_declares_the_contract(stack: Stack) -> None:
     doc = stack.live.get("/openapi.json").json()
     paths = doc["paths"]
