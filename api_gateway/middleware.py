@@ -161,7 +161,8 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             route: Any = scope.get("route")
-            template = getattr(route, "path", "unmatched")
+            # the OpenAPI path: {doc_id}, not the route's {doc_id:doc_id} with its convertor
+            template = getattr(route, "path_format", None) or getattr(route, "path", "unmatched")
             method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
             self.metrics.requests.labels(method, template, str(status)).inc()
             self.metrics.duration.labels(method, template).observe(time.perf_counter() - started)

@@ -311,3 +311,14 @@ def test_health_ready_and_metrics(stack: Stack, corpus: object) -> None:
     assert 'sift_queue_backlog{queue="sift.batch"}' in text
     assert 'sift_http_requests_total{method="POST",route="/v1/searches"' in text
     assert "sift_jobs_submitted_total" in text
+
+
+def test_the_route_label_is_the_openapi_path(stack: Stack) -> None:
+    """The document routes' label was their template with its convertor (``{doc_id:path}``),
+    a path in no OpenAPI document: a dashboard or alert written from the API's paths missed
+    them."""
+    stack.live.get(f"/v1/indexes/{INDEX}/documents/nobody", headers=ACME)
+    text = stack.live.get("/metrics").text
+    label = 'route="/v1/indexes/{index}/documents/{doc_id}"'
+    assert f'sift_http_requests_total{{method="GET",{label}' in text
+    assert "{doc_id:" not in text
