@@ -17,12 +17,12 @@ from worker.contract import (
     CandidateLimit,
     DocumentRequest,
     ErrorInfo,
+    Filters,
     Flag,
     FusionSpec,
     IndexName,
     JobStatus,
     Limit,
-    Metadata,
     Mode,
     QueryText,
     SearchResult,
@@ -43,7 +43,7 @@ class _Strict(BaseModel):
 class SearchRequest(SearchSpec):
     """``POST /v1/searches``: the search, and where to send its webhook."""
 
-    filters: Metadata = Field(default_factory=dict)
+    filters: Filters = Field(default_factory=dict)
     webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
 
 
@@ -64,7 +64,7 @@ class BatchQueryIn(_Strict):
     query: QueryText
     limit: Limit | None = None
     mode: Mode | None = None
-    filters: Metadata = Field(default_factory=dict)
+    filters: Filters = Field(default_factory=dict)
 
 
 class BatchRequest(_Strict):

@@ -205,6 +205,9 @@ MAX_METADATA_KEY_CHARS = 128  # the backends' filter-name pattern allows no more
 # a string metadata or filter value, in UTF-8 bytes: Elasticsearch indexes each as one term
 # (with its key, in ``metadata_terms``), and Lucene refuses a term over 32,766 bytes
 MAX_METADATA_VALUE_BYTES = 8_192
+# a search's filter keys: ANDed in one SQL expression, which SQLite refuses deeper than 1,000
+# (a number's key takes two terms); far more than a filter needs
+MAX_FILTER_KEYS = 100
 MAX_PAGE_SIZE = 1_000
 DEFAULT_PAGE_SIZE = 100
 # a document listing shows this many characters of each text (GET one document for all of it)

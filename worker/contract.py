@@ -24,6 +24,7 @@ from pydantic import (
 
 from worker.constants import (
     MAX_CANDIDATE_LIMIT,
+    MAX_FILTER_KEYS,
     MAX_FUSION_WEIGHT,
     MAX_LIMIT,
     MAX_METADATA_KEY_CHARS,
@@ -96,6 +97,9 @@ MetadataValue = Annotated[
 Metadata = Annotated[
     dict[MetadataKey, MetadataValue], Field(json_schema_extra={"additionalProperties": False})
 ]
+# a search's filters: metadata of at most MAX_FILTER_KEYS keys (a search of 1,000 was taken,
+# then failed as the embedded backend's "Expression tree is too large")
+Filters = Annotated[Metadata, Field(max_length=MAX_FILTER_KEYS)]
 
 
 class JobStatus(StrEnum):

@@ -22,6 +22,7 @@ from worker.constants import (
     MAX_BATCH_QUERY_ID_CHARS,
     MAX_DOCUMENT_CHARS,
     MAX_DOCUMENTS_PER_REQUEST,
+    MAX_FILTER_KEYS,
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_LIMIT,
     MAX_METADATA_KEY_CHARS,
@@ -236,6 +237,36 @@ def test_a_document_id_over_the_limit_names_its_place(stack: Stack) -> None:
     names_the_field(response, 422, "documents[0].id")
 
 
+def test_a_filter_of_too_many_keys_is_422_naming_it(stack: Stack) -> None:
+    """A search's filter keys are ANDed in one SQL expression, and SQLite refuses one deeper
+    than 1,000: a search of 1,000 keys was accepted, then failed as the server's
+    ``backend_request_error`` ("Expression tree is too large"), and so did each item of a
+    batch. At most 100 keys (numbers take two terms each): the most is still a search."""
+    doc = {"id": "d", "text": "green tea", "metadata": {"k0": 0}}
+    ingested = stack.live.post(
+        "/v1/indexes/filter-keys/documents", params={"wait": 20}, json={"documents": [doc]},
+        headers=ACME,
+    )  # fmt: skip
+    assert ingested.status_code == 200, ingested.text
+    most = {f"k{i}": i for i in range(MAX_FILTER_KEYS)}
+    done = stack.live.post(
+        "/v1/searches", params={"wait": 20}, json=search(index="filter-keys", filters=most),
+        headers=ACME,
+    )  # fmt: skip
+    assert done.status_code == 200 and done.json()["status"] == "succeeded", done.text
+    assert done.json()["result"]["hits"] == []  # the document has one of the keys only
+    over = {**most, "one-more": 0}
+    for path, body, field in (
+        ("/v1/searches", search(filters=over), "filters"),
+        ("/v1/batches", {"index": INDEX, "queries": [{"id": "a", "query": "x", "filters": over}]},
+         "queries[0].filters"),
+    ):  # fmt: skip
+        response = stack.live.post(path, json=body, headers=ACME)
+        assert response.status_code == 422, response.text
+        error = response.json()["error"]
+        assert error["field"] == field and str(MAX_FILTER_KEYS) in error["message"], error
+
+
 # --- the README -----------------------------------------------------------------------------
 
 
@@ -269,6 +300,7 @@ def test_the_readme_limits_table_matches_the_code() -> None:
             8,
             64,
         ],
+        "`filters`, `queries[i].filters`": [MAX_FILTER_KEYS],
         "`page_size`": [1, MAX_PAGE_SIZE],
         "`wait`": [0, int(MAX_WAIT_SECONDS)],
         "`webhook_url`": [MAX_WEBHOOK_URL_CHARS],
