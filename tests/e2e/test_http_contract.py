@@ -322,3 +322,14 @@ def test_the_route_label_is_the_openapi_path(stack: Stack) -> None:
     label = 'route="/v1/indexes/{index}/documents/{doc_id}"'
     assert f'sift_http_requests_total{{method="GET",{label}' in text
     assert "{doc_id:" not in text
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz"])
+def test_the_probes_answer_head(stack: Stack, path: str) -> None:
+    """RFC 9110 (9.1): a server supports HEAD wherever it supports GET. The probes were 405
+    to it, and an uptime monitor or load balancer checking with HEAD took the gateway for
+    down."""
+    response = stack.live.head(path)
+    assert response.status_code == 200, response.headers
+    assert response.content == b""
+    assert "HEAD" in stack.live.request("PUT", path).headers["allow"]
