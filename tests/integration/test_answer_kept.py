@@ -24,7 +24,7 @@ from tests.fake_anthropic import FakeAnthropic
 from tests.services import celery_worker, redis_server
 from worker.constants import BATCH_CHUNK_TASK, BATCH_QUEUE, SEARCH_QUEUE, SEARCH_TASK
 from worker.contract import SearchResult, SearchSpec
-from worker.queue.jobstore import JobStore
+from worker.queue.jobstore import BatchJob, JobStore
 
 pytestmark = pytest.mark.integration
 
@@ -110,6 +110,21 @@ def _search(setup: Setup, tenant: str, spec: SearchSpec) -> SearchResult:
     return done.result
 
 
+def _run_batch(setup: Setup, spec: SearchSpec) -> BatchJob:
+    """A one-item batch of ``spec`` for tenant acme, run to its end."""
+    sender = OutboxSender(setup.store)
+    batch = setup.store.create_batch(
+        "acme",
+        "docs",
+        [("q0", spec)],
+        enqueue=lambda batch_id: sender.messages(
+            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
+        ),
+    )
+    _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
+    return batch
+
+
 def test_a_search_whose_worker_died_after_the_model_answered_calls_it_once(setup: Setup) -> None:
     _arm(setup)
     spec = SearchSpec(index="docs", query="gamma", rerank=True, include_trace=True)
@@ -120,17 +135,8 @@ def test_a_batch_item_whose_worker_died_after_the_model_answered_calls_it_once(
     setup: Setup,
 ) -> None:
     _arm(setup)
-    sender = OutboxSender(setup.store)
     spec = SearchSpec(index="docs", query="delta", rerank=True, include_trace=True)
-    batch = setup.store.create_batch(
-        "acme",
-        "docs",
-        [("q0", spec)],
-        enqueue=lambda batch_id: sender.messages(
-            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
-        ),
-    )
-    _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
+    batch = _run_batch(setup, spec)
     (item,) = setup.store.batch_results(batch.id, 0, 1)
     assert item.status == "succeeded" and item.payload is not None, item
     _one_call(setup, SearchResult.model_validate(json.loads(item.payload)["result"]))
@@ -145,17 +151,8 @@ def test_a_batch_canceled_after_its_item_s_model_answered_finishes_the_item_on_i
     canceled it, and its record showed none of that call's usage (the metrics had counted it)."""
     _arm(setup)
     setup.flag.write_text("cancel")
-    sender = OutboxSender(setup.store)
     spec = SearchSpec(index="docs", query="beta", rerank=True, include_trace=True)
-    batch = setup.store.create_batch(
-        "acme",
-        "docs",
-        [("q0", spec)],
-        enqueue=lambda batch_id: sender.messages(
-            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
-        ),
-    )
-    _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
+    batch = _run_batch(setup, spec)
     done = setup.store.get_batch(batch.id)
     assert done is not None and done.canceled_at is not None  # the cancel did land
     (item,) = setup.store.batch_results(batch.id, 0, 1)
@@ -185,16 +182,7 @@ def test_a_search_is_counted_done_once_when_its_worker_died_after_counting_it(
     setup.model.reset()
     done_log.write_text("")
     die.touch()
-    sender = OutboxSender(setup.store)
-    batch = setup.store.create_batch(
-        "acme",
-        "docs",
-        [("q0", spec)],
-        enqueue=lambda batch_id: sender.messages(
-            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
-        ),
-    )
-    _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
+    batch = _run_batch(setup, spec)
     assert not die.exists()
     assert done_log.read_text().splitlines() == ["ok"]
     (item,) = setup.store.batch_results(batch.id, 0, 1)
