@@ -35,13 +35,15 @@ def celery_worker(
     concurrency: int = 32,
     pool: str = "threads",
     processes: int = 1,
+    queues: str | None = None,
 ) -> Iterator[Popen[bytes]]:
     """``sift worker``: one Celery worker process, or ``processes`` under a supervisor; its
-    data dir in ``tmp`` unless ``env`` names one (never the checkout's ``.sift/data``)."""
+    data dir in ``tmp`` unless ``env`` names one (never the checkout's ``.sift/data``);
+    consuming every queue, or ``queues`` (comma-separated)."""
     env = {"SIFT_DATA_DIR": str(tmp / "data"), **env}
     with worker_process(
         tmp, child_env(env, inherit_sift=False), name, concurrency=concurrency, pool=pool,
-        processes=processes,
+        processes=processes, queues=queues,
     ) as proc:  # fmt: skip
         yield proc
 

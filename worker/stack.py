@@ -184,11 +184,18 @@ def worker_process(
     concurrency: int | None = None,
     pool: str | None = None,
     processes: int | None = 1,
+    queues: str | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """One ``sift worker`` consuming every queue, yielded once Celery says it is ready (with
-    several ``processes``: once the first of them is)."""
+    """One ``sift worker`` consuming every queue (or ``queues``, comma-separated), yielded
+    once Celery says it is ready (with several ``processes``: once the first of them is)."""
     service = worker_service(
-        directory, env, name, concurrency=concurrency, pool=pool, processes=processes
+        directory,
+        env,
+        name,
+        concurrency=concurrency,
+        pool=pool,
+        processes=processes,
+        queues=queues,
     )
     with running(service):
         assert service.proc is not None
@@ -203,6 +210,7 @@ def worker_service(
     concurrency: int | None = None,
     pool: str | None = None,
     processes: int | None = 1,
+    queues: str | None = None,
 ) -> Service:
     """The ``sift worker`` of :func:`worker_process`, not started yet. ``processes``: one by
     default (the process started is the Celery worker); None leaves it to
@@ -215,6 +223,8 @@ def worker_service(
         args += ["--concurrency", str(concurrency)]
     if pool:
         args += ["--pool", pool]
+    if queues:
+        args += ["--queues", queues]
     what = name if name == "worker" else f"worker {name}"
     return Service(what, sift_command(*args), directory / f"{name}.log", env,
                    ready_line=b" ready.")  # fmt: skip
