@@ -72,6 +72,9 @@ STATS_KEY = REDIS_PREFIX + "stats:jobs"  # hash state -> jobs and items queued/r
 STATS_UNTRACKED_KEY = REDIS_PREFIX + "stats:untracked"  # same, for ingest jobs (not in the gauge)
 # the re-drive (worker/queue/redrive.py): unfinished jobs, what the sweeper keeps between sweeps
 ACTIVE_JOBS_KEY = REDIS_PREFIX + "active"  # zset: search, ingest, standard batch ids -> progress
+# zset: search and batch ids whose webhook is owed -> when its next message is due (the final
+# move, or its retry's time); the delivery task drops it once final (worker/queue/redrive.py)
+WEBHOOKS_OWED_KEY = REDIS_PREFIX + "webhooks-owed"
 REDRIVE_LEADER_KEY = REDIS_PREFIX + "redrive:leader"  # string: the worker sweeping this interval
 REDRIVE_SUSPECTS_KEY = REDIS_PREFIX + "redrive:suspects"  # hash job id -> positions found lost
 REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it was re-driven

@@ -19,7 +19,9 @@ the broker's visibility timeout is made in hops, each a Celery retry of its own
 Delivery is at least once. The ``webhook-id`` is ``msg_<job id>`` on every
 attempt and the body is the same bytes on every attempt (its timestamp is the
 event's, passed in); only the ``webhook-timestamp`` header is fresh, so a
-receiver's five-minute tolerance holds for a retry hours later.
+receiver's five-minute tolerance holds for a retry hours later. A message the broker lost
+is sent again by the re-drive once overdue (:mod:`worker.queue.redrive`), with the same
+``webhook-id``.
 
 Nothing here logs a secret, a signature or a body.
 """

@@ -244,13 +244,15 @@ def _check_prices(sender: Any = None, **_: Any) -> None:
 
 def _start_redrive(sender: Any = None, **_: Any) -> None:
     """On worker start, run the re-drive sweeper in this process (:mod:`worker.queue.redrive`):
-    it enqueues again the searches, ingests and batch chunks whose messages the broker lost."""
+    it enqueues again the searches, ingests, batch chunks and webhooks whose messages the
+    broker lost (a webhook once overdue by the visibility timeout)."""
     app = getattr(sender, "app", None)
-    if getattr(getattr(app, "conf", None), "sift_settings", None) is None:
+    settings = getattr(getattr(app, "conf", None), "sift_settings", None)
+    if settings is None:
         return
     from worker.queue.redrive import start_sweeper
 
-    start_sweeper(app)
+    start_sweeper(app, webhook_grace_seconds=visibility_timeout(settings))
 
 
 def _start_liveness(sender: Any = None, **_: Any) -> None:

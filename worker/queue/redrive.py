@@ -1,5 +1,5 @@
-"""The re-drive: finds searches, ingests and batch chunks whose task message the broker lost,
-and enqueues them again.
+"""The re-drive: finds searches, ingests, batch chunks and webhooks whose task message the
+broker lost, and enqueues them again.
 
 Why it exists. kombu's Redis transport takes a message with ``BRPOP`` and only then records
 it in its ``unacked`` hash, in a second command. A worker killed between the two, or a Redis
@@ -62,6 +62,16 @@ each should run again instead, and a sweep sends again one that did not
 items, and the one chunk that finds every item prepared or final enqueues the one
 submission (a once-only claim), so a re-drive never makes a second provider batch.
 
+Webhooks. A job's final move (the same script: no round trip more) records its webhook owed
+in ``sift:webhooks-owed``, scored when its next message is due: the move's time, then each
+retry's. The delivery task drops it once the webhook is final (delivered, refused, or its
+schedule spent). So a webhook whose message was lost in the same pop-then-unacked window, or
+never published (its worker died between the final move and the publish), stays owed past
+its due time, and a sweep sends it again once it is overdue by ``webhook_grace_seconds`` (the
+broker's visibility timeout at the defaults: a live message is run by then, or put back)
+(:meth:`Sweeper.resend_webhooks`): the same event, the same ``webhook-id``, so a receiver
+that had it after all drops the copy. The attempts start again from the first.
+
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
     sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)
 """
@@ -98,9 +108,13 @@ from worker.constants import (
     REDRIVE_URGENT_KEY,
     SEARCH_QUEUE,
     SEARCH_TASK,
+    WEBHOOK_EVENT_BATCH_COMPLETED,
+    WEBHOOK_EVENT_SEARCH_COMPLETED,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
     kombu_queue_keys,
 )
-from worker.queue.jobstore import JobStore
+from worker.queue.jobstore import JobStore, webhook_event
 from worker.redis_client import connect
 
 log = logging.getLogger(__name__)
@@ -235,15 +249,20 @@ class Sweeper:
         stall_seconds: float,
         chunk_size: int = 25,
         max_deliveries: int = 3,
+        webhook_grace_seconds: float = 1600.0,
     ) -> None:
         """``max_deliveries`` is the tasks' ``SIFT_TASK_MAX_DELIVERIES``: a job is re-driven
-        that many times at most, and a poison message is sent with that many counted."""
+        that many times at most, and a poison message is sent with that many counted.
+        ``webhook_grace_seconds``: how long past its due time an owed webhook is sent again
+        (a worker's sweeper: the broker's visibility timeout; this default is the
+        defaults')."""
         self.store = store
         self.send = send
         self.interval_seconds = interval_seconds
         self.stall_seconds = stall_seconds
         self.chunk_size = chunk_size
         self.max_deliveries = max_deliveries
+        self.webhook_grace_seconds = webhook_grace_seconds
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -280,6 +299,7 @@ class Sweeper:
         """Re-drive what this sweep and the one before both found lost; answers what it sent."""
         self.note_restart()
         self.rewake_economy()
+        self.resend_webhooks()
         urgent = bool(self.store.redis.exists(REDRIVE_URGENT_KEY))
         lost = self.lost_positions(urgent=urgent)
         previous = self._suspects()
@@ -294,6 +314,46 @@ class Sweeper:
         from worker.queue.economy import rewake
 
         return rewake(self.store, self.send, time.time())
+
+    def resend_webhooks(self, now: float | None = None) -> list[str]:
+        """Send again each owed webhook overdue by the grace (its message lost, or never
+        published); answers their job ids. ``now``: the sweep's clock (tests move it on)."""
+        now = time.time() if now is None else now
+        sent: list[str] = []
+        for job_id in self.store.webhooks_overdue(now - self.webhook_grace_seconds, PAGE):
+            event = self._owed_event(job_id)
+            if event is None:  # its record expired: nothing to announce
+                self.store.webhook_settled(job_id)
+                continue
+            self.store.webhook_due(job_id, now)  # overdue again a grace later if lost again
+            self.send(WEBHOOK_TASK, [event], WEBHOOK_QUEUE, str(uuid.uuid4()))
+            sent.append(job_id)
+            log.warning(
+                "webhook msg_%s: still owed %gs past its due time; its message was lost, "
+                "sent again",
+                job_id,
+                self.webhook_grace_seconds,
+            )
+        if sent:
+            metrics.redriven("webhook", len(sent))
+        return sent
+
+    def _owed_event(self, job_id: str) -> dict[str, Any] | None:
+        """The event of a finished job's webhook, as its final move announced it."""
+        finished_at: float | None
+        if job_id.startswith(BATCH_ID_PREFIX):
+            batch = self.store.get_batch(job_id)
+            if batch is None or batch.finished_at is None or not batch.webhook_url:
+                return None
+            kind, tenant, url = WEBHOOK_EVENT_BATCH_COMPLETED, batch.tenant, batch.webhook_url
+            status, finished_at = batch.status.value, batch.finished_at
+        else:
+            search = self.store.get_search(job_id)
+            if search is None or not search.status.final or not search.webhook_url:
+                return None
+            kind, tenant, url = WEBHOOK_EVENT_SEARCH_COMPLETED, search.tenant, search.webhook_url
+            status, finished_at = search.status.value, search.finished_at
+        return webhook_event(kind, job_id, tenant, url, status, occurred_at=finished_at)
 
     def note_restart(self) -> None:
         """Open an urgent window if Redis has restarted since the last sweep: a pop whose reply
@@ -425,7 +485,7 @@ def _loads(raw: str) -> Any:
         return None
 
 
-def start_sweeper(app: Any) -> Sweeper | None:
+def start_sweeper(app: Any, *, webhook_grace_seconds: float) -> Sweeper | None:
     """Start the re-drive in this worker process from its Celery app's Sift settings; None
     when ``SIFT_REDRIVE_INTERVAL_SECONDS`` is 0."""
     settings = app.conf.sift_settings
@@ -438,6 +498,7 @@ def start_sweeper(app: Any) -> Sweeper | None:
         stall_seconds=settings.redrive_stall_seconds,
         chunk_size=settings.batch_chunk_size,
         max_deliveries=settings.task_max_deliveries,
+        webhook_grace_seconds=webhook_grace_seconds,
     )
     sweeper.start()
     log.info(

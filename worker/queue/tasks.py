@@ -391,7 +391,11 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     due (``due_at``). A wait is made in hops of at most half the broker's visibility timeout,
     each a message of its own, acked as the next is sent: a message held unacked past the
     timeout is put back by kombu while its worker still holds it, and the copies each made
-    the attempt (the schedule's waits run to 10 hours; the timeout is about 27 minutes)."""
+    the attempt (the schedule's waits run to 10 hours; the timeout is about 27 minutes).
+
+    The job's final move recorded the webhook owed; a retry records when its attempt is
+    due, and a final attempt (or a drop) settles it: one still owed long past its due time
+    lost its message, and the re-drive sends it again (:mod:`worker.queue.redrive`)."""
     from worker import webhooks
 
     settings = self.context.settings
@@ -407,12 +411,14 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         (k.webhook_secrets() for k in settings.all_api_keys() if k.tenant == event["tenant"]), None
     )
     data = event["data"]
+    store = self.context.store
     if secrets is None:
         log.error(
             "webhook for %s: tenant %s has no key and no secret; dropped",
             data["id"],
             event["tenant"],
         )
+        store.webhook_settled(data["id"])
         return
     decision = webhooks.run_delivery(
         url=event["url"],
@@ -427,9 +433,12 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     # the last attempt of a spent schedule is a failure, not a retry: nothing comes after it
     failed = webhooks.DeliveryOutcome.FAILED
     metrics.webhook_delivery(failed if decision.gave_up else decision.result.outcome)
-    if decision.retry_in is not None:
-        later = {**event, "attempt": attempt + 1, "due_at": time.time() + decision.retry_in}
-        raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
+    if decision.retry_in is None:
+        store.webhook_settled(data["id"])
+        return
+    later = {**event, "attempt": attempt + 1, "due_at": time.time() + decision.retry_in}
+    store.webhook_due(data["id"], later["due_at"])
+    raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
 
 
 def _hop_seconds(settings: Settings) -> float:

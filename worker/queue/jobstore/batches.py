@@ -22,6 +22,7 @@ from worker.constants import (
     BATCH_STAGE_SLICE,
     BATCH_STAGING_TTL_SECONDS,
     STATS_KEY,
+    WEBHOOKS_OWED_KEY,
 )
 from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec, Usage
 from worker.queue.jobstore.idempotency import (
@@ -330,6 +331,7 @@ class BatchRecords(_StoreCore):
             BATCH_KEY + batch_id,
             STATS_KEY,
             ACTIVE_JOBS_KEY,
+            WEBHOOKS_OWED_KEY,
             *[key for key, _ in messages],
         ]
         args = [

@@ -1,6 +1,7 @@
 """What the queue machinery reads and counts beside the records: each task message's
 deliveries, the queued and running gauge, the re-drive's view (:mod:`worker.queue.redrive`)
-of the jobs not final yet, and broker messages pushed as kombu's Redis does.
+of the jobs not final yet and of the webhooks owed, and broker messages pushed as kombu's
+Redis does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from worker.constants import (
     ECONOMY_PREPARED_KEY,
     REDRIVE_COUNT_KEY,
     STATS_KEY,
+    WEBHOOKS_OWED_KEY,
 )
 from worker.contract import JobStatus
 from worker.queue.jobstore.records import _in_flight, _now
@@ -84,6 +86,21 @@ class DeliveryRecords(_StoreCore):
         return [
             i for i, qid in enumerate(order) if statuses.get(qid) in pending and qid not in waiting
         ]
+
+    def webhooks_overdue(self, due_before: float, limit: int) -> list[str]:
+        """Ids of up to ``limit`` jobs whose webhook is owed and whose next message was due
+        before ``due_before``, the longest overdue first (their final move wrote them)."""
+        found = self.redis.zrangebyscore(WEBHOOKS_OWED_KEY, "-inf", due_before, 0, limit)
+        return cast(list[str], found)
+
+    def webhook_due(self, job_id: str, when: float) -> None:
+        """The owed webhook's next message is due at ``when`` (a retry's time, or a re-send's):
+        moved later only, and only while it is owed."""
+        self.redis.zadd(WEBHOOKS_OWED_KEY, {job_id: when}, xx=True, gt=True)
+
+    def webhook_settled(self, job_id: str) -> None:
+        """The job's webhook is owed no more: delivered, refused, or its schedule spent."""
+        self.redis.zrem(WEBHOOKS_OWED_KEY, job_id)
 
     def count_redrive(self, job_id: str) -> int:
         """Count one more re-drive of this job; answers how many there have been."""

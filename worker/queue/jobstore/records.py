@@ -167,13 +167,21 @@ class CancelOutcome(StrEnum):
 
 
 def webhook_event(
-    event_type: str, job_id: str, tenant: str, url: str, status: str
+    event_type: str,
+    job_id: str,
+    tenant: str,
+    url: str,
+    status: str,
+    *,
+    occurred_at: float | None = None,
 ) -> dict[str, Any]:
-    """The message a ``sift.webhook`` task gets. ``webhook_id`` is stable across retries."""
+    """The message a ``sift.webhook`` task gets. ``webhook_id`` is stable across retries.
+    ``occurred_at``: when the job finished (epoch seconds; default now)."""
+    when = datetime.now(UTC) if occurred_at is None else datetime.fromtimestamp(occurred_at, UTC)
     return {
         "webhook_id": f"msg_{job_id}",
         "type": event_type,
-        "occurred_at": datetime.now(UTC).isoformat(),
+        "occurred_at": when.isoformat(),
         "tenant": tenant,
         "url": url,
         "data": {"id": job_id, "status": status},

@@ -6,13 +6,14 @@ They are plain sources here; :class:`~worker.queue.jobstore.store._StoreCore` re
 
 from __future__ import annotations
 
-# KEYS: record, stats, active. ARGV: to, allowed-from (comma list), ttl, now, job id, the
-# move's token, then field/value pairs. Returns -1 when the record is missing, 0 when refused,
-# 1 when applied. The token makes the call safe to send again: the client sends it again when
-# the connection breaks after the script ran (only its reply lost), and then the record
-# already holds the token, so the answer is the first run's (1), not a refusal that would
-# leave the finish unannounced (no webhook, no count). A final move drops the model's answer
-# a search's run claim kept (its "run" field, _KEEP_ANSWER): no run comes after.
+# KEYS: record, stats, active, webhooks owed. ARGV: to, allowed-from (comma list), ttl, now,
+# job id, the move's token, then field/value pairs. Returns -1 when the record is missing, 0
+# when refused, 1 when applied. The token makes the call safe to send again: the client sends
+# it again when the connection breaks after the script ran (only its reply lost), and then the
+# record already holds the token, so the answer is the first run's (1), not a refusal that
+# would leave the finish unannounced (no webhook, no count). A final move drops the model's
+# answer a search's run claim kept (its "run" field, _KEEP_ANSWER): no run comes after; of a
+# job with a webhook it records the webhook owed, due ``now`` (worker/queue/redrive.py).
 _TRANSITION_JOB = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
@@ -28,6 +29,8 @@ if cur ~= to then
 end
 if to == 'succeeded' or to == 'failed' or to == 'canceled' then
   redis.call('ZREM', KEYS[3], ARGV[5])
+  local hook = redis.call('HGET', KEYS[1], 'webhook_url')
+  if hook and hook ~= '' then redis.call('ZADD', KEYS[4], ARGV[4], ARGV[5]) end
   local run = redis.call('HGET', KEYS[1], 'run')
   local claim = run and string.match(run, '^([^|]*|[^|]*|[^|]*|[^|]*|[^|]*)|')
   if claim then redis.call('HSET', KEYS[1], 'run', claim) end
@@ -38,7 +41,7 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return 1
 """
 
-# KEYS: items, results, counts, batch, stats, active, moves, run claims.
+# KEYS: items, results, counts, batch, stats, active, moves, run claims, webhooks owed.
 # ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now, batch id, '1'
 # when a cancel of the batch turns this move into a cancel (the check before the model call;
 # the batch's cancel mark is read in the same script, so no round trip more), '2' when it
@@ -50,6 +53,7 @@ return 1
 # again after its reply was lost (a broken connection, a Redis restart) answers what the first
 # run did, and the batch's completion is not lost with that reply. A move that makes the
 # item final drops the model's answer its run claim kept (_KEEP_ANSWER): no run comes after.
+# The move that completes a batch with a webhook records the webhook owed, as a job's does.
 _TRANSITION_ITEM = """
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
 if not cur then return {-1, 0} end
@@ -93,6 +97,8 @@ local done = (tonumber(c[1]) or 0) + (tonumber(c[2]) or 0) + (tonumber(c[3]) or 
 local total = tonumber(redis.call('HGET', KEYS[4], 'total')) or -1
 if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 then
   redis.call('ZREM', KEYS[6], ARGV[6])
+  local hook = redis.call('HGET', KEYS[4], 'webhook_url')
+  if hook and hook ~= '' then redis.call('ZADD', KEYS[9], ARGV[5], ARGV[6]) end
   code = 2
 else
   redis.call('ZADD', KEYS[6], 'XX', ARGV[5], ARGV[6])
@@ -105,14 +111,15 @@ end
 return {code, canceled}
 """
 
-# KEYS: items, counts, batch, stats, active, then one list per message to push. ARGV: now,
+# KEYS: items, counts, batch, stats, active, webhooks owed, then one list per message to
+# push. ARGV: now,
 # batch id, the cancel's token, how many of the messages are the count's (0 or 1), then the
 # raw messages: the count's first (pushed if the cancel ended any item; what it ended is
 # added up in the batch's record, "cancel_uncounted" items and "cancel_completed", for
 # _TAKE_CANCEL_COUNT: counted by the task even when this reply is lost), then those pushed
 # if the cancel completes the batch (its webhook). A cancel that completes the batch
 # canceled at least one item (a running one would have kept it open), so the batch ends
-# ``canceled``.
+# ``canceled``; it records the batch's webhook owed, as a final move does.
 # Returns {canceled count, 1 if the batch just completed}, {-1, 0} when missing, and
 # {-2, 0} when the batch had already finished: then nothing is written (the check and the
 # cancel are one script, so a cancel racing the last item's finish is decided by one side).
@@ -149,12 +156,14 @@ local completed = 0
 if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 then
   redis.call('ZREM', KEYS[5], ARGV[2])
   completed = 1
-  for i = 6 + tonumber(ARGV[4]), #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 1]) end
+  local hook = redis.call('HGET', KEYS[3], 'webhook_url')
+  if hook and hook ~= '' then redis.call('ZADD', KEYS[6], ARGV[1], ARGV[2]) end
+  for i = 7 + tonumber(ARGV[4]), #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 2]) end
 end
 if ARGV[4] == '1' and (n > 0 or completed == 1) then
   if n > 0 then redis.call('HINCRBY', KEYS[3], 'cancel_uncounted', n) end
   if completed == 1 then redis.call('HSET', KEYS[3], 'cancel_completed', '1') end
-  redis.call('LPUSH', KEYS[6], ARGV[5])
+  redis.call('LPUSH', KEYS[7], ARGV[5])
 end
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[3], 'cancel_move', ARGV[3] .. ' ' .. n .. ' ' .. completed)

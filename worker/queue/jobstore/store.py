@@ -29,6 +29,7 @@ from worker.constants import (
     RESULT_TTL_SECONDS,
     STATS_KEY,
     STATS_UNTRACKED_KEY,
+    WEBHOOKS_OWED_KEY,
 )
 from worker.contract import ErrorInfo, JobStatus, SearchResult
 from worker.queue.jobstore.records import ItemTransition, _now
@@ -171,7 +172,7 @@ class _StoreCore:
         for name, value in (fields or {}).items():
             args += [name, value]
         stats = STATS_KEY if count else STATS_UNTRACKED_KEY
-        keys = [prefix + job_id, stats, ACTIVE_JOBS_KEY]
+        keys = [prefix + job_id, stats, ACTIVE_JOBS_KEY, WEBHOOKS_OWED_KEY]
         (code,) = self._transitions.call([(self._transition_job, keys, args)])
         if isinstance(code, Exception):
             raise code
@@ -205,6 +206,7 @@ class _StoreCore:
                     ACTIVE_JOBS_KEY,
                     BATCH_MOVES_KEY + batch_id,
                     BATCH_RUNS_KEY + batch_id,
+                    WEBHOOKS_OWED_KEY,
                 ],
                 [
                     query_id,
