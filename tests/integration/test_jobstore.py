@@ -27,8 +27,9 @@ from worker.constants import (
     IDEMPOTENCY_TTL_SECONDS,
     SEARCH_KEY,
     STATS_KEY,
+    WEBHOOKS_OWED_KEY,
 )
-from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
+from worker.contract import DocumentIn, ErrorInfo, RerankInfo, SearchResult, SearchSpec
 from worker.queue.jobstore import (
     AsyncJobStore,
     CancelOutcome,
@@ -65,6 +66,39 @@ def test_a_search_is_finished_once(store: JobStore) -> None:
     assert done.result is not None and done.result.rerank.fallback_reason == "first"
     assert done.error is None
     assert store.in_flight() == {"queued": 0, "running": 0}
+
+
+def test_each_final_move_with_a_webhook_records_it_owed_until_settled(store: JobStore) -> None:
+    """A search's finish, a batch's last item and a cancel completing a batch record the
+    webhook owed, in their own script, scored at the move; a job with no webhook, an ingest
+    and a move that is not final record nothing."""
+    hook = "https://example.com/hook"
+    search = store.create_search("acme", spec(), webhook_url=hook)
+    silent = store.create_search("acme", spec())
+    batch = store.create_batch("acme", "docs", [("a", spec()), ("b", spec())], webhook_url=hook)
+    canceled = store.create_batch("acme", "docs", [("a", spec())], webhook_url=hook)
+    ingest = store.create_ingest("acme", "docs", [DocumentIn(id="d", text="t")])
+    assert store.start_search(search.id) and store.start_search(silent.id)
+    assert store.start_item(batch.id, "a") and store.start_ingest(ingest.id)
+    store.finish_item(batch.id, "a", result=result("a"))
+    assert store.redis.zcard(WEBHOOKS_OWED_KEY) == 0  # nothing final with a hook yet
+    before = time.time()
+    assert store.finish_search(search.id, result=result("s"))
+    assert store.finish_search(silent.id, result=result("s"))
+    assert store.finish_ingest(ingest.id, upserted=1)
+    assert store.finish_item(batch.id, "b", result=result("b")).batch_completed
+    assert store.cancel_batch(canceled.id) == (1, True)
+    owed = dict(store.redis.zrange(WEBHOOKS_OWED_KEY, 0, -1, withscores=True))
+    assert set(owed) == {search.id, batch.id, canceled.id}
+    assert all(before <= when <= time.time() for when in owed.values())
+    assert set(store.webhooks_overdue(time.time() + 1, 10)) == set(owed)
+    store.webhook_due(search.id, time.time() + 60)  # a retry's time: later only
+    store.webhook_due(search.id, 0)
+    assert set(store.webhooks_overdue(time.time() + 1, 10)) == {batch.id, canceled.id}
+    for job_id in owed:
+        store.webhook_settled(job_id)
+    store.webhook_due(search.id, time.time())  # settled: not owed again
+    assert store.redis.zcard(WEBHOOKS_OWED_KEY) == 0
 
 
 def test_a_redelivered_item_never_produces_a_second_result(store: JobStore) -> None:
