@@ -68,9 +68,9 @@ retry's. The delivery task drops it once the webhook is final (delivered, refuse
 schedule spent). So a webhook whose message was lost in the same pop-then-unacked window, or
 never published (its worker died between the final move and the publish), stays owed past
 its due time, and a sweep sends it again once it is overdue by ``webhook_grace_seconds`` (the
-broker's visibility timeout at the defaults: a live message is run by then, or put back)
-(:meth:`Sweeper.resend_webhooks`): the same event, the same ``webhook-id``, so a receiver
-that had it after all drops the copy. The attempts start again from the first.
+broker's visibility timeout, 1,600 s at the defaults: a live message has run by then, or
+been put back) (:meth:`Sweeper.resend_webhooks`): the same event, the same ``webhook-id``,
+so a receiver that had it after all drops the copy. The attempts start again from the first.
 
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
     sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)
@@ -503,8 +503,9 @@ def start_sweeper(app: Any, *, webhook_grace_seconds: float) -> Sweeper | None:
     sweeper.start()
     log.info(
         "re-drive: sweeping every %gs for jobs idle over %gs (every active job after a dead "
-        "worker, a Redis restart or a broker reconnect)",
+        "worker, a Redis restart or a broker reconnect) and webhooks owed %gs past due",
         settings.redrive_interval_seconds,
         settings.redrive_stall_seconds,
+        webhook_grace_seconds,
     )
     return sweeper
