@@ -127,15 +127,18 @@ async def off_loop(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 
 async def poll_until(
-    read: Callable[[], Awaitable[T | None]], final: Callable[[T], bool], wait: float
+    read: Callable[[], Awaitable[T | None]],
+    final: Callable[[T], bool],
+    wait: float,
+    known: T | None = None,
 ) -> T | None:
     """Read until ``final`` or ``wait`` seconds pass, backing off from 5 ms to 100 ms; the
-    last value read (None: the job is gone, or no read got through). A read that meets Redis
-    away (a restart) is no news and the wait goes on: the request waiting made its job
-    already, and a 503 had its client send it again and make a second one."""
+    last value read (None: the job is gone), or ``known`` if no read got through. A read
+    that meets Redis away (a restart) is no news and the wait goes on: the request waiting
+    made its job already, and a 503 had its client send it again and make a second one."""
     deadline = time.monotonic() + wait
     delay = POLL_MIN_SECONDS
-    current: T | None = None
+    current = known
     away = False
     while True:
         try:

@@ -274,6 +274,20 @@ class _Idempotency:
 # --- documents ------------------------------------------------------------------------------
 
 
+def _lost(kind: str, job_id: str) -> ApiError:
+    """The answer of a request whose job Redis lost while it waited on it (a restart without
+    its data, task message and all): nothing will run it, and the request sent again makes
+    it again (a ``202`` with its ``Location`` pointed at a ``404``)."""
+    log.error("%s %s: lost by the job store (Redis restarted without its data)", kind, job_id)
+    return ApiError(
+        503,
+        "unavailable",
+        f"the job store lost this {kind} (Redis restarted without its data), so it will not "
+        f"run; send the request again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+    )
+
+
 def ingest_out(job: IngestJob) -> IngestJobOut:
     return IngestJobOut(
         id=job.id,
@@ -313,7 +327,10 @@ async def ingest_response(request: Request, job: IngestJob, wait: float) -> Resp
         async def read() -> IngestJob | None:
             return await off_loop(store.get_ingest, job.id)
 
-        job = await poll_until(read, lambda j: j.status.final, wait) or job
+        found = await poll_until(read, lambda j: j.status.final, wait, job)
+        if found is None:
+            raise _lost("ingest", job.id)
+        job = found
     body_out = ingest_out(job).model_dump_json()
     if job.status.final:
         return Response(body_out, media_type="application/json")
@@ -462,6 +479,8 @@ async def _answer_search(
             raise
         log.warning("search %s: the job store is away; answered as accepted", job_id)
         job = fresh
+    if job is None and fresh is not None:
+        raise _lost("search", job_id)
     if job is None or job.tenant != tenant:
         raise ApiError(404, "not_found", f"id: no search {job_id!r} (expired?)", field="id")
     return _search_response(request, job)

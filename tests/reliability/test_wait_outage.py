@@ -197,3 +197,37 @@ def test_a_key_whose_claim_reply_was_lost_makes_its_job(outage: Outage, down: fl
     assert again.status_code == 202, again.text
     assert again.json()["id"] == response.json()["id"]
     assert len(list(outage.direct.scan_iter(SEARCH_KEY + "*"))) == 1
+
+
+# each case's request, waiting longer than the outage (2 s) lasts
+WAITING = {
+    "a search's wait": lambda c: c.post(
+        "/v1/searches", params={"wait": 20}, json={"index": INDEX, "query": "tea"}, headers=ACME
+    ),
+    "an ingest's wait": lambda c: c.post(
+        f"/v1/indexes/{INDEX}/documents",
+        params={"wait": 20},
+        json={"documents": [{"id": "d1", "text": "green tea"}]},
+        headers=ACME,
+    ),
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(WAITING))
+def test_a_job_redis_lost_while_its_request_waited_is_a_503(outage: Outage, name: str) -> None:
+    """Redis restarted empty (no persistence) while the request waited on the job it made:
+    the poll reads on through the outage and then finds no record, so the job is lost (its
+    task message with it) and nothing will run it. The answer must say so (a 503: retry,
+    which makes the one job), not 202 ``queued`` with a ``Location`` that is a 404 (the
+    ingest's), nor a 404 naming an ``id`` the client never sent (the search's)."""
+    case = CASES[name]
+    outage.proxy.arm(*case.markers, outage=2.0)
+    wiped = threading.Thread(target=lambda: outage.proxy.fired.wait(60) and outage.direct.flushdb())
+    wiped.start()
+    response = WAITING[name](outage.client)
+    wiped.join()
+    assert outage.proxy.fired.is_set(), "Redis never went away"
+    assert list(outage.direct.scan_iter(case.prefix + "*")) == []
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "1"
