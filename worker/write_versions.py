@@ -49,7 +49,7 @@ from worker.constants import (
 # last noticed}. ARGV[1] the window in seconds. The time is the server's (one clock for all).
 # A version is never below the server's clock in microseconds: the counters live in Redis and
 # the versions applied on disk in the backend, so a Redis that comes back without them (no
-# persistence, or the last second of an AOF ``everysec`` lost with a SIGKILL) would number
+# persistence, or the last second of an AOF ``everysec`` lost with its machine) would number
 # new writes from below what the backend holds, and they would be skipped as stale (an upsert
 # of a version already held even reported as written). The clock has moved past every
 # version handed out before the restart (a counter can lead it only by the writes of one
