@@ -60,7 +60,8 @@ _Move = tuple[str, str, JobStatus, str, str, str]  # batch id, query id, then as
 
 
 # How long the gateway sends again, on a broken connection (a Redis restart), a write that is
-# safe to send again (a batch's or an ingest's commit: it checks for its own record first)
+# safe to send again (a batch's or an ingest's commit: it checks for its own record first;
+# an Idempotency-Key's claim: it knows its own marker by its token)
 # before it answers 503: a 503 for a job whose write ran, its reply lost, had the client make
 # a second job.
 RESEND_SECONDS = 5.0
