@@ -276,14 +276,15 @@ class _Idempotency:
 
 def _lost(kind: str, job_id: str) -> ApiError:
     """The answer of a request whose job Redis lost while it waited on it (a restart without
-    its data, task message and all): nothing will run it, and the request sent again makes
-    it again (a ``202`` with its ``Location`` pointed at a ``404``)."""
+    its data: the record, and the task message unless a worker had taken it): no outcome of
+    it can be read, ever, and the request sent again makes it again (a ``202`` pointed its
+    ``Location`` at a ``404``)."""
     log.error("%s %s: lost by the job store (Redis restarted without its data)", kind, job_id)
     return ApiError(
         503,
         "unavailable",
-        f"the job store lost this {kind} (Redis restarted without its data), so it will not "
-        f"run; send the request again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
+        f"the job store lost this {kind} (Redis restarted without its data), so its outcome "
+        f"cannot be known; send the request again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
         headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
     )
 
