@@ -147,7 +147,7 @@ JOB_ERRORS: Final = (
     "expired",
 )
 WEBHOOK_RESULTS: Final = ("delivered", "retry", "failed")
-REDRIVE_KINDS: Final = ("search", "batch", "ingest", "economy")
+REDRIVE_KINDS: Final = ("search", "batch", "ingest", "economy", "webhook")
 
 # --- buckets -------------------------------------------------------------------------------
 SEARCH_LATENCY_GOAL_SECONDS: Final = 2.5

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from celery import Celery
 from kombu import Connection, Exchange, Queue
+from prometheus_client import REGISTRY
 
 from api_gateway.queue import OutboxSender
 from tests.reliability.support import broker
@@ -42,6 +43,8 @@ from worker.settings import load_settings
 pytestmark = pytest.mark.integration
 
 MAX_DELIVERIES = 2
+HOOK = "https://example.com/hook"
+RESULT = SearchResult(hits=[], rerank=RerankInfo(applied=False))
 
 
 @pytest.fixture(scope="module")
@@ -494,3 +497,15 @@ def test_a_worker_s_broker_reconnect_opens_the_window(
         store.redis.get(REDRIVE_URGENT_KEY) == "this worker's broker connection dropped and is back"
     )
     assert 0 < store.redis.pttl(REDRIVE_URGENT_KEY) <= 75_000
+
+
+def test_a_lost_webhook_sent_again_is_counted_as_a_webhook(store: JobStore, app: Celery) -> None:
+    """``sift_redriven_total{kind="webhook"}`` counts a webhook the sweep sends again, as the
+    README says (it was recorded as ``kind="other"``)."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="tea"), webhook_url=HOOK)
+    assert store.start_search(job.id) and store.finish_search(job.id, result=RESULT)
+    sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
+    before = REGISTRY.get_sample_value("sift_redriven_total", {"kind": "webhook"}) or 0.0
+    assert sweeper.resend_webhooks(now=time.time() + 1601) == [job.id]
+    after = REGISTRY.get_sample_value("sift_redriven_total", {"kind": "webhook"}) or 0.0
+    assert after - before == 1
