@@ -154,15 +154,20 @@ def coverage(envelope: Mapping[str, Any]) -> Coverage | None:
         task = envelope["headers"]["task"]
         if task not in (SEARCH_TASK, INGEST_TASK, BATCH_CHUNK_TASK):
             return None
-        body: str | bytes = envelope["body"]
-        if envelope.get("properties", {}).get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        args = json.loads(body)[0]  # the body is [args, kwargs, embed]
+        args = _args(envelope)
         if task != BATCH_CHUNK_TASK:  # a search or an ingest: one position
             return Coverage(str(args[0]), range(0, 1))
         return Coverage(str(args[0]), range(int(args[1]), int(args[2])))
     except (KeyError, IndexError, TypeError, ValueError):
         return None
+
+
+def _args(envelope: Mapping[str, Any]) -> Any:
+    """The task's positional arguments in a kombu message envelope (protocol 2)."""
+    body: str | bytes = envelope["body"]
+    if envelope.get("properties", {}).get("body_encoding") == "base64":
+        body = base64.b64decode(body)
+    return json.loads(body)[0]  # the body is [args, kwargs, embed]
 
 
 def runs(positions: Iterable[int], longest: int | None = None) -> list[tuple[int, int]]:
