@@ -32,10 +32,14 @@ from worker.constants import (
     REDRIVE_URGENT_KEY,
     SEARCH_QUEUE,
     SEARCH_TASK,
+    WEBHOOK_EVENT_SEARCH_COMPLETED,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
+    WEBHOOKS_OWED_KEY,
 )
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.queue.celery_app import create_celery_app
-from worker.queue.jobstore import BatchJob, IngestJob, JobStore, SearchJob
+from worker.queue.jobstore import BatchJob, IngestJob, JobStore, SearchJob, webhook_event
 from worker.queue.liveness import Reaper, heartbeat_key
 from worker.queue.redrive import Coverage, Redrive, Sweeper, celery_sender, coverage
 from worker.settings import load_settings
@@ -509,3 +513,35 @@ def test_a_lost_webhook_sent_again_is_counted_as_a_webhook(store: JobStore, app:
     assert sweeper.resend_webhooks(now=time.time() + 1601) == [job.id]
     after = REGISTRY.get_sample_value("sift_redriven_total", {"kind": "webhook"}) or 0.0
     assert after - before == 1
+
+
+def test_an_overdue_webhook_still_in_the_broker_is_not_sent_again(
+    store: JobStore, app: Celery, connection: Connection
+) -> None:
+    """A webhook whose message waits past the grace (behind a backlog, or held unacked by a
+    worker: the webhook workers stopped, say) is live: the sweep leaves it, and looks again a
+    grace later. One with no message left (never published here: its worker died) is sent
+    again, once a sweep, never a copy of one still waiting."""
+    waiting, lost = (
+        store.create_search("acme", SearchSpec(index="docs", query=q), webhook_url=HOOK)
+        for q in ("tea", "coffee")
+    )
+    for job in (waiting, lost):
+        assert store.start_search(job.id) and store.finish_search(job.id, result=RESULT)
+    event = webhook_event(WEBHOOK_EVENT_SEARCH_COMPLETED, waiting.id, "acme", HOOK, "succeeded")
+    celery_sender(app)(WEBHOOK_TASK, [event], WEBHOOK_QUEUE, "a-live-message")
+    sent: list[str] = []
+    sweeper = Sweeper(
+        store,
+        lambda name, args, queue, task_id: sent.append(args[0]["data"]["id"]),
+        interval_seconds=30,
+        stall_seconds=120,
+        webhook_grace_seconds=1600,
+    )
+    later = time.time() + 1601
+    assert sweeper.resend_webhooks(now=later) == [lost.id]  # not the one in its queue
+    take(store, connection, WEBHOOK_QUEUE, "w1")  # now held unacked by a worker
+    assert sweeper.resend_webhooks(now=later + 1) == []  # both due again a grace later
+    assert sweeper.resend_webhooks(now=later + 1602) == [lost.id]
+    assert sent == [lost.id, lost.id]
+    assert store.redis.zscore(WEBHOOKS_OWED_KEY, waiting.id) == pytest.approx(later + 1602)

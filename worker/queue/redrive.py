@@ -68,9 +68,11 @@ retry's. The delivery task drops it once the webhook is final (delivered, refuse
 schedule spent). So a webhook whose message was lost in the same pop-then-unacked window, or
 never published (its worker died between the final move and the publish), stays owed past
 its due time, and a sweep sends it again once it is overdue by ``webhook_grace_seconds`` (the
-broker's visibility timeout, 1,600 s at the defaults: a live message has run by then, or
-been put back) (:meth:`Sweeper.resend_webhooks`): the same event, the same ``webhook-id``,
-so a receiver that had it after all drops the copy. The attempts start again from the first.
+broker's visibility timeout, 1,600 s at the defaults: a live message has mostly run by then,
+or been put back) and no message of it is in the webhook queue or ``unacked`` (one late
+behind a backlog is looked at again a grace later) (:meth:`Sweeper.resend_webhooks`): the
+same event, the same ``webhook-id``, so a receiver that had it after all drops the copy. The
+attempts start again from the first.
 
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
     sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)
@@ -321,11 +323,17 @@ class Sweeper:
         return rewake(self.store, self.send, time.time())
 
     def resend_webhooks(self, now: float | None = None) -> list[str]:
-        """Send again each owed webhook overdue by the grace (its message lost, or never
-        published); answers their job ids. ``now``: the sweep's clock (tests move it on)."""
+        """Send again each owed webhook overdue by the grace with no message in the broker
+        (lost, or never published); answers their job ids. ``now``: the sweep's clock (tests
+        move it on)."""
         now = time.time() if now is None else now
         sent: list[str] = []
-        for job_id in self.store.webhooks_overdue(now - self.webhook_grace_seconds, PAGE):
+        overdue = self.store.webhooks_overdue(now - self.webhook_grace_seconds, PAGE)
+        waiting = self._waiting_webhooks(set(overdue)) if overdue else set()
+        for job_id in overdue:
+            if job_id in waiting:  # late (a backlog, its workers away), not lost
+                self.store.webhook_due(job_id, now)  # looked at again a grace later
+                continue
             event = self._owed_event(job_id)
             if event is None:  # its record expired: nothing to announce
                 self.store.webhook_settled(job_id)
@@ -342,6 +350,18 @@ class Sweeper:
         if sent:
             metrics.redriven("webhook", len(sent))
         return sent
+
+    def _waiting_webhooks(self, job_ids: set[str]) -> set[str]:
+        """Those of ``job_ids`` whose webhook has a message in the broker: waiting in its
+        queue, or held unacked (running, or waiting out a retry's countdown)."""
+        found: set[str] = set()
+        for envelope in self._broker_messages((WEBHOOK_QUEUE,)):
+            try:
+                if envelope["headers"]["task"] == WEBHOOK_TASK:
+                    found.add(str(_args(envelope)[0]["data"]["id"]))
+            except (KeyError, IndexError, TypeError, ValueError):
+                continue
+        return found & job_ids
 
     def _owed_event(self, job_id: str) -> dict[str, Any] | None:
         """The event of a finished job's webhook, as its final move announced it."""
@@ -404,9 +424,11 @@ class Sweeper:
             status = self.store.get_search_status(job_id)
         return {0} if status is not None and not status.final else set()
 
-    def _broker_messages(self) -> Iterator[Mapping[str, Any]]:
-        """Every unacked envelope, every one waiting in the search, batch and ingest queues,
-        then every unacked one again.
+    def _broker_messages(
+        self, queues: Iterable[str] = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE)
+    ) -> Iterator[Mapping[str, Any]]:
+        """Every unacked envelope, every one waiting in ``queues`` (the search, batch and
+        ingest queues), then every unacked one again.
 
         Read in pages while workers keep pushing and popping: a push only shifts what is left
         to read (seen twice at worst); a message popped meanwhile is in ``unacked`` by the
@@ -415,7 +437,7 @@ class Sweeper:
         the first read, or is in its queue by the time that is read."""
         yield from self._unacked_messages()
         client = self.store.redis
-        for queue in (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE):
+        for queue in queues:
             for key in kombu_queue_keys(queue):
                 start = 0
                 while page := cast(list[str], client.lrange(key, start, start + PAGE - 1)):
