@@ -545,3 +545,28 @@ def test_an_overdue_webhook_still_in_the_broker_is_not_sent_again(
     assert sweeper.resend_webhooks(now=later + 1602) == [lost.id]
     assert sent == [lost.id, lost.id]
     assert store.redis.zscore(WEBHOOKS_OWED_KEY, waiting.id) == pytest.approx(later + 1602)
+
+
+def test_a_webhook_settled_while_the_sweep_looks_is_not_sent_again(
+    store: JobStore, app: Celery
+) -> None:
+    """A late delivery that ends (settles its webhook, then is acked) between the sweep's
+    read of what is overdue and its read of the broker leaves no message and no debt: it
+    is not sent again (it was: the sweep sent what it had read as overdue)."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="tea"), webhook_url=HOOK)
+    assert store.start_search(job.id) and store.finish_search(job.id, result=RESULT)
+    sent: list[str] = []
+
+    class Racing(Sweeper):
+        def _waiting_webhooks(self, job_ids: set[str]) -> set[str]:
+            store.webhook_settled(job.id)  # the delivery ended meanwhile, its message acked
+            return super()._waiting_webhooks(job_ids)
+
+    sweeper = Racing(
+        store,
+        lambda name, args, queue, task_id: sent.append(args[0]["data"]["id"]),
+        interval_seconds=30,
+        stall_seconds=120,
+    )
+    assert sweeper.resend_webhooks(now=time.time() + 1601) == []
+    assert sent == [] and store.redis.zcard(WEBHOOKS_OWED_KEY) == 0

@@ -338,7 +338,9 @@ class Sweeper:
             if event is None:  # its record expired: nothing to announce
                 self.store.webhook_settled(job_id)
                 continue
-            self.store.webhook_due(job_id, now)  # overdue again a grace later if lost again
+            # overdue again a grace later if lost again; not moved: settled meanwhile
+            if not self.store.webhook_due(job_id, now):
+                continue
             self.send(WEBHOOK_TASK, [event], WEBHOOK_QUEUE, str(uuid.uuid4()))
             sent.append(job_id)
             log.warning(

@@ -93,10 +93,10 @@ class DeliveryRecords(_StoreCore):
         found = self.redis.zrangebyscore(WEBHOOKS_OWED_KEY, "-inf", due_before, 0, limit)
         return cast(list[str], found)
 
-    def webhook_due(self, job_id: str, when: float) -> None:
+    def webhook_due(self, job_id: str, when: float) -> bool:
         """The owed webhook's next message is due at ``when`` (a retry's time, or a re-send's):
-        moved later only, and only while it is owed."""
-        self.redis.zadd(WEBHOOKS_OWED_KEY, {job_id: when}, xx=True, gt=True)
+        moved later only, and only while it is owed; answers whether it moved."""
+        return bool(self.redis.zadd(WEBHOOKS_OWED_KEY, {job_id: when}, xx=True, gt=True, ch=True))
 
     def webhook_settled(self, job_id: str) -> None:
         """The job's webhook is owed no more: delivered, refused, or its schedule spent."""
