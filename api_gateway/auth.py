@@ -58,15 +58,21 @@ def _unauthenticated(message: str) -> ApiError:
     )
 
 
+def _one_authorization(request: Request) -> None:
+    """401 for a request with two ``Authorization`` headers: one was read and the other
+    ignored, so what the request was let in as depended on the headers' order."""
+    times = len(request.headers.getlist("authorization"))
+    if times > 1:
+        raise _unauthenticated(f"Authorization: is given {times} times: give one key")
+
+
 async def authenticate(
     request: Request,
     credentials: HTTPAuthorizationCredentials | None = Depends(bearer),  # noqa: B008
 ) -> str:
     """The caller's tenant. 401 without a Bearer key, or with two (one was used and the
     other ignored: the tenant depended on the headers' order); 403 for a key not known."""
-    times = len(request.headers.getlist("authorization"))
-    if times > 1:
-        raise _unauthenticated(f"Authorization: is given {times} times: give one key")
+    _one_authorization(request)
     if credentials is None or not credentials.credentials:
         raise _unauthenticated("Authorization: a Bearer API key is required")
     ring: KeyRing = request.app.state.keyring
@@ -84,6 +90,7 @@ def require_metrics_token(request: Request, token: str | None) -> None:
     otherwise, whatever API key is shown); unset, it is open."""
     if token is None:
         return
+    _one_authorization(request)
     scheme, _, presented = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(
         presented.strip().encode(), token.encode()

@@ -85,5 +85,13 @@ def test_with_a_metrics_token_only_that_token_reads_the_gateways_metrics(guarded
     )
     assert allowed.status_code == 200
     assert 'sift_jobs_in_flight{state="queued"}' in allowed.text
+    # two keys, the token among them: one of them was read, the first, so whether the
+    # request was let in depended on the headers' order (as for a tenant's key, 401)
+    token = ("Authorization", f"Bearer {METRICS_TOKEN}")
+    for headers in ([token, *tenant_key.items()], [*tenant_key.items(), token], [token, token]):
+        twice = httpx.get(f"{guarded}/metrics", headers=headers, timeout=10)
+        assert twice.status_code == 401, headers
+        assert twice.json()["error"]["field"] == "Authorization"
+        assert "2 times" in twice.json()["error"]["message"]
     # the API itself is unchanged: a tenant's key still works there
     assert httpx.get(f"{guarded}/readyz", timeout=10).status_code == 200
