@@ -91,6 +91,8 @@ def test_every_id_and_name_is_one_path_segment(stack: Stack, tmp_path: Path) -> 
         ("documents", "get", "c1", "--index", "cli-dots/documents/c2"),
         ("documents", "delete", "c1", "--index", "cli-dots/documents/c2"),
         ("ingest", str(corpus), "--index", ".."),
+        # Python's "$" matches before a last line break: the name was sent, and refused there
+        ("index", "delete", "cli-dots\n", "--yes"),
     ):
         refused = sift(stack, *args)  # a usage error naming the option, nothing sent
         assert refused.exit_code == 2, (args, refused.output)

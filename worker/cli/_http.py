@@ -41,8 +41,11 @@ MAX_INDEX_CHARS = 128  # the gateway's IndexName
 def index_name(value: str | None) -> str | None:
     """A typer callback: ``value`` if the gateway takes it as an index name, else a usage error
     naming the option (the gateway routes on the decoded path, so a name such as
-    ``docs/documents/d1`` reached another route: ``sift index delete`` deleted a document)."""
-    if value is not None and (len(value) > MAX_INDEX_CHARS or not re.match(INDEX_PATTERN, value)):
+    ``docs/documents/d1`` reached another route: ``sift index delete`` deleted a document).
+    ``fullmatch``: the pattern's ``$`` also matches before a last line break."""
+    if value is not None and (
+        len(value) > MAX_INDEX_CHARS or not re.fullmatch(INDEX_PATTERN, value)
+    ):
         raise typer.BadParameter(
             f"{value!r} is not an index name: lowercase letters, digits, '_', '.' and '-', "
             f"starting with a letter or digit, up to {MAX_INDEX_CHARS} characters"
