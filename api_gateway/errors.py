@@ -198,7 +198,9 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(404, "not_found", message, field="path", headers=headers)
         if exc.status_code == 405:
             message = f"method: {request.method} is not a method of {path!r}"
-            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+            # none: a 405 of no route's (a /docs static file's), whose own Allow stands
+            if allowed := _allowed_methods(request):
+                headers = {**(headers or {}), "Allow": ", ".join(allowed)}
             return error_response(
                 405, "method_not_allowed", message, field="method", headers=headers
             )
