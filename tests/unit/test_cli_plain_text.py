@@ -34,7 +34,7 @@ RESULT = {"hits": [HIT], "rerank": {"applied": False, "fallback_reason": None}, 
 
 def answer(request: httpx.Request) -> httpx.Response:
     path = request.url.path
-    if path == "/v1/searches" and request.method == "POST" and b'"S"' not in request.content:
+    if path == "/v1/searches" and request.method == "POST" and b'"refused"' not in request.content:
         return httpx.Response(200, json={"id": "s-1", "status": "succeeded", "result": RESULT})
     if path == "/v1/searches" and request.method == "GET":
         job = {"id": "srch_1", "status": "failed", "index": "s", "mode": "hybrid",
@@ -93,9 +93,9 @@ def test_gateway_text_is_printed_as_written(args: tuple[str, ...], expected: lis
 @pytest.mark.parametrize(
     "args",
     [
-        ("search", "q", "--index", "S"),
-        ("index", "show", "S"),
-        ("documents", "delete", "a", "--index", "S"),
+        ("search", "q", "--index", "refused"),
+        ("index", "show", "refused"),
+        ("documents", "delete", "a", "--index", "refused"),
     ],
     ids=["search", "index-show", "documents-delete"],
 )
@@ -109,5 +109,5 @@ def test_an_error_message_keeps_its_brackets(args: tuple[str, ...]) -> None:
 def test_the_markup_of_the_cli_itself_still_renders() -> None:
     """The escaping is of the gateway's text only: the CLI's own styling is not printed as
     brackets."""
-    result = run("search", "q", "--index", "S")
+    result = run("search", "q", "--index", "refused")
     assert "[bold red]" not in result.output and "error:" in result.output
