@@ -136,7 +136,9 @@ def test_a_paused_process_still_answers_searches_and_index_reads(
 def test_a_process_paused_when_redis_restarts_reads_the_batch_queue_again(tmp_path: Path) -> None:
     """Redis restarted (SIGTERM, AOF on) while the process is paused: the consumer after the
     reconnect starts on every queue and is paused again while items wait, then reads the
-    batch queue again, so the batch ends with every item once and no chunk left in Redis."""
+    batch queue again, so the batch ends with every item once and no chunk left in Redis.
+    (Under load the paused items may all finish before the reconnect: the consumer then
+    reads the queue from its start, with no second pause to lift.)"""
     with (
         FakeAnthropic(delay=3.0) as model,
         broker(tmp_path / "redis") as redis_broker,
@@ -163,6 +165,12 @@ def test_a_process_paused_when_redis_restarts_reads_the_batch_queue_again(tmp_pa
             assert_batch_exactly_once(client, url, batch_id, TOTAL)
             assert not any(broker_state(url)[queue] for queue in ALL_QUEUES), broker_state(url)
             text = log.read_text(errors="replace")
-            reconnected = text.index("Connection to broker lost")
-            assert f"reading {BATCH_QUEUE} again" in text[reconnected:], text[-3000:]
+            after = text[text.index("Connection to broker lost") :]
+            # the consumer after the reconnect reads every queue and is paused again if a
+            # pool's worth of items still waits (not if they finished during the outage, as
+            # on a loaded machine): a pause after the reconnect is always lifted in the end
+            # (and the batch finishing with this one worker proves the queue was read)
+            if f"stopped reading {BATCH_QUEUE}" in after:
+                last_stop = after.rindex(f"stopped reading {BATCH_QUEUE}")
+                assert f"reading {BATCH_QUEUE} again" in after[last_stop:], text[-3000:]
             assert worker.poll() is None
