@@ -21,7 +21,7 @@ from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
 from api_gateway.deps import query_parameters, single_headers
 from api_gateway.docs import install_docs
-from api_gateway.errors import ErrorBody, install_error_handlers
+from api_gateway.errors import ErrorBody, install_error_handlers, no_route_short_of_a_line_break
 from api_gateway.indexes import router as indexes_router
 from api_gateway.jobs import router, stop_retakes
 from api_gateway.listing import router as listing_router
@@ -110,6 +110,8 @@ def create_app(
         # a path with a slash too many is a 404 naming it, not an empty 307 to the path
         # without it (which a client following redirects sent a DELETE on to)
         redirect_slashes=False,
+        # a path with a last line break reached the route without it: a 404 instead
+        dependencies=[Depends(no_route_short_of_a_line_break)],
     )
     preregister(queues=ALL_QUEUES)
     app.state.settings = settings

@@ -139,6 +139,24 @@ def _allowed_methods(request: Request) -> list[str]:
     )
 
 
+def _short_of_a_line_break(request: Request) -> bool:
+    """Whether the route was matched short of the path's last character, a line break:
+    Starlette's route regexes end in ``$``, which also matches before a last line break, so
+    ``POST /v1/searches%0A`` was a search and ``POST .../documents/delete%0A`` a delete. A
+    route ending in a parameter takes the line break into it (a document id may end in one)."""
+    path: str = request.scope["path"]
+    return path.endswith("\n") and not any(
+        str(value).endswith("\n") for value in request.path_params.values()
+    )
+
+
+async def no_route_short_of_a_line_break(request: Request) -> None:
+    """A dependency of every route (the app's): a path its route matched short of a last line
+    break is a path no route has, answered ``404`` naming ``path`` as any other."""
+    if _short_of_a_line_break(request):
+        raise StarletteHTTPException(404)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -192,8 +210,9 @@ def install_error_handlers(app: FastAPI) -> None:
                 400, "invalid_request", f"body: {problem.message}", field="body", fields=[problem]
             )
         headers = getattr(exc, "headers", None)
-        path = request.url.path
-        if exc.status_code == 404:  # the routes' own 404s are ApiErrors: here, no route
+        path = request.scope["path"]  # as routed: ``url.path`` drops line breaks (urlsplit)
+        if exc.status_code == 404 or (exc.status_code == 405 and _short_of_a_line_break(request)):
+            # the routes' own 404s are ApiErrors: here, no route
             message = f"path: no route {path!r} (the routes are in /openapi.json)"
             return error_response(404, "not_found", message, field="path", headers=headers)
         if exc.status_code == 405:

@@ -220,6 +220,45 @@ def test_a_trailing_slash_is_404_naming_path(
 
 
 @pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/searches%0A", SEARCH),
+        ("GET", f"/v1/indexes/{INDEX}/documents%0A", None),
+        ("POST", "/v1/indexes/line-break/documents%0A", {"documents": [{"id": "d", "text": "t"}]}),
+        ("POST", f"/v1/indexes/{INDEX}/documents/delete%0A", {"ids": ["not-there"]}),
+        ("DELETE", "/v1/batches%0A", None),
+        ("GET", "/healthz%0A", None),
+    ],
+)
+def test_a_last_line_break_is_404_naming_path(
+    stack: Stack, corpus: object, method: str, path: str, body: Any
+) -> None:
+    """Starlette's route regexes end in ``$``, which also matches before a last line break:
+    ``POST /v1/searches%0A`` was a search, ``POST .../documents/delete%0A`` a delete and
+    ``DELETE /v1/batches%0A`` a 405 of ``/v1/batches``. Such a path is one no route has."""
+    response = stack.live.request(method, path, json=body, headers=ACME)
+    assert response.status_code == 404, (response.status_code, response.text)
+    error = response.json()["error"]
+    assert error["field"] == "path", error
+    assert repr(path.replace("%0A", "\n")) in error["message"], error
+    assert stack.live.get("/v1/indexes/line-break", headers=ACME).status_code == 404
+
+
+def test_a_document_id_ending_in_a_line_break_keeps_its_methods(stack: Stack) -> None:
+    """A route ending in a parameter takes the line break into it: a document id ending in
+    one is read, and a method its route lacks is still the 405 of that route."""
+    base = "/v1/indexes/line-break-id/documents"
+    doc = {"id": "d1\n", "text": "okapi stripes"}
+    made = stack.live.post(base, params={"wait": 20}, json={"documents": [doc]}, headers=ACME)
+    assert made.status_code == 200, made.text
+    got = stack.live.get(base + "/d1%0A", headers=ACME)
+    assert got.status_code == 200 and got.json()["id"] == "d1\n", got.text
+    put = stack.live.put(base + "/d1%0A", json={}, headers=ACME)
+    assert put.status_code == 405 and put.json()["error"]["field"] == "method", put.text
+    assert put.headers["allow"] == "DELETE, GET", put.headers
+
+
+@pytest.mark.parametrize(
     "keys", [("acme-key-0001", "globex-key-0001"), ("globex-key-0001", "acme-key-0001")]
 )
 def test_two_authorization_headers_are_401_naming_it(
