@@ -10,12 +10,13 @@ a finished batch the user did not know how to read.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner, Result
 
-from tests.e2e.conftest import ACME, INDEX, SAMPLE, Stack
+from tests.e2e.conftest import ACME, IDLE_BODY_LIMIT, INDEX, SAMPLE, Stack
 from worker.cli import app
 
 
@@ -61,3 +62,27 @@ def test_an_out_in_a_new_folder_is_written(
     assert result.exit_code == 0, result.output
     assert len(out.read_text().splitlines()) == 10
     assert [p.name for p in out.parent.iterdir()] == ["results.jsonl"]  # no probe left behind
+
+
+def test_a_batch_over_the_gateways_body_limit_says_so_and_what_to_do(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A queries file whose batch is over the gateway's ``SIFT_MAX_BODY_BYTES`` (the idle
+    gateway's is 64 KiB; 100,000 queries of up to 2,000 characters pass the default 32 MiB)
+    stopped with the gateway's 413 alone: no word of the setting, nor that the file is to be
+    split (one ``sift batch`` run is one batch)."""
+    queries = tmp_path / "long.jsonl"
+    rows = [{"id": f"q{i}", "query": f"query {i} " + "w" * 1_900} for i in range(40)]
+    queries.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "results.jsonl"
+    env = {"SIFT_URL": stack.idle_url, "SIFT_API_KEY": ACME["Authorization"].split()[1],
+           "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
+    result = CliRunner().invoke(
+        app, ["batch", str(queries), "--index", INDEX, "--out", str(out)], env=env
+    )
+    assert result.exit_code == 1, result.output
+    output = " ".join(result.output.split())
+    assert f"larger than the limit of {IDLE_BODY_LIMIT} bytes" in output, output
+    assert f"the 40 queries of {queries}" in output, output
+    assert "SIFT_MAX_BODY_BYTES" in output and "split the file" in output, output
+    assert not out.exists()

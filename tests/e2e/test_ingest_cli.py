@@ -99,3 +99,42 @@ def test_a_request_over_the_gateways_body_limit_is_sent_in_halves(
     assert "'huge'" in refused.output and "SIFT_MAX_BODY_BYTES" in refused.output, refused.output
     shown = stack.live.get("/v1/indexes/cli-split", headers=ACME)
     assert shown.status_code == 200 and shown.json()["documents"] == 12, shown.text
+
+
+def test_a_stopped_ingest_says_what_was_indexed_and_the_line_to_resume_from(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """``sift ingest`` stopped by a refused request (here a document alone over the body
+    limit, after its request's first half was indexed) said only why: not how many documents
+    were in, nor from which line to send the rest. The error now says both, and that sending
+    the whole file again is safe: an ingest replaces documents by id."""
+    env = {
+        "SIFT_API_KEYS": json.dumps(KEYS),
+        "SIFT_REDIS_URL": stack.redis_url + "/0",
+        "SIFT_MAX_BODY_BYTES": "65536",
+    }
+    small = [json.dumps({"id": f"r{i}", "text": f"wombat burrow {i}"}) for i in range(1, 6)]
+    huge = json.dumps({"id": "huge", "text": "y" * 70_000})
+    corpus = tmp_path / "stops.jsonl"  # line 3 blank: the line numbers are the file's
+    corpus.write_text("\n".join([*small[:2], "", *small[2:4], huge, small[4]]) + "\n")
+    key = ACME["Authorization"].split()[1]
+    with gateway(tmp_path / "g", env, "small") as url:
+        cli_env = {"SIFT_URL": url, "SIFT_API_KEY": key, "COLUMNS": "200", "NO_COLOR": "1"}
+        # requests [r1 r2 r3] and [r4 huge r5]: the second is 413, then [r4] goes in, then
+        # [huge r5] and [huge] are 413 again
+        stopped = CliRunner().invoke(app, ["ingest", str(corpus), "--index", "cli-resume",
+                                           "--batch-size", "3"], env=cli_env)  # fmt: skip
+    assert stopped.exit_code == 1, stopped.output
+    output = " ".join(stopped.output.split())
+    assert "'huge' alone is larger" in output, output
+    assert f"4 of 6 document(s) of {corpus} known indexed, all those before line 6" in output
+    assert "resume from line 6 (document 'huge')" in output, output
+    assert "send the whole file again" in output, output
+    listed = stack.live.get("/v1/indexes/cli-resume/documents", headers=ACME)
+    assert sorted(d["id"] for d in listed.json()["documents"]) == ["r1", "r2", "r3", "r4"]
+    again = sift(stack, "ingest", str(corpus), "--index", "cli-resume")  # the 32 MiB limit
+    assert again.exit_code == 0, again.output
+    listed = stack.live.get("/v1/indexes/cli-resume/documents", headers=ACME)
+    assert sorted(d["id"] for d in listed.json()["documents"]) == [
+        "huge", "r1", "r2", "r3", "r4", "r5"
+    ]  # fmt: skip

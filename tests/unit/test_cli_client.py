@@ -294,6 +294,30 @@ def test_ingest_skip_invalid_sends_the_rest(fake_gateway: FakeGateway, tmp_path:
     assert "corpus.jsonl:2: field 'text'" in result.output
 
 
+@pytest.mark.parametrize(
+    ("text", "args"),
+    [("", ()), ("\n  \n\t\n", ()), ('{"id": "d0"}\n', ("--skip-invalid",))],
+)
+def test_ingest_of_a_file_with_no_documents_is_an_error_naming_it(
+    fake_gateway: FakeGateway, tmp_path: Path, text: str, args: tuple[str, ...]
+) -> None:
+    """An empty file, one of blank lines only, or one whose every line ``--skip-invalid``
+    skipped: "indexed 0 document(s)" and exit 0, as if a load had been made. Like ``sift
+    batch`` of a file with no queries, it is an error naming the file (exit 1)."""
+    corpus = tmp_path / "empty.jsonl"
+    corpus.write_text(text)
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "s", *args)
+    assert result.exit_code == 1, result.output
+    assert f"{corpus}: no documents to send" in " ".join(result.output.split())
+    assert "indexed" not in result.output
+    assert fake_gateway.requests == []
+    queries = tmp_path / "q.jsonl"
+    queries.write_text(text)
+    out = tmp_path / "r.jsonl"
+    batch = run(fake_gateway, "batch", str(queries), "--index", "s", "--out", str(out), *args)
+    assert batch.exit_code == 1 and f"{queries}: no queries to send" in batch.output
+
+
 def test_skip_invalid_skips_a_line_that_is_not_json_too(
     fake_gateway: FakeGateway, tmp_path: Path
 ) -> None:

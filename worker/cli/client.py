@@ -14,7 +14,7 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -61,9 +61,11 @@ class InputError(Exception):
 
 @dataclass
 class Loaded:
-    """The valid records of a JSONL file, and the problems of the invalid ones."""
+    """The valid records of a JSONL file, the line number of each, and the problems of the
+    invalid ones."""
 
     records: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
@@ -188,6 +190,7 @@ def _load(path: Path, parse: Any, *, skip_invalid: bool, unique_ids: bool = Fals
             loaded.problems.append(problem)
             continue
         loaded.records.append(record)
+        loaded.lines.append(number)
     return loaded
 
 
@@ -201,13 +204,20 @@ def _report_skipped(console: Console, problems: list[str]) -> None:
         _err().print(f"  … and {len(problems) - 10} more")
 
 
-def _send_documents(client: Gateway, index: str, documents: list[dict[str, Any]]) -> int:
+def _send_documents(
+    client: Gateway,
+    index: str,
+    documents: list[dict[str, Any]],
+    on_indexed: Callable[[int], object] = lambda n: None,
+) -> int:
     """POST one batch and wait for its ingest job; answers how many documents it upserted.
 
     The gateway answers 200 with the finished job when it finished within ``wait``, else
     202 with a job to poll at ``GET /v1/ingestions/{id}``. A batch over the gateway's body
     limit (413: 500 documents of up to 100,000 characters each pass its 32 MiB) is sent
-    again in halves, in order; a document alone over it is named.
+    again in halves, in order; a document alone over it is named. ``on_indexed`` is called
+    with the number of documents of each request whose job succeeded, so the documents
+    known indexed are always the first ones of ``documents``.
     """
     path = f"/v1/indexes/{segment(index)}/documents"
     try:
@@ -222,8 +232,8 @@ def _send_documents(client: Gateway, index: str, documents: list[dict[str, Any]]
                 status_code=exc.status_code,
             ) from exc
         half = len(documents) // 2
-        return _send_documents(client, index, documents[:half]) + _send_documents(
-            client, index, documents[half:]
+        return _send_documents(client, index, documents[:half], on_indexed) + _send_documents(
+            client, index, documents[half:], on_indexed
         )
     job = response.json()
     if job.get("status") not in ("succeeded", "failed", "canceled"):
@@ -232,6 +242,7 @@ def _send_documents(client: Gateway, index: str, documents: list[dict[str, Any]]
         error = job.get("error") or {}
         message = error.get("message") if isinstance(error, dict) else error
         raise GatewayError(f"ingest job {job.get('id')} {job.get('status')}: {message}")
+    on_indexed(len(documents))
     return int(job.get("upserted") or 0)
 
 
@@ -248,6 +259,33 @@ def _chunks(documents: list[dict[str, Any]], size: int) -> list[list[dict[str, A
         chunks[-1].append(document)
         ids.add(document["id"])
     return chunks
+
+
+def _resume_note(
+    file: Path, loaded: Loaded, chunks: list[list[dict[str, Any]]], done: list[int]
+) -> str:
+    """What a failed ``sift ingest`` is known to have indexed, and the line to go on from.
+    ``done`` holds how many of each request's first documents are known indexed (a
+    request's halves go in order): every line before the first one not known indexed was,
+    and a later request (two are in flight) may have been too."""
+    first = 0  # in file order, the first document not known indexed
+    for chunk, indexed in zip(chunks, done, strict=True):
+        first += indexed
+        if indexed < len(chunk):
+            break
+    known, total = sum(done), len(loaded.records)
+    if first >= total:
+        return f"all {total} document(s) of {file} were indexed"
+    if not known:
+        return f"no document of {file} is known indexed: send the file again"
+    line = loaded.lines[first]
+    before = f", all those before line {line}" if first else ""
+    return (
+        f"{known} of {total} document(s) of {file} known indexed{before}; resume from line "
+        f"{line} (document {loaded.records[first]['id']!r}), or send the whole file again: "
+        "an ingest replaces each document by id, so those indexed are written again, not "
+        "duplicated"
+    )
 
 
 @contextmanager
@@ -280,22 +318,33 @@ def ingest(
         loaded = _load(file, document_from, skip_invalid=skip_invalid)
         _report_skipped(console, loaded.problems)
         documents = loaded.records
+        if not documents:
+            raise InputError(f"{file}: no documents to send")
         started = time.monotonic()
         indexed = 0
         chunks = _chunks(documents, batch_size)
+        done = [0] * len(chunks)  # how many of each request's first documents are indexed
+
+        def send(i: int) -> int:
+            def on_indexed(n: int) -> None:
+                done[i] += n
+
+            return _send_documents(client, index, chunks[i], on_indexed)
+
         # Two requests in flight keep the worker busy while a finished job is answered and
         # the next one sent; only when no id repeats, so a repeated id's last line still wins.
         in_flight = 2 if len({d["id"] for d in documents}) == len(documents) else 1
-        with (
-            gateway() as client,
-            progress_bar(console) as progress,
-            _pool(in_flight) as pool,
-        ):
-            task = progress.add_task(f"ingest {index}", total=len(documents))
-            sent = [pool.submit(_send_documents, client, index, chunk) for chunk in chunks]
-            for chunk, reply in zip(chunks, sent, strict=True):
-                indexed += reply.result()
-                progress.advance(task, len(chunk))
+        with gateway() as client:
+            try:
+                with progress_bar(console) as progress, _pool(in_flight) as pool:
+                    task = progress.add_task(f"ingest {index}", total=len(documents))
+                    sent = [pool.submit(send, i) for i in range(len(chunks))]
+                    for chunk, reply in zip(chunks, sent, strict=True):
+                        indexed += reply.result()
+                        progress.advance(task, len(chunk))
+            except GatewayError as exc:  # the pool has waited for the request still in flight
+                note = _resume_note(file, loaded, chunks, done)
+                raise GatewayError(f"{exc.message}; {note}", status_code=exc.status_code) from exc
         elapsed = time.monotonic() - started
         console.print(
             f"indexed [bold]{indexed}[/] document(s) into [bold]{index}[/] in {elapsed:.1f} s"
@@ -526,6 +575,16 @@ def batch(
                 submitted = client.json(
                     "POST", "/v1/batches", json=body, headers=key, retry_for=window
                 )
+            except GatewayError as exc:
+                if exc.status_code != HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
+                    raise
+                raise GatewayError(
+                    f"{exc.message}: the {len(items)} queries of {queries} are more than the "
+                    "gateway takes in one request (SIFT_MAX_BODY_BYTES on the gateway, 32 MiB "
+                    "by default); no batch was made: split the file and run `sift batch` on "
+                    "each part",
+                    status_code=exc.status_code,
+                ) from exc
             except KeyboardInterrupt:  # no id to cancel: the batch may run all the same
                 _err().print(
                     "interrupted while submitting: the batch may have been accepted and run on; "
