@@ -361,6 +361,7 @@ def test_a_gateway_4xx_is_printed_with_its_field(fake_gateway: FakeGateway, tmp_
     result = run(fake_gateway, "ingest", str(corpus), "--index", "refused")
     assert result.exit_code == 1
     assert "the gateway answered 422: documents.0.text: too long" in result.output
+    assert f"none of the 1 document(s) of {corpus} is known indexed" in result.output
     assert "Traceback" not in result.output
 
 

@@ -277,7 +277,7 @@ def _resume_note(
     if first >= total:
         return f"all {total} document(s) of {file} were indexed"
     if not known:
-        return f"no document of {file} is known indexed: send the file again"
+        return f"none of the {total} document(s) of {file} is known indexed"
     line = loaded.lines[first]
     before = f", all those before line {line}" if first else ""
     return (
