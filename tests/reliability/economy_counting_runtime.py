@@ -6,6 +6,10 @@ reads what the worker counted even across a SIGKILL (a killed process's counters
 with it). The first attempt counted (``rerank_attempt``, after its usage) kills the process
 (SIGKILL, no cleanup, no ack): a poll killed just after it counted a result line, and run
 again by the next worker, must not count that line a second time.
+
+``$CRASH_AFTER_OUTCOME`` (``malformed``, say) kills it after the first attempt of that
+outcome only: a poll whose file's lines all succeeded dies as it counts the requests the
+file left out (each a ``malformed`` result), their runs saved, before it resubmits them.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class _CountingRecorder:
 
     def rerank_attempt(self, model: str, outcome: str) -> None:
         self._inner.rerank_attempt(model, outcome)
-        die_once("die-after-count")
+        if os.environ.get("CRASH_AFTER_OUTCOME", outcome) == outcome:
+            die_once("die-after-count")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

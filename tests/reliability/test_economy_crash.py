@@ -7,8 +7,9 @@
 - killed half-way through recording a provider batch's results: the new worker maps the
   rest, every item finished once, with one attempt, and one ``batch.completed`` webhook;
 - (killed while settling a create in doubt: test_economy_crash_doubt.py; just after it
-  counted a result line: test_economy_crash_counting.py; a poll's message lost, or late,
-  after its worker was killed: test_economy_lost_polls.py)
+  counted a result line: test_economy_crash_counting.py; between mapping the requests a
+  results file left out and resubmitting them: test_economy_crash_left_out.py; a poll's
+  message lost, or late, after its worker was killed: test_economy_lost_polls.py)
 """
 
 from __future__ import annotations
