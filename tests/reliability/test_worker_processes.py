@@ -138,13 +138,16 @@ def test_two_processes_share_a_batch_and_a_killed_one_is_restarted(
     )
     killed = children["duo-1"]
     os.kill(killed, signal.SIGKILL)
-    running_at_kill = batch_counts(client, batch_id)["counts"]["running"]
+    at_kill = batch_counts(client, batch_id)["counts"]
+    running_at_kill = at_kill["running"]
+    # read at the kill, not after the restart: on a loaded machine the live process finished
+    # the rest of the batch while the supervisor restarted the other (CI: 600 of 600)
+    assert at_kill["succeeded"] < TOTAL, "done before the kill"
     wait_for(lambda: "worker duo-1 restarted" in workers.output(), "the supervisor restarted it")
     assert "worker duo-1 exited with status -9; restarting it in 1 s" in workers.output()
     # its share of the live gauges went with it; its counters stay
     assert not list(workers.metrics_dir.glob(f"gauge_live*_{killed}.db"))
     assert (workers.metrics_dir / f"counter_{killed}.db").exists()
-    assert batch_counts(client, batch_id)["counts"]["succeeded"] < TOTAL, "done before the kill"
     wait_for(lambda: batch_counts(client, batch_id)["status"] == "succeeded", "the batch done", 300)
     restarted = workers.children()["duo-1"]
     assert restarted != killed
