@@ -10,7 +10,6 @@ import redis
 import redis.asyncio
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ConstantBackoff
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from worker.constants import (
     RESULT_TTL_SECONDS,
@@ -21,12 +20,8 @@ from worker.queue.jobstore.idempotency import IdempotencyRef
 from worker.queue.jobstore.records import Enqueue, SearchJob, _in_flight
 from worker.queue.jobstore.scripts import _CREATE_SEARCH
 from worker.queue.jobstore.searches import _create_search_call, _new_search, _search_created
+from worker.queue.jobstore.store import resending_async
 from worker.redis_client import CONNECTION_OPTIONS
-
-# How long a search's create is sent again on a broken connection (a Redis restart) before the
-# gateway answers 503: safe to send again (the script does nothing when its record exists),
-# and a 503 for a search whose create ran (its reply lost) had the client make a second one.
-CREATE_RETRY_SECONDS = 5.0
 
 
 class AsyncJobStore:
@@ -53,7 +48,8 @@ class AsyncJobStore:
         a reset) is tried once more, on a new connection, 50 ms later. That is safe for what
         this store sends: the ``in_flight`` read, and the create script, which does nothing
         when its record exists (its first try ran; only the reply was lost), and which
-        :meth:`create_search` sends again for :data:`CREATE_RETRY_SECONDS`."""
+        :meth:`create_search` sends again for
+        :data:`~worker.queue.jobstore.store.RESEND_SECONDS`."""
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
@@ -80,12 +76,7 @@ class AsyncJobStore:
         """:meth:`JobStore.create_search`, awaited."""
         job = _new_search(tenant, spec, webhook_url)
         keys, args = _create_search_call(job, self.result_ttl, enqueue, claim)
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
-            stop=stop_after_delay(CREATE_RETRY_SECONDS),
-            wait=wait_exponential(multiplier=0.05, max=1.0),
-            reraise=True,
-        ):
+        async for attempt in resending_async():
             with attempt:
                 reply = await self._create_search(keys=keys, args=args)
         return _search_created(job, reply, claim)

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import cast
 
 import redis
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from worker.constants import (
     ACTIVE_JOBS_KEY,
@@ -53,10 +52,6 @@ from worker.queue.jobstore.store import (
     move_token,
     resending,
 )
-
-# How long a cancel is sent again on a broken connection (a Redis restart) before the gateway
-# answers 503: it is safe to send again (its token), and its answer says what was canceled.
-CANCEL_RETRY_SECONDS = 5.0
 
 
 def _staged_keys(batch_id: str) -> tuple[str, str, str]:
@@ -316,8 +311,9 @@ class BatchRecords(_StoreCore):
         ``announce`` (broker messages, (list key, raw message): the batch's webhook) is
         written by the same script if the cancel completes the batch, so that completion is
         announced even when the caller never hears the answer. The script is sent again,
-        with the same token, on a broken connection for :data:`CANCEL_RETRY_SECONDS`: a
-        reply lost after the cancel ran is answered as it ran (not ``already_finished``).
+        with the same token, on a broken connection for
+        :data:`~worker.queue.jobstore.store.RESEND_SECONDS`: a reply lost after the cancel
+        ran is answered as it ran (not ``already_finished``).
 
         ``count`` (a broker message: the batch's :data:`~worker.constants.CANCEL_COUNT_TASK`)
         is written by the same script if the cancel ended any item, which it adds up in the
@@ -341,12 +337,7 @@ class BatchRecords(_StoreCore):
             "1" if count is not None else "0",
             *[raw for _, raw in messages],
         ]
-        retrying = Retrying(
-            retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
-            stop=stop_after_delay(CANCEL_RETRY_SECONDS),
-            wait=wait_exponential(multiplier=0.05, max=1.0),
-            reraise=True,
-        )
+        retrying = resending()
         reply = retrying(self._cancel_batch, keys=keys, args=args)
         canceled, completed = cast(list[int], reply)
         if canceled == -1:
@@ -361,13 +352,9 @@ class BatchRecords(_StoreCore):
         with the same token on a broken connection, as a cancel is: a reply lost after the
         take ran is answered as it ran, so what it took is still counted. ``token``: the
         take's own (a caller sending it again after this gave up, Redis down past
-        :data:`CANCEL_RETRY_SECONDS`, is answered what it took); a fresh one if None."""
-        retrying = Retrying(
-            retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
-            stop=stop_after_delay(CANCEL_RETRY_SECONDS),
-            wait=wait_exponential(multiplier=0.05, max=1.0),
-            reraise=True,
-        )
+        :data:`~worker.queue.jobstore.store.RESEND_SECONDS`, is answered what it took); a
+        fresh one if None."""
+        retrying = resending()
         args = [token or move_token()]
         got = retrying(self._take_cancel_count, keys=[BATCH_KEY + batch_id], args=args)
         return int(got[0]), bool(int(got[1]))

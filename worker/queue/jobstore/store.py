@@ -15,7 +15,13 @@ from typing import Any, Self, cast
 import redis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+from tenacity import (
+    AsyncRetrying,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+)
 
 from worker.coalesce import Coalescer
 from worker.constants import (
@@ -60,11 +66,17 @@ _Move = tuple[str, str, JobStatus, str, str, str]  # batch id, query id, then as
 
 
 # How long the gateway sends again, on a broken connection (a Redis restart), a write that is
-# safe to send again (a batch's or an ingest's commit: it checks for its own record first;
-# an Idempotency-Key's claim: it knows its own marker by its token)
-# before it answers 503: a 503 for a job whose write ran, its reply lost, had the client make
-# a second job.
+# safe to send again (a batch's or an ingest's commit: it checks for its own record first; a
+# search's create script: it does nothing when its record exists; a cancel, a cancel-count
+# take and an Idempotency-Key's claim: each knows its own by its token) before it answers
+# 503: a 503 for a job whose write ran, its reply lost, had the client make a second job.
 RESEND_SECONDS = 5.0
+_RESEND: dict[str, Any] = {
+    "retry": retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
+    "stop": stop_after_delay(RESEND_SECONDS),
+    "wait": wait_exponential(multiplier=0.05, max=1.0),
+    "reraise": True,
+}
 
 
 def resending() -> Retrying:
@@ -74,12 +86,12 @@ def resending() -> Retrying:
     >>> resending()(lambda: "written")
     'written'
     """
-    return Retrying(
-        retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
-        stop=stop_after_delay(RESEND_SECONDS),
-        wait=wait_exponential(multiplier=0.05, max=1.0),
-        reraise=True,
-    )
+    return Retrying(**_RESEND)
+
+
+def resending_async() -> AsyncRetrying:
+    """:func:`resending`, for the gateway's ``redis.asyncio`` store."""
+    return AsyncRetrying(**_RESEND)
 
 
 def move_token() -> str:
