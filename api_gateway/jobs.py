@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 import redis
 from fastapi import APIRouter, Header, Path, Query, Request, Response
 from pydantic import BaseModel
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_fixed
 
 from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
 from api_gateway.bodies import BATCH_BODY, parse_batch
@@ -675,26 +675,24 @@ async def _take_again(store: JobStore, batch_id: str, token: str) -> None:
     """A take sent again with its token for :data:`COUNT_RETAKE_SECONDS`: answered what it
     took if it ran, and if it did not, it takes what the count message has not taken (that
     message's take, with a token of its own, then finds nothing): counted once either way."""
-    give_up = time.monotonic() + COUNT_RETAKE_SECONDS
     try:
-        while True:
-            try:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception_type(redis.RedisError),
+            stop=stop_after_delay(COUNT_RETAKE_SECONDS),
+            wait=wait_fixed(1.0),
+            reraise=True,
+        ):
+            with attempt:
                 items, completed = await off_loop(store.take_cancel_count, batch_id, token)
-            except redis.RedisError as exc:
-                if time.monotonic() < give_up:
-                    await asyncio.sleep(1.0)
-                    continue
-                log.error(
-                    "batch %s: what the cancel ended may be left uncounted: %s", batch_id, exc
-                )
-                return
-            metrics.cancel_counted(items, completed)
-            return
+    except redis.RedisError as exc:
+        log.error("batch %s: what the cancel ended may be left uncounted: %s", batch_id, exc)
+        return
     except asyncio.CancelledError:  # the gateway stops (stop_retakes)
         log.error(
             "batch %s: the gateway stops: what the cancel ended may be left uncounted", batch_id
         )
         raise
+    metrics.cancel_counted(items, completed)
 
 
 async def stop_retakes(retakes: set[asyncio.Task[None]]) -> None:
