@@ -1,7 +1,7 @@
 """The README says what the code does: its Settings table (every setting, its default), the
-``sift`` commands and flags it and ``deploy/README.md`` show, its metrics table (names and
-labels), the HTTP routes, files and tests it names, and the ``SIFT_`` variables ``deploy/``
-sets.
+``sift`` commands and flags it, ``deploy/README.md`` and ``benchmarks/README.md`` show, its
+metrics table (names and labels), the HTTP routes, files and tests it names, and the
+``SIFT_`` variables ``deploy/`` sets.
 
 Each check reads the documents as a newcomer would and compares them with the objects the
 code runs on (the settings class, the typer app, the Prometheus metrics, the OpenAPI
@@ -156,10 +156,10 @@ def calls(text: str) -> list[tuple[list[str], Any, str]]:
     return found
 
 
-@pytest.mark.parametrize("document", ["README.md", "deploy/README.md"])
+@pytest.mark.parametrize("document", ["README.md", "deploy/README.md", "benchmarks/README.md"])
 def test_every_sift_command_and_flag_shown_exists(document: str) -> None:
     shown = calls((ROOT / document).read_text())
-    assert len(shown) > 5
+    assert len(shown) > (1 if document.startswith("benchmarks/") else 5)
     for path, command, rest in shown:
         assert command is not None, f"{document}: no command `sift {' '.join(path)}`"
         options = {o for p in command.params for o in (*p.opts, *p.secondary_opts)}
@@ -219,7 +219,7 @@ def test_every_route_the_readme_names_is_served() -> None:
 MADE_BY_THE_USER = {"deploy/.env", "deploy/sift.env"}  # copied from their .example
 
 
-@pytest.mark.parametrize("document", ["README.md", "deploy/README.md"])
+@pytest.mark.parametrize("document", ["README.md", "deploy/README.md", "benchmarks/README.md"])
 def test_every_file_and_test_the_docs_name_exists(document: str) -> None:
     text = (ROOT / document).read_text()
     paths = set(
