@@ -2,12 +2,15 @@
 
 The stack is the e2e stack (tests/e2e/conftest.py), started once for this directory with
 every process at ``SIFT_LOG_LEVEL=DEBUG`` (so the log test reads the most verbose logs the
-processes write, after everything the other modules sent through them) and with globex in
-the middle of a webhook secret rotation (``webhook_secret_previous`` set).
+processes write, after everything the other modules sent through them), with globex in
+the middle of a webhook secret rotation (``webhook_secret_previous`` set), and with five
+more tenants whose names hold separators (``sep``, ``sep.x``, ``sep_x``, ``sep-x``,
+``sep--x``: test_shared_names.py).
 """
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,9 +23,22 @@ import pytest
 from tests.e2e.conftest import KEYS, Stack, start_stack
 
 GLOBEX_PREVIOUS_SECRET = "whsec_b2xkLWdsb2JleC1zZWNyZXQtOTg3NjU0MzIxMA=="
+# Tenants whose names, joined to an index name by a separator they hold, spell another
+# tenant's (test_shared_names.py): "sep" + "." + "x.i" is "sep.x" + "." + "i".
+SEPARATORS = (".", "_", "-", "--")
+SEPARATOR_TENANTS = ("sep", *(f"sep{s}x" for s in SEPARATORS))
 SECURITY_KEYS = [
     KEYS[0],
     {**KEYS[1], "webhook_secret_previous": GLOBEX_PREVIOUS_SECRET},
+    *(
+        {
+            "key": f"separator-tenant-key-{n}-7f3a9c",
+            "tenant": tenant,
+            "webhook_secret": "whsec_"
+            + base64.b64encode(f"sep-secret-{n}-e41b7d".encode()).decode(),
+        }
+        for n, tenant in enumerate(SEPARATOR_TENANTS)
+    ),
 ]
 
 
