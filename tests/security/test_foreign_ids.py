@@ -4,7 +4,8 @@ Over the real stack: globex holds a search, a batch and an ingest job; acme asks
 id on every route that takes one (``GET`` the job, a batch's result pages with and without
 a page token, ``DELETE`` a batch). Each answer is compared with the answer to a made-up id
 of the same shape: the same status, the same headers (the date aside), and the same body
-once the id it echoes is swapped. Nothing in any of them tells that the id exists.
+once the id it echoes is swapped. Nothing in any of them tells that the id exists. Nor does
+an id itself say who made it, or how many jobs others made before it: ids are random.
 """
 
 from __future__ import annotations
@@ -76,3 +77,35 @@ def test_another_tenants_job_answers_exactly_as_a_made_up_id(
                            headers=GLOBEX)  # fmt: skip
     assert owner.status_code == 200, owner.text
     assert owner.json().get("canceled_at") is None
+
+
+def test_job_ids_say_nothing_of_who_made_them_or_how_many_came_between(stack: Stack) -> None:
+    """Ids are random (a UUID4's 122 bits), so one tenant's next id neither counts nor dates
+    the jobs another made meanwhile, nor names a tenant or an index: no two ids of the two
+    tenants' interleaved jobs share their first or last 8 hex digits, as ids from a counter,
+    a clock or a host (UUID1) would."""
+    ids = []
+    for n in range(8):
+        for who in (ACME, GLOBEX):
+            made = [
+                stack.idle.post(
+                    "/v1/searches", json={"index": INDEX, "query": f"q{n}"}, headers=who
+                ),
+                stack.idle.post(
+                    "/v1/batches",
+                    json={"index": INDEX, "queries": [{"id": "q", "query": f"q{n}"}]},
+                    headers=who,
+                ),
+                stack.idle.post(
+                    f"/v1/indexes/{INDEX}/documents",
+                    json={"documents": [{"id": f"d{n}", "text": "hello"}]},
+                    headers=who,
+                ),
+            ]
+            for response in made:
+                assert response.status_code == 202, response.text
+                ids.append(str(response.json()["id"]))
+    hexes = [job_id.split("_", 1)[1] for job_id in ids]
+    assert all(len(h) == 32 and int(h, 16) >= 0 for h in hexes)
+    for part in (slice(0, 8), slice(-8, None)):
+        assert len({h[part] for h in hexes}) == len(hexes), part
