@@ -31,8 +31,8 @@ from api_gateway.queue import OutboxSender, TaskSender
 from api_gateway.schemas import Health
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError
-from worker.logcontext import configure_logging
-from worker.metrics import (
+from worker.observability.logcontext import configure_logging
+from worker.observability.metrics import (
     JOBS_IN_FLIGHT,
     ensure_multiprocess_dir,
     job_store_unread,

@@ -44,7 +44,6 @@ from api_gateway.schemas import (
     SearchRequest,
     iso,
 )
-from worker import metrics
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_ID_PREFIX,
@@ -68,6 +67,7 @@ from worker.constants import (
 )
 from worker.contract import INDEX_PATTERN, JobStatus, SearchSpec
 from worker.errors import InvalidRequest
+from worker.observability import metrics
 from worker.queue.jobstore import (
     BatchJob,
     CancelOutcome,
@@ -83,7 +83,7 @@ from worker.queue.jobstore import (
     webhook_event,
 )
 from worker.settings import Settings
-from worker.urlguard import check_webhook_url
+from worker.webhooks.urlguard import check_webhook_url
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1")

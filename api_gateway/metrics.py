@@ -1,4 +1,5 @@
-"""The gateway's own HTTP metrics, in a registry per app; the §9 ones are in worker.metrics."""
+"""The gateway's own HTTP metrics, in a registry per app; the §9 ones are in
+worker.observability.metrics."""
 
 from __future__ import annotations
 

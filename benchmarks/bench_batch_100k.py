@@ -88,7 +88,7 @@ from worker.constants import (  # noqa: E402
     MAX_WAIT_SECONDS,
     REDIS_PREFIX,
 )
-from worker.stack import child_env, worker_process  # noqa: E402
+from worker.processes.stack import child_env, worker_process  # noqa: E402
 
 FINAL = ("succeeded", "failed", "canceled")
 console = Console(highlight=False)

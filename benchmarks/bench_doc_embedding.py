@@ -13,7 +13,7 @@ shipped fp32-product graph. Every path embeds one text per call on one onnxrunti
 (CPU per document is then what a worker pays per core, whatever the load). The timed
 rounds are interleaved, so a burst of load elsewhere hits every path alike; the median is
 printed. The nDCG columns index the whole corpus once per path (in-process, embedded
-backend) and run the 300 test claims through :func:`worker.evaluation.evaluate`.
+backend) and run the 300 test claims through :func:`worker.evaluation.harness.evaluate`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from worker.adapters.embedder import (  # noqa: E402
     default_model_path,
     int8_compute_model,
 )
-from worker.evaluation import TENANT, Collection, evaluate, read_corpus  # noqa: E402
-from worker.runtime import build_runtime, embedding_text  # noqa: E402
+from worker.evaluation.harness import TENANT, Collection, evaluate, read_corpus  # noqa: E402
+from worker.runtime.inprocess import build_runtime, embedding_text  # noqa: E402
 from worker.settings import load_settings  # noqa: E402
 
 

@@ -57,16 +57,16 @@ from worker.adapters.embedder import (  # noqa: E402
     default_tokenizer_path,
     int8_compute_model,
 )
-from worker.evaluation import read_corpus  # noqa: E402
-from worker.machine import cpu_count as cores  # noqa: E402
-from worker.runtime import embedding_text  # noqa: E402
-from worker.stack import (  # noqa: E402
+from worker.evaluation.harness import read_corpus  # noqa: E402
+from worker.processes.machine import cpu_count as cores  # noqa: E402
+from worker.processes.stack import (  # noqa: E402
     child_env,
     gateway_process,
     redis_server,
     sift_command,
     worker_process,
 )
+from worker.runtime.inprocess import embedding_text  # noqa: E402
 
 TENANT = "bench"
 SAMPLE = 128  # texts per candidate trial

@@ -67,18 +67,18 @@ def inner(searches: int) -> None:
     """Set up (outside the count's difference) and run ``searches`` batch items, as a worker."""
     sys.path.insert(0, os.environ["BENCH_TREE"])
     tmp = Path(tempfile.mkdtemp())
-    from worker import metrics
+    from worker.observability import metrics
 
     metrics.setup_multiprocess(tmp / "metrics")
     from benchmarks.bench_queue import INDEX, corpus, queries
     from worker.contract import DocumentIn, SearchSpec
-    from worker.logcontext import job_context
+    from worker.observability.logcontext import job_context
     from worker.queue.base import count_completed, settle_heap
     from worker.queue.items import CancelMarks
     from worker.queue.jobstore import JobStore
     from worker.queue.tasks import _ModelCheck
-    from worker.ratelimit import LimitedReranker, ProviderLimiter
-    from worker.runtime import build_runtime
+    from worker.runtime.inprocess import build_runtime
+    from worker.runtime.ratelimit import LimitedReranker, ProviderLimiter
     from worker.settings import load_settings
 
     settings = load_settings(
@@ -87,7 +87,7 @@ def inner(searches: int) -> None:
         rerank_enabled=True,
         generation_model="anthropic:claude-haiku-4-5",
     )
-    from worker.bootstrap import build_rate_budget
+    from worker.runtime.bootstrap import build_rate_budget
 
     reranker = LimitedReranker(
         metrics.InFlightReranker(StubReranker()), ProviderLimiter(settings.rerank_max_in_flight)
@@ -149,7 +149,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(REPO))
     from benchmarks.bench_rerank_cpu import checkout
-    from worker.stack import redis_service, running
+    from worker.processes.stack import redis_service, running
 
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

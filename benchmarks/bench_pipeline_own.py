@@ -110,7 +110,7 @@ def label_children(pipeline: Any, specs: list[Any], rounds: int) -> dict[str, fl
     """Today's pipeline with the metrics' children looked up by ``labels`` at every call (as
     before ``metrics._child`` kept them: that lookup, plus one function call) and kept,
     side by side (the baseline's pipeline above records through today's metrics)."""
-    from worker import metrics
+    from worker.observability import metrics
 
     kept = metrics._child
     sides = {"labels each call": lambda metric, *values: metric.labels(*values), "kept": kept}
@@ -137,14 +137,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--searches", type=int, default=3000, help="per side and round")
     args = parser.parse_args()
-    from worker import metrics
+    from worker.observability import metrics
 
     metrics.setup_multiprocess(Path(tempfile.mkdtemp()) / "metrics")
     from benchmarks.baseline import module_at
     from benchmarks.bench_queue import queries
-    from worker.bootstrap import pipeline_config
     from worker.contract import SearchSpec
     from worker.core import pipeline as today
+    from worker.runtime.bootstrap import pipeline_config
     from worker.settings import load_settings
 
     baseline = module_at(args.baseline, "worker/core/pipeline.py", "baseline_pipeline")

@@ -63,9 +63,9 @@ from worker.adapters.embedder import (  # noqa: E402
     with_fused_attention,
     without_nan_guards,
 )
-from worker.evaluation import read_corpus  # noqa: E402
+from worker.evaluation.harness import read_corpus  # noqa: E402
 from worker.queue.slots import SlottedEmbedder, cpu_slots  # noqa: E402
-from worker.runtime import embedding_text  # noqa: E402
+from worker.runtime.inprocess import embedding_text  # noqa: E402
 
 Vectors = npt.NDArray[np.float32]
 

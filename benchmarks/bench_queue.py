@@ -132,7 +132,7 @@ def ingest(client: httpx.Client) -> None:
 
 
 def bench_throughput(n: int, concurrency: int) -> dict[str, float]:
-    from worker.runtime import build_runtime
+    from worker.runtime.inprocess import build_runtime
     from worker.settings import load_settings
 
     qs = queries(n)

@@ -41,7 +41,7 @@ from tests.reliability.support import (  # noqa: E402
     submit_batch,
     wait_for,
 )
-from worker.stack import child_env, gateway_process, redis_server, worker_process  # noqa: E402
+from worker.processes.stack import child_env, gateway_process, redis_server, worker_process  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

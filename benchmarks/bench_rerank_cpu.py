@@ -49,7 +49,7 @@ from benchmarks.bench_queue import (  # noqa: E402
     tree_cpu_seconds,
 )
 from tests.fake_anthropic import fake_process  # noqa: E402
-from worker.stack import gateway_process, redis_service, running, worker_process  # noqa: E402
+from worker.processes.stack import gateway_process, redis_service, running, worker_process  # noqa: E402
 
 WARM_UP = 400  # searches before the measured batch: each process loads its model on its first
 
@@ -188,7 +188,7 @@ def raw_costs(qs: list[str]) -> dict[str, float]:
     from worker.contract import DocumentIn
     from worker.core.query import channel_window, coarse_limit
     from worker.core.types import ChannelQuery, HardFilters
-    from worker.runtime import build_runtime
+    from worker.runtime.inprocess import build_runtime
     from worker.settings import load_settings
 
     with tempfile.TemporaryDirectory() as d:

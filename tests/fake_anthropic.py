@@ -1561,7 +1561,7 @@ def fake_process(directory: Path, *options: str) -> Iterator[tuple[str, subproce
     """``python -m tests.fake_anthropic`` on a free port with the command-line ``options``
     (``"--delay", "1.0"``...), logging to ``directory/fake-anthropic.log``; yields its URL
     and process once it answers, and stops it afterwards."""
-    from worker.stack import free_port, stop
+    from worker.processes.stack import free_port, stop
 
     port = free_port()
     directory.mkdir(parents=True, exist_ok=True)

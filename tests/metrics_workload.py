@@ -21,15 +21,15 @@ from multiprocessing.queues import Queue
 from typing import Any
 
 from tests.fakes import FakeEmbedder, InMemoryBackend, ScriptedReranker, Step, fail, reply
-from worker import metrics
-from worker.bootstrap import build_pipeline
 from worker.constants import ECONOMY_PRICE_DISCOUNT, INGEST_QUEUE, SEARCH_QUEUE, WEBHOOK_QUEUE
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.cost import cost_usd, price_for
 from worker.core.pipeline import RerankRun, SearchPipeline
 from worker.core.types import RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError, SiftError
-from worker.runtime import Runtime
+from worker.observability import metrics
+from worker.runtime.bootstrap import build_pipeline
+from worker.runtime.inprocess import Runtime
 from worker.settings import DEFAULT_PRICES, load_settings
 
 MODEL = "claude-haiku-4-5"

@@ -27,13 +27,13 @@ import anthropic
 import redis
 
 from tests.fakes import FakeEmbedder, InMemoryBackend
-from worker import metrics
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.rate_budget import RedisRateBudget
-from worker.bootstrap import build_pipeline
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import SearchPipeline
-from worker.runtime import Runtime
+from worker.observability import metrics
+from worker.runtime.bootstrap import build_pipeline
+from worker.runtime.inprocess import Runtime
 from worker.settings import RateLimit, load_settings
 
 MODEL = "claude-haiku-4-5"

@@ -1,6 +1,6 @@
 """The real processes the tests start: a private redis-server, Celery workers, the gateway.
 
-They are the ones ``sift up`` starts (:mod:`worker.stack`), with the parent's ``SIFT_*``
+They are the ones ``sift up`` starts (:mod:`worker.processes.stack`), with the parent's ``SIFT_*``
 variables left out so each test says exactly what it sets.
 """
 
@@ -14,7 +14,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from subprocess import Popen
 
-from worker.stack import child_env, free_port, gateway_process, redis_server, stop, worker_process
+from worker.processes.stack import (
+    child_env,
+    free_port,
+    gateway_process,
+    redis_server,
+    stop,
+    worker_process,
+)
 
 __all__ = [
     "Received",

@@ -157,7 +157,7 @@ def kombu_queue_keys(queue: str) -> list[str]:
 WEBHOOK_EVENT_SEARCH_COMPLETED = "search.completed"
 WEBHOOK_EVENT_BATCH_COMPLETED = "batch.completed"
 
-# --- the queue's own metrics (extensions; defined in worker/metrics.py, api_gateway) ---
+# --- the queue's own metrics (extensions; defined in worker/observability/, api_gateway) ---
 METRIC_TASK_DURATION = "sift_task_duration_seconds"
 METRIC_TASK_RETRIES = "sift_task_retries_total"
 METRIC_HTTP_REQUESTS = "sift_http_requests_total"

@@ -17,7 +17,7 @@ import pytest
 from ir_measures import RR, R, nDCG
 
 from tests.e2e.conftest import ACME, INDEX, SAMPLE, Stack
-from worker.stack import child_env, sift_command
+from worker.processes.stack import child_env, sift_command
 
 QRELS = Path(__file__).parent / "data" / "sample_qrels.tsv"
 QUERIES = SAMPLE / "sample_queries.jsonl"

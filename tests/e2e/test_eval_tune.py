@@ -17,8 +17,8 @@ import pytest
 from ir_measures import nDCG
 
 from tests.e2e.conftest import ACME, INDEX, SAMPLE, Stack
-from worker.stack import child_env, sift_command
-from worker.tuning import Point, fuse
+from worker.evaluation.tuning import Point, fuse
+from worker.processes.stack import child_env, sift_command
 
 QRELS = Path(__file__).parent / "data" / "sample_qrels.tsv"
 QUERIES = SAMPLE / "sample_queries.jsonl"

@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from tests.fakes import FakeEmbedder, InMemoryBackend
-from worker import metrics
-from worker.bootstrap import build_reranker
 from worker.contract import DocumentIn, SearchResult, SearchSpec
 from worker.core.ports import AnswerKeeper
-from worker.logcontext import JobIdFilter
+from worker.observability import metrics
+from worker.observability.logcontext import JobIdFilter
 from worker.queue.jobstore import JobStore
-from worker.runtime import Runtime, build_runtime
+from worker.runtime.bootstrap import build_reranker
+from worker.runtime.inprocess import Runtime, build_runtime
 from worker.settings import Settings
 
 DOCUMENTS = [

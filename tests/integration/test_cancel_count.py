@@ -25,7 +25,7 @@ from worker.constants import BATCH_KEY, BATCH_QUEUE
 from worker.contract import SearchSpec
 from worker.queue import base, tasks
 from worker.queue.jobstore import JobStore
-from worker.ratelimit import ProviderLimiter
+from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import ApiKey, Settings, load_settings
 
 pytestmark = pytest.mark.integration

@@ -35,7 +35,7 @@ from worker.queue import economy, liveness
 from worker.queue.base import WorkerContext
 from worker.queue.economy import leases, records, submission
 from worker.queue.jobstore import BatchJob, JobStore
-from worker.ratelimit import ProviderLimiter
+from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration

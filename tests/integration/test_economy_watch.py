@@ -25,7 +25,7 @@ from worker.queue.base import WorkerContext
 from worker.queue.economy import WATCH_MARGIN_SECONDS, leases, rewake
 from worker.queue.jobstore import JobStore
 from worker.queue.redrive import Sweeper
-from worker.ratelimit import ProviderLimiter
+from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
 
 
@@ -133,7 +133,7 @@ from worker.queue import liveness
 from worker.queue.economy import leases
 from worker.queue.base import WorkerContext
 from worker.queue.jobstore import JobStore
-from worker.ratelimit import ProviderLimiter
+from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
 
 url, batch_id = sys.argv[1], sys.argv[2]

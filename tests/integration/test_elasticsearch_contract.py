@@ -61,7 +61,6 @@ from worker.adapters.elasticsearch import (
     tenant_key,
 )
 from worker.adapters.elasticsearch._listing import LENGTH_SCRIPT, PREVIEW_SCRIPT
-from worker.bootstrap import pipeline_config
 from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import ChannelQuery, Document, HardFilters, IndexProbe
@@ -74,6 +73,7 @@ from worker.errors import (
     IndexNotFound,
     InvalidRequest,
 )
+from worker.runtime.bootstrap import pipeline_config
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -1115,7 +1115,7 @@ def test_an_8x_server_refusing_the_media_type_gets_a_clear_message(
 def test_bootstrap_builds_the_backend_without_a_network_call(
     server: FakeElasticsearchServer,
 ) -> None:
-    from worker.bootstrap import build_backend
+    from worker.runtime.bootstrap import build_backend
 
     backend = build_backend(
         load_settings(search_backend="elasticsearch", elasticsearch_url=server.url)

@@ -26,7 +26,7 @@ from worker.adapters.embedder import (
     without_nan_guards,
 )
 from worker.contract import DocumentIn, SearchSpec
-from worker.runtime import build_runtime, embedding_text
+from worker.runtime.inprocess import build_runtime, embedding_text
 from worker.settings import load_settings
 
 DATA = Path(__file__).resolve().parents[2] / "worker" / "data"

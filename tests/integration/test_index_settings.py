@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from tests.fakes import FakeClock, FakeEmbedder
-from worker import lifecycle
 from worker.adapters.embedded import EmbeddedBackend
 from worker.adapters.index_settings import RedisIndexSettings, settings_key
-from worker.bootstrap import build_pipeline
 from worker.contract import DocumentIn, SearchSpec
 from worker.queue.jobstore import JobStore
-from worker.runtime import Runtime
+from worker.runtime import lifecycle
+from worker.runtime.bootstrap import build_pipeline
+from worker.runtime.inprocess import Runtime
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -153,7 +153,7 @@ def test_a_change_no_worker_started_in_time_is_dropped_unapplied(
     """The gateway answers 503 when no worker took a change within its wait; that change must
     never land later, behind a newer one: a change past its ``start_by`` is dropped."""
     from worker.queue import base, tasks
-    from worker.ratelimit import ProviderLimiter
+    from worker.runtime.ratelimit import ProviderLimiter
 
     context = base.WorkerContext(
         settings=load_settings(redis_url=redis_url), store=store, limiter=ProviderLimiter(4)

@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fakes import FakeEmbedder
-from worker import lifecycle
 from worker.adapters.embedded import EmbeddedBackend
 from worker.contract import DocumentIn
 from worker.core.types import ChannelQuery, Document, HardFilters
 from worker.errors import EmbeddingModelMismatch
 from worker.queue.jobstore import IngestJob, JobStore
+from worker.runtime import lifecycle
 
 IDS = ["a", "b", "c", "d"]
 TENANT = "acme"

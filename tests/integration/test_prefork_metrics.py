@@ -76,7 +76,7 @@ def test_counts_from_every_child_are_summed(tmp_path: Path) -> None:
 STALE_GAUGE = """
 import os, sys
 os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
-from worker import metrics
+from worker.observability import metrics
 metrics.JOBS_IN_FLIGHT.labels("running").inc(5)   # jobs running when this process was killed
 metrics.JOBS_COMPLETED.labels("search", "succeeded").inc(7)
 print(os.getpid())

@@ -31,15 +31,15 @@ from worker.adapters.rate_budget import (
     RedisRateBudget,
     limits_from_headers,
 )
-from worker.bootstrap import build_batch_client, build_pipeline, build_rate_budget
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import SearchPipeline
 from worker.core.ports import Recorder
 from worker.core.types import RerankPrompt, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed
-from worker.metrics import PrometheusRecorder
-from worker.ratelimit import LimitedReranker, ProviderLimiter
-from worker.runtime import Runtime
+from worker.observability.metrics import PrometheusRecorder
+from worker.runtime.bootstrap import build_batch_client, build_pipeline, build_rate_budget
+from worker.runtime.inprocess import Runtime
+from worker.runtime.ratelimit import LimitedReranker, ProviderLimiter
 from worker.settings import RateLimit, load_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

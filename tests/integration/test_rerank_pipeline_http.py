@@ -16,11 +16,11 @@ import pytest
 from tests import fake_anthropic as fa
 from tests.fakes import FakeEmbedder, InMemoryBackend, RecordingRecorder
 from worker.adapters.anthropic import AnthropicReranker
-from worker.bootstrap import build_pipeline
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import SearchPipeline
 from worker.errors import RerankFailed
-from worker.runtime import Runtime
+from worker.runtime.bootstrap import build_pipeline
+from worker.runtime.inprocess import Runtime
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.stack import free_port
+from worker.processes.stack import free_port
 
 SIFT = str(Path(sys.executable).with_name("sift"))
 

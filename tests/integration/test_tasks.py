@@ -15,7 +15,7 @@ from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.errors import BackendUnavailable, ModeUnavailable
 from worker.queue import base, liveness, tasks
 from worker.queue.jobstore import CancelOutcome, JobStore
-from worker.ratelimit import ProviderLimiter
+from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -341,8 +341,9 @@ def test_a_webhook_attempt_that_ends_a_spent_schedule_is_counted_failed(
 
     from celery.exceptions import Retry
 
-    from worker import metrics, webhooks
+    from worker.observability import metrics
     from worker.settings import Settings
+    from worker.webhooks import delivery as webhooks
 
     key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
     monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
@@ -404,9 +405,9 @@ def test_a_webhook_attempt_observes_how_late_it_ran(
     from datetime import UTC, datetime, timedelta
     from types import SimpleNamespace
 
-    from worker import webhooks
     from worker.constants import WEBHOOK_QUEUE
     from worker.settings import Settings
+    from worker.webhooks import delivery as webhooks
 
     key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
     monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])

@@ -15,7 +15,7 @@ import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from worker.settings import ApiKey, Settings
-from worker.webhooks import (
+from worker.webhooks.delivery import (
     BATCH_COMPLETED,
     MAX_ATTEMPTS,
     RETRY_SCHEDULE_SECONDS,

@@ -29,7 +29,7 @@ from typing import Any
 from worker.adapters.embedded import _writes
 from worker.queue import liveness
 from worker.queue.base import load_runtime
-from worker.runtime import Runtime
+from worker.runtime.inprocess import Runtime
 from worker.settings import Settings
 
 

@@ -23,7 +23,7 @@ import httpx
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import batch_counts, stack_env, submit_batch
 from tests.services import gateway, redis_server
-from worker.stack import child_env, worker_process
+from worker.processes.stack import child_env, worker_process
 
 FINISH_WINDOW = 240.0  # from the new worker's start: dead-worker check + a 30 s poll + slack
 

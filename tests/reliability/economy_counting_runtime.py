@@ -21,7 +21,7 @@ from typing import Any
 
 from tests.reliability.crashing_runtime import die_once
 from worker.queue.base import load_runtime
-from worker.runtime import Runtime
+from worker.runtime.inprocess import Runtime
 from worker.settings import Settings
 
 

@@ -1,7 +1,7 @@
 """What the reliability tests share: keys, the environment of a stack, a webhook receiver,
 and small helpers that drive the real gateway over HTTP and read the job store directly.
 
-The processes are the real ones (:mod:`worker.stack` through :mod:`tests.services`): a
+The processes are the real ones (:mod:`worker.processes.stack` through :mod:`tests.services`): a
 redis-server of the test's own, Celery workers on the threads pool, the gateway under
 uvicorn, and the fake Messages API on loopback HTTP.
 """

@@ -46,7 +46,7 @@ from tests.reliability.support import (
 )
 from tests.services import gateway
 from worker.constants import ALL_QUEUES
-from worker.stack import child_env, worker_process
+from worker.processes.stack import child_env, worker_process
 
 pytestmark = pytest.mark.integration
 

@@ -35,8 +35,8 @@ from worker.constants import (
     IDEMPOTENCY_TTL_SECONDS,
     SEARCH_KEY,
 )
+from worker.processes.stack import child_env, free_port, sift_command, wait_until
 from worker.queue.jobstore.idempotency import _idem_key
-from worker.stack import child_env, free_port, sift_command, wait_until
 
 SEARCHES, BATCHES, BATCH_SIZE = 40, 20, 2_000
 

@@ -38,7 +38,7 @@ from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import ACME, DOWN_SECONDS, INDEX, broker, stack_env, wait_for
 from tests.services import free_port, gateway, redis_server
 from worker.constants import INGEST_QUEUE, KOMBU_UNACKED_KEY
-from worker.stack import child_env, worker_process
+from worker.processes.stack import child_env, worker_process
 
 pytestmark = pytest.mark.integration
 

@@ -44,8 +44,8 @@ from tests.reliability.support import (
 )
 from tests.services import gateway
 from worker.constants import ALL_QUEUES, BATCH_QUEUE, INDEX_READ_TASK, SEARCH_TASK
+from worker.processes.stack import child_env, worker_process
 from worker.settings import Settings
-from worker.stack import child_env, worker_process
 
 pytestmark = pytest.mark.integration
 

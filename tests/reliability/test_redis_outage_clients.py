@@ -23,10 +23,10 @@ import pytest
 import redis
 
 from tests.reliability.support import broker
-from worker.bootstrap import build_index_settings, build_rate_budget
 from worker.core.types import RerankPrompt
 from worker.queue.jobstore import JobStore
 from worker.redis_client import OUTAGE_SECONDS, connect
+from worker.runtime.bootstrap import build_index_settings, build_rate_budget
 from worker.settings import RateLimit, Settings
 
 pytestmark = pytest.mark.integration

@@ -27,7 +27,7 @@ import pytest
 
 from tests.reliability.support import sample_documents, wait_for
 from tests.services import free_port
-from worker.stack import child_env, stop
+from worker.processes.stack import child_env, stop
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,7 @@ import pytest
 from tests.reliability.support import wait_for
 from tests.reliability.test_sift_up import UP_TIMEOUT, Stack, _env, _worker_pid
 from tests.services import free_port
-from worker.stack import stop
+from worker.processes.stack import stop
 
 pytestmark = pytest.mark.integration
 

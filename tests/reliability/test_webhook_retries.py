@@ -37,7 +37,7 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import celery_worker, free_port, gateway, redis_server
-from worker.webhooks import RETRY_SCHEDULE_SECONDS
+from worker.webhooks.delivery import RETRY_SCHEDULE_SECONDS
 
 pytestmark = pytest.mark.integration
 

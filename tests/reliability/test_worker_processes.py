@@ -39,8 +39,8 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import free_port
-from worker.metrics import SweepingCollector, snapshot
-from worker.stack import child_env, stop, worker_process
+from worker.observability.metrics import SweepingCollector, snapshot
+from worker.processes.stack import child_env, stop, worker_process
 
 pytestmark = pytest.mark.integration
 

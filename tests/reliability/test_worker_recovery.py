@@ -55,8 +55,8 @@ from worker.constants import (
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_KEY,
 )
+from worker.processes.stack import child_env, worker_process
 from worker.settings import Settings
-from worker.stack import child_env, worker_process
 
 pytestmark = pytest.mark.integration
 

@@ -23,10 +23,10 @@ from tests.fakes import FakeEmbedder
 from tests.security.conftest import GLOBEX_PREVIOUS_SECRET, SECURITY_KEYS, Receiver
 from worker.contract import DocumentIn, SearchSpec
 from worker.errors import RerankFailed
-from worker.logcontext import WIRE_LOGGERS, configure_logging
-from worker.runtime import build_runtime
+from worker.observability.logcontext import WIRE_LOGGERS, configure_logging
+from worker.runtime.inprocess import build_runtime
 from worker.settings import ApiKey, Settings, load_settings
-from worker.webhooks import SEARCH_COMPLETED, deliver, message_id, payload
+from worker.webhooks.delivery import SEARCH_COMPLETED, deliver, message_id, payload
 
 # --- keys -----------------------------------------------------------------------------------
 
@@ -296,6 +296,8 @@ def test_no_log_of_a_full_run_holds_a_key_a_secret_or_a_document_text(
         f"{r.name} {r.getMessage()} {r.exc_text or ''}" for r in caplog.records
     )
     # the capture is live: the in-process index and webhook delivery logged through it
-    assert {"worker.adapters.embedded", "worker.webhooks"} <= {r.name for r in caplog.records}
+    assert {"worker.adapters.embedded", "worker.webhooks.delivery"} <= {
+        r.name for r in caplog.records
+    }
     found = {where: offences(text) for where, text in logs.items()}
     assert found == {where: [] for where in logs}

@@ -2,7 +2,7 @@
 
 Registration goes through the real gateway with the guard on (the stack's ``idle``
 gateway; the in-process gateway for the DNS case, since only this process's resolver can be
-faked). Delivery calls :func:`worker.webhooks.deliver` and :func:`run_delivery` with the
+faked). Delivery calls :func:`worker.webhooks.delivery.deliver` and :func:`run_delivery` with the
 guard on, at a port where a listening socket counts every connection: it must count none,
 and no socket in this process may even try to connect. The one boundary faked is
 ``socket.getaddrinfo`` for names, because this machine has no DNS.
@@ -24,7 +24,7 @@ from tests.e2e.conftest import ACME, INDEX, KEYS, Stack
 from tests.security.conftest import Receiver, start_receiver, stop_receiver
 from tests.unit.test_urlguard import fake_dns
 from worker.settings import ApiKey, Settings
-from worker.webhooks import (
+from worker.webhooks.delivery import (
     SEARCH_COMPLETED,
     DeliveryOutcome,
     DeliveryTimeouts,
@@ -249,7 +249,7 @@ def test_a_name_that_turns_private_between_registration_and_delivery_is_refused(
     """DNS rebinding: public when registered, loopback when sent. The delivery re-resolves."""
     answers = {"flip.example": ["93.184.216.34"]}
     monkeypatch.setattr(socket, "getaddrinfo", fake_dns(answers))
-    from worker.urlguard import check_webhook_url
+    from worker.webhooks.urlguard import check_webhook_url
 
     url = f"http://flip.example:{listener.port}/hook"
     assert check_webhook_url(url, allow_private=False)  # registration passes

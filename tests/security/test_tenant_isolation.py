@@ -32,10 +32,10 @@ from tests.e2e.conftest import ACME, GLOBEX, Stack
 from tests.fakes import FakeClock, FakeEmbedder, ScriptedReranker, fail, reply
 from tests.services import webhook_inbox
 from worker.adapters.embedded import EmbeddedBackend
-from worker.bootstrap import build_pipeline
 from worker.contract import DocumentIn, SearchResult, SearchSpec
 from worker.errors import AttemptOutcome, RerankAttemptError, SiftError
-from worker.runtime import Runtime
+from worker.runtime.bootstrap import build_pipeline
+from worker.runtime.inprocess import Runtime
 from worker.settings import load_settings
 
 TENANTS = ("t0", "t1", "t2", "t3")

@@ -21,8 +21,8 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from api_gateway.app import create_app
 from api_gateway.metrics import GatewayMetrics
-from worker import metrics
 from worker.cli import app
+from worker.observability import metrics
 from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -34,7 +34,9 @@ MODULES = modules_with_examples()
 
 
 def test_the_examples_are_found() -> None:
-    assert {"worker.core.fusion", "worker.tuning", "worker.evaluation"} <= set(MODULES)
+    assert {"worker.core.fusion", "worker.evaluation.tuning", "worker.evaluation.harness"} <= set(
+        MODULES
+    )
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -12,13 +12,13 @@ import httpx
 import pytest
 
 from tests.fakes import FakeEmbedder, InMemoryBackend
-from worker.bootstrap import build_pipeline
 from worker.cli.client import Gateway
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.catalog import SearchSettings
 from worker.core.pipeline import SearchPipeline
 from worker.errors import ConfigError, IndexNotFound, InvalidRequest
-from worker.runtime import Runtime
+from worker.runtime.bootstrap import build_pipeline
+from worker.runtime.inprocess import Runtime
 from worker.settings import load_settings
 
 TOPICS = ["volcano eruption ash", "ash tree forest", "eruption of jazz", "river delta flooding"]

@@ -1,4 +1,5 @@
-"""worker.metrics: the recorder through the real pipeline, closed labels, backlog, multiprocess."""
+"""worker.observability.metrics: the recorder through the real pipeline, closed labels, backlog,
+multiprocess."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from prometheus_client import REGISTRY
 from prometheus_client.metrics import MetricWrapperBase
 
 from tests.fakes import USAGE, FakeEmbedder, InMemoryBackend, ScriptedReranker, fail, reply
-from worker import errors, metrics
-from worker.bootstrap import build_pipeline
+from worker import errors
 from worker.constants import POLICY_ID, SEARCH_QUEUE
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.cost import cost_usd, price_for
 from worker.core.types import TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
-from worker.runtime import Runtime
+from worker.observability import metrics
+from worker.runtime.bootstrap import build_pipeline
+from worker.runtime.inprocess import Runtime
 from worker.settings import DEFAULT_PRICES, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -311,13 +313,15 @@ def test_a_slow_retrieval_lands_in_a_finite_bucket() -> None:
 
 def test_metrics_module_imports_no_core() -> None:
     code = (
-        "import sys, worker.metrics; "
+        "import sys, worker.observability.metrics; "
         "print(sorted(m for m in sys.modules if m.startswith('worker')))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
-    assert out.strip() == "['worker', 'worker.constants', 'worker.metrics']"
+    assert out.strip() == (
+        "['worker', 'worker.constants', 'worker.observability', 'worker.observability.metrics']"
+    )
 
 
 # --- multiprocess mode, in a fresh interpreter so this process's registry stays untouched ---
@@ -328,7 +332,7 @@ MULTIPROCESS_SCRIPT = textwrap.dedent(
     from pathlib import Path
     from prometheus_client import CollectorRegistry
     from prometheus_client.multiprocess import MultiProcessCollector
-    from worker import metrics
+    from worker.observability import metrics
 
     directory = Path(sys.argv[1])
     (directory / "counter_999999.db").parent.mkdir(parents=True, exist_ok=True)
@@ -419,7 +423,7 @@ def test_setup_multiprocess_refuses_once_something_was_recorded(tmp_path: Path) 
     code = textwrap.dedent(
         """
         import sys
-        from worker import metrics
+        from worker.observability import metrics
         metrics.webhook_delivery("delivered")
         try:
             metrics.setup_multiprocess(sys.argv[1])
@@ -484,7 +488,7 @@ def test_setup_multiprocess_warns_when_a_running_process_shares_the_folder(
             """
             import logging, sys
             logging.basicConfig(level=logging.WARNING, format="%(message)s")
-            from worker import metrics
+            from worker.observability import metrics
             metrics.setup_multiprocess(sys.argv[1])
             """
         )

@@ -16,7 +16,6 @@ from tests.fakes import (
     fail,
     reply,
 )
-from worker.bootstrap import build_pipeline
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import SearchPipeline
 from worker.errors import (
@@ -28,7 +27,8 @@ from worker.errors import (
     RerankAttemptError,
     RerankFailed,
 )
-from worker.runtime import Runtime
+from worker.runtime.bootstrap import build_pipeline
+from worker.runtime.inprocess import Runtime
 from worker.settings import load_settings
 
 TOPICS = [
@@ -340,10 +340,10 @@ def test_usage_sums_to_unknown_when_any_part_is_unknown() -> None:
 
 
 def test_an_unpriced_model_is_warned_about_once(caplog: pytest.LogCaptureFixture) -> None:
-    from worker.bootstrap import warn_if_unpriced
+    from worker.runtime.bootstrap import warn_if_unpriced
 
     settings = load_settings(generation_model="anthropic:claude-unlisted-9", prices={})
-    with caplog.at_level("WARNING", logger="worker.bootstrap"):
+    with caplog.at_level("WARNING", logger="worker.runtime.bootstrap"):
         assert warn_if_unpriced(settings) and warn_if_unpriced(settings)
     warnings = [r.getMessage() for r in caplog.records if "no price" in r.getMessage()]
     assert len(warnings) == 1

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from worker.adapters.rate_budget import RedisRateBudget, TokenEstimator
-from worker.bootstrap import build_rate_budget
 from worker.core.types import RerankPrompt
 from worker.errors import ConfigError
+from worker.runtime.bootstrap import build_rate_budget
 from worker.settings import BatchLimit, RateLimit, load_settings
 
 MODEL = "claude-haiku-4-5"

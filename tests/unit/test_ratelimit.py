@@ -8,7 +8,7 @@ import time
 import pytest
 
 from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
-from worker.ratelimit import LimitedReranker, ProviderLimiter
+from worker.runtime.ratelimit import LimitedReranker, ProviderLimiter
 
 
 def test_the_in_flight_bound_holds() -> None:

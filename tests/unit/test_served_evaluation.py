@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from worker.evaluation import score_rankings, score_results, served_rankings
+from worker.evaluation.harness import score_rankings, score_results, served_rankings
 
 
 def hit(doc: str, final: int, rrf: int, bm25: int | None, knn: int | None) -> dict[str, Any]:

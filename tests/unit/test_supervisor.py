@@ -1,5 +1,5 @@
-"""``sift up``'s supervisor (:class:`worker.stack.Supervisor`) over a real process that exits at
-once: it is started again after 1 s, then 2 s, then 4 s (a crash loop does not spin), each
+"""``sift up``'s supervisor (:class:`worker.processes.stack.Supervisor`) over a real process that
+exits at once: it is started again after 1 s, then 2 s, then 4 s (a crash loop does not spin), each
 exit and restart is said on the console and in the process's log, and a process that stayed
 up a minute starts again after 1 s."""
 
@@ -9,7 +9,7 @@ import re
 import time
 from pathlib import Path
 
-from worker.stack import RESTART_RESET_AFTER_SECONDS, Service, Supervisor, _Watched
+from worker.processes.stack import RESTART_RESET_AFTER_SECONDS, Service, Supervisor, _Watched
 
 
 def _crasher(tmp_path: Path) -> Service:

@@ -1,4 +1,4 @@
-"""Tuning the fusion (worker/tuning.py) and ``sift eval --tune --apply``'s decision.
+"""Tuning the fusion (worker/evaluation/tuning.py) and ``sift eval --tune --apply``'s decision.
 
 The collections here are synthetic: each query's relevant documents sit near the top of an
 informative channel's ranking, while a useless channel ranks the corpus in a random order
@@ -20,7 +20,7 @@ import typer
 
 from worker.cli import evaluate
 from worker.cli._http import Gateway
-from worker.tuning import (
+from worker.evaluation.tuning import (
     DEFAULT,
     Fold,
     Grid,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from worker.errors import InvalidRequest
-from worker.urlguard import check_webhook_url, refusal_reason
+from worker.webhooks.urlguard import check_webhook_url, refusal_reason
 
 REAL_GETADDRINFO = socket.getaddrinfo
 

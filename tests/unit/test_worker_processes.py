@@ -7,10 +7,10 @@ import os
 import time
 from pathlib import Path
 
-from worker.machine import cpu_count
-from worker.processes import resolve_processes
+from worker.processes.machine import cpu_count
+from worker.processes.stack import Service, Supervisor
+from worker.processes.workers import resolve_processes
 from worker.settings import Settings
-from worker.stack import Service, Supervisor
 
 
 def test_the_default_is_one_process_per_core_this_process_may_use() -> None:

@@ -14,11 +14,11 @@ import apsw
 import pytest
 import typer
 
-import worker.bootstrap
+import worker.runtime.bootstrap
 from worker.cli.service import _check_backend
 from worker.errors import BackendUnavailable, ConfigError, SiftError
+from worker.processes.stack import free_port
 from worker.settings import Settings
-from worker.stack import free_port
 
 
 class Backend:
@@ -53,7 +53,7 @@ def test_what_stops_the_worker_and_what_only_warns(
     stops: bool,
 ) -> None:
     built = Backend(error)
-    monkeypatch.setattr(worker.bootstrap, "build_backend", lambda settings: built)
+    monkeypatch.setattr(worker.runtime.bootstrap, "build_backend", lambda settings: built)
     settings = Settings(search_backend=backend, elasticsearch_url="http://127.0.0.1:9")
     if stops:
         with pytest.raises(typer.Exit) as exit_:

@@ -58,7 +58,7 @@ import numpy.typing as npt
 from worker.coalesce import Coalescer
 from worker.core.ports import Embedder
 from worker.errors import ConfigError
-from worker.machine import cpu_count
+from worker.processes.machine import cpu_count
 
 logger = logging.getLogger(__name__)
 

@@ -46,11 +46,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from worker import metrics
 from worker.adapters.anthropic_batches import AnthropicMessageBatches, BatchLine, ProviderBatch
 from worker.constants import RATE_BUDGET_KEY, RATE_BUDGET_QUEUE_KEY
 from worker.core.types import BudgetGrant, RerankPrompt, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
+from worker.observability import metrics
 from worker.settings import RateLimit
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@
 
 All three print the same table. With ``--index``, ``--tune`` instead tunes the fusion's
 method, weights, rank constant and candidate window on the qrels by k-fold cross-validation
-(:mod:`worker.tuning`), and ``--apply`` stores the chosen settings on the index.
+(:mod:`worker.evaluation.tuning`), and ``--apply`` stores the chosen settings on the index.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from worker.cli._output import format_cost, plain, progress_bar
 from worker.constants import MAX_LIMIT
 from worker.contract import Channel
 from worker.errors import SiftError
-from worker.evaluation import (
+from worker.evaluation.harness import (
     TENANT,
     Collection,
     RunSpec,
@@ -55,9 +55,7 @@ from worker.evaluation import (
     score_results,
     score_runs,
 )
-from worker.runtime import Runtime, build_runtime
-from worker.settings import load_settings
-from worker.tuning import (
+from worker.evaluation.tuning import (
     CHANNELS,
     DEFAULT,
     Grid,
@@ -67,6 +65,8 @@ from worker.tuning import (
     split_folds,
     tune,
 )
+from worker.runtime.inprocess import Runtime, build_runtime
+from worker.settings import load_settings
 
 console = Console(emoji=False)
 EXIT_USAGE = 2

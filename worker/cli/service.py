@@ -25,9 +25,7 @@ from worker.cli import app
 from worker.cli._output import plain, print_result, sample_path
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError, SiftError
-from worker.processes import follow_supervisor, resolve_processes, run_workers
-from worker.settings import Settings, load_settings
-from worker.stack import (
+from worker.processes.stack import (
     Service,
     Supervisor,
     check_port_free,
@@ -40,6 +38,8 @@ from worker.stack import (
     sift_command,
     worker_service,
 )
+from worker.processes.workers import follow_supervisor, resolve_processes, run_workers
+from worker.settings import Settings, load_settings
 
 console = Console(emoji=False)
 DEV_KEY_FILE = "dev-api-key.json"  # in the data folder: the development key and its secret
@@ -128,7 +128,7 @@ def _single_process_metrics(settings: Settings) -> None:
     ``PROMETHEUS_MULTIPROC_DIR`` (the Docker image sets it) may hold an earlier run's files:
     emptied, or a restarted container's PID 1 would take its predecessor's live gauges (jobs
     running at the kill) for its own, for good."""
-    from worker import metrics
+    from worker.observability import metrics
 
     if settings.worker_pool == "prefork" or metrics.multiprocess_dir() is not None:
         directory = metrics.multiprocess_dir() or tempfile.mkdtemp(prefix="sift-metrics-")
@@ -141,7 +141,7 @@ def _check_backend(settings: Settings) -> None:
     schema, Elasticsearch indexes of the old shared layout (their documents would vanish from
     every search). So does any other error of the embedded backend, whose data dir is local;
     an Elasticsearch cluster not answering yet only warns, since jobs retry."""
-    from worker.bootstrap import build_backend
+    from worker.runtime.bootstrap import build_backend
 
     try:
         backend = build_backend(settings)
@@ -240,8 +240,8 @@ def local_stack(
 
     It first claims the data folder (a lock file in it) and checks the two ports: another
     stack's are refused before anything is started or any log opened. With ``report``, a
-    process that exits is started again (:class:`~worker.stack.Supervisor`) and each restart
-    is reported through it."""
+    process that exits is started again (:class:`~worker.processes.stack.Supervisor`) and each
+    restart is reported through it."""
     data_dir = settings.data_dir.resolve()
     gateway_port, metrics_port = settings.gateway_port, settings.worker_metrics_port
     with contextlib.ExitStack() as stack:
@@ -290,7 +290,7 @@ def _own_metrics_folder(env: dict[str, str], folder: Path) -> dict[str, str]:
     The worker and the gateway are two scrape targets: in one folder each ``/metrics`` summed
     the other's files too (every count twice in a sum over targets), and the worker, which
     empties its folder when it starts, deleted the gateway's live files when restarted."""
-    from worker.metrics import MULTIPROC_DIR_ENV
+    from worker.observability.metrics import MULTIPROC_DIR_ENV
 
     if not env.get(MULTIPROC_DIR_ENV):
         return env

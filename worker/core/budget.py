@@ -24,7 +24,7 @@ T = TypeVar("T")
 # An attempt with less time than this left is not worth starting.
 MIN_ATTEMPT_SECONDS = 0.05
 # How long a provider's 429 without ``retry-after`` pauses the senders: the process's
-# limiter (worker/ratelimit.py) and the shared rate budget (the pipeline) alike.
+# limiter (worker/runtime/ratelimit.py) and the shared rate budget (the pipeline) alike.
 DEFAULT_429_PAUSE_SECONDS = 1.0
 
 

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 from celery import Task
 from celery.exceptions import Reject, Retry
 
-from worker import metrics
 from worker.constants import (
     ECONOMY_PRICE_DISCOUNT,
     LANE_ECONOMY,
@@ -34,12 +33,13 @@ from worker.constants import (
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.core.ports import AnswerKeeper
 from worker.errors import SiftError
-from worker.logcontext import job_context
+from worker.observability import metrics
+from worker.observability.logcontext import job_context
 from worker.queue.intake import INTAKE
 from worker.queue.items import CancelMarks, ItemQueue
 from worker.queue.jobstore import BatchJob, JobStore, webhook_event
-from worker.ratelimit import LimitedReranker, ProviderLimiter
 from worker.redis_client import OUTAGE_SECONDS, worker_connections
+from worker.runtime.ratelimit import LimitedReranker, ProviderLimiter
 from worker.settings import Settings, load_settings
 
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ GC_YOUNG_THRESHOLD = 20_000
 
 
 class Runtime(Protocol):
-    """What the tasks need from :mod:`worker.runtime`."""
+    """What the tasks need from :mod:`worker.runtime.inprocess`."""
 
     def search(
         self,
@@ -126,7 +126,7 @@ class WorkerContext:
         if self._batches is None:
             with self._lock:
                 if self._batches is None:
-                    from worker.bootstrap import build_batch_client
+                    from worker.runtime.bootstrap import build_batch_client
 
                     self._batches = build_batch_client(self.settings)
         return self._batches
@@ -150,9 +150,9 @@ def load_runtime(settings: Settings, limiter: ProviderLimiter | None = None) -> 
         factory = getattr(importlib.import_module(module_name), attr)
         runtime: Runtime = factory(settings)
         return runtime
-    from worker.bootstrap import build_rate_budget, build_reranker, pipeline_config
-    from worker.runtime import Runtime as InProcessRuntime
-    from worker.runtime import build_runtime
+    from worker.runtime.bootstrap import build_rate_budget, build_reranker, pipeline_config
+    from worker.runtime.inprocess import Runtime as InProcessRuntime
+    from worker.runtime.inprocess import build_runtime
 
     overrides: dict[str, Any] = {"recorder": metrics.PrometheusRecorder()}
     budget = build_rate_budget(settings)  # one budget for every worker process, in Redis

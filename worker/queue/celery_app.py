@@ -8,7 +8,7 @@ threads (300 by default). The pipeline is synchronous and spends its time
 waiting on the model (about a second per rerank) or in onnxruntime, apsw and
 numpy, which release the GIL, so one process keeps hundreds of searches in
 flight. Model calls are further bounded by ``SIFT_RERANK_MAX_IN_FLIGHT``
-(:mod:`worker.ratelimit`). Celery does not enforce ``time_limit`` under the
+(:mod:`worker.runtime.ratelimit`). Celery does not enforce ``time_limit`` under the
 threads pool; the search deadline, passed down into every stage, is what stops
 a search, and the time limits below still apply under ``--pool prefork``.
 """
@@ -216,7 +216,7 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
     settings: Settings | None = getattr(getattr(app, "conf", None), "sift_settings", None)
     if settings is None or not settings.worker_metrics_port:
         return
-    from worker.metrics import preregister, start_worker_metrics_server
+    from worker.observability.metrics import preregister, start_worker_metrics_server
 
     # the model's and the backend's series too, at zero: a rate or an increase over a series
     # that first appears at its first event would miss that event
@@ -232,11 +232,11 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
 
 def _check_prices(sender: Any = None, **_: Any) -> None:
     """On worker start (ready: its logging is set up by then), warn if the generation model
-    has no price (worker/bootstrap.py), or if Elasticsearch's tombstones would not outlast
+    has no price (worker/runtime/bootstrap.py), or if Elasticsearch's tombstones would not outlast
     an ingest's redelivery (:func:`warn_if_tombstones_too_short`)."""
     settings = getattr(getattr(getattr(sender, "app", None), "conf", None), "sift_settings", None)
     if settings is not None:
-        from worker.bootstrap import warn_if_unpriced
+        from worker.runtime.bootstrap import warn_if_unpriced
 
         warn_if_unpriced(settings)
         warn_if_tombstones_too_short(settings)
@@ -289,14 +289,14 @@ def _stopped(**_: Any) -> None:
 
 def _child_exited(pid: int | None = None, **_: Any) -> None:
     """A prefork child exits: in multiprocess mode, drop its share of the live gauges."""
-    from worker.metrics import mark_process_dead
+    from worker.observability.metrics import mark_process_dead
 
     mark_process_dead(pid or os.getpid())
 
 
 def _job_ids_in_logs(logger: logging.Logger | None = None, **_: Any) -> None:
     """Celery configured its loggers: give their handlers the job id and Sift's format."""
-    from worker.logcontext import install
+    from worker.observability.logcontext import install
 
     for handler in logger.handlers if logger is not None else []:
         install(handler)

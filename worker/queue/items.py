@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from worker.contract import ErrorInfo, SearchResult
-from worker.logcontext import job_context
+from worker.observability.logcontext import job_context
 from worker.queue.jobstore import BatchItem, ItemTransition, JobStore
 
 log = logging.getLogger(__name__)

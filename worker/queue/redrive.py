@@ -95,7 +95,6 @@ from typing import Any, cast
 import redis
 from celery import bootsteps
 
-from worker import metrics
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_ID_PREFIX,
@@ -116,6 +115,7 @@ from worker.constants import (
     WEBHOOK_TASK,
     kombu_queue_keys,
 )
+from worker.observability import metrics
 from worker.queue.jobstore import JobStore, webhook_event
 from worker.redis_client import connect
 

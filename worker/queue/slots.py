@@ -7,7 +7,7 @@ hand-off is a futex wake and a context switch, which perf put at a quarter of th
 CPU. So a search holds a slot through its first half (embedding, retrieval, fusion, the
 prompt; not a retry's back-off), and when every slot is taken it waits for one off the GIL.
 Elasticsearch's retrieval waits on the network, so there only the embedding holds one
-(:func:`worker.bootstrap.build_pipeline` decides).
+(:func:`worker.runtime.bootstrap.build_pipeline` decides).
 
     slots = cpu_slots(settings.cpu_slots)  # SIFT_CPU_SLOTS; 0 is one per core, plus one
     SearchPipeline(EmbeddedBackend(data_dir), embedder, cpu_slots=slots)  # the first half
@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from worker.core.ports import Embedder
-from worker.machine import cpu_count
+from worker.processes.machine import cpu_count
 
 Slots = AbstractContextManager[Any]
 

@@ -20,7 +20,6 @@ from typing import Any
 import redis
 from celery import shared_task
 
-from worker import lifecycle, metrics
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
@@ -38,12 +37,14 @@ from worker.constants import (
 from worker.contract import ErrorInfo
 from worker.core.budget import MIN_ATTEMPT_SECONDS
 from worker.errors import Canceled, SiftError
+from worker.observability import metrics
 from worker.queue import liveness
 from worker.queue.base import SiftTask, WaitHop, count_completed, error_info
 from worker.queue.celery_app import visibility_timeout
 from worker.queue.economy import economy_pipeline, is_prepared, maybe_submit, save_prepared
 from worker.queue.items import CancelMarks, Chunk, RunOutcome
 from worker.queue.jobstore import BatchItem, ClaimAnswers, ItemTransition, JobStore, RunClaim
+from worker.runtime import lifecycle
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -304,7 +305,7 @@ def cancel_count(self: SiftTask, batch_id: str) -> None:
 )
 def ingest(self: SiftTask, job_id: str) -> None:
     """Upsert one ingest job's documents into the tenant's index, or run a delete job (the
-    same record kind, with ``operation`` "delete" or "drop": :mod:`worker.lifecycle`)."""
+    same record kind, with ``operation`` "delete" or "drop": :mod:`worker.runtime.lifecycle`)."""
     store = self.context.store
     job = store.get_ingest(job_id)
     if job is None or job.status.final:
@@ -385,7 +386,7 @@ def index_read(
     name=WEBHOOK_TASK, base=SiftTask, bind=True, max_retries=None
 )
 def webhook(self: SiftTask, event: dict[str, Any]) -> None:
-    """Deliver one signed webhook; :func:`worker.webhooks.run_delivery` decides the retry.
+    """Deliver one signed webhook; :func:`worker.webhooks.delivery.run_delivery` decides the retry.
 
     The event carries its attempt number and, while it waits for that attempt, when it is
     due (``due_at``). A wait is made in hops of at most half the broker's visibility timeout,
@@ -396,7 +397,7 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     The job's final move recorded the webhook owed; a retry records when its attempt is
     due, and a final attempt (or a drop) settles it: one still owed long past its due time
     lost its message, and the re-drive sends it again (:mod:`worker.queue.redrive`)."""
-    from worker import webhooks
+    from worker.webhooks import delivery as webhooks
 
     settings = self.context.settings
     wait = float(event.get("due_at", 0.0)) - time.time()

@@ -9,11 +9,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from worker import metrics
 from worker.constants import ECONOMY_RUNS_KEY
 from worker.contract import ErrorInfo, JobStatus
 from worker.core.pipeline import Prepared, RerankRun, load_prepared
 from worker.errors import RerankAttemptError, RerankFailed
+from worker.observability import metrics
 from worker.queue.base import SiftTask, count_completed, error_info
 from worker.queue.economy.records import economy_pipeline, rerank_run, running_items
 from worker.queue.jobstore import BatchJob, ItemTransition

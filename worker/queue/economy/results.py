@@ -22,7 +22,7 @@ from worker.contract import JobStatus
 from worker.core.pipeline import Prepared, RerankRun, SearchPipeline, load_prepared
 from worker.core.types import TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
-from worker.logcontext import job_context
+from worker.observability.logcontext import job_context
 from worker.queue.base import SiftTask
 from worker.queue.economy.finish import cancel_item, fail_items, finish_item
 from worker.queue.economy.ids import custom_id, position_of, submission_of

@@ -9,8 +9,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from worker import metrics
 from worker.constants import BATCH_QUEUE, ECONOMY_POLL_TASK, ECONOMY_SUBMIT_TASK
+from worker.observability import metrics
 from worker.queue.base import SiftTask
 from worker.queue.economy.leases import WATCH_MARGIN_SECONDS, expect, give_back
 from worker.queue.jobstore import BatchJob, JobStore

@@ -25,7 +25,7 @@ from ir_measures import RR, R, nDCG
 
 from worker.contract import DocumentIn, Mode, SearchSpec
 from worker.core.cost import add_costs
-from worker.runtime import Runtime
+from worker.runtime.inprocess import Runtime
 
 JUDGE_POLICY = "qrels (binary: score >= 1), no LLM judge; queries without qrels left out"
 MEASURES = [nDCG @ 10, RR @ 10, R @ 10, R @ 100]

@@ -6,13 +6,14 @@ One Celery threads-pool process is bound by the GIL to about one core, so by def
 The supervisor (this process):
 
 - starts each child again when it exits, after a back-off, with a line on stderr
-  (:class:`worker.stack.Supervisor`, the one ``sift up`` uses);
+  (:class:`worker.processes.stack.Supervisor`, the one ``sift up`` uses);
 - passes SIGTERM and SIGINT on to every child, so a rolling restart hands the work back as a
   single worker does (:mod:`worker.queue.liveness`, :mod:`worker.queue.items`), and exits once
   they all have. The children run in a process group of their own, so a terminal's Ctrl-C
   reaches them once, through us; and they receive SIGTERM if we die (``PR_SET_PDEATHSIG``);
 - serves the one ``/metrics`` on ``SIFT_WORKER_METRICS_PORT``, summing the children's files
-  (Prometheus multiprocess mode, :mod:`worker.metrics`); a dead child's live gauges are dropped.
+  (Prometheus multiprocess mode, :mod:`worker.observability.metrics`); a dead child's live gauges
+  are dropped.
 
 ``--processes 1`` runs the Celery worker in the process itself, as before.
 """
@@ -30,9 +31,9 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 
-from worker.machine import cpu_count
+from worker.processes.machine import cpu_count
+from worker.processes.stack import Service, Supervisor, child_env, sift_command
 from worker.settings import Settings
-from worker.stack import Service, Supervisor, child_env, sift_command
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -62,7 +63,7 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
     """Run ``count`` supervised worker processes until SIGTERM or SIGINT, then stop them all.
 
     ``child_args`` are the ``sift worker`` options each child gets besides its name."""
-    from worker import metrics
+    from worker.observability import metrics
 
     created = None
     directory = metrics.multiprocess_dir()
@@ -130,7 +131,7 @@ def _all_exited(services: Sequence[Service]) -> bool:
 
 def _dead(service: Service) -> None:
     """A child exited: its share of the live gauges goes (its counters stay)."""
-    from worker.metrics import mark_process_dead
+    from worker.observability.metrics import mark_process_dead
 
     if service.proc is not None:
         mark_process_dead(service.proc.pid)
@@ -138,7 +139,7 @@ def _dead(service: Service) -> None:
 
 def _serve_metrics(settings: Settings) -> None:
     from worker.constants import ALL_QUEUES
-    from worker.metrics import preregister, start_worker_metrics_server
+    from worker.observability.metrics import preregister, start_worker_metrics_server
 
     models = [settings.generation_model_id] if settings.generation_model_id else []
     preregister(models=models, backend=settings.search_backend, queues=ALL_QUEUES)

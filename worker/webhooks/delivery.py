@@ -45,7 +45,7 @@ from standardwebhooks.webhooks import Webhook
 
 from worker.constants import WEBHOOK_EVENT_BATCH_COMPLETED, WEBHOOK_EVENT_SEARCH_COMPLETED
 from worker.errors import InvalidRequest
-from worker.urlguard import IPAddress, check_webhook_url
+from worker.webhooks.urlguard import IPAddress, check_webhook_url
 
 if TYPE_CHECKING:
     from worker.settings import Settings

@@ -15,12 +15,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from worker.bootstrap import build_pipeline
 from worker.constants import ECONOMY_PRICE_DISCOUNT
 from worker.contract import DocumentIn, SearchResult, SearchSpec
 from worker.core.pipeline import SearchPipeline
 from worker.core.ports import AnswerKeeper
 from worker.core.types import Document
+from worker.runtime.bootstrap import build_pipeline
 from worker.settings import Settings
 
 # Texts per embed call: the progress a caller sees. Within a call the embedder keeps every

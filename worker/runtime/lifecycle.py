@@ -22,14 +22,15 @@ from worker.core.pipeline import shown_metadata
 from worker.core.ports import IndexCatalog
 from worker.errors import ConfigError, InvalidRequest, SiftError
 from worker.queue.jobstore import IngestJob, JobStore
-from worker.runtime import Runtime
+from worker.runtime.inprocess import Runtime
 
 READ_OPERATIONS = ("list", "show", "document", "documents", "update")
 
 
 def catalog(runtime: object) -> IndexCatalog:
     """The runtime's backend as an :class:`IndexCatalog` (both shipped backends are one).
-    ``runtime`` is a :class:`~worker.runtime.Runtime` (the tasks see it through a Protocol)."""
+    ``runtime`` is a :class:`~worker.runtime.inprocess.Runtime` (the tasks see it through a
+    Protocol)."""
     backend: Any = cast(Runtime, runtime).pipeline.backend
     if not all(hasattr(backend, m) for m in ("indexes", "index_info", "document", "documents")):
         raise ConfigError(f"the {backend.name} backend has no index lifecycle")

@@ -1,0 +1,6 @@
+"""Running Sift's processes: the local stack that ``sift up``, ``sift demo`` and the tests start
+(:mod:`.stack`), ``sift worker``'s worker processes on every core under one supervisor
+(:mod:`.workers`), and the cores a process may use (:mod:`.machine`).
+
+This file imports nothing.
+"""
