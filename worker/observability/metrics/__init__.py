@@ -1,0 +1,196 @@
+"""Sift's Prometheus metrics: each DESIGN.md §9 metric defined once, the recorder, the exposition.
+
+This package depends on ``prometheus_client`` and :mod:`worker.constants` only, so the gateway
+can import it without the search core. Its modules, by what they measure or do:
+
+* ``_search``: the search and its retrieval channels; ``_rerank``: the model calls, their
+  tokens, cost and rate limits; ``_jobs``: jobs, queues, tasks, the re-drive and webhooks;
+* ``_recorder``: :class:`PrometheusRecorder`; ``_series``: every metric and
+  :func:`preregister`; ``_recording``: closed label sets and the kept children;
+* ``_multiprocess``: the value files and their sweep; ``_exposition``: serving ``/metrics``.
+
+Import the names from here: ``from worker.observability import metrics``.
+
+Who calls what:
+
+* the pipeline reports through :class:`PrometheusRecorder` (the ``Recorder`` port);
+* a Celery task calls :func:`observe_queue_wait`, :func:`job_completed` and
+  :func:`running_job`; the webhook task calls :func:`webhook_delivery`;
+* the gateway calls :func:`job_submitted`, mounts :func:`metrics_asgi_app` at ``/metrics``,
+  and may call :func:`update_backlog` from a periodic loop;
+* a worker's main process calls :func:`start_worker_metrics_server`.
+
+Multiprocess mode. Where a process forks (Celery prefork, several gateway workers) each
+process writes its values to files in ``PROMETHEUS_MULTIPROC_DIR`` and the exposition sums
+them. That variable is prometheus-client's own (as ``ANTHROPIC_BASE_URL`` is the SDK's), so it
+is not a ``SIFT_`` setting. The supervising process calls :func:`setup_multiprocess` once,
+before any child starts and before anything is recorded: it empties the directory (stale files
+from an earlier run would be counted twice) and switches this process, and every child it forks
+or spawns, to file-backed values. When a child exits, call :func:`mark_process_dead` with its
+pid (Celery's ``worker_process_shutdown``, gunicorn's ``child_exit``), so its share of the
+``live…`` gauges goes away; its counters stay, so no count is lost. The exposition also sweeps
+the files of pids that no longer exist, for children that died without running the hook.
+
+    setup_multiprocess("/run/sift-metrics")      # supervisor, before forking
+    start_worker_metrics_server(9808)             # the Celery main process
+    recorder = PrometheusRecorder()               # passed to build_pipeline(recorder=...)
+"""
+
+from worker.observability.metrics._exposition import (
+    exposition_registry,
+    metrics_asgi_app,
+    metrics_response,
+    snapshot,
+    start_worker_metrics_server,
+)
+from worker.observability.metrics._jobs import (
+    JOB_ERRORS,
+    JOB_FAILURES,
+    JOB_KINDS,
+    JOB_STATES,
+    JOB_STATUSES,
+    JOBS_COMPLETED,
+    JOBS_IN_FLIGHT,
+    JOBS_SUBMITTED,
+    QUEUE_BACKLOG,
+    QUEUE_WAIT,
+    QUEUE_WAIT_BUCKETS,
+    REDRIVE_KINDS,
+    REDRIVEN,
+    TASK_DURATION,
+    TASK_RETRIES,
+    WEBHOOK_DELIVERIES,
+    WEBHOOK_RESULTS,
+    RedisLike,
+    cancel_counted,
+    job_completed,
+    job_store_unread,
+    job_submitted,
+    observe_queue_wait,
+    redriven,
+    running_job,
+    update_backlog,
+    webhook_delivery,
+)
+from worker.observability.metrics._multiprocess import (
+    MULTIPROC_DIR_ENV,
+    SweepingCollector,
+    ensure_multiprocess_dir,
+    mark_process_dead,
+    multiprocess_dir,
+    setup_multiprocess,
+    sweep_dead_processes,
+)
+from worker.observability.metrics._recorder import PrometheusRecorder
+from worker.observability.metrics._recording import OTHER
+from worker.observability.metrics._rerank import (
+    ATTEMPT_RESULTS,
+    BUDGET_WAIT,
+    BUDGET_WAIT_BUCKETS,
+    LANES,
+    PROVIDER_429,
+    RERANK_ATTEMPTS,
+    RERANK_BUCKETS,
+    RERANK_COST,
+    RERANK_DURATION,
+    RERANK_DURATION_OUTCOMES,
+    RERANK_IN_FLIGHT,
+    RERANK_OUTCOME_VALUES,
+    RERANK_OUTCOMES,
+    RERANK_TOKENS,
+    RERANK_UNPRICED,
+    TOKEN_TYPES,
+    InFlightReranker,
+    budget_waited,
+    provider_429,
+    rerank_in_flight,
+)
+from worker.observability.metrics._search import (
+    HITS_BUCKETS,
+    RETRIEVAL_BUCKETS,
+    RETRIEVAL_CHANNELS,
+    RETRIEVAL_DURATION,
+    RETRIEVAL_HITS,
+    SEARCH_BUCKETS,
+    SEARCH_DURATION,
+    SEARCH_LATENCY_GOAL_SECONDS,
+    SEARCH_MODES,
+    SEARCH_OUTCOMES,
+)
+from worker.observability.metrics._series import ALL_METRICS, preregister
+
+__all__ = [
+    "ALL_METRICS",
+    "ATTEMPT_RESULTS",
+    "BUDGET_WAIT",
+    "BUDGET_WAIT_BUCKETS",
+    "HITS_BUCKETS",
+    "JOBS_COMPLETED",
+    "JOBS_IN_FLIGHT",
+    "JOBS_SUBMITTED",
+    "JOB_ERRORS",
+    "JOB_FAILURES",
+    "JOB_KINDS",
+    "JOB_STATES",
+    "JOB_STATUSES",
+    "LANES",
+    "MULTIPROC_DIR_ENV",
+    "OTHER",
+    "PROVIDER_429",
+    "QUEUE_BACKLOG",
+    "QUEUE_WAIT",
+    "QUEUE_WAIT_BUCKETS",
+    "REDRIVEN",
+    "REDRIVE_KINDS",
+    "RERANK_ATTEMPTS",
+    "RERANK_BUCKETS",
+    "RERANK_COST",
+    "RERANK_DURATION",
+    "RERANK_DURATION_OUTCOMES",
+    "RERANK_IN_FLIGHT",
+    "RERANK_OUTCOMES",
+    "RERANK_OUTCOME_VALUES",
+    "RERANK_TOKENS",
+    "RERANK_UNPRICED",
+    "RETRIEVAL_BUCKETS",
+    "RETRIEVAL_CHANNELS",
+    "RETRIEVAL_DURATION",
+    "RETRIEVAL_HITS",
+    "SEARCH_BUCKETS",
+    "SEARCH_DURATION",
+    "SEARCH_LATENCY_GOAL_SECONDS",
+    "SEARCH_MODES",
+    "SEARCH_OUTCOMES",
+    "TASK_DURATION",
+    "TASK_RETRIES",
+    "TOKEN_TYPES",
+    "WEBHOOK_DELIVERIES",
+    "WEBHOOK_RESULTS",
+    "InFlightReranker",
+    "PrometheusRecorder",
+    "RedisLike",
+    "SweepingCollector",
+    "budget_waited",
+    "cancel_counted",
+    "ensure_multiprocess_dir",
+    "exposition_registry",
+    "job_completed",
+    "job_store_unread",
+    "job_submitted",
+    "mark_process_dead",
+    "metrics_asgi_app",
+    "metrics_response",
+    "multiprocess_dir",
+    "observe_queue_wait",
+    "preregister",
+    "provider_429",
+    "redriven",
+    "rerank_in_flight",
+    "running_job",
+    "setup_multiprocess",
+    "snapshot",
+    "start_worker_metrics_server",
+    "sweep_dead_processes",
+    "update_backlog",
+    "webhook_delivery",
+]

@@ -1,0 +1,65 @@
+"""The exposition: what ``/metrics`` serves (every process summed in multiprocess mode), for the
+gateway's ASGI app, a worker's own HTTP server, and tests and tools that read it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from threading import Thread
+from typing import Any
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    generate_latest,
+    make_asgi_app,
+    start_http_server,
+)
+from prometheus_client.registry import Collector
+
+from worker.observability.metrics._multiprocess import SweepingCollector, multiprocess_dir
+
+
+def exposition_registry() -> Collector:
+    """What ``/metrics`` serves: every process summed in multiprocess mode, else this one."""
+    directory = multiprocess_dir()
+    if directory is None:
+        return REGISTRY
+    registry = CollectorRegistry()
+    SweepingCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    return registry
+
+
+def metrics_response() -> tuple[bytes, str]:
+    """The body and content type of a ``/metrics`` answer, for any web framework."""
+    return generate_latest(exposition_registry()), CONTENT_TYPE_LATEST
+
+
+def metrics_asgi_app() -> Callable[..., Any]:
+    """An ASGI app serving ``/metrics``; mount it after :func:`setup_multiprocess`, if used.
+
+    >>> app.mount("/metrics", metrics_asgi_app())  # doctest: +SKIP
+    """
+    return make_asgi_app(registry=exposition_registry())
+
+
+def start_worker_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, Thread]:
+    """Serve ``/metrics`` on ``port`` (``SIFT_WORKER_METRICS_PORT``) from a daemon thread.
+
+    Call it in the worker's main process (Celery ``worker_init``), never in a prefork child.
+    Port 0 picks a free port: read it from ``server.server_address[1]``.
+    """
+    server, thread = start_http_server(port, addr, registry=exposition_registry())
+    return server, thread
+
+
+def snapshot(
+    registry: Collector | None = None,
+) -> Mapping[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the exposition as ``{(name, sorted labels): value}``, for tests and tools."""
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in (registry or exposition_registry()).collect():
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out

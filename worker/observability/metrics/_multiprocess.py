@@ -1,0 +1,142 @@
+"""Multiprocess mode: every process writes its values to files in one folder, and the exposition
+sums them, forgetting the live gauges of processes that are gone.
+
+The folder is ``PROMETHEUS_MULTIPROC_DIR``, prometheus-client's own variable (as
+``ANTHROPIC_BASE_URL`` is the SDK's), so it is not a ``SIFT_`` setting.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Final
+
+from prometheus_client import values as _prometheus_values
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.multiprocess import mark_process_dead as _mark_process_dead
+
+from worker.observability.metrics._series import ALL_METRICS
+
+log = logging.getLogger(__name__)
+
+MULTIPROC_DIR_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus-client's own variable: when set, values live in files there (multiprocess mode)."""
+
+
+def multiprocess_dir() -> str | None:
+    """The directory of multiprocess mode, or None in single-process mode."""
+    return os.environ.get(MULTIPROC_DIR_ENV) or None
+
+
+def ensure_multiprocess_dir() -> None:
+    """Make the folder ``PROMETHEUS_MULTIPROC_DIR`` names, if it is set and missing, before the
+    first value is written there (prometheus-client opens its files in it and does not make it).
+
+    For a process that keeps others' files (the gateway): it empties nothing. deploy/k8s mounts
+    an ``emptyDir`` at ``/tmp``, which hides the ``/tmp/sift-metrics`` the image made."""
+    directory = multiprocess_dir()
+    if directory is not None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+
+
+def setup_multiprocess(directory: str | os.PathLike[str]) -> Path:
+    """Switch to multiprocess mode with a clean ``directory``, once, before forking: in the
+    supervisor of worker processes, or in a worker run as one process (``sift worker``).
+
+    Empties the directory of value files from an earlier run, exports
+    ``PROMETHEUS_MULTIPROC_DIR`` for the children, and switches this process to file-backed
+    values. Raises RuntimeError if a metric has already been recorded in this process.
+    """
+    recorded = [m for m in ALL_METRICS if getattr(m, "_metrics", None)]
+    if recorded:
+        names = ", ".join(sorted(m._name for m in recorded))
+        raise RuntimeError(f"setup_multiprocess() must run before anything is recorded: {names}")
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    _warn_if_shared(path)
+    for stale in path.glob("*.db"):
+        stale.unlink()
+    os.environ[MULTIPROC_DIR_ENV] = str(path)
+    # prometheus-client picks its value class once, when first imported; pick again now that
+    # the directory is known, so values created from here on go to files.
+    _prometheus_values.ValueClass = _prometheus_values.get_value_class()  # type: ignore[no-untyped-call]
+    return path
+
+
+def _warn_if_shared(path: Path) -> None:
+    """Say so when ``path`` holds files of another process still running: it shares the
+    folder (two ``sift worker``, or a worker and a gateway, given one
+    ``PROMETHEUS_MULTIPROC_DIR``). Emptying it takes that process's values from its
+    ``/metrics`` for good, and while both write there each serves the other's too. A warning,
+    not a refusal: the pid may be an unrelated process that reused a dead writer's number."""
+    pids = {int(m.group(1)) for f in path.glob("*.db") if (m := _VALUE_FILE.match(f.name))}
+    live = sorted(pid for pid in pids if pid != os.getpid() and _alive(pid))
+    if live:
+        log.warning(
+            "PROMETHEUS_MULTIPROC_DIR %s holds the metrics files of running pid(s) %s: give each "
+            "sift worker and gateway a folder of its own; emptying it now",
+            path,
+            ", ".join(map(str, live)),
+        )
+
+
+def mark_process_dead(pid: int) -> None:
+    """A child process exited: drop its share of the live gauges (its counters stay).
+
+    Celery: ``worker_process_shutdown.connect(lambda pid=None, **_: mark_process_dead(pid))``.
+    gunicorn: ``def child_exit(server, worker): mark_process_dead(worker.pid)``.
+    """
+    directory = multiprocess_dir()
+    if directory is not None:
+        _mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+
+
+_LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
+_VALUE_FILE = re.compile(r"^[a-z_]+_(\d+)\.db$")  # counter_12.db, gauge_livesum_12.db, ...
+
+
+def sweep_dead_processes(directory: str | os.PathLike[str]) -> list[int]:
+    """Mark dead every pid whose live-gauge files remain but whose process is gone."""
+    pids = set()
+    for path in Path(directory).glob("gauge_live*_*.db"):
+        match = _LIVE_GAUGE_FILE.match(path.name)
+        if match:
+            pids.add(int(match.group(1)))
+    dead = [pid for pid in sorted(pids) if not _alive(pid)]
+    for pid in dead:
+        _mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
+    return dead
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SweepingCollector(MultiProcessCollector):
+    """Sums every process's files, after forgetting the live gauges of dead processes.
+
+    A file a starting process has just created is still empty (prometheus-client sizes it
+    and writes its header a moment later): it is left out of this collection rather than
+    failing the whole scrape (``struct.error``), as ``MultiProcessCollector`` would.
+    """
+
+    def collect(self) -> Any:
+        sweep_dead_processes(self._path)
+        files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _has_header(f)]
+        return self.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+
+
+def _has_header(path: str) -> bool:
+    try:
+        return os.path.getsize(path) >= 8  # the used-bytes word and its padding
+    except OSError:  # removed meanwhile (a dead process's live gauge)
+        return False

@@ -1,0 +1,165 @@
+"""What the rerank measures: each model call's class, tokens and cost, the whole rerank's time
+and outcome, the calls in flight, and the waits the rate limits impose (the shared rate budget,
+the provider's 429s), by model and lane."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Final
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from worker.constants import (
+    METRIC_PROVIDER_429,
+    METRIC_RATE_BUDGET_WAIT,
+    METRIC_RERANK_ATTEMPTS,
+    METRIC_RERANK_COST,
+    METRIC_RERANK_DURATION,
+    METRIC_RERANK_IN_FLIGHT,
+    METRIC_RERANK_OUTCOMES,
+    METRIC_RERANK_TOKENS,
+    METRIC_RERANK_UNPRICED,
+)
+from worker.observability.metrics._recording import child, closed, never_raises
+
+if TYPE_CHECKING:
+    from worker.core.ports import Reranker
+    from worker.core.types import RerankPrompt, RerankReply
+
+# --- closed label sets ---
+ATTEMPT_RESULTS: Final = (
+    "ok",
+    "timeout",
+    "http_5xx",
+    "rate_limited",
+    "connection",
+    "http_4xx",
+    "malformed",
+    "budget_exhausted",  # not sent: the shared rate budget would free it past the deadline
+)
+RERANK_DURATION_OUTCOMES: Final = (*ATTEMPT_RESULTS, "deadline")  # the last attempt's class
+RERANK_OUTCOME_VALUES: Final = (
+    "applied",
+    "fallback_no_valid_ranks",
+    "fallback_error",
+    "failed",
+    "skipped",
+)
+TOKEN_TYPES: Final = ("input", "output", "cache_read", "cache_creation")
+LANES: Final = ("standard", "economy")
+
+# --- buckets ---
+# A standard-lane rerank takes 0.25-60 s (its deadline is 30 s). An economy-lane one is timed
+# from the provider batch's submission to its answer: at least a poll (30 s), typically minutes,
+# up to the economy deadline (a day); without the long buckets all of it fell in +Inf and every
+# percentile of the lane read 60 s.
+RERANK_BUCKETS: Final = (
+    0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
+    120.0, 300.0, 600.0, 1800.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 24 * 3600.0,
+)  # fmt: skip
+# a call's wait for the shared rate budget: none at all, up to the longest pause (a minute)
+BUDGET_WAIT_BUCKETS: Final = (
+    0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0,
+)  # fmt: skip
+
+# --- the metrics ---
+RERANK_DURATION = Histogram(
+    METRIC_RERANK_DURATION,
+    "Seconds for the whole rerank of one search, every attempt and backoff included; in the "
+    "economy lane, from the first provider batch submission to the answer.",
+    ["model", "outcome", "lane"],
+    buckets=RERANK_BUCKETS,
+)
+RERANK_TOKENS = Counter(
+    METRIC_RERANK_TOKENS,
+    "Tokens the provider reported, by disjoint type: their sum is what is billed.",
+    ["model", "type", "lane"],
+)
+RERANK_ATTEMPTS = Counter(
+    METRIC_RERANK_ATTEMPTS,
+    "Model calls, by the one class each attempt falls in.",
+    ["model", "result"],
+)
+RERANK_OUTCOMES = Counter(
+    METRIC_RERANK_OUTCOMES,
+    "Searches that asked for a rerank, by what became of it.",
+    ["policy", "outcome"],
+)
+RERANK_COST = Counter(
+    METRIC_RERANK_COST,
+    "Estimated US dollars for rerank calls: the provider's usage times SIFT_PRICES.",
+    ["model", "lane"],
+)
+RERANK_UNPRICED = Counter(
+    METRIC_RERANK_UNPRICED,
+    "Model calls that reported usage for a model with no price in SIFT_PRICES: their cost is "
+    "unknown (null in the job's usage) and missing from the cost counter.",
+    ["model", "lane"],
+)
+RERANK_IN_FLIGHT = Gauge(
+    METRIC_RERANK_IN_FLIGHT,
+    "Model calls waiting for the provider right now.",
+    ["model"],
+    multiprocess_mode="livesum",
+)
+# The shared rate budget's metrics (extensions to §9; worker/adapters/rate_budget.py).
+BUDGET_WAIT = Histogram(
+    METRIC_RATE_BUDGET_WAIT,
+    "Seconds a model call waited for the shared rate budget before it was sent (0: none), "
+    "by model and lane; a call the budget could not serve in time is not observed here but "
+    "counted as a budget_exhausted attempt.",
+    ["model", "lane"],
+    buckets=BUDGET_WAIT_BUCKETS,
+)
+PROVIDER_429 = Counter(
+    METRIC_PROVIDER_429,
+    "HTTP 429 (rate limited) answers of the model provider, by model and lane: each paused "
+    "every worker process for its retry-after.",
+    ["model", "lane"],
+)
+
+
+@contextlib.contextmanager
+def rerank_in_flight(model: str) -> Iterator[None]:
+    """Counts one model call in ``sift_rerank_in_flight`` while the block runs."""
+    gauge = child(RERANK_IN_FLIGHT, model)
+    gauge.inc()
+    try:
+        yield
+    finally:
+        gauge.dec()
+
+
+class InFlightReranker:
+    """Wraps a ``Reranker`` so each call shows in ``sift_rerank_in_flight``.
+
+    >>> reranker = InFlightReranker(AnthropicReranker("claude-haiku-4-5"))  # doctest: +SKIP
+    """
+
+    def __init__(self, inner: Reranker) -> None:
+        self.inner = inner
+        self.model = inner.model
+
+    def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:
+        with rerank_in_flight(self.model):
+            try:
+                return self.inner.rerank(prompt, timeout_seconds)
+            except Exception as exc:
+                # only the model adapter is inside: a rate_limited attempt here is a real 429
+                # (AttemptOutcome is a StrEnum; compared by value, this module imports no core)
+                if getattr(exc, "outcome", None) == "rate_limited":
+                    provider_429(self.model)
+                raise
+
+
+@never_raises
+def budget_waited(model: str, lane: str, seconds: float) -> None:
+    """A model call of ``lane`` waited ``seconds`` for the shared rate budget (0: none)."""
+    child(BUDGET_WAIT, model, closed(lane, LANES, "lane")).observe(max(0.0, seconds))
+
+
+@never_raises
+def provider_429(model: str, lane: str = "standard") -> None:
+    """The model provider answered a call of ``lane`` with HTTP 429."""
+    PROVIDER_429.labels(model, closed(lane, LANES, "lane")).inc()

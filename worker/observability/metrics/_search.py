@@ -1,0 +1,57 @@
+"""What a search's own stages measure: the whole search by mode and outcome, and each retrieval
+channel's time and hits (the rerank's are :mod:`._rerank`'s)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from prometheus_client import Histogram
+
+from worker.constants import (
+    METRIC_RETRIEVAL_DURATION,
+    METRIC_RETRIEVAL_HITS,
+    METRIC_SEARCH_DURATION,
+)
+
+# --- closed label sets ---
+SEARCH_MODES: Final = ("fts", "vector", "hybrid")
+SEARCH_OUTCOMES: Final = ("ok", "fallback", "error")
+RETRIEVAL_CHANNELS: Final = ("bm25", "knn", "embed", "fuse")  # embed, fuse: Sift's own stages
+
+# --- buckets ---
+SEARCH_LATENCY_GOAL_SECONDS: Final = 2.5
+"""The interactive search latency goal; ``sift_search_duration_seconds`` has a bucket at it."""
+SEARCH_BUCKETS: Final = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+# The embedded backend answers a channel in milliseconds; Elasticsearch over the network in
+# tens to hundreds, and seconds when it is slow (the search deadline is 30 s): those must not
+# all read as +Inf.
+RETRIEVAL_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+# hits one channel returned for one search (its window is max(4 * coarse limit, 32): 120 at
+# the defaults), or the candidates fusion kept (the coarse limit); 0 is an empty channel
+HITS_BUCKETS: Final = (0, 1, 5, 10, 20, 32, 50, 100, 120, 250, 500, 1000, 2500, 10000)
+
+# --- the metrics ---
+SEARCH_DURATION = Histogram(
+    METRIC_SEARCH_DURATION,
+    "Seconds for one search, retrieval to final hits, by mode and outcome (ok, fallback, "
+    "error); an economy-lane search's own work, without the provider batch's wait (that is "
+    'sift_rerank_duration_seconds{lane="economy"}).',
+    ["mode", "outcome"],
+    buckets=SEARCH_BUCKETS,
+)
+RETRIEVAL_DURATION = Histogram(
+    METRIC_RETRIEVAL_DURATION,
+    "Seconds one backend spent on one channel of one search (embed: the query embedding; "
+    "fuse: admission and fusion of the channels' hits).",
+    ["backend", "channel"],
+    buckets=RETRIEVAL_BUCKETS,
+)
+RETRIEVAL_HITS = Histogram(
+    METRIC_RETRIEVAL_HITS,
+    "Hits one channel of one search returned (bm25, knn), and the candidates fusion kept "
+    'of them (fuse); an empty channel is the le="0" bucket.',
+    ["backend", "channel"],
+    buckets=HITS_BUCKETS,
+)

@@ -1,0 +1,130 @@
+"""Every metric Sift defines, and the known series made at zero at start-up so dashboards and
+rates see them before the first event.
+
+Every metric has labels, so no value exists until the first ``labels()`` call: that is what
+lets :func:`~worker.observability.metrics.setup_multiprocess` switch to file-backed values
+after the metrics are imported, and refuse once one of :data:`ALL_METRICS` has a value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from worker.constants import POLICY_ID
+from worker.observability.metrics._jobs import (
+    JOB_ERRORS,
+    JOB_FAILURES,
+    JOB_KINDS,
+    JOB_STATUSES,
+    JOBS_COMPLETED,
+    JOBS_IN_FLIGHT,
+    JOBS_SUBMITTED,
+    QUEUE_BACKLOG,
+    QUEUE_WAIT,
+    REDRIVE_KINDS,
+    REDRIVEN,
+    TASK_DURATION,
+    TASK_RETRIES,
+    WEBHOOK_DELIVERIES,
+    WEBHOOK_RESULTS,
+)
+from worker.observability.metrics._rerank import (
+    ATTEMPT_RESULTS,
+    BUDGET_WAIT,
+    LANES,
+    PROVIDER_429,
+    RERANK_ATTEMPTS,
+    RERANK_COST,
+    RERANK_DURATION,
+    RERANK_DURATION_OUTCOMES,
+    RERANK_IN_FLIGHT,
+    RERANK_OUTCOME_VALUES,
+    RERANK_OUTCOMES,
+    RERANK_TOKENS,
+    RERANK_UNPRICED,
+    TOKEN_TYPES,
+)
+from worker.observability.metrics._search import (
+    RETRIEVAL_CHANNELS,
+    RETRIEVAL_DURATION,
+    RETRIEVAL_HITS,
+    SEARCH_DURATION,
+    SEARCH_MODES,
+    SEARCH_OUTCOMES,
+)
+
+ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
+    SEARCH_DURATION,
+    QUEUE_WAIT,
+    RETRIEVAL_DURATION,
+    RETRIEVAL_HITS,
+    RERANK_DURATION,
+    RERANK_TOKENS,
+    RERANK_ATTEMPTS,
+    RERANK_OUTCOMES,
+    RERANK_COST,
+    RERANK_UNPRICED,
+    RERANK_IN_FLIGHT,
+    JOBS_IN_FLIGHT,
+    WEBHOOK_DELIVERIES,
+    QUEUE_BACKLOG,
+    JOBS_SUBMITTED,
+    JOBS_COMPLETED,
+    JOB_FAILURES,
+    REDRIVEN,
+    TASK_DURATION,
+    TASK_RETRIES,
+    BUDGET_WAIT,
+    PROVIDER_429,
+)
+
+
+def preregister(
+    models: Iterable[str] = (),
+    backend: str | None = None,
+    queues: Iterable[str] = (),
+    lanes: Iterable[str] = LANES,
+) -> None:
+    """Create the known series at zero, so dashboards and rates see them before the first event.
+
+    Call it once at start-up, in the supervising process in multiprocess mode.
+    """
+    for model in models:
+        for result in ATTEMPT_RESULTS:
+            RERANK_ATTEMPTS.labels(model, result)
+        for lane in lanes:
+            for outcome in RERANK_DURATION_OUTCOMES:
+                RERANK_DURATION.labels(model, outcome, lane)
+            for token_type in TOKEN_TYPES:
+                RERANK_TOKENS.labels(model, token_type, lane)
+            RERANK_COST.labels(model, lane)
+            RERANK_UNPRICED.labels(model, lane)
+            BUDGET_WAIT.labels(model, lane)
+            PROVIDER_429.labels(model, lane)
+        RERANK_IN_FLIGHT.labels(model).set(0)
+    for outcome in RERANK_OUTCOME_VALUES:
+        RERANK_OUTCOMES.labels(POLICY_ID, outcome)
+    for mode in SEARCH_MODES:
+        for outcome in SEARCH_OUTCOMES:
+            SEARCH_DURATION.labels(mode, outcome)
+    if backend is not None:
+        for channel in RETRIEVAL_CHANNELS:
+            RETRIEVAL_DURATION.labels(backend, channel)
+            if channel != "embed":
+                RETRIEVAL_HITS.labels(backend, channel)
+    for queue in queues:
+        QUEUE_WAIT.labels(queue)
+    for kind in JOB_KINDS:
+        JOBS_SUBMITTED.labels(kind)
+        for status in JOB_STATUSES:
+            JOBS_COMPLETED.labels(kind, status)
+        for error in JOB_ERRORS:
+            JOB_FAILURES.labels(kind, error)
+    JOBS_IN_FLIGHT.labels("running").set(0)  # "queued" is the job store's to report
+    for result in WEBHOOK_RESULTS:
+        WEBHOOK_DELIVERIES.labels(result)
+    for kind in REDRIVE_KINDS:
+        REDRIVEN.labels(kind)
