@@ -37,6 +37,7 @@ from api_gateway.deps import (
 from api_gateway.errors import ApiError
 from api_gateway.jobs import enqueue_ingest, ingest_response
 from api_gateway.listing import NOT_OURS, pack_token, unpack_token
+from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import IngestJobOut, _Strict, iso
 from worker.constants import (
     DEFAULT_PAGE_SIZE,
@@ -52,7 +53,7 @@ from worker.contract import INDEX_PATTERN, FilterValue, FusionMethod, IndexSetti
 from worker.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1", tags=["indexes"])
+router = APIRouter(prefix="/v1", tags=["indexes"], route_class=GetAnswersHead)
 
 
 class DocIdConvertor(Convertor[str]):

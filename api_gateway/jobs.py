@@ -34,6 +34,7 @@ from api_gateway.deps import (
 )
 from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorBody
 from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
+from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import (
     BatchCounts,
     BatchOut,
@@ -86,7 +87,7 @@ from worker.settings import Settings
 from worker.webhooks.urlguard import check_webhook_url
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=GetAnswersHead)
 T = TypeVar("T")
 
 # How long a gateway goes on sending a cancel's count take again, after the cancel's answer,

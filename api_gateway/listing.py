@@ -26,6 +26,7 @@ from api_gateway.deps import (
     off_loop,
 )
 from api_gateway.jobs import batch_out, ingest_out
+from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import BatchOut, IngestJobOut, iso
 from worker.constants import (
     BATCH_ID_PREFIX,
@@ -39,7 +40,7 @@ from worker.contract import ErrorInfo, JobStatus, Mode
 from worker.errors import InvalidRequest
 from worker.queue.jobstore import BatchJob, Cursor, IngestJob, JobPage, SearchJob
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", route_class=GetAnswersHead)
 
 _TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,20})?")  # a creation time, as repr() writes it
 _MAX_TOKEN_CHARS = 128

@@ -255,7 +255,7 @@ def test_a_document_id_ending_in_a_line_break_keeps_its_methods(stack: Stack) ->
     assert got.status_code == 200 and got.json()["id"] == "d1\n", got.text
     put = stack.live.put(base + "/d1%0A", json={}, headers=ACME)
     assert put.status_code == 405 and put.json()["error"]["field"] == "method", put.text
-    assert put.headers["allow"] == "DELETE, GET", put.headers
+    assert put.headers["allow"] == "DELETE, GET, HEAD", put.headers
 
 
 @pytest.mark.parametrize(
@@ -279,14 +279,14 @@ def test_two_authorization_headers_are_401_naming_it(
 @pytest.mark.parametrize(
     ("method", "path", "allow"),
     [
-        ("OPTIONS", "/v1/batches/bat_0", "DELETE, GET"),
-        ("PUT", "/v1/batches/bat_0", "DELETE, GET"),
-        ("PUT", f"/v1/indexes/{INDEX}", "DELETE, GET, PATCH"),
-        ("PUT", f"/v1/indexes/{INDEX}/documents", "GET, POST"),
-        ("PUT", f"/v1/indexes/{INDEX}/documents/d1", "DELETE, GET"),
+        ("OPTIONS", "/v1/batches/bat_0", "DELETE, GET, HEAD"),
+        ("PUT", "/v1/batches/bat_0", "DELETE, GET, HEAD"),
+        ("PUT", f"/v1/indexes/{INDEX}", "DELETE, GET, HEAD, PATCH"),
+        ("PUT", f"/v1/indexes/{INDEX}/documents", "GET, HEAD, POST"),
+        ("PUT", f"/v1/indexes/{INDEX}/documents/d1", "DELETE, GET, HEAD"),
         # the bulk delete's path is also document "delete"'s
-        ("PUT", f"/v1/indexes/{INDEX}/documents/delete", "DELETE, GET, POST"),
-        ("PUT", "/v1/searches", "GET, POST"),
+        ("PUT", f"/v1/indexes/{INDEX}/documents/delete", "DELETE, GET, HEAD, POST"),
+        ("PUT", "/v1/searches", "GET, HEAD, POST"),
         # a static file of the /docs page: no route's, its StaticFiles mount says (it was "")
         ("PUT", "/docs/assets/swagger-ui.css", "GET, HEAD"),
     ],

@@ -1,0 +1,140 @@
+"""The HTTP edges a careful client meets, over real HTTP against the e2e stack: ``HEAD`` on
+every ``GET`` route."""
+
+from __future__ import annotations
+
+import re
+import socket
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack
+
+SEARCH = {"index": INDEX, "query": "tea"}
+
+
+def _jobs(stack: Stack, corpus: list[dict[str, Any]]) -> dict[str, str]:
+    """One finished job of each kind for acme on the live stack, and a document id."""
+    search = stack.live.post("/v1/searches", params={"wait": 20}, json=SEARCH, headers=ACME)
+    batch = stack.live.post(
+        "/v1/batches",
+        json={"index": INDEX, "queries": [{"id": "a", "query": "tea"}]},
+        headers=ACME,
+    )
+    ingest = stack.live.post(
+        "/v1/indexes/head-check/documents",
+        params={"wait": 20},
+        json={"documents": [{"id": "h1", "text": "okapi"}]},
+        headers=ACME,
+    )
+    assert search.status_code == 200 and ingest.status_code == 200, (search.text, ingest.text)
+    assert batch.status_code == 202, batch.text
+    return {
+        "job_id": search.json()["id"],
+        "batch_id": batch.json()["id"],
+        "ingest_id": ingest.json()["id"],
+        "doc_id": str(corpus[0]["id"]),
+    }
+
+
+GET_PATHS = [
+    "/healthz",
+    "/readyz",
+    "/metrics",
+    "/openapi.json",
+    "/docs",
+    "/docs/oauth2-redirect",
+    "/docs/assets/swagger-ui.css",
+    "/v1/searches",
+    "/v1/searches/{job_id}",
+    "/v1/batches",
+    "/v1/batches/{batch_id}",
+    "/v1/batches/{batch_id}/results",
+    "/v1/ingestions",
+    "/v1/ingestions/{ingest_id}",
+    "/v1/indexes",
+    f"/v1/indexes/{INDEX}",
+    f"/v1/indexes/{INDEX}/documents",
+    f"/v1/indexes/{INDEX}/documents/{{doc_id}}",
+    f"/v1/indexes/{INDEX}/documents/delete",  # document "delete": the GET, never the bulk POST
+    "/v1/searches/srch_nope",  # a 404 answers HEAD with the 404's headers
+]
+
+
+def _raw_head(url: str, path: str, headers: dict[str, str]) -> bytes:
+    """What the server sends to a ``HEAD`` on a connection it then closes: an HTTP client
+    reads no body after a HEAD's headers whatever was sent, so this reads the bytes."""
+    parts = urlsplit(url)
+    lines = [f"HEAD {path} HTTP/1.1", f"Host: {parts.netloc}", "Connection: close"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_every_get_route_answers_head_with_its_headers_and_no_body(
+    stack: Stack, corpus: list[dict[str, Any]]
+) -> None:
+    """RFC 9110 (9.3.2): a resource that answers ``GET`` answers ``HEAD`` with the same
+    status and headers and no content. Only the probes did; every other ``GET`` route was
+    ``405`` (FastAPI's routes take the methods they are declared with, alone)."""
+    ids = _jobs(stack, corpus)
+    declared = {
+        re.sub(r"\{[^}]+\}", "{}", path)
+        for path, operations in stack.live.get("/openapi.json").json()["paths"].items()
+        if "get" in operations
+    }
+    covered = {re.sub(r"\{[^}]+\}", "{}", p.replace(f"/{INDEX}", "/{index}")) for p in GET_PATHS}
+    assert declared <= covered, declared - covered  # a new GET route is checked here too
+    volatile = {"date", "content-length"} | {"etag", "last-modified"}
+    for template in GET_PATHS:
+        path = template.format(**ids)
+        got = stack.live.get(path, headers=ACME)
+        head = stack.live.head(path, headers=ACME)
+        assert head.status_code == got.status_code, (path, head.status_code, got.status_code)
+        same = {k: v for k, v in got.headers.items() if k not in volatile}
+        assert {k: v for k, v in head.headers.items() if k not in volatile} == same, path
+        if path not in ("/metrics",):  # its counters move between the two requests
+            assert head.headers.get("content-length") == got.headers.get("content-length")
+        raw = _raw_head(stack.live_url, path, ACME)
+        assert raw.endswith(b"\r\n\r\n") and raw.count(b"\r\n\r\n") == 1, (path, raw[-200:])
+
+
+def test_head_keeps_the_get_s_key_and_tenant_rules(stack: Stack, corpus: object) -> None:
+    job = stack.live.post("/v1/searches", json=SEARCH, headers=ACME).json()["id"]
+    for path in (f"/v1/searches/{job}", f"/v1/indexes/{INDEX}/documents"):
+        unauthenticated = stack.live.head(path)
+        assert unauthenticated.status_code == 401, path
+        assert unauthenticated.headers["www-authenticate"] == "Bearer"
+    assert stack.live.head(f"/v1/searches/{job}", headers=GLOBEX).status_code == 404
+    assert stack.live.head(f"/v1/searches/{job}", headers=ACME).status_code == 200
+    typo = stack.live.head("/v1/searches", params={"statu": "failed"}, headers=ACME)
+    assert typo.status_code == 422, typo.headers  # the GET's parameter check
+
+
+@pytest.mark.parametrize(
+    ("path", "allow"),
+    [
+        ("/v1/batches/bat_0", "DELETE, GET, HEAD"),
+        (f"/v1/indexes/{INDEX}", "DELETE, GET, HEAD, PATCH"),
+        ("/v1/searches", "GET, HEAD, POST"),
+        ("/metrics", "GET, HEAD"),
+    ],
+)
+def test_a_405_allows_head_where_get_is(stack: Stack, path: str, allow: str) -> None:
+    response = stack.live.request("PUT", path, headers=ACME)
+    assert response.status_code == 405, response.text
+    assert response.headers["allow"] == allow
+
+
+def test_openapi_lists_the_gets_not_a_head_for_each(stack: Stack) -> None:
+    """``HEAD`` is HTTP's, implied by each ``GET``: the document lists no ``head`` operation
+    (one per route doubled it, each with the GET's operation id)."""
+    paths = stack.live.get("/openapi.json").json()["paths"]
+    assert not [p for p, operations in paths.items() if "head" in operations]
+    assert "get" in paths["/healthz"] and "get" in paths["/v1/searches/{job_id}"]
