@@ -1,5 +1,5 @@
-"""The HTTP edges a careful client meets, over real HTTP against the e2e stack: ``HEAD`` on
-every ``GET`` route."""
+"""The HTTP edges a careful client meets, over real HTTP against the e2e stack: a last line
+break on the framework's own routes, and ``HEAD`` on every ``GET`` route."""
 
 from __future__ import annotations
 
@@ -13,6 +13,27 @@ import pytest
 from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack
 
 SEARCH = {"index": INDEX, "query": "tea"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/openapi.json%0A",
+        "/docs%0A",
+        "/docs/oauth2-redirect%0A",
+        "/docs/assets/swagger-ui.css%0A",
+        "/metrics%0A",
+        "/readyz%0A",
+    ],
+)
+def test_a_last_line_break_is_404_on_the_framework_s_routes_too(stack: Stack, path: str) -> None:
+    """FastAPI's ``/openapi.json`` (a Starlette route of its own, which the app's dependencies
+    never ran on) and the ``/docs`` assets (a mount) were served with a last line break, while
+    every other route answered it ``404``: each path's end is now its end, on every route."""
+    response = stack.live.get(path, headers=ACME)
+    assert response.status_code == 404, (response.status_code, response.text[:200])
+    error = response.json()["error"]
+    assert error["field"] == "path" and repr(path.replace("%0A", "\n")) in error["message"]
 
 
 def _jobs(stack: Stack, corpus: list[dict[str, Any]]) -> dict[str, str]:
