@@ -54,7 +54,9 @@ LOCATION_HEADER: dict[str, dict[str, Any]] = {
         "description": "The job's URL, to poll (a path on this gateway).",
     }
 }
-SINGLE_HEADERS = ("Idempotency-Key",)  # each given at most once (single_headers)
+IDEMPOTENCY_KEY = "Idempotency-Key"
+SINGLE_HEADERS = (IDEMPOTENCY_KEY,)  # each given at most once (checked_headers)
+KEYED_ROUTES = "POST /v1/searches and POST /v1/batches"  # the routes that honour the key
 POLL_MIN_SECONDS = 0.005
 POLL_MAX_SECONDS = 0.1
 _ID_DIGITS = re.compile(r"[0-9a-f]{32}")
@@ -91,14 +93,30 @@ def query_parameters(request: Request, _tenant: Tenant) -> None:
             raise InvalidRequest(name, f"is given {times} times: give it once")
 
 
-def single_headers(request: Request, _tenant: Tenant) -> None:
+def checked_headers(request: Request, _tenant: Tenant) -> None:
     """Refuse a header whose meaning is one value (``Idempotency-Key``) given on several
     lines: a ``422`` naming it, as a repeated query parameter is. Before, one of the values
-    was silently used and the other ignored. After the key check (``_tenant``)."""
+    was silently used and the other ignored. And refuse an ``Idempotency-Key`` on a ``POST``
+    or ``PATCH`` whose route does not honour it, as an unknown query parameter is: ignored,
+    the client believed a resend gave back its first answer, and it ran again (``GET``,
+    ``HEAD`` and ``DELETE`` are idempotent by HTTP's definition: there it adds nothing and is
+    let be). After the key check (``_tenant``)."""
     for name in SINGLE_HEADERS:
         times = len(request.headers.getlist(name))
         if times > 1:
             raise InvalidRequest(name, f"is given {times} times: give it once")
+    route = request.scope.get("route")
+    if (
+        request.method in ("POST", "PATCH")
+        and IDEMPOTENCY_KEY in request.headers
+        and isinstance(route, APIRoute)
+        and not any(p.alias == IDEMPOTENCY_KEY for p in route.dependant.header_params)
+    ):
+        raise InvalidRequest(
+            IDEMPOTENCY_KEY,
+            f"is not taken by {request.method} {route.path}, which runs each time it is sent: "
+            f"only {KEYED_ROUTES} replay a request by its key; send this one without it",
+        )
 
 
 def job_store(request: Request) -> JobStore:

@@ -1,5 +1,6 @@
 """The HTTP edges a careful client meets, over real HTTP against the e2e stack: a last line
-break on the framework's own routes, and ``HEAD`` on every ``GET`` route."""
+break on the framework's own routes, ``HEAD`` on every ``GET`` route, and an
+``Idempotency-Key`` sent where it is not honoured."""
 
 from __future__ import annotations
 
@@ -159,3 +160,44 @@ def test_openapi_lists_the_gets_not_a_head_for_each(stack: Stack) -> None:
     paths = stack.live.get("/openapi.json").json()["paths"]
     assert not [p for p, operations in paths.items() if "head" in operations]
     assert "get" in paths["/healthz"] and "get" in paths["/v1/searches/{job_id}"]
+
+
+KEYED = {"Idempotency-Key": "k-" + "1" * 20, **ACME}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/indexes/idem-1/documents", {"documents": [{"id": "d", "text": "t"}]}),
+        ("POST", "/v1/indexes/idem-2/documents/delete", {"ids": ["d"]}),
+        ("PATCH", "/v1/indexes/idem-3", {"candidate_limit": 20}),
+    ],
+)
+def test_an_idempotency_key_where_it_is_not_honoured_is_422_naming_it(
+    stack: Stack, method: str, path: str, body: dict[str, Any]
+) -> None:
+    """Only ``POST /v1/searches`` and ``POST /v1/batches`` honour ``Idempotency-Key``;
+    elsewhere it was silently ignored, so a client that sent it believed a resend gave the
+    same job and got a second. Now a ``POST`` or ``PATCH`` that does not take it is refused
+    before anything is done, naming the header and the routes that take it."""
+    response = stack.live.request(method, path, json=body, headers=KEYED)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == "Idempotency-Key", error
+    assert "POST /v1/searches" in error["message"] and "POST /v1/batches" in error["message"]
+    index = path.split("/")[3]
+    assert stack.live.get(f"/v1/indexes/{index}", headers=ACME).status_code == 404
+    listed = stack.live.get("/v1/ingestions", headers=ACME).json()["ingestions"]
+    assert all(job["index"] != index for job in listed), listed
+    assert stack.live.request(method, path, json=body, headers={}).status_code == 401
+
+
+def test_an_idempotency_key_on_a_read_or_a_delete_changes_nothing(
+    stack: Stack, corpus: object
+) -> None:
+    """``GET``, ``HEAD`` and ``DELETE`` are idempotent by HTTP's definition (RFC 9110 9.2.2):
+    a key there has nothing to add, and is accepted as it was."""
+    assert stack.live.get(f"/v1/indexes/{INDEX}", headers=KEYED).status_code == 200
+    assert stack.live.head(f"/v1/indexes/{INDEX}", headers=KEYED).status_code == 200
+    gone = stack.live.delete(f"/v1/indexes/{INDEX}/documents/nobody", headers=KEYED)
+    assert gone.status_code in (200, 202), gone.text
