@@ -30,7 +30,7 @@ from worker.adapters import attempt_deadline as deadline_http
 from worker.adapters.anthropic import (
     AnthropicReranker,
     RerankMalformedError,
-    retry_after_seconds,
+    provider_retry_after,
     sdk_spans,
 )
 from worker.adapters.attempt_deadline import DeadlineBackend
@@ -730,7 +730,7 @@ def test_one_http_request_per_attempt_across_every_class(
     ],
 )
 def test_retry_after_parsing(headers: dict[str, str], expected: float | None) -> None:
-    assert retry_after_seconds(headers) == expected
+    assert provider_retry_after(headers) == expected
 
 
 def test_sdk_spans_are_off_unless_opentelemetry_is_set_up(

@@ -39,8 +39,6 @@ import ssl
 import threading
 import time
 from collections import deque
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import anthropic
@@ -48,6 +46,7 @@ from anthropic._constants import DEFAULT_CONNECTION_LIMITS
 from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 from worker.adapters.attempt_deadline import attempt_deadline, bound_by_deadline
+from worker.core.budget import retry_after_seconds
 from worker.core.types import RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
 
@@ -386,7 +385,7 @@ def read_usage(usage: _UsageLike) -> TokenUsage:
     )
 
 
-def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
+def provider_retry_after(headers: Mapping[str, str]) -> float | None:
     """Seconds to wait, from ``retry-after-ms``, or ``retry-after`` (seconds or an HTTP date)."""
     millis = headers.get("retry-after-ms")
     if millis is not None:
@@ -396,20 +395,7 @@ def retry_after_seconds(headers: Mapping[str, str]) -> float | None:
             value = math.nan
         if math.isfinite(value) and value >= 0:
             return value
-    raw = headers.get("retry-after")
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        try:
-            when = parsedate_to_datetime(raw)
-        except (TypeError, ValueError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        return max(0.0, (when - datetime.now(UTC)).total_seconds())
-    return value if math.isfinite(value) and value >= 0 else None
+    return retry_after_seconds(headers.get("retry-after"))
 
 
 def _status_error(exc: anthropic.APIStatusError) -> RerankAttemptError:
@@ -417,7 +403,7 @@ def _status_error(exc: anthropic.APIStatusError) -> RerankAttemptError:
     message = f"HTTP {status}: {_describe(exc)}"
     if exc.request_id:
         message += f" (request-id {exc.request_id})"
-    retry_after = retry_after_seconds(exc.response.headers)
+    retry_after = provider_retry_after(exc.response.headers)
     if status == 429:
         return RerankAttemptError(AttemptOutcome.RATE_LIMITED, message, retry_after)
     if status >= 500:

@@ -8,9 +8,12 @@ deadline. Only errors marked ``retryable`` are retried.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import TypeVar
 
 from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_attempt
@@ -59,6 +62,34 @@ class Deadline:
         """This run's own seconds: what a per-run measure (the search latency metric) takes,
         so a retried search's earlier runs are not observed again."""
         return self.elapsed() - self.spent
+
+
+def retry_after_seconds(value: str | None, now: datetime | None = None) -> float | None:
+    """The wait a ``Retry-After`` header asks for, in seconds, in either of its forms (RFC
+    9110 10.2.3): delay-seconds, or an HTTP-date (the time left until it from ``now``; one
+    already past is 0). ``None`` when absent or neither; the caller caps it.
+
+    >>> retry_after_seconds("120"), retry_after_seconds("soon"), retry_after_seconds(None)
+    (120.0, None, None)
+    >>> noon = datetime(2015, 10, 21, 12, 0, tzinfo=UTC)
+    >>> retry_after_seconds("Wed, 21 Oct 2015 12:01:30 GMT", noon)
+    90.0
+    >>> retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT", noon)
+    0.0
+    """
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:  # "-0000": UTC, of unknown origin (RFC 5322 3.3)
+            when = when.replace(tzinfo=UTC)
+        return max(0.0, (when - (now or datetime.now(UTC))).total_seconds())
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 class _Wait:
