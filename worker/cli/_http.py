@@ -21,6 +21,7 @@ from tenacity import (
 )
 
 from worker.contract import INDEX_PATTERN
+from worker.core.budget import retry_after_seconds
 from worker.errors import ConfigError
 from worker.settings import load_settings
 
@@ -100,12 +101,11 @@ def _wait(state: RetryCallState) -> float:
 
 
 def _retry_after(response: httpx.Response) -> float | None:
-    """The answer's ``Retry-After`` in seconds (the delay form; an HTTP date is not used)."""
-    try:
-        seconds = float(response.headers.get("retry-after", ""))
-    except ValueError:
-        return None
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
+    """The answer's ``Retry-After`` in seconds, as delay-seconds or an HTTP-date (a proxy's
+    or load balancer's may be either: a date was taken for none, and the backoff's quarter
+    second applied), up to ``MAX_RETRY_AFTER_SECONDS``."""
+    seconds = retry_after_seconds(response.headers.get("retry-after"))
+    return None if seconds is None else min(seconds, MAX_RETRY_AFTER_SECONDS)
 
 
 def _say_retrying(state: RetryCallState) -> None:

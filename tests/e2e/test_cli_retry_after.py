@@ -1,0 +1,109 @@
+"""The CLI waits out a ``Retry-After`` in either of its forms (RFC 9110 10.2.3), through a
+proxy in front of the real gateway that answers the first read ``503`` with one: a proxy or
+a load balancer is free to give an HTTP-date, which the CLI read as no ``Retry-After`` at
+all and retried on its own backoff (a quarter of a second) instead."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from collections.abc import Iterator
+from email.utils import formatdate
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from tests.e2e.conftest import ACME, Stack
+from tests.services import free_port
+from worker.cli import app
+from worker.cli._http import MAX_RETRY_AFTER_SECONDS, _retry_after
+
+WAIT_SECONDS = 3
+
+
+class _Proxy(http.server.ThreadingHTTPServer):
+    def __init__(self, target: str, form: str) -> None:
+        super().__init__(("127.0.0.1", free_port()), _Handler)
+        self.target = target
+        self.form = form
+        self.arrivals: list[float] = []  # when each GET /v1/indexes came
+        self.until = 0.0  # the time the 503's Retry-After named
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Proxy
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.server.arrivals.append(time.time())
+        if len(self.server.arrivals) == 1:
+            # an HTTP-date has whole seconds: the next whole second past the wait
+            self.server.until = float(int(time.time()) + WAIT_SECONDS + 1)
+            if self.server.form == "date":
+                value = formatdate(self.server.until, usegmt=True)
+            else:
+                value = str(WAIT_SECONDS + 1)
+                self.server.until = time.time() + WAIT_SECONDS + 1
+            body = b'{"error": {"type": "unavailable", "message": "restarting"}}'
+            self.send_response(503)
+            self.send_header("retry-after", value)
+        else:
+            headers = {"authorization": self.headers["authorization"]}
+            answer = httpx.get(self.server.target + self.path, headers=headers, timeout=30)
+            body = answer.content
+            self.send_response(answer.status_code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def proxy(stack: Stack, request: pytest.FixtureRequest) -> Iterator[_Proxy]:
+    server = _Proxy(stack.live_url, request.param)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("proxy", ["date", "seconds"], indirect=True)
+def test_sift_waits_out_a_retry_after_in_either_form(
+    stack: Stack, proxy: _Proxy, corpus: object
+) -> None:
+    """``sift indexes`` through a ``503`` whose ``Retry-After`` names a time 4 s ahead (as
+    an HTTP-date, or as seconds): its second request comes no earlier than that time, and
+    the command lists the indexes. A lower bound only: a loaded machine makes it later."""
+    key = ACME["Authorization"].split()[1]
+    env = {"SIFT_URL": proxy_url(proxy), "SIFT_API_KEY": key, "COLUMNS": "200", "NO_COLOR": "1"}
+    result = CliRunner().invoke(app, ["indexes"], env=env)
+    assert result.exit_code == 0, result.output
+    assert "docs" in result.output, result.output
+    assert len(proxy.arrivals) == 2, proxy.arrivals
+    assert proxy.arrivals[1] >= proxy.until, (proxy.arrivals[1] - proxy.until, proxy.form)
+
+
+def proxy_url(proxy: _Proxy) -> str:
+    host, port = proxy.server_address[:2]
+    return f"http://{host!s}:{port}"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("2", 2.0),
+        (formatdate(time.time() - 3600, usegmt=True), 0.0),  # already past
+        (formatdate(time.time() + 3600, usegmt=True), MAX_RETRY_AFTER_SECONDS),  # capped
+        ("-1", None),
+        ("soon", None),
+    ],
+)
+def test_a_retry_after_is_read_in_either_form_and_capped(value: str, expected: float) -> None:
+    assert _retry_after(httpx.Response(503, headers={"retry-after": value})) == expected
