@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -174,6 +175,24 @@ def test_the_answer_is_classified(
     body = payload(SEARCH_COMPLETED, "job-3", "failed")
     result = deliver(receiver.url, body, message_id("job-3"), SECRET, allow_private=True)
     assert (result.outcome, result.status_code) == (outcome, status)
+
+
+@pytest.mark.parametrize("status", [429, 503])
+@pytest.mark.parametrize("form", ["seconds", "date"])
+def test_a_receiver_s_retry_after_is_read_in_either_form(
+    receiver: Receiver, status: int, form: str
+) -> None:
+    """RFC 9110 (10.2.3) lets a ``Retry-After`` be delay-seconds or an HTTP-date; a date was
+    taken for none, and the retry schedule alone applied."""
+    receiver.status = status
+    ahead = time.time() + 600
+    receiver.extra_headers = {
+        "Retry-After": formatdate(ahead, usegmt=True) if form == "date" else "600"
+    }
+    body = payload(SEARCH_COMPLETED, "job-ra", "succeeded")
+    result = deliver(receiver.url, body, message_id("job-ra"), SECRET, allow_private=True)
+    assert result.outcome is DeliveryOutcome.RETRY
+    assert result.retry_after is not None and 590 <= result.retry_after <= 600, result
 
 
 def test_a_name_is_pinned_to_the_checked_address_and_keeps_its_host_header(

@@ -44,6 +44,7 @@ import httpx
 from standardwebhooks.webhooks import Webhook
 
 from worker.constants import WEBHOOK_EVENT_BATCH_COMPLETED, WEBHOOK_EVENT_SEARCH_COMPLETED
+from worker.core.budget import retry_after_seconds
 from worker.errors import InvalidRequest
 from worker.webhooks.urlguard import IPAddress, check_webhook_url
 
@@ -177,14 +178,8 @@ def next_delay(
 
 
 def _retry_after(response: httpx.Response) -> float | None:
-    value = response.headers.get("retry-after")
-    if value is None:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        return None  # the HTTP-date form is rare for webhooks; the schedule applies
-    return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
+    seconds = retry_after_seconds(response.headers.get("retry-after"))  # either RFC form
+    return None if seconds is None else min(seconds, MAX_RETRY_AFTER_SECONDS)
 
 
 def _pinned(url: str, address: IPAddress) -> tuple[str, str, str]:
