@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -20,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from pydantic import ValidationError
@@ -209,6 +211,7 @@ def _send_documents(
     index: str,
     documents: list[dict[str, Any]],
     on_indexed: Callable[[int], object] = lambda n: None,
+    stopping: threading.Event | None = None,
 ) -> int:
     """POST one batch and wait for its ingest job; answers how many documents it upserted.
 
@@ -217,8 +220,11 @@ def _send_documents(
     limit (413: 500 documents of up to 100,000 characters each pass its 32 MiB) is sent
     again in halves, in order; a document alone over it is named. ``on_indexed`` is called
     with the number of documents of each request whose job succeeded, so the documents
-    known indexed are always the first ones of ``documents``.
+    known indexed are always the first ones of ``documents``. Once ``stopping`` is set (a
+    Ctrl-C), no request is sent and a job's poll stops: its documents are not known indexed.
     """
+    if stopping is not None and stopping.is_set():
+        return 0
     path = f"/v1/indexes/{segment(index)}/documents"
     try:
         response = client.request("POST", path, params={"wait": 30}, json={"documents": documents})
@@ -232,12 +238,19 @@ def _send_documents(
                 status_code=exc.status_code,
             ) from exc
         half = len(documents) // 2
-        return _send_documents(client, index, documents[:half], on_indexed) + _send_documents(
-            client, index, documents[half:], on_indexed
+        return sum(
+            _send_documents(client, index, part, on_indexed, stopping)
+            for part in (documents[:half], documents[half:])
         )
     job = response.json()
-    if job.get("status") not in ("succeeded", "failed", "canceled"):
-        job = client.poll(f"/v1/ingestions/{job['id']}")
+    if job.get("status") not in FINAL_STATUSES:
+        stopped = stopping.is_set if stopping is not None else lambda: False
+        job = client.poll(
+            f"/v1/ingestions/{job['id']}",
+            done=lambda body: body.get("status") in FINAL_STATUSES or stopped(),
+        )
+        if job.get("status") not in FINAL_STATUSES:  # interrupted: its outcome is unknown
+            return 0
     if job.get("status") != "succeeded":
         error = job.get("error") or {}
         message = error.get("message") if isinstance(error, dict) else error
@@ -288,6 +301,14 @@ def _resume_note(
     )
 
 
+def _leave(code: int) -> NoReturn:
+    """Exit now, without joining the threads still waiting on the gateway's answers (as
+    ``concurrent.futures`` does at exit, up to a request's 30 s ``?wait=``)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 @contextmanager
 def _pool(threads: int) -> Iterator[ThreadPoolExecutor]:
     """Threads for requests; on an error, the ones not yet sent are dropped, not sent."""
@@ -325,11 +346,13 @@ def ingest(
         chunks = _chunks(documents, batch_size)
         done = [0] * len(chunks)  # how many of each request's first documents are indexed
 
+        stopping = threading.Event()  # Ctrl-C: no more requests, no more polls
+
         def send(i: int) -> int:
             def on_indexed(n: int) -> None:
                 done[i] += n
 
-            return _send_documents(client, index, chunks[i], on_indexed)
+            return _send_documents(client, index, chunks[i], on_indexed, stopping)
 
         # Two requests in flight keep the worker busy while a finished job is answered and
         # the next one sent; only when no id repeats, so a repeated id's last line still wins.
@@ -338,13 +361,31 @@ def ingest(
             try:
                 with progress_bar(console) as progress, _pool(in_flight) as pool:
                     task = progress.add_task(f"ingest {index}", total=len(documents))
-                    sent = [pool.submit(send, i) for i in range(len(chunks))]
-                    for chunk, reply in zip(chunks, sent, strict=True):
-                        indexed += reply.result()
-                        progress.advance(task, len(chunk))
+                    try:
+                        sent = [pool.submit(send, i) for i in range(len(chunks))]
+                        for chunk, reply in zip(chunks, sent, strict=True):
+                            indexed += reply.result()
+                            progress.advance(task, len(chunk))
+                    except KeyboardInterrupt:
+                        stopping.set()
+                        _err().print(
+                            "interrupted: waiting for the answers to the requests already "
+                            "sent (Ctrl-C again to leave without them)"
+                        )
             except GatewayError as exc:  # the pool has waited for the request still in flight
                 note = _resume_note(file, loaded, chunks, done)
                 raise GatewayError(f"{exc.message}; {note}", status_code=exc.status_code) from exc
+            except KeyboardInterrupt:  # again, while the requests in flight were awaited
+                note = _resume_note(file, loaded, chunks, done)
+                _err().print(
+                    f"interrupted again: {note}; the requests sent before it may still be indexed",
+                    soft_wrap=True,
+                )
+                _leave(EXIT_INTERRUPTED)  # the pool's threads, waiting on answers, hold an exit
+            if stopping.is_set():
+                _err().print(f"interrupted: {_resume_note(file, loaded, chunks, done)}",
+                             soft_wrap=True)  # fmt: skip
+                raise typer.Exit(EXIT_INTERRUPTED)
         elapsed = time.monotonic() - started
         console.print(
             f"indexed [bold]{indexed}[/] document(s) into [bold]{index}[/] in {elapsed:.1f} s"

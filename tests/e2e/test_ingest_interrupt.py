@@ -1,0 +1,168 @@
+"""Ctrl-C (SIGINT) during ``sift ingest``, run as a user runs it (its own process, the real
+gateway and worker): it says what the gateway acknowledged as indexed and the line to
+resume from, and exits 130.
+
+Before, it exited 130 with nothing said, not what was in nor where to go on from; and
+against a gateway whose jobs did not run (a backlog, workers down) it did not exit at all:
+the pool waited for a request still polling its job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tests.e2e.conftest import ACME, Stack
+
+KEY = ACME["Authorization"].split()[1]
+RESUME = re.compile(r"resume from line (\d+) \(document '([^']+)'\)")
+
+
+def _restore_sigint() -> None:
+    """A child of a shell's background job inherits SIGINT ignored, and Python then keeps
+    ignoring it: the child is given the default, so that SIGINT is Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@contextmanager
+def sift_ingest(url: str, corpus: Path, index: str, *args: str) -> Iterator[_Running]:
+    env = {"SIFT_URL": url, "SIFT_API_KEY": KEY, "COLUMNS": "200", "NO_COLOR": "1",
+           "HOME": os.environ.get("HOME", "/tmp")}  # fmt: skip
+    command = [sys.executable, "-m", "worker.cli", "ingest", str(corpus), "--index", index]
+    proc = subprocess.Popen(
+        [*command, *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_restore_sigint,
+    )
+    running = _Running(proc)
+    try:
+        yield running
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        running.join()
+
+
+class _Running:
+    """A ``sift`` process, its stderr read as it comes."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.proc = proc
+        self.err: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err.append(line)
+
+    def join(self) -> None:
+        self._reader.join(timeout=10)
+        assert self.proc.stderr is not None
+        self.proc.stderr.close()
+
+    def stderr(self) -> str:
+        return " ".join("".join(self.err).split())
+
+    def until(self, ready: Callable[[], bool], what: str, seconds: float = 60) -> None:
+        deadline = time.monotonic() + seconds
+        while not ready():
+            assert self.proc.poll() is None, (what, self.proc.returncode, self.stderr())
+            assert time.monotonic() < deadline, (what, self.stderr())
+            time.sleep(0.05)
+
+    def finish(self, seconds: float = 90) -> int:
+        try:
+            return self.proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"sift ingest did not exit: {self.stderr()}") from None
+
+
+def _corpus(tmp_path: Path, n: int) -> tuple[Path, list[str]]:
+    ids = [f"c{i}" for i in range(n)]
+    corpus = tmp_path / "corpus.jsonl"  # line 1 blank: the line numbers are the file's
+    corpus.write_text(
+        "\n" + "".join(json.dumps({"id": i, "text": f"pangolin scales {i}"}) + "\n" for i in ids)
+    )
+    return corpus, ids
+
+
+def _indexed(stack: Stack, index: str) -> set[str]:
+    found: set[str] = set()
+    params: dict[str, Any] = {"page_size": 1000}
+    while True:
+        page = stack.live.get(f"/v1/indexes/{index}/documents", params=params, headers=ACME)
+        if page.status_code == 404:
+            return found
+        body = page.json()
+        found |= {d["id"] for d in body["documents"]}
+        if not body["next_page_token"]:
+            return found
+        params["page_token"] = body["next_page_token"]
+
+
+def test_ctrl_c_says_what_the_gateway_acknowledged_and_the_line_to_resume_from(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """SIGINT once some requests were answered: the requests in flight are waited for, no
+    other is sent, and the note names the line before which every document is indexed."""
+    corpus, ids = _corpus(tmp_path, 600)
+    index = "cli-interrupted"
+    with sift_ingest(stack.live_url, corpus, index, "--batch-size", "2") as sift:
+        sift.until(lambda: len(_indexed(stack, index)) >= 6, "six documents indexed")
+        sift.proc.send_signal(signal.SIGINT)
+        code = sift.finish()
+        err = sift.stderr()
+    assert code == 130, err
+    assert "interrupted" in err and "send the whole file again" in err, err
+    found = RESUME.search(err)
+    assert found is not None, err
+    line, document = int(found[1]), found[2]
+    assert document == ids[line - 2], (line, document)  # line 1 is blank
+    before = set(ids[: line - 2])
+    indexed = _indexed(stack, index)
+    assert before <= indexed, sorted(before - indexed)[:5]  # true: every one before is in
+    known = int(re.search(r"(\d+) of 600 document\(s\)", err)[1])  # type: ignore[index]
+    assert len(before) <= known <= len(indexed), (len(before), known, len(indexed))
+    assert len(indexed) < len(ids), "the whole file was sent: the interrupt stopped nothing"
+    settled = len(_indexed(stack, index))
+    time.sleep(1)
+    assert len(_indexed(stack, index)) == settled  # nothing was left in flight
+
+
+def test_ctrl_c_twice_leaves_at_once_with_what_is_known(stack: Stack, tmp_path: Path) -> None:
+    """Against a gateway whose jobs do not run (the idle one: no worker), the request in
+    flight waits out its ``?wait=``: the first SIGINT says it waits for it, the second leaves
+    at once, saying nothing is known indexed, from line 2."""
+    corpus, _ = _corpus(tmp_path, 10)
+    index = "cli-interrupted-twice"
+
+    def submitted() -> bool:
+        listed = stack.idle.get("/v1/ingestions", headers=ACME).json()["ingestions"]
+        return any(job["index"] == index for job in listed)
+
+    with sift_ingest(stack.idle_url, corpus, index, "--batch-size", "5") as sift:
+        sift.until(submitted, "the first request made its job")
+        sift.proc.send_signal(signal.SIGINT)
+        sift.until(lambda: "Ctrl-C again" in sift.stderr(), "the wait is announced")
+        sift.proc.send_signal(signal.SIGINT)
+        code = sift.finish(seconds=20)  # the request in flight holds it up to 30 s
+        err = sift.stderr()
+    assert code == 130, err
+    assert "none of the 10 document(s)" in err and "known indexed" in err, err
+    assert "may still be indexed" in err, err
