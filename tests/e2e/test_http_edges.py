@@ -127,6 +127,28 @@ def test_every_get_route_answers_head_with_its_headers_and_no_body(
         assert raw.endswith(b"\r\n\r\n") and raw.count(b"\r\n\r\n") == 1, (path, raw[-200:])
 
 
+def _state(stack: Stack) -> tuple[Any, ...]:
+    """What a request could change for acme: its jobs of each kind, the index's documents,
+    and the model's calls."""
+    jobs = tuple(
+        tuple(j["id"] for j in stack.live.get(f"/v1/{kind}", headers=ACME).json()[kind])
+        for kind in ("searches", "batches", "ingestions")
+    )
+    index = stack.live.get(f"/v1/indexes/{INDEX}", headers=ACME).json()
+    return jobs, index["documents"], len(stack.model.requests())
+
+
+def test_head_changes_nothing(stack: Stack, corpus: list[dict[str, Any]]) -> None:
+    """A ``HEAD`` does what its ``GET`` does, a read: no job made, no document deleted (``HEAD
+    .../documents/delete`` is document "delete"'s read, never the bulk delete's ``POST``), no
+    model call. (It passed before too, with every ``HEAD`` a ``405``: a guard on the routing.)"""
+    ids = _jobs(stack, corpus)
+    before = _state(stack)
+    for template in GET_PATHS:
+        stack.live.head(template.format(**ids), headers=ACME)
+    assert _state(stack) == before
+
+
 def test_head_keeps_the_get_s_key_and_tenant_rules(stack: Stack, corpus: object) -> None:
     job = stack.live.post("/v1/searches", json=SEARCH, headers=ACME).json()["id"]
     for path in (f"/v1/searches/{job}", f"/v1/indexes/{INDEX}/documents"):
