@@ -223,7 +223,8 @@ def _send_documents(
     known indexed are always the first ones of ``documents``. Once ``stopping`` is set (a
     Ctrl-C), no request is sent and a job's poll stops: its documents are not known indexed.
     """
-    if stopping is not None and stopping.is_set():
+    stopping = stopping or threading.Event()  # none given: never set
+    if stopping.is_set():
         return 0
     path = f"/v1/indexes/{segment(index)}/documents"
     try:
@@ -244,10 +245,9 @@ def _send_documents(
         )
     job = response.json()
     if job.get("status") not in FINAL_STATUSES:
-        stopped = stopping.is_set if stopping is not None else lambda: False
         job = client.poll(
             f"/v1/ingestions/{job['id']}",
-            done=lambda body: body.get("status") in FINAL_STATUSES or stopped(),
+            done=lambda body: body.get("status") in FINAL_STATUSES or stopping.is_set(),
         )
         if job.get("status") not in FINAL_STATUSES:  # interrupted: its outcome is unknown
             return 0
