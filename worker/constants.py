@@ -43,7 +43,11 @@ LEGACY_WRITE_VERSION_KEY = REDIS_PREFIX + "write-version-legacy"
 LEGACY_WRITE_VERSION_WINDOW_SECONDS = 24 * 3600
 INDEX_REPLY_KEY = REDIS_PREFIX + "index-reply:"  # + request id -> list holding a read's answer
 # an index's own search settings (issue 15): weighted RRF and the candidate window, per tenant
+# kept by the backend since; an earlier release's are still read where the backend has none
 INDEX_SETTINGS_KEY = REDIS_PREFIX + "index-settings:"  # + tenant + ":" + index -> JSON, no TTL
+# held while a change or a clear of an index's settings reads, then stores them
+INDEX_SETTINGS_LOCK_KEY = REDIS_PREFIX + "index-settings-lock:"  # + tenant + ":" + index
+INDEX_SETTINGS_LOCK_SECONDS = 30.0  # a holder that died lets go after this
 # the economy lane (issue 7): a batch's prepared searches and its provider batches
 ECONOMY_PREPARED_KEY = REDIS_PREFIX + "eco-prepared:"  # + batch id -> hash query id -> JSON
 ECONOMY_RUNS_KEY = REDIS_PREFIX + "eco-runs:"  # + batch id -> hash query id -> rerank run JSON

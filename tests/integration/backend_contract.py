@@ -381,6 +381,24 @@ class LifecycleContract(BackendContract):
         self.load(backend, index, "acme", CORPUS[:1])  # the name works again
         assert backend.index_info(index, "acme").documents == 1
 
+    def test_index_settings_are_the_tenants_and_the_newer_version_wins(
+        self, backend: Any, index: str
+    ) -> None:
+        """Where an index's own settings last (:class:`~worker.core.ports.IndexSettingsStorage`):
+        kept by the backend, so a Redis that comes back empty loses none."""
+        assert backend.stored_settings(index, "acme") is None
+        assert backend.store_settings(index, "acme", {"candidate_limit": 40}, 10)
+        assert backend.stored_settings(index, "acme") == ({"candidate_limit": 40}, 10)
+        assert backend.stored_settings(index, "globex") is None
+        assert not backend.store_settings(index, "acme", {"candidate_limit": 5}, 9)  # older
+        assert not backend.store_settings(index, "acme", {"candidate_limit": 5}, 10)
+        assert backend.store_settings(index, "acme", None, 12)  # cleared by a drop of 12
+        assert backend.stored_settings(index, "acme") == (None, 12)
+        assert not backend.store_settings(index, "acme", {"candidate_limit": 5}, 11)
+        weights = {"fusion": {"weights": {"knn": 0.25}}}
+        assert backend.store_settings(index, "acme", weights, 13)
+        assert backend.stored_settings(index, "acme") == (weights, 13)
+
     def test_the_longest_ids_the_gateway_accepts_are_written_found_read_and_deleted(
         self, backend: Any, index: str
     ) -> None:

@@ -2104,3 +2104,53 @@ def test_sift_elasticsearch_migrate_runs_the_migration_and_says_what_it_copied(
     assert len(old_layout.sent("POST", "/_reindex")) == 2 and old_layout.sent("POST", "/_aliases")
     again = sift("elasticsearch-migrate", old_layout.url, tmp_path)
     assert "nothing to migrate" in again.stdout, again.stdout
+
+
+SETTINGS_INDEX = "sift-sift-settings"
+SETTINGS_DOC = f"/{SETTINGS_INDEX}/_doc/{ACME}"  # acme's settings of "docs"
+
+
+def test_index_settings_are_one_external_versioned_document_per_alias(
+    server: FakeElasticsearchServer,
+) -> None:
+    """An index's own settings live with its data: one document per tenant's alias in
+    ``<prefix>sift-settings`` (made once per process, the settings field never mapped), its
+    external ``_version`` the settings' write version; an older one is ES's 409, stored
+    nothing; read by a realtime ``GET``, missing (index or document) as none stored."""
+    settings = {"candidate_limit": 40}
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("PUT", f"/{SETTINGS_INDEX}", Answer(200, {"acknowledged": True}))
+    server.on("PUT", SETTINGS_DOC, Answer(201, floor_written(SETTINGS_INDEX, ACME, 10)), times=1)
+    server.on("GET", SETTINGS_DOC, Answer(404, index_missing(SETTINGS_INDEX)), times=1)
+    backend = backend_for(server)
+    assert backend.stored_settings("docs", "acme") is None
+    assert backend.store_settings("docs", "acme", settings, 10)
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", SETTINGS_DOC),
+        ("PUT", "/_index_template/sift-sift"),
+        ("PUT", f"/{SETTINGS_INDEX}"),
+        ("PUT", SETTINGS_DOC),
+    ]
+    created = server.requests[2].json()
+    assert created == {
+        "mappings": {"properties": {"sift_settings": {"type": "object", "enabled": False}}}
+    }
+    written = server.requests[3]
+    assert written.json() == {"sift_settings": settings}
+    assert written.query == {"version": ["10"], "version_type": ["external"]}
+
+    conflict = error_body("version_conflict_engine_exception", "current version [10]", 409)
+    server.on("PUT", SETTINGS_DOC, Answer(409, conflict), times=1)
+    assert not backend.store_settings("docs", "acme", {"candidate_limit": 5}, 9)
+    assert not server.sent("PUT", f"/{SETTINGS_INDEX}")[1:]  # the index made once
+
+    found = {"_index": SETTINGS_INDEX, "_id": ACME, "_version": 10, "found": True,
+             "_seq_no": 0, "_primary_term": 1, "_source": {"sift_settings": settings}}  # fmt: skip
+    server.on("GET", SETTINGS_DOC, Answer(200, found), times=1)
+    assert backend.stored_settings("docs", "acme") == (settings, 10)
+    cleared = {**found, "_version": 12, "_source": {"sift_settings": None}}
+    server.on("GET", SETTINGS_DOC, Answer(200, cleared), times=1)
+    assert backend.stored_settings("docs", "acme") == (None, 12)
+    missing = {"_index": SETTINGS_INDEX, "_id": ACME, "found": False}
+    server.on("GET", SETTINGS_DOC, Answer(404, missing), times=1)
+    assert backend.stored_settings("docs", "acme") is None

@@ -1,7 +1,8 @@
 """An index's own search settings over a real redis-server and the real embedded backend: a
 change is the tenant's and needs the tenant's index; ``null`` clears; a drop clears them
-unless a change was accepted after it; other processes see a change within the TTL; a
-search uses them, below its own."""
+unless a change was accepted after it, in either order of the two; other processes see a
+change within the TTL; a search uses them, below its own; an earlier release's, in Redis,
+are read until the next change."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from tests.fakes import FakeClock, FakeEmbedder
 from worker.adapters.embedded import EmbeddedBackend
-from worker.adapters.index_settings import RedisIndexSettings, settings_key
+from worker.adapters.index_settings import IndexSettingsStore, settings_key
 from worker.contract import DocumentIn, SearchSpec
 from worker.queue.jobstore import JobStore
 from worker.runtime import lifecycle
@@ -45,6 +46,13 @@ def runtime(tmp_path: Path, store: JobStore, redis_url: str) -> Runtime:
     return runtime
 
 
+def stored(runtime: Runtime, index: str, tenant: str = "acme") -> Any:
+    """What the backend keeps for the tenant's index: (settings or None, version) or None."""
+    backend = runtime.pipeline.backend
+    assert isinstance(backend, EmbeddedBackend)
+    return backend.stored_settings(index, tenant)
+
+
 def call(runtime: Runtime, operation: str, tenant: str, index: str, body: Any = None) -> Any:
     answer = json.loads(
         lifecycle.read(runtime, operation, tenant, index, "", json.dumps(body) if body else "")
@@ -70,23 +78,19 @@ def test_a_change_is_stored_shown_and_the_tenants_own(runtime: Runtime) -> None:
     assert call(runtime, "list", "globex", "")[0]["settings"] == DEFAULTS
 
 
-def test_a_change_to_an_index_the_tenant_lacks_stores_nothing(
-    runtime: Runtime, store: JobStore
-) -> None:
+def test_a_change_to_an_index_the_tenant_lacks_stores_nothing(runtime: Runtime) -> None:
     assert call(runtime, "update", "globex", "notes", {"candidate_limit": 5}) is None
     assert call(runtime, "update", "acme", "nothing", {"candidate_limit": 5}) is None
-    assert store.redis.keys(settings_key("*", "*")) == []
+    assert stored(runtime, "notes", "globex") is None and stored(runtime, "nothing") is None
 
 
-def test_null_clears_a_field_and_every_field_cleared_leaves_no_key(
-    runtime: Runtime, store: JobStore
-) -> None:
+def test_null_clears_a_field_and_every_field_cleared_leaves_none(runtime: Runtime) -> None:
     call(runtime, "update", "acme", "docs", {"fusion": {"weights": {"bm25": 2, "knn": 0.5}}})
     found = call(runtime, "update", "acme", "docs", {"fusion": {"weights": {"knn": None}}})
     assert found["settings"]["fusion"]["weights"] == {"bm25": 2.0, "knn": None}
     found = call(runtime, "update", "acme", "docs", {"fusion": None, "candidate_limit": None})
     assert found["settings"] == DEFAULTS
-    assert store.redis.exists(settings_key("docs", "acme")) == 0
+    assert stored(runtime, "docs")[0] == {}
 
 
 def test_a_change_that_would_weight_every_channel_zero_is_refused(runtime: Runtime) -> None:
@@ -106,7 +110,7 @@ def test_a_drop_clears_them_unless_a_change_came_after_it(
     drop = store.create_deletion("acme", "docs", None)
     lifecycle.delete(runtime, drop, None)
     assert call(runtime, "show", "acme", "docs") is None
-    assert store.redis.exists(settings_key("docs", "acme")) == 0
+    assert stored(runtime, "docs")[0] is None
     assert call(runtime, "show", "globex", "docs")["settings"]["candidate_limit"] == 7
 
     # accepted: a drop, then a change; run: the change, then the drop's task
@@ -114,13 +118,12 @@ def test_a_drop_clears_them_unless_a_change_came_after_it(
     late_drop = store.create_deletion("acme", "notes", None)
     call(runtime, "update", "acme", "notes", {"candidate_limit": 12})
     lifecycle.delete(runtime, late_drop, None)
-    stored = json.loads(store.redis.get(settings_key("notes", "acme")))
-    assert stored["settings"] == {"candidate_limit": 12}
+    assert stored(runtime, "notes")[0] == {"candidate_limit": 12}
 
 
 def test_other_processes_see_a_change_within_the_ttl(runtime: Runtime, redis_url: str) -> None:
     clock = FakeClock()
-    elsewhere = RedisIndexSettings.from_url(redis_url)
+    elsewhere = IndexSettingsStore.from_url(runtime.pipeline.backend, redis_url)  # type: ignore[arg-type]
     elsewhere._clock = clock  # another worker process's copy, on a clock of our own
     assert elsewhere.get("docs", "acme").candidate_limit is None
     call(runtime, "update", "acme", "docs", {"candidate_limit": 40})
@@ -130,7 +133,8 @@ def test_other_processes_see_a_change_within_the_ttl(runtime: Runtime, redis_url
     # the process that made the change sees it at once, and a restarted one reads it anew
     source = runtime.pipeline.index_settings
     assert source is not None and source.get("docs", "acme").candidate_limit == 40
-    assert RedisIndexSettings.from_url(redis_url).get("docs", "acme").candidate_limit == 40
+    again = IndexSettingsStore.from_url(runtime.pipeline.backend, redis_url)  # type: ignore[arg-type]
+    assert again.get("docs", "acme").candidate_limit == 40
 
 
 def test_a_search_uses_the_indexs_settings_below_its_own(runtime: Runtime) -> None:
@@ -186,7 +190,7 @@ def test_deleting_an_indexs_last_document_clears_them_as_a_drop_does(
     last = store.create_deletion("acme", "notes", ["n"])
     assert lifecycle.delete(runtime, last, ["n"]) == 1
     assert call(runtime, "show", "acme", "notes") is None
-    assert store.redis.exists(settings_key("notes", "acme")) == 0
+    assert stored(runtime, "notes")[0] is None
     # a new index of the name starts at the defaults
     runtime.ingest("notes", "acme", [DocumentIn(id="n2", text="new notes")])
     assert call(runtime, "show", "acme", "notes")["settings"] == DEFAULTS
@@ -212,4 +216,45 @@ def test_an_upsert_accepted_before_the_delete_of_the_last_document_keeps_them(
 
     last = store.create_deletion("acme", "notes", ["n2"])
     assert lifecycle.delete(runtime, last, ["n2"], jobs=store) == 1
-    assert store.redis.exists(settings_key("notes", "acme")) == 0
+    assert stored(runtime, "notes")[0] is None
+
+
+def test_a_change_racing_a_drop_lands_in_the_order_of_their_versions(
+    runtime: Runtime, store: JobStore
+) -> None:
+    """A change whose version is older than a drop's and whose store lands after the drop's
+    task (its worker paused between taking the version and storing): the drop's cleared
+    record, newer, refuses the store, and the change reads again with a new version, so
+    it lands after the drop, as one accepted after the drop does. The settings are never
+    an older change's over a newer clear."""
+    call(runtime, "update", "acme", "docs", {"candidate_limit": 40})
+    backend = runtime.pipeline.backend
+    assert isinstance(backend, EmbeddedBackend)
+    before = stored(runtime, "docs")[1]
+    drop = store.create_deletion("acme", "docs", None)
+    assert drop.version is not None and drop.version > before
+    # an older change's store, after the drop's clear: refused
+    lifecycle.delete(runtime, drop, None)
+    assert not backend.store_settings("docs", "acme", {"candidate_limit": 3}, before + 1)
+    assert stored(runtime, "docs") == (None, drop.version)
+    # a clear older than the settings held leaves them
+    runtime.ingest("docs", "acme", [DocumentIn(id="again", text="volcano ash again")])
+    call(runtime, "update", "acme", "docs", {"candidate_limit": 9})
+    assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] == 9
+    store.redis.delete(settings_key("docs", "acme"))
+    source = lifecycle.settings_store(runtime)
+    assert source is not None
+    source.clear("docs", "acme", drop.version)
+    assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] == 9
+
+
+def test_an_earlier_releases_settings_in_redis_are_read_until_changed(
+    runtime: Runtime, store: JobStore
+) -> None:
+    earlier = {"settings": {"candidate_limit": 25}, "version": 5}
+    store.redis.set(settings_key("docs", "acme"), json.dumps(earlier))
+    assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] == 25
+    found = call(runtime, "update", "acme", "docs", {"fusion": {"rank_constant": 30}})
+    assert found["settings"]["candidate_limit"] == 25  # merged into what was held
+    assert stored(runtime, "docs")[0] == {"candidate_limit": 25, "fusion": {"rank_constant": 30}}
+    assert store.redis.exists(settings_key("docs", "acme")) == 0

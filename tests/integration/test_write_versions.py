@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from worker.adapters.embedded import EmbeddedBackend
-from worker.adapters.index_settings import RedisIndexSettings
+from worker.adapters.index_settings import IndexSettingsStore
 from worker.constants import (
     LEGACY_WRITE_VERSION_KEY,
     LEGACY_WRITE_VERSION_WINDOW_SECONDS,
@@ -36,13 +36,17 @@ def ingest_version(store: JobStore, tenant: str) -> int:
     return job.version
 
 
-def test_another_tenants_writes_do_not_move_a_tenants_versions(store: JobStore) -> None:
+def test_another_tenants_writes_do_not_move_a_tenants_versions(
+    store: JobStore, tmp_path: Path
+) -> None:
     store.redis.set(WRITE_VERSION_TENANT_KEY + "globex", AHEAD)
     first = ingest_version(store, "globex")
     store.create_ingest("acme", "shared", [DocumentIn(id="d1", text="a")])
     store.create_deletion("acme", "shared", ["d1"])
     store.create_deletion("acme", "shared", None)
-    RedisIndexSettings(store.redis).update("shared", "acme", {"candidate_limit": 5})
+    IndexSettingsStore(EmbeddedBackend(tmp_path), store.redis).update(
+        "shared", "acme", {"candidate_limit": 5}
+    )
     assert ingest_version(store, "globex") == first + 1
 
 

@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from tests.reliability.support import broker
+from worker.adapters.embedded import EmbeddedBackend
 from worker.core.types import RerankPrompt
 from worker.queue.jobstore import JobStore
 from worker.redis_client import OUTAGE_SECONDS, connect
@@ -39,13 +40,13 @@ PROMPT = RerankPrompt(
 )  # fmt: skip
 
 
-def _calls(url: str) -> dict[str, Callable[[], Any]]:
+def _calls(url: str, data: Path) -> dict[str, Callable[[], Any]]:
     settings = Settings(
         redis_url=url,
         generation_model="anthropic:claude-haiku-4-5",
         rate_limits={"claude-haiku-4-5": RateLimit(rpm=60_000, itpm=10_000_000)},
     )
-    index_settings = build_index_settings(settings)
+    index_settings = build_index_settings(settings, EmbeddedBackend(data))
     budget = build_rate_budget(settings)
     store = JobStore.from_url(url, outage_seconds=OUTAGE_SECONDS)
     assert index_settings is not None and budget is not None and budget.active
@@ -61,7 +62,7 @@ def test_each_search_path_client_waits_out_a_redis_restart(
     tmp_path: Path, signum: signal.Signals
 ) -> None:
     with broker(tmp_path / "redis") as redis_broker:
-        calls = _calls(redis_broker.url + "/0")
+        calls = _calls(redis_broker.url + "/0", tmp_path / "data")
         for call in calls.values():
             call()  # connected before the outage: the restart breaks a pooled connection
         redis_broker.kill(signum)

@@ -81,3 +81,42 @@ def test_writes_after_redis_came_back_empty_are_newer_than_the_ones_before(
         assert document(client, "gone").status_code == 404
         listed = client.get(docs, headers=ACME).json()
         assert json.dumps(sorted(d["id"] for d in listed["documents"])) == '["kept"]'
+
+
+@pytest.mark.timeout(240)
+def test_an_indexs_own_settings_outlast_a_redis_that_came_back_empty(tmp_path: Path) -> None:
+    """``PATCH`` settings lived only in Redis: back empty, the index showed the defaults and
+    every search of it ran at them, with nothing said. They live with the index's data now."""
+    port = free_port()
+    docs = f"/v1/indexes/{INDEX}/documents"
+    patch = {"fusion": {"weights": {"knn": 0.25}}, "candidate_limit": 7}
+    with contextlib.ExitStack() as stack:
+        model = stack.enter_context(FakeAnthropic())
+        first = stack.enter_context(contextlib.ExitStack())
+        url = first.enter_context(redis_server(tmp_path / "redis-1", port=port))
+        env = stack_env(url + "/0", model.url)
+        client = stack.enter_context(
+            httpx.Client(base_url=stack.enter_context(gateway(tmp_path / "g", env)), timeout=60)
+        )
+        stack.enter_context(celery_worker(tmp_path / "w", env, "w"))
+        ingested = [{"id": f"d{i}", "text": f"volcano ash note {i}"} for i in range(10)]
+        write(client, "POST", docs, json={"documents": ingested})
+        changed = client.patch(f"/v1/indexes/{INDEX}", json=patch, headers=ACME)
+        assert changed.status_code == 200, changed.text
+        settings = changed.json()["settings"]
+        assert settings["candidate_limit"] == 7 and settings["fusion"]["weights"]["knn"] == 0.25
+
+        first.close()  # Redis stopped; the same port, empty, with no persistence
+        stack.enter_context(redis_server(tmp_path / "redis-2", port=port))
+
+        def shown() -> bool:
+            answer = client.get(f"/v1/indexes/{INDEX}", headers=ACME)
+            return answer.status_code != 503
+
+        wait_for(shown, "the index read once Redis answers again", 60)
+        assert client.get(f"/v1/indexes/{INDEX}", headers=ACME).json()["settings"] == settings
+        search = {"index": INDEX, "query": "volcano ash", "rerank": False, "include_trace": True}
+        found = write(client, "POST", "/v1/searches", json=search)
+        trace = found["result"]["trace"]  # type: ignore[index]
+        assert trace["candidate_limit"] == {"value": 7, "from": "index"}, trace
+        assert trace["fusion"]["from"]["weights"]["knn"] == "index", trace["fusion"]

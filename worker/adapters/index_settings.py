@@ -1,20 +1,28 @@
-"""An index's own search settings in Redis: weighted RRF and the candidate window (issue 15).
+"""An index's own search settings: weighted RRF and the candidate window (issue 15).
 
-Why Redis: the settings are Sift's, not a backend's, and must read the same on both
-backends. Sift keeps no metadata of its own in an Elasticsearch index, while Redis
-already holds Sift's durable state (AOF in ``deploy/`` and under ``sift up``). One key per
-tenant and index, ``sift:index-settings:<tenant>:<index>``, holding
-``{"settings": <only the fields set>, "version": <write version>}``, with no TTL.
+Where: in the backend, beside the index's documents (the embedded backend's SQLite file, an
+Elasticsearch index of settings: :class:`~worker.core.ports.IndexSettingsStorage`), so they
+last exactly as long as the index's data. Redis can come back empty (run without
+persistence, or the last second of an AOF ``everysec`` lost with its machine); settings kept
+there were lost with it, and the tenant's searches silently ran at the defaults. Redis still
+gives each change its write version (:mod:`worker.write_versions`, never below the server's
+clock, so above every version stored before a restart) and the lock that keeps two changes
+of one index from reading the same settings. Settings an earlier release kept in Redis
+(``sift:index-settings:<tenant>:<index>``) are read where the backend holds none, until the
+next change or clear of the index.
 
 Why a short cache: a search reads its index's settings once; each worker process keeps
-what it read for ``INDEX_SETTINGS_TTL_SECONDS`` (2 s), so a busy index costs one ``GET``
+what it read for ``INDEX_SETTINGS_TTL_SECONDS`` (2 s), so a busy index costs one backend read
 per process every 2 s, not one per search. A change is seen at once by the process that
 made it (it drops its copy), by the others within the TTL.
 
 Ordering with a drop: every change takes a write version from the tenant's counter that its
-upserts, deletes and drops share (:mod:`worker.write_versions`), and a drop clears the
-settings only if they are older than it: a change accepted after a drop was accepted
-survives the drop's task, whichever runs first.
+upserts, deletes and drops share, the backend stores settings only over older ones, and a
+drop clears them (a record of ``None`` at the drop's version) only if they are older than
+it: a change accepted after a drop was accepted survives the drop's task, whichever runs
+first. A change and a clear of one index hold a lock in Redis while they read and store (a
+change reads the settings it merges into); a change that finds newer settings stored when it
+stores (a clear that ran without the lock) reads them again, with a new version.
 """
 
 from __future__ import annotations
@@ -22,20 +30,27 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import redis
 from pydantic import ValidationError
 
-from worker.constants import INDEX_SETTINGS_KEY, INDEX_SETTINGS_TTL_SECONDS
+from worker.constants import (
+    INDEX_SETTINGS_KEY,
+    INDEX_SETTINGS_LOCK_KEY,
+    INDEX_SETTINGS_LOCK_SECONDS,
+    INDEX_SETTINGS_TTL_SECONDS,
+)
 from worker.contract import FusionSpec
 from worker.core.catalog import SearchSettings, merge_patch
+from worker.core.ports import IndexSettingsStorage
 from worker.errors import InvalidRequest
 from worker.redis_client import QUICK_SOCKET_TIMEOUT, connect
 from worker.write_versions import next_write_version
 
-# Drop the settings only if they are no newer than the drop (ARGV[1]: its version).
+# An earlier release's settings in Redis go only if no newer than the clear (ARGV[1]).
 _CLEAR = """
 local held = redis.call('GET', KEYS[1])
 if not held then return 0 end
@@ -47,19 +62,23 @@ return 0
 
 
 def settings_key(index: str, tenant: str) -> str:
+    """Where an earlier release kept the tenant's index's settings in Redis."""
     return f"{INDEX_SETTINGS_KEY}{tenant}:{index}"
 
 
-class RedisIndexSettings:
+class IndexSettingsStore:
     """The :class:`~worker.core.ports.IndexSettingsSource` port, and the writes behind
-    ``PATCH /v1/indexes/{index}`` and an index's drop. Thread-safe."""
+    ``PATCH /v1/indexes/{index}`` and an index's drop: the settings in ``storage`` (the
+    backend), versions and the lock in Redis. Thread-safe."""
 
     def __init__(
         self,
+        storage: IndexSettingsStorage,
         client: redis.Redis,
         ttl_seconds: float = INDEX_SETTINGS_TTL_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._storage = storage
         self._redis = client
         self._ttl = ttl_seconds
         self._clock = clock
@@ -69,9 +88,13 @@ class RedisIndexSettings:
         self._clear = client.register_script(_CLEAR)
 
     @classmethod
-    def from_url(cls, url: str, outage_seconds: float = 0.0) -> RedisIndexSettings:
-        """Settings on ``url``; a worker's ride out a Redis restart (``outage_seconds``)."""
-        return cls(connect(url, outage_seconds=outage_seconds, socket_timeout=QUICK_SOCKET_TIMEOUT))
+    def from_url(
+        cls, storage: IndexSettingsStorage, url: str, outage_seconds: float = 0.0
+    ) -> IndexSettingsStore:
+        """Settings in ``storage``, versions on ``url``; a worker's ride out a Redis restart
+        (``outage_seconds``)."""
+        client = connect(url, outage_seconds=outage_seconds, socket_timeout=QUICK_SOCKET_TIMEOUT)
+        return cls(storage, client)
 
     def get(self, index: str, tenant: str) -> SearchSettings:
         """The settings a search uses: at most ``ttl_seconds`` old."""
@@ -91,43 +114,36 @@ class RedisIndexSettings:
 
     def read(self, index: str, tenant: str) -> SearchSettings:
         """The settings as stored now (no cache): what the index's metadata shows."""
-        return _parse(self._redis.get(settings_key(index, tenant)))
+        return SearchSettings(self._held(index, tenant)[0] or {})
 
     def read_many(self, indexes: Sequence[str], tenant: str) -> list[SearchSettings]:
-        """Each index's settings, in one ``MGET``."""
-        if not indexes:
-            return []
-        raw = self._redis.mget([settings_key(i, tenant) for i in indexes])
-        return [_parse(r) for r in raw]
+        """Each index's settings."""
+        return [self.read(index, tenant) for index in indexes]
 
     def update(self, index: str, tenant: str, patch: Mapping[str, Any]) -> SearchSettings:
         """Apply a JSON Merge Patch (``null`` clears a field) and store the result with a new
         write version; raises InvalidRequest when the result is not valid settings (every
         weight 0, say). The caller checks first that the tenant has the index."""
-        key = settings_key(index, tenant)
-        with self._redis.pipeline() as pipe:
+        with self._locked(index, tenant):
             while True:
-                try:
-                    pipe.watch(key)  # type: ignore[no-untyped-call]
-                    merged = merge_patch(_parse(pipe.get(key)).stored, patch)
-                    _check(merged)
-                    version = next_write_version(self._redis, tenant)
-                    pipe.multi()
-                    if merged:
-                        pipe.set(key, json.dumps({"settings": merged, "version": version}))
-                    else:  # every field back to its default: nothing to keep
-                        pipe.delete(key)
-                    pipe.execute()
-                    break
-                except redis.WatchError:
-                    continue
+                merged = merge_patch(self._held(index, tenant)[0] or {}, patch)
+                _check(merged)
+                version = next_write_version(self._redis, tenant)
+                if self._storage.store_settings(index, tenant, merged, version):
+                    break  # else a clear newer than this read ran meanwhile: read it
+            self._redis.delete(settings_key(index, tenant))  # an earlier release's copy
         self.forget(index, tenant)
         return SearchSettings(merged)
 
     def clear(self, index: str, tenant: str, version: int | None) -> None:
         """The tenant's index was dropped (at write ``version``): its settings go, unless a
         change accepted after the drop holds them."""
-        self._clear(keys=[settings_key(index, tenant)], args=["" if version is None else version])
+        with self._locked(index, tenant):
+            settings, held = self._held(index, tenant)
+            at = next_write_version(self._redis, tenant) if version is None else version
+            if settings is not None and held <= at:
+                self._storage.store_settings(index, tenant, None, at)
+            self._clear(keys=[settings_key(index, tenant)], args=[at])
         self.forget(index, tenant)
 
     def forget(self, index: str, tenant: str) -> None:
@@ -135,11 +151,23 @@ class RedisIndexSettings:
             self._forgotten += 1
             self._cache.pop((index, tenant), None)
 
+    def _held(self, index: str, tenant: str) -> tuple[dict[str, Any] | None, int]:
+        """The settings stored for the tenant's index (None: none) and their version (0:
+        never stored): the backend's, else an earlier release's in Redis."""
+        stored = self._storage.stored_settings(index, tenant)
+        if stored is not None:
+            return stored
+        raw = self._redis.get(settings_key(index, tenant))
+        if raw is None:
+            return None, 0
+        held = json.loads(raw)
+        return held.get("settings") or None, int(held.get("version") or 0)
 
-def _parse(raw: bytes | str | None) -> SearchSettings:
-    if raw is None:
-        return SearchSettings()
-    return SearchSettings(json.loads(raw).get("settings") or {})
+    @contextmanager
+    def _locked(self, index: str, tenant: str) -> Iterator[None]:
+        name = f"{INDEX_SETTINGS_LOCK_KEY}{tenant}:{index}"
+        with self._redis.lock(name, timeout=INDEX_SETTINGS_LOCK_SECONDS, blocking_timeout=10):
+            yield
 
 
 def _check(merged: Mapping[str, Any]) -> None:

@@ -119,6 +119,24 @@ class IndexCatalog(Protocol):
         ...
 
 
+class IndexSettingsStorage(Protocol):
+    """Where a backend keeps each tenant's index's own settings, beside the index's data, so
+    they last as long as it does (a Redis that comes back empty keeps nothing of them).
+    ``settings`` None is a cleared record: it still holds its version."""
+
+    def stored_settings(self, index: str, tenant: str) -> tuple[dict[str, Any] | None, int] | None:
+        """The settings last stored for the tenant's index and their write version (None:
+        never stored)."""
+        ...
+
+    def store_settings(
+        self, index: str, tenant: str, settings: Mapping[str, Any] | None, version: int
+    ) -> bool:
+        """Keep ``settings`` (None: clear them) if ``version`` is newer than the one held;
+        False, storing nothing, if it is not."""
+        ...
+
+
 class IndexSettingsSource(Protocol):
     """Where a search finds its index's own settings (``PATCH /v1/indexes/{index}``)."""
 

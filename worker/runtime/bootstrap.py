@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from worker.constants import LANE_ECONOMY
 from worker.core.cost import price_for
@@ -18,6 +18,7 @@ from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.ports import (
     Embedder,
     IndexSettingsSource,
+    IndexSettingsStorage,
     RateBudget,
     Recorder,
     Reranker,
@@ -85,14 +86,16 @@ def default_fusion(settings: Settings) -> Fusion:
     )
 
 
-def build_index_settings(settings: Settings) -> IndexSettingsSource | None:
-    """Each index's own settings, kept in Redis (none without Redis: the defaults apply)."""
-    if not settings.redis_url:
+def build_index_settings(settings: Settings, backend: object) -> IndexSettingsSource | None:
+    """Each index's own settings, kept by ``backend`` with versions from Redis (none without
+    Redis, or with a backend that keeps none: the defaults apply)."""
+    if not settings.redis_url or not hasattr(backend, "store_settings"):
         return None
-    from worker.adapters.index_settings import RedisIndexSettings
+    from worker.adapters.index_settings import IndexSettingsStore
     from worker.redis_client import OUTAGE_SECONDS
 
-    return RedisIndexSettings.from_url(settings.redis_url, outage_seconds=OUTAGE_SECONDS)
+    storage = cast(IndexSettingsStorage, backend)
+    return IndexSettingsStore.from_url(storage, settings.redis_url, OUTAGE_SECONDS)
 
 
 def build_backend(settings: Settings) -> SearchBackend:
@@ -208,8 +211,9 @@ def build_pipeline(
     # first half. Elasticsearch's retrieval waits on the network: only embedding holds one.
     slots = cpu_slots(settings.cpu_slots)
     local = backend is None and settings.search_backend == "embedded"
+    backend = backend or build_backend(settings)
     return SearchPipeline(
-        backend=backend or build_backend(settings),
+        backend=backend,
         embedder=embedder or build_embedder(settings, None if local else slots),
         reranker=reranker or build_reranker(settings),
         config=pipeline_config(settings),
@@ -218,5 +222,5 @@ def build_pipeline(
         sleep=sleep,
         cpu_slots=slots if local else None,
         rate_budget=rate_budget,
-        index_settings=index_settings or build_index_settings(settings),
+        index_settings=index_settings or build_index_settings(settings, backend),
     )

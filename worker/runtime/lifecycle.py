@@ -15,7 +15,7 @@ import json
 from dataclasses import asdict
 from typing import Any, cast
 
-from worker.adapters.index_settings import RedisIndexSettings
+from worker.adapters.index_settings import IndexSettingsStore
 from worker.constants import INGEST_ID_PREFIX
 from worker.core.catalog import IndexInfo, SearchSettings
 from worker.core.pipeline import shown_metadata
@@ -37,10 +37,10 @@ def catalog(runtime: object) -> IndexCatalog:
     return cast(IndexCatalog, backend)
 
 
-def settings_store(runtime: object) -> RedisIndexSettings | None:
+def settings_store(runtime: object) -> IndexSettingsStore | None:
     """Where the runtime's pipeline reads index settings (None: nowhere, defaults only)."""
     source = getattr(cast(Runtime, runtime).pipeline, "index_settings", None)
-    return source if isinstance(source, RedisIndexSettings) else None
+    return source if isinstance(source, IndexSettingsStore) else None
 
 
 def delete(

@@ -15,6 +15,7 @@ The package's private modules, one job each (every public name is re-exported he
 * ``_drops``: drops of a tenant's index;
 * ``_listing``: the tenant's indexes, counts and documents;
 * ``_reindex``: rebuilding an index and moving its alias; the copy task;
+* ``_settings``: each tenant's index's own search settings (``<prefix>sift-settings``);
 * ``_layout``: index names and drop floors; ``_errors``: ES's errors as Sift's;
   ``_migrate``: the shared layout of earlier releases (the start-up check and
   ``sift elasticsearch-migrate``).

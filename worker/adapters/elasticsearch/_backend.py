@@ -13,6 +13,7 @@ from worker.adapters.elasticsearch._listing import _Listing
 from worker.adapters.elasticsearch._mapping import FieldNames, IndexSettings
 from worker.adapters.elasticsearch._migrate import SharedLayout
 from worker.adapters.elasticsearch._reindex import _Reindex
+from worker.adapters.elasticsearch._settings import _Settings
 from worker.adapters.elasticsearch._writes import _Writes
 from worker.errors import ConfigError
 
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from worker.settings import Settings
 
 
-class ElasticsearchBackend(_Writes, _Drops, _Listing, _Reindex):
+class ElasticsearchBackend(_Writes, _Drops, _Listing, _Reindex, _Settings):
     """A SearchBackend over an Elasticsearch 9.x cluster (see the package docstring)."""
 
     @classmethod

@@ -65,6 +65,7 @@ class _Core:
         self._clock = clock
         self._lock = threading.Lock()
         self._template_ready = False
+        self._settings_ready = False  # the settings index made, or found made
         self._floors = DropFloors(
             self._es, f"{prefix}{FLOORS_INDEX}", lambda: self._explicit_body()
         )

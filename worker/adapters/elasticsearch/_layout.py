@@ -2,7 +2,8 @@
 
 Tenant ``T``'s Sift index ``NAME`` is the alias ``<prefix><key>--NAME`` over concrete indexes
 ``<alias>~<000001 or a reindex's timestamp>``; drop floors live in ``<prefix>sift-floors``
-(see the package's docstring, and deploy/README.md §6).
+and each index's own search settings in ``<prefix>sift-settings`` (see the package's
+docstring, and deploy/README.md §6).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ TENANT_KEY_LENGTH = 16
 KEY_SEPARATOR = "--"
 #: The index of drop floors, after the prefix (no tenant key: see ``floors_index``).
 FLOORS_INDEX = "sift-floors"
+#: The index of each tenant's index's own search settings, after the prefix (as the floors').
+SETTINGS_INDEX = "sift-settings"
 #: Elasticsearch's limit on an index name, in bytes.
 MAX_INDEX_NAME_BYTES = 255
 #: What Elasticsearch accepts as an index name (lowercase; none of ``\ / * ? " < > | , # :``

@@ -49,9 +49,10 @@ Usage::
 The package's modules, one part each: :mod:`._schema` (tables, schema version, each tenant's
 index and FTS5 table), :mod:`._pool` (connections, transactions, error translation),
 :mod:`._caches` (vectors and documents in memory), :mod:`._search` (probe and channels),
-:mod:`._writes` (upserts, deletes, drops, write versions) and :mod:`._listing` (the catalog's
-reads). :class:`EmbeddedBackend` is made of one class from each; within the package imports
-are relative, so ``benchmarks/baseline.py`` can load a whole earlier version beside it.
+:mod:`._writes` (upserts, deletes, drops, write versions), :mod:`._listing` (the catalog's
+reads) and :mod:`._settings` (each index's own search settings).
+:class:`EmbeddedBackend` is made of one class from each; within the package imports are
+relative, so ``benchmarks/baseline.py`` can load a whole earlier version beside it.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from ._listing import _Listing
 from ._pool import BUSY_TIMEOUT_MS, CACHE_KIB, MMAP_BYTES
 from ._schema import DB_FILE, FTS_TOKENIZER, SCHEMA_VERSION
 from ._search import BLAS_MIN_PRODUCT, ENGLISH_STOPWORDS, _Search, match_expression
+from ._settings import _Settings
 from ._writes import _Writes
 
 __all__ = [
@@ -81,7 +83,7 @@ __all__ = [
 ]
 
 
-class EmbeddedBackend(_Search, _Writes, _Listing):
+class EmbeddedBackend(_Search, _Writes, _Listing, _Settings):
     """The :class:`~worker.core.ports.SearchBackend` port on SQLite FTS5 and numpy.
 
     Safe to share between threads (each call has a pooled connection to itself) and between

@@ -74,7 +74,17 @@ CREATE TABLE IF NOT EXISTS catalog(
     last_write REAL,
     PRIMARY KEY(idx, tenant)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS index_settings(
+    idx TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    settings TEXT,
+    version INTEGER NOT NULL,
+    PRIMARY KEY(idx, tenant)
+) WITHOUT ROWID;
 """
+# ``index_settings`` (each tenant's index's own search settings, a NULL ``settings`` once
+# cleared) came after v2 without a bump: a v2 data dir gains it on open, and an earlier v2
+# release reads past it.
 # v2: ``indexes`` is keyed by (name, tenant), so each tenant's index has its own FTS5 table
 # (BM25 statistics), dimension and generation; a v1 data dir (one per name) is refused.
 
