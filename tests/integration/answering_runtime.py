@@ -5,9 +5,11 @@ run to keep its model's answer (in its run claim) deletes it and exits; if the f
 ``cancel``, a batch item's batch is canceled first (a cancel landing between the death and
 the redelivered run).
 Every model usage the pipeline counts is appended to ``MODEL_USAGE_LOG``, one line each,
-and every search it counts done to ``SEARCH_DONE_LOG``, so a test reads what the metrics
-were told across the worker's processes. When the file named by ``DIE_AFTER_DONE_FLAG``
-exists, the first ``search_done`` deletes it and exits once it is counted. Tenant "zeta" has
+every search it counts done to ``SEARCH_DONE_LOG`` and every rerank outcome to
+``RERANK_OUTCOME_LOG``, so a test reads what the metrics were told across the worker's
+processes. When the file named by ``DIE_AFTER_DONE_FLAG`` (``DIE_AFTER_OUTCOME_FLAG``)
+exists, the first ``search_done`` (``rerank_outcome``) deletes it and exits once it is
+counted. Tenant "zeta" has
 the same documents, and one more once the file named by ``EXTRA_DOCUMENT_FLAG`` exists (read
 when a process builds its runtime: an ingest that landed between two runs of a search).
 
@@ -45,6 +47,15 @@ EXTRA_DOCUMENT = DocumentIn(id="new", text="gamma gamma gamma delta delta delta,
 
 
 class DyingRecorder(metrics.PrometheusRecorder):
+    def rerank_outcome(self, policy: str, outcome: str) -> None:
+        super().rerank_outcome(policy, outcome)
+        with Path(os.environ["RERANK_OUTCOME_LOG"]).open("a") as log:
+            log.write(outcome + "\n")
+        flag = Path(os.environ["DIE_AFTER_OUTCOME_FLAG"])
+        if flag.exists():
+            flag.unlink()
+            os._exit(17)
+
     def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:
         super().rerank_usage(model, usage, cost_usd)
         with Path(os.environ["MODEL_USAGE_LOG"]).open("a") as log:

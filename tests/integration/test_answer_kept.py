@@ -55,6 +55,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "MODEL_USAGE_LOG": str(tmp / "usage.log"),
             "SEARCH_DONE_LOG": str(tmp / "done.log"),
             "DIE_AFTER_DONE_FLAG": str(tmp / "die-done"),
+            "RERANK_OUTCOME_LOG": str(tmp / "outcomes.log"),
+            "DIE_AFTER_OUTCOME_FLAG": str(tmp / "die-outcome"),
             "EXTRA_DOCUMENT_FLAG": str(tmp / "extra"),
             "FAIL_RETRIEVAL_FLAG": str(tmp / "failing"),
         }
@@ -187,6 +189,25 @@ def test_a_search_is_counted_done_once_when_its_worker_died_after_counting_it(
     assert done_log.read_text().splitlines() == ["ok"]
     (item,) = setup.store.batch_results(batch.id, 0, 1)
     assert item.status == "succeeded" and len(setup.model.requests()) == 1, item
+
+
+def test_a_search_needing_no_model_call_counts_its_outcome_once_when_its_worker_died(
+    setup: Setup,
+) -> None:
+    """A reranked search with no candidates needs no model call: it counted
+    ``sift_rerank_outcomes_total{outcome="skipped"}`` as it ran, so a worker dying before its
+    result was saved had the redelivered run count it again. It is counted with the search's
+    other figures now, once the result is saved."""
+    _arm(setup)
+    setup.flag.unlink()
+    outcomes, die = setup.usage_log.with_name("outcomes.log"), setup.flag.with_name("die-outcome")
+    outcomes.write_text("")
+    die.touch()
+    spec = SearchSpec(index="docs", query="nothing matches", mode="fts", rerank=True)
+    result = _search(setup, "acme", spec)
+    assert not die.exists()  # the worker did die
+    assert not result.hits and not result.rerank.applied and not setup.model.requests()
+    assert outcomes.read_text().splitlines() == ["skipped"]
 
 
 def _shown(request: dict[str, Any]) -> list[str]:

@@ -161,7 +161,8 @@ class RerankRun:
 class Prepared:
     """The first half of a search, up to the model call, as plain data.
 
-    ``result`` is set when no model call is needed (no rerank, or no candidates): it is final.
+    ``result`` is set when no model call is needed (no rerank, or no candidates): it is final;
+    ``skipped`` when a rerank was asked for and had no candidates (its outcome to count).
     Otherwise ``prompt`` is what to send, and :meth:`SearchPipeline.finish` turns the model's
     answer (or the failure) into the result. ``seconds`` is the time the first half took.
     ``trace`` lists the candidates only when the search asked for its trace
@@ -173,6 +174,7 @@ class Prepared:
     trace: dict[str, Any]
     prompt: RerankPrompt | None = None
     result: SearchResult | None = None
+    skipped: bool = False
     seconds: float = 0.0
 
 
@@ -266,6 +268,8 @@ class SearchPipeline:
                 prepared = self._prepare(spec, tenant, deadline)
             if prepared.result is not None:
                 result = prepared.result
+                if prepared.skipped:  # counted with the search's other figures: once
+                    figures.append(partial(self.recorder.rerank_outcome, POLICY_ID, "skipped"))
             else:
                 kept = answers.saved() if answers is not None else None
                 shown = shown_digest(prepared.candidates)
@@ -320,6 +324,8 @@ class SearchPipeline:
             self.recorder.search_done(spec.mode, "error", deadline.elapsed())
             raise
         prepared.seconds = deadline.elapsed()
+        if prepared.skipped:
+            self.recorder.rerank_outcome(POLICY_ID, "skipped")
         if prepared.result is not None:
             self.recorder.search_done(spec.mode, "ok", prepared.seconds)
         return prepared
@@ -403,13 +409,11 @@ class SearchPipeline:
         }
 
         if not reranking or not candidates:
-            if reranking:
-                self.recorder.rerank_outcome(POLICY_ID, "skipped")
             info = RerankInfo(applied=False, policy=None, fallback_reason=None)
             if spec.include_trace:
                 trace["candidates"] = _trace_candidates(candidates, None)
             result = self._result(candidates[: spec.limit], info, Usage(), spec, trace)
-            return Prepared(spec, candidates, trace, result=result)
+            return Prepared(spec, candidates, trace, result=result, skipped=reranking)
         assert self.reranker is not None
         prompt = self.build_prompt(query, spec, candidates)
         if spec.include_trace:  # a dict per candidate: built only for a trace that is shown
