@@ -41,7 +41,7 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import Received, celery_worker, gateway, redis_server, webhook_inbox
-from worker.constants import WEBHOOK_QUEUE, WEBHOOKS_OWED_KEY, kombu_queue_keys
+from worker.constants import RESULT_TTL_SECONDS, WEBHOOK_QUEUE, WEBHOOKS_OWED_KEY, kombu_queue_keys
 from worker.queue.celery_app import create_celery_app, visibility_timeout
 from worker.queue.jobstore import JobStore
 from worker.queue.redrive import Sweeper, celery_sender
@@ -137,3 +137,46 @@ def test_a_lost_webhook_message_is_sent_again_and_arrives_once(tmp_path: Path) -
         assert event["type"] == ("search.completed" if job_id == search_id else "batch.completed")
         assert event["data"]["status"] == statuses[job_id].json()["status"] == "succeeded"
         assert json.loads(body) == event
+
+
+@pytest.mark.timeout(240)
+def test_with_the_redrive_off_the_owed_set_keeps_nothing_past_the_retention(
+    tmp_path: Path,
+) -> None:
+    """With ``SIFT_REDRIVE_INTERVAL_SECONDS=0`` no sweep reads ``sift:webhooks-owed``: an entry
+    whose message was lost stayed for good (the set had no TTL), and the set grew with every
+    one. A delivery now drops each due before the retention window (its record has expired:
+    there is nothing to send again); one lost within it stays owed, for a re-drive turned on."""
+    with (
+        FakeAnthropic() as model,
+        redis_server(tmp_path / "redis") as url,
+        webhook_inbox() as (hook, inbox),
+    ):
+        env = stack_env(url + "/0", model.url, SIFT_REDRIVE_INTERVAL_SECONDS="0")
+        store = JobStore.from_url(url + "/0")
+        try:
+            now = time.time()
+            lost = {"srch_lost_long_ago": now - RESULT_TTL_SECONDS - 60, "srch_lost": now - 60}
+            store.redis.zadd(WEBHOOKS_OWED_KEY, lost)
+            with (
+                gateway(tmp_path / "g", env) as base,
+                httpx.Client(base_url=base, timeout=30) as client,
+                celery_worker(tmp_path / "w", env, "w"),
+            ):
+                ingest(client)
+                response = client.post(
+                    "/v1/searches",
+                    json={"index": INDEX, "query": sample_queries()[0], "webhook_url": hook},
+                    headers=ACME,
+                )
+                assert response.status_code == 202, response.text
+                wait_for(lambda: inbox.qsize() >= 1, "the webhook delivered", 60)
+                search_id = response.json()["id"]
+
+                def settled() -> bool:
+                    return store.redis.zscore(WEBHOOKS_OWED_KEY, search_id) is None
+
+                wait_for(settled, "the delivered webhook settled")
+                assert store.redis.zrange(WEBHOOKS_OWED_KEY, 0, -1) == ["srch_lost"]
+        finally:
+            store.close()

@@ -65,14 +65,15 @@ submission (a once-only claim), so a re-drive never makes a second provider batc
 Webhooks. A job's final move (the same script: no round trip more) records its webhook owed
 in ``sift:webhooks-owed``, scored when its next message is due: the move's time, then each
 retry's. The delivery task drops it once the webhook is final (delivered, refused, or its
-schedule spent). So a webhook whose message was lost in the same pop-then-unacked window, or
-never published (its worker died between the final move and the publish), stays owed past
-its due time, and a sweep sends it again once it is overdue by ``webhook_grace_seconds`` (the
-broker's visibility timeout, 1,600 s at the defaults: a live message has mostly run by then,
-or been put back) and no message of it is in the webhook queue or ``unacked`` (one late
-behind a backlog is looked at again a grace later) (:meth:`Sweeper.resend_webhooks`): the
-same event, the same ``webhook-id``, so a receiver that had it after all drops the copy. The
-attempts start again from the first.
+schedule spent), and with it every entry due before the retention window (its record has
+expired), so the set stays bounded with the re-drive off too. So a webhook whose message was
+lost in the same pop-then-unacked window, or never published (its worker died between the
+final move and the publish), stays owed past its due time, and a sweep sends it again once
+it is overdue by ``webhook_grace_seconds`` (the broker's visibility timeout, 1,600 s at the
+defaults: a live message has mostly run by then, or been put back) and no message of it is
+in the webhook queue or ``unacked`` (one late behind a backlog is looked at again a grace
+later) (:meth:`Sweeper.resend_webhooks`): the same event, the same ``webhook-id``, so a
+receiver that had it after all drops the copy. The attempts start again from the first.
 
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
     sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)

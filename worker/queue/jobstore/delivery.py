@@ -99,8 +99,13 @@ class DeliveryRecords(_StoreCore):
         return bool(self.redis.zadd(WEBHOOKS_OWED_KEY, {job_id: when}, xx=True, gt=True, ch=True))
 
     def webhook_settled(self, job_id: str) -> None:
-        """The job's webhook is owed no more: delivered, refused, or its schedule spent."""
-        self.redis.zrem(WEBHOOKS_OWED_KEY, job_id)
+        """The job's webhook is owed no more: delivered, refused, or its schedule spent. Also
+        drops every entry due before the retention window: its job's record has expired, so
+        there is nothing to send again, and with the re-drive off no sweep drops it."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(WEBHOOKS_OWED_KEY, job_id)
+        pipe.zremrangebyscore(WEBHOOKS_OWED_KEY, "-inf", _now() - self.result_ttl)
+        pipe.execute()
 
     def count_redrive(self, job_id: str) -> int:
         """Count one more re-drive of this job; answers how many there have been."""
