@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -189,9 +190,11 @@ def _search_out(job: SearchJob) -> SearchJobOut:
     return out
 
 
-def _search_response(request: Request, job: SearchJob) -> Response:
+def _search_response(request: Request, job: SearchJob, *, read: bool = True) -> Response:
+    """200 with a final job, else 202 with its ``Location``; ``read`` False: ``job`` is not
+    the record as read whole (Redis went away), so never a final answer, whatever its status."""
     body = _search_out(job).model_dump_json(exclude_none=False)
-    if job.status.final:
+    if job.status.final and read:
         return Response(body, media_type="application/json")
     headers = location(request, "get_search", job_id=job.id)
     return Response(body, status_code=202, media_type="application/json", headers=headers)
@@ -472,15 +475,18 @@ async def _answer_search(
     async def read_status() -> JobStatus | None:
         return await off_loop(store.get_search_status, job_id)
 
+    seen: JobStatus | None = None  # the last status the poll read
     if wait > 0:
-        await poll_until(read_status, lambda s: s.final, wait)
+        seen = await poll_until(read_status, lambda s: s.final, wait)
     try:
         job = await read()
     except STORE_AWAY:
         if fresh is None:
             raise
         log.warning("search %s: the job store is away; answered as accepted", job_id)
-        job = fresh
+        # what this request knows: the job it made, in the last status its poll read
+        known = fresh if seen is None else dataclasses.replace(fresh, status=seen)
+        return _search_response(request, known, read=False)
     if job is None and fresh is not None:
         raise _lost("search", job_id)
     if job is None or job.tenant != tenant:

@@ -48,7 +48,9 @@ class SearchRequest(SearchSpec):
 
 
 class SearchJobOut(BaseModel):
-    """A search job. ``result`` is there once it succeeded, ``error`` once it failed."""
+    """A search job. ``result`` is there once it succeeded, ``error`` once it failed (in a
+    ``202``, ``status`` is the last one the gateway read, and may be final with neither when
+    Redis went away before it read them: ``GET`` the ``Location``)."""
 
     id: str
     status: JobStatus

@@ -231,3 +231,36 @@ def test_a_job_redis_lost_while_its_request_waited_is_a_503(outage: Outage, name
     assert list(outage.direct.scan_iter(case.prefix + "*")) == []
     assert response.status_code == 503, response.text
     assert response.headers["retry-after"] == "1"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("seen", ["running", "succeeded"])
+def test_a_searchs_outage_202_says_the_status_its_wait_read(outage: Outage, seen: str) -> None:
+    """The search's ``?wait=`` poll read the job ``running`` (or ``succeeded``: a worker just
+    finished it), then Redis went away at the read of the whole record: the ``202`` said
+    ``queued`` whatever the poll had read. It says the last status read now; a ``202`` is
+    never final, so one saying ``succeeded`` has no ``result`` for its ``Location`` to give."""
+    outage.proxy.arm(b"HGETALL", SEARCH_KEY.encode(), outage=OUTAGE_SECONDS)
+    stop = threading.Event()
+
+    def move() -> None:  # a worker's move, while the request polls the status
+        while not stop.is_set():
+            for key in outage.direct.scan_iter(SEARCH_KEY + "*"):
+                outage.direct.hset(key, "status", seen)
+                return
+            stop.wait(0.005)
+
+    mover = threading.Thread(target=move)
+    mover.start()
+    try:
+        response = CASES["a search's wait"].send(outage.client)
+    finally:
+        stop.set()
+        mover.join()
+    assert outage.proxy.fired.is_set(), "Redis never went away"
+    (key,) = outage.direct.scan_iter(SEARCH_KEY + "*")
+    assert response.status_code == 202, response.text
+    body = response.json()
+    assert body["id"] == key.removeprefix(SEARCH_KEY)
+    assert body["status"] == seen and body["result"] is None
+    assert response.headers["location"] == "/v1/searches/" + body["id"]
