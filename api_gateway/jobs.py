@@ -603,7 +603,12 @@ async def create_batch(
             )
             batch_id, made = batch.id, batch
     try:
-        batch = await _owned_batch(request, batch_id, tenant)
+        if made is None:
+            batch = await _owned_batch(request, batch_id, tenant)
+        elif (found := await off_loop(store.get_batch, batch_id)) is None:
+            raise _lost("batch", batch_id)  # Redis came back empty since the commit
+        else:
+            batch = found
     except STORE_AWAY:
         if made is None:
             raise

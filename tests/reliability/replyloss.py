@@ -20,6 +20,9 @@ the command never reaches Redis, every connection breaks, and new ones are refus
 long. Armed with ``down_after=`` seconds, the command runs and its reply is lost, and then
 Redis seems down that long (the restart came just after the command ran).
 
+Armed with ``before=`` a function, the proxy calls it just before the marked command goes
+up, and loses nothing: ``direct.flushdb`` plays a Redis that came back empty just before it.
+
 A reply that is a ``NOSCRIPT`` error (the script not yet loaded: nothing ran) passes, and
 the proxy stays armed for the next command that carries the bytes.
 """
@@ -30,6 +33,7 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -49,19 +53,28 @@ class ReplyLoss:
         self._outage = 0.0  # with the markers: how long Redis then seems down
         self._down_after = 0.0  # with the markers: how long Redis seems down after the reply
         self._down_until = 0.0  # time.monotonic() until which no connection is served
+        self._before: Callable[[], object] | None = None  # with the markers: run, lose nothing
         self._lock = threading.Lock()
         self._server = socket.create_server(("127.0.0.1", self.port))
         self._open: list[socket.socket] = []
         self._closed = False
 
-    def arm(self, *markers: bytes, outage: float = 0.0, down_after: float = 0.0) -> None:
+    def arm(
+        self,
+        *markers: bytes,
+        outage: float = 0.0,
+        down_after: float = 0.0,
+        before: Callable[[], object] | None = None,
+    ) -> None:
         """Lose the reply to the next command carrying every one of ``markers``. With
         ``outage`` seconds, Redis goes down at that command instead: it is not sent, every
         connection is broken, and new ones are closed at once for that long (a restart).
         With ``down_after`` seconds, the command runs, its reply is lost, and then Redis is
-        down so long."""
+        down so long. With ``before``, it is called just before the command is sent, and
+        nothing is lost."""
         with self._lock:
             self._markers, self._outage, self._down_after = markers, outage, down_after
+            self._before = before
             self.fired.clear()
 
     def __enter__(self) -> ReplyLoss:
@@ -115,6 +128,10 @@ class ReplyLoss:
                 if markers is not None and self._outage > 0:
                     self._go_down(data)
                     return
+                if markers is not None and self._before is not None:
+                    self._before()
+                    self.fired.set()
+                    markers = None
                 if markers is not None:
                     link.doomed, self.lost = markers, data
                 link.upstream.sendall(data)

@@ -264,3 +264,19 @@ def test_a_searchs_outage_202_says_the_status_its_wait_read(outage: Outage, seen
     assert body["id"] == key.removeprefix(SEARCH_KEY)
     assert body["status"] == seen and body["result"] is None
     assert response.headers["location"] == "/v1/searches/" + body["id"]
+
+
+@pytest.mark.timeout(180)
+def test_a_batch_redis_lost_before_its_read_back_is_a_503(outage: Outage) -> None:
+    """Redis back empty (no persistence) between a batch's commit and its read-back: the
+    read-back found no record, and the request was a ``404`` naming an ``id`` the client
+    never sent. The batch is lost (its chunk messages with it): a ``503``, "send the request
+    again", as a search's or an ingest's lost while its ``?wait=`` polled."""
+    case = CASES["a batch's read-back"]
+    outage.proxy.arm(*case.markers, before=outage.direct.flushdb)
+    response = case.send(outage.client)
+    assert outage.proxy.fired.is_set(), "Redis never went away"
+    assert list(outage.direct.scan_iter(case.prefix + "*")) == []
+    assert response.status_code == 503, response.text
+    assert response.headers["retry-after"] == "1"
+    assert "lost this batch" in response.json()["error"]["message"]
