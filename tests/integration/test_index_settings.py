@@ -16,7 +16,9 @@ import pytest
 from tests.fakes import FakeClock, FakeEmbedder
 from worker.adapters.embedded import EmbeddedBackend
 from worker.adapters.index_settings import IndexSettingsStore, settings_key
+from worker.constants import INDEX_SETTINGS_LOCK_KEY
 from worker.contract import DocumentIn, SearchSpec
+from worker.errors import BackendUnavailable
 from worker.queue.jobstore import JobStore
 from worker.runtime import lifecycle
 from worker.runtime.bootstrap import build_pipeline
@@ -258,3 +260,56 @@ def test_an_earlier_releases_settings_in_redis_are_read_until_changed(
     assert found["settings"]["candidate_limit"] == 25  # merged into what was held
     assert stored(runtime, "docs")[0] == {"candidate_limit": 25, "fusion": {"rank_constant": 30}}
     assert store.redis.exists(settings_key("docs", "acme")) == 0
+
+
+class ClearedBetween:
+    """The embedded backend, with a drop's clear landing (without the lock: it was lost with
+    a Redis that went away) between a change's read and its store, ``times`` times."""
+
+    def __init__(self, backend: EmbeddedBackend, store: JobStore, times: int) -> None:
+        self.backend, self.store, self.times = backend, store, times
+
+    def stored_settings(self, index: str, tenant: str) -> Any:
+        return self.backend.stored_settings(index, tenant)
+
+    def store_settings(self, index: str, tenant: str, settings: Any, version: int) -> bool:
+        if self.times and settings is not None:
+            self.times -= 1
+            drop = self.store.create_deletion(tenant, index, None)
+            assert drop.version is not None
+            assert self.backend.store_settings(index, tenant, None, drop.version)
+        return self.backend.store_settings(index, tenant, settings, version)
+
+
+def test_a_change_whose_store_a_newer_clear_refused_reads_again(
+    runtime: Runtime, store: JobStore
+) -> None:
+    call(runtime, "update", "acme", "docs", {"candidate_limit": 40})
+    backend = runtime.pipeline.backend
+    assert isinstance(backend, EmbeddedBackend)
+    once = IndexSettingsStore(ClearedBetween(backend, store, 1), store.redis)
+    # merged into what the clear left (nothing), not into the settings it first read
+    assert once.update("docs", "acme", {"fusion": {"rank_constant": 30}}).stored == {
+        "fusion": {"rank_constant": 30}
+    }
+    assert stored(runtime, "docs")[0] == {"fusion": {"rank_constant": 30}}
+    always = IndexSettingsStore(ClearedBetween(backend, store, 100), store.redis)
+    with pytest.raises(BackendUnavailable):
+        always.update("docs", "acme", {"candidate_limit": 5})  # bounded, never a loop
+    assert stored(runtime, "docs")[0] is None  # the newest clear
+
+
+def test_a_change_waits_for_the_lock_then_says_so(runtime: Runtime, store: JobStore) -> None:
+    held = store.redis.lock(f"{INDEX_SETTINGS_LOCK_KEY}acme:docs", timeout=30)
+    assert held.acquire(blocking=False)
+    try:
+        answer = call(runtime, "update", "acme", "docs", {"candidate_limit": 5})
+        assert answer["error"]["type"] == "backend_unavailable"
+    finally:
+        held.release()
+    assert (
+        call(runtime, "update", "acme", "docs", {"candidate_limit": 5})["settings"][
+            "candidate_limit"
+        ]
+        == 5
+    )

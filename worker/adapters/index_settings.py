@@ -31,11 +31,12 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import redis
 from pydantic import ValidationError
+from redis.exceptions import LockError
 
 from worker.constants import (
     INDEX_SETTINGS_KEY,
@@ -46,9 +47,13 @@ from worker.constants import (
 from worker.contract import FusionSpec
 from worker.core.catalog import SearchSettings, merge_patch
 from worker.core.ports import IndexSettingsStorage
-from worker.errors import InvalidRequest
+from worker.errors import BackendUnavailable, InvalidRequest
 from worker.redis_client import QUICK_SOCKET_TIMEOUT, connect
 from worker.write_versions import next_write_version
+
+#: How many times a change reads, merges and stores before it gives up (each store refused
+#: means a newer clear landed meanwhile, which can happen once without the lock).
+UPDATE_ATTEMPTS = 5
 
 # An earlier release's settings in Redis go only if no newer than the clear (ARGV[1]).
 _CLEAR = """
@@ -125,12 +130,16 @@ class IndexSettingsStore:
         write version; raises InvalidRequest when the result is not valid settings (every
         weight 0, say). The caller checks first that the tenant has the index."""
         with self._locked(index, tenant):
-            while True:
+            for _ in range(UPDATE_ATTEMPTS):
                 merged = merge_patch(self._held(index, tenant)[0] or {}, patch)
                 _check(merged)
                 version = next_write_version(self._redis, tenant)
                 if self._storage.store_settings(index, tenant, merged, version):
                     break  # else a clear newer than this read ran meanwhile: read it
+            else:  # the backend holds a version above the counter's (Redis's clock set back)
+                raise BackendUnavailable(
+                    f"index {index!r}: its settings hold a newer write version; try again"
+                )
             self._redis.delete(settings_key(index, tenant))  # an earlier release's copy
         self.forget(index, tenant)
         return SearchSettings(merged)
@@ -165,9 +174,16 @@ class IndexSettingsStore:
 
     @contextmanager
     def _locked(self, index: str, tenant: str) -> Iterator[None]:
+        """The index's settings lock: one change or clear at a time reads and stores."""
         name = f"{INDEX_SETTINGS_LOCK_KEY}{tenant}:{index}"
-        with self._redis.lock(name, timeout=INDEX_SETTINGS_LOCK_SECONDS, blocking_timeout=10):
+        lock = self._redis.lock(name, timeout=INDEX_SETTINGS_LOCK_SECONDS, blocking_timeout=10)
+        if not lock.acquire():
+            raise BackendUnavailable(f"index {index!r}: its settings are being changed")
+        try:
             yield
+        finally:
+            with suppress(LockError):  # held past its timeout: another may hold it now
+                lock.release()
 
 
 def _check(merged: Mapping[str, Any]) -> None:
