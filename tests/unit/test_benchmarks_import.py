@@ -30,7 +30,7 @@ def test_a_baseline_loads_an_earlier_package_with_its_own_modules(tmp_path: Path
     assert old.EmbeddedBackend is not EmbeddedBackend
     assert {c.__module__ for c in old.EmbeddedBackend.__mro__[1:-1]} <= {
         f"bench_test_baseline_embedded._{part}"
-        for part in ("search", "caches", "pool", "writes", "listing")
+        for part in ("search", "caches", "pool", "writes", "listing", "settings")
     }
     backend = old.EmbeddedBackend(tmp_path)
     assert backend.upsert("sci", "acme", [Document("a", "alpha")], None) == 1
