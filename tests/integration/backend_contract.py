@@ -386,18 +386,24 @@ class LifecycleContract(BackendContract):
     ) -> None:
         """Where an index's own settings last (:class:`~worker.core.ports.IndexSettingsStorage`):
         kept by the backend, so a Redis that comes back empty loses none."""
-        assert backend.stored_settings(index, "acme") is None
+        assert backend.stored_settings([index], "acme") == [None]
         assert backend.store_settings(index, "acme", {"candidate_limit": 40}, 10)
-        assert backend.stored_settings(index, "acme") == ({"candidate_limit": 40}, 10)
-        assert backend.stored_settings(index, "globex") is None
+        assert backend.stored_settings([index], "acme") == [({"candidate_limit": 40}, 10)]
+        assert backend.stored_settings([index], "globex") == [None]
         assert not backend.store_settings(index, "acme", {"candidate_limit": 5}, 9)  # older
         assert not backend.store_settings(index, "acme", {"candidate_limit": 5}, 10)
         assert backend.store_settings(index, "acme", None, 12)  # cleared by a drop of 12
-        assert backend.stored_settings(index, "acme") == (None, 12)
+        assert backend.stored_settings([index], "acme") == [(None, 12)]
         assert not backend.store_settings(index, "acme", {"candidate_limit": 5}, 11)
         weights = {"fusion": {"weights": {"knn": 0.25}}}
         assert backend.store_settings(index, "acme", weights, 13)
-        assert backend.stored_settings(index, "acme") == (weights, 13)
+        assert backend.store_settings("other", "acme", {"candidate_limit": 7}, 14)
+        assert backend.stored_settings([index, "none", "other"], "acme") == [
+            (weights, 13),
+            None,
+            ({"candidate_limit": 7}, 14),
+        ]
+        assert backend.stored_settings([], "acme") == []
 
     def test_the_longest_ids_the_gateway_accepts_are_written_found_read_and_deleted(
         self, backend: Any, index: str

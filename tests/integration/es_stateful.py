@@ -31,7 +31,8 @@ after a drop, a reindex, a race) instead of the requests the adapter happens to 
 * ``script_fields`` of the two painless scripts the documents listing sends (no other: a
   script the stand-in does not know is refused), run with Java's string semantics: UTF-16
   units, a surrogate pair one code point to ``codePointCount`` and ``offsetByCodePoints``;
-* ``_search``, ``_msearch``, ``_count``, ``GET _doc``, ``_delete_by_query``, ``_reindex``
+* ``_search``, ``_msearch``, ``_count``, ``GET _doc``, ``_mget`` by ``ids`` (a missing
+  index: 404 ``index_not_found_exception``), ``_delete_by_query``, ``_reindex``
   (``wait_for_completion=false`` gives a task, read by ``GET _tasks/<id>``), ``_aliases``,
   ``_refresh``, ``_mapping``.
 
@@ -202,6 +203,10 @@ class StatefulElasticsearch:
             return 200, {"count": len(self._matching(target, body.get("query"), q))}
         if action == "_doc":
             return self.doc(method, target, parts[2], body, q)
+        if action == "_mget":
+            if not self._resolve(target, {"ignore_unavailable": "true"}):
+                return 404, index_missing(target)
+            return 200, {"docs": [self.doc("GET", target, i, {}, q)[1] for i in body["ids"]]}
         if action == "_delete_by_query":
             return 200, self.delete_by_query(target, body)
         if action == "_refresh":

@@ -2108,6 +2108,8 @@ def test_sift_elasticsearch_migrate_runs_the_migration_and_says_what_it_copied(
 
 SETTINGS_INDEX = "sift-sift-settings"
 SETTINGS_DOC = f"/{SETTINGS_INDEX}/_doc/{ACME}"  # acme's settings of "docs"
+SETTINGS_MGET = f"/{SETTINGS_INDEX}/_mget"
+BETA_OF_ACME = f"sift-{tenant_key('acme')}--beta"  # acme's settings of "beta"
 
 
 def test_index_settings_are_one_external_versioned_document_per_alias(
@@ -2116,25 +2118,25 @@ def test_index_settings_are_one_external_versioned_document_per_alias(
     """An index's own settings live with its data: one document per tenant's alias in
     ``<prefix>sift-settings`` (made once per process, the settings field never mapped), its
     external ``_version`` the settings' write version; an older one is ES's 409, stored
-    nothing; read by a realtime ``GET``, missing (index or document) as none stored."""
+    nothing; read by one realtime ``_mget`` for every index asked, a missing index or
+    document as none stored."""
     settings = {"candidate_limit": 40}
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("PUT", f"/{SETTINGS_INDEX}", Answer(200, {"acknowledged": True}))
     server.on("PUT", SETTINGS_DOC, Answer(201, floor_written(SETTINGS_INDEX, ACME, 10)), times=1)
-    server.on("GET", SETTINGS_DOC, Answer(404, index_missing(SETTINGS_INDEX)), times=1)
+    server.on("POST", SETTINGS_MGET, Answer(404, index_missing(SETTINGS_INDEX)), times=1)
     backend = backend_for(server)
-    assert backend.stored_settings("docs", "acme") is None
+    assert backend.stored_settings(["docs"], "acme") == [None]
     assert backend.store_settings("docs", "acme", settings, 10)
     assert [(r.method, r.path) for r in server.requests] == [
-        ("GET", SETTINGS_DOC),
+        ("POST", SETTINGS_MGET),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{SETTINGS_INDEX}"),
         ("PUT", SETTINGS_DOC),
     ]
-    created = server.requests[2].json()
-    assert created == {
-        "mappings": {"properties": {"sift_settings": {"type": "object", "enabled": False}}}
-    }
+    assert server.requests[0].json() == {"ids": [ACME]}
+    never_mapped = {"sift_settings": {"type": "object", "enabled": False}}
+    assert server.requests[2].json() == {"mappings": {"properties": never_mapped}}
     written = server.requests[3]
     assert written.json() == {"sift_settings": settings}
     assert written.query == {"version": ["10"], "version_type": ["external"]}
@@ -2146,11 +2148,14 @@ def test_index_settings_are_one_external_versioned_document_per_alias(
 
     found = {"_index": SETTINGS_INDEX, "_id": ACME, "_version": 10, "found": True,
              "_seq_no": 0, "_primary_term": 1, "_source": {"sift_settings": settings}}  # fmt: skip
-    server.on("GET", SETTINGS_DOC, Answer(200, found), times=1)
-    assert backend.stored_settings("docs", "acme") == (settings, 10)
-    cleared = {**found, "_version": 12, "_source": {"sift_settings": None}}
-    server.on("GET", SETTINGS_DOC, Answer(200, cleared), times=1)
-    assert backend.stored_settings("docs", "acme") == (None, 12)
-    missing = {"_index": SETTINGS_INDEX, "_id": ACME, "found": False}
-    server.on("GET", SETTINGS_DOC, Answer(404, missing), times=1)
-    assert backend.stored_settings("docs", "acme") is None
+    cleared = {**found, "_id": BETA_OF_ACME, "_version": 12, "_source": {"sift_settings": None}}
+    missing = {"_index": SETTINGS_INDEX, "_id": "x", "found": False}
+    server.on("POST", SETTINGS_MGET, Answer(200, {"docs": [found, cleared, missing]}), times=1)
+    assert backend.stored_settings(["docs", "beta", "x"], "acme") == [
+        (settings, 10),
+        (None, 12),
+        None,
+    ]
+    assert server.sent("POST", SETTINGS_MGET)[-1].json() == {
+        "ids": [ACME, BETA_OF_ACME, f"sift-{tenant_key('acme')}--x"]
+    }

@@ -52,7 +52,7 @@ def stored(runtime: Runtime, index: str, tenant: str = "acme") -> Any:
     """What the backend keeps for the tenant's index: (settings or None, version) or None."""
     backend = runtime.pipeline.backend
     assert isinstance(backend, EmbeddedBackend)
-    return backend.stored_settings(index, tenant)
+    return backend.stored_settings([index], tenant)[0]
 
 
 def call(runtime: Runtime, operation: str, tenant: str, index: str, body: Any = None) -> Any:
@@ -269,8 +269,8 @@ class ClearedBetween:
     def __init__(self, backend: EmbeddedBackend, store: JobStore, times: int) -> None:
         self.backend, self.store, self.times = backend, store, times
 
-    def stored_settings(self, index: str, tenant: str) -> Any:
-        return self.backend.stored_settings(index, tenant)
+    def stored_settings(self, indexes: Any, tenant: str) -> Any:
+        return self.backend.stored_settings(indexes, tenant)
 
     def store_settings(self, index: str, tenant: str, settings: Any, version: int) -> bool:
         if self.times and settings is not None:

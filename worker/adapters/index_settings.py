@@ -119,11 +119,12 @@ class IndexSettingsStore:
 
     def read(self, index: str, tenant: str) -> SearchSettings:
         """The settings as stored now (no cache): what the index's metadata shows."""
-        return SearchSettings(self._held(index, tenant)[0] or {})
+        return self.read_many([index], tenant)[0]
 
     def read_many(self, indexes: Sequence[str], tenant: str) -> list[SearchSettings]:
-        """Each index's settings."""
-        return [self.read(index, tenant) for index in indexes]
+        """Each index's settings, in one backend read (and one ``MGET`` for those it has
+        none of)."""
+        return [SearchSettings(settings or {}) for settings, _ in self._held(indexes, tenant)]
 
     def update(self, index: str, tenant: str, patch: Mapping[str, Any]) -> SearchSettings:
         """Apply a JSON Merge Patch (``null`` clears a field) and store the result with a new
@@ -131,7 +132,7 @@ class IndexSettingsStore:
         weight 0, say). The caller checks first that the tenant has the index."""
         with self._locked(index, tenant):
             for _ in range(UPDATE_ATTEMPTS):
-                merged = merge_patch(self._held(index, tenant)[0] or {}, patch)
+                merged = merge_patch(self._held([index], tenant)[0][0] or {}, patch)
                 _check(merged)
                 version = next_write_version(self._redis, tenant)
                 if self._storage.store_settings(index, tenant, merged, version):
@@ -148,7 +149,7 @@ class IndexSettingsStore:
         """The tenant's index was dropped (at write ``version``): its settings go, unless a
         change accepted after the drop holds them."""
         with self._locked(index, tenant):
-            settings, held = self._held(index, tenant)
+            ((settings, held),) = self._held([index], tenant)
             at = next_write_version(self._redis, tenant) if version is None else version
             if settings is not None and held <= at:
                 self._storage.store_settings(index, tenant, None, at)
@@ -160,17 +161,17 @@ class IndexSettingsStore:
             self._forgotten += 1
             self._cache.pop((index, tenant), None)
 
-    def _held(self, index: str, tenant: str) -> tuple[dict[str, Any] | None, int]:
-        """The settings stored for the tenant's index (None: none) and their version (0:
-        never stored): the backend's, else an earlier release's in Redis."""
-        stored = self._storage.stored_settings(index, tenant)
-        if stored is not None:
-            return stored
-        raw = self._redis.get(settings_key(index, tenant))
-        if raw is None:
-            return None, 0
-        held = json.loads(raw)
-        return held.get("settings") or None, int(held.get("version") or 0)
+    def _held(self, indexes: Sequence[str], tenant: str) -> list[tuple[dict[str, Any] | None, int]]:
+        """For each index, the settings stored (None: none) and their version (0: never
+        stored): the backend's, else an earlier release's in Redis."""
+        if not indexes:
+            return []
+        stored = self._storage.stored_settings(indexes, tenant)
+        missing = [index for index, found in zip(indexes, stored, strict=True) if found is None]
+        raw = self._redis.mget([settings_key(i, tenant) for i in missing]) if missing else []
+        earlier = dict(zip(missing, raw, strict=True))
+        pairs = zip(indexes, stored, strict=True)
+        return [found or _earlier(earlier.get(index)) for index, found in pairs]
 
     @contextmanager
     def _locked(self, index: str, tenant: str) -> Iterator[None]:
@@ -184,6 +185,14 @@ class IndexSettingsStore:
         finally:
             with suppress(LockError):  # held past its timeout: another may hold it now
                 lock.release()
+
+
+def _earlier(raw: bytes | str | None) -> tuple[dict[str, Any] | None, int]:
+    """An earlier release's record in Redis, ``{"settings": ..., "version": ...}``."""
+    if raw is None:
+        return None, 0
+    held = json.loads(raw)
+    return held.get("settings") or None, int(held.get("version") or 0)
 
 
 def _check(merged: Mapping[str, Any]) -> None:

@@ -124,9 +124,11 @@ class IndexSettingsStorage(Protocol):
     they last as long as it does (a Redis that comes back empty keeps nothing of them).
     ``settings`` None is a cleared record: it still holds its version."""
 
-    def stored_settings(self, index: str, tenant: str) -> tuple[dict[str, Any] | None, int] | None:
-        """The settings last stored for the tenant's index and their write version (None:
-        never stored)."""
+    def stored_settings(
+        self, indexes: Sequence[str], tenant: str
+    ) -> list[tuple[dict[str, Any] | None, int] | None]:
+        """For each of the tenant's ``indexes``, the settings last stored and their write
+        version (None: never stored), in one round trip."""
         ...
 
     def store_settings(

@@ -5,7 +5,7 @@ the highest: an older write is a 409 and stores nothing)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from elasticsearch import ApiError
@@ -26,17 +26,23 @@ class _Settings(_Core):
     def settings_index(self) -> str:
         return f"{self.prefix}{SETTINGS_INDEX}"
 
-    def stored_settings(self, index: str, tenant: str) -> tuple[dict[str, Any] | None, int] | None:
-        """A realtime ``GET`` by id: it sees a change stored a moment ago."""
-        with _translated("index settings", index):
+    def stored_settings(
+        self, indexes: Sequence[str], tenant: str
+    ) -> list[tuple[dict[str, Any] | None, int] | None]:
+        """One realtime ``_mget`` by id: it sees a change stored a moment ago. No settings
+        index yet is none stored (a 404, or an error in each document's place)."""
+        if not indexes:
+            return []
+        ids = [self.alias(index, tenant) for index in indexes]
+        with _translated("index settings", indexes[0] if len(indexes) == 1 else None):
             answer = (
-                self._es()
-                .options(ignore_status=404)
-                .get(index=self.settings_index, id=self.alias(index, tenant))
+                self._es().options(ignore_status=404).mget(index=self.settings_index, ids=ids)
             ).body
-        if not answer.get("found"):
-            return None
-        return answer["_source"].get(SETTINGS_FIELD), int(answer["_version"])
+        docs = answer.get("docs") or [{}] * len(ids)
+        return [
+            (doc["_source"].get(SETTINGS_FIELD), int(doc["_version"])) if doc.get("found") else None
+            for doc in docs
+        ]
 
     def store_settings(
         self, index: str, tenant: str, settings: Mapping[str, Any] | None, version: int
