@@ -132,7 +132,8 @@ class IndexSettingsStore:
         weight 0, say). The caller checks first that the tenant has the index."""
         with self._locked(index, tenant):
             for _ in range(UPDATE_ATTEMPTS):
-                merged = merge_patch(self._held([index], tenant)[0][0] or {}, patch)
+                ((held, _),) = self._held([index], tenant)
+                merged = merge_patch(held or {}, patch)
                 _check(merged)
                 version = next_write_version(self._redis, tenant)
                 if self._storage.store_settings(index, tenant, merged, version):
