@@ -191,13 +191,21 @@ def print_result(console: Console, result: dict[str, Any], *, title: str | None 
         console.print("rerank: not applied")
     usage = result.get("usage") or {}
     if usage.get("requests"):
-        console.print(
-            f"usage: {usage.get('requests', 0)} request(s), "
-            f"{usage.get('input_tokens', 0)} input + {usage.get('output_tokens', 0)} output "
-            f"tokens, cache read {usage.get('cache_read_input_tokens', 0)}, "
-            f"cache write {usage.get('cache_creation_input_tokens', 0)}, "
-            f"{format_cost(usage.get('cost_usd'))}"
-        )
+        console.print(usage_line(usage))
+
+
+def usage_line(usage: dict[str, Any]) -> str:
+    """A ``usage`` object (a search's, a trace's, a batch's) in one line.
+
+    >>> usage_line({"requests": 2, "input_tokens": 900, "output_tokens": 40, "cost_usd": 0.0011})
+    'usage: 2 request(s), 900 input + 40 output tokens, cache read 0, cache write 0, $0.001100'
+    """
+    return (
+        f"usage: {usage.get('requests', 0)} request(s), {usage.get('input_tokens', 0)} input + "
+        f"{usage.get('output_tokens', 0)} output tokens, cache read "
+        f"{usage.get('cache_read_input_tokens', 0)}, cache write "
+        f"{usage.get('cache_creation_input_tokens', 0)}, {format_cost(usage.get('cost_usd'))}"
+    )
 
 
 def format_cost(cost: float | None) -> str:
@@ -275,13 +283,7 @@ def trace_lines(trace: dict[str, Any]) -> list[str]:
         lines.append(f"kept: {kept or 'none'}")
         lines.append(f"dropped: {dropped or 'none'}")
     lines.append(f"fallback: {trace.get('fallback_reason') or 'none'}")
-    usage = trace.get("usage") or {}
-    lines.append(
-        f"usage: {usage.get('requests', 0)} request(s), {usage.get('input_tokens', 0)} input + "
-        f"{usage.get('output_tokens', 0)} output tokens, cache read "
-        f"{usage.get('cache_read_input_tokens', 0)}, cache write "
-        f"{usage.get('cache_creation_input_tokens', 0)}, {format_cost(usage.get('cost_usd'))}"
-    )
+    lines.append(usage_line(trace.get("usage") or {}))
     return lines
 
 
