@@ -39,6 +39,7 @@ from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import (
     BatchCounts,
     BatchOut,
+    BatchRerankOutcomes,
     BatchResultsPage,
     DocumentsRequest,
     IngestJobOut,
@@ -521,6 +522,8 @@ def batch_out(batch: BatchJob) -> BatchOut:
         index=batch.index,
         lane="economy" if batch.lane == "economy" else "standard",
         counts=BatchCounts(total=batch.total, **batch.counts),
+        usage=batch.usage,
+        rerank_outcomes=BatchRerankOutcomes(**batch.rerank_outcomes),
         created_at=iso(batch.created_at) or "",
         finished_at=iso(batch.finished_at),
         canceled_at=iso(batch.canceled_at),

@@ -102,14 +102,31 @@ class BatchCounts(BaseModel):
     canceled: int
 
 
+class BatchRerankOutcomes(BaseModel):
+    """How the batch's succeeded items were ranked: by the model (``applied``), in the fused
+    order after a rerank that gave no usable ranks or erred (``fallback``), or with no rerank
+    asked (``skipped``). An item whose rerank failed it is in ``counts.failed``."""
+
+    applied: int = 0
+    fallback: int = 0
+    skipped: int = 0
+
+
 class BatchOut(BaseModel):
-    """A batch: ``succeeded`` once every item is final (items keep their own status)."""
+    """A batch: ``succeeded`` once every item is final (items keep their own status).
+
+    ``usage`` is the sum of its final items' usage: each result's, each failure's (attempts
+    billed before it failed), each canceled item's billed rounds; ``cost_usd`` at the lane's
+    price (the economy lane's is the Message Batches discount, half), ``null`` when any item
+    called a model with no price. It grows as items finish."""
 
     id: str
     status: JobStatus
     index: str
     lane: Literal["standard", "economy"]
     counts: BatchCounts
+    usage: Usage = Field(default_factory=Usage)
+    rerank_outcomes: BatchRerankOutcomes = Field(default_factory=BatchRerankOutcomes)
     created_at: str
     finished_at: str | None = None
     canceled_at: str | None = None

@@ -64,6 +64,24 @@ def test_an_out_in_a_new_folder_is_written(
     assert [p.name for p in out.parent.iterdir()] == ["results.jsonl"]  # no probe left behind
 
 
+def test_a_reranked_batch_prints_what_its_model_calls_used_and_cost(
+    stack: Stack, corpus: list[dict[str, object]], tmp_path: Path
+) -> None:
+    # the summary's usage is the batch record's, which is its items' summed
+    out = tmp_path / "results.jsonl"
+    result = sift(stack, "batch", str(SAMPLE / "sample_queries.jsonl"),
+                  "--index", INDEX, "--out", str(out), "--rerank")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    usages = [json.loads(line)["result"]["usage"] for line in out.read_text().splitlines()]
+    requests = sum(u["requests"] for u in usages)
+    tokens = sum(u["input_tokens"] for u in usages)
+    cost = sum(u["cost_usd"] for u in usages)
+    assert requests == 10 and tokens > 0
+    assert f"usage: {requests} request(s), {tokens} input + " in result.output, result.output
+    assert f"${cost:.6f}" in result.output, result.output
+    assert "rerank: applied 10, fallback 0, skipped 0" in result.output, result.output
+
+
 def test_a_batch_over_the_gateways_body_limit_says_so_and_what_to_do(
     stack: Stack, tmp_path: Path
 ) -> None:

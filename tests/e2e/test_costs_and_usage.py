@@ -176,6 +176,26 @@ def test_a_model_with_no_price_shows_cost_null_and_is_counted(
     assert len(warnings) == 1  # once, not per search
 
 
+def test_a_batch_with_an_unpriced_call_has_an_unknown_cost(unpriced: Unpriced) -> None:
+    # items reranked by a model with no price: the batch's tokens add up, its cost is
+    # unknown (null), not the 0.0 the unpriced calls would add
+    queries = [{"id": "a", "query": "green tea"}, {"id": "b", "query": "tea leaves"}]
+    body = {"index": INDEX, "rerank": True, "queries": queries}
+    batch = unpriced.client.post("/v1/batches", json=body, headers=ACME).json()
+    deadline = time.monotonic() + 30
+    while not batch["finished_at"]:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+        batch = unpriced.client.get(f"/v1/batches/{batch['id']}", headers=ACME).json()
+    results = unpriced.client.get(f"/v1/batches/{batch['id']}/results", headers=ACME).json()
+    usages = [r["result"]["usage"] for r in results["results"]]
+    assert [u["cost_usd"] for u in usages] == [None, None]
+    assert batch["usage"]["requests"] == 2
+    assert batch["usage"]["input_tokens"] == sum(u["input_tokens"] for u in usages) > 0
+    assert batch["usage"]["cost_usd"] is None
+    assert batch["rerank_outcomes"] == {"applied": 2, "fallback": 0, "skipped": 0}
+
+
 def test_a_batchs_items_cost_what_the_counters_rose_by(stack: Stack, corpus: object) -> None:
     """A batch over the real stack, every item's usage on every path it can end on: applied,
     retried after a billed malformed answer, after a 529, a valid answer with no usable rank,
@@ -225,3 +245,15 @@ def test_a_batchs_items_cost_what_the_counters_rose_by(stack: Stack, corpus: obj
     assert items_cost == pytest.approx(expected)
     counted = after_metrics["cost_usd"] - before_metrics.get("cost_usd", 0.0)
     assert counted == pytest.approx(items_cost)
+    # the batch's own record tells the same: its usage is its items' summed (a failed item's
+    # billed attempts included), and it counts how each succeeded item was ranked
+    assert {name: batch["usage"][name] for name in USAGE_FIELDS} == summed
+    assert batch["usage"]["requests"] == sum(u.get("requests", 0) for u in usages) > 0
+    assert batch["usage"]["cost_usd"] == pytest.approx(items_cost)
+    ranked = [r["result"]["rerank"] for r in results if r["status"] == "succeeded"]
+    assert batch["rerank_outcomes"] == {
+        "applied": sum(1 for r in ranked if r["applied"]),
+        "fallback": sum(1 for r in ranked if not r["applied"] and r["fallback_reason"]),
+        "skipped": sum(1 for r in ranked if not r["applied"] and not r["fallback_reason"]),
+    }
+    assert batch["rerank_outcomes"]["applied"] > 0 and batch["rerank_outcomes"]["fallback"] > 0

@@ -87,6 +87,13 @@ def test_economy_gives_the_standard_lanes_hits_at_half_the_cost(
     assert done["status"] == "succeeded" and done["counts"]["succeeded"] == 10, done
 
     standard, economy = _results(stack, standard_id), _results(stack, economy_id)
+    # each batch's record sums its items' usage: the economy one's tokens the same, half the cost
+    standard_batch = stack.live.get(f"/v1/batches/{standard_id}", headers=ACME).json()
+    summed = sum(r["result"]["usage"]["cost_usd"] for r in standard.values())
+    assert standard_batch["usage"]["cost_usd"] == pytest.approx(summed, rel=1e-9)
+    assert done["usage"]["cost_usd"] == pytest.approx(summed / 2, rel=1e-9)
+    assert done["usage"]["input_tokens"] == standard_batch["usage"]["input_tokens"] > 0
+    assert done["rerank_outcomes"] == {"applied": 10, "fallback": 0, "skipped": 0}
     for item in items:
         s, e = standard[item["id"]]["result"], economy[item["id"]]["result"]
         assert [h["id"] for h in e["hits"]] == [h["id"] for h in s["hits"]]
@@ -243,6 +250,12 @@ def test_a_billed_round_shows_in_the_metrics_though_its_item_is_then_canceled(
     for key in billed.keys() - {"responses"}:
         assert shown[key] == billed[key], key
     assert shown["cost_usd"] == pytest.approx(expected)
+    # and the batch's record adds it to its usage, at the economy lane's discount
+    assert done["lane"] == "economy"
+    assert {key: done["usage"][key] for key in shown.keys() - {"cost_usd"}} == {
+        key: shown[key] for key in shown.keys() - {"cost_usd"}
+    }
+    assert done["usage"]["cost_usd"] == pytest.approx(expected)
 
 
 def test_an_economy_batch_with_rerank_off_finishes_without_the_provider(

@@ -38,7 +38,14 @@ from worker.cli._http import (
     index_name,
     segment,
 )
-from worker.cli._output import cli_console, plain, print_result, progress_bar, trace_lines
+from worker.cli._output import (
+    cli_console,
+    plain,
+    print_result,
+    progress_bar,
+    trace_lines,
+    usage_line,
+)
 from worker.constants import (
     IDEMPOTENCY_PENDING_TTL_SECONDS,
     MAX_BATCH_QUERIES,
@@ -551,6 +558,25 @@ def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) ->
     return tally
 
 
+def _batch_cost_lines(batch: dict[str, Any]) -> list[str]:
+    """A finished batch's model usage and cost, its lane's, and how its items were ranked.
+
+    >>> lines = _batch_cost_lines({"lane": "economy", "usage": {"requests": 1, "cost_usd": 0.5},
+    ...     "rerank_outcomes": {"applied": 1}})
+    >>> lines[0].endswith("$0.500000 (economy lane: half price)"), lines[1]
+    (True, 'rerank: applied 1, fallback 0, skipped 0')
+    """
+    usage, outcomes = batch.get("usage"), batch.get("rerank_outcomes") or {}
+    if usage is None:  # a gateway from before batches told their usage
+        return []
+    lane = batch.get("lane") or "standard"
+    price = " (economy lane: half price)" if lane == "economy" else ""
+    ranked = ", ".join(
+        f"{name} {outcomes.get(name, 0)}" for name in ("applied", "fallback", "skipped")
+    )
+    return [usage_line(usage) + price, f"rerank: {ranked}"]
+
+
 @app.command("batch")
 def batch(
     queries: Annotated[Path, typer.Argument(help="queries.jsonl: BEIR (_id,text) or Sift's")],
@@ -677,6 +703,8 @@ def batch(
             f"wrote {written} result(s) to [bold]{plain(out)}[/] in {elapsed:.1f} s: "
             + ", ".join(parts)
         )
+        for line in _batch_cost_lines(final):
+            console.print(line)
         if written != total:
             raise GatewayError(f"batch {batch_id}: {total} queries but {written} results returned")
         not_ok = tally.get("failed", 0) + tally.get("canceled", 0)

@@ -59,6 +59,53 @@ def _staged_keys(batch_id: str) -> tuple[str, str, str]:
     return BATCH_ORDER_KEY + batch_id, BATCH_SPECS_KEY + batch_id, BATCH_ITEMS_KEY + batch_id
 
 
+# A batch's totals in its record: the usage its items' outcomes add (``_TRANSITION_ITEM``)
+_USAGE_TOKENS = (
+    "requests",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+)
+RERANK_OUTCOMES = ("applied", "fallback", "skipped")
+
+
+def batch_tally(
+    result: SearchResult | None = None, error: ErrorInfo | None = None, usage: Usage | None = None
+) -> list[str]:
+    """What one final item adds to its batch's totals, as (field, increment) pairs: its
+    usage (the result's, the error's, or a canceled item's billed ``usage``) and, for a
+    result, its rerank outcome. An unknown cost counts as unpriced, never as 0.
+
+    >>> batch_tally(usage=Usage(requests=1, input_tokens=10, cost_usd=None))[-2:]
+    ['usage_unpriced', '1']
+    """
+    used = result.usage if result is not None else error.usage if error is not None else usage
+    pairs: list[str] = []
+    if used is not None:
+        for name in _USAGE_TOKENS:
+            pairs += ["usage_" + name, str(getattr(used, name))]
+        if used.cost_usd is None:
+            pairs += ["usage_unpriced", "1"]
+        else:
+            pairs += ["usage_cost_usd", repr(used.cost_usd)]
+    if result is not None:
+        rerank = result.rerank
+        outcome = (
+            "applied" if rerank.applied else "fallback" if rerank.fallback_reason else "skipped"
+        )
+        pairs += ["rerank_" + outcome, "1"]
+    return pairs
+
+
+def _batch_usage(raw: dict[str, str]) -> Usage:
+    """The batch's usage from its record's totals: cost ``None`` if any item's was unknown."""
+    tokens = {name: int(raw.get("usage_" + name, 0)) for name in _USAGE_TOKENS}
+    unpriced = int(raw.get("usage_unpriced", 0)) > 0
+    cost = None if unpriced else round(float(raw.get("usage_cost_usd", 0)), 12)
+    return Usage(**tokens, cost_usd=cost)
+
+
 def _batch_of(batch_id: str, raw: dict[str, str], counts: dict[str, str]) -> BatchJob | None:
     """The batch its record and counts hashes make, None if the record is gone."""
     if not raw:
@@ -76,6 +123,8 @@ def _batch_of(batch_id: str, raw: dict[str, str], counts: dict[str, str]) -> Bat
         webhook_url=raw.get("webhook_url") or None,
         canceled_at=_opt_float(raw.get("canceled_at")),
         finished_at=_opt_float(raw.get("finished_at")),
+        usage=_batch_usage(raw),
+        rerank_outcomes={name: int(raw.get("rerank_" + name, 0)) for name in RERANK_OUTCOMES},
     )
 
 
@@ -293,7 +342,7 @@ class BatchRecords(_StoreCore):
         moves: list[_Move] = [(batch_id, query_id, status, "queued,running", payload, NO_CANCEL)]
         if start is not None:
             moves.append((*start, *_START_ITEM))
-        transitions = self._items(moves)
+        transitions = self._items(moves, tally=batch_tally(result, error))
         return transitions[0], transitions[1] if start is not None else None
 
     def cancel_batch(
@@ -382,7 +431,13 @@ class BatchRecords(_StoreCore):
         counters and the bill; a canceled item has no result or error to carry it."""
         payload = '{"usage":' + usage.model_dump_json() + "}" if usage is not None else ""
         return self._item(
-            batch_id, query_id, JobStatus.CANCELED, "queued,running", payload, NO_CANCEL
+            batch_id,
+            query_id,
+            JobStatus.CANCELED,
+            "queued,running",
+            payload,
+            NO_CANCEL,
+            tally=batch_tally(usage=usage),
         )
 
     def query_ids_at(self, batch_id: str, positions: Sequence[int]) -> list[str | None]:

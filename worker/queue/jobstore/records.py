@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
 
-from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec
+from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec, Usage
 
 # Given a new job's id, the broker messages to write with its record: (list key, raw message).
 Enqueue = Callable[[str], Sequence[tuple[str, str]]]
@@ -104,6 +104,10 @@ class BatchJob:
     webhook_url: str | None = None
     canceled_at: float | None = None
     finished_at: float | None = None
+    # the sum of its final items' usage (a result's, a failure's, a canceled item's billed
+    # rounds) and its finished items' rerank outcomes: "applied", "fallback", "skipped"
+    usage: Usage = field(default_factory=Usage)
+    rerank_outcomes: dict[str, int] = field(default_factory=dict)
 
     @property
     def status(self) -> JobStatus:

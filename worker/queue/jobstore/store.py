@@ -199,13 +199,19 @@ class _StoreCore:
         allowed: str,
         payload: str,
         cancelable: str,
+        tally: Sequence[str] = (),
     ) -> ItemTransition:
-        (transition,) = self._items([(batch_id, query_id, to, allowed, payload, cancelable)])
+        (transition,) = self._items(
+            [(batch_id, query_id, to, allowed, payload, cancelable)], tally=tally
+        )
         return transition
 
-    def _items(self, moves: Sequence[_Move]) -> list[ItemTransition]:
+    def _items(self, moves: Sequence[_Move], tally: Sequence[str] = ()) -> list[ItemTransition]:
         """Item transitions (batch id, query id, to, allowed-from, outcome JSON or '', and
-        when the batch's cancel mark makes it a cancel), in order, in one round trip."""
+        when the batch's cancel mark makes it a cancel), in order, in one round trip.
+        ``tally``: what the first move's outcome adds to its batch's totals (field,
+        increment pairs, :func:`~worker.queue.jobstore.batches.batch_tally`), added only if
+        that move makes the item final with its outcome, so once."""
         now = repr(_now())
         calls: list[_ScriptCall] = [
             (
@@ -230,9 +236,10 @@ class _StoreCore:
                     batch_id,
                     cancelable,
                     move_token(),
+                    *(tally if n == 0 else ()),
                 ],
             )
-            for batch_id, query_id, to, allowed, payload, cancelable in moves
+            for n, (batch_id, query_id, to, allowed, payload, cancelable) in enumerate(moves)
         ]
         first, *rest = self._transitions.call(calls)
         if isinstance(first, Exception):
