@@ -180,6 +180,16 @@ def test_sift_cost_reads_the_same_totals(observed: Observed, tmp_path: Path) -> 
     assert report.cost_by_model == {
         workload.MODEL: pytest.approx(observed.did["fake_cost"], rel=1e-9)
     }
+    # and by lane: the economy lane's one answer at half its price, the standard lane the rest
+    from worker.core.cost import cost_usd, price_for
+    from worker.settings import DEFAULT_PRICES
+
+    economy = cost_usd(workload.usage(7), price_for(workload.MODEL, DEFAULT_PRICES))
+    assert economy is not None
+    assert report.cost_by_lane == {
+        "economy": pytest.approx(economy / 2, rel=1e-9),
+        "standard": pytest.approx(observed.did["fake_cost"] - economy / 2, rel=1e-9),
+    }
     assert report.tokens_by_type == {k: float(v) for k, v in observed.did["fake_tokens"].items()}
     assert {k: v for k, v in report.attempts.items() if v} == workload.EXPECTED_ATTEMPTS
     assert report.outcomes == workload.EXPECTED_OUTCOMES
@@ -204,7 +214,7 @@ def test_sift_cost_prints_a_table_and_writes_a_png(observed: Observed, tmp_path:
     )
     assert run.exit_code == 0, run.output
     assert workload.MODEL in run.output
-    for word in ("cache_read", "fallback_no_valid_ranks", "rate_limited", "p95"):
+    for word in ("cache_read", "fallback_no_valid_ranks", "rate_limited", "p95", "economy lane"):
         assert word in run.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000

@@ -22,7 +22,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -70,6 +70,8 @@ class CostReport:
     searches: float
     latency: dict[str, dict[str, float | None]]  # lane -> percentile -> seconds
     unpriced_calls: float = 0.0  # calls whose cost is unknown, so missing from cost_by_model
+    # the same dollars by lane: the economy lane's are at the Message Batches price (half)
+    cost_by_lane: dict[str, float] = field(default_factory=dict)
 
     @property
     def total_cost(self) -> float:
@@ -146,6 +148,7 @@ def fetch_report(url: str, window: str) -> CostReport:
         return CostReport(
             window=window,
             cost_by_model=increases_by(client, METRIC_RERANK_COST, window, "model"),
+            cost_by_lane=increases_by(client, METRIC_RERANK_COST, window, "lane"),
             tokens_by_type=increases_by(client, METRIC_RERANK_TOKENS, window, "type"),
             outcomes=increases_by(client, METRIC_RERANK_OUTCOMES, window, "outcome"),
             attempts=increases_by(client, METRIC_RERANK_ATTEMPTS, window, "result"),
@@ -190,6 +193,9 @@ def render(report: CostReport, url: str) -> Iterable[Table | str]:
     for model, usd in sorted(report.cost_by_model.items()):
         cost.add_row(plain(model), f"{usd:.6f}")
     cost.add_row("[bold]total[/]", f"[bold]{report.total_cost:.6f}[/]")
+    for lane, usd in sorted(report.cost_by_lane.items()):
+        note = " (Message Batches: half price)" if lane == "economy" else ""
+        cost.add_row(f"{plain(lane)} lane{note}", f"{usd:.6f}")
     per_1k = report.cost_per_1k_searches
     cost.add_row(
         f"per 1,000 searches ({counted(report.searches, 'search', 'searches')})",
