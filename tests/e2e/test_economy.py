@@ -105,6 +105,7 @@ def test_economy_gives_the_standard_lanes_hits_at_half_the_cost(
         assert usage_e["cost_usd"] == pytest.approx(usage_s["cost_usd"] / 2, rel=1e-9)
         assert e["trace"]["kept_positions"] == s["trace"]["kept_positions"]
         assert e["trace"]["attempts"][0]["provider_result"] == "succeeded"
+        assert e["trace"]["queue_wait_seconds"] >= 0  # kept from the first half to the finish
 
     # 10 requests in provider batches of at most 4; params exactly the standard lane's bodies
     batches = stack.model.batches()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -152,6 +153,42 @@ def test_idempotency_conflict_before_the_first_request_created_its_job(stack: St
         assert free.status_code == 202, free.text
     finally:
         store.close()
+
+
+def test_a_trace_tells_each_stages_time_and_each_attempts_class(
+    stack: Stack, corpus: object
+) -> None:
+    # the queue wait (from the job's submission to its run), retrieval's stages, the rerank and
+    # its attempts by class, for a search and for a batch item
+    stack.model.script([status(529), positions([2, 1])])
+    body = {"index": INDEX, "query": "green tea leaves", "rerank": True, "include_trace": True}
+    job = stack.live.post("/v1/searches", params={"wait": 20}, json=body, headers=ACME).json()
+    assert job["status"] == "succeeded", job
+    trace = job["result"]["trace"]
+    created, started, finished = (
+        datetime.fromisoformat(job[name]).timestamp()
+        for name in ("created_at", "started_at", "finished_at")
+    )
+    assert started - created - 0.01 <= trace["queue_wait_seconds"] <= finished - created
+    assert set(trace["retrieval_seconds"]) == {"embed", "bm25", "knn", "fuse"}
+    assert [a["outcome"] for a in trace["attempts"]] == ["http_5xx", "ok"]
+    assert trace["rerank_seconds"] >= sum(a["seconds"] for a in trace["attempts"])
+
+    items = {"index": INDEX, "rerank": True, "include_trace": True,
+             "queries": [{"id": "q1", "query": "green tea"}]}  # fmt: skip
+    batch = stack.live.post("/v1/batches", json=items, headers=ACME).json()
+    deadline = time.monotonic() + 30
+    while not batch["finished_at"]:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+        batch = stack.live.get(f"/v1/batches/{batch['id']}", headers=ACME).json()
+    page = stack.live.get(f"/v1/batches/{batch['id']}/results", headers=ACME).json()
+    [item] = page["results"]
+    waited = item["result"]["trace"]["queue_wait_seconds"]
+    span = (
+        datetime.fromisoformat(batch["finished_at"]) - datetime.fromisoformat(batch["created_at"])
+    ).total_seconds()
+    assert 0 <= waited <= span
 
 
 def test_rerank_through_the_queue_with_a_429_on_the_way(stack: Stack, corpus: object) -> None:

@@ -252,8 +252,12 @@ def trace_lines(trace: dict[str, Any]) -> list[str]:
         f"window {trace.get('channel_window')})"
     ]
     timings = trace.get("retrieval_seconds") or {}
-    if timings:
-        lines.append("timings: " + ", ".join(f"{k} {_seconds(v)}" for k, v in timings.items()))
+    queued = trace.get("queue_wait_seconds")
+    stages = ([f"queue wait {_seconds(queued)}"] if queued is not None else []) + [
+        f"{k} {_seconds(v)}" for k, v in timings.items()
+    ]
+    if stages:
+        lines.append("timings: " + ", ".join(stages))
     if not trace.get("policy"):
         lines.append("rerank: not asked")
         return lines

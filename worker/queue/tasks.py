@@ -34,7 +34,7 @@ from worker.constants import (
     WEBHOOK_QUEUE,
     WEBHOOK_TASK,
 )
-from worker.contract import ErrorInfo
+from worker.contract import ErrorInfo, SearchResult
 from worker.core.budget import MIN_ATTEMPT_SECONDS
 from worker.errors import Canceled, SiftError
 from worker.observability import metrics
@@ -94,12 +94,14 @@ def search(self: SiftTask, job_id: str) -> None:
             metrics.observe_queue_wait(SEARCH_QUEUE, time.time() - job.created_at)
         log.info("search %s: running for tenant %s", job_id, job.tenant)
         answers = store.search_answers(job_id, claim)
+        run_started = time.time()
         try:
             try:
                 with metrics.running_job():
                     result = self.context.runtime.search(
                         job.spec, job.tenant, spent=claim.spent, answers=answers
                     )
+                    result = _with_queue_wait(result, run_started - job.created_at)
             except Exception as exc:
                 if self.should_retry(exc) and _retry_fits(claim, deadline):
                     log.warning("search %s: retryable error, retrying: %s", job_id, exc)
@@ -131,6 +133,14 @@ def search(self: SiftTask, job_id: str) -> None:
             self.send_webhook(
                 WEBHOOK_EVENT_SEARCH_COMPLETED, job_id, job.tenant, job.webhook_url, final.value
             )
+
+
+def _with_queue_wait(result: SearchResult, seconds: float) -> SearchResult:
+    """``result`` with its trace (when one was asked for) telling ``queue_wait_seconds``: from
+    the job's submission (a search's, or its batch's) to the start of the run that made it."""
+    if result.trace is not None:
+        result.trace["queue_wait_seconds"] = max(0.0, seconds)
+    return result
 
 
 def _retry_fits(claim: RunClaim, deadline: float) -> bool:
@@ -201,8 +211,9 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
             return None, _poison_error(self)
         if not started:
             return None  # canceled meanwhile, or finished by another delivery
+        waited = time.time() - batch.created_at
         if first_delivery and item.status == "queued":
-            metrics.observe_queue_wait(BATCH_QUEUE, time.time() - batch.created_at)
+            metrics.observe_queue_wait(BATCH_QUEUE, waited)
         assert runtime is not None and item.spec is not None
         checked = _ModelCheck(store, marks, batch_id, item.query_id)
         claim: RunClaim | None = None
@@ -212,12 +223,13 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                     if is_prepared(store, batch_id, item.query_id):
                         return None  # by an earlier run of this chunk: its prompt may be out
                     prepared = economy_pipeline(self).prepare(item.spec, batch.tenant)
+                    prepared.trace["queue_wait_seconds"] = max(0.0, waited)  # kept for finish
                     if prepared.result is None:
                         save_prepared(
                             store, batch_id, item.query_id, positions[item.query_id], prepared
                         )
                         return None
-                    return prepared.result, None
+                    return _with_queue_wait(prepared.result, waited), None
                 pace = getattr(runtime, "pace", None)  # a runtime factory's may have none
                 if pace is not None:
                     pace()  # wait for the shared rate budget before the deadline starts
@@ -229,7 +241,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 result = runtime.search(
                     item.spec, batch.tenant, checked, spent=claim.spent, answers=answers
                 )
-                return result, None
+                return _with_queue_wait(result, waited), None
         except Canceled:  # canceled before its model call, or finished by another delivery
             return checked.stopped if checked.stopped and checked.stopped.applied else None
         except Exception as exc:
