@@ -82,6 +82,19 @@ def _list(
     )
 
 
+def _cost(usage: dict[str, Any] | None) -> str:
+    """A batch's cost so far for its row: dollars, ``unpriced`` (a model with no price), or
+    ``-`` from a gateway that does not tell it.
+
+    >>> _cost({"cost_usd": 0.0125}), _cost({"cost_usd": None}), _cost(None)
+    ('$0.012500', 'unpriced', '-')
+    """
+    if usage is None:
+        return "-"
+    cost = usage.get("cost_usd")
+    return "unpriced" if cost is None else f"${float(cost):.6f}"
+
+
 @app.command("searches")
 def searches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False) -> None:
     """List your searches, newest first (the last 7 days)."""
@@ -109,12 +122,12 @@ def batches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False)
         return [
             plain(batch["id"]), _status(batch["status"]), plain(batch.get("index")),
             plain(batch.get("lane")), f"{done}/{counts.get('total', '?')}",
-            str(counts.get("failed", 0)), local_time(batch.get("created_at")),
-            local_time(batch.get("finished_at")),
+            str(counts.get("failed", 0)), _cost(batch.get("usage")),
+            local_time(batch.get("created_at")), local_time(batch.get("finished_at")),
         ]  # fmt: skip
 
-    columns = ["id", "status", "index", "lane", "done", "failed", "created", "finished"]
-    drop = ["finished", "lane", "index", "created"]
+    columns = ["id", "status", "index", "lane", "done", "failed", "cost", "created", "finished"]
+    drop = ["finished", "lane", "index", "created", "cost"]
     _list("/v1/batches", "batches", "batch", status, limit, json_out, columns, row, drop)
 
 
