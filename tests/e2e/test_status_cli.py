@@ -21,6 +21,7 @@ import pytest
 import redis
 
 from tests.e2e.conftest import ACME, INDEX, Stack
+from tests.fake_anthropic import positions
 from worker.constants import (
     ALL_QUEUES,
     BATCH_CHUNK_TASK,
@@ -102,6 +103,43 @@ def test_sift_status_shows_the_queue_the_worker_and_the_batch(
     for text in ("Queues", BATCH_QUEUE, "Workers alive: 1", worker["node"], "for jobs"):
         assert text in table.stdout
     assert table.stdout.count(running_batch) == 2  # the worker's job, and the batch running
+
+
+def test_sift_status_shows_what_a_running_batchs_finished_items_cost(
+    stack: Stack, corpus: object
+) -> None:
+    # three reranks answered at once, every other after 10 s: while the batch runs, its row
+    # shows the three finished items' cost, the sum of their results' usage
+    stack.model.configure(delay=MODEL_SECONDS)
+    stack.model.script([positions([1])] * 3)
+    queries = [{"id": f"c{i}", "query": "green tea"} for i in range(6)]
+    body = {"index": INDEX, "queries": queries, "rerank": True}
+    batch_id = str(stack.live.post("/v1/batches", json=body, headers=ACME).json()["id"])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            batch = stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+            if batch["counts"]["succeeded"] == 3:
+                break
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.05)
+        page = stack.live.get(f"/v1/batches/{batch_id}/results", headers=ACME).json()
+        cost = sum(r["result"]["usage"]["cost_usd"] for r in page["results"] if r.get("result"))
+        assert cost > 0
+        run = _status(stack, "--json", "--no-inspect")
+        assert run.returncode == 0, run.stderr
+        [row] = [b for b in json.loads(run.stdout)["batches"] if b["id"] == batch_id]
+        assert row["counts"]["succeeded"] == 3
+        assert row["cost_usd"] == pytest.approx(cost, rel=1e-9)
+        table = _status(stack, "--no-inspect")
+        assert f"${cost:.6f}" in table.stdout, table.stdout
+    finally:
+        stack.model.configure(delay=0.0)
+        stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME)
+        deadline = time.monotonic() + 3 * MODEL_SECONDS
+        while not stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()["finished_at"]:
+            assert time.monotonic() < deadline, "the canceled batch did not finish"
+            time.sleep(0.2)
 
 
 def test_sift_status_without_redis_is_one_clear_error(stack: Stack) -> None:

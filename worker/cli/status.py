@@ -14,8 +14,9 @@ API key and no tenant. What it shows, and where each figure comes from:
   the broker's pidbox, within ``--timeout``): a worker that beats but does not answer is
   stuck in a way its heartbeat thread is not;
 - **batches running**: the standard-lane batches in the job store's active set
-  (``sift:active``), with their counts and when their status last moved (economy batches wait
-  on provider batches and are not in it); and the searches and ingests in it.
+  (``sift:active``), with their counts, what their finished items' model calls cost so far,
+  and when their status last moved (economy batches wait on provider batches and are not in
+  it); and the searches and ingests in it.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class BatchRow:
     counts: dict[str, int]
     age_seconds: float
     idle_seconds: float
+    cost_usd: float | None = 0.0  # what its finished items' model calls cost (None: unpriced)
 
 
 @dataclass
@@ -211,6 +213,7 @@ def _batches(store: JobStore, active: list[tuple[str, float]]) -> list[BatchRow]
                 counts=batch.counts,
                 age_seconds=round(now - batch.created_at, 1),
                 idle_seconds=round(now - moved, 1),
+                cost_usd=batch.usage.cost_usd,
             )
         )
     return rows
@@ -309,7 +312,8 @@ def show(console: Console, status: Status) -> None:
         console.print(f"[yellow]{plain(node)} answers Celery but has no heartbeat in Redis[/]")
 
     batches = Table(title=f"Batches running: {len(status.batches)}", title_justify="left")
-    for name in ("batch", "tenant", "index", "done", "running", "queued", "failed", "age", "moved"):
+    names = ("batch", "tenant", "index", "done", "running", "queued", "failed", "cost", "age")
+    for name in (*names, "moved"):
         batches.add_column(
             name, justify="left" if name in ("batch", "tenant", "index") else "right"
         )
@@ -319,6 +323,7 @@ def show(console: Console, status: Status) -> None:
             plain(b.id), plain(b.tenant), plain(b.index), f"{done}/{b.total}",
             str(b.counts.get("running", 0)),
             str(b.counts.get("queued", 0)), str(b.counts.get("failed", 0)),
+            "unpriced" if b.cost_usd is None else f"${b.cost_usd:.6f}",
             f"{b.age_seconds:.0f} s", f"{b.idle_seconds:.0f} s ago",
         )  # fmt: skip
     console.print(batches)
