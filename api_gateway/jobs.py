@@ -524,6 +524,7 @@ def batch_out(batch: BatchJob) -> BatchOut:
         counts=BatchCounts(total=batch.total, **batch.counts),
         usage=batch.usage,
         rerank_outcomes=BatchRerankOutcomes(**batch.rerank_outcomes),
+        stage_seconds=batch.stage_seconds,
         created_at=iso(batch.created_at) or "",
         finished_at=iso(batch.finished_at),
         canceled_at=iso(batch.canceled_at),

@@ -127,6 +127,12 @@ class BatchOut(BaseModel):
     counts: BatchCounts
     usage: Usage = Field(default_factory=Usage)
     rerank_outcomes: BatchRerankOutcomes = Field(default_factory=BatchRerankOutcomes)
+    stage_seconds: dict[str, float] = Field(
+        default_factory=dict,
+        description="Seconds by stage (queue_wait, embed, bm25, knn, fuse, rerank), summed over "
+        "its succeeded items: where its time went. An economy item's rerank is its provider "
+        "batch's wait.",
+    )
     created_at: str
     finished_at: str | None = None
     canceled_at: str | None = None

@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainValidator,
+    PrivateAttr,
     SerializerFunctionWrapHandler,
     Strict,
     model_serializer,
@@ -320,6 +321,8 @@ class SearchResult(BaseModel):
     rerank: RerankInfo
     usage: Usage = Field(default_factory=Usage)
     trace: dict[str, Any] | None = None
+    # each stage's seconds, trace or not, for its batch's totals (never serialized)
+    _stage_seconds: dict[str, float] = PrivateAttr(default_factory=dict)
 
 
 class ErrorInfo(BaseModel):

@@ -94,6 +94,18 @@ def test_economy_gives_the_standard_lanes_hits_at_half_the_cost(
     assert done["usage"]["cost_usd"] == pytest.approx(summed / 2, rel=1e-9)
     assert done["usage"]["input_tokens"] == standard_batch["usage"]["input_tokens"] > 0
     assert done["rerank_outcomes"] == {"applied": 10, "fallback": 0, "skipped": 0}
+    traces = [r["result"]["trace"] for r in economy.values()]
+    assert done["stage_seconds"] == pytest.approx(
+        {
+            "queue_wait": sum(t["queue_wait_seconds"] for t in traces),
+            **{
+                stage: sum(t["retrieval_seconds"][stage] for t in traces)
+                for stage in traces[0]["retrieval_seconds"]
+            },
+            "rerank": sum(t["rerank_seconds"] for t in traces),  # the provider batches' wait
+        },
+        abs=1e-5,
+    )
     for item in items:
         s, e = standard[item["id"]]["result"], economy[item["id"]]["result"]
         assert [h["id"] for h in e["hits"]] == [h["id"] for h in s["hits"]]

@@ -559,7 +559,8 @@ def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) ->
 
 
 def _batch_cost_lines(batch: dict[str, Any]) -> list[str]:
-    """A finished batch's model usage and cost, its lane's, and how its items were ranked.
+    """A finished batch's model usage and cost, its lane's, how its items were ranked, and
+    where their time went.
 
     >>> lines = _batch_cost_lines({"lane": "economy", "usage": {"requests": 1, "cost_usd": 0.5},
     ...     "rerank_outcomes": {"applied": 1}})
@@ -574,7 +575,12 @@ def _batch_cost_lines(batch: dict[str, Any]) -> list[str]:
     ranked = ", ".join(
         f"{name} {outcomes.get(name, 0)}" for name in ("applied", "fallback", "skipped")
     )
-    return [usage_line(usage) + price, f"rerank: {ranked}"]
+    lines = [usage_line(usage) + price, f"rerank: {ranked}"]
+    stages = batch.get("stage_seconds") or {}
+    if stages:
+        spent = ", ".join(f"{name.replace('_', ' ')} {s:.2f}" for name, s in stages.items())
+        lines.append(f"seconds by stage, summed over the items: {spent}")
+    return lines
 
 
 @app.command("batch")

@@ -710,7 +710,7 @@ class SearchPipeline:
     ) -> SearchResult:
         # one validation of the whole result, its hits as plain data: the same checks as a
         # Hit, Ranks and Scores built one by one (three model inits a hit), a third of the CPU
-        return SearchResult.model_validate(
+        result = SearchResult.model_validate(
             {
                 "hits": [_hit(candidate, final) for final, candidate in enumerate(chosen, start=1)],
                 "rerank": info,
@@ -718,6 +718,21 @@ class SearchPipeline:
                 "trace": trace if spec.include_trace else None,
             }
         )
+        result._stage_seconds = stage_seconds(trace)
+        return result
+
+
+def stage_seconds(trace: dict[str, Any]) -> dict[str, float]:
+    """Each stage's seconds in a trace: the queue wait (when the worker put it in), retrieval's
+    stages and the rerank.
+
+    >>> stage_seconds({"retrieval_seconds": {"embed": 0.5, "bm25": 0.25}, "rerank_seconds": 2})
+    {'embed': 0.5, 'bm25': 0.25, 'rerank': 2.0}
+    """
+    found = {"queue_wait": trace.get("queue_wait_seconds")}
+    found |= trace.get("retrieval_seconds") or {}
+    found["rerank"] = trace.get("rerank_seconds")
+    return {stage: float(s) for stage, s in found.items() if isinstance(s, int | float)}
 
 
 def usage_by_type(usage: TokenUsage) -> dict[str, int]:

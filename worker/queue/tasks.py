@@ -137,9 +137,11 @@ def search(self: SiftTask, job_id: str) -> None:
 
 def _with_queue_wait(result: SearchResult, seconds: float) -> SearchResult:
     """``result`` with its trace (when one was asked for) telling ``queue_wait_seconds``: from
-    the job's submission (a search's, or its batch's) to the start of the run that made it."""
+    the job's submission (a search's, or its batch's) to the start of the run that made it;
+    its batch's totals count it too."""
     if result.trace is not None:
         result.trace["queue_wait_seconds"] = max(0.0, seconds)
+    result._stage_seconds["queue_wait"] = max(0.0, seconds)
     return result
 
 

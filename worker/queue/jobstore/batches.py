@@ -68,6 +68,7 @@ _USAGE_TOKENS = (
     "cache_creation_input_tokens",
 )
 RERANK_OUTCOMES = ("applied", "fallback", "skipped")
+STAGES = ("queue_wait", "embed", "bm25", "knn", "fuse", "rerank")
 
 
 def batch_tally(
@@ -75,7 +76,8 @@ def batch_tally(
 ) -> list[str]:
     """What one final item adds to its batch's totals, as (field, increment) pairs: its
     usage (the result's, the error's, or a canceled item's billed ``usage``) and, for a
-    result, its rerank outcome. An unknown cost counts as unpriced, never as 0.
+    result, each stage's seconds and its rerank outcome. An unknown cost counts as unpriced,
+    never as 0.
 
     >>> batch_tally(usage=Usage(requests=1, input_tokens=10, cost_usd=None))[-2:]
     ['usage_unpriced', '1']
@@ -90,6 +92,8 @@ def batch_tally(
         else:
             pairs += ["usage_cost_usd", repr(used.cost_usd)]
     if result is not None:
+        for stage, seconds in result._stage_seconds.items():
+            pairs += ["seconds_" + stage, repr(seconds)]
         rerank = result.rerank
         outcome = (
             "applied" if rerank.applied else "fallback" if rerank.fallback_reason else "skipped"
@@ -104,6 +108,17 @@ def _batch_usage(raw: dict[str, str]) -> Usage:
     unpriced = int(raw.get("usage_unpriced", 0)) > 0
     cost = None if unpriced else round(float(raw.get("usage_cost_usd", 0)), 12)
     return Usage(**tokens, cost_usd=cost)
+
+
+def _stage_seconds(raw: dict[str, str]) -> dict[str, float]:
+    """The batch's seconds by stage from its record, in the order the stages run."""
+    found = {
+        name.removeprefix("seconds_"): round(float(value), 6)
+        for name, value in raw.items()
+        if name.startswith("seconds_")
+    }
+    order = {stage: n for n, stage in enumerate(STAGES)}
+    return dict(sorted(found.items(), key=lambda item: order.get(item[0], len(order))))
 
 
 def _batch_of(batch_id: str, raw: dict[str, str], counts: dict[str, str]) -> BatchJob | None:
@@ -125,6 +140,7 @@ def _batch_of(batch_id: str, raw: dict[str, str], counts: dict[str, str]) -> Bat
         finished_at=_opt_float(raw.get("finished_at")),
         usage=_batch_usage(raw),
         rerank_outcomes={name: int(raw.get("rerank_" + name, 0)) for name in RERANK_OUTCOMES},
+        stage_seconds=_stage_seconds(raw),
     )
 
 

@@ -105,9 +105,11 @@ class BatchJob:
     canceled_at: float | None = None
     finished_at: float | None = None
     # the sum of its final items' usage (a result's, a failure's, a canceled item's billed
-    # rounds) and its finished items' rerank outcomes: "applied", "fallback", "skipped"
+    # rounds), its succeeded items' rerank outcomes ("applied", "fallback", "skipped") and
+    # their seconds by stage
     usage: Usage = field(default_factory=Usage)
     rerank_outcomes: dict[str, int] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # summed over its results
 
     @property
     def status(self) -> JobStatus:

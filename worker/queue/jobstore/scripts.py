@@ -47,9 +47,9 @@ return 1
 # the batch's cancel mark is read in the same script, so no round trip more), '2' when it
 # does unless the item's run claim kept the model's answer (a start: the item is past its
 # model call, which was paid for, and its run finishes on that answer), and the move's token,
-# then the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd a
-# float, every other an integer), added to the batch's record when the move makes the item
-# final with this outcome: once, as the move is.
+# then the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd and
+# the seconds_ fields floats, every other an integer), added to the batch's record when the
+# move makes the item final with this outcome: once, as the move is.
 # Returns {code, 1 if the move became a cancel}: code -1 missing, 0 refused, 1 applied,
 # 2 applied and the batch just completed. A move that makes the item final keeps its token
 # and answer in the moves hash (living as long as the results hash), so the same call sent
@@ -91,7 +91,7 @@ if to ~= 'succeeded' and to ~= 'failed' and to ~= 'canceled' then
 end
 if outcome ~= '' then
   for i = 9, #ARGV, 2 do
-    if ARGV[i] == 'usage_cost_usd' then
+    if ARGV[i] == 'usage_cost_usd' or string.sub(ARGV[i], 1, 8) == 'seconds_' then
       redis.call('HINCRBYFLOAT', KEYS[4], ARGV[i], ARGV[i + 1])
     else
       redis.call('HINCRBY', KEYS[4], ARGV[i], ARGV[i + 1])
