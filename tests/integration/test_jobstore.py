@@ -29,7 +29,7 @@ from worker.constants import (
     STATS_KEY,
     WEBHOOKS_OWED_KEY,
 )
-from worker.contract import DocumentIn, ErrorInfo, RerankInfo, SearchResult, SearchSpec
+from worker.contract import DocumentIn, ErrorInfo, RerankInfo, SearchResult, SearchSpec, Usage
 from worker.queue.jobstore import (
     AsyncJobStore,
     CancelOutcome,
@@ -112,6 +112,29 @@ def test_a_redelivered_item_never_produces_a_second_result(store: JobStore) -> N
     got = store.get_batch(batch.id)
     assert got is not None
     assert got.counts == {"queued": 2, "running": 0, "succeeded": 1, "failed": 0, "canceled": 0}
+
+
+def test_a_finish_sent_again_or_late_adds_to_its_batchs_totals_once(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the same finish sent again (its reply lost: the same token), and a second delivery's
+    # finish (another token), are answered without adding the item's usage a second time
+    batch = store.create_batch("acme", "docs", [("q0", spec()), ("q1", spec())])
+    assert store.start_item(batch.id, "q0")
+    used = Usage(requests=2, input_tokens=900, output_tokens=40, cost_usd=0.0011)
+    paid = SearchResult(hits=[], rerank=RerankInfo(applied=True), usage=used)
+    monkeypatch.setattr("worker.queue.jobstore.store.move_token", lambda: "the-same-token")
+    assert store.finish_item(batch.id, "q0", result=paid).applied
+    assert store.finish_item(batch.id, "q0", result=paid).applied  # answered as it ran
+    monkeypatch.undo()
+    assert not store.finish_item(batch.id, "q0", result=paid).applied
+    assert store.start_item(batch.id, "q1")
+    failed = ErrorInfo(type="rerank_failed", message="x", usage=Usage(requests=1, cost_usd=None))
+    assert store.finish_item(batch.id, "q1", error=failed).applied
+    got = store.get_batch(batch.id)
+    assert got is not None
+    assert got.usage == Usage(requests=3, input_tokens=900, output_tokens=40, cost_usd=None)
+    assert got.rerank_outcomes == {"applied": 1, "fallback": 0, "skipped": 0}
 
 
 def test_counts_never_drift_under_racing_redeliveries_and_cancel(store: JobStore) -> None:
