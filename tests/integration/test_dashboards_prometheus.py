@@ -119,6 +119,10 @@ def test_each_attempt_class_is_counted_exactly_as_often_as_provoked(observed: Ob
     # every class provoked, but the rate budget's: the workload meters no limit, so its
     # series is the preregistered zero (tests/integration/test_rate_budget.py provokes it)
     assert set(counted) == set(workload.EXPECTED_ATTEMPTS) | {"budget_exhausted"}
+    # by lane: the economy lane's one answer is its one attempt, every other is the standard's
+    lanes = observed.prometheus.values("sum by (lane) (sift_rerank_attempts_total)", by="lane")
+    total = sum(workload.EXPECTED_ATTEMPTS.values())
+    assert lanes == {"standard": total - 1, "economy": 1}
     # the scripted rate_limited attempt came out of the model adapter: a 429, by lane
     answered_429 = observed.prometheus.values("sum by (lane) (sift_provider_429_total)", by="lane")
     assert answered_429 == {"standard": workload.EXPECTED_ATTEMPTS["rate_limited"], "economy": 0}

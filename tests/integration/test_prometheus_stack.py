@@ -155,10 +155,10 @@ def _expected() -> dict[str, Any]:
 
 
 EXPECTED = _expected()
-# Each worker's series at zero from its start, before any search (two workers; tokens, cost
-# and rerank duration in both lanes)
+# Each worker's series at zero from its start, before any search (two workers; attempts,
+# tokens, cost and rerank duration in both lanes)
 PREREGISTERED = {
-    f'count(sift_rerank_attempts_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 8.0,
+    f'count(sift_rerank_attempts_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 8.0,
     f'count(sift_rerank_tokens_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 4.0,
     f'count(sift_rerank_cost_usd_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 1.0,
     f'count(sift_rerank_duration_seconds_count{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 9.0,

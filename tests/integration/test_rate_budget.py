@@ -268,7 +268,7 @@ def test_a_search_the_budget_cannot_serve_in_time_falls_back_without_a_model_cal
 def test_under_fail_closed_it_fails_naming_the_class_and_counts_in_metrics(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:
-    labels = {"model": MODEL, "result": "budget_exhausted"}
+    labels = {"model": MODEL, "result": "budget_exhausted", "lane": "standard"}
     before = REGISTRY.get_sample_value("sift_rerank_attempts_total", labels) or 0.0
     pipeline, budget = build(fake, client, "fail_closed", RateLimit(rpm=2), PrometheusRecorder())
     exhaust(budget)

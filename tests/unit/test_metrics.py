@@ -78,8 +78,11 @@ def test_the_pipeline_reports_through_the_prometheus_recorder() -> None:
     result = runtime.search(SearchSpec(index="docs", query="volcano ash", limit=3), "acme")
     assert result.rerank.applied
 
-    assert delta("sift_rerank_attempts_total", model=MODEL, result="rate_limited") == 1
-    assert delta("sift_rerank_attempts_total", model=MODEL, result="ok") == 1
+    assert (
+        delta("sift_rerank_attempts_total", model=MODEL, result="rate_limited", lane="standard")
+        == 1
+    )
+    assert delta("sift_rerank_attempts_total", model=MODEL, result="ok", lane="standard") == 1
     assert delta("sift_rerank_outcomes_total", policy=POLICY_ID, outcome="applied") == 1
     assert (
         delta("sift_rerank_duration_seconds_count", model=MODEL, outcome="ok", lane="standard") == 1
@@ -124,7 +127,7 @@ def test_a_failed_rerank_counts_its_class_and_the_failure() -> None:
     delta = Delta()
     with pytest.raises(errors.RerankFailed):
         runtime.search(SearchSpec(index="docs", query="volcano", limit=3), "acme")
-    assert delta("sift_rerank_attempts_total", model=MODEL, result="http_4xx") == 1
+    assert delta("sift_rerank_attempts_total", model=MODEL, result="http_4xx", lane="standard") == 1
     assert delta("sift_rerank_outcomes_total", policy=POLICY_ID, outcome="failed") == 1
     assert (
         delta(
@@ -196,7 +199,7 @@ def test_unexpected_label_values_are_recorded_as_other() -> None:
     recorder.rerank_attempt(MODEL, "a-query-text-that-must-not-become-a-label")
     recorder.search_done("mystery", "ok", 0.1)
     metrics.job_completed("search", "failed", "SomethingNew")
-    assert delta("sift_rerank_attempts_total", model=MODEL, result="other") == 1
+    assert delta("sift_rerank_attempts_total", model=MODEL, result="other", lane="standard") == 1
     assert delta("sift_search_duration_seconds_count", mode="other", outcome="ok") == 1
     assert delta("sift_job_failures_total", kind="search", error="other") == 1
 
@@ -368,7 +371,8 @@ MULTIPROCESS_SCRIPT = textwrap.dedent(
     hold = ctx.Event()
     alive = ctx.Process(target=child, args=(1, hold))
     alive.start()
-    ok_key = ("sift_rerank_attempts_total", (("model", "m"), ("result", "ok")))
+    ok_labels = (("lane", "standard"), ("model", "m"), ("result", "ok"))
+    ok_key = ("sift_rerank_attempts_total", ok_labels)
     while metrics.snapshot().get(ok_key) != 8:   # wait for the live child to record
         time.sleep(0.01)
     with_live = metrics.snapshot()
@@ -378,7 +382,7 @@ MULTIPROCESS_SCRIPT = textwrap.dedent(
     def key(name, **labels):
         return (name, tuple(sorted(labels.items())))
     print(json.dumps({
-        "attempts": after[key("sift_rerank_attempts_total", model="m", result="ok")],
+        "attempts": after[("sift_rerank_attempts_total", ok_labels)],
         "input": after[key("sift_rerank_tokens_total", model="m", type="input", lane="standard")],
         "cost": after[key("sift_rerank_cost_usd_total", model="m", lane="standard")],
         "count": after[

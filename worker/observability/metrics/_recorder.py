@@ -28,8 +28,8 @@ from worker.observability.metrics._search import (
 
 
 class PrometheusRecorder:
-    """The ``Recorder`` port in Prometheus metrics. ``lane`` labels tokens, cost and the rerank
-    duration (an economy rerank waits minutes to hours on the provider's batch).
+    """The ``Recorder`` port in Prometheus metrics. ``lane`` labels the attempts, tokens, cost
+    and the rerank duration (an economy rerank waits minutes to hours on the provider's batch).
 
     >>> build_pipeline(settings, recorder=PrometheusRecorder())  # doctest: +SKIP
     """
@@ -49,7 +49,7 @@ class PrometheusRecorder:
 
     @never_raises
     def rerank_attempt(self, model: str, result: str) -> None:
-        child(RERANK_ATTEMPTS, model, closed(result, ATTEMPT_RESULTS, "result")).inc()
+        child(RERANK_ATTEMPTS, model, closed(result, ATTEMPT_RESULTS, "result"), self.lane).inc()
 
     @never_raises
     def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:

@@ -78,8 +78,8 @@ RERANK_TOKENS = Counter(
 )
 RERANK_ATTEMPTS = Counter(
     METRIC_RERANK_ATTEMPTS,
-    "Model calls, by the one class each attempt falls in.",
-    ["model", "result"],
+    "Model calls, by the one class each attempt falls in, and lane.",
+    ["model", "result", "lane"],
 )
 RERANK_OUTCOMES = Counter(
     METRIC_RERANK_OUTCOMES,

@@ -93,9 +93,9 @@ def preregister(
     Call it once at start-up, in the supervising process in multiprocess mode.
     """
     for model in models:
-        for result in ATTEMPT_RESULTS:
-            RERANK_ATTEMPTS.labels(model, result)
         for lane in lanes:
+            for result in ATTEMPT_RESULTS:
+                RERANK_ATTEMPTS.labels(model, result, lane)
             for outcome in RERANK_DURATION_OUTCOMES:
                 RERANK_DURATION.labels(model, outcome, lane)
             for token_type in TOKEN_TYPES:
