@@ -7,6 +7,7 @@ are read until the next change."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -313,3 +314,37 @@ def test_a_change_waits_for_the_lock_then_says_so(runtime: Runtime, store: JobSt
         ]
         == 5
     )
+
+
+def test_a_change_started_in_time_never_lands_after_its_gateway_gave_up(
+    runtime: Runtime, store: JobStore, redis_url: str
+) -> None:
+    """A change started just before its ``start_by`` and then held up by the lock (another
+    worker's change, or one that died holding it) must not land once its gateway has answered
+    503 (``start_by`` + the grace): it takes the lock by ``start_by`` or gives up unapplied."""
+    from worker.constants import INDEX_CHANGE_GRACE_SECONDS
+    from worker.queue import base, tasks
+    from worker.runtime.ratelimit import ProviderLimiter
+
+    context = base.WorkerContext(
+        settings=load_settings(redis_url=redis_url), store=store, limiter=ProviderLimiter(4)
+    )
+    context._runtime = runtime
+    base.set_context(context)
+    lock_key = f"{INDEX_SETTINGS_LOCK_KEY}acme:docs"
+    assert store.redis.set(lock_key, "another worker", ex=30, nx=True)
+    start_by = time.time() + 0.5
+    gave_up = start_by + INDEX_CHANGE_GRACE_SECONDS  # the gateway's 503, at the latest
+    # the other holder lets go only once the gateway has answered
+    freed = threading.Timer(gave_up + 0.5 - time.time(), store.redis.delete, [lock_key])
+    freed.start()
+    try:
+        late = json.dumps({"candidate_limit": 7})
+        tasks.index_read.apply(args=["reply-held", "update", "acme", "docs", "", late, start_by])
+        freed.join()
+        answer = json.loads(store.redis.lpop("reply-held") or "{}")
+        assert answer["error"]["type"] == "backend_unavailable"
+        assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] is None
+    finally:
+        freed.cancel()
+        base.set_context(None)

@@ -54,6 +54,8 @@ from worker.write_versions import next_write_version
 #: How many times a change reads, merges and stores before it gives up (each store refused
 #: means a newer clear landed meanwhile, which can happen once without the lock).
 UPDATE_ATTEMPTS = 5
+#: How long a change or clear waits for the index's settings lock before it gives up.
+LOCK_WAIT_SECONDS = 10.0
 
 # An earlier release's settings in Redis go only if no newer than the clear (ARGV[1]).
 _CLEAR = """
@@ -126,11 +128,15 @@ class IndexSettingsStore:
         none of)."""
         return [SearchSettings(settings or {}) for settings, _ in self._held(indexes, tenant)]
 
-    def update(self, index: str, tenant: str, patch: Mapping[str, Any]) -> SearchSettings:
+    def update(
+        self, index: str, tenant: str, patch: Mapping[str, Any], *, lock_by: float = 0.0
+    ) -> SearchSettings:
         """Apply a JSON Merge Patch (``null`` clears a field) and store the result with a new
         write version; raises InvalidRequest when the result is not valid settings (every
-        weight 0, say). The caller checks first that the tenant has the index."""
-        with self._locked(index, tenant):
+        weight 0, say). The caller checks first that the tenant has the index. ``lock_by``
+        (epoch seconds, 0: none): the lock not had by then, the change gives up unapplied
+        (its gateway stops waiting soon after: the change must not land once it has)."""
+        with self._locked(index, tenant, lock_by):
             for _ in range(UPDATE_ATTEMPTS):
                 ((held, _),) = self._held([index], tenant)
                 merged = merge_patch(held or {}, patch)
@@ -175,10 +181,12 @@ class IndexSettingsStore:
         return [found or _earlier(earlier.get(index)) for index, found in pairs]
 
     @contextmanager
-    def _locked(self, index: str, tenant: str) -> Iterator[None]:
-        """The index's settings lock: one change or clear at a time reads and stores."""
+    def _locked(self, index: str, tenant: str, by: float = 0.0) -> Iterator[None]:
+        """The index's settings lock: one change or clear at a time reads and stores. Waited
+        for at most ``LOCK_WAIT_SECONDS``, and never past ``by`` (epoch seconds) if given."""
         name = f"{INDEX_SETTINGS_LOCK_KEY}{tenant}:{index}"
-        lock = self._redis.lock(name, timeout=INDEX_SETTINGS_LOCK_SECONDS, blocking_timeout=10)
+        wait = min(LOCK_WAIT_SECONDS, max(0.0, by - time.time())) if by else LOCK_WAIT_SECONDS
+        lock = self._redis.lock(name, timeout=INDEX_SETTINGS_LOCK_SECONDS, blocking_timeout=wait)
         if not lock.acquire():
             raise BackendUnavailable(f"index {index!r}: its settings are being changed")
         try:

@@ -384,12 +384,14 @@ def index_read(
     retried: the gateway waits a few seconds for the answer, then answers 503, and the
     client asks again (a change is a merge patch: applying it twice changes nothing more).
     A change not started by ``start_by`` (epoch seconds) is dropped unapplied: its gateway
-    has answered 503 or is about to, and a later change may have been made since."""
+    has answered 503 or is about to, and a later change may have been made since; so is one
+    that has not had its index's settings lock by then."""
     if start_by and time.time() > start_by:
         log.warning("index change for %s/%s came after its gateway gave up; dropped", tenant, index)
         return
     try:
-        answer = lifecycle.read(self.context.runtime, operation, tenant, index, doc_id, body)
+        runtime = self.context.runtime
+        answer = lifecycle.read(runtime, operation, tenant, index, doc_id, body, start_by)
     except Exception as exc:  # the gateway must hear something, not time out
         log.exception("index read %s for %s: unexpected error", operation, tenant)
         answer = json.dumps({"error": {"type": "internal_error", "message": str(exc)}})

@@ -101,15 +101,17 @@ def _index(info: IndexInfo, settings: SearchSettings) -> dict[str, Any]:
     return {**asdict(info), "settings": settings.shown()}
 
 
-def _update(runtime: object, tenant: str, index: str, body: str) -> Any:
-    """Apply a settings patch to the tenant's index: its metadata, or None if it has none."""
+def _update(runtime: object, tenant: str, index: str, body: str, start_by: float) -> Any:
+    """Apply a settings patch to the tenant's index: its metadata, or None if it has none.
+    ``start_by``: the change's lock must be had by then (its gateway waits only a grace
+    more), or it gives up unapplied."""
     info = catalog(runtime).index_info(index, tenant)
     if info is None:
         return None
     store = settings_store(runtime)
     if store is None:
         raise ConfigError("this deployment keeps no index settings (it has no SIFT_REDIS_URL)")
-    return _index(info, store.update(index, tenant, json.loads(body or "{}")))
+    return _index(info, store.update(index, tenant, json.loads(body or "{}"), lock_by=start_by))
 
 
 def _documents(backend: IndexCatalog, tenant: str, index: str, body: str) -> Any:
@@ -127,11 +129,18 @@ def _documents(backend: IndexCatalog, tenant: str, index: str, body: str) -> Any
 
 
 def read(
-    runtime: object, operation: str, tenant: str, index: str, doc_id: str, body: str = ""
+    runtime: object,
+    operation: str,
+    tenant: str,
+    index: str,
+    doc_id: str,
+    body: str = "",
+    start_by: float = 0.0,
 ) -> str:
     """One index read's answer, as the JSON the gateway parses: ``{"found": ...}`` (None
     when the tenant has no such index or document) or ``{"error": {...}}``. ``update``
-    (``body``: a validated settings patch) changes the index's settings, then reads it;
+    (``body``: a validated settings patch) changes the index's settings (its lock had by
+    ``start_by``, epoch seconds, if given), then reads it;
     ``documents`` (``body``: where the page starts and its size) lists a page."""
     try:
         backend = catalog(runtime)
@@ -150,7 +159,7 @@ def read(
             settings = store.read(index, tenant) if store and info else SearchSettings()
             found = None if info is None else _index(info, settings)
         elif operation == "update":
-            found = _update(runtime, tenant, index, body)
+            found = _update(runtime, tenant, index, body, start_by)
         elif operation == "documents":
             found = _documents(backend, tenant, index, body)
         elif operation == "document":
