@@ -2159,3 +2159,22 @@ def test_index_settings_are_one_external_versioned_document_per_alias(
     assert server.sent("POST", SETTINGS_MGET)[-1].json() == {
         "ids": [ACME, BETA_OF_ACME, f"sift-{tenant_key('acme')}--x"]
     }
+
+
+def test_index_settings_a_document_es_could_not_read_is_a_retryable_failure(
+    server: FakeElasticsearchServer,
+) -> None:
+    """``_mget`` answers 200 with an error in a document's place when its shard could not
+    be read: that is no answer, not "none stored" (a search would run at the defaults, and a
+    change would merge into nothing and store over the settings it never read). An index
+    not made yet, in a document's place, is none stored."""
+    no_shard = error_body("no_shard_available_action_exception", "No shard available", 503)
+    failed = {"_index": SETTINGS_INDEX, "_id": ACME, "error": no_shard["error"]}
+    gone = index_missing(SETTINGS_INDEX)["error"]
+    missing = {"_index": SETTINGS_INDEX, "_id": ACME, "error": gone}
+    backend = backend_for(server)
+    server.on("POST", SETTINGS_MGET, Answer(200, {"docs": [failed]}), times=1)
+    with pytest.raises(BackendUnavailable, match="no_shard_available_action_exception"):
+        backend.stored_settings(["docs"], "acme")
+    server.on("POST", SETTINGS_MGET, Answer(200, {"docs": [missing]}), times=1)
+    assert backend.stored_settings(["docs"], "acme") == [None]

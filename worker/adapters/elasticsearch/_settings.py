@@ -11,8 +11,14 @@ from typing import Any
 from elasticsearch import ApiError
 
 from worker.adapters.elasticsearch._core import _Core
-from worker.adapters.elasticsearch._errors import _error_type, _translated
+from worker.adapters.elasticsearch._errors import (
+    _error_type,
+    _index_missing,
+    _reason,
+    _translated,
+)
 from worker.adapters.elasticsearch._layout import SETTINGS_INDEX
+from worker.errors import BackendUnavailable
 
 #: The settings' one field: an object ES keeps in ``_source`` and never maps (``enabled``
 #: false), so a new setting needs no mapping change.
@@ -30,7 +36,9 @@ class _Settings(_Core):
         self, indexes: Sequence[str], tenant: str
     ) -> list[tuple[dict[str, Any] | None, int] | None]:
         """One realtime ``_mget`` by id: it sees a change stored a moment ago. No settings
-        index yet is none stored (a 404, or an error in each document's place)."""
+        index yet is none stored (a 404, or an error in each document's place); any other
+        error in a document's place (its shard not read) is ``BackendUnavailable``: none
+        stored would run a search at the defaults, and merge a change into nothing."""
         if not indexes:
             return []
         ids = [self.alias(index, tenant) for index in indexes]
@@ -39,6 +47,11 @@ class _Settings(_Core):
                 self._es().options(ignore_status=404).mget(index=self.settings_index, ids=ids)
             ).body
         docs = answer.get("docs") or [{}] * len(ids)
+        for doc in docs:
+            if doc.get("error") and not _index_missing(doc):
+                raise BackendUnavailable(
+                    f"Elasticsearch could not read the index settings: {_reason(doc)}"
+                )
         return [
             (doc["_source"].get(SETTINGS_FIELD), int(doc["_version"])) if doc.get("found") else None
             for doc in docs
