@@ -112,13 +112,14 @@ def _search(setup: Setup, tenant: str, spec: SearchSpec) -> SearchResult:
     return done.result
 
 
-def _run_batch(setup: Setup, spec: SearchSpec) -> BatchJob:
+def _run_batch(setup: Setup, spec: SearchSpec, lane: str = "standard") -> BatchJob:
     """A one-item batch of ``spec`` for tenant acme, run to its end."""
     sender = OutboxSender(setup.store)
     batch = setup.store.create_batch(
         "acme",
         "docs",
         [("q0", spec)],
+        lane=lane,
         enqueue=lambda batch_id: sender.messages(
             [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
         ),
@@ -207,6 +208,26 @@ def test_a_search_needing_no_model_call_counts_its_outcome_once_when_its_worker_
     result = _search(setup, "acme", spec)
     assert not die.exists()  # the worker did die
     assert not result.hits and not result.rerank.applied and not setup.model.requests()
+    assert outcomes.read_text().splitlines() == ["skipped"]
+
+
+def test_an_economy_item_needing_no_model_call_counts_its_figures_once_when_its_worker_died(
+    setup: Setup,
+) -> None:
+    """The economy lane's first half of an item with no candidates is final at once: it
+    counted ``outcome="skipped"`` (and the search done) as it ran, so a worker dying once it
+    was counted, before the item's result was saved, had the redelivered chunk count it
+    again. They are counted once the item is finished now (the worker dies after the save)."""
+    _arm(setup)
+    setup.flag.unlink()
+    outcomes, die = setup.usage_log.with_name("outcomes.log"), setup.flag.with_name("die-outcome")
+    outcomes.write_text("")
+    die.touch()
+    spec = SearchSpec(index="docs", query="nothing matches", mode="fts", rerank=True)
+    batch = _run_batch(setup, spec, lane="economy")
+    assert not die.exists()  # the worker did die
+    (item,) = setup.store.batch_results(batch.id, 0, 1)
+    assert item.status == "succeeded" and not setup.model.requests(), item
     assert outcomes.read_text().splitlines() == ["skipped"]
 
 

@@ -310,11 +310,16 @@ class SearchPipeline:
             # spread the re-checks: the queue frees at the limit's rate, not all at once
             self._sleep(min(excess, 1.0) + random.uniform(0.0, 0.5))
 
-    def prepare(self, spec: SearchSpec, tenant: str) -> Prepared:
+    def prepare(
+        self, spec: SearchSpec, tenant: str, *, later: list[Callable[[], None]] | None = None
+    ) -> Prepared:
         """The first half: retrieval and fusion under the search deadline, then the prompt.
 
         A search that needs no model call comes back final (``result`` set, and counted as
         done); otherwise hand ``prompt`` to the model and the answer to :meth:`finish`.
+        ``later``: where a final result's figures (the search done, a ``skipped`` outcome)
+        go instead, for the caller to record once the result is saved (a run again after a
+        crash before the save then counts them once).
         """
         deadline = Deadline(self.config.deadline_seconds, self._clock)
         try:
@@ -324,10 +329,15 @@ class SearchPipeline:
             self.recorder.search_done(spec.mode, "error", deadline.elapsed())
             raise
         prepared.seconds = deadline.elapsed()
+        figures: list[Callable[[], None]] = []
         if prepared.skipped:
-            self.recorder.rerank_outcome(POLICY_ID, "skipped")
+            figures.append(partial(self.recorder.rerank_outcome, POLICY_ID, "skipped"))
         if prepared.result is not None:
-            self.recorder.search_done(spec.mode, "ok", prepared.seconds)
+            figures.append(partial(self.recorder.search_done, spec.mode, "ok", prepared.seconds))
+        if later is None:
+            _record(figures)
+        else:
+            later.extend(figures)
         return prepared
 
     def finish(self, prepared: Prepared, run: RerankRun) -> SearchResult:

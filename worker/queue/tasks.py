@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -198,6 +199,8 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     runtime = self.context.runtime if not poisoned else None
     marks = self.context.cancel_marks
     held: dict[str, ClaimAnswers] = {}  # each running item's, until its finish (ClaimAnswers)
+    # an economy item's figures when its first half was final, recorded once it is finished
+    later: dict[str, list[Callable[[], None]]] = {}
 
     def to_start(item: BatchItem) -> str | None:
         """The item's query id if it is to be started (a poisoned chunk fails its items as
@@ -224,7 +227,10 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 if economy:  # the first half now; the model's answer comes from a provider batch
                     if is_prepared(store, batch_id, item.query_id):
                         return None  # by an earlier run of this chunk: its prompt may be out
-                    prepared = economy_pipeline(self).prepare(item.spec, batch.tenant)
+                    figures = later[item.query_id] = []
+                    prepared = economy_pipeline(self).prepare(
+                        item.spec, batch.tenant, later=figures
+                    )
                     prepared.trace["queue_wait_seconds"] = max(0.0, waited)  # kept for finish
                     if prepared.result is None:
                         save_prepared(
@@ -268,9 +274,13 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
 
     def finished(item: BatchItem, transition: ItemTransition, error: ErrorInfo | None) -> None:
         answers = held.pop(item.query_id, None)
+        figures = later.pop(item.query_id, [])
         if not transition.canceled:
-            if count_completed("batch_item", transition.applied, error) and answers is not None:
-                answers.record()  # the run's figures of the search, once it is saved
+            if count_completed("batch_item", transition.applied, error):
+                if answers is not None:
+                    answers.record()  # the run's figures of the search, once it is saved
+                for record in figures:  # an economy item's final first half's, likewise
+                    record()
         elif transition.applied:
             metrics.job_completed("batch_item", "canceled")
 
