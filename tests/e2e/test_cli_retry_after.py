@@ -8,7 +8,7 @@ from __future__ import annotations
 import http.server
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from email.utils import formatdate
 
 import httpx
@@ -95,15 +95,28 @@ def proxy_url(proxy: _Proxy) -> str:
     return f"http://{host!s}:{port}"
 
 
+def _an_hour_ago() -> str:
+    return formatdate(time.time() - 3600, usegmt=True)
+
+
+def _in_an_hour() -> str:
+    return formatdate(time.time() + 3600, usegmt=True)
+
+
+# Dates are made when the test runs, not when it is collected: pytest-xdist's workers must
+# collect the same test ids, and a date in an id differs by the second between them.
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ("2", 2.0),
-        (formatdate(time.time() - 3600, usegmt=True), 0.0),  # already past
-        (formatdate(time.time() + 3600, usegmt=True), MAX_RETRY_AFTER_SECONDS),  # capped
-        ("-1", None),
-        ("soon", None),
+        (lambda: "2", 2.0),
+        (_an_hour_ago, 0.0),  # already past
+        (_in_an_hour, MAX_RETRY_AFTER_SECONDS),  # capped
+        (lambda: "-1", None),
+        (lambda: "soon", None),
     ],
+    ids=["seconds", "past-date", "far-date", "negative", "not-a-time"],
 )
-def test_a_retry_after_is_read_in_either_form_and_capped(value: str, expected: float) -> None:
-    assert _retry_after(httpx.Response(503, headers={"retry-after": value})) == expected
+def test_a_retry_after_is_read_in_either_form_and_capped(
+    value: Callable[[], str], expected: float | None
+) -> None:
+    assert _retry_after(httpx.Response(503, headers={"retry-after": value()})) == expected
