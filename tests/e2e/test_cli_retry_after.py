@@ -113,8 +113,9 @@ def _in_an_hour() -> str:
         (_in_an_hour, MAX_RETRY_AFTER_SECONDS),  # capped
         (lambda: "-1", None),
         (lambda: "soon", None),
+        (lambda: "Wed, 21 Oct 99999999999999999999 07:28:00 GMT", None),  # raised OverflowError
     ],
-    ids=["seconds", "past-date", "far-date", "negative", "not-a-time"],
+    ids=["seconds", "past-date", "far-date", "negative", "not-a-time", "year-past-any-clock"],
 )
 def test_a_retry_after_is_read_in_either_form_and_capped(
     value: Callable[[], str], expected: float | None

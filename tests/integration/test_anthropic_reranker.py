@@ -726,6 +726,7 @@ def test_one_http_request_per_attempt_across_every_class(
         ({"retry-after": "soon"}, None),
         ({"retry-after": "-3"}, None),
         ({"retry-after": "Wed, 21 Oct 2015 07:28:00 GMT"}, 0.0),
+        ({"retry-after": "Wed, 21 Oct 99999999999999999999 07:28:00 GMT"}, None),
         ({}, None),
     ],
 )

@@ -195,6 +195,29 @@ def test_a_receiver_s_retry_after_is_read_in_either_form(
     assert result.retry_after is not None and 590 <= result.retry_after <= 600, result
 
 
+def test_a_receiver_s_retry_after_of_a_year_past_any_clock_leaves_the_schedule(
+    receiver: Receiver,
+) -> None:
+    """A date whose year no clock holds (a receiver's bug, or a hostile one) is no
+    ``Retry-After``: the schedule's wait applies. Its parse raised ``OverflowError`` out of
+    the attempt, so the task failed with no retry scheduled, the webhook left owed."""
+    receiver.status = 503
+    receiver.extra_headers = {"Retry-After": "Wed, 21 Oct 99999999999999999999 07:28:00 GMT"}
+    decision = run_delivery(
+        url=receiver.url,
+        event_type=SEARCH_COMPLETED,
+        job_id="job-ra-far",
+        status="succeeded",
+        occurred_at=datetime.now(UTC),
+        attempt=1,
+        secrets=[SECRET],
+        settings=Settings(webhook_allow_private_networks=True, webhook_retry_scale=0.001),
+    )
+    assert decision.result.outcome is DeliveryOutcome.RETRY
+    assert decision.result.retry_after is None
+    assert decision.retry_in is not None and 0.004 <= decision.retry_in <= 0.006
+
+
 def test_a_name_is_pinned_to_the_checked_address_and_keeps_its_host_header(
     receiver: Receiver,
 ) -> None:

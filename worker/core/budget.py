@@ -67,7 +67,8 @@ class Deadline:
 def retry_after_seconds(value: str | None, now: datetime | None = None) -> float | None:
     """The wait a ``Retry-After`` header asks for, in seconds, in either of its forms (RFC
     9110 10.2.3): delay-seconds, or an HTTP-date (the time left until it from ``now``; one
-    already past is 0). ``None`` when absent or neither; the caller caps it.
+    already past is 0). ``None`` when absent or neither, or a date no clock holds (its year
+    past 9999: the parse overflows); the caller caps it.
 
     >>> retry_after_seconds("120"), retry_after_seconds("soon"), retry_after_seconds(None)
     (120.0, None, None)
@@ -76,6 +77,8 @@ def retry_after_seconds(value: str | None, now: datetime | None = None) -> float
     90.0
     >>> retry_after_seconds("Wed, 21 Oct 2015 07:28:00 GMT", noon)
     0.0
+    >>> retry_after_seconds("Wed, 21 Oct 99999999999999999999 07:28:00 GMT") is None
+    True
     """
     if value is None:
         return None
@@ -84,7 +87,7 @@ def retry_after_seconds(value: str | None, now: datetime | None = None) -> float
     except ValueError:
         try:
             when = parsedate_to_datetime(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             return None
         if when.tzinfo is None:  # "-0000": UTC, of unknown origin (RFC 5322 3.3)
             when = when.replace(tzinfo=UTC)
