@@ -9,6 +9,7 @@ the pool waited for a request still polling its job.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
@@ -22,7 +23,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from tests.e2e.conftest import ACME, Stack
+from tests.services import free_port
 
 KEY = ACME["Authorization"].split()[1]
 RESUME = re.compile(r"resume from line (\d+) \(document '([^']+)'\)")
@@ -143,6 +147,81 @@ def test_ctrl_c_says_what_the_gateway_acknowledged_and_the_line_to_resume_from(
     settled = len(_indexed(stack, index))
     time.sleep(1)
     assert len(_indexed(stack, index)) == settled  # nothing was left in flight
+
+
+class _NoWait(http.server.ThreadingHTTPServer):
+    """In front of a gateway: each request forwarded with its ``wait=30`` made ``wait=0``, so
+    an ingest is answered ``202`` at once and its job polled."""
+
+    def __init__(self, target: str) -> None:
+        super().__init__(("127.0.0.1", free_port()), _NoWaitHandler)
+        self.target = target
+
+
+class _NoWaitHandler(http.server.BaseHTTPRequestHandler):
+    server: _NoWait
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+        answer = httpx.request(
+            self.command,
+            self.server.target + self.path.replace("wait=30", "wait=0"),
+            headers=headers,
+            content=body,
+            timeout=60,
+        )
+        self.send_response(answer.status_code)
+        self.send_header("content-type", answer.headers.get("content-type", "application/json"))
+        self.send_header("content-length", str(len(answer.content)))
+        self.end_headers()
+        self.wfile.write(answer.content)
+
+    do_GET = do_POST = _forward
+
+
+@contextmanager
+def no_wait(target: str) -> Iterator[str]:
+    server = _NoWait(target)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        host, port = server.server_address[:2]
+        yield f"http://{host!s}:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _idle_jobs(stack: Stack, index: str) -> list[str]:
+    listed = stack.idle.get("/v1/ingestions", headers=ACME).json()["ingestions"]
+    return [job["id"] for job in listed if job["index"] == index]
+
+
+def test_ctrl_c_names_the_jobs_sent_whose_outcome_is_not_known(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """SIGINT while the two requests' jobs are polled, on the idle gateway (no worker: they
+    stay queued). The polls stop, and the note says those jobs may still index their
+    documents, naming each. It said "none of the 10 document(s) ... is known indexed"
+    alone, as if nothing sent would be: the jobs ran once a worker came."""
+    corpus, _ = _corpus(tmp_path, 10)
+    index = "cli-interrupted-polled"
+    with (
+        no_wait(stack.idle_url) as url,
+        sift_ingest(url, corpus, index, "--batch-size", "5") as sift,
+    ):
+        sift.until(lambda: len(_idle_jobs(stack, index)) == 2, "both requests made their jobs")
+        sift.proc.send_signal(signal.SIGINT)
+        code = sift.finish(seconds=60)
+        err = sift.stderr()
+    assert code == 130, err
+    assert "none of the 10 document(s)" in err and "known indexed" in err, err
+    jobs = _idle_jobs(stack, index)
+    assert "may still index" in err and all(job in err for job in jobs), (jobs, err)
 
 
 def test_ctrl_c_twice_leaves_at_once_with_what_is_known(stack: Stack, tmp_path: Path) -> None:

@@ -219,6 +219,7 @@ def _send_documents(
     documents: list[dict[str, Any]],
     on_indexed: Callable[[int], object] = lambda n: None,
     stopping: threading.Event | None = None,
+    on_unsettled: Callable[[str], object] = lambda job_id: None,
 ) -> int:
     """POST one batch and wait for its ingest job; answers how many documents it upserted.
 
@@ -228,7 +229,8 @@ def _send_documents(
     again in halves, in order; a document alone over it is named. ``on_indexed`` is called
     with the number of documents of each request whose job succeeded, so the documents
     known indexed are always the first ones of ``documents``. Once ``stopping`` is set (a
-    Ctrl-C), no request is sent and a job's poll stops: its documents are not known indexed.
+    Ctrl-C), no request is sent and a job's poll stops: its documents are not known indexed,
+    and ``on_unsettled`` is called with the id of the job, which may still index them.
     """
     stopping = stopping or threading.Event()  # none given: never set
     if stopping.is_set():
@@ -247,7 +249,7 @@ def _send_documents(
             ) from exc
         half = len(documents) // 2
         return sum(
-            _send_documents(client, index, part, on_indexed, stopping)
+            _send_documents(client, index, part, on_indexed, stopping, on_unsettled)
             for part in (documents[:half], documents[half:])
         )
     job = response.json()
@@ -257,6 +259,7 @@ def _send_documents(
             done=lambda body: body.get("status") in FINAL_STATUSES or stopping.is_set(),
         )
         if job.get("status") not in FINAL_STATUSES:  # interrupted: its outcome is unknown
+            on_unsettled(str(job.get("id")))
             return 0
     if job.get("status") != "succeeded":
         error = job.get("error") or {}
@@ -354,12 +357,13 @@ def ingest(
         done = [0] * len(chunks)  # how many of each request's first documents are indexed
 
         stopping = threading.Event()  # Ctrl-C: no more requests, no more polls
+        unsettled: list[str] = []  # the jobs whose polls it stopped, not yet final
 
         def send(i: int) -> int:
             def on_indexed(n: int) -> None:
                 done[i] += n
 
-            return _send_documents(client, index, chunks[i], on_indexed, stopping)
+            return _send_documents(client, index, chunks[i], on_indexed, stopping, unsettled.append)
 
         # Two requests in flight keep the worker busy while a finished job is answered and
         # the next one sent; only when no id repeats, so a repeated id's last line still wins.
@@ -390,8 +394,13 @@ def ingest(
                 )
                 _leave(EXIT_INTERRUPTED)  # the pool's threads, waiting on answers, hold an exit
             if stopping.is_set():
-                _err().print(f"interrupted: {_resume_note(file, loaded, chunks, done)}",
-                             soft_wrap=True)  # fmt: skip
+                note = _resume_note(file, loaded, chunks, done)
+                if unsettled:
+                    note += (
+                        f"; job(s) {', '.join(unsettled)} were not done yet and may still index "
+                        "their documents (GET /v1/ingestions/{id} says)"
+                    )
+                _err().print(f"interrupted: {note}", soft_wrap=True)
                 raise typer.Exit(EXIT_INTERRUPTED)
         elapsed = time.monotonic() - started
         console.print(
