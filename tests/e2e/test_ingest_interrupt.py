@@ -149,17 +149,23 @@ def test_ctrl_c_says_what_the_gateway_acknowledged_and_the_line_to_resume_from(
     assert len(_indexed(stack, index)) == settled  # nothing was left in flight
 
 
-class _NoWait(http.server.ThreadingHTTPServer):
-    """In front of a gateway: each request forwarded with its ``wait=30`` made ``wait=0``, so
-    an ingest is answered ``202`` at once and its job polled."""
+class _Relay(http.server.ThreadingHTTPServer):
+    """In front of a gateway: each request forwarded, and the status of each answer kept;
+    with ``no_wait``, a request's ``wait=30`` made ``wait=0``, so an ingest is answered
+    ``202`` at once and its job polled."""
 
-    def __init__(self, target: str) -> None:
-        super().__init__(("127.0.0.1", free_port()), _NoWaitHandler)
+    def __init__(self, target: str, no_wait: bool) -> None:
+        super().__init__(("127.0.0.1", free_port()), _RelayHandler)
         self.target = target
+        self.no_wait = no_wait
+        self.statuses: list[int] = []
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that left before its answer (sift leaving at a second Ctrl-C)
 
 
-class _NoWaitHandler(http.server.BaseHTTPRequestHandler):
-    server: _NoWait
+class _RelayHandler(http.server.BaseHTTPRequestHandler):
+    server: _Relay
 
     def log_message(self, *args: object) -> None:
         pass
@@ -167,13 +173,11 @@ class _NoWaitHandler(http.server.BaseHTTPRequestHandler):
     def _forward(self) -> None:
         body = self.rfile.read(int(self.headers.get("content-length") or 0))
         headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+        path = self.path.replace("wait=30", "wait=0") if self.server.no_wait else self.path
         answer = httpx.request(
-            self.command,
-            self.server.target + self.path.replace("wait=30", "wait=0"),
-            headers=headers,
-            content=body,
-            timeout=60,
+            self.command, self.server.target + path, headers=headers, content=body, timeout=60
         )
+        self.server.statuses.append(answer.status_code)
         self.send_response(answer.status_code)
         self.send_header("content-type", answer.headers.get("content-type", "application/json"))
         self.send_header("content-length", str(len(answer.content)))
@@ -184,13 +188,13 @@ class _NoWaitHandler(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def no_wait(target: str) -> Iterator[str]:
-    server = _NoWait(target)
+def relay(target: str, *, no_wait: bool) -> Iterator[tuple[str, _Relay]]:
+    server = _Relay(target, no_wait)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
         host, port = server.server_address[:2]
-        yield f"http://{host!s}:{port}"
+        yield f"http://{host!s}:{port}", server
     finally:
         server.shutdown()
         server.server_close()
@@ -211,7 +215,7 @@ def test_ctrl_c_names_the_jobs_sent_whose_outcome_is_not_known(
     corpus, _ = _corpus(tmp_path, 10)
     index = "cli-interrupted-polled"
     with (
-        no_wait(stack.idle_url) as url,
+        relay(stack.idle_url, no_wait=True) as (url, _),
         sift_ingest(url, corpus, index, "--batch-size", "5") as sift,
     ):
         sift.until(lambda: len(_idle_jobs(stack, index)) == 2, "both requests made their jobs")
@@ -245,3 +249,58 @@ def test_ctrl_c_twice_leaves_at_once_with_what_is_known(stack: Stack, tmp_path: 
     assert code == 130, err
     assert "none of the 10 document(s)" in err and "known indexed" in err, err
     assert "may still be indexed" in err, err
+
+
+def _over_the_idle_limit(tmp_path: Path) -> Path:
+    """A document alone over the idle gateway's body limit (64 KiB), on line 1, then four
+    that fit: with ``--batch-size 1`` the first request is refused (413) while the second's
+    job is made, and stays queued (and the third's, when the refused request's thread takes
+    it up before the failure is seen)."""
+    corpus = tmp_path / "corpus.jsonl"
+    lines = [{"id": "huge", "text": "y" * 70_000}] + [
+        {"id": f"s{i}", "text": f"numbat {i}"} for i in range(4)
+    ]
+    corpus.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return corpus
+
+
+def test_a_failed_ingest_does_not_wait_on_a_job_that_does_not_run(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The first request refused, the one sent alongside it has a job the idle gateway never
+    runs: the failure is told once that request is answered, naming its job as one that may
+    still index its documents. The pool waited on that job's poll for good: nothing was
+    said, and the command never exited (a Ctrl-C then lost the failure: the next test)."""
+    index = "cli-failed-unrun"
+    with (
+        relay(stack.idle_url, no_wait=True) as (url, _),
+        sift_ingest(url, _over_the_idle_limit(tmp_path), index, "--batch-size", "1") as sift,
+    ):
+        code = sift.finish(seconds=60)
+        err = sift.stderr()
+    assert code == 1, err
+    assert "'huge' alone is larger" in err and "none of the 5 document(s)" in err, err
+    jobs = _idle_jobs(stack, index)
+    assert jobs and "may still index" in err and all(job in err for job in jobs), (jobs, err)
+
+
+def test_ctrl_c_while_a_failure_waits_on_a_request_still_says_the_failure(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """SIGINT while a failed ingest waits for the request sent alongside (its ``?wait=`` on
+    the idle gateway): it leaves, saying why the ingest failed and what is known indexed.
+    It said "interrupted again" (once pressed) with the failure, its reason, left out."""
+    index = "cli-failed-interrupted"
+    corpus = _over_the_idle_limit(tmp_path)
+    with (
+        relay(stack.idle_url, no_wait=False) as (url, server),
+        sift_ingest(url, corpus, index, "--batch-size", "1") as sift,
+    ):
+        sift.until(lambda: 413 in server.statuses, "the first request refused")
+        sift.until(lambda: bool(_idle_jobs(stack, index)), "the second request's job made")
+        sift.proc.send_signal(signal.SIGINT)
+        code = sift.finish(seconds=20)  # the request in flight holds it up to 30 s
+        err = sift.stderr()
+    assert code == 130, err
+    assert "'huge' alone is larger" in err and "none of the 5 document(s)" in err, err
+    assert "interrupted" in err and "again" not in err, err

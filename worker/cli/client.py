@@ -285,12 +285,26 @@ def _chunks(documents: list[dict[str, Any]], size: int) -> list[list[dict[str, A
 
 
 def _resume_note(
-    file: Path, loaded: Loaded, chunks: list[list[dict[str, Any]]], done: list[int]
+    file: Path,
+    loaded: Loaded,
+    chunks: list[list[dict[str, Any]]],
+    done: list[int],
+    unsettled: list[str],
 ) -> str:
     """What a failed ``sift ingest`` is known to have indexed, and the line to go on from.
     ``done`` holds how many of each request's first documents are known indexed (a
     request's halves go in order): every line before the first one not known indexed was,
-    and a later request (two are in flight) may have been too."""
+    and a later request (two are in flight) may have been too. ``unsettled``: the jobs whose
+    polls were stopped before they were done, which may still index their documents."""
+    note = _known_indexed(file, loaded, chunks, done)
+    if unsettled:
+        note += f"; job(s) {', '.join(unsettled)} were not done yet and may still index theirs"
+    return note
+
+
+def _known_indexed(
+    file: Path, loaded: Loaded, chunks: list[list[dict[str, Any]]], done: list[int]
+) -> str:
     first = 0  # in file order, the first document not known indexed
     for chunk, indexed in zip(chunks, done, strict=True):
         first += indexed
@@ -356,7 +370,7 @@ def ingest(
         chunks = _chunks(documents, batch_size)
         done = [0] * len(chunks)  # how many of each request's first documents are indexed
 
-        stopping = threading.Event()  # Ctrl-C: no more requests, no more polls
+        stopping = threading.Event()  # Ctrl-C or a failure: no more requests, no more polls
         unsettled: list[str] = []  # the jobs whose polls it stopped, not yet final
 
         def send(i: int) -> int:
@@ -383,23 +397,29 @@ def ingest(
                             "interrupted: waiting for the answers to the requests already "
                             "sent (Ctrl-C again to leave without them)"
                         )
-            except GatewayError as exc:  # the pool has waited for the request still in flight
-                note = _resume_note(file, loaded, chunks, done)
+                    except GatewayError:
+                        # the requests in flight are answered, but not polled on: a job that
+                        # did not run held the failure back for good
+                        stopping.set()
+                        raise
+            except GatewayError as exc:  # the pool has waited for the requests in flight
+                note = _resume_note(file, loaded, chunks, done, unsettled)
                 raise GatewayError(f"{exc.message}; {note}", status_code=exc.status_code) from exc
-            except KeyboardInterrupt:  # again, while the requests in flight were awaited
-                note = _resume_note(file, loaded, chunks, done)
+            except KeyboardInterrupt as exc:  # while the requests in flight were awaited
+                note = _resume_note(file, loaded, chunks, done, unsettled)
+                failed = exc.__context__  # the failure whose requests in flight were awaited
+                why = (
+                    f"[bold red]error:[/] {failed.message}; then interrupted"
+                    if isinstance(failed, GatewayError)
+                    else "interrupted again"
+                )
                 _err().print(
-                    f"interrupted again: {note}; the requests sent before it may still be indexed",
+                    f"{why}: {note}; the requests sent before it may still be indexed",
                     soft_wrap=True,
                 )
                 _leave(EXIT_INTERRUPTED)  # the pool's threads, waiting on answers, hold an exit
             if stopping.is_set():
-                note = _resume_note(file, loaded, chunks, done)
-                if unsettled:
-                    note += (
-                        f"; job(s) {', '.join(unsettled)} were not done yet and may still index "
-                        "their documents (GET /v1/ingestions/{id} says)"
-                    )
+                note = _resume_note(file, loaded, chunks, done, unsettled)
                 _err().print(f"interrupted: {note}", soft_wrap=True)
                 raise typer.Exit(EXIT_INTERRUPTED)
         elapsed = time.monotonic() - started
