@@ -98,8 +98,10 @@ class _Running:
 
 
 def _corpus(tmp_path: Path, n: int) -> tuple[Path, list[str]]:
-    ids = [f"c{i}" for i in range(n)]
-    corpus = tmp_path / "corpus.jsonl"  # line 1 blank: the line numbers are the file's
+    """A corpus of ``n`` documents, whose ids and file name read as rich markup if printed
+    as such (``[/]`` closes nothing: MarkupError; ``[red]`` is a style, not shown)."""
+    ids = [f"c{i}[/]" for i in range(n)]
+    corpus = tmp_path / "[red]corpus.jsonl"  # line 1 blank: the line numbers are the file's
     corpus.write_text(
         "\n" + "".join(json.dumps({"id": i, "text": f"pangolin scales {i}"}) + "\n" for i in ids)
     )
@@ -124,7 +126,9 @@ def test_ctrl_c_says_what_the_gateway_acknowledged_and_the_line_to_resume_from(
     stack: Stack, tmp_path: Path
 ) -> None:
     """SIGINT once some requests were answered: the requests in flight are waited for, no
-    other is sent, and the note names the line before which every document is indexed."""
+    other is sent, and the note names the line before which every document is indexed, and
+    the file and document as written (they were printed as markup: a MarkupError's
+    traceback for an id with ``[/]``, a file name's ``[red]`` left out)."""
     corpus, ids = _corpus(tmp_path, 600)
     index = "cli-interrupted"
     with sift_ingest(stack.live_url, corpus, index, "--batch-size", "2") as sift:
@@ -134,6 +138,7 @@ def test_ctrl_c_says_what_the_gateway_acknowledged_and_the_line_to_resume_from(
         err = sift.stderr()
     assert code == 130, err
     assert "interrupted" in err and "send the whole file again" in err, err
+    assert f"of {corpus} known indexed" in err, err
     found = RESUME.search(err)
     assert found is not None, err
     line, document = int(found[1]), found[2]

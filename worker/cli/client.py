@@ -406,10 +406,10 @@ def ingest(
                 note = _resume_note(file, loaded, chunks, done, unsettled)
                 raise GatewayError(f"{exc.message}; {note}", status_code=exc.status_code) from exc
             except KeyboardInterrupt as exc:  # while the requests in flight were awaited
-                note = _resume_note(file, loaded, chunks, done, unsettled)
+                note = plain(_resume_note(file, loaded, chunks, done, unsettled))
                 failed = exc.__context__  # the failure whose requests in flight were awaited
                 why = (
-                    f"[bold red]error:[/] {failed.message}; then interrupted"
+                    f"[bold red]error:[/] {plain(failed.message)}; then interrupted"
                     if isinstance(failed, GatewayError)
                     else "interrupted again"
                 )
@@ -419,7 +419,7 @@ def ingest(
                 )
                 _leave(EXIT_INTERRUPTED)  # the pool's threads, waiting on answers, hold an exit
             if stopping.is_set():
-                note = _resume_note(file, loaded, chunks, done, unsettled)
+                note = plain(_resume_note(file, loaded, chunks, done, unsettled))
                 _err().print(f"interrupted: {note}", soft_wrap=True)
                 raise typer.Exit(EXIT_INTERRUPTED)
         elapsed = time.monotonic() - started
