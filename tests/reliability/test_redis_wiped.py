@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -49,12 +50,11 @@ def document(client: httpx.Client, doc_id: str) -> httpx.Response:
     return client.get(f"/v1/indexes/{INDEX}/documents/{doc_id}", headers=ACME)
 
 
-@pytest.mark.timeout(240)
-def test_writes_after_redis_came_back_empty_are_newer_than_the_ones_before(
-    tmp_path: Path,
-) -> None:
+@contextlib.contextmanager
+def wiping_stack(tmp_path: Path) -> Iterator[tuple[httpx.Client, Callable[[], None]]]:
+    """A gateway and ``sift worker`` on a redis-server, and a function that stops that Redis
+    and starts an empty one, with no persistence, on the same port under them."""
     port = free_port()
-    docs = f"/v1/indexes/{INDEX}/documents"
     with contextlib.ExitStack() as stack:
         model = stack.enter_context(FakeAnthropic())
         first = stack.enter_context(contextlib.ExitStack())
@@ -64,14 +64,27 @@ def test_writes_after_redis_came_back_empty_are_newer_than_the_ones_before(
             httpx.Client(base_url=stack.enter_context(gateway(tmp_path / "g", env)), timeout=60)
         )
         stack.enter_context(celery_worker(tmp_path / "w", env, "w"))
+
+        def wipe() -> None:
+            first.close()
+            stack.enter_context(redis_server(tmp_path / "redis-2", port=port))
+
+        yield client, wipe
+
+
+@pytest.mark.timeout(240)
+def test_writes_after_redis_came_back_empty_are_newer_than_the_ones_before(
+    tmp_path: Path,
+) -> None:
+    docs = f"/v1/indexes/{INDEX}/documents"
+    with wiping_stack(tmp_path) as (client, wipe):
         before = [
             {"id": "kept", "text": "calcium and bone density, as first written"},
             {"id": "gone", "text": "a note on green tea to be deleted"},
         ]
         write(client, "POST", docs, json={"documents": before})
 
-        first.close()  # Redis stopped; the same port, empty, with no persistence
-        stack.enter_context(redis_server(tmp_path / "redis-2", port=port))
+        wipe()  # Redis stopped; the same port, empty, with no persistence
 
         changed = {"id": "kept", "text": "calcium and bone density, as written again"}
         assert write(client, "POST", docs, json={"documents": [changed]})["upserted"] == 1
@@ -87,18 +100,9 @@ def test_writes_after_redis_came_back_empty_are_newer_than_the_ones_before(
 def test_an_indexs_own_settings_outlast_a_redis_that_came_back_empty(tmp_path: Path) -> None:
     """``PATCH`` settings lived only in Redis: back empty, the index showed the defaults and
     every search of it ran at them, with nothing said. They live with the index's data now."""
-    port = free_port()
     docs = f"/v1/indexes/{INDEX}/documents"
     patch = {"fusion": {"weights": {"knn": 0.25}}, "candidate_limit": 7}
-    with contextlib.ExitStack() as stack:
-        model = stack.enter_context(FakeAnthropic())
-        first = stack.enter_context(contextlib.ExitStack())
-        url = first.enter_context(redis_server(tmp_path / "redis-1", port=port))
-        env = stack_env(url + "/0", model.url)
-        client = stack.enter_context(
-            httpx.Client(base_url=stack.enter_context(gateway(tmp_path / "g", env)), timeout=60)
-        )
-        stack.enter_context(celery_worker(tmp_path / "w", env, "w"))
+    with wiping_stack(tmp_path) as (client, wipe):
         ingested = [{"id": f"d{i}", "text": f"volcano ash note {i}"} for i in range(10)]
         write(client, "POST", docs, json={"documents": ingested})
         changed = client.patch(f"/v1/indexes/{INDEX}", json=patch, headers=ACME)
@@ -106,8 +110,7 @@ def test_an_indexs_own_settings_outlast_a_redis_that_came_back_empty(tmp_path: P
         settings = changed.json()["settings"]
         assert settings["candidate_limit"] == 7 and settings["fusion"]["weights"]["knn"] == 0.25
 
-        first.close()  # Redis stopped; the same port, empty, with no persistence
-        stack.enter_context(redis_server(tmp_path / "redis-2", port=port))
+        wipe()  # Redis stopped; the same port, empty, with no persistence
 
         def shown() -> bool:
             answer = client.get(f"/v1/indexes/{INDEX}", headers=ACME)
