@@ -91,6 +91,16 @@ def ingest(client: httpx.Client) -> int:
     return int(body["upserted"])
 
 
+def submit_search(client: httpx.Client, query: str, *, webhook_url: str | None = None) -> str:
+    """A reranked search of ``query`` on the sample index; its job id."""
+    body: dict[str, Any] = {"index": INDEX, "query": query}
+    if webhook_url:
+        body["webhook_url"] = webhook_url
+    response = client.post("/v1/searches", json=body, headers=ACME)
+    assert response.status_code == 202, response.text
+    return str(response.json()["id"])
+
+
 def submit_batch(
     client: httpx.Client,
     n: int,

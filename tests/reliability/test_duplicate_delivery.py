@@ -22,7 +22,6 @@ import redis
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     ACME,
-    INDEX,
     Receiver,
     all_results,
     batch_counts,
@@ -30,6 +29,7 @@ from tests.reliability.support import (
     sample_queries,
     stack_env,
     submit_batch,
+    submit_search,
     wait_for,
 )
 from tests.reliability.test_lost_replies import completed, increase
@@ -64,13 +64,7 @@ def test_every_message_delivered_twice_still_finishes_each_job_once(
         ):
             with celery_worker(tmp_path / "w0", env, "w0"):
                 ingest(client)  # then no worker: the messages wait, and are copied
-            search = client.post(
-                "/v1/searches",
-                json={"index": INDEX, "query": sample_queries()[1], "webhook_url": receiver.url},
-                headers=ACME,
-            )
-            assert search.status_code == 202, search.text
-            search_id = search.json()["id"]
+            search_id = submit_search(client, sample_queries()[1], webhook_url=receiver.url)
             batch_id = submit_batch(client, TOTAL, webhook_url=receiver.url)
             copies = [(q, m) for q in (SEARCH_QUEUE, BATCH_QUEUE) for m in raw.lrange(q, 0, -1)]
             assert _duplicate(raw, SEARCH_QUEUE) == 1

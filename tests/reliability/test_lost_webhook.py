@@ -32,12 +32,12 @@ from standardwebhooks.webhooks import Webhook
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     ACME,
-    INDEX,
     KEYS,
     ingest,
     sample_queries,
     stack_env,
     submit_batch,
+    submit_search,
     wait_for,
 )
 from tests.services import Received, celery_worker, gateway, redis_server, webhook_inbox
@@ -97,13 +97,7 @@ def test_a_lost_webhook_message_is_sent_again_and_arrives_once(tmp_path: Path) -
             ):
                 with celery_worker(tmp_path / "w1", env, "w1", queues=NO_WEBHOOKS):
                     ingest(client)
-                    response = client.post(
-                        "/v1/searches",
-                        json={"index": INDEX, "query": sample_queries()[0], "webhook_url": hook},
-                        headers=ACME,
-                    )
-                    assert response.status_code == 202, response.text
-                    search_id = response.json()["id"]
+                    search_id = submit_search(client, sample_queries()[0], webhook_url=hook)
                     batch_id = submit_batch(client, 2, webhook_url=hook)
                     wait_for(lambda: webhook_messages(store.redis) == 2, "both webhooks published")
                 # the final moves recorded both webhooks owed
@@ -164,14 +158,8 @@ def test_with_the_redrive_off_the_owed_set_keeps_nothing_past_the_retention(
                 celery_worker(tmp_path / "w", env, "w"),
             ):
                 ingest(client)
-                response = client.post(
-                    "/v1/searches",
-                    json={"index": INDEX, "query": sample_queries()[0], "webhook_url": hook},
-                    headers=ACME,
-                )
-                assert response.status_code == 202, response.text
+                search_id = submit_search(client, sample_queries()[0], webhook_url=hook)
                 wait_for(lambda: inbox.qsize() >= 1, "the webhook delivered", 60)
-                search_id = response.json()["id"]
 
                 def settled() -> bool:
                     return store.redis.zscore(WEBHOOKS_OWED_KEY, search_id) is None

@@ -29,11 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     ACME,
-    INDEX,
     ingest,
     sample_queries,
     serve_hook,
     stack_env,
+    submit_search,
     wait_for,
 )
 from tests.services import celery_worker, free_port, gateway, redis_server
@@ -120,13 +120,7 @@ def test_a_retry_waiting_past_the_visibility_timeout_is_sent_once(
             celery_worker(tmp_path / "w", env, "w"),
         ):
             ingest(client)
-            response = client.post(
-                "/v1/searches",
-                json={"index": INDEX, "query": sample_queries()[0], "webhook_url": flaky.url},
-                headers=ACME,
-            )
-            assert response.status_code == 202, response.text
-            job_id = response.json()["id"]
+            job_id = submit_search(client, sample_queries()[0], webhook_url=flaky.url)
             wait_for(lambda: flaky.posts() > FAILURES, "the attempt that succeeds", 120)
             # copies of the last attempt are due at the same moment; a later one would be
             # another attempt's, which a 204 ends: give both time to land
