@@ -23,6 +23,10 @@ Redis seems down that long (the restart came just after the command ran).
 Armed with ``before=`` a function, the proxy calls it just before the marked command goes
 up, and loses nothing: ``direct.flushdb`` plays a Redis that came back empty just before it.
 
+``sent_again`` counts the commands carrying the markers that came after the lost reply: the
+command sent again (redis-py's retry on a new connection), which a test asserts came, or it
+proves nothing about the second run.
+
 A reply that is a ``NOSCRIPT`` error (the script not yet loaded: nothing ran) passes, and
 the proxy stays armed for the next command that carries the bytes.
 """
@@ -48,6 +52,8 @@ class ReplyLoss:
         self.url = f"redis://127.0.0.1:{self.port}"
         self.fired = threading.Event()
         self.lost = b""  # the command whose reply was lost (for a failure message)
+        self.sent_again = 0  # commands carrying the markers since its reply was lost
+        self._fired_markers: tuple[bytes, ...] = ()
         self._target = target_port
         self._markers: tuple[bytes, ...] | None = None
         self._outage = 0.0  # with the markers: how long Redis then seems down
@@ -76,6 +82,7 @@ class ReplyLoss:
             self._markers, self._outage, self._down_after = markers, outage, down_after
             self._before = before
             self.fired.clear()
+            self.sent_again, self._fired_markers = 0, ()
 
     def __enter__(self) -> ReplyLoss:
         threading.Thread(target=self._accept, daemon=True).start()
@@ -123,6 +130,8 @@ class ReplyLoss:
         reply cannot come back first)."""
         try:
             while data := link.client.recv(65536):
+                if self._fired_markers and all(m in data for m in self._fired_markers):
+                    self.sent_again += 1
                 # a script call's keys and first arguments come in its first read
                 markers = self._claim(data)
                 if markers is not None and self._outage > 0:
@@ -162,6 +171,7 @@ class ReplyLoss:
                     else:
                         if self._down_after > 0:
                             self._go_down(self.lost, self._down_after)
+                        self._fired_markers = markers
                         self.fired.set()
                         break  # the reply is lost with the connection
                 link.client.sendall(data)

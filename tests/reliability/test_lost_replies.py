@@ -140,6 +140,7 @@ def test_a_search_whose_finish_reply_was_lost_still_sends_its_webhook_and_counts
         "the search succeeded",
     )
     assert the_webhook(receiver, job_id) == ["succeeded"]
+    assert stack.proxy.sent_again == 1, stack.proxy.sent_again  # the finish sent again
     assert increase(before, counters(stack)) == {("search", "succeeded"): 1.0}
 
 
@@ -157,10 +158,15 @@ def test_a_batch_whose_last_finish_reply_was_lost_completes_once_with_its_webhoo
     batch = batch_counts(stack.client, batch_id)
     assert batch["status"] == "succeeded" and batch["counts"]["succeeded"] == 1, batch
     assert the_webhook(receiver, batch_id) == ["succeeded"]
+    # the finish was sent again (the second run answered as the first), not given up
+    assert stack.proxy.sent_again == 1, stack.proxy.sent_again
     assert increase(before, counters(stack)) == {
         ("batch_item", "succeeded"): 1.0,
         ("batch", "succeeded"): 1.0,
     }
+    # and its outcome is in the batch's totals once
+    batch = batch_counts(stack.client, batch_id)
+    assert sum(batch["rerank_outcomes"].values()) == 1, batch
 
 
 @pytest.mark.timeout(300)
