@@ -196,6 +196,71 @@ def _snapshot(store: JobStore, batch_id: str) -> list[dict[str, str]]:
     return [store.redis.hgetall(k + batch_id) for k in keys] + [store.redis.hgetall(STATS_KEY)]
 
 
+def test_a_batchs_totals_are_its_final_items_summed_under_racing_finishes_and_cancel(
+    store: JobStore,
+) -> None:
+    # threads finish, fail and cancel (with billed usage) the same items in random orders, as
+    # redeliveries would, while the batch is canceled: whatever outcome won each item, the
+    # batch's totals are the sums of the outcomes its results hash holds
+    n = 300
+    batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(n)])
+    seconds: dict[str, dict[str, float]] = {}  # the stages of each result that won its item
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        order = list(range(n))
+        rng.shuffle(order)
+        for i in order:
+            qid = f"q{i}"
+            store.begin_item(batch.id, qid)  # started or not, it sends its outcome (late)
+            used = Usage(
+                requests=rng.randint(1, 3),
+                input_tokens=rng.randint(0, 5000),
+                output_tokens=rng.randint(0, 90),
+                cache_read_input_tokens=rng.choice([0, 700]),
+                cost_usd=rng.uniform(1e-6, 0.01),
+            )
+            pick = rng.random()
+            if pick < 0.15:
+                store.finish_item(batch.id, qid, error=ErrorInfo(type="e", message="m", usage=used))
+            elif pick < 0.3:
+                store.cancel_item(batch.id, qid, usage=used)
+            else:
+                reason = rng.choice([None, "no_valid_ranks"])
+                info = RerankInfo(applied=reason is None and pick < 0.8, fallback_reason=reason)
+                done = SearchResult(hits=[], rerank=info, usage=used)
+                done._stage_seconds = {"queue_wait": rng.uniform(0, 9), "rerank": rng.random()}
+                if store.finish_item(batch.id, qid, result=done).applied:
+                    seconds[qid] = done._stage_seconds
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    while (now := store.get_batch(batch.id)) is not None and now.counts["queued"] > n // 2:
+        time.sleep(0.001)
+    store.cancel_batch(batch.id)  # half way through
+    for t in threads:
+        t.join()
+    got = store.get_batch(batch.id)
+    assert got is not None and got.finished_at is not None
+    outcomes = [json.loads(o.payload) for o in store.batch_results(batch.id, 0, n) if o.payload]
+    usages = [Usage(**(o.get("result") or o.get("error") or o)["usage"]) for o in outcomes]
+    summed = sum(usages, Usage())
+    assert got.usage.model_dump(exclude={"cost_usd"}) == summed.model_dump(exclude={"cost_usd"})
+    assert summed.cost_usd is not None and got.usage.cost_usd == pytest.approx(summed.cost_usd)
+    ranked = [o["result"]["rerank"] for o in outcomes if "result" in o]
+    assert got.rerank_outcomes == {
+        "applied": sum(1 for r in ranked if r["applied"]),
+        "fallback": sum(1 for r in ranked if not r["applied"] and r["fallback_reason"]),
+        "skipped": sum(1 for r in ranked if not r["applied"] and not r["fallback_reason"]),
+    }
+    assert got.stage_seconds == pytest.approx(
+        {s: sum(won[s] for won in seconds.values()) for s in ("queue_wait", "rerank")}
+    )
+    assert sum(got.rerank_outcomes.values()) == got.counts["succeeded"] > 0
+    assert got.counts["failed"] > 0 and got.counts["canceled"] > 0
+
+
 def test_a_finished_batch_is_not_canceled_and_nothing_changes(store: JobStore) -> None:
     batch = store.create_batch("acme", "docs", [(f"q{i}", spec()) for i in range(3)])
     for i in range(3):
