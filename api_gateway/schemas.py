@@ -104,8 +104,9 @@ class BatchCounts(BaseModel):
 
 class BatchRerankOutcomes(BaseModel):
     """How the batch's succeeded items were ranked: by the model (``applied``), in the fused
-    order after a rerank that gave no usable ranks or erred (``fallback``), or with no rerank
-    asked (``skipped``). An item whose rerank failed it is in ``counts.failed``."""
+    order after a rerank that gave no usable ranks or erred (``fallback``), or not reranked
+    (``skipped``: none asked, or no candidates to rank; only the second is the ``skipped`` of
+    ``sift_rerank_outcomes_total``). An item whose rerank failed it is in ``counts.failed``."""
 
     applied: int = 0
     fallback: int = 0
