@@ -92,6 +92,15 @@ def _one_call(setup: Setup, result: SearchResult | None) -> None:
     assert len(told) == 1, told
 
 
+def _batch_told_once(setup: Setup, batch_id: str, result: SearchResult) -> None:
+    """The batch's totals hold its one item's usage and rerank outcome once: the run that
+    died added nothing, the run on the kept answer added them."""
+    done = setup.store.get_batch(batch_id)
+    assert done is not None
+    assert done.usage == result.usage
+    assert done.rerank_outcomes == {"applied": 1, "fallback": 0, "skipped": 0}
+
+
 def _arm(setup: Setup) -> None:
     setup.model.reset()
     setup.usage_log.write_text("")
@@ -142,7 +151,9 @@ def test_a_batch_item_whose_worker_died_after_the_model_answered_calls_it_once(
     batch = _run_batch(setup, spec)
     (item,) = setup.store.batch_results(batch.id, 0, 1)
     assert item.status == "succeeded" and item.payload is not None, item
-    _one_call(setup, SearchResult.model_validate(json.loads(item.payload)["result"]))
+    result = SearchResult.model_validate(json.loads(item.payload)["result"])
+    _one_call(setup, result)
+    _batch_told_once(setup, batch.id, result)
 
 
 def test_a_batch_canceled_after_its_item_s_model_answered_finishes_the_item_on_it(
@@ -160,8 +171,10 @@ def test_a_batch_canceled_after_its_item_s_model_answered_finishes_the_item_on_i
     assert done is not None and done.canceled_at is not None  # the cancel did land
     (item,) = setup.store.batch_results(batch.id, 0, 1)
     assert item.status == "succeeded" and item.payload is not None, item
-    _one_call(setup, SearchResult.model_validate(json.loads(item.payload)["result"]))
+    result = SearchResult.model_validate(json.loads(item.payload)["result"])
+    _one_call(setup, result)
     assert done.status == "succeeded" and done.counts["succeeded"] == 1, done
+    _batch_told_once(setup, batch.id, result)
 
 
 def test_a_search_is_counted_done_once_when_its_worker_died_after_counting_it(
