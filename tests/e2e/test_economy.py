@@ -67,6 +67,16 @@ def _results(stack: Stack, batch_id: str) -> dict[str, dict[str, Any]]:
     return {r["query_id"]: r for r in page["results"]}
 
 
+def _told_once(done: dict[str, Any], results: dict[str, dict[str, Any]]) -> None:
+    """The batch's usage is its final items' summed (results', failures', cancels'), each
+    once: a resubmitted item's rounds added by its one final outcome, not per round."""
+    usages = [(r.get("result") or r.get("error") or r).get("usage") or {} for r in results.values()]
+    for key in ("requests", "input_tokens", "output_tokens", "cache_read_input_tokens"):
+        assert done["usage"][key] == sum(u.get(key, 0) for u in usages), key
+    assert done["usage"]["cost_usd"] == pytest.approx(sum(u.get("cost_usd", 0) for u in usages))
+    assert sum(done["rerank_outcomes"].values()) == done["counts"]["succeeded"]
+
+
 def _canonical(body: object) -> str:
     return json.dumps(body, sort_keys=True)
 
@@ -305,6 +315,7 @@ def test_a_request_the_results_leave_out_is_sent_again_then_fails_not_waiting_fo
     assert "malformed" in results["q2"]["error"]["message"]
     # sent again (the e2e economy deadline, 4 s, may end it before its third attempt)
     assert results["q2"]["error"]["usage"]["requests"] >= 2, results["q2"]
+    _told_once(done, results)
     # the log names the ones left out of the first provider batch, not those answered too
     log = stack.logs[0].read_text(errors="replace")
     made = {m["id"] for m in stack.model.batches()}

@@ -17,7 +17,14 @@ import pytest
 import redis
 
 from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, Stack
-from tests.e2e.test_economy import _items, _results, _submit, _wait, _wait_for_provider_batches
+from tests.e2e.test_economy import (
+    _items,
+    _results,
+    _submit,
+    _told_once,
+    _wait,
+    _wait_for_provider_batches,
+)
 from tests.fake_anthropic import (
     drop,
     duplicated,
@@ -201,6 +208,7 @@ def test_a_result_line_given_twice_is_counted_once(
     # one errored result, one attempt: resent once, alone
     assert outcomes == {"q0": ["http_5xx", "ok"], "q1": ["ok"], "q2": ["ok"]}, outcomes
     assert [len(b["custom_ids"]) for b in stack.model.batches()] == [3, 1]
+    _told_once(done, results)  # the line given twice added nothing to the batch's usage
 
 
 def test_a_cancel_the_provider_refuses_never_fails_the_items(
