@@ -9,7 +9,9 @@ every search it counts done to ``SEARCH_DONE_LOG`` and every rerank outcome to
 ``RERANK_OUTCOME_LOG``, so a test reads what the metrics were told across the worker's
 processes. When the file named by ``DIE_AFTER_DONE_FLAG`` (``DIE_AFTER_OUTCOME_FLAG``)
 exists, the first ``search_done`` (``rerank_outcome``) deletes it and exits once it is
-counted. Tenant "zeta" has
+counted. Every retrieval figure is appended to ``RETRIEVAL_LOG`` (``seconds bm25``, ``hits
+fuse``...); when the file named by ``DIE_AFTER_RETRIEVAL_FLAG`` exists, the first count of
+the candidates fusion kept (retrieval's last figure) deletes it and exits. Tenant "zeta" has
 the same documents, and one more once the file named by ``EXTRA_DOCUMENT_FLAG`` exists (read
 when a process builds its runtime: an ingest that landed between two runs of a search).
 
@@ -56,6 +58,18 @@ class DyingRecorder(metrics.PrometheusRecorder):
             flag.unlink()
             os._exit(17)
 
+    def retrieval(self, backend: str, channel: str, seconds: float) -> None:
+        super().retrieval(backend, channel, seconds)
+        _log_retrieval("seconds " + channel)
+
+    def retrieval_hits(self, backend: str, channel: str, hits: int) -> None:
+        super().retrieval_hits(backend, channel, hits)
+        _log_retrieval("hits " + channel)
+        flag = Path(os.environ["DIE_AFTER_RETRIEVAL_FLAG"])
+        if channel == "fuse" and flag.exists():
+            flag.unlink()
+            os._exit(17)
+
     def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:
         super().rerank_usage(model, usage, cost_usd)
         with Path(os.environ["MODEL_USAGE_LOG"]).open("a") as log:
@@ -69,6 +83,11 @@ class DyingRecorder(metrics.PrometheusRecorder):
         if flag.exists():
             flag.unlink()
             os._exit(17)
+
+
+def _log_retrieval(line: str) -> None:
+    with Path(os.environ["RETRIEVAL_LOG"]).open("a") as log:
+        log.write(line + "\n")
 
 
 @dataclass(frozen=True)

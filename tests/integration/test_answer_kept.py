@@ -57,6 +57,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "DIE_AFTER_DONE_FLAG": str(tmp / "die-done"),
             "RERANK_OUTCOME_LOG": str(tmp / "outcomes.log"),
             "DIE_AFTER_OUTCOME_FLAG": str(tmp / "die-outcome"),
+            "RETRIEVAL_LOG": str(tmp / "retrieval.log"),
+            "DIE_AFTER_RETRIEVAL_FLAG": str(tmp / "die-retrieval"),
+            "SIFT_ECONOMY_POLL_SECONDS": "0.5",
             "EXTRA_DOCUMENT_FLAG": str(tmp / "extra"),
             "FAIL_RETRIEVAL_FLAG": str(tmp / "failing"),
         }
@@ -242,6 +245,34 @@ def test_an_economy_item_needing_no_model_call_counts_its_figures_once_when_its_
     (item,) = setup.store.batch_results(batch.id, 0, 1)
     assert item.status == "succeeded" and not setup.model.requests(), item
     assert outcomes.read_text().splitlines() == ["skipped"]
+
+
+def test_a_search_s_retrieval_is_counted_once_when_its_worker_died_after_counting_it(
+    setup: Setup,
+) -> None:
+    """The worker dies just after retrieval's last figure (the candidates fusion kept) was
+    counted: a search's, a batch item's, an economy item's. Each stage's duration and hits
+    (``sift_retrieval_duration_seconds``, ``sift_retrieval_hits``) are counted once: with
+    the search's other figures, after its result (the economy item's prepared search) is
+    saved. Before, they were counted as the search ran, so again by the redelivered run."""
+    _arm(setup)
+    setup.flag.unlink()
+    told, die = setup.usage_log.with_name("retrieval.log"), setup.flag.with_name("die-retrieval")
+    spec = SearchSpec(index="docs", query="gamma", rerank=True)
+    stages = ["embed", "bm25", "knn", "fuse"]
+    once = sorted([f"seconds {s}" for s in stages] + [f"hits {s}" for s in stages[1:]])
+    for lane in ("search", "standard", "economy"):
+        setup.model.reset()
+        told.write_text("")
+        die.touch()
+        if lane == "search":
+            _search(setup, "acme", spec)
+        else:
+            batch = _run_batch(setup, spec, lane)
+            (item,) = setup.store.batch_results(batch.id, 0, 1)
+            assert item.status == "succeeded", (lane, item)
+        assert not die.exists(), lane  # the worker did die
+        assert sorted(told.read_text().splitlines()) == once, lane
 
 
 def _shown(request: dict[str, Any]) -> list[str]:

@@ -258,14 +258,15 @@ class SearchPipeline:
         these very candidates (:func:`shown_digest`): its positions number the ones it was
         shown, and an index changed between the two runs gives others (then it is called
         again, as before answers were kept: the record shows that second call alone). With
-        ``answers``, the search's own figures (its outcome and duration, the model answer's)
-        are handed to it to record once the result is saved (:meth:`AnswerKeeper.later`)."""
+        ``answers``, the search's own figures (its retrieval's, its outcome and duration, the
+        model answer's) are handed to it to record once the result is saved
+        (:meth:`AnswerKeeper.later`)."""
         deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
         outcome: str | None = "error"
         figures: list[Callable[[], None]] = []
         try:
             with self._cpu_slots:
-                prepared = self._prepare(spec, tenant, deadline)
+                prepared = self._prepare(spec, tenant, deadline, figures)
             if prepared.result is not None:
                 result = prepared.result
                 if prepared.skipped:  # counted with the search's other figures: once
@@ -317,19 +318,21 @@ class SearchPipeline:
 
         A search that needs no model call comes back final (``result`` set, and counted as
         done); otherwise hand ``prompt`` to the model and the answer to :meth:`finish`.
-        ``later``: where a final result's figures (the search done, a ``skipped`` outcome)
-        go instead, for the caller to record once the result is saved (a run again after a
-        crash before the save then counts them once).
+        ``later``: where the first half's figures (its retrieval's, and a final result's: the
+        search done, a ``skipped`` outcome) go instead, for the caller to record once the
+        result, or the prepared search, is saved (a run again after a crash before the save
+        then counts them once).
         """
         deadline = Deadline(self.config.deadline_seconds, self._clock)
+        figures: list[Callable[[], None]] = []
         try:
             with self._cpu_slots:
-                prepared = self._prepare(spec, tenant, deadline)
+                prepared = self._prepare(spec, tenant, deadline, figures)
         except BaseException:
+            _record(figures)
             self.recorder.search_done(spec.mode, "error", deadline.elapsed())
             raise
         prepared.seconds = deadline.elapsed()
-        figures: list[Callable[[], None]] = []
         if prepared.skipped:
             figures.append(partial(self.recorder.rerank_outcome, POLICY_ID, "skipped"))
         if prepared.result is not None:
@@ -357,7 +360,15 @@ class SearchPipeline:
             seconds = prepared.seconds + self._clock() - started
             self.recorder.search_done(prepared.spec.mode, outcome, seconds)
 
-    def _prepare(self, spec: SearchSpec, tenant: str, deadline: Deadline) -> Prepared:
+    def _prepare(
+        self,
+        spec: SearchSpec,
+        tenant: str,
+        deadline: Deadline,
+        figures: list[Callable[[], None]],
+    ) -> Prepared:
+        """Retrieval and fusion, then the prompt; the figures they make (each stage's
+        duration and hits) are appended to ``figures``, for the caller to record."""
         query = normalise_query(spec.query)
         reranking = self._reranking(spec)
         probe = self._probe(spec.index, tenant, deadline)
@@ -386,7 +397,9 @@ class SearchPipeline:
             started = self._clock()
             vector = self.embedder.embed([query])[0]
             seconds["embed"] = self._clock() - started
-            self.recorder.retrieval(self.backend.name, "embed", seconds["embed"])
+            figures.append(
+                partial(self.recorder.retrieval, self.backend.name, "embed", seconds["embed"])
+            )
         channel_query = ChannelQuery(
             index=spec.index,
             filters=HardFilters(tenant=tenant, fields=dict(spec.filters)),
@@ -401,6 +414,7 @@ class SearchPipeline:
         results = self._retrieve(channel_query, deadline)
         seconds.update(results.seconds)
         candidates = self._candidates(results, coarse, fusion, channels, seconds)
+        self._count_retrieval(results, seconds, len(candidates), figures)
         trace: dict[str, Any] = {
             "policy": POLICY_ID if reranking else None,
             "query": query,
@@ -457,9 +471,7 @@ class SearchPipeline:
     ) -> list[Candidate]:
         """The ``coarse`` first candidates of the channels' ``results``: in the backend's own
         order when it fused them, else admitted and fused here with ``fusion`` over
-        ``channels``, a stage timed on its own (``fuse``, added to ``seconds``). Each
-        channel's hits and the candidates kept are counted too, so the metrics show what
-        each stage gave the next."""
+        ``channels``, a stage timed on its own (``fuse``, added to ``seconds``)."""
         if results.fused is not None:  # the backend fused by itself: keep its order
             candidates = [
                 Candidate(hit.document, rank, hit.score, {}, {})
@@ -470,11 +482,25 @@ class SearchPipeline:
             admitted = admit(results.hits, self.config.vector_min_similarity)
             candidates = fuse(admitted, limit=coarse, fusion=fusion.over(channels))
             seconds["fuse"] = self._clock() - started
-            self.recorder.retrieval(self.backend.name, "fuse", seconds["fuse"])
-        for channel, hits in results.hits.items():
-            self.recorder.retrieval_hits(self.backend.name, channel, len(hits))
-        self.recorder.retrieval_hits(self.backend.name, "fuse", len(candidates))
         return candidates
+
+    def _count_retrieval(
+        self,
+        results: ChannelResults,
+        seconds: Mapping[str, float],
+        kept: int,
+        figures: list[Callable[[], None]],
+    ) -> None:
+        """Retrieval's figures, appended to ``figures``: each channel's and the fusion's
+        ``seconds`` (the embedding's are counted as it ends), each channel's hits and the
+        ``kept`` candidates, so the metrics show what each stage gave the next."""
+        backend, recorder = self.backend.name, self.recorder
+        for stage, took in seconds.items():
+            if stage != "embed":
+                figures.append(partial(recorder.retrieval, backend, stage, took))
+        for channel, hits in results.hits.items():
+            figures.append(partial(recorder.retrieval_hits, backend, channel, len(hits)))
+        figures.append(partial(recorder.retrieval_hits, backend, "fuse", kept))
 
     def build_prompt(
         self, query: str, spec: SearchSpec, candidates: Sequence[Candidate]
@@ -512,8 +538,6 @@ class SearchPipeline:
             initial_backoff=0.05,
             max_backoff=1.0,
         )
-        for channel, seconds in results.seconds.items():
-            self.recorder.retrieval(self.backend.name, channel, seconds)
         return results
 
     def _sleep_off_slot(self, seconds: float) -> None:

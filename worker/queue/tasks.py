@@ -199,7 +199,8 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     runtime = self.context.runtime if not poisoned else None
     marks = self.context.cancel_marks
     held: dict[str, ClaimAnswers] = {}  # each running item's, until its finish (ClaimAnswers)
-    # an economy item's figures when its first half was final, recorded once it is finished
+    # an economy item's first-half figures (its retrieval's, a final result's), recorded once
+    # its prepared search is saved, or, when its first half was final, once it is finished
     later: dict[str, list[Callable[[], None]]] = {}
 
     def to_start(item: BatchItem) -> str | None:
@@ -233,9 +234,10 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                     )
                     prepared.trace["queue_wait_seconds"] = max(0.0, waited)  # kept for finish
                     if prepared.result is None:
-                        save_prepared(
-                            store, batch_id, item.query_id, positions[item.query_id], prepared
-                        )
+                        position = positions[item.query_id]
+                        if save_prepared(store, batch_id, item.query_id, position, prepared):
+                            for record in later.pop(item.query_id):  # once: the one kept
+                                record()
                         return None
                     return _with_queue_wait(prepared.result, waited), None
                 pace = getattr(runtime, "pace", None)  # a runtime factory's may have none

@@ -99,14 +99,15 @@ def is_prepared(store: JobStore, batch_id: str, query_id: str) -> bool:
 
 
 def save_prepared(store: JobStore, batch_id: str, query_id: str, position: int,
-                  prepared: Prepared) -> None:  # fmt: skip
+                  prepared: Prepared) -> bool:  # fmt: skip
     """Keep a prepared item's state until its provider result comes back. The first one kept
     stays: its prompt may have gone out already, and the model's answer is positions in the
     candidates it listed. A chunk run again (delivered again, re-driven) prepares anew, and
-    the index may have changed meanwhile: its candidates in another order, or others."""
+    the index may have changed meanwhile: its candidates in another order, or others. True
+    if this one was kept."""
     data = dump_prepared(prepared)
     data["pos"] = position
-    store.economy_save_new(
+    return store.economy_save_new(
         batch_id, ECONOMY_PREPARED_KEY, query_id, json.dumps(data, separators=(",", ":"))
     )
 
