@@ -275,6 +275,30 @@ def test_a_search_s_retrieval_is_counted_once_when_its_worker_died_after_countin
         assert sorted(told.read_text().splitlines()) == once, lane
 
 
+def test_an_economy_item_is_counted_done_once_when_its_finish_died_after_counting_it(
+    setup: Setup,
+) -> None:
+    """An economy item's second half (its provider result polled back) dies just after the
+    search was counted done, before the item's result was saved: the redelivered poll
+    finishes it again. Its figures of the search (``sift_search_duration_seconds``, its
+    answer's ``sift_rerank_duration_seconds`` and ``sift_rerank_outcomes_total``) are counted
+    once, after the save (before: twice)."""
+    _arm(setup)
+    setup.flag.unlink()
+    done_log, die = setup.usage_log.with_name("done.log"), setup.flag.with_name("die-done")
+    outcomes = setup.usage_log.with_name("outcomes.log")
+    done_log.write_text("")
+    outcomes.write_text("")
+    die.touch()
+    spec = SearchSpec(index="docs", query="beta", rerank=True)
+    batch = _run_batch(setup, spec, lane="economy")
+    assert not die.exists()  # the worker did die
+    (item,) = setup.store.batch_results(batch.id, 0, 1)
+    assert item.status == "succeeded", item
+    assert done_log.read_text().splitlines() == ["ok"]
+    assert outcomes.read_text().splitlines() == ["applied"]
+
+
 def _shown(request: dict[str, Any]) -> list[str]:
     """The candidate texts a model request showed, in its order (the prompt's "[N] ..." lines)."""
     (message,) = request["body"]["messages"]

@@ -343,10 +343,19 @@ class SearchPipeline:
             later.extend(figures)
         return prepared
 
-    def finish(self, prepared: Prepared, run: RerankRun) -> SearchResult:
+    def finish(
+        self,
+        prepared: Prepared,
+        run: RerankRun,
+        *,
+        later: list[Callable[[], None]] | None = None,
+    ) -> SearchResult:
         """The second half: normalise the model's positions, or apply the failure policy.
 
         Raises RerankFailed under ``fail_closed`` when ``run`` ended in a failure.
+        ``later``: where its figures (the search done, the model answer's) go instead, for
+        the caller to record once the result is saved (a finish run again after a crash
+        before the save then counts them once).
         """
         started = self._clock()
         outcome = "error"
@@ -356,9 +365,12 @@ class SearchPipeline:
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
         finally:
-            _record(figures)
             seconds = prepared.seconds + self._clock() - started
-            self.recorder.search_done(prepared.spec.mode, outcome, seconds)
+            figures.append(partial(self.recorder.search_done, prepared.spec.mode, outcome, seconds))
+            if later is None:
+                _record(figures)
+            else:
+                later.extend(figures)
 
     def _prepare(
         self,

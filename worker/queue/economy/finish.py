@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from worker.constants import ECONOMY_RUNS_KEY
@@ -51,15 +51,20 @@ def cancel_item(
 def finish_item(
     task: SiftTask, batch: BatchJob, query_id: str, prepared: Prepared, run: RerankRun
 ) -> None:
-    """The pipeline's second half for one item, and its final status."""
+    """The pipeline's second half for one item, and its final status. Its figures of the
+    search are counted once the item is saved: a poll dying before that leaves them to the
+    poll finishing it again, once."""
     pipeline = economy_pipeline(task)
     error: ErrorInfo | None = None
+    figures: list[Callable[[], None]] = []
     try:
-        result = pipeline.finish(prepared, run)
+        result = pipeline.finish(prepared, run, later=figures)
     except RerankFailed as exc:
         error, result = error_info(exc), None
     transition = task.context.store.finish_item(batch.id, query_id, result=result, error=error)
-    count_completed("batch_item", transition.applied, error)
+    if count_completed("batch_item", transition.applied, error):
+        for record in figures:
+            record()
     _item_done(task, batch, transition)
 
 
