@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from subprocess import Popen
+from typing import Any
 
 from worker.processes.stack import (
     child_env,
@@ -64,6 +65,22 @@ def gateway(
 
 
 Received = tuple[bytes, dict[str, str]]
+
+
+def webhook_figures(job: Mapping[str, Any]) -> dict[str, Any]:
+    """What a job's webhook body's ``data`` must be, from the job as its ``GET`` answers: a
+    batch's id, status, counts, usage and rerank outcomes (no results); a search's id,
+    status, usage (its result's, or its error's) and error type (no hits)."""
+    if "counts" in job:  # a batch
+        return {name: job[name] for name in ("id", "status", "counts", "usage", "rerank_outcomes")}
+    error = job["error"]
+    usage = job["result"]["usage"] if job["result"] else error and error["usage"]
+    return {
+        "id": job["id"],
+        "status": job["status"],
+        "usage": usage,
+        "error": error and {"type": error["type"]},
+    }
 
 
 @contextlib.contextmanager

@@ -4,19 +4,52 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from tests.e2e.conftest import ACME, INDEX, KEYS, Stack
-from tests.services import Received, webhook_inbox
+from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, INDEX, KEYS, Stack
+from tests.fake_anthropic import USAGE_FIELDS, malformed
+from tests.services import (
+    Received,
+    celery_worker,
+    free_port,
+    gateway,
+    webhook_figures,
+    webhook_inbox,
+)
+from worker.core.cost import cost_usd, price_for
+from worker.core.types import TokenUsage
+from worker.settings import DEFAULT_PRICES
+
+MODEL = "claude-haiku-4-5"  # the stack's, priced by the built-in table
 
 
 @pytest.fixture
 def receiver() -> Iterator[tuple[str, queue.Queue[Received]]]:
     with webhook_inbox() as inbox:
         yield inbox
+
+
+def _received(inbox: queue.Queue[Received], secret: str = KEYS[0]["webhook_secret"]) -> Any:
+    """The next delivery's body, its signature verified."""
+    body, headers = inbox.get(timeout=60)
+    payload = Webhook(secret).verify(body, headers)
+    assert headers["webhook-id"] == f"msg_{payload['data']['id']}"
+    return payload
+
+
+def _batch(client: httpx.Client, url: str, queries: list[str], **fields: Any) -> str:
+    items = [{"id": f"q{i}", "query": query} for i, query in enumerate(queries)]
+    body = {"index": INDEX, "webhook_url": url, "queries": items, **fields}
+    response = client.post("/v1/batches", json=body, headers=ACME)
+    assert response.status_code == 202, response.text
+    batch_id: str = response.json()["id"]
+    return batch_id
 
 
 def test_search_and_batch_webhooks_are_signed(
@@ -42,8 +75,12 @@ def test_search_and_batch_webhooks_are_signed(
         payload = verifier.verify(body, headers)
         assert headers["webhook-id"] == f"msg_{payload['data']['id']}"
         seen[payload["type"]] = payload
-    assert seen["search.completed"]["data"] == {"id": search["id"], "status": "succeeded"}
-    assert seen["batch.completed"]["data"] == {"id": batch["id"], "status": "succeeded"}
+    searched = stack.live.get(f"/v1/searches/{search['id']}", headers=ACME).json()
+    assert seen["search.completed"]["data"] == webhook_figures(searched)
+    assert seen["search.completed"]["data"]["status"] == "succeeded"
+    batched = stack.live.get(f"/v1/batches/{batch['id']}", headers=ACME).json()
+    assert seen["batch.completed"]["data"] == webhook_figures(batched)
+    assert batched["counts"]["succeeded"] == 30
     assert set(json.loads(body)) == {"type", "timestamp", "data"}
     with pytest.raises(queue.Empty):  # each event once: no copy in another queue
         inbox.get(timeout=1.0)
@@ -75,3 +112,122 @@ def test_the_job_counters_have_no_webhook_series_that_nothing_counts(
         assert not {kind for kind in kinds if kind[1] == "webhook"}, (target, sorted(kinds))
     deliveries = httpx.get(stack.worker_metrics_url, timeout=10).text
     assert 'sift_webhook_deliveries_total{result="delivered"}' in deliveries
+
+
+def test_a_reranked_batch_s_webhook_carries_its_final_figures(
+    stack: Stack, corpus: object, receiver: tuple[str, queue.Queue[Received]]
+) -> None:
+    """A receiver needs no ``GET``: the body has the batch's counts, token usage, cost and
+    rerank outcomes, equal to what its ``GET`` answers. Before: only its id and status."""
+    url, inbox = receiver
+    before = stack.model.usage()["responses"]
+    batch_id = _batch(stack.live, url, ["green tea", "bees", "tea leaves"], rerank=True)
+    data = _received(inbox)["data"]
+    batch = stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+    assert data == webhook_figures(batch)
+    assert data["counts"] == {
+        "total": 3,
+        "queued": 0,
+        "running": 0,
+        "succeeded": 3,
+        "failed": 0,
+        "canceled": 0,
+    }
+    assert data["rerank_outcomes"] == {"applied": 3, "fallback": 0, "skipped": 0}
+    usage = data["usage"]
+    assert usage["requests"] == 3 == stack.model.usage()["responses"] - before
+    tokens = {name: usage[name] for name in USAGE_FIELDS}
+    expected = cost_usd(TokenUsage(**tokens), price_for(MODEL, DEFAULT_PRICES))
+    assert expected is not None and expected > 0
+    assert usage["cost_usd"] == pytest.approx(expected)
+
+
+def test_a_failed_search_s_webhook_carries_its_error_type_and_billed_usage(
+    stack: Stack, corpus: object, receiver: tuple[str, queue.Queue[Received]]
+) -> None:
+    url, inbox = receiver
+    stack.model.script([malformed("no json here")] * 3)  # fail_closed: rerank_failed
+    body = {"index": INDEX, "query": "green tea", "rerank": True, "webhook_url": url}
+    job = stack.live.post("/v1/searches", json=body, headers=ACME).json()
+    data = _received(inbox)["data"]
+    search = stack.live.get(f"/v1/searches/{job['id']}", headers=ACME).json()
+    assert search["status"] == "failed", search
+    assert data == webhook_figures(search)
+    assert data["error"] == {"type": "rerank_failed"}
+    assert data["usage"]["requests"] == 3 and data["usage"]["cost_usd"] > 0
+    assert "result" not in data and "hits" not in json.dumps(data)
+
+
+def test_a_canceled_batch_s_webhook_carries_its_final_figures(
+    stack: Stack, corpus: object, receiver: tuple[str, queue.Queue[Received]]
+) -> None:
+    """Cancelled once its first item reached the model: that item finishes (billed), the rest
+    are canceled, and the body's figures are the batch's final ones."""
+    url, inbox = receiver
+    before = stack.model.counts()["received"]
+    batch_id = _batch(stack.live, url, ["green tea"] * 300, rerank=True)
+    deadline = time.monotonic() + 30
+    while stack.model.counts()["received"] == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME).status_code == 200
+    data = _received(inbox)["data"]
+    batch = stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+    assert data == webhook_figures(batch)
+    assert data["status"] == "canceled" and data["counts"]["canceled"] > 0
+    assert data["counts"]["succeeded"] == data["rerank_outcomes"]["applied"] > 0
+    assert data["usage"]["requests"] >= 1 and data["usage"]["cost_usd"] > 0
+
+
+@pytest.fixture(scope="module")
+def unpriced(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    """A worker and gateway on database 3 of the stack's Redis whose price table lacks the
+    model, against the same fake Messages API, private webhook receivers allowed."""
+    tmp = tmp_path_factory.mktemp("unpriced-webhooks")
+    env = {
+        "SIFT_API_KEYS": json.dumps(KEYS),
+        "SIFT_DATA_DIR": str(tmp / "data"),
+        "SIFT_REDIS_URL": stack.redis_url + "/3",
+        "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
+        "SIFT_PRICES": json.dumps(
+            {
+                "claude-sonnet-4-6": {
+                    "input": 3,
+                    "output": 15,
+                    "cache_read": 0.3,
+                    "cache_write": 3.75,
+                }
+            }
+        ),
+        "ANTHROPIC_BASE_URL": stack.model.url,
+        "ANTHROPIC_API_KEY": ANTHROPIC_API_KEY,
+        "SIFT_WORKER_METRICS_PORT": str(free_port()),
+        "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+        "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS": "true",
+    }
+    with (
+        celery_worker(tmp / "w", env, "unpriced", concurrency=4),
+        gateway(tmp / "g", env, "unpriced") as base_url,
+        httpx.Client(base_url=base_url, timeout=30) as client,
+    ):
+        documents = [{"id": f"tea-{i}", "text": f"green tea leaves, note {i}"} for i in range(5)]
+        response = client.post(
+            f"/v1/indexes/{INDEX}/documents",
+            params={"wait": 20},
+            json={"documents": documents},
+            headers=ACME,
+        )
+        assert response.status_code == 200, response.text
+        yield client
+
+
+def test_an_unpriced_batch_s_webhook_says_its_cost_is_unknown(
+    unpriced: httpx.Client, receiver: tuple[str, queue.Queue[Received]]
+) -> None:
+    url, inbox = receiver
+    batch_id = _batch(unpriced, url, ["green tea", "tea leaves"], rerank=True)
+    data = _received(inbox)["data"]
+    batch = unpriced.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+    assert data == webhook_figures(batch)
+    assert data["usage"]["requests"] == 2 and data["usage"]["input_tokens"] > 0
+    assert "cost_usd" in data["usage"] and data["usage"]["cost_usd"] is None

@@ -40,7 +40,14 @@ from tests.reliability.support import (
     submit_search,
     wait_for,
 )
-from tests.services import Received, celery_worker, gateway, redis_server, webhook_inbox
+from tests.services import (
+    Received,
+    celery_worker,
+    gateway,
+    redis_server,
+    webhook_figures,
+    webhook_inbox,
+)
 from worker.constants import RESULT_TTL_SECONDS, WEBHOOK_QUEUE, WEBHOOKS_OWED_KEY, kombu_queue_keys
 from worker.queue.celery_app import create_celery_app, visibility_timeout
 from worker.queue.jobstore import JobStore
@@ -130,6 +137,8 @@ def test_a_lost_webhook_message_is_sent_again_and_arrives_once(tmp_path: Path) -
         assert headers["webhook-id"] == f"msg_{job_id}"
         assert event["type"] == ("search.completed" if job_id == search_id else "batch.completed")
         assert event["data"]["status"] == statuses[job_id].json()["status"] == "succeeded"
+        # sent again by the sweep, still the job's final figures: those its GET answers
+        assert event["data"] == webhook_figures(statuses[job_id].json())
         assert json.loads(body) == event
 
 

@@ -23,6 +23,7 @@ from celery import shared_task
 
 from worker.constants import (
     BATCH_CHUNK_TASK,
+    BATCH_ID_PREFIX,
     BATCH_QUEUE,
     CANCEL_COUNT_TASK,
     INDEX_READ_TASK,
@@ -44,7 +45,16 @@ from worker.queue.base import SiftTask, WaitHop, count_completed, error_info
 from worker.queue.celery_app import visibility_timeout
 from worker.queue.economy import economy_pipeline, is_prepared, maybe_submit, save_prepared
 from worker.queue.items import CancelMarks, Chunk, RunOutcome
-from worker.queue.jobstore import BatchItem, ClaimAnswers, ItemTransition, JobStore, RunClaim
+from worker.queue.jobstore import (
+    BatchItem,
+    BatchJob,
+    ClaimAnswers,
+    ItemTransition,
+    JobStore,
+    RunClaim,
+    SearchJob,
+    webhook_figures,
+)
 from worker.runtime import lifecycle
 from worker.settings import Settings
 
@@ -449,6 +459,9 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         )
         store.webhook_settled(data["id"])
         return
+    # the job's final figures, read from its record (final since the move that sent this) at
+    # the first attempt, and carried by every later one: each sends the same bytes
+    figures = event["figures"] if "figures" in event else _final_figures(store, event)
     decision = webhooks.run_delivery(
         url=event["url"],
         event_type=event["type"],
@@ -458,6 +471,7 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         attempt=attempt,
         secrets=secrets,
         settings=settings,
+        figures=figures,
     )
     # the last attempt of a spent schedule is a failure, not a retry: nothing comes after it
     failed = webhooks.DeliveryOutcome.FAILED
@@ -465,9 +479,22 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     if decision.retry_in is None:
         store.webhook_settled(data["id"])
         return
-    later = {**event, "attempt": attempt + 1, "due_at": time.time() + decision.retry_in}
+    later = {**event, "figures": figures, "attempt": attempt + 1}
+    later["due_at"] = time.time() + decision.retry_in
     store.webhook_due(data["id"], later["due_at"])
     raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
+
+
+def _final_figures(store: JobStore, event: dict[str, Any]) -> dict[str, Any]:
+    """The figures of the finished job ``event`` announces, from its record; none (the thin
+    body) when the record is gone (expired) or is not that tenant's."""
+    job_id = event["data"]["id"]
+    job: BatchJob | SearchJob | None = (
+        store.get_batch(job_id) if job_id.startswith(BATCH_ID_PREFIX) else store.get_search(job_id)
+    )
+    if job is None or job.tenant != event["tenant"]:
+        return {}
+    return webhook_figures(job)
 
 
 def _hop_seconds(settings: Settings) -> float:

@@ -1,4 +1,4 @@
-"""Standard Webhooks delivery: the thin payload, signing, one guarded POST, and the retry schedule.
+"""Standard Webhooks delivery: the payload, signing, one guarded POST, and the retry schedule.
 
 The Celery task ``sift.webhook`` (queue ``sift.webhooks``) calls
 :func:`run_delivery` once per attempt and acts on the decision::
@@ -14,6 +14,10 @@ The Celery task ``sift.webhook`` (queue ``sift.webhooks``) calls
 
 The attempt number rides in the event, not in Celery's retry count: a wait longer than half
 the broker's visibility timeout is made in hops, each a Celery retry of its own
+(:func:`worker.queue.tasks.webhook`).
+
+The body carries the job's final figures, read from its record (final once the job's final
+move sent the message) at the first attempt and carried by the event from then on
 (:func:`worker.queue.tasks.webhook`).
 
 Delivery is at least once. The ``webhook-id`` is ``msg_<job id>`` on every
@@ -33,11 +37,11 @@ import json
 import logging
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -121,16 +125,26 @@ def message_id(job_id: str) -> str:
 
 
 def payload(
-    event_type: str, job_id: str, status: str, *, occurred_at: datetime | None = None
+    event_type: str,
+    job_id: str,
+    status: str,
+    *,
+    occurred_at: datetime | None = None,
+    figures: Mapping[str, Any] | None = None,
 ) -> bytes:
-    """The thin body ``{"type","timestamp","data":{"id","status"}}``; fetch the result by id."""
+    """The body ``{"type","timestamp","data":{"id","status",...figures}}``.
+
+    ``figures`` are the job's final figures from its record
+    (:func:`worker.queue.jobstore.webhook_figures`: a batch's counts, usage and rerank
+    outcomes, a search's usage and error type; its ``status`` wins); never a result, which
+    is at the job's URL."""
     if event_type not in EVENT_TYPES:
         raise ValueError(f"unknown webhook event type {event_type!r}")
     when = (occurred_at or datetime.now(UTC)).astimezone(UTC)
     body = {
         "type": event_type,
         "timestamp": when.isoformat().replace("+00:00", "Z"),
-        "data": {"id": job_id, "status": status},
+        "data": {"id": job_id, "status": status, **(figures or {})},
     }
     return json.dumps(body, separators=(",", ":")).encode()
 
@@ -301,6 +315,7 @@ def run_delivery(
     attempt: int,
     secrets: Sequence[str],
     settings: Settings,
+    figures: Mapping[str, Any] | None = None,
     client: httpx.Client | None = None,
     rng: random.Random | None = None,
 ) -> DeliveryDecision:
@@ -308,14 +323,15 @@ def run_delivery(
 
     ``attempt`` is 1-based (the event's ``attempt``; a first message has none: 1).
     ``occurred_at`` is when the job finished (a datetime or its ISO string, as a
-    JSON task argument carries it); it is the payload's timestamp, so every
-    attempt sends the same bytes. ``retry_in`` is the countdown for the next
+    JSON task argument carries it); it is the payload's timestamp. ``figures``: the job's
+    final figures (:func:`payload`), which the event carries from its first attempt on, so
+    every attempt sends the same bytes. ``retry_in`` is the countdown for the next
     attempt, or None when this attempt was final: delivered, failed for good, or
     the schedule is spent (``gave_up``). A 429/5xx ``Retry-After`` lengthens the
     wait, never shortens it.
     """
     when = datetime.fromisoformat(occurred_at) if isinstance(occurred_at, str) else occurred_at
-    body = payload(event_type, job_id, status, occurred_at=when)
+    body = payload(event_type, job_id, status, occurred_at=when, figures=figures)
     result = deliver(
         url,
         body,

@@ -90,6 +90,7 @@ from worker.queue.jobstore.records import (
     ItemTransition,
     SearchJob,
     webhook_event,
+    webhook_figures,
 )
 from worker.queue.jobstore.runs import ClaimAnswers, RunClaim, RunRecords
 from worker.queue.jobstore.searches import SearchRecords
@@ -119,6 +120,7 @@ __all__ = [
     "SearchJob",
     "fingerprint",
     "webhook_event",
+    "webhook_figures",
 ]
 
 

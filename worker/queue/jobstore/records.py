@@ -172,6 +172,35 @@ class CancelOutcome(StrEnum):
     ALREADY_FINISHED = "already_finished"
 
 
+_BATCH_COUNTS = ("queued", "running", "succeeded", "failed", "canceled")
+_RERANK_OUTCOMES = ("applied", "fallback", "skipped")
+
+
+def webhook_figures(job: BatchJob | SearchJob) -> dict[str, Any]:
+    """A finished job's final figures for its webhook body, as its ``GET`` shows them: a
+    batch's ``status``, ``counts``, ``usage`` (``cost_usd`` in it) and ``rerank_outcomes``; a
+    search's ``status``, ``usage`` (its result's, or its failure's billed attempts'; ``None``
+    when it made no model call before failing) and ``error`` (its type) or ``None``. Never a
+    search's hits nor a batch's results: the body stays small, the result is at the job's URL.
+    """
+    if isinstance(job, BatchJob):
+        counts = {"total": job.total} | {name: job.counts.get(name, 0) for name in _BATCH_COUNTS}
+        return {
+            "status": job.status.value,
+            "counts": counts,
+            "usage": job.usage.model_dump(),
+            "rerank_outcomes": {
+                name: job.rerank_outcomes.get(name, 0) for name in _RERANK_OUTCOMES
+            },
+        }
+    usage = job.result.usage if job.result is not None else job.error and job.error.usage
+    return {
+        "status": job.status.value,
+        "usage": None if usage is None else usage.model_dump(),
+        "error": None if job.error is None else {"type": job.error.type},
+    }
+
+
 def webhook_event(
     event_type: str,
     job_id: str,
