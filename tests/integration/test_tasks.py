@@ -428,3 +428,62 @@ def test_a_webhook_attempt_observes_how_late_it_ran(
     count, total = _queue_waits(WEBHOOK_QUEUE)
     assert count - before[0] == 1
     assert late <= total - before[1] < late + 30
+
+
+def test_a_webhook_retry_carries_the_figures_its_first_attempt_read(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first attempt reads the job's final figures from its record; a retry sends the
+    same bytes from its message, even once the record is gone (expired between attempts)."""
+    import json
+    from datetime import datetime
+    from types import SimpleNamespace
+
+    from celery.exceptions import Retry
+
+    from worker.queue.jobstore import webhook_event, webhook_figures
+    from worker.settings import Settings
+    from worker.webhooks import delivery as webhooks
+
+    context._runtime = ScriptedRuntime()
+    job = context.store.create_search("acme", SearchSpec(index="docs", query="q"))
+    tasks.search.apply(args=[job.id])
+    done = context.store.get_search(job.id)
+    assert done is not None and done.status == "succeeded"
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500)
+    bodies: list[bytes] = []
+
+    def run_delivery(**kwargs: Any) -> webhooks.DeliveryDecision:
+        when = datetime.fromisoformat(kwargs["occurred_at"])
+        bodies.append(
+            webhooks.payload(
+                kwargs["event_type"],
+                kwargs["job_id"],
+                kwargs["status"],
+                occurred_at=when,
+                figures=kwargs["figures"],
+            )
+        )
+        return webhooks.DeliveryDecision(result=answer, attempt=kwargs["attempt"], retry_in=0.0)
+
+    retries: list[dict[str, Any]] = []
+
+    def retry(self: base.SiftTask, *, args: list[Any], **_: Any) -> Retry:
+        retries.append(args[0])
+        return Retry("later")
+
+    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
+    monkeypatch.setattr(base.SiftTask, "retry", retry)
+    event = webhook_event(
+        "search.completed", job.id, "acme", "https://hooks.example/x", "succeeded"
+    )
+    tasks.webhook.apply(args=[event])
+    context.store.redis.flushdb()  # the record expired before the retry
+    tasks.webhook.apply(args=[retries[0]])
+    first, second = (json.loads(body)["data"] for body in bodies)
+    assert first == {"id": job.id, **webhook_figures(done)}
+    assert first["usage"] is not None and first["error"] is None
+    assert bodies[0] == bodies[1]  # the same bytes, the record gone
+    assert second == first
