@@ -3,7 +3,9 @@ worker whose process dies once, on demand, just after the model answered and bef
 search's result is saved: when the file named by ``DIE_AFTER_MODEL_FLAG`` exists, the first
 run to keep its model's answer (in its run claim) deletes it and exits; if the file says
 ``cancel``, a batch item's batch is canceled first (a cancel landing between the death and
-the redelivered run).
+the redelivered run). When the file named by ``CANCEL_BEFORE_MODEL_FLAG`` exists, the next
+batch item to reach its check before the model call deletes it and cancels its batch first
+(a cancel landing between the item's retrieval and its model call).
 Every model usage the pipeline counts is appended to ``MODEL_USAGE_LOG``, one line each,
 every search it counts done to ``SEARCH_DONE_LOG`` and every rerank outcome to
 ``RERANK_OUTCOME_LOG``, so a test reads what the metrics were told across the worker's
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,7 @@ from worker.contract import DocumentIn, SearchResult, SearchSpec
 from worker.core.ports import AnswerKeeper
 from worker.observability import metrics
 from worker.observability.logcontext import JobIdFilter
+from worker.queue.items import CANCEL_MARK_MAX_AGE_SECONDS
 from worker.queue.jobstore import JobStore
 from worker.runtime.bootstrap import build_reranker
 from worker.runtime.inprocess import Runtime, build_runtime
@@ -107,10 +111,7 @@ class DyingKeeper:
         flag = Path(os.environ["DIE_AFTER_MODEL_FLAG"])
         if flag.exists():
             if flag.read_text() == "cancel":
-                record = logging.makeLogRecord({})
-                JobIdFilter().filter(record)  # the item's "batch id/query id"
-                store = JobStore.from_url(os.environ["SIFT_REDIS_URL"])
-                assert store.cancel_batch(record.job_id.split("/")[0]) == (0, False)
+                _cancel_running_batch()
             flag.unlink()
             os._exit(17)  # no cleanup, no ack: as an OOM kill would
 
@@ -126,7 +127,26 @@ class DyingRuntime(Runtime):
         answers: AnswerKeeper | None = None,
     ) -> SearchResult:
         keeper = DyingKeeper(answers) if answers is not None else None
+        check = before_model
+        if check is not None:
+
+            def before_model() -> None:
+                flag = Path(os.environ["CANCEL_BEFORE_MODEL_FLAG"])
+                if flag.exists():
+                    flag.unlink()
+                    _cancel_running_batch()
+                    time.sleep(2 * CANCEL_MARK_MAX_AGE_SECONDS)  # past the process's view
+                check()
+
         return super().search(spec, tenant, before_model, spent=spent, answers=keeper)
+
+
+def _cancel_running_batch() -> None:
+    """Cancel the batch of the item this thread runs."""
+    record = logging.makeLogRecord({})
+    JobIdFilter().filter(record)  # the item's "batch id/query id"
+    store = JobStore.from_url(os.environ["SIFT_REDIS_URL"])
+    assert store.cancel_batch(record.job_id.split("/")[0]) == (0, False)
 
 
 def build(settings: Settings) -> Runtime:

@@ -62,6 +62,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
             "SIFT_ECONOMY_POLL_SECONDS": "0.5",
             "EXTRA_DOCUMENT_FLAG": str(tmp / "extra"),
             "FAIL_RETRIEVAL_FLAG": str(tmp / "failing"),
+            "CANCEL_BEFORE_MODEL_FLAG": str(tmp / "cancel-before-model"),
         }
         store = JobStore.from_url(url + "/0")
         with celery_worker(tmp / "w", env, "answer", concurrency=1, pool="prefork"):
@@ -307,6 +308,32 @@ def test_an_economy_item_is_counted_done_once_when_its_finish_died_after_countin
     assert item.status == "succeeded", item
     assert done_log.read_text().splitlines() == ["ok"]
     assert outcomes.read_text().splitlines() == ["applied"]
+
+
+def test_a_batch_item_canceled_before_its_model_call_counts_its_retrieval_once(
+    setup: Setup,
+) -> None:
+    """The batch is canceled between a standard-lane item's retrieval and its model call: the
+    item ends ``canceled``, not counted done, and its retrieval (which ran) is counted once,
+    each stage's duration and hits. Before, the retrieval's figures were held with the
+    search's until its result was saved, and a canceled item saves none: never counted."""
+    _arm(setup)
+    setup.flag.unlink()
+    told = setup.usage_log.with_name("retrieval.log")
+    done_log = setup.usage_log.with_name("done.log")
+    cancel = setup.flag.with_name("cancel-before-model")
+    told.write_text("")
+    done_log.write_text("")
+    cancel.touch()
+    batch = _run_batch(setup, SearchSpec(index="docs", query="gamma", rerank=True))
+    assert not cancel.exists()  # the cancel did land before the model call
+    (item,) = setup.store.batch_results(batch.id, 0, 1)
+    assert item.status == "canceled" and not setup.model.requests(), item
+    stages = ["embed", "bm25", "knn", "fuse"]
+    once = sorted([f"seconds {s}" for s in stages] + [f"hits {s}" for s in stages[1:]])
+    _wait(lambda: len(told.read_text().splitlines()) >= len(once), timeout=10)
+    assert sorted(told.read_text().splitlines()) == once
+    assert done_log.read_text() == ""
 
 
 def _shown(request: dict[str, Any]) -> list[str]:

@@ -170,8 +170,9 @@ class AnswerKeeper(Protocol):
         ...
 
     def later(self, figures: Sequence[Callable[[], None]]) -> None:
-        """The run's figures of the search (its outcome and duration, its model answer's),
-        to record once its result is saved (or the run is retried): a run dying before that
+        """The run's figures of the search (its retrieval's, its outcome and duration, its
+        model answer's), to record once its result is saved (or the run is retried, or
+        canceled before its model call): a run dying before that
         leaves them to the run finishing the search, which recorded them again on a kept
         answer when they were recorded before the save."""
         ...

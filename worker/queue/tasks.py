@@ -295,6 +295,8 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                     record()
         elif transition.applied:
             metrics.job_completed("batch_item", "canceled")
+            if answers is not None:  # canceled before its model call: its retrieval ran
+                answers.record()
 
     pending = [item for item in items if not item.status.final]
     chunk = self.context.items.run(Chunk(batch_id, to_start, run, finished), pending)

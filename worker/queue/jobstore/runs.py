@@ -92,9 +92,10 @@ class RunClaim:
 class ClaimAnswers:
     """A run claim as the pipeline's :class:`~worker.core.ports.AnswerKeeper`: the answer
     the claim came with, and where this run keeps its own. Its ``figures`` (the search's
-    outcome and duration, its model answer's) wait for :meth:`record`, which the task calls
-    once this run's move of the search is made (its result saved, or its retry queued): a run
-    dying between the two leaves them to the run that finishes the search, once."""
+    retrieval's, its outcome and duration, its model answer's) wait for :meth:`record`,
+    which the task calls once this run's move of the search is made (its result saved, its
+    retry queued, or the cancel of a batch item stopped before its model call): a run dying
+    between the two leaves them to the run that finishes the search, once."""
 
     records: RunRecords
     key: str
