@@ -487,3 +487,42 @@ def test_a_webhook_retry_carries_the_figures_its_first_attempt_read(
     assert first["usage"] is not None and first["error"] is None
     assert bodies[0] == bodies[1]  # the same bytes, the record gone
     assert second == first
+
+
+def test_every_copy_of_a_job_s_webhook_sends_the_same_bytes_timed_at_the_job_s_end(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The finish's message, a copy sent again by a redelivered search 10 minutes later and
+    the re-drive's (each event timed when it was built): one body, its ``timestamp`` the
+    record's ``finished_at``. Before, each copy's body said when its copy was built."""
+    import json
+    from datetime import UTC, datetime
+    from types import SimpleNamespace
+
+    from worker.queue.jobstore import webhook_event
+    from worker.settings import Settings
+    from worker.webhooks import delivery as webhooks
+
+    context._runtime = ScriptedRuntime()
+    job = context.store.create_search("acme", SearchSpec(index="docs", query="q"))
+    tasks.search.apply(args=[job.id])
+    done = context.store.get_search(job.id)
+    assert done is not None and done.finished_at is not None
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.DELIVERED, "http 204", 204)
+    bodies: list[bytes] = []
+
+    def run_delivery(**kwargs: Any) -> webhooks.DeliveryDecision:
+        when = datetime.fromisoformat(kwargs["occurred_at"])
+        args = (kwargs["event_type"], kwargs["job_id"], kwargs["status"])
+        bodies.append(webhooks.payload(*args, occurred_at=when, figures=kwargs["figures"]))
+        return webhooks.DeliveryDecision(result=answer, attempt=kwargs["attempt"], retry_in=None)
+
+    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
+    for built in (done.finished_at + 0.004, done.finished_at + 600, done.finished_at):
+        args = ("search.completed", job.id, "acme", "https://hooks.example/x", "succeeded")
+        tasks.webhook.apply(args=[webhook_event(*args, occurred_at=built)])
+    assert len(bodies) == 3 and bodies[0] == bodies[1] == bodies[2]
+    ended = datetime.fromtimestamp(done.finished_at, UTC).isoformat().replace("+00:00", "Z")
+    assert json.loads(bodies[0])["timestamp"] == ended

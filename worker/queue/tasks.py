@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -461,9 +461,12 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         )
         store.webhook_settled(data["id"])
         return
-    # the job's final figures, read from its record (final since the move that sent this) at
-    # the first attempt, and carried by every later one: each sends the same bytes
-    figures = event["figures"] if "figures" in event else _final_figures(store, event)
+    # the job's final figures and its end (the body's timestamp), read from its record (final
+    # since the move that sent this) at the first attempt, and carried by every later one:
+    # each attempt sends the same bytes, and so does a copy sent again for the same job
+    if "figures" not in event:
+        event = {**event, **_final_figures(store, event)}
+    figures = event["figures"]
     decision = webhooks.run_delivery(
         url=event["url"],
         event_type=event["type"],
@@ -481,22 +484,26 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     if decision.retry_in is None:
         store.webhook_settled(data["id"])
         return
-    later = {**event, "figures": figures, "attempt": attempt + 1}
+    later = {**event, "attempt": attempt + 1}
     later["due_at"] = time.time() + decision.retry_in
     store.webhook_due(data["id"], later["due_at"])
     raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
 
 
 def _final_figures(store: JobStore, event: dict[str, Any]) -> dict[str, Any]:
-    """The figures of the finished job ``event`` announces, from its record; none (the thin
-    body) when the record is gone (expired) or is not that tenant's."""
+    """The ``figures`` of the finished job ``event`` announces and its end (``occurred_at``),
+    from its record; no figures (the thin body) and the event's own time when the record is
+    gone (expired) or is not that tenant's."""
     job_id = event["data"]["id"]
     job: BatchJob | SearchJob | None = (
         store.get_batch(job_id) if job_id.startswith(BATCH_ID_PREFIX) else store.get_search(job_id)
     )
     if job is None or job.tenant != event["tenant"]:
-        return {}
-    return webhook_figures(job)
+        return {"figures": {}}
+    final: dict[str, Any] = {"figures": webhook_figures(job)}
+    if job.finished_at is not None:
+        final["occurred_at"] = datetime.fromtimestamp(job.finished_at, UTC).isoformat()
+    return final
 
 
 def _hop_seconds(settings: Settings) -> float:
