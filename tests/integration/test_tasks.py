@@ -526,3 +526,53 @@ def test_every_copy_of_a_job_s_webhook_sends_the_same_bytes_timed_at_the_job_s_e
     assert len(bodies) == 3 and bodies[0] == bodies[1] == bodies[2]
     ended = datetime.fromtimestamp(done.finished_at, UTC).isoformat().replace("+00:00", "Z")
     assert json.loads(bodies[0])["timestamp"] == ended
+
+
+def test_an_older_release_s_retry_message_without_figures_sends_them(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rolling upgrade: a retry message made by a release without figures (attempt 2, its
+    wait over) reads them from the record, sends a body with them, and its own retry carries
+    them (the same bytes from then on)."""
+    import json
+    import time
+    from datetime import datetime
+    from types import SimpleNamespace
+
+    from celery.exceptions import Retry
+
+    from worker.queue.jobstore import webhook_event, webhook_figures
+    from worker.settings import Settings
+    from worker.webhooks import delivery as webhooks
+
+    context._runtime = ScriptedRuntime()
+    job = context.store.create_search("acme", SearchSpec(index="docs", query="q"))
+    tasks.search.apply(args=[job.id])
+    done = context.store.get_search(job.id)
+    assert done is not None
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500)
+    bodies: list[bytes] = []
+
+    def run_delivery(**kwargs: Any) -> webhooks.DeliveryDecision:
+        when = datetime.fromisoformat(kwargs["occurred_at"])
+        args = (kwargs["event_type"], kwargs["job_id"], kwargs["status"])
+        bodies.append(webhooks.payload(*args, occurred_at=when, figures=kwargs["figures"]))
+        return webhooks.DeliveryDecision(result=answer, attempt=kwargs["attempt"], retry_in=0.0)
+
+    retries: list[dict[str, Any]] = []
+
+    def retry(self: base.SiftTask, *, args: list[Any], **_: Any) -> Retry:
+        retries.append(args[0])
+        return Retry("later")
+
+    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
+    monkeypatch.setattr(base.SiftTask, "retry", retry)
+    old = webhook_event("search.completed", job.id, "acme", "https://hooks.example/x", "succeeded")
+    old |= {"attempt": 2, "due_at": time.time() - 1}  # the older release's retry: no figures
+    tasks.webhook.apply(args=[old])
+    assert retries[0]["attempt"] == 3 and retries[0]["figures"] == webhook_figures(done)
+    tasks.webhook.apply(args=[retries[0] | {"due_at": time.time() - 1}])
+    assert json.loads(bodies[0])["data"] == {"id": job.id, **webhook_figures(done)}
+    assert bodies[0] == bodies[1]
