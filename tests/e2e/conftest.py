@@ -39,6 +39,7 @@ ANTHROPIC_API_KEY = "sk-ant-test"
 ACME = {"Authorization": "Bearer acme-key-0001"}
 GLOBEX = {"Authorization": "Bearer globex-key-0001"}
 INDEX = "docs"
+MODEL = "claude-haiku-4-5"  # the stack's, priced by the built-in table
 IDLE_BODY_LIMIT = 65_536
 ECONOMY_DEADLINE_SECONDS = 4.0  # resubmission stops this long after an economy batch came in
 SAMPLE = Path(__file__).resolve().parents[2] / "worker" / "data"
@@ -163,3 +164,49 @@ def worker_usage(stack: Stack, lane: str) -> dict[str, float]:
             elif sample.name == "sift_rerank_cost_usd_total":
                 out["cost_usd"] = out.get("cost_usd", 0.0) + sample.value
     return out
+
+
+@contextlib.contextmanager
+def unpriced_stack(
+    stack: Stack, tmp: Path, db: int, **extra: str
+) -> Iterator[tuple[httpx.Client, str]]:
+    """A worker and gateway on database ``db`` of the stack's Redis whose price table lacks
+    the model (``SIFT_PRICES`` replaces the built-in one), against the same fake Messages
+    API, with five tea documents ingested; ``extra`` settings go to both. Yields the client
+    and the worker's log as it was once ready, before any job ran."""
+    env = {
+        "SIFT_API_KEYS": json.dumps(KEYS),
+        "SIFT_DATA_DIR": str(tmp / "data"),
+        "SIFT_REDIS_URL": f"{stack.redis_url}/{db}",
+        "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
+        "SIFT_PRICES": json.dumps(
+            {
+                "claude-sonnet-4-6": {
+                    "input": 3,
+                    "output": 15,
+                    "cache_read": 0.3,
+                    "cache_write": 3.75,
+                }
+            }
+        ),
+        "ANTHROPIC_BASE_URL": stack.model.url,
+        "ANTHROPIC_API_KEY": ANTHROPIC_API_KEY,
+        "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+        "SIFT_WORKER_METRICS_PORT": str(free_port()),
+        **extra,
+    }
+    with (
+        celery_worker(tmp / "w", env, "unpriced", concurrency=4),
+        gateway(tmp / "g", env, "unpriced") as url,
+        httpx.Client(base_url=url, timeout=30) as client,
+    ):
+        when_ready = (tmp / "w" / "unpriced.log").read_text()
+        documents = [{"id": f"tea-{i}", "text": f"green tea leaves, note {i}"} for i in range(5)]
+        response = client.post(
+            f"/v1/indexes/{INDEX}/documents",
+            params={"wait": 20},
+            json={"documents": documents},
+            headers=ACME,
+        )
+        assert response.status_code == 200, response.text
+        yield client, when_ready

@@ -4,7 +4,6 @@ counted in ``sift_rerank_unpriced_calls_total`` and warned about when the worker
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,14 +13,12 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, INDEX, KEYS, Stack, worker_usage
+from tests.e2e.conftest import ACME, INDEX, MODEL, Stack, unpriced_stack, worker_usage
 from tests.fake_anthropic import USAGE_FIELDS, malformed, positions, status
-from tests.services import celery_worker, free_port, gateway
+from tests.services import free_port
 from worker.core.cost import cost_usd, price_for
 from worker.core.types import TokenUsage
 from worker.settings import DEFAULT_PRICES
-
-MODEL = "claude-haiku-4-5"
 
 
 def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
@@ -101,41 +98,9 @@ def unpriced(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     model (SIFT_PRICES replaces the built-in one), against the same fake Messages API."""
     tmp = tmp_path_factory.mktemp("unpriced")
     metrics_port = free_port()
-    env = {
-        "SIFT_API_KEYS": json.dumps(KEYS),
-        "SIFT_DATA_DIR": str(tmp / "data"),
-        "SIFT_REDIS_URL": stack.redis_url + "/2",
-        "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
-        "SIFT_PRICES": json.dumps(
-            {
-                "claude-sonnet-4-6": {
-                    "input": 3,
-                    "output": 15,
-                    "cache_read": 0.3,
-                    "cache_write": 3.75,
-                }
-            }
-        ),
-        "ANTHROPIC_BASE_URL": stack.model.url,
-        "ANTHROPIC_API_KEY": ANTHROPIC_API_KEY,
-        "SIFT_WORKER_METRICS_PORT": str(metrics_port),
-        "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
-    }
-    with (
-        celery_worker(tmp / "w", env, "unpriced", concurrency=4),
-        gateway(tmp / "g", env, "unpriced") as url,
-        httpx.Client(base_url=url, timeout=30) as client,
-    ):
+    port = {"SIFT_WORKER_METRICS_PORT": str(metrics_port)}
+    with unpriced_stack(stack, tmp, 2, **port) as (client, when_ready):
         log = tmp / "w" / "unpriced.log"
-        when_ready = log.read_text()
-        documents = [{"id": f"tea-{i}", "text": f"green tea leaves, note {i}"} for i in range(5)]
-        response = client.post(
-            f"/v1/indexes/{INDEX}/documents",
-            params={"wait": 20},
-            json={"documents": documents},
-            headers=ACME,
-        )
-        assert response.status_code == 200, response.text
         yield Unpriced(client, f"http://127.0.0.1:{metrics_port}/metrics", log, when_ready)
 
 

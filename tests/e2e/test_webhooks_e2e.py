@@ -12,21 +12,16 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, INDEX, KEYS, Stack
+from tests.e2e.conftest import ACME, INDEX, KEYS, MODEL, Stack, unpriced_stack
 from tests.fake_anthropic import USAGE_FIELDS, malformed
 from tests.services import (
     Received,
-    celery_worker,
-    free_port,
-    gateway,
     webhook_figures,
     webhook_inbox,
 )
 from worker.core.cost import cost_usd, price_for
 from worker.core.types import TokenUsage
 from worker.settings import DEFAULT_PRICES
-
-MODEL = "claude-haiku-4-5"  # the stack's, priced by the built-in table
 
 
 @pytest.fixture
@@ -184,40 +179,8 @@ def unpriced(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     """A worker and gateway on database 3 of the stack's Redis whose price table lacks the
     model, against the same fake Messages API, private webhook receivers allowed."""
     tmp = tmp_path_factory.mktemp("unpriced-webhooks")
-    env = {
-        "SIFT_API_KEYS": json.dumps(KEYS),
-        "SIFT_DATA_DIR": str(tmp / "data"),
-        "SIFT_REDIS_URL": stack.redis_url + "/3",
-        "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
-        "SIFT_PRICES": json.dumps(
-            {
-                "claude-sonnet-4-6": {
-                    "input": 3,
-                    "output": 15,
-                    "cache_read": 0.3,
-                    "cache_write": 3.75,
-                }
-            }
-        ),
-        "ANTHROPIC_BASE_URL": stack.model.url,
-        "ANTHROPIC_API_KEY": ANTHROPIC_API_KEY,
-        "SIFT_WORKER_METRICS_PORT": str(free_port()),
-        "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
-        "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS": "true",
-    }
-    with (
-        celery_worker(tmp / "w", env, "unpriced", concurrency=4),
-        gateway(tmp / "g", env, "unpriced") as base_url,
-        httpx.Client(base_url=base_url, timeout=30) as client,
-    ):
-        documents = [{"id": f"tea-{i}", "text": f"green tea leaves, note {i}"} for i in range(5)]
-        response = client.post(
-            f"/v1/indexes/{INDEX}/documents",
-            params={"wait": 20},
-            json={"documents": documents},
-            headers=ACME,
-        )
-        assert response.status_code == 200, response.text
+    allowed = {"SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS": "true"}
+    with unpriced_stack(stack, tmp, 3, **allowed) as (client, _):
         yield client
 
 
