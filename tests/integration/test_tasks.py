@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from worker.constants import WORKER_HEARTBEAT_KEY
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.errors import BackendUnavailable, ModeUnavailable
 from worker.queue import base, liveness, tasks
-from worker.queue.jobstore import CancelOutcome, JobStore
+from worker.queue.jobstore import CancelOutcome, JobStore, SearchJob
 from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
 
@@ -430,18 +431,26 @@ def test_a_webhook_attempt_observes_how_late_it_ran(
     assert late <= total - before[1] < late + 30
 
 
-def test_a_webhook_retry_carries_the_figures_its_first_attempt_read(
-    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The first attempt reads the job's final figures from its record; a retry sends the
-    same bytes from its message, even once the record is gone (expired between attempts)."""
-    import json
+@dataclass
+class _Webhooks:
+    """A finished search, and what the webhook task sent for it instead of sending it."""
+
+    done: SearchJob
+    bodies: list[bytes]  # each attempt's body, as it would be signed and sent
+    retries: list[dict[str, Any]]  # each retry's message
+
+
+def _capturing_webhooks(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch, *, delivered: bool
+) -> _Webhooks:
+    """A search finished through the task (its tenant with a webhook secret), and the webhook
+    task's attempts captured: each answered 204 when ``delivered``, else 500 with a retry due
+    at once, whose message is captured too."""
     from datetime import datetime
     from types import SimpleNamespace
 
     from celery.exceptions import Retry
 
-    from worker.queue.jobstore import webhook_event, webhook_figures
     from worker.settings import Settings
     from worker.webhooks import delivery as webhooks
 
@@ -449,43 +458,59 @@ def test_a_webhook_retry_carries_the_figures_its_first_attempt_read(
     job = context.store.create_search("acme", SearchSpec(index="docs", query="q"))
     tasks.search.apply(args=[job.id])
     done = context.store.get_search(job.id)
-    assert done is not None and done.status == "succeeded"
+    assert done is not None and done.status == "succeeded" and done.finished_at is not None
     key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
     monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
-    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500)
-    bodies: list[bytes] = []
+    if delivered:
+        answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.DELIVERED, "http 204", 204)
+    else:
+        answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500)
+    sent = _Webhooks(done, [], [])
 
     def run_delivery(**kwargs: Any) -> webhooks.DeliveryDecision:
         when = datetime.fromisoformat(kwargs["occurred_at"])
-        bodies.append(
-            webhooks.payload(
-                kwargs["event_type"],
-                kwargs["job_id"],
-                kwargs["status"],
-                occurred_at=when,
-                figures=kwargs["figures"],
-            )
+        args = (kwargs["event_type"], kwargs["job_id"], kwargs["status"])
+        sent.bodies.append(webhooks.payload(*args, occurred_at=when, figures=kwargs["figures"]))
+        retry_in = None if delivered else 0.0
+        return webhooks.DeliveryDecision(
+            result=answer, attempt=kwargs["attempt"], retry_in=retry_in
         )
-        return webhooks.DeliveryDecision(result=answer, attempt=kwargs["attempt"], retry_in=0.0)
-
-    retries: list[dict[str, Any]] = []
 
     def retry(self: base.SiftTask, *, args: list[Any], **_: Any) -> Retry:
-        retries.append(args[0])
+        sent.retries.append(args[0])
         return Retry("later")
 
     monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
     monkeypatch.setattr(base.SiftTask, "retry", retry)
-    event = webhook_event(
-        "search.completed", job.id, "acme", "https://hooks.example/x", "succeeded"
+    return sent
+
+
+def _search_event(job_id: str, **fields: Any) -> dict[str, Any]:
+    from worker.queue.jobstore import webhook_event
+
+    return webhook_event(
+        "search.completed", job_id, "acme", "https://hooks.example/x", "succeeded", **fields
     )
-    tasks.webhook.apply(args=[event])
+
+
+def test_a_webhook_retry_carries_the_figures_its_first_attempt_read(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first attempt reads the job's final figures from its record; a retry sends the
+    same bytes from its message, even once the record is gone (expired between attempts)."""
+    import json
+
+    from worker.queue.jobstore import webhook_figures
+
+    sent = _capturing_webhooks(context, monkeypatch, delivered=False)
+    job_id = sent.done.id
+    tasks.webhook.apply(args=[_search_event(job_id)])
     context.store.redis.flushdb()  # the record expired before the retry
-    tasks.webhook.apply(args=[retries[0]])
-    first, second = (json.loads(body)["data"] for body in bodies)
-    assert first == {"id": job.id, **webhook_figures(done)}
+    tasks.webhook.apply(args=[sent.retries[0]])
+    first, second = (json.loads(body)["data"] for body in sent.bodies)
+    assert first == {"id": job_id, **webhook_figures(sent.done)}
     assert first["usage"] is not None and first["error"] is None
-    assert bodies[0] == bodies[1]  # the same bytes, the record gone
+    assert sent.bodies[0] == sent.bodies[1]  # the same bytes, the record gone
     assert second == first
 
 
@@ -497,34 +522,15 @@ def test_every_copy_of_a_job_s_webhook_sends_the_same_bytes_timed_at_the_job_s_e
     record's ``finished_at``. Before, each copy's body said when its copy was built."""
     import json
     from datetime import UTC, datetime
-    from types import SimpleNamespace
 
-    from worker.queue.jobstore import webhook_event
-    from worker.settings import Settings
-    from worker.webhooks import delivery as webhooks
-
-    context._runtime = ScriptedRuntime()
-    job = context.store.create_search("acme", SearchSpec(index="docs", query="q"))
-    tasks.search.apply(args=[job.id])
-    done = context.store.get_search(job.id)
-    assert done is not None and done.finished_at is not None
-    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
-    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
-    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.DELIVERED, "http 204", 204)
-    bodies: list[bytes] = []
-
-    def run_delivery(**kwargs: Any) -> webhooks.DeliveryDecision:
-        when = datetime.fromisoformat(kwargs["occurred_at"])
-        args = (kwargs["event_type"], kwargs["job_id"], kwargs["status"])
-        bodies.append(webhooks.payload(*args, occurred_at=when, figures=kwargs["figures"]))
-        return webhooks.DeliveryDecision(result=answer, attempt=kwargs["attempt"], retry_in=None)
-
-    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
-    for built in (done.finished_at + 0.004, done.finished_at + 600, done.finished_at):
-        args = ("search.completed", job.id, "acme", "https://hooks.example/x", "succeeded")
-        tasks.webhook.apply(args=[webhook_event(*args, occurred_at=built)])
+    sent = _capturing_webhooks(context, monkeypatch, delivered=True)
+    ended_at = sent.done.finished_at
+    assert ended_at is not None
+    for built in (ended_at + 0.004, ended_at + 600, ended_at):
+        tasks.webhook.apply(args=[_search_event(sent.done.id, occurred_at=built)])
+    bodies = sent.bodies
     assert len(bodies) == 3 and bodies[0] == bodies[1] == bodies[2]
-    ended = datetime.fromtimestamp(done.finished_at, UTC).isoformat().replace("+00:00", "Z")
+    ended = datetime.fromtimestamp(ended_at, UTC).isoformat().replace("+00:00", "Z")
     assert json.loads(bodies[0])["timestamp"] == ended
 
 
@@ -536,43 +542,14 @@ def test_an_older_release_s_retry_message_without_figures_sends_them(
     them (the same bytes from then on)."""
     import json
     import time
-    from datetime import datetime
-    from types import SimpleNamespace
 
-    from celery.exceptions import Retry
+    from worker.queue.jobstore import webhook_figures
 
-    from worker.queue.jobstore import webhook_event, webhook_figures
-    from worker.settings import Settings
-    from worker.webhooks import delivery as webhooks
-
-    context._runtime = ScriptedRuntime()
-    job = context.store.create_search("acme", SearchSpec(index="docs", query="q"))
-    tasks.search.apply(args=[job.id])
-    done = context.store.get_search(job.id)
-    assert done is not None
-    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
-    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
-    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500)
-    bodies: list[bytes] = []
-
-    def run_delivery(**kwargs: Any) -> webhooks.DeliveryDecision:
-        when = datetime.fromisoformat(kwargs["occurred_at"])
-        args = (kwargs["event_type"], kwargs["job_id"], kwargs["status"])
-        bodies.append(webhooks.payload(*args, occurred_at=when, figures=kwargs["figures"]))
-        return webhooks.DeliveryDecision(result=answer, attempt=kwargs["attempt"], retry_in=0.0)
-
-    retries: list[dict[str, Any]] = []
-
-    def retry(self: base.SiftTask, *, args: list[Any], **_: Any) -> Retry:
-        retries.append(args[0])
-        return Retry("later")
-
-    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
-    monkeypatch.setattr(base.SiftTask, "retry", retry)
-    old = webhook_event("search.completed", job.id, "acme", "https://hooks.example/x", "succeeded")
-    old |= {"attempt": 2, "due_at": time.time() - 1}  # the older release's retry: no figures
+    sent = _capturing_webhooks(context, monkeypatch, delivered=False)
+    done = sent.done
+    old = _search_event(done.id) | {"attempt": 2, "due_at": time.time() - 1}  # no figures
     tasks.webhook.apply(args=[old])
-    assert retries[0]["attempt"] == 3 and retries[0]["figures"] == webhook_figures(done)
-    tasks.webhook.apply(args=[retries[0] | {"due_at": time.time() - 1}])
-    assert json.loads(bodies[0])["data"] == {"id": job.id, **webhook_figures(done)}
-    assert bodies[0] == bodies[1]
+    assert sent.retries[0]["attempt"] == 3 and sent.retries[0]["figures"] == webhook_figures(done)
+    tasks.webhook.apply(args=[sent.retries[0] | {"due_at": time.time() - 1}])
+    assert json.loads(sent.bodies[0])["data"] == {"id": done.id, **webhook_figures(done)}
+    assert sent.bodies[0] == sent.bodies[1]
