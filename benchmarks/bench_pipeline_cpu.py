@@ -13,7 +13,7 @@ import statistics
 import time
 
 from worker.core.fusion import rrf_fuse
-from worker.core.pipeline import _hit, _trace_candidates
+from worker.core.pipeline._hits import _hit, _trace_candidates
 from worker.core.policy import build_prompt
 from worker.core.ranks import normalise_positions
 from worker.core.types import ChannelHit, Document, RerankPrompt

@@ -1,30 +1,17 @@
-"""The search pipeline over its ports: retrieve, admit and fuse, rerank, normalise, map back.
-
-This is DESIGN.md §2 and §4 in one place; everything it touches outside is a port.
-"""
+""":class:`SearchPipeline`: one search end to end under one deadline, over the ports."""
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 from worker.constants import POLICY_ID
-from worker.contract import (
-    Channel,
-    FilterValue,
-    RerankInfo,
-    SearchResult,
-    SearchSpec,
-    Usage,
-)
+from worker.contract import Channel, RerankInfo, SearchResult, SearchSpec, Usage
 from worker.core.budget import (
     DEFAULT_429_PAUSE_SECONDS,
     MIN_ATTEMPT_SECONDS,
@@ -32,15 +19,12 @@ from worker.core.budget import (
     call_within_budget,
 )
 from worker.core.catalog import SearchSettings
-from worker.core.cost import add_costs, cost_usd, price_for
-from worker.core.fusion import (
-    Fusion,
-    FusionOverride,
-    admit,
-    fuse,
-    fusion_levels,
-    resolve_fusion,
-)
+from worker.core.cost import price_for
+from worker.core.fusion import Fusion, FusionOverride, admit, fuse, fusion_levels, resolve_fusion
+from worker.core.pipeline._config import PipelineConfig
+from worker.core.pipeline._hits import _hit, _trace_candidates, stage_seconds
+from worker.core.pipeline._prepared import Prepared, shown_digest
+from worker.core.pipeline._run import RerankRun, dump_run, load_run, usage_by_type
 from worker.core.policy import build_prompt
 from worker.core.ports import (
     AnswerKeeper,
@@ -65,7 +49,6 @@ from worker.core.types import (
     Candidate,
     ChannelQuery,
     ChannelResults,
-    Document,
     HardFilters,
     IndexProbe,
     RerankPrompt,
@@ -81,101 +64,6 @@ from worker.errors import (
     RerankFailed,
     SiftError,
 )
-from worker.settings import Price
-
-log = logging.getLogger(__name__)
-
-FailurePolicy = Literal["fail_closed", "fail_open"]
-
-
-@dataclass(frozen=True, slots=True)
-class PipelineConfig:
-    """The settings the pipeline reads, as plain values."""
-
-    rerank_enabled: bool = False
-    candidate_limit: int = 30
-    fusion: Fusion = field(default_factory=Fusion)
-    candidate_max_chars: int = 1200
-    failure_policy: FailurePolicy = "fail_closed"
-    deadline_seconds: float = 30.0
-    attempt_timeout_seconds: float = 20.0
-    max_requests: int = 3
-    thinking_tokens: int = 1024
-    tokens_per_position: int = 8
-    vector_min_similarity: float | None = None
-    backend_max_attempts: int = 3
-    prices: Mapping[str, Price] = field(default_factory=dict)
-    price_discount: float = 1.0
-
-
-@dataclass(slots=True)
-class RerankRun:
-    """What the rerank stage did, whichever lane ran it: the attempts, the usage and its cost,
-    and either the model's reply or the failure that ended it."""
-
-    attempts: list[dict[str, Any]] = field(default_factory=list)
-    usage: TokenUsage = field(default_factory=TokenUsage)
-    cost_usd: float | None = 0.0  # None once a call had no price: the cost is unknown
-    returned: Sequence[object] | None = None
-    reply: RerankReply | None = None
-    failure: SiftError | None = None
-    seconds: float = 0.0
-
-    def add_usage(self, usage: TokenUsage, price: Price | None, discount: float) -> float | None:
-        """Add one call's ``usage`` and its cost; answers that call's cost (None: unpriced)."""
-        self.usage = TokenUsage(
-            self.usage.input_tokens + usage.input_tokens,
-            self.usage.output_tokens + usage.output_tokens,
-            self.usage.cache_read_input_tokens + usage.cache_read_input_tokens,
-            self.usage.cache_creation_input_tokens + usage.cache_creation_input_tokens,
-        )
-        cost = cost_usd(usage, price, discount)
-        self.cost_usd = add_costs(self.cost_usd, cost)
-        return cost
-
-    def job_usage(self) -> Usage:
-        """The run's usage as a job record shows it: the calls sent (an attempt the rate
-        budget refused, or one never sent, is no request) and their tokens and cost.
-
-        >>> run = RerankRun(attempts=[{"outcome": "ok"}, {"outcome": "budget_exhausted"}],
-        ...                 usage=TokenUsage(5, 1, 0, 0), cost_usd=0.5)
-        >>> (run.job_usage().requests, run.job_usage().input_tokens)
-        (1, 5)
-        """
-        unsent = AttemptOutcome.BUDGET_EXHAUSTED.value
-        return Usage(
-            requests=sum(
-                1
-                for attempt in self.attempts
-                if attempt["outcome"] != unsent and attempt.get("sent", True)
-            ),
-            input_tokens=self.usage.input_tokens,
-            output_tokens=self.usage.output_tokens,
-            cache_read_input_tokens=self.usage.cache_read_input_tokens,
-            cache_creation_input_tokens=self.usage.cache_creation_input_tokens,
-            cost_usd=self.cost_usd,
-        )
-
-
-@dataclass(slots=True)
-class Prepared:
-    """The first half of a search, up to the model call, as plain data.
-
-    ``result`` is set when no model call is needed (no rerank, or no candidates): it is final;
-    ``skipped`` when a rerank was asked for and had no candidates (its outcome to count).
-    Otherwise ``prompt`` is what to send, and :meth:`SearchPipeline.finish` turns the model's
-    answer (or the failure) into the result. ``seconds`` is the time the first half took.
-    ``trace`` lists the candidates only when the search asked for its trace
-    (``include_trace``): otherwise no one reads it, and it is a dict per candidate.
-    """
-
-    spec: SearchSpec
-    candidates: list[Candidate]
-    trace: dict[str, Any]
-    prompt: RerankPrompt | None = None
-    result: SearchResult | None = None
-    skipped: bool = False
-    seconds: float = 0.0
 
 
 class SearchPipeline:
@@ -768,232 +656,6 @@ class SearchPipeline:
         return result
 
 
-def stage_seconds(trace: dict[str, Any]) -> dict[str, float]:
-    """Each stage's seconds in a trace: the queue wait (when the worker put it in), retrieval's
-    stages and the rerank.
-
-    >>> stage_seconds({"retrieval_seconds": {"embed": 0.5, "bm25": 0.25}, "rerank_seconds": 2})
-    {'embed': 0.5, 'bm25': 0.25, 'rerank': 2.0}
-    """
-    found = {"queue_wait": trace.get("queue_wait_seconds")}
-    found |= trace.get("retrieval_seconds") or {}
-    found["rerank"] = trace.get("rerank_seconds")
-    return {stage: float(s) for stage, s in found.items() if isinstance(s, int | float)}
-
-
-def usage_by_type(usage: TokenUsage) -> dict[str, int]:
-    """A call's usage keyed by the metrics' token types (disjoint: they sum to the bill).
-
-    >>> usage_by_type(TokenUsage(10, 2, 30, 4))
-    {'input': 10, 'output': 2, 'cache_read': 30, 'cache_creation': 4}
-    """
-    return {
-        "input": usage.input_tokens,
-        "output": usage.output_tokens,
-        "cache_read": usage.cache_read_input_tokens,
-        "cache_creation": usage.cache_creation_input_tokens,
-    }
-
-
-def shown_metadata(metadata: Mapping[str, FilterValue]) -> dict[str, FilterValue]:
-    """Metadata as a hit or a document read shows it. A non-finite float (the gateway refuses
-    them now; a document stored before may hold one) goes by its name: JSON has no such
-    number, and written as ``null`` the hit could not be read back, so every search
-    returning the document was a 500 (a document read said ``null``).
-
-    >>> shown_metadata({"a": float("nan"), "b": float("inf"), "c": -float("inf"), "d": 1.5})
-    {'a': 'NaN', 'b': 'Infinity', 'c': '-Infinity', 'd': 1.5}
-    """
-    return {key: _shown(value) for key, value in metadata.items()}
-
-
-def _shown(value: FilterValue) -> FilterValue:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
-    return value
-
-
-def _hit(candidate: Candidate, final: int) -> dict[str, Any]:
-    """A candidate as a :class:`~worker.contract.Hit`'s data (every field given, as a
-    ``Hit(...)`` built field by field had them: the same fields set), to validate with its
-    result."""
-    doc = candidate.document
-    ranks, scores = candidate.channel_ranks, candidate.channel_scores
-    return {
-        "id": doc.id,
-        "revision": doc.revision,
-        "title": doc.title,
-        "text": doc.text,
-        "metadata": shown_metadata(doc.metadata),
-        "ranks": {
-            "final": final,
-            "rrf": candidate.rrf_rank,
-            "bm25": ranks.get("bm25"),
-            "knn": ranks.get("knn"),
-        },
-        "scores": {
-            "rrf": candidate.rrf_score,
-            "bm25": scores.get("bm25"),
-            "knn": scores.get("knn"),
-        },
-    }
-
-
-def _trace_candidates(
-    candidates: Sequence[Candidate], prompt: RerankPrompt | None
-) -> list[dict[str, Any]]:
-    return [
-        {
-            "position": candidate.rrf_rank,
-            "id": candidate.document.id,
-            "revision": candidate.document.revision,
-            "title": candidate.document.title,
-            "text": candidate.document.text,
-            "rrf": {"rank": candidate.rrf_rank, "score": candidate.rrf_score},
-            "channels": {
-                channel: {"rank": rank, "score": candidate.channel_scores[channel]}
-                for channel, rank in candidate.channel_ranks.items()
-            },
-            "truncated": prompt.truncated[i] if prompt else False,
-        }
-        for i, candidate in enumerate(candidates)
-    ]
-
-
 def _record(figures: Sequence[Callable[[], None]]) -> None:
     for record in figures:
         record()
-
-
-def shown_digest(candidates: Sequence[Candidate]) -> str:
-    """A short digest of the candidates the model is shown, in their order (ids and
-    revisions: the prompt is a pure function of them, the query and the config): a kept
-    answer is finished only by a run whose candidates have the same one. Hashing a few
-    hundred bytes, not the prompt's text (up to tens of KB).
-
-    >>> a, b = Document("a", "x", revision="1"), Document("b", "y", revision="1")
-    >>> def shown(*docs): return shown_digest([Candidate(d, 1, 0.1, {}, {}) for d in docs])
-    >>> shown(a, b) == shown(a, b), shown(a, b) == shown(b, a)
-    (True, False)
-    >>> shown(a, b) == shown(a, replace(b, revision="2"))
-    False
-    """
-    text = "\n".join(f"{c.document.id}\t{c.document.revision}" for c in candidates)
-    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
-
-
-def dump_run(run: RerankRun) -> dict[str, Any]:
-    """What :meth:`SearchPipeline.finish` needs of a standard-lane rerank, as small JSON-able
-    data (no prompt, no candidate): the attempts, the usage and cost, the positions the
-    model returned, and its reply or the failure that ended it. :func:`load_run` inverts it.
-
-    >>> run = RerankRun(attempts=[{"n": 1, "outcome": "ok", "seconds": 0.5}],
-    ...                 usage=TokenUsage(90, 7, 0, 0), cost_usd=0.0001, returned=[2, 1],
-    ...                 reply=RerankReply([2, 1], TokenUsage(90, 7, 0, 0), "m"), seconds=0.5)
-    >>> load_run(dump_run(run)) == run
-    True
-    >>> failed = RerankRun(failure=RerankAttemptError(AttemptOutcome.TIMEOUT, "no answer"))
-    >>> back = load_run(dump_run(failed)).failure
-    >>> (type(back).__name__, back.message)
-    ('RerankAttemptError', 'timeout: no answer')
-    """
-    reply, failure = run.reply, run.failure
-    data: dict[str, Any] = {
-        "attempts": run.attempts,
-        "usage": run.usage.counts(),
-        "cost": run.cost_usd,
-        "returned": list(run.returned) if run.returned is not None else None,
-        "seconds": run.seconds,
-    }
-    if reply is not None:
-        data["reply"] = {
-            "positions": list(reply.positions),
-            "usage": reply.usage.counts(),
-            "model": reply.model,
-        }
-    if isinstance(failure, RerankAttemptError):
-        prefix = f"{failure.outcome.value}: "
-        data["failure"] = [failure.outcome.value, failure.message.removeprefix(prefix)]
-    elif failure is not None:  # the deadline ran out
-        data["failure"] = [None, failure.message]
-    return data
-
-
-def load_run(data: Mapping[str, Any]) -> RerankRun:
-    """The inverse of :func:`dump_run`."""
-    reply = data.get("reply")
-    failure: SiftError | None = None
-    if (kept := data.get("failure")) is not None:
-        outcome, message = kept
-        failure = (
-            DeadlineExceeded(message)
-            if outcome is None
-            else RerankAttemptError(AttemptOutcome(outcome), message)
-        )
-    returned = data["returned"]
-    return RerankRun(
-        attempts=[dict(attempt) for attempt in data["attempts"]],
-        usage=TokenUsage(*data["usage"]),
-        cost_usd=None if data["cost"] is None else float(data["cost"]),
-        returned=list(returned) if returned is not None else None,
-        reply=(
-            RerankReply(list(reply["positions"]), TokenUsage(*reply["usage"]), reply["model"])
-            if reply is not None
-            else None
-        ),
-        failure=failure,
-        seconds=float(data["seconds"]),
-    )
-
-
-def dump_prepared(prepared: Prepared) -> dict[str, Any]:
-    """A prepared search as JSON-able data, for a lane that finishes it later elsewhere.
-
-    The prompt and the trace's candidate list are not stored: :func:`load_prepared` rebuilds
-    them from the candidates (the prompt is a pure function of them and the config).
-    """
-    return {
-        "spec": prepared.spec.model_dump(mode="json"),
-        "seconds": prepared.seconds,
-        "trace": {k: v for k, v in prepared.trace.items() if k != "candidates"},
-        "candidates": [
-            {
-                "id": c.document.id,
-                "text": c.document.text,
-                "title": c.document.title,
-                "revision": c.document.revision,
-                "metadata": dict(c.document.metadata),
-                "rrf_rank": c.rrf_rank,
-                "rrf_score": c.rrf_score,
-                "channel_ranks": c.channel_ranks,
-                "channel_scores": c.channel_scores,
-            }
-            for c in prepared.candidates
-        ],
-    }
-
-
-def load_prepared(pipeline: SearchPipeline, data: Mapping[str, Any]) -> Prepared:
-    """The inverse of :func:`dump_prepared`, with the prompt rebuilt by ``pipeline``."""
-    spec = SearchSpec.model_validate(data["spec"])
-    candidates = [
-        Candidate(
-            document=Document(
-                id=c["id"],
-                text=c["text"],
-                title=c["title"],
-                revision=c["revision"],
-                metadata=dict(c["metadata"]),
-            ),
-            rrf_rank=int(c["rrf_rank"]),
-            rrf_score=float(c["rrf_score"]),
-            channel_ranks=dict(c["channel_ranks"]),
-            channel_scores={k: float(v) for k, v in c["channel_scores"].items()},
-        )
-        for c in data["candidates"]
-    ]
-    trace = dict(data["trace"])
-    prompt = pipeline.build_prompt(str(trace["query"]), spec, candidates)
-    if spec.include_trace:
-        trace["candidates"] = _trace_candidates(candidates, prompt)
-    return Prepared(spec, candidates, trace, prompt=prompt, seconds=float(data["seconds"]))

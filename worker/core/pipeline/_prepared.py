@@ -1,0 +1,110 @@
+"""A search's first half as plain data (:class:`Prepared`), the digest of the candidates the
+model is shown, and the prepared search as JSON for a lane that finishes it later."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import (
+    dataclass,
+    replace,  # noqa: F401 (the doctests')
+)
+from typing import TYPE_CHECKING, Any
+
+from worker.contract import SearchResult, SearchSpec
+from worker.core.pipeline._hits import _trace_candidates
+from worker.core.types import Candidate, Document, RerankPrompt
+
+if TYPE_CHECKING:
+    from worker.core.pipeline._search import SearchPipeline
+
+
+@dataclass(slots=True)
+class Prepared:
+    """The first half of a search, up to the model call, as plain data.
+
+    ``result`` is set when no model call is needed (no rerank, or no candidates): it is final;
+    ``skipped`` when a rerank was asked for and had no candidates (its outcome to count).
+    Otherwise ``prompt`` is what to send, and :meth:`SearchPipeline.finish` turns the model's
+    answer (or the failure) into the result. ``seconds`` is the time the first half took.
+    ``trace`` lists the candidates only when the search asked for its trace
+    (``include_trace``): otherwise no one reads it, and it is a dict per candidate.
+    """
+
+    spec: SearchSpec
+    candidates: list[Candidate]
+    trace: dict[str, Any]
+    prompt: RerankPrompt | None = None
+    result: SearchResult | None = None
+    skipped: bool = False
+    seconds: float = 0.0
+
+
+def shown_digest(candidates: Sequence[Candidate]) -> str:
+    """A short digest of the candidates the model is shown, in their order (ids and
+    revisions: the prompt is a pure function of them, the query and the config): a kept
+    answer is finished only by a run whose candidates have the same one. Hashing a few
+    hundred bytes, not the prompt's text (up to tens of KB).
+
+    >>> a, b = Document("a", "x", revision="1"), Document("b", "y", revision="1")
+    >>> def shown(*docs): return shown_digest([Candidate(d, 1, 0.1, {}, {}) for d in docs])
+    >>> shown(a, b) == shown(a, b), shown(a, b) == shown(b, a)
+    (True, False)
+    >>> shown(a, b) == shown(a, replace(b, revision="2"))
+    False
+    """
+    text = "\n".join(f"{c.document.id}\t{c.document.revision}" for c in candidates)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def dump_prepared(prepared: Prepared) -> dict[str, Any]:
+    """A prepared search as JSON-able data, for a lane that finishes it later elsewhere.
+
+    The prompt and the trace's candidate list are not stored: :func:`load_prepared` rebuilds
+    them from the candidates (the prompt is a pure function of them and the config).
+    """
+    return {
+        "spec": prepared.spec.model_dump(mode="json"),
+        "seconds": prepared.seconds,
+        "trace": {k: v for k, v in prepared.trace.items() if k != "candidates"},
+        "candidates": [
+            {
+                "id": c.document.id,
+                "text": c.document.text,
+                "title": c.document.title,
+                "revision": c.document.revision,
+                "metadata": dict(c.document.metadata),
+                "rrf_rank": c.rrf_rank,
+                "rrf_score": c.rrf_score,
+                "channel_ranks": c.channel_ranks,
+                "channel_scores": c.channel_scores,
+            }
+            for c in prepared.candidates
+        ],
+    }
+
+
+def load_prepared(pipeline: SearchPipeline, data: Mapping[str, Any]) -> Prepared:
+    """The inverse of :func:`dump_prepared`, with the prompt rebuilt by ``pipeline``."""
+    spec = SearchSpec.model_validate(data["spec"])
+    candidates = [
+        Candidate(
+            document=Document(
+                id=c["id"],
+                text=c["text"],
+                title=c["title"],
+                revision=c["revision"],
+                metadata=dict(c["metadata"]),
+            ),
+            rrf_rank=int(c["rrf_rank"]),
+            rrf_score=float(c["rrf_score"]),
+            channel_ranks=dict(c["channel_ranks"]),
+            channel_scores={k: float(v) for k, v in c["channel_scores"].items()},
+        )
+        for c in data["candidates"]
+    ]
+    trace = dict(data["trace"])
+    prompt = pipeline.build_prompt(str(trace["query"]), spec, candidates)
+    if spec.include_trace:
+        trace["candidates"] = _trace_candidates(candidates, prompt)
+    return Prepared(spec, candidates, trace, prompt=prompt, seconds=float(data["seconds"]))
