@@ -90,7 +90,7 @@ def create_app(
         app.state.async_store = async_store
         app.state.backlog = Backlog(async_store.in_flight, settings.max_backlog)
         app.state.sender = sender
-        app.state.retakes = set()  # cancel-count takes sent again (api_gateway/jobs.py)
+        app.state.retakes = set()  # cancel-count takes sent again (api_gateway/jobs/)
         try:
             yield
         finally:

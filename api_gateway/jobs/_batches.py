@@ -1,0 +1,303 @@
+"""The batch routes: a batch submitted, read, its results paged, and canceled."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import redis
+from fastapi import Query, Request, Response
+
+from api_gateway.bodies import BATCH_BODY, parse_batch
+from api_gateway.deps import (
+    ERRORS,
+    STORE_AWAY,
+    Tenant,
+    accepted,
+    app_settings,
+    decode_token,
+    encode_token,
+    is_id,
+    job_store,
+    location,
+    off_loop,
+    task_sender,
+)
+from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorBody
+from api_gateway.jobs._cancel_count import _count_cancel
+from api_gateway.jobs._idempotency import IdemKey, _Idempotency
+from api_gateway.jobs._shared import BUSY, _admit, _check_url, _create_and_enqueue, _lost, router
+from api_gateway.queue import OutboxSender, TaskMessage
+from api_gateway.schemas import BatchCounts, BatchOut, BatchRerankOutcomes, BatchResultsPage, iso
+from worker.constants import (
+    BATCH_CHUNK_TASK,
+    BATCH_ID_PREFIX,
+    BATCH_QUEUE,
+    CANCEL_COUNT_TASK,
+    DEFAULT_PAGE_SIZE,
+    ECONOMY_CANCEL_TASK,
+    LANE_ECONOMY,
+    MAX_PAGE_SIZE,
+    WEBHOOK_EVENT_BATCH_COMPLETED,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
+)
+from worker.contract import JobStatus
+from worker.observability import metrics
+from worker.queue.jobstore import BatchJob, CancelOutcome, IdempotencyKeyBound, webhook_event
+
+log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
+
+
+def batch_out(batch: BatchJob) -> BatchOut:
+    return BatchOut(
+        id=batch.id,
+        status=batch.status,
+        index=batch.index,
+        lane="economy" if batch.lane == "economy" else "standard",
+        counts=BatchCounts(total=batch.total, **batch.counts),
+        usage=batch.usage,
+        rerank_outcomes=BatchRerankOutcomes(**batch.rerank_outcomes),
+        stage_seconds=batch.stage_seconds,
+        created_at=iso(batch.created_at) or "",
+        finished_at=iso(batch.finished_at),
+        canceled_at=iso(batch.canceled_at),
+    )
+
+
+async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob:
+    batch = (
+        await off_loop(job_store(request).get_batch, batch_id)
+        if is_id(batch_id, BATCH_ID_PREFIX)
+        else None
+    )
+    if batch is None or batch.tenant != tenant:
+        raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
+    return batch
+
+
+@router.post(
+    "/batches",
+    response_model=BatchOut,
+    status_code=202,
+    responses={**accepted("Accepted; poll the `Location`."), **ERRORS, **BUSY},
+    summary="Submit a batch of searches",
+    openapi_extra=BATCH_BODY,
+)
+async def create_batch(
+    request: Request,
+    tenant: Tenant,
+    idempotency_key: IdemKey = None,
+) -> Response:
+    """Stores every item as ``queued`` and fans the batch out in chunk tasks.
+    ``lane="economy"`` sends the reranks as Message Batches at half the price: the batch
+    completes when the provider's batches end (minutes to hours). The body
+    (``BatchRequest``) is parsed and stored off the event loop."""
+    settings, store = app_settings(request), job_store(request)
+    route = "POST /v1/batches"
+    # parsed and fingerprinted in a thread, a slice at a time (api_gateway/bodies.py)
+    parsed = await off_loop(parse_batch, await request.body(), route if idempotency_key else None)
+    body, items = parsed.head, parsed.items
+    await _check_url(settings, body.webhook_url)
+    idem = _Idempotency(store, tenant, idempotency_key, parsed.fingerprint)
+    batch_id = await idem.earlier_job()
+    made: BatchJob | None = None  # by this request
+    if batch_id is None:
+        size, total, sender = settings.batch_chunk_size, len(items), task_sender(request)
+
+        def chunks(new_id: str) -> list[TaskMessage]:
+            return [
+                (BATCH_CHUNK_TASK, [new_id, start, min(start + size, total)], BATCH_QUEUE)
+                for start in range(0, total, size)
+            ]
+
+        try:
+            await _admit(request, len(items))  # the whole batch, or none of it
+            batch = await off_loop(
+                _create_and_enqueue,
+                sender,
+                lambda enqueue: store.create_batch(
+                    tenant,
+                    body.index,
+                    items,
+                    lane=body.lane,
+                    rerank=body.rerank,
+                    webhook_url=body.webhook_url,
+                    enqueue=enqueue,
+                    claim=idem.ref,
+                ),
+                chunks,
+            )
+        except IdempotencyKeyBound as bound:
+            batch_id = idem.bound_job(bound)
+        except BaseException:
+            await idem.failed()
+            raise
+        else:
+            metrics.job_submitted("batch")
+            metrics.job_submitted("batch_item", batch.total)
+            log.info(
+                "batch %s: %d items in chunks of %d for %s", batch.id, batch.total, size, tenant
+            )
+            batch_id, made = batch.id, batch
+    try:
+        if made is None:
+            batch = await _owned_batch(request, batch_id, tenant)
+        elif (found := await off_loop(store.get_batch, batch_id)) is None:
+            raise _lost("batch", batch_id)  # Redis came back empty since the commit
+        else:
+            batch = found
+    except STORE_AWAY:
+        if made is None:
+            raise
+        # it exists: a 503 had the client send it again and make a second batch
+        log.warning("batch %s: the job store is away; answered as accepted", batch_id)
+        batch = made
+    return Response(
+        batch_out(batch).model_dump_json(),
+        status_code=202,
+        media_type="application/json",
+        headers=location(request, "get_batch", batch_id=batch.id),
+    )
+
+
+@router.get(
+    "/batches/{batch_id}",
+    response_model=BatchOut,
+    responses=ERRORS,
+    summary="A batch's status and counts",
+)
+async def get_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
+    return batch_out(await _owned_batch(request, batch_id, tenant))
+
+
+@router.get(
+    "/batches/{batch_id}/results",
+    response_model=BatchResultsPage,
+    responses=ERRORS,
+    summary="A batch's results, one page at a time, in submission order",
+)
+async def get_batch_results(
+    request: Request,
+    batch_id: str,
+    tenant: Tenant,
+    page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+    page_token: Annotated[str | None, Query(max_length=64)] = None,
+) -> Response:
+    """Every item appears once over the pages, with ``result`` or ``error`` once final."""
+    offset = decode_token(page_token)
+    batch = await _owned_batch(request, batch_id, tenant)
+    outcomes = await off_loop(job_store(request).batch_results, batch_id, offset, page_size)
+    end = offset + len(outcomes)
+    token = encode_token(end) if end < batch.total else None
+    body = (
+        '{"results":['
+        + ",".join(o.to_json() for o in outcomes)
+        + '],"next_page_token":'
+        + ('"' + token + '"' if token else "null")
+        + "}"
+    )
+    return Response(body, media_type="application/json")
+
+
+@router.delete(
+    "/batches/{batch_id}",
+    response_model=BatchOut,
+    responses={
+        **ERRORS,
+        409: {
+            "model": ErrorBody,
+            "description": "`already_finished`: every item of the batch was already final "
+            "and no cancel had canceled any (it ended `succeeded`); nothing changed (its "
+            "status, counts and webhook stand).",
+        },
+    },
+    summary="Cancel the items of a batch that have not reached their model call",
+    description="Marks the batch canceled. Items still queued are canceled at once; items a "
+    "worker has taken but not started, and started items that have not yet made their model "
+    "call, are canceled when they next check the mark (before they start, and before the "
+    "model call); items past it finish. The batch ends `canceled` if the cancel canceled at "
+    "least one item, otherwise with the status it would have had, and its `batch.completed` "
+    "webhook says the same. Cancelling again before it ends cancels only what was requeued "
+    "since; a batch already finished is `409 already_finished` and is left as it was, unless "
+    "an earlier cancel made it `canceled`: a cancel repeated then answers `200` with the "
+    "batch as it is (so a client whose cancel was answered `503`, its outcome unknown, learns "
+    "that it took effect). In the "
+    "economy lane, the batch's provider batches are canceled too: their requests not yet "
+    "processed come back canceled.",
+)
+async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
+    owned = await _owned_batch(request, batch_id, tenant)
+    sender = task_sender(request)
+    # the webhook of a cancel that completes the batch goes out with the cancel itself (one
+    # script): announced even if the answer is lost or this gateway dies right after
+    announce: list[tuple[str, str]] = []
+    # so is the count of what it ends (sift_jobs_completed_total): counted here once the
+    # answer is heard, else by the worker that takes this message (taken once, either way)
+    count: tuple[str, str] | None = None
+    if isinstance(sender, OutboxSender):
+        (count,) = sender.messages([(CANCEL_COUNT_TASK, [batch_id], BATCH_QUEUE)])
+    if owned.webhook_url and isinstance(sender, OutboxSender):
+        event = webhook_event(
+            WEBHOOK_EVENT_BATCH_COMPLETED,
+            batch_id,
+            tenant,
+            owned.webhook_url,
+            JobStatus.CANCELED.value,
+        )
+        announce = sender.messages([(WEBHOOK_TASK, [event], WEBHOOK_QUEUE)])
+    try:
+        outcome = await off_loop(
+            job_store(request).cancel_batch, batch_id, announce=announce, count=count
+        )
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        # the store retried the cancel's script for 5 s (the same token: a reply lost after
+        # it ran is answered as it ran); past that, whether it ran is unknown, and a plain
+        # "retry" read as "not canceled" while the batch may end canceled
+        log.error("batch %s: the cancel's answer was not heard: %s", batch_id, exc)
+        raise ApiError(
+            503,
+            "unavailable",
+            f"id: the job store is unavailable, so whether batch {batch_id!r} was canceled is "
+            f"unknown; send the cancel again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s: it "
+            "answers 200 with the batch if it is still running or ended canceled, and 409 "
+            "already_finished if it ran to its end with no item canceled (a cancel that "
+            "came too late to cancel any item changes nothing)",
+            field="id",
+            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+        ) from exc
+    if outcome is CancelOutcome.MISSING:
+        raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
+    if isinstance(outcome, CancelOutcome):  # already finished: nothing changed now
+        if count is not None:  # what an earlier cancel, its answer lost, ended
+            await _count_cancel(request, batch_id)
+        finished = await _owned_batch(request, batch_id, tenant)
+        if finished.status is JobStatus.CANCELED:
+            # an earlier cancel canceled items and the batch ended canceled: this one repeats
+            # it (a client whose first cancel's answer was lost learns it took effect)
+            return batch_out(finished)
+        raise ApiError(
+            409,
+            "already_finished",
+            f"id: batch {batch_id!r} has already finished; nothing was canceled",
+            field="id",
+        )
+    canceled, completed = outcome
+    log.info("batch %s: %d items canceled", batch_id, canceled)
+    batch = await _owned_batch(request, batch_id, tenant)
+    if batch.lane == LANE_ECONOMY and not completed and batch.finished_at is None:
+        # items waiting on the provider end when their provider batches are canceled
+        await off_loop(sender.send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
+    if count is not None:
+        await _count_cancel(request, batch_id)
+    else:  # no outbox carried the count: it is this answer's
+        if canceled:
+            metrics.job_completed("batch_item", "canceled", count=canceled)
+        if completed:
+            metrics.job_completed("batch", batch.status.value)
+    if completed and batch.webhook_url and not announce:
+        event = webhook_event(
+            WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant, batch.webhook_url, batch.status.value
+        )
+        await off_loop(sender.send, WEBHOOK_TASK, [event], WEBHOOK_QUEUE)
+    return batch_out(batch)

@@ -1,0 +1,141 @@
+"""The document routes: an upsert's ingest job queued and answered, and an ingest job read."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import Path, Request, Response
+
+from api_gateway.deps import (
+    ERRORS,
+    Tenant,
+    Wait,
+    accepted,
+    is_id,
+    job_store,
+    location,
+    off_loop,
+    poll_until,
+    task_sender,
+)
+from api_gateway.errors import ApiError
+from api_gateway.jobs._shared import _create_and_enqueue, _lost, router
+from api_gateway.schemas import DocumentsRequest, IngestJobOut, iso
+from worker.constants import INGEST_ID_PREFIX, INGEST_QUEUE, INGEST_TASK, MAX_DOCUMENT_CHARS
+from worker.contract import INDEX_PATTERN
+from worker.errors import InvalidRequest
+from worker.observability import metrics
+from worker.queue.jobstore import Enqueue, IngestJob
+
+log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
+
+
+def ingest_out(job: IngestJob) -> IngestJobOut:
+    return IngestJobOut(
+        id=job.id,
+        status=job.status,
+        index=job.index,
+        documents=job.documents,
+        created_at=iso(job.created_at) or "",
+        finished_at=iso(job.finished_at),
+        upserted=job.upserted,
+        error=job.error,
+        operation=job.operation,
+        deleted=job.deleted,
+    )
+
+
+async def enqueue_ingest(
+    request: Request, create: Callable[[Enqueue | None], IngestJob]
+) -> IngestJob:
+    """Store an ingest job (an upsert or a deletion, as ``create`` makes it) and queue its
+    task."""
+    job: IngestJob = await off_loop(
+        _create_and_enqueue,
+        task_sender(request),
+        create,
+        lambda job_id: [(INGEST_TASK, [job_id], INGEST_QUEUE)],
+    )
+    metrics.job_submitted("ingest")
+    return job
+
+
+async def ingest_response(request: Request, job: IngestJob, wait: float) -> Response:
+    """The answer to a request that queued an ingest ``job``: 200 when it is final within
+    ``wait`` seconds, else 202 with its ``Location`` to poll."""
+    if wait > 0:
+        store = job_store(request)
+
+        async def read() -> IngestJob | None:
+            return await off_loop(store.get_ingest, job.id)
+
+        found = await poll_until(read, lambda j: j.status.final, wait, job)
+        if found is None:
+            raise _lost("ingest", job.id)
+        job = found
+    body_out = ingest_out(job).model_dump_json()
+    if job.status.final:
+        return Response(body_out, media_type="application/json")
+    headers = location(request, "get_ingestion", job_id=job.id)
+    return Response(body_out, status_code=202, media_type="application/json", headers=headers)
+
+
+@router.post(
+    "/indexes/{index}/documents",
+    response_model=IngestJobOut,
+    status_code=202,
+    responses={
+        200: {"model": IngestJobOut, "description": "Ingested within `wait`."},
+        **accepted("Queued or running; poll the `Location`."),
+        **ERRORS,
+    },
+    summary="Upsert documents by id into an index, for the caller's tenant",
+)
+async def upsert_documents(
+    request: Request,
+    body: DocumentsRequest,
+    tenant: Tenant,
+    index: Annotated[str, Path(min_length=1, max_length=128, pattern=INDEX_PATTERN)],
+    wait: Wait = 0.0,
+) -> Response:
+    """Enqueues an ingest job and answers 202 with its id (poll
+    ``GET /v1/ingestions/{id}``), or 200 when it finished within ``wait`` seconds."""
+    first_at: dict[str, int] = {}
+    for i, doc in enumerate(body.documents):
+        # one write per id: the job's documents share one write version, so a backend
+        # kept the first of two and silently dropped the later one (not newer)
+        if doc.id in first_at:
+            raise InvalidRequest(
+                f"documents[{i}].id",
+                f"duplicate id {doc.id!r} (first at documents[{first_at[doc.id]}])",
+            )
+        first_at[doc.id] = i
+        if len(doc.text) > MAX_DOCUMENT_CHARS:
+            raise InvalidRequest(
+                f"documents[{i}].text", f"longer than {MAX_DOCUMENT_CHARS} characters"
+            )
+        if not doc.text.strip():
+            raise InvalidRequest(f"documents[{i}].text", "is empty after trimming whitespace")
+    store = job_store(request)
+    job = await enqueue_ingest(
+        request,
+        lambda enqueue: store.create_ingest(tenant, index, body.documents, enqueue=enqueue),
+    )
+    log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
+    return await ingest_response(request, job, wait)
+
+
+@router.get(
+    "/ingestions/{job_id}", response_model=IngestJobOut, responses=ERRORS, summary="An ingest job"
+)
+async def get_ingestion(request: Request, job_id: str, tenant: Tenant) -> IngestJobOut:
+    job = (
+        await off_loop(job_store(request).get_ingest, job_id)
+        if is_id(job_id, INGEST_ID_PREFIX)
+        else None
+    )
+    if job is None or job.tenant != tenant:
+        raise ApiError(404, "not_found", f"id: no ingest job {job_id!r}", field="id")
+    return ingest_out(job)

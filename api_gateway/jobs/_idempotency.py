@@ -1,0 +1,99 @@
+"""The ``Idempotency-Key`` header and its handling around one job-creating request."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Header
+from pydantic import BaseModel
+
+from api_gateway.deps import off_loop
+from api_gateway.errors import ApiError
+from worker.constants import MAX_IDEMPOTENCY_KEY_CHARS
+from worker.queue.jobstore import (
+    IdempotencyClaim,
+    IdempotencyKeyBound,
+    IdempotencyOutcome,
+    IdempotencyRef,
+    JobStore,
+    fingerprint,
+)
+
+IdemKey = Annotated[
+    str | None,
+    Header(
+        alias="Idempotency-Key",
+        min_length=1,
+        max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+        description="Same key and body: the same job. Different body: 422. "
+        "While the first request is still being answered: 409.",
+    ),
+]
+
+
+class _Idempotency:
+    """Stripe-style Idempotency-Key handling around one job-creating request.
+
+    The key is claimed first (a pending marker: a second request meanwhile gets 409), then
+    bound to its job in the transaction that creates the job, for 24 hours. From then on a
+    request with the key gets that job, whatever became of the first request: answered,
+    still in its ``?wait``, or killed with its gateway. A marker that no job was bound to
+    means nothing was created; it answers 409 until it expires (or its request fails and
+    releases it), then the key is free. The create itself writes only if the key is bound to
+    no job, so even a marker that expired under a live request cannot give a second job.
+    """
+
+    def __init__(self, store: JobStore, tenant: str, key: str | None, fp: str) -> None:
+        self.store, self.tenant, self.key, self.fp = store, tenant, key, fp
+
+    @classmethod
+    def of(
+        cls, store: JobStore, tenant: str, key: str | None, route: str, body: BaseModel
+    ) -> _Idempotency:
+        """The key of a small body (a search): its fingerprint computed here."""
+        # the body's fingerprint is only needed with a key (most requests have none)
+        fp = "" if key is None else fingerprint(route, body.model_dump(mode="json"))
+        return cls(store, tenant, key, fp)
+
+    @property
+    def ref(self) -> IdempotencyRef | None:
+        """The key, to bind to the job in the job's own transaction; None without one."""
+        return None if self.key is None else IdempotencyRef(self.tenant, self.key, self.fp)
+
+    async def earlier_job(self) -> str | None:
+        """The job of an earlier request with this key, None to go ahead; raises 409/422."""
+        if self.key is None:
+            return None
+        return self._answer(
+            await off_loop(self.store.claim_idempotency, self.tenant, self.key, self.fp)
+        )
+
+    def bound_job(self, bound: IdempotencyKeyBound) -> str:
+        """The job another request with this key created while this one was on its way."""
+        job_id = self._answer(bound.claim)
+        assert job_id is not None
+        return job_id
+
+    def _answer(self, claim: IdempotencyClaim) -> str | None:
+        if claim.outcome is IdempotencyOutcome.MISMATCH:
+            raise ApiError(
+                422,
+                "idempotency_key_reused",
+                "Idempotency-Key: already used with a different request body",
+                field="Idempotency-Key",
+            )
+        if claim.outcome is IdempotencyOutcome.IN_PROGRESS:
+            raise ApiError(
+                409,
+                "idempotency_key_in_progress",
+                "Idempotency-Key: the first request with this key has not created its job "
+                "yet; retry",
+                field="Idempotency-Key",
+            )
+        return claim.job_id if claim.outcome is IdempotencyOutcome.REPLAY else None
+
+    async def failed(self) -> None:
+        """Free the key of a request that failed before its job was created (a key already
+        bound to a job stays bound)."""
+        if self.key is not None:
+            await off_loop(self.store.release_idempotency, self.tenant, self.key)

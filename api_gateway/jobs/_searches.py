@@ -1,0 +1,175 @@
+"""The search routes: one search submitted (answered when final within ``wait``) and read."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from fastapi import Request, Response
+
+from api_gateway.deps import (
+    ERRORS,
+    STORE_AWAY,
+    Tenant,
+    Wait,
+    accepted,
+    app_settings,
+    async_job_store,
+    is_id,
+    job_store,
+    location,
+    off_loop,
+    poll_until,
+    task_sender,
+)
+from api_gateway.errors import ApiError
+from api_gateway.jobs._idempotency import IdemKey, _Idempotency
+from api_gateway.jobs._shared import (
+    BUSY,
+    _admit,
+    _check_url,
+    _create_and_enqueue_async,
+    _lost,
+    router,
+)
+from api_gateway.schemas import SearchJobOut, SearchRequest, iso
+from worker.constants import SEARCH_ID_PREFIX, SEARCH_QUEUE, SEARCH_TASK
+from worker.contract import JobStatus, SearchSpec
+from worker.observability import metrics
+from worker.queue.jobstore import IdempotencyKeyBound, JobStore, SearchJob
+
+log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
+
+
+def _search_out(job: SearchJob) -> SearchJobOut:
+    out = SearchJobOut(
+        id=job.id,
+        status=job.status,
+        created_at=iso(job.created_at) or "",
+        started_at=iso(job.started_at),
+        finished_at=iso(job.finished_at),
+    )
+    if job.result is not None:
+        result = job.result
+        if not job.spec.include_trace and result.trace is not None:
+            result = result.model_copy(update={"trace": None})
+        out.result = result
+    if job.error is not None:
+        out.error = job.error
+    return out
+
+
+def _search_response(request: Request, job: SearchJob, *, read: bool = True) -> Response:
+    """200 with a final job, else 202 with its ``Location``; ``read`` False: ``job`` is not
+    the record as read whole (Redis went away), so never a final answer, whatever its status."""
+    body = _search_out(job).model_dump_json(exclude_none=False)
+    if job.status.final and read:
+        return Response(body, media_type="application/json")
+    headers = location(request, "get_search", job_id=job.id)
+    return Response(body, status_code=202, media_type="application/json", headers=headers)
+
+
+@router.post(
+    "/searches",
+    response_model=SearchJobOut,
+    status_code=202,
+    responses={
+        200: {"model": SearchJobOut, "description": "Finished within `wait`."},
+        **accepted("Queued or running; poll the `Location`."),
+        **ERRORS,
+        **BUSY,
+    },
+    summary="Submit one search",
+)
+async def create_search(
+    request: Request,
+    body: SearchRequest,
+    tenant: Tenant,
+    wait: Wait = 0.0,
+    idempotency_key: IdemKey = None,
+) -> Response:
+    """Answers 202 with the queued job, or 200 with the finished job if it finished within
+    ``wait`` seconds."""
+    settings, store = app_settings(request), job_store(request)
+    await _check_url(settings, body.webhook_url)
+    idem = _Idempotency.of(store, tenant, idempotency_key, "POST /v1/searches", body)
+    job_id = await idem.earlier_job()
+    fresh: SearchJob | None = None
+    if job_id is None:
+        async_store = async_job_store(request)
+        try:
+            await _admit(request, 1)
+            spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
+            # one script on the event loop: the record, the task message, the key's binding
+            fresh = await _create_and_enqueue_async(
+                task_sender(request),
+                lambda enqueue: async_store.create_search(
+                    tenant, spec, webhook_url=body.webhook_url, enqueue=enqueue, claim=idem.ref
+                ),
+                lambda job_id: [(SEARCH_TASK, [job_id], SEARCH_QUEUE)],
+            )
+        except IdempotencyKeyBound as bound:
+            job_id = idem.bound_job(bound)
+        except BaseException:
+            await idem.failed()
+            raise
+        else:
+            metrics.job_submitted("search")
+            job_id = fresh.id
+    if fresh is not None and wait == 0:
+        return _search_response(request, fresh)  # just queued: no need to read it back
+    return await _answer_search(request, store, job_id, tenant, wait, fresh)
+
+
+async def _answer_search(
+    request: Request,
+    store: JobStore,
+    job_id: str,
+    tenant: str,
+    wait: float,
+    fresh: SearchJob | None,
+) -> Response:
+    """The search ``job_id`` once final or after ``wait``; ``fresh`` is the one this request
+    made (answered as accepted if Redis is away then: it exists, and a 503 had the client
+    send the request again and make a second one; a resent key's job is read or 503)."""
+
+    async def read() -> SearchJob | None:
+        return await off_loop(store.get_search, job_id)
+
+    async def read_status() -> JobStatus | None:
+        return await off_loop(store.get_search_status, job_id)
+
+    seen: JobStatus | None = None  # the last status the poll read
+    if wait > 0:
+        seen = await poll_until(read_status, lambda s: s.final, wait)
+    try:
+        job = await read()
+    except STORE_AWAY:
+        if fresh is None:
+            raise
+        log.warning("search %s: the job store is away; answered as accepted", job_id)
+        # what this request knows: the job it made, in the last status its poll read
+        known = fresh if seen is None else dataclasses.replace(fresh, status=seen)
+        return _search_response(request, known, read=False)
+    if job is None and fresh is not None:
+        raise _lost("search", job_id)
+    if job is None or job.tenant != tenant:
+        raise ApiError(404, "not_found", f"id: no search {job_id!r} (expired?)", field="id")
+    return _search_response(request, job)
+
+
+@router.get(
+    "/searches/{job_id}",
+    response_model=SearchJobOut,
+    responses=ERRORS,
+    summary="A search job, with its result once finished",
+)
+async def get_search(request: Request, job_id: str, tenant: Tenant) -> Response:
+    job = (
+        await off_loop(job_store(request).get_search, job_id)
+        if is_id(job_id, SEARCH_ID_PREFIX)
+        else None
+    )
+    if job is None or job.tenant != tenant:
+        raise ApiError(404, "not_found", f"id: no search {job_id!r}", field="id")
+    return Response(_search_out(job).model_dump_json(), media_type="application/json")

@@ -1,0 +1,113 @@
+"""What every job route shares: the router, backpressure, storing a job and enqueueing its
+tasks, the webhook URL check, and the answer for a job Redis lost."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+
+from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
+from api_gateway.deps import off_loop
+from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorBody
+from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
+from api_gateway.routing import GetAnswersHead
+from worker.errors import InvalidRequest
+from worker.queue.jobstore import BatchJob, Enqueue, IngestJob, SearchJob
+from worker.settings import Settings
+from worker.webhooks.urlguard import check_webhook_url
+
+log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
+
+router = APIRouter(prefix="/v1", route_class=GetAnswersHead)
+T = TypeVar("T")
+
+
+BUSY: dict[int | str, dict[str, Any]] = {
+    429: {
+        "model": ErrorBody,
+        "description": "The backlog is past `SIFT_MAX_BACKLOG` queued searches and batch "
+        "items (`backlog_full`); nothing was accepted. Retry after `Retry-After` seconds.",
+        "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}},
+    }
+}
+
+
+async def _admit(request: Request, items: int) -> None:
+    """Backpressure: 429 with ``Retry-After`` when ``items`` more would pass the backlog limit."""
+    backlog: Backlog | None = getattr(request.app.state, "backlog", None)
+    if backlog is None or backlog.limit <= 0:
+        return
+    if items > backlog.limit:  # a 429 would say "retry", and no retry admits it
+        raise InvalidRequest(
+            "queries",
+            f"{items} queries are more than the backlog holds (SIFT_MAX_BACKLOG is "
+            f"{backlog.limit}), so no retry admits them: send them in batches of at most "
+            f"{backlog.limit}",
+        )
+    try:
+        await backlog.admit(items)
+    except BacklogFull as exc:
+        log.warning("backpressure: %s", exc)
+        raise ApiError(
+            429,
+            "backlog_full",
+            exc.public,
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        ) from exc
+
+
+J = TypeVar("J", SearchJob, BatchJob, IngestJob)
+
+
+def _create_and_enqueue(
+    sender: TaskSender,
+    create: Callable[[Enqueue | None], J],
+    messages: Callable[[str], list[TaskMessage]],
+) -> J:
+    """Store a job and enqueue its tasks: in one MULTI through the outbox, else one after
+    the other through Celery."""
+    if isinstance(sender, OutboxSender):
+        outbox = sender
+        return create(lambda job_id: outbox.messages(messages(job_id)))
+    job = create(None)
+    sender.send_many(messages(job.id))
+    return job
+
+
+async def _create_and_enqueue_async(
+    sender: TaskSender,
+    create: Callable[[Enqueue | None], Awaitable[J]],
+    messages: Callable[[str], list[TaskMessage]],
+) -> J:
+    """:func:`_create_and_enqueue` with the store on the event loop (the gateway's hot path)."""
+    if isinstance(sender, OutboxSender):
+        outbox = sender
+        return await create(lambda job_id: outbox.messages(messages(job_id)))
+    job = await create(None)
+    await off_loop(sender.send_many, messages(job.id))
+    return job
+
+
+async def _check_url(settings: Settings, url: str | None) -> None:
+    if url is not None:
+        await off_loop(
+            check_webhook_url, url, allow_private=settings.webhook_allow_private_networks
+        )
+
+
+def _lost(kind: str, job_id: str) -> ApiError:
+    """The answer of a request whose job Redis lost while it waited on it (a restart without
+    its data: the record, and the task message unless a worker had taken it): no outcome of
+    it can be read, ever, and the request sent again makes it again (a ``202`` pointed its
+    ``Location`` at a ``404``)."""
+    log.error("%s %s: lost by the job store (Redis restarted without its data)", kind, job_id)
+    return ApiError(
+        503,
+        "unavailable",
+        f"the job store lost this {kind} (Redis restarted without its data), so its outcome "
+        f"cannot be known; send the request again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+    )
