@@ -18,8 +18,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from worker.cli import app, client
+from worker.cli import app
 from worker.cli._http import Gateway
+from worker.cli.client import _batch
 
 BATCH = "bat_" + "1" * 32
 COUNTS = {"total": 3, "queued": 1, "running": 0, "succeeded": 1, "failed": 0, "canceled": 1}
@@ -50,7 +51,7 @@ def invoke_batch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, answer: Any) -
     def gateway() -> Iterator[Gateway]:
         yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
 
-    monkeypatch.setattr(client, "gateway", gateway)
+    monkeypatch.setattr(_batch, "gateway", gateway)
     queries = tmp_path / "q.jsonl"
     queries.write_text(
         "".join(json.dumps({"id": f"q{i}", "query": "tea"}) + "\n" for i in range(3))

@@ -17,8 +17,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from worker.cli import app, client, evaluate, indexes, listing
+from worker.cli import app, evaluate, indexes, listing
 from worker.cli._http import Gateway, GatewayError
+from worker.cli.client import _batch
 
 
 def _refused(request: httpx.Request) -> httpx.Response:
@@ -75,7 +76,7 @@ def _documents(gw: Gateway, _: Path) -> list[str]:
 
 def _batch_results(gw: Gateway, tmp_path: Path) -> list[str]:
     out = tmp_path / "results.jsonl"
-    client._write_results(gw, "bat_1", out, 500)
+    _batch._write_results(gw, "bat_1", out, 500)
     return [json.loads(line)["id"] for line in out.read_text().splitlines()]
 
 

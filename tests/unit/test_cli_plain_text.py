@@ -15,8 +15,9 @@ import httpx
 import pytest
 from typer.testing import CliRunner, Result
 
-from worker.cli import app, client, indexes, listing
+from worker.cli import app, indexes, listing
 from worker.cli._http import Gateway
+from worker.cli.client import _batch, _ingest, _search
 
 TITLE = "[/x] closing :thumbs_up:"
 DOC_ID = "[red]m-2"
@@ -55,7 +56,7 @@ def fake_gateway(monkeypatch: pytest.MonkeyPatch) -> None:
     def gateway() -> Iterator[Gateway]:
         yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
 
-    for module in (client, indexes, listing):
+    for module in (_ingest, _search, _batch, indexes, listing):
         monkeypatch.setattr(module, "gateway", gateway)
 
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.fakes import FakeEmbedder, InMemoryBackend
-from worker.cli.client import Gateway
+from worker.cli._http import Gateway
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.catalog import SearchSettings
 from worker.core.pipeline import SearchPipeline

@@ -17,9 +17,9 @@ import typer
 from rich.console import Console
 
 from worker.cli import app
+from worker.cli._common import EXIT_ERROR, InputError, _err, _expected_errors, _out
 from worker.cli._http import Gateway, gateway, index_name, segment
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
-from worker.cli.client import EXIT_ERROR, InputError, _err, _expected_errors, _out
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 
 index_app = typer.Typer(

@@ -15,9 +15,9 @@ from typing import Annotated, Any
 import typer
 
 from worker.cli import app
+from worker.cli._common import InputError, _expected_errors, _out
 from worker.cli._http import Gateway, gateway
 from worker.cli._output import counted, local_time, plain, print_fitted
-from worker.cli.client import InputError, _expected_errors, _out
 from worker.constants import MAX_PAGE_SIZE
 from worker.contract import JobStatus
 

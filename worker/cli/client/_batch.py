@@ -1,0 +1,300 @@
+"""``sift batch``: a queries file submitted as one batch, its progress shown, canceled on
+Ctrl-C, and every result written."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http import HTTPStatus
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from worker.cli import app
+from worker.cli._common import (
+    EXIT_INTERRUPTED,
+    EXIT_ITEMS_FAILED,
+    InputError,
+    _err,
+    _expected_errors,
+    _out,
+)
+from worker.cli._http import (
+    FINAL_STATUSES,
+    RETRY_SECONDS,
+    Gateway,
+    GatewayError,
+    gateway,
+    index_name,
+)
+from worker.cli._output import plain, progress_bar, usage_line
+from worker.cli.client._input import MODES, _load, _report_skipped, query_from
+from worker.constants import IDEMPOTENCY_PENDING_TTL_SECONDS, MAX_BATCH_QUERIES, MAX_LIMIT
+
+LANES = ("standard", "economy")
+
+
+@contextmanager
+def _cancel_on_interrupt(client: Gateway, batch_id: str) -> Iterator[None]:
+    """Ctrl-C while ``sift batch`` waits cancels the batch (``DELETE /v1/batches/{id}``) and
+    exits 130, saying what was canceled: the results file is this command's to write, so a
+    batch left running would spend its searches and model calls for nothing."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        err = _err()
+        err.print(f"interrupted: canceling batch {batch_id}")
+        still = f"the batch may still be running (DELETE /v1/batches/{batch_id} cancels it)"
+        try:
+            batch = client.json("DELETE", f"/v1/batches/{batch_id}")
+        except KeyboardInterrupt:  # Ctrl-C again: the cancel may or may not have been made
+            err.print(f"interrupted again: the cancel may not have been made; {still}")
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except GatewayError as exc:
+            if exc.status_code == 409:
+                err.print(f"batch {batch_id} had already finished: nothing canceled")
+            else:
+                err.print(f"[bold red]error:[/] {plain(exc)}; {still}", soft_wrap=True)
+        else:
+            err.print(_cancel_outcome(batch_id, batch), soft_wrap=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _cancel_outcome(batch_id: str, batch: dict[str, Any]) -> str:
+    """What a cancel's answer says, as it says it: a batch the cancel completed is final
+    (``canceled``); else it is still running, and its items a worker holds are canceled
+    before their model call or, past it, finish: it may yet end ``succeeded``, so it is not
+    called canceled.
+
+    >>> print(_cancel_outcome("b", {"status": "running", "counts": {"succeeded": 2}}))
+    batch b: cancel made; 0 item(s) canceled so far, 2 finished; items past their model call finish
+    >>> _cancel_outcome("b", {"status": "canceled", "counts": {"canceled": 3, "failed": 1}})
+    'batch b canceled: 3 item(s) canceled, 1 finished'
+    """
+    counts = batch.get("counts") or {}
+    canceled = int(counts.get("canceled", 0))
+    finished = int(counts.get("succeeded", 0)) + int(counts.get("failed", 0))
+    status = str(batch.get("status"))
+    if status in FINAL_STATUSES:
+        return f"batch {batch_id} {status}: {canceled} item(s) canceled, {finished} finished"
+    return (
+        f"batch {batch_id}: cancel made; {canceled} item(s) canceled so far, {finished} "
+        "finished; items past their model call finish"
+    )
+
+
+def _batch_done(batch: dict[str, Any]) -> bool:
+    if batch.get("status") in FINAL_STATUSES:
+        return True
+    counts = batch.get("counts") or {}
+    finished = sum(int(counts.get(s, 0)) for s in FINAL_STATUSES)
+    total = counts.get("total")
+    return isinstance(total, int) and total > 0 and finished >= total
+
+
+def _check_out(out: Path) -> None:
+    """Refuse a results path that cannot be written (a folder, a path under a file, a place
+    this user may not write) before the batch is sent: the items would run, and be paid for,
+    with nowhere to put their results. Creates its missing folders."""
+    if out.is_dir():
+        raise InputError(f"--out: {out} is a folder, not a file; nothing was sent")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".check"):
+            pass
+    except OSError as exc:
+        raise InputError(
+            f"--out: cannot write {out} ({exc.strerror or exc}); nothing was sent"
+        ) from exc
+
+
+def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) -> dict[str, int]:
+    """Page every result into ``out`` via a temp file renamed at the end; counts by status."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    tally: dict[str, int] = {}
+    try:
+        with temp.open("w", encoding="utf-8") as handle:
+            path = f"/v1/batches/{batch_id}/results"
+            for page in client.pages(path, {"page_size": page_size}):
+                for item in page.get("results") or []:
+                    handle.write(json.dumps(item) + "\n")
+                    status = str(item.get("status"))
+                    tally[status] = tally.get(status, 0) + 1
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, out)
+    finally:
+        temp.unlink(missing_ok=True)
+    return tally
+
+
+def _batch_cost_lines(batch: dict[str, Any]) -> list[str]:
+    """A finished batch's model usage and cost, its lane's, how its items were ranked, and
+    where their time went.
+
+    >>> lines = _batch_cost_lines({"lane": "economy", "usage": {"requests": 1, "cost_usd": 0.5},
+    ...     "rerank_outcomes": {"applied": 1}})
+    >>> lines[0].endswith("$0.500000 (economy lane: half price)"), lines[1]
+    (True, 'rerank: applied 1, fallback 0, skipped 0')
+    """
+    usage, outcomes = batch.get("usage"), batch.get("rerank_outcomes") or {}
+    if usage is None:  # a gateway from before batches told their usage
+        return []
+    lane = batch.get("lane") or "standard"
+    price = " (economy lane: half price)" if lane == "economy" else ""
+    ranked = ", ".join(
+        f"{name} {outcomes.get(name, 0)}" for name in ("applied", "fallback", "skipped")
+    )
+    lines = [usage_line(usage) + price, f"rerank: {ranked}"]
+    stages = batch.get("stage_seconds") or {}
+    if stages:
+        spent = ", ".join(f"{name.replace('_', ' ')} {s:.2f}" for name, s in stages.items())
+        lines.append(f"seconds by stage, summed over the items: {spent}")
+    return lines
+
+
+@app.command("batch")
+def batch(
+    queries: Annotated[Path, typer.Argument(help="queries.jsonl: BEIR (_id,text) or Sift's")],
+    index: Annotated[str, typer.Option("--index", callback=index_name, help="the index to search")],
+    out: Annotated[Path, typer.Option("--out", help="where to write RESULTS.jsonl")],
+    limit: Annotated[
+        int | None, typer.Option(min=1, max=MAX_LIMIT, help="hits per query, if a line has none")
+    ] = None,
+    mode: Annotated[str | None, typer.Option(help="fts, vector or hybrid, if a line has none")] = (
+        None
+    ),
+    rerank: Annotated[
+        bool | None,
+        typer.Option("--rerank/--no-rerank", help="override the server's default"),
+    ] = None,
+    lane: Annotated[str, typer.Option(help="standard or economy")] = "standard",
+    webhook_url: Annotated[
+        str | None, typer.Option("--webhook-url", help="POST batch.completed here")
+    ] = None,
+    skip_invalid: Annotated[
+        bool, typer.Option("--skip-invalid", help="skip bad lines instead of stopping")
+    ] = False,
+    page_size: Annotated[int, typer.Option(min=1, max=1000, help="results per page")] = 500,
+    strict: Annotated[
+        bool, typer.Option("--strict", help=f"exit {EXIT_ITEMS_FAILED} if any item failed")
+    ] = False,
+) -> None:
+    """Submit a batch of searches, show progress while it runs, and write every result."""
+    console = _out()
+    with _expected_errors():
+        if mode is not None and mode not in MODES:
+            raise InputError(f"--mode: one of {', '.join(MODES)} is required, not {mode!r}")
+        if lane not in LANES:
+            raise InputError(f"--lane: one of {', '.join(LANES)} is required, not {lane!r}")
+        loaded = _load(queries, query_from, skip_invalid=skip_invalid, unique_ids=True)
+        _report_skipped(console, loaded.problems)
+        items = loaded.records
+        if not items:
+            raise InputError(f"{queries}: no queries to send")
+        if len(items) > MAX_BATCH_QUERIES:
+            raise InputError(f"{queries}: {len(items)} queries; a batch holds {MAX_BATCH_QUERIES}")
+        _check_out(out)
+        for item in items:
+            if limit is not None:
+                item.setdefault("limit", limit)
+            if mode is not None:
+                item.setdefault("mode", mode)
+        body: dict[str, Any] = {"index": index, "queries": items, "lane": lane}
+        if rerank is not None:
+            body["rerank"] = rerank
+        if webhook_url:
+            body["webhook_url"] = webhook_url
+        started = time.monotonic()
+        with gateway() as client:
+            try:
+                # one key for every resend: a submit whose answer was lost (the gateway
+                # restarting) is answered with the batch it made, never made twice. A send
+                # whose gateway died between claiming the key and making the batch leaves
+                # it 409 "in progress" for the pending marker's life from that claim, which
+                # may come late in the window: the submit outwaits it
+                key = {"Idempotency-Key": f"sift-batch-{uuid.uuid4().hex}"}
+                window = RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
+                submitted = client.json(
+                    "POST", "/v1/batches", json=body, headers=key, retry_for=window
+                )
+            except GatewayError as exc:
+                if exc.status_code != HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
+                    raise
+                raise GatewayError(
+                    f"{exc.message}: the {len(items)} queries of {queries} are more than the "
+                    "gateway takes in one request (SIFT_MAX_BODY_BYTES on the gateway, 32 MiB "
+                    "by default); no batch was made: split the file and run `sift batch` on "
+                    "each part",
+                    status_code=exc.status_code,
+                ) from exc
+            except KeyboardInterrupt:  # no id to cancel: the batch may run all the same
+                _err().print(
+                    "interrupted while submitting: the batch may have been accepted and run on; "
+                    "`sift batches --limit 1` shows it, DELETE /v1/batches/{id} cancels it",
+                    soft_wrap=True,
+                )
+                raise typer.Exit(EXIT_INTERRUPTED) from None
+            batch_id = str(submitted["id"])
+            console.print(f"batch [bold]{batch_id}[/]: {len(items)} queries submitted")
+            with _cancel_on_interrupt(client, batch_id), progress_bar(console) as progress:
+                task = progress.add_task(f"batch {index}", total=len(items))
+
+                def show(state: dict[str, Any]) -> None:
+                    counts = state.get("counts") or {}
+                    finished = sum(int(counts.get(s, 0)) for s in FINAL_STATUSES)
+                    total = counts.get("total") or len(items)
+                    progress.update(task, completed=finished, total=total)
+
+                try:
+                    final = client.poll(f"/v1/batches/{batch_id}", done=_batch_done, on_update=show)
+                except GatewayError as exc:  # given up: the batch runs on without us
+                    if not exc.transient:
+                        raise
+                    raise GatewayError(
+                        f"{exc.message}; batch {batch_id} may still be running, with no "
+                        f"results file written (DELETE /v1/batches/{batch_id} cancels it)"
+                    ) from exc
+            try:
+                tally = _write_results(client, batch_id, out, page_size)
+            except KeyboardInterrupt:  # the batch is final: nothing to cancel, all to read
+                _err().print(
+                    f"interrupted while writing the results: batch {batch_id} has finished; "
+                    f"nothing was written to {plain(out)}; GET /v1/batches/{batch_id}/results "
+                    "pages its results",
+                    soft_wrap=True,
+                )
+                raise typer.Exit(EXIT_INTERRUPTED) from None
+            except OSError as exc:  # writable when checked, not now (a full disk...)
+                raise InputError(
+                    f"--out: cannot write {out} ({exc.strerror or exc}); batch {batch_id} has "
+                    f"finished: GET /v1/batches/{batch_id}/results pages its results"
+                ) from exc
+        written = sum(tally.values())
+        counts = final.get("counts") or {}
+        total = int(counts.get("total") or len(items))
+        elapsed = time.monotonic() - started
+        parts = [f"{name} {tally.get(name, 0)}" for name in ("succeeded", "failed", "canceled")]
+        console.print(
+            f"wrote {written} result(s) to [bold]{plain(out)}[/] in {elapsed:.1f} s: "
+            + ", ".join(parts)
+        )
+        for line in _batch_cost_lines(final):
+            console.print(line)
+        if written != total:
+            raise GatewayError(f"batch {batch_id}: {total} queries but {written} results returned")
+        not_ok = tally.get("failed", 0) + tally.get("canceled", 0)
+        if not_ok:
+            _err().print(
+                f"[bold red]{tally.get('failed', 0)} failed, {tally.get('canceled', 0)} canceled[/]"
+                f" of {total}; see the error of each in {plain(out)}"
+            )
+            if strict:
+                raise typer.Exit(EXIT_ITEMS_FAILED)

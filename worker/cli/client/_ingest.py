@@ -1,0 +1,240 @@
+"""``sift ingest``: a corpus file's documents sent in requests, two in flight, with what is
+known indexed said on a failure or a Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from http import HTTPStatus
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+
+from worker.cli import app
+from worker.cli._common import EXIT_INTERRUPTED, InputError, _err, _expected_errors, _out
+from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway, index_name, segment
+from worker.cli._output import plain, progress_bar
+from worker.cli.client._input import Loaded, _load, _report_skipped, document_from
+from worker.constants import MAX_DOCUMENTS_PER_REQUEST
+
+
+def _send_documents(
+    client: Gateway,
+    index: str,
+    documents: list[dict[str, Any]],
+    on_indexed: Callable[[int], object] = lambda n: None,
+    stopping: threading.Event | None = None,
+    on_unsettled: Callable[[str], object] = lambda job_id: None,
+) -> int:
+    """POST one batch and wait for its ingest job; answers how many documents it upserted.
+
+    The gateway answers 200 with the finished job when it finished within ``wait``, else
+    202 with a job to poll at ``GET /v1/ingestions/{id}``. A batch over the gateway's body
+    limit (413: 500 documents of up to 100,000 characters each pass its 32 MiB) is sent
+    again in halves, in order; a document alone over it is named. ``on_indexed`` is called
+    with the number of documents of each request whose job succeeded, so the documents
+    known indexed are always the first ones of ``documents``. Once ``stopping`` is set (a
+    Ctrl-C), no request is sent and a job's poll stops: its documents are not known indexed,
+    and ``on_unsettled`` is called with the id of the job, which may still index them.
+    """
+    stopping = stopping or threading.Event()  # none given: never set
+    if stopping.is_set():
+        return 0
+    path = f"/v1/indexes/{segment(index)}/documents"
+    try:
+        response = client.request("POST", path, params={"wait": 30}, json={"documents": documents})
+    except GatewayError as exc:
+        if exc.status_code != HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
+            raise
+        if len(documents) == 1:
+            raise GatewayError(
+                f"document {documents[0]['id']!r} alone is larger than the gateway takes in "
+                f"one request ({exc.message}; SIFT_MAX_BODY_BYTES on the gateway)",
+                status_code=exc.status_code,
+            ) from exc
+        half = len(documents) // 2
+        return sum(
+            _send_documents(client, index, part, on_indexed, stopping, on_unsettled)
+            for part in (documents[:half], documents[half:])
+        )
+    job = response.json()
+    if job.get("status") not in FINAL_STATUSES:
+        job = client.poll(
+            f"/v1/ingestions/{job['id']}",
+            done=lambda body: body.get("status") in FINAL_STATUSES or stopping.is_set(),
+        )
+        if job.get("status") not in FINAL_STATUSES:  # interrupted: its outcome is unknown
+            on_unsettled(str(job.get("id")))
+            return 0
+    if job.get("status") != "succeeded":
+        error = job.get("error") or {}
+        message = error.get("message") if isinstance(error, dict) else error
+        raise GatewayError(f"ingest job {job.get('id')} {job.get('status')}: {message}")
+    on_indexed(len(documents))
+    return int(job.get("upserted") or 0)
+
+
+def _chunks(documents: list[dict[str, Any]], size: int) -> list[list[dict[str, Any]]]:
+    """The requests' documents, ``size`` at most each, in file order. No request holds an id
+    twice (the gateway refuses it: one write per id and request): a repeated id starts the
+    next request, so its last line is written last and wins."""
+    chunks: list[list[dict[str, Any]]] = []
+    ids: set[str] = set()
+    for document in documents:
+        if not chunks or len(chunks[-1]) == size or document["id"] in ids:
+            chunks.append([])
+            ids = set()
+        chunks[-1].append(document)
+        ids.add(document["id"])
+    return chunks
+
+
+def _resume_note(
+    file: Path,
+    loaded: Loaded,
+    chunks: list[list[dict[str, Any]]],
+    done: list[int],
+    unsettled: list[str],
+) -> str:
+    """What a failed ``sift ingest`` is known to have indexed, and the line to go on from.
+    ``done`` holds how many of each request's first documents are known indexed (a
+    request's halves go in order): every line before the first one not known indexed was,
+    and a later request (two are in flight) may have been too. ``unsettled``: the jobs whose
+    polls were stopped before they were done, which may still index their documents."""
+    note = _known_indexed(file, loaded, chunks, done)
+    if unsettled:
+        note += f"; job(s) {', '.join(unsettled)} were not done yet and may still index theirs"
+    return note
+
+
+def _known_indexed(
+    file: Path, loaded: Loaded, chunks: list[list[dict[str, Any]]], done: list[int]
+) -> str:
+    first = 0  # in file order, the first document not known indexed
+    for chunk, indexed in zip(chunks, done, strict=True):
+        first += indexed
+        if indexed < len(chunk):
+            break
+    known, total = sum(done), len(loaded.records)
+    if first >= total:
+        return f"all {total} document(s) of {file} were indexed"
+    if not known:
+        return f"none of the {total} document(s) of {file} is known indexed"
+    line = loaded.lines[first]
+    before = f", all those before line {line}" if first else ""
+    return (
+        f"{known} of {total} document(s) of {file} known indexed{before}; resume from line "
+        f"{line} (document {loaded.records[first]['id']!r}), or send the whole file again: "
+        "an ingest replaces each document by id, so those indexed are written again, not "
+        "duplicated"
+    )
+
+
+def _leave(code: int) -> NoReturn:
+    """Exit now, without joining the threads still waiting on the gateway's answers (as
+    ``concurrent.futures`` does at exit, up to a request's 30 s ``?wait=``)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@contextmanager
+def _pool(threads: int) -> Iterator[ThreadPoolExecutor]:
+    """Threads for requests; on an error, the ones not yet sent are dropped, not sent."""
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="sift-ingest")
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@app.command("ingest")
+def ingest(
+    file: Annotated[Path, typer.Argument(help="corpus.jsonl: BEIR (_id,title,text) or Sift's")],
+    index: Annotated[
+        str, typer.Option("--index", callback=index_name, help="the index to load into")
+    ],
+    batch_size: Annotated[
+        int,
+        typer.Option(min=1, max=MAX_DOCUMENTS_PER_REQUEST, help="documents per request"),
+    ] = 500,
+    skip_invalid: Annotated[
+        bool, typer.Option("--skip-invalid", help="skip bad lines instead of stopping")
+    ] = False,
+) -> None:
+    """Load documents through the gateway, with a progress bar."""
+    console = _out()
+    with _expected_errors():
+        loaded = _load(file, document_from, skip_invalid=skip_invalid)
+        _report_skipped(console, loaded.problems)
+        documents = loaded.records
+        if not documents:
+            raise InputError(f"{file}: no documents to send")
+        started = time.monotonic()
+        indexed = 0
+        chunks = _chunks(documents, batch_size)
+        done = [0] * len(chunks)  # how many of each request's first documents are indexed
+
+        stopping = threading.Event()  # Ctrl-C or a failure: no more requests, no more polls
+        unsettled: list[str] = []  # the jobs whose polls it stopped, not yet final
+
+        def send(i: int) -> int:
+            def on_indexed(n: int) -> None:
+                done[i] += n
+
+            return _send_documents(client, index, chunks[i], on_indexed, stopping, unsettled.append)
+
+        # Two requests in flight keep the worker busy while a finished job is answered and
+        # the next one sent; only when no id repeats, so a repeated id's last line still wins.
+        in_flight = 2 if len({d["id"] for d in documents}) == len(documents) else 1
+        with gateway() as client:
+            try:
+                with progress_bar(console) as progress, _pool(in_flight) as pool:
+                    task = progress.add_task(f"ingest {index}", total=len(documents))
+                    try:
+                        sent = [pool.submit(send, i) for i in range(len(chunks))]
+                        for chunk, reply in zip(chunks, sent, strict=True):
+                            indexed += reply.result()
+                            progress.advance(task, len(chunk))
+                    except KeyboardInterrupt:
+                        stopping.set()
+                        _err().print(
+                            "interrupted: waiting for the answers to the requests already "
+                            "sent (Ctrl-C again to leave without them)"
+                        )
+                    except GatewayError:
+                        # the requests in flight are answered, but not polled on: a job that
+                        # did not run held the failure back for good
+                        stopping.set()
+                        raise
+            except GatewayError as exc:  # the pool has waited for the requests in flight
+                note = _resume_note(file, loaded, chunks, done, unsettled)
+                raise GatewayError(f"{exc.message}; {note}", status_code=exc.status_code) from exc
+            except KeyboardInterrupt as exc:  # while the requests in flight were awaited
+                note = plain(_resume_note(file, loaded, chunks, done, unsettled))
+                failed = exc.__context__  # the failure whose requests in flight were awaited
+                why = (
+                    f"[bold red]error:[/] {plain(failed.message)}; then interrupted"
+                    if isinstance(failed, GatewayError)
+                    else "interrupted again"
+                )
+                _err().print(
+                    f"{why}: {note}; the requests sent before it may still be indexed",
+                    soft_wrap=True,
+                )
+                _leave(EXIT_INTERRUPTED)  # the pool's threads, waiting on answers, hold an exit
+            if stopping.is_set():
+                note = plain(_resume_note(file, loaded, chunks, done, unsettled))
+                _err().print(f"interrupted: {note}", soft_wrap=True)
+                raise typer.Exit(EXIT_INTERRUPTED)
+        elapsed = time.monotonic() - started
+        console.print(
+            f"indexed [bold]{indexed}[/] document(s) into [bold]{index}[/] in {elapsed:.1f} s"
+            + (f"; skipped {len(loaded.problems)} invalid line(s)" if loaded.problems else "")
+        )

@@ -1,0 +1,147 @@
+"""The input files: JSONL lines read and checked (a BEIR or a Sift document or query)
+before anything is sent."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+from rich.console import Console
+
+from worker.cli._common import InputError, _err
+from worker.cli._output import plain
+from worker.constants import MAX_DOCUMENT_CHARS, MAX_LIMIT, MAX_QUERY_CHARS
+from worker.contract import DocumentRequest
+
+MODES = ("fts", "vector", "hybrid")
+
+
+@dataclass
+class Loaded:
+    """The valid records of a JSONL file, the line number of each, and the problems of the
+    invalid ones."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def _jsonl(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` per non-blank line; each is parsed by :func:`_parsed`, where a
+    line that is not UTF-8 or not JSON is a bad line like any other (``--skip-invalid`` skips
+    it: a file cut off mid-line may be cut inside a character). Bytes that are not UTF-8 are
+    kept as lone surrogates (``surrogateescape``), which no decoded text holds."""
+    try:
+        handle = path.open(encoding="utf-8", errors="surrogateescape")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    with handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield number, line
+
+
+def _parsed(line: str) -> Any:
+    """One line's JSON; raises ValueError saying it is not UTF-8 or not JSON."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:  # a byte surrogateescape kept: the line is not UTF-8
+        raise ValueError("not UTF-8 text") from None
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON ({exc.msg})") from None
+
+
+def _pydantic_problem(exc: ValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "document"
+    return f"field {where!r}: {first['msg']}"
+
+
+def document_from(obj: Any) -> dict[str, Any]:
+    """A BEIR ``corpus.jsonl`` line (``_id``) or a Sift document as the gateway's document.
+
+    Raises ValueError naming the field.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError("a line must be a JSON object")
+    if "_id" in obj:  # BEIR: _id, title, text (its optional metadata is not Sift's)
+        obj = {"id": obj["_id"], "title": obj.get("title") or "", "text": obj.get("text")}
+    try:  # the gateway's own checks (metadata every backend can hold), so nothing is sent
+        document = DocumentRequest.model_validate(obj)
+    except ValidationError as exc:
+        raise ValueError(_pydantic_problem(exc)) from None
+    if len(document.text) > MAX_DOCUMENT_CHARS:
+        raise ValueError(f"field 'text': longer than {MAX_DOCUMENT_CHARS} characters")
+    return document.model_dump(exclude_none=True)
+
+
+def query_from(obj: Any) -> dict[str, Any]:
+    """A BEIR ``queries.jsonl`` line (``_id``, ``text``) or a Sift query as a batch item.
+
+    Raises ValueError naming the field.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError("a line must be a JSON object")
+    if "_id" in obj:  # BEIR: _id, text (metadata ignored)
+        obj = {"id": obj["_id"], "query": obj.get("text")}
+    unknown = sorted(set(obj) - {"id", "query", "limit", "mode"})
+    if unknown:
+        raise ValueError(f"field {unknown[0]!r}: not a query field (id, query, limit, mode)")
+    query_id, text = obj.get("id"), obj.get("query")
+    if not isinstance(query_id, str) or not query_id:
+        raise ValueError("field 'id': a non-empty string is required")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("field 'query': a non-empty string is required")
+    if len(text) > MAX_QUERY_CHARS:
+        raise ValueError(f"field 'query': longer than {MAX_QUERY_CHARS} characters")
+    item: dict[str, Any] = {"id": query_id, "query": text}
+    if "limit" in obj:
+        limit = obj["limit"]
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+            raise ValueError(f"field 'limit': an integer from 1 to {MAX_LIMIT} is required")
+        item["limit"] = limit
+    if "mode" in obj:
+        if obj["mode"] not in MODES:
+            raise ValueError(f"field 'mode': one of {', '.join(MODES)} is required")
+        item["mode"] = obj["mode"]
+    return item
+
+
+def _load(path: Path, parse: Any, *, skip_invalid: bool, unique_ids: bool = False) -> Loaded:
+    """Read and check every line first, so a bad line stops the command before anything is sent."""
+    loaded = Loaded()
+    seen: set[str] = set()
+    for number, line in _jsonl(path):
+        try:
+            record = parse(_parsed(line))
+            if unique_ids:
+                if record["id"] in seen:
+                    raise ValueError(f"field 'id': {record['id']!r} appears twice")
+                seen.add(record["id"])
+        except ValueError as exc:
+            problem = f"{path}:{number}: {exc}"
+            if not skip_invalid:
+                raise InputError(
+                    problem + " (nothing was sent; --skip-invalid skips such lines)"
+                ) from None
+            loaded.problems.append(problem)
+            continue
+        loaded.records.append(record)
+        loaded.lines.append(number)
+    return loaded
+
+
+def _report_skipped(console: Console, problems: list[str]) -> None:
+    if not problems:
+        return
+    _err().print(f"[yellow]skipped {len(problems)} invalid line(s):[/]")
+    for problem in problems[:10]:
+        _err().print(f"  {plain(problem)}", soft_wrap=True)
+    if len(problems) > 10:
+        _err().print(f"  … and {len(problems) - 10} more")

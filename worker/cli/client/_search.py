@@ -1,0 +1,79 @@
+"""``sift search``: one search through the gateway, its ranked hits printed."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from worker.cli import app
+from worker.cli._common import InputError, _expected_errors, _out
+from worker.cli._http import FINAL_STATUSES, GatewayError, gateway, index_name
+from worker.cli._output import plain, print_result, trace_lines
+from worker.cli.client._input import MODES
+from worker.constants import MAX_LIMIT, MAX_WAIT_SECONDS
+
+
+def _print_search(console: Console, job: dict[str, Any], *, trace: bool) -> None:
+    result = job.get("result") or {}
+    print_result(console, result)
+    if trace and result.get("trace") is not None:
+        console.print("[bold]trace[/] (the raw trace: --json)")
+        for line in trace_lines(result["trace"]):
+            console.print(f"  {plain(line)}", soft_wrap=True)
+
+
+def _job_failure(job: dict[str, Any]) -> str:
+    error = job.get("error") or {}
+    if isinstance(error, dict):
+        return f"{error.get('type', 'error')}: {error.get('message', '')}"
+    return str(error)
+
+
+@app.command("search")
+def search(
+    query: Annotated[str, typer.Argument(help="the query text")],
+    index: Annotated[str, typer.Option("--index", callback=index_name, help="the index to search")],
+    limit: Annotated[int, typer.Option(min=1, max=MAX_LIMIT, help="hits to return")] = 10,
+    mode: Annotated[str, typer.Option(help="fts, vector or hybrid")] = "hybrid",
+    rerank: Annotated[
+        bool | None,
+        typer.Option("--rerank/--no-rerank", help="override the server's default"),
+    ] = None,
+    trace: Annotated[
+        bool,
+        typer.Option(
+            "--trace",
+            help="ask for the trace and print it compactly (with --json: the raw trace)",
+        ),
+    ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="print the raw job as JSON")] = False,
+) -> None:
+    """Run one search through the gateway and print the ranked hits."""
+    console = _out()
+    with _expected_errors():
+        if mode not in MODES:
+            raise InputError(f"--mode: one of {', '.join(MODES)} is required, not {mode!r}")
+        body: dict[str, Any] = {
+            "index": index,
+            "query": query,
+            "limit": limit,
+            "mode": mode,
+            "include_trace": trace,
+        }
+        if rerank is not None:
+            body["rerank"] = rerank
+        with gateway() as client:
+            wait = int(MAX_WAIT_SECONDS)
+            response = client.request("POST", "/v1/searches", json=body, params={"wait": wait})
+            job = response.json()
+            if job.get("status") not in FINAL_STATUSES:
+                job = client.poll(f"/v1/searches/{job['id']}")
+        if json_out:
+            typer.echo(json.dumps(job))
+        elif job.get("status") == "succeeded":
+            _print_search(console, job, trace=trace)
+        if job.get("status") != "succeeded":
+            raise GatewayError(f"search {job.get('id')} {job.get('status')}: {_job_failure(job)}")
