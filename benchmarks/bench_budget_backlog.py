@@ -27,8 +27,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.services import redis_server  # noqa: E402
-from worker.adapters import rate_budget  # noqa: E402
 from worker.adapters.rate_budget import RedisRateBudget  # noqa: E402
+from worker.adapters.rate_budget import _budget as rate_budget  # noqa: E402
 from worker.core.types import RerankPrompt, TokenUsage  # noqa: E402
 from worker.settings import RateLimit  # noqa: E402
 

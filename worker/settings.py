@@ -213,7 +213,7 @@ class Settings(BaseSettings):
     )
     # The provider's limits per model ({"claude-haiku-4-5": {"rpm": 4000, "itpm": 400000,
     # "otpm": 80000, "economy": {"rpm": 4000, "queued": 500000}}}): every worker process then
-    # draws on one budget per model and lane in Redis (worker/adapters/rate_budget.py). A model
+    # draws on one budget per model and lane in Redis (worker/adapters/rate_budget/). A model
     # not named here is metered once the provider's anthropic-ratelimit-* headers have told its
     # limits.
     rate_limits: Annotated[dict[str, RateLimit], NoDecode] = Field(default_factory=dict)

@@ -103,7 +103,7 @@ RERANK_IN_FLIGHT = Gauge(
     ["model"],
     multiprocess_mode="livesum",
 )
-# The shared rate budget's metrics (extensions to §9; worker/adapters/rate_budget.py).
+# The shared rate budget's metrics (extensions to §9; worker/adapters/rate_budget/).
 BUDGET_WAIT = Histogram(
     METRIC_RATE_BUDGET_WAIT,
     "Seconds a model call waited for the shared rate budget before it was sent (0: none), "

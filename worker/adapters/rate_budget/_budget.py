@@ -1,0 +1,314 @@
+"""The standard lane's budget: :class:`RedisRateBudget` over its Lua script
+(:data:`BUDGET_SCRIPT`), and the :class:`TokenEstimator` of a prompt's input tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+from worker.adapters.rate_budget._headers import (
+    NOT_STATED,
+    limits_from_headers,
+    remaining_from_headers,
+)
+from worker.constants import RATE_BUDGET_KEY
+from worker.core.types import BudgetGrant, RerankPrompt, TokenUsage
+from worker.observability import metrics
+from worker.settings import RateLimit
+
+if TYPE_CHECKING:
+    import redis
+
+
+log = logging.getLogger(__package__)  # worker.adapters.rate_budget: one logger for the budget
+
+# Sift's buckets hold this share of a minute's worth, the provider's a whole minute: the
+# remaining tenth of the provider's bucket absorbs the jitter between a reservation and the
+# request's arrival there, so a cluster at the limit's rate does not meet 429s.
+BURST_FRACTION = 0.9
+# The hash outlives its last use by this long (a day): it holds only levels and limits.
+BUDGET_TTL_SECONDS = 86_400
+MAX_PAUSE_SECONDS = 60.0
+# one report moves the input-token correction at most this far (a prompt of images, say)
+MIN_CORRECTION, MAX_CORRECTION = 0.1, 10.0
+
+
+# backlog() answers from the last reading this recent (a reservation's wait is one) rather
+# than asking Redis: a batch paces every item on it
+BACKLOG_REFRESH_SECONDS = 0.2
+
+
+# KEYS[1]: the budget's hash. ARGV: 1-3 the configured limits per minute (requests, input
+# tokens, output tokens; 0: none), 4-6 the amounts to take (negative: give back), 7 the most the
+# caller may wait in seconds (-1: take unconditionally, the settlement; -2: only answer the
+# wait, taking nothing), 8 seconds to pause every caller for (a 429; 0: none), 9-11 learned
+# limits to store (0: none), 12 the burst fraction, 13 the hash's TTL, 14-16 what the
+# provider's buckets held by its response headers (-1: not stated), 17 the seconds since that
+# call was sent (the provider's buckets have refilled since). A limit both configured and
+# learned is the lower of the two. A stated level lowers Sift's bucket to it, less the
+# provider's spare (1 - burst) share, when Sift's believes it holds more; never raises it.
+# Answers {admitted (1/0), seconds to wait (a string: Lua numbers come back from Redis as
+# integers)}. Numbers are stored with 17 digits (Lua's tostring keeps 14: a tenth of a
+# millisecond of Redis's clock). Nothing but learned limits is written when the caller is not
+# admitted.
+BUDGET_SCRIPT = """
+local function num(x) return string.format('%.17g', x) end
+local key = KEYS[1]
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local state = redis.call('HMGET', key, 'r', 'i', 'o', 'Lr', 'Li', 'Lo', 'at', 'pause')
+local names = {'r', 'i', 'o'}
+local at = tonumber(state[7]) or now
+local pause = tonumber(state[8]) or 0
+local max_wait = tonumber(ARGV[7])
+local burst = tonumber(ARGV[12])
+local age = tonumber(ARGV[17])
+local writes = {}
+for d = 1, 3 do
+  local learned = tonumber(ARGV[8 + d])
+  if learned > 0 and learned ~= tonumber(state[3 + d]) then
+    state[3 + d] = learned
+    table.insert(writes, 'L' .. names[d]); table.insert(writes, learned)
+  end
+end
+local pause_for = tonumber(ARGV[8])
+if pause_for > 0 and now + pause_for > pause then
+  pause = now + pause_for
+end
+local wait = math.max(0, pause - now)
+local levels = {}
+for d = 1, 3 do
+  local limit = tonumber(ARGV[d])
+  local learned = tonumber(state[3 + d]) or 0
+  if limit <= 0 then
+    limit = learned
+  elseif learned > 0 and learned < limit then
+    limit = learned
+  end
+  if limit > 0 then
+    local cap = limit * burst
+    local rate = limit / 60
+    local level = math.min(cap, (tonumber(state[d]) or cap) + (now - at) * rate)
+    local cost = math.min(tonumber(ARGV[3 + d]), cap)
+    if cost > 0 and level < cost then
+      wait = math.max(wait, (cost - level) / rate)
+    end
+    level = math.min(cap, level - cost)
+    local stated = tonumber(ARGV[13 + d])
+    if stated >= 0 then
+      local theirs = math.min(limit, stated + age * rate) - (limit - cap)
+      if theirs < level then level = theirs end
+    end
+    levels[d] = level
+  end
+end
+if max_wait == -2 then
+  return {0, num(wait)}
+end
+if max_wait >= 0 and wait > max_wait then
+  if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
+  return {0, num(wait)}
+end
+for d = 1, 3 do
+  if levels[d] ~= nil then
+    table.insert(writes, names[d]); table.insert(writes, num(levels[d]))
+  end
+end
+table.insert(writes, 'at'); table.insert(writes, num(now))
+table.insert(writes, 'pause'); table.insert(writes, num(pause))
+redis.call('HSET', key, unpack(writes))
+redis.call('EXPIRE', key, tonumber(ARGV[13]))
+return {1, num(wait)}
+"""
+
+
+class TokenEstimator:
+    """Input tokens of a prompt, before it is sent: characters over a chars-per-token figure,
+    times a correction learned from what the provider reported (an exponential average of
+    reported over estimated). It starts high (3 chars per token, about Claude's rate on English
+    text and under it on code), so the first calls over-reserve rather than under."""
+
+    def __init__(self, chars_per_token: float = 3.0, smoothing: float = 0.1) -> None:
+        self.chars_per_token = chars_per_token
+        self.smoothing = smoothing
+        self.correction = 1.0
+        self._lock = threading.Lock()
+
+    def raw(self, prompt: RerankPrompt) -> float:
+        chars = len(prompt.system) + len(prompt.user)
+        chars += len(json.dumps(dict(prompt.output_schema), separators=(",", ":")))
+        return chars / self.chars_per_token
+
+    def estimate(self, prompt: RerankPrompt) -> int:
+        return max(1, round(self.raw(prompt) * self.correction))
+
+    def calibrate(self, raw_estimate: float, reported: int) -> None:
+        """Move the correction toward ``reported / raw_estimate``."""
+        if raw_estimate <= 0 or reported <= 0:
+            return
+        with self._lock:
+            ratio = min(max(reported / raw_estimate, MIN_CORRECTION), MAX_CORRECTION)
+            self.correction += self.smoothing * (ratio - self.correction)
+
+
+class RedisRateBudget:
+    """A :class:`~worker.core.ports.RateBudget` shared through Redis by every process.
+
+    Off (every reservation admitted at once, no Redis call) until a limit is known: from
+    ``limits`` (``SIFT_RATE_LIMITS``) or from response headers given to :meth:`learn`.
+    A 429's pause is honoured even then.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        model: str,
+        limits: RateLimit | None = None,
+        *,
+        lane: str = "standard",
+        estimator: TokenEstimator | None = None,
+        burst_fraction: float = BURST_FRACTION,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.lane = lane
+        self.key = f"{RATE_BUDGET_KEY}{lane}:{model}"
+        self.limits = limits or RateLimit()
+        self.learned = RateLimit()
+        self.estimator = estimator or TokenEstimator()
+        self.burst_fraction = burst_fraction
+        self._clock = clock
+        self.client = client
+        self._script = client.register_script(BUDGET_SCRIPT)
+        self._typical = (0.0, 0.0)  # the last call's input and output tokens, for backlog()
+        self._paused = False
+        self._backlog = (0.0, -math.inf)  # the last wait read, and when (this process's clock)
+        # per thread: when its call was sent, and what the call's response headers stated
+        self._call = threading.local()
+        self.script_calls = 0  # Redis round trips made, for the benchmark
+
+    @property
+    def active(self) -> bool:
+        """Whether a limit is known (set or learned), or a 429 paused the cluster."""
+        known = (self.limits.rpm, self.limits.itpm, self.limits.otpm)
+        learned = (self.learned.rpm, self.learned.itpm, self.learned.otpm)
+        return self._paused or any(v is not None for v in (*known, *learned))
+
+    def _run(
+        self,
+        take: tuple[float, float, float],
+        max_wait: float,
+        *,
+        pause: float = 0.0,
+        learn: RateLimit | None = None,
+        stated: tuple[float, float, float] = (NOT_STATED, NOT_STATED, NOT_STATED),
+        age: float = 0.0,
+    ) -> tuple[bool, float]:
+        limits = self.limits
+        learned = learn or RateLimit()
+        args = [
+            limits.rpm or 0,
+            limits.itpm or 0,
+            limits.otpm or 0,
+            *take,
+            max_wait,
+            pause,
+            learned.rpm or 0,
+            learned.itpm or 0,
+            learned.otpm or 0,
+            self.burst_fraction,
+            BUDGET_TTL_SECONDS,
+            *stated,
+            max(0.0, age),
+        ]
+        self.script_calls += 1
+        admitted, wait = self._script(keys=[self.key], args=args)
+        return bool(int(admitted)), float(wait)
+
+    def backlog(self) -> float:
+        """Seconds a call like the last one would wait now (nothing is reserved). Answered
+        from this process's last reading when it is under :data:`BACKLOG_REFRESH_SECONDS` old
+        (every reservation is one): a batch asks before each item."""
+        if not self.active:
+            return 0.0
+        wait, read_at = self._backlog
+        now = self._clock()
+        if now - read_at < BACKLOG_REFRESH_SECONDS:
+            return wait
+        wait = self._run((1, *self._typical), -2)[1]
+        self._backlog = (wait, now)
+        return wait
+
+    def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
+        if not self.active:
+            return BudgetGrant(admitted=True, wait=0.0)
+        raw = self.estimator.raw(prompt)
+        estimate = self.estimator.estimate(prompt)
+        self._typical = (float(estimate), float(prompt.max_tokens))
+        admitted, wait = self._run((1, estimate, prompt.max_tokens), max(0.0, max_wait))
+        now = self._clock()
+        self._backlog = (wait, now)
+        if not admitted:
+            return BudgetGrant(admitted=False, wait=wait)
+        self._call.sent_at = now + wait
+        self._call.stated = None
+        metrics.budget_waited(self.model, self.lane, wait)
+        return BudgetGrant(True, wait, estimate, prompt.max_tokens, raw_input=raw)
+
+    def settle(self, grant: BudgetGrant, usage: TokenUsage | None, *, sent: bool = True) -> None:
+        """Give back the unused part of the reservation (and its request, for a call never
+        ``sent``: the provider did not count it). Input tokens as the provider meters
+        them: uncached plus cache writes (cache reads do not count against ITPM). What the
+        call's response headers said the provider's buckets hold (:meth:`learn`) goes in the
+        same script call."""
+        stated = getattr(self._call, "stated", None)
+        self._call.stated = None
+        if usage is None or not grant.admitted or not (grant.input_tokens or grant.output_tokens):
+            return
+        used_input = usage.input_tokens + usage.cache_creation_input_tokens
+        # against the raw estimate the grant carries: rebuilding it from the correction now,
+        # which other threads move meanwhile, fed the correction back into itself
+        self.estimator.calibrate(grant.raw_input, used_input)
+        # what was used beyond the reservation is taken too: a negative amount gives back
+        extra_input = float(used_input - grant.input_tokens)
+        extra_output = float(usage.output_tokens - grant.output_tokens)
+        # (requests, input, output): a call never sent gives its request back as well
+        take = (0.0 if sent else -1.0, extra_input, extra_output)
+        if stated is None:
+            self._run(take, -1)
+            return
+        age = self._clock() - getattr(self._call, "sent_at", self._clock())
+        self._run(take, -1, stated=stated, age=age)
+
+    def pause(self, seconds: float) -> None:
+        """Every process waits ``seconds`` (capped at a minute) before its next call."""
+        self._paused = True
+        self._run((0, 0, 0), -1, pause=min(max(seconds, 0.0), MAX_PAUSE_SECONDS))
+
+    def learn(self, headers: Mapping[str, str]) -> None:
+        """Take what a response's headers state: the limits, stored in Redis the first time
+        they change; what the provider's buckets hold, kept for this thread's settlement
+        (which writes it in its own script call: no round trip here)."""
+        stated = remaining_from_headers(headers)
+        if any(level != NOT_STATED for level in stated):
+            self._call.stated = stated
+        found = limits_from_headers(headers)
+        if found is None or found == self.learned:
+            return
+        log.info("rate limits of %s learned from the provider: %s", self.model, found)
+        self.learned = found
+        self._run((0, 0, 0), -1, learn=found)
+
+    def reserve_call(self, max_wait: float) -> BudgetGrant:
+        """Reserve one request and no tokens (an economy lane call: a submission, a poll)."""
+        if not self.active:
+            return BudgetGrant(admitted=True, wait=0.0)
+        admitted, wait = self._run((1, 0, 0), max(0.0, max_wait))
+        if admitted:
+            metrics.budget_waited(self.model, self.lane, wait)
+        return BudgetGrant(admitted=admitted, wait=wait)
