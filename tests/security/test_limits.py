@@ -8,6 +8,7 @@ README's limits table is checked against :mod:`worker.constants` here too.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,11 +87,28 @@ def test_a_chunked_body_over_the_limit_is_413_too(stack: Stack) -> None:
     names_the_field(response, 413, "body")
 
 
-def test_a_body_just_under_the_limit_is_read(stack: Stack) -> None:
+def padded_search(size: int) -> bytes:
+    """A valid search body of exactly ``size`` bytes: JSON whitespace before its closing brace."""
+    body = json.dumps(search()).encode()
+    return body[:-1] + b" " * (size - len(body)) + b"}"
+
+
+@pytest.mark.parametrize("size", [IDLE_BODY_LIMIT - 1, IDLE_BODY_LIMIT])
+def test_a_body_up_to_the_limit_is_read(stack: Stack, size: int) -> None:
+    """The limit is inclusive: a body of exactly ``SIFT_MAX_BODY_BYTES`` is read and stored."""
+    body = padded_search(size)
+    assert len(body) == size
+    headers = {**ACME, "content-type": "application/json"}
+    response = stack.idle.post("/v1/searches", content=body, headers=headers)
+    assert response.status_code == 202, response.text
+
+
+def test_a_body_one_byte_over_the_limit_is_413(stack: Stack) -> None:
+    headers = {**ACME, "content-type": "application/json"}
     response = stack.idle.post(
-        "/v1/searches", json=search(query="q" * (MAX_QUERY_CHARS + 1)), headers=ACME
+        "/v1/searches", content=padded_search(IDLE_BODY_LIMIT + 1), headers=headers
     )
-    names_the_field(response, 422, "query")  # parsed: the limit that bit is the field's
+    names_the_field(response, 413, "body")
 
 
 # --- searches -------------------------------------------------------------------------------
