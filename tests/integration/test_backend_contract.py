@@ -8,6 +8,7 @@ import pytest
 
 from tests.fakes import InMemoryBackend
 from tests.integration.backend_contract import BackendContract, LifecycleContract
+from worker.adapters.embedded import EmbeddedBackend
 from worker.core.ports import SearchBackend
 
 pytestmark = pytest.mark.integration
@@ -29,8 +30,4 @@ class TestInMemoryBackendContract(BackendContract):
 class TestEmbeddedBackendContract(LifecycleContract):
     @pytest.fixture
     def backend(self, tmp_path: Path) -> SearchBackend:
-        embedded = pytest.importorskip(
-            "worker.adapters.embedded", reason="the embedded backend is not on this branch yet"
-        )
-        backend: SearchBackend = embedded.EmbeddedBackend(tmp_path / "data")
-        return backend
+        return EmbeddedBackend(tmp_path / "data")
