@@ -13,15 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.prometheus_support import prometheus_binary, run_prometheus, wait_until
+from tests.prometheus_support import requires_prometheus, run_prometheus, wait_until
 from tests.services import gateway, redis_server
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(
-        prometheus_binary() is None,
-        reason="prometheus is not installed (apt-get install prometheus, or make services)",
-    ),
+    requires_prometheus(),
 ]
 
 KEY = {"key": "acme-key-0001", "tenant": "acme", "webhook_secret": "whsec_YWNtZQ=="}

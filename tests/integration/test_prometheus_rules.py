@@ -6,15 +6,12 @@ import subprocess
 
 import pytest
 
-from tests.prometheus_support import ROOT, RULES, promtool_binary
+from tests.prometheus_support import ROOT, RULES, promtool_binary, requires_prometheus
 
 pytestmark = pytest.mark.integration
 
 PROMTOOL = promtool_binary()
-needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None,
-    reason="promtool is not installed (apt-get install prometheus, or make services)",
-)
+needs_promtool = requires_prometheus(promtool=True)
 RULE_TESTS = ROOT / "deploy" / "prometheus" / "tests" / "sift_test.yml"
 
 
