@@ -10,19 +10,33 @@ and a tenant's API key is refused.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import GLOBEX, KEYS, Stack
+from tests.prometheus_support import wait_until
 from tests.services import gateway
+from worker.constants import METRIC_JOB_FAILURES
 
 METRICS_TOKEN = "metrics-token-0123456789abcdef"
 INDEX = "zq-private-index-7731"
 QUERY = "marmalade xylophone quorum 48213"
+
+
+def index_not_found_failures(stack: Stack) -> float:
+    """The live worker's ``sift_job_failures_total{kind="search",error="index_not_found"}``."""
+    text = httpx.get(stack.worker_metrics_url, timeout=10).text
+    wanted = {"kind": "search", "error": "index_not_found"}
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == METRIC_JOB_FAILURES and sample.labels == wanted
+    )
 
 
 def test_no_tenant_index_query_or_job_id_reaches_any_metrics(stack: Stack) -> None:
@@ -42,11 +56,19 @@ def test_no_tenant_index_query_or_job_id_reaches_any_metrics(stack: Stack) -> No
     )
     assert search.status_code == 200, search.text
     job_id = search.json()["id"]
-    missing = stack.live.post(  # a 404 with the name in its path
+    failed_before = index_not_found_failures(stack)
+    missing = stack.live.post(  # a failed search naming the index in its error
         "/v1/searches", json={"index": "zq-no-such-index-5512", "query": QUERY}, headers=GLOBEX
     )
-    assert missing.status_code in (202, 404), missing.text
-    time.sleep(0.5)  # the worker's counters are written as the jobs finish
+    assert missing.status_code == 202, missing.text
+    path = f"/v1/searches/{missing.json()['id']}"
+    failed = wait_until(
+        lambda: (job := stack.live.get(path, headers=GLOBEX).json())["status"] == "failed" and job,
+        "the search of a missing index to fail",
+    )
+    assert failed["error"]["type"] == "index_not_found", failed
+    # the worker counts the failure as it finishes the job, around when it stores it
+    wait_until(lambda: index_not_found_failures(stack) > failed_before, "the failure to be counted")
     texts = {
         "gateway": stack.live.get("/metrics").text,
         "worker": httpx.get(stack.worker_metrics_url, timeout=10).text,
