@@ -12,7 +12,6 @@ from __future__ import annotations
 import gc
 import importlib
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Task
 from celery.exceptions import Reject, Retry
+from tenacity import RetryCallState, Retrying, wait_exponential, wait_random_exponential
 
 from worker.constants import (
     ECONOMY_PRICE_DISCOUNT,
@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 
 RETRY_BASE_SECONDS = 1.0
 RETRY_CAP_SECONDS = 60.0
+# A task's wait before its retry: equal jitter, between half a ceiling and the ceiling, which
+# doubles from RETRY_BASE_SECONDS with each retry up to RETRY_CAP_SECONDS. Half of it is fixed,
+# so a retry never comes straight back at a backend that is down; the other half is random.
+_HALF = {"multiplier": RETRY_BASE_SECONDS / 2, "max": RETRY_CAP_SECONDS / 2}
+RETRY_WAIT = wait_exponential(**_HALF) + wait_random_exponential(**_HALF)
 # Allocations between young-generation collections, once the runtime is built (Python's
 # default is 700): with hundreds of searches in flight, collections cost ~8% of the CPU.
 GC_YOUNG_THRESHOLD = 20_000
@@ -272,9 +277,10 @@ class SiftTask(Task):  # type: ignore[misc]
         return isinstance(exc, SiftError) and exc.retryable and self.request.retries < budget
 
     def backoff(self) -> float:
-        """Exponential backoff with full jitter, capped."""
-        ceiling = min(RETRY_CAP_SECONDS, RETRY_BASE_SECONDS * 2**self.request.retries)
-        return random.uniform(ceiling / 2, ceiling)
+        """Exponential backoff with equal jitter (:data:`RETRY_WAIT`) for this retry."""
+        state = RetryCallState(Retrying(), None, (), {})
+        state.attempt_number = self.request.retries + 1
+        return RETRY_WAIT(state)
 
     def delivery(self) -> int:
         """Count this delivery of the message: how many there have been, this one included."""
