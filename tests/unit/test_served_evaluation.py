@@ -83,3 +83,20 @@ def test_fusion_is_compared_with_each_channel_query_by_query() -> None:
     assert report["candidate_recall"]["by_ranking"] == {
         "bm25": pytest.approx(2 / 3), "knn": 0.0, "fused": pytest.approx(2 / 3)
     }  # fmt: skip
+
+
+def test_candidate_recall_is_the_share_of_relevant_documents_in_the_window() -> None:
+    """R@window, per query then averaged; a query without a relevant document is left out of
+    it (as from every measure: "queries without qrels left out"), not a division by zero."""
+    qrels = {"q1": {"r1": 1, "r2": 2, "r3": 1}, "q2": {"r4": 1}, "q3": {}}
+    fused = {"q1": ["r1", "x", "r2", "r3"], "q2": ["x", "y", "r4"], "q3": ["r1"]}
+    runs = {"bm25": {"q1": ["r3"]}, "knn": {"q2": ["r4"]}, "fused": fused}
+    report = score_rankings(
+        runs, qrels, ["q1", "q2", "q3"], window=3, candidates=fused, final=fused
+    )
+    recall = report["candidate_recall"]
+    assert recall["end_to_end"] == pytest.approx((2 / 3 + 1) / 2)
+    assert recall["queries_with_a_relevant_candidate"] == 2
+    assert recall["by_ranking"] == {
+        "bm25": pytest.approx(1 / 6), "knn": pytest.approx(1 / 2), "fused": recall["end_to_end"]
+    }  # fmt: skip

@@ -204,12 +204,11 @@ def score_rankings(
         report["depth"][name] = min((len(ranking.get(qid, [])) for qid in judged), default=0)
 
     # Candidate recall at the rerank window bounds what any reranker can reach (seed 004).
-    windows = {qid: set(candidates.get(qid, [])[:window]) for qid in judged}
-    recalls = [len(windows[qid] & qrels[qid].keys()) / len(qrels[qid]) for qid in judged]
-    reachable = {qid for qid in judged if windows[qid] & qrels[qid].keys()}
+    recalls = _recalls_at(window, qrel_list, candidates, judged)
+    reachable = {qid for qid, recall in recalls.items() if recall > 0}
     report["candidate_recall"] = {
         "window": window,
-        "end_to_end": sum(recalls) / len(recalls) if recalls else 0.0,
+        "end_to_end": _mean(recalls),
         "queries_with_a_relevant_candidate": len(reachable),
         # fewer than ``window`` when the results were cut shorter (a batch of limit 10)
         "candidates_held": min(
@@ -217,7 +216,9 @@ def score_rankings(
         ),
     }
     report["candidate_recall"]["by_ranking"] = {
-        name: _mean_recall(runs[name], qrels, judged, window) for name in CHANNELS if name in runs
+        name: _mean(_recalls_at(window, qrel_list, runs[name], judged))
+        for name in CHANNELS
+        if name in runs
     } | {"fused": report["candidate_recall"]["end_to_end"]}
     if all(name in runs for name in CHANNELS):
         report["fusion_vs_channels"] = fusion_vs_channels(runs, qrel_list, judged)
@@ -228,13 +229,18 @@ def score_rankings(
     return report
 
 
-def _mean_recall(
-    ranking: dict[str, list[str]], qrels: dict[str, dict[str, int]], judged: list[str], window: int
-) -> float:
-    recalls = [
-        len(set(ranking.get(q, [])[:window]) & qrels[q].keys()) / len(qrels[q]) for q in judged
-    ]
-    return sum(recalls) / len(recalls) if recalls else 0.0
+def _recalls_at(
+    window: int, qrels: list[ir_measures.Qrel], ranking: dict[str, list[str]], judged: list[str]
+) -> dict[str, float]:
+    """Each judged query's R@window (ir-measures): the share of its relevant documents in the
+    ranking's first ``window``, 0 for a query the ranking lacks. A query with no relevant
+    document has no recall and is left out, as from every measure here."""
+    run = _scored(ranking, judged)
+    return {m.query_id: m.value for m in ir_measures.iter_calc([R @ window], qrels, run)}
+
+
+def _mean(values: Mapping[str, float]) -> float:
+    return statistics.fmean(values.values()) if values else 0.0
 
 
 def fusion_vs_channels(
