@@ -13,6 +13,7 @@ import pytest
 from api_gateway.schemas import SearchRequest
 from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack
 from tests.fake_anthropic import positions, status
+from tests.prometheus_support import wait_until
 from worker.queue.jobstore import JobStore, fingerprint
 
 
@@ -113,19 +114,25 @@ def test_idempotency_resend_while_the_first_request_waits_gets_its_job(stack: St
     """The key is bound to the job in the write that creates it: a resend while the first
     request is still in its ``?wait`` gets that job (it does not wait for the first to be
     answered, nor makes a second one)."""
-    # On the idle gateway nothing runs jobs, so the first request waits its full 2 s.
+    # On the idle gateway nothing runs jobs, so the first request waits its full 3 s.
     headers = {**ACME, "Idempotency-Key": "conflict-1"}
     body = {"index": INDEX, "query": "slow one"}
     answers: list[httpx.Response] = []
+
+    def newest_query() -> str:
+        listed = stack.idle.get("/v1/searches", params={"page_size": 1}, headers=ACME).json()
+        return str(listed["searches"][0]["query"]) if listed["searches"] else ""
+
     with httpx.Client(base_url=stack.idle_url, timeout=30) as other:
         first = threading.Thread(
             target=lambda: answers.append(
-                other.post("/v1/searches", params={"wait": 2}, json=body, headers=headers)
+                other.post("/v1/searches", params={"wait": 3}, json=body, headers=headers)
             )
         )
         first.start()
-        time.sleep(0.5)
+        wait_until(lambda: newest_query() == "slow one", "the first request's job")
         second = stack.idle.post("/v1/searches", json=body, headers=headers)
+        assert first.is_alive(), "the first request was answered before the resend"
         first.join()
     assert answers[0].status_code == 202
     assert second.status_code == 202, second.text
