@@ -29,7 +29,7 @@ import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.reliability.support import ACME, INDEX, KEYS
+from tests.reliability.support import ACME, INDEX, KEYS, wait_for
 from tests.services import free_port, gateway, redis_server
 from worker.constants import METRIC_JOBS_IN_FLIGHT, METRIC_QUEUE_BACKLOG, SEARCH_QUEUE
 
@@ -159,9 +159,13 @@ def test_while_redis_is_down_each_request_is_a_503_logged_once_on_a_connection_k
         assert back.status_code == 200, back.text
         assert _local_port(back) == port
 
-        time.sleep(0.2)  # the log lines of the requests above are written
-        text = log.read_text()
-        lines = [line for line in text.splitlines() if "job store unavailable" in line]
+        def logged() -> list[str]:
+            return [
+                line for line in log.read_text().splitlines() if "job store unavailable" in line
+            ]
+
+        wait_for(lambda: len(logged()) >= len(down), "the outage's log lines", 30)
+        lines, text = logged(), log.read_text()
         assert len(lines) == len(down), lines
         assert all("ConnectionError" in line for line in lines), lines
         assert "Traceback" not in text and "Exception in ASGI application" not in text
