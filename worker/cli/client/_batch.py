@@ -34,7 +34,13 @@ from worker.cli._http import (
     index_name,
 )
 from worker.cli._output import plain, progress_bar, usage_line
-from worker.cli.client._input import MODES, _load, _report_skipped, query_from
+from worker.cli.client._input import (
+    MODES,
+    _load,
+    _nothing_sent_on_interrupt,
+    _report_skipped,
+    query_from,
+)
 from worker.constants import IDEMPOTENCY_PENDING_TTL_SECONDS, MAX_BATCH_QUERIES, MAX_LIMIT
 
 LANES = ("standard", "economy")
@@ -194,14 +200,17 @@ def batch(
             raise InputError(f"--mode: one of {', '.join(MODES)} is required, not {mode!r}")
         if lane not in LANES:
             raise InputError(f"--lane: one of {', '.join(LANES)} is required, not {lane!r}")
-        loaded = _load(queries, query_from, skip_invalid=skip_invalid, unique_ids=True)
-        _report_skipped(console, loaded.problems)
-        items = loaded.records
-        if not items:
-            raise InputError(f"{queries}: no queries to send")
-        if len(items) > MAX_BATCH_QUERIES:
-            raise InputError(f"{queries}: {len(items)} queries; a batch holds {MAX_BATCH_QUERIES}")
-        _check_out(out)
+        with _nothing_sent_on_interrupt(queries, "nothing was sent, no batch made"):
+            loaded = _load(queries, query_from, skip_invalid=skip_invalid, unique_ids=True)
+            _report_skipped(console, loaded.problems)
+            items = loaded.records
+            if not items:
+                raise InputError(f"{queries}: no queries to send")
+            if len(items) > MAX_BATCH_QUERIES:
+                raise InputError(
+                    f"{queries}: {len(items)} queries; a batch holds {MAX_BATCH_QUERIES}"
+                )
+            _check_out(out)
         for item in items:
             if limit is not None:
                 item.setdefault("limit", limit)

@@ -20,7 +20,13 @@ from worker.cli import app
 from worker.cli._common import EXIT_INTERRUPTED, InputError, _err, _expected_errors, _out
 from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway, index_name, segment
 from worker.cli._output import plain, progress_bar
-from worker.cli.client._input import Loaded, _load, _report_skipped, document_from
+from worker.cli.client._input import (
+    Loaded,
+    _load,
+    _nothing_sent_on_interrupt,
+    _report_skipped,
+    document_from,
+)
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST
 
 
@@ -171,14 +177,15 @@ def ingest(
     """Load documents through the gateway, with a progress bar."""
     console = _out()
     with _expected_errors():
-        loaded = _load(file, document_from, skip_invalid=skip_invalid)
-        _report_skipped(console, loaded.problems)
-        documents = loaded.records
-        if not documents:
-            raise InputError(f"{file}: no documents to send")
+        with _nothing_sent_on_interrupt(file, "nothing was sent"):
+            loaded = _load(file, document_from, skip_invalid=skip_invalid)
+            _report_skipped(console, loaded.problems)
+            documents = loaded.records
+            if not documents:
+                raise InputError(f"{file}: no documents to send")
+            chunks = _chunks(documents, batch_size)
         started = time.monotonic()
         indexed = 0
-        chunks = _chunks(documents, batch_size)
         done = [0] * len(chunks)  # how many of each request's first documents are indexed
 
         stopping = threading.Event()  # Ctrl-C or a failure: no more requests, no more polls

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from worker.cli._common import InputError, _err
+from worker.cli._common import EXIT_INTERRUPTED, InputError, _err
 from worker.cli._output import plain
 from worker.constants import MAX_DOCUMENT_CHARS, MAX_LIMIT, MAX_QUERY_CHARS
 from worker.contract import DocumentRequest
@@ -28,6 +30,17 @@ class Loaded:
     records: list[dict[str, Any]] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+
+
+@contextmanager
+def _nothing_sent_on_interrupt(read: Path, what: str) -> Iterator[None]:
+    """Ctrl-C while ``read`` is still being read and checked, before any request: say so and
+    exit 130 (typer exits 130 on Ctrl-C without a word, which read as a crash or a hang)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _err().print(f"interrupted while reading {plain(read)}: {what}", soft_wrap=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, str]]:
