@@ -41,12 +41,13 @@ for documents (``benchmarks/bench_doc_embedding.py``, SciFact, in-process eval):
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
@@ -101,6 +102,7 @@ def int8_compute_model(source: Path, cache_dir: Path, fuse_attention: bool = Tru
     target = cache_dir / f"minilm-int8-matmul-{revision}-{digest}-ort{ort.__version__}.onnx"
     if target.is_file():
         return target
+    logger.info("making the int8-compute embedding graph in %s (once, a few seconds)", cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as work:
         folded = Path(work) / "folded.onnx"
@@ -115,16 +117,38 @@ def int8_compute_model(source: Path, cache_dir: Path, fuse_attention: bool = Tru
             with_fused_attention(graph)
         onnx.save(graph, str(folded))
         made = Path(work) / "int8.onnx"
-        quantize_dynamic(
-            folded,
-            made,
-            per_channel=True,
-            weight_type=QuantType.QInt8,
-            op_types_to_quantize=["MatMul"],
-        )
+        with _quantizer_quiet():
+            quantize_dynamic(
+                folded,
+                made,
+                per_channel=True,
+                weight_type=QuantType.QInt8,
+                op_types_to_quantize=["MatMul"],
+            )
         os.replace(made, target)
     logger.info("made the int8-compute embedding graph %s", target)
     return target
+
+
+@contextlib.contextmanager
+def _quantizer_quiet() -> Iterator[None]:
+    """Drop what onnxruntime's quantizer logs on the root logger meanwhile: a WARNING advising
+    its pre-processing script (advice for any model; this graph is judged by its vectors, see
+    the module's docstring) and an INFO for each tensor it leaves in fp32: 25 lines in a
+    worker's log, or the WARNING on a command's stderr, the first time a machine embeds."""
+    import onnxruntime.quantization
+
+    package = os.path.dirname(onnxruntime.quantization.__file__) + os.sep
+
+    def not_the_quantizers(record: logging.LogRecord) -> bool:
+        return not record.pathname.startswith(package)
+
+    root = logging.getLogger()
+    root.addFilter(not_the_quantizers)
+    try:
+        yield
+    finally:
+        root.removeFilter(not_the_quantizers)
 
 
 def without_nan_guards(model: Any) -> int:

@@ -1,0 +1,33 @@
+"""Making the int8-compute graph (once per machine, on its first embedding) logs Sift's own
+two lines, not onnxruntime's quantizer.
+
+Before, the quantizer's records went to the root logger: a WARNING advising its
+pre-processing script (on the stderr of a command with no logging set up, such as
+``sift eval --corpus``) and an INFO for each of 24 tensors it left in fp32, in the worker's
+log, the first time a fresh machine embedded anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from worker.adapters.embedder import default_model_path, int8_compute_model
+
+
+def test_making_the_int8_graph_logs_only_its_own_lines(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.DEBUG):  # the root logger and its handlers: everything
+        made = int8_compute_model(default_model_path(), tmp_path)
+    assert made.is_file()
+    foreign = [f"{r.name} {r.levelname} {r.getMessage()}" for r in caplog.records
+               if not r.name.startswith("worker.")]  # fmt: skip
+    assert foreign == [], foreign[:3]
+    ours = [r.getMessage() for r in caplog.records]
+    assert any("making the int8-compute embedding graph" in m for m in ours), ours
+    assert any("made the int8-compute embedding graph" in m for m in ours), ours
+    logging.getLogger().warning("a root record after it")  # the filter is gone: it is kept
+    assert caplog.records[-1].getMessage() == "a root record after it"
