@@ -208,6 +208,18 @@ def get_context(settings: Settings | None = None) -> WorkerContext:
     return _context
 
 
+def warm_up(settings: Settings) -> None:
+    """Build the process's runtime and let it load what its first job would (its
+    ``warm_up``, when it has one); a failure is logged, and the first job meets it again."""
+    try:
+        runtime = get_context(settings).runtime
+        ready = getattr(runtime, "warm_up", None)
+        if callable(ready):
+            ready()
+    except Exception as exc:
+        log.warning("warm-up failed, the first job will try again: %s: %s", type(exc).__name__, exc)
+
+
 def hand_back_items() -> None:
     """The worker is stopping: batch items not yet started go back (:mod:`worker.queue.items`)."""
     context = _context

@@ -242,6 +242,24 @@ def _check_prices(sender: Any = None, **_: Any) -> None:
         warn_if_tombstones_too_short(settings)
 
 
+def _warm_up(sender: Any = None, **_: Any) -> None:
+    """On worker start (ready), build this process's runtime and embed one text, on a thread
+    of its own: the first search or ingest paid for it (the model session's load, about a
+    second; on a machine's first start also the int8 graph's making, a few more). Only a
+    threads-pool worker that takes searches, batches or ingests: a prefork parent never runs
+    them, and a webhooks-only worker never embeds."""
+    app = getattr(sender, "app", None)
+    settings: Settings | None = getattr(getattr(app, "conf", None), "sift_settings", None)
+    if settings is None or not settings.redis_url or settings.worker_pool != "threads":
+        return
+    consumed = set(app.amqp.queues.consume_from)  # type: ignore[union-attr]
+    if not consumed & {SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE}:
+        return
+    from worker.queue.base import warm_up
+
+    threading.Thread(target=warm_up, args=(settings,), name="sift-warm-up", daemon=True).start()
+
+
 def _start_redrive(sender: Any = None, **_: Any) -> None:
     """On worker start, run the re-drive sweeper in this process (:mod:`worker.queue.redrive`):
     it enqueues again the searches, ingests, batch chunks and webhooks whose messages the
@@ -312,6 +330,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     celery.steps["consumer"].add(ReconnectStep)  # a reconnect opens the re-drive's urgent window
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
     worker_ready.connect(_check_prices, weak=False, dispatch_uid="sift-prices")
+    worker_ready.connect(_warm_up, weak=False, dispatch_uid="sift-warm-up")
     worker_init.connect(_start_redrive, weak=False, dispatch_uid="sift-redrive")
     worker_init.connect(_start_liveness, weak=False, dispatch_uid="sift-liveness")
     task_received.connect(_received, weak=False, dispatch_uid="sift-received")

@@ -67,6 +67,11 @@ class Runtime:
         :meth:`SearchPipeline.search` takes them."""
         return self.pipeline.search(spec, tenant, before_model, spent=spent, answers=answers)
 
+    def warm_up(self) -> None:
+        """Load the embedding model by embedding one text (on a machine's first start, the
+        int8 graph is made here), so the first query does not wait for it."""
+        self.pipeline.embedder.embed(["warm up"])
+
     def pace(self) -> None:
         """A batch item waits here for the rate budget (:meth:`SearchPipeline.pace`)."""
         self.pipeline.pace()
