@@ -8,7 +8,8 @@ ports and its data folder (free ones, so test runs don't collide). Then:
   non-zero with a message naming that folder or port, and A's logs are byte for byte what
   they were (nothing truncated, nothing appended), and A still serves;
 - SIGKILL of A's worker: ``sift up`` starts another (a line in its output and in the worker's
-  log), which then consumes: an ingest with ``?wait=`` succeeds.
+  log), which then consumes: an ingest with ``?wait=`` succeeds;
+- (with no stack A) a data folder that cannot be made is one line naming ``--data-dir``.
 """
 
 from __future__ import annotations
@@ -174,3 +175,21 @@ def test_a_killed_worker_is_restarted_and_the_stack_serves_again(stack: Stack) -
     )
     assert response.status_code == 200, response.text
     assert response.json()["status"] == "succeeded", response.json()
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "in-proc"])
+def test_sift_up_names_a_data_folder_it_cannot_use(tmp_path: Path, where: str) -> None:
+    """A data folder that cannot be made (a path under a file; in /proc, where not even root
+    makes one) is one line naming it and ``--data-dir``, exit 1, before anything starts.
+    Before, a traceback (NotADirectoryError, FileNotFoundError from the folder's lock)."""
+    if where == "under-a-file":
+        (tmp_path / "file").write_text("")
+        data_dir = tmp_path / "file" / "data"
+    else:
+        data_dir = Path("/proc/sift-test-data")
+    second = _up(tmp_path, "--port", str(free_port()), "--metrics-port", str(free_port()),
+                 "--data-dir", str(data_dir))  # fmt: skip
+    printed = " ".join((second.stdout + second.stderr).split())  # rich wraps long lines
+    assert second.returncode == 1, printed
+    assert f"error: the data folder {data_dir} cannot be used" in printed, printed
+    assert "--data-dir (SIFT_DATA_DIR)" in printed and "Traceback" not in printed, printed

@@ -406,13 +406,20 @@ class StackInUse(ConfigError):
 
 def claim_data_dir(data_dir: Path, description: str) -> IO[str]:
     """Lock ``data_dir`` for this stack (``flock`` on a file in it), or raise
-    :class:`StackInUse` naming the folder and the stack that holds it.
+    :class:`StackInUse` naming the folder and the stack that holds it (a folder that cannot be
+    made or written: :class:`ConfigError` naming it and ``--data-dir``).
 
     The lock lasts as long as the returned file stays open, and ends with this process
     (the children do not inherit it), however it ends. ``description`` (pid, ports) is
     written into the file for the next stack's message."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held open: it is the lock)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(data_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held open: it is the lock)
+    except OSError as exc:
+        raise ConfigError(
+            f"the data folder {data_dir} cannot be used ({exc.strerror or exc}): "
+            "give a folder this user can write: --data-dir (SIFT_DATA_DIR)"
+        ) from exc
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
