@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from worker.cli import app
-from worker.cli._common import InputError, _expected_errors, _out
+from worker.cli._common import EXIT_INTERRUPTED, InputError, _err, _expected_errors, _out
 from worker.cli._http import FINAL_STATUSES, GatewayError, gateway, index_name
 from worker.cli._output import plain, print_result, trace_lines
 from worker.cli.client._input import MODES
@@ -23,6 +23,23 @@ def _print_search(console: Console, job: dict[str, Any], *, trace: bool) -> None
         console.print("[bold]trace[/] (the raw trace: --json)")
         for line in trace_lines(result["trace"]):
             console.print(f"  {plain(line)}", soft_wrap=True)
+
+
+def _search_interrupted(job: dict[str, Any] | None) -> str:
+    """What Ctrl-C left of a ``sift search``: a search runs on once accepted (it has no cancel).
+
+    >>> _search_interrupted({"id": "srch_1", "status": "running"})
+    'interrupted: search srch_1 runs on; GET /v1/searches/srch_1 has its result once done'
+    """
+    if job is None:
+        return (
+            "interrupted while submitting: the search may have been accepted and run on; "
+            "`sift searches --limit 1` shows it"
+        )
+    return (
+        f"interrupted: search {job['id']} runs on; GET /v1/searches/{job['id']} has its "
+        "result once done"
+    )
 
 
 def _job_failure(job: dict[str, Any]) -> str:
@@ -67,10 +84,15 @@ def search(
             body["rerank"] = rerank
         with gateway() as client:
             wait = int(MAX_WAIT_SECONDS)
-            response = client.request("POST", "/v1/searches", json=body, params={"wait": wait})
-            job = response.json()
-            if job.get("status") not in FINAL_STATUSES:
-                job = client.poll(f"/v1/searches/{job['id']}")
+            submitted: dict[str, Any] | None = None
+            try:
+                response = client.request("POST", "/v1/searches", json=body, params={"wait": wait})
+                job = submitted = response.json()
+                if job.get("status") not in FINAL_STATUSES:
+                    job = client.poll(f"/v1/searches/{job['id']}")
+            except KeyboardInterrupt:  # a search has no cancel: say that it runs on
+                _err().print(_search_interrupted(submitted), soft_wrap=True)
+                raise typer.Exit(EXIT_INTERRUPTED) from None
         if json_out:
             typer.echo(json.dumps(job))
         elif job.get("status") == "succeeded":
