@@ -535,3 +535,33 @@ def test_batch_a_bad_query_line_sends_nothing(fake_gateway: FakeGateway, tmp_pat
     result = run(fake_gateway, "batch", str(queries), "--index", "s", "--out", str(out))
     assert result.exit_code == 1
     assert "q.jsonl:3: field 'id': 'a' appears twice" in result.output
+
+
+def test_batch_summary_lines_stay_whole_when_the_output_is_not_a_terminal(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    """Piped (no terminal: rich's 80 columns), each summary line is one line, as a script
+    greps it. Before, "wrote N result(s) to PATH in T s: succeeded ..." broke mid-sentence
+    at column 80 (and the usage line before its cost)."""
+    queries = write_jsonl(tmp_path / "q.jsonl", [{"_id": "q0", "text": "query 0"}])
+    out = tmp_path / ("a-folder-whose-name-is-long-enough-to-pass-eighty-columns" * 2) / "r.jsonl"
+    env = {"SIFT_URL": fake_gateway.url, "SIFT_API_KEY": API_KEY, "COLUMNS": "80"}
+    result = CliRunner().invoke(
+        app, ["batch", str(queries), "--index", "s", "--out", str(out)], env=env
+    )
+    assert result.exit_code == 0, result.output
+    whole = f"wrote 1 result(s) to {out} in "
+    assert any(line.startswith(whole) and line.endswith("succeeded 1, failed 0, canceled 0")
+               for line in result.output.splitlines()), result.output  # fmt: skip
+
+
+def test_search_usage_line_stays_whole_when_the_output_is_not_a_terminal(
+    fake_gateway: FakeGateway,
+) -> None:
+    """Before, at rich's 80 columns the usage line broke before its cost."""
+    env = {"SIFT_URL": fake_gateway.url, "SIFT_API_KEY": API_KEY, "COLUMNS": "80"}
+    result = CliRunner().invoke(app, ["search", "alpha", "--index", "s"], env=env)
+    assert result.exit_code == 0, result.output
+    [usage] = [line for line in result.output.splitlines() if line.startswith("usage: ")]
+    assert usage.startswith("usage: 1 request(s), 1200 input + 40 output tokens, cache read ")
+    assert "$" in usage or "unpriced" in usage, result.output

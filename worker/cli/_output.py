@@ -191,7 +191,7 @@ def print_result(console: Console, result: dict[str, Any], *, title: str | None 
         console.print("rerank: not applied")
     usage = result.get("usage") or {}
     if usage.get("requests"):
-        console.print(usage_line(usage))
+        console.print(usage_line(usage), soft_wrap=True)  # one line, for grep, at any width
 
 
 def usage_line(usage: dict[str, Any]) -> str:

@@ -362,7 +362,7 @@ def up(
         )
         console.print(f"gateway  [bold]{started.url}[/]  (OpenAPI at {started.url}/docs)")
         console.print(f"api key  [bold]{started.api_key}[/]")
-        console.print(f"webhooks signed with {_webhook_secret_source(settings)}")
+        console.print(f"webhooks signed with {_webhook_secret_source(settings)}", soft_wrap=True)
         console.print(f"redis    {started.redis_url}")
         console.print(f"logs     {started.logs}")
         # one line however narrow the terminal, so that it pastes as one command

@@ -291,12 +291,15 @@ def batch(
         total = int(counts.get("total") or len(items))
         elapsed = time.monotonic() - started
         parts = [f"{name} {tally.get(name, 0)}" for name in ("succeeded", "failed", "canceled")]
+        # the summary's lines whole, as a script reads them: rich breaks them at 80 columns
+        # when the output is not a terminal (a terminal wraps them itself)
         console.print(
             f"wrote {written} result(s) to [bold]{plain(out)}[/] in {elapsed:.1f} s: "
-            + ", ".join(parts)
+            + ", ".join(parts),
+            soft_wrap=True,
         )
         for line in _batch_cost_lines(final):
-            console.print(line)
+            console.print(line, soft_wrap=True)
         if written != total:
             raise GatewayError(f"batch {batch_id}: {total} queries but {written} results returned")
         not_ok = tally.get("failed", 0) + tally.get("canceled", 0)

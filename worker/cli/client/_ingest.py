@@ -243,5 +243,6 @@ def ingest(
         elapsed = time.monotonic() - started
         console.print(
             f"indexed [bold]{indexed}[/] document(s) into [bold]{index}[/] in {elapsed:.1f} s"
-            + (f"; skipped {len(loaded.problems)} invalid line(s)" if loaded.problems else "")
+            + (f"; skipped {len(loaded.problems)} invalid line(s)" if loaded.problems else ""),
+            soft_wrap=True,
         )
