@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -86,11 +87,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     running = Stack(proc, out, tmp / "a", port, metrics_port)
     try:
         wait_for(lambda: "Ctrl-C stops everything" in running.printed(), "sift up", UP_TIMEOUT)
+        wait_for(lambda: _warmed_up(running.logs), "the worker's warm-up", UP_TIMEOUT)
         yield running
     finally:
         stop(proc, timeout=60)  # SIGTERM: sift up stops its processes in order
         print(running.printed())
     assert proc.returncode == 0, running.printed()
+
+
+def _warmed_up(logs: Path) -> bool:
+    """Every worker process has loaded its model (it does as it starts, logging a line): the
+    stack's logs change no more on their own."""
+    text = (logs / "worker.log").read_text(errors="replace")
+    started = re.search(r"(\d+) worker processes started", text)
+    return text.count("loaded embedding model") >= (int(started[1]) if started else 1)
 
 
 def test_sift_up_prints_where_the_webhook_secret_is(stack: Stack) -> None:
