@@ -42,6 +42,7 @@ for documents (``benchmarks/bench_doc_embedding.py``, SciFact, in-process eval):
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -88,23 +89,37 @@ def default_model_path() -> Path:
 
 def int8_compute_model(source: Path, cache_dir: Path, fuse_attention: bool = True) -> Path:
     """``source`` with its MatMuls quantized for int8 compute, made once per source file and
-    onnxruntime version and kept in ``cache_dir`` (written to a temporary name, then renamed,
-    so processes racing to make it never read half a file). Its no-op NaN guards go first
+    onnxruntime version and kept in ``cache_dir``: one process makes it (under a lock file
+    beside it; the others wait for it, then load it) and writes it to a temporary name, then
+    renames it, so no process reads half a file. Its no-op NaN guards go first
     (:func:`without_nan_guards`), then each layer's attention becomes one fused node
     (:func:`with_fused_attention`; ``fuse_attention=False`` keeps it spelled out, as the
     r2 graph had it, for the benchmarks): the same vectors, bit for bit, less CPU."""
-    import onnx
     import onnxruntime as ort
-    from onnxruntime.quantization import QuantType, quantize_dynamic
 
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
     revision = GRAPH_REVISION if fuse_attention else f"{GRAPH_REVISION}-unfused"
     target = cache_dir / f"minilm-int8-matmul-{revision}-{digest}-ort{ort.__version__}.onnx"
     if target.is_file():
         return target
-    logger.info("making the int8-compute embedding graph in %s (once, a few seconds)", cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as work:
+    with open(target.with_name(target.name + ".lock"), "a") as lock:
+        # a worker's processes all warm up at start: one makes the graph, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_file():
+            logger.info("making the int8-compute embedding graph in %s (once, a few seconds)",
+                        cache_dir)  # fmt: skip
+            _make_int8_graph(source, target, fuse_attention)
+            logger.info("made the int8-compute embedding graph %s", target)
+    return target
+
+
+def _make_int8_graph(source: Path, target: Path, fuse_attention: bool) -> None:
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
         folded = Path(work) / "folded.onnx"
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
@@ -126,8 +141,6 @@ def int8_compute_model(source: Path, cache_dir: Path, fuse_attention: bool = Tru
                 op_types_to_quantize=["MatMul"],
             )
         os.replace(made, target)
-    logger.info("made the int8-compute embedding graph %s", target)
-    return target
 
 
 @contextlib.contextmanager
