@@ -502,7 +502,8 @@ def test_batch_writes_every_result_line(fake_gateway: FakeGateway, tmp_path: Pat
     assert fake_gateway.polls["b-1"] == 3
     assert "wrote 7 result(s)" in result.output
     assert "succeeded 6, failed 1, canceled 0" in result.output
-    assert "1 failed, 0 canceled of 7" in result.output
+    # the error types at once (before, only the count: the reason was in the file alone)
+    assert "1 failed (rerank_failed 1), 0 canceled of 7" in result.output
     assert [p.name for p in out.parent.iterdir()] == ["results.jsonl"]  # no partial file left
 
 

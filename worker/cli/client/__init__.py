@@ -4,7 +4,7 @@ Each command reads ``SIFT_URL`` (default ``http://127.0.0.1:8080``) and
 ``SIFT_API_KEY``. Expected failures (a bad input line, a 4xx naming a field,
 no gateway listening) print one clear message and exit 1, without a traceback.
 ``sift batch`` exits 0 when every item is accounted for, even if some items
-failed (it prints the failed count in red); ``--strict`` makes that exit 3.
+failed (it prints the failed count in red, by error type); ``--strict`` makes that exit 3.
 
 Its modules, one per command, registered on ``app`` in this order (``sift --help`` lists them
 so) as they are imported here: ``_ingest``, ``_search``, ``_batch``; ``_input`` reads and

@@ -8,6 +8,7 @@ import os
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http import HTTPStatus
@@ -120,11 +121,15 @@ def _check_out(out: Path) -> None:
         ) from exc
 
 
-def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) -> dict[str, int]:
-    """Page every result into ``out`` via a temp file renamed at the end; counts by status."""
+def _write_results(
+    client: Gateway, batch_id: str, out: Path, page_size: int
+) -> tuple[Counter[str], Counter[str]]:
+    """Page every result into ``out`` via a temp file renamed at the end; answers the counts
+    by status, and the failed items' by error type."""
     out.parent.mkdir(parents=True, exist_ok=True)
     temp = out.with_name(f".{out.name}.{os.getpid()}.partial")
-    tally: dict[str, int] = {}
+    tally: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
     try:
         with temp.open("w", encoding="utf-8") as handle:
             path = f"/v1/batches/{batch_id}/results"
@@ -132,13 +137,15 @@ def _write_results(client: Gateway, batch_id: str, out: Path, page_size: int) ->
                 for item in page.get("results") or []:
                     handle.write(json.dumps(item) + "\n")
                     status = str(item.get("status"))
-                    tally[status] = tally.get(status, 0) + 1
+                    tally[status] += 1
+                    if status == "failed":
+                        errors[str((item.get("error") or {}).get("type", "error"))] += 1
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, out)
     finally:
         temp.unlink(missing_ok=True)
-    return tally
+    return tally, errors
 
 
 def _batch_cost_lines(batch: dict[str, Any]) -> list[str]:
@@ -272,7 +279,7 @@ def batch(
                         f"results file written (DELETE /v1/batches/{batch_id} cancels it)"
                     ) from exc
             try:
-                tally = _write_results(client, batch_id, out, page_size)
+                tally, errors = _write_results(client, batch_id, out, page_size)
             except KeyboardInterrupt:  # the batch is final: nothing to cancel, all to read
                 _err().print(
                     f"interrupted while writing the results: batch {batch_id} has finished; "
@@ -304,9 +311,14 @@ def batch(
             raise GatewayError(f"batch {batch_id}: {total} queries but {written} results returned")
         not_ok = tally.get("failed", 0) + tally.get("canceled", 0)
         if not_ok:
+            # the error types at once: a mistyped --index fails every item, index_not_found
+            why = ", ".join(f"{plain(kind)} {n}" for kind, n in errors.most_common())
             _err().print(
-                f"[bold red]{tally.get('failed', 0)} failed, {tally.get('canceled', 0)} canceled[/]"
-                f" of {total}; see the error of each in {plain(out)}"
+                f"[bold red]{tally.get('failed', 0)} failed"
+                + (f" ({why})" if why else "")
+                + f", {tally.get('canceled', 0)} canceled[/] of {total}; see the error of each "
+                f"in {plain(out)}",
+                soft_wrap=True,
             )
             if strict:
                 raise typer.Exit(EXIT_ITEMS_FAILED)
