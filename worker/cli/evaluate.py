@@ -18,6 +18,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,6 +30,7 @@ from rich.table import Table
 from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.embedder import GRAPH_REVISION
 from worker.cli import app
+from worker.cli._common import EXIT_INTERRUPTED
 from worker.cli._http import (
     FINAL_STATUSES,
     RETRY_SECONDS,
@@ -37,7 +39,8 @@ from worker.cli._http import (
     gateway,
     index_name,
 )
-from worker.cli._output import format_cost, plain, progress_bar
+from worker.cli._output import cli_console, format_cost, plain, progress_bar
+from worker.cli.client._batch import _cancel_outcome
 from worker.constants import MAX_LIMIT
 from worker.contract import Channel
 from worker.errors import SiftError
@@ -263,8 +266,9 @@ def _run_batches(
 ) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]]]:
     """Each run as one batch through the gateway, all submitted at once: the batch ids and
     every result of each, in submission order (kept under ``out`` when given)."""
-    with gateway() as client:
-        submitted = {run.name: _submit(client, index, run, queries) for run in runs}
+    with gateway() as client, _cancel_runs_on_interrupt(client, len(runs)) as submitted:
+        for run in runs:
+            submitted[run.name] = _submit(client, index, run, queries)
         with progress_bar(console) as bar:
             tasks = {
                 name: bar.add_task(f"{name} via {index}", total=len(queries)) for name in submitted
@@ -287,6 +291,36 @@ def _run_batches(
             if out is not None:
                 _write_jsonl(out / f"{run.name.split()[0]}.jsonl", served[run.name])
     return submitted, served
+
+
+@contextmanager
+def _cancel_runs_on_interrupt(client: Gateway, runs: int) -> Iterator[dict[str, str]]:
+    """Yields the runs' batch ids as they are made; Ctrl-C meanwhile cancels every one, says
+    what each cancel did and exits 130, as ``sift batch`` does: the scores are this command's
+    to make, so batches left running would spend their searches (and a reranked run its
+    model calls) for nothing."""
+    submitted: dict[str, str] = {}
+    try:
+        yield submitted
+    except KeyboardInterrupt:
+        err = cli_console(stderr=True)
+        for name, batch_id in submitted.items():
+            try:
+                said = _cancel_outcome(batch_id, client.json("DELETE", f"/v1/batches/{batch_id}"))
+            except GatewayError as exc:
+                said = (
+                    f"batch {batch_id} had already finished: nothing canceled"
+                    if exc.status_code == 409
+                    else f"{plain(exc)}; batch {batch_id} may still be running"
+                )
+            err.print(f"interrupted: the {name} run's {said}", soft_wrap=True)
+        if len(submitted) < runs:
+            err.print(
+                "interrupted while submitting: a run's batch may have been accepted and run on; "
+                "`sift batches --limit 1` shows it",
+                soft_wrap=True,
+            )
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def _submit(client: Gateway, index: str, run: RunSpec, queries: list[tuple[str, str]]) -> str:

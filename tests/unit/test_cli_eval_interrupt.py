@@ -1,0 +1,76 @@
+"""``sift eval --index`` interrupted (Ctrl-C) while its runs' batches run cancels each of them
+and says what each cancel did, as ``sift batch`` does.
+
+Before, Ctrl-C exited 130 with nothing said, and the three batches (four with ``--rerank``,
+whose model calls are paid) ran on with nobody to read their results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from worker.cli import app, evaluate
+from worker.cli._http import Gateway
+
+
+def invoke_eval(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, interrupt_at: str
+) -> tuple[Any, list[tuple[str, str]]]:
+    """``sift eval --index`` of two judged queries against a gateway that accepts every
+    batch, and is interrupted at the first status read (``GET``) or the second submit."""
+    sent: list[tuple[str, str]] = []
+    posts = iter(range(1, 100))
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append((request.method, request.url.path))
+        if request.method == "POST":
+            n = next(posts)
+            if interrupt_at == "second POST" and n == 2:
+                raise KeyboardInterrupt
+            return httpx.Response(202, json={"id": f"bat_{n}", "status": "queued"})
+        if request.method == "GET":
+            raise KeyboardInterrupt
+        counts = {"canceled": 2, "succeeded": 0, "failed": 0}
+        return httpx.Response(200, json={"status": "canceled", "counts": counts})
+
+    @contextlib.contextmanager
+    def gateway() -> Iterator[Gateway]:
+        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
+
+    monkeypatch.setattr(evaluate, "gateway", gateway)
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text('{"_id": "1", "text": "tea"}\n{"_id": "2", "text": "coffee"}\n')
+    qrels = tmp_path / "qrels.tsv"
+    qrels.write_text("query-id\tcorpus-id\tscore\n1\td1\t1\n2\td2\t1\n")
+    args = ["eval", "--index", "s", "--queries", str(queries), "--qrels", str(qrels)]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    return result, sent
+
+
+def test_ctrl_c_while_the_runs_wait_cancels_every_batch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    result, sent = invoke_eval(monkeypatch, tmp_path, "GET")
+    assert result.exit_code == 130, result.output
+    deleted = [path for method, path in sent if method == "DELETE"]
+    assert deleted == ["/v1/batches/bat_1", "/v1/batches/bat_2", "/v1/batches/bat_3"], sent
+    said = " ".join(result.output.split())
+    assert "interrupted: the bm25 run's batch bat_1 canceled: 2 item(s) canceled" in said, said
+    assert "fused run's batch bat_3 canceled" in said, said
+
+
+def test_ctrl_c_while_submitting_cancels_what_was_made_and_says_one_may_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    result, sent = invoke_eval(monkeypatch, tmp_path, "second POST")
+    assert result.exit_code == 130, result.output
+    assert [path for method, path in sent if method == "DELETE"] == ["/v1/batches/bat_1"], sent
+    said = " ".join(result.output.split())
+    assert "interrupted while submitting: a run's batch may have been accepted" in said, said
