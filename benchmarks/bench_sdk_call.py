@@ -6,7 +6,8 @@
 
 Issue 14: the SDK's work per reranked search (request building, httpx2/httpcore2/h11, the
 response's parsing). The fake Messages API runs in a process of its own; this process makes
-the calls through ``AnthropicReranker`` as the worker builds it (``effort="low"``, an
+the calls through ``AnthropicReranker`` as the worker builds it (no ``effort``: the model,
+Haiku 4.5, takes none; ``effort=None`` on both sides, which a baseline also reads), an
 ``on_headers`` listener as the rate budget's, each concurrent call on a borrowed client), with
 a prompt of 30 candidates built by the real policy. The baseline is the adapter module of
 ``--baseline`` (``git show``) loaded beside today's; the two share everything else.
@@ -77,9 +78,9 @@ def sides(
     p = prompt()
     calls: dict[str, Callable[[], object]] = {}
     if module is not None:
-        old = module.AnthropicReranker(MODEL, effort="low", on_headers=listener)
+        old = module.AnthropicReranker(MODEL, effort=None, on_headers=listener)
         calls["baseline"] = lambda: old.rerank(p, 30.0)
-    new = today.AnthropicReranker(MODEL, effort="low", on_headers=listener)
+    new = today.AnthropicReranker(MODEL, effort=None, on_headers=listener)
     calls["today"] = lambda: new.rerank(p, 30.0)
     if shared is not None:  # one SDK client for every thread, its pool sized for them
         sdk_http = today._http()
@@ -89,7 +90,7 @@ def sides(
             open_telemetry=today.sdk_spans(),
             http_client=today.anthropic.DefaultHttpxClient(limits=limits),
         )
-        one = today.AnthropicReranker(MODEL, client=client, effort="low", on_headers=listener)
+        one = today.AnthropicReranker(MODEL, client=client, effort=None, on_headers=listener)
         calls["today, one shared client"] = lambda: one.rerank(p, 30.0)
     if floors:
         body = json.dumps(new.request_params(p)).encode()

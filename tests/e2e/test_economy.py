@@ -134,6 +134,7 @@ def test_economy_gives_the_standard_lanes_hits_at_half_the_cost(
     assert [len(b["custom_ids"]) for b in batches] == [4, 4, 2]
     sent = [p for b in batches for p in b["params"]]
     assert sorted(map(_canonical, sent)) == sorted(map(_canonical, messages))
+    assert all("effort" not in p["output_config"] for p in sent)  # the model takes none
     custom_ids = [c for b in batches for c in b["custom_ids"]]
     assert sorted(position_of(c) for c in custom_ids) == list(range(10))
     # each create's custom_ids name its own submission, one per provider batch

@@ -232,3 +232,18 @@ def test_rerank_through_the_queue_with_a_429_on_the_way(stack: Stack, corpus: ob
     assert result["usage"]["requests"] == 2
     assert result["trace"] is not None
     assert time.monotonic() - started >= 0.3
+
+
+def test_the_readmes_model_is_sent_no_effort_and_its_reranked_search_succeeds(
+    stack: Stack, corpus: object
+) -> None:
+    # The stack runs the README's model (claude-haiku-4-5) at the default
+    # SIFT_GENERATION_EFFORT (auto). The Messages API answers 400 to output_config.effort
+    # from a model without it (the fake as the real one), which failed every reranked search.
+    body = {"index": INDEX, "query": "oolong tea", "rerank": True, "include_trace": True}
+    job = stack.live.post("/v1/searches", params={"wait": 20}, json=body, headers=ACME).json()
+    assert job["status"] == "succeeded", job
+    assert job["result"]["rerank"]["applied"] is True
+    assert [a["outcome"] for a in job["result"]["trace"]["attempts"]] == ["ok"]
+    sent = [r["body"] for r in stack.model.requests() if "oolong tea" in str(r["body"])]
+    assert sent and all("effort" not in b["output_config"] for b in sent)

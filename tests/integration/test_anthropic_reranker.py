@@ -149,18 +149,43 @@ def test_request_shape(fake: FakeAnthropic, reranker: AnthropicReranker) -> None
     assert body["max_tokens"] == 777
     assert body["system"] == prompt.system
     assert body["messages"] == [{"role": "user", "content": prompt.user}]
-    assert body["output_config"] == {
-        "format": {"type": "json_schema", "schema": SCHEMA},
-        "effort": "low",
-    }
+    # the default effort (auto) sends none to a model without it, as MODEL is
+    assert body["output_config"] == {"format": {"type": "json_schema", "schema": SCHEMA}}
     assert request["headers"].get("x-stainless-retry-count") in (None, "0")
 
 
-def test_effort_none_is_omitted(fake: FakeAnthropic, client: anthropic.Anthropic) -> None:
-    AnthropicReranker(MODEL, client=client, effort=None).rerank(make_prompt(), 5.0)
-    assert fake.requests()[0]["body"]["output_config"] == {
-        "format": {"type": "json_schema", "schema": SCHEMA}
-    }
+@pytest.mark.parametrize(
+    ("model", "setting", "sent"),
+    [
+        ("claude-sonnet-4-6", "auto", "low"),  # a model that takes effort: the lowest level
+        ("claude-opus-4-6-20260205", "auto", "low"),  # a dated id of such a family
+        ("claude-haiku-4-5", "auto", None),  # the README's model takes none
+        ("claude-sonnet-4-5", "auto", None),
+        ("claude-unlisted-9", "auto", None),  # a model the table does not know: none
+        ("claude-unlisted-9", "medium", "medium"),  # unless a level is set: always sent
+        ("claude-sonnet-4-6", None, None),  # SIFT_GENERATION_EFFORT empty or none: never
+    ],
+)
+def test_effort_is_sent_only_where_the_model_takes_it(
+    fake: FakeAnthropic,
+    client: anthropic.Anthropic,
+    model: str,
+    setting: str | None,
+    sent: str | None,
+) -> None:
+    reply = AnthropicReranker(model, client=client, effort=setting).rerank(make_prompt(), 5.0)
+    assert reply.positions  # the fake (as the API) took the request
+    config = fake.requests()[0]["body"]["output_config"]
+    assert config.get("effort") == sent
+
+
+def test_effort_sent_to_a_model_without_it_is_a_permanent_400(
+    fake: FakeAnthropic, client: anthropic.Anthropic
+) -> None:
+    # the fake answers as the real API does; an explicit level is sent all the same
+    error = attempt_error(AnthropicReranker(MODEL, client=client, effort="low"))
+    assert error.outcome is AttemptOutcome.HTTP_4XX
+    assert "effort" in str(error)
 
 
 @pytest.fixture

@@ -58,7 +58,40 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AnthropicReranker", "RerankMalformedError"]
+__all__ = ["EFFORT_MODELS", "AnthropicReranker", "RerankMalformedError", "effort_for"]
+
+# The model-id families whose Messages API accepts ``output_config.effort`` (Anthropic's
+# "Effort" page: Opus 4.5 and later, Sonnet 4.6 and later, Mythos, Fable), each with its
+# dated ids (``claude-opus-4-5-20251101``). Any other model (Haiku 4.5, Sonnet 4.5, Opus 4.1,
+# and whatever this table does not know yet) answers 400 ``invalid_request_error`` to it.
+EFFORT_MODELS = (
+    "claude-opus-4-5",
+    "claude-opus-4-6",
+    "claude-opus-4-7",
+    "claude-opus-4-8",
+    "claude-opus-5",
+    "claude-sonnet-4-6",
+    "claude-sonnet-5",
+    "claude-haiku-5-5",
+    "claude-mythos",
+    "claude-fable",
+)
+
+
+def effort_for(model: str, setting: str | None) -> str | None:
+    """The ``output_config.effort`` to send ``model`` for ``SIFT_GENERATION_EFFORT=setting``.
+
+    ``auto`` is ``low`` (the lowest level, DESIGN.md §7) for a model of :data:`EFFORT_MODELS`
+    and nothing for any other; a level is sent as it is, to any model (a model newer than the
+    table); None (the variable empty, or ``none``) sends nothing.
+
+    >>> effort_for("claude-haiku-4-5", "auto"), effort_for("claude-sonnet-4-6", "auto")
+    (None, 'low')
+    """
+    if setting != "auto":
+        return setting
+    known = any(model == family or model.startswith(family + "-") for family in EFFORT_MODELS)
+    return "low" if known else None
 
 
 class RerankMalformedError(RerankAttemptError):
@@ -102,15 +135,17 @@ class AnthropicReranker:
         model: str,
         *,
         client: anthropic.Anthropic | None = None,
-        effort: str | None = "low",
+        effort: str | None = "auto",
         api_key: str | None = None,
         on_headers: Callable[[Mapping[str, str]], None] | None = None,
     ) -> None:
         """``on_headers``: given every response's headers (answers and API errors alike),
-        e.g. the rate budget learning the ``anthropic-ratelimit-*`` limits."""
+        e.g. the rate budget learning the ``anthropic-ratelimit-*`` limits. ``effort``: the
+        ``SIFT_GENERATION_EFFORT`` setting, resolved by :func:`effort_for`; ``self.effort`` is
+        the ``output_config.effort`` sent (None: none)."""
         self.model = model
         self.on_headers = on_headers
-        self.effort = effort
+        self.effort = effort_for(model, effort)
         self._api_key = api_key
         self._client = client
         self._owns_client = client is None
