@@ -87,7 +87,7 @@ def query_parameters(request: Request, _tenant: Tenant) -> None:
     for name, times in Counter(name for name, _ in request.query_params.multi_items()).items():
         if name not in known:
             takes = ", ".join(sorted(known)) or "no query parameter"
-            where = f"{request.method} {route.path}"
+            where = f"{request.method} {route.path_format}"
             raise InvalidRequest(name, f"is not a query parameter of {where} (it takes {takes})")
         if times > 1:
             raise InvalidRequest(name, f"is given {times} times: give it once")

@@ -74,7 +74,8 @@ register_url_convertor("doc_id", DocIdConvertor())
 
 MAX_DOC_ID_CHARS = 512
 IndexPath = Annotated[str, Path(min_length=1, max_length=128, pattern=INDEX_PATTERN)]
-DocIdPath = Annotated[str, Path(min_length=1, max_length=MAX_DOC_ID_CHARS)]
+# named ``id`` as in DESIGN.md §9 (its OpenAPI name, and the field a 422 or 404 names)
+DocIdPath = Annotated[str, Path(alias="id", min_length=1, max_length=MAX_DOC_ID_CHARS)]
 DocId = Annotated[str, Field(min_length=1, max_length=MAX_DOC_ID_CHARS)]
 _CURSOR_DIGEST_BYTES = 8
 # "d:<digest hex>:<id>", an id of up to 512 four-byte characters, in unpadded base64
@@ -363,7 +364,7 @@ async def list_documents(
 
 
 @router.get(
-    "/indexes/{index}/documents/{doc_id:doc_id}",
+    "/indexes/{index}/documents/{id:doc_id}",
     response_model=StoredDocumentOut,
     responses=ERRORS,
     summary="One of the caller's documents as stored (no vector)",
@@ -380,7 +381,7 @@ async def get_document(
 
 
 @router.delete(
-    "/indexes/{index}/documents/{doc_id:doc_id}",
+    "/indexes/{index}/documents/{id:doc_id}",
     response_model=IngestJobOut,
     status_code=202,
     responses=JOB_RESPONSES,

@@ -161,7 +161,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             route: Any = scope.get("route")
-            # the OpenAPI path: {doc_id}, not the route's {doc_id:doc_id} with its convertor
+            # the OpenAPI path: {id}, not the route's {id:doc_id} with its convertor
             template = getattr(route, "path_format", None) or getattr(route, "path", "unmatched")
             method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
             self.metrics.requests.labels(method, template, str(status)).inc()

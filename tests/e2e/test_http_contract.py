@@ -357,14 +357,14 @@ def test_health_ready_and_metrics(stack: Stack, corpus: object) -> None:
 
 
 def test_the_route_label_is_the_openapi_path(stack: Stack) -> None:
-    """The document routes' label was their template with its convertor (``{doc_id:path}``),
+    """The document routes' label was their template with its convertor (``{id:doc_id}``),
     a path in no OpenAPI document: a dashboard or alert written from the API's paths missed
     them."""
     stack.live.get(f"/v1/indexes/{INDEX}/documents/nobody", headers=ACME)
     text = stack.live.get("/metrics").text
-    label = 'route="/v1/indexes/{index}/documents/{doc_id}"'
+    label = 'route="/v1/indexes/{index}/documents/{id}"'
     assert f'sift_http_requests_total{{method="GET",{label}' in text
-    assert "{doc_id:" not in text
+    assert "{id:" not in text
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz"])

@@ -126,7 +126,7 @@ def test_every_get_route_answers_head_with_its_headers_and_no_body(
         raw = _raw_head(stack.live_url, path, ACME)
         assert raw.endswith(b"\r\n\r\n") and raw.count(b"\r\n\r\n") == 1, (path, raw[-200:])
     # counted under HEAD and the route's OpenAPI path, as a GET is under GET
-    label = 'method="HEAD",route="/v1/indexes/{index}/documents/{doc_id}",status="200"'
+    label = 'method="HEAD",route="/v1/indexes/{index}/documents/{id}",status="200"'
     assert label in stack.live.get("/metrics").text
 
 

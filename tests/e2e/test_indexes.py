@@ -320,3 +320,18 @@ def test_an_upsert_accepted_before_the_last_documents_delete_keeps_the_settings(
     assert _poll_job(stack.live, f"/v1/ingestions/{upsert.id}")["status"] == "succeeded"
     shown = stack.live.get("/v1/indexes/life-replace", headers=ACME).json()
     assert shown["documents"] == 1 and shown["settings"]["candidate_limit"] == 33, shown
+
+
+def test_the_document_id_parameter_is_named_id(stack: Stack) -> None:
+    """DESIGN.md §9 names it ``id`` (``/documents/{id}``), as the 404 does; the OpenAPI
+    document and a 422 named it ``doc_id``."""
+    paths = stack.live.get("/openapi.json").json()["paths"]
+    template = "/v1/indexes/{index}/documents/{id}"
+    assert template in paths, sorted(paths)
+    for operation in paths[template].values():
+        names = [p["name"] for p in operation["parameters"] if p["in"] == "path"]
+        assert names == ["index", "id"]
+    too_long = stack.live.get("/v1/indexes/docs/documents/" + "x" * 600, headers=ACME)
+    assert too_long.status_code == 422 and too_long.json()["error"]["field"] == "id"
+    missing = stack.live.get("/v1/indexes/docs/documents/nobody-here", headers=ACME)
+    assert missing.status_code == 404 and missing.json()["error"]["field"] == "id"
