@@ -21,7 +21,12 @@ from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
 from api_gateway.deps import checked_headers, query_parameters
 from api_gateway.docs import install_docs
-from api_gateway.errors import ErrorBody, install_error_handlers, no_route_short_of_a_line_break
+from api_gateway.errors import (
+    ErrorBody,
+    install_error_handlers,
+    no_route_short_of_a_line_break,
+    path_is_utf8,
+)
 from api_gateway.indexes import router as indexes_router
 from api_gateway.jobs import router, stop_retakes
 from api_gateway.listing import router as listing_router
@@ -112,7 +117,8 @@ def create_app(
         # without it (which a client following redirects sent a DELETE on to)
         redirect_slashes=False,
         # a path with a last line break reached the route without it: a 404 instead
-        dependencies=[Depends(no_route_short_of_a_line_break)],
+        # and a path parameter's percent-escapes that are no UTF-8 are a 422 naming it
+        dependencies=[Depends(no_route_short_of_a_line_break), Depends(path_is_utf8)],
     )
     app.router.route_class = GetAnswersHead  # the routers' own are too: HEAD wherever GET
     preregister(queues=ALL_QUEUES)

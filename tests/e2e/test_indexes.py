@@ -322,6 +322,27 @@ def test_an_upsert_accepted_before_the_last_documents_delete_keeps_the_settings(
     assert shown["documents"] == 1 and shown["settings"]["candidate_limit"] == 33, shown
 
 
+def test_a_path_whose_percent_escapes_are_not_utf8_is_422_naming_it(stack: Stack) -> None:
+    """The server decoded ``%C0`` (no UTF-8) with a replacement character, so
+    ``DELETE .../documents/%C0`` deleted the document whose id is ``"\\ufffd"``: a malformed
+    path reached another document. Such a path is now ``422`` naming the parameter, and the
+    document with that id (sent as its UTF-8, ``%EF%BF%BD``) is still there and addressable."""
+    docs = [{"id": "\ufffd", "text": "replacement character marmalade"}]
+    _ingest(stack, "life-escapes", docs)
+    base = "/v1/indexes/life-escapes/documents/"
+    for method in ("GET", "DELETE"):
+        for bad in ("%C0", "%FF", "%FE", "ok%C0ok", "a/%FF"):
+            got = stack.live.request(method, base + bad, headers=ACME)
+            assert got.status_code == 422, (method, bad, got.text)
+            assert got.json()["error"]["field"] == "id", got.text
+        got = stack.live.request(method, "/v1/indexes/%C0/documents/x", headers=ACME)
+        assert got.status_code == 422 and got.json()["error"]["field"] == "index", got.text
+    got = stack.live.get("/v1/indexes/%FF", headers=ACME)
+    assert got.status_code == 422 and got.json()["error"]["field"] == "index", got.text
+    kept = stack.live.get(base + "%EF%BF%BD", headers=ACME)
+    assert kept.status_code == 200 and kept.json()["text"] == docs[0]["text"], kept.text
+
+
 def test_the_document_id_parameter_is_named_id(stack: Stack) -> None:
     """DESIGN.md §9 names it ``id`` (``/documents/{id}``), as the 404 does; the OpenAPI
     document and a 422 named it ``doc_id``."""
