@@ -7,6 +7,7 @@ This module is the only part of ``worker`` that ``api_gateway`` imports (with
 from __future__ import annotations
 
 import math
+import unicodedata
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -142,9 +143,15 @@ class DocumentRequest(DocumentIn):
 
 
 def _not_blank(value: str) -> str:
-    if not value.strip():
-        raise ValueError("is empty after trimming whitespace")
+    """A query with no visible character is blank: whitespace (Z*), controls (Cc, ``\0``) and
+    format characters (Cf: a zero-width space, a soft hyphen, a BOM) do not count;
+    ``str.strip()`` let ``"\u200b"`` through, to a search of arbitrary hits."""
+    if all(unicodedata.category(char) in _INVISIBLE for char in value):
+        raise ValueError("has no visible character (only whitespace, control or format ones)")
     return value
+
+
+_INVISIBLE = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
 
 
 INDEX_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"

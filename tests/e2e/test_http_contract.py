@@ -37,6 +37,11 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
     ("POST", "/v1/searches", {**SEARCH, "query": ""}, {}, "query"),
     ("POST", "/v1/searches", {**SEARCH, "query": "   "}, {}, "query"),
     ("POST", "/v1/searches", {**SEARCH, "query": "x" * 2001}, {}, "query"),
+    # no visible character: a zero-width space, NUL, a soft hyphen, a BOM, a line separator
+    *[
+        ("POST", "/v1/searches", {**SEARCH, "query": q}, {}, "query")
+        for q in ("\u200b", "\u0000", "\u00ad", "\ufeff", " \u2028\u200b\t\u3000")
+    ],
     ("POST", "/v1/searches", {**SEARCH, "limit": 0}, {}, "limit"),
     ("POST", "/v1/searches", {**SEARCH, "limit": 101}, {}, "limit"),
     ("POST", "/v1/searches", {**SEARCH, "limit": "ten"}, {}, "limit"),
@@ -66,6 +71,13 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
         {**BATCH, "queries": [{"id": "a", "query": ""}]},
         {},
         "queries[0].query",
+    ),
+    (
+        "POST",
+        "/v1/batches",
+        {**BATCH, "queries": [{"id": "a", "query": "tea"}, {"id": "b", "query": "\u200b\u00ad"}]},
+        {},
+        "queries[1].query",
     ),
     (
         "POST",
