@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import os
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -353,8 +357,52 @@ class Settings(BaseSettings):
         return keys
 
 
+# SIFT_ variables set on purpose that are no setting: compose's image tag and KEDA's Redis
+# address (deploy/), the tests' own (SIFT_TEST_*), and Kubernetes's service links, which give
+# a pod every Service's address (the Service sift-gateway: SIFT_GATEWAY_SERVICE_HOST,
+# SIFT_GATEWAY_PORT_8080_TCP..., and SIFT_GATEWAY_PORT=tcp://..., here a setting set anyway).
+NOT_SETTINGS = frozenset({"SIFT_IMAGE", "SIFT_REDIS_ADDRESS"})
+_NOT_SETTINGS = re.compile(
+    r"SIFT_TEST_\w+|SIFT_\w+_(?:SERVICE_HOST|SERVICE_PORT(?:_\w+)?"
+    r"|PORT_\d+_(?:TCP|UDP|SCTP)(?:_PROTO|_PORT|_ADDR)?)"
+)
+_SERVICE_LINK = re.compile(r"(?:tcp|udp|sctp)://\S*")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """Each ``SIFT_`` variable of ``environ`` that is no setting (nor one of
+    :data:`NOT_SETTINGS`), described with the closest setting's name: a misspelled
+    ``SIFT_RERANK_ENABLE=true`` did nothing, silently.
+
+    >>> unknown_variables({"SIFT_RERANK_ENABLE": "true", "SIFT_LOG_LEVEL": "INFO"})
+    ['SIFT_RERANK_ENABLE is no setting (did you mean SIFT_RERANK_ENABLED?)']
+    """
+    known = {f"SIFT_{name.upper()}" for name in Settings.model_fields}
+    problems = []
+    for name, value in sorted(environ.items()):
+        upper = name.upper()  # pydantic-settings reads the names case-insensitively
+        if not upper.startswith("SIFT_") or upper in known or upper in NOT_SETTINGS:
+            continue
+        if _NOT_SETTINGS.fullmatch(upper) or (
+            upper.endswith("_PORT") and _SERVICE_LINK.fullmatch(value)
+        ):
+            continue
+        close = difflib.get_close_matches(upper, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        problems.append(f"{name} is no setting{hint}")
+    return problems
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Read the settings, turning a validation error into a ConfigError that names the variable."""
+    """Read the settings, turning a validation error into a ConfigError that names the variable.
+    A ``SIFT_`` variable that is no setting is a ConfigError too (:func:`unknown_variables`)."""
+    unknown = unknown_variables(os.environ)
+    if unknown:
+        raise ConfigError(
+            "invalid settings; "
+            + "; ".join(unknown)
+            + " (README.md, Settings, lists every SIFT_ variable)"
+        )
     try:
         return Settings(**overrides)
     except ValidationError as exc:

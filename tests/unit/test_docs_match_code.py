@@ -23,13 +23,14 @@ from api_gateway.app import create_app
 from api_gateway.metrics import GatewayMetrics
 from worker.cli import app
 from worker.observability import metrics
-from worker.settings import Settings
+from worker.settings import NOT_SETTINGS, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 VARIABLE = re.compile(r"`(SIFT_[A-Z0-9_]+)`")
-# deploy-only variables: compose's image tag, KEDA's Redis address (read by no Sift process)
-DEPLOY_ONLY = {"SIFT_IMAGE", "SIFT_REDIS_ADDRESS"}
+# deploy-only variables: compose's image tag, KEDA's Redis address (read by no Sift process,
+# which lets them be: a SIFT_ variable that is no setting is refused at start-up)
+DEPLOY_ONLY = NOT_SETTINGS
 
 
 def section(title: str) -> str:

@@ -3,6 +3,10 @@ rerank model's ``output_config.effort`` as the worker's bootstrap builds it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from worker.errors import ConfigError
@@ -65,3 +69,59 @@ def test_the_effort_the_worker_sends_each_model(
     assert reranker is not None and batches is not None
     assert reranker.effort == sent  # type: ignore[attr-defined]
     assert batches.reranker.effort == sent
+
+
+def test_a_misspelled_variable_is_refused_naming_it_and_the_closest_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # it was ignored: SIFT_RERANK_ENABLE=true did nothing, silently
+    monkeypatch.setenv("SIFT_RERANK_ENABLE", "true")
+    with pytest.raises(ConfigError, match=r"SIFT_RERANK_ENABLE is no setting.*SIFT_RERANK_ENABLED"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("SIFT_IMAGE", "sift:local"),  # compose's image tag
+        ("SIFT_REDIS_ADDRESS", "redis:6379"),  # KEDA's, in deploy/k8s's ConfigMap
+        ("SIFT_TEST_ELASTICSEARCH_URL", "http://127.0.0.1:9200"),  # the tests'
+        # Kubernetes's service links of the Services sift-gateway and sift-worker-metrics
+        ("SIFT_GATEWAY_SERVICE_HOST", "10.0.0.7"),
+        ("SIFT_GATEWAY_SERVICE_PORT", "8080"),
+        ("SIFT_GATEWAY_SERVICE_PORT_HTTP", "8080"),
+        ("SIFT_GATEWAY_PORT_8080_TCP", "tcp://10.0.0.7:8080"),
+        ("SIFT_GATEWAY_PORT_8080_TCP_ADDR", "10.0.0.7"),
+        ("SIFT_WORKER_METRICS_PORT_9808_TCP_PROTO", "tcp"),
+        ("SIFT_OTHER_PORT", "tcp://10.0.0.9:80"),  # a Service sift-other's
+        ("sift_log_level", "INFO"),  # a setting, in any case
+    ],
+)
+def test_variables_set_on_purpose_that_are_no_setting_are_let_be(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    load_settings()
+
+
+def test_every_sift_command_stops_on_a_misspelled_variable(tmp_path: Path) -> None:
+    """The gateway, the worker (2) and the CLI client (1) exit saying which variable, before
+    anything starts (no Redis listens here)."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "HOME": str(tmp_path),
+        "SIFT_REDIS_URL": "redis://127.0.0.1:9/0",
+        "SIFT_RERANK_ENABLE": "true",
+    }
+    for command in (["gateway"], ["worker"], ["search", "tea", "--index", "docs"]):
+        run = subprocess.run(
+            [sys.executable, "-m", "worker.cli", *command],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        output = " ".join((run.stdout + run.stderr).split())
+        assert run.returncode in (1, 2), (command, output)
+        assert "SIFT_RERANK_ENABLE is no setting (did you mean SIFT_RERANK_ENABLED?)" in output
