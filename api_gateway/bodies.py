@@ -13,6 +13,18 @@ loop gets the GIL back within the interpreter's switch interval. The errors are 
 own, with the ``loc`` FastAPI gives them (``("body", "queries", 3, "id")``), so the answer
 is the same 4xx naming the field.
 
+Why a scanner of its own over the standard library's ``JSONDecoder.raw_decode``, not a
+library: ``json.loads`` and jiter (pydantic's parser) decode a whole text in one call. An
+incremental parser such as ijson does decode a piece at a time, but not in this shape: its
+``kvitems`` builds each top-level value (the queries array, the one that matters) whole,
+its ``items`` reads one path per pass, and its events would be a Python call per token;
+its numbers are ``Decimal`` unless asked, and its errors are not ``json``'s message and
+position, which the 400 quotes. This one falls back to ``json.loads`` for anything it does
+not follow, so the answer is always ``json.loads``'s.
+
+Every JSON body, on every route, is read as UTF-8 alone (:func:`json_text`; the route class
+in :mod:`api_gateway.routing` gives FastAPI's handlers the same rule).
+
 The OpenAPI document still shows the model: :func:`document_bodies` adds its schema to the
 components the route's ``openapi_extra`` refers to.
 """
@@ -112,14 +124,33 @@ def parse_batch(raw: bytes, route: str | None = None) -> ParsedBatch:
     return ParsedBatch(head, items, digest.hexdigest() if digest else "")
 
 
+def json_text(raw: bytes) -> str:
+    """A JSON body's text, read as UTF-8 alone (RFC 8259 §8.1: JSON between systems is
+    UTF-8); raises :class:`json.JSONDecodeError` (a ``400`` naming ``body``) for any other
+    encoding. ``json.loads`` of bytes guesses UTF-16 or UTF-32 from the zero bytes, so such
+    a body was read. A UTF-8 byte order mark is skipped, as the RFC lets a parser do.
+    ``surrogatepass``: an encoded lone surrogate is left for the field's own check (a 422
+    naming it), as ``json.loads`` leaves it."""
+    try:
+        text = raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as exc:
+        why = f"not UTF-8 (byte 0x{raw[exc.start]:02x} at {exc.start}; RFC 8259 asks for UTF-8)"
+        raise json.JSONDecodeError(why, "", exc.start) from exc
+    if "\0" in text:  # no JSON text holds a NUL byte: UTF-16 or UTF-32 does
+        at = text.index("\0")
+        raise json.JSONDecodeError(f"not UTF-8 (a zero byte at {at}: UTF-16 or UTF-32?)", "", at)
+    return text.removeprefix("\ufeff")
+
+
 def _json(raw: bytes) -> Any:
-    """The body, decoded as ``json.loads`` would; raises :class:`RequestValidationError`."""
+    """The body, decoded as ``json.loads`` would (UTF-8 alone: :func:`json_text`); raises
+    :class:`RequestValidationError`."""
     if not raw:
         raise RequestValidationError(
             [{"type": "missing", "loc": ("body",), "msg": "Field required"}]
         )
     try:
-        return loads_in_pieces(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+        return loads_in_pieces(json_text(raw))
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         pos = getattr(exc, "pos", 0)
         raise RequestValidationError(

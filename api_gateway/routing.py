@@ -1,10 +1,28 @@
-"""The gateway's route class: a ``GET`` route answers ``HEAD`` too."""
+"""The gateway's route class: a ``GET`` route answers ``HEAD`` too, and a JSON body is
+read as UTF-8 alone."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
+
+from api_gateway.bodies import json_text
+
+
+class Utf8JsonRequest(Request):
+    """A request whose JSON body is read as UTF-8 alone (:func:`json_text`): Starlette's
+    ``json.loads`` of the bytes read UTF-16 and UTF-32 too."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = json.loads(json_text(await self.body()))
+        return self._json
 
 
 class GetAnswersHead(APIRoute):
@@ -25,3 +43,13 @@ class GetAnswersHead(APIRoute):
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         await super().handle(self._as_get(scope), receive, send)
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        """FastAPI's handler, given a :class:`Utf8JsonRequest` (FastAPI's documented way
+        to change how a route reads its body)."""
+        handler = super().get_route_handler()
+
+        async def utf8_json(request: Request) -> Response:
+            return await handler(Utf8JsonRequest(request.scope, request.receive))
+
+        return utf8_json

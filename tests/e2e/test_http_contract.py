@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -388,3 +389,45 @@ def test_the_probes_answer_head(stack: Stack, path: str) -> None:
     assert response.status_code == 200, response.headers
     assert response.content == b""
     assert "HEAD" in stack.live.request("PUT", path).headers["allow"]
+
+
+UTF8_ROUTES = [
+    ("POST", "/v1/searches", SEARCH),
+    ("POST", "/v1/batches", BATCH),
+    ("POST", f"/v1/indexes/{INDEX}/documents", {"documents": [{"id": "u1", "text": "tea"}]}),
+    ("POST", f"/v1/indexes/{INDEX}/documents/delete", {"ids": ["u1"]}),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), UTF8_ROUTES)
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32", "latin-1"])
+def test_a_body_that_is_not_utf8_is_400_naming_body(
+    stack: Stack, method: str, path: str, body: dict[str, Any], encoding: str
+) -> None:
+    """RFC 8259: JSON between systems is UTF-8, and the README says a body that is not is a
+    400 naming ``body``; a UTF-16 or UTF-32 body was read all the same (``json.loads`` of
+    bytes guesses the encoding). Latin-1 (a byte 0xe9) was refused, as it still is."""
+    text = json.dumps({**body, "é": 1} if encoding == "latin-1" else body, ensure_ascii=False)
+    response = stack.idle.request(
+        method,
+        path,
+        content=text.encode(encoding),
+        headers={**ACME, "Content-Type": "application/json"},
+    )
+    assert response.status_code == 400, (encoding, response.text)
+    error = response.json()["error"]
+    assert error["field"] == "body" and "UTF-8" in error["message"], error
+
+
+@pytest.mark.parametrize(("method", "path", "body"), UTF8_ROUTES)
+def test_a_utf8_body_after_a_byte_order_mark_is_read(
+    stack: Stack, method: str, path: str, body: dict[str, Any]
+) -> None:
+    """RFC 8259 §8.1 lets a parser ignore a UTF-8 byte order mark; Sift does, as before."""
+    response = stack.idle.request(
+        method,
+        path,
+        content=b"\xef\xbb\xbf" + json.dumps(body).encode(),
+        headers={**ACME, "Content-Type": "application/json"},
+    )
+    assert response.status_code == 202, response.text
