@@ -51,6 +51,7 @@ from worker.constants import (
 )
 from worker.contract import INDEX_PATTERN, FilterValue, FusionMethod, IndexSettingsPatch
 from worker.errors import InvalidRequest
+from worker.observability.logcontext import job_context
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["indexes"], route_class=GetAnswersHead)
@@ -263,9 +264,9 @@ async def _delete_job(
     job = await enqueue_ingest(
         request, lambda enqueue: store.create_deletion(tenant, index, ids, enqueue=enqueue)
     )
-    log.info(
-        "ingest %s: %s of %d ids for %s/%s", job.id, job.operation, len(ids or []), tenant, index
-    )
+    count = len(ids or [])
+    with job_context(job.id):
+        log.info("ingest %s: %s of %d ids for %s/%s", job.id, job.operation, count, tenant, index)
     return await ingest_response(request, job, wait)
 
 

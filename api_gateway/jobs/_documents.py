@@ -27,6 +27,7 @@ from worker.constants import INGEST_ID_PREFIX, INGEST_QUEUE, INGEST_TASK, MAX_DO
 from worker.contract import INDEX_PATTERN
 from worker.errors import InvalidRequest
 from worker.observability import metrics
+from worker.observability.logcontext import job_context
 from worker.queue.jobstore import Enqueue, IngestJob
 
 log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
@@ -123,7 +124,8 @@ async def upsert_documents(
         request,
         lambda enqueue: store.create_ingest(tenant, index, body.documents, enqueue=enqueue),
     )
-    log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
+    with job_context(job.id):
+        log.info("ingest %s: %d documents for %s/%s", job.id, job.documents, tenant, index)
     return await ingest_response(request, job, wait)
 
 

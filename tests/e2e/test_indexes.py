@@ -356,3 +356,16 @@ def test_the_document_id_parameter_is_named_id(stack: Stack) -> None:
     assert too_long.status_code == 422 and too_long.json()["error"]["field"] == "id"
     missing = stack.live.get("/v1/indexes/docs/documents/nobody-here", headers=ACME)
     assert missing.status_code == 404 and missing.json()["error"]["field"] == "id"
+
+
+def test_the_gateways_ingest_and_delete_log_lines_carry_their_job_id(stack: Stack) -> None:
+    """Every log record carries the job id in its ``[...]`` slot (STYLE.md 11); the gateway's
+    own lines for an ingest and a delete had ``[-]`` there, the id in the message alone."""
+    ingest = _ingest(stack, "life-logs", [{"id": "l1", "text": "log line marmalade"}])
+    gone = stack.live.delete(
+        "/v1/indexes/life-logs/documents/l1", params={"wait": 20}, headers=ACME
+    ).json()
+    log = stack.logs[1].read_text(errors="replace")  # the live gateway's
+    for job in (ingest["id"], gone["id"]):
+        lines = [line for line in log.splitlines() if f"ingest {job}:" in line]
+        assert lines and all(f"[{job}]" in line for line in lines), (job, lines)
