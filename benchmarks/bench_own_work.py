@@ -55,6 +55,7 @@ class StubReranker:
     """The model's answer without the SDK: the candidates reversed, a fixed usage."""
 
     model = "claude-haiku-4-5"
+    effort = None
 
     def rerank(self, prompt: Any, timeout_seconds: float) -> Any:
         from worker.core.types import RerankReply, TokenUsage

@@ -64,6 +64,7 @@ class Embedder:
 
 class Reranker:
     model = "claude-haiku-4-5"
+    effort = None
 
     def rerank(self, prompt: Any, timeout_seconds: float) -> Any:
         from worker.core.types import RerankReply, TokenUsage

@@ -190,6 +190,7 @@ class ScriptedReranker:
 
     def __init__(self, steps: Sequence[Step], model: str = "claude-haiku-4-5") -> None:
         self.model = model
+        self.effort: str | None = None
         self.steps = list(steps)
         self.calls: list[tuple[RerankPrompt, float]] = []
 

@@ -60,6 +60,7 @@ class CountingReranker:
     def __init__(self, inner: ScriptedReranker) -> None:
         self.inner = inner
         self.model = inner.model
+        self.effort = inner.effort
         self.usage: list[TokenUsage] = []
 
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:

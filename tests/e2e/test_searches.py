@@ -245,5 +245,6 @@ def test_the_readmes_model_is_sent_no_effort_and_its_reranked_search_succeeds(
     assert job["status"] == "succeeded", job
     assert job["result"]["rerank"]["applied"] is True
     assert [a["outcome"] for a in job["result"]["trace"]["attempts"]] == ["ok"]
+    assert job["result"]["trace"]["effort"] is None  # the trace says what was sent
     sent = [r["body"] for r in stack.model.requests() if "oolong tea" in str(r["body"])]
     assert sent and all("effort" not in b["output_config"] for b in sent)

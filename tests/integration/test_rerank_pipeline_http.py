@@ -19,7 +19,7 @@ from worker.adapters.anthropic import AnthropicReranker
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import SearchPipeline
 from worker.errors import RerankFailed
-from worker.runtime.bootstrap import build_pipeline
+from worker.runtime.bootstrap import build_pipeline, build_reranker
 from worker.runtime.inprocess import Runtime
 from worker.settings import load_settings
 
@@ -165,3 +165,33 @@ def test_no_valid_ranks_is_a_fallback_not_a_failure(fake: fa.FakeAnthropic) -> N
     assert found.rerank.fallback_reason == "no_valid_ranks"
     assert recorder.events["attempt", "ok"] == 1
     assert recorder.events["outcome", "fallback_no_valid_ranks"] == 1
+
+
+@pytest.mark.parametrize(
+    ("model", "sent"), [("claude-haiku-4-5", None), ("claude-sonnet-4-6", "low")]
+)
+def test_the_effort_the_settings_give_each_model_is_sent_and_traced(
+    fake: fa.FakeAnthropic, monkeypatch: pytest.MonkeyPatch, model: str, sent: str | None
+) -> None:
+    """The reranker as the worker builds it from its settings (SIFT_GENERATION_EFFORT at its
+    default, auto): the README's model is sent no effort (the API refuses it), a model that
+    takes it the lowest level; the search succeeds, and its trace says what was sent."""
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test")
+    settings = load_settings(rerank_enabled=True, generation_model=f"anthropic:{model}")
+    reranker = build_reranker(settings)
+    assert isinstance(reranker, AnthropicReranker)
+    pipeline = build_pipeline(
+        settings, backend=InMemoryBackend(), embedder=FakeEmbedder(), reranker=reranker
+    )
+    docs = [DocumentIn(id=f"d{i}", text=f"volcano ash report number {i}") for i in range(10)]
+    Runtime(pipeline).ingest("docs", "acme", docs)
+    try:
+        result = search(pipeline)
+    finally:
+        reranker.close()
+    assert result.rerank.applied and result.trace is not None
+    assert [a["outcome"] for a in result.trace["attempts"]] == ["ok"]
+    assert result.trace["model"] == model and result.trace["effort"] == sent
+    (request,) = fake.requests()
+    assert request["body"]["output_config"].get("effort") == sent

@@ -57,6 +57,7 @@ def test_no_wait_past_the_deadline() -> None:
 
 class _Flaky:
     model = "m"
+    effort = None
 
     def __init__(self) -> None:
         self.calls = 0

@@ -152,6 +152,7 @@ class Reranker(Protocol):
     ``sent`` False when the provider never saw the call: no request, no pause for others)."""
 
     model: str
+    effort: str | None  # the output_config.effort it sends (None: none), for the trace
 
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply: ...
 

@@ -122,6 +122,7 @@ class LimitedReranker:
         self.inner = inner
         self.limiter = limiter
         self.model = inner.model
+        self.effort = inner.effort
         self._clock = clock
 
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:

@@ -343,6 +343,7 @@ class SearchPipeline:
         if spec.include_trace:  # a dict per candidate: built only for a trace that is shown
             trace["candidates"] = _trace_candidates(candidates, prompt)
         trace["model"] = self.reranker.model
+        trace["effort"] = self.reranker.effort  # as sent: None when the model takes none
         return Prepared(spec, candidates, trace, prompt=prompt)
 
     def _probe(self, index: str, tenant: str, deadline: Deadline) -> IndexProbe:

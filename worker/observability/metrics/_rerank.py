@@ -140,6 +140,7 @@ class InFlightReranker:
     def __init__(self, inner: Reranker) -> None:
         self.inner = inner
         self.model = inner.model
+        self.effort = inner.effort
 
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:
         with rerank_in_flight(self.model):
