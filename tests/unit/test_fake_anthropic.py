@@ -135,8 +135,22 @@ def test_the_sdk_sees_temperature_1_refused(fake: FakeAnthropic) -> None:
             400,
             "invalid_request_error",
         ),
+        (  # the real API: Haiku 4.5 takes no effort parameter
+            HEADERS,
+            {**body(), "output_config": {**body()["output_config"], "effort": "low"}},
+            400,
+            "invalid_request_error",
+        ),
     ],
-    ids=["no-key", "no-version", "no-model", "no-max-tokens", "no-messages", "bad-format"],
+    ids=[
+        "no-key",
+        "no-version",
+        "no-model",
+        "no-max-tokens",
+        "no-messages",
+        "bad-format",
+        "effort-to-haiku-4-5",
+    ],
 )
 def test_checks_requests_like_the_api(
     http: httpx.Client, headers: dict[str, str], payload: dict[str, Any], code: int, error_type: str
@@ -145,6 +159,15 @@ def test_checks_requests_like_the_api(
 
 
 # --- answers and usage ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["claude-sonnet-4-6", "claude-opus-4-7", "claude-future-9"])
+def test_effort_is_taken_from_a_model_that_has_it(http: httpx.Client, model: str) -> None:
+    config = {**body()["output_config"], "effort": "low"}
+    response = http.post(
+        "/v1/messages", headers=HEADERS, json={**body(), "model": model, "output_config": config}
+    )
+    assert response.status_code == 200, response.text
 
 
 def test_default_answer_shape(fake: FakeAnthropic, http: httpx.Client) -> None:
