@@ -553,3 +553,58 @@ def test_an_older_release_s_retry_message_without_figures_sends_them(
     tasks.webhook.apply(args=[sent.retries[0] | {"due_at": time.time() - 1}])
     assert json.loads(sent.bodies[0])["data"] == {"id": done.id, **webhook_figures(done)}
     assert sent.bodies[0] == sent.bodies[1]
+
+
+def test_a_webhook_the_re_drive_sends_again_goes_on_with_its_schedule(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receiver answering 500 every time, and every retry message lost (the re-drive sends
+    each again, past its grace): the re-drive's message makes the attempt that was lost, not
+    the schedule's first, so the webhook is attempted the schedule's number of times in all,
+    then given up and owed no more. Before, each re-drive started the schedule again: its
+    attempts never ended while messages were lost."""
+    import time
+    from datetime import datetime
+    from types import SimpleNamespace
+
+    from celery.exceptions import Retry
+
+    from worker.constants import WEBHOOKS_OWED_KEY
+    from worker.queue.redrive import Sweeper
+    from worker.settings import Settings
+    from worker.webhooks import delivery as webhooks
+
+    context._runtime = ScriptedRuntime()
+    spec = SearchSpec(index="docs", query="q")
+    job = context.store.create_search("acme", spec, webhook_url="https://hooks.example/x")
+    tasks.search.apply(args=[job.id])
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    attempts: list[int] = []
+
+    def run_delivery(**kwargs: Any) -> webhooks.DeliveryDecision:  # a 500, every time
+        attempts.append(kwargs["attempt"])
+        answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500)
+        retry_in = webhooks.next_delay(kwargs["attempt"], scale=0.0)
+        return webhooks.DeliveryDecision(answer, kwargs["attempt"], retry_in)
+
+    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
+    monkeypatch.setattr(base.SiftTask, "retry", lambda self, **_: Retry("lost"))
+    resent: list[dict[str, Any]] = []
+    sweeper = Sweeper(
+        context.store,
+        lambda name, args, queue, task_id: resent.append(args[0]),
+        interval_seconds=30,
+        stall_seconds=120,
+        webhook_grace_seconds=1600,
+    )
+    message = _search_event(job.id, occurred_at=datetime.now().timestamp())
+    now = time.time()
+    for _ in range(3 * webhooks.MAX_ATTEMPTS):
+        tasks.webhook.apply(args=[message])  # its retry's message is lost
+        now += 1601
+        if not sweeper.resend_webhooks(now=now):
+            break
+        message = resent[-1]
+    assert attempts == list(range(1, webhooks.MAX_ATTEMPTS + 1))
+    assert context.store.redis.zscore(WEBHOOKS_OWED_KEY, job.id) is None  # given up

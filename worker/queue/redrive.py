@@ -73,7 +73,9 @@ it is overdue by ``webhook_grace_seconds`` (the broker's visibility timeout, 1,6
 defaults: a live message has mostly run by then, or been put back) and no message of it is
 in the webhook queue or ``unacked`` (one late behind a backlog is looked at again a grace
 later) (:meth:`Sweeper.resend_webhooks`): the same event, the same ``webhook-id``, so a
-receiver that had it after all drops the copy. The attempts start again from the first.
+receiver that had it after all drops the copy. It makes the attempt whose message was lost
+(each retry records it in the job's record, :meth:`JobStore.webhook_attempt`): the schedule
+goes on, so a webhook is attempted at most the schedule's number of times in all.
 
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
     sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)
@@ -367,7 +369,8 @@ class Sweeper:
         return found & job_ids
 
     def _owed_event(self, job_id: str) -> dict[str, Any] | None:
-        """The event of a finished job's webhook, as its final move announced it."""
+        """The event of a finished job's webhook, as its final move announced it, making the
+        attempt its last retry recorded (:meth:`JobStore.webhook_attempt`)."""
         finished_at: float | None
         if job_id.startswith(BATCH_ID_PREFIX):
             batch = self.store.get_batch(job_id)
@@ -381,7 +384,9 @@ class Sweeper:
                 return None
             kind, tenant, url = WEBHOOK_EVENT_SEARCH_COMPLETED, search.tenant, search.webhook_url
             status, finished_at = search.status.value, search.finished_at
-        return webhook_event(kind, job_id, tenant, url, status, occurred_at=finished_at)
+        event = webhook_event(kind, job_id, tenant, url, status, occurred_at=finished_at)
+        # the attempt whose message was lost: the schedule goes on, it does not begin again
+        return {**event, "attempt": self.store.webhook_attempt(job_id)}
 
     def note_restart(self) -> None:
         """Open an urgent window if Redis has restarted since the last sweep: a pop whose reply

@@ -486,7 +486,7 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         return
     later = {**event, "attempt": attempt + 1}
     later["due_at"] = time.time() + decision.retry_in
-    store.webhook_due(data["id"], later["due_at"])
+    store.webhook_due(data["id"], later["due_at"], later["attempt"])
     raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
 
 

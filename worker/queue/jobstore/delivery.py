@@ -13,16 +13,24 @@ from worker.constants import (
     ACTIVE_JOBS_KEY,
     ATTEMPTS_KEY,
     ATTEMPTS_TTL_SECONDS,
+    BATCH_ID_PREFIX,
     BATCH_ITEMS_KEY,
+    BATCH_KEY,
     BATCH_ORDER_KEY,
     ECONOMY_PREPARED_KEY,
     REDRIVE_COUNT_KEY,
+    SEARCH_KEY,
     STATS_KEY,
     WEBHOOKS_OWED_KEY,
 )
 from worker.contract import JobStatus
 from worker.queue.jobstore.records import _in_flight, _now
 from worker.queue.jobstore.store import _StoreCore
+
+
+def _record_key(job_id: str) -> str:
+    """The record of a job with a webhook: a batch's or a search's."""
+    return (BATCH_KEY if job_id.startswith(BATCH_ID_PREFIX) else SEARCH_KEY) + job_id
 
 
 def _attempts_key(task_id: str, retry: int) -> str:
@@ -93,10 +101,18 @@ class DeliveryRecords(_StoreCore):
         found = self.redis.zrangebyscore(WEBHOOKS_OWED_KEY, "-inf", due_before, 0, limit)
         return cast(list[str], found)
 
-    def webhook_due(self, job_id: str, when: float) -> bool:
-        """The owed webhook's next message is due at ``when`` (a retry's time, or a re-send's):
-        moved later only, and only while it is owed; answers whether it moved."""
-        return bool(self.redis.zadd(WEBHOOKS_OWED_KEY, {job_id: when}, xx=True, gt=True, ch=True))
+    def webhook_due(self, job_id: str, when: float, attempt: int | None = None) -> bool:
+        """The owed webhook's next message is due at ``when`` (a retry's time, or a re-send's)
+        and makes attempt ``attempt`` (a retry's; kept for :meth:`webhook_attempt`): each
+        moved later only, and only while it is owed; answers whether the time moved."""
+        keys = [WEBHOOKS_OWED_KEY, _record_key(job_id)]
+        args = [repr(when), job_id, "" if attempt is None else str(attempt)]
+        return bool(self._webhook_due(keys=keys, args=args))
+
+    def webhook_attempt(self, job_id: str) -> int:
+        """The attempt the job's owed webhook makes next, as its last retry recorded it (1:
+        none recorded); a message the re-drive sends again makes that one."""
+        return int(cast(str | None, self.redis.hget(_record_key(job_id), "webhook_attempt")) or 1)
 
     def webhook_settled(self, job_id: str) -> None:
         """The job's webhook is owed no more: delivered, refused, or its schedule spent. Also
