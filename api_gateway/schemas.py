@@ -119,20 +119,29 @@ class BatchOut(BaseModel):
     ``usage`` is the sum of its final items' usage: each result's, each failure's (attempts
     billed before it failed), each canceled item's billed rounds; ``cost_usd`` at the lane's
     price (the economy lane's is the Message Batches discount, half), ``null`` when any item
-    called a model with no price. It grows as items finish."""
+    called a model with no price. It grows as items finish. ``usage``, ``rerank_outcomes``
+    and ``stage_seconds`` are ``null`` (unknown) for a batch an older Sift made, which did
+    not add up its items as they finished: never a zero that looks known."""
 
     id: str
     status: JobStatus
     index: str
     lane: Literal["standard", "economy"]
     counts: BatchCounts
-    usage: Usage = Field(default_factory=Usage)
-    rerank_outcomes: BatchRerankOutcomes = Field(default_factory=BatchRerankOutcomes)
-    stage_seconds: dict[str, float] = Field(
+    usage: Usage | None = Field(
+        default_factory=Usage,
+        description="Its final items' usage summed; null when unknown (a batch an older Sift "
+        "made: the items it finished were never added up).",
+    )
+    rerank_outcomes: BatchRerankOutcomes | None = Field(
+        default_factory=BatchRerankOutcomes,
+        description="Its succeeded items by how they were ranked; null when unknown, as usage.",
+    )
+    stage_seconds: dict[str, float] | None = Field(
         default_factory=dict,
         description="Seconds by stage (queue_wait, embed, bm25, knn, fuse, rerank), summed over "
         "its succeeded items: where its time went. An economy item's rerank is its provider "
-        "batch's wait.",
+        "batch's wait. null when unknown, as usage.",
     )
     created_at: str
     finished_at: str | None = None

@@ -57,7 +57,9 @@ def batch_out(batch: BatchJob) -> BatchOut:
         lane="economy" if batch.lane == "economy" else "standard",
         counts=BatchCounts(total=batch.total, **batch.counts),
         usage=batch.usage,
-        rerank_outcomes=BatchRerankOutcomes(**batch.rerank_outcomes),
+        rerank_outcomes=None
+        if batch.rerank_outcomes is None
+        else BatchRerankOutcomes(**batch.rerank_outcomes),
         stage_seconds=batch.stage_seconds,
         created_at=iso(batch.created_at) or "",
         finished_at=iso(batch.finished_at),

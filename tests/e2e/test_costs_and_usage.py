@@ -222,3 +222,36 @@ def test_a_batchs_items_cost_what_the_counters_rose_by(stack: Stack, corpus: obj
         "skipped": sum(1 for r in ranked if not r["applied"] and not r["fallback_reason"]),
     }
     assert batch["rerank_outcomes"]["applied"] > 0 and batch["rerank_outcomes"]["fallback"] > 0
+
+
+def test_a_batch_made_before_its_totals_were_kept_shows_them_unknown(stack: Stack) -> None:
+    """A batch an older Sift made (its record has no ``totals`` marker) that a newer worker
+    finishes: its items finished before the upgrade were never added to its totals, so the
+    totals (``usage``, ``cost_usd`` in it, ``rerank_outcomes``, ``stage_seconds``) are
+    ``null`` on its ``GET`` and its listing entry, not a sum that looks known (a zero, or
+    the items finished after the upgrade alone). A batch made now shows them."""
+    from worker.constants import BATCH_KEY
+    from worker.contract import RerankInfo, SearchResult, SearchSpec, Usage
+    from worker.queue.jobstore import JobStore
+
+    store = JobStore.from_url(stack.redis_url + "/0")
+    try:
+        items = [(f"q{i}", SearchSpec(index=INDEX, query="tea")) for i in range(2)]
+        old = store.create_batch("acme", INDEX, items)  # no task messages: nothing runs it
+        store.redis.hdel(BATCH_KEY + old.id, "totals")  # as the older release wrote it
+        result = SearchResult(
+            hits=[], rerank=RerankInfo(applied=False), usage=Usage(requests=1, cost_usd=0.001)
+        )
+        for qid, _ in items[1:]:  # q0 finished before the upgrade, q1 after it
+            assert store.start_item(old.id, qid)
+            assert store.finish_item(old.id, qid, result=result).applied
+        got = stack.live.get(f"/v1/batches/{old.id}", headers=ACME).json()
+        assert (got["usage"], got["rerank_outcomes"], got["stage_seconds"]) == (None,) * 3, got
+        listed = stack.live.get("/v1/batches", headers=ACME).json()
+        (entry,) = [b for b in listed["batches"] if b["id"] == old.id]
+        assert entry["usage"] is None
+        new = store.create_batch("acme", INDEX, items)
+        got = stack.live.get(f"/v1/batches/{new.id}", headers=ACME).json()
+        assert got["usage"]["cost_usd"] == 0.0 and got["rerank_outcomes"]["applied"] == 0, got
+    finally:
+        store.close()

@@ -84,7 +84,8 @@ def _list(
 
 def _cost(usage: dict[str, Any] | None) -> str:
     """A batch's cost so far for its row: dollars, ``unpriced`` (a model with no price), or
-    ``-`` from a gateway that does not tell it.
+    ``-`` when it is not told (by an older gateway, or for a batch an older Sift made, whose
+    totals are unknown).
 
     >>> _cost({"cost_usd": 0.0125}), _cost({"cost_usd": None}), _cost(None)
     ('$0.012500', 'unpriced', '-')

@@ -99,6 +99,7 @@ class BatchRow:
     age_seconds: float
     idle_seconds: float
     cost_usd: float | None = 0.0  # what its finished items' model calls cost (None: unpriced)
+    cost_known: bool = True  # False: a batch an older release made (its totals unknown)
 
 
 @dataclass
@@ -213,7 +214,8 @@ def _batches(store: JobStore, active: list[tuple[str, float]]) -> list[BatchRow]
                 counts=batch.counts,
                 age_seconds=round(now - batch.created_at, 1),
                 idle_seconds=round(now - moved, 1),
-                cost_usd=batch.usage.cost_usd,
+                cost_usd=None if batch.usage is None else batch.usage.cost_usd,
+                cost_known=batch.usage is not None,
             )
         )
     return rows
@@ -323,7 +325,8 @@ def show(console: Console, status: Status) -> None:
             plain(b.id), plain(b.tenant), plain(b.index), f"{done}/{b.total}",
             str(b.counts.get("running", 0)),
             str(b.counts.get("queued", 0)), str(b.counts.get("failed", 0)),
-            "unpriced" if b.cost_usd is None else f"${b.cost_usd:.6f}",
+            "unknown" if not b.cost_known
+            else "unpriced" if b.cost_usd is None else f"${b.cost_usd:.6f}",
             f"{b.age_seconds:.0f} s", f"{b.idle_seconds:.0f} s ago",
         )  # fmt: skip
     console.print(batches)

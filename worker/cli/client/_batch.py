@@ -158,7 +158,7 @@ def _batch_cost_lines(batch: dict[str, Any]) -> list[str]:
     (True, 'rerank: applied 1, fallback 0, skipped 0')
     """
     usage, outcomes = batch.get("usage"), batch.get("rerank_outcomes") or {}
-    if usage is None:  # a gateway from before batches told their usage
+    if usage is None:  # unknown: an older gateway's, or a batch an older Sift made
         return []
     lane = batch.get("lane") or "standard"
     price = " (economy lane: half price)" if lane == "economy" else ""

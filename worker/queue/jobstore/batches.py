@@ -68,6 +68,10 @@ _USAGE_TOKENS = (
     "cache_creation_input_tokens",
 )
 RERANK_OUTCOMES = ("applied", "fallback", "skipped")
+# Written in a batch's record at its creation: every item's outcome is added to its totals
+# (an older release's batch has none: items it finished were never added, so its totals
+# are unknown, not the sum of what the items finished since added)
+TOTALS_MARKER = ("totals", "1")
 STAGES = ("queue_wait", "embed", "bm25", "knn", "fuse", "rerank")
 
 
@@ -126,6 +130,7 @@ def _batch_of(batch_id: str, raw: dict[str, str], counts: dict[str, str]) -> Bat
     if not raw:
         return None
     rerank = raw.get("rerank", "")
+    known = raw.get(TOTALS_MARKER[0]) == TOTALS_MARKER[1]
     return BatchJob(
         id=batch_id,
         tenant=raw["tenant"],
@@ -138,9 +143,11 @@ def _batch_of(batch_id: str, raw: dict[str, str], counts: dict[str, str]) -> Bat
         webhook_url=raw.get("webhook_url") or None,
         canceled_at=_opt_float(raw.get("canceled_at")),
         finished_at=_opt_float(raw.get("finished_at")),
-        usage=_batch_usage(raw),
-        rerank_outcomes={name: int(raw.get("rerank_" + name, 0)) for name in RERANK_OUTCOMES},
-        stage_seconds=_stage_seconds(raw),
+        usage=_batch_usage(raw) if known else None,
+        rerank_outcomes=(
+            {name: int(raw.get("rerank_" + name, 0)) for name in RERANK_OUTCOMES} if known else None
+        ),
+        stage_seconds=_stage_seconds(raw) if known else None,
     )
 
 
@@ -250,6 +257,7 @@ class BatchRecords(_StoreCore):
                 "webhook_url": batch.webhook_url or "",
                 "total": str(batch.total),
                 "created_at": repr(batch.created_at),
+                TOTALS_MARKER[0]: TOTALS_MARKER[1],
             },
         )
         pipe.hset(BATCH_COUNTS_KEY + bid, mapping={k: str(v) for k, v in batch.counts.items()})

@@ -106,10 +106,11 @@ class BatchJob:
     finished_at: float | None = None
     # the sum of its final items' usage (a result's, a failure's, a canceled item's billed
     # rounds), its succeeded items' rerank outcomes ("applied", "fallback", "skipped") and
-    # their seconds by stage
-    usage: Usage = field(default_factory=Usage)
-    rerank_outcomes: dict[str, int] = field(default_factory=dict)
-    stage_seconds: dict[str, float] = field(default_factory=dict)  # summed over its results
+    # their seconds by stage; None: unknown (a batch an older release made, whose items it
+    # finished were never added: jobstore/batches.py's TOTALS_MARKER)
+    usage: Usage | None = field(default_factory=Usage)
+    rerank_outcomes: dict[str, int] | None = field(default_factory=dict)
+    stage_seconds: dict[str, float] | None = field(default_factory=dict)
 
     @property
     def status(self) -> JobStatus:
@@ -178,7 +179,8 @@ _RERANK_OUTCOMES = ("applied", "fallback", "skipped")
 
 def webhook_figures(job: BatchJob | SearchJob) -> dict[str, Any]:
     """A finished job's final figures for its webhook body, as its ``GET`` shows them: a
-    batch's ``status``, ``counts``, ``usage`` (``cost_usd`` in it) and ``rerank_outcomes``; a
+    batch's ``status``, ``counts``, ``usage`` (``cost_usd`` in it) and ``rerank_outcomes``
+    (each ``None`` when unknown: a batch an older release made); a
     search's ``status``, ``usage`` (its result's, or its failure's billed attempts'; ``None``
     when it made no model call before failing) and ``error`` (its type) or ``None``. Never a
     search's hits nor a batch's results: the body stays small, the result is at the job's URL.
@@ -188,10 +190,10 @@ def webhook_figures(job: BatchJob | SearchJob) -> dict[str, Any]:
         return {
             "status": job.status.value,
             "counts": counts,
-            "usage": job.usage.model_dump(),
-            "rerank_outcomes": {
-                name: job.rerank_outcomes.get(name, 0) for name in _RERANK_OUTCOMES
-            },
+            "usage": None if job.usage is None else job.usage.model_dump(),
+            "rerank_outcomes": None
+            if job.rerank_outcomes is None
+            else {name: job.rerank_outcomes.get(name, 0) for name in _RERANK_OUTCOMES},
         }
     usage = job.result.usage if job.result is not None else job.error and job.error.usage
     return {
