@@ -22,7 +22,13 @@ import pytest
 from api_gateway.queue import OutboxSender
 from tests.fake_anthropic import FakeAnthropic
 from tests.services import celery_worker, redis_server
-from worker.constants import BATCH_CHUNK_TASK, BATCH_QUEUE, SEARCH_QUEUE, SEARCH_TASK
+from worker.constants import (
+    BATCH_CHUNK_TASK,
+    BATCH_QUEUE,
+    BATCH_RUNS_KEY,
+    SEARCH_QUEUE,
+    SEARCH_TASK,
+)
 from worker.contract import SearchResult, SearchSpec
 from worker.queue.jobstore import BatchJob, JobStore
 
@@ -379,3 +385,44 @@ def test_a_kept_answer_outlives_a_task_retry_of_the_run_taking_it_over(setup: Se
     result = _search(setup, "acme", spec)
     assert not setup.failing.exists()  # the run taking over did fail (and was retried)
     _one_call(setup, result)
+
+
+def test_a_batch_canceled_while_its_item_waits_to_retry_on_a_kept_answer_counts_it_once(
+    setup: Setup,
+) -> None:
+    """The worker dies after the model answered; the run taking the claim over fails its
+    retrieval and lets the claim go (the answer carried on) to be retried; the batch is
+    canceled while that retry waits. The item is past its model call, paid for: its retry
+    finishes it on the kept answer, and the batch's usage and cost show that call once.
+    Before, the item waited ``queued``, the cancel canceled it with the queued items, and
+    neither its record nor the batch's totals showed the call the provider billed."""
+    spec = SearchSpec(index="docs", query="delta", mode="fts", rerank=True, include_trace=True)
+    _search(setup, "acme", spec)  # the worker's process builds its runtime: no failures
+    _arm(setup)
+    setup.failing.write_text("3")  # the process taking the claim over: its 3 attempts fail
+    sender = OutboxSender(setup.store)
+    batch = setup.store.create_batch(
+        "acme",
+        "docs",
+        [("q0", spec)],
+        enqueue=lambda batch_id: sender.messages(
+            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
+        ),
+    )
+    runs = BATCH_RUNS_KEY + batch.id
+
+    def let_go_for_its_retry() -> bool:  # "<used>||0|||<answer>": no holder, the answer on
+        held = setup.store.redis.hget(runs, "q0")
+        return isinstance(held, str) and re.match(r"^[^|]*\|\|0\|\|\|.", held) is not None
+
+    _wait(let_go_for_its_retry, timeout=60)
+    assert setup.store.cancel_batch(batch.id) == (0, False)  # it is past its model call
+    _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
+    assert not setup.failing.exists()  # the run taking over did fail (and was retried)
+    (item,) = setup.store.batch_results(batch.id, 0, 1)
+    assert item.status == "succeeded" and item.payload is not None, item
+    result = SearchResult.model_validate(json.loads(item.payload)["result"])
+    _one_call(setup, result)
+    _batch_told_once(setup, batch.id, result)
+    done = setup.store.get_batch(batch.id)
+    assert done is not None and done.status == "succeeded", done

@@ -275,7 +275,11 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
             # a retry runs in what is left of the search's deadline (the economy lane's first
             # half, claimed by no run, is retried as it was)
             if retryable and (claim is None or _retry_fits(claim, deadline)):
-                store.requeue_item(batch_id, item.query_id)
+                # one that carries a model answer a dead run kept stays running: it is past
+                # its model call, paid for, and its retry finishes it on that answer (queued,
+                # a cancel meanwhile canceled it, and no record showed the call billed)
+                if claim is None or not claim.answer:
+                    store.requeue_item(batch_id, item.query_id)
                 if claim is not None:
                     store.release_item(batch_id, item.query_id, claim)
                     held.pop(item.query_id).record()
