@@ -426,3 +426,53 @@ def test_a_batch_canceled_while_its_item_waits_to_retry_on_a_kept_answer_counts_
     _batch_told_once(setup, batch.id, result)
     done = setup.store.get_batch(batch.id)
     assert done is not None and done.status == "succeeded", done
+
+
+def test_a_batch_s_totals_stay_its_items_sums_when_its_worker_died_after_a_save(
+    setup: Setup,
+) -> None:
+    """The worker dies once an item's result is saved, while it records that item's figures
+    (``sift_search_duration_seconds``, counted after the save): the redelivered chunk finds
+    the item final and runs the other. The batch's record adds each item's usage, cost,
+    rerank outcome and seconds by stage in the script that saves it, so its totals are its
+    two items' sums, each once: the process's own Prometheus figures die with it (a counter
+    reset to Prometheus), the record's do not."""
+    from worker.core.pipeline import stage_seconds
+
+    _arm(setup)
+    setup.flag.unlink()
+    die = setup.flag.with_name("die-done")
+    die.touch()
+    spec = SearchSpec(index="docs", query="gamma", mode="fts", rerank=True, include_trace=True)
+    sender = OutboxSender(setup.store)
+    batch = setup.store.create_batch(
+        "acme",
+        "docs",
+        [("q0", spec), ("q1", spec.model_copy(update={"query": "beta"}))],
+        enqueue=lambda batch_id: sender.messages(
+            [(BATCH_CHUNK_TASK, [batch_id, 0, 2], BATCH_QUEUE)]
+        ),
+    )
+    _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
+    _died(die)
+    results = []
+    for item in setup.store.batch_results(batch.id, 0, 2):
+        assert item.status == "succeeded" and item.payload is not None, item
+        results.append(SearchResult.model_validate(json.loads(item.payload)["result"]))
+    done = setup.store.get_batch(batch.id)
+    assert done is not None and done.usage is not None and done.stage_seconds is not None
+    billed = setup.model.usage()
+    assert done.usage.requests == sum(r.usage.requests for r in results) == 2
+    assert done.usage.input_tokens == sum(r.usage.input_tokens for r in results)
+    assert done.usage.input_tokens == billed["input_tokens"] > 0
+    cost = sum(r.usage.cost_usd or 0.0 for r in results)
+    assert done.usage.cost_usd == pytest.approx(cost) and cost > 0
+    assert done.rerank_outcomes == {"applied": 2, "fallback": 0, "skipped": 0}
+    summed: dict[str, float] = {}
+    for result in results:
+        assert result.trace is not None
+        for stage, seconds in stage_seconds(result.trace).items():
+            summed[stage] = summed.get(stage, 0.0) + seconds
+    assert done.stage_seconds.keys() == summed.keys(), (done.stage_seconds, summed)
+    for stage, seconds in summed.items():
+        assert done.stage_seconds[stage] == pytest.approx(seconds, abs=0.01), stage
