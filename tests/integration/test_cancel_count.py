@@ -177,3 +177,48 @@ def test_a_take_sent_again_after_another_cancel_s_take_answers_what_it_took(
     assert store.cancel_batch(batch_id, count=("a-queue", "m")) == (1, True)
     assert store.take_cancel_count(batch_id, "second") == (1, True)
     assert store.take_cancel_count(batch_id, "first") == (2, False)
+
+
+@pytest.mark.usefixtures("worker")
+def test_a_take_never_heard_past_the_retake_window_leaves_the_batch_s_figures_right(
+    client: TestClient,
+    store: JobStore,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The gateway's take ran, its answer was lost, and every take sent again fails until
+    the gateway gives up (``COUNT_RETAKE_SECONDS``, 10 minutes; shortened here): what the
+    take took is not counted in ``sift_jobs_completed_total`` (the count message finds it
+    taken), and the gateway logs that at ERROR. That is the metric alone: the batch's counts,
+    its status and its ``finished_at`` are written by the cancel's own script, not by the
+    take, so its ``GET`` (and its webhook, read from the same record) says 3 canceled."""
+    from api_gateway import jobs
+
+    monkeypatch.setattr(jobs, "COUNT_RETAKE_SECONDS", 0.5)
+    batch_id = _batch(store)
+    items = _completed("batch_item")
+    ran = JobStore.take_cancel_count
+    takes: list[str] = []
+
+    def lost(self: JobStore, batch: str, token: str | None = None) -> Any:
+        if not takes:
+            ran(self, batch, token)  # the first take ran; its answer never came back
+        takes.append(str(token))
+        raise redis.ConnectionError("connection lost")
+
+    monkeypatch.setattr(JobStore, "take_cancel_count", lost)
+    answer = client.delete(f"/v1/batches/{batch_id}", headers=ACME)
+    assert answer.status_code == 200 and answer.json()["status"] == "canceled", answer.text
+    deadline = time.monotonic() + 30
+    while "may be left uncounted" not in caplog.text and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "may be left uncounted" in caplog.text and len(takes) >= 2
+    assert len(set(takes)) == 1  # sent again with its own token
+    monkeypatch.setattr(JobStore, "take_cancel_count", ran)
+    assert _deliver(store) == 1  # the worker's count message: taken already, nothing
+    assert _completed("batch_item") - items == 0  # the metric's loss, logged above
+    got = client.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+    assert got["status"] == "canceled" and got["finished_at"] is not None, got
+    assert got["counts"] | {"total": 3} == {
+        "total": 3, "queued": 0, "running": 0, "succeeded": 0, "failed": 0, "canceled": 3
+    }  # fmt: skip
