@@ -608,3 +608,34 @@ def test_a_webhook_the_re_drive_sends_again_goes_on_with_its_schedule(
         message = resent[-1]
     assert attempts == list(range(1, webhooks.MAX_ATTEMPTS + 1))
     assert context.store.redis.zscore(WEBHOOKS_OWED_KEY, job.id) is None  # given up
+
+
+def test_a_batch_item_s_queue_wait_is_observed_once_when_its_retry_message_was_lost(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An item's first run fails retryably (requeued, its chunk's retry sent) and the retry
+    message is lost: the re-drive sends the chunk again, a first delivery (retries 0) that
+    finds the item ``queued``. ``sift_job_queue_wait_seconds{queue="sift.batch"}`` counts
+    the item's wait once, at its first run (it counted it again at the re-driven run, as if
+    a second item had waited). The item's own ``queue_wait`` (its trace, its batch's
+    ``stage_seconds``) is to the start of the run that made its result, as documented."""
+    from celery.exceptions import Retry
+
+    from worker.constants import BATCH_QUEUE
+
+    _patch_backoff(monkeypatch)
+    monkeypatch.setattr(base.SiftTask, "retry", lambda self, **_: Retry("lost"))
+    runtime = ScriptedRuntime(BackendUnavailable("blip"))
+    context._runtime = runtime
+    store = context.store
+    spec = SearchSpec(index="docs", query="q", include_trace=True)
+    batch = store.create_batch("acme", "docs", [("q0", spec)])
+    before = _queue_waits(BATCH_QUEUE)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])  # fails retryably; its retry is lost
+    item = store.batch_items(batch.id, ["q0"])[0]
+    assert item.status == "queued" and runtime.calls == 1, item
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])  # the re-drive's message: a first delivery
+    assert runtime.calls == 2
+    assert _queue_waits(BATCH_QUEUE)[0] - before[0] == 1
+    done = store.get_batch(batch.id)
+    assert done is not None and done.status == "succeeded", done

@@ -228,7 +228,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         if not started:
             return None  # canceled meanwhile, or finished by another delivery
         waited = time.time() - batch.created_at
-        if first_delivery and item.status == "queued":
+        if economy and first_delivery and item.status == "queued":
             metrics.observe_queue_wait(BATCH_QUEUE, waited)
         assert runtime is not None and item.spec is not None
         checked = _ModelCheck(store, marks, batch_id, item.query_id)
@@ -257,6 +257,11 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 if not claim.granted:  # another delivery is running it (jobstore/runs.py)
                     log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
                     return None
+                if item.status == "queued" and not claim.spent:
+                    # its first run: one requeued for a retry let its claim go with the time
+                    # it ran, so a re-driven chunk (its retry message lost, retries 0) that
+                    # finds it queued does not count its wait again
+                    metrics.observe_queue_wait(BATCH_QUEUE, waited)
                 answers = held[item.query_id] = store.item_answers(batch_id, item.query_id, claim)
                 result = runtime.search(
                     item.spec, batch.tenant, checked, spent=claim.spent, answers=answers
