@@ -639,3 +639,45 @@ def test_a_batch_item_s_queue_wait_is_observed_once_when_its_retry_message_was_l
     assert _queue_waits(BATCH_QUEUE)[0] - before[0] == 1
     done = store.get_batch(batch.id)
     assert done is not None and done.status == "succeeded", done
+
+
+def test_a_batch_item_s_retrieval_figures_are_counted_once_a_run_when_its_retry_was_lost(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real pipeline over an in-memory index: the item's first run fails its retrieval (the
+    backend down for its 3 attempts), is requeued, and its retry message is lost; the
+    re-drive's chunk runs it again and it succeeds. The figures are each run's, once: the
+    failed run's attempts (counted at its requeue, the move that ended that run) and the
+    run that made the result (counted once it was saved): one fusion, one search done, one
+    queue wait."""
+    from celery.exceptions import Retry
+
+    from tests.fakes import FakeEmbedder, InMemoryBackend, RecordingRecorder
+    from worker.constants import BATCH_QUEUE
+    from worker.runtime.inprocess import build_runtime
+
+    _patch_backoff(monkeypatch)
+    monkeypatch.setattr(base.SiftTask, "retry", lambda self, **_: Retry("lost"))
+    backend, recorder = InMemoryBackend(), RecordingRecorder()
+    runtime = build_runtime(
+        context.settings, backend=backend, embedder=FakeEmbedder(), recorder=recorder
+    )
+    runtime.ingest("docs", "acme", [DocumentIn(id="1", text="green tea leaves")])
+    context._runtime = runtime
+    store = context.store
+    batch = store.create_batch(
+        "acme", "docs", [("q0", SearchSpec(index="docs", query="green tea", mode="fts"))]
+    )
+    backend.fail_next = 3  # the first run's three retrieval attempts
+    waits = _queue_waits(BATCH_QUEUE)[0]
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])  # requeued; its retry message is lost
+    assert store.batch_items(batch.id, ["q0"])[0].status == "queued"
+    failed_run = recorder.events.copy()
+    assert ("hits", "fuse") not in failed_run and ("search", "error") in failed_run
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])  # the re-drive's message
+    done = store.get_batch(batch.id)
+    assert done is not None and done.status == "succeeded", done
+    second = recorder.events - failed_run
+    assert second[("hits", "fuse")] == second[("retrieval", "fuse")] == 1, recorder.events
+    assert second[("hits", "bm25")] == second[("search", "ok")] == 1, recorder.events
+    assert _queue_waits(BATCH_QUEUE)[0] - waits == 1
