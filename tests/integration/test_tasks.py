@@ -681,3 +681,33 @@ def test_a_batch_item_s_retrieval_figures_are_counted_once_a_run_when_its_retry_
     assert second[("hits", "fuse")] == second[("retrieval", "fuse")] == 1, recorder.events
     assert second[("hits", "bm25")] == second[("search", "ok")] == 1, recorder.events
     assert _queue_waits(BATCH_QUEUE)[0] - waits == 1
+
+
+def test_a_redelivered_search_sends_its_webhook_again_only_while_no_attempt_is_known(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search's message delivered again once the search is final sends its webhook again
+    (the worker that finished it may have died before enqueueing it) only while the webhook
+    is owed and no retry of it is recorded. Once a retry is recorded its schedule is running
+    (a lost retry message is the re-drive's, which goes on with that schedule); once it is
+    delivered or given up it is owed no more. Before, every such delivery sent a copy that
+    started a schedule of its own: a webhook given up after its 8 attempts was attempted
+    again, and one delivered was delivered again."""
+    import time
+
+    sent: list[str] = []
+    monkeypatch.setattr(base.SiftTask, "send_webhook", lambda self, *args: sent.append(args[1]))
+    context._runtime = ScriptedRuntime()
+    store = context.store
+    job = store.create_search(
+        "acme", SearchSpec(index="docs", query="q"), webhook_url="https://hooks.example/x"
+    )
+    tasks.search.apply(args=[job.id])
+    assert sent == [job.id]  # the finish's own
+    tasks.search.apply(args=[job.id])  # a redelivery: its first message may never have gone
+    assert sent == [job.id, job.id]
+    assert store.webhook_due(job.id, time.time() + 300, 2)  # attempt 1 made, 2 due
+    tasks.search.apply(args=[job.id])
+    store.webhook_settled(job.id)  # delivered (or given up)
+    tasks.search.apply(args=[job.id])
+    assert sent == [job.id, job.id]

@@ -78,7 +78,7 @@ def search(self: SiftTask, job_id: str) -> None:
     job = store.get_search(job_id)
     if job is None or job.status.final:
         log.info("search %s: nothing to do (%s)", job_id, "missing" if job is None else "final")
-        if job is not None and job.webhook_url:
+        if job is not None and job.webhook_url and store.webhook_unattempted(job_id):
             # a redelivery: the worker that finished it may have died before enqueueing the
             # webhook. Send it again; the webhook-id is the same, delivery is at least once.
             self.send_webhook(
@@ -313,8 +313,10 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     completed = any(done for done, _ in outcomes)
     to_retry = sum(1 for _, retry in outcomes if retry)
     # A redelivered chunk with nothing left to run, of a finished batch: the worker that
-    # completed the batch may have died before enqueueing its webhook, so send it again.
+    # completed the batch may have died before enqueueing its webhook, so send it again
+    # while that is possible (owed, no retry of it recorded: JobStore.webhook_unattempted).
     resend = deliveries > 1 and not pending and batch.finished_at is not None
+    resend = resend and store.webhook_unattempted(batch_id)
     if completed or resend:
         log.info("batch %s: completed%s", batch_id, " (webhook sent again)" if resend else "")
         done = store.get_batch(batch_id)

@@ -46,7 +46,7 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
     if batch is None or not message_taken(self, batch_id, provider_id):
         return
     if batch.finished_at is not None:
-        if self.delivery() > 1:
+        if self.delivery() > 1 and store.webhook_unattempted(batch_id):
             # a redelivered poll of a finished batch: the worker whose mapping completed it
             # may have died before enqueueing its webhook: sent again (the same webhook-id)
             log.info("batch %s: completed (webhook sent again)", batch_id)

@@ -114,6 +114,18 @@ class DeliveryRecords(_StoreCore):
         none recorded); a message the re-drive sends again makes that one."""
         return int(cast(str | None, self.redis.hget(_record_key(job_id), "webhook_attempt")) or 1)
 
+    def webhook_unattempted(self, job_id: str) -> bool:
+        """Whether the job's webhook is owed with no retry of it recorded, so its first message
+        may have died with the worker that was to send it: a redelivered task's copy is worth
+        sending. Once a retry is recorded its schedule runs (a lost message of it is the
+        re-drive's, which goes on with it), and once delivered or given up it is owed no
+        more: a copy then started a schedule of its own."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zscore(WEBHOOKS_OWED_KEY, job_id)
+        pipe.hexists(_record_key(job_id), "webhook_attempt")
+        owed, retried = pipe.execute()
+        return owed is not None and not retried
+
     def webhook_settled(self, job_id: str) -> None:
         """The job's webhook is owed no more: delivered, refused, or its schedule spent. Also
         drops every entry due before the retention window: its job's record has expired, so
