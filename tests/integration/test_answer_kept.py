@@ -476,3 +476,49 @@ def test_a_batch_s_totals_stay_its_items_sums_when_its_worker_died_after_a_save(
     assert done.stage_seconds.keys() == summed.keys(), (done.stage_seconds, summed)
     for stage, seconds in summed.items():
         assert done.stage_seconds[stage] == pytest.approx(seconds, abs=0.01), stage
+
+
+def test_an_item_failing_after_it_took_a_kept_answer_over_shows_that_billed_call(
+    setup: Setup,
+) -> None:
+    """The worker dies after the model answered; the runs taking the claim over fail their
+    retrieval until the task's retries are spent: the item fails ``backend_unavailable``,
+    and its error's ``usage`` (and so the batch's ``usage`` and ``cost_usd``) shows the one
+    call the provider billed, as a failure after a billed attempt does. Before, the error
+    had no usage: the call was paid, and no record said so (the metrics did)."""
+    spec = SearchSpec(index="docs", query="alpha", mode="fts", rerank=True, include_trace=True)
+    _search(setup, "acme", spec)  # the worker's process builds its runtime: no failures
+    _arm(setup)
+    # every retrieval of the runs taking it over fails: 3 attempts in each of the 4 runs
+    # (the redelivered one and SIFT_TASK_MAX_RETRIES retries), then the item fails
+    setup.failing.write_text("12")
+    batch = _run_batch(setup, spec)
+    (item,) = setup.store.batch_results(batch.id, 0, 1)
+    assert item.status == "failed" and item.payload is not None, item
+    error = json.loads(item.payload)["error"]
+    assert error["type"] == "backend_unavailable", error
+    assert len(setup.model.requests()) == 1
+    billed = setup.model.usage()
+    assert error["usage"] is not None, error
+    assert error["usage"]["requests"] == 1
+    assert error["usage"]["input_tokens"] == billed["input_tokens"] > 0
+    assert error["usage"]["cost_usd"] is not None and error["usage"]["cost_usd"] > 0
+    done = setup.store.get_batch(batch.id)
+    assert done is not None and done.usage is not None
+    assert done.usage.model_dump() == error["usage"]
+    # and a search's, likewise
+    _arm(setup)
+    setup.failing.write_text("12")
+    sender = OutboxSender(setup.store)
+    job = setup.store.create_search(
+        "acme",
+        spec,
+        enqueue=lambda job_id: sender.messages([(SEARCH_TASK, [job_id], SEARCH_QUEUE)]),
+    )
+    _wait(lambda: (j := setup.store.get_search(job.id)) is not None and j.status.final)
+    failed = setup.store.get_search(job.id)
+    assert failed is not None and failed.error is not None, failed
+    assert failed.error.type == "backend_unavailable" and failed.error.usage is not None
+    assert failed.error.usage.input_tokens == setup.model.usage()["input_tokens"] > 0
+    assert failed.error.usage.requests == len(setup.model.requests()) == 1
+    _search(setup, "acme", spec)  # and no failure is left for the next test: it succeeds

@@ -38,6 +38,7 @@ from worker.constants import (
 )
 from worker.contract import ErrorInfo, SearchResult
 from worker.core.budget import MIN_ATTEMPT_SECONDS
+from worker.core.pipeline import load_run
 from worker.errors import Canceled, SiftError
 from worker.observability import metrics
 from worker.queue import liveness
@@ -124,7 +125,7 @@ def search(self: SiftTask, job_id: str) -> None:
                     raise self.retry(exc=exc, countdown=self.backoff()) from exc
                 if not isinstance(exc, SiftError):
                     log.exception("search %s: unexpected error", job_id)
-                error = error_info(exc)
+                error = _billed(error_info(exc), claim)
                 finished = count_completed(
                     "search", store.finish_search(job_id, error=error), error
                 )
@@ -154,6 +155,15 @@ def _with_queue_wait(result: SearchResult, seconds: float) -> SearchResult:
         result.trace["queue_wait_seconds"] = max(0.0, seconds)
     result._stage_seconds["queue_wait"] = max(0.0, seconds)
     return result
+
+
+def _billed(error: ErrorInfo, claim: RunClaim | None) -> ErrorInfo:
+    """``error``, with the usage of the model answer ``claim`` came with (a dead run's, kept)
+    when it has none of its own: that call was billed, and this run failed before it could
+    apply it (its retrieval), so the failure is the only record that can show it."""
+    if error.usage is not None or claim is None or not claim.answer:
+        return error
+    return error.model_copy(update={"usage": load_run(json.loads(claim.answer)).job_usage()})
 
 
 def _retry_fits(claim: RunClaim, deadline: float) -> bool:
@@ -291,7 +301,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 return "retry"
             if not isinstance(exc, SiftError):
                 log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
-            return None, error_info(exc)
+            return None, _billed(error_info(exc), claim)
 
     def finished(item: BatchItem, transition: ItemTransition, error: ErrorInfo | None) -> None:
         answers = held.pop(item.query_id, None)
