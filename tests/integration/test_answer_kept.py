@@ -369,7 +369,12 @@ def test_a_kept_answer_is_not_applied_to_candidates_the_model_never_saw(setup: S
     got = [hit.text for hit in result.hits]
     # the fake ranks what it was shown in reverse: the result is that, for the last prompt
     assert got and got == list(reversed(shown))[: len(got)], (got, shown)
-    assert result.usage.requests == len(result.trace["attempts"]) == 1  # type: ignore[index]
+    # both calls were billed (the dead run's, its answer for other candidates, and this
+    # one's): the result shows both, once each (before: the second alone)
+    assert len(setup.model.requests()) == 2
+    assert result.usage.requests == len(result.trace["attempts"]) == 2  # type: ignore[index]
+    assert result.usage.input_tokens == setup.model.usage()["input_tokens"]
+    assert result.usage.output_tokens == setup.model.usage()["output_tokens"]
 
 
 def test_a_kept_answer_outlives_a_task_retry_of_the_run_taking_it_over(setup: Setup) -> None:

@@ -4,7 +4,7 @@ JSON (:func:`dump_run`, :func:`load_run`: a kept answer)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from worker.contract import Usage
@@ -38,6 +38,29 @@ class RerankRun:
         cost = cost_usd(usage, price, discount)
         self.cost_usd = add_costs(self.cost_usd, cost)
         return cost
+
+    def billed_with(self, earlier: RerankRun) -> RerankRun:
+        """This run after ``earlier``'s calls: both's attempts, usage and cost (``earlier``
+        billed, its answer not applied), this run's reply or failure and seconds.
+
+        >>> one = RerankRun(attempts=[{"outcome": "ok"}], usage=TokenUsage(5, 1, 0, 0),
+        ...                 cost_usd=0.5)
+        >>> both = one.billed_with(one)
+        >>> (both.job_usage().requests, both.usage.input_tokens, both.cost_usd)
+        (2, 10, 1.0)
+        """
+        mine, theirs = self.usage, earlier.usage
+        return replace(
+            self,
+            attempts=[*earlier.attempts, *self.attempts],
+            usage=TokenUsage(
+                mine.input_tokens + theirs.input_tokens,
+                mine.output_tokens + theirs.output_tokens,
+                mine.cache_read_input_tokens + theirs.cache_read_input_tokens,
+                mine.cache_creation_input_tokens + theirs.cache_creation_input_tokens,
+            ),
+            cost_usd=add_costs(earlier.cost_usd, self.cost_usd),
+        )
 
     def job_usage(self) -> Usage:
         """The run's usage as a job record shows it: the calls sent (an attempt the rate

@@ -145,10 +145,10 @@ class SearchPipeline:
         ``before_model`` is not run either: the call it guards was made). Only if it answered
         these very candidates (:func:`shown_digest`): its positions number the ones it was
         shown, and an index changed between the two runs gives others (then it is called
-        again, as before answers were kept: the record shows that second call alone). With
-        ``answers``, the search's own figures (its retrieval's, its outcome and duration, the
-        model answer's) are handed to it to record once the result is saved
-        (:meth:`AnswerKeeper.later`)."""
+        again, and the run shows both calls, the first billed too:
+        :meth:`RerankRun.billed_with`). With ``answers``, the search's own figures (its
+        retrieval's, its outcome and duration, the model answer's) are handed to it to record
+        once the result is saved (:meth:`AnswerKeeper.later`)."""
         deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
         outcome: str | None = "error"
         figures: list[Callable[[], None]] = []
@@ -172,6 +172,8 @@ class SearchPipeline:
                             outcome = None
                             raise
                     run = self._call_model(prepared, deadline)
+                    if kept is not None:  # for other candidates, and paid for too
+                        run = run.billed_with(load_run(kept))
                     if answers is not None and run.job_usage().requests:  # a call was billed
                         answers.save({**dump_run(run), "shown": shown})
                 result = self._finish(prepared, run, figures)
