@@ -711,3 +711,43 @@ def test_a_redelivered_search_sends_its_webhook_again_only_while_no_attempt_is_k
     store.webhook_settled(job.id)  # delivered (or given up)
     tasks.search.apply(args=[job.id])
     assert sent == [job.id, job.id]
+
+
+def test_two_copies_of_a_webhook_failing_the_same_attempt_go_on_as_one_schedule(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two messages of one webhook make the same attempt (the finish's, and a redelivered
+    task's copy sent while the first had not run yet), and the receiver answers 500 to both:
+    one retry goes on, not two schedules side by side (each of 8 attempts)."""
+    from datetime import datetime
+    from types import SimpleNamespace
+
+    from celery.exceptions import Retry
+
+    from worker.settings import Settings
+    from worker.webhooks import delivery as webhooks
+
+    context._runtime = ScriptedRuntime()
+    spec = SearchSpec(index="docs", query="q")
+    job = context.store.create_search("acme", spec, webhook_url="https://hooks.example/x")
+    tasks.search.apply(args=[job.id])
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500)
+    monkeypatch.setattr(
+        webhooks,
+        "run_delivery",
+        lambda **kw: webhooks.DeliveryDecision(answer, kw["attempt"], 5.0),
+    )
+    retries: list[dict[str, Any]] = []
+
+    def retry(self: base.SiftTask, *, args: list[Any], **_: Any) -> Retry:
+        retries.append(args[0])
+        return Retry("later")
+
+    monkeypatch.setattr(base.SiftTask, "retry", retry)
+    message = _search_event(job.id, occurred_at=datetime.now().timestamp())
+    tasks.webhook.apply(args=[message])
+    tasks.webhook.apply(args=[message])  # the copy, the same attempt
+    assert [r["attempt"] for r in retries] == [2]
+    assert context.store.webhook_attempt(job.id) == 2

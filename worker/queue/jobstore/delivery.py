@@ -104,7 +104,10 @@ class DeliveryRecords(_StoreCore):
     def webhook_due(self, job_id: str, when: float, attempt: int | None = None) -> bool:
         """The owed webhook's next message is due at ``when`` (a retry's time, or a re-send's)
         and makes attempt ``attempt`` (a retry's; kept for :meth:`webhook_attempt`): each
-        moved later only, and only while it is owed; answers whether the time moved."""
+        moved later only, and only while it is owed. A re-send's answer: whether the time
+        moved. A retry's: whether it carries the schedule (False: another copy's retry has
+        recorded this attempt already, so this copy stops; True too once it is owed no
+        more)."""
         keys = [WEBHOOKS_OWED_KEY, _record_key(job_id)]
         args = [repr(when), job_id, "" if attempt is None else str(attempt)]
         return bool(self._webhook_due(keys=keys, args=args))

@@ -307,20 +307,26 @@ redis.call('HSET', KEYS[1], ARGV[1], head .. '|' .. token .. '|' .. lease .. '|'
 return 1
 """
 
-# An owed webhook's next message is due at a later time, and the attempt it makes. KEYS: the
-# webhooks owed, the job's record. ARGV: when, the job id, the attempt ('' : not known). Only
-# while the webhook is owed; the due time moves later only, and so does the attempt, kept in
-# the job's record ("webhook_attempt", living as long as it) for the re-drive: a message it
-# sends again makes the attempt that was lost, the schedule goes on (it began again, so a
-# webhook whose messages kept being lost was attempted without end). Returns 1 when the due
-# time moved.
+# An owed webhook's next message is due at a later time, and (a retry's) the attempt it
+# makes. KEYS: the webhooks owed, the job's record. ARGV: when, the job id, the attempt ('' :
+# a re-send, no attempt of its own). Only while the webhook is owed; the due time moves later
+# only, and so does the attempt, kept in the job's record ("webhook_attempt", living as long
+# as it) for the re-drive: a message it sends again makes the attempt that was lost, the
+# schedule goes on (it began again, so a webhook whose messages kept being lost was attempted
+# without end). A retry whose attempt is not past the one kept is another copy's, which
+# carries the schedule: nothing is written. Returns, for a retry, 1 when it carries the
+# schedule (or the webhook is owed no more: as before), 0 for another copy's; for a re-send,
+# 1 when the due time moved.
 _WEBHOOK_DUE = """
-if not redis.call('ZSCORE', KEYS[1], ARGV[2]) then return 0 end
+if not redis.call('ZSCORE', KEYS[1], ARGV[2]) then return ARGV[3] ~= '' and 1 or 0 end
 if ARGV[3] ~= '' and redis.call('EXISTS', KEYS[2]) == 1 then
   local cur = tonumber(redis.call('HGET', KEYS[2], 'webhook_attempt')) or 1
-  if tonumber(ARGV[3]) > cur then redis.call('HSET', KEYS[2], 'webhook_attempt', ARGV[3]) end
+  if tonumber(ARGV[3]) <= cur then return 0 end
+  redis.call('HSET', KEYS[2], 'webhook_attempt', ARGV[3])
 end
-return redis.call('ZADD', KEYS[1], 'GT', 'CH', ARGV[1], ARGV[2])
+local moved = redis.call('ZADD', KEYS[1], 'GT', 'CH', ARGV[1], ARGV[2])
+if ARGV[3] ~= '' then return 1 end
+return moved
 """
 
 # Take what batch cancels ended and no one has counted yet (_CANCEL_BATCH's count), once.
