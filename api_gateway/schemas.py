@@ -150,7 +150,9 @@ class BatchOut(BaseModel):
 
 class BatchResultItem(BaseModel):
     """``usage`` only on a ``canceled`` item whose model calls were billed before the cancel
-    (an economy item resubmitted, then canceled): a finished item's is in its result or error."""
+    (an economy item resubmitted, then canceled; an item whose killed worker's run had its
+    model answer, for candidates an ingest then changed): a finished item's is in its result
+    or error."""
 
     query_id: str
     status: JobStatus

@@ -527,3 +527,43 @@ def test_an_item_failing_after_it_took_a_kept_answer_over_shows_that_billed_call
     assert failed.error.usage.input_tokens == setup.model.usage()["input_tokens"] > 0
     assert failed.error.usage.requests == len(setup.model.requests()) == 1
     _search(setup, "acme", spec)  # and no failure is left for the next test: it succeeds
+
+
+def test_an_item_canceled_before_calling_again_past_a_kept_answer_shows_the_billed_call(
+    setup: Setup,
+) -> None:
+    """The worker dies after the model answered, the batch is canceled, and an ingest lands
+    before the item's redelivered run: that run starts (a kept answer: past its model call),
+    but its candidates differ, so it would call the model again, and its check before that
+    call finds the cancel: the item ends ``canceled``. The dead run's call was billed: the
+    item's ``usage`` and its batch's ``usage`` and ``cost_usd`` show it once. Before, a
+    canceled item carried no usage, and the paid call was in no record."""
+    spec = SearchSpec(index="docs", query="gamma delta", rerank=True, include_trace=True)
+    setup.extra.unlink(missing_ok=True)
+    _arm(setup)  # the worker dies once: the process after it has no extra document
+    _search(setup, "zeta", spec)
+    _arm(setup)
+    setup.flag.write_text("cancel")  # the batch is canceled as the worker dies
+    setup.extra.touch()  # the process taking the claim over has the extra document
+    sender = OutboxSender(setup.store)
+    batch = setup.store.create_batch(
+        "zeta",
+        "docs",
+        [("q0", spec)],
+        enqueue=lambda batch_id: sender.messages(
+            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
+        ),
+    )
+    _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
+    setup.extra.unlink()
+    assert not setup.flag.exists()  # the worker did die after the model answered
+    (item,) = setup.store.batch_results(batch.id, 0, 1)
+    assert item.status == "canceled" and item.payload is not None, item
+    assert len(setup.model.requests()) == 1  # the one call, billed
+    billed = setup.model.usage()
+    usage = json.loads(item.payload)["usage"]
+    assert usage["requests"] == 1 and usage["input_tokens"] == billed["input_tokens"] > 0
+    assert usage["cost_usd"] is not None and usage["cost_usd"] > 0
+    done = setup.store.get_batch(batch.id)
+    assert done is not None and done.status == "canceled" and done.usage is not None
+    assert done.usage.model_dump() == usage

@@ -36,7 +36,7 @@ from worker.constants import (
     WEBHOOK_QUEUE,
     WEBHOOK_TASK,
 )
-from worker.contract import ErrorInfo, SearchResult
+from worker.contract import ErrorInfo, SearchResult, Usage
 from worker.core.budget import MIN_ATTEMPT_SECONDS
 from worker.core.pipeline import load_run
 from worker.errors import Canceled, SiftError
@@ -157,13 +157,21 @@ def _with_queue_wait(result: SearchResult, seconds: float) -> SearchResult:
     return result
 
 
+def _kept_usage(claim: RunClaim | None) -> Usage | None:
+    """The usage of the model answer ``claim`` came with (a dead run's, kept), if any."""
+    if claim is None or not claim.answer:
+        return None
+    return load_run(json.loads(claim.answer)).job_usage()
+
+
 def _billed(error: ErrorInfo, claim: RunClaim | None) -> ErrorInfo:
     """``error``, with the usage of the model answer ``claim`` came with (a dead run's, kept)
     when it has none of its own: that call was billed, and this run failed before it could
     apply it (its retrieval), so the failure is the only record that can show it."""
-    if error.usage is not None or claim is None or not claim.answer:
+    kept = _kept_usage(claim)
+    if error.usage is not None or kept is None:
         return error
-    return error.model_copy(update={"usage": load_run(json.loads(claim.answer)).job_usage()})
+    return error.model_copy(update={"usage": kept})
 
 
 def _retry_fits(claim: RunClaim, deadline: float) -> bool:
@@ -185,11 +193,12 @@ class _ModelCheck:
     batch_id: str
     query_id: str
     stopped: ItemTransition | None = None
+    billed: Usage | None = None  # a dead run's kept answer (for other candidates): paid
 
     def __call__(self) -> None:
         if not self.marks.canceled(self.batch_id):
             return
-        check = self.store.check_item(self.batch_id, self.query_id)
+        check = self.store.check_item(self.batch_id, self.query_id, usage=self.billed)
         if check.canceled or not check.applied:
             self.stopped = check
             raise Canceled(f"item {self.query_id} stopped before its model call")
@@ -273,6 +282,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                     # finds it queued does not count its wait again
                     metrics.observe_queue_wait(BATCH_QUEUE, waited)
                 answers = held[item.query_id] = store.item_answers(batch_id, item.query_id, claim)
+                checked.billed = _kept_usage(claim)
                 result = runtime.search(
                     item.spec, batch.tenant, checked, spent=claim.spent, answers=answers
                 )

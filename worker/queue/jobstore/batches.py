@@ -318,13 +318,20 @@ class BatchRecords(_StoreCore):
         ``batch_completed``) when the batch's cancel mark canceled the item instead."""
         return self._item(batch_id, query_id, *_START_ITEM)
 
-    def check_item(self, batch_id: str, query_id: str) -> ItemTransition:
+    def check_item(
+        self, batch_id: str, query_id: str, *, usage: Usage | None = None
+    ) -> ItemTransition:
         """Before a running item's model call: if its batch has been canceled, running ->
         canceled (``canceled`` set; go no further), else nothing changes (``applied``: go
         on). Not ``applied``: the item is no longer running (finished by another
         delivery); go no further either. One script, one round trip, shared with other
-        threads' transitions."""
-        return self._item(batch_id, query_id, *_CHECK_ITEM)
+        threads' transitions. ``usage``: what the item was billed already (a dead run's
+        answer kept, for other candidates), on its record and its batch's totals if
+        canceled, as :meth:`cancel_item`'s."""
+        to, allowed, _, cancelable = _CHECK_ITEM
+        payload = '{"usage":' + usage.model_dump_json() + "}" if usage is not None else ""
+        tally = batch_tally(usage=usage)
+        return self._item(batch_id, query_id, to, allowed, payload, cancelable, tally=tally)
 
     def batch_canceled(self, batch_id: str) -> bool:
         """Whether a cancel has marked the batch (one ``HEXISTS``; :meth:`check_item` is

@@ -46,7 +46,8 @@ return 1
 # when a cancel of the batch turns this move into a cancel (the check before the model call;
 # the batch's cancel mark is read in the same script, so no round trip more), '2' when it
 # does unless the item's run claim kept the model's answer (a start: the item is past its
-# model call, which was paid for, and its run finishes on that answer), and the move's token,
+# model call, which was paid for, and its run finishes on that answer), and the move's token
+# (with '1', the outcome is the cancel's alone: the usage a dead run's kept answer billed),
 # then the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd and
 # the seconds_ fields floats, every other an integer), added to the batch's record when the
 # move makes the item final with this outcome: once, as the move is.
@@ -74,9 +75,11 @@ if ARGV[7] ~= '' and redis.call('HEXISTS', KEYS[4], 'canceled_at') == 1 then
   -- the claim's sixth field is the answer kept (_CLAIM_RUN's value)
   local run = ARGV[7] == '2' and redis.call('HGET', KEYS[8], ARGV[1]) or ''
   if not string.find(run, '^[^|]*|[^|]*|[^|]*|[^|]*|[^|]*|.') then
-    to, outcome, canceled = 'canceled', '', 1
+    to, canceled = 'canceled', 1
+    if ARGV[7] ~= '1' then outcome = '' end
   end
 end
+if ARGV[7] == '1' and canceled == 0 then outcome = '' end
 redis.call('HSET', KEYS[1], ARGV[1], to)
 if outcome ~= '' then redis.call('HSET', KEYS[2], ARGV[1], outcome) end
 if cur ~= to then
