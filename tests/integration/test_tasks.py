@@ -641,8 +641,9 @@ def test_a_batch_item_s_queue_wait_is_observed_once_when_its_retry_message_was_l
     assert done is not None and done.status == "succeeded", done
 
 
+@pytest.mark.parametrize("lane", ["standard", "economy"])
 def test_a_batch_item_s_retrieval_figures_are_counted_once_a_run_when_its_retry_was_lost(
-    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch, lane: str
 ) -> None:
     """A real pipeline over an in-memory index: the item's first run fails its retrieval (the
     backend down for its 3 attempts), is requeued, and its retry message is lost; the
@@ -665,9 +666,9 @@ def test_a_batch_item_s_retrieval_figures_are_counted_once_a_run_when_its_retry_
     runtime.ingest("docs", "acme", [DocumentIn(id="1", text="green tea leaves")])
     context._runtime = runtime
     store = context.store
-    batch = store.create_batch(
-        "acme", "docs", [("q0", SearchSpec(index="docs", query="green tea", mode="fts"))]
-    )
+    monkeypatch.setattr(tasks, "maybe_submit", lambda *args: None)  # nothing to submit
+    spec = SearchSpec(index="docs", query="green tea", mode="fts")  # final with no model call
+    batch = store.create_batch("acme", "docs", [("q0", spec)], lane=lane)
     backend.fail_next = 3  # the first run's three retrieval attempts
     waits = _queue_waits(BATCH_QUEUE)[0]
     tasks.batch_chunk.apply(args=[batch.id, 0, 1])  # requeued; its retry message is lost

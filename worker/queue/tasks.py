@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 import redis
@@ -222,7 +223,6 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     economy = batch.lane == LANE_ECONOMY
     # self.request is thread-local: take what the item threads need from it here
     may_retry = self.request.retries < self.context.settings.task_max_retries
-    first_delivery = self.request.retries == 0
     deadline = self.context.settings.search_deadline_seconds
     owner = liveness.run_owner()
     runtime = self.context.runtime if not poisoned else None
@@ -247,8 +247,6 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         if not started:
             return None  # canceled meanwhile, or finished by another delivery
         waited = time.time() - batch.created_at
-        if economy and first_delivery and item.status == "queued":
-            metrics.observe_queue_wait(BATCH_QUEUE, waited)
         assert runtime is not None and item.spec is not None
         checked = _ModelCheck(store, marks, batch_id, item.query_id)
         claim: RunClaim | None = None
@@ -257,7 +255,12 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 if economy:  # the first half now; the model's answer comes from a provider batch
                     if is_prepared(store, batch_id, item.query_id):
                         return None  # by an earlier run of this chunk: its prompt may be out
-                    figures = later[item.query_id] = []
+                    # its wait is counted with its first half's figures: once, by the run
+                    # whose first half is kept (a run retried, its retry message lost and
+                    # re-driven, counted it again as a first delivery)
+                    figures = later[item.query_id] = [
+                        partial(metrics.observe_queue_wait, BATCH_QUEUE, waited)
+                    ]
                     prepared = economy_pipeline(self).prepare(
                         item.spec, batch.tenant, later=figures
                     )
