@@ -192,9 +192,9 @@ def test_a_take_never_heard_past_the_retake_window_leaves_the_batch_s_figures_ri
     taken), and the gateway logs that at ERROR. That is the metric alone: the batch's counts,
     its status and its ``finished_at`` are written by the cancel's own script, not by the
     take, so its ``GET`` (and its webhook, read from the same record) says 3 canceled."""
-    from api_gateway import jobs
+    from api_gateway.jobs import _cancel_count
 
-    monkeypatch.setattr(jobs, "COUNT_RETAKE_SECONDS", 0.5)
+    monkeypatch.setattr(_cancel_count, "COUNT_RETAKE_SECONDS", 0.5)
     batch_id = _batch(store)
     items = _completed("batch_item")
     ran = JobStore.take_cancel_count
