@@ -46,6 +46,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -74,6 +75,8 @@ BATCH_SIZE = 32
 # Bumped when the vectors or the graph int8_compute_model makes change, so neither a cached
 # graph nor an evaluation's cached index of the old vectors is reused.
 GRAPH_REVISION = "r3"
+# the folder a graph is made in, beside it: "<graph>.making-<random>"
+WORK_SUFFIX = ".making-"
 # onnxruntime's fused SkipLayerNormalization costs a quarter of a 256-token call on this
 # CPU (1.32: 21 against 16 ms on the int8-compute graph, 40 against 36 on fp32); unfused,
 # Add and LayerNormalization give vectors as close to the fp32 path (cosine >= 0.992).
@@ -90,9 +93,10 @@ def default_model_path() -> Path:
 def int8_compute_model(source: Path, cache_dir: Path, fuse_attention: bool = True) -> Path:
     """``source`` with its MatMuls quantized for int8 compute, made once per source file and
     onnxruntime version and kept in ``cache_dir``: one process makes it (under a lock file
-    beside it; the others wait for it, then load it) and writes it to a temporary name, then
-    renames it, so no process reads half a file. Its no-op NaN guards go first
-    (:func:`without_nan_guards`), then each layer's attention becomes one fused node
+    beside it; the others wait for it, then load it; on a filesystem that refuses locks, each
+    makes it) in a folder beside it, then renames it, so no process reads half a file (a
+    maker killed half-way leaves the folder: the next one clears it). Its no-op NaN guards go
+    first (:func:`without_nan_guards`), then each layer's attention becomes one fused node
     (:func:`with_fused_attention`; ``fuse_attention=False`` keeps it spelled out, as the
     r2 graph had it, for the benchmarks): the same vectors, bit for bit, less CPU."""
     import onnxruntime as ort
@@ -105,8 +109,17 @@ def int8_compute_model(source: Path, cache_dir: Path, fuse_attention: bool = Tru
     cache_dir.mkdir(parents=True, exist_ok=True)
     with open(target.with_name(target.name + ".lock"), "a") as lock:
         # a worker's processes all warm up at start: one makes the graph, the others wait
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            locked = True
+        except OSError as exc:  # a filesystem without locks (NFS with no lock manager)
+            logger.warning("cannot lock %s (%s): making the graph without the lock",
+                           lock.name, exc.strerror or exc)  # fmt: skip
+            locked = False
         if not target.is_file():
+            if locked:  # what a maker killed half-way left (no other maker runs now)
+                for work in cache_dir.glob(target.name + WORK_SUFFIX + "*"):
+                    shutil.rmtree(work, ignore_errors=True)
             logger.info("making the int8-compute embedding graph in %s (once, a few seconds)",
                         cache_dir)  # fmt: skip
             _make_int8_graph(source, target, fuse_attention)
@@ -119,7 +132,7 @@ def _make_int8_graph(source: Path, target: Path, fuse_attention: bool) -> None:
     import onnxruntime as ort
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=target.name + WORK_SUFFIX) as work:
         folded = Path(work) / "folded.onnx"
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC

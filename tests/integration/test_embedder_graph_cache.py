@@ -1,0 +1,66 @@
+"""The int8-compute graph's cache folder after what happens to the processes that make it:
+one killed half-way leaves its work behind for the next maker to clear, and a filesystem that
+refuses locks (NFS with no lock daemon: ``ENOLCK``) still gets its graph made.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from worker.adapters import embedder
+from worker.adapters.embedder import default_model_path, int8_compute_model
+
+MAKE = (
+    "import sys; from pathlib import Path; "
+    "from worker.adapters.embedder import default_model_path, int8_compute_model; "
+    "int8_compute_model(default_model_path(), Path(sys.argv[1]))"
+)
+
+
+def test_a_maker_killed_half_way_leaves_no_work_behind_once_the_graph_is_made(
+    tmp_path: Path,
+) -> None:
+    """A process SIGKILLed while it makes the graph (the OOM killer, a supervisor's last
+    resort) runs no clean-up: its temporary folder stayed in the cache for good, the fp32
+    graph in it (87 MB), one more for each such kill. Now the next process to make the graph,
+    holding the lock, removes what an earlier maker left."""
+    maker = subprocess.Popen([sys.executable, "-c", MAKE, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*/folded.onnx")):  # half-way: the fp32 graph is written
+            assert maker.poll() is None, "the maker exited before it was killed"
+            assert time.monotonic() < deadline, "the maker never started its work"
+            time.sleep(0.02)
+    finally:
+        maker.kill()
+        maker.wait()
+    assert [p for p in tmp_path.iterdir() if p.is_dir()], "the kill left nothing to clear"
+
+    made = int8_compute_model(default_model_path(), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [made.name, made.name + ".lock"]
+
+
+def test_a_filesystem_that_refuses_locks_still_gets_its_graph(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``flock`` failing with ENOLCK (an NFS home folder whose server runs no lock manager):
+    the graph is made without the lock, as before there was one, with a warning. Before,
+    the OSError failed every embedding, so every search and ingest, where Sift had worked.
+    No filesystem here refuses locks, so ``flock`` is made to answer as NFS's does."""
+
+    def no_locks(fd: Any, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(embedder.fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="worker.adapters.embedder"):
+        made = int8_compute_model(default_model_path(), tmp_path)
+    assert made.is_file()
+    assert any("No locks available" in r.getMessage() for r in caplog.records), caplog.text
