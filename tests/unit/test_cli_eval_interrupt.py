@@ -24,9 +24,11 @@ def invoke_eval(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, interrupt_at: str
 ) -> tuple[Any, list[tuple[str, str]]]:
     """``sift eval --index`` of two judged queries against a gateway that accepts every
-    batch, and is interrupted at the first status read (``GET``) or the second submit."""
+    batch, and is interrupted at the first status read (``GET``) or the second submit; with
+    ``second DELETE``, at the first read, then again at the second cancel."""
     sent: list[tuple[str, str]] = []
     posts = iter(range(1, 100))
+    deletes = iter(range(1, 100))
 
     def answer(request: httpx.Request) -> httpx.Response:
         sent.append((request.method, request.url.path))
@@ -36,6 +38,8 @@ def invoke_eval(
                 raise KeyboardInterrupt
             return httpx.Response(202, json={"id": f"bat_{n}", "status": "queued"})
         if request.method == "GET":
+            raise KeyboardInterrupt
+        if interrupt_at == "second DELETE" and next(deletes) == 2:
             raise KeyboardInterrupt
         counts = {"canceled": 2, "succeeded": 0, "failed": 0}
         return httpx.Response(200, json={"status": "canceled", "counts": counts})
@@ -74,3 +78,21 @@ def test_ctrl_c_while_submitting_cancels_what_was_made_and_says_one_may_run(
     assert [path for method, path in sent if method == "DELETE"] == ["/v1/batches/bat_1"], sent
     said = " ".join(result.output.split())
     assert "interrupted while submitting: a run's batch may have been accepted" in said, said
+
+
+def test_ctrl_c_again_while_canceling_says_which_batches_may_still_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ctrl-C again while the cancels are on their way leaves at once, as ``sift batch`` does,
+    naming the batches whose cancel may not have been made. Before, it exited 130 with only
+    the first run's cancel said: the second and third batches ran on, unnamed."""
+    result, sent = invoke_eval(monkeypatch, tmp_path, "second DELETE")
+    assert result.exit_code == 130, result.output
+    deleted = [path for method, path in sent if method == "DELETE"]
+    assert deleted == ["/v1/batches/bat_1", "/v1/batches/bat_2"], sent  # no third: leave now
+    said = " ".join(result.output.split())
+    assert "the bm25 run's batch bat_1 canceled" in said, said
+    assert (
+        "interrupted again: the cancels of bat_2, bat_3 may not have been made; they may still "
+        "be running (DELETE /v1/batches/{id} cancels each)" in said
+    ), said

@@ -296,7 +296,8 @@ def _run_batches(
 @contextmanager
 def _cancel_runs_on_interrupt(client: Gateway, runs: int) -> Iterator[dict[str, str]]:
     """Yields the runs' batch ids as they are made; Ctrl-C meanwhile cancels every one, says
-    what each cancel did and exits 130, as ``sift batch`` does: the scores are this command's
+    what each cancel did and exits 130, as ``sift batch`` does (Ctrl-C again leaves at once,
+    naming the batches whose cancel may not have been made): the scores are this command's
     to make, so batches left running would spend their searches (and a reranked run its
     model calls) for nothing."""
     submitted: dict[str, str] = {}
@@ -304,9 +305,18 @@ def _cancel_runs_on_interrupt(client: Gateway, runs: int) -> Iterator[dict[str, 
         yield submitted
     except KeyboardInterrupt:
         err = cli_console(stderr=True)
-        for name, batch_id in submitted.items():
+        for done, (name, batch_id) in enumerate(submitted.items()):
             try:
                 said = _cancel_outcome(batch_id, client.json("DELETE", f"/v1/batches/{batch_id}"))
+            except KeyboardInterrupt:  # Ctrl-C again: leave now, naming what may run on
+                left = ", ".join(list(submitted.values())[done:])
+                err.print(
+                    f"interrupted again: the cancels of {left} may not have been made; they "
+                    "may still be running (DELETE /v1/batches/{id} cancels each)",
+                    soft_wrap=True,
+                    markup=False,
+                )
+                raise typer.Exit(EXIT_INTERRUPTED) from None
             except GatewayError as exc:
                 said = (
                     f"batch {batch_id} had already finished: nothing canceled"
