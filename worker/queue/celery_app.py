@@ -58,6 +58,11 @@ from worker.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
+# How long a stopping worker waits for its warm-up (seconds): making the int8 graph takes a
+# few, loading the model about one
+WARM_UP_STOP_WAIT_SECONDS = 30.0
+_warming: threading.Thread | None = None  # this process's warm-up (see _warm_up)
+
 TIME_LIMIT_MARGIN_SECONDS = 15.0  # hard limit = soft limit + this
 INGEST_TIME_LIMIT_SECONDS = 600.0
 WEBHOOK_TIME_LIMIT_SECONDS = 60.0
@@ -257,7 +262,18 @@ def _warm_up(sender: Any = None, **_: Any) -> None:
         return
     from worker.queue.base import warm_up
 
-    threading.Thread(target=warm_up, args=(settings,), name="sift-warm-up", daemon=True).start()
+    global _warming
+    _warming = threading.Thread(target=warm_up, args=(settings,), name="sift-warm-up", daemon=True)
+    _warming.start()
+
+
+def _warm_up_ends(**_: Any) -> None:
+    """On worker stop, let a warm-up still running end first (up to WARM_UP_STOP_WAIT_SECONDS):
+    dropped at exit half-way through the int8 graph, its seconds were lost, and the clean-up
+    of its work folder ran beside it still writing there (a traceback, the folder left)."""
+    if _warming is not None and _warming.is_alive():
+        log.info("waiting for the warm-up to end (the embedding model's load) before exiting")
+        _warming.join(WARM_UP_STOP_WAIT_SECONDS)
 
 
 def _start_redrive(sender: Any = None, **_: Any) -> None:
@@ -335,6 +351,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     worker_init.connect(_start_liveness, weak=False, dispatch_uid="sift-liveness")
     task_received.connect(_received, weak=False, dispatch_uid="sift-received")
     worker_shutting_down.connect(_stopping, weak=False, dispatch_uid="sift-stopping")
+    worker_shutdown.connect(_warm_up_ends, weak=False, dispatch_uid="sift-warm-up-ends")
     worker_shutdown.connect(_stopped, weak=False, dispatch_uid="sift-stopped")
     worker_process_shutdown.connect(_child_exited, weak=False, dispatch_uid="sift-child-exit")
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
