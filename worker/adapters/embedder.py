@@ -132,7 +132,11 @@ def _make_int8_graph(source: Path, target: Path, fuse_attention: bool) -> None:
     import onnxruntime as ort
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=target.name + WORK_SUFFIX) as work:
+    # removed here, not at the interpreter's exit (TemporaryDirectory's finalizer): a
+    # process that exits while a thread of it makes the graph leaves the folder to the next
+    # maker, rather than racing that thread for it (a traceback, and the folder left anyway)
+    work = tempfile.mkdtemp(dir=target.parent, prefix=target.name + WORK_SUFFIX)
+    try:
         folded = Path(work) / "folded.onnx"
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
@@ -154,6 +158,8 @@ def _make_int8_graph(source: Path, target: Path, fuse_attention: bool) -> None:
                 op_types_to_quantize=["MatMul"],
             )
         os.replace(made, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from celery import Celery
@@ -268,12 +269,21 @@ def _warm_up(sender: Any = None, **_: Any) -> None:
 
 
 def _warm_up_ends(**_: Any) -> None:
-    """On worker stop, let a warm-up still running end first (up to WARM_UP_STOP_WAIT_SECONDS):
-    dropped at exit half-way through the int8 graph, its seconds were lost, and the clean-up
-    of its work folder ran beside it still writing there (a traceback, the folder left)."""
-    if _warming is not None and _warming.is_alive():
-        log.info("waiting for the warm-up to end (the embedding model's load) before exiting")
-        _warming.join(WARM_UP_STOP_WAIT_SECONDS)
+    """On worker stop, let a warm-up still running end first (up to WARM_UP_STOP_WAIT_SECONDS,
+    or until Ctrl-C again): dropped at exit half-way through the int8 graph, its seconds were
+    lost, and the clean-up of its work folder ran beside it still writing there (a
+    traceback, the folder left)."""
+    from celery.worker import state
+
+    if _warming is None or not _warming.is_alive():
+        return
+    log.info("waiting for the warm-up to end (the embedding model's load) before exiting")
+    deadline = time.monotonic() + WARM_UP_STOP_WAIT_SECONDS
+    # Ctrl-C again (Celery's cold stop: it only sets should_terminate) leaves at once
+    while _warming.is_alive() and time.monotonic() < deadline:
+        if state.should_terminate not in (None, False):  # an exit status, 0 included
+            return
+        _warming.join(0.1)
 
 
 def _start_redrive(sender: Any = None, **_: Any) -> None:
