@@ -281,7 +281,7 @@ def _warm_up_ends(**_: Any) -> None:
     deadline = time.monotonic() + WARM_UP_STOP_WAIT_SECONDS
     # Ctrl-C again (Celery's cold stop: it only sets should_terminate) leaves at once
     while _warming.is_alive() and time.monotonic() < deadline:
-        if state.should_terminate not in (None, False):  # an exit status, 0 included
+        if state.should_terminate is not None and state.should_terminate is not False:
             return
         _warming.join(0.1)
 
