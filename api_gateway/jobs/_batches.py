@@ -26,7 +26,15 @@ from api_gateway.deps import (
 from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorBody
 from api_gateway.jobs._cancel_count import _count_cancel
 from api_gateway.jobs._idempotency import IdemKey, _Idempotency
-from api_gateway.jobs._shared import BUSY, _admit, _check_url, _create_and_enqueue, _lost, router
+from api_gateway.jobs._shared import (
+    BUSY,
+    JobIdPath,
+    _admit,
+    _check_url,
+    _create_and_enqueue,
+    _lost,
+    router,
+)
 from api_gateway.queue import OutboxSender, TaskMessage
 from api_gateway.schemas import BatchCounts, BatchOut, BatchRerankOutcomes, BatchResultsPage, iso
 from worker.constants import (
@@ -159,29 +167,29 @@ async def create_batch(
         batch_out(batch).model_dump_json(),
         status_code=202,
         media_type="application/json",
-        headers=location(request, "get_batch", batch_id=batch.id),
+        headers=location(request, "get_batch", id=batch.id),
     )
 
 
 @router.get(
-    "/batches/{batch_id}",
+    "/batches/{id}",
     response_model=BatchOut,
     responses=ERRORS,
     summary="A batch's status and counts",
 )
-async def get_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
+async def get_batch(request: Request, batch_id: JobIdPath, tenant: Tenant) -> BatchOut:
     return batch_out(await _owned_batch(request, batch_id, tenant))
 
 
 @router.get(
-    "/batches/{batch_id}/results",
+    "/batches/{id}/results",
     response_model=BatchResultsPage,
     responses=ERRORS,
     summary="A batch's results, one page at a time, in submission order",
 )
 async def get_batch_results(
     request: Request,
-    batch_id: str,
+    batch_id: JobIdPath,
     tenant: Tenant,
     page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
     page_token: Annotated[str | None, Query(max_length=64)] = None,
@@ -203,7 +211,7 @@ async def get_batch_results(
 
 
 @router.delete(
-    "/batches/{batch_id}",
+    "/batches/{id}",
     response_model=BatchOut,
     responses={
         **ERRORS,
@@ -228,7 +236,7 @@ async def get_batch_results(
     "economy lane, the batch's provider batches are canceled too: their requests not yet "
     "processed come back canceled.",
 )
-async def cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
+async def cancel_batch(request: Request, batch_id: JobIdPath, tenant: Tenant) -> BatchOut:
     owned = await _owned_batch(request, batch_id, tenant)
     sender = task_sender(request)
     # the webhook of a cancel that completes the batch goes out with the cancel itself (one

@@ -21,7 +21,7 @@ from api_gateway.deps import (
     task_sender,
 )
 from api_gateway.errors import ApiError
-from api_gateway.jobs._shared import _create_and_enqueue, _lost, router
+from api_gateway.jobs._shared import JobIdPath, _create_and_enqueue, _lost, router
 from api_gateway.schemas import DocumentsRequest, IngestJobOut, iso
 from worker.constants import INGEST_ID_PREFIX, INGEST_QUEUE, INGEST_TASK, MAX_DOCUMENT_CHARS
 from worker.contract import INDEX_PATTERN
@@ -79,7 +79,7 @@ async def ingest_response(request: Request, job: IngestJob, wait: float) -> Resp
     body_out = ingest_out(job).model_dump_json()
     if job.status.final:
         return Response(body_out, media_type="application/json")
-    headers = location(request, "get_ingestion", job_id=job.id)
+    headers = location(request, "get_ingestion", id=job.id)
     return Response(body_out, status_code=202, media_type="application/json", headers=headers)
 
 
@@ -130,9 +130,9 @@ async def upsert_documents(
 
 
 @router.get(
-    "/ingestions/{job_id}", response_model=IngestJobOut, responses=ERRORS, summary="An ingest job"
+    "/ingestions/{id}", response_model=IngestJobOut, responses=ERRORS, summary="An ingest job"
 )
-async def get_ingestion(request: Request, job_id: str, tenant: Tenant) -> IngestJobOut:
+async def get_ingestion(request: Request, job_id: JobIdPath, tenant: Tenant) -> IngestJobOut:
     job = (
         await off_loop(job_store(request).get_ingest, job_id)
         if is_id(job_id, INGEST_ID_PREFIX)

@@ -26,6 +26,7 @@ from api_gateway.errors import ApiError
 from api_gateway.jobs._idempotency import IdemKey, _Idempotency
 from api_gateway.jobs._shared import (
     BUSY,
+    JobIdPath,
     _admit,
     _check_url,
     _create_and_enqueue_async,
@@ -65,7 +66,7 @@ def _search_response(request: Request, job: SearchJob, *, read: bool = True) -> 
     body = _search_out(job).model_dump_json(exclude_none=False)
     if job.status.final and read:
         return Response(body, media_type="application/json")
-    headers = location(request, "get_search", job_id=job.id)
+    headers = location(request, "get_search", id=job.id)
     return Response(body, status_code=202, media_type="application/json", headers=headers)
 
 
@@ -159,12 +160,12 @@ async def _answer_search(
 
 
 @router.get(
-    "/searches/{job_id}",
+    "/searches/{id}",
     response_model=SearchJobOut,
     responses=ERRORS,
     summary="A search job, with its result once finished",
 )
-async def get_search(request: Request, job_id: str, tenant: Tenant) -> Response:
+async def get_search(request: Request, job_id: JobIdPath, tenant: Tenant) -> Response:
     job = (
         await off_loop(job_store(request).get_search, job_id)
         if is_id(job_id, SEARCH_ID_PREFIX)

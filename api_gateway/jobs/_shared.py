@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 
 from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
 from api_gateway.deps import off_loop
@@ -23,6 +23,9 @@ log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job
 
 router = APIRouter(prefix="/v1", route_class=GetAnswersHead)
 T = TypeVar("T")
+# a job's id in its path, named ``id`` as in DESIGN.md §9 (its OpenAPI name, and the field
+# a 422 or 404 names), as the document routes' is
+JobIdPath = Annotated[str, Path(alias="id")]
 
 
 BUSY: dict[int | str, dict[str, Any]] = {

@@ -319,15 +319,44 @@ def test_a_405_allows_every_method_of_its_path(
     assert response.json()["error"]["field"] == "method"
 
 
+def test_the_job_id_parameter_is_named_id(stack: Stack) -> None:
+    """DESIGN.md §9 names a job's path parameter ``id`` (``/v1/searches/{id}``), as the 404s
+    do; the OpenAPI document and a 422 named it ``job_id`` or ``batch_id``."""
+    paths = stack.live.get("/openapi.json").json()["paths"]
+    for template in (
+        "/v1/searches/{id}",
+        "/v1/batches/{id}",
+        "/v1/batches/{id}/results",
+        "/v1/ingestions/{id}",
+    ):
+        assert template in paths, sorted(paths)
+        for operation in paths[template].values():
+            assert [p["name"] for p in operation["parameters"] if p["in"] == "path"] == ["id"]
+    for method, path in (
+        ("GET", "/v1/searches/%FF"),
+        ("HEAD", "/v1/searches/%FF"),
+        ("GET", "/v1/batches/%FF"),
+        ("GET", "/v1/batches/%FF/results"),
+        ("DELETE", "/v1/batches/%FF"),
+        ("GET", "/v1/ingestions/%FF"),
+    ):
+        bad = stack.live.request(method, path, headers=ACME)
+        assert bad.status_code == 422, (method, path, bad.text)
+        if method != "HEAD":
+            assert bad.json()["error"]["field"] == "id", (method, path, bad.text)
+    extra = stack.live.get("/v1/searches/srch_nope?colour=red", headers=ACME)
+    assert extra.status_code == 422 and "GET /v1/searches/{id}" in extra.text, extra.text
+
+
 def test_openapi_declares_the_contract(stack: Stack) -> None:
     doc = stack.live.get("/openapi.json").json()
     paths = doc["paths"]
     for path in (
         "/v1/searches",
-        "/v1/searches/{job_id}",
+        "/v1/searches/{id}",
         "/v1/batches",
-        "/v1/batches/{batch_id}",
-        "/v1/batches/{batch_id}/results",
+        "/v1/batches/{id}",
+        "/v1/batches/{id}/results",
         "/v1/indexes/{index}/documents",
         "/healthz",
         "/readyz",
@@ -337,7 +366,7 @@ def test_openapi_declares_the_contract(stack: Stack) -> None:
     post = paths["/v1/searches"]["post"]
     assert "$ref" in str(post["responses"]["202"]) and "SearchJobOut" in str(post["responses"])
     assert "ErrorBody" in str(post["responses"]["422"])
-    assert "BatchResultsPage" in str(paths["/v1/batches/{batch_id}/results"]["get"])
+    assert "BatchResultsPage" in str(paths["/v1/batches/{id}/results"]["get"])
     listed = paths["/v1/indexes/{index}/documents"]["get"]
     assert "DocumentsPage" in str(listed["responses"]["200"]) and "ErrorBody" in str(listed)
     assert {p["name"] for p in listed["parameters"]} >= {"index", "page_size", "page_token"}

@@ -184,7 +184,7 @@ def test_openapi_lists_the_gets_not_a_head_for_each(stack: Stack) -> None:
     (one per route doubled it, each with the GET's operation id)."""
     paths = stack.live.get("/openapi.json").json()["paths"]
     assert not [p for p, operations in paths.items() if "head" in operations]
-    assert "get" in paths["/healthz"] and "get" in paths["/v1/searches/{job_id}"]
+    assert "get" in paths["/healthz"] and "get" in paths["/v1/searches/{id}"]
 
 
 KEYED = {"Idempotency-Key": "k-" + "1" * 20, **ACME}

@@ -323,7 +323,7 @@ def test_a_cancel_count_take_whose_reply_is_lost_while_redis_stays_down_is_count
 
 
 def _cancels_counted(base_url: str) -> float:
-    """The gateway's ``sift_http_requests_total`` of ``DELETE /v1/batches/{batch_id}``."""
+    """The gateway's ``sift_http_requests_total`` of ``DELETE /v1/batches/{id}``."""
     families = text_string_to_metric_families(httpx.get(base_url + "/metrics", timeout=10).text)
     return sum(
         sample.value
@@ -332,7 +332,7 @@ def _cancels_counted(base_url: str) -> float:
         for sample in family.samples
         if sample.name.endswith("_total")
         and sample.labels["method"] == "DELETE"
-        and sample.labels["route"] == "/v1/batches/{batch_id}"
+        and sample.labels["route"] == "/v1/batches/{id}"
     )
 
 
