@@ -142,12 +142,21 @@ class DocumentRequest(DocumentIn):
     metadata: Metadata = Field(default_factory=dict)
 
 
-def _not_blank(value: str) -> str:
-    """A query with no visible character is blank: whitespace (Z*), controls (Cc, ``\0``) and
+def is_blank(value: str) -> bool:
+    """Whether ``value`` has no visible character: whitespace (Z*), controls (Cc, ``\0``) and
     format characters (Cf: a zero-width space, a soft hyphen, a BOM) do not count;
-    ``str.strip()`` let ``"\u200b"`` through, to a search of arbitrary hits."""
-    if all(unicodedata.category(char) in _INVISIBLE for char in value):
-        raise ValueError("has no visible character (only whitespace, control or format ones)")
+    ``str.strip()`` let ``"\u200b"`` through (a query of it searched arbitrary hits, a
+    document of it was indexed with no word)."""
+    return all(unicodedata.category(char) in _INVISIBLE for char in value)
+
+
+BLANK = "has no visible character (only whitespace, control or format ones)"
+
+
+def _not_blank(value: str) -> str:
+    """A query with no visible character is blank (:func:`is_blank`)."""
+    if is_blank(value):
+        raise ValueError(BLANK)
     return value
 
 

@@ -24,7 +24,7 @@ from api_gateway.errors import ApiError
 from api_gateway.jobs._shared import JobIdPath, _create_and_enqueue, _lost, router
 from api_gateway.schemas import DocumentsRequest, IngestJobOut, iso
 from worker.constants import INGEST_ID_PREFIX, INGEST_QUEUE, INGEST_TASK, MAX_DOCUMENT_CHARS
-from worker.contract import INDEX_PATTERN
+from worker.contract import BLANK, INDEX_PATTERN, is_blank
 from worker.errors import InvalidRequest
 from worker.observability import metrics
 from worker.observability.logcontext import job_context
@@ -117,8 +117,8 @@ async def upsert_documents(
             raise InvalidRequest(
                 f"documents[{i}].text", f"longer than {MAX_DOCUMENT_CHARS} characters"
             )
-        if not doc.text.strip():
-            raise InvalidRequest(f"documents[{i}].text", "is empty after trimming whitespace")
+        if is_blank(doc.text):
+            raise InvalidRequest(f"documents[{i}].text", BLANK)
     store = job_store(request)
     job = await enqueue_ingest(
         request,

@@ -108,6 +108,17 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
     ),
     ("POST", "/v1/indexes/docs/documents", {"documents": []}, {}, "documents"),
     ("POST", "/v1/indexes/docs/documents", {"documents": [{"id": "1"}]}, {}, "documents[0].text"),
+    # no visible character, as a query's blank: str.strip() let these through to be indexed
+    *[
+        (
+            "POST",
+            "/v1/indexes/docs/documents",
+            {"documents": [{"id": "1", "text": "t"}, {"id": "2", "text": text}]},
+            {},
+            "documents[1].text",
+        )
+        for text in ("\u200b", "\u0000", "\u00ad", "\ufeff", " \u2028\u200b\t\u3000")
+    ],
     (
         "POST",
         "/v1/indexes/docs/documents",
