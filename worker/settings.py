@@ -360,10 +360,11 @@ class Settings(BaseSettings):
 # SIFT_ variables set on purpose that are no setting: compose's image tag and KEDA's Redis
 # address (deploy/), the tests' own (SIFT_TEST_*), and Kubernetes's service links, which give
 # a pod every Service's address (the Service sift-gateway: SIFT_GATEWAY_SERVICE_HOST,
-# SIFT_GATEWAY_PORT_8080_TCP..., and SIFT_GATEWAY_PORT=tcp://..., here a setting set anyway).
+# SIFT_GATEWAY_PORT_8080_TCP..., and SIFT_GATEWAY_PORT=tcp://..., here a setting set anyway;
+# the Service sift: SIFT_SERVICE_HOST, SIFT_PORT_80_TCP..., SIFT_PORT=tcp://...).
 NOT_SETTINGS = frozenset({"SIFT_IMAGE", "SIFT_REDIS_ADDRESS"})
 _NOT_SETTINGS = re.compile(
-    r"SIFT_TEST_\w+|SIFT_\w+_(?:SERVICE_HOST|SERVICE_PORT(?:_\w+)?"
+    r"SIFT_TEST_\w+|SIFT(?:_\w+)?_(?:SERVICE_HOST|SERVICE_PORT(?:_\w+)?"
     r"|PORT_\d+_(?:TCP|UDP|SCTP)(?:_PROTO|_PORT|_ADDR)?)"
 )
 _SERVICE_LINK = re.compile(r"(?:tcp|udp|sctp)://\S*")

@@ -125,3 +125,35 @@ def test_every_sift_command_stops_on_a_misspelled_variable(tmp_path: Path) -> No
         output = " ".join((run.stdout + run.stderr).split())
         assert run.returncode in (1, 2), (command, output)
         assert "SIFT_RERANK_ENABLE is no setting (did you mean SIFT_RERANK_ENABLED?)" in output
+
+
+def service_links(service: str, cluster_ip: str, ports: list[tuple[str, int]]) -> dict[str, str]:
+    """The variables the kubelet gives every pod of the namespace for a Service with a
+    cluster IP (kubernetes pkg/kubelet/envvars FromServices: the Service's name upper-cased,
+    its dashes made underscores; Docker's link variables for each port, the first as _PORT)."""
+    prefix = service.upper().replace("-", "_")
+    env = {f"{prefix}_SERVICE_HOST": cluster_ip, f"{prefix}_SERVICE_PORT": str(ports[0][1])}
+    for i, (name, port) in enumerate(ports):
+        env[f"{prefix}_SERVICE_PORT_{name.upper().replace('-', '_')}"] = str(port)
+        link = f"{prefix}_PORT_{port}_TCP"
+        env.update({link: f"tcp://{cluster_ip}:{port}", f"{link}_PROTO": "tcp"})
+        env.update({f"{link}_PORT": str(port), f"{link}_ADDR": cluster_ip})
+        if i == 0:
+            env[f"{prefix}_PORT"] = f"tcp://{cluster_ip}:{port}"
+    return env
+
+
+@pytest.mark.parametrize(
+    "service",
+    # "sift" is the name a chart or a hand-written manifest gives the gateway's Service: its
+    # links are SIFT_SERVICE_HOST, SIFT_PORT_80_TCP..., with no word between SIFT_ and the rest
+    ["sift", "sift-gateway", "sift-redis", "sift-api-grpc"],
+)
+def test_the_service_links_of_a_sift_service_are_let_be(
+    monkeypatch: pytest.MonkeyPatch, service: str
+) -> None:
+    links = service_links(service, "10.96.0.7", [("http", 80), ("grpc-web", 81)])
+    for name, value in links.items():
+        if name != "SIFT_GATEWAY_PORT":  # a setting's name
+            monkeypatch.setenv(name, value)
+    load_settings()
