@@ -22,6 +22,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticUseDefault
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from worker.constants import (
@@ -316,6 +317,16 @@ class Settings(BaseSettings):
         if value != "" or name is None or name == "metrics_token":
             return value
         return None if type(None) in get_args(cls.model_fields[name].annotation) else value
+
+    @field_validator("gateway_port", "worker_metrics_port", mode="before")
+    @classmethod
+    def _service_link_is_unset(cls, value: Any) -> Any:
+        """Kubernetes gives every pod ``SIFT_GATEWAY_PORT=tcp://10.96.0.7:80`` for a Service
+        named ``sift-gateway`` (:data:`NOT_SETTINGS`): an address, never this setting, so
+        the default stands."""
+        if isinstance(value, str) and _SERVICE_LINK.fullmatch(value):
+            raise PydanticUseDefault
+        return value
 
     @field_validator("generation_effort", mode="before")
     @classmethod

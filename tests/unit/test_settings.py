@@ -152,8 +152,25 @@ def service_links(service: str, cluster_ip: str, ports: list[tuple[str, int]]) -
 def test_the_service_links_of_a_sift_service_are_let_be(
     monkeypatch: pytest.MonkeyPatch, service: str
 ) -> None:
-    links = service_links(service, "10.96.0.7", [("http", 80), ("grpc-web", 81)])
-    for name, value in links.items():
-        if name != "SIFT_GATEWAY_PORT":  # a setting's name
-            monkeypatch.setenv(name, value)
+    for name, value in service_links(service, "10.96.0.7", [("http", 80), ("web", 81)]).items():
+        monkeypatch.setenv(name, value)
     load_settings()
+
+
+def test_a_port_setting_given_a_service_link_keeps_its_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The Service sift-gateway gives every pod of its namespace SIFT_GATEWAY_PORT=tcp://...
+    (and one named sift-worker-metrics with a cluster IP, SIFT_WORKER_METRICS_PORT): a pod
+    whose own variables do not set them (a `sift batch` Job, a manifest without deploy/'s
+    ConfigMap) stopped at start-up on "SIFT_GATEWAY_PORT: Input should be a valid integer".
+    An address is never a port setting: the default stands; a number still sets it."""
+    monkeypatch.setenv("SIFT_GATEWAY_PORT", "tcp://10.96.0.7:80")
+    monkeypatch.setenv("SIFT_WORKER_METRICS_PORT", "tcp://[fd00::7]:9808")
+    settings = load_settings()
+    assert (settings.gateway_port, settings.worker_metrics_port) == (8080, 9808)
+    monkeypatch.setenv("SIFT_GATEWAY_PORT", "8081")
+    assert load_settings().gateway_port == 8081
+    monkeypatch.setenv("SIFT_GATEWAY_PORT", "http://10.96.0.7:80")  # no service link
+    with pytest.raises(ConfigError, match="SIFT_GATEWAY_PORT"):
+        load_settings()
