@@ -52,6 +52,7 @@ from worker.constants import (
 )
 from worker.contract import JobStatus
 from worker.observability import metrics
+from worker.observability.logcontext import job_context
 from worker.queue.jobstore import BatchJob, CancelOutcome, IdempotencyKeyBound, webhook_event
 
 log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
@@ -146,9 +147,10 @@ async def create_batch(
         else:
             metrics.job_submitted("batch")
             metrics.job_submitted("batch_item", batch.total)
-            log.info(
-                "batch %s: %d items in chunks of %d for %s", batch.id, batch.total, size, tenant
-            )
+            with job_context(batch.id):
+                log.info(
+                    "batch %s: %d items in chunks of %d for %s", batch.id, batch.total, size, tenant
+                )
             batch_id, made = batch.id, batch
     try:
         if made is None:
@@ -161,7 +163,8 @@ async def create_batch(
         if made is None:
             raise
         # it exists: a 503 had the client send it again and make a second batch
-        log.warning("batch %s: the job store is away; answered as accepted", batch_id)
+        with job_context(batch_id):
+            log.warning("batch %s: the job store is away; answered as accepted", batch_id)
         batch = made
     return Response(
         batch_out(batch).model_dump_json(),
@@ -237,6 +240,11 @@ async def get_batch_results(
     "processed come back canceled.",
 )
 async def cancel_batch(request: Request, batch_id: JobIdPath, tenant: Tenant) -> BatchOut:
+    with job_context(batch_id):  # its log lines, and its count's retake task, carry the id
+        return await _cancel_batch(request, batch_id, tenant)
+
+
+async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> BatchOut:
     owned = await _owned_batch(request, batch_id, tenant)
     sender = task_sender(request)
     # the webhook of a cancel that completes the batch goes out with the cancel itself (one

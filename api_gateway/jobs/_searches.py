@@ -37,6 +37,7 @@ from api_gateway.schemas import SearchJobOut, SearchRequest, iso
 from worker.constants import SEARCH_ID_PREFIX, SEARCH_QUEUE, SEARCH_TASK
 from worker.contract import JobStatus, SearchSpec
 from worker.observability import metrics
+from worker.observability.logcontext import job_context
 from worker.queue.jobstore import IdempotencyKeyBound, JobStore, SearchJob
 
 log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
@@ -148,7 +149,8 @@ async def _answer_search(
     except STORE_AWAY:
         if fresh is None:
             raise
-        log.warning("search %s: the job store is away; answered as accepted", job_id)
+        with job_context(job_id):
+            log.warning("search %s: the job store is away; answered as accepted", job_id)
         # what this request knows: the job it made, in the last status its poll read
         known = fresh if seen is None else dataclasses.replace(fresh, status=seen)
         return _search_response(request, known, read=False)

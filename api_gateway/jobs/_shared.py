@@ -15,6 +15,7 @@ from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorB
 from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
 from api_gateway.routing import GetAnswersHead
 from worker.errors import InvalidRequest
+from worker.observability.logcontext import job_context
 from worker.queue.jobstore import BatchJob, Enqueue, IngestJob, SearchJob
 from worker.settings import Settings
 from worker.webhooks.urlguard import check_webhook_url
@@ -106,7 +107,8 @@ def _lost(kind: str, job_id: str) -> ApiError:
     its data: the record, and the task message unless a worker had taken it): no outcome of
     it can be read, ever, and the request sent again makes it again (a ``202`` pointed its
     ``Location`` at a ``404``)."""
-    log.error("%s %s: lost by the job store (Redis restarted without its data)", kind, job_id)
+    with job_context(job_id):
+        log.error("%s %s: lost by the job store (Redis restarted without its data)", kind, job_id)
     return ApiError(
         503,
         "unavailable",

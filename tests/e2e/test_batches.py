@@ -134,3 +134,18 @@ def test_cancel_a_running_batch_skips_what_has_not_run(
     assert by_status["succeeded"] == counts["succeeded"]
     assert by_status["canceled"] == counts["canceled"]
     assert all("result" not in r for r in results if r["status"] == "canceled")
+
+
+def test_the_gateways_batch_log_lines_carry_their_batch_id(stack: Stack) -> None:
+    """Every log record carries the job id in its ``[...]`` slot (STYLE.md 11); the gateway's
+    own lines for a batch accepted and canceled had ``[-]`` there, the id in the message
+    alone. On the idle gateway, whose jobs no worker takes, so the cancel cancels."""
+    body = {"index": INDEX, "queries": [{"id": "q1", "query": "tea"}, {"id": "q2", "query": "jam"}]}
+    batch = stack.idle.post("/v1/batches", json=body, headers=ACME).json()
+    canceled = stack.idle.delete(f"/v1/batches/{batch['id']}", headers=ACME)
+    assert canceled.status_code == 200, canceled.text
+    log = stack.logs[2].read_text(errors="replace")  # the idle gateway's
+    lines = [line for line in log.splitlines() if f"batch {batch['id']}:" in line]
+    assert any("items in chunks" in line for line in lines), lines
+    assert any("items canceled" in line for line in lines), lines
+    assert all(f"[{batch['id']}]" in line for line in lines), lines
