@@ -108,3 +108,21 @@ def test_a_batch_over_the_gateways_body_limit_says_so_and_what_to_do(
     assert f"the 40 queries of {queries}" in output, output
     assert "SIFT_MAX_BODY_BYTES" in output and "split the file" in output, output
     assert not out.exists()
+
+
+def test_a_query_with_no_visible_character_is_a_bad_line_before_the_batch_is_sent(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """``sift batch`` checked a query with ``str.strip()``: a zero-width space or a soft
+    hyphen passed as a line (``--skip-invalid`` kept it), and the whole batch was refused
+    by the gateway's 422 instead of the line named."""
+    queries = tmp_path / "q.jsonl"
+    rows = [{"id": "q1", "query": "tea"}, {"id": "q2", "query": "\u200b\u00ad"}]
+    queries.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = batch_ids(stack)
+    out = tmp_path / "results.jsonl"
+    result = sift(stack, "batch", str(queries), "--index", INDEX, "--out", str(out))
+    assert result.exit_code == 1, result.output
+    assert "q.jsonl:2: field 'query'" in result.output, result.output
+    assert "nothing was sent" in result.output, result.output
+    assert batch_ids(stack) == before

@@ -138,3 +138,21 @@ def test_a_stopped_ingest_says_what_was_indexed_and_the_line_to_resume_from(
     assert sorted(d["id"] for d in listed.json()["documents"]) == [
         "huge", "r1", "r2", "r3", "r4", "r5"
     ]  # fmt: skip
+
+
+def test_a_blank_text_stops_the_command_before_anything_is_sent(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The gateway refuses a document with no visible character (whitespace, a zero-width
+    space, a soft hyphen, a BOM): ``sift ingest`` let it through its own checks, so the
+    lines before it were sent and the command stopped part-way on the gateway's 422."""
+    for n, text in enumerate((" \t\n", "\u200b", "\u00ad\ufeff")):
+        index = f"cli-blank-{n}"
+        rows = [{"id": "ok", "text": "a good line"}, {"id": "bad", "text": text}]
+        corpus = write_jsonl(tmp_path / f"b{n}.jsonl", rows)
+        result = sift(stack, "ingest", str(corpus), "--index", index, "--batch-size", "1")
+        assert result.exit_code == 1, (text, result.output)
+        assert f"b{n}.jsonl:2: field 'text'" in result.output, result.output
+        assert "nothing was sent" in result.output
+        gone = stack.live.get(f"/v1/indexes/{index}", headers=ACME)
+        assert gone.status_code == 404, (text, gone.text)

@@ -17,7 +17,7 @@ from rich.console import Console
 from worker.cli._common import EXIT_INTERRUPTED, InputError, _err
 from worker.cli._output import plain
 from worker.constants import MAX_DOCUMENT_CHARS, MAX_LIMIT, MAX_QUERY_CHARS
-from worker.contract import DocumentRequest
+from worker.contract import BLANK, DocumentRequest, is_blank
 
 MODES = ("fts", "vector", "hybrid")
 
@@ -91,6 +91,8 @@ def document_from(obj: Any) -> dict[str, Any]:
         raise ValueError(_pydantic_problem(exc)) from None
     if len(document.text) > MAX_DOCUMENT_CHARS:
         raise ValueError(f"field 'text': longer than {MAX_DOCUMENT_CHARS} characters")
+    if is_blank(document.text):
+        raise ValueError(f"field 'text': {BLANK}")
     return document.model_dump(exclude_none=True)
 
 
@@ -109,8 +111,10 @@ def query_from(obj: Any) -> dict[str, Any]:
     query_id, text = obj.get("id"), obj.get("query")
     if not isinstance(query_id, str) or not query_id:
         raise ValueError("field 'id': a non-empty string is required")
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str) or not text:
         raise ValueError("field 'query': a non-empty string is required")
+    if is_blank(text):
+        raise ValueError(f"field 'query': {BLANK}")
     if len(text) > MAX_QUERY_CHARS:
         raise ValueError(f"field 'query': longer than {MAX_QUERY_CHARS} characters")
     item: dict[str, Any] = {"id": query_id, "query": text}
