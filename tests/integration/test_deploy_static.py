@@ -23,7 +23,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.kubelet import service_links
 from worker.constants import INGEST_QUEUE, SEARCH_QUEUE
+from worker.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -392,3 +394,38 @@ def test_the_secret_holds_only_placeholders() -> None:
         if "URL" in key and "@" not in value:
             continue  # a URL without credentials
         assert "CHANGE-ME" in value, key
+
+
+def test_every_pod_loads_its_settings_beside_the_service_links_of_its_namespace(
+    manifests: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod's environment as the kubelet makes it: the service links of every Service with a
+    cluster IP in the namespace (sift-gateway gives SIFT_GATEWAY_PORT=tcp://...), then its
+    own variables (envFrom, env), which win. Every SIFT_ one must be a setting or let be,
+    and each setting valid: else every pod stops at start-up."""
+    _, docs = manifests
+    data = {
+        (doc["kind"], doc["metadata"]["name"]): {**doc.get("data", {}), **doc.get("stringData", {})}
+        for doc in docs
+        if doc["kind"] in ("ConfigMap", "Secret")
+    }
+    links: dict[str, str] = {}
+    for n, doc in enumerate(d for d in docs if d["kind"] == "Service"):
+        if doc["spec"].get("clusterIP") != "None":  # a headless Service has no links
+            ports = [(p.get("name", ""), p["port"]) for p in doc["spec"]["ports"]]
+            links |= service_links(doc["metadata"]["name"], f"10.96.0.{n + 1}", ports)
+    pods = [d for d in docs if d["kind"] == "Deployment"]
+    assert pods and links
+    for pod in pods:
+        (container,) = pod["spec"]["template"]["spec"]["containers"]
+        env = dict(links)
+        for source in container.get("envFrom", []):
+            kind, ref = next(iter(source.items()))
+            env |= data[("ConfigMap" if kind == "configMapRef" else "Secret", ref["name"])]
+        env |= {e["name"]: e.get("value", "1") for e in container.get("env", [])}
+        for name in [name for name in os.environ if name.upper().startswith("SIFT_")]:
+            monkeypatch.delenv(name)
+        for name, value in env.items():
+            if name.startswith("SIFT_"):
+                monkeypatch.setenv(name, value)
+        load_settings()
