@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -752,3 +753,59 @@ def test_two_copies_of_a_webhook_failing_the_same_attempt_go_on_as_one_schedule(
     tasks.webhook.apply(args=[message])  # the copy, the same attempt
     assert [r["attempt"] for r in retries] == [2]
     assert context.store.webhook_attempt(job.id) == 2
+
+
+def test_a_poisoned_job_whose_dead_run_kept_a_model_answer_shows_that_billed_call(
+    context: base.WorkerContext,
+) -> None:
+    """A run called the model and kept its answer in its claim, then its worker died, and so
+    did the next ones until the message's deliveries were spent: the poison path fails the
+    item (and a search) ``delivery_limit_exceeded``. The call the dead run made was billed:
+    the error's ``usage`` shows it, and so do the batch's ``usage`` and ``cost_usd``, as a
+    failure after a taken-over answer does. Before, the poisoned failure had no usage: the
+    provider billed a call no record showed."""
+    from worker.constants import BATCH_RUNS_KEY, SEARCH_KEY
+    from worker.core.pipeline import RerankRun, dump_run
+    from worker.core.types import RerankReply, TokenUsage
+
+    usage = TokenUsage(900, 12, 0, 0)
+    kept = RerankRun(
+        attempts=[{"n": 1, "outcome": "ok", "seconds": 0.4}],
+        usage=usage,
+        cost_usd=0.0011,
+        returned=[1],
+        reply=RerankReply([1], usage, "m"),
+    )
+    answer = json.dumps({**dump_run(kept), "shown": "digest"})
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    store = context.store
+    spec = SearchSpec(index="docs", query="q")
+    batch = store.create_batch("acme", "docs", [("q0", spec)])
+    assert store.start_item(batch.id, "q0")
+    claim = store.claim_item(batch.id, "q0", "", lease_seconds=30.0)
+    assert store.keep_answer(BATCH_RUNS_KEY + batch.id, "q0", claim, answer)  # then it died
+    store.set_deliveries("poison-chunk", 0, context.settings.task_max_deliveries)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1], task_id="poison-chunk")
+    (item,) = store.batch_results(batch.id, 0, 1)
+    assert item.status == "failed" and item.payload is not None, item
+    error = json.loads(item.payload)["error"]
+    assert error["type"] == "delivery_limit_exceeded", error
+    assert error["usage"] is not None, error
+    assert error["usage"]["requests"] == 1 and error["usage"]["input_tokens"] == 900
+    assert error["usage"]["cost_usd"] == pytest.approx(0.0011)
+    done = store.get_batch(batch.id)
+    assert done is not None and done.usage is not None
+    assert done.usage.model_dump() == error["usage"]
+    # and a search's, likewise
+    job = store.create_search("acme", spec)
+    assert store.start_search(job.id)
+    claim = store.claim_search(job.id, "", lease_seconds=30.0)
+    assert store.keep_answer(SEARCH_KEY + job.id, "run", claim, answer)
+    store.set_deliveries("poison-search", 0, context.settings.task_max_deliveries)
+    tasks.search.apply(args=[job.id], task_id="poison-search")
+    failed = store.get_search(job.id)
+    assert failed is not None and failed.error is not None, failed
+    assert failed.error.type == "delivery_limit_exceeded" and failed.error.usage is not None
+    assert failed.error.usage.requests == 1 and failed.error.usage.input_tokens == 900
+    assert runtime.calls == 0

@@ -92,9 +92,8 @@ def search(self: SiftTask, job_id: str) -> None:
             )
         return
     if self.poisoned():
-        finished = count_completed(
-            "search", store.finish_search(job_id, error=_poison_error(self)), _poison_error(self)
-        )
+        poison = _billed(_poison_error(self), store.kept_search_answer(job_id))
+        finished = count_completed("search", store.finish_search(job_id, error=poison), poison)
     else:
         if not store.start_search(job_id):
             return
@@ -126,7 +125,7 @@ def search(self: SiftTask, job_id: str) -> None:
                     raise self.retry(exc=exc, countdown=self.backoff()) from exc
                 if not isinstance(exc, SiftError):
                     log.exception("search %s: unexpected error", job_id)
-                error = _billed(error_info(exc), claim)
+                error = _billed(error_info(exc), claim.answer)
                 finished = count_completed(
                     "search", store.finish_search(job_id, error=error), error
                 )
@@ -158,18 +157,24 @@ def _with_queue_wait(result: SearchResult, seconds: float) -> SearchResult:
     return result
 
 
-def _kept_usage(claim: RunClaim | None) -> Usage | None:
-    """The usage of the model answer ``claim`` came with (a dead run's, kept), if any."""
-    if claim is None or not claim.answer:
+def _kept_usage(answer: str) -> Usage | None:
+    """The usage of a model answer a dead run kept in its claim (``answer``; '' : none; one
+    that cannot be read is logged and shows none: the job still ends)."""
+    if not answer:
         return None
-    return load_run(json.loads(claim.answer)).job_usage()
+    try:
+        return load_run(json.loads(answer)).job_usage()
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("a kept model answer could not be read: %s", exc)
+        return None
 
 
-def _billed(error: ErrorInfo, claim: RunClaim | None) -> ErrorInfo:
-    """``error``, with the usage of the model answer ``claim`` came with (a dead run's, kept)
-    when it has none of its own: that call was billed, and this run failed before it could
-    apply it (its retrieval), so the failure is the only record that can show it."""
-    kept = _kept_usage(claim)
+def _billed(error: ErrorInfo, answer: str) -> ErrorInfo:
+    """``error``, with the usage of the model answer a dead run kept (``answer``, its
+    claim's) when it has none of its own: that call was billed, and this run failed before it
+    could apply it (its retrieval), or none ran (the poison path), so the failure is the only
+    record that can show it."""
+    kept = _kept_usage(answer)
     if error.usage is not None or kept is None:
         return error
     return error.model_copy(update={"usage": kept})
@@ -242,8 +247,10 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         the chunk's retry), the transition that canceled it (its batch was canceled before
         its model call), or None (nothing to finish: not started, finished by another
         delivery, or left to the economy lane's provider batch)."""
-        if poisoned:
-            return None, _poison_error(self)
+        if poisoned:  # with the usage of a model answer a dead run kept: billed
+            return None, _billed(
+                _poison_error(self), store.kept_item_answer(batch_id, item.query_id)
+            )
         if not started:
             return None  # canceled meanwhile, or finished by another delivery
         waited = time.time() - batch.created_at
@@ -285,7 +292,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                     # finds it queued does not count its wait again
                     metrics.observe_queue_wait(BATCH_QUEUE, waited)
                 answers = held[item.query_id] = store.item_answers(batch_id, item.query_id, claim)
-                checked.billed = _kept_usage(claim)
+                checked.billed = _kept_usage(claim.answer)
                 result = runtime.search(
                     item.spec, batch.tenant, checked, spent=claim.spent, answers=answers
                 )
@@ -314,7 +321,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 return "retry"
             if not isinstance(exc, SiftError):
                 log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
-            return None, _billed(error_info(exc), claim)
+            return None, _billed(error_info(exc), claim.answer if claim else "")
 
     def finished(item: BatchItem, transition: ItemTransition, error: ErrorInfo | None) -> None:
         answers = held.pop(item.query_id, None)
