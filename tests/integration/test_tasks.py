@@ -809,3 +809,51 @@ def test_a_poisoned_job_whose_dead_run_kept_a_model_answer_shows_that_billed_cal
     assert failed.error.type == "delivery_limit_exceeded" and failed.error.usage is not None
     assert failed.error.usage.requests == 1 and failed.error.usage.input_tokens == 900
     assert runtime.calls == 0
+
+
+def test_a_webhook_copy_failing_after_another_copy_delivered_it_starts_no_schedule(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two messages of one webhook (the finish's, and a redelivered task's copy sent while
+    the first had not run yet): the first is delivered, then the copy's POST fails (a 500).
+    The webhook was delivered and is owed no more: the copy stops there. Before, a copy
+    failing once the webhook was settled went on with a schedule of its own, up to 8
+    attempts over a day of a webhook already delivered, and ended counted ``failed`` (given
+    up) if the receiver kept refusing the duplicate."""
+    from datetime import datetime
+    from types import SimpleNamespace
+
+    from celery.exceptions import Retry
+
+    from worker.settings import Settings
+    from worker.webhooks import delivery as webhooks
+
+    context._runtime = ScriptedRuntime()
+    spec = SearchSpec(index="docs", query="q")
+    job = context.store.create_search("acme", spec, webhook_url="https://hooks.example/x")
+    tasks.search.apply(args=[job.id])
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    answers = [
+        webhooks.DeliveryResult(webhooks.DeliveryOutcome.DELIVERED, "http 200", 200),
+        webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500),
+    ]
+
+    def run_delivery(**kw: Any) -> webhooks.DeliveryDecision:
+        answer = answers.pop(0)
+        retry_in = 5.0 if answer.outcome is webhooks.DeliveryOutcome.RETRY else None
+        return webhooks.DeliveryDecision(answer, kw["attempt"], retry_in)
+
+    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
+    retries: list[dict[str, Any]] = []
+
+    def retry(self: base.SiftTask, *, args: list[Any], **_: Any) -> Retry:
+        retries.append(args[0])
+        return Retry("later")
+
+    monkeypatch.setattr(base.SiftTask, "retry", retry)
+    message = _search_event(job.id, occurred_at=datetime.now().timestamp())
+    tasks.webhook.apply(args=[message])  # delivered
+    tasks.webhook.apply(args=[message])  # the copy: a 500
+    assert not answers
+    assert retries == []

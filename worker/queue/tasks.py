@@ -528,7 +528,7 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     later = {**event, "attempt": attempt + 1}
     later["due_at"] = time.time() + decision.retry_in
     if not store.webhook_due(data["id"], later["due_at"], later["attempt"]):
-        log.info("webhook %s: another copy carries attempt %d on", data["id"], attempt + 1)
+        log.info("webhook %s: settled, or another copy makes attempt %d", data["id"], attempt + 1)
         return
     raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
 

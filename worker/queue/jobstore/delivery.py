@@ -106,8 +106,9 @@ class DeliveryRecords(_StoreCore):
         and makes attempt ``attempt`` (a retry's; kept for :meth:`webhook_attempt`): each
         moved later only, and only while it is owed. A re-send's answer: whether the time
         moved. A retry's: whether it carries the schedule (False: another copy's retry has
-        recorded this attempt already, so this copy stops; True too once it is owed no
-        more)."""
+        recorded this attempt already, or the webhook was settled, delivered by another copy
+        or its schedule spent, so this copy stops; True when it is owed no more and its
+        record does not say it was settled: a job an older release finished)."""
         keys = [WEBHOOKS_OWED_KEY, _record_key(job_id)]
         args = [repr(when), job_id, "" if attempt is None else str(attempt)]
         return bool(self._webhook_due(keys=keys, args=args))
@@ -130,13 +131,12 @@ class DeliveryRecords(_StoreCore):
         return owed is not None and not retried
 
     def webhook_settled(self, job_id: str) -> None:
-        """The job's webhook is owed no more: delivered, refused, or its schedule spent. Also
+        """The job's webhook is owed no more: delivered, refused, or its schedule spent (its
+        record says so: a copy failing later stops, :meth:`webhook_due`). Also
         drops every entry due before the retention window: its job's record has expired, so
         there is nothing to send again, and with the re-drive off no sweep drops it."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zrem(WEBHOOKS_OWED_KEY, job_id)
-        pipe.zremrangebyscore(WEBHOOKS_OWED_KEY, "-inf", _now() - self.result_ttl)
-        pipe.execute()
+        keys = [WEBHOOKS_OWED_KEY, _record_key(job_id)]
+        self._webhook_settled(keys=keys, args=[job_id, repr(_now() - self.result_ttl)])
 
     def count_redrive(self, job_id: str) -> int:
         """Count one more re-drive of this job; answers how many there have been."""

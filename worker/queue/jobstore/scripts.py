@@ -318,10 +318,15 @@ return 1
 # schedule goes on (it began again, so a webhook whose messages kept being lost was attempted
 # without end). A retry whose attempt is not past the one kept is another copy's, which
 # carries the schedule: nothing is written. Returns, for a retry, 1 when it carries the
-# schedule (or the webhook is owed no more: as before), 0 for another copy's; for a re-send,
-# 1 when the due time moved.
+# schedule (or the webhook is owed no more and its record does not say it was settled: a
+# job an older release finished, as before), 0 for another copy's, or once the webhook was
+# settled (_WEBHOOK_SETTLED: another copy delivered it, or spent its schedule); for a
+# re-send, 1 when the due time moved.
 _WEBHOOK_DUE = """
-if not redis.call('ZSCORE', KEYS[1], ARGV[2]) then return ARGV[3] ~= '' and 1 or 0 end
+if not redis.call('ZSCORE', KEYS[1], ARGV[2]) then
+  if ARGV[3] == '' or redis.call('HEXISTS', KEYS[2], 'webhook_settled') == 1 then return 0 end
+  return 1
+end
 if ARGV[3] ~= '' and redis.call('EXISTS', KEYS[2]) == 1 then
   local cur = tonumber(redis.call('HGET', KEYS[2], 'webhook_attempt')) or 1
   if tonumber(ARGV[3]) <= cur then return 0 end
@@ -330,6 +335,18 @@ end
 local moved = redis.call('ZADD', KEYS[1], 'GT', 'CH', ARGV[1], ARGV[2])
 if ARGV[3] ~= '' then return 1 end
 return moved
+"""
+
+# A job's webhook is owed no more: delivered, refused, or its schedule spent. KEYS: the
+# webhooks owed, the job's record. ARGV: the job id, the score before which entries are
+# dropped (due before the retention window: their records have expired). The record (if it
+# still exists: never a partial one made) says so, so a copy of the webhook failing after
+# that starts no schedule of its own (_WEBHOOK_DUE).
+_WEBHOOK_SETTLED = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'webhook_settled', '1') end
+return 1
 """
 
 # Take what batch cancels ended and no one has counted yet (_CANCEL_BATCH's count), once.

@@ -51,6 +51,7 @@ from worker.queue.jobstore.scripts import (
     _TRANSITION_ITEM,
     _TRANSITION_JOB,
     _WEBHOOK_DUE,
+    _WEBHOOK_SETTLED,
 )
 from worker.redis_client import connect
 
@@ -130,6 +131,7 @@ class _StoreCore:
         self._keep_answer = client.register_script(_KEEP_ANSWER)
         self._take_cancel_count = client.register_script(_TAKE_CANCEL_COUNT)
         self._webhook_due = client.register_script(_WEBHOOK_DUE)
+        self._webhook_settled = client.register_script(_WEBHOOK_SETTLED)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
