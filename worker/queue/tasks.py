@@ -485,6 +485,11 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     if wait > 0:  # not yet due: another hop
         hop = self.retry(args=[event], countdown=min(wait, _hop_seconds(settings)), throw=False)
         raise WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
+    data = event["data"]
+    store = self.context.store
+    if store.webhook_was_settled(data["id"]):  # another copy delivered it, or spent its schedule
+        log.info("webhook %s: settled already; this copy is dropped", data["id"])
+        return
     attempt = int(event.get("attempt", self.request.retries + 1))
     # how late the attempt runs after it was due: the job's end, or its retry's time
     due = event.get("due_at") or datetime.fromisoformat(event["occurred_at"]).timestamp()
@@ -492,8 +497,6 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     secrets = next(
         (k.webhook_secrets() for k in settings.all_api_keys() if k.tenant == event["tenant"]), None
     )
-    data = event["data"]
-    store = self.context.store
     if secrets is None:
         log.error(
             "webhook for %s: tenant %s has no key and no secret; dropped",

@@ -130,6 +130,11 @@ class DeliveryRecords(_StoreCore):
         owed, retried = pipe.execute()
         return owed is not None and not retried
 
+    def webhook_was_settled(self, job_id: str) -> bool:
+        """Whether the job's record says its webhook was settled (:meth:`webhook_settled`):
+        a copy of it has nothing left to send."""
+        return bool(self.redis.hexists(_record_key(job_id), "webhook_settled"))
+
     def webhook_settled(self, job_id: str) -> None:
         """The job's webhook is owed no more: delivered, refused, or its schedule spent (its
         record says so: a copy failing later stops, :meth:`webhook_due`). Also
