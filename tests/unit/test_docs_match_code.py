@@ -1,7 +1,7 @@
-"""The README says what the code does: its Settings table (every setting, its default), the
-``sift`` commands and flags it, ``deploy/README.md`` and ``benchmarks/README.md`` show, its
-metrics table (names and labels), the HTTP routes, files and tests it names, and the
-``SIFT_`` variables ``deploy/`` sets.
+"""The README and docs/ say what the code does: the Settings table (every setting, its
+default), the ``sift`` commands and flags they, ``deploy/README.md`` and
+``benchmarks/README.md`` show, the metrics table (names and labels), the HTTP routes, files
+and tests they name, and the ``SIFT_`` variables ``deploy/`` sets.
 
 Each check reads the documents as a newcomer would and compares them with the objects the
 code runs on (the settings class, the typer app, the Prometheus metrics, the OpenAPI
@@ -26,7 +26,19 @@ from worker.observability import metrics
 from worker.settings import NOT_SETTINGS, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
+# the README and the docs/ files its sections moved to (one text for the checks over all of it)
+README_AND_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+GUIDES = {
+    "README.md and docs/": README_AND_DOCS,
+    "deploy/README.md": [ROOT / "deploy" / "README.md"],
+    "benchmarks/README.md": [ROOT / "benchmarks" / "README.md"],
+}
+
+
+def read(guide: str) -> str:
+    return "\n".join(path.read_text() for path in GUIDES[guide])
+
+
 VARIABLE = re.compile(r"`(SIFT_[A-Z0-9_]+)`")
 # deploy-only variables: compose's image tag, KEDA's Redis address (read by no Sift process,
 # which lets them be: a SIFT_ variable that is no setting is refused at start-up)
@@ -34,10 +46,15 @@ DEPLOY_ONLY = NOT_SETTINGS
 
 
 def section(title: str) -> str:
-    """The README's section under ``title`` (a ``## `` heading), up to the next one."""
-    start = README.index(f"\n## {title}\n")
-    end = README.find("\n## ", start + 1)
-    return README[start : end if end != -1 else None]
+    """The section under ``title`` (a ``## `` heading) in the README or the docs/ file it
+    moved to, up to the next one."""
+    for path in README_AND_DOCS:
+        text = path.read_text()
+        start = text.find(f"\n## {title}\n")
+        if start != -1:
+            end = text.find("\n## ", start + 1)
+            return text[start : end if end != -1 else None]
+    raise AssertionError(f"no '## {title}' section in README.md or docs/")
 
 
 def settings_rows() -> list[tuple[list[str], str]]:
@@ -55,10 +72,10 @@ def env_names() -> dict[str, str]:
     return {f"SIFT_{name.upper()}": name for name in Settings.model_fields}
 
 
-def test_every_setting_is_in_the_readme_table_and_every_row_is_a_setting() -> None:
+def test_every_setting_is_in_the_settings_table_and_every_row_is_a_setting() -> None:
     documented = {name for names, _ in settings_rows() for name in names}
-    assert set(env_names()) - documented == set(), "settings missing from README's table"
-    assert documented - set(env_names()) == set(), "README rows that are no setting"
+    assert set(env_names()) - documented == set(), "settings missing from the Settings table"
+    assert documented - set(env_names()) == set(), "Settings rows that are no setting"
 
 
 _UNCHECKED = object()
@@ -79,7 +96,7 @@ def documented_value(cell: str) -> str | object | None:
 
 
 def same_default(documented: str | None, actual: Any) -> bool:
-    """Whether the README's text names the code's default, read as the code's type."""
+    """Whether the docs' text names the code's default, read as the code's type."""
     if documented is None:
         return actual in (None, [], {})
     if isinstance(actual, bool):
@@ -93,7 +110,7 @@ def same_default(documented: str | None, actual: Any) -> bool:
     return bool(documented == actual)
 
 
-def test_the_readme_table_gives_each_setting_s_default() -> None:
+def test_the_settings_table_gives_each_setting_s_default() -> None:
     fields = env_names()
     checked = []
     for names, cell in settings_rows():
@@ -108,7 +125,7 @@ def test_the_readme_table_gives_each_setting_s_default() -> None:
             assert value is None or isinstance(value, str)
             field = Settings.model_fields[fields[name]]
             actual = field.get_default(call_default_factory=True)
-            assert same_default(value, actual), f"{name}: README {part!r}, code {actual!r}"
+            assert same_default(value, actual), f"{name}: documented {part!r}, code {actual!r}"
             checked.append(name)
     assert len(checked) >= len(fields) - 5, f"only {len(checked)} defaults could be read"
 
@@ -157,9 +174,9 @@ def calls(text: str) -> list[tuple[list[str], Any, str]]:
     return found
 
 
-@pytest.mark.parametrize("document", ["README.md", "deploy/README.md", "benchmarks/README.md"])
+@pytest.mark.parametrize("document", list(GUIDES))
 def test_every_sift_command_and_flag_shown_exists(document: str) -> None:
-    shown = calls((ROOT / document).read_text())
+    shown = calls(read(document))
     assert len(shown) > (1 if document.startswith("benchmarks/") else 5)
     for path, command, rest in shown:
         assert command is not None, f"{document}: no command `sift {' '.join(path)}`"
@@ -193,7 +210,7 @@ def exported_metrics() -> dict[str, set[str]]:
     return {m._name + ("_total" if m._type == "counter" else ""): set(m._labelnames) for m in found}
 
 
-def test_the_readme_metrics_table_names_what_is_exported_with_its_labels() -> None:
+def test_the_metrics_table_names_what_is_exported_with_its_labels() -> None:
     table = section("Observability: what reranking costs, and how it fails")
     table = table[table.index("| metric |") :]
     table = table[: table.index("\n\n")]
@@ -205,10 +222,10 @@ def test_the_readme_metrics_table_names_what_is_exported_with_its_labels() -> No
         assert set(labels.split(",")) == exported[name], f"{name}: {labels}"
 
 
-def test_every_route_the_readme_names_is_served() -> None:
+def test_every_route_the_docs_name_is_served() -> None:
     paths = create_app(Settings(redis_url="redis://127.0.0.1:9/0")).openapi()["paths"]
     served = {(m.upper(), re.sub(r"\{[^}]+\}", "{}", p)) for p, ops in paths.items() for m in ops}
-    text = re.sub(r"`\s*\n\s*", "`", README.replace("`POST\n/", "`POST /"))
+    text = re.sub(r"`\s*\n\s*", "`", read("README.md and docs/").replace("`POST\n/", "`POST /"))
     named = set(re.findall(r"\b(GET|POST|PATCH|DELETE) (/v1/[a-z/{}_]+[a-z}])", text))
     assert len(named) > 10
     for method, path in named:
@@ -220,9 +237,9 @@ def test_every_route_the_readme_names_is_served() -> None:
 MADE_BY_THE_USER = {"deploy/.env", "deploy/sift.env"}  # copied from their .example
 
 
-@pytest.mark.parametrize("document", ["README.md", "deploy/README.md", "benchmarks/README.md"])
+@pytest.mark.parametrize("document", list(GUIDES))
 def test_every_file_and_test_the_docs_name_exists(document: str) -> None:
-    text = (ROOT / document).read_text()
+    text = read(document)
     paths = set(
         re.findall(
             r"`((?:tests|benchmarks|worker|api_gateway|deploy|grafana|scripts|k8s|prometheus)/[\w./-]+)",
