@@ -8,7 +8,7 @@ documents (with vectors) in the index ``secret``. Tenant beta then asks the pipe
 ``IndexNotFound`` after one ``channels()`` statement; the script prints the median and p99
 of each, in microseconds. It then times a first one-document write by a new tenant into
 ``secret`` against one into a name nobody has: on the embedded backend both create the
-writer's own FTS5 table (each tenant's index is its own), which the README states.
+writer's own FTS5 table (each tenant's index is its own), which docs/security.md states.
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ defaults: 300 threads, the derived visibility timeout of about 27 minutes, a hea
 seconds. It submits a reranked batch of ``--items`` queries, SIGKILLs the worker once a
 tenth of the items succeeded, starts a new worker at once, and times:
 
-- recovery: from the new worker's launch to the batch ``succeeded`` (what the README quotes);
+- recovery: from the new worker's launch to the batch ``succeeded`` (what
+  docs/reliability.md quotes);
 - from the kill to the batch ``succeeded``;
 - the CPU the new worker used until then (user + system, from ``/proc``), and its share of
   one core over the recovery.

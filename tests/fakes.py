@@ -69,8 +69,8 @@ class FakeEmbedder:
 
 
 def _same_json(held: object, wanted: object) -> bool:
-    """Whether a metadata value equals a filter value as JSON values (README, "Metadata
-    filters"): numbers by value, a boolean only itself (Python's ``True == 1`` is not)."""
+    """Whether a metadata value equals a filter value as JSON values (docs/architecture.md,
+    "Metadata filters"): numbers by value, a boolean only itself (``True == 1`` is not)."""
     if isinstance(held, bool) or isinstance(wanted, bool):
         return type(held) is type(wanted) and held == wanted
     return held == wanted

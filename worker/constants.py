@@ -99,7 +99,7 @@ RATE_BUDGET_QUEUE_KEY = REDIS_PREFIX + "rate-budget-queue:"
 # the job lists (GET /v1/searches, /v1/batches, /v1/ingestions): one index per kind and tenant
 JOB_INDEX_KEY = REDIS_PREFIX + "jobs:"  # + kind + ":" + tenant -> zset job id -> created_at
 
-# --- retention (seconds), enforced by Redis TTLs; stated in the README ---
+# --- retention (seconds), enforced by Redis TTLs; stated in docs/queue.md ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from the last write
 IDEMPOTENCY_TTL_SECONDS = 24 * 3600  # an Idempotency-Key is remembered this long (as Stripe)
 # a claimed key with no job bound yet answers 409 this long at most (a request that died
@@ -200,7 +200,7 @@ ECONOMY_MAX_BATCH_BYTES = 256_000_000  # the provider's limit on a Message Batch
 LANE_STANDARD = "standard"
 LANE_ECONOMY = "economy"
 
-# --- limits (validated at the gateway, documented in the README) ---
+# --- limits (validated at the gateway, documented in docs/security.md) ---
 MAX_QUERY_CHARS = 2_000
 MAX_LIMIT = 100
 MAX_BATCH_QUERIES = 100_000

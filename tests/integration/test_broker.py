@@ -7,7 +7,7 @@ held the message acks it. kombu's own transport raises ``AttributeError`` (``'No
 object has no attribute 'hostname'``) from ``close()`` and from the late ack, which kills a
 Celery worker (celery/celery#10205); :mod:`worker.queue.broker`'s closes cleanly, and the late ack
 removes the message from the ``unacked`` hash. This is also the reproduction to attach
-upstream (README, "Reliability").
+upstream (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def _drop_under_consumer(
 
 def test_kombus_own_transport_still_raises_attribute_error_on_close(tmp_path: Path) -> None:
     """The upstream bug, as of kombu 5.7. When this fails, kombu has fixed it: drop
-    :mod:`worker.queue.broker` and this module (and update the README's Reliability section)."""
+    :mod:`worker.queue.broker` and this module (and update docs/reliability.md)."""
     closed, acked, unacked = _drop_under_consumer(tmp_path, None)
     assert isinstance(closed, AttributeError) and "hostname" in str(closed), repr(closed)
     assert isinstance(acked, AttributeError), repr(acked)

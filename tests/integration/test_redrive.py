@@ -504,8 +504,8 @@ def test_a_worker_s_broker_reconnect_opens_the_window(
 
 
 def test_a_lost_webhook_sent_again_is_counted_as_a_webhook(store: JobStore, app: Celery) -> None:
-    """``sift_redriven_total{kind="webhook"}`` counts a webhook the sweep sends again, as the
-    README says (it was recorded as ``kind="other"``)."""
+    """``sift_redriven_total{kind="webhook"}`` counts a webhook the sweep sends again, as
+    docs/queue.md says (it was recorded as ``kind="other"``)."""
     job = store.create_search("acme", SearchSpec(index="docs", query="tea"), webhook_url=HOOK)
     assert store.start_search(job.id) and store.finish_search(job.id, result=RESULT)
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)

@@ -1,6 +1,6 @@
 """Writes accepted after Redis comes back empty still land.
 
-Redis restarted without its persistence (``--save '' --appendonly no``, as the README's stack
+Redis restarted without its persistence (``--save '' --appendonly no``, as docs/queue.md's stack
 by hand runs it; a Redis pod without a volume; a failover to an empty replica) loses every
 job, and with them the tenants' write-version counters. The backend keeps its documents, and
 the version of the last write of each id, on disk. A write accepted after the restart must

@@ -168,7 +168,7 @@ def wait_finished(client: httpx.Client, url: str, batch_id: str, timeout: float)
 
 
 def test_the_defaults_are_what_this_file_claims() -> None:
-    """The figures the tests and the README rely on are the defaults."""
+    """The figures the tests and the docs rely on are the defaults."""
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
     assert settings.broker_visibility_timeout_seconds is None
     assert settings.worker_heartbeat_seconds == 2.0

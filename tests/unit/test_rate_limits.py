@@ -23,7 +23,7 @@ def test_rate_limits_are_read_as_json_per_model(monkeypatch: pytest.MonkeyPatch)
 
 def test_design_s_long_names_are_read_too(monkeypatch: pytest.MonkeyPatch) -> None:
     """DESIGN.md §9 names the limits ``requests_per_minute``, ``input_tokens_per_minute`` and
-    ``output_tokens_per_minute``; the short names the README shows are the same fields, and an
+    ``output_tokens_per_minute``; the short names the docs show are the same fields, and an
     entry giving one limit under both names is refused rather than read one way."""
     monkeypatch.setenv(
         "SIFT_RATE_LIMITS",

@@ -578,7 +578,7 @@ def _print_tune(report: TuneReport) -> None:
             f"[yellow]linear fusion at window {chosen.window}: the worker normalises each "
             f"channel over its {4 * chosen.window} hits, here over the "
             f"{max(report.depth.values())} fetched, so served figures can differ a little "
-            "(README: Tuning the fusion)[/]"
+            "(docs/evaluation.md: Tuning the fusion)[/]"
         )
 
 

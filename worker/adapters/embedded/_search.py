@@ -327,10 +327,10 @@ def _bodies(conn: apsw.Connection, seqs: Collection[int]) -> Iterator[tuple[int,
 def _filter_sql(filters: HardFilters) -> tuple[str, list[FilterValue]]:
     """The WHERE clause (over ``docs AS d``) for the tenant and the metadata equalities.
 
-    Each compares JSON values (README, "Metadata filters"): SQLite reads a JSON ``true`` as
-    the integer 1, so a boolean is matched by its JSON type and a number only against a
-    number (SQLite compares an integer and a real exactly: ``5 = 5.0``); a string is text,
-    which no number equals."""
+    Each compares JSON values (docs/architecture.md, "Metadata filters"): SQLite reads a
+    JSON ``true`` as the integer 1, so a boolean is matched by its JSON type and a number
+    only against a number (SQLite compares an integer and a real exactly: ``5 = 5.0``); a
+    string is text, which no number equals."""
     clauses: list[str] = ["d.tenant = ?"]
     params: list[FilterValue] = [filters.tenant]
     for key, value in sorted(filters.fields.items()):

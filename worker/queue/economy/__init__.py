@@ -1,6 +1,6 @@
 """The economy lane: a batch's reranks sent as Anthropic Message Batches, at half the price.
 
-The flow (DESIGN.md §7; the README's "Choosing a lane"):
+The flow (DESIGN.md §7; docs/lanes.md):
 
 1. ``sift.batch_chunk`` runs each item's first half, :meth:`SearchPipeline.prepare`, on the
    runtime's economy pipeline: retrieval and fusion as in the standard lane. An item that
