@@ -104,3 +104,17 @@ def test_a_missing_file_or_anchor_is_reported(tmp_path: Path) -> None:
         "docs/a.md#not-a-heading: no heading with that anchor",
         "#missing: no heading with that anchor",
     ]
+
+
+def test_every_docs_file_the_code_names_exists() -> None:
+    """A comment, docstring or message that sends the reader to ``docs/NAME.md`` names a file
+    that is there."""
+    named = {
+        (str(path.relative_to(ROOT)), name)
+        for folder in ("worker", "api_gateway", "tests", "benchmarks")
+        for path in (ROOT / folder).rglob("*.py")
+        if path != Path(__file__)  # its made-up tree names made-up files
+        for name in re.findall(r"\bdocs/[\w-]+\.md\b", path.read_text())
+    }
+    assert named, "no docs/ file named in the code"
+    assert [(path, name) for path, name in named if not (ROOT / name).is_file()] == []
