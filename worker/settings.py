@@ -413,7 +413,7 @@ def load_settings(**overrides: Any) -> Settings:
         raise ConfigError(
             "invalid settings; "
             + "; ".join(unknown)
-            + " (README.md, Settings, lists every SIFT_ variable)"
+            + " (docs/settings.md lists every SIFT_ variable)"
         )
     try:
         return Settings(**overrides)

@@ -444,7 +444,7 @@ UTF8_ROUTES = [
 def test_a_body_that_is_not_utf8_is_400_naming_body(
     stack: Stack, method: str, path: str, body: dict[str, Any], encoding: str
 ) -> None:
-    """RFC 8259: JSON between systems is UTF-8, and the README says a body that is not is a
+    """RFC 8259: JSON between systems is UTF-8, and docs/queue.md says a body that is not is a
     400 naming ``body``; a UTF-16 or UTF-32 body was read all the same (``json.loads`` of
     bytes guesses the encoding). Latin-1 (a byte 0xe9) was refused, as it still is."""
     text = json.dumps({**body, "é": 1} if encoding == "latin-1" else body, ensure_ascii=False)

@@ -470,7 +470,7 @@ def test_a_batch_s_totals_stay_its_items_sums_when_its_worker_died_after_a_save(
     assert done.usage.requests == sum(r.usage.requests for r in results) == 2
     assert done.usage.input_tokens == sum(r.usage.input_tokens for r in results)
     # the other item may have been in its model call when the worker died: that call is
-    # billed and its answer died with the process (README, Reliability), so the provider
+    # billed and its answer died with the process (docs/reliability.md), so the provider
     # may have billed one call more than the results show, never fewer
     assert 0 < done.usage.input_tokens <= billed["input_tokens"]
     cost = sum(r.usage.cost_usd or 0.0 for r in results)

@@ -354,7 +354,7 @@ STORABLE_KEY = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
 def _storable(value: Any) -> bool:
-    """What the README promises to store: a UTF-8 string (of at most
+    """What docs/indexes.md promises to store: a UTF-8 string (of at most
     ``MAX_METADATA_VALUE_BYTES``), a 64-bit integer, a finite float, a boolean."""
     if isinstance(value, str):
         try:

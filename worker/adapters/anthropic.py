@@ -286,8 +286,8 @@ def sdk_spans() -> Literal[False] | None:
     sixth of its Python function calls per call (3,785 against 4,499). Sift sets up no
     tracing of its own, so a worker that nobody instrumented pays that for nothing.
     """
-    # not a setting, on purpose: the SDK and OpenTelemetry read these themselves (README,
-    # Settings, lists the variables Sift reads outside its settings object)
+    # not a setting, on purpose: the SDK and OpenTelemetry read these themselves (docs/settings.md
+    # lists the variables Sift reads outside its settings object)
     if any(name in os.environ for name in _OTEL_VARIABLES):
         return None
     try:

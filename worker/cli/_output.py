@@ -59,7 +59,7 @@ def left_out_note(console: Console, left_out: Sequence[str]) -> str:
     file, rich takes 80 columns whatever the terminal: the line says so, and how to change it.
     """
     names = ", ".join(left_out)
-    # COLUMNS is rich's and the shell's, not a setting, on purpose (README, Settings)
+    # COLUMNS is rich's and the shell's, not a setting, on purpose (docs/settings.md)
     if console.is_terminal or os.environ.get("COLUMNS"):
         return f"[dim]left out at this width: {names} (--json has all)[/]"
     return (
