@@ -7,11 +7,14 @@ BIN := $(VENV)/bin
 # test starts its own services on free ports, so two files never share a Redis or a worker.
 # --no-loadscope-reorder: files are handed out in testpaths order (the longest first, see
 # pyproject.toml); xdist's default reorders them by test count, the one-test reliability runs last.
-# Four on two cores: the suite mostly waits (dead-worker checks, poll cadences, sweeps at their
-# defaults) and keeps about 0.6 of the two cores busy with three. The run is bound by its
-# total (about 2,300 s of tests), not by one file: none takes much over 4 minutes since the
-# economy files were split. A clean-clone run under load with three took 850 s of tests.
-TEST_WORKERS ?= 4
+# Six on two cores: the suite mostly waits (dead-worker checks, poll cadences, sweeps at their
+# defaults): its processes use about 830 s of CPU whatever the count (user+sys, /usr/bin/time),
+# a floor of about 415 s on two cores, while the tests' durations sum to 2,300-4,000 s, so the
+# run is bound by that sum over the xdist processes, not by one file (none much over 4
+# minutes) nor yet by the CPU. Measured on one machine under the same outside load (about 10):
+# four took 1,067 s, six 762 s (29% less, every test passed); eight took 763 s, its tests'
+# durations summing a third more, and three timing-bound tests failed: the CPU was starved.
+TEST_WORKERS ?= 6
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench install services clean
