@@ -303,10 +303,9 @@ def test_ctrl_c_while_a_failure_waits_on_a_request_still_says_the_failure(
     ):
         sift.until(lambda: 413 in server.statuses, "the first request refused")
         sift.until(lambda: bool(_idle_jobs(stack, index)), "the second request's job made")
-        # The relay has sent the 413; the command's main thread takes it from its request's
-        # thread a moment later, which nothing outside shows. A SIGINT before that is a plain
-        # Ctrl-C (no failure yet), so give it that moment on a loaded machine.
-        time.sleep(1.0)
+        # the command's main thread has taken the 413 from its request's thread (a SIGINT
+        # before that is a plain Ctrl-C, no failure yet): it says it waits on the other
+        sift.until(lambda: "a request failed: waiting" in sift.stderr(), "the failure taken")
         sift.proc.send_signal(signal.SIGINT)
         code = sift.finish(seconds=45)  # the request in flight holds it up to 30 s
         err = sift.stderr()

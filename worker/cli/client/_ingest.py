@@ -219,6 +219,10 @@ def ingest(
                         # the requests in flight are answered, but not polled on: a job that
                         # did not run held the failure back for good
                         stopping.set()
+                        _err().print(
+                            "a request failed: waiting for the answers to the requests already "
+                            "sent (Ctrl-C to leave without them)"
+                        )
                         raise
             except GatewayError as exc:  # the pool has waited for the requests in flight
                 note = _resume_note(file, loaded, chunks, done, unsettled)
