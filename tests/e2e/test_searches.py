@@ -67,7 +67,8 @@ def test_a_failed_search_has_a_typed_error(stack: Stack, corpus: object) -> None
     assert response.status_code == 200, response.text
     job = response.json()
     assert job["status"] == "failed"
-    assert job["error"]["type"] == "index_not_found", job  # docs/architecture.md's error table: not retryable
+    # docs/architecture.md's error table: not retryable
+    assert job["error"]["type"] == "index_not_found", job
     assert job["error"]["retryable"] is False, job
     message = "index 'no-such-index' does not exist: ingest documents into it first"
     assert job["error"]["message"] == message, job
