@@ -30,7 +30,7 @@ from worker.constants import (
     SEARCH_TASK,
 )
 from worker.contract import SearchResult, SearchSpec
-from worker.queue.jobstore import BatchJob, JobStore
+from worker.queue.jobstore import BatchJob, JobStore, SearchJob
 
 pytestmark = pytest.mark.integration
 
@@ -127,8 +127,8 @@ def _arm(setup: Setup) -> None:
     setup.flag.touch()
 
 
-def _search(setup: Setup, tenant: str, spec: SearchSpec) -> SearchResult:
-    """Run one search through the queue to its end: it must succeed; its result."""
+def _run_search(setup: Setup, tenant: str, spec: SearchSpec) -> SearchJob:
+    """Run one search through the queue to its end; its final record."""
     sender = OutboxSender(setup.store)
     job = setup.store.create_search(
         tenant,
@@ -137,22 +137,39 @@ def _search(setup: Setup, tenant: str, spec: SearchSpec) -> SearchResult:
     )
     _wait(lambda: (j := setup.store.get_search(job.id)) is not None and j.status.final)
     done = setup.store.get_search(job.id)
-    assert done is not None and done.status == "succeeded" and done.result, done
+    assert done is not None
+    return done
+
+
+def _search(setup: Setup, tenant: str, spec: SearchSpec) -> SearchResult:
+    """Run one search through the queue to its end: it must succeed; its result."""
+    done = _run_search(setup, tenant, spec)
+    assert done.status == "succeeded" and done.result, done
     return done.result
+
+
+def _submit_batch(
+    setup: Setup,
+    items: list[tuple[str, SearchSpec]],
+    tenant: str = "acme",
+    lane: str = "standard",
+) -> BatchJob:
+    """A batch of ``items`` on index docs, its one chunk queued."""
+    sender = OutboxSender(setup.store)
+    return setup.store.create_batch(
+        tenant,
+        "docs",
+        items,
+        lane=lane,
+        enqueue=lambda batch_id: sender.messages(
+            [(BATCH_CHUNK_TASK, [batch_id, 0, len(items)], BATCH_QUEUE)]
+        ),
+    )
 
 
 def _run_batch(setup: Setup, spec: SearchSpec, lane: str = "standard") -> BatchJob:
     """A one-item batch of ``spec`` for tenant acme, run to its end."""
-    sender = OutboxSender(setup.store)
-    batch = setup.store.create_batch(
-        "acme",
-        "docs",
-        [("q0", spec)],
-        lane=lane,
-        enqueue=lambda batch_id: sender.messages(
-            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
-        ),
-    )
+    batch = _submit_batch(setup, [("q0", spec)], lane=lane)
     _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
     return batch
 
@@ -405,15 +422,7 @@ def test_a_batch_canceled_while_its_item_waits_to_retry_on_a_kept_answer_counts_
     _search(setup, "acme", spec)  # the worker's process builds its runtime: no failures
     _arm(setup)
     setup.failing.write_text("3")  # the process taking the claim over: its 3 attempts fail
-    sender = OutboxSender(setup.store)
-    batch = setup.store.create_batch(
-        "acme",
-        "docs",
-        [("q0", spec)],
-        enqueue=lambda batch_id: sender.messages(
-            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
-        ),
-    )
+    batch = _submit_batch(setup, [("q0", spec)])
     runs = BATCH_RUNS_KEY + batch.id
 
     def let_go_for_its_retry() -> bool:  # "<used>||0|||<answer>": no holder, the answer on
@@ -449,15 +458,7 @@ def test_a_batch_s_totals_stay_its_items_sums_when_its_worker_died_after_a_save(
     die = setup.flag.with_name("die-done")
     die.touch()
     spec = SearchSpec(index="docs", query="gamma", mode="fts", rerank=True, include_trace=True)
-    sender = OutboxSender(setup.store)
-    batch = setup.store.create_batch(
-        "acme",
-        "docs",
-        [("q0", spec), ("q1", spec.model_copy(update={"query": "beta"}))],
-        enqueue=lambda batch_id: sender.messages(
-            [(BATCH_CHUNK_TASK, [batch_id, 0, 2], BATCH_QUEUE)]
-        ),
-    )
+    batch = _submit_batch(setup, [("q0", spec), ("q1", spec.model_copy(update={"query": "beta"}))])
     _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
     _died(die)
     results = []
@@ -517,15 +518,8 @@ def test_an_item_failing_after_it_took_a_kept_answer_over_shows_that_billed_call
     # and a search's, likewise
     _arm(setup)
     setup.failing.write_text("12")
-    sender = OutboxSender(setup.store)
-    job = setup.store.create_search(
-        "acme",
-        spec,
-        enqueue=lambda job_id: sender.messages([(SEARCH_TASK, [job_id], SEARCH_QUEUE)]),
-    )
-    _wait(lambda: (j := setup.store.get_search(job.id)) is not None and j.status.final)
-    failed = setup.store.get_search(job.id)
-    assert failed is not None and failed.error is not None, failed
+    failed = _run_search(setup, "acme", spec)
+    assert failed.error is not None, failed
     assert failed.error.type == "backend_unavailable" and failed.error.usage is not None
     assert failed.error.usage.input_tokens == setup.model.usage()["input_tokens"] > 0
     assert failed.error.usage.requests == len(setup.model.requests()) == 1
@@ -548,15 +542,7 @@ def test_an_item_canceled_before_calling_again_past_a_kept_answer_shows_the_bill
     _arm(setup)
     setup.flag.write_text("cancel")  # the batch is canceled as the worker dies
     setup.extra.touch()  # the process taking the claim over has the extra document
-    sender = OutboxSender(setup.store)
-    batch = setup.store.create_batch(
-        "zeta",
-        "docs",
-        [("q0", spec)],
-        enqueue=lambda batch_id: sender.messages(
-            [(BATCH_CHUNK_TASK, [batch_id, 0, 1], BATCH_QUEUE)]
-        ),
-    )
+    batch = _submit_batch(setup, [("q0", spec)], "zeta")
     _wait(lambda: (b := setup.store.get_batch(batch.id)) is not None and b.status.final)
     setup.extra.unlink()
     assert not setup.flag.exists()  # the worker did die after the model answered

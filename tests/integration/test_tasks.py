@@ -450,8 +450,6 @@ def _capturing_webhooks(
     from datetime import datetime
     from types import SimpleNamespace
 
-    from celery.exceptions import Retry
-
     from worker.settings import Settings
     from worker.webhooks import delivery as webhooks
 
@@ -477,13 +475,23 @@ def _capturing_webhooks(
             result=answer, attempt=kwargs["attempt"], retry_in=retry_in
         )
 
+    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
+    sent.retries = _capturing_retries(monkeypatch)
+    return sent
+
+
+def _capturing_retries(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Each retry a task asks for, its message kept (``Retry`` raised, nothing sent)."""
+    from celery.exceptions import Retry
+
+    retries: list[dict[str, Any]] = []
+
     def retry(self: base.SiftTask, *, args: list[Any], **_: Any) -> Retry:
-        sent.retries.append(args[0])
+        retries.append(args[0])
         return Retry("later")
 
-    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
     monkeypatch.setattr(base.SiftTask, "retry", retry)
-    return sent
+    return retries
 
 
 def _search_event(job_id: str, **fields: Any) -> dict[str, Any]:
@@ -725,8 +733,6 @@ def test_two_copies_of_a_webhook_failing_the_same_attempt_go_on_as_one_schedule(
     from datetime import datetime
     from types import SimpleNamespace
 
-    from celery.exceptions import Retry
-
     from worker.settings import Settings
     from worker.webhooks import delivery as webhooks
 
@@ -742,13 +748,7 @@ def test_two_copies_of_a_webhook_failing_the_same_attempt_go_on_as_one_schedule(
         "run_delivery",
         lambda **kw: webhooks.DeliveryDecision(answer, kw["attempt"], 5.0),
     )
-    retries: list[dict[str, Any]] = []
-
-    def retry(self: base.SiftTask, *, args: list[Any], **_: Any) -> Retry:
-        retries.append(args[0])
-        return Retry("later")
-
-    monkeypatch.setattr(base.SiftTask, "retry", retry)
+    retries = _capturing_retries(monkeypatch)
     message = _search_event(job.id, occurred_at=datetime.now().timestamp())
     tasks.webhook.apply(args=[message])
     tasks.webhook.apply(args=[message])  # the copy, the same attempt
@@ -825,8 +825,6 @@ def test_a_webhook_copy_failing_after_another_copy_delivered_it_starts_no_schedu
     from datetime import datetime
     from types import SimpleNamespace
 
-    from celery.exceptions import Retry
-
     from worker.settings import Settings
     from worker.webhooks import delivery as webhooks
 
@@ -847,13 +845,7 @@ def test_a_webhook_copy_failing_after_another_copy_delivered_it_starts_no_schedu
         return webhooks.DeliveryDecision(answer, kw["attempt"], retry_in)
 
     monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
-    retries: list[dict[str, Any]] = []
-
-    def retry(self: base.SiftTask, *, args: list[Any], **_: Any) -> Retry:
-        retries.append(args[0])
-        return Retry("later")
-
-    monkeypatch.setattr(base.SiftTask, "retry", retry)
+    retries = _capturing_retries(monkeypatch)
     message = _search_event(job.id, occurred_at=datetime.now().timestamp())
     tasks.webhook.apply(args=[message])  # delivered
     tasks.webhook.apply(args=[message])  # the copy: it would meet a 500
