@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 import redis
-from fastapi import Depends, Query, Request
+from fastapi import Depends, Query, Request, Response
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
@@ -180,6 +180,15 @@ def location(request: Request, route: str, **params: str) -> dict[str, str]:
     host)."""
     path = request.app.url_path_for(route, **params)
     return {"Location": request.scope.get("root_path", "") + str(path)}
+
+
+def job_answer(request: Request, body: str, *, final: bool, route: str, job_id: str) -> Response:
+    """A job's JSON ``body``: ``200`` once it is ``final``, else ``202`` with the ``Location``
+    of ``route`` (the job's ``GET``) to poll."""
+    if final:
+        return Response(body, media_type="application/json")
+    headers = location(request, route, id=job_id)
+    return Response(body, status_code=202, media_type="application/json", headers=headers)
 
 
 def accepted(description: str) -> dict[int | str, dict[str, Any]]:

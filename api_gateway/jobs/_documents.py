@@ -14,8 +14,8 @@ from api_gateway.deps import (
     Wait,
     accepted,
     is_id,
+    job_answer,
     job_store,
-    location,
     off_loop,
     poll_until,
     task_sender,
@@ -77,10 +77,9 @@ async def ingest_response(request: Request, job: IngestJob, wait: float) -> Resp
             raise _lost("ingest", job.id)
         job = found
     body_out = ingest_out(job).model_dump_json()
-    if job.status.final:
-        return Response(body_out, media_type="application/json")
-    headers = location(request, "get_ingestion", id=job.id)
-    return Response(body_out, status_code=202, media_type="application/json", headers=headers)
+    return job_answer(
+        request, body_out, final=job.status.final, route="get_ingestion", job_id=job.id
+    )
 
 
 @router.post(

@@ -16,8 +16,8 @@ from api_gateway.deps import (
     app_settings,
     async_job_store,
     is_id,
+    job_answer,
     job_store,
-    location,
     off_loop,
     poll_until,
     task_sender,
@@ -65,10 +65,8 @@ def _search_response(request: Request, job: SearchJob, *, read: bool = True) -> 
     """200 with a final job, else 202 with its ``Location``; ``read`` False: ``job`` is not
     the record as read whole (Redis went away), so never a final answer, whatever its status."""
     body = _search_out(job).model_dump_json(exclude_none=False)
-    if job.status.final and read:
-        return Response(body, media_type="application/json")
-    headers = location(request, "get_search", id=job.id)
-    return Response(body, status_code=202, media_type="application/json", headers=headers)
+    final = job.status.final and read
+    return job_answer(request, body, final=final, route="get_search", job_id=job.id)
 
 
 @router.post(
