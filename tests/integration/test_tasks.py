@@ -480,6 +480,24 @@ def _capturing_webhooks(
     return sent
 
 
+def _searched_with_a_webhook(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> SearchJob:
+    """A search with a webhook URL, finished through the task; its tenant has a webhook
+    secret, so its webhook can be signed."""
+    from types import SimpleNamespace
+
+    from worker.settings import Settings
+
+    context._runtime = ScriptedRuntime()
+    spec = SearchSpec(index="docs", query="q")
+    job = context.store.create_search("acme", spec, webhook_url="https://hooks.example/x")
+    tasks.search.apply(args=[job.id])
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    return job
+
+
 def _capturing_retries(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     """Each retry a task asks for, its message kept (``Retry`` raised, nothing sent)."""
     from celery.exceptions import Retry
@@ -575,21 +593,14 @@ def test_a_webhook_the_re_drive_sends_again_goes_on_with_its_schedule(
     attempts never ended while messages were lost."""
     import time
     from datetime import datetime
-    from types import SimpleNamespace
 
     from celery.exceptions import Retry
 
     from worker.constants import WEBHOOKS_OWED_KEY
     from worker.queue.redrive import Sweeper
-    from worker.settings import Settings
     from worker.webhooks import delivery as webhooks
 
-    context._runtime = ScriptedRuntime()
-    spec = SearchSpec(index="docs", query="q")
-    job = context.store.create_search("acme", spec, webhook_url="https://hooks.example/x")
-    tasks.search.apply(args=[job.id])
-    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
-    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    job = _searched_with_a_webhook(context, monkeypatch)
     attempts: list[int] = []
 
     def run_delivery(**kwargs: Any) -> webhooks.DeliveryDecision:  # a 500, every time
@@ -731,17 +742,10 @@ def test_two_copies_of_a_webhook_failing_the_same_attempt_go_on_as_one_schedule(
     task's copy sent while the first had not run yet), and the receiver answers 500 to both:
     one retry goes on, not two schedules side by side (each of 8 attempts)."""
     from datetime import datetime
-    from types import SimpleNamespace
 
-    from worker.settings import Settings
     from worker.webhooks import delivery as webhooks
 
-    context._runtime = ScriptedRuntime()
-    spec = SearchSpec(index="docs", query="q")
-    job = context.store.create_search("acme", spec, webhook_url="https://hooks.example/x")
-    tasks.search.apply(args=[job.id])
-    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
-    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    job = _searched_with_a_webhook(context, monkeypatch)
     answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500)
     monkeypatch.setattr(
         webhooks,
@@ -823,17 +827,10 @@ def test_a_webhook_copy_failing_after_another_copy_delivered_it_starts_no_schedu
     attempts over a day of a webhook already delivered, and ended counted ``failed`` (given
     up) if the receiver kept refusing the duplicate."""
     from datetime import datetime
-    from types import SimpleNamespace
 
-    from worker.settings import Settings
     from worker.webhooks import delivery as webhooks
 
-    context._runtime = ScriptedRuntime()
-    spec = SearchSpec(index="docs", query="q")
-    job = context.store.create_search("acme", spec, webhook_url="https://hooks.example/x")
-    tasks.search.apply(args=[job.id])
-    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: ["whsec_x"])
-    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    job = _searched_with_a_webhook(context, monkeypatch)
     answers = [
         webhooks.DeliveryResult(webhooks.DeliveryOutcome.DELIVERED, "http 200", 200),
         webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500),
