@@ -1,12 +1,15 @@
 """The int8-compute graph's cache folder after what happens to the processes that make it:
-one killed half-way leaves its work behind for the next maker to clear, and a filesystem that
-refuses locks (NFS with no lock daemon: ``ENOLCK``) still gets its graph made.
+one killed half-way leaves its work behind for the next maker to clear, a filesystem that
+refuses locks (NFS with no lock daemon: ``ENOLCK``) still gets its graph made, and the graph
+reaches the disk before its name does.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
+import stat
 import subprocess
 import sys
 import time
@@ -64,3 +67,28 @@ def test_a_filesystem_that_refuses_locks_still_gets_its_graph(
         made = int8_compute_model(default_model_path(), tmp_path)
     assert made.is_file()
     assert any("No locks available" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_the_graph_reaches_the_disk_before_its_name_and_the_folder_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A graph file that is there is taken as whole and never made again, so a power cut
+    after the rename but before the bytes were written would leave an empty graph that every
+    later embedding fails on. The file is fsynced before ``os.replace`` moves it into place,
+    and the cache folder after it (so the new name itself survives)."""
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src: Any, dst: Any) -> None:
+        events.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(embedder.os, "fsync", fsync)
+    monkeypatch.setattr(embedder.os, "replace", replace)
+    made = int8_compute_model(default_model_path(), tmp_path)
+    assert made.is_file()
+    assert events == ["fsync file", "replace", "fsync folder"]

@@ -157,9 +157,23 @@ def _make_int8_graph(source: Path, target: Path, fuse_attention: bool) -> None:
                 weight_type=QuantType.QInt8,
                 op_types_to_quantize=["MatMul"],
             )
-        os.replace(made, target)
+        _durably_replace(made, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _durably_replace(made: Path, target: Path) -> None:
+    """Rename ``made`` to ``target`` so that a crash or a power cut never leaves ``target``
+    empty or half-written: its bytes reach the disk first, then the rename, then the folder's
+    entry (a graph file that is there is taken as whole, and never made again)."""
+    with open(made, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(made, target)
+    folder = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 @contextlib.contextmanager
