@@ -24,7 +24,8 @@ import pytest
 import yaml
 
 from tests.kubelet import service_links
-from worker.constants import INGEST_QUEUE, SEARCH_QUEUE
+from worker.constants import ALL_QUEUES, kombu_queue_keys
+from worker.queue.celery_app import TASK_ROUTES, celery_config
 from worker.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -377,7 +378,7 @@ def test_the_worker_autoscaler_targets_the_worker_deployment(
         scaled = kinds["ScaledObject", "sift-worker"]
         assert scaled["spec"]["scaleTargetRef"]["name"] == "sift-worker"
         lists = {t["metadata"]["listName"] for t in scaled["spec"]["triggers"]}
-        assert lists == {SEARCH_QUEUE, INGEST_QUEUE}
+        assert lists == set(consumed_lists()), "a queue the workers consume has no trigger"
         assert all(t["type"] == "redis" for t in scaled["spec"]["triggers"])
         assert ("TriggerAuthentication", "sift-redis") in kinds
         assert not any(kind == "HorizontalPodAutoscaler" for kind, _ in kinds)
@@ -385,6 +386,18 @@ def test_the_worker_autoscaler_targets_the_worker_deployment(
         hpa = kinds["HorizontalPodAutoscaler", "sift-worker"]
         assert hpa["spec"]["scaleTargetRef"]["name"] == "sift-worker"
         assert not any(kind == "ScaledObject" for kind, _ in kinds)
+
+
+def consumed_lists() -> list[str]:
+    """The Redis lists the workers take messages from: every queue ``sift worker`` consumes
+    by default (``-Q``: ALL_QUEUES, as in Celery's ``task_queues``), each in its own list
+    only, as no message is sent with a priority (kombu's other lists stay empty)."""
+    config = celery_config(load_settings(redis_url="redis://localhost:6379/0"))
+    queues = [queue.name for queue in config["task_queues"]]
+    assert queues == list(ALL_QUEUES)
+    assert {route["queue"] for route in TASK_ROUTES.values()} <= set(queues)
+    assert not {"task_default_priority", "task_queue_max_priority"} & set(config)
+    return [kombu_queue_keys(queue)[0] for queue in queues]
 
 
 def test_the_secret_holds_only_placeholders() -> None:
