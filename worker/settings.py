@@ -356,6 +356,11 @@ class Settings(BaseSettings):
         """The provider's model id, without the ``anthropic:`` prefix."""
         return self.generation_model.split(":", 1)[1] if self.generation_model else None
 
+    @property
+    def native_fusion(self) -> bool:
+        """The backend fuses both channels itself (Elasticsearch's retriever, one request)."""
+        return self.search_backend == "elasticsearch" and self.elasticsearch_native_rrf
+
     def all_api_keys(self) -> list[ApiKey]:
         """The keys of ``SIFT_API_KEYS_FILE`` (a JSON list) and of ``SIFT_API_KEYS``."""
         keys = list(self.api_keys)

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import quote
 
 import pytest
+from prometheus_client import REGISTRY
 
 from tests.fakes import FakeEmbedder
 from tests.integration.es_loopback import (
@@ -73,6 +74,7 @@ from worker.errors import (
     IndexNotFound,
     InvalidRequest,
 )
+from worker.observability.metrics import PrometheusRecorder, snapshot
 from worker.runtime.bootstrap import pipeline_config
 from worker.settings import load_settings
 
@@ -1153,6 +1155,34 @@ def test_native_rrf_mode_runs_one_retriever_search_and_the_pipeline_keeps_es_ord
     tenant = {"term": {"tenant": "acme"}}
     assert tenant in children[0]["standard"]["query"]["bool"]["filter"]
     assert tenant in children[1]["knn"]["filter"]
+
+
+def test_native_fusion_time_is_recorded_under_the_rrf_channel(
+    server: FakeElasticsearchServer,
+) -> None:
+    """The one ``retriever.rrf`` request's seconds are the ``rrf`` channel's, not ``other``:
+    the stage the pipeline names (``retrieval_seconds``) and the metric agree."""
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
+    fused = search_response([hit(CONCRETE, "acme", "c", 0.033)])
+    server.on("POST", f"/{ACME}/_search", Answer(200, fused))
+    backend = backend_for(server, elasticsearch_native_rrf=True)
+    pipeline = SearchPipeline(
+        backend, FakeEmbedder(), config=PipelineConfig(), recorder=PrometheusRecorder()
+    )
+    before = dict(snapshot(REGISTRY))
+    result = pipeline.search(
+        SearchSpec(index="docs", query="vitamin d", limit=3, include_trace=True), tenant="acme"
+    )
+
+    def counted(channel: str) -> float:
+        labels = (("backend", "elasticsearch"), ("channel", channel))
+        key = ("sift_retrieval_duration_seconds_count", labels)
+        return snapshot(REGISTRY).get(key, 0.0) - before.get(key, 0.0)
+
+    assert result.trace is not None and "rrf" in result.trace["retrieval_seconds"]
+    assert counted("rrf") == 1
+    assert counted("other") == 0
 
 
 def test_native_rrf_sends_the_searchs_weights_and_rank_constant(

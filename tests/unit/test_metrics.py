@@ -204,6 +204,32 @@ def test_unexpected_label_values_are_recorded_as_other() -> None:
     assert delta("sift_job_failures_total", kind="search", error="other") == 1
 
 
+def test_the_native_fusion_channel_is_preregistered_only_where_the_backend_fuses() -> None:
+    """``rrf`` (Elasticsearch's own fusion, SIFT_ELASTICSEARCH_NATIVE_RRF) is made at zero for
+    a backend that fuses natively; elsewhere no such stage runs, so no such series shows."""
+    metrics.preregister(backend="fuses-natively", native_fusion=True)
+    metrics.preregister(backend="fuses-in-sift")
+    name = "sift_retrieval_duration_seconds_count"
+    assert REGISTRY.get_sample_value(name, {"backend": "fuses-natively", "channel": "rrf"}) == 0
+    assert REGISTRY.get_sample_value(name, {"backend": "fuses-in-sift", "channel": "rrf"}) is None
+    assert REGISTRY.get_sample_value(name, {"backend": "fuses-in-sift", "channel": "fuse"}) == 0
+    hits = "sift_retrieval_hits_count"  # the native fusion's kept candidates count as "fuse"
+    assert REGISTRY.get_sample_value(hits, {"backend": "fuses-natively", "channel": "rrf"}) is None
+
+
+@pytest.mark.parametrize(
+    ("backend", "native", "expected"),
+    [("elasticsearch", True, True), ("elasticsearch", False, False), ("embedded", True, False)],
+)
+def test_the_backend_fuses_natively_only_elasticsearch_with_native_rrf(
+    backend: str, native: bool, expected: bool
+) -> None:
+    settings = load_settings(
+        search_backend=backend, elasticsearch_url="http://es:9200", elasticsearch_native_rrf=native
+    )
+    assert settings.native_fusion is expected
+
+
 def test_the_recorder_never_raises(caplog: pytest.LogCaptureFixture) -> None:
     recorder = metrics.PrometheusRecorder()
     recorder.rerank_usage(MODEL, {"input": -5}, -1.0)  # counters refuse negatives

@@ -142,7 +142,12 @@ def _serve_metrics(settings: Settings) -> None:
     from worker.observability.metrics import preregister, start_worker_metrics_server
 
     models = [settings.generation_model_id] if settings.generation_model_id else []
-    preregister(models=models, backend=settings.search_backend, queues=ALL_QUEUES)
+    preregister(
+        models=models,
+        backend=settings.search_backend,
+        queues=ALL_QUEUES,
+        native_fusion=settings.native_fusion,
+    )
     try:
         start_worker_metrics_server(settings.worker_metrics_port)
     except OSError as exc:

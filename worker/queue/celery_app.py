@@ -227,7 +227,12 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
     # the model's and the backend's series too, at zero: a rate or an increase over a series
     # that first appears at its first event would miss that event
     models = [settings.generation_model_id] if settings.generation_model_id else []
-    preregister(models=models, backend=settings.search_backend, queues=ALL_QUEUES)
+    preregister(
+        models=models,
+        backend=settings.search_backend,
+        queues=ALL_QUEUES,
+        native_fusion=settings.native_fusion,
+    )
     try:
         start_worker_metrics_server(settings.worker_metrics_port)
     except OSError as exc:

@@ -16,7 +16,10 @@ from worker.constants import (
 # --- closed label sets ---
 SEARCH_MODES: Final = ("fts", "vector", "hybrid")
 SEARCH_OUTCOMES: Final = ("ok", "fallback", "error")
-RETRIEVAL_CHANNELS: Final = ("bm25", "knn", "embed", "fuse")  # embed, fuse: Sift's own stages
+# embed, fuse: Sift's own stages; rrf: a backend's own fusion of both channels in one request
+# (Elasticsearch's retriever, SIFT_ELASTICSEARCH_NATIVE_RRF), whose time is the channels' too
+RETRIEVAL_CHANNELS: Final = ("bm25", "knn", "embed", "fuse", "rrf")
+NATIVE_FUSION_CHANNEL: Final = "rrf"
 
 # --- buckets ---
 SEARCH_LATENCY_GOAL_SECONDS: Final = 2.5
@@ -44,7 +47,8 @@ SEARCH_DURATION = Histogram(
 RETRIEVAL_DURATION = Histogram(
     METRIC_RETRIEVAL_DURATION,
     "Seconds one backend spent on one channel of one search (embed: the query embedding; "
-    "fuse: admission and fusion of the channels' hits).",
+    "fuse: admission and fusion of the channels' hits; rrf: both channels fused by the "
+    "backend itself, in one request).",
     ["backend", "channel"],
     buckets=RETRIEVAL_BUCKETS,
 )

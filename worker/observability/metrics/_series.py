@@ -48,6 +48,7 @@ from worker.observability.metrics._rerank import (
     TOKEN_TYPES,
 )
 from worker.observability.metrics._search import (
+    NATIVE_FUSION_CHANNEL,
     RETRIEVAL_CHANNELS,
     RETRIEVAL_DURATION,
     RETRIEVAL_HITS,
@@ -87,8 +88,11 @@ def preregister(
     backend: str | None = None,
     queues: Iterable[str] = (),
     lanes: Iterable[str] = LANES,
+    native_fusion: bool = False,
 ) -> None:
     """Create the known series at zero, so dashboards and rates see them before the first event.
+    ``native_fusion``: the backend fuses both channels itself (``Settings.native_fusion``),
+    the only case with an ``rrf`` stage.
 
     Call it once at start-up, in the supervising process in multiprocess mode.
     """
@@ -112,6 +116,10 @@ def preregister(
             SEARCH_DURATION.labels(mode, outcome)
     if backend is not None:
         for channel in RETRIEVAL_CHANNELS:
+            if channel == NATIVE_FUSION_CHANNEL:
+                if native_fusion:  # its kept candidates are counted as "fuse"'s
+                    RETRIEVAL_DURATION.labels(backend, channel)
+                continue
             RETRIEVAL_DURATION.labels(backend, channel)
             if channel != "embed":
                 RETRIEVAL_HITS.labels(backend, channel)
