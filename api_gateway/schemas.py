@@ -139,9 +139,10 @@ class BatchOut(BaseModel):
     )
     stage_seconds: dict[str, float] | None = Field(
         default_factory=dict,
-        description="Seconds by stage (queue_wait, embed, bm25, knn, fuse, rerank), summed over "
-        "its succeeded items: where its time went. An economy item's rerank is its provider "
-        "batch's wait. null when unknown, as usage.",
+        description="Seconds by stage, in the order they run (queue_wait, embed, bm25, knn, "
+        "fuse, rerank; or rrf in place of bm25, knn and fuse where Elasticsearch fuses "
+        "natively), summed over its succeeded items: where its time went. An economy item's "
+        "rerank is its provider batch's wait. null when unknown, as usage.",
     )
     created_at: str
     finished_at: str | None = None

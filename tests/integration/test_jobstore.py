@@ -30,6 +30,7 @@ from worker.constants import (
     WEBHOOKS_OWED_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, RerankInfo, SearchResult, SearchSpec, Usage
+from worker.observability.metrics import RETRIEVAL_CHANNELS
 from worker.queue.jobstore import (
     AsyncJobStore,
     CancelOutcome,
@@ -40,6 +41,7 @@ from worker.queue.jobstore import (
     ItemTransition,
     JobStore,
 )
+from worker.queue.jobstore.batches import STAGES
 from worker.queue.jobstore.searches import _create_search_call, _new_search
 
 pytestmark = pytest.mark.integration
@@ -259,6 +261,28 @@ def test_a_batchs_totals_are_its_final_items_summed_under_racing_finishes_and_ca
     )
     assert sum(got.rerank_outcomes.values()) == got.counts["succeeded"] > 0
     assert got.counts["failed"] > 0 and got.counts["canceled"] > 0
+
+
+def test_a_batchs_stage_seconds_follow_the_pipeline_with_native_fusion(store: JobStore) -> None:
+    """An item that Elasticsearch fused natively (its ``rrf`` stage, the one request in place
+    of bm25, knn and fuse) shows that stage before the rerank, as it ran: it sorted last."""
+    batch = store.create_batch("acme", "docs", [("q0", spec()), ("q1", spec())])
+    ran = [("queue_wait", 0.5), ("embed", 0.25), ("rrf", 0.125), ("rerank", 1.0)]
+    for qid in ("q0", "q1"):
+        store.begin_item(batch.id, qid)
+        done = SearchResult(hits=[], rerank=RerankInfo(applied=True), usage=Usage())
+        done._stage_seconds = dict(ran)
+        assert store.finish_item(batch.id, qid, result=done).applied
+    got = store.get_batch(batch.id)
+    assert got is not None and got.stage_seconds is not None
+    assert list(got.stage_seconds.items()) == [(stage, 2 * s) for stage, s in ran]
+
+
+def test_every_retrieval_stage_has_its_place_in_a_batchs_stage_order() -> None:
+    """The stages a search's time is split into (the metric's closed channel set) each have a
+    place in the batch's order, before the rerank: none is left to sort last."""
+    assert set(RETRIEVAL_CHANNELS) <= set(STAGES)
+    assert STAGES[0] == "queue_wait" and STAGES[-1] == "rerank"
 
 
 def test_a_finished_batch_is_not_canceled_and_nothing_changes(store: JobStore) -> None:
