@@ -222,6 +222,61 @@ def test_the_metrics_table_names_what_is_exported_with_its_labels() -> None:
         assert set(labels.split(",")) == exported[name], f"{name}: {labels}"
 
 
+# DESIGN.md §9's metric contract (that file is outside this repository): each metric's type,
+# its labels, and the values of the labels it enumerates ("channel": §6's two channels)
+DESIGN_METRICS: dict[str, tuple[str, dict[str, tuple[str, ...] | None]]] = {
+    "sift_search_duration_seconds": ("histogram", {"mode": None, "outcome": None}),
+    "sift_job_queue_wait_seconds": ("histogram", {"queue": None}),
+    "sift_retrieval_duration_seconds": ("histogram", {"backend": None,
+                                                      "channel": ("bm25", "knn")}),
+    "sift_rerank_duration_seconds": ("histogram", {"model": None, "outcome": None}),
+    "sift_rerank_tokens_total": ("counter", {"model": None, "type": (
+        "input", "output", "cache_read", "cache_creation")}),
+    "sift_rerank_attempts_total": ("counter", {"model": None, "result": (
+        "ok", "timeout", "http_5xx", "rate_limited", "connection", "http_4xx", "malformed")}),
+    "sift_rerank_outcomes_total": ("counter", {"policy": None, "outcome": (
+        "applied", "fallback_no_valid_ranks", "fallback_error", "failed", "skipped")}),
+    "sift_rerank_cost_usd_total": ("counter", {"model": None}),
+    "sift_jobs_in_flight": ("gauge", {"state": None}),
+    "sift_webhook_deliveries_total": ("counter", {"result": None}),
+}  # fmt: skip
+# the code's closed set of each label the contract enumerates
+CLOSED_VALUES = {
+    ("sift_retrieval_duration_seconds", "channel"): metrics.RETRIEVAL_CHANNELS,
+    ("sift_rerank_tokens_total", "type"): metrics.TOKEN_TYPES,
+    ("sift_rerank_attempts_total", "result"): metrics.ATTEMPT_RESULTS,
+    ("sift_rerank_outcomes_total", "outcome"): metrics.RERANK_OUTCOME_VALUES,
+}
+
+
+def test_the_readme_names_every_departure_from_the_metric_contract() -> None:
+    """Every metric the contract lacks, every label and every label value the code adds to
+    one it has, is named in the README's departures (a value or a label in the same bullet
+    as its metric); and every contract metric is exported with its type."""
+    departures = section("Where Sift extends or departs from the design, and why")
+    bullets = [re.sub(r"\s+", " ", b) for b in departures.split("\n- ")]
+
+    def named(metric: str, what: str) -> bool:
+        return any(f"`{metric}" in b and f"`{what}`" in b for b in bullets)
+
+    found = [m for m in vars(metrics).values() if isinstance(m, MetricWrapperBase)]
+    types = {m._name + ("_total" if m._type == "counter" else ""): m._type for m in found}
+    for name, labels in exported_metrics().items():
+        if name not in DESIGN_METRICS:
+            family = re.sub(r"^(sift_(task|http))_.*", r"\1_*", name)
+            assert f"`{family}`" in departures or f"`{name}`" in departures, name
+            continue
+        kind, contract = DESIGN_METRICS[name]
+        assert types[name] == kind, name
+        assert set(contract) <= labels, name
+        for label in sorted(labels - set(contract)):
+            assert named(name, label), f"{name}: label {label}"
+        for label, values in contract.items():
+            for value in CLOSED_VALUES.get((name, label), ()):
+                assert value in (values or ()) or named(name, value), f"{name}{{{label}={value}}}"
+    assert set(DESIGN_METRICS) <= set(exported_metrics())
+
+
 def test_every_route_the_docs_name_is_served() -> None:
     paths = create_app(Settings(redis_url="redis://127.0.0.1:9/0")).openapi()["paths"]
     served = {(m.upper(), re.sub(r"\{[^}]+\}", "{}", p)) for p, ops in paths.items() for m in ops}
