@@ -185,7 +185,7 @@ def unpriced_stack(
                     "input": 3,
                     "output": 15,
                     "cache_read": 0.3,
-                    "cache_write": 3.75,
+                    "cache_creation": 3.75,
                 }
             }
         ),

@@ -12,7 +12,7 @@ def price_for(model: str, prices: Mapping[str, Price]) -> Price | None:
     """The price of ``model``: an exact entry, else the longest entry it starts with.
 
     >>> price_for("claude-haiku-4-5-20251001", {"claude-haiku-4-5": Price(
-    ...     input=1, output=5, cache_read=0.1, cache_write=1.25)}).output
+    ...     input=1, output=5, cache_read=0.1, cache_creation=1.25)}).output
     5.0
     """
     if model in prices:
@@ -33,7 +33,7 @@ def cost_usd(usage: TokenUsage, price: Price | None, discount: float = 1.0) -> f
         usage.input_tokens * price.input
         + usage.output_tokens * price.output
         + usage.cache_read_input_tokens * price.cache_read
-        + usage.cache_creation_input_tokens * price.cache_write
+        + usage.cache_creation_input_tokens * price.cache_creation
     )
     return total * discount / 1_000_000
 

@@ -49,7 +49,7 @@ def warn_if_unpriced(settings: Settings) -> bool:
             "no price for the generation model %r: reranks will show cost_usd null and count in "
             "sift_rerank_unpriced_calls_total; add its price per million tokens to SIFT_PRICES, "
             'e.g. SIFT_PRICES=\'{"%s": {"input": 1, "output": 5, "cache_read": 0.1, '
-            '"cache_write": 1.25}}\' (this replaces the built-in table: list every model)',
+            '"cache_creation": 1.25}}\' (this replaces the built-in table: list every model)',
             model,
             model,
         )
