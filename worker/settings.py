@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -131,6 +132,8 @@ class RateLimit(BaseModel):
     otpm: int | None = _per_minute("otpm", "output_tokens_per_minute")
     economy: BatchLimit | None = None
 
+
+_API_KEY_LIST = TypeAdapter(list[ApiKey])
 
 DEFAULT_PRICES: dict[str, Price] = {
     # Published list prices per million tokens; override with SIFT_PRICES.
@@ -382,11 +385,17 @@ class Settings(BaseSettings):
         """The keys of ``SIFT_API_KEYS_FILE`` (a JSON list) and of ``SIFT_API_KEYS``."""
         keys = list(self.api_keys)
         if self.api_keys_file is not None:
+            path = self.api_keys_file
             try:
-                raw = json.loads(self.api_keys_file.read_text())
-                keys += [ApiKey.model_validate(entry) for entry in raw]
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"SIFT_API_KEYS_FILE ({self.api_keys_file}): {exc}") from exc
+                keys += _API_KEY_LIST.validate_json(path.read_bytes())
+            except ValidationError as exc:
+                problems = [
+                    error_path(error["loc"], "SIFT_API_KEYS_FILE") + f": {error['msg']}"
+                    for error in exc.errors()
+                ]
+                raise ConfigError("; ".join(problems) + f" (in {path})") from exc
+            except OSError as exc:
+                raise ConfigError(f"SIFT_API_KEYS_FILE ({path}): {exc}") from exc
         return keys
 
 
@@ -440,9 +449,22 @@ def load_settings(**overrides: Any) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            field = ".".join(str(p) for p in error["loc"]) if error["loc"] else ""
-            name = f"SIFT_{field.split('.')[0].upper()}" if field else "settings"
-            problems.append(f"{name}: {error['msg']}")
+        problems = [error_path(error["loc"]) + f": {error['msg']}" for error in exc.errors()]
         raise ConfigError("invalid settings; " + "; ".join(problems)) from exc
+
+
+def error_path(loc: tuple[int | str, ...], variable: str | None = None) -> str:
+    """Where a settings error is: the variable, then the path inside its JSON value, joined
+    with dots (pydantic's ``loc``). Without ``variable`` the first step is the field's name.
+
+    >>> error_path(("prices", "claude-haiku-4-5", "cache_creation"))
+    'SIFT_PRICES.claude-haiku-4-5.cache_creation'
+    >>> error_path((0, "tenant"), "SIFT_API_KEYS_FILE"), error_path(())
+    ('SIFT_API_KEYS_FILE.0.tenant', 'settings')
+    """
+    steps = [str(step) for step in loc]
+    if variable is None:
+        if not steps:
+            return "settings"
+        variable, steps = f"SIFT_{steps[0].upper()}", steps[1:]
+    return ".".join([variable, *steps])

@@ -159,3 +159,44 @@ def test_a_port_setting_given_a_service_link_keeps_its_default(
     monkeypatch.setenv("SIFT_GATEWAY_PORT", "http://10.96.0.7:80")  # no service link
     with pytest.raises(ConfigError, match="SIFT_GATEWAY_PORT"):
         load_settings()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "path"),
+    [
+        # a price left out: before, "SIFT_PRICES: Field required", not which model's which price
+        (
+            "SIFT_PRICES",
+            '{"claude-haiku-4-5": {"input": 1, "output": 5, "cache_read": 0.1}}',
+            "SIFT_PRICES.claude-haiku-4-5.cache_creation: Field required",
+        ),
+        (
+            "SIFT_RATE_LIMITS",
+            '{"claude-haiku-4-5": {"rpm": 10, "economy": {"queued": 0}}}',
+            "SIFT_RATE_LIMITS.claude-haiku-4-5.economy.queued: Input should be greater than",
+        ),
+        (
+            "SIFT_API_KEYS",
+            '[{"key": "k-00000001", "tenant": "a", "webhook_secret": "whsec_QQ=="},'
+            ' {"key": "k-00000002", "webhook_secret": "whsec_QQ=="}]',
+            "SIFT_API_KEYS.1.tenant: Field required",
+        ),
+        ("SIFT_FUSION_WEIGHTS", '{"bm25": -1}', "SIFT_FUSION_WEIGHTS.bm25: Input should be"),
+    ],
+)
+def test_a_json_settings_error_names_its_full_path(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str, path: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError) as raised:
+        load_settings()
+    assert path in str(raised.value)
+
+
+def test_a_keys_files_error_names_its_full_path(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.json"
+    keys.write_text('[{"key": "k-00000001", "tenant": "a", "webhook_secret": "nope"}]')
+    with pytest.raises(ConfigError) as raised:
+        load_settings(api_keys_file=keys).all_api_keys()
+    assert "SIFT_API_KEYS_FILE.0.webhook_secret: String should match pattern" in str(raised.value)
+    assert str(keys) in str(raised.value)
