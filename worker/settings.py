@@ -159,6 +159,13 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".sift/data")
     elasticsearch_url: str | None = None
     elasticsearch_api_key: str | None = None
+    # A cluster whose certificate a private CA signed (ECK's, Elasticsearch 9's own security
+    # setup): trust the CA's PEM bundle, or pin the SHA-256 fingerprint of a certificate the
+    # server sends (its own or its CA's, hex, colons allowed). Unset: the system's roots.
+    elasticsearch_ca_certs: Path | None = None
+    elasticsearch_ssl_fingerprint: str | None = Field(
+        default=None, pattern=r"^[0-9A-Fa-f]{2}(?::?[0-9A-Fa-f]{2}){31}$"
+    )
     # Elasticsearch (DESIGN.md §6). Tenant T's Sift index NAME is the alias
     # <prefix><key of T>--NAME; a prefix of at most 64 keeps every name under ES's 255 bytes.
     # ES refuses an index name starting with - _ or +, and hides one starting with a dot.
@@ -360,6 +367,21 @@ class Settings(BaseSettings):
                 "SIFT_RERANK_ENABLED=true needs SIFT_GENERATION_MODEL "
                 "(for example anthropic:claude-haiku-4-5)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _one_way_to_trust_elasticsearch(self) -> Settings:
+        ca, pin = self.elasticsearch_ca_certs is not None, bool(self.elasticsearch_ssl_fingerprint)
+        # the client checks only the fingerprint when given one: the CA would be ignored
+        if ca and pin:
+            raise ValueError(
+                "SIFT_ELASTICSEARCH_CA_CERTS, SIFT_ELASTICSEARCH_SSL_FINGERPRINT: give one "
+                "(with a fingerprint the client checks no chain, so the CA would be ignored)"
+            )
+        url = self.elasticsearch_url or ""
+        if (ca or pin) and url and not url.lower().startswith("https://"):
+            name = "SIFT_ELASTICSEARCH_CA_CERTS" if ca else "SIFT_ELASTICSEARCH_SSL_FINGERPRINT"
+            raise ValueError(f"{name} needs an https:// SIFT_ELASTICSEARCH_URL, not {url!r}")
         return self
 
     @model_validator(mode="after")

@@ -7,12 +7,16 @@ assert the method, path, query string and JSON or NDJSON body.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -62,9 +66,10 @@ def is_search(request: Recorded) -> bool:
 
 
 class FakeElasticsearchServer:
-    """Threaded stdlib HTTP server on 127.0.0.1; ``routes`` are tried in order, last added first."""
+    """Threaded stdlib HTTP server on 127.0.0.1; ``routes`` are tried in order, last added first.
+    With ``tls`` (a server-side context) it serves HTTPS, as a secured cluster does."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ssl.SSLContext | None = None) -> None:
         self.requests: list[Recorded] = []
         #: Answers what no route does (a stateful stand-in); a 404 if None.
         self.fallback: Route | None = None
@@ -107,6 +112,9 @@ class FakeElasticsearchServer:
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
+        self._scheme = "https" if tls else "http"
+        if tls is not None:  # a refused handshake fails accept(), which the server shrugs off
+            self._httpd.socket = tls.wrap_socket(self._httpd.socket, server_side=True)
         self._thread = threading.Thread(
             target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
         )
@@ -114,7 +122,7 @@ class FakeElasticsearchServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
-        return f"http://{host!s}:{port}"
+        return f"{self._scheme}://{host!s}:{port}"
 
     def start(self) -> FakeElasticsearchServer:
         self._thread.start()
@@ -457,3 +465,56 @@ def resolved(*indexes: tuple[str, list[str]]) -> dict[str, Any]:
         "aliases": [{"name": a, "indices": sorted(n)} for a, n in sorted(by_alias.items())],
         "data_streams": [],
     }
+
+
+# --- TLS: a private CA, as ECK and Elasticsearch 9's own security setup make ---------------
+
+
+@dataclass(frozen=True)
+class PrivateCa:
+    """A CA and a node certificate it signed (for 127.0.0.1), made by ``openssl``."""
+
+    ca: Path  # the CA's certificate (PEM): what a client trusts
+    node: Path  # the node's certificate
+    chain: Path  # the node's certificate, then the CA's: what the server sends
+    key: Path  # the node's private key
+
+    def server_context(self) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(self.chain, self.key)
+        return context
+
+    def fingerprint(self, which: str = "node") -> str:
+        """The SHA-256 fingerprint of the node's (or the CA's) certificate, as
+        ``openssl x509 -fingerprint -sha256`` prints it (colon-separated, upper case)."""
+        pem = (self.node if which == "node" else self.ca).read_text()
+        digest = hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem)).hexdigest().upper()
+        return ":".join(digest[i : i + 2] for i in range(0, len(digest), 2))
+
+
+def private_ca(directory: Path) -> PrivateCa:
+    """Make a CA and a node certificate for 127.0.0.1 in ``directory`` with ``openssl``."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+    ec = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2".split()
+    ca_extensions = "basicConstraints=critical,CA:TRUE", "keyUsage=critical,keyCertSign,cRLSign"
+    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-subj", "/CN=Sift test CA",
+            "-addext", ca_extensions[0], "-addext", ca_extensions[1])  # fmt: skip
+    openssl("req", *ec[:-2], "-keyout", "node.key", "-out", "node.csr", "-subj", "/CN=localhost")
+    (directory / "node.ext").write_text(
+        "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n"
+        "extendedKeyUsage=serverAuth\nsubjectKeyIdentifier=hash\n"
+        "authorityKeyIdentifier=keyid,issuer\n"
+    )
+    openssl(*"x509 -req -in node.csr -CA ca.pem -CAkey ca.key -CAcreateserial".split(),
+            *"-out node.pem -days 2 -extfile node.ext".split())  # fmt: skip
+    chain = directory / "chain.pem"
+    chain.write_text((directory / "node.pem").read_text() + (directory / "ca.pem").read_text())
+    return PrivateCa(
+        ca=directory / "ca.pem",
+        node=directory / "node.pem",
+        chain=chain,
+        key=directory / "node.key",
+    )

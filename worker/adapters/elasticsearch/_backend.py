@@ -4,7 +4,8 @@ the settings, and the check and migration of the shared layout of earlier releas
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import ssl
+from typing import TYPE_CHECKING, Any
 
 from elasticsearch import Elasticsearch
 
@@ -32,6 +33,7 @@ class ElasticsearchBackend(_Writes, _Drops, _Listing, _Reindex, _Settings):
         client = Elasticsearch(
             settings.elasticsearch_url,
             api_key=settings.elasticsearch_api_key,
+            **_trust(settings),
             request_timeout=settings.elasticsearch_request_timeout,
             max_retries=0,
             retry_on_status=(),
@@ -78,3 +80,19 @@ class ElasticsearchBackend(_Writes, _Drops, _Listing, _Reindex, _Settings):
     ) -> dict[str, dict[str, int]]:
         """Copy the shared layout into per-tenant indexes (:meth:`SharedLayout.migrate`)."""
         return SharedLayout(self).migrate(delete_old=delete_old, dry_run=dry_run)
+
+
+def _trust(settings: Settings) -> dict[str, Any]:
+    """The client's TLS trust: a private CA's PEM bundle (read now, so a bad one stops
+    start-up naming its variable, not every request), or a pinned certificate fingerprint;
+    nothing: the client's default roots."""
+    ca = settings.elasticsearch_ca_certs
+    if ca is not None:
+        try:
+            ssl.create_default_context(cafile=str(ca))
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"SIFT_ELASTICSEARCH_CA_CERTS ({ca}): {exc}") from exc
+        return {"ca_certs": str(ca)}
+    if settings.elasticsearch_ssl_fingerprint:
+        return {"ssl_assert_fingerprint": settings.elasticsearch_ssl_fingerprint}
+    return {}

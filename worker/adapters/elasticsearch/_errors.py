@@ -13,6 +13,7 @@ from elasticsearch import (
     ConnectionError,
     ConnectionTimeout,
     NotFoundError,
+    SSLError,
     TransportError,
     helpers,
 )
@@ -96,6 +97,12 @@ class _translated:  # a context manager; named like one
             ) from exc
         if isinstance(exc, ConnectionTimeout):
             raise BackendUnavailable(f"Elasticsearch timed out on the {self.what}") from exc
+        if isinstance(exc, SSLError):
+            raise BackendUnavailable(
+                f"Elasticsearch's TLS certificate is not trusted for the {self.what}: {exc} "
+                "(a private CA: set SIFT_ELASTICSEARCH_CA_CERTS or "
+                "SIFT_ELASTICSEARCH_SSL_FINGERPRINT)"
+            ) from exc
         if isinstance(exc, ConnectionError):
             raise BackendUnavailable(
                 f"cannot reach Elasticsearch for the {self.what}: {exc}"
