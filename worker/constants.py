@@ -143,6 +143,9 @@ ECONOMY_POLL_TASK = "sift.economy_poll"  # on BATCH_QUEUE: poll one provider bat
 ECONOMY_CANCEL_TASK = "sift.economy_cancel"  # on BATCH_QUEUE: cancel a batch's provider batches
 CANCEL_COUNT_TASK = "sift.cancel_count"  # on BATCH_QUEUE: count what a batch's cancel ended
 ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
+# an ingest or delete task's soft time limit (seconds): its job's budget, which a backend's
+# own long wait (an Elasticsearch drop's delete task) stays within
+INGEST_TIME_LIMIT_SECONDS = 600.0
 # kombu's Redis transport: priority 0 lives in the queue's own list, the other steps of its
 # PRIORITY_STEPS [0, 3, 6, 9] in lists named queue + separator + step; a message a worker has
 # taken but not acked is a field of the "unacked" hash, its value [message, exchange, key] JSON

@@ -316,8 +316,65 @@ def _by_scroll_report(took: int, total: int, **counts: int) -> dict[str, Any]:
     }
 
 
-def delete_by_query_response(deleted: int) -> dict[str, Any]:
-    return _by_scroll_report(12, deleted, deleted=deleted, version_conflicts=0)
+def delete_by_query_response(deleted: int, conflicts: int = 0) -> dict[str, Any]:
+    return _by_scroll_report(12, deleted + conflicts, deleted=deleted, version_conflicts=conflicts)
+
+
+DELETE_BY_QUERY_ACTION = "indices:data/write/delete/byquery"
+
+
+def task_info(task: str, action: str, description: str, status: Any = None) -> dict[str, Any]:
+    """A task as ``GET _tasks`` lists it (``detailed``) and ``GET _tasks/<id>`` shows it."""
+    node, number = task.split(":")
+    return {
+        "node": node,
+        "id": int(number),
+        "type": "transport",
+        "action": action,
+        **({"status": status} if status is not None else {}),
+        "description": description,
+        "start_time_in_millis": 1764720000000,
+        "running_time_in_nanos": 1_500_000_000,
+        "cancellable": True,
+        "cancelled": False,
+        "headers": {},
+    }
+
+
+def delete_by_query_task(
+    task: str,
+    index: str,
+    *,
+    completed: bool = True,
+    deleted: int = 0,
+    conflicts: int = 0,
+    failures: list[dict[str, Any]] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``GET _tasks/<id>`` of a ``_delete_by_query`` started with
+    ``wait_for_completion=false``, as ES 9 answers it: ``completed``, the task (its
+    ``status``: the counts so far) and, once done, the report as ``response`` (``deleted``,
+    ``version_conflicts``, ``failures``), or the ``error`` the task failed with instead."""
+    report = {**delete_by_query_response(deleted, conflicts), "failures": failures or []}
+    status = {k: v for k, v in report.items() if k not in ("took", "timed_out", "failures")}
+    info = task_info(task, DELETE_BY_QUERY_ACTION, f"delete-by-query [{index}]", status)
+    answer: dict[str, Any] = {"completed": completed, "task": info}
+    if completed:
+        answer |= {"error": error} if error else {"response": report}
+    return answer
+
+
+def tasks_list(*tasks: dict[str, Any]) -> dict[str, Any]:
+    """``GET _tasks?actions=...&detailed=true``: the running tasks by node (none: ``{}``)."""
+    nodes: dict[str, Any] = {}
+    for info in tasks:
+        node = nodes.setdefault(
+            info["node"],
+            {"name": "es-0", "transport_address": "10.0.0.5:9300", "host": "10.0.0.5",
+             "ip": "10.0.0.5:9300", "roles": ["data", "master"], "tasks": {}},
+        )  # fmt: skip
+        node["tasks"][f"{info['node']}:{info['id']}"] = info
+    return {"nodes": nodes}
 
 
 def models_agg(*models: str) -> dict[str, Any]:

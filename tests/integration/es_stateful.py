@@ -32,7 +32,7 @@ after a drop, a reindex, a race) instead of the requests the adapter happens to 
   script the stand-in does not know is refused), run with Java's string semantics: UTF-16
   units, a surrogate pair one code point to ``codePointCount`` and ``offsetByCodePoints``;
 * ``_search``, ``_msearch``, ``_count``, ``GET _doc``, ``_mget`` by ``ids`` (a missing
-  index: 404 ``index_not_found_exception``), ``_delete_by_query``, ``_reindex``
+  index: 404 ``index_not_found_exception``), ``_delete_by_query`` and ``_reindex``
   (``wait_for_completion=false`` gives a task, read by ``GET _tasks/<id>``), ``_aliases``,
   ``_refresh``, ``_mapping``.
 
@@ -58,6 +58,8 @@ from tests.integration.es_loopback import (
     Answer,
     FakeElasticsearchServer,
     Recorded,
+    delete_by_query_response,
+    delete_by_query_task,
     error_body,
     index_missing,
 )
@@ -151,6 +153,9 @@ class StatefulElasticsearch:
         #: still running (listed by ``GET _tasks`` meanwhile); its documents are copied
         #: when it starts.
         self.copy_running_reads = 0
+        #: The same for a ``_delete_by_query`` started from now on (its documents are
+        #: deleted when it starts).
+        self.delete_running_reads = 0
         self._running: dict[str, int] = {}  # task id -> reads left while running
         #: The stand-in's clock (seconds): a tombstone older than its index's
         #: ``index.gc_deletes`` on it is forgotten. A test moves it on.
@@ -208,7 +213,7 @@ class StatefulElasticsearch:
                 return 404, index_missing(target)
             return 200, {"docs": [self.doc("GET", target, i, {}, q)[1] for i in body["ids"]]}
         if action == "_delete_by_query":
-            return 200, self.delete_by_query(target, body)
+            return 200, self.delete_by_query(target, body, q)
         if action == "_refresh":
             self._resolve(target, q)
             return 200, {"_shards": {"total": 1, "successful": 1, "failed": 0}}
@@ -568,12 +573,20 @@ class StatefulElasticsearch:
             return 200, {"acknowledged": True}
         return 200, {i.name: {"mappings": i.mappings} for i in indexes}
 
-    def delete_by_query(self, target: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    def delete_by_query(
+        self, target: str, body: Mapping[str, Any], q: Mapping[str, str]
+    ) -> dict[str, Any]:
         deleted = 0
         for index, doc_id, _doc in self._matching(target, body.get("query"), {}):
             self.write(index, doc_id, None, None, external=False)
             deleted += 1
-        return {"took": 1, "timed_out": False, "total": deleted, "deleted": deleted}
+        if q.get("wait_for_completion") != "false":
+            return delete_by_query_response(deleted)
+        task = f"fakenode:{next(self._task_ids)}"
+        self.tasks[task] = delete_by_query_task(task, target, deleted=deleted)
+        if self.delete_running_reads:
+            self._running[task] = self.delete_running_reads
+        return {"task": task}
 
     def reindex(self, body: Mapping[str, Any], q: Mapping[str, str]) -> dict[str, Any]:
         source, dest = body["source"], body["dest"]

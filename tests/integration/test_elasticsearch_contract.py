@@ -26,7 +26,7 @@ from tests.integration.es_loopback import (
     aliases,
     bulk_item,
     bulk_response,
-    delete_by_query_response,
+    delete_by_query_task,
     drop_counts,
     error_body,
     floor_found,
@@ -47,6 +47,7 @@ from tests.integration.es_loopback import (
     resolved,
     running,
     search_response,
+    tasks_list,
     terms_by_index_response,
     version_conflict,
 )
@@ -1484,43 +1485,133 @@ def test_delete_index_deletes_the_tenants_physical_index_and_nothing_else(
     assert not server.sent("POST", f"/{ACME}/_delete_by_query")
 
 
-def test_delete_index_holding_another_tenants_document_deletes_only_the_tenants(
-    server: FakeElasticsearchServer,
-) -> None:
-    """Defence in depth: an index that also holds another tenant's document (a key
-    collision, or an alias pointed at a shared index) is never deleted outright."""
+DROP_TASK = "oTUltX4IQMOUUVeiohTt8A:12346"
+DBQ = f"/{ACME}/_delete_by_query"
+DROP_TASK_PATH = f"/_tasks/{DROP_TASK.replace(':', '%3A')}"
+
+
+@pytest.fixture
+def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        "worker.adapters.elasticsearch._drops.DROP_POLL_SECONDS", 0.01, raising=False
+    )
+
+
+def on_shared_drop(server: FakeElasticsearchServer, *answers: dict[str, Any]) -> None:
+    """A drop of acme's "docs" from an index beta shares: no delete on the alias running
+    yet, ``_delete_by_query`` answering its task, and ``GET _tasks/<id>`` answering
+    ``answers`` in turn (the last one from then on)."""
     on_searches(server, Answer(200, drop_counts(3, 1)))
     server.on("GET", RESOLVE, Answer(200, resolved((CONCRETE, [ACME]))))
-    server.on("POST", f"/{ACME}/_delete_by_query", Answer(200, delete_by_query_response(3)))
+    server.on("GET", "/_tasks", Answer(200, tasks_list()))
+    server.on("POST", DBQ, Answer(200, {"task": DROP_TASK}))
+    *first, last = answers
+    server.on("GET", DROP_TASK_PATH, Answer(200, last))
+    for answer in reversed(first):  # the last added answers first
+        server.on("GET", DROP_TASK_PATH, Answer(200, answer), times=1)
+
+
+def test_delete_index_holding_another_tenants_document_deletes_only_the_tenants(
+    server: FakeElasticsearchServer, quick_polls: None
+) -> None:
+    """Defence in depth: an index that also holds another tenant's document (a key
+    collision, or an alias pointed at a shared index) is never deleted outright. Only the
+    tenant's documents go, with a ``_delete_by_query`` run as a task (a large tenant's
+    outlasts the request timeout: run in the request, it timed out and the job's retry
+    started a second delete) and polled until done."""
+    running = delete_by_query_task(DROP_TASK, ACME, completed=False, deleted=1)
+    on_shared_drop(server, running, delete_by_query_task(DROP_TASK, ACME, deleted=3))
     assert backend_for(server).delete_index("docs", "acme") == 3
-    (sent,) = server.sent("POST", f"/{ACME}/_delete_by_query")
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", RESOLVE),
+        ("POST", MSEARCH),
+        ("GET", "/_tasks"),  # no delete on acme's alias running (an earlier run's)
+        ("POST", DBQ),
+        ("GET", DROP_TASK_PATH),  # not done yet
+        ("GET", DROP_TASK_PATH),  # done
+    ]
+    listed = server.sent("GET", "/_tasks")[0]
+    assert listed.query == {"actions": ["*delete/byquery"], "detailed": ["true"]}
+    (sent,) = server.sent("POST", DBQ)
     assert sent.json() == {"query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}}}
-    assert sent.query["conflicts"] == ["proceed"] and sent.query["refresh"] == ["true"]
+    assert sent.query == {
+        "conflicts": ["proceed"],
+        "refresh": ["true"],
+        "wait_for_completion": ["false"],
+    }
     assert not server.sent("DELETE")
 
 
-def test_a_delete_by_query_cut_short_fails_the_drop_retryably(
+REJECTED = {
+    "index": CONCRETE,
+    "id": "acme:d2",
+    "status": 429,
+    "cause": {"type": "es_rejected_execution_exception", "reason": "bulk queue full"},
+}
+
+
+@pytest.mark.parametrize(
+    ("report", "why"),
+    [
+        ({"deleted": 2, "conflicts": 1}, "1 changed since it began"),
+        ({"deleted": 1, "failures": [REJECTED]}, "1 failure.*es_rejected_execution_exception"),
+    ],
+)
+def test_a_delete_task_that_left_documents_fails_the_drop_retryably(
+    server: FakeElasticsearchServer, quick_polls: None, report: dict[str, Any], why: str
+) -> None:
+    """A delete task that met a document written since it began (a version conflict,
+    counted and passed over under ``conflicts=proceed``) or a failure (a rejected bulk)
+    did not take all of the tenant's documents: the drop fails retryably, not reported
+    done nor failed for good, and its retry deletes what is left."""
+    on_shared_drop(server, delete_by_query_task(DROP_TASK, ACME, **report))
+    with pytest.raises(BackendUnavailable, match=f"task {DROP_TASK} .*{why}.*run again"):
+        backend_for(server).delete_index("docs", "acme")
+
+
+def test_a_delete_task_that_failed_names_es_s_reason(
+    server: FakeElasticsearchServer, quick_polls: None
+) -> None:
+    """One that failed outright is an error naming the task and ES's reason; one whose
+    index went meanwhile (another drop) leaves nothing of the tenant's: 0 deleted."""
+    failed = {"type": "search_phase_execution_exception", "reason": "all shards failed"}
+    on_shared_drop(server, delete_by_query_task(DROP_TASK, ACME, error=failed))
+    with pytest.raises(BackendRequestError, match=f"{DROP_TASK} failed: search_phase.*all shards"):
+        backend_for(server).delete_index("docs", "acme")
+    gone = index_missing(CONCRETE)["error"]
+    on_shared_drop(server, delete_by_query_task(DROP_TASK, ACME, error=gone))
+    assert backend_for(server).delete_index("docs", "acme") == 0
+
+
+def test_a_drop_run_again_waits_on_its_delete_still_running_instead_of_a_second(
+    server: FakeElasticsearchServer, quick_polls: None
+) -> None:
+    """A delete not done within the drop's budget (its job's) fails the drop retryably,
+    naming the task, which runs on; the job's retry (another worker, maybe) finds that
+    task on acme's alias (``GET _tasks``, by its description) and waits on it: one delete,
+    not two racing."""
+    running = delete_by_query_task(DROP_TASK, ACME, completed=False, deleted=1)
+    on_shared_drop(server, running)
+    backend = backend_for(server)
+    backend.drop_max_seconds = 0  # the budget spent at the first poll
+    with pytest.raises(BackendUnavailable, match=f"not done after 0 s \\(task {DROP_TASK} runs on"):
+        backend.delete_index("docs", "acme")
+
+    other = delete_by_query_task("oTUltX4IQMOUUVeiohTt8A:7", BETA, completed=False)["task"]
+    server.on("GET", "/_tasks", Answer(200, tasks_list(other, running["task"])))
+    server.on("GET", DROP_TASK_PATH, Answer(200, delete_by_query_task(DROP_TASK, ACME, deleted=3)))
+    assert backend_for(server).delete_index("docs", "acme") == 3
+    assert len(server.sent("POST", DBQ)) == 1  # the first run's, waited on
+
+
+def test_a_delete_task_refused_at_its_start_fails_the_drop_retryably(
     server: FakeElasticsearchServer,
 ) -> None:
-    """ES answers a ``_delete_by_query`` that stopped part way with the highest status of its
-    failures (a 429 for a rejected bulk), or 408 when it timed out, the report as the body:
-    the drop did not take all of the tenant's documents and is retried, not reported done
-    nor failed for good."""
-    on_searches(server, Answer(200, drop_counts(3, 1)))
-    server.on("GET", RESOLVE, Answer(200, resolved((CONCRETE, [ACME]))))
-    rejected = {
-        "index": CONCRETE,
-        "id": "acme:d2",
-        "status": 429,
-        "cause": {"type": "es_rejected_execution_exception", "reason": "bulk queue full"},
-    }
-    report = {**delete_by_query_response(1), "failures": [rejected]}
-    dbq = f"/{ACME}/_delete_by_query"
-    server.on("POST", dbq, Answer(429, report), times=1)
+    """ES refusing to start the delete (429: its queue full) is a passing failure."""
+    on_shared_drop(server, delete_by_query_task(DROP_TASK, ACME, deleted=3))
+    busy = error_body("es_rejected_execution_exception", "rejected execution", 429)
+    server.on("POST", DBQ, Answer(429, busy), times=1)
     with pytest.raises(BackendUnavailable, match="429"):
-        backend_for(server).delete_index("docs", "acme")
-    server.on("POST", dbq, Answer(408, {**delete_by_query_response(1), "timed_out": True}), times=1)
-    with pytest.raises(BackendUnavailable, match="408"):
         backend_for(server).delete_index("docs", "acme")
 
 

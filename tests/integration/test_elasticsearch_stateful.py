@@ -716,10 +716,11 @@ def test_a_cancelled_or_unfinished_copy_moves_no_alias(
             task = {**task, "response": {**task["response"], "failures": [failure]}}
         elif parts:
             task = {**task, "completed": False}
-            backend.copy_max_seconds = 0
         return status, task
 
     monkeypatch.setattr(state, "get_tasks", report)
+    if ending == "timeout":
+        backend.copy_max_seconds = 0  # the bound spent at the first read
     error, match = {
         "canceled": (BackendRequestError, "by user request"),
         "timeout": (BackendUnavailable, "not done"),
@@ -1169,3 +1170,35 @@ def test_a_document_whose_text_is_null_reads_as_empty_listed_or_got(
     assert (listed.text_preview, listed.text_length) == ("", 0)
     got = backend.document("docs", "acme", "n")
     assert got is not None and got.text == ""
+
+
+def test_a_drop_from_a_shared_index_outlasting_its_budget_is_waited_on_by_its_retry(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """acme's alias over an index beta's documents share: its drop deletes only acme's,
+    as a ``_delete_by_query`` task. One not done within the drop's budget fails the drop
+    retryably; the retry, another process, waits on that task (one delete started, not
+    two), and beta's document stays."""
+    server, state = fake
+    monkeypatch.setattr(
+        "worker.adapters.elasticsearch._drops.DROP_POLL_SECONDS", 0.01, raising=False
+    )
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    docs = {
+        "acme:vitd": shared_doc("acme", "vitd", DOC.text),
+        "acme:calc": shared_doc("acme", "calc", CALC.text),
+        "beta:vitd": shared_doc("beta", "vitd", "beta's own"),
+    }
+    make_index(server, alias, "shared-000001", docs, old_mapping())
+    state.delete_running_reads = 5
+    backend.drop_max_seconds = 0
+    with pytest.raises(BackendUnavailable, match="runs on"):
+        backend.delete_index("docs", "acme", version=20)
+
+    state.delete_running_reads = 0
+    assert backend_on(server).delete_index("docs", "acme", version=20) == 2
+    assert len(server.sent("POST", f"/{alias}/_delete_by_query")) == 1
+    assert state.live_ids("shared-000001") == {"beta:vitd"}
+    assert state.concrete(alias) == ["shared-000001"]  # the shared index is never deleted

@@ -45,6 +45,7 @@ from worker.constants import (
     INDEX_READ_TASK,
     INGEST_QUEUE,
     INGEST_TASK,
+    INGEST_TIME_LIMIT_SECONDS,
     SEARCH_QUEUE,
     SEARCH_TASK,
     WEBHOOK_QUEUE,
@@ -65,7 +66,6 @@ WARM_UP_STOP_WAIT_SECONDS = 30.0
 _warming: threading.Thread | None = None  # this process's warm-up (see _warm_up)
 
 TIME_LIMIT_MARGIN_SECONDS = 15.0  # hard limit = soft limit + this
-INGEST_TIME_LIMIT_SECONDS = 600.0
 WEBHOOK_TIME_LIMIT_SECONDS = 60.0
 
 TASK_ROUTES: dict[str, dict[str, str]] = {

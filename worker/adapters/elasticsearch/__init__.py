@@ -78,7 +78,8 @@ Why this shape (DESIGN.md §6).
   tenant's alias first (one ``GET _resolve/index/<alias>*``, closed ones included), then
   delete those a reindex kept for a rollback, then the live one (its alias goes with it),
   unless the live one holds another tenant's document too, when only the tenant's
-  documents go (``_delete_by_query``). A drop whose alias is already gone (one cut short)
+  documents go (``_delete_by_query``, run as an ES task and polled; a run again waits on
+  one still running on the alias). A drop whose alias is already gone (one cut short)
   still deletes what it finds named after it. A versioned drop first leaves a floor
   (``<prefix>sift-floors``) that every versioned write reads before it writes and again
   after: a write accepted before the drop and run after it writes nothing, or, if the drop

@@ -5,12 +5,15 @@ index template, put once per process before a first index is made."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from elasticsearch import Elasticsearch
+from elasticsearch.exceptions import GeneralAvailabilityWarning
 
 from worker.adapters.elasticsearch._errors import _translated
 from worker.adapters.elasticsearch._layout import (
@@ -21,6 +24,7 @@ from worker.adapters.elasticsearch._layout import (
     tenant_key,
 )
 from worker.adapters.elasticsearch._mapping import FieldNames, IndexSettings, index_template
+from worker.errors import BackendUnavailable
 
 #: How long a reindex or migration waits for its copy task before it gives up (retryably,
 #: naming the task, which runs on: a run made while it does waits on it, one made after it
@@ -146,3 +150,50 @@ class _Core:
         with _translated("index template", None):
             self._es().indices.put_index_template(name=f"{self.prefix}sift", **body)
         self._template_ready = True
+
+    # --- ES tasks: a long request (a copy, a tenant's delete) run as a task and polled ---
+
+    def _task(self, task: str) -> Mapping[str, Any]:
+        """``GET _tasks/<id>`` (the client flags the task API a preview; it is in every 9.x)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GeneralAvailabilityWarning)
+            answer: Mapping[str, Any] = self._es().tasks.get(task_id=task).body
+        return answer
+
+    def _running_tasks(self, actions: str) -> dict[str, str]:
+        """Every running task whose action matches ``actions`` (``GET _tasks``): its id ->
+        its description (``reindex from [<source>] to [<dest>]``, ``delete-by-query
+        [<index>]``). A node that did not answer may be running one, so its failure is an
+        error (retryable), never "none running"."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", GeneralAvailabilityWarning)
+            answer = self._es().tasks.list(actions=actions, detailed=True).body
+        failed = answer.get("node_failures") or answer.get("task_failures")
+        if failed:
+            raise BackendUnavailable(
+                f"cannot tell which tasks are running, a node did not answer: {json.dumps(failed)}"
+            )
+        return {
+            str(task_id): str(task.get("description", ""))
+            for node in (answer.get("nodes") or {}).values()
+            for task_id, task in (node.get("tasks") or {}).items()
+        }
+
+    def _await_task(
+        self, task: str, what: str, max_seconds: float, poll_seconds: float
+    ) -> Mapping[str, Any]:
+        """``GET _tasks/<id>`` every ``poll_seconds`` until the task is done: its last
+        answer (``response``: the report; ``error``: why it failed). Not done after
+        ``max_seconds``: ``BackendUnavailable`` naming the task, which runs on (a run again
+        finds it in :meth:`_running_tasks` and waits on it)."""
+        answer = self._task(task)
+        deadline = self._clock() + max_seconds
+        while not answer.get("completed"):
+            if self._clock() >= deadline:
+                raise BackendUnavailable(
+                    f"{what} not done after {max_seconds:g} s (task {task} runs on): "
+                    "run again to wait on it"
+                )
+            time.sleep(poll_seconds)
+            answer = self._task(task)
+        return answer

@@ -4,6 +4,8 @@ live one, and only the tenant's documents deleted from an index another tenant s
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -16,10 +18,23 @@ from worker.adapters.elasticsearch._errors import (
     _translated,
 )
 from worker.adapters.elasticsearch._layout import _SIFT_CONCRETE, CONCRETE_SEPARATOR
+from worker.constants import INGEST_TIME_LIMIT_SECONDS
+from worker.errors import BackendRequestError, BackendUnavailable
+
+logger = logging.getLogger(__name__)
+
+#: How long a drop waits between two reads of its delete task.
+DROP_POLL_SECONDS = 0.5
+#: The longest a drop waits on its delete task: its job's budget (the ingest task's time
+#: limit), less a minute for the drop's other requests. The task runs on past it, and the
+#: job's retry waits on it.
+DROP_MAX_SECONDS = INGEST_TIME_LIMIT_SECONDS - 60.0
 
 
 class _Drops(_Bodies):
     """Delete a tenant's index (or its documents from a shared one)."""
+
+    drop_max_seconds = DROP_MAX_SECONDS
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
         """Delete the tenant's index: its concrete indexes (the alias goes with them);
@@ -34,7 +49,8 @@ class _Drops(_Bodies):
         tenant's documents and looks for one of another tenant's (``terminate_after: 1``).
         An index holding one (a key collision, or an alias an operator pointed at an index
         it shares) is never deleted: only the tenant's documents go, with one
-        ``_delete_by_query`` on the tenant term. Else the kept indexes are deleted, then the
+        ``_delete_by_query`` on the tenant term, run as a task and polled
+        (:meth:`_delete_tenants_documents`). Else the kept indexes are deleted, then the
         live ones. The alias already gone (a drop cut short, or run twice) still deletes what
         is found named after it, so a drop run again completes one cut short.
 
@@ -125,16 +141,78 @@ class _Drops(_Bodies):
         return sorted(live), sorted(named)
 
     def _delete_tenants_documents(self, alias: str, tenant: str, what: str, index: str) -> int:
-        """Only the tenant's documents, from an index another tenant's share."""
+        """Only the tenant's documents, from an index another tenant's share: one
+        ``_delete_by_query`` on the tenant term, run as an ES task
+        (``wait_for_completion=false``) and polled (``GET _tasks/<id>``) for at most
+        ``drop_max_seconds``, within the job's own budget: a large tenant's delete outlasts
+        any one request's timeout. One on the alias still running (this drop's earlier
+        run, which gave up waiting or died) is waited on instead of a second being started.
+        A report of version conflicts (a document written since the delete began) or
+        failures fails the drop retryably: the delete is idempotent, and its run again
+        takes what is left. A task that failed outright is an error naming ES's reason."""
         with _translated(what, index, missing_ok=True) as missing:
-            answer = (
-                self._es()
-                .delete_by_query(
-                    index=alias,
-                    query=self.tenant_query(tenant),
-                    conflicts="proceed",
-                    refresh=True,
-                )
-                .body
+            running = self._running_delete(alias)
+            if running is not None:
+                logger.info("%s: waiting on the delete already running (task %s)", what, running)
+            task = running or self._start_delete(alias, tenant)
+            answer = self._await_task(
+                task, f"{what} (the tenant's documents)", self.drop_max_seconds, DROP_POLL_SECONDS
             )
-        return 0 if missing else int(answer.get("deleted", 0))
+        return 0 if missing else _deleted(answer, what, task)
+
+    def _start_delete(self, alias: str, tenant: str) -> str:
+        """Start the ``_delete_by_query`` of the tenant's documents on ``alias`` as a task."""
+        started = self._es().delete_by_query(
+            index=alias,
+            query=self.tenant_query(tenant),
+            conflicts="proceed",
+            refresh=True,
+            wait_for_completion=False,
+        )
+        return str(started.body["task"])
+
+    def _running_delete(self, alias: str) -> str | None:
+        """The id of a running ``_delete_by_query`` on ``alias`` (ES describes one as
+        ``delete-by-query [<alias>]``), if any."""
+        for task_id, description in sorted(self._running_tasks("*delete/byquery").items()):
+            if description == f"delete-by-query [{alias}]":
+                return task_id
+        return None
+
+
+def _deleted(answer: Mapping[str, Any], what: str, task: str) -> int:
+    """How many documents a done ``_delete_by_query`` task deleted, from its
+    ``GET _tasks/<id>`` answer; raises if it did not delete every one it matched.
+
+    >>> _deleted({"completed": True, "response": {"deleted": 3, "version_conflicts": 0,
+    ...     "failures": []}}, "drop", "n:1")
+    3
+    >>> _deleted({"completed": True, "response": {"deleted": 2, "version_conflicts": 1,
+    ...     "failures": []}}, "drop", "n:1")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    worker.errors.BackendUnavailable: drop: task n:1 deleted 2 ... (1 changed since it began)...
+    """
+    error = answer.get("error")
+    if isinstance(error, Mapping):
+        if error.get("type") == "index_not_found_exception":
+            return 0  # the index went meanwhile (another drop): nothing of the tenant's left
+        raise BackendRequestError(
+            f"{what}: task {task} failed: {error.get('type', 'error')}: {error.get('reason', '')}"
+        )
+    report = answer.get("response") or {}
+    status = (answer.get("task") or {}).get("status") or {}
+    canceled = report.get("canceled") or status.get("canceled")
+    if canceled:
+        raise BackendRequestError(f"{what}: task {task} was cancelled ({canceled}): run again")
+    deleted = int(report.get("deleted", 0))
+    conflicts = int(report.get("version_conflicts", 0))
+    failures = report.get("failures") or []
+    if conflicts or failures:
+        why = [f"{conflicts} changed since it began"] if conflicts else []
+        if failures:
+            why.append(f"{len(failures)} failure(s), the first {json.dumps(failures[0])}")
+        raise BackendUnavailable(
+            f"{what}: task {task} deleted {deleted} of the tenant's documents and left some "
+            f"({'; '.join(why)}): run again"
+        )
+    return deleted

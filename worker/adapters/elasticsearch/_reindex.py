@@ -7,13 +7,9 @@ from __future__ import annotations
 import json
 import logging
 import re
-import time
-import warnings
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
-
-from elasticsearch.exceptions import GeneralAvailabilityWarning
 
 from worker.adapters.elasticsearch._core import _Core
 from worker.adapters.elasticsearch._errors import _retryable, _translated
@@ -145,16 +141,9 @@ class _Reindex(_Core):
         ``COPY_MAX_SECONDS``), fail as :meth:`_copy` says if it did not copy everything,
         else refresh ``dest``; answers how many documents it wrote."""
         with _translated(what, None):
-            answer = self._task(task)
-            deadline = self._clock() + self.copy_max_seconds
-            while not answer.get("completed"):
-                if self._clock() >= deadline:
-                    raise BackendUnavailable(
-                        f"{what} into {dest!r} not done after {self.copy_max_seconds:g} s "
-                        f"(task {task} runs on): run again to wait on it"
-                    )
-                time.sleep(COPY_POLL_SECONDS)
-                answer = self._task(task)
+            answer = self._await_task(
+                task, f"{what} into {dest!r}", self.copy_max_seconds, COPY_POLL_SECONDS
+            )
             report = answer.get("response") or {}
             status = (answer.get("task") or {}).get("status") or {}
             canceled = report.get("canceled") or status.get("canceled")
@@ -175,30 +164,9 @@ class _Reindex(_Core):
             self._es().indices.refresh(index=dest)
         return int(report.get("created", 0)) + int(report.get("updated", 0))
 
-    def _task(self, task: str) -> Mapping[str, Any]:
-        """``GET _tasks/<id>`` (the client flags the task API a preview; it is in every 9.x)."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", GeneralAvailabilityWarning)
-            answer: Mapping[str, Any] = self._es().tasks.get(task_id=task).body
-        return answer
-
     def _running_copies(self) -> dict[str, str]:
-        """Every running ``_reindex`` task (``GET _tasks``): its id -> its description,
-        ``reindex from [<source>] to [<dest>]``. A node that did not answer may be running
-        a copy, so its failure is an error (retryable), never "none running"."""
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", GeneralAvailabilityWarning)
-            answer = self._es().tasks.list(actions="*reindex", detailed=True).body
-        failed = answer.get("node_failures") or answer.get("task_failures")
-        if failed:
-            raise BackendUnavailable(
-                f"cannot tell which copies are running, a node did not answer: {json.dumps(failed)}"
-            )
-        return {
-            str(task_id): str(task.get("description", ""))
-            for node in (answer.get("nodes") or {}).values()
-            for task_id, task in (node.get("tasks") or {}).items()
-        }
+        """Every running ``_reindex`` task: its id -> ``reindex from [<source>] to [<dest>]``."""
+        return self._running_tasks("*reindex")
 
     def _running_copy(self, dest: str) -> str | None:
         """The id of a running ``_reindex`` task into ``dest``, if any."""
