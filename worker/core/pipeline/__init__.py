@@ -4,6 +4,9 @@ This is DESIGN.md §2 and §4 in one place; everything it touches outside is a p
 modules, by what they hold:
 
 * ``_search``: :class:`SearchPipeline`, the algorithm; ``_config``: :class:`PipelineConfig`;
+* ``_retrieval``: :class:`Retrieval`, the probe, the channels and their fusion into candidates;
+* ``_model_calls``: :class:`ModelCalls`, the standard lane's model calls and their accounting;
+* ``_result``: the result of what the model answered (normalised, or the failure policy);
 * ``_run``: :class:`RerankRun`, what the rerank stage did, and it as JSON (a kept answer);
 * ``_prepared``: :class:`Prepared`, the first half as data, and it as JSON (the economy lane);
 * ``_hits``: how a result and its trace show the candidates.

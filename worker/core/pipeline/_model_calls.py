@@ -1,0 +1,196 @@
+"""The standard lane's model calls (:class:`ModelCalls`): attempts under the retry budget, the
+deadline and the provider's shared rate budget, each counted in the run and the metrics."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from worker.core.budget import (
+    DEFAULT_429_PAUSE_SECONDS,
+    MIN_ATTEMPT_SECONDS,
+    Deadline,
+    call_within_budget,
+)
+from worker.core.cost import price_for
+from worker.core.pipeline._config import PipelineConfig
+from worker.core.pipeline._run import RerankRun, usage_by_type
+from worker.core.ports import RateBudget, Recorder, Reranker
+from worker.core.types import BudgetGrant, RerankPrompt, RerankReply, TokenUsage
+from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
+
+
+@dataclass(slots=True)
+class CallTime:
+    """An average of answered calls' time, with the budget on: what a call must still have
+    after its wait for the rate budget. One per pipeline, kept across its searches."""
+
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCalls:
+    """The standard lane's model calls and their accounting, over the pipeline's ports as they
+    are when it is made (:meth:`SearchPipeline._model_calls`: one made for each use, so a port
+    swapped on the pipeline in place is the one called). ``call_time`` is the pipeline's."""
+
+    reranker: Reranker | None
+    config: PipelineConfig
+    recorder: Recorder
+    rate_budget: RateBudget | None
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+    call_time: CallTime
+
+    def pace(self) -> None:
+        """Wait, before a search starts, until the rate budget's queue is short enough for it
+        to be served well within its deadline (a third of it). For a batch item, which no
+        caller waits on: without it, a batch larger than the budget serves in a deadline
+        would run its surplus through as ``budget_exhausted`` fallbacks. Not for interactive
+        searches: their wait counts against their deadline."""
+        if self.rate_budget is None:
+            return
+        room = self.config.deadline_seconds / 3
+        while (excess := self.rate_budget.backlog() - room) > 0:
+            # spread the re-checks: the queue frees at the limit's rate, not all at once
+            self.sleep(min(excess, 1.0) + random.uniform(0.0, 0.5))
+
+    def call(self, prompt: RerankPrompt, deadline: Deadline) -> RerankRun:
+        """The standard lane's model call: attempts under the retry budget and the deadline."""
+        assert self.reranker is not None
+        run = RerankRun()
+        started = self.clock()
+        try:
+            run.reply = call_within_budget(
+                lambda timeout: self._attempt(prompt, timeout, run, deadline),
+                deadline=deadline,
+                max_attempts=self.config.max_requests,
+                attempt_timeout=self.config.attempt_timeout_seconds,
+                sleep=self.sleep,
+            )
+        except (RerankAttemptError, DeadlineExceeded) as error:
+            run.failure = error
+        run.seconds = self.clock() - started
+        return run
+
+    def _attempt(
+        self, prompt: RerankPrompt, timeout: float, run: RerankRun, deadline: Deadline
+    ) -> RerankReply:
+        assert self.reranker is not None
+        started = self.clock()
+        grant: BudgetGrant | None = None
+        detail: dict[str, Any] = {}
+        if self.rate_budget is not None:
+            grant = self._wait_for_budget(prompt, run, deadline)
+            timeout = min(timeout, deadline.remaining())
+            detail["budget_wait_seconds"] = grant.wait
+        sent = self.clock()
+        try:
+            reply = self.reranker.rerank(prompt, timeout)
+        except RerankAttemptError as error:
+            usage = getattr(error, "usage", None)
+            usage = usage if isinstance(usage, TokenUsage) else None
+            if grant is not None:
+                self._settle_failed(grant, error, usage)
+            if not error.sent:
+                detail["sent"] = False
+            self.record_attempt(run, error.outcome, usage, self.clock() - started, **detail)
+            raise
+        if grant is not None and self.rate_budget is not None:
+            self.rate_budget.settle(grant, reply.usage)
+            self.call_time.seconds += 0.1 * (self.clock() - sent - self.call_time.seconds)
+        run.returned = reply.positions
+        self.record_attempt(run, AttemptOutcome.OK, reply.usage, self.clock() - started, **detail)
+        return reply
+
+    def _settle_failed(
+        self, grant: BudgetGrant, error: RerankAttemptError, usage: TokenUsage | None
+    ) -> None:
+        """Settle a failed attempt's reservation with the rate budget. One refused before any
+        token was read (a 429, or never sent) gives its tokens back, and its request too when
+        the provider never saw it; the provider's 429 pauses every worker, a local hold no
+        one. Any other failure is settled on the ``usage`` it reported."""
+        assert self.rate_budget is not None
+        if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
+            self.rate_budget.settle(grant, TokenUsage(), sent=error.sent)
+            if error.sent:
+                self.rate_budget.pause(error.retry_after or DEFAULT_429_PAUSE_SECONDS)
+        else:
+            self.rate_budget.settle(grant, usage)
+
+    def _wait_for_budget(
+        self, prompt: RerankPrompt, run: RerankRun, deadline: Deadline
+    ) -> BudgetGrant:
+        """Reserve the attempt's share of the rate budget and wait until it may be sent. When
+        the budget frees it too late for the call to fit in the search's deadline (twice the
+        answered calls' average time), nothing is reserved and nothing sent: the attempt is
+        ``budget_exhausted``, which the failure policy takes from there. A call sent with
+        less time than it takes would be charged by the provider and time out."""
+        assert self.rate_budget is not None
+        # the call must still fit after the wait: twice what answered calls took, on average
+        needed = max(MIN_ATTEMPT_SECONDS, 2 * self.call_time.seconds)
+        max_wait = max(0.0, deadline.remaining() - needed)
+        grant = self.rate_budget.reserve(prompt, max_wait)
+        if not grant.admitted:
+            self.record_attempt(
+                run, AttemptOutcome.BUDGET_EXHAUSTED, None, 0.0, budget_wait_seconds=grant.wait
+            )
+            raise RerankAttemptError(
+                AttemptOutcome.BUDGET_EXHAUSTED,
+                f"the provider's rate budget frees this call in {grant.wait:.1f}s, "
+                f"past the search deadline ({max(0.0, deadline.remaining()):.1f}s left)",
+            )
+        if grant.wait > 0:
+            self.sleep(grant.wait)
+        return grant
+
+    def record_attempt(
+        self,
+        run: RerankRun,
+        outcome: AttemptOutcome,
+        usage: TokenUsage | None,
+        seconds: float,
+        **detail: Any,
+    ) -> None:
+        """Count one model attempt in ``run``: its class, its usage priced at this pipeline's
+        price (and discount), its metrics. ``detail`` goes into the attempt's trace entry. A
+        call that reported usage for a model with no price is also counted as unpriced. The
+        usage goes to the metrics here, not when the rerank ends: it was billed whatever
+        becomes of the search."""
+        cost = self.add_attempt(run, outcome, usage, seconds, **detail)
+        self.count_attempt(outcome, usage, cost)
+
+    def add_attempt(
+        self,
+        run: RerankRun,
+        outcome: AttemptOutcome,
+        usage: TokenUsage | None,
+        seconds: float,
+        **detail: Any,
+    ) -> float | None:
+        """:meth:`record_attempt`'s part in ``run`` alone; answers the call's cost. A lane that
+        must save the run before the metrics count it (so that a task run again after a
+        crash between the two does not count it twice) calls :meth:`count_attempt` after."""
+        assert self.reranker is not None
+        cost: float | None = 0.0
+        if usage is not None:
+            price = price_for(self.reranker.model, self.config.prices)
+            cost = run.add_usage(usage, price, self.config.price_discount)
+        run.attempts.append(
+            {"n": len(run.attempts) + 1, "outcome": outcome.value, "seconds": seconds, **detail}
+        )
+        return cost
+
+    def count_attempt(
+        self, outcome: AttemptOutcome, usage: TokenUsage | None, cost: float | None
+    ) -> None:
+        """:meth:`record_attempt`'s part in the metrics: the attempt, its tokens and ``cost``
+        (None: the model has no price, counted as unpriced)."""
+        assert self.reranker is not None
+        if usage is not None:
+            self.recorder.rerank_usage(self.reranker.model, usage_by_type(usage), cost)
+            if cost is None:
+                self.recorder.rerank_unpriced(self.reranker.model)
+        self.recorder.rerank_attempt(self.reranker.model, outcome.value)

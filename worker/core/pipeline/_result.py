@@ -1,0 +1,91 @@
+"""A search's result: of what the model answered (:func:`rerank_result`: its positions
+normalised, or the failure policy), or of candidates as they stand (:func:`build_result`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+from worker.constants import POLICY_ID
+from worker.contract import RerankInfo, SearchResult, SearchSpec, Usage
+from worker.core.pipeline._config import FailurePolicy
+from worker.core.pipeline._hits import _hit, stage_seconds
+from worker.core.pipeline._prepared import Prepared
+from worker.core.pipeline._run import RerankRun
+from worker.core.ports import Recorder
+from worker.core.ranks import normalise_positions
+from worker.core.types import Candidate
+from worker.errors import RerankAttemptError, RerankFailed
+
+
+def rerank_result(
+    prepared: Prepared,
+    run: RerankRun,
+    figures: list[Callable[[], None]],
+    *,
+    model: str,
+    recorder: Recorder,
+    failure_policy: FailurePolicy,
+) -> SearchResult:
+    """The result of ``run``; the figures it makes (the model answer's duration and
+    outcome) are appended to ``figures``, for the caller to record."""
+    spec, candidates, trace = prepared.spec, prepared.candidates, prepared.trace
+    usage = run.job_usage()
+    trace.update(attempts=run.attempts, rerank_seconds=run.seconds)
+    if spec.include_trace:  # the trace's parts built per candidate or model: only if shown
+        trace["usage"] = usage.model_dump()
+    trace["returned_positions"] = list(run.returned) if run.returned is not None else None
+    reply = run.reply
+    if reply is None:
+        failure = run.failure
+        assert failure is not None
+        reason = failure.outcome.value if isinstance(failure, RerankAttemptError) else "deadline"
+        trace["fallback_reason"] = f"error:{reason}"
+        figures.append(partial(recorder.rerank_done, model, reason, run.seconds))
+        if failure_policy == "fail_closed":
+            figures.append(partial(recorder.rerank_outcome, POLICY_ID, "failed"))
+            raise RerankFailed(reason, failure.message, usage) from failure
+        figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_error"))
+        info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{reason}")
+        return build_result(candidates[: spec.limit], info, usage, spec, trace)
+
+    figures.append(partial(recorder.rerank_done, model, "ok", run.seconds))
+    normalised = normalise_positions(reply.positions, len(candidates), spec.limit)
+    trace["kept_positions"] = list(normalised.kept)
+    trace["dropped_positions"] = [
+        {"value": d.value, "reason": d.reason} for d in normalised.dropped
+    ]
+    if not normalised.kept:
+        trace["fallback_reason"] = "no_valid_ranks"
+        figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_no_valid_ranks"))
+        info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason="no_valid_ranks")
+        return build_result(candidates[: spec.limit], info, usage, spec, trace)
+
+    figures.append(partial(recorder.rerank_outcome, POLICY_ID, "applied"))
+    trace["fallback_reason"] = None
+    chosen = [candidates[position - 1] for position in normalised.kept]
+    info = RerankInfo(applied=True, policy=POLICY_ID, fallback_reason=None)
+    return build_result(chosen, info, usage, spec, trace)
+
+
+def build_result(
+    chosen: Sequence[Candidate],
+    info: RerankInfo,
+    usage: Usage,
+    spec: SearchSpec,
+    trace: dict[str, Any],
+) -> SearchResult:
+    """The result of the ``chosen`` candidates, in their order, with the trace if it is shown."""
+    # one validation of the whole result, its hits as plain data: the same checks as a
+    # Hit, Ranks and Scores built one by one (three model inits a hit), a third of the CPU
+    result = SearchResult.model_validate(
+        {
+            "hits": [_hit(candidate, final) for final, candidate in enumerate(chosen, start=1)],
+            "rerank": info,
+            "usage": usage,
+            "trace": trace if spec.include_trace else None,
+        }
+    )
+    result._stage_seconds = stage_seconds(trace)
+    return result
