@@ -29,6 +29,23 @@ class CallTime:
 
     seconds: float = 0.0
 
+    def add(self, seconds: float) -> None:
+        """Count one answered call's ``seconds`` into the average (a tenth of its weight).
+
+        >>> took = CallTime()
+        >>> took.needed()
+        0.05
+        >>> took.add(2.0); took.add(2.0)
+        >>> round(took.seconds, 2), round(took.needed(), 2)
+        (0.38, 0.76)
+        """
+        self.seconds += 0.1 * (seconds - self.seconds)
+
+    def needed(self) -> float:
+        """What a call must still have after its wait: twice what answered calls took, on
+        average, and never less than an attempt's floor (:data:`MIN_ATTEMPT_SECONDS`)."""
+        return max(MIN_ATTEMPT_SECONDS, 2 * self.seconds)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelCalls:
@@ -100,7 +117,7 @@ class ModelCalls:
             raise
         if grant is not None and self.rate_budget is not None:
             self.rate_budget.settle(grant, reply.usage)
-            self.call_time.seconds += 0.1 * (self.clock() - sent - self.call_time.seconds)
+            self.call_time.add(self.clock() - sent)
         run.returned = reply.positions
         self.record_attempt(run, AttemptOutcome.OK, reply.usage, self.clock() - started, **detail)
         return reply
@@ -129,9 +146,7 @@ class ModelCalls:
         ``budget_exhausted``, which the failure policy takes from there. A call sent with
         less time than it takes would be charged by the provider and time out."""
         assert self.rate_budget is not None
-        # the call must still fit after the wait: twice what answered calls took, on average
-        needed = max(MIN_ATTEMPT_SECONDS, 2 * self.call_time.seconds)
-        max_wait = max(0.0, deadline.remaining() - needed)
+        max_wait = max(0.0, deadline.remaining() - self.call_time.needed())
         grant = self.rate_budget.reserve(prompt, max_wait)
         if not grant.admitted:
             self.record_attempt(

@@ -59,14 +59,8 @@ class Retrieval:
         fusion = resolve_fusion(self.config.fusion, asked, stored.fusion)
         channels = select_channels(spec.mode, spec.index, available, fusion)
         check_model(spec.index, channels, probe.model, self.embedder.model_id)
-        limit_from, candidate_limit = next(
-            (level, value)
-            for level, value in (
-                ("request", spec.candidate_limit),
-                ("index", stored.candidate_limit),
-                ("default", self.config.candidate_limit),
-            )
-            if value is not None
+        limit_from, candidate_limit = chosen_limit(
+            spec.candidate_limit, stored.candidate_limit, self.config.candidate_limit
         )
         coarse = coarse_limit(spec.limit, candidate_limit, reranking)
         vector = None
@@ -172,7 +166,7 @@ class Retrieval:
         def attempt(timeout: float) -> ChannelResults:
             return self.backend.retrieve(replace(query, timeout_seconds=timeout))
 
-        results = call_within_budget(
+        return call_within_budget(
             attempt,
             deadline=deadline,
             max_attempts=self.config.backend_max_attempts,
@@ -181,7 +175,6 @@ class Retrieval:
             initial_backoff=0.05,
             max_backoff=1.0,
         )
-        return results
 
     def _sleep_off_slot(self, seconds: float) -> None:
         """A retrieval retry's back-off: the first half's CPU slot is let go while it waits."""
@@ -190,3 +183,17 @@ class Retrieval:
             self.sleep(seconds)
         finally:
             self.cpu_slots.__enter__()
+
+
+def chosen_limit(request: int | None, index: int | None, default: int) -> tuple[str, int]:
+    """The candidate window a search uses and where it comes from: the request's own, else
+    the index's stored one, else the deployment's default.
+
+    >>> chosen_limit(None, 50, 30), chosen_limit(10, 50, 30), chosen_limit(None, None, 30)
+    (('index', 50), ('request', 10), ('default', 30))
+    """
+    return next(
+        (level, value)
+        for level, value in (("request", request), ("index", index), ("default", default))
+        if value is not None
+    )
