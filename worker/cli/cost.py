@@ -32,7 +32,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from worker.cli import app
+from worker.cli._app import app
 from worker.cli._output import counted, plain
 from worker.constants import (
     METRIC_RERANK_ATTEMPTS,

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.embedder import GRAPH_REVISION
-from worker.cli import app
+from worker.cli._app import app
 from worker.cli._common import EXIT_INTERRUPTED
 from worker.cli._http import (
     FINAL_STATUSES,

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from worker.cli import app
+from worker.cli._app import app
 from worker.cli._common import EXIT_ERROR, InputError, _err, _expected_errors, _out
 from worker.cli._http import Gateway, gateway, index_name, segment
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from worker.cli import app
+from worker.cli._app import app
 from worker.cli._common import InputError, _expected_errors, _out
 from worker.cli._http import Gateway, gateway
 from worker.cli._output import counted, local_time, plain, print_fitted

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Protocol, runtime_checkable
 import typer
 from rich.console import Console
 
-from worker.cli import app
+from worker.cli._app import app
 from worker.cli._output import plain, print_result, sample_path
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError, SiftError

@@ -35,7 +35,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from worker.cli import app
+from worker.cli._app import app
 from worker.cli._output import cli_console, plain
 from worker.constants import (
     ACTIVE_JOBS_KEY,

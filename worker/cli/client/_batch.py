@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from worker.cli import app
+from worker.cli._app import app
 from worker.cli._common import (
     EXIT_INTERRUPTED,
     EXIT_ITEMS_FAILED,

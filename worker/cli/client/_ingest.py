@@ -16,7 +16,7 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from worker.cli import app
+from worker.cli._app import app
 from worker.cli._common import EXIT_INTERRUPTED, InputError, _err, _expected_errors, _out
 from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway, index_name, segment
 from worker.cli._output import plain, progress_bar

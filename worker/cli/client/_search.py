@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from worker.cli import app
+from worker.cli._app import app
 from worker.cli._common import EXIT_INTERRUPTED, InputError, _err, _expected_errors, _out
 from worker.cli._http import FINAL_STATUSES, GatewayError, gateway, index_name
 from worker.cli._output import plain, print_result, trace_lines
