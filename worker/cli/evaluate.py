@@ -84,6 +84,12 @@ def _ingest(runtime: Runtime, corpus: Path, index: str, tenant: str) -> int:
         return runtime.ingest(index, tenant, documents, lambda n: bar.advance(task, n))
 
 
+def _sha256(path: Path) -> str:
+    """The file's sha256, read in chunks (a corpus may not fit in memory)."""
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
 def _usage_error(message: str) -> typer.Exit:
     console.print(f"[red]error:[/red] {plain(message)}")
     return typer.Exit(EXIT_USAGE)
@@ -195,10 +201,12 @@ def _in_process(
     if rerank:
         overrides["rerank_enabled"] = True
     settings = load_settings(**overrides)
-    # a cache per corpus, embedding graph and index schema: vectors of two graphs must never
-    # mix, and a data dir of an older schema is refused (it is made again instead)
+    # a cache per corpus contents, embedding graph and index schema: an edited corpus is
+    # indexed again, vectors of two graphs must never mix, and a data dir of an older schema
+    # is refused (it is made again instead)
+    digest = _sha256(corpus)
     graph = "int8-matmul" if settings.embedding_int8_compute else "fp32"
-    key = f"{corpus.resolve()}|{graph}|{GRAPH_REVISION}|{SCHEMA_VERSION}"
+    key = f"{digest}|{graph}|{GRAPH_REVISION}|{SCHEMA_VERSION}"
     key = hashlib.sha256(key.encode()).hexdigest()[:12]
     directory = data_dir or Path(".sift/eval") / key
     settings = settings.model_copy(update={"data_dir": directory})
@@ -206,7 +214,12 @@ def _in_process(
     complete = directory / "indexed.ok"  # written only after the whole corpus is in
     if not complete.exists():
         _ingest(runtime, corpus, "eval", TENANT)
-        complete.write_text(f"{corpus.resolve()}\n")
+        complete.write_text(f"{corpus.resolve()} sha256:{digest}\n")
+    elif f"sha256:{digest}" not in complete.read_text():  # a --data-dir of other contents
+        raise _usage_error(
+            f"--data-dir {directory} holds the index of other contents than {corpus} "
+            "(an older version of it, or another corpus): give a new directory"
+        )
     total = len(judged_queries(queries, read_qrels(qrels), max_queries))
     with progress_bar(console) as bar:
         tasks: dict[str, Any] = {}
