@@ -53,8 +53,8 @@ from worker.evaluation.harness import (
     evaluate,
     judged_queries,
     read_corpus,
-    read_jsonl,
     read_qrels,
+    read_results,
     score_results,
     score_runs,
 )
@@ -82,6 +82,16 @@ def _ingest(runtime: Runtime, corpus: Path, index: str, tenant: str) -> int:
     with progress_bar(console) as bar:
         task = bar.add_task(f"indexing {corpus.name}", total=len(documents))
         return runtime.ingest(index, tenant, documents, lambda n: bar.advance(task, n))
+
+
+def _judged(
+    queries: Path, qrels_path: Path, qrels: dict[str, dict[str, int]], max_queries: int | None
+) -> list[tuple[str, str]]:
+    """The judged queries; ValueError when there is none (every measure would be undefined)."""
+    judged = judged_queries(queries, qrels, max_queries)
+    if not judged:
+        raise ValueError(f"{queries}: no query has a relevant document in {qrels_path}")
+    return judged
 
 
 def _sha256(path: Path) -> str:
@@ -197,6 +207,8 @@ def _in_process(
 ) -> dict[str, Any]:
     # the corpus's model calls already run one per core (one onnxruntime thread each, as in
     # a worker): more threads per call would only spin against them
+    # the queries and qrels are read and checked before the corpus is indexed
+    total = len(_judged(queries, qrels, read_qrels(qrels), max_queries))
     overrides: dict[str, Any] = {}
     if rerank:
         overrides["rerank_enabled"] = True
@@ -220,7 +232,6 @@ def _in_process(
             f"--data-dir {directory} holds the index of other contents than {corpus} "
             "(an older version of it, or another corpus): give a new directory"
         )
-    total = len(judged_queries(queries, read_qrels(qrels), max_queries))
     with progress_bar(console) as bar:
         tasks: dict[str, Any] = {}
 
@@ -251,9 +262,7 @@ def _served(
     """Each run as one batch through the gateway (the runs of the in-process evaluation, the
     same modes, depths and rerank choice), then scored from the hits the API returned."""
     qrels = read_qrels(qrels_path)
-    queries = judged_queries(queries_path, qrels, max_queries)
-    if not queries:
-        raise ValueError(f"{queries_path}: no query has a relevant document in {qrels_path}")
+    queries = _judged(queries_path, qrels_path, qrels, max_queries)
     runs = eval_runs(rerank)
     rankings: dict[str, dict[str, list[str]]] = {}
     usage: dict[str, float | None] = {}
@@ -368,7 +377,7 @@ def _write_jsonl(path: Path, items: list[dict[str, Any]]) -> None:
 
 
 def _scored_file(results: Path, qrels: Path, window: int) -> dict[str, Any]:
-    report = score_results(read_jsonl(results), read_qrels(qrels), window=window)
+    report = score_results(read_results(results), read_qrels(qrels), window=window)
     if not report["queries"]:
         raise ValueError(f"{results}: no result is for a query in {qrels}")
     return report
@@ -484,9 +493,7 @@ def _tune_served(
     """Fetch each judged query's BM25 and kNN rankings once (two batches, as deep as the API
     serves), then tune in-process: no further search, no model."""
     qrels = read_qrels(qrels_path)
-    queries = judged_queries(queries_path, qrels, max_queries)
-    if not queries:
-        raise ValueError(f"{queries_path}: no query has a relevant document in {qrels_path}")
+    queries = _judged(queries_path, qrels_path, qrels, max_queries)
     split_folds([qid for qid, _ in queries], folds, seed)  # a bad --folds fails before searching
     runs = [RunSpec("bm25", "fts", False, MAX_LIMIT), RunSpec("knn", "vector", False, MAX_LIMIT)]
     _, served = _run_batches(index, runs, queries, out)

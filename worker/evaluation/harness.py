@@ -13,7 +13,7 @@ query, how often fusion lost to a channel alone.
 
 from __future__ import annotations
 
-import json
+import io
 import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -22,9 +22,11 @@ from typing import Any
 
 import ir_measures
 from ir_measures import RR, R, nDCG
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from worker.contract import DocumentIn, Mode, SearchSpec
 from worker.core.cost import add_costs
+from worker.jsonl import field_problem, numbered, open_text, records
 from worker.runtime.inprocess import Runtime
 
 JUDGE_POLICY = "qrels (binary: score >= 1), no LLM judge; queries without qrels left out"
@@ -42,39 +44,143 @@ class Collection:
     qrels: Path
 
 
-def read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        for line in handle:
-            if line.strip():
-                yield json.loads(line)
+def read_results(path: Path) -> Iterator[dict[str, Any]]:
+    """The lines ``sift batch`` writes, each checked for the fields scoring reads; raises
+    ValueError ``path:line: field 'x': ...`` at the first bad one."""
+    for _, item in records(path, _result_line):
+        yield item
+
+
+def _result_line(obj: Any) -> dict[str, Any]:
+    if not isinstance(obj, dict):
+        raise ValueError("a line must be a JSON object")
+    try:
+        _ResultLine.model_validate(obj)
+    except ValidationError as exc:
+        raise ValueError(field_problem(exc, "line")) from None
+    return obj
+
+
+class _Lenient(BaseModel):
+    """A served shape as scoring reads it: the fields it uses are checked, others kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class _Rank(_Lenient):
+    rank: int
+
+
+class _Candidate(_Lenient):
+    id: str
+    rrf: _Lenient | None = None
+    channels: dict[str, _Rank] | None = None
+
+
+class _Hit(_Lenient):
+    id: str
+    ranks: dict[str, int | None] | None = None
+
+
+class _Trace(_Lenient):
+    candidates: list[_Candidate] | None = None
+
+
+class _Result(_Lenient):
+    hits: list[_Hit] | None = None
+    trace: _Trace | None = None
+    rerank: dict[str, Any] | None = None
+    usage: dict[str, float | None] | None = None
+
+
+class _ResultLine(_Lenient):
+    query_id: str
+    status: str
+    result: _Result | None = None
 
 
 def read_corpus(path: Path) -> list[DocumentIn]:
-    """BEIR (``_id``, ``title``, ``text``) or Sift's own shape (``id``, ...)."""
-    docs = []
-    for row in read_jsonl(path):
-        if "_id" in row:
-            row = {"id": str(row["_id"]), "title": row.get("title") or "", "text": row["text"]}
-        docs.append(DocumentIn.model_validate(row))
-    return docs
+    """BEIR (``_id``, ``title``, ``text``) or Sift's own shape (``id``, ...); raises
+    ValueError ``path:line: field 'x': ...`` at the first bad line."""
+    return [document for _, document in records(path, _document)]
+
+
+def _document(obj: Any) -> DocumentIn:
+    if not isinstance(obj, dict):
+        raise ValueError("a line must be a JSON object")
+    if "_id" in obj:
+        obj = {"id": str(obj["_id"]), "title": obj.get("title") or "", "text": obj.get("text")}
+    try:
+        return DocumentIn.model_validate(obj)
+    except ValidationError as exc:
+        raise ValueError(field_problem(exc)) from None
 
 
 def read_qrels(path: Path) -> dict[str, dict[str, int]]:
+    """The relevant pairs (score at least 1) of a BEIR ``.tsv`` qrels file (``query-id``,
+    ``corpus-id``, ``score``, under a header) or of TREC qrels (any other name: query,
+    iteration, document, relevance), read by ir-measures. Each line's columns are checked
+    first: raises ValueError ``path:line: ...`` at the first bad one, and ``path: ...``
+    when no pair is relevant (every measure would be undefined)."""
+    tsv = path.suffix == ".tsv"
     qrels: dict[str, dict[str, int]] = {}
-    rows = _tsv(path) if path.suffix == ".tsv" else ir_measures.read_trec_qrels(str(path))  # type: ignore[no-untyped-call]
-    for qrel in rows:
-        if qrel.relevance >= 1:
-            qrels.setdefault(qrel.query_id, {})[qrel.doc_id] = qrel.relevance
+    try:
+        handle = open_text(path)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    with handle:
+        for n, (number, line) in enumerate(numbered(handle)):
+            try:
+                qrel = _tsv_row(line, header=n == 0) if tsv else _trec_row(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: {exc}") from None
+            if qrel is not None and qrel.relevance >= 1:
+                qrels.setdefault(qrel.query_id, {})[qrel.doc_id] = qrel.relevance
+    if not qrels:
+        raise ValueError(f"{path}: no relevance judgment (a score of 1 or more)")
     return qrels
 
 
-def _tsv(path: Path) -> Iterator[ir_measures.Qrel]:
-    with path.open(encoding="utf-8") as handle:
-        for n, line in enumerate(handle):
-            parts = line.split()
-            if len(parts) != 3 or (n == 0 and not parts[2].lstrip("-").isdigit()):
-                continue  # the header
-            yield ir_measures.Qrel(parts[0], parts[1], int(parts[2]))
+def _tsv_row(line: str, *, header: bool) -> ir_measures.Qrel | None:
+    """One BEIR qrels row; ``None`` for the header (the first row, its score not a number).
+
+    >>> _tsv_row("q1\td1\t2", header=False)
+    Qrel(query_id='q1', doc_id='d1', relevance=2, iteration='0')
+    >>> _tsv_row("q1 d1", header=False)
+    Traceback (most recent call last):
+    ValueError: 2 columns: BEIR qrels have 3 (query-id, corpus-id, score)
+    """
+    parts = line.split()
+    if len(parts) != 3:
+        raise ValueError(f"{len(parts)} columns: BEIR qrels have 3 (query-id, corpus-id, score)")
+    if not _integer(parts[2]):
+        if header:
+            return None
+        raise ValueError(f"field 'score': an integer is required, not {parts[2]!r}")
+    return ir_measures.Qrel(parts[0], parts[1], int(parts[2]))
+
+
+def _trec_row(line: str) -> ir_measures.Qrel:
+    """One TREC qrels line, checked, then read by ir-measures' own reader.
+
+    >>> _trec_row("q1 0 d1 1")
+    Qrel(query_id='q1', doc_id='d1', relevance=1, iteration='0')
+    """
+    parts = line.split()
+    if len(parts) != 4:
+        hint = "; BEIR qrels (query-id, corpus-id, score) need a .tsv name" * (len(parts) == 3)
+        raise ValueError(
+            f"{len(parts)} columns: TREC qrels have 4 (query, iteration, document, relevance)"
+            + hint
+        )
+    if not _integer(parts[3]):
+        raise ValueError(f"field 'relevance': an integer is required, not {parts[3]!r}")
+    qrel: ir_measures.Qrel = next(ir_measures.read_trec_qrels(io.StringIO(line)))  # type: ignore[no-untyped-call]
+    return qrel
+
+
+def _integer(text: str) -> bool:
+    return text.lstrip("-").isdigit()
 
 
 @dataclass(frozen=True)
@@ -101,12 +207,30 @@ def eval_runs(rerank: bool) -> list[RunSpec]:
 def judged_queries(
     path: Path, qrels: dict[str, dict[str, int]], max_queries: int | None = None
 ) -> list[tuple[str, str]]:
-    """``(id, text)`` of the queries with at least one relevant pair, in file order."""
-    queries = [
-        (str(row["_id"] if "_id" in row else row["id"]), row.get("text") or row["query"])
-        for row in read_jsonl(path)
-    ]
+    """``(id, text)`` of the queries with at least one relevant pair, in file order; raises
+    ValueError ``path:line: field 'x': ...`` at the first bad line."""
+    queries = [query for _, query in records(path, _query)]
     return [(qid, text) for qid, text in queries if qid in qrels][:max_queries]
+
+
+def _query(obj: Any) -> tuple[str, str]:
+    """A BEIR query (``_id``, ``text``) or Sift's (``id``, ``query``) as ``(id, text)``.
+
+    >>> _query({"_id": "q1", "text": "tea"}), _query({"id": "q2", "query": "coffee"})
+    (('q1', 'tea'), ('q2', 'coffee'))
+    >>> _query({"id": "q3"})
+    Traceback (most recent call last):
+    ValueError: field 'query': a non-empty string is required
+    """
+    if not isinstance(obj, dict):
+        raise ValueError("a line must be a JSON object")
+    id_field, text_field = ("_id", "text") if "_id" in obj else ("id", "query")
+    qid, text = obj.get(id_field), obj.get(text_field)
+    if isinstance(qid, bool) or not isinstance(qid, str | int) or qid == "":
+        raise ValueError(f"field {id_field!r}: a non-empty string is required")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"field {text_field!r}: a non-empty string is required")
+    return str(qid), text
 
 
 def _qrel_list(qrels: dict[str, dict[str, int]], judged: set[str]) -> list[ir_measures.Qrel]:

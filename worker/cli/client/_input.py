@@ -3,7 +3,6 @@ before anything is sent."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from worker.cli._common import EXIT_INTERRUPTED, InputError, _err
 from worker.cli._output import plain
 from worker.constants import MAX_DOCUMENT_CHARS, MAX_LIMIT, MAX_QUERY_CHARS
 from worker.contract import BLANK, DocumentRequest, is_blank
+from worker.jsonl import field_problem, numbered, open_text, parsed
 
 MODES = ("fts", "vector", "hybrid")
 
@@ -44,36 +44,15 @@ def _nothing_sent_on_interrupt(read: Path, what: str) -> Iterator[None]:
 
 
 def _jsonl(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line number, line)`` per non-blank line; each is parsed by :func:`_parsed`, where a
-    line that is not UTF-8 or not JSON is a bad line like any other (``--skip-invalid`` skips
-    it: a file cut off mid-line may be cut inside a character). Bytes that are not UTF-8 are
-    kept as lone surrogates (``surrogateescape``), which no decoded text holds."""
+    """``(line number, line)`` per non-blank line; each is parsed by
+    :func:`worker.jsonl.parsed`, where a line that is not UTF-8 or not JSON is a bad line like
+    any other (``--skip-invalid`` skips it)."""
     try:
-        handle = path.open(encoding="utf-8", errors="surrogateescape")
+        handle = open_text(path)
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     with handle:
-        for number, line in enumerate(handle, start=1):
-            if line.strip():
-                yield number, line
-
-
-def _parsed(line: str) -> Any:
-    """One line's JSON; raises ValueError saying it is not UTF-8 or not JSON."""
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:  # a byte surrogateescape kept: the line is not UTF-8
-        raise ValueError("not UTF-8 text") from None
-    try:
-        return json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc.msg})") from None
-
-
-def _pydantic_problem(exc: ValidationError) -> str:
-    first = exc.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "document"
-    return f"field {where!r}: {first['msg']}"
+        yield from numbered(handle)
 
 
 def document_from(obj: Any) -> dict[str, Any]:
@@ -88,7 +67,7 @@ def document_from(obj: Any) -> dict[str, Any]:
     try:  # the gateway's own checks (metadata every backend can hold), so nothing is sent
         document = DocumentRequest.model_validate(obj)
     except ValidationError as exc:
-        raise ValueError(_pydantic_problem(exc)) from None
+        raise ValueError(field_problem(exc)) from None
     if len(document.text) > MAX_DOCUMENT_CHARS:
         raise ValueError(f"field 'text': longer than {MAX_DOCUMENT_CHARS} characters")
     if is_blank(document.text):
@@ -136,7 +115,7 @@ def _load(path: Path, parse: Any, *, skip_invalid: bool, unique_ids: bool = Fals
     seen: set[str] = set()
     for number, line in _jsonl(path):
         try:
-            record = parse(_parsed(line))
+            record = parse(parsed(line))
             if unique_ids:
                 if record["id"] in seen:
                     raise ValueError(f"field 'id': {record['id']!r} appears twice")

@@ -1,0 +1,130 @@
+"""``sift eval``'s input files are read line by line and checked as ``sift ingest`` and
+``sift batch`` check theirs: a bad line is one red line naming the file, the line and the
+field, exit 1, with no traceback; a qrels file with no judgment, or no judged query, is an
+error too (it printed a table of ``nan`` and exited 0).
+
+Before: a queries line without ``query`` was a ``KeyError`` traceback, a result whose
+``hits`` was not a list a ``TypeError``, a TREC qrels line of the wrong width Python's
+unpacking error, a score that was not an integer ``int()``'s error, a bad corpus line a raw
+pydantic dump, and a ``.tsv`` qrels file of malformed rows was read as no judgment at all.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from worker.cli import app
+
+QUERIES = '{"_id": "q1", "text": "rail"}\n'
+QRELS = "query-id\tcorpus-id\tscore\nq1\trail-1\t1\n"
+
+
+def write(path: Path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
+
+
+def eval_(*args: str) -> Result:
+    # --index: the files are read and checked before the gateway (none here) is called
+    env = {"COLUMNS": "300", "SIFT_URL": "http://127.0.0.1:9", "SIFT_API_KEY": "k"}
+    return CliRunner().invoke(app, ["eval", *args], env=env)
+
+
+def refused(result: Result, message: str) -> None:
+    assert isinstance(result.exception, SystemExit), result.exception  # no traceback
+    assert result.exit_code == 1, result.output
+    assert message in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def served(tmp_path: Path, queries: str = QUERIES, qrels: str = QRELS, name: str = "qrels.tsv"):
+    return eval_(
+        "--index", "s", "--queries", write(tmp_path / "q.jsonl", queries),
+        "--qrels", write(tmp_path / name, qrels),
+    )  # fmt: skip
+
+
+def test_a_query_line_without_its_text_names_the_line_and_field(tmp_path: Path) -> None:
+    result = served(tmp_path, queries=QUERIES + '{"id": "q2"}\n')
+    refused(result, f"{tmp_path / 'q.jsonl'}:2: field 'query': a non-empty string is required")
+
+
+def test_a_query_line_that_is_not_json_names_the_line(tmp_path: Path) -> None:
+    result = served(tmp_path, queries="\n" + QUERIES + "{nope\n")
+    refused(result, f"{tmp_path / 'q.jsonl'}:3: not valid JSON")
+
+
+def test_a_result_whose_hits_are_not_a_list_names_the_line_and_field(tmp_path: Path) -> None:
+    ok = {"query_id": "q1", "status": "succeeded", "result": {"hits": []}}
+    bad = {"query_id": "q2", "status": "succeeded", "result": {"hits": "x"}}
+    results = write(tmp_path / "r.jsonl", f"{json.dumps(ok)}\n{json.dumps(bad)}\n")
+    result = eval_("--results", results, "--qrels", write(tmp_path / "qrels.tsv", QRELS))
+    refused(result, f"{results}:2: field 'result.hits': Input should be a valid list")
+
+
+def test_a_hit_without_an_id_names_the_line_and_field(tmp_path: Path) -> None:
+    bad = {"query_id": "q1", "status": "succeeded", "result": {"hits": [{"ranks": {}}]}}
+    results = write(tmp_path / "r.jsonl", json.dumps(bad) + "\n")
+    result = eval_("--results", results, "--qrels", write(tmp_path / "qrels.tsv", QRELS))
+    refused(result, f"{results}:1: field 'result.hits.0.id': Field required")
+
+
+def test_a_trec_qrels_line_of_the_wrong_width_names_the_line(tmp_path: Path) -> None:
+    result = served(tmp_path, qrels="q1 0 rail-1 1\nq1 rail-2\n", name="qrels.txt")
+    refused(result, f"{tmp_path / 'qrels.txt'}:2: 2 columns: TREC qrels have 4")
+
+
+def test_beir_qrels_named_txt_say_that_a_tsv_name_reads_them(tmp_path: Path) -> None:
+    result = served(tmp_path, name="qrels.txt")
+    refused(result, f"{tmp_path / 'qrels.txt'}:1: 3 columns: TREC qrels have 4")
+    assert "a .tsv name" in result.output
+
+
+@pytest.mark.parametrize(
+    ("name", "qrels", "message"),
+    [
+        ("qrels.tsv", QRELS + "q1\trail-2\thigh\n", ":3: field 'score': an integer is required"),
+        ("qrels.txt", "q1 0 rail-1 1.5\n", ":1: field 'relevance': an integer is required"),
+    ],
+)
+def test_a_score_that_is_not_an_integer_names_the_line_and_field(
+    tmp_path: Path, name: str, qrels: str, message: str
+) -> None:
+    refused(served(tmp_path, qrels=qrels, name=name), f"{tmp_path / name}{message}")
+
+
+def test_a_tsv_qrels_file_of_malformed_rows_names_the_first(tmp_path: Path) -> None:
+    result = served(tmp_path, qrels="query-id\tcorpus-id\tscore\nq1 rail-1\nq1 rail-2\n")
+    refused(result, f"{tmp_path / 'qrels.tsv'}:2: 2 columns: BEIR qrels have 3")
+
+
+def test_qrels_with_no_judgment_are_an_error(tmp_path: Path) -> None:
+    result = served(tmp_path, qrels="query-id\tcorpus-id\tscore\nq1\trail-1\t0\n")
+    refused(result, f"{tmp_path / 'qrels.tsv'}: no relevance judgment (a score of 1 or more)")
+
+
+def test_no_judged_query_is_an_error_for_every_source(tmp_path: Path) -> None:
+    corpus = write(tmp_path / "c.jsonl", '{"id": "rail-1", "text": "rail"}\n')
+    queries = write(tmp_path / "q.jsonl", '{"_id": "q9", "text": "rail"}\n')
+    qrels = write(tmp_path / "qrels.tsv", QRELS)
+    message = f"{queries}: no query has a relevant document in {qrels}"
+    refused(eval_("--index", "s", "--queries", queries, "--qrels", qrels), message)
+    data = str(tmp_path / "index")
+    corpus_eval = eval_(
+        "--corpus", corpus, "--queries", queries, "--qrels", qrels, "--data-dir", data
+    )
+    refused(corpus_eval, message)
+
+
+def test_a_bad_corpus_line_names_the_line_and_field(tmp_path: Path) -> None:
+    corpus = write(tmp_path / "c.jsonl", '{"id": "rail-1", "text": "rail"}\n{"id": "rail-2"}\n')
+    result = eval_(
+        "--corpus", corpus, "--queries", write(tmp_path / "q.jsonl", QUERIES),
+        "--qrels", write(tmp_path / "qrels.tsv", QRELS), "--data-dir", str(tmp_path / "index"),
+    )  # fmt: skip
+    refused(result, f"{corpus}:2: field 'text': Field required")
+    assert "validation error" not in result.output  # pydantic's own dump
