@@ -280,6 +280,7 @@ def test_sift_index_set(stack: Stack) -> None:
     wrong = runner.invoke(app, ["index", "set", "fusion-cli", "--method", "sum"], env=env)
     assert wrong.exit_code != 0 and "--method" in wrong.output
     bad = runner.invoke(app, ["index", "set", "fusion-cli", "--knn-weight", "-1"], env=env)
-    assert bad.exit_code == 1 and "fusion.weights.knn" in bad.output
+    assert bad.exit_code == 2 and "'--knn-weight'" in bad.output  # a usage error, not sent
+    assert "fusion.weights.knn" not in bad.output  # the API's field, not the option
     reset = runner.invoke(app, ["index", "set", "fusion-cli", "--reset", "--json"], env=env)
     assert reset.exit_code == 0 and json.loads(reset.stdout)["settings"] == DEFAULTS

@@ -138,6 +138,6 @@ def test_documents_list_pages_through_escapes_markup_and_lists_all(stack: Stack)
     assert whole.exit_code == 0 and "12 documents of 12" in whole.stdout and "m11" in whole.stdout
     assert "more documents follow" not in whole.stdout
     both = sift(stack, "documents", "list", "cli-list-docs", "--all", "--limit", "2")
-    assert both.exit_code == 1 and "--limit and --all" in both.output
+    assert both.exit_code == 2 and "'--limit' / '--all'" in both.output
     missing = sift(stack, "documents", "list", "cli-nobody")
     assert missing.exit_code == 1 and "does not exist" in missing.output

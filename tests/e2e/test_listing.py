@@ -198,4 +198,4 @@ def test_the_cli_lists_jobs(stack: Stack) -> None:
     run = _sift(stack, "ingestions", "--json", "--limit", "1001")  # two pages' worth asked
     assert run.returncode == 0 and isinstance(json.loads(run.stdout), list)
     run = _sift(stack, "searches", "--status", "done")
-    assert run.returncode == 1 and "--status" in run.stderr and "Traceback" not in run.stderr
+    assert run.returncode == 2 and "--status" in run.stderr and "Traceback" not in run.stderr

@@ -463,7 +463,7 @@ def test_search_trace_json_keeps_the_raw_trace(fake_gateway: FakeGateway) -> Non
 
 def test_search_rejects_an_unknown_mode(fake_gateway: FakeGateway) -> None:
     result = run(fake_gateway, "search", "q", "--index", "s", "--mode", "semantic")
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "--mode" in result.output
     assert fake_gateway.requests == []
 

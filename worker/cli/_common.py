@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import typer
@@ -13,6 +13,7 @@ from worker.cli._http import GatewayError
 from worker.cli._output import cli_console, plain
 
 EXIT_ERROR = 1
+EXIT_USAGE = 2  # typer's own, for a bad option value or a bad combination of options
 EXIT_ITEMS_FAILED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
@@ -37,3 +38,19 @@ def _expected_errors() -> Iterator[None]:
     except (GatewayError, InputError) as exc:
         _err().print(f"[bold red]error:[/] {plain(exc)}", soft_wrap=True)
         raise typer.Exit(EXIT_ERROR) from None
+
+
+def one_of(choices: tuple[str, ...]) -> Callable[[str | None], str | None]:
+    """A typer callback: an option's value if it is one of ``choices``, else a usage error
+    naming the option (exit 2), checked before the command runs.
+
+    >>> one_of(("fts", "vector"))("fts")
+    'fts'
+    """
+
+    def check(value: str | None) -> str | None:
+        if value is not None and value not in choices:
+            raise typer.BadParameter(f"one of {', '.join(choices)} is required, not {value!r}")
+        return value
+
+    return check

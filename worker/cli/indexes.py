@@ -14,13 +14,15 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_ERROR, InputError, _err, _expected_errors, _out
+from worker.cli._common import EXIT_ERROR, EXIT_USAGE, _err, _expected_errors, _out
 from worker.cli._http import Gateway, gateway, index_name, segment
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
+from worker.contract import IndexSettingsPatch
 
 index_app = typer.Typer(
     help="Show, set the search settings of, or delete one of your indexes.", no_args_is_help=True
@@ -167,6 +169,35 @@ def settings_patch(
     return body
 
 
+# ``sift index set``'s option for each field of the API's settings (the longest path first)
+SETTING_OPTIONS = {
+    ("fusion", "weights", "bm25"): "'--bm25-weight'",
+    ("fusion", "weights", "knn"): "'--knn-weight'",
+    ("fusion", "weights"): "'--bm25-weight' / '--knn-weight'",
+    ("fusion", "rank_constant"): "'--rank-constant'",
+    ("fusion", "method"): "'--method'",
+    ("candidate_limit",): "'--candidate-limit'",
+}
+
+
+def checked_patch(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` if the API takes it (the gateway's own model checks it here), else a usage
+    error naming the option, not the API's field (``fusion.weights.knn``), exit 2.
+
+    >>> checked_patch({"fusion": {"weights": {"knn": 0.5}}})
+    {'fusion': {'weights': {'knn': 0.5}}}
+    """
+    try:
+        IndexSettingsPatch.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = tuple(str(part) for part in first["loc"])
+        hint = next((o for path, o in SETTING_OPTIONS.items() if where[: len(path)] == path), None)
+        message = str(first["msg"]).removeprefix("Value error, ")
+        raise typer.BadParameter(message, param_hint=hint) from None
+    return body
+
+
 @index_app.command("set")
 def index_set(
     name: IndexArgument,
@@ -210,7 +241,8 @@ def index_set(
     )
     if not body:
         _err().print("[bold red]error:[/] give at least one setting (or --reset)")
-        raise typer.Exit(EXIT_ERROR)
+        raise typer.Exit(EXIT_USAGE)
+    checked_patch(body)  # a bad value names its option before anything is sent
     with _expected_errors(), gateway() as client:
         found = client.update_index(name, body)
     if json_out:
@@ -345,7 +377,7 @@ def documents_list(
     console = _out()
     with _expected_errors():
         if every and limit is not None:
-            raise InputError("--limit and --all: give one of them")
+            raise typer.BadParameter("give one of them", param_hint="'--limit' / '--all'")
         with gateway() as client:
             total = int(client.json("GET", f"/v1/indexes/{segment(index)}")["documents"])
             if every:

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 
 from worker.cli._app import app
-from worker.cli._common import InputError, _expected_errors, _out
+from worker.cli._common import _expected_errors, _out, one_of
 from worker.cli._http import Gateway, gateway
 from worker.cli._output import counted, local_time, plain, print_fitted
 from worker.constants import MAX_PAGE_SIZE
@@ -25,7 +25,12 @@ STATUSES = tuple(status.value for status in JobStatus)
 MAX_PAGES = 1_000  # a filter that matches nothing stops after this many pages
 
 Status = Annotated[
-    str | None, typer.Option("--status", help=f"only jobs in this status: {', '.join(STATUSES)}")
+    str | None,
+    typer.Option(
+        "--status",
+        callback=one_of(STATUSES),
+        help=f"only jobs in this status: {', '.join(STATUSES)}",
+    ),
 ]
 Limit = Annotated[int, typer.Option("--limit", min=1, help="show at most this many (newest)")]
 JsonOut = Annotated[bool, typer.Option("--json", help="print the jobs as a JSON array")]
@@ -63,11 +68,8 @@ def _list(
     drop_order: list[str],
 ) -> None:
     console = _out()
-    with _expected_errors():
-        if status is not None and status not in STATUSES:
-            raise InputError(f"--status: one of {', '.join(STATUSES)} is required, not {status!r}")
-        with gateway() as client:
-            jobs = fetch_jobs(client, path, key, status, limit)
+    with _expected_errors(), gateway() as client:
+        jobs = fetch_jobs(client, path, key, status, limit)
     if json_out:
         typer.echo(json.dumps(jobs))
         return

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Protocol, runtime_checkable
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from worker.cli._app import app
@@ -53,10 +54,11 @@ def gateway(
     """Run one gateway (one uvicorn process), for deployment; scale with replicas."""
     import uvicorn
 
-    settings = _settings()
+    overrides = {} if port is None else {"gateway_port": port}
+    settings = _settings(options=("gateway_port",), **overrides)
     _require_redis(settings, "the gateway")
     uvicorn.run(
-        "api_gateway.app:serve", factory=True, host=host, port=port or settings.gateway_port,
+        "api_gateway.app:serve", factory=True, host=host, port=settings.gateway_port,
         access_log=False, log_level=settings.log_level.lower(),
     )  # fmt: skip
 
@@ -87,7 +89,7 @@ def worker(
         overrides["worker_pool"] = pool
     if processes is not None:
         overrides["worker_processes"] = processes
-    settings = _settings(**overrides)
+    settings = _settings(options=tuple(overrides), **overrides)
     if not supervised_by:  # its supervisor checked
         _require_redis(settings, "the workers")
         _check_backend(settings)
@@ -199,10 +201,30 @@ def elasticsearch_migrate(
         console.print("nothing to migrate: no index of the shared layout")
 
 
-def _settings(**overrides: Any) -> Settings:
+# the option that sets each setting, where a command has one
+SETTING_OPTIONS = {
+    "gateway_port": "--port",
+    "worker_metrics_port": "--metrics-port",
+    "data_dir": "--data-dir",
+    "worker_concurrency": "--concurrency",
+    "worker_pool": "--pool",
+    "worker_processes": "--processes",
+}
+
+
+def _settings(*, options: tuple[str, ...] = (), **overrides: Any) -> Settings:
+    """The settings with ``overrides``; a bad one given by an option (a setting named in
+    ``options``) is a usage error naming the option, not its variable, exit 2."""
     try:
         return load_settings(**overrides)
     except SiftError as error:
+        cause = error.__cause__
+        for problem in cause.errors() if isinstance(cause, ValidationError) else []:
+            field = str(problem["loc"][0]) if problem["loc"] else ""
+            if field in overrides and field in options:
+                raise typer.BadParameter(
+                    str(problem["msg"]), param_hint=f"'{SETTING_OPTIONS[field]}'"
+                ) from None
         console.print(f"[red]error:[/red] {plain(error)}")
         raise typer.Exit(2) from error
 
@@ -345,7 +367,7 @@ def up(
         overrides["worker_metrics_port"] = metrics_port
     if data_dir is not None:
         overrides["data_dir"] = data_dir
-    settings = _settings(**overrides)
+    settings = _settings(options=tuple(overrides), **overrides)
     stopping = threading.Event()
     started: LocalStack | None = None
 

@@ -25,6 +25,7 @@ from worker.cli._common import (
     _err,
     _expected_errors,
     _out,
+    one_of,
 )
 from worker.cli._http import (
     FINAL_STATUSES,
@@ -181,14 +182,17 @@ def batch(
     limit: Annotated[
         int | None, typer.Option(min=1, max=MAX_LIMIT, help="hits per query, if a line has none")
     ] = None,
-    mode: Annotated[str | None, typer.Option(help="fts, vector or hybrid, if a line has none")] = (
-        None
-    ),
+    mode: Annotated[
+        str | None,
+        typer.Option(callback=one_of(MODES), help="fts, vector or hybrid, if a line has none"),
+    ] = None,
     rerank: Annotated[
         bool | None,
         typer.Option("--rerank/--no-rerank", help="override the server's default"),
     ] = None,
-    lane: Annotated[str, typer.Option(help="standard or economy")] = "standard",
+    lane: Annotated[
+        str, typer.Option(callback=one_of(LANES), help="standard or economy")
+    ] = "standard",
     webhook_url: Annotated[
         str | None, typer.Option("--webhook-url", help="POST batch.completed here")
     ] = None,
@@ -203,10 +207,6 @@ def batch(
     """Submit a batch of searches, show progress while it runs, and write every result."""
     console = _out()
     with _expected_errors():
-        if mode is not None and mode not in MODES:
-            raise InputError(f"--mode: one of {', '.join(MODES)} is required, not {mode!r}")
-        if lane not in LANES:
-            raise InputError(f"--lane: one of {', '.join(LANES)} is required, not {lane!r}")
         with _nothing_sent_on_interrupt(queries, "nothing was sent, no batch made"):
             loaded = _load(queries, query_from, skip_invalid=skip_invalid, unique_ids=True)
             _report_skipped(console, loaded.problems)

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_INTERRUPTED, InputError, _err, _expected_errors, _out
+from worker.cli._common import EXIT_INTERRUPTED, _err, _expected_errors, _out, one_of
 from worker.cli._http import FINAL_STATUSES, GatewayError, gateway, index_name
 from worker.cli._output import plain, print_result, trace_lines
 from worker.cli.client._input import MODES
@@ -54,7 +54,9 @@ def search(
     query: Annotated[str, typer.Argument(help="the query text")],
     index: Annotated[str, typer.Option("--index", callback=index_name, help="the index to search")],
     limit: Annotated[int, typer.Option(min=1, max=MAX_LIMIT, help="hits to return")] = 10,
-    mode: Annotated[str, typer.Option(help="fts, vector or hybrid")] = "hybrid",
+    mode: Annotated[
+        str, typer.Option(callback=one_of(MODES), help="fts, vector or hybrid")
+    ] = "hybrid",
     rerank: Annotated[
         bool | None,
         typer.Option("--rerank/--no-rerank", help="override the server's default"),
@@ -71,8 +73,6 @@ def search(
     """Run one search through the gateway and print the ranked hits."""
     console = _out()
     with _expected_errors():
-        if mode not in MODES:
-            raise InputError(f"--mode: one of {', '.join(MODES)} is required, not {mode!r}")
         body: dict[str, Any] = {
             "index": index,
             "query": query,

@@ -1,0 +1,94 @@
+"""A bad option value is a usage error that names the option, exit 2, as typer's own are
+(``Invalid value for '--x'``), before anything is sent or started.
+
+Before: ``sift index set --knn-weight -1`` went to the gateway and came back naming the API's
+``fusion.weights.knn``, exit 1; ``sift up --port 99999`` named ``SIFT_GATEWAY_PORT``, the
+variable the user had not set; ``--mode``, ``--lane`` and ``--status`` of no known value,
+``--limit`` with ``--all`` and ``sift index set`` with no setting exited 1.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from worker.cli import app
+
+# no gateway, and no Redis: a service command whose option went unchecked stops there
+NOWHERE = {"SIFT_URL": "http://127.0.0.1:9", "SIFT_API_KEY": "k", "SIFT_REDIS_URL": "",
+           "COLUMNS": "200"}  # fmt: skip
+
+
+def sift(*args: str) -> Result:
+    return CliRunner().invoke(app, list(args), env=NOWHERE)
+
+
+def usage_error(result: Result, option: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '{option}'" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "not_named"),
+    [
+        (["--knn-weight", "-1"], "--knn-weight", "fusion.weights.knn"),
+        (["--bm25-weight", "nan"], "--bm25-weight", "fusion.weights.bm25"),
+        (["--rank-constant", "0"], "--rank-constant", "fusion.rank_constant"),
+        (["--candidate-limit", "0"], "--candidate-limit", "candidate_limit"),
+        (["--bm25-weight", "0", "--knn-weight", "0"], "--bm25-weight' / '--knn-weight", "fusion"),
+    ],
+)
+def test_index_set_names_the_option_not_the_api_field(
+    args: list[str], option: str, not_named: str
+) -> None:
+    result = sift("index", "set", "demo", *args)
+    usage_error(result, option)
+    assert not_named not in result.output
+    assert "no gateway" not in result.output  # checked here: nothing was sent
+
+
+def test_index_set_with_no_setting_is_a_usage_error() -> None:
+    result = sift("index", "set", "demo")
+    assert result.exit_code == 2 and "give at least one setting" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "option", "variable"),
+    [
+        (["up", "--port", "99999"], "--port", "SIFT_GATEWAY_PORT"),
+        (["up", "--metrics-port", "-1"], "--metrics-port", "SIFT_WORKER_METRICS_PORT"),
+        (["gateway", "--port", "70000"], "--port", "SIFT_GATEWAY_PORT"),
+        (["worker", "--pool", "gevent"], "--pool", "SIFT_WORKER_POOL"),
+        (["worker", "--concurrency", "99999"], "--concurrency", "SIFT_WORKER_CONCURRENCY"),
+    ],
+)
+def test_a_service_option_is_named_not_its_variable(
+    args: list[str], option: str, variable: str
+) -> None:
+    result = sift(*args)
+    usage_error(result, option)
+    assert variable not in result.output
+
+
+def test_search_mode_of_no_known_value(tmp_path: Path) -> None:
+    usage_error(sift("search", "q", "--index", "s", "--mode", "foo"), "--mode")
+
+
+@pytest.mark.parametrize(("option", "value"), [("--mode", "foo"), ("--lane", "fast")])
+def test_batch_option_of_no_known_value(tmp_path: Path, option: str, value: str) -> None:
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"id": "q1", "query": "tea"}\n')
+    out = str(tmp_path / "out.jsonl")
+    usage_error(sift("batch", str(queries), "--index", "s", "--out", out, option, value), option)
+
+
+@pytest.mark.parametrize("command", ["searches", "batches", "ingestions"])
+def test_status_of_no_known_value(command: str) -> None:
+    usage_error(sift(command, "--status", "bogus"), "--status")
+
+
+def test_documents_list_limit_and_all() -> None:
+    usage_error(sift("documents", "list", "demo", "--all", "--limit", "2"), "--limit' / '--all")
