@@ -31,6 +31,8 @@ and script it over HTTP with :class:`RemoteFakeAnthropic` (``POST /_fake/script`
 hold every body); ``counts()`` counts them all: received, answers by status, and how many
 distinct prompts were sent (and answered) more than once. ``outage(seconds, (529, 429),
 retry_after=2)`` answers every request with those errors in turn for a while: a provider outage.
+``configure(hold_until_received=n)`` answers no request until ``n`` have come in: proof that
+they were in flight together, whatever the time each took to arrive.
 
 Besides errors by status (:func:`status`), it fails on the wire as a provider or its network
 can: :func:`stall` (no answer for a while), :func:`drop` (the connection closed with no
@@ -361,6 +363,9 @@ class FakeConfig:
     # ``requests()`` keeps the last this many requests (a 100,000-search run would otherwise
     # hold gigabytes of bodies); ``counts()`` counts every one
     max_recorded: int = 10_000
+    # no ``/v1/messages`` request is answered until this many have been received (since the
+    # last reset): a test's proof that they were all in flight at once (0: none held)
+    hold_until_received: int = 0
 
 
 @dataclass(slots=True)
@@ -639,7 +644,8 @@ class FakeAnthropic:
 
     def requests(self) -> list[dict[str, Any]]:
         """The ``/v1/messages`` requests so far (the last ``max_recorded``): ``method``,
-        ``path``, ``headers``, ``body``."""
+        ``path``, ``headers``, ``body``, and when each came in: ``time`` (the epoch) and
+        ``monotonic`` (the fake's monotonic clock)."""
         with self._lock:
             return copy.deepcopy(list(self._state.requests))
 
@@ -799,12 +805,14 @@ class FakeAnthropic:
                     "headers": dict(request.headers),
                     "body": body if body is not None else raw.decode("utf-8", "replace"),
                     "time": time.time(),
+                    "monotonic": time.monotonic(),  # the fake's own, to order requests by
                 }
             )
             while len(state.requests) > state.config.max_recorded:
                 state.requests.popleft()
             state.received += 1
             state.sent[prompt] += 1
+        await self._held(state)
         response = await self._answer(request, body)
         with self._lock:
             if state is self._state:  # not reset meanwhile
@@ -812,6 +820,15 @@ class FakeAnthropic:
                 if response.status_code == 200:
                     state.answered[prompt] += 1
         return response
+
+    async def _held(self, state: _State) -> None:
+        """Wait until ``hold_until_received`` requests have been received (a reset, or the
+        setting lowered, lets every held request go)."""
+        while True:
+            with self._lock:
+                if state is not self._state or state.received >= state.config.hold_until_received:
+                    return
+            await asyncio.sleep(0.01)
 
     def _outage_answer(self) -> Response | None:
         """The error of a running outage for this request, or None."""

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import redis
@@ -28,6 +28,7 @@ from worker.constants import (
     BATCH_QUEUE,
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_KEY,
+    WORKER_HEARTBEAT_KEY,
 )
 
 CHUNK = 25  # the default SIFT_BATCH_CHUNK_SIZE
@@ -43,10 +44,20 @@ def _status(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+class Running(NamedTuple):
+    id: str
+    answered: int  # the model's 200s before the batch came in
+
+
+def _answered(stack: Stack) -> int:
+    return int(stack.model.counts()["statuses"].get("200", 0))
+
+
 @pytest.fixture
-def running_batch(stack: Stack, corpus: object) -> Iterator[str]:
+def running_batch(stack: Stack, corpus: object) -> Iterator[Running]:
     """A reranked batch of 20 chunks, each rerank answered after 10 s; canceled at the end,
     and waited for, so the next test finds the worker idle."""
+    answered = _answered(stack)
     stack.model.configure(delay=MODEL_SECONDS)
     queries = [{"id": f"s{i}", "query": "green tea"} for i in range((THREADS + 4) * CHUNK)]
     body = {"index": INDEX, "queries": queries, "rerank": True}
@@ -61,7 +72,7 @@ def running_batch(stack: Stack, corpus: object) -> Iterator[str]:
             assert time.monotonic() < deadline, "the worker did not take its chunks"
             time.sleep(0.05)
         client.close()
-        yield batch_id
+        yield Running(batch_id, answered)
     finally:
         stack.model.configure(delay=0.0)
         stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME)
@@ -72,12 +83,18 @@ def running_batch(stack: Stack, corpus: object) -> Iterator[str]:
 
 
 def test_sift_status_shows_the_queue_the_worker_and_the_batch(
-    stack: Stack, running_batch: str
+    stack: Stack, running_batch: Running
 ) -> None:
-    started = time.monotonic()
+    client = redis.Redis.from_url(stack.redis_url + "/0", decode_responses=True)
+    [beat_key] = list(client.scan_iter(WORKER_HEARTBEAT_KEY + "*"))
+    beat_before, read_from = float(client.get(beat_key) or 0), time.time()
     run = _status(stack, "--json")
+    read_by, beat_after = time.time(), float(client.get(beat_key) or 0)
+    client.close()
     assert run.returncode == 0, run.stderr
-    assert time.monotonic() - started < MODEL_SECONDS, "too slow to see the batch running"
+    # what follows is a snapshot of the running batch only if no rerank was answered before
+    # the status was taken (an order of events: the model answers the first after 10 s)
+    assert _answered(stack) == running_batch.answered, "the status came after an answer"
     status: dict[str, Any] = json.loads(run.stdout)
 
     queues = {q["name"]: q for q in status["queues"]}
@@ -86,15 +103,18 @@ def test_sift_status_shows_the_queue_the_worker_and_the_batch(
     assert queues[BATCH_QUEUE]["by_priority"]["0"] == 4
 
     [worker] = status["workers"]
-    assert worker["node"].startswith("w1@") and worker["beat_age_seconds"] < 10
+    assert worker["node"].startswith("w1@") and beat_key.endswith(worker["worker_id"])
+    # the age of the heartbeat it read (one of those seen around the run) when it ran
+    age = worker["beat_age_seconds"]
+    assert read_from - beat_after - 0.05 <= age <= read_by - beat_before + 0.05, age
     assert status["inspect_answered"] and status["unknown_nodes"] == []
     for seen in (worker["holds"], worker["active"]):  # Redis's view, then Celery's
         assert len(seen) == THREADS
         assert {d["task"] for d in seen} == {BATCH_CHUNK_TASK}
-        assert all(running_batch in d["args"] for d in seen)
+        assert all(running_batch.id in d["args"] for d in seen)
     assert {d["task_id"] for d in worker["holds"]} == {d["task_id"] for d in worker["active"]}
 
-    [batch] = [b for b in status["batches"] if b["id"] == running_batch]
+    [batch] = [b for b in status["batches"] if b["id"] == running_batch.id]
     assert (batch["tenant"], batch["index"], batch["total"]) == ("acme", INDEX, 20 * CHUNK)
     assert batch["counts"]["running"] > 0 and batch["counts"]["succeeded"] == 0
 
@@ -102,7 +122,7 @@ def test_sift_status_shows_the_queue_the_worker_and_the_batch(
     assert table.returncode == 0, table.stderr
     for text in ("Queues", BATCH_QUEUE, "Workers alive: 1", worker["node"], "for jobs"):
         assert text in table.stdout
-    assert table.stdout.count(running_batch) == 2  # the worker's job, and the batch running
+    assert table.stdout.count(running_batch.id) == 2  # the worker's job, and the batch running
 
 
 def test_sift_status_shows_what_a_running_batchs_finished_items_cost(

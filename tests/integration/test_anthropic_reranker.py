@@ -450,18 +450,27 @@ def test_on_headers_sees_answers_and_api_errors_and_its_faults_do_not_fail_the_c
 # --- transport and status classes --------------------------------------------------------
 
 
-def test_timeout_returns_about_at_the_timeout(
-    fake: FakeAnthropic, reranker: AnthropicReranker
-) -> None:
-    fake.script([stall(20.0)])
-    started = time.monotonic()
-    error = attempt_error(reranker, timeout=0.5)
-    elapsed = time.monotonic() - started
+def test_timeout_returns_about_at_the_timeout(fake: FakeAnthropic) -> None:
+    """The stall would answer after 20 s; the attempt gives up on the timeout it was given
+    (the one its request asked httpx for), leaving while the fake still held the answer."""
+    asked: list[dict[str, float]] = []
+    http = anthropic.DefaultHttpxClient(
+        event_hooks={"request": [lambda request: asked.append(request.extensions["timeout"])]}
+    )
+    with anthropic.Anthropic(
+        base_url=fake.url, api_key="sk-test", max_retries=0, http_client=http
+    ) as client:
+        fake.script([stall(20.0)])
+        error = attempt_error(AnthropicReranker(MODEL, client=client), timeout=0.5)
     assert error.outcome is AttemptOutcome.TIMEOUT
     assert error.retryable
     assert isinstance(error.__cause__, anthropic.APITimeoutError)
-    assert 0.4 <= elapsed < 10.0  # well before the stall would have ended
+    assert asked == [dict.fromkeys(("connect", "read", "write", "pool"), 0.5)]
     assert len(fake.requests()) == 1
+    deadline = time.monotonic() + 30
+    while fake.counts()["statuses"] != {"499": 1}:  # the client left before any answer
+        assert time.monotonic() < deadline, fake.counts()
+        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("code", [500, 503, 529])

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anthropic
@@ -19,7 +20,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from tests import fake_anthropic as fa
-from tests.fakes import FakeEmbedder, InMemoryBackend, RecordingRecorder
+from tests.fakes import FakeClock, FakeEmbedder, InMemoryBackend, RecordingRecorder
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.adapters.rate_budget import (
@@ -67,6 +68,23 @@ def client(redis_url: str) -> Iterator[redis.Redis]:
 def redis_now(client: redis.Redis) -> float:
     seconds, micros = client.time()
     return float(seconds) + micros / 1e6
+
+
+def paused_until(client: redis.Redis, key: str) -> float:
+    """The instant, on Redis's clock, until which a 429 paused the bucket at ``key``."""
+    return float(client.hget(key, "pause") or 0)
+
+
+def request_wait(client: redis.Redis, key: str, rpm: int) -> Callable[[float], float]:
+    """What the bucket at ``key`` (limited to ``rpm``) holds now, as the wait it makes one
+    more request wait at a later instant on Redis's clock (nothing taken meanwhile)."""
+    level, at = (float(v or 0) for v in client.hmget(key, ["r", "at"]))
+    rate, cap = rpm / 60, rpm * BURST_FRACTION
+
+    def at_instant(now: float) -> float:
+        return max(0.0, (min(1.0, cap) - min(cap, level + (now - at) * rate)) / rate)
+
+    return at_instant
 
 
 def _drain(redis_url: str, limits: dict[str, int], tries: int) -> int:
@@ -148,9 +166,16 @@ def test_a_429_pauses_every_process_sharing_the_budget(client: redis.Redis) -> N
     one = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
     other = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
     assert other.reserve(PROMPT, 0.0).admitted
+    paused_from = redis_now(client)
     one.pause(5.0)
+    asked_from = redis_now(client)
     refused = other.reserve(PROMPT, max_wait=1.0)
-    assert not refused.admitted and 1.0 < refused.wait <= 5.0
+    asked_by = redis_now(client)
+    until = paused_until(client, one.key)
+    assert paused_from + 5.0 <= until <= asked_from + 5.0  # 5 s from the pause, Redis's clock
+    # the other waits out what is left of it when it asks (between the two readings)
+    assert not refused.admitted
+    assert until - asked_by - 1e-6 <= refused.wait <= until - asked_from + 1e-6
 
 
 def test_limits_learned_from_headers_turn_the_budget_on() -> None:
@@ -210,12 +235,16 @@ def build(
     policy: str,
     limits: RateLimit | None,
     recorder: Recorder,
+    *,
+    deadline: float = 3.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> tuple[SearchPipeline, RedisRateBudget]:
     settings = load_settings(
         rerank_enabled=True,
         generation_model=f"anthropic:{MODEL}",
         rerank_failure_policy=policy,
-        search_deadline_seconds=3.0,
+        search_deadline_seconds=deadline,
         generation_timeout_seconds=2.0,
     )
     budget = RedisRateBudget(client, MODEL, limits)
@@ -227,6 +256,8 @@ def build(
         reranker=AnthropicReranker(MODEL, client=sdk, on_headers=budget.learn),
         recorder=recorder,
         rate_budget=budget,
+        clock=clock,
+        sleep=sleep,
     )
     Runtime(pipeline).ingest(
         "docs",
@@ -253,14 +284,19 @@ def test_a_search_the_budget_cannot_serve_in_time_falls_back_without_a_model_cal
     recorder = RecordingRecorder()
     pipeline, budget = build(fake, client, "fail_open", RateLimit(rpm=2), recorder)
     exhaust(budget)  # the next request frees in ~30 s; the deadline is 3 s
+    wait_at = request_wait(client, budget.key, rpm=2)
+    asked_from = redis_now(client)
     result = search(pipeline)
+    asked_by = redis_now(client)
     assert fake.requests() == []
     assert result.rerank.applied is False
     assert result.rerank.fallback_reason == "error:budget_exhausted"
     assert result.usage.requests == 0
     attempts = result.trace["attempts"]
     assert [a["outcome"] for a in attempts] == ["budget_exhausted"]  # not retried
-    assert attempts[0]["budget_wait_seconds"] > 3.0
+    # the bucket's wait when the attempt asked: what it would have had to wait
+    waited = attempts[0]["budget_wait_seconds"]
+    assert wait_at(asked_by) - 1e-6 <= waited <= wait_at(asked_from) + 1e-6
     assert recorder.events["attempt", "budget_exhausted"] == 1
     assert recorder.events["rerank", "budget_exhausted"] == 1
 
@@ -283,14 +319,26 @@ def test_under_fail_closed_it_fails_naming_the_class_and_counts_in_metrics(
 def test_a_wait_that_fits_the_deadline_is_waited_then_the_model_is_called(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:
-    recorder = RecordingRecorder()
-    pipeline, budget = build(fake, client, "fail_closed", RateLimit(rpm=60), recorder)
-    exhaust(budget)  # the next request frees in 1 s (a busy machine's first half takes 0.1 s)
+    """The search's clock is the test's, moved only by the search's sleeps: its deadline
+    (two minutes) is not spent while it runs, and the budget's wait (seconds, on Redis's
+    clock) is recorded, not slept."""
+    clock = FakeClock()
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=2), RecordingRecorder(),
+        deadline=120.0, clock=clock, sleep=clock.sleep,
+    )  # fmt: skip
+    exhaust(budget)
+    wait_at = request_wait(client, budget.key, rpm=2)
+    asked_from = redis_now(client)
     result = search(pipeline)
+    asked_by = redis_now(client)
     assert result.rerank.applied is True
     assert len(fake.requests()) == 1
     attempt = result.trace["attempts"][0]
-    assert attempt["outcome"] == "ok" and attempt["budget_wait_seconds"] > 0
+    assert attempt["outcome"] == "ok"
+    waited = attempt["budget_wait_seconds"]
+    assert wait_at(asked_by) - 1e-6 <= waited <= wait_at(asked_from) + 1e-6
+    assert clock.sleeps == [waited] and waited > 0  # waited out, then the model was called
 
 
 def test_headers_of_the_provider_teach_the_budget_its_limits(
@@ -316,13 +364,20 @@ def test_a_429_from_the_provider_pauses_the_shared_budget(
     recorder = RecordingRecorder()
     pipeline, _ = build(fake, client, "fail_open", RateLimit(rpm=6000), recorder)
     fake.script([fa.status(429, retry_after=30)])
+    searched_from = redis_now(client)
     result = search(pipeline)  # the retry would wait 30 s: past the 3 s deadline
+    searched_by = redis_now(client)
     outcomes = [a["outcome"] for a in result.trace["attempts"]]
     assert outcomes[0] == "rate_limited"
     assert len(fake.requests()) == 1
     other = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
+    until = paused_until(client, other.key)
+    assert searched_from + 30.0 <= until <= searched_by + 30.0  # the 429's 30 s, from then
+    asked_from = redis_now(client)
     refused = other.reserve(PROMPT, max_wait=1.0)
-    assert not refused.admitted and 25.0 < refused.wait <= 30.0
+    asked_by = redis_now(client)
+    assert not refused.admitted
+    assert until - asked_by - 1e-6 <= refused.wait <= until - asked_from + 1e-6
 
 
 def test_an_attempt_the_process_limiter_never_sent_neither_pauses_the_cluster_nor_counts(
@@ -571,16 +626,25 @@ def test_economy_calls_wait_for_their_bucket_and_never_touch_the_standard_one(
     created = batches.create([request])
     for _ in range(4):
         batches.retrieve(created.id)
+    wait_at = request_wait(client, batches.budget.key, rpm=6)  # taken nothing since: refused
+    asked_from = redis_now(client)
     with pytest.raises(RerankAttemptError) as refused:
         batches.retrieve(created.id)  # the sixth call in a second: not sent
+    asked_by = redis_now(client)
     assert refused.value.outcome is AttemptOutcome.RATE_LIMITED
     assert "economy lane's rate budget" in refused.value.message  # refused before sending
-    assert refused.value.retry_after is not None and refused.value.retry_after > 1.0
+    retry_after = refused.value.retry_after
+    assert retry_after is not None  # the bucket's wait when it asked
+    assert wait_at(asked_by) - 1e-6 <= retry_after <= wait_at(asked_from) + 1e-6
     assert len(fake.batches()) == 1
     assert not client.exists(f"sift:rate-budget:standard:{MODEL}")
+    assert slept == []
     batches.max_wait = 60.0  # willing to wait: it sleeps for its share, then sends
+    asked_from = redis_now(client)
     batches.retrieve(created.id)
-    assert slept and slept[-1] > 1.0
+    asked_by = redis_now(client)
+    [waited] = slept
+    assert wait_at(asked_by) - 1e-6 <= waited <= wait_at(asked_from) + 1e-6
 
 
 def test_without_a_budget_the_economy_client_is_the_plain_one(redis_url: str) -> None:
@@ -610,8 +674,12 @@ def test_a_429_from_the_batch_endpoints_pauses_the_economy_lane_alone(
         "sift_provider_429_total", {"model": MODEL, "lane": "economy"}
     )
     assert after == (counted or 0) + 1
+    until = paused_until(client, batches.budget.key)
+    asked_from = redis_now(client)
     refused = batches.budget.reserve_call(1.0)  # every process's economy calls wait it out
-    assert not refused.admitted and 15.0 < refused.wait <= 20.0
+    asked_by = redis_now(client)
+    assert not refused.admitted
+    assert until - asked_by - 1e-6 <= refused.wait <= until - asked_from + 1e-6
     assert not client.exists(f"sift:rate-budget:standard:{MODEL}")  # searches go on
 
 

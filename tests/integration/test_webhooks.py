@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
@@ -50,7 +51,8 @@ class Receiver:
     received: list[Received] = field(default_factory=list)
     status: int = 204
     extra_headers: dict[str, str] = field(default_factory=dict)
-    delay: float = 0.0
+    # set: each request is answered only once this is set (30 s at most: a hang guard)
+    hold: threading.Event | None = None
 
     @property
     def url(self) -> str:
@@ -64,8 +66,8 @@ def receiver() -> Iterator[Receiver]:
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             me = box["r"]
-            if me.delay:
-                time.sleep(me.delay)
+            if me.hold is not None:
+                me.hold.wait(30)
             length = int(self.headers.get("content-length", "0"))
             body = self.rfile.read(length)
             me.received.append(Received(self.path, dict(self.headers.items()), body))
@@ -185,14 +187,20 @@ def test_a_receiver_s_retry_after_is_read_in_either_form(
     """RFC 9110 (10.2.3) lets a ``Retry-After`` be delay-seconds or an HTTP-date; a date was
     taken for none, and the retry schedule alone applied."""
     receiver.status = status
-    ahead = time.time() + 600
+    ahead = int(time.time()) + 600  # a whole second: an HTTP-date has no fraction
     receiver.extra_headers = {
         "Retry-After": formatdate(ahead, usegmt=True) if form == "date" else "600"
     }
     body = payload(SEARCH_COMPLETED, "job-ra", "succeeded")
+    before = time.time()
     result = deliver(receiver.url, body, message_id("job-ra"), SECRET, allow_private=True)
+    after = time.time()
     assert result.outcome is DeliveryOutcome.RETRY
-    assert result.retry_after is not None and 590 <= result.retry_after <= 600, result
+    assert result.retry_after is not None, result
+    if form == "seconds":
+        assert result.retry_after == 600
+    else:  # the date less the moment it was read, which came between these two readings
+        assert ahead - after - 1e-3 <= result.retry_after <= ahead - before + 1e-3, result
 
 
 def test_a_receiver_s_retry_after_of_a_year_past_any_clock_leaves_the_schedule(
@@ -233,15 +241,25 @@ def test_a_name_is_pinned_to_the_checked_address_and_keeps_its_host_header(
 
 
 def test_a_slow_receiver_times_out_and_is_retryable(receiver: Receiver) -> None:
-    receiver.delay = 1.0
+    """The receiver answers nothing until the test lets it, after the delivery returned: the
+    delivery gave up on its own read timeout, the one it asked httpx for."""
+    receiver.hold = threading.Event()
+    asked: list[dict[str, float]] = []
     body = payload(SEARCH_COMPLETED, "job-11", "succeeded")
     timeouts = DeliveryTimeouts(connect=1.0, read=0.2)
-    result = deliver(
-        receiver.url, body, message_id("job-11"), SECRET, allow_private=True, timeout=timeouts
-    )
+    with httpx.Client(
+        event_hooks={"request": [lambda request: asked.append(request.extensions["timeout"])]}
+    ) as client:
+        try:
+            result = deliver(
+                receiver.url, body, message_id("job-11"), SECRET, allow_private=True,
+                timeout=timeouts, client=client,
+            )  # fmt: skip
+        finally:
+            receiver.hold.set()
     assert result.outcome is DeliveryOutcome.RETRY
     assert result.reason.startswith("timeout")
-    assert result.duration_seconds < 0.9
+    assert asked == [{"connect": 1.0, "read": 0.2, "write": 0.2, "pool": 1.0}]
 
 
 def test_connection_refused_is_retryable(receiver: Receiver) -> None:

@@ -333,7 +333,10 @@ def test_behaviours_round_trip_as_json() -> None:
 
 
 def test_hundreds_in_flight_with_a_one_second_delay(fake: FakeAnthropic) -> None:
-    fake.configure(delay=1.0)
+    """No answer goes before all 300 requests are in (answered one at a time, the first
+    would wait for the rest for ever: the client's timeout ends it as an error); then each
+    waits its delay, concurrently (one after another, they would take 300 s: the same)."""
+    fake.configure(delay=1.0, hold_until_received=300)
 
     async def burst(n: int) -> list[int]:
         limits = httpx.Limits(max_connections=n)
@@ -341,13 +344,13 @@ def test_hundreds_in_flight_with_a_one_second_delay(fake: FakeAnthropic) -> None
             calls = [client.post("/v1/messages", headers=HEADERS, json=body()) for _ in range(n)]
             return [response.status_code for response in await asyncio.gather(*calls)]
 
-    started = time.monotonic()
-    codes = asyncio.run(burst(300))
-    elapsed = time.monotonic() - started
-    fake.configure(delay=0.0)
+    try:
+        codes = asyncio.run(burst(300))
+    finally:
+        fake.configure(delay=0.0, hold_until_received=0)
     assert codes == [200] * 300
-    assert elapsed < 30.0  # concurrent: 300 sequential answers would take 300 s
     assert fake.usage()["responses"] == 300
+    assert fake.counts()["received"] == 300
 
 
 def _free_port() -> int:

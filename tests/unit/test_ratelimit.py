@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
+from tests.fakes import FakeClock
 from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
 from worker.runtime.ratelimit import LimitedReranker, ProviderLimiter
 
@@ -31,15 +33,35 @@ def test_the_in_flight_bound_holds() -> None:
     assert peak == 3 and limiter.in_flight == 0
 
 
+class _ScriptedClock:
+    """A monotonic clock that answers the readings it was given, in turn, then the last one
+    again and again; ``left`` counts those not read yet."""
+
+    def __init__(self, *readings: float) -> None:
+        self._readings = list(readings)
+
+    def __call__(self) -> float:
+        return self._readings.pop(0) if len(self._readings) > 1 else self._readings[0]
+
+    @property
+    def left(self) -> int:
+        return len(self._readings) - 1
+
+
 def test_a_pause_holds_every_sender() -> None:
-    limiter = ProviderLimiter(10)
+    """``wait`` returns only once its clock shows the pause over: the clock reads 0 (the
+    pause), 0 (the wait: paused), 0.1 (still paused), 0.2 (over). A wait that returned before
+    its clock reached the pause's end leaves readings unread. (Each reading still paused
+    costs a real wait of what is left, here 0.3 s in all.)"""
+    clock = _ScriptedClock(0.0, 0.0, 0.1, 0.2)
+    limiter = ProviderLimiter(10, clock=clock)
     limiter.pause(0.2)
-    started = time.monotonic()
+    assert limiter.paused_until == 0.2
     limiter.wait()
-    assert time.monotonic() - started >= 0.19
+    assert clock.left == 0
     limiter.pause(0.05)
     limiter.pause(0.01)  # a shorter pause never shortens the longer one
-    assert limiter.paused_until - time.monotonic() > 0.03
+    assert limiter.paused_until == pytest.approx(0.25)
 
 
 def test_no_wait_past_the_deadline() -> None:
@@ -56,34 +78,54 @@ def test_no_wait_past_the_deadline() -> None:
 
 
 class _Flaky:
+    """Answers every call with a 429 (``retry_after`` 0.15 s); ``sent_at`` holds the time of
+    each call, on the limiter's clock (the real one unless ``clock`` is given)."""
+
     model = "m"
     effort = None
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.calls = 0
+        self.sent_at: list[float] = []
+        self._clock = clock
 
     def rerank(self, prompt: object, timeout_seconds: float) -> object:
         self.calls += 1
+        self.sent_at.append(self._clock())
         raise RerankAttemptError(AttemptOutcome.RATE_LIMITED, "429", retry_after=0.15)
 
 
 def test_a_429_pauses_every_later_call() -> None:
+    """The 429's pause runs from its answer for its ``retry_after``; the next call is sent
+    only once that pause is over, by the limiter's own clock (an order of events, not a
+    duration)."""
     limiter = ProviderLimiter(4)
-    reranker = LimitedReranker(_Flaky(), limiter)  # type: ignore[arg-type]
+    inner = _Flaky()
+    reranker = LimitedReranker(inner, limiter)  # type: ignore[arg-type]
     with pytest.raises(RerankAttemptError):
         reranker.rerank(None, 5.0)  # type: ignore[arg-type]
-    started = time.monotonic()
+    pause_over = limiter.paused_until
+    assert pause_over >= inner.sent_at[0] + 0.15  # from the answer, for its retry-after
     with pytest.raises(RerankAttemptError):
         reranker.rerank(None, 5.0)  # type: ignore[arg-type]
-    assert time.monotonic() - started >= 0.14  # the second call waited out the pause
+    assert inner.calls == 2
+    assert inner.sent_at[1] >= pause_over  # the second call waited out the pause
     assert limiter.in_flight == 0
+
+
+def test_an_attempt_a_pause_outlasts_is_not_sent_and_says_what_is_left_of_it() -> None:
+    clock = FakeClock()  # never moves here: nothing is waited
+    inner = _Flaky(clock)
+    limiter = ProviderLimiter(4, clock=clock)
+    reranker = LimitedReranker(inner, limiter, clock=clock)  # type: ignore[arg-type]
     limiter.pause(1.0)
-    calls = reranker.inner.calls  # type: ignore[attr-defined]
     with pytest.raises(RerankAttemptError) as caught:  # not sent: the pause outlasts it
         reranker.rerank(None, 0.05)  # type: ignore[arg-type]
     assert caught.value.outcome is AttemptOutcome.RATE_LIMITED
-    assert caught.value.retry_after is not None and caught.value.retry_after > 0.5
-    assert reranker.inner.calls == calls  # type: ignore[attr-defined]
+    assert caught.value.sent is False
+    assert caught.value.retry_after == 1.0  # all of the pause: the clock has not moved
+    assert inner.calls == 0
+    assert clock.sleeps == []
 
 
 def test_a_freed_slot_reaches_a_thread_waiting_for_one_while_others_wait_out_a_pause() -> None:

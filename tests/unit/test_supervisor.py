@@ -23,22 +23,52 @@ def _delays(said: list[str]) -> list[float]:
 def test_a_crash_loop_is_restarted_with_a_doubling_back_off(tmp_path: Path) -> None:
     said: list[str] = []
     service = _crasher(tmp_path)
-    started = time.monotonic()
     service.start()
     supervisor = Supervisor(said.append, poll_seconds=0.05)
     supervisor.watch(service)
     with supervisor:
-        deadline = started + 60
+        deadline = time.monotonic() + 60
         while len(_delays(said)) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-    elapsed = time.monotonic() - started
     assert _delays(said) == [1, 2, 4], said
-    assert elapsed >= 3.0  # the third exit came after the two back-offs, not at once
     assert sum("crasher restarted (pid" in line for line in said) == 2, said
     assert said[0] == "crasher exited with status 3; restarting it in 1 s"
     log = service.log.read_text()
     assert log.count("sift up: crasher exited with status 3") == 3
     assert log.count("sift up: crasher restarted") == 2
+
+
+def test_an_exited_process_is_started_again_only_once_its_back_off_is_over(
+    tmp_path: Path,
+) -> None:
+    """The supervisor's checks, at instants the test gives: the process exits at once each
+    time; it is started again at the end of its back-off (1 s, then 2 s), never before."""
+    said: list[str] = []
+    service = _crasher(tmp_path)
+    supervisor = Supervisor(said.append)
+    watched = _Watched(service)
+    now = 0.0
+
+    def check_at(instant: float) -> list[str]:
+        assert service.proc is not None
+        service.proc.wait()  # it has exited by the time it is checked
+        before = len(said)
+        supervisor._check(watched, instant)
+        return said[before:]
+
+    service.start()
+    service.started_at = now  # on the test's clock from here on
+    assert check_at(now) == ["crasher exited with status 3; restarting it in 1 s"]
+    assert check_at(now + 0.999) == []  # its back-off is not over
+    restarted = check_at(now + 1.0)
+    assert len(restarted) == 1 and restarted[0].startswith("crasher restarted (pid")
+    now += 1.0
+    service.started_at = now
+    assert check_at(now) == ["crasher exited with status 3; restarting it in 2 s"]
+    assert check_at(now + 1.999) == []
+    assert check_at(now + 2.0)[0].startswith("crasher restarted (pid")
+    assert service.proc is not None
+    service.proc.wait()
 
 
 def test_a_process_that_stayed_up_is_restarted_after_the_first_delay_again(
