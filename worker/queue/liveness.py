@@ -71,7 +71,7 @@ from worker.constants import (
     WORKER_HEARTBEAT_KEY,
     WORKERS_KEY,
 )
-from worker.queue.redrive import open_urgent_window
+from worker.queue.urgent_window import open_urgent_window
 
 log = logging.getLogger(__name__)
 

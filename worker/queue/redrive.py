@@ -48,9 +48,10 @@ broken while a reply was on its way (a sweep finding Redis's ``run_id`` changed 
 last one: Redis restarted; or a worker's consumer starting again after its connection
 dropped, :class:`ReconnectStep`, the only sign of a connection that broke while Redis stayed
 up). Each sets ``sift:redrive:urgent`` for
-:data:`URGENT_WINDOW_INTERVALS` intervals, the next two sweeps, and logs why
-(:func:`open_urgent_window`); while it is set, a sweep reads every active job. The stored
-``run_id`` survives a restart with the AOF on, as ``sift up`` and ``deploy/`` run Redis;
+:data:`~worker.queue.urgent_window.URGENT_WINDOW_INTERVALS` intervals, the next two sweeps,
+and logs why (:func:`~worker.queue.urgent_window.open_urgent_window`, a module below both
+the re-drive and the liveness check); while it is set, a sweep reads every active job. The
+stored ``run_id`` survives a restart with the AOF on, as ``sift up`` and ``deploy/`` run Redis;
 without persistence a restart loses every job and message anyway, so there is nothing to
 recover.
 
@@ -95,7 +96,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-import redis
 from celery import bootsteps
 
 from worker.constants import (
@@ -120,6 +120,7 @@ from worker.constants import (
 )
 from worker.observability import metrics
 from worker.queue.jobstore import JobStore, webhook_event
+from worker.queue.urgent_window import open_urgent_window
 from worker.redis_client import connect
 
 log = logging.getLogger(__name__)
@@ -129,9 +130,6 @@ Send = Callable[[str, list[Any], str, str], None]
 
 PAGE = 1_000  # messages read per LRANGE or HSCAN step
 SUSPECTS_KEPT_SWEEPS = 10  # the suspects of a sweep expire this many intervals later
-# An urgent window lasts this many intervals: the next two sweeps, with room for one that runs
-# a little late (the lock's holder wakes an interval after its last sweep ended).
-URGENT_WINDOW_INTERVALS = 2.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,21 +183,6 @@ def runs(positions: Iterable[int], longest: int | None = None) -> list[tuple[int
         else:
             out.append((p, p + 1))
     return out
-
-
-def open_urgent_window(client: redis.Redis, interval_seconds: float, reason: str) -> None:
-    """Make the next two sweeps look at every active job, not only the stalled ones: a message
-    may have just been lost (``reason`` says how; logged). A window already open is extended.
-    Nothing when the re-drive is off (``interval_seconds`` 0)."""
-    if interval_seconds <= 0:
-        return
-    window_ms = max(1, int(URGENT_WINDOW_INTERVALS * interval_seconds * 1000))
-    client.set(REDRIVE_URGENT_KEY, reason, px=window_ms)
-    log.warning(
-        "re-drive: %s; for the next %gs its sweeps look at every active job, not only idle ones",
-        reason,
-        window_ms / 1000,
-    )
 
 
 def broker_reconnected(settings: Any) -> None:
