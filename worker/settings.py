@@ -180,7 +180,8 @@ class Settings(BaseSettings):
     elasticsearch_replicas: int = Field(default=1, ge=0, le=16)
     # index.gc_deletes of every index Sift makes: a delete's tombstone must outlast the
     # longest an ingest accepted before it can still run (redeliveries of each of its retries'
-    # messages: 26,940 s at the defaults, celery_app.ingest_redelivery_window), or it wins
+    # messages: 26,940 s at the defaults, worker.queue.config.ingest_redelivery_window), or
+    # it wins
     elasticsearch_gc_deletes_seconds: int = Field(default=27_000, ge=60)
     elasticsearch_refresh: Literal["wait_for", "true", "false"] = "wait_for"
     elasticsearch_request_timeout: float = Field(default=10.0, gt=0)

@@ -25,7 +25,7 @@ import yaml
 
 from tests.kubelet import service_links
 from worker.constants import ALL_QUEUES, kombu_queue_keys
-from worker.queue.celery_app import TASK_ROUTES, celery_config
+from worker.queue.config import TASK_ROUTES, celery_config
 from worker.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -36,7 +36,7 @@ from worker.contract import SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import Document
 from worker.errors import BackendRequestError, BackendUnavailable, ConfigError, IndexNotFound
-from worker.queue.celery_app import ingest_redelivery_window
+from worker.queue.config import ingest_redelivery_window
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration

@@ -46,7 +46,7 @@ from tests.reliability.support import (
 from tests.services import celery_worker, free_port, gateway, redis_server
 from worker.constants import BATCH_ITEMS_KEY, SEARCH_KEY, WEBHOOK_QUEUE, WEBHOOK_TASK
 from worker.processes.stack import child_env, gateway_service, running
-from worker.queue.celery_app import celery_config
+from worker.queue.config import celery_config
 from worker.queue.jobstore.scripts import _CANCEL_BATCH, _TAKE_CANCEL_COUNT
 from worker.settings import load_settings
 

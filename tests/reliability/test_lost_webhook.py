@@ -49,7 +49,8 @@ from tests.services import (
     webhook_inbox,
 )
 from worker.constants import RESULT_TTL_SECONDS, WEBHOOK_QUEUE, WEBHOOKS_OWED_KEY, kombu_queue_keys
-from worker.queue.celery_app import create_celery_app, visibility_timeout
+from worker.queue.celery_app import create_celery_app
+from worker.queue.config import visibility_timeout
 from worker.queue.jobstore import JobStore
 from worker.queue.redrive import Sweeper, celery_sender
 from worker.settings import load_settings

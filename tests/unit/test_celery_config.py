@@ -6,9 +6,9 @@ import pytest
 
 from worker.constants import ALL_QUEUES, BATCH_CHUNK_TASK, SEARCH_TASK, WEBHOOK_TASK
 from worker.errors import ConfigError
-from worker.queue.celery_app import (
+from worker.queue.celery_app import create_celery_app
+from worker.queue.config import (
     celery_config,
-    create_celery_app,
     ingest_redelivery_window,
     time_limits,
     warn_if_tombstones_too_short,
@@ -99,7 +99,7 @@ def test_the_redelivery_window_counts_every_retrys_own_deliveries() -> None:
     SIFT_TASK_MAX_DELIVERIES times for each of its 1 + SIFT_TASK_MAX_RETRIES messages, each
     take given back no sooner than the visibility timeout: the window, and at the defaults
     the tombstones, must outlast all of them."""
-    from worker.queue.celery_app import visibility_timeout
+    from worker.queue.config import visibility_timeout
 
     settings = load_settings(redis_url="redis://localhost", search_backend="elasticsearch")
     takes = (settings.task_max_retries + 1) * settings.task_max_deliveries

@@ -324,7 +324,7 @@ def test_an_economy_rerank_of_minutes_to_hours_lands_in_a_finite_bucket(seconds:
 
 
 def test_every_task_run_the_time_limits_allow_fits_the_buckets() -> None:
-    from worker.queue.celery_app import time_limits
+    from worker.queue.config import time_limits
 
     longest = max(hard for _, hard in time_limits(load_settings()).values())
     assert max(metrics.TASK_DURATION._upper_bounds[:-1]) >= longest

@@ -44,7 +44,7 @@ from worker.errors import Canceled, SiftError
 from worker.observability import metrics
 from worker.queue import liveness
 from worker.queue.base import SiftTask, WaitHop, count_completed, error_info
-from worker.queue.celery_app import visibility_timeout
+from worker.queue.config import visibility_timeout
 from worker.queue.economy import economy_pipeline, is_prepared, maybe_submit, save_prepared
 from worker.queue.items import CancelMarks, Chunk, RunOutcome
 from worker.queue.jobstore import (
