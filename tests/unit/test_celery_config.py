@@ -8,6 +8,7 @@ from worker.constants import ALL_QUEUES, BATCH_CHUNK_TASK, SEARCH_TASK, WEBHOOK_
 from worker.errors import ConfigError
 from worker.queue.celery_app import create_celery_app
 from worker.queue.config import (
+    TASK_ROUTES,
     celery_config,
     ingest_redelivery_window,
     time_limits,
@@ -55,6 +56,9 @@ def test_tasks_are_registered_by_name() -> None:
     for name in (SEARCH_TASK, BATCH_CHUNK_TASK, WEBHOOK_TASK):
         assert name in app.tasks
         assert app.tasks[name].acks_late
+    # every routed task, the economy lane's too: the app registers them (the tasks import
+    # nothing of it)
+    assert set(TASK_ROUTES) <= set(app.tasks)
 
 
 def test_a_heartbeat_must_be_missed_several_times_before_a_worker_is_dead() -> None:
