@@ -9,7 +9,6 @@ import logging
 import re
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import unquote_to_bytes
 
 import redis
 from fastapi import FastAPI, Request
@@ -19,6 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from api_gateway.paths import decode_segments
 from worker.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,8 @@ async def path_is_utf8(request: Request) -> None:
     raw: bytes | None = request.scope.get("raw_path")
     if raw is None:
         return
-    decoded = unquote_to_bytes(raw).decode("utf-8", "surrogateescape")
+    # each encoded slash kept inside its segment, as the route was matched (api_gateway.paths)
+    decoded = decode_segments(raw, lambda part: part.decode("utf-8", "surrogateescape"))
     if not _lone(decoded):
         return
     route: Any = request.scope.get("route")

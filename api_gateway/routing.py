@@ -1,5 +1,5 @@
-"""The gateway's route class: a ``GET`` route answers ``HEAD`` too, and a JSON body is
-read as UTF-8 alone."""
+"""The gateway's route class: a ``GET`` route answers ``HEAD`` too, a JSON body is read as
+UTF-8 alone, and a path is routed on its segments (an encoded slash is no boundary)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
 from api_gateway.bodies import json_text
+from api_gateway.paths import routed_path, slashes_back
 
 
 class Utf8JsonRequest(Request):
@@ -39,7 +40,19 @@ class GetAnswersHead(APIRoute):
         return scope
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
-        return super().matches(self._as_get(scope))
+        """Matched on the path's segments (:mod:`api_gateway.paths`): a parameter's value
+        never crosses a slash that was sent as one, nor takes a slash sent as ``%2F`` for a
+        boundary. The server's decoded path made ``DELETE /v1/indexes/demo%2Fdocuments%2Fd1``
+        the delete of document ``d1``; it is the drop of index ``demo/documents/d1`` (a 422
+        naming ``index``), and ``.../documents/a%2Fb`` is document ``a/b``."""
+        scope = self._as_get(scope)
+        kept = routed_path(scope)
+        if kept is None:
+            return super().matches(scope)
+        match, child = super().matches({**scope, "path": kept})
+        if match is not Match.NONE:
+            child = {**child, "path_params": slashes_back(child["path_params"])}
+        return match, child
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         await super().handle(self._as_get(scope), receive, send)

@@ -226,3 +226,18 @@ def test_an_idempotency_key_on_a_read_or_a_delete_changes_nothing(
     assert stack.live.head(f"/v1/indexes/{INDEX}", headers=KEYED).status_code == 200
     gone = stack.live.delete(f"/v1/indexes/{INDEX}/documents/nobody", headers=KEYED)
     assert gone.status_code == 202, gone.text  # a delete job, queued as without the key
+
+
+def test_an_encoded_slash_is_no_segment_boundary_on_the_job_routes(
+    stack: Stack, corpus: list[dict[str, Any]]
+) -> None:
+    """The server decodes ``%2F`` before routing: ``POST /v1%2Fsearches`` ran a search and
+    ``GET /v1/batches/{id}%2Fresults`` gave the batch's results. A path is routed on its
+    segments: the first is no route's, the second is the batch id ``{id}/results``, which no
+    batch has."""
+    ids = _jobs(stack, corpus)
+    searched = stack.live.post("/v1%2Fsearches", json=SEARCH, headers=ACME)
+    assert searched.status_code == 404 and searched.json()["error"]["field"] == "path"
+    results = stack.live.get(f"/v1/batches/{ids['batch_id']}%2Fresults", headers=ACME)
+    assert results.status_code == 404 and results.json()["error"]["field"] == "id", results.text
+    assert stack.live.get(f"/v1/batches/{ids['batch_id']}/results", headers=ACME).is_success

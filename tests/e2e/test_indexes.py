@@ -266,6 +266,52 @@ def test_ids_with_slashes_and_spaces_are_addressable(stack: Stack) -> None:
     assert stack.live.get(path, headers=ACME).status_code == 404
 
 
+def test_an_encoded_slash_never_makes_a_path_parameter_reach_another_route(
+    stack: Stack,
+) -> None:
+    """The server decodes ``%2F`` before routing, so a slash inside a parameter was a segment
+    boundary: ``DELETE /v1/indexes/demo%2Fdocuments%2Fd1`` (the drop of an index named
+    ``demo/documents/d1``) deleted document ``d1`` of ``demo``, and ``GET
+    /v1/indexes/demo%2Fdocuments`` listed its documents. An index name holds no slash: such a
+    path is ``422`` naming ``index``; a document id may hold one, and ``%2F`` in it reaches
+    that very document."""
+    docs = [
+        {"id": "chess-3", "text": "a rook endgame on the seventh rank"},
+        {"id": "chess/3", "text": "a bishop pair in the middlegame"},
+    ]
+    _ingest(stack, "life-slash", docs)
+    for method, path in [
+        ("DELETE", "/v1/indexes/life-slash%2Fdocuments%2Fchess-3"),
+        ("DELETE", "/v1/indexes/life-slash%2fdocuments%2fchess-3"),
+        ("GET", "/v1/indexes/life-slash%2Fdocuments%2Fchess-3"),
+        ("GET", "/v1/indexes/life-slash%2Fdocuments"),
+        ("PATCH", "/v1/indexes/life-slash%2Fdocuments"),
+    ]:
+        body = {"candidate_limit": 10} if method == "PATCH" else None
+        params = {"wait": 5} if method == "DELETE" else None
+        got = stack.live.request(method, path, params=params, json=body, headers=ACME)
+        assert got.status_code == 422, (method, path, got.text)
+        assert got.json()["error"]["field"] == "index", got.text
+    # a literal segment with an encoded slash is no route's (it bulk-deleted by id)
+    bulk = stack.live.post(
+        "/v1/indexes/life-slash/documents%2Fdelete",
+        params={"wait": 5},
+        json={"ids": ["chess-3"]},
+        headers=ACME,
+    )
+    assert bulk.status_code == 404 and bulk.json()["error"]["field"] == "path", bulk.text
+    listed = stack.live.get("/v1/indexes/life-slash/documents", headers=ACME).json()
+    assert sorted(d["id"] for d in listed["documents"]) == ["chess-3", "chess/3"], listed
+    # an id with a slash, sent encoded, is that document: read, then deleted alone
+    base = "/v1/indexes/life-slash/documents/"
+    got = stack.live.get(base + "chess%2F3", headers=ACME)
+    assert got.status_code == 200 and got.json()["text"] == docs[1]["text"], got.text
+    gone = stack.live.delete(base + "chess%2f3", params={"wait": 20}, headers=ACME)
+    assert gone.status_code == 200 and gone.json()["deleted"] == 1, gone.text
+    kept = stack.live.get(base + "chess-3", headers=ACME)
+    assert kept.status_code == 200 and kept.json()["text"] == docs[0]["text"], kept.text
+
+
 def test_an_id_with_a_line_break_is_that_document_not_another(stack: Stack) -> None:
     """The id's route matched ``.*``, which stops at a line break, then ``$``, which matches
     before a last one: ``GET .../documents/d1%0A`` read document ``d1``, and its ``DELETE``
@@ -331,14 +377,15 @@ def test_a_path_whose_percent_escapes_are_not_utf8_is_422_naming_it(stack: Stack
     _ingest(stack, "life-escapes", docs)
     base = "/v1/indexes/life-escapes/documents/"
     for method in ("GET", "DELETE"):
-        for bad in ("%C0", "%FF", "%FE", "ok%C0ok", "a/%FF"):
+        for bad in ("%C0", "%FF", "%FE", "ok%C0ok", "a/%FF", "a%2F%FF"):
             got = stack.live.request(method, base + bad, headers=ACME)
             assert got.status_code == 422, (method, bad, got.text)
             assert got.json()["error"]["field"] == "id", got.text
         got = stack.live.request(method, "/v1/indexes/%C0/documents/x", headers=ACME)
         assert got.status_code == 422 and got.json()["error"]["field"] == "index", got.text
-    got = stack.live.get("/v1/indexes/%FF", headers=ACME)
-    assert got.status_code == 422 and got.json()["error"]["field"] == "index", got.text
+    for path in ("/v1/indexes/%FF", "/v1/indexes/%FF%2Fdocuments"):  # the latter, one segment
+        got = stack.live.get(path, headers=ACME)
+        assert got.status_code == 422 and got.json()["error"]["field"] == "index", got.text
     kept = stack.live.get(base + "%EF%BF%BD", headers=ACME)
     assert kept.status_code == 200 and kept.json()["text"] == docs[0]["text"], kept.text
 
