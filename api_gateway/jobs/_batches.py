@@ -30,6 +30,7 @@ from api_gateway.jobs._shared import (
     BUSY,
     JobIdPath,
     _admit,
+    _check_rerank,
     _check_url,
     _create_and_enqueue,
     _lost,
@@ -109,6 +110,7 @@ async def create_batch(
     # parsed and fingerprinted in a thread, a slice at a time (api_gateway/bodies.py)
     parsed = await off_loop(parse_batch, await request.body(), route if idempotency_key else None)
     body, items = parsed.head, parsed.items
+    _check_rerank(settings, body.rerank)
     await _check_url(settings, body.webhook_url)
     idem = _Idempotency(store, tenant, idempotency_key, parsed.fingerprint)
     batch_id = await idem.earlier_job()

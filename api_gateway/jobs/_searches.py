@@ -28,6 +28,7 @@ from api_gateway.jobs._shared import (
     BUSY,
     JobIdPath,
     _admit,
+    _check_rerank,
     _check_url,
     _create_and_enqueue_async,
     _lost,
@@ -91,6 +92,7 @@ async def create_search(
     """Answers 202 with the queued job, or 200 with the finished job if it finished within
     ``wait`` seconds."""
     settings, store = app_settings(request), job_store(request)
+    _check_rerank(settings, body.rerank)
     await _check_url(settings, body.webhook_url)
     idem = _Idempotency.of(store, tenant, idempotency_key, "POST /v1/searches", body)
     job_id = await idem.earlier_job()

@@ -1,5 +1,5 @@
 """What every job route shares: the router, backpressure, storing a job and enqueueing its
-tasks, the webhook URL check, and the answer for a job Redis lost."""
+tasks, the webhook URL and rerank checks, and the answer for a job Redis lost."""
 
 from __future__ import annotations
 
@@ -99,6 +99,20 @@ async def _check_url(settings: Settings, url: str | None) -> None:
     if url is not None:
         await off_loop(
             check_webhook_url, url, allow_private=settings.webhook_allow_private_networks
+        )
+
+
+def _check_rerank(settings: Settings, rerank: bool | None) -> None:
+    """A request asking for a rerank (``rerank: true``) on a deployment with no generation
+    model is ``422`` naming ``rerank``, before anything is stored: it was accepted, then
+    failed in the worker (a batch's every item), which reads the same settings. Unset is the
+    deployment's default, which the settings check keeps off without a model."""
+    if rerank and settings.generation_model is None:
+        raise InvalidRequest(
+            "rerank",
+            "is true, but this deployment has no generation model to rerank with: set "
+            "SIFT_GENERATION_MODEL (for example anthropic:claude-haiku-4-5), or leave "
+            "rerank out",
         )
 
 

@@ -268,3 +268,42 @@ def test_a_body_declared_us_ascii_that_is_not_is_415_naming_content_type(
         "send the body as UTF-8 (charset=utf-8, or none)"
     ), error
     assert client.get("/v1/searches", headers=ACME).json()["searches"] == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/searches", {**SEARCH, "rerank": True}),
+        ("/v1/batches", {**BATCH, "rerank": True}),
+        ("/v1/batches", {**BATCH, "rerank": True, "lane": "economy"}),
+    ],
+)
+def test_a_rerank_without_a_generation_model_is_422_naming_rerank(
+    client: TestClient, path: str, body: dict[str, object]
+) -> None:
+    """This deployment has no ``SIFT_GENERATION_MODEL``: ``rerank: true`` was accepted (202),
+    then failed in the worker (``invalid_request: rerank: ... no generation model``), a batch's
+    every item. It is refused before anything is stored, naming the setting; rerank off or
+    left out is accepted."""
+    response = client.post(path, json=body, headers=ACME)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == "rerank" and "SIFT_GENERATION_MODEL" in error["message"], error
+    kind = path.rsplit("/", 1)[1]
+    assert client.get(f"/v1/{kind}", headers=ACME).json()[kind] == []  # nothing stored
+    for rerank in (False, None):
+        asked = {k: v for k, v in body.items() if k != "rerank"}
+        asked |= {} if rerank is None else {"rerank": rerank}
+        assert client.post(path, json=asked, headers=ACME).status_code == 202
+
+
+def test_a_rerank_with_a_generation_model_is_accepted(redis_url: str, store: JobStore) -> None:
+    settings = Settings(
+        redis_url=redis_url,
+        api_keys=[ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)],
+        generation_model="anthropic:claude-haiku-4-5",
+    )
+    with TestClient(create_app(settings)) as client:
+        for path, body in [("/v1/searches", SEARCH), ("/v1/batches", BATCH)]:
+            response = client.post(path, json={**body, "rerank": True}, headers=ACME)
+            assert response.status_code == 202, response.text
