@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import logging
 import re
 import time
@@ -60,6 +61,7 @@ KEYED_ROUTES = "POST /v1/searches and POST /v1/batches"  # the routes that honou
 POLL_MIN_SECONDS = 0.005
 POLL_MAX_SECONDS = 0.1
 _ID_DIGITS = re.compile(r"[0-9a-f]{32}")
+_RESULTS_DIGEST_BYTES = 8
 
 
 def is_id(value: str, prefix: str) -> bool:
@@ -197,10 +199,12 @@ def accepted(description: str) -> dict[int | str, dict[str, Any]]:
 
 
 def decode_token(token: str | None) -> int:
-    """The offset in a page token. Only the exact text :func:`encode_token` makes, of an
-    offset a batch can have, is one: anything else (``int`` alone would take "1_0", " 7",
-    Arabic digits, or 2**63, which Redis refuses) is 422 before Redis sees it. So is an
-    empty one: a client that sent the last page's ``null`` as "" would loop from page one."""
+    """The offset in a page token of the index list (a batch's results have their own,
+    bound to the batch: :func:`decode_results_token`). Only the exact text
+    :func:`encode_token` makes, of an offset up to the largest batch's, is one: anything
+    else (``int`` alone would take "1_0", " 7", Arabic digits, or 2**63) is 422 before a
+    worker sees it. So is an empty one: a client that sent the last page's ``null`` as ""
+    would loop from page one."""
     if token is None:
         return 0
     if not token:
@@ -218,3 +222,64 @@ def decode_token(token: str | None) -> int:
 
 def encode_token(offset: int) -> str:
     return base64.urlsafe_b64encode(f"o:{offset}".encode()).decode().rstrip("=")
+
+
+def _results_digest(batch_id: str, offset: int) -> str:
+    key = f"{batch_id}\0{offset}".encode()
+    return hashlib.blake2b(key, digest_size=_RESULTS_DIGEST_BYTES).hexdigest()
+
+
+def encode_results_token(batch_id: str, offset: int) -> str:
+    """The page token of a batch's results: the offset, and a digest that ties it to the
+    batch (the digest is no secret: it only catches mix-ups and edits).
+
+    >>> batch = "bat_" + "0" * 32
+    >>> decode_results_token(encode_results_token(batch, 2), batch)
+    2
+    """
+    return pack_token("r", _results_digest(batch_id, offset), str(offset))
+
+
+def decode_results_token(token: str | None, batch_id: str) -> int:
+    """The offset in a page token of ``batch_id``'s results (0 for none). Only the exact text
+    :func:`encode_results_token` made for this batch is one: another batch's token (a bare
+    offset was, and read this batch from there), a list's, or an edited one is a 422 naming
+    ``page_token`` before Redis sees it, as the lists answer theirs."""
+    parts = unpack_token(token, 3)
+    if parts is None:
+        return 0
+    kind, _, value = parts
+    offset = int(value) if value.isascii() and value.isdigit() else -1
+    if (
+        kind != "r"
+        or not 0 <= offset <= MAX_BATCH_QUERIES
+        or encode_results_token(batch_id, offset) != token
+    ):
+        raise InvalidRequest("page_token", NOT_OURS)
+    return offset
+
+
+NOT_OURS = "is not a token this list issued"
+
+
+def pack_token(*fields: str) -> str:
+    """A page token: ``fields`` joined by ``:``, URL-safe base64 without padding."""
+    return base64.urlsafe_b64encode(":".join(fields).encode()).decode().rstrip("=")
+
+
+def unpack_token(token: str | None, fields: int) -> list[str] | None:
+    """The ``fields`` of a page token :func:`pack_token` made (the last may hold ``:``);
+    ``None`` for no token, a 422 naming ``page_token`` for an empty one or one not made so.
+    Each list then checks its fields, and that packing them again gives the token exactly."""
+    if token is None:
+        return None
+    if not token:
+        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise InvalidRequest("page_token", NOT_OURS) from exc
+    parts = raw.split(":", fields - 1)
+    if len(parts) != fields:
+        raise InvalidRequest("page_token", NOT_OURS)
+    return parts

@@ -26,17 +26,19 @@ from starlette.convertors import Convertor, register_url_convertor
 from api_gateway.deps import (
     ERRORS,
     LOCATION_HEADER,
+    NOT_OURS,
     Tenant,
     Wait,
     decode_token,
     encode_token,
     job_store,
     off_loop,
+    pack_token,
     task_sender,
+    unpack_token,
 )
 from api_gateway.errors import ApiError
 from api_gateway.jobs import enqueue_ingest, ingest_response
-from api_gateway.listing import NOT_OURS, pack_token, unpack_token
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import IngestJobOut, _Strict, iso
 from worker.constants import (

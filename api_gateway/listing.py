@@ -9,8 +9,6 @@ job created while a client pages through shows up on no page twice.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 from collections.abc import Callable
 from typing import Annotated, TypeVar
@@ -20,10 +18,13 @@ from pydantic import BaseModel
 
 from api_gateway.deps import (
     ERRORS,
+    NOT_OURS,
     Tenant,
     is_id,
     job_store,
     off_loop,
+    pack_token,
+    unpack_token,
 )
 from api_gateway.jobs import batch_out, ingest_out
 from api_gateway.routing import GetAnswersHead
@@ -97,32 +98,6 @@ class BatchList(BaseModel):
 class IngestionList(BaseModel):
     ingestions: list[IngestJobOut]
     next_page_token: str | None
-
-
-NOT_OURS = "is not a token this list issued"
-
-
-def pack_token(*fields: str) -> str:
-    """A page token: ``fields`` joined by ``:``, URL-safe base64 without padding."""
-    return base64.urlsafe_b64encode(":".join(fields).encode()).decode().rstrip("=")
-
-
-def unpack_token(token: str | None, fields: int) -> list[str] | None:
-    """The ``fields`` of a page token :func:`pack_token` made (the last may hold ``:``);
-    ``None`` for no token, a 422 naming ``page_token`` for an empty one or one not made so.
-    Each list then checks its fields, and that packing them again gives the token exactly."""
-    if token is None:
-        return None
-    if not token:
-        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
-        raise InvalidRequest("page_token", NOT_OURS) from exc
-    parts = raw.split(":", fields - 1)
-    if len(parts) != fields:
-        raise InvalidRequest("page_token", NOT_OURS)
-    return parts
 
 
 def encode_cursor(cursor: Cursor | None) -> str | None:

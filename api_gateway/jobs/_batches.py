@@ -15,8 +15,8 @@ from api_gateway.deps import (
     Tenant,
     accepted,
     app_settings,
-    decode_token,
-    encode_token,
+    decode_results_token,
+    encode_results_token,
     is_id,
     job_store,
     location,
@@ -200,11 +200,11 @@ async def get_batch_results(
     page_token: Annotated[str | None, Query(max_length=64)] = None,
 ) -> Response:
     """Every item appears once over the pages, with ``result`` or ``error`` once final."""
-    offset = decode_token(page_token)
+    offset = decode_results_token(page_token, batch_id)
     batch = await _owned_batch(request, batch_id, tenant)
     outcomes = await off_loop(job_store(request).batch_results, batch_id, offset, page_size)
     end = offset + len(outcomes)
-    token = encode_token(end) if end < batch.total else None
+    token = encode_results_token(batch_id, end) if end < batch.total else None
     body = (
         '{"results":['
         + ",".join(o.to_json() for o in outcomes)

@@ -149,3 +149,31 @@ def test_the_gateways_batch_log_lines_carry_their_batch_id(stack: Stack) -> None
     assert any("items in chunks" in line for line in lines), lines
     assert any("items canceled" in line for line in lines), lines
     assert all(f"[{batch['id']}]" in line for line in lines), lines
+
+
+def test_a_results_page_token_reads_only_the_batch_that_issued_it(stack: Stack) -> None:
+    """The results' token was a bare offset (``o:2``): one batch's read another from there.
+    It is bound to its batch as the lists' tokens are to their list: another batch's is the
+    same ``422`` naming ``page_token``, and the batch's own still reads its next page."""
+    ids = []
+    for name in ("a", "b"):
+        queries = [{"id": f"{name}{i}", "query": "tea"} for i in range(3)]
+        body = {"index": INDEX, "queries": queries, "rerank": False}
+        response = stack.live.post("/v1/batches", json=body, headers=ACME)
+        assert response.status_code == 202, response.text
+        ids.append(response.json()["id"])
+    first, second = ids
+    page = stack.live.get(
+        f"/v1/batches/{first}/results", params={"page_size": 2}, headers=ACME
+    ).json()
+    token = page["next_page_token"]
+    assert token is not None, page
+    crossed = stack.live.get(
+        f"/v1/batches/{second}/results", params={"page_token": token}, headers=ACME
+    )
+    assert crossed.status_code == 422, crossed.text
+    error = crossed.json()["error"]
+    assert error["field"] == "page_token" and "is not a token this list issued" in error["message"]
+    own = stack.live.get(f"/v1/batches/{first}/results", params={"page_token": token}, headers=ACME)
+    assert own.status_code == 200, own.text
+    assert [r["query_id"] for r in own.json()["results"]] == ["a2"]

@@ -136,7 +136,8 @@ def _token(text: str) -> str:
         ({"page_size": "ten"}, "page_size"),
         ({"page_token": ""}, "page_token"),
         ({"page_token": "not-a-token"}, "page_token"),
-        ({"page_token": _token("o:5")}, "page_token"),  # a batch-results token
+        ({"page_token": _token("o:5")}, "page_token"),  # an index-list token
+        ({"page_token": _token("r:" + "0" * 16 + ":5")}, "page_token"),  # a batch-results one
         ({"page_token": _token("c:1.5:srch_" + "0" * 31)}, "page_token"),
         ({"page_token": _token("c:1e9:bat_" + "0" * 32)}, "page_token"),
         ({"page_token": "x" * 200}, "page_token"),

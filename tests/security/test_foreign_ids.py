@@ -15,6 +15,7 @@ import uuid
 import httpx
 import pytest
 
+from api_gateway.deps import encode_results_token
 from tests.e2e.conftest import ACME, GLOBEX, Stack
 
 INDEX = "foreign-ids"
@@ -57,9 +58,15 @@ ROUTES = [
     ("GET", "/v1/ingestions/{}", "ingest"),
     ("GET", "/v1/batches/{}", "batch"),
     ("GET", "/v1/batches/{}/results", "batch"),
-    ("GET", "/v1/batches/{}/results?page_size=1&page_token=bzox", "batch"),
+    # with a page token the API issues for that id ({1}): bound to its batch, not an owner
+    ("GET", "/v1/batches/{0}/results?page_size=1&page_token={1}", "batch"),
     ("DELETE", "/v1/batches/{}", "batch"),
 ]
+
+
+def _at(path: str, job_id: str) -> str:
+    """``path`` for ``job_id``, with the page token the API issues for its results' page 2."""
+    return path.format(job_id, encode_results_token(job_id, 1))
 
 
 @pytest.mark.parametrize(("method", "path", "kind"), ROUTES)
@@ -68,12 +75,12 @@ def test_another_tenants_job_answers_exactly_as_a_made_up_id(
 ) -> None:
     theirs = globex_jobs[kind]
     made_up = theirs.split("_")[0] + "_" + uuid.uuid4().hex
-    foreign = stack.live.request(method, path.format(theirs), headers=ACME)
-    nobodys = stack.live.request(method, path.format(made_up), headers=ACME)
+    foreign = stack.live.request(method, _at(path, theirs), headers=ACME)
+    nobodys = stack.live.request(method, _at(path, made_up), headers=ACME)
     assert foreign.status_code == 404, foreign.text
     assert seen(foreign, theirs) == seen(nobodys, made_up)
     # and the owner still reads it (the DELETE above changed nothing of globex's)
-    owner = stack.live.get(path.format(theirs).split("?")[0].removesuffix("/results"),
+    owner = stack.live.get(_at(path, theirs).split("?")[0].removesuffix("/results"),
                            headers=GLOBEX)  # fmt: skip
     assert owner.status_code == 200, owner.text
     assert owner.json().get("canceled_at") is None

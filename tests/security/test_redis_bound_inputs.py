@@ -12,6 +12,7 @@ the gateway's bug: 500, its traceback logged, the connection still open.
 from __future__ import annotations
 
 import base64
+import hashlib
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -78,27 +79,38 @@ def still_usable(stack: Stack, batch_id: str, after: httpx.Response) -> None:
 
 # --- page tokens ----------------------------------------------------------------------------
 
+
+def bound(batch_id: str, offset: str) -> str:
+    """A results token for ``offset`` (any text) whose digest ties it to ``batch_id`` as the
+    API's does, so the offset itself is what is checked."""
+    digest = hashlib.blake2b(f"{batch_id}\0{offset}".encode(), digest_size=8).hexdigest()
+    return token(f"r:{digest}:{offset}")
+
+
 TOKENS = {
     "empty": "",
     "garbage": "!!not a token!!",
     "bad base64": "abc",
-    "not utf-8": base64.urlsafe_b64encode(b"o:\xff\xfe").decode().rstrip("="),
-    "negative": token("o:-1"),
-    "huge offset": token("o:" + "9" * 40),
-    "2^63": token(f"o:{2**63}"),
-    "2^63 - 1": token(f"o:{2**63 - 1}"),
-    "past the largest batch": token(f"o:{MAX_BATCH_QUERIES + 1}"),
-    "float": token("o:1.5"),
-    "exponent": token("o:1e3"),
+    "not utf-8": base64.urlsafe_b64encode(b"r:\xff\xfe").decode().rstrip("="),
+    "a bare offset (another batch's read this one)": token("o:1"),
     "wrong prefix": token("x:1"),
     "no prefix": token("1"),
     "unicode": "ëñ✓",
-    "unicode digits": token("o:\u0661"),
-    "underscore": token("o:1_0"),
-    "space": token("o: 1"),
-    "leading zero": token("o:01"),
-    "padded": token("o:1") + "=",
     "too long": "A" * 65,
+}
+# offsets in a token whose digest is right for them: the offset is refused
+OFFSETS = {
+    "negative": "-1",
+    "huge offset": "9" * 40,
+    "2^63": f"{2**63}",
+    "2^63 - 1": f"{2**63 - 1}",
+    "past the largest batch": f"{MAX_BATCH_QUERIES + 1}",
+    "float": "1.5",
+    "exponent": "1e3",
+    "unicode digits": "\u0661",
+    "underscore": "1_0",
+    "space": " 1",
+    "leading zero": "01",
 }
 
 
@@ -111,17 +123,28 @@ def test_a_page_token_the_api_did_not_issue_is_422_naming_it(
     still_usable(stack, batch_id, response)
 
 
+@pytest.mark.parametrize("offset", OFFSETS.values(), ids=OFFSETS.keys())
+def test_a_page_token_of_an_offset_the_api_never_issues_is_422_naming_it(
+    stack: Stack, batch_id: str, offset: str
+) -> None:
+    response = results(stack, batch_id, page_token=bound(batch_id, offset))
+    names_the_field(response, 422, "page_token")
+    still_usable(stack, batch_id, response)
+
+
 def test_the_tokens_the_api_issues_are_taken(stack: Stack, batch_id: str) -> None:
     first = results(stack, batch_id, page_size=1)
     assert first.status_code == 200, first.text
     issued = first.json()["next_page_token"]
-    assert issued == token("o:1")
+    assert issued == bound(batch_id, "1")
     second = results(stack, batch_id, page_size=1, page_token=issued)
     assert second.status_code == 200, second.text
     assert [r["query_id"] for r in second.json()["results"]] == ["b"]
     assert second.json()["next_page_token"] is None
+    padded = results(stack, batch_id, page_token=issued + "=")
+    names_the_field(padded, 422, "page_token")
     # the largest offset a batch can have is still a token: past this batch, an empty page
-    last = results(stack, batch_id, page_token=token(f"o:{MAX_BATCH_QUERIES}"))
+    last = results(stack, batch_id, page_token=bound(batch_id, f"{MAX_BATCH_QUERIES}"))
     assert last.status_code == 200, last.text
     assert last.json() == {"results": [], "next_page_token": None}
 
