@@ -149,7 +149,8 @@ def _search_item(job: SearchJob) -> SearchListItem:
         created_at=iso(job.created_at) or "",
         started_at=iso(job.started_at),
         finished_at=iso(job.finished_at),
-        error=job.error,
+        # its trace, as its result, is GET /v1/searches/{id}'s to show
+        error=job.error.model_copy(update={"trace": None}) if job.error else None,
     )
 
 

@@ -343,9 +343,18 @@ class SearchResult(BaseModel):
 
 class ErrorInfo(BaseModel):
     """A typed failure, as the job record and the API show it. ``usage`` is what the model
-    calls made before the failure used: attempts that failed may still have been billed."""
+    calls made before the failure used: attempts that failed may still have been billed.
+    ``trace``: a search that asked for its trace (``include_trace``) and failed its rerank
+    for good keeps it here; absent otherwise (not ``null``: the other errors' shape stands)."""
 
     type: str
     message: str
     retryable: bool = False
     usage: Usage | None = None
+    trace: dict[str, Any] | None = Field(
+        default=None,
+        exclude_if=lambda value: value is None,
+        description="The search's trace up to the failure (its candidates, the attempts "
+        "with their outcome class, usage), as a result's `trace`; only on a `rerank_failed` "
+        "error of a search or batch that asked for its trace (`include_trace`).",
+    )

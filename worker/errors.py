@@ -23,7 +23,7 @@ Adapters raise these with ``raise ... from exc`` so the cause stays visible.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from worker.contract import Usage
@@ -50,6 +50,9 @@ class SiftError(Exception):
     # what the search's model calls used (and cost) before it failed: the job's error shows
     # it as ``usage`` (not named so here: an attempt's error carries its own TokenUsage)
     job_usage: Usage | None = None
+    # the search's trace up to the failure, when it asked for one (``include_trace``): the
+    # job's error shows it as ``trace``
+    job_trace: dict[str, Any] | None = None
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -147,10 +150,17 @@ class RerankFailed(SiftError):
 
     code = "rerank_failed"
 
-    def __init__(self, reason: str, message: str, usage: Usage | None = None) -> None:
+    def __init__(
+        self,
+        reason: str,
+        message: str,
+        usage: Usage | None = None,
+        trace: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(f"rerank failed ({reason}): {message}")
         self.reason = reason
         self.job_usage = usage
+        self.job_trace = trace
 
 
 class DeadlineExceeded(SiftError):

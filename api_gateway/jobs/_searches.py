@@ -59,6 +59,8 @@ def _search_out(job: SearchJob) -> SearchJobOut:
         out.result = result
     if job.error is not None:
         out.error = job.error
+        if not job.spec.include_trace and job.error.trace is not None:
+            out.error = job.error.model_copy(update={"trace": None})
     return out
 
 

@@ -189,6 +189,10 @@ def test_errored_expired_and_malformed_requests_are_resubmitted_or_fail_by_polic
     assert "http_4xx" in results["q3"]["error"]["message"]
     assert results["q4"]["status"] == "failed"
     assert "http_5xx" in results["q4"]["error"]["message"]
+    # the batch asked for traces: a failed item keeps its own, with each attempt's class
+    trace = results["q4"]["error"]["trace"]
+    assert [a["outcome"] for a in trace["attempts"]] == ["http_5xx"] * 3, trace
+    assert trace["policy"] and trace["candidates"], trace
     # three provider batches for the first round, then the resubmissions of q0, q1, q2, q4
     resubmitted = [position_of(c) for b in stack.model.batches()[2:] for c in b["custom_ids"]]
     assert sorted(resubmitted) == [0, 1, 2, 4, 4]

@@ -212,6 +212,52 @@ def test_a_trace_tells_each_stages_time_and_each_attempts_class(
     assert batch["stage_seconds"] == pytest.approx(summed, abs=1e-5)
 
 
+def test_a_search_that_fails_its_rerank_keeps_the_trace_it_asked_for(
+    stack: Stack, corpus: object
+) -> None:
+    """DESIGN.md §5: every search produces a trace, attempts with their outcome class among
+    it. One whose rerank failed for good (``fail_closed``) had none, ``include_trace`` or not:
+    ``error`` was its type, message and usage alone. The failed job's ``error.trace`` is the
+    trace up to the failure; without ``include_trace`` there is none, and the job list, which
+    shows no result, shows no trace either."""
+    body = {"index": INDEX, "query": "green tea leaves", "rerank": True, "include_trace": True}
+    stack.model.script([status(503)] * 3)  # SIFT_GENERATION_MAX_REQUESTS
+    job = stack.live.post("/v1/searches", params={"wait": 25}, json=body, headers=ACME).json()
+    assert job["status"] == "failed", job
+    error = job["error"]
+    assert error["type"] == "rerank_failed" and error["usage"]["requests"] == 3, error
+    trace = error["trace"]
+    assert [a["outcome"] for a in trace["attempts"]] == ["http_5xx"] * 3, trace
+    assert trace["policy"] and trace["candidates"] and trace["model"], trace
+    assert trace["usage"] == error["usage"], trace
+    again = stack.live.get(f"/v1/searches/{job['id']}", headers=ACME).json()
+    assert again["error"] == error
+    listed = stack.live.get("/v1/searches", params={"status": "failed"}, headers=ACME).json()
+    entry = next(s for s in listed["searches"] if s["id"] == job["id"])
+    assert entry["error"]["type"] == "rerank_failed" and "trace" not in entry["error"]
+
+    stack.model.script([status(503)] * 3)
+    quiet = {**body, "include_trace": False}
+    job = stack.live.post("/v1/searches", params={"wait": 25}, json=quiet, headers=ACME).json()
+    assert job["status"] == "failed" and "trace" not in job["error"], job
+
+    # a batch item likewise, when its batch asked for traces
+    stack.model.script([status(503)] * 3)
+    items = {**body, "queries": [{"id": "q", "query": body["query"]}]}
+    del items["query"]
+    batch = stack.live.post("/v1/batches", json=items, headers=ACME).json()
+    deadline = time.monotonic() + 30
+    while not batch["finished_at"]:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+        batch = stack.live.get(f"/v1/batches/{batch['id']}", headers=ACME).json()
+    page = stack.live.get(f"/v1/batches/{batch['id']}/results", headers=ACME).json()
+    (item,) = page["results"]
+    assert item["status"] == "failed" and item["error"]["type"] == "rerank_failed", item
+    outcomes = [a["outcome"] for a in item["error"]["trace"]["attempts"]]
+    assert outcomes == ["http_5xx"] * 3, item
+
+
 def test_rerank_through_the_queue_with_a_429_on_the_way(stack: Stack, corpus: object) -> None:
     # the real SDK in the worker, against the fake Messages API: a 429 with retry-after
     # pauses the worker's limiter, then the retry in the core gets an answer

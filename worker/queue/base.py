@@ -243,7 +243,11 @@ def error_info(exc: BaseException) -> ErrorInfo:
     """The typed error a job record shows for ``exc``."""
     if isinstance(exc, SiftError):
         return ErrorInfo(
-            type=exc.code, message=exc.message, retryable=exc.retryable, usage=exc.job_usage
+            type=exc.code,
+            message=exc.message,
+            retryable=exc.retryable,
+            usage=exc.job_usage,
+            trace=exc.job_trace,
         )
     return ErrorInfo(type="internal_error", message=f"{type(exc).__name__}: {exc}")
 

@@ -45,7 +45,8 @@ def rerank_result(
         figures.append(partial(recorder.rerank_done, model, reason, run.seconds))
         if failure_policy == "fail_closed":
             figures.append(partial(recorder.rerank_outcome, POLICY_ID, "failed"))
-            raise RerankFailed(reason, failure.message, usage) from failure
+            shown = trace if spec.include_trace else None  # the failed job's error.trace
+            raise RerankFailed(reason, failure.message, usage, shown) from failure
         figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_error"))
         info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{reason}")
         return build_result(candidates[: spec.limit], info, usage, spec, trace)
