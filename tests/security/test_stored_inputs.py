@@ -229,8 +229,9 @@ def test_a_body_not_sent_as_json_is_415_naming_body_and_the_content_type(
     ("method", "path", "status", "field"),
     [
         ("GET", "/v1/nope", 404, "path"),
-        ("GET", "/v1/indexes/a%2Fb", 404, "path"),
-        ("POST", "/v1/indexes/a%2Fb/documents", 404, "path"),
+        ("GET", "/v1/indexes/a%2Fb", 422, "index"),
+        ("POST", "/v1/indexes/a%2Fb/documents", 422, "index"),
+        ("GET", "/v1%2Findexes", 404, "path"),
         ("GET", "/docs/assets/nope.js", 404, "path"),
         ("PUT", "/v1/searches", 405, "method"),
         ("DELETE", "/v1/searches/srch_0", 405, "method"),
@@ -239,8 +240,10 @@ def test_a_body_not_sent_as_json_is_415_naming_body_and_the_content_type(
 def test_a_path_or_method_no_route_has_is_a_4xx_naming_it(
     stack: Stack, method: str, path: str, status: int, field: str
 ) -> None:
-    """An index name holding ``%2F`` decodes to a path no route has: ``404`` "Not
-    Found" used to name no field (nor did ``405``)."""
+    """``404`` "Not Found" used to name no field (nor did ``405``). An index name holding
+    ``%2F`` stays one path segment (the gateway routes on the raw path): it reaches the
+    index's route, whose pattern refuses the ``/`` by name; a ``%2F`` in a route's own text
+    matches no route."""
     response = stack.live.request(method, path, headers=ACME)
     names_the_field(response, status, field)
 
