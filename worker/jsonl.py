@@ -53,18 +53,23 @@ def field_problem(exc: ValidationError, whole: str = "document") -> str:
     return f"field {where!r}: {first['msg']}"
 
 
-def records(path: Path, parse: Callable[[Any], T]) -> Iterator[tuple[int, T]]:
-    """``(line number, parse(line's JSON))`` per non-blank line of ``path``. Raises
-    ValueError ``path:line: problem`` at the first bad line (``parse`` raises ValueError
-    naming the field), or ``path: cannot read (...)``."""
+def lines(path: Path) -> Iterator[tuple[int, str]]:
+    """:func:`numbered` lines of ``path``; raises ValueError ``path: cannot read (...)``."""
     try:
         handle = open_text(path)
     except OSError as exc:
         raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     with handle:
-        for number, line in numbered(handle):
-            try:
-                record = parse(parsed(line))
-            except ValueError as exc:
-                raise ValueError(f"{path}:{number}: {exc}") from None
-            yield number, record
+        yield from numbered(handle)
+
+
+def records(path: Path, parse: Callable[[Any], T]) -> Iterator[tuple[int, T]]:
+    """``(line number, parse(line's JSON))`` per non-blank line of ``path``. Raises
+    ValueError ``path:line: problem`` at the first bad line (``parse`` raises ValueError
+    naming the field), or ``path: cannot read (...)``."""
+    for number, line in lines(path):
+        try:
+            record = parse(parsed(line))
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: {exc}") from None
+        yield number, record

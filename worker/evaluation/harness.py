@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from worker.contract import DocumentIn, Mode, SearchSpec
 from worker.core.cost import add_costs
-from worker.jsonl import field_problem, numbered, open_text, records
+from worker.jsonl import field_problem, lines, records
 from worker.runtime.inprocess import Runtime
 
 JUDGE_POLICY = "qrels (binary: score >= 1), no LLM judge; queries without qrels left out"
@@ -124,18 +124,13 @@ def read_qrels(path: Path) -> dict[str, dict[str, int]]:
     when no pair is relevant (every measure would be undefined)."""
     tsv = path.suffix == ".tsv"
     qrels: dict[str, dict[str, int]] = {}
-    try:
-        handle = open_text(path)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    with handle:
-        for n, (number, line) in enumerate(numbered(handle)):
-            try:
-                qrel = _tsv_row(line, header=n == 0) if tsv else _trec_row(line)
-            except ValueError as exc:
-                raise ValueError(f"{path}:{number}: {exc}") from None
-            if qrel is not None and qrel.relevance >= 1:
-                qrels.setdefault(qrel.query_id, {})[qrel.doc_id] = qrel.relevance
+    for n, (number, line) in enumerate(lines(path)):
+        try:
+            qrel = _tsv_row(line, header=n == 0) if tsv else _trec_row(line)
+        except ValueError as exc:
+            raise ValueError(f"{path}:{number}: {exc}") from None
+        if qrel is not None and qrel.relevance >= 1:
+            qrels.setdefault(qrel.query_id, {})[qrel.doc_id] = qrel.relevance
     if not qrels:
         raise ValueError(f"{path}: no relevance judgment (a score of 1 or more)")
     return qrels

@@ -197,3 +197,16 @@ class _Core:
             time.sleep(poll_seconds)
             answer = self._task(task)
         return answer
+
+
+def task_canceled(answer: Mapping[str, Any]) -> Any:
+    """Why a done ES task was cancelled (its report's or its status's ``canceled``), if it was.
+
+    >>> task_canceled({"task": {"status": {"canceled": "by user request"}}})
+    'by user request'
+    >>> task_canceled({"response": {"deleted": 3}}) is None
+    True
+    """
+    report = answer.get("response") or {}
+    status = (answer.get("task") or {}).get("status") or {}
+    return report.get("canceled") or status.get("canceled")

@@ -11,6 +11,7 @@ from typing import Any
 from urllib.parse import quote
 
 from worker.adapters.elasticsearch._bodies import _Bodies
+from worker.adapters.elasticsearch._core import task_canceled
 from worker.adapters.elasticsearch._errors import (
     _index_missing,
     _raise_for_item,
@@ -200,8 +201,7 @@ def _deleted(answer: Mapping[str, Any], what: str, task: str) -> int:
             f"{what}: task {task} failed: {error.get('type', 'error')}: {error.get('reason', '')}"
         )
     report = answer.get("response") or {}
-    status = (answer.get("task") or {}).get("status") or {}
-    canceled = report.get("canceled") or status.get("canceled")
+    canceled = task_canceled(answer)
     if canceled:
         raise BackendRequestError(f"{what}: task {task} was cancelled ({canceled}): run again")
     deleted = int(report.get("deleted", 0))

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from worker.adapters.elasticsearch._core import _Core
+from worker.adapters.elasticsearch._core import _Core, task_canceled
 from worker.adapters.elasticsearch._errors import _retryable, _translated
 from worker.adapters.elasticsearch._layout import (
     KEY_SEPARATOR,
@@ -145,8 +145,7 @@ class _Reindex(_Core):
                 task, f"{what} into {dest!r}", self.copy_max_seconds, COPY_POLL_SECONDS
             )
             report = answer.get("response") or {}
-            status = (answer.get("task") or {}).get("status") or {}
-            canceled = report.get("canceled") or status.get("canceled")
+            canceled = task_canceled(answer)
             if canceled:
                 raise BackendRequestError(
                     f"{what} into {dest!r} was cancelled (task {task}: {canceled}): the copy "
