@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -146,6 +148,21 @@ def corpus(stack: Stack) -> list[dict[str, object]]:
 def queries() -> list[str]:
     lines = (SAMPLE / "sample_queries.jsonl").read_text().splitlines()
     return [json.loads(line)["query"] for line in lines if line.strip()]
+
+
+def finished_batch(
+    client: httpx.Client, body: dict[str, object], headers: dict[str, str] = ACME
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``body`` submitted as a batch, polled until it has finished: the batch, and its first
+    page of results."""
+    batch = client.post("/v1/batches", json=body, headers=headers).json()
+    deadline = time.monotonic() + 30  # a hang guard, not a speed check
+    while not batch["finished_at"]:
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+        batch = client.get(f"/v1/batches/{batch['id']}", headers=headers).json()
+    page = client.get(f"/v1/batches/{batch['id']}/results", headers=headers).json()
+    return batch, page
 
 
 def worker_usage(stack: Stack, lane: str) -> dict[str, float]:

@@ -13,7 +13,15 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import ACME, INDEX, MODEL, Stack, unpriced_stack, worker_usage
+from tests.e2e.conftest import (
+    ACME,
+    INDEX,
+    MODEL,
+    Stack,
+    finished_batch,
+    unpriced_stack,
+    worker_usage,
+)
 from tests.fake_anthropic import USAGE_FIELDS, malformed, positions, status
 from tests.services import free_port
 from worker.core.cost import cost_usd, price_for
@@ -146,13 +154,7 @@ def test_a_batch_with_an_unpriced_call_has_an_unknown_cost(unpriced: Unpriced) -
     # unknown (null), not the 0.0 the unpriced calls would add
     queries = [{"id": "a", "query": "green tea"}, {"id": "b", "query": "tea leaves"}]
     body = {"index": INDEX, "rerank": True, "queries": queries}
-    batch = unpriced.client.post("/v1/batches", json=body, headers=ACME).json()
-    deadline = time.monotonic() + 30
-    while not batch["finished_at"]:
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.1)
-        batch = unpriced.client.get(f"/v1/batches/{batch['id']}", headers=ACME).json()
-    results = unpriced.client.get(f"/v1/batches/{batch['id']}/results", headers=ACME).json()
+    batch, results = finished_batch(unpriced.client, body)
     usages = [r["result"]["usage"] for r in results["results"]]
     assert [u["cost_usd"] for u in usages] == [None, None]
     assert batch["usage"]["requests"] == 2

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from api_gateway.schemas import SearchRequest
-from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack
+from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack, finished_batch
 from tests.fake_anthropic import positions, status
 from tests.prometheus_support import wait_until
 from worker.queue.jobstore import JobStore, fingerprint
@@ -188,13 +188,7 @@ def test_a_trace_tells_each_stages_time_and_each_attempts_class(
 
     queries = [{"id": f"q{i}", "query": q} for i, q in enumerate(["green tea", "tea", "leaves"])]
     items = {"index": INDEX, "rerank": True, "include_trace": True, "queries": queries}
-    batch = stack.live.post("/v1/batches", json=items, headers=ACME).json()
-    deadline = time.monotonic() + 30
-    while not batch["finished_at"]:
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.05)
-        batch = stack.live.get(f"/v1/batches/{batch['id']}", headers=ACME).json()
-    page = stack.live.get(f"/v1/batches/{batch['id']}/results", headers=ACME).json()
+    batch, page = finished_batch(stack.live, items)
     traces = [item["result"]["trace"] for item in page["results"]]
     span = (
         datetime.fromisoformat(batch["finished_at"]) - datetime.fromisoformat(batch["created_at"])
@@ -245,13 +239,7 @@ def test_a_search_that_fails_its_rerank_keeps_the_trace_it_asked_for(
     stack.model.script([status(503)] * 3)
     items = {**body, "queries": [{"id": "q", "query": body["query"]}]}
     del items["query"]
-    batch = stack.live.post("/v1/batches", json=items, headers=ACME).json()
-    deadline = time.monotonic() + 30
-    while not batch["finished_at"]:
-        assert time.monotonic() < deadline, batch
-        time.sleep(0.05)
-        batch = stack.live.get(f"/v1/batches/{batch['id']}", headers=ACME).json()
-    page = stack.live.get(f"/v1/batches/{batch['id']}/results", headers=ACME).json()
+    _, page = finished_batch(stack.live, items)
     (item,) = page["results"]
     assert item["status"] == "failed" and item["error"]["type"] == "rerank_failed", item
     outcomes = [a["outcome"] for a in item["error"]["trace"]["attempts"]]
