@@ -53,12 +53,12 @@ def field_problem(exc: ValidationError, whole: str = "document") -> str:
     return f"field {where!r}: {first['msg']}"
 
 
-def lines(path: Path) -> Iterator[tuple[int, str]]:
-    """:func:`numbered` lines of ``path``; raises ValueError ``path: cannot read (...)``."""
+def lines(path: Path, error: type[Exception] = ValueError) -> Iterator[tuple[int, str]]:
+    """:func:`numbered` lines of ``path``; raises ``error`` ``path: cannot read (...)``."""
     try:
         handle = open_text(path)
     except OSError as exc:
-        raise ValueError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+        raise error(f"{path}: cannot read ({exc.strerror or exc})") from exc
     with handle:
         yield from numbered(handle)
 

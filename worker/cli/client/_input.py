@@ -17,7 +17,7 @@ from worker.cli._common import EXIT_INTERRUPTED, InputError, _err
 from worker.cli._output import plain
 from worker.constants import MAX_DOCUMENT_CHARS, MAX_LIMIT, MAX_QUERY_CHARS
 from worker.contract import BLANK, DocumentRequest, is_blank
-from worker.jsonl import field_problem, numbered, open_text, parsed
+from worker.jsonl import field_problem, lines, parsed
 
 MODES = ("fts", "vector", "hybrid")
 
@@ -47,12 +47,7 @@ def _jsonl(path: Path) -> Iterator[tuple[int, str]]:
     """``(line number, line)`` per non-blank line; each is parsed by
     :func:`worker.jsonl.parsed`, where a line that is not UTF-8 or not JSON is a bad line like
     any other (``--skip-invalid`` skips it)."""
-    try:
-        handle = open_text(path)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    with handle:
-        yield from numbered(handle)
+    return lines(path, InputError)
 
 
 def document_from(obj: Any) -> dict[str, Any]:
