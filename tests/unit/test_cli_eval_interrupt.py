@@ -16,7 +16,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from worker.cli import app, evaluate
+from worker.cli import _eval_runs, app
 from worker.cli._http import Gateway
 
 
@@ -48,7 +48,7 @@ def invoke_eval(
     def gateway() -> Iterator[Gateway]:
         yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
 
-    monkeypatch.setattr(evaluate, "gateway", gateway)
+    monkeypatch.setattr(_eval_runs, "gateway", gateway)
     queries = tmp_path / "queries.jsonl"
     queries.write_text('{"_id": "1", "text": "tea"}\n{"_id": "2", "text": "coffee"}\n')
     qrels = tmp_path / "qrels.tsv"

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from worker.cli import app, evaluate, indexes, listing
+from worker.cli import _eval_runs, app, indexes, listing
 from worker.cli._http import Gateway, GatewayError
 from worker.cli.client import _batch
 
@@ -81,7 +81,7 @@ def _batch_results(gw: Gateway, tmp_path: Path) -> list[str]:
 
 
 def _eval_results(gw: Gateway, _: Path) -> list[str]:
-    return [r["id"] for r in evaluate._results(gw, "bat_1")]
+    return [r["id"] for r in _eval_runs._results(gw, "bat_1")]
 
 
 READERS: dict[str, tuple[str, Callable[[Gateway, Path], list[str]]]] = {
@@ -173,9 +173,9 @@ def test_sift_eval_index_waits_for_its_batches_through_a_transient_failure(
     def fake_gateway() -> Iterator[Gateway]:
         yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
 
-    monkeypatch.setattr(evaluate, "gateway", fake_gateway)
-    run = evaluate.RunSpec("bm25", "fts", False, 10)
-    submitted, served = evaluate._run_batches("docs", [run], [("q1", "a"), ("q2", "b")], None)
+    monkeypatch.setattr(_eval_runs, "gateway", fake_gateway)
+    run = _eval_runs.RunSpec("bm25", "fts", False, 10)
+    submitted, served = _eval_runs._run_batches("docs", [run], [("q1", "a"), ("q2", "b")], None)
     assert submitted == {"bm25": "bat_1"}
     assert [r["query_id"] for r in served["bm25"]] == ["q1", "q2"]
     assert statuses == ["asked", "asked"]

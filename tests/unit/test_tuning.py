@@ -18,7 +18,7 @@ import httpx
 import pytest
 import typer
 
-from worker.cli import evaluate
+from worker.cli import _eval_tune
 from worker.cli._http import Gateway
 from worker.evaluation.tuning import (
     DEFAULT,
@@ -208,16 +208,16 @@ def patches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, Any]]:
     def fake_gateway() -> Iterator[Gateway]:
         yield Gateway("http://sift.test", "key", transport=httpx.MockTransport(handler))
 
-    monkeypatch.setattr(evaluate, "gateway", fake_gateway)
+    monkeypatch.setattr(_eval_tune, "gateway", fake_gateway)
     return sent
 
 
 def _run_tune(
     monkeypatch: pytest.MonkeyPatch, report: TuneReport, json_out: Path, apply: bool
 ) -> int:
-    monkeypatch.setattr(evaluate, "_tune_served", lambda *args: report)
+    monkeypatch.setattr(_eval_tune, "_tune_served", lambda *args: report)
     try:
-        evaluate._tune_command(
+        _eval_tune._tune_command(
             "docs", Path("q"), Path("r"), None, 5, 0, apply, None, json_out
         )  # fmt: skip
     except typer.Exit as exit_:
@@ -239,7 +239,8 @@ def test_apply_refuses_below_the_better_channel_and_sends_nothing(
     monkeypatch: pytest.MonkeyPatch, patches: list[tuple[str, str, Any]], tmp_path: Path
 ) -> None:
     report = _report(tuned=[0.60, 0.62], bm25=[0.63, 0.63], knn=[0.40, 0.40])
-    assert _run_tune(monkeypatch, report, tmp_path / "r.json", apply=True) == evaluate.EXIT_REFUSED
+    refused = _run_tune(monkeypatch, report, tmp_path / "r.json", apply=True)
+    assert refused == _eval_tune.EXIT_REFUSED
     assert patches == []
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["applied"] is False and "bm25 alone" in written["refusal"]

@@ -15,66 +15,36 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.embedder import GRAPH_REVISION
 from worker.cli._app import app
-from worker.cli._common import EXIT_INTERRUPTED
-from worker.cli._http import (
-    FINAL_STATUSES,
-    RETRY_SECONDS,
-    Gateway,
-    GatewayError,
-    gateway,
-    index_name,
-)
-from worker.cli._output import cli_console, format_cost, plain, progress_bar
-from worker.cli.client._batch import _cancel_outcome
-from worker.constants import MAX_LIMIT
-from worker.contract import Channel
+from worker.cli._eval_runs import _judged, _run_batches, console
+from worker.cli._eval_tune import _tune_command
+from worker.cli._http import GatewayError, index_name
+from worker.cli._output import format_cost, plain, progress_bar
 from worker.errors import SiftError
 from worker.evaluation.harness import (
     TENANT,
     Collection,
-    RunSpec,
     add_usage,
     eval_runs,
     evaluate,
-    judged_queries,
     read_corpus,
     read_qrels,
     read_results,
     score_results,
     score_runs,
 )
-from worker.evaluation.tuning import (
-    CHANNELS,
-    DEFAULT,
-    Grid,
-    Point,
-    Ranked,
-    TuneReport,
-    split_folds,
-    tune,
-)
 from worker.runtime.inprocess import Runtime, build_runtime
 from worker.settings import load_settings
 
-console = Console(emoji=False)
 EXIT_USAGE = 2
-EXIT_REFUSED = 3  # --apply refused: the tuned fusion is below a channel alone
-PAGE_SIZE = 500
 
 
 def _ingest(runtime: Runtime, corpus: Path, index: str, tenant: str) -> int:
@@ -82,16 +52,6 @@ def _ingest(runtime: Runtime, corpus: Path, index: str, tenant: str) -> int:
     with progress_bar(console) as bar:
         task = bar.add_task(f"indexing {corpus.name}", total=len(documents))
         return runtime.ingest(index, tenant, documents, lambda n: bar.advance(task, n))
-
-
-def _judged(
-    queries: Path, qrels_path: Path, qrels: dict[str, dict[str, int]], max_queries: int | None
-) -> list[tuple[str, str]]:
-    """The judged queries; ValueError when there is none (every measure would be undefined)."""
-    judged = judged_queries(queries, qrels, max_queries)
-    if not judged:
-        raise ValueError(f"{queries}: no query has a relevant document in {qrels_path}")
-    return judged
 
 
 def _sha256(path: Path) -> str:
@@ -283,99 +243,6 @@ def _served(
     return report
 
 
-def _run_batches(
-    index: str, runs: list[RunSpec], queries: list[tuple[str, str]], out: Path | None
-) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]]]:
-    """Each run as one batch through the gateway, all submitted at once: the batch ids and
-    every result of each, in submission order (kept under ``out`` when given)."""
-    with gateway() as client, _cancel_runs_on_interrupt(client, len(runs)) as submitted:
-        for run in runs:
-            submitted[run.name] = _submit(client, index, run, queries)
-        with progress_bar(console) as bar:
-            tasks = {
-                name: bar.add_task(f"{name} via {index}", total=len(queries)) for name in submitted
-            }
-            pending = dict(submitted)
-            while pending:
-                for name, batch_id in list(pending.items()):
-                    # a GET: read again through a transient failure, as `sift batch` waits
-                    path = f"/v1/batches/{batch_id}"
-                    counts = client.json("GET", path, retry_for=RETRY_SECONDS).get("counts") or {}
-                    finished = sum(int(counts.get(s, 0)) for s in FINAL_STATUSES)
-                    bar.update(tasks[name], completed=finished)
-                    if finished >= len(queries):
-                        del pending[name]
-                if pending:
-                    time.sleep(0.5)
-        served = {}
-        for run in runs:
-            served[run.name] = list(_results(client, submitted[run.name]))
-            if out is not None:
-                _write_jsonl(out / f"{run.name.split()[0]}.jsonl", served[run.name])
-    return submitted, served
-
-
-@contextmanager
-def _cancel_runs_on_interrupt(client: Gateway, runs: int) -> Iterator[dict[str, str]]:
-    """Yields the runs' batch ids as they are made; Ctrl-C meanwhile cancels every one, says
-    what each cancel did and exits 130, as ``sift batch`` does (Ctrl-C again leaves at once,
-    naming the batches whose cancel may not have been made): the scores are this command's
-    to make, so batches left running would spend their searches (and a reranked run its
-    model calls) for nothing."""
-    submitted: dict[str, str] = {}
-    try:
-        yield submitted
-    except KeyboardInterrupt:
-        err = cli_console(stderr=True)
-        for done, (name, batch_id) in enumerate(submitted.items()):
-            try:
-                said = _cancel_outcome(batch_id, client.json("DELETE", f"/v1/batches/{batch_id}"))
-            except KeyboardInterrupt:  # Ctrl-C again: leave now, naming what may run on
-                left = ", ".join(list(submitted.values())[done:])
-                err.print(
-                    f"interrupted again: the cancels of {left} may not have been made; they "
-                    "may still be running (DELETE /v1/batches/{id} cancels each)",
-                    soft_wrap=True,
-                    markup=False,
-                )
-                raise typer.Exit(EXIT_INTERRUPTED) from None
-            except GatewayError as exc:
-                said = (
-                    f"batch {batch_id} had already finished: nothing canceled"
-                    if exc.status_code == 409
-                    else f"{plain(exc)}; batch {batch_id} may still be running"
-                )
-            err.print(f"interrupted: the {name} run's {said}", soft_wrap=True)
-        if len(submitted) < runs:
-            err.print(
-                "interrupted while submitting: a run's batch may have been accepted and run on; "
-                "`sift batches --limit 1` shows it",
-                soft_wrap=True,
-            )
-        raise typer.Exit(EXIT_INTERRUPTED) from None
-
-
-def _submit(client: Gateway, index: str, run: RunSpec, queries: list[tuple[str, str]]) -> str:
-    items = [
-        {"id": qid, "query": text, "mode": run.mode, "limit": run.limit} for qid, text in queries
-    ]
-    body = {"index": index, "queries": items, "rerank": run.rerank}
-    return str(client.json("POST", "/v1/batches", json=body)["id"])
-
-
-def _results(client: Gateway, batch_id: str) -> Iterator[dict[str, Any]]:
-    """Every result of a batch, page by page, in submission order."""
-    for page in client.pages(f"/v1/batches/{batch_id}/results", {"page_size": PAGE_SIZE}):
-        yield from page.get("results") or []
-
-
-def _write_jsonl(path: Path, items: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    temp.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
-    os.replace(temp, path)
-
-
 def _scored_file(results: Path, qrels: Path, window: int) -> dict[str, Any]:
     report = score_results(read_results(results), read_qrels(qrels), window=window)
     if not report["queries"]:
@@ -445,172 +312,5 @@ def _print_report(report: dict[str, Any]) -> None:
         )
 
 
-def _tune_command(
-    index: str,
-    queries_path: Path,
-    qrels_path: Path,
-    out: Path | None,
-    folds: int,
-    seed: int,
-    apply: bool,
-    max_queries: int | None,
-    json_out: Path | None,
-) -> None:
-    """``--tune``: tune on the served index's rankings, print the folds, and with ``--apply``
-    store the chosen settings unless the held-out figure is below a channel alone."""
-    try:
-        report = _tune_served(index, queries_path, qrels_path, out, folds, seed, max_queries)
-    except (GatewayError, ValueError) as error:
-        console.print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
-        raise typer.Exit(1) from error
-    _print_tune(report)
-    data: dict[str, Any] = {"index": index, "folds_seed": seed, **report.as_dict()}
-    refusal = report.refusal()
-    data["applied"] = False
-    try:
-        if apply and refusal is None:
-            with gateway() as client:
-                stored = client.update_index(index, report.chosen.settings())
-            data["applied"] = True
-            console.print(f"applied to {index}: {json.dumps(stored.get('settings'))}")
-    finally:
-        if json_out:
-            json_out.write_text(json.dumps(data, indent=2) + "\n")
-    if apply and refusal is not None:
-        console.print(f"[red]refused:[/red] {refusal}", soft_wrap=True)
-        raise typer.Exit(EXIT_REFUSED)
-
-
-def _tune_served(
-    index: str,
-    queries_path: Path,
-    qrels_path: Path,
-    out: Path | None,
-    folds: int,
-    seed: int,
-    max_queries: int | None,
-) -> TuneReport:
-    """Fetch each judged query's BM25 and kNN rankings once (two batches, as deep as the API
-    serves), then tune in-process: no further search, no model."""
-    qrels = read_qrels(qrels_path)
-    queries = _judged(queries_path, qrels_path, qrels, max_queries)
-    split_folds([qid for qid, _ in queries], folds, seed)  # a bad --folds fails before searching
-    runs = [RunSpec("bm25", "fts", False, MAX_LIMIT), RunSpec("knn", "vector", False, MAX_LIMIT)]
-    _, served = _run_batches(index, runs, queries, out)
-    failed = [i for items in served.values() for i in items if i.get("status") != "succeeded"]
-    if failed:
-        raise ValueError(
-            f"{len(failed)} search(es) did not succeed (first: "
-            f"{(failed[0].get('error') or {}).get('message')}); "
-            "tuning needs every query's rankings"
-        )
-    rankings: dict[Channel, dict[str, list[Ranked]]] = {
-        channel: {
-            str(item["query_id"]): [_ranked(hit, channel) for hit in item["result"]["hits"]]
-            for item in served[channel]
-        }
-        for channel in CHANNELS
-    }
-    scored = all(
-        not isinstance(ranked, str)
-        for per in rankings.values()
-        for r in per.values()
-        for ranked in r
-    )
-    grid = Grid() if scored else Grid(methods=("rrf",))
-    if not scored:
-        console.print("[yellow]the served hits carry no channel scores: linear fusion not tuned[/]")
-    with progress_bar(console) as bar:
-        task = bar.add_task("tuning: grid points scored", total=len(grid.points()))
-        return tune(
-            rankings,
-            {qid: qrels[qid] for qid, _ in queries},
-            grid,
-            folds,
-            seed,
-            progress=lambda n: bar.advance(task, n),
-        )
-
-
-def _ranked(hit: dict[str, Any], channel: Channel) -> Ranked:
-    """A served hit as the tuner ranks it: its id and its channel's score (``linear``
-    fusion reads the score; a hit without one is ranked by its place alone)."""
-    score = (hit.get("scores") or {}).get(channel)
-    return str(hit["id"]) if score is None else (str(hit["id"]), float(score))
-
-
 def _shares(shares: dict[str, float]) -> str:
     return f"lost {shares['lost']:.1%}, won {shares['won']:.1%}, tied {shares['tied']:.1%}"
-
-
-def _print_tune(report: TuneReport) -> None:
-    table = Table(
-        title="held-out nDCG@10 per fold, of the point chosen on the other folds "
-        f"(n: queries; RRF: the default fusion; recall: candidate recall at the tuned "
-        f"window, and the default's at {DEFAULT.window}; chosen: method, weights bm25/knn, "
-        "RRF's rank constant k, window w)",
-        box=box.SIMPLE_HEAD,  # with one space between columns it fits 80, nothing cut
-        padding=(0, 1, 0, 0),
-        pad_edge=False,
-    )
-    columns = ["fold", "n", "tuned", "RRF", "bm25", "knn", "recall", "RRF recall", "chosen"]
-    for column in columns:
-        table.add_column(column, justify="left" if column == "chosen" else "right", overflow="fold")
-    for n, fold in enumerate(report.folds, start=1):
-        ndcgs = (fold.tuned, fold.default, fold.bm25, fold.knn)
-        table.add_row(
-            str(n),
-            str(fold.queries),
-            *(f"{m.ndcg:.4f}" for m in ndcgs),
-            f"{fold.tuned.recall:.3f}",
-            f"{fold.default.recall:.3f}",
-            _describe(fold.chosen, short=True),
-        )
-    held = report.held_out
-    table.add_row(
-        "all", str(sum(f.queries for f in report.folds)),
-        *(f"[bold]{held[n].ndcg:.4f}[/]" for n in ("tuned", "default", "bm25", "knn")),
-        f"{held['tuned'].recall:.3f}", f"{held['default'].recall:.3f}", "",
-    )  # fmt: skip
-    console.print(table)
-    console.print(
-        f"chosen on all {sum(f.queries for f in report.folds)} queries: "
-        f"[bold]{_describe(report.chosen)}[/] (nDCG@10 {report.in_sample.ndcg:.4f} on the "
-        "queries it was chosen on: optimistic; the held-out row is the estimate)"
-    )
-    below = report.folds_below_best_single()
-    if below:
-        console.print(
-            f"[yellow]fold(s) {', '.join(map(str, below))}: the tuned fusion scored below "
-            "the better channel alone there[/]"
-        )
-    channel, best = report.best_single
-    console.print(
-        f"held out: tuned {held['tuned'].ndcg:.4f} vs {channel} alone {best:.4f}, "
-        f"default RRF {held['default'].ndcg:.4f}; {report.points} points searched, "
-        f"channels fetched {max(report.depth.values())} deep (a window past "
-        f"{max(report.depth.values()) // 4} fuses them there, where the worker would fuse "
-        "4 x window)"
-    )
-    chosen = report.chosen
-    if chosen.method == "linear" and chosen.window > max(report.depth.values()) // 4:
-        console.print(
-            f"[yellow]linear fusion at window {chosen.window}: the worker normalises each "
-            f"channel over its {4 * chosen.window} hits, here over the "
-            f"{max(report.depth.values())} fetched, so served figures can differ a little "
-            "(docs/evaluation.md: Tuning the fusion)[/]"
-        )
-
-
-def _describe(point: Point, short: bool = False) -> str:
-    linear = point.method == "linear"
-    if short:  # method, weights bm25/knn, rank constant (RRF), window
-        if linear:
-            return f"linear {point.bm25:g}/{point.knn:g} w{point.window}"
-        return f"rrf {point.bm25:g}/{point.knn:g} k{point.rank_constant} w{point.window}"
-    weights = f"bm25 {point.bm25:g}, knn {point.knn:g}"
-    if point.single:
-        return f"{point.single} alone (weights {weights}), window {point.window}"
-    if linear:
-        return f"linear fusion, weights {weights}, window {point.window}"
-    return f"RRF, weights {weights}, k {point.rank_constant}, window {point.window}"

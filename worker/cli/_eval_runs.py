@@ -1,0 +1,127 @@
+"""``sift eval --index``'s runs: each one a batch through the gateway, all submitted at once,
+waited on with a progress bar and read back page by page (Ctrl-C cancels every one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from worker.cli._common import EXIT_INTERRUPTED
+from worker.cli._http import FINAL_STATUSES, RETRY_SECONDS, Gateway, GatewayError, gateway
+from worker.cli._output import cli_console, plain, progress_bar
+from worker.cli.client._batch import _cancel_outcome
+from worker.evaluation.harness import RunSpec, judged_queries
+
+console = Console(emoji=False)
+PAGE_SIZE = 500
+
+
+def _judged(
+    queries: Path, qrels_path: Path, qrels: dict[str, dict[str, int]], max_queries: int | None
+) -> list[tuple[str, str]]:
+    """The judged queries; ValueError when there is none (every measure would be undefined)."""
+    judged = judged_queries(queries, qrels, max_queries)
+    if not judged:
+        raise ValueError(f"{queries}: no query has a relevant document in {qrels_path}")
+    return judged
+
+
+def _run_batches(
+    index: str, runs: list[RunSpec], queries: list[tuple[str, str]], out: Path | None
+) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]]]:
+    """Each run as one batch through the gateway, all submitted at once: the batch ids and
+    every result of each, in submission order (kept under ``out`` when given)."""
+    with gateway() as client, _cancel_runs_on_interrupt(client, len(runs)) as submitted:
+        for run in runs:
+            submitted[run.name] = _submit(client, index, run, queries)
+        with progress_bar(console) as bar:
+            tasks = {
+                name: bar.add_task(f"{name} via {index}", total=len(queries)) for name in submitted
+            }
+            pending = dict(submitted)
+            while pending:
+                for name, batch_id in list(pending.items()):
+                    # a GET: read again through a transient failure, as `sift batch` waits
+                    path = f"/v1/batches/{batch_id}"
+                    counts = client.json("GET", path, retry_for=RETRY_SECONDS).get("counts") or {}
+                    finished = sum(int(counts.get(s, 0)) for s in FINAL_STATUSES)
+                    bar.update(tasks[name], completed=finished)
+                    if finished >= len(queries):
+                        del pending[name]
+                if pending:
+                    time.sleep(0.5)
+        served = {}
+        for run in runs:
+            served[run.name] = list(_results(client, submitted[run.name]))
+            if out is not None:
+                _write_jsonl(out / f"{run.name.split()[0]}.jsonl", served[run.name])
+    return submitted, served
+
+
+@contextmanager
+def _cancel_runs_on_interrupt(client: Gateway, runs: int) -> Iterator[dict[str, str]]:
+    """Yields the runs' batch ids as they are made; Ctrl-C meanwhile cancels every one, says
+    what each cancel did and exits 130, as ``sift batch`` does (Ctrl-C again leaves at once,
+    naming the batches whose cancel may not have been made): the scores are this command's
+    to make, so batches left running would spend their searches (and a reranked run its
+    model calls) for nothing."""
+    submitted: dict[str, str] = {}
+    try:
+        yield submitted
+    except KeyboardInterrupt:
+        err = cli_console(stderr=True)
+        for done, (name, batch_id) in enumerate(submitted.items()):
+            try:
+                said = _cancel_outcome(batch_id, client.json("DELETE", f"/v1/batches/{batch_id}"))
+            except KeyboardInterrupt:  # Ctrl-C again: leave now, naming what may run on
+                left = ", ".join(list(submitted.values())[done:])
+                err.print(
+                    f"interrupted again: the cancels of {left} may not have been made; they "
+                    "may still be running (DELETE /v1/batches/{id} cancels each)",
+                    soft_wrap=True,
+                    markup=False,
+                )
+                raise typer.Exit(EXIT_INTERRUPTED) from None
+            except GatewayError as exc:
+                said = (
+                    f"batch {batch_id} had already finished: nothing canceled"
+                    if exc.status_code == 409
+                    else f"{plain(exc)}; batch {batch_id} may still be running"
+                )
+            err.print(f"interrupted: the {name} run's {said}", soft_wrap=True)
+        if len(submitted) < runs:
+            err.print(
+                "interrupted while submitting: a run's batch may have been accepted and run on; "
+                "`sift batches --limit 1` shows it",
+                soft_wrap=True,
+            )
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _submit(client: Gateway, index: str, run: RunSpec, queries: list[tuple[str, str]]) -> str:
+    items = [
+        {"id": qid, "query": text, "mode": run.mode, "limit": run.limit} for qid, text in queries
+    ]
+    body = {"index": index, "queries": items, "rerank": run.rerank}
+    return str(client.json("POST", "/v1/batches", json=body)["id"])
+
+
+def _results(client: Gateway, batch_id: str) -> Iterator[dict[str, Any]]:
+    """Every result of a batch, page by page, in submission order."""
+    for page in client.pages(f"/v1/batches/{batch_id}/results", {"page_size": PAGE_SIZE}):
+        yield from page.get("results") or []
+
+
+def _write_jsonl(path: Path, items: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    temp.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
+    os.replace(temp, path)
