@@ -55,8 +55,8 @@ from worker.adapters.embedder import (  # noqa: E402
     MAX_TOKENS,
     default_model_path,
     default_tokenizer_path,
-    int8_compute_model,
 )
+from worker.adapters.int8_graph import int8_compute_model  # noqa: E402
 from worker.evaluation.harness import read_corpus  # noqa: E402
 from worker.processes.machine import cpu_count as cores  # noqa: E402
 from worker.processes.stack import (  # noqa: E402

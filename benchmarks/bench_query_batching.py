@@ -11,7 +11,7 @@ so in a batch a text's vector would depend on its neighbours. If a query's cost 
 per-call overhead, batching concurrent queries would cut it several-fold, provided each row
 is quantized on its own. The graphs measured:
 
-* ``int8``: Sift's graph (:func:`~worker.adapters.embedder.int8_compute_model`, r3).
+* ``int8``: Sift's graph (:func:`~worker.adapters.int8_graph.int8_compute_model`, r3).
   Its coalesced rows are a reference only (what batching could give at best): its vectors
   change with the batch.
 * ``per-row``: the same folded fp32 graph, each weight MatMul's input quantized per row
@@ -59,6 +59,8 @@ from worker.adapters.embedder import (  # noqa: E402
     CoalescingEmbedder,
     OnnxMiniLMEmbedder,
     default_model_path,
+)
+from worker.adapters.int8_graph import (  # noqa: E402
     int8_compute_model,
     with_fused_attention,
     without_nan_guards,

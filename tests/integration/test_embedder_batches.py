@@ -18,13 +18,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from worker.adapters.embedder import (
-    OnnxMiniLMEmbedder,
-    default_model_path,
-    int8_compute_model,
-    with_fused_attention,
-    without_nan_guards,
-)
+from worker.adapters.embedder import OnnxMiniLMEmbedder, default_model_path
+from worker.adapters.int8_graph import int8_compute_model, with_fused_attention, without_nan_guards
 from worker.contract import DocumentIn, SearchSpec
 from worker.runtime.inprocess import build_runtime, embedding_text
 from worker.settings import load_settings

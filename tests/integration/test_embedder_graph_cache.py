@@ -18,12 +18,14 @@ from typing import Any
 
 import pytest
 
-from worker.adapters import embedder
-from worker.adapters.embedder import default_model_path, int8_compute_model
+from worker.adapters import int8_graph
+from worker.adapters.embedder import default_model_path
+from worker.adapters.int8_graph import int8_compute_model
 
 MAKE = (
     "import sys; from pathlib import Path; "
-    "from worker.adapters.embedder import default_model_path, int8_compute_model; "
+    "from worker.adapters.embedder import default_model_path; "
+    "from worker.adapters.int8_graph import int8_compute_model; "
     "int8_compute_model(default_model_path(), Path(sys.argv[1]))"
 )
 
@@ -62,8 +64,8 @@ def test_a_filesystem_that_refuses_locks_still_gets_its_graph(
     def no_locks(fd: Any, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(embedder.fcntl, "flock", no_locks)
-    with caplog.at_level(logging.WARNING, logger="worker.adapters.embedder"):
+    monkeypatch.setattr(int8_graph.fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="worker.adapters.int8_graph"):
         made = int8_compute_model(default_model_path(), tmp_path)
     assert made.is_file()
     assert any("No locks available" in r.getMessage() for r in caplog.records), caplog.text
@@ -87,8 +89,8 @@ def test_the_graph_reaches_the_disk_before_its_name_and_the_folder_after(
         events.append("replace")
         real_replace(src, dst)
 
-    monkeypatch.setattr(embedder.os, "fsync", fsync)
-    monkeypatch.setattr(embedder.os, "replace", replace)
+    monkeypatch.setattr(int8_graph.os, "fsync", fsync)
+    monkeypatch.setattr(int8_graph.os, "replace", replace)
     made = int8_compute_model(default_model_path(), tmp_path)
     assert made.is_file()
     assert events == ["fsync file", "replace", "fsync folder"]

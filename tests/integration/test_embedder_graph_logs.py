@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.adapters.embedder import default_model_path, int8_compute_model
+from worker.adapters.embedder import default_model_path
+from worker.adapters.int8_graph import int8_compute_model
 
 
 def test_making_the_int8_graph_logs_only_its_own_lines(
@@ -48,7 +49,7 @@ def test_two_callers_at_once_make_the_graph_once(
         start.wait()
         made.append(int8_compute_model(default_model_path(), tmp_path))
 
-    with caplog.at_level(logging.INFO, logger="worker.adapters.embedder"):
+    with caplog.at_level(logging.INFO, logger="worker.adapters.int8_graph"):
         threads = [threading.Thread(target=make) for _ in range(2)]
         for thread in threads:
             thread.start()

@@ -22,7 +22,7 @@ import typer
 from rich.table import Table
 
 from worker.adapters.embedded import SCHEMA_VERSION
-from worker.adapters.embedder import GRAPH_REVISION
+from worker.adapters.int8_graph import GRAPH_REVISION
 from worker.cli._app import app
 from worker.cli._eval_runs import _judged, _run_batches, console
 from worker.cli._eval_tune import _tune_command
