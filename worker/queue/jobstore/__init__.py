@@ -65,6 +65,7 @@ is the gateway's ``redis.asyncio`` store for a search's create.
 from __future__ import annotations
 
 from worker.queue.jobstore.asyncstore import AsyncJobStore
+from worker.queue.jobstore.batch_items import BatchItemRecords
 from worker.queue.jobstore.batches import BatchRecords
 from worker.queue.jobstore.delivery import DeliveryRecords
 from worker.queue.jobstore.idempotency import (
@@ -129,6 +130,7 @@ class JobStore(
     LifecycleRecords,
     IngestRecords,
     BatchRecords,
+    BatchItemRecords,
     EconomyLaneRecords,
     IdempotencyRecords,
     DeliveryRecords,

@@ -214,7 +214,7 @@ class _StoreCore:
         """Item transitions (batch id, query id, to, allowed-from, outcome JSON or '', and
         when the batch's cancel mark makes it a cancel), in order, in one round trip.
         ``tally``: what the first move's outcome adds to its batch's totals (field,
-        increment pairs, :func:`~worker.queue.jobstore.batches.batch_tally`), added only if
+        increment pairs, :func:`~worker.queue.jobstore.batch_items.batch_tally`), added only if
         that move makes the item final with its outcome, so once."""
         now = repr(_now())
         calls: list[_ScriptCall] = [

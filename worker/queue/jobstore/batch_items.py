@@ -1,0 +1,148 @@
+"""A batch item's moves: started, checked against its batch's cancel, finished (with the
+next item's start in the same round trip), requeued or canceled, each at most once, and what
+a final item adds to its batch's totals.
+"""
+
+from __future__ import annotations
+
+from worker.constants import BATCH_KEY
+from worker.contract import ErrorInfo, JobStatus, SearchResult, Usage
+from worker.queue.jobstore.records import ItemTransition
+from worker.queue.jobstore.store import (
+    _CHECK_ITEM,
+    _START_ITEM,
+    NO_CANCEL,
+    _Move,
+    _StoreCore,
+)
+
+# A batch's totals in its record: the usage its items' outcomes add (``_TRANSITION_ITEM``)
+_USAGE_TOKENS = (
+    "requests",
+    "input_tokens",
+    "output_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+)
+
+
+def batch_tally(
+    result: SearchResult | None = None, error: ErrorInfo | None = None, usage: Usage | None = None
+) -> list[str]:
+    """What one final item adds to its batch's totals, as (field, increment) pairs: its
+    usage (the result's, the error's, or a canceled item's billed ``usage``) and, for a
+    result, each stage's seconds and its rerank outcome. An unknown cost counts as unpriced,
+    never as 0.
+
+    >>> batch_tally(usage=Usage(requests=1, input_tokens=10, cost_usd=None))[-2:]
+    ['usage_unpriced', '1']
+    """
+    used = result.usage if result is not None else error.usage if error is not None else usage
+    pairs: list[str] = []
+    if used is not None:
+        for name in _USAGE_TOKENS:
+            pairs += ["usage_" + name, str(getattr(used, name))]
+        if used.cost_usd is None:
+            pairs += ["usage_unpriced", "1"]
+        else:
+            pairs += ["usage_cost_usd", repr(used.cost_usd)]
+    if result is not None:
+        for stage, seconds in result._stage_seconds.items():
+            pairs += ["seconds_" + stage, repr(seconds)]
+        rerank = result.rerank
+        outcome = (
+            "applied" if rerank.applied else "fallback" if rerank.fallback_reason else "skipped"
+        )
+        pairs += ["rerank_" + outcome, "1"]
+    return pairs
+
+
+class BatchItemRecords(_StoreCore):
+    """A batch item's status moves, each one script shared with other threads' moves."""
+
+    def start_item(self, batch_id: str, query_id: str) -> bool:
+        """queued (or running, on redelivery) -> running. False if final, canceled or missing,
+        or if its batch has been canceled (then the item is canceled instead, unless its run
+        claim kept the model's answer: then it starts, to finish on that paid answer)."""
+        return self.begin_item(batch_id, query_id).started
+
+    def begin_item(self, batch_id: str, query_id: str) -> ItemTransition:
+        """:meth:`start_item`, answering the transition: ``canceled`` (and maybe
+        ``batch_completed``) when the batch's cancel mark canceled the item instead."""
+        return self._item(batch_id, query_id, *_START_ITEM)
+
+    def check_item(
+        self, batch_id: str, query_id: str, *, usage: Usage | None = None
+    ) -> ItemTransition:
+        """Before a running item's model call: if its batch has been canceled, running ->
+        canceled (``canceled`` set; go no further), else nothing changes (``applied``: go
+        on). Not ``applied``: the item is no longer running (finished by another
+        delivery); go no further either. One script, one round trip, shared with other
+        threads' transitions. ``usage``: what the item was billed already (a dead run's
+        answer kept, for other candidates), on its record and its batch's totals if
+        canceled, as :meth:`cancel_item`'s."""
+        to, allowed, _, cancelable = _CHECK_ITEM
+        payload = '{"usage":' + usage.model_dump_json() + "}" if usage is not None else ""
+        tally = batch_tally(usage=usage)
+        return self._item(batch_id, query_id, to, allowed, payload, cancelable, tally=tally)
+
+    def batch_canceled(self, batch_id: str) -> bool:
+        """Whether a cancel has marked the batch (one ``HEXISTS``; :meth:`check_item` is
+        what acts on it, atomically)."""
+        return bool(self.redis.hexists(BATCH_KEY + batch_id, "canceled_at"))
+
+    def requeue_item(self, batch_id: str, query_id: str) -> bool:
+        return self._item(batch_id, query_id, JobStatus.QUEUED, "running", "", NO_CANCEL).applied
+
+    def finish_item(
+        self,
+        batch_id: str,
+        query_id: str,
+        *,
+        result: SearchResult | None = None,
+        error: ErrorInfo | None = None,
+    ) -> ItemTransition:
+        """-> succeeded or failed, at most once; says whether that completed the batch."""
+        transition, _ = self.finish_and_start_item(batch_id, query_id, result=result, error=error)
+        return transition
+
+    def finish_and_start_item(
+        self,
+        batch_id: str,
+        query_id: str,
+        *,
+        result: SearchResult | None = None,
+        error: ErrorInfo | None = None,
+        start: tuple[str, str] | None = None,
+    ) -> tuple[ItemTransition, ItemTransition | None]:
+        """:meth:`finish_item`, then :meth:`begin_item` of ``start`` (batch id, query id; of
+        any batch), in one round trip: a thread that runs items back to back pays one per
+        item. Answers the finish, and the start's transition (None without ``start``)."""
+        if error is not None:
+            status, payload = JobStatus.FAILED, '{"error":' + error.model_dump_json() + "}"
+        else:
+            assert result is not None
+            status, payload = JobStatus.SUCCEEDED, '{"result":' + result.model_dump_json() + "}"
+        moves: list[_Move] = [(batch_id, query_id, status, "queued,running", payload, NO_CANCEL)]
+        if start is not None:
+            moves.append((*start, *_START_ITEM))
+        transitions = self._items(moves, tally=batch_tally(result, error))
+        return transitions[0], transitions[1] if start is not None else None
+
+    def cancel_item(
+        self, batch_id: str, query_id: str, *, usage: Usage | None = None
+    ) -> ItemTransition:
+        """queued or running -> canceled (the provider canceled its request), at most once.
+        ``usage``: what the item's earlier rounds were billed (an economy item resubmitted,
+        then canceled), shown on its record as ``usage``, so that the record agrees with the
+        counters and the bill; a canceled item has no result or error to carry it."""
+        payload = '{"usage":' + usage.model_dump_json() + "}" if usage is not None else ""
+        return self._item(
+            batch_id,
+            query_id,
+            JobStatus.CANCELED,
+            "queued,running",
+            payload,
+            NO_CANCEL,
+            tally=batch_tally(usage=usage),
+        )
