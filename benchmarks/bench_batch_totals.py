@@ -1,4 +1,4 @@
-"""What a batch's totals add to an item's finish (:func:`~worker.queue.jobstore.batches.
+"""What a batch's totals add to an item's finish (:func:`~worker.queue.jobstore.batch_items.
 batch_tally`, added by ``_TRANSITION_ITEM`` in the same script: no round trip more): the
 finish of a typical reranked result (10 hits, one call's usage, six stages' seconds) with
 its tally, against the same finish with none, on a redis-server of its own.
@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from tests.services import redis_server  # noqa: E402
 from worker.contract import JobStatus, SearchResult, SearchSpec  # noqa: E402
 from worker.queue.jobstore import JobStore  # noqa: E402
-from worker.queue.jobstore.batches import batch_tally  # noqa: E402
+from worker.queue.jobstore.batch_items import batch_tally  # noqa: E402
 from worker.queue.jobstore.store import NO_CANCEL  # noqa: E402
 
 STAGES = {"queue_wait": 0.0123, "embed": 0.004, "bm25": 0.002, "knn": 0.003, "fuse": 0.001}
