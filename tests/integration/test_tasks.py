@@ -15,7 +15,7 @@ from tests.fakes import EmptyRuntime
 from worker.constants import WORKER_HEARTBEAT_KEY
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.errors import BackendUnavailable, ModeUnavailable
-from worker.queue import base, liveness, tasks
+from worker.queue import base, liveness, tasks, webhook_task
 from worker.queue.jobstore import CancelOutcome, JobStore, SearchJob
 from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
@@ -363,7 +363,7 @@ def test_a_webhook_attempt_that_ends_a_spent_schedule_is_counted_failed(
         return float(metrics.WEBHOOK_DELIVERIES.labels(result)._value.get())
 
     before = {r: count(r) for r in ("retry", "failed")}
-    tasks.webhook.apply(args=[event])
+    webhook_task.webhook.apply(args=[event])
     assert {r: count(r) - before[r] for r in before} == {
         r: float(r == counted) for r in ("retry", "failed")
     }
@@ -431,7 +431,7 @@ def test_a_webhook_attempt_observes_how_late_it_ran(
         event.update(attempt=2, due_at=due)
     before = _queue_waits(WEBHOOK_QUEUE)
     ran_from = time.time()
-    tasks.webhook.apply(args=[event])
+    webhook_task.webhook.apply(args=[event])
     ran_by = time.time()
     count, total = _queue_waits(WEBHOOK_QUEUE)
     assert count - before[0] == 1
@@ -538,9 +538,9 @@ def test_a_webhook_retry_carries_the_figures_its_first_attempt_read(
 
     sent = _capturing_webhooks(context, monkeypatch, delivered=False)
     job_id = sent.done.id
-    tasks.webhook.apply(args=[_search_event(job_id)])
+    webhook_task.webhook.apply(args=[_search_event(job_id)])
     context.store.redis.flushdb()  # the record expired before the retry
-    tasks.webhook.apply(args=[sent.retries[0]])
+    webhook_task.webhook.apply(args=[sent.retries[0]])
     first, second = (json.loads(body)["data"] for body in sent.bodies)
     assert first == {"id": job_id, **webhook_figures(sent.done)}
     assert first["usage"] is not None and first["error"] is None
@@ -562,7 +562,7 @@ def test_every_copy_of_a_job_s_webhook_sends_the_same_bytes_timed_at_the_job_s_e
     ended_at = sent.done.finished_at
     assert ended_at is not None
     for built in (ended_at + 0.004, ended_at + 600, ended_at):
-        tasks.webhook.apply(args=[_search_event(sent.done.id, occurred_at=built)])
+        webhook_task.webhook.apply(args=[_search_event(sent.done.id, occurred_at=built)])
     bodies = sent.bodies
     assert len(bodies) == 3 and bodies[0] == bodies[1] == bodies[2]
     ended = datetime.fromtimestamp(ended_at, UTC).isoformat().replace("+00:00", "Z")
@@ -583,9 +583,9 @@ def test_an_older_release_s_retry_message_without_figures_sends_them(
     sent = _capturing_webhooks(context, monkeypatch, delivered=False)
     done = sent.done
     old = _search_event(done.id) | {"attempt": 2, "due_at": time.time() - 1}  # no figures
-    tasks.webhook.apply(args=[old])
+    webhook_task.webhook.apply(args=[old])
     assert sent.retries[0]["attempt"] == 3 and sent.retries[0]["figures"] == webhook_figures(done)
-    tasks.webhook.apply(args=[sent.retries[0] | {"due_at": time.time() - 1}])
+    webhook_task.webhook.apply(args=[sent.retries[0] | {"due_at": time.time() - 1}])
     assert json.loads(sent.bodies[0])["data"] == {"id": done.id, **webhook_figures(done)}
     assert sent.bodies[0] == sent.bodies[1]
 
@@ -629,7 +629,7 @@ def test_a_webhook_the_re_drive_sends_again_goes_on_with_its_schedule(
     message = _search_event(job.id, occurred_at=datetime.now().timestamp())
     now = time.time()
     for _ in range(3 * webhooks.MAX_ATTEMPTS):
-        tasks.webhook.apply(args=[message])  # its retry's message is lost
+        webhook_task.webhook.apply(args=[message])  # its retry's message is lost
         now += 1601
         if not sweeper.resend_webhooks(now=now):
             break
@@ -761,8 +761,8 @@ def test_two_copies_of_a_webhook_failing_the_same_attempt_go_on_as_one_schedule(
     )
     retries = _capturing_retries(monkeypatch)
     message = _search_event(job.id, occurred_at=datetime.now().timestamp())
-    tasks.webhook.apply(args=[message])
-    tasks.webhook.apply(args=[message])  # the copy, the same attempt
+    webhook_task.webhook.apply(args=[message])
+    webhook_task.webhook.apply(args=[message])  # the copy, the same attempt
     assert [r["attempt"] for r in retries] == [2]
     assert context.store.webhook_attempt(job.id) == 2
 
@@ -851,7 +851,7 @@ def test_a_webhook_copy_failing_after_another_copy_delivered_it_starts_no_schedu
     monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
     retries = _capturing_retries(monkeypatch)
     message = _search_event(job.id, occurred_at=datetime.now().timestamp())
-    tasks.webhook.apply(args=[message])  # delivered
-    tasks.webhook.apply(args=[message])  # the copy: it would meet a 500
+    webhook_task.webhook.apply(args=[message])  # delivered
+    webhook_task.webhook.apply(args=[message])  # the copy: it would meet a 500
     assert len(answers) == 1  # the copy sent nothing: the webhook was delivered
     assert retries == []

@@ -197,7 +197,8 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")
     import worker.queue.economy
-    import worker.queue.tasks  # noqa: F401  (registers the shared tasks with every app)
+    import worker.queue.tasks
+    import worker.queue.webhook_task  # noqa: F401  (register the shared tasks with every app)
 
     return celery
 

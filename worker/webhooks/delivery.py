@@ -14,11 +14,11 @@ The Celery task ``sift.webhook`` (queue ``sift.webhooks``) calls
 
 The attempt number rides in the event, not in Celery's retry count: a wait longer than half
 the broker's visibility timeout is made in hops, each a Celery retry of its own
-(:func:`worker.queue.tasks.webhook`).
+(:func:`worker.queue.webhook_task.webhook`).
 
 The body carries the job's final figures, and its end as the timestamp, read from its record
 (final once the job's final move sent the message) at the first attempt and carried by the
-event from then on (:func:`worker.queue.tasks.webhook`).
+event from then on (:func:`worker.queue.webhook_task.webhook`).
 
 Delivery is at least once. The ``webhook-id`` is ``msg_<job id>`` on every
 attempt and the body is the same bytes on every attempt (its timestamp is the

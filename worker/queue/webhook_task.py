@@ -1,0 +1,116 @@
+"""The webhook task: one signed delivery of a finished job's event, its retries made in hops
+of half the broker's visibility timeout, each one settled or recorded as due in the job store
+(:mod:`worker.webhooks.delivery` signs, sends and decides the retry).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from celery import shared_task
+
+from worker.constants import BATCH_ID_PREFIX, WEBHOOK_QUEUE, WEBHOOK_TASK
+from worker.observability import metrics
+from worker.queue.base import SiftTask, WaitHop
+from worker.queue.config import visibility_timeout
+from worker.queue.jobstore import BatchJob, JobStore, SearchJob, webhook_figures
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@shared_task(  # type: ignore[untyped-decorator]
+    name=WEBHOOK_TASK, base=SiftTask, bind=True, max_retries=None
+)
+def webhook(self: SiftTask, event: dict[str, Any]) -> None:
+    """Deliver one signed webhook; :func:`worker.webhooks.delivery.run_delivery` decides the retry.
+
+    The event carries its attempt number and, while it waits for that attempt, when it is
+    due (``due_at``). A wait is made in hops of at most half the broker's visibility timeout,
+    each a message of its own, acked as the next is sent: a message held unacked past the
+    timeout is put back by kombu while its worker still holds it, and the copies each made
+    the attempt (the schedule's waits run to 10 hours; the timeout is about 27 minutes).
+
+    The job's final move recorded the webhook owed; a retry records when its attempt is
+    due, and a final attempt (or a drop) settles it: one still owed long past its due time
+    lost its message, and the re-drive sends it again (:mod:`worker.queue.redrive`)."""
+    from worker.webhooks import delivery as webhooks
+
+    settings = self.context.settings
+    wait = float(event.get("due_at", 0.0)) - time.time()
+    if wait > 0:  # not yet due: another hop
+        hop = self.retry(args=[event], countdown=min(wait, _hop_seconds(settings)), throw=False)
+        raise WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
+    data = event["data"]
+    store = self.context.store
+    if store.webhook_was_settled(data["id"]):  # another copy delivered it, or spent its schedule
+        log.info("webhook %s: settled already; this copy is dropped", data["id"])
+        return
+    attempt = int(event.get("attempt", self.request.retries + 1))
+    # how late the attempt runs after it was due: the job's end, or its retry's time
+    due = event.get("due_at") or datetime.fromisoformat(event["occurred_at"]).timestamp()
+    metrics.observe_queue_wait(WEBHOOK_QUEUE, time.time() - float(due))
+    secrets = next(
+        (k.webhook_secrets() for k in settings.all_api_keys() if k.tenant == event["tenant"]), None
+    )
+    if secrets is None:
+        log.error(
+            "webhook for %s: tenant %s has no key and no secret; dropped",
+            data["id"],
+            event["tenant"],
+        )
+        store.webhook_settled(data["id"])
+        return
+    # the job's final figures and its end (the body's timestamp), read from its record (final
+    # since the move that sent this) at the first attempt, and carried by every later one:
+    # each attempt sends the same bytes, and so does a copy sent again for the same job
+    if "figures" not in event:
+        event = {**event, **_final_figures(store, event)}
+    figures = event["figures"]
+    decision = webhooks.run_delivery(
+        url=event["url"],
+        event_type=event["type"],
+        job_id=data["id"],
+        status=data["status"],
+        occurred_at=event["occurred_at"],
+        attempt=attempt,
+        secrets=secrets,
+        settings=settings,
+        figures=figures,
+    )
+    # the last attempt of a spent schedule is a failure, not a retry: nothing comes after it
+    failed = webhooks.DeliveryOutcome.FAILED
+    metrics.webhook_delivery(failed if decision.gave_up else decision.result.outcome)
+    if decision.retry_in is None:
+        store.webhook_settled(data["id"])
+        return
+    later = {**event, "attempt": attempt + 1}
+    later["due_at"] = time.time() + decision.retry_in
+    if not store.webhook_due(data["id"], later["due_at"], later["attempt"]):
+        log.info("webhook %s: settled, or another copy makes attempt %d", data["id"], attempt + 1)
+        return
+    raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
+
+
+def _final_figures(store: JobStore, event: dict[str, Any]) -> dict[str, Any]:
+    """The ``figures`` of the finished job ``event`` announces and its end (``occurred_at``),
+    from its record; no figures (the thin body) and the event's own time when the record is
+    gone (expired) or is not that tenant's."""
+    job_id = event["data"]["id"]
+    job: BatchJob | SearchJob | None = (
+        store.get_batch(job_id) if job_id.startswith(BATCH_ID_PREFIX) else store.get_search(job_id)
+    )
+    if job is None or job.tenant != event["tenant"]:
+        return {"figures": {}}
+    final: dict[str, Any] = {"figures": webhook_figures(job)}
+    if job.finished_at is not None:
+        final["occurred_at"] = datetime.fromtimestamp(job.finished_at, UTC).isoformat()
+    return final
+
+
+def _hop_seconds(settings: Settings) -> float:
+    """The longest a webhook's message waits for its attempt: half the visibility timeout."""
+    return visibility_timeout(settings) / 2
