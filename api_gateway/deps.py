@@ -198,32 +198,6 @@ def accepted(description: str) -> dict[int | str, dict[str, Any]]:
     return {202: {"description": description, "headers": LOCATION_HEADER}}
 
 
-def decode_token(token: str | None) -> int:
-    """The offset in a page token of the index list (a batch's results have their own,
-    bound to the batch: :func:`decode_results_token`). Only the exact text
-    :func:`encode_token` makes, of an offset up to the largest batch's, is one: anything
-    else (``int`` alone would take "1_0", " 7", Arabic digits, or 2**63) is 422 before a
-    worker sees it. So is an empty one: a client that sent the last page's ``null`` as ""
-    would loop from page one."""
-    if token is None:
-        return 0
-    if not token:
-        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-        kind, _, value = raw.partition(":")
-        offset = int(value) if value.isascii() and value.isdigit() else -1
-    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
-        raise InvalidRequest("page_token", "is not a token this API issued") from exc
-    if kind != "o" or not 0 <= offset <= MAX_BATCH_QUERIES or encode_token(offset) != token:
-        raise InvalidRequest("page_token", "is not a token this API issued")
-    return offset
-
-
-def encode_token(offset: int) -> str:
-    return base64.urlsafe_b64encode(f"o:{offset}".encode()).decode().rstrip("=")
-
-
 def _results_digest(batch_id: str, offset: int) -> str:
     key = f"{batch_id}\0{offset}".encode()
     return hashlib.blake2b(key, digest_size=_RESULTS_DIGEST_BYTES).hexdigest()

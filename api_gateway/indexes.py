@@ -29,8 +29,6 @@ from api_gateway.deps import (
     NOT_OURS,
     Tenant,
     Wait,
-    decode_token,
-    encode_token,
     job_store,
     off_loop,
     pack_token,
@@ -76,13 +74,25 @@ class DocIdConvertor(Convertor[str]):
 register_url_convertor("doc_id", DocIdConvertor())
 
 MAX_DOC_ID_CHARS = 512
-IndexPath = Annotated[str, Path(min_length=1, max_length=128, pattern=INDEX_PATTERN)]
 # named ``id`` as in DESIGN.md §9 (its OpenAPI name, and the field a 422 or 404 names)
 DocIdPath = Annotated[str, Path(alias="id", min_length=1, max_length=MAX_DOC_ID_CHARS)]
 DocId = Annotated[str, Field(min_length=1, max_length=MAX_DOC_ID_CHARS)]
+MAX_INDEX_NAME_CHARS = 128
+IndexPath = Annotated[
+    str, Path(min_length=1, max_length=MAX_INDEX_NAME_CHARS, pattern=INDEX_PATTERN)
+]
 _CURSOR_DIGEST_BYTES = 8
-# "d:<digest hex>:<id>", an id of up to 512 four-byte characters, in unpadded base64
-_MAX_CURSOR_CHARS = 4 * -(-(3 + 2 * _CURSOR_DIGEST_BYTES + 4 * MAX_DOC_ID_CHARS) // 3)
+
+
+def _max_cursor_chars(last_bytes: int) -> int:
+    """The longest token of "k:<digest hex>:<last>", ``last`` of up to ``last_bytes`` bytes,
+    in unpadded base64."""
+    return 4 * -(-(3 + 2 * _CURSOR_DIGEST_BYTES + last_bytes) // 3)
+
+
+# a document's id: up to 512 four-byte characters; an index's name: ASCII
+_MAX_CURSOR_CHARS = _max_cursor_chars(4 * MAX_DOC_ID_CHARS)
+_MAX_INDEX_CURSOR_CHARS = _max_cursor_chars(MAX_INDEX_NAME_CHARS)
 JOB_RESPONSES: dict[int | str, dict[str, Any]] = {
     202: {
         "model": IngestJobOut,
@@ -188,9 +198,40 @@ def _index_out(raw: dict[str, Any]) -> IndexOut:
     )
 
 
-def _cursor_digest(tenant: str, index: str, doc_id: str) -> str:
-    key = "\0".join((tenant, index, doc_id)).encode()
+def _cursor_digest(*fields: str) -> str:
+    key = "\0".join(fields).encode()
     return hashlib.blake2b(key, digest_size=_CURSOR_DIGEST_BYTES).hexdigest()
+
+
+def encode_index_cursor(tenant: str, name: str) -> str:
+    """The page token of the index list: the last name listed, and a digest that ties it to
+    the tenant's list (``i``, where a document listing's is ``d``).
+
+    >>> decode_index_cursor(encode_index_cursor("acme", "docs"), "acme")
+    'docs'
+    """
+    return pack_token("i", _cursor_digest("i", tenant, name), name)
+
+
+def decode_index_cursor(token: str | None, tenant: str) -> str | None:
+    """The name the index list's page starts after (None: the first page). Only the exact
+    text :func:`encode_index_cursor` made for this tenant is one; anything else (another
+    tenant's, a document listing's, an offset token this list gave before, an edited one)
+    is a 422 naming ``page_token``, which says nothing of what the token held. As with
+    documents, the digest only catches edits and mix-ups: a forged token starts the
+    caller's own list somewhere."""
+    parts = unpack_token(token, 3)
+    if parts is None:
+        return None
+    kind, digest, name = parts
+    if (
+        kind != "i"
+        or not 1 <= len(name) <= MAX_INDEX_NAME_CHARS
+        or digest != _cursor_digest("i", tenant, name)
+        or encode_index_cursor(tenant, name) != token
+    ):
+        raise InvalidRequest("page_token", NOT_OURS)
+    return name
 
 
 def encode_document_cursor(tenant: str, index: str, doc_id: str) -> str:
@@ -277,22 +318,30 @@ async def _delete_job(
     response_model=IndexesPage,
     responses=ERRORS,
     summary="The caller's indexes, by name, one page at a time",
+    description="Each index holding at least one of the caller's documents, with the "
+    "caller's count, ordered by name. Each page starts after the last name of the one "
+    "before (`next_page_token`, `null` on the last page), so an index made or dropped while "
+    "you page through moves no other across a page's edge: none that was there throughout "
+    "is shown twice or missed.",
 )
 async def list_indexes(
     request: Request,
     tenant: Tenant,
     page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
-    page_token: Annotated[str | None, Query(max_length=64)] = None,
+    page_token: Annotated[
+        str | None,
+        Query(
+            max_length=_MAX_INDEX_CURSOR_CHARS,
+            description="The previous page's `next_page_token`; leave it out for the first.",
+        ),
+    ] = None,
 ) -> IndexesPage:
-    """Each index holding at least one of the caller's documents, with the caller's count."""
-    offset = decode_token(page_token)
-    found: list[dict[str, Any]] = await _read(request, "list", tenant, "", "")
-    page = found[offset : offset + page_size]
-    end = offset + len(page)
-    return IndexesPage(
-        indexes=[_index_out(i) for i in page],
-        next_page_token=encode_token(end) if end < len(found) else None,
-    )
+    after = decode_index_cursor(page_token, tenant)
+    body = json.dumps({"after": after, "limit": page_size})
+    found = await _read(request, "list", tenant, "", "", body)
+    indexes = [_index_out(i) for i in found["indexes"]]
+    token = encode_index_cursor(tenant, indexes[-1].name) if found["more"] else None
+    return IndexesPage(indexes=indexes, next_page_token=token)
 
 
 @router.get(

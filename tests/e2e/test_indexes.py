@@ -3,6 +3,7 @@ and an index (jobs polled at /v1/ingestions/{id}), on the embedded backend."""
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from typing import Any
@@ -11,7 +12,7 @@ from urllib.parse import quote
 import httpx
 
 from api_gateway.queue import OutboxSender
-from tests.e2e.conftest import ACME, Stack
+from tests.e2e.conftest import ACME, GLOBEX, Stack
 from worker.constants import INGEST_QUEUE, INGEST_TASK
 from worker.contract import DocumentIn
 from worker.queue.jobstore import JobStore
@@ -111,6 +112,100 @@ def test_list_pages_with_strict_tokens(stack: Stack) -> None:
         assert response.json()["error"]["field"] == "page_token"
     response = stack.live.get("/v1/indexes", params={"page_size": 0}, headers=ACME)
     assert response.status_code == 422 and "page_size" in response.text
+
+
+def _index_pages(stack: Stack, page_size: int, after_each: Any = None) -> list[list[str]]:
+    """Every page of acme's indexes, by name; ``after_each(names)`` runs after each page."""
+    pages: list[list[str]] = []
+    params: dict[str, Any] = {"page_size": page_size}
+    while True:
+        response = stack.live.get("/v1/indexes", params=params, headers=ACME)
+        assert response.status_code == 200, response.text
+        page = response.json()
+        pages.append([i["name"] for i in page["indexes"]])
+        if after_each is not None:
+            after_each(pages[-1])
+        if page["next_page_token"] is None:
+            return pages
+        params["page_token"] = page["next_page_token"]
+
+
+def test_dropping_the_indexes_of_each_page_skips_none_after_it(stack: Stack) -> None:
+    """The audit's case: indexes p0..p7 paged 2 at a time, each page's dropped once read.
+    A token that was an offset skipped p2, p3, p6 and p7 (the drops moved them back across
+    the page's edge); a page now starts after the last name listed, so each is seen once.
+    Indexes written between pages: one after the cursor is listed, one before it is not."""
+    ours = [f"cursor-p{n}" for n in range(8)]
+    for name in ours:
+        _ingest(stack, name, DOCS[:1])
+
+    def drop_ours(names: list[str]) -> None:
+        for name in names:
+            if name in ours:
+                dropped = stack.live.delete(
+                    f"/v1/indexes/{name}", params={"wait": 20}, headers=ACME
+                )
+                assert dropped.json()["status"] == "succeeded", dropped.text
+
+    listed = [n for page in _index_pages(stack, 2, drop_ours) for n in page]
+    assert [n for n in listed if n in ours] == ours
+    assert len(listed) == len(set(listed))
+
+    # written between pages: a name behind the cursor is not shown, one after it is;
+    # dropped: not shown; none twice, and one there throughout never missed
+    for name in ("cursor-q1", "cursor-q3", "cursor-q4"):
+        _ingest(stack, name, DOCS[:1])
+    seen, token = _pages_through(stack, "cursor-q1")
+    for name in ("cursor-q0", "cursor-q2"):
+        _ingest(stack, name, DOCS[:1])
+    stack.live.delete("/v1/indexes/cursor-q4", params={"wait": 20}, headers=ACME)
+    rest = stack.live.get(
+        "/v1/indexes", params={"page_size": 1000, "page_token": token}, headers=ACME
+    ).json()
+    seen += [i["name"] for i in rest["indexes"]]
+    assert len(seen) == len(set(seen)) and rest["next_page_token"] is None
+    assert [n for n in seen if n.startswith("cursor-q")] == ["cursor-q1", "cursor-q2", "cursor-q3"]
+    for name in ("cursor-q0", "cursor-q1", "cursor-q2", "cursor-q3"):
+        stack.live.delete(f"/v1/indexes/{name}", params={"wait": 20}, headers=ACME)
+
+
+def _pages_through(stack: Stack, name: str) -> tuple[list[str], str]:
+    """Acme's indexes a page of one at a time up to ``name``'s page, and that page's token."""
+    seen: list[str] = []
+    params: dict[str, Any] = {"page_size": 1}
+    while True:
+        page = stack.live.get("/v1/indexes", params=params, headers=ACME).json()
+        seen += [i["name"] for i in page["indexes"]]
+        params["page_token"] = page["next_page_token"]
+        if seen[-1] == name:
+            return seen, str(params["page_token"])
+        assert params["page_token"] is not None, (name, seen)
+
+
+def test_an_index_list_token_is_its_tenants_and_its_lists_own(stack: Stack) -> None:
+    """Acme's token given by globex is a 422 naming ``page_token`` that tells globex nothing
+    (not the name the token starts after, nor the token); so is a document listing's
+    token, and the offset tokens this list gave before (``o:<offset>``)."""
+    for name in ("tok-secret-a", "tok-secret-b"):
+        _ingest(stack, name, DOCS[:1])
+    _, token = _pages_through(stack, "tok-secret-a")  # acme's own tokens serve acme
+    stolen = stack.live.get("/v1/indexes", params={"page_token": token}, headers=GLOBEX)
+    assert stolen.status_code == 422, stolen.text
+    assert stolen.json()["error"]["field"] == "page_token"
+    assert (
+        "tok-secret" not in stolen.text and token not in stolen.text and "acme" not in stolen.text
+    )
+    mine = stack.live.get("/v1/indexes", params={"page_token": token}, headers=ACME)
+    assert mine.status_code == 200 and mine.json()["indexes"][0]["name"] > "tok-secret-a"
+    _ingest(stack, "tok-secret-a", DOCS)  # three documents: the listing has a next page
+    docs_token = stack.live.get(
+        "/v1/indexes/tok-secret-a/documents", params={"page_size": 1}, headers=ACME
+    ).json()["next_page_token"]
+    offset = base64.urlsafe_b64encode(b"o:1").decode().rstrip("=")
+    for bad in (docs_token, offset, token[:-2]):
+        response = stack.live.get("/v1/indexes", params={"page_token": bad}, headers=ACME)
+        assert response.status_code == 422, (bad, response.text)
+        assert response.json()["error"]["field"] == "page_token"
 
 
 def test_get_a_document_as_stored(stack: Stack) -> None:

@@ -92,8 +92,11 @@ class IndexCatalog(Protocol):
     one that does not exist (None, or not listed), and is never deleted.
     """
 
-    def indexes(self, tenant: str) -> list[IndexInfo]:
-        """The tenant's indexes (those holding one of its documents), by name."""
+    def indexes(
+        self, tenant: str, after: str | None = None, limit: int | None = None
+    ) -> list[IndexInfo]:
+        """Up to ``limit`` (all, if None) of the tenant's indexes (those holding one of its
+        documents) named after ``after`` (all, if None), by name (code point order)."""
         ...
 
     def index_info(self, index: str, tenant: str) -> IndexInfo | None: ...

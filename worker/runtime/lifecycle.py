@@ -128,6 +128,25 @@ def _documents(backend: IndexCatalog, tenant: str, index: str, body: str) -> Any
     return {"documents": shown, "more": len(docs) > limit}
 
 
+def _indexes(
+    backend: IndexCatalog, store: IndexSettingsStore | None, tenant: str, body: str
+) -> dict[str, Any]:
+    """A page of the tenant's indexes with their settings (``body``: ``{"after": name or
+    null, "limit": n}``, checked by the gateway): ``{"indexes": [...], "more": bool}``. As
+    with documents, one more than the page is read, so ``more`` needs no empty last page."""
+    asked = json.loads(body)
+    limit = int(asked["limit"])
+    infos = backend.indexes(tenant, asked.get("after"), limit + 1)
+    shown = infos[:limit]
+    stored = (
+        store.read_many([i.name for i in shown], tenant)
+        if store is not None
+        else [SearchSettings()] * len(shown)
+    )
+    indexes = [_index(i, s) for i, s in zip(shown, stored, strict=True)]
+    return {"indexes": indexes, "more": len(infos) > limit}
+
+
 def read(
     runtime: object,
     operation: str,
@@ -141,19 +160,13 @@ def read(
     when the tenant has no such index or document) or ``{"error": {...}}``. ``update``
     (``body``: a validated settings patch) changes the index's settings (its lock had by
     ``start_by``, epoch seconds, if given), then reads it;
-    ``documents`` (``body``: where the page starts and its size) lists a page."""
+    ``list`` and ``documents`` (``body``: where the page starts and its size) list a page."""
     try:
         backend = catalog(runtime)
         store = settings_store(runtime)
         found: Any
         if operation == "list":
-            infos = backend.indexes(tenant)
-            stored = (
-                store.read_many([i.name for i in infos], tenant)
-                if store is not None
-                else [SearchSettings()] * len(infos)
-            )
-            found = [_index(i, s) for i, s in zip(infos, stored, strict=True)]
+            found = _indexes(backend, store, tenant, body)
         elif operation == "show":
             info = backend.index_info(index, tenant)
             settings = store.read(index, tenant) if store and info else SearchSettings()

@@ -42,12 +42,18 @@ LENGTH_SCRIPT = _TEXT_OF_SOURCE + " return s.codePointCount(0, s.length());"
 class _Listing(_Bodies):
     """List the tenant's indexes, count one, get one document, list its documents."""
 
-    def indexes(self, tenant: str) -> list[IndexInfo]:
-        """The tenant's indexes: its aliases (``GET _alias/<prefix><key>--*``; a wildcard
-        that matches nothing answers ``{}``), then one tenant-filtered ``size: 0`` search
-        over the same pattern with a terms aggregation on ``_index`` (and, inside it, on
-        the model field) for the counts. A concrete index no alias of the tenant points at
-        (one a reindex kept) is not listed, nor an index holding none of its documents."""
+    def indexes(
+        self, tenant: str, after: str | None = None, limit: int | None = None
+    ) -> list[IndexInfo]:
+        """Up to ``limit`` of the tenant's indexes named after ``after``, by name: its
+        aliases (``GET _alias/<prefix><key>--*``; a wildcard that matches nothing answers
+        ``{}``), of them those named after ``after``, then one tenant-filtered ``size: 0``
+        search over the same pattern with a terms aggregation on ``_index`` (and, inside
+        it, on the model field) for the counts. After a name, the search also filters on
+        ``_index`` to the concrete indexes of the aliases left, so the aggregation's
+        buckets are spent on them; with none left (the rest dropped since the token was
+        made) it is not sent. A concrete index no alias of the tenant points at (one a
+        reindex kept) is not listed, nor an index holding none of its documents."""
         stem = self.tenant_stem(tenant)
         pattern = f"{stem}*"
         with _translated("list of indexes", None):
@@ -56,20 +62,23 @@ class _Listing(_Bodies):
             concrete: alias.removeprefix(stem)
             for concrete, held in aliases.items()
             for alias in held
-            if alias.startswith(stem)
+            if alias.startswith(stem) and (after is None or alias.removeprefix(stem) > after)
         }
         if not names:
             return []
         by_index: dict[str, Any] = {"terms": {"field": "_index", "size": MAX_LISTED_INDEXES}}
         if self.fields.model:
             by_index["aggs"] = self._models_agg()
+        query = self.tenant_query(tenant)
+        if after is not None:
+            query["bool"]["filter"].append({"terms": {"_index": sorted(names)}})
         with _translated("list of indexes", None, missing_ok=True) as missing:
             answer = (
                 self._es()
                 .search(
                     index=pattern,
                     size=0,
-                    query=self.tenant_query(tenant),
+                    query=query,
                     aggs={"indexes": by_index},
                     ignore_unavailable=True,
                     allow_no_indices=True,
@@ -84,7 +93,7 @@ class _Listing(_Bodies):
             name = names.get(bucket["key"])
             if name is not None and int(bucket["doc_count"]):
                 listed[name] = self._info(name, int(bucket["doc_count"]), _first_key(bucket))
-        return [listed[name] for name in sorted(listed)]
+        return [listed[name] for name in sorted(listed)[:limit]]
 
     def _models_agg(self) -> dict[str, Any]:
         """The aggregation naming the model the tenant's vectors record (one, by design)."""

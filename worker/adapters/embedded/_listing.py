@@ -24,8 +24,12 @@ class _Listing(_Pool):
             ).get
         return int(found)
 
-    def indexes(self, tenant: str) -> list[IndexInfo]:
-        """The tenant's indexes (those holding one of its documents), by name."""
+    def indexes(
+        self, tenant: str, after: str | None = None, limit: int | None = None
+    ) -> list[IndexInfo]:
+        """Up to ``limit`` of the tenant's indexes (those holding one of its documents)
+        named after ``after``, by name; ``idx > ''`` is every name (none is empty), and
+        SQLite's ``LIMIT -1`` no limit."""
         with self._conn() as conn, _translated("indexes"), _read(conn):
             rows = cast(
                 list[tuple[str, int, int | None, str | None, float | None]],
@@ -33,8 +37,8 @@ class _Listing(_Pool):
                     "SELECT d.idx, count(*), i.dimension, c.model, c.last_write FROM docs AS d"
                     " JOIN indexes AS i ON i.name = d.idx AND i.tenant = d.tenant"
                     " LEFT JOIN catalog AS c ON c.idx = d.idx AND c.tenant = d.tenant"
-                    " WHERE d.tenant = ? GROUP BY d.idx ORDER BY d.idx",
-                    (tenant,),
+                    " WHERE d.tenant = ? AND d.idx > ? GROUP BY d.idx ORDER BY d.idx LIMIT ?",
+                    (tenant, after or "", -1 if limit is None else limit),
                 ).fetchall(),
             )
         return [
