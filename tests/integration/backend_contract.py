@@ -434,6 +434,31 @@ class LifecycleContract(BackendContract):
         assert self.all_ids(backend, index, "acme")[1] == {CORPUS[2].id}
         assert backend.document(index, "globex", longest[0].id).text == CORPUS[0].text
 
+    def test_indexes_page_by_name_after_a_cursor(self, backend: Any, index: str) -> None:
+        """``indexes(tenant, after, limit)``: up to ``limit`` of the tenant's indexes named
+        after ``after``, by name, whatever became of the index ``after`` names; another
+        tenant's never, even between the tenant's own."""
+        names = [f"{index}-{c}" for c in "abcd"]
+        for name in names:
+            self.load(backend, name, "acme", CORPUS[:1])
+        self.load(backend, f"{index}-bb", "globex", CORPUS[:1])
+
+        def ours(after: str | None, limit: int | None, tenant: str = "acme") -> list[str]:
+            found = backend.indexes(tenant, after, limit)
+            assert [i.name for i in found] == sorted(i.name for i in found)
+            return [i.name for i in found if i.name.startswith(index)]
+
+        assert ours(None, None) == names
+        assert ours(names[0], 2) == names[1:3]
+        assert ours(names[3], None) == [] and ours(names[3], 5) == []
+        assert ours(names[0], None, "globex") == [f"{index}-bb"]
+        assert backend.delete_index(names[1], "acme") == 1  # the cursor's own index gone
+        assert ours(names[1], 1) == [names[2]]
+        assert ours(names[0], 1) == [names[2]]
+        for name in names:
+            backend.delete_index(name, "acme")
+        assert ours(names[0], None) == []
+
     def test_list_count_and_get_are_the_tenants(self, backend: Any, index: str) -> None:
         self.load(backend, index, "acme")
         listed = {i.name: i for i in backend.indexes("acme")}

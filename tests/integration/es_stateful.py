@@ -695,6 +695,8 @@ class StatefulElasticsearch:
             return _keyword(wanted) in _keywords(_field(source, name))
         if kind == "terms":
             (name, wanted), *_ = args.items()
+            if name == "_index":
+                return index.name in wanted
             return bool({_keyword(w) for w in wanted} & _keywords(_field(source, name)))
         if kind == "exists":  # null and [] hold no indexed value
             return bool(_keywords(_field(source, args["field"])))

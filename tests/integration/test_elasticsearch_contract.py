@@ -1777,6 +1777,24 @@ def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearch
             }
         },
     }
+    # after a name: its aliases after it only, and the count filtered on their concrete
+    # indexes (the aggregation's buckets spent on them); "docs" < "faq"
+    after = backend_for(server).indexes("acme", "docs")
+    assert [(i.name, i.documents) for i in after] == [("faq", 2)]
+    assert backend_for(server).indexes("acme", None, 1) == listed[:1]
+    searches = server.sent("POST", f"/{stem}*/_search")
+    assert searches[1].json()["query"] == {
+        "bool": {
+            "filter": [
+                {"term": {"tenant": "acme"}},
+                {"terms": {"_index": [f"{stem}faq~20260101t000000000000"]}},
+            ]
+        }
+    }
+    assert searches[2].json() == search.json()  # a first page's, whatever its size
+    # after the last name: nothing is left to count, and no search is sent
+    assert backend_for(server).indexes("acme", "faq") == []
+    assert len(server.sent("POST", f"/{stem}*/_search")) == 3
     # a tenant with no alias at all: ES answers the wildcard with {}, and nothing is counted
     nobody = f"/_alias/sift-{tenant_key('nobody')}--*"
     server.on("GET", nobody, Answer(200, {}))

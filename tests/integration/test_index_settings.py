@@ -74,11 +74,22 @@ def test_a_change_is_stored_shown_and_the_tenants_own(runtime: Runtime) -> None:
         "candidate_limit": 40,
     }
     assert call(runtime, "show", "acme", "docs")["settings"] == found["settings"]
-    listed = {i["name"]: i["settings"] for i in call(runtime, "list", "acme", "")}
-    assert listed == {"docs": found["settings"], "notes": DEFAULTS}
+    listed = call(runtime, "list", "acme", "", {"after": None, "limit": 100})
+    assert not listed["more"]
+    assert {i["name"]: i["settings"] for i in listed["indexes"]} == {
+        "docs": found["settings"],
+        "notes": DEFAULTS,
+    }
+    # a page at a time, each index with its own settings
+    first = call(runtime, "list", "acme", "", {"after": None, "limit": 1})
+    assert [(i["name"], i["settings"]) for i in first["indexes"]] == [("docs", found["settings"])]
+    rest = call(runtime, "list", "acme", "", {"after": "docs", "limit": 1})
+    assert first["more"] and not rest["more"]
+    assert [(i["name"], i["settings"]) for i in rest["indexes"]] == [("notes", DEFAULTS)]
     # the other tenant's index of the same name has its own settings: none
     assert call(runtime, "show", "globex", "docs")["settings"] == DEFAULTS
-    assert call(runtime, "list", "globex", "")[0]["settings"] == DEFAULTS
+    listed = call(runtime, "list", "globex", "", {"after": None, "limit": 100})
+    assert listed["indexes"][0]["settings"] == DEFAULTS
 
 
 def test_a_change_to_an_index_the_tenant_lacks_stores_nothing(runtime: Runtime) -> None:
