@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from api_gateway.auth import KeyRing, require_metrics_token
 from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
-from api_gateway.deps import checked_headers, query_parameters
+from api_gateway.deps import checked_headers, members_once, query_parameters
 from api_gateway.docs import install_docs
 from api_gateway.errors import (
     ErrorBody,
@@ -127,8 +127,8 @@ def create_app(
     app.state.metrics = metrics
     install_error_handlers(app)
     # an unknown or repeated query parameter is a 422, and so is a repeated Idempotency-Key
-    # or one on a POST or PATCH that does not honour it
-    checked = [Depends(query_parameters), Depends(checked_headers)]
+    # or one on a POST or PATCH that does not honour it, and a body member given twice
+    checked = [Depends(query_parameters), Depends(checked_headers), Depends(members_once)]
     app.include_router(router, dependencies=checked)
     app.include_router(listing_router, dependencies=checked)
     app.include_router(indexes_router, dependencies=checked)

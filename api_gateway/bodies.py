@@ -23,7 +23,9 @@ position, which the 400 quotes. This one falls back to ``json.loads`` for anythi
 not follow, so the answer is always ``json.loads``'s.
 
 Every JSON body, on every route, is read as UTF-8 alone (:func:`json_text`; the route class
-in :mod:`api_gateway.routing` gives FastAPI's handlers the same rule).
+in :mod:`api_gateway.routing` gives FastAPI's handlers the same rule), and an object in it
+that gives a member twice is a ``422`` naming the member (:func:`repeated_member`), at any
+depth: ``json.loads`` kept the last silently.
 
 The OpenAPI document still shows the model: :func:`document_bodies` adds its schema to the
 components the route's ``openapi_extra`` refers to.
@@ -46,6 +48,7 @@ from api_gateway.schemas import BatchQueryIn, BatchRequest
 from worker.constants import MAX_BATCH_QUERIES
 from worker.contract import SearchSpec
 from worker.errors import InvalidRequest
+from worker.jsonl import TWICE, Loc, Members
 
 VALIDATE_CHUNK = 1_000  # queries per pydantic call: a few milliseconds each
 BATCH_BODY: dict[str, Any] = {
@@ -78,12 +81,14 @@ def parse_batch(raw: bytes, route: str | None = None) -> ParsedBatch:
     """A ``POST /v1/batches`` body, validated as ``BatchRequest`` a slice of
     :data:`VALIDATE_CHUNK` queries at a time; with ``route``, its fingerprint. Raises
     :class:`RequestValidationError` as FastAPI would, then :class:`InvalidRequest` for a
-    repeated query id.
+    member given twice (first) or a repeated query id.
 
     Each slice becomes strings (the specs' JSON) before the next: the model instances of
     100,000 queries, kept alive together, had the garbage collector's full passes walk them
     again and again, up to 0.3 s each with the GIL held."""
-    data = _json(raw)
+    data, repeated_at = _json(raw)
+    if repeated_at is not None:
+        raise repeated_member(*repeated_at)
     errors: list[Any] = []
     try:
         head: BatchHead | None = BatchHead.model_validate(data)
@@ -142,15 +147,40 @@ def json_text(raw: bytes) -> str:
     return text.removeprefix("\ufeff")
 
 
-def _json(raw: bytes) -> Any:
-    """The body, decoded as ``json.loads`` would (UTF-8 alone: :func:`json_text`); raises
+def repeated_member(loc: Loc, times: int) -> InvalidRequest:
+    """The ``422`` of a body whose object at ``loc`` gives its last key ``times`` times.
+
+    >>> repeated_member(("options", "limit"), 2).message
+    'options.limit: is given 2 times: give it once'
+    >>> repeated_member(("queries", 3, "filters", "k"), 3).field
+    'queries[3].filters.k'
+    """
+    field = ""
+    for part in loc:  # as a field is named: queries[3].id
+        field += f"[{part}]" if isinstance(part, int) else ("." if field else "") + part
+    return InvalidRequest(field, TWICE.format(times=times))
+
+
+def loads_checked(text: str) -> tuple[Any, tuple[Loc, int] | None]:
+    """``json.loads(text)``, and where an object in it first gives a member more than once
+    (and how many times), or ``None``. The check is a dict and a length per object."""
+    members = Members()
+    value = json.loads(text, object_pairs_hook=members)
+    return value, members.first_repeated(value)
+
+
+def _json(raw: bytes) -> tuple[Any, tuple[Loc, int] | None]:
+    """The body, decoded as ``json.loads`` would (UTF-8 alone: :func:`json_text`), and where
+    it first gives a member twice (:meth:`Members.first_repeated`); raises
     :class:`RequestValidationError`."""
     if not raw:
         raise RequestValidationError(
             [{"type": "missing", "loc": ("body",), "msg": "Field required"}]
         )
     try:
-        return loads_in_pieces(json_text(raw))
+        members = Members()
+        data = loads_in_pieces(json_text(raw), members)
+        return data, members.first_repeated(data)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         pos = getattr(exc, "pos", 0)
         raise RequestValidationError(
@@ -174,22 +204,26 @@ class _NotSimple(Exception):
     """The text is not an object whose values this scanner reads: ``json.loads`` decides."""
 
 
-def loads_in_pieces(text: str) -> Any:
-    """``json.loads(text)``, but a top-level object's arrays are decoded one element per
-    call: ``json.loads`` of a 6 MB batch is one 30-100 ms call holding the GIL. Anything
-    this scanner does not follow (not an object, malformed) goes to ``json.loads``, whose
-    answer or error is then the one given."""
+def loads_in_pieces(text: str, members: Members | None = None) -> Any:
+    """``json.loads(text, object_pairs_hook=members)``, but a top-level object's arrays are
+    decoded one element per call: ``json.loads`` of a 6 MB batch is one 30-100 ms call
+    holding the GIL. Anything this scanner does not follow (not an object, malformed) goes
+    to ``json.loads``, whose answer or error is then the one given. ``members`` notes every
+    object of the value returned that gives a member twice, the top-level one too."""
     try:
-        return _object(text)
+        return _object(text, json.JSONDecoder(object_pairs_hook=members), members)
     except (_NotSimple, ValueError, IndexError):
-        return json.loads(text)
+        if members is not None:
+            members.clear()  # what the scanner noted is not of json.loads's value
+        return json.loads(text, object_pairs_hook=members)
 
 
-def _object(text: str) -> dict[str, Any]:
+def _object(text: str, decoder: json.JSONDecoder, members: Members | None) -> dict[str, Any]:
     at = _skip(text, 0)
     if text[at] != "{":
         raise _NotSimple
     found: dict[str, Any] = {}
+    keys: list[str] = []
     at = _skip(text, at + 1)
     if text[at] == "}":
         return _end(text, at + 1, found)
@@ -197,30 +231,33 @@ def _object(text: str) -> dict[str, Any]:
         if text[at] != '"':
             raise _NotSimple
         key, at = _DECODER.raw_decode(text, at)
+        keys.append(key)
         at = _skip(text, at)
         if text[at] != ":":
             raise _NotSimple
         at = _skip(text, at + 1)
         if text[at] == "[":
-            found[key], at = _array(text, at)
+            found[key], at = _array(text, at, decoder)
         else:
-            found[key], at = _DECODER.raw_decode(text, at)
+            found[key], at = decoder.raw_decode(text, at)
         at = _skip(text, at)
         if text[at] == "}":
+            if members is not None and len(keys) != len(found):
+                members.note(found, keys)
             return _end(text, at + 1, found)
         if text[at] != ",":
             raise _NotSimple
         at = _skip(text, at + 1)
 
 
-def _array(text: str, at: int) -> tuple[list[Any], int]:
+def _array(text: str, at: int, decoder: json.JSONDecoder) -> tuple[list[Any], int]:
     """The array at ``text[at]`` (a ``[``), an element per decoder call; and where it ends."""
     items: list[Any] = []
     at = _skip(text, at + 1)
     if text[at] == "]":
         return items, at + 1
     while True:
-        item, at = _DECODER.raw_decode(text, at)
+        item, at = decoder.raw_decode(text, at)
         items.append(item)
         at = _skip(text, at)
         if text[at] == "]":

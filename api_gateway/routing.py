@@ -3,7 +3,6 @@ UTF-8 alone, and a path is routed on its segments (an encoded slash is no bounda
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -12,17 +11,25 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
-from api_gateway.bodies import json_text
+from api_gateway.bodies import json_text, loads_checked
 from api_gateway.paths import routed_path, slashes_back
+
+REPEATED_MEMBER = "sift.repeated_member"  # the scope key :class:`Utf8JsonRequest` sets
 
 
 class Utf8JsonRequest(Request):
     """A request whose JSON body is read as UTF-8 alone (:func:`json_text`): Starlette's
-    ``json.loads`` of the bytes read UTF-16 and UTF-32 too."""
+    ``json.loads`` of the bytes read UTF-16 and UTF-32 too. Where the body first gives a
+    member twice is kept in the scope (:data:`REPEATED_MEMBER`) for
+    :func:`api_gateway.deps.members_once`, which refuses it after the key check: FastAPI
+    reads the body before any dependency runs, and makes any error here but a
+    ``JSONDecodeError`` a ``400`` "There was an error parsing the body"."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = json.loads(json_text(await self.body()))
+            self._json, repeated = loads_checked(json_text(await self.body()))
+            if repeated is not None:
+                self.scope[REPEATED_MEMBER] = repeated
         return self._json
 
 

@@ -307,3 +307,73 @@ def test_a_rerank_with_a_generation_model_is_accepted(redis_url: str, store: Job
         for path, body in [("/v1/searches", SEARCH), ("/v1/batches", BATCH)]:
             response = client.post(path, json={**body, "rerank": True}, headers=ACME)
             assert response.status_code == 202, response.text
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "field", "times"),
+    [
+        ("POST", "/v1/searches", '{"index": "docs", "query": "a", "query": "b"}', "query", 2),
+        (
+            "POST",
+            "/v1/searches",
+            '{"index": "docs", "query": "a", "fusion": {"weights": {"knn": 1, "knn": 2}}}',
+            "fusion.weights.knn",
+            2,
+        ),
+        (
+            "POST",
+            "/v1/searches",
+            '{"index": "docs", "query": "a", "filters": {"k": 1, "k": 1, "k": 2}}',
+            "filters.k",
+            3,
+        ),
+        (
+            "POST",
+            "/v1/batches",
+            '{"index": "docs", "queries": [{"id": "a", "query": "t", "limit": 3, "limit": 50}]}',
+            "queries[0].limit",
+            2,
+        ),
+        (
+            "POST",
+            "/v1/batches",
+            '{"index": "docs", "rerank": false, "queries": [{"id": "a", "query": "t"}],'
+            ' "rerank": true}',
+            "rerank",
+            2,
+        ),
+        (
+            "POST",
+            "/v1/indexes/docs/documents",
+            '{"documents": [{"id": "d", "text": "t", "metadata": {"a": 1, "a": 2}}]}',
+            "documents[0].metadata.a",
+            2,
+        ),
+        ("POST", "/v1/indexes/docs/documents/delete", '{"ids": ["a"], "ids": ["b"]}', "ids", 2),
+        (
+            "PATCH",
+            "/v1/indexes/docs",
+            '{"candidate_limit": 5, "candidate_limit": 50}',
+            "candidate_limit",
+            2,
+        ),
+    ],
+)
+def test_a_body_member_given_twice_is_422_naming_it(
+    client: TestClient, method: str, path: str, body: str, field: str, times: int
+) -> None:
+    """``json.loads`` keeps the last of a repeated member: ``{"query": "a", "query": "b"}``
+    searched "b" and ``"limit": 3, "limit": 50`` fifty, whatever the client meant. At any
+    depth, on every route that reads a body (the batch's own scanner too), after the key
+    check (401 without a key)."""
+    headers = {"content-type": "application/json"}
+    response = client.request(method, path, content=body.encode(), headers={**ACME, **headers})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == field, error
+    assert error["message"] == f"{field}: is given {times} times: give it once", error
+    assert client.get("/v1/searches", headers=ACME).json()["searches"] == []  # nothing stored
+    assert client.get("/v1/batches", headers=ACME).json()["batches"] == []
+    assert client.get("/v1/ingestions", headers=ACME).json()["ingestions"] == []
+    unkeyed = client.request(method, path, content=body.encode(), headers=headers)
+    assert unkeyed.status_code == 401, unkeyed.text

@@ -127,3 +127,43 @@ def test_the_piecewise_decoder_fails_as_json_loads_fails(text: str) -> None:
 
 def test_a_body_nested_too_deep_is_invalid_json_not_a_crash() -> None:
     assert fields_of(b'{"index": ' + b"[" * 100_000 + b"]" * 100_000 + b"}") == ["body"]
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "times"),
+    [
+        ('{"index": "docs", "index": "other", "queries": [{"id": "a", "query": "t"}]}', "index", 2),
+        ('{"queries": [], "index": "d", "queries": [{"id": "a", "query": "t"}]}', "queries", 2),
+        (
+            '{"index": "d", "queries": [{"id": "a", "query": "t", "query": "u"}]}',
+            "queries[0].query",
+            2,
+        ),
+        (
+            '{"index": "d", "queries": [{"id": "a", "query": "t"},'
+            ' {"id": "b", "query": "t", "filters": {"k": 1, "k": 2, "k": 3}}]}',
+            "queries[1].filters.k",
+            3,
+        ),
+        # outermost first, in the text's order
+        (
+            '{"index": "d", "queries": [{"id": "a", "id": "b", "query": "t"}], "index": "e"}',
+            "index",
+            2,
+        ),
+        # not an object, which the scanner leaves to json.loads: checked as well
+        ('[{"a": 1, "a": 2}]', "[0].a", 2),
+    ],
+)
+def test_a_member_given_twice_is_named_at_any_depth(text: str, field: str, times: int) -> None:
+    """``json.loads`` keeps the last of a repeated member: ``{"limit": 3, "limit": 50}`` was
+    a search of 50 whatever its writer meant."""
+    with pytest.raises(InvalidRequest) as error:
+        parse_batch(text.encode())
+    assert error.value.field == field
+    assert error.value.message == f"{field}: is given {times} times: give it once"
+
+
+def test_a_body_without_a_repeated_member_is_read_as_before() -> None:
+    raw = json.dumps(body(3, rerank=True)).encode()
+    assert [qid for qid, _ in parse_batch(raw).items] == ["q0", "q1", "q2"]

@@ -269,6 +269,12 @@ def test_ingest_sift_shape_keeps_revision_and_metadata(
         ({"id": "d2", "text": "x", "tilte": "typo"}, "field 'tilte'"),
         ({"text": "no id"}, "field 'id'"),
         ("{not json", "not valid JSON"),
+        # json.loads kept the last: the document "b" was sent
+        ('{"id": "d2", "text": "a", "text": "b"}', "field 'text': is given 2 times: give it once"),
+        (
+            '{"id": "d2", "text": "a", "metadata": {"k": 1, "k": 2}}',
+            "field 'metadata.k': is given 2 times: give it once",
+        ),
     ],
 )
 def test_ingest_a_bad_line_names_line_and_field_and_sends_nothing(
@@ -536,6 +542,13 @@ def test_batch_a_bad_query_line_sends_nothing(fake_gateway: FakeGateway, tmp_pat
     result = run(fake_gateway, "batch", str(queries), "--index", "s", "--out", str(out))
     assert result.exit_code == 1
     assert "q.jsonl:3: field 'id': 'a' appears twice" in result.output
+    queries.write_text(
+        '{"id": "a", "query": "x"}\n{"id": "b", "query": "y", "limit": 3, "limit": 50}\n'
+    )
+    result = run(fake_gateway, "batch", str(queries), "--index", "s", "--out", str(out))
+    assert result.exit_code == 1
+    assert "q.jsonl:2: field 'limit': is given 2 times: give it once" in result.output
+    assert fake_gateway.requests == [] and not out.exists()
 
 
 def test_batch_summary_lines_stay_whole_when_the_output_is_not_a_terminal(

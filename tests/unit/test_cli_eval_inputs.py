@@ -58,6 +58,17 @@ def test_a_query_line_that_is_not_json_names_the_line(tmp_path: Path) -> None:
     refused(result, f"{tmp_path / 'q.jsonl'}:3: not valid JSON")
 
 
+def test_a_member_given_twice_names_the_line_and_field(tmp_path: Path) -> None:
+    """``json.loads`` kept the last of a repeated member: the hit scored was "b"."""
+    ok = {"query_id": "q1", "status": "succeeded", "result": {"hits": []}}
+    bad = '{"query_id": "q2", "status": "succeeded", "result": {"hits": [{"id": "a", "id": "b"}]}}'
+    results = write(tmp_path / "r.jsonl", f"{json.dumps(ok)}\n{bad}\n")
+    result = eval_("--results", results, "--qrels", write(tmp_path / "qrels.tsv", QRELS))
+    refused(result, f"{results}:2: field 'result.hits.0.id': is given 2 times: give it once")
+    result = served(tmp_path, queries=QUERIES + '{"id": "q2", "query": "a", "query": "b"}\n')
+    refused(result, f"{tmp_path / 'q.jsonl'}:2: field 'query': is given 2 times: give it once")
+
+
 def test_a_result_whose_hits_are_not_a_list_names_the_line_and_field(tmp_path: Path) -> None:
     ok = {"query_id": "q1", "status": "succeeded", "result": {"hits": []}}
     bad = {"query_id": "q2", "status": "succeeded", "result": {"hits": "x"}}
