@@ -186,6 +186,28 @@ def test_fail_closed_fails_the_search_naming_the_class(outcome: AttemptOutcome) 
     assert recorder.events["search", "error"] == 1
 
 
+@pytest.mark.parametrize("policy", ["fail_closed", "fail_open"])
+def test_a_failed_rerank_s_trace_calls_a_fallback_one_only_when_one_was_served(
+    policy: str,
+) -> None:
+    """Under ``fail_closed`` no fallback is served: the failed job's ``error.trace`` said
+    ``fallback_reason: "error:http_5xx"`` all the same. It names the ``failure`` now, its
+    ``fallback_reason`` null; under ``fail_open`` the fallback's reason stands, no failure."""
+    steps = [fail(RerankAttemptError(AttemptOutcome.HTTP_5XX, "scripted"))] * 3
+    pipeline, _, _ = make(steps, policy=policy)
+    if policy == "fail_closed":
+        with pytest.raises(RerankFailed) as info:
+            pipeline.search(spec(include_trace=True), "acme")
+        trace = info.value.job_trace
+    else:
+        trace = pipeline.search(spec(include_trace=True), "acme").trace
+    assert trace is not None
+    if policy == "fail_closed":
+        assert (trace["fallback_reason"], trace["failure"]) == (None, "http_5xx"), trace
+    else:
+        assert trace["fallback_reason"] == "error:http_5xx" and "failure" not in trace, trace
+
+
 @pytest.mark.parametrize("outcome", [*CLASSES, AttemptOutcome.HTTP_4XX])
 def test_fail_open_returns_coarse_top_k_with_the_reason(outcome: AttemptOutcome) -> None:
     steps = [fail(RerankAttemptError(outcome, "scripted"))] * 3

@@ -41,12 +41,14 @@ def rerank_result(
         failure = run.failure
         assert failure is not None
         reason = failure.outcome.value if isinstance(failure, RerankAttemptError) else "deadline"
-        trace["fallback_reason"] = f"error:{reason}"
         figures.append(partial(recorder.rerank_done, model, reason, run.seconds))
         if failure_policy == "fail_closed":
+            # no fallback was served: the trace names the failure, and no fallback reason
+            trace.update(fallback_reason=None, failure=reason)
             figures.append(partial(recorder.rerank_outcome, POLICY_ID, "failed"))
             shown = trace if spec.include_trace else None  # the failed job's error.trace
             raise RerankFailed(reason, failure.message, usage, shown) from failure
+        trace["fallback_reason"] = f"error:{reason}"
         figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_error"))
         info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{reason}")
         return build_result(candidates[: spec.limit], info, usage, spec, trace)
