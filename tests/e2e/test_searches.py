@@ -223,6 +223,9 @@ def test_a_search_that_fails_its_rerank_keeps_the_trace_it_asked_for(
     trace = error["trace"]
     assert [a["outcome"] for a in trace["attempts"]] == ["http_5xx"] * 3, trace
     assert trace["policy"] and trace["candidates"] and trace["model"], trace
+    # no fallback was served: the failure is named as one, not as a fallback's reason
+    assert (trace["failure"], trace["fallback_reason"]) == ("http_5xx", None), trace
+    assert trace["queue_wait_seconds"] >= 0, trace  # as a result's trace has it
     assert trace["usage"] == error["usage"], trace
     again = stack.live.get(f"/v1/searches/{job['id']}", headers=ACME).json()
     assert again["error"] == error
@@ -244,6 +247,8 @@ def test_a_search_that_fails_its_rerank_keeps_the_trace_it_asked_for(
     assert item["status"] == "failed" and item["error"]["type"] == "rerank_failed", item
     outcomes = [a["outcome"] for a in item["error"]["trace"]["attempts"]]
     assert outcomes == ["http_5xx"] * 3, item
+    assert item["error"]["trace"]["failure"] == "http_5xx", item
+    assert item["error"]["trace"]["queue_wait_seconds"] >= 0, item
 
 
 def test_rerank_through_the_queue_with_a_429_on_the_way(stack: Stack, corpus: object) -> None:

@@ -115,6 +115,7 @@ def search(self: SiftTask, job_id: str) -> None:
                     raise self.retry(exc=exc, countdown=self.backoff()) from exc
                 if not isinstance(exc, SiftError):
                     log.exception("search %s: unexpected error", job_id)
+                _with_failed_queue_wait(exc, run_started - job.created_at)
                 error = _billed(error_info(exc), claim.answer)
                 finished = count_completed(
                     "search", store.finish_search(job_id, error=error), error
@@ -145,6 +146,13 @@ def _with_queue_wait(result: SearchResult, seconds: float) -> SearchResult:
         result.trace["queue_wait_seconds"] = max(0.0, seconds)
     result._stage_seconds["queue_wait"] = max(0.0, seconds)
     return result
+
+
+def _with_failed_queue_wait(exc: BaseException, seconds: float) -> None:
+    """A failed search's trace (``error.trace``, when it asked for one) telling
+    ``queue_wait_seconds`` as its result's would have (:func:`_with_queue_wait`)."""
+    if isinstance(exc, SiftError) and exc.job_trace is not None:
+        exc.job_trace["queue_wait_seconds"] = max(0.0, seconds)
 
 
 def _kept_usage(answer: str) -> Usage | None:
@@ -311,6 +319,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 return "retry"
             if not isinstance(exc, SiftError):
                 log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
+            _with_failed_queue_wait(exc, waited)
             return None, _billed(error_info(exc), claim.answer if claim else "")
 
     def finished(item: BatchItem, transition: ItemTransition, error: ErrorInfo | None) -> None:
