@@ -19,13 +19,12 @@ from starlette.concurrency import run_in_threadpool
 from api_gateway.auth import KeyRing, require_metrics_token
 from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
-from api_gateway.deps import checked_headers, members_once, query_parameters
+from api_gateway.deps import checked_headers, members_once, path_is_utf8, query_parameters
 from api_gateway.docs import install_docs
 from api_gateway.errors import (
     ErrorBody,
     install_error_handlers,
     no_route_short_of_a_line_break,
-    path_is_utf8,
 )
 from api_gateway.indexes import router as indexes_router
 from api_gateway.jobs import router, stop_retakes
@@ -117,8 +116,7 @@ def create_app(
         # without it (which a client following redirects sent a DELETE on to)
         redirect_slashes=False,
         # a path with a last line break reached the route without it: a 404 instead
-        # and a path parameter's percent-escapes that are no UTF-8 are a 422 naming it
-        dependencies=[Depends(no_route_short_of_a_line_break), Depends(path_is_utf8)],
+        dependencies=[Depends(no_route_short_of_a_line_break)],
     )
     app.router.route_class = GetAnswersHead  # the routers' own are too: HEAD wherever GET
     preregister(queues=ALL_QUEUES)
@@ -126,9 +124,16 @@ def create_app(
     app.state.keyring = keyring
     app.state.metrics = metrics
     install_error_handlers(app)
-    # an unknown or repeated query parameter is a 422, and so is a repeated Idempotency-Key
-    # or one on a POST or PATCH that does not honour it, and a body member given twice
-    checked = [Depends(query_parameters), Depends(checked_headers), Depends(members_once)]
+    # each after the key check: a path parameter's percent-escapes that are no UTF-8 are a
+    # 422 naming it, an unknown or repeated query parameter too, and so is a repeated
+    # Idempotency-Key or one on a POST or PATCH that does not honour it, and a body member
+    # given twice
+    checked = [
+        Depends(path_is_utf8),
+        Depends(query_parameters),
+        Depends(checked_headers),
+        Depends(members_once),
+    ]
     app.include_router(router, dependencies=checked)
     app.include_router(listing_router, dependencies=checked)
     app.include_router(indexes_router, dependencies=checked)

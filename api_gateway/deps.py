@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from api_gateway.auth import authenticate
 from api_gateway.bodies import repeated_member
 from api_gateway.errors import ErrorBody
+from api_gateway.paths import decode_segments
 from api_gateway.queue import TaskSender
 from api_gateway.routing import REPEATED_MEMBER
 from worker.constants import MAX_BATCH_QUERIES, MAX_WAIT_SECONDS
@@ -77,6 +78,38 @@ def _query_names(dependant: Dependant) -> frozenset[str]:
     """The query parameters a route's ``dependant`` takes: its own and its dependencies'."""
     names = {param.alias for param in dependant.query_params}
     return frozenset(names.union(*(_query_names(d) for d in dependant.dependencies)))
+
+
+async def path_is_utf8(request: Request, _tenant: Tenant) -> None:
+    """A dependency of every ``/v1`` route (their routers'): a path parameter whose
+    percent-escapes are not UTF-8 (``%C0``, ``%FF``) is ``422`` naming it. The server decodes
+    them with replacement characters, so ``DELETE .../documents/%C0`` deleted the document
+    ``"\ufffd"``. After the key check (``_tenant``), as every ``422``: it was one of the
+    app's dependencies, which run before the routers', so a caller without a key got this
+    ``422`` instead of the ``401``. No other route takes a path parameter.
+
+    The raw path, decoded strictly but for the bad bytes (kept as lone surrogates), is matched
+    by the route's own pattern: the parameter holding one is the bad one."""
+    raw: bytes | None = request.scope.get("raw_path")
+    if raw is None:
+        return
+    # each encoded slash kept inside its segment, as the route was matched (api_gateway.paths)
+    decoded = decode_segments(raw, lambda part: part.decode("utf-8", "surrogateescape"))
+    if not _lone(decoded):
+        return
+    route: Any = request.scope.get("route")
+    root = request.scope.get("root_path", "")
+    found = getattr(route, "path_regex", None)
+    match = found.match(decoded.removeprefix(root)) if found is not None else None
+    bad = [name for name, value in (match.groupdict() if match else {}).items() if _lone(value)]
+    raise InvalidRequest(
+        bad[0] if bad else "path", "is not UTF-8 once its percent-escapes are decoded"
+    )
+
+
+def _lone(value: str) -> bool:
+    """Whether ``value`` holds a byte that was no UTF-8 (a lone surrogate)."""
+    return any("\udc80" <= char <= "\udcff" for char in value)
 
 
 def query_parameters(request: Request, _tenant: Tenant) -> None:

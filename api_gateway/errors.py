@@ -18,7 +18,6 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from api_gateway.paths import decode_segments
 from worker.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -156,35 +155,6 @@ async def no_route_short_of_a_line_break(request: Request) -> None:
     break is a path no route has, answered ``404`` naming ``path`` as any other."""
     if _short_of_a_line_break(request):
         raise StarletteHTTPException(404)
-
-
-async def path_is_utf8(request: Request) -> None:
-    """A dependency of every route (the app's): a path parameter whose percent-escapes are
-    not UTF-8 (``%C0``, ``%FF``) is ``422`` naming it. The server decodes them with
-    replacement characters, so ``DELETE .../documents/%C0`` deleted the document ``"\ufffd"``.
-
-    The raw path, decoded strictly but for the bad bytes (kept as lone surrogates), is matched
-    by the route's own pattern: the parameter holding one is the bad one."""
-    raw: bytes | None = request.scope.get("raw_path")
-    if raw is None:
-        return
-    # each encoded slash kept inside its segment, as the route was matched (api_gateway.paths)
-    decoded = decode_segments(raw, lambda part: part.decode("utf-8", "surrogateescape"))
-    if not _lone(decoded):
-        return
-    route: Any = request.scope.get("route")
-    root = request.scope.get("root_path", "")
-    found = getattr(route, "path_regex", None)
-    match = found.match(decoded.removeprefix(root)) if found is not None else None
-    bad = [name for name, value in (match.groupdict() if match else {}).items() if _lone(value)]
-    raise InvalidRequest(
-        bad[0] if bad else "path", "is not UTF-8 once its percent-escapes are decoded"
-    )
-
-
-def _lone(value: str) -> bool:
-    """Whether ``value`` holds a byte that was no UTF-8 (a lone surrogate)."""
-    return any("\udc80" <= char <= "\udcff" for char in value)
 
 
 def install_error_handlers(app: FastAPI) -> None:

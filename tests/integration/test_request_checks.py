@@ -377,3 +377,40 @@ def test_a_body_member_given_twice_is_422_naming_it(
     assert client.get("/v1/ingestions", headers=ACME).json()["ingestions"] == []
     unkeyed = client.request(method, path, content=body.encode(), headers=headers)
     assert unkeyed.status_code == 401, unkeyed.text
+
+
+DOC = "/v1/indexes/docs/documents"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "field"),
+    [
+        ("GET", "/v1/indexes/x%C0", "index"),  # percent-escapes that are no UTF-8
+        ("PATCH", "/v1/indexes/%FFx", "index"),
+        ("DELETE", f"{DOC}/%C0", "id"),
+        ("GET", f"{DOC}/a%E2", "id"),
+        ("POST", "/v1/indexes/%C0/documents", "index"),
+        ("GET", "/v1/indexes/bad%2Fname", "index"),  # not an index name
+        ("DELETE", "/v1/indexes/bad%20name", "index"),
+        ("POST", "/v1/indexes/bad%20name/documents/delete", "index"),
+        ("GET", "/v1/indexes/" + "a" * 200, "index"),
+    ],
+)
+def test_a_malformed_path_parameter_is_401_or_403_before_422(
+    client: TestClient, method: str, path: str, field: str
+) -> None:
+    """The key is checked first, whatever else the request holds: a caller without a key
+    (or with a wrong one) is told so, not which of its path parameters is malformed. A path
+    whose percent-escapes were not UTF-8 was a 422 before the key was looked at."""
+    body = {"ids": ["a"]} if path.endswith("/delete") else {}
+    if method == "POST" and path.endswith("/documents"):
+        body = {"documents": [{"id": "d", "text": "t"}]}
+    sent = body if method in ("POST", "PATCH") else None
+    unkeyed = client.request(method, path, json=sent)
+    assert unkeyed.status_code == 401, unkeyed.text
+    assert unkeyed.json()["error"]["field"] == "Authorization"
+    wrong = client.request(method, path, json=sent, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 403, wrong.text
+    keyed = client.request(method, path, json=sent, headers=ACME)
+    assert keyed.status_code == 422, keyed.text
+    assert keyed.json()["error"]["field"] == field, keyed.text
