@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from api_gateway.auth import KeyRing, require_metrics_token
 from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
-from api_gateway.deps import checked_headers, members_once, path_is_utf8, query_parameters
+from api_gateway.deps import body_as_read, checked_headers, path_is_utf8, query_parameters
 from api_gateway.docs import install_docs
 from api_gateway.errors import (
     ErrorBody,
@@ -126,13 +126,13 @@ def create_app(
     install_error_handlers(app)
     # each after the key check: a path parameter's percent-escapes that are no UTF-8 are a
     # 422 naming it, an unknown or repeated query parameter too, and so is a repeated
-    # Idempotency-Key or one on a POST or PATCH that does not honour it, and a body member
-    # given twice
+    # Idempotency-Key or one on a POST or PATCH that does not honour it; a body not JSON is
+    # a 400, and one that gives a member twice a 422
     checked = [
         Depends(path_is_utf8),
         Depends(query_parameters),
         Depends(checked_headers),
-        Depends(members_once),
+        Depends(body_as_read),
     ]
     app.include_router(router, dependencies=checked)
     app.include_router(listing_router, dependencies=checked)

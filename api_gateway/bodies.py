@@ -182,11 +182,16 @@ def _json(raw: bytes) -> tuple[Any, tuple[Loc, int] | None]:
         data = loads_in_pieces(json_text(raw), members)
         return data, members.first_repeated(data)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-        pos = getattr(exc, "pos", 0)
-        raise RequestValidationError(
-            [{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
-              "input": {}, "ctx": {"error": getattr(exc, "msg", str(exc))}}]
-        ) from exc  # fmt: skip
+        raise not_json(exc) from exc
+
+
+def not_json(exc: ValueError | RecursionError) -> RequestValidationError:
+    """The ``400`` naming ``body`` of a body ``json.loads`` refused, as FastAPI words it."""
+    pos = getattr(exc, "pos", 0)
+    return RequestValidationError(
+        [{"type": "json_invalid", "loc": ("body", pos), "msg": "JSON decode error",
+          "input": {}, "ctx": {"error": getattr(exc, "msg", str(exc))}}]
+    )  # fmt: skip
 
 
 _DECODER = json.JSONDecoder()

@@ -22,11 +22,10 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import authenticate
-from api_gateway.bodies import repeated_member
 from api_gateway.errors import ErrorBody
 from api_gateway.paths import decode_segments
 from api_gateway.queue import TaskSender
-from api_gateway.routing import REPEATED_MEMBER
+from api_gateway.routing import BODY_PROBLEM
 from worker.constants import MAX_BATCH_QUERIES, MAX_WAIT_SECONDS
 from worker.errors import InvalidRequest
 from worker.queue.jobstore import AsyncJobStore, JobStore
@@ -130,14 +129,15 @@ def query_parameters(request: Request, _tenant: Tenant) -> None:
             raise InvalidRequest(name, f"is given {times} times: give it once")
 
 
-def members_once(request: Request, _tenant: Tenant) -> None:
-    """Refuse a JSON body one of whose objects gives a member twice (``{"limit": 3,
-    "limit": 50}``): a ``422`` naming it, as a repeated query parameter is. ``json.loads``
-    kept the last silently. The body was read before (:class:`Utf8JsonRequest`); this
-    answers after the key check (``_tenant``), so a request without a key is still 401.
-    ``POST /v1/batches`` reads its own body (:func:`api_gateway.bodies.parse_batch`)."""
-    if (repeated := request.scope.get(REPEATED_MEMBER)) is not None:
-        raise repeated_member(*repeated)
+def body_as_read(request: Request, _tenant: Tenant) -> None:
+    """Refuse a JSON body that is not JSON (``400`` naming ``body``), or one of whose objects
+    gives a member twice (``{"limit": 3, "limit": 50}``: a ``422`` naming it, as a repeated
+    query parameter is; ``json.loads`` kept the last silently). The body was read before
+    (:class:`api_gateway.routing.Utf8JsonRequest`); this answers after the key check
+    (``_tenant``), so a request without a key is 401 whatever its body. ``POST /v1/batches``
+    reads its own body, after the key check too (:func:`api_gateway.bodies.parse_batch`)."""
+    if (problem := request.scope.get(BODY_PROBLEM)) is not None:
+        raise problem
 
 
 def checked_headers(request: Request, _tenant: Tenant) -> None:

@@ -414,3 +414,34 @@ def test_a_malformed_path_parameter_is_401_or_403_before_422(
     keyed = client.request(method, path, json=sent, headers=ACME)
     assert keyed.status_code == 422, keyed.text
     assert keyed.json()["error"]["field"] == field, keyed.text
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/searches"),
+        ("POST", "/v1/batches"),
+        ("POST", "/v1/indexes/docs/documents"),
+        ("POST", "/v1/indexes/docs/documents/delete"),
+        ("PATCH", "/v1/indexes/docs"),
+    ],
+)
+@pytest.mark.parametrize(
+    "raw",
+    [b"{nope", b'{"index": "docs",}', b"\xff\xfe{}", b'{"ids": ' + b"[" * 100_000 + b"]" * 100_000],
+)
+def test_a_body_that_is_not_json_is_401_without_a_key_then_400(
+    client: TestClient, method: str, path: str, raw: bytes
+) -> None:
+    """FastAPI reads a declared body before any dependency runs: a caller without a key got
+    the 400 "body: is not valid JSON" (every route but the batch's, which reads its own),
+    not the 401. The key comes first, whatever the request holds."""
+    headers = {"content-type": "application/json"}
+    unkeyed = client.request(method, path, content=raw, headers=headers)
+    assert unkeyed.status_code == 401, unkeyed.text
+    keyed = client.request(method, path, content=raw, headers={**ACME, **headers})
+    assert keyed.status_code == 400, keyed.text
+    error = keyed.json()["error"]
+    assert error["field"] == "body" and error["message"].startswith("body: is not valid JSON"), (
+        error
+    )
