@@ -193,6 +193,9 @@ def test_errored_expired_and_malformed_requests_are_resubmitted_or_fail_by_polic
     trace = results["q4"]["error"]["trace"]
     assert [a["outcome"] for a in trace["attempts"]] == ["http_5xx"] * 3, trace
     assert trace["policy"] and trace["candidates"], trace
+    # the failure named as one, no fallback's reason; the queue wait as a result's trace has it
+    assert (trace["failure"], trace["fallback_reason"]) == ("http_5xx", None), trace
+    assert trace["queue_wait_seconds"] >= 0, trace
     # three provider batches for the first round, then the resubmissions of q0, q1, q2, q4
     resubmitted = [position_of(c) for b in stack.model.batches()[2:] for c in b["custom_ids"]]
     assert sorted(resubmitted) == [0, 1, 2, 4, 4]
