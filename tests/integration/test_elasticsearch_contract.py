@@ -1805,6 +1805,31 @@ def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearch
     assert backend_for(server).indexes("nobody") == []
 
 
+def test_a_tenant_past_the_aggregations_size_is_listed_by_name_not_by_count(
+    server: FakeElasticsearchServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More aliases than the terms aggregation holds: its buckets would go to the biggest
+    indexes, and a small index named before the page's last name would never be shown, on
+    this page or after it. The count is filtered to the first names instead."""
+    monkeypatch.setattr("worker.adapters.elasticsearch._listing.MAX_LISTED_INDEXES", 2)
+    stem = f"sift-{tenant_key('acme')}--"
+    concrete = {name: f"{stem}{name}~000001" for name in ("a", "b", "c")}
+    server.on(
+        "GET",
+        f"/_alias/{stem}*",
+        Answer(200, aliases(*((concrete[n], f"{stem}{n}") for n in ("c", "a", "b")))),
+    )
+    # ES would answer the unfiltered count with the two biggest: c and b, not a
+    counts = terms_by_index_response({concrete["a"]: 1, concrete["b"]: 9}, {})
+    server.on("POST", f"/{stem}*/_search", Answer(200, counts))
+    listed = backend_for(server).indexes("acme", None, 1)
+    assert [i.name for i in listed] == ["a"]
+    (search,) = server.sent("POST", f"/{stem}*/_search")
+    assert search.json()["query"]["bool"]["filter"][1] == {
+        "terms": {"_index": [concrete["a"], concrete["b"]]}
+    }
+
+
 def test_index_info_is_a_tenant_filtered_count_with_the_recorded_model(
     server: FakeElasticsearchServer,
 ) -> None:

@@ -49,10 +49,12 @@ class _Listing(_Bodies):
         aliases (``GET _alias/<prefix><key>--*``; a wildcard that matches nothing answers
         ``{}``), of them those named after ``after``, then one tenant-filtered ``size: 0``
         search over the same pattern with a terms aggregation on ``_index`` (and, inside
-        it, on the model field) for the counts. After a name, the search also filters on
-        ``_index`` to the concrete indexes of the aliases left, so the aggregation's
-        buckets are spent on them; with none left (the rest dropped since the token was
-        made) it is not sent. A concrete index no alias of the tenant points at (one a
+        it, on the model field) for the counts. After a name, or past
+        :data:`MAX_LISTED_INDEXES` aliases, the search also filters on ``_index`` to the
+        concrete indexes of the first of the aliases left by name (as many as the
+        aggregation holds), so its buckets are spent on the names the page shows, not on
+        the biggest indexes; with none left (the rest dropped since the token was made) it
+        is not sent. A concrete index no alias of the tenant points at (one a
         reindex kept) is not listed, nor an index holding none of its documents."""
         stem = self.tenant_stem(tenant)
         pattern = f"{stem}*"
@@ -70,7 +72,10 @@ class _Listing(_Bodies):
         if self.fields.model:
             by_index["aggs"] = self._models_agg()
         query = self.tenant_query(tenant)
-        if after is not None:
+        if after is not None or len(names) > MAX_LISTED_INDEXES:
+            # the first names in name order, not the aggregation's biggest by count
+            first = sorted(names, key=names.__getitem__)[:MAX_LISTED_INDEXES]
+            names = {concrete: names[concrete] for concrete in first}
             query["bool"]["filter"].append({"terms": {"_index": sorted(names)}})
         with _translated("list of indexes", None, missing_ok=True) as missing:
             answer = (
