@@ -22,8 +22,20 @@ command: they fail as connection errors while Redis is down (which kombu and Cel
 unacknowledged message stays in the ``unacked`` hash and comes back after the visibility
 timeout), and succeed once it is back (a late ack removes its message from that hash).
 
+And one change of order, so a queue stays first in, first out (:class:`QoS`). A message is
+published with ``LPUSH`` and taken with ``BRPOP``, from the right. kombu puts a message handed
+back unprocessed (``reject(requeue=True)``) at the left end, behind every message waiting, with
+``LPUSH``: a chunk read by a ``BRPOP`` already in flight when the worker's intake pause
+(:mod:`worker.queue.intake`) cancelled the batch queue's consumer (kombu hands a message for a
+queue nobody consumes back that way), or a chunk a stopping worker hands back, ran after a
+whole later batch. Here it goes back to the right end, the next one taken, as its channel's
+unacknowledged messages at a close and a timed-out message (``restore_visible``) already do.
+The close now pushes its messages oldest last, so the oldest is taken first (kombu pushed them
+in the order taken, so the last one taken came back first).
+
 ``celery_config`` selects this transport for ``redis://`` broker URLs; every other scheme keeps
-kombu's own. ``tests/reliability/test_broker_restart.py`` restarts Redis under a worker.
+kombu's own. ``tests/reliability/test_broker_restart.py`` restarts Redis under a worker;
+``tests/integration/test_broker.py`` checks both the close and the order.
 """
 
 from __future__ import annotations
@@ -32,12 +44,35 @@ from typing import Any
 from urllib.parse import urlparse
 
 from kombu.transport import redis as kombu_redis
+from kombu.transport import virtual
 
 TRANSPORT = "worker.queue.broker:Transport"
 
 
+class QoS(kombu_redis.QoS):
+    """kombu's Redis acks, a message handed back put where ``BRPOP`` takes the next one."""
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if not requeue:
+            super().reject(delivery_tag)  # type: ignore[no-untyped-call]
+            return
+        self.restore_by_tag(delivery_tag)  # type: ignore[no-untyped-call]  # RPUSH: next taken
+        virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # forget it here
+
+    def restore_unacked(self, client: Any = None) -> None:
+        """Every message this channel holds back on its queue, the first taken pushed last:
+        taken again first, in the order they were taken (kombu's own reversed that)."""
+        with self.channel.conn_or_acquire(client) as client:
+            for tag in reversed(list(self._delivered)):
+                self.restore_by_tag(tag, client=client)  # type: ignore[no-untyped-call]
+        self._delivered.clear()
+
+
 class Channel(kombu_redis.Channel):
-    """kombu's Redis channel, still able to reach Redis after its connection was collected."""
+    """kombu's Redis channel, still able to reach Redis after its connection was collected,
+    with :class:`QoS`."""
+
+    QoS = QoS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
