@@ -25,6 +25,7 @@ import yaml
 
 from tests.kubelet import service_links
 from worker.constants import ALL_QUEUES, kombu_queue_keys
+from worker.processes.stack import redis_service
 from worker.queue.config import TASK_ROUTES, celery_config
 from worker.settings import load_settings
 
@@ -75,6 +76,26 @@ def test_compose_file_passes_docker_compose_config_where_installed() -> None:
         timeout=60,
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_every_redis_the_docs_run_keeps_an_aof_fsynced_every_second(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    """docs/reliability.md's restart guarantees assume Redis with its AOF fsynced every
+    second and nothing evicted: ``sift up``'s, the compose file's and docs/queue.md's stack by
+    hand (which had ``--appendonly no``)."""
+    recipe = (ROOT / "docs" / "queue.md").read_text(encoding="utf-8")
+    by_hand = re.search(r"^.*redis-server (?:.*\\\n)*.*", recipe, re.MULTILINE)
+    assert by_hand is not None
+    service, _ = redis_service(tmp_path, appendonly=True)  # what `sift up` runs
+    runs = {
+        "docs/queue.md": by_hand.group(0).replace("\\\n", " "),
+        "compose": " ".join(compose["services"]["redis"]["command"]),
+        "sift up": " ".join(service.command),
+    }
+    for where, command in runs.items():
+        for flag in ("--appendonly yes", "--appendfsync everysec", "--maxmemory-policy noeviction"):
+            assert flag in " ".join(command.split()), (where, flag, command)
 
 
 def test_compose_stack_has_every_piece_wired(compose: dict[str, Any]) -> None:

@@ -1,13 +1,13 @@
 """Writes accepted after Redis comes back empty still land.
 
-Redis restarted without its persistence (``--save '' --appendonly no``, as docs/queue.md's stack
-by hand runs it; a Redis pod without a volume; a failover to an empty replica) loses every
-job, and with them the tenants' write-version counters. The backend keeps its documents, and
-the version of the last write of each id, on disk. A write accepted after the restart must
-still be newer than every write the backend applied before it: numbered from a counter back
-at zero, an upsert of a document written before took the version it already held and was
-skipped as a run of that earlier write (yet reported ``upserted: 1``), and a delete's lower
-version left the document in place (``deleted: 0``, its job ``succeeded``).
+Redis restarted without its persistence (``--save '' --appendonly no``: a Redis started by hand
+without the AOF docs/queue.md's recipe turns on; a Redis pod without a volume; a failover to an
+empty replica) loses every job, and with them the tenants' write-version counters. The backend
+keeps its documents, and the version of the last write of each id, on disk. A write accepted
+after the restart must still be newer than every write the backend applied before it: numbered
+from a counter back at zero, an upsert of a document written before took the version it already
+held and was skipped as a run of that earlier write (yet reported ``upserted: 1``), and a
+delete's lower version left the document in place (``deleted: 0``, its job ``succeeded``).
 
 Real redis-server, gateway and ``sift worker`` at their defaults; the same worker and gateway
 ride out the restart.
