@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,91 @@ def test_the_transport_is_ours_only_for_plain_redis_urls() -> None:
     assert broker_transport("redis://127.0.0.1:6379/0") == TRANSPORT
     assert broker_transport("rediss://cache.example:6380/0") is None  # kombu sets TLS up
     assert broker_transport("sentinel://10.0.0.1:26379") is None
+
+
+# First in, first out: a message handed back unprocessed is the next one taken. kombu's Redis
+# transport publishes with LPUSH and takes with BRPOP (from the right); its reject(requeue=True)
+# pushed on the left, behind every message waiting, and its close restored the messages it
+# held in reverse. Batch A's chunks (A1, A2) are published before batch B's (B1).
+
+
+@contextlib.contextmanager
+def _fifo_broker(tmp_path: Path) -> Iterator[tuple[Connection, Queue, Queue, Producer]]:
+    """Sift's transport on a real redis-server: the connection to consume on, a batch and a
+    search queue, and a producer (on a connection of its own) that publishes to both."""
+    with redis_server(tmp_path / "redis", port=free_port(), appendonly=True) as url:
+        batch, search = _queue("batch"), _queue("search")
+        publishing = Connection(url + "/0", transport=TRANSPORT)
+        consuming = Connection(url + "/0", transport=TRANSPORT)
+        try:
+            producer = Producer(publishing.channel(), exchange=batch.exchange,
+                                routing_key="batch")  # fmt: skip
+            producer.declare()
+            for queue in (batch, search):
+                queue(publishing.default_channel).declare()
+            yield consuming, batch, search, producer
+        finally:
+            consuming.release()
+            publishing.release()
+
+
+def _publish(producer: Producer, *names: str) -> None:
+    for name in names:
+        producer.publish({"n": name})
+
+
+def _take(connection: Connection, queue: Queue, count: int) -> list[str]:
+    """The next ``count`` messages a fresh consumer of ``queue`` takes, acked as taken."""
+    taken: list[str] = []
+
+    def ack(body: dict[str, str], message: Message) -> None:
+        taken.append(body["n"])
+        message.ack()
+
+    with connection.channel() as channel, Consumer(channel, [queue], callbacks=[ack]):
+        while len(taken) < count:
+            connection.drain_events(timeout=5)
+    return taken
+
+
+def test_a_message_read_as_its_consumer_is_cancelled_is_taken_next(tmp_path: Path) -> None:
+    """The intake pause: the batch queue's consumer is cancelled while a BRPOP is in flight,
+    and Redis answers it with A1; kombu hands A1 back (no consumer for its queue)."""
+    with _fifo_broker(tmp_path) as (connection, batch, search, producer):
+        consumer = Consumer(connection.default_channel, [batch, search], callbacks=[])
+        consumer.consume()
+        with contextlib.suppress(socket.timeout):
+            connection.drain_events(timeout=0.3)  # nothing yet: a BRPOP in flight
+        assert connection.default_channel._in_poll
+        _publish(producer, "A1", "A2", "B1")  # the BRPOP takes A1; A2 and B1 wait
+        consumer.cancel_by_queue("batch")  # the pause
+        with contextlib.suppress(socket.timeout):
+            connection.drain_events(timeout=0.3)  # the BRPOP's answer: A1, handed back
+        assert _take(connection, batch, 3) == ["A1", "A2", "B1"]
+
+
+def test_a_message_handed_back_is_taken_next(tmp_path: Path) -> None:
+    """A stopping worker's chunk (``Reject(requeue=True)``), back before the ones behind it."""
+    with _fifo_broker(tmp_path) as (connection, batch, _, producer):
+        _publish(producer, "A1", "A2", "B1")
+        held: list[Message] = []
+        with Consumer(connection.default_channel, [batch], prefetch_count=1,
+                      callbacks=[lambda _body, message: held.append(message)]):  # fmt: skip
+            connection.drain_events(timeout=5)
+        assert [message.payload["n"] for message in held] == ["A1"]
+        held[0].reject(requeue=True)
+        assert _take(connection, batch, 3) == ["A1", "A2", "B1"]
+
+
+def test_a_closed_channels_messages_come_back_in_the_order_taken(tmp_path: Path) -> None:
+    """The messages a channel holds unacked at its close go back first, the first taken first."""
+    with _fifo_broker(tmp_path) as (connection, batch, _, producer):
+        _publish(producer, "A1", "A2", "A3", "B1")
+        held: list[Message] = []
+        channel = connection.channel()
+        with Consumer(channel, [batch], prefetch_count=3,
+                      callbacks=[lambda _body, message: held.append(message)]):  # fmt: skip
+            while len(held) < 3:
+                connection.drain_events(timeout=5)
+        channel.close()  # kombu restores what it held
+        assert _take(connection, batch, 4) == ["A1", "A2", "A3", "B1"]
