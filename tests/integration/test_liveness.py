@@ -335,3 +335,19 @@ def test_a_worker_killed_holding_nothing_is_found_dead_too(client: redis.Redis) 
     client.delete(REDRIVE_URGENT_KEY)
     live.beat()
     assert r.check() == {} and not client.exists(REDRIVE_URGENT_KEY)
+
+
+def test_a_dead_worker_s_deliveries_are_taken_again_first_in_the_order_taken(
+    client: redis.Redis, connection: Connection
+) -> None:
+    """Batch A's chunks, held by the dead worker, go back ahead of batch B's waiting chunk,
+    the first taken first."""
+    held = [take(connection, BATCH_QUEUE, {"n": name}) for name in ("A1", "A2", "A3")]
+    for message in held:  # recorded as taken, in that order
+        client.hset(DELIVERY_OWNERS_KEY, str(message.delivery_tag), "dead-worker")
+    with connection.Producer() as producer:
+        producer.publish({"n": "B1"}, exchange=BATCH_QUEUE, routing_key=BATCH_QUEUE)
+    assert check_twice(reaper(client)) == {"dead-worker": 3}
+    channel = connection.default_channel
+    again = [queue(BATCH_QUEUE)(channel).get(no_ack=True) for _ in range(4)]
+    assert [message.payload["n"] for message in again if message] == ["A1", "A2", "A3", "B1"]

@@ -27,6 +27,8 @@ restore: remove the tag from ``unacked`` and ``unacked_index`` and push the mess
 read, the owner is still the dead one and its heartbeat is still missing. kombu's restores
 WATCH ``unacked``, so whichever of two restores comes second finds nothing to restore: a
 message is never requeued twice. A slow worker whose heartbeat is alive keeps its messages.
+Each goes back onto the end of its queue that ``BRPOP`` takes from, the last taken first: taken
+again before every message waiting, the first taken first (the queue stays first in, first out).
 
 The job store's compare-and-set still keeps one result per item: a restored chunk takes
 over the items the dead worker left ``running`` and skips the ones it finished.
@@ -209,9 +211,7 @@ class Reaper:
         doomed += [(tag, "") for tag in taken_long_ago if tag not in owners]
         if not doomed:
             return {}
-        raws = cast(
-            list[str | None], self.client.hmget(KOMBU_UNACKED_KEY, [tag for tag, _ in doomed])
-        )
+        doomed, raws = self._first_taken_last(doomed)
         # A dead worker took nothing in its last TTL: a delivery taken since then is another
         # worker's, requeued and taken again, whose record of it is still on its way.
         dead_cutoff = time.time() - self.dead_after_seconds
@@ -226,6 +226,20 @@ class Reaper:
                 f"dead worker {owner}" if owner else "no worker (orphaned)",
             )
         return restored
+
+    def _first_taken_last(
+        self, doomed: list[tuple[str, str]]
+    ) -> tuple[list[tuple[str, str]], list[str | None]]:
+        """``doomed`` in the order to put back, each with its ``unacked`` entry: the last taken
+        first. Each goes onto the end of its queue that ``BRPOP`` takes from, so the first
+        taken is taken again first, ahead of every message waiting (first in, first out)."""
+        pipe = self.client.pipeline(transaction=False)
+        for tag, _ in doomed:
+            pipe.zscore(KOMBU_UNACKED_INDEX_KEY, tag)
+        pipe.hmget(KOMBU_UNACKED_KEY, [tag for tag, _ in doomed])
+        *taken, raws = pipe.execute()
+        order = sorted(range(len(doomed)), key=lambda i: taken[i] or 0.0, reverse=True)
+        return [doomed[i] for i in order], [raws[i] for i in order]
 
     def _announce(self, dead: set[str], holding: set[str]) -> None:
         """Open the re-drive's urgent window for workers newly found dead: each may have lost
