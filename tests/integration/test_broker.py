@@ -186,3 +186,23 @@ def test_a_closed_channels_messages_come_back_in_the_order_taken(tmp_path: Path)
                 connection.drain_events(timeout=5)
         channel.close()  # kombu restores what it held
         assert _take(connection, batch, 4) == ["A1", "A2", "A3", "B1"]
+
+
+def test_timed_out_messages_come_back_first_in_the_order_taken(tmp_path: Path) -> None:
+    """The visibility timeout's restore (kombu's ``restore_visible``, the last resort for a
+    dead worker's messages): a channel that took A1 and A2 and never acked nor closed (its
+    worker died); another's sweep, once they are older than the timeout, puts them back ahead
+    of B1, the first taken first."""
+    with _fifo_broker(tmp_path) as (connection, batch, _, producer):
+        _publish(producer, "A1", "A2", "B1")
+        held: list[Message] = []
+        with Consumer(connection.default_channel, [batch], prefetch_count=2,
+                      callbacks=[lambda _body, message: held.append(message)]):  # fmt: skip
+            while len(held) < 2:
+                connection.drain_events(timeout=5)
+        connection.default_channel.do_restore = False  # it died: no restore at its close
+        url = f"redis://{connection.hostname}:{connection.port}/0"
+        sweeping = Connection(url, transport=TRANSPORT, transport_options={"visibility_timeout": 0})
+        with sweeping:
+            sweeping.default_channel.qos.restore_visible(num=None)  # as kombu's cycle calls it
+            assert _take(sweeping, batch, 3) == ["A1", "A2", "B1"]
