@@ -8,6 +8,9 @@ object has no attribute 'hostname'``) from ``close()`` and from the late ack, wh
 Celery worker (celery/celery#10205); :mod:`worker.queue.broker`'s closes cleanly, and the late ack
 removes the message from the ``unacked`` hash. This is also the reproduction to attach
 upstream (docs/reliability.md).
+
+Then the order the transport gives a message that goes back to its queue unrun (first in,
+first out, docs/queue.md): taken next, before the messages waiting.
 """
 
 from __future__ import annotations
@@ -79,8 +82,9 @@ def _drop_under_consumer(
 
 
 def test_kombus_own_transport_still_raises_attribute_error_on_close(tmp_path: Path) -> None:
-    """The upstream bug, as of kombu 5.7. When this fails, kombu has fixed it: drop
-    :mod:`worker.queue.broker` and this module (and update docs/reliability.md)."""
+    """The upstream bug, as of kombu 5.7. When this fails, kombu has fixed it: drop the
+    channel's part of :mod:`worker.queue.broker` and these tests of it (and update
+    docs/reliability.md); its QoS, and the order tests below, stay."""
     closed, acked, unacked = _drop_under_consumer(tmp_path, None)
     assert isinstance(closed, AttributeError) and "hostname" in str(closed), repr(closed)
     assert isinstance(acked, AttributeError), repr(acked)
