@@ -1,4 +1,5 @@
-"""kombu's Redis transport with one fix, so a worker keeps consuming after Redis restarts.
+"""kombu's Redis transport with two fixes: a worker keeps consuming after Redis restarts, and a
+message that goes back to its queue unrun is the next one taken (first in, first out).
 
 The bug (kombu 5.7 / celery 5.7; reported as celery/celery#10205). When the broker connection
 drops, Celery's consumer first ``collect()``s the kombu connection, then ``close()``s it:
@@ -22,20 +23,21 @@ command: they fail as connection errors while Redis is down (which kombu and Cel
 unacknowledged message stays in the ``unacked`` hash and comes back after the visibility
 timeout), and succeed once it is back (a late ack removes its message from that hash).
 
-And one change of order, so a queue stays first in, first out (:class:`QoS`). A message is
-published with ``LPUSH`` and taken with ``BRPOP``, from the right. kombu puts a message handed
-back unprocessed (``reject(requeue=True)``) at the left end, behind every message waiting, with
-``LPUSH``: a chunk read by a ``BRPOP`` already in flight when the worker's intake pause
-(:mod:`worker.queue.intake`) cancelled the batch queue's consumer (kombu hands a message for a
-queue nobody consumes back that way), or a chunk a stopping worker hands back, ran after a
-whole later batch. Here it goes back to the right end, the next one taken, as its channel's
-unacknowledged messages at a close and a timed-out message (``restore_visible``) already do.
-The close now pushes its messages oldest last, so the oldest is taken first (kombu pushed them
-in the order taken, so the last one taken came back first).
+The order (:class:`QoS`). A message is published with ``LPUSH`` and taken with ``BRPOP``, from
+the right. kombu puts a message handed back unprocessed (``reject(requeue=True)``) at the left
+end, behind every message waiting, with ``LPUSH``: a chunk read by a ``BRPOP`` already in
+flight when the worker's intake pause (:mod:`worker.queue.intake`) cancelled the batch queue's
+consumer (kombu hands a message for a queue nobody consumes back that way), or a chunk a
+stopping worker hands back, ran after a whole later batch. Here it goes back to the right end
+(of its priority's list), the next one taken, as its channel's unacknowledged messages at a
+close and a timed-out message (``restore_visible``) already do. The close now pushes its
+messages oldest last, so the oldest is taken first (kombu pushed them in the order taken, so
+the last one taken came back first).
 
 ``celery_config`` selects this transport for ``redis://`` broker URLs; every other scheme keeps
 kombu's own. ``tests/reliability/test_broker_restart.py`` restarts Redis under a worker;
-``tests/integration/test_broker.py`` checks both the close and the order.
+``tests/integration/test_broker.py`` checks both the close and the order, and
+``tests/integration/test_batch_order.py`` the order over real workers.
 """
 
 from __future__ import annotations
