@@ -203,61 +203,54 @@ def _cursor_digest(*fields: str) -> str:
     return hashlib.blake2b(key, digest_size=_CURSOR_DIGEST_BYTES).hexdigest()
 
 
+def _encode_cursor(kind: str, scope: tuple[str, ...], last: str) -> str:
+    """A listing's page token: its kind, the last name or id listed, and a digest that ties
+    it to ``scope`` (the listing it was made for)."""
+    return pack_token(kind, _cursor_digest(*scope, last), last)
+
+
+def _decode_cursor(
+    token: str | None, kind: str, scope: tuple[str, ...], longest: int
+) -> str | None:
+    """What ``token`` starts the page after (None: the first page). Only the exact text
+    :func:`_encode_cursor` made for this kind and scope is one; anything else (another
+    tenant's, another listing's, an offset token a list gave before, an edited one) is a
+    422 naming ``page_token``, which says nothing of what the token held. The digest is no
+    secret (it only catches edits and mix-ups): a forged token starts the caller's own list
+    somewhere, and shows nothing more than a page the caller may read anyway."""
+    parts = unpack_token(token, 3)
+    if parts is None:
+        return None
+    got, _, last = parts
+    if got != kind or not 1 <= len(last) <= longest or _encode_cursor(kind, scope, last) != token:
+        raise InvalidRequest("page_token", NOT_OURS)
+    return last
+
+
 def encode_index_cursor(tenant: str, name: str) -> str:
-    """The page token of the index list: the last name listed, and a digest that ties it to
-    the tenant's list (``i``, where a document listing's is ``d``).
+    """The page token of the index list: the last name listed, tied to the tenant's list
+    (``i``, where a document listing's is ``d``).
 
     >>> decode_index_cursor(encode_index_cursor("acme", "docs"), "acme")
     'docs'
     """
-    return pack_token("i", _cursor_digest("i", tenant, name), name)
+    return _encode_cursor("i", ("i", tenant), name)
 
 
 def decode_index_cursor(token: str | None, tenant: str) -> str | None:
-    """The name the index list's page starts after (None: the first page). Only the exact
-    text :func:`encode_index_cursor` made for this tenant is one; anything else (another
-    tenant's, a document listing's, an offset token this list gave before, an edited one)
-    is a 422 naming ``page_token``, which says nothing of what the token held. As with
-    documents, the digest only catches edits and mix-ups: a forged token starts the
-    caller's own list somewhere."""
-    parts = unpack_token(token, 3)
-    if parts is None:
-        return None
-    kind, digest, name = parts
-    if (
-        kind != "i"
-        or not 1 <= len(name) <= MAX_INDEX_NAME_CHARS
-        or digest != _cursor_digest("i", tenant, name)
-        or encode_index_cursor(tenant, name) != token
-    ):
-        raise InvalidRequest("page_token", NOT_OURS)
-    return name
+    """The name the index list's page starts after (None: the first page)."""
+    return _decode_cursor(token, "i", ("i", tenant), MAX_INDEX_NAME_CHARS)
 
 
 def encode_document_cursor(tenant: str, index: str, doc_id: str) -> str:
-    """The page token of a document listing: the last id listed, and a digest that ties it
-    to the tenant's index (a token of another listing, or edited, is refused)."""
-    return pack_token("d", _cursor_digest(tenant, index, doc_id), doc_id)
+    """The page token of a document listing: the last id listed, tied to the tenant's index."""
+    return _encode_cursor("d", (tenant, index), doc_id)
 
 
 def decode_document_cursor(token: str | None, tenant: str, index: str) -> str | None:
-    """The id a document listing's page starts after. Only the exact text
-    :func:`encode_document_cursor` made for this tenant's index is one; anything else is a
-    422 naming ``page_token`` before a worker sees it. The digest is no secret (it only
-    catches edits and mix-ups): a token says where in the caller's own list to start, so a
-    forged one shows nothing more than a page the caller may read anyway."""
-    parts = unpack_token(token, 3)
-    if parts is None:
-        return None
-    kind, digest, doc_id = parts
-    if (
-        kind != "d"
-        or not 1 <= len(doc_id) <= MAX_DOC_ID_CHARS
-        or digest != _cursor_digest(tenant, index, doc_id)
-        or encode_document_cursor(tenant, index, doc_id) != token
-    ):
-        raise InvalidRequest("page_token", NOT_OURS)
-    return doc_id
+    """The id a document listing's page starts after; a 422 before a worker sees it when it
+    is not this listing's."""
+    return _decode_cursor(token, "d", (tenant, index), MAX_DOC_ID_CHARS)
 
 
 def _not_found(index: str) -> ApiError:
