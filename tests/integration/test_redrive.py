@@ -131,13 +131,18 @@ def messages_of(store: JobStore, job_id: str) -> list[str]:
     ]
 
 
-def wait_until(check: Callable[[], object], what: str, timeout: float = 60.0) -> None:
+def wait_until(
+    check: Callable[[], object], what: str, timeout: float = 60.0, log: Path | None = None
+) -> None:
+    """Poll ``check`` until it is true; fail naming ``what``, with the tail of a worker's
+    ``log`` if given (what the worker saw explains what it did not do)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if check():
             return
         time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout:g}s")
+    tail = f"\n{log.name}:\n{log.read_text(errors='replace')[-4000:]}" if log else ""
+    raise AssertionError(f"{what}: not within {timeout:g}s{tail}")
 
 
 def test_a_lost_chunk_is_redriven_once_and_the_batch_completes_exactly_once(
@@ -402,6 +407,11 @@ def take(store: JobStore, connection: Connection, queue: str, worker: str) -> Co
     return coverage(json.loads(raw)[0])
 
 
+def waiting_in_brpop(store: JobStore) -> list[str]:
+    """The ids of the clients blocked in a ``BRPOP``: a worker's consumer waiting for a task."""
+    return [c["id"] for c in store.redis.client_list() if c["cmd"] == "brpop" and "b" in c["flags"]]
+
+
 def sweep_twice(sweeper: Sweeper) -> list[Redrive]:
     first = sweeper.sweep()
     return first + sweeper.sweep()
@@ -488,15 +498,23 @@ def test_a_worker_s_broker_reconnect_opens_the_window(
     store: JobStore, redis_url: str, tmp_path: Path
 ) -> None:
     """A connection that breaks while Redis stays up (no new run_id to see): the worker's
-    consumer, started again on a new connection, opens the window itself."""
+    consumer, started again on a new connection, opens the window itself.
+
+    The connections are killed once the consumer waits in a ``BRPOP``, the reply the window
+    is for. Killed before its first one (the worker is "ready" a moment earlier, longer on a
+    loaded machine), the connection is idle in redis-py's pool, which replaces it unseen when
+    the consumer takes it: no reply was cut off, no reconnect, no window (the test failed so)."""
     env = {**worker_env(redis_url), "SIFT_REDRIVE_INTERVAL_SECONDS": "30"}  # the default
+    log = tmp_path / "w" / "reconnect.log"
     with celery_worker(tmp_path / "w", env, "reconnect", concurrency=2):
-        wait_until(lambda: store.redis.exists(f"_kombu.binding.{BATCH_QUEUE}"), "consuming")
+        wait_until(lambda: waiting_in_brpop(store), "the consumer waiting in BRPOP", log=log)
         assert not store.redis.exists(REDRIVE_URGENT_KEY)  # a first start opens nothing
         store.redis.client_kill_filter(_type="normal", skipme=True)
-        wait_until(lambda: store.redis.exists(REDRIVE_URGENT_KEY), "the window opened")
+        wait_until(lambda: store.redis.exists(REDRIVE_URGENT_KEY), "the window opened", log=log)
         search = create_search(store)  # and the worker goes on consuming
-        wait_until(lambda: store.get_search_status(search.id) == "succeeded", "search done")
+        wait_until(
+            lambda: store.get_search_status(search.id) == "succeeded", "search done", log=log
+        )
     assert (
         store.redis.get(REDRIVE_URGENT_KEY) == "this worker's broker connection dropped and is back"
     )

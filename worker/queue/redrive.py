@@ -206,7 +206,12 @@ def broker_reconnected(settings: Any) -> None:
 
 class ReconnectStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """A consumer bootstep: Celery starts the consumer again after a lost broker connection,
-    and every start but the first calls :func:`broker_reconnected`."""
+    and every start but the first calls :func:`broker_reconnected`.
+
+    Only a connection lost with a ``BRPOP`` sent on it restarts the consumer. One dropped
+    while still idle in redis-py's pool (between the consumer's start and its first
+    ``BRPOP``) is replaced unseen when the consumer takes it: no reply was cut off, so
+    there is nothing to look for."""
 
     requires = ("celery.worker.consumer.connection:Connection",)
 
