@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -95,9 +96,19 @@ READERS: dict[str, tuple[str, Callable[[Gateway, Path], list[str]]]] = {
 
 @pytest.fixture
 def slept(monkeypatch: pytest.MonkeyPatch) -> list[float]:
-    """The retry waits, recorded instead of slept (tenacity sleeps by ``time.sleep``)."""
+    """The retry waits, recorded instead of slept (tenacity sleeps by ``time.sleep``): this
+    test's thread's only. A thread another test left running in this process (xdist runs
+    many tests in one) sleeps for real, and is not counted: one had recorded 22,219 waits."""
     waits: list[float] = []
-    monkeypatch.setattr(time, "sleep", waits.append)
+    real_sleep, ours = time.sleep, threading.current_thread()
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread() is ours:
+            waits.append(seconds)
+        else:
+            real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
     return waits
 
 
