@@ -186,19 +186,29 @@ class BatchRecords(_StoreCore):
     def _stage_items(self, batch_id: str, specs: Sequence[tuple[str, str]]) -> None:
         """Write a new batch's items (order, specs, statuses), ``BATCH_STAGE_SLICE`` per
         command, living ``BATCH_STAGING_TTL_SECONDS`` until the commit keeps them: a gateway
-        that dies before its commit leaves nothing for long. One pipeline, which starts by
-        emptying the keys, so a retry of it (redis-py sends it again after a broken
-        connection) does not push the order twice."""
-        order, spec_key, item_key = _staged_keys(batch_id)
+        that dies before its commit leaves nothing for long.
+
+        One pipeline of slices, each its own ``MULTI`` with the keys' ``EXPIRE``: Redis
+        serves other clients between two slices, and a pipeline cut short (the gateway
+        killed, the connection broken) applies whole slices only, each key's TTL with its
+        first write. The first slice starts by emptying the keys, so a retry of the
+        pipeline (redis-py sends it again after a broken connection) does not push the
+        order twice."""
+        keys = _staged_keys(batch_id)
+        order, spec_key, item_key = keys
         pipe = self.redis.pipeline(transaction=False)
-        pipe.delete(order, spec_key, item_key)
         for start in range(0, len(specs), BATCH_STAGE_SLICE):
             part = specs[start : start + BATCH_STAGE_SLICE]
+            # MULTI inside a plain pipeline: one transaction per slice, not one for all
+            pipe.execute_command("MULTI")
+            if start == 0:
+                pipe.delete(*keys)
             pipe.rpush(order, *[qid for qid, _ in part])
             pipe.hset(spec_key, mapping=dict(part))
             pipe.hset(item_key, mapping={qid: "queued" for qid, _ in part})
-        for key in (order, spec_key, item_key):
-            pipe.expire(key, BATCH_STAGING_TTL_SECONDS)
+            for key in keys:
+                pipe.expire(key, BATCH_STAGING_TTL_SECONDS)
+            pipe.execute_command("EXEC")
         pipe.execute()
 
     def _commit_batch(
