@@ -200,7 +200,7 @@ class BatchRecords(_StoreCore):
         for start in range(0, len(specs), BATCH_STAGE_SLICE):
             part = specs[start : start + BATCH_STAGE_SLICE]
             # MULTI inside a plain pipeline: one transaction per slice, not one for all
-            pipe.execute_command("MULTI")
+            pipe.execute_command("MULTI")  # type: ignore[no-untyped-call]
             if start == 0:
                 pipe.delete(*keys)
             pipe.rpush(order, *[qid for qid, _ in part])
@@ -208,7 +208,7 @@ class BatchRecords(_StoreCore):
             pipe.hset(item_key, mapping={qid: "queued" for qid, _ in part})
             for key in keys:
                 pipe.expire(key, BATCH_STAGING_TTL_SECONDS)
-            pipe.execute_command("EXEC")
+            pipe.execute_command("EXEC")  # type: ignore[no-untyped-call]
         pipe.execute()
 
     def _commit_batch(
