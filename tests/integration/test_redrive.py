@@ -16,6 +16,7 @@ from kombu import Connection, Exchange, Queue
 from prometheus_client import REGISTRY
 
 from api_gateway.queue import OutboxSender
+from tests.integration.beats import BEAT, Beats, check_twice
 from tests.reliability.support import broker
 from tests.services import celery_worker
 from worker.constants import (
@@ -348,8 +349,6 @@ def test_the_active_set_follows_the_transitions(store: JobStore) -> None:
 
 # --- the urgent window: an active job's lost message, right after the event that lost it -------
 
-BEAT = 0.05  # the reaper's heartbeat: a worker silent on two checks 0.1 s apart is dead
-
 
 @pytest.fixture
 def default_sweeper(store: JobStore, app: Celery) -> Sweeper:
@@ -369,22 +368,17 @@ def sweeper_at_defaults(store: JobStore, app: Celery) -> Sweeper:
     )
 
 
-def reaper(store: JobStore) -> Reaper:
-    """The dead-worker check as a worker runs it, with the default re-drive interval."""
+def reaper(store: JobStore, beats: Beats) -> Reaper:
+    """The dead-worker check as a worker runs it, with the default re-drive interval, its
+    beats counted on ``beats`` (:mod:`tests.integration.beats`)."""
     return Reaper(
         store.redis,
         heartbeat_seconds=BEAT,
         dead_after_seconds=2 * BEAT,
         orphan_seconds=60,
         redrive_interval_seconds=load_settings().redrive_interval_seconds,
+        clock=beats,
     )
-
-
-def check_twice(r: Reaper) -> dict[str, int]:
-    """Two checks two beats apart: a worker silent on both is dead."""
-    r.check()
-    time.sleep(2 * BEAT + 0.01)
-    return r.check()
 
 
 @pytest.fixture
@@ -432,7 +426,8 @@ def test_an_active_batch_s_lost_chunk_is_redriven_right_after_a_dead_worker(
     assert sweep_twice(default_sweeper) == []
     assert store.redis.exists(REDRIVE_SUSPECTS_KEY) == 0
 
-    assert check_twice(reaper(store)) == {"dead-worker": 1}
+    beats = Beats()
+    assert check_twice(reaper(store, beats), beats) == {"dead-worker": 1}
     assert sorted(c.positions.start for c in queued(store, BATCH_QUEUE) if c) == [10, 20]
     assert default_sweeper.sweep() == []  # seen lost once
     assert default_sweeper.sweep() == [Redrive(batch.id, "batch", [(0, 10)], poison=False)]
@@ -454,7 +449,8 @@ def test_covered_positions_are_never_redriven_in_the_window(
     assert take(store, connection, SEARCH_QUEUE, "dead-worker") == Coverage(search.id, range(1))
     assert lose_oldest(store, BATCH_QUEUE) == Coverage(batch.id, range(10, 20))
 
-    assert check_twice(reaper(store)) == {"dead-worker": 1}
+    beats = Beats()
+    assert check_twice(reaper(store, beats), beats) == {"dead-worker": 1}
     assert store.redis.pttl(REDRIVE_URGENT_KEY) > 0
     assert sweep_twice(default_sweeper) == [Redrive(batch.id, "batch", [(10, 20)], poison=False)]
     for _ in range(2):

@@ -55,7 +55,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -179,10 +179,13 @@ class Reaper:
         dead_after_seconds: float,
         orphan_seconds: float,
         redrive_interval_seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``redrive_interval_seconds`` is the re-drive's ``SIFT_REDRIVE_INTERVAL_SECONDS``,
-        for the urgent window a dead worker opens (0: the re-drive is off, no window)."""
+        for the urgent window a dead worker opens (0: the re-drive is off, no window).
+        ``clock`` times the beats between checks (seconds, never going back)."""
         self.client = client
+        self.clock = clock
         self.heartbeat_seconds = heartbeat_seconds
         self.dead_after_seconds = dead_after_seconds
         self.orphan_seconds = orphan_seconds
@@ -265,7 +268,7 @@ class Reaper:
         for name in names:
             pipe.exists(heartbeat_key(name))
         beating = pipe.execute()
-        now = time.monotonic()
+        now = self.clock()
         if now - self._last_check > 3 * self.heartbeat_seconds:
             self._suspects = {}  # another worker led meanwhile: what this one saw is stale
         self._last_check = now
