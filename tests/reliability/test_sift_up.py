@@ -95,6 +95,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert proc.returncode == 0, running.printed()
 
 
+def _ready_again(logs: Path) -> bool:
+    """A worker process of the last restart said it is ready (Celery's line after the
+    restart's in the worker's log)."""
+    text = (logs / "worker.log").read_text(errors="replace")
+    restarted = text.rfind("sift up: worker restarted")
+    return restarted >= 0 and " ready." in text[restarted:]
+
+
 def _warmed_up(logs: Path) -> bool:
     """Every worker process has loaded its model (it does as it starts, logging a line): the
     stack's logs change no more on their own."""
@@ -175,7 +183,10 @@ def test_a_killed_worker_is_restarted_and_the_stack_serves_again(stack: Stack) -
     assert "sift up: worker exited with status -9" in log
     assert "sift up: worker restarted" in log
     assert _worker_pid(stack) != killed
-    # the new worker consumes: an ingest waits for its task to run
+    # the new worker consumes: an ingest waits for its task to run. Once it is ready: sift up
+    # does not wait for a process it restarted, and the ingest's 30 s would count the new
+    # worker's start too (10 s from the restart's line to "ready." with two busy cores)
+    wait_for(lambda: _ready_again(stack.logs), "the restarted worker ready", UP_TIMEOUT)
     response = httpx.post(
         stack.url + "/v1/indexes/docs/documents",
         params={"wait": 30},
