@@ -4,11 +4,11 @@ A :class:`~worker.queue.liveness.Reaper` finds a worker dead once it was silent 
 at least two beats apart, and forgets what it saw when its checks are more than three beats
 apart (another worker led meanwhile). With the tests' 0.05 s beat and the real clock, a
 second check run 0.16 s after the first (a 0.11 s sleep, 40 ms late on a loaded machine)
-found nothing dead, and a test expecting a death failed (observed under ``-n 2`` with two
-busy cores: gaps of 0.153 to 0.265 s). The reapers in these tests count beats on
-:class:`Beats`, which only the test moves: two checks are as many beats apart as the test
-says, however late the machine runs them. Real time still passes (the sleep), for what the
-check compares with kombu's wall-clock take times.
+found nothing dead, and a test expecting a death failed (under ``-n 2`` with two busy
+cores, checks 0.153 to 0.265 s apart were seen starting over). The reapers in these tests
+count beats on :class:`Beats`, which only the test moves: two checks are as many beats apart
+as the test says, however late the machine runs them. Real time still passes (the sleep),
+for what the check compares with kombu's wall-clock take times.
 """
 
 from __future__ import annotations
