@@ -243,6 +243,12 @@ class Settings(BaseSettings):
     webhook_allow_private_networks: bool = False
     webhook_connect_timeout_seconds: float = Field(default=5.0, gt=0)
     webhook_read_timeout_seconds: float = Field(default=15.0, gt=0)
+    # The wall-clock cap on one delivery, connect to status line: httpx's timeouts are per
+    # read, so a receiver trickling its headers a byte at a time never trips them.
+    webhook_total_timeout_seconds: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    # Deliveries at once in one worker process; one more is put off, not waited for, so
+    # slow receivers cannot take the threads searches and batch items run on.
+    webhook_deliveries_per_process: int = Field(default=16, ge=1, le=5000)
     # Multiplies the retry schedule (1.0 = Svix-like hours); tests set it tiny.
     webhook_retry_scale: float = Field(default=1.0, ge=0)
     prices: Annotated[dict[str, Price], NoDecode] = Field(

@@ -855,3 +855,93 @@ def test_a_webhook_copy_failing_after_another_copy_delivered_it_starts_no_schedu
     webhook_task.webhook.apply(args=[message])  # the copy: it would meet a 500
     assert len(answers) == 1  # the copy sent nothing: the webhook was delivered
     assert retries == []
+
+
+def test_webhook_deliveries_beyond_the_process_bound_are_put_off_not_waited_for(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the bound at 2, five webhooks due at once to a receiver that answers nothing:
+    two are sent and wait on it; the other three are put off (a hop of the same event, the
+    attempt unspent) and their threads are free while the two still wait. Before the bound,
+    all five threads sat in the receiver (a default worker's every thread, in the audit)."""
+    from types import SimpleNamespace
+
+    from tests.integration.slow_receivers import slow_receiver
+    from worker.observability import metrics
+    from worker.settings import Settings
+
+    secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: [secret])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    context.settings = context.settings.model_copy(
+        update={"webhook_deliveries_per_process": 2, "webhook_allow_private_networks": True}
+    )
+    hops = _capturing_retries(monkeypatch)
+
+    def count(result: str) -> float:
+        return float(metrics.WEBHOOK_DELIVERIES.labels(result)._value.get())
+
+    before = {r: count(r) for r in ("delivered", "retry", "failed")}
+    with slow_receiver() as receiver:
+        events = {f"srch_{i}": _search_event(f"srch_{i}") for i in range(5)}
+        for event in events.values():
+            event["url"] = receiver.url
+        threads = {
+            job_id: threading.Thread(target=webhook_task.webhook.apply, args=([event],))
+            for job_id, event in events.items()
+        }
+        for thread in threads.values():
+            thread.start()
+        try:
+            for _ in range(600):  # a hang guard: until every one is at the receiver or put off
+                if receiver.held + len(hops) >= 5:
+                    break
+                threading.Event().wait(0.05)
+            put_off = {hop["data"]["id"] for hop in hops}
+            for job_id in put_off:
+                threads[job_id].join(30)
+            assert receiver.held == 2 and len(hops) == 3
+            assert all(not threads[job_id].is_alive() for job_id in put_off)
+            sending = set(events) - put_off
+            assert all(threads[job_id].is_alive() for job_id in sending)
+            assert all(hop == {**events[hop["data"]["id"]], "attempt": 1} for hop in hops)
+        finally:
+            receiver.release.set()
+            for thread in threads.values():
+                thread.join(30)
+    assert receiver.requests == 2
+    after = {r: count(r) - before[r] for r in before}
+    assert after == {"delivered": 2.0, "retry": 0.0, "failed": 0.0}  # a put-off is no attempt
+
+
+def test_a_webhook_cut_at_its_total_cap_is_a_retried_attempt(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A receiver trickling its headers (a byte every 0.1 s, under a 10 s read timeout) is cut
+    at the 1 s cap: the task counts a `retry` delivery and sends the next attempt's message,
+    as for any timeout. Before the cap it waited out the whole drip, then a transport error."""
+    from types import SimpleNamespace
+
+    from tests.integration.slow_receivers import slow_receiver
+    from worker.observability import metrics
+    from worker.settings import Settings
+
+    secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: [secret])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    context.settings = context.settings.model_copy(
+        update={
+            "webhook_allow_private_networks": True,
+            "webhook_read_timeout_seconds": 10.0,
+            "webhook_total_timeout_seconds": 1.0,
+        }
+    )
+    retries = _capturing_retries(monkeypatch)
+    before = float(metrics.WEBHOOK_DELIVERIES.labels("retry")._value.get())
+    with slow_receiver(drip=0.1, max_bytes=200) as receiver:
+        event = _search_event("srch_1")
+        event["url"] = receiver.url
+        webhook_task.webhook.apply(args=[event])
+        assert receiver.cut.wait(30) and not receiver.ran_out.is_set()
+    assert float(metrics.WEBHOOK_DELIVERIES.labels("retry")._value.get()) - before == 1.0
+    assert [r["attempt"] for r in retries] == [2]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 import threading
 import time
@@ -16,6 +17,7 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from tests.integration.slow_receivers import slow_receiver
 from worker.settings import ApiKey, Settings
 from worker.webhooks.delivery import (
     BATCH_COMPLETED,
@@ -260,6 +262,45 @@ def test_a_slow_receiver_times_out_and_is_retryable(receiver: Receiver) -> None:
     assert result.outcome is DeliveryOutcome.RETRY
     assert result.reason.startswith("timeout")
     assert asked == [{"connect": 1.0, "read": 0.2, "write": 0.2, "pool": 1.0}]
+
+
+def test_a_receiver_trickling_its_headers_is_cut_at_the_total_cap() -> None:
+    """httpx's timeouts are per read: a receiver sending its status line and headers a byte
+    every 0.1 s never trips a 10 s read timeout. The delivery's wall-clock cap (1 s here,
+    from settings) shuts the connection; the attempt is a timeout, retried on the schedule.
+    Before the cap, the delivery waited as long as the receiver dripped (200 bytes here; as
+    long as it liked in the wild), and its end was no timeout."""
+    settings = Settings(
+        webhook_allow_private_networks=True,
+        webhook_read_timeout_seconds=10.0,
+        webhook_total_timeout_seconds=1.0,
+    )
+    with slow_receiver(drip=0.1, max_bytes=200) as receiver:
+        decision = run_delivery(
+            url=receiver.url,
+            event_type=SEARCH_COMPLETED,
+            job_id="job-12",
+            status="succeeded",
+            occurred_at=datetime.now(UTC),
+            attempt=1,
+            secrets=[SECRET],
+            settings=settings,
+        )
+        assert receiver.cut.wait(30)  # the receiver saw its connection shut mid-drip
+        assert not receiver.ran_out.is_set()
+    assert decision.result.outcome is DeliveryOutcome.RETRY
+    assert decision.result.reason == "timeout: the 1 s cap"
+    assert decision.result.status_code is None
+    assert decision.retry_in is not None and not decision.final
+
+
+def test_every_delivery_has_a_finite_total_cap_by_default() -> None:
+    """The cap exists without any setting, and settings cannot lift it."""
+    assert math.isfinite(DeliveryTimeouts().total) and DeliveryTimeouts().total > 0
+    assert Settings().webhook_total_timeout_seconds == DeliveryTimeouts().total
+    for bad in ("inf", "nan", "0", "-1"):
+        with pytest.raises(ValueError, match="webhook_total_timeout_seconds"):
+            Settings(webhook_total_timeout_seconds=bad)
 
 
 def test_connection_refused_is_retryable(receiver: Receiver) -> None:

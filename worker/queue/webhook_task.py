@@ -6,6 +6,7 @@ of half the broker's visibility timeout, each one settled or recorded as due in 
 from __future__ import annotations
 
 import logging
+import random
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +21,10 @@ from worker.queue.jobstore import BatchJob, JobStore, SearchJob, webhook_figures
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# How long a delivery is put off when this process already sends its most at once: a
+# uniform wait in this range (a hop; no attempt spent), so the put-off ones spread out.
+DEFER_SECONDS = (1.0, 3.0)
 
 
 @shared_task(  # type: ignore[untyped-decorator]
@@ -36,7 +41,11 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
 
     The job's final move recorded the webhook owed; a retry records when its attempt is
     due, and a final attempt (or a drop) settles it: one still owed long past its due time
-    lost its message, and the re-drive sends it again (:mod:`worker.queue.redrive`)."""
+    lost its message, and the re-drive sends it again (:mod:`worker.queue.redrive`).
+
+    At most ``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS`` deliveries run at once in a process;
+    one due while they all send is put off a second or two by a hop, its attempt unspent,
+    so slow receivers hold a few threads, never the ones searches and batch items need."""
     from worker.webhooks import delivery as webhooks
 
     settings = self.context.settings
@@ -49,7 +58,25 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     if store.webhook_was_settled(data["id"]):  # another copy delivered it, or spent its schedule
         log.info("webhook %s: settled already; this copy is dropped", data["id"])
         return
-    attempt = int(event.get("attempt", self.request.retries + 1))
+    slots = webhooks.delivery_slots(settings.webhook_deliveries_per_process)
+    with slots.take() as slot:
+        if not slot:  # every slot sends: put this one off, the same event, its attempt unspent
+            log.debug("webhook %s: %d deliveries sending; put off", data["id"], slots.limit)
+            # the attempt is written down: a first message's is the retry count, which a hop bumps
+            same = {**event, "attempt": _attempt_number(self, event)}
+            hop = self.retry(args=[same], countdown=random.uniform(*DEFER_SECONDS), throw=False)
+            raise WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
+        _attempt(self, event)
+
+
+def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
+    """One attempt of a due, unsettled webhook, holding a delivery slot."""
+    from worker.webhooks import delivery as webhooks
+
+    settings = self.context.settings
+    data = event["data"]
+    store = self.context.store
+    attempt = _attempt_number(self, event)
     # how late the attempt runs after it was due: the job's end, or its retry's time
     due = event.get("due_at") or datetime.fromisoformat(event["occurred_at"]).timestamp()
     metrics.observe_queue_wait(WEBHOOK_QUEUE, time.time() - float(due))
@@ -93,6 +120,11 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         log.info("webhook %s: settled, or another copy makes attempt %d", data["id"], attempt + 1)
         return
     raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
+
+
+def _attempt_number(self: SiftTask, event: dict[str, Any]) -> int:
+    """The attempt this message makes: the event's, or for a first message (none) its retry's."""
+    return int(event.get("attempt", self.request.retries + 1))
 
 
 def _final_figures(store: JobStore, event: dict[str, Any]) -> dict[str, Any]:

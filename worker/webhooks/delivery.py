@@ -32,12 +32,16 @@ Nothing here logs a secret, a signature or a body.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import logging
 import random
+import socket
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -92,13 +96,99 @@ class DeliveryResult:
 
 @dataclass(frozen=True)
 class DeliveryTimeouts:
-    """Connect and read are separate: a slow receiver must not hold a worker for long."""
+    """Connect and read are separate: a slow receiver must not hold a worker for long.
+
+    ``connect`` and ``read`` are httpx's, per connect and per read; ``total`` caps the whole
+    delivery by the wall clock (:class:`_Deadline`), since a receiver sending a byte each
+    read timeout would otherwise hold its thread for as long as it liked."""
 
     connect: float = 5.0
     read: float = 15.0
+    total: float = 30.0
 
     def as_httpx(self) -> httpx.Timeout:
         return httpx.Timeout(self.read, connect=self.connect, write=self.read, pool=self.connect)
+
+
+class _Deadline:
+    """Shuts a delivery's connection down at its wall-clock cap.
+
+    httpx's timeouts are per operation, so a blocked read is interrupted here from a timer
+    thread: httpcore's ``trace`` extension hands over each connection's socket as it is
+    made (plain or TLS), and ``shutdown`` wakes the read blocked on it, which then fails."""
+
+    def __init__(self, seconds: float) -> None:
+        self.reached = False
+        self._lock = threading.Lock()
+        self._socket: socket.socket | None = None
+        self._timer = threading.Timer(max(seconds, 0.0), self._cut)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+
+    def trace(self, name: str, info: Mapping[str, Any]) -> None:
+        """httpcore's ``trace`` callback: keeps the socket of the connection just made."""
+        if not name.endswith((".connect_tcp.complete", ".start_tls.complete")):
+            return
+        stream = info.get("return_value")
+        sock = None if stream is None else stream.get_extra_info("socket")
+        with self._lock:
+            self._socket = sock
+            if self.reached:
+                _shut(sock)
+
+    def _cut(self) -> None:
+        with self._lock:
+            self.reached = True
+            _shut(self._socket)
+
+
+def _shut(sock: socket.socket | None) -> None:
+    """Shut ``sock`` both ways (the base class's, so a TLS socket's state is left alone for
+    the thread reading it); a socket already closed is fine."""
+    if sock is None:
+        return
+    with suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+class DeliverySlots:
+    """At most ``limit`` deliveries at once in one worker process; a full house is not
+    waited for (the task puts its delivery off), so deliveries never hold every thread.
+
+    >>> slots = DeliverySlots(1)
+    >>> with slots.take() as first, slots.take() as second:
+    ...     (first, second)
+    (True, False)
+    >>> with slots.take() as again:
+    ...     again
+    True
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free = threading.BoundedSemaphore(limit)
+
+    @contextmanager
+    def take(self) -> Iterator[bool]:
+        """True while holding a slot; False, at once, when all are taken."""
+        got = self._free.acquire(blocking=False)
+        try:
+            yield got
+        finally:
+            if got:
+                self._free.release()
+
+
+@functools.cache
+def delivery_slots(limit: int) -> DeliverySlots:
+    """This process's slots (``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS``)."""
+    return DeliverySlots(limit)
 
 
 @dataclass(frozen=True)
@@ -233,6 +323,9 @@ def deliver(
 ) -> DeliveryResult:
     """POST one signed delivery to ``url`` and classify what happened. Never raises for the network.
 
+    The whole delivery ends by ``timeout.total`` (the guard's name lookup counted in it): a
+    connection still open then is shut and the attempt is a timeout (retried).
+
     The SSRF guard runs again here, re-resolving the host, and the request is
     sent to one of exactly the addresses it checked (the ``Host`` header and TLS
     server name stay the original host), so DNS cannot swap in a private
@@ -248,7 +341,8 @@ def deliver(
     own_client = client is None
     http = client or httpx.Client(timeout=timeouts.as_httpx(), follow_redirects=False)
     try:
-        result = _send(http, url, addresses, body, msg_id, secrets, timeouts)
+        with _Deadline(timeouts.total - (time.monotonic() - started)) as deadline:
+            result = _send(http, url, addresses, body, msg_id, secrets, timeouts, deadline)
     finally:
         if own_client:
             http.close()
@@ -277,12 +371,16 @@ def _send(
     msg_id: str,
     secrets: str | Sequence[str],
     timeouts: DeliveryTimeouts,
+    deadline: _Deadline,
 ) -> DeliveryResult:
+    capped = DeliveryResult(DeliveryOutcome.RETRY, f"timeout: the {timeouts.total:g} s cap")
     headers = sign(secrets, msg_id, datetime.now(UTC), body)
     headers["content-type"] = "application/json"
     headers["user-agent"] = USER_AGENT
     last = DeliveryResult(DeliveryOutcome.RETRY, "connection failed")
     for address in addresses:
+        if deadline.reached:
+            return capped
         pinned_url, headers["host"], server_name = _pinned(url, address)
         try:
             with http.stream(
@@ -292,15 +390,20 @@ def _send(
                 headers=headers,
                 timeout=timeouts.as_httpx(),
                 follow_redirects=False,
-                extensions={"sni_hostname": server_name},
+                extensions={"sni_hostname": server_name, "trace": deadline.trace},
             ) as response:
                 return _classify(response)  # the body is never read
-        except httpx.ConnectError as exc:
-            # Nothing was sent: the next checked address may answer.
-            last = DeliveryResult(DeliveryOutcome.RETRY, f"connection error: {type(exc).__name__}")
-        except httpx.TimeoutException as exc:
-            return DeliveryResult(DeliveryOutcome.RETRY, f"timeout: {type(exc).__name__}")
         except httpx.TransportError as exc:
+            if deadline.reached:  # the cap shut the connection, whatever httpx made of that
+                return capped
+            if isinstance(exc, httpx.ConnectError):
+                # Nothing was sent: the next checked address may answer.
+                last = DeliveryResult(
+                    DeliveryOutcome.RETRY, f"connection error: {type(exc).__name__}"
+                )
+                continue
+            if isinstance(exc, httpx.TimeoutException):
+                return DeliveryResult(DeliveryOutcome.RETRY, f"timeout: {type(exc).__name__}")
             return DeliveryResult(DeliveryOutcome.RETRY, f"transport error: {type(exc).__name__}")
     return last
 
@@ -341,6 +444,7 @@ def run_delivery(
         timeout=DeliveryTimeouts(
             connect=settings.webhook_connect_timeout_seconds,
             read=settings.webhook_read_timeout_seconds,
+            total=settings.webhook_total_timeout_seconds,
         ),
         client=client,
     )
