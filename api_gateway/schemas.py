@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -31,9 +31,17 @@ from worker.contract import (
     without_unset_overrides,
 )
 
+if TYPE_CHECKING:
+    from worker.queue.jobstore import WebhookState
+
 
 def iso(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, UTC).isoformat() if ts is not None else None
+
+
+def webhook_out(state: WebhookState | None) -> WebhookOut | None:
+    """A job record's webhook state as its ``GET`` shows it."""
+    return None if state is None else WebhookOut(status=state.status, attempts=state.attempts)
 
 
 class _Strict(BaseModel):
@@ -45,6 +53,20 @@ class SearchRequest(SearchSpec):
 
     filters: Filters = Field(default_factory=dict)
     webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
+
+
+class WebhookOut(BaseModel):
+    """Where the job's webhook stands (only a job created with ``webhook_url`` has one)."""
+
+    status: Literal["pending", "retrying", "delivered", "failed"] = Field(
+        description="`pending`: no attempt made yet (the job runs, or its first attempt is "
+        "in flight); `retrying`: an attempt failed and the next one is due (the schedule "
+        "runs up to 8 attempts over about 33 hours); `delivered`: the receiver answered 2xx; "
+        "`failed`: it refused it (a 4xx other than 429, a redirect, an address the SSRF "
+        "guard refused), or every attempt of the schedule failed. Final once `delivered` or "
+        "`failed`."
+    )
+    attempts: int = Field(description="Attempts made so far.")
 
 
 class SearchJobOut(BaseModel):
@@ -59,6 +81,9 @@ class SearchJobOut(BaseModel):
     finished_at: str | None = None
     result: SearchResult | None = None
     error: ErrorInfo | None = None
+    webhook: WebhookOut | None = Field(
+        default=None, description="Its webhook's delivery; null when it has no webhook_url."
+    )
 
 
 class BatchQueryIn(_Strict):
@@ -147,6 +172,9 @@ class BatchOut(BaseModel):
     created_at: str
     finished_at: str | None = None
     canceled_at: str | None = None
+    webhook: WebhookOut | None = Field(
+        default=None, description="Its webhook's delivery; null when it has no webhook_url."
+    )
 
 
 class BatchResultItem(BaseModel):

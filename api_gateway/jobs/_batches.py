@@ -37,7 +37,14 @@ from api_gateway.jobs._shared import (
     router,
 )
 from api_gateway.queue import OutboxSender, TaskMessage
-from api_gateway.schemas import BatchCounts, BatchOut, BatchRerankOutcomes, BatchResultsPage, iso
+from api_gateway.schemas import (
+    BatchCounts,
+    BatchOut,
+    BatchRerankOutcomes,
+    BatchResultsPage,
+    iso,
+    webhook_out,
+)
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_ID_PREFIX,
@@ -74,6 +81,7 @@ def batch_out(batch: BatchJob) -> BatchOut:
         created_at=iso(batch.created_at) or "",
         finished_at=iso(batch.finished_at),
         canceled_at=iso(batch.canceled_at),
+        webhook=webhook_out(batch.webhook),
     )
 
 

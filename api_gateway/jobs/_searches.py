@@ -34,7 +34,7 @@ from api_gateway.jobs._shared import (
     _lost,
     router,
 )
-from api_gateway.schemas import SearchJobOut, SearchRequest, iso
+from api_gateway.schemas import SearchJobOut, SearchRequest, iso, webhook_out
 from worker.constants import SEARCH_ID_PREFIX, SEARCH_QUEUE, SEARCH_TASK
 from worker.contract import JobStatus, SearchSpec
 from worker.observability import metrics
@@ -51,6 +51,7 @@ def _search_out(job: SearchJob) -> SearchJobOut:
         created_at=iso(job.created_at) or "",
         started_at=iso(job.started_at),
         finished_at=iso(job.finished_at),
+        webhook=webhook_out(job.webhook),
     )
     if job.result is not None:
         result = job.result

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from tests.e2e.conftest import ACME, INDEX, KEYS, MODEL, Stack, unpriced_stack
+from tests.e2e.conftest import ACME, GLOBEX, INDEX, KEYS, MODEL, Stack, unpriced_stack
 from tests.fake_anthropic import USAGE_FIELDS, malformed
 from tests.services import (
     Received,
@@ -194,3 +194,86 @@ def test_an_unpriced_batch_s_webhook_says_its_cost_is_unknown(
     assert data == webhook_figures(batch)
     assert data["usage"]["requests"] == 2 and data["usage"]["input_tokens"] > 0
     assert "cost_usd" in data["usage"] and data["usage"]["cost_usd"] is None
+
+
+class _ScriptedReceiver:
+    """A receiver answering ``status`` (the test changes it), counting the POSTs it got."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.status = 500
+        self.posts = 0
+        me = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["content-length"]))
+                me.posts += 1
+                self.send_response(me.status)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _webhook_until(client: httpx.Client, path: str, status: str) -> dict[str, Any]:
+    """The job's ``webhook`` once its status is ``status`` (60 s at most: a hang guard)."""
+    for _ in range(600):
+        webhook: dict[str, Any] | None = client.get(path, headers=ACME).json()["webhook"]
+        if webhook is not None and webhook["status"] == status:
+            return webhook
+        time.sleep(0.1)
+    raise AssertionError(f"{path}: webhook never {status}; last {webhook}")
+
+
+def test_a_job_s_get_shows_where_its_webhook_stands(stack: Stack, corpus: object) -> None:
+    """A search's and a batch's ``GET`` carry ``webhook``: ``retrying`` with the attempts made
+    while the receiver answers 500, ``delivered`` with every attempt counted once it answers
+    204, ``failed`` after one attempt answered 404, and ``null`` without a ``webhook_url``;
+    another tenant sees none of it (404). Before: nothing about the webhook at all."""
+    receiver = _ScriptedReceiver()
+    refusing = _ScriptedReceiver()
+    refusing.status = 404
+    try:
+        plain = stack.live.post(
+            "/v1/searches", json={"index": INDEX, "query": "tea"}, headers=ACME
+        ).json()
+        search = stack.live.post(
+            "/v1/searches",
+            json={"index": INDEX, "query": "tea", "webhook_url": receiver.url},
+            headers=ACME,
+        ).json()
+        path = f"/v1/searches/{search['id']}"
+        retrying = _webhook_until(stack.live, path, "retrying")
+        assert 1 <= retrying["attempts"] <= receiver.posts
+        receiver.status = 204
+        delivered = _webhook_until(stack.live, path, "delivered")
+        assert delivered == {"status": "delivered", "attempts": receiver.posts}
+        assert stack.live.get(path, headers=GLOBEX).status_code == 404
+
+        batch_id = _batch(stack.live, refusing.url, ["bees"])
+        failed = _webhook_until(stack.live, f"/v1/batches/{batch_id}", "failed")
+        assert failed == {"status": "failed", "attempts": 1} and refusing.posts == 1
+        plain_batch = stack.live.post(
+            "/v1/batches",
+            json={"index": INDEX, "queries": [{"id": "q", "query": "bees"}]},
+            headers=ACME,
+        ).json()
+        for job in (f"/v1/searches/{plain['id']}", f"/v1/batches/{plain_batch['id']}"):
+            got = stack.live.get(job, headers=ACME).json()
+            assert "webhook" in got and got["webhook"] is None
+    finally:
+        receiver.close()
+        refusing.close()

@@ -98,9 +98,45 @@ def test_each_final_move_with_a_webhook_records_it_owed_until_settled(store: Job
     store.webhook_due(search.id, 0)
     assert set(store.webhooks_overdue(time.time() + 1, 10)) == {batch.id, canceled.id}
     for job_id in owed:
-        store.webhook_settled(job_id)
+        store.webhook_settled(job_id, "delivered", 1)
     store.webhook_due(search.id, time.time())  # settled: not owed again
     assert store.redis.zcard(WEBHOOKS_OWED_KEY) == 0
+
+
+def test_a_job_s_record_says_where_its_webhook_stands_in_every_order(store: JobStore) -> None:
+    """None without a webhook_url; pending, then retrying with the attempts made (a retry
+    recorded), then how it ended: a copy's delivery is never overwritten by another copy's
+    failure, and a delivery after a give-up is shown (the receiver got it)."""
+    from worker.queue.jobstore import WebhookState
+
+    hook = "https://hooks.example/x"
+    silent = store.create_search("acme", spec())
+    search = store.create_search("acme", spec(), webhook_url=hook)
+    batch = store.create_batch("acme", "docs", [("a", spec())], webhook_url=hook)
+    given_up = store.create_search("acme", spec(), webhook_url=hook)
+    assert store.start_search(search.id) and store.finish_search(search.id, result=result("s"))
+    assert store.start_search(given_up.id)
+    assert store.finish_search(given_up.id, result=result("s"))
+    assert store.start_item(batch.id, "a") and store.finish_item(batch.id, "a", result=result("a"))
+
+    def state(job_id: str) -> WebhookState | None:
+        job = store.get_batch(job_id) if job_id == batch.id else store.get_search(job_id)
+        assert job is not None
+        return job.webhook
+
+    assert state(silent.id) is None
+    assert state(search.id) == WebhookState("pending", 0)
+    assert store.webhook_due(search.id, time.time() + 60, 2)  # attempt 1 failed, 2 due
+    assert state(search.id) == WebhookState("retrying", 1)
+    store.webhook_settled(search.id, "delivered", 2)
+    store.webhook_settled(search.id, "failed", 3)  # a copy failing after: not shown
+    assert state(search.id) == WebhookState("delivered", 2)
+    store.webhook_settled(batch.id, "failed", 1)  # refused
+    assert state(batch.id) == WebhookState("failed", 1)
+    store.webhook_settled(given_up.id, "failed", 8)  # the schedule spent
+    assert state(given_up.id) == WebhookState("failed", 8)
+    store.webhook_settled(given_up.id, "delivered", 3)  # a copy in flight delivered after all
+    assert state(given_up.id) == WebhookState("delivered", 3)
 
 
 def test_a_redelivered_item_never_produces_a_second_result(store: JobStore) -> None:

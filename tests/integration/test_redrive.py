@@ -573,7 +573,8 @@ def test_a_webhook_settled_while_the_sweep_looks_is_not_sent_again(
 
     class Racing(Sweeper):
         def _waiting_webhooks(self, job_ids: set[str]) -> set[str]:
-            store.webhook_settled(job.id)  # the delivery ended meanwhile, its message acked
+            # the delivery ended meanwhile, its message acked
+            store.webhook_settled(job.id, "delivered", 1)
             return super()._waiting_webhooks(job_ids)
 
     sweeper = Racing(

@@ -737,7 +737,7 @@ def test_a_redelivered_search_sends_its_webhook_again_only_while_no_attempt_is_k
     assert sent == [job.id, job.id]
     assert store.webhook_due(job.id, time.time() + 300, 2)  # attempt 1 made, 2 due
     tasks.search.apply(args=[job.id])
-    store.webhook_settled(job.id)  # delivered (or given up)
+    store.webhook_settled(job.id, "delivered", 2)  # delivered (or given up)
     tasks.search.apply(args=[job.id])
     assert sent == [job.id, job.id]
 
@@ -945,3 +945,42 @@ def test_a_webhook_cut_at_its_total_cap_is_a_retried_attempt(
         assert receiver.cut.wait(30) and not receiver.ran_out.is_set()
     assert float(metrics.WEBHOOK_DELIVERIES.labels("retry")._value.get()) - before == 1.0
     assert [r["attempt"] for r in retries] == [2]
+
+
+@pytest.mark.parametrize(
+    ("answer", "attempt", "retry_in", "shown"),
+    [
+        ("http 500", 8, None, ("failed", 8)),  # the schedule spent
+        ("http 404", 2, None, ("failed", 2)),  # refused
+        ("http 204", 3, None, ("delivered", 3)),
+        ("http 500", 3, 60.0, ("retrying", 3)),  # attempt 4 due
+    ],
+)
+def test_a_webhook_attempt_records_where_the_webhook_stands(
+    context: base.WorkerContext,
+    monkeypatch: pytest.MonkeyPatch,
+    answer: str,
+    attempt: int,
+    retry_in: float | None,
+    shown: tuple[str, int],
+) -> None:
+    """What the job's GET shows of its webhook comes from each attempt's end: a give-up and
+    a refusal are ``failed``, a 2xx ``delivered``, each with the attempts made; a retry due
+    is ``retrying``."""
+    from worker.queue.jobstore import WebhookState
+    from worker.webhooks import delivery as webhooks
+
+    job = _searched_with_a_webhook(context, monkeypatch)
+    code = int(answer.split()[1])
+    outcome = {
+        204: webhooks.DeliveryOutcome.DELIVERED,
+        404: webhooks.DeliveryOutcome.FAILED,
+        500: webhooks.DeliveryOutcome.RETRY,
+    }[code]
+    result = webhooks.DeliveryResult(outcome, answer, code)
+    decision = webhooks.DeliveryDecision(result=result, attempt=attempt, retry_in=retry_in)
+    monkeypatch.setattr(webhooks, "run_delivery", lambda **_: decision)
+    _capturing_retries(monkeypatch)
+    webhook_task.webhook.apply(args=[{**_search_event(job.id), "attempt": attempt}])
+    done = context.store.get_search(job.id)
+    assert done is not None and done.webhook == WebhookState(*shown)  # type: ignore[arg-type]

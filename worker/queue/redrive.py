@@ -326,8 +326,8 @@ class Sweeper:
                 self.store.webhook_due(job_id, now)  # looked at again a grace later
                 continue
             event = self._owed_event(job_id)
-            if event is None:  # its record expired: nothing to announce
-                self.store.webhook_settled(job_id)
+            if event is None:  # its record expired: nothing to announce (nor to write)
+                self.store.webhook_settled(job_id, "failed", 0)
                 continue
             # overdue again a grace later if lost again; not moved: settled meanwhile
             if not self.store.webhook_due(job_id, now):

@@ -89,7 +89,7 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
             data["id"],
             event["tenant"],
         )
-        store.webhook_settled(data["id"])
+        store.webhook_settled(data["id"], "failed", attempt - 1)  # this one was not made
         return
     # the job's final figures and its end (the body's timestamp), read from its record (final
     # since the move that sent this) at the first attempt, and carried by every later one:
@@ -112,7 +112,8 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
     failed = webhooks.DeliveryOutcome.FAILED
     metrics.webhook_delivery(failed if decision.gave_up else decision.result.outcome)
     if decision.retry_in is None:
-        store.webhook_settled(data["id"])
+        delivered = decision.result.outcome is webhooks.DeliveryOutcome.DELIVERED
+        store.webhook_settled(data["id"], "delivered" if delivered else "failed", attempt)
         return
     later = {**event, "attempt": attempt + 1}
     later["due_at"] = time.time() + decision.retry_in

@@ -90,6 +90,7 @@ from worker.queue.jobstore.records import (
     ItemOutcome,
     ItemTransition,
     SearchJob,
+    WebhookState,
     webhook_event,
     webhook_figures,
 )
@@ -119,6 +120,7 @@ __all__ = [
     "JobStore",
     "RunClaim",
     "SearchJob",
+    "WebhookState",
     "fingerprint",
     "webhook_event",
     "webhook_figures",

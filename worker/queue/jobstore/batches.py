@@ -42,6 +42,7 @@ from worker.queue.jobstore.records import (
     _new_id,
     _now,
     _opt_float,
+    webhook_state,
 )
 from worker.queue.jobstore.store import (
     _StoreCore,
@@ -108,6 +109,7 @@ def _batch_of(batch_id: str, raw: dict[str, str], counts: dict[str, str]) -> Bat
             {name: int(raw.get("rerank_" + name, 0)) for name in RERANK_OUTCOMES} if known else None
         ),
         stage_seconds=_stage_seconds(raw) if known else None,
+        webhook=webhook_state(raw),
     )
 
 

@@ -24,7 +24,7 @@ from worker.constants import (
     WEBHOOKS_OWED_KEY,
 )
 from worker.contract import JobStatus
-from worker.queue.jobstore.records import _in_flight, _now
+from worker.queue.jobstore.records import WebhookStatus, _in_flight, _now
 from worker.queue.jobstore.store import _StoreCore
 
 
@@ -135,13 +135,16 @@ class DeliveryRecords(_StoreCore):
         a copy of it has nothing left to send."""
         return bool(self.redis.hexists(_record_key(job_id), "webhook_settled"))
 
-    def webhook_settled(self, job_id: str) -> None:
-        """The job's webhook is owed no more: delivered, refused, or its schedule spent (its
-        record says so: a copy failing later stops, :meth:`webhook_due`). Also
+    def webhook_settled(self, job_id: str, end: WebhookStatus, attempts: int) -> None:
+        """The job's webhook is owed no more: ``end`` ``delivered``, or ``failed`` (refused,
+        or its schedule spent), after ``attempts`` attempts. Its record says so (a copy
+        failing later stops, :meth:`webhook_due`; its ``GET`` shows it; a delivery is never
+        overwritten by another copy's failure). Also
         drops every entry due before the retention window: its job's record has expired, so
         there is nothing to send again, and with the re-drive off no sweep drops it."""
         keys = [WEBHOOKS_OWED_KEY, _record_key(job_id)]
-        self._webhook_settled(keys=keys, args=[job_id, repr(_now() - self.result_ttl)])
+        args = [job_id, repr(_now() - self.result_ttl), end, str(attempts)]
+        self._webhook_settled(keys=keys, args=args)
 
     def count_redrive(self, job_id: str) -> int:
         """Count one more re-drive of this job; answers how many there have been."""

@@ -32,6 +32,49 @@ def write_operation(value: str | None) -> WriteOperation:
     return "upsert"
 
 
+WebhookStatus = Literal["pending", "retrying", "delivered", "failed"]
+# what a settled webhook's record says it ended as (_WEBHOOK_SETTLED writes one of these)
+WEBHOOK_ENDS: tuple[WebhookStatus, ...] = ("delivered", "failed")
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookState:
+    """Where a job's webhook stands: ``attempts`` made so far, and ``status``: ``pending``
+    (none made yet, or the first in flight), ``retrying`` (a retry is due), ``delivered``
+    (a 2xx, from any copy), ``failed`` (refused, or its schedule spent)."""
+
+    status: WebhookStatus
+    attempts: int
+
+
+def webhook_state(raw: dict[str, str]) -> WebhookState | None:
+    """The webhook state a job's record fields say; None without a webhook, or for one an
+    older Sift settled without saying how it ended.
+
+    >>> webhook_state({})
+    >>> webhook_state({"webhook_url": "https://h.example/x"})
+    WebhookState(status='pending', attempts=0)
+    >>> webhook_state({"webhook_url": "https://h.example/x", "webhook_attempt": "3"})
+    WebhookState(status='retrying', attempts=2)
+    >>> webhook_state({"webhook_url": "https://h.example/x", "webhook_attempt": "3",
+    ...                "webhook_settled": "delivered", "webhook_attempts": "3"})
+    WebhookState(status='delivered', attempts=3)
+    >>> webhook_state({"webhook_url": "https://h.example/x", "webhook_settled": "1"})
+    """
+    if not raw.get("webhook_url"):
+        return None
+    settled = raw.get("webhook_settled")
+    if settled is not None:
+        for end in WEBHOOK_ENDS:
+            if settled == end:
+                return WebhookState(end, int(raw.get("webhook_attempts") or 0))
+        return None
+    retry = raw.get("webhook_attempt")  # the attempt a recorded retry makes next
+    if retry:
+        return WebhookState("retrying", int(retry) - 1)
+    return WebhookState("pending", 0)
+
+
 FINAL = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELED)
 _STATUSES = tuple(JobStatus)
 
@@ -66,6 +109,7 @@ class SearchJob:
     finished_at: float | None = None
     result: SearchResult | None = None
     error: ErrorInfo | None = None
+    webhook: WebhookState | None = None  # None: no webhook_url
 
 
 @dataclass(slots=True)
@@ -111,6 +155,7 @@ class BatchJob:
     usage: Usage | None = field(default_factory=Usage)
     rerank_outcomes: dict[str, int] | None = field(default_factory=dict)
     stage_seconds: dict[str, float] | None = field(default_factory=dict)
+    webhook: WebhookState | None = None  # None: no webhook_url
 
     @property
     def status(self) -> JobStatus:

@@ -339,13 +339,18 @@ return moved
 
 # A job's webhook is owed no more: delivered, refused, or its schedule spent. KEYS: the
 # webhooks owed, the job's record. ARGV: the job id, the score before which entries are
-# dropped (due before the retention window: their records have expired). The record (if it
-# still exists: never a partial one made) says so, so a copy of the webhook failing after
-# that starts no schedule of its own (_WEBHOOK_DUE).
+# dropped (due before the retention window: their records have expired), how it ended
+# ("delivered" or "failed") and the attempts made. The record (if it still exists: never a
+# partial one made) says so, so a copy of the webhook failing after that starts no schedule
+# of its own (_WEBHOOK_DUE), and its GET shows it; a copy's delivery is never overwritten
+# by another copy's failure.
 _WEBHOOK_SETTLED = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], 'webhook_settled', '1') end
+if redis.call('EXISTS', KEYS[2]) == 1
+    and redis.call('HGET', KEYS[2], 'webhook_settled') ~= 'delivered' then
+  redis.call('HSET', KEYS[2], 'webhook_settled', ARGV[3], 'webhook_attempts', ARGV[4])
+end
 return 1
 """
 

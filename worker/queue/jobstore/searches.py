@@ -22,7 +22,14 @@ from worker.queue.jobstore.idempotency import (
     _idem_binding,
 )
 from worker.queue.jobstore.jobindex import KIND_SEARCH, job_index_key
-from worker.queue.jobstore.records import Enqueue, SearchJob, _new_id, _now, _opt_float
+from worker.queue.jobstore.records import (
+    Enqueue,
+    SearchJob,
+    _new_id,
+    _now,
+    _opt_float,
+    webhook_state,
+)
 from worker.queue.jobstore.store import _StoreCore
 
 
@@ -86,6 +93,7 @@ def _search_of(job_id: str, raw: dict[str, str]) -> SearchJob | None:
         finished_at=_opt_float(raw.get("finished_at")),
         result=SearchResult.model_validate_json(raw["result"]) if raw.get("result") else None,
         error=ErrorInfo.model_validate_json(raw["error"]) if raw.get("error") else None,
+        webhook=webhook_state(raw),
     )
 
 
