@@ -379,3 +379,64 @@ def test_a_dead_worker_s_deliveries_are_taken_again_first_in_the_order_taken(
     channel = connection.default_channel
     again = [queue(BATCH_QUEUE)(channel).get(no_ack=True) for _ in range(4)]
     assert [message.payload["n"] for message in again if message] == ["A1", "A2", "A3", "B1"]
+
+
+class Held:
+    """A Celery request as :meth:`Liveness.reconnected` sees it: gone to the pool or not."""
+
+    def __init__(self, handed: bool) -> None:
+        self.handed = handed
+
+
+def test_a_live_worker_puts_back_what_its_lost_channel_held_and_never_ran(
+    client: redis.Redis, connection: Connection
+) -> None:
+    """After a reconnect, a delivery the worker still holds but never handed to its pool (a
+    countdown Celery dropped with the channel) goes back at once, the first taken first, its
+    heartbeat alive; one it is running stays; one acked, or taken again by another worker, is
+    left alone; and a second put-back restores nothing more."""
+    first, second, running, acked, other = (
+        take(connection, BATCH_QUEUE, {"n": n}) for n in range(5)
+    )
+    liveness = Liveness(
+        client, "w1", heartbeat_seconds=BEAT, dead_after_seconds=10.0, orphan_seconds=60
+    )
+    for message, handed in ((first, False), (second, False), (running, True), (acked, False)):
+        liveness.hold(str(message.delivery_tag), Held(handed))
+    liveness.hold(str(other.delivery_tag), Held(False))
+    liveness.beat()  # alive, each recorded as its own
+    acked.ack()
+    client.hset(DELIVERY_OWNERS_KEY, str(other.delivery_tag), "w2")  # another worker's now
+    liveness.reconnected()
+    restored = liveness.put_back_dropped()
+    assert restored == [str(second.delivery_tag), str(first.delivery_tag)]  # last taken first
+    channel = connection.default_channel
+    again = [queue(BATCH_QUEUE)(channel).get(no_ack=False) for _ in range(3)]
+    assert [m.payload if m else None for m in again] == [{"n": 0}, {"n": 1}, None]
+    assert liveness.held == [str(running.delivery_tag)]  # the dropped ones are let go
+    assert client.hexists(KOMBU_UNACKED_KEY, str(running.delivery_tag))  # still running here
+    liveness.flush()
+    assert client.hget(DELIVERY_OWNERS_KEY, str(other.delivery_tag)) == "w2"  # not ours
+    liveness.reconnected()
+    assert liveness.put_back_dropped() == []
+    assert client.llen(BATCH_QUEUE) == 0
+
+
+def test_a_delivery_taken_again_after_the_reconnect_is_not_put_back(
+    client: redis.Redis, connection: Connection
+) -> None:
+    """The same tag taken again after the reconnect (kombu's close put it back while Redis
+    stayed up) is the new channel's: it stays with the request that holds it now."""
+    message = take(connection, BATCH_QUEUE, {"n": 9})
+    tag = str(message.delivery_tag)
+    liveness = Liveness(
+        client, "w1", heartbeat_seconds=BEAT, dead_after_seconds=10.0, orphan_seconds=60
+    )
+    liveness.hold(tag, Held(False))
+    liveness.beat()
+    liveness.reconnected()
+    again = Held(False)
+    liveness.hold(tag, again)  # redelivered, held by the consumer's new channel
+    client.zadd(KOMBU_UNACKED_INDEX_KEY, {tag: time.time() + 1})  # taken after the reconnect
+    assert liveness.put_back_dropped() == []
+    assert client.hexists(KOMBU_UNACKED_KEY, tag) and liveness.held == [tag]

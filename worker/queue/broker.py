@@ -20,8 +20,10 @@ closed channel's ``connection`` is ``None`` by then.
 The fix: the channel keeps the parameters it was opened with, and uses them once its transport
 has let go of the connection. The restore and the late acks then reach Redis like any other
 command: they fail as connection errors while Redis is down (which kombu and Celery handle; an
-unacknowledged message stays in the ``unacked`` hash and comes back after the visibility
-timeout), and succeed once it is back (a late ack removes its message from that hash).
+unacknowledged message stays in the ``unacked`` hash: a running task acks it once Redis is
+back, and the worker puts back the ones Celery dropped unrun as its consumer starts again,
+:meth:`worker.queue.liveness.Liveness.reconnected`, not after the visibility timeout), and
+succeed once it is back (a late ack removes its message from that hash).
 
 The order (:class:`QoS`). A message is published with ``LPUSH`` and taken with ``BRPOP``, from
 the right. kombu puts a message handed back unprocessed (``reject(requeue=True)``) at the left

@@ -33,6 +33,17 @@ again before every message waiting, the first taken first (the queue stays first
 The job store's compare-and-set still keeps one result per item: a restored chunk takes
 over the items the dead worker left ``running`` and skips the ones it finished.
 
+A live worker whose broker connection dropped (Redis restarted, say) puts back its own: Celery
+drops every request it held that had not gone to the pool (a countdown waiting on its timer, a
+prefetched message; their delivery tags belonged to the lost channel), and kombu's restore at
+the channel's close fails while Redis is down, so their messages stay in ``unacked`` with no
+one to run them until the visibility timeout. As its consumer starts again, before it takes
+anything on the new connection, the worker notes those held requests never handed to the pool
+(:meth:`Liveness.reconnected`; :class:`OwnedRequest` says which went) and its thread puts
+them back at once with the same script, on the same conditions but its own heartbeat
+(:meth:`Reaper.put_back_own`): one acked, already put back, or taken again since is left
+alone. A running task's message stays; the task acks it once Redis is back.
+
 A dead worker may also have lost a message no check can put back: one it had popped but not
 yet recorded in ``unacked`` (kombu's pop-then-record window). Only the re-drive
 (:mod:`worker.queue.redrive`) recovers that one, so a check that finds a worker dead, even
@@ -81,12 +92,15 @@ PRIORITY_STEPS = (0, 3, 6, 9)  # kombu's Redis PRIORITY_STEPS
 
 # KEYS: unacked, unacked_index, owners, the owner's heartbeat, then the lists to push onto.
 # ARGV: tag, the raw unacked entry read, the message to push, the owner read ("" for none),
-#       the latest take time (unacked_index score) that may be restored.
+#       the latest take time (unacked_index score) that may be restored, and "own" when the
+#       owner itself puts back what its lost channel held (its heartbeat is then no reason to
+#       keep it, and a record of it that a Redis restart lost, "", is its own too).
 # Answers 1 when it restored the message, 0 when anything changed since it was read.
 RESTORE_SCRIPT = """
 local owner = redis.call('HGET', KEYS[3], ARGV[1]) or ''
-if owner ~= ARGV[4] then return 0 end
-if owner ~= '' and redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
+local own = ARGV[6] == 'own'
+if owner ~= ARGV[4] and not (own and owner == '') then return 0 end
+if not own and owner ~= '' and redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if raw ~= ARGV[2] then
   if not raw and owner ~= '' then redis.call('HDEL', KEYS[3], ARGV[1]) end
@@ -277,7 +291,31 @@ class Reaper:
         settle = 2 * self.heartbeat_seconds
         return {name for name, since in self._suspects.items() if now - since >= settle}
 
-    def _put_back(self, tag: str, owner: str, raw: str | None, latest: float) -> bool:
+    def put_back_own(self, owner: str, tags: Sequence[str], latest: float) -> list[str]:
+        """Put back the deliveries ``tags`` that ``owner``, a live worker, held on a broker
+        channel it lost and will never run (Celery dropped them at the reconnect), the last
+        taken first; each only while it is still the unacked message ``owner`` took by
+        ``latest``. Answers the tags restored; the others were acked, put back already (kombu's
+        close, when Redis stayed up), or taken again since."""
+        if not tags:
+            return []
+        doomed, raws = self._first_taken_last([(tag, owner) for tag in tags])
+        restored = [
+            tag
+            for (tag, _), raw in zip(doomed, raws, strict=True)
+            if raw is not None and self._put_back(tag, owner, raw, latest, own=True)
+        ]
+        if restored:
+            log.warning(
+                "%d delivery(ies) this worker held on its lost broker channel put back on "
+                "their queues",
+                len(restored),
+            )
+        return restored
+
+    def _put_back(
+        self, tag: str, owner: str, raw: str | None, latest: float, *, own: bool = False
+    ) -> bool:
         restore = plan_restore(self.client, raw) if raw is not None else None
         if raw is not None and restore is None:
             if tag not in self._unroutable:  # said once, not every beat
@@ -293,6 +331,7 @@ class Reaper:
             *queues,
         ]
         args = [tag, raw or "", restore.message if restore else "", owner, repr(latest)]
+        args.append("own" if own else "")
         return bool(self._restore(keys=keys, args=args))
 
 
@@ -326,6 +365,9 @@ class Liveness:
         self._unrecorded: set[str] = set()  # held, not yet written
         self._released: set[str] = set()  # written, then acked: to drop
         self._writing: set[str] = set()  # being written by the flush in progress
+        self._requests: dict[str, Any] = {}  # held tag -> its Celery request, if given
+        self._dropped: dict[str, Any] = {}  # held on a lost channel, never run: to put back
+        self._dropped_by = 0.0  # when the last reconnect found them (their latest take)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -333,23 +375,63 @@ class Liveness:
 
     # --- what the consumer and the tasks call -----------------------------------------------
 
-    def hold(self, tag: str) -> None:
+    def hold(self, tag: str, request: Any = None) -> None:
         """A delivery was received: record it (within milliseconds, off this thread)."""
         with self._lock:
             self._held.add(tag)
             self._unrecorded.add(tag)
+            self._released.discard(tag)  # taken again after its release: the record stays
+            self._requests[tag] = request
         self._wake.set()
 
     def release(self, tag: str) -> None:
         """A delivery was acked or rejected: drop its record at the next beat."""
         with self._lock:
-            if tag not in self._held:
-                return
-            self._held.discard(tag)
-            never_written = tag in self._unrecorded and tag not in self._writing
-            self._unrecorded.discard(tag)
-            if not never_written:
-                self._released.add(tag)
+            self._release(tag)
+
+    def reconnected(self) -> None:
+        """The consumer starts again on a new broker connection (before it takes anything on
+        it): every delivery held whose request never went to the pool was dropped by Celery
+        with the lost channel (a countdown waiting on its timer, a prefetched one). Nothing
+        would run it before the visibility timeout, so the thread puts each back now."""
+        with self._lock:
+            dropped = {
+                tag: request
+                for tag, request in self._requests.items()
+                if request is not None and not getattr(request, "handed", True)
+            }
+            self._dropped.update(dropped)
+            self._dropped_by = time.time()
+        if dropped:
+            self._wake.set()
+
+    def put_back_dropped(self) -> list[str]:
+        """Put back the deliveries :meth:`reconnected` found dropped (idempotent: one acked,
+        put back or taken again since is left alone) and forget them. Answers those put
+        back; a Redis error leaves them all for the next round."""
+        with self._lock:
+            dropped, latest = dict(self._dropped), self._dropped_by
+        if not dropped:
+            return []
+        restored = self.reaper.put_back_own(self.worker_id, sorted(dropped), latest)
+        with self._lock:
+            for tag, request in dropped.items():
+                if self._dropped.get(tag) is request:
+                    del self._dropped[tag]
+                if self._requests.get(tag) is request:  # not held again since (same tag)
+                    self._release(tag)
+        return restored
+
+    def _release(self, tag: str) -> None:
+        """:meth:`release`, under the lock."""
+        if tag not in self._held:
+            return
+        self._held.discard(tag)
+        self._requests.pop(tag, None)
+        never_written = tag in self._unrecorded and tag not in self._writing
+        self._unrecorded.discard(tag)
+        if not never_written:
+            self._released.add(tag)
 
     # --- the thread -------------------------------------------------------------------------
 
@@ -383,6 +465,7 @@ class Liveness:
                         self.reaper.check()
                 else:
                     self.flush()
+                self.put_back_dropped()  # after a reconnect: at once, not at the next beat
             except Exception as exc:  # Redis restarting, say: the next beat tries again
                 log.warning("liveness: %s", exc)
             self._wake.wait(max(0.0, next_beat - time.monotonic()))
@@ -501,12 +584,26 @@ def received(request: Any = None, **_: Any) -> None:
     liveness = _liveness
     tag = getattr(getattr(request, "message", None), "delivery_tag", None)
     if liveness is not None and tag is not None:
-        liveness.hold(str(tag))
+        liveness.hold(str(tag), request)
+
+
+def reconnected() -> None:
+    """The worker's consumer starts again after a lost broker connection
+    (:class:`~worker.queue.redrive.ReconnectStep`): put back what it dropped."""
+    if _liveness is not None:
+        _liveness.reconnected()
 
 
 class OwnedRequest(Request):  # type: ignore[misc]
     """Celery's request, which also drops the delivery's record once it is acked or
-    rejected (``SiftTask.Request``)."""
+    rejected (``SiftTask.Request``), and says whether it went to the pool (``handed``): one
+    that did runs and acks; one that did not when its channel was lost never will."""
+
+    handed = False
+
+    def execute_using_pool(self, pool: Any, **kwargs: Any) -> Any:
+        self.handed = True
+        return super().execute_using_pool(pool, **kwargs)
 
     def acknowledge(self) -> None:
         super().acknowledge()

@@ -119,6 +119,7 @@ from worker.constants import (
     kombu_queue_keys,
 )
 from worker.observability import metrics
+from worker.queue import liveness
 from worker.queue.jobstore import JobStore, webhook_event
 from worker.queue.urgent_window import open_urgent_window
 from worker.redis_client import connect
@@ -206,7 +207,11 @@ def broker_reconnected(settings: Any) -> None:
 
 class ReconnectStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """A consumer bootstep: Celery starts the consumer again after a lost broker connection,
-    and every start but the first calls :func:`broker_reconnected`.
+    and every start but the first has this worker put back the deliveries Celery dropped with
+    the lost channel (:func:`worker.queue.liveness.reconnected`: a retry's countdown, an
+    economy poll, waiting in memory on messages still in ``unacked``), then calls
+    :func:`broker_reconnected`. It runs before the consumer takes anything on the new
+    connection.
 
     Only a connection lost with a ``BRPOP`` sent on it restarts the consumer. One dropped
     while still idle in redis-py's pool (between the consumer's start and its first
@@ -221,8 +226,11 @@ class ReconnectStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, c: Any) -> None:
         self.starts += 1
+        if self.starts == 1:
+            return
+        liveness.reconnected()
         settings = getattr(c.app.conf, "sift_settings", None)
-        if self.starts > 1 and settings is not None:
+        if settings is not None:
             broker_reconnected(settings)
 
 
