@@ -134,6 +134,7 @@ def test_a_retry_a_live_worker_held_through_a_redis_restart_runs_when_due(
             probe.close()
             redis_broker.kill(signal.SIGKILL)
             killed = time.monotonic()
+            assert receiver.count() == 1  # the retry was still waiting when Redis went
             time.sleep(DOWN_SECONDS)
             redis_broker.start_again()
             probe = redis.Redis.from_url(url, decode_responses=True)
