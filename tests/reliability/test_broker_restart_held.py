@@ -10,12 +10,21 @@ it, and it came back only after the visibility timeout (about 27 minutes at the 
 audit saw 650 retries run 22 to 24 minutes late). Now the worker puts back what it dropped as
 its consumer starts again (:meth:`worker.queue.liveness.Liveness.reconnected`).
 
-One redis-server, one gateway and one ``sift worker``, at the default visibility timeout. The
+Two cases, each with one redis-server (AOF ``everysec``), one gateway and one ``sift worker``
+at default settings.
+
+A webhook's retry, at the default visibility timeout. The
 receiver answers 500 once, then 204; the first retry is due 8 to 12 s later
 (``SIFT_WEBHOOK_RETRY_SCALE`` 2). Once the worker holds it, redis-server is SIGKILLed and
 started again on its AOF. The second POST must come well before the visibility timeout could
 have restored the message (within a tenth of it), and be the last: nothing is left unacked to
 come back later.
+
+An economy batch's poll (audit repro A). The fake provider batch ends 5 s after it is made;
+the worker holds the first poll for its 30 s countdown when redis-server is SIGKILLed and
+started again. The batch must end before the economy watch could have sent the poll again
+(its 300 s margin), without it: the poll that ran is the one the worker held. Before the fix
+the batch ended only after the watch's rescue (328-352 s in the audit's runs).
 """
 
 from __future__ import annotations
@@ -34,8 +43,10 @@ import pytest
 import redis
 
 from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.economy import finished, submit_economy
 from tests.reliability.support import (
     DOWN_SECONDS,
+    assert_batch_exactly_once,
     broker,
     ingest,
     sample_queries,
@@ -45,8 +56,15 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import celery_worker, gateway
-from worker.constants import DELIVERY_OWNERS_KEY, KOMBU_UNACKED_KEY, WEBHOOK_QUEUE, WEBHOOK_TASK
+from worker.constants import (
+    DELIVERY_OWNERS_KEY,
+    ECONOMY_POLL_TASK,
+    KOMBU_UNACKED_KEY,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
+)
 from worker.queue.config import visibility_timeout
+from worker.queue.economy.leases import WATCH_MARGIN_SECONDS
 from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
@@ -85,14 +103,14 @@ class OnceFailing:
             return self.posts
 
 
-def held_retries(client: redis.Redis) -> list[str]:
-    """The delivery tags of the webhook messages unacked with an ETA that a worker recorded
-    as held: the retry waiting out its countdown in the worker."""
+def held_retries(client: redis.Redis, task: str = WEBHOOK_TASK) -> list[str]:
+    """The delivery tags of ``task``'s messages unacked with an ETA that a worker recorded
+    as held: waiting out its countdown in the worker."""
     owners = client.hgetall(DELIVERY_OWNERS_KEY)
     held = []
     for tag, raw in client.hgetall(KOMBU_UNACKED_KEY).items():
         headers = json.loads(raw)[0]["headers"]
-        if headers.get("task") == WEBHOOK_TASK and headers.get("eta") and tag in owners:
+        if headers.get("task") == task and headers.get("eta") and tag in owners:
             held.append(tag)
     return held
 
@@ -146,3 +164,43 @@ def test_a_retry_a_live_worker_held_through_a_redis_restart_runs_when_due(
             probe.close()
     assert receiver.count() == 2
     print(f"\nthe retry ran {ran_after:.1f} s after the kill (visibility timeout {visibility} s)")
+
+
+@pytest.mark.timeout(900)
+def test_an_economy_poll_a_live_worker_held_through_a_redis_restart_runs_when_due(
+    tmp_path: Path,
+) -> None:
+    with FakeAnthropic() as model, broker(tmp_path / "redis") as redis_broker:
+        model.configure(batch_processing_seconds=5.0)
+        url = redis_broker.url + "/0"
+        env = stack_env(url, model.url)
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # every setting at its default
+        with (
+            celery_worker(tmp_path / "w", env, "w"),
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            ingest(client)
+            batch_id = submit_economy(client, 5)
+            probe = redis.Redis.from_url(url, decode_responses=True)
+            wait_for(lambda: len(model.batches()) == 1, "the provider batch made", 120)
+
+            def polls() -> list[str]:
+                return held_retries(probe, ECONOMY_POLL_TASK)
+
+            wait_for(lambda: bool(polls()), "the worker holding its poll", 60)
+            wait_for(lambda: waiting_in_brpop(probe), "the consumer waiting in BRPOP")
+            tags = polls()
+            probe.close()
+            redis_broker.kill(signal.SIGKILL)
+            time.sleep(DOWN_SECONDS)
+            redis_broker.start_again()
+            probe = redis.Redis.from_url(url, decode_responses=True)
+            assert set(tags) <= set(probe.hkeys(KOMBU_UNACKED_KEY))  # the AOF kept it
+            probe.close()
+            # before the watch's margin has passed, the watch cannot have sent it again
+            wait_for(lambda: finished(client, batch_id), "the batch ended", WATCH_MARGIN_SECONDS)
+            assert_batch_exactly_once(client, url, batch_id, 5)
+        log = (tmp_path / "w" / "w.log").read_text(errors="replace")
+        assert "did not run when due; sent again" not in log  # the held poll ran, not a rescue
+        assert len(model.batches()) == 1

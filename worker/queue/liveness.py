@@ -34,15 +34,16 @@ The job store's compare-and-set still keeps one result per item: a restored chun
 over the items the dead worker left ``running`` and skips the ones it finished.
 
 A live worker whose broker connection dropped (Redis restarted, say) puts back its own: Celery
-drops every request it held that had not gone to the pool (a countdown waiting on its timer, a
-prefetched message; their delivery tags belonged to the lost channel), and kombu's restore at
-the channel's close fails while Redis is down, so their messages stay in ``unacked`` with no
-one to run them until the visibility timeout. As its consumer starts again, before it takes
-anything on the new connection, the worker notes those held requests never handed to the pool
-(:meth:`Liveness.reconnected`; :class:`OwnedRequest` says which went) and its thread puts
-them back at once with the same script, on the same conditions but its own heartbeat
-(:meth:`Reaper.put_back_own`): one acked, already put back, or taken again since is left
-alone. A running task's message stays; the task acks it once Redis is back.
+drops every request it held that had not gone to the pool (a countdown waiting on its timer,
+one held back by a rate limit; their delivery tags belonged to the lost channel), and kombu's
+restore at the channel's close fails while Redis is down, so their messages stay in
+``unacked`` with no one to run them until the visibility timeout. As its consumer starts
+again, before it takes anything on the new connection, the worker notes those held requests
+never handed to the pool (:meth:`Liveness.reconnected`; :class:`OwnedRequest` says which
+went) and its thread puts them back at once with the same script, on the same conditions
+but its own heartbeat (:meth:`Reaper.put_back_own`): one acked, already put back, or taken
+again since is left alone. A running task's message stays; the task acks it once Redis is
+back.
 
 A dead worker may also have lost a message no check can put back: one it had popped but not
 yet recorded in ``unacked`` (kombu's pop-then-record window). Only the re-drive
@@ -392,7 +393,7 @@ class Liveness:
     def reconnected(self) -> None:
         """The consumer starts again on a new broker connection (before it takes anything on
         it): every delivery held whose request never went to the pool was dropped by Celery
-        with the lost channel (a countdown waiting on its timer, a prefetched one). Nothing
+        with the lost channel (a countdown waiting on its timer, one a rate limit held). Nothing
         would run it before the visibility timeout, so the thread puts each back now."""
         with self._lock:
             dropped = {
