@@ -33,6 +33,8 @@ distinct prompts were sent (and answered) more than once. ``outage(seconds, (529
 retry_after=2)`` answers every request with those errors in turn for a while: a provider outage.
 ``configure(hold_until_received=n)`` answers no request until ``n`` have come in: proof that
 they were in flight together, whatever the time each took to arrive.
+``configure(hold_unscripted=True)`` answers no request that has no scripted behaviour until
+it is set back to False: calls kept in flight for as long as a test looks at them.
 
 Besides errors by status (:func:`status`), it fails on the wire as a provider or its network
 can: :func:`stall` (no answer for a while), :func:`drop` (the connection closed with no
@@ -366,6 +368,10 @@ class FakeConfig:
     # no ``/v1/messages`` request is answered until this many have been received (since the
     # last reset): a test's proof that they were all in flight at once (0: none held)
     hold_until_received: int = 0
+    # while set, a ``/v1/messages`` request with no scripted behaviour is not answered (it
+    # waits, then gets the default answer once this is cleared, or at a reset): a test's way
+    # to keep calls in flight for as long as it looks, whatever the machine's speed
+    hold_unscripted: bool = False
 
 
 @dataclass(slots=True)
@@ -830,6 +836,14 @@ class FakeAnthropic:
                     return
             await asyncio.sleep(0.01)
 
+    async def _held_unscripted(self, state: _State) -> None:
+        """Wait while ``hold_unscripted`` is set (a reset lets the request go too)."""
+        while True:
+            with self._lock:
+                if state is not self._state or not state.config.hold_unscripted:
+                    return
+            await asyncio.sleep(0.01)
+
     def _outage_answer(self) -> Response | None:
         """The error of a running outage for this request, or None."""
         with self._lock:
@@ -854,10 +868,12 @@ class FakeAnthropic:
             if refusal is not None:
                 return refusal
         with self._lock:
-            behaviour = self._state.queue.popleft() if self._state.queue else None
-            default_delay = self._state.config.delay
+            state = self._state
+            behaviour = state.queue.popleft() if state.queue else None
         if behaviour is None:
-            behaviour = Behaviour("good", seconds=default_delay)
+            await self._held_unscripted(state)
+            with self._lock:
+                behaviour = Behaviour("good", seconds=self._state.config.delay)
 
         if behaviour.kind == "status":
             code = behaviour.status or 500

@@ -120,9 +120,11 @@ def test_sift_status_shows_the_queue_the_worker_and_the_batch(
 def test_sift_status_shows_what_a_running_batchs_finished_items_cost(
     stack: Stack, corpus: object
 ) -> None:
-    # three reranks answered at once, every other after 10 s: while the batch runs, its row
-    # shows the three finished items' cost, the sum of their results' usage
-    stack.model.configure(delay=MODEL_SECONDS)
+    # three reranks answered at once, every other held until the test is done looking (a
+    # delay of 10 s had let the batch finish between two runs of sift status on a loaded
+    # machine): while the batch runs, its row shows the three finished items' cost, the sum
+    # of their results' usage
+    stack.model.configure(hold_unscripted=True)
     stack.model.script([positions([1])] * 3)
     queries = [{"id": f"c{i}", "query": "green tea"} for i in range(6)]
     body = {"index": INDEX, "queries": queries, "rerank": True}
@@ -146,8 +148,8 @@ def test_sift_status_shows_what_a_running_batchs_finished_items_cost(
         table = _status(stack, "--no-inspect")
         assert f"${cost:.6f}" in table.stdout, table.stdout
     finally:
-        stack.model.configure(delay=0.0)
         stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME)
+        stack.model.configure(hold_unscripted=False)
         deadline = time.monotonic() + 3 * MODEL_SECONDS
         while not stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()["finished_at"]:
             assert time.monotonic() < deadline, "the canceled batch did not finish"
