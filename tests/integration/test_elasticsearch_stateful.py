@@ -1202,3 +1202,28 @@ def test_a_drop_from_a_shared_index_outlasting_its_budget_is_waited_on_by_its_re
     assert len(server.sent("POST", f"/{alias}/_delete_by_query")) == 1
     assert state.live_ids("shared-000001") == {"beta:vitd"}
     assert state.concrete(alias) == ["shared-000001"]  # the shared index is never deleted
+
+
+def test_a_page_as_big_as_the_aggregation_still_says_more_follow(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker reads a page and one more, to say whether more follow; the count holds
+    ``MAX_LISTED_INDEXES`` (here 2, for 1,000) indexes a search. A page of that size, or
+    empty indexes among the names, must not end the list early: the next names are counted
+    by another search. (It answered ``more: false`` with index c left.)"""
+    from tests.integration.backend_contract import CORPUS
+    from worker.runtime.lifecycle import _indexes
+
+    monkeypatch.setattr("worker.adapters.elasticsearch._listing.MAX_LISTED_INDEXES", 2)
+    backend = backend_on(fake[0])
+    for name in "abcde":
+        assert backend.upsert(name, "acme", CORPUS[:1], vectors_of(CORPUS[:1])) == 1
+    assert backend.delete_documents("b", "acme", [CORPUS[0].id], version=99) == 1  # b: empty
+
+    def page(after: str | None, limit: int) -> tuple[list[str], bool]:
+        read = _indexes(backend, None, "acme", json.dumps({"after": after, "limit": limit}))
+        return [i["name"] for i in read["indexes"]], read["more"]
+
+    assert page(None, 2) == (["a", "c"], True)  # b empty: the second search found c, and d
+    assert page("c", 2) == (["d", "e"], False)
+    assert page(None, 4) == (["a", "c", "d", "e"], False)

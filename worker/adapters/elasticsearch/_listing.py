@@ -51,11 +51,12 @@ class _Listing(_Bodies):
         search over the same pattern with a terms aggregation on ``_index`` (and, inside
         it, on the model field) for the counts. After a name, or past
         :data:`MAX_LISTED_INDEXES` aliases, the search also filters on ``_index`` to the
-        concrete indexes of the first of the aliases left by name (as many as the
-        aggregation holds), so its buckets are spent on the names the page shows, not on
-        the biggest indexes; with none left (the rest dropped since the token was made) it
-        is not sent. A concrete index no alias of the tenant points at (one a
-        reindex kept) is not listed, nor an index holding none of its documents."""
+        concrete indexes of the aliases left, by name, as many as the aggregation holds at
+        a time (a search more while empty indexes leave the page short), so the buckets go
+        to the names the page shows, not to the biggest indexes; with none left (the rest
+        dropped since the token was made) nothing is sent. A concrete index no alias of
+        the tenant points at (one a reindex kept) is not listed, nor an index holding none
+        of its documents."""
         stem = self.tenant_stem(tenant)
         pattern = f"{stem}*"
         with _translated("list of indexes", None):
@@ -68,14 +69,33 @@ class _Listing(_Bodies):
         }
         if not names:
             return []
+        ordered = sorted(names, key=names.__getitem__)
+        wanted = len(ordered) if limit is None else limit
+        # after a name, or past what the aggregation holds: count the first names in name
+        # order, a chunk at a time, not the aggregation's biggest indexes by count
+        filtered = after is not None or len(ordered) > MAX_LISTED_INDEXES
+        listed: dict[str, IndexInfo] = {}
+        for start in range(0, len(ordered), MAX_LISTED_INDEXES):
+            chunk = {c: names[c] for c in ordered[start : start + MAX_LISTED_INDEXES]}
+            counted = self._counted(tenant, pattern, chunk, filtered)
+            if counted is None:  # every index gone meanwhile
+                break
+            listed.update(counted)
+            if len(listed) >= wanted:  # empty indexes are not listed: else the next chunk
+                break
+        return [listed[name] for name in sorted(listed)[:limit]]
+
+    def _counted(
+        self, tenant: str, pattern: str, names: dict[str, str], filtered: bool
+    ) -> dict[str, IndexInfo] | None:
+        """The tenant's document count and model in each of ``names`` (concrete index ->
+        Sift name) holding any, by one ``size: 0`` search over ``pattern``, filtered on
+        those concrete indexes when ``filtered``; None when no index matched at all."""
         by_index: dict[str, Any] = {"terms": {"field": "_index", "size": MAX_LISTED_INDEXES}}
         if self.fields.model:
             by_index["aggs"] = self._models_agg()
         query = self.tenant_query(tenant)
-        if after is not None or len(names) > MAX_LISTED_INDEXES:
-            # the first names in name order, not the aggregation's biggest by count
-            first = sorted(names, key=names.__getitem__)[:MAX_LISTED_INDEXES]
-            names = {concrete: names[concrete] for concrete in first}
+        if filtered:
             query["bool"]["filter"].append({"terms": {"_index": sorted(names)}})
         with _translated("list of indexes", None, missing_ok=True) as missing:
             answer = (
@@ -91,14 +111,14 @@ class _Listing(_Bodies):
                 .body
             )
         if missing:
-            return []
+            return None
         _raise_if_partial(answer, "list of indexes")
-        listed: dict[str, IndexInfo] = {}
+        counted: dict[str, IndexInfo] = {}
         for bucket in answer.get("aggregations", {}).get("indexes", {}).get("buckets", []):
             name = names.get(bucket["key"])
             if name is not None and int(bucket["doc_count"]):
-                listed[name] = self._info(name, int(bucket["doc_count"]), _first_key(bucket))
-        return [listed[name] for name in sorted(listed)[:limit]]
+                counted[name] = self._info(name, int(bucket["doc_count"]), _first_key(bucket))
+        return counted
 
     def _models_agg(self) -> dict[str, Any]:
         """The aggregation naming the model the tenant's vectors record (one, by design)."""
