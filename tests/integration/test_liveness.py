@@ -440,3 +440,29 @@ def test_a_delivery_taken_again_after_the_reconnect_is_not_put_back(
     client.zadd(KOMBU_UNACKED_INDEX_KEY, {tag: time.time() + 1})  # taken after the reconnect
     assert liveness.put_back_dropped() == []
     assert client.hexists(KOMBU_UNACKED_KEY, tag) and liveness.held == [tag]
+
+
+def test_a_delivery_another_worker_took_again_before_the_reconnect_is_not_put_back(
+    client: redis.Redis, connection: Connection, redis_url: str
+) -> None:
+    """Redis stays up but the connection drops (review6 finding 2): kombu's close puts the
+    delivery back, a second worker takes it before this worker's consumer starts again and
+    before it records the take. This worker's own record still names it, the unacked entry
+    is a message with the same tag, taken before the reconnect: it is the second worker's
+    take all the same, and stays with it (no second run)."""
+    message = take(connection, BATCH_QUEUE, {"n": 7})
+    tag = str(message.delivery_tag)
+    liveness = Liveness(
+        client, "w1", heartbeat_seconds=BEAT, dead_after_seconds=10.0, orphan_seconds=60
+    )
+    liveness.hold(tag, Held(False))  # a countdown, waiting on its timer
+    liveness.beat()  # recorded as w1's
+    connection.default_channel.qos.restore_unacked()  # kombu's close: back on the queue
+    with Connection(redis_url, transport_options={"visibility_timeout": 1665}) as other:
+        again = queue(BATCH_QUEUE)(other.default_channel).get(no_ack=False)
+        assert again is not None and str(again.delivery_tag) == tag  # the second worker's
+        assert client.hget(DELIVERY_OWNERS_KEY, tag) == "w1"  # its record not written yet
+        liveness.reconnected()
+        assert liveness.put_back_dropped() == []
+        assert client.hexists(KOMBU_UNACKED_KEY, tag)  # still the second worker's
+        assert client.llen(BATCH_QUEUE) == 0  # not queued for a second run

@@ -41,8 +41,11 @@ restore at the channel's close fails while Redis is down, so their messages stay
 again, before it takes anything on the new connection, the worker notes those held requests
 never handed to the pool (:meth:`Liveness.reconnected`; :class:`OwnedRequest` says which
 went) and its thread puts them back at once with the same script, on the same conditions
-but its own heartbeat (:meth:`Reaper.put_back_own`): one acked, already put back, or taken
-again since is left alone. A running task's message stays; the task acks it once Redis is
+but its own heartbeat (:meth:`Reaper.put_back_own`), each only while its ``unacked_index``
+take time is still the one the worker read as it recorded the delivery: one acked, already
+put back, or taken again since, by any worker (kombu's close put it back while Redis stayed
+up), is left alone. One whose take time it never read (Redis went down within milliseconds
+of the take) is left to the orphan check. A running task's message stays; the task acks it once Redis is
 back.
 
 A dead worker may also have lost a message no check can put back: one it had popped but not
@@ -67,7 +70,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -95,7 +98,8 @@ PRIORITY_STEPS = (0, 3, 6, 9)  # kombu's Redis PRIORITY_STEPS
 # ARGV: tag, the raw unacked entry read, the message to push, the owner read ("" for none),
 #       the latest take time (unacked_index score) that may be restored, and "own" when the
 #       owner itself puts back what its lost channel held (its heartbeat is then no reason to
-#       keep it, and a record of it that a Redis restart lost, "", is its own too).
+#       keep it, and a record of it that a Redis restart lost, "", is its own too; the take
+#       time is then the one it read for its own take, and must be the score still there).
 # Answers 1 when it restored the message, 0 when anything changed since it was read.
 RESTORE_SCRIPT = """
 local owner = redis.call('HGET', KEYS[3], ARGV[1]) or ''
@@ -108,7 +112,9 @@ if raw ~= ARGV[2] then
   return 0
 end
 local taken = redis.call('ZSCORE', KEYS[2], ARGV[1])
-if taken and tonumber(taken) > tonumber(ARGV[5]) then return 0 end
+if own then
+  if not taken or tonumber(taken) ~= tonumber(ARGV[5]) then return 0 end
+elseif taken and tonumber(taken) > tonumber(ARGV[5]) then return 0 end
 redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
@@ -292,19 +298,21 @@ class Reaper:
         settle = 2 * self.heartbeat_seconds
         return {name for name, since in self._suspects.items() if now - since >= settle}
 
-    def put_back_own(self, owner: str, tags: Sequence[str], latest: float) -> list[str]:
-        """Put back the deliveries ``tags`` that ``owner``, a live worker, held on a broker
-        channel it lost and will never run (Celery dropped them at the reconnect), the last
-        taken first; each only while it is still the unacked message ``owner`` took by
-        ``latest``. Answers the tags restored; the others were acked, put back already (kombu's
-        close, when Redis stayed up), or taken again since."""
-        if not tags:
+    def put_back_own(self, owner: str, taken: Mapping[str, float]) -> list[str]:
+        """Put back the deliveries that ``owner``, a live worker, held on a broker channel it
+        lost and will never run (Celery dropped them at the reconnect), the last taken first;
+        ``taken`` maps each tag to its take time as ``owner`` read it (its ``unacked_index``
+        score). Each goes back only while that is still its take time, so it is still the
+        unacked message ``owner`` took. Answers the tags restored; the others were acked, put
+        back already (kombu's close, when Redis stayed up), or taken again since by any worker
+        (a later take has another score)."""
+        if not taken:
             return []
-        doomed, raws = self._first_taken_last([(tag, owner) for tag in tags])
+        doomed, raws = self._first_taken_last([(tag, owner) for tag in sorted(taken)])
         restored = [
             tag
             for (tag, _), raw in zip(doomed, raws, strict=True)
-            if raw is not None and self._put_back(tag, owner, raw, latest, own=True)
+            if raw is not None and self._put_back(tag, owner, raw, taken[tag], own=True)
         ]
         if restored:
             log.warning(
@@ -367,8 +375,9 @@ class Liveness:
         self._released: set[str] = set()  # written, then acked: to drop
         self._writing: set[str] = set()  # being written by the flush in progress
         self._requests: dict[str, Any] = {}  # held tag -> its Celery request, if given
-        self._dropped: dict[str, Any] = {}  # held on a lost channel, never run: to put back
-        self._dropped_by = 0.0  # when the last reconnect found them (their latest take)
+        self._taken: dict[str, float] = {}  # held tag -> its take time, read as it was written
+        # held on a lost channel, never run, to put back: tag -> (its request, its take time)
+        self._dropped: dict[str, tuple[Any, float | None]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -383,6 +392,7 @@ class Liveness:
             self._unrecorded.add(tag)
             self._released.discard(tag)  # taken again after its release: the record stays
             self._requests[tag] = request
+            self._taken.pop(tag, None)  # this take's time is read as it is written
         self._wake.set()
 
     def release(self, tag: str) -> None:
@@ -397,27 +407,28 @@ class Liveness:
         would run it before the visibility timeout, so the thread puts each back now."""
         with self._lock:
             dropped = {
-                tag: request
+                tag: (request, self._taken.get(tag))
                 for tag, request in self._requests.items()
                 if request is not None and not getattr(request, "handed", True)
             }
             self._dropped.update(dropped)
-            self._dropped_by = time.time()
         if dropped:
             self._wake.set()
 
     def put_back_dropped(self) -> list[str]:
         """Put back the deliveries :meth:`reconnected` found dropped (idempotent: one acked,
-        put back or taken again since is left alone) and forget them. Answers those put
-        back; a Redis error leaves them all for the next round."""
+        put back or taken again since, by any worker, is left alone) and forget them. One
+        whose take time was never read is left to the orphan check. Answers those put back;
+        a Redis error leaves them all for the next round."""
         with self._lock:
-            dropped, latest = dict(self._dropped), self._dropped_by
+            dropped = dict(self._dropped)
         if not dropped:
             return []
-        restored = self.reaper.put_back_own(self.worker_id, sorted(dropped), latest)
+        taken = {tag: at for tag, (_, at) in dropped.items() if at is not None}
+        restored = self.reaper.put_back_own(self.worker_id, taken)
         with self._lock:
-            for tag, request in dropped.items():
-                if self._dropped.get(tag) is request:
+            for tag, (request, _) in dropped.items():
+                if self._dropped.get(tag, (None,))[0] is request:
                     del self._dropped[tag]
                 if self._requests.get(tag) is request:  # not held again since (same tag)
                     self._release(tag)
@@ -429,6 +440,7 @@ class Liveness:
             return
         self._held.discard(tag)
         self._requests.pop(tag, None)
+        self._taken.pop(tag, None)
         never_written = tag in self._unrecorded and tag not in self._writing
         self._unrecorded.discard(tag)
         if not never_written:
@@ -504,14 +516,21 @@ class Liveness:
             self._release_script(
                 keys=[DELIVERY_OWNERS_KEY], args=[self.worker_id, *sorted(gone)], client=pipe
             )
+        written = sorted(new)
+        for tag in written:  # its take time, for a put-back of this take only
+            pipe.zscore(KOMBU_UNACKED_INDEX_KEY, tag)
         try:
-            pipe.execute()
+            replies = pipe.execute()
         finally:
             with self._lock:
                 self._writing = set()
+        scores = replies[len(replies) - len(written) :]
         with self._lock:
             self._unrecorded -= new
             self._released -= gone
+            for tag, score in zip(written, scores, strict=True):
+                if score is not None and tag in self._held:
+                    self._taken[tag] = float(score)
 
     def _lead(self) -> bool:
         lock_ms = max(1, int(self.heartbeat_seconds * 1000))
