@@ -45,8 +45,8 @@ but its own heartbeat (:meth:`Reaper.put_back_own`), each only while its ``unack
 take time is still the one the worker read as it recorded the delivery: one acked, already
 put back, or taken again since, by any worker (kombu's close put it back while Redis stayed
 up), is left alone. One whose take time it never read (Redis went down within milliseconds
-of the take) is left to the orphan check. A running task's message stays; the task acks it once Redis is
-back.
+of the take) is left to the orphan check. A running task's message stays; the task acks it
+once Redis is back.
 
 A dead worker may also have lost a message no check can put back: one it had popped but not
 yet recorded in ``unacked`` (kombu's pop-then-record window). Only the re-drive
