@@ -63,10 +63,11 @@ class WebhookOut(BaseModel):
         "in flight); `retrying`: an attempt failed and the next one is due (the schedule "
         "runs up to 8 attempts over about 33 hours); `delivered`: the receiver answered 2xx; "
         "`failed`: it refused it (a 4xx other than 429, a redirect, an address the SSRF "
-        "guard refused), or every attempt of the schedule failed. Final once `delivered` or "
-        "`failed`."
+        "guard refused), or every attempt of the schedule failed. `delivered` is final; "
+        "`failed` may still turn `delivered` when a copy sent before the give-up reaches the "
+        "receiver."
     )
-    attempts: int = Field(description="Attempts made so far.")
+    attempts: int = Field(description="Attempts made so far (never goes down).")
 
 
 class SearchJobOut(BaseModel):
@@ -82,7 +83,9 @@ class SearchJobOut(BaseModel):
     result: SearchResult | None = None
     error: ErrorInfo | None = None
     webhook: WebhookOut | None = Field(
-        default=None, description="Its webhook's delivery; null when it has no webhook_url."
+        default=None,
+        description="Its webhook's delivery; null when it has no webhook_url, or when an "
+        "earlier release settled it without recording how (outcome unknown).",
     )
 
 
@@ -173,7 +176,9 @@ class BatchOut(BaseModel):
     finished_at: str | None = None
     canceled_at: str | None = None
     webhook: WebhookOut | None = Field(
-        default=None, description="Its webhook's delivery; null when it has no webhook_url."
+        default=None,
+        description="Its webhook's delivery; null when it has no webhook_url, or when an "
+        "earlier release settled it without recording how (outcome unknown).",
     )
 
 

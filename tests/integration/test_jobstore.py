@@ -129,14 +129,41 @@ def test_a_job_s_record_says_where_its_webhook_stands_in_every_order(store: JobS
     assert store.webhook_due(search.id, time.time() + 60, 2)  # attempt 1 failed, 2 due
     assert state(search.id) == WebhookState("retrying", 1)
     store.webhook_settled(search.id, "delivered", 2)
-    store.webhook_settled(search.id, "failed", 3)  # a copy failing after: not shown
-    assert state(search.id) == WebhookState("delivered", 2)
+    store.webhook_settled(search.id, "failed", 3)  # a copy failing after: its end not shown
+    assert state(search.id) == WebhookState("delivered", 3)  # its attempt was made
     store.webhook_settled(batch.id, "failed", 1)  # refused
     assert state(batch.id) == WebhookState("failed", 1)
     store.webhook_settled(given_up.id, "failed", 8)  # the schedule spent
     assert state(given_up.id) == WebhookState("failed", 8)
     store.webhook_settled(given_up.id, "delivered", 3)  # a copy in flight delivered after all
-    assert state(given_up.id) == WebhookState("delivered", 3)
+    assert state(given_up.id) == WebhookState("delivered", 8)  # its own count: not fewer shown
+    store.webhook_settled(given_up.id, "failed", 9)  # yet another copy fails after
+    assert state(given_up.id) == WebhookState("delivered", 9)
+
+
+def test_the_attempts_a_webhook_shows_never_go_down(store: JobStore) -> None:
+    """A copy settling with fewer attempts than its schedule's recorded retry implies (a
+    copy started before the retries) shows the attempts made, not its own count."""
+    from worker.queue.jobstore import WebhookState
+
+    job = store.create_search("acme", spec(), webhook_url="https://hooks.example/x")
+    assert store.start_search(job.id) and store.finish_search(job.id, result=result("s"))
+    assert store.webhook_due(job.id, time.time() + 60, 5)  # attempts 1-4 failed, 5 due
+    store.webhook_settled(job.id, "delivered", 1)  # the first message's copy got through
+    got = store.get_search(job.id)
+    assert got is not None and got.webhook == WebhookState("delivered", 4)
+
+
+def test_a_webhook_an_older_release_settled_stays_unknown(store: JobStore) -> None:
+    """An older Sift's settled mark ("1": delivered or not, it did not say) shows null, and a
+    copy failing after it does not overwrite it with ``failed`` (it may have been delivered)."""
+    job = store.create_search("acme", spec(), webhook_url="https://hooks.example/x")
+    assert store.start_search(job.id) and store.finish_search(job.id, result=result("s"))
+    store.redis.hset(SEARCH_KEY + job.id, "webhook_settled", "1")  # as an older release wrote
+    assert (got := store.get_search(job.id)) is not None and got.webhook is None
+    store.webhook_settled(job.id, "failed", 2)
+    assert (got := store.get_search(job.id)) is not None and got.webhook is None
+    assert store.redis.hget(SEARCH_KEY + job.id, "webhook_settled") == "1"
 
 
 def test_a_redelivered_item_never_produces_a_second_result(store: JobStore) -> None:

@@ -139,7 +139,8 @@ class DeliveryRecords(_StoreCore):
         """The job's webhook is owed no more: ``end`` ``delivered``, or ``failed`` (refused,
         or its schedule spent), after ``attempts`` attempts. Its record says so (a copy
         failing later stops, :meth:`webhook_due`; its ``GET`` shows it; a delivery is never
-        overwritten by another copy's failure). Also
+        overwritten by another copy's failure, the attempts shown never go down, and an older
+        release's settled mark, which did not say how, is kept). Also
         drops every entry due before the retention window: its job's record has expired, so
         there is nothing to send again, and with the re-drive off no sweep drops it."""
         keys = [WEBHOOKS_OWED_KEY, _record_key(job_id)]

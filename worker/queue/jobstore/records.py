@@ -41,7 +41,8 @@ WEBHOOK_ENDS: tuple[WebhookStatus, ...] = ("delivered", "failed")
 class WebhookState:
     """Where a job's webhook stands: ``attempts`` made so far, and ``status``: ``pending``
     (none made yet, or the first in flight), ``retrying`` (a retry is due), ``delivered``
-    (a 2xx, from any copy), ``failed`` (refused, or its schedule spent)."""
+    (a 2xx, from any copy: final), ``failed`` (refused, or its schedule spent; a copy sent
+    before the give-up may still turn it ``delivered``). ``attempts`` never goes down."""
 
     status: WebhookStatus
     attempts: int
@@ -109,7 +110,7 @@ class SearchJob:
     finished_at: float | None = None
     result: SearchResult | None = None
     error: ErrorInfo | None = None
-    webhook: WebhookState | None = None  # None: no webhook_url
+    webhook: WebhookState | None = None  # None: no webhook_url, or an older Sift settled it
 
 
 @dataclass(slots=True)
@@ -155,7 +156,7 @@ class BatchJob:
     usage: Usage | None = field(default_factory=Usage)
     rerank_outcomes: dict[str, int] | None = field(default_factory=dict)
     stage_seconds: dict[str, float] | None = field(default_factory=dict)
-    webhook: WebhookState | None = None  # None: no webhook_url
+    webhook: WebhookState | None = None  # None: no webhook_url, or an older Sift settled it
 
     @property
     def status(self) -> JobStatus:

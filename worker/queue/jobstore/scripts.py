@@ -342,15 +342,22 @@ return moved
 # dropped (due before the retention window: their records have expired), how it ended
 # ("delivered" or "failed") and the attempts made. The record (if it still exists: never a
 # partial one made) says so, so a copy of the webhook failing after that starts no schedule
-# of its own (_WEBHOOK_DUE), and its GET shows it; a copy's delivery is never overwritten
-# by another copy's failure.
+# of its own (_WEBHOOK_DUE), and its GET shows it. A copy's delivery is never overwritten
+# by another copy's failure (a delivery after a give-up is shown: the receiver got it), and
+# the attempts shown never go down: the most any copy counted, or its recorded retry did.
+# An older release's "1" (delivered or not, it did not say) is left as it is.
 _WEBHOOK_SETTLED = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
-if redis.call('EXISTS', KEYS[2]) == 1
-    and redis.call('HGET', KEYS[2], 'webhook_settled') ~= 'delivered' then
-  redis.call('HSET', KEYS[2], 'webhook_settled', ARGV[3], 'webhook_attempts', ARGV[4])
-end
+if redis.call('EXISTS', KEYS[2]) == 0 then return 1 end
+local was = redis.call('HGET', KEYS[2], 'webhook_settled')
+if was == '1' then return 1 end
+local made = math.max(tonumber(ARGV[4]),
+  tonumber(redis.call('HGET', KEYS[2], 'webhook_attempts')) or 0,
+  (tonumber(redis.call('HGET', KEYS[2], 'webhook_attempt')) or 1) - 1)
+local ended = ARGV[3]
+if was == 'delivered' then ended = was end
+redis.call('HSET', KEYS[2], 'webhook_settled', ended, 'webhook_attempts', made)
 return 1
 """
 
