@@ -1,6 +1,6 @@
 """Webhook receivers on loopback that answer slowly, as plain sockets (no HTTP library's
 timeouts in the way): one drips its status line and headers a byte at a time, one answers
-nothing until the test lets it."""
+nothing until the test lets it, and one never answers a TLS client's hello."""
 
 from __future__ import annotations
 
@@ -109,6 +109,52 @@ def _read_request(conn: socket.socket) -> None:
 @contextmanager
 def slow_receiver(drip: float = 0.0, max_bytes: int = 200) -> Iterator[SlowReceiver]:
     receiver = SlowReceiver(drip, max_bytes)
+    try:
+        yield receiver
+    finally:
+        receiver.close()
+
+
+class SilentHandshake:
+    """Accepts connections and never answers a thing, so a TLS client's handshake waits on
+    it; ``closed`` is set once a client closed its connection (read to its end)."""
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self._server.getsockname()[1]}/hook"
+
+    def close(self) -> None:
+        self._server.close()
+        for conn in self._conns:
+            conn.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
+
+    def _drain(self, conn: socket.socket) -> None:
+        try:
+            while conn.recv(65536):  # the client's hello, then nothing until it closes
+                pass
+        except OSError:
+            return
+        self.closed.set()
+
+
+@contextmanager
+def silent_handshake() -> Iterator[SilentHandshake]:
+    receiver = SilentHandshake()
     try:
         yield receiver
     finally:

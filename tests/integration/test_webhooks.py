@@ -17,7 +17,7 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from tests.integration.slow_receivers import slow_receiver
+from tests.integration.slow_receivers import silent_handshake, slow_receiver
 from worker.settings import ApiKey, Settings
 from worker.webhooks.delivery import (
     BATCH_COMPLETED,
@@ -292,6 +292,36 @@ def test_a_receiver_trickling_its_headers_is_cut_at_the_total_cap() -> None:
     assert decision.result.reason == "timeout: the 1 s cap"
     assert decision.result.status_code is None
     assert decision.retry_in is not None and not decision.final
+
+
+def test_a_receiver_silent_in_the_tls_handshake_is_cut_at_the_total_cap() -> None:
+    """A TLS handshake has no socket the cap can shut (the wrap detaches the plain one): its
+    connect timeout is cut to what the cap leaves, so a receiver that accepts and never
+    answers the hello holds the delivery about the 1 s cap, not the 10 s connect timeout.
+    Before, the handshake ran the whole connect timeout."""
+    settings = Settings(
+        webhook_allow_private_networks=True,
+        webhook_connect_timeout_seconds=10.0,
+        webhook_total_timeout_seconds=1.0,
+    )
+    with silent_handshake() as receiver:
+        started = time.monotonic()
+        decision = run_delivery(
+            url=receiver.url,
+            event_type=SEARCH_COMPLETED,
+            job_id="job-13",
+            status="succeeded",
+            occurred_at=datetime.now(UTC),
+            attempt=1,
+            secrets=[SECRET],
+            settings=settings,
+        )
+        took = time.monotonic() - started
+        assert receiver.closed.wait(30)  # the client gave up and closed its connection
+    assert decision.result.outcome is DeliveryOutcome.RETRY
+    assert decision.result.reason.startswith("timeout")
+    assert took < settings.webhook_connect_timeout_seconds  # the cap, not the connect timeout
+    assert decision.retry_in is not None
 
 
 def test_every_delivery_has_a_finite_total_cap_by_default() -> None:

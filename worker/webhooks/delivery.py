@@ -106,8 +106,17 @@ class DeliveryTimeouts:
     read: float = 15.0
     total: float = 30.0
 
-    def as_httpx(self) -> httpx.Timeout:
-        return httpx.Timeout(self.read, connect=self.connect, write=self.read, pool=self.connect)
+    def as_httpx(self, left: float | None = None) -> httpx.Timeout:
+        """httpx's timeouts, the connect one (which also bounds a TLS handshake) cut to
+        ``left``, the seconds the cap leaves: a handshake has no socket the cap can shut.
+
+        >>> DeliveryTimeouts(connect=5, read=15).as_httpx(2.5).connect
+        2.5
+        >>> DeliveryTimeouts(connect=5, read=15).as_httpx(40).connect
+        5
+        """
+        connect = self.connect if left is None else min(self.connect, left)
+        return httpx.Timeout(self.read, connect=connect, write=self.read, pool=connect)
 
 
 class _Deadline:
@@ -115,10 +124,14 @@ class _Deadline:
 
     httpx's timeouts are per operation, so a blocked read is interrupted here from a timer
     thread: httpcore's ``trace`` extension hands over each connection's socket as it is
-    made (plain or TLS), and ``shutdown`` wakes the read blocked on it, which then fails."""
+    made (plain or TLS), and ``shutdown`` wakes the read blocked on it, which then fails.
+    A TLS handshake (its plain socket is detached by the wrap) and the guard's name lookup
+    have no socket to shut: the connect timeout is cut to :meth:`left` instead, and the
+    lookup counts against it."""
 
     def __init__(self, seconds: float) -> None:
         self.reached = False
+        self._ends = time.monotonic() + max(seconds, 0.0)
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
         self._timer = threading.Timer(max(seconds, 0.0), self._cut)
@@ -130,6 +143,10 @@ class _Deadline:
 
     def __exit__(self, *exc: object) -> None:
         self._timer.cancel()
+
+    def left(self) -> float:
+        """Seconds until the cap (0 once reached)."""
+        return max(self._ends - time.monotonic(), 0.0)
 
     def trace(self, name: str, info: Mapping[str, Any]) -> None:
         """httpcore's ``trace`` callback: keeps the socket of the connection just made."""
@@ -323,8 +340,10 @@ def deliver(
 ) -> DeliveryResult:
     """POST one signed delivery to ``url`` and classify what happened. Never raises for the network.
 
-    The whole delivery ends by ``timeout.total`` (the guard's name lookup counted in it): a
-    connection still open then is shut and the attempt is a timeout (retried).
+    The whole delivery ends by ``timeout.total``, its clock started before the guard's name
+    lookup: a connection still open then is shut, a connect or TLS handshake may last only
+    what the cap leaves, and the attempt is a timeout (retried). The lookup itself is bounded
+    by the system resolver's timeout, not cut by the cap; what it took is not left to send.
 
     The SSRF guard runs again here, re-resolving the host, and the request is
     sent to one of exactly the addresses it checked (the ``Host`` header and TLS
@@ -332,20 +351,20 @@ def deliver(
     address between the check and the connect. Redirects are not followed.
     """
     started = time.monotonic()
-    try:
-        addresses = check_webhook_url(url, allow_private=allow_private)
-    except InvalidRequest as exc:
-        log.warning("webhook %s refused by the SSRF guard", msg_id)
-        return DeliveryResult(DeliveryOutcome.FAILED, f"refused: {exc.message}")
     timeouts = timeout or DeliveryTimeouts()
-    own_client = client is None
-    http = client or httpx.Client(timeout=timeouts.as_httpx(), follow_redirects=False)
-    try:
-        with _Deadline(timeouts.total - (time.monotonic() - started)) as deadline:
+    with _Deadline(timeouts.total) as deadline:
+        try:
+            addresses = check_webhook_url(url, allow_private=allow_private)
+        except InvalidRequest as exc:
+            log.warning("webhook %s refused by the SSRF guard", msg_id)
+            return DeliveryResult(DeliveryOutcome.FAILED, f"refused: {exc.message}")
+        own_client = client is None
+        http = client or httpx.Client(timeout=timeouts.as_httpx(), follow_redirects=False)
+        try:
             result = _send(http, url, addresses, body, msg_id, secrets, timeouts, deadline)
-    finally:
-        if own_client:
-            http.close()
+        finally:
+            if own_client:
+                http.close()
     result = DeliveryResult(
         result.outcome,
         result.reason,
@@ -379,7 +398,8 @@ def _send(
     headers["user-agent"] = USER_AGENT
     last = DeliveryResult(DeliveryOutcome.RETRY, "connection failed")
     for address in addresses:
-        if deadline.reached:
+        left = deadline.left()
+        if deadline.reached or left <= 0:
             return capped
         pinned_url, headers["host"], server_name = _pinned(url, address)
         try:
@@ -388,14 +408,14 @@ def _send(
                 pinned_url,
                 content=body,
                 headers=headers,
-                timeout=timeouts.as_httpx(),
+                timeout=timeouts.as_httpx(left),
                 follow_redirects=False,
                 extensions={"sni_hostname": server_name, "trace": deadline.trace},
             ) as response:
                 return _classify(response)  # the body is never read
         except httpx.TransportError as exc:
-            if deadline.reached:  # the cap shut the connection, whatever httpx made of that
-                return capped
+            if deadline.reached or deadline.left() <= 0:  # the cap shut the connection (or
+                return capped  # its cut connect timeout ran out), whatever httpx made of it
             if isinstance(exc, httpx.ConnectError):
                 # Nothing was sent: the next checked address may answer.
                 last = DeliveryResult(
