@@ -200,3 +200,17 @@ def test_a_staging_sent_again_after_a_cut_pushes_the_order_once(
     assert direct.hlen(KEYS[1]) == direct.hlen(KEYS[2]) == len(ITEMS)
     for key in KEYS:
         assert 0 < direct.ttl(key) <= BATCH_STAGING_TTL_SECONDS
+
+
+def test_a_command_failing_inside_a_slice_s_exec_raises(
+    direct: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slice's ``EXEC`` answers a run-time error (a WRONGTYPE) as an element of its reply,
+    which a plain pipeline does not raise: the staging raises it. Made here by staging the
+    statuses into the order list's own key (the layout monkeypatched), so the slice's
+    ``HSET`` meets a list. Before, the staging returned as if every item were written."""
+    from worker.queue.jobstore import batches
+
+    monkeypatch.setattr(batches, "_staged_keys", lambda bid: (KEYS[0], KEYS[1], KEYS[0]))
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        JobStore(direct)._stage_items(BATCH, ITEMS)

@@ -56,6 +56,26 @@ def _staged_keys(batch_id: str) -> tuple[str, str, str]:
     return BATCH_ORDER_KEY + batch_id, BATCH_SPECS_KEY + batch_id, BATCH_ITEMS_KEY + batch_id
 
 
+def raise_exec_error(replies: Sequence[object]) -> None:
+    """Raise the first error inside an ``EXEC`` reply among a plain pipeline's replies, as
+    redis-py does for its own transactions: a ``MULTI`` sent by hand in a plain pipeline
+    gets its ``EXEC``'s replies back as a list, a command's run-time error (a WRONGTYPE) an
+    element of it, and nothing raised.
+
+    >>> from redis.exceptions import ResponseError
+    >>> raise_exec_error(["OK", "QUEUED", "QUEUED", [2, True]])
+    >>> raise_exec_error(["OK", "QUEUED", "QUEUED", [ResponseError("WRONGTYPE x"), 1]])
+    Traceback (most recent call last):
+    ...
+    redis.exceptions.ResponseError: WRONGTYPE x
+    """
+    for reply in replies:
+        if isinstance(reply, list):
+            for element in reply:
+                if isinstance(element, Exception):
+                    raise element
+
+
 # A batch's totals in its record by rerank outcome (what batch_items.batch_tally adds)
 RERANK_OUTCOMES = ("applied", "fallback", "skipped")
 # Written in a batch's record at its creation: every item's outcome is added to its totals
@@ -195,7 +215,8 @@ class BatchRecords(_StoreCore):
         killed, the connection broken) applies whole slices only, each key's TTL with its
         first write. The first slice starts by emptying the keys, so a retry of the
         pipeline (redis-py sends it again after a broken connection) does not push the
-        order twice."""
+        order twice. A command failing inside a slice's ``EXEC`` raises, as in
+        redis-py's own transactions (:func:`raise_exec_error`)."""
         keys = _staged_keys(batch_id)
         order, spec_key, item_key = keys
         pipe = self.redis.pipeline(transaction=False)
@@ -211,7 +232,7 @@ class BatchRecords(_StoreCore):
             for key in keys:
                 pipe.expire(key, BATCH_STAGING_TTL_SECONDS)
             pipe.execute_command("EXEC")  # type: ignore[no-untyped-call]
-        pipe.execute()
+        raise_exec_error(pipe.execute())
 
     def _commit_batch(
         self, pipe: redis.client.Pipeline, batch: BatchJob, messages: Sequence[tuple[str, str]]
