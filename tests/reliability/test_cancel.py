@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.reliability.canceling import (
@@ -24,7 +25,7 @@ from tests.reliability.canceling import (
     script_model,
     submit_and_cancel,
 )
-from tests.reliability.support import Receiver, all_results, submit_batch, wait_for
+from tests.reliability.support import Receiver, all_results, batch_counts, submit_batch, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -63,15 +64,28 @@ def _one_webhook(receiver: Receiver, batch_id: str) -> list[str]:
     return _webhook_statuses(receiver, batch_id)
 
 
+DELIVERED = {"status": "delivered", "attempts": 1}
+
+
+def _delivered(client: httpx.Client, batch_id: str) -> dict[str, Any]:
+    """The batch once its record says its webhook was delivered: the receiver's 2xx comes
+    before the worker records it, so a batch read in between still says ``pending``."""
+    wait_for(
+        lambda: batch_counts(client, batch_id)["webhook"] == DELIVERED, "the webhook recorded", 30
+    )
+    return batch_counts(client, batch_id)
+
+
 @pytest.mark.timeout(300)
 def test_a_finished_batch_is_409_already_finished_and_nothing_changes(
     stack: CancelStack, receiver: Receiver
 ) -> None:
     script_model(stack.model, 40)
     batch_id = submit_batch(stack.client, 40, webhook_url=receiver.url)
-    before = finished(stack.client, batch_id)
-    assert before["status"] == "succeeded" and before["counts"]["succeeded"] == 40
+    finished(stack.client, batch_id)
     assert _one_webhook(receiver, batch_id) == ["succeeded"]
+    before = _delivered(stack.client, batch_id)
+    assert before["status"] == "succeeded" and before["counts"]["succeeded"] == 40
     results = all_results(stack.client, batch_id)
     for _ in range(2):
         response = cancel(stack.client, batch_id)
@@ -107,9 +121,12 @@ def test_a_cancel_right_after_submission_cancels_the_items_not_yet_run(
     assert run.model_calls == counts["succeeded"] + counts["failed"] < total
     assert _one_webhook(receiver, run.batch_id) == ["canceled"]
     # cancelling it again, once finished canceled, answers it as it is and changes nothing
+    # (but its webhook's state, delivered since it finished)
+    final = _delivered(stack.client, run.batch_id)
+    assert final == {**run.final, "webhook": DELIVERED}
     again = cancel(stack.client, run.batch_id)
-    assert again.status_code == 200 and again.json() == run.final, again.text
-    assert finished(stack.client, run.batch_id) == run.final
+    assert again.status_code == 200 and again.json() == final, again.text
+    assert finished(stack.client, run.batch_id) == final
     assert _webhook_statuses(receiver, run.batch_id) == ["canceled"]
 
 
