@@ -15,6 +15,7 @@ import signal
 import tempfile
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -304,6 +305,19 @@ class Broker:
             client.close()
         os.kill(pid, signum)
         self._stack.close()  # waits for the process (stop() only signals one still running)
+
+    def written(self, client: redis.Redis) -> None:
+        """Wait until the AOF file holds every write made so far: a mark written now is in
+        it (the file is appended in order). With ``appendfsync everysec`` Redis puts off its
+        writes to the file while a slow fsync runs (up to 2 s on a busy disk), and a SIGKILL
+        loses what it had not written; what it wrote survives the process."""
+        mark = f"sift-aof-mark-{uuid.uuid4().hex}"
+        client.set(mark, "1")
+        wait_for(
+            lambda: any(mark.encode() in aof.read_bytes() for aof in self.directory.rglob("*.aof")),
+            "the AOF written up to now",
+            30,
+        )
 
     def start_again(self) -> None:
         """redis-server on the same port and directory: it loads the AOF."""

@@ -149,6 +149,7 @@ def test_a_retry_a_live_worker_held_through_a_redis_restart_runs_when_due(
             wait_for(lambda: bool(held_retries(probe)), "the worker holding the retry")
             wait_for(lambda: waiting_in_brpop(probe), "the consumer waiting in BRPOP")
             tags = held_retries(probe)
+            redis_broker.written(probe)  # the held message is in the AOF, not just in memory
             probe.close()
             redis_broker.kill(signal.SIGKILL)
             killed = time.monotonic()
@@ -191,6 +192,7 @@ def test_an_economy_poll_a_live_worker_held_through_a_redis_restart_runs_when_du
             wait_for(lambda: bool(polls()), "the worker holding its poll", 60)
             wait_for(lambda: waiting_in_brpop(probe), "the consumer waiting in BRPOP")
             tags = polls()
+            redis_broker.written(probe)  # the held message is in the AOF, not just in memory
             probe.close()
             redis_broker.kill(signal.SIGKILL)
             time.sleep(DOWN_SECONDS)
