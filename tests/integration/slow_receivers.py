@@ -13,7 +13,40 @@ from contextlib import contextmanager
 TRICKLE = b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 10_000
 
 
-class SlowReceiver:
+class _LoopbackServer:
+    """A listening socket on loopback, each connection served by :meth:`_serve` on its own
+    thread; ``close`` shuts the listener and every connection."""
+
+    scheme = "http"
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self._server.getsockname()[1]}/hook"
+
+    def close(self) -> None:
+        self._server.close()
+        for conn in self._conns:
+            conn.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class SlowReceiver(_LoopbackServer):
     """Reads each request whole, then either drips :data:`TRICKLE` a byte every ``drip``
     seconds (``drip`` > 0; it stops by itself after ``max_bytes`` bytes and closes), or, with
     ``drip`` 0, holds the request unanswered until :attr:`release` is set, then answers 204.
@@ -30,28 +63,11 @@ class SlowReceiver:
         self.held = 0
         self.requests = 0
         self._lock = threading.Lock()
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self._conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.getsockname()[1]}/hook"
+        super().__init__()
 
     def close(self) -> None:
         self.release.set()
-        self._server.close()
-        for conn in self._conns:
-            conn.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            self._conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        super().close()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -115,35 +131,17 @@ def slow_receiver(drip: float = 0.0, max_bytes: int = 200) -> Iterator[SlowRecei
         receiver.close()
 
 
-class SilentHandshake:
+class SilentHandshake(_LoopbackServer):
     """Accepts connections and never answers a thing, so a TLS client's handshake waits on
     it; ``closed`` is set once a client closed its connection (read to its end)."""
 
+    scheme = "https"
+
     def __init__(self) -> None:
         self.closed = threading.Event()
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self._conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"https://127.0.0.1:{self._server.getsockname()[1]}/hook"
-
-    def close(self) -> None:
-        self._server.close()
-        for conn in self._conns:
-            conn.close()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._server.accept()
-            except OSError:
-                return
-            self._conns.append(conn)
-            threading.Thread(target=self._drain, args=(conn,), daemon=True).start()
-
-    def _drain(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket) -> None:
         try:
             while conn.recv(65536):  # the client's hello, then nothing until it closes
                 pass
