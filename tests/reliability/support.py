@@ -259,6 +259,39 @@ def webhook_receiver() -> Iterator[Receiver]:
         yield receiver
 
 
+class FlakyReceiver:
+    """Answers 500 to its first ``failures`` POSTs, then 204; records each body."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.bodies: list[dict[str, object]] = []
+        self.lock = threading.Lock()
+        self.url = ""
+
+    @contextlib.contextmanager
+    def serve(self) -> Iterator[FlakyReceiver]:
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers["content-length"]))
+                with receiver.lock:
+                    receiver.bodies.append(json.loads(raw))
+                    failing = len(receiver.bodies) <= receiver.failures
+                self.send_response(500 if failing else 204)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        with serve_hook(Handler) as self.url:
+            yield self
+
+    def posts(self) -> int:
+        with self.lock:
+            return len(self.bodies)
+
+
 @contextlib.contextmanager
 def serve_hook(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """Serve ``handler`` on a free loopback port, in a thread, until the block ends: the

@@ -29,13 +29,9 @@ the batch ended only after the watch's rescue (328-352 s in the audit's runs).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -46,11 +42,11 @@ from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.economy import finished, submit_economy
 from tests.reliability.support import (
     DOWN_SECONDS,
+    FlakyReceiver,
     assert_batch_exactly_once,
     broker,
     ingest,
     sample_queries,
-    serve_hook,
     stack_env,
     submit_search,
     wait_for,
@@ -70,37 +66,6 @@ from worker.settings import load_settings
 pytestmark = pytest.mark.integration
 
 SCALE = 2.0  # the first retry's wait: 5 s x 2, with the schedule's jitter 8 to 12 s
-
-
-class OnceFailing:
-    """Answers 500 to the first POST, 204 to the others; counts them."""
-
-    def __init__(self) -> None:
-        self.posts = 0
-        self.lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def serve(self) -> Iterator[str]:
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers["content-length"]))
-                with receiver.lock:
-                    receiver.posts += 1
-                    first = receiver.posts == 1
-                self.send_response(500 if first else 204)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        with serve_hook(Handler) as url:
-            yield url
-
-    def count(self) -> int:
-        with self.lock:
-            return self.posts
 
 
 def held_retries(client: redis.Redis, task: str = WEBHOOK_TASK) -> list[str]:
@@ -130,8 +95,8 @@ def webhook_messages(client: redis.Redis) -> int:
 def test_a_retry_a_live_worker_held_through_a_redis_restart_runs_when_due(
     tmp_path: Path, model: FakeAnthropic
 ) -> None:
-    receiver = OnceFailing()
-    with receiver.serve() as hook_url, broker(tmp_path / "redis") as redis_broker:
+    receiver = FlakyReceiver(failures=1)  # 500 to the first POST, then 204
+    with receiver.serve(), broker(tmp_path / "redis") as redis_broker:
         url = redis_broker.url + "/0"
         env = stack_env(url, model.url, SIFT_WEBHOOK_RETRY_SCALE=str(SCALE))
         # the visibility timeout these defaults derive: the restore the fix must come before
@@ -143,9 +108,9 @@ def test_a_retry_a_live_worker_held_through_a_redis_restart_runs_when_due(
             httpx.Client(base_url=base, timeout=30) as client,
         ):
             ingest(client)
-            submit_search(client, sample_queries()[0], webhook_url=hook_url)
+            submit_search(client, sample_queries()[0], webhook_url=receiver.url)
             probe = redis.Redis.from_url(url, decode_responses=True)
-            wait_for(lambda: receiver.count() == 1, "the first attempt (answered 500)")
+            wait_for(lambda: receiver.posts() == 1, "the first attempt (answered 500)")
             wait_for(lambda: bool(held_retries(probe)), "the worker holding the retry")
             wait_for(lambda: waiting_in_brpop(probe), "the consumer waiting in BRPOP")
             tags = held_retries(probe)
@@ -153,17 +118,17 @@ def test_a_retry_a_live_worker_held_through_a_redis_restart_runs_when_due(
             probe.close()
             redis_broker.kill(signal.SIGKILL)
             killed = time.monotonic()
-            assert receiver.count() == 1  # the retry was still waiting when Redis went
+            assert receiver.posts() == 1  # the retry was still waiting when Redis went
             time.sleep(DOWN_SECONDS)
             redis_broker.start_again()
             probe = redis.Redis.from_url(url, decode_responses=True)
             assert set(tags) <= set(probe.hkeys(KOMBU_UNACKED_KEY))  # the AOF kept it
-            wait_for(lambda: receiver.count() >= 2, "the retry after the restart", prompt)
+            wait_for(lambda: receiver.posts() >= 2, "the retry after the restart", prompt)
             ran_after = time.monotonic() - killed
             # it was the last: nothing of it left queued or unacked to run again later
             wait_for(lambda: webhook_messages(probe) == 0, "no webhook message left", 30)
             probe.close()
-    assert receiver.count() == 2
+    assert receiver.posts() == 2
     print(f"\nthe retry ran {ran_after:.1f} s after the kill (visibility timeout {visibility} s)")
 
 

@@ -15,11 +15,8 @@ and the retry schedule (``SIFT_WEBHOOK_RETRY_SCALE`` 0.05: the third attempt com
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -29,9 +26,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.fake_anthropic import FakeAnthropic
 from tests.reliability.support import (
     ACME,
+    FlakyReceiver,
     ingest,
     sample_queries,
-    serve_hook,
     stack_env,
     submit_search,
     wait_for,
@@ -44,38 +41,6 @@ pytestmark = pytest.mark.integration
 VISIBILITY_SECONDS = 4
 SCALE = 0.05
 FAILURES = 2  # the receiver's first answers are 500
-
-
-class FlakyReceiver:
-    """Answers 500 to its first ``failures`` POSTs, then 204; records each body."""
-
-    def __init__(self, failures: int) -> None:
-        self.failures = failures
-        self.bodies: list[dict[str, object]] = []
-        self.lock = threading.Lock()
-        self.url = ""
-
-    def serve(self) -> Iterator[FlakyReceiver]:
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers["content-length"]))
-                with receiver.lock:
-                    receiver.bodies.append(json.loads(raw))
-                    failing = len(receiver.bodies) <= receiver.failures
-                self.send_response(500 if failing else 204)
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        with serve_hook(Handler) as self.url:
-            yield self
-
-    def posts(self) -> int:
-        with self.lock:
-            return len(self.bodies)
 
 
 def deliveries(url: str) -> tuple[dict[str, float], float]:
@@ -96,7 +61,8 @@ def deliveries(url: str) -> tuple[dict[str, float], float]:
 
 @pytest.fixture
 def flaky() -> Iterator[FlakyReceiver]:
-    yield from FlakyReceiver(FAILURES).serve()
+    with FlakyReceiver(FAILURES).serve() as receiver:
+        yield receiver
 
 
 @pytest.mark.timeout(240)
