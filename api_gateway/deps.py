@@ -63,7 +63,7 @@ KEYED_ROUTES = "POST /v1/searches and POST /v1/batches"  # the routes that honou
 POLL_MIN_SECONDS = 0.005
 POLL_MAX_SECONDS = 0.1
 _ID_DIGITS = re.compile(r"[0-9a-f]{32}")
-_RESULTS_DIGEST_BYTES = 8
+TOKEN_DIGEST_BYTES = 8
 
 
 def is_id(value: str, prefix: str) -> bool:
@@ -243,11 +243,6 @@ def accepted(description: str) -> dict[int | str, dict[str, Any]]:
     return {202: {"description": description, "headers": LOCATION_HEADER}}
 
 
-def _results_digest(batch_id: str, offset: int) -> str:
-    key = f"{batch_id}\0{offset}".encode()
-    return hashlib.blake2b(key, digest_size=_RESULTS_DIGEST_BYTES).hexdigest()
-
-
 def encode_results_token(batch_id: str, offset: int) -> str:
     """The page token of a batch's results: the offset, and a digest that ties it to the
     batch (the digest is no secret: it only catches mix-ups and edits).
@@ -256,7 +251,7 @@ def encode_results_token(batch_id: str, offset: int) -> str:
     >>> decode_results_token(encode_results_token(batch, 2), batch)
     2
     """
-    return pack_token("r", _results_digest(batch_id, offset), str(offset))
+    return pack_token("r", token_digest(batch_id, str(offset)), str(offset))
 
 
 def decode_results_token(token: str | None, batch_id: str) -> int:
@@ -279,6 +274,13 @@ def decode_results_token(token: str | None, batch_id: str) -> int:
 
 
 NOT_OURS = "is not a token this list issued"
+
+
+def token_digest(*fields: str) -> str:
+    """What ties a page token to the list it was made for: a short digest of ``fields`` (no
+    secret: it only catches mix-ups and edits)."""
+    key = "\0".join(fields).encode()
+    return hashlib.blake2b(key, digest_size=TOKEN_DIGEST_BYTES).hexdigest()
 
 
 def pack_token(*fields: str) -> str:

@@ -13,7 +13,6 @@ document gives the very same ``404`` as one nobody has, and a delete job of it d
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -27,12 +26,14 @@ from api_gateway.deps import (
     ERRORS,
     LOCATION_HEADER,
     NOT_OURS,
+    TOKEN_DIGEST_BYTES,
     Tenant,
     Wait,
     job_store,
     off_loop,
     pack_token,
     task_sender,
+    token_digest,
     unpack_token,
 )
 from api_gateway.errors import ApiError
@@ -81,13 +82,12 @@ MAX_INDEX_NAME_CHARS = 128
 IndexPath = Annotated[
     str, Path(min_length=1, max_length=MAX_INDEX_NAME_CHARS, pattern=INDEX_PATTERN)
 ]
-_CURSOR_DIGEST_BYTES = 8
 
 
 def _max_cursor_chars(last_bytes: int) -> int:
     """The longest token of "k:<digest hex>:<last>", ``last`` of up to ``last_bytes`` bytes,
     in unpadded base64."""
-    return 4 * -(-(3 + 2 * _CURSOR_DIGEST_BYTES + last_bytes) // 3)
+    return 4 * -(-(3 + 2 * TOKEN_DIGEST_BYTES + last_bytes) // 3)
 
 
 # a document's id: up to 512 four-byte characters; an index's name: ASCII
@@ -198,15 +198,10 @@ def _index_out(raw: dict[str, Any]) -> IndexOut:
     )
 
 
-def _cursor_digest(*fields: str) -> str:
-    key = "\0".join(fields).encode()
-    return hashlib.blake2b(key, digest_size=_CURSOR_DIGEST_BYTES).hexdigest()
-
-
 def _encode_cursor(kind: str, scope: tuple[str, ...], last: str) -> str:
     """A listing's page token: its kind, the last name or id listed, and a digest that ties
     it to ``scope`` (the listing it was made for)."""
-    return pack_token(kind, _cursor_digest(*scope, last), last)
+    return pack_token(kind, token_digest(*scope, last), last)
 
 
 def _decode_cursor(
