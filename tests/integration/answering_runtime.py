@@ -7,15 +7,20 @@ the redelivered run). When the file named by ``CANCEL_BEFORE_MODEL_FLAG`` exists
 batch item to reach its check before the model call deletes it and cancels its batch first
 (a cancel landing between the item's retrieval and its model call).
 Every model usage the pipeline counts is appended to ``MODEL_USAGE_LOG``, one line each,
-every search it counts done to ``SEARCH_DONE_LOG`` and every rerank outcome to
-``RERANK_OUTCOME_LOG``, so a test reads what the metrics were told across the worker's
-processes. When the file named by ``DIE_AFTER_DONE_FLAG`` (``DIE_AFTER_OUTCOME_FLAG``)
-exists, the first ``search_done`` (``rerank_outcome``) deletes it and exits once it is
-counted. Every retrieval figure is appended to ``RETRIEVAL_LOG`` (``seconds bm25``, ``hits
-fuse``...); when the file named by ``DIE_AFTER_RETRIEVAL_FLAG`` exists, the first count of
-the candidates fusion kept (retrieval's last figure) deletes it and exits. Tenant "zeta" has
-the same documents, and one more once the file named by ``EXTRA_DOCUMENT_FLAG`` exists (read
-when a process builds its runtime: an ingest that landed between two runs of a search).
+every search it counts done to ``SEARCH_DONE_LOG`` (``<job id> <outcome>``: a batch item's
+id is ``<batch id>/<query id>``) and every rerank outcome to ``RERANK_OUTCOME_LOG``, so a test
+reads what the metrics were told across the worker's processes. A search's figures are
+counted after its result is saved, so one may land after its test saw it final: a test reads
+its own job's lines of ``SEARCH_DONE_LOG`` (:func:`counted_done`). When the file named by
+``DIE_AFTER_OUTCOME_FLAG`` exists, the first ``rerank_outcome`` deletes it and exits once it
+is counted; likewise ``DIE_AFTER_DONE_FLAG`` and the first ``search_done`` of a job whose id
+starts with the file's text (any job's when it is empty: a test names its own, so that an
+earlier test's search counted late does not trip it). Every retrieval figure is appended to
+``RETRIEVAL_LOG`` (``seconds bm25``, ``hits fuse``...); when the file named by
+``DIE_AFTER_RETRIEVAL_FLAG`` exists, the first count of the candidates fusion kept
+(retrieval's last figure) deletes it and exits. Tenant "zeta" has the same documents, and
+one more once the file named by ``EXTRA_DOCUMENT_FLAG`` exists (read when a process builds
+its runtime: an ingest that landed between two runs of a search).
 
 The retrieval of a process's first searches fails (``BackendUnavailable``) as many times as
 the file named by ``FAIL_RETRIEVAL_FLAG`` says, if it exists when the process builds its
@@ -31,6 +36,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +44,7 @@ from tests.fakes import FakeEmbedder, InMemoryBackend
 from worker.contract import DocumentIn, SearchResult, SearchSpec
 from worker.core.ports import AnswerKeeper
 from worker.observability import metrics
-from worker.observability.logcontext import JobIdFilter
+from worker.observability.logcontext import JobIdFilter, job_context
 from worker.queue.items import CANCEL_MARK_MAX_AGE_SECONDS
 from worker.queue.jobstore import JobStore
 from worker.runtime.bootstrap import build_reranker
@@ -81,12 +87,35 @@ class DyingRecorder(metrics.PrometheusRecorder):
 
     def search_done(self, mode: str, outcome: str, seconds: float) -> None:
         super().search_done(mode, outcome, seconds)
+        job_id = _job_id()
         with Path(os.environ["SEARCH_DONE_LOG"]).open("a") as log:
-            log.write(outcome + "\n")
+            log.write(f"{job_id} {outcome}\n")
         flag = Path(os.environ["DIE_AFTER_DONE_FLAG"])
-        if flag.exists():
+        try:
+            armed = job_id.startswith(flag.read_text())
+        except FileNotFoundError:  # not armed, or another thread's search took it
+            armed = False
+        if armed:
             flag.unlink()
             os._exit(17)
+
+
+def counted_done(log: Path, job_id: str) -> list[str]:
+    """The outcomes ``SEARCH_DONE_LOG`` (``log``) holds for the job ``job_id``, in order."""
+    lines = (line.partition(" ") for line in log.read_text().splitlines())
+    return [outcome for job, _, outcome in lines if job == job_id]
+
+
+def _job_id() -> str:
+    """The job this thread works on, as its log records name it ("-" outside one)."""
+    record = logging.makeLogRecord({})
+    JobIdFilter().filter(record)
+    return str(record.job_id)
+
+
+def _as_job(job_id: str, figure: Callable[[], None]) -> None:
+    with job_context(job_id):
+        figure()
 
 
 def _log_retrieval(line: str) -> None:
@@ -96,15 +125,18 @@ def _log_retrieval(line: str) -> None:
 
 @dataclass(frozen=True)
 class DyingKeeper:
-    """The run claim's keeper, dying once just after it kept the model's answer."""
+    """The run claim's keeper, dying once just after it kept the model's answer. Its run's
+    figures are recorded as its job's (``job_id``): a batch item's are recorded once the
+    item is finished, where its runner names no job."""
 
     inner: AnswerKeeper
+    job_id: str
 
     def saved(self) -> Mapping[str, Any] | None:
         return self.inner.saved()
 
     def later(self, figures: Sequence[Callable[[], None]]) -> None:
-        self.inner.later(figures)
+        self.inner.later([partial(_as_job, self.job_id, figure) for figure in figures])
 
     def save(self, answer: Mapping[str, Any]) -> None:
         self.inner.save(answer)
@@ -126,7 +158,7 @@ class DyingRuntime(Runtime):
         spent: float = 0.0,
         answers: AnswerKeeper | None = None,
     ) -> SearchResult:
-        keeper = DyingKeeper(answers) if answers is not None else None
+        keeper = DyingKeeper(answers, _job_id()) if answers is not None else None
         check = before_model
         if check is not None:
 
@@ -143,10 +175,8 @@ class DyingRuntime(Runtime):
 
 def _cancel_running_batch() -> None:
     """Cancel the batch of the item this thread runs."""
-    record = logging.makeLogRecord({})
-    JobIdFilter().filter(record)  # the item's "batch id/query id"
     store = JobStore.from_url(os.environ["SIFT_REDIS_URL"])
-    assert store.cancel_batch(record.job_id.split("/")[0]) == (0, False)
+    assert store.cancel_batch(_job_id().split("/")[0]) == (0, False)  # "batch id/query id"
 
 
 def build(settings: Settings) -> Runtime:
