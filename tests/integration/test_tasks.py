@@ -863,7 +863,9 @@ def test_webhook_deliveries_beyond_the_process_bound_are_put_off_not_waited_for(
     """With the bound at 2, five webhooks due at once to a receiver that answers nothing:
     two are sent and wait on it; the other three are put off (a hop of the same event, the
     attempt unspent) and their threads are free while the two still wait. Before the bound,
-    all five threads sat in the receiver (a default worker's every thread, in the audit)."""
+    all five threads sat in the receiver (a default worker's every thread, in the audit).
+    Each put-off is counted in ``sift_webhook_deferrals_total`` (before: in no metric but
+    the task's ``wait`` outcome, which a hop toward a retry's due time shares)."""
     from types import SimpleNamespace
 
     from tests.integration.slow_receivers import slow_receiver
@@ -881,7 +883,11 @@ def test_webhook_deliveries_beyond_the_process_bound_are_put_off_not_waited_for(
     def count(result: str) -> float:
         return float(metrics.WEBHOOK_DELIVERIES.labels(result)._value.get())
 
+    def deferred() -> float:
+        return float(metrics.WEBHOOK_DEFERRALS.labels("search.completed")._value.get())
+
     before = {r: count(r) for r in ("delivered", "retry", "failed")}
+    deferred_before = deferred()
     with slow_receiver() as receiver:
         events = {f"srch_{i}": _search_event(f"srch_{i}") for i in range(5)}
         for event in events.values():
@@ -901,6 +907,7 @@ def test_webhook_deliveries_beyond_the_process_bound_are_put_off_not_waited_for(
             for job_id in put_off:
                 threads[job_id].join(30)
             assert receiver.held == 2 and len(hops) == 3
+            assert deferred() - deferred_before == 3.0
             assert all(not threads[job_id].is_alive() for job_id in put_off)
             sending = set(events) - put_off
             assert all(threads[job_id].is_alive() for job_id in sending)

@@ -244,6 +244,8 @@ def test_job_helpers() -> None:
     metrics.job_completed("batch_item", "canceled", count=3)
     metrics.observe_queue_wait(SEARCH_QUEUE, 0.3)
     metrics.webhook_delivery("retry")
+    metrics.webhook_deferred("batch.completed")
+    metrics.webhook_deferred("ping")  # not an event Sift sends: "other"
     with metrics.running_job():
         assert value("sift_jobs_in_flight", state="running") >= 1
     assert delta("sift_jobs_submitted_total", kind="batch_item") == 5
@@ -253,6 +255,8 @@ def test_job_helpers() -> None:
     assert delta("sift_job_failures_total", kind="batch_item", error="rerank_failed") == 1
     assert delta("sift_job_queue_wait_seconds_count", queue=SEARCH_QUEUE) == 1
     assert delta("sift_webhook_deliveries_total", result="retry") == 1
+    assert delta("sift_webhook_deferrals_total", type="batch.completed") == 1
+    assert delta("sift_webhook_deferrals_total", type="other") == 1
     assert delta("sift_jobs_in_flight", state="running") == 0
 
 

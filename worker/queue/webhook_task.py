@@ -65,6 +65,7 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
             # the attempt is written down: a first message's is the retry count, which a hop bumps
             same = {**event, "attempt": _attempt_number(self, event)}
             hop = self.retry(args=[same], countdown=random.uniform(*DEFER_SECONDS), throw=False)
+            metrics.webhook_deferred(event["type"])  # sift_webhook_deferrals_total
             raise WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
         _attempt(self, event)
 

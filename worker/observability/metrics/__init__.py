@@ -15,7 +15,8 @@ Who calls what:
 
 * the pipeline reports through :class:`PrometheusRecorder` (the ``Recorder`` port);
 * a Celery task calls :func:`observe_queue_wait`, :func:`job_completed` and
-  :func:`running_job`; the webhook task calls :func:`webhook_delivery`;
+  :func:`running_job`; the webhook task calls :func:`webhook_delivery` and
+  :func:`webhook_deferred`;
 * the gateway calls :func:`job_submitted`, mounts :func:`metrics_asgi_app` at ``/metrics``,
   and may call :func:`update_backlog` from a periodic loop;
 * a worker's main process calls :func:`start_worker_metrics_server`.
@@ -59,7 +60,9 @@ from worker.observability.metrics._jobs import (
     REDRIVEN,
     TASK_DURATION,
     TASK_RETRIES,
+    WEBHOOK_DEFERRALS,
     WEBHOOK_DELIVERIES,
+    WEBHOOK_EVENTS,
     WEBHOOK_RESULTS,
     RedisLike,
     cancel_counted,
@@ -70,6 +73,7 @@ from worker.observability.metrics._jobs import (
     redriven,
     running_job,
     update_backlog,
+    webhook_deferred,
     webhook_delivery,
 )
 from worker.observability.metrics._multiprocess import (
@@ -164,7 +168,9 @@ __all__ = [
     "TASK_DURATION",
     "TASK_RETRIES",
     "TOKEN_TYPES",
+    "WEBHOOK_DEFERRALS",
     "WEBHOOK_DELIVERIES",
+    "WEBHOOK_EVENTS",
     "WEBHOOK_RESULTS",
     "InFlightReranker",
     "PrometheusRecorder",
@@ -192,5 +198,6 @@ __all__ = [
     "start_worker_metrics_server",
     "sweep_dead_processes",
     "update_backlog",
+    "webhook_deferred",
     "webhook_delivery",
 ]

@@ -1,6 +1,6 @@
 """What the queue measures: jobs submitted, running and done (a failed one by its error class),
 their wait in the queue and each queue's backlog, each Celery task's run and retries, the
-re-drive's resends and the webhook deliveries."""
+re-drive's resends, and the webhook deliveries and those put off."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ from worker.constants import (
     METRIC_REDRIVEN,
     METRIC_TASK_DURATION,
     METRIC_TASK_RETRIES,
+    METRIC_WEBHOOK_DEFERRALS,
     METRIC_WEBHOOK_DELIVERIES,
+    WEBHOOK_EVENT_BATCH_COMPLETED,
+    WEBHOOK_EVENT_SEARCH_COMPLETED,
     kombu_queue_keys,
 )
 from worker.observability.metrics._recording import child, closed, never_raises
@@ -52,6 +55,7 @@ JOB_ERRORS: Final = (
     "expired",
 )
 WEBHOOK_RESULTS: Final = ("delivered", "retry", "failed")
+WEBHOOK_EVENTS: Final = (WEBHOOK_EVENT_SEARCH_COMPLETED, WEBHOOK_EVENT_BATCH_COMPLETED)
 REDRIVE_KINDS: Final = ("search", "batch", "ingest", "economy", "webhook")
 
 # --- buckets ---
@@ -78,6 +82,13 @@ WEBHOOK_DELIVERIES = Counter(
     "Webhook delivery attempts, by result (delivered; retry: another attempt follows; "
     "failed: none does, refused or the schedule spent).",
     ["result"],
+)
+WEBHOOK_DEFERRALS = Counter(
+    METRIC_WEBHOOK_DEFERRALS,
+    "Webhook deliveries put off because their process already sent "
+    "SIFT_WEBHOOK_DELIVERIES_PER_PROCESS at once (a hop of 1-3 s, no attempt spent), by event "
+    "type.",
+    ["type"],
 )
 QUEUE_BACKLOG = Gauge(
     METRIC_QUEUE_BACKLOG,
@@ -176,6 +187,12 @@ def redriven(kind: str, count: int = 1) -> None:
 def webhook_delivery(result: str) -> None:
     """One webhook delivery attempt ended with ``result``: delivered, retry or failed."""
     WEBHOOK_DELIVERIES.labels(closed(result, WEBHOOK_RESULTS, "result")).inc()
+
+
+@never_raises
+def webhook_deferred(event_type: str) -> None:
+    """A webhook of ``event_type`` was put off: every delivery slot of its process was sending."""
+    WEBHOOK_DEFERRALS.labels(closed(event_type, WEBHOOK_EVENTS, "type")).inc()
 
 
 class RedisLike(Protocol):

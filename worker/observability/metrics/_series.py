@@ -28,7 +28,9 @@ from worker.observability.metrics._jobs import (
     REDRIVEN,
     TASK_DURATION,
     TASK_RETRIES,
+    WEBHOOK_DEFERRALS,
     WEBHOOK_DELIVERIES,
+    WEBHOOK_EVENTS,
     WEBHOOK_RESULTS,
 )
 from worker.observability.metrics._rerank import (
@@ -71,6 +73,7 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     RERANK_IN_FLIGHT,
     JOBS_IN_FLIGHT,
     WEBHOOK_DELIVERIES,
+    WEBHOOK_DEFERRALS,
     QUEUE_BACKLOG,
     JOBS_SUBMITTED,
     JOBS_COMPLETED,
@@ -134,5 +137,7 @@ def preregister(
     JOBS_IN_FLIGHT.labels("running").set(0)  # "queued" is the job store's to report
     for result in WEBHOOK_RESULTS:
         WEBHOOK_DELIVERIES.labels(result)
+    for event_type in WEBHOOK_EVENTS:
+        WEBHOOK_DEFERRALS.labels(event_type)
     for kind in REDRIVE_KINDS:
         REDRIVEN.labels(kind)
