@@ -551,9 +551,10 @@ def test_a_webhook_retry_carries_the_figures_its_first_attempt_read(
 def test_every_copy_of_a_job_s_webhook_sends_the_same_bytes_timed_at_the_job_s_end(
     context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The finish's message, a copy sent again by a redelivered search 10 minutes later and
-    the re-drive's (each event timed when it was built): one body, its ``timestamp`` the
-    record's ``finished_at``. Before, each copy's body said when its copy was built."""
+    """The finish's message, then, each retry's message lost, the re-drive's copies making
+    attempts 2 and 3, built 10 minutes later and at the end (each event timed when it was
+    built): one body, its ``timestamp`` the record's ``finished_at``. Before, each copy's
+    body said when its copy was built."""
     import json
     from datetime import UTC, datetime
 
@@ -561,8 +562,9 @@ def test_every_copy_of_a_job_s_webhook_sends_the_same_bytes_timed_at_the_job_s_e
     sent = _capturing_webhooks(context, monkeypatch, delivered=False)
     ended_at = sent.done.finished_at
     assert ended_at is not None
-    for built in (ended_at + 0.004, ended_at + 600, ended_at):
-        webhook_task.webhook.apply(args=[_search_event(sent.done.id, occurred_at=built)])
+    for attempt, built in enumerate((ended_at + 0.004, ended_at + 600, ended_at), start=1):
+        event = _search_event(sent.done.id, occurred_at=built) | {"attempt": attempt}
+        webhook_task.webhook.apply(args=[event])
     bodies = sent.bodies
     assert len(bodies) == 3 and bodies[0] == bodies[1] == bodies[2]
     ended = datetime.fromtimestamp(ended_at, UTC).isoformat().replace("+00:00", "Z")
@@ -746,25 +748,117 @@ def test_two_copies_of_a_webhook_failing_the_same_attempt_go_on_as_one_schedule(
     context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two messages of one webhook make the same attempt (the finish's, and a redelivered
-    task's copy sent while the first had not run yet), and the receiver answers 500 to both:
-    one retry goes on, not two schedules side by side (each of 8 attempts)."""
+    task's copy sent while the first had not run yet), and the receiver answers 500 to the
+    first: one retry goes on, not two schedules side by side (each of 8 attempts), and the
+    copy, which runs once that attempt ended, sends nothing (it sent the attempt again)."""
     from datetime import datetime
 
     from worker.webhooks import delivery as webhooks
 
     job = _searched_with_a_webhook(context, monkeypatch)
     answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.RETRY, "http 500", 500)
-    monkeypatch.setattr(
-        webhooks,
-        "run_delivery",
-        lambda **kw: webhooks.DeliveryDecision(answer, kw["attempt"], 5.0),
-    )
+    sent: list[int] = []
+
+    def run_delivery(**kw: Any) -> webhooks.DeliveryDecision:
+        sent.append(kw["attempt"])
+        return webhooks.DeliveryDecision(answer, kw["attempt"], 5.0)
+
+    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
     retries = _capturing_retries(monkeypatch)
     message = _search_event(job.id, occurred_at=datetime.now().timestamp())
     webhook_task.webhook.apply(args=[message])
     webhook_task.webhook.apply(args=[message])  # the copy, the same attempt
+    assert sent == [1]
     assert [r["attempt"] for r in retries] == [2]
     assert context.store.webhook_attempt(job.id) == 2
+
+
+def test_two_copies_of_a_webhook_s_first_attempt_in_flight_at_once_send_it_once(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search's message delivered again (kombu's restore after a broker outage) while the
+    webhook's first message is being sent: the job is final and its webhook owed with no
+    retry recorded, so the redelivered search sends a copy, a message of its own (another
+    task id), and the copy runs while the first is still at the receiver. The copy sends
+    nothing: the first holds the attempt's claim, one per job, so the copy waits it out (a
+    hop of the same attempt) and then finds the webhook delivered. Before, both sent
+    attempt 1, and the receiver got it twice though nothing had failed (CI: ``test_lost_replies``
+    got ``['succeeded', 'succeeded']``)."""
+    from worker.queue.jobstore import WebhookState
+    from worker.webhooks import delivery as webhooks
+
+    sends: list[dict[str, Any]] = []
+    at_receiver, release = threading.Event(), threading.Event()
+    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.DELIVERED, "http 204", 204)
+
+    def run_delivery(**kw: Any) -> webhooks.DeliveryDecision:
+        sends.append(kw)
+        if len(sends) == 1:  # the first: held at the receiver until the copy has run
+            at_receiver.set()
+            release.wait(30)
+        return webhooks.DeliveryDecision(answer, kw["attempt"], None)
+
+    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
+    events: list[dict[str, Any]] = []
+    monkeypatch.setattr(
+        base.SiftTask, "send_webhook", lambda self, *args: events.append(_search_event(args[1]))
+    )
+    job = _searched_with_a_webhook(context, monkeypatch)  # its finish sent the first event
+    first = threading.Thread(target=webhook_task.webhook.apply, args=([events[0]],))
+    first.start()
+    try:
+        assert at_receiver.wait(30)
+        hops = _capturing_retries(monkeypatch)
+        tasks.search.apply(args=[job.id])  # the redelivery: its copy
+        assert len(events) == 2
+        webhook_task.webhook.apply(args=[events[1]])
+        assert len(sends) == 1  # the copy waits for the first's claim
+        assert [hop["attempt"] for hop in hops] == [1]
+    finally:
+        release.set()
+        first.join(30)
+    webhook_task.webhook.apply(args=[hops[0]])  # the copy's hop: delivered meanwhile
+    assert len(sends) == 1 and len(hops) == 1
+    done = context.store.get_search(job.id)
+    assert done is not None and done.webhook == WebhookState("delivered", 1)
+
+
+@pytest.mark.parametrize("claimant", ["dead worker", "lease over"])
+def test_a_webhook_attempt_whose_claimant_died_is_made_by_another_copy(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch, claimant: str
+) -> None:
+    """The copy holding the first attempt's claim died mid-delivery (its worker killed): the
+    next copy of that attempt (its own message put back by the dead-worker check, or another
+    copy) makes it, once the claimant's heartbeat is gone or, for a claim that named no
+    worker, once its lease is over. The webhook is not lost with the claim. While the
+    claimant's heartbeat lives, the copy waits."""
+    from worker.constants import WORKER_HEARTBEAT_KEY
+    from worker.queue.jobstore import WebhookState
+    from worker.webhooks import delivery as webhooks
+
+    sent: list[int] = []
+    answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.DELIVERED, "http 204", 204)
+
+    def run_delivery(**kw: Any) -> webhooks.DeliveryDecision:
+        sent.append(kw["attempt"])
+        return webhooks.DeliveryDecision(answer, kw["attempt"], None)
+
+    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
+    hops = _capturing_retries(monkeypatch)
+    job = _searched_with_a_webhook(context, monkeypatch)
+    store = context.store
+    if claimant == "dead worker":  # its heartbeat lives, then the worker dies
+        store.redis.set(WORKER_HEARTBEAT_KEY + "w-dead", "1")
+        assert store.claim_webhook(job.id, 1, "w-dead", lease_seconds=300.0).granted
+        webhook_task.webhook.apply(args=[_search_event(job.id)])
+        assert sent == [] and [hop["attempt"] for hop in hops] == [1]  # it waits
+        store.redis.delete(WORKER_HEARTBEAT_KEY + "w-dead")
+    else:  # a process without a heartbeat of its own, its lease over
+        assert store.claim_webhook(job.id, 1, "", lease_seconds=0.0).granted
+    webhook_task.webhook.apply(args=[_search_event(job.id)])
+    assert sent == [1]
+    done = store.get_search(job.id)
+    assert done is not None and done.webhook == WebhookState("delivered", 1)
 
 
 def test_a_poisoned_job_whose_dead_run_kept_a_model_answer_shows_that_billed_call(

@@ -15,9 +15,11 @@ from celery import shared_task
 
 from worker.constants import BATCH_ID_PREFIX, WEBHOOK_QUEUE, WEBHOOK_TASK
 from worker.observability import metrics
+from worker.queue import liveness
 from worker.queue.base import SiftTask, WaitHop
 from worker.queue.config import visibility_timeout
 from worker.queue.jobstore import BatchJob, JobStore, SearchJob, webhook_figures
+from worker.redis_client import OUTAGE_SECONDS
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -78,6 +80,21 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
     data = event["data"]
     store = self.context.store
     attempt = _attempt_number(self, event)
+    # one copy per attempt sends it, whatever its task id: a redelivered search, chunk or
+    # poll sends a copy while the first message may be on its way (JobStore.claim_webhook)
+    claim = store.claim_webhook(
+        data["id"], attempt, liveness.run_owner(), lease_seconds=_claim_seconds(settings)
+    )
+    if not claim.granted and not claim.wait:
+        log.info("webhook %s: attempt %d made, or settled, by another copy", data["id"], attempt)
+        return
+    if not claim.granted:  # another copy is sending it: look again once its claim is over
+        log.info("webhook %s: another copy makes attempt %d; this one waits", data["id"], attempt)
+        same = {**event, "attempt": attempt}
+        hop = self.retry(
+            args=[same], countdown=min(claim.wait, _hop_seconds(settings)), throw=False
+        )
+        raise WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
     # how late the attempt runs after it was due: the job's end, or its retry's time
     due = event.get("due_at") or datetime.fromisoformat(event["occurred_at"]).timestamp()
     metrics.observe_queue_wait(WEBHOOK_QUEUE, time.time() - float(due))
@@ -143,6 +160,14 @@ def _final_figures(store: JobStore, event: dict[str, Any]) -> dict[str, Any]:
     if job.finished_at is not None:
         final["occurred_at"] = datetime.fromtimestamp(job.finished_at, UTC).isoformat()
     return final
+
+
+def _claim_seconds(settings: Settings) -> float:
+    """How long a copy's claim of an attempt holds the other copies of it back, its worker
+    alive: the attempt's cap, and as long as the job store rides out a Redis restart for the
+    write that records how it ended. A claim whose worker died (its heartbeat gone) is
+    taken over then."""
+    return settings.webhook_total_timeout_seconds + OUTAGE_SECONDS
 
 
 def _hop_seconds(settings: Settings) -> float:

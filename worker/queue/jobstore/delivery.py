@@ -6,7 +6,9 @@ Redis does.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import cast
 
 from worker.constants import (
@@ -22,6 +24,7 @@ from worker.constants import (
     SEARCH_KEY,
     STATS_KEY,
     WEBHOOKS_OWED_KEY,
+    WORKER_HEARTBEAT_KEY,
 )
 from worker.contract import JobStatus
 from worker.queue.jobstore.records import WebhookStatus, _in_flight, _now
@@ -35,6 +38,18 @@ def _record_key(job_id: str) -> str:
 
 def _attempts_key(task_id: str, retry: int) -> str:
     return f"{ATTEMPTS_KEY}{task_id}:{retry}"
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookClaim:
+    """A webhook copy's claim of the attempt it makes (:meth:`DeliveryRecords.claim_webhook`):
+    ``granted``, it sends it; else ``wait`` seconds are left on another copy's live claim of
+    that attempt (look again then: that copy may have died), or ``wait`` is 0 and there is
+    nothing left to send (the webhook was settled, or the attempt was made and a later one
+    is due)."""
+
+    granted: bool
+    wait: float = 0.0
 
 
 class DeliveryRecords(_StoreCore):
@@ -129,6 +144,22 @@ class DeliveryRecords(_StoreCore):
         pipe.hexists(_record_key(job_id), "webhook_attempt")
         owed, retried = pipe.execute()
         return owed is not None and not retried
+
+    def claim_webhook(
+        self, job_id: str, attempt: int, owner: str, *, lease_seconds: float
+    ) -> WebhookClaim:
+        """Claim attempt ``attempt`` of the job's webhook for the copy about to send it, one
+        claim per job, whatever the task id of the copy: another copy of the same attempt
+        (a redelivered task sent one while the first was on its way) waits while this one's
+        worker ``owner`` keeps its heartbeat ('' : none; then the lease alone) and
+        ``lease_seconds`` are not over, and a copy of it that runs once the attempt ended
+        (settled, or a retry recorded) has nothing to send
+        (:data:`~worker.queue.jobstore.scripts._CLAIM_WEBHOOK`)."""
+        keys = [_record_key(job_id)]
+        token = os.urandom(8).hex()
+        args = [str(attempt), owner, repr(lease_seconds), WORKER_HEARTBEAT_KEY, token]
+        granted, wait = cast(list[bytes | str | int], self._claim_webhook(keys=keys, args=args))
+        return WebhookClaim(granted=int(granted) == 1, wait=float(wait))
 
     def webhook_was_settled(self, job_id: str) -> bool:
         """Whether the job's record says its webhook was settled (:meth:`webhook_settled`):

@@ -337,6 +337,40 @@ if ARGV[3] ~= '' then return 1 end
 return moved
 """
 
+# A copy of a webhook's message claims the attempt it makes before it sends it, so two
+# copies of one attempt (a redelivered task's, and the message it sent again) send it once.
+# KEYS: the job's record. ARGV: the attempt, the claimant's worker id ('' : none), its lease
+# (seconds), the heartbeat key prefix, the claim's token. Refused for good ({0, '0'}) once
+# the webhook was settled, or for an attempt before the one a retry recorded (made already:
+# the schedule goes on without this copy); while another copy holds the same attempt, its
+# worker's heartbeat alive (or it named none) and its lease not over, refused with the
+# seconds left ({0, '<s>'}: wait, then look again); else recorded ("webhook_claim":
+# attempt|owner|until|token, in Redis's clock) and granted ({1, '0'}). The same call sent
+# again (its reply lost) finds its own token: granted, as it was. A record already gone
+# (expired) has nothing to claim on and none is made: granted.
+_CLAIM_WEBHOOK = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {1, '0'} end
+if redis.call('HEXISTS', KEYS[1], 'webhook_settled') == 1 then return {0, '0'} end
+local attempt = tonumber(ARGV[1])
+if attempt < (tonumber(redis.call('HGET', KEYS[1], 'webhook_attempt')) or 1) then
+  return {0, '0'}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local cur = redis.call('HGET', KEYS[1], 'webhook_claim')
+if cur then
+  local held, owner, till, token = string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+  if token == ARGV[5] then return {1, '0'} end
+  if tonumber(held) == attempt and now < tonumber(till)
+      and (owner == '' or redis.call('EXISTS', ARGV[4] .. owner) == 1) then
+    return {0, string.format('%.3f', tonumber(till) - now)}
+  end
+end
+redis.call('HSET', KEYS[1], 'webhook_claim', attempt .. '|' .. ARGV[2] .. '|'
+  .. string.format('%.6f', now + tonumber(ARGV[3])) .. '|' .. ARGV[5])
+return {1, '0'}
+"""
+
 # A job's webhook is owed no more: delivered, refused, or its schedule spent. KEYS: the
 # webhooks owed, the job's record. ARGV: the job id, the score before which entries are
 # dropped (due before the retention window: their records have expired), how it ended

@@ -43,6 +43,7 @@ from worker.queue.jobstore.scripts import (
     _CANCEL_BATCH,
     _CLAIM_IDEMPOTENCY,
     _CLAIM_RUN,
+    _CLAIM_WEBHOOK,
     _CREATE_SEARCH,
     _KEEP_ANSWER,
     _RELEASE_IDEMPOTENCY,
@@ -132,6 +133,7 @@ class _StoreCore:
         self._take_cancel_count = client.register_script(_TAKE_CANCEL_COUNT)
         self._webhook_due = client.register_script(_WEBHOOK_DUE)
         self._webhook_settled = client.register_script(_WEBHOOK_SETTLED)
+        self._claim_webhook = client.register_script(_CLAIM_WEBHOOK)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
