@@ -12,14 +12,18 @@ copy delivered once the job is final.
 
 from __future__ import annotations
 
+import base64
+import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import redis
 
 from tests.fake_anthropic import FakeAnthropic
+from tests.integration.slow_receivers import slow_receiver
 from tests.reliability.support import (
     ACME,
     Receiver,
@@ -34,7 +38,13 @@ from tests.reliability.support import (
 )
 from tests.reliability.test_lost_replies import completed, increase
 from tests.services import celery_worker, free_port, gateway, redis_server
-from worker.constants import BATCH_QUEUE, KOMBU_UNACKED_KEY, SEARCH_QUEUE, WEBHOOK_QUEUE
+from worker.constants import (
+    BATCH_QUEUE,
+    KOMBU_UNACKED_KEY,
+    SEARCH_QUEUE,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -135,3 +145,67 @@ def test_every_message_delivered_twice_still_finishes_each_job_once(
     # (its claim, worker/queue/jobstore/runs.py), and a copy of a final job calls nothing
     assert while_running == TOTAL + 1, while_running
     assert after_final == while_running, after_final
+
+
+def _waiting_webhooks(client: redis.Redis) -> list[dict[str, Any]]:
+    """The events of the ``sift.webhook`` messages the broker holds unacked (running, or
+    waiting out a hop's countdown)."""
+    events = []
+    for raw in client.hvals(KOMBU_UNACKED_KEY):
+        envelope = json.loads(raw)[0]
+        body: str | bytes = envelope["body"]
+        if envelope["properties"].get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        if envelope["headers"]["task"] == WEBHOOK_TASK:
+            events.append(json.loads(body)[0][0])
+    return events
+
+
+@pytest.mark.timeout(300)
+def test_a_search_delivered_again_while_its_webhook_is_sent_delivers_it_once(
+    tmp_path: Path,
+) -> None:
+    """A finished search's message delivered again (as kombu's restore puts back a message
+    its task had not acked when the broker connection dropped: CI's Redis outage) while the
+    webhook's first attempt is at the receiver. The search is final and its webhook owed with
+    no retry recorded, so the delivery sends a copy, another message, which a real worker
+    runs at once: it must not send the attempt again. It waits out the first's claim of the
+    attempt (the job's, whatever the task id), then finds the webhook delivered, and stops.
+    Before, the receiver got the one webhook twice, nothing having failed. With a 10 s
+    delivery cap: a copy waits out a claim's lease, the cap and 30 s, before it stops."""
+    with (
+        FakeAnthropic(delay=0.05) as model,
+        redis_server(tmp_path / "redis") as url,
+        slow_receiver() as receiver,  # holds each POST until released, then 204
+    ):
+        env = stack_env(url + "/0", model.url, SIFT_WEBHOOK_TOTAL_TIMEOUT_SECONDS="10")
+        raw = redis.Redis.from_url(url + "/0")
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            with celery_worker(tmp_path / "w0", env, "w0"):
+                ingest(client)  # then no worker: the search's message waits, and is kept
+            search_id = submit_search(client, sample_queries()[1], webhook_url=receiver.url)
+            (message,) = raw.lrange(SEARCH_QUEUE, 0, -1)
+            with celery_worker(tmp_path / "w", env, "w"):
+                wait_for(lambda: receiver.held == 1, "the first attempt at the receiver")
+                raw.lpush(SEARCH_QUEUE, message)  # delivered again: the same message
+                wait_for(
+                    lambda: (
+                        receiver.requests > 1
+                        or any(e.get("attempt") == 1 for e in _waiting_webhooks(raw))
+                    ),
+                    "the copy sent, or waiting for the first's claim",
+                )
+                at_once = receiver.requests
+                receiver.release.set()
+                wait_for(
+                    lambda: not raw.llen(WEBHOOK_QUEUE) and not _waiting_webhooks(raw),
+                    "the copy done",
+                )
+                search = client.get(f"/v1/searches/{search_id}", headers=ACME).json()
+        raw.close()
+    assert at_once == 1 and receiver.requests == 1, (at_once, receiver.requests)
+    assert search["status"] == "succeeded"
+    assert search["webhook"] == {"status": "delivered", "attempts": 1}, search["webhook"]
