@@ -36,6 +36,7 @@ import pytest
 import redis
 
 from tests.fake_anthropic import FakeAnthropic
+from tests.integration.slow_receivers import slow_receiver
 from tests.reliability.support import (
     ACME,
     INDEX,
@@ -46,6 +47,7 @@ from tests.reliability.support import (
     ingest,
     sample_queries,
     stack_env,
+    submit_search,
     wait_for,
 )
 from tests.services import gateway, redis_server
@@ -54,6 +56,7 @@ from worker.constants import (
     BATCH_QUEUE,
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_KEY,
+    SEARCH_KEY,
 )
 from worker.processes.stack import child_env, worker_process
 from worker.settings import Settings
@@ -321,6 +324,45 @@ def test_a_killed_worker_s_searches_and_their_webhooks_come_back(
             assert set(model_calls(model).values()) == {2}  # once on A, once on B
     finally:
         model.configure(delay=MODEL_SECONDS)
+
+
+@pytest.mark.timeout(300)
+def test_a_webhook_whose_worker_is_killed_mid_delivery_is_delivered_by_the_next_worker(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """A search's webhook at the receiver, unanswered, when its worker is SIGKILLed: its
+    worker holds the attempt's claim (one per job, so that a second copy of the attempt
+    waits), and that claim must not lose the webhook. The next worker's dead-worker check
+    puts the message back once the dead worker's heartbeat is gone, and the message takes
+    the attempt over from the dead claimant (no lease to wait out) and delivers it: the
+    job's webhook shows ``delivered`` after 1 attempt (the one cut by the kill was never
+    recorded), and the receiver had it twice."""
+    with (
+        recovery_stack(tmp_path, model) as (url, env, client),
+        slow_receiver() as receiver,  # holds each POST until released, then 204
+    ):
+        raw = redis.Redis.from_url(url, decode_responses=True)
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            job_id = submit_search(client, sample_queries()[0], webhook_url=receiver.url)
+            wait_for(lambda: receiver.held == 1, "the first attempt at the receiver")
+            claim = str(raw.hget(SEARCH_KEY + job_id, "webhook_claim"))
+            worker_a.send_signal(signal.SIGKILL)
+            worker_a.wait(10)
+        receiver.release.set()  # from now on every POST is answered 204
+        with worker(tmp_path / "w", env, "b"):
+            wait_for(
+                lambda: (
+                    client.get(f"/v1/searches/{job_id}", headers=ACME).json()["webhook"]
+                    == {"status": "delivered", "attempts": 1}
+                ),
+                "the webhook delivered by the next worker",
+                RECOVERY_WINDOW,
+            )
+        raw.close()
+    attempt, owner, *_ = claim.split("|")
+    assert attempt == "1" and owner, claim  # held by the killed worker, by its id
+    assert receiver.requests == 2
 
 
 @pytest.mark.timeout(300)
