@@ -72,7 +72,8 @@ def search(self: SiftTask, job_id: str) -> None:
         log.info("search %s: nothing to do (%s)", job_id, "missing" if job is None else "final")
         if job is not None and job.webhook_url and store.webhook_unattempted(job_id):
             # a redelivery: the worker that finished it may have died before enqueueing the
-            # webhook. Send it again; the webhook-id is the same, delivery is at least once.
+            # webhook. Send it again; the webhook-id is the same, delivery is at least once,
+            # and if the first is on its way this copy waits for its claim of the attempt
             self.send_webhook(
                 WEBHOOK_EVENT_SEARCH_COMPLETED,
                 job_id,

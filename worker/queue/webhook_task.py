@@ -43,7 +43,10 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
 
     The job's final move recorded the webhook owed; a retry records when its attempt is
     due, and a final attempt (or a drop) settles it: one still owed long past its due time
-    lost its message, and the re-drive sends it again (:mod:`worker.queue.redrive`).
+    lost its message, and the re-drive sends it again (:mod:`worker.queue.redrive`). Two
+    copies of one attempt (a redelivered task sends one while the first may be on its way)
+    send it once: the first to claim it in the job's record does, the other waits out that
+    claim and then finds the attempt made (:meth:`JobStore.claim_webhook`).
 
     At most ``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS`` deliveries run at once in a process;
     one due while they all send is put off a second or two by a hop, its attempt unspent,
