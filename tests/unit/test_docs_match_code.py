@@ -311,3 +311,22 @@ def test_every_file_and_test_the_docs_name_exists(document: str) -> None:
         assert f"def {test}(" in found[0].read_text(), f"{module}::{test}"
     for module in set(re.findall(r"`(test_\w+\.py)", text)):
         assert list((ROOT / "tests").rglob(module)), module
+
+
+def test_the_compose_walkthrough_names_the_indexes_the_first_write_makes() -> None:
+    """deploy/README.md's walkthrough (tenant ``demo`` of deploy/.env.example, index ``demo``)
+    names the template, the concrete index and the alias the Elasticsearch backend makes."""
+    from unittest.mock import MagicMock
+
+    from worker.adapters.elasticsearch import ElasticsearchBackend
+    from worker.adapters.elasticsearch._layout import concrete_name
+
+    text = read("deploy/README.md")
+    said = re.search(
+        r"The first write to an index creates it in Elasticsearch:(.+?)\n\n", text, re.S
+    )
+    assert said, "the walkthrough no longer says what the first write makes"
+    backend = ElasticsearchBackend(MagicMock(), prefix="sift-")
+    alias = backend.alias("demo", "demo")
+    named = set(re.findall(r"`([^`]+)`", said.group(1)))
+    assert {"sift-sift", alias, concrete_name(alias, "000001")} <= named, named
