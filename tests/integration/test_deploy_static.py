@@ -463,3 +463,22 @@ def test_every_pod_loads_its_settings_beside_the_service_links_of_its_namespace(
             if name.startswith("SIFT_"):
                 monkeypatch.setenv(name, value)
         load_settings()
+
+
+def test_the_compose_workers_fit_the_memory_the_readme_asks_for(compose: dict[str, Any]) -> None:
+    """``sift worker`` starts a process per core it sees, and a compose container sees every
+    core of its host: unset, each replica ran one per host core (2 replicas on an 8-core
+    laptop: 16 processes, ~9 GB at docs/reliability.md's ~600 MB each), not the "about 4 GB"
+    deploy/README.md asks for. The compose file fixes the count (deploy/.env may change it)."""
+    worker = compose["services"]["worker"]
+    setting = str(worker["environment"].get("SIFT_WORKER_PROCESSES", ""))
+    fixed = re.fullmatch(r"\$\{SIFT_WORKER_PROCESSES:-([1-9]\d*)\}", setting)
+    assert fixed, f"the worker's process count follows the host's cores: {setting!r}"
+    processes = int(fixed.group(1)) * int(worker["deploy"]["replicas"])
+    heap = re.search(r"\$\{ES_HEAP:-(\d+)g\}", COMPOSE.read_text())
+    asked = re.search(r"about (\d+) GB of free memory", (DEPLOY / "README.md").read_text())
+    assert heap and asked
+    needs = processes * 0.6 + int(heap.group(1))  # GB: the workers' RSS, Elasticsearch's heap
+    assert needs <= int(asked.group(1)), (processes, needs)
+    example = (DEPLOY / ".env.example").read_text()
+    assert re.search(rf"^SIFT_WORKER_PROCESSES={fixed.group(1)}$", example, re.MULTILINE)
