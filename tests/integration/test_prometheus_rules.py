@@ -93,3 +93,49 @@ def test_the_attempt_error_panel_leaves_out_calls_never_sent(tmp_path: Path) -> 
     path.write_text(yaml.safe_dump(tests))
     run = promtool("test", "rules", str(path))
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def _stat_expr(title: str) -> str:
+    """The one query of the sift-rerank-cost dashboard's stat panel ``title``."""
+    dashboard = json.loads((ROOT / "grafana" / "sift-rerank-cost.json").read_text())
+    (panel,) = [p for p in dashboard["panels"] if p["type"] == "stat" and p["title"] == title]
+    (target,) = panel["targets"]
+    return concrete(str(target["expr"]))  # $__range: 1h, $__rate_interval: 1m
+
+
+@needs_promtool
+def test_the_cost_per_1k_searches_stat_agrees_with_the_spend_in_range(tmp_path: Path) -> None:
+    """The top row's per-1,000-searches figure is the range's spend over the range's
+    searches, as ``sift cost`` reports it for a window: a reranked batch (16 minutes, $1.00,
+    160 searches) then 15 minutes of searches without rerank (150). Read over the last
+    minute, it said $0.00 beside a spend of $1.00 (and "No data" once searches stopped).
+    The steps are exact binary fractions: a sum that rounds down reads as a counter reset."""
+    spend = _stat_expr("Spend in range (USD)")
+    per_1k = _stat_expr("Dollars per 1,000 searches in range")
+    labels = 'job="sift-worker",instance="w1"'
+    series = [
+        {"series": f'sift_rerank_cost_usd_total{{{labels},model="claude-haiku-4-5",'
+                   'lane="standard"}', "values": "0+0x10 0.0625+0.0625x15 1+0x14"},
+        {"series": f'sift_search_duration_seconds_count{{{labels},mode="hybrid",'
+                   'outcome="ok"}', "values": "0+0x10 10+10x15 170+10x14"},
+    ]  # fmt: skip
+    tests = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "promql_expr_test": [
+                    {"expr": spend, "eval_time": "41m",
+                     "exp_samples": [{"labels": "{}", "value": 1.0}]},
+                    {"expr": per_1k, "eval_time": "41m",
+                     "exp_samples": [{"labels": "{}", "value": 1000 / 310}]},
+                ],
+            }
+        ],
+    }  # fmt: skip
+    path = tmp_path / "stat_test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    run = promtool("test", "rules", str(path))
+    assert run.returncode == 0, run.stdout + run.stderr
