@@ -297,3 +297,52 @@ def test_a_page_of_documents_is_a_seek_on_the_unique_key_not_a_scan(
         "SEARCH w USING PRIMARY KEY (idx=? AND tenant=? AND id=?) LEFT-JOIN",
     ]
     assert [d.id for d in backend.documents("sci", "acme", "d0", 2) or []] == ["d1", "d2"]
+
+
+def _listing_work(data_dir: Path, tenant: str, cursors: list[str | None]) -> list[int]:
+    """How much SQLite work each of ``tenant``'s index-list pages (one per cursor) does: its
+    virtual-machine steps, counted a hundred at a time by a progress handler on each
+    connection a fresh backend on ``data_dir`` opens."""
+    steps = 0
+
+    def count() -> bool:
+        nonlocal steps
+        steps += 1
+        return False  # go on
+
+    def hook(conn: apsw.Connection) -> None:
+        conn.set_progress_handler(count, 100)
+
+    apsw.connection_hooks.append(hook)
+    backend = EmbeddedBackend(data_dir)
+    try:
+        backend.check()  # the connection and its schema made, under the hook
+        work = []
+        for after in cursors:
+            steps = 0
+            backend.indexes(tenant, after, 101)
+            work.append(steps)
+        return work
+    finally:
+        backend.close()
+        apsw.connection_hooks.remove(hook)
+
+
+def test_the_index_list_reads_none_of_another_tenants_documents(tmp_path: Path) -> None:
+    """``GET /v1/indexes`` on the embedded backend reads the caller's own rows only: its work
+    is the same whether another tenant holds 10 documents or 20,000, under a name after the
+    caller's cursor or not. It read every document of every tenant named after the cursor
+    (a scan of ``docs``'s key from ``idx > ?``, the tenant a filter), so a tenant with one
+    document listed in 4.7 ms beside another's 200,000 and in 0.01 ms with its cursor past
+    them: its list's time told how many documents the others hold, and, from a cursor it
+    made itself (the token's digest is no secret), under which names."""
+    backend = EmbeddedBackend(tmp_path)
+    backend.upsert("a", "acme", DOCS[:1], VECTORS[:1])
+    backend.upsert("m-big", "bob", [Document(f"b{i}", "w") for i in range(10)], None)
+    cursors: list[str | None] = [None, "a", "m", "zz"]
+    few = _listing_work(tmp_path, "acme", cursors)
+    backend.upsert("m-big", "bob", [Document(f"c{i}", "w") for i in range(20_000)], None)
+    assert _listing_work(tmp_path, "acme", cursors) == few
+    assert [i.name for i in backend.indexes("acme")] == ["a"]
+    assert [(i.name, i.documents) for i in backend.indexes("bob")] == [("m-big", 20_010)]
+    backend.close()

@@ -28,18 +28,16 @@ class _Listing(_Pool):
         self, tenant: str, after: str | None = None, limit: int | None = None
     ) -> list[IndexInfo]:
         """Up to ``limit`` of the tenant's indexes (those holding one of its documents)
-        named after ``after``, by name; ``idx > ''`` is every name (none is empty), and
-        SQLite's ``LIMIT -1`` no limit."""
+        named after ``after``, by name; ``name > ''`` is every name (none is empty), and
+        SQLite's ``LIMIT -1`` no limit. Only the tenant's own rows are read: its names from
+        ``indexes_by_tenant``, then a count of each one's documents on ``docs``'s key. (It
+        read ``docs`` from the cursor's name on, every tenant's rows, so a list's time told
+        how many documents the others held under the names after it.)"""
+        asked = (tenant, after or "", -1 if limit is None else limit)
         with self._conn() as conn, _translated("indexes"), _read(conn):
             rows = cast(
                 list[tuple[str, int, int | None, str | None, float | None]],
-                conn.execute(
-                    "SELECT d.idx, count(*), i.dimension, c.model, c.last_write FROM docs AS d"
-                    " JOIN indexes AS i ON i.name = d.idx AND i.tenant = d.tenant"
-                    " LEFT JOIN catalog AS c ON c.idx = d.idx AND c.tenant = d.tenant"
-                    " WHERE d.tenant = ? AND d.idx > ? GROUP BY d.idx ORDER BY d.idx LIMIT ?",
-                    (tenant, after or "", -1 if limit is None else limit),
-                ).fetchall(),
+                conn.execute(INDEXES_PAGE, asked).fetchall(),
             )
         return [
             IndexInfo(name, int(count), self.name, model, dimension, last_write)
@@ -109,6 +107,15 @@ class _Listing(_Pool):
             for doc_id, revision, meta, title, preview, length, version, whole in rows
         ]
 
+
+#: One page of a tenant's indexes: its names after the cursor, each with its documents (an
+#: ``indexes`` row outlives its last document, so a name with none is left out).
+INDEXES_PAGE = (
+    "SELECT i.name, count(*), i.dimension, c.model, c.last_write FROM indexes AS i"
+    " JOIN docs AS d ON d.idx = i.name AND d.tenant = i.tenant"
+    " LEFT JOIN catalog AS c ON c.idx = i.name AND c.tenant = i.tenant"
+    " WHERE i.tenant = ? AND i.name > ? GROUP BY i.name ORDER BY i.name LIMIT ?"
+)
 
 #: One page of a tenant's documents; ``id > ''`` is every id (the gateway takes none empty);
 #: the last column is the whole text of one holding a U+0000 (NULL for any other).

@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS indexes(
     generation INTEGER NOT NULL DEFAULT 0,
     UNIQUE(name, tenant)
 );
+CREATE INDEX IF NOT EXISTS indexes_by_tenant ON indexes(tenant, name);
 CREATE TABLE IF NOT EXISTS docs(
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     idx TEXT NOT NULL,
@@ -82,6 +83,8 @@ CREATE TABLE IF NOT EXISTS index_settings(
     PRIMARY KEY(idx, tenant)
 ) WITHOUT ROWID;
 """
+# ``indexes_by_tenant`` (the index list's seek on the tenant's own names) came after v2 without
+# a bump, as ``index_settings`` did: a v2 data dir gains it on open, an earlier release ignores it.
 # ``index_settings`` (each tenant's index's own search settings, a NULL ``settings`` once
 # cleared) came after v2 without a bump: a v2 data dir gains it on open, and an earlier v2
 # release reads past it.
