@@ -190,7 +190,7 @@ def install_error_handlers(app: FastAPI) -> None:
             "invalid_request",
             exc.message,
             field=exc.field,
-            fields=[FieldProblem(field=exc.field, message=exc.message)],
+            fields=[FieldProblem(field=exc.field, message=exc.problem)],
         )
 
     @app.exception_handler(ApiError)

@@ -65,6 +65,7 @@ class InvalidRequest(SiftError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.problem = message  # without the field's name, as a 422 lists it under fields
 
 
 class ConfigError(SiftError):

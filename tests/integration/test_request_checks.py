@@ -445,3 +445,30 @@ def test_a_body_that_is_not_json_is_401_without_a_key_then_400(
     assert error["field"] == "body" and error["message"].startswith("body: is not valid JSON"), (
         error
     )
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/searches", {**SEARCH, "limit": 0}),  # pydantic's
+        ("POST", "/v1/searches?wiat=1", SEARCH),  # the gateway's own checks from here
+        ("GET", "/v1/searches?page_token=bm90LW91cnM", None),
+        ("POST", "/v1/indexes/docs/documents", {"documents": [{"id": "a", "text": " "}]}),
+        ("POST", "/v1/batches", {"index": "docs", "queries": [QUERY, QUERY]}),
+    ],
+)
+def test_each_problem_of_a_422_names_its_field_once(
+    client: TestClient, method: str, path: str, body: dict[str, object] | None
+) -> None:
+    """A 422's ``fields`` lists each problem as ``{"field", "message"}``, the message without
+    the field's name (the top ``message`` is ``field: message``). The gateway's own checks
+    gave the name twice there (``{"field": "page_token", "message": "page_token: is not a
+    token this list issued"}``), pydantic's once: a client printing ``field: message`` for
+    each problem printed their name twice."""
+    response = client.request(method, path, json=body, headers=ACME)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    (problem,) = error["fields"]
+    assert problem["field"] == error["field"]
+    assert not problem["message"].startswith(f"{problem['field']}:"), problem
+    assert error["message"] == f"{problem['field']}: {problem['message']}", error
