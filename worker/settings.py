@@ -10,6 +10,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
 
 from pydantic import (
     AliasChoices,
@@ -352,6 +353,39 @@ class Settings(BaseSettings):
             return value
         return None if type(None) in get_args(cls.model_fields[name].annotation) else value
 
+    @field_validator("redis_url")
+    @classmethod
+    def _a_redis_url(cls, value: str | None) -> str | None:
+        """What redis-py and kombu read: ``127.0.0.1:6379`` (a compose file's spelling) had
+        the gateway stop on redis-py's traceback and ``sift worker``'s Celery retry an AMQP
+        broker it made of it (``amqp://guest@127.0.0.1%3A6379:5672``) for as long as it ran."""
+        if value is not None and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(
+                "must start with redis://, rediss:// or unix:// (redis://127.0.0.1:6379/0), "
+                f"not {value!r}"
+            )
+        return value
+
+    @field_validator("url", "prometheus_url", "elasticsearch_url")
+    @classmethod
+    def _an_http_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """An http(s) URL with a host (and for Elasticsearch, whose client asks for one, a
+        port): ``SIFT_URL=127.0.0.1:8080`` had every CLI read retry for two minutes, saying
+        "trying again", what no retry mends."""
+        if value is None:
+            return value
+        parts = urlsplit(value)
+        try:
+            port = parts.port
+        except ValueError:  # not a number, or out of range
+            port = None
+        needs_port = info.field_name == "elasticsearch_url"
+        if parts.scheme not in ("http", "https") or not parts.hostname or (needs_port and not port):
+            example = "https://es.internal:9200" if needs_port else "http://127.0.0.1:8080"
+            with_port = ", a host and a port" if needs_port else " and a host"
+            raise ValueError(f"must be http:// or https://{with_port} ({example}), not {value!r}")
+        return value
+
     @field_validator("gateway_port", "worker_metrics_port", mode="before")
     @classmethod
     def _service_link_is_unset(cls, value: Any) -> Any:
@@ -478,7 +512,10 @@ def load_settings(**overrides: Any) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        problems = [error_path(error["loc"]) + f": {error['msg']}" for error in exc.errors()]
+        problems = [
+            error_path(error["loc"]) + ": " + error["msg"].removeprefix("Value error, ")
+            for error in exc.errors()
+        ]
         raise ConfigError("invalid settings; " + "; ".join(problems)) from exc
 
 

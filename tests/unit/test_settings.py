@@ -3,6 +3,7 @@ rerank model's ``output_config.effort`` as the worker's bootstrap builds it."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -200,3 +201,71 @@ def test_a_keys_files_error_names_its_full_path(tmp_path: Path) -> None:
         load_settings(api_keys_file=keys).all_api_keys()
     assert "SIFT_API_KEYS_FILE.0.webhook_secret: String should match pattern" in str(raised.value)
     assert str(keys) in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("SIFT_REDIS_URL", "127.0.0.1:6379"),  # the scheme left out, as compose files write it
+        ("SIFT_REDIS_URL", "http://127.0.0.1:6379"),
+        ("SIFT_URL", "127.0.0.1:8080"),
+        ("SIFT_URL", "ftp://gateway:8080"),
+        ("SIFT_PROMETHEUS_URL", "prometheus:9090"),
+        ("SIFT_ELASTICSEARCH_URL", "es:9200"),
+        ("SIFT_ELASTICSEARCH_URL", "http://es"),  # the client needs the port
+    ],
+)
+def test_a_url_setting_without_its_scheme_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """A URL the client it is for cannot use is a start-up error naming the variable. Before,
+    ``SIFT_REDIS_URL=127.0.0.1:6379`` started a ``sift worker`` whose Celery tried
+    ``amqp://guest@127.0.0.1%3A6379:5672`` a hundred times, and the gateway and ``sift status``
+    stopped on a traceback; ``SIFT_URL=127.0.0.1:8080`` had ``sift indexes`` say "trying
+    again" for two minutes; a bad ``SIFT_ELASTICSEARCH_URL`` was the client's traceback."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=f"{variable}: .*{re.escape(repr(value))}"):
+        load_settings()
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("SIFT_REDIS_URL", "redis://127.0.0.1:6379/0"),
+        ("SIFT_REDIS_URL", "rediss://:secret@redis.internal:6380/1"),
+        ("SIFT_REDIS_URL", "unix:///run/redis/redis.sock?db=0"),
+        ("SIFT_URL", "https://sift.example.com/api"),
+        ("SIFT_PROMETHEUS_URL", "http://[::1]:9090"),
+        ("SIFT_ELASTICSEARCH_URL", "https://elastic:pw@es.internal:9200"),
+    ],
+)
+def test_the_url_settings_take_what_their_clients_take(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    monkeypatch.setenv(variable, value)
+    assert getattr(load_settings(), variable.removeprefix("SIFT_").lower()) == value
+
+
+def test_every_sift_command_stops_on_a_redis_url_without_its_scheme(tmp_path: Path) -> None:
+    """The gateway, the worker, ``sift status`` and a CLI read each exit with one line naming
+    the variable, at once (the worker retried an AMQP broker it made up; the others printed a
+    traceback, or retried for two minutes)."""
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "HOME": str(tmp_path),
+        "SIFT_REDIS_URL": "127.0.0.1:9",
+        "SIFT_URL": "127.0.0.1:9",
+    }
+    for command in (["gateway"], ["worker"], ["status"], ["indexes"]):
+        run = subprocess.run(
+            [sys.executable, "-m", "worker.cli", *command],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        output = " ".join((run.stdout + run.stderr).split())
+        assert run.returncode in (1, 2), (command, output)
+        assert "Traceback" not in output and "trying again" not in output, (command, output)
+        assert "SIFT_REDIS_URL: " in output and "'127.0.0.1:9'" in output, (command, output)
