@@ -59,7 +59,7 @@ METADATA_KEY_PATTERN = rf"^[A-Za-z0-9_.:-]{{1,{MAX_METADATA_KEY_CHARS}}}$"
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _utf8(value: str) -> str:
+def unicode_only(value: str) -> str:
     """``value`` if UTF-8 can encode it (no lone surrogate); pydantic checks this only for
     strings with a length or pattern constraint."""
     try:
@@ -74,7 +74,7 @@ def _utf8(value: str) -> str:
 def _metadata_value(value: object) -> FilterValue:
     """A metadata or filter value every backend can store and compare exactly."""
     if isinstance(value, str):
-        if len(_utf8(value).encode()) > MAX_METADATA_VALUE_BYTES:
+        if len(unicode_only(value).encode()) > MAX_METADATA_VALUE_BYTES:
             raise ValueError(f"a string must be at most {MAX_METADATA_VALUE_BYTES} bytes in UTF-8")
         return value
     if isinstance(value, bool):
@@ -90,7 +90,7 @@ def _metadata_value(value: object) -> FilterValue:
     raise ValueError("must be a string, a number or a boolean")
 
 
-Utf8Text = Annotated[str, AfterValidator(_utf8)]
+Utf8Text = Annotated[str, AfterValidator(unicode_only)]
 MetadataKey = Annotated[str, Field(pattern=METADATA_KEY_PATTERN)]
 MetadataValue = Annotated[
     FilterValue, PlainValidator(_metadata_value, json_schema_input_type=FilterValue)

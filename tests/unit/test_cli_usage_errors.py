@@ -92,3 +92,42 @@ def test_status_of_no_known_value(command: str) -> None:
 
 def test_documents_list_limit_and_all() -> None:
     usage_error(sift("documents", "list", "demo", "--all", "--limit", "2"), "--limit' / '--all")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["search", "tea \udcff", "--index", "demo"],  # argv's byte 0xff, as Python decodes it
+        ["documents", "get", "\udcff", "--index", "demo"],
+        ["documents", "delete", "d1", "\udcff", "--index", "demo"],
+    ],
+)
+def test_an_argument_that_is_not_utf8_is_a_usage_error(args: list[str]) -> None:
+    """A byte of the command line that is no UTF-8 (Python gives it as a lone surrogate) is a
+    usage error naming the argument, before anything is sent: it was a traceback
+    (``UnicodeEncodeError``) where the request was built."""
+    result = sift(*args)
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for" in result.output and "not UTF-8" in result.output, result.output
+    assert isinstance(result.exception, SystemExit), result.output  # no traceback
+
+
+@pytest.mark.parametrize(
+    ("line", "field"),
+    [
+        ('{"id": "a\\ud800", "query": "tea"}', "id"),
+        ('{"id": "a", "query": "tea \\udfff"}', "query"),
+    ],
+)
+def test_a_query_line_that_is_not_unicode_names_the_line_and_field(
+    tmp_path: Path, line: str, field: str
+) -> None:
+    """A lone surrogate, valid JSON, in a query line's id or text: ``sift batch`` named nothing
+    and stopped on a traceback (``UnicodeEncodeError``) as it sent the batch."""
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text(line + "\n")
+    result = sift("batch", str(queries), "--index", "demo", "--out", str(tmp_path / "out.jsonl"))
+    assert result.exit_code == 1, result.output
+    output = " ".join(result.output.split())
+    assert f"queries.jsonl:1: field '{field}': is not valid Unicode" in output, output
+    assert "nothing was sent" in output and isinstance(result.exception, SystemExit), output

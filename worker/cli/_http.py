@@ -54,6 +54,21 @@ def index_name(value: str | None) -> str | None:
     return value
 
 
+def utf8_text(value: str | list[str] | None) -> str | list[str] | None:
+    """A typer callback: ``value`` (a text, or each of a list) if UTF-8 can encode it, else a
+    usage error naming the argument. A command line's byte that is no UTF-8 reaches Python as
+    a lone surrogate (``sift search $'\\xff'``), which stopped the command on a traceback
+    where its request was built."""
+    for text in [value] if isinstance(value, str) else value or []:
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            raise typer.BadParameter(
+                f"{text!r} is not UTF-8 text (a byte that is no UTF-8 at character {exc.start})"
+            ) from None
+    return value
+
+
 def segment(text: str) -> str:
     """``text`` (an index name, a document id) as one segment of a request's path: every
     ``/`` percent-encoded, and so is a ``.`` or ``..`` segment, which the HTTP client would

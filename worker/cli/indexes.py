@@ -19,7 +19,7 @@ from rich.console import Console
 
 from worker.cli._app import app
 from worker.cli._common import EXIT_ERROR, EXIT_USAGE, _err, _expected_errors, _out
-from worker.cli._http import Gateway, gateway, index_name, segment
+from worker.cli._http import Gateway, gateway, index_name, segment, utf8_text
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 from worker.contract import IndexSettingsPatch
@@ -401,7 +401,7 @@ def documents_list(
 
 @documents_app.command("get")
 def documents_get(
-    doc_id: Annotated[str, typer.Argument(help="the document id")],
+    doc_id: Annotated[str, typer.Argument(callback=utf8_text, help="the document id")],
     index: IndexOption,
     json_out: JsonOut = False,
 ) -> None:
@@ -425,7 +425,7 @@ def documents_get(
 
 @documents_app.command("delete")
 def documents_delete(
-    doc_ids: Annotated[list[str], typer.Argument(help="the document ids")],
+    doc_ids: Annotated[list[str], typer.Argument(callback=utf8_text, help="the document ids")],
     index: IndexOption,
     json_out: JsonOut = False,
 ) -> None:

@@ -16,7 +16,7 @@ from rich.console import Console
 from worker.cli._common import EXIT_INTERRUPTED, InputError, _err
 from worker.cli._output import plain
 from worker.constants import MAX_DOCUMENT_CHARS, MAX_LIMIT, MAX_QUERY_CHARS
-from worker.contract import BLANK, DocumentRequest, is_blank
+from worker.contract import BLANK, DocumentRequest, is_blank, unicode_only
 from worker.jsonl import field_problem, lines, parsed
 
 MODES = ("fts", "vector", "hybrid")
@@ -87,6 +87,11 @@ def query_from(obj: Any) -> dict[str, Any]:
         raise ValueError("field 'id': a non-empty string is required")
     if not isinstance(text, str) or not text:
         raise ValueError("field 'query': a non-empty string is required")
+    for name, value in (("id", query_id), ("query", text)):
+        try:  # a lone surrogate (valid JSON) stopped the batch's send on a traceback
+            unicode_only(value)
+        except ValueError as exc:
+            raise ValueError(f"field {name!r}: {exc}") from None
     if is_blank(text):
         raise ValueError(f"field 'query': {BLANK}")
     if len(text) > MAX_QUERY_CHARS:

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from worker.cli._app import app
 from worker.cli._common import EXIT_INTERRUPTED, _err, _expected_errors, _out, one_of
-from worker.cli._http import FINAL_STATUSES, GatewayError, gateway, index_name
+from worker.cli._http import FINAL_STATUSES, GatewayError, gateway, index_name, utf8_text
 from worker.cli._output import plain, print_result, trace_lines
 from worker.cli.client._input import MODES
 from worker.constants import MAX_LIMIT, MAX_WAIT_SECONDS
@@ -51,7 +51,7 @@ def _job_failure(job: dict[str, Any]) -> str:
 
 @app.command("search")
 def search(
-    query: Annotated[str, typer.Argument(help="the query text")],
+    query: Annotated[str, typer.Argument(callback=utf8_text, help="the query text")],
     index: Annotated[str, typer.Option("--index", callback=index_name, help="the index to search")],
     limit: Annotated[int, typer.Option(min=1, max=MAX_LIMIT, help="hits to return")] = 10,
     mode: Annotated[
