@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from api_gateway.paths import has_encoded_slash
 from worker.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,13 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 or (exc.status_code == 405 and _short_of_a_line_break(request)):
             # the routes' own 404s are ApiErrors: here, no route
             message = f"path: no route {path!r} (the routes are in /openapi.json)"
+            raw = request.scope.get("raw_path")
+            if isinstance(raw, bytes) and has_encoded_slash(raw):
+                # quoted decoded, it named a route there is (``'/v1/searches'``)
+                message = (
+                    f"path: no route {raw.decode('latin-1')!r}: a %2F is a character of its "
+                    "segment, never the / between two (the routes are in /openapi.json)"
+                )
             return error_response(404, "not_found", message, field="path", headers=headers)
         if exc.status_code == 405:
             message = f"method: {request.method} is not a method of {path!r}"

@@ -472,3 +472,22 @@ def test_each_problem_of_a_422_names_its_field_once(
     assert problem["field"] == error["field"]
     assert not problem["message"].startswith(f"{problem['field']}:"), problem
     assert error["message"] == f"{problem['field']}: {problem['message']}", error
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "sent"),
+    [
+        ("POST", "/v1%2Fsearches", "/v1%2Fsearches"),
+        ("POST", "/v1/indexes/docs/documents%2fdelete", "/v1/indexes/docs/documents%2fdelete"),
+    ],
+)
+def test_a_path_no_route_has_for_its_encoded_slash_is_quoted_as_sent(
+    client: TestClient, method: str, path: str, sent: str
+) -> None:
+    """A ``%2F`` is a character of its segment, never a route's ``/``, so such a path is a
+    ``404``; its message quoted the path decoded, ``no route '/v1/searches'``, a route there is,
+    and never said why. Now it quotes the path as sent and says what the ``%2F`` is."""
+    response = client.request(method, path, json={"ids": ["a"]}, headers=ACME)
+    assert response.status_code == 404, response.text
+    message = response.json()["error"]["message"]
+    assert f"no route {sent!r}" in message and "%2F" in message, message
