@@ -216,6 +216,11 @@ class IngestJobOut(BaseModel):
     index: str
     documents: int
     created_at: str
+    started_at: str | None = Field(
+        None,
+        description="When a worker started it (the last start, if it was run again): its queue "
+        "wait is from `created_at`, its run (embedding and writing) to `finished_at`.",
+    )
     finished_at: str | None = None
     upserted: int | None = None
     error: ErrorInfo | None = None

@@ -40,6 +40,7 @@ def ingest_out(job: IngestJob) -> IngestJobOut:
         index=job.index,
         documents=job.documents,
         created_at=iso(job.created_at) or "",
+        started_at=iso(job.started_at),
         finished_at=iso(job.finished_at),
         upserted=job.upserted,
         error=job.error,

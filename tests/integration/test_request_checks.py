@@ -21,6 +21,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from api_gateway.app import create_app
+from api_gateway.schemas import iso
 from worker.queue.jobstore import JobStore
 from worker.settings import ApiKey, Settings
 
@@ -491,3 +492,19 @@ def test_a_path_no_route_has_for_its_encoded_slash_is_quoted_as_sent(
     assert response.status_code == 404, response.text
     message = response.json()["error"]["message"]
     assert f"no route {sent!r}" in message and "%2F" in message, message
+
+
+def test_an_ingest_job_shows_when_a_worker_started_it(client: TestClient, store: JobStore) -> None:
+    """An ingest's ``GET`` and its list entry show ``started_at`` (as a search's do), so its
+    queue wait and its run (the embedding and the write) are told apart: the record kept it,
+    and neither showed it, so a slow ingest could have waited or worked."""
+    body = {"documents": [{"id": "a", "text": "tea"}]}
+    job = client.post("/v1/indexes/docs/documents", json=body, headers=ACME).json()
+    assert job["started_at"] is None
+    store.start_ingest(job["id"])
+    started = store.get_ingest(job["id"])
+    assert started is not None and started.started_at is not None
+    shown = client.get(f"/v1/ingestions/{job['id']}", headers=ACME).json()
+    assert shown["started_at"] == iso(started.started_at), shown
+    (listed,) = client.get("/v1/ingestions", headers=ACME).json()["ingestions"]
+    assert listed["started_at"] == shown["started_at"]
