@@ -131,3 +131,17 @@ def test_a_query_line_that_is_not_unicode_names_the_line_and_field(
     output = " ".join(result.output.split())
     assert f"queries.jsonl:1: field '{field}': is not valid Unicode" in output, output
     assert "nothing was sent" in output and isinstance(result.exception, SystemExit), output
+
+
+def test_a_query_id_longer_than_the_gateway_takes_names_the_line(tmp_path: Path) -> None:
+    """An id past the gateway's 256 characters was sent, and the batch refused as a whole
+    naming ``queries[i].id``: an index into the batch, not the file's line (blank and
+    skipped lines shift one from the other). It is a bad line, found before anything is sent."""
+    queries = tmp_path / "queries.jsonl"
+    long = '{"id": "' + "q" * 257 + '", "query": "x"}'
+    queries.write_text('{"id": "ok", "query": "tea"}\n\n' + long + "\n")
+    result = sift("batch", str(queries), "--index", "demo", "--out", str(tmp_path / "out.jsonl"))
+    assert result.exit_code == 1, result.output
+    output = " ".join(result.output.split())
+    assert "queries.jsonl:3: field 'id': longer than 256 characters" in output, output
+    assert "nothing was sent" in output, output

@@ -15,7 +15,12 @@ from rich.console import Console
 
 from worker.cli._common import EXIT_INTERRUPTED, InputError, _err
 from worker.cli._output import plain
-from worker.constants import MAX_DOCUMENT_CHARS, MAX_LIMIT, MAX_QUERY_CHARS
+from worker.constants import (
+    MAX_BATCH_QUERY_ID_CHARS,
+    MAX_DOCUMENT_CHARS,
+    MAX_LIMIT,
+    MAX_QUERY_CHARS,
+)
 from worker.contract import BLANK, DocumentRequest, is_blank, unicode_only
 from worker.jsonl import field_problem, lines, parsed
 
@@ -92,6 +97,8 @@ def query_from(obj: Any) -> dict[str, Any]:
             unicode_only(value)
         except ValueError as exc:
             raise ValueError(f"field {name!r}: {exc}") from None
+    if len(query_id) > MAX_BATCH_QUERY_ID_CHARS:
+        raise ValueError(f"field 'id': longer than {MAX_BATCH_QUERY_ID_CHARS} characters")
     if is_blank(text):
         raise ValueError(f"field 'query': {BLANK}")
     if len(text) > MAX_QUERY_CHARS:
