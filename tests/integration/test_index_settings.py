@@ -359,3 +359,27 @@ def test_a_change_started_in_time_never_lands_after_its_gateway_gave_up(
     finally:
         freed.cancel()
         base.set_context(None)
+
+
+def test_a_delete_that_empties_an_index_reads_none_of_another_tenants_ingests(
+    runtime: Runtime, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether an upsert accepted before it is pending, a delete that empties the index asks
+    of its own tenant's unfinished ingests only. It read every tenant's active job ids and
+    each of their ingest records: its run grew with the others' backlog (N queued ingests of
+    another tenant, N Redis reads in one delete), and its time told that backlog."""
+    for i in range(40):  # globex's ingests, queued behind a busy fleet
+        store.create_ingest("globex", "docs", [DocumentIn(id=f"q{i}", text="queued")])
+    mine = store.create_ingest("acme", "docs", [DocumentIn(id="later", text="x")])
+    read: list[str] = []
+    get_ingest = store.get_ingest
+
+    def counted(job_id: str) -> Any:
+        read.append(job_id)
+        return get_ingest(job_id)
+
+    monkeypatch.setattr(store, "get_ingest", counted)
+    last = store.create_deletion("acme", "notes", ["n"])
+    assert lifecycle.delete(runtime, last, ["n"], jobs=store) == 1
+    assert read == [mine.id]  # the tenant's own unfinished ingest, its delete skipped
+    assert stored(runtime, "notes") is None or stored(runtime, "notes")[0] is None

@@ -16,7 +16,6 @@ from dataclasses import asdict
 from typing import Any, cast
 
 from worker.adapters.index_settings import IndexSettingsStore
-from worker.constants import INGEST_ID_PREFIX
 from worker.core.catalog import IndexInfo, SearchSettings
 from worker.core.pipeline import shown_metadata
 from worker.core.ports import IndexCatalog
@@ -78,11 +77,12 @@ def _earlier_upsert_pending(jobs: JobStore, delete: IngestJob) -> bool:
     one finished already would have been counted. (One whose every id the delete took lands
     nothing, and the settings stay with an index that has none until a drop or a later
     delete: kept is the safer way to be wrong.) Asked only of a delete that emptied the
-    index: the active jobs are read once, and only ingests' records."""
+    index: the tenant's own unfinished ingests are read, once (every tenant's active jobs
+    were: the delete's run grew with the others' backlog)."""
     if delete.version is None:
         return False
-    for job_id in jobs.active_jobs():
-        if not job_id.startswith(INGEST_ID_PREFIX) or job_id == delete.id:
+    for job_id in jobs.active_ingests(delete.tenant):
+        if job_id == delete.id:
             continue
         other = jobs.get_ingest(job_id)
         if (

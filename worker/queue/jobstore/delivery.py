@@ -27,6 +27,7 @@ from worker.constants import (
     WORKER_HEARTBEAT_KEY,
 )
 from worker.contract import JobStatus
+from worker.queue.jobstore.jobindex import KIND_INGEST, job_index_key
 from worker.queue.jobstore.records import WebhookStatus, _in_flight, _now
 from worker.queue.jobstore.store import _StoreCore
 
@@ -78,6 +79,13 @@ class DeliveryRecords(_StoreCore):
         (a clock ahead on the host that moved it too), the longest idle first. Forgets ids idle
         past the retention."""
         return self._active_until("+inf")
+
+    def active_ingests(self, tenant: str) -> list[str]:
+        """The tenant's ingest jobs (upserts and deletes) not final: its ingest index (the
+        ids of its ingests, :mod:`~worker.queue.jobstore.jobindex`) intersected with the
+        active set, in Redis, so the read is the tenant's own, whatever the others queued."""
+        keys = [job_index_key(KIND_INGEST, tenant), ACTIVE_JOBS_KEY]
+        return cast(list[str], self.redis.zinter(keys))
 
     def _active_until(self, last_moved: float | str) -> list[str]:
         pipe = self.redis.pipeline(transaction=False)
