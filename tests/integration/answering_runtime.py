@@ -6,21 +6,22 @@ run to keep its model's answer (in its run claim) deletes it and exits; if the f
 the redelivered run). When the file named by ``CANCEL_BEFORE_MODEL_FLAG`` exists, the next
 batch item to reach its check before the model call deletes it and cancels its batch first
 (a cancel landing between the item's retrieval and its model call).
-Every model usage the pipeline counts is appended to ``MODEL_USAGE_LOG``, one line each,
-every search it counts done to ``SEARCH_DONE_LOG`` (``<job id> <outcome>``: a batch item's
-id is ``<batch id>/<query id>``) and every rerank outcome to ``RERANK_OUTCOME_LOG``, so a test
-reads what the metrics were told across the worker's processes. A search's figures are
-counted after its result is saved, so one may land after its test saw it final: a test reads
-its own job's lines of ``SEARCH_DONE_LOG`` (:func:`counted_done`). When the file named by
-``DIE_AFTER_OUTCOME_FLAG`` exists, the first ``rerank_outcome`` deletes it and exits once it
-is counted; likewise ``DIE_AFTER_DONE_FLAG`` and the first ``search_done`` of a job whose id
-starts with the file's text (any job's when it is empty: a test names its own, so that an
-earlier test's search counted late does not trip it). Every retrieval figure is appended to
-``RETRIEVAL_LOG`` (``seconds bm25``, ``hits fuse``...); when the file named by
-``DIE_AFTER_RETRIEVAL_FLAG`` exists, the first count of the candidates fusion kept
-(retrieval's last figure) deletes it and exits. Tenant "zeta" has the same documents, and
-one more once the file named by ``EXTRA_DOCUMENT_FLAG`` exists (read when a process builds
-its runtime: an ingest that landed between two runs of a search).
+Every model usage the pipeline counts is appended to ``MODEL_USAGE_LOG``, one line each
+(counted as the call returns, before its job can be final). Every search it counts done is
+appended to ``SEARCH_DONE_LOG`` (``<job id> <outcome>``), every rerank outcome to
+``RERANK_OUTCOME_LOG`` (``<job id> <outcome>``) and every retrieval figure to
+``RETRIEVAL_LOG`` (``<job id> seconds bm25``, ``<job id> hits fuse``...), a batch item's id
+being ``<batch id>/<query id>``, so a test reads what the metrics were told across the
+worker's processes. A search's figures are counted after its result is saved, so one may
+land after its test saw it final: a test reads its own job's lines (:func:`counted`). When
+the file named by ``DIE_AFTER_DONE_FLAG`` exists, the first ``search_done`` of a job whose id
+starts with the file's text (any job's when it is empty) deletes it and exits once it is
+counted; likewise ``DIE_AFTER_OUTCOME_FLAG`` and the first ``rerank_outcome``, and
+``DIE_AFTER_RETRIEVAL_FLAG`` and the first count of the candidates fusion kept (retrieval's
+last figure). A test names its own job, so that an earlier test's search counted late does
+not trip it. Tenant "zeta" has the same documents, and one more once the file named by
+``EXTRA_DOCUMENT_FLAG`` exists (read when a process builds its runtime: an ingest that landed
+between two runs of a search).
 
 The retrieval of a process's first searches fails (``BackendUnavailable``) as many times as
 the file named by ``FAIL_RETRIEVAL_FLAG`` says, if it exists when the process builds its
@@ -42,6 +43,7 @@ from typing import Any
 
 from tests.fakes import FakeEmbedder, InMemoryBackend
 from worker.contract import DocumentIn, SearchResult, SearchSpec
+from worker.core.pipeline import Prepared
 from worker.core.ports import AnswerKeeper
 from worker.observability import metrics
 from worker.observability.logcontext import JobIdFilter, job_context
@@ -61,24 +63,16 @@ EXTRA_DOCUMENT = DocumentIn(id="new", text="gamma gamma gamma delta delta delta,
 class DyingRecorder(metrics.PrometheusRecorder):
     def rerank_outcome(self, policy: str, outcome: str) -> None:
         super().rerank_outcome(policy, outcome)
-        with Path(os.environ["RERANK_OUTCOME_LOG"]).open("a") as log:
-            log.write(outcome + "\n")
-        flag = Path(os.environ["DIE_AFTER_OUTCOME_FLAG"])
-        if flag.exists():
-            flag.unlink()
-            os._exit(17)
+        _count("RERANK_OUTCOME_LOG", "DIE_AFTER_OUTCOME_FLAG", outcome)
 
     def retrieval(self, backend: str, channel: str, seconds: float) -> None:
         super().retrieval(backend, channel, seconds)
-        _log_retrieval("seconds " + channel)
+        _count("RETRIEVAL_LOG", None, "seconds " + channel)
 
     def retrieval_hits(self, backend: str, channel: str, hits: int) -> None:
         super().retrieval_hits(backend, channel, hits)
-        _log_retrieval("hits " + channel)
-        flag = Path(os.environ["DIE_AFTER_RETRIEVAL_FLAG"])
-        if channel == "fuse" and flag.exists():
-            flag.unlink()
-            os._exit(17)
+        die = "DIE_AFTER_RETRIEVAL_FLAG" if channel == "fuse" else None  # retrieval's last
+        _count("RETRIEVAL_LOG", die, "hits " + channel)
 
     def rerank_usage(self, model: str, usage: dict[str, int], cost_usd: float | None) -> None:
         super().rerank_usage(model, usage, cost_usd)
@@ -87,23 +81,33 @@ class DyingRecorder(metrics.PrometheusRecorder):
 
     def search_done(self, mode: str, outcome: str, seconds: float) -> None:
         super().search_done(mode, outcome, seconds)
-        job_id = _job_id()
-        with Path(os.environ["SEARCH_DONE_LOG"]).open("a") as log:
-            log.write(f"{job_id} {outcome}\n")
-        flag = Path(os.environ["DIE_AFTER_DONE_FLAG"])
-        try:
-            armed = job_id.startswith(flag.read_text())
-        except FileNotFoundError:  # not armed, or another thread's search took it
-            armed = False
-        if armed:
-            flag.unlink()
-            os._exit(17)
+        _count("SEARCH_DONE_LOG", "DIE_AFTER_DONE_FLAG", outcome)
 
 
-def counted_done(log: Path, job_id: str) -> list[str]:
-    """The outcomes ``SEARCH_DONE_LOG`` (``log``) holds for the job ``job_id``, in order."""
-    lines = (line.partition(" ") for line in log.read_text().splitlines())
-    return [outcome for job, _, outcome in lines if job == job_id]
+def _count(log: str, die: str | None, figure: str) -> None:
+    """Append ``<job id> <figure>`` to the file the variable ``log`` names; then exit if the
+    file the variable ``die`` names is armed for this job (it is deleted first)."""
+    job_id = _job_id()
+    with Path(os.environ[log]).open("a") as out:
+        out.write(f"{job_id} {figure}\n")
+    if die is None:
+        return
+    flag = Path(os.environ[die])
+    try:
+        armed = job_id.startswith(flag.read_text())
+    except FileNotFoundError:  # not armed, or another thread's search took it
+        armed = False
+    if armed:
+        flag.unlink()
+        os._exit(17)
+
+
+def counted(log: Path, job_id: str) -> list[str]:
+    """The figures ``log`` (``SEARCH_DONE_LOG``...) holds for the job ``job_id``, in order
+    (none before the worker's first)."""
+    text = log.read_text() if log.exists() else ""
+    lines = (line.partition(" ") for line in text.splitlines())
+    return [figure for job, _, figure in lines if job == job_id]
 
 
 def _job_id() -> str:
@@ -116,11 +120,6 @@ def _job_id() -> str:
 def _as_job(job_id: str, figure: Callable[[], None]) -> None:
     with job_context(job_id):
         figure()
-
-
-def _log_retrieval(line: str) -> None:
-    with Path(os.environ["RETRIEVAL_LOG"]).open("a") as log:
-        log.write(line + "\n")
 
 
 @dataclass(frozen=True)
@@ -173,6 +172,25 @@ class DyingRuntime(Runtime):
         return super().search(spec, tenant, before_model, spent=spent, answers=keeper)
 
 
+def _prepare_as_job(
+    prepare: Callable[..., Prepared],
+    spec: SearchSpec,
+    tenant: str,
+    *,
+    later: list[Callable[[], None]] | None = None,
+) -> Prepared:
+    """The economy lane's first half (``prepare``), its figures handed to ``later`` recorded
+    as its job's: those of an item final at once are recorded once it is finished, where
+    its runner names no job."""
+    if later is None:
+        return prepare(spec, tenant)
+    own: list[Callable[[], None]] = []
+    job_id = _job_id()
+    prepared = prepare(spec, tenant, later=own)
+    later.extend(partial(_as_job, job_id, figure) for figure in own)
+    return prepared
+
+
 def _cancel_running_batch() -> None:
     """Cancel the batch of the item this thread runs."""
     store = JobStore.from_url(os.environ["SIFT_REDIS_URL"])
@@ -192,7 +210,9 @@ def build(settings: Settings) -> Runtime:
         reranker=build_reranker(settings),
         recorder=DyingRecorder(),
     )
-    runtime = DyingRuntime(built.pipeline, built.economy)
+    economy: Any = built.economy
+    economy.prepare = partial(_prepare_as_job, economy.prepare)
+    runtime = DyingRuntime(built.pipeline, economy)
     runtime.ingest("docs", "acme", DOCUMENTS)
     extra = os.environ.get("EXTRA_DOCUMENT_FLAG")
     changed = extra is not None and Path(extra).exists()

@@ -21,7 +21,7 @@ import pytest
 
 from api_gateway.queue import OutboxSender
 from tests.fake_anthropic import FakeAnthropic
-from tests.integration.answering_runtime import counted_done
+from tests.integration.answering_runtime import counted
 from tests.services import celery_worker, redis_server
 from worker.constants import (
     BATCH_CHUNK_TASK,
@@ -129,10 +129,10 @@ def _arm(setup: Setup) -> None:
 
 
 def _arm_for(flag: Path | None, job_id: str) -> None:
-    """Arm ``flag`` (``die-done``) for ``job_id``'s searches alone, before its message is
-    sent: a search of an earlier test whose figures are counted late (after its record was
-    final) does not trip it (it did, and the worker died in this test's search, not after
-    counting it)."""
+    """Arm ``flag`` (``die-done``, ``die-outcome``, ``die-retrieval``) for the searches of
+    the job ids starting ``job_id`` alone, before its message is sent: a search of an earlier
+    test whose figures are counted late (after its record was final) does not trip it (it
+    did, and the worker died in this test's search, not after counting it)."""
     if flag is not None:
         flag.write_text(job_id)
 
@@ -154,9 +154,12 @@ def _run_search(setup: Setup, tenant: str, spec: SearchSpec, arm: Path | None = 
 
 def _search(setup: Setup, tenant: str, spec: SearchSpec) -> SearchResult:
     """Run one search through the queue to its end: it must succeed; its result."""
-    done = _run_search(setup, tenant, spec)
-    assert done.status == "succeeded" and done.result, done
-    return done.result
+    return _succeeded(_run_search(setup, tenant, spec))
+
+
+def _succeeded(job: SearchJob) -> SearchResult:
+    assert job.status == "succeeded" and job.result, job
+    return job.result
 
 
 def _submit_batch(
@@ -170,7 +173,7 @@ def _submit_batch(
     sender = OutboxSender(setup.store)
 
     def enqueue(batch_id: str) -> list[tuple[str, str]]:
-        _arm_for(arm, batch_id)  # its items' ids: "<batch id>/<query id>"
+        _arm_for(arm, batch_id + "/")  # its items' ids: "<batch id>/<query id>"
         return sender.messages([(BATCH_CHUNK_TASK, [batch_id, 0, len(items)], BATCH_QUEUE)])
 
     return setup.store.create_batch(tenant, "docs", items, lane=lane, enqueue=enqueue)
@@ -238,14 +241,14 @@ def test_a_search_is_counted_done_once_when_its_worker_died_after_counting_it(
     spec = SearchSpec(index="docs", query="alpha", rerank=True, include_trace=True)
     job = _run_search(setup, "acme", spec, arm=die)
     _died(die)
-    assert counted_done(done_log, job.id) == ["ok"]
+    assert counted(done_log, job.id) == ["ok"]
     assert job.status == "succeeded" and job.result and job.result.usage.requests == 1, job
     assert len(setup.model.requests()) == 1
     # and a batch item's
     setup.model.reset()
     batch = _run_batch(setup, spec, arm=die)
     _died(die)
-    assert counted_done(done_log, f"{batch.id}/q0") == ["ok"]
+    assert counted(done_log, f"{batch.id}/q0") == ["ok"]
     (item,) = setup.store.batch_results(batch.id, 0, 1)
     assert item.status == "succeeded" and len(setup.model.requests()) == 1, item
 
@@ -260,13 +263,12 @@ def test_a_search_needing_no_model_call_counts_its_outcome_once_when_its_worker_
     _arm(setup)
     setup.flag.unlink()
     outcomes, die = setup.usage_log.with_name("outcomes.log"), setup.flag.with_name("die-outcome")
-    outcomes.write_text("")
-    die.touch()
     spec = SearchSpec(index="docs", query="nothing matches", mode="fts", rerank=True)
-    result = _search(setup, "acme", spec)
+    job = _run_search(setup, "acme", spec, arm=die)
+    result = _succeeded(job)
     _died(die)
     assert not result.hits and not result.rerank.applied and not setup.model.requests()
-    assert outcomes.read_text().splitlines() == ["skipped"]
+    assert counted(outcomes, job.id) == ["skipped"]
 
 
 def test_an_economy_item_needing_no_model_call_counts_its_figures_once_when_its_worker_died(
@@ -279,14 +281,12 @@ def test_an_economy_item_needing_no_model_call_counts_its_figures_once_when_its_
     _arm(setup)
     setup.flag.unlink()
     outcomes, die = setup.usage_log.with_name("outcomes.log"), setup.flag.with_name("die-outcome")
-    outcomes.write_text("")
-    die.touch()
     spec = SearchSpec(index="docs", query="nothing matches", mode="fts", rerank=True)
-    batch = _run_batch(setup, spec, lane="economy")
+    batch = _run_batch(setup, spec, lane="economy", arm=die)
     _died(die)
     (item,) = setup.store.batch_results(batch.id, 0, 1)
     assert item.status == "succeeded" and not setup.model.requests(), item
-    assert outcomes.read_text().splitlines() == ["skipped"]
+    assert counted(outcomes, f"{batch.id}/q0") == ["skipped"]
 
 
 def test_a_search_s_retrieval_is_counted_once_when_its_worker_died_after_counting_it(
@@ -305,16 +305,15 @@ def test_a_search_s_retrieval_is_counted_once_when_its_worker_died_after_countin
     once = sorted([f"seconds {s}" for s in stages] + [f"hits {s}" for s in stages[1:]])
     for lane in ("search", "standard", "economy"):
         setup.model.reset()
-        told.write_text("")
-        die.touch()
         if lane == "search":
-            _search(setup, "acme", spec)
+            job_id = _run_search(setup, "acme", spec, arm=die).id
         else:
-            batch = _run_batch(setup, spec, lane)
+            batch = _run_batch(setup, spec, lane, arm=die)
             (item,) = setup.store.batch_results(batch.id, 0, 1)
             assert item.status == "succeeded", (lane, item)
+            job_id = f"{batch.id}/q0"
         _died(die)
-        assert sorted(told.read_text().splitlines()) == once, lane
+        assert sorted(counted(told, job_id)) == once, lane
 
 
 def test_an_economy_item_is_counted_done_once_when_its_finish_died_after_counting_it(
@@ -329,14 +328,13 @@ def test_an_economy_item_is_counted_done_once_when_its_finish_died_after_countin
     setup.flag.unlink()
     done_log, die = setup.usage_log.with_name("done.log"), setup.flag.with_name("die-done")
     outcomes = setup.usage_log.with_name("outcomes.log")
-    outcomes.write_text("")
     spec = SearchSpec(index="docs", query="beta", rerank=True)
     batch = _run_batch(setup, spec, lane="economy", arm=die)
     _died(die)
     (item,) = setup.store.batch_results(batch.id, 0, 1)
     assert item.status == "succeeded", item
-    assert counted_done(done_log, f"{batch.id}/q0") == ["ok"]
-    assert outcomes.read_text().splitlines() == ["applied"]
+    assert counted(done_log, f"{batch.id}/q0") == ["ok"]
+    assert counted(outcomes, f"{batch.id}/q0") == ["applied"]
 
 
 def test_a_batch_item_canceled_before_its_model_call_counts_its_retrieval_once(
@@ -351,7 +349,6 @@ def test_a_batch_item_canceled_before_its_model_call_counts_its_retrieval_once(
     told = setup.usage_log.with_name("retrieval.log")
     done_log = setup.usage_log.with_name("done.log")
     cancel = setup.flag.with_name("cancel-before-model")
-    told.write_text("")
     cancel.touch()
     batch = _run_batch(setup, SearchSpec(index="docs", query="gamma", rerank=True))
     assert not cancel.exists()  # the cancel did land before the model call
@@ -359,9 +356,10 @@ def test_a_batch_item_canceled_before_its_model_call_counts_its_retrieval_once(
     assert item.status == "canceled" and not setup.model.requests(), item
     stages = ["embed", "bm25", "knn", "fuse"]
     once = sorted([f"seconds {s}" for s in stages] + [f"hits {s}" for s in stages[1:]])
-    _wait(lambda: len(told.read_text().splitlines()) >= len(once), timeout=10)
-    assert sorted(told.read_text().splitlines()) == once
-    assert counted_done(done_log, f"{batch.id}/q0") == []
+    item_id = f"{batch.id}/q0"
+    _wait(lambda: len(counted(told, item_id)) >= len(once), timeout=10)
+    assert sorted(counted(told, item_id)) == once
+    assert counted(done_log, item_id) == []
 
 
 def _shown(request: dict[str, Any]) -> list[str]:
