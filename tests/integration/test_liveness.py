@@ -466,3 +466,33 @@ def test_a_delivery_another_worker_took_again_before_the_reconnect_is_not_put_ba
         assert liveness.put_back_dropped() == []
         assert client.hexists(KOMBU_UNACKED_KEY, tag)  # still the second worker's
         assert client.llen(BATCH_QUEUE) == 0  # not queued for a second run
+
+
+def test_after_a_reconnect_a_worker_drops_its_records_of_what_it_no_longer_holds(
+    client: redis.Redis, connection: Connection, beats: Beats
+) -> None:
+    """Redis came back without its last writes: a delivery this live worker acked is
+    ``unacked`` again and recorded as its own. After the reconnect the worker drops that
+    record (not the one of a delivery it still holds, nor another worker's), so the orphan
+    check puts the message back once it is older than its margin; before, it stayed for the
+    visibility timeout, its live owner's."""
+    lost, running, others = (take(connection, BATCH_QUEUE, {"n": n}) for n in range(3))
+    liveness = Liveness(
+        client, "w1", heartbeat_seconds=BEAT, dead_after_seconds=10.0, orphan_seconds=60
+    )
+    liveness.hold(str(running.delivery_tag), Held(True))
+    liveness.beat()
+    client.hset(DELIVERY_OWNERS_KEY, str(lost.delivery_tag), "w1")  # its drop lost
+    client.hset(DELIVERY_OWNERS_KEY, str(others.delivery_tag), "w2")
+    assert liveness.forget_released() == []  # no reconnect: nothing to look at
+    liveness.reconnected()
+    assert liveness.forget_released() == [str(lost.delivery_tag)]
+    assert client.hgetall(DELIVERY_OWNERS_KEY) == {
+        str(running.delivery_tag): "w1", str(others.delivery_tag): "w2"
+    }  # fmt: skip
+    assert liveness.forget_released() == []  # once per reconnect
+    # the orphan check, once the message is older than its margin
+    client.zadd(KOMBU_UNACKED_INDEX_KEY, {str(lost.delivery_tag): time.time() - 61})
+    assert reaper(client, beats).check() == {"": 1}
+    again = queue(BATCH_QUEUE)(connection.default_channel).get(no_ack=True)
+    assert again is not None and again.payload == {"n": 0}

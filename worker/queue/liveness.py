@@ -378,6 +378,7 @@ class Liveness:
         self._taken: dict[str, float] = {}  # held tag -> its take time, read as it was written
         # held on a lost channel, never run, to put back: tag -> (its request, its take time)
         self._dropped: dict[str, tuple[Any, float | None]] = {}
+        self._recheck = False  # after a reconnect: drop records of deliveries no longer held
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -412,8 +413,8 @@ class Liveness:
                 if request is not None and not getattr(request, "handed", True)
             }
             self._dropped.update(dropped)
-        if dropped:
-            self._wake.set()
+            self._recheck = True
+        self._wake.set()
 
     def put_back_dropped(self) -> list[str]:
         """Put back the deliveries :meth:`reconnected` found dropped (idempotent: one acked,
@@ -433,6 +434,38 @@ class Liveness:
                 if self._requests.get(tag) is request:  # not held again since (same tag)
                     self._release(tag)
         return restored
+
+    def forget_released(self) -> list[str]:
+        """After a reconnect, drop the records that name this worker for deliveries it no
+        longer holds. A Redis that lost its last writes (a host crash with ``appendfsync
+        everysec``, or a SIGKILL while a slow fsync held the file's writes back) comes back
+        with the messages whose acks and record drops it lost still ``unacked`` and recorded
+        as this live worker's: no check put them back before the visibility timeout (about
+        27 minutes), while their jobs, whose finishes were lost too, read ``running``. With
+        their records gone they are orphans, put back by the next check once taken
+        ``SIFT_WORKER_ORPHAN_DELIVERY_SECONDS`` ago; one whose ack was kept is no longer
+        ``unacked`` and nothing is put back. Answers the tags whose records it dropped; a
+        Redis error leaves the work for the next round."""
+        with self._lock:
+            if not self._recheck:
+                return []
+        owners = cast(dict[str, str], self.client.hgetall(DELIVERY_OWNERS_KEY))
+        with self._lock:  # a tag held now is recorded by the flush: only the others go
+            stale = sorted(
+                tag for tag, owner in owners.items() if owner == self.worker_id
+                and tag not in self._held
+            )  # fmt: skip
+        if stale:
+            self._release_script(keys=[DELIVERY_OWNERS_KEY], args=[self.worker_id, *stale])
+            log.warning(
+                "liveness: %d delivery(ies) recorded as this worker's after the reconnect are "
+                "no longer held (their acks lost with Redis's last writes?): left to the "
+                "orphan check",
+                len(stale),
+            )
+        with self._lock:
+            self._recheck = False
+        return stale
 
     def _release(self, tag: str) -> None:
         """:meth:`release`, under the lock."""
@@ -479,6 +512,7 @@ class Liveness:
                 else:
                     self.flush()
                 self.put_back_dropped()  # after a reconnect: at once, not at the next beat
+                self.forget_released()
             except Exception as exc:  # Redis restarting, say: the next beat tries again
                 log.warning("liveness: %s", exc)
             self._wake.wait(max(0.0, next_beat - time.monotonic()))
