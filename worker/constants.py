@@ -140,7 +140,7 @@ INDEX_READ_TASK = "sift.index_read"  # list / show an index, read a document (se
 WEBHOOK_TASK = "sift.webhook"
 ECONOMY_SUBMIT_TASK = "sift.economy_submit"  # on BATCH_QUEUE: send a batch's prompts
 ECONOMY_POLL_TASK = "sift.economy_poll"  # on BATCH_QUEUE: poll one provider batch, map results
-ECONOMY_CANCEL_TASK = "sift.economy_cancel"  # on BATCH_QUEUE: cancel a batch's provider batches
+ECONOMY_CANCEL_TASK = "sift.economy_cancel"  # on SEARCH_QUEUE: cancel a batch's provider batches
 CANCEL_COUNT_TASK = "sift.cancel_count"  # on BATCH_QUEUE: count what a batch's cancel ended
 ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
 # an ingest or delete task's soft time limit (seconds): its job's budget, which a backend's

@@ -54,6 +54,7 @@ from worker.constants import (
     ECONOMY_CANCEL_TASK,
     LANE_ECONOMY,
     MAX_PAGE_SIZE,
+    SEARCH_QUEUE,
     WEBHOOK_EVENT_BATCH_COMPLETED,
     WEBHOOK_QUEUE,
     WEBHOOK_TASK,
@@ -314,8 +315,11 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
     log.info("batch %s: %d items canceled", batch_id, canceled)
     batch = await _owned_batch(request, batch_id, tenant)
     if batch.lane == LANE_ECONOMY and not completed and batch.finished_at is None:
-        # items waiting on the provider end when their provider batches are canceled
-        await off_loop(sender.send, ECONOMY_CANCEL_TASK, [batch_id], BATCH_QUEUE)
+        # items waiting on the provider end when their provider batches are canceled; on the
+        # search queue, which never waits behind a batch: on the batch queue it came after
+        # every chunk submitted before it, and the provider processed (and billed) meanwhile
+        # what the client had canceled
+        await off_loop(sender.send, ECONOMY_CANCEL_TASK, [batch_id], SEARCH_QUEUE)
     if count is not None:
         await _count_cancel(request, batch_id)
     else:  # no outbox carried the count: it is this answer's

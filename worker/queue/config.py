@@ -55,7 +55,9 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     WEBHOOK_TASK: {"queue": WEBHOOK_QUEUE},
     ECONOMY_SUBMIT_TASK: {"queue": BATCH_QUEUE},
     ECONOMY_POLL_TASK: {"queue": BATCH_QUEUE},
-    ECONOMY_CANCEL_TASK: {"queue": BATCH_QUEUE},
+    # a few provider calls, never behind the batch queue's backlog (a cancel delayed there
+    # left the provider processing, and billing, what the client had canceled)
+    ECONOMY_CANCEL_TASK: {"queue": SEARCH_QUEUE},
     CANCEL_COUNT_TASK: {"queue": BATCH_QUEUE},
 }
 

@@ -12,8 +12,9 @@ chunks stay in Redis for whichever process has room.
 
 Only that queue pauses: searches, index reads, ingests and webhooks flow on, and the
 prefetch count is never touched. What the pause delays in this process is what the batch
-queue carries: batch chunks, and the economy tasks routed there (submit, poll, cancel of
-provider batches), which another process with room takes meanwhile.
+queue carries: batch chunks, and the economy tasks routed there (submit and poll of
+provider batches), which another process with room takes meanwhile. (Their cancel goes on
+the search queue: it must not wait behind batches.)
 
 Celery's consumer is not thread-safe, so a change is applied in its event loop
 (``hub.call_soon``, which takes a lock and wakes the loop). The callback reads the wanted
