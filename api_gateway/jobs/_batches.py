@@ -264,8 +264,13 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
     # so is the count of what it ends (sift_jobs_completed_total): counted here once the
     # answer is heard, else by the worker that takes this message (taken once, either way)
     count: tuple[str, str] | None = None
+    # and the cancel of an economy batch's provider batches, so that a gateway dying after
+    # the script does not leave the provider processing (and billing) what was canceled
+    provider: tuple[str, str] | None = None
     if isinstance(sender, OutboxSender):
         (count,) = sender.messages([(CANCEL_COUNT_TASK, [batch_id], BATCH_QUEUE)])
+        if owned.lane == LANE_ECONOMY:
+            (provider,) = sender.messages([(ECONOMY_CANCEL_TASK, [batch_id], SEARCH_QUEUE)])
     if owned.webhook_url and isinstance(sender, OutboxSender):
         event = webhook_event(
             WEBHOOK_EVENT_BATCH_COMPLETED,
@@ -277,7 +282,11 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
         announce = sender.messages([(WEBHOOK_TASK, [event], WEBHOOK_QUEUE)])
     try:
         outcome = await off_loop(
-            job_store(request).cancel_batch, batch_id, announce=announce, count=count
+            job_store(request).cancel_batch,
+            batch_id,
+            announce=announce,
+            count=count,
+            provider=provider,
         )
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         # the store retried the cancel's script for 5 s (the same token: a reply lost after
@@ -314,7 +323,7 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
     canceled, completed = outcome
     log.info("batch %s: %d items canceled", batch_id, canceled)
     batch = await _owned_batch(request, batch_id, tenant)
-    if batch.lane == LANE_ECONOMY and not completed and batch.finished_at is None:
+    if provider is None and batch.lane == LANE_ECONOMY and not completed and not batch.finished_at:
         # items waiting on the provider end when their provider batches are canceled; on the
         # search queue, which never waits behind a batch: on the batch queue it came after
         # every chunk submitted before it, and the provider processed (and billed) meanwhile

@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 from starlette.testclient import TestClient
 
 from api_gateway.app import create_app
-from worker.constants import BATCH_KEY, BATCH_QUEUE
+from worker.constants import BATCH_KEY, BATCH_QUEUE, ECONOMY_CANCEL_TASK, SEARCH_QUEUE
 from worker.contract import SearchSpec
 from worker.queue import base, tasks
 from worker.queue.jobstore import JobStore
@@ -222,3 +222,35 @@ def test_a_take_never_heard_past_the_retake_window_leaves_the_batch_s_figures_ri
     assert got["counts"] | {"total": 3} == {
         "total": 3, "queued": 0, "running": 0, "succeeded": 0, "failed": 0, "canceled": 3
     }  # fmt: skip
+
+
+def _tasks(store: JobStore, queue: str) -> list[str]:
+    return [json.loads(raw)["headers"]["task"] for raw in store.redis.lrange(queue, 0, -1)]
+
+
+def test_an_economy_cancel_whose_answer_was_lost_still_cancels_its_provider_batches(
+    client: TestClient, store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel of an economy batch's provider batches is written by the cancel's own
+    script, as its count is: the gateway sent it only once it had heard the answer, so a
+    cancel whose answer was lost (a 503: Redis away, or the gateway dying after the script)
+    left the provider processing, and billing, what the client had canceled, and items
+    waiting on a create in doubt (which only that task ends) waiting up to 24 hours."""
+    spec = SearchSpec(index="docs", query="a")
+    batch = store.create_batch("acme", "docs", [(f"q{i}", spec) for i in range(3)], lane="economy")
+    assert store.begin_item(batch.id, "q0").applied  # waiting on its provider batch
+    _lose_the_answer(monkeypatch)
+    assert client.delete(f"/v1/batches/{batch.id}", headers=ACME).status_code == 503
+    assert _tasks(store, SEARCH_QUEUE) == [ECONOMY_CANCEL_TASK]
+
+
+def test_a_cancel_that_ends_an_economy_batch_sends_no_provider_cancel(
+    client: TestClient, store: JobStore
+) -> None:
+    """Every item still queued: the cancel ends the batch, and no provider batch waits."""
+    spec = SearchSpec(index="docs", query="a")
+    batch = store.create_batch("acme", "docs", [(f"q{i}", spec) for i in range(3)], lane="economy")
+    answer = client.delete(f"/v1/batches/{batch.id}", headers=ACME)
+    assert answer.status_code == 200 and answer.json()["status"] == "canceled", answer.text
+    assert _tasks(store, SEARCH_QUEUE) == []
+    assert _tasks(store, BATCH_QUEUE) == ["sift.cancel_count"]

@@ -307,6 +307,7 @@ class BatchRecords(_StoreCore):
         *,
         announce: Sequence[tuple[str, str]] = (),
         count: tuple[str, str] | None = None,
+        provider: tuple[str, str] | None = None,
     ) -> tuple[int, bool] | CancelOutcome:
         """Mark the batch canceled and cancel every item still queued; an item already
         taken by a worker is canceled when it next checks the mark (before it starts and
@@ -324,8 +325,17 @@ class BatchRecords(_StoreCore):
         is written by the same script if the cancel ended any item, which it adds up in the
         batch's record for that task to count (:meth:`take_cancel_count`): counted once, even
         when the caller never hears the answer (who hears it then counts nothing). Without
-        it, counting is the caller's."""
-        messages = [*([count] if count is not None else []), *announce]
+        it, counting is the caller's.
+
+        ``provider`` (a broker message: an economy batch's
+        :data:`~worker.constants.ECONOMY_CANCEL_TASK`) is written by the same script if the
+        cancel leaves the batch running (items wait on provider batches): its provider
+        batches are canceled even when the caller never hears the answer or dies."""
+        messages = [
+            *([count] if count is not None else []),
+            *([provider] if provider is not None else []),
+            *announce,
+        ]
         keys = [
             BATCH_ITEMS_KEY + batch_id,
             BATCH_COUNTS_KEY + batch_id,
@@ -339,7 +349,7 @@ class BatchRecords(_StoreCore):
             repr(_now()),
             batch_id,
             move_token(),
-            "1" if count is not None else "0",
+            ("1" if count is not None else "0") + ("1" if provider is not None else "0"),
             *[raw for _, raw in messages],
         ]
         retrying = resending()

@@ -128,11 +128,14 @@ return {code, canceled}
 
 # KEYS: items, counts, batch, stats, active, webhooks owed, then one list per message to
 # push. ARGV: now,
-# batch id, the cancel's token, how many of the messages are the count's (0 or 1), then the
-# raw messages: the count's first (pushed if the cancel ended any item; what it ended is
-# added up in the batch's record, "cancel_uncounted" items and "cancel_completed", for
-# _TAKE_CANCEL_COUNT: counted by the task even when this reply is lost), then those pushed
-# if the cancel completes the batch (its webhook). A cancel that completes the batch
+# batch id, the cancel's token, two flags (0 or 1): whether the messages start with the
+# count's, then whether with the provider cancel's, then the raw messages: the count's first
+# (pushed if the cancel ended any item; what it ended is added up in the batch's record,
+# "cancel_uncounted" items and "cancel_completed", for _TAKE_CANCEL_COUNT: counted by the
+# task even when this reply is lost), the provider cancel's (an economy batch's
+# sift.economy_cancel: pushed if the cancel leaves the batch running, so its provider batches
+# are canceled even when this reply is lost or its gateway dies), then those pushed if the
+# cancel completes the batch (its webhook). A cancel that completes the batch
 # canceled at least one item (a running one would have kept it open), so the batch ends
 # ``canceled``; it records the batch's webhook owed, as a final move does.
 # Returns {canceled count, 1 if the batch just completed}, {-1, 0} when missing, and
@@ -150,6 +153,8 @@ if ARGV[3] ~= '' then
   end
 end
 if redis.call('HEXISTS', KEYS[3], 'finished_at') == 1 then return {-2, 0} end
+local counted = tonumber(string.sub(ARGV[4], 1, 1))
+local provider = tonumber(string.sub(ARGV[4], 2, 2)) or 0
 redis.call('HSETNX', KEYS[3], 'canceled_at', ARGV[1])
 local all = redis.call('HGETALL', KEYS[1])
 local n = 0
@@ -173,9 +178,12 @@ if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 
   completed = 1
   local hook = redis.call('HGET', KEYS[3], 'webhook_url')
   if hook and hook ~= '' then redis.call('ZADD', KEYS[6], ARGV[1], ARGV[2]) end
-  for i = 7 + tonumber(ARGV[4]), #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 2]) end
+  for i = 7 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 2]) end
 end
-if ARGV[4] == '1' and (n > 0 or completed == 1) then
+if provider == 1 and completed == 0 then
+  redis.call('LPUSH', KEYS[7 + counted], ARGV[5 + counted])
+end
+if counted == 1 and (n > 0 or completed == 1) then
   if n > 0 then redis.call('HINCRBY', KEYS[3], 'cancel_uncounted', n) end
   if completed == 1 then redis.call('HSET', KEYS[3], 'cancel_completed', '1') end
   redis.call('LPUSH', KEYS[7], ARGV[5])
