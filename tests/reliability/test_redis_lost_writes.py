@@ -61,7 +61,7 @@ def search_status(client: httpx.Client, search_id: str) -> str:
 def test_jobs_whose_finish_redis_lost_run_again_before_the_visibility_timeout(
     tmp_path: Path,
 ) -> None:
-    with FakeAnthropic(delay=3.0) as model, broker(tmp_path / "redis") as redis_broker:
+    with FakeAnthropic() as model, broker(tmp_path / "redis") as redis_broker:
         url = redis_broker.url + "/0"
         env = stack_env(url, model.url)
         env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # every setting at its default
@@ -73,6 +73,7 @@ def test_jobs_whose_finish_redis_lost_run_again_before_the_visibility_timeout(
         ):
             ingest(client)
             probe = redis.Redis.from_url(url, decode_responses=True)
+            model.configure(hold_unscripted=True)  # both wait on the model till the copy
             search_id = submit_search(client, sample_queries()[0])
             batch_id = submit_batch(client, ITEMS)
 
@@ -86,6 +87,7 @@ def test_jobs_whose_finish_redis_lost_run_again_before_the_visibility_timeout(
             redis_broker.written(probe)
             disk = tmp_path / "disk"  # what the disk holds when the host dies
             shutil.copytree(redis_broker.directory, disk)
+            model.configure(hold_unscripted=False)
             wait_for(lambda: statuses() == ("succeeded", "succeeded"), "both done")
             wait_for(lambda: probe.hlen(KOMBU_UNACKED_KEY) == 0, "their messages acked")
             wait_for(lambda: probe.hlen(DELIVERY_OWNERS_KEY) == 0, "their records dropped")
