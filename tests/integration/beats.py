@@ -1,6 +1,6 @@
 """The dead-worker check's beats, as the tests count them.
 
-A :class:`~worker.queue.liveness.Reaper` finds a worker dead once it was silent on two checks
+A :class:`~worker.queue.reaper.Reaper` finds a worker dead once it was silent on two checks
 at least two beats apart, and forgets what it saw when its checks are more than three beats
 apart (another worker led meanwhile). With the tests' 0.05 s beat and the real clock, a
 second check run 0.16 s after the first (a 0.11 s sleep, 40 ms late on a loaded machine)
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 
-from worker.queue.liveness import Reaper
+from worker.queue.reaper import Reaper
 
 BEAT = 0.05  # seconds: the reaper's "two beats apart" is then 0.1 s
 

@@ -28,7 +28,8 @@ from worker.constants import (
     SEARCH_QUEUE,
     WORKERS_KEY,
 )
-from worker.queue.liveness import Liveness, Reaper, heartbeat_key, plan_restore
+from worker.queue.liveness import Liveness
+from worker.queue.reaper import Reaper, heartbeat_key, plan_restore
 
 pytestmark = pytest.mark.integration
 

@@ -41,7 +41,7 @@ from worker.constants import (
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.queue.celery_app import create_celery_app
 from worker.queue.jobstore import BatchJob, IngestJob, JobStore, SearchJob, webhook_event
-from worker.queue.liveness import Reaper, heartbeat_key
+from worker.queue.reaper import Reaper, heartbeat_key
 from worker.queue.redrive import Coverage, Redrive, Sweeper, celery_sender, coverage
 from worker.settings import load_settings
 
