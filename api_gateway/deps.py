@@ -1,6 +1,6 @@
-"""What the route modules share: the caller's tenant and ``wait`` parameters, the app's
-job store and task sender, blocking calls off the event loop, ids checked by shape, polling a
-job until it is final, the ``202``'s ``Location``, and page tokens."""
+"""What the route modules share: the caller's tenant, the ``wait`` and ``page_size``
+parameters, the app's job store and task sender, blocking calls off the event loop, ids checked
+by shape, polling a job until it is final, the ``202``'s ``Location``, and page tokens."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ import redis
 from fastapi import Depends, Query, Request, Response
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
+from pydantic import BeforeValidator
+from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import authenticate
@@ -26,7 +28,7 @@ from api_gateway.errors import ErrorBody
 from api_gateway.paths import decode_segments
 from api_gateway.queue import TaskSender
 from api_gateway.routing import BODY_PROBLEM
-from worker.constants import MAX_BATCH_QUERIES, MAX_WAIT_SECONDS
+from worker.constants import MAX_BATCH_QUERIES, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 from worker.errors import InvalidRequest
 from worker.queue.jobstore import AsyncJobStore, JobStore
 from worker.settings import Settings
@@ -39,14 +41,52 @@ log = logging.getLogger(__name__)
 STORE_AWAY = (redis.ConnectionError, redis.TimeoutError)
 
 Tenant = Annotated[str, Depends(authenticate)]
+
+
+def written_as(kind: str, form: re.Pattern[str], words: str) -> BeforeValidator:
+    """A query parameter's text refused unless all of it is ``form``, before pydantic converts
+    it (a ``422`` naming the parameter, of pydantic's ``kind``). Pydantic's own conversion of
+    a string is lax where a JSON body is strict (:mod:`worker.contract`): ``page_size=%205``
+    (" 5"), ``+5`` (a ``+`` in a query is a space), ``%2B5`` and ``1_0`` (read as 10) were
+    taken, and ``wait=1e1`` too. A value that is no string (a default) passes untouched."""
+
+    def check(value: object) -> object:
+        if isinstance(value, str) and form.fullmatch(value) is None:
+            raise PydanticCustomError(kind, "Input should be " + words)
+        return value
+
+    return BeforeValidator(check)
+
+
+DIGITS = written_as(
+    "int_parsing",
+    re.compile(r"[0-9]+"),
+    "an integer written in the digits 0-9 alone (no sign, space, underscore or point)",
+)
+DECIMAL = written_as(
+    "float_parsing",
+    re.compile(r"[0-9]+(\.[0-9]+)?"),
+    "a number written in the digits 0-9, with a decimal point between digits at most "
+    "(no sign, space, underscore or exponent)",
+)
+# the validator after Query: before it, OpenAPI showed the bounds as "ge"/"le", no schema words
 Wait = Annotated[
     float,
     Query(
         ge=0,
         le=MAX_WAIT_SECONDS,
-        allow_inf_nan=False,  # "nan" was refused as not at most 30, not as what it is
         description="Seconds to wait for the job to finish; 200 if it did, else 202.",
     ),
+    DECIMAL,  # "nan", "inf" and "1e309" too: a form no wait is written in
+]
+PageSize = Annotated[
+    int,
+    Query(
+        ge=1,
+        le=MAX_PAGE_SIZE,
+        description="Entries per page (a filtered job list's page may hold fewer).",
+    ),
+    DIGITS,
 ]
 ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 415, 422, 503)
@@ -281,6 +321,43 @@ def token_digest(*fields: str) -> str:
     secret: it only catches mix-ups and edits)."""
     key = "\0".join(fields).encode()
     return hashlib.blake2b(key, digest_size=TOKEN_DIGEST_BYTES).hexdigest()
+
+
+def max_cursor_chars(last_bytes: int) -> int:
+    """The longest token :func:`encode_cursor` makes of a ``last`` of up to ``last_bytes``
+    bytes ("k:<digest hex>:<last>" in unpadded base64)."""
+    return 4 * -(-(3 + 2 * TOKEN_DIGEST_BYTES + last_bytes) // 3)
+
+
+def encode_cursor(kind: str, scope: tuple[str, ...], last: str) -> str:
+    """A listing's page token: its ``kind`` (one letter per listing), the last entry listed
+    (a name, an id, a job's place), and a digest that ties it to ``scope`` (the listing it was
+    made for: the tenant, and the index or list).
+
+    >>> token = encode_cursor("i", ("i", "acme"), "docs")
+    >>> decode_cursor(token, "i", ("i", "acme"), 128)
+    'docs'
+    >>> decode_cursor(token, "i", ("i", "bob"), 128)
+    Traceback (most recent call last):
+    worker.errors.InvalidRequest: page_token: is not a token this list issued
+    """
+    return pack_token(kind, token_digest(*scope, last), last)
+
+
+def decode_cursor(token: str | None, kind: str, scope: tuple[str, ...], longest: int) -> str | None:
+    """What ``token`` starts the page after (None: the first page). Only the exact text
+    :func:`encode_cursor` made for this kind and scope is one; anything else (another
+    tenant's, another listing's, an offset token a list gave before, an edited one) is a
+    422 naming ``page_token``, which says nothing of what the token held. The digest is no
+    secret (it only catches edits and mix-ups): a forged token starts the caller's own list
+    somewhere, and shows nothing more than a page the caller may read anyway."""
+    parts = unpack_token(token, 3)
+    if parts is None:
+        return None
+    got, _, last = parts
+    if got != kind or not 1 <= len(last) <= longest or encode_cursor(kind, scope, last) != token:
+        raise InvalidRequest("page_token", NOT_OURS)
+    return last
 
 
 def pack_token(*fields: str) -> str:

@@ -25,16 +25,15 @@ from starlette.convertors import Convertor, register_url_convertor
 from api_gateway.deps import (
     ERRORS,
     LOCATION_HEADER,
-    NOT_OURS,
-    TOKEN_DIGEST_BYTES,
+    PageSize,
     Tenant,
     Wait,
+    decode_cursor,
+    encode_cursor,
     job_store,
+    max_cursor_chars,
     off_loop,
-    pack_token,
     task_sender,
-    token_digest,
-    unpack_token,
 )
 from api_gateway.errors import ApiError
 from api_gateway.jobs import enqueue_ingest, ingest_response
@@ -47,11 +46,9 @@ from worker.constants import (
     INDEX_READ_TASK,
     INDEX_READ_TIMEOUT_SECONDS,
     MAX_DOCUMENTS_PER_REQUEST,
-    MAX_PAGE_SIZE,
     SEARCH_QUEUE,
 )
 from worker.contract import INDEX_PATTERN, FilterValue, FusionMethod, IndexSettingsPatch
-from worker.errors import InvalidRequest
 from worker.observability.logcontext import job_context
 
 log = logging.getLogger(__name__)
@@ -84,15 +81,9 @@ IndexPath = Annotated[
 ]
 
 
-def _max_cursor_chars(last_bytes: int) -> int:
-    """The longest token of "k:<digest hex>:<last>", ``last`` of up to ``last_bytes`` bytes,
-    in unpadded base64."""
-    return 4 * -(-(3 + 2 * TOKEN_DIGEST_BYTES + last_bytes) // 3)
-
-
 # a document's id: up to 512 four-byte characters; an index's name: ASCII
-_MAX_CURSOR_CHARS = _max_cursor_chars(4 * MAX_DOC_ID_CHARS)
-_MAX_INDEX_CURSOR_CHARS = _max_cursor_chars(MAX_INDEX_NAME_CHARS)
+_MAX_CURSOR_CHARS = max_cursor_chars(4 * MAX_DOC_ID_CHARS)
+_MAX_INDEX_CURSOR_CHARS = max_cursor_chars(MAX_INDEX_NAME_CHARS)
 JOB_RESPONSES: dict[int | str, dict[str, Any]] = {
     202: {
         "model": IngestJobOut,
@@ -198,30 +189,6 @@ def _index_out(raw: dict[str, Any]) -> IndexOut:
     )
 
 
-def _encode_cursor(kind: str, scope: tuple[str, ...], last: str) -> str:
-    """A listing's page token: its kind, the last name or id listed, and a digest that ties
-    it to ``scope`` (the listing it was made for)."""
-    return pack_token(kind, token_digest(*scope, last), last)
-
-
-def _decode_cursor(
-    token: str | None, kind: str, scope: tuple[str, ...], longest: int
-) -> str | None:
-    """What ``token`` starts the page after (None: the first page). Only the exact text
-    :func:`_encode_cursor` made for this kind and scope is one; anything else (another
-    tenant's, another listing's, an offset token a list gave before, an edited one) is a
-    422 naming ``page_token``, which says nothing of what the token held. The digest is no
-    secret (it only catches edits and mix-ups): a forged token starts the caller's own list
-    somewhere, and shows nothing more than a page the caller may read anyway."""
-    parts = unpack_token(token, 3)
-    if parts is None:
-        return None
-    got, _, last = parts
-    if got != kind or not 1 <= len(last) <= longest or _encode_cursor(kind, scope, last) != token:
-        raise InvalidRequest("page_token", NOT_OURS)
-    return last
-
-
 def encode_index_cursor(tenant: str, name: str) -> str:
     """The page token of the index list: the last name listed, tied to the tenant's list
     (``i``, where a document listing's is ``d``).
@@ -229,23 +196,23 @@ def encode_index_cursor(tenant: str, name: str) -> str:
     >>> decode_index_cursor(encode_index_cursor("acme", "docs"), "acme")
     'docs'
     """
-    return _encode_cursor("i", ("i", tenant), name)
+    return encode_cursor("i", ("i", tenant), name)
 
 
 def decode_index_cursor(token: str | None, tenant: str) -> str | None:
     """The name the index list's page starts after (None: the first page)."""
-    return _decode_cursor(token, "i", ("i", tenant), MAX_INDEX_NAME_CHARS)
+    return decode_cursor(token, "i", ("i", tenant), MAX_INDEX_NAME_CHARS)
 
 
 def encode_document_cursor(tenant: str, index: str, doc_id: str) -> str:
     """The page token of a document listing: the last id listed, tied to the tenant's index."""
-    return _encode_cursor("d", (tenant, index), doc_id)
+    return encode_cursor("d", (tenant, index), doc_id)
 
 
 def decode_document_cursor(token: str | None, tenant: str, index: str) -> str | None:
     """The id a document listing's page starts after; a 422 before a worker sees it when it
     is not this listing's."""
-    return _decode_cursor(token, "d", (tenant, index), MAX_DOC_ID_CHARS)
+    return decode_cursor(token, "d", (tenant, index), MAX_DOC_ID_CHARS)
 
 
 def _not_found(index: str) -> ApiError:
@@ -315,7 +282,7 @@ async def _delete_job(
 async def list_indexes(
     request: Request,
     tenant: Tenant,
-    page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+    page_size: PageSize = DEFAULT_PAGE_SIZE,
     page_token: Annotated[
         str | None,
         Query(
@@ -384,7 +351,7 @@ async def list_documents(
     request: Request,
     tenant: Tenant,
     index: IndexPath,
-    page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+    page_size: PageSize = DEFAULT_PAGE_SIZE,
     page_token: Annotated[
         str | None,
         Query(

@@ -4,7 +4,9 @@ own jobs newest first, by status, a page at a time, within the retention window.
 Each tenant's jobs have their own index in the job store (written with each job's record,
 :mod:`worker.queue.jobstore.jobindex`), so a list never reads another tenant's jobs. The page
 token is a cursor (where the last page ended, :class:`~worker.queue.jobstore.Cursor`), so a
-job created while a client pages through shows up on no page twice.
+job created while a client pages through shows up on no page twice, with a digest that ties
+it to the tenant's list (:func:`api_gateway.deps.encode_cursor`, as the index and document
+listings' are): another tenant's token, or another list's, is a 422 naming ``page_token``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from pydantic import BaseModel
 from api_gateway.deps import (
     ERRORS,
     NOT_OURS,
+    PageSize,
     Tenant,
+    decode_cursor,
+    encode_cursor,
     is_id,
     job_store,
+    max_cursor_chars,
     off_loop,
-    pack_token,
-    unpack_token,
 )
 from api_gateway.jobs import batch_out, ingest_out
 from api_gateway.routing import GetAnswersHead
@@ -34,24 +38,22 @@ from worker.constants import (
     DEFAULT_PAGE_SIZE,
     INGEST_ID_PREFIX,
     MAX_LIST_SCAN,
-    MAX_PAGE_SIZE,
     SEARCH_ID_PREFIX,
 )
 from worker.contract import ErrorInfo, JobStatus, Mode
 from worker.errors import InvalidRequest
 from worker.queue.jobstore import BatchJob, Cursor, IngestJob, JobPage, SearchJob
+from worker.queue.jobstore.jobindex import KIND_BATCH, KIND_INGEST, KIND_SEARCH
 
 router = APIRouter(prefix="/v1", route_class=GetAnswersHead)
 
 _TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,20})?")  # a creation time, as repr() writes it
-_MAX_TOKEN_CHARS = 128
+_ID_CHARS = 5 + 32  # the longest id: "srch_" and 32 hex digits
+_MAX_PLACE_CHARS = 12 + 1 + 20 + 1 + _ID_CHARS  # "<time>:<id>", the longest _TIME allows
+_MAX_TOKEN_CHARS = max_cursor_chars(_MAX_PLACE_CHARS)
 J = TypeVar("J", SearchJob, BatchJob, IngestJob)
 Item = TypeVar("Item", bound=BaseModel)
 
-PageSize = Annotated[
-    int,
-    Query(ge=1, le=MAX_PAGE_SIZE, description="Jobs per page (a filtered page may hold fewer)."),
-]
 PageToken = Annotated[
     str | None,
     Query(
@@ -100,24 +102,33 @@ class IngestionList(BaseModel):
     next_page_token: str | None
 
 
-def encode_cursor(cursor: Cursor | None) -> str | None:
+def encode_job_cursor(kind: str, tenant: str, cursor: Cursor | None) -> str | None:
+    """The page token of ``tenant``'s list of ``kind`` (a search, a batch, an ingest) that
+    starts after ``cursor`` (None: there is no next page).
+
+    >>> cursor = Cursor(1764000000.25, "bat_" + "0" * 32)
+    >>> decode_job_cursor(encode_job_cursor("batch", "acme", cursor), "batch", "acme", "bat_")
+    Cursor(created_at=1764000000.25, job_id='bat_00000000000000000000000000000000')
+    """
     if cursor is None:
         return None
-    return pack_token("c", repr(cursor.created_at), cursor.job_id)
+    return encode_cursor("c", (kind, tenant), f"{cursor.created_at!r}:{cursor.job_id}")
 
 
-def decode_cursor(token: str | None, prefix: str) -> Cursor | None:
-    """The cursor in a page token of this list (its jobs' id ``prefix``). Only the exact text
-    :func:`encode_cursor` makes is one; anything else is 422 naming ``page_token`` before
-    Redis sees it (a batch-results token, another list's, an edited one)."""
-    parts = unpack_token(token, 3)
-    if parts is None:
+def decode_job_cursor(token: str | None, kind: str, tenant: str, prefix: str) -> Cursor | None:
+    """The cursor in a page token of ``tenant``'s list of ``kind`` (its jobs' ids start with
+    ``prefix``). Only the exact text :func:`encode_job_cursor` made for this tenant and list
+    is one; anything else is a 422 naming ``page_token`` before Redis sees it (another
+    tenant's token, another list's, a batch-results token, an edited one, or one of the
+    cursors without a digest a list issued before, which any tenant's list took)."""
+    place = decode_cursor(token, "c", (kind, tenant), _MAX_PLACE_CHARS)
+    if place is None:
         return None
-    kind, at, job_id = parts
-    if kind != "c" or not _TIME.fullmatch(at) or not is_id(job_id, prefix):
+    at, _, job_id = place.partition(":")
+    if not _TIME.fullmatch(at) or not is_id(job_id, prefix):
         raise InvalidRequest("page_token", NOT_OURS)
     cursor = Cursor(float(at), job_id)
-    if encode_cursor(cursor) != token:
+    if encode_job_cursor(kind, tenant, cursor) != token:  # the time as repr() writes it
         raise InvalidRequest("page_token", NOT_OURS)
     return cursor
 
@@ -125,6 +136,7 @@ def decode_cursor(token: str | None, prefix: str) -> Cursor | None:
 async def _page(
     read: Callable[..., JobPage[J]],
     out: Callable[[J], Item],
+    kind: str,
     prefix: str,
     tenant: str,
     status: JobStatus | None,
@@ -132,11 +144,12 @@ async def _page(
     page_token: str | None,
 ) -> tuple[list[Item], str | None]:
     """The body of each list route: one page of the store's ``read`` (from the cursor in
-    ``page_token``, a token of the list of ids with ``prefix``), each job as ``out`` shows it,
-    and the next page's token."""
-    after = decode_cursor(page_token, prefix)
+    ``page_token``, a token of ``tenant``'s list of ``kind``, ids with ``prefix``), each job
+    as ``out`` shows it, and the next page's token. The token is not tied to ``status``: it
+    is a place in the tenant's list, the same whatever the filter."""
+    after = decode_job_cursor(page_token, kind, tenant, prefix)
     page = await off_loop(read, tenant, status=status, after=after, page_size=page_size)
-    return [out(job) for job in page.jobs], encode_cursor(page.next)
+    return [out(job) for job in page.jobs], encode_job_cursor(kind, tenant, page.next)
 
 
 def _search_item(job: SearchJob) -> SearchListItem:
@@ -171,6 +184,7 @@ async def list_searches(
     searches, token = await _page(
         job_store(request).list_searches,
         _search_item,
+        KIND_SEARCH,
         SEARCH_ID_PREFIX,
         tenant,
         status,
@@ -197,6 +211,7 @@ async def list_batches(
     batches, token = await _page(
         job_store(request).list_batches,
         batch_out,
+        KIND_BATCH,
         BATCH_ID_PREFIX,
         tenant,
         status,
@@ -223,6 +238,7 @@ async def list_ingestions(
     ingestions, token = await _page(
         job_store(request).list_ingests,
         ingest_out,
+        KIND_INGEST,
         INGEST_ID_PREFIX,
         tenant,
         status,

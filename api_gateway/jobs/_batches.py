@@ -12,6 +12,7 @@ from api_gateway.bodies import BATCH_BODY, parse_batch
 from api_gateway.deps import (
     ERRORS,
     STORE_AWAY,
+    PageSize,
     Tenant,
     accepted,
     app_settings,
@@ -53,7 +54,6 @@ from worker.constants import (
     DEFAULT_PAGE_SIZE,
     ECONOMY_CANCEL_TASK,
     LANE_ECONOMY,
-    MAX_PAGE_SIZE,
     SEARCH_QUEUE,
     WEBHOOK_EVENT_BATCH_COMPLETED,
     WEBHOOK_QUEUE,
@@ -205,7 +205,7 @@ async def get_batch_results(
     request: Request,
     batch_id: JobIdPath,
     tenant: Tenant,
-    page_size: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+    page_size: PageSize = DEFAULT_PAGE_SIZE,
     page_token: Annotated[str | None, Query(max_length=64)] = None,
 ) -> Response:
     """Every item appears once over the pages, with ``result`` or ``error`` once final."""
