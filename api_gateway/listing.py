@@ -68,7 +68,9 @@ _LISTED = (
     f"Newest first, within the retention window (7 days from a job's last write). With "
     f"`status`, one request reads at most {MAX_LIST_SCAN} jobs, so a page can hold fewer than "
     f"`page_size` (even none): go on while `next_page_token` is not null. A job created "
-    f"while you page through appears on none of the following pages; no job appears twice."
+    f"while you page through appears on none of the following pages; no job appears twice. "
+    f"A page token is this list's for the caller alone: another tenant's or another list's "
+    f"is `422` naming `page_token`."
 )
 
 
