@@ -6,7 +6,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -113,6 +113,122 @@ def test_a_search_s_retry_finds_its_claim_let_go_when_it_is_sent(
     assert delivered == [True], delivered
     done = store.get_search(job.id)
     assert done is not None and done.status == "succeeded" and runtime.calls == 2
+
+
+def _search_state(store: JobStore, job_id: str) -> tuple[dict[str, str], dict[str, str]]:
+    """A search's record and the fleet's status counts, as Redis holds them."""
+    from worker.constants import SEARCH_KEY, STATS_KEY
+
+    record = store.redis.hgetall(SEARCH_KEY + job_id)
+    return cast(dict[str, str], record), cast(dict[str, str], store.redis.hgetall(STATS_KEY))
+
+
+def test_a_search_copy_that_loses_the_claim_changes_nothing_of_the_run_going_on(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search's message delivered again while its first run is going (kombu's restore, a
+    reconnect's put-back): the copy finds the claim held by a live worker and leaves the
+    search to that run (worker/queue/jobstore/runs.py). It wrote its own start first, so the
+    record's ``started_at`` (and its ``move``) were the copy's, a run that never ran: the
+    search's ``finished_at - started_at`` was shorter than the run that made its result."""
+    from worker.constants import SEARCH_QUEUE
+
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)  # this worker, alive
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w1")
+    inside, go = threading.Event(), threading.Event()
+
+    def held(spec: SearchSpec) -> None:  # the first run, at its retrieval
+        inside.set()
+        go.wait(30)
+
+    runtime = ScriptedRuntime(first_half=held)
+    context._runtime = runtime
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"))
+    waits = _queue_waits(SEARCH_QUEUE)[0]
+    first = threading.Thread(target=tasks.search.apply, args=([job.id],))
+    first.start()
+    try:
+        assert inside.wait(30)
+        running = _search_state(store, job.id)
+        tasks.search.apply(args=[job.id])  # the copy
+        assert _search_state(store, job.id) == running
+    finally:
+        go.set()
+        first.join()
+    done = store.get_search(job.id)
+    assert done is not None and done.status == "succeeded", done
+    assert done.started_at == float(running[0]["started_at"])  # the run that made the result
+    assert runtime.model_calls == 1 and _queue_waits(SEARCH_QUEUE)[0] - waits == 1
+
+
+def test_a_search_copy_that_loses_the_claim_to_a_run_about_to_retry_leaves_it_queued(
+    context: base.WorkerContext,
+) -> None:
+    """A run that fails retryably requeues its search, then lets its claim go and sends its
+    retry (:func:`worker.queue.tasks.search`). A copy delivered between the two loses the
+    claim; it had moved the search back to ``running``, with a ``started_at`` of its own, a
+    run that never ran, until the retry's run started."""
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"))
+    claim = store.claim_search(job.id, "w1", lease_seconds=30)  # the first run
+    assert store.start_search(job.id) and store.requeue_search(job.id)  # its retry, coming
+    waiting = _search_state(store, job.id)
+    tasks.search.apply(args=[job.id])  # the copy
+    assert _search_state(store, job.id) == waiting and runtime.calls == 0
+    assert waiting[0]["status"] == "queued"
+    store.release_search(job.id, claim)
+
+
+def test_a_search_s_queue_wait_is_observed_once_when_a_copy_runs_it_after_a_retry(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy of a search's message reads the search (``queued``, never started), then is
+    held up; meanwhile the first delivery runs it, fails retryably, lets its claim go and
+    sends its retry, and the copy, going on, takes the claim and makes the result.
+    ``sift_job_queue_wait_seconds{queue="sift.search"}`` counts the search's wait once, at
+    its first run: the copy counted it again, from the record it read before that run."""
+    from worker.constants import SEARCH_QUEUE
+
+    _patch_backoff(monkeypatch)
+    store = context.store
+    runtime = ScriptedRuntime(BackendUnavailable("down"))
+    context._runtime = runtime
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"))
+    read, go = threading.Event(), threading.Event()
+    get_search = store.get_search
+
+    def held_up(job_id: str) -> SearchJob | None:
+        found = get_search(job_id)
+        if threading.current_thread().name == "copy":
+            read.set()
+            go.wait(30)
+        return found
+
+    monkeypatch.setattr(store, "get_search", held_up)
+    copy = threading.Thread(target=tasks.search.apply, args=([job.id],), name="copy")
+    sent = base.SiftTask.retry
+
+    def retry(self: base.SiftTask, *args: Any, **kwargs: Any) -> Any:
+        go.set()  # the first run let its claim go: the copy goes on, and runs it
+        copy.join()
+        return sent(self, *args, **kwargs)
+
+    monkeypatch.setattr(base.SiftTask, "retry", retry)
+    waits = _queue_waits(SEARCH_QUEUE)[0]
+    copy.start()
+    try:
+        assert read.wait(30)
+        tasks.search.apply(args=[job.id])  # the first delivery; its retry finds it final
+    finally:
+        go.set()
+        copy.join()
+    done = get_search(job.id)
+    assert done is not None and done.status == "succeeded" and runtime.calls == 2, done
+    assert _queue_waits(SEARCH_QUEUE)[0] - waits == 1
 
 
 def test_retries_are_bounded(context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch) -> None:

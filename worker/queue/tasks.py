@@ -86,14 +86,17 @@ def search(self: SiftTask, job_id: str) -> None:
         poison = _billed(_poison_error(self), store.kept_search_answer(job_id))
         finished = count_completed("search", store.finish_search(job_id, error=poison), poison)
     else:
-        if not store.start_search(job_id):
-            return
         deadline = self.context.settings.search_deadline_seconds
         claim = store.claim_search(job_id, liveness.run_owner(), lease_seconds=deadline)
         if not claim.granted:  # another delivery is running it (jobstore/runs.py)
             log.info("search %s: another run holds it; this delivery leaves it", job_id)
+            return  # before its start: its record's started_at and status are that run's
+        if not store.start_search(job_id):  # final meanwhile (or gone)
+            store.release_search(job_id, claim)
             return
-        if job.started_at is None:
+        if job.started_at is None and not claim.spent:
+            # its first run (the record read before the claim may predate a run that has
+            # started, been retried and let go: that run counted the wait)
             metrics.observe_queue_wait(SEARCH_QUEUE, time.time() - job.created_at)
         log.info("search %s: running for tenant %s", job_id, job.tenant)
         answers = store.search_answers(job_id, claim)
