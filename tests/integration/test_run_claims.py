@@ -37,6 +37,29 @@ def test_a_live_worker_s_claim_refuses_a_second_run_until_it_lets_go(store: JobS
     assert 0 < store.redis.ttl(BATCH_RUNS_KEY + batch.id) <= store.result_ttl
 
 
+def test_an_item_s_start_is_refused_while_another_run_holds_its_claim_as_a_claim_would_be(
+    store: JobStore,
+) -> None:
+    """An item's start (a chunk's copy, before its claim) writes nothing while a live run
+    holds the item's claim, judged as :meth:`JobStore.claim_item` would judge it: it starts
+    once that run let go, or its worker is dead, or its lease is over, or it named no owner."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    _alive(store, "w1")
+    assert store.start_item(batch.id, "q0")  # nothing claimed yet
+    held = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
+    assert not store.start_item(batch.id, "q0")
+    store.release_item(batch.id, "q0", held)
+    assert store.start_item(batch.id, "q0")  # let go
+    store.claim_item(batch.id, "q0", "gone", lease_seconds=30)  # no heartbeat: dead
+    assert store.start_item(batch.id, "q0")
+    store.claim_item(batch.id, "q0", "w1", lease_seconds=0.1)  # taking the dead run's over
+    time.sleep(0.2)  # its lease is over
+    assert store.start_item(batch.id, "q0")
+    store.claim_item(batch.id, "q0", "", lease_seconds=30)  # no owner: excludes nothing
+    assert store.start_item(batch.id, "q0")
+    assert store.batch_items(batch.id, ["q0"])[0].status == "running"
+
+
 def test_a_dead_worker_s_claim_or_a_spent_lease_is_taken_over_its_time_not_counted(
     store: JobStore,
 ) -> None:

@@ -328,6 +328,55 @@ def test_a_batch_item_whose_claim_the_job_store_cannot_take_is_not_failed(
     assert done is not None and done.status == "succeeded" and runtime.model_calls == 1
 
 
+def _batch_state(store: JobStore, batch_id: str) -> list[dict[str, str]]:
+    """A batch's record, its items' statuses, counts and results, and the fleet's counts."""
+    from worker.constants import (
+        BATCH_COUNTS_KEY,
+        BATCH_ITEMS_KEY,
+        BATCH_KEY,
+        BATCH_RESULTS_KEY,
+        STATS_KEY,
+    )
+
+    keys = [BATCH_KEY, BATCH_ITEMS_KEY, BATCH_COUNTS_KEY, BATCH_RESULTS_KEY]
+    return [cast(dict[str, str], store.redis.hgetall(key + batch_id)) for key in keys] + [
+        cast(dict[str, str], store.redis.hgetall(STATS_KEY))
+    ]
+
+
+@pytest.mark.parametrize("holder", ["in_its_model_call_canceled", "requeued_for_its_retry"])
+def test_a_chunk_copy_that_loses_an_item_s_claim_changes_nothing_of_that_item(
+    context: base.WorkerContext, holder: str
+) -> None:
+    """A batch chunk's message delivered again while a run of its item holds the item's
+    claim, its worker alive (worker/queue/jobstore/runs.py): the copy leaves the item to that
+    run. Its start was written before its claim was refused: the batch canceled while that run
+    was in its model call, the start canceled the item (the run's paid result then refused,
+    the batch completed ``canceled``), where a cancel leaves a run past its check to finish;
+    and an item that run had requeued for its retry, before letting its claim go, was moved
+    back to ``running`` by a copy that never ran it."""
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)  # the holder's worker, alive
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q0"))])
+    assert store.start_item(batch.id, "q0")  # the first delivery's run
+    claim = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
+    if holder == "in_its_model_call_canceled":
+        assert store.cancel_batch(batch.id) == (0, False)  # left to that run
+    else:
+        assert store.requeue_item(batch.id, "q0")  # its claim let go next
+    held = _batch_state(store, batch.id)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])  # the copy
+    assert _batch_state(store, batch.id) == held and runtime.calls == 0
+    if holder == "in_its_model_call_canceled":  # that run finishes it on its paid answer
+        result = SearchResult(hits=[], rerank=RerankInfo(applied=False))
+        assert store.finish_item(batch.id, "q0", result=result).batch_completed
+        done = store.get_batch(batch.id)
+        assert done is not None and done.status == "succeeded", done
+    store.release_item(batch.id, "q0", claim)
+
+
 def test_a_cancel_stops_started_items_before_their_model_call(
     context: base.WorkerContext,
 ) -> None:

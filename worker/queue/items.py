@@ -11,7 +11,9 @@ An item taken but not started is still cancelable: its start reads the batch's c
 in the same script (no round trip more), and one whose batch was canceled is canceled
 instead of started (unless its run claim kept the model's answer: past its model call, it
 finishes on that answer). ``run`` may cancel a started item the same way (before its model call)
-and answer that transition.
+and answer that transition. A start is refused while another live run holds the item's run
+claim (:mod:`worker.queue.jobstore.runs`): that run finishes it, and a copy of its chunk
+leaves it as it is (not moved, not canceled under a run in its model call).
 
 When the worker is told to stop (SIGTERM), :meth:`ItemQueue.hand_back` closes the queue:
 items not yet started go back to their chunks as ``handed_back``, and each chunk task hands

@@ -13,10 +13,13 @@ one script (:data:`~worker.queue.jobstore.scripts._CLAIM_RUN`) that refuses whil
 holds the claim, its worker's heartbeat alive (:mod:`worker.queue.liveness`) and its lease
 (its worker's search deadline, kept in the claim, so that workers with different deadlines
 judge it alike) not over, and otherwise records this run. A run that is refused makes
-no model call: the run holding the claim finishes the item. The claim also adds up the time
-the search's runs have run, in Redis's clock: a run's deadline is what is left of the one
-deadline (:class:`~worker.core.budget.Deadline`'s ``spent``), and the task retries only
-while some is left. The waits between runs (a retry's backoff, a batch chunk's retry
+no model call: the run holding the claim finishes the item. Nor does it change anything the
+job shows: a search's run claims before it writes its start (``started_at``, ``running``),
+and a batch item's start, written before its pacing and its claim, is refused, writing
+nothing, while another run holds the claim as this script would judge it. The claim also
+adds up the time the search's runs have run, in Redis's clock: a run's deadline is what is
+left of the one deadline (:class:`~worker.core.budget.Deadline`'s ``spent``), and the task
+retries only while some is left. The waits between runs (a retry's backoff, a batch chunk's retry
 waiting for its other items, the queue) are not counted, as the wait before the first run
 is not; nor is a run taken over (its worker died, or its lease is over): how long it ran
 is unknown, and counting it until the takeover (the dead-worker check, then the redelivered

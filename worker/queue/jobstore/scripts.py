@@ -46,8 +46,11 @@ return 1
 # when a cancel of the batch turns this move into a cancel (the check before the model call;
 # the batch's cancel mark is read in the same script, so no round trip more), '2' when it
 # does unless the item's run claim kept the model's answer (a start: the item is past its
-# model call, which was paid for, and its run finishes on that answer), and the move's token
+# model call, which was paid for, and its run finishes on that answer), the move's token
 # (with '1', the outcome is the cancel's alone: the usage a dead run's kept answer billed),
+# the heartbeat key prefix (a start is refused, writing nothing, while another run holds the
+# item's claim as _CLAIM_RUN judges it: the copy of a chunk that will lose that claim must
+# not move the item, nor cancel it under a run past its check before its model call),
 # then the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd and
 # the seconds_ fields floats, every other an integer), added to the batch's record when the
 # move makes the item final with this outcome: once, as the move is.
@@ -71,6 +74,17 @@ end
 if cur == 'succeeded' or cur == 'failed' or cur == 'canceled' then return {0, 0} end
 local to, outcome, canceled = ARGV[2], ARGV[4], 0
 if not string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return {0, 0} end
+if ARGV[7] == '2' then
+  local held = redis.call('HGET', KEYS[8], ARGV[1])
+  local owner, since, token, lease =
+    string.match(held or '', '^[^|]*|([^|]*)|([^|]*)|([^|]*)|?([^|]*)')
+  if token and token ~= '' and owner ~= '' and tonumber(lease)
+      and redis.call('EXISTS', ARGV[9] .. owner) == 1 then
+    local t = redis.call('TIME')
+    local ran = tonumber(t[1]) + tonumber(t[2]) / 1000000 - tonumber(since)
+    if ran < tonumber(lease) then return {0, 0} end
+  end
+end
 if ARGV[7] ~= '' and redis.call('HEXISTS', KEYS[4], 'canceled_at') == 1 then
   -- the claim's sixth field is the answer kept (_CLAIM_RUN's value)
   local run = ARGV[7] == '2' and redis.call('HGET', KEYS[8], ARGV[1]) or ''
@@ -93,7 +107,7 @@ if to ~= 'succeeded' and to ~= 'failed' and to ~= 'canceled' then
   return {1, canceled}
 end
 if outcome ~= '' then
-  for i = 9, #ARGV, 2 do
+  for i = 10, #ARGV, 2 do
     if ARGV[i] == 'usage_cost_usd' or string.sub(ARGV[i], 1, 8) == 'seconds_' then
       redis.call('HINCRBYFLOAT', KEYS[4], ARGV[i], ARGV[i + 1])
     else

@@ -123,7 +123,9 @@ class SearchRecords(_StoreCore):
         return self._status(SEARCH_KEY + job_id)
 
     def start_search(self, job_id: str) -> bool:
-        """queued (or running, on redelivery) -> running. False if it is final or missing."""
+        """queued (or running, on redelivery) -> running, ``started_at`` now. False if it is
+        final or missing. Made by the run holding the search's run claim (claimed first: a
+        copy that loses the claim writes no start)."""
         return self._job(
             SEARCH_KEY, job_id, JobStatus.RUNNING, "queued,running", {"started_at": repr(_now())}
         )

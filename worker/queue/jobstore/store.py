@@ -36,6 +36,7 @@ from worker.constants import (
     STATS_KEY,
     STATS_UNTRACKED_KEY,
     WEBHOOKS_OWED_KEY,
+    WORKER_HEARTBEAT_KEY,
 )
 from worker.contract import ErrorInfo, JobStatus, SearchResult
 from worker.queue.jobstore.records import ItemTransition, _now
@@ -242,6 +243,7 @@ class _StoreCore:
                     batch_id,
                     cancelable,
                     move_token(),
+                    WORKER_HEARTBEAT_KEY,
                     *(tally if n == 0 else ()),
                 ],
             )
