@@ -377,6 +377,31 @@ def test_a_chunk_copy_that_loses_an_item_s_claim_changes_nothing_of_that_item(
     store.release_item(batch.id, "q0", claim)
 
 
+def test_a_chunk_copy_leaves_an_economy_item_whose_first_half_was_kept(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The economy lane's first half is kept once (:func:`worker.queue.economy.save_prepared`:
+    the first kept stays, its prompt may be with the provider); a copy of the chunk finds it
+    kept and leaves the item to its provider batch. The copy's start came first: in a batch
+    canceled meanwhile (the cancel leaves running items to their provider batches, canceled
+    there) it canceled the item, so a request the provider had processed, and billed, found
+    its item final: its result refused, the batch completed ``canceled`` by a copy."""
+    from worker.constants import ECONOMY_PREPARED_KEY
+
+    monkeypatch.setattr(tasks, "maybe_submit", lambda *args: None)  # nothing to submit
+    store = context.store
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    spec = SearchSpec(index="docs", query="q0")
+    batch = store.create_batch("acme", "docs", [("q0", spec)], lane="economy")
+    assert store.start_item(batch.id, "q0")  # the first delivery's run: its first half kept
+    assert store.economy_save_new(batch.id, ECONOMY_PREPARED_KEY, "q0", '{"pos":0}')
+    assert store.cancel_batch(batch.id) == (0, False)  # left to its provider batch
+    held = _batch_state(store, batch.id)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])  # the copy
+    assert _batch_state(store, batch.id) == held and runtime.calls == 0
+
+
 def test_a_cancel_stops_started_items_before_their_model_call(
     context: base.WorkerContext,
 ) -> None:

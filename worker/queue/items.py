@@ -12,8 +12,9 @@ in the same script (no round trip more), and one whose batch was canceled is can
 instead of started (unless its run claim kept the model's answer: past its model call, it
 finishes on that answer). ``run`` may cancel a started item the same way (before its model call)
 and answer that transition. A start is refused while another live run holds the item's run
-claim (:mod:`worker.queue.jobstore.runs`): that run finishes it, and a copy of its chunk
-leaves it as it is (not moved, not canceled under a run in its model call).
+claim (:mod:`worker.queue.jobstore.runs`), or once its economy first half is kept: that run
+(or its provider batch) finishes it, and a copy of its chunk leaves it as it is (not moved,
+not canceled under a run in its model call or a request the provider processed).
 
 When the worker is told to stop (SIGTERM), :meth:`ItemQueue.hand_back` closes the queue:
 items not yet started go back to their chunks as ``handed_back``, and each chunk task hands

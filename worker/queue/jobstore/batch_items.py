@@ -62,9 +62,10 @@ class BatchItemRecords(_StoreCore):
 
     def start_item(self, batch_id: str, query_id: str) -> bool:
         """queued (or running, on redelivery) -> running. False if final, canceled or missing,
-        or if another live run holds its run claim (nothing is written: that run finishes
-        it), or if its batch has been canceled (then the item is canceled instead, unless its
-        run claim kept the model's answer: then it starts, to finish on that paid answer)."""
+        or if another live run holds its run claim, or its economy first half is kept
+        (nothing is written: that run, or its provider batch, finishes it), or if its batch
+        has been canceled (then the item is canceled instead, unless its run claim kept the
+        model's answer: then it starts, to finish on that paid answer)."""
         return self.begin_item(batch_id, query_id).started
 
     def begin_item(self, batch_id: str, query_id: str) -> ItemTransition:

@@ -41,16 +41,17 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return 1
 """
 
-# KEYS: items, results, counts, batch, stats, active, moves, run claims, webhooks owed.
-# ARGV: query id, to, allowed-from (comma list), outcome JSON or '', now, batch id, '1'
-# when a cancel of the batch turns this move into a cancel (the check before the model call;
-# the batch's cancel mark is read in the same script, so no round trip more), '2' when it
-# does unless the item's run claim kept the model's answer (a start: the item is past its
-# model call, which was paid for, and its run finishes on that answer), the move's token
-# (with '1', the outcome is the cancel's alone: the usage a dead run's kept answer billed),
-# the heartbeat key prefix (a start is refused, writing nothing, while another run holds the
-# item's claim as _CLAIM_RUN judges it: the copy of a chunk that will lose that claim must
-# not move the item, nor cancel it under a run past its check before its model call),
+# KEYS: items, results, counts, batch, stats, active, moves, run claims, webhooks owed, the
+# economy lane's prepared items. ARGV: query id, to, allowed-from (comma list), outcome JSON
+# or '', now, batch id, '1' when a cancel of the batch turns this move into a cancel (the
+# check before the model call; the batch's cancel mark is read in the same script, so no
+# round trip more), '2' when it does unless the item's run claim kept the model's answer (a
+# start: the item is past its model call, which was paid for, and its run finishes on that
+# answer), the move's token (with '1', the outcome is the cancel's alone: the usage a dead
+# run's kept answer billed), the heartbeat key prefix (a start is refused, writing nothing,
+# while another run holds the item's claim as _CLAIM_RUN judges it, or once the item's
+# economy first half is kept, waiting on its provider batch: a copy of its chunk must neither
+# move it nor cancel it, under a run in its model call or a provider's processed request),
 # then the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd and
 # the seconds_ fields floats, every other an integer), added to the batch's record when the
 # move makes the item final with this outcome: once, as the move is.
@@ -75,6 +76,7 @@ if cur == 'succeeded' or cur == 'failed' or cur == 'canceled' then return {0, 0}
 local to, outcome, canceled = ARGV[2], ARGV[4], 0
 if not string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return {0, 0} end
 if ARGV[7] == '2' then
+  if redis.call('HEXISTS', KEYS[10], ARGV[1]) == 1 then return {0, 0} end
   local held = redis.call('HGET', KEYS[8], ARGV[1])
   local owner, since, token, lease =
     string.match(held or '', '^[^|]*|([^|]*)|([^|]*)|([^|]*)|?([^|]*)')

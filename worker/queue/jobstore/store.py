@@ -32,6 +32,7 @@ from worker.constants import (
     BATCH_MOVES_KEY,
     BATCH_RESULTS_KEY,
     BATCH_RUNS_KEY,
+    ECONOMY_PREPARED_KEY,
     RESULT_TTL_SECONDS,
     STATS_KEY,
     STATS_UNTRACKED_KEY,
@@ -233,6 +234,7 @@ class _StoreCore:
                     BATCH_MOVES_KEY + batch_id,
                     BATCH_RUNS_KEY + batch_id,
                     WEBHOOKS_OWED_KEY,
+                    ECONOMY_PREPARED_KEY + batch_id,
                 ],
                 [
                     query_id,
