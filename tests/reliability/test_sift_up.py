@@ -14,6 +14,7 @@ ports and its data folder (free ones, so test runs don't collide). Then:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -214,3 +215,53 @@ def test_sift_up_names_a_data_folder_it_cannot_use(tmp_path: Path, where: str) -
     assert second.returncode == 1, printed
     assert f"error: the data folder {data_dir} cannot be used" in printed, printed
     assert "--data-dir (SIFT_DATA_DIR)" in printed and "Traceback" not in printed, printed
+
+
+def _session(sid: int) -> list[int]:
+    """The processes of session ``sid`` (``sift up`` and all it started: the worker's own
+    process groups stay in it)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # it exited meanwhile
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_twice_while_the_stack_starts_stops_it_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the terminal's whole process group: ``sift up`` and its processes)
+    twice while the worker is still starting: one line, exit 130, every process gone.
+
+    Before, the first Ctrl-C only marked the stack as stopping: ``sift up`` went on waiting
+    for the worker, which the Ctrl-C had reached too, then printed ``error: worker exited
+    early:`` with its log's tail (a KeyboardInterrupt traceback when it came during imports)
+    and exited 1."""
+    data_dir = tmp_path / "data"
+    out = tmp_path / "up.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "up", "--port", str(free_port()),
+             "--metrics-port", str(free_port()), "--data-dir", str(data_dir)],
+            cwd=tmp_path, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        # the worker was just spawned: its imports and model load are still ahead of it
+        wait_for(lambda: (data_dir / "logs" / "worker.log").exists(), "the worker's start", 120)
+        assert " ready." not in (data_dir / "logs" / "worker.log").read_text(errors="replace")
+        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+        printed = out.read_text(errors="replace")
+        assert "Ctrl-C stops everything" not in printed, "the stack was up already"
+        assert proc.returncode == 130, printed
+        assert "interrupted while starting; every process stopped" in printed, printed
+        assert "Traceback" not in printed and "error" not in printed, printed
+        assert _session(proc.pid) == [], printed
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

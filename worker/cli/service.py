@@ -23,11 +23,13 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from worker.cli._app import app
+from worker.cli._common import EXIT_INTERRUPTED
 from worker.cli._output import plain, print_result, sample_path
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError, SiftError
 from worker.processes.stack import (
     Service,
+    StartInterrupted,
     Supervisor,
     check_port_free,
     child_env,
@@ -254,7 +256,9 @@ class LocalStack:
 
 @contextlib.contextmanager
 def local_stack(
-    settings: Settings, report: Callable[[str], None] | None = None
+    settings: Settings,
+    report: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> Iterator[LocalStack]:
     """Redis (ours unless SIFT_REDIS_URL is set), one worker and the gateway, on
     ``SIFT_GATEWAY_PORT`` and ``SIFT_WORKER_METRICS_PORT``, keeping their files (the index,
@@ -263,7 +267,8 @@ def local_stack(
     It first claims the data folder (a lock file in it) and checks the two ports: another
     stack's are refused before anything is started or any log opened. With ``report``, a
     process that exits is started again (:class:`~worker.processes.stack.Supervisor`) and each
-    restart is reported through it."""
+    restart is reported through it. Once ``cancel`` is set, a wait for a process to be ready
+    raises :class:`~worker.processes.stack.StartInterrupted` (what was started is stopped)."""
     data_dir = settings.data_dir.resolve()
     gateway_port, metrics_port = settings.gateway_port, settings.worker_metrics_port
     with contextlib.ExitStack() as stack:
@@ -283,18 +288,18 @@ def local_stack(
         redis_url = settings.redis_url
         if not redis_url:
             redis, url = redis_service(data_dir / "redis", appendonly=True)
-            stack.enter_context(running(redis))
+            stack.enter_context(running(redis, cancel))
             services.append(redis)
             redis_url = extra["SIFT_REDIS_URL"] = url + "/0"
         env = child_env(extra)
         worker_env = _own_metrics_folder(env, data_dir / "metrics" / "worker")
         services.append(
-            stack.enter_context(running(worker_service(logs, worker_env, processes=None)))
+            stack.enter_context(running(worker_service(logs, worker_env, processes=None), cancel))
         )
         gateway, url = gateway_service(
             logs, _own_metrics_folder(env, data_dir / "metrics" / "gateway"), port=gateway_port
         )
-        services.append(stack.enter_context(running(gateway)))
+        services.append(stack.enter_context(running(gateway, cancel)))
         supervisor = None
         if report is not None:
             supervisor = Supervisor(report)
@@ -338,12 +343,20 @@ def _api_key(settings: Settings, data_dir: Path) -> tuple[str, dict[str, str]]:
 
 
 def _start(
-    stack: contextlib.ExitStack, settings: Settings, report: Callable[[str], None] | None = None
+    stack: contextlib.ExitStack,
+    settings: Settings,
+    report: Callable[[str], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> LocalStack:
+    """Start the stack; a Ctrl-C while it starts (``cancel`` set) stops what was started and
+    exits 130 with one line, not the log tail of a process that the Ctrl-C reached too."""
     try:
         with console.status("starting redis, a worker and the gateway…"):
-            return stack.enter_context(local_stack(settings, report))
-    except (RuntimeError, SiftError) as error:
+            return stack.enter_context(local_stack(settings, report, cancel))
+    except (RuntimeError, SiftError, StartInterrupted) as error:
+        if cancel is not None and cancel.is_set():
+            console.print("interrupted while starting; every process stopped")
+            raise typer.Exit(EXIT_INTERRUPTED) from error
         console.print(f"[red]error:[/red] {plain(error)}")
         raise typer.Exit(1) from error
 
@@ -380,7 +393,10 @@ def up(
         signal.signal(signum, on_signal)
     with contextlib.ExitStack() as stack:
         started = _start(
-            stack, settings, report=lambda line: console.print(f"[yellow]{plain(line)}[/]")
+            stack,
+            settings,
+            report=lambda line: console.print(f"[yellow]{plain(line)}[/]"),
+            cancel=stopping,
         )
         console.print(f"gateway  [bold]{started.url}[/]  (OpenAPI at {started.url}/docs)")
         console.print(f"api key  [bold]{started.api_key}[/]")

@@ -56,6 +56,10 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
             proc.wait(5)
 
 
+class StartInterrupted(Exception):
+    """The start was called off (Ctrl-C while a process warmed up): nothing failed."""
+
+
 def wait_until(
     check: Callable[[], object],
     what: str,
@@ -63,11 +67,15 @@ def wait_until(
     log: Path | None,
     timeout: float = READY_TIMEOUT_SECONDS,
     offset: int = 0,
+    cancel: threading.Event | None = None,
 ) -> None:
     """Poll ``check`` until it is true; fail with the log's tail (what this process wrote,
-    from ``offset`` on) if the process dies first."""
+    from ``offset`` on) if the process dies first; raise :class:`StartInterrupted` once
+    ``cancel`` is set (checked first: a Ctrl-C reaches the process too, which may die of it)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if cancel is not None and cancel.is_set():
+            raise StartInterrupted(what)
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited early:\n{_log_tail(log, offset)}")
         with contextlib.suppress(Exception):
@@ -279,8 +287,11 @@ class Service:
         self.started_at = time.monotonic()
         return self.proc
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
-        """Wait until the process just started is ready; fail if it exits first."""
+    def wait_ready(
+        self, timeout: float = READY_TIMEOUT_SECONDS, cancel: threading.Event | None = None
+    ) -> None:
+        """Wait until the process just started is ready; fail if it exits first (see
+        :func:`wait_until`)."""
         assert self.proc is not None
         offset, line, ready = self._offset, self.ready_line, self.ready
         check: Callable[[], object]
@@ -291,16 +302,17 @@ class Service:
         else:
             assert ready is not None
             check = ready
-        wait_until(check, self.name, self.proc, self.log, timeout, offset)
+        wait_until(check, self.name, self.proc, self.log, timeout, offset, cancel)
 
 
 @contextlib.contextmanager
-def running(service: Service) -> Iterator[Service]:
-    """Start ``service``, wait until it is ready, yield it; stop its process at the end (the
-    one running then: the :class:`Supervisor` may have started another)."""
+def running(service: Service, cancel: threading.Event | None = None) -> Iterator[Service]:
+    """Start ``service``, wait until it is ready (or ``cancel`` is set), yield it; stop its
+    process at the end (the one running then: the :class:`Supervisor` may have started
+    another)."""
     service.start()
     try:
-        service.wait_ready()
+        service.wait_ready(cancel=cancel)
         yield service
     finally:
         if service.proc is not None:
