@@ -34,6 +34,17 @@ def test_an_unreachable_prometheus_is_a_clear_error() -> None:
     assert "did not answer" in run.output and url in run.output
 
 
+def test_an_unreachable_prometheus_names_where_its_url_is_set() -> None:
+    """A newcomer's ``sift cost`` with no Prometheus at the default URL: the error names the
+    option and the setting to point it elsewhere (it named the URL alone)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {"COLUMNS": "200", "SIFT_PROMETHEUS_URL": url}
+    run = CliRunner().invoke(app, ["cost"], env=env)
+    assert run.exit_code == 1
+    printed = " ".join(run.output.split())
+    assert f"Prometheus at {url} (--prometheus-url, SIFT_PROMETHEUS_URL) did not answer" in printed
+
+
 def test_the_window_is_an_hour_or_a_day() -> None:
     run = CliRunner().invoke(app, ["cost", "--window", "1w"])
     assert run.exit_code == 2

@@ -100,7 +100,10 @@ class PrometheusClient:
             response = self._http.get(f"{self.url}/api/v1/query", params={"query": expr})
             body = response.json()
         except (httpx.HTTPError, ValueError) as exc:
-            raise SiftError(f"Prometheus at {self.url} did not answer: {exc}") from exc
+            raise SiftError(
+                f"Prometheus at {self.url} (--prometheus-url, SIFT_PROMETHEUS_URL) "
+                f"did not answer: {exc}"
+            ) from exc
         if body.get("status") != "success":
             raise SiftError(f"Prometheus refused {expr!r}: {body.get('error', body)}")
         result: list[dict[str, Any]] = body["data"]["result"]
