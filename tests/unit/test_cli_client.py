@@ -73,6 +73,11 @@ class FakeGateway:
         parts = urlsplit(raw_path)
         path, query = parts.path, parse_qs(parts.query)
         self.requests.append((method, path, headers, body))
+        if headers.get("authorization", "").startswith("Bearer wrong"):
+            # the gateway's answer to a key it does not know (api_gateway/auth.py)
+            error = {"type": "forbidden", "field": "Authorization",
+                     "message": "Authorization: the API key is not valid"}  # fmt: skip
+            return 403, {"error": error}
         if headers.get("authorization") != f"Bearer {API_KEY}":
             return 401, {"detail": "missing or unknown API key"}
         if method == "POST" and path.startswith("/v1/indexes/"):
@@ -377,6 +382,15 @@ def test_a_missing_key_is_named(fake_gateway: FakeGateway, tmp_path: Path) -> No
     assert result.exit_code == 1
     assert "401" in result.output and "SIFT_API_KEY is not set" in result.output
     assert "authorization" not in fake_gateway.requests[0][2]
+
+
+def test_a_wrong_key_names_sift_api_key(fake_gateway: FakeGateway) -> None:
+    """The gateway answers a key it does not know with a 403 on ``Authorization``: the user
+    is told which setting holds it (the 403 alone did not say; a missing key's 401 did)."""
+    result = run(fake_gateway, "search", "q", "--index", "s", key="wrong-key")
+    assert result.exit_code == 1
+    printed = " ".join(result.output.split())
+    assert "403: Authorization: the API key is not valid (check SIFT_API_KEY)" in printed
 
 
 def test_no_gateway_listening_names_sift_url(tmp_path: Path) -> None:

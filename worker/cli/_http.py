@@ -135,6 +135,15 @@ def _field_of(loc: Any) -> str:
     return ".".join(parts)
 
 
+def _error_field(response: httpx.Response) -> object:
+    """The ``field`` of the gateway's ``{"error": {...}}`` answer, or None."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("field") if isinstance(error, dict) else None
+
+
 def describe_error(response: httpx.Response) -> str:
     """A one-paragraph message for a 4xx/5xx answer, naming the field when the gateway does."""
     prefix = f"the gateway answered {response.status_code}"
@@ -268,6 +277,9 @@ class Gateway:
         if response.status_code == 401:
             hint = "check SIFT_API_KEY" if self.has_key else "SIFT_API_KEY is not set"
             raise GatewayError(f"{describe_error(response)} ({hint})", status_code=401)
+        if response.status_code == 403 and _error_field(response) == "Authorization":
+            # a key the gateway does not know: SIFT_API_KEY holds it
+            raise GatewayError(f"{describe_error(response)} (check SIFT_API_KEY)", status_code=403)
         if response.status_code >= 400:
             code = response.status_code
             # a 429 to a read (a proxy's rate limit) passes; one to a submit is the backlog
