@@ -265,3 +265,54 @@ def test_ctrl_c_twice_while_the_stack_starts_stops_it_without_a_traceback(tmp_pa
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_a_batch_runs_leaves_no_process_behind(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) with a batch's items in the workers:
+    every process of the stack is gone once ``sift up`` has exited.
+
+    Before, Redis was in the terminal's group and died of the Ctrl-C at once, while the
+    workers' warm shutdown still needed it (putting their unacked messages back): they hung,
+    ``sift up`` SIGKILLed their supervisor after its 15 s, and the worker processes were left
+    running, orphaned, for good. Redis now has a group of its own and is stopped last."""
+    data_dir = tmp_path / "data"
+    port = free_port()
+    out = tmp_path / "up.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "up", "--port", str(port),
+             "--metrics-port", str(free_port()), "--data-dir", str(data_dir)],
+            cwd=tmp_path, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    running = Stack(proc, out, data_dir, port, 0)
+    try:
+        wait_for(lambda: "Ctrl-C stops everything" in running.printed(), "sift up", UP_TIMEOUT)
+        wait_for(lambda: _warmed_up(running.logs), "the worker's warm-up", UP_TIMEOUT)
+        with httpx.Client(base_url=running.url, headers=running.headers(), timeout=60) as client:
+            ingest = client.post("/v1/indexes/docs/documents", params={"wait": 30},
+                                 json={"documents": sample_documents()})  # fmt: skip
+            assert ingest.status_code == 200, ingest.text
+            assert ingest.json()["status"] == "succeeded", ingest.text
+            queries = [{"id": f"q{i}", "query": f"tea {i}"} for i in range(20_000)]
+            submitted = client.post("/v1/batches", json={"index": "docs", "queries": queries})
+            assert submitted.status_code == 202, submitted.text
+            batch = f"/v1/batches/{submitted.json()['id']}"
+            wait_for(lambda: client.get(batch).json()["counts"]["succeeded"] > 0,
+                     "the batch's first items", UP_TIMEOUT)  # fmt: skip
+        assert client_status(running.url, running.headers(), batch) == "running"
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+        wait_for(lambda: _session(proc.pid) == [], "every process of the stack gone", 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _session(proc.pid):  # the worker processes have groups of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0, running.printed()
+
+
+def client_status(url: str, headers: dict[str, str], path: str) -> str:
+    return str(httpx.get(url + path, headers=headers, timeout=30).json()["status"])

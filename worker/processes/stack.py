@@ -175,7 +175,12 @@ def redis_service(
                "--save", "", "--appendonly", "yes" if appendonly else "no",
                "--appendfsync", appendfsync,
                "--maxmemory-policy", "noeviction", "--daemonize", "no"]  # fmt: skip
-    return Service("redis-server", command, directory / "redis.log", None, ready=ping), url
+    # a group of its own: a terminal's Ctrl-C reaching Redis with the rest killed it at once,
+    # while the workers' warm shutdown still needed it (they hung, and were left orphaned);
+    # whoever started it stops it, after the processes that use it
+    service = Service("redis-server", command, directory / "redis.log", None, ready=ping,
+                      own_group=True)  # fmt: skip
+    return service, url
 
 
 def sift_command(*args: str) -> list[str]:
