@@ -55,6 +55,7 @@ class FakeGateway:
     polls: dict[str, int] = field(default_factory=dict)
     batch_queries: list[dict[str, Any]] = field(default_factory=list)
     search_answers_at_once: bool = False
+    searches_unavailable: int = 0  # the first search submits answered 503 (Redis down)
     ingests: dict[str, int] = field(default_factory=dict)
     trace: dict[str, Any] | None = None  # the result's trace when the search asks for one
     ingest_seconds: float = 0.0  # how long an ingest POST takes to answer
@@ -105,6 +106,11 @@ class FakeGateway:
         if method == "POST" and path == "/v1/searches":
             if query.get("wait") != ["30"]:
                 return 400, {"detail": "expected wait=30"}
+            if self.searches_unavailable > 0:
+                self.searches_unavailable -= 1
+                error = {"type": "service_unavailable", "field": None,
+                         "message": "the job store is unavailable; retry after 1 s"}  # fmt: skip
+                return 503, {"error": error}
             if self.search_answers_at_once:
                 result = SEARCH_RESULT
                 if body.get("include_trace"):
@@ -382,6 +388,23 @@ def test_a_missing_key_is_named(fake_gateway: FakeGateway, tmp_path: Path) -> No
     assert result.exit_code == 1
     assert "401" in result.output and "SIFT_API_KEY is not set" in result.output
     assert "authorization" not in fake_gateway.requests[0][2]
+
+
+def test_a_search_submit_answered_503_is_sent_again_with_its_key(
+    fake_gateway: FakeGateway,
+) -> None:
+    """The gateway answers 503 while its Redis is down or restarting: ``sift search`` sends
+    the search again with the same Idempotency-Key (a submit whose answer was lost is
+    answered with the search it made, never run twice), as ``sift batch`` does. Before, it
+    sent no key and stopped at the first 503, exit 1."""
+    fake_gateway.search_answers_at_once = True
+    fake_gateway.searches_unavailable = 1
+    result = run(fake_gateway, "search", "what is alpha", "--index", "s")
+    assert result.exit_code == 0, result.output
+    assert "doc-a" in result.output and "trying again" in result.output
+    keys = [h.get("idempotency-key") for m, p, h, _ in fake_gateway.requests
+            if m == "POST" and p == "/v1/searches"]  # fmt: skip
+    assert len(keys) == 2 and keys[0] is not None and keys[0] == keys[1], keys
 
 
 def test_a_wrong_key_names_sift_api_key(fake_gateway: FakeGateway) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Annotated, Any
 
 import typer
@@ -10,10 +11,17 @@ from rich.console import Console
 
 from worker.cli._app import app
 from worker.cli._common import EXIT_INTERRUPTED, _err, _expected_errors, _out, one_of
-from worker.cli._http import FINAL_STATUSES, GatewayError, gateway, index_name, utf8_text
+from worker.cli._http import (
+    FINAL_STATUSES,
+    RETRY_SECONDS,
+    GatewayError,
+    gateway,
+    index_name,
+    utf8_text,
+)
 from worker.cli._output import plain, print_result, trace_lines
 from worker.cli.client._input import MODES
-from worker.constants import MAX_LIMIT, MAX_WAIT_SECONDS
+from worker.constants import IDEMPOTENCY_PENDING_TTL_SECONDS, MAX_LIMIT, MAX_WAIT_SECONDS
 
 
 def _print_search(console: Console, job: dict[str, Any], *, trace: bool) -> None:
@@ -86,7 +94,15 @@ def search(
             wait = int(MAX_WAIT_SECONDS)
             submitted: dict[str, Any] | None = None
             try:
-                response = client.request("POST", "/v1/searches", json=body, params={"wait": wait})
+                # one key for every resend (a 503 while Redis is down or restarting, a
+                # gateway restart): a submit whose answer was lost is answered with the
+                # search it made, never run and paid for twice (as `sift batch` sends)
+                key = {"Idempotency-Key": f"sift-search-{uuid.uuid4().hex}"}
+                window = RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
+                response = client.request(
+                    "POST", "/v1/searches", json=body, params={"wait": wait}, headers=key,
+                    retry_for=window,
+                )  # fmt: skip
                 job = submitted = response.json()
                 if job.get("status") not in FINAL_STATUSES:
                     job = client.poll(f"/v1/searches/{job['id']}")
