@@ -51,6 +51,10 @@ from benchmarks.bench_queue import (  # noqa: E402
 from tests.fake_anthropic import fake_process  # noqa: E402
 from worker.processes.stack import gateway_process, redis_service, running, worker_process  # noqa: E402
 
+# A model both sides call alike. The first baseline (a293bac) sends output_config.effort to
+# every model; Haiku 4.5 answers that with a 400, as the real API does (the fake mirrors it),
+# so with Haiku every baseline search failed at once and did less work than today's.
+MODEL = "claude-sonnet-4-6"
 WARM_UP = 400  # searches before the measured batch: each process loads its model on its first
 
 
@@ -90,7 +94,7 @@ def env_for(tmp: Path, redis_url: str, db: int, model_url: str, tree: Path) -> d
         "SIFT_DATA_DIR": str(tmp / f"data{db}"),
         "SIFT_WORKER_METRICS_PORT": "0",
         "SIFT_RERANK_ENABLED": "true",
-        "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
+        "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
         "ANTHROPIC_BASE_URL": model_url,
         "ANTHROPIC_API_KEY": "sk-ant-fake",
     }
@@ -270,6 +274,10 @@ def main() -> None:
     results["uptime_after"] = os.getloadavg()
     json.dump(results, sys.stdout, indent=2)
     sys.stdout.write("\n")
+    # a side whose searches failed did other work than the one it is compared with
+    spoilt = {side: row["failed"] for side, rows in runs.items() for row in rows if row["failed"]}
+    if spoilt:
+        sys.exit(f"not a measure: searches failed on {', '.join(sorted(spoilt))}: {spoilt}")
 
 
 if __name__ == "__main__":
