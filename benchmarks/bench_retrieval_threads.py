@@ -147,9 +147,16 @@ class Side:
         """Every ask once; CPU ms per search (thread CPU per call; the process's per search)."""
         self.sums = {"retrieve": 0.0, "probe": 0.0}
         started = time.process_time()
-        wait([self.pool.submit(self.search, ask, pause) for ask in asks])
+        futures = [self.pool.submit(self.search, ask, pause) for ask in asks]
+        wait(futures)
         process = time.process_time() - started
         n = len(asks)
+        # ``wait`` keeps a search's exception (a baseline that cannot read the index, no hits)
+        # in its future: a round whose searches failed measured other work, so none is shown
+        failed = [exc for exc in (f.exception() for f in futures) if exc is not None]
+        if failed:
+            raise SystemExit(f"not a measure: {len(failed)} of {n} {self.name} searches "
+                             f"failed, the first: {failed[0]!r}")  # fmt: skip
         return {
             "retrieve": 1000 * self.sums["retrieve"] / n,
             "probe": 1000 * self.sums["probe"] / n,
