@@ -96,6 +96,16 @@ def main() -> None:
         )
         for side in kinds:
             alone, beside = (top(backends[(side, n)], texts) for n in ("alone", "beside A"))
+            # every query has a term in B's abstracts: an empty answer is a backend that did
+            # not search (another schema, a filter that matches nothing), and "no query
+            # changed" beside A would then be no measure
+            empty = {
+                n: sum(not t for t in tops) for n, tops in (("alone", alone), ("beside A", beside))
+            }
+            if any(empty.values()):
+                sys.exit(
+                    f"not a measure: {side} answered no hit to {empty} of {len(texts)} queries"
+                )
             pairs = list(zip(alone, beside, strict=True))
             scores = sum(a != b for a, b in pairs)
             order = sum([i for i, _ in a] != [i for i, _ in b] for a, b in pairs)

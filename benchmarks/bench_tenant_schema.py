@@ -157,6 +157,7 @@ def main() -> None:
             f"({time.process_time() - started:.1f} s CPU to build); {args.threads} threads, "
             f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}"
         )
+        spoilt: dict[str, int] = {}
         for side in args.sides.split(","):
             child = subprocess.run(
                 [
@@ -178,6 +179,10 @@ def main() -> None:
                 f"SQLite memory {f['memory'] / 1e6:.1f} MB; failures {f['failures']}; "
                 f"load {os.getloadavg()[0]:.2f}"
             )
+            if f["failures"]:  # a search that failed (no hit, or raised) is not a search's CPU
+                spoilt[side] = f["failures"]
+    if spoilt:
+        sys.exit(f"not a measure: searches failed on {', '.join(spoilt)}: {spoilt}")
 
 
 if __name__ == "__main__":
