@@ -243,6 +243,26 @@ def provider_outage(model_url: str, seconds: float, retry_after: float) -> str:
     return f"provider outage: 529/429 (retry-after {retry_after:g} s) for {seconds:g} s"
 
 
+# The attempt classes a provider outage of 429s and 529s leads to (a search's deadline or the
+# rate budget's pause outlasting it included); a 4xx, a malformed answer or a backend error is
+# work that did not happen for another reason, and the items/s would count it as done.
+OUTAGE_CLASSES = ("rate_limited", "http_5xx", "timeout", "budget_exhausted", "deadline")
+
+
+def outage_failure(reason: str) -> bool:
+    """Whether a failed item's ``type: message`` is one the provider outage explains.
+
+    >>> outage_failure("rerank_failed: rerank failed (http_5xx): HTTP 529: overloaded")
+    True
+    >>> outage_failure("rerank_failed: rerank failed (http_4xx): HTTP 400: effort")
+    False
+    """
+    kind, _, message = reason.partition(": ")
+    if kind == "deadline_exceeded":
+        return True
+    return kind == "rerank_failed" and any(f"({c}" in message for c in OUTAGE_CLASSES)
+
+
 # --- the run ---------------------------------------------------------------------------------
 
 
@@ -495,6 +515,13 @@ def run_and_check(
                  "one result per query id", f"{sum(ids.values())} lines, {missing} missing, "
                  f"{doubled} duplicated, {extra} unknown")  # fmt: skip
     checks.check(bad == 0, "every result final, a succeeded one with its result", f"{bad} not")
+    unexplained = {
+        reason: count
+        for reason, count in errors.items()
+        if args.no_outage or not outage_failure(reason)
+    }
+    checks.check(not unexplained, "every failed item failed for the provider's outage",
+                 unexplained or "")  # fmt: skip
     checks.check(all(statuses[s] == counts[s] for s in FINAL) and sum(statuses.values()) == n,
                  "the counts agree with the results' statuses", dict(statuses))  # fmt: skip
     states, raw, stored = store_tally(url, batch_id)
