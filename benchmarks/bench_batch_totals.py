@@ -79,7 +79,9 @@ def main() -> None:
                 for qid in ids:
                     # without: the finish_item of the tree before the totals, its payload
                     tally = batch_tally(result) if name == "with" else ()
-                    store._items([(batch.id, qid, *done)], tally=tally)
+                    (moved,) = store._items([(batch.id, qid, *done)], tally=tally)
+                    # the tally is added only by a move that applies: else nothing was timed
+                    assert moved.applied, f"{qid}'s finish did not apply: {moved}"
                 spent[name][0] += time.process_time() - cpu
                 spent[name][1] += _redis_cpu(store) - redis_cpu
         store.close()

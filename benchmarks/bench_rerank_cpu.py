@@ -140,7 +140,9 @@ def measure(
         httpx.Client(base_url=url, timeout=60) as client,
     ):
         ingest(client)
-        run_batch(client, qs[:WARM_UP])
+        _, _, warm_failed = run_batch(client, qs[:WARM_UP])
+        if warm_failed:  # a side that fails its searches fails the measured ones as well
+            sys.exit(f"not a measure: {label}'s warm-up searches failed: {warm_failed}")
         gateway_pid = next(
             p for p in children(os.getpid()) if p not in (proc.pid, redis[1], model[1])
         )

@@ -81,6 +81,8 @@ def main() -> None:
                         store.begin_item(batch.id, qid)
                     else:
                         claim = store.claim_item(batch.id, qid, "w1", lease_seconds=30.0)
+                        # a refused claim writes nothing: its cost is not a claim's
+                        assert claim.granted, f"claim of {qid} refused: {claim}"
                         if name == "keep":
                             store.item_answers(batch.id, qid, claim).save(_kept())
                         store.release_item(batch.id, qid, claim)

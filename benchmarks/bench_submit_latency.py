@@ -54,8 +54,15 @@ class Poller(threading.Thread):
         self.url, self.path = url, path
         self.latencies: list[float] = []
         self.stopping = threading.Event()
+        self.error: BaseException | None = None
 
     def run(self) -> None:
+        try:
+            self.poll()
+        except BaseException as exc:  # kept for stop(): a thread's own would only be printed
+            self.error = exc
+
+    def poll(self) -> None:
         with httpx.Client(base_url=self.url, timeout=30) as client:
             due = time.perf_counter()
             while not self.stopping.is_set():
@@ -71,6 +78,8 @@ class Poller(threading.Thread):
     def stop(self) -> list[float]:
         self.stopping.set()
         self.join()
+        if self.error is not None:  # the polls stopped there: the figures would cover part
+            raise SystemExit(f"not a measure: {self.path} polling failed: {self.error!r}")
         return self.latencies
 
 
