@@ -41,20 +41,24 @@ redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return 1
 """
 
-# KEYS: items, results, counts, batch, stats, active, moves, run claims, webhooks owed, the
-# economy lane's prepared items. ARGV: query id, to, allowed-from (comma list), outcome JSON
-# or '', now, batch id, '1' when a cancel of the batch turns this move into a cancel (the
-# check before the model call; the batch's cancel mark is read in the same script, so no
-# round trip more), '2' when it does unless the item's run claim kept the model's answer (a
-# start: the item is past its model call, which was paid for, and its run finishes on that
-# answer), the move's token (with '1', the outcome is the cancel's alone: the usage a dead
-# run's kept answer billed), the heartbeat key prefix (a start is refused, writing nothing,
-# while another run holds the item's claim as _CLAIM_RUN judges it, or once the item's
-# economy first half is kept, waiting on its provider batch: a copy of its chunk must neither
-# move it nor cancel it, under a run in its model call or a provider's processed request),
-# then the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd and
-# the seconds_ fields floats, every other an integer), added to the batch's record when the
-# move makes the item final with this outcome: once, as the move is.
+# Moves one batch item from a status in allowed-from to ``to``.
+# KEYS: 1 items, 2 results, 3 counts, 4 batch, 5 stats, 6 active, 7 moves, 8 run claims,
+#   9 webhooks owed, 10 the economy lane's prepared items.
+# ARGV:
+#   1 query id, 2 to, 3 allowed-from (comma list), 4 outcome JSON or '', 5 now, 6 batch id;
+#   7 '' (a plain move), '1' when a cancel of the batch turns this move into a cancel (the
+#     check before the model call; the batch's cancel mark is read in the same script, so
+#     no round trip more), or '2' when it does unless the item's run claim kept the model's
+#     answer (a start: the item is past its paid model call, and its run finishes on that
+#     answer). A start ('2') is refused, writing nothing, while another run holds the item's
+#     claim as _CLAIM_RUN judges it, or once the item's economy first half is kept (KEYS[10],
+#     waiting on its provider batch): a copy of its chunk neither moves nor cancels it;
+#   8 the move's token (with '1', the outcome is the cancel's alone: the usage a dead run's
+#     kept answer billed);
+#   9 the heartbeat key prefix (for the run claim's owner);
+#   10.. the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd and
+#     the seconds_ fields floats, every other an integer), added to the batch's record when
+#     the move makes the item final with this outcome: once, as the move is.
 # Returns {code, 1 if the move became a cancel}: code -1 missing, 0 refused, 1 applied,
 # 2 applied and the batch just completed. A move that makes the item final keeps its token
 # and answer in the moves hash (living as long as the results hash), so the same call sent
@@ -142,18 +146,22 @@ end
 return {code, canceled}
 """
 
-# KEYS: items, counts, batch, stats, active, webhooks owed, then one list per message to
-# push. ARGV: now,
-# batch id, the cancel's token, two flags (0 or 1): whether the messages start with the
-# count's, then whether with the provider cancel's, then the raw messages: the count's first
-# (pushed if the cancel ended any item; what it ended is added up in the batch's record,
-# "cancel_uncounted" items and "cancel_completed", for _TAKE_CANCEL_COUNT: counted by the
-# task even when this reply is lost), the provider cancel's (an economy batch's
-# sift.economy_cancel: pushed if the cancel leaves the batch running, so its provider batches
-# are canceled even when this reply is lost or its gateway dies), then those pushed if the
-# cancel completes the batch (its webhook). A cancel that completes the batch
-# canceled at least one item (a running one would have kept it open), so the batch ends
-# ``canceled``; it records the batch's webhook owed, as a final move does.
+# Cancels a batch: marks it canceled and cancels every item still queued.
+# KEYS: 1 items, 2 counts, 3 batch, 4 stats, 5 active, 6 webhooks owed, 7.. one list per
+#   message to push (in the order of the messages).
+# ARGV: 1 now, 2 batch id, 3 the cancel's token, 4 two flags (each 0 or 1): whether the
+#   messages start with the count's, then whether with the provider cancel's; 5.. the raw
+#   messages, in this order:
+#   - the count's (pushed if the cancel ended any item; what it ended is added up in the
+#     batch's record, "cancel_uncounted" items and "cancel_completed", for
+#     _TAKE_CANCEL_COUNT: counted by the task even when this reply is lost);
+#   - the provider cancel's (an economy batch's sift.economy_cancel: pushed if the cancel
+#     leaves the batch running, so its provider batches are canceled even when this reply
+#     is lost or its gateway dies);
+#   - those pushed if the cancel completes the batch (its webhook).
+# A cancel that completes the batch canceled at least one item (a running one would have
+# kept it open), so the batch ends ``canceled``; it records the batch's webhook owed, as a
+# final move does.
 # Returns {canceled count, 1 if the batch just completed}, {-1, 0} when missing, and
 # {-2, 0} when the batch had already finished: then nothing is written (the check and the
 # cancel are one script, so a cancel racing the last item's finish is decided by one side).
