@@ -77,8 +77,8 @@ def _earlier_upsert_pending(jobs: JobStore, delete: IngestJob) -> bool:
     one finished already would have been counted. (One whose every id the delete took lands
     nothing, and the settings stay with an index that has none until a drop or a later
     delete: kept is the safer way to be wrong.) Asked only of a delete that emptied the
-    index: the tenant's own unfinished ingests are read, once (every tenant's active jobs
-    were: the delete's run grew with the others' backlog)."""
+    index: the tenant's own unfinished ingests are read, once (not every tenant's active
+    jobs, so the delete's run does not grow with the others' backlog)."""
     if delete.version is None:
         return False
     for job_id in jobs.active_ingests(delete.tenant):

@@ -29,10 +29,9 @@ class _Listing(_Pool):
     ) -> list[IndexInfo]:
         """Up to ``limit`` of the tenant's indexes (those holding one of its documents)
         named after ``after``, by name; ``name > ''`` is every name (none is empty), and
-        SQLite's ``LIMIT -1`` no limit. Only the tenant's own rows are read: its names from
-        ``indexes_by_tenant``, then a count of each one's documents on ``docs``'s key. (It
-        read ``docs`` from the cursor's name on, every tenant's rows, so a list's time told
-        how many documents the others held under the names after it.)"""
+        SQLite's ``LIMIT -1`` no limit. Only the tenant's own rows are read (its names from
+        ``indexes_by_tenant``, then a count of each one's documents on ``docs``'s key), so a
+        list's time tells nothing of the documents other tenants hold."""
         asked = (tenant, after or "", -1 if limit is None else limit)
         with self._conn() as conn, _translated("indexes"), _read(conn):
             rows = cast(

@@ -83,11 +83,10 @@ CREATE TABLE IF NOT EXISTS index_settings(
     PRIMARY KEY(idx, tenant)
 ) WITHOUT ROWID;
 """
-# ``indexes_by_tenant`` (the index list's seek on the tenant's own names) came after v2 without
-# a bump, as ``index_settings`` did: a v2 data dir gains it on open, an earlier release ignores it.
-# ``index_settings`` (each tenant's index's own search settings, a NULL ``settings`` once
-# cleared) came after v2 without a bump: a v2 data dir gains it on open, and an earlier v2
-# release reads past it.
+# Two came after v2 without a bump: a v2 data dir gains them on open, and an earlier v2
+# release reads past them. ``index_settings`` holds each tenant's index's own search settings
+# (a NULL ``settings`` once cleared); ``indexes_by_tenant`` is the index list's seek on the
+# tenant's own names.
 # v2: ``indexes`` is keyed by (name, tenant), so each tenant's index has its own FTS5 table
 # (BM25 statistics), dimension and generation; a v1 data dir (one per name) is refused.
 
