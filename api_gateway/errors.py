@@ -217,7 +217,7 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"path: no route {path!r} (the routes are in /openapi.json)"
             raw = request.scope.get("raw_path")
             if isinstance(raw, bytes) and has_encoded_slash(raw):
-                # quoted decoded, it named a route there is (``'/v1/searches'``)
+                # decoded, it may read as a route there is (``'/v1/searches'``): name it raw
                 message = (
                     f"path: no route {raw.decode('latin-1')!r}: a %2F is a character of its "
                     "segment, never the / between two (the routes are in /openapi.json)"

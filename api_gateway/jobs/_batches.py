@@ -324,10 +324,9 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
     log.info("batch %s: %d items canceled", batch_id, canceled)
     batch = await _owned_batch(request, batch_id, tenant)
     if provider is None and batch.lane == LANE_ECONOMY and not completed and not batch.finished_at:
-        # items waiting on the provider end when their provider batches are canceled; on the
-        # search queue, which never waits behind a batch: on the batch queue it came after
-        # every chunk submitted before it, and the provider processed (and billed) meanwhile
-        # what the client had canceled
+        # no outbox carried the provider cancel: this answer sends it. Items waiting on the
+        # provider end when their provider batches are canceled (on the search queue, never
+        # behind the batch queue's chunks: worker.queue.config)
         await off_loop(sender.send, ECONOMY_CANCEL_TASK, [batch_id], SEARCH_QUEUE)
     if count is not None:
         await _count_cancel(request, batch_id)
