@@ -46,9 +46,9 @@ Tenant = Annotated[str, Depends(authenticate)]
 def written_as(kind: str, form: re.Pattern[str], words: str) -> BeforeValidator:
     """A query parameter's text refused unless all of it is ``form``, before pydantic converts
     it (a ``422`` naming the parameter, of pydantic's ``kind``). Pydantic's own conversion of
-    a string is lax where a JSON body is strict (:mod:`worker.contract`): ``page_size=%205``
-    (" 5"), ``+5`` (a ``+`` in a query is a space), ``%2B5`` and ``1_0`` (read as 10) were
-    taken, and ``wait=1e1`` too. A value that is no string (a default) passes untouched."""
+    a string is lax where a JSON body is strict (:mod:`worker.contract`): it takes
+    ``page_size=%205`` (" 5"), ``+5`` (a ``+`` in a query is a space), ``%2B5``, ``1_0``
+    (read as 10) and ``wait=1e1``. A value that is no string (a default) passes untouched."""
 
     def check(value: object) -> object:
         if isinstance(value, str) and form.fullmatch(value) is None:
@@ -69,7 +69,7 @@ DECIMAL = written_as(
     "a number written in the digits 0-9, with a decimal point between digits at most "
     "(no sign, space, underscore or exponent)",
 )
-# the validator after Query: before it, OpenAPI showed the bounds as "ge"/"le", no schema words
+# each validator goes after its Query: before it, OpenAPI would show the bounds as "ge"/"le"
 Wait = Annotated[
     float,
     Query(
