@@ -81,6 +81,7 @@ local to, outcome, canceled = ARGV[2], ARGV[4], 0
 if not string.find(',' .. ARGV[3] .. ',', ',' .. cur .. ',', 1, true) then return {0, 0} end
 if ARGV[7] == '2' then
   if redis.call('HEXISTS', KEYS[10], ARGV[1]) == 1 then return {0, 0} end
+  -- the claim, _CLAIM_RUN's "<used>|<owner>|<claimed at>|<token>|<lease>[|<answer>]"
   local held = redis.call('HGET', KEYS[8], ARGV[1])
   local owner, since, token, lease =
     string.match(held or '', '^[^|]*|([^|]*)|([^|]*)|([^|]*)|?([^|]*)')
@@ -371,15 +372,18 @@ return moved
 
 # A copy of a webhook's message claims the attempt it makes before it sends it, so two
 # copies of one attempt (a redelivered task's, and the message it sent again) send it once.
-# KEYS: the job's record. ARGV: the attempt, the claimant's worker id ('' : none), its lease
-# (seconds), the heartbeat key prefix, the claim's token. Refused for good ({0, '0'}) once
-# the webhook was settled, or for an attempt before the one a retry recorded (made already:
-# the schedule goes on without this copy); while another copy holds the same attempt, its
-# worker's heartbeat alive (or it named none) and its lease not over, refused with the
-# seconds left ({0, '<s>'}: wait, then look again); else recorded ("webhook_claim":
-# attempt|owner|until|token, in Redis's clock) and granted ({1, '0'}). The same call sent
-# again (its reply lost) finds its own token: granted, as it was. A record already gone
-# (expired) has nothing to claim on and none is made: granted.
+# KEYS: 1 the job's record.
+# ARGV: 1 the attempt, 2 the claimant's worker id ('' : none), 3 its lease (seconds), 4 the
+#   heartbeat key prefix, 5 the claim's token.
+# Returns {granted (0/1), seconds to wait (a string)}:
+# - {0, '0'}, refused for good: the webhook was settled, or the attempt comes before the one
+#   a retry recorded (made already: the schedule goes on without this copy);
+# - {0, '<s>'}: another copy holds the same attempt, its worker's heartbeat alive (or it
+#   named none) and its lease not over (wait the seconds left, then look again);
+# - {1, '0'}, granted: the claim recorded ("webhook_claim": attempt|owner|until|token, in
+#   Redis's clock). The same call sent again (its reply lost) finds its own token: granted,
+#   as it was. A record already gone (expired) has nothing to claim on and none is made:
+#   granted.
 _CLAIM_WEBHOOK = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return {1, '0'} end
 if redis.call('HEXISTS', KEYS[1], 'webhook_settled') == 1 then return {0, '0'} end
