@@ -356,9 +356,9 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _a_redis_url(cls, value: str | None) -> str | None:
-        """What redis-py and kombu read: ``127.0.0.1:6379`` (a compose file's spelling) had
-        the gateway stop on redis-py's traceback and ``sift worker``'s Celery retry an AMQP
-        broker it made of it (``amqp://guest@127.0.0.1%3A6379:5672``) for as long as it ran."""
+        """A URL redis-py and kombu read. Anything else, such as ``127.0.0.1:6379`` (a compose
+        file's spelling), would stop the gateway on redis-py's traceback and have ``sift
+        worker``'s Celery retry an AMQP broker made of it for as long as it ran."""
         if value is not None and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
             raise ValueError(
                 "must start with redis://, rediss:// or unix:// (redis://127.0.0.1:6379/0), "
@@ -370,8 +370,8 @@ class Settings(BaseSettings):
     @classmethod
     def _an_http_url(cls, value: str | None, info: ValidationInfo) -> str | None:
         """An http(s) URL with a host (and for Elasticsearch, whose client asks for one, a
-        port): ``SIFT_URL=127.0.0.1:8080`` had every CLI read retry for two minutes, saying
-        "trying again", what no retry mends."""
+        port). Without it, ``SIFT_URL=127.0.0.1:8080`` would have every CLI read retry for two
+        minutes what no retry mends."""
         if value is None:
             return value
         parts = urlsplit(value)

@@ -57,8 +57,8 @@ def index_name(value: str | None) -> str | None:
 def utf8_text(value: str | list[str] | None) -> str | list[str] | None:
     """A typer callback: ``value`` (a text, or each of a list) if UTF-8 can encode it, else a
     usage error naming the argument. A command line's byte that is no UTF-8 reaches Python as
-    a lone surrogate (``sift search $'\\xff'``), which stopped the command on a traceback
-    where its request was built."""
+    a lone surrogate (``sift search $'\\xff'``), which would stop the command on a traceback
+    where its request is built."""
     for text in [value] if isinstance(value, str) else value or []:
         try:
             text.encode()

@@ -93,7 +93,7 @@ def query_from(obj: Any) -> dict[str, Any]:
     if not isinstance(text, str) or not text:
         raise ValueError("field 'query': a non-empty string is required")
     for name, value in (("id", query_id), ("query", text)):
-        try:  # a lone surrogate (valid JSON) stopped the batch's send on a traceback
+        try:  # a lone surrogate (valid JSON) would stop the batch's send on a traceback
             unicode_only(value)
         except ValueError as exc:
             raise ValueError(f"field {name!r}: {exc}") from None
