@@ -56,8 +56,7 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     settings = self.context.settings
     wait = float(event.get("due_at", 0.0)) - time.time()
     if wait > 0:  # not yet due: another hop
-        hop = self.retry(args=[event], countdown=min(wait, _hop_seconds(settings)), throw=False)
-        raise WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
+        raise _hop(self, event, min(wait, _hop_seconds(settings)))
     data = event["data"]
     store = self.context.store
     if store.webhook_was_settled(data["id"]):  # another copy delivered it, or spent its schedule
@@ -69,9 +68,9 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
             log.debug("webhook %s: %d deliveries sending; put off", data["id"], slots.limit)
             # the attempt is written down: a first message's is the retry count, which a hop bumps
             same = {**event, "attempt": _attempt_number(self, event)}
-            hop = self.retry(args=[same], countdown=random.uniform(*DEFER_SECONDS), throw=False)
+            hop = _hop(self, same, random.uniform(*DEFER_SECONDS))
             metrics.webhook_deferred(event["type"])  # sift_webhook_deferrals_total
-            raise WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
+            raise hop
         _attempt(self, event)
 
 
@@ -93,11 +92,7 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
         return
     if not claim.granted:  # another copy is sending it: look again once its claim is over
         log.info("webhook %s: another copy makes attempt %d; this one waits", data["id"], attempt)
-        same = {**event, "attempt": attempt}
-        hop = self.retry(
-            args=[same], countdown=min(claim.wait, _hop_seconds(settings)), throw=False
-        )
-        raise WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
+        raise _hop(self, {**event, "attempt": attempt}, min(claim.wait, _hop_seconds(settings)))
     # how late the attempt runs after it was due: the job's end, or its retry's time
     due = event.get("due_at") or datetime.fromisoformat(event["occurred_at"]).timestamp()
     metrics.observe_queue_wait(WEBHOOK_QUEUE, time.time() - float(due))
@@ -163,6 +158,13 @@ def _final_figures(store: JobStore, event: dict[str, Any]) -> dict[str, Any]:
     if job.finished_at is not None:
         final["occurred_at"] = datetime.fromtimestamp(job.finished_at, UTC).isoformat()
     return final
+
+
+def _hop(self: SiftTask, event: dict[str, Any], countdown: float) -> WaitHop:
+    """``event``'s message sent again in ``countdown`` seconds, as the :class:`WaitHop` for
+    the task to raise (a wait, not a retry of the work)."""
+    hop = self.retry(args=[event], countdown=countdown, throw=False)
+    return WaitHop(when=hop.when, is_eager=hop.is_eager, sig=hop.sig)
 
 
 def _claim_seconds(settings: Settings) -> float:
