@@ -48,7 +48,8 @@ from worker.queue.jobstore.jobindex import KIND_BATCH, KIND_INGEST, KIND_SEARCH
 router = APIRouter(prefix="/v1", route_class=GetAnswersHead)
 
 _TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,20})?")  # a creation time, as repr() writes it
-_ID_CHARS = 5 + 32  # the longest id: "srch_" and 32 hex digits
+# the longest id: its prefix and 32 hex digits
+_ID_CHARS = max(len(p) for p in (SEARCH_ID_PREFIX, BATCH_ID_PREFIX, INGEST_ID_PREFIX)) + 32
 _MAX_PLACE_CHARS = 12 + 1 + 20 + 1 + _ID_CHARS  # "<time>:<id>", the longest _TIME allows
 _MAX_TOKEN_CHARS = max_cursor_chars(_MAX_PLACE_CHARS)
 J = TypeVar("J", SearchJob, BatchJob, IngestJob)
