@@ -37,7 +37,9 @@ take time is still the one the worker read as it recorded the delivery: one acke
 put back, or taken again since, by any worker (kombu's close put it back while Redis stayed
 up), is left alone. One whose take time it never read (Redis went down within milliseconds
 of the take) is left to the orphan check. A running task's message stays; the task acks it
-once Redis is back.
+once Redis is back. Its thread then drops the records naming it for deliveries it no longer
+holds (:meth:`Liveness.forget_released`: a Redis that lost its last writes brings them back
+with their acks lost), which leaves those to the orphan check.
 
     liveness = Liveness(client, worker_id, heartbeat_seconds=2, dead_after_seconds=10,
                         orphan_seconds=60)
