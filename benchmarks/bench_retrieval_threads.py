@@ -66,7 +66,7 @@ INDEX = "bench"
 TENANT = "bench"
 NOISE = "noise"
 DIMENSION = 384
-SCIFACT = REPO.parent.parent / "shared" / "data" / "scifact"
+SCIFACT = REPO.parent / "shared" / "data" / "scifact"
 
 
 def baseline_module(commit: str) -> ModuleType:

@@ -1,6 +1,6 @@
 """A noisy neighbour on the embedded backend: tenant B's BM25 search with and without a big A.
 
-    python benchmarks/bench_tenant_neighbours.py [--baseline main] [--copies 4]
+    python benchmarks/bench_tenant_neighbours.py [--baseline e02e0e8] [--copies 4]
                                                  [--queries 300] [--rounds 3]
 
 Tenant ``b`` holds SciFact's 5,183 abstracts in the index ``sci``; in a second data dir,
@@ -34,7 +34,7 @@ from benchmarks.baseline import module_at  # noqa: E402
 from worker.adapters.embedded import EmbeddedBackend  # noqa: E402
 from worker.core.types import ChannelQuery, Document, HardFilters  # noqa: E402
 
-SCIFACT = REPO.parent.parent / "shared" / "data" / "scifact"
+SCIFACT = REPO.parent / "shared" / "data" / "scifact"
 INDEX = "sci"
 WINDOW = 120
 BATCH = 500
@@ -68,7 +68,11 @@ def cpu_per_search(backend: Any, texts: list[str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--baseline", default="main", help="the commit to compare with")
+    parser.add_argument(
+        "--baseline",
+        default="e02e0e8",
+        help="the commit to compare with (default: the last with one FTS5 table per index name)",
+    )
     parser.add_argument("--copies", type=int, default=4, help="A's size, in SciFacts")
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)

@@ -1,6 +1,6 @@
 """What one tenant's first write costs a worker's other searches on the embedded backend.
 
-    python benchmarks/bench_tenant_schema.py [--baseline main] [--tenants 1000]
+    python benchmarks/bench_tenant_schema.py [--baseline 9eecd80] [--tenants 1000]
                                              [--threads 300] [--rounds 3]
                                              [--sides baseline,today]
 
@@ -133,7 +133,11 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--baseline", default="main", help="the commit to compare with")
+    parser.add_argument(
+        "--baseline",
+        default="9eecd80",
+        help="the commit to compare with (default: the last with a connection per thread)",
+    )
     parser.add_argument("--tenants", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
