@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from api_gateway.paths import has_encoded_slash
-from worker.errors import InvalidRequest
+from worker.errors import InvalidRequest, validation_message
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,7 @@ def problems_of(errors: Sequence[Any]) -> list[FieldProblem]:
             field = "body"
             message = "is not valid JSON: " + str(error.get("ctx", {}).get("error", "parse error"))
         else:
-            message = str(error.get("msg", "is invalid"))
-            message = message.removeprefix("Value error, ")
+            message = validation_message(error.get("msg", "is invalid"))
         if field in seen:  # a union reports each branch; name the field once
             continue
         seen.add(field)

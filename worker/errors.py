@@ -59,6 +59,18 @@ class SiftError(Exception):
         self.message = message
 
 
+def validation_message(msg: object) -> str:
+    """A pydantic error's message as Sift says it: without the ``Value error, `` that pydantic
+    puts before a validator's own ``ValueError`` text.
+
+    >>> validation_message("Value error, must be at least 1")
+    'must be at least 1'
+    >>> validation_message("Input should be a valid integer")
+    'Input should be a valid integer'
+    """
+    return str(msg).removeprefix("Value error, ")
+
+
 class InvalidRequest(SiftError):
     code = "invalid_request"
 

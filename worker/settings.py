@@ -35,7 +35,7 @@ from worker.constants import (
     RRF_K,
 )
 from worker.contract import FusionWeights
-from worker.errors import ConfigError
+from worker.errors import ConfigError, validation_message
 
 
 class ApiKey(BaseModel):
@@ -513,7 +513,7 @@ def load_settings(**overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as exc:
         problems = [
-            error_path(error["loc"]) + ": " + error["msg"].removeprefix("Value error, ")
+            error_path(error["loc"]) + ": " + validation_message(error["msg"])
             for error in exc.errors()
         ]
         raise ConfigError("invalid settings; " + "; ".join(problems)) from exc

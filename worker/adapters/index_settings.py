@@ -47,7 +47,7 @@ from worker.constants import (
 from worker.contract import FusionSpec
 from worker.core.catalog import SearchSettings, merge_patch
 from worker.core.ports import IndexSettingsStorage
-from worker.errors import BackendUnavailable, InvalidRequest
+from worker.errors import BackendUnavailable, InvalidRequest, validation_message
 from worker.redis_client import QUICK_SOCKET_TIMEOUT, connect
 from worker.write_versions import next_write_version
 
@@ -212,4 +212,4 @@ def _check(merged: Mapping[str, Any]) -> None:
     except ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(["fusion", *(str(p) for p in error["loc"])])
-        raise InvalidRequest(field, error["msg"].removeprefix("Value error, ")) from exc
+        raise InvalidRequest(field, validation_message(error["msg"])) from exc

@@ -23,6 +23,7 @@ from worker.cli._http import Gateway, gateway, index_name, segment, utf8_text
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 from worker.contract import IndexSettingsPatch
+from worker.errors import validation_message
 
 index_app = typer.Typer(
     help="Show, set the search settings of, or delete one of your indexes.", no_args_is_help=True
@@ -193,7 +194,7 @@ def checked_patch(body: dict[str, Any]) -> dict[str, Any]:
         first = exc.errors()[0]
         where = tuple(str(part) for part in first["loc"])
         hint = next((o for path, o in SETTING_OPTIONS.items() if where[: len(path)] == path), None)
-        message = str(first["msg"]).removeprefix("Value error, ")
+        message = validation_message(first["msg"])
         raise typer.BadParameter(message, param_hint=hint) from None
     return body
 
