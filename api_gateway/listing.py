@@ -49,7 +49,13 @@ router = APIRouter(prefix="/v1", route_class=GetAnswersHead)
 
 _TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,20})?")  # a creation time, as repr() writes it
 # the longest id: its prefix and 32 hex digits
-_ID_CHARS = max(len(p) for p in (SEARCH_ID_PREFIX, BATCH_ID_PREFIX, INGEST_ID_PREFIX)) + 32
+# each list's kind and the prefix of its jobs' ids
+_ID_PREFIX = {
+    KIND_SEARCH: SEARCH_ID_PREFIX,
+    KIND_BATCH: BATCH_ID_PREFIX,
+    KIND_INGEST: INGEST_ID_PREFIX,
+}
+_ID_CHARS = max(map(len, _ID_PREFIX.values())) + 32
 _MAX_PLACE_CHARS = 12 + 1 + 20 + 1 + _ID_CHARS  # "<time>:<id>", the longest _TIME allows
 _MAX_TOKEN_CHARS = max_cursor_chars(_MAX_PLACE_CHARS)
 J = TypeVar("J", SearchJob, BatchJob, IngestJob)
@@ -110,7 +116,7 @@ def encode_job_cursor(kind: str, tenant: str, cursor: Cursor | None) -> str | No
     starts after ``cursor`` (None: there is no next page).
 
     >>> cursor = Cursor(1764000000.25, "bat_" + "0" * 32)
-    >>> decode_job_cursor(encode_job_cursor("batch", "acme", cursor), "batch", "acme", "bat_")
+    >>> decode_job_cursor(encode_job_cursor("batch", "acme", cursor), "batch", "acme")
     Cursor(created_at=1764000000.25, job_id='bat_00000000000000000000000000000000')
     """
     if cursor is None:
@@ -118,17 +124,17 @@ def encode_job_cursor(kind: str, tenant: str, cursor: Cursor | None) -> str | No
     return encode_cursor("c", (kind, tenant), f"{cursor.created_at!r}:{cursor.job_id}")
 
 
-def decode_job_cursor(token: str | None, kind: str, tenant: str, prefix: str) -> Cursor | None:
-    """The cursor in a page token of ``tenant``'s list of ``kind`` (its jobs' ids start with
-    ``prefix``). Only the exact text :func:`encode_job_cursor` made for this tenant and list
-    is one; anything else is a 422 naming ``page_token`` before Redis sees it (another
-    tenant's token, another list's, a batch-results token, an edited one, or one of the
-    cursors without a digest a list issued before, which any tenant's list took)."""
+def decode_job_cursor(token: str | None, kind: str, tenant: str) -> Cursor | None:
+    """The cursor in a page token of ``tenant``'s list of ``kind``. Only the exact text
+    :func:`encode_job_cursor` made for this tenant and list is one; anything else is a 422
+    naming ``page_token`` before Redis sees it (another tenant's token, another list's, a
+    batch-results token, an edited one, or one of the cursors without a digest a list issued
+    before, which any tenant's list took)."""
     place = decode_cursor(token, "c", (kind, tenant), _MAX_PLACE_CHARS)
     if place is None:
         return None
     at, _, job_id = place.partition(":")
-    if not _TIME.fullmatch(at) or not is_id(job_id, prefix):
+    if not _TIME.fullmatch(at) or not is_id(job_id, _ID_PREFIX[kind]):
         raise InvalidRequest("page_token", NOT_OURS)
     cursor = Cursor(float(at), job_id)
     if encode_job_cursor(kind, tenant, cursor) != token:  # the time as repr() writes it
@@ -140,17 +146,16 @@ async def _page(
     read: Callable[..., JobPage[J]],
     out: Callable[[J], Item],
     kind: str,
-    prefix: str,
     tenant: str,
     status: JobStatus | None,
     page_size: int,
     page_token: str | None,
 ) -> tuple[list[Item], str | None]:
     """The body of each list route: one page of the store's ``read`` (from the cursor in
-    ``page_token``, a token of ``tenant``'s list of ``kind``, ids with ``prefix``), each job
-    as ``out`` shows it, and the next page's token. The token is not tied to ``status``: it
-    is a place in the tenant's list, the same whatever the filter."""
-    after = decode_job_cursor(page_token, kind, tenant, prefix)
+    ``page_token``, a token of ``tenant``'s list of ``kind``), each job as ``out`` shows it,
+    and the next page's token. The token is not tied to ``status``: it is a place in the
+    tenant's list, the same whatever the filter."""
+    after = decode_job_cursor(page_token, kind, tenant)
     page = await off_loop(read, tenant, status=status, after=after, page_size=page_size)
     return [out(job) for job in page.jobs], encode_job_cursor(kind, tenant, page.next)
 
@@ -188,7 +193,6 @@ async def list_searches(
         job_store(request).list_searches,
         _search_item,
         KIND_SEARCH,
-        SEARCH_ID_PREFIX,
         tenant,
         status,
         page_size,
@@ -215,7 +219,6 @@ async def list_batches(
         job_store(request).list_batches,
         batch_out,
         KIND_BATCH,
-        BATCH_ID_PREFIX,
         tenant,
         status,
         page_size,
@@ -242,7 +245,6 @@ async def list_ingestions(
         job_store(request).list_ingests,
         ingest_out,
         KIND_INGEST,
-        INGEST_ID_PREFIX,
         tenant,
         status,
         page_size,
