@@ -416,6 +416,30 @@ def terms_by_index_response(
     }
 
 
+def tenants_composite(request: Recorded, counts: dict[str, int]) -> Answer:
+    """A ``size: 0`` search with a ``composite`` aggregation named ``tenants`` on the tenant
+    field, as ES 9 pages it: a page of buckets with its ``after_key`` (there on the last
+    full page too), then, asked ``after`` the last key, an empty page without one."""
+    composite = request.json()["aggs"]["tenants"]["composite"]
+    after = (composite.get("after") or {}).get("tenant")
+    keys = [k for k in sorted(counts) if after is None or k > after][: composite["size"]]
+    buckets = [{"key": {"tenant": k}, "doc_count": counts[k]} for k in keys]
+    page: dict[str, Any] = {"buckets": buckets}
+    if keys:
+        page = {"after_key": {"tenant": keys[-1]}, **page}
+    return Answer(
+        200,
+        {
+            "took": 2,
+            "timed_out": False,
+            "_shards": {"total": 1, "successful": 1, "skipped": 0, "failed": 0},
+            "hits": {"total": {"value": sum(counts.values()), "relation": "eq"}, "max_score": None,
+                     "hits": []},
+            "aggregations": {"tenants": page},
+        },
+    )  # fmt: skip
+
+
 def get_found(index: str, tenant: str, doc_id: str, version: int, **source: Any) -> dict[str, Any]:
     """``GET <index>/_doc/<id>`` of a document (the vector excluded from ``_source``)."""
     return {

@@ -48,6 +48,7 @@ from tests.integration.es_loopback import (
     running,
     search_response,
     tasks_list,
+    tenants_composite,
     terms_by_index_response,
     version_conflict,
 )
@@ -455,7 +456,8 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
     }
     assert server.requests[4].json() == {
         "dest": {"index": new, "version_type": "external"},
-        "source": {"index": ACME},
+        # acme's documents only: an operator's alias may be over an index tenants share
+        "source": {"index": ACME, "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}}},
         "conflicts": "proceed",  # a newer version already there stays
     }
     assert server.requests[4].query == {"wait_for_completion": ["false"]}
@@ -487,8 +489,10 @@ def test_reindex_all_rebuilds_every_tenants_index_of_the_name_and_no_other(
     other = f"sift-{tenant_key('acme')}--foo--docs"
     found = aliases((CONCRETE, ACME), (f"{BETA}~000001", BETA), (f"{other}~000001", other))
     server.on("GET", "/_alias/sift-*--docs", Answer(200, found))
-    for alias in (ACME, BETA):
+    for alias, tenant in ((ACME, "acme"), (BETA, "beta")):
         server.on("GET", f"/_alias/{alias}", Answer(200, aliases((f"{alias}~000001", alias))))
+        counts = {tenant: 2}
+        server.on("POST", f"/{alias}/_search", lambda r, c=counts: tenants_composite(r, c))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     on_copies(server, 1)
     server.on("POST", "/_aliases", Answer(200, {"acknowledged": True}))
@@ -504,6 +508,12 @@ def test_reindex_all_rebuilds_every_tenants_index_of_the_name_and_no_other(
     assert [name.rsplit("~", 1)[0] for name in rebuilt] == sorted([ACME, BETA])
     swaps = [r.json()["actions"][-1]["add"]["alias"] for r in server.sent("POST", "/_aliases")]
     assert swaps == sorted([ACME, BETA])
+    # each alias's tenants found by a composite aggregation, and only theirs copied
+    copied = [r.json()["source"]["query"] for r in server.sent("POST", "/_reindex")]
+    assert copied == [
+        {"bool": {"filter": [{"term": {"tenant": tenant}}]}}
+        for _, tenant in sorted([(ACME, "acme"), (BETA, "beta")])
+    ]
     assert other not in str([r.path for r in server.requests[1:]])
 
 

@@ -1204,6 +1204,40 @@ def test_a_drop_from_a_shared_index_outlasting_its_budget_is_waited_on_by_its_re
     assert state.concrete(alias) == ["shared-000001"]  # the shared index is never deleted
 
 
+def test_a_reindex_of_an_alias_over_a_shared_index_copies_and_deletes_only_the_tenants(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """acme's and beta's aliases over one index an operator shares (deploy/README.md §4).
+    Rebuilding acme's copies acme's documents only, and ``delete_old`` keeps the shared index,
+    which beta's alias and documents live on (it copied all three documents and deleted the
+    shared index, beta's alias with it). ``reindex_all`` (tenants unknown: each alias's own,
+    by its key) does the same for beta's alias."""
+    server, state = fake
+    backend = backend_on(server)
+    acme, beta = backend.alias("docs", "acme"), backend.alias("docs", "beta")
+    docs = {
+        "acme:vitd": shared_doc("acme", "vitd", DOC.text),
+        "acme:calc": shared_doc("acme", "calc", CALC.text),
+        "beta:vitd": shared_doc("beta", "vitd", "beta's own"),
+    }
+    make_index(server, acme, "shared-000001", docs, old_mapping())
+    client(server).indices.update_aliases(
+        actions=[{"add": {"index": "shared-000001", "alias": beta}}]
+    )
+
+    new = backend.reindex("docs", "acme", delete_old=True)
+    assert state.live_ids(new) == {"acme:vitd", "acme:calc"}
+    assert state.concrete(acme) == [new]
+    assert state.concrete(beta) == ["shared-000001"]
+    assert state.live_ids("shared-000001") == set(docs)
+
+    rebuilt = dict(zip([acme, beta], backend.reindex_all("docs", delete_old=True), strict=True))
+    assert state.live_ids(rebuilt[acme]) == {"acme:vitd", "acme:calc"}
+    assert state.live_ids(rebuilt[beta]) == {"beta:vitd"}
+    assert new not in state.indexes  # held acme's documents only: deleted
+    assert state.live_ids("shared-000001") == set(docs)  # acme's still there: kept
+
+
 def test_a_page_as_big_as_the_aggregation_still_says_more_follow(
     fake: tuple[FakeElasticsearchServer, StatefulElasticsearch], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -87,14 +87,16 @@ Why this shape (DESIGN.md §6).
   drop's version, so a newer writer's document stays) and it reports none written; the
   deletes go again on every retry of that write, so a take-back cut short completes.
 * **Reindexing** (:meth:`ElasticsearchBackend.reindex`, per tenant): create a new
-  concrete index from the current template, copy with ``_reindex`` (vectors included, also
-  on 9.2+ where they are left out of ``_source``; versions kept), refresh, then move the
-  alias in one atomic ``_aliases`` call (remove from the old indexes, add to the new).
-  Searches never see a half-built index; the old index is kept for a rollback unless
-  ``delete_old`` is set (a drop of the name deletes it too). The copy is an ES task,
-  polled for at most ``COPY_MAX_SECONDS``; a run made while an earlier run's copy from the
-  alias still runs (``GET _tasks``) waits on that copy and uses its index, never starting a
-  second; a task cancelled, failed or not done by then moves no alias and deletes nothing.
+  concrete index from the current template, copy the tenant's documents (a tenant-term
+  ``query``: an operator's alias may be over an index tenants share) with ``_reindex``
+  (vectors included, also on 9.2+ where they are left out of ``_source``; versions kept),
+  refresh, then move the alias in one atomic ``_aliases`` call (remove from the old
+  indexes, add to the new). Searches never see a half-built index; the old index is kept
+  for a rollback unless ``delete_old`` is set and it holds no other tenant's document (a
+  drop of the name deletes it too). The copy is an ES task, polled for at most
+  ``COPY_MAX_SECONDS``; a run made while an earlier run's copy from the alias still runs
+  (``GET _tasks``) waits on that copy and uses its index, never starting a second; a task
+  cancelled, failed or not done by then moves no alias and deletes nothing.
 * **Reads**: the BM25 and kNN searches go in ONE ``_msearch`` round trip. The tenant term
   and the caller's metadata terms sit inside both: the ``bool.filter`` of the BM25 query
   and ``knn.filter``, which ES applies *before* it picks the top k (a ``post_filter``

@@ -36,6 +36,13 @@ class _Bodies(_Core):
     def tenant_query(self, tenant: str) -> dict[str, Any]:
         return {"bool": {"filter": [{"term": {self.fields.tenant: tenant}}]}}
 
+    def tenants_query(self, tenants: Sequence[str]) -> dict[str, Any]:
+        """The documents of ``tenants``: :meth:`tenant_query` for one, a ``terms`` query for
+        more (a tenant-key collision), none for none."""
+        if len(tenants) == 1:
+            return self.tenant_query(tenants[0])
+        return {"bool": {"filter": [{"terms": {self.fields.tenant: sorted(tenants)}}]}}
+
     def filters(self, filters: HardFilters) -> list[dict[str, Any]]:
         """The hard filters as ES ``term`` queries: the tenant first, then the caller's
         (:meth:`metadata_filter`)."""

@@ -130,7 +130,7 @@ class SharedLayout:
         for alias, concretes in sorted(self.find().items()):
             name = alias.removeprefix(self.backend.prefix)
             what = f"migration of index {name!r}"
-            tenants = self._tenants_in(alias)
+            tenants = self.backend._tenants_in(alias)
             if dry_run or not tenants:
                 report[name] = tenants
                 continue
@@ -167,29 +167,3 @@ class SharedLayout:
             f"the {what} cannot make index {index!r} of tenant {tenant!r} ({gone.reason}): "
             "run again"
         ) from gone
-
-    def _tenants_in(self, alias: str) -> dict[str, int]:
-        """Every tenant holding a document in ``alias`` and how many: a ``composite``
-        aggregation on the tenant field, page by page (no limit on how many)."""
-        tenants: dict[str, int] = {}
-        after: dict[str, Any] | None = None
-        while True:
-            composite: dict[str, Any] = {
-                "size": 1000,
-                "sources": [{"tenant": {"terms": {"field": self.backend.fields.tenant}}}],
-            }
-            if after is not None:
-                composite["after"] = after
-            with _translated(f"tenants of {alias!r}", None):
-                answer = (
-                    self.backend._es().search(
-                        index=alias, size=0, aggs={"tenants": {"composite": composite}}
-                    )
-                ).body
-            _raise_if_partial(answer, f"tenants of {alias!r}")  # else a tenant left behind
-            page = answer.get("aggregations", {}).get("tenants", {})
-            for bucket in page.get("buckets", []):
-                tenants[str(bucket["key"]["tenant"])] = int(bucket.get("doc_count", 0))
-            after = page.get("after_key")
-            if not page.get("buckets") or after is None:
-                return tenants

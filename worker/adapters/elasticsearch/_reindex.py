@@ -11,8 +11,14 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from worker.adapters.elasticsearch._core import _Core, task_canceled
-from worker.adapters.elasticsearch._errors import _retryable, _translated
+from worker.adapters.elasticsearch._bodies import _Bodies
+from worker.adapters.elasticsearch._core import task_canceled
+from worker.adapters.elasticsearch._errors import (
+    _raise_if_partial,
+    _retryable,
+    _total,
+    _translated,
+)
 from worker.adapters.elasticsearch._layout import (
     KEY_SEPARATOR,
     TENANT_KEY_LENGTH,
@@ -26,7 +32,7 @@ logger = logging.getLogger(__name__)
 COPY_POLL_SECONDS = 0.5
 
 
-class _Reindex(_Core):
+class _Reindex(_Bodies):
     """Rebuild a tenant's index (or every tenant's) and swap its alias; copy with ``_reindex``."""
 
     def reindex(self, index: str, tenant: str, *, delete_old: bool = False) -> str:
@@ -35,22 +41,28 @@ class _Reindex(_Core):
 
         1. ``PUT <alias>~<timestamp>`` (the current template applies: new mapping,
            quantisation, shard count);
-        2. ``POST _reindex`` from the alias into it (``version_type: external``: each
-           document keeps its version, so the write ordering holds across it), then
+        2. ``POST _reindex`` of the tenant's documents (a tenant-term ``query``: an alias an
+           operator pointed at an index tenants share holds others' too) from the alias into
+           it (``version_type: external``: each document keeps its version, so the write
+           ordering holds across it), then
            ``POST <new>/_refresh`` and ``PUT <new>/_mapping`` of the fields writes carry
            (:meth:`_added_fields`: the new index may come from an earlier release);
         3. ``POST _aliases`` with ``remove`` of the alias from every old index and ``add``
            to the new one, in one request (atomic: searches see old or new, never none);
-        4. optionally delete the old indexes (kept by default, for a rollback).
+        4. optionally delete the old indexes (kept by default, for a rollback), each only
+           if it holds no other tenant's document (a ``terminate_after: 1`` search), as a
+           drop never deletes one.
 
         Answers the new concrete index's name.
         """
-        return self._rebuild(index, self.alias(index, tenant), delete_old)
+        return self._rebuild(index, self.alias(index, tenant), delete_old, [tenant])
 
     def reindex_all(self, index: str, *, delete_old: bool = False) -> list[str]:
         """:meth:`reindex` of every tenant's ``index`` (an operator knows names, not which
         tenants hold them): each alias ``<prefix><key>--<index>`` found by
-        ``GET _alias/<prefix>*--<index>`` (a name that merely ends so is left out)."""
+        ``GET _alias/<prefix>*--<index>`` (a name that merely ends so is left out). Each
+        alias's tenants are those of its documents whose key is the alias's
+        (:meth:`_tenants_in`), so only theirs are copied, as :meth:`reindex` copies one's."""
         exact = re.compile(
             rf"{re.escape(self.prefix)}[0-9a-f]{{{TENANT_KEY_LENGTH}}}{KEY_SEPARATOR}"
             + re.escape(index)
@@ -61,8 +73,11 @@ class _Reindex(_Core):
         found = {alias for held in answer.values() for alias in held}
         return [self._rebuild(index, a, delete_old) for a in sorted(found) if exact.fullmatch(a)]
 
-    def _rebuild(self, index: str, alias: str, delete_old: bool) -> str:
-        """The steps of :meth:`reindex` for one alias.
+    def _rebuild(
+        self, index: str, alias: str, delete_old: bool, tenants: Sequence[str] | None = None
+    ) -> str:
+        """The steps of :meth:`reindex` for one alias, copying the documents of ``tenants``
+        (None: each tenant whose own alias of ``index`` is ``alias``).
 
         A copy from the alias still running (an earlier run of this rebuild that gave up
         waiting, or was cut) is waited on and its index used: a run again never starts a
@@ -72,21 +87,78 @@ class _Reindex(_Core):
             old = self._concrete(alias)
             if not old:
                 raise IndexNotFound(index)
-            concrete = self._copied_index(alias, old, what)
+            if tenants is None:
+                tenants = [t for t in self._tenants_in(alias) if self.alias(index, t) == alias]
+            mine = self.tenants_query(tenants)
+            concrete = self._copied_index(alias, old, what, mine)
             # the index may be an earlier release's (the copy waited on), or made from a
             # template such a release put since: workers that mapped the alias's fields
             # before (``_map_fields``, once per alias) write them into it from the move on
             if added := self._added_fields():
                 self._es().indices.put_mapping(index=concrete, properties=added)
-            self.move_alias(alias, old, concrete, delete_old=delete_old)
+            shared = [name for name in old if delete_old and self._holds_others(name, mine)]
+            self.move_alias(alias, old, concrete, delete_old=delete_old, keep=shared)
+        if shared:
+            logger.warning(
+                "%s: kept %s: it holds other tenants' documents too (delete_old deletes only "
+                "an index holding none)",
+                what,
+                ", ".join(shared),
+            )
         self._forget(alias)
         logger.info("reindexed %s: %s -> %s", alias, old, concrete)
         return concrete
 
-    def _copied_index(self, alias: str, old: Sequence[str], what: str) -> str:
+    def _holds_others(self, concrete: str, mine: Mapping[str, Any]) -> bool:
+        """Whether ``concrete`` holds a document ``mine`` does not match (another tenant's):
+        one ``size: 0`` search that stops at the first."""
+        answer = (
+            self._es()
+            .search(
+                index=concrete,
+                size=0,
+                terminate_after=1,
+                track_total_hits=True,
+                query={"bool": {"must_not": [mine]}},
+            )
+            .body
+        )
+        _raise_if_partial(answer, f"count of {concrete!r}")  # a partial 0 would delete it
+        return _total(answer) > 0
+
+    def _tenants_in(self, alias: str) -> dict[str, int]:
+        """Every tenant holding a document in ``alias`` and how many: a ``composite``
+        aggregation on the tenant field, page by page (no limit on how many)."""
+        tenants: dict[str, int] = {}
+        after: dict[str, Any] | None = None
+        while True:
+            composite: dict[str, Any] = {
+                "size": 1000,
+                "sources": [{"tenant": {"terms": {"field": self.fields.tenant}}}],
+            }
+            if after is not None:
+                composite["after"] = after
+            with _translated(f"tenants of {alias!r}", None):
+                answer = (
+                    self._es().search(
+                        index=alias, size=0, aggs={"tenants": {"composite": composite}}
+                    )
+                ).body
+            _raise_if_partial(answer, f"tenants of {alias!r}")  # else a tenant left behind
+            page = answer.get("aggregations", {}).get("tenants", {})
+            for bucket in page.get("buckets", []):
+                tenants[str(bucket["key"]["tenant"])] = int(bucket.get("doc_count", 0))
+            after = page.get("after_key")
+            if not page.get("buckets") or after is None:
+                return tenants
+
+    def _copied_index(
+        self, alias: str, old: Sequence[str], what: str, mine: Mapping[str, Any]
+    ) -> str:
         """Step 2 of :meth:`reindex`: the new index holding a copy of ``alias``'s documents.
         An earlier rebuild's copy still running (``old``: the indexes the alias points at) is
-        waited on and its index answered; else a new index is made and copied into."""
+        waited on and its index answered; else a new index is made and the documents ``mine``
+        matches are copied into it."""
         running = self._running_copy_from(alias, old)
         if running is not None:
             task, concrete = running
@@ -97,7 +169,7 @@ class _Reindex(_Core):
         concrete = concrete_name(alias, stamp)
         self._template_ready = False  # put the template again: current settings
         self._es().indices.create(index=concrete, **self._explicit_body())
-        self._start_copy({"index": alias}, concrete, what)  # a new name: none runs
+        self._start_copy({"index": alias, "query": dict(mine)}, concrete, what)  # none runs
         return concrete
 
     def _copy(self, source: Mapping[str, Any], dest: str, what: str) -> int:
@@ -187,19 +259,27 @@ class _Reindex(_Core):
         return None
 
     def move_alias(
-        self, alias: str, old: Sequence[str], new: str | None, *, delete_old: bool
+        self,
+        alias: str,
+        old: Sequence[str],
+        new: str | None,
+        *,
+        delete_old: bool,
+        keep: Sequence[str] = (),
     ) -> None:
         """In one ``POST _aliases`` (atomic: searches see the old indexes or the new one,
         never none), remove ``alias`` from ``old`` and add it to ``new`` (None: nowhere);
-        then delete ``old`` if ``delete_old``. Errors are the caller's to translate."""
+        then delete ``old`` but ``keep`` if ``delete_old``. Errors are the caller's to
+        translate."""
         actions: list[Mapping[str, Any]] = [
             {"remove": {"index": name, "alias": alias}} for name in old
         ]
         if new is not None:
             actions.append({"add": {"index": new, "alias": alias}})
         self._es().indices.update_aliases(actions=actions)
-        if delete_old:
-            self._es().indices.delete(index=",".join(old))
+        deleted = [name for name in old if name not in keep]
+        if delete_old and deleted:
+            self._es().indices.delete(index=",".join(deleted))
 
     def _concrete(self, alias: str) -> list[str]:
         """The concrete indexes ``alias`` points at (none if it is missing)."""
