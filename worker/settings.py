@@ -426,6 +426,19 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _bbq_has_its_dimensions(self) -> Settings:
+        """Elasticsearch refuses a ``bbq_hnsw`` vector field of fewer than 64 dimensions
+        (its ``BBQ_MIN_DIMS``): every tenant's first write would fail on the template."""
+        dims = self.elasticsearch_vector_dims
+        if self.elasticsearch_vector_quantization == "bbq_hnsw" and dims < 64:
+            raise ValueError(
+                "SIFT_ELASTICSEARCH_VECTOR_QUANTIZATION=bbq_hnsw needs "
+                f"SIFT_ELASTICSEARCH_VECTOR_DIMS of at least 64 (Elasticsearch refuses fewer), "
+                f"not {dims}: use int8_hnsw or hnsw"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _heartbeat_outlives_its_interval(self) -> Settings:
         if self.worker_dead_after_seconds < 3 * self.worker_heartbeat_seconds:
             raise ValueError(
