@@ -150,6 +150,24 @@ def _json_or_empty(value: Any) -> Any:
     return value
 
 
+def without_password(url: str) -> str:
+    """``url`` with the password of its ``user:password@`` part starred out, for an error
+    message: a URL with credentials in it (deploy/'s compose file passes Elasticsearch's
+    ``elastic`` password so) must not reach a log.
+
+    >>> without_password("http://elastic:s3cret@es:9200/x")
+    'http://elastic:***@es:9200/x'
+    >>> without_password("https://es.internal:9200"), without_password("es:9200")
+    ('https://es.internal:9200', 'es:9200')
+    """
+    parts = urlsplit(url)
+    user, colon, _password = parts.netloc.rpartition("@")[0].partition(":")
+    if not colon:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"{user}:***@{host}").geturl()
+
+
 class Settings(BaseSettings):
     """Sift's settings. Each field is the environment variable ``SIFT_<NAME>``."""
 
@@ -383,7 +401,8 @@ class Settings(BaseSettings):
         if parts.scheme not in ("http", "https") or not parts.hostname or (needs_port and not port):
             example = "https://es.internal:9200" if needs_port else "http://127.0.0.1:8080"
             with_port = ", a host and a port" if needs_port else " and a host"
-            raise ValueError(f"must be http:// or https://{with_port} ({example}), not {value!r}")
+            shown = without_password(value)
+            raise ValueError(f"must be http:// or https://{with_port} ({example}), not {shown!r}")
         return value
 
     @field_validator("gateway_port", "worker_metrics_port", mode="before")
@@ -422,7 +441,8 @@ class Settings(BaseSettings):
         url = self.elasticsearch_url or ""
         if (ca or pin) and url and not url.lower().startswith("https://"):
             name = "SIFT_ELASTICSEARCH_CA_CERTS" if ca else "SIFT_ELASTICSEARCH_SSL_FINGERPRINT"
-            raise ValueError(f"{name} needs an https:// SIFT_ELASTICSEARCH_URL, not {url!r}")
+            shown = without_password(url)
+            raise ValueError(f"{name} needs an https:// SIFT_ELASTICSEARCH_URL, not {shown!r}")
         return self
 
     @model_validator(mode="after")
