@@ -1238,6 +1238,58 @@ def test_a_webhook_cut_at_its_total_cap_is_a_retried_attempt(
     assert [r["attempt"] for r in retries] == [2]
 
 
+def test_a_webhook_whose_host_name_lookup_hangs_is_a_retried_timeout_at_its_cap(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SSRF guard looks the host up with getaddrinfo, which takes no timeout: a DNS server
+    that never answers held the delivery's thread until the system resolver gave up (5 s a
+    try by default, its tries and servers multiplied; 20 s here), past the 1 s cap, and that
+    give-up, a temporary failure, was then a refusal (``failed``, never retried). Now the
+    attempt ends at its cap while the lookup still hangs: a timeout, counted ``retry``, the
+    next attempt's message sent on the schedule."""
+    import socket
+    from types import SimpleNamespace
+
+    from worker.observability import metrics
+    from worker.settings import Settings
+
+    secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    key = SimpleNamespace(tenant="acme", webhook_secrets=lambda: [secret])
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: [key])
+    context.settings = context.settings.model_copy(
+        update={"webhook_allow_private_networks": True, "webhook_total_timeout_seconds": 1.0}
+    )
+    answered = threading.Event()
+    real = socket.getaddrinfo
+
+    def hanging(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "hangs.example":  # its DNS server never answers; the resolver gives up
+            answered.wait(20.0)
+            answered.set()
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    retries = _capturing_retries(monkeypatch)
+    before = {
+        r: float(metrics.WEBHOOK_DELIVERIES.labels(r)._value.get()) for r in ("retry", "failed")
+    }
+    event = _search_event("srch_1")
+    event["url"] = "http://hangs.example/hook"
+    try:
+        with caplog.at_level("INFO", logger="worker.webhooks.delivery"):
+            webhook_task.webhook.apply(args=[event])
+        assert not answered.is_set()  # it did not wait for the lookup
+    finally:
+        answered.set()
+    after = {
+        r: float(metrics.WEBHOOK_DELIVERIES.labels(r)._value.get()) - before[r] for r in before
+    }
+    assert after == {"retry": 1.0, "failed": 0.0}
+    assert [r["attempt"] for r in retries] == [2]
+    assert "retry (timeout: the name lookup, at the 1 s cap)" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("answer", "attempt", "retry_in", "shown"),
     [

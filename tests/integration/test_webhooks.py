@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import httpx
 import pytest
@@ -322,6 +324,36 @@ def test_a_receiver_silent_in_the_tls_handshake_is_cut_at_the_total_cap() -> Non
     assert decision.result.reason.startswith("timeout")
     assert took < settings.webhook_connect_timeout_seconds  # the cap, not the connect timeout
     assert decision.retry_in is not None
+
+
+@pytest.mark.parametrize(
+    ("error", "outcome", "reason"),
+    [
+        (socket.EAI_AGAIN, DeliveryOutcome.RETRY, "dns: temporary failure in name resolution"),
+        (
+            socket.EAI_NONAME,
+            DeliveryOutcome.FAILED,
+            "refused: webhook_url: the host 'gone.example' does not",
+        ),
+    ],
+)
+def test_a_lookup_the_resolver_gave_up_on_for_now_is_retried(
+    monkeypatch: pytest.MonkeyPatch, error: int, outcome: DeliveryOutcome, reason: str
+) -> None:
+    """A resolver whose servers did not answer gives up with ``EAI_AGAIN``, a temporary
+    failure: that attempt is retried on the schedule, as a connect that failed is. It was a
+    refusal, never retried, the webhook ``failed`` for a moment's DNS trouble. A host that
+    does not exist (``EAI_NONAME``) is still refused, as at registration."""
+
+    def lookup(host: Any, *args: Any, **kwargs: Any) -> Any:
+        raise socket.gaierror(error, "from the resolver")
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+    body = payload(SEARCH_COMPLETED, "job-14", "succeeded")
+    url = "https://gone.example/hook"
+    result = deliver(url, body, message_id("job-14"), SECRET, allow_private=False, timeout=FAST)
+    assert result.outcome is outcome
+    assert result.reason.startswith(reason)
 
 
 def test_every_delivery_has_a_finite_total_cap_by_default() -> None:

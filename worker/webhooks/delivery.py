@@ -36,11 +36,14 @@ import functools
 import ipaddress
 import json
 import logging
+import os
 import random
 import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -99,8 +102,9 @@ class DeliveryTimeouts:
     """Connect and read are separate: a slow receiver must not hold a worker for long.
 
     ``connect`` and ``read`` are httpx's, per connect and per read; ``total`` caps the whole
-    delivery by the wall clock (:class:`_Deadline`), since a receiver sending a byte each
-    read timeout would otherwise hold its thread for as long as it liked."""
+    delivery by the wall clock (:class:`_Deadline`), the host's name lookup included, since
+    a receiver sending a byte each read timeout (or a DNS server never answering) would
+    otherwise hold its thread for as long as it liked."""
 
     connect: float = 5.0
     read: float = 15.0
@@ -119,18 +123,48 @@ class DeliveryTimeouts:
         return httpx.Timeout(self.read, connect=connect, write=self.read, pool=connect)
 
 
+# Threads looking up webhook hosts at once in a process; a lookup that hangs keeps its thread
+# until the system resolver gives up. Apart from the model calls' lookups
+# (worker/adapters/attempt_deadline.py), so a tenant's host whose DNS hangs never holds those up.
+LOOKUP_THREADS = 32
+
+
+def _lookup_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=LOOKUP_THREADS, thread_name_prefix="sift-webhook-dns")
+
+
+_LOOKUPS = _lookup_pool()
+
+
+def _new_lookup_pool() -> None:
+    """A forked child gets a pool of its own: its parent's threads did not come along."""
+    global _LOOKUPS
+    _LOOKUPS = _lookup_pool()
+
+
+os.register_at_fork(after_in_child=_new_lookup_pool)
+
+
+class _Unresolved(Exception):
+    """The host's name lookup did not answer in time, or failed for now (the resolver gave
+    up): the attempt is retried, not refused. Not an ``OSError``, so the guard lets it by."""
+
+
 class _Deadline:
-    """Shuts a delivery's connection down at its wall-clock cap.
+    """Shuts a delivery's connection down at its wall-clock cap, and gives up on its name
+    lookup there.
 
     httpx's timeouts are per operation, so a blocked read is interrupted here from a timer
     thread: httpcore's ``trace`` extension hands over each connection's socket as it is
     made (plain or TLS), and ``shutdown`` wakes the read blocked on it, which then fails.
-    A TLS handshake (its plain socket is detached by the wrap) and the guard's name lookup
-    have no socket to shut: the connect timeout is cut to :meth:`left` instead, and the
-    lookup counts against it."""
+    A TLS handshake (its plain socket is detached by the wrap) has no socket to shut: the
+    connect timeout is cut to :meth:`left` instead. getaddrinfo takes no timeout at all: the
+    guard's lookup runs on a thread of its own, waited on no longer than :meth:`left`
+    (:meth:`lookup`)."""
 
     def __init__(self, seconds: float) -> None:
         self.reached = False
+        self._seconds = seconds
         self._ends = time.monotonic() + max(seconds, 0.0)
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
@@ -147,6 +181,21 @@ class _Deadline:
     def left(self) -> float:
         """Seconds until the cap (0 once reached)."""
         return max(self._ends - time.monotonic(), 0.0)
+
+    def lookup(self, host: str, port: int, **kwargs: Any) -> list[tuple[Any, ...]]:
+        """``socket.getaddrinfo`` for the guard, given up on at the cap; a lookup the
+        resolver gave up on for now (``EAI_AGAIN``: its servers did not answer) is retried
+        too. Either raises :class:`_Unresolved`."""
+        found = _LOOKUPS.submit(socket.getaddrinfo, host, port, **kwargs)
+        try:
+            return found.result(timeout=self.left())
+        except FutureTimeout:
+            found.cancel()  # still queued behind hung lookups: never made, for nobody
+            raise _Unresolved(f"timeout: the name lookup, at the {self._seconds:g} s cap") from None
+        except socket.gaierror as exc:
+            if exc.errno != socket.EAI_AGAIN:
+                raise  # no such host, say: the guard refuses it
+            raise _Unresolved("dns: temporary failure in name resolution") from exc
 
     def trace(self, name: str, info: Mapping[str, Any]) -> None:
         """httpcore's ``trace`` callback: keeps the socket of the connection just made."""
@@ -341,9 +390,10 @@ def deliver(
     """POST one signed delivery to ``url`` and classify what happened. Never raises for the network.
 
     The whole delivery ends by ``timeout.total``, its clock started before the guard's name
-    lookup: a connection still open then is shut, a connect or TLS handshake may last only
-    what the cap leaves, and the attempt is a timeout (retried). The lookup itself is bounded
-    by the system resolver's timeout, not cut by the cap; what it took is not left to send.
+    lookup: a lookup still unanswered then is given up on, a connection still open then is
+    shut, a connect or TLS handshake may last only what the cap leaves, and the attempt is a
+    timeout (retried). A lookup the resolver gave up on for now is retried too; a host that
+    does not exist is refused, as at registration.
 
     The SSRF guard runs again here, re-resolving the host, and the request is
     sent to one of exactly the addresses it checked (the ``Host`` header and TLS
@@ -354,17 +404,14 @@ def deliver(
     timeouts = timeout or DeliveryTimeouts()
     with _Deadline(timeouts.total) as deadline:
         try:
-            addresses = check_webhook_url(url, allow_private=allow_private)
+            addresses = check_webhook_url(url, allow_private=allow_private, lookup=deadline.lookup)
         except InvalidRequest as exc:
             log.warning("webhook %s refused by the SSRF guard", msg_id)
             return DeliveryResult(DeliveryOutcome.FAILED, f"refused: {exc.message}")
-        own_client = client is None
-        http = client or httpx.Client(timeout=timeouts.as_httpx(), follow_redirects=False)
-        try:
-            result = _send(http, url, addresses, body, msg_id, secrets, timeouts, deadline)
-        finally:
-            if own_client:
-                http.close()
+        except _Unresolved as exc:
+            result = DeliveryResult(DeliveryOutcome.RETRY, str(exc))
+        else:
+            result = _post(client, url, addresses, body, msg_id, secrets, timeouts, deadline)
     result = DeliveryResult(
         result.outcome,
         result.reason,
@@ -380,6 +427,25 @@ def deliver(
         result.reason,
     )
     return result
+
+
+def _post(
+    client: httpx.Client | None,
+    url: str,
+    addresses: list[IPAddress],
+    body: bytes,
+    msg_id: str,
+    secrets: str | Sequence[str],
+    timeouts: DeliveryTimeouts,
+    deadline: _Deadline,
+) -> DeliveryResult:
+    """:func:`_send` on ``client``, or on a client of its own, closed after."""
+    http = client or httpx.Client(timeout=timeouts.as_httpx(), follow_redirects=False)
+    try:
+        return _send(http, url, addresses, body, msg_id, secrets, timeouts, deadline)
+    finally:
+        if client is None:
+            http.close()
 
 
 def _send(

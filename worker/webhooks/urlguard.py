@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from worker.errors import InvalidRequest
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+# socket.getaddrinfo's shape: the sender passes one bounded by its delivery's cap
+Lookup = Callable[..., list[tuple[Any, ...]]]
 
 FIELD = "webhook_url"
 # the setting that lifts the address rule, named in a refusal so a developer running a local
@@ -97,10 +101,11 @@ def _parse_address(text: str) -> IPAddress:
     return ipaddress.ip_address(text.split("%", 1)[0])  # drop an IPv6 zone id
 
 
-def resolve(host: str, port: int) -> list[IPAddress]:
-    """Every address ``host`` resolves to, in resolver order, without duplicates."""
+def resolve(host: str, port: int, lookup: Lookup | None = None) -> list[IPAddress]:
+    """Every address ``host`` resolves to, in resolver order, without duplicates; looked up
+    with ``lookup`` (default ``socket.getaddrinfo``, which takes no timeout)."""
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = (lookup or socket.getaddrinfo)(host, port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError, OSError) as exc:
         raise InvalidRequest(FIELD, f"the host {host!r} does not resolve") from exc
     addresses: list[IPAddress] = []
@@ -137,17 +142,20 @@ def split_webhook_url(url: str) -> tuple[str, str, int]:
     return scheme, host, port if port is not None else DEFAULT_PORTS[scheme]
 
 
-def check_webhook_url(url: str, *, allow_private: bool) -> list[IPAddress]:
+def check_webhook_url(
+    url: str, *, allow_private: bool, lookup: Lookup | None = None
+) -> list[IPAddress]:
     """Refuse a webhook URL that is not http(s) or that resolves to a non-public address.
 
     Returns the addresses the host resolved to, so a sender can connect to one
     of exactly those (pinning them closes the DNS-rebinding window). Raises
     ``InvalidRequest("webhook_url", reason)``. ``allow_private`` (the
     ``SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS`` setting, for local tests only)
-    lifts the address rule but never the scheme or host rules.
+    lifts the address rule but never the scheme or host rules. ``lookup``: see :func:`resolve`
+    (the sender's gives up at its delivery's cap).
     """
     _, host, port = split_webhook_url(url)
-    addresses = resolve(host, port)
+    addresses = resolve(host, port, lookup)
     if not allow_private:
         for address in addresses:
             reason = refusal_reason(address)
