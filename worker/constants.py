@@ -192,7 +192,7 @@ METRIC_JOB_FAILURES = "sift_job_failures_total"
 METRIC_REDRIVEN = "sift_redriven_total"
 METRIC_RATE_BUDGET_WAIT = "sift_rate_budget_wait_seconds"  # the shared rate budget
 METRIC_PROVIDER_429 = "sift_provider_429_total"  # 429 answers of the model provider
-METRIC_WEBHOOK_DEFERRALS = "sift_webhook_deferrals_total"  # deliveries put off: slots full
+METRIC_WEBHOOK_DEFERRALS = "sift_webhook_deferrals_total"  # put off: slots (or a share) full
 # the Prometheus scrape job names the rules and dashboards expect
 PROMETHEUS_JOB_WORKER = "sift-worker"
 PROMETHEUS_JOB_GATEWAY = "sift-gateway"

@@ -48,9 +48,11 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     send it once: the first to claim it in the job's record does, the other waits out that
     claim and then finds the attempt made (:meth:`JobStore.claim_webhook`).
 
-    At most ``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS`` deliveries run at once in a process;
-    one due while they all send is put off a second or two by a hop, its attempt unspent,
-    so slow receivers hold a few threads, never the ones searches and batch items need."""
+    At most ``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS`` deliveries run at once in a process,
+    and at most ``SIFT_WEBHOOK_DELIVERIES_PER_TENANT`` of one tenant's; one due while they
+    all send (or its tenant's share does) is put off a second or two by a hop, its attempt
+    unspent, so slow receivers hold a few threads, never the ones searches and batch items
+    need, and one tenant's never hold the other tenants' webhooks back."""
     from worker.webhooks import delivery as webhooks
 
     settings = self.context.settings
@@ -62,10 +64,19 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     if store.webhook_was_settled(data["id"]):  # another copy delivered it, or spent its schedule
         log.info("webhook %s: settled already; this copy is dropped", data["id"])
         return
-    slots = webhooks.delivery_slots(settings.webhook_deliveries_per_process)
-    with slots.take() as slot:
-        if not slot:  # every slot sends: put this one off, the same event, its attempt unspent
-            log.debug("webhook %s: %d deliveries sending; put off", data["id"], slots.limit)
+    slots = webhooks.delivery_slots(
+        settings.webhook_deliveries_per_process, settings.webhook_deliveries_per_tenant
+    )
+    with slots.take(event["tenant"]) as slot:
+        if not slot:  # every slot, or the tenant's share, sends: put this one off, the same
+            # event, its attempt unspent
+            log.debug(
+                "webhook %s: %d deliveries sending, or %d of tenant %s; put off",
+                data["id"],
+                slots.limit,
+                slots.per_tenant,
+                event["tenant"],
+            )
             # the attempt is written down: a first message's is the retry count, which a hop bumps
             same = {**event, "attempt": _attempt_number(self, event)}
             hop = _hop(self, same, random.uniform(*DEFER_SECONDS))

@@ -41,6 +41,7 @@ import random
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -224,37 +225,49 @@ def _shut(sock: socket.socket | None) -> None:
 
 
 class DeliverySlots:
-    """At most ``limit`` deliveries at once in one worker process; a full house is not
-    waited for (the task puts its delivery off), so deliveries never hold every thread.
+    """At most ``limit`` deliveries at once in one worker process, and at most ``per_tenant``
+    of them one tenant's; a full house (or a tenant's full share) is not waited for (the task
+    puts its delivery off), so deliveries never hold every thread, and one tenant's hung
+    receiver never holds every slot while the other tenants' webhooks are put off.
 
-    >>> slots = DeliverySlots(1)
-    >>> with slots.take() as first, slots.take() as second:
-    ...     (first, second)
-    (True, False)
-    >>> with slots.take() as again:
-    ...     again
+    >>> slots = DeliverySlots(2, per_tenant=1)
+    >>> with slots.take("a") as first, slots.take("a") as second, slots.take("b") as third:
+    ...     (first, second, third)
+    (True, False, True)
+    >>> with slots.take("c") as full:
+    ...     full
     True
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, per_tenant: int | None = None) -> None:
         self.limit = limit
-        self._free = threading.BoundedSemaphore(limit)
+        self.per_tenant = min(per_tenant or limit, limit)
+        self._lock = threading.Lock()
+        self._held: Counter[str] = Counter()  # slots held, by tenant
 
     @contextmanager
-    def take(self) -> Iterator[bool]:
-        """True while holding a slot; False, at once, when all are taken."""
-        got = self._free.acquire(blocking=False)
+    def take(self, tenant: str = "") -> Iterator[bool]:
+        """True while holding a slot; False, at once, when all are taken or ``tenant``
+        holds its share."""
+        with self._lock:
+            got = self._held.total() < self.limit and self._held[tenant] < self.per_tenant
+            if got:
+                self._held[tenant] += 1
         try:
             yield got
         finally:
             if got:
-                self._free.release()
+                with self._lock:
+                    self._held[tenant] -= 1
+                    if not self._held[tenant]:
+                        del self._held[tenant]
 
 
 @functools.cache
-def delivery_slots(limit: int) -> DeliverySlots:
-    """This process's slots (``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS``)."""
-    return DeliverySlots(limit)
+def delivery_slots(limit: int, per_tenant: int | None = None) -> DeliverySlots:
+    """This process's slots (``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS``, of which
+    ``SIFT_WEBHOOK_DELIVERIES_PER_TENANT`` one tenant's)."""
+    return DeliverySlots(limit, per_tenant)
 
 
 @dataclass(frozen=True)

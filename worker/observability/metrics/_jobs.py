@@ -86,8 +86,8 @@ WEBHOOK_DELIVERIES = Counter(
 WEBHOOK_DEFERRALS = Counter(
     METRIC_WEBHOOK_DEFERRALS,
     "Webhook deliveries put off because their process already sent "
-    "SIFT_WEBHOOK_DELIVERIES_PER_PROCESS at once (a hop of 1-3 s, no attempt spent), by event "
-    "type.",
+    "SIFT_WEBHOOK_DELIVERIES_PER_PROCESS at once, or their tenant "
+    "SIFT_WEBHOOK_DELIVERIES_PER_TENANT (a hop of 1-3 s, no attempt spent), by event type.",
     ["type"],
 )
 QUEUE_BACKLOG = Gauge(
@@ -191,7 +191,8 @@ def webhook_delivery(result: str) -> None:
 
 @never_raises
 def webhook_deferred(event_type: str) -> None:
-    """A webhook of ``event_type`` was put off: every delivery slot of its process was sending."""
+    """A webhook of ``event_type`` was put off: every delivery slot of its process, or its
+    tenant's share of them, was sending."""
     WEBHOOK_DEFERRALS.labels(closed(event_type, WEBHOOK_EVENTS, "type")).inc()
 
 
