@@ -37,16 +37,14 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tests.fakes import FakeEmbedder, InMemoryBackend
 from worker.contract import DocumentIn, SearchResult, SearchSpec
-from worker.core.pipeline import Prepared
 from worker.core.ports import AnswerKeeper
 from worker.observability import metrics
-from worker.observability.logcontext import JobIdFilter, job_context
+from worker.observability.logcontext import JobIdFilter
 from worker.queue.items import CANCEL_MARK_MAX_AGE_SECONDS
 from worker.queue.jobstore import JobStore
 from worker.runtime.bootstrap import build_reranker
@@ -117,25 +115,19 @@ def _job_id() -> str:
     return str(record.job_id)
 
 
-def _as_job(job_id: str, figure: Callable[[], None]) -> None:
-    with job_context(job_id):
-        figure()
-
-
 @dataclass(frozen=True)
 class DyingKeeper:
     """The run claim's keeper, dying once just after it kept the model's answer. Its run's
-    figures are recorded as its job's (``job_id``): a batch item's are recorded once the
-    item is finished, where its runner names no job."""
+    figures are recorded as the worker records them, so each is the job the worker's log
+    names as it is recorded (a batch item's once the item is finished)."""
 
     inner: AnswerKeeper
-    job_id: str
 
     def saved(self) -> Mapping[str, Any] | None:
         return self.inner.saved()
 
     def later(self, figures: Sequence[Callable[[], None]]) -> None:
-        self.inner.later([partial(_as_job, self.job_id, figure) for figure in figures])
+        self.inner.later(figures)
 
     def save(self, answer: Mapping[str, Any]) -> None:
         self.inner.save(answer)
@@ -157,7 +149,7 @@ class DyingRuntime(Runtime):
         spent: float = 0.0,
         answers: AnswerKeeper | None = None,
     ) -> SearchResult:
-        keeper = DyingKeeper(answers, _job_id()) if answers is not None else None
+        keeper = DyingKeeper(answers) if answers is not None else None
         check = before_model
         if check is not None:
 
@@ -170,25 +162,6 @@ class DyingRuntime(Runtime):
                 check()
 
         return super().search(spec, tenant, before_model, spent=spent, answers=keeper)
-
-
-def _prepare_as_job(
-    prepare: Callable[..., Prepared],
-    spec: SearchSpec,
-    tenant: str,
-    *,
-    later: list[Callable[[], None]] | None = None,
-) -> Prepared:
-    """The economy lane's first half (``prepare``), its figures handed to ``later`` recorded
-    as its job's: those of an item final at once are recorded once it is finished, where
-    its runner names no job."""
-    if later is None:
-        return prepare(spec, tenant)
-    own: list[Callable[[], None]] = []
-    job_id = _job_id()
-    prepared = prepare(spec, tenant, later=own)
-    later.extend(partial(_as_job, job_id, figure) for figure in own)
-    return prepared
 
 
 def _cancel_running_batch() -> None:
@@ -210,9 +183,7 @@ def build(settings: Settings) -> Runtime:
         reranker=build_reranker(settings),
         recorder=DyingRecorder(),
     )
-    economy: Any = built.economy
-    economy.prepare = partial(_prepare_as_job, economy.prepare)
-    runtime = DyingRuntime(built.pipeline, economy)
+    runtime = DyingRuntime(built.pipeline, built.economy)
     runtime.ingest("docs", "acme", DOCUMENTS)
     extra = os.environ.get("EXTRA_DOCUMENT_FLAG")
     changed = extra is not None and Path(extra).exists()

@@ -16,6 +16,7 @@ and with hundreds of reranks in flight the threads queue on the log handler's lo
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -47,6 +48,23 @@ def job_context(job_id: str) -> Iterator[None]:
         yield
     finally:
         _job_id.reset(token)
+
+
+_entered = threading.local()  # this thread's tokens of enter_job, innermost last
+
+
+def enter_job(job_id: str) -> None:
+    """:func:`job_context` split in two, for a start and an end that are two callbacks (Celery's
+    ``task_prerun`` and ``task_postrun``); each :func:`leave_job` ends the innermost."""
+    if not hasattr(_entered, "tokens"):
+        _entered.tokens = []
+    _entered.tokens.append(_job_id.set(job_id))
+
+
+def leave_job() -> None:
+    tokens = getattr(_entered, "tokens", None)
+    if tokens:
+        _job_id.reset(tokens.pop())
 
 
 class WireDebugFilter(logging.Filter):

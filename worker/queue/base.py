@@ -14,7 +14,7 @@ import importlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -252,6 +252,19 @@ def error_info(exc: BaseException) -> ErrorInfo:
     return ErrorInfo(type="internal_error", message=f"{type(exc).__name__}: {exc}")
 
 
+def job_id_of(args: Sequence[Any] | None) -> str:
+    """The job a task's arguments name, as its log records show it: the first argument (a
+    job id), or a webhook event's ``data.id``; "-" for none.
+
+    >>> job_id_of(["srch_1"]), job_id_of([{"data": {"id": "bat_2"}}]), job_id_of(None)
+    ('srch_1', 'bat_2', '-')
+    """
+    first = args[0] if args else None
+    if isinstance(first, dict):  # a webhook event
+        return str(first.get("data", {}).get("id", "-"))
+    return first if isinstance(first, str) else "-"
+
+
 class SiftTask(Task):  # type: ignore[misc]
     """The base of every Sift task: timing, delivery counting and the retry decision."""
 
@@ -264,11 +277,9 @@ class SiftTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
         outcome = "ok"
-        job_id = str(args[0]) if args and isinstance(args[0], str) else "-"
-        if args and isinstance(args[0], dict):  # a webhook event
-            job_id = str(args[0].get("data", {}).get("id", "-"))
         try:
-            with job_context(job_id):
+            # (in a worker, Celery's own lines around the call carry it too: celery_app.py)
+            with job_context(job_id_of(args)):
                 return super().__call__(*args, **kwargs)
         except WaitHop:
             outcome = "wait"  # a wait going on in a message of its own: no retry

@@ -19,6 +19,8 @@ from celery import Celery
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
+    task_postrun,
+    task_prerun,
     task_received,
     worker_init,
     worker_process_shutdown,
@@ -176,6 +178,22 @@ def _job_ids_in_logs(logger: logging.Logger | None = None, **_: Any) -> None:
         install(handler)
 
 
+def _job_begins(args: Any = None, **_: Any) -> None:
+    """A task starts: every record until it ends carries its job's id, Celery's own lines
+    around the task's call too (its ``succeeded in``, ``retry: Retry in`` and failure lines,
+    logged after the call returned)."""
+    from worker.observability.logcontext import enter_job
+    from worker.queue.base import job_id_of
+
+    enter_job(job_id_of(args))
+
+
+def _job_ends(**_: Any) -> None:
+    from worker.observability.logcontext import leave_job
+
+    leave_job()
+
+
 def create_celery_app(settings: Settings | None = None) -> Celery:
     """The worker's Celery app, with Sift's tasks registered."""
     settings = settings or load_settings()
@@ -194,6 +212,8 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     worker_shutdown.connect(_warm_up_ends, weak=False, dispatch_uid="sift-warm-up-ends")
     worker_shutdown.connect(_stopped, weak=False, dispatch_uid="sift-stopped")
     worker_process_shutdown.connect(_child_exited, weak=False, dispatch_uid="sift-child-exit")
+    task_prerun.connect(_job_begins, weak=False, dispatch_uid="sift-job-begins")
+    task_postrun.connect(_job_ends, weak=False, dispatch_uid="sift-job-ends")
     after_setup_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-log")
     after_setup_task_logger.connect(_job_ids_in_logs, weak=False, dispatch_uid="sift-task-log")
     import worker.queue.economy

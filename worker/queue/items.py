@@ -274,7 +274,8 @@ class ItemQueue:
                 if isinstance(outcome, ItemTransition):  # canceled; the store has it already
                     chunk.record(outcome.batch_completed, False)
                     current = None
-                    chunk.finished(item, outcome, None)
+                    with job_context(f"{chunk.batch_id}/{item.query_id}"):
+                        chunk.finished(item, outcome, None)
                     begun = self._begin(taken)
                 elif outcome is None or outcome == "retry":
                     chunk.record(False, outcome == "retry")
@@ -292,7 +293,9 @@ class ItemQueue:
                     )
                     chunk.record(transition.batch_completed, False)
                     current = None
-                    chunk.finished(item, transition, error)
+                    # its figures (recorded once it is saved) and their records: the item's
+                    with job_context(f"{chunk.batch_id}/{item.query_id}"):
+                        chunk.finished(item, transition, error)
                 current, taken = taken, None
         except BaseException as exc:
             log.exception("batch item runner broke")
