@@ -149,6 +149,10 @@ ERROR_MESSAGES: dict[str, str] = {
     "rate_limit_error": "Number of request tokens has exceeded your per-minute rate limit.",
     "api_error": "Internal server error",
     "overloaded_error": "Overloaded",
+    "enforced_spend_limit_reached": (
+        "You have reached your usage tier's monthly spend limit. Access resumes at 00:00 UTC "
+        "on the first day of next month."
+    ),
 }
 
 Kind = Literal[
@@ -172,6 +176,8 @@ class Behaviour:
     retry_after: float | None = None
     message: str | None = None
     seconds: float = 0.0
+    error_code: str | None = None  # status: the error's ``details.error_code``
+    should_retry: bool | None = None  # status: an ``x-should-retry`` header (None: none)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,9 +203,27 @@ def malformed(text: str | None, *, stop_reason: str = "end_turn") -> Behaviour:
     return Behaviour("malformed", text=text, stop_reason=stop_reason)
 
 
-def status(code: int, *, retry_after: float | None = None, message: str | None = None) -> Behaviour:
-    """Answer an API error: ``{"type":"error","error":{...}}``, ``retry-after`` if given."""
-    return Behaviour("status", status=code, retry_after=retry_after, message=message)
+def status(
+    code: int,
+    *,
+    retry_after: float | None = None,
+    message: str | None = None,
+    error_code: str | None = None,
+    should_retry: bool | None = None,
+) -> Behaviour:
+    """Answer an API error: ``{"type":"error","error":{...}}``, ``retry-after`` if given, and
+    ``error.details.error_code`` if ``error_code`` is: e.g. ``status(429,
+    error_code="enforced_spend_limit_reached")``, the organisation's monthly spend cap (a
+    ``rate_limit_error`` with no ``retry-after``, that no retry clears until the month ends).
+    ``should_retry``: an ``x-should-retry: true|false`` header, the API's word on retrying."""
+    return Behaviour(
+        "status",
+        status=code,
+        retry_after=retry_after,
+        message=message,
+        error_code=error_code,
+        should_retry=should_retry,
+    )
 
 
 def stall(seconds: float) -> Behaviour:
@@ -876,13 +900,7 @@ class FakeAnthropic:
                 behaviour = Behaviour("good", seconds=self._state.config.delay)
 
         if behaviour.kind == "status":
-            code = behaviour.status or 500
-            response = _error(
-                code,
-                ERROR_TYPES.get(code, "api_error"),
-                behaviour.message,
-                retry_after=behaviour.retry_after,
-            )
+            response = _scripted_error(behaviour)
             response.headers.update(self._limit_headers())
             return response
         if behaviour.kind == "drop":
@@ -1443,24 +1461,41 @@ def _validate_params(body: Any) -> tuple[int, str, str] | None:
 def _scripted_error(answer: Behaviour) -> Response:
     code = answer.status or 500
     return _error(
-        code, ERROR_TYPES.get(code, "api_error"), answer.message, retry_after=answer.retry_after
+        code,
+        ERROR_TYPES.get(code, "api_error"),
+        answer.message,
+        retry_after=answer.retry_after,
+        error_code=answer.error_code,
+        should_retry=answer.should_retry,
     )
 
 
 def _error(
-    code: int, error_type: str, message: str | None, *, retry_after: float | None = None
+    code: int,
+    error_type: str,
+    message: str | None,
+    *,
+    retry_after: float | None = None,
+    error_code: str | None = None,
+    should_retry: bool | None = None,
 ) -> Response:
+    """An API error as the real API shapes it: ``{"type": "error", "error": {"type",
+    "message"[, "details": {"error_code"}]}, "request_id"}`` with a ``request-id`` header."""
     request_id = f"req_{_base62(24)}"
     headers = {"request-id": request_id}
     if retry_after is not None:
         headers["retry-after"] = f"{retry_after:g}"
+    if should_retry is not None:
+        headers["x-should-retry"] = "true" if should_retry else "false"
     if code == 529:
         error_type = "overloaded_error"
-    payload = {
-        "type": "error",
-        "error": {"type": error_type, "message": message or ERROR_MESSAGES.get(error_type, "")},
-        "request_id": request_id,
+    error: dict[str, Any] = {
+        "type": error_type,
+        "message": message or ERROR_MESSAGES.get(error_code or error_type, ""),
     }
+    if error_code is not None:
+        error["details"] = {"error_code": error_code}
+    payload = {"type": "error", "error": error, "request_id": request_id}
     return JSONResponse(payload, status_code=code, headers=headers)
 
 

@@ -502,6 +502,39 @@ def test_rate_limited_with_retry_after(fake: FakeAnthropic, reranker: AnthropicR
     assert len(fake.requests()) == 1
 
 
+@pytest.mark.parametrize("code", ["enforced_spend_limit_reached", "contract_spend_limit_reached"])
+def test_a_spend_cap_429_is_permanent_not_a_rate_limit(
+    fake: FakeAnthropic, reranker: AnthropicReranker, code: str
+) -> None:
+    # the API's errors page: a 429 of the tier's monthly spend cap has no retry-after, and
+    # every retry fails until the month ends; as rate_limited it was retried and paused all
+    fake.script([status(429, error_code=code)])
+    error = attempt_error(reranker)
+    assert isinstance(error.__cause__, anthropic.RateLimitError)
+    assert error.outcome is AttemptOutcome.HTTP_4XX
+    assert not error.retryable
+    assert error.retry_after is None
+    assert code in error.message
+
+
+def test_a_ramp_limit_429_is_still_a_rate_limit(
+    fake: FakeAnthropic, reranker: AnthropicReranker
+) -> None:
+    fake.script([status(429, retry_after=4, error_code="ramp_limit_exceeded")])
+    error = attempt_error(reranker)
+    assert error.outcome is AttemptOutcome.RATE_LIMITED
+    assert error.retry_after == 4.0
+
+
+def test_x_should_retry_false_makes_a_5xx_permanent(
+    fake: FakeAnthropic, reranker: AnthropicReranker
+) -> None:
+    fake.script([status(529, should_retry=False)])
+    error = attempt_error(reranker)
+    assert error.outcome is AttemptOutcome.HTTP_4XX
+    assert not error.retryable
+
+
 @pytest.mark.parametrize("code", [400, 401, 403, 404, 413])
 def test_4xx_is_permanent(fake: FakeAnthropic, reranker: AnthropicReranker, code: int) -> None:
     fake.script([status(code)])

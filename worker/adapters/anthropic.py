@@ -435,12 +435,32 @@ def provider_retry_after(headers: Mapping[str, str]) -> float | None:
     return retry_after_seconds(headers.get("retry-after"))
 
 
+# 429 ``rate_limit_error``s that are no rate limit: the organisation's spend cap, its usage
+# tier's monthly one or its contract's (``error.details.error_code``; the SDK's
+# EnforcedSpendLimitReachedError and ContractSpendLimitReachedError). They come with no
+# ``retry-after``, and every retry fails until the month ends or the cap is raised.
+SPEND_LIMIT_CODES = frozenset({"enforced_spend_limit_reached", "contract_spend_limit_reached"})
+
+
+def retry_cannot_help(exc: anthropic.APIStatusError) -> bool:
+    """Whether the provider says that sending the request again cannot succeed: a spend cap's
+    429 (:data:`SPEND_LIMIT_CODES`), or ``x-should-retry: false`` (which the SDK's own retry
+    policy obeys before the status; Sift's retries replace the SDK's)."""
+    if exc.response.headers.get("x-should-retry") == "false":
+        return True
+    return exc.error_code in SPEND_LIMIT_CODES
+
+
 def _status_error(exc: anthropic.APIStatusError) -> RerankAttemptError:
     status = exc.status_code
     message = f"HTTP {status}: {_describe(exc)}"
+    if exc.error_code:
+        message += f" [{exc.error_code}]"
     if exc.request_id:
         message += f" (request-id {exc.request_id})"
     retry_after = provider_retry_after(exc.response.headers)
+    if retry_cannot_help(exc):  # permanent: no retry, and no pause of every caller as a 429's
+        return RerankAttemptError(AttemptOutcome.HTTP_4XX, message)
     if status == 429:
         return RerankAttemptError(AttemptOutcome.RATE_LIMITED, message, retry_after)
     if status >= 500:
