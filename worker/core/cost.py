@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from worker.core.types import TokenUsage
 from worker.settings import Price
 
+# a dated snapshot of a model: its alias and ``-YYYYMMDD`` (claude-haiku-4-5-20251001)
+_SNAPSHOT = re.compile(r"(?P<alias>.+)-\d{8}")
+
 
 def price_for(model: str, prices: Mapping[str, Price]) -> Price | None:
-    """The price of ``model``: an exact entry, else the longest entry it starts with.
+    """The price of ``model``: its exact entry, else, for a dated snapshot id, its alias's.
 
-    >>> price_for("claude-haiku-4-5-20251001", {"claude-haiku-4-5": Price(
-    ...     input=1, output=5, cache_read=0.1, cache_creation=1.25)}).output
+    Another model whose id merely starts with an entry is not that entry's: claude-opus-5-5
+    is not claude-opus-5 (it costs $4/$20 where Opus 5 costs $5/$25), nor claude-fable-5-2
+    claude-fable-5. It has no price, which the worker says, rather than a wrong one.
+
+    >>> haiku = Price(input=1, output=5, cache_read=0.1, cache_creation=1.25)
+    >>> price_for("claude-haiku-4-5-20251001", {"claude-haiku-4-5": haiku}).output
     5.0
+    >>> price_for("claude-opus-5-5", {"claude-opus-5": haiku}) is None
+    True
     """
     if model in prices:
         return prices[model]
-    matches = [name for name in prices if model.startswith(name)]
-    return prices[max(matches, key=len)] if matches else None
+    snapshot = _SNAPSHOT.fullmatch(model)
+    return prices.get(snapshot["alias"]) if snapshot else None
 
 
 def cost_usd(usage: TokenUsage, price: Price | None, discount: float = 1.0) -> float | None:
