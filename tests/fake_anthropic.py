@@ -1003,9 +1003,11 @@ class FakeAnthropic:
         text: str | None,
         stop_reason: str,
         input_tokens: int | None = None,
+        service_tier: str | None = None,
     ) -> dict[str, Any]:
         """The answer to ``body``, counted in the usage (call with the lock held);
-        ``input_tokens`` when the caller counted the prompt already."""
+        ``input_tokens`` when the caller counted the prompt already; ``service_tier`` the
+        usage's (``batch`` for a Message Batch's request; None: the configured one)."""
         config = self._state.config
         if input_tokens is None:
             input_tokens = self.count_input_tokens(body)
@@ -1039,7 +1041,7 @@ class FakeAnthropic:
                 "ephemeral_1h_input_tokens": 0,
             },
             "output_tokens_details": {"thinking_tokens": thinking},
-            "service_tier": config.service_tier,
+            "service_tier": service_tier or config.service_tier,
         }
         for name in USAGE_FIELDS:
             self._state.usage[name] += usage[name]
@@ -1117,7 +1119,9 @@ class FakeAnthropic:
                     text = behaviour.text
                 else:
                     text = self.answer_text(params)
-                message = self._message_unlocked(params, text, behaviour.stop_reason)
+                message = self._message_unlocked(
+                    params, text, behaviour.stop_reason, service_tier="batch"
+                )
                 return {"type": "succeeded", "message": message}
             outcome = BatchOutcome("errored", error_type=problem[1])
             message_text = problem[2]

@@ -423,6 +423,8 @@ def test_message_batches_create_retrieve_results_cancel() -> None:
         answer = by_id["i3"].message.content[0].text  # type: ignore[union-attr]
         assert json.loads(answer) == {"positions": [2, 2, 9]}
         assert by_id["i0"].message.usage.input_tokens > 0  # type: ignore[union-attr]
+        # a batch's requests run on the batch tier (the SDK's Usage.service_tier)
+        assert by_id["i0"].message.usage.service_tier == "batch"  # type: ignore[union-attr]
         assert fake.usage()["responses"] == 4
 
         fake.configure(batch_processing_seconds=60.0)
