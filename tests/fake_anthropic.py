@@ -1457,6 +1457,9 @@ def _validate_params(body: Any) -> tuple[int, str, str] | None:
             or not isinstance(fmt.get("schema"), dict)
         ):
             return 400, "invalid_request_error", "output_config.format: expected json_schema"
+        unsupported = None if fmt is None else _unsupported_schema(fmt["schema"], "schema")
+        if unsupported is not None:
+            return 400, "invalid_request_error", f"output_config.format.{unsupported}"
         effort = output_config.get("effort")
         if effort is not None and effort not in ("low", "medium", "high", "xhigh", "max"):
             return 400, "invalid_request_error", f"output_config.effort: invalid value {effort!r}"
@@ -1475,6 +1478,60 @@ def _validate_params(body: Any) -> tuple[int, str, str] | None:
                 f"output_config.effort: {effort!r} is not supported by model {body['model']}; "
                 f"supported values: {list(levels)}",
             )
+    return None
+
+
+# JSON Schema keywords structured outputs refuse with a 400 (the structured outputs page's
+# "JSON Schema limitations": numerical and string constraints, array constraints beyond a
+# minItems of 0 or 1, additionalProperties other than false); the SDK's transform_schema
+# moves them into the description for that reason. So a schema cannot bound positions.
+UNSUPPORTED_SCHEMA_KEYWORDS = frozenset(
+    {
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
+        "minLength",
+        "maxLength",
+        "maxItems",
+        "uniqueItems",
+        "contains",
+    }
+)
+
+
+def _unsupported_schema(schema: object, where: str) -> str | None:
+    """Where ``schema`` uses what structured outputs do not support, and what, or None."""
+    if isinstance(schema, list):
+        for index, part in enumerate(schema):
+            found = _unsupported_schema(part, f"{where}.{index}")
+            if found is not None:
+                return found
+        return None
+    if not isinstance(schema, Mapping):
+        return None
+    used = sorted(UNSUPPORTED_SCHEMA_KEYWORDS & set(schema))
+    if used:
+        return f"{where}.{used[0]}: is not supported"
+    if schema.get("minItems", 0) not in (0, 1):
+        return f"{where}.minItems: values other than 0 or 1 are not supported"
+    if schema.get("additionalProperties", False) is not False:
+        return f"{where}.additionalProperties: must be false"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"{where}.$ref: external references are not supported"
+    for key in ("properties", "$defs", "definitions"):
+        children = schema.get(key)
+        if isinstance(children, Mapping):
+            for name, child in children.items():
+                found = _unsupported_schema(child, f"{where}.{key}.{name}")
+                if found is not None:
+                    return found
+    for key in ("items", "anyOf", "allOf", "oneOf"):
+        found = _unsupported_schema(schema.get(key), f"{where}.{key}")
+        if found is not None:
+            return found
     return None
 
 

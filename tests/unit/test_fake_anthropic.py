@@ -195,6 +195,42 @@ def test_effort_levels_a_model_does_not_take_are_refused(
         assert_api_error(response, code, "invalid_request_error")
 
 
+@pytest.mark.parametrize(
+    ("positions", "where"),
+    [
+        ({"type": "array", "items": {"type": "integer"}, "maxItems": 10}, "maxItems"),
+        ({"type": "array", "items": {"type": "integer", "minimum": 1}}, "minimum"),
+        ({"type": "array", "items": {"type": "integer"}, "minItems": 3}, "minItems"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ],
+)
+def test_a_schema_structured_outputs_do_not_support_is_refused(
+    http: httpx.Client, positions: dict[str, Any], where: str
+) -> None:
+    # the real API refuses these with a 400 rather than ignore them: a schema cannot bound
+    # the positions' count or range (DESIGN.md §7), and a schema that tried failed every call
+    schema = {
+        "type": "object",
+        "properties": {"positions": positions},
+        "required": ["positions"],
+        "additionalProperties": False,
+    }
+    payload = {**body(), "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    response = http.post("/v1/messages", headers=HEADERS, json=payload)
+    assert_api_error(response, 400, "invalid_request_error")
+    assert where in response.json()["error"]["message"]
+
+
+def test_sifts_own_schema_is_supported(http: httpx.Client) -> None:
+    from worker.core.policy import OUTPUT_SCHEMA
+
+    payload = {
+        **body(),
+        "output_config": {"format": {"type": "json_schema", "schema": OUTPUT_SCHEMA}},
+    }
+    assert http.post("/v1/messages", headers=HEADERS, json=payload).status_code == 200
+
+
 def test_default_answer_shape(fake: FakeAnthropic, http: httpx.Client) -> None:
     response = http.post("/v1/messages", headers=HEADERS, json=body(12))
     assert response.status_code == 200
