@@ -3,7 +3,12 @@
 It checks requests as the real API (version ``2026-10-21``) does: an ``x-api-key`` (or a bearer
 token), an ``anthropic-version`` header, a body with ``model``, ``max_tokens`` and ``messages``,
 and a 400 ``invalid_request_error`` for any sampling parameter (``temperature``, ``top_p``,
-``top_k``), ``temperature: 1.0`` included.
+``top_k``), ``temperature: 1.0`` included, for ``output_config.effort`` to a model that does not
+take it or that level (:data:`NO_EFFORT_MODELS`, :data:`EFFORT_LEVELS`), and for a format schema
+that structured outputs do not support (:data:`UNSUPPORTED_SCHEMA_KEYWORDS`...). Its errors have
+the real shape, ``{"type": "error", "error": {"type", "message"[, "details": {"error_code"}]},
+"request_id"}`` and a ``request-id`` header; :func:`status` can add ``retry-after``, an
+``error_code`` (``enforced_spend_limit_reached``: the spend cap's 429) and ``x-should-retry``.
 
 By default it answers well: it reads the candidate lines (``[N] ...``) from the user turns and
 answers, in a ``text`` block, ``{"positions": [...]}`` when the request asks for a JSON schema
