@@ -35,6 +35,7 @@ from worker.constants import (
     RRF_K,
 )
 from worker.contract import FusionWeights
+from worker.effort import refused_effort
 from worker.errors import ConfigError, validation_message
 
 
@@ -429,6 +430,18 @@ class Settings(BaseSettings):
             raise ValueError(
                 "SIFT_RERANK_ENABLED=true needs SIFT_GENERATION_MODEL "
                 "(for example anthropic:claude-haiku-4-5)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _effort_the_model_takes(self) -> Settings:
+        """A level the model is known to refuse would fail every call with a 400."""
+        model = self.generation_model_id
+        why = refused_effort(model, self.generation_effort) if model else None
+        if why:
+            raise ValueError(
+                f"SIFT_GENERATION_EFFORT={self.generation_effort} is refused by "
+                f"SIFT_GENERATION_MODEL: {why} (auto sends only what the model takes)"
             )
         return self
 

@@ -73,6 +73,24 @@ def test_the_effort_the_worker_sends_each_model(
     assert batches.reranker.effort == sent
 
 
+@pytest.mark.parametrize(
+    ("model", "effort", "why"),
+    [
+        ("claude-haiku-4-5", "low", "claude-haiku-4-5 takes no effort level"),
+        ("claude-sonnet-4-6", "xhigh", "claude-sonnet-4-6 takes low, medium, high or max"),
+        ("claude-opus-4-5-20251101", "max", "takes low, medium or high"),
+    ],
+)
+def test_an_effort_level_the_model_is_known_to_refuse_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, model: str, effort: str, why: str
+) -> None:
+    # it was sent, and the API answered every call with a 400: every rerank failed
+    monkeypatch.setenv("SIFT_GENERATION_MODEL", f"anthropic:{model}")
+    monkeypatch.setenv("SIFT_GENERATION_EFFORT", effort)
+    with pytest.raises(ConfigError, match=rf"SIFT_GENERATION_EFFORT={effort} .*{re.escape(why)}"):
+        load_settings()
+
+
 def test_a_misspelled_variable_is_refused_naming_it_and_the_closest_setting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 from worker.adapters.attempt_deadline import attempt_deadline, bound_by_deadline
 from worker.core.budget import retry_after_seconds
 from worker.core.types import RerankPrompt, RerankReply, TokenUsage
+from worker.effort import EFFORT_MODELS, effort_for
 from worker.errors import AttemptOutcome, RerankAttemptError
 
 if TYPE_CHECKING:
@@ -59,39 +60,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["EFFORT_MODELS", "AnthropicReranker", "RerankMalformedError", "effort_for"]
-
-# The model-id families whose Messages API accepts ``output_config.effort`` (Anthropic's
-# "Effort" page: Opus 4.5 and later, Sonnet 4.6 and later, Mythos, Fable), each with its
-# dated ids (``claude-opus-4-5-20251101``). Any other model (Haiku 4.5, Sonnet 4.5, Opus 4.1,
-# and whatever this table does not know yet) answers 400 ``invalid_request_error`` to it.
-EFFORT_MODELS = (
-    "claude-opus-4-5",
-    "claude-opus-4-6",
-    "claude-opus-4-7",
-    "claude-opus-4-8",
-    "claude-opus-5",
-    "claude-sonnet-4-6",
-    "claude-sonnet-5",
-    "claude-haiku-5-5",
-    "claude-mythos",
-    "claude-fable",
-)
-
-
-def effort_for(model: str, setting: str | None) -> str | None:
-    """The ``output_config.effort`` to send ``model`` for ``SIFT_GENERATION_EFFORT=setting``.
-
-    ``auto`` is ``low`` (the lowest level, DESIGN.md §7) for a model of :data:`EFFORT_MODELS`
-    and nothing for any other; a level is sent as it is, to any model (a model newer than the
-    table); None (the variable empty, or ``none``) sends nothing.
-
-    >>> effort_for("claude-haiku-4-5", "auto"), effort_for("claude-sonnet-4-6", "auto")
-    (None, 'low')
-    """
-    if setting != "auto":
-        return setting
-    known = any(model == family or model.startswith(family + "-") for family in EFFORT_MODELS)
-    return "low" if known else None
 
 
 class RerankMalformedError(RerankAttemptError):
