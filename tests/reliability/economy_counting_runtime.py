@@ -5,7 +5,8 @@ appended to ``$CRASH_ONCE_DIR/counted`` (one JSON line: the tokens by type), so 
 reads what the worker counted even across a SIGKILL (a killed process's counters are gone
 with it). The first attempt counted (``rerank_attempt``, after its usage) kills the process
 (SIGKILL, no cleanup, no ack): a poll killed just after it counted a result line, and run
-again by the next worker, must not count that line a second time.
+again by the next worker, must not count that line a second time. Every attempt counted is
+also appended to ``$CRASH_ONCE_DIR/attempts`` (its class, a line), before the kill.
 
 ``$CRASH_AFTER_OUTCOME`` (``malformed``, say) kills it after the first attempt of that
 outcome only: a poll whose file's lines all succeeded dies as it counts the requests the
@@ -38,6 +39,8 @@ class _CountingRecorder:
 
     def rerank_attempt(self, model: str, outcome: str) -> None:
         self._inner.rerank_attempt(model, outcome)
+        with (self._path.parent / "attempts").open("a") as out:
+            out.write(outcome + "\n")
         if os.environ.get("CRASH_AFTER_OUTCOME", outcome) == outcome:
             die_once("die-after-count")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fake_anthropic import FakeAnthropic, malformed, succeeded
+from tests.fake_anthropic import FakeAnthropic, malformed, status, succeeded
 from tests.reliability.economy import FINISH_WINDOW, economy_stack, finished, submit_economy, worker
 from tests.reliability.support import all_results, assert_batch_exactly_once, ingest, wait_for
 
@@ -56,3 +56,40 @@ def test_a_poll_killed_after_counting_a_result_counts_it_once(tmp_path: Path, fi
         )
         outcomes = [a["outcome"] for a in item["result"]["trace"]["attempts"]]
         assert outcomes == (["malformed", "ok"] if first == "malformed" else ["ok"]), outcomes
+
+
+def test_a_submission_killed_after_counting_a_refused_item_counts_each_item_once(
+    tmp_path: Path,
+) -> None:
+    # Both creates are refused for good (400): each item fails http_4xx, one attempt each.
+    # The recorder kills worker A just after it counted the first item's attempt; worker B
+    # runs the redelivered submission. Before the fix, A counted that attempt before the
+    # item's failure was saved, so B failed the item again and counted it a second time:
+    # three http_4xx attempts in the metrics, two on the records.
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    factory = "tests.reliability.economy_counting_runtime:build_runtime"
+    with (
+        FakeAnthropic() as model,
+        economy_stack(
+            tmp_path,
+            model,
+            SIFT_RUNTIME_FACTORY=factory,
+            CRASH_ONCE_DIR=str(crashes),
+            CRASH_AFTER_OUTCOME="http_4xx",
+        ) as (env, client),  # fmt: skip
+    ):
+        refused = status(400, message="requests: refused")
+        model.script_batch_calls("create", [refused, refused])
+        with worker(tmp_path / "w", env, "a") as worker_a:
+            ingest(client)
+            batch_id = submit_economy(client, 2)
+            wait_for(lambda: worker_a.poll() is not None, "worker A killed after a count", 180)
+        with worker(tmp_path / "w", env, "b"):
+            wait_for(lambda: finished(client, batch_id), "the batch finished", FINISH_WINDOW * 2)
+        assert model.batches() == []  # nothing was made: no line, no bill
+        items = all_results(client, batch_id)
+        assert [item["status"] for item in items] == ["failed", "failed"], items
+        assert all("http_4xx" in item["error"]["message"] for item in items), items
+        counted = (crashes / "attempts").read_text().split()
+        assert counted == ["http_4xx", "http_4xx"], counted  # one per item, as the records

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from worker.constants import ECONOMY_RUNS_KEY
@@ -49,14 +50,20 @@ def cancel_item(
 
 
 def finish_item(
-    task: SiftTask, batch: BatchJob, query_id: str, prepared: Prepared, run: RerankRun
+    task: SiftTask,
+    batch: BatchJob,
+    query_id: str,
+    prepared: Prepared,
+    run: RerankRun,
+    *,
+    figures: Sequence[Callable[[], None]] = (),
 ) -> None:
     """The pipeline's second half for one item, and its final status. Its figures of the
-    search are counted once the item is saved: a poll dying before that leaves them to the
-    poll finishing it again, once."""
+    search (and ``figures``, the caller's of the item) are counted once the item is saved: a
+    poll dying before that leaves them to the poll finishing it again, once."""
     pipeline = economy_pipeline(task)
     error: ErrorInfo | None = None
-    figures: list[Callable[[], None]] = []
+    figures = list(figures)
     try:
         result = pipeline.finish(prepared, run, later=figures)
     except RerankFailed as exc:
@@ -71,10 +78,14 @@ def finish_item(
 def fail_items(
     task: SiftTask, batch: BatchJob, query_ids: Sequence[str], failure: RerankAttemptError
 ) -> None:
-    """Apply the failure policy to running items that could not be sent or polled."""
+    """Apply the failure policy to running items that could not be sent or polled. Each
+    item's failed attempt is counted in the metrics once its failure is saved: a task killed
+    between the two, run again, fails the item again, and counted first, it counted the
+    attempt twice (and once for an item another run had finished meanwhile)."""
     pipeline = economy_pipeline(task)
     for qid, data, record in running_items(task, batch, query_ids):
         run = rerank_run(record)
-        pipeline.record_attempt(run, failure.outcome, None, 0.0, provider_error=True)
+        cost = pipeline.add_attempt(run, failure.outcome, None, 0.0, provider_error=True)
         run.failure = failure
-        finish_item(task, batch, qid, load_prepared(pipeline, data), run)
+        counted = partial(pipeline.count_attempt, failure.outcome, None, cost)
+        finish_item(task, batch, qid, load_prepared(pipeline, data), run, figures=[counted])
