@@ -24,6 +24,7 @@ from tests.prometheus_support import (
     PanelQuery,
     Prometheus,
     assert_panel_has_data,
+    concrete,
     dashboard_queries,
     requires_prometheus,
     scrape_target,
@@ -222,3 +223,39 @@ def test_sift_cost_prints_a_table_and_writes_a_png(observed: Observed, tmp_path:
         assert word in run.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
+
+
+def _panel(title: str, ref_id: str = "A") -> str:
+    """The concrete PromQL of the cost dashboard's panel ``title``."""
+    [query] = [
+        q for q in PANEL_QUERIES
+        if q.dashboard == "sift-rerank-cost" and q.panel == title and q.ref_id == ref_id
+    ]  # fmt: skip
+    return concrete(query.expr)
+
+
+def test_the_cost_panels_show_the_spend_and_the_cost_per_1k_searches(observed: Observed) -> None:
+    # what each stat's title says, against what the workload did: its model's usage priced
+    p, spent = observed.prometheus, observed.did["fake_cost"]
+    searches = sum(workload.EXPECTED_SEARCHES.values())
+    per_1k = p.values(_panel("Dollars per 1,000 searches in range"))[""]
+    assert per_1k == pytest.approx(1000 * spent / searches, rel=1e-9)
+    # increase() extrapolates from the last sample to the range's end: at the instant of a
+    # scrape there is nothing to extrapolate (nor before a series that starts at zero)
+    [last] = p.query("max(timestamp(sift_rerank_cost_usd_total))")
+    at = float(last["value"][1])
+    response = p.client.get(
+        f"{p.url}/api/v1/query", params={"query": _panel("Spend in range (USD)"), "time": at}
+    )
+    [shown] = response.json()["data"]["result"]
+    assert float(shown["value"][1]) == pytest.approx(spent, rel=1e-9)
+
+
+def test_the_latency_panel_shows_the_quantiles_of_what_was_observed(observed: Observed) -> None:
+    # the economy lane's one rerank took 1.0 s (scripted), in the (0.75, 1.0] bucket: each
+    # quantile is interpolated in it, as Prometheus does with one observation
+    title = "Rerank latency by outcome (p50, p95, p99)"
+    for ref_id, q in (("A", 0.5), ("B", 0.95), ("C", 0.99)):
+        shown = observed.prometheus.query(_panel(title, ref_id))
+        economy = [float(s["value"][1]) for s in shown if s["metric"]["lane"] == "economy"]
+        assert economy == [pytest.approx(0.75 + 0.25 * q)], (ref_id, shown)
