@@ -63,14 +63,14 @@ def finish_item(
     poll dying before that leaves them to the poll finishing it again, once."""
     pipeline = economy_pipeline(task)
     error: ErrorInfo | None = None
-    figures = list(figures)
+    later = list(figures)
     try:
-        result = pipeline.finish(prepared, run, later=figures)
+        result = pipeline.finish(prepared, run, later=later)
     except RerankFailed as exc:
         error, result = error_info(exc), None
     transition = task.context.store.finish_item(batch.id, query_id, result=result, error=error)
     if count_completed("batch_item", transition.applied, error):
-        for record in figures:
+        for record in later:
             record()
     _item_done(task, batch, transition)
 
