@@ -376,6 +376,7 @@ class Stack:
     redis_url: str
     client: httpx.Client
     env: dict[str, str]
+    model: FakeAnthropic | None = None  # gateway_stack's: what it answered (and billed)
 
 
 @contextlib.contextmanager
@@ -393,4 +394,4 @@ def gateway_stack(directory: Path, model_delay: float) -> Iterator[Stack]:
             gateway(directory / "g", env) as base,
             httpx.Client(base_url=base, timeout=30) as client,
         ):
-            yield Stack(url, client, env)
+            yield Stack(url, client, env, model)

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.reliability.support import (
     Stack,
@@ -39,8 +40,11 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import free_port
+from worker.core.cost import cost_usd, price_for
+from worker.core.types import TokenUsage
 from worker.observability.metrics import SweepingCollector, snapshot
 from worker.processes.stack import child_env, stop, worker_process
+from worker.settings import DEFAULT_PRICES
 
 pytestmark = pytest.mark.integration
 
@@ -93,6 +97,20 @@ def _items_done(text: str) -> float:
     )
     match = pattern.search(text)
     return float(match.group(1)) if match else 0.0
+
+
+def _tokens_and_cost(workers: Workers) -> dict[str, float]:
+    """The one ``/metrics``'s rerank tokens by type and its cost, summed over every label."""
+    text = httpx.get(f"http://127.0.0.1:{workers.metrics_port}/metrics", timeout=5).text
+    totals: dict[str, float] = {"cost_usd": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "sift_rerank_tokens_total":
+                kind = sample.labels["type"]
+                totals[kind] = totals.get(kind, 0.0) + sample.value
+            elif sample.name == "sift_rerank_cost_usd_total":
+                totals["cost_usd"] += sample.value
+    return totals
 
 
 def _items_done_by(metrics_dir: Path, pid: int, scratch: Path) -> float:
@@ -164,6 +182,25 @@ def test_two_processes_share_a_batch_and_a_killed_one_is_restarted(
     assert served == sum(per_process.values())  # one /metrics, every child's file summed
     # an item is counted when it becomes final, once; a kill between the two can lose one
     assert TOTAL - running_at_kill <= served <= TOTAL, (served, running_at_kill)
+    # tokens and dollars: the killed child's counts stay in its files, so the one /metrics
+    # holds at least what the records show (an answer the killed child read, counted and kept
+    # in its run claim, finished by another run that counts nothing, is still there: not
+    # zero), and no more than the model billed (nothing counted twice); the gap is the calls
+    # the kill cut off or read and did not keep, which the next run made again
+    assert stack.model is not None
+    billed, counters = stack.model.usage(), _tokens_and_cost(workers)
+    shown = batch_counts(client, batch_id)["usage"]
+    for key, kind in (("input_tokens", "input"), ("output_tokens", "output")):
+        assert shown[key] <= counters[kind] <= billed[key], (key, shown, counters, billed)
+    assert shown["input_tokens"] > 0
+    price = price_for("claude-haiku-4-5", DEFAULT_PRICES)
+    assert price is not None
+    billed_cost = cost_usd(TokenUsage(billed["input_tokens"], billed["output_tokens"],
+                                      billed["cache_read_input_tokens"],
+                                      billed["cache_creation_input_tokens"]), price)  # fmt: skip
+    assert billed_cost is not None
+    assert shown["cost_usd"] <= counters["cost_usd"] * (1 + 1e-9)
+    assert counters["cost_usd"] <= billed_cost * (1 + 1e-9)
 
 
 @pytest.mark.timeout(420)
