@@ -111,6 +111,32 @@ def the_webhook(receiver: Receiver, job_id: str) -> list[str]:
     return [d.body["data"]["status"] for d in receiver.for_job(job_id)]
 
 
+def billed_and_counted(stack: LossStack) -> tuple[dict[str, int], dict[str, float]]:
+    """What the model has billed (input and output tokens) and what the worker counted."""
+    billed = stack.model.usage()
+    counted = {"input_tokens": 0.0, "output_tokens": 0.0}
+    for family in text_string_to_metric_families(httpx.get(stack.worker_metrics, timeout=10).text):
+        if family.name == "sift_rerank_tokens":
+            for sample in family.samples:
+                kind = {"input": "input_tokens", "output": "output_tokens"}.get(
+                    sample.labels["type"]
+                )
+                if sample.name.endswith("_total") and kind is not None:
+                    counted[kind] += sample.value
+    return {k: billed[k] for k in counted}, counted
+
+
+def assert_usage_once(
+    stack: LossStack, before: tuple[dict[str, int], dict[str, float]], shown: dict[str, Any]
+) -> None:
+    """The job's usage is what the model billed since ``before``, and the worker counted it
+    once: a finish sent again adds nothing to the tokens, the record or a batch's totals."""
+    billed, counted = billed_and_counted(stack)
+    for key in counted:
+        spent = billed[key] - before[0][key]
+        assert spent > 0 and shown[key] == spent == counted[key] - before[1][key], key
+
+
 def counters(stack: LossStack) -> dict[tuple[str, str], float]:
     """The worker's and the gateway's counters, summed."""
     both = completed(stack.worker_metrics)
@@ -124,6 +150,7 @@ def test_a_search_whose_finish_reply_was_lost_still_sends_its_webhook_and_counts
     stack: LossStack, receiver: Receiver
 ) -> None:
     before = counters(stack)
+    used = billed_and_counted(stack)
     stack.proxy.arm(*FINISHED, SEARCH_KEY.encode())
     response = stack.client.post(
         "/v1/searches",
@@ -142,6 +169,8 @@ def test_a_search_whose_finish_reply_was_lost_still_sends_its_webhook_and_counts
     assert the_webhook(receiver, job_id) == ["succeeded"]
     assert stack.proxy.sent_again == 1, stack.proxy.sent_again  # the finish sent again
     assert increase(before, counters(stack)) == {("search", "succeeded"): 1.0}
+    job = stack.client.get(f"/v1/searches/{job_id}", headers=ACME).json()
+    assert_usage_once(stack, used, job["result"]["usage"])
 
 
 @pytest.mark.timeout(180)
@@ -149,6 +178,7 @@ def test_a_batch_whose_last_finish_reply_was_lost_completes_once_with_its_webhoo
     stack: LossStack, receiver: Receiver
 ) -> None:
     before = counters(stack)
+    used = billed_and_counted(stack)
     stack.proxy.arm(*FINISHED, BATCH_ITEMS_KEY.encode())
     batch_id = submit_batch(stack.client, 1, webhook_url=receiver.url)
     assert stack.proxy.fired.wait(60), "the finish's reply was never lost"
@@ -167,6 +197,8 @@ def test_a_batch_whose_last_finish_reply_was_lost_completes_once_with_its_webhoo
     # and its outcome is in the batch's totals once
     batch = batch_counts(stack.client, batch_id)
     assert sum(batch["rerank_outcomes"].values()) == 1, batch
+    # and its usage too: the batch's totals, as the model billed and the worker counted
+    assert_usage_once(stack, used, batch["usage"])
 
 
 @pytest.mark.timeout(300)
