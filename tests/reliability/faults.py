@@ -79,6 +79,7 @@ class Observation:
     requests: int
     counters: dict[str, float]  # attempt result -> increase during the case
     seconds: float  # measured search duration: finished_at - started_at
+    usage: dict[str, Any] | None = None  # the job's: its result's, or its error's
 
     @property
     def overrun_ms(self) -> float:
@@ -168,4 +169,5 @@ def run_case(stack: FaultStack, policy: str, behaviours: list[fa.Behaviour]) -> 
         requests=len(stack.model.requests()),
         counters=counters,
         seconds=_measured_seconds(pair.redis_url, job["id"]),
+        usage=(job.get("result") or job.get("error") or {}).get("usage"),
     )

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from tests import fake_anthropic as fa
 from tests.reliability.faults import (
     CASES,
     NO_VALID_RANKS,
@@ -26,6 +28,9 @@ from tests.reliability.faults import (
 )
 from tests.reliability.support import ACME, INDEX, stack_env, wait_for
 from tests.services import celery_worker, free_port, gateway, redis_server
+from worker.core.cost import cost_usd, price_for
+from worker.core.types import TokenUsage
+from worker.settings import DEFAULT_PRICES
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +63,58 @@ def test_each_failure_class_under_each_policy(faults: FaultStack, name: str, pol
         assert seen.rerank is not None and seen.rerank["applied"] is False
         assert seen.rerank["fallback_reason"] in {f"error:{reason}" for reason in reasons}
     print(f"\n{name}/{policy}: {seen.requests} attempts, {seen.seconds * 1000:.0f} ms")
+
+
+def _tokens_and_cost(metrics_url: str) -> dict[str, float]:
+    """The worker's ``sift_rerank_tokens_total`` by type, and its ``sift_rerank_cost_usd_total``."""
+    out: dict[str, float] = {"cost_usd": 0.0}
+    for family in text_string_to_metric_families(httpx.get(metrics_url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "sift_rerank_tokens_total":
+                kind = sample.labels["type"]
+                out[kind] = out.get(kind, 0.0) + sample.value
+            elif sample.name == "sift_rerank_cost_usd_total":
+                out["cost_usd"] += sample.value
+    return out
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_billed_malformed_answer_then_5xx_shows_its_usage_once_under_each_policy(
+    faults: FaultStack, policy: str
+) -> None:
+    # the first attempt is answered and billed (not in the schema), the two after it are not:
+    # the job (a fallback's result, a failure's error) shows that one call's tokens and
+    # dollars and three requests, and the worker's counters rose by exactly as much
+    metrics_url = faults.pairs[policy].metrics_url
+    before = _tokens_and_cost(metrics_url)
+    behaviours = [fa.malformed("not json"), fa.status(500), fa.status(529)]
+    seen = run_case(faults, policy, behaviours)
+    assert seen.counters == {"malformed": 1, "http_5xx": 2}
+    if policy == "fail_closed":
+        assert seen.status == "failed" and seen.error is not None, seen
+        assert "(http_5xx)" in seen.error["message"], seen.error
+    else:
+        assert seen.status == "succeeded" and seen.rerank is not None, seen.error
+        assert seen.rerank["fallback_reason"] == "error:http_5xx"
+    billed = faults.model.usage()
+    assert billed["responses"] == 1 and billed["input_tokens"] > 0
+    assert seen.usage is not None and seen.usage["requests"] == 3, seen.usage
+    after = _tokens_and_cost(metrics_url)
+    for kind in ("input", "output", "cache_read", "cache_creation"):
+        key = f"{kind}_tokens" if kind in ("input", "output") else f"{kind}_input_tokens"
+        assert seen.usage[key] == billed[key] == after[kind] - before.get(kind, 0.0), kind
+    priced = cost_usd(
+        TokenUsage(
+            billed["input_tokens"],
+            billed["output_tokens"],
+            billed["cache_read_input_tokens"],
+            billed["cache_creation_input_tokens"],
+        ),
+        price_for("claude-haiku-4-5", DEFAULT_PRICES),
+    )
+    assert priced is not None and priced > 0
+    assert seen.usage["cost_usd"] == pytest.approx(priced, rel=1e-9)
+    assert after["cost_usd"] - before["cost_usd"] == pytest.approx(priced, rel=1e-9)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
