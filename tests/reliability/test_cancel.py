@@ -119,6 +119,14 @@ def test_a_cancel_right_after_submission_cancels_the_items_not_yet_run(
     _assert_accounted_for(stack, run.final)
     # a canceled item never called the model: one call per item that ran (no faults)
     assert run.model_calls == counts["succeeded"] + counts["failed"] < total
+    # and the batch's totals are those calls, as the model billed them: the items that
+    # finished past the cancel add theirs, the canceled ones nothing
+    billed, used = stack.model.usage(), run.final["usage"]
+    assert used["requests"] == run.model_calls == billed["responses"], (used, billed)
+    assert (used["input_tokens"], used["output_tokens"]) == (
+        billed["input_tokens"],
+        billed["output_tokens"],
+    )
     assert _one_webhook(receiver, run.batch_id) == ["canceled"]
     # cancelling it again, once finished canceled, answers it as it is and changes nothing
     # (but its webhook's state, delivered since it finished)
