@@ -235,6 +235,58 @@ def test_canceling_an_economy_batch_cancels_its_provider_batches(
     assert all(b["status"] == "ended" for b in stack.model.batches())
 
 
+def test_a_canceled_provider_batch_s_processed_requests_are_counted_and_shown_once(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    """The batch is canceled while its two provider batches are processing: the requests the
+    provider had processed come back succeeded (billed), the rest canceled. However many
+    that is, the succeeded items are the answers billed, and the batch's totals, its items'
+    usage and the economy lane's counters all show those answers' tokens and dollars once."""
+    stack.model.configure(batch_processing_seconds=300.0)
+    before_fake, before_metrics = stack.model.usage(), worker_usage(stack, "economy")
+    submitted = time.monotonic()
+    batch_id = _submit(stack, _items(queries, 6), "economy")
+    _wait_for_provider_batches(stack, 2)
+    # the fake has processed the share of its time since creation: about three fifths now,
+    # so the cancel most likely finds both provider batches part processed (the assertions
+    # below hold whatever the share)
+    time.sleep(1.0)
+    stack.model.configure(batch_processing_seconds=(time.monotonic() - submitted) / 0.6)
+    assert stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME).status_code == 200
+    done = _wait(stack, batch_id)
+    billed = {k: v - before_fake.get(k, 0) for k, v in stack.model.usage().items()}
+    after = worker_usage(stack, "economy")
+    counts = done["counts"]
+    print(f"\nat the cancel: {counts['succeeded']} processed, {counts['canceled']} canceled")
+    assert counts["succeeded"] + counts["canceled"] == 6 and counts["failed"] == 0, counts
+    assert counts["succeeded"] == billed["responses"], (counts, billed)
+    results = _results(stack, batch_id).values()
+    shown = [r["result"]["usage"] for r in results if r["status"] == "succeeded"]
+    assert all("usage" not in r for r in results if r["status"] == "canceled")
+    for key, kind in (
+        ("input_tokens", "input"),
+        ("output_tokens", "output"),
+        ("cache_read_input_tokens", "cache_read"),
+        ("cache_creation_input_tokens", "cache_creation"),
+    ):
+        counted = after.get(kind, 0.0) - before_metrics.get(kind, 0.0)
+        assert done["usage"][key] == sum(u[key] for u in shown) == billed[key] == counted, key
+    expected = cost_usd(
+        TokenUsage(
+            billed["input_tokens"],
+            billed["output_tokens"],
+            billed["cache_read_input_tokens"],
+            billed["cache_creation_input_tokens"],
+        ),
+        price_for("claude-haiku-4-5", DEFAULT_PRICES),
+        ECONOMY_PRICE_DISCOUNT,
+    )
+    assert expected is not None
+    assert done["usage"]["cost_usd"] == pytest.approx(expected)
+    counted_cost = after.get("cost_usd", 0.0) - before_metrics.get("cost_usd", 0.0)
+    assert counted_cost == pytest.approx(expected)
+
+
 def test_a_billed_round_shows_in_the_metrics_though_its_item_is_then_canceled(
     stack: Stack, corpus: object, queries: list[str]
 ) -> None:
