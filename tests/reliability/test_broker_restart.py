@@ -35,6 +35,7 @@ from tests.reliability.support import (
     DOWN_SECONDS,
     FINISH_TIMEOUT,
     Broker,
+    all_results,
     assert_batch_exactly_once,
     batch_counts,
     broker,
@@ -93,6 +94,13 @@ def _one_round(client: httpx.Client, redis_broker: Broker, signum: signal.Signal
         counts = batch_counts(client, batch_id)["counts"]
         raise AssertionError(f"{exc}; {counts}; {broker_state(redis_broker.url + '/0')}") from exc
     assert_batch_exactly_once(client, redis_broker.url + "/0", batch_id, TOTAL)
+    # the batch's totals took each item's usage once: a finish sent again through the
+    # restart added none twice (nor dropped one)
+    usages = [r["result"]["usage"] for r in all_results(client, batch_id)]
+    totals = batch_counts(client, batch_id)["usage"]
+    for key in ("requests", "input_tokens", "output_tokens"):
+        assert totals[key] == sum(u[key] for u in usages) > 0, (key, totals)
+    assert totals["cost_usd"] == pytest.approx(sum(u["cost_usd"] for u in usages))
     # nothing left waiting in a queue: the worker consumed every message, the restored ones
     # included. Late acks of tasks that ran through the restart reach Redis too; only an ack
     # sent while Redis was down leaves its message in "unacked", to run again as a no-op
