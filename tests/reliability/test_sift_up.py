@@ -30,7 +30,7 @@ import pytest
 
 from tests.reliability.support import sample_documents, wait_for
 from tests.services import free_port
-from worker.processes.stack import child_env, stop
+from worker.processes.stack import child_env, redis_service, running, stop
 
 pytestmark = pytest.mark.integration
 
@@ -316,3 +316,47 @@ def test_ctrl_c_while_a_batch_runs_leaves_no_process_behind(tmp_path: Path) -> N
 
 def client_status(url: str, headers: dict[str, str], path: str) -> str:
     return str(httpx.get(url + path, headers=headers, timeout=30).json()["status"])
+
+
+@pytest.mark.timeout(300)
+def test_stopping_sift_up_on_a_hung_redis_leaves_no_process_behind(tmp_path: Path) -> None:
+    """``sift up`` on a Redis of the user's (``SIFT_REDIS_URL``) that hangs, accepting
+    connections and never answering (redis-server SIGSTOPped): a Ctrl-C still ends every
+    process of the stack, ``sift up`` first among them, each worker process past its stop
+    deadline with a line saying so.
+
+    Before, each worker process's warm shutdown waited on Redis for good (closing its queues):
+    ``sift up`` SIGKILLed their supervisor after 15 s, and they stayed, orphaned."""
+    redis, redis_url = redis_service(tmp_path / "redis")
+    with running(redis):
+        assert redis.proc is not None
+        data_dir = tmp_path / "data"
+        port = free_port()
+        out = tmp_path / "up.out"
+        env = {**_env(), "SIFT_REDIS_URL": redis_url + "/0"}
+        with open(out, "wb") as sink:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "worker.cli", "up", "--port", str(port),
+                 "--metrics-port", str(free_port()), "--data-dir", str(data_dir)],
+                cwd=tmp_path, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        running_up = Stack(proc, out, data_dir, port, 0)
+        try:
+            wait_for(lambda: "Ctrl-C stops everything" in running_up.printed(), "sift up",
+                     UP_TIMEOUT)  # fmt: skip
+            wait_for(lambda: _warmed_up(running_up.logs), "the worker's warm-up", UP_TIMEOUT)
+            redis.proc.send_signal(signal.SIGSTOP)
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=120)
+            wait_for(lambda: _session(proc.pid) == [], "every process of the stack gone", 60)
+        finally:
+            redis.proc.send_signal(signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            for pid in _session(proc.pid):  # the worker processes have groups of their own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    log = (running_up.logs / "worker.log").read_text(errors="replace")
+    assert "after the stop signal (Redis not answering?); exiting now" in log, log[-3000:]
+    assert proc.returncode == 0, running_up.printed()

@@ -41,7 +41,13 @@ from worker.processes.stack import (
     sift_command,
     worker_service,
 )
-from worker.processes.workers import follow_supervisor, resolve_processes, run_workers
+from worker.processes.workers import (
+    exit_by_deadline,
+    follow_supervisor,
+    resolve_processes,
+    run_workers,
+    supervisor_stop_deadline,
+)
 from worker.settings import Settings, load_settings
 
 console = Console(emoji=False)
@@ -107,6 +113,7 @@ def worker(
         follow_supervisor(supervised_by)
     else:
         _single_process_metrics(settings)
+    exit_by_deadline(settings)  # a stop ends even on a Redis that never answers
     celery = create_celery_app(settings)
     celery.worker_main(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel or settings.log_level,
@@ -293,9 +300,11 @@ def local_stack(
             redis_url = extra["SIFT_REDIS_URL"] = url + "/0"
         env = child_env(extra)
         worker_env = _own_metrics_folder(env, data_dir / "metrics" / "worker")
-        services.append(
-            stack.enter_context(running(worker_service(logs, worker_env, processes=None), cancel))
-        )
+        # stopped within its own bound, even on a Redis that never answers (its processes'
+        # warm shutdown hung on one, and a SIGKILL of their supervisor left them orphaned)
+        workers = worker_service(logs, worker_env, processes=None)
+        workers.stop_timeout = supervisor_stop_deadline(settings) + 5.0
+        services.append(stack.enter_context(running(workers, cancel)))
         gateway, url = gateway_service(
             logs, _own_metrics_folder(env, data_dir / "metrics" / "gateway"), port=gateway_port
         )

@@ -281,6 +281,7 @@ class Service:
     ready: Callable[[], object] | None = None
     ready_line: bytes | None = None
     own_group: bool = False  # see spawn()
+    stop_timeout: float = 15.0  # from SIGTERM to SIGKILL (see stop())
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     _offset: int = 0  # the log's size when the process started: its own lines follow
@@ -321,7 +322,7 @@ def running(service: Service, cancel: threading.Event | None = None) -> Iterator
         yield service
     finally:
         if service.proc is not None:
-            stop(service.proc)
+            stop(service.proc, service.stop_timeout)
 
 
 RESTART_FIRST_DELAY_SECONDS = 1.0

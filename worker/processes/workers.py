@@ -11,6 +11,9 @@ The supervisor (this process):
   single worker does (:mod:`worker.queue.liveness`, :mod:`worker.queue.items`), and exits once
   they all have. The children run in a process group of their own, so a terminal's Ctrl-C
   reaches them once, through us; and they receive SIGTERM if we die (``PR_SET_PDEATHSIG``);
+- bounds the stop: a worker process told to stop exits within :func:`stop_deadline` even if
+  its warm shutdown hangs on a Redis that never answers (:func:`exit_by_deadline`); one still
+  there :data:`KILL_MARGIN_SECONDS` later is SIGKILLed, its process group with it;
 - serves the one ``/metrics`` on ``SIFT_WORKER_METRICS_PORT``, summing the children's files
   (Prometheus multiprocess mode, :mod:`worker.observability.metrics`); a dead child's live gauges
   are dropped.
@@ -28,6 +31,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -37,6 +41,49 @@ from worker.settings import Settings
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# A worker process's warm shutdown talks to Redis (it hands work back, closes its queues): a
+# Redis that accepts connections and never answers held it there for good. Past its soft
+# shutdown and this grace it exits at once, as after a crash: what it held comes back as a
+# killed worker's does (the visibility timeout, the liveness check).
+STOP_GRACE_SECONDS = 15.0
+# How much longer the supervisor waits for a process before it SIGKILLs it
+KILL_MARGIN_SECONDS = 5.0
+
+
+def stop_deadline(settings: Settings) -> float:
+    """The seconds a worker process told to stop takes at most."""
+    return settings.worker_soft_shutdown_seconds + STOP_GRACE_SECONDS
+
+
+def supervisor_stop_deadline(settings: Settings) -> float:
+    """The seconds ``sift worker``'s supervisor takes at most to stop its processes: whoever
+    stops it (``sift up``) waits longer than this before a SIGKILL."""
+    return stop_deadline(settings) + KILL_MARGIN_SECONDS
+
+
+def exit_by_deadline(settings: Settings) -> None:
+    """In a Celery worker process: once a stop begins (Celery's ``worker_shutting_down``,
+    sent from its signal handler), end the process :func:`stop_deadline` later if it is still
+    there (``os._exit``, from a daemon timer: the main thread may be blocked on a socket)."""
+    from celery.signals import worker_shutting_down
+
+    seconds = stop_deadline(settings)
+    armed = threading.Event()
+
+    def give_up() -> None:
+        print(f"sift worker: not stopped {seconds:g} s after the stop signal (Redis not "
+              "answering?); exiting now", file=sys.stderr, flush=True)  # fmt: skip
+        os._exit(1)
+
+    def arm(**_: object) -> None:
+        if not armed.is_set():  # a second signal keeps the first deadline
+            armed.set()
+            timer = threading.Timer(seconds, give_up)
+            timer.daemon = True
+            timer.start()
+
+    worker_shutting_down.connect(arm, weak=False, dispatch_uid="sift-stop-deadline")
 
 
 def resolve_processes(setting: int) -> int:
@@ -99,8 +146,11 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
         assert first is not None
         _say(f"{signal.Signals(first).name}: stopping {count} worker processes")
         _forward(services, first)
-        while (more := _next_signal(signals, lambda: _all_exited(services))) is not None:
+        kill_at = time.monotonic() + supervisor_stop_deadline(settings)
+        done = lambda: _all_exited(services) or time.monotonic() >= kill_at  # noqa: E731
+        while (more := _next_signal(signals, done)) is not None:
             _forward(services, more)
+        _kill_left(services, supervisor_stop_deadline(settings))
         for service in services:
             _dead(service)
         _say("every worker process stopped")
@@ -123,6 +173,16 @@ def _forward(services: Sequence[Service], signum: int) -> None:
         if service.proc is not None and service.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 service.proc.send_signal(signum)
+
+
+def _kill_left(services: Sequence[Service], waited: float) -> None:
+    """SIGKILL the process group of every child still running (each leads its own)."""
+    for service in services:
+        if service.proc is not None and service.proc.poll() is None:
+            _say(f"{service.name} not stopped after {waited:g} s: killing it")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(service.proc.pid, signal.SIGKILL)
+            service.proc.wait()
 
 
 def _all_exited(services: Sequence[Service]) -> bool:
