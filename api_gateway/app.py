@@ -77,9 +77,12 @@ def create_app(
         elif redis is not None or async_redis is not None:
             raise ConfigError("create_app: pass both redis and async_redis, or neither")
         elif settings.redis_url:
-            store = JobStore.from_url(settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS)
+            timeout = settings.gateway_redis_timeout_seconds
+            store = JobStore.from_url(
+                settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS, socket_timeout=timeout
+            )
             async_store = AsyncJobStore.from_url(
-                settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS
+                settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS, socket_timeout=timeout
             )
         else:
             raise ConfigError("SIFT_REDIS_URL is required to run the gateway")

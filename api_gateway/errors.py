@@ -157,6 +157,15 @@ async def no_route_short_of_a_line_break(request: Request) -> None:
         raise StarletteHTTPException(404)
 
 
+def unavailable_reason(app: FastAPI, exc: Exception) -> str:
+    """Why Redis failed a request, naming the setting that governs it: how long the gateway
+    waits for an answer, or where it looks for Redis."""
+    if isinstance(exc, redis.TimeoutError):
+        seconds = app.state.settings.gateway_redis_timeout_seconds
+        return f"Redis did not answer within {seconds:g} s (SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS)"
+    return "Redis (SIFT_REDIS_URL) could not be reached"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -247,7 +256,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             503,
             "unavailable",
-            f"the job store is unavailable; retry after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
+            f"the job store is unavailable: {unavailable_reason(request.app, exc)}; "
+            f"retry after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
         )
 

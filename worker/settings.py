@@ -336,6 +336,10 @@ class Settings(BaseSettings):
     # print request bodies (the model SDK, httpx, httpcore) stay at WARNING or above
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     gateway_port: int = Field(default=8080, ge=1, le=65535)
+    # How long the gateway waits for Redis to answer one command before its request is 503
+    # (a Redis that accepts connections and never answers: stopped, swapping, cut off). Its
+    # commands answer in milliseconds (a 100,000-query batch's writes: under 0.1 s each).
+    gateway_redis_timeout_seconds: float = Field(default=10.0, gt=0)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)
     # When set, the gateway's /metrics answers only `Authorization: Bearer <this>` (Prometheus's
     # `authorization` scrape option); a tenant's API key is not enough. Unset: open, like the

@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.reliability.support import ACME, INDEX, KEYS, wait_for
 from tests.services import free_port, gateway, redis_server
 from worker.constants import METRIC_JOBS_IN_FLIGHT, METRIC_QUEUE_BACKLOG, SEARCH_QUEUE
+from worker.settings import Settings
 
 Request = Callable[[httpx.Client, str, str], httpx.Response]
 
@@ -152,6 +153,7 @@ def test_while_redis_is_down_each_request_is_a_503_logged_once_on_a_connection_k
             assert response.headers["retry-after"] == "1"
             error = response.json()["error"]
             assert error["type"] == "unavailable" and "retry" in error["message"], error
+            assert "Redis (SIFT_REDIS_URL) could not be reached" in error["message"], error
             assert _local_port(response) == port  # the same keep-alive connection, still open
 
         server.start()
@@ -169,6 +171,38 @@ def test_while_redis_is_down_each_request_is_a_503_logged_once_on_a_connection_k
         assert len(lines) == len(down), lines
         assert all("ConnectionError" in line for line in lines), lines
         assert "Traceback" not in text and "Exception in ASGI application" not in text
+
+
+@pytest.mark.timeout(180)
+def test_a_stalled_redis_is_a_503_naming_how_long_the_gateway_waits(tmp_path: Path) -> None:
+    """Redis accepting connections and never answering (SIGSTOPped), at default settings: a
+    search's submit and a read are 503 naming the wait and its setting, so the client can
+    tell a stall from a restart. Before: "the job store is unavailable; retry after 1 s",
+    after 60 s for the submit (the asyncio store waited a second socket timeout on a new
+    connection; tests/reliability/test_redis_outage_clients.py counts them) and 30 s for a
+    read, the one place that wait is set being a constant."""
+    seconds = Settings.model_fields["gateway_redis_timeout_seconds"].default
+    with redis_and_gateway(tmp_path) as (server, client, _):
+        created = client.post("/v1/searches", json=_search(), headers=ACME)
+        assert created.status_code == 202, created.text
+        pid = int(redis.Redis.from_url(server.url).info("server")["process_id"])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            stalled = [
+                client.post("/v1/searches", json=_search(), headers=ACME, timeout=120),
+                client.get(f"/v1/searches/{created.json()['id']}", headers=ACME, timeout=120),
+            ]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        for response in stalled:
+            assert response.status_code == 503, response.text
+            message = response.json()["error"]["message"]
+            assert (
+                f"Redis did not answer within {seconds:g} s (SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS)"
+                in message
+            ), message
+        back = client.get(f"/v1/searches/{created.json()['id']}", headers=ACME)
+        assert back.status_code == 200, back.text
 
 
 def _gauges(client: httpx.Client) -> dict[tuple[str, str], float]:

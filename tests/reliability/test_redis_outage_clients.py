@@ -10,12 +10,13 @@ redis-server comes back on the same port 2 s later, and the call must return nor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,10 @@ import redis
 
 from tests.reliability.support import broker
 from worker.adapters.embedded import EmbeddedBackend
+from worker.contract import SearchSpec
 from worker.core.types import RerankPrompt
-from worker.queue.jobstore import JobStore
+from worker.queue.jobstore import AsyncJobStore, JobStore
+from worker.queue.jobstore.store import RESEND_SECONDS
 from worker.redis_client import OUTAGE_SECONDS, connect
 from worker.runtime.bootstrap import build_index_settings, build_rate_budget
 from worker.settings import RateLimit, Settings
@@ -87,16 +90,13 @@ def test_each_search_path_client_waits_out_a_redis_restart(
         assert results["rate budget"] == ("ok", True)  # admitted once Redis was back
 
 
-def test_a_silent_server_is_given_up_on_after_the_outage_window_not_after_a_count() -> None:
+@contextlib.contextmanager
+def silent_server() -> Iterator[tuple[int, list[socket.socket]]]:
     """A server that accepts connections and never answers (a frozen redis-server, a proxy
-    mid-failover): each try waits a socket timeout, and redis-py's handshake retries inside
-    the command's retry, so a retry counted for a restart (35 tries) would make 36² tries
-    here, for hours at the defaults. Bounded by time, a call gives up after its window with
-    a handful of connections tried."""
+    mid-failover): its port, and the connections it accepted so far."""
     accepted: list[socket.socket] = []
     server = socket.create_server(("127.0.0.1", 0))
     server.settimeout(0.1)
-    port = server.getsockname()[1]
     stop = threading.Event()
 
     def accept() -> None:
@@ -106,16 +106,45 @@ def test_a_silent_server_is_given_up_on_after_the_outage_window_not_after_a_coun
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
-    client = connect(f"redis://127.0.0.1:{port}/0", outage_seconds=1.0, socket_timeout=0.2)
     try:
-        with pytest.raises((redis.TimeoutError, redis.ConnectionError)):
-            client.get("key")
+        yield server.getsockname()[1], accepted
     finally:
         stop.set()
         thread.join()
         server.close()
         for conn in accepted:
             conn.close()
+
+
+def test_a_silent_server_is_given_up_on_after_the_outage_window_not_after_a_count() -> None:
+    """A server that accepts connections and never answers: each try waits a socket timeout,
+    and redis-py's handshake retries inside the command's retry, so a retry counted for a
+    restart (35 tries) would make 36² tries here, for hours at the defaults. Bounded by time,
+    a call gives up after its window with a handful of connections tried."""
+    with silent_server() as (port, accepted):
+        client = connect(f"redis://127.0.0.1:{port}/0", outage_seconds=1.0, socket_timeout=0.2)
+        with pytest.raises((redis.TimeoutError, redis.ConnectionError)):
+            client.get("key")
     # 1 s window, 0.2 s a try, nested at most two deep: well under the 36 a count would make
     print(f"{len(accepted)} connections tried")
     assert 1 <= len(accepted) <= 15, len(accepted)
+
+
+def test_the_gateway_s_asyncio_store_waits_one_timeout_on_a_silent_server() -> None:
+    """The gateway's ``redis.asyncio`` store (a search's create) against a server that never
+    answers: one connection, one socket timeout, then the error (the request's 503). A
+    broken connection is tried again on a new one (a Redis restart); a timeout was too, so a
+    stalled Redis held ``POST /v1/searches`` two timeouts (60 s) before its 503."""
+
+    async def create(port: int) -> None:
+        # past the create's window of resends, as the default (10 s) is: one send in all
+        timeout = RESEND_SECONDS + 0.5
+        store = AsyncJobStore.from_url(f"redis://127.0.0.1:{port}/0", socket_timeout=timeout)
+        try:
+            await store.create_search("acme", SearchSpec(index="docs", query="green tea"))
+        finally:
+            await store.close()
+
+    with silent_server() as (port, accepted), pytest.raises(redis.TimeoutError):
+        asyncio.run(create(port))
+    assert len(accepted) == 1

@@ -23,6 +23,9 @@ from worker.queue.jobstore.searches import _create_search_call, _new_search, _se
 from worker.queue.jobstore.store import resending_async
 from worker.redis_client import CONNECTION_OPTIONS
 
+# what a command is tried again on, once (see from_url)
+RETRIED: tuple[type[redis.RedisError], ...] = (redis.ConnectionError,)
+
 
 class AsyncJobStore:
     """The gateway's hot path on ``redis.asyncio``: no thread per request. It runs the same
@@ -40,23 +43,31 @@ class AsyncJobStore:
         self._create_search = client.register_script(_CREATE_SEARCH)
 
     @classmethod
-    def from_url(cls, url: str, *, max_connections: int = 128) -> AsyncJobStore:
+    def from_url(
+        cls, url: str, *, max_connections: int = 128, socket_timeout: float | None = None
+    ) -> AsyncJobStore:
         """A store on ``url``; a request that finds every connection busy waits for one
         (up to 20 s), as :meth:`JobStore.from_url` with ``max_connections`` does.
+        ``socket_timeout`` replaces the 30 s of ``CONNECTION_OPTIONS``.
 
         A command that meets a broken connection (a refused connect, a failed health check,
         a reset) is tried once more, on a new connection, 50 ms later. That is safe for what
         this store sends: the ``in_flight`` read, and the create script, which does nothing
         when its record exists (its first try ran; only the reply was lost), and which
         :meth:`create_search` sends again for
-        :data:`~worker.queue.jobstore.store.RESEND_SECONDS`."""
+        :data:`~worker.queue.jobstore.store.RESEND_SECONDS`. A timeout is not tried again
+        at once: a server that did not answer one connection in time answers no sooner on
+        another (it made a stalled Redis's 503 wait two timeouts)."""
+        options = dict(CONNECTION_OPTIONS)
+        if socket_timeout is not None:
+            options["socket_timeout"] = socket_timeout
         pool = redis.asyncio.BlockingConnectionPool.from_url(
             url,
             max_connections=max_connections,
             timeout=20,
-            retry=AsyncRetry(ConstantBackoff(0.05), retries=1),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-            **CONNECTION_OPTIONS,
+            retry=AsyncRetry(ConstantBackoff(0.05), retries=1, supported_errors=RETRIED),
+            retry_on_error=list(RETRIED),
+            **options,
         )
         return cls(redis.asyncio.Redis(connection_pool=pool))
 

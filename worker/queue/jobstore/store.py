@@ -146,10 +146,22 @@ class _StoreCore:
 
     @classmethod
     def from_url(
-        cls, url: str, *, max_connections: int | None = None, outage_seconds: float = 0.0
+        cls,
+        url: str,
+        *,
+        max_connections: int | None = None,
+        outage_seconds: float = 0.0,
+        socket_timeout: float | None = None,
     ) -> Self:
         """A store on ``url``, connected as :func:`worker.redis_client.connect` says."""
-        return cls(connect(url, max_connections=max_connections, outage_seconds=outage_seconds))
+        return cls(
+            connect(
+                url,
+                max_connections=max_connections,
+                outage_seconds=outage_seconds,
+                socket_timeout=socket_timeout,
+            )
+        )
 
     def close(self) -> None:
         """Close the client and its pool's connections (a pool given to redis-py explicitly,
