@@ -360,3 +360,57 @@ def test_stopping_sift_up_on_a_hung_redis_leaves_no_process_behind(tmp_path: Pat
     log = (running_up.logs / "worker.log").read_text(errors="replace")
     assert "after the stop signal (Redis not answering?); exiting now" in log, log[-3000:]
     assert proc.returncode == 0, running_up.printed()
+
+
+def _commands(sid: int) -> str:
+    """The command lines of session ``sid``'s processes, one a line."""
+    lines = []
+    for pid in _session(sid):
+        with contextlib.suppress(OSError):
+            lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+    return "\n".join(lines)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("when", ["starting", "running"])
+def test_ctrl_c_in_sift_demo_says_what_it_stopped(tmp_path: Path, when: str) -> None:
+    """Ctrl-C (SIGINT to the terminal's process group) in ``sift demo``, while its stack starts
+    (its Redis up, the worker loading) or once the stack is up (the ingest or the batch
+    running): exit 130, one line saying it was interrupted and what was stopped, no traceback,
+    every process gone.
+
+    Before, it printed nothing but, when the Ctrl-C reached a step's ``sift`` command during
+    its imports, that command's KeyboardInterrupt traceback."""
+    out = tmp_path / "demo.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "demo"], cwd=tmp_path, env=_env(),
+            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    printed = lambda: out.read_text(errors="replace")  # noqa: E731
+    try:
+        if when == "starting":
+            wait_for(lambda: "redis-server" in _commands(proc.pid), "the demo's Redis", UP_TIMEOUT)
+        else:
+            wait_for(lambda: "stack up at" in printed(), "the demo's stack", UP_TIMEOUT)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+        wait_for(lambda: _session(proc.pid) == [], "every process of the demo gone", 60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _session(proc.pid):  # the steps and Redis have groups of their own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    text = printed()
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and "demo done" not in text, text
+    if when == "starting":
+        assert "stack up at" not in text, "the stack was up already"
+        assert "interrupted while starting; every process stopped" in text, text
+    else:
+        assert re.search(
+            r"interrupted during the (ingest|batch): it and the stack were stopped; "
+            r"every process stopped",
+            text,
+        ), text

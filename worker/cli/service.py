@@ -436,34 +436,92 @@ def demo(
     run a batch of searches through the gateway and the queue, print them, stop."""
     started = time.monotonic()
     corpus, queries = sample_path("sample_corpus.jsonl"), sample_path("sample_queries.jsonl")
-    with tempfile.TemporaryDirectory(prefix="sift-demo-") as tmp, contextlib.ExitStack() as stack:
-        settings = _settings(data_dir=Path(tmp), gateway_port=free_port(),
-                             worker_metrics_port=free_port())  # fmt: skip
-        local = _start(stack, settings)
-        console.print(f"stack up at {local.url}")
-        env = child_env({"SIFT_URL": local.url, "SIFT_API_KEY": local.api_key})
-        out = Path(tmp) / "results.jsonl"
-        _run(sift_command("ingest", str(corpus), "--index", "demo"), env)
-        _run(sift_command("batch", str(queries), "--index", "demo", "--out", str(out),
-                          "--limit", str(limit)), env)  # fmt: skip
-        lines = queries.read_text().splitlines()
-        texts = {row["id"]: row["query"] for row in map(json.loads, lines)}
-        for line in out.read_text().splitlines():
-            item = json.loads(line)
-            if item["status"] == "succeeded":
-                title = f"“{plain(texts.get(item['query_id'], item['query_id']))}”"
-                print_result(console, item["result"], title=title)
-            else:
-                console.print(
-                    f"[red]{plain(item['query_id'])} {item['status']}[/]: {plain(item['error'])}"
-                )
-        console.print("stopping the stack…")
+    stopping = threading.Event()
+    steps = _Steps(stopping)
+
+    def on_signal(*_: object) -> None:
+        stopping.set()  # the step running, then the stack, stop; nothing raised from here
+        steps.stop_current()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="sift-demo-") as tmp,
+            contextlib.ExitStack() as stack,
+        ):
+            settings = _settings(data_dir=Path(tmp), gateway_port=free_port(),
+                                 worker_metrics_port=free_port())  # fmt: skip
+            local = _start(stack, settings, cancel=stopping)
+            console.print(f"stack up at {local.url}")
+            env = child_env({"SIFT_URL": local.url, "SIFT_API_KEY": local.api_key})
+            out = Path(tmp) / "results.jsonl"
+            steps.run("the ingest", sift_command("ingest", str(corpus), "--index", "demo"), env)
+            steps.run("the batch", sift_command("batch", str(queries), "--index", "demo",
+                                                "--out", str(out), "--limit", str(limit)),
+                      env)  # fmt: skip
+            _print_demo_results(queries, out)
+            console.print("stopping the stack…")
+    except _Interrupted as interrupted:
+        console.print(f"interrupted during {interrupted.step}: it and the stack were stopped; "
+                      "every process stopped")  # fmt: skip
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+    if stopping.is_set():  # while the results printed or the stack stopped
+        console.print("interrupted; every process stopped")
+        raise typer.Exit(EXIT_INTERRUPTED)
     elapsed = time.monotonic() - started
     console.print(f"[green]demo done[/] in {elapsed:.1f} s; every process stopped")
 
 
-def _run(command: list[str], env: dict[str, str]) -> None:
-    result = subprocess.run(command, env=env, check=False, stdin=subprocess.DEVNULL)
-    if result.returncode != 0:
-        console.print(f"[red]{' '.join(command[3:5])} failed[/] (exit {result.returncode})")
-        raise typer.Exit(result.returncode)
+class _Interrupted(Exception):
+    def __init__(self, step: str) -> None:
+        super().__init__(step)
+        self.step = step
+
+
+class _Steps:
+    """``sift demo``'s steps, each a ``sift`` command run to its end. Each runs in a process
+    group of its own: the terminal's Ctrl-C reaches only the demo, which stops the step
+    (SIGTERM: a Ctrl-C reaching it during its imports printed a traceback) and the stack."""
+
+    def __init__(self, stopping: threading.Event) -> None:
+        self.stopping = stopping
+        self.current: subprocess.Popen[bytes] | None = None
+
+    def run(self, step: str, command: list[str], env: dict[str, str]) -> None:
+        """Run ``command``; raise :class:`_Interrupted` naming ``step`` if the demo is
+        stopping, or exit with its status if it failed."""
+        if self.stopping.is_set():
+            raise _Interrupted(step)
+        self.current = proc = subprocess.Popen(
+            command, env=env, stdin=subprocess.DEVNULL, process_group=0
+        )
+        if self.stopping.is_set():  # a signal before ``current`` was set
+            self.stop_current()
+        returncode = proc.wait()
+        self.current = None
+        if self.stopping.is_set():
+            raise _Interrupted(step)
+        if returncode != 0:
+            console.print(f"[red]{' '.join(command[3:5])} failed[/] (exit {returncode})")
+            raise typer.Exit(returncode)
+
+    def stop_current(self) -> None:
+        proc = self.current
+        if proc is not None and proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+
+
+def _print_demo_results(queries: Path, out: Path) -> None:
+    lines = queries.read_text().splitlines()
+    texts = {row["id"]: row["query"] for row in map(json.loads, lines)}
+    for line in out.read_text().splitlines():
+        item = json.loads(line)
+        if item["status"] == "succeeded":
+            title = f"“{plain(texts.get(item['query_id'], item['query_id']))}”"
+            print_result(console, item["result"], title=title)
+        else:
+            console.print(
+                f"[red]{plain(item['query_id'])} {item['status']}[/]: {plain(item['error'])}"
+            )
