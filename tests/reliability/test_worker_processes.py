@@ -15,6 +15,7 @@ metrics port and the metrics folder are given, so the test can read them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -43,7 +44,14 @@ from tests.services import free_port
 from worker.core.cost import cost_usd, price_for
 from worker.core.types import TokenUsage
 from worker.observability.metrics import SweepingCollector, snapshot
-from worker.processes.stack import child_env, stop, worker_process
+from worker.processes.stack import (
+    child_env,
+    redis_service,
+    running,
+    stop,
+    worker_process,
+    worker_service,
+)
 from worker.settings import DEFAULT_PRICES
 
 pytestmark = pytest.mark.integration
@@ -254,3 +262,49 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def _alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_stop_on_a_hung_redis_ends_every_worker_process(
+    tmp_path: Path, how: signal.Signals
+) -> None:
+    """``sift worker --processes 2`` at default settings on a Redis that accepts connections
+    and never answers (redis-server SIGSTOPped). SIGTERM to the supervisor: it and both
+    processes exit. SIGKILL of the supervisor: both processes exit (their SIGTERM from
+    ``PR_SET_PDEATHSIG``). Each says it gave up its warm shutdown at its deadline.
+
+    Before, each process's warm shutdown waited on Redis for good: a SIGTERMed supervisor
+    waited for them for good, and a SIGKILLed one left them running, orphaned."""
+    redis_service_, redis_url = redis_service(tmp_path / "redis")
+    with running(redis_service_):
+        assert redis_service_.proc is not None
+        env = child_env({"SIFT_REDIS_URL": redis_url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
+                         "SIFT_DATA_DIR": str(tmp_path / "data")}, inherit_sift=False)  # fmt: skip
+        service = worker_service(tmp_path / "w", env, "duo", processes=2)
+        proc = service.start()
+        workers = Workers(proc, tmp_path / "w" / "duo.log", tmp_path, 0)
+        children: dict[str, int] = {}
+        try:
+            wait_for(lambda: workers.output().count(" ready.") >= 2, "both workers ready", 120)
+            children = workers.children()
+            assert set(children) == {"duo-1", "duo-2"}, children
+            redis_service_.proc.send_signal(signal.SIGSTOP)
+            proc.send_signal(how)
+            proc.wait(120)
+            wait_for(lambda: not any(map(_alive, children.values())), "both processes gone", 120)
+        finally:
+            redis_service_.proc.send_signal(signal.SIGCONT)
+            stop(proc, timeout=5)
+            for pid in children.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    output = workers.output()
+    assert output.count("(Redis not answering?); exiting now") == 2, output[-3000:]
+    if how == signal.SIGTERM:
+        assert proc.returncode == 0, output[-3000:]
+        assert "every worker process stopped" in output, output[-3000:]
