@@ -19,6 +19,12 @@ from worker.cli import app
 
 API_KEY = "test-key-123456"
 
+# the gateway's 503 on a Redis that does not answer (api_gateway/errors.py)
+STALLED = (
+    "the job store is unavailable: Redis did not answer within 10 s "
+    "(SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS); retry after 1 s"
+)
+
 
 def hit(rank: int, doc_id: str, title: str) -> dict[str, Any]:
     return {
@@ -108,8 +114,7 @@ class FakeGateway:
                 return 400, {"detail": "expected wait=30"}
             if self.searches_unavailable > 0:
                 self.searches_unavailable -= 1
-                error = {"type": "service_unavailable", "field": None,
-                         "message": "the job store is unavailable; retry after 1 s"}  # fmt: skip
+                error = {"type": "unavailable", "field": None, "message": STALLED}
                 return 503, {"error": error}
             if self.search_answers_at_once:
                 result = SEARCH_RESULT
@@ -402,6 +407,7 @@ def test_a_search_submit_answered_503_is_sent_again_with_its_key(
     result = run(fake_gateway, "search", "what is alpha", "--index", "s")
     assert result.exit_code == 0, result.output
     assert "doc-a" in result.output and "trying again" in result.output
+    assert "SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS" in result.output  # the retry line says why
     keys = [h.get("idempotency-key") for m, p, h, _ in fake_gateway.requests
             if m == "POST" and p == "/v1/searches"]  # fmt: skip
     assert len(keys) == 2 and keys[0] is not None and keys[0] == keys[1], keys
