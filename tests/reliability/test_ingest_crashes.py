@@ -17,7 +17,9 @@ is left ``running``:
 - an ingest killed while embedding, then a delete of its ids (or a drop of its index)
   accepted after it: whichever of the two B runs first, the delete wins;
 - Redis SIGKILLed and started again (from its AOF) while an ingest is being embedded: the
-  same worker finishes the job once, with every document written.
+  same worker finishes the job once, with every document written;
+- the worker's broker connection killed (Redis up) while an ingest is being embedded: kombu
+  puts the message back and the worker takes it again; the copy leaves the job to the run.
 """
 
 from __future__ import annotations
@@ -297,3 +299,48 @@ def test_redis_killed_mid_ingest_the_job_finishes_once(tmp_path: Path) -> None:
             drained(env)
             assert completed(port) == {"succeeded": 1.0}
             assert proc.poll() is None  # the same worker, still running
+
+
+@pytest.mark.timeout(300)
+def test_an_ingest_restored_by_a_broker_reconnect_while_it_runs_runs_once(
+    tmp_path: Path,
+) -> None:
+    """The worker's broker connections are killed (Redis stays up) while an ingest is being
+    embedded: kombu's close puts the running task's message back, and the worker takes it
+    again while the first run goes on. The copy must leave the job to that run (its run
+    claim): not start it again (its ``started_at`` rewritten), not write or finish it."""
+    marker = {"id": "held", "text": "hold-embedding: its embedding waits for the copy"}
+    documents = [marker, *KEPT]
+    ids = [d["id"] for d in documents]
+    with crash_stack(tmp_path) as crash, redis.Redis.from_url(crash.env["SIFT_REDIS_URL"]) as raw:
+        port = free_port()
+        with worker(crash, "a", port) as proc:
+            job_id = upsert(crash.client, documents)
+            wait_for(lambda: (crash.directory / "crashes" / "hold-embedding").exists(), "held")
+            started = job(crash.client, job_id)
+            assert started["status"] == "running", started
+            log = crash.directory / "w" / "a.log"
+            raw.client_kill_filter(_type="normal", skipme=True)  # the worker's too
+            wait_for(
+                lambda: (
+                    not raw.llen(INGEST_QUEUE)
+                    and not raw.hlen(KOMBU_UNACKED_KEY)  # the copy taken and acked (its tag)
+                    and (
+                        "another run holds it" in log.read_text(errors="replace")
+                        or job(crash.client, job_id)["status"] != "running"
+                    )
+                ),
+                "the copy delivered and done",
+            )
+            meanwhile = job(crash.client, job_id)
+            (crash.directory / "crashes" / "release").touch()
+            done = final(crash.client, job_id)
+            drained(crash.env)
+            counted = completed(port)
+            written = present(crash.client, ids)
+            assert proc.poll() is None  # the same worker, still running
+    assert meanwhile == started, (meanwhile, started)  # the copy wrote nothing
+    assert done["status"] == "succeeded" and done["upserted"] == len(documents), done
+    assert done["started_at"] == started["started_at"], (done, started)
+    assert counted == {"succeeded": 1.0}
+    assert written == set(ids)

@@ -39,11 +39,13 @@ from worker.errors import Canceled, SiftError
 from worker.observability import metrics
 from worker.queue import liveness
 from worker.queue.base import SiftTask, count_completed, error_info
+from worker.queue.config import time_limits
 from worker.queue.economy import economy_pipeline, is_prepared, maybe_submit, save_prepared
 from worker.queue.items import CancelMarks, Chunk, RunOutcome
 from worker.queue.jobstore import (
     BatchItem,
     ClaimAnswers,
+    IngestJob,
     ItemTransition,
     JobStore,
     RunClaim,
@@ -392,9 +394,26 @@ def ingest(self: SiftTask, job_id: str) -> None:
     job = store.get_ingest(job_id)
     if job is None or job.status.final:
         return
-    if self.poisoned():
+    # claimed first, as a search is: a copy delivered while another live run holds the job
+    # (kombu's restore at a broker reconnect puts back a running task's message) writes
+    # nothing, not even its start, and is no poison (its worker is not lost)
+    lease = time_limits(self.context.settings)[INGEST_TASK][1]  # the longest a run may run
+    claim = store.claim_ingest(job_id, liveness.run_owner(), lease_seconds=lease)
+    if not claim.granted:
+        log.info("ingest %s: another run holds it; this delivery leaves it", job_id)
+        return
+    try:
+        _ingest(self, job, claim)
+    finally:  # (a retry let go before it was sent: this release then finds nothing to do)
+        store.release_ingest(job_id, claim)
+
+
+def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
+    """Run the ingest ``job`` under its run ``claim``."""
+    store, job_id = task.context.store, job.id
+    if task.poisoned():
         count_completed(
-            "ingest", store.finish_ingest(job_id, error=_poison_error(self)), _poison_error(self)
+            "ingest", store.finish_ingest(job_id, error=_poison_error(task)), _poison_error(task)
         )
         return
     deleting = job.operation != "upsert"
@@ -406,19 +425,20 @@ def ingest(self: SiftTask, job_id: str) -> None:
         return
     if not store.start_ingest(job_id):
         return
-    if job.started_at is None:
+    if job.started_at is None and not claim.spent:  # its first run (as a search's)
         metrics.observe_queue_wait(INGEST_QUEUE, time.time() - job.created_at)
     try:
         if deleting:
-            deleted = lifecycle.delete(self.context.runtime, job, ids, jobs=store)
+            deleted = lifecycle.delete(task.context.runtime, job, ids, jobs=store)
         else:
-            upserted = self.context.runtime.ingest(
+            upserted = task.context.runtime.ingest(
                 job.index, job.tenant, documents, version=job.version
             )
     except Exception as exc:
-        if self.should_retry(exc):
+        if task.should_retry(exc):
             store.requeue_ingest(job_id)
-            raise self.retry(exc=exc, countdown=self.backoff()) from exc
+            store.release_ingest(job_id, claim)  # before the retry is sent, as a search's
+            raise task.retry(exc=exc, countdown=task.backoff()) from exc
         if not isinstance(exc, SiftError):
             log.exception("ingest %s: unexpected error", job_id)
         error = error_info(exc)

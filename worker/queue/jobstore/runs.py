@@ -1,5 +1,6 @@
 """Run claims: which run of a search or a batch item may make its model call, and how much
-of the search's one deadline its runs have used.
+of the search's one deadline its runs have used; and which run of an ingest-kind job (an
+upsert, a delete, a drop) may run it, its time and answer unused.
 
 Why. A message can be delivered twice while its first run is still going: kombu's
 visibility-timeout restore, a re-drive, a client's publish sent again. The status
@@ -66,7 +67,13 @@ from typing import Any
 
 import redis
 
-from worker.constants import BATCH_KEY, BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
+from worker.constants import (
+    BATCH_KEY,
+    BATCH_RUNS_KEY,
+    INGEST_KEY,
+    SEARCH_KEY,
+    WORKER_HEARTBEAT_KEY,
+)
 from worker.queue.jobstore.store import _StoreCore
 
 log = logging.getLogger(__name__)
@@ -137,6 +144,15 @@ class RunRecords(_StoreCore):
 
     def release_search(self, job_id: str, claim: RunClaim) -> None:
         self._release(SEARCH_KEY + job_id, "run", claim)
+
+    def claim_ingest(self, job_id: str, owner: str, *, lease_seconds: float) -> RunClaim:
+        """An ingest-kind job's run (an upsert, a delete, a drop): the same claim, its time
+        and answer unused (a field of its record, as a search's)."""
+        key = INGEST_KEY + job_id
+        return self._claim(key, "run", owner, lease_seconds, life=key)
+
+    def release_ingest(self, job_id: str, claim: RunClaim) -> None:
+        self._release(INGEST_KEY + job_id, "run", claim)
 
     def claim_item(
         self, batch_id: str, query_id: str, owner: str, *, lease_seconds: float
