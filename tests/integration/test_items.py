@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from worker.constants import BATCH_RUNS_KEY, WORKER_HEARTBEAT_KEY
 from worker.contract import ErrorInfo, RerankInfo, SearchResult, SearchSpec
 from worker.queue.items import Chunk, ItemQueue, RunOutcome
 from worker.queue.jobstore import BatchItem, ItemTransition, JobStore
@@ -168,3 +169,21 @@ def test_the_intake_pauses_at_a_pools_worth_waiting_and_resumes_at_half(store: J
     small, (_, few, _, _) = make_chunk(store, 5)
     queue.run(small, few)  # 5 waiting at most: below the mark, no pause
     assert len(intake.events) == 2
+
+
+def test_a_chunk_s_starts_judge_a_claim_kept_without_a_lease_by_the_chunk_s_lease(
+    store: JobStore,
+) -> None:
+    """Items whose run claim an older release wrote (no lease in it), its worker alive: the
+    chunk's starts (the first, and the one sent with a finish) judge it by the chunk's lease,
+    as the claim would, and leave the items as they are."""
+    chunk, (batch, items, ran, _) = make_chunk(store, 3)
+    chunk.lease = 30.0
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)
+    now, micros = store.redis.time()
+    for qid in ("q1", "q2"):
+        store.redis.hset(BATCH_RUNS_KEY + batch.id, qid, f"0|w1|{now}.{micros:06d}|t0ken")
+    ItemQueue(store, ThreadPoolExecutor(1)).run(chunk, items)
+    assert ran == ["q0"]
+    statuses = [i.status for i in store.batch_items(batch.id, ["q0", "q1", "q2"])]
+    assert statuses == ["succeeded", "queued", "queued"], statuses

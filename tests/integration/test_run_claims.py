@@ -95,6 +95,22 @@ def test_a_claim_is_judged_by_its_holder_s_lease_not_the_claimant_s(store: JobSt
     assert not store.claim_search(job.id, "w2", lease_seconds=0.1).granted
 
 
+def test_a_claim_an_older_release_wrote_without_a_lease_is_judged_alike_by_a_start_and_a_claim(
+    store: JobStore,
+) -> None:
+    """A claim written before claims kept their lease ("<used>|<owner>|<at>|<token>") is
+    judged by the claimant's lease, by an item's start as by a claim: the start took it as
+    not held, and moved (or, in a canceled batch, canceled) the item under the live run."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    _alive(store, "w1")
+    (now, micros) = store.redis.time()
+    store.redis.hset(BATCH_RUNS_KEY + batch.id, "q0", f"0|w1|{now}.{micros:06d}|t0ken")
+    assert not store.claim_item(batch.id, "q0", "w2", lease_seconds=30).granted
+    assert not store.start_item(batch.id, "q0", lease=30)
+    assert store.batch_items(batch.id, ["q0"])[0].status == "queued"  # nothing written
+    assert store.start_item(batch.id, "q0", lease=0.0)  # past the claimant's lease: not held
+
+
 def test_a_claim_without_an_owner_excludes_nothing_and_a_missing_search_writes_nothing(
     store: JobStore,
 ) -> None:

@@ -343,7 +343,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 answers.record()
 
     pending = [item for item in items if not item.status.final]
-    chunk = self.context.items.run(Chunk(batch_id, to_start, run, finished), pending)
+    chunk = self.context.items.run(Chunk(batch_id, to_start, run, finished, deadline), pending)
     outcomes = chunk.outcomes
     completed = any(done for done, _ in outcomes)
     to_retry = sum(1 for _, retry in outcomes if retry)

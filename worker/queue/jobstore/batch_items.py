@@ -60,18 +60,20 @@ def batch_tally(
 class BatchItemRecords(_StoreCore):
     """A batch item's status moves, each one script shared with other threads' moves."""
 
-    def start_item(self, batch_id: str, query_id: str) -> bool:
+    def start_item(self, batch_id: str, query_id: str, *, lease: float = 0.0) -> bool:
         """queued (or running, on redelivery) -> running. False if final, canceled or missing,
         or if another live run holds its run claim, or its economy first half is kept
         (nothing is written: that run, or its provider batch, finishes it), or if its batch
         has been canceled (then the item is canceled instead, unless its run claim kept the
-        model's answer: then it starts, to finish on that paid answer)."""
-        return self.begin_item(batch_id, query_id).started
+        model's answer: then it starts, to finish on that paid answer). ``lease``: the one
+        this run would claim with (:meth:`claim_item`), by which a claim that kept none (an
+        older release's) is judged, as the claim judges it."""
+        return self.begin_item(batch_id, query_id, lease=lease).started
 
-    def begin_item(self, batch_id: str, query_id: str) -> ItemTransition:
+    def begin_item(self, batch_id: str, query_id: str, *, lease: float = 0.0) -> ItemTransition:
         """:meth:`start_item`, answering the transition: ``canceled`` (and maybe
         ``batch_completed``) when the batch's cancel mark canceled the item instead."""
-        return self._item(batch_id, query_id, *_START_ITEM)
+        return self._item(batch_id, query_id, *_START_ITEM, lease=lease)
 
     def check_item(
         self, batch_id: str, query_id: str, *, usage: Usage | None = None
@@ -116,10 +118,12 @@ class BatchItemRecords(_StoreCore):
         result: SearchResult | None = None,
         error: ErrorInfo | None = None,
         start: tuple[str, str] | None = None,
+        lease: float = 0.0,
     ) -> tuple[ItemTransition, ItemTransition | None]:
         """:meth:`finish_item`, then :meth:`begin_item` of ``start`` (batch id, query id; of
-        any batch), in one round trip: a thread that runs items back to back pays one per
-        item. Answers the finish, and the start's transition (None without ``start``)."""
+        any batch; with ``lease``), in one round trip: a thread that runs items back to back
+        pays one per item. Answers the finish, and the start's transition (None without
+        ``start``)."""
         if error is not None:
             status, payload = JobStatus.FAILED, '{"error":' + error.model_dump_json() + "}"
         else:
@@ -128,7 +132,7 @@ class BatchItemRecords(_StoreCore):
         moves: list[_Move] = [(batch_id, query_id, status, "queued,running", payload, NO_CANCEL)]
         if start is not None:
             moves.append((*start, *_START_ITEM))
-        transitions = self._items(moves, tally=batch_tally(result, error))
+        transitions = self._items(moves, tally=batch_tally(result, error), lease=lease)
         return transitions[0], transitions[1] if start is not None else None
 
     def cancel_item(

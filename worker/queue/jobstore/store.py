@@ -220,18 +220,22 @@ class _StoreCore:
         payload: str,
         cancelable: str,
         tally: Sequence[str] = (),
+        lease: float = 0.0,
     ) -> ItemTransition:
         (transition,) = self._items(
-            [(batch_id, query_id, to, allowed, payload, cancelable)], tally=tally
+            [(batch_id, query_id, to, allowed, payload, cancelable)], tally=tally, lease=lease
         )
         return transition
 
-    def _items(self, moves: Sequence[_Move], tally: Sequence[str] = ()) -> list[ItemTransition]:
+    def _items(
+        self, moves: Sequence[_Move], tally: Sequence[str] = (), lease: float = 0.0
+    ) -> list[ItemTransition]:
         """Item transitions (batch id, query id, to, allowed-from, outcome JSON or '', and
         when the batch's cancel mark makes it a cancel), in order, in one round trip.
         ``tally``: what the first move's outcome adds to its batch's totals (field,
         increment pairs, :func:`~worker.queue.jobstore.batch_items.batch_tally`), added only if
-        that move makes the item final with its outcome, so once."""
+        that move makes the item final with its outcome, so once. ``lease``: the claimant's
+        run-claim lease, by which a start judges a claim an older release wrote with none."""
         now = repr(_now())
         calls: list[_ScriptCall] = [
             (
@@ -258,6 +262,7 @@ class _StoreCore:
                     cancelable,
                     move_token(),
                     WORKER_HEARTBEAT_KEY,
+                    repr(lease),
                     *(tally if n == 0 else ()),
                 ],
             )
