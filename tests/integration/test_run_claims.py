@@ -9,7 +9,13 @@ import time
 
 import pytest
 
-from worker.constants import BATCH_KEY, BATCH_RUNS_KEY, SEARCH_KEY, WORKER_HEARTBEAT_KEY
+from worker.constants import (
+    BATCH_KEY,
+    BATCH_RUNS_KEY,
+    INGEST_KEY,
+    SEARCH_KEY,
+    WORKER_HEARTBEAT_KEY,
+)
 from worker.contract import ErrorInfo, SearchSpec
 from worker.queue.jobstore import JobStore, RunClaim
 
@@ -215,3 +221,31 @@ def test_a_kept_answer_goes_to_the_run_taking_the_claim_over_and_past_a_let_go_r
     store.finish_search(job.id, error=ErrorInfo(type="x", message="y"))  # final: dropped
     held = store.redis.hget(SEARCH_KEY + job.id, "run")
     assert held is not None and held.endswith(f"|{second.token}|30"), held
+
+
+def test_a_claim_naming_this_worker_that_none_of_its_runs_holds_is_taken_over(
+    store: JobStore,
+) -> None:
+    """Redis back without its last writes has a finished run's claim back (the ingest's, or
+    the search's, finish and release lost): its worker is alive, but none of its runs holds
+    it. Its redelivered copy on that worker takes it over at once; before, it waited out the
+    lease (an ingest's 630 s), refused as "another run holds it", while the job read
+    ``running``. A run of this worker that holds it, or another worker's, still refuses."""
+    ingest = store.create_ingest("acme", "docs", [])
+    _alive(store, "w1")
+    _alive(store, "w2")
+    ran = store.claim_ingest(ingest.id, "w1", lease_seconds=630)
+    held = store.redis.hget(INGEST_KEY + ingest.id, "run")
+    assert not store.claim_ingest(ingest.id, "w1", lease_seconds=630).granted  # it runs here
+    store.release_ingest(ingest.id, ran)
+    store.redis.hset(INGEST_KEY + ingest.id, "run", held)  # the release lost with Redis
+    assert not store.claim_ingest(ingest.id, "w2", lease_seconds=630).granted  # w1 alive
+    again = store.claim_ingest(ingest.id, "w1", lease_seconds=630)
+    assert again.granted and again.spent == 0.0  # the gone run's time: unknown, not counted
+    assert not store.claim_ingest(ingest.id, "w1", lease_seconds=630).granted
+    search = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
+    ran = store.claim_search(search.id, "w1", lease_seconds=30)
+    held = store.redis.hget(SEARCH_KEY + search.id, "run")
+    store.release_search(search.id, ran)
+    store.redis.hset(SEARCH_KEY + search.id, "run", held)
+    assert store.claim_search(search.id, "w1", lease_seconds=30).granted

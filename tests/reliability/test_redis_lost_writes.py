@@ -45,6 +45,7 @@ from tests.reliability.support import (
 )
 from tests.services import celery_worker, gateway
 from worker.constants import DELIVERY_OWNERS_KEY, KOMBU_UNACKED_KEY
+from worker.processes.stack import child_env, worker_process
 from worker.queue.config import visibility_timeout
 from worker.settings import load_settings
 
@@ -107,3 +108,65 @@ def test_jobs_whose_finish_redis_lost_run_again_before_the_visibility_timeout(
             probe.close()
     print(f"\nboth succeeded again {took:.1f} s after the restart (a tenth of the visibility "
           f"timeout: {prompt:g} s)")  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+def test_an_ingest_whose_finish_redis_lost_runs_again_before_its_claim_s_lease(
+    tmp_path: Path,
+) -> None:
+    """An ingest finished, acked and its record dropped in the lost second comes back
+    ``running``, and so does its run claim, naming the live worker, leased for the ingest's
+    630 s. The copy the orphan check puts back runs on that worker, where no run holds the
+    claim: it takes it over and finishes the job (its documents already written: counted as
+    written), not refused as "another run holds it" until the lease is over."""
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    documents = [
+        {"id": "held", "text": "hold-embedding: its embedding waits for the copy of the disk"},
+        {"id": "kept", "text": "calcium and bone density"},
+    ]
+    with FakeAnthropic() as model, broker(tmp_path / "redis") as redis_broker:
+        url = redis_broker.url + "/0"
+        env = stack_env(
+            url,
+            model.url,
+            SIFT_RUNTIME_FACTORY="tests.reliability.crashing_runtime:build_runtime",
+            CRASH_ONCE_DIR=str(crashes),
+        )
+        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # every setting at its default
+        prompt = visibility_timeout(load_settings(redis_url=url)) / 10  # 160 s: < the lease
+        with (
+            worker_process(tmp_path / "w", child_env(env, inherit_sift=False)) as proc,
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            response = client.post(
+                "/v1/indexes/docs/documents", json={"documents": documents}, headers=ACME
+            )
+            assert response.status_code == 202, response.text
+            path = f"/v1/ingestions/{response.json()['id']}"
+
+            def status() -> str:
+                return str(client.get(path, headers=ACME).json()["status"])
+
+            probe = redis.Redis.from_url(url, decode_responses=True)
+            wait_for(lambda: (crashes / "hold-embedding").exists(), "the ingest embedding")
+            wait_for(lambda: probe.hlen(DELIVERY_OWNERS_KEY) == 1, "its delivery recorded")
+            redis_broker.written(probe)
+            disk = tmp_path / "disk"  # what the disk holds when the host dies
+            shutil.copytree(redis_broker.directory, disk)
+            (crashes / "release").touch()
+            wait_for(lambda: status() == "succeeded", "the ingest done")
+            wait_for(lambda: probe.hlen(KOMBU_UNACKED_KEY) == 0, "its message acked")
+            wait_for(lambda: probe.hlen(DELIVERY_OWNERS_KEY) == 0, "its record dropped")
+            probe.close()
+            redis_broker.kill(signal.SIGKILL)
+            shutil.rmtree(redis_broker.directory)
+            shutil.copytree(disk, redis_broker.directory)
+            time.sleep(DOWN_SECONDS)
+            redis_broker.start_again()
+            assert status() == "running"  # its finish was lost
+            wait_for(lambda: status() == "succeeded", "the ingest run again", prompt)
+            done = client.get(path, headers=ACME).json()
+            assert proc.poll() is None  # the same worker
+    assert done["upserted"] == len(documents), done

@@ -59,6 +59,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -136,11 +137,23 @@ class ClaimAnswers:
 
 class RunRecords(_StoreCore):
     """Run claims of searches (a field of the search's record) and of batch items (a hash per
-    batch, living as long as the batch's record: it takes that key's TTL at each claim)."""
+    batch, living as long as the batch's record: it takes that key's TTL at each claim).
+
+    A search's or an ingest's run holds its claim from the grant to its release (the task's
+    ``finally``), so the store knows which of them this process runs (``_running``): a claim
+    naming this worker that none of them holds is a run gone, whose end Redis lost with its
+    last writes, and a redelivered copy takes it over at once instead of waiting out its lease
+    (an ingest's, 630 s). A batch item's run does not let go when it finishes: its claims are
+    judged by the lease alone."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._running: dict[str, set[str]] = {}  # claim "key|field" -> the tokens held here
+        self._running_lock = threading.Lock()
 
     def claim_search(self, job_id: str, owner: str, *, lease_seconds: float) -> RunClaim:
         key = SEARCH_KEY + job_id
-        return self._claim(key, "run", owner, lease_seconds, life=key)
+        return self._claim(key, "run", owner, lease_seconds, life=key, held_here=True)
 
     def release_search(self, job_id: str, claim: RunClaim) -> None:
         self._release(SEARCH_KEY + job_id, "run", claim)
@@ -149,7 +162,7 @@ class RunRecords(_StoreCore):
         """An ingest-kind job's run (an upsert, a delete, a drop): the same claim, its time
         and answer unused (a field of its record, as a search's)."""
         key = INGEST_KEY + job_id
-        return self._claim(key, "run", owner, lease_seconds, life=key)
+        return self._claim(key, "run", owner, lease_seconds, life=key, held_here=True)
 
     def release_ingest(self, job_id: str, claim: RunClaim) -> None:
         self._release(INGEST_KEY + job_id, "run", claim)
@@ -195,16 +208,25 @@ class RunRecords(_StoreCore):
             raise reply
         return int(reply) == 1
 
-    def _claim(self, key: str, field: str, owner: str, lease: float, *, life: str) -> RunClaim:
+    def _claim(
+        self, key: str, field: str, owner: str, lease: float, *, life: str, held_here: bool = False
+    ) -> RunClaim:
         """``life``: the job record the claim lives as long as (its TTL; gone, no claim is
-        written)."""
+        written). ``held_here``: the run lets go when it ends, so the claim is kept in
+        ``_running`` until then, and this worker's other claims of it are runs gone."""
         token = os.urandom(8).hex()
         args = [field, owner, token, repr(lease), WORKER_HEARTBEAT_KEY]
+        if held_here:
+            with self._running_lock:
+                args.append(",".join(self._running.get(key + "|" + field, ())))
         (reply,) = self._transitions.call([(self._claim_run, [key, life], args)])
         local_at = time.monotonic()
         if isinstance(reply, Exception):
             raise reply
         granted, spent, answer = reply
+        if held_here and int(granted) == 1:
+            with self._running_lock:
+                self._running.setdefault(key + "|" + field, set()).add(token)
         return RunClaim(
             granted=int(granted) == 1,
             spent=float(spent),
@@ -216,6 +238,13 @@ class RunRecords(_StoreCore):
     def _release(self, key: str, field: str, claim: RunClaim) -> None:
         if not claim.granted:
             return
-        (reply,) = self._transitions.call([(self._release_run, [key], [field, claim.token])])
+        try:
+            (reply,) = self._transitions.call([(self._release_run, [key], [field, claim.token])])
+        finally:  # the run ends here, let go or not
+            with self._running_lock:
+                tokens = self._running.get(key + "|" + field, set())
+                tokens.discard(claim.token)
+                if not tokens:
+                    self._running.pop(key + "|" + field, None)
         if isinstance(reply, Exception):
             raise reply

@@ -277,7 +277,8 @@ return redis.call('DEL', KEYS[1])
 # holding the claim, the job record it lives as long as (the hash itself for a search; the
 # batch's record for an item: the hash takes its TTL, as the batch's moves do; a missing
 # record, expired, has nothing written). ARGV: its field, the claiming worker's id ('' :
-# none), the run's token, its lease (seconds), the heartbeat key prefix. The value is
+# none), the run's token, its lease (seconds), the heartbeat key prefix, and, from a claimant
+# that keeps them, the tokens (comma list) its worker's runs of this job hold now. The value is
 # "<seconds used>|<owner>|<claimed at>|<token>|<lease>", in Redis's clock (one clock for every
 # worker's runs): the seconds the runs that ended used, and the run holding it (token ''
 # once let go) with its lease. Refused while another run holds it: its owner named, the
@@ -286,7 +287,9 @@ return redis.call('DEL', KEYS[1])
 # never let go (its worker died, or its lease is over) is taken over and its time not
 # counted: how long it ran before it died is unknown, and counting it to now (the dead-worker
 # check, then the queue behind the rest of the batch) failed a killed worker's in-flight
-# items deadline_exceeded. The same call sent
+# items deadline_exceeded. A claim naming the claimant's own worker that none of its runs
+# holds (ARGV[6]) is a run gone: it ended, and Redis lost that (its last writes, with a host
+# crash); it is taken over, not waited for. The same call sent
 # again (its reply lost on a broken connection) finds its own token and answers as it did,
 # its run starting now: the run's deadline starts at the answer, so its record and lease do
 # too (the outage between the two sends is not the run's time). A run that holds the claim
@@ -313,8 +316,10 @@ if cur then
     used = tonumber(u)
     if token ~= '' then
       local ran = math.max(0, now - tonumber(since))
+      local gone = ARGV[6] and owner == ARGV[2]
+        and not string.find(',' .. ARGV[6] .. ',', ',' .. token .. ',', 1, true)
       -- the holder's own lease (a claim written before claims kept theirs: the claimant's)
-      if owner ~= '' and ran < (tonumber(lease) or tonumber(ARGV[4]))
+      if owner ~= '' and not gone and ran < (tonumber(lease) or tonumber(ARGV[4]))
           and redis.call('EXISTS', ARGV[5] .. owner) == 1 then
         return {0, string.format('%.6f', used + ran), ''}
       end
