@@ -6,6 +6,7 @@ them not."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -249,3 +250,26 @@ def test_a_claim_naming_this_worker_that_none_of_its_runs_holds_is_taken_over(
     store.release_search(search.id, ran)
     store.redis.hset(SEARCH_KEY + search.id, "run", held)
     assert store.claim_search(search.id, "w1", lease_seconds=30).granted
+
+
+def test_a_claim_sent_while_another_of_this_worker_is_granted_sees_that_run_held(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two copies of a search on one worker claim at once (their scripts in one round trip):
+    the second, judged once the first's script granted it but before that run's reply came
+    back, must find the first held, not a run gone (both would run: two model calls)."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
+    _alive(store, "w1")
+    call = store._transitions.call
+    second: list[RunClaim] = []
+
+    def with_a_second_claim_after_the_first(requests: Any) -> Any:
+        replies = call(requests)
+        if not second:
+            second.append(RunClaim(False, 0.0, "", 0.0))  # (the second's own call: as is)
+            second[0] = store.claim_search(job.id, "w1", lease_seconds=30)
+        return replies
+
+    monkeypatch.setattr(store._transitions, "call", with_a_second_claim_after_the_first)
+    first = store.claim_search(job.id, "w1", lease_seconds=30)
+    assert first.granted and not second[0].granted

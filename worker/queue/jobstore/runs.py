@@ -216,17 +216,22 @@ class RunRecords(_StoreCore):
         ``_running`` until then, and this worker's other claims of it are runs gone."""
         token = os.urandom(8).hex()
         args = [field, owner, token, repr(lease), WORKER_HEARTBEAT_KEY]
-        if held_here:
+        if held_here:  # held from before the call: a claim sent with it sees it held
             with self._running_lock:
-                args.append(",".join(self._running.get(key + "|" + field, ())))
-        (reply,) = self._transitions.call([(self._claim_run, [key, life], args)])
+                tokens = self._running.setdefault(key + "|" + field, set())
+                tokens.add(token)
+                args.append(",".join(tokens))
+        try:
+            (reply,) = self._transitions.call([(self._claim_run, [key, life], args)])
+        except BaseException:
+            self._forget(key, field, token)
+            raise
         local_at = time.monotonic()
+        if isinstance(reply, Exception) or int(reply[0]) != 1:
+            self._forget(key, field, token)  # (a claim not held here: nothing to forget)
         if isinstance(reply, Exception):
             raise reply
         granted, spent, answer = reply
-        if held_here and int(granted) == 1:
-            with self._running_lock:
-                self._running.setdefault(key + "|" + field, set()).add(token)
         return RunClaim(
             granted=int(granted) == 1,
             spent=float(spent),
@@ -241,10 +246,14 @@ class RunRecords(_StoreCore):
         try:
             (reply,) = self._transitions.call([(self._release_run, [key], [field, claim.token])])
         finally:  # the run ends here, let go or not
-            with self._running_lock:
-                tokens = self._running.get(key + "|" + field, set())
-                tokens.discard(claim.token)
-                if not tokens:
-                    self._running.pop(key + "|" + field, None)
+            self._forget(key, field, claim.token)
         if isinstance(reply, Exception):
             raise reply
+
+    def _forget(self, key: str, field: str, token: str) -> None:
+        """No run of this process holds the claim ``token`` (any more)."""
+        with self._running_lock:
+            tokens = self._running.get(key + "|" + field, set())
+            tokens.discard(token)
+            if not tokens:
+                self._running.pop(key + "|" + field, None)
