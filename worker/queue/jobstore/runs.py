@@ -213,7 +213,8 @@ class RunRecords(_StoreCore):
     ) -> RunClaim:
         """``life``: the job record the claim lives as long as (its TTL; gone, no claim is
         written). ``held_here``: the run lets go when it ends, so the claim is kept in
-        ``_running`` until then, and this worker's other claims of it are runs gone."""
+        ``_running`` until then; a claim of the job naming this worker that is not kept there
+        is a run gone."""
         token = os.urandom(8).hex()
         args = [field, owner, token, repr(lease), WORKER_HEARTBEAT_KEY]
         if held_here:  # held from before the call: a claim sent with it sees it held
@@ -228,7 +229,7 @@ class RunRecords(_StoreCore):
             raise
         local_at = time.monotonic()
         if isinstance(reply, Exception) or int(reply[0]) != 1:
-            self._forget(key, field, token)  # (a claim not held here: nothing to forget)
+            self._forget(key, field, token)  # refused: this run holds nothing
         if isinstance(reply, Exception):
             raise reply
         granted, spent, answer = reply
