@@ -178,7 +178,7 @@ def test_a_chunk_s_starts_judge_a_claim_kept_without_a_lease_by_the_chunk_s_leas
     chunk's starts (the first, and the one sent with a finish) judge it by the chunk's lease,
     as the claim would, and leave the items as they are."""
     chunk, (batch, items, ran, _) = make_chunk(store, 3)
-    chunk.lease = 30.0
+    chunk.claimant = ("w2", 30.0)
     store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)
     now, micros = store.redis.time()
     for qid in ("q1", "q2"):

@@ -113,9 +113,9 @@ def test_a_claim_an_older_release_wrote_without_a_lease_is_judged_alike_by_a_sta
     (now, micros) = store.redis.time()
     store.redis.hset(BATCH_RUNS_KEY + batch.id, "q0", f"0|w1|{now}.{micros:06d}|t0ken")
     assert not store.claim_item(batch.id, "q0", "w2", lease_seconds=30).granted
-    assert not store.start_item(batch.id, "q0", lease=30)
+    assert not store.start_item(batch.id, "q0", claimant=("w2", 30.0))
     assert store.batch_items(batch.id, ["q0"])[0].status == "queued"  # nothing written
-    assert store.start_item(batch.id, "q0", lease=0.0)  # past the claimant's lease: not held
+    assert store.start_item(batch.id, "q0", claimant=("w2", 0.0))  # past its lease: not held
 
 
 def test_a_claim_without_an_owner_excludes_nothing_and_a_missing_search_writes_nothing(
@@ -273,3 +273,26 @@ def test_a_claim_sent_while_another_of_this_worker_is_granted_sees_that_run_held
     monkeypatch.setattr(store._transitions, "call", with_a_second_claim_after_the_first)
     first = store.claim_search(job.id, "w1", lease_seconds=30)
     assert first.granted and not second[0].granted
+
+
+def test_an_item_s_claim_naming_this_worker_that_no_run_of_its_holds_is_taken_over(
+    store: JobStore,
+) -> None:
+    """An item's run keeps its claim when it ends (it does not let go), so Redis back
+    without its last writes has a finished item ``running`` again with its claim, naming the
+    live worker. The chunk's copy on that worker, where the run has ended, starts and claims
+    the item at once; before, both were refused until the claim's 30 s lease was over, and
+    the re-drive ran the item once the batch had been idle 120 s. A run still holding it here,
+    or another live worker's claim, still refuses both."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    _alive(store, "w1")
+    assert store.start_item(batch.id, "q0", claimant=("w1", 30.0))
+    ran = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
+    assert not store.start_item(batch.id, "q0", claimant=("w1", 30.0))  # it runs here
+    assert not store.claim_item(batch.id, "q0", "w1", lease_seconds=30).granted
+    store.ended_item(batch.id, "q0", ran)  # its finish, lost with Redis's last writes
+    assert not store.start_item(batch.id, "q0", claimant=("w2", 30.0))  # w1 is alive
+    assert store.start_item(batch.id, "q0", claimant=("w1", 30.0))
+    again = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
+    assert again.granted
+    assert not store.start_item(batch.id, "q0", claimant=("w1", 30.0))

@@ -59,14 +59,14 @@ class Chunk:
     transition (with its item), and of each cancel (``canceled`` set) of an item its batch's
     cancel mark stopped. ``outcomes`` collects (batch completed, to retry) per item; ``error`` is
     what broke a runner, if anything did; ``handed_back`` counts the items not run because
-    the worker is stopping. ``lease``: the run claim's lease its items' runs take, by which
-    their starts judge a claim an older release wrote with none (as the claim does)."""
+    the worker is stopping. ``claimant``: the worker id and lease its items' runs claim
+    with, by which their starts judge an item's run claim as the claim would."""
 
     batch_id: str
     to_start: Callable[[BatchItem], str | None]
     run: Callable[[BatchItem, bool], RunOutcome]
     finished: Callable[[BatchItem, ItemTransition, ErrorInfo | None], None]
-    lease: float = 0.0
+    claimant: tuple[str, float] = ("", 0.0)
     outcomes: list[tuple[bool, bool]] = field(default_factory=list, init=False)
     error: BaseException | None = field(default=None, init=False)
     handed_back: int = field(default=0, init=False)
@@ -256,7 +256,7 @@ class ItemQueue:
         start = self._start_of(entry)
         if entry is None or start is None:
             return None
-        return self._store.begin_item(*start, lease=entry[0].lease)
+        return self._store.begin_item(*start, claimant=entry[0].claimant)
 
     def _work(self) -> None:
         """Run items until the queue is empty. What breaks a runner fails the chunk of the
@@ -294,7 +294,7 @@ class ItemQueue:
                         result=result,
                         error=error,
                         start=self._start_of(taken),
-                        lease=taken[0].lease if taken is not None else 0.0,
+                        claimant=taken[0].claimant if taken is not None else ("", 0.0),
                     )
                     chunk.record(transition.batch_completed, False)
                     current = None

@@ -330,6 +330,8 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
 
     def finished(item: BatchItem, transition: ItemTransition, error: ErrorInfo | None) -> None:
         answers = held.pop(item.query_id, None)
+        if answers is not None:  # its run has ended: its claim is no longer held here
+            store.ended_item(batch_id, item.query_id, answers.claim)
         figures = later.pop(item.query_id, [])
         if not transition.canceled:
             if count_completed("batch_item", transition.applied, error):
@@ -343,7 +345,10 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 answers.record()
 
     pending = [item for item in items if not item.status.final]
-    chunk = self.context.items.run(Chunk(batch_id, to_start, run, finished, deadline), pending)
+    chunk = Chunk(batch_id, to_start, run, finished, (owner, deadline))
+    chunk = self.context.items.run(chunk, pending)
+    for query_id, stopped in held.items():  # runs that ended without a finish (a copy's)
+        store.ended_item(batch_id, query_id, stopped.claim)
     outcomes = chunk.outcomes
     completed = any(done for done, _ in outcomes)
     to_retry = sum(1 for _, retry in outcomes if retry)

@@ -12,6 +12,7 @@ from worker.queue.jobstore.store import (
     _CHECK_ITEM,
     _START_ITEM,
     NO_CANCEL,
+    Claimant,
     _Move,
     _StoreCore,
 )
@@ -60,20 +61,23 @@ def batch_tally(
 class BatchItemRecords(_StoreCore):
     """A batch item's status moves, each one script shared with other threads' moves."""
 
-    def start_item(self, batch_id: str, query_id: str, *, lease: float = 0.0) -> bool:
+    def start_item(self, batch_id: str, query_id: str, *, claimant: Claimant = ("", 0.0)) -> bool:
         """queued (or running, on redelivery) -> running. False if final, canceled or missing,
         or if another live run holds its run claim, or its economy first half is kept
         (nothing is written: that run, or its provider batch, finishes it), or if its batch
         has been canceled (then the item is canceled instead, unless its run claim kept the
-        model's answer: then it starts, to finish on that paid answer). ``lease``: the one
-        this run would claim with (:meth:`claim_item`), by which a claim that kept none (an
-        older release's) is judged, as the claim judges it."""
-        return self.begin_item(batch_id, query_id, lease=lease).started
+        model's answer: then it starts, to finish on that paid answer). ``claimant``: the
+        worker id and lease this run would claim with (:meth:`claim_item`), by which the
+        claim is judged as the claim itself would judge it (one its worker's runs do not
+        hold is a run gone; one that kept no lease, an older release's, has the claimant's)."""
+        return self.begin_item(batch_id, query_id, claimant=claimant).started
 
-    def begin_item(self, batch_id: str, query_id: str, *, lease: float = 0.0) -> ItemTransition:
+    def begin_item(
+        self, batch_id: str, query_id: str, *, claimant: Claimant = ("", 0.0)
+    ) -> ItemTransition:
         """:meth:`start_item`, answering the transition: ``canceled`` (and maybe
         ``batch_completed``) when the batch's cancel mark canceled the item instead."""
-        return self._item(batch_id, query_id, *_START_ITEM, lease=lease)
+        return self._item(batch_id, query_id, *_START_ITEM, claimant=claimant)
 
     def check_item(
         self, batch_id: str, query_id: str, *, usage: Usage | None = None
@@ -118,10 +122,10 @@ class BatchItemRecords(_StoreCore):
         result: SearchResult | None = None,
         error: ErrorInfo | None = None,
         start: tuple[str, str] | None = None,
-        lease: float = 0.0,
+        claimant: Claimant = ("", 0.0),
     ) -> tuple[ItemTransition, ItemTransition | None]:
         """:meth:`finish_item`, then :meth:`begin_item` of ``start`` (batch id, query id; of
-        any batch; with ``lease``), in one round trip: a thread that runs items back to back
+        any batch; with ``claimant``), in one round trip: a thread that runs items back to back
         pays one per item. Answers the finish, and the start's transition (None without
         ``start``)."""
         if error is not None:
@@ -132,7 +136,7 @@ class BatchItemRecords(_StoreCore):
         moves: list[_Move] = [(batch_id, query_id, status, "queued,running", payload, NO_CANCEL)]
         if start is not None:
             moves.append((*start, *_START_ITEM))
-        transitions = self._items(moves, tally=batch_tally(result, error), lease=lease)
+        transitions = self._items(moves, batch_tally(result, error), claimant)
         return transitions[0], transitions[1] if start is not None else None
 
     def cancel_item(

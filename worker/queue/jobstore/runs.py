@@ -35,7 +35,9 @@ which is when :mod:`worker.queue.liveness` puts its messages back, and the redel
 takes the claim over with what the runs that ended left of the deadline. A process without
 a heartbeat of its own (no liveness thread, or a prefork child, whose parent's heartbeat
 outlives it: :func:`worker.queue.liveness.run_owner`) claims with no owner: its time is
-counted when it lets go, nothing is excluded.
+counted when it lets go, nothing is excluded. A run that ended, its end lost with Redis's
+last writes, leaves a claim naming its live worker: that worker's store knows it holds it no
+more (:class:`RunRecords`), and its copy takes it over at once.
 
 The claim also keeps the model's answer. A worker killed after its model call returned,
 before the result was saved, had the redelivered run call the model again: the cost paid
@@ -59,7 +61,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -139,17 +140,12 @@ class RunRecords(_StoreCore):
     """Run claims of searches (a field of the search's record) and of batch items (a hash per
     batch, living as long as the batch's record: it takes that key's TTL at each claim).
 
-    A search's or an ingest's run holds its claim from the grant to its release (the task's
-    ``finally``), so the store knows which of them this process runs (``_running``): a claim
-    naming this worker that none of them holds is a run gone, whose end Redis lost with its
-    last writes, and a redelivered copy takes it over at once instead of waiting out its lease
-    (an ingest's, 630 s). A batch item's run does not let go when it finishes: its claims are
-    judged by the lease alone."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._running: dict[str, set[str]] = {}  # claim "key|field" -> the tokens held here
-        self._running_lock = threading.Lock()
+    The store knows which claims this process's runs hold (``_running``): a search's or an
+    ingest's from its grant to its release (the task's ``finally``), a batch item's to its
+    end (:meth:`ended_item`: it does not let go when it finishes). A claim naming this worker
+    that none of them holds is a run gone, whose end Redis lost with its last writes: a
+    redelivered copy on this worker takes it over at once (an item's start too) instead of
+    waiting out its lease (an ingest's, 630 s)."""
 
     def claim_search(self, job_id: str, owner: str, *, lease_seconds: float) -> RunClaim:
         key = SEARCH_KEY + job_id
@@ -170,12 +166,16 @@ class RunRecords(_StoreCore):
     def claim_item(
         self, batch_id: str, query_id: str, owner: str, *, lease_seconds: float
     ) -> RunClaim:
-        return self._claim(
-            BATCH_RUNS_KEY + batch_id, query_id, owner, lease_seconds, life=BATCH_KEY + batch_id
-        )
+        key, life = BATCH_RUNS_KEY + batch_id, BATCH_KEY + batch_id
+        return self._claim(key, query_id, owner, lease_seconds, life=life, held_here=True)
 
     def release_item(self, batch_id: str, query_id: str, claim: RunClaim) -> None:
         self._release(BATCH_RUNS_KEY + batch_id, query_id, claim)
+
+    def ended_item(self, batch_id: str, query_id: str, claim: RunClaim) -> None:
+        """The item's run holding ``claim`` has ended (its item finished, or it stopped):
+        no Redis write, the claim stays as it is in Redis."""
+        self._forget(BATCH_RUNS_KEY + batch_id, query_id, claim.token)
 
     def search_answers(self, job_id: str, claim: RunClaim) -> ClaimAnswers:
         """Where the run holding ``claim`` keeps its model's answer, and finds an earlier one."""

@@ -56,9 +56,10 @@ return 1
 #   8 the move's token (with '1', the outcome is the cancel's alone: the usage a dead run's
 #     kept answer billed);
 #   9 the heartbeat key prefix (for the run claim's owner);
-#   10 the claimant's lease (seconds; a start judges a claim that kept none by it, as
-#     _CLAIM_RUN does);
-#   11.. the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd and
+#   10 the claimant's lease (seconds; a start judges a claim that kept none by it), 11 its
+#     worker id, 12 the tokens of the item's claim its worker's runs hold (comma list): a
+#     start judges the claim as _CLAIM_RUN does;
+#   13.. the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd and
 #     the seconds_ fields floats, every other an integer), added to the batch's record when
 #     the move makes the item final with this outcome: once, as the move is.
 # Returns {code, 1 if the move became a cancel}: code -1 missing, 0 refused, 1 applied,
@@ -89,7 +90,9 @@ if ARGV[7] == '2' then
     string.match(held or '', '^[^|]*|([^|]*)|([^|]*)|([^|]*)|?([^|]*)')
   -- the holder's own lease (a claim an older release wrote, with none: the claimant's)
   local limit = tonumber(lease) or tonumber(ARGV[10])
-  if token and token ~= '' and owner ~= '' and limit
+  local gone = owner == ARGV[11]
+    and not string.find(',' .. ARGV[12] .. ',', ',' .. token .. ',', 1, true)
+  if token and token ~= '' and owner ~= '' and not gone and limit
       and redis.call('EXISTS', ARGV[9] .. owner) == 1 then
     local t = redis.call('TIME')
     local ran = tonumber(t[1]) + tonumber(t[2]) / 1000000 - tonumber(since)
@@ -118,7 +121,7 @@ if to ~= 'succeeded' and to ~= 'failed' and to ~= 'canceled' then
   return {1, canceled}
 end
 if outcome ~= '' then
-  for i = 11, #ARGV, 2 do
+  for i = 13, #ARGV, 2 do
     if ARGV[i] == 'usage_cost_usd' or string.sub(ARGV[i], 1, 8) == 'seconds_' then
       redis.call('HINCRBYFLOAT', KEYS[4], ARGV[i], ARGV[i + 1])
     else

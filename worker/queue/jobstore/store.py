@@ -9,6 +9,7 @@ connection.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any, Self, cast
 
@@ -68,6 +69,7 @@ NO_CANCEL, CANCEL, CANCEL_UNANSWERED = "", "1", "2"
 _START_ITEM = (JobStatus.RUNNING, "queued,running", "", CANCEL_UNANSWERED)
 _CHECK_ITEM = (JobStatus.RUNNING, "running", "", CANCEL)  # before the model call
 _Move = tuple[str, str, JobStatus, str, str, str]  # batch id, query id, then as above
+Claimant = tuple[str, float]  # who would claim an item's run: its worker id, its lease
 
 
 # How long the gateway sends again, on a broken connection (a Redis restart), a write that is
@@ -143,6 +145,10 @@ class _StoreCore:
         )
         self._own: Any = None  # the transitions' connection (see _evalsha_all)
         self._own_pid = 0
+        # the run claims this process's runs hold ("key|field" -> tokens): a claim naming this
+        # worker that none holds is a run gone (worker/queue/jobstore/runs.py)
+        self._running: dict[str, set[str]] = {}
+        self._running_lock = threading.Lock()
 
     @classmethod
     def from_url(
@@ -220,22 +226,28 @@ class _StoreCore:
         payload: str,
         cancelable: str,
         tally: Sequence[str] = (),
-        lease: float = 0.0,
+        claimant: Claimant = ("", 0.0),
     ) -> ItemTransition:
         (transition,) = self._items(
-            [(batch_id, query_id, to, allowed, payload, cancelable)], tally=tally, lease=lease
+            [(batch_id, query_id, to, allowed, payload, cancelable)], tally, claimant
         )
         return transition
 
+    def _held_here(self, key: str, field: str) -> str:
+        """The tokens of the claim of ``field`` in ``key`` that this process's runs hold."""
+        with self._running_lock:
+            return ",".join(self._running.get(key + "|" + field, ()))
+
     def _items(
-        self, moves: Sequence[_Move], tally: Sequence[str] = (), lease: float = 0.0
+        self, moves: Sequence[_Move], tally: Sequence[str] = (), claimant: Claimant = ("", 0.0)
     ) -> list[ItemTransition]:
         """Item transitions (batch id, query id, to, allowed-from, outcome JSON or '', and
         when the batch's cancel mark makes it a cancel), in order, in one round trip.
         ``tally``: what the first move's outcome adds to its batch's totals (field,
         increment pairs, :func:`~worker.queue.jobstore.batch_items.batch_tally`), added only if
-        that move makes the item final with its outcome, so once. ``lease``: the claimant's
-        run-claim lease, by which a start judges a claim an older release wrote with none."""
+        that move makes the item final with its outcome, so once. ``claimant``: the worker id
+        and lease the item's run would claim with, by which a start judges its claim (as
+        :data:`_CLAIM_RUN` would)."""
         now = repr(_now())
         calls: list[_ScriptCall] = [
             (
@@ -262,7 +274,9 @@ class _StoreCore:
                     cancelable,
                     move_token(),
                     WORKER_HEARTBEAT_KEY,
-                    repr(lease),
+                    repr(claimant[1]),
+                    claimant[0],
+                    self._held_here(BATCH_RUNS_KEY + batch_id, query_id),
                     *(tally if n == 0 else ()),
                 ],
             )
