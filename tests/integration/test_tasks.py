@@ -276,6 +276,59 @@ def test_a_poison_message_is_failed_not_looped(context: base.WorkerContext) -> N
     assert failures() - before == 1.0
 
 
+def _completed(kind: str, status: str) -> float:
+    """``sift_jobs_completed_total{kind, status}``."""
+    from prometheus_client import REGISTRY
+
+    labels = {"kind": kind, "status": status}
+    return REGISTRY.get_sample_value("sift_jobs_completed_total", labels) or 0.0
+
+
+def test_copies_of_a_running_search_s_message_are_no_poison(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A search's message delivered again and again while its first run is going (kombu puts
+    a running task's message back at each broker reconnect; the re-drive sends a copy): each
+    copy finds the claim held by a live worker and leaves the search to that run, counting no
+    delivery. The copies were counted before their claim was refused, so the one past
+    ``SIFT_TASK_MAX_DELIVERIES`` (2 here) failed the search ``delivery_limit_exceeded`` under
+    the live run: its record, its webhook and the completed counter said ``failed``, and the
+    run's result, made and paid for, was refused."""
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)  # this worker, alive
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w1")
+    sent: list[str] = []
+    monkeypatch.setattr(base.SiftTask, "send_webhook", lambda self, *args: sent.append(args[4]))
+    inside, go = threading.Event(), threading.Event()
+
+    def held(spec: SearchSpec) -> None:  # the first run, at its retrieval
+        inside.set()
+        go.wait(30)
+
+    runtime = ScriptedRuntime(first_half=held)
+    context._runtime = runtime
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"), webhook_url="http://h/")
+    before = {status: _completed("search", status) for status in ("succeeded", "failed")}
+    first = threading.Thread(target=tasks.search.apply, args=([job.id],), kwargs={"task_id": "m"})
+    first.start()
+    try:
+        assert inside.wait(30)
+        running = _search_state(store, job.id)
+        for _ in range(context.settings.task_max_deliveries):  # the copies, one past the limit
+            tasks.search.apply(args=[job.id], task_id="m")
+        meanwhile = _search_state(store, job.id)
+    finally:
+        go.set()
+        first.join()
+    assert meanwhile == running  # the copies wrote nothing
+    done = store.get_search(job.id)
+    assert done is not None and done.status == "succeeded", done
+    assert sent == ["succeeded"] and runtime.model_calls == 1
+    after = {status: _completed("search", status) - before[status] for status in before}
+    assert after == {"succeeded": 1.0, "failed": 0.0}
+    assert store.count_delivery("m", 0) == 2  # the first run's, and this one: none of a copy
+
+
 def test_a_chunk_skips_canceled_and_finished_items(
     context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -49,6 +49,7 @@ from worker.queue.jobstore import (
     ItemTransition,
     JobStore,
     RunClaim,
+    SearchJob,
 )
 from worker.runtime import lifecycle
 
@@ -84,57 +85,20 @@ def search(self: SiftTask, job_id: str) -> None:
                 job.status.value,
             )
         return
-    if self.poisoned():
-        poison = _billed(_poison_error(self), store.kept_search_answer(job_id))
-        finished = count_completed("search", store.finish_search(job_id, error=poison), poison)
-    else:
-        deadline = self.context.settings.search_deadline_seconds
-        claim = store.claim_search(job_id, liveness.run_owner(), lease_seconds=deadline)
-        if not claim.granted:  # another delivery is running it (jobstore/runs.py)
-            log.info("search %s: another run holds it; this delivery leaves it", job_id)
-            return  # before its start: its record's started_at and status are that run's
-        if not store.start_search(job_id):  # final meanwhile (or gone)
-            store.release_search(job_id, claim)
-            return
-        if job.started_at is None and not claim.spent:
-            # its first run (the record read before the claim may predate a run that has
-            # started, been retried and let go: that run counted the wait)
-            metrics.observe_queue_wait(SEARCH_QUEUE, time.time() - job.created_at)
-        log.info("search %s: running for tenant %s", job_id, job.tenant)
-        answers = store.search_answers(job_id, claim)
-        run_started = time.time()
-        try:
-            try:
-                with metrics.running_job():
-                    result = self.context.runtime.search(
-                        job.spec, job.tenant, spent=claim.spent, answers=answers
-                    )
-                    result = _with_queue_wait(result, run_started - job.created_at)
-            except Exception as exc:
-                if self.should_retry(exc) and _retry_fits(claim, deadline):
-                    log.warning("search %s: retryable error, retrying: %s", job_id, exc)
-                    store.requeue_search(job_id)
-                    # let go before the retry is sent: a retry taken while this run still
-                    # held the claim would leave the search running with no message left
-                    store.release_search(job_id, claim)
-                    answers.record()
-                    raise self.retry(exc=exc, countdown=self.backoff()) from exc
-                if not isinstance(exc, SiftError):
-                    log.exception("search %s: unexpected error", job_id)
-                _with_failed_queue_wait(exc, run_started - job.created_at)
-                error = _billed(error_info(exc), claim.answer)
-                finished = count_completed(
-                    "search", store.finish_search(job_id, error=error), error
-                )
-            else:
-                finished = count_completed(
-                    "search", store.finish_search(job_id, result=result), None
-                )
-            if finished:  # the run's figures of the search, once it is saved (ClaimAnswers)
-                answers.record()
-        finally:  # after the finish: a run that starts meanwhile finds the search final
-            # (a retry let go before it was sent: this release then finds nothing to do)
-            store.release_search(job_id, claim)
+    deadline = self.context.settings.search_deadline_seconds
+    # claimed first, as an ingest is: a copy delivered while another live run holds the
+    # search (kombu's restore at a broker reconnect, a re-drive) writes nothing, not even its
+    # start, and is no poison (its worker is not lost): counted, a copy at the limit failed
+    # the search under the live run, whose result was then refused
+    claim = store.claim_search(job_id, liveness.run_owner(), lease_seconds=deadline)
+    if not claim.granted:  # another delivery is running it (jobstore/runs.py)
+        log.info("search %s: another run holds it; this delivery leaves it", job_id)
+        return  # before its start: its record's started_at and status are that run's
+    try:
+        finished = _search(self, job, claim)
+    finally:  # after the finish: a run that starts meanwhile finds the search final
+        # (a retry let go before it was sent: this release then finds nothing to do)
+        store.release_search(job_id, claim)
     if finished:
         final = store.get_search_status(job_id)
         log.info("search %s: %s", job_id, final)
@@ -142,6 +106,49 @@ def search(self: SiftTask, job_id: str) -> None:
             self.send_webhook(
                 WEBHOOK_EVENT_SEARCH_COMPLETED, job_id, job.tenant, job.webhook_url, final.value
             )
+
+
+def _search(task: SiftTask, job: SearchJob, claim: RunClaim) -> bool:
+    """Run the search ``job`` under its run ``claim``; answers whether this run finished it."""
+    store, job_id = task.context.store, job.id
+    if task.poisoned():  # with the usage of a model answer a dead run kept: billed
+        poison = _billed(_poison_error(task), claim.answer)
+        return count_completed("search", store.finish_search(job_id, error=poison), poison)
+    if not store.start_search(job_id):  # final meanwhile (or gone)
+        return False
+    if job.started_at is None and not claim.spent:
+        # its first run (the record read before the claim may predate a run that has
+        # started, been retried and let go: that run counted the wait)
+        metrics.observe_queue_wait(SEARCH_QUEUE, time.time() - job.created_at)
+    log.info("search %s: running for tenant %s", job_id, job.tenant)
+    deadline = task.context.settings.search_deadline_seconds
+    answers = store.search_answers(job_id, claim)
+    run_started = time.time()
+    try:
+        with metrics.running_job():
+            result = task.context.runtime.search(
+                job.spec, job.tenant, spent=claim.spent, answers=answers
+            )
+            result = _with_queue_wait(result, run_started - job.created_at)
+    except Exception as exc:
+        if task.should_retry(exc) and _retry_fits(claim, deadline):
+            log.warning("search %s: retryable error, retrying: %s", job_id, exc)
+            store.requeue_search(job_id)
+            # let go before the retry is sent: a retry taken while this run still
+            # held the claim would leave the search running with no message left
+            store.release_search(job_id, claim)
+            answers.record()
+            raise task.retry(exc=exc, countdown=task.backoff()) from exc
+        if not isinstance(exc, SiftError):
+            log.exception("search %s: unexpected error", job_id)
+        _with_failed_queue_wait(exc, run_started - job.created_at)
+        error = _billed(error_info(exc), claim.answer)
+        finished = count_completed("search", store.finish_search(job_id, error=error), error)
+    else:
+        finished = count_completed("search", store.finish_search(job_id, result=result), None)
+    if finished:  # the run's figures of the search, once it is saved (ClaimAnswers)
+        answers.record()
+    return finished
 
 
 def _with_queue_wait(result: SearchResult, seconds: float) -> SearchResult:

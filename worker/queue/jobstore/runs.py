@@ -15,7 +15,8 @@ holds the claim, its worker's heartbeat alive (:mod:`worker.queue.liveness`) and
 (its worker's search deadline, kept in the claim, so that workers with different deadlines
 judge it alike) not over, and otherwise records this run. A run that is refused makes
 no model call: the run holding the claim finishes the item. Nor does it change anything the
-job shows: a search's run claims before it writes its start (``started_at``, ``running``),
+job shows: a search's run claims before it writes its start (``started_at``, ``running``)
+and before its delivery is counted (a copy refused is no lost worker, never poison),
 and a batch item's start, written before its pacing and its claim, is refused, writing
 nothing, while another run holds the claim as this script would judge it. The claim also
 adds up the time the search's runs have run, in Redis's clock: a run's deadline is what is
@@ -184,13 +185,11 @@ class RunRecords(_StoreCore):
     def item_answers(self, batch_id: str, query_id: str, claim: RunClaim) -> ClaimAnswers:
         return ClaimAnswers(self, BATCH_RUNS_KEY + batch_id, query_id, claim)
 
-    def kept_search_answer(self, job_id: str) -> str:
-        """The model's answer a run of the search kept in its claim ('' : none), read
-        without claiming: what a dead run's call billed, for a path that ends the search
-        without running it (the poison path)."""
-        return self._kept(SEARCH_KEY + job_id, "run")
-
     def kept_item_answer(self, batch_id: str, query_id: str) -> str:
+        """The model's answer a run of the item kept in its claim ('' : none), read without
+        claiming: what a dead run's call billed, for a path that ends the item without
+        running it (a poisoned chunk's). A search's poison path claims first, and its claim
+        answers it."""
         return self._kept(BATCH_RUNS_KEY + batch_id, query_id)
 
     def _kept(self, key: str, field: str) -> str:
