@@ -430,6 +430,41 @@ def test_a_chunk_copy_that_loses_an_item_s_claim_changes_nothing_of_that_item(
     store.release_item(batch.id, "q0", claim)
 
 
+def test_a_poisoned_chunk_copy_leaves_an_item_a_live_run_holds(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch chunk's message past ``SIFT_TASK_MAX_DELIVERIES`` (a copy put back at a broker
+    reconnect, or re-driven, while a run of one of its items goes on, its worker alive)
+    fails as poison only the items no live run holds: it claims each first, as a search's
+    copy does. It failed them as they were, so the item the live run was finishing was
+    failed ``delivery_limit_exceeded`` (counted, and the batch completed and announced by
+    the copy), and that run's result, its model call billed, was refused."""
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)  # the holder's worker, alive
+    announced: list[str] = []
+    monkeypatch.setattr(base.SiftTask, "announce_batch", lambda self, b, s: announced.append(s))
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    specs = [(q, SearchSpec(index="docs", query=q)) for q in ("q0", "q1")]
+    batch = store.create_batch("acme", "docs", specs)
+    assert store.start_item(batch.id, "q0")  # the live run's
+    claim = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
+    before = {status: _completed("batch_item", status) for status in ("succeeded", "failed")}
+    store.set_deliveries("copy", 0, context.settings.task_max_deliveries)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 2], task_id="copy")  # the copy, poisoned
+    q0, q1 = store.batch_results(batch.id, 0, 2)
+    assert q0.status == "running", q0  # left to its run
+    assert q1.status == "failed" and q1.payload is not None, q1  # no run holds it
+    assert json.loads(q1.payload)["error"]["type"] == "delivery_limit_exceeded"
+    assert announced == [] and runtime.calls == 0
+    result = SearchResult(hits=[], rerank=RerankInfo(applied=False))
+    finish = store.finish_item(batch.id, "q0", result=result)  # the run finishes it
+    assert finish.applied and finish.batch_completed
+    store.ended_item(batch.id, "q0", claim)
+    after = {status: _completed("batch_item", status) - before[status] for status in before}
+    assert after == {"succeeded": 0.0, "failed": 1.0}  # the copy's one (the run's is its own)
+
+
 def test_a_chunk_copy_leaves_an_economy_item_whose_first_half_was_kept(
     context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:

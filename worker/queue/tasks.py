@@ -249,8 +249,8 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     later: dict[str, list[Callable[[], None]]] = {}
 
     def to_start(item: BatchItem) -> str | None:
-        """The item's query id if it is to be started (a poisoned chunk fails its items as
-        they are, and an item without its spec has expired)."""
+        """The item's query id if it is to be started (a poisoned chunk fails, unstarted,
+        those no live run holds, and an item without its spec has expired)."""
         return None if poisoned or item.spec is None else item.query_id
 
     def run(item: BatchItem, started: bool) -> RunOutcome:
@@ -258,10 +258,14 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         the chunk's retry), the transition that canceled it (its batch was canceled before
         its model call), or None (nothing to finish: not started, finished by another
         delivery, or left to the economy lane's provider batch)."""
-        if poisoned:  # with the usage of a model answer a dead run kept: billed
-            return None, _billed(
-                _poison_error(self), store.kept_item_answer(batch_id, item.query_id)
-            )
+        if poisoned:  # claimed first, as a search is: one a live run holds is that run's
+            taken = store.claim_item(batch_id, item.query_id, owner, lease_seconds=deadline)
+            if not taken.granted:
+                log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
+                return None
+            held[item.query_id] = store.item_answers(batch_id, item.query_id, taken)
+            # with the usage of a model answer a dead run kept: billed
+            return None, _billed(_poison_error(self), taken.answer)
         if not started:
             return None  # canceled meanwhile, or finished by another delivery
         waited = time.time() - batch.created_at

@@ -185,18 +185,6 @@ class RunRecords(_StoreCore):
     def item_answers(self, batch_id: str, query_id: str, claim: RunClaim) -> ClaimAnswers:
         return ClaimAnswers(self, BATCH_RUNS_KEY + batch_id, query_id, claim)
 
-    def kept_item_answer(self, batch_id: str, query_id: str) -> str:
-        """The model's answer a run of the item kept in its claim ('' : none), read without
-        claiming: what a dead run's call billed, for a path that ends the item without
-        running it (a poisoned chunk's). A search's poison path claims first, and its claim
-        answers it."""
-        return self._kept(BATCH_RUNS_KEY + batch_id, query_id)
-
-    def _kept(self, key: str, field: str) -> str:
-        # "<used>|<owner>|<claimed at>|<token>|<lease>|<answer>" (_CLAIM_RUN's value)
-        parts = str(self.redis.hget(key, field) or "").split("|", 5)
-        return parts[5] if len(parts) == 6 else ""
-
     def keep_answer(self, key: str, field: str, claim: RunClaim, answer: str) -> bool:
         """Keep ``answer`` in the claim, if its run still holds it; answers whether it did."""
         if not claim.granted:
