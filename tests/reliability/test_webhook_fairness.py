@@ -5,11 +5,11 @@ once and puts the rest off by a hop. Before a tenant's share was bounded, one te
 receiver that answered nothing held all 16, and every other tenant's webhook was put off
 again and again until those deliveries ended (the 30 s cap, then the next of them).
 
-A real gateway and worker at the default bounds (16 a process, 4 a tenant); the total cap
+A real gateway and worker at the default bounds (16 a process, 12 a tenant); the total cap
 set past the test, so that the receiver's deliveries hang for as long as it drips. Tenant
 acme's 20 searches send their webhooks to a receiver that drips its headers a byte at a time
 (no read timeout trips); tenant beta's search, submitted once acme's receiver holds its
-share, has its webhook delivered while acme's receiver still holds those 4, uncut."""
+share, has its webhook delivered while acme's receiver still holds those 12, uncut."""
 
 from __future__ import annotations
 
@@ -33,9 +33,11 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import Received, celery_worker, gateway, redis_server, webhook_inbox
+from worker.settings import Settings
 
 pytestmark = pytest.mark.integration
 
+SHARE = Settings().webhook_deliveries_per_tenant  # the default: one tenant's slots
 BETA = {"Authorization": "Bearer beta-key-0001"}
 BETA_KEY = {"key": "beta-key-0001", "tenant": "beta", "webhook_secret": "whsec_YmV0YS1zZWNyZXQ="}
 
@@ -73,7 +75,7 @@ def test_a_tenant_s_hung_receiver_does_not_hold_up_another_tenant_s_webhook(
             query = sample_queries()[0]
             for _ in range(20):
                 submit_search(client, query, webhook_url=hung.url)
-            wait_for(lambda: hung.held >= 4, "acme's deliveries at its receiver", 60)
+            wait_for(lambda: hung.held >= SHARE, "acme's deliveries at its receiver", 60)
             beta = client.post(
                 "/v1/searches",
                 json={"index": INDEX, "query": query, "webhook_url": beta_url},
@@ -92,5 +94,5 @@ def test_a_tenant_s_hung_receiver_does_not_hold_up_another_tenant_s_webhook(
             wait_for(arrived, "beta's webhook, while acme's receiver hangs", 50)
             assert json.loads(got[0][0])["data"]["id"] == beta.json()["id"]
             # acme's receiver still holds its share, every one of them still dripping
-            assert hung.held == 4 and hung.requests == 4, (hung.held, hung.requests)
+            assert hung.held == SHARE and hung.requests == SHARE, (hung.held, hung.requests)
             assert not hung.cut.is_set() and not hung.ran_out.is_set()
