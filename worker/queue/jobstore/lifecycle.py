@@ -13,6 +13,7 @@ gateway pops with a blocking ``BLPOP``.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Sequence
 from typing import cast
@@ -58,6 +59,19 @@ class LifecycleRecords(IngestRecords):
         pipe.execute()
 
     def await_reply(self, key: str, timeout: float) -> str | None:
-        """The answer to one index read, or None if none came within ``timeout`` seconds."""
-        found = cast(tuple[str, str] | None, self.redis.blpop([key], timeout=timeout))
-        return None if found is None else found[1]
+        """The answer to one index read, or None if none came within ``timeout`` seconds.
+
+        Waits in ``BLPOP``s of a second at most, and half the client's socket timeout: one of
+        the whole wait (10 s) was cut by the gateway's socket timeout
+        (``SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS``, 10 s) as if Redis had stalled. A Redis that
+        does stall still fails the slice at that timeout."""
+        socket_timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
+        longest = min(1.0, socket_timeout / 2) if socket_timeout else 1.0
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            # at least 10 ms: a BLPOP timeout Redis reads as 0 would block for good
+            slice_ = max(0.01, min(left, longest))
+            found = cast(tuple[str, str] | None, self.redis.blpop([key], timeout=slice_))
+            if found is not None:
+                return found[1]
+        return None
