@@ -25,8 +25,11 @@ def test_making_the_int8_graph_logs_only_its_own_lines(
     with caplog.at_level(logging.DEBUG):  # the root logger and its handlers: everything
         made = int8_compute_model(default_model_path(), tmp_path)
     assert made.is_file()
+    # the quantizer's records went to the root logger (and onnx's); another library's, such
+    # as an HTTP client closing an earlier test's connections as it is collected, are not
+    # the graph's
     foreign = [f"{r.name} {r.levelname} {r.getMessage()}" for r in caplog.records
-               if not r.name.startswith("worker.")]  # fmt: skip
+               if r.name == "root" or r.name.startswith("onnx")]  # fmt: skip
     assert foreign == [], foreign[:3]
     ours = [r.getMessage() for r in caplog.records]
     assert any("making the int8-compute embedding graph" in m for m in ours), ours
