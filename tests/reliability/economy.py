@@ -26,6 +26,18 @@ from tests.services import gateway, redis_server
 from worker.processes.stack import child_env, worker_process
 
 FINISH_WINDOW = 240.0  # from the new worker's start: dead-worker check + a 30 s poll + slack
+COUNTING_RUNTIME = "tests.reliability.economy_counting_runtime:build_runtime"
+
+
+def crash_settings(crashes: Path, after: str | None = None) -> dict[str, str]:
+    """Settings of a worker whose economy recorder writes each count into the new folder
+    ``crashes`` and kills the worker once, just after its first count (of the attempt class
+    ``after``; None: of any)."""
+    crashes.mkdir()
+    extra = {"SIFT_RUNTIME_FACTORY": COUNTING_RUNTIME, "CRASH_ONCE_DIR": str(crashes)}
+    if after is not None:
+        extra["CRASH_AFTER_OUTCOME"] = after
+    return extra
 
 
 @contextmanager

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.fake_anthropic import FakeAnthropic, malformed, status, succeeded
-from tests.reliability.economy import FINISH_WINDOW, economy_stack, finished, submit_economy, worker
+from tests.reliability.economy import (
+    FINISH_WINDOW,
+    crash_settings,
+    economy_stack,
+    finished,
+    submit_economy,
+    worker,
+)
 from tests.reliability.support import all_results, assert_batch_exactly_once, ingest, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -26,13 +33,9 @@ def test_a_poll_killed_after_counting_a_result_counts_it_once(tmp_path: Path, fi
     # it again. "malformed": an answer that fails the schema (billed), resubmitted, then
     # answered.
     crashes = tmp_path / "crashes"
-    crashes.mkdir()
-    factory = "tests.reliability.economy_counting_runtime:build_runtime"
     with (
         FakeAnthropic() as model,
-        economy_stack(
-            tmp_path, model, SIFT_RUNTIME_FACTORY=factory, CRASH_ONCE_DIR=str(crashes)
-        ) as (env, client),  # fmt: skip
+        economy_stack(tmp_path, model, **crash_settings(crashes)) as (env, client),
     ):
         if first == "malformed":
             model.script_batch({"i0": [succeeded(malformed("not json")), succeeded()]})
@@ -67,17 +70,9 @@ def test_a_submission_killed_after_counting_a_refused_item_counts_each_item_once
     # item's failure was saved, so B failed the item again and counted it a second time:
     # three http_4xx attempts in the metrics, two on the records.
     crashes = tmp_path / "crashes"
-    crashes.mkdir()
-    factory = "tests.reliability.economy_counting_runtime:build_runtime"
     with (
         FakeAnthropic() as model,
-        economy_stack(
-            tmp_path,
-            model,
-            SIFT_RUNTIME_FACTORY=factory,
-            CRASH_ONCE_DIR=str(crashes),
-            CRASH_AFTER_OUTCOME="http_4xx",
-        ) as (env, client),  # fmt: skip
+        economy_stack(tmp_path, model, **crash_settings(crashes, "http_4xx")) as (env, client),
     ):
         refused = status(400, message="requests: refused")
         model.script_batch_calls("create", [refused, refused])

@@ -15,7 +15,14 @@ import pytest
 import redis
 
 from tests.fake_anthropic import FakeAnthropic, missing
-from tests.reliability.economy import FINISH_WINDOW, economy_stack, finished, submit_economy, worker
+from tests.reliability.economy import (
+    FINISH_WINDOW,
+    crash_settings,
+    economy_stack,
+    finished,
+    submit_economy,
+    worker,
+)
 from tests.reliability.support import (
     Receiver,
     all_results,
@@ -48,17 +55,9 @@ def test_a_poll_killed_before_resubmitting_the_left_out_requests_sends_each_once
     # (``resubmit``, ``handled``), nothing is sent yet, and no write comes between that
     # instant and the resubmission's first. Worker B runs the redelivered poll.
     crashes = tmp_path / "crashes"
-    crashes.mkdir()
-    factory = "tests.reliability.economy_counting_runtime:build_runtime"
     with (
         FakeAnthropic() as model,
-        economy_stack(
-            tmp_path,
-            model,
-            SIFT_RUNTIME_FACTORY=factory,
-            CRASH_ONCE_DIR=str(crashes),
-            CRASH_AFTER_OUTCOME="malformed",
-        ) as (env, client),
+        economy_stack(tmp_path, model, **crash_settings(crashes, "malformed")) as (env, client),
     ):
         model.script_batch({f"i{p}": [missing()] for p in LEFT_OUT})
         broker = redis.Redis.from_url(env["SIFT_REDIS_URL"], decode_responses=True)
