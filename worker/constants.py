@@ -225,3 +225,6 @@ DEFAULT_PAGE_SIZE = 100
 DOCUMENT_PREVIEW_CHARS = 200
 MAX_WEBHOOK_URL_CHARS = 2_048
 MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+# A worker stopped while its warm-up makes the embedding graph waits this long for it
+WARM_UP_STOP_WAIT_SECONDS = 30.0

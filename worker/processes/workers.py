@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from worker.constants import WARM_UP_STOP_WAIT_SECONDS
 from worker.processes.machine import cpu_count
 from worker.processes.stack import Service, Supervisor, child_env, sift_command
 from worker.settings import Settings
@@ -52,8 +53,11 @@ KILL_MARGIN_SECONDS = 5.0
 
 
 def stop_deadline(settings: Settings) -> float:
-    """The seconds a worker process told to stop takes at most."""
-    return settings.worker_soft_shutdown_seconds + STOP_GRACE_SECONDS
+    """The seconds a worker process told to stop takes at most: its soft shutdown, or the wait
+    for a warm-up still making the embedding graph (which a stop lets end: cut, its seconds
+    were lost), whichever is longer, then the grace."""
+    waits = max(settings.worker_soft_shutdown_seconds, WARM_UP_STOP_WAIT_SECONDS)
+    return waits + STOP_GRACE_SECONDS
 
 
 def supervisor_stop_deadline(settings: Settings) -> float:

@@ -29,7 +29,13 @@ from celery.signals import (
     worker_shutting_down,
 )
 
-from worker.constants import ALL_QUEUES, BATCH_QUEUE, INGEST_QUEUE, SEARCH_QUEUE
+from worker.constants import (
+    ALL_QUEUES,
+    BATCH_QUEUE,
+    INGEST_QUEUE,
+    SEARCH_QUEUE,
+    WARM_UP_STOP_WAIT_SECONDS,
+)
 from worker.queue.config import celery_config, visibility_timeout, warn_if_tombstones_too_short
 from worker.queue.intake import IntakeStep
 from worker.queue.redrive import ReconnectStep
@@ -39,7 +45,6 @@ log = logging.getLogger(__name__)
 
 # How long a stopping worker waits for its warm-up (seconds): making the int8 graph takes a
 # few, loading the model about one
-WARM_UP_STOP_WAIT_SECONDS = 30.0
 _warming: threading.Thread | None = None  # this process's warm-up (see _warm_up)
 
 
