@@ -41,6 +41,9 @@ they were in flight together, whatever the time each took to arrive.
 ``configure(hold_unscripted=True)`` answers no request that has no scripted behaviour until
 it is set back to False: calls kept in flight for as long as a test looks at them.
 
+A model's refusal is :func:`refusal`: ``200``, ``stop_reason: "refusal"`` and ``stop_details``,
+as the real API answers when its classifiers stop the model.
+
 Besides errors by status (:func:`status`), it fails on the wire as a provider or its network
 can: :func:`stall` (no answer for a while), :func:`drop` (the connection closed with no
 answer), :func:`trickle` (headers at once, then the body in small pieces: no single read
@@ -169,8 +172,20 @@ ERROR_MESSAGES: dict[str, str] = {
 }
 
 Kind = Literal[
-    "good", "positions", "malformed", "status", "stall", "slow", "drop", "body", "trickle", "cut"
+    "good",
+    "positions",
+    "malformed",
+    "refusal",
+    "status",
+    "stall",
+    "slow",
+    "drop",
+    "body",
+    "trickle",
+    "cut",
 ]
+# what the real API's ``stop_details.category`` takes on a refusal (None: no named category)
+REFUSAL_CATEGORIES = ("cyber", "bio", "frontier_llm", "reasoning_extraction", "general_harms")
 Order = Literal["reverse", "identity"] | Callable[[list[int]], list[int]]
 
 
@@ -191,6 +206,7 @@ class Behaviour:
     seconds: float = 0.0
     error_code: str | None = None  # status: the error's ``details.error_code``
     should_retry: bool | None = None  # status: an ``x-should-retry`` header (None: none)
+    category: str | None = None  # refusal: ``stop_details.category``
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,6 +230,18 @@ def positions(values: Sequence[object], *, seconds: float = 0.0) -> Behaviour:
 def malformed(text: str | None, *, stop_reason: str = "end_turn") -> Behaviour:
     """Answer ``text`` as the text block (``None``: no text block at all)."""
     return Behaviour("malformed", text=text, stop_reason=stop_reason)
+
+
+def refusal(category: str | None = "cyber", *, text: str | None = "Hello..") -> Behaviour:
+    """Answer as a streaming classifier's refusal does: ``200``, ``stop_reason: "refusal"``,
+    ``stop_details`` with its ``category`` and ``explanation`` (both null when the refusal maps
+    to no named category), and whatever the model wrote before it was stopped (``text``: a
+    few tokens of prose, or None for no text block), its output tokens billed. The real API
+    refuses the same prompt again: "Attempting to continue without resetting will result in
+    continued refusals" (Anthropic's "Handle streaming refusals")."""
+    if category is not None and category not in REFUSAL_CATEGORIES:
+        raise ValueError(f"unknown refusal category: {category!r}")
+    return Behaviour("refusal", text=text, stop_reason="refusal", category=category)
 
 
 def status(
@@ -285,6 +313,20 @@ def body(text: str) -> Behaviour:
     return Behaviour("body", text=text)
 
 
+def _stop(behaviour: Behaviour) -> dict[str, Any] | None:
+    """A refusal's ``stop_details``; None for any other answer."""
+    if behaviour.kind != "refusal":
+        return None
+    category = behaviour.category
+    return {
+        "type": "refusal",
+        "category": category,
+        "explanation": None
+        if category is None
+        else f"This request was declined because it could enable {category} harm.",
+    }
+
+
 # --- Message Batches: one request's scripted result ------------------------------------------
 
 BatchKind = Literal["succeeded", "errored", "expired", "canceled", "missing", "garbled"]
@@ -330,8 +372,15 @@ class BatchOutcome:
 
 def succeeded(behaviour: Behaviour | None = None) -> BatchOutcome:
     """A succeeded request: the default answer, or ``behaviour``'s (e.g. ``positions([2, 1])``)."""
-    if behaviour is not None and behaviour.kind not in ("good", "positions", "malformed"):
-        raise ValueError("a succeeded batch request answers as good, positions or malformed")
+    if behaviour is not None and behaviour.kind not in (
+        "good",
+        "positions",
+        "malformed",
+        "refusal",
+    ):
+        raise ValueError(
+            "a succeeded batch request answers as good, positions, malformed or refusal"
+        )
     return BatchOutcome("succeeded", behaviour)
 
 
@@ -998,17 +1047,22 @@ class FakeAnthropic:
     def _message(self, body: Mapping[str, Any], behaviour: Behaviour) -> dict[str, Any]:
         """The answer to ``body`` as ``behaviour`` says. The prompt is tokenized before the
         lock is taken: with hundreds of requests in flight, counting under it queued them."""
-        if behaviour.kind == "positions":
-            text: str | None = json.dumps({"positions": behaviour.positions})
-        elif behaviour.kind == "malformed":
-            text = behaviour.text
-        else:
-            text = self.answer_text(body)
+        text = self._behaviour_text(body, behaviour)
         input_tokens = self.count_input_tokens(body)
         with self._lock:
-            message = self._message_unlocked(body, text, behaviour.stop_reason, input_tokens)
+            message = self._message_unlocked(
+                body, text, behaviour.stop_reason, input_tokens, stop_details=_stop(behaviour)
+            )
             self._take_output(int(message["usage"]["output_tokens"]))
             return message
+
+    def _behaviour_text(self, body: Mapping[str, Any], behaviour: Behaviour) -> str | None:
+        """The text block ``behaviour`` answers ``body`` with (None: no text block)."""
+        if behaviour.kind == "positions":
+            return json.dumps({"positions": behaviour.positions})
+        if behaviour.kind in ("malformed", "refusal"):
+            return behaviour.text
+        return self.answer_text(body)
 
     def _message_unlocked(
         self,
@@ -1017,10 +1071,12 @@ class FakeAnthropic:
         stop_reason: str,
         input_tokens: int | None = None,
         service_tier: str | None = None,
+        stop_details: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The answer to ``body``, counted in the usage (call with the lock held);
         ``input_tokens`` when the caller counted the prompt already; ``service_tier`` the
-        usage's (``batch`` for a Message Batch's request; None: the configured one)."""
+        usage's (``batch`` for a Message Batch's request; None: the configured one);
+        ``stop_details`` a refusal's (null otherwise, as the real API sends it)."""
         config = self._state.config
         if input_tokens is None:
             input_tokens = self.count_input_tokens(body)
@@ -1067,6 +1123,7 @@ class FakeAnthropic:
             "content": content,
             "stop_reason": stop_reason,
             "stop_sequence": None,
+            "stop_details": stop_details,
             "usage": usage,
         }
 
@@ -1126,14 +1183,12 @@ class FakeAnthropic:
             problem = _validate_params(params)
             if problem is None:
                 behaviour = outcome.behaviour or Behaviour("good")
-                if behaviour.kind == "positions":
-                    text: str | None = json.dumps({"positions": behaviour.positions})
-                elif behaviour.kind == "malformed":
-                    text = behaviour.text
-                else:
-                    text = self.answer_text(params)
                 message = self._message_unlocked(
-                    params, text, behaviour.stop_reason, service_tier="batch"
+                    params,
+                    self._behaviour_text(params, behaviour),
+                    behaviour.stop_reason,
+                    service_tier="batch",
+                    stop_details=_stop(behaviour),
                 )
                 return {"type": "succeeded", "message": message}
             outcome = BatchOutcome("errored", error_type=problem[1])

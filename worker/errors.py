@@ -11,7 +11,7 @@
     │   ├── BackendUnavailable     connection, timeout, 5xx             retryable
     │   └── BackendRequestError    4xx, bad mapping, missing index      permanent
     ├── RerankAttemptError         one model call failed, with its class (retryable unless
-    │                              http_4xx or budget_exhausted)
+    │                              http_4xx, budget_exhausted or refused)
     ├── RerankFailed               the rerank failed for good (fail_closed), names the class
     └── DeadlineExceeded           the search's deadline ran out        permanent
 
@@ -39,7 +39,15 @@ class AttemptOutcome(StrEnum):
     CONNECTION = "connection"
     HTTP_4XX = "http_4xx"  # permanent, never retried
     MALFORMED = "malformed"  # the response failed schema validation
+    REFUSED = "refused"  # the model refused (stop_reason "refusal"): billed, never retried
     BUDGET_EXHAUSTED = "budget_exhausted"  # not sent: the rate budget frees it past the deadline
+
+
+# Classes no retry can change: a permanent 4xx; a call the rate budget cannot admit in time;
+# a refusal, which the provider repeats for the same prompt.
+_FINAL_OUTCOMES = frozenset(
+    (AttemptOutcome.HTTP_4XX, AttemptOutcome.BUDGET_EXHAUSTED, AttemptOutcome.REFUSED)
+)
 
 
 class SiftError(Exception):
@@ -155,7 +163,7 @@ class RerankAttemptError(SiftError):
         self.outcome = outcome
         self.retry_after = retry_after
         self.sent = sent
-        self.retryable = outcome not in (AttemptOutcome.HTTP_4XX, AttemptOutcome.BUDGET_EXHAUSTED)
+        self.retryable = outcome not in _FINAL_OUTCOMES
 
 
 class RerankFailed(SiftError):

@@ -15,7 +15,15 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import ACME, ECONOMY_DEADLINE_SECONDS, INDEX, Stack, worker_usage
-from tests.fake_anthropic import errored, expired, malformed, missing, positions, succeeded
+from tests.fake_anthropic import (
+    errored,
+    expired,
+    malformed,
+    missing,
+    positions,
+    refusal,
+    succeeded,
+)
 from worker.constants import ECONOMY_PRICE_DISCOUNT
 from worker.core.cost import cost_usd, price_for
 from worker.core.types import TokenUsage
@@ -170,14 +178,20 @@ def test_errored_expired_and_malformed_requests_are_resubmitted_or_fail_by_polic
             "i2": [succeeded(malformed("not json"))],  # malformed: resubmitted, then succeeds
             "i3": [errored("invalid_request_error")],  # http_4xx: permanent, fails at once
             "i4": [errored("api_error")] * 3,  # the attempt budget (3) runs out
+            "i5": [succeeded(refusal("bio"))],  # refused: billed, final, never resubmitted
         }
     )
     batch_id = _submit(stack, items, "economy", include_trace=True)
     done = _wait(stack, batch_id)
     assert done["counts"] == {
-        "total": 6, "queued": 0, "running": 0, "succeeded": 4, "failed": 2, "canceled": 0,
+        "total": 6, "queued": 0, "running": 0, "succeeded": 3, "failed": 3, "canceled": 0,
     }  # fmt: skip
     results = _results(stack, batch_id)
+    refused = results["q5"]["error"]
+    assert results["q5"]["status"] == "failed" and refused["type"] == "rerank_failed"
+    assert "(refused)" in refused["message"] and "category=bio" in refused["message"]
+    assert [a["outcome"] for a in refused["trace"]["attempts"]] == ["refused"]
+    assert refused["usage"]["requests"] == 1 and refused["usage"]["input_tokens"] > 0
     for qid, first in (("q0", "http_5xx"), ("q1", "timeout"), ("q2", "malformed")):
         result = results[qid]["result"]
         assert result["rerank"]["applied"] is True

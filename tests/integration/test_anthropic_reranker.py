@@ -22,6 +22,7 @@ from tests.fake_anthropic import (
     drop,
     malformed,
     positions,
+    refusal,
     stall,
     status,
     trickle,
@@ -30,6 +31,7 @@ from worker.adapters import attempt_deadline as deadline_http
 from worker.adapters.anthropic import (
     AnthropicReranker,
     RerankMalformedError,
+    RerankRefusedError,
     provider_retry_after,
     sdk_spans,
 )
@@ -339,6 +341,29 @@ def test_cut_at_max_tokens_is_malformed(fake: FakeAnthropic, reranker: Anthropic
     error = attempt_error(reranker)
     assert error.outcome is AttemptOutcome.MALFORMED
     assert "max_tokens" in error.message
+
+
+@pytest.mark.parametrize(
+    ("category", "text"),
+    [("cyber", "Hello.."), (None, None), ("general_harms", '{"positions": [1, 2]}')],
+    ids=["partial-prose", "no-text-no-category", "positions-before-the-stop"],
+)
+def test_a_refusal_is_its_own_class_billed_and_final(
+    fake: FakeAnthropic, reranker: AnthropicReranker, category: str | None, text: str | None
+) -> None:
+    """``stop_reason: "refusal"`` is the API's classifiers stopping the model: not an answer,
+    even when the text before the stop parses, and never retried (the API refuses the same
+    prompt again). It is billed for the tokens written before the stop. Before, a refusal was
+    ``malformed`` and retried, each retry billed and refused again."""
+    fake.script([refusal(category, text=text)])
+    error = attempt_error(reranker)
+    assert isinstance(error, RerankRefusedError)
+    assert error.outcome is AttemptOutcome.REFUSED
+    assert not error.retryable
+    assert f"stop_details.category={category}" in error.message
+    assert error.usage == usage_of(fake)
+    assert error.usage.input_tokens > 0
+    assert (error.usage.output_tokens > 0) == (text is not None)
 
 
 def test_thinking_that_eats_max_tokens_is_malformed(

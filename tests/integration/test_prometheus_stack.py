@@ -10,7 +10,7 @@ second, with the rules loaded.
 The workload goes over HTTP only: the sample corpus is ingested into each pair, then searches
 run one at a time (``?wait=30``), each with the fake scripted so that the script's order maps to
 the searches' attempts. Together they provoke every attempt class (ok, timeout, http_5xx,
-rate_limited, connection, http_4xx, malformed) and every rerank outcome (applied,
+rate_limited, connection, http_4xx, malformed, refused) and every rerank outcome (applied,
 fallback_no_valid_ranks, fallback_error, failed, skipped), in every search mode. A small batch
 and a search with webhooks to a local receiver give the delivery results (retry, delivered,
 failed).
@@ -42,6 +42,7 @@ from tests.fake_anthropic import (
     drop,
     malformed,
     positions,
+    refusal,
     stall,
     status,
 )
@@ -124,6 +125,7 @@ STEPS = (
     Step("open", "deepest ocean", (status(400),), ("http_4xx",), "fallback_error", "fallback"),
     Step("open", "brewing temperature", (malformed("not json"), positions([1])),
          ("malformed", "ok"), "applied"),
+    Step("open", "bees and honey", (refusal("cyber"),), ("refused",), "fallback_error", "fallback"),
     Step("open", "zzqxv wkjhgf", (), (), "skipped", mode="fts"),  # no hit: nothing to rerank
     Step("open", "green tea", (positions([1]),), ("ok",), "applied", mode="vector"),
     Step("open", "steam railway", (positions([1]),), ("ok",), "applied", mode="fts"),
@@ -158,10 +160,10 @@ EXPECTED = _expected()
 # Each worker's series at zero from its start, before any search (two workers; attempts,
 # tokens, cost and rerank duration in both lanes)
 PREREGISTERED = {
-    f'count(sift_rerank_attempts_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 8.0,
+    f'count(sift_rerank_attempts_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 9.0,
     f'count(sift_rerank_tokens_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 4.0,
     f'count(sift_rerank_cost_usd_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 1.0,
-    f'count(sift_rerank_duration_seconds_count{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 9.0,
+    f'count(sift_rerank_duration_seconds_count{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 2 * 10,
     f'count(sift_rerank_in_flight{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 1.0,
     'count(sift_retrieval_duration_seconds_count{backend="embedded"} == 0)': 2 * 4.0,
     f'count(sift_rerank_outcomes_total{{job="{PROMETHEUS_JOB_WORKER}"}} == 0)': 2 * 5.0,
@@ -390,6 +392,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
 def test_the_workload_provokes_every_class_and_outcome() -> None:
     assert set(EXPECTED["attempts"]) == {
         "ok", "timeout", "http_5xx", "rate_limited", "connection", "http_4xx", "malformed",
+        "refused",
     }  # fmt: skip
     assert set(EXPECTED["outcomes"]) == {
         "applied", "fallback_no_valid_ranks", "fallback_error", "failed", "skipped",
@@ -423,7 +426,7 @@ def test_each_search_uses_exactly_what_the_fake_handed_out(observed: Observed) -
             assert {f: usage[f] for f in TOKEN_FIELDS.values()} == {
                 f: ran.fake_usage[f] for f in TOKEN_FIELDS.values()
             }, ran.step
-        answered = sum(1 for a in ran.step.attempts if a in ("ok", "malformed"))
+        answered = sum(1 for a in ran.step.attempts if a in ("ok", "malformed", "refused"))
         assert ran.fake_usage["responses"] == answered, ran.step
 
 

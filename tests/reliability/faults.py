@@ -59,6 +59,8 @@ CASES: dict[str, Case] = {
         "malformed",
         3,
     ),
+    # the API refuses the same prompt again: one billed attempt, never retried
+    "refused": Case([fa.refusal("cyber")], "refused", 1),
 }
 # A valid answer with no usable position is not a failure: the no_valid_ranks fallback.
 NO_VALID_RANKS = [fa.positions([0, 99, 99, -1])]

@@ -55,11 +55,17 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Mapping
     from types import ModuleType
 
-    from anthropic.types import Message, MessageParam, OutputConfigParam
+    from anthropic.types import Message, MessageParam, OutputConfigParam, RefusalStopDetails
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EFFORT_MODELS", "AnthropicReranker", "RerankMalformedError", "effort_for"]
+__all__ = [
+    "EFFORT_MODELS",
+    "AnthropicReranker",
+    "RerankMalformedError",
+    "RerankRefusedError",
+    "effort_for",
+]
 
 
 class RerankMalformedError(RerankAttemptError):
@@ -69,10 +75,20 @@ class RerankMalformedError(RerankAttemptError):
     ``model`` is the model id the response named.
     """
 
+    outcome_class = AttemptOutcome.MALFORMED
+
     def __init__(self, message: str, *, usage: TokenUsage, model: str) -> None:
-        super().__init__(AttemptOutcome.MALFORMED, message)
+        super().__init__(self.outcome_class, message)
         self.usage = usage
         self.model = model
+
+
+class RerankRefusedError(RerankMalformedError):
+    """A ``refused`` attempt: the model stopped with ``stop_reason: "refusal"`` (the API's
+    classifiers declined the request). Billed like a malformed answer, whatever text it has
+    is not an answer, and it is never retried: the API refuses the same prompt again."""
+
+    outcome_class = AttemptOutcome.REFUSED
 
 
 class _Positions(BaseModel):
@@ -292,6 +308,12 @@ class _Block(BaseModel):
     text: str = ""
 
 
+class _StopDetails(BaseModel):
+    """A refusal's ``stop_details``: its policy ``category`` (None when it maps to none)."""
+
+    category: str | None = None
+
+
 class _Message(BaseModel):
     """What Sift reads of a Messages API response body, validated there (other fields ignored).
 
@@ -303,6 +325,7 @@ class _Message(BaseModel):
     model: str
     content: list[_Block]
     stop_reason: str | None = None
+    stop_details: _StopDetails | None = None
     usage: _Usage
 
 
@@ -332,7 +355,8 @@ def parse_body(body: bytes, *, max_positions: int | None = None) -> RerankReply:
             f"the response is not a message ({exc.error_count()} errors): {_clip(repr(body))}",
         ) from exc
     texts = [block.text for block in message.content if block.type == "text"]
-    reply = _reply(texts, message.stop_reason, message.model, read_usage(message.usage))
+    usage, category = read_usage(message.usage), _category(message.stop_details)
+    reply = _reply(texts, message.stop_reason, message.model, usage, category)
     return reply if max_positions is None else check_positions(reply, max_positions)
 
 
@@ -355,11 +379,30 @@ def parse_reply(response: Message) -> RerankReply:
     """Turn the SDK's ``Message`` (a Message Batch's result) into a reply, or raise
     RerankMalformedError."""
     texts = [block.text for block in response.content if block.type == "text"]
-    return _reply(texts, response.stop_reason, response.model, read_usage(response.usage))
+    usage, category = read_usage(response.usage), _category(response.stop_details)
+    return _reply(texts, response.stop_reason, response.model, usage, category)
 
 
-def _reply(texts: list[str], stop_reason: str | None, model: str, usage: TokenUsage) -> RerankReply:
-    """The positions of the answer's text blocks, or RerankMalformedError."""
+def _category(details: _StopDetails | RefusalStopDetails | None) -> str | None:
+    return None if details is None else details.category
+
+
+def _reply(
+    texts: list[str],
+    stop_reason: str | None,
+    model: str,
+    usage: TokenUsage,
+    refusal_category: str | None = None,
+) -> RerankReply:
+    """The positions of the answer's text blocks, or RerankMalformedError (a refusal's
+    RerankRefusedError, whatever its text: the model was stopped mid-answer)."""
+    if stop_reason == "refusal":
+        raise RerankRefusedError(
+            f"the model refused (stop_details.category={refusal_category}): "
+            f"{_clip(''.join(texts))!r}",
+            usage=usage,
+            model=model,
+        )
     if not texts:
         raise RerankMalformedError(
             f"no text block (stop_reason={stop_reason})", usage=usage, model=model

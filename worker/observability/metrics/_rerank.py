@@ -36,6 +36,7 @@ ATTEMPT_RESULTS: Final = (
     "connection",
     "http_4xx",
     "malformed",
+    "refused",  # the model refused (stop_reason "refusal"): billed, not retried
     "budget_exhausted",  # not sent: the shared rate budget would free it past the deadline
 )
 RERANK_DURATION_OUTCOMES: Final = (*ATTEMPT_RESULTS, "deadline")  # the last attempt's class
