@@ -49,8 +49,10 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     claim and then finds the attempt made (:meth:`JobStore.claim_webhook`).
 
     At most ``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS`` deliveries run at once in a process,
-    and at most ``SIFT_WEBHOOK_DELIVERIES_PER_TENANT`` of one tenant's; one due while they
-    all send (or its tenant's share does) is put off a second or two by a hop, its attempt
+    and at most ``SIFT_WEBHOOK_DELIVERIES_PER_TENANT`` of one tenant's, a quarter kept for
+    tenants sending nothing else (:class:`worker.webhooks.delivery.DeliverySlots`); one due
+    while they all send (or its tenant's share does, or only the kept ones are free) is put
+    off a second or two by a hop, its attempt
     unspent, so slow receivers hold a few threads, never the ones searches and batch items
     need, and one tenant's never hold the other tenants' webhooks back."""
     from worker.webhooks import delivery as webhooks
@@ -68,14 +70,17 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
         settings.webhook_deliveries_per_process, settings.webhook_deliveries_per_tenant
     )
     with slots.take(event["tenant"]) as slot:
-        if not slot:  # every slot, or the tenant's share, sends: put this one off, the same
-            # event, its attempt unspent
+        if not slot:  # every slot, or the tenant's share, sends, or only the kept ones are
+            # free and the tenant sends already: put this one off, the same event, its
+            # attempt unspent
             log.debug(
-                "webhook %s: %d deliveries sending, or %d of tenant %s; put off",
+                "webhook %s: %d deliveries sending, or %d of tenant %s, or all but the %d "
+                "kept; put off",
                 data["id"],
                 slots.limit,
                 slots.per_tenant,
                 event["tenant"],
+                slots.reserved,
             )
             # the attempt is written down: a first message's is the retry count, which a hop bumps
             same = {**event, "attempt": _attempt_number(self, event)}
