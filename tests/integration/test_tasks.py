@@ -1378,6 +1378,81 @@ def test_a_webhook_whose_host_name_lookup_hangs_is_a_retried_timeout_at_its_cap(
     assert "retry (timeout: the name lookup, at the 1 s cap)" in caplog.text
 
 
+def test_webhook_lookups_a_resolver_never_answers_hold_a_share_of_the_threads_and_no_queue(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lookup given up on at its cap keeps its thread until the resolver answers, and a
+    resolver may never answer. One tenant's 32 webhooks to hosts whose lookups never end held
+    all 32 lookup threads; every later lookup, any tenant's, queued behind them, waited out
+    its whole cap and was reported as a lookup that took too long (here: acme's webhook to a
+    receiver on loopback never sent). Now one tenant's hung lookups hold 24 (a quarter of the
+    threads kept for tenants with none in the resolver), its further ones are refused at once,
+    and acme's webhook goes out. With every thread hung (eight more tenants' one each), acme's
+    next lookup is refused at once, never queued: a retried attempt that says why."""
+    import socket
+    from types import SimpleNamespace
+
+    from tests.services import webhook_inbox
+    from worker.observability import metrics
+    from worker.queue.jobstore import webhook_event
+    from worker.settings import Settings
+    from worker.webhooks import delivery
+
+    secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+    tenants = ["acme", "evil", *(f"t{i}" for i in range(8))]
+    keys = [SimpleNamespace(tenant=t, webhook_secrets=lambda: [secret]) for t in tenants]
+    monkeypatch.setattr(Settings, "all_api_keys", lambda self: keys)
+    context.settings = context.settings.model_copy(
+        update={"webhook_allow_private_networks": True, "webhook_total_timeout_seconds": 0.2}
+    )
+    monkeypatch.setattr(delivery, "_LOOKUPS", delivery._lookup_pool())  # this test's own
+    never = threading.Event()
+    asked: list[str] = []
+    real = socket.getaddrinfo
+
+    def resolver(host: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(host).endswith(".hangs.example"):  # its resolver never answers
+            asked.append(host)
+            never.wait()  # set as the test ends, so the threads end
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    _capturing_retries(monkeypatch)
+
+    def count(result: str) -> float:
+        return float(metrics.WEBHOOK_DELIVERIES.labels(result)._value.get())
+
+    def send(job_id: str, tenant: str, url: str) -> None:
+        event = webhook_event("search.completed", job_id, tenant, url, "succeeded")
+        webhook_task.webhook.apply(args=[event])
+
+    before = {r: count(r) for r in ("delivered", "retry", "failed")}
+    try:
+        with (
+            webhook_inbox() as (url, inbox),
+            caplog.at_level("INFO", logger="worker.webhooks.delivery"),
+        ):
+            for i in range(delivery.LOOKUP_THREADS):
+                send(f"srch_evil{i}", "evil", f"http://h{i}.hangs.example/hook")
+            send("srch_acme1", "acme", url)
+            assert inbox.qsize() == 1  # delivered, its lookup on a thread kept free
+            share = delivery.LOOKUP_THREADS * 3 // 4
+            assert len(asked) == share  # evil's others were refused, not queued
+            for i in range(8):
+                send(f"srch_t{i}", f"t{i}", f"http://t{i}.hangs.example/hook")
+            assert len(asked) == delivery.LOOKUP_THREADS  # every thread in the resolver
+            caplog.clear()
+            send("srch_acme2", "acme", url)
+            assert inbox.qsize() == 1  # not sent
+            assert "retry (dns: no name lookup thread free (32 of 32 wait" in caplog.text
+            assert "name lookup, at the" not in caplog.text  # not waited out as a timeout
+    finally:
+        never.set()
+    after = {r: count(r) - before[r] for r in before}
+    assert after == {"delivered": 1.0, "retry": 41.0, "failed": 0.0}
+
+
 @pytest.mark.parametrize(
     ("answer", "attempt", "retry_in", "shown"),
     [

@@ -139,6 +139,7 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
         secrets=secrets,
         settings=settings,
         figures=figures,
+        tenant=event["tenant"],
     )
     # the last attempt of a spent schedule is a failure, not a retry: nothing comes after it
     failed = webhooks.DeliveryOutcome.FAILED

@@ -41,11 +41,9 @@ import random
 import socket
 import threading
 import time
-from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -58,7 +56,8 @@ from standardwebhooks.webhooks import Webhook
 from worker.constants import WEBHOOK_EVENT_BATCH_COMPLETED, WEBHOOK_EVENT_SEARCH_COMPLETED
 from worker.core.budget import retry_after_seconds
 from worker.errors import InvalidRequest
-from worker.webhooks.urlguard import IPAddress, check_webhook_url
+from worker.webhooks.shares import TenantSlots
+from worker.webhooks.urlguard import IPAddress, LookupsBusy, LookupThreads, check_webhook_url
 
 if TYPE_CHECKING:
     from worker.settings import Settings
@@ -125,13 +124,14 @@ class DeliveryTimeouts:
 
 
 # Threads looking up webhook hosts at once in a process; a lookup that hangs keeps its thread
-# until the system resolver gives up. Apart from the model calls' lookups
+# until the system resolver gives up, and one that finds none free is refused at once, a
+# retried attempt (LookupThreads). Apart from the model calls' lookups
 # (worker/adapters/attempt_deadline.py), so a tenant's host whose DNS hangs never holds those up.
 LOOKUP_THREADS = 32
 
 
-def _lookup_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=LOOKUP_THREADS, thread_name_prefix="sift-webhook-dns")
+def _lookup_pool() -> LookupThreads:
+    return LookupThreads(LOOKUP_THREADS, "sift-webhook-dns")
 
 
 _LOOKUPS = _lookup_pool()
@@ -148,7 +148,8 @@ os.register_at_fork(after_in_child=_new_lookup_pool)
 
 class _Unresolved(Exception):
     """The host's name lookup did not answer in time, or failed for now (the resolver gave
-    up): the attempt is retried, not refused. Not an ``OSError``, so the guard lets it by."""
+    up), or found no thread free: the attempt is retried, not refused. Not an ``OSError``,
+    so the guard lets it by."""
 
 
 class _Deadline:
@@ -161,11 +162,12 @@ class _Deadline:
     A TLS handshake (its plain socket is detached by the wrap) has no socket to shut: the
     connect timeout is cut to :meth:`left` instead. getaddrinfo takes no timeout at all: the
     guard's lookup runs on a thread of its own, waited on no longer than :meth:`left`
-    (:meth:`lookup`)."""
+    (:meth:`lookup`), one of ``tenant``'s share of the threads."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, tenant: str = "") -> None:
         self.reached = False
         self._seconds = seconds
+        self._tenant = tenant
         self._ends = time.monotonic() + max(seconds, 0.0)
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
@@ -186,12 +188,17 @@ class _Deadline:
     def lookup(self, host: str, port: int, **kwargs: Any) -> list[tuple[Any, ...]]:
         """``socket.getaddrinfo`` for the guard, given up on at the cap; a lookup the
         resolver gave up on for now (``EAI_AGAIN``: its servers did not answer) is retried
-        too. Either raises :class:`_Unresolved`."""
-        found = _LOOKUPS.submit(socket.getaddrinfo, host, port, **kwargs)
+        too, and so is one that finds no lookup thread free (the others wait on lookups the
+        resolver has not answered): refused at once, not queued behind them. Each raises
+        :class:`_Unresolved`."""
+        try:
+            found = _LOOKUPS.submit(host, port, self._tenant, **kwargs)
+        except LookupsBusy as exc:
+            log.warning("webhook lookup of %s for tenant %s: %s", host, self._tenant, exc)
+            raise _Unresolved(str(exc)) from None
         try:
             return found.result(timeout=self.left())
         except FutureTimeout:
-            found.cancel()  # still queued behind hung lookups: never made, for nobody
             raise _Unresolved(f"timeout: the name lookup, at the {self._seconds:g} s cap") from None
         except socket.gaierror as exc:
             if exc.errno != socket.EAI_AGAIN:
@@ -224,62 +231,9 @@ def _shut(sock: socket.socket | None) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
-class DeliverySlots:
-    """At most ``limit`` deliveries at once in one worker process, and at most ``per_tenant``
-    of them one tenant's; a full house (or a tenant's full share) is not waited for (the task
-    puts its delivery off), so deliveries never hold every thread.
-
-    A quarter of the slots (:attr:`reserved`, 4 of 16) are kept for tenants sending nothing
-    else: a tenant already sending takes another slot only while that leaves them free, and
-    a tenant sending none takes any free slot. So tenants whose receivers hang hold one
-    tenant's share and one slot each of the others, and the next tenant's webhook still finds
-    a slot (at the defaults: 12 + 1 + 1 + 1 + 1 before a sixth tenant waits). A share alone
-    left the rest to the second tenant to come: two hung receivers held 12 + 4, every slot.
-
-    >>> slots = DeliverySlots(2, per_tenant=1)
-    >>> with slots.take("a") as first, slots.take("a") as second, slots.take("b") as third:
-    ...     (first, second, third)
-    (True, False, True)
-    >>> slots = DeliverySlots(8, per_tenant=6)  # 2 kept
-    >>> [slots.acquire("a") for _ in range(7)], slots.acquire("b"), slots.acquire("b")
-    ([True, True, True, True, True, True, False], True, False)
-    >>> slots.acquire("c"), slots.acquire("d")
-    (True, False)
-    """
-
-    def __init__(self, limit: int, per_tenant: int | None = None) -> None:
-        self.limit = limit
-        self.per_tenant = min(per_tenant or limit, limit)
-        self.reserved = limit // 4
-        self._lock = threading.Lock()
-        self._held: Counter[str] = Counter()  # slots held, by tenant
-
-    def acquire(self, tenant: str = "") -> bool:
-        """Take a slot for ``tenant`` if the rule allows it now (never waits); True if taken.
-        A slot taken is given back with :meth:`release`."""
-        with self._lock:
-            held = self._held[tenant]
-            free = self.limit - self._held.total()
-            got = free > 0 and held < self.per_tenant and (not held or free > self.reserved)
-            if got:
-                self._held[tenant] += 1
-            return got
-
-    def release(self, tenant: str = "") -> None:
-        with self._lock:
-            self._held[tenant] -= 1
-            if self._held[tenant] <= 0:
-                del self._held[tenant]
-
-    @contextmanager
-    def take(self, tenant: str = "") -> Iterator[bool]:
-        """True while holding a slot; False, at once, when the rule gives ``tenant`` none."""
-        got = self.acquire(tenant)
-        try:
-            yield got
-        finally:
-            if got:
-                self.release(tenant)
+# The slot rule (a share per tenant, a quarter kept for tenants sending nothing else) is
+# TenantSlots', shared with the name lookups' threads (worker/webhooks/urlguard.py).
+DeliverySlots = TenantSlots
 
 
 @functools.cache
@@ -418,14 +372,16 @@ def deliver(
     allow_private: bool,
     timeout: DeliveryTimeouts | None = None,
     client: httpx.Client | None = None,
+    tenant: str = "",
 ) -> DeliveryResult:
     """POST one signed delivery to ``url`` and classify what happened. Never raises for the network.
 
     The whole delivery ends by ``timeout.total``, its clock started before the guard's name
     lookup: a lookup still unanswered then is given up on, a connection still open then is
     shut, a connect or TLS handshake may last only what the cap leaves, and the attempt is a
-    timeout (retried). A lookup the resolver gave up on for now is retried too; a host that
-    does not exist is refused, as at registration.
+    timeout (retried). A lookup the resolver gave up on for now is retried too, and so is
+    one that finds no thread free (``tenant``'s lookups have their share of this process's
+    :data:`LOOKUP_THREADS`); a host that does not exist is refused, as at registration.
 
     The SSRF guard runs again here, re-resolving the host, and the request is
     sent to one of exactly the addresses it checked (the ``Host`` header and TLS
@@ -434,7 +390,7 @@ def deliver(
     """
     started = time.monotonic()
     timeouts = timeout or DeliveryTimeouts()
-    with _Deadline(timeouts.total) as deadline:
+    with _Deadline(timeouts.total, tenant) as deadline:
         try:
             addresses = check_webhook_url(url, allow_private=allow_private, lookup=deadline.lookup)
         except InvalidRequest as exc:
@@ -539,6 +495,7 @@ def run_delivery(
     figures: Mapping[str, Any] | None = None,
     client: httpx.Client | None = None,
     rng: random.Random | None = None,
+    tenant: str = "",
 ) -> DeliveryDecision:
     """One attempt of the ``sift.webhook`` task: build, sign, send, and decide what comes next.
 
@@ -549,7 +506,7 @@ def run_delivery(
     every attempt sends the same bytes. ``retry_in`` is the countdown for the next
     attempt, or None when this attempt was final: delivered, failed for good, or
     the schedule is spent (``gave_up``). A 429/5xx ``Retry-After`` lengthens the
-    wait, never shortens it.
+    wait, never shortens it. ``tenant``: whose webhook (its share of the lookup threads).
     """
     when = datetime.fromisoformat(occurred_at) if isinstance(occurred_at, str) else occurred_at
     body = payload(event_type, job_id, status, occurred_at=when, figures=figures)
@@ -565,6 +522,7 @@ def run_delivery(
             total=settings.webhook_total_timeout_seconds,
         ),
         client=client,
+        tenant=tenant,
     )
     retry_in: float | None = None
     if result.outcome is DeliveryOutcome.RETRY:

@@ -18,10 +18,12 @@ from __future__ import annotations
 import ipaddress
 import socket
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
 from worker.errors import InvalidRequest
+from worker.webhooks.shares import TenantSlots
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 # socket.getaddrinfo's shape: the sender passes one bounded by its delivery's cap
@@ -168,3 +170,51 @@ def check_webhook_url(
                     )
                 raise InvalidRequest(FIELD, message)
     return addresses
+
+
+class LookupsBusy(Exception):
+    """No lookup thread is free for this tenant: the others wait on lookups the resolver has
+    not answered. Refused at once, never queued behind them."""
+
+
+class LookupThreads:
+    """Threads for ``socket.getaddrinfo``, which takes no timeout, so that its caller waits
+    only as long as it likes (``submit(...).result(timeout=...)``)::
+
+        lookups = LookupThreads(32, "sift-webhook-dns")
+        infos = lookups.submit("hooks.example.com", 443, "acme").result(timeout=5)
+
+    A lookup holds its thread until the resolver answers, given up on or not. At most
+    ``limit`` do, shared out among tenants by :class:`TenantSlots`' rule (a quarter kept for
+    tenants with none in the resolver); a lookup the rule gives no thread is refused at once
+    (:class:`LookupsBusy`). Queued, it waited behind lookups that may never end, and once a
+    resolver that never answers held every thread, every tenant's lookup waited out its
+    caller's whole time and was then reported as a lookup that took too long."""
+
+    def __init__(self, limit: int, name: str) -> None:
+        self.limit = limit
+        self._slots = TenantSlots(limit)
+        self._pool = ThreadPoolExecutor(max_workers=limit, thread_name_prefix=name)
+
+    def submit(
+        self, host: str, port: int, tenant: str = "", **kwargs: Any
+    ) -> Future[list[tuple[Any, ...]]]:
+        """``socket.getaddrinfo(host, port, **kwargs)`` on a thread of its own, or
+        :class:`LookupsBusy` at once when the rule leaves ``tenant`` none."""
+        if not self._slots.acquire(tenant):
+            raise LookupsBusy(
+                f"dns: no name lookup thread free ({self._slots.held()} of {self.limit} "
+                "wait on the resolver); not looked up"
+            )
+
+        def lookup() -> list[tuple[Any, ...]]:
+            try:
+                return socket.getaddrinfo(host, port, **kwargs)
+            finally:
+                self._slots.release(tenant)
+
+        return self._pool.submit(lookup)
+
+    def waiting(self) -> int:
+        """Lookups the resolver has not answered yet, given up on or not."""
+        return self._slots.held()
