@@ -48,6 +48,7 @@ from worker.observability.metrics import (
 )
 from worker.queue.jobstore import AsyncJobStore, JobStore
 from worker.settings import Settings, load_settings
+from worker.webhooks.urlguard import LOOKUP_THREADS, LookupThreads
 
 log = logging.getLogger(__name__)
 REDIS_MAX_CONNECTIONS = 128
@@ -98,6 +99,8 @@ def create_app(
         app.state.backlog = Backlog(async_store.in_flight, settings.max_backlog)
         app.state.sender = sender
         app.state.retakes = set()  # cancel-count takes sent again (api_gateway/jobs/)
+        # webhook URLs' name lookups at registration, on threads of their own (api_gateway/jobs/)
+        app.state.lookups = LookupThreads(LOOKUP_THREADS, "sift-gateway-dns")
         try:
             yield
         finally:

@@ -261,6 +261,7 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = None
     api_keys: Annotated[list[ApiKey], NoDecode] = Field(default_factory=list)
     webhook_allow_private_networks: bool = False
+    # also the most the gateway waits for a webhook URL's host to resolve at registration
     webhook_connect_timeout_seconds: float = Field(default=5.0, gt=0)
     webhook_read_timeout_seconds: float = Field(default=15.0, gt=0)
     # The wall-clock cap on one delivery, connect to status line: httpx's timeouts are per

@@ -120,7 +120,7 @@ async def create_batch(
     parsed = await off_loop(parse_batch, await request.body(), route if idempotency_key else None)
     body, items = parsed.head, parsed.items
     _check_rerank(settings, body.rerank)
-    await _check_url(settings, body.webhook_url)
+    await _check_url(request, settings, body.webhook_url, tenant)
     idem = _Idempotency(store, tenant, idempotency_key, parsed.fingerprint)
     batch_id = await idem.earlier_job()
     made: BatchJob | None = None  # by this request

@@ -96,7 +96,7 @@ async def create_search(
     ``wait`` seconds."""
     settings, store = app_settings(request), job_store(request)
     _check_rerank(settings, body.rerank)
-    await _check_url(settings, body.webhook_url)
+    await _check_url(request, settings, body.webhook_url, tenant)
     idem = _Idempotency.of(store, tenant, idempotency_key, "POST /v1/searches", body)
     job_id = await idem.earlier_job()
     fresh: SearchJob | None = None

@@ -3,8 +3,12 @@ tasks, the webhook URL and rerank checks, and the answer for a job Redis lost.""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import socket
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Path, Request
@@ -18,7 +22,14 @@ from worker.errors import InvalidRequest
 from worker.observability.logcontext import job_context
 from worker.queue.jobstore import BatchJob, Enqueue, IngestJob, SearchJob
 from worker.settings import Settings
-from worker.webhooks.urlguard import check_webhook_url
+from worker.webhooks.urlguard import (
+    FIELD,
+    LOOKUP_TIMEOUT_SETTING,
+    LookupsBusy,
+    LookupThreads,
+    check_webhook_url,
+    split_webhook_url,
+)
 
 log = logging.getLogger(__package__)  # api_gateway.jobs: one logger for the job routes
 
@@ -95,11 +106,63 @@ async def _create_and_enqueue_async(
     return job
 
 
-async def _check_url(settings: Settings, url: str | None) -> None:
-    if url is not None:
-        await off_loop(
-            check_webhook_url, url, allow_private=settings.webhook_allow_private_networks
+async def _check_url(request: Request, settings: Settings, url: str | None, tenant: str) -> None:
+    """The SSRF guard on a webhook URL being registered (``422`` naming ``webhook_url``).
+
+    Its host's name lookup (getaddrinfo, which takes no timeout) runs on one of the gateway's
+    own lookup threads (:class:`LookupThreads`: ``tenant``'s share of them, none queued) and
+    is waited on, on the event loop, at most ``SIFT_WEBHOOK_CONNECT_TIMEOUT_SECONDS``: one
+    still unanswered then, or finding no thread free, is a ``503`` naming ``webhook_url``
+    and that setting, nothing stored. Before, the lookup ran in the threadpool the gateway's
+    store calls and sync dependencies share, for as long as the resolver took: a resolver
+    that never answered held the request, and one of those threads, forever."""
+    if url is None:
+        return
+    _, host, port = split_webhook_url(url)
+    lookups: LookupThreads = request.app.state.lookups
+    within = settings.webhook_connect_timeout_seconds
+    try:
+        found = lookups.submit(host, port, tenant, type=socket.SOCK_STREAM)
+    except LookupsBusy as exc:
+        raise _lookup_unavailable(
+            f"the name lookup of the host {host!r} found no lookup thread free for this tenant "
+            f"({lookups.waiting()} of {lookups.limit} wait on a resolver that has not "
+            f"answered; each request waits at most {within:g} s, {LOOKUP_TIMEOUT_SETTING})",
+            within,
+        ) from exc
+    waited = asyncio.wrap_future(found)
+    waited.add_done_callback(_retrieved)
+    done, _ = await asyncio.wait({waited}, timeout=within)  # never cancels the lookup
+    if not done:
+        log.warning("webhook_url: the name lookup of %r unanswered at %g s", host, within)
+        raise _lookup_unavailable(
+            f"the name lookup of the host {host!r} did not answer within {within:g} s "
+            f"({LOOKUP_TIMEOUT_SETTING})",
+            within,
         )
+    check_webhook_url(  # the answer, or the lookup's error, read back: no thread needed
+        url, allow_private=settings.webhook_allow_private_networks, lookup=_answer(found)
+    )
+
+
+def _answer(found: Future[list[tuple[Any, ...]]]) -> Callable[..., list[tuple[Any, ...]]]:
+    return lambda *_args, **_kwargs: found.result()
+
+
+def _retrieved(waited: asyncio.Future[Any]) -> None:
+    """A lookup answered after its request gave up on it: its error is nobody's to log."""
+    if not waited.cancelled():
+        waited.exception()
+
+
+def _lookup_unavailable(why: str, within: float) -> ApiError:
+    return ApiError(
+        503,
+        "unavailable",
+        f"{FIELD}: {why}; nothing was stored: send the request again later",
+        field=FIELD,
+        headers={"Retry-After": str(math.ceil(within))},
+    )
 
 
 def _check_rerank(settings: Settings, rerank: bool | None) -> None:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+import redis
 from starlette.testclient import TestClient
 
 from api_gateway.app import create_app
@@ -175,6 +177,49 @@ def test_registration_accepts_a_public_address_and_contacts_nothing(
     )
     assert response.status_code == 202, response.text
     assert not [a for a in connects if isinstance(a, tuple) and a[0] == "93.184.216.34"]
+
+
+def test_registration_whose_name_lookup_hangs_is_a_503_at_the_connect_timeout(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """getaddrinfo takes no timeout, and the gateway's lookup of a URL being registered had
+    no bound: a resolver that never answered held the request (and a thread of the pool the
+    gateway's store calls share) for as long as it took; here, the 20 s the fake resolver
+    hangs, then a 202. Now the request waits for it at most
+    ``SIFT_WEBHOOK_CONNECT_TIMEOUT_SECONDS`` and answers 503 naming the field and the
+    setting, nothing stored, while the lookup still hangs."""
+    answered = threading.Event()
+    real = socket.getaddrinfo
+
+    def hanging(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "hangs.example":  # its DNS server never answers (20 s, a hang guard)
+            answered.wait(20.0)
+            answered.set()
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", port))]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    redis.Redis.from_url(stack.redis_url + "/4").flushdb()  # this test's own database
+    settings = Settings(
+        redis_url=stack.redis_url + "/4",
+        api_keys=[ApiKey(**KEYS[0])],
+        webhook_connect_timeout_seconds=0.5,
+    )
+    body = {"index": INDEX, "query": "q", "webhook_url": "https://hangs.example/sift"}
+    with TestClient(create_app(settings)) as client:
+        try:
+            response = client.post("/v1/searches", json=body, headers=ACME)
+            assert not answered.is_set()  # it did not wait for the lookup
+            listed = client.get("/v1/searches", headers=ACME)
+        finally:
+            answered.set()
+    assert response.status_code == 503, response.text
+    error = response.json()["error"]
+    assert error["field"] == "webhook_url"
+    assert error["message"].startswith("webhook_url: the name lookup of the host 'hangs.example'")
+    assert "SIFT_WEBHOOK_CONNECT_TIMEOUT_SECONDS" in error["message"]
+    assert response.headers["retry-after"] == "1"
+    assert listed.status_code == 200 and listed.json()["searches"] == [], listed.text
 
 
 # --- delivery -------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from standardwebhooks.webhooks import Webhook
 from worker.constants import WEBHOOK_EVENT_BATCH_COMPLETED, WEBHOOK_EVENT_SEARCH_COMPLETED
 from worker.core.budget import retry_after_seconds
 from worker.errors import InvalidRequest
+from worker.webhooks import urlguard
 from worker.webhooks.shares import TenantSlots
 from worker.webhooks.urlguard import IPAddress, LookupsBusy, LookupThreads, check_webhook_url
 
@@ -127,7 +128,7 @@ class DeliveryTimeouts:
 # until the system resolver gives up, and one that finds none free is refused at once, a
 # retried attempt (LookupThreads). Apart from the model calls' lookups
 # (worker/adapters/attempt_deadline.py), so a tenant's host whose DNS hangs never holds those up.
-LOOKUP_THREADS = 32
+LOOKUP_THREADS = urlguard.LOOKUP_THREADS
 
 
 def _lookup_pool() -> LookupThreads:

@@ -33,6 +33,10 @@ FIELD = "webhook_url"
 # the setting that lifts the address rule, named in a refusal so a developer running a local
 # receiver knows what to set (worker/settings.py: webhook_allow_private_networks)
 ALLOW_PRIVATE_SETTING = "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS"
+# the setting that bounds the gateway's lookup of a URL's host at registration, named in its 503
+LOOKUP_TIMEOUT_SETTING = "SIFT_WEBHOOK_CONNECT_TIMEOUT_SECONDS"
+# threads looking up webhook hosts at once in one process (the gateway's, a worker's)
+LOOKUP_THREADS = 32
 ALLOWED_SCHEMES = ("http", "https")
 DEFAULT_PORTS = {"http": 80, "https": 443}
 
