@@ -140,6 +140,14 @@ async def _check_url(request: Request, settings: Settings, url: str | None, tena
             f"({LOOKUP_TIMEOUT_SETTING})",
             within,
         )
+    failed = found.exception()
+    if isinstance(failed, socket.gaierror) and failed.errno == socket.EAI_AGAIN:
+        # the resolver's servers did not answer: nothing is known of the host yet
+        raise _lookup_unavailable(
+            f"the name lookup of the host {host!r} failed for now (temporary failure in name "
+            "resolution: the resolver's servers did not answer)",
+            within,
+        )
     check_webhook_url(  # the answer, or the lookup's error, read back: no thread needed
         url, allow_private=settings.webhook_allow_private_networks, lookup=_answer(found)
     )

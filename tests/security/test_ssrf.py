@@ -222,6 +222,46 @@ def test_registration_whose_name_lookup_hangs_is_a_503_at_the_connect_timeout(
     assert listed.status_code == 200 and listed.json()["searches"] == [], listed.text
 
 
+def test_registration_whose_name_lookup_fails_for_now_is_a_503_not_a_bad_url(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resolver whose servers did not answer gives up with ``EAI_AGAIN``: nothing is known
+    of the host, so the request may be sent again (503, ``Retry-After``), where a host that
+    does not exist is the caller's error (422). Before, both were 422 "does not resolve",
+    telling the caller its URL was wrong; the worker already retried an ``EAI_AGAIN``."""
+    real = socket.getaddrinfo
+
+    def flaky(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host == "flaky-dns.example":
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+        if host == "no-such-host.example":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", flaky)
+    redis.Redis.from_url(stack.redis_url + "/5").flushdb()  # this test's own database
+    settings = Settings(redis_url=stack.redis_url + "/5", api_keys=[ApiKey(**KEYS[0])])
+    with TestClient(create_app(settings)) as client:
+        answers = {
+            host: client.post(
+                "/v1/searches",
+                json={"index": INDEX, "query": "q", "webhook_url": f"https://{host}/sift"},
+                headers=ACME,
+            )
+            for host in ("flaky-dns.example", "no-such-host.example")
+        }
+        listed = client.get("/v1/searches", headers=ACME)
+    flaky_answer, missing = answers["flaky-dns.example"], answers["no-such-host.example"]
+    assert flaky_answer.status_code == 503, flaky_answer.text
+    error = flaky_answer.json()["error"]
+    assert error["field"] == "webhook_url"
+    assert "temporary failure in name resolution" in error["message"]
+    assert "retry-after" in flaky_answer.headers
+    assert missing.status_code == 422, missing.text
+    assert "does not resolve" in missing.json()["error"]["message"]
+    assert listed.status_code == 200 and listed.json()["searches"] == [], listed.text
+
+
 # --- delivery -------------------------------------------------------------------------------
 
 
