@@ -363,6 +363,24 @@ def test_a_rerank_with_a_generation_model_is_accepted(redis_url: str, store: Job
             "candidate_limit",
             2,
         ),
+        # a name that is a lone surrogate (valid JSON, no UTF-8), named as pydantic names it
+        # (its three bytes as three U+FFFD): the field's own text could not be written in the
+        # UTF-8 answer, a 500 (on POST /v1/batches, the connection reset)
+        (
+            "POST",
+            "/v1/searches",
+            '{"index": "docs", "query": "a", "\\ud800": 1, "\\ud800": 2}',
+            "\ufffd" * 3,
+            2,
+        ),
+        (
+            "POST",
+            "/v1/batches",
+            '{"index": "docs", "queries": [{"id": "a", "query": "t",'
+            ' "filters": {"\\udfff": 1, "\\udfff": 2}}]}',
+            "queries[0].filters." + "\ufffd" * 3,
+            2,
+        ),
     ],
 )
 def test_a_body_member_given_twice_is_422_naming_it(
