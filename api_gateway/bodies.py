@@ -25,7 +25,8 @@ not follow, so the answer is always ``json.loads``'s.
 Every JSON body, on every route, is read as UTF-8 alone (:func:`json_text`; the route class
 in :mod:`api_gateway.routing` gives FastAPI's handlers the same rule), and an object in it
 that gives a member twice is a ``422`` naming the member (:func:`repeated_member`), at any
-depth: ``json.loads`` kept the last silently.
+depth: ``json.loads`` kept the last silently. So is an integer of more digits than Python's
+``int()`` reads (:class:`LongInteger`), which ``json.loads`` refused as a whole text.
 
 The OpenAPI document still shows the model: :func:`document_bodies` adds its schema to the
 components the route's ``openapi_extra`` refers to.
@@ -81,14 +82,14 @@ def parse_batch(raw: bytes, route: str | None = None) -> ParsedBatch:
     """A ``POST /v1/batches`` body, validated as ``BatchRequest`` a slice of
     :data:`VALIDATE_CHUNK` queries at a time; with ``route``, its fingerprint. Raises
     :class:`RequestValidationError` as FastAPI would, then :class:`InvalidRequest` for a
-    member given twice (first) or a repeated query id.
+    member given twice or an integer too long to read (first), or a repeated query id.
 
     Each slice becomes strings (the specs' JSON) before the next: the model instances of
     100,000 queries, kept alive together, had the garbage collector's full passes walk them
     again and again, up to 0.3 s each with the GIL held."""
-    data, repeated_at = _json(raw)
-    if repeated_at is not None:
-        raise repeated_member(*repeated_at)
+    data, problem = _json(raw)
+    if problem is not None:
+        raise problem
     errors: list[Any] = []
     try:
         head: BatchHead | None = BatchHead.model_validate(data)
@@ -162,36 +163,102 @@ def repeated_member(loc: Loc, times: int) -> InvalidRequest:
     >>> repeated_member(("filters", "\\ud800"), 2).field == "filters." + "\\ufffd" * 3
     True
     """
+    return InvalidRequest(field_of(loc), TWICE.format(times=times))
+
+
+def field_of(loc: Loc) -> str:
+    """The name of the member at ``loc``, as a field is named (``queries[3].id``)."""
     field = ""
-    for part in loc:  # as a field is named: queries[3].id
+    for part in loc:
         if isinstance(part, int):
             field += f"[{part}]"
         else:
             name = part.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
             field += ("." if field else "") + name
-    return InvalidRequest(field, TWICE.format(times=times))
+    return field
 
 
-def loads_checked(text: str) -> tuple[Any, tuple[Loc, int] | None]:
-    """``json.loads(text)``, and where an object in it first gives a member more than once
-    (and how many times), or ``None``. The check is a dict and a length per object."""
+class LongInteger:
+    """Where a JSON text has an integer of more digits than Python's ``int()`` reads from
+    text (``sys.get_int_max_str_digits()``, 4,300): valid JSON, past every bound a field of
+    the API has. It stands in the value decoded for the integer, so the member holding it is
+    named (:func:`long_integer`); ``json.loads`` refused the whole text with a ``ValueError``
+    that named no member and told the client to call ``sys.set_int_max_str_digits()``."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: int) -> None:
+        self.digits = digits
+
+
+def _integer(text: str) -> int | LongInteger:
+    """A JSON integer's value; a :class:`LongInteger` for one too long for ``int()``."""
+    try:
+        return int(text)
+    except ValueError:
+        return LongInteger(len(text.lstrip("-")))
+
+
+def long_integer(value: Any) -> InvalidRequest | None:
+    """The ``422`` of the first :class:`LongInteger` in ``value`` (in the text's order),
+    naming its member; ``None`` when there is none.
+
+    >>> long_integer({"a": [1, {"b": LongInteger(5000)}]}).message
+    'a[1].b: is an integer of 5000 digits, past any limit here'
+    >>> long_integer({"a": 1}) is None
+    True
+    """
+    stack: list[tuple[Any, Loc]] = [(value, ())]
+    while stack:  # depth first, in order, without recursion (a text may nest deep)
+        node, loc = stack.pop()
+        if isinstance(node, LongInteger):
+            return InvalidRequest(
+                field_of(loc) or "body",
+                f"is an integer of {node.digits} digits, past any limit here",
+            )
+        if isinstance(node, (dict, list)):
+            children = node.items() if isinstance(node, dict) else enumerate(node)
+            stack.extend((child, (*loc, at)) for at, child in reversed(list(children)))
+    return None
+
+
+def loads_checked(text: str) -> tuple[Any, InvalidRequest | None]:
+    """``json.loads(text)``, and the ``422`` of the first object in it that gives a member more
+    than once, or else of an integer too long to read (:class:`LongInteger`); ``None`` when
+    neither. The check is a dict and a length per object."""
+    return _checked(text, lambda text, members: json.loads(text, object_pairs_hook=members))
+
+
+def _checked(text: str, decode: Callable[[str, Members], Any]) -> tuple[Any, InvalidRequest | None]:
+    """``decode(text, members)`` and its ``422``, as :func:`loads_checked` says. A
+    ``ValueError`` that is no ``JSONDecodeError`` is an integer too long for ``int()``: the
+    text is decoded again, each such integer a :class:`LongInteger`, and only then is the
+    value walked to find it (a body without one is not walked)."""
     members = Members()
-    value = json.loads(text, object_pairs_hook=members)
-    return value, members.first_repeated(value)
+    try:
+        value = decode(text, members)
+        long = None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:
+        members = Members()
+        value = json.loads(text, object_pairs_hook=members, parse_int=_integer)
+        long = long_integer(value)
+    if (repeated := members.first_repeated(value)) is not None:
+        return value, repeated_member(*repeated)
+    return value, long
 
 
-def _json(raw: bytes) -> tuple[Any, tuple[Loc, int] | None]:
-    """The body, decoded as ``json.loads`` would (UTF-8 alone: :func:`json_text`), and where
-    it first gives a member twice (:meth:`Members.first_repeated`); raises
-    :class:`RequestValidationError`."""
+def _json(raw: bytes) -> tuple[Any, InvalidRequest | None]:
+    """The body, decoded as ``json.loads`` would (UTF-8 alone: :func:`json_text`), and the
+    ``422`` of a member it gives twice or of an integer too long to read, if any (as
+    :func:`loads_checked`); raises :class:`RequestValidationError`."""
     if not raw:
         raise RequestValidationError(
             [{"type": "missing", "loc": ("body",), "msg": "Field required"}]
         )
     try:
-        members = Members()
-        data = loads_in_pieces(json_text(raw), members)
-        return data, members.first_repeated(data)
+        return _checked(json_text(raw), loads_in_pieces)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise not_json(exc) from exc
 

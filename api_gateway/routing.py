@@ -11,7 +11,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import Match
 from starlette.types import Receive, Scope, Send
 
-from api_gateway.bodies import json_text, loads_checked, not_json, repeated_member
+from api_gateway.bodies import json_text, loads_checked, not_json
 from api_gateway.paths import routed_path, slashes_back
 
 BODY_PROBLEM = "sift.body_problem"  # the scope key :class:`Utf8JsonRequest` sets
@@ -19,22 +19,23 @@ BODY_PROBLEM = "sift.body_problem"  # the scope key :class:`Utf8JsonRequest` set
 
 class Utf8JsonRequest(Request):
     """A request whose JSON body is read as UTF-8 alone (:func:`json_text`): Starlette's
-    ``json.loads`` of the bytes read UTF-16 and UTF-32 too. A body that is not JSON, or
-    that gives a member twice (:func:`loads_checked`), is kept in the scope as its error
-    (:data:`BODY_PROBLEM`) for :func:`api_gateway.deps.body_as_read`, which raises it after
-    the key check: FastAPI reads the body before any dependency runs, so a body not JSON was
-    a ``400`` to a caller without a key, and any error here but a ``JSONDecodeError`` is
-    its ``400`` "There was an error parsing the body"."""
+    ``json.loads`` of the bytes read UTF-16 and UTF-32 too. A body that is not JSON, that
+    gives a member twice, or that holds an integer too long to read (:func:`loads_checked`),
+    is kept in the scope as its error (:data:`BODY_PROBLEM`) for
+    :func:`api_gateway.deps.body_as_read`, which raises it after the key check: FastAPI
+    reads the body before any dependency runs, so a body not JSON was a ``400`` to a caller
+    without a key, and any error here but a ``JSONDecodeError`` is its ``400`` "There was an
+    error parsing the body"."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
             try:
-                self._json, repeated = loads_checked(json_text(await self.body()))
+                self._json, problem = loads_checked(json_text(await self.body()))
             except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep
-                self._json, repeated = None, None
+                self._json, problem = None, None
                 self.scope[BODY_PROBLEM] = not_json(exc)
-            if repeated is not None:
-                self.scope[BODY_PROBLEM] = repeated_member(*repeated)
+            if problem is not None:
+                self.scope[BODY_PROBLEM] = problem
         return self._json
 
 

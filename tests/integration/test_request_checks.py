@@ -403,6 +403,57 @@ def test_a_body_member_given_twice_is_422_naming_it(
     assert unkeyed.status_code == 401, unkeyed.text
 
 
+LONG = "9" * 5_000  # an integer of more digits than Python's int() reads from text (4,300)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "field"),
+    [
+        ("POST", "/v1/searches", f'{{"index": "docs", "query": "a", "limit": {LONG}}}', "limit"),
+        (
+            "POST",
+            "/v1/searches",
+            f'{{"index": "docs", "query": "a", "filters": {{"k": -{LONG}}}}}',
+            "filters.k",
+        ),
+        (
+            "POST",
+            "/v1/batches",
+            f'{{"index": "docs", "queries": [{{"id": "a", "query": "t"}},'
+            f' {{"id": "b", "query": "t", "limit": {LONG}}}]}}',
+            "queries[1].limit",
+        ),
+        (
+            "POST",
+            "/v1/indexes/docs/documents",
+            f'{{"documents": [{{"id": "d", "text": "t", "metadata": {{"n": {LONG}}}}}]}}',
+            "documents[0].metadata.n",
+        ),
+        ("PATCH", "/v1/indexes/docs", f'{{"candidate_limit": {LONG}}}', "candidate_limit"),
+    ],
+)
+def test_an_integer_too_long_to_read_is_422_naming_it(
+    client: TestClient, method: str, path: str, body: str, field: str
+) -> None:
+    """An integer of more than 4,300 digits is valid JSON, but Python's JSON reader refuses
+    to convert it: the answer was a ``400`` "body: is not valid JSON: Exceeds the limit (4300
+    digits) for integer string conversion ... use sys.set_int_max_str_digits() to increase the
+    limit", naming no field and telling the client to call a Python function. It is a
+    ``422`` naming the member, as any other value past its field's bounds, after the key check,
+    and nothing is stored."""
+    headers = {"content-type": "application/json"}
+    response = client.request(method, path, content=body.encode(), headers={**ACME, **headers})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == field, error
+    assert error["message"] == f"{field}: is an integer of 5000 digits, past any limit here", error
+    assert client.get("/v1/searches", headers=ACME).json()["searches"] == []  # nothing stored
+    assert client.get("/v1/batches", headers=ACME).json()["batches"] == []
+    assert client.get("/v1/ingestions", headers=ACME).json()["ingestions"] == []
+    unkeyed = client.request(method, path, content=body.encode(), headers=headers)
+    assert unkeyed.status_code == 401, unkeyed.text
+
+
 DOC = "/v1/indexes/docs/documents"
 
 
