@@ -164,6 +164,12 @@ def query_parameters(request: Request, _tenant: Tenant) -> None:
         if name not in known:
             takes = ", ".join(sorted(known)) or "no query parameter"
             where = f"{request.method} {route.path_format}"
+            if not name:  # "?=1": named as the query string, not as "" (": is not ...")
+                raise InvalidRequest(
+                    "query",
+                    f"a parameter with no name is not a query parameter of {where} "
+                    f"(it takes {takes})",
+                )
             raise InvalidRequest(name, f"is not a query parameter of {where} (it takes {takes})")
         if times > 1:
             raise InvalidRequest(name, f"is given {times} times: give it once")

@@ -48,6 +48,7 @@ def client(redis_url: str, store: JobStore) -> Iterator[TestClient]:
     ("method", "path", "field"),
     [
         ("GET", "/v1/searches?statu=failed", "statu"),
+        ("GET", "/v1/searches?=1", "query"),  # a parameter with no name
         ("GET", "/v1/batches?page_size=5&index=docs", "index"),
         ("GET", "/v1/ingestions?limit=5", "limit"),
         ("GET", "/v1/indexes?status=queued", "status"),
