@@ -63,6 +63,8 @@ def test_index_set_with_no_setting_is_a_usage_error() -> None:
         (["gateway", "--port", "70000"], "--port", "SIFT_GATEWAY_PORT"),
         (["worker", "--pool", "gevent"], "--pool", "SIFT_WORKER_POOL"),
         (["worker", "--concurrency", "99999"], "--concurrency", "SIFT_WORKER_CONCURRENCY"),
+        # 0 was taken for no option: the worker ran at SIFT_WORKER_CONCURRENCY's 300 threads
+        (["worker", "--concurrency", "0"], "--concurrency", "SIFT_WORKER_CONCURRENCY"),
     ],
 )
 def test_a_service_option_is_named_not_its_variable(

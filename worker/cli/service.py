@@ -91,7 +91,7 @@ def worker(
     from worker.queue.celery_app import create_celery_app
 
     overrides: dict[str, Any] = {}
-    if concurrency:
+    if concurrency is not None:  # 0 too: a bad value, not the setting's default
         overrides["worker_concurrency"] = concurrency
     if pool:
         overrides["worker_pool"] = pool
@@ -104,7 +104,7 @@ def worker(
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
         args = ["--queues", queues]
-        args += ["--concurrency", str(concurrency)] if concurrency else []
+        args += ["--concurrency", str(concurrency)] if concurrency is not None else []
         args += ["--pool", pool] if pool else []
         args += ["--loglevel", loglevel] if loglevel else []
         run_workers(settings, count, name, args)
