@@ -65,6 +65,8 @@ def test_index_set_with_no_setting_is_a_usage_error() -> None:
         (["worker", "--concurrency", "99999"], "--concurrency", "SIFT_WORKER_CONCURRENCY"),
         # 0 was taken for no option: the worker ran at SIFT_WORKER_CONCURRENCY's 300 threads
         (["worker", "--concurrency", "0"], "--concurrency", "SIFT_WORKER_CONCURRENCY"),
+        # it went to Celery unchecked: every worker process stopped on a traceback, restarted
+        (["worker", "--loglevel", "loud"], "--loglevel", "SIFT_LOG_LEVEL"),
     ],
 )
 def test_a_service_option_is_named_not_its_variable(
@@ -73,6 +75,13 @@ def test_a_service_option_is_named_not_its_variable(
     result = sift(*args)
     usage_error(result, option)
     assert variable not in result.output
+
+
+def test_a_log_level_in_lower_case_is_taken() -> None:
+    """Celery's own spelling (``--loglevel info``) is SIFT_LOG_LEVEL's ``INFO``: the worker
+    goes on to what it lacks here, a Redis."""
+    result = sift("worker", "--loglevel", "info")
+    assert result.exit_code == 2 and "SIFT_REDIS_URL is required" in result.output, result.output
 
 
 def test_search_mode_of_no_known_value(tmp_path: Path) -> None:

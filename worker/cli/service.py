@@ -79,7 +79,9 @@ def worker(
     ] = None,
     pool: Annotated[str | None, typer.Option(help="threads|prefork|solo; SIFT_WORKER_POOL")] = None,
     queues: Annotated[str, typer.Option(help="comma-separated queues")] = ",".join(ALL_QUEUES),
-    loglevel: Annotated[str | None, typer.Option(help="default: SIFT_LOG_LEVEL")] = None,
+    loglevel: Annotated[
+        str | None, typer.Option(help="DEBUG|INFO|WARNING|ERROR; SIFT_LOG_LEVEL")
+    ] = None,
     processes: Annotated[
         int | None,
         typer.Option(min=0, help="worker processes, 0: one per core; SIFT_WORKER_PROCESSES"),
@@ -97,6 +99,8 @@ def worker(
         overrides["worker_pool"] = pool
     if processes is not None:
         overrides["worker_processes"] = processes
+    if loglevel is not None:  # Celery's spelling, any case; checked as SIFT_LOG_LEVEL is
+        overrides["log_level"] = loglevel.upper()
     settings = _settings(options=tuple(overrides), **overrides)
     if not supervised_by:  # its supervisor checked
         _require_redis(settings, "the workers")
@@ -106,7 +110,7 @@ def worker(
         args = ["--queues", queues]
         args += ["--concurrency", str(concurrency)] if concurrency is not None else []
         args += ["--pool", pool] if pool else []
-        args += ["--loglevel", loglevel] if loglevel else []
+        args += ["--loglevel", settings.log_level] if loglevel is not None else []
         run_workers(settings, count, name, args)
         return
     if supervised_by:  # its supervisor set up the metrics files and serves them
@@ -116,7 +120,7 @@ def worker(
     exit_by_deadline(settings)  # a stop ends even on a Redis that never answers
     celery = create_celery_app(settings)
     celery.worker_main(
-        ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", loglevel or settings.log_level,
+        ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", settings.log_level,
          "--without-gossip", "--without-mingle"]
     )  # fmt: skip
 
@@ -218,6 +222,7 @@ SETTING_OPTIONS = {
     "worker_concurrency": "--concurrency",
     "worker_pool": "--pool",
     "worker_processes": "--processes",
+    "log_level": "--loglevel",
 }
 
 
