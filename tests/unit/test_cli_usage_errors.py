@@ -84,6 +84,18 @@ def test_a_log_level_in_lower_case_is_taken() -> None:
     assert result.exit_code == 2 and "SIFT_REDIS_URL is required" in result.output, result.output
 
 
+@pytest.mark.parametrize("queues", ["bogus", "sift.search,sift.serch", "", "sift.search,"])
+def test_a_worker_queue_of_no_known_name(queues: str) -> None:
+    """A queue Sift does not route to went to Celery unchecked: each worker process stopped
+    on its ImproperlyConfigured traceback and was restarted after a back-off, for good."""
+    usage_error(sift("worker", "--queues", queues), "--queues")
+
+
+def test_a_worker_of_some_queues_is_taken() -> None:
+    result = sift("worker", "--queues", "sift.search, sift.webhooks")
+    assert result.exit_code == 2 and "SIFT_REDIS_URL is required" in result.output, result.output
+
+
 def test_search_mode_of_no_known_value(tmp_path: Path) -> None:
     usage_error(sift("search", "q", "--index", "s", "--mode", "foo"), "--mode")
 
