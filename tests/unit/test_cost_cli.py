@@ -45,6 +45,18 @@ def test_an_unreachable_prometheus_names_where_its_url_is_set() -> None:
     assert f"Prometheus at {url} (--prometheus-url, SIFT_PROMETHEUS_URL) did not answer" in printed
 
 
+@pytest.mark.parametrize("url", ["127.0.0.1:9090", "ftp://prometheus", "http://", ""])
+def test_a_prometheus_url_that_is_no_http_url_names_the_option(url: str) -> None:
+    """``--prometheus-url`` sets SIFT_PROMETHEUS_URL and is checked as it is, a usage error
+    naming the option, exit 2: it was sent as it was, and the HTTP client's complaint came
+    back as Prometheus not answering, exit 1."""
+    run = CliRunner().invoke(app, ["cost", "--prometheus-url", url], env={"COLUMNS": "200"})
+    assert run.exit_code == 2, run.output
+    printed = " ".join(run.output.split())
+    assert "Invalid value for '--prometheus-url': must be http:// or https://" in printed, printed
+    assert "did not answer" not in printed
+
+
 def test_the_window_is_an_hour_or_a_day() -> None:
     run = CliRunner().invoke(app, ["cost", "--window", "1w"])
     assert run.exit_code == 2

@@ -29,6 +29,7 @@ from typing import Annotated, Any
 
 import httpx
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
@@ -43,7 +44,7 @@ from worker.constants import (
     METRIC_RERANK_UNPRICED,
     METRIC_SEARCH_DURATION,
 )
-from worker.errors import SiftError
+from worker.errors import SiftError, validation_message
 from worker.settings import load_settings
 
 console = Console(emoji=False)
@@ -257,6 +258,22 @@ def write_chart(report: CostReport, path: Path) -> None:
     figure.savefig(path, format="png", dpi=100)
 
 
+def _prometheus_url(option: str | None) -> str:
+    """The option's URL, else SIFT_PROMETHEUS_URL's; the option is checked as the setting is,
+    and a bad one is a usage error naming it (exit 2), not a Prometheus that did not answer."""
+    overrides = {} if option is None else {"prometheus_url": option}
+    try:
+        return load_settings(**overrides).prometheus_url
+    except SiftError as error:
+        cause = error.__cause__
+        for problem in cause.errors() if isinstance(cause, ValidationError) else []:
+            if option is not None and problem["loc"][:1] == ("prometheus_url",):
+                raise typer.BadParameter(
+                    validation_message(problem["msg"]), param_hint="'--prometheus-url'"
+                ) from None
+        raise
+
+
 @app.command("cost")
 def cost_command(
     prometheus_url: Annotated[
@@ -271,7 +288,7 @@ def cost_command(
 ) -> None:
     """Rerank cost, tokens, outcomes, attempts and latency of the last hour or day."""
     try:
-        url = prometheus_url or load_settings().prometheus_url
+        url = _prometheus_url(prometheus_url)
         report = fetch_report(url, window.value)
         if json_out:
             typer.echo(json.dumps(as_json(report, url)))
