@@ -57,6 +57,14 @@ def test_a_prometheus_url_that_is_no_http_url_names_the_option(url: str) -> None
     assert "did not answer" not in printed
 
 
+def test_the_help_names_the_setting_the_url_defaults_to() -> None:
+    """The help said ``[default: SIFT_PROMETHEUS_URL]``, which rich took for markup and left
+    out: ``--prometheus-url`` showed no default at all."""
+    run = CliRunner().invoke(app, ["cost", "--help"], env={"COLUMNS": "200"})
+    assert run.exit_code == 0
+    assert "SIFT_PROMETHEUS_URL" in run.output, run.output
+
+
 def test_the_window_is_an_hour_or_a_day() -> None:
     run = CliRunner().invoke(app, ["cost", "--window", "1w"])
     assert run.exit_code == 2

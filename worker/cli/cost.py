@@ -278,7 +278,7 @@ def _prometheus_url(option: str | None) -> str:
 def cost_command(
     prometheus_url: Annotated[
         str | None,
-        typer.Option(help="Prometheus base URL [default: SIFT_PROMETHEUS_URL]"),
+        typer.Option(help="Prometheus base URL; default: SIFT_PROMETHEUS_URL"),
     ] = None,
     window: Annotated[Window, typer.Option(help="how far back to look")] = Window.HOUR,
     png: Annotated[
