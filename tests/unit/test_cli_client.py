@@ -280,7 +280,8 @@ def test_ingest_sift_shape_keeps_revision_and_metadata(
 @pytest.mark.parametrize(
     ("bad", "where"),
     [
-        ({"_id": "d2", "title": "no text"}, "field 'text'"),
+        ({"_id": "d2", "title": "no text"}, "field 'text': Field required"),
+        ({"_id": "d2", "text": 7}, "field 'text': Input should be a valid string"),
         ({"id": "d2", "text": ""}, "field 'text'"),
         ({"id": "d2", "text": "x", "tilte": "typo"}, "field 'tilte'"),
         ({"text": "no id"}, "field 'id'"),

@@ -63,7 +63,8 @@ def document_from(obj: Any) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise ValueError("a line must be a JSON object")
     if "_id" in obj:  # BEIR: _id, title, text (its optional metadata is not Sift's)
-        obj = {"id": obj["_id"], "title": obj.get("title") or "", "text": obj.get("text")}
+        beir = {"id": obj["_id"], "title": obj.get("title") or ""}
+        obj = beir | ({"text": obj["text"]} if "text" in obj else {})  # missing: "Field required"
     try:  # the gateway's own checks (metadata every backend can hold), so nothing is sent
         document = DocumentRequest.model_validate(obj)
     except ValidationError as exc:
