@@ -24,10 +24,15 @@ import pytest
 import yaml
 
 from tests.kubelet import service_links
-from worker.constants import ALL_QUEUES, kombu_queue_keys
+from worker.constants import (
+    ALL_QUEUES,
+    PROMETHEUS_JOB_GATEWAY,
+    PROMETHEUS_JOB_WORKER,
+    kombu_queue_keys,
+)
 from worker.processes.stack import redis_service
 from worker.queue.config import TASK_ROUTES, celery_config
-from worker.settings import load_settings
+from worker.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -212,6 +217,25 @@ def test_promtool_accepts_the_config_with_the_repository_rules(tmp_path: Path) -
         [_promtool(), "check", "config", str(local)], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_accepts_the_local_config_for_sift_up_with_its_rules() -> None:
+    """``deploy/prometheus/local.yml`` (Prometheus beside ``sift up``): valid, its rule files
+    found (relative to it), and the dashboards' job names on ``sift up``'s default ports."""
+    local = DEPLOY / "prometheus" / "local.yml"
+    result = subprocess.run(
+        [_promtool(), "check", "config", str(local)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 1 rule files found" in result.stdout + result.stderr
+    jobs = {job["job_name"]: job for job in load_yaml(local)["scrape_configs"]}
+    defaults = Settings.model_fields  # the ports sift up uses unless told otherwise
+    assert jobs[PROMETHEUS_JOB_GATEWAY]["static_configs"] == [
+        {"targets": [f"127.0.0.1:{defaults['gateway_port'].default}"]}
+    ]
+    assert jobs[PROMETHEUS_JOB_WORKER]["static_configs"] == [
+        {"targets": [f"127.0.0.1:{defaults['worker_metrics_port'].default}"]}
+    ]
 
 
 def test_prometheus_scrapes_the_gateway_and_every_worker() -> None:
