@@ -78,13 +78,14 @@ def sample_queries() -> list[str]:
     return [json.loads(line)["query"] for line in lines if line.strip()]
 
 
-def ingest(client: httpx.Client) -> int:
-    """Load the bundled sample corpus for tenant acme; answers the documents upserted."""
+def ingest(client: httpx.Client, headers: dict[str, str] = ACME) -> int:
+    """Load the bundled sample corpus into the tenant's (acme's by default) index ``INDEX``;
+    answers the documents upserted."""
     response = client.post(
         f"/v1/indexes/{INDEX}/documents",
         params={"wait": 30},
         json={"documents": sample_documents()},
-        headers=ACME,
+        headers=headers,
     )
     assert response.status_code == 200, response.text
     body = response.json()

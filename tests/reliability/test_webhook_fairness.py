@@ -32,7 +32,6 @@ from tests.reliability.support import (
     INDEX,
     KEYS,
     ingest,
-    sample_documents,
     sample_queries,
     stack_env,
     submit_search,
@@ -61,17 +60,6 @@ GAMMA_KEY = {
 }
 
 
-def _load(client: httpx.Client, headers: dict[str, str]) -> None:
-    """The sample corpus in the tenant's own index of the shared name."""
-    loaded = client.post(
-        f"/v1/indexes/{INDEX}/documents",
-        params={"wait": 30},
-        json={"documents": sample_documents()},
-        headers=headers,
-    )
-    assert loaded.status_code == 200, loaded.text
-
-
 def _search(client: httpx.Client, headers: dict[str, str], url: str) -> str:
     query = sample_queries()[0]
     body = {"index": INDEX, "query": query, "webhook_url": url}
@@ -80,7 +68,8 @@ def _search(client: httpx.Client, headers: dict[str, str], url: str) -> str:
     return str(response.json()["id"])
 
 
-def _arrives(inbox: queue.Queue[Received], seconds: float) -> Received:
+def _arrives(inbox: queue.Queue[Received], seconds: float, what: str) -> Received:
+    """The first webhook at ``inbox`` within ``seconds`` (``what`` it is, for the timeout)."""
     got: list[Received] = []
 
     def arrived() -> bool:
@@ -90,7 +79,7 @@ def _arrives(inbox: queue.Queue[Received], seconds: float) -> Received:
             return False
         return True
 
-    wait_for(arrived, "the third tenant's webhook, while the others' receivers hang", seconds)
+    wait_for(arrived, what, seconds)
     return got[0]
 
 
@@ -129,34 +118,13 @@ def test_a_tenant_s_hung_receiver_does_not_hold_up_another_tenant_s_webhook(
             celery_worker(tmp_path / "w", env, "w", concurrency=64),
         ):
             ingest(client)
-            loaded = client.post(
-                f"/v1/indexes/{INDEX}/documents",
-                params={"wait": 30},
-                json={"documents": sample_documents()},
-                headers=BETA,
-            )
-            assert loaded.status_code == 200, loaded.text
-            query = sample_queries()[0]
+            ingest(client, BETA)
             for _ in range(20):
-                submit_search(client, query, webhook_url=hung.url)
+                submit_search(client, sample_queries()[0], webhook_url=hung.url)
             wait_for(lambda: hung.held >= SHARE, "acme's deliveries at its receiver", 60)
-            beta = client.post(
-                "/v1/searches",
-                json={"index": INDEX, "query": query, "webhook_url": beta_url},
-                headers=BETA,
-            )
-            assert beta.status_code == 202, beta.text
-            got: list[Received] = []
-
-            def arrived() -> bool:
-                try:
-                    got.append(inbox.get(timeout=0.5))
-                except queue.Empty:
-                    return False
-                return True
-
-            wait_for(arrived, "beta's webhook, while acme's receiver hangs", 50)
-            assert json.loads(got[0][0])["data"]["id"] == beta.json()["id"]
+            beta = _search(client, BETA, beta_url)
+            body, _ = _arrives(inbox, 50, "beta's webhook, while acme's receiver hangs")
+            assert json.loads(body)["data"]["id"] == beta
             # acme's receiver still holds its share, every one of them still dripping
             assert hung.held == SHARE and hung.requests == SHARE, (hung.held, hung.requests)
             assert not hung.cut.is_set() and not hung.ran_out.is_set()
@@ -193,8 +161,8 @@ def test_two_tenants_hung_receivers_leave_a_third_tenant_s_webhook_a_slot(
             celery_worker(tmp_path / "w", env, "w", concurrency=64),
         ):
             ingest(client)
-            _load(client, BETA)
-            _load(client, GAMMA)
+            ingest(client, BETA)
+            ingest(client, GAMMA)
             for _ in range(SHARE):  # acme's share, and none of acme's put off
                 submit_search(client, sample_queries()[0], webhook_url=acme_hung.url)
             wait_for(lambda: acme_hung.held >= SHARE, "acme's deliveries at its receiver", 60)
@@ -207,7 +175,9 @@ def test_two_tenants_hung_receivers_leave_a_third_tenant_s_webhook_a_slot(
                 60,
             )
             beta = _search(client, BETA, beta_url)
-            body, _ = _arrives(inbox, 50)
+            body, _ = _arrives(
+                inbox, 50, "the third tenant's webhook, while the others' receivers hang"
+            )
             assert json.loads(body)["data"]["id"] == beta
             # both receivers still hold what they took, every one of them still dripping
             assert (acme_hung.held, gamma_hung.held) == (SHARE, 1)
