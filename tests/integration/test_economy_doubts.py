@@ -22,6 +22,7 @@ from tests.unit.test_pipeline import make
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import CALL_TIMEOUT_SECONDS, AnthropicMessageBatches
 from worker.constants import (
+    BATCH_ITEMS_KEY,
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RESEND_CLAIM,
     ECONOMY_RUNS_KEY,
@@ -79,6 +80,9 @@ class _Task:
 
     def retry(self, **_: Any) -> None:
         raise AssertionError("no step of these tests should retry")
+
+    def announce_batch(self, batch: BatchJob, status: str) -> None:
+        self.sent.append(("batch.completed", {"id": batch.id, "status": status}))
 
 
 @pytest.fixture
@@ -479,3 +483,29 @@ def test_a_streamed_create_sends_the_headers_the_sdks_typed_create_would(
     assert typed["traceparent"].startswith("00-")
     assert streamed == typed
     assert provider.tracer.started == ["anthropic.messages.batches.create"] * 2
+
+
+def test_a_submission_run_again_after_a_cancel_leaves_the_items_it_sent_to_their_batch(
+    context: WorkerContext, model: FakeAnthropic, workers: None
+) -> None:
+    """A submission sent two items to a provider batch, and its run ended before it was
+    marked done (its worker killed: the message is delivered again); the batch is canceled,
+    then the submission runs again. The item prepared since, in no provider batch, is
+    canceled at once; the two sent wait on their provider batch, whose cancel ends the
+    requests not processed (``canceled``) and whose processed ones finish their items: each
+    item says what happened to its request. Before, the run canceled all three at once, and
+    the lines of the requests the provider had processed (and billed) were dropped."""
+    batch, qids = _prepared(context, 3)
+    sent_first = qids[:2]
+    _submission(context, batch, sent_first, "1")
+    [sent] = model.batches()
+    store = context.store
+    assert store.cancel_batch(batch.id) == (0, False)  # every item is running
+    _submission(context, batch, qids, "2")  # its message delivered again
+    statuses = dict(zip(qids, store.economy_get(batch.id, BATCH_ITEMS_KEY, qids), strict=True))
+    assert statuses == {"q0": "running", "q1": "running", "q2": "canceled"}
+    assert [b["id"] for b in model.batches()] == [sent["id"]]  # nothing sent again
+    runs = [json.loads(r) for r in store.economy_get(batch.id, ECONOMY_RUNS_KEY, sent_first)]
+    assert {r["provider"] for r in runs} == {sent["id"]}
+    got = store.get_batch(batch.id)
+    assert got is not None and got.finished_at is None and got.counts["canceled"] == 1

@@ -115,8 +115,12 @@ def submit(
     it runs (a second one would create the same items' batches again)."""
     settings = task.context.settings
     if batch.canceled_at is not None:
-        for qid in query_ids:
-            cancel_item(task, batch, qid)
+        # the items still to send end now; one already in a provider batch (sent by an
+        # earlier run of this submission, its message delivered again) waits on it: the
+        # cancel's sift.economy_cancel ends its request unless the provider processed it
+        for qid, _, run in running_items(task, batch, query_ids):
+            if run["provider"] == expected:
+                cancel_item(task, batch, qid)
         return []
     client = batches_client(task)
     # still this run's to do (a run whose lease was taken over stops before it settles or
