@@ -30,6 +30,10 @@ BATCH_MOVES_KEY = REDIS_PREFIX + "batch-moves:"
 # clock; token '' once let go): each item's run claim (worker/queue/jobstore/runs.py), with
 # the batch record's TTL; a search keeps its own in its record's "run" field
 BATCH_RUNS_KEY = REDIS_PREFIX + "batch-runs:"
+# + batch id -> hash "<start>-<stop>" -> the run claim of the chunk task over those positions
+# (the value as an item's), so a copy of a chunk's message is refused while a live run of the
+# chunk holds it; with the batch record's TTL
+BATCH_CHUNK_RUNS_KEY = REDIS_PREFIX + "batch-chunk-runs:"
 INGEST_KEY = REDIS_PREFIX + "ingest:"  # + ingest job id -> job record (hash)
 INGEST_DOCS_KEY = REDIS_PREFIX + "ingest-docs:"  # + ingest job id -> documents JSON
 # the index lifecycle (issue 13): every accepted write's version, and index reads' answers

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from worker.constants import (
+    BATCH_CHUNK_RUNS_KEY,
     BATCH_KEY,
     BATCH_RUNS_KEY,
     INGEST_KEY,
@@ -296,3 +297,32 @@ def test_an_item_s_claim_naming_this_worker_that_no_run_of_its_holds_is_taken_ov
     again = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
     assert again.granted
     assert not store.start_item(batch.id, "q0", claimant=("w1", 30.0))
+
+
+def test_a_chunk_s_claim_refuses_a_live_run_s_copy_and_is_taken_over_as_a_search_s(
+    store: JobStore,
+) -> None:
+    """A batch chunk's run claim (its positions [start, stop)): a copy of its message is
+    refused while a live run holds it (this worker's, or another's), whatever the copy's
+    worker; another chunk of the batch is not. A dead worker's is taken over, as is one
+    naming this worker that none of its runs holds (its release lost with Redis); one let
+    go (handed back, retried) is taken at once. It lives as long as the batch."""
+    specs = [(f"q{i}", SearchSpec(index="docs", query="a")) for i in range(4)]
+    batch = store.create_batch("acme", "docs", specs)
+    _alive(store, "w1")
+    _alive(store, "w2")
+    ran = store.claim_chunk(batch.id, 0, 2, "w1", lease_seconds=770)
+    assert ran.granted
+    assert not store.claim_chunk(batch.id, 0, 2, "w1", lease_seconds=770).granted
+    assert not store.claim_chunk(batch.id, 0, 2, "w2", lease_seconds=770).granted
+    assert store.claim_chunk(batch.id, 2, 4, "w2", lease_seconds=770).granted
+    assert 0 < store.redis.ttl(BATCH_CHUNK_RUNS_KEY + batch.id) <= store.result_ttl
+    held = store.redis.hget(BATCH_CHUNK_RUNS_KEY + batch.id, "0-2")
+    store.release_chunk(batch.id, 0, 2, ran)
+    again = store.claim_chunk(batch.id, 0, 2, "w2", lease_seconds=770)  # let go: taken
+    assert again.granted
+    store.redis.delete(WORKER_HEARTBEAT_KEY + "w2")  # w2 dies holding it
+    assert store.claim_chunk(batch.id, 0, 2, "w1", lease_seconds=770).granted
+    store.redis.hset(BATCH_CHUNK_RUNS_KEY + batch.id, "0-2", held)  # w1's, its release lost
+    assert not store.claim_chunk(batch.id, 0, 2, "w3", lease_seconds=770).granted  # w1 alive
+    assert store.claim_chunk(batch.id, 0, 2, "w1", lease_seconds=770).granted

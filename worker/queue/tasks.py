@@ -44,6 +44,7 @@ from worker.queue.economy import economy_pipeline, is_prepared, maybe_submit, sa
 from worker.queue.items import CancelMarks, Chunk, RunOutcome
 from worker.queue.jobstore import (
     BatchItem,
+    BatchJob,
     ClaimAnswers,
     IngestJob,
     ItemTransition,
@@ -231,18 +232,41 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     if batch is None:
         log.warning("batch %s: missing, chunk [%d, %d) dropped", batch_id, start, stop)
         return
+    # claimed first, as a search is: a copy delivered while another live run holds the chunk
+    # (kombu's restore at a broker reconnect, a re-drive) writes nothing and is no poison (its
+    # worker is not lost): counted, a copy past the limit failed the items that run had not
+    # reached yet. Leased for the chunk's hard time limit, the longest a run of it may run
+    lease = time_limits(self.context.settings)[BATCH_CHUNK_TASK][1]
+    claim = store.claim_chunk(batch_id, start, stop, liveness.run_owner(), lease_seconds=lease)
+    if not claim.granted:  # another delivery is running it (jobstore/runs.py)
+        log.info(
+            "batch %s: another run holds chunk [%d, %d); this delivery leaves it",
+            batch_id,
+            start,
+            stop,
+        )
+        return
+    try:
+        _batch_chunk(self, batch, start, stop, claim)
+    finally:  # (one handed back or retried let go before its message went: nothing to do)
+        store.release_chunk(batch_id, start, stop, claim)
+
+
+def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: RunClaim) -> None:
+    """Run the batch chunk [start, stop) of ``batch`` under the chunk's run ``claim``."""
+    store, batch_id = task.context.store, batch.id
     query_ids = store.batch_query_ids(batch_id, start, stop)
     positions = {qid: start + i for i, qid in enumerate(query_ids)}
     items = store.batch_items(batch_id, query_ids)
-    deliveries = self.delivery()
-    poisoned = self.poisoned(deliveries)
+    deliveries = task.delivery()
+    poisoned = task.poisoned(deliveries)
     economy = batch.lane == LANE_ECONOMY
-    # self.request is thread-local: take what the item threads need from it here
-    may_retry = self.request.retries < self.context.settings.task_max_retries
-    deadline = self.context.settings.search_deadline_seconds
+    # task.request is thread-local: take what the item threads need from it here
+    may_retry = task.request.retries < task.context.settings.task_max_retries
+    deadline = task.context.settings.search_deadline_seconds
     owner = liveness.run_owner()
-    runtime = self.context.runtime if not poisoned else None
-    marks = self.context.cancel_marks
+    runtime = task.context.runtime if not poisoned else None
+    marks = task.context.cancel_marks
     held: dict[str, ClaimAnswers] = {}  # each running item's, until its finish (ClaimAnswers)
     # an economy item's first-half figures (its retrieval's, a final result's), recorded once
     # its prepared search is saved, or, when its first half was final, once it is finished
@@ -265,7 +289,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                 return None
             held[item.query_id] = store.item_answers(batch_id, item.query_id, taken)
             # with the usage of a model answer a dead run kept: billed
-            return None, _billed(_poison_error(self), taken.answer)
+            return None, _billed(_poison_error(task), taken.answer)
         if not started:
             return None  # canceled meanwhile, or finished by another delivery
         waited = time.time() - batch.created_at
@@ -283,7 +307,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
                     figures = later[item.query_id] = [
                         partial(metrics.observe_queue_wait, BATCH_QUEUE, waited)
                     ]
-                    prepared = economy_pipeline(self).prepare(
+                    prepared = economy_pipeline(task).prepare(
                         item.spec, batch.tenant, later=figures
                     )
                     prepared.trace["queue_wait_seconds"] = max(0.0, waited)  # kept for finish
@@ -357,7 +381,7 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
 
     pending = [item for item in items if not item.status.final]
     chunk = Chunk(batch_id, to_start, run, finished, (owner, deadline))
-    chunk = self.context.items.run(chunk, pending)
+    chunk = task.context.items.run(chunk, pending)
     for query_id, stopped in held.items():  # runs that ended without a finish (a copy's)
         store.ended_item(batch_id, query_id, stopped.claim)
     outcomes = chunk.outcomes
@@ -374,19 +398,23 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         status = done.status.value if done else "succeeded"
         if completed:
             metrics.job_completed("batch", status)  # once: only one transition completes it
-        self.announce_batch(batch, status)
+        task.announce_batch(batch, status)
     if chunk.error is not None:  # a runner broke: fail the task (its completion is sent)
         raise chunk.error
     if chunk.handed_back:
         log.info("batch %s: worker stopping, %d items handed back", batch_id, chunk.handed_back)
-        self.hand_back(deliveries)
+        # let go before the message goes back: another worker takes it at once, and would be
+        # refused while this live worker still held the chunk (its copy then acked, and lost)
+        store.release_chunk(batch_id, start, stop, claim)
+        task.hand_back(deliveries)
     if economy and not to_retry:
-        maybe_submit(self, batch_id)
+        maybe_submit(task, batch_id)
     if to_retry:
         log.warning(
             "batch %s: %d items hit retryable errors; retrying the chunk", batch_id, to_retry
         )
-        raise self.retry(countdown=self.backoff())
+        store.release_chunk(batch_id, start, stop, claim)  # before the retry is sent, as a search's
+        raise task.retry(countdown=task.backoff())
 
 
 @shared_task(  # type: ignore[untyped-decorator]

@@ -1,6 +1,6 @@
 """Run claims: which run of a search or a batch item may make its model call, and how much
 of the search's one deadline its runs have used; and which run of an ingest-kind job (an
-upsert, a delete, a drop) may run it, its time and answer unused.
+upsert, a delete, a drop) or of a batch chunk task may run it, its time and answer unused.
 
 Why. A message can be delivered twice while its first run is still going: kombu's
 visibility-timeout restore, a re-drive, a client's publish sent again. The status
@@ -71,6 +71,7 @@ from typing import Any
 import redis
 
 from worker.constants import (
+    BATCH_CHUNK_RUNS_KEY,
     BATCH_KEY,
     BATCH_RUNS_KEY,
     INGEST_KEY,
@@ -141,12 +142,12 @@ class RunRecords(_StoreCore):
     """Run claims of searches (a field of the search's record) and of batch items (a hash per
     batch, living as long as the batch's record: it takes that key's TTL at each claim).
 
-    The store knows which claims this process's runs hold (``_running``): a search's or an
-    ingest's from its grant to its release (the task's ``finally``), a batch item's to its
-    end (:meth:`ended_item`: it does not let go when it finishes). A claim naming this worker
-    that none of them holds is a run gone, whose end Redis lost with its last writes: a
-    redelivered copy on this worker takes it over at once (an item's start too) instead of
-    waiting out its lease (an ingest's, 630 s)."""
+    The store knows which claims this process's runs hold (``_running``): a search's, an
+    ingest's or a batch chunk's from its grant to its release (the task's ``finally``), a
+    batch item's to its end (:meth:`ended_item`: it does not let go when it finishes). A claim
+    naming this worker that none of them holds is a run gone, whose end Redis lost with its
+    last writes: a redelivered copy on this worker takes it over at once (an item's start
+    too) instead of waiting out its lease (an ingest's, 630 s; a chunk's, 770 s)."""
 
     def claim_search(self, job_id: str, owner: str, *, lease_seconds: float) -> RunClaim:
         key = SEARCH_KEY + job_id
@@ -163,6 +164,20 @@ class RunRecords(_StoreCore):
 
     def release_ingest(self, job_id: str, claim: RunClaim) -> None:
         self._release(INGEST_KEY + job_id, "run", claim)
+
+    def claim_chunk(
+        self, batch_id: str, start: int, stop: int, owner: str, *, lease_seconds: float
+    ) -> RunClaim:
+        """A batch chunk task's run over the positions [start, stop) (a hash per batch, as
+        its items' claims, living as long as the batch's record): the same claim, its time
+        and answer unused. Taken before the delivery is counted, so a copy of the chunk's
+        message delivered while another live run holds it is no poison: counted, the copy
+        past the limit failed the items that run had not reached yet."""
+        key, life = BATCH_CHUNK_RUNS_KEY + batch_id, BATCH_KEY + batch_id
+        return self._claim(key, f"{start}-{stop}", owner, lease_seconds, life=life, held_here=True)
+
+    def release_chunk(self, batch_id: str, start: int, stop: int, claim: RunClaim) -> None:
+        self._release(BATCH_CHUNK_RUNS_KEY + batch_id, f"{start}-{stop}", claim)
 
     def claim_item(
         self, batch_id: str, query_id: str, owner: str, *, lease_seconds: float

@@ -1,0 +1,97 @@
+"""A running batch chunk's message put back by a broker reconnect, on the real stack
+(redis-server, real Celery workers, the gateway): the copy is no delivery, and fails nothing.
+
+Worker A runs the batch's one chunk one item at a time (``SIFT_BATCH_ITEM_CONCURRENCY=1``):
+its first item is held in its query's embedding, the others wait in A's item queue (and A
+stops reading the batch queue meanwhile). Worker B starts, then every worker's broker
+connection is killed (CLIENT KILL; Redis stays up): kombu's close puts A's running chunk
+message back, and a worker takes it again while A's run goes on. With
+``SIFT_TASK_MAX_DELIVERIES=1``, a copy counted as a delivery is poison.
+
+The copy is refused by the chunk's run claim before its delivery is counted: the message's
+counter stays at 1, and A's run finishes every item. Before, the copy counted a second
+delivery, and past the limit failed ``delivery_limit_exceeded`` the items A's run had not
+reached yet (those no run held): the batch completed with them failed though nothing was
+lost.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.reliability.support import ACME, INDEX, batch_counts, wait_for
+from tests.reliability.test_ingest_crashes import KEPT, crash_stack, final, upsert, worker
+from worker.constants import ATTEMPTS_KEY, BATCH_QUEUE, KOMBU_UNACKED_KEY
+
+pytestmark = pytest.mark.integration
+
+QUERIES = [
+    "hold-embedding calcium and bone density",
+    "calcium intake in adults",
+    "bone density after fifty",
+    "vitamin d and calcium",
+]
+
+
+@pytest.mark.timeout(300)
+def test_a_running_chunk_s_copy_put_back_by_a_reconnect_counts_and_fails_nothing(
+    tmp_path: Path,
+) -> None:
+    with crash_stack(tmp_path) as crash, redis.Redis.from_url(crash.env["SIFT_REDIS_URL"]) as raw:
+        crash.env["SIFT_BATCH_ITEM_CONCURRENCY"] = "1"  # A's other items wait for the held one
+        crash.env["SIFT_TASK_MAX_DELIVERIES"] = "1"  # a copy counted is poison
+        logs = [crash.directory / "w" / f"{name}.log" for name in ("a", "b")]
+        with worker(crash, "a") as proc_a:
+            assert final(crash.client, upsert(crash.client, KEPT))["status"] == "succeeded"
+            body = {
+                "index": INDEX,
+                "queries": [{"id": f"q{i}", "query": q} for i, q in enumerate(QUERIES)],
+            }
+            response = crash.client.post("/v1/batches", json=body, headers=ACME)
+            assert response.status_code == 202, response.text
+            batch_id = response.json()["id"]
+            held = crash.directory / "crashes" / "hold-embedding"
+            wait_for(held.exists, "the chunk's first item, held in its query's embedding")
+            wait_for(
+                lambda: "stopped reading sift.batch" in logs[0].read_text(), "A's intake paused"
+            )
+            started = batch_counts(crash.client, batch_id)
+            assert started["counts"]["running"] == 1, started
+            (task_id,) = re.findall(
+                r"Task sift\.batch_chunk\[([0-9a-f-]+)\] received", logs[0].read_text()
+            )
+            counter = f"{ATTEMPTS_KEY}{task_id}:0"
+            with worker(crash, "b") as proc_b:
+                wait_for(lambda: logs[1].exists() and "ready" in logs[1].read_text(), "B ready")
+                raw.client_kill_filter(_type="normal", skipme=True)  # the workers' too
+                received = f"Task sift.batch_chunk[{task_id}] received"
+                copy_done = f"Task sift.batch_chunk[{task_id}] succeeded"  # A's run is held
+
+                def text() -> str:
+                    return "".join(log.read_text(errors="replace") for log in logs)
+
+                wait_for(
+                    lambda: (
+                        text().count(received) == 2
+                        and not raw.llen(BATCH_QUEUE)
+                        and not raw.hlen(KOMBU_UNACKED_KEY)  # the copy taken and acked
+                        # (a copy counted, and run on A, waits behind A's held item)
+                        and (copy_done in text() or raw.get(counter) != b"1")
+                    ),
+                    "the copy delivered and done",
+                )
+                deliveries = raw.get(counter)
+                (crash.directory / "crashes" / "release").touch()
+                wait_for(
+                    lambda: batch_counts(crash.client, batch_id)["status"] != "running",
+                    "the batch's end",
+                )
+                ended = batch_counts(crash.client, batch_id)
+                assert proc_a.poll() is None and proc_b.poll() is None  # both still running
+    assert ended["status"] == "succeeded", ended
+    assert ended["counts"]["succeeded"] == len(QUERIES), ended["counts"]  # none failed
+    assert deliveries == b"1", deliveries  # A's run's only: the copy counted none
