@@ -170,6 +170,32 @@ def test_a_lost_chunk_is_redriven_once_and_the_batch_completes_exactly_once(
     assert store.redis.zscore(ACTIVE_JOBS_KEY, batch.id) is None  # no longer watched
 
 
+def test_a_chunk_a_live_run_holds_by_its_claim_is_left_to_it_until_its_worker_dies(
+    store: JobStore, sweeper: Sweeper
+) -> None:
+    """A copy of a running chunk's message is refused by the chunk's run claim and acked;
+    kombu's restore at a reconnect had moved the run's own message to that copy, so no
+    message covers the chunk while its live run works through it. The re-drive leaves it to
+    that run: it re-drove it, the copy was refused again, and each copy spent one of the
+    batch's re-drives (past the cap, one over other positions ran as poison beside the run).
+    Once the run's worker is dead, or the run has let go, the chunk is lost as before."""
+    batch = create_batch(store)
+    assert lose_oldest(store, BATCH_QUEUE) == Coverage(batch.id, range(0, 10))
+    store.redis.set(heartbeat_key("w1"), "1", px=60_000)
+    assert store.claim_chunk(batch.id, 0, 10, "w1", lease_seconds=770).granted
+    for _ in range(3):
+        assert sweeper.sweep() == []
+    store.redis.delete(heartbeat_key("w1"))  # its worker dies
+    assert sweeper.sweep() == []  # seen lost once
+    assert sweeper.sweep() == [Redrive(batch.id, "batch", [(0, 10)], poison=False)]
+    lose_oldest(store, BATCH_QUEUE)  # [10, 20), its run's claim let go (a retry's message lost)
+    store.redis.set(heartbeat_key("w2"), "1", px=60_000)
+    ran = store.claim_chunk(batch.id, 10, 20, "w2", lease_seconds=770)
+    store.release_chunk(batch.id, 10, 20, ran)
+    assert sweeper.sweep() == []
+    assert sweeper.sweep() == [Redrive(batch.id, "batch", [(10, 20)], poison=False)]
+
+
 def test_waiting_messages_are_never_redriven(store: JobStore, sweeper: Sweeper) -> None:
     """Chunks queued behind a backlog, one held unacked by a worker (running, or waiting out a
     retry's countdown), and a queued search: idle, all of them, and none lost."""

@@ -17,8 +17,11 @@ How. Every worker process runs a :class:`Sweeper` thread; every
    ingest is the one position 0, a batch item its submission position);
 3. every message of the search, batch and ingest queues (``LRANGE``) and every unacked one
    (the ``unacked`` hash: running, prefetched, or waiting out a retry's countdown) *covers*
-   its search or ingest, or its chunk's positions ``[start, stop)``;
-4. a pending position no message covers is *lost*. Only positions found lost on two sweeps in
+   its search or ingest, or its chunk's positions ``[start, stop)``; so does a batch chunk a
+   live run holds by its run claim (:meth:`JobStore.held_chunks`): a copy of its message that
+   the claim refused was acked, and kombu's restore at a reconnect had moved the run's own
+   message to that copy;
+4. a pending position nothing covers is *lost*. Only positions found lost on two sweeps in
    a row are re-driven: a message is missing from both places only for the few milliseconds
    a worker takes to move it (``BRPOP``, then ``unacked``), never on two sweeps an interval
    apart, because a chunk task holds its message in ``unacked`` until each of its items is
@@ -417,6 +420,14 @@ class Sweeper:
             if found is not None and found.job_id in covered:
                 covered[found.job_id].update(found.positions)
         lost = {job: positions - covered[job] for job, positions in pending.items()}
+        for job, positions in lost.items():
+            if positions and job.startswith(BATCH_ID_PREFIX):
+                # a chunk a live run holds by its claim (jobstore/runs.py) is that run's: a
+                # copy it refused was acked, and may have taken the run's own message with it
+                # (kombu's restore at a reconnect). Re-driven, it was refused again, each copy
+                # spending the batch's re-drives; one over other positions ran beside it
+                for held in self.store.held_chunks(job):
+                    positions.difference_update(held)
         return {job: positions for job, positions in lost.items() if positions}
 
     def _pending(self, job_id: str) -> set[int]:

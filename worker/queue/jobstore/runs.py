@@ -179,6 +179,21 @@ class RunRecords(_StoreCore):
     def release_chunk(self, batch_id: str, start: int, stop: int, claim: RunClaim) -> None:
         self._release(BATCH_CHUNK_RUNS_KEY + batch_id, f"{start}-{stop}", claim)
 
+    def held_chunks(self, batch_id: str) -> list[range]:
+        """The positions of each chunk of the batch a live run holds by its claim (its
+        owner's heartbeat alive, its lease not over), as :meth:`claim_chunk` would refuse it
+        to another worker's copy."""
+        fields = self._held_chunks(
+            keys=[BATCH_CHUNK_RUNS_KEY + batch_id], args=[WORKER_HEARTBEAT_KEY]
+        )
+        held = []
+        for field in fields:
+            start, _, stop = (field.decode() if isinstance(field, bytes) else str(field)).partition(
+                "-"
+            )
+            held.append(range(int(start), int(stop)))
+        return held
+
     def claim_item(
         self, batch_id: str, query_id: str, owner: str, *, lease_seconds: float
     ) -> RunClaim:

@@ -463,6 +463,29 @@ redis.call('HSET', KEYS[1], 'cancel_taken:' .. ARGV[1], n .. ' ' .. completed)
 return {n, completed}
 """
 
+# The batch chunks a live run holds by its claim (_CLAIM_RUN's value, a field "<start>-<stop>"
+# of the batch's chunk claims), judged as _CLAIM_RUN judges a claim for another worker: a run
+# named (its token set, its owner named), its owner's heartbeat alive and its own lease not
+# over. The re-drive counts their positions covered: a copy of the chunk refused by that run
+# was acked, and the run's own message may be gone with it (kombu's restore moved it to the
+# copy). KEYS: the batch's chunk claims. ARGV: the heartbeat key prefix. Returns the fields.
+_HELD_CHUNKS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local held = {}
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  local owner, since, token, lease =
+    string.match(all[i + 1], '^[^|]*|([^|]*)|([^|]*)|([^|]*)|?([^|]*)')
+  if token and token ~= '' and owner ~= '' and tonumber(lease) and tonumber(since)
+      and now - tonumber(since) < tonumber(lease)
+      and redis.call('EXISTS', ARGV[1] .. owner) == 1 then
+    held[#held + 1] = all[i]
+  end
+end
+return held
+"""
+
 # Let a run's claim go, adding the seconds it ran to those used, and carrying on the answer
 # kept with it ("<used>||0|||<answer>": no owner, no token, no lease): a run lets go only to
 # be retried (one that finishes its search need not, and the final move drops the answer),

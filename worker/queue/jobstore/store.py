@@ -48,6 +48,7 @@ from worker.queue.jobstore.scripts import (
     _CLAIM_RUN,
     _CLAIM_WEBHOOK,
     _CREATE_SEARCH,
+    _HELD_CHUNKS,
     _KEEP_ANSWER,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
@@ -133,6 +134,7 @@ class _StoreCore:
         self._release_idempotency = client.register_script(_RELEASE_IDEMPOTENCY)
         self._claim_run = client.register_script(_CLAIM_RUN)
         self._release_run = client.register_script(_RELEASE_RUN)
+        self._held_chunks = client.register_script(_HELD_CHUNKS)
         self._keep_answer = client.register_script(_KEEP_ANSWER)
         self._take_cancel_count = client.register_script(_TAKE_CANCEL_COUNT)
         self._webhook_due = client.register_script(_WEBHOOK_DUE)
