@@ -595,6 +595,30 @@ def test_batch_a_bad_query_line_sends_nothing(fake_gateway: FakeGateway, tmp_pat
     assert fake_gateway.requests == [] and not out.exists()
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"_id": "q1"},
+        {"_id": "q1", "text": ""},
+        {"_id": "q1", "text": " "},
+        {"_id": "q1", "text": 7},
+    ],
+)
+def test_batch_a_beir_query_line_without_its_text_names_text(
+    fake_gateway: FakeGateway, tmp_path: Path, bad: dict[str, Any]
+) -> None:
+    """A BEIR ``queries.jsonl`` line has its query in ``text``: a line missing it (or with an
+    empty one) names ``text``, the field of that line, not Sift's ``query``, which the line
+    does not have."""
+    queries = write_jsonl(tmp_path / "q.jsonl", [{"_id": "q0", "text": "a"}, bad])
+    out = tmp_path / "r.jsonl"
+    result = run(fake_gateway, "batch", str(queries), "--index", "s", "--out", str(out))
+    assert result.exit_code == 1
+    assert "q.jsonl:2: field 'text': " in result.output, result.output
+    assert "'query'" not in result.output
+    assert fake_gateway.requests == [] and not out.exists()
+
+
 def test_batch_summary_lines_stay_whole_when_the_output_is_not_a_terminal(
     fake_gateway: FakeGateway, tmp_path: Path
 ) -> None:

@@ -83,8 +83,9 @@ def query_from(obj: Any) -> dict[str, Any]:
     """
     if not isinstance(obj, dict):
         raise ValueError("a line must be a JSON object")
+    text_field = "query"  # the line's own name for the query's text, in its errors
     if "_id" in obj:  # BEIR: _id, text (metadata ignored)
-        obj = {"id": obj["_id"], "query": obj.get("text")}
+        obj, text_field = {"id": obj["_id"], "query": obj.get("text")}, "text"
     unknown = sorted(set(obj) - {"id", "query", "limit", "mode"})
     if unknown:
         raise ValueError(f"field {unknown[0]!r}: not a query field (id, query, limit, mode)")
@@ -92,8 +93,8 @@ def query_from(obj: Any) -> dict[str, Any]:
     if not isinstance(query_id, str) or not query_id:
         raise ValueError("field 'id': a non-empty string is required")
     if not isinstance(text, str) or not text:
-        raise ValueError("field 'query': a non-empty string is required")
-    for name, value in (("id", query_id), ("query", text)):
+        raise ValueError(f"field {text_field!r}: a non-empty string is required")
+    for name, value in (("id", query_id), (text_field, text)):
         try:  # a lone surrogate (valid JSON) would stop the batch's send on a traceback
             unicode_only(value)
         except ValueError as exc:
@@ -101,9 +102,9 @@ def query_from(obj: Any) -> dict[str, Any]:
     if len(query_id) > MAX_BATCH_QUERY_ID_CHARS:
         raise ValueError(f"field 'id': longer than {MAX_BATCH_QUERY_ID_CHARS} characters")
     if is_blank(text):
-        raise ValueError(f"field 'query': {BLANK}")
+        raise ValueError(f"field {text_field!r}: {BLANK}")
     if len(text) > MAX_QUERY_CHARS:
-        raise ValueError(f"field 'query': longer than {MAX_QUERY_CHARS} characters")
+        raise ValueError(f"field {text_field!r}: longer than {MAX_QUERY_CHARS} characters")
     item: dict[str, Any] = {"id": query_id, "query": text}
     if "limit" in obj:
         limit = obj["limit"]
