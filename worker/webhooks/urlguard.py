@@ -207,8 +207,8 @@ class LookupThreads:
         :class:`LookupsBusy` at once when the rule leaves ``tenant`` none."""
         if not self._slots.acquire(tenant):
             raise LookupsBusy(
-                f"dns: no name lookup thread free ({self._slots.held()} of {self.limit} "
-                "wait on the resolver); not looked up"
+                f"dns: no name lookup thread free for this tenant ({self._slots.held()} of "
+                f"{self.limit} wait on the resolver); not looked up"
             )
 
         def lookup() -> list[tuple[Any, ...]]:
