@@ -7,11 +7,13 @@ Usage::
     reply.positions  # raw integers, not range-checked: the core normalises them
 
 Every failure is a :class:`~worker.errors.RerankAttemptError` whose ``outcome`` is one of
-``timeout``, ``connection``, ``rate_limited``, ``http_5xx``, ``http_4xx`` or ``malformed``
-(DESIGN.md §4), raised ``from`` the SDK's exception. A malformed answer is a
+``timeout``, ``connection``, ``rate_limited``, ``http_5xx``, ``http_4xx``, ``malformed``
+(DESIGN.md §4) or ``refused``, raised ``from`` the SDK's exception. A malformed answer is a
 :class:`RerankMalformedError`, which also carries the ``usage`` of the response, because the
-tokens spent on it are billed all the same. A ``200`` whose body is not a message (not JSON, no
-``usage``...) is ``malformed`` too, raised from pydantic's ValidationError.
+tokens spent on it are billed all the same; a refusal (``stop_reason: "refusal"``) is its
+subclass :class:`RerankRefusedError`, billed too and never retried. A ``200`` whose body is
+not a message (not JSON, no ``usage``...) is ``malformed`` too, raised from pydantic's
+ValidationError.
 
 The SDK sends the request and maps the transport and status errors; the body of an answer is
 read by :func:`parse_body` (``with_raw_response``), not parsed into the SDK's ``Message``.
