@@ -167,7 +167,7 @@ def test_two_cancels_at_once_cancel_each_item_once_and_agree(
         worker(tmp_path / "w", env, "w", port),
     ):
         metrics = f"http://127.0.0.1:{port}/metrics"
-        wait_for(lambda: bool(completed(metrics) is not None), "worker metrics", 60)
+        wait_for(lambda: httpx.get(metrics, timeout=10).is_success, "worker metrics", 60)
         made = client.post("/v1/batches", json=body, headers=keyed)
         assert made.status_code == 202, made.text
         batch_id = made.json()["id"]
