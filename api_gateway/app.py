@@ -105,6 +105,7 @@ def create_app(
             yield
         finally:
             await stop_retakes(app.state.retakes)
+            app.state.lookups.close()
             if celery_sender is None:
                 sender.close()
             if redis is None:

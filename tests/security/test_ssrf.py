@@ -262,6 +262,28 @@ def test_registration_whose_name_lookup_fails_for_now_is_a_503_not_a_bad_url(
     assert listed.status_code == 200 and listed.json()["searches"] == [], listed.text
 
 
+def test_a_stopped_gateway_lets_its_lookup_threads_go(
+    stack: Stack, wait_for: Callable[..., None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway's webhook-URL lookup threads end with its lifespan; they outlived it (idle,
+    one per lookup ever in flight at once), for as long as the app object lived."""
+
+    def lookup_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("sift-gateway-dns")]
+
+    wait_for(lambda: not lookup_threads(), "an earlier test's lookup threads to end")
+    redis.Redis.from_url(stack.redis_url + "/6").flushdb()  # this test's own database
+    settings = Settings(redis_url=stack.redis_url + "/6", api_keys=[ApiKey(**KEYS[0])])
+    app = create_app(settings)
+    with TestClient(app) as client:
+        body = {"index": INDEX, "query": "q", "webhook_url": "https://hooks.example/sift"}
+        monkeypatch.setattr(socket, "getaddrinfo", fake_dns({"hooks.example": ["93.184.216.34"]}))
+        answered = client.post("/v1/searches", json=body, headers=ACME)
+        assert answered.status_code == 202, answered.text
+        assert lookup_threads()
+    wait_for(lambda: not lookup_threads(), "the lookup threads to end")
+
+
 # --- delivery -------------------------------------------------------------------------------
 
 
