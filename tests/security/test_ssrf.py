@@ -268,20 +268,20 @@ def test_a_stopped_gateway_lets_its_lookup_threads_go(
     """The gateway's webhook-URL lookup threads end with its lifespan; they outlived it (idle,
     one per lookup ever in flight at once), for as long as the app object lived."""
 
-    def lookup_threads() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t.name.startswith("sift-gateway-dns")]
+    def lookup_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("sift-gateway-dns")}
 
-    wait_for(lambda: not lookup_threads(), "an earlier test's lookup threads to end")
+    others = lookup_threads()  # another app's, alive in this process (a fixture's)
     redis.Redis.from_url(stack.redis_url + "/6").flushdb()  # this test's own database
     settings = Settings(redis_url=stack.redis_url + "/6", api_keys=[ApiKey(**KEYS[0])])
-    app = create_app(settings)
-    with TestClient(app) as client:
-        body = {"index": INDEX, "query": "q", "webhook_url": "https://hooks.example/sift"}
+    with TestClient(create_app(settings)) as client:
         monkeypatch.setattr(socket, "getaddrinfo", fake_dns({"hooks.example": ["93.184.216.34"]}))
+        body = {"index": INDEX, "query": "q", "webhook_url": "https://hooks.example/sift"}
         answered = client.post("/v1/searches", json=body, headers=ACME)
         assert answered.status_code == 202, answered.text
-        assert lookup_threads()
-    wait_for(lambda: not lookup_threads(), "the lookup threads to end")
+        ours = lookup_threads() - others
+        assert ours
+    wait_for(lambda: not any(t.is_alive() for t in ours), "the lookup threads to end")
 
 
 # --- delivery -------------------------------------------------------------------------------
