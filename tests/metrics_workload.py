@@ -93,6 +93,7 @@ FAIL_OPEN: list[tuple[dict[str, Any], list[Step]]] = [
         [fail(error(AttemptOutcome.MALFORMED, usage(4))), reply([1], usage(5))],
     ),  # applied; the malformed answer's usage counts
     ({}, [fail(error(AttemptOutcome.CONNECTION))] * 3),  # fallback_error after 3 attempts
+    ({}, [fail(error(AttemptOutcome.REFUSED, usage(8)))]),  # fallback_error, billed, not retried
     ({"mode": "fts", "query": "zzz unmatched"}, []),  # skipped: no candidates
 ]
 # The economy lane: the prompt goes out in a provider batch; its answer comes back to finish().
@@ -203,17 +204,18 @@ EXPECTED_ATTEMPTS = {
     "rate_limited": 1,
     "http_4xx": 1,
     "malformed": 1,
+    "refused": 1,
     "connection": 3,
     "http_5xx": 3,
 }
 EXPECTED_OUTCOMES = {
     "applied": 5,
     "fallback_no_valid_ranks": 1,
-    "fallback_error": 2,
+    "fallback_error": 3,
     "failed": 1,
     "skipped": 1,
 }
-EXPECTED_SEARCHES = {("hybrid", "ok"): 5, ("hybrid", "fallback"): 3, ("fts", "ok"): 2,
+EXPECTED_SEARCHES = {("hybrid", "ok"): 5, ("hybrid", "fallback"): 4, ("fts", "ok"): 2,
                      ("hybrid", "error"): 1}  # fmt: skip
 
 
