@@ -33,7 +33,7 @@ from worker.constants import (
 
 CHUNK = 25  # the default SIFT_BATCH_CHUNK_SIZE
 THREADS = 16  # the e2e worker's concurrency
-MODEL_SECONDS = 10.0
+MODEL_SECONDS = 10.0  # what a canceled batch's held reranks may take to end
 
 
 def _status(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
@@ -46,9 +46,11 @@ def _status(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture
 def running_batch(stack: Stack, corpus: object) -> Iterator[str]:
-    """A reranked batch of 20 chunks, each rerank answered after 10 s; canceled at the end,
-    and waited for, so the next test finds the worker idle."""
-    stack.model.configure(delay=MODEL_SECONDS)
+    """A reranked batch of 20 chunks, each rerank held at the model until the test is done
+    looking (answered after 10 s, a run of sift status on a loaded CI machine, load 10, came
+    after an item finished); canceled at the end, and waited for, so the next test finds the
+    worker idle."""
+    stack.model.configure(hold_unscripted=True)
     queries = [{"id": f"s{i}", "query": "green tea"} for i in range((THREADS + 4) * CHUNK)]
     body = {"index": INDEX, "queries": queries, "rerank": True}
     batch_id = str(stack.live.post("/v1/batches", json=body, headers=ACME).json()["id"])
@@ -64,8 +66,8 @@ def running_batch(stack: Stack, corpus: object) -> Iterator[str]:
         client.close()
         yield batch_id
     finally:
-        stack.model.configure(delay=0.0)
         stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME)
+        stack.model.configure(hold_unscripted=False)
         deadline = time.monotonic() + 3 * MODEL_SECONDS
         while not stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()["finished_at"]:
             assert time.monotonic() < deadline, "the canceled batch did not finish"
