@@ -178,6 +178,29 @@ def test_a_message_handed_back_is_taken_next(tmp_path: Path) -> None:
         assert _take(connection, batch, 3) == ["A1", "A2", "B1"]
 
 
+def test_a_message_handed_back_after_its_close_put_it_back_and_its_copy_was_acked_goes_back(
+    tmp_path: Path,
+) -> None:
+    """A reconnect: the channel's close puts A1 back while its task runs on; the copy taken
+    on a new channel (the same delivery tag) is acked (a batch chunk's copy refused by the
+    chunk's run claim), which takes A1 from ``unacked``. The run then hands A1 back (a
+    SIGTERM): it goes back, the next taken, from the message in hand. kombu's requeue read
+    ``unacked`` only, found nothing and put nothing back. One acked instead goes nowhere."""
+    with _fifo_broker(tmp_path) as (connection, batch, _, producer):
+        _publish(producer, "A1", "B1", "A2", "B2")
+        held: list[Message] = []
+        channel = connection.channel()
+        with Consumer(channel, [batch], prefetch_count=2,
+                      callbacks=[lambda _body, message: held.append(message)]):  # fmt: skip
+            while len(held) < 2:
+                connection.drain_events(timeout=5)
+        channel.close()  # the reconnect: kombu restores what it held, the runs go on
+        assert _take(connection, batch, 2) == ["A1", "B1"]  # the copies, refused and acked
+        held[0].reject(requeue=True)  # A1's run hands it back
+        held[1].ack()  # B1's run finishes
+        assert _take(connection, batch, 3) == ["A1", "A2", "B2"]
+
+
 def test_a_closed_channels_messages_come_back_in_the_order_taken(tmp_path: Path) -> None:
     """The messages a channel holds unacked at its close go back first, the first taken first."""
     with _fifo_broker(tmp_path) as (connection, batch, _, producer):

@@ -36,6 +36,14 @@ close and a timed-out message (``restore_visible``) already do. The close now pu
 messages oldest last, so the oldest is taken first (kombu pushed them in the order taken, so
 the last one taken came back first).
 
+A message handed back after a reconnect. The close puts back a message whose task runs on;
+the copy taken since has its delivery tag, and a batch chunk's copy, refused by the chunk's
+run claim, is acked, which takes the message from ``unacked``. kombu's requeue reads
+``unacked`` only, so the running chunk's hand-back at a SIGTERM then put nothing back: its
+items not started waited for the re-drive. :class:`QoS` keeps each message its close put back
+in hand until its task acks or rejects it, and a hand-back ``unacked`` no longer holds goes
+back from that one, the same message, the next taken.
+
 ``celery_config`` selects this transport for ``redis://`` broker URLs; every other scheme keeps
 kombu's own. ``tests/reliability/test_broker_restart.py`` restarts Redis under a worker;
 ``tests/integration/test_broker.py`` checks both the close and the order, and
@@ -44,28 +52,76 @@ kombu's own. ``tests/reliability/test_broker_restart.py`` restarts Redis under a
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from urllib.parse import urlparse
 
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import dumps, loads
 
 TRANSPORT = "worker.queue.broker:Transport"
 
 
 class QoS(kombu_redis.QoS):
-    """kombu's Redis acks, a message handed back put where ``BRPOP`` takes the next one."""
+    """kombu's Redis acks, a message handed back put where ``BRPOP`` takes the next one.
+
+    A message the channel's close put back while its task ran on (a broker reconnect) is
+    kept in hand (``_restored``) until that task acks or rejects it: handed back then, it goes
+    back from the one in hand if ``unacked`` no longer holds it. The copy taken since had
+    its delivery tag, and a copy the run's claim refused (a batch chunk's) was acked, which
+    took the message from ``unacked``: kombu's requeue, reading ``unacked``, put nothing back,
+    and the chunk's items not started were left with no message until the re-drive found
+    them lost (``tests/reliability/test_chunk_copies.py``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        # tag -> (the message the close put back while its task ran on, the queues it went to)
+        self._restored: dict[str, tuple[dict[str, Any], list[str]]] = {}
+
+    def ack(self, delivery_tag: str) -> None:
+        self._restored.pop(delivery_tag, None)
+        super().ack(delivery_tag)  # type: ignore[no-untyped-call]
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        in_hand = self._restored.pop(delivery_tag, None)
         if not requeue:
             super().reject(delivery_tag)  # type: ignore[no-untyped-call]
             return
-        self.restore_by_tag(delivery_tag)  # type: ignore[no-untyped-call]  # RPUSH: next taken
+        self._requeue(delivery_tag, in_hand)  # RPUSH: next taken
         virtual.QoS.ack(self, delivery_tag)  # type: ignore[no-untyped-call]  # forget it here
+
+    def _requeue(self, tag: str, in_hand: tuple[dict[str, Any], list[str]] | None) -> None:
+        """kombu's ``restore_by_tag``; from ``in_hand`` (the message and its queues, as the
+        close found them) when ``unacked`` has none."""
+
+        def transaction(pipe: Any) -> None:
+            raw = pipe.hget(self.unacked_key, tag)
+            pipe.multi()
+            self._remove_from_indices(tag, pipe)  # type: ignore[no-untyped-call]
+            if raw:
+                payload, exchange, routing_key = loads(bytes_to_str(raw))  # type: ignore[no-untyped-call]
+                self.channel._do_restore_message(payload, exchange, routing_key, pipe, False)
+            elif in_hand is not None:  # the channel is closed: its exchanges are looked up no more
+                payload, queues = in_hand
+                with contextlib.suppress(KeyError):
+                    payload["headers"]["redelivered"] = True
+                priority = self.channel._get_message_priority(payload, reverse=False)
+                for queue in queues:
+                    pipe.rpush(self.channel._q_for_pri(queue, priority), dumps(payload))  # type: ignore[no-untyped-call]
+
+        with self.channel.conn_or_acquire() as client:
+            client.transaction(transaction, self.unacked_key)
 
     def restore_unacked(self, client: Any = None) -> None:
         """Every message this channel holds back on its queue, the first taken pushed last:
         taken again first, in the order they were taken (kombu's own reversed that)."""
+        for tag, message in self._delivered.items():
+            info = message.delivery_info
+            with contextlib.suppress(Exception):  # as kombu's restore: one it cannot route stays
+                queues = self.channel._lookup(info["exchange"], info["routing_key"])
+                self._restored[tag] = (message._raw, queues)
         with self.channel.conn_or_acquire(client) as client:
             for tag in reversed(list(self._delivered)):
                 self.restore_by_tag(tag, client=client)  # type: ignore[no-untyped-call]
