@@ -25,7 +25,14 @@ import pytest
 import redis
 
 from tests.reliability.support import ACME, INDEX, batch_counts, wait_for
-from tests.reliability.test_ingest_crashes import KEPT, crash_stack, final, upsert, worker
+from tests.reliability.test_ingest_crashes import (
+    KEPT,
+    Crash,
+    crash_stack,
+    final,
+    upsert,
+    worker,
+)
 from worker.constants import ATTEMPTS_KEY, BATCH_QUEUE, KOMBU_UNACKED_KEY
 from worker.queue.jobstore import JobStore
 from worker.queue.redrive import Sweeper
@@ -40,6 +47,26 @@ QUERIES = [
 ]
 
 
+def _a_chunk_held_on(crash: Crash, log: Path) -> tuple[str, str]:
+    """A batch of ``QUERIES`` sent to the one worker running (its log ``log``), its chunk's
+    first item held in its query's embedding and the worker's intake paused: the batch's id
+    and the chunk task's id (the one running: a readiness check's batches have run too)."""
+    assert final(crash.client, upsert(crash.client, KEPT))["status"] == "succeeded"
+    body = {"index": INDEX, "queries": [{"id": f"q{i}", "query": q} for i, q in enumerate(QUERIES)]}
+    response = crash.client.post("/v1/batches", json=body, headers=ACME)
+    assert response.status_code == 202, response.text
+    held = crash.directory / "crashes" / "hold-embedding"
+    wait_for(held.exists, "the chunk's first item, held in its query's embedding")
+    wait_for(lambda: "stopped reading sift.batch" in log.read_text(), "the intake paused")
+    text = log.read_text()
+    (task_id,) = [
+        found
+        for found in re.findall(r"Task sift\.batch_chunk\[([0-9a-f-]+)\] received", text)
+        if f"Task sift.batch_chunk[{found}] succeeded" not in text
+    ]
+    return str(response.json()["id"]), task_id
+
+
 @pytest.mark.timeout(300)
 def test_a_running_chunk_s_copy_put_back_by_a_reconnect_counts_and_fails_nothing(
     tmp_path: Path,
@@ -49,24 +76,9 @@ def test_a_running_chunk_s_copy_put_back_by_a_reconnect_counts_and_fails_nothing
         crash.env["SIFT_TASK_MAX_DELIVERIES"] = "1"  # a copy counted is poison
         logs = [crash.directory / "w" / f"{name}.log" for name in ("a", "b")]
         with worker(crash, "a") as proc_a:
-            assert final(crash.client, upsert(crash.client, KEPT))["status"] == "succeeded"
-            body = {
-                "index": INDEX,
-                "queries": [{"id": f"q{i}", "query": q} for i, q in enumerate(QUERIES)],
-            }
-            response = crash.client.post("/v1/batches", json=body, headers=ACME)
-            assert response.status_code == 202, response.text
-            batch_id = response.json()["id"]
-            held = crash.directory / "crashes" / "hold-embedding"
-            wait_for(held.exists, "the chunk's first item, held in its query's embedding")
-            wait_for(
-                lambda: "stopped reading sift.batch" in logs[0].read_text(), "A's intake paused"
-            )
+            batch_id, task_id = _a_chunk_held_on(crash, logs[0])
             started = batch_counts(crash.client, batch_id)
             assert started["counts"]["running"] == 1, started
-            (task_id,) = re.findall(
-                r"Task sift\.batch_chunk\[([0-9a-f-]+)\] received", logs[0].read_text()
-            )
             counter = f"{ATTEMPTS_KEY}{task_id}:0"
             with worker(crash, "b") as proc_b:
                 wait_for(lambda: logs[1].exists() and "ready" in logs[1].read_text(), "B ready")
@@ -120,25 +132,7 @@ def test_a_chunk_handed_back_after_its_copy_was_refused_goes_back_on_its_queue(
             return "".join(log.read_text(errors="replace") for log in logs if log.exists())
 
         with worker(crash, "a") as proc_a:
-            assert final(crash.client, upsert(crash.client, KEPT))["status"] == "succeeded"
-            body = {
-                "index": INDEX,
-                "queries": [{"id": f"q{i}", "query": q} for i, q in enumerate(QUERIES)],
-            }
-            response = crash.client.post("/v1/batches", json=body, headers=ACME)
-            assert response.status_code == 202, response.text
-            batch_id = response.json()["id"]
-            held = crash.directory / "crashes" / "hold-embedding"
-            wait_for(held.exists, "the chunk's first item, held in its query's embedding")
-            wait_for(
-                lambda: "stopped reading sift.batch" in logs[0].read_text(), "A's intake paused"
-            )
-            a_log = logs[0].read_text()
-            (task_id,) = [  # the one running (a readiness check's batches have run too)
-                found
-                for found in re.findall(r"Task sift\.batch_chunk\[([0-9a-f-]+)\] received", a_log)
-                if f"Task sift.batch_chunk[{found}] succeeded" not in a_log
-            ]
+            batch_id, task_id = _a_chunk_held_on(crash, logs[0])
             received = f"Task sift.batch_chunk[{task_id}] received"
             with worker(crash, "b") as proc_b:
                 wait_for(lambda: logs[1].exists() and "ready" in logs[1].read_text(), "B ready")
