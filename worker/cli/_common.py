@@ -3,19 +3,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from worker.cli._http import GatewayError
 from worker.cli._output import cli_console, plain
+from worker.errors import SiftError, validation_message
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2  # typer's own, for a bad option value or a bad combination of options
 EXIT_ITEMS_FAILED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+def option_error(error: SiftError, options: Mapping[str, str]) -> typer.BadParameter | None:
+    """The usage error (exit 2) naming the option that gave a setting ``error`` refuses
+    (``options``: each setting an option gave, and that option's name), not its variable;
+    None when the settings' error is none of theirs."""
+    cause = error.__cause__
+    for problem in cause.errors() if isinstance(cause, ValidationError) else []:
+        field = str(problem["loc"][0]) if problem["loc"] else ""
+        if field in options:
+            message = validation_message(problem["msg"])
+            return typer.BadParameter(message, param_hint=f"'{options[field]}'")
+    return None
 
 
 class InputError(Exception):

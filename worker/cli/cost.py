@@ -29,11 +29,11 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 
 from worker.cli._app import app
+from worker.cli._common import option_error
 from worker.cli._output import counted, plain
 from worker.constants import (
     METRIC_RERANK_ATTEMPTS,
@@ -44,7 +44,7 @@ from worker.constants import (
     METRIC_RERANK_UNPRICED,
     METRIC_SEARCH_DURATION,
 )
-from worker.errors import SiftError, validation_message
+from worker.errors import SiftError
 from worker.settings import load_settings
 
 console = Console(emoji=False)
@@ -265,12 +265,9 @@ def _prometheus_url(option: str | None) -> str:
     try:
         return load_settings(**overrides).prometheus_url
     except SiftError as error:
-        cause = error.__cause__
-        for problem in cause.errors() if isinstance(cause, ValidationError) else []:
-            if option is not None and problem["loc"][:1] == ("prometheus_url",):
-                raise typer.BadParameter(
-                    validation_message(problem["msg"]), param_hint="'--prometheus-url'"
-                ) from None
+        given = {name: "--prometheus-url" for name in overrides}
+        if (named := option_error(error, given)) is not None:
+            raise named from None
         raise
 
 

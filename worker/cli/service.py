@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Annotated, Any, Protocol, runtime_checkable
 
 import typer
-from pydantic import ValidationError
 from rich.console import Console
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_INTERRUPTED
+from worker.cli._common import EXIT_INTERRUPTED, option_error
 from worker.cli._output import plain, print_result, sample_path
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError, SiftError
@@ -252,13 +251,9 @@ def _settings(*, options: tuple[str, ...] = (), **overrides: Any) -> Settings:
     try:
         return load_settings(**overrides)
     except SiftError as error:
-        cause = error.__cause__
-        for problem in cause.errors() if isinstance(cause, ValidationError) else []:
-            field = str(problem["loc"][0]) if problem["loc"] else ""
-            if field in overrides and field in options:
-                raise typer.BadParameter(
-                    str(problem["msg"]), param_hint=f"'{SETTING_OPTIONS[field]}'"
-                ) from None
+        given = {field: SETTING_OPTIONS[field] for field in options if field in overrides}
+        if (named := option_error(error, given)) is not None:
+            raise named from None
         console.print(f"[red]error:[/red] {plain(error)}")
         raise typer.Exit(2) from error
 
