@@ -272,7 +272,7 @@ class Settings(BaseSettings):
     webhook_deliveries_per_process: int = Field(default=16, ge=1, le=5000)
     # Of those, one tenant's at once; one more of that tenant's is put off too, so one
     # tenant's hung receiver cannot hold every slot while the others' webhooks wait (and a
-    # quarter of the slots are kept for tenants sending nothing else: DeliverySlots). Not a
+    # quarter of the slots are kept for tenants sending nothing else: TenantSlots). Not a
     # quarter: one tenant's receiver a round trip away needs most of them (at 100 ms, 12 a
     # process are 120 webhooks a second).
     webhook_deliveries_per_tenant: int = Field(default=12, ge=1, le=5000)

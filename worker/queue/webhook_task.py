@@ -50,7 +50,7 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
 
     At most ``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS`` deliveries run at once in a process,
     and at most ``SIFT_WEBHOOK_DELIVERIES_PER_TENANT`` of one tenant's, a quarter kept for
-    tenants sending nothing else (:class:`worker.webhooks.delivery.DeliverySlots`); one due
+    tenants sending nothing else (:class:`worker.webhooks.shares.TenantSlots`); one due
     while they all send (or its tenant's share does, or only the kept ones are free) is put
     off a second or two by a hop, its attempt
     unspent, so slow receivers hold a few threads, never the ones searches and batch items

@@ -58,7 +58,13 @@ from worker.core.budget import retry_after_seconds
 from worker.errors import InvalidRequest
 from worker.webhooks import urlguard
 from worker.webhooks.shares import TenantSlots
-from worker.webhooks.urlguard import IPAddress, LookupsBusy, LookupThreads, check_webhook_url
+from worker.webhooks.urlguard import (
+    IPAddress,
+    LookupsBusy,
+    LookupThreads,
+    check_webhook_url,
+    failed_for_now,
+)
 
 if TYPE_CHECKING:
     from worker.settings import Settings
@@ -202,7 +208,7 @@ class _Deadline:
         except FutureTimeout:
             raise _Unresolved(f"timeout: the name lookup, at the {self._seconds:g} s cap") from None
         except socket.gaierror as exc:
-            if exc.errno != socket.EAI_AGAIN:
+            if not failed_for_now(exc):
                 raise  # no such host, say: the guard refuses it
             raise _Unresolved("dns: temporary failure in name resolution") from exc
 
@@ -232,16 +238,12 @@ def _shut(sock: socket.socket | None) -> None:
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
 
-# The slot rule (a share per tenant, a quarter kept for tenants sending nothing else) is
-# TenantSlots', shared with the name lookups' threads (worker/webhooks/urlguard.py).
-DeliverySlots = TenantSlots
-
-
 @functools.cache
-def delivery_slots(limit: int, per_tenant: int | None = None) -> DeliverySlots:
-    """This process's slots (``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS``, of which
-    ``SIFT_WEBHOOK_DELIVERIES_PER_TENANT`` one tenant's)."""
-    return DeliverySlots(limit, per_tenant)
+def delivery_slots(limit: int, per_tenant: int | None = None) -> TenantSlots:
+    """This process's delivery slots (``SIFT_WEBHOOK_DELIVERIES_PER_PROCESS``, of which
+    ``SIFT_WEBHOOK_DELIVERIES_PER_TENANT`` one tenant's, a quarter kept for tenants sending
+    nothing else), shared out by the rule the name lookups' threads follow too."""
+    return TenantSlots(limit, per_tenant)
 
 
 @dataclass(frozen=True)
