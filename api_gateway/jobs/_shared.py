@@ -28,6 +28,7 @@ from worker.webhooks.urlguard import (
     LookupsBusy,
     LookupThreads,
     check_webhook_url,
+    failed_for_now,
     split_webhook_url,
 )
 
@@ -140,9 +141,7 @@ async def _check_url(request: Request, settings: Settings, url: str | None, tena
             f"({LOOKUP_TIMEOUT_SETTING})",
             within,
         )
-    failed = found.exception()
-    if isinstance(failed, socket.gaierror) and failed.errno == socket.EAI_AGAIN:
-        # the resolver's servers did not answer: nothing is known of the host yet
+    if failed_for_now(found.exception()):
         raise _lookup_unavailable(
             f"the name lookup of the host {host!r} failed for now (temporary failure in name "
             "resolution: the resolver's servers did not answer)",

@@ -176,6 +176,13 @@ def check_webhook_url(
     return addresses
 
 
+def failed_for_now(error: BaseException | None) -> bool:
+    """Whether a name lookup's ``error`` is the resolver giving up for now (``EAI_AGAIN``: its
+    servers did not answer): nothing is known of the host yet, and a later lookup may find it
+    (a host that does not exist is ``EAI_NONAME``)."""
+    return isinstance(error, socket.gaierror) and error.errno == socket.EAI_AGAIN
+
+
 class LookupsBusy(Exception):
     """No lookup thread is free for this tenant: the others wait on lookups the resolver has
     not answered. Refused at once, never queued behind them."""
