@@ -187,10 +187,9 @@ class RunRecords(_StoreCore):
             keys=[BATCH_CHUNK_RUNS_KEY + batch_id], args=[WORKER_HEARTBEAT_KEY]
         )
         held = []
-        for field in fields:
-            start, _, stop = (field.decode() if isinstance(field, bytes) else str(field)).partition(
-                "-"
-            )
+        for field in fields:  # "<start>-<stop>"
+            name = field.decode() if isinstance(field, bytes) else str(field)
+            start, _, stop = name.partition("-")
             held.append(range(int(start), int(stop)))
         return held
 
