@@ -14,7 +14,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,10 @@ from typing import IO, Any
 
 import httpx
 import pytest
+
+from worker.processes.stack import free_port
+
+__all__ = ["free_port"]  # the one test modules import from here
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARDS = sorted((ROOT / "grafana").glob("*.json"))
@@ -64,13 +67,6 @@ def requires_prometheus(*, promtool: bool = False) -> pytest.MarkDecorator:
     if missing and os.environ.get("CI"):
         raise RuntimeError(f"{reason}: .ci/run installs it, and CI must not skip these tests")
     return pytest.mark.skipif(missing, reason=reason)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_until(check: Callable[[], Any], what: str, seconds: float = READY_SECONDS) -> Any:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from tests.fake_anthropic import (
     status,
     trickle,
 )
+from worker.processes.stack import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -414,14 +414,8 @@ def test_hundreds_in_flight_with_a_one_second_delay(fake: FakeAnthropic) -> None
     assert fake.counts()["received"] == 300
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_runs_as_its_own_process() -> None:
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.fake_anthropic", "--port", str(port), "--delay", "0.2"],
         cwd=REPO,

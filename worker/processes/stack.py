@@ -19,6 +19,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,10 +40,48 @@ from worker.errors import ConfigError
 READY_TIMEOUT_SECONDS = 60.0
 
 
+FREE_PORTS_FROM = 20000  # above most services' well-known ports
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port() -> int:
+    """A loopback port nothing listens on, for a server about to be started on it.
+
+    Picked below the kernel's ephemeral range, never by binding port 0: a port from that range
+    can be taken, between this check and the server's own bind, by any outgoing connection on
+    the machine (a busy test run opens thousands), and the server then dies of "address already
+    in use". A port is handed out once per process; the choice is random, so that processes
+    picking at the same time rarely try the same one. Binding port 0 is the fallback where the
+    range leaves no room below it.
+    """
+    low, high = FREE_PORTS_FROM, _ephemeral_low() - 1
+    with _handed_out_lock:
+        for _ in range(64 if high - low >= 1000 else 0):
+            port = random.randint(low, high)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def stop(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
