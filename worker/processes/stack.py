@@ -75,6 +75,41 @@ def _ephemeral_low() -> int:
         return 32768  # Linux's default range starts here
 
 
+_PROC_NET_TCP = (Path("/proc/net/tcp"), Path("/proc/net/tcp6"))
+_TCP_LISTEN = "0A"  # the "st" column of a listening socket in /proc/net/tcp
+
+
+def listens_on(pid: int, port: int) -> bool | None:
+    """Whether process ``pid`` itself holds a listening TCP socket on ``port``: its open
+    sockets (``/proc/PID/fd``) against the kernel's listening ones (``/proc/net/tcp``,
+    ``tcp6``). None where there is no ``/proc`` to tell (not Linux).
+
+    What answers on a port is not always the process started for it: another process that
+    picked the same free port at the same time may have bound it first, and the one
+    started for it then exits on "address already in use"."""
+    if not _PROC_NET_TCP[0].exists():
+        return None
+    sockets = set()
+    for table in _PROC_NET_TCP:
+        with contextlib.suppress(OSError):
+            for line in table.read_text().splitlines()[1:]:
+                # sl local_address rem_address st ... inode (the tenth column)
+                fields = line.split()
+                if fields[3] == _TCP_LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    sockets.add(f"socket:[{fields[9]}]")
+    if not sockets:
+        return False
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # it exited
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(fd) in sockets:
+                return True
+    return False
+
+
 def _bindable(port: int) -> bool:
     with socket.socket() as sock:
         try:
@@ -179,9 +214,11 @@ def redis_server(
 
     With ``appendonly`` it keeps an AOF in ``directory`` (fsynced ``appendfsync``: ``always``,
     ``everysec`` or ``no``), so a restart on the same port and directory finds its data."""
-    service, url = redis_service(directory, port=port, appendonly=appendonly,
-                                 appendfsync=appendfsync)  # fmt: skip
-    with running(service):
+
+    def make(port: int | None) -> tuple[Service, str]:
+        return redis_service(directory, port=port, appendonly=appendonly, appendfsync=appendfsync)
+
+    with running_on_a_port(make, port) as url:
         yield url
 
 
@@ -218,7 +255,7 @@ def redis_service(
     # while the workers' warm shutdown still needed it (they hung, and were left orphaned);
     # whoever started it stops it, after the processes that use it
     service = Service("redis-server", command, directory / "redis.log", None, ready=ping,
-                      own_group=True)  # fmt: skip
+                      own_group=True, port=port)  # fmt: skip
     return service, url
 
 
@@ -290,9 +327,13 @@ def gateway_process(
     *,
     port: int | None = None,
 ) -> Iterator[str]:
-    """``sift gateway`` on loopback, yielding its base URL once ``/readyz`` answers 200."""
-    service, url = gateway_service(directory, env, name, port=port)
-    with running(service):
+    """``sift gateway`` on loopback, yielding its base URL once it listens on its port and
+    ``/readyz`` answers 200."""
+
+    def make(port: int | None) -> tuple[Service, str]:
+        return gateway_service(directory, env, name, port=port)
+
+    with running_on_a_port(make, port) as url:
         yield url
 
 
@@ -305,7 +346,7 @@ def gateway_service(
     url = f"http://127.0.0.1:{port}"
     command = sift_command("gateway", "--host", "127.0.0.1", "--port", str(port))
     ready = lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200  # noqa: E731
-    return Service(name, command, directory / f"{name}.log", env, ready=ready), url
+    return Service(name, command, directory / f"{name}.log", env, ready=ready, port=port), url
 
 
 @dataclass
@@ -322,6 +363,9 @@ class Service:
     own_group: bool = False  # see spawn()
     stop_timeout: float = 15.0  # from SIGTERM to SIGKILL (see stop())
     proc: subprocess.Popen[bytes] | None = None
+    # the port it serves on: it is ready only once its own process listens there, whatever
+    # else answers ``ready`` on it (:func:`listens_on`)
+    port: int | None = None
     started_at: float = 0.0
     _offset: int = 0  # the log's size when the process started: its own lines follow
 
@@ -347,6 +391,9 @@ class Service:
         else:
             assert ready is not None
             check = ready
+        if self.port is not None:
+            pid, port, answers = self.proc.pid, self.port, check
+            check = lambda: answers() and listens_on(pid, port) is not False  # noqa: E731
         wait_until(check, self.name, self.proc, self.log, timeout, offset, cancel)
 
 
@@ -362,6 +409,38 @@ def running(service: Service, cancel: threading.Event | None = None) -> Iterator
     finally:
         if service.proc is not None:
             stop(service.proc, service.stop_timeout)
+
+
+PORT_PICKS = 3  # starts of a server on a port free_port picked (see running_on_a_port)
+
+
+@contextlib.contextmanager
+def running_on_a_port(
+    make: Callable[[int | None], tuple[Service, str]], port: int | None
+) -> Iterator[str]:
+    """``make(port)``'s service :func:`running`, yielding its URL. With no ``port``, ``make``
+    picks one (:func:`free_port`), and a process that exits because another took that port
+    first is started again on a new pick, ``PORT_PICKS`` starts in all: two test processes
+    may pick the same free port at once (each rules out only its own picks), and only one
+    of their servers binds it."""
+    with contextlib.ExitStack() as stack:
+        for picks_left in reversed(range(PORT_PICKS if port is None else 1)):
+            service, url = make(port)
+            try:
+                stack.enter_context(running(service))
+            except RuntimeError:
+                if picks_left and _lost_its_port(service):
+                    continue
+                raise
+            yield url
+            return
+
+
+def _lost_its_port(service: Service) -> bool:
+    """``service``'s process exited, and something else listens on its port."""
+    proc, port = service.proc, service.port
+    exited = proc is not None and proc.poll() is not None
+    return exited and port is not None and not _bindable(port)
 
 
 RESTART_FIRST_DELAY_SECONDS = 1.0
