@@ -2,18 +2,22 @@
 
 The backlog is the job store's count of ``queued`` searches and batch items (one HGETALL),
 read at most every ``READ_EVERY_SECONDS`` so the hot path stays one cached comparison. Work
-this gateway admits is added to its cached reading at once, so a burst between two readings
-cannot overshoot the limit by more than what the other gateways admitted meanwhile.
+this gateway admits is added to its cached reading at once, and to every reading taken
+before its job is stored (until then the store does not count it), so a burst cannot
+overshoot the limit by more than what the other gateways admitted meanwhile.
 
     backlog = Backlog(async_store.in_flight, limit=10_000)
     await backlog.admit(len(items))   # raises BacklogFull (429 with Retry-After) past the limit
+    with backlog.storing(len(items)):
+        ...                           # store the job: counted by the store from then on
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 READ_EVERY_SECONDS = 0.5
 RETRY_AFTER_SECONDS = 5
@@ -62,6 +66,7 @@ class Backlog:
         self._read_at: float | None = None
         self._reading: asyncio.Future[None] | None = None  # the reading in flight
         self._admitted_while_reading: int | None = None
+        self._unstored = 0  # admitted here, their jobs being stored (see storing)
 
     async def admit(self, items: int) -> None:
         """Count ``items`` in, or raise :class:`BacklogFull` (all or nothing). A due reading
@@ -74,7 +79,7 @@ class Backlog:
             first = self._reading is None
             if first:
                 self._admitted_while_reading = 0
-                self._reading = asyncio.ensure_future(self._read(self._clock()))
+                self._reading = asyncio.ensure_future(self._read(self._clock(), self._unstored))
             if first or self._read_at is None:
                 assert self._reading is not None
                 await asyncio.shield(self._reading)
@@ -82,10 +87,27 @@ class Backlog:
         if self._admitted_while_reading is not None:
             self._admitted_while_reading += items
 
-    async def _read(self, now: float) -> None:
+    @contextlib.contextmanager
+    def storing(self, items: int) -> Iterator[None]:
+        """While the block stores the job of ``items`` this gateway admitted, a reading taken
+        counts them on top of what the store does: the store counts them only once the
+        job is stored, which may be after the reading (a batch's items are staged in
+        slices first). Before, a reading taken in between dropped them from the count, and
+        the next request was admitted against that: a batch of 8 being stored, a limit of
+        10, and 3 more got in. One the store already counts is counted twice until the
+        next reading: the count errs high, never low."""
+        self._unstored += items
+        try:
+            yield
+        finally:
+            self._unstored -= items
+
+    async def _read(self, now: float, unstored: int) -> None:
+        """Read the store's count; ``unstored`` is what this gateway admitted before the
+        reading and had not stored yet (:meth:`storing`)."""
         try:
             queued = (await self.in_flight())["queued"]
-            self._queued = queued + (self._admitted_while_reading or 0)
+            self._queued = queued + unstored + (self._admitted_while_reading or 0)
             self._read_at = now
         finally:
             self._admitted_while_reading, self._reading = None, None

@@ -30,7 +30,7 @@ from api_gateway.jobs._idempotency import IdemKey, _Idempotency
 from api_gateway.jobs._shared import (
     BUSY,
     JobIdPath,
-    _admit,
+    _admitted,
     _check_rerank,
     _check_url,
     _create_and_enqueue,
@@ -134,22 +134,22 @@ async def create_batch(
             ]
 
         try:
-            await _admit(request, len(items))  # the whole batch, or none of it
-            batch = await off_loop(
-                _create_and_enqueue,
-                sender,
-                lambda enqueue: store.create_batch(
-                    tenant,
-                    body.index,
-                    items,
-                    lane=body.lane,
-                    rerank=body.rerank,
-                    webhook_url=body.webhook_url,
-                    enqueue=enqueue,
-                    claim=idem.ref,
-                ),
-                chunks,
-            )
+            async with _admitted(request, len(items)):  # the whole batch, or none of it
+                batch = await off_loop(
+                    _create_and_enqueue,
+                    sender,
+                    lambda enqueue: store.create_batch(
+                        tenant,
+                        body.index,
+                        items,
+                        lane=body.lane,
+                        rerank=body.rerank,
+                        webhook_url=body.webhook_url,
+                        enqueue=enqueue,
+                        claim=idem.ref,
+                    ),
+                    chunks,
+                )
         except IdempotencyKeyBound as bound:
             batch_id = idem.bound_job(bound)
         except BaseException:

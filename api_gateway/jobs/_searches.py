@@ -27,7 +27,7 @@ from api_gateway.jobs._idempotency import IdemKey, _Idempotency
 from api_gateway.jobs._shared import (
     BUSY,
     JobIdPath,
-    _admit,
+    _admitted,
     _check_rerank,
     _check_url,
     _create_and_enqueue_async,
@@ -103,16 +103,16 @@ async def create_search(
     if job_id is None:
         async_store = async_job_store(request)
         try:
-            await _admit(request, 1)
-            spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
-            # one script on the event loop: the record, the task message, the key's binding
-            fresh = await _create_and_enqueue_async(
-                task_sender(request),
-                lambda enqueue: async_store.create_search(
-                    tenant, spec, webhook_url=body.webhook_url, enqueue=enqueue, claim=idem.ref
-                ),
-                lambda job_id: [(SEARCH_TASK, [job_id], SEARCH_QUEUE)],
-            )
+            async with _admitted(request, 1):
+                spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
+                # one script on the event loop: the record, the task message, the key's binding
+                fresh = await _create_and_enqueue_async(
+                    task_sender(request),
+                    lambda enqueue: async_store.create_search(
+                        tenant, spec, webhook_url=body.webhook_url, enqueue=enqueue, claim=idem.ref
+                    ),
+                    lambda job_id: [(SEARCH_TASK, [job_id], SEARCH_QUEUE)],
+                )
         except IdempotencyKeyBound as bound:
             job_id = idem.bound_job(bound)
         except BaseException:

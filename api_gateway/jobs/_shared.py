@@ -4,10 +4,11 @@ tasks, the webhook URL and rerank checks, and the answer for a job Redis lost.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 from typing import Annotated, Any, TypeVar
 
@@ -51,10 +52,14 @@ BUSY: dict[int | str, dict[str, Any]] = {
 }
 
 
-async def _admit(request: Request, items: int) -> None:
-    """Backpressure: 429 with ``Retry-After`` when ``items`` more would pass the backlog limit."""
+@contextlib.asynccontextmanager
+async def _admitted(request: Request, items: int) -> AsyncIterator[None]:
+    """Backpressure: 429 with ``Retry-After`` when ``items`` more would pass the backlog limit;
+    else the block stores their job, counted as this gateway's until it ends
+    (:meth:`Backlog.storing`)."""
     backlog: Backlog | None = getattr(request.app.state, "backlog", None)
     if backlog is None or backlog.limit <= 0:
+        yield
         return
     if items > backlog.limit:  # a 429 would say "retry", and no retry admits it
         raise InvalidRequest(
@@ -73,6 +78,8 @@ async def _admit(request: Request, items: int) -> None:
             exc.public,
             headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
         ) from exc
+    with backlog.storing(items):
+        yield
 
 
 J = TypeVar("J", SearchJob, BatchJob, IngestJob)

@@ -5,14 +5,17 @@ whole. The gateway's queue has no worker (the e2e ``idle`` pattern), so the back
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
 
-from tests.reliability.support import ACME, INDEX, stack_env
+from api_gateway.backpressure import READ_EVERY_SECONDS
+from tests.reliability.support import ACME, INDEX, stack_env, wait_for
 from tests.services import gateway, redis_server
 from worker.constants import STATS_KEY
 
@@ -79,6 +82,40 @@ def test_a_batch_larger_than_what_is_left_is_refused_whole(tmp_path: Path) -> No
             assert _queued(url + "/0") == 8  # not 10: no half-accepted batch
             assert c.post("/v1/batches", json=_batch(2, "c"), headers=ACME).status_code == 202
             assert _queued(url + "/0") == 10
+
+
+def test_a_batch_being_stored_counts_against_the_limit_in_a_reading_taken_meanwhile(
+    tmp_path: Path,
+) -> None:
+    """The store counts a batch's items only once its commit is written (after its items are
+    staged, slice by slice), while the gateway counted them from its admission on: a
+    reading of the store due in between dropped them. With the batch of 8's writes held up
+    (Redis paused for writes: reads still answered), the batch of 3 sent after the reading
+    fell due was admitted, and 11 were queued past the limit of 10."""
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", "http://127.0.0.1:9", SIFT_MAX_BACKLOG="10")
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=60) as c,
+            redis.Redis.from_url(url + "/0") as r,
+            ThreadPoolExecutor(2) as pool,
+        ):
+
+            def held() -> int:
+                return int(r.info("clients")["blocked_clients"])  # paused writers count in
+
+            r.execute_command("CLIENT", "PAUSE", 600_000, "WRITE")  # until UNPAUSE
+            try:
+                first = pool.submit(c.post, "/v1/batches", json=_batch(8, "a"), headers=ACME)
+                wait_for(lambda: held() == 1, "the batch of 8, admitted, held at its first write")
+                time.sleep(READ_EVERY_SECONDS)  # the next request takes a new reading
+                second = pool.submit(c.post, "/v1/batches", json=_batch(3, "b"), headers=ACME)
+                wait_for(lambda: second.done() or held() == 2, "the batch of 3 answered or held")
+            finally:
+                r.execute_command("CLIENT", "UNPAUSE")
+            assert first.result().status_code == 202, first.result().text
+            assert second.result().status_code == 429, second.result().text
+            assert _queued(url + "/0") == 8
 
 
 def test_the_openapi_document_lists_the_429(idle: tuple[httpx.Client, str]) -> None:

@@ -99,3 +99,22 @@ def test_on_the_event_loop_work_admitted_during_a_reading_is_added_to_it() -> No
         assert info.value.queued == 8
 
     asyncio.run(scenario())
+
+
+def test_work_admitted_and_not_stored_yet_is_added_to_a_new_reading() -> None:
+    async def scenario() -> None:
+        reading, now = FakeAsyncReading(queued=0, released=True), [0.0]
+        backlog = _backlog(reading, 10, now)
+        await backlog.admit(8)
+        with backlog.storing(8):  # the store does not count them yet
+            now[0] = READ_EVERY_SECONDS
+            with pytest.raises(BacklogFull) as info:
+                await backlog.admit(3)  # 0 read + 8 being stored + 3 > 10
+            assert info.value.queued == 8 and reading.reads == 2
+        reading.queued, now[0] = 8, 2 * READ_EVERY_SECONDS  # stored: the store counts them
+        await backlog.admit(2)
+        assert reading.reads == 3
+        with pytest.raises(BacklogFull):
+            await backlog.admit(1)
+
+    asyncio.run(scenario())
