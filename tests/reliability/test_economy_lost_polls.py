@@ -161,6 +161,17 @@ def test_a_poll_sent_again_while_its_late_message_comes_back_keeps_one_poll_goin
                 "the sweep's new poll",
                 120,
             )
+            # the sweep's log line says its poll was sent, not that it ran: under load the
+            # late message could run first (or take the lease first, the new poll waiting on
+            # it), and the new poll then first polled after the provider batch had ended,
+            # mapping at once: no poll went on polling ('0 polls going on'), the late one's
+            # stop unchecked against a poll under way
+            polling_on = re.compile(r"Task sift\.economy_poll\[rewake-[0-9a-f]+\] retry:")
+            wait_for(
+                lambda: polling_on.search(log_b.read_text(errors="replace")) is not None,
+                "the sweep's new poll polling on, the provider batch in_progress",
+                120,
+            )
             broker.lpush("sift.batch", late)  # and now the late message arrives
             late_id = json.loads(late)["headers"]["id"]
             ran = re.compile(rf"economy_poll\[{late_id}\] (succeeded|retry:)")
