@@ -179,6 +179,20 @@ class FakeClock:
         self.now += seconds
 
 
+@dataclass
+class BusySlots:
+    """CPU slots all held by other searches: one is had only after ``wait`` seconds."""
+
+    clock: FakeClock
+    wait: float
+
+    def __enter__(self) -> None:
+        self.clock.now += self.wait
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 Step = Callable[[RerankPrompt, float], RerankReply]
 
 

@@ -4,12 +4,10 @@ the chunking under the provider's limits, and the custom_id round trip."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
-from tests.fakes import USAGE, FakeClock, RecordingRecorder, fail, reply
+from tests.fakes import USAGE, BusySlots, FakeClock, RecordingRecorder, fail, reply
 from tests.unit.test_pipeline import make
 from worker.contract import SearchSpec
 from worker.core.pipeline import RerankRun, SearchPipeline, dump_prepared, load_prepared
@@ -73,20 +71,6 @@ def test_finish_applies_the_failure_policy(policy: str) -> None:
     assert recorder.events["outcome", "fallback_error"] == 1
 
 
-@dataclass
-class _BusySlots:
-    """CPU slots all held by other first halves: one is had only after ``wait`` seconds."""
-
-    clock: FakeClock
-    wait: float
-
-    def __enter__(self) -> None:
-        self.clock.now += self.wait
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
 def test_a_first_half_s_deadline_starts_once_it_holds_its_cpu_slot() -> None:
     # an economy batch's chunks put every item's first half on the item pool at once, and
     # they queue for the slots: a wait past the deadline (10 s here), the item's own
@@ -95,7 +79,7 @@ def test_a_first_half_s_deadline_starts_once_it_holds_its_cpu_slot() -> None:
     made, _, recorder = make([], clock=clock)
     pipeline = SearchPipeline(
         made.backend, made.embedder, made.reranker, made.config, recorder,
-        clock=clock, sleep=clock.sleep, cpu_slots=_BusySlots(clock, 25.0),
+        clock=clock, sleep=clock.sleep, cpu_slots=BusySlots(clock, 25.0),
         index_settings=made.index_settings,
     )  # fmt: skip
     prepared = pipeline.prepare(SPEC, "acme")

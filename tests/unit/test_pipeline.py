@@ -8,6 +8,7 @@ import pytest
 
 from tests.fakes import (
     USAGE,
+    BusySlots,
     FakeClock,
     FakeEmbedder,
     InMemoryBackend,
@@ -250,6 +251,23 @@ def test_slow_model_never_pushes_the_search_past_its_deadline() -> None:
     assert result.rerank.fallback_reason == "error:timeout"
     assert reranker is not None
     assert all(timeout <= 4.0 for _, timeout in reranker.calls)
+
+
+def test_a_search_s_deadline_starts_once_it_holds_its_cpu_slot() -> None:
+    # A standard batch's chunk puts its items on the item pool at once, and they queue for
+    # the CPU slots: that wait is a queue's, as the wait before the task is, not the
+    # search's. Charged to the deadline (10 s here), a 25 s wait left no time for the model.
+    clock = FakeClock()
+    made, reranker, recorder = make([reply([0, 1])], clock=clock)
+    pipeline = SearchPipeline(
+        made.backend, made.embedder, made.reranker, made.config, recorder,
+        clock=clock, sleep=clock.sleep, cpu_slots=BusySlots(clock, 25.0),
+        index_settings=made.index_settings,
+    )  # fmt: skip
+    result = pipeline.search(spec(), "acme")
+    assert result.rerank.applied and result.rerank.fallback_reason is None
+    assert reranker is not None and len(reranker.calls) == 1
+    assert recorder.events["search", "ok"] == 1
 
 
 def test_a_retried_search_runs_in_what_is_left_and_observes_only_its_own_run() -> None:

@@ -143,11 +143,12 @@ class SearchPipeline:
         :meth:`RerankRun.billed_with`). With ``answers``, the search's own figures (its
         retrieval's, its outcome and duration, the model answer's) are handed to it to record
         once the result is saved (:meth:`AnswerKeeper.later`)."""
-        deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
         outcome: str | None = "error"
         figures: list[Callable[[], None]] = []
+        deadline: Deadline | None = None
         try:
-            with self._cpu_slots:
+            with self._cpu_slots:  # the deadline starts once the slot is held (see prepare)
+                deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
                 prepared = self._prepare(spec, tenant, deadline, figures)
             if prepared.result is not None:
                 result = prepared.result
@@ -176,7 +177,7 @@ class SearchPipeline:
             return result
         finally:
             if outcome is not None:
-                seconds = deadline.run_elapsed()
+                seconds = deadline.run_elapsed() if deadline is not None else 0.0
                 figures.append(partial(self.recorder.search_done, spec.mode, outcome, seconds))
             if answers is not None:
                 answers.later(figures)
@@ -200,10 +201,10 @@ class SearchPipeline:
         result, or the prepared search, is saved (a run again after a crash before the save
         then counts them once).
 
-        The deadline starts once the first half holds its CPU slot. An economy batch's
-        chunks put every item's first half on the process's item pool at once (300 threads
-        at the defaults) and they queue for the slots (one per core and one more): that wait
-        is a queue's, as the wait before the task is, not the search's. Charged to the
+        The deadline starts once the first half holds its CPU slot (in :meth:`search`
+        too). A batch's chunks put every item on the process's item pool at once (300
+        threads at the defaults) and they queue for the slots (one per core and one more):
+        that wait is a queue's, as the wait before the task is, not the search's. Charged to the
         deadline, a few items of a 3,000-item batch on a busy host failed
         ``deadline_exceeded`` ("ran out before the call") before any model was asked, each
         one's own retrieval well under a second.
