@@ -270,6 +270,26 @@ def test_a_search_s_deadline_starts_once_it_holds_its_cpu_slot() -> None:
     assert recorder.events["search", "ok"] == 1
 
 
+def test_a_retrieval_retry_s_wait_to_hold_a_cpu_slot_again_is_not_the_deadline_s() -> None:
+    # A retrieval retry's back-off lets the slot go, and the items queued for the slots take
+    # it: the wait to hold one again is that queue's too, as the first one is. Charged (25 s
+    # against 10 s here), the retry never ran: deadline_exceeded before the model was asked.
+    clock = FakeClock()
+    made, reranker, recorder = make([reply([0, 1])], clock=clock)
+    assert isinstance(made.backend, InMemoryBackend)
+    made.backend.fail_next = 1  # SQLITE_BUSY, say: retryable
+    pipeline = SearchPipeline(
+        made.backend, made.embedder, made.reranker, made.config, recorder,
+        clock=clock, sleep=clock.sleep, cpu_slots=BusySlots(clock, 25.0),
+        index_settings=made.index_settings,
+    )  # fmt: skip
+    result = pipeline.search(spec(), "acme")
+    assert len(made.backend.calls) == 2  # the failure, then the retry
+    assert result.rerank.applied and result.rerank.fallback_reason is None
+    assert reranker is not None and len(reranker.calls) == 1
+    assert recorder.events["search", "ok"] == 1
+
+
 def test_a_retried_search_runs_in_what_is_left_and_observes_only_its_own_run() -> None:
     # A task retry or redelivery passes the seconds earlier runs used: the deadline is what is
     # left of the one search's, while the latency metric takes this run's own time (the

@@ -63,6 +63,11 @@ class Deadline:
         so a retried search's earlier runs are not observed again."""
         return self.elapsed() - self.spent
 
+    def leave_out(self, seconds: float) -> None:
+        """Leave ``seconds`` just waited out of the deadline: a queue's wait, not the
+        search's (a CPU slot's, again after a retrieval retry's back-off)."""
+        self.started += max(0.0, seconds)
+
 
 def retry_after_seconds(value: str | None, now: datetime | None = None) -> float | None:
     """The wait a ``Retry-After`` header asks for, in seconds, in either of its forms (RFC

@@ -171,18 +171,24 @@ class Retrieval:
             deadline=deadline,
             max_attempts=self.config.backend_max_attempts,
             attempt_timeout=deadline.remaining(),
-            sleep=self._sleep_off_slot,
+            sleep=partial(self._sleep_off_slot, deadline),
             initial_backoff=0.05,
             max_backoff=1.0,
         )
 
-    def _sleep_off_slot(self, seconds: float) -> None:
-        """A retrieval retry's back-off: the first half's CPU slot is let go while it waits."""
+    def _sleep_off_slot(self, deadline: Deadline, seconds: float) -> None:
+        """A retrieval retry's back-off: the first half's CPU slot is let go while it waits.
+        The wait to hold one again is left out of ``deadline``, as the first one is
+        (:meth:`SearchPipeline.prepare`): the slot's queue is the item pool's, where hundreds
+        of a batch's items may wait; charged, a retry (an embedded backend's ``SQLITE_BUSY``)
+        failed ``deadline_exceeded`` behind them before any model was asked."""
         self.cpu_slots.__exit__(None, None, None)
         try:
             self.sleep(seconds)
         finally:
+            asked = self.clock()
             self.cpu_slots.__enter__()
+            deadline.leave_out(self.clock() - asked)
 
 
 def chosen_limit(request: int | None, index: int | None, default: int) -> tuple[str, int]:
