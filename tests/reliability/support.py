@@ -353,6 +353,12 @@ class Broker:
             30,
         )
 
+    def on_disk(self, needles: list[str]) -> bool:
+        """Whether the AOF files hold each of ``needles`` (after :meth:`written`: what a
+        restart on them loads)."""
+        files = b"".join(aof.read_bytes() for aof in self.directory.rglob("*.aof"))
+        return all(needle.encode() in files for needle in needles)
+
     def start_again(self) -> None:
         """redis-server on the same port and directory: it loads the AOF."""
         assert self._start() == self.url
