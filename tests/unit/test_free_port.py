@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import socket
-from pathlib import Path
 
 import pytest
 
@@ -14,7 +13,9 @@ from worker.processes.stack import FREE_PORTS_FROM, free_port
 
 
 def test_ports_come_from_below_the_ephemeral_range_and_are_never_handed_out_twice() -> None:
-    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ephemeral_low = stack._ephemeral_low()
+    if ephemeral_low - 1 - FREE_PORTS_FROM < 1000:  # free_port then binds port 0
+        pytest.skip(f"this host's ephemeral range starts at {ephemeral_low}: no room below it")
     ports = [free_port() for _ in range(300)]
     assert all(FREE_PORTS_FROM <= port < ephemeral_low for port in ports), ports
     assert len(set(ports)) == len(ports)
