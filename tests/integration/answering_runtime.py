@@ -126,6 +126,9 @@ class DyingKeeper:
     def saved(self) -> Mapping[str, Any] | None:
         return self.inner.saved()
 
+    def slot_held(self, waited: float) -> None:
+        self.inner.slot_held(waited)
+
     def later(self, figures: Sequence[Callable[[], None]]) -> None:
         self.inner.later(figures)
 

@@ -168,6 +168,29 @@ def test_a_claim_sent_again_after_an_outage_starts_its_run_and_lease_at_the_answ
     assert 0.3 <= used < 2.0, used  # the run's time, not the outage's
 
 
+def test_a_claim_restarts_once_its_run_holds_its_cpu_slot_after_a_long_wait(
+    store: JobStore,
+) -> None:
+    """A run's claim is taken before it waits for its CPU slot, and its deadline starts once
+    it holds one (worker/core/pipeline/_search.py): told so (:meth:`ClaimAnswers.slot_held`),
+    the claim is sent again with its run's token, its lease and time starting there, so a
+    copy claiming past the lease from the claim (within one from the slot) is refused, and
+    the time the run leaves counted starts at the slot. A short wait sends nothing."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    _alive(store, "w1")
+    claim = store.claim_item(batch.id, "q0", "w1", lease_seconds=1.5)
+    answers = store.item_answers(batch.id, "q0", claim)
+    answers.slot_held(0.5)  # a short wait: the claim is as it was
+    time.sleep(2.0)  # the wait for the slot, longer than the lease
+    answers.slot_held(2.0)
+    assert claim.spent == 0.0 and claim.spent_now() < 2.0, claim
+    assert not store.claim_item(batch.id, "q0", "w2", lease_seconds=1.5).granted
+    store.release_item(batch.id, "q0", claim)
+    used = store.claim_item(batch.id, "q0", "w2", lease_seconds=1.5).spent
+    assert used < 2.0, used  # the run's time from its slot, not the wait's
+    assert 0 < store.redis.ttl(BATCH_RUNS_KEY + batch.id) <= store.result_ttl
+
+
 def test_a_batch_s_claims_live_as_long_as_the_batch_and_a_gone_batch_s_are_not_written(
     store: JobStore,
 ) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -11,12 +13,16 @@ from typing import Any, cast
 import pytest
 import redis
 
-from tests.fakes import EmptyRuntime
-from worker.constants import WORKER_HEARTBEAT_KEY
+from tests.fakes import EmptyRuntime, FakeEmbedder, InMemoryBackend, ScriptedReranker, reply
+from worker.constants import SEARCH_KEY, WORKER_HEARTBEAT_KEY
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
+from worker.core.pipeline import SearchPipeline
+from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import BackendUnavailable, ModeUnavailable
 from worker.queue import base, liveness, tasks, webhook_task
 from worker.queue.jobstore import CancelOutcome, JobStore, SearchJob
+from worker.runtime.bootstrap import build_pipeline
+from worker.runtime.inprocess import Runtime
 from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
 
@@ -229,6 +235,115 @@ def test_a_search_s_queue_wait_is_observed_once_when_a_copy_runs_it_after_a_retr
     done = get_search(job.id)
     assert done is not None and done.status == "succeeded" and runtime.calls == 2, done
     assert _queue_waits(SEARCH_QUEUE)[0] - waits == 1
+
+
+class _SlotsHeldElsewhere:
+    """The CPU slots, all held by other searches the first time one is asked for: it is had
+    after ``wait`` seconds of real time (the claim's lease runs in Redis's clock)."""
+
+    def __init__(self, wait: float) -> None:
+        self.wait = wait
+
+    def __enter__(self) -> None:
+        time.sleep(self.wait)
+        self.wait = 0.0
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _SpentRuntime(Runtime):
+    """The in-process runtime, noting the ``spent`` each run of a search is given."""
+
+    spents: list[float]
+
+    def search(self, *args: Any, spent: float = 0.0, **kwargs: Any) -> SearchResult:
+        self.spents.append(spent)
+        return super().search(*args, spent=spent, **kwargs)
+
+
+def _slot_waiting_runtime(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch, deadline: float, step: Any
+) -> _SpentRuntime:
+    """A real pipeline (reranking with ``step``) whose first search waits one and a half
+    deadlines for its CPU slot, the task's lease (its deadline) ``deadline`` seconds."""
+    settings = load_settings(
+        rerank_enabled=True,
+        generation_model="anthropic:claude-haiku-4-5",
+        search_deadline_seconds=deadline,
+    )
+    monkeypatch.setattr(context, "settings", context.settings.model_copy(update={
+        "search_deadline_seconds": deadline
+    }))  # fmt: skip
+    made = build_pipeline(
+        settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=ScriptedReranker([step]),
+    )
+    topics = ["volcano eruption ash", "river delta flooding", "chess opening theory"]
+    docs = [DocumentIn(id=f"d{i}", text=topic) for i, topic in enumerate(topics)]
+    Runtime(made).ingest("docs", "acme", docs)
+    pipeline = SearchPipeline(
+        made.backend, made.embedder, made.reranker, made.config,
+        cpu_slots=_SlotsHeldElsewhere(1.5 * deadline), index_settings=made.index_settings,
+    )  # fmt: skip
+    runtime = _SpentRuntime(pipeline)
+    runtime.spents = []
+    context._runtime = runtime
+    return runtime
+
+
+def test_a_search_s_claim_starts_once_it_holds_its_cpu_slot(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The search's deadline starts once it holds its CPU slot; its run claim (lease: one
+    deadline) was taken before the wait and kept its time from there. A run that waited
+    longer than its lease was taken over by a copy of its message delivered after the lease
+    ran out from the claim (a second run, a second paid model call). The claim is sent again
+    once the slot is held: the copy, delivered during the model call, is refused."""
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)  # this worker, alive
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w1")
+    job = store.create_search("acme", SearchSpec(index="docs", query="volcano ash", limit=2))
+    copies: list[bool] = []
+
+    def model_call(prompt: RerankPrompt, timeout: float) -> RerankReply:
+        copy = store.claim_search(job.id, "w2", lease_seconds=2.0)  # a copy, delivered
+        copies.append(copy.granted)
+        return reply([0, 1])(prompt, timeout)
+
+    runtime = _slot_waiting_runtime(context, monkeypatch, 2.0, model_call)
+    tasks.search.apply(args=[job.id])
+    assert copies == [False], copies
+    done = store.get_search(job.id)
+    assert done is not None and done.status == "succeeded" and runtime.spents == [0.0]
+
+
+def test_a_retried_search_s_spent_time_starts_once_its_first_run_held_its_cpu_slot(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's time (what its retry is told it spent, and the task's check that a retry has
+    any deadline left) counted from its claim, taken before the wait for the CPU slot: a
+    first run that waited longer than the deadline for its slot, then hit a retryable error,
+    was not retried (no time left, by that count) and the search failed. Counted from the
+    slot, it is retried, told the first run's own time."""
+    _patch_backoff(monkeypatch)
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w1")
+    job = store.create_search("acme", SearchSpec(index="docs", query="volcano ash", limit=2))
+    runtime = _slot_waiting_runtime(context, monkeypatch, 2.0, reply([0, 1]))
+    backend = runtime.pipeline.backend
+    assert isinstance(backend, InMemoryBackend)
+    runtime.pipeline.config = dataclasses.replace(runtime.pipeline.config, backend_max_attempts=1)
+    backend.fail_next = 1  # the first run's retrieval, once its slot is held: retryable
+    tasks.search.apply(args=[job.id])
+    done = store.get_search(job.id)
+    assert done is not None and done.status == "succeeded", done
+    assert len(runtime.spents) == 2 and runtime.spents[1] < 3.0, runtime.spents  # not the wait
+    used = float(store.redis.hget(SEARCH_KEY + job.id, "run").split("|")[0])
+    assert used < 3.0, used
 
 
 def test_retries_are_bounded(context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -270,6 +270,44 @@ def test_a_search_s_deadline_starts_once_it_holds_its_cpu_slot() -> None:
     assert recorder.events["search", "ok"] == 1
 
 
+class _SlotKeeper:
+    """An answer keeper noting when the run is told it holds its CPU slot (the clock then)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.held: list[tuple[float, float]] = []  # (waited, the clock when told)
+
+    def saved(self) -> None:
+        return None
+
+    def save(self, answer: Any) -> None:
+        return None
+
+    def slot_held(self, waited: float) -> None:
+        self.held.append((waited, self.clock.now))
+
+    def later(self, figures: Any) -> None:
+        for record in figures:
+            record()
+
+
+def test_a_search_tells_its_answer_keeper_once_it_holds_its_cpu_slot() -> None:
+    # The run claim (the queue's keeper) was taken before the slot's wait, with a lease of
+    # one deadline: the keeper is told how long that wait was, once the slot is held and
+    # before the deadline starts, so the claim starts there as the deadline does.
+    clock = FakeClock()
+    made, _, recorder = make([reply([0, 1])], clock=clock)
+    pipeline = SearchPipeline(
+        made.backend, made.embedder, made.reranker, made.config, recorder,
+        clock=clock, sleep=clock.sleep, cpu_slots=BusySlots(clock, 25.0),
+        index_settings=made.index_settings,
+    )  # fmt: skip
+    keeper = _SlotKeeper(clock)
+    asked = clock.now
+    result = pipeline.search(spec(), "acme", answers=keeper)
+    assert result.rerank.applied and keeper.held == [(25.0, asked + 25.0)]
+
+
 def test_a_retrieval_retry_s_wait_to_hold_a_cpu_slot_again_is_not_the_deadline_s() -> None:
     # A retrieval retry's back-off lets the slot go, and the items queued for the slots take
     # it: the wait to hold one again is that queue's too, as the first one is. Charged (25 s

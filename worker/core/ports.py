@@ -173,6 +173,12 @@ class AnswerKeeper(Protocol):
         """Keep this run's answer (JSON-able data), just after the model call returns."""
         ...
 
+    def slot_held(self, waited: float) -> None:
+        """The run holds its CPU slot now, after ``waited`` seconds of waiting for one: its
+        deadline starts here (the wait is a queue's, not the search's), so the run's record
+        of its time and its lease, taken before the wait, are to start here too."""
+        ...
+
     def later(self, figures: Sequence[Callable[[], None]]) -> None:
         """The run's figures of the search (its retrieval's, its outcome and duration, its
         model answer's), to record once its result is saved (or the run is retried, or

@@ -132,14 +132,15 @@ class SearchPipeline:
         none is needed); it may raise :class:`~worker.errors.Canceled` to stop there (a batch
         item whose batch was canceled meanwhile), and the search is then not counted as done.
         ``spent``: the deadline's seconds earlier runs of this search used (a retry runs in
-        what is left of the one deadline). ``answers``: where the model's answer is kept as
-        soon as the call returns; one an earlier run kept (its process died before the result
-        was saved) is finished instead of calling the model again: the call was paid for and
-        counted once, by the run that made it (no attempt, token or cost is counted here;
-        ``before_model`` is not run either: the call it guards was made). Only if it answered
-        these very candidates (:func:`shown_digest`): its positions number the ones it was
-        shown, and an index changed between the two runs gives others (then it is called
-        again, and the run shows both calls, the first billed too:
+        what is left of the one deadline). ``answers``: told when the run holds its CPU slot,
+        where its deadline starts (:meth:`AnswerKeeper.slot_held`); where the model's answer
+        is kept as soon as the call returns; one an earlier run kept (its process died before
+        the result was saved) is finished instead of calling the model again: the call was
+        paid for and counted once, by the run that made it (no attempt, token or cost is
+        counted here; ``before_model`` is not run either: the call it guards was made). Only
+        if it answered these very candidates (:func:`shown_digest`): its positions number the
+        ones it was shown, and an index changed between the two runs gives others (then it is
+        called again, and the run shows both calls, the first billed too:
         :meth:`RerankRun.billed_with`). With ``answers``, the search's own figures (its
         retrieval's, its outcome and duration, the model answer's) are handed to it to record
         once the result is saved (:meth:`AnswerKeeper.later`)."""
@@ -147,7 +148,10 @@ class SearchPipeline:
         figures: list[Callable[[], None]] = []
         deadline: Deadline | None = None
         try:
+            asked = self._clock()
             with self._cpu_slots:  # the deadline starts once the slot is held (see prepare)
+                if answers is not None:  # and so does the run's claim (its time, its lease)
+                    answers.slot_held(self._clock() - asked)
                 deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
                 prepared = self._prepare(spec, tenant, deadline, figures)
             if prepared.result is not None:

@@ -23,7 +23,12 @@ adds up the time the search's runs have run, in Redis's clock: a run's deadline 
 left of the one deadline (:class:`~worker.core.budget.Deadline`'s ``spent``), and the task
 retries only while some is left. The waits between runs (a retry's backoff, a batch chunk's retry
 waiting for its other items, the queue) are not counted, as the wait before the first run
-is not; nor is a run taken over (its worker died, or its lease is over): how long it ran
+is not, nor the run's wait for its CPU slot: the pipeline tells the run's keeper once the
+slot is held (:meth:`ClaimAnswers.slot_held`), and after a wait of a second or more the claim
+is sent again with the run's own token, which the script answers as that run starting now
+(its lease and its time restart there, where its deadline starts: a run that waited past its
+lease was taken over by a copy of its message, a second paid model call). Nor is a run taken
+over (its worker died, or its lease is over): how long it ran
 is unknown, and counting it until the takeover (the dead-worker check, then the redelivered
 message's wait behind the rest of its batch) failed a killed worker's in-flight batch items
 ``deadline_exceeded`` by the hundreds, where the next worker finishes them.
@@ -83,19 +88,28 @@ from worker.queue.jobstore.store import _StoreCore
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+# A run that waited longer than this for its CPU slot sends its claim again once it holds
+# one (ClaimAnswers.slot_held): shorter waits cost less than that round trip is worth.
+SLOT_WAIT_RESTARTS_CLAIM_SECONDS = 1.0
+
+
+@dataclass(slots=True)
 class RunClaim:
     """A claim's answer: ``granted`` (this run may go on), ``spent`` (the seconds the
     search's earlier runs ran, in Redis's clock: the deadline's time they used), this run's
     ``token``, ``local_at``, this process's monotonic clock at the claim (what
-    :meth:`spent_now` adds to ``spent``), and ``answer``: the model's answer an earlier run
-    kept in the claim (JSON; '' : none)."""
+    :meth:`spent_now` adds to ``spent``), ``answer``: the model's answer an earlier run
+    kept in the claim (JSON; '' : none), and the ``owner`` and ``lease`` it was claimed with.
+    ``spent``, ``local_at`` and ``answer`` change when the run's claim restarts once its CPU
+    slot is held (:meth:`ClaimAnswers.slot_held`): the task and its keeper share it."""
 
     granted: bool
     spent: float
     token: str
     local_at: float
     answer: str = ""
+    owner: str = ""
+    lease: float = 0.0
 
     def spent_now(self) -> float:
         """The deadline's time spent by now, earlier runs included."""
@@ -116,6 +130,7 @@ class ClaimAnswers:
     field: str
     claim: RunClaim
     figures: list[Callable[[], None]] = dataclass_field(default_factory=list)
+    life: str = ""  # the job record the claim lives as long as ('' : the claim's own hash)
 
     def saved(self) -> Mapping[str, Any] | None:
         return json.loads(self.claim.answer) if self.claim.answer else None
@@ -128,6 +143,22 @@ class ClaimAnswers:
             self.records.keep_answer(self.key, self.field, self.claim, data)
         except redis.RedisError as exc:
             log.warning("the model's answer could not be kept with the run claim: %s", exc)
+
+    def slot_held(self, waited: float) -> None:
+        """The run holds its CPU slot after ``waited`` seconds: its deadline starts now, so
+        its claim is sent again, with its own token (:meth:`RunRecords.restart`): its lease
+        and the time it counts start now too. Taken before the wait, a run that waited longer
+        than its lease (one deadline) was taken over by a copy of its message, which paid
+        for a second model call, and the wait was counted as the deadline's time spent (by
+        the task's retry check and the next run's ``spent``). A short wait (under
+        :data:`SLOT_WAIT_RESTARTS_CLAIM_SECONDS`) is left counted, saving a round trip per
+        search; if Redis fails, the search goes on, the claim as it was."""
+        if waited < SLOT_WAIT_RESTARTS_CLAIM_SECONDS:
+            return
+        try:
+            self.records.restart(self.key, self.field, self.claim, life=self.life or self.key)
+        except redis.RedisError as exc:
+            log.warning("the run claim could not be restarted once its CPU slot was held: %s", exc)
 
     def later(self, figures: Sequence[Callable[[], None]]) -> None:
         self.figures.extend(figures)
@@ -212,7 +243,9 @@ class RunRecords(_StoreCore):
         return ClaimAnswers(self, SEARCH_KEY + job_id, "run", claim)
 
     def item_answers(self, batch_id: str, query_id: str, claim: RunClaim) -> ClaimAnswers:
-        return ClaimAnswers(self, BATCH_RUNS_KEY + batch_id, query_id, claim)
+        return ClaimAnswers(
+            self, BATCH_RUNS_KEY + batch_id, query_id, claim, life=BATCH_KEY + batch_id
+        )
 
     def keep_answer(self, key: str, field: str, claim: RunClaim, answer: str) -> bool:
         """Keep ``answer`` in the claim, if its run still holds it; answers whether it did."""
@@ -223,6 +256,29 @@ class RunRecords(_StoreCore):
         if isinstance(reply, Exception):
             raise reply
         return int(reply) == 1
+
+    def restart(self, key: str, field: str, claim: RunClaim, *, life: str) -> bool:
+        """Send the claim of the run holding ``claim`` again, with its own token: the claim
+        script answers it as that run starting now (its claim's time and lease restart, its
+        ``spent`` as it was), and ``claim`` takes the answer (``spent``, ``local_at``,
+        ``answer``). Answers whether it was granted: refused, another run took the claim
+        over meanwhile, and ``claim`` is left as it was."""
+        if not claim.granted:
+            return False
+        args = [field, claim.owner, claim.token, repr(claim.lease), WORKER_HEARTBEAT_KEY]
+        with self._running_lock:
+            args.append(",".join(self._running.get(key + "|" + field, set())))
+        (reply,) = self._transitions.call([(self._claim_run, [key, life], args)])
+        local_at = time.monotonic()
+        if isinstance(reply, Exception):
+            raise reply
+        granted, spent, answer = reply
+        if int(granted) != 1:
+            log.warning("the run claim %s %s was taken over by another run", key, field)
+            return False
+        claim.spent, claim.local_at = float(spent), local_at
+        claim.answer = answer.decode() if isinstance(answer, bytes) else str(answer)
+        return True
 
     def _claim(
         self, key: str, field: str, owner: str, lease: float, *, life: str, held_here: bool = False
@@ -255,6 +311,8 @@ class RunRecords(_StoreCore):
             token=token,
             local_at=local_at,
             answer=answer.decode() if isinstance(answer, bytes) else str(answer),
+            owner=owner,
+            lease=lease,
         )
 
     def _release(self, key: str, field: str, claim: RunClaim) -> None:

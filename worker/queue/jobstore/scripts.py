@@ -292,15 +292,15 @@ return redis.call('DEL', KEYS[1])
 # check, then the queue behind the rest of the batch) failed a killed worker's in-flight
 # items deadline_exceeded. A claim naming the claimant's own worker that none of its runs
 # holds (ARGV[6]) is a run gone: it ended, and Redis lost that (its last writes, with a host
-# crash); it is taken over, not waited for. The same call sent
-# again (its reply lost on a broken connection) finds its own token and answers as it did,
-# its run starting now: the run's deadline starts at the answer, so its record and lease do
-# too (the outage between the two sends is not the run's time). A run that holds the claim
-# may append its model's answer ("|<answer>", _KEEP_ANSWER): a run taking the claim over
-# carries it on, and is answered it (the dead run paid for that call; its result was never
-# saved); so is the run after one that let go (_RELEASE_RUN carries it on). Returns
-# {claimed (0/1), the seconds used by every run before this one (a string), the answer kept
-# ('' : none)}.
+# crash); it is taken over, not waited for. The same call sent again (its reply lost on a broken
+# connection) finds its own token and answers as it did, its run starting now: the run's deadline
+# starts at the answer, so its record and lease do too (the outage between the two sends is not the
+# run's time). A run sends it again, too, once it holds its CPU slot after a long wait, where its
+# deadline starts (runs.py). A run that holds the claim may append its model's answer ("|<answer>",
+# _KEEP_ANSWER): a run taking the claim over carries it on, and is answered it (the dead run paid
+# for that call; its result was never saved); so is the run after one that let go (_RELEASE_RUN
+# carries it on). Returns {claimed (0/1), the seconds used by every run before this one (a string),
+# the answer kept ('' : none)}.
 _CLAIM_RUN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
