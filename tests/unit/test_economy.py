@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from tests.fakes import USAGE, BusySlots, FakeClock, RecordingRecorder, fail, reply
-from tests.unit.test_pipeline import make
+from tests.fakes import USAGE, FakeClock, RecordingRecorder, fail, reply
+from tests.unit.test_pipeline import make, with_busy_slots
 from worker.contract import SearchSpec
-from worker.core.pipeline import RerankRun, SearchPipeline, dump_prepared, load_prepared
+from worker.core.pipeline import RerankRun, dump_prepared, load_prepared
 from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed
 from worker.queue.economy import (
     chunk_requests,
@@ -77,11 +77,7 @@ def test_a_first_half_s_deadline_starts_once_it_holds_its_cpu_slot() -> None:
     # retrieval taking no time, failed it deadline_exceeded ("ran out before the call")
     clock = FakeClock()
     made, _, recorder = make([], clock=clock)
-    pipeline = SearchPipeline(
-        made.backend, made.embedder, made.reranker, made.config, recorder,
-        clock=clock, sleep=clock.sleep, cpu_slots=BusySlots(clock, 25.0),
-        index_settings=made.index_settings,
-    )  # fmt: skip
+    pipeline = with_busy_slots(made, recorder, clock)
     prepared = pipeline.prepare(SPEC, "acme")
     assert prepared.result is None and prepared.prompt is not None
     assert prepared.seconds == 0.0  # its own work's time, not the wait for a slot

@@ -84,6 +84,18 @@ def make(
     return pipeline, reranker, recorder
 
 
+def with_busy_slots(
+    made: SearchPipeline, recorder: RecordingRecorder, clock: FakeClock, wait: float = 25.0
+) -> SearchPipeline:
+    """:func:`make`'s pipeline again, its CPU slots all held by others: one is had only after
+    ``wait`` seconds (:class:`BusySlots`)."""
+    return SearchPipeline(
+        made.backend, made.embedder, made.reranker, made.config, recorder,
+        clock=clock, sleep=clock.sleep, cpu_slots=BusySlots(clock, wait),
+        index_settings=made.index_settings,
+    )  # fmt: skip
+
+
 def spec(**kw: Any) -> SearchSpec:
     return SearchSpec(**{"index": "docs", "query": "volcano ash eruption", "limit": 5, **kw})
 
@@ -259,11 +271,7 @@ def test_a_search_s_deadline_starts_once_it_holds_its_cpu_slot() -> None:
     # search's. Charged to the deadline (10 s here), a 25 s wait left no time for the model.
     clock = FakeClock()
     made, reranker, recorder = make([reply([0, 1])], clock=clock)
-    pipeline = SearchPipeline(
-        made.backend, made.embedder, made.reranker, made.config, recorder,
-        clock=clock, sleep=clock.sleep, cpu_slots=BusySlots(clock, 25.0),
-        index_settings=made.index_settings,
-    )  # fmt: skip
+    pipeline = with_busy_slots(made, recorder, clock)
     result = pipeline.search(spec(), "acme")
     assert result.rerank.applied and result.rerank.fallback_reason is None
     assert reranker is not None and len(reranker.calls) == 1
@@ -297,11 +305,7 @@ def test_a_search_tells_its_answer_keeper_once_it_holds_its_cpu_slot() -> None:
     # before the deadline starts, so the claim starts there as the deadline does.
     clock = FakeClock()
     made, _, recorder = make([reply([0, 1])], clock=clock)
-    pipeline = SearchPipeline(
-        made.backend, made.embedder, made.reranker, made.config, recorder,
-        clock=clock, sleep=clock.sleep, cpu_slots=BusySlots(clock, 25.0),
-        index_settings=made.index_settings,
-    )  # fmt: skip
+    pipeline = with_busy_slots(made, recorder, clock)
     keeper = _SlotKeeper(clock)
     asked = clock.now
     result = pipeline.search(spec(), "acme", answers=keeper)
@@ -316,11 +320,7 @@ def test_a_retrieval_retry_s_wait_to_hold_a_cpu_slot_again_is_not_the_deadline_s
     made, reranker, recorder = make([reply([0, 1])], clock=clock)
     assert isinstance(made.backend, InMemoryBackend)
     made.backend.fail_next = 1  # SQLITE_BUSY, say: retryable
-    pipeline = SearchPipeline(
-        made.backend, made.embedder, made.reranker, made.config, recorder,
-        clock=clock, sleep=clock.sleep, cpu_slots=BusySlots(clock, 25.0),
-        index_settings=made.index_settings,
-    )  # fmt: skip
+    pipeline = with_busy_slots(made, recorder, clock)
     result = pipeline.search(spec(), "acme")
     assert len(made.backend.calls) == 2  # the failure, then the retry
     assert result.rerank.applied and result.rerank.fallback_reason is None
