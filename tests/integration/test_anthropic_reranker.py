@@ -236,15 +236,18 @@ def test_concurrent_calls_borrow_their_own_clients_and_close_closes_them_all(
     fake_from_env: FakeAnthropic,
 ) -> None:
     fake = fake_from_env
-    fake.configure(delay=0.5)
+    # held until the test lets them go: a fixed delay let the first calls end (their clients
+    # idle) before the last one's request had even arrived on a busy host
+    fake.configure(hold_unscripted=True)
     reranker = AnthropicReranker(MODEL)
     with ThreadPoolExecutor(4) as pool:
-        calls = [pool.submit(reranker.rerank, make_prompt(), 5.0) for _ in range(4)]
+        calls = [pool.submit(reranker.rerank, make_prompt(), 30.0) for _ in range(4)]
         while len(fake.requests()) < 4:  # all four in flight, each on a client of its own
             threading.Event().wait(0.01)
         assert not reranker._idle
         reranker.close()  # while they run
-        replies = [call.result(10) for call in calls]
+        fake.configure(hold_unscripted=False)
+        replies = [call.result(30) for call in calls]
     assert all(list(reply.positions)[:2] == [30, 29] for reply in replies)
     assert not reranker._idle  # each was closed when its call ended, not put back
 
