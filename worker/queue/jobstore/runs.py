@@ -265,19 +265,15 @@ class RunRecords(_StoreCore):
         over meanwhile, and ``claim`` is left as it was."""
         if not claim.granted:
             return False
-        args = [field, claim.owner, claim.token, repr(claim.lease), WORKER_HEARTBEAT_KEY]
         with self._running_lock:
-            args.append(",".join(self._running.get(key + "|" + field, set())))
-        (reply,) = self._transitions.call([(self._claim_run, [key, life], args)])
-        local_at = time.monotonic()
-        if isinstance(reply, Exception):
-            raise reply
-        granted, spent, answer = reply
-        if int(granted) != 1:
+            held = ",".join(self._running.get(key + "|" + field, set()))
+        granted, spent, answer, local_at = self._send_claim(
+            key, field, claim.owner, claim.token, claim.lease, life=life, held=held
+        )
+        if not granted:
             log.warning("the run claim %s %s was taken over by another run", key, field)
             return False
-        claim.spent, claim.local_at = float(spent), local_at
-        claim.answer = answer.decode() if isinstance(answer, bytes) else str(answer)
+        claim.spent, claim.local_at, claim.answer = spent, local_at, answer
         return True
 
     def _claim(
@@ -288,32 +284,41 @@ class RunRecords(_StoreCore):
         ``_running`` until then; a claim of the job naming this worker that is not kept there
         is a run gone."""
         token = os.urandom(8).hex()
-        args = [field, owner, token, repr(lease), WORKER_HEARTBEAT_KEY]
+        held = None
         if held_here:  # held from before the call: a claim sent with it sees it held
             with self._running_lock:
                 tokens = self._running.setdefault(key + "|" + field, set())
                 tokens.add(token)
-                args.append(",".join(tokens))
+                held = ",".join(tokens)
         try:
-            (reply,) = self._transitions.call([(self._claim_run, [key, life], args)])
+            granted, spent, answer, local_at = self._send_claim(
+                key, field, owner, token, lease, life=life, held=held
+            )
         except BaseException:
             self._forget(key, field, token)
             raise
-        local_at = time.monotonic()
-        if isinstance(reply, Exception) or int(reply[0]) != 1:
+        if not granted:
             self._forget(key, field, token)  # refused: this run holds nothing
+        return RunClaim(granted=granted, spent=spent, token=token, local_at=local_at,
+                        answer=answer, owner=owner, lease=lease)  # fmt: skip
+
+    def _send_claim(
+        self, key: str, field: str, owner: str, token: str, lease: float, *, life: str,
+        held: str | None,
+    ) -> tuple[bool, float, str, float]:  # fmt: skip
+        """One :data:`_CLAIM_RUN` call (``held``: the tokens of this process's runs holding
+        claims of that field; None: not told). Answers whether it was granted, the seconds
+        the earlier runs spent, the answer kept, and this process's clock at the reply."""
+        args = [field, owner, token, repr(lease), WORKER_HEARTBEAT_KEY]
+        if held is not None:
+            args.append(held)
+        (reply,) = self._transitions.call([(self._claim_run, [key, life], args)])
+        local_at = time.monotonic()
         if isinstance(reply, Exception):
             raise reply
         granted, spent, answer = reply
-        return RunClaim(
-            granted=int(granted) == 1,
-            spent=float(spent),
-            token=token,
-            local_at=local_at,
-            answer=answer.decode() if isinstance(answer, bytes) else str(answer),
-            owner=owner,
-            lease=lease,
-        )
+        text = answer.decode() if isinstance(answer, bytes) else str(answer)
+        return int(granted) == 1, float(spent), text, local_at
 
     def _release(self, key: str, field: str, claim: RunClaim) -> None:
         if not claim.granted:
