@@ -193,3 +193,11 @@ class Canceled(Exception):
     hook passed to :meth:`worker.core.pipeline.SearchPipeline.search` raises it); the job
     store holds the item as ``canceled`` already. Not a :class:`SiftError`: nothing failed,
     and no job ever shows it as an error."""
+
+
+class RunTakenOver(Exception):
+    """A run of a search or a batch item whose claim another run took over while it waited
+    for its CPU slot (past its lease): it stops there, before its retrieval and its model
+    call, and writes nothing; the run holding the claim finishes the job
+    (:meth:`worker.queue.jobstore.ClaimAnswers.slot_held`). Not a :class:`SiftError`: nothing
+    failed, and no job ever shows it."""

@@ -19,6 +19,7 @@ from worker.constants import (
     WORKER_HEARTBEAT_KEY,
 )
 from worker.contract import ErrorInfo, SearchSpec
+from worker.errors import RunTakenOver
 from worker.queue.jobstore import JobStore, RunClaim
 
 pytestmark = pytest.mark.integration
@@ -189,6 +190,29 @@ def test_a_claim_restarts_once_its_run_holds_its_cpu_slot_after_a_long_wait(
     used = store.claim_item(batch.id, "q0", "w2", lease_seconds=1.5).spent
     assert used < 2.0, used  # the run's time from its slot, not the wait's
     assert 0 < store.redis.ttl(BATCH_RUNS_KEY + batch.id) <= store.result_ttl
+
+
+def test_a_run_whose_claim_a_copy_took_over_during_its_slot_wait_is_told_so_at_the_restart(
+    store: JobStore,
+) -> None:
+    """Past the lease from the claim, a copy of the run's message takes the claim over while
+    the run waits for its CPU slot: the restart is refused, and the run is told to stop
+    (:class:`RunTakenOver`), its claim as it was and the copy's untouched."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    for worker in ("w1", "w2"):
+        _alive(store, worker)
+    claim = store.claim_item(batch.id, "q0", "w1", lease_seconds=1.0)
+    answers = store.item_answers(batch.id, "q0", claim)
+    time.sleep(1.2)  # the wait for the slot, past the lease
+    copy = store.claim_item(batch.id, "q0", "w2", lease_seconds=30)
+    assert copy.granted
+    with pytest.raises(RunTakenOver):
+        answers.slot_held(1.2)
+    assert (
+        claim.spent == 0.0 and not store.claim_item(batch.id, "q0", "w1", lease_seconds=30).granted
+    )
+    store.release_item(batch.id, "q0", claim)  # not its claim: the copy's stays
+    assert not store.claim_item(batch.id, "q0", "w3", lease_seconds=30).granted
 
 
 def test_a_batch_s_claims_live_as_long_as_the_batch_and_a_gone_batch_s_are_not_written(

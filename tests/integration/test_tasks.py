@@ -239,13 +239,17 @@ def test_a_search_s_queue_wait_is_observed_once_when_a_copy_runs_it_after_a_retr
 
 class _SlotsHeldElsewhere:
     """The CPU slots, all held by other searches the first time one is asked for: it is had
-    after ``wait`` seconds of real time (the claim's lease runs in Redis's clock)."""
+    after ``wait`` seconds of real time (the claim's lease runs in Redis's clock), once
+    ``meanwhile`` (what happens during the wait) has run."""
 
-    def __init__(self, wait: float) -> None:
+    def __init__(self, wait: float, meanwhile: Callable[[], None] | None = None) -> None:
         self.wait = wait
+        self.meanwhile = meanwhile
 
     def __enter__(self) -> None:
         time.sleep(self.wait)
+        if self.wait and self.meanwhile is not None:
+            self.meanwhile()
         self.wait = 0.0
 
     def __exit__(self, *exc: object) -> None:
@@ -263,10 +267,15 @@ class _SpentRuntime(Runtime):
 
 
 def _slot_waiting_runtime(
-    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch, deadline: float, step: Any
+    context: base.WorkerContext,
+    monkeypatch: pytest.MonkeyPatch,
+    deadline: float,
+    step: Any,
+    meanwhile: Callable[[], None] | None = None,
 ) -> _SpentRuntime:
     """A real pipeline (reranking with ``step``) whose first search waits one and a half
-    deadlines for its CPU slot, the task's lease (its deadline) ``deadline`` seconds."""
+    deadlines for its CPU slot (``meanwhile`` running at the wait's end), the task's lease
+    (its deadline) ``deadline`` seconds."""
     settings = load_settings(
         rerank_enabled=True,
         generation_model="anthropic:claude-haiku-4-5",
@@ -286,7 +295,8 @@ def _slot_waiting_runtime(
     Runtime(made).ingest("docs", "acme", docs)
     pipeline = SearchPipeline(
         made.backend, made.embedder, made.reranker, made.config,
-        cpu_slots=_SlotsHeldElsewhere(1.5 * deadline), index_settings=made.index_settings,
+        cpu_slots=_SlotsHeldElsewhere(1.5 * deadline, meanwhile),
+        index_settings=made.index_settings,
     )  # fmt: skip
     runtime = _SpentRuntime(pipeline)
     runtime.spents = []
@@ -318,6 +328,66 @@ def test_a_search_s_claim_starts_once_it_holds_its_cpu_slot(
     assert copies == [False], copies
     done = store.get_search(job.id)
     assert done is not None and done.status == "succeeded" and runtime.spents == [0.0]
+
+
+def test_a_search_run_whose_claim_a_copy_took_over_during_its_slot_wait_stops_unbilled(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that waited longer than its lease for its CPU slot, a copy of its message
+    taking the claim over meanwhile (the lease was over), is refused its claim's restart
+    once the slot is held. It went on all the same: a second paid model call, and the
+    search finished under the copy's claim. It stops there now, writing nothing: no model
+    call, the search left to the copy (still running, its claim the copy's)."""
+    store = context.store
+    for worker in ("w1", "w2"):
+        store.redis.set(WORKER_HEARTBEAT_KEY + worker, "1", px=60_000)  # both alive
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w1")
+    job = store.create_search("acme", SearchSpec(index="docs", query="volcano ash", limit=2))
+    copies = []
+    calls: list[RerankPrompt] = []
+
+    def model_call(prompt: RerankPrompt, timeout: float) -> RerankReply:
+        calls.append(prompt)
+        return reply([0, 1])(prompt, timeout)
+
+    def copy_delivered() -> None:  # past the first run's lease: the copy takes its claim
+        copies.append(store.claim_search(job.id, "w2", lease_seconds=30.0))
+
+    runtime = _slot_waiting_runtime(context, monkeypatch, 2.0, model_call, copy_delivered)
+    tasks.search.apply(args=[job.id])
+    assert [copy.granted for copy in copies] == [True] and calls == [], (copies, calls)
+    running = store.get_search(job.id)
+    assert running is not None and running.status == "running" and runtime.spents == [0.0]
+    assert not store.claim_search(job.id, "w1", lease_seconds=30.0).granted  # the copy's
+
+
+def test_a_batch_item_run_whose_claim_a_copy_took_over_during_its_slot_wait_stops_unbilled(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a batch item: its run stopped by a claim taken over during its slot
+    wait neither calls the model nor finishes the item (the stop is no error of it)."""
+    store = context.store
+    for worker in ("w1", "w2"):
+        store.redis.set(WORKER_HEARTBEAT_KEY + worker, "1", px=60_000)
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w1")
+    spec = SearchSpec(index="docs", query="volcano ash", limit=2)
+    batch = store.create_batch("acme", "docs", [("q0", spec)])
+    copies = []
+    calls: list[RerankPrompt] = []
+
+    def model_call(prompt: RerankPrompt, timeout: float) -> RerankReply:
+        calls.append(prompt)
+        return reply([0, 1])(prompt, timeout)
+
+    def copy_delivered() -> None:
+        copies.append(store.claim_item(batch.id, "q0", "w2", lease_seconds=30.0))
+
+    _slot_waiting_runtime(context, monkeypatch, 2.0, model_call, copy_delivered)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    assert [copy.granted for copy in copies] == [True] and calls == [], (copies, calls)
+    (item,) = store.batch_items(batch.id, ["q0"])
+    assert item.status == "running", item  # not finished, not failed
+    assert not store.claim_item(batch.id, "q0", "w1", lease_seconds=30.0).granted
 
 
 def test_a_retried_search_s_spent_time_starts_once_its_first_run_held_its_cpu_slot(

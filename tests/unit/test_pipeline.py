@@ -27,6 +27,7 @@ from worker.errors import (
     InvalidRequest,
     RerankAttemptError,
     RerankFailed,
+    RunTakenOver,
 )
 from worker.runtime.bootstrap import build_pipeline
 from worker.runtime.inprocess import Runtime
@@ -310,6 +311,28 @@ def test_a_search_tells_its_answer_keeper_once_it_holds_its_cpu_slot() -> None:
     asked = clock.now
     result = pipeline.search(spec(), "acme", answers=keeper)
     assert result.rerank.applied and keeper.held == [(25.0, asked + 25.0)]
+
+
+class _TakenOverKeeper(_SlotKeeper):
+    """The keeper of a run whose claim a copy of its message took over during the wait."""
+
+    def slot_held(self, waited: float) -> None:
+        super().slot_held(waited)
+        raise RunTakenOver("another run took its claim over")
+
+
+def test_a_run_whose_claim_was_taken_over_during_its_slot_wait_stops_before_its_search() -> None:
+    # The copy holding the claim makes the search's model call and records its figures: this
+    # run neither retrieves, nor calls the model, nor counts a search (ok or error).
+    clock = FakeClock()
+    made, reranker, recorder = make([reply([0, 1])], clock=clock)
+    assert isinstance(made.backend, InMemoryBackend)
+    pipeline = with_busy_slots(made, recorder, clock)
+    keeper = _TakenOverKeeper(clock)
+    with pytest.raises(RunTakenOver):
+        pipeline.search(spec(), "acme", answers=keeper)
+    assert keeper.held and made.backend.calls == [] and reranker is not None
+    assert reranker.calls == [] and not recorder.events, recorder.events
 
 
 def test_a_retrieval_retry_s_wait_to_hold_a_cpu_slot_again_is_not_the_deadline_s() -> None:

@@ -176,7 +176,9 @@ class AnswerKeeper(Protocol):
     def slot_held(self, waited: float) -> None:
         """The run holds its CPU slot now, after ``waited`` seconds of waiting for one: its
         deadline starts here (the wait is a queue's, not the search's), so the run's record
-        of its time and its lease, taken before the wait, are to start here too."""
+        of its time and its lease, taken before the wait, are to start here too. Raises
+        :class:`~worker.errors.RunTakenOver` when another run took its claim over meanwhile:
+        this one is to stop before its model call."""
         ...
 
     def later(self, figures: Sequence[Callable[[], None]]) -> None:

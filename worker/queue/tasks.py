@@ -35,7 +35,7 @@ from worker.constants import (
 from worker.contract import ErrorInfo, SearchResult, Usage
 from worker.core.budget import MIN_ATTEMPT_SECONDS
 from worker.core.pipeline import load_run
-from worker.errors import Canceled, SiftError
+from worker.errors import Canceled, RunTakenOver, SiftError
 from worker.observability import metrics
 from worker.queue import liveness
 from worker.queue.base import SiftTask, count_completed, error_info
@@ -131,6 +131,9 @@ def _search(task: SiftTask, job: SearchJob, claim: RunClaim) -> bool:
                 job.spec, job.tenant, spent=claim.spent, answers=answers
             )
             result = _with_queue_wait(result, run_started - job.created_at)
+    except RunTakenOver:  # while it waited for its CPU slot: the run holding it finishes
+        log.info("search %s: another run took its claim over; this run leaves it", job_id)
+        return False
     except Exception as exc:
         if task.should_retry(exc) and _retry_fits(claim, deadline):
             log.warning("search %s: retryable error, retrying: %s", job_id, exc)
@@ -338,6 +341,9 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
                 return _with_queue_wait(result, waited), None
         except Canceled:  # canceled before its model call, or finished by another delivery
             return checked.stopped if checked.stopped and checked.stopped.applied else None
+        except RunTakenOver:  # while it waited for its CPU slot: the run holding it finishes
+            log.info("batch %s item %s: another run took it over", batch_id, item.query_id)
+            return None
         except Exception as exc:
             if claim is None and not economy and isinstance(exc, redis.RedisError):
                 # the job store failed before the item's run began (its claim, or its pacing

@@ -31,7 +31,7 @@ from worker.core.ports import (
 )
 from worker.core.query import normalise_query
 from worker.core.types import Candidate, RerankPrompt, TokenUsage
-from worker.errors import AttemptOutcome, Canceled, InvalidRequest
+from worker.errors import AttemptOutcome, Canceled, InvalidRequest, RunTakenOver
 
 
 class SearchPipeline:
@@ -133,7 +133,8 @@ class SearchPipeline:
         item whose batch was canceled meanwhile), and the search is then not counted as done.
         ``spent``: the deadline's seconds earlier runs of this search used (a retry runs in
         what is left of the one deadline). ``answers``: told when the run holds its CPU slot,
-        where its deadline starts (:meth:`AnswerKeeper.slot_held`); where the model's answer
+        where its deadline starts (:meth:`AnswerKeeper.slot_held`, which raises
+        :class:`~worker.errors.RunTakenOver` to stop the run there); where the model's answer
         is kept as soon as the call returns; one an earlier run kept (its process died before
         the result was saved) is finished instead of calling the model again: the call was
         paid for and counted once, by the run that made it (no attempt, token or cost is
@@ -179,6 +180,9 @@ class SearchPipeline:
                 result = self._finish(prepared, run, figures)
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
+        except RunTakenOver:  # its claim was taken over while it waited for its slot
+            outcome = None  # not a search done: the run holding the claim does it
+            raise
         finally:
             if outcome is not None:
                 seconds = deadline.run_elapsed() if deadline is not None else 0.0

@@ -27,7 +27,9 @@ is not, nor the run's wait for its CPU slot: the pipeline tells the run's keeper
 slot is held (:meth:`ClaimAnswers.slot_held`), and after a wait of a second or more the claim
 is sent again with the run's own token, which the script answers as that run starting now
 (its lease and its time restart there, where its deadline starts: a run that waited past its
-lease was taken over by a copy of its message, a second paid model call). Nor is a run taken
+lease was taken over by a copy of its message, a second paid model call; a run whose claim a
+copy took over all the same, its wait longer than its lease, stops there, before its retrieval,
+and writes nothing). Nor is a run taken
 over (its worker died, or its lease is over): how long it ran
 is unknown, and counting it until the takeover (the dead-worker check, then the redelivered
 message's wait behind the rest of its batch) failed a killed worker's in-flight batch items
@@ -83,6 +85,7 @@ from worker.constants import (
     SEARCH_KEY,
     WORKER_HEARTBEAT_KEY,
 )
+from worker.errors import RunTakenOver
 from worker.queue.jobstore.store import _StoreCore
 
 log = logging.getLogger(__name__)
@@ -152,13 +155,20 @@ class ClaimAnswers:
         for a second model call, and the wait was counted as the deadline's time spent (by
         the task's retry check and the next run's ``spent``). A short wait (under
         :data:`SLOT_WAIT_RESTARTS_CLAIM_SECONDS`) is left counted, saving a round trip per
-        search; if Redis fails, the search goes on, the claim as it was."""
+        search; if Redis fails, the search goes on, the claim as it was. Refused (a copy
+        took the claim over during the wait), the run stops: :class:`RunTakenOver`, before
+        its model call, which the copy makes."""
         if waited < SLOT_WAIT_RESTARTS_CLAIM_SECONDS:
             return
         try:
-            self.records.restart(self.key, self.field, self.claim, life=self.life or self.key)
+            held = self.records.restart(
+                self.key, self.field, self.claim, life=self.life or self.key
+            )
         except redis.RedisError as exc:
             log.warning("the run claim could not be restarted once its CPU slot was held: %s", exc)
+            return
+        if not held:
+            raise RunTakenOver(f"{self.key} {self.field}: another run took its claim over")
 
     def later(self, figures: Sequence[Callable[[], None]]) -> None:
         self.figures.extend(figures)
