@@ -126,8 +126,8 @@ class DyingKeeper:
     def saved(self) -> Mapping[str, Any] | None:
         return self.inner.saved()
 
-    def slot_held(self, waited: float) -> None:
-        self.inner.slot_held(waited)
+    def slot_held(self, waited: float, ran: float = 0.0) -> None:
+        self.inner.slot_held(waited, ran)
 
     def later(self, figures: Sequence[Callable[[], None]]) -> None:
         self.inner.later(figures)

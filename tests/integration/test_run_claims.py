@@ -192,6 +192,24 @@ def test_a_claim_restarts_once_its_run_holds_its_cpu_slot_after_a_long_wait(
     assert 0 < store.redis.ttl(BATCH_RUNS_KEY + batch.id) <= store.result_ttl
 
 
+def test_a_claim_restarted_after_a_wait_for_the_slot_again_goes_on_from_its_run_s_time(
+    store: JobStore,
+) -> None:
+    """Held again after a retrieval retry's back-off, the run had run ``ran`` seconds: its
+    claim restarts that far back, so its lease has what is left of it, and the time counted
+    is the run's own, the wait left out."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    _alive(store, "w1")
+    claim = store.claim_item(batch.id, "q0", "w1", lease_seconds=2.0)
+    answers = store.item_answers(batch.id, "q0", claim)
+    time.sleep(2.2)  # 0.5 s of its run, then the wait for the slot again, past the lease
+    answers.slot_held(1.7, ran=0.5)
+    assert 0.5 <= claim.spent_now() < 1.0, claim
+    assert not store.claim_item(batch.id, "q0", "w2", lease_seconds=2.0).granted  # 1.5 s left
+    time.sleep(1.6)  # its lease is over, counted from 0.5 s back
+    assert store.claim_item(batch.id, "q0", "w2", lease_seconds=2.0).granted
+
+
 def test_a_run_whose_claim_a_copy_took_over_during_its_slot_wait_is_told_so_at_the_restart(
     store: JobStore,
 ) -> None:

@@ -238,19 +238,19 @@ def test_a_search_s_queue_wait_is_observed_once_when_a_copy_runs_it_after_a_retr
 
 
 class _SlotsHeldElsewhere:
-    """The CPU slots, all held by other searches the first time one is asked for: it is had
-    after ``wait`` seconds of real time (the claim's lease runs in Redis's clock), once
-    ``meanwhile`` (what happens during the wait) has run."""
+    """The CPU slots, all held by other searches when one is asked for, each time as
+    ``waits`` says (then none): it is had after that many seconds of real time (the claim's
+    lease runs in Redis's clock), once ``meanwhile`` (what happens during a wait) has run."""
 
-    def __init__(self, wait: float, meanwhile: Callable[[], None] | None = None) -> None:
-        self.wait = wait
+    def __init__(self, waits: list[float], meanwhile: Callable[[], None] | None = None) -> None:
+        self.waits = waits
         self.meanwhile = meanwhile
 
     def __enter__(self) -> None:
-        time.sleep(self.wait)
-        if self.wait and self.meanwhile is not None:
+        wait = self.waits.pop(0) if self.waits else 0.0
+        time.sleep(wait)
+        if wait and self.meanwhile is not None:
             self.meanwhile()
-        self.wait = 0.0
 
     def __exit__(self, *exc: object) -> None:
         return None
@@ -272,10 +272,11 @@ def _slot_waiting_runtime(
     deadline: float,
     step: Any,
     meanwhile: Callable[[], None] | None = None,
+    waits: list[float] | None = None,
 ) -> _SpentRuntime:
     """A real pipeline (reranking with ``step``) whose first search waits one and a half
-    deadlines for its CPU slot (``meanwhile`` running at the wait's end), the task's lease
-    (its deadline) ``deadline`` seconds."""
+    deadlines for its CPU slot (or as ``waits`` says; ``meanwhile`` running at a wait's
+    end), the task's lease (its deadline) ``deadline`` seconds."""
     settings = load_settings(
         rerank_enabled=True,
         generation_model="anthropic:claude-haiku-4-5",
@@ -295,7 +296,7 @@ def _slot_waiting_runtime(
     Runtime(made).ingest("docs", "acme", docs)
     pipeline = SearchPipeline(
         made.backend, made.embedder, made.reranker, made.config,
-        cpu_slots=_SlotsHeldElsewhere(1.5 * deadline, meanwhile),
+        cpu_slots=_SlotsHeldElsewhere(waits or [1.5 * deadline], meanwhile),
         index_settings=made.index_settings,
     )  # fmt: skip
     runtime = _SpentRuntime(pipeline)
@@ -328,6 +329,37 @@ def test_a_search_s_claim_starts_once_it_holds_its_cpu_slot(
     assert copies == [False], copies
     done = store.get_search(job.id)
     assert done is not None and done.status == "succeeded" and runtime.spents == [0.0]
+
+
+def test_a_search_s_claim_leaves_out_its_wait_for_the_slot_again_after_a_retrieval_retry(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retrieval retry's back-off lets the CPU slot go, and the deadline leaves out the
+    wait to hold one again; the run's claim counted it. Past the lease, a copy of the
+    message delivered during the model call took the claim over (a second paid call). The
+    claim is sent again once the slot is held again, the run's own time kept."""
+    _patch_backoff(monkeypatch)
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w1")
+    job = store.create_search("acme", SearchSpec(index="docs", query="volcano ash", limit=2))
+    copies: list[bool] = []
+
+    def model_call(prompt: RerankPrompt, timeout: float) -> RerankReply:
+        copies.append(store.claim_search(job.id, "w2", lease_seconds=2.0).granted)
+        return reply([0, 1])(prompt, timeout)
+
+    runtime = _slot_waiting_runtime(context, monkeypatch, 2.0, model_call, waits=[0.0, 3.0])
+    runtime.pipeline.config = dataclasses.replace(runtime.pipeline.config, backend_max_attempts=2)
+    backend = runtime.pipeline.backend
+    assert isinstance(backend, InMemoryBackend)
+    backend.fail_next = 1  # its retrieval fails once, retried within the run
+    tasks.search.apply(args=[job.id])
+    assert copies == [False] and len(backend.calls) == 2, (copies, backend.calls)
+    done = store.get_search(job.id)
+    assert done is not None and done.status == "succeeded" and runtime.spents == [0.0], done
+    used = float(store.redis.hget(SEARCH_KEY + job.id, "run").split("|")[0])
+    assert used < 2.0, used  # the run's own time, not the wait's
 
 
 def test_a_search_run_whose_claim_a_copy_took_over_during_its_slot_wait_stops_unbilled(

@@ -284,7 +284,7 @@ class _SlotKeeper:
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
-        self.held: list[tuple[float, float]] = []  # (waited, the clock when told)
+        self.held: list[tuple[float, float, float]] = []  # (waited, ran, the clock when told)
 
     def saved(self) -> None:
         return None
@@ -292,8 +292,8 @@ class _SlotKeeper:
     def save(self, answer: Any) -> None:
         return None
 
-    def slot_held(self, waited: float) -> None:
-        self.held.append((waited, self.clock.now))
+    def slot_held(self, waited: float, ran: float = 0.0) -> None:
+        self.held.append((waited, ran, self.clock.now))
 
     def later(self, figures: Any) -> None:
         for record in figures:
@@ -310,14 +310,14 @@ def test_a_search_tells_its_answer_keeper_once_it_holds_its_cpu_slot() -> None:
     keeper = _SlotKeeper(clock)
     asked = clock.now
     result = pipeline.search(spec(), "acme", answers=keeper)
-    assert result.rerank.applied and keeper.held == [(25.0, asked + 25.0)]
+    assert result.rerank.applied and keeper.held == [(25.0, 0.0, asked + 25.0)]
 
 
 class _TakenOverKeeper(_SlotKeeper):
     """The keeper of a run whose claim a copy of its message took over during the wait."""
 
-    def slot_held(self, waited: float) -> None:
-        super().slot_held(waited)
+    def slot_held(self, waited: float, ran: float = 0.0) -> None:
+        super().slot_held(waited, ran)
         raise RunTakenOver("another run took its claim over")
 
 
@@ -349,6 +349,23 @@ def test_a_retrieval_retry_s_wait_to_hold_a_cpu_slot_again_is_not_the_deadline_s
     assert result.rerank.applied and result.rerank.fallback_reason is None
     assert reranker is not None and len(reranker.calls) == 1
     assert recorder.events["search", "ok"] == 1
+
+
+def test_a_retrieval_retry_tells_its_answer_keeper_once_it_holds_its_cpu_slot_again() -> None:
+    # The run claim (leased for one deadline) counted the wait to hold a slot again after a
+    # retrieval retry's back-off, which the deadline leaves out: past the lease, a copy of the
+    # search's message took the claim over and made a second model call. The keeper is told
+    # the wait and the time the run had run (the back-off's, its retrieval taking none here).
+    clock = FakeClock()
+    made, _, recorder = make([reply([0, 1])], clock=clock)
+    assert isinstance(made.backend, InMemoryBackend)
+    made.backend.fail_next = 1
+    pipeline = with_busy_slots(made, recorder, clock)
+    keeper = _SlotKeeper(clock)
+    result = pipeline.search(spec(), "acme", answers=keeper)
+    assert result.rerank.applied and len(made.backend.calls) == 2
+    (first, again) = keeper.held
+    assert first[:2] == (25.0, 0.0) and again[0] == 25.0 and 0.0 < again[1] < 1.0, keeper.held
 
 
 def test_a_retried_search_runs_in_what_is_left_and_observes_only_its_own_run() -> None:

@@ -173,10 +173,12 @@ class AnswerKeeper(Protocol):
         """Keep this run's answer (JSON-able data), just after the model call returns."""
         ...
 
-    def slot_held(self, waited: float) -> None:
+    def slot_held(self, waited: float, ran: float = 0.0) -> None:
         """The run holds its CPU slot now, after ``waited`` seconds of waiting for one: its
         deadline starts here (the wait is a queue's, not the search's), so the run's record
-        of its time and its lease, taken before the wait, are to start here too. Raises
+        of its time and its lease, taken before the wait, are to start here too. Held again
+        after a retrieval retry's back-off, the run had run ``ran`` seconds (its deadline
+        leaves the wait out): its record goes on from there. Raises
         :class:`~worker.errors.RunTakenOver` when another run took its claim over meanwhile:
         this one is to stop before its model call."""
         ...

@@ -16,7 +16,13 @@ from worker.core.budget import MIN_ATTEMPT_SECONDS, Deadline, call_within_budget
 from worker.core.catalog import SearchSettings
 from worker.core.fusion import Fusion, FusionOverride, admit, fuse, fusion_levels, resolve_fusion
 from worker.core.pipeline._config import PipelineConfig
-from worker.core.ports import Embedder, IndexSettingsSource, Recorder, SearchBackend
+from worker.core.ports import (
+    AnswerKeeper,
+    Embedder,
+    IndexSettingsSource,
+    Recorder,
+    SearchBackend,
+)
 from worker.core.query import channel_window, check_model, coarse_limit, select_channels
 from worker.core.types import Candidate, ChannelQuery, ChannelResults, HardFilters, IndexProbe
 from worker.errors import DeadlineExceeded, SiftError
@@ -37,6 +43,7 @@ class Retrieval:
     clock: Callable[[], float]
     sleep: Callable[[float], None]
     cpu_slots: AbstractContextManager[Any]
+    answers: AnswerKeeper | None = None  # told when a retry holds the slot again
 
     def run(
         self,
@@ -181,14 +188,19 @@ class Retrieval:
         The wait to hold one again is left out of ``deadline``, as the first one is
         (:meth:`SearchPipeline.prepare`): the slot's queue is the item pool's, where hundreds
         of a batch's items may wait; charged, a retry (an embedded backend's ``SQLITE_BUSY``)
-        failed ``deadline_exceeded`` behind them before any model was asked."""
+        failed ``deadline_exceeded`` behind them before any model was asked. So does the run's
+        claim (``answers``), as it does the first wait's, or a copy of the search's message
+        took the claim over past its lease, and made a second model call."""
         self.cpu_slots.__exit__(None, None, None)
         try:
             self.sleep(seconds)
         finally:
             asked = self.clock()
             self.cpu_slots.__enter__()
-            deadline.leave_out(self.clock() - asked)
+            waited = self.clock() - asked
+            deadline.leave_out(waited)
+        if self.answers is not None:  # its run claim leaves the wait out too
+            self.answers.slot_held(waited, deadline.run_elapsed())
 
 
 def chosen_limit(request: int | None, index: int | None, default: int) -> tuple[str, int]:

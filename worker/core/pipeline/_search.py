@@ -104,8 +104,9 @@ class SearchPipeline:
             self._call_time,
         )
 
-    def _retrieval(self) -> Retrieval:
-        """A search's retrieval, over the ports as they are now (as :meth:`_model_calls`)."""
+    def _retrieval(self, answers: AnswerKeeper | None = None) -> Retrieval:
+        """A search's retrieval, over the ports as they are now (as :meth:`_model_calls`);
+        ``answers``: the run's keeper, told when a retry holds its CPU slot again."""
         return Retrieval(
             self.backend,
             self.embedder,
@@ -115,6 +116,7 @@ class SearchPipeline:
             self._clock,
             self._sleep,
             self._cpu_slots,
+            answers,
         )
 
     # -- the algorithm ------------------------------------------------------------
@@ -154,7 +156,7 @@ class SearchPipeline:
                 if answers is not None:  # and so does the run's claim (its time, its lease)
                     answers.slot_held(self._clock() - asked)
                 deadline = Deadline(self.config.deadline_seconds, self._clock, spent)
-                prepared = self._prepare(spec, tenant, deadline, figures)
+                prepared = self._prepare(spec, tenant, deadline, figures, answers)
             if prepared.result is not None:
                 result = prepared.result
                 if prepared.skipped:  # counted with the search's other figures: once
@@ -272,12 +274,14 @@ class SearchPipeline:
         tenant: str,
         deadline: Deadline,
         figures: list[Callable[[], None]],
+        answers: AnswerKeeper | None = None,
     ) -> Prepared:
         """Retrieval and fusion, then the prompt; the figures they make (each stage's
-        duration and hits) are appended to ``figures``, for the caller to record."""
+        duration and hits) are appended to ``figures``, for the caller to record.
+        ``answers``: told when a retrieval retry holds its CPU slot again."""
         query = normalise_query(spec.query)
         reranking = self._reranking(spec)
-        retrieval = self._retrieval()
+        retrieval = self._retrieval(answers)
         candidates, trace = retrieval.run(spec, tenant, query, reranking, deadline, figures)
 
         if not reranking or not candidates:

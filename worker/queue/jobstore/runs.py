@@ -147,22 +147,23 @@ class ClaimAnswers:
         except redis.RedisError as exc:
             log.warning("the model's answer could not be kept with the run claim: %s", exc)
 
-    def slot_held(self, waited: float) -> None:
-        """The run holds its CPU slot after ``waited`` seconds: its deadline starts now, so
-        its claim is sent again, with its own token (:meth:`RunRecords.restart`): its lease
-        and the time it counts start now too. Taken before the wait, a run that waited longer
-        than its lease (one deadline) was taken over by a copy of its message, which paid
-        for a second model call, and the wait was counted as the deadline's time spent (by
-        the task's retry check and the next run's ``spent``). A short wait (under
-        :data:`SLOT_WAIT_RESTARTS_CLAIM_SECONDS`) is left counted, saving a round trip per
-        search; if Redis fails, the search goes on, the claim as it was. Refused (a copy
-        took the claim over during the wait), the run stops: :class:`RunTakenOver`, before
-        its model call, which the copy makes."""
+    def slot_held(self, waited: float, ran: float = 0.0) -> None:
+        """The run holds its CPU slot after ``waited`` seconds: its deadline starts now (or, held
+        again after a retrieval retry's back-off, goes on from the ``ran`` seconds it had run), so
+        its claim is sent again, with its own token (:meth:`RunRecords.restart`): its lease and the
+        time it counts start now too (``ran`` seconds back). Taken before the wait, a run that
+        waited longer than its lease (one deadline) was taken over by a copy of its message, which
+        paid for a second model call, and the wait was counted as the deadline's time spent (by the
+        task's retry check and the next run's ``spent``). A short wait (under
+        :data:`SLOT_WAIT_RESTARTS_CLAIM_SECONDS`) is left counted, saving a round trip per search;
+        if Redis fails, the search goes on, the claim as it was. Refused (a copy took the claim over
+        during the wait), the run stops: :class:`RunTakenOver`, before its model call, which the
+        copy makes."""
         if waited < SLOT_WAIT_RESTARTS_CLAIM_SECONDS:
             return
         try:
             held = self.records.restart(
-                self.key, self.field, self.claim, life=self.life or self.key
+                self.key, self.field, self.claim, life=self.life or self.key, ran=ran
             )
         except redis.RedisError as exc:
             log.warning("the run claim could not be restarted once its CPU slot was held: %s", exc)
@@ -267,23 +268,25 @@ class RunRecords(_StoreCore):
             raise reply
         return int(reply) == 1
 
-    def restart(self, key: str, field: str, claim: RunClaim, *, life: str) -> bool:
-        """Send the claim of the run holding ``claim`` again, with its own token: the claim
-        script answers it as that run starting now (its claim's time and lease restart, its
-        ``spent`` as it was), and ``claim`` takes the answer (``spent``, ``local_at``,
-        ``answer``). Answers whether it was granted: refused, another run took the claim
-        over meanwhile, and ``claim`` is left as it was."""
+    def restart(
+        self, key: str, field: str, claim: RunClaim, *, life: str, ran: float = 0.0
+    ) -> bool:
+        """Send the claim of the run holding ``claim`` again, with its own token: the claim script
+        answers it as that run starting now, having run ``ran`` seconds already (its claim's time
+        and lease restart ``ran`` seconds back, its ``spent`` as it was), and ``claim`` takes the
+        answer (``spent``, ``local_at``, ``answer``). Answers whether it was granted: refused,
+        another run took the claim over meanwhile, and ``claim`` is left as it was."""
         if not claim.granted:
             return False
         with self._running_lock:
             held = ",".join(self._running.get(key + "|" + field, set()))
         granted, spent, answer, local_at = self._send_claim(
-            key, field, claim.owner, claim.token, claim.lease, life=life, held=held
+            key, field, claim.owner, claim.token, claim.lease, life=life, held=held, ran=ran
         )
         if not granted:
             log.warning("the run claim %s %s was taken over by another run", key, field)
             return False
-        claim.spent, claim.local_at, claim.answer = spent, local_at, answer
+        claim.spent, claim.local_at, claim.answer = spent, local_at - ran, answer
         return True
 
     def _claim(
@@ -314,14 +317,18 @@ class RunRecords(_StoreCore):
 
     def _send_claim(
         self, key: str, field: str, owner: str, token: str, lease: float, *, life: str,
-        held: str | None,
+        held: str | None, ran: float = 0.0,
     ) -> tuple[bool, float, str, float]:  # fmt: skip
         """One :data:`_CLAIM_RUN` call (``held``: the tokens of this process's runs holding
-        claims of that field; None: not told). Answers whether it was granted, the seconds
-        the earlier runs spent, the answer kept, and this process's clock at the reply."""
+        claims of that field; None: not told; ``ran``: a restart's run's seconds so far).
+        Answers whether it was granted, the seconds the earlier runs spent, the answer kept,
+        and this process's clock at the reply."""
         args = [field, owner, token, repr(lease), WORKER_HEARTBEAT_KEY]
         if held is not None:
             args.append(held)
+        if ran:
+            assert held is not None  # ARGV[7] follows ARGV[6]
+            args.append(repr(ran))
         (reply,) = self._transitions.call([(self._claim_run, [key, life], args)])
         local_at = time.monotonic()
         if isinstance(reply, Exception):

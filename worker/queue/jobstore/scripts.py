@@ -296,11 +296,12 @@ return redis.call('DEL', KEYS[1])
 # connection) finds its own token and answers as it did, its run starting now: the run's deadline
 # starts at the answer, so its record and lease do too (the outage between the two sends is not the
 # run's time). A run sends it again, too, once it holds its CPU slot after a long wait, where its
-# deadline starts (runs.py). A run that holds the claim may append its model's answer ("|<answer>",
-# _KEEP_ANSWER): a run taking the claim over carries it on, and is answered it (the dead run paid
-# for that call; its result was never saved); so is the run after one that let go (_RELEASE_RUN
-# carries it on). Returns {claimed (0/1), the seconds used by every run before this one (a string),
-# the answer kept ('' : none)}.
+# deadline starts (runs.py), with the seconds it has run already (ARGV[7]; none after its first
+# wait): its time starts that far back. A run that holds the claim may append its model's answer
+# ("|<answer>", _KEEP_ANSWER): a run taking the claim over carries it on, and is answered it (the
+# dead run paid for that call; its result was never saved); so is the run after one that let go
+# (_RELEASE_RUN carries it on). Returns {claimed (0/1), the seconds used by every run before this
+# one (a string), the answer kept ('' : none)}.
 _CLAIM_RUN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -312,7 +313,8 @@ if cur then
     string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|?([^|]*)|?(.*)$')
   if u then
     if token == ARGV[3] then
-      redis.call('HSET', KEYS[1], ARGV[1], u .. '|' .. owner .. '|' .. string.format('%.6f', now)
+      local start = now - (tonumber(ARGV[7]) or 0)
+      redis.call('HSET', KEYS[1], ARGV[1], u .. '|' .. owner .. '|' .. string.format('%.6f', start)
         .. '|' .. token .. '|' .. ARGV[4] .. (kept ~= '' and '|' .. kept or ''))
       return {1, u, kept}
     end
