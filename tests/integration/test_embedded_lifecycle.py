@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.integration.test_embedded_connections import fts_tables
-from worker.adapters.embedded import EmbeddedBackend
+from worker.adapters.embedded import EmbeddedBackend, _writes
 from worker.contract import Channel
 from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
 from worker.errors import IndexNotFound, ModeUnavailable
@@ -253,6 +253,74 @@ def test_a_drop_run_again_reports_the_documents_its_first_run_deleted(
     assert backend.delete_index("sci", "acme", version=11) == 0
     assert backend.delete_index("sci", "acme", version=13) == 1
     assert backend.index_info("sci", "acme") is None
+
+
+class Clock:
+    """``time.time`` for the backend's writes: each reading a second after the last, so a
+    write that stamps ``last_write`` is told apart from one that does not."""
+
+    def __init__(self) -> None:
+        self.now = 1_800_000_000.0
+
+    def time(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    ticking = Clock()
+    monkeypatch.setattr(_writes, "time", ticking)
+    return ticking
+
+
+def last_write(backend: EmbeddedBackend, tenant: str = "acme") -> float | None:
+    info = backend.index_info("sci", tenant)
+    assert info is not None
+    return info.last_write
+
+
+def test_a_write_that_changes_no_document_leaves_the_last_write(
+    backend: EmbeddedBackend, clock: Clock
+) -> None:
+    """``last_write_at`` is the caller's last applied write. An upsert accepted before a
+    delete of its ids and run after it writes nothing (a newer write holds each id), nor
+    does an upsert or a drop run again (a redelivery after its commit): none moves it, as a
+    delete that found nothing does not. Each did: the listing showed a write at the time a
+    stale job ran, after the delete that had won over it."""
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3
+    assert backend.delete_documents("sci", "acme", ["d0", "d9"], version=12) == 1
+    stamped = last_write(backend)
+    assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=11) == 0  # stale
+    assert backend.upsert("sci", "acme", DOCS[1:], VECTORS[1:], version=10) == 2  # run again
+    assert backend.delete_documents("sci", "acme", ["d9"], version=13) == 0
+    assert last_write(backend) == stamped
+    assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=14) == 1
+    written = last_write(backend)
+    assert written is not None and stamped is not None and written > stamped
+    # a drop accepted before that upsert, run after it: the upsert's document stays
+    assert backend.delete_index("sci", "acme", version=13) == 2
+    dropped = last_write(backend)
+    assert dropped is not None and dropped > written
+    assert backend.delete_index("sci", "acme", version=13) == 2  # run again
+    assert last_write(backend) == dropped
+
+
+def test_an_upsert_that_writes_nothing_leaves_a_dropped_index_gone(
+    backend: EmbeddedBackend, tmp_path: Path
+) -> None:
+    """A drop takes the tenant's index's FTS5 table with its last document; an upsert
+    accepted before the drop and run after it writes nothing, so it must not make the
+    table again (every connection of every worker parses and holds each table's schema;
+    it was made again, empty, for as long as the tenant wrote nothing there)."""
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3
+    assert backend.delete_index("sci", "acme", version=12) == 3
+    assert fts_tables(tmp_path) == set()
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=11) == 0
+    assert fts_tables(tmp_path) == set()
+    assert backend.indexes("acme") == []
+    assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=13) == 1
+    assert len(fts_tables(tmp_path)) == 1
 
 
 def test_a_drops_record_is_the_tenants_own(backend: EmbeddedBackend) -> None:

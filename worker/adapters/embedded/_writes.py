@@ -45,7 +45,8 @@ class _Writes(_Pool):
         ``version``, a document is written only if the version is newer than the id's last
         write (an upsert or a delete's tombstone) and the tenant's index floor (its last
         drop); answers how many were written, counting those this same write (its version)
-        put there on an earlier run.
+        put there on an earlier run. One that writes no row makes nothing: no FTS5 table,
+        no last write (:func:`_touch`), no new generation.
 
         ``model`` (the embedder of ``vectors``) is recorded by the first write of the tenant's
         index; a write of another model's vectors raises :class:`EmbeddingModelMismatch` in
@@ -56,9 +57,8 @@ class _Writes(_Pool):
         matrix = _check_vectors(documents, vectors)
         rows = [_document_row(i, doc) for i, doc in enumerate(documents)]
         written = again = 0
+        num: int | None = None  # the tenant's index, made by the first row written
         with self._conn() as conn, _translated("upsert"), _write(conn):
-            num = _ensure_index(conn, index, tenant)
-            fts = f"fts_{num}"
             floor = _floor(conn, index, tenant)
             for i, (doc_id, title, text, revision, metadata) in enumerate(rows):
                 held = _held_version(conn, index, tenant, doc_id)
@@ -68,12 +68,15 @@ class _Writes(_Pool):
                     # each write its version), which counts, as on Elasticsearch
                     again += version == held and version > floor
                     continue
-                if not written and matrix is not None:  # before the first row written only:
-                    # a stale write (every row skipped) claims nothing a drop freed, and
+                if num is None:  # before the first row written only: a stale write (every
+                    # row skipped) makes no FTS5 table a drop let go, claims nothing, and
                     # another model's vectors are a model mismatch before a dimension one
-                    if model is not None:
+                    num = _ensure_index(conn, index, tenant)
+                    if matrix is not None and model is not None:
                         _check_model(conn, index, tenant, model)
-                    _claim_dimension(conn, num, index, matrix.shape[1])
+                    if matrix is not None:
+                        _claim_dimension(conn, num, index, matrix.shape[1])
+                fts = f"fts_{num}"
                 old = conn.execute(
                     "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
                     (index, tenant, doc_id),
@@ -94,8 +97,9 @@ class _Writes(_Pool):
                     conn.execute("INSERT INTO vectors VALUES (?, ?)", (seq, matrix[i].tobytes()))
                 _set_version(conn, index, tenant, doc_id, version, held, deleted=LIVE)
                 written += 1
-            _touch(conn, index, tenant, model if written and matrix is not None else None)
-            conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (num,))
+            if num is not None:  # a write that wrote nothing is no last write (as a delete's)
+                _touch(conn, index, tenant, model if matrix is not None else None)
+                conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (num,))
         return written + again
 
     def delete_documents(
@@ -158,10 +162,12 @@ class _Writes(_Pool):
         after it is skipped. The tenant's tombstones below the floor are dropped with it,
         and the drop's own record is kept (:data:`DROP_ID`): the same drop run again (a
         redelivery after a crash between its commit and its job's finish) reports what its
-        first run deleted, until a newer drop replaces the record."""
+        first run deleted, until a newer drop replaces the record. Only a run that removed
+        a document is the index's last write (as a delete by ids)."""
         with self._conn() as conn, _translated("delete_index"), _write(conn):
             row = _index_row(conn, index, tenant)
             gone = 0 if version is None else _dropped(conn, index, tenant, version)
+            removed = 0  # by this run (one run again removes none: no new last write)
             if row is not None:
                 above = "" if version is None else " AND version > ?"
                 keep = (
@@ -184,7 +190,8 @@ class _Writes(_Pool):
                 ]
                 for seq in seqs:
                     _remove_row(conn, f"fts_{row[0]}", seq)
-                gone += len(seqs)
+                removed = len(seqs)
+                gone += removed
                 conn.execute(
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
                 )
@@ -202,8 +209,9 @@ class _Writes(_Pool):
                 conn.execute(
                     "INSERT INTO catalog(idx, tenant, floor, last_write) VALUES (?, ?, ?, ?)"
                     " ON CONFLICT(idx, tenant) DO UPDATE SET"
-                    " floor = max(floor, excluded.floor), last_write = excluded.last_write",
-                    (index, tenant, version, time.time()),
+                    " floor = max(floor, excluded.floor),"
+                    " last_write = coalesce(excluded.last_write, last_write)",
+                    (index, tenant, version, time.time() if removed else None),
                 )
         return gone
 
