@@ -262,7 +262,7 @@ async def _delete_job(
     job = await enqueue_ingest(
         request, lambda enqueue: store.create_deletion(tenant, index, ids, enqueue=enqueue)
     )
-    count = len(ids or [])
+    count = len(set(ids or []))  # as the job counts them: an id named twice is one
     with job_context(job.id):
         log.info("ingest %s: %s of %d ids for %s/%s", job.id, job.operation, count, tenant, index)
     return await ingest_response(request, job, wait)
