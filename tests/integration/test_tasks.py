@@ -707,6 +707,57 @@ def test_a_chunk_copy_leaves_an_economy_item_whose_first_half_was_kept(
     assert _batch_state(store, batch.id) == held and runtime.calls == 0
 
 
+def test_a_chunk_completes_its_batch_once_its_last_item_s_finish_was_heard(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk task waits for its items on the process's item pool, then lets go the claims
+    of runs that ended without a finish (a copy's), counts the batch completed and sends its
+    webhook. The runner of its last item said the item was done before its finish was heard
+    (which drops that run from the claims the task lets go), so a thread switch between the
+    two, which a busy process makes at any point, had the task go through the claims while
+    the runner dropped one: 'dictionary changed size during iteration', the task failed
+    after its batch completed, and the batch's completion was never counted in
+    ``sift_jobs_completed_total`` nor its webhook sent (the re-drive sends an owed one half
+    an hour later). Here the runner is switched out at that point, until the task has woken."""
+    from worker.queue.items import Chunk
+
+    store = context.store
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    announced: list[str] = []
+    monkeypatch.setattr(base.SiftTask, "announce_batch", lambda self, b, s: announced.append(s))
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q0"))])
+    task_thread = threading.get_ident()
+    woken, dropped = threading.Event(), threading.Event()
+    wait, record, ended = Chunk.wait, Chunk.record, store.ended_item
+
+    def task_wait(chunk: Chunk) -> None:
+        wait(chunk)
+        woken.set()
+
+    def runner_record(chunk: Chunk, batch_completed: bool, retry: bool) -> None:
+        record(chunk, batch_completed, retry)
+        woken.wait(10)  # switched out here until the task has woken
+
+    def ended_item(*args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() == task_thread:
+            dropped.wait(10)  # the runner goes on meanwhile
+        else:
+            dropped.set()
+        return ended(*args, **kwargs)
+
+    monkeypatch.setattr(Chunk, "wait", task_wait)
+    monkeypatch.setattr(Chunk, "record", runner_record)
+    monkeypatch.setattr(store, "ended_item", ended_item)
+    before = _completed("batch", "succeeded")
+    ran = tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    assert ran.successful(), ran.result
+    done = store.get_batch(batch.id)
+    assert done is not None and done.status == "succeeded" and runtime.model_calls == 1
+    assert announced == ["succeeded"]
+    assert _completed("batch", "succeeded") - before == 1.0
+
+
 def test_a_cancel_stops_started_items_before_their_model_call(
     context: base.WorkerContext,
 ) -> None:

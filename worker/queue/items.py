@@ -258,6 +258,21 @@ class ItemQueue:
             return None
         return self._store.begin_item(*start, claimant=entry[0].claimant)
 
+    @staticmethod
+    def _finished(
+        chunk: Chunk, item: BatchItem, transition: ItemTransition, error: ErrorInfo | None
+    ) -> None:
+        """Tell ``chunk`` of the item's finish (its figures are recorded once it is saved;
+        its lines carry the item's id), then account for the item. The chunk's task wakes
+        once its last item is accounted for and reads what the finishes left (the claims of
+        runs that ended without one), so each finish is heard first: accounted for first, a
+        thread switch between the two had the task read them while the finish changed them."""
+        try:
+            with job_context(f"{chunk.batch_id}/{item.query_id}"):
+                chunk.finished(item, transition, error)
+        finally:
+            chunk.record(transition.batch_completed, False)
+
     def _work(self) -> None:
         """Run items until the queue is empty. What breaks a runner fails the chunk of the
         item it was running (if that item is not yet accounted for); an item it had taken
@@ -276,10 +291,8 @@ class ItemQueue:
                         outcome = chunk.run(item, begun is not None and begun.started)
                 taken = self._take()
                 if isinstance(outcome, ItemTransition):  # canceled; the store has it already
-                    chunk.record(outcome.batch_completed, False)
                     current = None
-                    with job_context(f"{chunk.batch_id}/{item.query_id}"):
-                        chunk.finished(item, outcome, None)
+                    self._finished(chunk, item, outcome, None)
                     begun = self._begin(taken)
                 elif outcome is None or outcome == "retry":
                     chunk.record(False, outcome == "retry")
@@ -296,11 +309,8 @@ class ItemQueue:
                         start=self._start_of(taken),
                         claimant=taken[0].claimant if taken is not None else ("", 0.0),
                     )
-                    chunk.record(transition.batch_completed, False)
                     current = None
-                    # its figures (recorded once it is saved) and their records: the item's
-                    with job_context(f"{chunk.batch_id}/{item.query_id}"):
-                        chunk.finished(item, transition, error)
+                    self._finished(chunk, item, transition, error)
                 current, taken = taken, None
         except BaseException as exc:
             log.exception("batch item runner broke")
