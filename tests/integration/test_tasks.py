@@ -707,6 +707,38 @@ def test_a_chunk_copy_leaves_an_economy_item_whose_first_half_was_kept(
     assert _batch_state(store, batch.id) == held and runtime.calls == 0
 
 
+def test_a_poisoned_economy_chunk_leaves_an_item_whose_first_half_was_kept(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An economy chunk's message past ``SIFT_TASK_MAX_DELIVERIES`` (its workers killed as
+    they ran it) fails as poison the items that have no first half kept, and leaves those
+    that have to the submission and their provider batch, as a copy's start does. It failed
+    them: an item whose request the provider had already (the submission sent by the run
+    killed last) showed ``failed`` ``delivery_limit_exceeded``, its paid answer refused and
+    its usage shown nowhere; and an item both kept and final counted twice in the check that
+    every item is settled, so the submission went while another chunk's items were still
+    queued (here q2), and those, once prepared, were never sent: running for good."""
+    from worker.constants import ECONOMY_PREPARED_KEY
+
+    submitted: list[str] = []
+    monkeypatch.setattr(tasks, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
+    store = context.store
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    specs = [(q, SearchSpec(index="docs", query=q)) for q in ("q0", "q1", "q2")]
+    batch = store.create_batch("acme", "docs", specs, lane="economy")
+    assert store.start_item(batch.id, "q0")  # an earlier delivery's run: its first half kept
+    assert store.economy_save_new(batch.id, ECONOMY_PREPARED_KEY, "q0", '{"pos":0}')
+    store.set_deliveries("last", 0, context.settings.task_max_deliveries)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 2], task_id="last")  # poisoned
+    q0, q1, q2 = store.batch_results(batch.id, 0, 3)
+    assert q0.status == "running", q0  # left to its provider batch
+    assert q1.status == "failed" and q1.payload is not None, q1  # never prepared
+    assert json.loads(q1.payload)["error"]["type"] == "delivery_limit_exceeded"
+    assert q2.status == "queued" and not store.economy_settled(batch.id)  # q2 is to come
+    assert submitted == [batch.id] and runtime.calls == 0
+
+
 def test_a_chunk_completes_its_batch_once_its_last_item_s_finish_was_heard(
     context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -286,6 +286,10 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
         its model call), or None (nothing to finish: not started, finished by another
         delivery, or left to the economy lane's provider batch)."""
         if poisoned:  # claimed first, as a search is: one a live run holds is that run's
+            if economy and is_prepared(store, batch_id, item.query_id):
+                # its first half kept (its prompt may be with the provider): the submission
+                # and its provider batch finish it, as they do when a copy's start is refused
+                return None
             taken = store.claim_item(batch_id, item.query_id, owner, lease_seconds=deadline)
             if not taken.granted:
                 log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
