@@ -682,6 +682,35 @@ def test_a_poisoned_chunk_copy_leaves_an_item_a_live_run_holds(
     assert after == {"succeeded": 0.0, "failed": 1.0}  # the copy's one (the run's is its own)
 
 
+def test_a_poisoned_chunk_of_a_canceled_batch_cancels_an_item_requeued_since(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An item running when its batch was canceled, then requeued for a retry (its run hit
+    a retryable error): the retry's chunk cancels it at its start, as the cancel would have
+    had it been queued. The chunk's delivery past ``SIFT_TASK_MAX_DELIVERIES`` failed it
+    ``delivery_limit_exceeded`` instead: the status, the counters and the batch's counts said
+    failed for an item the user's cancel had stopped. An item that kept a paid model answer
+    is still failed with that usage (test below)."""
+    store = context.store
+    announced: list[str] = []
+    monkeypatch.setattr(base.SiftTask, "announce_batch", lambda self, b, s: announced.append(s))
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q0"))])
+    assert store.start_item(batch.id, "q0")  # running when the batch is canceled
+    assert store.cancel_batch(batch.id) == (0, False)  # left to its run
+    assert store.requeue_item(batch.id, "q0")  # its run's retryable error
+    before = {status: _completed("batch_item", status) for status in ("failed", "canceled")}
+    store.set_deliveries("poisoned", 0, context.settings.task_max_deliveries)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1], task_id="poisoned")
+    (item,) = store.batch_results(batch.id, 0, 1)
+    assert item.status == "canceled", item
+    after = {status: _completed("batch_item", status) - before[status] for status in before}
+    assert after == {"failed": 0.0, "canceled": 1.0} and runtime.calls == 0
+    done = store.get_batch(batch.id)
+    assert done is not None and done.status == "canceled" and announced == ["canceled"], done
+
+
 def test_a_chunk_copy_leaves_an_economy_item_whose_first_half_was_kept(
     context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:

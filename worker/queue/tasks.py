@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import redis
@@ -295,6 +295,11 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
                 log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
                 return None
             held[item.query_id] = store.item_answers(batch_id, item.query_id, taken)
+            if not taken.answer and store.batch_canceled(batch_id):
+                # its batch canceled (it was running then, and requeued for a retry since):
+                # canceled, as the start of any delivery short of this one would have it
+                canceled = store.cancel_item(batch_id, item.query_id)
+                return replace(canceled, canceled=True)
             # with the usage of a model answer a dead run kept: billed
             return None, _billed(_poison_error(task), taken.answer)
         if not started:
