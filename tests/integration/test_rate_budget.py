@@ -380,6 +380,58 @@ def test_a_429_from_the_provider_pauses_the_shared_budget(
     assert until - asked_by - 1e-6 <= refused.wait <= until - asked_from + 1e-6
 
 
+def test_a_429_pauses_a_process_that_knows_no_limit_yet(client: redis.Redis) -> None:
+    """At the defaults (no ``SIFT_RATE_LIMITS``) a process meters nothing until it learns a
+    limit; one that had no answer of its own yet admitted every call at once, without asking
+    Redis, so another process's 429 paused it not at all (nor did the limits the others had
+    learned meter it): the cluster's pause let every fresh process's calls through."""
+    one = RedisRateBudget(client, MODEL)
+    other = RedisRateBudget(client, MODEL)
+    assert other.reserve(PROMPT, 0.0).admitted  # nothing known: off
+    assert not client.exists(other.key)  # and nothing written
+    one.pause(5.0)
+    asked_from = redis_now(client)
+    refused = other.reserve(PROMPT, max_wait=1.0)
+    asked_by = redis_now(client)
+    until = paused_until(client, one.key)
+    assert not refused.admitted
+    assert until - asked_by - 1e-6 <= refused.wait <= until - asked_from + 1e-6
+    economy = RedisRateBudget(client, MODEL, lane="economy")
+    RedisRateBudget(client, MODEL, lane="economy").pause(5.0)
+    assert not economy.reserve_call(1.0).admitted
+    # limits one process learned meter another from its first call
+    client.flushdb()
+    learner, fresh = RedisRateBudget(client, MODEL), RedisRateBudget(client, MODEL)
+    learner.learn({"anthropic-ratelimit-requests-limit": "60"})
+    admitted = 0
+    while fresh.reserve(PROMPT, 0.0).admitted:
+        admitted += 1
+    assert fresh.learned == RateLimit(rpm=60)
+    assert int(60 * BURST_FRACTION) <= admitted <= int(60 * BURST_FRACTION) + 2
+
+
+def test_a_429_pauses_the_searches_of_a_process_that_had_no_answer_yet(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """Two worker processes at the defaults (no ``SIFT_RATE_LIMITS``) against a provider that
+    states its limits in every answer, as Anthropic's does: the first one's search is answered
+    429 with a 30 s ``retry-after``; the second, which has had no answer yet, must not send
+    during that pause. It sent, and was answered."""
+    fake.configure(rpm=6000, itpm=10_000_000)
+    first, _ = build(fake, client, "fail_open", None, RecordingRecorder())
+    fake.script([fa.status(429, retry_after=30)])
+    assert [a["outcome"] for a in search(first).trace["attempts"]] == ["rate_limited"]
+    sent = len(fake.requests())
+    recorder = RecordingRecorder()
+    second, budget = build(fake, client, "fail_open", None, recorder)
+    result = search(second)  # its 3 s deadline ends well inside the 30 s pause
+    assert len(fake.requests()) == sent  # no request during the cluster's pause
+    assert [a["outcome"] for a in result.trace["attempts"]] == ["budget_exhausted"]
+    assert result.rerank.fallback_reason == "error:budget_exhausted"
+    assert result.usage.requests == 0
+    assert budget.learned == RateLimit(rpm=6000, itpm=10_000_000)  # the first one's
+
+
 def test_an_attempt_the_process_limiter_never_sent_neither_pauses_the_cluster_nor_counts(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:

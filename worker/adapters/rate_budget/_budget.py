@@ -159,9 +159,11 @@ class TokenEstimator:
 class RedisRateBudget:
     """A :class:`~worker.core.ports.RateBudget` shared through Redis by every process.
 
-    Off (every reservation admitted at once, no Redis call) until a limit is known: from
-    ``limits`` (``SIFT_RATE_LIMITS``) or from response headers given to :meth:`learn`.
-    A 429's pause is honoured even then.
+    Off (every reservation admitted at once, nothing written to Redis) until a limit is
+    known: from ``limits`` (``SIFT_RATE_LIMITS``), from response headers given to
+    :meth:`learn`, or from the shared hash, where another process stored the limits it learned
+    or a 429's pause (:meth:`_turned_on`, one read a call while off). A 429's pause is
+    honoured even then.
     """
 
     def __init__(
@@ -230,11 +232,32 @@ class RedisRateBudget:
         admitted, wait = self._script(keys=[self.key], args=args)
         return bool(int(admitted)), float(wait)
 
+    def _turned_on(self) -> bool:
+        """Whether the budget is on (:attr:`active`), here or by what the shared hash holds:
+        limits another process learned from the provider's headers (taken as learned here),
+        or a 429's pause still on (it pauses this process too). While no limit is known in
+        this process, that is read from Redis at each call (one round trip, no write): a
+        process that had no answer of its own yet (at the defaults, with no
+        ``SIFT_RATE_LIMITS``, every process until its first answer) sent straight through
+        the cluster's 429 pause, and unmetered, whatever limits the others had learned."""
+        if self.active:
+            return True
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hmget(self.key, ["Lr", "Li", "Lo", "pause"])
+        pipe.time()
+        (rpm, itpm, otpm, pause), (seconds, micros) = pipe.execute()
+        stored = RateLimit(rpm=_limit(rpm), itpm=_limit(itpm), otpm=_limit(otpm))
+        if stored != RateLimit():
+            self.learned = stored
+        if float(pause or 0) > float(seconds) + float(micros) / 1e6:
+            self._paused = True
+        return self.active
+
     def backlog(self) -> float:
         """Seconds a call like the last one would wait now (nothing is reserved). Answered
         from this process's last reading when it is under :data:`BACKLOG_REFRESH_SECONDS` old
         (every reservation is one): a batch asks before each item."""
-        if not self.active:
+        if not self._turned_on():
             return 0.0
         wait, read_at = self._backlog
         now = self._clock()
@@ -245,7 +268,7 @@ class RedisRateBudget:
         return wait
 
     def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
-        if not self.active:
+        if not self._turned_on():
             return BudgetGrant(admitted=True, wait=0.0)
         raw = self.estimator.raw(prompt)
         estimate = self.estimator.estimate(prompt)
@@ -306,9 +329,17 @@ class RedisRateBudget:
 
     def reserve_call(self, max_wait: float) -> BudgetGrant:
         """Reserve one request and no tokens (an economy lane call: a submission, a poll)."""
-        if not self.active:
+        if not self._turned_on():
             return BudgetGrant(admitted=True, wait=0.0)
         admitted, wait = self._run((1, 0, 0), max(0.0, max_wait))
         if admitted:
             metrics.budget_waited(self.model, self.lane, wait)
         return BudgetGrant(admitted=admitted, wait=wait)
+
+
+def _limit(value: bytes | None) -> int | None:
+    """A limit the shared hash stores (``Lr``, ``Li``, ``Lo``), or None: none stored."""
+    if value is None:
+        return None
+    number = int(float(value))
+    return number if number >= 1 else None
