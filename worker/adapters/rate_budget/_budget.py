@@ -337,8 +337,9 @@ class RedisRateBudget:
         return BudgetGrant(admitted=admitted, wait=wait)
 
 
-def _limit(value: bytes | None) -> int | None:
-    """A limit the shared hash stores (``Lr``, ``Li``, ``Lo``), or None: none stored."""
+def _limit(value: bytes | str | None) -> int | None:
+    """A limit the shared hash stores (``Lr``, ``Li``, ``Lo``; bytes, or str from a client
+    that decodes), or None: none stored."""
     if value is None:
         return None
     number = int(float(value))
