@@ -26,6 +26,7 @@ from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.adapters.rate_budget import (
     BACKLOG_REFRESH_SECONDS,
     BURST_FRACTION,
+    OFF_REFRESH_SECONDS,
     BatchQueue,
     BatchQueueFull,
     MeteredBatches,
@@ -386,10 +387,13 @@ def test_a_429_pauses_a_process_that_knows_no_limit_yet(client: redis.Redis) -> 
     Redis, so another process's 429 paused it not at all (nor did the limits the others had
     learned meter it): the cluster's pause let every fresh process's calls through."""
     one = RedisRateBudget(client, MODEL)
-    other = RedisRateBudget(client, MODEL)
+    now = [100.0]  # the other process's clock: it reads the hash at most every 0.2 s
+    other = RedisRateBudget(client, MODEL, clock=lambda: now[0])
     assert other.reserve(PROMPT, 0.0).admitted  # nothing known: off
     assert not client.exists(other.key)  # and nothing written
     one.pause(5.0)
+    assert other.reserve(PROMPT, 0.0).admitted  # read 0 s ago: not read again yet
+    now[0] += OFF_REFRESH_SECONDS
     asked_from = redis_now(client)
     refused = other.reserve(PROMPT, max_wait=1.0)
     asked_by = redis_now(client)

@@ -41,6 +41,10 @@ MIN_CORRECTION, MAX_CORRECTION = 0.1, 10.0
 # backlog() answers from the last reading this recent (a reservation's wait is one) rather
 # than asking Redis: a batch paces every item on it
 BACKLOG_REFRESH_SECONDS = 0.2
+# and, while it knows no limit, reads the shared hash (limits other processes learned, a 429's
+# pause) at most this often: at every call it was a round trip per call against a provider
+# that states no limits
+OFF_REFRESH_SECONDS = 0.2
 
 
 # KEYS[1]: the budget's hash. ARGV: 1-3 the configured limits per minute (requests, input
@@ -162,7 +166,8 @@ class RedisRateBudget:
     Off (every reservation admitted at once, nothing written to Redis) until a limit is
     known: from ``limits`` (``SIFT_RATE_LIMITS``), from response headers given to
     :meth:`learn`, or from the shared hash, where another process stored the limits it learned
-    or a 429's pause (:meth:`_turned_on`, one read a call while off). A 429's pause is
+    or a 429's pause (:meth:`_turned_on`, read while off at most every
+    :data:`OFF_REFRESH_SECONDS`). A 429's pause is
     honoured even then.
     """
 
@@ -190,6 +195,7 @@ class RedisRateBudget:
         self._typical = (0.0, 0.0)  # the last call's input and output tokens, for backlog()
         self._paused = False
         self._backlog = (0.0, -math.inf)  # the last wait read, and when (this process's clock)
+        self._off_read_at = -math.inf  # when the shared hash was last read while off
         # per thread: when its call was sent, and what the call's response headers stated
         self._call = threading.local()
         self.script_calls = 0  # Redis round trips made, for the benchmark
@@ -239,9 +245,14 @@ class RedisRateBudget:
         this process, that is read from Redis at each call (one round trip, no write): a
         process that had no answer of its own yet (at the defaults, with no
         ``SIFT_RATE_LIMITS``, every process until its first answer) sent straight through
-        the cluster's 429 pause, and unmetered, whatever limits the others had learned."""
+        the cluster's 429 pause, and unmetered, whatever limits the others had learned. Read
+        at most every :data:`OFF_REFRESH_SECONDS` (its first call always reads)."""
         if self.active:
             return True
+        now = self._clock()
+        if now - self._off_read_at < OFF_REFRESH_SECONDS:
+            return False
+        self._off_read_at = now
         pipe = self.client.pipeline(transaction=False)
         pipe.hmget(self.key, ["Lr", "Li", "Lo", "pause"])
         pipe.time()
