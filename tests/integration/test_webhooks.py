@@ -20,6 +20,7 @@ import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from tests.integration.slow_receivers import silent_handshake, slow_receiver
+from tests.unit.test_urlguard import fake_dns
 from worker.settings import ApiKey, Settings
 from worker.webhooks.delivery import (
     BATCH_COMPLETED,
@@ -241,6 +242,25 @@ def test_a_name_is_pinned_to_the_checked_address_and_keeps_its_host_header(
     [got] = receiver.received
     assert got.path == "/hook?tenant=a"
     assert {k.lower(): v for k, v in got.headers.items()}["host"] == f"localhost:{port}"
+    Webhook(SECRET).verify(got.body, got.headers)
+
+
+def test_a_name_with_non_ascii_letters_is_delivered_with_its_ascii_host_header(
+    receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An internationalised host name (``bücher.example``) resolves (getaddrinfo encodes it,
+    IDNA) and so passes the guard at registration; its delivery sends the ``Host`` header in
+    the same ASCII form (``xn--bcher-kva.example``), as an HTTP client would. It sent the
+    name as it was written, which httpx could not encode: every attempt raised
+    (UnicodeEncodeError) out of the delivery, so the webhook was never sent nor settled."""
+    port = receiver.server.server_address[1]
+    monkeypatch.setattr(socket, "getaddrinfo", fake_dns({"bücher.example": ["127.0.0.1"]}))
+    body = payload(SEARCH_COMPLETED, "job-16", "succeeded")
+    url = f"http://Bücher.example:{port}/hook"
+    result = deliver(url, body, message_id("job-16"), SECRET, allow_private=True, timeout=FAST)
+    assert result.outcome is DeliveryOutcome.DELIVERED, result.reason
+    [got] = receiver.received
+    assert {k.lower(): v for k, v in got.headers.items()}["host"] == f"xn--bcher-kva.example:{port}"
     Webhook(SECRET).verify(got.body, got.headers)
 
 

@@ -342,9 +342,20 @@ def _retry_after(response: httpx.Response) -> float | None:
 
 
 def _pinned(url: str, address: IPAddress) -> tuple[str, str, str]:
-    """``url`` with its host swapped for ``address``, plus the ``Host`` header and TLS name."""
+    """``url`` with its host swapped for ``address``, plus the ``Host`` header and TLS name.
+
+    An internationalised host name goes in the ``Host`` header in its ASCII (IDNA) form, the
+    name getaddrinfo looked up and the TLS layer sends: a header is ASCII, and httpx refused
+    the name as written (every attempt raised, the webhook never sent nor settled).
+
+    >>> _pinned("http://Bücher.example:8080/h", ipaddress.ip_address("93.184.216.34"))[:2]
+    ('http://93.184.216.34:8080/h', 'xn--bcher-kva.example:8080')
+    """
     parts = urlsplit(url)
     userinfo, _, host_port = parts.netloc.rpartition("@")
+    if not host_port.isascii():
+        host = (parts.hostname or "").encode("idna").decode("ascii")
+        host_port = host if parts.port is None else f"{host}:{parts.port}"
     literal = f"[{address}]" if isinstance(address, ipaddress.IPv6Address) else str(address)
     netloc = literal if parts.port is None else f"{literal}:{parts.port}"
     if userinfo:
