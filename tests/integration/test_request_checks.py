@@ -304,6 +304,30 @@ def test_a_rerank_without_a_generation_model_is_422_naming_rerank(
         assert client.post(path, json=asked, headers=ACME).status_code == 202
 
 
+@pytest.mark.parametrize("path", ["/v1/searches", "/v1/batches"])
+def test_a_webhook_url_with_a_delete_character_is_422_naming_webhook_url(
+    client: TestClient, path: str
+) -> None:
+    """DEL (0x7f) is a control character as those below 0x20 are, which were refused: it was
+    accepted (202), and every delivery of the job's webhook raised (httpx refuses a URL
+    holding one, outside the errors a delivery classifies), so it was never sent nor
+    settled. Refused before anything is stored; the same URL without it is accepted. The
+    host is a public literal: nothing to look up."""
+    body = SEARCH if path == "/v1/searches" else BATCH
+    response = client.post(
+        path, json={**body, "webhook_url": "http://93.184.216.34/ho\x7fok"}, headers=ACME
+    )
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == "webhook_url" and "control characters" in error["message"], error
+    kind = path.rsplit("/", 1)[1]
+    assert client.get(f"/v1/{kind}", headers=ACME).json()[kind] == []  # nothing stored
+    fine = client.post(
+        path, json={**body, "webhook_url": "http://93.184.216.34/hook"}, headers=ACME
+    )
+    assert fine.status_code == 202, fine.text
+
+
 def test_a_rerank_with_a_generation_model_is_accepted(redis_url: str, store: JobStore) -> None:
     settings = Settings(
         redis_url=redis_url,

@@ -264,6 +264,18 @@ def test_a_name_with_non_ascii_letters_is_delivered_with_its_ascii_host_header(
     Webhook(SECRET).verify(got.body, got.headers)
 
 
+def test_a_url_with_a_delete_character_is_refused_not_raised(receiver: Receiver) -> None:
+    """A URL holding DEL (0x7f), as an older release accepted at registration, is a refused
+    delivery (``failed``, settled): httpx refuses such a URL with an error that is no
+    network error, and it was raised out of every attempt, the webhook never settled."""
+    body = payload(SEARCH_COMPLETED, "job-17", "succeeded")
+    url = receiver.url + "\x7f"
+    result = deliver(url, body, message_id("job-17"), SECRET, allow_private=True, timeout=FAST)
+    assert result.outcome is DeliveryOutcome.FAILED
+    assert "control characters" in result.reason
+    assert receiver.received == []
+
+
 def test_a_slow_receiver_times_out_and_is_retryable(receiver: Receiver) -> None:
     """The receiver answers nothing until the test lets it, after the delivery returned: the
     delivery gave up on its own read timeout, the one it asked httpx for."""

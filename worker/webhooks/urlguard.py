@@ -131,7 +131,9 @@ def split_webhook_url(url: str) -> tuple[str, str, int]:
     """Check the URL's form and return ``(scheme, host, port)``; no resolution."""
     if not isinstance(url, str) or not url:
         raise InvalidRequest(FIELD, "the URL is empty")
-    if any(ch.isspace() or ord(ch) < 0x20 for ch in url):
+    # DEL (0x7f) too: httpx refuses a URL holding any ASCII control character, with an error
+    # no delivery classifies, so such a URL was accepted and its every delivery raised
+    if any(ch.isspace() or (ch.isascii() and not ch.isprintable()) for ch in url):
         raise InvalidRequest(FIELD, "the URL contains whitespace or control characters")
     try:
         parts = urlsplit(url)
