@@ -328,6 +328,22 @@ def test_a_webhook_url_with_a_delete_character_is_422_naming_webhook_url(
     assert fine.status_code == 202, fine.text
 
 
+@pytest.mark.parametrize("path", ["/v1/searches", "/v1/batches"])
+def test_a_webhook_url_on_port_0_is_422_naming_webhook_url(client: TestClient, path: str) -> None:
+    """Port 0 is no port a receiver listens on: such a URL was accepted (202), and each of
+    its webhook's 8 attempts failed to connect, a retry, so the client learned it only when
+    the schedule was spent, some 27 hours later. Refused before anything is stored."""
+    body = SEARCH if path == "/v1/searches" else BATCH
+    response = client.post(
+        path, json={**body, "webhook_url": "http://93.184.216.34:0/hook"}, headers=ACME
+    )
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == "webhook_url" and "port" in error["message"], error
+    kind = path.rsplit("/", 1)[1]
+    assert client.get(f"/v1/{kind}", headers=ACME).json()[kind] == []  # nothing stored
+
+
 def test_a_rerank_with_a_generation_model_is_accepted(redis_url: str, store: JobStore) -> None:
     settings = Settings(
         redis_url=redis_url,

@@ -147,6 +147,8 @@ def split_webhook_url(url: str) -> tuple[str, str, int]:
     host = parts.hostname
     if not host:
         raise InvalidRequest(FIELD, "the URL has no host")
+    if port == 0:  # nothing listens there: each attempt failed to connect, retried for a day
+        raise InvalidRequest(FIELD, "the port must be 1 to 65535, not 0")
     return scheme, host, port if port is not None else DEFAULT_PORTS[scheme]
 
 
