@@ -35,6 +35,7 @@ class KeyRing:
                     f"SIFT_API_KEYS, SIFT_API_KEYS_FILE: one key is given for tenants "
                     f"{other!r} and {tenant!r}; a key must decide one tenant"
                 )
+        _one_secret_per_tenant(keys)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -46,6 +47,24 @@ class KeyRing:
             if hmac.compare_digest(known, digest):
                 tenant = owner
         return tenant
+
+
+def _one_secret_per_tenant(keys: Sequence[ApiKey]) -> None:
+    """Every entry of one tenant gives the same webhook secrets (``webhook_secret``, and
+    ``webhook_secret_previous`` while it rotates): a tenant's webhooks are signed with its
+    secret, which the worker takes from its first entry, so another entry's secret was never
+    used and a receiver holding it refused every webhook. Refused at start-up, naming the
+    tenant and the entries, never quoting a secret."""
+    first: dict[str, tuple[int, list[str]]] = {}
+    for i, key in enumerate(keys):
+        index, secrets = first.setdefault(key.tenant, (i, key.webhook_secrets()))
+        if key.webhook_secrets() != secrets:
+            raise ConfigError(
+                f"SIFT_API_KEYS, SIFT_API_KEYS_FILE: tenant {key.tenant!r} is given "
+                f"different webhook secrets by entries {index} and {i} (SIFT_API_KEYS's, then "
+                "the file's); its webhooks are signed with one secret: give each of its "
+                "entries the same webhook_secret (and webhook_secret_previous)"
+            )
 
 
 def _unauthenticated(message: str) -> ApiError:

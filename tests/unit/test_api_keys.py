@@ -91,6 +91,43 @@ def test_one_key_listed_twice_for_one_tenant_is_taken() -> None:
     assert KeyRing([entry, digest]).tenant_for(KEY) == "acme"
 
 
+OTHER_SECRET = "whsec_b3RoZXItc2VjcmV0LTAxMjM0NTY3ODk="
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        {"webhook_secret": OTHER_SECRET},
+        {"webhook_secret": SECRET, "webhook_secret_previous": OTHER_SECRET},
+    ],
+)
+def test_two_webhook_secrets_for_one_tenant_are_refused_at_start_up(
+    second: dict[str, str],
+) -> None:
+    """A tenant's webhooks are signed with its secret (one per tenant, DESIGN.md §9), which
+    the worker took from the tenant's first entry: a second entry giving another secret (a
+    second key made with a fresh secret, or a rotation applied to one entry of two) was
+    silently never used, and a receiver holding it refused every webhook. Refused at the
+    gateway's start-up, naming the tenant and the entries, quoting no secret."""
+    keys = [
+        {"key": KEY, "tenant": "acme", "webhook_secret": SECRET},
+        {"key": "globex-key-0001", "tenant": "globex", "webhook_secret": OTHER_SECRET},
+        {"key": "acme-key-0002", "tenant": "acme", **second},
+    ]
+    settings = load_settings(api_keys=keys)
+    with pytest.raises(ConfigError, match=r"tenant 'acme'.* entries 0 and 2") as raised:
+        create_app(settings)
+    assert SECRET not in str(raised.value) and OTHER_SECRET not in str(raised.value)
+
+
+def test_one_tenant_s_keys_with_one_webhook_secret_are_taken() -> None:
+    entries = [
+        ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET),
+        ApiKey(key="acme-key-0002", tenant="acme", webhook_secret=SECRET),
+    ]
+    assert KeyRing(entries).tenant_for("acme-key-0002") == "acme"
+
+
 def test_a_metrics_token_set_with_a_trailing_newline_is_the_token(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
