@@ -26,6 +26,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticUseDefault
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from standardwebhooks.webhooks import EmptyWebhookSecretError, Webhook
 
 from worker.constants import (
     ECONOMY_MAX_BATCH_BYTES,
@@ -54,6 +55,19 @@ class ApiKey(BaseModel):
     webhook_secret: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]+$")
     # During a rotation the previous secret still signs too: two signatures are sent.
     webhook_secret_previous: str | None = Field(default=None, pattern=r"^whsec_[A-Za-z0-9+/=]+$")
+
+    @field_validator("webhook_secret", "webhook_secret_previous")
+    @classmethod
+    def _signs(cls, secret: str | None) -> str | None:
+        """A secret the Standard Webhooks library signs with: the pattern took ``whsec_abcde``
+        (no base64) and ``whsec_====`` (no key), and every webhook of the tenant raised at its
+        signing, never sent nor settled. The library's error names no part of the secret."""
+        if secret is not None:
+            try:
+                Webhook(secret)
+            except (ValueError, EmptyWebhookSecretError) as exc:
+                raise ValueError(f"no signature can be made with it: {exc}") from None
+        return secret
 
     @model_validator(mode="after")
     def _exactly_one_key(self) -> ApiKey:

@@ -91,6 +91,20 @@ def test_one_key_listed_twice_for_one_tenant_is_taken() -> None:
     assert KeyRing([entry, digest]).tenant_for(KEY) == "acme"
 
 
+@pytest.mark.parametrize("field", ["webhook_secret", "webhook_secret_previous"])
+@pytest.mark.parametrize("secret", ["whsec_YWNtZ", "whsec_===="])
+def test_a_webhook_secret_no_signature_can_be_made_with_is_refused(field: str, secret: str) -> None:
+    """The pattern (``whsec_`` and base64 characters) took ``whsec_YWNtZ`` (5 characters: no
+    base64) and ``whsec_====`` (no key at all), with which the Standard Webhooks library
+    makes no signature: every webhook of the tenant raised at its signing (binascii.Error,
+    EmptyWebhookSecretError), out of the delivery, never sent nor settled. Refused at
+    start-up, naming the entry's field, quoting no secret."""
+    entry = {"key": KEY, "tenant": "acme", "webhook_secret": SECRET, field: secret}
+    with pytest.raises(ConfigError, match=rf"SIFT_API_KEYS\.0\.{field}: ") as raised:
+        load_settings(api_keys=[entry])
+    assert secret not in str(raised.value)
+
+
 OTHER_SECRET = "whsec_b3RoZXItc2VjcmV0LTAxMjM0NTY3ODk="
 
 
