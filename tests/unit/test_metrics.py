@@ -294,7 +294,7 @@ def test_buckets_suit_their_range() -> None:
     assert metrics.SEARCH_LATENCY_GOAL_SECONDS in metrics.SEARCH_BUCKETS
     assert 1.0 in metrics.SEARCH_BUCKETS
     assert metrics.RERANK_BUCKETS[0] == 0.25 and 60.0 in metrics.RERANK_BUCKETS
-    assert metrics.RETRIEVAL_BUCKETS[0] == 0.001
+    assert metrics.RETRIEVAL_BUCKETS[0] <= 0.0001  # Sift's own fusion takes about that
     assert metrics.RETRIEVAL_BUCKETS[-1] >= load_settings().search_deadline_seconds
 
 

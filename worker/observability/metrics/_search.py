@@ -32,11 +32,13 @@ SEARCH_BUCKETS: Final = (
     0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
     10.0, 20.0, 30.0, 60.0,
 )  # fmt: skip
-# The embedded backend answers a channel in milliseconds; Elasticsearch over the network in
-# tens to hundreds, and seconds when it is slow (the search deadline is 30 s): those must not
-# all read as +Inf.
+# Sift's fusion takes some 0.1 ms, and the embedded backend answers a channel in a fraction of
+# a millisecond to a few (below 1 ms, the first bucket was, every quantile read q times 1 ms);
+# Elasticsearch over the network in tens to hundreds, and seconds when it is slow (the search
+# deadline is 30 s): those must not all read as +Inf.
 RETRIEVAL_BUCKETS: Final = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0,
 )  # fmt: skip
 # hits one channel returned for one search (its window is max(4 * coarse limit, 32): 120 at
 # the defaults), or the candidates fusion kept (the coarse limit); 0 is an empty channel
