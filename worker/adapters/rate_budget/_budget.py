@@ -167,8 +167,7 @@ class RedisRateBudget:
     known: from ``limits`` (``SIFT_RATE_LIMITS``), from response headers given to
     :meth:`learn`, or from the shared hash, where another process stored the limits it learned
     or a 429's pause (:meth:`_turned_on`, read while off at most every
-    :data:`OFF_REFRESH_SECONDS`). A 429's pause is
-    honoured even then.
+    :data:`OFF_REFRESH_SECONDS`). A 429's pause is honoured even then.
     """
 
     def __init__(
@@ -242,7 +241,7 @@ class RedisRateBudget:
         """Whether the budget is on (:attr:`active`), here or by what the shared hash holds:
         limits another process learned from the provider's headers (taken as learned here),
         or a 429's pause still on (it pauses this process too). While no limit is known in
-        this process, that is read from Redis at each call (one round trip, no write): a
+        this process, that is read from Redis (one round trip, no write): a
         process that had no answer of its own yet (at the defaults, with no
         ``SIFT_RATE_LIMITS``, every process until its first answer) sent straight through
         the cluster's 429 pause, and unmetered, whatever limits the others had learned. Read

@@ -168,11 +168,7 @@ class SearchPipeline:
                     run = load_run(kept)
                 else:  # none kept, or kept for other candidates (the index changed meanwhile)
                     if before_model is not None:
-                        try:
-                            before_model()
-                        except Canceled:
-                            outcome = None
-                            raise
+                        before_model()
                     assert self.reranker is not None and prepared.prompt is not None
                     run = self._model_calls().call(prepared.prompt, deadline)
                     if kept is not None:  # for other candidates, and paid for too
@@ -182,8 +178,9 @@ class SearchPipeline:
                 result = self._finish(prepared, run, figures)
             outcome = "fallback" if result.rerank.fallback_reason else "ok"
             return result
-        except RunTakenOver:  # its claim was taken over while it waited for its slot
-            outcome = None  # not a search done: the run holding the claim does it
+        except (Canceled, RunTakenOver):  # stopped before its model call (its batch was
+            # canceled, or its claim taken over while it waited for its slot): no search done
+            outcome = None
             raise
         finally:
             if outcome is not None:
