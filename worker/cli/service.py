@@ -123,6 +123,8 @@ def worker(
     settings = _settings(options=tuple(overrides), **overrides)
     if not supervised_by:  # its supervisor checked
         _require_redis(settings, "the workers")
+    _read_keys(settings)  # each worker process, supervised or not: it signs with them
+    if not supervised_by:
         _check_backend(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
@@ -142,6 +144,19 @@ def worker(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", settings.log_level,
          "--without-gossip", "--without-mingle"]
     )  # fmt: skip
+
+
+def _read_keys(settings: Settings) -> None:
+    """Read the API keys once, at the worker's start: it signs every tenant's webhooks with
+    their secrets until it is restarted, as the gateway serves the keys it read at its own
+    start. A keys file it cannot read stops it (exit 2, one line naming
+    ``SIFT_API_KEYS_FILE``), as it stops the gateway: it used to start, and read the file
+    at each webhook attempt, every one of which then failed."""
+    try:
+        settings.all_api_keys()
+    except ConfigError as error:
+        console.print(f"[red]error:[/red] {plain(error)}")
+        raise typer.Exit(2) from error
 
 
 def _require_redis(settings: Settings, what: str) -> None:

@@ -112,6 +112,7 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
     # how late the attempt runs after it was due: the job's end, or its retry's time
     due = event.get("due_at") or datetime.fromisoformat(event["occurred_at"]).timestamp()
     metrics.observe_queue_wait(WEBHOOK_QUEUE, time.time() - float(due))
+    # the keys as the worker read them at its start (Settings.all_api_keys), not the file now
     secrets = next(
         (k.webhook_secrets() for k in settings.all_api_keys() if k.tenant == event["tenant"]), None
     )
