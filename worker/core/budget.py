@@ -28,6 +28,8 @@ T = TypeVar("T")
 MIN_ATTEMPT_SECONDS = 0.05
 # How long a provider's 429 without ``retry-after`` pauses the senders: the process's
 # limiter (worker/runtime/ratelimit.py) and the shared rate budget (the pipeline) alike.
+# A ``retry-after`` asking for no wait (0, a date past) counts as none, as the SDK's own
+# retries take it (anthropic's ``_calculate_retry_timeout`` uses only a value above 0).
 DEFAULT_429_PAUSE_SECONDS = 1.0
 
 
