@@ -170,10 +170,12 @@ QueryText = Annotated[
 ]
 
 
-Weight = Annotated[float, Field(ge=0.0, le=MAX_FUSION_WEIGHT, allow_inf_nan=False)]
 # Strict: a boolean, a string or a float where an integer (or a boolean) goes is a wrong type
 # (a 422 naming it), not a value to convert: `"limit": true` ran a one-hit search, `"rerank":
-# "yes"` reranked. JSON's integers and booleans, and what Sift stores, are unchanged.
+# "yes"` reranked. JSON's integers and booleans, and what Sift stores, are unchanged. A
+# weight is a JSON number (an integer is taken as its float): `"knn": false` was a weight of
+# 0, which turned the channel off, and `"bm25": "2"` or `true` a weight of 2 or 1.
+Weight = Annotated[float, Strict(), Field(ge=0.0, le=MAX_FUSION_WEIGHT, allow_inf_nan=False)]
 RankConstant = Annotated[int, Strict(), Field(ge=1, le=MAX_RANK_CONSTANT)]
 CandidateLimit = Annotated[int, Strict(), Field(ge=1, le=MAX_CANDIDATE_LIMIT)]
 Limit = Annotated[int, Strict(), Field(ge=1, le=MAX_LIMIT)]

@@ -154,6 +154,11 @@ def test_dropping_the_index_clears_its_settings(stack: Stack) -> None:
         ({"fusion": {"weights": {"knn": -1}}}, "fusion.weights.knn"),
         ({"fusion": {"weights": {"splade": 1}}}, "fusion.weights.splade"),
         ({"fusion": {"weights": {"bm25": "heavy"}}}, "fusion.weights.bm25"),
+        # a weight of another JSON type than a number: it was converted and stored, "false"
+        # a weight of 0 that turned kNN off, "2" a weight of 2
+        ({"fusion": {"weights": {"knn": False}}}, "fusion.weights.knn"),
+        ({"fusion": {"weights": {"bm25": True}}}, "fusion.weights.bm25"),
+        ({"fusion": {"weights": {"bm25": "2"}}}, "fusion.weights.bm25"),
         ({"fusion": {"weights": {"bm25": 1e308}}}, "fusion.weights.bm25"),
         ({"fusion": {"weights": {"bm25": 0, "knn": 0}}}, "fusion.weights"),
         ({"fusion": {"rank_constant": 0}}, "fusion.rank_constant"),
@@ -204,6 +209,21 @@ def test_a_patch_that_leaves_every_weight_zero_is_refused(stack: Stack) -> None:
             "fusion.weights.bm25",
         ),
         ("/v1/searches", {"query": "q", "fusion": {"method": "convex"}}, "fusion.method"),
+        (  # no conversion: false was a weight of 0, the kNN channel left out
+            "/v1/searches",
+            {"query": "q", "fusion": {"weights": {"knn": False}}},
+            "fusion.weights.knn",
+        ),
+        (
+            "/v1/searches",
+            {"query": "q", "fusion": {"weights": {"bm25": " 0.5 "}}},
+            "fusion.weights.bm25",
+        ),
+        (
+            "/v1/batches",
+            {"queries": [{"id": "a", "query": "q"}], "fusion": {"weights": {"knn": True}}},
+            "fusion.weights.knn",
+        ),
         (
             "/v1/batches",
             {"queries": [{"id": "a", "query": "q"}], "fusion": {"method": "RRF"}},
