@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from tests.e2e.conftest import KEYS, start_stack  # noqa: E402
 
 
-def run(url: str, *, max_examples: int, max_time: float | None, seed: int, report: Path) -> int:
+def run(url: str, *, max_examples: int, max_time: int | None, seed: int, report: Path) -> int:
     command = [
         str(Path(sys.executable).with_name("schemathesis")),
         "run", url + "/openapi.json",
@@ -49,7 +49,7 @@ def run(url: str, *, max_examples: int, max_time: float | None, seed: int, repor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--max-examples", type=int, default=300)
-    parser.add_argument("--max-time", type=float, default=600, help="seconds per gateway")
+    parser.add_argument("--max-time", type=int, default=600, help="seconds per gateway")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="sift-schemathesis-") as tmp:
