@@ -6,8 +6,10 @@ It starts the e2e stack (tests/e2e/conftest.py: redis-server, one Celery worker,
 ``live`` gateway with a worker behind it and the ``idle`` gateway with the SSRF guard on
 and a 64 KiB body limit), then runs ``schemathesis run`` on each gateway's
 ``/openapi.json`` with a valid key and the ``not_a_server_error`` check, phases
-examples, coverage, fuzzing and stateful. It prints schemathesis's summary and exits
-non-zero if any operation answered a 5xx. The short form is
+examples, coverage, fuzzing and stateful (on the idle gateway, without the index reads
+and settings changes a worker answers: with no worker there, each is its 503
+``backend_unavailable``). It prints schemathesis's summary and exits non-zero if any
+operation answered a 5xx. The short form is
 tests/security/test_schemathesis.py, in ``make test``.
 """
 
@@ -24,8 +26,21 @@ sys.path.insert(0, str(REPO))
 
 from tests.e2e.conftest import KEYS, start_stack  # noqa: E402
 
+# The operations a worker answers (an index read or settings change, sent on the search queue
+# and waited on): the idle gateway has no worker, so each is its documented 503
+# backend_unavailable after INDEX_READ_TIMEOUT_SECONDS, not a server error to report
+WORKER_READS = r"^(list_indexes|get_index|update_index|list_documents|get_document)_"
 
-def run(url: str, *, max_examples: int, max_time: int | None, seed: int, report: Path) -> int:
+
+def run(
+    url: str,
+    *,
+    max_examples: int,
+    max_time: int | None,
+    seed: int,
+    report: Path,
+    exclude: str | None = None,
+) -> int:
     command = [
         str(Path(sys.executable).with_name("schemathesis")),
         "run", url + "/openapi.json",
@@ -42,6 +57,8 @@ def run(url: str, *, max_examples: int, max_time: int | None, seed: int, report:
     ]  # fmt: skip
     if max_time:
         command += ["--max-time", str(max_time)]
+    if exclude:
+        command += ["--exclude-operation-id-regex", exclude]
     print("$", " ".join(command), flush=True)
     return subprocess.run(command, check=False).returncode
 
@@ -61,6 +78,7 @@ def main() -> None:
                     max_time=args.max_time,
                     seed=args.seed,
                     report=Path(tmp) / f"{name}.xml",
+                    exclude=WORKER_READS if name == "idle" else None,
                 )
                 for name, url in (("live", stack.live_url), ("idle", stack.idle_url))
             }
