@@ -20,6 +20,7 @@ from worker.core.pipeline import SearchPipeline
 from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import BackendUnavailable, ModeUnavailable
 from worker.queue import base, liveness, tasks, webhook_task
+from worker.queue.economy import is_prepared
 from worker.queue.jobstore import CancelOutcome, JobStore, SearchJob
 from worker.runtime.bootstrap import build_pipeline
 from worker.runtime.inprocess import Runtime
@@ -596,6 +597,49 @@ def test_a_batch_item_whose_claim_the_job_store_cannot_take_is_not_failed(
     tasks.batch_chunk.apply(args=[batch.id, 0, 1])
     done = store.get_batch(batch.id)
     assert done is not None and done.status == "succeeded" and runtime.model_calls == 1
+
+
+def test_an_economy_item_whose_first_half_the_job_store_cannot_keep_is_not_failed(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An economy item's first half (retrieval, its prompt) ran, and the job store cannot
+    keep it (Redis unreachable past the client's 30 s of retries): that is the job store's
+    failure, not the item's, and costs nothing to run again (no model call yet). It ended
+    ``failed`` ``internal_error`` (a bug, by the contract) once Redis was back for the finish,
+    and a one-item batch ended failed. The chunk's runner breaks now, as for a standard
+    item whose claim cannot be taken: the item stays running for a redelivery (the
+    re-drive), which prepares it again, keeps it, and its submission goes."""
+    from tests.fakes import FakeEmbedder, InMemoryBackend, ScriptedReranker
+    from worker.runtime.inprocess import build_runtime
+
+    submitted: list[str] = []
+    monkeypatch.setattr(tasks, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
+    runtime = build_runtime(
+        context.settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=ScriptedReranker([]),
+    )
+    runtime.ingest("docs", "acme", [DocumentIn(id="1", text="green tea leaves")])
+    context._runtime = runtime
+    store = context.store
+    spec = SearchSpec(index="docs", query="green tea", mode="fts", rerank=True)
+    batch = store.create_batch("acme", "docs", [("q0", spec)], lane="economy")
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(store, "economy_save_new", down)
+    broke = tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    got = store.get_batch(batch.id)
+    assert got is not None and got.counts["failed"] == 0, got.counts
+    assert got.counts["running"] == 1 and broke.failed() and not submitted
+    assert store.pending_positions(batch.id) == [0]  # the re-drive's to send again
+    monkeypatch.delattr(store, "economy_save_new")  # Redis is back: the re-drive's chunk
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    (item,) = store.batch_items(batch.id, ["q0"])
+    assert item.status == "running" and is_prepared(store, batch.id, "q0"), item
+    assert submitted == [batch.id]
 
 
 def _batch_state(store: JobStore, batch_id: str) -> list[dict[str, str]]:

@@ -354,9 +354,10 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
             log.info("batch %s item %s: another run took it over", batch_id, item.query_id)
             return None
         except Exception as exc:
-            if claim is None and not economy and isinstance(exc, redis.RedisError):
+            if claim is None and isinstance(exc, redis.RedisError):
                 # the job store failed before the item's run began (its claim, or its pacing
-                # on the shared budget), not the item: the runner breaks, as when an item's
+                # on the shared budget; an economy item's first half, which claims nothing,
+                # not kept or not read), not the item: the runner breaks, as when an item's
                 # start fails, and the item stays running for a redelivery (the re-drive)
                 # instead of ending failed internal_error once Redis is back for the finish
                 raise
