@@ -17,7 +17,7 @@ import httpx2
 import pytest
 from opentelemetry import trace
 
-from tests.fake_anthropic import FakeAnthropic
+from tests.fake_anthropic import FakeAnthropic, errored
 from tests.unit.test_pipeline import make
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import CALL_TIMEOUT_SECONDS, AnthropicMessageBatches
@@ -509,3 +509,50 @@ def test_a_submission_run_again_after_a_cancel_leaves_the_items_it_sent_to_their
     assert {r["provider"] for r in runs} == {sent["id"]}
     got = store.get_batch(batch.id)
     assert got is not None and got.finished_at is None and got.counts["canceled"] == 1
+
+
+def _mapping(context: WorkerContext, batch: BatchJob, provider_id: str) -> _Task:
+    """One run of a provider batch's poll that finds it ended: its results mapped (under
+    its lease), any resubmission sent."""
+    task = _Task(context, f"poll-{provider_id}")
+    fresh = context.store.get_batch(batch.id) or batch
+    leases.leased(
+        task, batch.id, provider_id, lambda: economy.map_results(task, fresh, provider_id)
+    )  # type: ignore[arg-type]
+    return task
+
+
+@pytest.mark.parametrize("cancel", ["before_its_mapping", "after_its_resubmission"])
+def test_a_canceled_batch_s_item_whose_request_errored_is_canceled_whenever_the_cancel_came(
+    context: WorkerContext, model: FakeAnthropic, workers: None, cancel: str
+) -> None:
+    """The provider answered q0's request ``errored`` (``overloaded_error``: retryable, not
+    billed), q1's succeeded, and the user canceled the batch before q0 had its answer. Its
+    request is one Sift would send again; canceled, it is not, and q0 ends ``canceled``,
+    whenever the cancel came: after the poll had mapped the results and resubmitted q0 (the
+    resubmission's provider batch canceled: its line ``canceled``), or before the poll got
+    to them (up to its 600 s backoff after the provider batch ended). In that second order
+    q0 ended ``failed`` ``rerank_failed`` (``http_5xx``): the failure policy, as if its
+    attempts were spent, for a request Sift chose not to send again because of the cancel."""
+    model.script_batch({"i0": [errored("overloaded_error")]})
+    batch, qids = _prepared(context, 2)
+    _submission(context, batch, qids, "1")
+    [first] = model.batches()  # ended at once
+    model.configure(batch_processing_seconds=300.0)  # a resubmission stays in progress
+    store = context.store
+    if cancel == "before_its_mapping":
+        assert store.cancel_batch(batch.id) == (0, False)  # both wait on the provider
+    task = _mapping(context, batch, first["id"])
+    if cancel == "after_its_resubmission":
+        [_, again] = model.batches()
+        assert store.cancel_batch(batch.id) == (0, False)
+        context.batches.cancel(again["id"])  # sift.economy_cancel's call
+        task = _mapping(context, batch, again["id"])
+    q0, q1 = store.batch_results(batch.id, 0, 2)
+    assert q1.status == "succeeded", q1
+    assert q0.status == "canceled", q0
+    assert len(model.batches()) == (1 if cancel == "before_its_mapping" else 2)
+    done = store.get_batch(batch.id)
+    assert done is not None and done.finished_at is not None, done
+    assert done.counts["canceled"] == 1 and done.counts["failed"] == 0, done.counts
+    assert [kw["status"] for name, kw in task.sent if name == "batch.completed"] == [done.status]

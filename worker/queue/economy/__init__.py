@@ -29,7 +29,8 @@ The flow (DESIGN.md §7; docs/lanes.md):
      shape (``malformed``): resubmitted in a new
      provider batch while the class is retryable, the attempt budget
      (``SIFT_GENERATION_MAX_REQUESTS``) lasts and ``SIFT_ECONOMY_DEADLINE_SECONDS`` since
-     the batch was submitted has not passed; else the failure policy, as in the standard
+     the batch was submitted has not passed (in a canceled batch, canceled instead); else
+     the failure policy, as in the standard
      lane (``fail_closed``: the item fails with ``rerank_failed`` naming the class;
      ``fail_open``: coarse top-k with ``fallback_reason``);
    - ``canceled``: the item is canceled.

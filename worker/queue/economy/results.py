@@ -229,7 +229,7 @@ def _map_page(
         one.run.seconds = now - float(record["first_submitted_at"] or now)
         one.failure = None if line.reply is not None else _line_failure(line, provider_id)
         if record["handled"] != provider_id:  # else counted by an earlier run of this task
-            _add_attempt(pipeline, one, provider_id, now, deadline, batch.canceled_at is None)
+            _add_attempt(pipeline, one, provider_id, now, deadline)
         mapped.append(one)
     # The runs are saved before the metrics count their attempts: a task run again after a
     # kill between the two finds them ``handled`` and counts nothing twice.
@@ -277,11 +277,13 @@ def _line_failure(line: BatchLine, provider_id: str) -> RerankAttemptError:
 
 
 def _add_attempt(
-    pipeline: SearchPipeline, one: _Mapped, provider_id: str, now: float, deadline: float,
-    live: bool,
-) -> None:  # fmt: skip
+    pipeline: SearchPipeline, one: _Mapped, provider_id: str, now: float, deadline: float
+) -> None:
     """Count a line's attempt in its item's run (not yet in the metrics: ``one.counted``
-    says what to count once the run is saved), and decide whether it is resubmitted."""
+    says what to count once the run is saved), and decide whether it is resubmitted. In a
+    batch canceled meanwhile, one to resubmit is canceled by the resubmission instead
+    (:func:`submit`), as its resubmitted request is canceled once the cancel came after it:
+    whenever the cancel came, the item ends ``canceled``, not in the failure policy."""
     record, run, failure = one.record, one.run, one.failure
     waited = now - float(record["submitted_at"] or now)
     detail = {"provider_batch": provider_id, "provider_result": one.line.kind}
@@ -299,7 +301,6 @@ def _add_attempt(
         and failure.retryable
         and len(run.attempts) < pipeline.config.max_requests
         and now < deadline
-        and live
     )
     store_run(record, run)
     record.update(handled=provider_id, resubmit=again)
