@@ -633,12 +633,52 @@ def test_an_economy_item_whose_first_half_the_job_store_cannot_keep_is_not_faile
     broke = tasks.batch_chunk.apply(args=[batch.id, 0, 1])
     got = store.get_batch(batch.id)
     assert got is not None and got.counts["failed"] == 0, got.counts
-    assert got.counts["running"] == 1 and broke.failed() and not submitted
+    assert got.counts["running"] == 1 and broke.failed()
+    assert not store.economy_settled(batch.id)  # nothing to submit yet
     assert store.pending_positions(batch.id) == [0]  # the re-drive's to send again
     monkeypatch.delattr(store, "economy_save_new")  # Redis is back: the re-drive's chunk
     tasks.batch_chunk.apply(args=[batch.id, 0, 1])
     (item,) = store.batch_items(batch.id, ["q0"])
     assert item.status == "running" and is_prepared(store, batch.id, "q0"), item
+    assert store.economy_settled(batch.id) and submitted[-1] == batch.id
+
+
+def test_an_economy_chunk_whose_last_first_half_was_kept_unheard_still_enqueues_the_submission(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write keeping an economy item's first half reached Redis, and its reply was lost
+    (Redis gone past the client's 30 s of retries): the item is prepared, and the chunk's
+    runner breaks (the task fails). It was the batch's last item to settle, so this chunk
+    is the one to enqueue the submission, which it did only when no runner broke: none was
+    ever sent. And nothing else would send it: the re-drive re-sends chunks for items still
+    to prepare (none: ``pending_positions`` is empty), and a submission never enqueued has
+    no watch. The batch stayed ``running`` for good, its item prepared and never sent."""
+    from tests.fakes import FakeEmbedder, InMemoryBackend, ScriptedReranker
+    from worker.runtime.inprocess import build_runtime
+
+    submitted: list[str] = []
+    monkeypatch.setattr(tasks, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
+    runtime = build_runtime(
+        context.settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=ScriptedReranker([]),
+    )
+    runtime.ingest("docs", "acme", [DocumentIn(id="1", text="green tea leaves")])
+    context._runtime = runtime
+    store = context.store
+    spec = SearchSpec(index="docs", query="green tea", mode="fts", rerank=True)
+    batch = store.create_batch("acme", "docs", [("q0", spec)], lane="economy")
+    save = store.economy_save_new
+
+    def unheard(*args: Any, **kwargs: Any) -> Any:
+        save(*args, **kwargs)  # written; its reply lost
+        raise redis.ConnectionError("Connection closed by server.")
+
+    monkeypatch.setattr(store, "economy_save_new", unheard)
+    broke = tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    assert broke.failed() and is_prepared(store, batch.id, "q0")
+    assert store.pending_positions(batch.id) == []  # no re-drive will come
     assert submitted == [batch.id]
 
 

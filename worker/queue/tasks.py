@@ -415,6 +415,11 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
         if completed:
             metrics.job_completed("batch", status)  # once: only one transition completes it
         task.announce_batch(batch, status)
+    if economy and not to_retry and not chunk.handed_back:
+        # even when a runner broke: an item it left prepared (the write landed, its reply
+        # was lost) may be the batch's last to settle, and no re-drive comes for a prepared
+        # item, nor any watch for a submission never enqueued
+        maybe_submit(task, batch_id)
     if chunk.error is not None:  # a runner broke: fail the task (its completion is sent)
         raise chunk.error
     if chunk.handed_back:
@@ -423,8 +428,6 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
         # refused while this live worker still held the chunk (its copy then acked, and lost)
         store.release_chunk(batch_id, start, stop, claim)
         task.hand_back(deliveries)
-    if economy and not to_retry:
-        maybe_submit(task, batch_id)
     if to_retry:
         log.warning(
             "batch %s: %d items hit retryable errors; retrying the chunk", batch_id, to_retry
