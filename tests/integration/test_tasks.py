@@ -682,6 +682,48 @@ def test_an_economy_chunk_whose_last_first_half_was_kept_unheard_still_enqueues_
     assert submitted == [batch.id]
 
 
+def test_an_economy_submission_claimed_by_a_chunk_that_died_before_sending_it_is_sent(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunk that finds every item prepared claims the batch's one submission, then
+    sends it (its message, and the watch that sends it again when lost). Redis gone right
+    after the claim (past the client's 30 s of retries; or the worker killed there): the
+    claim was kept, and nothing was sent or watched. A chunk run again finds the claim
+    taken, the re-drive sends chunks only for items still to prepare, and the sweep's watch
+    had no entry: the submission never went, the batch ``running`` for good. The watch is
+    set before the claim now, and the sweep sends the submission once it is overdue."""
+    from tests.fakes import FakeEmbedder, InMemoryBackend, ScriptedReranker
+    from worker.constants import ECONOMY_SUBMIT_TASK
+    from worker.queue import economy
+    from worker.runtime.inprocess import build_runtime
+
+    runtime = build_runtime(
+        context.settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=ScriptedReranker([]),
+    )
+    runtime.ingest("docs", "acme", [DocumentIn(id="1", text="green tea leaves")])
+    context._runtime = runtime
+    store = context.store
+    spec = SearchSpec(index="docs", query="green tea", mode="fts", rerank=True)
+    batch = store.create_batch("acme", "docs", [("q0", spec)], lane="economy")
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+    monkeypatch.setattr(store, "economy_hand_over", down)  # right after the claim
+    broke = tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    assert broke.failed() and not store.economy_claim(batch.id, economy.SUBMIT_CLAIM)
+    monkeypatch.delattr(store, "economy_hand_over")  # Redis is back
+    assert tasks.batch_chunk.apply(args=[batch.id, 0, 1]).successful()  # a copy: claimed
+    assert store.pending_positions(batch.id) == []  # no re-drive of its chunk
+    sent: list[tuple[str, list[Any]]] = []
+    later = time.time() + economy.WATCH_MARGIN_SECONDS + 1
+    economy.rewake(store, lambda name, args, queue, task_id: sent.append((name, args)), later)
+    assert sent == [(ECONOMY_SUBMIT_TASK, [batch.id])]
+
+
 def _batch_state(store: JobStore, batch_id: str) -> list[dict[str, str]]:
     """A batch's record, its items' statuses, counts and results, and the fleet's counts."""
     from worker.constants import (

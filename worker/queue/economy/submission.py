@@ -13,7 +13,12 @@ from typing import Any
 from celery import shared_task
 
 from worker.adapters.rate_budget import BatchQueueFull
-from worker.constants import ECONOMY_PREPARED_KEY, ECONOMY_PROVIDERS_KEY, ECONOMY_SUBMIT_TASK
+from worker.constants import (
+    ECONOMY_PREPARED_KEY,
+    ECONOMY_PROVIDERS_KEY,
+    ECONOMY_STATE_KEY,
+    ECONOMY_SUBMIT_TASK,
+)
 from worker.core.pipeline import load_prepared
 from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.queue.base import SiftTask
@@ -21,7 +26,7 @@ from worker.queue.economy.cancel import cancel_quietly
 from worker.queue.economy.doubts import settle_doubts
 from worker.queue.economy.finish import cancel_item, fail_items
 from worker.queue.economy.ids import SUBMISSION_CHARS, chunk_requests, custom_id, new_submission
-from worker.queue.economy.leases import expect, leased, upload_guard
+from worker.queue.economy.leases import WATCH_MARGIN_SECONDS, expect, leased, upload_guard
 from worker.queue.economy.records import (
     batches_client,
     economy_pipeline,
@@ -42,9 +47,20 @@ log = logging.getLogger(__name__)
 
 
 def maybe_submit(task: SiftTask, batch_id: str) -> None:
-    """Enqueue the submission once every item is final or prepared (one chunk wins)."""
+    """Enqueue the submission once every item is final or prepared (one chunk wins).
+
+    Its watch is set before the claim: a chunk that dies between its claim and the message
+    (its worker killed, Redis gone past the client's retries) leaves the claim taken, so no
+    other chunk sends it, and no re-drive comes for prepared items; the watch's sweep sends
+    it once overdue (:func:`rewake`). Once claimed, the watch is left as the submission
+    keeps it (met once it is done: a late chunk sets none again)."""
     store = task.context.store
-    if store.economy_settled(batch_id) and store.economy_claim(batch_id, SUBMIT_CLAIM):
+    if not store.economy_settled(batch_id):
+        return
+    if store.economy_get(batch_id, ECONOMY_STATE_KEY, [SUBMIT_CLAIM])[0] is not None:
+        return  # claimed already
+    store.economy_expect(batch_id, SUBMIT_CLAIM, time.time() + WATCH_MARGIN_SECONDS)
+    if store.economy_claim(batch_id, SUBMIT_CLAIM):
         send_anew(task, batch_id, SUBMIT_CLAIM, 0.0)
         log.info("batch %s: every item prepared; submission enqueued", batch_id)
 
