@@ -234,6 +234,9 @@ class Settings(BaseSettings):
     # a keyword of typed metadata tokens, what filters match (JSON-value equality); empty:
     # none, and filters compare the metadata field as text
     elasticsearch_metadata_terms_field: str = "metadata_terms"
+    # a long with each document's write version, so a drop deletes only what was written
+    # before it; empty: none, and a drop deletes the tenant's index whole
+    elasticsearch_write_version_field: str = "write_version"
     embedding_model: Literal["all-MiniLM-L6-v2-onnx-int8"] = "all-MiniLM-L6-v2-onnx-int8"
     # onnxruntime threads per embedding call; 0 = one per core. A worker embeds many queries
     # at once from its own threads, so one each avoids the pool's spinning on 2 cores.

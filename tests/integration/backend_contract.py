@@ -370,6 +370,26 @@ class LifecycleContract(BackendContract):
         assert backend.upsert(index, "acme", doc, vectors_of(doc), version=13) == 1
         assert backend.index_info(index, "acme").documents == 1
 
+    def test_an_upsert_accepted_after_a_drop_and_run_before_it_stays(
+        self, backend: Any, index: str
+    ) -> None:
+        """The last accepted write wins whichever worker runs it first: an ingest accepted
+        after the drop (13 after 12) whose job runs before the drop's keeps its documents;
+        the drop takes only what was written before it (10), and is counted so."""
+        old, new = [CORPUS[0]], [CORPUS[1]]
+        assert backend.upsert(index, "acme", old, vectors_of(old), version=10) == 1
+        assert backend.upsert(index, "acme", new, vectors_of(new), version=13) == 1
+        assert backend.delete_index(index, "acme", version=12) == 1
+        assert backend.document(index, "acme", old[0].id) is None
+        assert backend.document(index, "acme", new[0].id) is not None
+        assert backend.index_info(index, "acme").documents == 1
+        assert self.all_ids(backend, index, "acme") == ({new[0].id}, {new[0].id})
+        # the drop's retry (a redelivery) takes nothing more; a later drop takes the rest
+        backend.delete_index(index, "acme", version=12)
+        assert backend.document(index, "acme", new[0].id) is not None
+        assert backend.delete_index(index, "acme", version=14) == 1
+        assert backend.index_info(index, "acme") is None
+
     def test_delete_index_is_the_tenants_only(self, backend: Any, index: str) -> None:
         self.load(backend, index, "acme")
         self.load(backend, index, "globex")

@@ -31,6 +31,9 @@ after a drop, a reindex, a race) instead of the requests the adapter happens to 
 * ``script_fields`` of the two painless scripts the documents listing sends (no other: a
   script the stand-in does not know is refused), run with Java's string semantics: UTF-16
   units, a surrogate pair one code point to ``codePointCount`` and ``offsetByCodePoints``;
+* queries: ``bool``, ``term``, ``terms``, ``exists``, ``multi_match``, and ``range``
+  (``gt``/``gte``/``lt``/``lte``) on a ``long`` field (a document without it matches no
+  range, as in ES);
 * ``_search``, ``_msearch``, ``_count``, ``GET _doc``, ``_mget`` by ``ids`` (a missing
   index: 404 ``index_not_found_exception``), ``_delete_by_query`` and ``_reindex``
   (``wait_for_completion=false`` gives a task, read by ``GET _tasks/<id>``), ``_aliases``,
@@ -429,6 +432,13 @@ class StatefulElasticsearch:
                     )
         for key, value in source.items():
             about = properties.get(key, {})
+            if about.get("type") == "long" and not (
+                isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+            ):
+                raise _refuse(
+                    "document_parsing_exception",
+                    f"[1:2] failed to parse field [{key}] of type [long] in document",
+                )
             if about.get("type") == "dense_vector" and len(value) != about.get("dims"):
                 raise _refuse(
                     "document_parsing_exception",
@@ -700,6 +710,12 @@ class StatefulElasticsearch:
             return bool({_keyword(w) for w in wanted} & _keywords(_field(source, name)))
         if kind == "exists":  # null and [] hold no indexed value
             return bool(_keywords(_field(source, args["field"])))
+        if kind == "range":
+            (name, bounds), *_ = args.items()
+            about = index.mappings.get("properties", {}).get(name, {})
+            if about.get("type") != "long":  # the adapter ranges over its long fields only
+                raise _refuse("unsupported", f"range on [{name}] of type {about.get('type')}")
+            return any(_in_range(int(v), bounds) for v in _listed(_field(source, name)))
         if kind == "multi_match":
             return self._bm25(index, source, args) > 0
         raise _refuse("unsupported", f"query {kind}")
@@ -877,6 +893,22 @@ def _field(source: Mapping[str, Any], name: str) -> Any:
             if found is not None:
                 return found
     return None
+
+
+def _in_range(value: int, bounds: Mapping[str, Any]) -> bool:
+    """Whether a ``long`` value is within a ``range`` query's ``gt``/``gte``/``lt``/``lte``."""
+    tests = {
+        "gt": lambda bound: value > bound,
+        "gte": lambda bound: value >= bound,
+        "lt": lambda bound: value < bound,
+        "lte": lambda bound: value <= bound,
+    }
+    for key, bound in bounds.items():
+        if key not in tests:
+            raise _refuse("parsing_exception", f"[range] query does not support [{key}]")
+        if not tests[key](int(bound)):
+            return False
+    return True
 
 
 def _keywords(value: Any) -> set[str]:

@@ -203,6 +203,7 @@ EXPECTED_TEMPLATE = {
                 "metadata": {"type": "flattened"},
                 "embedding_model": {"type": "keyword"},
                 "metadata_terms": {"type": "keyword"},
+                "write_version": {"type": "long"},
             },
         },
     },
@@ -244,6 +245,7 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
         "properties": {
             "embedding_model": {"type": "keyword"},
             "metadata_terms": {"type": "keyword"},
+            "write_version": {"type": "long"},
         }
     }
     bulk = server.requests[4]
@@ -466,6 +468,7 @@ def test_reindex_builds_a_new_index_and_swaps_the_alias_atomically(
         "properties": {
             "embedding_model": {"type": "keyword"},
             "metadata_terms": {"type": "keyword"},
+            "write_version": {"type": "long"},
         }
     }
     assert server.requests[8].json() == {
@@ -1354,6 +1357,10 @@ def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
         }
         for d in ("d1", "d2")
     ]
+    # the version is in each document too, where a drop's query reads it (ES searches no
+    # _version): a drop deletes only what was written before it
+    sources = server.sent("PUT", "/_bulk")[0].ndjson()[1::2]
+    assert [source["write_version"] for source in sources] == [7, 7]
 
 
 def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
@@ -1454,6 +1461,22 @@ DROP_SEARCHES = [
 ]
 
 
+#: A versioned drop's (20) third search: one of acme's documents written after it.
+NEWER_SEARCH = [
+    {},
+    {
+        "size": 0,
+        "terminate_after": 1,
+        "track_total_hits": True,
+        "query": {
+            "bool": {
+                "filter": [{"term": {"tenant": "acme"}}, {"range": {"write_version": {"gt": 20}}}]
+            }
+        },
+    },
+]
+
+
 def on_floors(server: FakeElasticsearchServer, version: int = 20) -> None:
     """Answer a drop's floor write: the template, the floors index, acme's floor."""
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
@@ -1490,9 +1513,48 @@ def test_delete_index_deletes_the_tenants_physical_index_and_nothing_else(
     floor = server.requests[2]
     assert floor.json() == {}
     assert floor.query == {"version": ["20"], "version_type": ["external"]}
-    assert server.requests[4].ndjson() == DROP_SEARCHES
+    assert server.requests[4].ndjson() == DROP_SEARCHES + NEWER_SEARCH
     assert BETA not in str([(r.path, r.body) for r in server.requests])
     assert not server.sent("POST", f"/{ACME}/_delete_by_query")
+
+
+def test_a_drop_that_finds_a_newer_write_deletes_only_what_was_written_before_it(
+    server: FakeElasticsearchServer, quick_polls: None
+) -> None:
+    """An ingest accepted after drop 20 ran before it: the drop's ``_msearch`` finds one of
+    acme's documents whose ``write_version`` is above 20, so the live index is not deleted
+    (the index a reindex kept is: nothing writes there). One ``_delete_by_query`` takes
+    acme's documents not written after the drop (those without the field, from an earlier
+    release, too), run as a task as for a shared index."""
+    kept = f"{ACME}~20260101t000000000000"
+    on_floors(server)
+    on_shared_drop(server, delete_by_query_task(DROP_TASK, ACME, deleted=3))
+    on_searches(server, Answer(200, msearch_response(*[
+        probe_response(n) for n in (4, 0, 1)
+    ])))  # fmt: skip
+    server.on("GET", RESOLVE, Answer(200, resolved((CONCRETE, [ACME]), (kept, []))))
+    server.on("DELETE", f"/{kept}", Answer(200, {"acknowledged": True}))
+    assert backend_for(server).delete_index("docs", "acme", version=20) == 3
+    sent = [(r.method, r.path) for r in server.requests]
+    assert sent[sent.index(("GET", RESOLVE)) :] == [
+        ("GET", RESOLVE),
+        ("POST", MSEARCH),
+        ("DELETE", f"/{kept}"),
+        ("GET", "/_tasks"),
+        ("POST", DBQ),
+        ("GET", DROP_TASK_PATH),
+    ]
+    assert server.sent("POST", MSEARCH)[0].ndjson() == DROP_SEARCHES + NEWER_SEARCH
+    (deleting,) = server.sent("POST", DBQ)
+    assert deleting.json() == {
+        "query": {
+            "bool": {
+                "filter": [{"term": {"tenant": "acme"}}],
+                "must_not": [{"range": {"write_version": {"gt": 20}}}],
+            }
+        }
+    }
+    assert not server.sent("DELETE", f"/{CONCRETE}")
 
 
 DROP_TASK = "oTUltX4IQMOUUVeiohTt8A:12346"
@@ -2103,6 +2165,7 @@ def test_a_write_of_vectors_checks_then_records_its_model_and_another_model_is_r
         "properties": {
             "embedding_model": {"type": "keyword"},
             "metadata_terms": {"type": "keyword"},
+            "write_version": {"type": "long"},
         }
     }
     assert server.requests[2].json() == MODEL_CHECK

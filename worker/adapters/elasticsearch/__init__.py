@@ -37,11 +37,12 @@ Why this shape (DESIGN.md §6).
   and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened`` (what a hit's metadata is
   read from), ``metadata_terms`` as ``keyword`` (one typed token per metadata value,
   ``year=n:2020``: what filters match, see *Reads*), ``embedding_model`` as ``keyword``:
-  the model that made the document's vector. A write adds the fields a later template
-  gained to an index made before (``PUT <alias>/_mapping``, once per process and alias,
-  an index it just made included: the template ES holds may be an earlier release's; a
-  write ``dynamic: strict`` refuses for such a field fails retryably and maps it again),
-  and a reindex adds them to its new index before the alias moves.
+  the model that made the document's vector, ``write_version`` as ``long``: the version of
+  the write that wrote the document (what a drop compares with its own). A write adds the
+  fields a later template gained to an index made before (``PUT <alias>/_mapping``, once per
+  process and alias, an index it just made included: the template ES holds may be an earlier
+  release's; a write ``dynamic: strict`` refuses for such a field fails retryably and maps
+  it again), and a reindex adds them to its new index before the alias moves.
   Every field name is a setting, so an existing index can be searched through a tenant's
   alias pointed at it.
 * **Embedding models never mix.** A write of vectors first asks (one ``size: 1`` search)
@@ -77,14 +78,16 @@ Why this shape (DESIGN.md §6).
 * **Drops** (:meth:`ElasticsearchBackend.delete_index`) find every concrete index of the
   tenant's alias first (one ``GET _resolve/index/<alias>*``, closed ones included), then
   delete those a reindex kept for a rollback, then the live one (its alias goes with it),
-  unless the live one holds another tenant's document too, when only the tenant's
-  documents go (``_delete_by_query``, run as an ES task and polled; a run again waits on
-  one still running on the alias). A drop whose alias is already gone (one cut short)
-  still deletes what it finds named after it. A versioned drop first leaves a floor
-  (``<prefix>sift-floors``) that every versioned write reads before it writes and again
-  after: a write accepted before the drop and run after it writes nothing, or, if the drop
-  ran between its check and its bulk, what it wrote is deleted again (by id, with the
-  drop's version, so a newer writer's document stays) and it reports none written; the
+  unless the live one holds another tenant's document too, or (a versioned drop) one of the
+  tenant's written after the drop (``write_version`` above the drop's: an ingest accepted
+  after the drop whose job ran first), when only the tenant's documents not written after
+  the drop go (``_delete_by_query``, run as an ES task and polled; a run again waits on one
+  still running on the alias): the write accepted last wins. A drop whose alias is already
+  gone (one cut short) still deletes what it finds named after it. A versioned drop first
+  leaves a floor (``<prefix>sift-floors``) that every versioned write reads before it writes
+  and again after: a write accepted before the drop and run after it writes nothing, or, if
+  the drop ran between its check and its bulk, what it wrote is deleted again (by id, with
+  the drop's version, so a newer writer's document stays) and it reports none written; the
   deletes go again on every retry of that write, so a take-back cut short completes.
 * **Reindexing** (:meth:`ElasticsearchBackend.reindex`, per tenant): create a new
   concrete index from the current template, copy the tenant's documents (a tenant-term

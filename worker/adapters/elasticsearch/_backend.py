@@ -52,6 +52,7 @@ class ElasticsearchBackend(_Writes, _Drops, _Listing, _Reindex, _Settings):
                 metadata=settings.elasticsearch_metadata_field,
                 model=settings.elasticsearch_model_field,
                 metadata_terms=settings.elasticsearch_metadata_terms_field,
+                write_version=settings.elasticsearch_write_version_field,
             ),
             index_settings=IndexSettings(
                 dims=settings.elasticsearch_vector_dims,

@@ -165,8 +165,10 @@ class _Bodies(_Core):
         doc: Document,
         vector: Sequence[float] | None,
         model: str | None = None,
+        version: int | None = None,
     ) -> dict[str, Any]:
-        """The ``_source`` Sift writes for one document (``model``: its vector's embedder)."""
+        """The ``_source`` Sift writes for one document (``model``: its vector's embedder;
+        ``version``: its write's version, what a drop compares with its own)."""
         for key, value in doc.metadata.items():
             if not _FILTER_KEY.match(key) or not isinstance(value, str | int | float | bool):
                 raise InvalidRequest(
@@ -182,6 +184,8 @@ class _Bodies(_Core):
         }
         if self.fields.metadata_terms:
             body[self.fields.metadata_terms] = metadata_terms(doc.metadata)
+        if self.fields.write_version and version is not None:
+            body[self.fields.write_version] = version
         if self.fields.title:
             body[self.fields.title] = doc.title
         if vector is not None:

@@ -110,11 +110,15 @@ class _Core:
 
     def _added_fields(self) -> dict[str, Any]:
         """The fields a release added to Sift's mapping after its first (the model field,
-        the metadata-terms field), for ``PUT <target>/_mapping`` on an index made before
-        them: writes carry them, and ``dynamic: strict`` refuses a document with a field
-        its index does not map. Empty if neither is set."""
-        names = (self.fields.model, self.fields.metadata_terms)
-        return {name: {"type": "keyword"} for name in names if name}
+        the metadata-terms field, the write-version field), for ``PUT <target>/_mapping`` on
+        an index made before them: writes carry them, and ``dynamic: strict`` refuses a
+        document with a field its index does not map. Empty if none is set."""
+        types = (
+            (self.fields.model, "keyword"),
+            (self.fields.metadata_terms, "keyword"),
+            (self.fields.write_version, "long"),
+        )
+        return {name: {"type": kind} for name, kind in types if name}
 
     def _aliases(self, name: str) -> dict[str, list[str]]:
         """``GET _alias/<name or pattern>`` as concrete index -> its aliases matching it.

@@ -1,6 +1,7 @@
 """Drops of a tenant's index: the floor raised first (for versioned drops), every concrete
 index of the alias found before anything is deleted, the kept ones deleted before the
-live one, and only the tenant's documents deleted from an index another tenant shares."""
+live one, and only the tenant's documents deleted (those not written after a versioned
+drop) from an index another tenant shares or one holding a write newer than the drop."""
 
 from __future__ import annotations
 
@@ -57,9 +58,13 @@ class _Drops(_Bodies):
 
         With a ``version``, the drop first raises the tenant's floor for the index
         (:meth:`DropFloors.raise_to`), before anything is deleted: a write accepted before the drop
-        and run after it is skipped, as on the embedded backend. One accepted after the
-        drop but run before it goes with the index (the embedded backend keeps it;
-        deploy/README.md §6 says so)."""
+        and run after it is skipped, as on the embedded backend. An ingest accepted after
+        the drop but run before it stays, as on the embedded backend: each document holds
+        its write's version (``SIFT_ELASTICSEARCH_WRITE_VERSION_FIELD``), the ``_msearch``
+        also looks for one of the tenant's above the drop's (``terminate_after: 1``), and
+        an index holding one is not deleted either: the kept indexes are, and from the live
+        one only the tenant's documents not written after the drop
+        (:meth:`dropped_query`)."""
         alias = self.alias(index, tenant)
         what = f"delete of index {index!r}"
         if version is not None:
@@ -67,31 +72,54 @@ class _Drops(_Bodies):
         with _translated(what, index):
             live, named = self._named(alias)
         with _translated(what, index, missing_ok=True) as missing:
-            response = self._es().msearch(index=alias, searches=self.drop_searches(tenant)).body
+            searches = self.drop_searches(tenant, version)
+            response = self._es().msearch(index=alias, searches=searches).body
         answers = [] if missing else response.get("responses", [])
         if missing or any(_index_missing(answer) for answer in answers):
-            mine = others = 0
+            mine = others = newer = 0
         else:
             for answer in answers:
                 _raise_for_item(answer, what, index)
-            mine, others = (_total(answer) for answer in answers)
-        if others:
-            gone = self._delete_tenants_documents(alias, tenant, what, index)
+            mine, others, *rest = (_total(answer) for answer in answers)
+            newer = rest[0] if rest else 0
+        if others or newer:
+            if not others:  # the tenant's own index: what a reindex kept goes whole
+                self._delete_kept(live, named, what, index)
+            gone = self._delete_tenants_documents(alias, tenant, what, index, version)
         else:
             gone = mine if self._delete_concrete(live, named, what, index) else 0
         self._forget(alias, tenant)
         return gone
 
-    def drop_searches(self, tenant: str) -> list[Mapping[str, Any]]:
-        """The ``_msearch`` lines of :meth:`delete_index`: the tenant's documents counted, and
-        whether the index holds any other tenant's (stopping at the first)."""
+    def drop_searches(self, tenant: str, version: int | None = None) -> list[Mapping[str, Any]]:
+        """The ``_msearch`` lines of :meth:`delete_index`: the tenant's documents counted,
+        whether the index holds any other tenant's, and (a versioned drop, with a
+        write-version field) any of the tenant's written after the drop (each stopping at
+        the first)."""
         others = {"bool": {"must_not": [{"term": {self.fields.tenant: tenant}}]}}
-        return [
+        searches: list[Mapping[str, Any]] = [
             {},
             {"size": 0, "track_total_hits": True, "query": self.tenant_query(tenant)},
             {},
             {"size": 0, "terminate_after": 1, "track_total_hits": True, "query": others},
         ]
+        if version is not None and self.fields.write_version:
+            after = {"range": {self.fields.write_version: {"gt": version}}}
+            newer = {"bool": {"filter": [{"term": {self.fields.tenant: tenant}}, after]}}
+            searches += [
+                {},
+                {"size": 0, "terminate_after": 1, "track_total_hits": True, "query": newer},
+            ]
+        return searches
+
+    def dropped_query(self, tenant: str, version: int | None) -> dict[str, Any]:
+        """The tenant's documents a drop deletes by query: all of them, or with a
+        ``version`` (and a write-version field) those not written after it: a document
+        without the field (an earlier release's write, or an unversioned one) goes too."""
+        query = self.tenant_query(tenant)
+        if version is not None and self.fields.write_version:
+            query["bool"]["must_not"] = [{"range": {self.fields.write_version: {"gt": version}}}]
+        return query
 
     def _delete_concrete(
         self, live: Sequence[str], named: Sequence[str], what: str, index: str
@@ -103,14 +131,20 @@ class _Drops(_Bodies):
         leaves the alias, and the next one finds everything again. Whether this call
         deleted the index the alias pointed at: a concurrent drop that got there first
         deleted it, and counts it."""
-        with _translated(what, index):
-            kept = [name for name in named if name not in live]
-            if kept:
-                self._es().indices.delete(index=",".join(kept), ignore_unavailable=True)
+        self._delete_kept(live, named, what, index)
         with _translated(what, index, missing_ok=True) as missing:
             if live:
                 self._es().indices.delete(index=",".join(live))
         return bool(live) and not missing
+
+    def _delete_kept(
+        self, live: Sequence[str], named: Sequence[str], what: str, index: str
+    ) -> None:
+        """Delete the concrete indexes named after the alias that it does not point at."""
+        with _translated(what, index):
+            kept = [name for name in named if name not in live]
+            if kept:
+                self._es().indices.delete(index=",".join(kept), ignore_unavailable=True)
 
     def _named(self, alias: str) -> tuple[list[str], list[str]]:
         """The concrete indexes ``alias`` points at (or a bare index named ``alias`` itself,
@@ -141,9 +175,12 @@ class _Drops(_Bodies):
             live.append(alias)
         return sorted(live), sorted(named)
 
-    def _delete_tenants_documents(self, alias: str, tenant: str, what: str, index: str) -> int:
-        """Only the tenant's documents, from an index another tenant's share: one
-        ``_delete_by_query`` on the tenant term, run as an ES task
+    def _delete_tenants_documents(
+        self, alias: str, tenant: str, what: str, index: str, version: int | None
+    ) -> int:
+        """Only the tenant's documents (:meth:`dropped_query`), from an index another
+        tenant's share or one holding a write newer than the drop: one
+        ``_delete_by_query``, run as an ES task
         (``wait_for_completion=false``) and polled (``GET _tasks/<id>``) for at most
         ``drop_max_seconds``, within the job's own budget: a large tenant's delete outlasts
         any one request's timeout. One on the alias still running (this drop's earlier
@@ -155,17 +192,17 @@ class _Drops(_Bodies):
             running = self._running_delete(alias)
             if running is not None:
                 logger.info("%s: waiting on the delete already running (task %s)", what, running)
-            task = running or self._start_delete(alias, tenant)
+            task = running or self._start_delete(alias, tenant, version)
             answer = self._await_task(
                 task, f"{what} (the tenant's documents)", self.drop_max_seconds, DROP_POLL_SECONDS
             )
         return 0 if missing else _deleted(answer, what, task)
 
-    def _start_delete(self, alias: str, tenant: str) -> str:
+    def _start_delete(self, alias: str, tenant: str, version: int | None) -> str:
         """Start the ``_delete_by_query`` of the tenant's documents on ``alias`` as a task."""
         started = self._es().delete_by_query(
             index=alias,
-            query=self.tenant_query(tenant),
+            query=self.dropped_query(tenant, version),
             conflicts="proceed",
             refresh=True,
             wait_for_completion=False,

@@ -24,6 +24,10 @@ class FieldNames:
     # a keyword of typed tokens ``key=n:5`` per metadata value, what filters match;
     # "" when the index has none (filters then compare the metadata field as text)
     metadata_terms: str = "metadata_terms"
+    # a ``long``: the write version of the ingest that wrote the document, so a drop deletes
+    # only what was written before it; "" when the index has none (a drop then deletes the
+    # tenant's index whole, newer documents included)
+    write_version: str = "write_version"
 
     def source(self) -> list[str]:
         """The ``_source`` fields a hit needs; the vector is never fetched."""
@@ -67,6 +71,8 @@ def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dic
         properties[fields.model] = {"type": "keyword"}
     if fields.metadata_terms:
         properties[fields.metadata_terms] = {"type": "keyword"}
+    if fields.write_version:
+        properties[fields.write_version] = {"type": "long"}
     return {
         "index_patterns": [f"{prefix}*"],
         # ES refuses two templates with overlapping patterns and equal priorities; a longer

@@ -60,7 +60,9 @@ class _Writes(_Search, _Indexes):
         With a ``version``, each write is ES's external versioning: ES applies it only if
         the version is newer than the one it holds for the ``_id`` (a delete's included,
         for ``index.gc_deletes``), and a refused one (409) is a newer write kept, not an
-        error. ``model`` goes on each document with a vector
+        error. The version also goes in each document's ``_source``
+        (``SIFT_ELASTICSEARCH_WRITE_VERSION_FIELD``), where a drop's query can read it (ES
+        searches no ``_version``). ``model`` goes on each document with a vector
         (``SIFT_ELASTICSEARCH_MODEL_FIELD``)."""
         if vectors is not None and len(vectors) != len(documents):
             raise InvalidRequest(
@@ -77,7 +79,7 @@ class _Writes(_Search, _Indexes):
                 "_index": alias,
                 "_id": document_es_id(tenant, doc.id),
                 "_source": self.source(
-                    tenant, doc, vectors[i] if vectors is not None else None, recorded
+                    tenant, doc, vectors[i] if vectors is not None else None, recorded, version
                 ),
                 **_versioned(version),
             }
