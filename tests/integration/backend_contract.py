@@ -390,6 +390,20 @@ class LifecycleContract(BackendContract):
         assert backend.delete_index(index, "acme", version=14) == 1
         assert backend.index_info(index, "acme") is None
 
+    def test_a_delete_accepted_after_a_drop_and_run_before_it_still_wins(
+        self, backend: Any, index: str
+    ) -> None:
+        """Drop 12, then an ingest of ``vitd`` (13), then its delete (14) are accepted; the
+        delete's job runs first, then the drop's, then the ingest's: the delete, accepted
+        last, wins (the drop takes nothing of what the delete recorded)."""
+        doc = [CORPUS[0]]
+        assert backend.upsert(index, "acme", doc, vectors_of(doc), version=10) == 1
+        assert backend.delete_documents(index, "acme", [doc[0].id], version=14) == 1
+        assert backend.delete_index(index, "acme", version=12) == 0
+        assert backend.upsert(index, "acme", doc, vectors_of(doc), version=13) == 0
+        assert backend.document(index, "acme", doc[0].id) is None
+        assert self.all_ids(backend, index, "acme") == (set(), set())
+
     def test_delete_index_is_the_tenants_only(self, backend: Any, index: str) -> None:
         self.load(backend, index, "acme")
         self.load(backend, index, "globex")

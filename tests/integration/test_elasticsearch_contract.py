@@ -88,6 +88,8 @@ CONCRETE = f"{ACME}~000001"
 MSEARCH = f"/{ACME}/_msearch"  # acme's probes and searches alike
 FLOORS = "sift-sift-floors"
 FLOOR = f"/{FLOORS}/_doc/{ACME}"  # acme's drop floor for "docs"
+#: The newest delete by id on acme's alias (the client sends the ``#`` of its id as %23).
+DELETES = f"/{FLOORS}/_doc/{ACME}%23deletes"
 RESOLVE = f"/_resolve/index/{ACME}*"  # a drop's one look for acme's concrete indexes
 SOURCE = ["doc_id", "text", "title", "revision", "metadata", "tenant"]
 VECTOR = [0.6, 0.8, 0.0]
@@ -1363,10 +1365,21 @@ def test_a_versioned_upsert_uses_external_versions_and_skips_a_newer_write(
     assert [source["write_version"] for source in sources] == [7, 7]
 
 
+def on_deletes_mark(server: FakeElasticsearchServer, version: int) -> None:
+    """Answer a versioned delete's mark: the template, the floors index, the mark's write."""
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("PUT", f"/{FLOORS}", Answer(200, {"acknowledged": True, "index": FLOORS}))
+    server.on("PUT", DELETES, Answer(201, floor_written(FLOORS, f"{ACME}#deletes", version)))
+
+
 def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
     server: FakeElasticsearchServer,
 ) -> None:
+    """Before its bulk, a versioned delete records its version as the newest delete on the
+    alias (``<alias>#deletes`` in the floors index, external-versioned: a newer one's
+    stays), which a drop accepted before it reads to keep the index and its tombstones."""
     on_existing_index(server)
+    on_deletes_mark(server, 12)
     server.on(
         "PUT",
         "/_bulk",
@@ -1395,6 +1408,11 @@ def test_delete_documents_is_a_versioned_bulk_delete_of_the_tenants_ids(
         }
         for d in ("d1", "gone", "d3")
     ]
+    sent = [(r.method, r.path) for r in server.requests]
+    assert sent.index(("PUT", DELETES)) < sent.index(("PUT", "/_bulk"))
+    (mark,) = server.sent("PUT", DELETES)
+    assert mark.json() == {}
+    assert mark.query == {"version": ["12"], "version_type": ["external"]}
 
 
 def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
@@ -1415,12 +1433,15 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
         Answer(200, bulk_response(bulk_item("delete", CONCRETE, "acme:d1", 404, "not_found"))),
     )
     server.on("GET", FLOOR, Answer(404, get_missing(FLOORS, ACME)))
+    on_deletes_mark(server, 3)
     assert backend_for(server).delete_documents("docs", "acme", ["d1"], version=3) == 0
     assert [(r.method, r.path) for r in server.requests] == [
         ("GET", FLOOR),  # no drop of acme's "docs" ran: no floor
         ("HEAD", f"/_alias/{ACME}"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
+        ("PUT", f"/{FLOORS}"),
+        ("PUT", DELETES),
         ("PUT", "/_bulk"),  # a delete writes nothing back: no floor read after it
     ]
 
@@ -1440,6 +1461,7 @@ def test_a_bulk_delete_failing_for_other_reasons_names_the_document(
         }
     }
     server.on("PUT", "/_bulk", Answer(200, bulk_response(failed)))
+    on_deletes_mark(server, 3)
     with pytest.raises(BackendUnavailable, match="d1"):
         backend_for(server).delete_documents("docs", "acme", ["d1"], version=3)
 
@@ -1503,19 +1525,51 @@ def test_delete_index_deletes_the_tenants_physical_index_and_nothing_else(
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{FLOORS}"),  # once per process
         ("PUT", FLOOR),  # before anything is deleted
+        ("GET", DELETES),  # no delete by id accepted after the drop has run
         ("GET", RESOLVE),  # ES registers GET only for _resolve/index
         ("POST", MSEARCH),
         ("DELETE", f"/{kept}"),  # a name Sift did not make (~other) is left
         ("DELETE", f"/{CONCRETE}"),  # last: a drop cut short leaves the alias to find
     ]
-    assert server.requests[3].query == {"expand_wildcards": ["all"]}
+    assert server.requests[4].query == {"expand_wildcards": ["all"]}
     assert server.requests[-2].query == {"ignore_unavailable": ["true"]}
     floor = server.requests[2]
     assert floor.json() == {}
     assert floor.query == {"version": ["20"], "version_type": ["external"]}
-    assert server.requests[4].ndjson() == DROP_SEARCHES + NEWER_SEARCH
+    assert server.requests[5].ndjson() == DROP_SEARCHES + NEWER_SEARCH
     assert BETA not in str([(r.path, r.body) for r in server.requests])
     assert not server.sent("POST", f"/{ACME}/_delete_by_query")
+
+
+def test_a_drop_after_a_newer_delete_by_id_keeps_the_index_and_its_tombstones(
+    server: FakeElasticsearchServer, quick_polls: None
+) -> None:
+    """A delete by id accepted after drop 20 ran before it (its mark holds 24): the index
+    holds its tombstones, which keep the ingest it was accepted after from writing the
+    document back, so it is not deleted: acme's documents not written after the drop go
+    by query instead."""
+    on_floors(server)
+    on_shared_drop(server, delete_by_query_task(DROP_TASK, ACME, deleted=2))
+    on_searches(server, Answer(200, drop_counts(2, 0)))  # no document above 20
+    server.on("GET", DELETES, Answer(200, floor_found(FLOORS, f"{ACME}#deletes", 24)))
+    assert backend_for(server).delete_index("docs", "acme", version=20) == 2
+    sent = [(r.method, r.path) for r in server.requests]
+    assert sent[sent.index(("PUT", FLOOR)) :] == [
+        ("PUT", FLOOR),
+        ("GET", DELETES),  # read after the floor is raised
+        ("GET", RESOLVE),
+        ("POST", MSEARCH),
+        ("GET", "/_tasks"),
+        ("POST", DBQ),
+        ("GET", DROP_TASK_PATH),
+    ]
+    assert not server.sent("DELETE")
+    # a mark at or below the drop's version is an older delete: the index goes whole
+    server.requests.clear()
+    server.on("GET", DELETES, Answer(200, floor_found(FLOORS, f"{ACME}#deletes", 20)))
+    server.on("DELETE", f"/{CONCRETE}", Answer(200, {"acknowledged": True}))
+    assert backend_for(server).delete_index("docs", "acme", version=20) == 2
+    assert [r.path for r in server.sent("DELETE")] == [f"/{CONCRETE}"]
 
 
 def test_a_drop_that_finds_a_newer_write_deletes_only_what_was_written_before_it(
@@ -1698,8 +1752,9 @@ def test_delete_index_of_a_missing_index_deletes_nothing(server: FakeElasticsear
         on_searches(server, answer)
         assert backend_for(server).delete_index("docs", "acme", version=20) == 0
         # the floor still goes up: an upsert accepted before this drop may run after it
-        assert [(r.method, r.path) for r in server.requests][-3:] == [
+        assert [(r.method, r.path) for r in server.requests][-4:] == [
             ("PUT", FLOOR),
+            ("GET", DELETES),
             ("GET", RESOLVE),
             ("POST", MSEARCH),
         ]

@@ -64,11 +64,16 @@ class _Drops(_Bodies):
         also looks for one of the tenant's above the drop's (``terminate_after: 1``), and
         an index holding one is not deleted either: the kept indexes are, and from the live
         one only the tenant's documents not written after the drop
-        (:meth:`dropped_query`)."""
+        (:meth:`dropped_query`). Nor is one where a delete by id accepted after the drop
+        has run (:meth:`DropFloors.last_delete`, read after the floor is raised): its
+        tombstones, which the index holds, keep the upsert it was accepted after from
+        writing the document back."""
         alias = self.alias(index, tenant)
         what = f"delete of index {index!r}"
+        deleted_after = False  # a delete by id accepted after the drop has run
         if version is not None:
             self._floors.raise_to(alias, version, what, index)
+            deleted_after = self._floors.last_delete(alias) > version
         with _translated(what, index):
             live, named = self._named(alias)
         with _translated(what, index, missing_ok=True) as missing:
@@ -82,6 +87,7 @@ class _Drops(_Bodies):
                 _raise_for_item(answer, what, index)
             mine, others, *rest = (_total(answer) for answer in answers)
             newer = rest[0] if rest else 0
+        newer = newer or (deleted_after and not missing and bool(answers))
         if others or newer:
             if not others:  # the tenant's own index: what a reindex kept goes whole
                 self._delete_kept(live, named, what, index)

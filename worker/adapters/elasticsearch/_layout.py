@@ -26,6 +26,9 @@ TENANT_KEY_LENGTH = 16
 KEY_SEPARATOR = "--"
 #: The index of drop floors, after the prefix (no tenant key: see ``floors_index``).
 FLOORS_INDEX = "sift-floors"
+#: After an alias, the ``_id`` in the floors index of the newest delete by id run on it (no
+#: alias holds ``#``).
+DELETES_MARK = "#deletes"
 #: The index of each tenant's index's own search settings, after the prefix (as the floors').
 SETTINGS_INDEX = "sift-settings"
 #: Elasticsearch's limit on an index name, in bytes.
@@ -122,7 +125,8 @@ class DropFloors:
     """What orders a drop before the writes accepted ahead of it: one empty document per
     dropped alias in :attr:`index`, its external ``_version`` the version of the alias's
     last drop (ES keeps the highest: a lower one is a 409). Not under any tenant's key, so
-    no tenant lists or probes it."""
+    no tenant lists or probes it. And what orders a drop after the deletes by id accepted
+    after it: ``<alias>#deletes``, its ``_version`` the newest delete's on the alias."""
 
     def __init__(
         self,
@@ -138,8 +142,22 @@ class DropFloors:
     def floor(self, alias: str) -> int:
         """The version of the last drop of ``alias`` (0: never dropped, or no floors yet).
         A realtime ``GET`` by id: it sees a floor written a moment ago."""
-        with _translated("drop floor", None):
-            answer = (self._es().options(ignore_status=404).get(index=self.index, id=alias)).body
+        return self._held(alias, "drop floor")
+
+    def last_delete(self, alias: str) -> int:
+        """The version of the newest delete by id that ran on ``alias`` (0: none recorded)."""
+        return self._held(f"{alias}{DELETES_MARK}", "deletes mark")
+
+    def raise_delete(self, alias: str, version: int, what: str, index: str) -> None:
+        """Record that a delete by id of ``version`` runs on ``alias`` (a newer one's stays):
+        a drop accepted before it and run after it must not delete the index, whose
+        tombstones keep an older upsert from writing the documents back."""
+        self._raise(f"{alias}{DELETES_MARK}", version, what, index)
+
+    def _held(self, doc_id: str, what: str) -> int:
+        """The external ``_version`` of ``doc_id`` in the floors index (0: none)."""
+        with _translated(what, None):
+            answer = (self._es().options(ignore_status=404).get(index=self.index, id=doc_id)).body
         return int(answer.get("_version", 0)) if answer.get("found") else 0
 
     def below(self, alias: str, version: int | None) -> bool:
@@ -148,11 +166,15 @@ class DropFloors:
 
     def raise_to(self, alias: str, version: int, what: str, index: str) -> None:
         """Record a drop of ``version`` for ``alias`` (a newer drop's floor stays)."""
+        self._raise(alias, version, what, index)
+
+    def _raise(self, doc_id: str, version: int, what: str, index: str) -> None:
+        """Hold ``version`` as ``doc_id``'s external version, unless a higher one is held."""
         with _translated(what, index):
             self._ensure_index()
             self._es().options(ignore_status=409).index(
                 index=self.index,
-                id=alias,
+                id=doc_id,
                 document={},
                 version=version,
                 version_type="external",

@@ -149,9 +149,10 @@ class _Writes(_Search, _Indexes):
         maps each action's ``_id`` to its document id, for the error naming what failed.
 
         Each attempt reads the drop floor first, makes the index, runs ``prepare`` (the
-        model check) and the bulk. A delete bulk checks the alias first, not what this
-        process remembers: ``require_alias`` does not apply to a delete, so one sent to a
-        dropped alias would make a bare index of its name (:meth:`_bulk` clears it).
+        model check; a delete's mark) and the bulk. A delete bulk checks the alias first,
+        not what this process remembers: ``require_alias`` does not apply to a delete, so
+        one sent to a dropped alias would make a bare index of its name (:meth:`_bulk`
+        clears it).
         The alias found gone (another worker dropped the index since), or the index's first
         concrete name found without its alias, starts the next attempt; every action is sent
         again, which external versions and whole-document writes make safe. After
@@ -327,7 +328,10 @@ class _Writes(_Search, _Indexes):
         ``index.gc_deletes`` (SIFT_ELASTICSEARCH_GC_DELETES_SECONDS in Sift's index template;
         ES's own default is 60 s). Answers how many existed. The tenant's index
         is created first if it is missing, as an upsert would: a delete may run before the
-        upsert it was accepted after."""
+        upsert it was accepted after. A versioned delete not below the floor records its
+        version for the alias before its bulk (:meth:`DropFloors.raise_delete`): a drop
+        accepted before it and run after it then keeps the index, and with it the
+        tombstones."""
         alias = self.alias(index, tenant)
         names = {document_es_id(tenant, i): i for i in ids}
         actions = [
@@ -339,7 +343,12 @@ class _Writes(_Search, _Indexes):
         if not actions:
             return 0
         what = f"bulk delete in index {index!r}"
-        bulked = self._write(index, tenant, actions, names, what, version)
+
+        def prepare() -> None:  # before any tombstone: a drop that runs later sees it
+            if version is not None:
+                self._floors.raise_delete(alias, version, what, index)
+
+        bulked = self._write(index, tenant, actions, names, what, version, prepare=prepare)
         if bulked is not None and bulked.existed:  # maybe its last vectors: probe again
             self._with_vectors.pop((alias, tenant), None)
         return 0 if bulked is None else bulked.existed
