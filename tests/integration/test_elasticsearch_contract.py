@@ -1714,8 +1714,9 @@ def test_a_drop_run_again_waits_on_its_delete_still_running_instead_of_a_second(
 ) -> None:
     """A delete not done within the drop's budget (its job's) fails the drop retryably,
     naming the task, which runs on; the job's retry (another worker, maybe) finds that
-    task on acme's alias (``GET _tasks``, by its description) and waits on it: one delete,
-    not two racing."""
+    task on acme's alias (``GET _tasks``, by its description) and waits on it: not two
+    racing. Then it runs its own, which takes what is left (ES does not say what the
+    running one deletes: it may be an older drop's), and counts both."""
     running = delete_by_query_task(DROP_TASK, ACME, completed=False, deleted=1)
     on_shared_drop(server, running)
     backend = backend_for(server)
@@ -1726,8 +1727,18 @@ def test_a_drop_run_again_waits_on_its_delete_still_running_instead_of_a_second(
     other = delete_by_query_task("oTUltX4IQMOUUVeiohTt8A:7", BETA, completed=False)["task"]
     server.on("GET", "/_tasks", Answer(200, tasks_list(other, running["task"])))
     server.on("GET", DROP_TASK_PATH, Answer(200, delete_by_query_task(DROP_TASK, ACME, deleted=3)))
-    assert backend_for(server).delete_index("docs", "acme") == 3
-    assert len(server.sent("POST", DBQ)) == 1  # the first run's, waited on
+    own = "oTUltX4IQMOUUVeiohTt8A:12399"
+    own_path = f"/_tasks/{own.replace(':', '%3A')}"
+    server.on("POST", DBQ, Answer(200, {"task": own}))
+    server.on("GET", own_path, Answer(200, delete_by_query_task(own, ACME, deleted=1)))
+    server.requests.clear()
+    assert backend_for(server).delete_index("docs", "acme") == 4
+    assert [(r.method, r.path) for r in server.requests][2:] == [
+        ("GET", "/_tasks"),
+        ("GET", DROP_TASK_PATH),  # the first run's, waited on
+        ("POST", DBQ),  # then this run's own, after it
+        ("GET", own_path),
+    ]
 
 
 def test_a_delete_task_refused_at_its_start_fails_the_drop_retryably(

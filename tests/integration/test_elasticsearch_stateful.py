@@ -1178,8 +1178,8 @@ def test_a_drop_from_a_shared_index_outlasting_its_budget_is_waited_on_by_its_re
 ) -> None:
     """acme's alias over an index beta's documents share: its drop deletes only acme's,
     as a ``_delete_by_query`` task. One not done within the drop's budget fails the drop
-    retryably; the retry, another process, waits on that task (one delete started, not
-    two), and beta's document stays."""
+    retryably; the retry, another process, waits on that task before it starts its own
+    (not two racing), counts what both deleted, and beta's document stays."""
     server, state = fake
     monkeypatch.setattr(
         "worker.adapters.elasticsearch._drops.DROP_POLL_SECONDS", 0.01, raising=False
@@ -1199,9 +1199,39 @@ def test_a_drop_from_a_shared_index_outlasting_its_budget_is_waited_on_by_its_re
 
     state.delete_running_reads = 0
     assert backend_on(server).delete_index("docs", "acme", version=20) == 2
-    assert len(server.sent("POST", f"/{alias}/_delete_by_query")) == 1
+    assert len(server.sent("POST", f"/{alias}/_delete_by_query")) == 2  # the first, then its own
     assert state.live_ids("shared-000001") == {"beta:vitd"}
     assert state.concrete(alias) == ["shared-000001"]  # the shared index is never deleted
+
+
+def test_a_drop_that_waits_on_an_older_drops_delete_still_takes_what_that_one_left(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """acme's alias over an index beta's documents share. Drop 12's delete task outlasts
+    its budget and runs on; acme's ``calc`` is written at 14 meanwhile (accepted after drop
+    12, so that task leaves it). Drop 20 finds the task still running on the alias and
+    waits on it, then runs its own: ``calc``, written before drop 20, goes too."""
+    server, state = fake
+    monkeypatch.setattr(
+        "worker.adapters.elasticsearch._drops.DROP_POLL_SECONDS", 0.01, raising=False
+    )
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    docs = {
+        "acme:vitd": shared_doc("acme", "vitd", DOC.text),
+        "beta:vitd": shared_doc("beta", "vitd", "beta's own"),
+    }
+    make_index(server, alias, "shared-000001", docs, old_mapping())
+    state.delete_running_reads = 5
+    backend.drop_max_seconds = 0
+    with pytest.raises(BackendUnavailable, match="runs on"):
+        backend.delete_index("docs", "acme", version=12)
+    assert write(backend_on(server), CALC, 14) == 1
+
+    state.delete_running_reads = 0
+    assert backend_on(server).delete_index("docs", "acme", version=20) == 2
+    assert state.live_ids("shared-000001") == {"beta:vitd"}
 
 
 def test_a_reindex_of_an_alias_over_a_shared_index_copies_and_deletes_only_the_tenants(

@@ -81,12 +81,12 @@ Why this shape (DESIGN.md §6).
   unless the live one holds another tenant's document too, or (a versioned drop) one of the
   tenant's written after the drop (``write_version`` above the drop's: an ingest accepted
   after the drop whose job ran first), when only the tenant's documents not written after
-  the drop go (``_delete_by_query``, run as an ES task and polled; a run again waits on one
-  still running on the alias): the write accepted last wins. The same if a delete by id
+  the drop go (``_delete_by_query``, run as an ES task and polled; one still running on
+  the alias is waited on first): the write accepted last wins. The same if a delete by id
   accepted after the drop has run (its version, recorded before its bulk as
   ``<alias>#deletes`` in the floors index, is above the drop's): the index keeps its
-  tombstones. A drop whose alias is already
-  gone (one cut short) still deletes what it finds named after it. A versioned drop first
+  tombstones. A drop whose alias is already gone (one cut short) still deletes what it
+  finds named after it. A versioned drop first
   leaves a floor (``<prefix>sift-floors``) that every versioned write reads before it writes
   and again after: a write accepted before the drop and run after it writes nothing, or, if
   the drop ran between its check and its bulk, what it wrote is deleted again (by id, with

@@ -190,19 +190,27 @@ class _Drops(_Bodies):
         (``wait_for_completion=false``) and polled (``GET _tasks/<id>``) for at most
         ``drop_max_seconds``, within the job's own budget: a large tenant's delete outlasts
         any one request's timeout. One on the alias still running (this drop's earlier
-        run, which gave up waiting or died) is waited on instead of a second being started.
+        run, which gave up waiting or died, or another drop's) is waited on first, within
+        the same budget, rather than raced by a second; then this drop's own runs, since
+        ES does not say what the running one deletes (an older drop's takes less, an
+        earlier release's the tenant's newer documents too), and takes what is left,
+        counted with what the running one deleted.
         A report of version conflicts (a document written since the delete began) or
         failures fails the drop retryably: the delete is idempotent, and its run again
         takes what is left. A task that failed outright is an error naming ES's reason."""
+        doing = f"{what} (the tenant's documents)"
+        deadline = self._clock() + self.drop_max_seconds
+        earlier = 0
         with _translated(what, index, missing_ok=True) as missing:
             running = self._running_delete(alias)
             if running is not None:
                 logger.info("%s: waiting on the delete already running (task %s)", what, running)
-            task = running or self._start_delete(alias, tenant, version)
-            answer = self._await_task(
-                task, f"{what} (the tenant's documents)", self.drop_max_seconds, DROP_POLL_SECONDS
-            )
-        return 0 if missing else _deleted(answer, what, task)
+                done = self._await_task(running, doing, self.drop_max_seconds, DROP_POLL_SECONDS)
+                earlier = int((done.get("response") or {}).get("deleted", 0))
+            task = self._start_delete(alias, tenant, version)
+            left = max(0.0, deadline - self._clock())
+            answer = self._await_task(task, doing, left, DROP_POLL_SECONDS)
+        return earlier if missing else earlier + _deleted(answer, what, task)
 
     def _start_delete(self, alias: str, tenant: str, version: int | None) -> str:
         """Start the ``_delete_by_query`` of the tenant's documents on ``alias`` as a task."""
