@@ -139,3 +139,31 @@ def test_a_bad_corpus_line_names_the_line_and_field(tmp_path: Path) -> None:
     )  # fmt: skip
     refused(result, f"{corpus}:2: field 'text': Field required")
     assert "validation error" not in result.output  # pydantic's own dump
+
+
+def _strict_json(text: str) -> object:
+    """``text`` as JSON, refusing Python's NaN and Infinity (no JSON parser but Python's
+    reads them: jq, JavaScript and Go stop on them)."""
+
+    def refuse(constant: str) -> object:
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_window_holding_no_relevant_candidate_is_valid_json_and_no_nan(tmp_path: Path) -> None:
+    """The conditional row averages over the queries whose window holds a relevant
+    candidate; with none, ir-measures' mean is NaN. ``--json`` wrote it as ``NaN`` (not
+    JSON: ``jq`` refused the report) and the table printed ``nan``; now it is ``null``
+    and ``–``, as for any measure with no query to average."""
+    hits = [{"id": "x", "ranks": {"final": 1, "rrf": 1, "bm25": 1, "knn": 1}}]
+    item = {"query_id": "q1", "status": "succeeded", "result": {"hits": hits}}
+    results = write(tmp_path / "r.jsonl", json.dumps(item) + "\n")
+    report = tmp_path / "report.json"
+    qrels = write(tmp_path / "qrels.tsv", QRELS)
+    result = eval_("--results", results, "--qrels", qrels, "--json", str(report))
+    assert result.exit_code == 0, result.output
+    runs = _strict_json(report.read_text())["runs"]  # type: ignore[index]
+    assert runs["final, conditional on the window"] == dict.fromkeys(runs["fused"])
+    assert runs["fused"]["nDCG@10"] == 0.0  # a query that found nothing relevant scores 0
+    assert "nan" not in result.output.lower(), result.output

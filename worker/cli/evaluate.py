@@ -261,7 +261,9 @@ def _print_report(report: dict[str, Any]) -> None:
     for name, values in report["runs"].items():
         ranked = depth.get(name)
         table.add_row(
-            name, *(f"{values[m]:.3f}" for m in measures), "" if ranked is None else str(ranked)
+            name,
+            *("–" if values[m] is None else f"{values[m]:.3f}" for m in measures),
+            "" if ranked is None else str(ranked),
         )
     console.print(table)
     recall = report["candidate_recall"]

@@ -14,6 +14,7 @@ query, how often fusion lost to a channel alone.
 from __future__ import annotations
 
 import io
+import math
 import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -525,6 +526,12 @@ def _scored(ranking: dict[str, list[str]], judged: list[str]) -> list[ir_measure
     return scored
 
 
-def _aggregate(qrels: list[ir_measures.Qrel], run: list[ir_measures.ScoredDoc]) -> dict[str, float]:
+def _aggregate(
+    qrels: list[ir_measures.Qrel], run: list[ir_measures.ScoredDoc]
+) -> dict[str, float | None]:
+    """Each measure's mean over the queries of ``qrels``; None where there is none to average
+    (the conditional row when no window holds a relevant document): ir-measures' NaN there
+    was written into ``--json`` reports, which no JSON parser but Python's reads."""
     values = ir_measures.calc_aggregate(MEASURES, qrels, run)
-    return {str(measure): float(values[measure]) for measure in MEASURES}
+    means = {str(measure): float(values[measure]) for measure in MEASURES}
+    return {name: value if math.isfinite(value) else None for name, value in means.items()}
