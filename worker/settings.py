@@ -403,6 +403,16 @@ class Settings(BaseSettings):
             return value
         return None if type(None) in get_args(cls.model_fields[name].annotation) else value
 
+    @field_validator("data_dir", "model_cache_dir", mode="before")
+    @classmethod
+    def _a_folder(cls, value: Any) -> Any:
+        """A folder, never the working directory by accident: ``Path("")`` is ``.``, so an
+        empty ``SIFT_DATA_DIR`` (a compose file's unset ``${DATA_DIR}``) put the index, and
+        ``sift up``'s AOF, logs and development key, wherever the process started."""
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is empty: give a folder, or unset the variable for the default")
+        return value
+
     @field_validator("redis_url")
     @classmethod
     def _a_redis_url(cls, value: str | None) -> str | None:

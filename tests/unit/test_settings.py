@@ -46,6 +46,23 @@ def test_an_empty_required_setting_is_still_refused(monkeypatch: pytest.MonkeyPa
         load_settings()
 
 
+@pytest.mark.parametrize("variable", ["SIFT_DATA_DIR", "SIFT_MODEL_CACHE_DIR"])
+def test_an_empty_folder_setting_is_refused_not_the_working_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, variable: str
+) -> None:
+    """``Path("")`` is ``.``: an empty ``SIFT_DATA_DIR`` (a compose file's unset
+    ``${DATA_DIR}``) put the index, and ``sift up``'s Redis AOF, logs, development key and
+    lock, in whatever folder the process started in, silently; now it stops start-up naming
+    the variable, as any other setting's empty variable does (docs/settings.md)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(variable, "")
+    with pytest.raises(ConfigError, match=f"{variable}: is empty"):
+        load_settings()
+    monkeypatch.setenv(variable, "  ")
+    with pytest.raises(ConfigError, match=f"{variable}: is empty"):
+        load_settings()
+
+
 @pytest.mark.parametrize(
     ("model", "effort", "sent"),
     [
