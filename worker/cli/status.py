@@ -13,10 +13,12 @@ API key and no tenant. What it shows, and where each figure comes from:
   by host and pid with Celery's own inspection (``inspect().active()`` and ``stats()``, over
   the broker's pidbox, within ``--timeout``): a worker that beats but does not answer is
   stuck in a way its heartbeat thread is not;
-- **batches running**: the standard-lane batches in the job store's active set
-  (``sift:active``), with their counts, what their finished items' model calls cost so far,
-  and when their status last moved (economy batches wait on provider batches and are not in
-  it); and the searches and ingests in it.
+- **batches running**: the batches not yet final in the job store's active set
+  (``sift:active``: a standard-lane batch, and an economy one while its items are prepared)
+  and in the economy lane's watch (``sift:eco-watch``: an economy batch waiting on its
+  provider batches, which has left the active set), with their lane, counts, what their
+  finished items' model calls cost so far, and when their status last moved (known for those
+  in the active set); and the searches and ingests in the active set.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from worker.constants import (
     ALL_QUEUES,
     BATCH_ID_PREFIX,
     DELIVERY_OWNERS_KEY,
+    ECONOMY_WATCH_KEY,
     INGEST_ID_PREFIX,
     KOMBU_PRIORITY_STEPS,
     KOMBU_UNACKED_KEY,
@@ -94,10 +97,11 @@ class BatchRow:
     id: str
     tenant: str
     index: str
+    lane: str
     total: int
     counts: dict[str, int]
     age_seconds: float
-    idle_seconds: float
+    idle_seconds: float | None  # None: not in the active set (an economy batch waiting)
     cost_usd: float | None = 0.0  # what its finished items' model calls cost (None: unpriced)
     cost_known: bool = True  # False: a batch an older release made (its totals unknown)
 
@@ -196,24 +200,32 @@ def _join_inspection(
     return unknown
 
 
-def _batches(store: JobStore, active: list[tuple[str, float]]) -> list[BatchRow]:
+def _batches(
+    store: JobStore, active: list[tuple[str, float]], economy_watch: list[str]
+) -> list[BatchRow]:
+    """The batches not final among the active jobs and the economy lane's watched tasks
+    (``"<batch id> <provider batch id | submit>"``): an economy batch whose items are all
+    prepared leaves the active set and waits on its provider batches, for hours maybe, and
+    was left out, so ``Batches running: 0`` was shown while its items ran."""
     now = time.time()
+    moved_at = {job_id: moved for job_id, moved in active if job_id.startswith(BATCH_ID_PREFIX)}
+    waiting = [member.partition(" ")[0] for member in economy_watch]
     rows = []
-    for job_id, moved in active:
-        if not job_id.startswith(BATCH_ID_PREFIX):
-            continue
+    for job_id in dict.fromkeys([*moved_at, *waiting]):
         batch = store.get_batch(job_id)
-        if batch is None:
+        if batch is None or batch.finished_at is not None:
             continue
+        moved = moved_at.get(job_id)
         rows.append(
             BatchRow(
                 id=batch.id,
                 tenant=batch.tenant,
                 index=batch.index,
+                lane=batch.lane,
                 total=batch.total,
                 counts=batch.counts,
                 age_seconds=round(now - batch.created_at, 1),
-                idle_seconds=round(now - moved, 1),
+                idle_seconds=None if moved is None else round(now - moved, 1),
                 cost_usd=None if batch.usage is None else batch.usage.cost_usd,
                 cost_known=batch.usage is not None,
             )
@@ -253,12 +265,13 @@ def collect(store: JobStore, inspect: Inspect | None, timeout: float) -> Status:
     active, stats = inspect(timeout) if inspect is not None else ({}, {})
     unknown = _join_inspection(workers, active, stats)
     jobs = cast(list[tuple[str, float]], client.zrange(ACTIVE_JOBS_KEY, 0, -1, withscores=True))
+    economy_watch = cast(list[str], client.zrange(ECONOMY_WATCH_KEY, 0, -1))
     return Status(
         queues=_queues(client, unacked),
         workers=workers,
         unknown_nodes=unknown,
         inspect_answered=bool(active or stats),
-        batches=_batches(store, jobs),
+        batches=_batches(store, jobs, economy_watch),
         active_searches=sum(1 for j, _ in jobs if j.startswith(SEARCH_ID_PREFIX)),
         active_ingests=sum(1 for j, _ in jobs if j.startswith(INGEST_ID_PREFIX)),
         in_flight=store.in_flight(),
@@ -314,20 +327,21 @@ def show(console: Console, status: Status) -> None:
         console.print(f"[yellow]{plain(node)} answers Celery but has no heartbeat in Redis[/]")
 
     batches = Table(title=f"Batches running: {len(status.batches)}", title_justify="left")
-    names = ("batch", "tenant", "index", "done", "running", "queued", "failed", "cost", "age")
-    for name in (*names, "moved"):
+    names = ("batch", "tenant", "index", "lane", "done", "running", "queued", "failed", "cost")
+    for name in (*names, "age", "moved"):
         batches.add_column(
-            name, justify="left" if name in ("batch", "tenant", "index") else "right"
+            name, justify="left" if name in ("batch", "tenant", "index", "lane") else "right"
         )
     for b in status.batches:
         done = sum(b.counts.get(s, 0) for s in ("succeeded", "failed", "canceled"))
         batches.add_row(
-            plain(b.id), plain(b.tenant), plain(b.index), f"{done}/{b.total}",
+            plain(b.id), plain(b.tenant), plain(b.index), plain(b.lane), f"{done}/{b.total}",
             str(b.counts.get("running", 0)),
             str(b.counts.get("queued", 0)), str(b.counts.get("failed", 0)),
             "unknown" if not b.cost_known
             else "unpriced" if b.cost_usd is None else f"${b.cost_usd:.6f}",
-            f"{b.age_seconds:.0f} s", f"{b.idle_seconds:.0f} s ago",
+            f"{b.age_seconds:.0f} s",
+            "–" if b.idle_seconds is None else f"{b.idle_seconds:.0f} s ago",
         )  # fmt: skip
     console.print(batches)
     console.print(

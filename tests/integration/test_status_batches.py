@@ -1,0 +1,69 @@
+"""``sift status``'s batches against a real redis-server: an economy batch that waits on its
+provider batches is running, though it has left the active set.
+
+Its items, once prepared, wait on provider batches (for hours, by design), not on a chunk:
+the re-drive's sweep then drops the batch from ``sift:active``, and its submission and polls
+are watched in ``sift:eco-watch`` instead. ``sift status`` read only the active set, so it
+showed ``Batches running: 0`` while the batch's items ran (its own footer counting them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from worker.constants import ACTIVE_JOBS_KEY, ECONOMY_PREPARED_KEY
+from worker.contract import RerankInfo, SearchResult, SearchSpec
+from worker.queue.jobstore import JobStore
+from worker.queue.redrive import Sweeper
+
+
+def _status(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SIFT_REDIS_URL": redis_url, "COLUMNS": "250"}
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", "status", "--no-inspect", *args],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_an_economy_batch_waiting_on_its_provider_batches_is_a_batch_running(
+    store: JobStore, redis_url: str
+) -> None:
+    spec = SearchSpec(index="docs", query="q")
+    items = [(f"q{i}", spec) for i in range(2)]
+    economy = store.create_batch("acme", "docs", items, lane="economy").id
+    standard = store.create_batch("acme", "docs", items).id
+    for batch_id in (economy, standard):
+        for qid, _ in items:
+            store.start_item(batch_id, qid)
+    # the economy items are prepared and sent in a provider batch, whose poll is watched
+    store.economy_save(economy, ECONOMY_PREPARED_KEY, {qid: "{}" for qid, _ in items})
+    store.economy_expect(economy, "msgbatch_01", time.time() + 60)
+    Sweeper(store, lambda *_: None, interval_seconds=30, stall_seconds=0).sweep()
+    assert store.redis.zscore(ACTIVE_JOBS_KEY, economy) is None  # what the re-drive does
+    assert store.redis.zscore(ACTIVE_JOBS_KEY, standard) is not None
+
+    run = _status(redis_url, "--json")
+    assert run.returncode == 0, run.stderr
+    status = json.loads(run.stdout)
+    rows = {row["id"]: row for row in status["batches"]}
+    assert set(rows) == {economy, standard}
+    assert (rows[economy]["lane"], rows[standard]["lane"]) == ("economy", "standard")
+    assert rows[economy]["counts"]["running"] == 2
+    assert rows[economy]["idle_seconds"] is None  # not in the active set: unknown
+    assert status["in_flight"]["running"] == 4  # the footer's count agrees with the rows
+
+    table = _status(redis_url)
+    assert table.returncode == 0, table.stderr
+    assert "Batches running: 2" in table.stdout and economy in table.stdout
+
+    # finished, it is no batch running, though its poll is still watched until it is met
+    for qid, _ in items:
+        store.finish_item(
+            economy, qid, result=SearchResult(hits=[], rerank=RerankInfo(applied=False))
+        )
+    run = _status(redis_url, "--json")
+    assert [row["id"] for row in json.loads(run.stdout)["batches"]] == [standard]
