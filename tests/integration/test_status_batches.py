@@ -21,8 +21,8 @@ from worker.queue.jobstore import JobStore
 from worker.queue.redrive import Sweeper
 
 
-def _status(redis_url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SIFT_REDIS_URL": redis_url, "COLUMNS": "250"}
+def _status(redis_url: str, *args: str, columns: int = 250) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SIFT_REDIS_URL": redis_url, "COLUMNS": str(columns)}
     return subprocess.run(
         [sys.executable, "-m", "worker.cli", "status", "--no-inspect", *args],
         env=env, capture_output=True, text=True, timeout=60,
@@ -67,3 +67,17 @@ def test_an_economy_batch_waiting_on_its_provider_batches_is_a_batch_running(
         )
     run = _status(redis_url, "--json")
     assert [row["id"] for row in json.loads(run.stdout)["batches"]] == [standard]
+
+
+def test_a_batch_id_is_shown_whole_at_80_columns(store: JobStore, redis_url: str) -> None:
+    """80 columns is the width when the output is not a terminal (a pipe, a log, ssh
+    without a tty): every cell of the batches' table was cut, the id to ``bat_…``, which
+    named no batch. Now columns are left out, and named, until the id and the counts fit."""
+    spec = SearchSpec(index="docs", query="q")
+    batch_id = store.create_batch("acme", "docs", [("q0", spec)]).id
+    store.start_item(batch_id, "q0")
+    run = _status(redis_url, columns=80)
+    assert run.returncode == 0, run.stderr
+    [line] = [line for line in run.stdout.splitlines() if "bat_" in line]
+    assert batch_id in line and "0/1" in line, run.stdout  # the id, and done of total
+    assert "left out at this width" in run.stdout

@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli._app import app
-from worker.cli._output import cli_console, plain
+from worker.cli._output import cli_console, plain, print_fitted
 from worker.constants import (
     ACTIVE_JOBS_KEY,
     ALL_QUEUES,
@@ -326,15 +326,12 @@ def show(console: Console, status: Status) -> None:
     for node in status.unknown_nodes:
         console.print(f"[yellow]{plain(node)} answers Celery but has no heartbeat in Redis[/]")
 
-    batches = Table(title=f"Batches running: {len(status.batches)}", title_justify="left")
-    names = ("batch", "tenant", "index", "lane", "done", "running", "queued", "failed", "cost")
-    for name in (*names, "age", "moved"):
-        batches.add_column(
-            name, justify="left" if name in ("batch", "tenant", "index", "lane") else "right"
-        )
+    names = ["batch", "tenant", "index", "lane", "done", "running", "queued", "failed",
+             "cost", "age", "moved"]  # fmt: skip
+    rows = []
     for b in status.batches:
         done = sum(b.counts.get(s, 0) for s in ("succeeded", "failed", "canceled"))
-        batches.add_row(
+        rows.append([
             plain(b.id), plain(b.tenant), plain(b.index), plain(b.lane), f"{done}/{b.total}",
             str(b.counts.get("running", 0)),
             str(b.counts.get("queued", 0)), str(b.counts.get("failed", 0)),
@@ -342,8 +339,17 @@ def show(console: Console, status: Status) -> None:
             else "unpriced" if b.cost_usd is None else f"${b.cost_usd:.6f}",
             f"{b.age_seconds:.0f} s",
             "–" if b.idle_seconds is None else f"{b.idle_seconds:.0f} s ago",
-        )  # fmt: skip
-    console.print(batches)
+        ])  # fmt: skip
+    # whole cells, columns left out to fit (named below the table): cut to fit, the batch id
+    # was "bat_…" at 80 columns, the width when the output is not a terminal
+    print_fitted(
+        console,
+        f"Batches running: {len(status.batches)}",
+        names,
+        rows,
+        drop_order=["moved", "tenant", "age", "cost", "index", "failed", "lane", "queued"],
+        right=("done", "running", "queued", "failed", "cost", "age", "moved"),
+    )
     console.print(
         f"searches and batch items: {status.in_flight['queued']} queued, "
         f"{status.in_flight['running']} running; unfinished searches {status.active_searches}, "
