@@ -37,3 +37,40 @@ def test_no_redis_url_is_one_line_naming_it(tmp_path: Path, args: list[str]) -> 
     assert ran.returncode == 2, said
     assert "SIFT_REDIS_URL" in said and "Traceback" not in said, said
     assert "restarting" not in said, said
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["worker", "--processes", "2"], ["worker", "--processes", "1"], ["gateway", "--port"]],
+)
+@pytest.mark.parametrize(
+    ("keys", "named"),
+    [
+        (None, "SIFT_API_KEYS_FILE"),  # the file is not there
+        (
+            '[{"key": "short", "tenant": "t", "webhook_secret": "whsec_c2VjcmV0"}]',
+            "SIFT_API_KEYS_FILE.0.key",
+        ),
+    ],
+)
+def test_an_api_keys_file_it_cannot_use_is_one_line_naming_it(
+    tmp_path: Path, args: list[str], keys: str | None, named: str
+) -> None:
+    """Before, ``sift gateway`` printed a 166-line traceback of the app factory's
+    ``ConfigError`` (exit 1), and ``sift worker`` started and ran on, every webhook raising
+    on the file when it came to be signed."""
+    if args[-1] == "--port":
+        args = [*args, str(free_port())]
+    path = tmp_path / "keys.json"
+    if keys is not None:
+        path.write_text(keys)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+    env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_WORKER_METRICS_PORT="0", COLUMNS="200")
+    env.update(SIFT_REDIS_URL="redis://127.0.0.1:9/0", SIFT_API_KEYS_FILE=str(path))
+    ran = subprocess.run(
+        [SIFT, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+    )
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert named in said and "Traceback" not in said, said
+    assert len(said.strip().splitlines()) == 1, said

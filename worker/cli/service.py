@@ -64,6 +64,7 @@ def gateway(
     overrides = {} if port is None else {"gateway_port": port}
     settings = _settings(options=("gateway_port",), **overrides)
     _require_redis(settings, "the gateway")
+    _require_api_keys(settings)
     uvicorn.run(
         "api_gateway.app:serve", factory=True, host=host, port=settings.gateway_port,
         access_log=False, log_level=settings.log_level.lower(),
@@ -123,7 +124,7 @@ def worker(
     settings = _settings(options=tuple(overrides), **overrides)
     if not supervised_by:  # its supervisor checked
         _require_redis(settings, "the workers")
-    _read_keys(settings)  # each worker process, supervised or not: it signs with them
+    _require_api_keys(settings)  # each worker process, supervised or not: it signs with them
     if not supervised_by:
         _check_backend(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
@@ -146,19 +147,6 @@ def worker(
     )  # fmt: skip
 
 
-def _read_keys(settings: Settings) -> None:
-    """Read the API keys once, at the worker's start: it signs every tenant's webhooks with
-    their secrets until it is restarted, as the gateway serves the keys it read at its own
-    start. A keys file it cannot read stops it (exit 2, one line naming
-    ``SIFT_API_KEYS_FILE``), as it stops the gateway: it used to start, and read the file
-    at each webhook attempt, every one of which then failed."""
-    try:
-        settings.all_api_keys()
-    except ConfigError as error:
-        console.print(f"[red]error:[/red] {plain(error)}")
-        raise typer.Exit(2) from error
-
-
 def _require_redis(settings: Settings, what: str) -> None:
     """Stop (exit 2, one line) a gateway or worker with no Redis to share, before it starts:
     the worker's processes each died on it and were started again for as long as it ran."""
@@ -168,6 +156,18 @@ def _require_redis(settings: Settings, what: str) -> None:
             "gateways and workers share (`sift up` runs one of its own)"
         )
         raise typer.Exit(2)
+
+
+def _require_api_keys(settings: Settings) -> None:
+    """Stop (exit 2, one line naming it) a gateway or worker whose ``SIFT_API_KEYS_FILE``
+    cannot be read or holds a bad entry, before it starts. The gateway printed the app
+    factory's traceback through uvicorn (166 lines); the workers started, and every webhook
+    raised on the file when it was signed."""
+    try:
+        settings.all_api_keys()
+    except ConfigError as error:
+        console.print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
+        raise typer.Exit(2) from None
 
 
 def _single_process_metrics(settings: Settings) -> None:
