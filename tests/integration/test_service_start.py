@@ -74,3 +74,23 @@ def test_an_api_keys_file_it_cannot_use_is_one_line_naming_it(
     assert ran.returncode == 2, said
     assert named in said and "Traceback" not in said, said
     assert len(said.strip().splitlines()) == 1, said
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_data_dir_it_cannot_make_is_one_line_naming_it(tmp_path: Path, processes: str) -> None:
+    """The embedded backend's check at start made the folder, and ``mkdir``'s
+    ``FileNotFoundError`` (a path under a file) was no ``SiftError``: a traceback of 104 lines,
+    exit 1, where a data dir of another schema is one line, exit 2."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+    env.update(SIFT_DATA_DIR=str(blocker / "data"), SIFT_WORKER_METRICS_PORT="0", COLUMNS="200")
+    env.update(SIFT_REDIS_URL="redis://127.0.0.1:9/0")
+    ran = subprocess.run(
+        [SIFT, "worker", "--processes", processes],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert f"SIFT_DATA_DIR ({blocker / 'data'})" in said and "Traceback" not in said, said
+    assert len(said.strip().splitlines()) == 1, said

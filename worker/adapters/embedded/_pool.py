@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import apsw
 
-from worker.errors import BackendRequestError, BackendUnavailable
+from worker.errors import BackendRequestError, BackendUnavailable, ConfigError
 
 from ._schema import _SCHEMA, DB_FILE, SCHEMA_VERSION, _check_schema_version
 
@@ -123,9 +123,17 @@ class _Pool:
     def check(self) -> None:
         """Open the data dir now (making it and its schema if new), so a data dir of another
         schema version stops a worker at its start with :class:`ConfigError`, rather than
-        failing each job it takes."""
-        with self._conn():
-            pass
+        failing each job it takes; so does a data dir it cannot make or open (a path under a
+        file, a folder it may not write), naming ``SIFT_DATA_DIR``, where ``mkdir``'s
+        ``OSError`` was a traceback."""
+        try:
+            with self._conn():
+                pass
+        except OSError as exc:
+            raise ConfigError(
+                f"SIFT_DATA_DIR ({self.data_dir}): cannot make or open it: "
+                f"{exc.strerror or exc}; give a folder this user can write"
+            ) from exc
 
     def close(self) -> None:
         """Close every connection this backend opened; it reopens on next use. Meant for
