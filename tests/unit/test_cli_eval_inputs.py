@@ -167,3 +167,17 @@ def test_a_window_holding_no_relevant_candidate_is_valid_json_and_no_nan(tmp_pat
     assert runs["final, conditional on the window"] == dict.fromkeys(runs["fused"])
     assert runs["fused"]["nDCG@10"] == 0.0  # a query that found nothing relevant scores 0
     assert "nan" not in result.output.lower(), result.output
+
+
+def test_a_data_dir_it_cannot_make_is_a_usage_error_naming_it(tmp_path: Path) -> None:
+    """``mkdir``'s ``NotADirectoryError`` (a path under a file) was a traceback of 106 lines."""
+    (tmp_path / "a-file").write_text("")
+    data = tmp_path / "a-file" / "index"
+    result = eval_(
+        "--corpus", write(tmp_path / "c.jsonl", '{"id": "rail-1", "text": "rail"}\n'),
+        "--queries", write(tmp_path / "q.jsonl", QUERIES),
+        "--qrels", write(tmp_path / "qrels.tsv", QRELS), "--data-dir", str(data),
+    )  # fmt: skip
+    assert isinstance(result.exception, SystemExit), result.exception  # no traceback
+    assert result.exit_code == 2, result.output
+    assert f"--data-dir {data}: cannot make it" in result.output, result.output

@@ -182,6 +182,13 @@ def _in_process(
     key = hashlib.sha256(key.encode()).hexdigest()[:12]
     directory = data_dir or Path(".sift/eval") / key
     settings = settings.model_copy(update={"data_dir": directory})
+    try:  # the backend makes it; its OSError (a path under a file) was a traceback
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        hint = "give another" if data_dir else "run it where you may write, or give --data-dir"
+        raise _usage_error(
+            f"--data-dir {directory}: cannot make it ({exc.strerror or exc}); {hint}"
+        ) from None
     runtime = build_runtime(settings)
     complete = directory / "indexed.ok"  # written only after the whole corpus is in
     if not complete.exists():
