@@ -94,3 +94,25 @@ def test_a_data_dir_it_cannot_make_is_one_line_naming_it(tmp_path: Path, process
     assert ran.returncode == 2, said
     assert f"SIFT_DATA_DIR ({blocker / 'data'})" in said and "Traceback" not in said, said
     assert len(said.strip().splitlines()) == 1, said
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_model_cache_dir_it_cannot_make_is_one_line_naming_it(
+    tmp_path: Path, processes: str
+) -> None:
+    """The int8 embedding graph is made in ``SIFT_MODEL_CACHE_DIR`` at each process's
+    warm-up; a folder it could not make (a path under a file) only logged "warm-up failed, the
+    first job will try again", and the worker ran on, each job meeting the same error."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+    env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_WORKER_METRICS_PORT="0", COLUMNS="200")
+    env.update(SIFT_REDIS_URL="redis://127.0.0.1:9/0", SIFT_MODEL_CACHE_DIR=str(blocker / "m"))
+    ran = subprocess.run(
+        [SIFT, "worker", "--processes", processes],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert f"SIFT_MODEL_CACHE_DIR ({blocker / 'm'})" in said and "Traceback" not in said, said
+    assert len(said.strip().splitlines()) == 1, said

@@ -126,6 +126,7 @@ def worker(
         _require_redis(settings, "the workers")
     _require_api_keys(settings)  # each worker process, supervised or not: it signs with them
     if not supervised_by:
+        _require_model_cache(settings)
         _check_backend(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
@@ -167,6 +168,25 @@ def _require_api_keys(settings: Settings) -> None:
         settings.all_api_keys()
     except ConfigError as error:
         console.print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+def _require_model_cache(settings: Settings) -> None:
+    """Stop (exit 2, one line naming it) workers whose ``SIFT_MODEL_CACHE_DIR``, where each
+    process's warm-up makes or reads the int8 embedding graph, cannot be made: the warm-up
+    only logged its failure, and the worker ran on, each job meeting the same error."""
+    if not settings.embedding_int8_compute:
+        return
+    folder = settings.model_cache_dir
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        console.print(
+            f"[red]error:[/red] SIFT_MODEL_CACHE_DIR ({plain(folder)}): cannot make it: "
+            f"{plain(exc.strerror or exc)}; give a folder this user can write "
+            "(or SIFT_EMBEDDING_INT8_COMPUTE=false)",
+            soft_wrap=True,
+        )
         raise typer.Exit(2) from None
 
 
