@@ -61,7 +61,7 @@ def _sha256(path: Path) -> str:
 
 
 def _usage_error(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {plain(message)}")
+    console.print(f"[red]error:[/red] {plain(message)}", soft_wrap=True)
     return typer.Exit(EXIT_USAGE)
 
 
