@@ -461,6 +461,36 @@ def test_an_active_batch_s_lost_chunk_is_redriven_right_after_a_dead_worker(
     assert sorted(c.positions.start for c in queued(store, BATCH_QUEUE) if c) == [0, 10, 20]
 
 
+def test_a_chunk_lost_by_a_dead_worker_goes_out_again_soon_after_it_is_found(
+    store: JobStore, redis_url: str, tmp_path: Path, connection: Connection
+) -> None:
+    """A real worker at the defaults but for a re-drive interval longer than the test waits:
+    a worker died holding one chunk (unacked, recorded as its) and with another popped and
+    never recorded (its ``BRPOP``'s reply on its way at the SIGKILL). The dead-worker check
+    puts the first back and opens the window; the window's own sweeps, a few seconds apart,
+    send the second again, and the batch completes once. Before, the window's two sweeps
+    came an interval apart each (30 s at the defaults: the lost chunk out 30 to 60 s after
+    the death was found), here 300 s: the batch was not done after 120 s."""
+    batch = create_batch(store, total=30)
+    assert lose_oldest(store, BATCH_QUEUE) == Coverage(batch.id, range(0, 10))
+    assert take(store, connection, BATCH_QUEUE, "dead-worker") == Coverage(batch.id, range(10, 20))
+    env = {**worker_env(redis_url), "SIFT_REDRIVE_INTERVAL_SECONDS": "300"}
+    log = tmp_path / "w" / "soon.log"
+    with celery_worker(tmp_path / "w", env, "soon"):
+        wait_until(
+            lambda: (store.get_batch(batch.id) or batch).finished_at, "batch finished", 120, log
+        )
+    done = store.get_batch(batch.id)
+    assert done is not None and done.status == "succeeded"
+    assert done.counts == {"queued": 0, "running": 0, "succeeded": 30, "failed": 0, "canceled": 0}
+    outcomes = store.batch_results(batch.id, 0, 100)
+    assert [o.query_id for o in outcomes] == [f"q{i:02d}" for i in range(30)]
+    text = log.read_text()
+    assert "worker dead-worker found dead" in text
+    assert text.count("re-driven (1 of") == 1, text[-4000:]
+    assert store.redis.llen(BATCH_QUEUE) == 0
+
+
 def test_covered_positions_are_never_redriven_in_the_window(
     store: JobStore, default_sweeper: Sweeper, connection: Connection
 ) -> None:

@@ -53,7 +53,9 @@ dropped, :class:`ReconnectStep`, the only sign of a connection that broke while 
 up). Each sets ``sift:redrive:urgent`` for
 :data:`~worker.queue.urgent_window.URGENT_WINDOW_INTERVALS` intervals, the next two sweeps,
 and logs why (:func:`~worker.queue.urgent_window.open_urgent_window`, a module below both
-the re-drive and the liveness check); while it is set, a sweep reads every active job. The
+the re-drive and the liveness check); while it is set, a sweep reads every active job, and
+the sweep after its opening, and the one confirming what a sweep in it saw lost, come within
+:data:`~worker.queue.urgent_window.URGENT_SWEEP_SECONDS` (5 s), not an interval on. The
 stored ``run_id`` survives a restart with the AOF on, as ``sift up`` and ``deploy/`` run Redis;
 without persistence a restart loses every job and message anyway, so there is nothing to
 recover.
@@ -124,7 +126,7 @@ from worker.constants import (
 from worker.observability import metrics
 from worker.queue import liveness
 from worker.queue.jobstore import JobStore, webhook_event
-from worker.queue.urgent_window import open_urgent_window
+from worker.queue.urgent_window import hurry_next_sweep, open_urgent_window, urgent_sweep_seconds
 from worker.redis_client import connect
 
 log = logging.getLogger(__name__)
@@ -289,7 +291,9 @@ class Sweeper:
             self._thread.join(5)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_seconds):
+        # looks every urgent_sweep_seconds: the lock says when a sweep is due (an interval
+        # after the last, or sooner while an urgent window is open)
+        while not self._stop.wait(urgent_sweep_seconds(self.interval_seconds)):
             try:
                 self.sweep_if_leader()
             except Exception as exc:  # Redis restarting, say: the next interval tries again
@@ -300,7 +304,12 @@ class Sweeper:
         lock_ms = max(1, int(self.interval_seconds * 1000))
         if not self.store.redis.set(REDRIVE_LEADER_KEY, self.name, nx=True, px=lock_ms):
             return None
-        return self.sweep()
+        redriven = self.sweep()
+        # in an urgent window, positions seen lost are confirmed by a sweep soon, not an
+        # interval on (the window's other sweeps keep to the interval)
+        if self.store.redis.exists(REDRIVE_URGENT_KEY, REDRIVE_SUSPECTS_KEY) == 2:
+            hurry_next_sweep(self.store.redis, self.interval_seconds)
+        return redriven
 
     # --- one sweep --------------------------------------------------------------------------
 
@@ -396,7 +405,10 @@ class Sweeper:
         previous = cast(str | None, client.set(REDRIVE_RUN_ID_KEY, run_id, get=True))
         if previous is not None and previous != run_id:
             open_urgent_window(
-                client, self.interval_seconds, f"Redis restarted (run_id {previous} -> {run_id})"
+                client,
+                self.interval_seconds,
+                f"Redis restarted (run_id {previous} -> {run_id})",
+                hurry=False,  # this very sweep reads every active job
             )
 
     def lost_positions(self, *, urgent: bool = False) -> dict[str, set[int]]:
