@@ -42,6 +42,7 @@ from worker.constants import (
     KOMBU_PRIORITY_SEPARATOR,
     KOMBU_UNACKED_INDEX_KEY,
     KOMBU_UNACKED_KEY,
+    LIVENESS_SUSPECTS_KEY,
     WORKER_HEARTBEAT_KEY,
     WORKERS_KEY,
 )
@@ -77,6 +78,35 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 for i = 5, #KEYS do redis.call('RPUSH', KEYS[i], ARGV[3]) end
 return 1
+"""
+
+
+# Which workers the checks have found without a heartbeat, and since when, kept in Redis for
+# whichever worker checks next (the lock passes from one to another between beats).
+# KEYS: the suspects hash. ARGV: 1 the check's time (seconds; "" for Redis's own clock), 2 how
+# long a worker must have been missing to be dead, 3 how long after the last check what it saw
+# is still current, 4 the hash's time to live (ms), 5.. the workers without a heartbeat now.
+# Answers those missing for at least ARGV[2]; the hash keeps only the ones missing now.
+SUSPECTS_SCRIPT = """
+local now = tonumber(ARGV[1])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+local last = tonumber(redis.call('HGET', KEYS[1], '~last') or '')
+local current = last ~= nil and now - last <= tonumber(ARGV[3])
+local kept, dead = {'~last', tostring(now)}, {}
+for i = 5, #ARGV do
+  local since = current and tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '') or nil
+  since = since or now
+  kept[#kept + 1] = ARGV[i]
+  kept[#kept + 1] = tostring(since)
+  if now - since >= tonumber(ARGV[2]) then dead[#dead + 1] = ARGV[i] end
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(kept))
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return dead
 """
 
 
@@ -144,21 +174,21 @@ class Reaper:
         dead_after_seconds: float,
         orphan_seconds: float,
         redrive_interval_seconds: float = 0.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         """``redrive_interval_seconds`` is the re-drive's ``SIFT_REDRIVE_INTERVAL_SECONDS``,
         for the urgent window a dead worker opens (0: the re-drive is off, no window).
-        ``clock`` times the beats between checks (seconds, never going back)."""
+        ``clock`` times the beats between checks (seconds, never going back; every checker's
+        the same): Redis's own clock when None, as every worker's check shares it."""
         self.client = client
         self.clock = clock
+        self._suspects_script = client.register_script(SUSPECTS_SCRIPT)
         self.heartbeat_seconds = heartbeat_seconds
         self.dead_after_seconds = dead_after_seconds
         self.orphan_seconds = orphan_seconds
         self.redrive_interval_seconds = redrive_interval_seconds
         self._restore = client.register_script(RESTORE_SCRIPT)
-        self._suspects: dict[str, float] = {}  # worker id -> when first found without a beat
         self._announced: set[str] = set()  # dead workers this check opened a window for
-        self._last_check = 0.0
         self._unroutable: set[str] = set()
 
     def check(self) -> dict[str, int]:
@@ -233,14 +263,16 @@ class Reaper:
         for name in names:
             pipe.exists(heartbeat_key(name))
         beating = pipe.execute()
-        now = self.clock()
-        if now - self._last_check > 3 * self.heartbeat_seconds:
-            self._suspects = {}  # another worker led meanwhile: what this one saw is stale
-        self._last_check = now
-        missing = {name for name, alive in zip(names, beating, strict=True) if not alive}
-        self._suspects = {name: self._suspects.get(name, now) for name in missing}
-        settle = 2 * self.heartbeat_seconds
-        return {name for name, since in self._suspects.items() if now - since >= settle}
+        missing = [name for name, alive in zip(names, beating, strict=True) if not alive]
+        # kept in Redis, not in this process: the lock passes between the workers' beats, and
+        # a checker that found its own view stale each time it led again (it had not led for
+        # three beats) found nobody dead while the lead went round (32 s for a SIGKILLed one
+        # of two processes at load 17; never, with four processes leading in turn)
+        now = "" if self.clock is None else repr(self.clock())
+        hb = self.heartbeat_seconds
+        args = [now, repr(2 * hb), repr(3 * hb), str(max(1, int(10 * hb * 1000))), *missing]
+        dead = self._suspects_script(keys=[LIVENESS_SUSPECTS_KEY], args=args)
+        return {name if isinstance(name, str) else name.decode() for name in dead}
 
     def put_back_own(self, owner: str, taken: Mapping[str, float]) -> list[str]:
         """Put back the deliveries that ``owner``, a live worker, held on a broker channel it
