@@ -23,23 +23,12 @@ import httpx
 import pytest
 
 from tests.fake_anthropic import FakeAnthropic
+from tests.keys import ACME, ACME_KEY, GLOBEX_KEY
+from tests.keys import GLOBEX as GLOBEX  # the e2e tests import it from here
 from tests.services import celery_worker, free_port, gateway, redis_server
 
-KEYS = [
-    {
-        "key": "acme-key-0001",
-        "tenant": "acme",
-        "webhook_secret": "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ==",
-    },
-    {
-        "key": "globex-key-0001",
-        "tenant": "globex",
-        "webhook_secret": "whsec_Z2xvYmV4LXNlY3JldC0wMTIzNDU2Nzg5",
-    },
-]
+KEYS = [ACME_KEY, GLOBEX_KEY]
 ANTHROPIC_API_KEY = "sk-ant-test"
-ACME = {"Authorization": "Bearer acme-key-0001"}
-GLOBEX = {"Authorization": "Bearer globex-key-0001"}
 INDEX = "docs"
 MODEL = "claude-haiku-4-5"  # the stack's, priced by the built-in table
 IDLE_BODY_LIMIT = 65_536

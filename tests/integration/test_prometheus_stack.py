@@ -46,6 +46,7 @@ from tests.fake_anthropic import (
     stall,
     status,
 )
+from tests.keys import ACME, ACME_KEY
 from tests.prometheus_support import (
     RULES,
     PanelQuery,
@@ -76,12 +77,8 @@ pytestmark = [
 ]
 
 MODEL = "claude-haiku-4-5"
-KEY = {
-    "key": "acme-key-0001",
-    "tenant": "acme",
-    "webhook_secret": "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ==",
-}
-AUTH = {"Authorization": f"Bearer {KEY['key']}"}
+KEY = ACME_KEY
+AUTH = ACME
 INDEX = "docs"
 SAMPLE = Path(__file__).resolve().parents[2] / "worker" / "data" / "sample_corpus.jsonl"
 PANEL_QUERIES = dashboard_queries(rate_limits=False)

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.keys import ACME, ACME_KEY
 from tests.prometheus_support import (
     Prometheus,
     concrete,
@@ -33,12 +34,8 @@ pytestmark = [
     requires_prometheus(),
 ]
 
-KEY = {
-    "key": "acme-key-0001",
-    "tenant": "acme",
-    "webhook_secret": "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ==",
-}
-AUTH = {"Authorization": f"Bearer {KEY['key']}"}
+KEY = ACME_KEY
+AUTH = ACME
 INDEX = "docs"
 DATA = Path(__file__).resolve().parents[2] / "worker" / "data"
 PANEL = "Job duration by mode and outcome (p50, p95, p99)"

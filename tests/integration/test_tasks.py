@@ -21,7 +21,7 @@ from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import BackendUnavailable, ModeUnavailable
 from worker.queue import base, liveness, tasks, webhook_task
 from worker.queue.economy import is_prepared
-from worker.queue.jobstore import CancelOutcome, JobStore, SearchJob
+from worker.queue.jobstore import BatchJob, CancelOutcome, JobStore, SearchJob
 from worker.runtime.bootstrap import build_pipeline
 from worker.runtime.inprocess import Runtime
 from worker.runtime.ratelimit import ProviderLimiter
@@ -599,6 +599,24 @@ def test_a_batch_item_whose_claim_the_job_store_cannot_take_is_not_failed(
     assert done is not None and done.status == "succeeded" and runtime.model_calls == 1
 
 
+def _one_item_economy_batch(context: base.WorkerContext) -> tuple[JobStore, BatchJob]:
+    """A one-item economy batch over an in-memory index of one document, the worker
+    ``context`` running it in process (a fake embedder, no model call scripted)."""
+    from worker.runtime.inprocess import build_runtime
+
+    runtime = build_runtime(
+        context.settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=ScriptedReranker([]),
+    )
+    runtime.ingest("docs", "acme", [DocumentIn(id="1", text="green tea leaves")])
+    context._runtime = runtime
+    spec = SearchSpec(index="docs", query="green tea", mode="fts", rerank=True)
+    batch = context.store.create_batch("acme", "docs", [("q0", spec)], lane="economy")
+    return context.store, batch
+
+
 def test_an_economy_item_whose_first_half_the_job_store_cannot_keep_is_not_failed(
     context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -609,22 +627,9 @@ def test_an_economy_item_whose_first_half_the_job_store_cannot_keep_is_not_faile
     and a one-item batch ended failed. The chunk's runner breaks now, as for a standard
     item whose claim cannot be taken: the item stays running for a redelivery (the
     re-drive), which prepares it again, keeps it, and its submission goes."""
-    from tests.fakes import FakeEmbedder, InMemoryBackend, ScriptedReranker
-    from worker.runtime.inprocess import build_runtime
-
     submitted: list[str] = []
     monkeypatch.setattr(tasks, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
-    runtime = build_runtime(
-        context.settings,
-        backend=InMemoryBackend(),
-        embedder=FakeEmbedder(),
-        reranker=ScriptedReranker([]),
-    )
-    runtime.ingest("docs", "acme", [DocumentIn(id="1", text="green tea leaves")])
-    context._runtime = runtime
-    store = context.store
-    spec = SearchSpec(index="docs", query="green tea", mode="fts", rerank=True)
-    batch = store.create_batch("acme", "docs", [("q0", spec)], lane="economy")
+    store, batch = _one_item_economy_batch(context)
 
     def down(*args: Any, **kwargs: Any) -> Any:
         raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
@@ -653,22 +658,9 @@ def test_an_economy_chunk_whose_last_first_half_was_kept_unheard_still_enqueues_
     ever sent. And nothing else would send it: the re-drive re-sends chunks for items still
     to prepare (none: ``pending_positions`` is empty), and a submission never enqueued has
     no watch. The batch stayed ``running`` for good, its item prepared and never sent."""
-    from tests.fakes import FakeEmbedder, InMemoryBackend, ScriptedReranker
-    from worker.runtime.inprocess import build_runtime
-
     submitted: list[str] = []
     monkeypatch.setattr(tasks, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
-    runtime = build_runtime(
-        context.settings,
-        backend=InMemoryBackend(),
-        embedder=FakeEmbedder(),
-        reranker=ScriptedReranker([]),
-    )
-    runtime.ingest("docs", "acme", [DocumentIn(id="1", text="green tea leaves")])
-    context._runtime = runtime
-    store = context.store
-    spec = SearchSpec(index="docs", query="green tea", mode="fts", rerank=True)
-    batch = store.create_batch("acme", "docs", [("q0", spec)], lane="economy")
+    store, batch = _one_item_economy_batch(context)
     save = store.economy_save_new
 
     def unheard(*args: Any, **kwargs: Any) -> Any:
@@ -692,22 +684,10 @@ def test_an_economy_submission_claimed_by_a_chunk_that_died_before_sending_it_is
     taken, the re-drive sends chunks only for items still to prepare, and the sweep's watch
     had no entry: the submission never went, the batch ``running`` for good. The watch is
     set before the claim now, and the sweep sends the submission once it is overdue."""
-    from tests.fakes import FakeEmbedder, InMemoryBackend, ScriptedReranker
     from worker.constants import ECONOMY_SUBMIT_TASK
     from worker.queue import economy
-    from worker.runtime.inprocess import build_runtime
 
-    runtime = build_runtime(
-        context.settings,
-        backend=InMemoryBackend(),
-        embedder=FakeEmbedder(),
-        reranker=ScriptedReranker([]),
-    )
-    runtime.ingest("docs", "acme", [DocumentIn(id="1", text="green tea leaves")])
-    context._runtime = runtime
-    store = context.store
-    spec = SearchSpec(index="docs", query="green tea", mode="fts", rerank=True)
-    batch = store.create_batch("acme", "docs", [("q0", spec)], lane="economy")
+    store, batch = _one_item_economy_batch(context)
 
     def down(*args: Any, **kwargs: Any) -> Any:
         raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")

@@ -20,17 +20,14 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
 
+from tests.keys import ACME, ACME_KEY
 from tests.services import celery_worker, gateway, redis_server, webhook_inbox
 from worker.processes.stack import child_env, sift_command
 
 pytestmark = pytest.mark.integration
 
-KEY = {
-    "key": "acme-key-0001",
-    "tenant": "acme",
-    "webhook_secret": "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ==",
-}
-AUTH = {"Authorization": f"Bearer {KEY['key']}"}
+KEY = ACME_KEY
+AUTH = ACME
 INDEX = "docs"
 DOCUMENTS = [
     {"id": "d1", "text": "green tea is brewed from the leaves of the tea plant"},

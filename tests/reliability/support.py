@@ -27,17 +27,11 @@ import httpx
 import redis
 
 from tests.fake_anthropic import FakeAnthropic
+from tests.keys import ACME, ACME_KEY
 from tests.services import free_port, gateway, redis_server
 from worker.constants import ALL_QUEUES, BATCH_COUNTS_KEY, BATCH_ITEMS_KEY, BATCH_RESULTS_KEY
 
-KEYS = [
-    {
-        "key": "acme-key-0001",
-        "tenant": "acme",
-        "webhook_secret": "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ==",
-    },
-]
-ACME = {"Authorization": "Bearer acme-key-0001"}
+KEYS = [ACME_KEY]
 INDEX = "docs"
 SAMPLE = Path(__file__).resolve().parents[2] / "worker" / "data"
 
