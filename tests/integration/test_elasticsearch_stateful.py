@@ -1172,6 +1172,32 @@ def test_a_document_whose_text_is_null_reads_as_empty_listed_or_got(
     assert got is not None and got.text == ""
 
 
+def _a_shared_drop_outlasting_its_budget(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+    monkeypatch: pytest.MonkeyPatch,
+    acme_ids: list[str],
+    version: int,
+) -> str:
+    """acme's alias over an index it shares with beta (acme's ``acme_ids``, beta's ``vitd``),
+    and acme's drop at ``version`` whose ``_delete_by_query`` task outlasted the drop's
+    budget (the drop failed retryably; the task runs on). Answers the alias."""
+    server, state = fake
+    monkeypatch.setattr(
+        "worker.adapters.elasticsearch._drops.DROP_POLL_SECONDS", 0.01, raising=False
+    )
+    backend = backend_on(server)
+    alias = backend.alias("docs", "acme")
+    texts = {"vitd": DOC.text, "calc": CALC.text}
+    docs = {f"acme:{id_}": shared_doc("acme", id_, texts[id_]) for id_ in acme_ids}
+    docs["beta:vitd"] = shared_doc("beta", "vitd", "beta's own")
+    make_index(server, alias, "shared-000001", docs, old_mapping())
+    state.delete_running_reads = 5
+    backend.drop_max_seconds = 0
+    with pytest.raises(BackendUnavailable, match="runs on"):
+        backend.delete_index("docs", "acme", version=version)
+    return alias
+
+
 def test_a_drop_from_a_shared_index_outlasting_its_budget_is_waited_on_by_its_retry(
     fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
     monkeypatch: pytest.MonkeyPatch,
@@ -1181,21 +1207,7 @@ def test_a_drop_from_a_shared_index_outlasting_its_budget_is_waited_on_by_its_re
     retryably; the retry, another process, waits on that task before it starts its own
     (not two racing), counts what both deleted, and beta's document stays."""
     server, state = fake
-    monkeypatch.setattr(
-        "worker.adapters.elasticsearch._drops.DROP_POLL_SECONDS", 0.01, raising=False
-    )
-    backend = backend_on(server)
-    alias = backend.alias("docs", "acme")
-    docs = {
-        "acme:vitd": shared_doc("acme", "vitd", DOC.text),
-        "acme:calc": shared_doc("acme", "calc", CALC.text),
-        "beta:vitd": shared_doc("beta", "vitd", "beta's own"),
-    }
-    make_index(server, alias, "shared-000001", docs, old_mapping())
-    state.delete_running_reads = 5
-    backend.drop_max_seconds = 0
-    with pytest.raises(BackendUnavailable, match="runs on"):
-        backend.delete_index("docs", "acme", version=20)
+    alias = _a_shared_drop_outlasting_its_budget(fake, monkeypatch, ["vitd", "calc"], 20)
 
     state.delete_running_reads = 0
     assert backend_on(server).delete_index("docs", "acme", version=20) == 2
@@ -1213,20 +1225,7 @@ def test_a_drop_that_waits_on_an_older_drops_delete_still_takes_what_that_one_le
     12, so that task leaves it). Drop 20 finds the task still running on the alias and
     waits on it, then runs its own: ``calc``, written before drop 20, goes too."""
     server, state = fake
-    monkeypatch.setattr(
-        "worker.adapters.elasticsearch._drops.DROP_POLL_SECONDS", 0.01, raising=False
-    )
-    backend = backend_on(server)
-    alias = backend.alias("docs", "acme")
-    docs = {
-        "acme:vitd": shared_doc("acme", "vitd", DOC.text),
-        "beta:vitd": shared_doc("beta", "vitd", "beta's own"),
-    }
-    make_index(server, alias, "shared-000001", docs, old_mapping())
-    state.delete_running_reads = 5
-    backend.drop_max_seconds = 0
-    with pytest.raises(BackendUnavailable, match="runs on"):
-        backend.delete_index("docs", "acme", version=12)
+    _a_shared_drop_outlasting_its_budget(fake, monkeypatch, ["vitd"], 12)
     assert write(backend_on(server), CALC, 14) == 1
 
     state.delete_running_reads = 0

@@ -77,42 +77,27 @@ def test_an_api_keys_file_it_cannot_use_is_one_line_naming_it(
 
 
 @pytest.mark.parametrize("processes", ["1", "2"])
-def test_a_data_dir_it_cannot_make_is_one_line_naming_it(tmp_path: Path, processes: str) -> None:
-    """The embedded backend's check at start made the folder, and ``mkdir``'s
-    ``FileNotFoundError`` (a path under a file) was no ``SiftError``: a traceback of 104 lines,
-    exit 1, where a data dir of another schema is one line, exit 2."""
-    blocker = tmp_path / "a-file"
-    blocker.write_text("")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
-    env.update(SIFT_DATA_DIR=str(blocker / "data"), SIFT_WORKER_METRICS_PORT="0", COLUMNS="200")
-    env.update(SIFT_REDIS_URL="redis://127.0.0.1:9/0")
-    ran = subprocess.run(
-        [SIFT, "worker", "--processes", processes],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
-    said = ran.stdout + ran.stderr
-    assert ran.returncode == 2, said
-    assert f"SIFT_DATA_DIR ({blocker / 'data'})" in said and "Traceback" not in said, said
-    assert len(said.strip().splitlines()) == 1, said
-
-
-@pytest.mark.parametrize("processes", ["1", "2"])
-def test_a_model_cache_dir_it_cannot_make_is_one_line_naming_it(
-    tmp_path: Path, processes: str
+@pytest.mark.parametrize("setting", ["SIFT_DATA_DIR", "SIFT_MODEL_CACHE_DIR"])
+def test_a_folder_it_cannot_make_is_one_line_naming_it(
+    tmp_path: Path, setting: str, processes: str
 ) -> None:
-    """The int8 embedding graph is made in ``SIFT_MODEL_CACHE_DIR`` at each process's
-    warm-up; a folder it could not make (a path under a file) only logged "warm-up failed, the
-    first job will try again", and the worker ran on, each job meeting the same error."""
+    """A folder ``sift worker`` cannot make (a path under a file). ``SIFT_DATA_DIR``: the
+    embedded backend's check at start made it, and ``mkdir``'s ``FileNotFoundError`` was no
+    ``SiftError``: a traceback of 104 lines, exit 1, where a data dir of another schema is one
+    line, exit 2. ``SIFT_MODEL_CACHE_DIR`` (the int8 embedding graph is made there at each
+    process's warm-up): it only logged "warm-up failed, the first job will try again", and
+    the worker ran on, each job meeting the same error."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
     env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_WORKER_METRICS_PORT="0", COLUMNS="200")
-    env.update(SIFT_REDIS_URL="redis://127.0.0.1:9/0", SIFT_MODEL_CACHE_DIR=str(blocker / "m"))
+    env.update(SIFT_REDIS_URL="redis://127.0.0.1:9/0")
+    env[setting] = str(blocker / "folder")
     ran = subprocess.run(
         [SIFT, "worker", "--processes", processes],
         env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     said = ran.stdout + ran.stderr
     assert ran.returncode == 2, said
-    assert f"SIFT_MODEL_CACHE_DIR ({blocker / 'm'})" in said and "Traceback" not in said, said
+    assert f"{setting} ({blocker / 'folder'})" in said and "Traceback" not in said, said
     assert len(said.strip().splitlines()) == 1, said
