@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Protocol, runtime_checkable
+from typing import Annotated, Any, NoReturn, Protocol, runtime_checkable
 
 import typer
 from rich.console import Console
@@ -148,15 +148,21 @@ def worker(
     )  # fmt: skip
 
 
+def _stop(message: str, code: int = 2) -> NoReturn:
+    """End the command with ``error: message`` on one line (never wrapped mid-path) and exit
+    ``code``: 2 for what the user must change (a setting, an option), 1 for what failed."""
+    console.print(f"[red]error:[/red] {message}", soft_wrap=True)
+    raise typer.Exit(code)
+
+
 def _require_redis(settings: Settings, what: str) -> None:
     """Stop (exit 2, one line) a gateway or worker with no Redis to share, before it starts:
     the worker's processes each died on it and were started again for as long as it ran."""
     if not settings.redis_url:
-        console.print(
-            f"[red]error:[/red] SIFT_REDIS_URL is required to run {what}: the Redis the "
-            "gateways and workers share (`sift up` runs one of its own)"
+        _stop(
+            f"SIFT_REDIS_URL is required to run {what}: the Redis the gateways and workers "
+            "share (`sift up` runs one of its own)"
         )
-        raise typer.Exit(2)
 
 
 def _require_api_keys(settings: Settings) -> None:
@@ -167,8 +173,7 @@ def _require_api_keys(settings: Settings) -> None:
     try:
         settings.all_api_keys()
     except ConfigError as error:
-        console.print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
-        raise typer.Exit(2) from None
+        _stop(plain(error))
 
 
 def _require_model_cache(settings: Settings) -> None:
@@ -181,13 +186,11 @@ def _require_model_cache(settings: Settings) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        console.print(
-            f"[red]error:[/red] SIFT_MODEL_CACHE_DIR ({plain(folder)}): cannot make it: "
+        _stop(
+            f"SIFT_MODEL_CACHE_DIR ({plain(folder)}): cannot make it: "
             f"{plain(exc.strerror or exc)}; give a folder this user can write "
-            "(or SIFT_EMBEDDING_INT8_COMPUTE=false)",
-            soft_wrap=True,
+            "(or SIFT_EMBEDDING_INT8_COMPUTE=false)"
         )
-        raise typer.Exit(2) from None
 
 
 def _single_process_metrics(settings: Settings) -> None:
@@ -221,8 +224,7 @@ def _check_backend(settings: Settings) -> None:
                 backend.close()  # the workers open their own
     except SiftError as error:
         if isinstance(error, ConfigError) or settings.search_backend == "embedded":
-            console.print(f"[red]error:[/red] {plain(error)}")
-            raise typer.Exit(2) from error
+            _stop(plain(error))
         console.print(
             f"[yellow]warning:[/yellow] could not check the indexes' layout: {plain(error)}"
         )
@@ -248,14 +250,12 @@ def elasticsearch_migrate(
 
     settings = _settings()
     if settings.search_backend != "elasticsearch":
-        console.print("[red]error:[/red] SIFT_SEARCH_BACKEND is not elasticsearch")
-        raise typer.Exit(2)
+        _stop("SIFT_SEARCH_BACKEND is not elasticsearch")
     backend = ElasticsearchBackend.from_settings(settings)
     try:
         report = backend.migrate_shared(delete_old=delete_old, dry_run=dry_run)
     except SiftError as error:
-        console.print(f"[red]error:[/red] {plain(error)}")
-        raise typer.Exit(1) from error
+        _stop(plain(error), 1)
     verb = "would go" if dry_run else "went"
     for name, tenants in report.items():
         alias = f"{settings.elasticsearch_index_prefix}{name}"
@@ -289,8 +289,7 @@ def _settings(*, options: tuple[str, ...] = (), **overrides: Any) -> Settings:
         given = {field: SETTING_OPTIONS[field] for field in options if field in overrides}
         if (named := option_error(error, given)) is not None:
             raise named from None
-        console.print(f"[red]error:[/red] {plain(error)}")
-        raise typer.Exit(2) from error
+        _stop(plain(error))
 
 
 def _dev_key(state: Path) -> dict[str, str]:
@@ -421,8 +420,7 @@ def _start(
         if cancel is not None and cancel.is_set():
             console.print("interrupted while starting; every process stopped")
             raise typer.Exit(EXIT_INTERRUPTED) from error
-        console.print(f"[red]error:[/red] {plain(error)}")
-        raise typer.Exit(1) from error
+        _stop(plain(error), 1)
 
 
 @app.command("up")
