@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
 from tests.fakes import USAGE, FakeEmbedder, InMemoryBackend, ScriptedReranker, fail, reply
@@ -325,6 +325,35 @@ def test_an_economy_rerank_of_minutes_to_hours_lands_in_a_finite_bucket(seconds:
     counted = _finite_buckets_hit(before, "sift_rerank_duration_seconds_bucket", "lane", "economy")
     assert counted, f"an economy rerank of {seconds} s fell in +Inf only"
     assert min(counted) <= 4 * seconds  # and the bucket that holds it is not far above it
+
+
+def _quantile_read(bounds: tuple[float, ...], seconds: float, q: float) -> float:
+    """What Prometheus's ``histogram_quantile(q, ...)`` reads off a histogram with ``bounds``
+    holding one observation of ``seconds``: interpolated linearly within the bucket that holds
+    it, from the bucket's lower bound (0 for the first)."""
+    histogram = Histogram("probe", "one observation", buckets=bounds, registry=CollectorRegistry())
+    histogram.observe(seconds)
+    lower = 0.0
+    for sample in next(iter(histogram.collect())).samples:
+        if sample.name.endswith("_bucket") and sample.value >= 1:
+            upper = float(sample.labels["le"])
+            return lower + (upper - lower) * q
+        if sample.name.endswith("_bucket"):
+            lower = float(sample.labels["le"])
+    raise AssertionError(f"{seconds} s fell in no bucket")
+
+
+@pytest.mark.parametrize(  # 3 ms to about 1.4 h
+    "seconds", [0.003 * 1.7**n for n in range(28)], ids=lambda seconds: f"{seconds:.3g}s"
+)
+def test_a_queue_wait_reads_back_within_a_factor_of_2_5(seconds: float) -> None:
+    """The dashboards read queue waits as ``histogram_quantile``: from 3 ms (a search taken at
+    once) to hours (a webhook retry, an economy batch's item), p50 and p95 must read close to
+    what the jobs waited. With buckets five times apart (1 s then 5 s) a wait of 1.1 s read
+    4.8 s at p95."""
+    for q in (0.5, 0.95):
+        read = _quantile_read(metrics.QUEUE_WAIT_BUCKETS, seconds, q)
+        assert seconds / 2.5 <= read <= seconds * 2.5, (q, seconds, read)
 
 
 def test_every_task_run_the_time_limits_allow_fits_the_buckets() -> None:
