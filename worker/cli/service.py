@@ -169,7 +169,8 @@ def _require_api_keys(settings: Settings) -> None:
     """Stop (exit 2, one line naming it) a gateway or worker whose ``SIFT_API_KEYS_FILE``
     cannot be read or holds a bad entry, before it starts. The gateway printed the app
     factory's traceback through uvicorn (166 lines); the workers started, and every webhook
-    raised on the file when it was signed."""
+    raised on the file when it was signed. A worker signs with the secrets it reads here, at its
+    start: an edit of the file takes effect when the workers are restarted."""
     try:
         settings.all_api_keys()
     except ConfigError as error:
