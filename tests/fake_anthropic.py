@@ -55,7 +55,8 @@ The Message Batches API is served too: ``POST /v1/messages/batches`` (create),
 ``batch_processing_seconds`` have passed, then ``ended``, with ``request_counts`` and a
 ``results_url``), ``GET /v1/messages/batches/{id}/results`` (JSONL, deliberately out of
 order: shuffled, seeded by the batch id) and ``POST /v1/messages/batches/{id}/cancel``
-(``canceling``, then ``ended``; requests not processed by then come back ``canceled``).
+(``canceling``, then ``ended``; requests not processed by then come back ``canceled``);
+``cancel_batch(id)`` cancels one from outside Sift, as the Console would.
 Each request's result is ``succeeded`` with the same answer and usage as ``/v1/messages``
 would give, unless scripted (:meth:`FakeAnthropic.script_batch`: per ``custom_id``, one
 outcome per submission, e.g. ``errored`` then ``succeeded``; over HTTP
@@ -815,6 +816,20 @@ class FakeAnthropic:
         with self._lock:
             self._state.batch_calls.setdefault(call, deque()).extend(answers)
 
+    def cancel_batch(self, batch_id: str) -> None:
+        """Cancel a Message Batch from outside its client, as the Console or an admin would:
+        what it has not processed by now comes back ``canceled``, though its client asked
+        for no cancel. A batch no longer ``in_progress`` is left as it is, as by the API."""
+        with self._lock:
+            self._cancel(self._state.batches[batch_id])
+
+    def _cancel(self, batch: _FakeBatch) -> None:
+        """A cancel of ``batch`` (lock held): ``canceling``, then ``ended``."""
+        if self._batch_status(batch) == "in_progress":
+            batch.processed_at_cancel = self._processed(batch)
+            batch.cancel_requested = time.monotonic()
+            batch.cancel_initiated_at = time.time()
+
     def _scripted_call(self, call: BatchCall) -> Behaviour | None:
         """The next scripted answer of ``call`` (None: answer normally)."""
         with self._lock:
@@ -1175,7 +1190,17 @@ class FakeAnthropic:
             if len(results) > 1 and results == before:  # a shuffle may keep the order: never
                 results.reverse()
         batch.results = results
-        batch.ended_at = time.time()
+        batch.ended_at = self._ended_at(batch)
+
+    def _ended_at(self, batch: _FakeBatch) -> float:
+        """When ``batch`` became ``ended`` (wall clock): at the end of its canceling, or of its
+        processing, as the API says; not when a call first saw it ended (lock held)."""
+        config = self._state.config
+        if batch.cancel_initiated_at is not None:
+            end = batch.cancel_initiated_at + config.batch_cancel_seconds
+        else:
+            end = batch.created_at + config.batch_processing_seconds
+        return min(end, time.time())
 
     def _batch_result(self, request: Mapping[str, Any], outcome: BatchOutcome) -> dict[str, Any]:
         params = request["params"]
@@ -1361,10 +1386,7 @@ class FakeAnthropic:
             batch = self._batch_or_error(request)
             if isinstance(batch, Response):
                 return batch
-            if self._batch_status(batch) == "in_progress":
-                batch.processed_at_cancel = self._processed(batch)
-                batch.cancel_requested = time.monotonic()
-                batch.cancel_initiated_at = time.time()
+            self._cancel(batch)
             return JSONResponse(self._batch_json(batch, _base(request)))
 
     async def _batch_results(self, request: Request) -> Response:
