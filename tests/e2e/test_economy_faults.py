@@ -349,3 +349,46 @@ def test_a_chunk_delivered_again_after_its_items_went_out_keeps_the_candidates_t
     mapped = [c["id"] for c in item["result"]["trace"]["candidates"]]
     assert mapped == saw, (mapped, saw)
     assert "newcomer" not in [hit["id"] for hit in item["result"]["hits"]]
+
+
+def test_a_provider_batch_canceled_outside_sift_is_resubmitted_not_canceled(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # someone cancels the provider batch in the Console: its lines come back ``canceled``,
+    # though the user canceled nothing. Each is a failed attempt (http_5xx), resubmitted;
+    # neither the items nor the batch end ``canceled``.
+    stack.model.configure(batch_processing_seconds=300.0)
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    _wait_for_provider_batches(stack, 1)
+    [first] = stack.model.batches()
+    stack.model.cancel_batch(first["id"])  # nothing processed yet: every line canceled
+    stack.model.configure(batch_processing_seconds=0.0)
+    done = _wait(stack, batch_id, timeout=30)
+    assert done["status"] != "canceled" and done["counts"]["succeeded"] == 3, done
+    for item in _results(stack, batch_id).values():
+        attempts = item["result"]["trace"]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["http_5xx", "ok"], attempts
+        assert attempts[0]["provider_batch"] == first["id"]
+        assert attempts[0]["provider_result"] == "canceled"
+    assert len(stack.model.batches()) == 2
+
+
+def test_outside_cancels_past_the_retry_budget_end_in_the_failure_policy_as_http_5xx(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # each provider batch canceled from outside as soon as it is made, three times: the
+    # items' three attempts (SIFT_GENERATION_MAX_REQUESTS) are spent, then they fail as
+    # http_5xx (the batch's fail_closed policy), never canceled
+    stack.model.configure(batch_processing_seconds=300.0)
+    batch_id = _submit(stack, _items(queries, 2), "economy", include_trace=True)
+    for made in range(1, 4):
+        _wait_for_provider_batches(stack, made)
+        stack.model.cancel_batch(stack.model.batches()[made - 1]["id"])
+    done = _wait(stack, batch_id, timeout=30)
+    assert done["status"] != "canceled" and done["counts"]["canceled"] == 0, done
+    for item in _results(stack, batch_id).values():
+        assert item["status"] == "failed" and "http_5xx" in item["error"]["message"], item
+        attempts = item["error"]["trace"]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["http_5xx"] * 3, attempts
+        assert {a["provider_result"] for a in attempts} == {"canceled"}
+    assert len(stack.model.batches()) == 3

@@ -80,6 +80,7 @@ class ProviderBatch:
     processing_status: str  # in_progress | canceling | ended
     request_counts: Mapping[str, int] = field(default_factory=dict)
     created_at: float | None = None  # epoch seconds
+    ended_at: float | None = None  # epoch seconds; set once ``processing_status`` is ended
 
     @property
     def ended(self) -> bool:
@@ -310,6 +311,7 @@ def _provider_batch(batch: MessageBatch) -> ProviderBatch:
     return ProviderBatch(
         id=batch.id,
         created_at=batch.created_at.timestamp() if batch.created_at else None,
+        ended_at=batch.ended_at.timestamp() if batch.ended_at else None,
         processing_status=batch.processing_status,
         request_counts={
             "processing": counts.processing,

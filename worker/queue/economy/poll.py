@@ -69,7 +69,7 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
                 cancel_quietly(client, provider_id)
             expect(self, batch_id, provider_id, poll_countdown(self))
             raise self.retry(countdown=poll_countdown(self))
-        map_results(self, batch, provider_id)
+        map_results(self, batch, provider_id, status.ended_at)
         store.economy_met(batch_id, provider_id)
     except RerankAttemptError as exc:
         give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS

@@ -90,9 +90,16 @@ def candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, proven
                watch=provider_id)  # fmt: skip
 
 
-def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
-    """Stream an ended provider batch's results and map each line to its item."""
+def map_results(
+    task: SiftTask, batch: BatchJob, provider_id: str, ended_at: float | None = None
+) -> None:
+    """Stream an ended provider batch's results and map each line to its item. ``ended_at``
+    is when the provider says it ended (epoch seconds; None: not known): its ``canceled``
+    lines are the user's cancel only if that came before it (:func:`_user_canceled`)."""
     client, store = batches_client(task), task.context.store
+    # read again: a cancel may have come since the poll read the batch, and been the cause
+    batch = store.get_batch(batch.id) or batch
+    user_canceled = _user_canceled(batch, ended_at)
     record = provider_record(store, batch.id, provider_id)
     submission = record.get("submission")
     resubmit: list[str] = []
@@ -109,10 +116,10 @@ def map_results(task: SiftTask, batch: BatchJob, provider_id: str) -> None:
         lines += 1
         ours += submission is not None and submission_of(line.custom_id) == submission
         if len(page) >= PAGE:
-            resubmit += _map_page(task, batch, provider_id, page)
+            resubmit += _map_page(task, batch, provider_id, page, user_canceled)
             page = []
             expect(task, batch.id, provider_id, 0.0)  # a long mapping is no lost message
-    resubmit += _map_page(task, batch, provider_id, page)
+    resubmit += _map_page(task, batch, provider_id, page, user_canceled)
     in_doubt = bool(record.get("doubt")) and not ours
     if not in_doubt:
         resubmit += _map_left_out(task, batch, provider_id, submission, set(resubmit))
@@ -184,10 +191,25 @@ def _map_left_out(
     return resubmit
 
 
+def _user_canceled(batch: BatchJob, ended_at: float | None) -> bool:
+    """Whether the user's cancel of ``batch`` may have ended the provider batch that ended at
+    ``ended_at``: it came before that end (or the end is not known). Otherwise the provider
+    batch was canceled outside Sift (in the Console, say), and its ``canceled`` lines are
+    failed attempts, not a cancel the user never asked for."""
+    if batch.canceled_at is None:
+        return False
+    return ended_at is None or batch.canceled_at <= ended_at
+
+
 def _map_page(
-    task: SiftTask, batch: BatchJob, provider_id: str, lines: Sequence[BatchLine]
+    task: SiftTask,
+    batch: BatchJob,
+    provider_id: str,
+    lines: Sequence[BatchLine],
+    user_canceled: bool = False,
 ) -> list[str]:
-    """Map one page of result lines; answers the query ids to resubmit."""
+    """Map one page of result lines; answers the query ids to resubmit. A ``canceled`` line
+    cancels its item only if ``user_canceled`` (:func:`_user_canceled`)."""
     if not lines:
         return []
     store, pipeline, client = task.context.store, economy_pipeline(task), batches_client(task)
@@ -218,7 +240,7 @@ def _map_page(
             continue  # a stale result (the item moved on), or another create's
         record.update(provider=provider_id, pending=None)
         record["submission"] = submission or record.get("submission")
-        if line.kind == "canceled":
+        if line.kind == "canceled" and user_canceled:
             with job_context(f"{batch.id}/{qid}"):
                 cancel_item(task, batch, qid, record)
             continue
@@ -271,6 +293,11 @@ def _line_failure(line: BatchLine, provider_id: str) -> RerankAttemptError:
         return RerankAttemptError(
             AttemptOutcome.TIMEOUT,
             f"the provider expired the request unprocessed (batch {provider_id})",
+        )
+    if line.kind == "canceled":  # not by the user (:func:`_user_canceled`): as a 5xx
+        return RerankAttemptError(
+            AttemptOutcome.HTTP_5XX,
+            f"the provider batch {provider_id} was canceled outside Sift, the request unprocessed",
         )
     assert line.error is not None
     return line.error
