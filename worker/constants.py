@@ -85,6 +85,8 @@ ACTIVE_JOBS_KEY = REDIS_PREFIX + "active"  # zset: search, ingest, standard batc
 WEBHOOKS_OWED_KEY = REDIS_PREFIX + "webhooks-owed"
 REDRIVE_LEADER_KEY = REDIS_PREFIX + "redrive:leader"  # string: the worker sweeping this interval
 REDRIVE_SUSPECTS_KEY = REDIS_PREFIX + "redrive:suspects"  # hash job id -> positions found lost
+# hash search or batch id -> due time of its owed webhook found with no message (urgent window)
+REDRIVE_WEBHOOK_SUSPECTS_KEY = REDIS_PREFIX + "redrive:webhook-suspects"
 REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it was re-driven
 # string with a TTL: while it is set, a sweep looks at every active job, not only the stalled
 # ones (set right after a dead worker or a Redis restart, the events that lose a message)

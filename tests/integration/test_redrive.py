@@ -29,8 +29,10 @@ from worker.constants import (
     INGEST_QUEUE,
     INGEST_TASK,
     KOMBU_UNACKED_KEY,
+    REDRIVE_LEADER_KEY,
     REDRIVE_SUSPECTS_KEY,
     REDRIVE_URGENT_KEY,
+    REDRIVE_WEBHOOK_SUSPECTS_KEY,
     SEARCH_QUEUE,
     SEARCH_TASK,
     WEBHOOK_EVENT_SEARCH_COMPLETED,
@@ -641,3 +643,85 @@ def test_a_webhook_settled_while_the_sweep_looks_is_not_sent_again(
     )
     assert sweeper.resend_webhooks(now=time.time() + 1601) == []
     assert sent == [] and store.redis.zcard(WEBHOOKS_OWED_KEY) == 0
+
+
+def webhook_sweeper(store: JobStore, sent: list[str]) -> Sweeper:
+    """A sweeper at the default grace whose sends are only recorded (job ids)."""
+    return Sweeper(
+        store,
+        lambda name, args, queue, task_id: sent.append(args[0]["data"]["id"]),
+        interval_seconds=30,
+        stall_seconds=120,
+        webhook_grace_seconds=1600,
+    )
+
+
+def test_a_lost_webhook_goes_out_again_on_the_window_s_second_sweep(
+    store: JobStore, app: Celery
+) -> None:
+    """In an urgent window, an owed webhook already due with no message in the broker on two
+    sweeps in a row, at the same due time, is sent again then, not a grace (1,600 s) later;
+    one whose message waits in its queue is not (it waited out the grace)."""
+    waiting, lost = (
+        store.create_search("acme", SearchSpec(index="docs", query=q), webhook_url=HOOK)
+        for q in ("tea", "coffee")
+    )
+    for job in (waiting, lost):
+        assert store.start_search(job.id) and store.finish_search(job.id, result=RESULT)
+    event = webhook_event(WEBHOOK_EVENT_SEARCH_COMPLETED, waiting.id, "acme", HOOK, "succeeded")
+    celery_sender(app)(WEBHOOK_TASK, [event], WEBHOOK_QUEUE, "a-live-message")
+    store.redis.set(REDRIVE_URGENT_KEY, "a worker died", px=75_000)
+    sent: list[str] = []
+    sweeper = webhook_sweeper(store, sent)
+    now = time.time() + 1
+    assert sweeper.resend_webhooks(now=now) == []  # one sweep's look is no proof
+    assert store.redis.hkeys(REDRIVE_WEBHOOK_SUSPECTS_KEY) == [lost.id]
+    assert sweeper.resend_webhooks(now=now + 5) == [lost.id]
+    assert sweeper.resend_webhooks(now=now + 10) == []  # due again at its re-send
+    assert sent == [lost.id]
+
+
+def test_a_webhook_whose_due_time_moved_between_the_window_s_sweeps_is_not_sent_again(
+    store: JobStore,
+) -> None:
+    """A webhook whose due time changed between two sweeps (a retry recorded meanwhile) was
+    not lost between them: it is sent again only once two sweeps agree on its new one."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="tea"), webhook_url=HOOK)
+    assert store.start_search(job.id) and store.finish_search(job.id, result=RESULT)
+    store.redis.set(REDRIVE_URGENT_KEY, "a worker died", px=75_000)
+    sent: list[str] = []
+    sweeper = webhook_sweeper(store, sent)
+    now = time.time() + 1
+    assert sweeper.resend_webhooks(now=now) == []
+    assert store.webhook_due(job.id, now + 1, 2)  # its retry, due before the next sweep
+    assert sweeper.resend_webhooks(now=now + 5) == []
+    assert sweeper.resend_webhooks(now=now + 10) == [job.id]
+    assert sent == [job.id]
+
+
+def test_outside_the_window_a_lost_webhook_waits_out_the_grace(store: JobStore) -> None:
+    """With no urgent window open, an owed webhook with no message is sent again only once it
+    is overdue by the grace, however many sweeps saw it lost before."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="tea"), webhook_url=HOOK)
+    assert store.start_search(job.id) and store.finish_search(job.id, result=RESULT)
+    sent: list[str] = []
+    sweeper = webhook_sweeper(store, sent)
+    now = time.time() + 1
+    assert sweeper.resend_webhooks(now=now) == []
+    assert sweeper.resend_webhooks(now=now + 5) == []
+    assert store.redis.exists(REDRIVE_WEBHOOK_SUSPECTS_KEY) == 0
+    assert sweeper.resend_webhooks(now=now + 1600) == [job.id]
+    assert sent == [job.id]
+
+
+def test_a_window_s_sweep_that_finds_a_webhook_lost_brings_the_next_sweep_soon(
+    store: JobStore, default_sweeper: Sweeper
+) -> None:
+    """The sweep confirming a webhook seen lost comes within 5 s, not an interval (30 s) on,
+    as for chunks."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="tea"), webhook_url=HOOK)
+    assert store.start_search(job.id) and store.finish_search(job.id, result=RESULT)
+    store.redis.set(REDRIVE_URGENT_KEY, "a worker died", px=75_000)
+    assert default_sweeper.sweep_if_leader() == []
+    assert store.redis.hkeys(REDRIVE_WEBHOOK_SUSPECTS_KEY) == [job.id]
+    assert 0 < store.redis.pttl(REDRIVE_LEADER_KEY) <= 5_000

@@ -78,10 +78,20 @@ final move and the publish), stays owed past its due time, and a sweep sends it 
 it is overdue by ``webhook_grace_seconds`` (the broker's visibility timeout, 1,600 s at the
 defaults: a live message has mostly run by then, or been put back) and no message of it is
 in the webhook queue or ``unacked`` (one late behind a backlog is looked at again a grace
-later) (:meth:`Sweeper.resend_webhooks`): the same event, the same ``webhook-id``, so a
-receiver that had it after all drops the copy. It makes the attempt whose message was lost
-(each retry records it in the job's record, :meth:`JobStore.webhook_attempt`): the schedule
-goes on, so a webhook is attempted at most the schedule's number of times in all.
+later) (:meth:`Sweeper.resend_webhooks`). While an urgent window is open (a worker found
+dead, Redis restarted, a broker reconnect: the events that lose a message) a webhook does not
+wait out the grace: one already due with no message in the broker on two sweeps in a row, at
+the same due time both times, is sent again then, the confirming sweep coming within
+:data:`~worker.queue.urgent_window.URGENT_SWEEP_SECONDS` (``sift:redrive:webhook-suspects``
+keeps what a sweep saw, job id -> due time, as ``sift:redrive:suspects`` does for chunks).
+A live message is always in the broker (queued; or unacked: running, or waiting out a
+retry's countdown or a hop, the next one published before the ack), a retry recorded between
+the two sweeps moves the due time, and one settled meanwhile is owed no more
+(:meth:`JobStore.webhook_due` answers False), so none of them is sent again. Either way it is
+the same event, the same ``webhook-id``, so a receiver that had it after all drops the copy.
+It makes the attempt whose message was lost (each retry records it in the job's record,
+:meth:`JobStore.webhook_attempt`): the schedule goes on, so a webhook is attempted at most
+the schedule's number of times in all.
 
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
     sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)
@@ -115,6 +125,7 @@ from worker.constants import (
     REDRIVE_RUN_ID_KEY,
     REDRIVE_SUSPECTS_KEY,
     REDRIVE_URGENT_KEY,
+    REDRIVE_WEBHOOK_SUSPECTS_KEY,
     SEARCH_QUEUE,
     SEARCH_TASK,
     WEBHOOK_EVENT_BATCH_COMPLETED,
@@ -305,10 +316,12 @@ class Sweeper:
         if not self.store.redis.set(REDRIVE_LEADER_KEY, self.name, nx=True, px=lock_ms):
             return None
         redriven = self.sweep()
-        # in an urgent window, positions seen lost are confirmed by a sweep soon, not an
-        # interval on (the window's other sweeps keep to the interval)
-        if self.store.redis.exists(REDRIVE_URGENT_KEY, REDRIVE_SUSPECTS_KEY) == 2:
-            hurry_next_sweep(self.store.redis, self.interval_seconds)
+        # in an urgent window, positions (or webhooks) seen lost are confirmed by a sweep soon,
+        # not an interval on (the window's other sweeps keep to the interval)
+        client = self.store.redis
+        suspects = (REDRIVE_SUSPECTS_KEY, REDRIVE_WEBHOOK_SUSPECTS_KEY)
+        if client.exists(REDRIVE_URGENT_KEY) and client.exists(*suspects):
+            hurry_next_sweep(client, self.interval_seconds)
         return redriven
 
     # --- one sweep --------------------------------------------------------------------------
@@ -334,35 +347,63 @@ class Sweeper:
         return rewake(self.store, self.send, time.time())
 
     def resend_webhooks(self, now: float | None = None) -> list[str]:
-        """Send again each owed webhook overdue by the grace with no message in the broker
-        (lost, or never published); answers their job ids. ``now``: the sweep's clock (tests
-        move it on)."""
+        """Send again each owed webhook with no message in the broker (lost, or never
+        published) once it is overdue by the grace, or, while an urgent window is open, once
+        it is due and two sweeps in a row found it so at the same due time; answers their job
+        ids. ``now``: the sweep's clock (tests move it on)."""
         now = time.time() if now is None else now
-        sent: list[str] = []
-        overdue = self.store.webhooks_overdue(now - self.webhook_grace_seconds, PAGE)
-        waiting = self._waiting_webhooks(set(overdue)) if overdue else set()
-        for job_id in overdue:
-            if job_id in waiting:  # late (a backlog, its workers away), not lost
+        urgent = bool(self.store.redis.exists(REDRIVE_URGENT_KEY))
+        grace_ends = now - self.webhook_grace_seconds
+        owed = self.store.webhooks_overdue(now if urgent else grace_ends, PAGE)
+        waiting = self._waiting_webhooks(set(owed)) if owed else set()
+        lost: dict[str, str] = {}
+        missing: dict[str, float] = {}
+        for job_id, due in owed.items():
+            if due > grace_ends:  # due, not overdue: looked at in a window only
+                if job_id not in waiting:
+                    missing[job_id] = due
+            elif job_id in waiting:  # late (a backlog, its workers away), not lost
                 self.store.webhook_due(job_id, now)  # looked at again a grace later
-                continue
-            event = self._owed_event(job_id)
-            if event is None:  # its record expired: nothing to announce (nor to write)
-                self.store.webhook_settled(job_id, "failed", 0)
-                continue
-            # overdue again a grace later if lost again; not moved: settled meanwhile
-            if not self.store.webhook_due(job_id, now):
-                continue
-            self.send(WEBHOOK_TASK, [event], WEBHOOK_QUEUE, str(uuid.uuid4()))
-            sent.append(job_id)
-            log.warning(
-                "webhook msg_%s: still owed %gs past its due time; its message was lost, "
-                "sent again",
-                job_id,
-                self.webhook_grace_seconds,
-            )
+            else:
+                lost[job_id] = f"still owed {self.webhook_grace_seconds:g}s past its due time"
+        for job_id in self._confirmed_webhooks(missing):
+            lost[job_id] = "due with no message on two sweeps of an urgent window"
+        sent = [job_id for job_id, why in lost.items() if self._resend_webhook(job_id, now, why)]
         if sent:
             metrics.redriven("webhook", len(sent))
         return sent
+
+    def _confirmed_webhooks(self, missing: Mapping[str, float]) -> list[str]:
+        """Those of ``missing`` (due, no message: job id -> due time) that the sweep before
+        found so at the same due time; the others are kept for the next sweep to confirm. A
+        retry recorded between the two moved its due time: a message was there meanwhile.
+        Outside a window ``missing`` is empty, and nothing is kept."""
+        client = self.store.redis
+        previous = cast(dict[str, str], client.hgetall(REDRIVE_WEBHOOK_SUSPECTS_KEY))
+        confirmed = [job for job, due in missing.items() if previous.get(job) == repr(due)]
+        suspects = {job: repr(due) for job, due in missing.items() if job not in confirmed}
+        pipe = client.pipeline(transaction=True)
+        pipe.delete(REDRIVE_WEBHOOK_SUSPECTS_KEY)
+        for job, due in suspects.items():
+            pipe.hset(REDRIVE_WEBHOOK_SUSPECTS_KEY, job, due)
+        if suspects:
+            keep_ms = max(1000, int(SUSPECTS_KEPT_SWEEPS * self.interval_seconds * 1000))
+            pipe.pexpire(REDRIVE_WEBHOOK_SUSPECTS_KEY, keep_ms)
+        pipe.execute()
+        return confirmed
+
+    def _resend_webhook(self, job_id: str, now: float, why: str) -> bool:
+        """Send a lost webhook's message again, due at ``now``; whether it was sent."""
+        event = self._owed_event(job_id)
+        if event is None:  # its record expired: nothing to announce (nor to write)
+            self.store.webhook_settled(job_id, "failed", 0)
+            return False
+        # due again now, so looked at again if lost again; not moved: settled meanwhile
+        if not self.store.webhook_due(job_id, now):
+            return False
+        self.send(WEBHOOK_TASK, [event], WEBHOOK_QUEUE, str(uuid.uuid4()))
+        log.warning("webhook msg_%s: %s; its message was lost, sent again", job_id, why)
+        return True
 
     def _waiting_webhooks(self, job_ids: set[str]) -> set[str]:
         """Those of ``job_ids`` whose webhook has a message in the broker: waiting in its

@@ -118,11 +118,14 @@ class DeliveryRecords(_StoreCore):
             i for i, qid in enumerate(order) if statuses.get(qid) in pending and qid not in waiting
         ]
 
-    def webhooks_overdue(self, due_before: float, limit: int) -> list[str]:
-        """Ids of up to ``limit`` jobs whose webhook is owed and whose next message was due
-        before ``due_before``, the longest overdue first (their final move wrote them)."""
-        found = self.redis.zrangebyscore(WEBHOOKS_OWED_KEY, "-inf", due_before, 0, limit)
-        return cast(list[str], found)
+    def webhooks_overdue(self, due_before: float, limit: int) -> dict[str, float]:
+        """Up to ``limit`` jobs whose webhook is owed and whose next message was due before
+        ``due_before``, the longest overdue first (their final move wrote them): job id ->
+        when its next message was due."""
+        found = self.redis.zrangebyscore(
+            WEBHOOKS_OWED_KEY, "-inf", due_before, 0, limit, withscores=True
+        )
+        return dict(cast(list[tuple[str, float]], found))
 
     def webhook_due(self, job_id: str, when: float, attempt: int | None = None) -> bool:
         """The owed webhook's next message is due at ``when`` (a retry's time, or a re-send's)
