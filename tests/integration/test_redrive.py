@@ -587,6 +587,17 @@ def test_a_lost_webhook_sent_again_is_counted_as_a_webhook(store: JobStore, app:
     assert after - before == 1
 
 
+def webhook_sweeper(store: JobStore, sent: list[str]) -> Sweeper:
+    """A sweeper at the default grace whose sends are only recorded (job ids)."""
+    return Sweeper(
+        store,
+        lambda name, args, queue, task_id: sent.append(args[0]["data"]["id"]),
+        interval_seconds=30,
+        stall_seconds=120,
+        webhook_grace_seconds=1600,
+    )
+
+
 def test_an_overdue_webhook_still_in_the_broker_is_not_sent_again(
     store: JobStore, app: Celery, connection: Connection
 ) -> None:
@@ -603,13 +614,7 @@ def test_an_overdue_webhook_still_in_the_broker_is_not_sent_again(
     event = webhook_event(WEBHOOK_EVENT_SEARCH_COMPLETED, waiting.id, "acme", HOOK, "succeeded")
     celery_sender(app)(WEBHOOK_TASK, [event], WEBHOOK_QUEUE, "a-live-message")
     sent: list[str] = []
-    sweeper = Sweeper(
-        store,
-        lambda name, args, queue, task_id: sent.append(args[0]["data"]["id"]),
-        interval_seconds=30,
-        stall_seconds=120,
-        webhook_grace_seconds=1600,
-    )
+    sweeper = webhook_sweeper(store, sent)
     later = time.time() + 1601
     assert sweeper.resend_webhooks(now=later) == [lost.id]  # not the one in its queue
     take(store, connection, WEBHOOK_QUEUE, "w1")  # now held unacked by a worker
@@ -643,17 +648,6 @@ def test_a_webhook_settled_while_the_sweep_looks_is_not_sent_again(
     )
     assert sweeper.resend_webhooks(now=time.time() + 1601) == []
     assert sent == [] and store.redis.zcard(WEBHOOKS_OWED_KEY) == 0
-
-
-def webhook_sweeper(store: JobStore, sent: list[str]) -> Sweeper:
-    """A sweeper at the default grace whose sends are only recorded (job ids)."""
-    return Sweeper(
-        store,
-        lambda name, args, queue, task_id: sent.append(args[0]["data"]["id"]),
-        interval_seconds=30,
-        stall_seconds=120,
-        webhook_grace_seconds=1600,
-    )
 
 
 def test_a_lost_webhook_goes_out_again_on_the_window_s_second_sweep(
