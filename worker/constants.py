@@ -69,6 +69,9 @@ ECONOMY_SENDING_MARK = "sending "
 # took its lease: a lease that ran out while Redis was away is kept by that run again, one
 # that another run took since (and maybe gave back) is not
 ECONOMY_LEASED_MARK = "leased "
+# a field of that hash: + provider batch id -> set once Sift's cancel of it (the user's)
+# reached it before it ended: its ``canceled`` lines are the user's, whatever the clocks read
+ECONOMY_CANCEL_SENT_MARK = "cancel-sent "
 # zset "<batch id> <provider batch id | submit>" -> the time by which that economy task
 # should have run again: the re-drive's sweep sends one past it (a lost message)
 ECONOMY_WATCH_KEY = REDIS_PREFIX + "eco-watch"

@@ -23,6 +23,7 @@ from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import CALL_TIMEOUT_SECONDS, AnthropicMessageBatches
 from worker.constants import (
     BATCH_ITEMS_KEY,
+    BATCH_KEY,
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RESEND_CLAIM,
     ECONOMY_RUNS_KEY,
@@ -35,6 +36,7 @@ from worker.errors import RerankAttemptError
 from worker.queue import economy, liveness
 from worker.queue.base import WorkerContext
 from worker.queue.economy import leases, records, submission
+from worker.queue.economy.cancel import cancel_quietly
 from worker.queue.jobstore import BatchJob, JobStore
 from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
@@ -556,3 +558,47 @@ def test_a_canceled_batch_s_item_whose_request_errored_is_canceled_whenever_the_
     assert done is not None and done.finished_at is not None, done
     assert done.counts["canceled"] == 1 and done.counts["failed"] == 0, done.counts
     assert [kw["status"] for name, kw in task.sent if name == "batch.completed"] == [done.status]
+
+
+def test_a_cancel_sift_sent_is_the_users_though_the_gateway_s_clock_is_ahead(
+    context: WorkerContext, model: FakeAnthropic, workers: None
+) -> None:
+    """q0's request errored twice (``overloaded_error``), so its third is its last; the user
+    cancels while it waits, and Sift cancels its provider batch (``sift.economy_cancel``),
+    still in progress: its line comes back ``canceled``. The gateway's clock runs a minute
+    ahead of the provider's, so the batch's ``canceled_at`` reads after the provider's
+    ``ended_at``. The cancel was still the user's, Sift's reached the provider batch before
+    it ended: q0 ends ``canceled``. Before, the two clocks
+    were compared alone: the line was taken for a cancel made outside Sift, an ``http_5xx``
+    attempt, the last, and q0 ended ``failed`` ``rerank_failed`` in a batch the user
+    canceled."""
+    model.script_batch({"i0": [errored("overloaded_error"), errored("overloaded_error")]})
+    batch, qids = _prepared(context, 2)
+    _submission(context, batch, qids, "1")
+    store = context.store
+    [first] = model.batches()  # ended at once
+    _mapping(context, batch, first["id"])
+    [_, second] = model.batches()
+    model.configure(batch_processing_seconds=300.0)  # the third stays in progress
+    _mapping(context, batch, second["id"])
+    [_, _, third] = model.batches()
+    assert store.cancel_batch(batch.id) == (0, False)
+    ahead = (store.get_batch(batch.id).canceled_at or 0.0) + 60.0  # type: ignore[union-attr]
+    store.redis.hset(BATCH_KEY + batch.id, "canceled_at", repr(ahead))
+    model.configure(batch_cancel_seconds=0.5)  # canceling, then ended, as the API does
+    cancel_quietly(store, batch.id, context.batches, third["id"])  # sift.economy_cancel's
+    for _ in range(300):
+        if context.batches.retrieve(third["id"]).ended:
+            break
+        time.sleep(0.1)
+    task = _Task(context, f"poll-{third['id']}")
+    ended_at = context.batches.retrieve(third["id"]).ended_at
+    fresh = store.get_batch(batch.id) or batch
+    leases.leased(
+        task, batch.id, third["id"],
+        lambda: economy.map_results(task, fresh, third["id"], ended_at),  # type: ignore[arg-type]
+    )  # fmt: skip
+    q0, q1 = store.batch_results(batch.id, 0, 2)
+    assert q1.status == "succeeded", q1
+    assert q0.status == "canceled", q0
+    assert len(model.batches()) == 3

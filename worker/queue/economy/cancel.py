@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 
 from celery import shared_task
 
-from worker.constants import ECONOMY_CANCEL_TASK, ECONOMY_PROVIDERS_KEY, ECONOMY_RUNS_KEY
+from worker.constants import (
+    ECONOMY_CANCEL_SENT_MARK,
+    ECONOMY_CANCEL_TASK,
+    ECONOMY_PROVIDERS_KEY,
+    ECONOMY_RUNS_KEY,
+    ECONOMY_STATE_KEY,
+)
 from worker.errors import RerankAttemptError
 from worker.queue.base import SiftTask
 from worker.queue.economy.finish import cancel_item
@@ -17,15 +23,33 @@ from worker.queue.economy.records import DOUBT, batches_client
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
+    from worker.queue.jobstore import JobStore
 
 log = logging.getLogger(__name__)
 
 
-def cancel_quietly(client: AnthropicMessageBatches, provider_id: str) -> None:
+def cancel_quietly(
+    store: JobStore, batch_id: str, client: AnthropicMessageBatches, provider_id: str
+) -> None:
+    """Ask the provider to cancel a canceled Sift batch's provider batch; if it had not ended
+    when the cancel reached it, write that down (:func:`cancel_sent`). A refused cancel is
+    logged, never an error."""
     try:
-        client.cancel(provider_id)
+        answer = client.cancel(provider_id)
     except RerankAttemptError as exc:
         log.warning("provider batch %s: cancel failed (%s); the poll will retry", provider_id, exc)
+        return
+    if answer.ended:  # ended before this cancel came (outside Sift, say): not the user's
+        return
+    store.economy_save(batch_id, ECONOMY_STATE_KEY, {ECONOMY_CANCEL_SENT_MARK + provider_id: "1"})
+
+
+def cancel_sent(store: JobStore, batch_id: str, provider_id: str) -> bool:
+    """Whether Sift's cancel of ``provider_id`` reached it before it ended, so the user's
+    cancel came before its end: known without setting the gateway's clock (``canceled_at``)
+    against the provider's (``ended_at``)."""
+    mark = ECONOMY_CANCEL_SENT_MARK + provider_id
+    return store.economy_get(batch_id, ECONOMY_STATE_KEY, [mark])[0] is not None
 
 
 @shared_task(  # type: ignore[untyped-decorator]
@@ -45,7 +69,7 @@ def economy_cancel(self: SiftTask, batch_id: str) -> None:
     for provider_id, raw in providers.items():
         record = json.loads(raw)
         if record.get("ended_at") is None and not record.get("doubt"):  # never another's
-            cancel_quietly(client, provider_id)
+            cancel_quietly(store, batch_id, client, provider_id)
             log.info("batch %s: provider batch %s canceled", batch_id, provider_id)
     batch = store.get_batch(batch_id)
     if batch is None:

@@ -66,7 +66,7 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
             if batch.canceled_at is not None and status.processing_status == "in_progress" and ours:
                 # a refused cancel (the batch ended meanwhile, say) is no failure of its
                 # items: the next poll sees it ended, or asks again
-                cancel_quietly(client, provider_id)
+                cancel_quietly(store, batch_id, client, provider_id)
             expect(self, batch_id, provider_id, poll_countdown(self))
             raise self.retry(countdown=poll_countdown(self))
         map_results(self, batch, provider_id, status.ended_at)

@@ -24,6 +24,7 @@ from worker.core.types import TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.observability.logcontext import job_context
 from worker.queue.base import SiftTask
+from worker.queue.economy.cancel import cancel_sent
 from worker.queue.economy.finish import cancel_item, fail_items, finish_item
 from worker.queue.economy.ids import custom_id, position_of, submission_of
 from worker.queue.economy.leases import expect
@@ -99,7 +100,7 @@ def map_results(
     client, store = batches_client(task), task.context.store
     # read again: a cancel may have come since the poll read the batch, and been the cause
     batch = store.get_batch(batch.id) or batch
-    user_canceled = _user_canceled(batch, ended_at)
+    user_canceled = _user_canceled(batch, ended_at, cancel_sent(store, batch.id, provider_id))
     record = provider_record(store, batch.id, provider_id)
     submission = record.get("submission")
     resubmit: list[str] = []
@@ -191,14 +192,17 @@ def _map_left_out(
     return resubmit
 
 
-def _user_canceled(batch: BatchJob, ended_at: float | None) -> bool:
+def _user_canceled(batch: BatchJob, ended_at: float | None, sent: bool) -> bool:
     """Whether the user's cancel of ``batch`` may have ended the provider batch that ended at
-    ``ended_at``: it came before that end (or the end is not known). Otherwise the provider
-    batch was canceled outside Sift (in the Console, say), and its ``canceled`` lines are
-    failed attempts, not a cancel the user never asked for."""
+    ``ended_at``: Sift's cancel of it reached it before it ended (``sent``), or the user's came
+    before that end (or the end is not known). ``sent`` holds whatever the clocks read: the
+    gateway's (``canceled_at``) running ahead of the provider's (``ended_at``) by more than
+    the cancel took made a cancel Sift sent look like one from outside. Otherwise the
+    provider batch was canceled outside Sift (in the Console, say), and its ``canceled``
+    lines are failed attempts, not a cancel the user never asked for."""
     if batch.canceled_at is None:
         return False
-    return ended_at is None or batch.canceled_at <= ended_at
+    return sent or ended_at is None or batch.canceled_at <= ended_at
 
 
 def _map_page(

@@ -193,7 +193,7 @@ def submit(
     again = task.context.store.get_batch(batch.id)
     if created and again is not None and again.canceled_at is not None:
         for provider_id in created:  # canceled while we were sending: cancel what we sent
-            cancel_quietly(client, provider_id)
+            cancel_quietly(task.context.store, batch.id, client, provider_id)
     return created
 
 
