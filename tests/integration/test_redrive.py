@@ -598,13 +598,9 @@ def webhook_sweeper(store: JobStore, sent: list[str]) -> Sweeper:
     )
 
 
-def test_an_overdue_webhook_still_in_the_broker_is_not_sent_again(
-    store: JobStore, app: Celery, connection: Connection
-) -> None:
-    """A webhook whose message waits past the grace (behind a backlog, or held unacked by a
-    worker: the webhook workers stopped, say) is live: the sweep leaves it, and looks again a
-    grace later. One with no message left (never published here: its worker died) is sent
-    again, once a sweep, never a copy of one still waiting."""
+def waiting_and_lost_webhooks(store: JobStore, app: Celery) -> tuple[SearchJob, SearchJob]:
+    """Two finished searches that owe a webhook: the first's message waits in its queue,
+    the second's was never published (its worker died)."""
     waiting, lost = (
         store.create_search("acme", SearchSpec(index="docs", query=q), webhook_url=HOOK)
         for q in ("tea", "coffee")
@@ -613,6 +609,17 @@ def test_an_overdue_webhook_still_in_the_broker_is_not_sent_again(
         assert store.start_search(job.id) and store.finish_search(job.id, result=RESULT)
     event = webhook_event(WEBHOOK_EVENT_SEARCH_COMPLETED, waiting.id, "acme", HOOK, "succeeded")
     celery_sender(app)(WEBHOOK_TASK, [event], WEBHOOK_QUEUE, "a-live-message")
+    return waiting, lost
+
+
+def test_an_overdue_webhook_still_in_the_broker_is_not_sent_again(
+    store: JobStore, app: Celery, connection: Connection
+) -> None:
+    """A webhook whose message waits past the grace (behind a backlog, or held unacked by a
+    worker: the webhook workers stopped, say) is live: the sweep leaves it, and looks again a
+    grace later. One with no message left (never published here: its worker died) is sent
+    again, once a sweep, never a copy of one still waiting."""
+    waiting, lost = waiting_and_lost_webhooks(store, app)
     sent: list[str] = []
     sweeper = webhook_sweeper(store, sent)
     later = time.time() + 1601
@@ -656,14 +663,7 @@ def test_a_lost_webhook_goes_out_again_on_the_window_s_second_sweep(
     """In an urgent window, an owed webhook already due with no message in the broker on two
     sweeps in a row, at the same due time, is sent again then, not a grace (1,600 s) later;
     one whose message waits in its queue is not (it waited out the grace)."""
-    waiting, lost = (
-        store.create_search("acme", SearchSpec(index="docs", query=q), webhook_url=HOOK)
-        for q in ("tea", "coffee")
-    )
-    for job in (waiting, lost):
-        assert store.start_search(job.id) and store.finish_search(job.id, result=RESULT)
-    event = webhook_event(WEBHOOK_EVENT_SEARCH_COMPLETED, waiting.id, "acme", HOOK, "succeeded")
-    celery_sender(app)(WEBHOOK_TASK, [event], WEBHOOK_QUEUE, "a-live-message")
+    _waiting, lost = waiting_and_lost_webhooks(store, app)
     store.redis.set(REDRIVE_URGENT_KEY, "a worker died", px=75_000)
     sent: list[str] = []
     sweeper = webhook_sweeper(store, sent)
