@@ -4,11 +4,14 @@ break on the framework's own routes, ``HEAD`` on every ``GET`` route, and an
 
 from __future__ import annotations
 
+import http.client
 import re
 import socket
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 
 from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack
@@ -241,3 +244,25 @@ def test_an_encoded_slash_is_no_segment_boundary_on_the_job_routes(
     results = stack.live.get(f"/v1/batches/{ids['batch_id']}%2Fresults", headers=ACME)
     assert results.status_code == 404 and results.json()["error"]["field"] == "id", results.text
     assert stack.live.get(f"/v1/batches/{ids['batch_id']}/results", headers=ACME).is_success
+
+
+def test_the_gateway_keeps_an_idle_connection_longer_than_a_pooling_client_does(
+    stack: Stack,
+) -> None:
+    """httpx, under the Python SDKs and ``sift``'s own client, reuses a connection idle for up
+    to 5 s; uvicorn closed one idle for 5 s, so a request sent as the gateway closed it got
+    no answer ("Server disconnected without sending a response", seen in a CI run on a
+    loaded machine, on a plain ``GET``). The gateway keeps an idle connection 75 s."""
+    parts = urlsplit(stack.idle_url)
+    assert parts.hostname and parts.port
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        connection.request("GET", "/healthz")
+        assert connection.getresponse().read()
+        opened = connection.sock
+        time.sleep(httpx.Limits().keepalive_expiry + 1)  # longer than httpx keeps one idle
+        connection.request("GET", "/healthz")
+        again = connection.getresponse()
+        assert again.status == 200 and connection.sock is opened
+    finally:
+        connection.close()

@@ -51,6 +51,10 @@ from worker.settings import Settings, load_settings
 
 console = Console(emoji=False)
 DEV_KEY_FILE = "dev-api-key.json"  # in the data folder: the development key and its secret
+# How long the gateway keeps an idle keep-alive connection: longer than a pooling client keeps
+# one (httpx: 5 s; nginx upstream pools: 60 s), so a client never reuses a connection the
+# gateway is closing (uvicorn's own 5 s raced httpx's: a request sent then had no answer)
+GATEWAY_KEEP_ALIVE_SECONDS = 75
 
 
 @app.command("gateway")
@@ -68,6 +72,7 @@ def gateway(
     uvicorn.run(
         "api_gateway.app:serve", factory=True, host=host, port=settings.gateway_port,
         access_log=False, log_level=settings.log_level.lower(),
+        timeout_keep_alive=GATEWAY_KEEP_ALIVE_SECONDS,
     )  # fmt: skip
 
 
