@@ -112,7 +112,8 @@ def run(
         batch.raise_for_status()
         bid = batch.json()["id"]
         while True:
-            counts = client.get(f"/v1/batches/{bid}", headers=AUTH).json()["counts"]
+            job = client.get(f"/v1/batches/{bid}", headers=AUTH).json()
+            counts = job["counts"]
             if counts["queued"] == counts["running"] == 0:
                 break
             time.sleep(0.5)
@@ -135,6 +136,7 @@ def run(
         "fraction_429": round(refused / max(1, answered + refused), 4),
         "items": counts,
         "item_errors": errors,
+        "rerank_outcomes": job["rerank_outcomes"],  # a search without a model answer says why
     }
 
 

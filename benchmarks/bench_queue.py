@@ -105,16 +105,22 @@ def run_batch(
 
 
 def failures(client: httpx.Client, batch_id: str) -> dict[str, int]:
-    """How many items failed, by error type and message (to say why a run fell short)."""
+    """How many items failed, by error type and message, and how many fell back to the fused
+    order, by reason (to say why a run fell short)."""
     found: dict[str, int] = {}
     token: str | None = None
     while True:
         params = {"page_size": 1000, **({"page_token": token} if token else {})}
         page = client.get(f"/v1/batches/{batch_id}/results", params=params, headers=AUTH).json()
         for item in page["results"]:
+            rerank = (item.get("result") or {}).get("rerank") or {}
             if item.get("error"):
                 reason = f"{item['error']['type']}: {item['error']['message'][:80]}"
-                found[reason] = found.get(reason, 0) + 1
+            elif rerank.get("fallback_reason"):
+                reason = f"fallback: {rerank['fallback_reason'][:80]}"
+            else:
+                continue
+            found[reason] = found.get(reason, 0) + 1
         token = page["next_page_token"]
         if not token:
             return found

@@ -520,8 +520,52 @@ def test_a_batch_item_paces_itself_until_the_queue_fits_in_its_deadline(
         assert budget.reserve(PROMPT, max_wait=60.0).admitted
     assert budget.backlog() > 1.0
     pipeline.pace()
-    assert slept and budget.backlog() <= 1.0
+    # the queue came to fit, and the reading now counts the item let start (a call a second)
+    assert slept and budget.backlog() <= 1.0 + 1.0
     assert fake.requests() == []  # pacing calls no model
+
+
+def test_the_batch_items_paced_on_one_reading_do_not_all_start(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A process answers the budget's queue length from its last reading for
+    BACKLOG_REFRESH_SECONDS, and every batch item waiting to start asks again: those asking
+    on one reading all started at once, and the surplus met its deadline in the budget's
+    queue (9 to 42 ``budget_exhausted`` fallbacks in 5,000 in ``bench_budget.py``). Each
+    item let start counts in the reading: with 3 s of room (a third of a 9 s deadline) at
+    one call a second, at most four of ten start on the reading, not ten."""
+    settings = load_settings(
+        rerank_enabled=True, generation_model=f"anthropic:{MODEL}", search_deadline_seconds=9.0
+    )
+    now = [0.0]  # frozen: every item asks within one reading
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60), clock=lambda: now[0])
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:  # an item that must wait: counted, then let go
+        slept.append(seconds)
+        now[0] += seconds
+        budget._backlog = (0.0, now[0])
+
+    pipeline = build_pipeline(
+        settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=AnthropicReranker(MODEL, api_key="sk-test"),
+        rate_budget=budget,
+        sleep=sleep,
+    )
+    assert budget.reserve(PROMPT, max_wait=60.0).admitted  # the typical call: one request
+    now[0] += BACKLOG_REFRESH_SECONDS
+    assert budget.backlog() == 0.0  # the reading the items ask on: a full bucket
+    at_once = 0
+    for _ in range(10):
+        waits = len(slept)
+        pipeline.pace()
+        at_once += len(slept) == waits
+        if len(slept) > waits:
+            break
+    assert at_once == 4, (at_once, budget._backlog)
+    assert fake.requests() == []
 
 
 def test_settling_many_calls_in_flight_converges_on_the_reported_ratio(

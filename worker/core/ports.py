@@ -215,6 +215,11 @@ class RateBudget(Protocol):
         """Seconds a typical call reserved now would wait (reserving nothing)."""
         ...
 
+    def started(self) -> None:
+        """A batch item paced by :meth:`backlog` goes on to its call: count it in the
+        backlog this process answers until that is read again."""
+        ...
+
 
 class Recorder(Protocol):
     """Where the pipeline reports what it did; the metrics adapter implements it."""
