@@ -530,10 +530,10 @@ def test_the_batch_items_paced_on_one_reading_do_not_all_start(
 ) -> None:
     """A process answers the budget's queue length from its last reading for
     BACKLOG_REFRESH_SECONDS, and every batch item waiting to start asks again: those asking
-    on one reading all started at once, and the surplus met its deadline in the budget's
-    queue (9 to 42 ``budget_exhausted`` fallbacks in 5,000 in ``bench_budget.py``). Each
-    item let start counts in the reading: with 3 s of room (a third of a 9 s deadline) at
-    one call a second, at most four of ten start on the reading, not ten."""
+    on one reading all started at once, however long the queue they made, which can outgrow
+    their deadline (``budget_exhausted``). Each item let start counts in the reading: with
+    3 s of room (a third of a 9 s deadline) at one call a second, at most four of ten start
+    on the reading, not ten."""
     settings = load_settings(
         rerank_enabled=True, generation_model=f"anthropic:{MODEL}", search_deadline_seconds=9.0
     )

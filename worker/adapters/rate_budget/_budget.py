@@ -281,8 +281,7 @@ class RedisRateBudget:
     def started(self) -> None:
         """A batch item let start on this process's reading goes on to reserve its call:
         the reading counts it (one typical call's refill time) until it is read again. The
-        items that asked on one reading all started, and the queue outgrew their deadline:
-        9 to 42 ``budget_exhausted`` fallbacks in 5,000 (``benchmarks/bench_budget.py``)."""
+        items that asked on one reading all started, however long the queue they made."""
         if not self.active:
             return
         with self._backlog_lock:
