@@ -42,7 +42,7 @@ from worker.observability.metrics import PrometheusRecorder
 from worker.runtime.bootstrap import build_batch_client, build_pipeline, build_rate_budget
 from worker.runtime.inprocess import Runtime
 from worker.runtime.ratelimit import LimitedReranker, ProviderLimiter
-from worker.settings import RateLimit, load_settings
+from worker.settings import RateLimit, Settings, load_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -492,6 +492,20 @@ def test_backlog_answers_the_wait_without_reserving(client: redis.Redis) -> None
     assert budget.backlog() <= first and client.hget(budget.key, "r") == level
 
 
+def pacing_pipeline(
+    settings: Settings, budget: RedisRateBudget, sleep: Callable[[float], None]
+) -> SearchPipeline:
+    """A pipeline over the real reranker and ``budget``, whose waits go through ``sleep``."""
+    return build_pipeline(
+        settings,
+        backend=InMemoryBackend(),
+        embedder=FakeEmbedder(),
+        reranker=AnthropicReranker(MODEL, api_key="sk-test"),
+        rate_budget=budget,
+        sleep=sleep,
+    )
+
+
 def test_a_batch_item_paces_itself_until_the_queue_fits_in_its_deadline(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:
@@ -507,14 +521,7 @@ def test_a_batch_item_paces_itself_until_the_queue_fits_in_its_deadline(
         now[0] += seconds
         client.hincrbyfloat(budget.key, "at", -seconds)
 
-    pipeline = build_pipeline(
-        settings,
-        backend=InMemoryBackend(),
-        embedder=FakeEmbedder(),
-        reranker=AnthropicReranker(MODEL, api_key="sk-test"),
-        rate_budget=budget,
-        sleep=sleep,
-    )
+    pipeline = pacing_pipeline(settings, budget, sleep)
     exhaust(budget)
     for _ in range(5):  # a queue of 5 s, past a third of the 3 s deadline
         assert budget.reserve(PROMPT, max_wait=60.0).admitted
@@ -546,14 +553,7 @@ def test_the_batch_items_paced_on_one_reading_do_not_all_start(
         now[0] += seconds
         budget._backlog = (0.0, now[0])
 
-    pipeline = build_pipeline(
-        settings,
-        backend=InMemoryBackend(),
-        embedder=FakeEmbedder(),
-        reranker=AnthropicReranker(MODEL, api_key="sk-test"),
-        rate_budget=budget,
-        sleep=sleep,
-    )
+    pipeline = pacing_pipeline(settings, budget, sleep)
     assert budget.reserve(PROMPT, max_wait=60.0).admitted  # the typical call: one request
     now[0] += BACKLOG_REFRESH_SECONDS
     assert budget.backlog() == 0.0  # the reading the items ask on: a full bucket
