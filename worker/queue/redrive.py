@@ -382,14 +382,7 @@ class Sweeper:
         previous = cast(dict[str, str], client.hgetall(REDRIVE_WEBHOOK_SUSPECTS_KEY))
         confirmed = [job for job, due in missing.items() if previous.get(job) == repr(due)]
         suspects = {job: repr(due) for job, due in missing.items() if job not in confirmed}
-        pipe = client.pipeline(transaction=True)
-        pipe.delete(REDRIVE_WEBHOOK_SUSPECTS_KEY)
-        for job, due in suspects.items():
-            pipe.hset(REDRIVE_WEBHOOK_SUSPECTS_KEY, job, due)
-        if suspects:
-            keep_ms = max(1000, int(SUSPECTS_KEPT_SWEEPS * self.interval_seconds * 1000))
-            pipe.pexpire(REDRIVE_WEBHOOK_SUSPECTS_KEY, keep_ms)
-        pipe.execute()
+        self._keep_suspects(REDRIVE_WEBHOOK_SUSPECTS_KEY, suspects)
         return confirmed
 
     def _resend_webhook(self, job_id: str, now: float, why: str) -> bool:
@@ -530,14 +523,21 @@ class Sweeper:
 
     def _remember(self, lost: Mapping[str, set[int]]) -> None:
         """Keep this sweep's lost positions (as runs) for the next sweep to confirm."""
+        suspects = {
+            job: json.dumps(runs(positions)) for job, positions in lost.items() if positions
+        }
+        self._keep_suspects(REDRIVE_SUSPECTS_KEY, suspects)
+
+    def _keep_suspects(self, key: str, suspects: Mapping[str, str]) -> None:
+        """Replace the hash ``key`` with ``suspects`` (what this sweep saw lost, for the next
+        to confirm), kept a few sweeps."""
         pipe = self.store.redis.pipeline(transaction=True)
-        pipe.delete(REDRIVE_SUSPECTS_KEY)
-        suspects = {job: positions for job, positions in lost.items() if positions}
-        for job, positions in suspects.items():
-            pipe.hset(REDRIVE_SUSPECTS_KEY, job, json.dumps(runs(positions)))
+        pipe.delete(key)
+        for job, seen in suspects.items():
+            pipe.hset(key, job, seen)
         if suspects:
             keep_ms = max(1000, int(SUSPECTS_KEPT_SWEEPS * self.interval_seconds * 1000))
-            pipe.pexpire(REDRIVE_SUSPECTS_KEY, keep_ms)
+            pipe.pexpire(key, keep_ms)
         pipe.execute()
 
     def _redrive(self, job_id: str, positions: set[int]) -> Redrive:
