@@ -100,7 +100,8 @@ def map_results(
     client, store = batches_client(task), task.context.store
     # read again: a cancel may have come since the poll read the batch, and been the cause
     batch = store.get_batch(batch.id) or batch
-    user_canceled = _user_canceled(batch, ended_at, cancel_sent(store, batch.id, provider_id))
+    sent = batch.canceled_at is not None and cancel_sent(store, batch.id, provider_id)
+    user_canceled = _user_canceled(batch, ended_at, sent)
     record = provider_record(store, batch.id, provider_id)
     submission = record.get("submission")
     resubmit: list[str] = []
