@@ -216,8 +216,13 @@ class RateBudget(Protocol):
         ...
 
     def started(self) -> None:
-        """A batch item paced by :meth:`backlog` goes on to its call: count it in the
-        backlog this process answers until that is read again."""
+        """This thread's batch item, paced by :meth:`backlog`, goes on to its call: it counts
+        in every process's backlog until it reserves the call or :meth:`ended`."""
+        ...
+
+    def ended(self) -> None:
+        """This thread's item no longer counts as started: its search ended (with or without
+        a call)."""
         ...
 
 

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -41,6 +43,14 @@ MIN_CORRECTION, MAX_CORRECTION = 0.1, 10.0
 # backlog() answers from the last reading this recent (a reservation's wait is one) rather
 # than asking Redis: a batch paces every item on it
 BACKLOG_REFRESH_SECONDS = 0.2
+# an item let start (started()) counts in the readings until it reserves its call, or ends
+# without one (ended()), or for this long at most: one whose run stopped before its search
+# (another run held the item) is not counted for good
+PENDING_SECONDS = 60.0
+# what another process told of its items let start counts this long after it told it (Redis's
+# clock): each process tells it at every reading and reservation, several times a second
+# while it paces a batch, so only a process gone (killed, or done pacing) is past it
+PENDING_STALE_SECONDS = 10.0
 # and, while it knows no limit, reads the shared hash (limits other processes learned, a 429's
 # pause) at most this often: at every call it was a round trip per call against a provider
 # that states no limits
@@ -53,13 +63,18 @@ OFF_REFRESH_SECONDS = 0.2
 # wait, taking nothing), 8 seconds to pause every caller for (a 429; 0: none), 9-11 learned
 # limits to store (0: none), 12 the burst fraction, 13 the hash's TTL, 14-16 what the
 # provider's buckets held by its response headers (-1: not stated), 17 the seconds since that
-# call was sent (the provider's buckets have refilled since). A limit both configured and
+# call was sent (the provider's buckets have refilled since), 18 the seconds of queue this
+# process's items let start but not yet reserved make (pending), 19 the process's id ('': it
+# tells nothing), 20 how long another process's pending counts after it told it. KEYS[2]: the
+# processes' pending, id -> "seconds instant" on Redis's clock. A limit both configured and
 # learned is the lower of the two. A stated level lowers Sift's bucket to it, less the
 # provider's spare (1 - burst) share, when Sift's believes it holds more; never raises it.
-# Answers {admitted (1/0), seconds to wait (a string: Lua numbers come back from Redis as
-# integers)}. Numbers are stored with 17 digits (Lua's tostring keeps 14: a tenth of a
-# millisecond of Redis's clock). Nothing but learned limits is written when the caller is not
-# admitted.
+# Answers {admitted (1/0), seconds to wait, the backlog} (strings: Lua numbers come back from
+# Redis as integers). The backlog is the reading a batch paces on: the seconds until a call
+# like this one fits once it is taken (when admitted) and once every process's pending items
+# have theirs; below zero, the bucket has room for that many seconds' worth more. Numbers are
+# stored with 17 digits (Lua's tostring keeps 14: a tenth of a millisecond of Redis's clock).
+# Nothing but learned limits and the caller's pending is written when it is not admitted.
 BUDGET_SCRIPT = """
 local function num(x) return string.format('%.17g', x) end
 local key = KEYS[1]
@@ -86,6 +101,7 @@ if pause_for > 0 and now + pause_for > pause then
 end
 local wait = math.max(0, pause - now)
 local levels = {}
+local need_now, need_next = -math.huge, -math.huge  -- until a call like it fits: before, after
 for d = 1, 3 do
   local limit = tonumber(ARGV[d])
   local learned = tonumber(state[3 + d]) or 0
@@ -102,6 +118,7 @@ for d = 1, 3 do
     if cost > 0 and level < cost then
       wait = math.max(wait, (cost - level) / rate)
     end
+    need_now = math.max(need_now, (cost - level) / rate)
     level = math.min(cap, level - cost)
     local stated = tonumber(ARGV[13 + d])
     if stated >= 0 then
@@ -109,14 +126,44 @@ for d = 1, 3 do
       if theirs < level then level = theirs end
     end
     levels[d] = level
+    need_next = math.max(need_next, (cost - level) / rate)
   end
 end
+local pending = 0
+local me = ARGV[19]
+if me ~= '' then
+  local pkey = KEYS[2]
+  local stale = tonumber(ARGV[20])
+  local told = redis.call('HGETALL', pkey)
+  for i = 1, #told, 2 do
+    if told[i] ~= me then
+      local seconds, instant = string.match(told[i + 1], '^(%S+) (%S+)$')
+      if instant and now - tonumber(instant) <= stale then
+        pending = pending + tonumber(seconds)
+      else
+        redis.call('HDEL', pkey, told[i])
+      end
+    end
+  end
+  local mine = tonumber(ARGV[18])
+  pending = pending + mine
+  if mine > 0 then
+    redis.call('HSET', pkey, me, num(mine) .. ' ' .. num(now))
+    redis.call('EXPIRE', pkey, tonumber(ARGV[13]))
+  else
+    redis.call('HDEL', pkey, me)
+  end
+end
+local function backlog(need)
+  if need == -math.huge then need = 0 end
+  return num(math.max(pause - now, need + pending))
+end
 if max_wait == -2 then
-  return {0, num(wait)}
+  return {0, num(wait), backlog(need_now)}
 end
 if max_wait >= 0 and wait > max_wait then
   if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
-  return {0, num(wait)}
+  return {0, num(wait), backlog(need_now)}
 end
 for d = 1, 3 do
   if levels[d] ~= nil then
@@ -127,7 +174,7 @@ table.insert(writes, 'at'); table.insert(writes, num(now))
 table.insert(writes, 'pause'); table.insert(writes, num(pause))
 redis.call('HSET', key, unpack(writes))
 redis.call('EXPIRE', key, tonumber(ARGV[13]))
-return {1, num(wait)}
+return {1, num(wait), backlog(need_next)}
 """
 
 
@@ -184,6 +231,7 @@ class RedisRateBudget:
         self.model = model
         self.lane = lane
         self.key = f"{RATE_BUDGET_KEY}{lane}:{model}"
+        self.process = uuid.uuid4().hex[:16]  # its field in the key's pending hash
         self.limits = limits or RateLimit()
         self.learned = RateLimit()
         self.estimator = estimator or TokenEstimator()
@@ -193,8 +241,13 @@ class RedisRateBudget:
         self._script = client.register_script(BUDGET_SCRIPT)
         self._typical = (0.0, 0.0)  # the last call's input and output tokens, for backlog()
         self._paused = False
-        self._backlog = (0.0, -math.inf)  # the last wait read, and when (this process's clock)
+        # the last reading (below zero: room left), and when (this process's clock)
+        self._backlog = (0.0, -math.inf)
         self._backlog_lock = threading.Lock()  # started() adds to the reading
+        # the items let start and not yet reserved, and when (this process's clock); each
+        # thread knows its own (self._call.started)
+        self._pending: dict[int, float] = {}
+        self._tickets = itertools.count()
         self._off_read_at = -math.inf  # when the shared hash was last read while off
         # per thread: when its call was sent, and what the call's response headers stated
         self._call = threading.local()
@@ -216,10 +269,14 @@ class RedisRateBudget:
         learn: RateLimit | None = None,
         stated: tuple[float, float, float] = (NOT_STATED, NOT_STATED, NOT_STATED),
         age: float = 0.0,
-    ) -> tuple[bool, float]:
+        tell: bool = False,
+    ) -> tuple[bool, float, float]:
+        """One script call; answers (admitted, wait, backlog) as :data:`BUDGET_SCRIPT` does.
+        ``tell``: the call tells the cluster this process's pending items, and its backlog
+        counts every process's."""
         limits = self.limits
         learned = learn or RateLimit()
-        args = [
+        args: list[float | str] = [
             limits.rpm or 0,
             limits.itpm or 0,
             limits.otpm or 0,
@@ -233,10 +290,13 @@ class RedisRateBudget:
             BUDGET_TTL_SECONDS,
             *stated,
             max(0.0, age),
+            self._pending_seconds() if tell else 0.0,
+            self.process if tell else "",
+            PENDING_STALE_SECONDS,
         ]
         self.script_calls += 1
-        admitted, wait = self._script(keys=[self.key], args=args)
-        return bool(int(admitted)), float(wait)
+        admitted, wait, backlog = self._script(keys=[self.key, f"{self.key}:pending"], args=args)
+        return bool(int(admitted)), float(wait), float(backlog)
 
     def _turned_on(self) -> bool:
         """Whether the budget is on (:attr:`active`), here or by what the shared hash holds:
@@ -265,28 +325,53 @@ class RedisRateBudget:
         return self.active
 
     def backlog(self) -> float:
-        """Seconds a call like the last one would wait now (nothing is reserved). Answered
-        from this process's last reading when it is under :data:`BACKLOG_REFRESH_SECONDS` old
-        (every reservation is one): a batch asks before each item."""
+        """Seconds a call like the last one would wait now, once every process's items let
+        start and not yet reserved have theirs (nothing is reserved). Answered from this
+        process's last reading when it is under :data:`BACKLOG_REFRESH_SECONDS` old (every
+        reservation is one): a batch asks before each item."""
         if not self._turned_on():
             return 0.0
-        wait, read_at = self._backlog
+        reading, read_at = self._backlog
         now = self._clock()
-        if now - read_at < BACKLOG_REFRESH_SECONDS:
-            return wait
-        wait = self._run((1, *self._typical), -2)[1]
-        self._backlog = (wait, now)
-        return wait
+        if now - read_at >= BACKLOG_REFRESH_SECONDS:
+            reading = self._run((1, *self._typical), -2, tell=True)[2]
+            self._backlog = (reading, now)
+        return max(0.0, reading)
 
     def started(self) -> None:
-        """A batch item let start on this process's reading goes on to reserve its call:
-        the reading counts it (one typical call's refill time) until it is read again. The
-        items that asked on one reading all started, however long the queue they made."""
+        """This thread's batch item, let start on the reading, goes on to reserve its call
+        after its CPU slot and its retrieval (seconds, with a process's items queued for the
+        slots). Until then it counts in the readings of every process (one typical call's
+        refill time): counted only in this process's reading until that was read again, the
+        items let start meanwhile made a queue no one saw, past their deadline."""
         if not self.active:
             return
         with self._backlog_lock:
-            wait, read_at = self._backlog
-            self._backlog = (wait + self._call_seconds(), read_at)
+            self._pending.pop(getattr(self._call, "started", -1), None)  # one run before
+            self._call.started = ticket = next(self._tickets)
+            self._pending[ticket] = self._clock()
+            reading, read_at = self._backlog
+            self._backlog = (reading + self._call_seconds(), read_at)
+
+    def ended(self) -> None:
+        """This thread's item no longer counts as let start: it reserved its call, or its
+        search ended without one."""
+        ticket = getattr(self._call, "started", None)
+        if ticket is not None:
+            self._call.started = None
+            with self._backlog_lock:
+                self._pending.pop(ticket, None)
+
+    def _pending_seconds(self) -> float:
+        """The queue this process's items let start and not yet reserved make, in seconds
+        of the buckets' refill (those older than :data:`PENDING_SECONDS` left out)."""
+        oldest = self._clock() - PENDING_SECONDS
+        with self._backlog_lock:
+            for ticket, at in list(self._pending.items()):
+                if at < oldest:
+                    del self._pending[ticket]
+            count = len(self._pending)
+        return count * self._call_seconds() if count else 0.0
 
     def _call_seconds(self) -> float:
         """How long the buckets take to refill a typical call (the last one's tokens), at the
@@ -309,9 +394,11 @@ class RedisRateBudget:
         raw = self.estimator.raw(prompt)
         estimate = self.estimator.estimate(prompt)
         self._typical = (float(estimate), float(prompt.max_tokens))
-        admitted, wait = self._run((1, estimate, prompt.max_tokens), max(0.0, max_wait))
+        self.ended()  # its call is reserved now, or refused: in the bucket, or not at all
+        take = (1, estimate, prompt.max_tokens)
+        admitted, wait, reading = self._run(take, max(0.0, max_wait), tell=True)
         now = self._clock()
-        self._backlog = (wait, now)
+        self._backlog = (reading, now)
         if not admitted:
             return BudgetGrant(admitted=False, wait=wait)
         self._call.sent_at = now + wait
@@ -367,7 +454,7 @@ class RedisRateBudget:
         """Reserve one request and no tokens (an economy lane call: a submission, a poll)."""
         if not self._turned_on():
             return BudgetGrant(admitted=True, wait=0.0)
-        admitted, wait = self._run((1, 0, 0), max(0.0, max_wait))
+        admitted, wait, _ = self._run((1, 0, 0), max(0.0, max_wait))
         if admitted:
             metrics.budget_waited(self.model, self.lane, wait)
         return BudgetGrant(admitted=admitted, wait=wait)

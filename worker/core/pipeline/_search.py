@@ -183,6 +183,8 @@ class SearchPipeline:
             outcome = None
             raise
         finally:
+            if self.rate_budget is not None:  # a batch item paced (pace) counts no more
+                self.rate_budget.ended()
             if outcome is not None:
                 seconds = deadline.run_elapsed() if deadline is not None else 0.0
                 figures.append(partial(self.recorder.search_done, spec.mode, outcome, seconds))
