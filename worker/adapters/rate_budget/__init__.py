@@ -19,6 +19,13 @@ A reservation may take a bucket below zero: the caller then waits until the refi
 wait longer than ``max_wait`` (the search's deadline) reserves nothing. A 429 pauses every
 process: the pause's end is kept in the same hash and every reservation waits for it.
 
+A batch paces its items on the queue's length (:meth:`RedisRateBudget.backlog`): an item
+starts while a call would be sent within a third of its deadline. Each item let start counts
+in that reading until it reserves its call or its search ends (``started``, ``ended``): its
+own process adds it at once, and tells the others at its next reading or reservation, in
+a second hash beside the buckets (``<key>:pending``: each process's pending seconds, dated
+on Redis's clock).
+
 The limits come from ``SIFT_RATE_LIMITS``, or are learned from the provider's
 ``anthropic-ratelimit-*-limit`` response headers (:meth:`RedisRateBudget.learn`; what one
 process learns, the script stores for all); with both, the lower one holds. The headers'
