@@ -4,7 +4,7 @@ most every BACKLOG_REFRESH_SECONDS per process (the default).
     python benchmarks/bench_budget_backlog.py [--items 20000] [--threads 32]
 
 Each batch item, once a limit is known, asks the budget's backlog (``SearchPipeline.pace``),
-then reserves its call and settles it: here exactly that traffic, from ``--threads`` threads
+is let start (``started``), then reserves its call and settles it: here exactly that traffic, from ``--threads`` threads
 of one process on a real redis-server, against limits high enough that nothing waits (so
 only the budget's own cost is measured). The two set-ups run side by side in one process and
 print, per item: Redis round trips, this process's CPU and redis-server's CPU (its
@@ -61,6 +61,7 @@ def run(url: str, items: int, threads: int, refresh: float) -> dict[str, float]:
 
     def item(_: int) -> None:
         budget.backlog()
+        budget.started()  # let start (ModelCalls.pace): counted until its reservation
         grant = budget.reserve(PROMPT, 60.0)
         budget.settle(grant, usage)
 
