@@ -29,6 +29,7 @@ from worker.adapters.rate_budget import (
     BACKLOG_REFRESH_SECONDS,
     BURST_FRACTION,
     OFF_REFRESH_SECONDS,
+    PENDING_SECONDS,
     BatchQueue,
     BatchQueueFull,
     MeteredBatches,
@@ -591,7 +592,11 @@ class PacedItems:
     def _item(self, orders: queue.Queue[Callable[[], object]]) -> None:
         self.budget.started()
         self.done.put(None)
-        orders.get(timeout=30)()
+        try:
+            action = orders.get(timeout=30)
+        except queue.Empty:  # never told: an item never heard of again
+            return
+        action()
         self.done.put(None)
 
     def then(self, action: Callable[[], object]) -> None:
@@ -667,6 +672,24 @@ def test_a_process_gone_quiet_stops_counting_in_the_others_readings(client: redi
     client.hset(pending_key, one.process, b"%s %.6f" % (seconds, float(stamp) - 60.0))
     clock[0] += BACKLOG_REFRESH_SECONDS
     assert other.backlog() <= 10.0
+
+
+def test_an_item_never_heard_of_again_counts_for_pending_seconds_at_most(
+    client: redis.Redis,
+) -> None:
+    """An item whose run stopped between its start and its search (another run held the
+    item) neither reserves nor ends: it stops counting PENDING_SECONDS after it started,
+    the oldest first."""
+    now = [0.0]
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=6), clock=lambda: now[0])
+    exhaust(budget)
+    PacedItems(budget, 2)
+    now[0] += PENDING_SECONDS / 2
+    PacedItems(budget, 1)
+    now[0] += PENDING_SECONDS / 2 + BACKLOG_REFRESH_SECONDS
+    assert 9.0 < budget.backlog() <= 20.0  # the last one's 10 s, and the bucket's next call
+    now[0] += PENDING_SECONDS / 2
+    assert budget.backlog() <= 10.0
 
 
 def test_settling_many_calls_in_flight_converges_on_the_reported_ratio(

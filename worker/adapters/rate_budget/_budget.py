@@ -367,9 +367,9 @@ class RedisRateBudget:
         of the buckets' refill (those older than :data:`PENDING_SECONDS` left out)."""
         oldest = self._clock() - PENDING_SECONDS
         with self._backlog_lock:
-            for ticket, at in list(self._pending.items()):
-                if at < oldest:
-                    del self._pending[ticket]
+            # kept in the order they started: the old ones are at the front
+            while self._pending and next(iter(self._pending.values())) < oldest:
+                del self._pending[next(iter(self._pending))]
             count = len(self._pending)
         return count * self._call_seconds() if count else 0.0
 
