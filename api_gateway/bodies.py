@@ -98,7 +98,7 @@ def parse_batch(raw: bytes, route: str | None = None) -> ParsedBatch:
         head = None
     queries = data.get("queries") if isinstance(data, dict) else None
     if head is None and not (isinstance(queries, list) and len(queries) <= MAX_BATCH_QUERIES):
-        raise RequestValidationError(errors)
+        raise RequestValidationError(errors, body=data)
     assert isinstance(queries, list)
     items: list[tuple[str, str]] = []
     first_seen: dict[str, int] = {}
@@ -123,7 +123,7 @@ def parse_batch(raw: bytes, route: str | None = None) -> ParsedBatch:
         if digest is not None:
             digest.add(part)
     if errors:
-        raise RequestValidationError(errors)
+        raise RequestValidationError(errors, body=data)
     if repeated is not None:
         raise repeated
     assert head is not None

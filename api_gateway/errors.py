@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from api_gateway.bodies import field_of
 from api_gateway.paths import has_encoded_slash
 from worker.errors import InvalidRequest, validation_message
 
@@ -110,12 +111,45 @@ def field_name(loc: Sequence[int | str]) -> str:
     return name or "body"
 
 
-def problems_of(errors: Sequence[Any]) -> list[FieldProblem]:
+def _badly_named_member(error: Any, body: Any) -> FieldProblem | None:
+    """The problem of a member of ``body`` whose name is not valid Unicode (a lone surrogate:
+    ``{"\\ud800": 1}`` is valid JSON), named as pydantic names a filter key so made (each of
+    its bytes a U+FFFD); ``None`` for any other error. pydantic reports such a name as a
+    string error at the object holding it (``body: Input should be a valid string``), which
+    named no member and said the object should have been a string."""
+    name, loc = error.get("input"), tuple(error.get("loc", ()))
+    if error.get("type") != "string_unicode" or not isinstance(name, str) or loc[:1] != ("body",):
+        return None
+    node = body
+    for part in loc[1:]:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    if not isinstance(node, dict) or name not in node:
+        return None  # a string value that is not valid Unicode: pydantic names its field
+    try:
+        name.encode()
+    except UnicodeEncodeError as exc:
+        at = exc.start
+    else:
+        return None
+    return FieldProblem(
+        field=field_of((*loc[1:], name)),
+        message=f"is not valid Unicode: its name holds a lone surrogate at character {at}",
+    )
+
+
+def problems_of(errors: Sequence[Any], body: Any = None) -> list[FieldProblem]:
+    """Each field's problem, once, from pydantic's ``errors`` of ``body`` (the JSON value
+    validated, where there is one)."""
     seen: set[str] = set()
     problems = []
     for error in errors:
         field = field_name(error.get("loc", ()))
-        if error.get("type") == "json_invalid":
+        if (named := _badly_named_member(error, body)) is not None:
+            field, message = named.field, named.message
+        elif error.get("type") == "json_invalid":
             field = "body"
             message = "is not valid JSON: " + str(error.get("ctx", {}).get("error", "parse error"))
         else:
@@ -183,7 +217,7 @@ def install_error_handlers(app: FastAPI) -> None:
                 415, "unsupported_media_type", f"body: {problem.message}", field="body",
                 fields=[problem],
             )  # fmt: skip
-        problems = problems_of(exc.errors())
+        problems = problems_of(exc.errors(), exc.body)
         if not problems:
             problems = [FieldProblem(field="body", message="is invalid")]
         status = 400 if problems[0].field == "body" and "JSON" in problems[0].message else 422

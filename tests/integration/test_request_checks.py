@@ -496,6 +496,61 @@ def test_an_integer_too_long_to_read_is_422_naming_it(
 
 
 DOC = "/v1/indexes/docs/documents"
+BAD_NAME = "\ufffd" * 3  # a lone surrogate's three bytes, each a U+FFFD, as pydantic names it
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body", "field"),
+    [
+        ("POST", "/v1/searches", '{"index": "docs", "query": "a", "\\ud800": 1}', BAD_NAME),
+        (
+            "POST",
+            "/v1/searches",
+            '{"index": "docs", "query": "a", "fusion": {"\\udfff": 1}}',
+            f"fusion.{BAD_NAME}",
+        ),
+        (
+            "POST",
+            "/v1/batches",
+            '{"index": "docs", "\\ud800": 1, "queries": [{"id": "a", "query": "t"}]}',
+            BAD_NAME,
+        ),
+        (
+            "POST",
+            "/v1/batches",
+            '{"index": "docs", "queries": [{"id": "a", "query": "t"}, '
+            '{"id": "b", "query": "t", "\\ud800": 1}]}',
+            f"queries[1].{BAD_NAME}",
+        ),
+        (
+            "POST",
+            DOC,
+            '{"documents": [{"id": "a", "text": "t", "\\udbff": "x"}]}',
+            f"documents[0].{BAD_NAME}",
+        ),
+        ("POST", f"{DOC}/delete", '{"ids": ["a"], "\\ud800": 1}', BAD_NAME),
+        ("PATCH", "/v1/indexes/docs", '{"\\ud800": null}', BAD_NAME),
+    ],
+)
+def test_a_member_whose_name_is_a_lone_surrogate_is_422_naming_it(
+    client: TestClient, method: str, path: str, body: str, field: str
+) -> None:
+    """A member of an object whose name is a lone surrogate (``"\\ud800"``: valid JSON, no
+    UTF-8) is no member of it, and is named as pydantic names a filter key so made (each of
+    its three bytes a U+FFFD). It was a 422 naming the object that holds it, with pydantic's
+    message for a string value: ``body: Input should be a valid string, unable to parse raw
+    data as a unicode string`` for a search's own member, ``documents[0]: ...`` for a
+    document's, which named no member and said the object should have been a string."""
+    headers = {"content-type": "application/json"}
+    response = client.request(method, path, content=body.encode(), headers={**ACME, **headers})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == field, error
+    problem = "is not valid Unicode: its name holds a lone surrogate at character 0"
+    assert error["message"] == f"{field}: {problem}", error
+    assert client.get("/v1/searches", headers=ACME).json()["searches"] == []  # nothing stored
+    assert client.get("/v1/batches", headers=ACME).json()["batches"] == []
+    assert client.get("/v1/ingestions", headers=ACME).json()["ingestions"] == []
 
 
 @pytest.mark.parametrize(
