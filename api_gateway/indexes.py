@@ -49,6 +49,7 @@ from worker.constants import (
     SEARCH_QUEUE,
 )
 from worker.contract import INDEX_PATTERN, FilterValue, FusionMethod, IndexSettingsPatch
+from worker.errors import InvalidRequest
 from worker.observability.logcontext import job_context
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,9 @@ async def _read(
         if error.get("type") == "index_not_found":
             raise _not_found(index)
         if error.get("type") == "invalid_request":
-            raise ApiError(422, "invalid_request", error["message"], field=error.get("field"))
+            # the worker's message starts with the field's name: a 422 lists it without
+            field = error.get("field") or "body"
+            raise InvalidRequest(field, error["message"].removeprefix(f"{field}: "))
         raise ApiError(503, "backend_unavailable", f"the index read failed: {error['message']}")
     return answer["found"]
 

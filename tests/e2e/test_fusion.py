@@ -189,6 +189,24 @@ def test_a_patch_that_leaves_every_weight_zero_is_refused(stack: Stack) -> None:
     assert weights["fusion"]["weights"] == {"bm25": None, "knn": 0.0}
 
 
+def test_a_patch_refused_over_the_index_s_settings_lists_its_problem_under_fields(
+    stack: Stack,
+) -> None:
+    """The worker refuses a patch that, merged over the index's settings, weights every
+    channel 0: its 422 lists the problem under ``fields``, as every other 422 does (it had
+    ``field`` and ``message`` alone, so a client reading ``fields`` found none)."""
+    _ingest(stack, "fusion-zero-fields", DOCS)
+    assert (
+        _patch(stack, "fusion-zero-fields", {"fusion": {"weights": {"knn": 0}}}).status_code == 200
+    )
+    response = _patch(stack, "fusion-zero-fields", {"fusion": {"weights": {"bm25": 0}}})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["field"] == "fusion.weights" and error["message"].startswith("fusion.weights: ")
+    problem = error["message"].removeprefix("fusion.weights: ")
+    assert error["fields"] == [{"field": "fusion.weights", "message": problem}], error
+
+
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
