@@ -402,6 +402,9 @@ def test_openapi_declares_the_contract(stack: Stack) -> None:
 def test_health_ready_and_metrics(stack: Stack, corpus: object) -> None:
     assert stack.live.get("/healthz").json() == {"status": "ok"}
     assert stack.live.get("/readyz").json() == {"status": "ok"}
+    # a search of its own: run alone (or first on its xdist worker), no other test made one
+    body = {"index": INDEX, "query": "bees"}
+    assert stack.live.post("/v1/searches", json=body, headers=ACME).status_code == 202
     text = stack.live.get("/metrics").text
     assert 'sift_jobs_in_flight{state="queued"}' in text
     assert 'sift_queue_backlog{queue="sift.batch"}' in text
