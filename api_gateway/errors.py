@@ -238,8 +238,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError) -> JSONResponse:
+        fields = None
+        if exc.status in (400, 422) and exc.field:  # listed as every 400's and 422's are
+            message = exc.message.removeprefix(f"{exc.field}: ")
+            fields = [FieldProblem(field=exc.field, message=message)]
         return error_response(
-            exc.status, exc.type, exc.message, field=exc.field, headers=exc.headers
+            exc.status, exc.type, exc.message, field=exc.field, fields=fields, headers=exc.headers
         )
 
     @app.exception_handler(StarletteHTTPException)

@@ -104,6 +104,10 @@ def test_idempotency_replay_and_mismatch(stack: Stack, corpus: object) -> None:
     changed = stack.live.post("/v1/searches", json={**body, "limit": 3}, headers=headers)
     assert changed.status_code == 422
     assert changed.json()["error"]["field"] == "Idempotency-Key"
+    # listed under fields, as every 422's problems are (docs/queue.md)
+    assert changed.json()["error"]["fields"] == [
+        {"field": "Idempotency-Key", "message": "already used with a different request body"}
+    ]
     # keys are per tenant: globex may use the same key for its own job
     other = stack.live.post(
         "/v1/searches", json=body, headers={**GLOBEX, "Idempotency-Key": "replay-1"}
