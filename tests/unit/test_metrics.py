@@ -141,7 +141,7 @@ def test_a_failed_rerank_counts_its_class_and_the_failure() -> None:
 
 def test_each_channel_shows_how_many_hits_it_returned_and_fusion_how_many_it_kept() -> None:
     """The work of each stage before the model, not only its time: hits per channel (an
-    empty channel is the le="0" bucket) and the candidates fusion kept."""
+    empty channel is the le="0.0" bucket) and the candidates fusion kept."""
     runtime = pipeline_with([reply([1])])
     delta = Delta()
     result = runtime.search(

@@ -64,7 +64,7 @@ RETRIEVAL_DURATION = Histogram(
 RETRIEVAL_HITS = Histogram(
     METRIC_RETRIEVAL_HITS,
     "Hits one channel of one search returned (bm25, knn), and the candidates fusion kept "
-    'of them (fuse); an empty channel is the le="0" bucket.',
+    'of them (fuse); an empty channel is the le="0.0" bucket.',
     ["backend", "channel"],
     buckets=HITS_BUCKETS,
 )
