@@ -4,11 +4,11 @@ most every BACKLOG_REFRESH_SECONDS per process (the default).
     python benchmarks/bench_budget_backlog.py [--items 20000] [--threads 32]
 
 Each batch item, once a limit is known, asks the budget's backlog (``SearchPipeline.pace``),
-is let start (``started``), then reserves its call and settles it: here exactly that traffic, from ``--threads`` threads
-of one process on a real redis-server, against limits high enough that nothing waits (so
-only the budget's own cost is measured). The two set-ups run side by side in one process and
-print, per item: Redis round trips, this process's CPU and redis-server's CPU (its
-``used_cpu_user + used_cpu_sys``), and the items per second.
+is let start (``started``), then reserves its call and settles it: here exactly that
+traffic, from ``--threads`` threads of one process on a real redis-server, against limits
+high enough that nothing waits (so only the budget's own cost is measured). The two set-ups
+run side by side in one process and print, per item: Redis round trips, this process's CPU
+and redis-server's CPU (its ``used_cpu_user + used_cpu_sys``), and the items per second.
 """
 
 from __future__ import annotations
