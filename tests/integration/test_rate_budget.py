@@ -692,6 +692,26 @@ def test_an_item_never_heard_of_again_counts_for_pending_seconds_at_most(
     assert budget.backlog() <= 10.0
 
 
+def test_a_paced_item_whose_search_needs_no_model_call_counts_no_more_once_it_ends(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """The item a batch let start stops counting in the readings when its search ends
+    without a reservation (here: reranking off for it), by ``RateBudget.ended``; an item that
+    reserves stops then (the test above). Left counted, each such item held the cluster's
+    batches back by a call's refill time for PENDING_SECONDS. At six calls a minute, a call
+    is 10 s."""
+    pipeline, budget = build(
+        fake, client, "fail_open", RateLimit(rpm=6), RecordingRecorder(), deadline=90.0
+    )
+    exhaust(budget)  # the next call frees within 10 s: under the 30 s of room
+    pipeline.pace()
+    spec = SearchSpec(index="docs", query="volcano ash", limit=5, rerank=False)
+    assert pipeline.search(spec, "acme").rerank.applied is False
+    time.sleep(BACKLOG_REFRESH_SECONDS)  # the next reading is read from Redis
+    assert budget.backlog() <= 10.0  # the bucket's next call alone
+    assert fake.requests() == []
+
+
 def test_settling_many_calls_in_flight_converges_on_the_reported_ratio(
     client: redis.Redis,
 ) -> None:
