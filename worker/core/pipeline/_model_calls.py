@@ -73,7 +73,7 @@ class ModelCalls:
         while (excess := self.rate_budget.backlog() - room) > 0:
             # spread the re-checks: the queue frees at the limit's rate, not all at once
             self.sleep(min(excess, 1.0) + random.uniform(0.0, 0.5))
-        self.rate_budget.started()  # the items asking on the same reading see this one
+        self.rate_budget.started()  # counted by every process until its call is reserved
 
     def call(self, prompt: RerankPrompt, deadline: Deadline) -> RerankRun:
         """The standard lane's model call: attempts under the retry budget and the deadline."""
