@@ -7,6 +7,7 @@
     ├── IndexNotFound              no such index for this tenant        permanent
     ├── EmbeddingModelMismatch     the index's vectors are another      permanent
     │                              embedding model's than the worker's
+    ├── IndexLimitReached          a new index past the tenant's cap    permanent
     ├── BackendError
     │   ├── BackendUnavailable     connection, timeout, 5xx             retryable
     │   └── BackendRequestError    4xx, bad mapping, missing index      permanent
@@ -127,6 +128,25 @@ class EmbeddingModelMismatch(SiftError):
         self.index = index
         self.held = held
         self.model = model
+
+
+class IndexLimitReached(SiftError):
+    """A write would make one index more than the tenant may hold
+    (``SIFT_MAX_INDEXES_PER_TENANT``): each costs the backend a table or a shard, so one
+    tenant could otherwise use up what every tenant shares. It names only the caller's own
+    figures, and the way out."""
+
+    code = "index_limit_reached"
+
+    def __init__(self, index: str, held: int, limit: int) -> None:
+        super().__init__(
+            f"index {index!r} cannot be made: this tenant holds {held} indexes, the most "
+            f"SIFT_MAX_INDEXES_PER_TENANT ({limit}) allows; drop one (DELETE "
+            "/v1/indexes/NAME) or ask the operator to raise the setting"
+        )
+        self.index = index
+        self.held = held
+        self.limit = limit
 
 
 class BackendError(SiftError):

@@ -341,6 +341,9 @@ class Settings(BaseSettings):
     worker_orphan_delivery_seconds: float = Field(default=60.0, gt=0)
     # Past this many queued searches and batch items the gateway answers 429; 0: no limit.
     max_backlog: int = Field(default=0, ge=0)
+    # How many indexes one tenant may hold (each costs a FTS5 table, or an Elasticsearch
+    # shard): a write that would make one more fails index_limit_reached; 0: no limit.
+    max_indexes_per_tenant: int = Field(default=100, ge=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     runtime_factory: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.]+:[A-Za-z0-9_]+$")
 

@@ -511,3 +511,58 @@ def test_the_gateways_ingest_and_delete_log_lines_carry_their_job_id(stack: Stac
     for job in (ingest["id"], gone["id"]):
         lines = [line for line in log.splitlines() if f"ingest {job}:" in line]
         assert lines and all(f"[{job}]" in line for line in lines), (job, lines)
+
+
+def _names(stack: Stack, headers: dict[str, str]) -> list[str]:
+    names: list[str] = []
+    params: dict[str, Any] = {"page_size": 1000}
+    while True:
+        page = stack.live.get("/v1/indexes", params=params, headers=headers).json()
+        names += [i["name"] for i in page["indexes"]]
+        if page["next_page_token"] is None:
+            return names
+        params["page_token"] = page["next_page_token"]
+
+
+def test_a_tenant_holds_at_most_100_indexes_at_the_defaults(stack: Stack) -> None:
+    """SIFT_MAX_INDEXES_PER_TENANT at its default: the ingest that would make a tenant's
+    101st index fails ``index_limit_reached``, not retried, writing nothing; the other
+    tenant is not held by it, and a drop frees a place."""
+    held = len(_names(stack, GLOBEX))
+    mine = [f"cap-{i:03d}" for i in range(100 - held)]
+    try:
+        for name in mine:
+            response = stack.live.post(
+                f"/v1/indexes/{name}/documents",
+                params={"wait": 20},
+                json={"documents": DOCS[:1]},
+                headers=GLOBEX,
+            )
+            assert response.status_code == 200 and response.json()["upserted"] == 1, response.text
+        refused = stack.live.post(
+            "/v1/indexes/cap-over/documents",
+            params={"wait": 20},
+            json={"documents": DOCS[:1]},
+            headers=GLOBEX,
+        )
+        assert refused.status_code == 200, refused.text
+        job = refused.json()
+        assert job["status"] == "failed" and not job["upserted"], job
+        assert job["error"]["type"] == "index_limit_reached" and not job["error"]["retryable"]
+        assert "holds 100 indexes" in job["error"]["message"]
+        assert "cap-over" not in _names(stack, GLOBEX)
+        assert stack.live.get("/v1/indexes/cap-over", headers=GLOBEX).status_code == 404
+        _ingest(stack, "cap-over", DOCS[:1])  # acme's count is its own
+        dropped = stack.live.delete(f"/v1/indexes/{mine[0]}", params={"wait": 20}, headers=GLOBEX)
+        assert dropped.status_code == 200, dropped.text
+        again = stack.live.post(
+            "/v1/indexes/cap-over/documents",
+            params={"wait": 20},
+            json={"documents": DOCS[:1]},
+            headers=GLOBEX,
+        )
+        assert again.json()["status"] == "succeeded", again.text
+    finally:
+        for name in [*mine, "cap-over"]:
+            stack.live.delete(f"/v1/indexes/{name}", params={"wait": 20}, headers=GLOBEX)
+        stack.live.delete("/v1/indexes/cap-over", params={"wait": 20}, headers=ACME)

@@ -26,7 +26,7 @@ from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.ports import SearchBackend
 from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
-from worker.errors import IndexNotFound
+from worker.errors import IndexLimitReached, IndexNotFound
 
 EMBEDDER = FakeEmbedder()
 BOTH: tuple[Channel, ...] = ("bm25", "knn")
@@ -414,6 +414,32 @@ class LifecycleContract(BackendContract):
         assert self.all_ids(backend, index, "globex")[1] == {d.id for d in CORPUS}
         self.load(backend, index, "acme", CORPUS[:1])  # the name works again
         assert backend.index_info(index, "acme").documents == 1
+
+    def test_a_tenant_holds_at_most_its_limit_of_indexes(self, backend: Any, index: str) -> None:
+        """A write that would make one index more than ``max_indexes_per_tenant`` fails
+        ``index_limit_reached`` (not retried), writing nothing; the tenant's indexes still
+        take writes, another tenant's count is its own, and a drop frees a place."""
+        backend.max_indexes_per_tenant = 2
+        names = [f"{index}-held-{i}" for i in range(3)]
+        try:
+            self.load(backend, names[0], "acme", CORPUS[:1])
+            self.load(backend, names[1], "acme", CORPUS[:1])
+            with pytest.raises(IndexLimitReached) as refused:
+                self.load(backend, names[2], "acme", CORPUS[:1])
+            assert refused.value.code == "index_limit_reached" and not refused.value.retryable
+            assert "holds 2 indexes" in refused.value.message
+            assert "SIFT_MAX_INDEXES_PER_TENANT (2)" in refused.value.message
+            assert backend.document(names[2], "acme", CORPUS[0].id) is None
+            assert [i.name for i in backend.indexes("acme")] == names[:2]
+            self.load(backend, names[0], "acme", CORPUS[1:3])  # one it holds takes more
+            self.load(backend, names[2], "globex", CORPUS[:1])  # another tenant: its own count
+            backend.delete_index(names[0], "acme")
+            self.load(backend, names[2], "acme", CORPUS[:1])
+            assert [i.name for i in backend.indexes("acme")] == names[1:]
+        finally:
+            for name in names:
+                for tenant in ("acme", "globex"):
+                    backend.delete_index(name, tenant)
 
     def test_index_settings_are_the_tenants_and_the_newer_version_wins(
         self, backend: Any, index: str

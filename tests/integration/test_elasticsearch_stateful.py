@@ -35,7 +35,13 @@ from worker.adapters.elasticsearch import (
 from worker.contract import SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import Document
-from worker.errors import BackendRequestError, BackendUnavailable, ConfigError, IndexNotFound
+from worker.errors import (
+    BackendRequestError,
+    BackendUnavailable,
+    ConfigError,
+    IndexLimitReached,
+    IndexNotFound,
+)
 from worker.queue.config import ingest_redelivery_window
 from worker.settings import load_settings
 
@@ -395,6 +401,37 @@ def test_the_migration_dry_run_then_run_then_run_again(
     assert backend.document("docs", "acme", "calc").version == docs_version("acme:calc", docs)
     assert backend.migrate_shared() == {}  # the old alias is gone: nothing twice
     assert "sift-docs-000001" in state.indexes  # kept for a rollback
+
+
+def test_every_alias_of_the_tenant_counts_toward_its_limit_and_the_migration_is_not_held(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """On Elasticsearch the limit counts the tenant's aliases: each holds a shard, the empty
+    one a delete into a new name made too (not listed), so past the limit a delete into a
+    new name is refused as an upsert is, and dropping the empty name frees its place. The
+    migration of the shared layout copies what a tenant already held, past any limit."""
+    server, _state = fake
+    docs = {f"acme:d{i}": shared_doc("acme", f"d{i}", DOC.text) for i in range(2)}
+    # made before any index of Sift's (and its template)
+    make_index(server, "sift-docs", "sift-docs-000001", docs, old_mapping())
+    backend = backend_on(server, max_indexes_per_tenant=2)
+    backend.upsert("sci", "acme", [DOC], vectors_of([DOC]), version=1)
+    assert backend.delete_documents("bio", "acme", ["x"], version=2) == 0  # an empty index
+    assert [i.name for i in backend.indexes("acme")] == ["sci"]
+    for write in (
+        lambda: backend.upsert("med", "acme", [DOC], vectors_of([DOC]), version=3),
+        lambda: backend.delete_documents("med", "acme", ["x"], version=3),
+    ):
+        with pytest.raises(IndexLimitReached, match="holds 2 indexes"):
+            write()
+    other = backend_on(server, max_indexes_per_tenant=2)  # another process: it asks ES
+    with pytest.raises(IndexLimitReached):
+        other.upsert("med", "acme", [DOC], vectors_of([DOC]), version=4)
+    backend.delete_index("bio", "acme", version=5)
+    assert other.upsert("med", "acme", [DOC], vectors_of([DOC]), version=6) == 1
+    assert [i.name for i in other.indexes("acme")] == ["med", "sci"]
+    assert backend.migrate_shared() == {"docs": {"acme": 2}}
+    assert backend.index_info("docs", "acme").documents == 2
 
 
 def docs_version(doc_id: str, docs: dict[str, Any]) -> int:

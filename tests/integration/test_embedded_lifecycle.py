@@ -8,7 +8,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import apsw
@@ -19,7 +21,7 @@ from tests.integration.test_embedded_connections import fts_tables
 from worker.adapters.embedded import EmbeddedBackend, _writes
 from worker.contract import Channel
 from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
-from worker.errors import IndexNotFound, ModeUnavailable
+from worker.errors import IndexLimitReached, IndexNotFound, ModeUnavailable
 
 pytestmark = pytest.mark.integration
 
@@ -414,3 +416,44 @@ def test_the_index_list_reads_none_of_another_tenants_documents(tmp_path: Path) 
     assert [i.name for i in backend.indexes("acme")] == ["a"]
     assert [(i.name, i.documents) for i in backend.indexes("bob")] == [("m-big", 20_010)]
     backend.close()
+
+
+def test_an_index_emptied_by_deletes_counts_no_more_toward_the_tenants_limit(
+    tmp_path: Path,
+) -> None:
+    """The limit counts the indexes the tenant holds, as listed: one whose every document
+    was deleted by id is none of them, and a stale write (skipped whole) makes nothing."""
+    backend = EmbeddedBackend(tmp_path / "data", max_indexes_per_tenant=1)
+    backend.upsert("sci", "acme", DOCS, VECTORS, version=5)
+    with pytest.raises(IndexLimitReached):
+        backend.upsert("bio", "acme", DOCS[:1], VECTORS[:1])
+    assert backend.delete_documents("sci", "acme", [d.id for d in DOCS], version=6) == 3
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=4) == 0  # older: skipped
+    assert backend.upsert("bio", "acme", DOCS[:1], VECTORS[:1]) == 1
+    assert [i.name for i in backend.indexes("acme")] == ["bio"]
+
+
+def test_the_index_limit_holds_for_writers_racing_on_their_own_connections(
+    tmp_path: Path,
+) -> None:
+    """Eight backends (each its own connections, as eight worker processes have) write into
+    eight new names of one tenant at once: exactly the limit's worth are made, because the
+    count is read inside the write's own transaction."""
+    names = [f"n{i}" for i in range(8)]
+    backends = [EmbeddedBackend(tmp_path / "data", max_indexes_per_tenant=3) for _ in names]
+    backends[0].check()  # the schema, made once
+    start = threading.Barrier(len(names))
+
+    def write(i: int) -> str:
+        start.wait()
+        try:
+            backends[i].upsert(names[i], "acme", DOCS[:1], VECTORS[:1])
+            return "written"
+        except IndexLimitReached:
+            return "refused"
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        outcomes = list(pool.map(write, range(len(names))))
+    assert sorted(outcomes) == ["refused"] * 5 + ["written"] * 3
+    written = {names[i] for i, outcome in enumerate(outcomes) if outcome == "written"}
+    assert {i.name for i in backends[0].indexes("acme")} == written

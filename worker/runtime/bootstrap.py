@@ -108,7 +108,9 @@ def build_backend(settings: Settings) -> SearchBackend:
         return backend
     from worker.adapters.embedded import EmbeddedBackend
 
-    return EmbeddedBackend(settings.data_dir)
+    return EmbeddedBackend(
+        settings.data_dir, max_indexes_per_tenant=settings.max_indexes_per_tenant
+    )
 
 
 def build_embedder(settings: Settings, cpu_slots: Slots | None = None) -> Embedder:

@@ -66,6 +66,7 @@ class ElasticsearchBackend(_Writes, _Drops, _Listing, _Reindex, _Settings):
             request_timeout=settings.elasticsearch_request_timeout,
             bulk_chunk_size=settings.elasticsearch_bulk_chunk_size,
             native_rrf=settings.elasticsearch_native_rrf,
+            max_indexes_per_tenant=settings.max_indexes_per_tenant,
         )
 
     def check(self) -> None:

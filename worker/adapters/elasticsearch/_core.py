@@ -54,9 +54,11 @@ class _Core:
         request_timeout: float = 10.0,
         bulk_chunk_size: int = 500,
         native_rrf: bool = False,
+        max_indexes_per_tenant: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
+        self.max_indexes_per_tenant = max_indexes_per_tenant  # 0: no limit
         self.native_rrf = native_rrf
         self.prefix = prefix
         self.fields = fields or FieldNames()

@@ -16,6 +16,7 @@ from worker.adapters.elasticsearch._errors import (
     _translated,
 )
 from worker.adapters.elasticsearch._layout import concrete_name
+from worker.errors import IndexLimitReached
 
 logger = logging.getLogger(__name__)
 
@@ -23,9 +24,10 @@ logger = logging.getLogger(__name__)
 class _Indexes(_Core):
     """Make the tenant's index if it is missing; clear a bare index in its alias's way."""
 
-    def ensure_index(self, index: str, tenant: str) -> bool:
+    def ensure_index(self, index: str, tenant: str, *, capped: bool = True) -> bool:
         """Create the tenant's alias and its first concrete index if they don't exist yet;
-        whether this call created them.
+        whether this call created them. When ``capped``, one more than the tenant may hold
+        (``max_indexes_per_tenant``) is not made: :meth:`_check_limit`.
 
         The alias is what is looked for (``HEAD _alias/<alias>``): a concrete index of the
         alias's own name is not it. The first concrete name is fixed, so two workers racing
@@ -41,6 +43,8 @@ class _Indexes(_Core):
         created = False
         with self._lock:
             if not self._alias_exists(alias, f"index {index!r}", index):
+                if capped:
+                    self._check_limit(index, tenant)
                 created = self._create_first(index, alias)
             self._ready_aliases.add(alias)
         return created
@@ -68,6 +72,26 @@ class _Indexes(_Core):
                     reason = "a drop cut short, or the alias removed by hand"
                     raise _AliasGone(index, leftover=concrete, reason=reason) from exc
         return False
+
+    def _check_limit(self, index: str, tenant: str) -> None:
+        """Raise ``IndexLimitReached`` if the tenant already holds ``max_indexes_per_tenant``
+        aliases (``GET _alias/<prefix><key>--*``: every one holds a shard, an empty one a
+        delete made too). Not atomic with the create: workers making new names for one
+        tenant at the same moment each pass it, so the tenant may end one over per such
+        worker process (one process makes its indexes one at a time, under its lock)."""
+        limit = self.max_indexes_per_tenant
+        if not limit:
+            return
+        stem = self.tenant_stem(tenant)
+        with _translated(f"create index {index!r}", index):
+            held = {
+                alias
+                for aliases in self._aliases(f"{stem}*").values()
+                for alias in aliases
+                if alias.startswith(stem)
+            }
+        if len(held) >= limit:
+            raise IndexLimitReached(index, len(held), limit)
 
     def _alias_exists(self, alias: str, what: str, index: str) -> bool:
         """``HEAD _alias/<alias>``."""

@@ -152,7 +152,7 @@ class SharedLayout:
         gone = _AliasGone(index)
         for _attempt in range(2):
             try:
-                self.backend.ensure_index(index, tenant)
+                self.backend.ensure_index(index, tenant, capped=False)
                 return
             except _AliasGone as refused:
                 gone = refused

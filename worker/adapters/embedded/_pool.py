@@ -47,9 +47,16 @@ class _Pool:
 
     name: str
 
-    def __init__(self, data_dir: Path, vector_min_similarity: float | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        vector_min_similarity: float | None = None,
+        *,
+        max_indexes_per_tenant: int = 0,
+    ) -> None:
         self.data_dir = Path(data_dir)
         self.vector_min_similarity = vector_min_similarity
+        self.max_indexes_per_tenant = max_indexes_per_tenant  # 0: no limit
         self._lock = threading.Lock()
         # Insertion order, the oldest evicted first. An OrderedDict, as a dict's next(iter())
         # walks every slot deleted since its last resize: 2 ms per full-cache search measured.

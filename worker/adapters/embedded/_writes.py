@@ -14,13 +14,14 @@ import numpy as np
 import numpy.typing as npt
 
 from worker.core.types import Document, derive_revision
-from worker.errors import EmbeddingModelMismatch, InvalidRequest
+from worker.errors import EmbeddingModelMismatch, IndexLimitReached, InvalidRequest
 
 from ._pool import _Pool, _translated, _write
 from ._schema import (
     _FILTER_KEY,
     _claim_dimension,
     _ensure_index,
+    _holds,
     _index_row,
     _settle_emptied,
 )
@@ -71,6 +72,7 @@ class _Writes(_Pool):
                 if num is None:  # before the first row written only: a stale write (every
                     # row skipped) makes no FTS5 table a drop let go, claims nothing, and
                     # another model's vectors are a model mismatch before a dimension one
+                    _check_limit(conn, index, tenant, self.max_indexes_per_tenant)
                     num = _ensure_index(conn, index, tenant)
                     if matrix is not None and model is not None:
                         _check_model(conn, index, tenant, model)
@@ -327,6 +329,24 @@ def _touch(conn: apsw.Connection, index: str, tenant: str, model: str | None) ->
         " model = coalesce(model, excluded.model), last_write = excluded.last_write",
         (index, tenant, model, time.time()),
     )
+
+
+def _check_limit(conn: apsw.Connection, index: str, tenant: str, limit: int) -> None:
+    """Raise IndexLimitReached if writing into the tenant's index would make it one more
+    than ``limit`` (0: none). An index exists while it holds a document (as listed), so an
+    emptied one counts no more. Read in the write's own transaction: SQLite's one writer
+    makes the check and the write one step for every process."""
+    if not limit or _holds(conn, index, tenant):
+        return
+    held = int(
+        conn.execute(
+            "SELECT count(*) FROM indexes i WHERE i.tenant = ?1"
+            " AND EXISTS(SELECT 1 FROM docs WHERE idx = i.name AND tenant = ?1)",
+            (tenant,),
+        ).get
+    )
+    if held >= limit:
+        raise IndexLimitReached(index, held, limit)
 
 
 def _check_model(conn: apsw.Connection, index: str, tenant: str, model: str) -> None:

@@ -44,6 +44,7 @@ JOB_ERRORS: Final = (
     "mode_unavailable",
     "index_not_found",
     "embedding_model_mismatch",
+    "index_limit_reached",
     "backend_error",
     "backend_unavailable",
     "backend_request_error",
