@@ -94,6 +94,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         stop(proc, timeout=60)  # SIGTERM: sift up stops its processes in order
         print(running.printed())
     assert proc.returncode == 0, running.printed()
+    assert not (running.data_dir / "redis-url").exists()  # sift status finds no stack now
 
 
 def _ready_again(logs: Path) -> bool:
@@ -117,6 +118,30 @@ def test_sift_up_prints_where_the_webhook_secret_is(stack: Stack) -> None:
     dev_key = stack.data_dir / "dev-api-key.json"
     assert f'webhooks signed with the "webhook_secret" in {dev_key}' in printed, printed
     assert json.loads(dev_key.read_text())["webhook_secret"].startswith("whsec_")
+
+
+def _status(tmp: Path, data_dir: Path) -> subprocess.CompletedProcess[str]:
+    """``sift status`` in the user's shell, with no SIFT_REDIS_URL."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", "status", "--json", "--no-inspect"],
+        cwd=tmp, env={**_env(), "SIFT_DATA_DIR": str(data_dir)}, capture_output=True,
+        text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_sift_status_finds_the_stack_running_on_its_data_folder(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """No SIFT_REDIS_URL to copy from ``sift up``'s output: ``sift status`` reads the Redis
+    of the stack running on SIFT_DATA_DIR, and says what it lacks where none runs."""
+    found = _status(tmp_path, stack.data_dir)
+    assert found.returncode == 0, found.stderr
+    status = json.loads(found.stdout)
+    assert {q["name"] for q in status["queues"]} >= {"sift.search", "sift.batch"}
+    assert status["workers"], status  # the stack's, by their heartbeats in its Redis
+    none = _status(tmp_path, tmp_path / "no-stack")
+    assert none.returncode == 1 and "no `sift up` stack runs on" in none.stderr, none.stderr
+    assert "SIFT_REDIS_URL is not set" in none.stderr and "Traceback" not in none.stderr
 
 
 def _snapshot(logs: Path) -> dict[str, bytes]:

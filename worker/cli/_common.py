@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 
 import typer
 from pydantic import ValidationError
@@ -18,6 +19,18 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2  # typer's own, for a bad option value or a bad combination of options
 EXIT_ITEMS_FAILED = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+# In the data folder of a running `sift up`: the URL of the Redis it uses, so `sift status`
+# finds it without SIFT_REDIS_URL (removed when the stack stops)
+STACK_REDIS_FILE = "redis-url"
+
+
+def stack_redis_url(data_dir: Path) -> str | None:
+    """The Redis of the ``sift up`` stack on ``data_dir``, if one runs there (or was
+    killed before it could remove its file: then nothing answers at that URL)."""
+    try:
+        return (data_dir / STACK_REDIS_FILE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def option_error(error: SiftError, options: Mapping[str, str]) -> typer.BadParameter | None:

@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_INTERRUPTED, option_error
+from worker.cli._common import EXIT_INTERRUPTED, STACK_REDIS_FILE, option_error
 from worker.cli._output import plain, print_result, sample_path
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError, SiftError
@@ -358,6 +358,9 @@ def local_stack(
             stack.enter_context(running(redis, cancel))
             services.append(redis)
             redis_url = extra["SIFT_REDIS_URL"] = url + "/0"
+        told = data_dir / STACK_REDIS_FILE  # for `sift status` (stack_redis_url)
+        told.write_text(redis_url + "\n")
+        stack.callback(told.unlink, missing_ok=True)
         env = child_env(extra)
         worker_env = _own_metrics_folder(env, data_dir / "metrics" / "worker")
         # stopped within its own bound, even on a Redis that never answers (its processes'

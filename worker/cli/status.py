@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli._app import app
+from worker.cli._common import STACK_REDIS_FILE, stack_redis_url
 from worker.cli._output import cli_console, plain, print_fitted
 from worker.constants import (
     ACTIVE_JOBS_KEY,
@@ -370,21 +371,27 @@ def status_command(
     """The queues, the workers alive and their work, and the batches running (SIFT_REDIS_URL)."""
     err = cli_console(stderr=True)
     try:
-        url = load_settings().redis_url
+        settings = load_settings()
     except ConfigError as exc:
         err.print(f"[bold red]error:[/] {plain(exc.message)}")
         raise typer.Exit(1) from None
+    url, source = settings.redis_url, "SIFT_REDIS_URL"
+    if not url:  # the `sift up` stack running on this data folder, if any
+        url = stack_redis_url(settings.data_dir.resolve())
+        source = f"the `sift up` stack's ({settings.data_dir.resolve() / STACK_REDIS_FILE})"
     if not url:
         err.print(
-            "[bold red]error:[/] SIFT_REDIS_URL is not set: sift status reads Redis "
-            "(a `sift up` stack prints its URL on its `redis` line)"
+            "[bold red]error:[/] SIFT_REDIS_URL is not set, and no `sift up` stack runs on "
+            f"{settings.data_dir} (SIFT_DATA_DIR): sift status reads Redis "
+            "(a `sift up` stack prints its URL on its `redis` line)",
+            soft_wrap=True,
         )
         raise typer.Exit(1)
     store = JobStore(redis.Redis.from_url(url, **CONNECTION_OPTIONS))
     try:
         status = collect(store, None if no_inspect else celery_inspect(url), timeout)
     except (redis.RedisError, OSError) as exc:
-        err.print(f"[bold red]error:[/] cannot read Redis at SIFT_REDIS_URL: {plain(exc)}")
+        err.print(f"[bold red]error:[/] cannot read Redis at {source}: {plain(exc)}")
         raise typer.Exit(1) from None
     finally:
         store.close()
