@@ -368,7 +368,8 @@ def status_command(
         bool, typer.Option("--no-inspect", help="skip Celery's inspection (Redis only)")
     ] = False,
 ) -> None:
-    """The queues, the workers alive and their work, and the batches running (SIFT_REDIS_URL)."""
+    """The queues, the workers alive and their work, and the batches running (SIFT_REDIS_URL,
+    or the sift up stack on SIFT_DATA_DIR)."""
     err = cli_console(stderr=True)
     try:
         settings = load_settings()
