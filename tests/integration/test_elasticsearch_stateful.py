@@ -1327,3 +1327,27 @@ def test_a_page_as_big_as_the_aggregation_still_says_more_follow(
     assert page(None, 2) == (["a", "c"], True)  # b empty: the second search found c, and d
     assert page("c", 2) == (["d", "e"], False)
     assert page(None, 4) == (["a", "c", "d", "e"], False)
+
+
+def test_two_processes_making_the_same_new_name_at_the_limits_edge_both_write(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+) -> None:
+    """Two worker processes write into one new name of a tenant one below its limit: the
+    second's ``HEAD _alias`` finds it missing, the first makes it before the second counts.
+    The alias the second counts is the very one it writes into, no new one: both writes
+    land, the tenant holds the limit's worth, none refused ``index_limit_reached``."""
+    server, _state = fake
+    first, second = (backend_on(server, max_indexes_per_tenant=2) for _ in range(2))
+    first.upsert("sci", "acme", [DOC], vectors_of([DOC]), version=1)
+    asked = second._alias_exists
+
+    def head_then_the_other_creates(alias: str, what: str, index: str) -> bool:
+        found = asked(alias, what, index)
+        if not found and index == "med":  # the first process makes it meanwhile
+            first.upsert("med", "acme", [DOC], vectors_of([DOC]), version=2)
+        return found
+
+    second._alias_exists = head_then_the_other_creates  # type: ignore[method-assign]
+    other = Document(id="d2", text="another document", title="")
+    assert second.upsert("med", "acme", [other], vectors_of([other]), version=3) == 1
+    assert [(i.name, i.documents) for i in second.indexes("acme")] == [("med", 2), ("sci", 1)]

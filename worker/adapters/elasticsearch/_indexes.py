@@ -78,7 +78,9 @@ class _Indexes(_Core):
         aliases (``GET _alias/<prefix><key>--*``: every one holds a shard, an empty one a
         delete made too). Not atomic with the create: workers making new names for one
         tenant at the same moment each pass it, so the tenant may end one over per such
-        worker process (one process makes its indexes one at a time, under its lock)."""
+        worker process (one process makes its indexes one at a time, under its lock). The
+        alias itself found among them (another process made it since the ``HEAD``) is no
+        new one: the write goes into it."""
         limit = self.max_indexes_per_tenant
         if not limit:
             return
@@ -90,6 +92,8 @@ class _Indexes(_Core):
                 for alias in aliases
                 if alias.startswith(stem)
             }
+        if self.alias(index, tenant) in held:
+            return
         if len(held) >= limit:
             raise IndexLimitReached(index, len(held), limit)
 
