@@ -23,6 +23,7 @@ Adapters raise these with ``raise ... from exc`` so the cause stays visible.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
@@ -138,15 +139,24 @@ class IndexLimitReached(SiftError):
 
     code = "index_limit_reached"
 
-    def __init__(self, index: str, held: int, limit: int) -> None:
+    def __init__(self, index: str, held: int, limit: int, unlisted: Sequence[str] = ()) -> None:
+        empty = ""
+        if unlisted:  # Elasticsearch's empty indexes, which count but are not listed
+            names = ", ".join(repr(name) for name in unlisted[:10])
+            more = f" and {len(unlisted) - 10} more" if len(unlisted) > 10 else ""
+            empty = (
+                f" ({len(unlisted)} of them hold no document, so are not listed: "
+                f"{names}{more}; a delete by id into a new name made them)"
+            )
         super().__init__(
-            f"index {index!r} cannot be made: this tenant holds {held} indexes, the most "
-            f"SIFT_MAX_INDEXES_PER_TENANT ({limit}) allows; drop one (DELETE "
+            f"index {index!r} cannot be made: this tenant holds {held} indexes{empty}, the "
+            f"most SIFT_MAX_INDEXES_PER_TENANT ({limit}) allows; drop one (DELETE "
             "/v1/indexes/NAME) or ask the operator to raise the setting"
         )
         self.index = index
         self.held = held
         self.limit = limit
+        self.unlisted = list(unlisted)
 
 
 class BackendError(SiftError):

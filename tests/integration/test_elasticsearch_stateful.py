@@ -422,8 +422,10 @@ def test_every_alias_of_the_tenant_counts_toward_its_limit_and_the_migration_is_
         lambda: backend.upsert("med", "acme", [DOC], vectors_of([DOC]), version=3),
         lambda: backend.delete_documents("med", "acme", ["x"], version=3),
     ):
-        with pytest.raises(IndexLimitReached, match="holds 2 indexes"):
+        with pytest.raises(IndexLimitReached, match="holds 2 indexes") as refused:
             write()
+        assert refused.value.unlisted == ["bio"]  # the empty one, named: drop it
+        assert "so are not listed: 'bio'" in refused.value.message
     other = backend_on(server, max_indexes_per_tenant=2)  # another process: it asks ES
     with pytest.raises(IndexLimitReached):
         other.upsert("med", "acme", [DOC], vectors_of([DOC]), version=4)

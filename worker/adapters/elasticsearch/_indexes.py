@@ -8,7 +8,7 @@ import logging
 
 from elasticsearch import ApiError
 
-from worker.adapters.elasticsearch._core import _Core
+from worker.adapters.elasticsearch._bodies import _Bodies
 from worker.adapters.elasticsearch._errors import (
     _AliasGone,
     _error_type,
@@ -21,7 +21,7 @@ from worker.errors import IndexLimitReached
 logger = logging.getLogger(__name__)
 
 
-class _Indexes(_Core):
+class _Indexes(_Bodies):
     """Make the tenant's index if it is missing; clear a bare index in its alias's way."""
 
     def ensure_index(self, index: str, tenant: str, *, capped: bool = True) -> bool:
@@ -85,17 +85,49 @@ class _Indexes(_Core):
         if not limit:
             return
         stem = self.tenant_stem(tenant)
-        with _translated(f"create index {index!r}", index):
-            held = {
-                alias
-                for aliases in self._aliases(f"{stem}*").values()
+        what = f"create index {index!r}"
+        with _translated(what, index):
+            held = {  # concrete index -> the tenant's alias on it
+                concrete: alias
+                for concrete, aliases in self._aliases(f"{stem}*").items()
                 for alias in aliases
                 if alias.startswith(stem)
             }
-        if self.alias(index, tenant) in held:
+        if self.alias(index, tenant) in held.values():
             return
-        if len(held) >= limit:
-            raise IndexLimitReached(index, len(held), limit)
+        if len(set(held.values())) >= limit:
+            unlisted = self._unlisted(tenant, stem, held, what, index)
+            raise IndexLimitReached(index, len(set(held.values())), limit, unlisted)
+
+    def _unlisted(
+        self, tenant: str, stem: str, held: dict[str, str], what: str, index: str
+    ) -> list[str]:
+        """Of the tenant's aliases (``held``: concrete index -> alias), the names of those
+        holding none of its documents, which ``GET /v1/indexes`` does not list: one ``size:
+        0`` search, filtered on the tenant, counting by ``_index``. Asked only on a refusal,
+        so the tenant is told which names to drop; none named when the answer cannot say
+        (every index gone meanwhile, or some shards not read: a name holding documents
+        must never be called empty)."""
+        with _translated(what, index, missing_ok=True) as missing:
+            answer = (
+                self._es()
+                .search(
+                    index=f"{stem}*",
+                    size=0,
+                    query=self.tenant_query(tenant),
+                    aggs={"indexes": {"terms": {"field": "_index", "size": len(held)}}},
+                    ignore_unavailable=True,
+                    allow_no_indices=True,
+                )
+                .body
+            )
+        if missing or (answer.get("_shards") or {}).get("failed"):
+            return []
+        buckets = answer.get("aggregations", {}).get("indexes", {}).get("buckets", [])
+        holding = {held.get(bucket["key"]) for bucket in buckets if int(bucket["doc_count"])}
+        return sorted(
+            alias.removeprefix(stem) for alias in set(held.values()) if alias not in holding
+        )
 
     def _alias_exists(self, alias: str, what: str, index: str) -> bool:
         """``HEAD _alias/<alias>``."""
