@@ -73,6 +73,7 @@ from worker.errors import (
     ConfigError,
     DeadlineExceeded,
     EmbeddingModelMismatch,
+    IndexLimitReached,
     IndexNotFound,
     InvalidRequest,
 )
@@ -90,6 +91,10 @@ FLOORS = "sift-sift-floors"
 FLOOR = f"/{FLOORS}/_doc/{ACME}"  # acme's drop floor for "docs"
 #: The newest delete by id on acme's alias (the client sends the ``#`` of its id as %23).
 DELETES = f"/{FLOORS}/_doc/{ACME}%23deletes"
+#: Before a new index of the tenant's is made, its aliases are counted
+#: (SIFT_MAX_INDEXES_PER_TENANT): ``GET _alias/<prefix><key>--*``.
+ACME_ALIASES = f"/_alias/sift-{tenant_key('acme')}--*"
+BETA_ALIASES = f"/_alias/sift-{tenant_key('beta')}--*"
 RESOLVE = f"/_resolve/index/{ACME}*"  # a drop's one look for acme's concrete indexes
 SOURCE = ["doc_id", "text", "title", "revision", "metadata", "tenant"]
 VECTOR = [0.6, 0.8, 0.0]
@@ -217,6 +222,7 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
     server: FakeElasticsearchServer,
 ) -> None:
     server.on("HEAD", f"/_alias/{ACME}", Answer(404))
+    server.on("GET", ACME_ALIASES, Answer(200, {}))  # a wildcard matching nothing
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on(
         "PUT",
@@ -234,23 +240,24 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
 
     assert [(r.method, r.path) for r in server.requests] == [
         ("HEAD", f"/_alias/{ACME}"),
+        ("GET", ACME_ALIASES),  # acme holds none: under its limit of indexes
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
         ("PUT", f"/{ACME}/_mapping"),
         ("PUT", "/_bulk"),
     ]
-    assert server.requests[1].json() == EXPECTED_TEMPLATE
-    assert server.requests[2].json() == {"aliases": {ACME: {}}}
+    assert server.requests[2].json() == EXPECTED_TEMPLATE
+    assert server.requests[3].json() == {"aliases": {ACME: {}}}
     # the index just made may come from a template an earlier release's worker put since
     # this one's: the fields writes carry are mapped on it all the same
-    assert server.requests[3].json() == {
+    assert server.requests[4].json() == {
         "properties": {
             "embedding_model": {"type": "keyword"},
             "metadata_terms": {"type": "keyword"},
             "write_version": {"type": "long"},
         }
     }
-    bulk = server.requests[4]
+    bulk = server.requests[5]
     # require_alias: a write whose alias another worker dropped is refused, not auto-created
     assert bulk.query == {"refresh": ["wait_for"], "require_alias": ["true"]}
     assert bulk.headers["content-type"] == (
@@ -283,8 +290,52 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
 
     # acme's index is known now: its next upsert goes straight to _bulk
     assert backend.upsert("docs", "acme", [Document("d3", "again", revision="r")], None) == 1
-    assert [(r.method, r.path) for r in server.requests[5:]] == [("PUT", "/_bulk")]
-    assert server.requests[5].ndjson()[0] == {"index": {"_id": "acme:d3", "_index": ACME}}
+    assert [(r.method, r.path) for r in server.requests[6:]] == [("PUT", "/_bulk")]
+    assert server.requests[6].ndjson()[0] == {"index": {"_id": "acme:d3", "_index": ACME}}
+
+
+def test_a_tenant_at_its_limit_of_indexes_makes_none_and_is_told_its_empty_ones(
+    server: FakeElasticsearchServer,
+) -> None:
+    """At SIFT_MAX_INDEXES_PER_TENANT, acme's aliases counted, a new name is not made: one
+    tenant-filtered ``size: 0`` count by ``_index`` finds which of its indexes hold none of
+    its documents (so are not listed), for the refusal to name, and nothing else is sent."""
+    sci, bio = (f"sift-{tenant_key('acme')}--{name}" for name in ("sci", "bio"))
+    server.on("HEAD", f"/_alias/{ACME}", Answer(404))
+    held = aliases((f"{sci}~000001", sci), (f"{bio}~000001", bio))
+    server.on("GET", ACME_ALIASES, Answer(200, held))
+    counted = {
+        "took": 2,
+        "timed_out": False,
+        "_shards": {"total": 2, "successful": 2, "skipped": 0, "failed": 0},
+        "hits": {"total": {"value": 3, "relation": "eq"}, "max_score": None, "hits": []},
+        "aggregations": {
+            "indexes": {
+                "doc_count_error_upper_bound": 0,
+                "sum_other_doc_count": 0,
+                "buckets": [{"key": f"{sci}~000001", "doc_count": 3}],
+            }
+        },
+    }
+    server.on("POST", f"{ACME_ALIASES.removeprefix('/_alias')}/_search", Answer(200, counted))
+    backend = backend_for(server, max_indexes_per_tenant=2)
+    with pytest.raises(IndexLimitReached) as refused:
+        backend.upsert("docs", "acme", [Document("d1", "x")], None)
+    assert refused.value.held == 2 and refused.value.unlisted == ["bio"]
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("HEAD", f"/_alias/{ACME}"),
+        ("GET", ACME_ALIASES),
+        ("POST", f"{ACME_ALIASES.removeprefix('/_alias')}/_search"),
+    ]
+    assert server.requests[2].json() == {
+        "size": 0,
+        "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
+        "aggs": {"indexes": {"terms": {"field": "_index", "size": 2}}},
+    }
+    assert server.requests[2].query == {
+        "ignore_unavailable": ["true"],
+        "allow_no_indices": ["true"],
+    }
 
 
 def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
@@ -295,6 +346,7 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
     and no byte of it reaches acme's index."""
     on_existing_index(server)
     server.on("HEAD", f"/_alias/{BETA}", Answer(404))
+    server.on("GET", BETA_ALIASES, Answer(200, {}))  # beta's own count: acme's not in it
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("PUT", f"/{BETA}~000001", Answer(200, {"acknowledged": True, "index": BETA}))
     server.on("PUT", f"/{BETA}/_mapping", Answer(200, {"acknowledged": True}))
@@ -305,13 +357,14 @@ def test_two_tenants_writing_one_name_each_get_their_own_physical_index(
     assert backend.upsert("docs", "beta", [Document("d1", "other tenant", revision="")], None) == 1
     assert [(r.method, r.path) for r in server.requests] == [
         ("HEAD", f"/_alias/{BETA}"),
+        ("GET", BETA_ALIASES),
         ("PUT", "/_index_template/sift-sift"),  # once per process: acme's index existed
         ("PUT", f"/{BETA}~000001"),
         ("PUT", f"/{BETA}/_mapping"),
         ("PUT", "/_bulk"),
     ]
-    assert server.requests[2].json() == {"aliases": {BETA: {}}}
-    action, source = server.requests[4].ndjson()
+    assert server.requests[3].json() == {"aliases": {BETA: {}}}
+    action, source = server.requests[5].ndjson()
     assert action == {"index": {"_id": "beta:d1", "_index": BETA}}
     assert "vector" not in source and source["tenant"] == "beta"
     assert len(source["revision"]) == 16  # derived from the content when none came
@@ -1421,6 +1474,7 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
     """A delete can run before the upsert it was accepted after: its tombstones must exist
     in the index that upsert will write to, so the index is created as an upsert would."""
     server.on("HEAD", f"/_alias/{ACME}", Answer(404))
+    server.on("GET", ACME_ALIASES, Answer(200, {}))
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on(
         "PUT",
@@ -1438,6 +1492,7 @@ def test_delete_documents_of_a_missing_index_creates_it_to_keep_the_tombstones(
     assert [(r.method, r.path) for r in server.requests] == [
         ("GET", FLOOR),  # no drop of acme's "docs" ran: no floor
         ("HEAD", f"/_alias/{ACME}"),
+        ("GET", ACME_ALIASES),  # a new index, counted as an upsert's is
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
         ("PUT", f"/{FLOORS}"),
@@ -1798,6 +1853,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
     refused = bulk_response(require_alias_refused("index", ACME, "acme:d2"))
     server.on("PUT", "/_bulk", Answer(200, refused), times=1)
     server.on("HEAD", f"/_alias/{ACME}", Answer(404))
+    server.on("GET", ACME_ALIASES, Answer(200, {}))  # dropped: acme holds none now
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("PUT", f"/{CONCRETE}", Answer(200, {"acknowledged": True, "index": CONCRETE}))
     server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}), times=1)
@@ -1807,6 +1863,7 @@ def test_a_write_after_another_worker_dropped_the_index_makes_it_again(
         ("PUT", "/_bulk"),
         ("GET", FLOOR),  # the drop was an older one than this write: make the index again
         ("HEAD", f"/_alias/{ACME}"),
+        ("GET", ACME_ALIASES),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{CONCRETE}"),
         ("PUT", f"/{ACME}/_mapping"),
