@@ -712,6 +712,24 @@ def test_a_paced_item_whose_search_needs_no_model_call_counts_no_more_once_it_en
     assert fake.requests() == []
 
 
+def test_a_paced_item_that_runs_no_search_counts_no_more_once_let_go(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A batch item paced, then found held by another run (its chunk a copy), runs no
+    search: ``SearchPipeline.unpace`` takes it out of the readings at once."""
+    pipeline, budget = build(
+        fake, client, "fail_open", RateLimit(rpm=6), RecordingRecorder(), deadline=90.0
+    )
+    exhaust(budget)  # the next call frees within 10 s: under the 30 s of room
+    pipeline.pace()
+    time.sleep(BACKLOG_REFRESH_SECONDS)
+    assert budget.backlog() > 10.0  # counted: its call's 10 s on top of the bucket's
+    pipeline.unpace()
+    time.sleep(BACKLOG_REFRESH_SECONDS)  # the next reading is read from Redis
+    assert budget.backlog() <= 10.0  # the bucket's next call alone
+    assert fake.requests() == []
+
+
 def test_settling_many_calls_in_flight_converges_on_the_reported_ratio(
     client: redis.Redis,
 ) -> None:

@@ -753,6 +753,45 @@ def test_a_chunk_copy_that_loses_an_item_s_claim_changes_nothing_of_that_item(
     store.release_item(batch.id, "q0", claim)
 
 
+class PacingRuntime(ScriptedRuntime):
+    """Counts its batch items paced on the rate budget, and those let go unsearched; runs
+    ``meanwhile`` while an item waits on the budget."""
+
+    def __init__(self, meanwhile: Callable[[], None]) -> None:
+        super().__init__()
+        self.meanwhile = meanwhile
+        self.paced = self.unpaced = 0
+
+    def pace(self) -> None:
+        self.paced += 1
+        self.meanwhile()
+
+    def unpace(self) -> None:
+        self.unpaced += 1
+
+
+def test_a_chunk_run_whose_item_another_run_claimed_while_it_paced_lets_the_pace_go(
+    context: base.WorkerContext,
+) -> None:
+    """A chunk's run started an item and paced it on the shared rate budget (where it counts
+    in every process's readings until its call is reserved); while it waited there, another
+    run (a copy of the chunk) claimed the item: this run lets the pace go at once. It
+    counted on for PENDING_SECONDS (60 s), holding the cluster's batches back by a call's
+    refill time, as no search's end told the budget."""
+    store = context.store
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)  # the other run's worker
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q0"))])
+    claims = []
+    runtime = PacingRuntime(
+        lambda: claims.append(store.claim_item(batch.id, "q0", "w1", lease_seconds=30))
+    )
+    context._runtime = runtime
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    assert claims[0].granted  # the other run's, taken during the pace
+    assert (runtime.paced, runtime.unpaced, runtime.calls) == (1, 1, 0)
+    store.release_item(batch.id, "q0", claims[0])
+
+
 def test_a_poisoned_chunk_copy_leaves_an_item_a_live_run_holds(
     context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -155,6 +155,15 @@ def _search(task: SiftTask, job: SearchJob, claim: RunClaim) -> bool:
     return finished
 
 
+def _unpace(runtime: object) -> None:
+    """A batch item paced on the rate budget (the runtime's ``pace``) whose search will not
+    run here counts no more in the budget's readings (the runtime's ``unpace``); a runtime
+    factory's may have neither."""
+    unpace = getattr(runtime, "unpace", None)
+    if unpace is not None:
+        unpace()
+
+
 def _with_queue_wait(result: SearchResult, seconds: float) -> SearchResult:
     """``result`` with its trace (when one was asked for) telling ``queue_wait_seconds``: from
     the job's submission (a search's, or its batch's) to the start of the run that made it;
@@ -336,6 +345,7 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
                 claim = store.claim_item(batch_id, item.query_id, owner, lease_seconds=deadline)
                 if not claim.granted:  # another delivery is running it (jobstore/runs.py)
                     log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
+                    _unpace(runtime)  # it let this one start: no search of it runs here
                     return None
                 if item.status == "queued" and not claim.spent:
                     # its first run: one requeued for a retry let its claim go with the time
@@ -354,6 +364,8 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
             log.info("batch %s item %s: another run took it over", batch_id, item.query_id)
             return None
         except Exception as exc:
+            if claim is None:  # paced, or not, but no search ran
+                _unpace(runtime)
             if claim is None and isinstance(exc, redis.RedisError):
                 # the job store failed before the item's run began (its claim, or its pacing
                 # on the shared budget; an economy item's first half, which claims nothing,

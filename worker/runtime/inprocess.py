@@ -76,6 +76,10 @@ class Runtime:
         """A batch item waits here for the rate budget (:meth:`SearchPipeline.pace`)."""
         self.pipeline.pace()
 
+    def unpace(self) -> None:
+        """A batch item paced that runs no search (:meth:`SearchPipeline.unpace`)."""
+        self.pipeline.unpace()
+
     def ingest(
         self,
         index: str,

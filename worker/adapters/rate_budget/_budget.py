@@ -44,8 +44,8 @@ MIN_CORRECTION, MAX_CORRECTION = 0.1, 10.0
 # than asking Redis: a batch paces every item on it
 BACKLOG_REFRESH_SECONDS = 0.2
 # an item let start (started()) counts in the readings until it reserves its call, or ends
-# without one (ended()), or for this long at most: one whose run stopped before its search
-# (another run held the item) is not counted for good
+# without one (ended(): its search ended, or none will run), or for this long at most: one
+# whose run failed before its search is not counted for good
 PENDING_SECONDS = 60.0
 # what another process told of its items let start counts this long after it told it (Redis's
 # clock): each process tells it at every reading and reservation, several times a second

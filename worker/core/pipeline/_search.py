@@ -198,6 +198,12 @@ class SearchPipeline:
         enough for it (:meth:`ModelCalls.pace`)."""
         self._model_calls().pace()
 
+    def unpace(self) -> None:
+        """The batch item this thread paced runs no search (another run holds it): it counts
+        no more in the rate budget's readings, as a search's end would have it."""
+        if self.rate_budget is not None:
+            self.rate_budget.ended()
+
     def prepare(
         self, spec: SearchSpec, tenant: str, *, later: list[Callable[[], None]] | None = None
     ) -> Prepared:
