@@ -134,6 +134,7 @@ def test_sift_status_finds_the_stack_running_on_its_data_folder(
 ) -> None:
     """No SIFT_REDIS_URL to copy from ``sift up``'s output: ``sift status`` reads the Redis
     of the stack running on SIFT_DATA_DIR, and says what it lacks where none runs."""
+    assert (stack.data_dir / "redis-url").stat().st_mode & 0o777 == 0o600  # a password's
     found = _status(tmp_path, stack.data_dir)
     assert found.returncode == 0, found.stderr
     status = json.loads(found.stdout)

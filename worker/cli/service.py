@@ -359,6 +359,8 @@ def local_stack(
             services.append(redis)
             redis_url = extra["SIFT_REDIS_URL"] = url + "/0"
         told = data_dir / STACK_REDIS_FILE  # for `sift status` (stack_redis_url)
+        told.touch(mode=0o600)
+        told.chmod(0o600)  # the URL may hold Redis's password, as the dev key file its secret
         told.write_text(redis_url + "\n")
         stack.callback(told.unlink, missing_ok=True)
         env = child_env(extra)
