@@ -54,6 +54,7 @@ from worker.constants import (
     kombu_queue_keys,
 )
 from worker.errors import ConfigError
+from worker.processes.stack import holds_data_dir
 from worker.queue.jobstore import JobStore
 from worker.redis_client import CONNECTION_OPTIONS
 from worker.settings import load_settings
@@ -377,9 +378,10 @@ def status_command(
         err.print(f"[bold red]error:[/] {plain(exc.message)}")
         raise typer.Exit(1) from None
     url, source = settings.redis_url, "SIFT_REDIS_URL"
+    data_dir, told = settings.data_dir.resolve(), False
     if not url:  # the `sift up` stack running on this data folder, if any
-        url = stack_redis_url(settings.data_dir.resolve())
-        source = f"the `sift up` stack's ({settings.data_dir.resolve() / STACK_REDIS_FILE})"
+        url, told = stack_redis_url(data_dir), True
+        source = f"the `sift up` stack's ({data_dir / STACK_REDIS_FILE})"
     if not url:
         err.print(
             "[bold red]error:[/] SIFT_REDIS_URL is not set, and no `sift up` stack runs on "
@@ -392,7 +394,16 @@ def status_command(
     try:
         status = collect(store, None if no_inspect else celery_inspect(url), timeout)
     except (redis.RedisError, OSError) as exc:
-        err.print(f"[bold red]error:[/] cannot read Redis at {source}: {plain(exc)}")
+        if told and not holds_data_dir(data_dir):  # its stack was killed before removing it
+            err.print(
+                f"[bold red]error:[/] SIFT_REDIS_URL is not set, and no `sift up` stack runs on "
+                f"{data_dir} (SIFT_DATA_DIR): its {data_dir / STACK_REDIS_FILE} is left from "
+                f"one that did not stop (killed?), whose Redis does not answer ({plain(exc)}); "
+                "start one with `sift up`, or set SIFT_REDIS_URL",
+                soft_wrap=True,
+            )
+        else:
+            err.print(f"[bold red]error:[/] cannot read Redis at {source}: {plain(exc)}")
         raise typer.Exit(1) from None
     finally:
         store.close()

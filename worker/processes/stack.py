@@ -574,6 +574,20 @@ def claim_data_dir(data_dir: Path, description: str) -> IO[str]:
     return lock
 
 
+def holds_data_dir(data_dir: Path) -> bool:
+    """Whether a running stack holds ``data_dir`` (:func:`claim_data_dir`'s lock), probed with
+    a shared lock taken and let go at once; a folder with no lock file is held by none."""
+    try:
+        with open(data_dir / LOCK_FILE) as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    return False
+
+
 def check_port_free(port: int, what: str, option: str, host: str = "127.0.0.1") -> None:
     """Raise :class:`StackInUse` naming ``port`` if something already listens on it."""
     with socket.socket() as sock:
