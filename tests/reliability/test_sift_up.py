@@ -340,6 +340,37 @@ def test_ctrl_c_while_a_batch_runs_leaves_no_process_behind(tmp_path: Path) -> N
     assert proc.returncode == 0, running.printed()
 
 
+@pytest.mark.timeout(300)
+def test_a_sigkilled_sift_up_leaves_no_process_behind(tmp_path: Path) -> None:
+    """``sift up`` SIGKILLed (``kill -9``, the OOM killer): every process it started stops
+    all the same (each follows it: ``PR_SET_PDEATHSIG``). Before, its Redis, its worker
+    supervisor with the worker processes and its gateway ran on, orphaned, with the data
+    folder's lock let go: the next ``sift up`` stopped at their ports."""
+    data_dir = tmp_path / "data"
+    port = free_port()
+    out = tmp_path / "up.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "up", "--port", str(port),
+             "--metrics-port", str(free_port()), "--data-dir", str(data_dir)],
+            cwd=tmp_path, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    running = Stack(proc, out, data_dir, port, 0)
+    try:
+        wait_for(lambda: "Ctrl-C stops everything" in running.printed(), "sift up", UP_TIMEOUT)
+        wait_for(lambda: _warmed_up(running.logs), "the worker's warm-up", UP_TIMEOUT)
+        started = _session(proc.pid)
+        assert len(started) >= 5, started  # Redis, the gateway, the workers and their supervisor
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        wait_for(lambda: _session(proc.pid) == [], "every process of the stack gone", 120)
+    finally:
+        for pid in _session(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 def client_status(url: str, headers: dict[str, str], path: str) -> str:
     return str(httpx.get(url + path, headers=headers, timeout=30).json()["status"])
 

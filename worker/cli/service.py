@@ -352,9 +352,14 @@ def local_stack(
         extra["SIFT_WORKER_METRICS_PORT"] = str(metrics_port)
         logs = data_dir / "logs"
         services: list[Service] = []
+        supervisor = None if report is None else Supervisor(report)
+        if supervisor is not None:  # ended last: the thread that starts the processes it
+            stack.callback(supervisor.close)  # restarts, which follow it (Service.follow)
         redis_url = settings.redis_url
         if not redis_url:
             redis, url = redis_service(data_dir / "redis", appendonly=True)
+            redis.follow = True  # each process of the stack stops when sift up dies, even
+            # SIGKILLed (it was left running, orphaned, its data folder's lock let go)
             stack.enter_context(running(redis, cancel))
             services.append(redis)
             redis_url = extra["SIFT_REDIS_URL"] = url + "/0"
@@ -369,17 +374,18 @@ def local_stack(
         # warm shutdown hung on one, and a SIGKILL of their supervisor left them orphaned)
         workers = worker_service(logs, worker_env, processes=None)
         workers.stop_timeout = supervisor_stop_deadline(settings) + 5.0
+        workers.follow = True
         services.append(stack.enter_context(running(workers, cancel)))
         gateway, url = gateway_service(
             logs, _own_metrics_folder(env, data_dir / "metrics" / "gateway"), port=gateway_port
         )
+        gateway.follow = True
         services.append(stack.enter_context(running(gateway, cancel)))
-        supervisor = None
-        if report is not None:
-            supervisor = Supervisor(report)
+        if supervisor is not None:
             for service in services:
                 supervisor.watch(service)
-            stack.enter_context(supervisor)  # left first: nothing restarts while stopping
+            supervisor.start()
+            stack.callback(supervisor.stop_watching)  # first: nothing restarts while stopping
         yield LocalStack(url, api_key, redis_url, logs, supervisor)
 
 

@@ -16,6 +16,7 @@ again, after a back-off) and refuses to start over another stack's ports or data
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
@@ -174,25 +175,49 @@ def _log_size(log: Path | None) -> int:
         return 0
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _dies_with(parent: int) -> Callable[[], None] | None:
+    """What a child runs before its command so that SIGTERM reaches it when we die, even by
+    SIGKILL (Linux's ``PR_SET_PDEATHSIG``, kept across the exec; it fires when the *thread*
+    that started the child ends, so only threads that outlive the child start one); and it
+    stops at once if we are gone already. None elsewhere than on Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
+
+    def follow() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return follow
+
+
 def spawn(
     command: list[str],
     log: Path | None,
     env: Mapping[str, str] | None = None,
     *,
     own_group: bool = False,
+    follow: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``command`` appending its output to ``log`` (never truncating it: a log may be a
     running process's, and a restarted one's follows the lines that led to the restart), or
     writing to ours if ``log`` is None. ``own_group``: in a process group of its own, so a
-    terminal's Ctrl-C reaches only us, and we pass it on (once)."""
+    terminal's Ctrl-C reaches only us, and we pass it on (once). ``follow``: it receives
+    SIGTERM when we die (:func:`_dies_with`)."""
     group = 0 if own_group else None
     env = None if env is None else dict(env)
+    before = _dies_with(os.getpid()) if follow else None
     if log is None:
-        return subprocess.Popen(command, env=env, process_group=group)
+        return subprocess.Popen(command, env=env, process_group=group, preexec_fn=before)
     with open(log, "ab") as out:
         return subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=group
-        )
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=group,
+            preexec_fn=before,
+        )  # fmt: skip
 
 
 def child_env(extra: Mapping[str, str], *, inherit_sift: bool = True) -> dict[str, str]:
@@ -361,6 +386,7 @@ class Service:
     ready: Callable[[], object] | None = None
     ready_line: bytes | None = None
     own_group: bool = False  # see spawn()
+    follow: bool = False  # it receives SIGTERM when we die, even by SIGKILL (see spawn())
     stop_timeout: float = 15.0  # from SIGTERM to SIGKILL (see stop())
     proc: subprocess.Popen[bytes] | None = None
     # the port it serves on: it is ready only once its own process listens there, whatever
@@ -372,7 +398,9 @@ class Service:
     def start(self) -> subprocess.Popen[bytes]:
         """Start the process (again), appending to its log; answers it without waiting."""
         self._offset = _log_size(self.log)
-        self.proc = spawn(self.command, self.log, self.env, own_group=self.own_group)
+        self.proc = spawn(
+            self.command, self.log, self.env, own_group=self.own_group, follow=self.follow
+        )
         self.started_at = time.monotonic()
         return self.proc
 
@@ -473,29 +501,42 @@ class Supervisor:
     on_exit: Callable[[Service], None] | None = None
     _watched: list[_Watched] = field(default_factory=list)
     _stopping: threading.Event = field(default_factory=threading.Event)
+    _closed: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def watch(self, service: Service) -> None:
         self._watched.append(_Watched(service))
 
-    def __enter__(self) -> Supervisor:
+    def start(self) -> None:
+        """Start watching, on a thread of its own: the one that starts the processes it
+        restarts, so it lives until :meth:`close`, for a process that follows its parent
+        (``Service.follow``: SIGTERM when the thread that started it ends)."""
         self._thread = threading.Thread(target=self._run, name="sift-supervisor", daemon=True)
         self._thread.start()
+
+    def __enter__(self) -> Supervisor:
+        self.start()
         return self
 
     def __exit__(self, *_: object) -> None:
         """Stop watching: the processes are stopped by their own contexts after this."""
         self.stop_watching()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self.close()
 
     def stop_watching(self) -> None:
         """From now on an exit is expected (safe in a signal handler: Ctrl-C reaches the
         whole process group, and the processes exit on their own)."""
         self._stopping.set()
 
+    def close(self) -> None:
+        """End the thread (after :meth:`stop_watching`, once the processes have stopped)."""
+        self._stopping.set()
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
     def _run(self) -> None:
-        while not self._stopping.wait(self.poll_seconds):
+        while not self._closed.wait(self.poll_seconds):
             for watched in self._watched:
                 self._check(watched, time.monotonic())
 
