@@ -293,6 +293,25 @@ def test_ctrl_c_twice_while_the_stack_starts_stops_it_without_a_traceback(tmp_pa
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _up_in_a_session(tmp_path: Path) -> Stack:
+    """``sift up`` started in a session of its own, as from a terminal: every process it
+    starts stays in that session (:func:`_session`), whatever its process group."""
+    data_dir, port, out = tmp_path / "data", free_port(), tmp_path / "up.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "up", "--port", str(port),
+             "--metrics-port", str(free_port()), "--data-dir", str(data_dir)],
+            cwd=tmp_path, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    return Stack(proc, out, data_dir, port, 0)
+
+
+def _wait_up_and_warm(running: Stack) -> None:
+    wait_for(lambda: "Ctrl-C stops everything" in running.printed(), "sift up", UP_TIMEOUT)
+    wait_for(lambda: _warmed_up(running.logs), "the worker's warm-up", UP_TIMEOUT)
+
+
 @pytest.mark.timeout(300)
 def test_ctrl_c_while_a_batch_runs_leaves_no_process_behind(tmp_path: Path) -> None:
     """Ctrl-C (SIGINT to the terminal's process group) with a batch's items in the workers:
@@ -302,20 +321,10 @@ def test_ctrl_c_while_a_batch_runs_leaves_no_process_behind(tmp_path: Path) -> N
     workers' warm shutdown still needed it (putting their unacked messages back): they hung,
     ``sift up`` SIGKILLed their supervisor after its 15 s, and the worker processes were left
     running, orphaned, for good. Redis now has a group of its own and is stopped last."""
-    data_dir = tmp_path / "data"
-    port = free_port()
-    out = tmp_path / "up.out"
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "up", "--port", str(port),
-             "--metrics-port", str(free_port()), "--data-dir", str(data_dir)],
-            cwd=tmp_path, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    running = Stack(proc, out, data_dir, port, 0)
+    running = _up_in_a_session(tmp_path)
+    proc = running.proc
     try:
-        wait_for(lambda: "Ctrl-C stops everything" in running.printed(), "sift up", UP_TIMEOUT)
-        wait_for(lambda: _warmed_up(running.logs), "the worker's warm-up", UP_TIMEOUT)
+        _wait_up_and_warm(running)
         with httpx.Client(base_url=running.url, headers=running.headers(), timeout=60) as client:
             ingest = client.post("/v1/indexes/docs/documents", params={"wait": 30},
                                  json={"documents": sample_documents()})  # fmt: skip
@@ -346,20 +355,10 @@ def test_a_sigkilled_sift_up_leaves_no_process_behind(tmp_path: Path) -> None:
     all the same (each follows it: ``PR_SET_PDEATHSIG``). Before, its Redis, its worker
     supervisor with the worker processes and its gateway ran on, orphaned, with the data
     folder's lock let go: the next ``sift up`` stopped at their ports."""
-    data_dir = tmp_path / "data"
-    port = free_port()
-    out = tmp_path / "up.out"
-    with open(out, "wb") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "up", "--port", str(port),
-             "--metrics-port", str(free_port()), "--data-dir", str(data_dir)],
-            cwd=tmp_path, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    running = Stack(proc, out, data_dir, port, 0)
+    running = _up_in_a_session(tmp_path)
+    proc = running.proc
     try:
-        wait_for(lambda: "Ctrl-C stops everything" in running.printed(), "sift up", UP_TIMEOUT)
-        wait_for(lambda: _warmed_up(running.logs), "the worker's warm-up", UP_TIMEOUT)
+        _wait_up_and_warm(running)
         started = _session(proc.pid)
         assert len(started) >= 5, started  # Redis, the gateway, the workers and their supervisor
         os.kill(proc.pid, signal.SIGKILL)
