@@ -178,17 +178,26 @@ def _log_size(log: Path | None) -> int:
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _dies_with(parent: int) -> Callable[[], None] | None:
-    """What a child runs before its command so that SIGTERM reaches it when we die, even by
-    SIGKILL (Linux's ``PR_SET_PDEATHSIG``, kept across the exec; it fires when the *thread*
-    that started the child ends, so only threads that outlive the child start one); and it
-    stops at once if we are gone already. None elsewhere than on Linux."""
+def parent_death_signal() -> Callable[[], None] | None:
+    """What makes the calling process receive SIGTERM when its parent dies, even by SIGKILL
+    (Linux's ``PR_SET_PDEATHSIG``, kept across an exec; it fires when the *thread* that
+    started the process ends, so only threads that outlive their child start one). Looked up
+    in the caller, so a child about to exec runs no lookup. None elsewhere than on Linux."""
     if not sys.platform.startswith("linux"):
         return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _dies_with(parent: int) -> Callable[[], None] | None:
+    """What a child runs before its command so that it receives SIGTERM when we die
+    (:func:`parent_death_signal`), and stops at once if we are gone already."""
+    follow_parent = parent_death_signal()
+    if follow_parent is None:
+        return None
 
     def follow() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        follow_parent()
         if os.getppid() != parent:
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -520,7 +529,6 @@ class Supervisor:
 
     def __exit__(self, *_: object) -> None:
         """Stop watching: the processes are stopped by their own contexts after this."""
-        self.stop_watching()
         self.close()
 
     def stop_watching(self) -> None:
@@ -529,7 +537,8 @@ class Supervisor:
         self._stopping.set()
 
     def close(self) -> None:
-        """End the thread (after :meth:`stop_watching`, once the processes have stopped)."""
+        """Stop watching, and end the thread (for ``sift up``: once the processes it
+        restarted, which follow the thread, have stopped)."""
         self._stopping.set()
         self._closed.set()
         if self._thread is not None:

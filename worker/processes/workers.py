@@ -24,7 +24,6 @@ The supervisor (this process):
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import queue
 import shutil
@@ -37,10 +36,15 @@ from collections.abc import Callable, Sequence
 
 from worker.constants import WARM_UP_STOP_WAIT_SECONDS
 from worker.processes.machine import cpu_count
-from worker.processes.stack import Service, Supervisor, child_env, sift_command
+from worker.processes.stack import (
+    Service,
+    Supervisor,
+    child_env,
+    parent_death_signal,
+    sift_command,
+)
 from worker.settings import Settings
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 # A worker process's warm shutdown talks to Redis (it hands work back, closes its queues): a
@@ -98,9 +102,9 @@ def resolve_processes(setting: int) -> int:
 def follow_supervisor(supervisor_pid: int) -> None:
     """In a child: receive SIGTERM when the supervisor dies (so a SIGKILLed supervisor leaves
     no worker behind), and stop at once if it is already gone."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    follow_parent = parent_death_signal()
+    if follow_parent is not None:
+        follow_parent()
     if os.getppid() != supervisor_pid:
         raise SystemExit("sift worker: the supervising process is gone")
 
