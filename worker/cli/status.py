@@ -30,6 +30,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, cast
 
 import redis
@@ -359,6 +360,14 @@ def show(console: Console, status: Status) -> None:
     )
 
 
+def _no_stack(data_dir: Path, why: str) -> str:
+    """The error of a ``sift status`` with no Redis to read: none set, no stack on the folder."""
+    return (
+        "[bold red]error:[/] SIFT_REDIS_URL is not set, and no `sift up` stack runs on "
+        f"{data_dir} (SIFT_DATA_DIR): {why}"
+    )
+
+
 @app.command("status")
 def status_command(
     json_out: Annotated[bool, typer.Option("--json", help="print it all as JSON")] = False,
@@ -383,25 +392,20 @@ def status_command(
         url, told = stack_redis_url(data_dir), True
         source = f"the `sift up` stack's ({data_dir / STACK_REDIS_FILE})"
     if not url:
-        err.print(
-            "[bold red]error:[/] SIFT_REDIS_URL is not set, and no `sift up` stack runs on "
-            f"{settings.data_dir} (SIFT_DATA_DIR): sift status reads Redis "
-            "(a `sift up` stack prints its URL on its `redis` line)",
-            soft_wrap=True,
-        )
+        no_stack = "sift status reads Redis (a `sift up` stack prints its URL on its `redis` line)"
+        err.print(_no_stack(data_dir, no_stack), soft_wrap=True)
         raise typer.Exit(1)
     store = JobStore(redis.Redis.from_url(url, **CONNECTION_OPTIONS))
     try:
         status = collect(store, None if no_inspect else celery_inspect(url), timeout)
     except (redis.RedisError, OSError) as exc:
         if told and not holds_data_dir(data_dir):  # its stack was killed before removing it
-            err.print(
-                f"[bold red]error:[/] SIFT_REDIS_URL is not set, and no `sift up` stack runs on "
-                f"{data_dir} (SIFT_DATA_DIR): its {data_dir / STACK_REDIS_FILE} is left from "
-                f"one that did not stop (killed?), whose Redis does not answer ({plain(exc)}); "
-                "start one with `sift up`, or set SIFT_REDIS_URL",
-                soft_wrap=True,
+            left = (
+                f"its {data_dir / STACK_REDIS_FILE} is left from one that did not stop "
+                f"(killed?), whose Redis does not answer ({plain(exc)}); start one with "
+                "`sift up`, or set SIFT_REDIS_URL"
             )
+            err.print(_no_stack(data_dir, left), soft_wrap=True)
         else:
             err.print(f"[bold red]error:[/] cannot read Redis at {source}: {plain(exc)}")
         raise typer.Exit(1) from None
