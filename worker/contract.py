@@ -234,14 +234,26 @@ class IndexSettingsPatch(StrictModel):
 
 
 def without_unset_overrides(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` without ``fusion`` and ``candidate_limit`` where they are unset (None): a
-    search or batch that sets neither serializes as before they existed, so a worker of the
-    previous release still reads its spec and an Idempotency-Key's body fingerprint is the
-    same across the upgrade."""
+    """``data`` without ``fusion`` and ``candidate_limit`` where they set nothing (None, or a
+    fusion whose every field is: it means what no fusion means): a search or batch that sets
+    neither serializes as before they existed, so a worker of the previous release still
+    reads its spec, and an Idempotency-Key's body fingerprint is the same across the upgrade
+    and for ``fusion: {}`` as for no fusion.
+
+    >>> without_unset_overrides({"index": "a", "fusion": {"weights": {"knn": None}}})
+    {'index': 'a'}
+    """
     for name in ("fusion", "candidate_limit"):
-        if data.get(name) is None:
+        if _sets_nothing(data.get(name)):
             data.pop(name, None)
     return data
+
+
+def _sets_nothing(value: object) -> bool:
+    """None, or a dict of values that set nothing."""
+    if isinstance(value, dict):
+        return all(_sets_nothing(v) for v in value.values())
+    return value is None
 
 
 class SearchSpec(StrictModel):

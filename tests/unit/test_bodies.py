@@ -167,3 +167,11 @@ def test_a_member_given_twice_is_named_at_any_depth(text: str, field: str, times
 def test_a_body_without_a_repeated_member_is_read_as_before() -> None:
     raw = json.dumps(body(3, rerank=True)).encode()
     assert [qid for qid, _ in parse_batch(raw).items] == ["q0", "q1", "q2"]
+
+
+def test_a_batch_whose_fusion_sets_nothing_has_the_fingerprint_of_one_without() -> None:
+    """``fusion: {}`` means what no fusion means: the same key replays, not a 409."""
+    without = parse_batch(json.dumps(body(3)).encode(), "POST /v1/batches")
+    for empty in ({}, {"weights": {}}, None):
+        raw = json.dumps(body(3, fusion=empty)).encode()
+        assert parse_batch(raw, "POST /v1/batches").fingerprint == without.fingerprint

@@ -17,6 +17,7 @@ from worker.contract import DocumentIn, SearchSpec
 from worker.core.catalog import SearchSettings
 from worker.core.pipeline import SearchPipeline
 from worker.errors import ConfigError, IndexNotFound, InvalidRequest
+from worker.queue.jobstore import fingerprint
 from worker.runtime.bootstrap import build_pipeline
 from worker.runtime.inprocess import Runtime
 from worker.settings import load_settings
@@ -253,3 +254,19 @@ def test_the_cli_client_patches_the_index() -> None:
     assert (request.method, request.url.path) == ("PATCH", "/v1/indexes/docs")
     assert json.loads(request.content) == body
     assert request.headers["authorization"] == "Bearer key-12345678"
+
+
+@pytest.mark.parametrize(
+    "empty", [{}, {"weights": {}}, {"weights": {"bm25": None}, "rank_constant": None}]
+)
+def test_a_fusion_that_sets_nothing_is_the_fusion_left_out(empty: dict[str, Any]) -> None:
+    """It means the same (every field falls back to the index's and the defaults), so it is
+    the same spec: a search sent again with the same Idempotency-Key and ``fusion: {}`` where
+    the first had none replays the first, not a 409 for a different body."""
+    plain = {"index": "docs", "query": "q"}
+    spec = SearchSpec.model_validate({**plain, "fusion": empty})
+    assert spec.model_dump() == SearchSpec.model_validate(plain).model_dump()
+    assert fingerprint("POST /v1/searches", spec.model_dump(mode="json")) == fingerprint(
+        "POST /v1/searches",
+        SearchSpec.model_validate({**plain, "fusion": None}).model_dump(mode="json"),
+    )
