@@ -602,3 +602,24 @@ def test_a_cancel_sift_sent_is_the_users_though_the_gateway_s_clock_is_ahead(
     assert q1.status == "succeeded", q1
     assert q0.status == "canceled", q0
     assert len(model.batches()) == 3
+
+
+def test_a_submission_with_nothing_prepared_needs_no_provider_client(
+    store: JobStore, redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An economy batch whose items all ended without a prompt (rerank off, or a deployment
+    with no generation model, where the lane is a plain batch) sends nothing: its submission
+    ends quietly. With no model it logged ERROR "submission failed for good: ... the economy
+    lane needs SIFT_GENERATION_MODEL" for a batch that had succeeded."""
+    context = WorkerContext(
+        settings=load_settings(redis_url=redis_url),
+        store=store,
+        limiter=ProviderLimiter(4),
+        _runtime=SimpleNamespace(economy=None),  # type: ignore[arg-type]
+        _batches=None,  # no SIFT_GENERATION_MODEL
+    )
+    batch = store.create_batch("acme", "docs", [("q0", SPEC)], lane="economy", rerank=False)
+    with caplog.at_level("WARNING"):
+        sent = submission.submit(_Task(context, "submit"), batch, [])  # type: ignore[arg-type]
+    assert sent == []
+    assert not caplog.records, caplog.text

@@ -138,6 +138,8 @@ def submit(
             if run["provider"] == expected:
                 cancel_item(task, batch, qid)
         return []
+    if not query_ids:  # every item ended without a prompt: nothing to send, no client needed
+        return []
     client = batches_client(task)
     # still this run's to do (a run whose lease was taken over stops before it settles or
     # sends anything: the new holder does; after a results page this is the mapping's mark)
