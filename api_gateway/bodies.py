@@ -34,6 +34,7 @@ components the route's ``openapi_extra`` refers to.
 
 from __future__ import annotations
 
+import email.message
 import hashlib
 import json
 import re
@@ -76,6 +77,26 @@ class ParsedBatch:
     head: BatchHead
     items: list[tuple[str, str]]
     fingerprint: str
+
+
+def read_as_json(content_type: str | None) -> bool:
+    """Whether FastAPI reads a body sent under ``content_type`` as JSON (its strict rule:
+    ``application/json`` or ``application/*+json``, parameters aside; no type at all is not).
+    ``POST /v1/batches`` reads its body itself, so it asks this to refuse the same bodies.
+
+    >>> [read_as_json(t) for t in ("application/json; charset=utf-8", "APPLICATION/x+json")]
+    [True, True]
+    >>> [read_as_json(t) for t in (None, "", "text/plain", "text/json", "application/jsonx")]
+    [False, False, False, False, False]
+    """
+    if not content_type:
+        return False
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
 
 
 def parse_batch(raw: bytes, route: str | None = None) -> ParsedBatch:

@@ -7,8 +7,9 @@ from typing import Annotated
 
 import redis
 from fastapi import Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 
-from api_gateway.bodies import BATCH_BODY, parse_batch
+from api_gateway.bodies import BATCH_BODY, parse_batch, read_as_json
 from api_gateway.deps import (
     ERRORS,
     STORE_AWAY,
@@ -116,8 +117,11 @@ async def create_batch(
     (``BatchRequest``) is parsed and stored off the event loop."""
     settings, store = app_settings(request), job_store(request)
     route = "POST /v1/batches"
+    raw = await request.body()
+    if not read_as_json(request.headers.get("content-type")):
+        raise RequestValidationError([], body=raw)  # the 415 every other route answers
     # parsed and fingerprinted in a thread, a slice at a time (api_gateway/bodies.py)
-    parsed = await off_loop(parse_batch, await request.body(), route if idempotency_key else None)
+    parsed = await off_loop(parse_batch, raw, route if idempotency_key else None)
     body, items = parsed.head, parsed.items
     _check_rerank(settings, body.rerank)
     await _check_url(request, settings, body.webhook_url, tenant)
