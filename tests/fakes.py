@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from worker.contract import Channel, DocumentIn, RerankInfo, SearchResult, SearchSpec
+from worker.core.pipeline import BeforeModel
 from worker.core.types import (
     ChannelHit,
     ChannelQuery,
@@ -31,7 +32,7 @@ class EmptyRuntime:
         self,
         spec: SearchSpec,
         tenant: str,
-        before_model: Callable[[], None] | None = None,
+        before_model: BeforeModel | None = None,
         *,
         spent: float = 0.0,
         answers: object = None,

@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from tests.fakes import FakeEmbedder, InMemoryBackend
-from worker.contract import DocumentIn, SearchResult, SearchSpec
+from worker.contract import DocumentIn, SearchResult, SearchSpec, Usage
+from worker.core.pipeline import BeforeModel
 from worker.core.ports import AnswerKeeper
 from worker.observability import metrics
 from worker.observability.logcontext import JobIdFilter
@@ -147,7 +148,7 @@ class DyingRuntime(Runtime):
         self,
         spec: SearchSpec,
         tenant: str,
-        before_model: Callable[[], None] | None = None,
+        before_model: BeforeModel | None = None,
         *,
         spent: float = 0.0,
         answers: AnswerKeeper | None = None,
@@ -156,13 +157,13 @@ class DyingRuntime(Runtime):
         check = before_model
         if check is not None:
 
-            def before_model() -> None:
+            def before_model(billed: Usage | None) -> None:
                 flag = Path(os.environ["CANCEL_BEFORE_MODEL_FLAG"])
                 if flag.exists():
                     flag.unlink()
                     _cancel_running_batch()
                     time.sleep(2 * CANCEL_MARK_MAX_AGE_SECONDS)  # past the process's view
-                check()
+                check(billed)
 
         return super().search(spec, tenant, before_model, spent=spent, answers=keeper)
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 from tests.fakes import EmptyRuntime
 from worker.contract import SearchResult, SearchSpec
+from worker.core.pipeline import BeforeModel
 from worker.settings import Settings
 
 
@@ -15,7 +15,7 @@ class DyingRuntime(EmptyRuntime):
         self,
         spec: SearchSpec,
         tenant: str,
-        before_model: Callable[[], None] | None = None,
+        before_model: BeforeModel | None = None,
         *,
         spent: float = 0.0,
         answers: object = None,

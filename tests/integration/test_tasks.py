@@ -16,7 +16,7 @@ import redis
 from tests.fakes import EmptyRuntime, FakeEmbedder, InMemoryBackend, ScriptedReranker, reply
 from worker.constants import SEARCH_KEY, WORKER_HEARTBEAT_KEY
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
-from worker.core.pipeline import SearchPipeline
+from worker.core.pipeline import BeforeModel, SearchPipeline
 from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import BackendUnavailable, ModeUnavailable
 from worker.queue import base, liveness, tasks, webhook_task
@@ -45,7 +45,7 @@ class ScriptedRuntime(EmptyRuntime):
         self,
         spec: SearchSpec,
         tenant: str,
-        before_model: Callable[[], None] | None = None,
+        before_model: BeforeModel | None = None,
         *,
         spent: float = 0.0,
         answers: object = None,
@@ -56,7 +56,7 @@ class ScriptedRuntime(EmptyRuntime):
         if self.first_half is not None:
             self.first_half(spec)
         if before_model is not None:
-            before_model()
+            before_model(None)
         self.model_calls += 1
         return super().search(spec, tenant)
 

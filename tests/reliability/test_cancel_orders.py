@@ -221,3 +221,31 @@ def test_a_cancel_after_a_sigterm_hand_back_ends_the_batch_once(
         # worker A canceled nothing and did not complete the batch (its items went back
         # queued): it counted no cancel's item, and its counters are gone with it
         assert_counted_once(add(gateway_counted, seen_b), done)
+
+
+@pytest.mark.timeout(300)
+def test_a_cancel_reaches_the_items_waiting_out_a_429_before_their_next_call(
+    tmp_path: Path, stack: OrderStack, receiver: Receiver
+) -> None:
+    """The provider answers 429 with ``retry-after: 3``: every item of the batch waits, on
+    the shared rate budget's pause or its own back-off, before its next call. A cancel then
+    reaches each of them before that call: the batch ends ``canceled`` with every item
+    canceled and no call sent after the cancel. Before, the check ran once, before an
+    item's first attempt: the waiting items went on calling (180 calls after the cancel,
+    100 of them billed, in the review's run) and the batch ended ``succeeded``."""
+    with FakeAnthropic() as model, running(tmp_path, stack, model) as (client, env):
+        with worker(tmp_path / "w", env, "w"):
+            model.outage(600, (429,), retry_after=3)
+            batch_id = submit_batch(client, 100, webhook_url=receiver.url)
+            wait_for(lambda: model.counts()["received"] >= 10, "items answered 429")
+            answer = cancel(client, batch_id)
+            assert answer.status_code == 200, answer.text
+            canceled_at = time.time()
+            model.outage(0)  # the provider is back: a call sent now would be answered, billed
+            done = finished(client, batch_id)
+            assert_told_alike(client, done, receiver)
+        late = [r for r in model.requests() if r["time"] > canceled_at + 0.5]
+        assert late == [], f"{len(late)} calls sent after the cancel"
+        assert done["counts"]["canceled"] == 100, done["counts"]
+        assert model.counts()["statuses"].get("200", 0) == 0  # nothing billed
+        assert done["usage"]["input_tokens"] == 0 and done["usage"]["cost_usd"] == 0, done

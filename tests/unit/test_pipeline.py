@@ -17,8 +17,10 @@ from tests.fakes import (
     fail,
     reply,
 )
-from worker.contract import DocumentIn, SearchSpec
+from worker.adapters.anthropic import RerankMalformedError
+from worker.contract import DocumentIn, SearchSpec, Usage
 from worker.core.pipeline import SearchPipeline
+from worker.core.types import TokenUsage
 from worker.errors import (
     AttemptOutcome,
     Canceled,
@@ -138,7 +140,7 @@ def test_before_model_runs_just_before_the_model_call_and_can_stop_the_search() 
     pipeline, reranker, recorder = make([reply([1])])
     checks: list[int] = []
 
-    def cancel() -> None:
+    def cancel(_: object) -> None:
         assert reranker is not None
         checks.append(len(reranker.calls))  # retrieval is done, the model not yet called
         raise Canceled("the batch was canceled")
@@ -147,14 +149,44 @@ def test_before_model_runs_just_before_the_model_call_and_can_stop_the_search() 
         pipeline.search(spec(), "acme", before_model=cancel)
     assert checks == [0] and reranker is not None and reranker.calls == []
     assert ("search", "error") not in recorder.events  # stopped, not failed
-    result = pipeline.search(spec(), "acme", before_model=lambda: checks.append(-1))
+    result = pipeline.search(spec(), "acme", before_model=lambda _: checks.append(-1))
     assert result.rerank.applied and checks == [0, -1] and len(reranker.calls) == 1
+
+
+def test_before_model_runs_again_before_each_retry_with_what_was_billed() -> None:
+    """A batch canceled while its item waits out a back-off (a 429's retry-after, a malformed
+    answer's retry) stops the item before its next call, which it had not: the check ran
+    once, before the first attempt, and the retries went on for a canceled batch. Each check
+    after the first is handed what the run was billed so far, for the canceled record."""
+    billed = TokenUsage(input_tokens=120, output_tokens=7)
+    steps = [
+        fail(RerankAttemptError(AttemptOutcome.RATE_LIMITED, "429", retry_after=1)),
+        fail(RerankMalformedError("bad json", usage=billed, model="claude-haiku-4-5")),
+        reply([2]),
+    ]
+    pipeline, reranker, recorder = make(steps)
+    seen: list[tuple[int, Usage | None]] = []
+
+    def cancel_on_the_third(usage: Usage | None) -> None:
+        assert reranker is not None
+        seen.append((len(reranker.calls), usage))
+        if len(seen) == 3:
+            raise Canceled("the batch was canceled")
+
+    with pytest.raises(Canceled):
+        pipeline.search(spec(), "acme", before_model=cancel_on_the_third)
+    assert reranker is not None and len(reranker.calls) == 2  # the third never sent
+    assert [calls for calls, _ in seen] == [0, 1, 2]
+    assert seen[0][1] is None and seen[1][1] is not None and seen[1][1].input_tokens == 0
+    assert seen[2][1] is not None
+    assert (seen[2][1].requests, seen[2][1].input_tokens, seen[2][1].output_tokens) == (2, 120, 7)
+    assert ("search", "error") not in recorder.events  # stopped, not failed
 
 
 def test_before_model_is_not_run_when_no_model_call_is_needed() -> None:
     pipeline, _, _ = make()
     called: list[bool] = []
-    assert pipeline.search(spec(), "acme", before_model=lambda: called.append(True)).hits
+    assert pipeline.search(spec(), "acme", before_model=lambda _: called.append(True)).hits
     assert called == []
 
 

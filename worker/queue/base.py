@@ -31,6 +31,7 @@ from worker.constants import (
     WEBHOOK_TASK,
 )
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
+from worker.core.pipeline import BeforeModel
 from worker.core.ports import AnswerKeeper
 from worker.errors import SiftError
 from worker.observability import metrics
@@ -66,12 +67,13 @@ class Runtime(Protocol):
         self,
         spec: SearchSpec,
         tenant: str,
-        before_model: Callable[[], None] | None = None,
+        before_model: BeforeModel | None = None,
         *,
         spent: float = 0.0,
         answers: AnswerKeeper | None = None,
     ) -> SearchResult:
-        """``before_model`` runs just before the model call and may raise ``Canceled``;
+        """``before_model`` runs just before the model call (and each retry of it, handed
+        what was billed so far) and may raise ``Canceled``;
         ``spent`` is the deadline's time earlier runs of the search used; ``answers`` keeps
         the model's answer past the process (the run claim), or has an earlier run's."""
         ...

@@ -213,7 +213,8 @@ def _retry_fits(claim: RunClaim, deadline: float) -> bool:
 
 @dataclass
 class _ModelCheck:
-    """The hook a batch item's search runs just before its model call. If the process's
+    """The hook a batch item's search runs just before its model call, and again before
+    each retry of it and after each wait for the rate budget. If the process's
     view of the batch's cancel mark (:class:`CancelMarks`, no round trip of its own most of
     the time) says canceled, one job-store transition (:meth:`JobStore.check_item`) cancels
     the item, atomically, and the search stops (``stopped`` says how it ended)."""
@@ -225,10 +226,15 @@ class _ModelCheck:
     stopped: ItemTransition | None = None
     billed: Usage | None = None  # a dead run's kept answer (for other candidates): paid
 
-    def __call__(self) -> None:
+    def __call__(self, billed: Usage | None) -> None:
+        """``billed``: what this run's model calls were billed so far (the check runs again
+        before each retry), on the canceled record with a dead run's kept answer's."""
         if not self.marks.canceled(self.batch_id):
             return
-        check = self.store.check_item(self.batch_id, self.query_id, usage=self.billed)
+        usage = self.billed
+        if billed is not None:
+            usage = billed if usage is None else usage + billed
+        check = self.store.check_item(self.batch_id, self.query_id, usage=usage)
         if check.canceled or not check.applied:
             self.stopped = check
             raise Canceled(f"item {self.query_id} stopped before its model call")

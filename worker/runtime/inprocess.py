@@ -17,7 +17,7 @@ from typing import Any
 
 from worker.constants import ECONOMY_PRICE_DISCOUNT
 from worker.contract import DocumentIn, SearchResult, SearchSpec
-from worker.core.pipeline import SearchPipeline
+from worker.core.pipeline import BeforeModel, SearchPipeline
 from worker.core.ports import AnswerKeeper
 from worker.core.types import Document
 from worker.runtime.bootstrap import build_pipeline
@@ -58,7 +58,7 @@ class Runtime:
         self,
         spec: SearchSpec,
         tenant: str,
-        before_model: Callable[[], None] | None = None,
+        before_model: BeforeModel | None = None,
         *,
         spent: float = 0.0,
         answers: AnswerKeeper | None = None,

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from worker.contract import Usage
 from worker.core.budget import (
     DEFAULT_429_PAUSE_SECONDS,
     MIN_ATTEMPT_SECONDS,
@@ -20,6 +21,16 @@ from worker.core.pipeline._run import RerankRun, usage_by_type
 from worker.core.ports import RateBudget, Recorder, Reranker
 from worker.core.types import BudgetGrant, RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
+
+# A batch item's check before its model calls (``SearchPipeline.search``'s ``before_model``),
+# handed what the search was billed so far (None: nothing); raises Canceled to stop there.
+BeforeModel = Callable[[Usage | None], None]
+
+
+def _billed(run: RerankRun) -> Usage | None:
+    """What ``run`` was billed so far, for a check: None when it sent no request."""
+    usage = run.job_usage()
+    return usage if usage.requests else None
 
 
 @dataclass(slots=True)
@@ -75,14 +86,20 @@ class ModelCalls:
             self.sleep(min(excess, 1.0) + random.uniform(0.0, 0.5))
         self.rate_budget.started()  # counted by every process until its call is reserved
 
-    def call(self, prompt: RerankPrompt, deadline: Deadline) -> RerankRun:
-        """The standard lane's model call: attempts under the retry budget and the deadline."""
+    def call(
+        self, prompt: RerankPrompt, deadline: Deadline, check: BeforeModel | None = None
+    ) -> RerankRun:
+        """The standard lane's model call: attempts under the retry budget and the deadline.
+        ``check`` runs before each attempt after the first (a back-off lies between) and
+        after each wait for the rate budget, with what the run was billed so far; it may
+        raise :class:`~worker.errors.Canceled`, which ends the call there (a budget
+        reservation not used is given back)."""
         assert self.reranker is not None
         run = RerankRun()
         started = self.clock()
         try:
             run.reply = call_within_budget(
-                lambda timeout: self._attempt(prompt, timeout, run, deadline),
+                lambda timeout: self._attempt(prompt, timeout, run, deadline, check),
                 deadline=deadline,
                 max_attempts=self.config.max_requests,
                 attempt_timeout=self.config.attempt_timeout_seconds,
@@ -94,14 +111,27 @@ class ModelCalls:
         return run
 
     def _attempt(
-        self, prompt: RerankPrompt, timeout: float, run: RerankRun, deadline: Deadline
+        self,
+        prompt: RerankPrompt,
+        timeout: float,
+        run: RerankRun,
+        deadline: Deadline,
+        check: BeforeModel | None,
     ) -> RerankReply:
         assert self.reranker is not None
+        if check is not None and run.attempts:  # a back-off since the last attempt
+            check(_billed(run))
         started = self.clock()
         grant: BudgetGrant | None = None
         detail: dict[str, Any] = {}
         if self.rate_budget is not None:
             grant = self._wait_for_budget(prompt, run, deadline)
+            if check is not None and grant.wait > 0:
+                try:
+                    check(_billed(run))
+                except BaseException:  # not sent: the reservation goes back whole
+                    self.rate_budget.settle(grant, TokenUsage(), sent=False)
+                    raise
             timeout = min(timeout, deadline.remaining())
             detail["budget_wait_seconds"] = grant.wait
         sent = self.clock()

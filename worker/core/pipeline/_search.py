@@ -13,7 +13,7 @@ from worker.contract import RerankInfo, SearchResult, SearchSpec, Usage
 from worker.core.budget import Deadline
 from worker.core.pipeline._config import PipelineConfig
 from worker.core.pipeline._hits import _trace_candidates
-from worker.core.pipeline._model_calls import CallTime, ModelCalls
+from worker.core.pipeline._model_calls import BeforeModel, CallTime, ModelCalls
 from worker.core.pipeline._prepared import Prepared, shown_digest
 from worker.core.pipeline._result import build_result, rerank_result
 from worker.core.pipeline._retrieval import Retrieval
@@ -125,14 +125,16 @@ class SearchPipeline:
         self,
         spec: SearchSpec,
         tenant: str,
-        before_model: Callable[[], None] | None = None,
+        before_model: BeforeModel | None = None,
         *,
         spent: float = 0.0,
         answers: AnswerKeeper | None = None,
     ) -> SearchResult:
         """``before_model`` runs after the first half, just before the model call (not when
-        none is needed); it may raise :class:`~worker.errors.Canceled` to stop there (a batch
-        item whose batch was canceled meanwhile), and the search is then not counted as done.
+        none is needed), and again before each later attempt and after each wait for the
+        rate budget (:meth:`ModelCalls.call`); it may raise :class:`~worker.errors.Canceled`
+        to stop there (a batch item whose batch was canceled meanwhile, even while it waited
+        out a 429), and the search is then not counted as done.
         ``spent``: the deadline's seconds earlier runs of this search used (a retry runs in
         what is left of the one deadline). ``answers``: told when the run holds its CPU slot,
         where its deadline starts (:meth:`AnswerKeeper.slot_held`, which raises
@@ -168,9 +170,9 @@ class SearchPipeline:
                     run = load_run(kept)
                 else:  # none kept, or kept for other candidates (the index changed meanwhile)
                     if before_model is not None:
-                        before_model()
+                        before_model(None)
                     assert self.reranker is not None and prepared.prompt is not None
-                    run = self._model_calls().call(prepared.prompt, deadline)
+                    run = self._model_calls().call(prepared.prompt, deadline, before_model)
                     if kept is not None:  # for other candidates, and paid for too
                         run = run.billed_with(load_run(kept))
                     if answers is not None and run.job_usage().requests:  # a call was billed
