@@ -221,6 +221,11 @@ MAX_LIMIT = 100
 MAX_BATCH_QUERIES = 100_000
 MAX_DOCUMENTS_PER_REQUEST = 1_000
 MAX_DOCUMENT_CHARS = 100_000
+# a document's title and revision, and its metadata keys: each is stored and shown with the
+# document, in every hit and listing page that shows it (a 5 MB title made a 23 MB answer)
+MAX_TITLE_CHARS = 2_000
+MAX_REVISION_CHARS = 256
+MAX_METADATA_KEYS = 100
 MAX_WAIT_SECONDS = 30.0
 MAX_BATCH_QUERY_ID_CHARS = 256
 MAX_METADATA_KEY_CHARS = 128  # the backends' filter-name pattern allows no more

@@ -30,9 +30,12 @@ from worker.constants import (
     MAX_FUSION_WEIGHT,
     MAX_LIMIT,
     MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_KEYS,
     MAX_METADATA_VALUE_BYTES,
     MAX_QUERY_CHARS,
     MAX_RANK_CONSTANT,
+    MAX_REVISION_CHARS,
+    MAX_TITLE_CHARS,
 )
 
 Mode = Literal["fts", "vector", "hybrid"]
@@ -134,12 +137,13 @@ class DocumentIn(StrictModel):
 
 class DocumentRequest(DocumentIn):
     """One document of ``POST /v1/indexes/{index}/documents``: a ``DocumentIn`` whose
-    title, revision and metadata every backend can store (:data:`Metadata`). Here, not in
+    title, revision and metadata every backend can store (:data:`Metadata`), each bounded as
+    the text is (:data:`~worker.constants.MAX_TITLE_CHARS`...). Here, not in
     the gateway's schemas, so ``sift ingest`` checks its lines by the same rules."""
 
-    title: Utf8Text = ""
-    revision: Utf8Text | None = None
-    metadata: Metadata = Field(default_factory=dict)
+    title: Annotated[Utf8Text, Field(max_length=MAX_TITLE_CHARS)] = ""
+    revision: Annotated[Utf8Text, Field(max_length=MAX_REVISION_CHARS)] | None = None
+    metadata: Annotated[Metadata, Field(max_length=MAX_METADATA_KEYS)] = Field(default_factory=dict)
 
 
 def is_blank(value: str) -> bool:

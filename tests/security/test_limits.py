@@ -27,9 +27,12 @@ from worker.constants import (
     MAX_IDEMPOTENCY_KEY_CHARS,
     MAX_LIMIT,
     MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_KEYS,
     MAX_METADATA_VALUE_BYTES,
     MAX_PAGE_SIZE,
     MAX_QUERY_CHARS,
+    MAX_REVISION_CHARS,
+    MAX_TITLE_CHARS,
     MAX_WAIT_SECONDS,
     MAX_WEBHOOK_URL_CHARS,
 )
@@ -244,6 +247,45 @@ def test_a_document_text_over_the_limit_names_its_place(stack: Stack) -> None:
     assert str(MAX_DOCUMENT_CHARS) in error["message"]
 
 
+OVER = {
+    "title": "t" * (MAX_TITLE_CHARS + 1),
+    "revision": "r" * (MAX_REVISION_CHARS + 1),
+    "metadata": {f"k{i}": i for i in range(MAX_METADATA_KEYS + 1)},
+}
+
+
+@pytest.mark.parametrize(("field", "value"), OVER.items(), ids=OVER.keys())
+def test_a_document_title_revision_or_metadata_over_its_limit_names_its_place(
+    stack: Stack, field: str, value: object
+) -> None:
+    """Only the text had a limit: a 5 MB title was stored, and answered in every listing
+    page and every hit that showed the document (a 23 MB search answer); 200,000 metadata
+    keys likewise. Nothing of the request is stored."""
+    body = {"documents": [{"id": "big", "text": "fine"}, {"id": "big2", "text": "t", field: value}]}
+    response = stack.live.post(f"/v1/indexes/{INDEX}/documents", json=body, headers=ACME)
+    names_the_field(response, 422, f"documents[1].{field}")
+    read = stack.live.get(f"/v1/indexes/{INDEX}/documents/big", headers=ACME)
+    assert read.status_code == 404, read.text
+
+
+def test_a_document_at_each_limit_is_stored(stack: Stack) -> None:
+    at = {
+        key: (v[:-1] if isinstance(v, str) else dict(list(v.items())[:-1]))
+        for key, v in OVER.items()
+    }
+    body = {"documents": [{"id": "at-limits", "text": "fine", **at}]}
+    response = stack.live.post(
+        f"/v1/indexes/{INDEX}/documents", params={"wait": 30}, json=body, headers=ACME
+    )
+    assert response.status_code == 200 and response.json()["upserted"] == 1, response.text
+    read = stack.live.get(f"/v1/indexes/{INDEX}/documents/at-limits", headers=ACME).json()
+    assert (read["title"], read["revision"], read["metadata"]) == (
+        at["title"],
+        at["revision"],
+        at["metadata"],
+    )
+
+
 def test_an_empty_document_text_names_its_place(stack: Stack) -> None:
     response = stack.idle.post(f"/v1/indexes/{INDEX}/documents", json=docs("ok", " "), headers=ACME)
     names_the_field(response, 422, "documents[1].text")
@@ -311,6 +353,9 @@ def test_the_documented_limits_table_matches_the_code() -> None:
         "`documents`": [1, MAX_DOCUMENTS_PER_REQUEST],
         "`documents[i].text`": [MAX_DOCUMENT_CHARS],
         "`documents[i].id`": [512],
+        "`documents[i].title`": [MAX_TITLE_CHARS],
+        "`documents[i].revision`": [MAX_REVISION_CHARS],
+        "`documents[i].metadata`": [MAX_METADATA_KEYS],
         "`documents[i].metadata`, `filters`, `queries[i].filters`": [
             1,
             MAX_METADATA_KEY_CHARS,
