@@ -217,6 +217,25 @@ def test_a_budget_without_limits_admits_at_once_until_headers_teach_it(
     assert int(60 * BURST_FRACTION) <= admitted <= int(60 * BURST_FRACTION) + 2
 
 
+def test_a_call_the_budget_let_through_while_off_is_counted_as_waiting_nothing(
+    client: redis.Redis,
+) -> None:
+    """``sift_rate_budget_wait_seconds`` counts every call the budget let through, at 0 when
+    it sent it at once: a budget off (no limit known yet: every process's first calls at the
+    defaults) counted none, and the rate-limit dashboard's "sent at once" read fewer calls
+    than were sent, while each one's trace said ``budget_wait_seconds: 0``."""
+    labels = {"model": "off-model", "lane": "economy"}
+    budget = RedisRateBudget(client, "off-model", lane="economy")
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("sift_rate_budget_wait_seconds_count", labels) or 0.0
+
+    before = counted()
+    assert budget.reserve(PROMPT, 0.0).admitted and budget.reserve_call(0.0).admitted
+    assert counted() == before + 2
+    assert not client.exists(budget.key)  # still off: not one Redis write
+
+
 # --- through the pipeline, with the real SDK against the fake Messages API ------------------
 
 

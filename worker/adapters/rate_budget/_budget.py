@@ -390,6 +390,7 @@ class RedisRateBudget:
 
     def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
         if not self._turned_on():
+            metrics.budget_waited(self.model, self.lane, 0.0)  # sent at once: counted so
             return BudgetGrant(admitted=True, wait=0.0)
         raw = self.estimator.raw(prompt)
         estimate = self.estimator.estimate(prompt)
@@ -453,6 +454,7 @@ class RedisRateBudget:
     def reserve_call(self, max_wait: float) -> BudgetGrant:
         """Reserve one request and no tokens (an economy lane call: a submission, a poll)."""
         if not self._turned_on():
+            metrics.budget_waited(self.model, self.lane, 0.0)
             return BudgetGrant(admitted=True, wait=0.0)
         admitted, wait, _ = self._run((1, 0, 0), max(0.0, max_wait))
         if admitted:
