@@ -56,16 +56,21 @@ def cancel_sent(store: JobStore, batch_id: str, provider_id: str) -> bool:
     name=ECONOMY_CANCEL_TASK, base=SiftTask, bind=True
 )
 def economy_cancel(self: SiftTask, batch_id: str) -> None:
+    """:func:`cancel_economy_batch` of ``batch_id``."""
+    cancel_economy_batch(self, batch_id)
+
+
+def cancel_economy_batch(task: SiftTask, batch_id: str) -> None:
     """Cancel a canceled Sift batch's provider batches that have not ended, and the items
     waiting on a create in doubt: its candidates are never canceled (each may be another
     client's), so no canceled line would end them; they would wait for every candidate to
     end, up to the provider's 24 hours. Should a candidate prove theirs, its lines find
     them final and count for nothing (its cost is the price of not canceling another's)."""
-    store = self.context.store
+    store = task.context.store
     providers = store.economy_all(batch_id, ECONOMY_PROVIDERS_KEY)
     if not providers:
         return
-    client = batches_client(self)
+    client = batches_client(task)
     for provider_id, raw in providers.items():
         record = json.loads(raw)
         if record.get("ended_at") is None and not record.get("doubt"):  # never another's
@@ -77,4 +82,4 @@ def economy_cancel(self: SiftTask, batch_id: str) -> None:
     for qid, raw in store.economy_all(batch_id, ECONOMY_RUNS_KEY).items():
         record = json.loads(raw)
         if str(record["provider"] or "").startswith(DOUBT):
-            cancel_item(self, batch, qid, record)
+            cancel_item(task, batch, qid, record)
