@@ -24,6 +24,7 @@ from worker.adapters.anthropic_batches import CALL_TIMEOUT_SECONDS, AnthropicMes
 from worker.constants import (
     BATCH_ITEMS_KEY,
     BATCH_KEY,
+    ECONOMY_POLL_TASK,
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RESEND_CLAIM,
     ECONOMY_RUNS_KEY,
@@ -35,7 +36,7 @@ from worker.contract import SearchSpec
 from worker.errors import RerankAttemptError
 from worker.queue import economy, liveness
 from worker.queue.base import WorkerContext
-from worker.queue.economy import leases, records, submission
+from worker.queue.economy import cancel, leases, records, submission
 from worker.queue.economy.cancel import cancel_quietly
 from worker.queue.jobstore import BatchJob, JobStore
 from worker.runtime.ratelimit import ProviderLimiter
@@ -623,3 +624,25 @@ def test_a_submission_with_nothing_prepared_needs_no_provider_client(
         sent = submission.submit(_Task(context, "submit"), batch, [])  # type: ignore[arg-type]
     assert sent == []
     assert not caplog.records, caplog.text
+
+
+def test_a_canceled_provider_batch_is_polled_soon_not_at_the_poll_s_next_turn(
+    context: WorkerContext, model: FakeAnthropic
+) -> None:
+    """The cancel of an economy batch asks the provider to cancel its provider batch, which
+    ends it (``canceling``, then ``ended``); the items in it end once a poll maps its lines.
+    That poll came at its chain's next turn, up to ``SIFT_ECONOMY_POLL_MAX_SECONDS`` (10
+    minutes) later: the canceled batch read ``running`` all that time. The cancel now sends
+    the poll again, due in a few seconds (the poll's chain goes on from it)."""
+    model.configure(batch_processing_seconds=3600.0)
+    store = context.store
+    batch = store.create_batch("acme", "docs", [("q0", SPEC)], lane="economy")
+    provider_id = _foreign_batch(model, 1)  # stands for Sift's own, in progress
+    record = {"round": 1, "requests": 1, "created_at": time.time(), "submission": "sub"}
+    store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
+    task = _Task(context, "cancel")
+    cancel.cancel_economy_batch(task, batch.id)  # type: ignore[arg-type]
+    assert [b["status"] for b in model.batches()] != ["in_progress"]  # canceled there
+    polls = [kw for name, kw in task.sent if name == ECONOMY_POLL_TASK]
+    assert [p["args"] for p in polls] == [[batch.id, provider_id]], task.sent
+    assert 0 < polls[0]["countdown"] <= cancel.CANCELED_POLL_SECONDS, polls

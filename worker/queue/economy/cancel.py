@@ -20,6 +20,7 @@ from worker.errors import RerankAttemptError
 from worker.queue.base import SiftTask
 from worker.queue.economy.finish import cancel_item
 from worker.queue.economy.records import DOUBT, batches_client
+from worker.queue.economy.watch import send_anew
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
@@ -27,21 +28,28 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A provider batch Sift canceled is polled again this soon: its lines end the items once
+# mapped, and the poll's chain may otherwise be minutes from its next turn (up to
+# SIFT_ECONOMY_POLL_MAX_SECONDS). Still canceling then, the new chain polls at its cadence.
+CANCELED_POLL_SECONDS = 5.0
+
 
 def cancel_quietly(
     store: JobStore, batch_id: str, client: AnthropicMessageBatches, provider_id: str
-) -> None:
+) -> bool:
     """Ask the provider to cancel a canceled Sift batch's provider batch; if it had not ended
-    when the cancel reached it, write that down (:func:`cancel_sent`). A refused cancel is
+    when the cancel reached it, write that down (:func:`cancel_sent`). Answers whether the
+    provider answered the cancel (it ends the batch, now or soon). A refused cancel is
     logged, never an error."""
     try:
         answer = client.cancel(provider_id)
     except RerankAttemptError as exc:
         log.warning("provider batch %s: cancel failed (%s); the poll will retry", provider_id, exc)
-        return
-    if answer.ended:  # ended before this cancel came (outside Sift, say): not the user's
-        return
-    store.economy_save(batch_id, ECONOMY_STATE_KEY, {ECONOMY_CANCEL_SENT_MARK + provider_id: "1"})
+        return False
+    if not answer.ended:  # ended before this cancel came (outside Sift, say): not the user's
+        mark = {ECONOMY_CANCEL_SENT_MARK + provider_id: "1"}
+        store.economy_save(batch_id, ECONOMY_STATE_KEY, mark)
+    return True
 
 
 def cancel_sent(store: JobStore, batch_id: str, provider_id: str) -> bool:
@@ -74,7 +82,8 @@ def cancel_economy_batch(task: SiftTask, batch_id: str) -> None:
     for provider_id, raw in providers.items():
         record = json.loads(raw)
         if record.get("ended_at") is None and not record.get("doubt"):  # never another's
-            cancel_quietly(store, batch_id, client, provider_id)
+            if cancel_quietly(store, batch_id, client, provider_id):
+                send_anew(task, batch_id, provider_id, CANCELED_POLL_SECONDS)
             log.info("batch %s: provider batch %s canceled", batch_id, provider_id)
     batch = store.get_batch(batch_id)
     if batch is None:
