@@ -25,6 +25,7 @@ import pytest
 from tests.fake_anthropic import FakeAnthropic
 from tests.keys import ACME, ACME_KEY, GLOBEX_KEY
 from tests.keys import GLOBEX as GLOBEX  # the e2e tests import it from here
+from tests.reliability.support import forget_rate_budget
 from tests.services import celery_worker, free_port, gateway, redis_server
 
 KEYS = [ACME_KEY, GLOBEX_KEY]
@@ -102,6 +103,16 @@ def start_stack(
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with start_stack(tmp_path_factory.mktemp("stack")) as running:
         yield running
+
+
+@pytest.fixture(autouse=True)
+def _rate_budget_forgotten(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test on the shared stack: a 5xx a test scripted opens the rate budget's
+    breaker for every later search (as it should in production), and the next test's search
+    would wait out an outage that was only that test's."""
+    yield
+    if "stack" in request.fixturenames:
+        forget_rate_budget(request.getfixturevalue("stack").redis_url + "/0")
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from api_gateway.schemas import SearchRequest
 from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack, finished_batch
 from tests.fake_anthropic import positions, status
 from tests.prometheus_support import wait_until
+from tests.reliability.support import forget_rate_budget
 from worker.queue.jobstore import JobStore, fingerprint
 
 
@@ -237,6 +238,7 @@ def test_a_search_that_fails_its_rerank_keeps_the_trace_it_asked_for(
     entry = next(s for s in listed["searches"] if s["id"] == job["id"])
     assert entry["error"]["type"] == "rerank_failed" and "trace" not in entry["error"]
 
+    forget_rate_budget(stack.redis_url + "/0")  # the 503s opened the breaker: a new outage
     stack.model.script([status(503)] * 3)
     quiet = {**body, "include_trace": False}
     job = stack.live.post("/v1/searches", params={"wait": 25}, json=quiet, headers=ACME).json()

@@ -29,7 +29,11 @@ from worker.adapters.rate_budget import (
     BACKLOG_REFRESH_SECONDS,
     BURST_FRACTION,
     OFF_REFRESH_SECONDS,
+    OUTAGE_BACKLOG_SECONDS,
+    OUTAGE_FIRST_SECONDS,
+    OUTAGE_MAX_SECONDS,
     PENDING_SECONDS,
+    PROBE_POLL_SECONDS,
     BatchQueue,
     BatchQueueFull,
     MeteredBatches,
@@ -180,6 +184,67 @@ def test_a_429_pauses_every_process_sharing_the_budget(client: redis.Redis) -> N
     # the other waits out what is left of it when it asks (between the two readings)
     assert not refused.admitted
     assert until - asked_by - 1e-6 <= refused.wait <= until - asked_from + 1e-6
+
+
+def _half_open(client: redis.Redis, key: str) -> None:
+    """The breaker's opening over, as if its seconds had passed."""
+    client.hset(key, "open", f"{redis_now(client) - 0.001:.6f}")
+
+
+def test_a_5xx_opens_the_breaker_for_every_process_then_one_probe_goes_alone(
+    client: redis.Redis,
+) -> None:
+    """The provider answered 5xx (a 529: overloaded): no process sends for a second, then
+    one call (the probe) goes alone; the others are refused (``shut``: ask again) until an
+    answer that is not a 5xx closes the breaker. Before, every process kept sending: a 300-item
+    batch sent 900 calls in 3.5 s into a 529 outage and failed every item. Both processes
+    here know no limit (the budget off): the breaker turns them on."""
+    one, other = RedisRateBudget(client, MODEL), RedisRateBudget(client, MODEL)
+    assert other.reserve(PROMPT, 0.0).admitted  # off: at once
+    one.trip(None)
+    time.sleep(OFF_REFRESH_SECONDS)  # off, the other reads the shared hash this often
+    refused = other.reserve(PROMPT, 30.0)
+    assert not refused.admitted and refused.shut
+    assert OUTAGE_FIRST_SECONDS - OFF_REFRESH_SECONDS - 0.1 <= refused.wait <= OUTAGE_FIRST_SECONDS
+    assert other.backlog() == OUTAGE_BACKLOG_SECONDS  # a batch starts no new item meanwhile
+    _half_open(client, one.key)
+    probe = one.reserve(PROMPT, 30.0)
+    assert probe.admitted and probe.wait == 0.0
+    held = other.reserve(PROMPT, 30.0)
+    assert not held.admitted and held.shut and 0 < held.wait <= PROBE_POLL_SECONDS
+    one.settle(probe, TokenUsage(input_tokens=100, output_tokens=5))  # answered: back
+    assert other.reserve(PROMPT, 30.0).admitted
+    assert other.backlog() < OUTAGE_BACKLOG_SECONDS
+
+
+def test_each_5xx_in_a_row_opens_the_breaker_longer_or_for_its_retry_after(
+    client: redis.Redis,
+) -> None:
+    budget = RedisRateBudget(client, MODEL)
+    opened = []
+    for _ in range(7):
+        budget.trip(None)
+        opened.append(budget.reserve(PROMPT, 60.0).wait)
+        _half_open(client, budget.key)
+    firsts = [OUTAGE_FIRST_SECONDS * 2**n for n in range(7)]
+    expected = [min(s, OUTAGE_MAX_SECONDS) for s in firsts]
+    assert [round(w) for w in opened] == [round(e) for e in expected], opened
+    budget.trip(7.0)  # the 5xx's own retry-after
+    assert 6.9 <= budget.reserve(PROMPT, 60.0).wait <= 7.0
+    budget.pause(1.0)  # a 429 is an answer: the provider is up, the breaker closes
+    assert not budget.reserve(PROMPT, 60.0).shut
+
+
+def test_a_probe_whose_process_died_lets_another_probe_after_its_lease(
+    client: redis.Redis,
+) -> None:
+    one, other = RedisRateBudget(client, MODEL), RedisRateBudget(client, MODEL)
+    one.trip(None)
+    _half_open(client, one.key)
+    assert one.reserve(PROMPT, 30.0).admitted  # the probe; its process dies, no answer
+    assert other.reserve(PROMPT, 30.0).shut
+    client.hset(one.key, "probe", f"{redis_now(client) - 0.001:.6f}")  # its lease ran out
+    assert other.reserve(PROMPT, 30.0).admitted  # the next probe
 
 
 def test_limits_learned_from_headers_turn_the_budget_on() -> None:
@@ -1012,3 +1077,16 @@ def test_a_submission_waits_for_room_in_the_processing_queue(
     second = batches.create(requests(6))
     assert len(fake.batches()) == 2
     assert client.hkeys(batches.queue.key) == [second.id.encode()]
+
+
+def test_a_probe_that_got_no_answer_lets_the_next_probe_go_at_once(client: redis.Redis) -> None:
+    """A probe whose connection was dropped, or that timed out, said nothing of the
+    provider: the next call probes now. Its lease (20 s) held every process back, past a
+    search's deadline."""
+    one, other = RedisRateBudget(client, MODEL), RedisRateBudget(client, MODEL)
+    one.trip(None)
+    _half_open(client, one.key)
+    assert one.reserve(PROMPT, 30.0).admitted  # the probe
+    assert other.reserve(PROMPT, 30.0).shut
+    one.unanswered()
+    assert other.reserve(PROMPT, 30.0).admitted  # the next probe

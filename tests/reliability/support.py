@@ -29,7 +29,13 @@ import redis
 from tests.fake_anthropic import FakeAnthropic
 from tests.keys import ACME, ACME_KEY
 from tests.services import free_port, gateway, redis_server
-from worker.constants import ALL_QUEUES, BATCH_COUNTS_KEY, BATCH_ITEMS_KEY, BATCH_RESULTS_KEY
+from worker.constants import (
+    ALL_QUEUES,
+    BATCH_COUNTS_KEY,
+    BATCH_ITEMS_KEY,
+    BATCH_RESULTS_KEY,
+    RATE_BUDGET_KEY,
+)
 
 KEYS = [ACME_KEY]
 INDEX = "docs"
@@ -56,6 +62,18 @@ def stack_env(redis_url: str, model_url: str, **extra: str) -> dict[str, str]:
     }
     env.update(extra)
     return env
+
+
+def forget_rate_budget(redis_url: str) -> None:
+    """Forget what the shared rate budget holds (a 5xx's breaker, a 429's pause), for a test
+    whose search must meet a provider that was well until then, not the one an earlier
+    test's 5xx left the breaker open for."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for key in client.scan_iter(RATE_BUDGET_KEY + "*"):
+            client.delete(key)
+    finally:
+        client.close()
 
 
 def sample_documents() -> list[dict[str, Any]]:

@@ -211,6 +211,15 @@ class RateBudget(Protocol):
         """The provider answered 429: no call from any process for ``seconds``."""
         ...
 
+    def trip(self, retry_after: float | None) -> None:
+        """The provider answered 5xx (529 overloaded included): no call from any process for
+        a while, then one alone until an answer that is not a 5xx (the breaker)."""
+        ...
+
+    def unanswered(self) -> None:
+        """A call got no answer (a timeout, a connection lost): a probe's ends."""
+        ...
+
     def backlog(self) -> float:
         """Seconds a typical call reserved now would wait (reserving nothing)."""
         ...

@@ -161,6 +161,8 @@ class BudgetGrant:
     share only in ``wait`` seconds, past the most the caller said it could wait.
     ``input_tokens``/``output_tokens`` are what was reserved, for the settlement;
     ``raw_input`` the uncorrected estimate, which the settlement calibrates against.
+    ``shut``: not admitted because the provider is failing (a 5xx opened the budget's
+    breaker, or its one probe call is out): ask again in ``wait`` seconds.
     """
 
     admitted: bool
@@ -168,3 +170,4 @@ class BudgetGrant:
     input_tokens: int = 0
     output_tokens: int = 0
     raw_input: float = 0.0
+    shut: bool = False

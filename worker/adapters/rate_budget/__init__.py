@@ -53,8 +53,12 @@ from worker.adapters.rate_budget._budget import BACKLOG_REFRESH_SECONDS as BACKL
 from worker.adapters.rate_budget._budget import BUDGET_SCRIPT, RedisRateBudget, TokenEstimator
 from worker.adapters.rate_budget._budget import BURST_FRACTION as BURST_FRACTION
 from worker.adapters.rate_budget._budget import OFF_REFRESH_SECONDS as OFF_REFRESH_SECONDS
+from worker.adapters.rate_budget._budget import OUTAGE_BACKLOG_SECONDS as OUTAGE_BACKLOG_SECONDS
+from worker.adapters.rate_budget._budget import OUTAGE_FIRST_SECONDS as OUTAGE_FIRST_SECONDS
+from worker.adapters.rate_budget._budget import OUTAGE_MAX_SECONDS as OUTAGE_MAX_SECONDS
 from worker.adapters.rate_budget._budget import PENDING_SECONDS as PENDING_SECONDS
 from worker.adapters.rate_budget._budget import PENDING_STALE_SECONDS as PENDING_STALE_SECONDS
+from worker.adapters.rate_budget._budget import PROBE_POLL_SECONDS as PROBE_POLL_SECONDS
 from worker.adapters.rate_budget._headers import limits_from_headers, remaining_from_headers
 
 __all__ = [

@@ -52,9 +52,22 @@ PENDING_SECONDS = 60.0
 # while it paces a batch, so only a process gone (killed, or done pacing) is past it
 PENDING_STALE_SECONDS = 10.0
 # and, while it knows no limit, reads the shared hash (limits other processes learned, a 429's
-# pause) at most this often: at every call it was a round trip per call against a provider
-# that states no limits
+# pause, the breaker) at most this often: at every call it was a round trip per call against a
+# provider that states no limits
 OFF_REFRESH_SECONDS = 0.2
+
+# The breaker. A call answered 5xx (529 overloaded included) opens it: no process sends for
+# the answer's retry-after, or OUTAGE_FIRST_SECONDS doubled at each 5xx in a row up to
+# OUTAGE_MAX_SECONDS; then one call, the probe, goes alone (its lease: PROBE_LEASE_SECONDS, an
+# attempt's default timeout, should its process die), the others asking again every
+# PROBE_POLL_SECONDS. An answer that is not a 5xx closes it; another 5xx opens it again. While
+# it is not closed, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
+# starts its search (and its deadline) against a provider that is down.
+OUTAGE_FIRST_SECONDS = 1.0
+OUTAGE_MAX_SECONDS = 16.0
+PROBE_LEASE_SECONDS = 20.0
+PROBE_POLL_SECONDS = 1.0
+OUTAGE_BACKLOG_SECONDS = 86_400.0
 
 
 # KEYS[1]: the budget's hash. ARGV: 1-3 the configured limits per minute (requests, input
@@ -69,25 +82,63 @@ OFF_REFRESH_SECONDS = 0.2
 # processes' pending, id -> "seconds instant" on Redis's clock. A limit both configured and
 # learned is the lower of the two. A stated level lowers Sift's bucket to it, less the
 # provider's spare (1 - burst) share, when Sift's believes it holds more; never raises it.
-# Answers {admitted (1/0), seconds to wait, the backlog} (strings: Lua numbers come back from
-# Redis as integers). The backlog is the reading a batch paces on: the seconds until a call
-# like this one fits once it is taken (when admitted) and once every process's pending items
-# have theirs; below zero, the bucket has room for that many seconds' worth more. Numbers are
-# stored with 17 digits (Lua's tostring keeps 14: a tenth of a millisecond of Redis's clock).
-# Nothing but learned limits and the caller's pending is written when it is not admitted.
+# ARGV 21: 1 when a call was answered 5xx (it opens the breaker, strikes + 1), 22 that answer's
+# retry-after (0: none), 23: 1 when a call was answered otherwise (it closes the breaker), 2
+# when a call got no answer (a timeout, a connection lost: the probe out, if any, ends), 24-27
+# the probe's lease, the first and the longest opening, and how soon a caller asks again while
+# a probe is out (OUTAGE_*, PROBE_*). A reservation while the breaker is open, or a probe is out,
+# is refused; one when it is half open (no probe out) is admitted as the probe.
+# Answers {admitted (1/0), seconds to wait, the backlog, 1 when the breaker refused it}
+# (strings: Lua numbers come back from Redis as integers). The backlog is the reading a batch
+# paces on: the seconds until a call like this one fits once it is taken (when admitted) and
+# once every process's pending items have theirs; below zero, the bucket has room for that many
+# seconds' worth more. Numbers are stored with 17 digits (Lua's tostring keeps 14: a tenth of a
+# millisecond of Redis's clock). Nothing but learned limits and the caller's pending is written
+# when it is not admitted.
 BUDGET_SCRIPT = """
 local function num(x) return string.format('%.17g', x) end
 local key = KEYS[1]
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
-local state = redis.call('HMGET', key, 'r', 'i', 'o', 'Lr', 'Li', 'Lo', 'at', 'pause')
+local state = redis.call('HMGET', key, 'r', 'i', 'o', 'Lr', 'Li', 'Lo', 'at', 'pause', 'strikes',
+                         'open', 'probe')
 local names = {'r', 'i', 'o'}
 local at = tonumber(state[7]) or now
 local pause = tonumber(state[8]) or 0
 local max_wait = tonumber(ARGV[7])
 local burst = tonumber(ARGV[12])
 local age = tonumber(ARGV[17])
+local ttl = tonumber(ARGV[13])
 local writes = {}
+local strikes = tonumber(state[9]) or 0
+local open = tonumber(state[10]) or 0
+local probe = tonumber(state[11]) or 0
+if tonumber(ARGV[23]) == 1 and strikes > 0 then  -- an answer: the provider is back
+  strikes, open, probe = 0, 0, 0
+  redis.call('HDEL', key, 'strikes', 'open', 'probe')
+elseif tonumber(ARGV[23]) == 2 and probe > 0 then  -- no answer (a probe's?): the next may go
+  probe = 0
+  redis.call('HSET', key, 'probe', 0)
+end
+if tonumber(ARGV[21]) > 0 then  -- a 5xx: no one sends for a while, longer at each in a row
+  strikes = strikes + 1
+  local seconds = tonumber(ARGV[22])
+  if seconds <= 0 then
+    seconds = math.min(tonumber(ARGV[25]) * 2 ^ (strikes - 1), tonumber(ARGV[26]))
+  end
+  open = math.max(open, now + seconds)
+  probe = 0
+  redis.call('HSET', key, 'strikes', strikes, 'open', num(open), 'probe', 0)
+  redis.call('EXPIRE', key, ttl)
+end
+local shut = 0  -- seconds until the breaker lets a call through: 0 closed, or half open
+if strikes > 0 then
+  if now < open then
+    shut = open - now
+  elseif probe > now then
+    shut = math.min(probe - now, tonumber(ARGV[27]))
+  end
+end
 for d = 1, 3 do
   local learned = tonumber(ARGV[8 + d])
   if learned > 0 and learned ~= tonumber(state[3 + d]) then
@@ -155,15 +206,22 @@ if me ~= '' then
   end
 end
 local function backlog(need)
+  if shut > 0 then return num(OUTAGE_BACKLOG) end
   if need == -math.huge then need = 0 end
   return num(math.max(pause - now, need + pending))
 end
 if max_wait == -2 then
-  return {0, num(wait), backlog(need_now)}
+  return {0, num(wait), backlog(need_now), 0}
 end
-if max_wait >= 0 and wait > max_wait then
+if max_wait >= 0 and (shut > 0 or wait > max_wait) then
   if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
-  return {0, num(wait), backlog(need_now)}
+  if shut > 0 then
+    return {0, num(shut), backlog(need_now), 1}
+  end
+  return {0, num(wait), backlog(need_now), 0}
+end
+if max_wait >= 0 and strikes > 0 then  -- half open: this call is the probe
+  table.insert(writes, 'probe'); table.insert(writes, num(now + tonumber(ARGV[24])))
 end
 for d = 1, 3 do
   if levels[d] ~= nil then
@@ -173,9 +231,9 @@ end
 table.insert(writes, 'at'); table.insert(writes, num(now))
 table.insert(writes, 'pause'); table.insert(writes, num(pause))
 redis.call('HSET', key, unpack(writes))
-redis.call('EXPIRE', key, tonumber(ARGV[13]))
-return {1, num(wait), backlog(need_next)}
-"""
+redis.call('EXPIRE', key, ttl)
+return {1, num(wait), backlog(need_next), 0}
+""".replace("OUTAGE_BACKLOG", repr(OUTAGE_BACKLOG_SECONDS))
 
 
 class TokenEstimator:
@@ -270,10 +328,14 @@ class RedisRateBudget:
         stated: tuple[float, float, float] = (NOT_STATED, NOT_STATED, NOT_STATED),
         age: float = 0.0,
         tell: bool = False,
-    ) -> tuple[bool, float, float]:
-        """One script call; answers (admitted, wait, backlog) as :data:`BUDGET_SCRIPT` does.
-        ``tell``: the call tells the cluster this process's pending items, and its backlog
-        counts every process's."""
+        trip: float | None = None,
+        answered: bool | None = False,
+    ) -> tuple[bool, float, float, bool]:
+        """One script call; answers (admitted, wait, backlog, refused by the breaker) as
+        :data:`BUDGET_SCRIPT` does. ``tell``: the call tells the cluster this process's pending
+        items, and its backlog counts every process's. ``trip``: a call was answered 5xx,
+        with this retry-after (0: none); ``answered``: a call was answered otherwise (True), or
+        got no answer at all (None)."""
         limits = self.limits
         learned = learn or RateLimit()
         args: list[float | str] = [
@@ -293,10 +355,18 @@ class RedisRateBudget:
             self._pending_seconds() if tell else 0.0,
             self.process if tell else "",
             PENDING_STALE_SECONDS,
+            0 if trip is None else 1,
+            max(0.0, trip or 0.0),
+            2 if answered is None else 1 if answered else 0,
+            PROBE_LEASE_SECONDS,
+            OUTAGE_FIRST_SECONDS,
+            OUTAGE_MAX_SECONDS,
+            PROBE_POLL_SECONDS,
         ]
         self.script_calls += 1
-        admitted, wait, backlog = self._script(keys=[self.key, f"{self.key}:pending"], args=args)
-        return bool(int(admitted)), float(wait), float(backlog)
+        keys = [self.key, f"{self.key}:pending"]
+        admitted, wait, backlog, shut = self._script(keys=keys, args=args)
+        return bool(int(admitted)), float(wait), float(backlog), bool(int(shut))
 
     def _turned_on(self) -> bool:
         """Whether the budget is on (:attr:`active`), here or by what the shared hash holds:
@@ -314,14 +384,14 @@ class RedisRateBudget:
             return False
         self._off_read_at = now
         pipe = self.client.pipeline(transaction=False)
-        pipe.hmget(self.key, ["Lr", "Li", "Lo", "pause"])
+        pipe.hmget(self.key, ["Lr", "Li", "Lo", "pause", "strikes"])
         pipe.time()
-        (rpm, itpm, otpm, pause), (seconds, micros) = pipe.execute()
+        (rpm, itpm, otpm, pause, strikes), (seconds, micros) = pipe.execute()
         stored = RateLimit(rpm=_limit(rpm), itpm=_limit(itpm), otpm=_limit(otpm))
         if stored != RateLimit():
             self.learned = stored
-        if float(pause or 0) > float(seconds) + float(micros) / 1e6:
-            self._paused = True
+        if float(pause or 0) > float(seconds) + float(micros) / 1e6 or int(strikes or 0) > 0:
+            self._paused = True  # a 429's pause, or the breaker (a 5xx): on from now
         return self.active
 
     def backlog(self) -> float:
@@ -397,11 +467,11 @@ class RedisRateBudget:
         self._typical = (float(estimate), float(prompt.max_tokens))
         self.ended()  # its call is reserved now, or refused: in the bucket, or not at all
         take = (1, estimate, prompt.max_tokens)
-        admitted, wait, reading = self._run(take, max(0.0, max_wait), tell=True)
+        admitted, wait, reading, shut = self._run(take, max(0.0, max_wait), tell=True)
         now = self._clock()
         self._backlog = (reading, now)
         if not admitted:
-            return BudgetGrant(admitted=False, wait=wait)
+            return BudgetGrant(admitted=False, wait=wait, shut=shut)
         self._call.sent_at = now + wait
         self._call.stated = None
         metrics.budget_waited(self.model, self.lane, wait)
@@ -417,6 +487,8 @@ class RedisRateBudget:
         self._call.stated = None
         if usage is None or not grant.admitted or not (grant.input_tokens or grant.output_tokens):
             return
+        # an answer (the call reported usage): the provider is back, the breaker closes
+        answered = sent
         used_input = usage.input_tokens + usage.cache_creation_input_tokens
         # against the raw estimate the grant carries: rebuilding it from the correction now,
         # which other threads move meanwhile, fed the correction back into itself
@@ -427,15 +499,29 @@ class RedisRateBudget:
         # (requests, input, output): a call never sent gives its request back as well
         take = (0.0 if sent else -1.0, extra_input, extra_output)
         if stated is None:
-            self._run(take, -1)
+            self._run(take, -1, answered=answered)
             return
         age = self._clock() - getattr(self._call, "sent_at", self._clock())
-        self._run(take, -1, stated=stated, age=age)
+        self._run(take, -1, stated=stated, age=age, answered=answered)
 
     def pause(self, seconds: float) -> None:
-        """Every process waits ``seconds`` (capped at a minute) before its next call."""
+        """Every process waits ``seconds`` (capped at a minute) before its next call. A 429 is
+        the provider answering: the breaker, if a 5xx opened it, closes."""
         self._paused = True
-        self._run((0, 0, 0), -1, pause=min(max(seconds, 0.0), MAX_PAUSE_SECONDS))
+        self._run((0, 0, 0), -1, pause=min(max(seconds, 0.0), MAX_PAUSE_SECONDS), answered=True)
+
+    def unanswered(self) -> None:
+        """A call got no answer (a timeout, a connection lost or never made): if it was the
+        breaker's probe, the next call may probe now, not once its lease ran out. Nothing to
+        do in a process that never saw the breaker or a pause."""
+        if self._paused:
+            self._run((0, 0, 0), -1, answered=None)
+
+    def trip(self, retry_after: float | None) -> None:
+        """A call was answered 5xx (529 overloaded included): the breaker opens (again) for
+        every process, for ``retry_after`` (capped at a minute) or the outage back-off."""
+        self._paused = True
+        self._run((0, 0, 0), -1, trip=min(max(retry_after or 0.0, 0.0), MAX_PAUSE_SECONDS))
 
     def learn(self, headers: Mapping[str, str]) -> None:
         """Take what a response's headers state: the limits, stored in Redis the first time
@@ -456,7 +542,7 @@ class RedisRateBudget:
         if not self._turned_on():
             metrics.budget_waited(self.model, self.lane, 0.0)
             return BudgetGrant(admitted=True, wait=0.0)
-        admitted, wait, _ = self._run((1, 0, 0), max(0.0, max_wait))
+        admitted, wait, _, _ = self._run((1, 0, 0), max(0.0, max_wait))
         if admitted:
             metrics.budget_waited(self.model, self.lane, wait)
         return BudgetGrant(admitted=admitted, wait=wait)

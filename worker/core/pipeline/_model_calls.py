@@ -22,6 +22,9 @@ from worker.core.ports import RateBudget, Recorder, Reranker
 from worker.core.types import BudgetGrant, RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
 
+# the attempts that end with no answer from the provider (nor a 5xx: the breaker's signal)
+NO_ANSWER = frozenset({AttemptOutcome.TIMEOUT, AttemptOutcome.CONNECTION})
+
 # A batch item's check before its model calls (``SearchPipeline.search``'s ``before_model``),
 # handed what the search was billed so far (None: nothing); raises Canceled to stop there.
 BeforeModel = Callable[[Usage | None], None]
@@ -125,7 +128,7 @@ class ModelCalls:
         grant: BudgetGrant | None = None
         detail: dict[str, Any] = {}
         if self.rate_budget is not None:
-            grant = self._wait_for_budget(prompt, run, deadline)
+            grant, waited = self._wait_for_budget(prompt, run, deadline, check)
             if check is not None and grant.wait > 0:
                 try:
                     check(_billed(run))
@@ -133,7 +136,7 @@ class ModelCalls:
                     self.rate_budget.settle(grant, TokenUsage(), sent=False)
                     raise
             timeout = min(timeout, deadline.remaining())
-            detail["budget_wait_seconds"] = grant.wait
+            detail["budget_wait_seconds"] = waited
         sent = self.clock()
         try:
             reply = self.reranker.rerank(prompt, timeout)
@@ -157,40 +160,67 @@ class ModelCalls:
         self, grant: BudgetGrant, error: RerankAttemptError, usage: TokenUsage | None
     ) -> None:
         """Settle a failed attempt's reservation with the rate budget. One refused before any
-        token was read (a 429, or never sent) gives its tokens back, and its request too when
-        the provider never saw it; the provider's 429 pauses every worker, a local hold no
-        one. Any other failure is settled on the ``usage`` it reported."""
-        assert self.rate_budget is not None
+        token was read (a 429, a 4xx, or never sent) gives its tokens back, and its request
+        too when the provider never saw it; the provider's 429 pauses every worker, a local
+        hold no one. Any other failure is settled on the ``usage`` it reported; a 5xx opens
+        the breaker, and one that got no answer ends the breaker's probe if it was that."""
+        budget = self.rate_budget
+        assert budget is not None
         if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
-            self.rate_budget.settle(grant, TokenUsage(), sent=error.sent)
+            budget.settle(grant, TokenUsage(), sent=error.sent)
             if error.sent:
-                self.rate_budget.pause(error.retry_after or DEFAULT_429_PAUSE_SECONDS)
+                budget.pause(error.retry_after or DEFAULT_429_PAUSE_SECONDS)
+        elif error.outcome is AttemptOutcome.HTTP_4XX:  # refused at once: no token read
+            budget.settle(grant, TokenUsage())
         else:
-            self.rate_budget.settle(grant, usage)
+            budget.settle(grant, usage)
+            if error.outcome is AttemptOutcome.HTTP_5XX:  # the provider is failing: the breaker
+                budget.trip(error.retry_after)
+        if not error.sent or (usage is None and error.outcome in NO_ANSWER):
+            budget.unanswered()
 
     def _wait_for_budget(
-        self, prompt: RerankPrompt, run: RerankRun, deadline: Deadline
-    ) -> BudgetGrant:
-        """Reserve the attempt's share of the rate budget and wait until it may be sent. When
+        self, prompt: RerankPrompt, run: RerankRun, deadline: Deadline, check: BeforeModel | None
+    ) -> tuple[BudgetGrant, float]:
+        """Reserve the attempt's share of the rate budget and wait until it may be sent;
+        answers the grant and the seconds waited in all. When
         the budget frees it too late for the call to fit in the search's deadline (twice the
         answered calls' average time), nothing is reserved and nothing sent: the attempt is
         ``budget_exhausted``, which the failure policy takes from there. A call sent with
-        less time than it takes would be charged by the provider and time out."""
+        less time than it takes would be charged by the provider and time out. While the
+        provider fails (the budget's breaker: a 5xx opened it, or its one probe is out), the
+        attempt waits and asks again, as long as the deadline allows: it sends nothing, so
+        it spends none of the retry budget on a provider that is down (``check`` runs after
+        each such wait)."""
         assert self.rate_budget is not None
-        max_wait = max(0.0, deadline.remaining() - self.call_time.needed())
-        grant = self.rate_budget.reserve(prompt, max_wait)
+        shut = 0.0  # waited while the provider failed
+        while True:
+            max_wait = max(0.0, deadline.remaining() - self.call_time.needed())
+            grant = self.rate_budget.reserve(prompt, max_wait)
+            if grant.admitted or not grant.shut or grant.wait > max_wait:
+                break
+            self.sleep(grant.wait)
+            shut += grant.wait
+            if check is not None:
+                check(_billed(run))
         if not grant.admitted:
+            waited = shut + grant.wait
             self.record_attempt(
-                run, AttemptOutcome.BUDGET_EXHAUSTED, None, 0.0, budget_wait_seconds=grant.wait
+                run, AttemptOutcome.BUDGET_EXHAUSTED, None, 0.0, budget_wait_seconds=waited
+            )
+            what = (
+                "the provider is failing: it takes a call again"
+                if grant.shut
+                else "the provider's rate budget frees this call"
             )
             raise RerankAttemptError(
                 AttemptOutcome.BUDGET_EXHAUSTED,
-                f"the provider's rate budget frees this call in {grant.wait:.1f}s, "
-                f"past the search deadline ({max(0.0, deadline.remaining()):.1f}s left)",
+                f"{what} in {grant.wait:.1f}s, past the search deadline "
+                f"({max(0.0, deadline.remaining()):.1f}s left)",
             )
         if grant.wait > 0:
             self.sleep(grant.wait)
-        return grant
+        return grant, shut + grant.wait
 
     def record_attempt(
         self,
