@@ -231,7 +231,15 @@ def test_each_5xx_in_a_row_opens_the_breaker_longer_or_for_its_retry_after(
     assert [round(w) for w in opened] == [round(e) for e in expected], opened
     budget.trip(7.0)  # the 5xx's own retry-after
     assert 6.9 <= budget.reserve(PROMPT, 60.0).wait <= 7.0
-    budget.pause(1.0)  # a 429 is an answer: the provider is up, the breaker closes
+    _half_open(client, budget.key)
+    probe = budget.reserve(PROMPT, 60.0)
+    assert probe.admitted
+    budget.settle(probe, TokenUsage(), closes=False)  # a 429 (an outage answers some)
+    budget.pause(1.0)
+    probe = budget.reserve(PROMPT, 60.0)  # the next probe: the 429 let the first's lease go
+    assert probe.admitted and 0.9 <= probe.wait <= 1.0  # once the pause is over
+    assert budget.reserve(PROMPT, 60.0).shut  # still not closed: the others wait
+    budget.settle(probe, TokenUsage(input_tokens=90, output_tokens=4))  # answered
     assert not budget.reserve(PROMPT, 60.0).shut
 
 

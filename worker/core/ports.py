@@ -201,10 +201,18 @@ class RateBudget(Protocol):
         if the budget frees them within ``max_wait`` seconds; the grant says how long to wait."""
         ...
 
-    def settle(self, grant: BudgetGrant, usage: TokenUsage | None, *, sent: bool = True) -> None:
+    def settle(
+        self,
+        grant: BudgetGrant,
+        usage: TokenUsage | None,
+        *,
+        sent: bool = True,
+        closes: bool = True,
+    ) -> None:
         """Give back what the call did not use (``usage`` as reported); ``None``: unknown,
         the reservation stands. ``sent`` False: the provider never saw the call, so its
-        request is given back too."""
+        request is given back too. An answer (``usage`` given) closes the breaker a 5xx
+        opened, unless ``closes`` is False (a 429)."""
         ...
 
     def pause(self, seconds: float) -> None:

@@ -60,7 +60,8 @@ OFF_REFRESH_SECONDS = 0.2
 # the answer's retry-after, or OUTAGE_FIRST_SECONDS doubled at each 5xx in a row up to
 # OUTAGE_MAX_SECONDS; then one call, the probe, goes alone (its lease: PROBE_LEASE_SECONDS, an
 # attempt's default timeout, should its process die), the others asking again every
-# PROBE_POLL_SECONDS. An answer that is not a 5xx closes it; another 5xx opens it again. While
+# PROBE_POLL_SECONDS. An answer that is neither a 5xx nor a 429 closes it; another 5xx opens
+# it again; a 429 (a pause) or no answer lets the next probe go. While
 # it is not closed, the backlog a batch paces on reads OUTAGE_BACKLOG_SECONDS: no new batch item
 # starts its search (and its deadline) against a provider that is down.
 OUTAGE_FIRST_SECONDS = 1.0
@@ -477,7 +478,14 @@ class RedisRateBudget:
         metrics.budget_waited(self.model, self.lane, wait)
         return BudgetGrant(True, wait, estimate, prompt.max_tokens, raw_input=raw)
 
-    def settle(self, grant: BudgetGrant, usage: TokenUsage | None, *, sent: bool = True) -> None:
+    def settle(
+        self,
+        grant: BudgetGrant,
+        usage: TokenUsage | None,
+        *,
+        sent: bool = True,
+        closes: bool = True,
+    ) -> None:
         """Give back the unused part of the reservation (and its request, for a call never
         ``sent``: the provider did not count it). Input tokens as the provider meters
         them: uncached plus cache writes (cache reads do not count against ITPM). What the
@@ -487,8 +495,9 @@ class RedisRateBudget:
         self._call.stated = None
         if usage is None or not grant.admitted or not (grant.input_tokens or grant.output_tokens):
             return
-        # an answer (the call reported usage): the provider is back, the breaker closes
-        answered = sent
+        # an answer (the call reported usage; a 429 is not one, ``closes``): the provider is
+        # back, the breaker closes
+        answered = sent and closes
         used_input = usage.input_tokens + usage.cache_creation_input_tokens
         # against the raw estimate the grant carries: rebuilding it from the correction now,
         # which other threads move meanwhile, fed the correction back into itself
@@ -505,10 +514,11 @@ class RedisRateBudget:
         self._run(take, -1, stated=stated, age=age, answered=answered)
 
     def pause(self, seconds: float) -> None:
-        """Every process waits ``seconds`` (capped at a minute) before its next call. A 429 is
-        the provider answering: the breaker, if a 5xx opened it, closes."""
+        """Every process waits ``seconds`` (capped at a minute) before its next call. A 429
+        leaves the breaker as it is (an outage answers 429s among its 529s), but a probe that
+        met one lets the next probe go once the pause is over."""
         self._paused = True
-        self._run((0, 0, 0), -1, pause=min(max(seconds, 0.0), MAX_PAUSE_SECONDS), answered=True)
+        self._run((0, 0, 0), -1, pause=min(max(seconds, 0.0), MAX_PAUSE_SECONDS), answered=None)
 
     def unanswered(self) -> None:
         """A call got no answer (a timeout, a connection lost or never made): if it was the

@@ -162,12 +162,13 @@ class ModelCalls:
         """Settle a failed attempt's reservation with the rate budget. One refused before any
         token was read (a 429, a 4xx, or never sent) gives its tokens back, and its request
         too when the provider never saw it; the provider's 429 pauses every worker, a local
-        hold no one. Any other failure is settled on the ``usage`` it reported; a 5xx opens
-        the breaker, and one that got no answer ends the breaker's probe if it was that."""
+        hold no one, and neither closes the breaker. Any other failure is settled on the
+        ``usage`` it reported; a 5xx opens the breaker; a 4xx or a billed answer closes it;
+        one that got no answer ends the breaker's probe if it was that."""
         budget = self.rate_budget
         assert budget is not None
         if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
-            budget.settle(grant, TokenUsage(), sent=error.sent)
+            budget.settle(grant, TokenUsage(), sent=error.sent, closes=False)
             if error.sent:
                 budget.pause(error.retry_after or DEFAULT_429_PAUSE_SECONDS)
         elif error.outcome is AttemptOutcome.HTTP_4XX:  # refused at once: no token read
