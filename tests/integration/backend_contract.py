@@ -286,6 +286,11 @@ class LifecycleContract(BackendContract):
     versioned writes (a drop's included), and list, count and get, always the tenant's
     own."""
 
+    #: A write run again after a newer write of its ids counts what its first run wrote (the
+    #: embedded backend keeps each write's count in its transaction); Elasticsearch, with no
+    #: such transaction, counts the ids that still hold its version.
+    counts_first_run = False
+
     def all_ids(self, backend: SearchBackend, index: str, tenant: str) -> tuple[set[str], set[str]]:
         if not backend.channels(index, tenant):
             return set(), set()
@@ -345,13 +350,15 @@ class LifecycleContract(BackendContract):
         """A write run again with its own version (a job's retry, a redelivery) changes
         nothing and reports its documents written, as the first run did: on Elasticsearch a
         retry after a partial bulk failure finds some of them already there. Once a newer
-        write of one of them ran, that one is not counted."""
+        write of one of them ran, that one is counted only where the backend kept the first
+        run's count (:attr:`counts_first_run`)."""
         self.load(backend, index, "acme")
         assert backend.upsert(index, "acme", CORPUS, vectors_of(CORPUS), version=20) == 4
         assert backend.upsert(index, "acme", CORPUS, vectors_of(CORPUS), version=20) == 4
         assert backend.index_info(index, "acme").documents == len(CORPUS)
         assert backend.delete_documents(index, "acme", ["vitd"], version=21) == 1
-        assert backend.upsert(index, "acme", CORPUS, vectors_of(CORPUS), version=20) == 3
+        again = backend.upsert(index, "acme", CORPUS, vectors_of(CORPUS), version=20)
+        assert again == (4 if self.counts_first_run else 3)
         assert backend.document(index, "acme", "vitd") is None
 
     def test_an_upsert_accepted_before_a_drop_and_run_after_it_is_skipped(

@@ -28,6 +28,8 @@ class TestInMemoryBackendContract(BackendContract):
 
 
 class TestEmbeddedBackendContract(LifecycleContract):
+    counts_first_run = True
+
     @pytest.fixture
     def backend(self, tmp_path: Path) -> SearchBackend:
         return EmbeddedBackend(tmp_path / "data")

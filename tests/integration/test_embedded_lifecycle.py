@@ -221,14 +221,15 @@ def test_a_delete_run_again_reports_the_documents_its_first_run_deleted(
 ) -> None:
     """A delete job's worker killed after the delete's commit but before its job record
     moved: the redelivered task runs the delete again with its own version, which finds
-    nothing left to delete. It reports what its first run deleted (as an upsert run again
-    reports what it wrote), so the job's ``deleted`` matches the documents that went: the
-    id that never existed is not counted, and one a newer write holds since is not either."""
+    nothing left to delete and changes nothing. It reports what its first run deleted (as
+    an upsert run again reports what it wrote), so the job's ``deleted`` matches the
+    documents that went: the id that never existed is not counted, and one a newer write
+    has taken since still is (the first run deleted it)."""
     assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3
     assert backend.delete_documents("sci", "acme", ["d0", "d1", "nope"], version=11) == 2
     assert backend.delete_documents("sci", "acme", ["d0", "d1", "nope"], version=11) == 2
     assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=12) == 1
-    assert backend.delete_documents("sci", "acme", ["d0", "d1", "nope"], version=11) == 1
+    assert backend.delete_documents("sci", "acme", ["d0", "d1", "nope"], version=11) == 2
     assert backend.document("sci", "acme", "d0") is not None
     assert backend.document("sci", "acme", "d1") is None
     # the last documents: the index goes with them, the count stays
@@ -242,9 +243,9 @@ def test_a_drop_run_again_reports_the_documents_its_first_run_deleted(
     backend: EmbeddedBackend,
 ) -> None:
     """A drop's worker killed after the drop's commit, before its job record moved: the
-    redelivered drop finds nothing left, and reports what its first run deleted. A document
-    written by a newer ingest since stays, and is not counted; a newer drop since takes the
-    record with it (the rerun then counts nothing)."""
+    redelivered drop changes nothing and reports what its first run deleted, whatever ran
+    since: a document written by a newer ingest stays and is not taken, and a newer drop
+    does not change the older one's count."""
     assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3
     assert backend.delete_index("sci", "acme", version=11) == 3
     assert backend.delete_index("sci", "acme", version=11) == 3
@@ -252,9 +253,27 @@ def test_a_drop_run_again_reports_the_documents_its_first_run_deleted(
     assert backend.delete_index("sci", "acme", version=11) == 3
     assert backend.document("sci", "acme", "d0") is not None
     assert backend.delete_index("sci", "acme", version=13) == 1
-    assert backend.delete_index("sci", "acme", version=11) == 0
+    assert backend.delete_index("sci", "acme", version=11) == 3
     assert backend.delete_index("sci", "acme", version=13) == 1
     assert backend.index_info("sci", "acme") is None
+
+
+def test_an_ingest_run_again_reports_what_its_first_run_wrote(
+    backend: EmbeddedBackend,
+) -> None:
+    """The review's case: an ingest's worker killed right after its commit, a delete of its
+    ids accepted and run, then the ingest redelivered. It changes nothing (the delete, accepted
+    later, wins) and reports the documents its first run wrote, not the ids it still holds."""
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3
+    assert backend.delete_documents("sci", "acme", ["d0", "d1"], version=11) == 2
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3
+    assert backend.document("sci", "acme", "d0") is None
+    assert backend.delete_index("sci", "acme", version=12) == 1
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3
+    assert backend.index_info("sci", "acme") is None
+    # a stale write's count stays what it was: none
+    assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=9) == 0
+    assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=9) == 0
 
 
 class Clock:
@@ -294,17 +313,17 @@ def test_a_write_that_changes_no_document_leaves_the_last_write(
     assert backend.delete_documents("sci", "acme", ["d0", "d9"], version=12) == 1
     stamped = last_write(backend)
     assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=11) == 0  # stale
-    assert backend.upsert("sci", "acme", DOCS[1:], VECTORS[1:], version=10) == 2  # run again
+    assert backend.upsert("sci", "acme", DOCS, VECTORS, version=10) == 3  # run again
     assert backend.delete_documents("sci", "acme", ["d9"], version=13) == 0
     assert last_write(backend) == stamped
-    assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=14) == 1
+    assert backend.upsert("sci", "acme", DOCS[:1], VECTORS[:1], version=15) == 1
     written = last_write(backend)
     assert written is not None and stamped is not None and written > stamped
     # a drop accepted before that upsert, run after it: the upsert's document stays
-    assert backend.delete_index("sci", "acme", version=13) == 2
+    assert backend.delete_index("sci", "acme", version=14) == 2
     dropped = last_write(backend)
     assert dropped is not None and dropped > written
-    assert backend.delete_index("sci", "acme", version=13) == 2  # run again
+    assert backend.delete_index("sci", "acme", version=14) == 2  # run again
     assert last_write(backend) == dropped
 
 

@@ -75,6 +75,15 @@ CREATE TABLE IF NOT EXISTS catalog(
     last_write REAL,
     PRIMARY KEY(idx, tenant)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS outcomes(
+    idx TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    count INTEGER NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY(idx, tenant, version)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS outcomes_at ON outcomes(at);
 CREATE TABLE IF NOT EXISTS index_settings(
     idx TEXT NOT NULL,
     tenant TEXT NOT NULL,
@@ -83,10 +92,11 @@ CREATE TABLE IF NOT EXISTS index_settings(
     PRIMARY KEY(idx, tenant)
 ) WITHOUT ROWID;
 """
-# Two came after v2 without a bump: a v2 data dir gains them on open, and an earlier v2
+# Three came after v2 without a bump: a v2 data dir gains them on open, and an earlier v2
 # release reads past them. ``index_settings`` holds each tenant's index's own search settings
 # (a NULL ``settings`` once cleared); ``indexes_by_tenant`` is the index list's seek on the
-# tenant's own names.
+# tenant's own names; ``outcomes`` what each versioned write counted, for its job run again
+# (a write committed by an earlier release and run again after the upgrade counts 0).
 # v2: ``indexes`` is keyed by (name, tenant), so each tenant's index has its own FTS5 table
 # (BM25 statistics), dimension and generation; a v1 data dir (one per name) is refused.
 

@@ -13,6 +13,7 @@ import apsw
 import numpy as np
 import numpy.typing as npt
 
+from worker.constants import RESULT_TTL_SECONDS
 from worker.core.types import Document, derive_revision
 from worker.errors import EmbeddingModelMismatch, IndexLimitReached, InvalidRequest
 
@@ -45,9 +46,10 @@ class _Writes(_Pool):
         A document whose ``revision`` is empty gets :func:`derive_revision`. With a
         ``version``, a document is written only if the version is newer than the id's last
         write (an upsert or a delete's tombstone) and the tenant's index floor (its last
-        drop); answers how many were written, counting those this same write (its version)
-        put there on an earlier run. One that writes no row makes nothing: no FTS5 table,
-        no last write (:func:`_touch`), no new generation.
+        drop); answers how many were written. The same write run again (a retry, a
+        redelivery after a crash between its commit and its job's finish) changes nothing
+        and answers what its first run wrote (:func:`_outcome`). One that writes no row
+        makes nothing: no FTS5 table, no last write (:func:`_touch`), no new generation.
 
         ``model`` (the embedder of ``vectors``) is recorded by the first write of the tenant's
         index; a write of another model's vectors raises :class:`EmbeddingModelMismatch` in
@@ -57,18 +59,16 @@ class _Writes(_Pool):
             return 0
         matrix = _check_vectors(documents, vectors)
         rows = [_document_row(i, doc) for i, doc in enumerate(documents)]
-        written = again = 0
+        written = 0
         num: int | None = None  # the tenant's index, made by the first row written
         with self._conn() as conn, _translated("upsert"), _write(conn):
+            if (done := _outcome(conn, index, tenant, version)) is not None:
+                return done
             floor = _floor(conn, index, tenant)
             for i, (doc_id, title, text, revision, metadata) in enumerate(rows):
                 held = _held_version(conn, index, tenant, doc_id)
                 if version is not None and version <= max(floor, held or 0):
-                    # a newer write (or drop) of this id was accepted after this one; or
-                    # this very write ran before (a retry, a redelivery: one counter gives
-                    # each write its version), which counts, as on Elasticsearch
-                    again += version == held and version > floor
-                    continue
+                    continue  # a newer write (or drop) of this id was accepted after this one
                 if num is None:  # before the first row written only: a stale write (every
                     # row skipped) makes no FTS5 table a drop let go, claims nothing, and
                     # another model's vectors are a model mismatch before a dimension one
@@ -102,7 +102,8 @@ class _Writes(_Pool):
             if num is not None:  # a write that wrote nothing is no last write (as a delete's)
                 _touch(conn, index, tenant, model if matrix is not None else None)
                 conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (num,))
-        return written + again
+            _record_outcome(conn, index, tenant, version, written)
+        return written
 
     def delete_documents(
         self, index: str, tenant: str, ids: Sequence[str], *, version: int | None = None
@@ -110,43 +111,27 @@ class _Writes(_Pool):
         """Delete the tenant's documents by id, both channels in one commit; answers how many
         existed. With a ``version``, each id gets a tombstone of that version, so an upsert
         accepted before the delete and run after it is skipped, and an id whose last write
-        is newer than the delete is left alone. The tombstone says whether it removed a
-        document (:data:`REMOVED`), so the same delete run again (a redelivery, a retry)
-        reports what its first run deleted, as an upsert run again does."""
+        is newer than the delete is left alone. The same delete run again (a redelivery, a
+        retry) changes nothing and reports what its first run deleted, as an upsert run again
+        does."""
         deleted = 0
         with self._conn() as conn, _translated("delete"), _write(conn):
+            if (done := _outcome(conn, index, tenant, version)) is not None:
+                return done
             row = _index_row(conn, index, tenant)
             floor = _floor(conn, index, tenant)
-            again = 0
-            for doc_id in dict.fromkeys(i for i in ids if i != DROP_ID):
+            for doc_id in dict.fromkeys(i for i in ids if i):
                 held = _held_version(conn, index, tenant, doc_id)
                 if version is not None and version <= max(floor, held or 0):
-                    # this very delete ran before (a redelivery after a crash between its
-                    # commit and its job's finish): count what that run removed
-                    again += (
-                        version == held
-                        and version > floor
-                        and _removed(conn, index, tenant, doc_id)
-                    )
-                    continue
+                    continue  # a newer write of this id (or a drop) was accepted after this
                 old = conn.execute(
                     "SELECT seq FROM docs WHERE idx = ? AND tenant = ? AND id = ?",
                     (index, tenant, doc_id),
                 ).get
-                removed = False
                 if old is not None and row is not None:
                     _remove_row(conn, f"fts_{row[0]}", old)
                     deleted += 1
-                    removed = True
-                _set_version(
-                    conn,
-                    index,
-                    tenant,
-                    doc_id,
-                    version,
-                    held,
-                    deleted=REMOVED if removed else TOMBSTONE,
-                )
+                _set_version(conn, index, tenant, doc_id, version, held, deleted=TOMBSTONE)
             if deleted:
                 _touch(conn, index, tenant, None)
             if row is not None:
@@ -155,21 +140,22 @@ class _Writes(_Pool):
                 )
                 if deleted:
                     _settle_emptied(conn, row[0], index, tenant)
-        return deleted + again
+            _record_outcome(conn, index, tenant, version, deleted)
+        return deleted
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
         """Delete all of the tenant's documents in the index (rows, BM25 postings, vectors);
         answers how many went. With a ``version``, only documents written before it go, and
         the tenant's index keeps it as a floor: an upsert accepted before the drop and run
-        after it is skipped. The tenant's tombstones below the floor are dropped with it,
-        and the drop's own record is kept (:data:`DROP_ID`): the same drop run again (a
-        redelivery after a crash between its commit and its job's finish) reports what its
-        first run deleted, until a newer drop replaces the record. Only a run that removed
-        a document is the index's last write (as a delete by ids)."""
+        after it is skipped. The tenant's tombstones below the floor are dropped with it.
+        The same drop run again (a redelivery after a crash between its commit and its
+        job's finish) changes nothing and reports what its first run deleted. Only a drop
+        that removed a document is the index's last write (as a delete by ids)."""
         with self._conn() as conn, _translated("delete_index"), _write(conn):
+            if (done := _outcome(conn, index, tenant, version)) is not None:
+                return done
             row = _index_row(conn, index, tenant)
-            gone = 0 if version is None else _dropped(conn, index, tenant, version)
-            removed = 0  # by this run (one run again removes none: no new last write)
+            gone = 0
             if row is not None:
                 above = "" if version is None else " AND version > ?"
                 keep = (
@@ -192,8 +178,7 @@ class _Writes(_Pool):
                 ]
                 for seq in seqs:
                     _remove_row(conn, f"fts_{row[0]}", seq)
-                removed = len(seqs)
-                gone += removed
+                gone = len(seqs)
                 conn.execute(
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
                 )
@@ -203,18 +188,14 @@ class _Writes(_Pool):
                     "DELETE FROM writes WHERE idx = ? AND tenant = ? AND version <= ?",
                     (index, tenant, version),
                 )
-                if version >= _floor(conn, index, tenant):  # the newest drop: its record
-                    conn.execute(
-                        "INSERT OR REPLACE INTO writes VALUES (?, ?, ?, ?, ?)",
-                        (index, tenant, DROP_ID, version, gone),
-                    )
                 conn.execute(
                     "INSERT INTO catalog(idx, tenant, floor, last_write) VALUES (?, ?, ?, ?)"
                     " ON CONFLICT(idx, tenant) DO UPDATE SET"
                     " floor = max(floor, excluded.floor),"
                     " last_write = coalesce(excluded.last_write, last_write)",
-                    (index, tenant, version, time.time() if removed else None),
+                    (index, tenant, version, time.time() if gone else None),
                 )
+            _record_outcome(conn, index, tenant, version, gone)
         return gone
 
 
@@ -273,33 +254,36 @@ def _held_version(conn: apsw.Connection, index: str, tenant: str, doc_id: str) -
     return int(found[0]) if found else None
 
 
-#: ``writes.deleted``: the id's last write was an upsert (``LIVE``), a delete that found no
-#: document (``TOMBSTONE``), or a delete that removed one (``REMOVED``; a tombstone written
-#: before this distinction reads as ``TOMBSTONE``, its delete run again counting nothing).
-LIVE, TOMBSTONE, REMOVED = 0, 1, 2
-#: The ``writes`` id of the tenant's last drop of the index (no document has an empty id,
-#: the gateway and :func:`_document_row` refuse one): its version, and in ``deleted`` how
-#: many documents that drop deleted.
-DROP_ID = ""
+#: ``writes.deleted``: the id's last write was an upsert (``LIVE``) or a delete (a
+#: tombstone; an earlier release wrote 2 for one that removed a document, and a row of the
+#: empty id for a drop's count, both now read by nothing: :func:`_outcome` keeps counts).
+LIVE, TOMBSTONE = 0, 1
 
 
-def _dropped(conn: apsw.Connection, index: str, tenant: str, version: int) -> int:
-    """How many documents the drop of ``version`` deleted when it ran before (0: not run
-    yet, or a newer drop has run since)."""
+def _outcome(conn: apsw.Connection, index: str, tenant: str, version: int | None) -> int | None:
+    """What the write of ``version`` counted when it ran before (None: not run yet, or
+    unversioned). A job's write is one transaction, so it ran whole or not at all."""
+    if version is None:
+        return None
     found = conn.execute(
-        "SELECT deleted FROM writes WHERE idx = ? AND tenant = ? AND id = ? AND version = ?",
-        (index, tenant, DROP_ID, version),
+        "SELECT count FROM outcomes WHERE idx = ? AND tenant = ? AND version = ?",
+        (index, tenant, version),
     ).fetchone()
-    return int(found[0]) if found else 0
+    return int(found[0]) if found else None
 
 
-def _removed(conn: apsw.Connection, index: str, tenant: str, doc_id: str) -> bool:
-    """The id's last write is a delete that removed its document."""
-    found = conn.execute(
-        "SELECT deleted FROM writes WHERE idx = ? AND tenant = ? AND id = ?",
-        (index, tenant, doc_id),
-    ).fetchone()
-    return found is not None and int(found[0]) == REMOVED
+def _record_outcome(
+    conn: apsw.Connection, index: str, tenant: str, version: int | None, count: int
+) -> None:
+    """Keep what the write of ``version`` counted, in its own transaction, for as long as its
+    job can be run again (its record's retention); the older records go with it."""
+    if version is None:
+        return
+    now = time.time()
+    conn.execute("DELETE FROM outcomes WHERE at < ?", (now - RESULT_TTL_SECONDS,))
+    conn.execute(
+        "INSERT INTO outcomes VALUES (?, ?, ?, ?, ?)", (index, tenant, version, count, now)
+    )
 
 
 def _set_version(
@@ -313,7 +297,7 @@ def _set_version(
     deleted: int,
 ) -> None:
     """Record the id's last write (an unversioned one keeps the version it had), and what it
-    was (``deleted``: :data:`LIVE`, :data:`TOMBSTONE` or :data:`REMOVED`)."""
+    was (``deleted``: :data:`LIVE` or :data:`TOMBSTONE`)."""
     conn.execute(
         "INSERT OR REPLACE INTO writes VALUES (?, ?, ?, ?, ?)",
         (index, tenant, doc_id, version if version is not None else held or 0, deleted),
