@@ -437,6 +437,43 @@ def test_a_wait_that_fits_the_deadline_is_waited_then_the_model_is_called(
     assert clock.sleeps == [waited] and waited > 0  # waited out, then the model was called
 
 
+def test_the_wait_on_the_breaker_is_counted_in_the_budget_wait_metric(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A search that waited while the breaker was open, then went as its probe: the
+    metric ``sift_rate_budget_wait_seconds`` observes its whole wait, as its trace's
+    ``budget_wait_seconds`` does. It observed the last reservation's wait alone (here 0,
+    the probe went at once), so the dashboard's budget-wait panel missed an outage's waits."""
+    clock = FakeClock()
+    labels = {"model": MODEL, "lane": "standard"}
+    held: list[RedisRateBudget] = []
+
+    def sleep(seconds: float) -> None:  # the breaker's opening over once the search waited
+        clock.sleep(seconds)
+        _half_open(client, held[0].key)
+
+    def observed() -> tuple[float, float]:
+        return (
+            REGISTRY.get_sample_value("sift_rate_budget_wait_seconds_sum", labels) or 0.0,
+            REGISTRY.get_sample_value("sift_rate_budget_wait_seconds_count", labels) or 0.0,
+        )
+
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=1_000), RecordingRecorder(),
+        deadline=120.0, clock=clock, sleep=sleep,
+    )  # fmt: skip
+    held.append(budget)
+    budget.trip(None)
+    total, calls = observed()
+    result = search(pipeline)
+    assert result.rerank.applied is True and len(fake.requests()) == 1
+    waited = result.trace["attempts"][0]["budget_wait_seconds"]
+    assert waited == sum(clock.sleeps) and waited > OUTAGE_FIRST_SECONDS / 2
+    now_total, now_calls = observed()
+    assert now_calls == calls + 1
+    assert now_total - total == pytest.approx(waited)
+
+
 def test_headers_of_the_provider_teach_the_budget_its_limits(
     fake: fa.FakeAnthropic, client: redis.Redis
 ) -> None:

@@ -459,9 +459,9 @@ class RedisRateBudget:
                 seconds = max(seconds, amount * 60.0 / min(known))
         return seconds
 
-    def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
+    def reserve(self, prompt: RerankPrompt, max_wait: float, *, waited: float = 0.0) -> BudgetGrant:
         if not self._turned_on():
-            metrics.budget_waited(self.model, self.lane, 0.0)  # sent at once: counted so
+            metrics.budget_waited(self.model, self.lane, waited)  # at once: counted so
             return BudgetGrant(admitted=True, wait=0.0)
         raw = self.estimator.raw(prompt)
         estimate = self.estimator.estimate(prompt)
@@ -475,7 +475,7 @@ class RedisRateBudget:
             return BudgetGrant(admitted=False, wait=wait, shut=shut)
         self._call.sent_at = now + wait
         self._call.stated = None
-        metrics.budget_waited(self.model, self.lane, wait)
+        metrics.budget_waited(self.model, self.lane, waited + wait)
         return BudgetGrant(True, wait, estimate, prompt.max_tokens, raw_input=raw)
 
     def settle(

@@ -197,7 +197,7 @@ class ModelCalls:
         shut = 0.0  # waited while the provider failed
         while True:
             max_wait = max(0.0, deadline.remaining() - self.call_time.needed())
-            grant = self.rate_budget.reserve(prompt, max_wait)
+            grant = self.rate_budget.reserve(prompt, max_wait, waited=shut)
             if grant.admitted or not grant.shut or grant.wait > max_wait:
                 break
             self.sleep(grant.wait)
