@@ -267,6 +267,11 @@ async def poll_until(
         delay = min(delay * 2, POLL_MAX_SECONDS)
 
 
+#: Stripe's header on an answer that is a job an earlier request with the same
+#: ``Idempotency-Key`` made (``true``; absent on the request that made it).
+REPLAYED_HEADER = "Idempotent-Replayed"
+
+
 def location(request: Request, route: str, **params: str) -> dict[str, str]:
     """The ``Location`` header of a ``202``: the path of the job to poll, under this app's
     ``root_path`` (a relative reference, so it stays right behind a proxy that rewrites the
@@ -284,9 +289,17 @@ def job_answer(request: Request, body: str, *, final: bool, route: str, job_id: 
     return Response(body, status_code=202, media_type="application/json", headers=headers)
 
 
-def accepted(description: str) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI entry of a route's ``202``: its description and its ``Location`` header."""
-    return {202: {"description": description, "headers": LOCATION_HEADER}}
+def accepted(description: str, *, keyed: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI entry of a route's ``202``: its description and its ``Location`` header
+    (and, on a route that honours ``Idempotency-Key``, ``Idempotent-Replayed``)."""
+    replayed = {
+        REPLAYED_HEADER: {
+            "schema": {"type": "string", "enum": ["true"]},
+            "description": "The job an earlier request with this Idempotency-Key made.",
+        }
+    }
+    headers = {**LOCATION_HEADER, **(replayed if keyed else {})}
+    return {202: {"description": description, "headers": headers}}
 
 
 def encode_results_token(batch_id: str, offset: int) -> str:

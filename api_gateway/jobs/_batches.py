@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from api_gateway.bodies import BATCH_BODY, parse_batch, read_as_json
 from api_gateway.deps import (
     ERRORS,
+    REPLAYED_HEADER,
     STORE_AWAY,
     PageSize,
     Tenant,
@@ -102,7 +103,7 @@ async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob
     "/batches",
     response_model=BatchOut,
     status_code=202,
-    responses={**accepted("Accepted; poll the `Location`."), **ERRORS, **BUSY},
+    responses={**accepted("Accepted; poll the `Location`.", keyed=True), **ERRORS, **BUSY},
     summary="Submit a batch of searches",
     openapi_extra=BATCH_BODY,
 )
@@ -181,11 +182,14 @@ async def create_batch(
         with job_context(batch_id):
             log.warning("batch %s: the job store is away; answered as accepted", batch_id)
         batch = made
+    headers = location(request, "get_batch", id=batch.id)
+    if made is None:  # an earlier request's, by its key
+        headers[REPLAYED_HEADER] = "true"
     return Response(
         batch_out(batch).model_dump_json(),
         status_code=202,
         media_type="application/json",
-        headers=location(request, "get_batch", id=batch.id),
+        headers=headers,
     )
 
 

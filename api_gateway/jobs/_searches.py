@@ -9,6 +9,7 @@ from fastapi import Request, Response
 
 from api_gateway.deps import (
     ERRORS,
+    REPLAYED_HEADER,
     STORE_AWAY,
     Tenant,
     Wait,
@@ -79,7 +80,7 @@ def _search_response(request: Request, job: SearchJob, *, read: bool = True) -> 
     status_code=202,
     responses={
         200: {"model": SearchJobOut, "description": "Finished within `wait`."},
-        **accepted("Queued or running; poll the `Location`."),
+        **accepted("Queued or running; poll the `Location`.", keyed=True),
         **ERRORS,
         **BUSY,
     },
@@ -123,7 +124,10 @@ async def create_search(
             job_id = fresh.id
     if fresh is not None and wait == 0:
         return _search_response(request, fresh)  # just queued: no need to read it back
-    return await _answer_search(request, store, job_id, tenant, wait, fresh)
+    response = await _answer_search(request, store, job_id, tenant, wait, fresh)
+    if fresh is None:  # an earlier request's, by its key
+        response.headers[REPLAYED_HEADER] = "true"
+    return response
 
 
 async def _answer_search(

@@ -82,6 +82,21 @@ def _completed(client: Any) -> dict[tuple[str, str], float]:
     }
 
 
+def test_a_batch_sent_again_with_its_key_is_the_same_batch_marked_replayed(
+    stack: Stack,
+) -> None:
+    """``Idempotent-Replayed: true`` (Stripe's header) tells a client that a key's answer is a
+    batch an earlier request made: ``sift batch`` run again says it picked one up."""
+    body = {"index": INDEX, "queries": [{"id": "1", "query": "replayed"}]}
+    headers = {**ACME, "Idempotency-Key": "batch-replay-1"}
+    first = stack.idle.post("/v1/batches", json=body, headers=headers)
+    assert first.status_code == 202 and "idempotent-replayed" not in first.headers
+    again = stack.idle.post("/v1/batches", json=body, headers=headers)
+    assert again.status_code == 202 and again.json()["id"] == first.json()["id"]
+    assert again.headers["idempotent-replayed"] == "true"
+    assert again.headers["location"] == first.headers["location"]
+
+
 def test_cancel_a_queued_batch(stack: Stack) -> None:
     completed = _completed(stack.idle)
     items = [{"id": str(i), "query": f"query {i}"} for i in range(50)]

@@ -98,10 +98,12 @@ def test_idempotency_replay_and_mismatch(stack: Stack, corpus: object) -> None:
     body = {"index": INDEX, "query": "honey bees dance"}
     first = stack.live.post("/v1/searches", params={"wait": 10}, json=body, headers=headers)
     assert first.status_code == 200
+    assert "idempotent-replayed" not in first.headers
     again = stack.live.post("/v1/searches", json=body, headers=headers)
     assert again.status_code == 200
     assert again.json()["id"] == first.json()["id"]
     assert again.json()["result"] == first.json()["result"]
+    assert again.headers["idempotent-replayed"] == "true"  # as Stripe marks a replay
     changed = stack.live.post("/v1/searches", json={**body, "limit": 3}, headers=headers)
     assert changed.status_code == 422
     assert changed.json()["error"]["field"] == "Idempotency-Key"
