@@ -3,6 +3,8 @@ Ctrl-C, and every result written."""
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import os
 import tempfile
@@ -46,6 +48,8 @@ from worker.cli.client._input import (
 from worker.constants import IDEMPOTENCY_PENDING_TTL_SECONDS, MAX_BATCH_QUERIES, MAX_LIMIT
 
 LANES = ("standard", "economy")
+#: What a run cut short says: the same command picks up its batch (:func:`batch_key`).
+AGAIN = "run the same command again within 24 h to pick it up"
 
 
 @contextmanager
@@ -122,12 +126,76 @@ def _check_out(out: Path) -> None:
         ) from exc
 
 
+def batch_key(body: dict[str, Any]) -> str:
+    """The ``Idempotency-Key`` of a batch's request: its body's digest, so the same file and
+    options send the same key, and a run again (after a kill, a lost terminal, a poll given
+    up) is answered with the batch the first run made, for the key's 24 hours, not a second
+    batch searched and paid for again.
+
+    >>> batch_key({"index": "d", "queries": [{"id": "1", "query": "q"}]})[:23]
+    'sift-batch-4a6f3d019571'
+    """
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return "sift-batch-" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _key_after(key: str, canceled: str) -> str:
+    """The key to send once ``key`` answered ``canceled``, a batch canceled since: a key of
+    its own, the same for every run again, so the file's next batch is made once too."""
+    return "sift-batch-" + hashlib.sha256(f"{key} {canceled}".encode()).hexdigest()
+
+
+def _submit(client: Gateway, body: dict[str, Any], *, new: bool) -> tuple[dict[str, Any], bool]:
+    """Send the batch; answers it and whether an earlier run made it (picked up). ``new``:
+    a key of its own, so another batch. A batch of this body canceled since its run is not
+    picked up: the file is sent again, as the next batch of the chain of keys."""
+    key = f"sift-batch-{uuid.uuid4().hex}" if new else batch_key(body)
+    # one key for every resend: a submit whose answer was lost (the gateway restarting) is
+    # answered with the batch it made, never made twice. A send whose gateway died between
+    # claiming the key and making the batch leaves it 409 "in progress" for the pending
+    # marker's life from that claim, which may come late in the window: the submit outwaits it
+    window = RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
+    while True:
+        response = client.request(
+            "POST", "/v1/batches", json=body, headers={"Idempotency-Key": key}, retry_for=window
+        )
+        try:
+            batch = response.json()
+        except ValueError as exc:
+            raise GatewayError("POST /v1/batches: the gateway's answer is not JSON") from exc
+        replayed = response.headers.get("Idempotent-Replayed") == "true"
+        if not (replayed and batch.get("canceled_at")):
+            return batch, replayed
+        key = _key_after(key, str(batch["id"]))
+
+
+def _sweep_partials(out: Path) -> None:
+    """Remove the temp files of runs killed while writing ``out`` (their process gone): each
+    is named for its run, so none is written again."""
+    prefix = f".{out.name}."
+    for stale in out.parent.glob(glob.escape(prefix) + "*.partial"):
+        pid = stale.name[len(prefix) : -len(".partial")]
+        if pid.isdigit() and not _running(int(pid)):
+            stale.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def _write_results(
     client: Gateway, batch_id: str, out: Path, page_size: int
 ) -> tuple[Counter[str], Counter[str]]:
     """Page every result into ``out`` via a temp file renamed at the end; answers the counts
     by status, and the failed items' by error type."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_partials(out)
     temp = out.with_name(f".{out.name}.{os.getpid()}.partial")
     tally: Counter[str] = Counter()
     errors: Counter[str] = Counter()
@@ -203,8 +271,15 @@ def batch(
     strict: Annotated[
         bool, typer.Option("--strict", help=f"exit {EXIT_ITEMS_FAILED} if any item failed")
     ] = False,
+    new: Annotated[
+        bool,
+        typer.Option("--new", help="send the file as a new batch, not pick up an earlier run's"),
+    ] = False,
 ) -> None:
-    """Submit a batch of searches, show progress while it runs, and write every result."""
+    """Submit a batch of searches, show progress while it runs, and write every result.
+
+    Run again with the same file and options within 24 hours, it picks up the batch its
+    earlier run sent (killed, interrupted, given up) instead of sending it again."""
     console = _out()
     with _expected_errors():
         with _nothing_sent_on_interrupt(queries, "nothing was sent, no batch made"):
@@ -231,16 +306,7 @@ def batch(
         started = time.monotonic()
         with gateway() as client:
             try:
-                # one key for every resend: a submit whose answer was lost (the gateway
-                # restarting) is answered with the batch it made, never made twice. A send
-                # whose gateway died between claiming the key and making the batch leaves
-                # it 409 "in progress" for the pending marker's life from that claim, which
-                # may come late in the window: the submit outwaits it
-                key = {"Idempotency-Key": f"sift-batch-{uuid.uuid4().hex}"}
-                window = RETRY_SECONDS + IDEMPOTENCY_PENDING_TTL_SECONDS
-                submitted = client.json(
-                    "POST", "/v1/batches", json=body, headers=key, retry_for=window
-                )
+                submitted, picked_up = _submit(client, body, new=new)
             except GatewayError as exc:
                 if exc.status_code != HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
                     raise
@@ -254,12 +320,21 @@ def batch(
             except KeyboardInterrupt:  # no id to cancel: the batch may run all the same
                 _err().print(
                     "interrupted while submitting: the batch may have been accepted and run on; "
-                    "`sift batches --limit 1` shows it, DELETE /v1/batches/{id} cancels it",
+                    f"{AGAIN} (`sift batches --limit 1` shows it, DELETE /v1/batches/{{id}} "
+                    "cancels it)",
                     soft_wrap=True,
                 )
                 raise typer.Exit(EXIT_INTERRUPTED) from None
             batch_id = str(submitted["id"])
-            console.print(f"batch [bold]{batch_id}[/]: {len(items)} queries submitted")
+            if picked_up:
+                console.print(
+                    f"batch [bold]{batch_id}[/]: picked up, {len(items)} queries an earlier run "
+                    f"sent at {submitted.get('created_at')} ({submitted.get('status')}); "
+                    "--new sends them as another batch",
+                    soft_wrap=True,
+                )
+            else:
+                console.print(f"batch [bold]{batch_id}[/]: {len(items)} queries submitted")
             with _cancel_on_interrupt(client, batch_id), progress_bar(console) as progress:
                 task = progress.add_task(f"batch {index}", total=len(items))
 
@@ -276,22 +351,23 @@ def batch(
                         raise
                     raise GatewayError(
                         f"{exc.message}; batch {batch_id} may still be running, with no "
-                        f"results file written (DELETE /v1/batches/{batch_id} cancels it)"
+                        f"results file written: {AGAIN} and write its results "
+                        f"(DELETE /v1/batches/{batch_id} cancels it)"
                     ) from exc
             try:
                 tally, errors = _write_results(client, batch_id, out, page_size)
             except KeyboardInterrupt:  # the batch is final: nothing to cancel, all to read
                 _err().print(
                     f"interrupted while writing the results: batch {batch_id} has finished; "
-                    f"nothing was written to {plain(out)}; GET /v1/batches/{batch_id}/results "
-                    "pages its results",
+                    f"nothing was written to {plain(out)}; {AGAIN} and write them",
                     soft_wrap=True,
                 )
                 raise typer.Exit(EXIT_INTERRUPTED) from None
             except OSError as exc:  # writable when checked, not now (a full disk...)
                 raise InputError(
                     f"--out: cannot write {out} ({exc.strerror or exc}); batch {batch_id} has "
-                    f"finished: GET /v1/batches/{batch_id}/results pages its results"
+                    f"finished: {AGAIN} and write its results (--out may name another file: "
+                    "the key is the queries' and options', not the file's)"
                 ) from exc
         written = sum(tally.values())
         counts = final.get("counts") or {}

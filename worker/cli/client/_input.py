@@ -62,13 +62,17 @@ def document_from(obj: Any) -> dict[str, Any]:
     """
     if not isinstance(obj, dict):
         raise ValueError("a line must be a JSON object")
-    if "_id" in obj:  # BEIR: _id, title, text (its optional metadata is not Sift's)
-        beir = {"id": obj["_id"], "title": obj.get("title") or ""}
-        obj = beir | ({"text": obj["text"]} if "text" in obj else {})  # missing: "Field required"
+    beir = "_id" in obj
+    if beir:  # BEIR: _id, title, text (its optional metadata is not Sift's)
+        head = {"id": obj["_id"], "title": obj.get("title") or ""}
+        obj = head | ({"text": obj["text"]} if "text" in obj else {})  # missing: "Field required"
     try:  # the gateway's own checks (metadata every backend can hold), so nothing is sent
         document = DocumentRequest.model_validate(obj)
     except ValidationError as exc:
-        raise ValueError(field_problem(exc)) from None
+        problem = field_problem(exc)
+        if beir and problem.startswith("field 'id'"):  # named as the line spells it
+            problem = "field '_id'" + problem.removeprefix("field 'id'")
+        raise ValueError(problem) from None
     if len(document.text) > MAX_DOCUMENT_CHARS:
         raise ValueError(f"field 'text': longer than {MAX_DOCUMENT_CHARS} characters")
     if is_blank(document.text):
@@ -83,24 +87,25 @@ def query_from(obj: Any) -> dict[str, Any]:
     """
     if not isinstance(obj, dict):
         raise ValueError("a line must be a JSON object")
-    text_field = "query"  # the line's own name for the query's text, in its errors
+    # the line's own names for the query's id and text, in its errors
+    id_field, text_field = "id", "query"
     if "_id" in obj:  # BEIR: _id, text (metadata ignored)
-        obj, text_field = {"id": obj["_id"], "query": obj.get("text")}, "text"
+        obj, id_field, text_field = {"id": obj["_id"], "query": obj.get("text")}, "_id", "text"
     unknown = sorted(set(obj) - {"id", "query", "limit", "mode"})
     if unknown:
         raise ValueError(f"field {unknown[0]!r}: not a query field (id, query, limit, mode)")
     query_id, text = obj.get("id"), obj.get("query")
     if not isinstance(query_id, str) or not query_id:
-        raise ValueError("field 'id': a non-empty string is required")
+        raise ValueError(f"field {id_field!r}: a non-empty string is required")
     if not isinstance(text, str) or not text:
         raise ValueError(f"field {text_field!r}: a non-empty string is required")
-    for name, value in (("id", query_id), (text_field, text)):
+    for name, value in ((id_field, query_id), (text_field, text)):
         try:  # a lone surrogate (valid JSON) would stop the batch's send on a traceback
             unicode_only(value)
         except ValueError as exc:
             raise ValueError(f"field {name!r}: {exc}") from None
     if len(query_id) > MAX_BATCH_QUERY_ID_CHARS:
-        raise ValueError(f"field 'id': longer than {MAX_BATCH_QUERY_ID_CHARS} characters")
+        raise ValueError(f"field {id_field!r}: longer than {MAX_BATCH_QUERY_ID_CHARS} characters")
     if is_blank(text):
         raise ValueError(f"field {text_field!r}: {BLANK}")
     if len(text) > MAX_QUERY_CHARS:

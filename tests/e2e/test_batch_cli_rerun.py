@@ -1,0 +1,148 @@
+"""``sift batch`` run again on the same file, after its first run was killed: the real CLI as
+a process (SIGKILL is what a lost terminal or an OOM does), the gateway and worker as
+processes.
+
+Before, each run sent a random ``Idempotency-Key``: a run killed after its submit, and run
+again, made a second batch of the same queries, every item searched (and reranked, and paid
+for) twice, with no command to pick up the first. Now the key is the request's own digest:
+the same file and options are answered with the batch the first run made, for the gateway's
+24 hours (``--new`` sends it as another), and a batch canceled since is not picked up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from tests.e2e.conftest import ACME, INDEX, Stack
+from worker.cli import app
+
+REPO = Path(__file__).resolve().parents[2]
+KEY = ACME["Authorization"].split()[1]
+SUBMITTED = re.compile(r"batch (bat_[0-9a-f]+)")
+
+
+def _queries(tmp_path: Path, queries: list[str], tag: str, count: int = 12) -> Path:
+    source = tmp_path / f"{tag}.jsonl"
+    lines = [{"id": f"{tag}{i}", "query": queries[i % len(queries)]} for i in range(count)]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return source
+
+
+def _killed_after_submit(url: str, args: list[str]) -> tuple[str, int]:
+    """Run ``sift`` as a process, SIGKILL it once it has said which batch it submitted (or
+    picked up), and answer that batch's id and the process's pid."""
+    env = {**os.environ, "SIFT_URL": url, "SIFT_API_KEY": KEY, "COLUMNS": "200",
+           "NO_COLOR": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert process.stdout is not None
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if found := SUBMITTED.search(line):
+                return found.group(1), process.pid
+        raise AssertionError("no batch submitted: " + "".join(seen))
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+        process.stdout.close()
+
+
+def _sift(url: str, *args: str) -> Result:
+    env = {"SIFT_URL": url, "SIFT_API_KEY": KEY, "COLUMNS": "200", "NO_COLOR": "1"}
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def _batches(stack: Stack, client_url: str) -> dict[str, str]:
+    client = stack.live if client_url == stack.live_url else stack.idle
+    listed = client.get("/v1/batches", params={"page_size": 1000}, headers=ACME)
+    assert listed.status_code == 200, listed.text
+    return {b["id"]: b["status"] for b in listed.json()["batches"]}
+
+
+def test_a_batch_run_again_after_a_kill_picks_up_the_batch_its_first_run_made(
+    stack: Stack, corpus: object, queries: list[str], tmp_path: Path
+) -> None:
+    source, out = _queries(tmp_path, queries, "rerun"), tmp_path / "results.jsonl"
+    args = ["batch", str(source), "--index", INDEX, "--out", str(out)]
+    before = _batches(stack, stack.live_url)
+    first, pid = _killed_after_submit(stack.live_url, args)
+    # what a run killed while writing the results leaves: its temp file, named for its pid
+    left = tmp_path / f".results.jsonl.{pid}.partial"
+    left.write_text('{"half": ')
+    again = _sift(stack.live_url, *args)
+    assert again.exit_code == 0, again.output
+    assert f"batch {first}" in again.output and "picked up" in again.output, again.output
+    assert set(_batches(stack, stack.live_url)) - set(before) == {first}  # one batch, not two
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["query_id"] for r in written) == sorted(f"rerun{i}" for i in range(12))
+    assert {r["status"] for r in written} == {"succeeded"}
+    assert not left.exists()  # swept: the process that wrote it is gone
+    # --new sends the same file as another batch
+    fresh = _sift(stack.live_url, *args, "--new")
+    assert fresh.exit_code == 0, fresh.output
+    made = set(_batches(stack, stack.live_url)) - set(before)
+    assert len(made) == 2 and first in made, made
+
+
+def test_a_batch_canceled_since_its_run_is_not_picked_up_again(
+    stack: Stack, queries: list[str], tmp_path: Path
+) -> None:
+    """On the gateway no worker serves, so the batches stay queued: the first run killed, its
+    batch canceled, a run again sends the file as a new batch (and a third run picks that one
+    up, not a third); the canceled batch's results would be no answer to running the file."""
+    source, out = _queries(tmp_path, queries, "cancel"), tmp_path / "results.jsonl"
+    args = ["batch", str(source), "--index", INDEX, "--out", str(out)]
+    before = _batches(stack, stack.idle_url)
+    first, _ = _killed_after_submit(stack.idle_url, args)
+    canceled = stack.idle.delete(f"/v1/batches/{first}", headers=ACME)
+    assert canceled.status_code == 200 and canceled.json()["status"] == "canceled"
+    second, _ = _killed_after_submit(stack.idle_url, args)
+    assert second != first
+    assert _killed_after_submit(stack.idle_url, args)[0] == second
+    made = {k: v for k, v in _batches(stack, stack.idle_url).items() if k not in before}
+    assert made == {first: "canceled", second: "queued"}
+    stack.idle.delete(f"/v1/batches/{second}", headers=ACME)
+
+
+@pytest.mark.parametrize("field", ["_id", "id"])
+def test_a_bad_id_names_the_field_as_the_line_spells_it(tmp_path: Path, field: str) -> None:
+    """A BEIR line's ``_id`` that is not a string is named ``_id``, as written (it was named
+    ``id``, a field the line does not have). Refused before anything is sent."""
+    source = tmp_path / "bad.jsonl"
+    text = "text" if field == "_id" else "query"  # BEIR's line, or Sift's
+    source.write_text(json.dumps({field: 1, text: "x"}) + "\n")
+    result = _sift("http://127.0.0.1:9", "batch", str(source), "--index", INDEX,
+                   "--out", str(tmp_path / "out.jsonl"))  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert f"field '{field}'" in result.output and "nothing was sent" in result.output, (
+        result.output
+    )
+
+
+def test_a_bad_document_id_names_the_field_as_the_line_spells_it(tmp_path: Path) -> None:
+    source = tmp_path / "corpus.jsonl"
+    source.write_text(json.dumps({"_id": 5, "text": "x"}) + "\n")
+    result = _sift("http://127.0.0.1:9", "ingest", str(source), "--index", INDEX)
+    assert result.exit_code == 1, result.output
+    assert "field '_id'" in result.output and "nothing was sent" in result.output, result.output
