@@ -30,6 +30,7 @@ BATCH_MOVES_KEY = REDIS_PREFIX + "batch-moves:"
 # clock; token '' once let go): each item's run claim (worker/queue/jobstore/runs.py), with
 # the batch record's TTL; a search keeps its own in its record's "run" field
 BATCH_RUNS_KEY = REDIS_PREFIX + "batch-runs:"
+BATCH_LOST_KEY = REDIS_PREFIX + "batch-lost:"  # + batch id -> hash query id -> runs lost
 # + batch id -> hash "<start>-<stop>" -> the run claim of the chunk task over those positions
 # (the value as an item's), so a copy of a chunk's message is refused while a live run of the
 # chunk holds it; with the batch record's TTL
@@ -91,6 +92,8 @@ REDRIVE_SUSPECTS_KEY = REDIS_PREFIX + "redrive:suspects"  # hash job id -> posit
 # hash search or batch id -> due time of its owed webhook found with no message (urgent window)
 REDRIVE_WEBHOOK_SUSPECTS_KEY = REDIS_PREFIX + "redrive:webhook-suspects"
 REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it was re-driven
+# + batch id -> hash position -> how many times that item's position was re-driven
+REDRIVE_POSITIONS_KEY = REDIS_PREFIX + "redrive-positions:"
 # string with a TTL: while it is set, a sweep looks at every active job, not only the stalled
 # ones (set right after a dead worker or a Redis restart, the events that lose a message)
 REDRIVE_URGENT_KEY = REDIS_PREFIX + "redrive:urgent"

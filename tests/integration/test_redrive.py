@@ -172,6 +172,34 @@ def test_a_lost_chunk_is_redriven_once_and_the_batch_completes_exactly_once(
     assert store.redis.zscore(ACTIVE_JOBS_KEY, batch.id) is None  # no longer watched
 
 
+def test_the_cap_counts_each_position_s_re_drives_not_its_batch_s(
+    store: JobStore, sweeper: Sweeper
+) -> None:
+    """The re-drive's cap (``max_deliveries``, 2 here) counts how often each of a batch's
+    positions was re-driven: its three chunks each lost once, one after the other, go out
+    again as they were, and so does the first chunk lost a second time; only its third loss
+    sends it spent. The cap counted the batch's re-drives, so a chunk lost once went out
+    spent once the batch's other chunks had been (its items failed as poison in the economy
+    lane, which judges its items by their chunk's deliveries)."""
+    batch = create_batch(store)
+    for start in (0, 10, 20):  # each chunk lost once, one after the other
+        stop = min(start + 10, 25)
+        assert lose_oldest(store, BATCH_QUEUE) == Coverage(batch.id, range(start, stop))
+        assert sweeper.sweep() == []
+        (again,) = sweeper.sweep()
+        assert again.chunks == [(start, stop)] and not again.poison, again
+    for losses in (2, 3):  # the first chunk's message lost again, and again
+        (message,) = [
+            raw
+            for raw in store.redis.lrange(BATCH_QUEUE, 0, -1)
+            if (found := coverage(json.loads(raw))) is not None and found.positions.start == 0
+        ]
+        assert store.redis.lrem(BATCH_QUEUE, 1, message) == 1
+        assert sweeper.sweep() == []
+        (again,) = sweeper.sweep()
+        assert again.chunks == [(0, 10)] and again.poison == (losses > MAX_DELIVERIES), again
+
+
 def test_a_chunk_a_live_run_holds_by_its_claim_is_left_to_it_until_its_worker_dies(
     store: JobStore, sweeper: Sweeper
 ) -> None:

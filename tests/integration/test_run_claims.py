@@ -13,6 +13,7 @@ import pytest
 from worker.constants import (
     BATCH_CHUNK_RUNS_KEY,
     BATCH_KEY,
+    BATCH_LOST_KEY,
     BATCH_RUNS_KEY,
     INGEST_KEY,
     SEARCH_KEY,
@@ -91,6 +92,34 @@ def test_a_dead_worker_s_claim_or_a_spent_lease_is_taken_over_its_time_not_count
     time.sleep(1.1)  # its lease of 1 s is over: the run holding it can start no model call
     late = store.claim_search(job.id, "w2", lease_seconds=30)
     assert late.granted and late.spent == held.spent, late
+
+
+def test_an_item_s_runs_lost_are_counted_only_when_taken_over_from_a_dead_worker(
+    store: JobStore,
+) -> None:
+    """A batch item's claim counts its runs lost (``lost``), by which the item fails as
+    poison: one taken over from a dead worker is; one that let go (a task retry), or one past
+    its lease on a live worker (slow, not lost) is not. The count lives as long as the batch,
+    and a search's claim counts none (its message's deliveries judge it)."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    first = store.claim_item(batch.id, "q0", "dead-1", lease_seconds=30)
+    assert first.granted and first.lost == 0
+    assert store.claim_item(batch.id, "q0", "dead-2", lease_seconds=30).lost == 1
+    _alive(store, "w1")
+    live = store.claim_item(batch.id, "q0", "w1", lease_seconds=0.5)
+    assert live.granted and live.lost == 2
+    store.release_item(batch.id, "q0", live)  # let go: a retry
+    _alive(store, "w2")
+    slow = store.claim_item(batch.id, "q0", "w2", lease_seconds=0.5)
+    assert slow.granted and slow.lost == 2
+    time.sleep(0.6)  # its lease over, its worker alive
+    _alive(store, "w3")
+    assert store.claim_item(batch.id, "q0", "w3", lease_seconds=30).lost == 2
+    lost_ttl = store.redis.ttl(BATCH_LOST_KEY + batch.id)
+    assert 0 < lost_ttl <= store.redis.ttl(BATCH_KEY + batch.id)
+    job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
+    assert store.claim_search(job.id, "dead-1", lease_seconds=30).lost == 0
+    assert store.claim_search(job.id, "dead-2", lease_seconds=30).lost == 0
 
 
 def test_a_claim_is_judged_by_its_holder_s_lease_not_the_claimant_s(store: JobStore) -> None:

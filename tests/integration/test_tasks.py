@@ -21,7 +21,7 @@ from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import BackendUnavailable, ModeUnavailable
 from worker.queue import base, liveness, tasks, webhook_task
 from worker.queue.economy import is_prepared
-from worker.queue.jobstore import BatchJob, CancelOutcome, JobStore, SearchJob
+from worker.queue.jobstore import BatchJob, CancelOutcome, JobStore, RunClaim, SearchJob
 from worker.runtime.bootstrap import build_pipeline
 from worker.runtime.inprocess import Runtime
 from worker.runtime.ratelimit import ProviderLimiter
@@ -792,39 +792,71 @@ def test_a_chunk_run_whose_item_another_run_claimed_while_it_paced_lets_the_pace
     store.release_item(batch.id, "q0", claims[0])
 
 
-def test_a_poisoned_chunk_copy_leaves_an_item_a_live_run_holds(
+def _runs_lost(store: JobStore, batch_id: str, query_id: str, runs: int) -> RunClaim:
+    """``runs`` runs of the item, each claimed by a worker that then died (no heartbeat): the
+    last one's claim, whose loss the next claim counts (``runs - 1`` counted until then)."""
+    claim: RunClaim | None = None
+    for n in range(runs):
+        claim = store.claim_item(batch_id, query_id, f"dead-{n}", lease_seconds=30.0)
+        assert claim.granted
+        store.ended_item(batch_id, query_id, claim)  # its process is gone
+    assert claim is not None
+    return claim
+
+
+def test_a_chunk_copy_past_the_delivery_limit_fails_only_an_item_whose_own_runs_were_lost(
     context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch chunk's message past ``SIFT_TASK_MAX_DELIVERIES`` (a copy put back at a broker
-    reconnect, or re-driven, while a run of one of its items goes on, its worker alive)
-    fails as poison only the items no live run holds: it claims each first, as a search's
-    copy does. It failed them as they were, so the item the live run was finishing was
-    failed ``delivery_limit_exceeded`` (counted, and the batch completed and announced by
-    the copy), and that run's result, its model call billed, was refused."""
+    """A batch chunk's message past ``SIFT_TASK_MAX_DELIVERIES`` (every worker that held it
+    lost, or a copy put back at a broker reconnect) fails as poison only an item whose own
+    runs were lost that many times (q2); it runs one that never ran (q1), and leaves one a
+    live run holds (q0) to that run. It failed every item no live run held: a worker holds
+    many more chunks than it runs items, so three workers lost failed items never started.
+    (And before the claim came first, it failed the live run's item too, refusing that run's
+    result, its model call billed.)"""
     store = context.store
     store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)  # the holder's worker, alive
     announced: list[str] = []
     monkeypatch.setattr(base.SiftTask, "announce_batch", lambda self, b, s: announced.append(s))
     runtime = ScriptedRuntime()
     context._runtime = runtime
-    specs = [(q, SearchSpec(index="docs", query=q)) for q in ("q0", "q1")]
+    specs = [(q, SearchSpec(index="docs", query=q)) for q in ("q0", "q1", "q2")]
     batch = store.create_batch("acme", "docs", specs)
     assert store.start_item(batch.id, "q0")  # the live run's
     claim = store.claim_item(batch.id, "q0", "w1", lease_seconds=30)
+    assert store.start_item(batch.id, "q2")
+    _runs_lost(store, batch.id, "q2", context.settings.task_max_deliveries)
     before = {status: _completed("batch_item", status) for status in ("succeeded", "failed")}
     store.set_deliveries("copy", 0, context.settings.task_max_deliveries)
-    tasks.batch_chunk.apply(args=[batch.id, 0, 2], task_id="copy")  # the copy, poisoned
-    q0, q1 = store.batch_results(batch.id, 0, 2)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 3], task_id="copy")  # past the limit
+    q0, q1, q2 = store.batch_results(batch.id, 0, 3)
     assert q0.status == "running", q0  # left to its run
-    assert q1.status == "failed" and q1.payload is not None, q1  # no run holds it
-    assert json.loads(q1.payload)["error"]["type"] == "delivery_limit_exceeded"
-    assert announced == [] and runtime.calls == 0
+    assert q1.status == "succeeded", q1  # never lost: run
+    assert q2.status == "failed" and q2.payload is not None, q2  # lost three times
+    assert json.loads(q2.payload)["error"]["type"] == "delivery_limit_exceeded"
+    assert announced == [] and runtime.calls == 1
     result = SearchResult(hits=[], rerank=RerankInfo(applied=False))
     finish = store.finish_item(batch.id, "q0", result=result)  # the run finishes it
     assert finish.applied and finish.batch_completed
     store.ended_item(batch.id, "q0", claim)
     after = {status: _completed("batch_item", status) - before[status] for status in before}
-    assert after == {"succeeded": 0.0, "failed": 1.0}  # the copy's one (the run's is its own)
+    assert after == {"succeeded": 1.0, "failed": 1.0}  # the copy's two (the run's is its own)
+
+
+def test_an_item_whose_runs_were_lost_fewer_times_than_the_limit_runs(
+    context: base.WorkerContext,
+) -> None:
+    """Two runs of the item lost (its claim taken over from dead workers), its chunk's
+    message delivered for the first time (re-driven, or another chunk of it): it runs."""
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    store = context.store
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q0"))])
+    assert store.start_item(batch.id, "q0")
+    _runs_lost(store, batch.id, "q0", context.settings.task_max_deliveries - 1)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    (item,) = store.batch_results(batch.id, 0, 1)
+    assert item.status == "succeeded" and runtime.calls == 1, item
 
 
 def test_a_poisoned_chunk_of_a_canceled_batch_cancels_an_item_requeued_since(
@@ -1641,9 +1673,9 @@ def test_a_poisoned_job_whose_dead_run_kept_a_model_answer_shows_that_billed_cal
     spec = SearchSpec(index="docs", query="q")
     batch = store.create_batch("acme", "docs", [("q0", spec)])
     assert store.start_item(batch.id, "q0")
-    claim = store.claim_item(batch.id, "q0", "", lease_seconds=30.0)
-    assert store.keep_answer(BATCH_RUNS_KEY + batch.id, "q0", claim, answer)  # then it died
-    store.set_deliveries("poison-chunk", 0, context.settings.task_max_deliveries)
+    # its third run kept the answer, then it died too
+    claim = _runs_lost(store, batch.id, "q0", context.settings.task_max_deliveries)
+    assert store.keep_answer(BATCH_RUNS_KEY + batch.id, "q0", claim, answer)
     tasks.batch_chunk.apply(args=[batch.id, 0, 1], task_id="poison-chunk")
     (item,) = store.batch_results(batch.id, 0, 1)
     assert item.status == "failed" and item.payload is not None, item

@@ -541,24 +541,36 @@ class Sweeper:
         pipe.execute()
 
     def _redrive(self, job_id: str, positions: set[int]) -> Redrive:
-        """Send the lost work again; past the cap, send it as poison."""
-        count = self.store.count_redrive(job_id)
-        poison = count > self.max_deliveries
+        """Send the lost work again; past the cap, send it as poison. A batch's positions are
+        counted each on its own: only those re-driven past the cap go out spent, in chunks of
+        their own, so a chunk lost once is never spent by its batch's other chunks."""
+        cap = self.max_deliveries
+        sends: list[tuple[str, list[object], str, bool]]  # (task, args, queue, spent)
         if job_id.startswith(BATCH_ID_PREFIX):
-            kind, chunks = "batch", runs(positions, self.chunk_size)
-            messages = [(BATCH_CHUNK_TASK, [job_id, a, b], BATCH_QUEUE) for a, b in chunks]
-        elif job_id.startswith(INGEST_ID_PREFIX):
-            kind, chunks = "ingest", [(0, 1)]
-            messages = [(INGEST_TASK, [job_id], INGEST_QUEUE)]
+            counts = self.store.count_redrive_positions(job_id, positions)
+            count = max(counts.values())
+            spent = {p for p, n in counts.items() if n > cap}
+            kind = "batch"
+            parts = [(a, b, False) for a, b in runs(positions - spent, self.chunk_size)]
+            parts += [(a, b, True) for a, b in runs(spent, self.chunk_size)]
+            sends = [(BATCH_CHUNK_TASK, [job_id, a, b], BATCH_QUEUE, s) for a, b, s in parts]
+            chunks = [(a, b) for a, b, _ in parts]
         else:
-            kind, chunks = "search", [(0, 1)]
-            messages = [(SEARCH_TASK, [job_id], SEARCH_QUEUE)]
-        for name, args, queue in messages:
+            count = self.store.count_redrive(job_id)
+            ingest = job_id.startswith(INGEST_ID_PREFIX)
+            kind, task, queue = (
+                ("ingest", INGEST_TASK, INGEST_QUEUE)
+                if ingest
+                else ("search", SEARCH_TASK, SEARCH_QUEUE)
+            )
+            sends, chunks = [(task, [job_id], queue, count > cap)], [(0, 1)]
+        for name, args, queue, poison in sends:
             task_id = str(uuid.uuid4())
             if poison:  # its first delivery then counts one past the limit
-                self.store.set_deliveries(task_id, 0, self.max_deliveries)
+                self.store.set_deliveries(task_id, 0, cap)
             self.send(name, args, queue, task_id)
-        metrics.redriven(kind, len(messages))
+        metrics.redriven(kind, len(sends))
+        poisoned = any(poison for *_, poison in sends)
         log.warning(
             "%s %s: no task message for %d pending position(s) %s on two sweeps; re-driven "
             "(%d of %d)%s",
@@ -567,10 +579,10 @@ class Sweeper:
             len(positions),
             chunks,
             count,
-            self.max_deliveries,
-            ": past the cap, sent as poison" if poison else "",
+            cap,
+            ": past the cap, sent as poison" if poisoned else "",
         )
-        return Redrive(job_id, kind, chunks, poison)
+        return Redrive(job_id, kind, chunks, poisoned)
 
 
 def _loads(raw: str) -> Any:

@@ -277,8 +277,13 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
     positions = {qid: start + i for i, qid in enumerate(query_ids)}
     items = store.batch_items(batch_id, query_ids)
     deliveries = task.delivery()
-    poisoned = task.poisoned(deliveries)
     economy = batch.lane == LANE_ECONOMY
+    # A standard item fails as poison by its own runs lost (its claim's ``lost``), never by
+    # its chunk's deliveries: a worker holds many more chunks than it runs items, and each
+    # worker lost counted a delivery of every chunk it held, failing items that never ran.
+    # An economy item's first half claims no run: its chunk's deliveries judge it.
+    poisoned = economy and task.poisoned(deliveries)
+    limit = task.context.settings.task_max_deliveries
     # task.request is thread-local: take what the item threads need from it here
     may_retry = task.request.retries < task.context.settings.task_max_retries
     deadline = task.context.settings.search_deadline_seconds
@@ -291,8 +296,8 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
     later: dict[str, list[Callable[[], None]]] = {}
 
     def to_start(item: BatchItem) -> str | None:
-        """The item's query id if it is to be started (a poisoned chunk fails, unstarted,
-        those no live run holds, and an item without its spec has expired)."""
+        """The item's query id if it is to be started (a poisoned economy chunk fails,
+        unstarted, those no live run holds, and an item without its spec has expired)."""
         return None if poisoned or item.spec is None else item.query_id
 
     def run(item: BatchItem, started: bool) -> RunOutcome:
@@ -301,7 +306,7 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
         its model call), or None (nothing to finish: not started, finished by another
         delivery, or left to the economy lane's provider batch)."""
         if poisoned:  # claimed first, as a search is: one a live run holds is that run's
-            if economy and is_prepared(store, batch_id, item.query_id):
+            if is_prepared(store, batch_id, item.query_id):
                 # its first half kept (its prompt may be with the provider): the submission
                 # and its provider batch finish it, as they do when a copy's start is refused
                 return None
@@ -353,6 +358,15 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
                     log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
                     _unpace(runtime)  # it let this one start: no search of it runs here
                     return None
+                if claim.lost >= limit:  # its own runs lost that often: poison
+                    log.error(
+                        "batch %s item %s: its run was lost %d times; failing it as poison",
+                        batch_id, item.query_id, claim.lost,
+                    )  # fmt: skip
+                    _unpace(runtime)
+                    held[item.query_id] = store.item_answers(batch_id, item.query_id, claim)
+                    # with the usage of a model answer a dead run kept: billed
+                    return None, _billed(_poison_error(task), claim.answer)
                 if item.status == "queued" and not claim.spent:
                     # its first run: one requeued for a retry let its claim go with the time
                     # it ran, so a re-driven chunk (its retry message lost, retries 0) that

@@ -19,6 +19,8 @@ Layout (every prefix is in :mod:`worker.constants`):
                                      the item final (a move sent again answers as it ran)
     sift:batch-runs:<id>      hash   query id -> its run claim (runs.py; a search's is its
                                      record's ``run`` field)
+    sift:batch-lost:<id>      hash   query id -> its runs lost (taken over from a dead worker):
+                                     past SIFT_TASK_MAX_DELIVERIES it fails as poison
     sift:eco-prepared:<id>    hash   query id -> prepared search JSON (economy lane, until final)
     sift:eco-runs:<id>        hash   query id -> {"pos","provider","round",...,"run"} JSON
     sift:eco-providers:<id>   hash   provider batch id -> {"round","requests","created_at",...}

@@ -7,7 +7,7 @@ Redis does.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -21,6 +21,7 @@ from worker.constants import (
     BATCH_ORDER_KEY,
     ECONOMY_PREPARED_KEY,
     REDRIVE_COUNT_KEY,
+    REDRIVE_POSITIONS_KEY,
     SEARCH_KEY,
     STATS_KEY,
     WEBHOOKS_OWED_KEY,
@@ -192,6 +193,18 @@ class DeliveryRecords(_StoreCore):
     def count_redrive(self, job_id: str) -> int:
         """Count one more re-drive of this job; answers how many there have been."""
         return self._increment(REDRIVE_COUNT_KEY + job_id, self.result_ttl)
+
+    def count_redrive_positions(self, batch_id: str, positions: Iterable[int]) -> dict[int, int]:
+        """Count one more re-drive of each of a batch's ``positions``; answers how many each
+        has had (a chunk lost once is not spent by its batch's other chunks' re-drives)."""
+        key = REDRIVE_POSITIONS_KEY + batch_id
+        ordered = sorted(positions)
+        pipe = self.redis.pipeline(transaction=True)
+        for position in ordered:
+            pipe.hincrby(key, str(position), 1)
+        pipe.expire(key, self.result_ttl)
+        *counts, _ = pipe.execute()
+        return {position: int(count) for position, count in zip(ordered, counts, strict=True)}
 
     def push_messages(self, messages: Sequence[tuple[str, str]]) -> None:
         """LPUSH ready-made broker messages, (list key, raw message), as kombu's Redis does."""

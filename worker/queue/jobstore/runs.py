@@ -80,6 +80,7 @@ import redis
 from worker.constants import (
     BATCH_CHUNK_RUNS_KEY,
     BATCH_KEY,
+    BATCH_LOST_KEY,
     BATCH_RUNS_KEY,
     INGEST_KEY,
     SEARCH_KEY,
@@ -113,6 +114,7 @@ class RunClaim:
     answer: str = ""
     owner: str = ""
     lease: float = 0.0
+    lost: int = 0  # a batch item's runs lost so far (taken over from a dead worker)
 
     def spent_now(self) -> float:
         """The deadline's time spent by now, earlier runs included."""
@@ -239,7 +241,10 @@ class RunRecords(_StoreCore):
         self, batch_id: str, query_id: str, owner: str, *, lease_seconds: float
     ) -> RunClaim:
         key, life = BATCH_RUNS_KEY + batch_id, BATCH_KEY + batch_id
-        return self._claim(key, query_id, owner, lease_seconds, life=life, held_here=True)
+        return self._claim(
+            key, query_id, owner, lease_seconds, life=life, held_here=True,
+            lost=BATCH_LOST_KEY + batch_id,
+        )  # fmt: skip
 
     def release_item(self, batch_id: str, query_id: str, claim: RunClaim) -> None:
         self._release(BATCH_RUNS_KEY + batch_id, query_id, claim)
@@ -280,7 +285,7 @@ class RunRecords(_StoreCore):
             return False
         with self._running_lock:
             held = ",".join(self._running.get(key + "|" + field, set()))
-        granted, spent, answer, local_at = self._send_claim(
+        granted, spent, answer, local_at, _ = self._send_claim(
             key, field, claim.owner, claim.token, claim.lease, life=life, held=held, ran=ran
         )
         if not granted:
@@ -290,12 +295,13 @@ class RunRecords(_StoreCore):
         return True
 
     def _claim(
-        self, key: str, field: str, owner: str, lease: float, *, life: str, held_here: bool = False
-    ) -> RunClaim:
+        self, key: str, field: str, owner: str, lease: float, *, life: str,
+        held_here: bool = False, lost: str | None = None,
+    ) -> RunClaim:  # fmt: skip
         """``life``: the job record the claim lives as long as (its TTL; gone, no claim is
         written). ``held_here``: the run lets go when it ends, so the claim is kept in
         ``_running`` until then; a claim of the job naming this worker that is not kept there
-        is a run gone."""
+        is a run gone. ``lost``: where the job's runs lost are counted (a batch item's)."""
         token = os.urandom(8).hex()
         held = None
         if held_here:  # held from before the call: a claim sent with it sees it held
@@ -304,8 +310,8 @@ class RunRecords(_StoreCore):
                 tokens.add(token)
                 held = ",".join(tokens)
         try:
-            granted, spent, answer, local_at = self._send_claim(
-                key, field, owner, token, lease, life=life, held=held
+            granted, spent, answer, local_at, runs_lost = self._send_claim(
+                key, field, owner, token, lease, life=life, held=held, lost=lost
             )
         except BaseException:
             self._forget(key, field, token)
@@ -313,29 +319,31 @@ class RunRecords(_StoreCore):
         if not granted:
             self._forget(key, field, token)  # refused: this run holds nothing
         return RunClaim(granted=granted, spent=spent, token=token, local_at=local_at,
-                        answer=answer, owner=owner, lease=lease)  # fmt: skip
+                        answer=answer, owner=owner, lease=lease, lost=runs_lost)  # fmt: skip
 
     def _send_claim(
         self, key: str, field: str, owner: str, token: str, lease: float, *, life: str,
-        held: str | None, ran: float = 0.0,
-    ) -> tuple[bool, float, str, float]:  # fmt: skip
+        held: str | None, ran: float = 0.0, lost: str | None = None,
+    ) -> tuple[bool, float, str, float, int]:  # fmt: skip
         """One :data:`_CLAIM_RUN` call (``held``: the tokens of this process's runs holding
-        claims of that field; None: not told; ``ran``: a restart's run's seconds so far).
-        Answers whether it was granted, the seconds the earlier runs spent, the answer kept,
-        and this process's clock at the reply."""
+        claims of that field; None: not told; ``ran``: a restart's run's seconds so far;
+        ``lost``: where the job's runs lost are counted). Answers whether it was granted, the
+        seconds the earlier runs spent, the answer kept, this process's clock at the reply,
+        and the job's runs lost."""
         args = [field, owner, token, repr(lease), WORKER_HEARTBEAT_KEY]
         if held is not None:
             args.append(held)
         if ran:
             assert held is not None  # ARGV[7] follows ARGV[6]
             args.append(repr(ran))
-        (reply,) = self._transitions.call([(self._claim_run, [key, life], args)])
+        keys = [key, life] if lost is None else [key, life, lost]
+        (reply,) = self._transitions.call([(self._claim_run, keys, args)])
         local_at = time.monotonic()
         if isinstance(reply, Exception):
             raise reply
-        granted, spent, answer = reply
+        granted, spent, answer, runs_lost = reply
         text = answer.decode() if isinstance(answer, bytes) else str(answer)
-        return int(granted) == 1, float(spent), text, local_at
+        return int(granted) == 1, float(spent), text, local_at, int(runs_lost)
 
     def _release(self, key: str, field: str, claim: RunClaim) -> None:
         if not claim.granted:

@@ -300,14 +300,20 @@ return redis.call('DEL', KEYS[1])
 # wait): its time starts that far back. A run that holds the claim may append its model's answer
 # ("|<answer>", _KEEP_ANSWER): a run taking the claim over carries it on, and is answered it (the
 # dead run paid for that call; its result was never saved); so is the run after one that let go
-# (_RELEASE_RUN carries it on). Returns {claimed (0/1), the seconds used by every run before this
-# one (a string), the answer kept ('' : none)}.
+# (_RELEASE_RUN carries it on). With KEYS[3] (a batch item's), the runs of the job lost so far
+# are counted there (hash: field -> count), each run taken over from a dead worker one more: a
+# batch item fails as poison by its own count, not its chunk message's deliveries. Returns
+# {claimed (0/1), the seconds used by every run before this one (a string), the answer kept
+# ('' : none), the runs lost (0 without KEYS[3])}.
 _CLAIM_RUN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local used = 0
 local answer = ''
+local lost = 0
+if KEYS[3] then lost = tonumber(redis.call('HGET', KEYS[3], ARGV[1])) or 0 end
 local cur = redis.call('HGET', KEYS[1], ARGV[1])
+local taken = false
 if cur then
   local u, owner, since, token, lease, kept =
     string.match(cur, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|?([^|]*)|?(.*)$')
@@ -316,19 +322,22 @@ if cur then
       local start = now - (tonumber(ARGV[7]) or 0)
       redis.call('HSET', KEYS[1], ARGV[1], u .. '|' .. owner .. '|' .. string.format('%.6f', start)
         .. '|' .. token .. '|' .. ARGV[4] .. (kept ~= '' and '|' .. kept or ''))
-      return {1, u, kept}
+      return {1, u, kept, lost}
     end
     used = tonumber(u)
     if token ~= '' then
       local ran = math.max(0, now - tonumber(since))
       local gone = ARGV[6] and owner == ARGV[2]
         and not string.find(',' .. ARGV[6] .. ',', ',' .. token .. ',', 1, true)
+      local alive = owner ~= '' and redis.call('EXISTS', ARGV[5] .. owner) == 1
       -- the holder's own lease (a claim written before claims kept theirs: the claimant's)
-      if owner ~= '' and not gone and ran < (tonumber(lease) or tonumber(ARGV[4]))
-          and redis.call('EXISTS', ARGV[5] .. owner) == 1 then
-        return {0, string.format('%.6f', used + ran), ''}
+      if not gone and ran < (tonumber(lease) or tonumber(ARGV[4])) and alive then
+        return {0, string.format('%.6f', used + ran), '', lost}
       end
-      -- taken over (its worker dead, or its lease over): its time is not counted
+      -- taken over (its worker dead, or its lease over): its time is not counted; a run
+      -- whose worker is dead was lost (one past its lease on a live worker was slow, and
+      -- one gone ended: Redis lost its end)
+      taken = not gone and not alive
     end
     -- its model's answer, if one was kept (by a run taken over, or carried on by a run that
     -- let go before reaching it: a task retry), is this run's
@@ -337,11 +346,15 @@ if cur then
 end
 local spent = string.format('%.6f', used)
 local life = redis.call('PTTL', KEYS[2])
-if life == -2 then return {1, spent, ''} end
+if life == -2 then return {1, spent, '', lost} end
 redis.call('HSET', KEYS[1], ARGV[1], spent .. '|' .. ARGV[2] .. '|' .. string.format('%.6f', now)
   .. '|' .. ARGV[3] .. '|' .. ARGV[4] .. (answer ~= '' and '|' .. answer or ''))
 if KEYS[2] ~= KEYS[1] and life > 0 then redis.call('PEXPIRE', KEYS[1], life) end
-return {1, spent, answer}
+if KEYS[3] and taken then
+  lost = redis.call('HINCRBY', KEYS[3], ARGV[1], 1)
+  if life > 0 then redis.call('PEXPIRE', KEYS[3], life) end
+end
+return {1, spent, answer, lost}
 """
 
 # Keep the model's answer of the run holding a claim (_CLAIM_RUN's value, "|<answer>"
