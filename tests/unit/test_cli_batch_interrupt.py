@@ -173,7 +173,8 @@ def test_ctrl_c_while_the_results_are_read_says_the_batch_finished_and_where_the
     shown = " ".join(result.output.split())
     assert (
         f"interrupted while writing the results: batch {BATCH} has finished; nothing was "
-        f"written to {out}; GET /v1/batches/{BATCH}/results pages its results"
+        f"written to {out}; run the same command again within 24 h to pick it up and "
+        "write them"
     ) in shown, shown
 
 
@@ -197,6 +198,7 @@ def test_polls_given_up_after_the_retry_window_say_the_batch_may_still_run(
     shown = " ".join(result.output.split())
     assert "error: cannot connect to the gateway at http://gw" in shown, shown
     assert (
-        f"batch {BATCH} may still be running, with no results file written "
+        f"batch {BATCH} may still be running, with no results file written: run the same "
+        f"command again within 24 h to pick it up and write its results "
         f"(DELETE /v1/batches/{BATCH} cancels it)"
     ) in shown, shown
