@@ -245,15 +245,19 @@ class ModelCalls:
         outcome: AttemptOutcome,
         usage: TokenUsage | None,
         seconds: float,
+        *,
+        model: str | None = None,
         **detail: Any,
     ) -> float | None:
-        """:meth:`record_attempt`'s part in ``run`` alone; answers the call's cost. A lane that
-        must save the run before the metrics count it (so that a task run again after a
-        crash between the two does not count it twice) calls :meth:`count_attempt` after."""
+        """:meth:`record_attempt`'s part in ``run`` alone; answers the call's cost, at the
+        price of ``model``, the one the call went to (None: this pipeline's; a provider batch
+        another worker sent may have gone to another). A lane that must save the run before
+        the metrics count it (so that a task run again after a crash between the two does
+        not count it twice) calls :meth:`count_attempt` after."""
         assert self.reranker is not None
         cost: float | None = 0.0
         if usage is not None:
-            price = price_for(self.reranker.model, self.config.prices)
+            price = price_for(model or self.reranker.model, self.config.prices)
             cost = run.add_usage(usage, price, self.config.price_discount)
         run.attempts.append(
             {"n": len(run.attempts) + 1, "outcome": outcome.value, "seconds": seconds, **detail}
@@ -261,13 +265,19 @@ class ModelCalls:
         return cost
 
     def count_attempt(
-        self, outcome: AttemptOutcome, usage: TokenUsage | None, cost: float | None
+        self,
+        outcome: AttemptOutcome,
+        usage: TokenUsage | None,
+        cost: float | None,
+        model: str | None = None,
     ) -> None:
         """:meth:`record_attempt`'s part in the metrics: the attempt, its tokens and ``cost``
-        (None: the model has no price, counted as unpriced)."""
+        (None: the model has no price, counted as unpriced), labelled with ``model`` (None:
+        this pipeline's), as :meth:`add_attempt` priced it."""
         assert self.reranker is not None
+        label = model or self.reranker.model
         if usage is not None:
-            self.recorder.rerank_usage(self.reranker.model, usage_by_type(usage), cost)
+            self.recorder.rerank_usage(label, usage_by_type(usage), cost)
             if cost is None:
-                self.recorder.rerank_unpriced(self.reranker.model)
-        self.recorder.rerank_attempt(self.reranker.model, outcome.value)
+                self.recorder.rerank_unpriced(label)
+        self.recorder.rerank_attempt(label, outcome.value)

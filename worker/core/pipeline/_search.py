@@ -363,16 +363,22 @@ class SearchPipeline:
         outcome: AttemptOutcome,
         usage: TokenUsage | None,
         seconds: float,
+        *,
+        model: str | None = None,
         **detail: Any,
     ) -> float | None:
         """:meth:`record_attempt`'s part in ``run`` alone (:meth:`ModelCalls.add_attempt`)."""
-        return self._model_calls().add_attempt(run, outcome, usage, seconds, **detail)
+        return self._model_calls().add_attempt(run, outcome, usage, seconds, model=model, **detail)
 
     def count_attempt(
-        self, outcome: AttemptOutcome, usage: TokenUsage | None, cost: float | None
+        self,
+        outcome: AttemptOutcome,
+        usage: TokenUsage | None,
+        cost: float | None,
+        model: str | None = None,
     ) -> None:
         """:meth:`record_attempt`'s part in the metrics (:meth:`ModelCalls.count_attempt`)."""
-        self._model_calls().count_attempt(outcome, usage, cost)
+        self._model_calls().count_attempt(outcome, usage, cost, model)
 
 
 def _record(figures: Sequence[Callable[[], None]]) -> None:

@@ -289,7 +289,7 @@ class _Mapped:
     item: Prepared
     run: RerankRun
     failure: RerankAttemptError | None = None
-    counted: tuple[AttemptOutcome, TokenUsage | None, float | None] | None = None
+    counted: tuple[AttemptOutcome, TokenUsage | None, float | None, str | None] | None = None
 
 
 def _line_failure(line: BatchLine, provider_id: str) -> RerankAttemptError:
@@ -326,8 +326,13 @@ def _add_attempt(
         assert failure is not None
         found = getattr(failure, "usage", None)
         outcome, usage = failure.outcome, found if isinstance(found, TokenUsage) else None
-    cost = pipeline.add_attempt(run, outcome, usage, waited, **detail)
-    one.counted = (outcome, usage, cost)
+    # priced and labelled as the model its request went to (the run's, since its submission):
+    # the worker polling may be of another model, after a deploy
+    model = record.get("model")
+    cost = pipeline.add_attempt(run, outcome, usage, waited, model=model, **detail)
+    one.counted = (outcome, usage, cost, model)
+    if model:
+        one.item.trace["model"] = model
     again = (
         failure is not None
         and failure.retryable

@@ -159,6 +159,8 @@ def submit(
         for p in chunk:
             p.request["custom_id"] = custom_id(p.run["pos"], submission)
             p.run["pending"] = {"submission": submission, "at": started, "requests": len(chunk)}
+            # what its answer is priced at: a worker of another model may poll it
+            p.run["model"] = p.request["params"]["model"]
         save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
         try:
             guard = upload_guard(task, batch.id, watch, submission)
