@@ -192,3 +192,19 @@ def test_eval_index_gives_the_in_process_figures(
     assert set(in_process["runs"]) == set(report["runs"])
     for run, values in in_process["runs"].items():
         assert report["runs"][run]["nDCG@10"] == pytest.approx(values["nDCG@10"], abs=0.002), run
+
+
+def test_eval_results_of_a_file_cut_short_names_the_judged_queries_it_lacks(
+    stack: Stack, served: Path, tmp_path: Path
+) -> None:
+    """The first 3 lines of a run's results: scored as 3 queries, and said to lack the other
+    judged ones (it was scored with no word of them)."""
+    cut = tmp_path / "cut.jsonl"
+    lines = (served / "runs" / "fused.jsonl").read_text().splitlines(keepends=True)
+    judged = {q.query_id for q in _qrels()}
+    kept = [line for line in lines if json.loads(line)["query_id"] in judged][:3]
+    cut.write_text("".join(kept))
+    printed = _sift(stack, "eval", "--results", str(cut), "--qrels", str(QRELS))
+    shown = " ".join(printed.split())
+    assert "3 queries" in shown, shown
+    assert f"{JUDGED - 3} judged quer(y/ies) of the qrels have no line in the results" in shown

@@ -56,6 +56,16 @@ def test_a_failed_query_scores_zero_and_unjudged_ones_are_left_out() -> None:
     assert "final (reranked)" not in report["runs"]
 
 
+def test_judged_queries_with_no_line_in_the_results_are_counted_as_missing() -> None:
+    """A results file cut short (the first 10 lines of 300) was scored as "10 queries" with
+    no word of the judged queries it lacks: ``missing`` counts them (a query whose judgments
+    are all 0 is not judged)."""
+    qrels = {"q1": {"a": 1}, "q2": {"b": 1}, "q3": {"c": 2}, "q4": {"d": 0}}
+    items = [{"query_id": "q1", "status": "succeeded", "result": result(hit("a", 1, 1, 1, 1))}]
+    report = score_results(items, qrels, window=30)
+    assert report["queries"] == 1 and report["missing"] == 2
+
+
 def test_a_query_id_twice_is_refused() -> None:
     item = {"query_id": "q1", "status": "succeeded", "result": result(hit("a", 1, 1, 1, 1))}
     with pytest.raises(ValueError, match="q1"):

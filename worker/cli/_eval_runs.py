@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,7 +18,7 @@ from rich.console import Console
 from worker.cli._common import EXIT_INTERRUPTED
 from worker.cli._http import FINAL_STATUSES, RETRY_SECONDS, Gateway, GatewayError, gateway
 from worker.cli._output import cli_console, plain, progress_bar
-from worker.cli.client._batch import _cancel_outcome
+from worker.cli.client._batch import _cancel_outcome, submit
 from worker.evaluation.harness import RunSpec, judged_queries
 
 console = Console(emoji=False)
@@ -72,10 +73,25 @@ def _cancel_runs_on_interrupt(client: Gateway, runs: int) -> Iterator[dict[str, 
     what each cancel did and exits 130, as ``sift batch`` does (Ctrl-C again leaves at once,
     naming the batches whose cancel may not have been made): the scores are this command's
     to make, so batches left running would spend their searches (and a reranked run its
-    model calls) for nothing."""
+    model calls) for nothing. A gateway error that stops the command (a submit or a poll
+    given up) cancels them too, and is raised after."""
     submitted: dict[str, str] = {}
     try:
         yield submitted
+    except GatewayError:
+        err = cli_console(stderr=True)
+        for name, batch_id in submitted.items():
+            try:
+                said = _cancel_outcome(batch_id, client.json("DELETE", f"/v1/batches/{batch_id}"))
+            except GatewayError as exc:
+                said = (
+                    f"batch {batch_id} had already finished: nothing canceled"
+                    if exc.status_code == 409
+                    else f"{plain(exc)}; batch {batch_id} may still be running "
+                    f"(DELETE /v1/batches/{batch_id} cancels it)"
+                )
+            err.print(f"stopped: the {name} run's {said}", soft_wrap=True, markup=False)
+        raise
     except KeyboardInterrupt:
         err = cli_console(stderr=True)
         for done, (name, batch_id) in enumerate(submitted.items()):
@@ -107,11 +123,15 @@ def _cancel_runs_on_interrupt(client: Gateway, runs: int) -> Iterator[dict[str, 
 
 
 def _submit(client: Gateway, index: str, run: RunSpec, queries: list[tuple[str, str]]) -> str:
+    """Send the run's batch as ``sift batch`` does, sent again with its key through a gateway
+    or Redis restart; its key is this command's own (an evaluation reads the index as it is
+    now: a run again sends new batches, never picks up an earlier run's)."""
     items = [
         {"id": qid, "query": text, "mode": run.mode, "limit": run.limit} for qid, text in queries
     ]
     body = {"index": index, "queries": items, "rerank": run.rerank}
-    return str(client.json("POST", "/v1/batches", json=body)["id"])
+    batch, _ = submit(client, body, f"sift-eval-{uuid.uuid4().hex}")
+    return str(batch["id"])
 
 
 def _results(client: Gateway, batch_id: str) -> Iterator[dict[str, Any]]:

@@ -312,6 +312,12 @@ def _print_report(report: dict[str, Any]) -> None:
         )
     if report.get("failed"):
         console.print(f"[red]{report['failed']} search(es) did not succeed[/]; they score 0")
+    if report.get("missing"):
+        console.print(
+            f"[yellow]{report['missing']} judged quer(y/ies) of the qrels have no line in the "
+            "results[/]: left out of every figure (a file cut short, or a batch of other "
+            "queries)"
+        )
     usage = report.get("usage") or {}
     if usage.get("requests"):
         console.print(

@@ -477,8 +477,9 @@ def score_results(
 
     A query with qrels counts; one that did not succeed scores 0 in every run. BM25 and kNN
     rows appear when the results hold that channel's ranks, ``final (reranked)`` when the
-    model reranked any of them. Raises ValueError on a query
-    id seen twice.
+    model reranked any of them. ``missing``: the queries with a relevant document in the
+    qrels and no line in the results (a file cut short, or a batch of other queries), left
+    out. Raises ValueError on a query id seen twice.
     """
     held: dict[str, dict[str, list[str]]] = {}
     failed = 0
@@ -511,6 +512,9 @@ def score_results(
         final=per_run["final"],
     )
     report["failed"] = failed
+    report["missing"] = sum(
+        1 for qid, docs in qrels.items() if qid not in held and any(g > 0 for g in docs.values())
+    )
     report["usage"] = usage
     return report
 

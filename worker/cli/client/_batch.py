@@ -145,11 +145,11 @@ def _key_after(key: str, canceled: str) -> str:
     return "sift-batch-" + hashlib.sha256(f"{key} {canceled}".encode()).hexdigest()
 
 
-def _submit(client: Gateway, body: dict[str, Any], *, new: bool) -> tuple[dict[str, Any], bool]:
-    """Send the batch; answers it and whether an earlier run made it (picked up). ``new``:
-    a key of its own, so another batch. A batch of this body canceled since its run is not
-    picked up: the file is sent again, as the next batch of the chain of keys."""
-    key = f"sift-batch-{uuid.uuid4().hex}" if new else batch_key(body)
+def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, Any], bool]:
+    """Send the batch with the ``Idempotency-Key`` ``key``, again through a gateway or Redis
+    restart; answers it and whether an earlier run made it (picked up). A batch of this
+    body canceled since its run is not picked up: the file is sent again, as the next batch
+    of the chain of keys."""
     # one key for every resend: a submit whose answer was lost (the gateway restarting) is
     # answered with the batch it made, never made twice. A send whose gateway died between
     # claiming the key and making the batch leaves it 409 "in progress" for the pending
@@ -306,7 +306,8 @@ def batch(
         started = time.monotonic()
         with gateway() as client:
             try:
-                submitted, picked_up = _submit(client, body, new=new)
+                key = f"sift-batch-{uuid.uuid4().hex}" if new else batch_key(body)
+                submitted, picked_up = submit(client, body, key)
             except GatewayError as exc:
                 if exc.status_code != HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
                     raise
