@@ -367,6 +367,48 @@ def test_a_run_whose_claim_was_taken_over_during_its_slot_wait_stops_before_its_
     assert reranker.calls == [] and not recorder.events, recorder.events
 
 
+class _Killed(BaseException):
+    """The worker process dying mid-call (SIGKILL): nothing after it runs."""
+
+
+class _KeepingKeeper(_SlotKeeper):
+    """A keeper holding what its run saved, as the run claim does in Redis."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.kept: Any = None
+
+    def saved(self) -> Any:
+        return self.kept
+
+    def save(self, answer: Any) -> None:
+        self.kept = answer
+
+
+def test_a_billed_attempt_is_kept_before_its_retry_and_shown_by_the_run_after_a_crash() -> None:
+    # The first attempt answers malformed output (billed), the retry dies with its process:
+    # the keeper holds the billed attempt, not ended, so the next run calls the model again
+    # and shows both calls billed. Kept only once the call ended, the billed attempt was on
+    # no record. A second crash after another billed attempt keeps all three.
+    clock = FakeClock()
+
+    def killed(prompt: Any, timeout: float) -> Any:
+        raise _Killed
+
+    billed = RerankMalformedError("not the schema", usage=USAGE, model="claude-haiku-4-5")
+    steps = [fail(billed), killed, fail(billed), killed, reply([0, 1])]
+    pipeline, reranker, _ = make(steps, clock=clock)
+    keeper = _KeepingKeeper(clock)
+    for crashes in (1, 2):
+        with pytest.raises(_Killed):
+            pipeline.search(spec(), "acme", answers=keeper)
+        assert keeper.kept["ended"] is False and len(keeper.kept["attempts"]) == crashes
+    result = pipeline.search(spec(), "acme", answers=keeper)
+    assert result.rerank.applied and reranker is not None and len(reranker.calls) == 5
+    assert result.usage.requests == 3 and result.usage.input_tokens == 3 * USAGE.input_tokens
+    assert "ended" not in keeper.kept  # the whole run, ended: a run after it reads it
+
+
 def test_a_retrieval_retry_s_wait_to_hold_a_cpu_slot_again_is_not_the_deadline_s() -> None:
     # A retrieval retry's back-off lets the slot go, and the items queued for the slots take
     # it: the wait to hold one again is that queue's too, as the first one is. Charged (25 s

@@ -141,7 +141,9 @@ class SearchPipeline:
         :class:`~worker.errors.RunTakenOver` to stop the run there); where the model's answer
         is kept as soon as the call returns; one an earlier run kept (its process died before
         the result was saved) is finished instead of calling the model again: the call was
-        paid for and counted once, by the run that made it (no attempt, token or cost is
+        paid for and counted once, by the run that made it (a run that died between a billed
+        attempt and its retry's answer kept that attempt, not ended: the run after it calls
+        the model and shows the attempt billed too) (no attempt, token or cost is
         counted here; ``before_model`` is not run either: the call it guards was made). Only
         if it answered these very candidates (:func:`shown_digest`): its positions number the
         ones it was shown, and an index changed between the two runs gives others (then it is
@@ -166,15 +168,18 @@ class SearchPipeline:
             else:
                 kept = answers.saved() if answers is not None else None
                 shown = shown_digest(prepared.candidates)
-                if kept is not None and kept.get("shown") == shown:
+                if kept is not None and kept.get("shown") == shown and kept.get("ended", True):
                     run = load_run(kept)
-                else:  # none kept, or kept for other candidates (the index changed meanwhile)
+                else:  # none kept, kept for other candidates (the index changed meanwhile),
+                    # or only the billed attempts of a run that died before its call ended
                     if before_model is not None:
                         before_model(None)
                     assert self.reranker is not None and prepared.prompt is not None
-                    run = self._model_calls().call(prepared.prompt, deadline, before_model)
-                    if kept is not None:  # for other candidates, and paid for too
-                        run = run.billed_with(load_run(kept))
+                    earlier = load_run(kept) if kept is not None else None
+                    keep = _keep_billed(answers, earlier, shown)
+                    run = self._model_calls().call(prepared.prompt, deadline, before_model, keep)
+                    if earlier is not None:  # paid for too
+                        run = run.billed_with(earlier)
                     if answers is not None and run.job_usage().requests:  # a call was billed
                         answers.save({**dump_run(run), "shown": shown})
                 result = self._finish(prepared, run, figures)
@@ -379,6 +384,22 @@ class SearchPipeline:
     ) -> None:
         """:meth:`record_attempt`'s part in the metrics (:meth:`ModelCalls.count_attempt`)."""
         self._model_calls().count_attempt(outcome, usage, cost, model)
+
+
+def _keep_billed(
+    answers: AnswerKeeper | None, earlier: RerankRun | None, shown: str
+) -> Callable[[RerankRun], None] | None:
+    """Where a run keeps its billed attempts as they are made, before its call ends (with
+    ``earlier``'s, a dead run's kept), marked not ended: a run after its process dies shows
+    them billed, and calls the model itself. None without ``answers``."""
+    if answers is None:
+        return None
+
+    def keep(partial: RerankRun) -> None:
+        whole = partial if earlier is None else partial.billed_with(earlier)
+        answers.save({**dump_run(whole), "shown": shown, "ended": False})
+
+    return keep
 
 
 def _record(figures: Sequence[Callable[[], None]]) -> None:
