@@ -270,6 +270,12 @@ async def poll_until(
 #: Stripe's header on an answer that is a job an earlier request with the same
 #: ``Idempotency-Key`` made (``true``; absent on the request that made it).
 REPLAYED_HEADER = "Idempotent-Replayed"
+REPLAYED_HEADER_DOC: dict[str, dict[str, Any]] = {
+    REPLAYED_HEADER: {
+        "schema": {"type": "string", "enum": ["true"]},
+        "description": "The job an earlier request with this Idempotency-Key made.",
+    }
+}
 
 
 def location(request: Request, route: str, **params: str) -> dict[str, str]:
@@ -292,13 +298,7 @@ def job_answer(request: Request, body: str, *, final: bool, route: str, job_id: 
 def accepted(description: str, *, keyed: bool = False) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI entry of a route's ``202``: its description and its ``Location`` header
     (and, on a route that honours ``Idempotency-Key``, ``Idempotent-Replayed``)."""
-    replayed = {
-        REPLAYED_HEADER: {
-            "schema": {"type": "string", "enum": ["true"]},
-            "description": "The job an earlier request with this Idempotency-Key made.",
-        }
-    }
-    headers = {**LOCATION_HEADER, **(replayed if keyed else {})}
+    headers = {**LOCATION_HEADER, **(REPLAYED_HEADER_DOC if keyed else {})}
     return {202: {"description": description, "headers": headers}}
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from subprocess import Popen
-from typing import Any
+from typing import Any, TypeVar
 
 from worker.processes.stack import (
     child_env,
@@ -98,11 +98,21 @@ def webhook_inbox() -> Iterator[tuple[str, queue.Queue[Received]]]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    with served(ThreadingHTTPServer(("127.0.0.1", 0), Handler)) as server:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook", inbox
+
+
+_Server = TypeVar("_Server", bound=ThreadingHTTPServer)
+
+
+@contextlib.contextmanager
+def served(server: _Server) -> Iterator[_Server]:
+    """``server`` answering on a thread of its own until the block ends, then shut and closed
+    (a test's proxy in front of the gateway, a webhook receiver)."""
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/hook", inbox
+        yield server
     finally:
         server.shutdown()
         server.server_close()

@@ -10,6 +10,7 @@ from fastapi import Request, Response
 from api_gateway.deps import (
     ERRORS,
     REPLAYED_HEADER,
+    REPLAYED_HEADER_DOC,
     STORE_AWAY,
     Tenant,
     Wait,
@@ -79,7 +80,11 @@ def _search_response(request: Request, job: SearchJob, *, read: bool = True) -> 
     response_model=SearchJobOut,
     status_code=202,
     responses={
-        200: {"model": SearchJobOut, "description": "Finished within `wait`."},
+        200: {
+            "model": SearchJobOut,
+            "description": "Finished within `wait`.",
+            "headers": REPLAYED_HEADER_DOC,
+        },
         **accepted("Queued or running; poll the `Location`.", keyed=True),
         **ERRORS,
         **BUSY,

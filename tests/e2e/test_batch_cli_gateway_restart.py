@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from api_gateway.bodies import parse_batch
 from tests.e2e.conftest import ACME, INDEX, Stack
-from tests.services import free_port
+from tests.services import free_port, served
 from worker.cli import app
 from worker.queue.jobstore import IdempotencyOutcome, JobStore
 from worker.queue.jobstore.idempotency import _idem_key
@@ -95,14 +95,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def proxy(stack: Stack) -> Iterator[_Proxy]:
-    server = _Proxy(stack.live_url)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with served(_Proxy(stack.live_url)) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _batch_ids(stack: Stack) -> set[str]:

@@ -6,7 +6,6 @@ all and retried on its own backoff (a quarter of a second) instead."""
 from __future__ import annotations
 
 import http.server
-import threading
 import time
 from collections.abc import Callable, Iterator
 from email.utils import formatdate
@@ -16,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.e2e.conftest import ACME, Stack
-from tests.services import free_port
+from tests.services import free_port, served
 from worker.cli import app
 from worker.cli._http import MAX_RETRY_AFTER_SECONDS, _retry_after
 
@@ -64,14 +63,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def proxy(stack: Stack, request: pytest.FixtureRequest) -> Iterator[_Proxy]:
-    server = _Proxy(stack.live_url, request.param)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with served(_Proxy(stack.live_url, request.param)) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 @pytest.mark.parametrize("proxy", ["date", "seconds"], indirect=True)

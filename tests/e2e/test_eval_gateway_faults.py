@@ -20,7 +20,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from tests.e2e.conftest import ACME, INDEX, SAMPLE, Stack
-from tests.services import free_port
+from tests.services import free_port, served
 from worker.cli import app
 
 QRELS = Path(__file__).parent / "data" / "sample_qrels.tsv"
@@ -84,14 +84,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def proxy(stack: Stack, request: pytest.FixtureRequest) -> Iterator[_Proxy]:
-    server = _Proxy(stack.live_url, request.param)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with served(_Proxy(stack.live_url, request.param)) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def _eval(proxy: _Proxy, tmp_path: Path) -> Result:

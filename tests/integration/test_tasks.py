@@ -814,6 +814,7 @@ def test_a_chunk_copy_past_the_delivery_limit_fails_only_an_item_whose_own_runs_
     many more chunks than it runs items, so three workers lost failed items never started.
     (And before the claim came first, it failed the live run's item too, refusing that run's
     result, its model call billed.)"""
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w2")  # a threads-pool worker's runs
     store = context.store
     store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)  # the holder's worker, alive
     announced: list[str] = []
@@ -844,10 +845,11 @@ def test_a_chunk_copy_past_the_delivery_limit_fails_only_an_item_whose_own_runs_
 
 
 def test_an_item_whose_runs_were_lost_fewer_times_than_the_limit_runs(
-    context: base.WorkerContext,
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two runs of the item lost (its claim taken over from dead workers), its chunk's
     message delivered for the first time (re-driven, or another chunk of it): it runs."""
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w2")
     runtime = ScriptedRuntime()
     context._runtime = runtime
     store = context.store
@@ -857,6 +859,24 @@ def test_an_item_whose_runs_were_lost_fewer_times_than_the_limit_runs(
     tasks.batch_chunk.apply(args=[batch.id, 0, 1])
     (item,) = store.batch_results(batch.id, 0, 1)
     assert item.status == "succeeded" and runtime.calls == 1, item
+
+
+def test_a_prefork_child_s_chunk_past_the_delivery_limit_fails_its_items_as_poison(
+    context: base.WorkerContext,
+) -> None:
+    """A prefork child's claims name no owner (its parent's heartbeat outlives it), so a
+    claim taken over tells no lost run from one gone, and counts none: its chunk's
+    deliveries judge its items, as before. Judged by runs lost alone, an item that kills
+    its child every time would be delivered again until its batch expired."""
+    runtime = ScriptedRuntime()
+    context._runtime = runtime
+    store = context.store
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q0"))])
+    store.set_deliveries("spent", 0, context.settings.task_max_deliveries)
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1], task_id="spent")  # run_owner() is ''
+    (item,) = store.batch_results(batch.id, 0, 1)
+    assert item.status == "failed" and item.payload is not None and runtime.calls == 0, item
+    assert json.loads(item.payload)["error"]["type"] == "delivery_limit_exceeded"
 
 
 def test_a_poisoned_chunk_of_a_canceled_batch_cancels_an_item_requeued_since(
@@ -1646,7 +1666,7 @@ def test_a_webhook_attempt_whose_claimant_died_is_made_by_another_copy(
 
 
 def test_a_poisoned_job_whose_dead_run_kept_a_model_answer_shows_that_billed_call(
-    context: base.WorkerContext,
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run called the model and kept its answer in its claim, then its worker died, and so
     did the next ones until the message's deliveries were spent: the poison path fails the
@@ -1673,6 +1693,7 @@ def test_a_poisoned_job_whose_dead_run_kept_a_model_answer_shows_that_billed_cal
     spec = SearchSpec(index="docs", query="q")
     batch = store.create_batch("acme", "docs", [("q0", spec)])
     assert store.start_item(batch.id, "q0")
+    monkeypatch.setattr(liveness, "run_owner", lambda: "w2")  # judged by its runs lost
     # its third run kept the answer, then it died too
     claim = _runs_lost(store, batch.id, "q0", context.settings.task_max_deliveries)
     assert store.keep_answer(BATCH_RUNS_KEY + batch.id, "q0", claim, answer)

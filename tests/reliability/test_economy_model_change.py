@@ -64,6 +64,7 @@ def test_a_provider_batch_polled_by_a_worker_of_another_model_is_priced_as_its_o
             metrics_url = f"http://127.0.0.1:{port}/metrics"
             costs = economy_metric(metrics_url, "sift_rerank_cost_usd_total")
             tokens = economy_metric(metrics_url, "sift_rerank_tokens_total")
+            durations = economy_metric(metrics_url, "sift_rerank_duration_seconds_count")
         results = all_results(client, batch_id)
         batch = batch_counts(client, batch_id)
         sent = {params["model"] for made in model.batches() for params in made["params"]}
@@ -84,3 +85,4 @@ def test_a_provider_batch_polled_by_a_worker_of_another_model_is_priced_as_its_o
     assert batch["usage"]["cost_usd"] == pytest.approx(total)
     assert set(costs) == {HAIKU} and costs[HAIKU] == pytest.approx(total), costs
     assert set(tokens) == {HAIKU}, tokens
+    assert durations == {HAIKU: ITEMS}, durations

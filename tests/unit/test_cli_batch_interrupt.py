@@ -43,9 +43,11 @@ def served(answers: dict[str, Any], sent: list[tuple[str, str]]) -> Any:
     return answer
 
 
-def invoke_batch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, answer: Any) -> tuple[Any, Path]:
-    """``sift batch`` of three queries against a gateway that ``answer`` plays: the result
-    and the ``--out`` path."""
+def invoke_batch(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, answer: Any, *extra: str
+) -> tuple[Any, Path]:
+    """``sift batch`` of three queries (and ``extra`` options) against a gateway that
+    ``answer`` plays: the result and the ``--out`` path."""
 
     @contextlib.contextmanager
     def gateway() -> Iterator[Gateway]:
@@ -57,9 +59,8 @@ def invoke_batch(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, answer: Any) -
         "".join(json.dumps({"id": f"q{i}", "query": "tea"}) + "\n" for i in range(3))
     )
     out = tmp_path / "out.jsonl"
-    result = CliRunner().invoke(
-        app, ["batch", str(queries), "--index", "s", "--out", str(out)], env={"COLUMNS": "200"}
-    )
+    args = ["batch", str(queries), "--index", "s", "--out", str(out), *extra]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     return result, out
 
 
@@ -174,7 +175,7 @@ def test_ctrl_c_while_the_results_are_read_says_the_batch_finished_and_where_the
     assert (
         f"interrupted while writing the results: batch {BATCH} has finished; nothing was "
         f"written to {out}; run the same command again within 24 h to pick it up and "
-        "write them"
+        "write its results"
     ) in shown, shown
 
 
@@ -202,3 +203,25 @@ def test_polls_given_up_after_the_retry_window_say_the_batch_may_still_run(
         f"command again within 24 h to pick it up and write its results "
         f"(DELETE /v1/batches/{BATCH} cancels it)"
     ) in shown, shown
+
+
+def test_with_new_a_run_given_up_names_its_batch_s_results_not_a_run_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Sent with ``--new`` (a key of its own), the batch is not what the same command run
+    again picks up: it sends another, paid again. So the message names the batch's results
+    route instead."""
+    from worker.cli import _http
+
+    monkeypatch.setattr(_http, "RETRY_SECONDS", 0.5)
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(202, json={"id": BATCH, "status": "queued"})
+        raise httpx.ConnectError("refused", request=request)
+
+    result, _ = invoke_batch(monkeypatch, tmp_path, answer, "--new")
+    assert result.exit_code == 1, result.output
+    shown = " ".join(result.output.split())
+    assert f"GET /v1/batches/{BATCH}/results pages its results once it has finished" in shown
+    assert "run the same command again" not in shown, shown

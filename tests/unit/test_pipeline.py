@@ -387,7 +387,7 @@ class _KeepingKeeper(_SlotKeeper):
 
 def test_a_billed_attempt_is_kept_before_its_retry_and_shown_by_the_run_after_a_crash() -> None:
     # The first attempt answers malformed output (billed), the retry dies with its process:
-    # the keeper holds the billed attempt, not ended, so the next run calls the model again
+    # the keeper holds the billed attempt (as shown no candidates), so the next run calls again
     # and shows both calls billed. Kept only once the call ended, the billed attempt was on
     # no record. A second crash after another billed attempt keeps all three.
     clock = FakeClock()
@@ -402,11 +402,11 @@ def test_a_billed_attempt_is_kept_before_its_retry_and_shown_by_the_run_after_a_
     for crashes in (1, 2):
         with pytest.raises(_Killed):
             pipeline.search(spec(), "acme", answers=keeper)
-        assert keeper.kept["ended"] is False and len(keeper.kept["attempts"]) == crashes
+        assert keeper.kept["shown"] is None and len(keeper.kept["attempts"]) == crashes
     result = pipeline.search(spec(), "acme", answers=keeper)
     assert result.rerank.applied and reranker is not None and len(reranker.calls) == 5
     assert result.usage.requests == 3 and result.usage.input_tokens == 3 * USAGE.input_tokens
-    assert "ended" not in keeper.kept  # the whole run, ended: a run after it reads it
+    assert keeper.kept["shown"] is not None  # the whole run, ended: a run after it reads it
 
 
 def test_a_retrieval_retry_s_wait_to_hold_a_cpu_slot_again_is_not_the_deadline_s() -> None:

@@ -580,7 +580,10 @@ class Sweeper:
             chunks,
             count,
             cap,
-            ": past the cap, sent as poison" if poisoned else "",
+            ": past the cap, sent spent (its task fails as poison what is not judged by "
+            "its own runs lost)"
+            if poisoned
+            else "",
         )
         return Redrive(job_id, kind, chunks, poisoned)
 

@@ -278,16 +278,17 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
     items = store.batch_items(batch_id, query_ids)
     deliveries = task.delivery()
     economy = batch.lane == LANE_ECONOMY
+    owner = liveness.run_owner()
     # A standard item fails as poison by its own runs lost (its claim's ``lost``), never by
     # its chunk's deliveries: a worker holds many more chunks than it runs items, and each
     # worker lost counted a delivery of every chunk it held, failing items that never ran.
-    # An economy item's first half claims no run: its chunk's deliveries judge it.
-    poisoned = economy and task.poisoned(deliveries)
+    # An economy item's first half claims no run, and a claim naming no owner (a prefork
+    # child's) tells no lost run from a gone one: their chunk's deliveries judge them.
+    poisoned = (economy or not owner) and task.poisoned(deliveries)
     limit = task.context.settings.task_max_deliveries
     # task.request is thread-local: take what the item threads need from it here
     may_retry = task.request.retries < task.context.settings.task_max_retries
     deadline = task.context.settings.search_deadline_seconds
-    owner = liveness.run_owner()
     runtime = task.context.runtime if not poisoned else None
     marks = task.context.cancel_marks
     held: dict[str, ClaimAnswers] = {}  # each running item's, until its finish (ClaimAnswers)
@@ -296,8 +297,8 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
     later: dict[str, list[Callable[[], None]]] = {}
 
     def to_start(item: BatchItem) -> str | None:
-        """The item's query id if it is to be started (a poisoned economy chunk fails,
-        unstarted, those no live run holds, and an item without its spec has expired)."""
+        """The item's query id if it is to be started (a poisoned chunk fails, unstarted,
+        those no live run holds, and an item without its spec has expired)."""
         return None if poisoned or item.spec is None else item.query_id
 
     def run(item: BatchItem, started: bool) -> RunOutcome:
@@ -306,7 +307,7 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
         its model call), or None (nothing to finish: not started, finished by another
         delivery, or left to the economy lane's provider batch)."""
         if poisoned:  # claimed first, as a search is: one a live run holds is that run's
-            if is_prepared(store, batch_id, item.query_id):
+            if economy and is_prepared(store, batch_id, item.query_id):
                 # its first half kept (its prompt may be with the provider): the submission
                 # and its provider batch finish it, as they do when a copy's start is refused
                 return None
@@ -398,8 +399,9 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
             # half, claimed by no run, is retried as it was)
             if retryable and (claim is None or _retry_fits(claim, deadline)):
                 # one that carries a model answer a dead run kept stays running: it is past
-                # its model call, paid for, and its retry finishes it on that answer (queued,
-                # a cancel meanwhile canceled it, and no record showed the call billed)
+                # its model call, paid for, and its retry finishes it on that answer, or, for
+                # billed attempts alone, calls again showing them billed (queued, a cancel
+                # meanwhile canceled it, and no record showed the calls billed)
                 if claim is None or not claim.answer:
                     store.requeue_item(batch_id, item.query_id)
                 if claim is not None:

@@ -275,7 +275,7 @@ def _outcome(conn: apsw.Connection, index: str, tenant: str, version: int | None
 def _record_outcome(
     conn: apsw.Connection, index: str, tenant: str, version: int | None, count: int
 ) -> None:
-    """Keep what the write of ``version`` counted, in its own transaction, for as long as its
+    """Keep what the write of ``version`` counted, in the write's transaction, for as long as its
     job can be run again (its record's retention); the older records go with it."""
     if version is None:
         return

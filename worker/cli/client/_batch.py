@@ -279,7 +279,9 @@ def batch(
     """Submit a batch of searches, show progress while it runs, and write every result.
 
     Run again with the same file and options within 24 hours, it picks up the batch its
-    earlier run sent (killed, interrupted, given up) instead of sending it again."""
+    earlier run sent (killed, interrupted while submitting or writing, its polls given up)
+    instead of sending it again; a batch canceled since (Ctrl-C while it waits cancels it)
+    is sent as a new one."""
     console = _out()
     with _expected_errors():
         with _nothing_sent_on_interrupt(queries, "nothing was sent, no batch made"):
@@ -321,12 +323,19 @@ def batch(
             except KeyboardInterrupt:  # no id to cancel: the batch may run all the same
                 _err().print(
                     "interrupted while submitting: the batch may have been accepted and run on; "
-                    f"{AGAIN} (`sift batches --limit 1` shows it, DELETE /v1/batches/{{id}} "
-                    "cancels it)",
+                    + ("" if new else f"{AGAIN} ")
+                    + "(`sift batches --limit 1` shows it, DELETE /v1/batches/{id} cancels it)",
                     soft_wrap=True,
                 )
                 raise typer.Exit(EXIT_INTERRUPTED) from None
             batch_id = str(submitted["id"])
+            # how to have its results once this run is cut short: the same command, or with
+            # --new (a key of its own, which no run again sends) the batch's results route
+            again = (
+                f"GET /v1/batches/{batch_id}/results pages its results once it has finished"
+                if new
+                else f"{AGAIN} and write its results"
+            )
             if picked_up:
                 console.print(
                     f"batch [bold]{batch_id}[/]: picked up, {len(items)} queries an earlier run "
@@ -352,7 +361,7 @@ def batch(
                         raise
                     raise GatewayError(
                         f"{exc.message}; batch {batch_id} may still be running, with no "
-                        f"results file written: {AGAIN} and write its results "
+                        f"results file written: {again} "
                         f"(DELETE /v1/batches/{batch_id} cancels it)"
                     ) from exc
             try:
@@ -360,15 +369,20 @@ def batch(
             except KeyboardInterrupt:  # the batch is final: nothing to cancel, all to read
                 _err().print(
                     f"interrupted while writing the results: batch {batch_id} has finished; "
-                    f"nothing was written to {plain(out)}; {AGAIN} and write them",
+                    f"nothing was written to {plain(out)}; {again}",
                     soft_wrap=True,
                 )
                 raise typer.Exit(EXIT_INTERRUPTED) from None
             except OSError as exc:  # writable when checked, not now (a full disk...)
                 raise InputError(
                     f"--out: cannot write {out} ({exc.strerror or exc}); batch {batch_id} has "
-                    f"finished: {AGAIN} and write its results (--out may name another file: "
-                    "the key is the queries' and options', not the file's)"
+                    f"finished: {again}"
+                    + (
+                        ""
+                        if new
+                        else " (--out may name another file: the key is the queries' "
+                        "and options', not the file's)"
+                    )
                 ) from exc
         written = sum(tally.values())
         counts = final.get("counts") or {}

@@ -94,13 +94,13 @@ class ModelCalls:
         prompt: RerankPrompt,
         deadline: Deadline,
         check: BeforeModel | None = None,
-        billed: Callable[[RerankRun], None] | None = None,
+        on_billed: Callable[[RerankRun], None] | None = None,
     ) -> RerankRun:
         """The standard lane's model call: attempts under the retry budget and the deadline.
         ``check`` runs before each attempt after the first (a back-off lies between) and
         after each wait for the rate budget, with what the run was billed so far; it may
         raise :class:`~worker.errors.Canceled`, which ends the call there (a budget
-        reservation not used is given back). ``billed`` hears the run so far after each
+        reservation not used is given back). ``on_billed`` hears the run so far after each
         failed attempt that reported usage (billed, to be retried): where a run keeps it
         past its process."""
         assert self.reranker is not None
@@ -108,7 +108,7 @@ class ModelCalls:
         started = self.clock()
         try:
             run.reply = call_within_budget(
-                lambda timeout: self._attempt(prompt, timeout, run, deadline, check, billed),
+                lambda timeout: self._attempt(prompt, timeout, run, deadline, check, on_billed),
                 deadline=deadline,
                 max_attempts=self.config.max_requests,
                 attempt_timeout=self.config.attempt_timeout_seconds,
@@ -126,7 +126,7 @@ class ModelCalls:
         run: RerankRun,
         deadline: Deadline,
         check: BeforeModel | None,
-        billed: Callable[[RerankRun], None] | None = None,
+        on_billed: Callable[[RerankRun], None] | None = None,
     ) -> RerankReply:
         assert self.reranker is not None
         if check is not None and run.attempts:  # a back-off since the last attempt
@@ -155,8 +155,8 @@ class ModelCalls:
             if not error.sent:
                 detail["sent"] = False
             self.record_attempt(run, error.outcome, usage, self.clock() - started, **detail)
-            if billed is not None and usage is not None:
-                billed(run)
+            if on_billed is not None and usage is not None:
+                on_billed(run)
             raise
         if grant is not None and self.rate_budget is not None:
             self.rate_budget.settle(grant, reply.usage)

@@ -142,8 +142,8 @@ class SearchPipeline:
         is kept as soon as the call returns; one an earlier run kept (its process died before
         the result was saved) is finished instead of calling the model again: the call was
         paid for and counted once, by the run that made it (a run that died between a billed
-        attempt and its retry's answer kept that attempt, not ended: the run after it calls
-        the model and shows the attempt billed too) (no attempt, token or cost is
+        attempt and its retry's answer kept that attempt, as for no candidates: the run after
+        it calls the model and shows the attempt billed too) (no attempt, token or cost is
         counted here; ``before_model`` is not run either: the call it guards was made). Only
         if it answered these very candidates (:func:`shown_digest`): its positions number the
         ones it was shown, and an index changed between the two runs gives others (then it is
@@ -168,7 +168,7 @@ class SearchPipeline:
             else:
                 kept = answers.saved() if answers is not None else None
                 shown = shown_digest(prepared.candidates)
-                if kept is not None and kept.get("shown") == shown and kept.get("ended", True):
+                if kept is not None and kept.get("shown") == shown:
                     run = load_run(kept)
                 else:  # none kept, kept for other candidates (the index changed meanwhile),
                     # or only the billed attempts of a run that died before its call ended
@@ -337,13 +337,15 @@ class SearchPipeline:
         self, prepared: Prepared, run: RerankRun, figures: list[Callable[[], None]]
     ) -> SearchResult:
         """The result of ``run`` (:func:`rerank_result`); the figures it makes (the model
-        answer's duration and outcome) are appended to ``figures``, for the caller to record."""
+        answer's duration and outcome) are appended to ``figures``, for the caller to record,
+        labelled with the model the trace names (an economy item's: the one its request went
+        to, which a worker of another model may poll)."""
         assert self.reranker is not None
         return rerank_result(
             prepared,
             run,
             figures,
-            model=self.reranker.model,
+            model=str(prepared.trace.get("model") or self.reranker.model),
             recorder=self.recorder,
             failure_policy=self.config.failure_policy,
         )
@@ -390,14 +392,15 @@ def _keep_billed(
     answers: AnswerKeeper | None, earlier: RerankRun | None, shown: str
 ) -> Callable[[RerankRun], None] | None:
     """Where a run keeps its billed attempts as they are made, before its call ends (with
-    ``earlier``'s, a dead run's kept), marked not ended: a run after its process dies shows
-    them billed, and calls the model itself. None without ``answers``."""
+    ``earlier``'s, a dead run's kept): a run after its process dies shows them billed. Kept
+    as shown no candidates (``shown`` None), so that run, of this release or an earlier one,
+    calls the model itself, as for an answer to other candidates. None without ``answers``."""
     if answers is None:
         return None
 
-    def keep(partial: RerankRun) -> None:
-        whole = partial if earlier is None else partial.billed_with(earlier)
-        answers.save({**dump_run(whole), "shown": shown, "ended": False})
+    def keep(so_far: RerankRun) -> None:
+        whole = so_far if earlier is None else so_far.billed_with(earlier)
+        answers.save({**dump_run(whole), "shown": None})
 
     return keep
 

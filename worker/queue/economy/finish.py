@@ -85,7 +85,13 @@ def fail_items(
     pipeline = economy_pipeline(task)
     for qid, data, record in running_items(task, batch, query_ids):
         run = rerank_run(record)
-        cost = pipeline.add_attempt(run, failure.outcome, None, 0.0, provider_error=True)
+        model = record.get("model")  # the model its request went to, if it was sent
+        cost = pipeline.add_attempt(
+            run, failure.outcome, None, 0.0, model=model, provider_error=True
+        )
         run.failure = failure
-        counted = partial(pipeline.count_attempt, failure.outcome, None, cost)
-        finish_item(task, batch, qid, load_prepared(pipeline, data), run, figures=[counted])
+        counted = partial(pipeline.count_attempt, failure.outcome, None, cost, model)
+        prepared = load_prepared(pipeline, data)
+        if model:
+            prepared.trace["model"] = model
+        finish_item(task, batch, qid, prepared, run, figures=[counted])

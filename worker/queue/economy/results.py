@@ -252,6 +252,8 @@ def _map_page(
         item = load_prepared(pipeline, json.loads(raw))
         if item.prompt is not None:  # the standard lane's check of an answer's length
             line = client.checked(line, item.prompt)
+        if record.get("model"):  # the model its request went to (the poller's may differ)
+            item.trace["model"] = record["model"]
         one = _Mapped(qid, line, record, item, rerank_run(record))
         one.run.seconds = now - float(record["first_submitted_at"] or now)
         one.failure = None if line.reply is not None else _line_failure(line, provider_id)
@@ -331,8 +333,6 @@ def _add_attempt(
     model = record.get("model")
     cost = pipeline.add_attempt(run, outcome, usage, waited, model=model, **detail)
     one.counted = (outcome, usage, cost, model)
-    if model:
-        one.item.trace["model"] = model
     again = (
         failure is not None
         and failure.retryable
