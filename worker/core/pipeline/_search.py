@@ -141,16 +141,17 @@ class SearchPipeline:
         :class:`~worker.errors.RunTakenOver` to stop the run there); where the model's answer
         is kept as soon as the call returns; one an earlier run kept (its process died before
         the result was saved) is finished instead of calling the model again: the call was
-        paid for and counted once, by the run that made it (a run that died between a billed
-        attempt and its retry's answer kept that attempt, as for no candidates: the run after
-        it calls the model and shows the attempt billed too) (no attempt, token or cost is
+        paid for and counted once, by the run that made it (no attempt, token or cost is
         counted here; ``before_model`` is not run either: the call it guards was made). Only
         if it answered these very candidates (:func:`shown_digest`): its positions number the
         ones it was shown, and an index changed between the two runs gives others (then it is
         called again, and the run shows both calls, the first billed too:
-        :meth:`RerankRun.billed_with`). With ``answers``, the search's own figures (its
-        retrieval's, its outcome and duration, the model answer's) are handed to it to record
-        once the result is saved (:meth:`AnswerKeeper.later`)."""
+        :meth:`RerankRun.billed_with`). A run that died between a billed attempt and its
+        retry's answer kept that attempt as if for other candidates: the run after it calls
+        the model and shows the attempt billed too (:func:`_keep_billed`). With ``answers``,
+        the search's own figures (its retrieval's, its outcome and duration, the model
+        answer's) are handed to it to record once the result is saved
+        (:meth:`AnswerKeeper.later`)."""
         outcome: str | None = "error"
         figures: list[Callable[[], None]] = []
         deadline: Deadline | None = None
@@ -393,8 +394,9 @@ def _keep_billed(
 ) -> Callable[[RerankRun], None] | None:
     """Where a run keeps its billed attempts as they are made, before its call ends (with
     ``earlier``'s, a dead run's kept): a run after its process dies shows them billed. Kept
-    as shown no candidates (``shown`` None), so that run, of this release or an earlier one,
-    calls the model itself, as for an answer to other candidates. None without ``answers``."""
+    with no candidates' digest (its ``"shown"`` null, never ``shown``), so that run, of this
+    release or an earlier one, calls the model itself, as for an answer to other candidates.
+    None without ``answers``."""
     if answers is None:
         return None
 
