@@ -233,6 +233,26 @@ def test_an_upsert_accepted_before_the_delete_of_the_last_document_keeps_them(
     assert stored(runtime, "notes")[0] is None
 
 
+def test_a_delete_that_emptied_the_index_run_again_after_a_newer_ingest_clears_them(
+    runtime: Runtime, store: JobStore
+) -> None:
+    """The delete of the index's last document committed, then its worker died before it
+    cleared the index's settings; an ingest accepted after the delete landed; then the delete
+    was redelivered. In the order the writes were accepted the delete emptied the index (its
+    settings go with it) and the ingest began a new one, at the defaults: the run again
+    clears them as of the delete's version. It kept them: the index held a document again."""
+    call(runtime, "update", "acme", "notes", {"candidate_limit": 12})
+    last = store.create_deletion("acme", "notes", ["n"])
+    backend = runtime.pipeline.backend
+    assert backend.delete_documents("notes", "acme", ["n"], version=last.version) == 1  # killed
+    new = [DocumentIn(id="n2", text="new jazz notes")]
+    later = store.create_ingest("acme", "notes", new)
+    assert runtime.ingest("notes", "acme", new, version=later.version) == 1
+    assert lifecycle.delete(runtime, last, ["n"], jobs=store) == 1  # redelivered
+    shown = call(runtime, "show", "acme", "notes")
+    assert shown["documents"] == 1 and shown["settings"] == DEFAULTS, shown
+
+
 def test_a_change_racing_a_drop_lands_in_the_order_of_their_versions(
     runtime: Runtime, store: JobStore
 ) -> None:

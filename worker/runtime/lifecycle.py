@@ -63,8 +63,16 @@ def delete(
 
 def _left_empty(backend: IndexCatalog, job: IngestJob, jobs: JobStore | None) -> bool:
     """The delete by ids left the tenant's index without a document, and no upsert accepted
-    before it is still to land."""
-    if backend.index_info(job.index, job.tenant) is not None:
+    before it is still to land. Where the backend recorded it (the embedded one's
+    ``emptied``), as the delete found it when it ran: run again after a newer ingest landed,
+    it still emptied the index in the order the writes were accepted; else as it is now."""
+    recorded = getattr(backend, "emptied", None)
+    emptied = None
+    if recorded is not None and job.version is not None:
+        emptied = recorded(job.index, job.tenant, job.version)
+    if emptied is None:
+        emptied = backend.index_info(job.index, job.tenant) is None
+    if not emptied:
         return False
     return jobs is None or not _earlier_upsert_pending(jobs, job)
 

@@ -80,6 +80,7 @@ CREATE TABLE IF NOT EXISTS outcomes(
     tenant TEXT NOT NULL,
     version INTEGER NOT NULL,
     count INTEGER NOT NULL,
+    emptied INTEGER NOT NULL,
     at REAL NOT NULL,
     PRIMARY KEY(idx, tenant, version)
 ) WITHOUT ROWID;

@@ -17,7 +17,7 @@ from worker.constants import RESULT_TTL_SECONDS
 from worker.core.types import Document, derive_revision
 from worker.errors import EmbeddingModelMismatch, IndexLimitReached, InvalidRequest
 
-from ._pool import _Pool, _translated, _write
+from ._pool import _Pool, _read, _translated, _write
 from ._schema import (
     _FILTER_KEY,
     _claim_dimension,
@@ -140,8 +140,20 @@ class _Writes(_Pool):
                 )
                 if deleted:
                     _settle_emptied(conn, row[0], index, tenant)
-            _record_outcome(conn, index, tenant, version, deleted)
+            emptied = bool(deleted) and not _holds(conn, index, tenant)
+            _record_outcome(conn, index, tenant, version, deleted, emptied=emptied)
         return deleted
+
+    def emptied(self, index: str, tenant: str, version: int) -> bool | None:
+        """Whether the delete of ``version`` left the tenant's index without a document when
+        it ran (None: no such write recorded): a delete run again after a newer ingest
+        landed still knows it emptied the index, as the writes were accepted."""
+        with self._conn() as conn, _translated("emptied"), _read(conn):
+            found = conn.execute(
+                "SELECT emptied FROM outcomes WHERE idx = ? AND tenant = ? AND version = ?",
+                (index, tenant, version),
+            ).fetchone()
+        return None if found is None else bool(found[0])
 
     def delete_index(self, index: str, tenant: str, *, version: int | None = None) -> int:
         """Delete all of the tenant's documents in the index (rows, BM25 postings, vectors);
@@ -273,16 +285,24 @@ def _outcome(conn: apsw.Connection, index: str, tenant: str, version: int | None
 
 
 def _record_outcome(
-    conn: apsw.Connection, index: str, tenant: str, version: int | None, count: int
+    conn: apsw.Connection,
+    index: str,
+    tenant: str,
+    version: int | None,
+    count: int,
+    *,
+    emptied: bool = False,
 ) -> None:
-    """Keep what the write of ``version`` counted, in the write's transaction, for as long as its
-    job can be run again (its record's retention); the older records go with it."""
+    """Keep what the write of ``version`` counted (and whether it left the tenant's index
+    without a document), in the write's transaction, for as long as its job can be run again
+    (its record's retention); the older records go with it."""
     if version is None:
         return
     now = time.time()
     conn.execute("DELETE FROM outcomes WHERE at < ?", (now - RESULT_TTL_SECONDS,))
     conn.execute(
-        "INSERT INTO outcomes VALUES (?, ?, ?, ?, ?)", (index, tenant, version, count, now)
+        "INSERT INTO outcomes VALUES (?, ?, ?, ?, ?, ?)",
+        (index, tenant, version, count, emptied, now),
     )
 
 
