@@ -327,9 +327,17 @@ def test_a_tenant_at_its_limit_of_indexes_makes_none_and_is_told_its_empty_ones(
         ("GET", ACME_ALIASES),
         ("POST", f"{ACME_ALIASES.removeprefix('/_alias')}/_search"),
     ]
+    # on the aliases' own indexes only: one a reindex kept would take a bucket
     assert server.requests[2].json() == {
         "size": 0,
-        "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
+        "query": {
+            "bool": {
+                "filter": [
+                    {"term": {"tenant": "acme"}},
+                    {"terms": {"_index": [f"{bio}~000001", f"{sci}~000001"]}},
+                ]
+            }
+        },
         "aggs": {"indexes": {"terms": {"field": "_index", "size": 2}}},
     }
     assert server.requests[2].query == {
@@ -1962,9 +1970,17 @@ def test_indexes_lists_the_tenants_aliases_with_counts(server: FakeElasticsearch
         ("faq", 2, "elasticsearch", None, 384),  # no vector records a model
     ]
     (search,) = server.sent("POST", f"/{stem}*/_search")
+    # filtered on the aliases' own indexes: a kept one takes no bucket of the aggregation
     assert search.json() == {
         "size": 0,
-        "query": {"bool": {"filter": [{"term": {"tenant": "acme"}}]}},
+        "query": {
+            "bool": {
+                "filter": [
+                    {"term": {"tenant": "acme"}},
+                    {"terms": {"_index": [CONCRETE, f"{stem}faq~20260101t000000000000"]}},
+                ]
+            }
+        },
         "aggs": {
             "indexes": {
                 "terms": {"field": "_index", "size": 1000},

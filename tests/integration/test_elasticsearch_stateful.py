@@ -30,6 +30,7 @@ from worker.adapters.elasticsearch import (
     ElasticsearchBackend,
     FieldNames,
     IndexSettings,
+    _listing,
     index_template,
 )
 from worker.contract import SearchSpec
@@ -1353,3 +1354,37 @@ def test_two_processes_making_the_same_new_name_at_the_limits_edge_both_write(
     other = Document(id="d2", text="another document", title="")
     assert second.upsert("med", "acme", [other], vectors_of([other]), version=3) == 1
     assert [(i.name, i.documents) for i in second.indexes("acme")] == [("med", 2), ("sci", 1)]
+
+
+def _few(prefix: str, n: int) -> list[Document]:
+    return [Document(id=f"{prefix}{i}", text=f"text {prefix} {i}") for i in range(n)]
+
+
+def test_an_index_limit_refusal_names_no_index_that_holds_documents(fake: Any) -> None:
+    """A reindex keeps the old concrete index for a rollback: counted among the tenant's
+    indexes by ``_index``, it took one of the aggregation's buckets, so a live index with
+    fewer documents had none and was named as holding none ("drop one")."""
+    server, _ = fake
+    backend = backend_on(server, max_indexes_per_tenant=2)
+    backend.upsert("a", "acme", _few("a", 5), None, version=1)
+    backend.upsert("b", "acme", _few("b", 1), None, version=2)
+    backend.reindex("a", "acme")  # keeps the old "a" (5 documents)
+    assert backend.index_info("b", "acme").documents == 1
+    with pytest.raises(IndexLimitReached) as refused:
+        backend.upsert("c", "acme", _few("c", 1), None, version=3)
+    assert refused.value.unlisted == []
+
+
+def test_the_listing_counts_each_live_index_whatever_a_reindex_kept(
+    fake: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unfiltered, the listing's count by ``_index`` let kept concrete indexes take the
+    aggregation's buckets (1,000; 3 here), and a small live index was left out."""
+    server, _ = fake
+    monkeypatch.setattr(_listing, "MAX_LISTED_INDEXES", 3)
+    backend = backend_on(server)
+    backend.upsert("a", "acme", _few("a", 5), None, version=1)
+    backend.upsert("b", "acme", _few("b", 5), None, version=2)
+    backend.upsert("c", "acme", _few("c", 1), None, version=3)
+    backend.reindex("a", "acme")
+    assert [i.name for i in backend.indexes("acme")] == ["a", "b", "c"]

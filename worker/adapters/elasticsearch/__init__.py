@@ -55,7 +55,9 @@ Why this shape (DESIGN.md §6).
   and count still filters on it, and the ``_id`` stays ``"<tenant>:<doc id>"`` (a
   digest of it past ES's 512 bytes: ``_layout.document_es_id``): a
   64-bit key collision, or an alias an operator pointed at a shared index, still keeps
-  tenants apart, and a migration from the shared layout copies ``_id`` and external
+  tenants apart in every read (not in every write: a one-tenant ``reindex`` copies the
+  asker's documents alone, and the alias's drop floors are shared; ``reindex_all`` copies
+  every tenant), and a migration from the shared layout copies ``_id`` and external
   version as they are. An index exists *for a tenant* once it holds one of the tenant's
   documents: :meth:`ElasticsearchBackend.channels` asks exactly that (two tenant-filtered
   ``size: 0`` probes in one ``_msearch`` on the tenant's alias); a missing alias (a name

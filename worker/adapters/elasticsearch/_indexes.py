@@ -108,13 +108,17 @@ class _Indexes(_Bodies):
         so the tenant is told which names to drop; none named when the answer cannot say
         (every index gone meanwhile, or some shards not read: a name holding documents
         must never be called empty)."""
+        query = self.tenant_query(tenant)
+        # the aliases' own indexes only: an old one a reindex kept for a rollback would take
+        # a bucket, and a live index left without one would be named as holding nothing
+        query["bool"]["filter"].append({"terms": {"_index": sorted(held)}})
         with _translated(what, index, missing_ok=True) as missing:
             answer = (
                 self._es()
                 .search(
                     index=f"{stem}*",
                     size=0,
-                    query=self.tenant_query(tenant),
+                    query=query,
                     aggs={"indexes": {"terms": {"field": "_index", "size": len(held)}}},
                     ignore_unavailable=True,
                     allow_no_indices=True,

@@ -71,13 +71,13 @@ class _Listing(_Bodies):
             return []
         ordered = sorted(names, key=names.__getitem__)
         wanted = len(ordered) if limit is None else limit
-        # after a name, or past what the aggregation holds: count the first names in name
-        # order, a chunk at a time, not the aggregation's biggest indexes by count
-        filtered = after is not None or len(ordered) > MAX_LISTED_INDEXES
+        # count the names in name order, a chunk at a time, each count filtered on its
+        # chunk's indexes: not the aggregation's biggest indexes by count, among which old
+        # indexes a reindex kept for a rollback would leave a small live one out
         listed: dict[str, IndexInfo] = {}
         for start in range(0, len(ordered), MAX_LISTED_INDEXES):
             chunk = {c: names[c] for c in ordered[start : start + MAX_LISTED_INDEXES]}
-            counted = self._counted(tenant, pattern, chunk, filtered)
+            counted = self._counted(tenant, pattern, chunk)
             if counted is None:  # every index gone meanwhile
                 break
             listed.update(counted)
@@ -86,17 +86,16 @@ class _Listing(_Bodies):
         return [listed[name] for name in sorted(listed)[:limit]]
 
     def _counted(
-        self, tenant: str, pattern: str, names: dict[str, str], filtered: bool
+        self, tenant: str, pattern: str, names: dict[str, str]
     ) -> dict[str, IndexInfo] | None:
         """The tenant's document count and model in each of ``names`` (concrete index ->
         Sift name) holding any, by one ``size: 0`` search over ``pattern``, filtered on
-        those concrete indexes when ``filtered``; None when no index matched at all."""
+        those concrete indexes; None when no index matched at all."""
         by_index: dict[str, Any] = {"terms": {"field": "_index", "size": MAX_LISTED_INDEXES}}
         if self.fields.model:
             by_index["aggs"] = self._models_agg()
         query = self.tenant_query(tenant)
-        if filtered:
-            query["bool"]["filter"].append({"terms": {"_index": sorted(names)}})
+        query["bool"]["filter"].append({"terms": {"_index": sorted(names)}})
         with _translated("list of indexes", None, missing_ok=True) as missing:
             answer = (
                 self._es()
