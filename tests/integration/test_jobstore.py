@@ -587,6 +587,38 @@ def test_every_record_has_a_ttl(store: JobStore) -> None:
         assert 0 < int(store.redis.ttl(key)) <= 7 * 24 * 3600, key
 
 
+BATCH_PREFIXES = (
+    BATCH_KEY,
+    BATCH_ORDER_KEY,
+    BATCH_SPECS_KEY,
+    BATCH_ITEMS_KEY,
+    BATCH_COUNTS_KEY,
+    BATCH_RESULTS_KEY,
+    BATCH_MOVES_KEY,
+)
+
+
+@pytest.mark.parametrize("ending", ["its last item", "a cancel"])
+def test_a_batch_lives_its_retention_from_its_end_not_its_submission(
+    store: JobStore, ending: str
+) -> None:
+    """Retention is 7 days from a job's last write: a batch that ended on day 6.9 (an
+    economy batch, a backlog) was gone from its GET and the list hours later, its keys'
+    TTLs set once, at its submission (a search's and an ingest's move with their records)."""
+    batch = store.create_batch("acme", "docs", [("a", spec()), ("b", spec())])
+    for prefix in BATCH_PREFIXES:
+        store.redis.expire(prefix + batch.id, 100)  # the batch is nearly 7 days old
+    store.start_item(batch.id, "a")
+    store.finish_item(batch.id, "a", result=result("r"))
+    if ending == "a cancel":
+        assert store.cancel_batch(batch.id) == (1, True)
+    else:
+        store.start_item(batch.id, "b")
+        assert store.finish_item(batch.id, "b", result=result("r")).batch_completed
+    for prefix in BATCH_PREFIXES:
+        assert int(store.redis.ttl(prefix + batch.id)) > 7 * 24 * 3600 - 60, prefix
+
+
 def test_idempotency_claims(store: JobStore) -> None:
     first = store.claim_idempotency("acme", "k", "fp1")
     assert first.outcome is IdempotencyOutcome.NEW

@@ -359,6 +359,8 @@ class BatchRecords(_StoreCore):
             return CancelOutcome.MISSING
         if canceled == -2:
             return CancelOutcome.ALREADY_FINISHED
+        if completed:
+            self.keep_ended_batch(batch_id)
         return int(canceled), bool(completed)
 
     def take_cancel_count(self, batch_id: str, token: str | None = None) -> tuple[int, bool]:

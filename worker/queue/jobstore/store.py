@@ -30,9 +30,12 @@ from worker.constants import (
     BATCH_COUNTS_KEY,
     BATCH_ITEMS_KEY,
     BATCH_KEY,
+    BATCH_LOST_KEY,
     BATCH_MOVES_KEY,
+    BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
     BATCH_RUNS_KEY,
+    BATCH_SPECS_KEY,
     ECONOMY_PREPARED_KEY,
     RESULT_TTL_SECONDS,
     STATS_KEY,
@@ -117,6 +120,21 @@ def _rerun(call: _ScriptCall) -> Any:
         return script(keys=keys, args=args)
     except redis.RedisError as exc:
         return exc
+
+
+#: A batch's keys that live as long as its record: what its GET, its results and its items
+#: read (its submission sets their retention, its end sets it again).
+BATCH_KEYS = (
+    BATCH_KEY,
+    BATCH_ORDER_KEY,
+    BATCH_SPECS_KEY,
+    BATCH_ITEMS_KEY,
+    BATCH_COUNTS_KEY,
+    BATCH_RESULTS_KEY,
+    BATCH_MOVES_KEY,
+    BATCH_RUNS_KEY,
+    BATCH_LOST_KEY,
+)
 
 
 class _StoreCore:
@@ -289,7 +307,7 @@ class _StoreCore:
             raise first
         # a later move that failed did not apply: the first one did, and is what counts
         replies = [first] + [[0, 0] if isinstance(reply, Exception) else reply for reply in rest]
-        return [
+        transitions = [
             ItemTransition(
                 applied=int(code) >= 1,
                 batch_completed=int(code) == 2,
@@ -297,6 +315,19 @@ class _StoreCore:
             )
             for code, canceled in replies
         ]
+        for (batch_id, *_), transition in zip(moves, transitions, strict=True):
+            if transition.batch_completed:
+                self.keep_ended_batch(batch_id)
+        return transitions
+
+    def keep_ended_batch(self, batch_id: str) -> None:
+        """A batch just ended: its keys live the retention from now, as a search's and an
+        ingest's move with their records (set once at its submission, a batch that ended on
+        day 6.9 was gone hours later). Only keys that exist: ``EXPIRE`` makes none."""
+        pipe = self.redis.pipeline(transaction=False)
+        for prefix in BATCH_KEYS:
+            pipe.expire(prefix + batch_id, self.result_ttl)
+        pipe.execute()
 
     def _run_scripts(self, requests: list[list[_ScriptCall]]) -> list[list[Any]]:
         """Each request's script calls, all in one round trip; each call's reply, or its
