@@ -566,27 +566,6 @@ def test_transitions_reload_their_script_after_the_server_forgets_it(store: JobS
     assert store.start_search(store.create_search("acme", spec()).id)
 
 
-def test_every_record_has_a_ttl(store: JobStore) -> None:
-    job = store.create_search("acme", spec())
-    batch = store.create_batch("acme", "docs", [("a", spec())])
-    store.start_item(batch.id, "a")
-    store.finish_item(batch.id, "a", result=result("r"))
-    keys = [SEARCH_KEY + job.id] + [
-        prefix + batch.id
-        for prefix in (
-            BATCH_KEY,
-            BATCH_ORDER_KEY,
-            BATCH_SPECS_KEY,
-            BATCH_ITEMS_KEY,
-            BATCH_COUNTS_KEY,
-            BATCH_RESULTS_KEY,
-            BATCH_MOVES_KEY,
-        )
-    ]
-    for key in keys:
-        assert 0 < int(store.redis.ttl(key)) <= 7 * 24 * 3600, key
-
-
 BATCH_PREFIXES = (
     BATCH_KEY,
     BATCH_ORDER_KEY,
@@ -596,6 +575,16 @@ BATCH_PREFIXES = (
     BATCH_RESULTS_KEY,
     BATCH_MOVES_KEY,
 )
+
+
+def test_every_record_has_a_ttl(store: JobStore) -> None:
+    job = store.create_search("acme", spec())
+    batch = store.create_batch("acme", "docs", [("a", spec())])
+    store.start_item(batch.id, "a")
+    store.finish_item(batch.id, "a", result=result("r"))
+    keys = [SEARCH_KEY + job.id] + [prefix + batch.id for prefix in BATCH_PREFIXES]
+    for key in keys:
+        assert 0 < int(store.redis.ttl(key)) <= 7 * 24 * 3600, key
 
 
 @pytest.mark.parametrize("ending", ["its last item", "a cancel"])
