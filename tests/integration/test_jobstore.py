@@ -608,6 +608,30 @@ def test_a_batch_lives_its_retention_from_its_end_not_its_submission(
         assert int(store.redis.ttl(prefix + batch.id)) > 7 * 24 * 3600 - 60, prefix
 
 
+def test_a_batch_is_dated_at_its_commit_not_before_its_items_are_staged(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lists are newest first by ``created_at``, and a job created while a client pages
+    through is on none of the following pages. A big batch stages its items first (100,000
+    in about half a second): dated before that, one committed after another batch (made
+    while it staged) was listed below it, on a page the client had not read yet."""
+    stage = store._stage_items
+    made: list[str] = []
+
+    def staging(batch_id: str, specs: Any) -> None:
+        stage(batch_id, specs)
+        monkeypatch.setattr(store, "_stage_items", stage)
+        # another batch made and committed meanwhile
+        made.append(store.create_batch("acme", "docs", [("x", spec())]).id)
+
+    monkeypatch.setattr(store, "_stage_items", staging)
+    slow = store.create_batch("acme", "docs", [("a", spec())])
+    other = store.get_batch(made[0])
+    assert other is not None and slow.created_at >= other.created_at
+    stored = store.get_batch(slow.id)
+    assert stored is not None and stored.created_at == slow.created_at
+
+
 def test_idempotency_claims(store: JobStore) -> None:
     first = store.claim_idempotency("acme", "k", "fp1")
     assert first.outcome is IdempotencyOutcome.NEW

@@ -196,6 +196,9 @@ class BatchRecords(_StoreCore):
                     pipe.unwatch()
                     self.redis.delete(*_staged_keys(bid))
                     raise IdempotencyKeyBound(earlier)
+            # dated at its commit, not before its items were staged (a big batch's take
+            # seconds): newest first, a batch committed after another is listed above it
+            batch.created_at = _now()
             pipe.multi()
             self._commit_batch(pipe, batch, messages)
             if binding is not None:
