@@ -155,8 +155,9 @@ def _holds(conn: apsw.Connection, index: str, tenant: str) -> bool:
     )
 
 
-def _settle_emptied(conn: apsw.Connection, num: int, index: str, tenant: str) -> None:
-    """After a delete or a drop: what goes with the last of the tenant's documents.
+def _settle_emptied(conn: apsw.Connection, num: int, index: str, tenant: str) -> bool:
+    """After a delete or a drop: what goes with the last of the tenant's documents; answers
+    whether that was the last (the tenant's index holds none now).
 
     A tenant's index exists while it holds one of the tenant's documents, however the last
     one went (a drop, or deletes by id). So with the last document go its FTS5 table (five
@@ -172,7 +173,8 @@ def _settle_emptied(conn: apsw.Connection, num: int, index: str, tenant: str) ->
             "SELECT 1 FROM docs WHERE idx = ?2 AND tenant = ?3 AND has_vector)",
             (num, index, tenant),
         )
-        return
+        return False
     conn.execute(f"DROP TABLE IF EXISTS fts_{num}")
     conn.execute("UPDATE catalog SET model = NULL WHERE idx = ? AND tenant = ?", (index, tenant))
     conn.execute("UPDATE indexes SET dimension = NULL WHERE num = ?", (num,))
+    return True

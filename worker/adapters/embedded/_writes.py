@@ -114,7 +114,7 @@ class _Writes(_Pool):
         is newer than the delete is left alone. The same delete run again (a redelivery, a
         retry) changes nothing and reports what its first run deleted, as an upsert run again
         does."""
-        deleted = 0
+        deleted, emptied = 0, False
         with self._conn() as conn, _translated("delete"), _write(conn):
             if (done := _outcome(conn, index, tenant, version)) is not None:
                 return done
@@ -139,8 +139,7 @@ class _Writes(_Pool):
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
                 )
                 if deleted:
-                    _settle_emptied(conn, row[0], index, tenant)
-            emptied = bool(deleted) and not _holds(conn, index, tenant)
+                    emptied = _settle_emptied(conn, row[0], index, tenant)
             _record_outcome(conn, index, tenant, version, deleted, emptied=emptied)
         return deleted
 

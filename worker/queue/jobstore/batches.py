@@ -45,6 +45,7 @@ from worker.queue.jobstore.records import (
     webhook_state,
 )
 from worker.queue.jobstore.store import (
+    BATCH_KEYS,
     _StoreCore,
     move_token,
     resending,
@@ -260,10 +261,8 @@ class BatchRecords(_StoreCore):
         pipe.hset(BATCH_COUNTS_KEY + bid, mapping={k: str(v) for k, v in batch.counts.items()})
         # a placeholder field ("" is never a query id) so the key exists now and takes its TTL
         pipe.hset(BATCH_RESULTS_KEY + bid, "", "")
-        for key in (BATCH_KEY, BATCH_COUNTS_KEY, BATCH_RESULTS_KEY):
-            pipe.expire(key + bid, self.result_ttl)
-        for key in _staged_keys(bid):
-            pipe.expire(key, self.result_ttl)
+        for prefix in BATCH_KEYS:  # its staged items' too (the others come later)
+            pipe.expire(prefix + bid, self.result_ttl)
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
         # An economy batch too: its chunks are re-driven as any batch's. Once its items are
         # prepared they wait on provider batches (not pending for the re-drive, which then
