@@ -81,22 +81,14 @@ def _cancel_runs_on_interrupt(client: Gateway, runs: int) -> Iterator[dict[str, 
     except GatewayError:
         err = cli_console(stderr=True)
         for name, batch_id in submitted.items():
-            try:
-                said = _cancel_outcome(batch_id, client.json("DELETE", f"/v1/batches/{batch_id}"))
-            except GatewayError as exc:
-                said = (
-                    f"batch {batch_id} had already finished: nothing canceled"
-                    if exc.status_code == 409
-                    else f"{plain(exc)}; batch {batch_id} may still be running "
-                    f"(DELETE /v1/batches/{batch_id} cancels it)"
-                )
+            said = _cancel_run(client, batch_id)
             err.print(f"stopped: the {name} run's {said}", soft_wrap=True, markup=False)
         raise
     except KeyboardInterrupt:
         err = cli_console(stderr=True)
         for done, (name, batch_id) in enumerate(submitted.items()):
             try:
-                said = _cancel_outcome(batch_id, client.json("DELETE", f"/v1/batches/{batch_id}"))
+                said = _cancel_run(client, batch_id)
             except KeyboardInterrupt:  # Ctrl-C again: leave now, naming what may run on
                 left = ", ".join(list(submitted.values())[done:])
                 err.print(
@@ -106,13 +98,7 @@ def _cancel_runs_on_interrupt(client: Gateway, runs: int) -> Iterator[dict[str, 
                     markup=False,
                 )
                 raise typer.Exit(EXIT_INTERRUPTED) from None
-            except GatewayError as exc:
-                said = (
-                    f"batch {batch_id} had already finished: nothing canceled"
-                    if exc.status_code == 409
-                    else f"{plain(exc)}; batch {batch_id} may still be running"
-                )
-            err.print(f"interrupted: the {name} run's {said}", soft_wrap=True)
+            err.print(f"interrupted: the {name} run's {said}", soft_wrap=True, markup=False)
         if len(submitted) < runs:
             err.print(
                 "interrupted while submitting: a run's batch may have been accepted and run on; "
@@ -120,6 +106,20 @@ def _cancel_runs_on_interrupt(client: Gateway, runs: int) -> Iterator[dict[str, 
                 soft_wrap=True,
             )
         raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _cancel_run(client: Gateway, batch_id: str) -> str:
+    """Cancel a run's batch (``DELETE /v1/batches/{id}``); answers what the cancel did, or
+    why it did nothing."""
+    try:
+        return _cancel_outcome(batch_id, client.json("DELETE", f"/v1/batches/{batch_id}"))
+    except GatewayError as exc:
+        if exc.status_code == 409:
+            return f"batch {batch_id} had already finished: nothing canceled"
+        return (
+            f"{plain(exc)}; batch {batch_id} may still be running "
+            f"(DELETE /v1/batches/{batch_id} cancels it)"
+        )
 
 
 def _submit(client: Gateway, index: str, run: RunSpec, queries: list[tuple[str, str]]) -> str:

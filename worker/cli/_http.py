@@ -294,11 +294,7 @@ class Gateway:
         return response
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self.request(method, path, **kwargs)
-        try:
-            return response.json()
-        except ValueError as exc:
-            raise GatewayError(f"{method} {path}: the gateway's answer is not JSON") from exc
+        return json_of(self.request(method, path, **kwargs), method, path)
 
     def pages(
         self, path: str, params: dict[str, Any], *, retry_for: float | None = None
@@ -356,6 +352,15 @@ class Gateway:
                 raise GatewayError(f"GET {path}: still {body.get('status')} after {timeout} s")
             time.sleep(interval)
             interval = min(interval * 1.5, max_interval)
+
+
+def json_of(response: httpx.Response, method: str, path: str) -> Any:
+    """The body of the gateway's answer to ``method path``, parsed; a GatewayError if it is
+    not JSON."""
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise GatewayError(f"{method} {path}: the gateway's answer is not JSON") from exc
 
 
 @contextmanager

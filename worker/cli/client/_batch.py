@@ -36,6 +36,7 @@ from worker.cli._http import (
     GatewayError,
     gateway,
     index_name,
+    json_of,
 )
 from worker.cli._output import plain, progress_bar, usage_line
 from worker.cli.client._input import (
@@ -159,10 +160,7 @@ def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, A
         response = client.request(
             "POST", "/v1/batches", json=body, headers={"Idempotency-Key": key}, retry_for=window
         )
-        try:
-            batch = response.json()
-        except ValueError as exc:
-            raise GatewayError("POST /v1/batches: the gateway's answer is not JSON") from exc
+        batch = json_of(response, "POST", "/v1/batches")
         replayed = response.headers.get("Idempotent-Replayed") == "true"
         if not (replayed and batch.get("canceled_at")):
             return batch, replayed
