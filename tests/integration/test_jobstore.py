@@ -632,6 +632,32 @@ def test_a_batch_is_dated_at_its_commit_not_before_its_items_are_staged(
     assert stored is not None and stored.created_at == slow.created_at
 
 
+def test_an_ingest_is_dated_at_its_commit_not_before_its_write_version(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As a batch: an ingest dated before its write version was taken (a round trip, or
+    seconds with Redis away) and committed after another ingest made meanwhile was listed
+    below it, on a page a client paging through had not read yet."""
+    from worker.queue.jobstore import ingests
+
+    version = ingests.next_write_version
+    made: list[str] = []
+
+    def versioning(client: Any, tenant: str) -> int:
+        taken = version(client, tenant)
+        if not made:  # another ingest made and committed meanwhile
+            made.append("")
+            made[0] = store.create_ingest("acme", "docs", [DocumentIn(id="x", text="t")]).id
+        return taken
+
+    monkeypatch.setattr(ingests, "next_write_version", versioning)
+    slow = store.create_ingest("acme", "docs", [DocumentIn(id="a", text="t")])
+    other = store.get_ingest(made[0])
+    assert other is not None and slow.created_at >= other.created_at
+    stored = store.get_ingest(slow.id)
+    assert stored is not None and stored.created_at == slow.created_at
+
+
 def test_idempotency_claims(store: JobStore) -> None:
     first = store.claim_idempotency("acme", "k", "fp1")
     assert first.outcome is IdempotencyOutcome.NEW

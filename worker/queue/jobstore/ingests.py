@@ -103,6 +103,9 @@ class IngestRecords(_StoreCore):
             # (sent again blindly, or answered 503, it made a second job: the client retried)
             if pipe.exists(key):
                 return
+            # dated at its commit, as a batch: newest first, an ingest committed after
+            # another is listed above it (its version was taken before, a round trip)
+            job.created_at = _now()
             pipe.multi()
             if payload is not None:
                 pipe.set(INGEST_DOCS_KEY + job.id, payload, ex=INGEST_DOCS_TTL_SECONDS)
