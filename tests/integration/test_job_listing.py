@@ -116,6 +116,28 @@ def test_the_status_filter_reads_records_and_bounds_its_scan(store: JobStore) ->
     assert [j.id for j in running.jobs] == queued[:-4:-1]
 
 
+def test_a_filtered_page_reads_more_records_only_as_it_skips_them(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filtered read widens as it skips: a page of 1 whose newest job matches reads a few
+    records, not a full chunk of 500 (each a search's spec), and one behind skipped jobs
+    still comes in a handful of round trips."""
+    queued = [store.create_search("acme", spec()).id for _ in range(600)]
+    reads: list[int] = []
+    searches = store._searches
+
+    def reading(ids: list[str]) -> list[object]:
+        reads.append(len(ids))
+        return searches(ids)  # type: ignore[return-value]
+
+    monkeypatch.setattr(store, "_searches", reading)
+    page = store.list_searches("acme", status=JobStatus.QUEUED, after=None, page_size=1)
+    assert [j.id for j in page.jobs] == [queued[-1]] and sum(reads) <= 4, reads
+    reads.clear()
+    assert store.list_searches("acme", status=JobStatus.FAILED, after=None, page_size=1).jobs == []
+    assert sum(reads) == 600 and len(reads) <= 10, reads
+
+
 def test_a_batch_is_filtered_by_its_own_status(store: JobStore) -> None:
     done = store.create_batch("acme", "docs", [("a", spec())])
     store.cancel_batch(done.id)

@@ -79,11 +79,13 @@ class JobListing(_StoreCore):
         page_size: int,
     ) -> JobPage[J]:
         key = job_index_key(kind, tenant)
-        # one more than a page: a page that ends the list says so (no empty page after it)
-        chunk = page_size + 1 if status is None else max(page_size + 1, _FILTERED_CHUNK)
+        # one more than a page: a page that ends the list says so (no empty page after it);
+        # a filter's reads widen as they skip, up to a chunk of _FILTERED_CHUNK
+        first = min(page_size + 1, MAX_LIST_SCAN)
+        most = first if status is None else min(max(first, _FILTERED_CHUNK), MAX_LIST_SCAN)
         jobs: list[J] = []
         scanned = 0
-        for rows, last_chunk in self._scan(key, after, min(chunk, MAX_LIST_SCAN)):
+        for rows, last_chunk in self._scan(key, after, first, most):
             records = read([job_id for job_id, _ in rows])
             gone = [
                 job_id
@@ -102,14 +104,16 @@ class JobListing(_StoreCore):
         return JobPage(jobs, None)
 
     def _scan(
-        self, key: str, after: Cursor | None, chunk: int
+        self, key: str, after: Cursor | None, first: int, most: int
     ) -> Iterator[tuple[list[tuple[str, float]], bool]]:
-        """The index's members after ``after``, newest first, about ``chunk`` per round trip,
-        each chunk with whether it is the last. Each read starts at the last member yielded
+        """The index's members after ``after``, newest first, ``first`` in the first round
+        trip and twice as many in each next one up to ``most``, each chunk with whether it is
+        the last. Each read starts at the last member yielded
         (never at an offset, which the members pruned meanwhile would shift). Members of equal
         creation time come in Redis's order for them (reverse lexicographic), so "after" is
         exact for ties too; a tie wider than a chunk is read in wider reads."""
-        cursor, num = after, chunk
+        cursor, chunk = after, first
+        num = chunk
         while True:
             top = "+inf" if cursor is None else repr(cursor.created_at)
             rows = cast(
@@ -126,6 +130,7 @@ class JobListing(_StoreCore):
             last = len(rows) < num
             if fresh:
                 yield fresh, last
+                chunk = min(2 * chunk, most)
                 cursor, num = Cursor(fresh[-1][1], fresh[-1][0]), chunk
             else:
                 num *= 2  # every member read ties with the cursor: read further into the tie
