@@ -1135,3 +1135,94 @@ def test_a_probe_that_got_no_answer_lets_the_next_probe_go_at_once(client: redis
     assert other.reserve(PROMPT, 30.0).shut
     one.unanswered()
     assert other.reserve(PROMPT, 30.0).admitted  # the next probe
+
+
+def test_learned_limits_are_stored_again_after_the_shared_hash_is_gone(
+    client: redis.Redis,
+) -> None:
+    """The hash expires after a day without a call, or Redis restarts empty: the limits a
+    process learned are stored again by its next reservation (where the hash holds none)
+    and by every settlement of an answer that states them. Before, a process stored them
+    only when its own copy changed: every call after went out unmetered, for good."""
+    budget = RedisRateBudget(client, MODEL)
+    budget.learn({"anthropic-ratelimit-requests-limit": "60"})
+    client.delete(budget.key)
+    admitted = 0
+    while budget.reserve(PROMPT, 0.0).admitted and admitted < 200:
+        admitted += 1
+    assert admitted <= int(60 * BURST_FRACTION) + 2
+    client.delete(budget.key)
+    _settled_with(budget, {"anthropic-ratelimit-requests-limit": "60"})
+    assert client.hget(budget.key, "Lr") == b"60"
+    fresh = RedisRateBudget(client, MODEL)  # a process started after: it reads them
+    admitted = 0
+    while fresh.reserve(PROMPT, 0.0).admitted and admitted < 200:
+        admitted += 1
+    assert admitted <= int(60 * BURST_FRACTION) + 2
+
+
+def test_the_limit_an_answer_states_replaces_a_lower_one_stored_by_a_process_gone(
+    client: redis.Redis,
+) -> None:
+    """The provider lowered the limit for a while and a process stored it, then went away;
+    the one left sees the old limit in every answer again: its settlements store it, the
+    cluster is not held at the lower limit for good."""
+    left = RedisRateBudget(client, MODEL)
+    left.learn({"anthropic-ratelimit-requests-limit": "600"})
+    gone = RedisRateBudget(client, MODEL)
+    gone.learn({"anthropic-ratelimit-requests-limit": "30"})
+    _settled_with(left, {"anthropic-ratelimit-requests-limit": "600"})
+    assert client.hget(left.key, "Lr") == b"600"
+
+
+def test_a_probe_timing_out_in_a_process_that_did_not_trip_lets_the_next_go_at_once(
+    client: redis.Redis,
+) -> None:
+    """The probe can go from any process, one with limits of its own among them (that one
+    never read the breaker as a pause): its timeout ends the probe there too, not its
+    20 s lease, which held every process back past their searches' deadlines."""
+    tripping = RedisRateBudget(client, MODEL)
+    probing = RedisRateBudget(client, MODEL, RateLimit(rpm=6000))
+    tripping.trip(None)
+    _half_open(client, tripping.key)
+    assert probing.reserve(PROMPT, 30.0).admitted  # the probe
+    assert tripping.reserve(PROMPT, 30.0).shut
+    probing.unanswered()
+    assert tripping.reserve(PROMPT, 30.0).admitted  # the next probe
+
+
+def test_an_answer_without_usage_closes_the_breaker(client: redis.Redis) -> None:
+    """A probe answered 200 with a body that is not a message (no usage to settle on): the
+    provider answered, so the breaker closes; before, it stayed out for its lease."""
+    one, other = RedisRateBudget(client, MODEL), RedisRateBudget(client, MODEL)
+    one.trip(None)
+    _half_open(client, one.key)
+    assert one.reserve(PROMPT, 30.0).admitted  # the probe
+    one.answered()
+    assert other.reserve(PROMPT, 30.0).admitted and not client.hget(one.key, "strikes")
+
+
+def test_a_bucket_stamped_ahead_of_redis_s_clock_is_not_emptied_by_it(
+    client: redis.Redis,
+) -> None:
+    """Redis's clock stepped back (a host's clock set right): the refill since the last
+    stamp is none, not negative; before, a full bucket refused calls for the step."""
+    budget = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
+    assert budget.reserve(PROMPT, 0.0).admitted
+    client.hset(budget.key, "at", f"{redis_now(client) + 300:.6f}")
+    assert budget.reserve(PROMPT, 0.0).admitted
+
+
+def test_a_probe_answered_with_a_body_that_is_not_a_message_closes_the_breaker(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """The search's probe is answered 200, but not with a message (``malformed``, no usage):
+    the provider answered all the same, so the breaker closes for every process."""
+    pipeline, budget = build(fake, client, "fail_open", None, RecordingRecorder())
+    budget.trip(None)
+    _half_open(client, budget.key)
+    fake.script([fa.body("not a message"), fa.good()])
+    first = search(pipeline)
+    assert first.trace["attempts"][0]["outcome"] == "malformed"
+    other = RedisRateBudget(client, MODEL)
+    assert other.reserve(PROMPT, 0.0).admitted and not client.hget(budget.key, "strikes")

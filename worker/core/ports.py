@@ -230,6 +230,11 @@ class RateBudget(Protocol):
         """A call got no answer (a timeout, a connection lost): a probe's ends."""
         ...
 
+    def answered(self) -> None:
+        """A call was answered, neither 5xx nor 429, with no usage (a body that is not a
+        message): the breaker closes."""
+        ...
+
     def backlog(self) -> float:
         """Seconds a typical call reserved now would wait (reserving nothing)."""
         ...

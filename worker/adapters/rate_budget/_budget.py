@@ -88,7 +88,10 @@ OUTAGE_BACKLOG_SECONDS = 86_400.0
 # when a call got no answer (a timeout, a connection lost: the probe out, if any, ends), 24-27
 # the probe's lease, the first and the longest opening, and how soon a caller asks again while
 # a probe is out (OUTAGE_*, PROBE_*). A reservation while the breaker is open, or a probe is out,
-# is refused; one when it is half open (no probe out) is admitted as the probe.
+# is refused; one when it is half open (no probe out) is admitted as the probe. ARGV 28: 1 when
+# the learned limits (9-11) are only to be stored where the hash holds none (a reservation
+# restoring what its process learned, after the hash expired or Redis lost it), 0 when they
+# are what an answer stated now (stored over any other).
 # Answers {admitted (1/0), seconds to wait, the backlog, 1 when the breaker refused it}
 # (strings: Lua numbers come back from Redis as integers). The backlog is the reading a batch
 # paces on: the seconds until a call like this one fits once it is taken (when admitted) and
@@ -140,9 +143,11 @@ if strikes > 0 then
     shut = math.min(probe - now, tonumber(ARGV[27]))
   end
 end
+local restore = tonumber(ARGV[28]) == 1
 for d = 1, 3 do
   local learned = tonumber(ARGV[8 + d])
-  if learned > 0 and learned ~= tonumber(state[3 + d]) then
+  local stored = tonumber(state[3 + d])
+  if learned > 0 and learned ~= stored and not (restore and stored) then
     state[3 + d] = learned
     table.insert(writes, 'L' .. names[d]); table.insert(writes, learned)
   end
@@ -165,7 +170,8 @@ for d = 1, 3 do
   if limit > 0 then
     local cap = limit * burst
     local rate = limit / 60
-    local level = math.min(cap, (tonumber(state[d]) or cap) + (now - at) * rate)
+    -- no refill before the last stamp: Redis's clock stepped back
+    local level = math.min(cap, (tonumber(state[d]) or cap) + math.max(0, now - at) * rate)
     local cost = math.min(tonumber(ARGV[3 + d]), cap)
     if cost > 0 and level < cost then
       wait = math.max(wait, (cost - level) / rate)
@@ -215,7 +221,10 @@ if max_wait == -2 then
   return {0, num(wait), backlog(need_now), 0}
 end
 if max_wait >= 0 and (shut > 0 or wait > max_wait) then
-  if #writes > 0 then redis.call('HSET', key, unpack(writes)) end
+  if #writes > 0 then
+    redis.call('HSET', key, unpack(writes))
+    redis.call('EXPIRE', key, ttl)
+  end
   if shut > 0 then
     return {0, num(shut), backlog(need_now), 1}
   end
@@ -331,12 +340,14 @@ class RedisRateBudget:
         tell: bool = False,
         trip: float | None = None,
         answered: bool | None = False,
+        restore: bool = False,
     ) -> tuple[bool, float, float, bool]:
         """One script call; answers (admitted, wait, backlog, refused by the breaker) as
         :data:`BUDGET_SCRIPT` does. ``tell``: the call tells the cluster this process's pending
         items, and its backlog counts every process's. ``trip``: a call was answered 5xx,
         with this retry-after (0: none); ``answered``: a call was answered otherwise (True), or
-        got no answer at all (None)."""
+        got no answer at all (None). ``restore``: ``learn`` is stored only where the hash
+        holds no limit."""
         limits = self.limits
         learned = learn or RateLimit()
         args: list[float | str] = [
@@ -363,6 +374,7 @@ class RedisRateBudget:
             OUTAGE_FIRST_SECONDS,
             OUTAGE_MAX_SECONDS,
             PROBE_POLL_SECONDS,
+            1 if restore else 0,
         ]
         self.script_calls += 1
         keys = [self.key, f"{self.key}:pending"]
@@ -468,7 +480,11 @@ class RedisRateBudget:
         self._typical = (float(estimate), float(prompt.max_tokens))
         self.ended()  # its call is reserved now, or refused: in the bucket, or not at all
         take = (1, estimate, prompt.max_tokens)
-        admitted, wait, reading, shut = self._run(take, max(0.0, max_wait), tell=True)
+        # what this process learned goes along, stored where the hash holds none: the hash
+        # expired (a day without a call) or Redis lost it, and no call went out unmetered
+        admitted, wait, reading, shut = self._run(
+            take, max(0.0, max_wait), tell=True, learn=self.learned, restore=True
+        )
         now = self._clock()
         self._backlog = (reading, now)
         if not admitted:
@@ -492,7 +508,8 @@ class RedisRateBudget:
         call's response headers said the provider's buckets hold (:meth:`learn`) goes in the
         same script call."""
         stated = getattr(self._call, "stated", None)
-        self._call.stated = None
+        found = getattr(self._call, "found", None)
+        self._call.stated = self._call.found = None
         if usage is None or not grant.admitted or not (grant.input_tokens or grant.output_tokens):
             return
         # an answer (the call reported usage; a 429 is not one, ``closes``): the provider is
@@ -507,11 +524,13 @@ class RedisRateBudget:
         extra_output = float(usage.output_tokens - grant.output_tokens)
         # (requests, input, output): a call never sent gives its request back as well
         take = (0.0 if sent else -1.0, extra_input, extra_output)
+        # the limits the answer stated are stored over any other: a lower one a process
+        # gone stored would otherwise hold the cluster there
         if stated is None:
-            self._run(take, -1, answered=answered)
+            self._run(take, -1, answered=answered, learn=found)
             return
         age = self._clock() - getattr(self._call, "sent_at", self._clock())
-        self._run(take, -1, stated=stated, age=age, answered=answered)
+        self._run(take, -1, stated=stated, age=age, answered=answered, learn=found)
 
     def pause(self, seconds: float) -> None:
         """Every process waits ``seconds`` (capped at a minute) before its next call. A 429
@@ -523,9 +542,16 @@ class RedisRateBudget:
     def unanswered(self) -> None:
         """A call got no answer (a timeout, a connection lost or never made): if it was the
         breaker's probe, the next call may probe now, not once its lease ran out. Nothing to
-        do in a process that never saw the breaker or a pause."""
-        if self._paused:
+        do while the budget is off and the shared hash holds no breaker (the probe can go
+        from any process, one with limits that never saw the breaker among them)."""
+        if self._turned_on():
             self._run((0, 0, 0), -1, answered=None)
+
+    def answered(self) -> None:
+        """A call was answered, neither 5xx nor 429, with no usage to settle on (a body that
+        is not a message): the provider is back, the breaker closes."""
+        if self._turned_on():
+            self._run((0, 0, 0), -1, answered=True)
 
     def trip(self, retry_after: float | None) -> None:
         """A call was answered 5xx (529 overloaded included): the breaker opens (again) for
@@ -534,13 +560,14 @@ class RedisRateBudget:
         self._run((0, 0, 0), -1, trip=min(max(retry_after or 0.0, 0.0), MAX_PAUSE_SECONDS))
 
     def learn(self, headers: Mapping[str, str]) -> None:
-        """Take what a response's headers state: the limits, stored in Redis the first time
-        they change; what the provider's buckets hold, kept for this thread's settlement
-        (which writes it in its own script call: no round trip here)."""
+        """Take what a response's headers state: the limits, stored in Redis at once when
+        they change, and again by this thread's settlement; what the provider's buckets hold,
+        kept for that settlement (which writes both in its own script call)."""
         stated = remaining_from_headers(headers)
         if any(level != NOT_STATED for level in stated):
             self._call.stated = stated
         found = limits_from_headers(headers)
+        self._call.found = found  # stored again by the settlement: the hash may have lost it
         if found is None or found == self.learned:
             return
         log.info("rate limits of %s learned from the provider: %s", self.model, found)

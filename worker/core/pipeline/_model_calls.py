@@ -172,8 +172,9 @@ class ModelCalls:
         token was read (a 429, a 4xx, or never sent) gives its tokens back, and its request
         too when the provider never saw it; the provider's 429 pauses every worker, a local
         hold no one, and neither closes the breaker. Any other failure is settled on the
-        ``usage`` it reported; a 5xx opens the breaker; a 4xx or a billed answer closes it;
-        one that got no answer ends the breaker's probe if it was that."""
+        ``usage`` it reported (none reported: the reservation stands); a 5xx opens the breaker;
+        any other answer closes it, billed or not; one that got no answer ends the breaker's
+        probe if it was that."""
         budget = self.rate_budget
         assert budget is not None
         if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
@@ -186,6 +187,8 @@ class ModelCalls:
             budget.settle(grant, usage)
             if error.outcome is AttemptOutcome.HTTP_5XX:  # the provider is failing: the breaker
                 budget.trip(error.retry_after)
+            elif usage is None and error.outcome not in NO_ANSWER:
+                budget.answered()  # an answer all the same (a body that is not a message)
         if not error.sent or (usage is None and error.outcome in NO_ANSWER):
             budget.unanswered()
 
