@@ -128,13 +128,14 @@ class BatchLimit(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rpm: int | None = Field(default=None, ge=1)
-    queued: int | None = Field(default=None, ge=1)
+    rpm: int | None = Field(default=None, ge=1, strict=True)
+    queued: int | None = Field(default=None, ge=1, strict=True)
 
 
 def _per_minute(short: str, long: str) -> Any:
-    """A limit per minute, read by its short name or by DESIGN.md §9's long one."""
-    return Field(default=None, ge=1, validation_alias=AliasChoices(short, long))
+    """A limit per minute, read by its short name or by DESIGN.md §9's long one; a JSON
+    number (strict: ``true`` is not 1, nor ``"4000"`` a number)."""
+    return Field(default=None, ge=1, strict=True, validation_alias=AliasChoices(short, long))
 
 
 class RateLimit(BaseModel):
@@ -405,6 +406,21 @@ class Settings(BaseSettings):
         if value != "" or name is None or name == "metrics_token":
             return value
         return None if type(None) in get_args(cls.model_fields[name].annotation) else value
+
+    @field_validator("rate_limits", mode="before")
+    @classmethod
+    def _bare_model_names(cls, value: Any) -> Any:
+        """A model named as SIFT_GENERATION_MODEL names it (``anthropic:claude-haiku-4-5``) is
+        that model: its limits were kept under a name no budget looks up, unmetered."""
+        if not isinstance(value, dict):
+            return value
+        named: dict[Any, Any] = {}
+        for name, limits in value.items():
+            bare = name.removeprefix("anthropic:") if isinstance(name, str) else name
+            if bare in named:
+                raise ValueError(f"{bare}: given twice, also as anthropic:{bare}; give one")
+            named[bare] = limits
+        return named
 
     @field_validator("data_dir", "model_cache_dir", mode="before")
     @classmethod

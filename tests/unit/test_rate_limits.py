@@ -55,6 +55,10 @@ def test_the_economy_lane_has_limits_of_its_own(monkeypatch: pytest.MonkeyPatch)
         '{"claude-haiku-4-5": {"economy": {"itpm": 5}}}',
         '{"claude-haiku-4-5": {"economy": {"rpm": 0}}}',
         '{"claude-haiku-4-5": {"economy": {"queued": 0}}}',
+        '{"claude-haiku-4-5": {"rpm": true}}',  # JSON's true is no number (it read as 1)
+        '{"claude-haiku-4-5": {"economy": {"rpm": true}}}',
+        '{"claude-haiku-4-5": {"itpm": "400000"}}',
+        '{"claude-haiku-4-5": {"rpm": 50}, "anthropic:claude-haiku-4-5": {"rpm": 60}}',
         "{not json",
     ],
 )
@@ -93,3 +97,13 @@ def test_the_estimate_moves_toward_the_reported_usage() -> None:
     assert estimator.estimate(prompt) == pytest.approx(raw / 2, abs=1)
     estimator.calibrate(raw, 0)  # no report: no change
     assert estimator.estimate(prompt) == pytest.approx(raw / 2, abs=1)
+
+
+def test_a_model_named_as_sift_generation_model_names_it_is_the_same_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``anthropic:claude-haiku-4-5``, as SIFT_GENERATION_MODEL spells it, is that model's
+    entry (it was taken as another model's and left the model unmetered); the same model under
+    both spellings is refused above."""
+    monkeypatch.setenv("SIFT_RATE_LIMITS", '{"anthropic:claude-haiku-4-5": {"rpm": 50}}')
+    assert load_settings().rate_limits == {MODEL: RateLimit(rpm=50)}
