@@ -390,10 +390,16 @@ def test_thinking_that_eats_max_tokens_is_malformed(
         '{"model": "m", "content": "text", "usage": {"input_tokens": 1, "output_tokens": 1}}',
         '{"model": "m", "content": [{"text": "x"}], "usage": {"input_tokens": 1}}',  # no type
         '{"model": "m", "content": [], "usage": {"input_tokens": "many"}}',
+        # the API always counts both: one missing was read as 0, and the budget gave the
+        # call's whole reservation back though the provider metered it
+        '{"model": "m", "content": [{"type": "text", "text": "{\\"positions\\": [1]}"}],'
+        ' "usage": {"output_tokens": 5}}',
+        '{"model": "m", "content": [{"type": "text", "text": "{\\"positions\\": [1]}"}],'
+        ' "usage": {"input_tokens": 5}}',
         "[1, 2]",
     ],
     ids=["html", "empty", "empty-object", "no-usage", "content-string", "block-no-type",
-         "usage-not-int", "array"],
+         "usage-not-int", "no-input-tokens", "no-output-tokens", "array"],
 )  # fmt: skip
 def test_a_body_that_is_not_a_message_is_malformed(
     fake: FakeAnthropic, reranker: AnthropicReranker, text: str

@@ -295,10 +295,12 @@ _OTEL_VARIABLES = (
 
 
 class _Usage(BaseModel):
-    """The token counts of a response (a missing one counts as 0)."""
+    """The token counts of a response. The API always counts input and output (the SDK's
+    ``Usage`` requires both): a body without one is not a message, where read as 0 it gave
+    the budget back tokens the provider metered. A missing cache count is 0."""
 
-    input_tokens: int | None = None
-    output_tokens: int | None = None
+    input_tokens: int
+    output_tokens: int
     cache_read_input_tokens: int | None = None
     cache_creation_input_tokens: int | None = None
 
