@@ -107,3 +107,14 @@ def test_a_model_named_as_sift_generation_model_names_it_is_the_same_model(
     both spellings is refused above."""
     monkeypatch.setenv("SIFT_RATE_LIMITS", '{"anthropic:claude-haiku-4-5": {"rpm": 50}}')
     assert load_settings().rate_limits == {MODEL: RateLimit(rpm=50)}
+
+
+def test_a_prompt_of_one_token_a_character_is_not_under_reserved() -> None:
+    """Japanese or Chinese text is about a token a character, not a third of one: a new
+    process's first calls on it reserved a third of what the provider metered (its 24
+    searches at once were answered 429 six times), where they should over-reserve."""
+    text = "火山灰は航空機のエンジンを損傷させる。" * 20
+    prompt = RerankPrompt("listwise.v1", "rank them", text, {}, 100, 1, (False,))
+    assert TokenEstimator().estimate(prompt) >= len(text)
+    english = RerankPrompt("listwise.v1", "rank them", "volcano ash " * 40, {}, 100, 1, (False,))
+    assert TokenEstimator().estimate(english) == round((9 + 12 * 40 + 2) / 3)
