@@ -1226,3 +1226,55 @@ def test_a_probe_answered_with_a_body_that_is_not_a_message_closes_the_breaker(
     assert first.trace["attempts"][0]["outcome"] == "malformed"
     other = RedisRateBudget(client, MODEL)
     assert other.reserve(PROMPT, 0.0).admitted and not client.hget(budget.key, "strikes")
+
+
+def _paused_while_waiting(
+    client: redis.Redis, seconds: float, clock: FakeClock
+) -> Callable[[float], None]:
+    """The search's sleep: real (the budget's waits are on Redis's clock), and moving the
+    search's clock; during its first (the budget's wait), another process meets a 429
+    pausing every process for ``seconds``."""
+    other = RedisRateBudget(client, MODEL, RateLimit(rpm=60))
+
+    def sleep(wait: float) -> None:
+        if not clock.sleeps:
+            other.pause(seconds)
+        clock.sleep(wait)
+        time.sleep(wait)
+
+    return sleep
+
+
+def test_a_call_granted_with_a_wait_waits_out_a_pause_begun_meanwhile(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    """A call granted with a wait looks at the pause again before it is sent: a 429 another
+    process met meanwhile holds it too. Before, it went out into the provider's 429."""
+    clock = FakeClock()
+    pipeline, budget = build(
+        fake, client, "fail_closed", RateLimit(rpm=60), RecordingRecorder(), deadline=120.0,
+        clock=clock, sleep=_paused_while_waiting(client, 2.0, clock),
+    )  # fmt: skip
+    exhaust(budget)  # the next request frees in about a second
+    result = search(pipeline)
+    assert result.rerank.applied and len(fake.requests()) == 1
+    wait, held = clock.sleeps
+    assert 0 < wait <= 1.0 + 1e-6 and 0 < held <= 2.0
+    assert result.trace["attempts"][0]["budget_wait_seconds"] == pytest.approx(wait + held)
+
+
+def test_a_pause_begun_during_the_wait_past_the_deadline_sends_nothing(
+    fake: fa.FakeAnthropic, client: redis.Redis
+) -> None:
+    clock = FakeClock()
+    pipeline, budget = build(
+        fake, client, "fail_open", RateLimit(rpm=60), RecordingRecorder(), deadline=10.0,
+        clock=clock, sleep=_paused_while_waiting(client, 30.0, clock),
+    )  # fmt: skip
+    exhaust(budget)
+    result = search(pipeline)
+    assert fake.requests() == [] and len(clock.sleeps) == 1  # the pause was not slept
+    assert result.rerank.fallback_reason == "error:budget_exhausted"
+    [attempt] = result.trace["attempts"]
+    assert attempt["outcome"] == "budget_exhausted"
+    assert attempt["budget_wait_seconds"] > 29.0  # the wait, and the pause it would have had

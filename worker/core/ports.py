@@ -221,6 +221,10 @@ class RateBudget(Protocol):
         """The provider answered 429: no call from any process for ``seconds``."""
         ...
 
+    def paused_for(self) -> float:
+        """Seconds left of a 429's pause on every process (0: none)."""
+        ...
+
     def trip(self, retry_after: float | None) -> None:
         """The provider answered 5xx (529 overloaded included): no call from any process for
         a while, then one alone until an answer that is not a 5xx (the breaker)."""

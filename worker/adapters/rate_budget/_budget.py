@@ -546,6 +546,16 @@ class RedisRateBudget:
         self._paused = True
         self._run((0, 0, 0), -1, pause=min(max(seconds, 0.0), MAX_PAUSE_SECONDS), answered=None)
 
+    def paused_for(self) -> float:
+        """Seconds left of a 429's pause (Redis's clock; one round trip, nothing written):
+        a call granted with a wait looks again before it is sent, since a 429 another
+        process met meanwhile pauses it too."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hget(self.key, "pause")
+        pipe.time()
+        pause, (seconds, micros) = pipe.execute()
+        return max(0.0, float(pause or 0) - (float(seconds) + float(micros) / 1e6))
+
     def unanswered(self) -> None:
         """A call got no answer (a timeout, a connection lost or never made): if it was the
         breaker's probe, the next call may probe now, not once its lease ran out. Nothing to

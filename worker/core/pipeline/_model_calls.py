@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from worker.contract import Usage
 from worker.core.budget import (
@@ -217,23 +217,36 @@ class ModelCalls:
             if check is not None:
                 check(_billed(run))
         if not grant.admitted:
-            waited = shut + grant.wait
-            self.record_attempt(
-                run, AttemptOutcome.BUDGET_EXHAUSTED, None, 0.0, budget_wait_seconds=waited
-            )
             what = (
                 "the provider is failing: it takes a call again"
                 if grant.shut
                 else "the provider's rate budget frees this call"
             )
-            raise RerankAttemptError(
-                AttemptOutcome.BUDGET_EXHAUSTED,
-                f"{what} in {grant.wait:.1f}s, past the search deadline "
-                f"({max(0.0, deadline.remaining()):.1f}s left)",
-            )
+            self._exhausted(run, deadline, shut + grant.wait, f"{what} in {grant.wait:.1f}s")
+        waited = shut + grant.wait
         if grant.wait > 0:
             self.sleep(grant.wait)
-        return grant, shut + grant.wait
+            # a 429 another process met meanwhile pauses this call too: sent now, it would
+            # meet the provider's 429 itself
+            held = self.rate_budget.paused_for()
+            if held > max(0.0, deadline.remaining() - self.call_time.needed()):
+                self.rate_budget.settle(grant, TokenUsage(), sent=False, closes=False)
+                self._exhausted(run, deadline, waited + held, f"a 429's pause ends in {held:.1f}s")
+            if held > 0:
+                self.sleep(held)
+                waited += held
+        return grant, waited
+
+    def _exhausted(self, run: RerankRun, deadline: Deadline, waited: float, why: str) -> NoReturn:
+        """The attempt cannot be sent within the search's deadline: ``budget_exhausted``,
+        nothing sent, which the failure policy takes from there."""
+        self.record_attempt(
+            run, AttemptOutcome.BUDGET_EXHAUSTED, None, 0.0, budget_wait_seconds=waited
+        )
+        raise RerankAttemptError(
+            AttemptOutcome.BUDGET_EXHAUSTED,
+            f"{why}, past the search deadline ({max(0.0, deadline.remaining()):.1f}s left)",
+        )
 
     def record_attempt(
         self,
