@@ -305,6 +305,7 @@ def test_a_call_the_budget_let_through_while_off_is_counted_as_waiting_nothing(
 
     before = counted()
     assert budget.reserve(PROMPT, 0.0).admitted and budget.reserve_call(0.0).admitted
+    budget.sent(0.0)  # the search's call went out (the economy lane's call counts itself)
     assert counted() == before + 2
     assert not client.exists(budget.key)  # still off: not one Redis write
 
@@ -580,9 +581,13 @@ def test_an_attempt_the_process_limiter_never_sent_neither_pauses_the_cluster_no
     limiter = ProviderLimiter(max_in_flight=1)
     assert pipeline.reranker is not None
     pipeline.reranker = LimitedReranker(pipeline.reranker, limiter)
+    labels = {"model": MODEL, "lane": "standard"}
+    waits = REGISTRY.get_sample_value("sift_rate_budget_wait_seconds_count", labels) or 0.0
     with limiter.slot():  # the process's only slot, taken for the whole search
         result = search(pipeline)
     assert fake.requests() == []
+    # the budget-wait metric counts calls sent: these were not (it counted each)
+    assert REGISTRY.get_sample_value("sift_rate_budget_wait_seconds_count", labels) == waits
     attempts = result.trace["attempts"]
     assert attempts and all(a["outcome"] == "rate_limited" for a in attempts)
     assert all(a["sent"] is False for a in attempts)

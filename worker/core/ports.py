@@ -196,11 +196,14 @@ class RateBudget(Protocol):
     """The provider's rate limits, shared by every process calling the model (one budget per
     model and lane). The pipeline reserves before each attempt and settles after it."""
 
-    def reserve(self, prompt: RerankPrompt, max_wait: float, *, waited: float = 0.0) -> BudgetGrant:
+    def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
         """Reserve one request, the prompt's estimated input tokens and its ``max_tokens``,
-        if the budget frees them within ``max_wait`` seconds; the grant says how long to wait.
-        ``waited``: the seconds this call already waited on the budget (while its breaker
-        was open), counted with the grant's in the call's wait metric."""
+        if the budget frees them within ``max_wait`` seconds; the grant says how long to wait."""
+        ...
+
+    def sent(self, waited: float) -> None:
+        """A call went out to the provider after waiting ``waited`` seconds in all for the
+        budget (its wait metric): one the process's own limiter held back is not counted."""
         ...
 
     def settle(

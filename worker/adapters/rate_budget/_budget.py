@@ -478,9 +478,8 @@ class RedisRateBudget:
                 seconds = max(seconds, amount * 60.0 / min(known))
         return seconds
 
-    def reserve(self, prompt: RerankPrompt, max_wait: float, *, waited: float = 0.0) -> BudgetGrant:
+    def reserve(self, prompt: RerankPrompt, max_wait: float) -> BudgetGrant:
         if not self._turned_on():
-            metrics.budget_waited(self.model, self.lane, waited)  # at once: counted so
             return BudgetGrant(admitted=True, wait=0.0)
         raw = self.estimator.raw(prompt)
         estimate = self.estimator.estimate(prompt)
@@ -498,8 +497,12 @@ class RedisRateBudget:
             return BudgetGrant(admitted=False, wait=wait, shut=shut)
         self._call.sent_at = now + wait
         self._call.stated = None
-        metrics.budget_waited(self.model, self.lane, waited + wait)
         return BudgetGrant(True, wait, estimate, prompt.max_tokens, raw_input=raw)
+
+    def sent(self, waited: float) -> None:
+        """Counted when the call went out, a budget off included (at 0: sent at once), not
+        when it was reserved: the process's own limiter may hold it back, never sent."""
+        metrics.budget_waited(self.model, self.lane, waited)
 
     def settle(
         self,

@@ -151,7 +151,7 @@ class ModelCalls:
             usage = getattr(error, "usage", None)
             usage = usage if isinstance(usage, TokenUsage) else None
             if grant is not None:
-                self._settle_failed(grant, error, usage)
+                self._settle_failed(grant, error, usage, detail["budget_wait_seconds"])
             if not error.sent:
                 detail["sent"] = False
             self.record_attempt(run, error.outcome, usage, self.clock() - started, **detail)
@@ -159,6 +159,7 @@ class ModelCalls:
                 on_billed(run)
             raise
         if grant is not None and self.rate_budget is not None:
+            self.rate_budget.sent(detail["budget_wait_seconds"])
             self.rate_budget.settle(grant, reply.usage)
             self.call_time.add(self.clock() - sent)
         run.returned = reply.positions
@@ -166,7 +167,7 @@ class ModelCalls:
         return reply
 
     def _settle_failed(
-        self, grant: BudgetGrant, error: RerankAttemptError, usage: TokenUsage | None
+        self, grant: BudgetGrant, error: RerankAttemptError, usage: TokenUsage | None, waited: float
     ) -> None:
         """Settle a failed attempt's reservation with the rate budget. One refused before any
         token was read (a 429, a 4xx, or never sent) gives its tokens back, and its request
@@ -177,6 +178,8 @@ class ModelCalls:
         probe if it was that."""
         budget = self.rate_budget
         assert budget is not None
+        if error.sent:
+            budget.sent(waited)
         if error.outcome is AttemptOutcome.RATE_LIMITED or not error.sent:
             budget.settle(grant, TokenUsage(), sent=error.sent, closes=False)
             if error.sent:
@@ -209,7 +212,7 @@ class ModelCalls:
         shut = 0.0  # waited while the provider failed
         while True:
             max_wait = max(0.0, deadline.remaining() - self.call_time.needed())
-            grant = self.rate_budget.reserve(prompt, max_wait, waited=shut)
+            grant = self.rate_budget.reserve(prompt, max_wait)
             if grant.admitted or not grant.shut or grant.wait > max_wait:
                 break
             self.sleep(grant.wait)
