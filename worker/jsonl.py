@@ -85,8 +85,10 @@ class Members:
 def open_text(path: Path) -> TextIO:
     """``path`` as text; bytes that are not UTF-8 are kept as lone surrogates
     (``surrogateescape``), which no decoded text holds, so :func:`parsed` names their line
-    (a file cut off mid-line may be cut inside a character). Raises OSError."""
-    return path.open(encoding="utf-8", errors="surrogateescape")
+    (a file cut off mid-line may be cut inside a character). A byte order mark first (as
+    Windows editors save UTF-8) is skipped, as the gateway skips one in a body. Raises
+    OSError."""
+    return path.open(encoding="utf-8-sig", errors="surrogateescape")
 
 
 def numbered(handle: TextIO) -> Iterator[tuple[int, str]]:

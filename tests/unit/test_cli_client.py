@@ -306,6 +306,22 @@ def test_ingest_a_bad_line_names_line_and_field_and_sends_nothing(
     assert fake_gateway.requests == []
 
 
+def test_a_file_saved_with_a_utf8_byte_order_mark_is_read(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    """Windows editors save UTF-8 with a BOM first: the gateway skips one in a body, as RFC
+    8259 lets a parser do, and so does the CLI's reader now (its first line was "not valid
+    JSON", and ``--skip-invalid`` dropped the first document)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(
+        b'\xef\xbb\xbf{"id": "b1", "text": "bom first"}\r\n{"id": "b2", "text": "x"}\r\n'
+    )
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "s")
+    assert result.exit_code == 0, result.output
+    [batch] = fake_gateway.posted("/v1/indexes/s/documents")
+    assert [d["id"] for d in batch["documents"]] == ["b1", "b2"]
+
+
 def test_ingest_skip_invalid_sends_the_rest(fake_gateway: FakeGateway, tmp_path: Path) -> None:
     rows = [{"_id": "d0", "text": "a"}, {"_id": "d1"}, {"_id": "d2", "text": "c"}]
     corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
