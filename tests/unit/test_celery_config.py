@@ -14,6 +14,7 @@ from worker.queue.config import (
     time_limits,
     warn_if_tombstones_too_short,
 )
+from worker.redis_client import OUTAGE_SECONDS
 from worker.settings import load_settings
 
 
@@ -112,3 +113,16 @@ def test_the_redelivery_window_counts_every_retrys_own_deliveries() -> None:
     assert settings.elasticsearch_gc_deletes_seconds >= takes * visibility_timeout(settings)
     fewer = load_settings(redis_url="redis://localhost", task_max_retries=0)
     assert ingest_redelivery_window(fewer) < ingest_redelivery_window(settings)
+
+
+@pytest.mark.parametrize("cap", [30.0, 70.0, 3000.0])
+def test_the_webhook_task_s_time_limits_outlast_its_cap(cap: float) -> None:
+    # under --pool prefork a soft limit inside the POST left the attempt unrecorded: no
+    # retry, no give-up, the webhook owed and sent again by the re-drive for 7 days
+    settings = load_settings(redis_url="redis://127.0.0.1:1/0", webhook_total_timeout_seconds=cap)
+    conf = celery_config(settings)
+    limits = conf["task_annotations"][WEBHOOK_TASK]
+    soft, hard = limits["soft_time_limit"], limits["time_limit"]
+    assert cap + OUTAGE_SECONDS < soft < hard
+    # and the visibility timeout still outlasts every task, the webhook's too
+    assert conf["broker_transport_options"]["visibility_timeout"] > hard

@@ -45,7 +45,6 @@ from worker.settings import Settings
 log = logging.getLogger("worker.queue.celery_app")
 
 TIME_LIMIT_MARGIN_SECONDS = 15.0  # hard limit = soft limit + this
-WEBHOOK_TIME_LIMIT_SECONDS = 60.0
 
 TASK_ROUTES: dict[str, dict[str, str]] = {
     SEARCH_TASK: {"queue": SEARCH_QUEUE},
@@ -74,16 +73,26 @@ PUBLISH_RETRY_POLICY: dict[str, float] = {
 
 
 def time_limits(settings: Settings) -> dict[str, tuple[float, float]]:
-    """(soft, hard) seconds per task, derived from the search deadline."""
+    """(soft, hard) seconds per task, derived from the search deadline and the webhook's cap."""
     search_soft = settings.search_deadline_seconds + 5.0
     chunk_soft = settings.batch_chunk_size * settings.search_deadline_seconds + 5.0
+    webhook_soft = webhook_soft_time_limit(settings)
     return {
         SEARCH_TASK: (search_soft, search_soft + TIME_LIMIT_MARGIN_SECONDS),
         BATCH_CHUNK_TASK: (chunk_soft, chunk_soft + TIME_LIMIT_MARGIN_SECONDS),
         INDEX_READ_TASK: (search_soft, search_soft + TIME_LIMIT_MARGIN_SECONDS),
         INGEST_TASK: (INGEST_TIME_LIMIT_SECONDS, INGEST_TIME_LIMIT_SECONDS + 30.0),
-        WEBHOOK_TASK: (WEBHOOK_TIME_LIMIT_SECONDS, WEBHOOK_TIME_LIMIT_SECONDS + 15.0),
+        WEBHOOK_TASK: (webhook_soft, webhook_soft + TIME_LIMIT_MARGIN_SECONDS),
     }
+
+
+def webhook_soft_time_limit(settings: Settings) -> float:
+    """The webhook task's soft time limit: one attempt's wall-clock cap
+    (SIFT_WEBHOOK_TOTAL_TIMEOUT_SECONDS), the job store's outage window for its claim and the
+    write that records how it ended, and 5 s. A fixed 60 s fired inside the POST of a cap set
+    above it (``--pool prefork``): nothing recorded the attempt, and the re-drive sent the
+    webhook again every visibility timeout for 7 days."""
+    return settings.webhook_total_timeout_seconds + OUTAGE_SECONDS + 5.0
 
 
 def visibility_timeout(
