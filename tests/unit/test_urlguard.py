@@ -167,5 +167,37 @@ def test_a_local_refusal_names_the_setting_that_allows_it(url: str) -> None:
     assert "local development" in message
 
 
-def test_a_metadata_refusal_points_at_no_setting() -> None:
-    assert "SIFT_WEBHOOK" not in refused("http://169.254.169.254/latest/meta-data/").message
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://169.254.169.254/latest/meta-data/",
+        "http://2852039166/",
+        "http://[fd00:ec2::254]/",
+        # embedded in IPv6: the hint was given, the outer address alone looked at
+        "http://[::ffff:169.254.169.254]/",
+        "http://[64:ff9b::169.254.169.254]/",
+        "http://[2002:a9fe:a9fe::1]/",
+        "http://[::169.254.169.254]/",
+        "http://[::ffff:168.63.129.16]/",
+        "http://[::ffff:100.100.100.200]/",
+    ],
+)
+def test_a_metadata_refusal_points_at_no_setting(url: str) -> None:
+    message = refused(url).message
+    assert "cloud metadata address" in message
+    assert "SIFT_WEBHOOK" not in message
+
+
+def test_a_name_with_a_metadata_answer_among_private_ones_points_at_no_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    answers = {"mixed.example": ["10.0.0.1", "::ffff:169.254.169.254"]}
+    monkeypatch.setattr(socket, "getaddrinfo", fake_dns(answers))
+    message = refused("http://mixed.example/").message
+    assert "cloud metadata address" in message and "SIFT_WEBHOOK" not in message
+
+
+def test_a_mapped_address_of_no_metadata_endpoint_names_the_setting() -> None:
+    assert (
+        "SIFT_WEBHOOK_ALLOW_PRIVATE_NETWORKS=true" in refused("http://[::ffff:10.0.0.1]/").message
+    )

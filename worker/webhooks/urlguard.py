@@ -70,6 +70,16 @@ def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
     return None
 
 
+def is_metadata(ip: IPAddress) -> bool:
+    """Whether ``ip`` is a cloud metadata address, itself or embedded in an IPv6 address
+    (``::ffff:169.254.169.254``, ``64:ff9b::a9fe:a9fe``, 6to4...): a refusal of one never
+    hints at the setting that lifts the address rule, in any spelling."""
+    if ip in METADATA_ADDRESSES:
+        return True
+    embedded = _embedded_ipv4(ip) if isinstance(ip, ipaddress.IPv6Address) else None
+    return embedded is not None and embedded in METADATA_ADDRESSES
+
+
 def refusal_reason(ip: IPAddress) -> str | None:
     """Why ``ip`` is not a public address a webhook may reach, or None when it is."""
     if isinstance(ip, ipaddress.IPv6Address):
@@ -167,17 +177,26 @@ def check_webhook_url(
     _, host, port = split_webhook_url(url)
     addresses = resolve(host, port, lookup)
     if not allow_private:
-        for address in addresses:
-            reason = refusal_reason(address)
-            if reason is not None:
-                message = f"the host {host!r} resolves to a non-public address: {reason}"
-                if address not in METADATA_ADDRESSES:  # never a hint towards those
-                    message += (
-                        f"; for local development only, {ALLOW_PRIVATE_SETTING}=true on the "
-                        "gateway and the workers allows it"
-                    )
-                raise InvalidRequest(FIELD, message)
+        _refuse_non_public(host, addresses)
     return addresses
+
+
+def _refuse_non_public(host: str, addresses: list[IPAddress]) -> None:
+    """Raise the refusal of ``host`` if any of its ``addresses`` is not public. It names the
+    setting that lifts the rule for a local receiver, never when a metadata address is among
+    them, embedded or not: the setting would let the URL reach it."""
+    refused = [(a, reason) for a in addresses if (reason := refusal_reason(a)) is not None]
+    if not refused:
+        return
+    metadata = [(a, reason) for a, reason in refused if is_metadata(a)]
+    reason = (metadata or refused)[0][1]
+    message = f"the host {host!r} resolves to a non-public address: {reason}"
+    if not metadata:
+        message += (
+            f"; for local development only, {ALLOW_PRIVATE_SETTING}=true on the "
+            "gateway and the workers allows it"
+        )
+    raise InvalidRequest(FIELD, message)
 
 
 def failed_for_now(error: BaseException | None) -> bool:
