@@ -34,6 +34,8 @@ from worker.queue.jobstore.store import _StoreCore
 
 
 def _new_search(tenant: str, spec: SearchSpec, webhook_url: str | None) -> SearchJob:
+    """A new search as its record will read: its webhook, if it has a URL, pending with no
+    attempt (the gateway's 202 is built from this; it said none while the GET said pending)."""
     return SearchJob(
         id=_new_id(SEARCH_ID_PREFIX),
         tenant=tenant,
@@ -41,6 +43,7 @@ def _new_search(tenant: str, spec: SearchSpec, webhook_url: str | None) -> Searc
         spec=spec,
         created_at=_now(),
         webhook_url=webhook_url,
+        webhook=webhook_state({"webhook_url": webhook_url or ""}),
     )
 
 
