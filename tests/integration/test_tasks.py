@@ -1331,6 +1331,38 @@ def _search_event(job_id: str, **fields: Any) -> dict[str, Any]:
     )
 
 
+@pytest.mark.parametrize(("attempt", "ends"), [(1, "retrying"), (8, "failed")])
+def test_a_webhook_attempt_its_soft_time_limit_cuts_is_a_timeout_on_the_schedule(
+    context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch, attempt: int, ends: str
+) -> None:
+    """``--pool prefork`` raises SoftTimeLimitExceeded where the task runs: inside the POST,
+    should the attempt's cap and the job store's stalls before it outlast the limit. The
+    attempt is a timeout, as the cap's: its retry recorded and sent (the schedule's last:
+    given up, owed no more). Before, it was raised out of the task, recorded nowhere: the
+    webhook stayed owed and ``pending``, and the re-drive sent it again for 7 days."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from worker.constants import WEBHOOKS_OWED_KEY
+    from worker.webhooks import delivery as webhooks
+
+    job = _searched_with_a_webhook(context, monkeypatch)
+    retries = _capturing_retries(monkeypatch)
+
+    def run_delivery(**kwargs: Any) -> webhooks.DeliveryDecision:
+        raise SoftTimeLimitExceeded()
+
+    monkeypatch.setattr(webhooks, "run_delivery", run_delivery)
+    webhook_task.webhook.apply(args=[{**_search_event(job.id), "attempt": attempt}])
+    state = context.store.get_search(job.id)
+    assert state is not None and state.webhook is not None
+    assert (state.webhook.status, state.webhook.attempts) == (ends, attempt)
+    owed = context.store.redis.zscore(WEBHOOKS_OWED_KEY, job.id)
+    if ends == "retrying":
+        assert [r["attempt"] for r in retries] == [attempt + 1] and owed is not None
+    else:
+        assert retries == [] and owed is None
+
+
 def test_a_webhook_retry_carries_the_figures_its_first_attempt_read(
     context: base.WorkerContext, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -9,9 +9,10 @@ import logging
 import random
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
+from celery.exceptions import SoftTimeLimitExceeded
 
 from worker.constants import BATCH_ID_PREFIX, WEBHOOK_QUEUE, WEBHOOK_TASK
 from worker.observability import metrics
@@ -21,6 +22,9 @@ from worker.queue.config import visibility_timeout
 from worker.queue.jobstore import BatchJob, JobStore, SearchJob, webhook_figures
 from worker.redis_client import OUTAGE_SECONDS
 from worker.settings import Settings
+
+if TYPE_CHECKING:
+    from worker.webhooks.delivery import DeliveryDecision
 
 log = logging.getLogger(__name__)
 
@@ -129,19 +133,21 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
     # each attempt sends the same bytes, and so does a copy sent again for the same job
     if "figures" not in event:
         event = {**event, **_final_figures(store, event)}
-    figures = event["figures"]
-    decision = webhooks.run_delivery(
-        url=event["url"],
-        event_type=event["type"],
-        job_id=data["id"],
-        status=data["status"],
-        occurred_at=event["occurred_at"],
-        attempt=attempt,
-        secrets=secrets,
-        settings=settings,
-        figures=figures,
-        tenant=event["tenant"],
-    )
+    try:
+        decision = webhooks.run_delivery(
+            url=event["url"],
+            event_type=event["type"],
+            job_id=data["id"],
+            status=data["status"],
+            occurred_at=event["occurred_at"],
+            attempt=attempt,
+            secrets=secrets,
+            settings=settings,
+            figures=event["figures"],
+            tenant=event["tenant"],
+        )
+    except SoftTimeLimitExceeded:
+        decision = _cut_by_time_limit(data["id"], attempt, settings)
     # the last attempt of a spent schedule is a failure, not a retry: nothing comes after it
     failed = webhooks.DeliveryOutcome.FAILED
     metrics.webhook_delivery(failed if decision.gave_up else decision.result.outcome)
@@ -155,6 +161,22 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
         log.info("webhook %s: settled, or another copy makes attempt %d", data["id"], attempt + 1)
         return
     raise self.retry(args=[later], countdown=min(decision.retry_in, _hop_seconds(settings)))
+
+
+def _cut_by_time_limit(job_id: str, attempt: int, settings: Settings) -> DeliveryDecision:
+    """The decision on an attempt the task's soft time limit cut (``--pool prefork`` raises
+    it wherever the task runs, the POST too): a timeout, retried on the schedule or given
+    up, as one the attempt's cap cut. The limit outlasts the cap (worker/queue/config.py),
+    so only job store writes stalled before the POST leave it so little time. Raised out
+    of the task, the attempt was recorded nowhere: the webhook stayed owed and ``pending``,
+    and the re-drive sent it again every visibility timeout for 7 days."""
+    from worker.webhooks import delivery as webhooks
+
+    log.warning("webhook %s: attempt %d cut by the task's soft time limit", job_id, attempt)
+    cut = webhooks.DeliveryResult(
+        webhooks.DeliveryOutcome.RETRY, "timeout: the task's soft time limit"
+    )
+    return webhooks.decide(cut, job_id=job_id, attempt=attempt, settings=settings)
 
 
 def _attempt_number(self: SiftTask, event: dict[str, Any]) -> int:

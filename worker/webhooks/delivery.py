@@ -538,6 +538,20 @@ def run_delivery(
         client=client,
         tenant=tenant,
     )
+    return decide(result, job_id=job_id, attempt=attempt, settings=settings, rng=rng)
+
+
+def decide(
+    result: DeliveryResult,
+    *,
+    job_id: str,
+    attempt: int,
+    settings: Settings,
+    rng: random.Random | None = None,
+) -> DeliveryDecision:
+    """What comes after attempt ``attempt`` of ``job_id``'s webhook ended as ``result``: a
+    retry on the schedule (a 429/5xx ``Retry-After`` lengthens the wait, never shortens it),
+    or nothing (delivered, failed for good, or the schedule spent)."""
     retry_in: float | None = None
     if result.outcome is DeliveryOutcome.RETRY:
         retry_in = next_delay(attempt, scale=settings.webhook_retry_scale, rng=rng)
