@@ -237,14 +237,16 @@ async def _read(
     if operation == "update":  # started by then or never; answered within the grace after
         args.append(time.time() + INDEX_READ_TIMEOUT_SECONDS)
         wait += INDEX_CHANGE_GRACE_SECONDS
+        what = (
+            f"index settings change within {wait:g} s (none started by "
+            f"{INDEX_READ_TIMEOUT_SECONDS:g} s makes it)"
+        )
+    else:
+        what = f"index read within {wait:g} s"
     await off_loop(task_sender(request).send, INDEX_READ_TASK, args, SEARCH_QUEUE)
     raw = await off_loop(store.await_reply, key, wait)
     if raw is None:
-        raise ApiError(
-            503,
-            "backend_unavailable",
-            f"no worker answered the index read within {INDEX_READ_TIMEOUT_SECONDS:g} s; retry",
-        )
+        raise ApiError(503, "backend_unavailable", f"no worker answered the {what}; retry")
     answer = json.loads(raw)
     error = answer.get("error")
     if error is not None:
