@@ -8,6 +8,7 @@ whose model calls are paid) ran on with nobody to read their results.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,35 @@ def test_ctrl_c_again_while_canceling_says_which_batches_may_still_run(
         "interrupted again: the cancels of bat_2, bat_3 may not have been made; they may still "
         "be running (DELETE /v1/batches/{id} cancels each)" in said
     ), said
+
+
+def test_a_reranked_run_the_deployment_refuses_is_sent_first_so_nothing_else_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A deployment with no generation model refuses ``rerank: true`` (422). The reranked
+    run is submitted first, so the refusal comes before any other batch; it was the fourth,
+    after three batches (900 searches on SciFact) had started, and canceled then."""
+    sent: list[tuple[str, str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        sent.append((request.method, request.url.path, body))
+        if request.method == "POST" and body["rerank"]:
+            error = {"type": "invalid_request", "message": "rerank: no generation model"}
+            return httpx.Response(422, json={"error": {**error, "field": "rerank"}})
+        return httpx.Response(202, json={"id": f"bat_{len(sent)}", "status": "queued"})
+
+    @contextlib.contextmanager
+    def gateway() -> Iterator[Gateway]:
+        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
+
+    monkeypatch.setattr(_eval_runs, "gateway", gateway)
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text('{"_id": "1", "text": "tea"}\n')
+    qrels = tmp_path / "qrels.tsv"
+    qrels.write_text("query-id\tcorpus-id\tscore\n1\td1\t1\n")
+    args = ["eval", "--index", "s", "--queries", str(queries), "--qrels", str(qrels), "--rerank"]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.output
+    assert [(method, path) for method, path, _ in sent] == [("POST", "/v1/batches")], sent
+    assert "rerank: no generation model" in " ".join(result.output.split())

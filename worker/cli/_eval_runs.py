@@ -39,13 +39,16 @@ def _run_batches(
     index: str, runs: list[RunSpec], queries: list[tuple[str, str]], out: Path | None
 ) -> tuple[dict[str, str], dict[str, list[dict[str, Any]]]]:
     """Each run as one batch through the gateway, all submitted at once: the batch ids and
-    every result of each, in submission order (kept under ``out`` when given)."""
+    every result of each, in the order of ``runs`` (kept under ``out`` when given). A run
+    that reranks is submitted first: a deployment with no generation model refuses it (422)
+    before any other batch has started its searches."""
     with gateway() as client, _cancel_runs_on_interrupt(client, len(runs)) as submitted:
-        for run in runs:
+        for run in sorted(runs, key=lambda run: not run.rerank):  # stable: the rest in order
             submitted[run.name] = _submit(client, index, run, queries)
         with progress_bar(console) as bar:
             tasks = {
-                name: bar.add_task(f"{name} via {index}", total=len(queries)) for name in submitted
+                run.name: bar.add_task(f"{run.name} via {index}", total=len(queries))
+                for run in runs
             }
             pending = dict(submitted)
             while pending:
@@ -64,7 +67,7 @@ def _run_batches(
             served[run.name] = list(_results(client, submitted[run.name]))
             if out is not None:
                 _write_jsonl(out / f"{run.name.split()[0]}.jsonl", served[run.name])
-    return submitted, served
+    return {run.name: submitted[run.name] for run in runs}, served
 
 
 @contextmanager
