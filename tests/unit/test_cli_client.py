@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from worker.cli import app
+from worker.processes.stack import free_port
 
 API_KEY = "test-key-123456"
 
@@ -320,6 +321,16 @@ def test_a_file_saved_with_a_utf8_byte_order_mark_is_read(
     assert result.exit_code == 0, result.output
     [batch] = fake_gateway.posted("/v1/indexes/s/documents")
     assert [d["id"] for d in batch["documents"]] == ["b1", "b2"]
+
+
+def test_an_ingest_no_gateway_answers_says_only_that(tmp_path: Path) -> None:
+    """No request in flight beside the one refused: the command says no gateway answers,
+    not that it is "waiting for the answers to the requests already sent" (none were)."""
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"_id": "d0", "text": "a"}])
+    result = run(f"http://127.0.0.1:{free_port()}", "ingest", str(corpus), "--index", "s")
+    assert result.exit_code == 1, result.output
+    assert "waiting for the answers" not in result.output, result.output
+    assert "Start one with `sift up`; none of the 1 document(s)" in result.output
 
 
 def test_ingest_skip_invalid_sends_the_rest(fake_gateway: FakeGateway, tmp_path: Path) -> None:

@@ -219,14 +219,16 @@ def ingest(
                         # the requests in flight are answered, but not polled on: a job that
                         # did not run held the failure back for good
                         stopping.set()
-                        _err().print(
-                            "a request failed: waiting for the answers to the requests already "
-                            "sent (Ctrl-C to leave without them)"
-                        )
+                        if any(other.running() for other in sent):  # said only when so
+                            _err().print(
+                                "a request failed: waiting for the answers to the requests "
+                                "already sent (Ctrl-C to leave without them)"
+                            )
                         raise
             except GatewayError as exc:  # the pool has waited for the requests in flight
                 note = _resume_note(file, loaded, chunks, done, unsettled)
-                raise GatewayError(f"{exc.message}; {note}", status_code=exc.status_code) from exc
+                said = exc.message.rstrip(".")  # "...`sift up`.; none of" read as a typo
+                raise GatewayError(f"{said}; {note}", status_code=exc.status_code) from exc
             except KeyboardInterrupt as exc:  # while the requests in flight were awaited
                 note = plain(_resume_note(file, loaded, chunks, done, unsettled))
                 failed = exc.__context__  # the failure whose requests in flight were awaited
