@@ -50,6 +50,8 @@ def test_an_out_that_cannot_be_written_is_refused_before_the_batch_is_sent(
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert "--out" in result.output and str(out) in result.output, result.output
     assert "nothing was sent" in result.output, result.output
+    if where == "under a file":  # the reason, not the mkdir's "File exists"
+        assert f"{a_file} is a file, not a folder" in " ".join(result.output.split())
     assert batch_ids(stack) == before  # no batch made, nothing spent
 
 

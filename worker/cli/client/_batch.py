@@ -122,9 +122,10 @@ def _check_out(out: Path) -> None:
         with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".check"):
             pass
     except OSError as exc:
-        raise InputError(
-            f"--out: cannot write {out} ({exc.strerror or exc}); nothing was sent"
-        ) from exc
+        # a file where a folder should be: mkdir says "File exists", naming neither
+        blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else exc.strerror or exc
+        raise InputError(f"--out: cannot write {out} ({why}); nothing was sent") from exc
 
 
 def batch_key(body: dict[str, Any]) -> str:
