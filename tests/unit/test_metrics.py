@@ -10,7 +10,7 @@ import pkgutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -594,3 +594,46 @@ def test_setup_multiprocess_warns_when_a_running_process_shares_the_folder(
     assert f"running pid(s) {other.pid}:" in run.stderr, run.stderr
     assert "999999" not in run.stderr
     assert list(folder.glob("*.db")) == []
+
+
+def test_a_dead_process_marked_dead_by_its_supervisor_and_a_sweep_at_once_is_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisor marks a child dead as it exits while a scrape's sweep finds the same pid
+    gone: both remove its live-gauge files. prometheus-client's ``mark_process_dead`` lists
+    them, then removes them, and raised FileNotFoundError in whichever came second: in the
+    supervisor, that killed the thread that restarts the children."""
+    import threading
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    modes = ("livesum", "liveall", "livemin", "livemax", "livemostrecent")
+    failures: list[BaseException] = []
+
+    def at_once(both: threading.Barrier, drop: Callable[[], object]) -> None:
+        both.wait()
+        try:
+            drop()
+        except Exception as exc:
+            failures.append(exc)
+
+    def supervisor() -> None:
+        metrics.mark_process_dead(gone.pid)
+
+    def scrape() -> None:
+        metrics.sweep_dead_processes(tmp_path)
+
+    for _ in range(300):
+        for mode in modes:
+            (tmp_path / f"gauge_{mode}_{gone.pid}.db").write_bytes(b"x" * 16)
+        both = threading.Barrier(2)
+        threads = [
+            threading.Thread(target=at_once, args=(both, drop)) for drop in (supervisor, scrape)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert failures == []
+    assert list(tmp_path.glob("*.db")) == []

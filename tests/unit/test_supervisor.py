@@ -9,6 +9,8 @@ import re
 import time
 from pathlib import Path
 
+import pytest
+
 from worker.processes.stack import RESTART_RESET_AFTER_SECONDS, Service, Supervisor, _Watched
 
 
@@ -96,3 +98,39 @@ def test_nothing_is_restarted_once_the_stack_stops(tmp_path: Path) -> None:
     supervisor.stop_watching()  # Ctrl-C: the processes exit on their own
     supervisor._check(_Watched(service), time.monotonic() + 100)
     assert said == []
+
+
+def test_a_failing_exit_hook_neither_stops_the_supervisor_nor_the_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``sift worker``'s exit hook (a dead child's live gauges dropped) once raised, and the
+    exception ended the supervisor's thread: nothing was restarted again, and the processes
+    it had restarted, which follow that thread, were sent SIGTERM. Logged, and gone past."""
+    said: list[str] = []
+    hooked: list[int] = []
+
+    def failing_hook(service: Service) -> None:
+        assert service.proc is not None
+        hooked.append(service.proc.pid)
+        raise FileNotFoundError("gone already")
+
+    service = Service("sleeper", ["sleep", "600"], tmp_path / "sleeper.log", None, follow=True)
+    supervisor = Supervisor(said.append, poll_seconds=0.05, on_exit=failing_hook)
+    supervisor.watch(service)
+    with supervisor:
+        first = service.start()
+        first.kill()
+        deadline = time.monotonic() + 60
+        while sum("restarted (pid" in line for line in said) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = service.proc
+        assert second is not None and second is not first, said
+        second.kill()  # the thread is still there to see this one exit too
+        while sum("restarted (pid" in line for line in said) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert supervisor._thread is not None and supervisor._thread.is_alive()
+    assert hooked == [first.pid, second.pid], said
+    assert "the exit hook failed for sleeper" in caplog.text
+    assert service.proc is not None
+    service.proc.kill()
+    service.proc.wait()

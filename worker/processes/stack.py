@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import logging
 import os
 import random
 import shutil
@@ -37,6 +38,8 @@ import httpx
 import redis
 
 from worker.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_SECONDS = 60.0
 
@@ -547,15 +550,33 @@ class Supervisor:
     def _run(self) -> None:
         while not self._closed.wait(self.poll_seconds):
             for watched in self._watched:
-                self._check(watched, time.monotonic())
+                self._check_or_log(watched)
+
+    def _check_or_log(self, watched: _Watched) -> None:
+        """Check one process, logging what fails: the thread must outlive any failure, for it
+        is the one that restarts every process, and the processes it restarted receive
+        SIGTERM when it ends (``Service.follow``, a worker process's ``--supervised-by``)."""
+        try:
+            self._check(watched, time.monotonic())
+        except Exception:
+            logger.exception("supervisor: checking %s failed; going on", watched.service.name)
+
+    def _exited(self, service: Service) -> None:
+        """Call ``on_exit``, logging what it raises: the exit is handled (and the process
+        restarted) all the same."""
+        if self.on_exit is None:
+            return
+        try:
+            self.on_exit(service)
+        except Exception:
+            logger.exception("supervisor: the exit hook failed for %s; going on", service.name)
 
     def _check(self, watched: _Watched, now: float) -> None:
         service = watched.service
         if service.proc is None or service.proc.poll() is None or self._stopping.is_set():
             return
         if watched.restart_at is None:  # it just exited
-            if self.on_exit is not None:
-                self.on_exit(service)
+            self._exited(service)
             if now - service.started_at >= RESTART_RESET_AFTER_SECONDS:
                 watched.failures = 0
             delay = min(

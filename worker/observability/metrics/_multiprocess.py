@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from prometheus_client import values as _prometheus_values
+from prometheus_client.metrics import Gauge
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.multiprocess import mark_process_dead as _mark_process_dead
 
 from worker.observability.metrics._series import ALL_METRICS
 
@@ -91,7 +91,20 @@ def mark_process_dead(pid: int) -> None:
     """
     directory = multiprocess_dir()
     if directory is not None:
-        _mark_process_dead(pid, directory)  # type: ignore[no-untyped-call]
+        _drop_live_gauges(pid, directory)
+
+
+_LIVE_GAUGE_MODES: Final = sorted(m for m in Gauge._MULTIPROC_MODES if m.startswith("live"))
+
+
+def _drop_live_gauges(pid: int, directory: str | os.PathLike[str]) -> None:
+    """Remove ``pid``'s live-gauge files, those already gone included: the supervisor (as its
+    child exits) and a scrape's sweep (which finds the pid dead) drop the same files at the
+    same moment, and prometheus-client's ``mark_process_dead`` raised FileNotFoundError in
+    whichever came second (it lists the files, then removes them), killing the supervisor's
+    thread."""
+    for mode in _LIVE_GAUGE_MODES:
+        Path(directory, f"gauge_{mode}_{pid}.db").unlink(missing_ok=True)
 
 
 _LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
@@ -107,7 +120,7 @@ def sweep_dead_processes(directory: str | os.PathLike[str]) -> list[int]:
             pids.add(int(match.group(1)))
     dead = [pid for pid in sorted(pids) if not _alive(pid)]
     for pid in dead:
-        _mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
+        _drop_live_gauges(pid, directory)
     return dead
 
 
