@@ -10,7 +10,9 @@ metrics port and the metrics folder are given, so the test can read them.
   the one ``/metrics`` sums the counter over every child's file;
 - SIGTERM to the supervisor reaches both children: they hand the batch back and exit, the
   supervisor with them, leaving no item ``running``; a new worker finishes the batch once;
-- SIGKILL of the supervisor leaves no worker behind (the children get SIGTERM).
+- SIGKILL of the supervisor leaves no worker behind (the children get SIGTERM);
+- both children killed on sight show on the supervisor's ``/metrics`` (``sift_worker_processes``,
+  ``sift_worker_restarts_total``), which answers all the while.
 """
 
 from __future__ import annotations
@@ -308,3 +310,55 @@ def test_a_stop_on_a_hung_redis_ends_every_worker_process(
     if how == signal.SIGTERM:
         assert proc.returncode == 0, output[-3000:]
         assert "every worker process stopped" in output, output[-3000:]
+
+
+def _processes_and_restarts(port: int) -> dict[str, float]:
+    """The supervisor's own series on its ``/metrics``: ``running``, ``expected``, and the
+    restarts by cause (each key missing while its series is)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "sift_worker_processes":
+                found[sample.labels["state"]] = sample.value
+            elif sample.name == "sift_worker_restarts_total":
+                found[sample.labels["cause"]] = sample.value
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_worker_processes_killed_on_sight_show_on_the_supervisors_metrics(
+    tmp_path: Path,
+) -> None:
+    """Both processes of ``sift worker --processes 2`` SIGKILLed as soon as they appear (an OOM
+    killer, a crash at start): the supervisor's ``/metrics`` still answers every scrape, so
+    ``up`` says nothing; ``sift_worker_processes`` shows none of the 2 running, and
+    ``sift_worker_restarts_total{cause="signal"}`` counts the kills. Before, nothing outside
+    the supervisor's log showed them dead."""
+    redis_service_, redis_url = redis_service(tmp_path / "redis")
+    port = free_port()
+    with running(redis_service_):
+        env = child_env({"SIFT_REDIS_URL": redis_url + "/0", "SIFT_WORKER_METRICS_PORT": str(port),
+                         "SIFT_DATA_DIR": str(tmp_path / "data"),
+                         "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")},
+                        inherit_sift=False)  # fmt: skip
+        with worker_process(tmp_path / "w", env, "duo", processes=2) as proc:
+            workers = Workers(proc, tmp_path / "w" / "duo.log", tmp_path / "metrics", port)
+            wait_for(lambda: workers.output().count(" ready.") >= 2, "both workers ready", 120)
+            assert _processes_and_restarts(port) == {"running": 2, "expected": 2}
+            killed = 0
+
+            def all_dead() -> bool:
+                nonlocal killed
+                for pid in workers.children().values():
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                        killed += 1
+                seen = _processes_and_restarts(port)
+                return killed >= 4 and seen.get("running") == 0
+
+            wait_for(all_dead, "no worker process running, on /metrics", 120)
+            seen = _processes_and_restarts(port)
+            assert seen["expected"] == 2
+            assert seen["signal"] >= 2 and seen["error"] == 0 and seen["clean"] == 0, seen
+            assert proc.poll() is None  # the supervisor itself is fine

@@ -511,6 +511,8 @@ class Supervisor:
     poll_seconds: float = 0.5
     # called once with a service whose process just exited (its ``proc`` still the dead one)
     on_exit: Callable[[Service], None] | None = None
+    # called with a service whose process was just started again
+    on_restart: Callable[[Service], None] | None = None
     _watched: list[_Watched] = field(default_factory=list)
     _stopping: threading.Event = field(default_factory=threading.Event)
     _closed: threading.Event = field(default_factory=threading.Event)
@@ -561,22 +563,22 @@ class Supervisor:
         except Exception:
             logger.exception("supervisor: checking %s failed; going on", watched.service.name)
 
-    def _exited(self, service: Service) -> None:
-        """Call ``on_exit``, logging what it raises: the exit is handled (and the process
-        restarted) all the same."""
-        if self.on_exit is None:
+    def _hook(self, hook: Callable[[Service], None] | None, service: Service) -> None:
+        """Call ``hook`` (``on_exit``, ``on_restart``), logging what it raises: the exit or
+        restart is handled all the same."""
+        if hook is None:
             return
         try:
-            self.on_exit(service)
+            hook(service)
         except Exception:
-            logger.exception("supervisor: the exit hook failed for %s; going on", service.name)
+            logger.exception("supervisor: a hook failed for %s; going on", service.name)
 
     def _check(self, watched: _Watched, now: float) -> None:
         service = watched.service
         if service.proc is None or service.proc.poll() is None or self._stopping.is_set():
             return
         if watched.restart_at is None:  # it just exited
-            self._exited(service)
+            self._hook(self.on_exit, service)
             if now - service.started_at >= RESTART_RESET_AFTER_SECONDS:
                 watched.failures = 0
             delay = min(
@@ -595,6 +597,7 @@ class Supervisor:
                 self._say(service, f"{service.name} could not be started: {exc}")
                 return
             self._say(service, f"{service.name} restarted (pid {proc.pid})")
+            self._hook(self.on_restart, service)
 
     def _say(self, service: Service, message: str) -> None:
         if service.log is not None:

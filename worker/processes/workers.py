@@ -16,7 +16,8 @@ The supervisor (this process):
   there :data:`KILL_MARGIN_SECONDS` later is SIGKILLed, its process group with it;
 - serves the one ``/metrics`` on ``SIFT_WORKER_METRICS_PORT``, summing the children's files
   (Prometheus multiprocess mode, :mod:`worker.observability.metrics`); a dead child's live gauges
-  are dropped.
+  are dropped. It answers whatever the children do, so it adds its own count of them:
+  ``sift_worker_processes{state="running"|"expected"}`` and ``sift_worker_restarts_total``.
 
 ``--processes 1`` runs the Celery worker in the process itself, as before.
 """
@@ -133,7 +134,11 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
                                "--supervised-by", me, *child_args)  # fmt: skip
         services.append(Service(f"worker {name}-{i}", command, None, env, own_group=True))
     signals: queue.SimpleQueue[int] = queue.SimpleQueue()
-    supervisor = Supervisor(_say, on_exit=lambda service: _dead(service))
+    supervisor = Supervisor(
+        _say,
+        on_exit=lambda service: _exited_unasked(service, services),
+        on_restart=lambda _: _count_running(services),
+    )
 
     def on_signal(signum: int, _frame: object) -> None:
         supervisor.stop_watching()
@@ -147,6 +152,7 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
         for service in services:
             service.start()
             supervisor.watch(service)
+        _count_running(services)
         _say(f"{count} worker processes started (pids "
              f"{', '.join(str(s.proc.pid) for s in services if s.proc)})")  # fmt: skip
         with supervisor:  # leaving it joins its thread: no restart races the stop below
@@ -195,6 +201,26 @@ def _kill_left(services: Sequence[Service], waited: float) -> None:
 
 def _all_exited(services: Sequence[Service]) -> bool:
     return all(s.proc is None or s.proc.poll() is not None for s in services)
+
+
+def _exited_unasked(service: Service, services: Sequence[Service]) -> None:
+    """A child exited while we were not stopping it: its live gauges go, and the exit and the
+    processes left running are counted (``sift_worker_restarts_total``,
+    ``sift_worker_processes``), since our ``/metrics`` answers whatever the children do."""
+    from worker.observability.metrics import worker_restart
+
+    _dead(service)
+    if service.proc is not None and service.proc.returncode is not None:
+        worker_restart(service.proc.returncode)
+    _count_running(services)
+
+
+def _count_running(services: Sequence[Service]) -> None:
+    """``sift_worker_processes``: how many of ``services`` run, of how many."""
+    from worker.observability.metrics import worker_processes
+
+    running = sum(s.proc is not None and s.proc.poll() is None for s in services)
+    worker_processes(running, len(services))
 
 
 def _dead(service: Service) -> None:

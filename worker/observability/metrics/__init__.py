@@ -5,6 +5,7 @@ can import it without the search core. Its modules, by what they measure or do:
 
 * ``_search``: the search and its retrieval channels; ``_rerank``: the model calls, their
   tokens, cost and rate limits; ``_jobs``: jobs, queues, tasks, the re-drive and webhooks;
+  ``_processes``: a ``sift worker`` supervisor's worker processes;
 * ``_recorder``: :class:`PrometheusRecorder`; ``_series``: every metric and
   :func:`preregister`; ``_recording``: closed label sets and the kept children;
 * ``_multiprocess``: the value files and their sweep; ``_exposition``: serving ``/metrics``.
@@ -19,7 +20,8 @@ Who calls what:
   :func:`webhook_deferred`;
 * the gateway calls :func:`job_submitted`, mounts :func:`metrics_asgi_app` at ``/metrics``,
   and may call :func:`update_backlog` from a periodic loop;
-* a worker's main process calls :func:`start_worker_metrics_server`.
+* a worker's main process calls :func:`start_worker_metrics_server`; a ``sift worker``
+  supervisor calls :func:`worker_processes` and :func:`worker_restart`.
 
 Multiprocess mode. Where a process forks (Celery prefork, several gateway workers) each
 process writes its values to files in ``PROMETHEUS_MULTIPROC_DIR`` and the exposition sums
@@ -84,6 +86,14 @@ from worker.observability.metrics._multiprocess import (
     multiprocess_dir,
     setup_multiprocess,
     sweep_dead_processes,
+)
+from worker.observability.metrics._processes import (
+    WORKER_EXIT_CAUSES,
+    WORKER_PROCESS_STATES,
+    WORKER_PROCESSES,
+    WORKER_RESTARTS,
+    worker_processes,
+    worker_restart,
 )
 from worker.observability.metrics._recorder import PrometheusRecorder
 from worker.observability.metrics._recording import OTHER
@@ -172,6 +182,10 @@ __all__ = [
     "WEBHOOK_DELIVERIES",
     "WEBHOOK_EVENTS",
     "WEBHOOK_RESULTS",
+    "WORKER_EXIT_CAUSES",
+    "WORKER_PROCESSES",
+    "WORKER_PROCESS_STATES",
+    "WORKER_RESTARTS",
     "InFlightReranker",
     "PrometheusRecorder",
     "RedisLike",
@@ -200,4 +214,6 @@ __all__ = [
     "update_backlog",
     "webhook_deferred",
     "webhook_delivery",
+    "worker_processes",
+    "worker_restart",
 ]

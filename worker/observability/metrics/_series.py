@@ -33,6 +33,7 @@ from worker.observability.metrics._jobs import (
     WEBHOOK_EVENTS,
     WEBHOOK_RESULTS,
 )
+from worker.observability.metrics._processes import WORKER_PROCESSES, WORKER_RESTARTS
 from worker.observability.metrics._rerank import (
     ATTEMPT_RESULTS,
     BUDGET_WAIT,
@@ -83,6 +84,8 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     TASK_RETRIES,
     BUDGET_WAIT,
     PROVIDER_429,
+    WORKER_PROCESSES,
+    WORKER_RESTARTS,
 )
 
 
