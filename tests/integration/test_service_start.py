@@ -101,3 +101,28 @@ def test_a_folder_it_cannot_make_is_one_line_naming_it(
     assert ran.returncode == 2, said
     assert f"{setting} ({blocker / 'folder'})" in said and "Traceback" not in said, said
     assert len(said.strip().splitlines()) == 1, said
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+@pytest.mark.parametrize("where", ["a file", "under a file", "under /proc"])
+def test_a_metrics_folder_it_cannot_use_is_one_line_naming_it(
+    tmp_path: Path, where: str, processes: str
+) -> None:
+    """``PROMETHEUS_MULTIPROC_DIR`` naming a file, or a folder that cannot be made: the
+    metrics files' set-up made it, and its ``OSError`` was a traceback of 49 lines, exit 1."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    folder = {"a file": blocker, "under a file": blocker / "folder"}.get(
+        where, Path("/proc/sift-metrics")
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+    env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_WORKER_METRICS_PORT="0", COLUMNS="200")
+    env.update(SIFT_REDIS_URL="redis://127.0.0.1:9/0", PROMETHEUS_MULTIPROC_DIR=str(folder))
+    ran = subprocess.run(
+        [SIFT, "worker", "--processes", processes],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert f"PROMETHEUS_MULTIPROC_DIR ({folder})" in said and "Traceback" not in said, said
+    assert len(said.strip().splitlines()) == 1, said

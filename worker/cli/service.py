@@ -132,6 +132,7 @@ def worker(
     _require_api_keys(settings)  # each worker process, supervised or not: it signs with them
     if not supervised_by:
         _require_model_cache(settings)
+        _require_metrics_dir()
         _check_backend(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
@@ -196,6 +197,29 @@ def _require_model_cache(settings: Settings) -> None:
             f"SIFT_MODEL_CACHE_DIR ({plain(folder)}): cannot make it: "
             f"{plain(exc.strerror or exc)}; give a folder this user can write "
             "(or SIFT_EMBEDDING_INT8_COMPUTE=false)"
+        )
+
+
+def _require_metrics_dir() -> None:
+    """Stop (exit 2, one line naming it) a worker whose ``PROMETHEUS_MULTIPROC_DIR`` is no
+    folder it can make and write: the metrics files' set-up (its supervisor's, or the worker
+    process's own) raised its ``OSError`` as a traceback of 49 lines, exit 1."""
+    from worker.observability import metrics
+
+    directory = metrics.multiprocess_dir()
+    if directory is None:
+        return
+    try:
+        metrics.ensure_multiprocess_dir()
+    except OSError as exc:
+        _stop(
+            f"PROMETHEUS_MULTIPROC_DIR ({plain(directory)}): cannot make it: "
+            f"{plain(exc.strerror or exc)}; give a folder this user can write, or unset it"
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        _stop(
+            f"PROMETHEUS_MULTIPROC_DIR ({plain(directory)}): cannot write in it; give a "
+            "folder this user can write, or unset it"
         )
 
 
