@@ -362,3 +362,46 @@ def test_worker_processes_killed_on_sight_show_on_the_supervisors_metrics(
             assert seen["expected"] == 2
             assert seen["signal"] >= 2 and seen["error"] == 0 and seen["clean"] == 0, seen
             assert proc.poll() is None  # the supervisor itself is fine
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler of its own for ``signum`` (``SigCgt``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def _starting(pid: int) -> bool:
+    """Python runs in ``pid`` (its SIGINT handler raises KeyboardInterrupt), Celery's own
+    handlers not yet (it catches SIGTERM from then on): the process is importing."""
+    return _catches(pid, signal.SIGINT) and not _catches(pid, signal.SIGTERM)
+
+
+@pytest.mark.timeout(300)
+def test_a_ctrl_c_while_the_worker_processes_start_prints_no_traceback(tmp_path: Path) -> None:
+    """A Ctrl-C (SIGINT to the supervisor) while both processes are still importing, before
+    Celery's signal handlers: each printed a KeyboardInterrupt traceback, the SIGINT passed on
+    raising in whatever it was importing. The first stop now goes as SIGTERM."""
+    redis_service_, redis_url = redis_service(tmp_path / "redis")
+    with running(redis_service_):
+        env = child_env({"SIFT_REDIS_URL": redis_url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
+                         "SIFT_DATA_DIR": str(tmp_path / "data")}, inherit_sift=False)  # fmt: skip
+        service = worker_service(tmp_path / "w", env, "duo", processes=2)
+        proc = service.start()
+        workers = Workers(proc, tmp_path / "w" / "duo.log", tmp_path, 0)
+        try:
+
+            def both_starting() -> bool:
+                children = workers.children()
+                return len(children) == 2 and all(map(_starting, children.values()))
+
+            wait_for(both_starting, "both processes importing", 60)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(120) == 0
+        finally:
+            stop(proc, timeout=5)
+    output = workers.output()
+    assert "SIGINT: stopping 2 worker processes" in output, output[-3000:]
+    assert "every worker process stopped" in output, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]

@@ -7,10 +7,12 @@ The supervisor (this process):
 
 - starts each child again when it exits, after a back-off, with a line on stderr
   (:class:`worker.processes.stack.Supervisor`, the one ``sift up`` uses);
-- passes SIGTERM and SIGINT on to every child, so a rolling restart hands the work back as a
-  single worker does (:mod:`worker.queue.liveness`, :mod:`worker.queue.items`), and exits once
-  they all have. The children run in a process group of their own, so a terminal's Ctrl-C
-  reaches them once, through us; and they receive SIGTERM if we die (``PR_SET_PDEATHSIG``);
+- passes a stop (SIGTERM, SIGINT) on to every child, so a rolling restart hands the work back
+  as a single worker does (:mod:`worker.queue.liveness`, :mod:`worker.queue.items`), and exits
+  once they all have: the first as SIGTERM (Celery's warm shutdown), a second Ctrl-C as SIGQUIT
+  (its cold shutdown, :func:`_as_child_stop`). The children run in a process group of their
+  own, so a terminal's Ctrl-C reaches them once, through us; and they receive SIGTERM if we
+  die (``PR_SET_PDEATHSIG``);
 - bounds the stop: a worker process told to stop exits within :func:`stop_deadline` even if
   its warm shutdown hangs on a Redis that never answers (:func:`exit_by_deadline`); one still
   there :data:`KILL_MARGIN_SECONDS` later is SIGKILLed, its process group with it;
@@ -159,11 +161,11 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
             first = _next_signal(signals, lambda: False)
         assert first is not None
         _say(f"{signal.Signals(first).name}: stopping {count} worker processes")
-        _forward(services, first)
+        _forward(services, signal.SIGTERM)  # the first stop, however asked: see _as_child_stop
         kill_at = time.monotonic() + supervisor_stop_deadline(settings)
         done = lambda: _all_exited(services) or time.monotonic() >= kill_at  # noqa: E731
         while (more := _next_signal(signals, done)) is not None:
-            _forward(services, more)
+            _forward(services, _as_child_stop(more))
         _kill_left(services, supervisor_stop_deadline(settings))
         for service in services:
             _dead(service)
@@ -180,6 +182,15 @@ def _next_signal(signals: queue.SimpleQueue[int], done: Callable[[], bool]) -> i
             return signals.get(timeout=0.2)
         if done():
             return None
+
+
+def _as_child_stop(signum: int) -> int:
+    """What a stop signal after the first is passed on as. The first goes as SIGTERM, Celery's
+    warm shutdown, what its first SIGINT is too: a process still importing, with no Celery
+    handler yet, dies of it quietly, where a SIGINT printed a KeyboardInterrupt traceback.
+    A second Ctrl-C is Celery's cold shutdown, which its SIGQUIT is (the SIGINT it forwarded
+    would now be a first one); a second SIGTERM stays one (Celery takes no notice)."""
+    return signal.SIGQUIT if signum == signal.SIGINT else signum
 
 
 def _forward(services: Sequence[Service], signum: int) -> None:
