@@ -345,7 +345,8 @@ def test_worker_processes_killed_on_sight_show_on_the_supervisors_metrics(
         with worker_process(tmp_path / "w", env, "duo", processes=2) as proc:
             workers = Workers(proc, tmp_path / "w" / "duo.log", tmp_path / "metrics", port)
             wait_for(lambda: workers.output().count(" ready.") >= 2, "both workers ready", 120)
-            assert _processes_and_restarts(port) == {"running": 2, "expected": 2}
+            at_start = {"running": 2, "expected": 2, "signal": 0, "error": 0, "clean": 0}
+            assert _processes_and_restarts(port) == at_start
             killed = 0
 
             def all_dead() -> bool:

@@ -37,16 +37,17 @@ WORKER_RESTARTS = Counter(
 
 @never_raises
 def worker_processes(running: int, expected: int) -> None:
-    """The supervisor's count of its processes, after a start, an exit or a restart."""
+    """The supervisor's count of its processes, after a start, an exit or a restart; the
+    restarts' series are made at zero with it, so ``increase()`` sees the first one."""
     WORKER_PROCESSES.labels("running").set(running)
     WORKER_PROCESSES.labels("expected").set(expected)
+    for cause in WORKER_EXIT_CAUSES:
+        WORKER_RESTARTS.labels(cause)
 
 
 @never_raises
 def worker_restart(status: int) -> None:
     """A worker process exited unasked with ``status`` (a Popen return code: negative for a
-    signal) and will be restarted; the series of every cause exist from the first count."""
-    for cause in WORKER_EXIT_CAUSES:
-        WORKER_RESTARTS.labels(cause)
+    signal) and will be restarted."""
     cause = "signal" if status < 0 else "error" if status > 0 else "clean"
     WORKER_RESTARTS.labels(cause).inc()
