@@ -1,12 +1,13 @@
 """A metrics target for a real Prometheus: forked workers run the real pipeline over fakes.
 
 Run as ``python -m tests.metrics_workload DIR``. The process switches to multiprocess mode in
-``DIR``, pre-registers the known series, serves ``/metrics`` on a free port, and prints
-``{"port": N}``. On a ``go`` line on stdin it forks three workers, each running a scripted set of
-searches through :class:`SearchPipeline` with :class:`PrometheusRecorder` (one fail_open, one
-fail_closed, one in the economy lane: prepare, answer, finish at half the price), marks them
-dead when they exit, and prints what the workload did: the usage the fake model handed out,
-the usage the results carried, and every attempt class and outcome.
+``DIR``, pre-registers the known series, counts its workers as a ``sift worker`` supervisor
+does its processes, serves ``/metrics`` on a free port, and prints ``{"port": N}``. On a
+``go`` line on stdin it forks three workers, each running a scripted set of searches through
+:class:`SearchPipeline` with :class:`PrometheusRecorder` (one fail_open, one fail_closed, one
+in the economy lane: prepare, answer, finish at half the price), marks them dead when they
+exit, and prints what the workload did: the usage the fake model handed out, the usage the
+results carried, and every attempt class and outcome.
 It exits when stdin closes.
 """
 
@@ -229,6 +230,9 @@ class FakeRedis:
         return self.lengths.get(name, 0)
 
 
+WORKERS = 3  # the workers run_workload forks
+
+
 def run_workload() -> dict[str, Any]:
     ctx = multiprocessing.get_context("fork")
     out: Queue[Any] = ctx.Queue()
@@ -268,6 +272,7 @@ def run_workload() -> dict[str, Any]:
 def main(directory: str) -> None:
     metrics.setup_multiprocess(directory)
     metrics.preregister(models=[MODEL], backend=BACKEND, queues=QUEUES)
+    metrics.worker_processes(WORKERS, WORKERS)  # as a sift worker supervisor says at its start
     server, thread = metrics.start_worker_metrics_server(0, addr="127.0.0.1")
     emit({"port": server.server_address[1]})
     try:
