@@ -12,7 +12,10 @@ metrics port and the metrics folder are given, so the test can read them.
   supervisor with them, leaving no item ``running``; a new worker finishes the batch once;
 - SIGKILL of the supervisor leaves no worker behind (the children get SIGTERM);
 - both children killed on sight show on the supervisor's ``/metrics`` (``sift_worker_processes``,
-  ``sift_worker_restarts_total``), which answers all the while.
+  ``sift_worker_restarts_total``), which answers all the while;
+- a Ctrl-C while the processes import prints no traceback;
+- a temporary metrics folder goes with its worker (a prefork one's at a clean exit; a SIGKILLed
+  supervisor's at the next ``sift worker``'s start).
 """
 
 from __future__ import annotations
@@ -406,3 +409,47 @@ def test_a_ctrl_c_while_the_worker_processes_start_prints_no_traceback(tmp_path:
     assert "SIGINT: stopping 2 worker processes" in output, output[-3000:]
     assert "every worker process stopped" in output, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+
+
+def _env_with_tmpdir(redis_url: str, tmp_path: Path) -> dict[str, str]:
+    """A worker's environment with a temporary folder of the test's own, and no
+    ``PROMETHEUS_MULTIPROC_DIR``: the worker makes its metrics folder there."""
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    env = child_env({"SIFT_REDIS_URL": redis_url + "/0", "SIFT_WORKER_METRICS_PORT": "0",
+                     "SIFT_DATA_DIR": str(tmp_path / "data"), "TMPDIR": str(tmp_path / "tmp")},
+                    inherit_sift=False)  # fmt: skip
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
+
+
+@pytest.mark.timeout(300)
+def test_a_prefork_worker_removes_its_metrics_folder_when_it_exits(tmp_path: Path) -> None:
+    """``sift worker --processes 1 --pool prefork`` makes a temporary metrics folder for its
+    children; it was left in the temporary folder after every run, a clean stop included."""
+    redis_service_, redis_url = redis_service(tmp_path / "redis")
+    with running(redis_service_):
+        env = _env_with_tmpdir(redis_url, tmp_path)
+        with worker_process(tmp_path / "w", env, "solo", pool="prefork", concurrency=2) as proc:
+            assert len(list((tmp_path / "tmp").glob("sift-metrics-*"))) == 1
+    assert proc.returncode == 0
+    assert list((tmp_path / "tmp").glob("sift-metrics-*")) == []
+
+
+@pytest.mark.timeout(300)
+def test_the_metrics_folder_of_a_killed_supervisor_goes_at_the_next_start(tmp_path: Path) -> None:
+    """A SIGKILLed ``sift worker`` supervisor removes nothing: its temporary metrics folder
+    was left for good. The next ``sift worker`` removes it (its process is gone)."""
+    redis_service_, redis_url = redis_service(tmp_path / "redis")
+    with running(redis_service_):
+        env = _env_with_tmpdir(redis_url, tmp_path)
+        killed = worker_service(tmp_path / "w", env, "duo", processes=2).start()
+        log = tmp_path / "w" / "duo.log"
+        wait_for(lambda: "worker processes started" in log.read_text(), "the processes started")
+        (left,) = (tmp_path / "tmp").glob("sift-metrics-*")
+        killed.kill()
+        killed.wait()
+        assert left.exists()
+        with worker_process(tmp_path / "w2", env, "again", processes=2):
+            (made,) = (tmp_path / "tmp").glob("sift-metrics-*")
+        assert not left.exists() and made != left
+    assert list((tmp_path / "tmp").glob("sift-metrics-*")) == []

@@ -46,6 +46,7 @@ from worker.processes.workers import (
     resolve_processes,
     run_workers,
     supervisor_stop_deadline,
+    temporary_metrics_dir,
 )
 from worker.settings import Settings, load_settings
 
@@ -233,7 +234,7 @@ def _single_process_metrics(settings: Settings) -> None:
     from worker.observability import metrics
 
     if settings.worker_pool == "prefork" or metrics.multiprocess_dir() is not None:
-        directory = metrics.multiprocess_dir() or tempfile.mkdtemp(prefix="sift-metrics-")
+        directory = metrics.multiprocess_dir() or temporary_metrics_dir()
         metrics.setup_multiprocess(directory)
 
 

@@ -26,6 +26,7 @@ The supervisor (this process):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import queue
@@ -36,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from worker.constants import WARM_UP_STOP_WAIT_SECONDS
 from worker.processes.machine import cpu_count
@@ -97,6 +99,47 @@ def exit_by_deadline(settings: Settings) -> None:
     worker_shutting_down.connect(arm, weak=False, dispatch_uid="sift-stop-deadline")
 
 
+METRICS_DIR_PREFIX = "sift-metrics-"
+
+
+def temporary_metrics_dir() -> str:
+    """A new folder for the metrics files where ``PROMETHEUS_MULTIPROC_DIR`` is unset, named
+    after this process (``sift-metrics-PID-…`` in the temporary folder) and removed when it
+    exits. The folders of processes gone are removed first: one SIGKILLed (the OOM killer)
+    removes nothing, and each was left behind for good."""
+    _remove_orphaned_metrics_dirs()
+    me = os.getpid()
+    path = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{me}-")
+    atexit.register(_remove_if_mine, me, path)
+    return path
+
+
+def _remove_if_mine(owner: int, path: str) -> None:
+    """At exit: remove ``path`` in the process that made it, not in a forked child (a Celery
+    prefork child inherits the hook) while its parent still writes there."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_orphaned_metrics_dirs() -> None:
+    """Remove this user's ``sift-metrics-PID-…`` folders whose process no longer runs."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}*-*"):
+        pid = folder.name.removeprefix(METRICS_DIR_PREFIX).split("-", 1)[0]
+        with contextlib.suppress(OSError):
+            if pid.isdigit() and folder.stat().st_uid == os.getuid() and not _runs(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def resolve_processes(setting: int) -> int:
     """How many worker processes: ``setting``, or one per core for 0."""
     return setting or cpu_count()
@@ -126,7 +169,7 @@ def run_workers(settings: Settings, count: int, name: str, child_args: Sequence[
     created = None
     directory = metrics.multiprocess_dir()
     if directory is None:
-        directory = created = tempfile.mkdtemp(prefix="sift-metrics-")
+        directory = created = temporary_metrics_dir()
     metrics.setup_multiprocess(directory)  # exports PROMETHEUS_MULTIPROC_DIR to the children
     env = child_env({"SIFT_WORKER_METRICS_PORT": "0"})  # we serve it, for all of them
     me = str(os.getpid())
