@@ -397,7 +397,8 @@ def test_metrics_module_imports_no_core() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == (
-        "['worker', 'worker.constants', 'worker.observability', 'worker.observability.metrics']"
+        "['worker', 'worker.constants', 'worker.observability', 'worker.observability.metrics',"
+        " 'worker.pids']"
     )
 
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from worker.constants import WARM_UP_STOP_WAIT_SECONDS
+from worker.pids import alive
 from worker.processes.machine import cpu_count
 from worker.processes.stack import (
     Service,
@@ -126,18 +127,8 @@ def _remove_orphaned_metrics_dirs() -> None:
     for folder in Path(tempfile.gettempdir()).glob(f"{METRICS_DIR_PREFIX}*-*"):
         pid = folder.name.removeprefix(METRICS_DIR_PREFIX).split("-", 1)[0]
         with contextlib.suppress(OSError):
-            if pid.isdigit() and folder.stat().st_uid == os.getuid() and not _runs(int(pid)):
+            if pid.isdigit() and folder.stat().st_uid == os.getuid() and not alive(int(pid)):
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-def _runs(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def resolve_processes(setting: int) -> int:

@@ -47,6 +47,7 @@ from worker.cli.client._input import (
     query_from,
 )
 from worker.constants import IDEMPOTENCY_PENDING_TTL_SECONDS, MAX_BATCH_QUERIES, MAX_LIMIT
+from worker.pids import alive
 
 LANES = ("standard", "economy")
 #: What a run cut short says: the same command picks up its batch (:func:`batch_key`).
@@ -174,18 +175,8 @@ def _sweep_partials(out: Path) -> None:
     prefix = f".{out.name}."
     for stale in out.parent.glob(glob.escape(prefix) + "*.partial"):
         pid = stale.name[len(prefix) : -len(".partial")]
-        if pid.isdigit() and not _running(int(pid)):
+        if pid.isdigit() and not alive(int(pid)):
             stale.unlink(missing_ok=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True
 
 
 def _write_results(

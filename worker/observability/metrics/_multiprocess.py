@@ -19,6 +19,7 @@ from prometheus_client.metrics import Gauge
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from worker.observability.metrics._series import ALL_METRICS
+from worker.pids import alive
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ def _warn_if_shared(path: Path) -> None:
     ``/metrics`` for good, and while both write there each serves the other's too. A warning,
     not a refusal: the pid may be an unrelated process that reused a dead writer's number."""
     pids = {int(m.group(1)) for f in path.glob("*.db") if (m := _VALUE_FILE.match(f.name))}
-    live = sorted(pid for pid in pids if pid != os.getpid() and _alive(pid))
+    live = sorted(pid for pid in pids if pid != os.getpid() and alive(pid))
     if live:
         log.warning(
             "PROMETHEUS_MULTIPROC_DIR %s holds the metrics files of running pid(s) %s: give each "
@@ -118,20 +119,10 @@ def sweep_dead_processes(directory: str | os.PathLike[str]) -> list[int]:
         match = _LIVE_GAUGE_FILE.match(path.name)
         if match:
             pids.add(int(match.group(1)))
-    dead = [pid for pid in sorted(pids) if not _alive(pid)]
+    dead = [pid for pid in sorted(pids) if not alive(pid)]
     for pid in dead:
         _drop_live_gauges(pid, directory)
     return dead
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SweepingCollector(MultiProcessCollector):
