@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import base64
 import hashlib
 import json
 import os
@@ -68,6 +69,14 @@ class ApiKey(BaseModel):
                 Webhook(secret)
             except (ValueError, EmptyWebhookSecretError) as exc:
                 raise ValueError(f"no signature can be made with it: {exc}") from None
+            if b"CHANGE-ME" in base64.b64decode(secret.removeprefix("whsec_")):
+                # deploy/.env.example's and the k8s Secret's: published, so anyone could
+                # sign a webhook the tenant's receivers accept
+                raise ValueError(
+                    "the placeholder of deploy/.env.example, published with Sift; make one: "
+                    'python -c "import base64, os; '
+                    "print('whsec_' + base64.b64encode(os.urandom(24)).decode())\""
+                )
         return secret
 
     @model_validator(mode="after")

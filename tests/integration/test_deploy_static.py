@@ -30,6 +30,7 @@ from worker.constants import (
     PROMETHEUS_JOB_WORKER,
     kombu_queue_keys,
 )
+from worker.errors import ConfigError
 from worker.processes.stack import redis_service
 from worker.queue.config import TASK_ROUTES, celery_config
 from worker.settings import Settings, load_settings
@@ -449,13 +450,22 @@ def consumed_lists() -> list[str]:
     return [kombu_queue_keys(queue)[0] for queue in queues]
 
 
-def test_the_secret_holds_only_placeholders() -> None:
+PLACEHOLDER_SECRET = "whsec_Q0hBTkdFLU1FLXdlYmhvb2stc2VjcmV0"  # base64 of CHANGE-ME-webhook-secret
+OWN_SECRET = "whsec_b3duLXdlYmhvb2stc2VjcmV0LTAxMjM0NTY3"
+
+
+def test_the_secret_holds_only_placeholders(monkeypatch: pytest.MonkeyPatch) -> None:
     secret = load_yaml(K8S / "base" / "secret.yaml")
     assert "PLACEHOLDERS ONLY" in (K8S / "base" / "secret.yaml").read_text()
     for key, value in secret["stringData"].items():
         if "URL" in key and "@" not in value:
             continue  # a URL without credentials
         assert "CHANGE-ME" in value, key
+    # the webhook secret's placeholder (base64: its CHANGE-ME not visible) stops a pod
+    assert PLACEHOLDER_SECRET in secret["stringData"]["SIFT_API_KEYS"]
+    monkeypatch.setenv("SIFT_API_KEYS", secret["stringData"]["SIFT_API_KEYS"])
+    with pytest.raises(ConfigError, match="webhook_secret: the placeholder"):
+        load_settings()
 
 
 def test_every_pod_loads_its_settings_beside_the_service_links_of_its_namespace(
@@ -485,6 +495,8 @@ def test_every_pod_loads_its_settings_beside_the_service_links_of_its_namespace(
             kind, ref = next(iter(source.items()))
             env |= data[("ConfigMap" if kind == "configMapRef" else "Secret", ref["name"])]
         env |= {e["name"]: e.get("value", "1") for e in container.get("env", [])}
+        # the Secret's webhook secret replaced, as its user must: the placeholder is refused
+        env["SIFT_API_KEYS"] = env["SIFT_API_KEYS"].replace(PLACEHOLDER_SECRET, OWN_SECRET)
         for name in [name for name in os.environ if name.upper().startswith("SIFT_")]:
             monkeypatch.delenv(name)
         for name, value in env.items():

@@ -105,6 +105,17 @@ def test_a_webhook_secret_no_signature_can_be_made_with_is_refused(field: str, s
     assert secret not in str(raised.value)
 
 
+def test_the_published_placeholder_secret_is_refused_at_start_up() -> None:
+    """deploy/.env.example and the k8s Secret ship ``whsec_Q0hB...``: base64 of
+    ``CHANGE-ME-webhook-secret``, a secret published with Sift. Left in place, every webhook
+    was signed with it, and anyone could forge one the receivers would accept."""
+    example = (Path(__file__).parents[2] / "deploy" / ".env.example").read_text()
+    line = next(x for x in example.splitlines() if x.startswith("SIFT_API_KEYS="))
+    entries = json.loads(line.removeprefix("SIFT_API_KEYS="))
+    with pytest.raises(ConfigError, match=r"SIFT_API_KEYS\.0\.webhook_secret: .*placeholder"):
+        load_settings(api_keys=entries)
+
+
 OTHER_SECRET = "whsec_b3RoZXItc2VjcmV0LTAxMjM0NTY3ODk="
 
 
