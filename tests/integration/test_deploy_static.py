@@ -14,7 +14,10 @@ import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ from worker.constants import (
     kombu_queue_keys,
 )
 from worker.errors import ConfigError
-from worker.processes.stack import redis_service
+from worker.processes.stack import free_port, redis_service
 from worker.queue.config import TASK_ROUTES, celery_config
 from worker.settings import Settings, load_settings
 
@@ -522,3 +525,52 @@ def test_the_compose_workers_fit_the_memory_the_readme_asks_for(compose: dict[st
     assert needs <= int(asked.group(1)), (processes, needs)
     example = (DEPLOY / ".env.example").read_text()
     assert re.search(rf"^SIFT_WORKER_PROCESSES={fixed.group(1)}$", example, re.MULTILINE)
+
+
+def _probe_exit(command: list[str], metrics: str | None) -> int:
+    """The exit status of a worker probe's command against a ``/metrics`` answering
+    ``metrics`` (None: nothing listening)."""
+    port = free_port()
+    server = None
+    if metrics is not None:
+        body = metrics.encode()
+
+        class Metrics(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        server = ThreadingHTTPServer(("127.0.0.1", port), Metrics)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {**os.environ, "SIFT_WORKER_METRICS_PORT": str(port)}
+        return subprocess.run([sys.executable, *command[1:]], env=env, timeout=30).returncode
+    finally:
+        if server is not None:
+            server.shutdown()
+
+
+def test_the_worker_probes_fail_while_every_worker_process_is_down(
+    compose: dict[str, Any], manifests: tuple[str, list[dict[str, Any]]]
+) -> None:
+    """The supervisor serves ``/metrics`` while its processes crash-loop: a probe that only
+    asked whether it answered said healthy, and Kubernetes never restarted the pod. Both
+    files run one check: it fails with none of the processes running, or no answer."""
+    test = compose["services"]["worker"]["healthcheck"]["test"]
+    assert test[0] == "CMD"
+    worker = by_kind(manifests[1])["Deployment", "sift-worker"]
+    (container,) = worker["spec"]["template"]["spec"]["containers"]
+    assert container["livenessProbe"]["exec"]["command"] == test[1:]
+    up = '# TYPE sift_worker_processes gauge\nsift_worker_processes{state="running"} 2.0\n'
+    down = (
+        'sift_worker_processes{state="expected"} 2.0\nsift_worker_processes{state="running"} 0.0\n'
+    )
+    assert _probe_exit(test[1:], up) == 0
+    assert _probe_exit(test[1:], "sift_jobs_in_flight 0.0\n") == 0  # one process: none kept
+    assert _probe_exit(test[1:], down) == 1
+    assert _probe_exit(test[1:], None) != 0
