@@ -134,7 +134,10 @@ def test_compose_stack_has_every_piece_wired(compose: dict[str, Any]) -> None:
     # targets of it, and a first `docker compose up --build` could fail on the second
     assert services["gateway"]["build"]["dockerfile"] == "deploy/Dockerfile"
     assert "build" not in services["worker"]
-    assert "8080:8080" in services["gateway"]["ports"]
+    # every published port on the host's loopback: the gateway's /metrics has no token here
+    for service in services.values():
+        assert all(str(p).startswith("127.0.0.1:") for p in service.get("ports", [])), service
+    assert "127.0.0.1:8080:8080" in services["gateway"]["ports"]
     assert "/healthz" in " ".join(services["gateway"]["healthcheck"]["test"])
     worker = services["worker"]
     assert "ports" not in worker and "container_name" not in worker  # so --scale works
