@@ -115,7 +115,7 @@ JOB_INDEX_KEY = REDIS_PREFIX + "jobs:"  # + kind + ":" + tenant -> zset job id -
 
 # --- retention (seconds), enforced by Redis TTLs; stated in docs/queue.md ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from the last write
-IDEMPOTENCY_TTL_SECONDS = 24 * 3600  # an Idempotency-Key is remembered this long (as Stripe)
+IDEMPOTENCY_TTL_SECONDS = 24 * 3600  # an Idempotency-Key is remembered this long from its last use
 # a claimed key with no job bound yet answers 409 this long at most (a request that died
 # before creating its job); a key bound to its job is kept IDEMPOTENCY_TTL_SECONDS
 IDEMPOTENCY_PENDING_TTL_SECONDS = 120

@@ -674,6 +674,26 @@ def test_idempotency_claims(store: JobStore) -> None:
     assert store.claim_idempotency("acme", "k", "fp1").job_id == job.id
 
 
+def test_a_key_used_again_is_kept_24_hours_from_its_last_use(store: JobStore) -> None:
+    """``sift batch`` run again picks up its batch by the key, for 24 hours from the run
+    before: a replay keeps the key that long again. Kept 24 hours from the job's creation
+    only, a pick-up at hour 23 left it an hour, and a key chained after a canceled batch
+    (the CLI's next key) outlived the key that led to it: a run after that made a second
+    batch for the same file."""
+    ref = IdempotencyRef("acme", "k", "fp")
+    job = store.create_search("acme", spec(), claim=ref)
+    [key] = store.redis.keys(IDEMPOTENCY_KEY + "*")
+    store.redis.expire(key, 3600)  # hour 23
+    replay = store.claim_idempotency("acme", "k", "fp")
+    assert replay.outcome is IdempotencyOutcome.REPLAY and replay.job_id == job.id
+    assert IDEMPOTENCY_TTL_SECONDS - 60 < store.redis.ttl(key) <= IDEMPOTENCY_TTL_SECONDS
+    # a pending marker (no job yet) is not kept longer by a request that finds it
+    assert store.claim_idempotency("acme", "p", "fp").outcome is IdempotencyOutcome.NEW
+    marker = next(k for k in store.redis.keys(IDEMPOTENCY_KEY + "*") if k != key)
+    assert store.claim_idempotency("acme", "p", "fp").outcome is IdempotencyOutcome.IN_PROGRESS
+    assert store.redis.ttl(marker) <= IDEMPOTENCY_PENDING_TTL_SECONDS
+
+
 def _jobs(store: JobStore) -> int:
     return len(store.redis.keys(SEARCH_KEY + "*")) + len(store.redis.keys(BATCH_KEY + "*"))
 

@@ -42,7 +42,8 @@ Layout (every prefix is in :mod:`worker.constants`):
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``RESULT_TTL_SECONDS`` (7 days) from its last write; an Idempotency-Key is
-remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours) from the write that creates its job (a
+remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours) from the write that creates its job, and
+again from each request that finds it bound (a
 claim that names no job yet, ``IDEMPOTENCY_PENDING_TTL_SECONDS``); delivery counters and
 pending ingest documents live 24 hours; a batch's items, written before its record, live
 ``BATCH_STAGING_TTL_SECONDS`` until the record's commit gives them its retention. A job

@@ -107,7 +107,7 @@ class IdempotencyRecords(_StoreCore):
         earlier = resending()(
             self._claim_idempotency,
             keys=[_idem_key(tenant, key)],
-            args=[marker, IDEMPOTENCY_PENDING_TTL_SECONDS, token],
+            args=[marker, IDEMPOTENCY_PENDING_TTL_SECONDS, token, IDEMPOTENCY_TTL_SECONDS],
         )
         if earlier is None:
             return IdempotencyClaim(IdempotencyOutcome.NEW)

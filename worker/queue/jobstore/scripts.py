@@ -257,13 +257,20 @@ return 1
 """
 
 # Claim an Idempotency-Key for one request. KEYS: the key's record. ARGV: the pending
-# marker, its TTL, the claim's token (in the marker as "by"). Returns the record already
-# there (JSON), or nothing when it claimed. The same call sent again after its reply was lost
-# (the token its own marker holds) answers nothing again: claimed, not "in progress".
+# marker, its TTL, the claim's token (in the marker as "by"), a bound key's TTL. Returns the
+# record already there (JSON), or nothing when it claimed. The same call sent again after its
+# reply was lost (the token its own marker holds) answers nothing again: claimed, not "in
+# progress". A key bound to a job is kept its TTL again from this use (sift batch run again
+# picks its batch up by it, for 24 hours from the run before).
 _CLAIM_IDEMPOTENCY = """
 local earlier = redis.call('GET', KEYS[1])
 if earlier and ARGV[3] and cjson.decode(earlier)['by'] == ARGV[3] then return false end
-if earlier then return earlier end
+if earlier then
+  if type(cjson.decode(earlier)['job']) == 'string' then
+    redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
+  end
+  return earlier
+end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
 return false
 """
