@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import difflib
 import base64
+import difflib
 import hashlib
 import json
 import os
