@@ -114,7 +114,7 @@ RATE_BUDGET_QUEUE_KEY = REDIS_PREFIX + "rate-budget-queue:"
 JOB_INDEX_KEY = REDIS_PREFIX + "jobs:"  # + kind + ":" + tenant -> zset job id -> created_at
 
 # --- retention (seconds), enforced by Redis TTLs; stated in docs/queue.md ---
-RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from the last write
+RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from their end
 IDEMPOTENCY_TTL_SECONDS = 24 * 3600  # an Idempotency-Key is remembered this long from its last use
 # a claimed key with no job bound yet answers 409 this long at most (a request that died
 # before creating its job); a key bound to its job is kept IDEMPOTENCY_TTL_SECONDS

@@ -41,7 +41,7 @@ Layout (every prefix is in :mod:`worker.constants`):
                                      (the job lists; written with the job's record)
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
-``RESULT_TTL_SECONDS`` (7 days) from its last write; an Idempotency-Key is
+``RESULT_TTL_SECONDS`` (7 days) from the write that ended it; an Idempotency-Key is
 remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours) from the write that creates its job, and
 again from each request that finds it bound (a
 claim that names no job yet, ``IDEMPOTENCY_PENDING_TTL_SECONDS``); delivery counters and
