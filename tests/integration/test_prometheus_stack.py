@@ -1,8 +1,9 @@
 """The dashboards and the cost accounting against a real Prometheus scraping the real stack.
 
-Issue 5's acceptance, end to end: a private ``redis-server``, two real Celery workers (threads
-pool) and two real gateways under uvicorn, one pair per rerank failure policy (``fail_open`` on
-Redis database 0, ``fail_closed`` on database 1, since the policy is a deployment setting), with
+Issue 5's acceptance, end to end: a private ``redis-server``, two real ``sift worker``s (two
+threads-pool processes each, under its supervisor) and two real gateways under uvicorn, one
+pair per rerank failure policy (``fail_open`` on Redis database 0, ``fail_closed`` on
+database 1, since the policy is a deployment setting), with
 the Anthropic SDK pointed at :class:`tests.fake_anthropic.FakeAnthropic`. A real ``prometheus``
 scrapes both gateways (job ``sift-gateway``) and both workers (job ``sift-worker``) every
 second, with the rules loaded.
@@ -270,7 +271,9 @@ def _env(tmp: Path, redis_url: str, db: int, policy: str, fake: FakeAnthropic, m
 @contextmanager
 def _pair(tmp: Path, name: str, env: dict[str, str]) -> Iterator[Pair]:
     with (
-        celery_worker(tmp / name, env, name, concurrency=4),
+        # two processes under sift worker's supervisor, as a user starts it: its own
+        # series (the processes running and expected, their restarts) have a panel too
+        celery_worker(tmp / name, env, name, concurrency=4, processes=2),
         gateway(tmp / name, env, f"gateway-{name}") as url,
         httpx.Client(base_url=url, timeout=60, headers=AUTH) as client,
     ):
