@@ -168,7 +168,10 @@ def load_runtime(settings: Settings, limiter: ProviderLimiter | None = None) -> 
         overrides["rate_budget"] = budget
     if reranker is not None:
         inner = metrics.InFlightReranker(reranker)
-        overrides["reranker"] = LimitedReranker(inner, limiter) if limiter else inner
+        # a 429 pauses the cluster through the budget (where a cancel is checked after the
+        # wait); the process's own pause only without one
+        limited = LimitedReranker(inner, limiter, pauses=budget is None) if limiter else None
+        overrides["reranker"] = limited or inner
     pipeline = build_runtime(settings, **overrides).pipeline
     economy = pipeline.variant(
         config=pipeline_config(settings, price_discount=ECONOMY_PRICE_DISCOUNT),

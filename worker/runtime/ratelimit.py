@@ -114,13 +114,24 @@ class LimitedReranker:
     pauses every thread for its ``retry-after``. The retry loop stays in the core.
 
     reranker = LimitedReranker(AnthropicReranker("claude-haiku-4-5"), ProviderLimiter(200))
+
+    ``pauses`` False: the slot only, the 429's pause left to the cluster's rate budget, which
+    holds every process's calls at their reservation, where the search's cancel check
+    follows the wait. Paused here too, a call reserved just before the 429 (no wait, so no
+    check) waited out this process's pause here and was sent after its batch's cancel.
     """
 
     def __init__(
-        self, inner: Reranker, limiter: ProviderLimiter, clock: Callable[[], float] = time.monotonic
+        self,
+        inner: Reranker,
+        limiter: ProviderLimiter,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        pauses: bool = True,
     ) -> None:
         self.inner = inner
         self.limiter = limiter
+        self.pauses = pauses
         self.model = inner.model
         self.effort = inner.effort
         self._clock = clock
@@ -136,11 +147,12 @@ class LimitedReranker:
         send_by = deadline - MIN_ATTEMPT_SECONDS
         try:
             with self.limiter.slot(deadline=send_by):
-                self.limiter.wait(deadline=send_by)
+                if self.pauses:
+                    self.limiter.wait(deadline=send_by)
                 try:
                     return self.inner.rerank(prompt, max(0.0, deadline - self._clock()))
                 except RerankAttemptError as exc:
-                    if exc.outcome is AttemptOutcome.RATE_LIMITED:
+                    if self.pauses and exc.outcome is AttemptOutcome.RATE_LIMITED:
                         self.limiter.pause(exc.retry_after or DEFAULT_429_PAUSE_SECONDS)
                     raise
         except DeadlineExceeded as exc:
