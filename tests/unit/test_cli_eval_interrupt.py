@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,18 @@ def invoke_eval(
         counts = {"canceled": 2, "succeeded": 0, "failed": 0}
         return httpx.Response(200, json={"status": "canceled", "counts": counts})
 
+    return run_eval(monkeypatch, tmp_path, answer), sent
+
+
+def run_eval(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    answer: Callable[[httpx.Request], httpx.Response],
+    *more: str,
+) -> Any:
+    """``sift eval --index`` of two judged queries (and ``more`` options) against a gateway
+    that answers each request with ``answer``."""
+
     @contextlib.contextmanager
     def gateway() -> Iterator[Gateway]:
         yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
@@ -54,9 +66,8 @@ def invoke_eval(
     queries.write_text('{"_id": "1", "text": "tea"}\n{"_id": "2", "text": "coffee"}\n')
     qrels = tmp_path / "qrels.tsv"
     qrels.write_text("query-id\tcorpus-id\tscore\n1\td1\t1\n2\td2\t1\n")
-    args = ["eval", "--index", "s", "--queries", str(queries), "--qrels", str(qrels)]
-    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
-    return result, sent
+    args = ["eval", "--index", "s", "--queries", str(queries), "--qrels", str(qrels), *more]
+    return CliRunner().invoke(app, args, env={"COLUMNS": "200"})
 
 
 def test_ctrl_c_while_the_runs_wait_cancels_every_batch(
@@ -115,17 +126,7 @@ def test_a_reranked_run_the_deployment_refuses_is_sent_first_so_nothing_else_run
             return httpx.Response(422, json={"error": {**error, "field": "rerank"}})
         return httpx.Response(202, json={"id": f"bat_{len(sent)}", "status": "queued"})
 
-    @contextlib.contextmanager
-    def gateway() -> Iterator[Gateway]:
-        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
-
-    monkeypatch.setattr(_eval_runs, "gateway", gateway)
-    queries = tmp_path / "queries.jsonl"
-    queries.write_text('{"_id": "1", "text": "tea"}\n')
-    qrels = tmp_path / "qrels.tsv"
-    qrels.write_text("query-id\tcorpus-id\tscore\n1\td1\t1\n")
-    args = ["eval", "--index", "s", "--queries", str(queries), "--qrels", str(qrels), "--rerank"]
-    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    result = run_eval(monkeypatch, tmp_path, answer, "--rerank")
     assert result.exit_code == 1, result.output
     assert [(method, path) for method, path, _ in sent] == [("POST", "/v1/batches")], sent
     assert "rerank: no generation model" in " ".join(result.output.split())
