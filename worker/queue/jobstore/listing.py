@@ -112,8 +112,7 @@ class JobListing(_StoreCore):
         (never at an offset, which the members pruned meanwhile would shift). Members of equal
         creation time come in Redis's order for them (reverse lexicographic), so "after" is
         exact for ties too; a tie wider than a chunk is read in wider reads."""
-        cursor, chunk = after, first
-        num = chunk
+        cursor, chunk, num = after, first, first
         while True:
             top = "+inf" if cursor is None else repr(cursor.created_at)
             rows = cast(

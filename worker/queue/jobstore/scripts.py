@@ -264,11 +264,10 @@ return 1
 # picks its batch up by it, for 24 hours from the run before).
 _CLAIM_IDEMPOTENCY = """
 local earlier = redis.call('GET', KEYS[1])
-if earlier and ARGV[3] and cjson.decode(earlier)['by'] == ARGV[3] then return false end
 if earlier then
-  if type(cjson.decode(earlier)['job']) == 'string' then
-    redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4]))
-  end
+  local record = cjson.decode(earlier)
+  if ARGV[3] and record['by'] == ARGV[3] then return false end
+  if type(record['job']) == 'string' then redis.call('EXPIRE', KEYS[1], tonumber(ARGV[4])) end
   return earlier
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
