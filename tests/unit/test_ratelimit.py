@@ -113,6 +113,20 @@ def test_a_429_pauses_every_later_call() -> None:
     assert limiter.in_flight == 0
 
 
+def test_without_its_own_pause_a_429_holds_no_later_call_here() -> None:
+    """With the cluster's rate budget on, the process keeps no pause of its own (``pauses``
+    False): the budget holds the calls at their reservation, where a search checks its
+    cancel after the wait; here a call waited out this pause with no check after it."""
+    clock = FakeClock()  # never moves: a call that waited here would not be sent
+    inner = _Flaky(clock)
+    limiter = ProviderLimiter(4, clock=clock)
+    reranker = LimitedReranker(inner, limiter, clock=clock, pauses=False)  # type: ignore[arg-type]
+    for _ in range(2):
+        with pytest.raises(RerankAttemptError):
+            reranker.rerank(None, 5.0)  # type: ignore[arg-type]
+    assert inner.calls == 2 and limiter.paused_until == 0.0 and clock.sleeps == []
+
+
 def test_an_attempt_a_pause_outlasts_is_not_sent_and_says_what_is_left_of_it() -> None:
     clock = FakeClock()  # never moves here: nothing is waited
     inner = _Flaky(clock)
