@@ -587,18 +587,27 @@ def test_every_record_has_a_ttl(store: JobStore) -> None:
         assert 0 < int(store.redis.ttl(key)) <= 7 * 24 * 3600, key
 
 
+@pytest.mark.parametrize("dies", [False, True], ids=["", "its process dying at once"])
 @pytest.mark.parametrize("ending", ["its last item", "a cancel"])
 def test_a_batch_lives_its_retention_from_its_end_not_its_submission(
-    store: JobStore, ending: str
+    store: JobStore, monkeypatch: pytest.MonkeyPatch, ending: str, dies: bool
 ) -> None:
     """Retention is 7 days from a job's last write: a batch that ended on day 6.9 (an
     economy batch, a backlog) was gone from its GET and the list hours later, its keys'
-    TTLs set once, at its submission (a search's and an ingest's move with their records)."""
+    TTLs set once, at its submission (a search's and an ingest's move with their records).
+    The script that ends the batch sets them: a second round trip after it (as before) was
+    lost with a process that died between the two."""
     batch = store.create_batch("acme", "docs", [("a", spec()), ("b", spec())])
     for prefix in BATCH_PREFIXES:
         store.redis.expire(prefix + batch.id, 100)  # the batch is nearly 7 days old
     store.start_item(batch.id, "a")
     store.finish_item(batch.id, "a", result=result("r"))
+    if dies:  # the process is gone once the ending script has run: no command after it
+
+        def dead(*args: Any, **kwargs: Any) -> Any:
+            raise SystemExit("the process died")
+
+        monkeypatch.setattr(store.redis, "pipeline", dead)
     if ending == "a cancel":
         assert store.cancel_batch(batch.id) == (1, True)
     else:

@@ -15,8 +15,11 @@ from worker.constants import (
     BATCH_ID_PREFIX,
     BATCH_ITEMS_KEY,
     BATCH_KEY,
+    BATCH_LOST_KEY,
+    BATCH_MOVES_KEY,
     BATCH_ORDER_KEY,
     BATCH_RESULTS_KEY,
+    BATCH_RUNS_KEY,
     BATCH_SPECS_KEY,
     BATCH_STAGE_SLICE,
     BATCH_STAGING_TTL_SECONDS,
@@ -49,6 +52,17 @@ from worker.queue.jobstore.store import (
     _StoreCore,
     move_token,
     resending,
+)
+
+#: The batch's keys a cancel's script names after its first three (items, counts, record), in
+#: its KEYS' order: a cancel that completes the batch gives all of them the retention from now.
+_CANCEL_RETAINED = (
+    BATCH_ORDER_KEY,
+    BATCH_SPECS_KEY,
+    BATCH_RESULTS_KEY,
+    BATCH_MOVES_KEY,
+    BATCH_RUNS_KEY,
+    BATCH_LOST_KEY,
 )
 
 
@@ -345,6 +359,7 @@ class BatchRecords(_StoreCore):
             STATS_KEY,
             ACTIVE_JOBS_KEY,
             WEBHOOKS_OWED_KEY,
+            *[prefix + batch_id for prefix in _CANCEL_RETAINED],
             *[key for key, _ in messages],
         ]
         args = [
@@ -352,6 +367,7 @@ class BatchRecords(_StoreCore):
             batch_id,
             move_token(),
             ("1" if count is not None else "0") + ("1" if provider is not None else "0"),
+            str(self.result_ttl),
             *[raw for _, raw in messages],
         ]
         retrying = resending()
@@ -361,8 +377,6 @@ class BatchRecords(_StoreCore):
             return CancelOutcome.MISSING
         if canceled == -2:
             return CancelOutcome.ALREADY_FINISHED
-        if completed:
-            self.keep_ended_batch(batch_id)
         return int(canceled), bool(completed)
 
     def take_cancel_count(self, batch_id: str, token: str | None = None) -> tuple[int, bool]:

@@ -43,7 +43,9 @@ return 1
 
 # Moves one batch item from a status in allowed-from to ``to``.
 # KEYS: 1 items, 2 results, 3 counts, 4 batch, 5 stats, 6 active, 7 moves, 8 run claims,
-#   9 webhooks owed, 10 the economy lane's prepared items.
+#   9 webhooks owed, 10 the economy lane's prepared items, 11 order, 12 specs, 13 lost (with
+#   1-4, 7 and 8, the batch's keys: a move that completes the batch gives each the retention
+#   from now, in this script, so no crash after it leaves them the submission's).
 # ARGV:
 #   1 query id, 2 to, 3 allowed-from (comma list), 4 outcome JSON or '', 5 now, 6 batch id;
 #   7 '' (a plain move), '1' when a cancel of the batch turns this move into a cancel (the
@@ -59,7 +61,8 @@ return 1
 #   10 the claimant's lease (seconds; a start judges a claim that kept none by it), 11 its
 #     worker id, 12 the tokens of the item's claim its worker's runs hold (comma list): a
 #     start judges the claim as _CLAIM_RUN does;
-#   13.. the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd and
+#   13 the retention (seconds);
+#   14.. the batch's totals this outcome adds to (field, increment pairs: usage_cost_usd and
 #     the seconds_ fields floats, every other an integer), added to the batch's record when
 #     the move makes the item final with this outcome: once, as the move is.
 # Returns {code, 1 if the move became a cancel}: code -1 missing, 0 refused, 1 applied,
@@ -121,7 +124,7 @@ if to ~= 'succeeded' and to ~= 'failed' and to ~= 'canceled' then
   return {1, canceled}
 end
 if outcome ~= '' then
-  for i = 13, #ARGV, 2 do
+  for i = 14, #ARGV, 2 do
     if ARGV[i] == 'usage_cost_usd' or string.sub(ARGV[i], 1, 8) == 'seconds_' then
       redis.call('HINCRBYFLOAT', KEYS[4], ARGV[i], ARGV[i + 1])
     else
@@ -142,6 +145,9 @@ if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 
   redis.call('ZREM', KEYS[6], ARGV[6])
   local hook = redis.call('HGET', KEYS[4], 'webhook_url')
   if hook and hook ~= '' then redis.call('ZADD', KEYS[9], ARGV[5], ARGV[6]) end
+  for _, i in ipairs({1, 2, 3, 4, 7, 8, 11, 12, 13}) do
+    redis.call('EXPIRE', KEYS[i], tonumber(ARGV[13]))
+  end
   code = 2
 else
   redis.call('ZADD', KEYS[6], 'XX', ARGV[5], ARGV[6])
@@ -155,11 +161,13 @@ return {code, canceled}
 """
 
 # Cancels a batch: marks it canceled and cancels every item still queued.
-# KEYS: 1 items, 2 counts, 3 batch, 4 stats, 5 active, 6 webhooks owed, 7.. one list per
-#   message to push (in the order of the messages).
+# KEYS: 1 items, 2 counts, 3 batch, 4 stats, 5 active, 6 webhooks owed, 7 order, 8 specs,
+#   9 results, 10 moves, 11 run claims, 12 lost (with 1-3, the batch's keys: a cancel that
+#   completes the batch gives each the retention from now), 13.. one list per message to push
+#   (in the order of the messages).
 # ARGV: 1 now, 2 batch id, 3 the cancel's token, 4 two flags (each 0 or 1): whether the
-#   messages start with the count's, then whether with the provider cancel's; 5.. the raw
-#   messages, in this order:
+#   messages start with the count's, then whether with the provider cancel's; 5 the
+#   retention (seconds); 6.. the raw messages, in this order:
 #   - the count's (pushed if the cancel ended any item; what it ended is added up in the
 #     batch's record, "cancel_uncounted" items and "cancel_completed", for
 #     _TAKE_CANCEL_COUNT: counted by the task even when this reply is lost);
@@ -210,15 +218,18 @@ if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 
   completed = 1
   local hook = redis.call('HGET', KEYS[3], 'webhook_url')
   if hook and hook ~= '' then redis.call('ZADD', KEYS[6], ARGV[1], ARGV[2]) end
-  for i = 7 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 2]) end
+  for _, i in ipairs({1, 2, 3, 7, 8, 9, 10, 11, 12}) do
+    redis.call('EXPIRE', KEYS[i], tonumber(ARGV[5]))
+  end
+  for i = 13 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 7]) end
 end
 if provider == 1 and completed == 0 then
-  redis.call('LPUSH', KEYS[7 + counted], ARGV[5 + counted])
+  redis.call('LPUSH', KEYS[13 + counted], ARGV[6 + counted])
 end
 if counted == 1 and (n > 0 or completed == 1) then
   if n > 0 then redis.call('HINCRBY', KEYS[3], 'cancel_uncounted', n) end
   if completed == 1 then redis.call('HSET', KEYS[3], 'cancel_completed', '1') end
-  redis.call('LPUSH', KEYS[7], ARGV[5])
+  redis.call('LPUSH', KEYS[13], ARGV[6])
 end
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[3], 'cancel_move', ARGV[3] .. ' ' .. n .. ' ' .. completed)

@@ -123,7 +123,8 @@ def _rerun(call: _ScriptCall) -> Any:
 
 
 #: A batch's keys that live as long as its record: what its GET, its results and its items
-#: read (its submission sets their retention, its end sets it again).
+#: read (its submission sets their retention; the script that ends it, ``_TRANSITION_ITEM``'s
+#: or ``_CANCEL_BATCH``'s, sets it again).
 BATCH_KEYS = (
     BATCH_KEY,
     BATCH_ORDER_KEY,
@@ -283,6 +284,9 @@ class _StoreCore:
                     BATCH_RUNS_KEY + batch_id,
                     WEBHOOKS_OWED_KEY,
                     ECONOMY_PREPARED_KEY + batch_id,
+                    BATCH_ORDER_KEY + batch_id,
+                    BATCH_SPECS_KEY + batch_id,
+                    BATCH_LOST_KEY + batch_id,
                 ],
                 [
                     query_id,
@@ -297,6 +301,7 @@ class _StoreCore:
                     repr(claimant[1]),
                     claimant[0],
                     self._held_here(BATCH_RUNS_KEY + batch_id, query_id),
+                    str(self.result_ttl),
                     *(tally if n == 0 else ()),
                 ],
             )
@@ -315,19 +320,7 @@ class _StoreCore:
             )
             for code, canceled in replies
         ]
-        for (batch_id, *_), transition in zip(moves, transitions, strict=True):
-            if transition.batch_completed:
-                self.keep_ended_batch(batch_id)
         return transitions
-
-    def keep_ended_batch(self, batch_id: str) -> None:
-        """A batch just ended: its keys live the retention from now, as a search's and an
-        ingest's move with their records (set once at its submission, a batch that ended on
-        day 6.9 was gone hours later). Only keys that exist: ``EXPIRE`` makes none."""
-        pipe = self.redis.pipeline(transaction=False)
-        for prefix in BATCH_KEYS:
-            pipe.expire(prefix + batch_id, self.result_ttl)
-        pipe.execute()
 
     def _run_scripts(self, requests: list[list[_ScriptCall]]) -> list[list[Any]]:
         """Each request's script calls, all in one round trip; each call's reply, or its
