@@ -134,8 +134,8 @@ async def _check_url(request: Request, settings: Settings, url: str | None, tena
     except LookupsBusy as exc:
         raise _lookup_unavailable(
             f"the name lookup of the host {host!r} found no lookup thread free for this tenant "
-            f"({lookups.waiting()} of {lookups.limit} wait on a resolver that has not "
-            f"answered; each request waits at most {within:g} s, {LOOKUP_TIMEOUT_SETTING})",
+            f"(its lookups wait on a resolver that has not answered; each request waits at "
+            f"most {within:g} s, {LOOKUP_TIMEOUT_SETTING})",
             within,
         ) from exc
     waited = asyncio.wrap_future(found)

@@ -222,6 +222,44 @@ def test_registration_whose_name_lookup_hangs_is_a_503_at_the_connect_timeout(
     assert listed.status_code == 200 and listed.json()["searches"] == [], listed.text
 
 
+def test_a_lookup_refused_for_want_of_a_thread_counts_no_other_tenants_lookups(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gateway's lookup threads are shared out among tenants, so their admission is
+    shared capacity (docs/security.md); the refusal's message is the caller's alone. It
+    counted every tenant's lookups waiting on the resolver: one more of globex's showed in
+    acme's answer."""
+    answered = threading.Event()
+    real = socket.getaddrinfo
+
+    def hanging(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        if host.endswith(".hangs.example"):
+            answered.wait(20.0)
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", port))]
+        return real(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    redis.Redis.from_url(stack.redis_url + "/4").flushdb()  # this test's own database
+    settings = Settings(redis_url=stack.redis_url + "/4", api_keys=[ApiKey(**k) for k in KEYS])
+    body = {"index": INDEX, "query": "q", "webhook_url": "https://acme.hangs.example/sift"}
+    messages = []
+    with TestClient(create_app(settings)) as client:
+        lookups = client.app.state.lookups  # type: ignore[attr-defined]
+        try:
+            for n in range(24):  # as many as one tenant may hold
+                lookups.submit(f"a{n}.hangs.example", 443, "acme")
+            for globex in (0, 1):  # globex's lookups waiting: none, then one
+                if globex:
+                    lookups.submit("g.hangs.example", 443, "globex")
+                response = client.post("/v1/searches", json=body, headers=ACME)
+                assert response.status_code == 503, response.text
+                messages.append(response.json()["error"]["message"])
+        finally:
+            answered.set()
+    assert "no lookup thread free for this tenant" in messages[0]
+    assert messages[0] == messages[1]
+
+
 def test_registration_whose_name_lookup_fails_for_now_is_a_503_not_a_bad_url(
     stack: Stack, monkeypatch: pytest.MonkeyPatch
 ) -> None:

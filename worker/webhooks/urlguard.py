@@ -249,10 +249,6 @@ class LookupThreads:
 
         return self._pool.submit(lookup)
 
-    def waiting(self) -> int:
-        """Lookups the resolver has not answered yet, given up on or not."""
-        return self._slots.held()
-
     def close(self) -> None:
         """Let the threads go once their lookups end; no lookup is taken after this."""
         self._pool.shutdown(wait=False, cancel_futures=True)
