@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from worker.contract import Channel, DocumentIn, RerankInfo, SearchResult, SearchSpec
+from worker.core.catalog import StoredDocument
 from worker.core.pipeline import BeforeModel
 from worker.core.types import (
     ChannelHit,
@@ -124,6 +125,22 @@ class InMemoryBackend:
             vector = list(vectors[i]) if vectors is not None else None
             self.rows[(index, tenant, doc.id)] = _Row(tenant, doc, vector)
         return len(documents)
+
+    def stored_documents(
+        self, index: str, tenant: str, ids: Sequence[str]
+    ) -> dict[str, StoredDocument]:
+        found = (self.rows.get((index, tenant, doc_id)) for doc_id in ids)
+        return {
+            row.document.id: StoredDocument(
+                row.document.id,
+                row.document.text,
+                row.document.title,
+                row.document.revision,
+                row.document.metadata,
+            )
+            for row in found
+            if row is not None
+        }
 
     def retrieve(self, query: ChannelQuery) -> ChannelResults:
         self.calls.append(query)

@@ -395,3 +395,63 @@ def test_a_request_the_results_leave_out_is_sent_again_then_fails_not_waiting_fo
     made = {m["id"] for m in stack.model.batches()}
     assert any(f"provider batch {m}: 2 requests had no result" in log for m in made), made
     assert not any(f"provider batch {m}: 3 requests had no result" in log for m in made)
+
+
+def _ingest(stack: Stack, index: str, documents: list[dict[str, Any]]) -> None:
+    response = stack.live.post(
+        f"/v1/indexes/{index}/documents",
+        params={"wait": 20},
+        json={"documents": documents},
+        headers=ACME,
+    )
+    assert response.status_code == 200 and response.json()["status"] == "succeeded", response.text
+
+
+@pytest.mark.parametrize("removed", ["a document", "the index"])
+def test_an_item_finished_after_a_delete_returns_nothing_the_delete_removed(
+    stack: Stack, removed: str
+) -> None:
+    """An economy item is finished from the candidates kept when it was prepared, hours
+    later at most (its provider batch's processing): a document deleted meanwhile, once the
+    delete has finished, was still its hit, its text in the hits and the trace; an index
+    dropped meanwhile still gave hits. Now the finish reads the candidates as stored: a
+    deleted one is in no hit and not in the trace, and with the index gone the item is
+    ``index_not_found``, its billed usage shown."""
+    index = "eco-deletes-" + ("doc" if removed == "a document" else "drop")
+    words = "apple banana cherry"
+    documents = [{"id": f"d{i}", "text": f"{words} fruit number {i}"} for i in range(6)]
+    _ingest(stack, index, documents)
+    stack.model.configure(batch_processing_seconds=3.0)
+    body = {
+        "index": index,
+        "queries": [{"id": f"q{i}", "query": words, "limit": 6} for i in range(2)],
+        "rerank": True,
+        "lane": "economy",
+        "include_trace": True,
+    }
+    response = stack.live.post("/v1/batches", json=body, headers=ACME)
+    assert response.status_code == 202, response.text
+    batch_id = response.json()["id"]
+    _wait_for_provider_batches(stack, 1)  # both items prepared, their candidates kept
+    if removed == "a document":
+        target = f"/v1/indexes/{index}/documents/d0"
+    else:
+        target = f"/v1/indexes/{index}"
+    deleted = stack.live.delete(target, params={"wait": 20}, headers=ACME)
+    assert deleted.status_code == 200 and deleted.json()["status"] == "succeeded", deleted.text
+    done = _wait(stack, batch_id)
+    results = _results(stack, batch_id)
+    assert len(results) == 2
+    if removed == "a document":
+        assert done["counts"]["succeeded"] == 2, done
+        for item in results.values():
+            hits = item["result"]["hits"]
+            assert hits and "d0" not in [hit["id"] for hit in hits], item
+            assert "d0" not in [c["id"] for c in item["result"]["trace"]["candidates"]]
+            assert "fruit number 0" not in json.dumps(item)
+    else:
+        assert done["counts"]["failed"] == 2, done
+        for item in results.values():
+            assert item["error"]["type"] == "index_not_found", item
+            assert item["error"]["usage"]["requests"] == 1, item
+            assert "fruit number" not in json.dumps(item)

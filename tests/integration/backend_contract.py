@@ -544,6 +544,25 @@ class LifecycleContract(BackendContract):
         assert backend.document(index, "globex", "vitd") is None
         assert backend.document(f"{index}-none", "acme", "vitd") is None
 
+    def test_stored_documents_are_the_tenants_own_as_stored_now(
+        self, backend: Any, index: str
+    ) -> None:
+        """The documents of many ids in one read (an economy item's candidates, checked at
+        its finish): each as a read of it alone answers, those deleted or never written left
+        out, another tenant's never."""
+        self.load(backend, index, "acme")
+        self.load(backend, index, "globex")
+        ids = [doc.id for doc in CORPUS]
+        stored = backend.stored_documents(index, "acme", [*ids, "never-written"])
+        assert sorted(stored) == sorted(ids)
+        assert all(stored[i] == backend.document(index, "acme", i) for i in ids)
+        backend.delete_documents(index, "acme", [ids[0]])
+        assert sorted(backend.stored_documents(index, "acme", ids)) == sorted(ids[1:])
+        assert sorted(backend.stored_documents(index, "globex", ids)) == sorted(ids)
+        assert backend.stored_documents(index, "nobody-at-all", ids) == {}
+        assert backend.stored_documents(f"{index}-none", "acme", ids) == {}
+        assert backend.stored_documents(index, "acme", []) == {}
+
     def test_documents_page_by_id_the_tenants_own(self, backend: Any, index: str) -> None:
         """The tenant's documents a page at a time, by id (code point order: ``"Z"`` before
         ``"a"``, a four-byte character last), each page starting after the last id of the

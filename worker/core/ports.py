@@ -58,6 +58,14 @@ class SearchBackend(Protocol):
         """Run the asked channels. Raises BackendUnavailable or BackendRequestError."""
         ...
 
+    def stored_documents(
+        self, index: str, tenant: str, ids: Sequence[str]
+    ) -> dict[str, StoredDocument]:
+        """The tenant's documents of these ids as stored now, by id, in one request; an id
+        it holds no document of (deleted, or never written) is left out. What a search
+        finished long after its retrieval (an economy item) checks its candidates against."""
+        ...
+
     def upsert(
         self,
         index: str,

@@ -4,6 +4,7 @@ another tenant's)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from elasticsearch import NotFoundError
@@ -164,9 +165,38 @@ class _Listing(_Bodies):
                 return None
         if missing or not answer.get("found"):
             return None
-        src = answer.get("_source", {})
-        if src.get(self.fields.tenant) != tenant:
+        if answer.get("_source", {}).get(self.fields.tenant) != tenant:
             return None
+        return self._stored(doc_id, answer)
+
+    def stored_documents(
+        self, index: str, tenant: str, ids: Sequence[str]
+    ) -> dict[str, StoredDocument]:
+        """``_mget`` of the ids' ``_id`` (:func:`document_es_id`) on the tenant's alias,
+        without the vector: those found and the tenant's, by id. A missing alias holds none."""
+        if not ids:
+            return {}
+        with _translated(f"documents in index {index!r}", index, missing_ok=True) as missing:
+            answer = (
+                self._es()
+                .mget(
+                    index=self.alias(index, tenant),
+                    ids=[document_es_id(tenant, doc_id) for doc_id in ids],
+                    source_excludes=[self.fields.vector],
+                )
+                .body
+            )
+        if missing:
+            return {}
+        found = {}
+        for doc_id, doc in zip(ids, answer.get("docs", []), strict=False):
+            if doc.get("found") and doc.get("_source", {}).get(self.fields.tenant) == tenant:
+                found[doc_id] = self._stored(doc_id, doc)
+        return found
+
+    def _stored(self, doc_id: str, answer: dict[str, Any]) -> StoredDocument:
+        """A document as a ``GET _doc`` or an ``_mget`` entry answers it."""
+        src = answer.get("_source", {})
         text = src.get(self.fields.text)  # null (an operator's index) is empty, as listed
         return StoredDocument(
             id=doc_id,

@@ -4,6 +4,7 @@ stored, a page of its documents by id, and a count; each only ever the tenant's 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import cast
 
 from worker.constants import DOCUMENT_PREVIEW_CHARS
@@ -61,18 +62,25 @@ class _Listing(_Pool):
 
     def document(self, index: str, tenant: str, doc_id: str) -> StoredDocument | None:
         """One of the tenant's documents as stored (no vector); None if it has no such one."""
+        return self.stored_documents(index, tenant, [doc_id]).get(doc_id)
+
+    def stored_documents(
+        self, index: str, tenant: str, ids: Sequence[str]
+    ) -> dict[str, StoredDocument]:
+        """The tenant's documents of these ids as stored (no vector), by id: one seek each on
+        ``docs``'s unique (idx, tenant, id) index, in one statement (a JSON array of the ids,
+        so any number of them binds as one parameter)."""
+        if not ids:
+            return {}
         with self._conn() as conn, _translated("document"), _read(conn):
-            row = conn.execute(
-                "SELECT d.revision, d.metadata, b.title, b.text, w.version FROM docs AS d"
-                " JOIN bodies AS b ON b.seq = d.seq"
-                " LEFT JOIN writes AS w ON w.idx = d.idx AND w.tenant = d.tenant AND w.id = d.id"
-                " WHERE d.idx = ? AND d.tenant = ? AND d.id = ?",
-                (index, tenant, doc_id),
-            ).fetchone()
-        if row is None:
-            return None
-        revision, metadata, title, text, version = row
-        return StoredDocument(doc_id, text, title, revision, json.loads(metadata), version)
+            rows = cast(
+                list[tuple[str, str, str, str, str, int | None]],
+                conn.execute(STORED_DOCUMENTS, (index, tenant, json.dumps(list(ids)))).fetchall(),
+            )
+        return {
+            doc_id: StoredDocument(doc_id, text, title, revision, json.loads(metadata), version)
+            for doc_id, revision, metadata, title, text, version in rows
+        }
 
     def documents(
         self, index: str, tenant: str, after: str | None, limit: int
@@ -106,6 +114,14 @@ class _Listing(_Pool):
             for doc_id, revision, meta, title, preview, length, version, whole in rows
         ]
 
+
+#: A tenant's documents of the ids in a JSON array, as stored.
+STORED_DOCUMENTS = (
+    "SELECT d.id, d.revision, d.metadata, b.title, b.text, w.version FROM docs AS d"
+    " JOIN bodies AS b ON b.seq = d.seq"
+    " LEFT JOIN writes AS w ON w.idx = d.idx AND w.tenant = d.tenant AND w.id = d.id"
+    " WHERE d.idx = ?1 AND d.tenant = ?2 AND d.id IN (SELECT value FROM json_each(?3))"
+)
 
 #: One page of a tenant's indexes: its names after the cursor, each with its documents (an
 #: ``indexes`` row outlives its last document, so a name with none is left out).

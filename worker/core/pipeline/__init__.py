@@ -21,7 +21,13 @@ import logging
 from worker.core.pipeline._config import FailurePolicy, PipelineConfig
 from worker.core.pipeline._hits import shown_metadata, stage_seconds
 from worker.core.pipeline._model_calls import BeforeModel
-from worker.core.pipeline._prepared import Prepared, dump_prepared, load_prepared, shown_digest
+from worker.core.pipeline._prepared import (
+    Prepared,
+    as_stored,
+    dump_prepared,
+    load_prepared,
+    shown_digest,
+)
 from worker.core.pipeline._run import RerankRun, dump_run, load_run, usage_by_type
 from worker.core.pipeline._search import SearchPipeline
 
@@ -35,6 +41,7 @@ __all__ = [
     "Prepared",
     "RerankRun",
     "SearchPipeline",
+    "as_stored",
     "dump_prepared",
     "dump_run",
     "load_prepared",

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from dataclasses import (
-    dataclass,
-    replace,  # noqa: F401 (the doctests')
-)
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from worker.contract import SearchResult, SearchSpec
+from worker.core.catalog import StoredDocument
 from worker.core.pipeline._hits import _trace_candidates
 from worker.core.types import Candidate, Document, RerankPrompt
 
@@ -29,6 +27,8 @@ class Prepared:
     answer (or the failure) into the result. ``seconds`` is the time the first half took.
     ``trace`` lists the candidates only when the search asked for its trace
     (``include_trace``): otherwise no one reads it, and it is a dict per candidate.
+    ``gone``: the candidates' ids deleted since their retrieval (:func:`as_stored`), in no
+    hit.
     """
 
     spec: SearchSpec
@@ -38,6 +38,40 @@ class Prepared:
     result: SearchResult | None = None
     skipped: bool = False
     seconds: float = 0.0
+    gone: frozenset[str] = field(default_factory=frozenset)
+
+
+def as_stored(prepared: Prepared, stored: Mapping[str, StoredDocument]) -> Prepared:
+    """``prepared`` with its candidates' documents as ``stored`` holds them now: a search
+    finished long after its retrieval (an economy item waits hours at most on its provider
+    batch) returns nothing a delete finished meanwhile removed, and no text an upsert
+    replaced. A candidate whose id ``stored`` lacks is ``gone``: in no hit, fallback or trace
+    (the trace names its id in ``deleted_since_retrieval``). The prompt stays as it was
+    sent: the model's positions refer to it.
+
+    >>> old = Candidate(Document("a", "old text", revision="1"), 1, 0.1, {}, {})
+    >>> other = Candidate(Document("b", "b's text", revision="1"), 2, 0.1, {}, {})
+    >>> prepared = Prepared(SearchSpec(index="i", query="q"), [old, other], {})
+    >>> now = as_stored(prepared, {"a": StoredDocument("a", "new text", "", "2")})
+    >>> now.candidates[0].document.text, now.gone, now.trace["deleted_since_retrieval"]
+    ('new text', frozenset({'b'}), ['b'])
+    """
+    candidates = [
+        replace(c, document=_document(held)) if (held := stored.get(c.document.id)) else c
+        for c in prepared.candidates
+    ]
+    gone = frozenset(c.document.id for c in candidates if c.document.id not in stored)
+    trace = dict(prepared.trace)
+    if gone:
+        trace["deleted_since_retrieval"] = sorted(gone)
+    if "candidates" in trace:
+        shown = _trace_candidates(candidates, prepared.prompt)
+        trace["candidates"] = [c for c in shown if c["id"] not in gone]
+    return replace(prepared, candidates=candidates, trace=trace, gone=gone)
+
+
+def _document(stored: StoredDocument) -> Document:
+    return Document(stored.id, stored.text, stored.title, stored.revision, stored.metadata)
 
 
 def shown_digest(candidates: Sequence[Candidate]) -> str:

@@ -31,6 +31,8 @@ def rerank_result(
     """The result of ``run``; the figures it makes (the model answer's duration and
     outcome) are appended to ``figures``, for the caller to record."""
     spec, candidates, trace = prepared.spec, prepared.candidates, prepared.trace
+    gone = prepared.gone  # deleted since their retrieval: in no hit
+    live = [c for c in candidates if c.document.id not in gone] if gone else candidates
     usage = run.job_usage()
     trace.update(attempts=run.attempts, rerank_seconds=run.seconds)
     if spec.include_trace:  # the trace's parts built per candidate or model: only if shown
@@ -51,7 +53,7 @@ def rerank_result(
         trace["fallback_reason"] = f"error:{reason}"
         figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_error"))
         info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{reason}")
-        return build_result(candidates[: spec.limit], info, usage, spec, trace)
+        return build_result(live[: spec.limit], info, usage, spec, trace)
 
     figures.append(partial(recorder.rerank_done, model, "ok", run.seconds))
     normalised = normalise_positions(reply.positions, len(candidates), spec.limit)
@@ -63,11 +65,13 @@ def rerank_result(
         trace["fallback_reason"] = "no_valid_ranks"
         figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_no_valid_ranks"))
         info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason="no_valid_ranks")
-        return build_result(candidates[: spec.limit], info, usage, spec, trace)
+        return build_result(live[: spec.limit], info, usage, spec, trace)
 
     figures.append(partial(recorder.rerank_outcome, POLICY_ID, "applied"))
     trace["fallback_reason"] = None
     chosen = [candidates[position - 1] for position in normalised.kept]
+    if gone:
+        chosen = [c for c in chosen if c.document.id not in gone]
     info = RerankInfo(applied=True, policy=POLICY_ID, fallback_reason=None)
     return build_result(chosen, info, usage, spec, trace)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 from worker.constants import ECONOMY_RUNS_KEY
 from worker.contract import ErrorInfo, JobStatus
-from worker.core.pipeline import Prepared, RerankRun, load_prepared
-from worker.errors import RerankAttemptError, RerankFailed
+from worker.core.pipeline import Prepared, RerankRun, SearchPipeline, as_stored, load_prepared
+from worker.errors import IndexNotFound, RerankAttemptError, RerankFailed
 from worker.observability import metrics
 from worker.queue.base import SiftTask, count_completed, error_info
 from worker.queue.economy.records import economy_pipeline, rerank_run, running_items
@@ -65,14 +65,33 @@ def finish_item(
     error: ErrorInfo | None = None
     later = list(figures)
     try:
-        result = pipeline.finish(prepared, run, later=later)
+        result = pipeline.finish(as_stored_now(pipeline, batch, prepared), run, later=later)
     except RerankFailed as exc:
+        error, result = error_info(exc), None
+    except IndexNotFound as exc:  # dropped since the item was prepared: its calls billed
+        exc.job_usage = run.job_usage()
         error, result = error_info(exc), None
     transition = task.context.store.finish_item(batch.id, query_id, result=result, error=error)
     if count_completed("batch_item", transition.applied, error):
         for record in later:
             record()
     _item_done(task, batch, transition)
+
+
+def as_stored_now(pipeline: SearchPipeline, batch: BatchJob, prepared: Prepared) -> Prepared:
+    """The item's candidates as its index holds them now (:func:`as_stored`), one read of
+    their ids: they were kept when it was prepared, and a delete or an upsert finished since
+    (while its provider batch ran, hours at most) must show in its hits. Raises
+    :class:`IndexNotFound` when the tenant's index is gone (dropped, or emptied), as a search
+    on it would."""
+    if not prepared.candidates:
+        return prepared
+    backend = pipeline.backend
+    index, ids = prepared.spec.index, [c.document.id for c in prepared.candidates]
+    stored = backend.stored_documents(index, batch.tenant, ids)
+    if not stored and not backend.channels(index, batch.tenant):
+        raise IndexNotFound(index)
+    return as_stored(prepared, stored)
 
 
 def fail_items(
