@@ -388,6 +388,28 @@ def test_a_page_of_documents_is_a_seek_on_the_unique_key_not_a_scan(
     assert [d.id for d in backend.documents("sci", "acme", "d0", 2) or []] == ["d1", "d2"]
 
 
+def test_stored_documents_are_a_seek_per_id_not_a_scan(backend: EmbeddedBackend) -> None:
+    """An economy item's finish reads its candidates (up to a few hundred ids) in one
+    statement: a seek on ``docs``'s unique (idx, tenant, id) index per id of the JSON array,
+    then one on ``bodies`` and ``writes``; no scan of the tenant's documents."""
+    from worker.adapters.embedded._listing import STORED_DOCUMENTS
+
+    backend.upsert("sci", "acme", DOCS, VECTORS)
+    with backend._conn() as conn:
+        plan = [
+            str(row[3])
+            for row in conn.execute(
+                f"EXPLAIN QUERY PLAN {STORED_DOCUMENTS}", ("sci", "acme", '["d0", "d2"]')
+            )
+        ]
+    assert plan[:2] == [
+        "SEARCH d USING INDEX sqlite_autoindex_docs_1 (idx=? AND tenant=? AND id=?)",
+        "LIST SUBQUERY 1",
+    ], plan
+    assert "SCAN d" not in " ".join(plan)
+    assert sorted(backend.stored_documents("sci", "acme", ["d0", "d2", "d9"])) == ["d0", "d2"]
+
+
 def _listing_work(data_dir: Path, tenant: str, cursors: list[str | None]) -> list[int]:
     """How much SQLite work each of ``tenant``'s index-list pages (one per cursor) does: its
     virtual-machine steps, counted a hundred at a time by a progress handler on each
