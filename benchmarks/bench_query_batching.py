@@ -66,8 +66,8 @@ from worker.adapters.int8_graph import (  # noqa: E402
     without_nan_guards,
 )
 from worker.evaluation.harness import read_corpus  # noqa: E402
-from worker.queue.slots import SlottedEmbedder, cpu_slots  # noqa: E402
 from worker.runtime.inprocess import embedding_text  # noqa: E402
+from worker.runtime.slots import SlottedEmbedder, cpu_slots  # noqa: E402
 
 Vectors = npt.NDArray[np.float32]
 

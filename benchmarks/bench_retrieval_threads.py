@@ -9,7 +9,7 @@ Issue 14's stage table put the embedded backend's ``retrieve`` at 0.59-0.83 ms o
 per search in the worker against 0.12 ms one call at a time. This imitates the worker's use
 of the backend in one process, so the two figures can be taken apart: a persistent thread
 pool of ``--threads`` (the worker's item pool is 300), each task holding one of the worker's
-CPU slots (``worker.queue.slots.cpu_slots(0)``: one per core, plus one) through the search's
+CPU slots (``worker.runtime.slots.cpu_slots(0)``: one per core, plus one) through the search's
 ``probe`` and ``retrieve`` (both channels, tenant-filtered, the window of a reranked search:
 120), then letting it go and sleeping ``--wait`` seconds, as a search waits on its model, so
 the pool spreads the searches over all of its threads as the worker's does.
@@ -60,7 +60,7 @@ from benchmarks.bench_queue import queries as sample_queries  # noqa: E402
 from worker.adapters.embedded import DB_FILE, EmbeddedBackend  # noqa: E402
 from worker.core.query import channel_window, coarse_limit  # noqa: E402
 from worker.core.types import ChannelQuery, Document, HardFilters  # noqa: E402
-from worker.queue.slots import cpu_slots  # noqa: E402
+from worker.runtime.slots import cpu_slots  # noqa: E402
 
 INDEX = "bench"
 TENANT = "bench"

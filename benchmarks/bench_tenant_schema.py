@@ -11,7 +11,7 @@ gets ``--tenants`` tenant indexes of one document each; then, for ``--baseline``
 ``EmbeddedBackend`` (its ``worker/adapters/embedded.py``, loaded with ``git show``) and
 today's, each in a process of its own, side by side on that data dir, in turns:
 ``--threads`` threads (a worker's Celery and batch-item threads) each search once, holding
-a CPU slot as a worker's retrieval does (:func:`worker.queue.slots.cpu_slots` at its
+a CPU slot as a worker's retrieval does (:func:`worker.runtime.slots.cpu_slots` at its
 default); then, ``--rounds`` times, each thread searches once more with no schema change
 (``steady``) and once more right after another connection wrote a new tenant's first
 document (``after a new tenant``). It prints the process CPU (``time.process_time``) of
@@ -44,7 +44,7 @@ import apsw  # noqa: E402
 from benchmarks.baseline import module_at  # noqa: E402
 from worker.adapters.embedded import DB_FILE, EmbeddedBackend  # noqa: E402
 from worker.core.types import ChannelQuery, Document, HardFilters  # noqa: E402
-from worker.queue.slots import cpu_slots  # noqa: E402
+from worker.runtime.slots import cpu_slots  # noqa: E402
 
 INDEX = "docs"
 

@@ -1315,7 +1315,7 @@ def test_a_page_as_big_as_the_aggregation_still_says_more_follow(
     empty indexes among the names, must not end the list early: the next names are counted
     by another search. (It answered ``more: false`` with index c left.)"""
     from tests.integration.backend_contract import CORPUS
-    from worker.runtime.lifecycle import _indexes
+    from worker.queue.lifecycle import _indexes
 
     monkeypatch.setattr("worker.adapters.elasticsearch._listing.MAX_LISTED_INDEXES", 2)
     backend = backend_on(fake[0])

@@ -20,8 +20,8 @@ from worker.adapters.index_settings import IndexSettingsStore, settings_key
 from worker.constants import INDEX_SETTINGS_LOCK_KEY
 from worker.contract import DocumentIn, SearchSpec
 from worker.errors import BackendUnavailable
+from worker.queue import lifecycle
 from worker.queue.jobstore import JobStore
-from worker.runtime import lifecycle
 from worker.runtime.bootstrap import build_pipeline
 from worker.runtime.inprocess import Runtime
 from worker.settings import load_settings

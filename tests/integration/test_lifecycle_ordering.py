@@ -23,8 +23,8 @@ from worker.adapters.embedded import EmbeddedBackend
 from worker.contract import DocumentIn
 from worker.core.types import ChannelQuery, Document, HardFilters
 from worker.errors import EmbeddingModelMismatch
+from worker.queue import lifecycle
 from worker.queue.jobstore import IngestJob, JobStore
-from worker.runtime import lifecycle
 
 IDS = ["a", "b", "c", "d"]
 TENANT = "acme"

@@ -37,7 +37,7 @@ from worker.core.budget import MIN_ATTEMPT_SECONDS
 from worker.core.pipeline import load_run
 from worker.errors import Canceled, RunTakenOver, SiftError
 from worker.observability import metrics
-from worker.queue import liveness
+from worker.queue import lifecycle, liveness
 from worker.queue.base import SiftTask, count_completed, error_info
 from worker.queue.config import time_limits
 from worker.queue.economy import economy_pipeline, is_prepared, maybe_submit, save_prepared
@@ -52,7 +52,6 @@ from worker.queue.jobstore import (
     RunClaim,
     SearchJob,
 )
-from worker.runtime import lifecycle
 
 log = logging.getLogger(__name__)
 
@@ -486,7 +485,7 @@ def cancel_count(self: SiftTask, batch_id: str) -> None:
 )
 def ingest(self: SiftTask, job_id: str) -> None:
     """Upsert one ingest job's documents into the tenant's index, or run a delete job (the
-    same record kind, with ``operation`` "delete" or "drop": :mod:`worker.runtime.lifecycle`)."""
+    same record kind, with ``operation`` "delete" or "drop": :mod:`worker.queue.lifecycle`)."""
     store = self.context.store
     job = store.get_ingest(job_id)
     if job is None or job.status.final:

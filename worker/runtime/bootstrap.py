@@ -25,7 +25,7 @@ from worker.core.ports import (
     SearchBackend,
 )
 from worker.errors import ConfigError
-from worker.queue.slots import Slots, SlottedEmbedder, cpu_slots
+from worker.runtime.slots import Slots, SlottedEmbedder, cpu_slots
 from worker.settings import RateLimit, Settings
 
 if TYPE_CHECKING:

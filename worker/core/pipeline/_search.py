@@ -59,7 +59,7 @@ class SearchPipeline:
         rate_budget: RateBudget | None = None,
         index_settings: IndexSettingsSource | None = None,
     ) -> None:
-        """``cpu_slots``: one is held through each first half (:mod:`worker.queue.slots`).
+        """``cpu_slots``: one is held through each first half (:mod:`worker.runtime.slots`).
         ``rate_budget``: the provider's limits shared by every process; each attempt of the
         standard lane waits for its share first (:mod:`worker.adapters.rate_budget`).
         ``index_settings``: where each search reads its index's own fusion and candidate
