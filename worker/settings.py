@@ -40,6 +40,7 @@ from worker.constants import (
 from worker.contract import FusionWeights
 from worker.effort import refused_effort
 from worker.errors import ConfigError, validation_message
+from worker.prices import DEFAULT_PRICES, Price
 
 
 class ApiKey(BaseModel):
@@ -104,32 +105,6 @@ class ApiKey(BaseModel):
         return secrets
 
 
-class Price(BaseModel):
-    """US dollars per million tokens, by token type: the provider's usage fields
-    (``cache_creation`` prices ``cache_creation_input_tokens``). ``cache_write``, Sift's
-    older name for ``cache_creation``, is still read; both at once is an error.
-
-    >>> Price.model_validate({"input": 1, "output": 5, "cache_read": 0.1, "cache_write": 1.25})
-    Price(input=1.0, output=5.0, cache_read=0.1, cache_creation=1.25)
-    """
-
-    input: float = Field(ge=0)
-    output: float = Field(ge=0)
-    cache_read: float = Field(ge=0)
-    cache_creation: float = Field(
-        ge=0, validation_alias=AliasChoices("cache_creation", "cache_write")
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_name_for_cache_creation(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "cache_creation" in data and "cache_write" in data:
-            raise ValueError(
-                "cache_creation: given twice, also as cache_write (its old name); give one"
-            )
-        return data
-
-
 class BatchLimit(BaseModel):
     """The Message Batches API's own limits (the economy lane), as the tier's page lists them:
     requests per minute to the batch endpoints (create, retrieve, results, cancel), and batch
@@ -161,13 +136,6 @@ class RateLimit(BaseModel):
 
 
 _API_KEY_LIST = TypeAdapter(list[ApiKey])
-
-DEFAULT_PRICES: dict[str, Price] = {
-    # Published list prices per million tokens; override with SIFT_PRICES.
-    "claude-haiku-4-5": Price(input=1.0, output=5.0, cache_read=0.10, cache_creation=1.25),
-    "claude-sonnet-4-6": Price(input=3.0, output=15.0, cache_read=0.30, cache_creation=3.75),
-    "claude-opus-4-6": Price(input=5.0, output=25.0, cache_read=0.50, cache_creation=6.25),
-}
 
 
 def _json_or_empty(value: Any) -> Any:

@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping
 
 from worker.core.types import TokenUsage
-from worker.settings import Price
+from worker.prices import Price
 
 # a dated snapshot of a model: its alias and ``-YYYYMMDD`` (claude-haiku-4-5-20251001)
 _SNAPSHOT = re.compile(r"(?P<alias>.+)-\d{8}")

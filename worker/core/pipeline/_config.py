@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from worker.core.fusion import Fusion
-from worker.settings import Price
+from worker.prices import Price
 
 FailurePolicy = Literal["fail_closed", "fail_open"]
 

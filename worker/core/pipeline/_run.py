@@ -11,7 +11,7 @@ from worker.contract import Usage
 from worker.core.cost import add_costs, cost_usd
 from worker.core.types import RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError, SiftError
-from worker.settings import Price
+from worker.prices import Price
 
 
 @dataclass(slots=True)
