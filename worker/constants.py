@@ -219,6 +219,7 @@ ECONOMY_MAX_REQUESTS_PER_BATCH = 100_000  # the provider's limit per Message Bat
 ECONOMY_MAX_BATCH_BYTES = 256_000_000  # the provider's limit on a Message Batch's body (256 MB)
 LANE_STANDARD = "standard"
 LANE_ECONOMY = "economy"
+LANES = (LANE_STANDARD, LANE_ECONOMY)  # a batch's lanes, and the metrics' lane label
 
 # --- limits (validated at the gateway, documented in docs/security.md) ---
 MAX_QUERY_CHARS = 2_000

@@ -215,6 +215,7 @@ class Settings(BaseSettings):
     # a long with each document's write version, so a drop deletes only what was written
     # before it; empty: none, and a drop deletes the tenant's index whole
     elasticsearch_write_version_field: str = "write_version"
+    # the only model Sift ships, so nothing reads it: the embedder names itself (its MODEL_ID)
     embedding_model: Literal["all-MiniLM-L6-v2-onnx-int8"] = "all-MiniLM-L6-v2-onnx-int8"
     # onnxruntime threads per embedding call; 0 = one per core. A worker embeds many queries
     # at once from its own threads, so one each avoids the pool's spinning on 2 cores.

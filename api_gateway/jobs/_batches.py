@@ -74,7 +74,7 @@ def batch_out(batch: BatchJob) -> BatchOut:
         id=batch.id,
         status=batch.status,
         index=batch.index,
-        lane="economy" if batch.lane == "economy" else "standard",
+        lane="economy" if batch.lane == LANE_ECONOMY else "standard",
         counts=BatchCounts(total=batch.total, **batch.counts),
         usage=batch.usage,
         rerank_outcomes=None

@@ -23,8 +23,6 @@ from worker.errors import ConfigError, InvalidRequest, SiftError
 from worker.queue.jobstore import IngestJob, JobStore
 from worker.runtime.inprocess import Runtime
 
-READ_OPERATIONS = ("list", "show", "document", "documents", "update")
-
 
 def catalog(runtime: object) -> IndexCatalog:
     """The runtime's backend as an :class:`IndexCatalog` (both shipped backends are one).

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, cast
 
-from worker.constants import LANE_ECONOMY
+from worker.constants import LANE_ECONOMY, LANE_STANDARD
 from worker.core.cost import price_for
 from worker.core.fusion import Fusion, weights_of
 from worker.core.pipeline import PipelineConfig, SearchPipeline
@@ -142,7 +142,7 @@ def build_reranker(
     return AnthropicReranker(model, effort=settings.generation_effort, on_headers=on_headers)
 
 
-def build_rate_budget(settings: Settings, lane: str = "standard") -> RedisRateBudget | None:
+def build_rate_budget(settings: Settings, lane: str = LANE_STANDARD) -> RedisRateBudget | None:
     """A lane's budget shared through Redis, or None without a model or Redis (or with
     ``SIFT_RATE_BUDGET_ENABLED=false``). It meters calls once a limit is known:
     ``SIFT_RATE_LIMITS`` (the model's ``economy`` entry for the economy lane) or, in the

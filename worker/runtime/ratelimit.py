@@ -163,10 +163,3 @@ class LimitedReranker:
                 retry_after=left or None,
                 sent=False,
             ) from exc
-
-
-class NullLimiter(ProviderLimiter):
-    """No bound and no pause: for the in-process runtime and tests that do not need one."""
-
-    def __init__(self) -> None:
-        super().__init__(max_in_flight=1 << 30)

@@ -18,7 +18,7 @@ from worker.adapters.rate_budget._headers import (
     limits_from_headers,
     remaining_from_headers,
 )
-from worker.constants import RATE_BUDGET_KEY
+from worker.constants import LANE_STANDARD, RATE_BUDGET_KEY
 from worker.core.types import BudgetGrant, RerankPrompt, TokenUsage
 from worker.observability import metrics
 from worker.settings import RateLimit
@@ -298,7 +298,7 @@ class RedisRateBudget:
         model: str,
         limits: RateLimit | None = None,
         *,
-        lane: str = "standard",
+        lane: str = LANE_STANDARD,
         estimator: TokenEstimator | None = None,
         burst_fraction: float = BURST_FRACTION,
         clock: Callable[[], float] = time.monotonic,

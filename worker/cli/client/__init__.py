@@ -22,6 +22,7 @@ from worker.cli.client._ingest import ingest
 from worker.cli.client._search import search
 
 # isort: split
-from worker.cli.client._batch import LANES, batch
+from worker.cli.client._batch import batch
+from worker.constants import LANES
 
 __all__ = ["LANES", "MODES", "Loaded", "batch", "document_from", "ingest", "query_from", "search"]

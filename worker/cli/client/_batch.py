@@ -46,10 +46,16 @@ from worker.cli.client._input import (
     _report_skipped,
     query_from,
 )
-from worker.constants import IDEMPOTENCY_PENDING_TTL_SECONDS, MAX_BATCH_QUERIES, MAX_LIMIT
+from worker.constants import (
+    IDEMPOTENCY_PENDING_TTL_SECONDS,
+    LANE_ECONOMY,
+    LANE_STANDARD,
+    LANES,
+    MAX_BATCH_QUERIES,
+    MAX_LIMIT,
+)
 from worker.pids import alive
 
-LANES = ("standard", "economy")
 #: What a run cut short says: the same command picks up its batch (:func:`batch_key`).
 AGAIN = "run the same command again within 24 h to pick it up"
 
@@ -219,8 +225,8 @@ def _batch_cost_lines(batch: dict[str, Any]) -> list[str]:
     usage, outcomes = batch.get("usage"), batch.get("rerank_outcomes") or {}
     if usage is None:  # unknown: an older gateway's, or a batch an older Sift made
         return []
-    lane = batch.get("lane") or "standard"
-    price = " (economy lane: half price)" if lane == "economy" else ""
+    lane = batch.get("lane") or LANE_STANDARD
+    price = " (economy lane: half price)" if lane == LANE_ECONOMY else ""
     ranked = ", ".join(
         f"{name} {outcomes.get(name, 0)}" for name in ("applied", "fallback", "skipped")
     )
@@ -250,7 +256,7 @@ def batch(
     ] = None,
     lane: Annotated[
         str, typer.Option(callback=one_of(LANES), help="standard or economy")
-    ] = "standard",
+    ] = LANE_STANDARD,
     webhook_url: Annotated[
         str | None, typer.Option("--webhook-url", help="POST batch.completed here")
     ] = None,

@@ -18,8 +18,10 @@ Who calls what:
 * a Celery task calls :func:`observe_queue_wait`, :func:`job_completed` and
   :func:`running_job`; the webhook task calls :func:`webhook_delivery` and
   :func:`webhook_deferred`;
-* the gateway calls :func:`job_submitted`, mounts :func:`metrics_asgi_app` at ``/metrics``,
-  and may call :func:`update_backlog` from a periodic loop;
+* the gateway calls :func:`job_submitted`; on each scrape its own ``/metrics`` route (behind
+  ``SIFT_METRICS_TOKEN`` when set) sets the queued jobs from the job store and calls
+  :func:`update_backlog` (:func:`job_store_unread` when Redis does not answer), then serves
+  :func:`metrics_response`;
 * a worker's main process calls :func:`start_worker_metrics_server`; a ``sift worker``
   supervisor calls :func:`worker_processes` and :func:`worker_restart`.
 
@@ -39,9 +41,9 @@ the files of pids that no longer exist, for children that died without running t
     recorder = PrometheusRecorder()               # passed to build_pipeline(recorder=...)
 """
 
+from worker.constants import LANES
 from worker.observability.metrics._exposition import (
     exposition_registry,
-    metrics_asgi_app,
     metrics_response,
     snapshot,
     start_worker_metrics_server,
@@ -101,7 +103,6 @@ from worker.observability.metrics._rerank import (
     ATTEMPT_RESULTS,
     BUDGET_WAIT,
     BUDGET_WAIT_BUCKETS,
-    LANES,
     PROVIDER_429,
     RERANK_ATTEMPTS,
     RERANK_BUCKETS,
@@ -198,7 +199,6 @@ __all__ = [
     "job_store_unread",
     "job_submitted",
     "mark_process_dead",
-    "metrics_asgi_app",
     "metrics_response",
     "multiprocess_dir",
     "observe_queue_wait",

@@ -1,11 +1,10 @@
 """The exposition: what ``/metrics`` serves (every process summed in multiprocess mode), for the
-gateway's ASGI app, a worker's own HTTP server, and tests and tools that read it."""
+gateway's ``/metrics`` route, a worker's own HTTP server, and tests and tools that read it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from threading import Thread
-from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -13,7 +12,6 @@ from prometheus_client import (
     REGISTRY,
     CollectorRegistry,
     generate_latest,
-    make_asgi_app,
     start_http_server,
 )
 from prometheus_client.registry import Collector
@@ -34,14 +32,6 @@ def exposition_registry() -> Collector:
 def metrics_response() -> tuple[bytes, str]:
     """The body and content type of a ``/metrics`` answer, for any web framework."""
     return generate_latest(exposition_registry()), CONTENT_TYPE_LATEST
-
-
-def metrics_asgi_app() -> Callable[..., Any]:
-    """An ASGI app serving ``/metrics``; mount it after :func:`setup_multiprocess`, if used.
-
-    >>> app.mount("/metrics", metrics_asgi_app())  # doctest: +SKIP
-    """
-    return make_asgi_app(registry=exposition_registry())
 
 
 def start_worker_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIServer, Thread]:

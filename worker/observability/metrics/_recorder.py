@@ -3,10 +3,10 @@ retrieval and its rerank."""
 
 from __future__ import annotations
 
+from worker.constants import LANE_STANDARD, LANES
 from worker.observability.metrics._recording import child, closed, never_raises
 from worker.observability.metrics._rerank import (
     ATTEMPT_RESULTS,
-    LANES,
     RERANK_ATTEMPTS,
     RERANK_COST,
     RERANK_DURATION,
@@ -34,7 +34,7 @@ class PrometheusRecorder:
     >>> build_pipeline(settings, recorder=PrometheusRecorder())  # doctest: +SKIP
     """
 
-    def __init__(self, lane: str = "standard") -> None:
+    def __init__(self, lane: str = LANE_STANDARD) -> None:
         self.lane = closed(lane, LANES, "lane")
 
     @never_raises

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Final
 from prometheus_client import Counter, Gauge, Histogram
 
 from worker.constants import (
+    LANE_STANDARD,
+    LANES,
     METRIC_PROVIDER_429,
     METRIC_RATE_BUDGET_WAIT,
     METRIC_RERANK_ATTEMPTS,
@@ -48,7 +50,6 @@ RERANK_OUTCOME_VALUES: Final = (
     "skipped",
 )
 TOKEN_TYPES: Final = ("input", "output", "cache_read", "cache_creation")
-LANES: Final = ("standard", "economy")
 
 # --- buckets ---
 # A standard-lane rerank takes 0.25-60 s (its deadline is 30 s: one the deadline cut ends a few
@@ -164,6 +165,6 @@ def budget_waited(model: str, lane: str, seconds: float) -> None:
 
 
 @never_raises
-def provider_429(model: str, lane: str = "standard") -> None:
+def provider_429(model: str, lane: str = LANE_STANDARD) -> None:
     """The model provider answered a call of ``lane`` with HTTP 429."""
     PROVIDER_429.labels(model, closed(lane, LANES, "lane")).inc()

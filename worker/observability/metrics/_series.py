@@ -13,7 +13,7 @@ from typing import Final
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from worker.constants import POLICY_ID
+from worker.constants import LANES, POLICY_ID
 from worker.observability.metrics._jobs import (
     JOB_ERRORS,
     JOB_FAILURES,
@@ -37,7 +37,6 @@ from worker.observability.metrics._processes import WORKER_PROCESSES, WORKER_RES
 from worker.observability.metrics._rerank import (
     ATTEMPT_RESULTS,
     BUDGET_WAIT,
-    LANES,
     PROVIDER_429,
     RERANK_ATTEMPTS,
     RERANK_COST,

@@ -55,10 +55,6 @@ class EconomyLaneRecords(_StoreCore):
     def economy_fields(self, batch_id: str, key: str) -> list[str]:
         return cast(list[str], self.redis.hkeys(key + batch_id))
 
-    def economy_drop(self, batch_id: str, key: str, fields: Sequence[str]) -> None:
-        if fields:
-            self.redis.hdel(key + batch_id, *fields)
-
     def economy_claim(self, batch_id: str, claim: str) -> bool:
         """True for the first caller only: e.g. the one chunk that enqueues the submission."""
         key = ECONOMY_STATE_KEY + batch_id
