@@ -1,4 +1,6 @@
-"""Sift's Celery tasks: one search, one chunk of a batch, one ingest, one webhook delivery.
+"""Sift's Celery tasks: one search, one chunk of a batch, a batch cancel's count, one ingest
+(an upsert, a delete or a drop), one index read or settings change. The webhook delivery is
+:mod:`worker.queue.webhook_task`'s, the economy lane's tasks are :mod:`worker.queue.economy`'s.
 
 Every task takes JSON ids, is idempotent (the job store's compare-and-set makes a
 redelivered task a no-op for anything already final), and inherits

@@ -1,6 +1,8 @@
 """The Redis job store: search, batch and ingest records, shared by the gateway and the workers.
 
-It depends on redis-py and :mod:`worker.contract` only, so the gateway may import it.
+It depends on redis-py, tenacity and the shared top level of :mod:`worker` only (constants,
+the contract, errors, the Redis client's options, write versions, the coalescer), no Celery,
+so the gateway may import it (an import-linter contract checks it).
 
 Layout (every prefix is in :mod:`worker.constants`):
 
@@ -58,9 +60,12 @@ second result and the batch counts never drift.
 The modules, by record kind: :mod:`~worker.queue.jobstore.records` (the records and items it
 hands out), :mod:`~worker.queue.jobstore.scripts` (the Lua), :mod:`~worker.queue.jobstore.store`
 (the connection and the status transitions every kind shares), then one mixin each for
-searches, ingests, batches, the economy lane's state, Idempotency-Keys and deliveries (with
-the re-drive's view), and the tenants' job lists (:mod:`~worker.queue.jobstore.jobindex`
-writes a job's entry with its record, :mod:`~worker.queue.jobstore.listing` reads them);
+searches, ingests, delete jobs and index-read replies (:mod:`~worker.queue.jobstore.lifecycle`),
+batches, a batch item's moves (:mod:`~worker.queue.jobstore.batch_items`), the economy lane's
+state, Idempotency-Keys, deliveries (with the re-drive's view), run claims
+(:mod:`~worker.queue.jobstore.runs`), and the tenants' job lists
+(:mod:`~worker.queue.jobstore.jobindex` writes a job's entry with its record,
+:mod:`~worker.queue.jobstore.listing` reads them);
 :class:`JobStore` is all of them. :mod:`~worker.queue.jobstore.asyncstore`
 is the gateway's ``redis.asyncio`` store for a search's create.
 """
