@@ -48,10 +48,17 @@ log = logging.getLogger(__name__)
 _warming: threading.Thread | None = None  # this process's warm-up (see _warm_up)
 
 
+def _settings_of(sender: Any) -> Settings | None:
+    """The settings the app of a signal's ``sender`` carries (None: no app, or not Sift's)."""
+    settings: Settings | None = getattr(
+        getattr(getattr(sender, "app", None), "conf", None), "sift_settings", None
+    )
+    return settings
+
+
 def _serve_metrics(sender: Any = None, **_: Any) -> None:
     """On worker start, serve ``/metrics`` on ``SIFT_WORKER_METRICS_PORT`` (0 turns it off)."""
-    app = getattr(sender, "app", None)
-    settings: Settings | None = getattr(getattr(app, "conf", None), "sift_settings", None)
+    settings = _settings_of(sender)
     if settings is None or not settings.worker_metrics_port:
         return
     from worker.observability.metrics import preregister, start_worker_metrics_server
@@ -77,7 +84,7 @@ def _check_prices(sender: Any = None, **_: Any) -> None:
     """On worker start (ready: its logging is set up by then), warn if the generation model
     has no price (worker/runtime/bootstrap.py), or if Elasticsearch's tombstones would not outlast
     an ingest's redelivery (:func:`warn_if_tombstones_too_short`)."""
-    settings = getattr(getattr(getattr(sender, "app", None), "conf", None), "sift_settings", None)
+    settings = _settings_of(sender)
     if settings is not None:
         from worker.runtime.bootstrap import warn_if_unpriced
 
@@ -92,7 +99,7 @@ def _warm_up(sender: Any = None, **_: Any) -> None:
     threads-pool worker that takes searches, batches or ingests: a prefork parent never runs
     them, and a webhooks-only worker never embeds."""
     app = getattr(sender, "app", None)
-    settings: Settings | None = getattr(getattr(app, "conf", None), "sift_settings", None)
+    settings = _settings_of(sender)
     if settings is None or not settings.redis_url or settings.worker_pool != "threads":
         return
     consumed = set(app.amqp.queues.consume_from)  # type: ignore[union-attr]
@@ -128,7 +135,7 @@ def _start_redrive(sender: Any = None, **_: Any) -> None:
     it enqueues again the searches, ingests, batch chunks and webhooks whose messages the
     broker lost (a webhook once overdue by the visibility timeout)."""
     app = getattr(sender, "app", None)
-    settings = getattr(getattr(app, "conf", None), "sift_settings", None)
+    settings = _settings_of(sender)
     if settings is None:
         return
     from worker.queue.redrive import start_sweeper
@@ -139,8 +146,7 @@ def _start_redrive(sender: Any = None, **_: Any) -> None:
 def _start_liveness(sender: Any = None, **_: Any) -> None:
     """On worker start, keep this process's heartbeat and record the deliveries it holds, so
     a dead worker's work comes back in seconds (:mod:`worker.queue.liveness`)."""
-    app = getattr(sender, "app", None)
-    settings: Settings | None = getattr(getattr(app, "conf", None), "sift_settings", None)
+    settings = _settings_of(sender)
     if settings is None or not settings.redis_url:
         return
     from worker.queue import liveness
