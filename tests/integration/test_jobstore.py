@@ -27,6 +27,7 @@ from worker.constants import (
     IDEMPOTENCY_TTL_SECONDS,
     SEARCH_KEY,
     STATS_KEY,
+    STATS_UNTRACKED_KEY,
     WEBHOOKS_OWED_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, RerankInfo, SearchResult, SearchSpec, Usage
@@ -639,6 +640,30 @@ def test_a_batch_is_dated_at_its_commit_not_before_its_items_are_staged(
     assert other is not None and slow.created_at >= other.created_at
     stored = store.get_batch(slow.id)
     assert stored is not None and stored.created_at == slow.created_at
+
+
+def test_ingests_queued_and_running_are_counted_apart_and_come_back_to_zero(
+    store: JobStore,
+) -> None:
+    """Ingests are not in the searches' queued and running gauge, but in a count of their
+    own: its moves took one off ``queued`` that no creation had added, so it drifted down by
+    one an ingest for good (-78 after 78 ingests)."""
+
+    def untracked() -> dict[str, int]:
+        counts = store.redis.hgetall(STATS_UNTRACKED_KEY)
+        return {k: int(counts.get(k, 0)) for k in ("queued", "running")}
+
+    first = store.create_ingest("acme", "docs", [DocumentIn(id="a", text="t")])
+    second = store.create_ingest("acme", "docs", [DocumentIn(id="b", text="t")])
+    assert untracked() == {"queued": 2, "running": 0}
+    assert store.start_ingest(first.id) and store.start_ingest(second.id)
+    assert store.requeue_ingest(second.id)
+    assert untracked() == {"queued": 1, "running": 1}
+    assert store.start_ingest(second.id)
+    assert store.finish_ingest(first.id, upserted=1)
+    assert store.finish_ingest(second.id, error=ErrorInfo(type="x", message="m"))
+    assert untracked() == {"queued": 0, "running": 0}
+    assert store.in_flight() == {"queued": 0, "running": 0}
 
 
 def test_an_ingest_is_dated_at_its_commit_not_before_its_write_version(

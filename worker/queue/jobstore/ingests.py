@@ -14,6 +14,7 @@ from worker.constants import (
     INGEST_DOCS_TTL_SECONDS,
     INGEST_ID_PREFIX,
     INGEST_KEY,
+    STATS_UNTRACKED_KEY,
 )
 from worker.contract import DocumentIn, ErrorInfo, JobStatus
 from worker.queue.jobstore.jobindex import KIND_INGEST, index_job
@@ -60,7 +61,7 @@ def _ingest_of(job_id: str, raw: dict[str, str]) -> IngestJob | None:
 
 class IngestRecords(_StoreCore):
     """One ingest job each, and its pending documents; ingests are not in the queued and
-    running gauge (``STATS_UNTRACKED_KEY``)."""
+    running gauge, but counted apart (``STATS_UNTRACKED_KEY``)."""
 
     def create_ingest(
         self,
@@ -124,6 +125,7 @@ class IngestRecords(_StoreCore):
             )
             pipe.expire(key, self.result_ttl)
             pipe.zadd(ACTIVE_JOBS_KEY, {job.id: job.created_at})  # watched by the re-drive
+            pipe.hincrby(STATS_UNTRACKED_KEY, "queued", 1)  # its moves count from here
             index_job(pipe, KIND_INGEST, tenant, job.id, job.created_at, self.result_ttl)
             _stage_messages(pipe, enqueue, job.id)
 
