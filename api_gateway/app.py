@@ -74,16 +74,19 @@ def create_app(
         if not logging.getLogger().handlers:  # uvicorn sets up only its own loggers
             configure_logging(settings.log_level)
         if redis is not None and async_redis is not None:
-            store, async_store = JobStore(redis), AsyncJobStore(async_redis)
+            kept = settings.result_retention_seconds
+            store = JobStore(redis, result_ttl=kept)
+            async_store = AsyncJobStore(async_redis, result_ttl=kept)
         elif redis is not None or async_redis is not None:
             raise ConfigError("create_app: pass both redis and async_redis, or neither")
         elif settings.redis_url:
             timeout = settings.gateway_redis_timeout_seconds
+            kept, most = settings.result_retention_seconds, REDIS_MAX_CONNECTIONS
             store = JobStore.from_url(
-                settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS, socket_timeout=timeout
+                settings.redis_url, max_connections=most, socket_timeout=timeout, result_ttl=kept
             )
             async_store = AsyncJobStore.from_url(
-                settings.redis_url, max_connections=REDIS_MAX_CONNECTIONS, socket_timeout=timeout
+                settings.redis_url, max_connections=most, socket_timeout=timeout, result_ttl=kept
             )
         else:
             raise ConfigError("SIFT_REDIS_URL is required to run the gateway")

@@ -72,7 +72,8 @@ StatusFilter = Annotated[
     JobStatus | None, Query(description="Only the jobs in this status (a batch's own status).")
 ]
 _LISTED = (
-    f"Newest first, within the retention window (7 days from a job's end). With "
+    f"Newest first, within the retention window (SIFT_RESULT_RETENTION_SECONDS, 7 days by "
+    f"default, from a job's end). With "
     f"`status`, one request reads at most {MAX_LIST_SCAN} jobs, so a page can hold fewer than "
     f"`page_size` (even none): go on while `next_page_token` is not null. A job created "
     f"while you page through appears on none of the following pages; no job appears twice. "

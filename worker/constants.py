@@ -115,6 +115,9 @@ JOB_INDEX_KEY = REDIS_PREFIX + "jobs:"  # + kind + ":" + tenant -> zset job id -
 
 # --- retention (seconds), enforced by Redis TTLs; stated in docs/queue.md ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from their end
+# (the default of SIFT_RESULT_RETENTION_SECONDS; never below this: a webhook's 33 h of retries
+# and an Idempotency-Key's 24 h run within it)
+MIN_RESULT_RETENTION_SECONDS = 2 * 24 * 3600
 IDEMPOTENCY_TTL_SECONDS = 24 * 3600  # an Idempotency-Key is remembered this long from its last use
 # a claimed key with no job bound yet answers 409 this long at most (a request that died
 # before creating its job); a key bound to its job is kept IDEMPOTENCY_TTL_SECONDS

@@ -35,6 +35,8 @@ from worker.constants import (
     ECONOMY_MAX_REQUESTS_PER_BATCH,
     MAX_CANDIDATE_LIMIT,
     MAX_RANK_CONSTANT,
+    MIN_RESULT_RETENTION_SECONDS,
+    RESULT_TTL_SECONDS,
     RRF_K,
 )
 from worker.contract import FusionWeights
@@ -320,6 +322,12 @@ class Settings(BaseSettings):
     worker_orphan_delivery_seconds: float = Field(default=60.0, gt=0)
     # Past this many queued searches and batch items the gateway answers 429; 0: no limit.
     max_backlog: int = Field(default=0, ge=0)
+    # How long a job's record and results stay in Redis from the write that ended it (the
+    # gateway's and the workers' must agree). At least 2 days: a webhook's retries (33 h)
+    # and an Idempotency-Key's 24 h run within it.
+    result_retention_seconds: int = Field(
+        default=RESULT_TTL_SECONDS, ge=MIN_RESULT_RETENTION_SECONDS, le=90 * 24 * 3600
+    )
     # How many indexes one tenant may hold (each costs a FTS5 table, or an Elasticsearch
     # shard): a write that would make one more fails index_limit_reached; 0: no limit.
     max_indexes_per_tenant: int = Field(default=100, ge=0)

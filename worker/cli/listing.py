@@ -100,7 +100,7 @@ def _cost(usage: dict[str, Any] | None) -> str:
 
 @app.command("searches")
 def searches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False) -> None:
-    """List your searches, newest first (the last 7 days)."""
+    """List your searches, newest first (within the retention: 7 days by default)."""
 
     def row(job: dict[str, Any]) -> list[str]:
         error = (job.get("error") or {}).get("type", "")
@@ -117,7 +117,8 @@ def searches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False
 
 @app.command("batches")
 def batches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False) -> None:
-    """List your batches, newest first (the last 7 days), with their progress."""
+    """List your batches, newest first (within the retention: 7 days by default), with
+    their progress."""
 
     def row(batch: dict[str, Any]) -> list[str]:
         counts = batch.get("counts") or {}
@@ -136,7 +137,7 @@ def batches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False)
 
 @app.command("ingestions")
 def ingestions(status: Status = None, limit: Limit = 20, json_out: JsonOut = False) -> None:
-    """List your ingest jobs, newest first (the last 7 days)."""
+    """List your ingest jobs, newest first (within the retention: 7 days by default)."""
 
     def row(job: dict[str, Any]) -> list[str]:
         upserted = job.get("upserted")

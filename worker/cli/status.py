@@ -395,7 +395,8 @@ def status_command(
         no_stack = "sift status reads Redis (a `sift up` stack prints its URL on its `redis` line)"
         err.print(_no_stack(data_dir, no_stack), soft_wrap=True)
         raise typer.Exit(1)
-    store = JobStore(redis.Redis.from_url(url, **CONNECTION_OPTIONS))
+    client = redis.Redis.from_url(url, **CONNECTION_OPTIONS)
+    store = JobStore(client, result_ttl=settings.result_retention_seconds)
     try:
         status = collect(store, None if no_inspect else celery_inspect(url), timeout)
     except (redis.RedisError, OSError) as exc:

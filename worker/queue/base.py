@@ -207,6 +207,7 @@ def get_context(settings: Settings | None = None) -> WorkerContext:
                         settings.redis_url,
                         max_connections=worker_connections(settings),
                         outage_seconds=OUTAGE_SECONDS,
+                        result_ttl=settings.result_retention_seconds,
                     ),
                     limiter=ProviderLimiter(settings.rerank_max_in_flight),
                 )

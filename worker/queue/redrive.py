@@ -602,7 +602,9 @@ def start_sweeper(app: Any, *, webhook_grace_seconds: float) -> Sweeper | None:
     if not settings.redrive_interval_seconds or not settings.redis_url:
         return None
     sweeper = Sweeper(
-        JobStore.from_url(settings.redis_url, max_connections=4),
+        JobStore.from_url(
+            settings.redis_url, max_connections=4, result_ttl=settings.result_retention_seconds
+        ),
         celery_sender(app),
         interval_seconds=settings.redrive_interval_seconds,
         stall_seconds=settings.redrive_stall_seconds,

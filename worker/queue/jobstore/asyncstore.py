@@ -44,7 +44,12 @@ class AsyncJobStore:
 
     @classmethod
     def from_url(
-        cls, url: str, *, max_connections: int = 128, socket_timeout: float | None = None
+        cls,
+        url: str,
+        *,
+        max_connections: int = 128,
+        socket_timeout: float | None = None,
+        result_ttl: int = RESULT_TTL_SECONDS,
     ) -> AsyncJobStore:
         """A store on ``url``; a request that finds every connection busy waits for one
         (up to 20 s), as :meth:`JobStore.from_url` with ``max_connections`` does.
@@ -69,7 +74,7 @@ class AsyncJobStore:
             retry_on_error=list(RETRIED),
             **options,
         )
-        return cls(redis.asyncio.Redis(connection_pool=pool))
+        return cls(redis.asyncio.Redis(connection_pool=pool), result_ttl=result_ttl)
 
     async def close(self) -> None:
         await self.redis.aclose()

@@ -179,15 +179,18 @@ class _StoreCore:
         max_connections: int | None = None,
         outage_seconds: float = 0.0,
         socket_timeout: float | None = None,
+        result_ttl: int = RESULT_TTL_SECONDS,
     ) -> Self:
-        """A store on ``url``, connected as :func:`worker.redis_client.connect` says."""
+        """A store on ``url``, connected as :func:`worker.redis_client.connect` says, its
+        records kept ``result_ttl`` seconds from their end (``SIFT_RESULT_RETENTION_SECONDS``)."""
         return cls(
             connect(
                 url,
                 max_connections=max_connections,
                 outage_seconds=outage_seconds,
                 socket_timeout=socket_timeout,
-            )
+            ),
+            result_ttl=result_ttl,
         )
 
     def close(self) -> None:
