@@ -93,7 +93,6 @@ def _metadata_value(value: object) -> FilterValue:
     raise ValueError("must be a string, a number or a boolean")
 
 
-Utf8Text = Annotated[str, AfterValidator(unicode_only)]
 MetadataKey = Annotated[str, Field(pattern=METADATA_KEY_PATTERN)]
 MetadataValue = Annotated[
     FilterValue, PlainValidator(_metadata_value, json_schema_input_type=FilterValue)
@@ -141,8 +140,12 @@ class DocumentRequest(DocumentIn):
     the text is (:data:`~worker.constants.MAX_TITLE_CHARS`...). Here, not in
     the gateway's schemas, so ``sift ingest`` checks its lines by the same rules."""
 
-    title: Annotated[Utf8Text, Field(max_length=MAX_TITLE_CHARS)] = ""
-    revision: Annotated[Utf8Text, Field(max_length=MAX_REVISION_CHARS)] | None = None
+    # each length before the Unicode check: after it, pydantic checked the length as a
+    # sequence's ("Value should have at most 2000 items after validation")
+    title: Annotated[str, Field(max_length=MAX_TITLE_CHARS), AfterValidator(unicode_only)] = ""
+    revision: (
+        Annotated[str, Field(max_length=MAX_REVISION_CHARS), AfterValidator(unicode_only)] | None
+    ) = None
     metadata: Annotated[Metadata, Field(max_length=MAX_METADATA_KEYS)] = Field(default_factory=dict)
 
 
