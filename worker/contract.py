@@ -141,10 +141,14 @@ class DocumentRequest(DocumentIn):
     the gateway's schemas, so ``sift ingest`` checks its lines by the same rules."""
 
     # each length before the Unicode check: after it, pydantic checked the length as a
-    # sequence's ("Value should have at most 2000 items after validation")
+    # sequence's ("Value should have at most 2000 items after validation"). A revision left
+    # out (or null) is a digest of the content; an empty one was taken as left out.
     title: Annotated[str, Field(max_length=MAX_TITLE_CHARS), AfterValidator(unicode_only)] = ""
     revision: (
-        Annotated[str, Field(max_length=MAX_REVISION_CHARS), AfterValidator(unicode_only)] | None
+        Annotated[
+            str, Field(min_length=1, max_length=MAX_REVISION_CHARS), AfterValidator(unicode_only)
+        ]
+        | None
     ) = None
     metadata: Annotated[Metadata, Field(max_length=MAX_METADATA_KEYS)] = Field(default_factory=dict)
 

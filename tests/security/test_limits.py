@@ -270,6 +270,20 @@ def test_a_document_title_revision_or_metadata_over_its_limit_names_its_place(
     assert read.status_code == 404, read.text
 
 
+def test_an_empty_revision_is_422_naming_its_place(stack: Stack) -> None:
+    """An explicit ``"revision": ""`` was taken, and the document stored under a digest of
+    its content, as if no revision were given; the OpenAPI document says so too."""
+    body = {"documents": [{"id": "no-revision", "text": "fine", "revision": ""}]}
+    response = stack.idle.post(f"/v1/indexes/{INDEX}/documents", json=body, headers=ACME)
+    error = names_the_field(response, 422, "documents[0].revision")
+    assert error["message"].endswith("at least 1 character"), error
+    spec = stack.idle.get("/openapi.json").json()
+    revision = spec["components"]["schemas"]["DocumentRequest"]["properties"]["revision"]
+    assert {"type": "string", "minLength": 1, "maxLength": MAX_REVISION_CHARS} in revision[
+        "anyOf"
+    ], revision
+
+
 def test_a_document_at_each_limit_is_stored(stack: Stack) -> None:
     at = {
         key: (v[:-1] if isinstance(v, str) else dict(list(v.items())[:-1]))
@@ -356,7 +370,7 @@ def test_the_documented_limits_table_matches_the_code() -> None:
         "`documents[i].text`": [MAX_DOCUMENT_CHARS],
         "`documents[i].id`": [512],
         "`documents[i].title`": [MAX_TITLE_CHARS],
-        "`documents[i].revision`": [MAX_REVISION_CHARS],
+        "`documents[i].revision`": [1, MAX_REVISION_CHARS],
         "`documents[i].metadata`": [MAX_METADATA_KEYS],
         "`documents[i].metadata`, `filters`, `queries[i].filters`": [
             1,
