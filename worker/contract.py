@@ -26,6 +26,7 @@ from pydantic import (
 
 from worker.constants import (
     MAX_CANDIDATE_LIMIT,
+    MAX_DOCUMENT_CHARS,
     MAX_FILTER_KEYS,
     MAX_FUSION_WEIGHT,
     MAX_LIMIT,
@@ -136,10 +137,12 @@ class DocumentIn(StrictModel):
 
 class DocumentRequest(DocumentIn):
     """One document of ``POST /v1/indexes/{index}/documents``: a ``DocumentIn`` whose
-    title, revision and metadata every backend can store (:data:`Metadata`), each bounded as
-    the text is (:data:`~worker.constants.MAX_TITLE_CHARS`...). Here, not in
+    text, title, revision and metadata every backend can store (:data:`Metadata`), each
+    bounded (:data:`~worker.constants.MAX_DOCUMENT_CHARS`...). Here, not in
     the gateway's schemas, so ``sift ingest`` checks its lines by the same rules."""
 
+    # the text's limit was checked by the route and the CLI apart: OpenAPI did not show it
+    text: str = Field(min_length=1, max_length=MAX_DOCUMENT_CHARS)
     # each length before the Unicode check: after it, pydantic checked the length as a
     # sequence's ("Value should have at most 2000 items after validation"). A revision left
     # out (or null) is a digest of the content; an empty one was taken as left out.

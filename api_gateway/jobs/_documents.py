@@ -23,7 +23,7 @@ from api_gateway.deps import (
 from api_gateway.errors import ApiError
 from api_gateway.jobs._shared import JobIdPath, _create_and_enqueue, _lost, router
 from api_gateway.schemas import DocumentsRequest, IngestJobOut, iso
-from worker.constants import INGEST_ID_PREFIX, INGEST_QUEUE, INGEST_TASK, MAX_DOCUMENT_CHARS
+from worker.constants import INGEST_ID_PREFIX, INGEST_QUEUE, INGEST_TASK
 from worker.contract import BLANK, INDEX_PATTERN, is_blank
 from worker.errors import InvalidRequest
 from worker.observability import metrics
@@ -113,10 +113,6 @@ async def upsert_documents(
                 f"duplicate id {doc.id!r} (first at documents[{first_at[doc.id]}])",
             )
         first_at[doc.id] = i
-        if len(doc.text) > MAX_DOCUMENT_CHARS:
-            raise InvalidRequest(
-                f"documents[{i}].text", f"longer than {MAX_DOCUMENT_CHARS} characters"
-            )
         if is_blank(doc.text):
             raise InvalidRequest(f"documents[{i}].text", BLANK)
     store = job_store(request)

@@ -302,6 +302,17 @@ def test_a_document_at_each_limit_is_stored(stack: Stack) -> None:
     )
 
 
+def test_the_openapi_document_shows_each_document_limit(stack: Stack) -> None:
+    """The text's limit was checked by the route alone: the served document showed none."""
+    spec = stack.idle.get("/openapi.json").json()
+    fields = spec["components"]["schemas"]["DocumentRequest"]["properties"]
+    assert (fields["text"].get("minLength"), fields["text"].get("maxLength")) == (
+        1,
+        MAX_DOCUMENT_CHARS,
+    ), fields["text"]
+    assert fields["title"]["maxLength"] == MAX_TITLE_CHARS, fields["title"]
+
+
 def test_an_empty_document_text_names_its_place(stack: Stack) -> None:
     response = stack.idle.post(f"/v1/indexes/{INDEX}/documents", json=docs("ok", " "), headers=ACME)
     names_the_field(response, 422, "documents[1].text")

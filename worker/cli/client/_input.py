@@ -17,7 +17,6 @@ from worker.cli._common import EXIT_INTERRUPTED, InputError, _err
 from worker.cli._output import plain
 from worker.constants import (
     MAX_BATCH_QUERY_ID_CHARS,
-    MAX_DOCUMENT_CHARS,
     MAX_LIMIT,
     MAX_QUERY_CHARS,
 )
@@ -73,8 +72,6 @@ def document_from(obj: Any) -> dict[str, Any]:
         if beir and problem.startswith("field 'id'"):  # named as the line spells it
             problem = "field '_id'" + problem.removeprefix("field 'id'")
         raise ValueError(problem) from None
-    if len(document.text) > MAX_DOCUMENT_CHARS:
-        raise ValueError(f"field 'text': longer than {MAX_DOCUMENT_CHARS} characters")
     if is_blank(document.text):
         raise ValueError(f"field 'text': {BLANK}")
     return document.model_dump(exclude_none=True)
