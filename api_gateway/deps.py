@@ -48,7 +48,7 @@ def written_as(kind: str, form: re.Pattern[str], words: str) -> BeforeValidator:
     it (a ``422`` naming the parameter, of pydantic's ``kind``). Pydantic's own conversion of
     a string is lax where a JSON body is strict (:mod:`worker.contract`): it takes
     ``page_size=%205`` (" 5"), ``+5`` (a ``+`` in a query is a space), ``%2B5``, ``1_0``
-    (read as 10) and ``wait=1e1``. A value that is no string (a default) passes untouched."""
+    (read as 10) and ``wait=.5``. A value that is no string (a default) passes untouched."""
 
     def check(value: object) -> object:
         if isinstance(value, str) and form.fullmatch(value) is None:
@@ -63,11 +63,13 @@ DIGITS = written_as(
     re.compile(r"[0-9]+"),
     "an integer written in the digits 0-9 alone (no sign, space, underscore or point)",
 )
+# a wait is served as a number, and a client writes a small float with an exponent (Python's
+# and JavaScript's 1e-07): refused, it was a number the OpenAPI document let through
 DECIMAL = written_as(
     "float_parsing",
-    re.compile(r"[0-9]+(\.[0-9]+)?"),
-    "a number written in the digits 0-9, with a decimal point between digits at most "
-    "(no sign, space, underscore or exponent)",
+    re.compile(r"[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?"),
+    "a number written in the digits 0-9, with a decimal point between digits and an exponent "
+    "(e, a sign or none, digits) at most (no other sign, space or underscore)",
 )
 # each validator goes after its Query: before it, OpenAPI would show the bounds as "ge"/"le"
 Wait = Annotated[
@@ -77,7 +79,7 @@ Wait = Annotated[
         le=MAX_WAIT_SECONDS,
         description="Seconds to wait for the job to finish; 200 if it did, else 202.",
     ),
-    DECIMAL,  # "nan", "inf" and "1e309" too: a form no wait is written in
+    DECIMAL,  # "nan" and "inf" too ("1e309", infinite, is past the maximum)
 ]
 PageSize = Annotated[
     int,

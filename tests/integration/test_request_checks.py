@@ -101,13 +101,14 @@ def test_without_a_key_it_is_still_401(client: TestClient) -> None:
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_a_wait_that_is_not_a_finite_number_says_so(client: TestClient, value: str) -> None:
     """``wait=nan`` was refused as "less than or equal to 30", which it is not about; it is
-    refused as a number not written in digits, as ``1e1`` and ``+5`` are
+    refused as a number not written in digits, as ``.5`` and ``+5`` are
     (``tests/security/test_query_forms.py``)."""
     response = client.post(f"/v1/searches?wait={value}", json=SEARCH, headers=ACME)
     assert response.status_code == 422, response.text
     assert response.json()["error"]["message"] == (
         "wait: Input should be a number written in the digits 0-9, with a decimal point "
-        "between digits at most (no sign, space, underscore or exponent)"
+        "between digits and an exponent (e, a sign or none, digits) at most (no other sign, "
+        "space or underscore)"
     )
 
 

@@ -3,10 +3,11 @@
 
 Pydantic converts a query string laxly (a JSON body's integers are strict,
 :mod:`worker.contract`): ``page_size=+5`` (a ``+`` in a query is a space), ``%205``,
-``%2B5``, ``1_0`` (read as 10) and ``5.0`` were each taken as a page size, and ``wait=1e1``,
-``.5`` or ``0_0`` as a wait. The routes are read from the gateway's own OpenAPI document, so
-a route or a number parameter added later is checked too. The waits here are all read as 0
-by a lax parser, so a wait taken answers at once instead of waiting.
+``%2B5``, ``1_0`` (read as 10) and ``5.0`` were each taken as a page size, and ``wait=.5``
+or ``0_0`` as a wait. A wait is a number as JSON writes one, an exponent included
+(``1e-9``). The routes are read from the gateway's own OpenAPI document, so a route or a
+number parameter added later is checked too. The waits here are all read as 0 (or a
+nanosecond) by a lax parser, so a wait taken answers at once instead of waiting.
 """
 
 from __future__ import annotations
@@ -38,12 +39,18 @@ FORMS = {
         "a line break": "0%0A",
         "a sign": "%2B0",
         "an underscore": "0_0",
-        "an exponent": "0e0",
+        "an exponent of no digit": "0e",
+        "an exponent with a point": "0e0.5",
         "no digit before the point": ".0",
         "no digit after the point": "0.",
     },
 }
-TAKEN = {"page_size": ["5", "1000", "0005"], "wait": ["0", "0.0", "00.000"]}
+# a wait in any form a JSON number is written in (the OpenAPI document says it is a number):
+# `0e0` and `1e-9` were refused, though Python and JavaScript write small floats so
+TAKEN = {
+    "page_size": ["5", "1000", "0005"],
+    "wait": ["0", "0.0", "00.000", "0e0", "0E%2B3", "0.0e-1", "1e-9"],
+}
 BODIES: dict[tuple[str, str], Any] = {
     ("POST", "/v1/searches"): {"index": INDEX, "query": "green tea"},
     ("POST", "/v1/indexes/{index}/documents"): {"documents": [{"id": "d1", "text": "tea"}]},
@@ -110,3 +117,16 @@ def test_a_number_written_plainly_is_still_taken(stack: Stack, name: str, value:
         if parameter == name:
             response = send(stack, method, path, name, value)
             assert response.status_code != 422, (method, path, response.text)
+
+
+def test_the_wait_is_the_number_the_openapi_document_says(stack: Stack) -> None:
+    """Served as a number from 0 to 30: a number past 30 in an exponent's form is refused
+    for its size, as 31 is, not for its form."""
+    for method, path, parameter in number_parameters(stack):
+        if parameter == "wait":
+            operation = stack.live.get("/openapi.json").json()["paths"][path][method.lower()]
+            (schema,) = [p["schema"] for p in operation["parameters"] if p["name"] == "wait"]
+            assert (schema["type"], schema["minimum"], schema["maximum"]) == ("number", 0, 30)
+            for over in ("31", "3.1e1", "1e309"):
+                error = names_the_field(send(stack, method, path, "wait", over), 422, "wait")
+                assert "less than or equal to 30" in error["message"], (method, path, error)
