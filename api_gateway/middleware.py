@@ -4,30 +4,22 @@ another charset than UTF-8 (415), and per-route HTTP metrics."""
 from __future__ import annotations
 
 import email.message
-import json
 import time
 from typing import Any
 
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from api_gateway.errors import FieldProblem, error_response
 from api_gateway.metrics import GatewayMetrics
 
 
-async def _refuse(send: Send, status: int, type_: str, field: str, message: str) -> None:
-    """Answer with the gateway's error body, before the app has read anything."""
-    error = {"type": type_, "message": f"{field}: {message}", "field": field}
-    body = json.dumps({"error": error}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+def _refusal(status: int, type_: str, field: str, problem: str) -> JSONResponse:
+    """The gateway's error body (:func:`~api_gateway.errors.error_response`, as every other
+    4xx's, ``fields`` too), to answer before the app has read anything."""
+    message = f"{field}: {problem}"
+    fields = [FieldProblem(field=field, message=problem)]
+    return error_response(status, type_, message, field=field, fields=fields)
 
 
 # The charset values that mean UTF-8: JSON between systems is UTF-8 (RFC 8259, 8.1), and
@@ -76,9 +68,9 @@ class BodyLimitMiddleware:
         self.app = app
         self.limit = limit
 
-    async def _too_large(self, send: Send) -> None:
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"larger than the limit of {self.limit} bytes"
-        await _refuse(send, 413, "payload_too_large", "body", message)
+        await _refusal(413, "payload_too_large", "body", message)(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -90,7 +82,8 @@ class BodyLimitMiddleware:
                 content_types.append(value)
             if name == b"content-encoding" and value.strip().lower() not in (b"", b"identity"):
                 why = f"{value.decode('latin-1')!r} is not accepted: send the body uncompressed"
-                await _refuse(send, 415, "unsupported_media_type", "Content-Encoding", why)
+                refusal = _refusal(415, "unsupported_media_type", "Content-Encoding", why)
+                await refusal(scope, receive, send)
                 return
             if name == b"content-length":
                 try:
@@ -98,7 +91,7 @@ class BodyLimitMiddleware:
                 except ValueError:
                     declared = 0
                 if declared > self.limit:
-                    await self._too_large(send)
+                    await self._too_large(scope, receive, send)
                     return
         chunks: list[bytes] = []
         size = 0
@@ -109,7 +102,7 @@ class BodyLimitMiddleware:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                await self._too_large(send)
+                await self._too_large(scope, receive, send)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -117,7 +110,8 @@ class BodyLimitMiddleware:
         body = b"".join(chunks)
         problem = charset_problem(content_types, body) if body else None
         if problem is not None:  # a body-less POST (a cancel) is read whatever its type says
-            await _refuse(send, 415, "unsupported_media_type", "Content-Type", problem)
+            refusal = _refusal(415, "unsupported_media_type", "Content-Type", problem)
+            await refusal(scope, receive, send)
             return
         sent = False
 

@@ -689,3 +689,58 @@ def test_a_json_subtype_is_read_as_json_on_every_route(
     body itself, does the same (and refuses what FastAPI does not: test_stored_inputs.py)."""
     headers = {**ACME, "content-type": "application/merge-patch+json"}
     assert client.post(path, content=json.dumps(body).encode(), headers=headers).status_code == 202
+
+
+def compact(error: dict[str, object]) -> bytes:
+    """An error body as the gateway's other 4xx are written: no space, each key in order."""
+    return json.dumps({"error": error}, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "field", "problem"),
+    [
+        (
+            {"content-encoding": "gzip"},
+            gzip.compress(json.dumps(SEARCH).encode()),
+            415,
+            "Content-Encoding",
+            "'gzip' is not accepted: send the body uncompressed",
+        ),
+        (
+            {"content-type": "application/json; charset=latin-1"},
+            json.dumps(SEARCH).encode(),
+            415,
+            "Content-Type",
+            "charset 'latin-1' is not accepted: send the body as UTF-8 (charset=utf-8, or none)",
+        ),
+        ({}, b"x" * 1025, 413, "body", "larger than the limit of 1024 bytes"),
+    ],
+    ids=["compressed", "charset", "too large"],
+)
+def test_a_body_refused_before_it_is_read_has_every_4xxs_shape(
+    redis_url: str,
+    store: JobStore,
+    headers: dict[str, str],
+    body: bytes,
+    status: int,
+    field: str,
+    problem: str,
+) -> None:
+    """The middleware wrote its own bodies: no ``fields``, and spaces after each ``:`` and
+    ``,``, where every other 4xx (a body sent as a form's, here) is compact with ``fields``."""
+    key = ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)
+    settings = Settings(redis_url=redis_url, api_keys=[key], max_body_bytes=1024)
+    with TestClient(create_app(settings)) as client:
+        response = client.post("/v1/searches", content=body, headers={**ACME, **headers})
+        form = client.post("/v1/searches", content=b"a=b", headers={**ACME, "content-type": "x/y"})
+    assert response.status_code == status, response.text
+    assert response.content == compact(
+        {
+            "type": "payload_too_large" if status == 413 else "unsupported_media_type",
+            "message": f"{field}: {problem}",
+            "field": field,
+            "fields": [{"field": field, "message": problem}],
+        }
+    )
+    assert form.status_code == 415 and form.content == compact(form.json()["error"]), form.text
+    assert "fields" in form.json()["error"], form.text
