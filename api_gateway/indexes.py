@@ -380,6 +380,9 @@ async def list_documents(
     response_model=StoredDocumentOut,
     responses=ERRORS,
     summary="One of the caller's documents as stored (no vector)",
+    description="A document the index lacks is the 404 `not_found` naming `id`; an index "
+    "the caller does not have is the 404 `GET /v1/indexes/{index}` answers, whether another "
+    "tenant uses the name or nobody does.",
 )
 async def get_document(
     request: Request, tenant: Tenant, index: IndexPath, doc_id: DocIdPath

@@ -496,7 +496,12 @@ def test_the_document_id_parameter_is_named_id(stack: Stack) -> None:
         assert names == ["index", "id"]
     too_long = stack.live.get("/v1/indexes/docs/documents/" + "x" * 600, headers=ACME)
     assert too_long.status_code == 422 and too_long.json()["error"]["field"] == "id"
-    missing = stack.live.get("/v1/indexes/docs/documents/nobody-here", headers=ACME)
+    # a document the caller's index lacks (an index it lacks is the 404 naming ``index``)
+    body = {"documents": [{"id": "here", "text": "green tea"}]}
+    path = "/v1/indexes/id-named/documents"
+    ingested = stack.live.post(path, params={"wait": 20}, json=body, headers=ACME)
+    assert ingested.status_code == 200, ingested.text
+    missing = stack.live.get(f"{path}/nobody-here", headers=ACME)
     assert missing.status_code == 404 and missing.json()["error"]["field"] == "id"
 
 

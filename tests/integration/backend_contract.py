@@ -16,7 +16,9 @@ the embedded backend, and a live Elasticsearch cluster:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -27,6 +29,7 @@ from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.ports import SearchBackend
 from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
 from worker.errors import IndexLimitReached, IndexNotFound
+from worker.queue import lifecycle
 
 EMBEDDER = FakeEmbedder()
 BOTH: tuple[Channel, ...] = ("bm25", "knn")
@@ -562,6 +565,28 @@ class LifecycleContract(BackendContract):
         assert backend.stored_documents(index, "nobody-at-all", ids) == {}
         assert backend.stored_documents(f"{index}-none", "acme", ids) == {}
         assert backend.stored_documents(index, "acme", []) == {}
+
+    def test_a_document_read_tells_a_missing_index_from_a_missing_document(
+        self, backend: Any, index: str
+    ) -> None:
+        """The worker's document read (what ``GET /v1/indexes/{index}/documents/{id}``
+        answers): a document its index lacks is None, an index the tenant lacks is the
+        ``index_not_found`` that showing or listing it answers, the same words whether
+        another tenant uses the name or nobody does (it was None for both: a 404 naming
+        the id)."""
+        self.load(backend, index, "acme")
+        runtime = SimpleNamespace(pipeline=SimpleNamespace(backend=backend))
+
+        def read(tenant: str, name: str, doc_id: str) -> Any:
+            return json.loads(lifecycle.read(runtime, "document", tenant, name, doc_id))
+
+        assert read("acme", index, "vitd")["found"]["text"] == CORPUS[0].text
+        assert read("acme", index, "nope") == {"found": None}
+        theirs, nobodys = read("globex", index, "vitd"), read("globex", f"{index}-none", "vitd")
+        assert theirs["error"]["type"] == "index_not_found", theirs
+        assert theirs["error"]["message"].replace(index, "NAME") == nobodys["error"][
+            "message"
+        ].replace(f"{index}-none", "NAME")
 
     def test_documents_page_by_id_the_tenants_own(self, backend: Any, index: str) -> None:
         """The tenant's documents a page at a time, by id (code point order: ``"Z"`` before

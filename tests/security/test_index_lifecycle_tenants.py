@@ -47,15 +47,22 @@ def test_two_tenants_same_names_and_ids(stack: Stack) -> None:
     doc = stack.live.get(f"/v1/indexes/{SHARED}/documents/d1", headers=GLOBEX).json()
     assert doc["text"] == "globex gears d1"
 
-    # another tenant's index and document read like nobody's
+    # another tenant's index and document read like nobody's: the index is what is missing
+    # (a document read said "not_found" naming the id, the index and its list "index")
     for theirs, nobodys in (
         (f"/v1/indexes/{ACME_ONLY}", f"/v1/indexes/{NOBODY}"),
+        (f"/v1/indexes/{ACME_ONLY}/documents", f"/v1/indexes/{NOBODY}/documents"),
         (f"/v1/indexes/{ACME_ONLY}/documents/d1", f"/v1/indexes/{NOBODY}/documents/d1"),
     ):
         a = _answer(stack, "GET", theirs, GLOBEX)
         b = _answer(stack, "GET", nobodys, GLOBEX)
         assert a[0] == b[0] == 404
         assert same_shape(a[1], ACME_ONLY) == same_shape(b[1], NOBODY)
+        assert (a[1]["error"]["type"], a[1]["error"]["field"]) == ("index_not_found", "index")
+    # a document the caller's index lacks is the document's 404
+    status, missing = _answer(stack, "GET", f"/v1/indexes/{SHARED}/documents/d9", GLOBEX)
+    assert status == 404 and missing["error"]["field"] == "id", missing
+    assert missing["error"]["type"] == "not_found", missing
 
     # globex deleting acme's index and documents: the same job answers, nothing of acme's goes
     for theirs, nobodys in (

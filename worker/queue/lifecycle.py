@@ -19,7 +19,7 @@ from worker.adapters.index_settings import IndexSettingsStore
 from worker.core.catalog import IndexInfo, SearchSettings
 from worker.core.pipeline import shown_metadata
 from worker.core.ports import IndexCatalog
-from worker.errors import ConfigError, InvalidRequest, SiftError
+from worker.errors import ConfigError, IndexNotFound, InvalidRequest, SiftError
 from worker.queue.jobstore import IngestJob, JobStore
 from worker.runtime.inprocess import Runtime
 
@@ -120,6 +120,19 @@ def _update(runtime: object, tenant: str, index: str, body: str, start_by: float
     return _index(info, store.update(index, tenant, json.loads(body or "{}"), lock_by=start_by))
 
 
+def _document(backend: IndexCatalog, tenant: str, index: str, doc_id: str) -> Any:
+    """One of the tenant's documents as stored, or None when its index has no such one.
+    :class:`IndexNotFound` when the tenant has no such index, as ``show`` and ``documents``
+    answer (a miss named the id, whether or not the index existed). Only a miss asks which,
+    with a one-document page (a seek on either backend): a document found costs one read."""
+    doc = backend.document(index, tenant, doc_id)
+    if doc is not None:
+        return {**asdict(doc), "metadata": shown_metadata(doc.metadata)}
+    if backend.documents(index, tenant, None, 1) is None:
+        raise IndexNotFound(index)
+    return None
+
+
 def _documents(backend: IndexCatalog, tenant: str, index: str, body: str) -> Any:
     """A page of the tenant's documents (``body``: ``{"after": id or null, "limit": n}``,
     checked by the gateway): ``{"documents": [...], "more": bool}``, or None when the
@@ -182,10 +195,7 @@ def read(
         elif operation == "documents":
             found = _documents(backend, tenant, index, body)
         elif operation == "document":
-            doc = backend.document(index, tenant, doc_id)
-            found = (
-                None if doc is None else {**asdict(doc), "metadata": shown_metadata(doc.metadata)}
-            )
+            found = _document(backend, tenant, index, doc_id)
         else:
             raise ValueError(f"unknown index read {operation!r}")
     except InvalidRequest as exc:
