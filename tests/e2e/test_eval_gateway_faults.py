@@ -109,9 +109,9 @@ def test_a_503_on_a_run_s_submit_is_sent_again_with_its_key(
     result = _eval(proxy, tmp_path)
     assert result.exit_code == 0, result.output
     made = set(_batches(stack)) - set(before)
-    assert len(made) == 3, made  # bm25, knn, fused: one batch each, none twice
+    assert len(made) == 4, made  # bm25, knn, fused, window: one batch each, none twice
     keys = proxy.submits
-    assert len(keys) == 4 and all(keys) and keys[1] == keys[2] and len(set(keys)) == 3, keys
+    assert len(keys) == 5 and all(keys) and keys[1] == keys[2] and len(set(keys)) == 4, keys
 
 
 @pytest.mark.parametrize("proxy", [400], indirect=True)

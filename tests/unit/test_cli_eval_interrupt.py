@@ -55,7 +55,8 @@ def run_eval(
     *more: str,
 ) -> Any:
     """``sift eval --index`` of two judged queries (and ``more`` options) against a gateway
-    that answers each request with ``answer``."""
+    that answers each request with ``answer``; ``--window 30``, so no search asks the
+    index's window first."""
 
     @contextlib.contextmanager
     def gateway() -> Iterator[Gateway]:
@@ -66,7 +67,8 @@ def run_eval(
     queries.write_text('{"_id": "1", "text": "tea"}\n{"_id": "2", "text": "coffee"}\n')
     qrels = tmp_path / "qrels.tsv"
     qrels.write_text("query-id\tcorpus-id\tscore\n1\td1\t1\n2\td2\t1\n")
-    args = ["eval", "--index", "s", "--queries", str(queries), "--qrels", str(qrels), *more]
+    args = ["eval", "--index", "s", "--queries", str(queries), "--qrels", str(qrels)]
+    args += ["--window", "30", *more]
     return CliRunner().invoke(app, args, env={"COLUMNS": "200"})
 
 
@@ -76,7 +78,7 @@ def test_ctrl_c_while_the_runs_wait_cancels_every_batch(
     result, sent = invoke_eval(monkeypatch, tmp_path, "GET")
     assert result.exit_code == 130, result.output
     deleted = [path for method, path in sent if method == "DELETE"]
-    assert deleted == ["/v1/batches/bat_1", "/v1/batches/bat_2", "/v1/batches/bat_3"], sent
+    assert deleted == [f"/v1/batches/bat_{n}" for n in (1, 2, 3, 4)], sent
     said = " ".join(result.output.split())
     assert "interrupted: the bm25 run's batch bat_1 canceled: 2 item(s) canceled" in said, said
     assert "fused run's batch bat_3 canceled" in said, said
@@ -105,8 +107,8 @@ def test_ctrl_c_again_while_canceling_says_which_batches_may_still_run(
     said = " ".join(result.output.split())
     assert "the bm25 run's batch bat_1 canceled" in said, said
     assert (
-        "interrupted again: the cancels of bat_2, bat_3 may not have been made; they may still "
-        "be running (DELETE /v1/batches/{id} cancels each)" in said
+        "interrupted again: the cancels of bat_2, bat_3, bat_4 may not have been made; they "
+        "may still be running (DELETE /v1/batches/{id} cancels each)" in said
     ), said
 
 

@@ -19,7 +19,8 @@ from worker.cli._common import EXIT_INTERRUPTED
 from worker.cli._http import FINAL_STATUSES, RETRY_SECONDS, Gateway, GatewayError, gateway
 from worker.cli._output import cli_console, plain, progress_bar
 from worker.cli.client._batch import _cancel_outcome, submit
-from worker.evaluation.harness import RunSpec, judged_queries
+from worker.constants import MAX_WAIT_SECONDS
+from worker.evaluation.harness import DEFAULT_WINDOW, RunSpec, judged_queries, probe_spec, window_of
 
 console = Console(emoji=False)
 PAGE_SIZE = 500
@@ -33,6 +34,23 @@ def _judged(
     if not judged:
         raise ValueError(f"{queries}: no query has a relevant document in {qrels_path}")
     return judged
+
+
+def _served_window(index: str, query: str) -> int:
+    """The rerank candidate window the index's searches use (the index's own, else the
+    deployment's ``SIFT_RERANK_CANDIDATE_LIMIT``), as the trace of one search of ``query``
+    (one hit, no model) says; the default's 30 if the search fails (a missing index: its
+    runs fail too, and say why)."""
+    body = probe_spec(index, query).model_dump(mode="json")
+    with gateway() as client:
+        key = {"Idempotency-Key": f"sift-eval-window-{uuid.uuid4().hex}"}
+        job = client.json(
+            "POST", "/v1/searches", json=body, params={"wait": int(MAX_WAIT_SECONDS)},
+            headers=key, retry_for=RETRY_SECONDS,
+        )  # fmt: skip
+        if job.get("status") not in FINAL_STATUSES:
+            job = client.poll(f"/v1/searches/{job['id']}")
+    return window_of((job.get("result") or {}).get("trace")) or DEFAULT_WINDOW
 
 
 def _run_batches(
@@ -132,7 +150,9 @@ def _submit(client: Gateway, index: str, run: RunSpec, queries: list[tuple[str, 
     items = [
         {"id": qid, "query": text, "mode": run.mode, "limit": run.limit} for qid, text in queries
     ]
-    body = {"index": index, "queries": items, "rerank": run.rerank}
+    body: dict[str, Any] = {"index": index, "queries": items, "rerank": run.rerank}
+    if run.candidate_limit is not None:
+        body["candidate_limit"] = run.candidate_limit
     batch, _ = submit(client, body, f"sift-eval-{uuid.uuid4().hex}")
     return str(batch["id"])
 

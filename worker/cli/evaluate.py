@@ -24,10 +24,11 @@ from rich.table import Table
 from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.int8_graph import GRAPH_REVISION
 from worker.cli._app import app
-from worker.cli._eval_runs import _judged, _run_batches, console
+from worker.cli._eval_runs import _judged, _run_batches, _served_window, console
 from worker.cli._eval_tune import _tune_command
 from worker.cli._http import GatewayError, index_name
 from worker.cli._output import format_cost, plain, progress_bar
+from worker.constants import MAX_CANDIDATE_LIMIT
 from worker.errors import SiftError
 from worker.evaluation.harness import (
     TENANT,
@@ -92,7 +93,15 @@ def eval_command(
     out: Annotated[
         Path | None, typer.Option(help="--index: keep each run's results here, as `sift batch`")
     ] = None,
-    window: Annotated[int, typer.Option(min=1, help="rerank window for candidate recall")] = 30,
+    window: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=MAX_CANDIDATE_LIMIT,
+            help="rerank candidate window of candidate recall and of --rerank's run "
+            "(default: the one the index's searches use)",
+        ),
+    ] = None,
     rerank: Annotated[bool, typer.Option(help="add the reranked run (needs a model)")] = False,
     max_queries: Annotated[
         int | None, typer.Option(min=1, help="only the first N judged queries, in file order")
@@ -161,7 +170,7 @@ def _in_process(
     queries: Path,
     qrels: Path,
     data_dir: Path | None,
-    window: int,
+    window: int | None,
     rerank: bool,
     max_queries: int | None,
 ) -> dict[str, Any]:
@@ -222,15 +231,17 @@ def _served(
     queries_path: Path,
     qrels_path: Path,
     out: Path | None,
-    window: int,
+    window: int | None,
     rerank: bool,
     max_queries: int | None,
 ) -> dict[str, Any]:
     """Each run as one batch through the gateway (the runs of the in-process evaluation, the
-    same modes, depths and rerank choice), then scored from the hits the API returned."""
+    same modes, depths and rerank choice), then scored from the hits the API returned. The
+    window is ``window``, else the one a traced search of the index says it uses."""
     qrels = read_qrels(qrels_path)
     queries = _judged(queries_path, qrels_path, qrels, max_queries)
-    runs = eval_runs(rerank)
+    window = window or _served_window(index, queries[0][1])
+    runs = eval_runs(rerank, window)
     rankings: dict[str, dict[str, list[str]]] = {}
     usage: dict[str, float | None] = {}
     failed = 0
@@ -250,7 +261,7 @@ def _served(
     return report
 
 
-def _scored_file(results: Path, qrels: Path, window: int) -> dict[str, Any]:
+def _scored_file(results: Path, qrels: Path, window: int | None) -> dict[str, Any]:
     report = score_results(read_results(results), read_qrels(qrels), window=window)
     if not report["queries"]:
         raise ValueError(f"{results}: no result is for a query in {qrels}")
@@ -297,6 +308,8 @@ def _print_report(report: dict[str, Any]) -> None:
                 f"{versus['best_channel']} alone {versus['best_channel_ndcg@10']:.3f}[/]; "
                 "`sift eval --tune` chooses weights on your judgments"
             )
+    if recall.get("approximated"):
+        console.print(f"[yellow]candidate recall@{recall['window']} is {recall['approximated']}[/]")
     held = recall.get("candidates_held", recall["window"])
     if held < recall["window"]:
         console.print(

@@ -25,10 +25,13 @@ import ir_measures
 from ir_measures import RR, R, nDCG
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from worker.constants import MAX_LIMIT
 from worker.contract import DocumentIn, Mode, SearchSpec
 from worker.core.cost import add_costs
+from worker.core.query import channel_window, coarse_limit
 from worker.jsonl import field_problem, lines, records
 from worker.runtime.inprocess import Runtime
+from worker.settings import Settings
 
 JUDGE_POLICY = "qrels (binary: score >= 1), no LLM judge; queries without qrels left out"
 MEASURES = [nDCG @ 10, RR @ 10, R @ 10, R @ 100]
@@ -36,6 +39,9 @@ TENANT = "eval"
 SERVED_RANKINGS = ("final", "fused", "bm25", "knn")  # what a served result's ranks give
 CHANNELS = ("bm25", "knn")
 TIE = 1e-9  # per-query nDCG@10 closer than this counts as equal
+FINAL_LIMIT = 10  # the reranked run's limit
+WINDOW_RUN = "window"  # the run whose hits are the reranker's candidates (no row of its own)
+DEFAULT_WINDOW: int = Settings.model_fields["rerank_candidate_limit"].default
 
 
 @dataclass(frozen=True)
@@ -185,19 +191,60 @@ class RunSpec:
     mode: Mode
     rerank: bool
     limit: int
+    candidate_limit: int | None = None  # the request's own rerank window
 
 
-def eval_runs(rerank: bool) -> list[RunSpec]:
+def reranked_candidates(window: int) -> int:
+    """How many fused candidates the reranked run (limit 10) shows the model at the
+    candidate window ``window``: the core's coarse limit, ``max(10, window)``."""
+    return coarse_limit(FINAL_LIMIT, window, reranking=True)
+
+
+def eval_runs(rerank: bool, window: int) -> list[RunSpec]:
     """The runs an evaluation makes, in-process or served: each channel alone and fused at
-    depth 100 without a model, then the reranked run at 10 when asked for."""
+    depth 100 without a model; the ``window`` run, the candidates a reranked search at
+    ``window`` fuses (a search without a model whose limit is that search's coarse limit
+    has its channels as deep, ``channel_window(coarse)``, so it fuses the same list; at most
+    100, the largest limit); then the reranked run at 10, at that window, when asked for."""
     runs = [
         RunSpec("bm25", "fts", False, 100),
         RunSpec("knn", "vector", False, 100),
         RunSpec("fused", "hybrid", False, 100),
+        RunSpec(WINDOW_RUN, "hybrid", False, min(reranked_candidates(window), MAX_LIMIT)),
     ]
     if rerank:
-        runs.append(RunSpec("final (reranked)", "hybrid", True, 10))
+        runs.append(RunSpec("final (reranked)", "hybrid", True, FINAL_LIMIT, window))
     return runs
+
+
+def window_of(trace: Mapping[str, Any] | None) -> int | None:
+    """The candidate window a search's trace says it used (the request's, the index's or
+    the deployment's ``SIFT_RERANK_CANDIDATE_LIMIT``), or None without one.
+
+    >>> window_of({"candidate_limit": {"value": 40, "from": "index"}}), window_of(None)
+    (40, None)
+    """
+    value = ((trace or {}).get("candidate_limit") or {}).get("value")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def probe_spec(index: str, query: str) -> SearchSpec:
+    """A search of one hit, no model, with its trace: what it says of the candidate window
+    (:func:`window_of`) is what the index's searches use when not told another."""
+    return SearchSpec(
+        index=index, query=query, mode="hybrid", limit=1, rerank=False, include_trace=True
+    )
+
+
+def window_note(window: int) -> str | None:
+    """Why the window's candidates are only approximated for a window of ``window``, if so."""
+    coarse = reranked_candidates(window)
+    if coarse <= MAX_LIMIT:
+        return None
+    return (
+        f"approximated: a search returns at most {MAX_LIMIT} hits, so only the first "
+        f"{MAX_LIMIT} of the {coarse} candidates (channels {channel_window(coarse)} deep) count"
+    )
 
 
 def judged_queries(
@@ -243,7 +290,7 @@ def evaluate(
     collection: Collection,
     *,
     index: str = "eval",
-    window: int = 30,
+    window: int | None = None,
     rerank: bool = False,
     max_queries: int | None = None,
     progress: Callable[[str, int], None] | None = None,
@@ -251,10 +298,15 @@ def evaluate(
     """Run every query through each run and score it; returns the report as plain data.
 
     ``progress(run, n)`` hears of each query done (:func:`eval_runs` and
-    :func:`judged_queries` give the total ahead)."""
+    :func:`judged_queries` give the total ahead). ``window``: the rerank candidate window of
+    candidate recall (and of the reranked run); by default the one the index's searches use,
+    read from a search's trace (:func:`probe_spec`)."""
     qrels = read_qrels(collection.qrels)
     queries = judged_queries(collection.queries, qrels, max_queries)
-    runs = eval_runs(rerank)
+    if window is None and queries:
+        window = window_of(runtime.search(probe_spec(index, queries[0][1]), TENANT).trace)
+    window = window or DEFAULT_WINDOW
+    runs = eval_runs(rerank, window)
     rankings: dict[str, dict[str, list[str]]] = {}
     usage_total: dict[str, float | None] = {}
     for run in runs:
@@ -262,7 +314,12 @@ def evaluate(
         for qid, text in queries:
             result = runtime.search(
                 SearchSpec(
-                    index=index, query=text, mode=run.mode, limit=run.limit, rerank=run.rerank
+                    index=index,
+                    query=text,
+                    mode=run.mode,
+                    limit=run.limit,
+                    rerank=run.rerank,
+                    candidate_limit=run.candidate_limit,
                 ),
                 TENANT,
             )
@@ -282,16 +339,18 @@ def score_runs(
     queries: list[tuple[str, str]],
     window: int,
 ) -> dict[str, Any]:
-    """:func:`score_rankings` of the :func:`eval_runs` (in-process or served): the fused run
-    is the candidates the reranker sees; the last run is the final one (reranked if asked,
-    else fused)."""
+    """:func:`score_rankings` of the :func:`eval_runs` (in-process or served): the window
+    run is the candidates the reranker sees (it has no row of its own); the final one is
+    the reranked run if asked, else the fused run."""
+    final = "final (reranked)" if "final (reranked)" in rankings else "fused"
     return score_rankings(
-        rankings,
+        {run.name: rankings[run.name] for run in runs if run.name != WINDOW_RUN},
         qrels,
         [qid for qid, _ in queries],
-        window=window,
-        candidates=rankings["fused"],
-        final=rankings[runs[-1].name],
+        window=reranked_candidates(window),
+        candidates=rankings[WINDOW_RUN],
+        final=rankings[final],
+        approximated=window_note(window),
     )
 
 
@@ -303,11 +362,13 @@ def score_rankings(
     window: int,
     candidates: dict[str, list[str]],
     final: dict[str, list[str]],
+    approximated: str | None = None,
 ) -> dict[str, Any]:
     """Score each run's rankings (query id -> document ids, best first) with ir-measures.
 
     ``candidates`` is the fused ranking whose first ``window`` documents the reranker sees;
-    ``final`` the ranking the conditional row scores. A query absent from a run scores 0.
+    ``final`` the ranking the conditional row scores; ``approximated`` why ``candidates``
+    are not quite those (None: they are). A query absent from a run scores 0.
     ``depth`` is the fewest documents a run ranked for any query: a measure past it (R@100
     of a run 40 deep) counts only what was ranked.
     """
@@ -328,6 +389,7 @@ def score_rankings(
     reachable = {qid for qid, recall in recalls.items() if recall > 0}
     report["candidate_recall"] = {
         "window": window,
+        "approximated": approximated,
         "end_to_end": _mean(recalls),
         "queries_with_a_relevant_candidate": len(reachable),
         # fewer than ``window`` when the results were cut shorter (a batch of limit 10)
@@ -470,7 +532,10 @@ def _unbroken(ranks: dict[str, dict[str, int]], key: str) -> list[str]:
 
 
 def score_results(
-    items: Iterable[Mapping[str, Any]], qrels: dict[str, dict[str, int]], *, window: int
+    items: Iterable[Mapping[str, Any]],
+    qrels: dict[str, dict[str, int]],
+    *,
+    window: int | None = None,
 ) -> dict[str, Any]:
     """Score served results (the lines ``sift batch`` writes: ``query_id``, ``status``,
     ``result``) with no search of our own: each run comes from the ranks the results carry.
@@ -480,8 +545,15 @@ def score_results(
     model reranked any of them. ``missing``: the queries with a relevant document in the
     qrels and no line in the results (a file cut short, or a batch of other queries), left
     out. Raises ValueError on a query id seen twice.
+
+    ``window`` (by default the one the results' traces name, else the deployment default's
+    30): the fused ranking's first ``max(10, window)`` are the reranker's candidates only
+    when each trace says its search fused that many (its channels then as deep as a
+    reranked search's at that window); else candidate recall is approximated, and says so.
     """
     held: dict[str, dict[str, list[str]]] = {}
+    coarse: set[int | None] = set()  # each succeeded result's fused candidates, if traced
+    windows: list[int] = []
     failed = 0
     reranked = False
     usage: dict[str, float | None] = {}
@@ -497,6 +569,11 @@ def score_results(
         if result:
             reranked |= bool((result.get("rerank") or {}).get("applied"))
             add_usage(usage, result.get("usage") or {})
+            trace = result.get("trace")
+            coarse.add((trace or {}).get("coarse_limit"))
+            windows += [w for w in [window_of(trace)] if w is not None]
+    window = window or (windows[0] if windows else DEFAULT_WINDOW)
+    fused_as_reranked = coarse == {reranked_candidates(window)}
     judged = list(held)
     per_run = {name: {qid: held[qid][name] for qid in judged} for name in SERVED_RANKINGS}
     runs = {name: per_run[name] for name in ("bm25", "knn") if any(per_run[name].values())}
@@ -507,9 +584,10 @@ def score_results(
         runs,
         qrels,
         judged,
-        window=window,
+        window=reranked_candidates(window),
         candidates=per_run["fused"],
         final=per_run["final"],
+        approximated=None if fused_as_reranked else _untraced_note(window),
     )
     report["failed"] = failed
     report["missing"] = sum(
@@ -517,6 +595,16 @@ def score_results(
     )
     report["usage"] = usage
     return report
+
+
+def _untraced_note(window: int) -> str:
+    coarse = reranked_candidates(window)
+    return (
+        f"approximated: the results' own fused ranking, not the {coarse} candidates a "
+        f"reranked search at window {window} fuses (its channels {channel_window(coarse)} "
+        f"deep); a batch with include_trace, of limit {coarse} or reranked at that window, "
+        "holds them"
+    )
 
 
 def _scored(ranking: dict[str, list[str]], judged: list[str]) -> list[ir_measures.ScoredDoc]:
