@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,6 +25,7 @@ from rich.table import Table
 from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.int8_graph import GRAPH_REVISION
 from worker.cli._app import app
+from worker.cli._common import EXIT_ITEMS_FAILED
 from worker.cli._eval_runs import _judged, _run_batches, _served_window, console
 from worker.cli._eval_tune import _tune_command
 from worker.cli._http import GatewayError, index_name
@@ -36,6 +38,7 @@ from worker.evaluation.harness import (
     add_usage,
     eval_runs,
     evaluate,
+    failure_type,
     read_corpus,
     read_qrels,
     read_results,
@@ -163,6 +166,8 @@ def eval_command(
     _print_report(report)
     if json_out:
         json_out.write_text(json.dumps(report, indent=2) + "\n")
+    if report.get("failed"):  # their zeros are in every figure: no quality gate may pass
+        raise typer.Exit(EXIT_ITEMS_FAILED)
 
 
 def _in_process(
@@ -244,18 +249,24 @@ def _served(
     runs = eval_runs(rerank, window)
     rankings: dict[str, dict[str, list[str]]] = {}
     usage: dict[str, float | None] = {}
-    failed = 0
+    errors: Counter[str] = Counter()
+    failed_by_run: dict[str, int] = {}
     submitted, served = _run_batches(index, runs, queries, out)
     for run in runs:
         rankings[run.name] = {}
+        failed_by_run[run.name] = 0
         for item in served[run.name]:
             result = item.get("result") if item.get("status") == "succeeded" else None
-            failed += result is None
+            if result is None:
+                failed_by_run[run.name] += 1
+                errors[failure_type(item)] += 1
             hits = (result or {}).get("hits") or []
             rankings[run.name][str(item["query_id"])] = [str(hit["id"]) for hit in hits]
             add_usage(usage, (result or {}).get("usage") or {})
     report = score_runs(rankings, runs, qrels, queries, window)
-    report["failed"] = failed
+    report["failed"] = sum(failed_by_run.values())
+    report["errors"] = dict(errors.most_common())
+    report["failed_by_run"] = failed_by_run
     report["usage"] = usage
     report["batches"] = submitted
     return report
@@ -302,7 +313,8 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{_shares(versus['vs_better_channel_per_query'])}; vs {versus['best_channel']} "
             f"(better on average): {_shares(versus['vs_best_channel'])}"
         )
-        if versus["hurts"]:
+        # a run with failed searches is below for them (they score 0), not for its fusion
+        if versus["hurts"] and not (report.get("failed_by_run") or {}).get(name):
             console.print(
                 f"[yellow]fusion hurts here: {name} {versus['ndcg@10']:.3f} < "
                 f"{versus['best_channel']} alone {versus['best_channel_ndcg@10']:.3f}[/]; "
@@ -324,7 +336,16 @@ def _print_report(report: dict[str, Any]) -> None:
             "were cut (a batch's limit); a measure past its depth counts only what was ranked."
         )
     if report.get("failed"):
-        console.print(f"[red]{report['failed']} search(es) did not succeed[/]; they score 0")
+        why = ", ".join(f"{plain(kind)} {n}" for kind, n in (report.get("errors") or {}).items())
+        runs = ", ".join(
+            f"{name} {n}" for name, n in (report.get("failed_by_run") or {}).items() if n
+        )
+        console.print(
+            f"[red]{report['failed']} search(es) did not succeed"
+            + (f" ({why})" if why else "")
+            + f"[/]; they score 0 (by run: {runs}); exit {EXIT_ITEMS_FAILED}",
+            soft_wrap=True,
+        )
     if report.get("missing"):
         console.print(
             f"[yellow]{report['missing']} judged quer(y/ies) of the qrels have no line in the "

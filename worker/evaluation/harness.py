@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -492,6 +493,19 @@ def add_usage(total: dict[str, float | None], usage: dict[str, Any]) -> None:
             total[key] = (total.get(key) or 0) + (value or 0)
 
 
+def failure_type(item: Mapping[str, Any]) -> str:
+    """Why a served item did not succeed: its error's type, else its status.
+
+    >>> failure_type({"status": "failed", "error": {"type": "index_not_found"}})
+    'index_not_found'
+    >>> failure_type({"status": "canceled"})
+    'canceled'
+    """
+    error = item.get("error")
+    kind = error.get("type") if isinstance(error, dict) else None
+    return str(kind or item.get("status") or "unknown")
+
+
 def served_rankings(result: Mapping[str, Any] | None) -> dict[str, list[str]]:
     """The rankings one served search result holds, from the ranks its hits carry (and the
     trace's candidates when the request asked for the trace: the whole fused list).
@@ -544,7 +558,8 @@ def score_results(
     rows appear when the results hold that channel's ranks, ``final (reranked)`` when the
     model reranked any of them. ``missing``: the queries with a relevant document in the
     qrels and no line in the results (a file cut short, or a batch of other queries), left
-    out. Raises ValueError on a query id seen twice.
+    out. ``errors``: each failure type (the error's ``type``, else the status) and its
+    count. Raises ValueError on a query id seen twice.
 
     ``window`` (by default the one the results' traces name, else the deployment default's
     30): the fused ranking's first ``max(10, window)`` are the reranker's candidates only
@@ -552,6 +567,7 @@ def score_results(
     reranked search's at that window); else candidate recall is approximated, and says so.
     """
     held: dict[str, dict[str, list[str]]] = {}
+    errors: Counter[str] = Counter()
     coarse: set[int | None] = set()  # each succeeded result's fused candidates, if traced
     windows: list[int] = []
     failed = 0
@@ -565,6 +581,8 @@ def score_results(
             continue
         result = item.get("result") if item.get("status") == "succeeded" else None
         failed += result is None
+        if result is None:
+            errors[failure_type(item)] += 1
         held[qid] = served_rankings(result)
         if result:
             reranked |= bool((result.get("rerank") or {}).get("applied"))
@@ -590,6 +608,8 @@ def score_results(
         approximated=None if fused_as_reranked else _untraced_note(window),
     )
     report["failed"] = failed
+    report["errors"] = dict(errors.most_common())
+    report["failed_by_run"] = dict.fromkeys(runs, failed)  # every run is of the same searches
     report["missing"] = sum(
         1 for qid, docs in qrels.items() if qid not in held and any(g > 0 for g in docs.values())
     )
