@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
+from worker.cli import app
 from worker.evaluation.harness import score_rankings, score_results, served_rankings
 
 
@@ -110,3 +114,40 @@ def test_candidate_recall_is_the_share_of_relevant_documents_in_the_window() -> 
     assert recall["by_ranking"] == {
         "bm25": pytest.approx(1 / 6), "knn": pytest.approx(1 / 2), "fused": recall["end_to_end"]
     }  # fmt: skip
+
+
+def test_reranked_results_without_their_trace_leave_the_fused_figures_unknown() -> None:
+    """The model kept b (fused 3) and a (fused 5): the fused ranking is not in the results.
+    Its row and candidate recall were 0.000 (the fused list read as empty: no rank 1), where
+    the truth may be 0.951; they are unknown now, ``None`` (``–`` in the table)."""
+    hits = [hit("b", 1, 3, 1, 2), hit("a", 2, 5, 2, 1)]
+    reranked = {"hits": hits, "rerank": {"applied": True}, "usage": {}, "trace": None}
+    items = [{"query_id": "q1", "status": "succeeded", "result": reranked}]
+    report = score_results(items, {"q1": {"a": 1}})
+    assert set(report["runs"]["fused"].values()) == {None}
+    assert set(report["runs"]["final, conditional on the window"].values()) == {None}
+    assert report["candidate_recall"]["end_to_end"] is None
+    assert report["candidate_recall"]["by_ranking"]["fused"] is None
+    assert "fused" in report["unknown"] and "fused" not in report["fusion_vs_channels"]
+    assert report["runs"]["final (reranked)"]["nDCG@10"] == pytest.approx(0.6309, abs=1e-4)
+    # the channels' first two are held: measures past them are lower bounds, and say so
+    assert report["lower_bounds"]["bm25"] == ["nDCG@10", "RR@10", "R@10", "R@100"]
+
+
+def test_the_table_shows_unknown_and_lower_bound_figures(tmp_path: Path) -> None:
+    hits = [hit("b", 1, 3, 1, 2), hit("a", 2, 5, 2, 1)]
+    reranked = {"hits": hits, "rerank": {"applied": True}, "usage": {}, "trace": None}
+    line = {"query_id": "q1", "status": "succeeded", "result": reranked}
+    (tmp_path / "results.jsonl").write_text(json.dumps(line) + "\n")
+    (tmp_path / "qrels.tsv").write_text("query-id\tcorpus-id\tscore\nq1\ta\t1\n")
+    args = ["eval", "--results", str(tmp_path / "results.jsonl")]
+    result = CliRunner().invoke(
+        app, [*args, "--qrels", str(tmp_path / "qrels.tsv")], env={"COLUMNS": "250"}
+    )
+    assert result.exit_code == 0, result.output
+    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if "│" in line}
+    assert rows["fused"].count("–") == 4 and "0.000" not in rows["fused"]
+    assert rows["bm25"].count("≥") == 4
+    said = " ".join(result.output.split())
+    assert "–: unknown: reranked results without their trace" in said, said
+    assert "candidate recall@30 (end-to-end): –; queries with a relevant candidate" in said

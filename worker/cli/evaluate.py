@@ -287,25 +287,35 @@ def _print_report(report: dict[str, Any]) -> None:
     for measure in measures:  # ir-measures' RR@10, averaged over the queries, is MRR@10
         table.add_column("MRR@10" if measure == "RR@10" else measure, justify="right")
     table.add_column("depth", justify="right")
+    lower = report.get("lower_bounds") or {}
     for name, values in report["runs"].items():
         ranked = depth.get(name)
         table.add_row(
             name,
-            *("–" if values[m] is None else f"{values[m]:.3f}" for m in measures),
+            *(_figure(values[m], m in lower.get(name, ())) for m in measures),
             "" if ranked is None else str(ranked),
         )
     console.print(table)
+    for reason in (report.get("unknown") or {}).values():
+        console.print(f"[yellow]–: unknown[/]: {reason}", soft_wrap=True)
+    if any(lower.values()):
+        console.print(
+            "≥: a lower bound: the run stops where the results stop holding its ranks (its "
+            "depth), so a measure past it counts only what they hold",
+            soft_wrap=True,
+        )
     recall = report["candidate_recall"]
+    reached = recall["queries_with_a_relevant_candidate"]
     console.print(
-        f"candidate recall@{recall['window']} (end-to-end): {recall['end_to_end']:.3f}; "
+        f"candidate recall@{recall['window']} (end-to-end): {_figure(recall['end_to_end'])}; "
         f"queries with a relevant candidate in the window: "
-        f"{recall['queries_with_a_relevant_candidate']}/{report['queries']}"
+        f"{'–' if reached is None else reached}/{report['queries']}"
     )
     by_ranking = recall.get("by_ranking") or {}
     if len(by_ranking) > 1:
         console.print(
             f"candidate recall@{recall['window']} by ranking: "
-            + ", ".join(f"{name} {value:.3f}" for name, value in by_ranking.items())
+            + ", ".join(f"{name} {_figure(value)}" for name, value in by_ranking.items())
         )
     for name, versus in (report.get("fusion_vs_channels") or {}).items():
         console.print(
@@ -323,7 +333,7 @@ def _print_report(report: dict[str, Any]) -> None:
     if recall.get("approximated"):
         console.print(f"[yellow]candidate recall@{recall['window']} is {recall['approximated']}[/]")
     held = recall.get("candidates_held", recall["window"])
-    if held < recall["window"]:
+    if held < recall["window"] and recall["end_to_end"] is not None:
         console.print(
             f"[yellow]the results hold only {held} fused candidate(s) for some query[/]: "
             f"candidate recall counts those, not {recall['window']}"
@@ -359,6 +369,17 @@ def _print_report(report: dict[str, Any]) -> None:
             f"{int(usage['input_tokens'])} input / {int(usage['output_tokens'])} output tokens, "
             f"{format_cost(usage.get('cost_usd', 0.0))}"
         )
+
+
+def _figure(value: float | None, lower_bound: bool = False) -> str:
+    """A figure as the table shows it: ``–`` unknown, ``≥`` a lower bound.
+
+    >>> _figure(None), _figure(0.5), _figure(0.25, lower_bound=True)
+    ('–', '0.500', '≥0.250')
+    """
+    if value is None:
+        return "–"
+    return f"{'≥' if lower_bound else ''}{value:.3f}"
 
 
 def _shares(shares: dict[str, float]) -> str:

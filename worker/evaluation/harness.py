@@ -570,6 +570,7 @@ def score_results(
     errors: Counter[str] = Counter()
     coarse: set[int | None] = set()  # each succeeded result's fused candidates, if traced
     windows: list[int] = []
+    fused_unknown = False  # a reranked result without its trace's candidates
     failed = 0
     reranked = False
     usage: dict[str, float | None] = {}
@@ -589,6 +590,8 @@ def score_results(
             add_usage(usage, result.get("usage") or {})
             trace = result.get("trace")
             coarse.add((trace or {}).get("coarse_limit"))
+            applied = bool((result.get("rerank") or {}).get("applied"))
+            fused_unknown |= applied and not (trace or {}).get("candidates")
             windows += [w for w in [window_of(trace)] if w is not None]
     window = window or (windows[0] if windows else DEFAULT_WINDOW)
     fused_as_reranked = coarse == {reranked_candidates(window)}
@@ -607,6 +610,14 @@ def score_results(
         final=per_run["final"],
         approximated=None if fused_as_reranked else _untraced_note(window),
     )
+    report["unknown"] = {}
+    if fused_unknown:
+        _leave_fused_unknown(report)
+    report["lower_bounds"] = {
+        name: [str(m) for m in MEASURES if report["depth"][name] < m["cutoff"]]
+        for name in ("bm25", "knn", "fused")
+        if name in runs and name not in report["unknown"]
+    }
     report["failed"] = failed
     report["errors"] = dict(errors.most_common())
     report["failed_by_run"] = dict.fromkeys(runs, failed)  # every run is of the same searches
@@ -615,6 +626,25 @@ def score_results(
     )
     report["usage"] = usage
     return report
+
+
+def _leave_fused_unknown(report: dict[str, Any]) -> None:
+    """Blank what reranked results without their trace cannot tell: the hits hold the fused
+    ranks of the documents the model kept only, so the fused ranking (its row), the
+    candidates at the window (candidate recall) and the queries whose window holds a
+    relevant one (the conditional row) are unknown, not the 0 an empty list scores."""
+    unknown = dict.fromkeys((str(m) for m in MEASURES), None)
+    report["runs"]["fused"] = dict(unknown)
+    report["runs"]["final, conditional on the window"] = dict(unknown)
+    recall = report["candidate_recall"]
+    recall.update(end_to_end=None, queries_with_a_relevant_candidate=None, approximated=None)
+    recall["by_ranking"]["fused"] = None
+    (report.get("fusion_vs_channels") or {}).pop("fused", None)
+    report["unknown"]["fused"] = (
+        "reranked results without their trace hold the fused ranks of the hits the model "
+        "kept only: the fused ranking and the window's candidates are unknown (a batch sent "
+        "with include_trace holds them)"
+    )
 
 
 def _untraced_note(window: int) -> str:
