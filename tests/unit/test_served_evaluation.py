@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,14 @@ def test_the_table_shows_unknown_and_lower_bound_figures(tmp_path: Path) -> None
     said = " ".join(result.output.split())
     assert "–: unknown: reranked results without their trace" in said, said
     assert "candidate recall@30 (end-to-end): –; queries with a relevant candidate" in said
+
+
+def test_the_judge_line_says_ndcg_uses_the_graded_scores() -> None:
+    """nDCG@10 takes each pair's score as its gain (graded, as trec_eval's, which BEIR
+    reports); the heading said the qrels were "binary: score >= 1"."""
+    qrels = {"q1": {"a": 2, "b": 1}}
+    items = [{"query_id": "q1", "status": "succeeded", "result": result(hit("b", 1, 1, 1, 1))}]
+    report = score_results(items, qrels)
+    assert "binary" not in report["judge"] and "graded" in report["judge"]
+    ideal = 2 + 1 / math.log2(3)  # a (gain 2), then b (gain 1)
+    assert report["runs"]["fused"]["nDCG@10"] == pytest.approx(1 / ideal)

@@ -4,7 +4,8 @@
 :func:`score_results` scores what the API served (a batch's results) with no search of its
 own; both end in :func:`score_rankings`, so every source is scored by the same code with
 ``ir-measures``. Relevance comes from the qrels alone (no LLM judge): a pair counts as
-relevant when its score is at least 1, and a query with no relevant pair is left out.
+relevant when its score is at least 1 (nDCG's gain is the score, graded), and a query with
+no relevant pair is left out.
 Candidate recall follows the reranking guide (seed 004): end-to-end reports every
 query; conditional reports only the queries whose rerank window holds a relevant doc,
 and it is given for each channel's ranking too. :func:`fusion_vs_channels` says, query by
@@ -34,7 +35,12 @@ from worker.jsonl import field_problem, lines, records
 from worker.runtime.inprocess import Runtime
 from worker.settings import Settings
 
-JUDGE_POLICY = "qrels (binary: score >= 1), no LLM judge; queries without qrels left out"
+# nDCG takes each pair's score as its gain (graded, as trec_eval and BEIR do); MRR and
+# recall count a pair as relevant when its score is 1 or more
+JUDGE_POLICY = (
+    "qrels (nDCG graded by score; relevant: score >= 1), no LLM judge; "
+    "queries without qrels left out"
+)
 MEASURES = [nDCG @ 10, RR @ 10, R @ 10, R @ 100]
 TENANT = "eval"
 SERVED_RANKINGS = ("final", "fused", "bm25", "knn")  # what a served result's ranks give
