@@ -70,6 +70,7 @@ def _eval(
     tmp_path: Path,
     fails: Callable[[dict[str, Any]], str | None],
     *more: str,
+    qrels: str = QRELS,
 ) -> Result:
     transport = httpx.MockTransport(_gateway(fails))
 
@@ -79,7 +80,7 @@ def _eval(
 
     monkeypatch.setattr(_eval_runs, "gateway", gateway)
     (tmp_path / "q.jsonl").write_text(QUERIES)
-    (tmp_path / "qrels.tsv").write_text(QRELS)
+    (tmp_path / "qrels.tsv").write_text(qrels)
     args = ["eval", "--index", "s", "--queries", str(tmp_path / "q.jsonl")]
     args += ["--qrels", str(tmp_path / "qrels.tsv"), "--window", "30", *more]
     return CliRunner().invoke(app, args, env={"COLUMNS": "200", "NO_COLOR": "1"})
@@ -119,3 +120,14 @@ def test_results_whose_every_line_failed_name_why_and_exit_3(tmp_path: Path) -> 
     said = " ".join(result.output.split())
     assert result.exit_code == 3, said
     assert "2 search(es) did not succeed (index_not_found 2)" in said, said
+
+
+def test_judged_queries_absent_from_the_queries_file_are_said(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Query 3 has qrels and no line in the queries file: left out of every figure, and
+    said so, as ``--results`` says of a judged query with no result (it said nothing)."""
+    result = _eval(monkeypatch, tmp_path, lambda body: None, qrels=QRELS + "3\td3\t1\n")
+    said = " ".join(result.output.split())
+    assert result.exit_code == 0, said
+    assert f"1 judged quer(y/ies) of the qrels are not in {tmp_path / 'q.jsonl'}" in said, said

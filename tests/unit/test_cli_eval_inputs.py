@@ -181,3 +181,25 @@ def test_a_data_dir_it_cannot_make_is_a_usage_error_naming_it(tmp_path: Path) ->
     assert isinstance(result.exception, SystemExit), result.exception  # no traceback
     assert result.exit_code == 2, result.output
     assert f"--data-dir {data}: cannot make it" in result.output, result.output
+
+
+def test_a_query_id_given_twice_is_refused_naming_the_file_and_line(tmp_path: Path) -> None:
+    """Two lines of one id: the header said 2 queries while 1 was averaged (the scores keyed
+    by id), with no word of it, in-process; the gateway refused the batch."""
+    queries = QUERIES + '{"_id": "q1", "text": "rail again"}\n'
+    result = served(tmp_path, queries=queries)
+    refused(result, f"{tmp_path / 'q.jsonl'}:2: field '_id': 'q1' appears twice (first at line 1)")
+    corpus = write(tmp_path / "corpus.jsonl", '{"_id": "rail-1", "text": "rail"}\n')
+    result = eval_(
+        "--corpus", corpus, "--queries", str(tmp_path / "q.jsonl"),
+        "--qrels", str(tmp_path / "qrels.tsv"), "--data-dir", str(tmp_path / "index"),
+    )  # fmt: skip
+    refused(result, f"{tmp_path / 'q.jsonl'}:2: field '_id': 'q1' appears twice (first at line 1)")
+    assert not (tmp_path / "index" / "indexed.ok").exists()  # refused before any indexing
+
+
+def test_a_result_line_repeated_is_refused_naming_the_file_and_line(tmp_path: Path) -> None:
+    ok = {"query_id": "q1", "status": "succeeded", "result": {"hits": []}}
+    results = write(tmp_path / "r.jsonl", f"{json.dumps(ok)}\n{json.dumps(ok)}\n")
+    result = eval_("--results", results, "--qrels", write(tmp_path / "qrels.tsv", QRELS))
+    refused(result, f"{results}:2: field 'query_id': 'q1' appears twice (first at line 1)")

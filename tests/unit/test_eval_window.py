@@ -109,3 +109,13 @@ def test_results_without_the_reranked_searchs_fusion_say_recall_is_approximated(
     traced = score_results([item(trace)], {"q1": {"r": 1}})
     assert traced["candidate_recall"]["approximated"] is None
     assert traced["candidate_recall"]["window"] == 30
+
+
+def test_in_process_judged_queries_absent_from_the_queries_file_are_counted(
+    tmp_path: Path,
+) -> None:
+    collection = _collection(tmp_path)
+    collection.qrels.write_text("query-id\tcorpus-id\tscore\nq1\tr\t1\nq2\tr\t1\n")
+    report = evaluate(_runtime(), collection, window=30)
+    assert report["queries"] == 1
+    assert report["missing"] == 1 and report["missing_from"] == str(collection.queries)

@@ -35,6 +35,7 @@ from worker.errors import SiftError
 from worker.evaluation.harness import (
     TENANT,
     Collection,
+    absent_queries,
     add_usage,
     eval_runs,
     evaluate,
@@ -267,6 +268,8 @@ def _served(
     report["failed"] = sum(failed_by_run.values())
     report["errors"] = dict(errors.most_common())
     report["failed_by_run"] = failed_by_run
+    report["missing"] = absent_queries(queries_path, qrels)
+    report["missing_from"] = str(queries_path)
     report["usage"] = usage
     report["batches"] = submitted
     return report
@@ -356,7 +359,13 @@ def _print_report(report: dict[str, Any]) -> None:
             + f"[/]; they score 0 (by run: {runs}); exit {EXIT_ITEMS_FAILED}",
             soft_wrap=True,
         )
-    if report.get("missing"):
+    if report.get("missing") and report.get("missing_from"):
+        console.print(
+            f"[yellow]{report['missing']} judged quer(y/ies) of the qrels are not in "
+            f"{plain(report['missing_from'])}[/]: left out of every figure",
+            soft_wrap=True,
+        )
+    elif report.get("missing"):
         console.print(
             f"[yellow]{report['missing']} judged quer(y/ies) of the qrels have no line in the "
             "results[/]: left out of every figure (a file cut short, or a batch of other "

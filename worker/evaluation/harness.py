@@ -60,8 +60,16 @@ class Collection:
 
 def read_results(path: Path) -> Iterator[dict[str, Any]]:
     """The lines ``sift batch`` writes, each checked for the fields scoring reads; raises
-    ValueError ``path:line: field 'x': ...`` at the first bad one."""
-    for _, item in records(path, _result_line):
+    ValueError ``path:line: field 'x': ...`` at the first bad one, or a query id again."""
+    first: dict[str, int] = {}
+    for number, item in records(path, _result_line):
+        qid = str(item["query_id"])
+        if qid in first:
+            raise ValueError(
+                f"{path}:{number}: field 'query_id': {qid!r} appears twice "
+                f"(first at line {first[qid]})"
+            )
+        first[qid] = number
         yield item
 
 
@@ -258,9 +266,35 @@ def judged_queries(
     path: Path, qrels: dict[str, dict[str, int]], max_queries: int | None = None
 ) -> list[tuple[str, str]]:
     """``(id, text)`` of the queries with at least one relevant pair, in file order; raises
-    ValueError ``path:line: field 'x': ...`` at the first bad line."""
-    queries = [query for _, query in records(path, _query)]
-    return [(qid, text) for qid, text in queries if qid in qrels][:max_queries]
+    ValueError ``path:line: field 'x': ...`` at the first bad line, and at an id given again
+    (the scores are keyed by id: the second was averaged as one query, counted as two)."""
+    return [(qid, text) for qid, text in query_lines(path) if qid in qrels][:max_queries]
+
+
+def query_lines(path: Path) -> list[tuple[str, str]]:
+    """``(id, text)`` of every query of ``path``, checked as :func:`judged_queries` says."""
+    first: dict[str, int] = {}
+    queries = []
+    for number, (field, qid, text) in records(path, _query_line):
+        if qid in first:
+            raise ValueError(
+                f"{path}:{number}: field {field!r}: {qid!r} appears twice "
+                f"(first at line {first[qid]})"
+            )
+        first[qid] = number
+        queries.append((qid, text))
+    return queries
+
+
+def absent_queries(path: Path, qrels: Mapping[str, object]) -> int:
+    """How many queries of ``qrels`` have no line in the queries file ``path``."""
+    return len(set(qrels) - {qid for qid, _ in query_lines(path)})
+
+
+def _query_line(obj: Any) -> tuple[str, str, str]:
+    """:func:`_query`'s ``(id, text)`` after the name of the id's field."""
+    field = "_id" if isinstance(obj, dict) and "_id" in obj else "id"
+    return (field, *_query(obj))
 
 
 def _query(obj: Any) -> tuple[str, str]:
@@ -336,6 +370,8 @@ def evaluate(
                 progress(run.name, 1)
     report = score_runs(rankings, runs, qrels, queries, window)
     report["usage"] = usage_total
+    report["missing"] = absent_queries(collection.queries, qrels)
+    report["missing_from"] = str(collection.queries)
     return report
 
 
