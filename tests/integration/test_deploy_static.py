@@ -153,6 +153,17 @@ def test_compose_stack_has_every_piece_wired(compose: dict[str, Any]) -> None:
     )
 
 
+def test_every_compose_service_rotates_its_logs(compose: dict[str, Any]) -> None:
+    """Docker's default json-file driver keeps a container's whole output: a worker logs a
+    few lines a search (about 600 bytes), some 10 GB a day at 200 searches/s, until the
+    disk is full. Each service's log is capped and rotated."""
+    for name, service in compose["services"].items():
+        logging = service.get("logging", {})
+        options = logging.get("options", {})
+        assert logging.get("driver") == "json-file" and options.get("max-size"), name
+        assert int(options.get("max-file", "1")) >= 2, name
+
+
 def test_compose_bind_mounts_exist(compose: dict[str, Any]) -> None:
     for service in compose["services"].values():
         for volume in service.get("volumes", []):
