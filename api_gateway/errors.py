@@ -25,6 +25,7 @@ from worker.errors import InvalidRequest, validation_message
 log = logging.getLogger(__name__)
 
 UNAVAILABLE_RETRY_AFTER_SECONDS = 1  # a Redis restart takes about that long
+FULL_RETRY_AFTER_SECONDS = 30  # a full Redis frees as jobs expire: not within a second
 _METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 _HEADER_NAMES = {"idempotency-key": "Idempotency-Key", "authorization": "Authorization"}
 
@@ -297,6 +298,22 @@ def install_error_handlers(app: FastAPI) -> None:
             f"the job store is unavailable: {unavailable_reason(request.app, exc)}; "
             f"retry after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+        )
+
+    @app.exception_handler(redis.exceptions.OutOfMemoryError)
+    async def _full(request: Request, exc: Exception) -> JSONResponse:
+        """Redis at its ``maxmemory`` (``noeviction``): it refuses every write that would
+        grow it, reads go on. Nothing was stored; one log line, for the operator."""
+        log.error(
+            "job store full on %s %s: %s", request.method, request.url.path, exc
+        )  # fmt: skip
+        return error_response(
+            503,
+            "unavailable",
+            "the job store is full (Redis reached its maxmemory): nothing was stored; it "
+            "frees as finished jobs expire (SIFT_RESULT_RETENTION_SECONDS), or with a larger "
+            f"maxmemory; retry after {FULL_RETRY_AFTER_SECONDS} s",
+            headers={"Retry-After": str(FULL_RETRY_AFTER_SECONDS)},
         )
 
     @app.exception_handler(redis.RedisError)

@@ -105,6 +105,10 @@ def test_every_redis_the_docs_run_keeps_an_aof_fsynced_every_second(
     for where, command in runs.items():
         for flag in ("--appendonly yes", "--appendfsync everysec", "--maxmemory-policy noeviction"):
             assert flag in " ".join(command.split()), (where, flag, command)
+        # and a limit: without one, noeviction never refuses a write (Redis's maxmemory 0 is
+        # none), and a Redis holding every result grows until the host's OOM killer stops it
+        limit = re.search(r"--maxmemory (\S+)", " ".join(command.split()))
+        assert limit is not None and limit.group(1) not in ("0", "0b"), (where, command)
 
 
 def test_compose_stack_has_every_piece_wired(compose: dict[str, Any]) -> None:

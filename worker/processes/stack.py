@@ -259,6 +259,14 @@ def redis_server(
         yield url
 
 
+def redis_memory_limit() -> int:
+    """The ``maxmemory`` of the Redis ``sift up`` runs: a quarter of the machine's memory.
+    Without a limit ``noeviction`` never refuses a write (Redis's 0 is none): a Redis holding
+    every result for the retention grew until the OOM killer stopped it, the broker with it;
+    at the limit it refuses new jobs (the gateway's ``503``) and reads go on."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+
+
 def redis_service(
     directory: Path,
     *,
@@ -286,7 +294,7 @@ def redis_service(
 
     command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
                "--save", "", "--appendonly", "yes" if appendonly else "no",
-               "--appendfsync", appendfsync,
+               "--appendfsync", appendfsync, "--maxmemory", str(redis_memory_limit()),
                "--maxmemory-policy", "noeviction", "--daemonize", "no"]  # fmt: skip
     # a group of its own: a terminal's Ctrl-C reaching Redis with the rest killed it at once,
     # while the workers' warm shutdown still needed it (they hung, and were left orphaned);

@@ -1,0 +1,72 @@
+"""A Redis at its ``maxmemory`` (``noeviction``, as every Redis Sift runs is set: the
+compose file and ``sift up`` give it a limit) refuses every write that would grow it, with
+``OOM command not allowed``. The gateway answers that as a passing state: ``503`` naming
+what to free, nothing stored; what is stored still reads. It was a ``500 internal_error``,
+logged as the gateway's bug."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from starlette.testclient import TestClient
+
+from api_gateway.app import create_app
+from worker.queue.jobstore import JobStore
+from worker.settings import ApiKey, Settings
+
+KEY = "key-acme-0123456789"
+ACME = {"Authorization": f"Bearer {KEY}"}
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LKLYYb"
+SEARCH = {"index": "docs", "query": "tea"}
+
+
+@pytest.fixture
+def client(redis_url: str, store: JobStore) -> Iterator[TestClient]:
+    settings = Settings(
+        redis_url=redis_url, api_keys=[ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)]
+    )
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.fixture
+def full(store: JobStore) -> Iterator[None]:
+    """The server's memory limit set below what it holds: every growing write is refused."""
+    used = int(store.redis.info("memory")["used_memory"])
+    store.redis.config_set("maxmemory", used // 2)
+    yield
+    store.redis.config_set("maxmemory", 0)
+
+
+def test_a_full_job_store_is_a_503_naming_its_memory_and_stores_nothing(
+    client: TestClient, store: JobStore, full: None
+) -> None:
+    del full
+    searches = client.get("/v1/searches", headers=ACME).json()["searches"]
+    for path, body, headers in [
+        ("/v1/searches", SEARCH, ACME),
+        ("/v1/batches", {"index": "docs", "queries": [{"id": "a", "query": "tea"}]}, ACME),
+        ("/v1/searches", SEARCH, {**ACME, "Idempotency-Key": "k1"}),
+    ]:
+        response = client.post(path, json=body, headers=headers)
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        assert "maxmemory" in error["message"], error
+        assert "SIFT_RESULT_RETENTION_SECONDS" in error["message"], error
+        assert response.headers["retry-after"]
+    assert client.get("/v1/searches", headers=ACME).json()["searches"] == searches
+
+
+def test_what_was_stored_before_it_filled_still_reads(
+    client: TestClient, store: JobStore
+) -> None:
+    made = client.post("/v1/searches", json=SEARCH, headers=ACME)
+    assert made.status_code == 202, made.text
+    used = int(store.redis.info("memory")["used_memory"])
+    store.redis.config_set("maxmemory", used // 2)
+    try:
+        read = client.get(f"/v1/searches/{made.json()['id']}", headers=ACME)
+    finally:
+        store.redis.config_set("maxmemory", 0)
+    assert read.status_code == 200 and read.json()["status"] == "queued", read.text
