@@ -58,9 +58,7 @@ def test_a_full_job_store_is_a_503_naming_its_memory_and_stores_nothing(
     assert client.get("/v1/searches", headers=ACME).json()["searches"] == searches
 
 
-def test_what_was_stored_before_it_filled_still_reads(
-    client: TestClient, store: JobStore
-) -> None:
+def test_what_was_stored_before_it_filled_still_reads(client: TestClient, store: JobStore) -> None:
     made = client.post("/v1/searches", json=SEARCH, headers=ACME)
     assert made.status_code == 202, made.text
     used = int(store.redis.info("memory")["used_memory"])
