@@ -168,6 +168,19 @@ def test_every_compose_service_rotates_its_logs(compose: dict[str, Any]) -> None
         assert int(options.get("max-file", "1")) >= 2, name
 
 
+def test_the_gateway_outlives_its_longest_wait_when_stopped(compose: dict[str, Any]) -> None:
+    """A request may wait 30 s (``?wait=``, MAX_WAIT_SECONDS); stopped with less grace
+    (Docker's 10 s, the pod's 30 s with no preStop) the gateway was killed under it."""
+    from worker.constants import MAX_WAIT_SECONDS
+
+    grace = compose["services"]["gateway"]["stop_grace_period"]
+    assert int(grace.removesuffix("s")) >= MAX_WAIT_SECONDS + 10, grace
+    pod = yaml.safe_load((K8S / "base" / "gateway-deployment.yaml").read_text())["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= MAX_WAIT_SECONDS + int(pre_stop[-1]) + 5
+
+
 def test_compose_bind_mounts_exist(compose: dict[str, Any]) -> None:
     for service in compose["services"].values():
         for volume in service.get("volumes", []):
