@@ -94,3 +94,32 @@ def test_the_embedded_data_dir_is_made_or_refused(tmp_path: Path) -> None:
     with pytest.raises(typer.Exit) as exit_:
         _check_backend(Settings(data_dir=old))
     assert exit_.value.exit_code == 2
+
+
+@pytest.mark.parametrize(
+    ("changes", "stops"),
+    [
+        ({"worker_pool": "prefork"}, True),  # 300 children a process, each with the model
+        ({"worker_pool": "prefork", "worker_concurrency": 2}, False),
+        ({"worker_pool": "prefork", "worker_concurrency": 300}, False),  # asked for: taken
+        ({"worker_pool": "threads"}, False),
+        ({}, False),
+    ],
+)
+def test_a_prefork_pool_needs_its_own_concurrency(
+    capsys: pytest.CaptureFixture[str], changes: dict[str, object], stops: bool
+) -> None:
+    """``SIFT_WORKER_CONCURRENCY``'s default, 300, is the threads pool's: under prefork it
+    forked 300 children per worker process, each loading the embedding model at its first
+    task. Prefork without a concurrency of its own stops the worker, naming both."""
+    from worker.cli.service import _require_pool_concurrency
+
+    settings = Settings(**changes)  # type: ignore[arg-type]
+    if stops:
+        with pytest.raises(typer.Exit) as exit_:
+            _require_pool_concurrency(settings)
+        assert exit_.value.exit_code == 2
+        out = capsys.readouterr().out
+        assert "SIFT_WORKER_POOL=prefork" in out and "SIFT_WORKER_CONCURRENCY" in out, out
+    else:
+        _require_pool_concurrency(settings)

@@ -128,6 +128,7 @@ def worker(
     if loglevel is not None:  # Celery's spelling, any case; checked as SIFT_LOG_LEVEL is
         overrides["log_level"] = loglevel.upper()
     settings = _settings(options=tuple(overrides), **overrides)
+    _require_pool_concurrency(settings)
     if not supervised_by:  # its supervisor checked
         _require_redis(settings, "the workers")
     _require_api_keys(settings)  # each worker process, supervised or not: it signs with them
@@ -182,6 +183,19 @@ def _require_api_keys(settings: Settings) -> None:
         settings.all_api_keys()
     except ConfigError as error:
         _stop(plain(error))
+
+
+def _require_pool_concurrency(settings: Settings) -> None:
+    """Stop (exit 2, one line naming both) a prefork worker left at the threads pool's
+    concurrency: ``SIFT_WORKER_CONCURRENCY``'s default, 300 threads, forked 300 children per
+    worker process, each loading the embedding model at its first task."""
+    if settings.worker_pool == "prefork" and "worker_concurrency" not in settings.model_fields_set:
+        _stop(
+            f"SIFT_WORKER_POOL=prefork forks SIFT_WORKER_CONCURRENCY children per worker "
+            f"process, each with its own embedding model: the default, "
+            f"{settings.worker_concurrency}, is the threads pool's; set SIFT_WORKER_CONCURRENCY "
+            f"(or --concurrency) for prefork, e.g. 2"
+        )
 
 
 def _require_model_cache(settings: Settings) -> None:
