@@ -18,7 +18,15 @@ import typer
 
 from worker.cli._app import app
 from worker.cli._common import EXIT_INTERRUPTED, InputError, _err, _expected_errors, _out
-from worker.cli._http import FINAL_STATUSES, Gateway, GatewayError, gateway, index_name, segment
+from worker.cli._http import (
+    FINAL_STATUSES,
+    RETRY_SECONDS,
+    Gateway,
+    GatewayError,
+    gateway,
+    index_name,
+    segment,
+)
 from worker.cli._output import plain, progress_bar
 from worker.cli.client._input import (
     Loaded,
@@ -41,20 +49,31 @@ def _send_documents(
     """POST one batch and wait for its ingest job; answers how many documents it upserted.
 
     The gateway answers 200 with the finished job when it finished within ``wait``, else
-    202 with a job to poll at ``GET /v1/ingestions/{id}``. A batch over the gateway's body
-    limit (413: 500 documents of up to 100,000 characters each pass its 32 MiB) is sent
-    again in halves, in order; a document alone over it is named. ``on_indexed`` is called
-    with the number of documents of each request whose job succeeded, so the documents
-    known indexed are always the first ones of ``documents``. Once ``stopping`` is set (a
-    Ctrl-C), no request is sent and a job's poll stops: its documents are not known indexed,
-    and ``on_unsettled`` is called with the id of the job, which may still index them.
+    202 with a job to poll at ``GET /v1/ingestions/{id}``. A transient failure (the gateway
+    restarting, a 503) is sent again for ``RETRY_SECONDS``, as the poll is. A batch over
+    the gateway's body limit (413: 500 documents of up to 100,000 characters each pass its
+    32 MiB) is sent again in halves, in order; a document alone over it is named.
+    ``on_indexed`` is called with the number of documents of each request whose job
+    succeeded, so the documents known indexed are always the first ones of ``documents``.
+    Once ``stopping`` is set (a Ctrl-C), no request is sent and a job's poll stops: its
+    documents are not known indexed, and ``on_unsettled`` is called with the id of the job,
+    which may still index them.
     """
     stopping = stopping or threading.Event()  # none given: never set
     if stopping.is_set():
         return 0
     path = f"/v1/indexes/{segment(index)}/documents"
     try:
-        response = client.request("POST", path, params={"wait": 30}, json={"documents": documents})
+        # sent again through a gateway or Redis restart, as `sift batch` sends its submit:
+        # safe with no Idempotency-Key, for a request made twice writes its documents twice,
+        # each replacing itself by id, and a later request's write still has the later version
+        response = client.request(
+            "POST",
+            path,
+            params={"wait": 30},
+            json={"documents": documents},
+            retry_for=RETRY_SECONDS,
+        )
     except GatewayError as exc:
         if exc.status_code != HTTPStatus.REQUEST_ENTITY_TOO_LARGE:
             raise
