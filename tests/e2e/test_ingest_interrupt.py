@@ -1,6 +1,6 @@
 """Ctrl-C (SIGINT) during ``sift ingest``, run as a user runs it (its own process, the real
 gateway and worker): it says what the gateway acknowledged as indexed and the line to
-resume from, and exits 130.
+resume from, and exits 130; a SIGTERM the same, exit 143.
 
 Before, it exited 130 with nothing said, not what was in nor where to go on from; and
 against a gateway whose jobs did not run (a backlog, workers down) it did not exit at all:
@@ -152,6 +152,26 @@ def test_ctrl_c_says_what_the_gateway_acknowledged_and_the_line_to_resume_from(
     settled = len(_indexed(stack, index))
     time.sleep(1)
     assert len(_indexed(stack, index)) == settled  # nothing was left in flight
+
+
+def test_sigterm_is_taken_as_ctrl_c_with_its_own_exit_status(stack: Stack, tmp_path: Path) -> None:
+    """SIGTERM (a ``kill``, a supervisor, a CI timeout) killed ``sift ingest`` at once, rc
+    -15, saying nothing of what was indexed. It now stops as a Ctrl-C does, the requests in
+    flight waited for and the line to resume from said, and exits 143 (128 + SIGTERM)."""
+    corpus, ids = _corpus(tmp_path, 600)
+    index = "cli-terminated"
+    with sift_ingest(stack.live_url, corpus, index, "--batch-size", "2") as sift:
+        sift.until(lambda: len(_indexed(stack, index)) >= 6, "six documents indexed")
+        sift.proc.send_signal(signal.SIGTERM)
+        code = sift.finish()
+        err = sift.stderr()
+    assert code == 143, err
+    assert "terminated" in err and f"of {corpus} known indexed" in err, err
+    found = RESUME.search(err)
+    assert found is not None, err
+    line = int(found[1])
+    assert set(ids[: line - 2]) <= _indexed(stack, index)
+    assert len(_indexed(stack, index)) < len(ids), "the whole file was sent"
 
 
 class _Relay(http.server.ThreadingHTTPServer):

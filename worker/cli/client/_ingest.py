@@ -1,9 +1,10 @@
 """``sift ingest``: a corpus file's documents sent in requests, two in flight, with what is
-known indexed said on a failure or a Ctrl-C."""
+known indexed said on a failure, a Ctrl-C or a SIGTERM."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -17,7 +18,14 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_INTERRUPTED, InputError, _err, _expected_errors, _out
+from worker.cli._common import (
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    InputError,
+    _err,
+    _expected_errors,
+    _out,
+)
 from worker.cli._http import (
     FINAL_STATUSES,
     RETRY_SECONDS,
@@ -169,6 +177,49 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
+class _Signals:
+    """Whether a SIGTERM stopped the command: it is taken as a Ctrl-C is (a
+    ``KeyboardInterrupt`` in the main thread), told as "terminated", and exits 143."""
+
+    def __init__(self) -> None:
+        self.terminated = False
+
+    @property
+    def code(self) -> int:
+        return EXIT_TERMINATED if self.terminated else EXIT_INTERRUPTED
+
+    @property
+    def word(self) -> str:
+        return "terminated" if self.terminated else "interrupted"
+
+
+@contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[_Signals]:
+    """SIGTERM (a ``kill``, a supervisor, a CI step's timeout) stops ``sift ingest`` as a
+    Ctrl-C does: no request sent after it, the ones in flight waited for, what is known
+    indexed and the line to resume from said; a second one leaves at once. Its default
+    killed the command at once, saying nothing. A command run off the main thread (a test's
+    runner in a thread) cannot take signals, and keeps the default."""
+    signals = _Signals()
+    if threading.current_thread() is not threading.main_thread():
+        yield signals
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        signals.terminated = True
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield signals
+    except typer.Exit as exc:  # a Ctrl-C's exit, by a SIGTERM: its own status
+        if exc.exit_code == EXIT_INTERRUPTED and signals.terminated:
+            raise typer.Exit(EXIT_TERMINATED) from None
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextmanager
 def _pool(threads: int) -> Iterator[ThreadPoolExecutor]:
     """Threads for requests; on an error, the ones not yet sent are dropped, not sent."""
@@ -195,7 +246,7 @@ def ingest(
 ) -> None:
     """Load documents through the gateway, with a progress bar."""
     console = _out()
-    with _expected_errors():
+    with _sigterm_as_ctrl_c() as signals, _expected_errors():
         with _nothing_sent_on_interrupt(file, "nothing was sent"):
             loaded = _load(file, document_from, skip_invalid=skip_invalid)
             _report_skipped(console, loaded.problems)
@@ -231,7 +282,7 @@ def ingest(
                     except KeyboardInterrupt:
                         stopping.set()
                         _err().print(
-                            "interrupted: waiting for the answers to the requests already "
+                            f"{signals.word}: waiting for the answers to the requests already "
                             "sent (Ctrl-C again to leave without them)"
                         )
                     except GatewayError:
@@ -252,19 +303,19 @@ def ingest(
                 note = plain(_resume_note(file, loaded, chunks, done, unsettled))
                 failed = exc.__context__  # the failure whose requests in flight were awaited
                 why = (
-                    f"[bold red]error:[/] {plain(failed.message)}; then interrupted"
+                    f"[bold red]error:[/] {plain(failed.message)}; then {signals.word}"
                     if isinstance(failed, GatewayError)
-                    else "interrupted again"
+                    else f"{signals.word} again"
                 )
                 _err().print(
                     f"{why}: {note}; the requests sent before it may still be indexed",
                     soft_wrap=True,
                 )
-                _leave(EXIT_INTERRUPTED)  # the pool's threads, waiting on answers, hold an exit
+                _leave(signals.code)  # the pool's threads, waiting on answers, hold an exit
             if stopping.is_set():
                 note = plain(_resume_note(file, loaded, chunks, done, unsettled))
-                _err().print(f"interrupted: {note}", soft_wrap=True)
-                raise typer.Exit(EXIT_INTERRUPTED)
+                _err().print(f"{signals.word}: {note}", soft_wrap=True)
+                raise typer.Exit(signals.code)
         elapsed = time.monotonic() - started
         console.print(
             f"indexed [bold]{indexed}[/] document(s) into [bold]{index}[/] in {elapsed:.1f} s"
