@@ -128,7 +128,7 @@ def test_a_stopped_ingest_says_what_was_indexed_and_the_line_to_resume_from(
     output = " ".join(stopped.output.split())
     assert "'huge' alone is larger" in output, output
     assert f"4 of 6 document(s) of {corpus} known indexed, all those before line 6" in output
-    assert "resume from line 6 (document 'huge')" in output, output
+    assert "resume from line 6 (document 'huge') with --from-line 6" in output, output
     assert "send the whole file again" in output, output
     listed = stack.live.get("/v1/indexes/cli-resume/documents", headers=ACME)
     assert sorted(d["id"] for d in listed.json()["documents"]) == ["r1", "r2", "r3", "r4"]
@@ -156,3 +156,26 @@ def test_a_blank_text_stops_the_command_before_anything_is_sent(
         assert "nothing was sent" in result.output
         gone = stack.live.get(f"/v1/indexes/{index}", headers=ACME)
         assert gone.status_code == 404, (text, gone.text)
+
+
+def test_from_line_sends_the_file_from_that_line_on(stack: Stack, tmp_path: Path) -> None:
+    """The resume line had no option to go on from it: the whole file was to be sent again.
+    ``--from-line N`` sends the documents of line N on; the lines before it are not read as
+    documents (a bad one among them, sent or skipped by the run before, does not stop it),
+    and a line number said is still the file's."""
+    corpus = tmp_path / "from.jsonl"
+    corpus.write_text(
+        json.dumps({"id": "f1", "text": "quokka one"}) + "\n"
+        + "not json, sent or skipped by the run before\n"
+        + "\n"  # line 3 blank
+        + "".join(json.dumps({"id": f"f{i}", "text": f"quokka {i}"}) + "\n" for i in (4, 5))
+    )  # fmt: skip
+    result = sift(stack, "ingest", str(corpus), "--index", "cli-from", "--from-line", "3")
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert "indexed 2 document(s)" in output and "from line 3" in output, output
+    listed = stack.live.get("/v1/indexes/cli-from/documents", headers=ACME)
+    assert sorted(d["id"] for d in listed.json()["documents"]) == ["f4", "f5"]
+    past = sift(stack, "ingest", str(corpus), "--index", "cli-from", "--from-line", "6")
+    assert past.exit_code == 1, past.output
+    assert "no documents to send from line 6" in " ".join(past.output.split()), past.output

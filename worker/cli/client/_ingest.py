@@ -134,20 +134,26 @@ def _resume_note(
     chunks: list[list[dict[str, Any]]],
     done: list[int],
     unsettled: list[str],
+    first_line: int = 1,
 ) -> str:
     """What a failed ``sift ingest`` is known to have indexed, and the line to go on from.
     ``done`` holds how many of each request's first documents are known indexed (a
     request's halves go in order): every line before the first one not known indexed was,
     and a later request (two are in flight) may have been too. ``unsettled``: the jobs whose
-    polls were stopped before they were done, which may still index their documents."""
-    note = _known_indexed(file, loaded, chunks, done)
+    polls were stopped before they were done, which may still index their documents.
+    ``first_line``: the run's ``--from-line``, whose documents alone it counts."""
+    note = _known_indexed(file, loaded, chunks, done, first_line)
     if unsettled:
         note += f"; job(s) {', '.join(unsettled)} were not done yet and may still index theirs"
     return note
 
 
 def _known_indexed(
-    file: Path, loaded: Loaded, chunks: list[list[dict[str, Any]]], done: list[int]
+    file: Path,
+    loaded: Loaded,
+    chunks: list[list[dict[str, Any]]],
+    done: list[int],
+    first_line: int,
 ) -> str:
     first = 0  # in file order, the first document not known indexed
     for chunk, indexed in zip(chunks, done, strict=True):
@@ -155,17 +161,18 @@ def _known_indexed(
         if indexed < len(chunk):
             break
     known, total = sum(done), len(loaded.records)
+    sent = f"{file}" if first_line == 1 else f"{file} from line {first_line}"
     if first >= total:
-        return f"all {total} document(s) of {file} were indexed"
+        return f"all {total} document(s) of {sent} were indexed"
     if not known:
-        return f"none of the {total} document(s) of {file} is known indexed"
+        return f"none of the {total} document(s) of {sent} is known indexed"
     line = loaded.lines[first]
     before = f", all those before line {line}" if first else ""
     return (
-        f"{known} of {total} document(s) of {file} known indexed{before}; resume from line "
-        f"{line} (document {loaded.records[first]['id']!r}), or send the whole file again: "
-        "an ingest replaces each document by id, so those indexed are written again, not "
-        "duplicated"
+        f"{known} of {total} document(s) of {sent} known indexed{before}; resume from line "
+        f"{line} (document {loaded.records[first]['id']!r}) with --from-line {line}, or send "
+        "the whole file again: an ingest replaces each document by id, so those indexed are "
+        "written again, not duplicated"
     )
 
 
@@ -243,16 +250,26 @@ def ingest(
     skip_invalid: Annotated[
         bool, typer.Option("--skip-invalid", help="skip bad lines instead of stopping")
     ] = False,
+    from_line: Annotated[
+        int,
+        typer.Option(
+            "--from-line",
+            min=1,
+            help="send the documents of this line of the file on (the line a stopped run "
+            "said to resume from); the lines before it are not read",
+        ),
+    ] = 1,
 ) -> None:
     """Load documents through the gateway, with a progress bar."""
     console = _out()
     with _sigterm_as_ctrl_c() as signals, _expected_errors():
         with _nothing_sent_on_interrupt(file, "nothing was sent"):
-            loaded = _load(file, document_from, skip_invalid=skip_invalid)
+            loaded = _load(file, document_from, skip_invalid=skip_invalid, first_line=from_line)
             _report_skipped(console, loaded.problems)
             documents = loaded.records
             if not documents:
-                raise InputError(f"{file}: no documents to send")
+                since = f" from line {from_line}" if from_line > 1 else ""
+                raise InputError(f"{file}: no documents to send{since}")
             chunks = _chunks(documents, batch_size)
         started = time.monotonic()
         indexed = 0
@@ -296,11 +313,11 @@ def ingest(
                             )
                         raise
             except GatewayError as exc:  # the pool has waited for the requests in flight
-                note = _resume_note(file, loaded, chunks, done, unsettled)
+                note = _resume_note(file, loaded, chunks, done, unsettled, from_line)
                 said = exc.message.rstrip(".")  # "...`sift up`.; none of" read as a typo
                 raise GatewayError(f"{said}; {note}", status_code=exc.status_code) from exc
             except KeyboardInterrupt as exc:  # while the requests in flight were awaited
-                note = plain(_resume_note(file, loaded, chunks, done, unsettled))
+                note = plain(_resume_note(file, loaded, chunks, done, unsettled, from_line))
                 failed = exc.__context__  # the failure whose requests in flight were awaited
                 why = (
                     f"[bold red]error:[/] {plain(failed.message)}; then {signals.word}"
@@ -313,12 +330,13 @@ def ingest(
                 )
                 _leave(signals.code)  # the pool's threads, waiting on answers, hold an exit
             if stopping.is_set():
-                note = plain(_resume_note(file, loaded, chunks, done, unsettled))
+                note = plain(_resume_note(file, loaded, chunks, done, unsettled, from_line))
                 _err().print(f"{signals.word}: {note}", soft_wrap=True)
                 raise typer.Exit(signals.code)
         elapsed = time.monotonic() - started
         console.print(
             f"indexed [bold]{indexed}[/] document(s) into [bold]{index}[/] in {elapsed:.1f} s"
+            + (f", from line {from_line} of {plain(file)}" if from_line > 1 else "")
             + (f"; skipped {len(loaded.problems)} invalid line(s)" if loaded.problems else ""),
             soft_wrap=True,
         )

@@ -120,11 +120,17 @@ def query_from(obj: Any) -> dict[str, Any]:
     return item
 
 
-def _load(path: Path, parse: Any, *, skip_invalid: bool, unique_ids: bool = False) -> Loaded:
-    """Read and check every line first, so a bad line stops the command before anything is sent."""
+def _load(
+    path: Path, parse: Any, *, skip_invalid: bool, unique_ids: bool = False, first_line: int = 1
+) -> Loaded:
+    """Read and check every line first, so a bad line stops the command before anything is
+    sent. The lines before ``first_line`` (``sift ingest --from-line``) are counted, not
+    read as records: an earlier run sent or skipped them."""
     loaded = Loaded()
     seen: set[str] = set()
     for number, line in _jsonl(path):
+        if number < first_line:
+            continue
         try:
             record = parse(parsed(line))
             if unique_ids:
