@@ -43,6 +43,11 @@ def test_a_repeated_id_in_one_request_keeps_its_last_line(stack: Stack, tmp_path
     result = sift(stack, "ingest", str(write_jsonl(tmp_path / "c.jsonl", rows)),
                   "--index", "cli-repeat")  # fmt: skip
     assert result.exit_code == 0, result.output
+    # each line's write counted, the index holding 2: the summary says why ("indexed 3
+    # document(s)" alone read as 3 documents in the index)
+    output = " ".join(result.output.split())
+    assert "indexed 3 document(s)" in output, output
+    assert "1 line(s) repeated an earlier line's id and replaced it: 2 distinct id(s)" in output
     got = stack.live.get("/v1/indexes/cli-repeat/documents/r1", headers=ACME)
     assert got.status_code == 200, got.text
     assert got.json()["text"] == "the new text of r1"

@@ -286,7 +286,8 @@ def ingest(
 
         # Two requests in flight keep the worker busy while a finished job is answered and
         # the next one sent; only when no id repeats, so a repeated id's last line still wins.
-        in_flight = 2 if len({d["id"] for d in documents}) == len(documents) else 1
+        distinct = len({d["id"] for d in documents})
+        in_flight = 2 if distinct == len(documents) else 1
         with gateway() as client:
             try:
                 with progress_bar(console) as progress, _pool(in_flight) as pool:
@@ -337,6 +338,13 @@ def ingest(
         console.print(
             f"indexed [bold]{indexed}[/] document(s) into [bold]{index}[/] in {elapsed:.1f} s"
             + (f", from line {from_line} of {plain(file)}" if from_line > 1 else "")
-            + (f"; skipped {len(loaded.problems)} invalid line(s)" if loaded.problems else ""),
+            + (f"; skipped {len(loaded.problems)} invalid line(s)" if loaded.problems else "")
+            # each line's write is counted: the index holds one document an id
+            + (
+                f"; {len(documents) - distinct} line(s) repeated an earlier line's id and "
+                f"replaced it: {distinct} distinct id(s)"
+                if distinct < len(documents)
+                else ""
+            ),
             soft_wrap=True,
         )
