@@ -129,12 +129,21 @@ def test_a_stopped_ingest_says_what_was_indexed_and_the_line_to_resume_from(
         # [huge r5] and [huge] are 413 again
         stopped = CliRunner().invoke(app, ["ingest", str(corpus), "--index", "cli-resume",
                                            "--batch-size", "3"], env=cli_env)  # fmt: skip
+        as_json = CliRunner().invoke(app, ["ingest", str(corpus), "--index", "cli-resume-json",
+                                           "--batch-size", "3", "--json"], env=cli_env)  # fmt: skip
     assert stopped.exit_code == 1, stopped.output
     output = " ".join(stopped.output.split())
     assert "'huge' alone is larger" in output, output
     assert f"4 of 6 document(s) of {corpus} known indexed, all those before line 6" in output
     assert "resume from line 6 (document 'huge') with --from-line 6" in output, output
     assert "send the whole file again" in output, output
+    # --json: the same, as one object on stdout (the error and the note still on stderr)
+    assert as_json.exit_code == 1, as_json.output
+    summary = json.loads(as_json.stdout)
+    assert summary["status"] == "failed" and "'huge' alone is larger" in summary["error"]
+    assert (summary["documents"], summary["known_indexed"]) == (6, 4), summary
+    assert summary["not_known_indexed"] == 2 and summary["resume_from_line"] == 6, summary
+    assert len(summary["jobs"]) == 2 and summary["sent"] == 4, summary  # [r1 r2 r3], [r4]
     listed = stack.live.get("/v1/indexes/cli-resume/documents", headers=ACME)
     assert sorted(d["id"] for d in listed.json()["documents"]) == ["r1", "r2", "r3", "r4"]
     again = sift(stack, "ingest", str(corpus), "--index", "cli-resume")  # the 32 MiB limit
@@ -184,3 +193,29 @@ def test_from_line_sends_the_file_from_that_line_on(stack: Stack, tmp_path: Path
     past = sift(stack, "ingest", str(corpus), "--index", "cli-from", "--from-line", "6")
     assert past.exit_code == 1, past.output
     assert "no documents to send from line 6" in " ".join(past.output.split()), past.output
+
+
+def test_json_prints_the_summary_as_one_object(stack: Stack, tmp_path: Path) -> None:
+    """``sift ingest`` had no ``--json``, unlike the other commands: a script read the
+    counts off the summary's words. With it, stdout is one JSON object (the progress bar
+    goes to stderr)."""
+    rows = [
+        {"id": "j1", "text": "the old text of j1"},
+        {"id": "j2", "text": "j2 stays"},
+        {"id": "j1", "text": "the new text of j1"},
+    ]
+    corpus = write_jsonl(tmp_path / "j.jsonl", rows)
+    result = sift(stack, "ingest", str(corpus), "--index", "cli-json", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["status"] == "succeeded" and summary["error"] is None, summary
+    assert summary["index"] == "cli-json" and summary["file"] == str(corpus), summary
+    assert (summary["documents"], summary["sent"], summary["indexed"]) == (3, 3, 3), summary
+    assert (summary["known_indexed"], summary["not_known_indexed"]) == (3, 0), summary
+    assert (summary["repeated_ids"], summary["distinct_ids"]) == (1, 2), summary
+    assert summary["skipped_invalid"] == 0 and summary["from_line"] == 1, summary
+    assert summary["resume_from_line"] is None and summary["unsettled_jobs"] == [], summary
+    assert len(summary["jobs"]) == 2, summary  # the repeated id started a second request
+    for job in summary["jobs"]:
+        got = stack.live.get(f"/v1/ingestions/{job}", headers=ACME)
+        assert got.status_code == 200 and got.json()["status"] == "succeeded", got.text

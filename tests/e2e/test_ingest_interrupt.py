@@ -39,14 +39,19 @@ def _restore_sigint() -> None:
 
 
 @contextmanager
-def sift_ingest(url: str, corpus: Path, index: str, *args: str) -> Iterator[_Running]:
+def sift_ingest(
+    url: str, corpus: Path, index: str, *args: str, out: Path | None = None
+) -> Iterator[_Running]:
+    """``sift ingest`` of ``corpus`` into ``index`` at ``url``, its stdout written to ``out``
+    (None: dropped)."""
     env = {"SIFT_URL": url, "SIFT_API_KEY": KEY, "COLUMNS": "200", "NO_COLOR": "1",
            "HOME": os.environ.get("HOME", "/tmp")}  # fmt: skip
     command = [sys.executable, "-m", "worker.cli", "ingest", str(corpus), "--index", index]
+    stdout = subprocess.DEVNULL if out is None else out.open("w")
     proc = subprocess.Popen(
         [*command, *args],
         env=env,
-        stdout=subprocess.DEVNULL,
+        stdout=stdout,
         stderr=subprocess.PIPE,
         text=True,
         preexec_fn=_restore_sigint,
@@ -59,6 +64,8 @@ def sift_ingest(url: str, corpus: Path, index: str, *args: str) -> Iterator[_Run
             proc.kill()
         proc.wait()
         running.join()
+        if out is not None:
+            stdout.close()
 
 
 class _Running:
@@ -157,10 +164,12 @@ def test_ctrl_c_says_what_the_gateway_acknowledged_and_the_line_to_resume_from(
 def test_sigterm_is_taken_as_ctrl_c_with_its_own_exit_status(stack: Stack, tmp_path: Path) -> None:
     """SIGTERM (a ``kill``, a supervisor, a CI timeout) killed ``sift ingest`` at once, rc
     -15, saying nothing of what was indexed. It now stops as a Ctrl-C does, the requests in
-    flight waited for and the line to resume from said, and exits 143 (128 + SIGTERM)."""
+    flight waited for and the line to resume from said, and exits 143 (128 + SIGTERM); its
+    ``--json`` summary says so too."""
     corpus, ids = _corpus(tmp_path, 600)
     index = "cli-terminated"
-    with sift_ingest(stack.live_url, corpus, index, "--batch-size", "2") as sift:
+    out = tmp_path / "summary.json"
+    with sift_ingest(stack.live_url, corpus, index, "--batch-size", "2", "--json", out=out) as sift:
         sift.until(lambda: len(_indexed(stack, index)) >= 6, "six documents indexed")
         sift.proc.send_signal(signal.SIGTERM)
         code = sift.finish()
@@ -172,6 +181,9 @@ def test_sigterm_is_taken_as_ctrl_c_with_its_own_exit_status(stack: Stack, tmp_p
     line = int(found[1])
     assert set(ids[: line - 2]) <= _indexed(stack, index)
     assert len(_indexed(stack, index)) < len(ids), "the whole file was sent"
+    summary = json.loads(out.read_text())
+    assert summary["status"] == "terminated" and summary["resume_from_line"] == line, summary
+    assert summary["documents"] == 600 and summary["known_indexed"] < 600, summary
 
 
 class _Relay(http.server.ThreadingHTTPServer):

@@ -3,6 +3,7 @@ known indexed said on a failure, a Ctrl-C or a SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -11,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -50,9 +52,10 @@ def _send_documents(
     client: Gateway,
     index: str,
     documents: list[dict[str, Any]],
-    on_indexed: Callable[[int], object] = lambda n: None,
+    on_indexed: Callable[[int, int], object] = lambda n, upserted: None,
     stopping: threading.Event | None = None,
     on_unsettled: Callable[[str], object] = lambda job_id: None,
+    on_job: Callable[[str, int], object] = lambda job_id, n: None,
 ) -> int:
     """POST one batch and wait for its ingest job; answers how many documents it upserted.
 
@@ -62,7 +65,8 @@ def _send_documents(
     the gateway's body limit (413: 500 documents of up to 100,000 characters each pass its
     32 MiB) is sent again in halves, in order; a document alone over it is named.
     ``on_indexed`` is called with the number of documents of each request whose job
-    succeeded, so the documents known indexed are always the first ones of ``documents``.
+    succeeded (and how many it upserted), so the documents known indexed are always the
+    first ones of ``documents``; ``on_job`` with each job made, and its request's documents.
     Once ``stopping`` is set (a Ctrl-C), no request is sent and a job's poll stops: its
     documents are not known indexed, and ``on_unsettled`` is called with the id of the job,
     which may still index them.
@@ -93,10 +97,11 @@ def _send_documents(
             ) from exc
         half = len(documents) // 2
         return sum(
-            _send_documents(client, index, part, on_indexed, stopping, on_unsettled)
+            _send_documents(client, index, part, on_indexed, stopping, on_unsettled, on_job)
             for part in (documents[:half], documents[half:])
         )
     job = response.json()
+    on_job(str(job.get("id")), len(documents))
     if job.get("status") not in FINAL_STATUSES:
         job = client.poll(
             f"/v1/ingestions/{job['id']}",
@@ -109,8 +114,9 @@ def _send_documents(
         error = job.get("error") or {}
         message = error.get("message") if isinstance(error, dict) else error
         raise GatewayError(f"ingest job {job.get('id')} {job.get('status')}: {message}")
-    on_indexed(len(documents))
-    return int(job.get("upserted") or 0)
+    upserted = int(job.get("upserted") or 0)
+    on_indexed(len(documents), upserted)
+    return upserted
 
 
 def _chunks(documents: list[dict[str, Any]], size: int) -> list[list[dict[str, Any]]]:
@@ -148,6 +154,16 @@ def _resume_note(
     return note
 
 
+def _first_not_known(chunks: list[list[dict[str, Any]]], done: list[int]) -> int:
+    """In file order, the first document not known indexed (all of them: none)."""
+    first = 0
+    for chunk, indexed in zip(chunks, done, strict=True):
+        first += indexed
+        if indexed < len(chunk):
+            break
+    return first
+
+
 def _known_indexed(
     file: Path,
     loaded: Loaded,
@@ -155,11 +171,7 @@ def _known_indexed(
     done: list[int],
     first_line: int,
 ) -> str:
-    first = 0  # in file order, the first document not known indexed
-    for chunk, indexed in zip(chunks, done, strict=True):
-        first += indexed
-        if indexed < len(chunk):
-            break
+    first = _first_not_known(chunks, done)
     known, total = sum(done), len(loaded.records)
     sent = f"{file}" if first_line == 1 else f"{file} from line {first_line}"
     if first >= total:
@@ -182,6 +194,64 @@ def _leave(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+@dataclass
+class _Tally:
+    """What the gateway answered to each request (a chunk's, in file order; its halves,
+    when it was split, added up): the documents of its requests the gateway accepted (a job
+    made), its jobs, how many of its first documents are known indexed and how many
+    documents its jobs upserted; and the jobs whose polls a stop ended, not yet final."""
+
+    sent: list[int]
+    jobs: list[list[str]]
+    done: list[int]
+    upserted: list[int]
+    unsettled: list[str] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, requests: int) -> _Tally:
+        return cls([0] * requests, [[] for _ in range(requests)], [0] * requests, [0] * requests)
+
+
+def _summary(
+    status: str,
+    error: str | None,
+    *,
+    file: Path,
+    index: str,
+    from_line: int,
+    loaded: Loaded,
+    chunks: list[list[dict[str, Any]]],
+    tally: _Tally,
+    seconds: float,
+) -> dict[str, Any]:
+    """``sift ingest --json``'s one object: how the run ended, and its counts. ``indexed``
+    counts each line's write, as the jobs report it; ``known_indexed`` the documents whose
+    job succeeded; ``resume_from_line`` is the first line not known indexed (null: none)."""
+    documents = loaded.records
+    distinct = len({d["id"] for d in documents})
+    first = _first_not_known(chunks, tally.done)
+    known = sum(tally.done)
+    return {
+        "status": status,
+        "error": error,
+        "index": index,
+        "file": str(file),
+        "from_line": from_line,
+        "documents": len(documents),
+        "skipped_invalid": len(loaded.problems),
+        "repeated_ids": len(documents) - distinct,
+        "distinct_ids": distinct,
+        "sent": sum(tally.sent),
+        "indexed": sum(tally.upserted),
+        "known_indexed": known,
+        "not_known_indexed": len(documents) - known,
+        "jobs": [job for jobs in tally.jobs for job in jobs],
+        "unsettled_jobs": list(tally.unsettled),
+        "resume_from_line": loaded.lines[first] if first < len(documents) else None,
+        "seconds": round(seconds, 3),
+    }
 
 
 class _Signals:
@@ -259,9 +329,15 @@ def ingest(
             "said to resume from); the lines before it are not read",
         ),
     ] = 1,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json", help="print a summary as JSON on stdout, the progress bar on stderr"
+        ),
+    ] = False,
 ) -> None:
     """Load documents through the gateway, with a progress bar."""
-    console = _out()
+    console = _err() if json_out else _out()  # stdout: the JSON alone
     with _sigterm_as_ctrl_c() as signals, _expected_errors():
         with _nothing_sent_on_interrupt(file, "nothing was sent"):
             loaded = _load(file, document_from, skip_invalid=skip_invalid, first_line=from_line)
@@ -273,16 +349,38 @@ def ingest(
             chunks = _chunks(documents, batch_size)
         started = time.monotonic()
         indexed = 0
-        done = [0] * len(chunks)  # how many of each request's first documents are indexed
-
+        tally = _Tally.of(len(chunks))
+        done, unsettled = tally.done, tally.unsettled
         stopping = threading.Event()  # Ctrl-C or a failure: no more requests, no more polls
-        unsettled: list[str] = []  # the jobs whose polls it stopped, not yet final
 
         def send(i: int) -> int:
-            def on_indexed(n: int) -> None:
+            def on_indexed(n: int, upserted: int) -> None:
                 done[i] += n
+                tally.upserted[i] += upserted
 
-            return _send_documents(client, index, chunks[i], on_indexed, stopping, unsettled.append)
+            def on_job(job_id: str, n: int) -> None:
+                tally.jobs[i].append(job_id)
+                tally.sent[i] += n
+
+            return _send_documents(
+                client, index, chunks[i], on_indexed, stopping, unsettled.append, on_job
+            )
+
+        def say_json(status: str, error: str | None = None) -> None:
+            if json_out:
+                seconds = time.monotonic() - started
+                summary = _summary(
+                    status,
+                    error,
+                    file=file,
+                    index=index,
+                    from_line=from_line,
+                    loaded=loaded,
+                    chunks=chunks,
+                    tally=tally,
+                    seconds=seconds,
+                )
+                typer.echo(json.dumps(summary))
 
         # Two requests in flight keep the worker busy while a finished job is answered and
         # the next one sent; only when no id repeats, so a repeated id's last line still wins.
@@ -316,6 +414,7 @@ def ingest(
             except GatewayError as exc:  # the pool has waited for the requests in flight
                 note = _resume_note(file, loaded, chunks, done, unsettled, from_line)
                 said = exc.message.rstrip(".")  # "...`sift up`.; none of" read as a typo
+                say_json("failed", plain(exc.message))
                 raise GatewayError(f"{said}; {note}", status_code=exc.status_code) from exc
             except KeyboardInterrupt as exc:  # while the requests in flight were awaited
                 note = plain(_resume_note(file, loaded, chunks, done, unsettled, from_line))
@@ -329,10 +428,13 @@ def ingest(
                     f"{why}: {note}; the requests sent before it may still be indexed",
                     soft_wrap=True,
                 )
+                error = plain(failed.message) if isinstance(failed, GatewayError) else None
+                say_json(signals.word, error)
                 _leave(signals.code)  # the pool's threads, waiting on answers, hold an exit
             if stopping.is_set():
                 note = plain(_resume_note(file, loaded, chunks, done, unsettled, from_line))
                 _err().print(f"{signals.word}: {note}", soft_wrap=True)
+                say_json(signals.word)
                 raise typer.Exit(signals.code)
         elapsed = time.monotonic() - started
         console.print(
@@ -348,3 +450,4 @@ def ingest(
             ),
             soft_wrap=True,
         )
+        say_json("succeeded")
