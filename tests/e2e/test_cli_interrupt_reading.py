@@ -5,21 +5,51 @@ exits 130, having sent nothing.
 Before, it exited 130 with nothing said (typer's handling of KeyboardInterrupt): the user
 could not tell an interrupt from a crash, nor whether any document or batch had gone.
 The input is a FIFO the test holds open, so the command is reading it when the signal comes.
+The "gateway" answers only ``sift ingest``'s check of it, made before the file is read.
 """
 
 from __future__ import annotations
 
 import errno
+import http.server
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.services import served
+
+
+class _Gateway(http.server.ThreadingHTTPServer):
+    """Answers ``GET /v1/ingestions`` (``sift ingest``'s check) and keeps every request."""
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.heard: list[tuple[str, str]] = []
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Gateway
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _answer(self) -> None:
+        self.server.heard.append((self.command, self.path.split("?")[0]))
+        ok = self.command == "GET" and self.path.startswith("/v1/ingestions?")
+        body = b'{"ingestions": [], "next_page_token": null}' if ok else b"{}"
+        self.send_response(200 if ok else 500)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _answer
 
 
 def _restore_sigint() -> None:
@@ -56,9 +86,8 @@ def test_ctrl_c_while_reading_the_input_says_nothing_was_sent(
 ) -> None:
     fifo = tmp_path / "input.jsonl"
     os.mkfifo(fifo)
-    with socket.create_server(("127.0.0.1", 0)) as listener:  # the "gateway": must hear nothing
-        listener.setblocking(False)
-        port = listener.getsockname()[1]
+    with served(_Gateway()) as gateway:  # must hear no more than ingest's check
+        port = gateway.server_address[1]
         env = {
             "SIFT_URL": f"http://127.0.0.1:{port}",
             "SIFT_API_KEY": "acme-key-0001",
@@ -81,8 +110,8 @@ def test_ctrl_c_while_reading_the_input_says_nothing_was_sent(
             out, err = proc.communicate(timeout=60)
         finally:
             os.close(writer)
-        with pytest.raises(BlockingIOError):
-            listener.accept()  # no connection was made
+    checked = [("GET", "/v1/ingestions")] if command[0] == "ingest" else []
+    assert gateway.heard == checked, gateway.heard  # nothing sent
     err = " ".join(err.split())
     assert proc.returncode == 130, (out, err)
     assert f"interrupted while reading {fifo}: {said}" in err, (out, err)

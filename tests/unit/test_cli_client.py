@@ -107,6 +107,8 @@ class FakeGateway:
             if n == 1:
                 return 200, {**job, "status": "succeeded", "upserted": len(body["documents"])}
             return 202, job
+        if method == "GET" and path == "/v1/ingestions":  # sift ingest's check, first
+            return 200, {"ingestions": [], "next_page_token": None}
         if method == "GET" and path.startswith("/v1/ingestions/"):
             job_id = path.rsplit("/", 1)[1]
             return 200, {"id": job_id, "status": "succeeded", "upserted": self.ingests[job_id]}
@@ -304,7 +306,7 @@ def test_ingest_a_bad_line_names_line_and_field_and_sends_nothing(
     assert result.exit_code == 1
     assert f"corpus.jsonl:3: {where}" in result.output
     assert "Traceback" not in result.output
-    assert fake_gateway.requests == []
+    assert [r[:2] for r in fake_gateway.requests] == [("GET", "/v1/ingestions")]  # the check
 
 
 def test_a_file_saved_with_a_utf8_byte_order_mark_is_read(
@@ -325,12 +327,29 @@ def test_a_file_saved_with_a_utf8_byte_order_mark_is_read(
 
 def test_an_ingest_no_gateway_answers_says_only_that(tmp_path: Path) -> None:
     """No request in flight beside the one refused: the command says no gateway answers,
-    not that it is "waiting for the answers to the requests already sent" (none were)."""
+    not that it is "waiting for the answers to the requests already sent" (none were);
+    and, the gateway checked before the file is read, that nothing was sent."""
     corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"_id": "d0", "text": "a"}])
     result = run(f"http://127.0.0.1:{free_port()}", "ingest", str(corpus), "--index", "s")
     assert result.exit_code == 1, result.output
     assert "waiting for the answers" not in result.output, result.output
-    assert "Start one with `sift up`; none of the 1 document(s)" in result.output
+    assert "Start one with `sift up`; nothing was sent" in result.output
+
+
+def test_ingest_checks_the_gateway_and_its_key_before_reading_the_file(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    """The gateway was first reached once the whole file was read and checked: a 110 MB
+    corpus was read (and a bad line in it reported) before a wrong key or a gateway not
+    running was told. They are now told first, the file not read."""
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", [{"_id": "d0", "text": "a"}, "not json"])
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "s", key="wrong-key")
+    assert result.exit_code == 1, result.output
+    assert "check SIFT_API_KEY" in result.output and "corpus.jsonl:2" not in result.output
+    assert "nothing was sent" in result.output, result.output
+    gone = run(f"http://127.0.0.1:{free_port()}", "ingest", str(corpus), "--index", "s")
+    assert gone.exit_code == 1 and "cannot connect" in gone.output, gone.output
+    assert "corpus.jsonl:2" not in gone.output, gone.output
 
 
 def test_ingest_skip_invalid_sends_the_rest(fake_gateway: FakeGateway, tmp_path: Path) -> None:
@@ -360,7 +379,7 @@ def test_ingest_of_a_file_with_no_documents_is_an_error_naming_it(
     assert result.exit_code == 1, result.output
     assert f"{corpus}: no documents to send" in " ".join(result.output.split())
     assert "indexed" not in result.output
-    assert fake_gateway.requests == []
+    assert [r[:2] for r in fake_gateway.requests] == [("GET", "/v1/ingestions")]  # the check
     queries = tmp_path / "q.jsonl"
     queries.write_text(text)
     out = tmp_path / "r.jsonl"

@@ -297,6 +297,20 @@ def _sigterm_as_ctrl_c() -> Iterator[_Signals]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _check_gateway(client: Gateway) -> None:
+    """One read of the caller's ingest jobs before the file is read: a gateway not running, a
+    wrong key or a Redis down is told at once, not once a big file has been read and checked
+    (a 110 MB corpus takes a while). A 503 (Redis restarting) is tried again, as a request."""
+    try:
+        client.request("GET", "/v1/ingestions", params={"page_size": 1}, retry_for=RETRY_SECONDS)
+    except GatewayError as exc:
+        said = exc.message.rstrip(".")
+        raise GatewayError(f"{said}; nothing was sent", status_code=exc.status_code) from exc
+    except KeyboardInterrupt:
+        _err().print("interrupted while reaching the gateway: nothing was sent")
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
 @contextmanager
 def _pool(threads: int) -> Iterator[ThreadPoolExecutor]:
     """Threads for requests; on an error, the ones not yet sent are dropped, not sent."""
@@ -338,7 +352,8 @@ def ingest(
 ) -> None:
     """Load documents through the gateway, with a progress bar."""
     console = _err() if json_out else _out()  # stdout: the JSON alone
-    with _sigterm_as_ctrl_c() as signals, _expected_errors():
+    with _sigterm_as_ctrl_c() as signals, _expected_errors(), gateway() as client:
+        _check_gateway(client)
         with _nothing_sent_on_interrupt(file, "nothing was sent"):
             loaded = _load(file, document_from, skip_invalid=skip_invalid, first_line=from_line)
             _report_skipped(console, loaded.problems)
@@ -386,56 +401,55 @@ def ingest(
         # the next one sent; only when no id repeats, so a repeated id's last line still wins.
         distinct = len({d["id"] for d in documents})
         in_flight = 2 if distinct == len(documents) else 1
-        with gateway() as client:
-            try:
-                with progress_bar(console) as progress, _pool(in_flight) as pool:
-                    task = progress.add_task(f"ingest {index}", total=len(documents))
-                    try:
-                        sent = [pool.submit(send, i) for i in range(len(chunks))]
-                        for chunk, reply in zip(chunks, sent, strict=True):
-                            indexed += reply.result()
-                            progress.advance(task, len(chunk))
-                    except KeyboardInterrupt:
-                        stopping.set()
+        try:
+            with progress_bar(console) as progress, _pool(in_flight) as pool:
+                task = progress.add_task(f"ingest {index}", total=len(documents))
+                try:
+                    sent = [pool.submit(send, i) for i in range(len(chunks))]
+                    for chunk, reply in zip(chunks, sent, strict=True):
+                        indexed += reply.result()
+                        progress.advance(task, len(chunk))
+                except KeyboardInterrupt:
+                    stopping.set()
+                    _err().print(
+                        f"{signals.word}: waiting for the answers to the requests already "
+                        "sent (Ctrl-C again to leave without them)"
+                    )
+                except GatewayError:
+                    # the requests in flight are answered, but not polled on: a job that
+                    # did not run held the failure back for good
+                    stopping.set()
+                    if any(other.running() for other in sent):  # said only when so
                         _err().print(
-                            f"{signals.word}: waiting for the answers to the requests already "
-                            "sent (Ctrl-C again to leave without them)"
+                            "a request failed: waiting for the answers to the requests "
+                            "already sent (Ctrl-C to leave without them)"
                         )
-                    except GatewayError:
-                        # the requests in flight are answered, but not polled on: a job that
-                        # did not run held the failure back for good
-                        stopping.set()
-                        if any(other.running() for other in sent):  # said only when so
-                            _err().print(
-                                "a request failed: waiting for the answers to the requests "
-                                "already sent (Ctrl-C to leave without them)"
-                            )
-                        raise
-            except GatewayError as exc:  # the pool has waited for the requests in flight
-                note = _resume_note(file, loaded, chunks, done, unsettled, from_line)
-                said = exc.message.rstrip(".")  # "...`sift up`.; none of" read as a typo
-                say_json("failed", plain(exc.message))
-                raise GatewayError(f"{said}; {note}", status_code=exc.status_code) from exc
-            except KeyboardInterrupt as exc:  # while the requests in flight were awaited
-                note = plain(_resume_note(file, loaded, chunks, done, unsettled, from_line))
-                failed = exc.__context__  # the failure whose requests in flight were awaited
-                why = (
-                    f"[bold red]error:[/] {plain(failed.message)}; then {signals.word}"
-                    if isinstance(failed, GatewayError)
-                    else f"{signals.word} again"
-                )
-                _err().print(
-                    f"{why}: {note}; the requests sent before it may still be indexed",
-                    soft_wrap=True,
-                )
-                error = plain(failed.message) if isinstance(failed, GatewayError) else None
-                say_json(signals.word, error)
-                _leave(signals.code)  # the pool's threads, waiting on answers, hold an exit
-            if stopping.is_set():
-                note = plain(_resume_note(file, loaded, chunks, done, unsettled, from_line))
-                _err().print(f"{signals.word}: {note}", soft_wrap=True)
-                say_json(signals.word)
-                raise typer.Exit(signals.code)
+                    raise
+        except GatewayError as exc:  # the pool has waited for the requests in flight
+            note = _resume_note(file, loaded, chunks, done, unsettled, from_line)
+            said = exc.message.rstrip(".")  # "...`sift up`.; none of" read as a typo
+            say_json("failed", plain(exc.message))
+            raise GatewayError(f"{said}; {note}", status_code=exc.status_code) from exc
+        except KeyboardInterrupt as exc:  # while the requests in flight were awaited
+            note = plain(_resume_note(file, loaded, chunks, done, unsettled, from_line))
+            failed = exc.__context__  # the failure whose requests in flight were awaited
+            why = (
+                f"[bold red]error:[/] {plain(failed.message)}; then {signals.word}"
+                if isinstance(failed, GatewayError)
+                else f"{signals.word} again"
+            )
+            _err().print(
+                f"{why}: {note}; the requests sent before it may still be indexed",
+                soft_wrap=True,
+            )
+            error = plain(failed.message) if isinstance(failed, GatewayError) else None
+            say_json(signals.word, error)
+            _leave(signals.code)  # the pool's threads, waiting on answers, hold an exit
+        if stopping.is_set():
+            note = plain(_resume_note(file, loaded, chunks, done, unsettled, from_line))
+            _err().print(f"{signals.word}: {note}", soft_wrap=True)
+            say_json(signals.word)
+            raise typer.Exit(signals.code)
         elapsed = time.monotonic() - started
         console.print(
             f"indexed [bold]{indexed}[/] document(s) into [bold]{index}[/] in {elapsed:.1f} s"
