@@ -8,7 +8,7 @@ refused (:class:`Members`), naming it. ``json.loads`` keeps the last silently, s
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, TextIO, TypeAlias, TypeVar
 
@@ -134,7 +134,9 @@ def field_problem(exc: ValidationError, whole: str = "document") -> str:
     return f"field {where!r}: {first['msg']}"
 
 
-def lines(path: Path, error: type[Exception] = ValueError) -> Iterator[tuple[int, str]]:
+def lines(
+    path: Path, error: type[Exception] = ValueError
+) -> Generator[tuple[int, str], None, None]:
     """:func:`numbered` lines of ``path``; raises ``error`` ``path: cannot read (...)``."""
     try:
         handle = open_text(path)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -59,6 +62,7 @@ class FakeGateway:
 
     server: ThreadingHTTPServer
     requests: list[tuple[str, str, dict[str, str], Any]] = field(default_factory=list)
+    keep_bodies: bool = True  # False: each request kept without its body
     polls: dict[str, int] = field(default_factory=dict)
     batch_queries: list[dict[str, Any]] = field(default_factory=list)
     search_answers_at_once: bool = False
@@ -80,7 +84,7 @@ class FakeGateway:
     def handle(self, method: str, raw_path: str, headers: dict[str, str], body: Any) -> Any:
         parts = urlsplit(raw_path)
         path, query = parts.path, parse_qs(parts.query)
-        self.requests.append((method, path, headers, body))
+        self.requests.append((method, path, headers, body if self.keep_bodies else None))
         if headers.get("authorization", "").startswith("Bearer wrong"):
             # the gateway's answer to a key it does not know (api_gateway/auth.py)
             error = {"type": "forbidden", "field": "Authorization",
@@ -693,3 +697,98 @@ def test_search_usage_line_stays_whole_when_the_output_is_not_a_terminal(
     [usage] = [line for line in result.output.splitlines() if line.startswith("usage: ")]
     assert usage.startswith("usage: 1 request(s), 1200 input + 40 output tokens, cache read ")
     assert "$" in usage or "unpriced" in usage, result.output
+
+
+# ``sift ingest`` run as its own process, writing its peak resident memory (this process's
+# own, since its exec: a forked child's ``ru_maxrss`` counts the test process it was copied from)
+_PEAK = """
+import atexit, re, runpy, sys
+out = sys.argv.pop(1)
+status = lambda: open("/proc/self/status").read()
+atexit.register(lambda: open(out, "w").write(re.search(r"VmHWM:\\s+(\\d+)", status())[1]))
+runpy.run_module("worker.cli", run_name="__main__")
+"""
+
+
+def _ingest_max_rss(gw: FakeGateway, corpus: Path, index: str) -> int:
+    """The peak resident memory (KiB) of ``sift ingest`` of ``corpus`` against ``gw``."""
+    env = {"SIFT_URL": gw.url, "SIFT_API_KEY": API_KEY, "HOME": os.environ.get("HOME", "/tmp"),
+           "PATH": os.environ.get("PATH", ""),
+           "PYTHONPATH": os.environ.get("PYTHONPATH", "")}  # fmt: skip
+    peak = corpus.with_suffix(".peak")
+    command = [sys.executable, "-c", _PEAK, str(peak), "ingest", str(corpus), "--index", index,
+               "--batch-size", "50"]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    return int(peak.read_text())
+
+
+def test_ingest_holds_a_few_requests_of_the_file_not_all_of_it(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    """The whole file was loaded before the first request: a 110 MB corpus used 229 MB.
+    The file is now checked whole first (a bad line still stops it before anything is
+    sent), keeping only each document's id and line, then read again a request's worth of
+    documents at a time as they are sent: a file four times the size takes about the same
+    memory (the peak grew by more than the file's size before)."""
+    fake_gateway.keep_bodies = False  # the stand-in's own memory is not the command's
+    text = "wombat " * 2_000  # 14 KB a document
+
+    def corpus(name: str, n: int) -> Path:
+        rows = [{"_id": f"{name}{i}", "title": f"t{i}", "text": text} for i in range(n)]
+        return write_jsonl(tmp_path / f"{name}.jsonl", rows)
+
+    small, big = corpus("small", 1_200), corpus("big", 4_800)  # 16 MB and 66 MB
+    grown = _ingest_max_rss(fake_gateway, big, "big") - _ingest_max_rss(fake_gateway, small, "s")
+    assert sum(fake_gateway.ingests.values()) == 1_200 + 4_800
+    more = (big.stat().st_size - small.stat().st_size) // 1024
+    assert grown < more // 4, (grown, more)
+
+
+def test_ingest_of_a_file_changed_while_it_is_sent_stops_saying_what_is_indexed(
+    fake_gateway: FakeGateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The documents are read again as they are sent: a line that is no longer what the
+    check read (the file rewritten meanwhile) stops the command, naming the line, with what
+    is known indexed and where to resume, as a refused request does."""
+    text = "x" * 20_000  # lines past the reader's buffer: the lines after the first are read
+    # after the first request; c0 again on line 5, so one request is in flight at a time
+    rows = [{"id": f"c{i}", "text": text} for i in (0, 1, 2, 3, 0)]
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    handle = fake_gateway.handle
+
+    def rewrite_first(method: str, path: str, headers: dict[str, str], body: Any) -> Any:
+        if method == "POST" and not fake_gateway.ingests:
+            write_jsonl(corpus, [*rows[:3], {"id": "cX", "text": text}, rows[4]])  # line 4
+        return handle(method, path, headers, body)
+
+    monkeypatch.setattr(fake_gateway, "handle", rewrite_first)
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "s", "--batch-size", "1")
+    assert result.exit_code == 1, result.output
+    output = " ".join(result.output.split())
+    assert f"{corpus}:4: changed since the file was checked (its id is now 'cX')" in output
+    assert "3 of 5 document(s)" in output and "--from-line 4" in output, output
+
+
+def test_ingest_of_a_line_blanked_while_it_is_sent_is_named(
+    fake_gateway: FakeGateway, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line made blank after the check (numbered lines skip it) is named as changed, not
+    taken for the next document, nor read past to the file's end."""
+    text = "x" * 20_000
+    rows = [{"id": f"c{i}", "text": text} for i in (0, 1, 2, 3, 0)]  # as above
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", rows)
+    handle = fake_gateway.handle
+
+    def rewrite_first(method: str, path: str, headers: dict[str, str], body: Any) -> Any:
+        if method == "POST" and not fake_gateway.ingests:
+            blank = " " * len(json.dumps(rows[2]))  # line 3 blank, the lines after in place
+            write_jsonl(corpus, [*rows[:2], blank, *rows[3:]])
+        return handle(method, path, headers, body)
+
+    monkeypatch.setattr(fake_gateway, "handle", rewrite_first)
+    result = run(fake_gateway, "ingest", str(corpus), "--index", "s", "--batch-size", "1")
+    assert result.exit_code == 1, result.output
+    output = " ".join(result.output.split())
+    assert f"{corpus}:3: changed since the file was checked (it is blank now)" in output, output
+    assert "2 of 5 document(s)" in output and "--from-line 3" in output, output

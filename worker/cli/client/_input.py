@@ -3,7 +3,7 @@ before anything is sent."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +47,7 @@ def _nothing_sent_on_interrupt(read: Path, what: str) -> Iterator[None]:
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
-def _jsonl(path: Path) -> Iterator[tuple[int, str]]:
+def _jsonl(path: Path) -> Generator[tuple[int, str], None, None]:
     """``(line number, line)`` per non-blank line; each is parsed by
     :func:`worker.jsonl.parsed`, where a line that is not UTF-8 or not JSON is a bad line like
     any other (``--skip-invalid`` skips it)."""
@@ -121,11 +121,18 @@ def query_from(obj: Any) -> dict[str, Any]:
 
 
 def _load(
-    path: Path, parse: Any, *, skip_invalid: bool, unique_ids: bool = False, first_line: int = 1
+    path: Path,
+    parse: Any,
+    *,
+    skip_invalid: bool,
+    unique_ids: bool = False,
+    first_line: int = 1,
+    ids_only: bool = False,
 ) -> Loaded:
     """Read and check every line first, so a bad line stops the command before anything is
     sent. The lines before ``first_line`` (``sift ingest --from-line``) are counted, not
-    read as records: an earlier run sent or skipped them."""
+    read as records: an earlier run sent or skipped them. ``ids_only``: each record kept as
+    its ``{"id": ...}`` alone (``sift ingest`` reads its documents again as it sends them)."""
     loaded = Loaded()
     seen: set[str] = set()
     for number, line in _jsonl(path):
@@ -145,7 +152,7 @@ def _load(
                 ) from None
             loaded.problems.append(problem)
             continue
-        loaded.records.append(record)
+        loaded.records.append({"id": record["id"]} if ids_only else record)
         loaded.lines.append(number)
     return loaded
 
