@@ -472,9 +472,10 @@ def ingest(
                         progress.advance(task, len(chunk))
                 except KeyboardInterrupt:
                     stopping.set()
+                    again = "Ctrl-C again" if signals.word == "interrupted" else "a second signal"
                     _err().print(
                         f"{signals.word}: waiting for the answers to the requests already "
-                        "sent (Ctrl-C again to leave without them)"
+                        f"sent ({again} to leave without them)"
                     )
                 except (GatewayError, InputError):
                     # the requests in flight are answered, but not polled on: a job that
