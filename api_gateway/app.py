@@ -31,7 +31,7 @@ from api_gateway.jobs import router, stop_retakes
 from api_gateway.listing import router as listing_router
 from api_gateway.metrics import GatewayMetrics
 from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
-from api_gateway.queue import OutboxSender, TaskSender
+from api_gateway.queue import OutboxSender
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import Health
 from worker.constants import ALL_QUEUES
@@ -59,11 +59,9 @@ def create_app(
     *,
     redis: redis.Redis | None = None,
     async_redis: redis.asyncio.Redis | None = None,
-    celery_sender: TaskSender | None = None,
 ) -> FastAPI:
     """Build the gateway. ``redis`` with ``async_redis`` (the same server; the submission
-    hot path runs on the asyncio client), and ``celery_sender``, replace the real clients
-    in tests."""
+    hot path runs on the asyncio client) replace the real clients in tests."""
     settings = settings or load_settings()
     keyring = KeyRing(settings.all_api_keys())
     ensure_multiprocess_dir()  # deploy/k8s's emptyDir /tmp hides the image's folder
@@ -90,8 +88,8 @@ def create_app(
             )
         else:
             raise ConfigError("SIFT_REDIS_URL is required to run the gateway")
-        # by default the task messages go through the job store, in the record's MULTI
-        sender: TaskSender = celery_sender or OutboxSender(store)
+        # the task messages go through the job store, in the record's MULTI
+        sender = OutboxSender(store)
         if not len(keyring):
             log.warning(
                 "no API keys configured (SIFT_API_KEYS, SIFT_API_KEYS_FILE): "
@@ -109,8 +107,7 @@ def create_app(
         finally:
             await stop_retakes(app.state.retakes)
             app.state.lookups.close()
-            if celery_sender is None:
-                sender.close()
+            sender.close()
             if redis is None:
                 store.close()
                 await async_store.close()

@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from api_gateway.auth import authenticate
 from api_gateway.errors import ErrorBody
 from api_gateway.paths import decode_segments
-from api_gateway.queue import TaskSender
+from api_gateway.queue import OutboxSender
 from api_gateway.routing import BODY_PROBLEM
 from worker.constants import MAX_BATCH_QUERIES, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 from worker.errors import InvalidRequest
@@ -224,8 +224,8 @@ def async_job_store(request: Request) -> AsyncJobStore:
     return store
 
 
-def task_sender(request: Request) -> TaskSender:
-    sender: TaskSender = request.app.state.sender
+def task_sender(request: Request) -> OutboxSender:
+    sender: OutboxSender = request.app.state.sender
     return sender
 
 

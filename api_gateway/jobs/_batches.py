@@ -39,7 +39,7 @@ from api_gateway.jobs._shared import (
     _lost,
     router,
 )
-from api_gateway.queue import OutboxSender, TaskMessage
+from api_gateway.queue import TaskMessage
 from api_gateway.schemas import (
     BatchCounts,
     BatchOut,
@@ -271,15 +271,14 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
     announce: list[tuple[str, str]] = []
     # so is the count of what it ends (sift_jobs_completed_total): counted here once the
     # answer is heard, else by the worker that takes this message (taken once, either way)
-    count: tuple[str, str] | None = None
+    (count,) = sender.messages([(CANCEL_COUNT_TASK, [batch_id], BATCH_QUEUE)])
     # and the cancel of an economy batch's provider batches, so that a gateway dying after
-    # the script does not leave the provider processing (and billing) what was canceled
+    # the script does not leave the provider processing (and billing) what was canceled; it
+    # goes on the search queue, never behind the batch queue's chunks (worker.queue.config)
     provider: tuple[str, str] | None = None
-    if isinstance(sender, OutboxSender):
-        (count,) = sender.messages([(CANCEL_COUNT_TASK, [batch_id], BATCH_QUEUE)])
-        if owned.lane == LANE_ECONOMY:
-            (provider,) = sender.messages([(ECONOMY_CANCEL_TASK, [batch_id], SEARCH_QUEUE)])
-    if owned.webhook_url and isinstance(sender, OutboxSender):
+    if owned.lane == LANE_ECONOMY:
+        (provider,) = sender.messages([(ECONOMY_CANCEL_TASK, [batch_id], SEARCH_QUEUE)])
+    if owned.webhook_url:
         event = webhook_event(
             WEBHOOK_EVENT_BATCH_COMPLETED,
             batch_id,
@@ -315,8 +314,8 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
     if outcome is CancelOutcome.MISSING:
         raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
     if isinstance(outcome, CancelOutcome):  # already finished: nothing changed now
-        if count is not None:  # what an earlier cancel, its answer lost, ended
-            await _count_cancel(request, batch_id)
+        # what an earlier cancel, its answer lost, ended
+        await _count_cancel(request, batch_id)
         finished = await _owned_batch(request, batch_id, tenant)
         if finished.status is JobStatus.CANCELED:
             # an earlier cancel canceled items and the batch ended canceled: this one repeats
@@ -328,24 +327,8 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
             f"id: batch {batch_id!r} has already finished; nothing was canceled",
             field="id",
         )
-    canceled, completed = outcome
+    canceled, _ = outcome
     log.info("batch %s: %d items canceled", batch_id, canceled)
     batch = await _owned_batch(request, batch_id, tenant)
-    if provider is None and batch.lane == LANE_ECONOMY and not completed and not batch.finished_at:
-        # no outbox carried the provider cancel: this answer sends it. Items waiting on the
-        # provider end when their provider batches are canceled (on the search queue, never
-        # behind the batch queue's chunks: worker.queue.config)
-        await off_loop(sender.send, ECONOMY_CANCEL_TASK, [batch_id], SEARCH_QUEUE)
-    if count is not None:
-        await _count_cancel(request, batch_id)
-    else:  # no outbox carried the count: it is this answer's
-        if canceled:
-            metrics.job_completed("batch_item", "canceled", count=canceled)
-        if completed:
-            metrics.job_completed("batch", batch.status.value)
-    if completed and batch.webhook_url and not announce:
-        event = webhook_event(
-            WEBHOOK_EVENT_BATCH_COMPLETED, batch_id, tenant, batch.webhook_url, batch.status.value
-        )
-        await off_loop(sender.send, WEBHOOK_TASK, [event], WEBHOOK_QUEUE)
+    await _count_cancel(request, batch_id)
     return batch_out(batch)

@@ -15,9 +15,8 @@ from typing import Annotated, Any, TypeVar
 from fastapi import APIRouter, Path, Request
 
 from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
-from api_gateway.deps import off_loop
 from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorBody
-from api_gateway.queue import OutboxSender, TaskMessage, TaskSender
+from api_gateway.queue import OutboxSender, TaskMessage
 from api_gateway.routing import GetAnswersHead
 from worker.errors import InvalidRequest
 from worker.observability.logcontext import job_context
@@ -86,32 +85,21 @@ J = TypeVar("J", SearchJob, BatchJob, IngestJob)
 
 
 def _create_and_enqueue(
-    sender: TaskSender,
+    sender: OutboxSender,
     create: Callable[[Enqueue | None], J],
     messages: Callable[[str], list[TaskMessage]],
 ) -> J:
-    """Store a job and enqueue its tasks: in one MULTI through the outbox, else one after
-    the other through Celery."""
-    if isinstance(sender, OutboxSender):
-        outbox = sender
-        return create(lambda job_id: outbox.messages(messages(job_id)))
-    job = create(None)
-    sender.send_many(messages(job.id))
-    return job
+    """Store a job and enqueue its tasks, in one MULTI through the outbox."""
+    return create(lambda job_id: sender.messages(messages(job_id)))
 
 
 async def _create_and_enqueue_async(
-    sender: TaskSender,
+    sender: OutboxSender,
     create: Callable[[Enqueue | None], Awaitable[J]],
     messages: Callable[[str], list[TaskMessage]],
 ) -> J:
     """:func:`_create_and_enqueue` with the store on the event loop (the gateway's hot path)."""
-    if isinstance(sender, OutboxSender):
-        outbox = sender
-        return await create(lambda job_id: outbox.messages(messages(job_id)))
-    job = await create(None)
-    await off_loop(sender.send_many, messages(job.id))
-    return job
+    return await create(lambda job_id: sender.messages(messages(job_id)))
 
 
 async def _check_url(request: Request, settings: Settings, url: str | None, tenant: str) -> None:
