@@ -12,40 +12,26 @@ from contextlib import asynccontextmanager
 
 import redis
 import redis.asyncio
-from fastapi import Depends, FastAPI, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.concurrency import run_in_threadpool
+from fastapi import Depends, FastAPI
 
-from api_gateway.auth import KeyRing, require_metrics_token
+from api_gateway.auth import KeyRing
 from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
 from api_gateway.deps import body_as_read, checked_headers, path_is_utf8, query_parameters
 from api_gateway.docs import install_docs
-from api_gateway.errors import (
-    ErrorBody,
-    install_error_handlers,
-    no_route_short_of_a_line_break,
-)
+from api_gateway.errors import install_error_handlers, no_route_short_of_a_line_break
 from api_gateway.indexes import router as indexes_router
 from api_gateway.jobs import router, stop_retakes
 from api_gateway.listing import router as listing_router
 from api_gateway.metrics import GatewayMetrics
 from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
+from api_gateway.ops import router as ops_router
 from api_gateway.queue import OutboxSender
 from api_gateway.routing import GetAnswersHead
-from api_gateway.schemas import Health
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError
 from worker.observability.logcontext import configure_logging
-from worker.observability.metrics import (
-    JOBS_IN_FLIGHT,
-    ensure_multiprocess_dir,
-    job_store_unread,
-    metrics_response,
-    multiprocess_dir,
-    preregister,
-    update_backlog,
-)
+from worker.observability.metrics import ensure_multiprocess_dir, preregister
 from worker.queue.jobstore import AsyncJobStore, JobStore
 from worker.settings import Settings, load_settings
 from worker.webhooks.urlguard import LOOKUP_THREADS, LookupThreads
@@ -71,23 +57,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if not logging.getLogger().handlers:  # uvicorn sets up only its own loggers
             configure_logging(settings.log_level)
-        if redis is not None and async_redis is not None:
-            kept = settings.result_retention_seconds
-            store = JobStore(redis, result_ttl=kept)
-            async_store = AsyncJobStore(async_redis, result_ttl=kept)
-        elif redis is not None or async_redis is not None:
-            raise ConfigError("create_app: pass both redis and async_redis, or neither")
-        elif settings.redis_url:
-            timeout = settings.gateway_redis_timeout_seconds
-            kept, most = settings.result_retention_seconds, REDIS_MAX_CONNECTIONS
-            store = JobStore.from_url(
-                settings.redis_url, max_connections=most, socket_timeout=timeout, result_ttl=kept
-            )
-            async_store = AsyncJobStore.from_url(
-                settings.redis_url, max_connections=most, socket_timeout=timeout, result_ttl=kept
-            )
-        else:
-            raise ConfigError("SIFT_REDIS_URL is required to run the gateway")
+        store, async_store = _stores(settings, redis, async_redis)
         # the task messages go through the job store, in the record's MULTI
         sender = OutboxSender(store)
         if not len(keyring):
@@ -146,57 +116,7 @@ def create_app(
     app.include_router(indexes_router, dependencies=checked)
     document_bodies(app)
     install_docs(app)
-
-    @app.get("/healthz", response_model=Health, tags=["ops"], summary="The process is up")
-    async def healthz() -> Health:
-        return Health(status="ok")
-
-    @app.get(
-        "/readyz",
-        response_model=Health,
-        tags=["ops"],
-        responses={503: {"model": ErrorBody}},
-        summary="Redis answers",
-    )
-    async def readyz(request: Request) -> Response:
-        store: JobStore = request.app.state.store
-        try:
-            await run_in_threadpool(store.ping)
-        except redis_errors() as exc:
-            log.warning("not ready: %s", exc)
-            return Response(
-                Health(status="unavailable").model_dump_json(),
-                status_code=503,
-                media_type="application/json",
-            )
-        return Response(Health(status="ok").model_dump_json(), media_type="application/json")
-
-    @app.get(
-        "/metrics",
-        tags=["ops"],
-        response_class=Response,
-        responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}, 401: {"model": ErrorBody}},
-        summary="Prometheus metrics (Bearer SIFT_METRICS_TOKEN when it is set)",
-    )
-    async def prometheus(request: Request) -> Response:
-        require_metrics_token(request, settings.metrics_token)
-        store: JobStore = request.app.state.store
-
-        def render() -> bytes:
-            try:  # "queued" and the backlog are the job store's and the broker's to report
-                JOBS_IN_FLIGHT.labels("queued").set(store.in_flight()["queued"])
-                update_backlog(store.redis, ALL_QUEUES)
-            except redis_errors() as exc:
-                log.warning("metrics: Redis unavailable: %s", exc)
-                job_store_unread(ALL_QUEUES)  # unknown now, not the last values read
-            shared, _ = metrics_response()
-            if multiprocess_dir() is not None:
-                # every value is in the files (its own HTTP metrics too): served once
-                return shared
-            return shared + generate_latest(metrics.registry)
-
-        return Response(await run_in_threadpool(render), media_type=CONTENT_TYPE_LATEST)
-
+    app.include_router(ops_router)  # /healthz, /readyz, /metrics: no request checks
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
@@ -213,5 +133,23 @@ def serve() -> FastAPI:
     return app
 
 
-def redis_errors() -> tuple[type[Exception], ...]:
-    return (redis.RedisError, OSError)
+def _stores(
+    settings: Settings, redis: redis.Redis | None, async_redis: redis.asyncio.Redis | None
+) -> tuple[JobStore, AsyncJobStore]:
+    """The gateway's job stores: on the clients a test passes, else on ``SIFT_REDIS_URL``."""
+    if redis is not None and async_redis is not None:
+        kept = settings.result_retention_seconds
+        return JobStore(redis, result_ttl=kept), AsyncJobStore(async_redis, result_ttl=kept)
+    if redis is not None or async_redis is not None:
+        raise ConfigError("create_app: pass both redis and async_redis, or neither")
+    if not settings.redis_url:
+        raise ConfigError("SIFT_REDIS_URL is required to run the gateway")
+    timeout = settings.gateway_redis_timeout_seconds
+    kept, most = settings.result_retention_seconds, REDIS_MAX_CONNECTIONS
+    store = JobStore.from_url(
+        settings.redis_url, max_connections=most, socket_timeout=timeout, result_ttl=kept
+    )
+    async_store = AsyncJobStore.from_url(
+        settings.redis_url, max_connections=most, socket_timeout=timeout, result_ttl=kept
+    )
+    return store, async_store
