@@ -17,7 +17,7 @@ from fastapi import Depends, FastAPI
 from api_gateway.auth import KeyRing
 from api_gateway.backpressure import Backlog
 from api_gateway.bodies import document_bodies
-from api_gateway.deps import body_as_read, checked_headers, path_is_utf8, query_parameters
+from api_gateway.checks import body_as_read, checked_headers, path_is_utf8, query_parameters
 from api_gateway.docs import install_docs
 from api_gateway.errors import install_error_handlers, no_route_short_of_a_line_break
 from api_gateway.indexes import router as indexes_router

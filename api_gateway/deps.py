@@ -1,35 +1,27 @@
 """What the route modules share: the caller's tenant, the ``wait`` and ``page_size``
 parameters, the app's job store and task sender, blocking calls off the event loop, ids checked
-by shape, polling a job until it is final, the ``202``'s ``Location``, and page tokens."""
+by shape, polling a job until it is final, and the ``202``'s ``Location``. The request checks
+are :mod:`api_gateway.checks`'s, the page tokens :mod:`api_gateway.tokens`'s."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import hashlib
 import logging
 import re
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 import redis
 from fastapi import Depends, Query, Request, Response
-from fastapi.dependencies.models import Dependant
-from fastapi.routing import APIRoute
 from pydantic import BeforeValidator
 from pydantic_core import PydanticCustomError
 from starlette.concurrency import run_in_threadpool
 
 from api_gateway.auth import authenticate
 from api_gateway.errors import ErrorBody
-from api_gateway.paths import decode_segments
 from api_gateway.queue import OutboxSender
-from api_gateway.routing import BODY_PROBLEM
-from worker.constants import MAX_BATCH_QUERIES, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
-from worker.errors import InvalidRequest
+from worker.constants import MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 from worker.queue.jobstore import AsyncJobStore, JobStore
 from worker.settings import Settings
 
@@ -99,13 +91,9 @@ LOCATION_HEADER: dict[str, dict[str, Any]] = {
         "description": "The job's URL, to poll (a path on this gateway).",
     }
 }
-IDEMPOTENCY_KEY = "Idempotency-Key"
-SINGLE_HEADERS = (IDEMPOTENCY_KEY,)  # each given at most once (checked_headers)
-KEYED_ROUTES = "POST /v1/searches and POST /v1/batches"  # the routes that honour the key
 POLL_MIN_SECONDS = 0.005
 POLL_MAX_SECONDS = 0.1
 _ID_DIGITS = re.compile(r"[0-9a-f]{32}")
-TOKEN_DIGEST_BYTES = 8
 
 
 def is_id(value: str, prefix: str) -> bool:
@@ -113,105 +101,6 @@ def is_id(value: str, prefix: str) -> bool:
     digits). Any other is unknown without asking Redis: a client's text never becomes part
     of a key name, where it could name a key of another type (a WRONGTYPE error, a 5xx)."""
     return value.startswith(prefix) and _ID_DIGITS.fullmatch(value, len(prefix)) is not None
-
-
-def _query_names(dependant: Dependant) -> frozenset[str]:
-    """The query parameters a route's ``dependant`` takes: its own and its dependencies'."""
-    names = {param.alias for param in dependant.query_params}
-    return frozenset(names.union(*(_query_names(d) for d in dependant.dependencies)))
-
-
-async def path_is_utf8(request: Request, _tenant: Tenant) -> None:
-    """A dependency of every ``/v1`` route (their routers'): a path parameter whose
-    percent-escapes are not UTF-8 (``%C0``, ``%FF``) is ``422`` naming it. The server decodes
-    them with replacement characters, so ``DELETE .../documents/%C0`` deleted the document
-    ``"\ufffd"``. After the key check (``_tenant``), as every ``422``: it was one of the
-    app's dependencies, which run before the routers', so a caller without a key got this
-    ``422`` instead of the ``401``. No other route takes a path parameter.
-
-    The raw path, decoded strictly but for the bad bytes (kept as lone surrogates), is matched
-    by the route's own pattern: the parameter holding one is the bad one."""
-    raw: bytes | None = request.scope.get("raw_path")
-    if raw is None:
-        return
-    # each encoded slash kept inside its segment, as the route was matched (api_gateway.paths)
-    decoded = decode_segments(raw, lambda part: part.decode("utf-8", "surrogateescape"))
-    if not _lone(decoded):
-        return
-    route: Any = request.scope.get("route")
-    root = request.scope.get("root_path", "")
-    found = getattr(route, "path_regex", None)
-    match = found.match(decoded.removeprefix(root)) if found is not None else None
-    bad = [name for name, value in (match.groupdict() if match else {}).items() if _lone(value)]
-    raise InvalidRequest(
-        bad[0] if bad else "path", "is not UTF-8 once its percent-escapes are decoded"
-    )
-
-
-def _lone(value: str) -> bool:
-    """Whether ``value`` holds a byte that was no UTF-8 (a lone surrogate)."""
-    return any("\udc80" <= char <= "\udcff" for char in value)
-
-
-def query_parameters(request: Request, _tenant: Tenant) -> None:
-    """Refuse a query parameter the route does not take, or one it takes given twice: a
-    ``422`` naming it, as an unknown body field is. Ignored, a typo (``?statu=failed``,
-    ``?wiat=10``) silently listed everything or did not wait, and ``?status=a&status=b`` kept
-    the last. After the key check (``_tenant``), so a request without a key is still 401."""
-    route = request.scope.get("route")
-    if not isinstance(route, APIRoute):
-        return
-    known = _query_names(route.dependant)  # a walk of a few objects: no cache needed
-    for name, times in Counter(name for name, _ in request.query_params.multi_items()).items():
-        if name not in known:
-            takes = ", ".join(sorted(known)) or "no query parameter"
-            where = f"{request.method} {route.path_format}"
-            if not name:  # "?=1": named as the query string, not as "" (": is not ...")
-                raise InvalidRequest(
-                    "query",
-                    f"a parameter with no name is not a query parameter of {where} "
-                    f"(it takes {takes})",
-                )
-            raise InvalidRequest(name, f"is not a query parameter of {where} (it takes {takes})")
-        if times > 1:
-            raise InvalidRequest(name, f"is given {times} times: give it once")
-
-
-def body_as_read(request: Request, _tenant: Tenant) -> None:
-    """Refuse a JSON body that is not JSON (``400`` naming ``body``), or one of whose objects
-    gives a member twice (``{"limit": 3, "limit": 50}``: a ``422`` naming it, as a repeated
-    query parameter is; ``json.loads`` kept the last silently). The body was read before
-    (:class:`api_gateway.routing.Utf8JsonRequest`); this answers after the key check
-    (``_tenant``), so a request without a key is 401 whatever its body. ``POST /v1/batches``
-    reads its own body, after the key check too (:func:`api_gateway.bodies.parse_batch`)."""
-    if (problem := request.scope.get(BODY_PROBLEM)) is not None:
-        raise problem
-
-
-def checked_headers(request: Request, _tenant: Tenant) -> None:
-    """Refuse a header whose meaning is one value (``Idempotency-Key``) given on several
-    lines: a ``422`` naming it, as a repeated query parameter is. Before, one of the values
-    was silently used and the other ignored. And refuse an ``Idempotency-Key`` on a ``POST``
-    or ``PATCH`` whose route does not honour it, as an unknown query parameter is: ignored,
-    the client believed a resend gave back its first answer, and it ran again (``GET``,
-    ``HEAD`` and ``DELETE`` are idempotent by HTTP's definition: there it adds nothing and is
-    let be). After the key check (``_tenant``)."""
-    for name in SINGLE_HEADERS:
-        times = len(request.headers.getlist(name))
-        if times > 1:
-            raise InvalidRequest(name, f"is given {times} times: give it once")
-    route = request.scope.get("route")
-    if (
-        request.method in ("POST", "PATCH")
-        and IDEMPOTENCY_KEY in request.headers
-        and isinstance(route, APIRoute)
-        and not any(p.alias == IDEMPOTENCY_KEY for p in route.dependant.header_params)
-    ):
-        raise InvalidRequest(
-            IDEMPOTENCY_KEY,
-            f"is not taken by {request.method} {route.path}, which runs each time it is sent: "
-            f"only {KEYED_ROUTES} replay a request by its key; send this one without it",
-        )
 
 
 def job_store(request: Request) -> JobStore:
@@ -302,103 +191,3 @@ def accepted(description: str, *, keyed: bool = False) -> dict[int | str, dict[s
     (and, on a route that honours ``Idempotency-Key``, ``Idempotent-Replayed``)."""
     headers = {**LOCATION_HEADER, **(REPLAYED_HEADER_DOC if keyed else {})}
     return {202: {"description": description, "headers": headers}}
-
-
-def encode_results_token(batch_id: str, offset: int) -> str:
-    """The page token of a batch's results: the offset, and a digest that ties it to the
-    batch (the digest is no secret: it only catches mix-ups and edits).
-
-    >>> batch = "bat_" + "0" * 32
-    >>> decode_results_token(encode_results_token(batch, 2), batch)
-    2
-    """
-    return pack_token("r", token_digest(batch_id, str(offset)), str(offset))
-
-
-def decode_results_token(token: str | None, batch_id: str) -> int:
-    """The offset in a page token of ``batch_id``'s results (0 for none). Only the exact text
-    :func:`encode_results_token` made for this batch is one: another batch's token (a bare
-    offset was, and read this batch from there), a list's, or an edited one is a 422 naming
-    ``page_token`` before Redis sees it, as the lists answer theirs."""
-    parts = unpack_token(token, 3)
-    if parts is None:
-        return 0
-    kind, _, value = parts
-    offset = int(value) if value.isascii() and value.isdigit() else -1
-    if (
-        kind != "r"
-        or not 0 <= offset <= MAX_BATCH_QUERIES
-        or encode_results_token(batch_id, offset) != token
-    ):
-        raise InvalidRequest("page_token", NOT_OURS)
-    return offset
-
-
-NOT_OURS = "is not a token this list issued"
-
-
-def token_digest(*fields: str) -> str:
-    """What ties a page token to the list it was made for: a short digest of ``fields`` (no
-    secret: it only catches mix-ups and edits)."""
-    key = "\0".join(fields).encode()
-    return hashlib.blake2b(key, digest_size=TOKEN_DIGEST_BYTES).hexdigest()
-
-
-def max_cursor_chars(last_bytes: int) -> int:
-    """The longest token :func:`encode_cursor` makes of a ``last`` of up to ``last_bytes``
-    bytes ("k:<digest hex>:<last>" in unpadded base64)."""
-    return 4 * -(-(3 + 2 * TOKEN_DIGEST_BYTES + last_bytes) // 3)
-
-
-def encode_cursor(kind: str, scope: tuple[str, ...], last: str) -> str:
-    """A listing's page token: its ``kind`` (one letter per listing), the last entry listed
-    (a name, an id, a job's place), and a digest that ties it to ``scope`` (the listing it was
-    made for: the tenant, and the index or list).
-
-    >>> token = encode_cursor("i", ("i", "acme"), "docs")
-    >>> decode_cursor(token, "i", ("i", "acme"), 128)
-    'docs'
-    >>> decode_cursor(token, "i", ("i", "bob"), 128)
-    Traceback (most recent call last):
-    worker.errors.InvalidRequest: page_token: is not a token this list issued
-    """
-    return pack_token(kind, token_digest(*scope, last), last)
-
-
-def decode_cursor(token: str | None, kind: str, scope: tuple[str, ...], longest: int) -> str | None:
-    """What ``token`` starts the page after (None: the first page). Only the exact text
-    :func:`encode_cursor` made for this kind and scope is one; anything else (another
-    tenant's, another listing's, an offset token a list gave before, an edited one) is a
-    422 naming ``page_token``, which says nothing of what the token held. The digest is no
-    secret (it only catches edits and mix-ups): a forged token starts the caller's own list
-    somewhere, and shows nothing more than a page the caller may read anyway."""
-    parts = unpack_token(token, 3)
-    if parts is None:
-        return None
-    got, _, last = parts
-    if got != kind or not 1 <= len(last) <= longest or encode_cursor(kind, scope, last) != token:
-        raise InvalidRequest("page_token", NOT_OURS)
-    return last
-
-
-def pack_token(*fields: str) -> str:
-    """A page token: ``fields`` joined by ``:``, URL-safe base64 without padding."""
-    return base64.urlsafe_b64encode(":".join(fields).encode()).decode().rstrip("=")
-
-
-def unpack_token(token: str | None, fields: int) -> list[str] | None:
-    """The ``fields`` of a page token :func:`pack_token` made (the last may hold ``:``);
-    ``None`` for no token, a 422 naming ``page_token`` for an empty one or one not made so.
-    Each list then checks its fields, and that packing them again gives the token exactly."""
-    if token is None:
-        return None
-    if not token:
-        raise InvalidRequest("page_token", "is empty: leave it out for the first page")
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
-        raise InvalidRequest("page_token", NOT_OURS) from exc
-    parts = raw.split(":", fields - 1)
-    if len(parts) != fields:
-        raise InvalidRequest("page_token", NOT_OURS)
-    return parts

@@ -28,10 +28,7 @@ from api_gateway.deps import (
     PageSize,
     Tenant,
     Wait,
-    decode_cursor,
-    encode_cursor,
     job_store,
-    max_cursor_chars,
     off_loop,
     task_sender,
 )
@@ -39,6 +36,7 @@ from api_gateway.errors import ApiError
 from api_gateway.jobs import enqueue_ingest, ingest_response
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import IngestJobOut, _Strict, iso
+from api_gateway.tokens import decode_cursor, encode_cursor, max_cursor_chars
 from worker.constants import (
     DEFAULT_PAGE_SIZE,
     DOCUMENT_PREVIEW_CHARS,

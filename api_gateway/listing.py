@@ -5,7 +5,7 @@ Each tenant's jobs have their own index in the job store (written with each job'
 :mod:`worker.queue.jobstore.jobindex`), so a list never reads another tenant's jobs. The page
 token is a cursor (where the last page ended, :class:`~worker.queue.jobstore.Cursor`), so a
 job created while a client pages through shows up on no page twice, with a digest that ties
-it to the tenant's list (:func:`api_gateway.deps.encode_cursor`, as the index and document
+it to the tenant's list (:func:`api_gateway.tokens.encode_cursor`, as the index and document
 listings' are): another tenant's token, or another list's, is a 422 naming ``page_token``.
 """
 
@@ -20,19 +20,16 @@ from pydantic import BaseModel
 
 from api_gateway.deps import (
     ERRORS,
-    NOT_OURS,
     PageSize,
     Tenant,
-    decode_cursor,
-    encode_cursor,
     is_id,
     job_store,
-    max_cursor_chars,
     off_loop,
 )
 from api_gateway.jobs import batch_out, ingest_out
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import BatchOut, IngestJobOut, iso
+from api_gateway.tokens import NOT_OURS, decode_cursor, encode_cursor, max_cursor_chars
 from worker.constants import (
     BATCH_ID_PREFIX,
     DEFAULT_PAGE_SIZE,

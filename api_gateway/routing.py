@@ -22,7 +22,7 @@ class Utf8JsonRequest(Request):
     ``json.loads`` of the bytes read UTF-16 and UTF-32 too. A body that is not JSON, that
     gives a member twice, or that holds an integer too long to read (:func:`loads_checked`),
     is kept in the scope as its error (:data:`BODY_PROBLEM`) for
-    :func:`api_gateway.deps.body_as_read`, which raises it after the key check: FastAPI
+    :func:`api_gateway.checks.body_as_read`, which raises it after the key check: FastAPI
     reads the body before any dependency runs, so a body not JSON was a ``400`` to a caller
     without a key, and any error here but a ``JSONDecodeError`` is its ``400`` "There was an
     error parsing the body"."""

@@ -18,8 +18,6 @@ from api_gateway.deps import (
     Tenant,
     accepted,
     app_settings,
-    decode_results_token,
-    encode_results_token,
     is_id,
     job_store,
     location,
@@ -48,6 +46,7 @@ from api_gateway.schemas import (
     iso,
     webhook_out,
 )
+from api_gateway.tokens import decode_results_token, encode_results_token
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_ID_PREFIX,

@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 
-from api_gateway.deps import encode_results_token
+from api_gateway.tokens import encode_results_token
 from tests.e2e.conftest import ACME, GLOBEX, Stack
 
 INDEX = "foreign-ids"
