@@ -256,8 +256,10 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
     # worker is not lost): counted, a copy past the limit failed the items that run had not
     # reached yet. Leased for the chunk's hard time limit, the longest a run of it may run
     lease = time_limits(self.context.settings)[BATCH_CHUNK_TASK][1]
-    claim = store.claim_chunk(batch_id, start, stop, liveness.run_owner(), lease_seconds=lease)
-    if not claim.granted:  # another delivery is running it (jobstore/runs.py)
+    chunk_claim = store.claim_chunk(
+        batch_id, start, stop, liveness.run_owner(), lease_seconds=lease
+    )
+    if not chunk_claim.granted:  # another delivery is running it (jobstore/runs.py)
         log.info(
             "batch %s: another run holds chunk [%d, %d); this delivery leaves it",
             batch_id,
@@ -266,159 +268,219 @@ def batch_chunk(self: SiftTask, batch_id: str, start: int, stop: int) -> None:
         )
         return
     try:
-        _batch_chunk(self, batch, start, stop, claim)
+        _batch_chunk(self, batch, start, stop, chunk_claim)
     finally:  # (one handed back or retried let go before its message went: nothing to do)
-        store.release_chunk(batch_id, start, stop, claim)
+        store.release_chunk(batch_id, start, stop, chunk_claim)
 
 
-def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: RunClaim) -> None:
-    """Run the batch chunk [start, stop) of ``batch`` under the chunk's run ``claim``."""
-    store, batch_id = task.context.store, batch.id
-    query_ids = store.batch_query_ids(batch_id, start, stop)
-    positions = {qid: start + i for i, qid in enumerate(query_ids)}
-    items = store.batch_items(batch_id, query_ids)
-    deliveries = task.delivery()
-    economy = batch.lane == LANE_ECONOMY
-    owner = liveness.run_owner()
-    # A standard item fails as poison by its own runs lost (its claim's ``lost``), never by
-    # its chunk's deliveries: a worker holds many more chunks than it runs items, and each
-    # worker lost counted a delivery of every chunk it held, failing items that never ran.
-    # An economy item's first half claims no run, and a claim naming no owner (a prefork
-    # child's) tells no lost run from a gone one: their chunk's deliveries judge them.
-    poisoned = (economy or not owner) and task.poisoned(deliveries)
-    limit = task.context.settings.task_max_deliveries
-    # task.request is thread-local: take what the item threads need from it here
-    may_retry = task.request.retries < task.context.settings.task_max_retries
-    deadline = task.context.settings.search_deadline_seconds
-    runtime = task.context.runtime if not poisoned else None
-    marks = task.context.cancel_marks
-    held: dict[str, ClaimAnswers] = {}  # each running item's, until its finish (ClaimAnswers)
-    # an economy item's first-half figures (its retrieval's, a final result's), recorded once
-    # its prepared search is saved, or, when its first half was final, once it is finished
-    later: dict[str, list[Callable[[], None]]] = {}
+def _batch_chunk(
+    task: SiftTask, batch: BatchJob, start: int, stop: int, chunk_claim: RunClaim
+) -> None:
+    """Run the batch chunk [start, stop) of ``batch`` under the chunk's run ``chunk_claim``."""
+    chunk_items = _ChunkItems(task, batch, start, stop)
+    pending = [item for item in chunk_items.items if not item.status.final]
+    chunk = Chunk(
+        batch.id,
+        chunk_items.to_start,
+        chunk_items.run,
+        chunk_items.finished,
+        (chunk_items.owner, chunk_items.deadline),
+    )
+    chunk = task.context.items.run(chunk, pending)
+    chunk_items.end_unfinished()
+    _end_chunk(task, batch, start, stop, chunk_claim, chunk, pending, chunk_items.deliveries)
 
-    def to_start(item: BatchItem) -> str | None:
+
+class _ChunkItems:
+    """One run of a batch chunk's items: what its item threads share, how each item starts,
+    runs (a poisoned chunk's, an economy item's first half, a standard item's search) and
+    finishes, and the error policy of an item's run."""
+
+    def __init__(self, task: SiftTask, batch: BatchJob, start: int, stop: int) -> None:
+        self.task, self.batch = task, batch
+        self.store, self.batch_id = task.context.store, batch.id
+        query_ids = self.store.batch_query_ids(self.batch_id, start, stop)
+        self.positions = {qid: start + i for i, qid in enumerate(query_ids)}
+        self.items = self.store.batch_items(self.batch_id, query_ids)
+        self.deliveries = task.delivery()
+        self.economy = batch.lane == LANE_ECONOMY
+        self.owner = liveness.run_owner()
+        # A standard item fails as poison by its own runs lost (its claim's ``lost``), never by
+        # its chunk's deliveries: a worker holds many more chunks than it runs items, and each
+        # worker lost counted a delivery of every chunk it held, failing items that never ran.
+        # An economy item's first half claims no run, and a claim naming no owner (a prefork
+        # child's) tells no lost run from a gone one: their chunk's deliveries judge them.
+        self.poisoned = (self.economy or not self.owner) and task.poisoned(self.deliveries)
+        self.limit = task.context.settings.task_max_deliveries
+        # task.request is thread-local: take what the item threads need from it here
+        self.may_retry = task.request.retries < task.context.settings.task_max_retries
+        self.deadline = task.context.settings.search_deadline_seconds
+        self.runtime = task.context.runtime if not self.poisoned else None
+        self.marks = task.context.cancel_marks
+        # each running item's, until its finish (ClaimAnswers)
+        self.held: dict[str, ClaimAnswers] = {}
+        # an economy item's first-half figures (its retrieval's, a final result's), recorded once
+        # its prepared search is saved, or, when its first half was final, once it is finished
+        self.later: dict[str, list[Callable[[], None]]] = {}
+
+    def to_start(self, item: BatchItem) -> str | None:
         """The item's query id if it is to be started (a poisoned chunk fails, unstarted,
         those no live run holds, and an item without its spec has expired)."""
-        return None if poisoned or item.spec is None else item.query_id
+        return None if self.poisoned or item.spec is None else item.query_id
 
-    def run(item: BatchItem, started: bool) -> RunOutcome:
+    def run(self, item: BatchItem, started: bool) -> RunOutcome:
         """Run one item: the result or error to finish it with, ``"retry"`` (requeued for
         the chunk's retry), the transition that canceled it (its batch was canceled before
         its model call), or None (nothing to finish: not started, finished by another
         delivery, or left to the economy lane's provider batch)."""
-        if poisoned:  # claimed first, as a search is: one a live run holds is that run's
-            if economy and is_prepared(store, batch_id, item.query_id):
-                # its first half kept (its prompt may be with the provider): the submission
-                # and its provider batch finish it, as they do when a copy's start is refused
-                return None
-            taken = store.claim_item(batch_id, item.query_id, owner, lease_seconds=deadline)
-            if not taken.granted:
-                log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
-                return None
-            held[item.query_id] = store.item_answers(batch_id, item.query_id, taken)
-            if not taken.answer and store.batch_canceled(batch_id):
-                # its batch canceled (it was running then, and requeued for a retry since):
-                # canceled, as the start of any delivery short of this one would have it
-                canceled = store.cancel_item(batch_id, item.query_id)
-                return replace(canceled, canceled=True)
-            # with the usage of a model answer a dead run kept: billed
-            return None, _billed(_poison_error(task), taken.answer)
+        if self.poisoned:  # claimed first, as a search is: one a live run holds is that run's
+            return self._run_poisoned(item)
         if not started:
             return None  # canceled meanwhile, or finished by another delivery
-        waited = time.time() - batch.created_at
-        assert runtime is not None and item.spec is not None
-        checked = _ModelCheck(store, marks, batch_id, item.query_id)
-        claim: RunClaim | None = None
+        waited = time.time() - self.batch.created_at
+        assert self.runtime is not None and item.spec is not None
+        checked = _ModelCheck(self.store, self.marks, self.batch_id, item.query_id)
+        item_claim: RunClaim | None = None
         try:
             with metrics.running_job():
-                if economy:  # the first half now; the model's answer comes from a provider batch
-                    if is_prepared(store, batch_id, item.query_id):
-                        return None  # by an earlier run of this chunk: its prompt may be out
-                    # its wait is counted with its first half's figures: once, by the run
-                    # whose first half is kept (a run retried, its retry message lost and
-                    # re-driven, counted it again as a first delivery)
-                    figures = later[item.query_id] = [
-                        partial(metrics.observe_queue_wait, BATCH_QUEUE, waited)
-                    ]
-                    prepared = economy_pipeline(task).prepare(
-                        item.spec, batch.tenant, later=figures
-                    )
-                    prepared.trace["queue_wait_seconds"] = max(0.0, waited)  # kept for finish
-                    if prepared.result is None:
-                        position = positions[item.query_id]
-                        if save_prepared(store, batch_id, item.query_id, position, prepared):
-                            for record in later.pop(item.query_id):  # once: the one kept
-                                record()
-                        return None
-                    return _with_queue_wait(prepared.result, waited), None
-                pace = getattr(runtime, "pace", None)  # a runtime factory's may have none
+                # an economy item's first half now; the model's answer comes from a provider batch
+                if self.economy:
+                    return self._run_first_half(item, waited)
+                pace = getattr(self.runtime, "pace", None)  # a runtime factory's may have none
                 if pace is not None:
                     pace()  # wait for the shared rate budget before the deadline starts
-                claim = store.claim_item(batch_id, item.query_id, owner, lease_seconds=deadline)
-                if not claim.granted:  # another delivery is running it (jobstore/runs.py)
-                    log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
-                    _unpace(runtime)  # it let this one start: no search of it runs here
-                    return None
-                if claim.lost >= limit:  # its own runs lost that often: poison
-                    log.error(
-                        "batch %s item %s: its run was lost %d times; failing it as poison",
-                        batch_id, item.query_id, claim.lost,
-                    )  # fmt: skip
-                    _unpace(runtime)
-                    held[item.query_id] = store.item_answers(batch_id, item.query_id, claim)
-                    # with the usage of a model answer a dead run kept: billed
-                    return None, _billed(_poison_error(task), claim.answer)
-                if item.status == "queued" and not claim.spent:
-                    # its first run: one requeued for a retry let its claim go with the time
-                    # it ran, so a re-driven chunk (its retry message lost, retries 0) that
-                    # finds it queued does not count its wait again
-                    metrics.observe_queue_wait(BATCH_QUEUE, waited)
-                answers = held[item.query_id] = store.item_answers(batch_id, item.query_id, claim)
-                checked.billed = _kept_usage(claim.answer)
-                result = runtime.search(
-                    item.spec, batch.tenant, checked, spent=claim.spent, answers=answers
+                item_claim = self.store.claim_item(
+                    self.batch_id, item.query_id, self.owner, lease_seconds=self.deadline
                 )
-                return _with_queue_wait(result, waited), None
+                return self._run_standard(item, item_claim, checked, waited)
         except Canceled:  # canceled before its model call, or finished by another delivery
             return checked.stopped if checked.stopped and checked.stopped.applied else None
         except RunTakenOver:  # while it waited for its CPU slot: the run holding it finishes
-            log.info("batch %s item %s: another run took it over", batch_id, item.query_id)
+            log.info("batch %s item %s: another run took it over", self.batch_id, item.query_id)
             return None
         except Exception as exc:
-            if claim is None:  # paced, or not, but no search ran
-                _unpace(runtime)
-            if claim is None and isinstance(exc, redis.RedisError):
+            if item_claim is None:  # paced, or not, but no search ran
+                _unpace(self.runtime)
+            if item_claim is None and isinstance(exc, redis.RedisError):
                 # the job store failed before the item's run began (its claim, or its pacing
                 # on the shared budget; an economy item's first half, which claims nothing,
                 # not kept or not read), not the item: the runner breaks, as when an item's
                 # start fails, and the item stays running for a redelivery (the re-drive)
                 # instead of ending failed internal_error once Redis is back for the finish
                 raise
-            retryable = may_retry and isinstance(exc, SiftError) and exc.retryable
-            # a retry runs in what is left of the search's deadline (the economy lane's first
-            # half, claimed by no run, is retried as it was)
-            if retryable and (claim is None or _retry_fits(claim, deadline)):
-                # one that carries a model answer a dead run kept stays running: it is past
-                # its model call, paid for, and its retry finishes it on that answer, or, for
-                # billed attempts alone, calls again showing them billed (queued, a cancel
-                # meanwhile canceled it, and no record showed the calls billed)
-                if claim is None or not claim.answer:
-                    store.requeue_item(batch_id, item.query_id)
-                if claim is not None:
-                    store.release_item(batch_id, item.query_id, claim)
-                    held.pop(item.query_id).record()
-                return "retry"
-            if not isinstance(exc, SiftError):
-                log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
-            _with_failed_queue_wait(exc, waited)
-            return None, _billed(error_info(exc), claim.answer if claim else "")
+            return self._run_failed(item, item_claim, exc, waited)
 
-    def finished(item: BatchItem, transition: ItemTransition, error: ErrorInfo | None) -> None:
-        answers = held.pop(item.query_id, None)
+    def _run_poisoned(self, item: BatchItem) -> RunOutcome:
+        """An item of a poisoned chunk: failed as poison (billed for a model answer a dead run
+        kept), canceled if its batch was, or left to the run or provider batch that has it."""
+        store, batch_id = self.store, self.batch_id
+        if self.economy and is_prepared(store, batch_id, item.query_id):
+            # its first half kept (its prompt may be with the provider): the submission
+            # and its provider batch finish it, as they do when a copy's start is refused
+            return None
+        item_claim = store.claim_item(
+            batch_id, item.query_id, self.owner, lease_seconds=self.deadline
+        )
+        if not item_claim.granted:
+            log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
+            return None
+        self.held[item.query_id] = store.item_answers(batch_id, item.query_id, item_claim)
+        if not item_claim.answer and store.batch_canceled(batch_id):
+            # its batch canceled (it was running then, and requeued for a retry since):
+            # canceled, as the start of any delivery short of this one would have it
+            canceled = store.cancel_item(batch_id, item.query_id)
+            return replace(canceled, canceled=True)
+        # with the usage of a model answer a dead run kept: billed
+        return None, _billed(_poison_error(self.task), item_claim.answer)
+
+    def _run_first_half(self, item: BatchItem, waited: float) -> RunOutcome:
+        """An economy item's first half (retrieval and prompt), kept for its provider batch;
+        a first half that is final already (no model call) is the item's result."""
+        store, batch_id = self.store, self.batch_id
+        assert item.spec is not None
+        if is_prepared(store, batch_id, item.query_id):
+            return None  # by an earlier run of this chunk: its prompt may be out
+        # its wait is counted with its first half's figures: once, by the run
+        # whose first half is kept (a run retried, its retry message lost and
+        # re-driven, counted it again as a first delivery)
+        figures = self.later[item.query_id] = [
+            partial(metrics.observe_queue_wait, BATCH_QUEUE, waited)
+        ]
+        prepared = economy_pipeline(self.task).prepare(item.spec, self.batch.tenant, later=figures)
+        prepared.trace["queue_wait_seconds"] = max(0.0, waited)  # kept for finish
+        if prepared.result is None:
+            position = self.positions[item.query_id]
+            if save_prepared(store, batch_id, item.query_id, position, prepared):
+                for record in self.later.pop(item.query_id):  # once: the one kept
+                    record()
+            return None
+        return _with_queue_wait(prepared.result, waited), None
+
+    def _run_standard(
+        self, item: BatchItem, item_claim: RunClaim, checked: _ModelCheck, waited: float
+    ) -> RunOutcome:
+        """A standard item's search under its run claim ``item_claim`` (paced already), or
+        nothing if another run holds it, or poison if its own runs were lost that often."""
+        store, batch_id, runtime = self.store, self.batch_id, self.runtime
+        assert runtime is not None and item.spec is not None
+        if not item_claim.granted:  # another delivery is running it (jobstore/runs.py)
+            log.info("batch %s item %s: another run holds it", batch_id, item.query_id)
+            _unpace(runtime)  # it let this one start: no search of it runs here
+            return None
+        if item_claim.lost >= self.limit:  # its own runs lost that often: poison
+            log.error(
+                "batch %s item %s: its run was lost %d times; failing it as poison",
+                batch_id, item.query_id, item_claim.lost,
+            )  # fmt: skip
+            _unpace(runtime)
+            self.held[item.query_id] = store.item_answers(batch_id, item.query_id, item_claim)
+            # with the usage of a model answer a dead run kept: billed
+            return None, _billed(_poison_error(self.task), item_claim.answer)
+        if item.status == "queued" and not item_claim.spent:
+            # its first run: one requeued for a retry let its claim go with the time
+            # it ran, so a re-driven chunk (its retry message lost, retries 0) that
+            # finds it queued does not count its wait again
+            metrics.observe_queue_wait(BATCH_QUEUE, waited)
+        answers = self.held[item.query_id] = store.item_answers(batch_id, item.query_id, item_claim)
+        checked.billed = _kept_usage(item_claim.answer)
+        result = runtime.search(
+            item.spec, self.batch.tenant, checked, spent=item_claim.spent, answers=answers
+        )
+        return _with_queue_wait(result, waited), None
+
+    def _run_failed(
+        self, item: BatchItem, item_claim: RunClaim | None, exc: Exception, waited: float
+    ) -> RunOutcome:
+        """The error policy of an item's run that raised ``exc`` (``item_claim``: its run claim,
+        None for an economy first half or a claim never made): ``"retry"`` (requeued for the
+        chunk's retry) if it is retryable and fits the search's deadline, else failed."""
+        store, batch_id = self.store, self.batch_id
+        retryable = self.may_retry and isinstance(exc, SiftError) and exc.retryable
+        # a retry runs in what is left of the search's deadline (the economy lane's first
+        # half, claimed by no run, is retried as it was)
+        if retryable and (item_claim is None or _retry_fits(item_claim, self.deadline)):
+            # one that carries a model answer a dead run kept stays running: it is past
+            # its model call, paid for, and its retry finishes it on that answer, or, for
+            # billed attempts alone, calls again showing them billed (queued, a cancel
+            # meanwhile canceled it, and no record showed the calls billed)
+            if item_claim is None or not item_claim.answer:
+                store.requeue_item(batch_id, item.query_id)
+            if item_claim is not None:
+                store.release_item(batch_id, item.query_id, item_claim)
+                self.held.pop(item.query_id).record()
+            return "retry"
+        if not isinstance(exc, SiftError):
+            log.exception("batch %s item %s: unexpected error", batch_id, item.query_id)
+        _with_failed_queue_wait(exc, waited)
+        return None, _billed(error_info(exc), item_claim.answer if item_claim else "")
+
+    def finished(
+        self, item: BatchItem, transition: ItemTransition, error: ErrorInfo | None
+    ) -> None:
+        answers = self.held.pop(item.query_id, None)
         if answers is not None:  # its run has ended: its claim is no longer held here
-            store.ended_item(batch_id, item.query_id, answers.claim)
-        figures = later.pop(item.query_id, [])
+            self.store.ended_item(self.batch_id, item.query_id, answers.claim)
+        figures = self.later.pop(item.query_id, [])
         if not transition.canceled:
             if count_completed("batch_item", transition.applied, error):
                 if answers is not None:
@@ -430,11 +492,27 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
             if answers is not None:  # canceled before its model call: its retrieval ran
                 answers.record()
 
-    pending = [item for item in items if not item.status.final]
-    chunk = Chunk(batch_id, to_start, run, finished, (owner, deadline))
-    chunk = task.context.items.run(chunk, pending)
-    for query_id, stopped in held.items():  # runs that ended without a finish (a copy's)
-        store.ended_item(batch_id, query_id, stopped.claim)
+    def end_unfinished(self) -> None:
+        """Let go of the runs that ended without a finish (a copy's)."""
+        for query_id, stopped in self.held.items():
+            self.store.ended_item(self.batch_id, query_id, stopped.claim)
+
+
+def _end_chunk(
+    task: SiftTask,
+    batch: BatchJob,
+    start: int,
+    stop: int,
+    chunk_claim: RunClaim,
+    chunk: Chunk,
+    pending: list[BatchItem],
+    deliveries: int,
+) -> None:
+    """After a chunk's items ran: its batch's completion (or its webhook sent again), an
+    economy batch's submission, then the runner's error raised, the items handed back, or the
+    chunk retried."""
+    store, batch_id = task.context.store, batch.id
+    economy = batch.lane == LANE_ECONOMY
     outcomes = chunk.outcomes
     completed = any(done for done, _ in outcomes)
     to_retry = sum(1 for _, retry in outcomes if retry)
@@ -461,13 +539,14 @@ def _batch_chunk(task: SiftTask, batch: BatchJob, start: int, stop: int, claim: 
         log.info("batch %s: worker stopping, %d items handed back", batch_id, chunk.handed_back)
         # let go before the message goes back: another worker takes it at once, and would be
         # refused while this live worker still held the chunk (its copy then acked, and lost)
-        store.release_chunk(batch_id, start, stop, claim)
+        store.release_chunk(batch_id, start, stop, chunk_claim)
         task.hand_back(deliveries)
     if to_retry:
         log.warning(
             "batch %s: %d items hit retryable errors; retrying the chunk", batch_id, to_retry
         )
-        store.release_chunk(batch_id, start, stop, claim)  # before the retry is sent, as a search's
+        # before the retry is sent, as a search's
+        store.release_chunk(batch_id, start, stop, chunk_claim)
         raise task.retry(countdown=task.backoff())
 
 
