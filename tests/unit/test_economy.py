@@ -4,13 +4,15 @@ the chunking under the provider's limits, and the custom_id round trip."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from tests.fakes import USAGE, FakeClock, RecordingRecorder, fail, reply
 from tests.unit.test_pipeline import make, with_busy_slots
 from worker.contract import SearchSpec
-from worker.core.pipeline import RerankRun, dump_prepared, load_prepared
+from worker.core.catalog import StoredDocument
+from worker.core.pipeline import RerankRun, as_stored, dump_prepared, load_prepared
 from worker.errors import AttemptOutcome, RerankAttemptError, RerankFailed
 from worker.queue.economy import (
     chunk_requests,
@@ -38,6 +40,54 @@ def test_prepare_then_finish_is_the_standard_search() -> None:
     assert economy.usage == standard.usage
     assert economy.trace is not None and standard.trace is not None
     assert economy.trace["kept_positions"] == standard.trace["kept_positions"] == [2, 1]
+
+
+def _answered(pipeline: Any, positions: list[object]) -> RerankRun:
+    run = RerankRun()
+    prepared = pipeline.prepare(SPEC, "acme")
+    answer = reply(positions)(prepared.prompt, 1.0)
+    pipeline.record_attempt(run, AttemptOutcome.OK, answer.usage, 0.5)
+    run.reply, run.returned = answer, answer.positions
+    return run
+
+
+def _deleting(prepared: Any, *positions: int) -> Any:
+    """``prepared`` as the index holds it once its candidates at ``positions`` were deleted."""
+    gone = {prepared.candidates[p - 1].document.id for p in positions}
+    stored = {
+        c.document.id: StoredDocument(
+            c.document.id, c.document.text, c.document.title, c.document.revision
+        )
+        for c in prepared.candidates
+        if c.document.id not in gone
+    }
+    return as_stored(prepared, stored)
+
+
+def test_a_pick_deleted_since_is_replaced_by_the_models_next_one() -> None:
+    """A candidate deleted after the item was prepared is in no hit; the model's next pick
+    takes its place (the answer was cut to the limit first, so a deleted pick cost the
+    item a hit the model had ranked), and the trace names it dropped as deleted."""
+    pipeline, _, _ = make([])
+    prepared = pipeline.prepare(SPEC, "acme")
+    assert len(prepared.candidates) >= 5
+    run = _answered(pipeline, [2, 5, 1, 4, 3])
+    result = pipeline.finish(_deleting(prepared, 5), run)
+    ids = [c.document.id for c in prepared.candidates]
+    assert [hit.id for hit in result.hits] == [ids[1], ids[0], ids[3]]
+    assert result.trace is not None and result.trace["kept_positions"] == [2, 1, 4]
+    assert {"value": 5, "reason": "deleted"} in result.trace["dropped_positions"]
+
+
+def test_every_pick_deleted_since_falls_back_to_the_live_candidates() -> None:
+    pipeline, _, _ = make([])
+    prepared = pipeline.prepare(SPEC, "acme")
+    run = _answered(pipeline, [2, 1])
+    result = pipeline.finish(_deleting(prepared, 1, 2), run)
+    ids = [c.document.id for c in prepared.candidates]
+    assert result.rerank.applied is False
+    assert result.rerank.fallback_reason == "no_valid_ranks"
+    assert [hit.id for hit in result.hits] == ids[2:5]
 
 
 def test_a_prepared_search_survives_its_json_form() -> None:

@@ -56,7 +56,8 @@ def rerank_result(
         return build_result(live[: spec.limit], info, usage, spec, trace)
 
     figures.append(partial(recorder.rerank_done, model, "ok", run.seconds))
-    normalised = normalise_positions(reply.positions, len(candidates), spec.limit)
+    deleted = {i for i, c in enumerate(candidates, 1) if c.document.id in gone} if gone else ()
+    normalised = normalise_positions(reply.positions, len(candidates), spec.limit, deleted)
     trace["kept_positions"] = list(normalised.kept)
     trace["dropped_positions"] = [
         {"value": d.value, "reason": d.reason} for d in normalised.dropped
@@ -70,8 +71,6 @@ def rerank_result(
     figures.append(partial(recorder.rerank_outcome, POLICY_ID, "applied"))
     trace["fallback_reason"] = None
     chosen = [candidates[position - 1] for position in normalised.kept]
-    if gone:
-        chosen = [c for c in chosen if c.document.id not in gone]
     info = RerankInfo(applied=True, policy=POLICY_ID, fallback_reason=None)
     return build_result(chosen, info, usage, spec, trace)
 
