@@ -33,11 +33,12 @@ from worker.constants import (
     WORKER_HEARTBEAT_KEY,
 )
 from worker.contract import SearchSpec
-from worker.errors import RerankAttemptError
+from worker.errors import AttemptOutcome, BackendUnavailable, RerankAttemptError
 from worker.queue import economy, liveness
 from worker.queue.base import WorkerContext
 from worker.queue.economy import cancel, leases, records, submission
 from worker.queue.economy.cancel import cancel_quietly
+from worker.queue.economy.finish import fail_items
 from worker.queue.jobstore import BatchJob, JobStore
 from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
@@ -646,3 +647,84 @@ def test_a_canceled_provider_batch_is_polled_soon_not_at_the_poll_s_next_turn(
     polls = [kw for name, kw in task.sent if name == ECONOMY_POLL_TASK]
     assert [p["args"] for p in polls] == [[batch.id, provider_id]], task.sent
     assert 0 < polls[0]["countdown"] <= cancel.CANCELED_POLL_SECONDS, polls
+
+
+def _backend_down(context: WorkerContext, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The index's backend failing every read of stored documents (an outage while the
+    provider batch ran); answers the calls it refused."""
+    refused: list[int] = []
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        refused.append(1)
+        raise BackendUnavailable("the backend is down")
+
+    backend = context.runtime.economy.backend  # type: ignore[attr-defined]
+    monkeypatch.setattr(backend, "stored_documents", down)
+    return refused
+
+
+def test_a_mapping_whose_backend_fails_leaves_its_items_to_the_poll_run_again(
+    context: WorkerContext, model: FakeAnthropic, workers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An item finishes on its candidates as stored then (one read of the backend): the
+    read failing raises out of the mapping, the items still running, so the poll runs again
+    (``_poll`` retries on a BackendError) and finishes them once the backend is back."""
+    batch, qids = _prepared(context, 2)
+    _submission(context, batch, qids, "1")
+    [first] = model.batches()
+    refused = _backend_down(context, monkeypatch)
+    with pytest.raises(BackendUnavailable):
+        _mapping(context, batch, first["id"])
+    assert refused
+    assert [r.status for r in context.store.batch_results(batch.id, 0, 2)] == ["running"] * 2
+    monkeypatch.undo()
+    _mapping(context, batch, first["id"])
+    done = context.store.get_batch(batch.id)
+    assert done is not None and done.counts["succeeded"] == 2, done
+
+
+def test_items_the_failure_policy_ends_end_though_the_backend_fails(
+    context: WorkerContext, model: FakeAnthropic, workers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a poll gave up (its watch met: nothing runs it again), the failure policy ends
+    the items waiting on it; the read of their candidates failing ends them ``failed`` with
+    that error (with the usage billed), never leaves them running for good."""
+    batch, qids = _prepared(context, 2)
+    _backend_down(context, monkeypatch)
+    task = _Task(context, "poll-gave-up")
+    failure = RerankAttemptError(AttemptOutcome.TIMEOUT, "the provider batch expired")
+    fail_items(task, batch, qids, failure)  # type: ignore[arg-type]
+    results = context.store.batch_results(batch.id, 0, 2)
+    assert [r.status for r in results] == ["failed", "failed"], results
+    assert all('"backend_unavailable"' in (r.payload or "") for r in results), results
+
+
+class _Retried(Exception):
+    pass
+
+
+def test_a_poll_whose_backend_fails_mapping_is_retried_not_failed(
+    context: WorkerContext, model: FakeAnthropic, workers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The poll of an ended provider batch whose mapping meets the backend down retries
+    (its watch kept expecting it): the task failed, and its items waited for the watch's
+    re-wake, minutes later, logged as a task error."""
+    from worker.queue.economy import poll
+
+    batch, qids = _prepared(context, 2)
+    _submission(context, batch, qids, "1")
+    [first] = model.batches()
+    _backend_down(context, monkeypatch)
+    chain = context.store.redis.hget(ECONOMY_STATE_KEY + batch.id, f"chain {first['id']}")
+    task = _Task(context, str(chain))  # the poll message the submission sent
+    retried: list[dict[str, Any]] = []
+
+    def retry(**kwargs: Any) -> None:
+        retried.append(kwargs)
+        raise _Retried
+
+    task.retry = retry  # type: ignore[method-assign]
+    with pytest.raises(_Retried):
+        poll._poll(task, batch.id, first["id"])  # type: ignore[arg-type]
+    assert retried and retried[0]["countdown"] > 0
+    assert [r.status for r in context.store.batch_results(batch.id, 0, 2)] == ["running"] * 2

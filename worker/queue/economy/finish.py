@@ -13,7 +13,7 @@ from typing import Any
 from worker.constants import ECONOMY_RUNS_KEY
 from worker.contract import ErrorInfo, JobStatus
 from worker.core.pipeline import Prepared, RerankRun, SearchPipeline, as_stored, load_prepared
-from worker.errors import IndexNotFound, RerankAttemptError, RerankFailed
+from worker.errors import BackendError, IndexNotFound, RerankAttemptError, RerankFailed
 from worker.observability import metrics
 from worker.queue.base import SiftTask, count_completed, error_info
 from worker.queue.economy.records import economy_pipeline, rerank_run, running_items
@@ -57,10 +57,14 @@ def finish_item(
     run: RerankRun,
     *,
     figures: Sequence[Callable[[], None]] = (),
+    must_end: bool = False,
 ) -> None:
     """The pipeline's second half for one item, and its final status. Its figures of the
     search (and ``figures``, the caller's of the item) are counted once the item is saved: a
-    poll dying before that leaves them to the poll finishing it again, once."""
+    poll dying before that leaves them to the poll finishing it again, once. The backend
+    failing the read of its candidates raises (the poll is sent again), unless the item
+    ``must_end`` (its failure policy applied after the poll gave up, nothing left to run it
+    again): it then ends failed with that error, its billed usage shown."""
     pipeline = economy_pipeline(task)
     error: ErrorInfo | None = None
     later = list(figures)
@@ -68,7 +72,9 @@ def finish_item(
         result = pipeline.finish(as_stored_now(pipeline, batch, prepared), run, later=later)
     except RerankFailed as exc:
         error, result = error_info(exc), None
-    except IndexNotFound as exc:  # dropped since the item was prepared: its calls billed
+    except (IndexNotFound, BackendError) as exc:  # its calls billed all the same
+        if isinstance(exc, BackendError) and not must_end:
+            raise
         exc.job_usage = run.job_usage()
         error, result = error_info(exc), None
     transition = task.context.store.finish_item(batch.id, query_id, result=result, error=error)
@@ -113,4 +119,4 @@ def fail_items(
         prepared = load_prepared(pipeline, data)
         if model:
             prepared.trace["model"] = model
-        finish_item(task, batch, qid, prepared, run, figures=[counted])
+        finish_item(task, batch, qid, prepared, run, figures=[counted], must_end=True)

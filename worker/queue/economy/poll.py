@@ -10,7 +10,7 @@ import time
 from celery import shared_task
 
 from worker.constants import ECONOMY_POLL_TASK
-from worker.errors import RerankAttemptError
+from worker.errors import BackendError, RerankAttemptError
 from worker.queue.base import SiftTask
 from worker.queue.economy.cancel import cancel_quietly
 from worker.queue.economy.finish import fail_items
@@ -71,6 +71,10 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
             raise self.retry(countdown=poll_countdown(self))
         map_results(self, batch, provider_id, status.ended_at)
         store.economy_met(batch_id, provider_id)
+    except BackendError as exc:  # an item's candidates unread: those finished stay finished
+        log.warning("provider batch %s: %s; mapping its results again", provider_id, exc)
+        expect(self, batch_id, provider_id, poll_countdown(self))
+        raise self.retry(countdown=poll_countdown(self)) from exc
     except RerankAttemptError as exc:
         give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
         if exc.retryable and time.time() < give_up:
