@@ -293,8 +293,9 @@ def _record_outcome(
     emptied: bool = False,
 ) -> None:
     """Keep what the write of ``version`` counted (and whether it left the tenant's index
-    without a document), in the write's transaction, for as long as its job can be run again
-    (its record's retention); the older records go with it."""
+    without a document), in the write's transaction, for 7 days (``RESULT_TTL_SECONDS``,
+    whatever ``SIFT_RESULT_RETENTION_SECONDS`` says: a job's message is run again within
+    hours of its first run, at most); the older records go with it."""
     if version is None:
         return
     now = time.time()

@@ -43,7 +43,8 @@ Layout (every prefix is in :mod:`worker.constants`):
                                      (the job lists; written with the job's record)
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
-``RESULT_TTL_SECONDS`` (7 days) from the write that ended it; an Idempotency-Key is
+``SIFT_RESULT_RETENTION_SECONDS`` (``RESULT_TTL_SECONDS``, 7 days, by default) from the
+write that ended it; an Idempotency-Key is
 remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours) from the write that creates its job, and
 again from each request that finds it bound (a
 claim that names no job yet, ``IDEMPOTENCY_PENDING_TTL_SECONDS``); delivery counters and
