@@ -10,6 +10,9 @@ overshoot the limit by more than what the other gateways admitted meanwhile.
     await backlog.admit(len(items))   # raises BacklogFull (429 with Retry-After) past the limit
     with backlog.storing(len(items)):
         ...                           # store the job: counted by the store from then on
+
+And past 90 % of Redis's ``maxmemory`` (:class:`StoreMemory`), new jobs are refused with a
+503, so the jobs running can still write their ends.
 """
 
 from __future__ import annotations
@@ -119,3 +122,44 @@ class Backlog:
         if self._queued + items > self.limit:
             raise BacklogFull(self._queued, items, self.limit)
         self._queued += items
+
+
+#: New jobs are refused past this share of Redis's ``maxmemory``: at the limit itself Redis
+#: refuses the workers' writes too (a result, a move, a heartbeat), and the jobs already
+#: queued could not end. What is left is theirs.
+MEMORY_ADMITTED = 0.9
+FULL_RETRY_AFTER_SECONDS = 30  # a full Redis frees as finished jobs expire: not within seconds
+
+MemoryReading = Callable[[], Awaitable[tuple[int, int]]]  # AsyncJobStore.memory
+
+
+class StoreFull(Exception):
+    """Redis holds :data:`MEMORY_ADMITTED` of its ``maxmemory`` or more: answer 503."""
+
+    def __init__(self, used: int, limit: int) -> None:
+        super().__init__(
+            f"the job store is nearly full: Redis holds {used / limit:.0%} of its maxmemory, "
+            f"and new jobs are refused past {MEMORY_ADMITTED:.0%} so those running can end; "
+            f"it frees as finished jobs expire (SIFT_RESULT_RETENTION_SECONDS), or with a "
+            f"larger maxmemory; retry after {FULL_RETRY_AFTER_SECONDS} s"
+        )
+
+
+class StoreMemory:
+    """A cached reading of Redis's memory and its limit (``INFO memory``), read at most every
+    ``READ_EVERY_SECONDS``, and the admission decision: past :data:`MEMORY_ADMITTED` of the
+    limit, :class:`StoreFull`. No limit (``maxmemory`` 0), no refusal."""
+
+    def __init__(self, read: MemoryReading, *, clock: Callable[[], float] = time.monotonic):
+        self.read = read
+        self._clock = clock
+        self._used, self._limit = 0, 0
+        self._read_at: float | None = None
+
+    async def admit(self) -> None:
+        now = self._clock()
+        if self._read_at is None or now - self._read_at >= READ_EVERY_SECONDS:
+            self._used, self._limit = await self.read()
+            self._read_at = now
+        if self._limit and self._used >= MEMORY_ADMITTED * self._limit:
+            raise StoreFull(self._used, self._limit)

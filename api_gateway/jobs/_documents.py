@@ -21,7 +21,13 @@ from api_gateway.deps import (
     task_sender,
 )
 from api_gateway.errors import ApiError
-from api_gateway.jobs._shared import JobIdPath, _create_and_enqueue, _lost, router
+from api_gateway.jobs._shared import (
+    JobIdPath,
+    _create_and_enqueue,
+    _lost,
+    room_for_new_work,
+    router,
+)
 from api_gateway.schemas import DocumentsRequest, IngestJobOut, iso
 from worker.constants import INGEST_ID_PREFIX, INGEST_QUEUE, INGEST_TASK
 from worker.contract import BLANK, INDEX_PATTERN, is_blank
@@ -115,6 +121,7 @@ async def upsert_documents(
         first_at[doc.id] = i
         if is_blank(doc.text):
             raise InvalidRequest(f"documents[{i}].text", BLANK)
+    await room_for_new_work(request)  # a delete is taken still: it frees room
     store = job_store(request)
     job = await enqueue_ingest(
         request,

@@ -14,7 +14,14 @@ from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Path, Request
 
-from api_gateway.backpressure import RETRY_AFTER_SECONDS, Backlog, BacklogFull
+from api_gateway.backpressure import (
+    FULL_RETRY_AFTER_SECONDS,
+    RETRY_AFTER_SECONDS,
+    Backlog,
+    BacklogFull,
+    StoreFull,
+    StoreMemory,
+)
 from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorBody
 from api_gateway.queue import OutboxSender, TaskMessage
 from api_gateway.routing import GetAnswersHead
@@ -51,11 +58,30 @@ BUSY: dict[int | str, dict[str, Any]] = {
 }
 
 
+async def room_for_new_work(request: Request) -> None:
+    """503 with ``Retry-After`` when Redis holds 90 % of its ``maxmemory`` or more
+    (:class:`StoreMemory`): the room left is for the jobs running."""
+    memory: StoreMemory | None = getattr(request.app.state, "memory", None)
+    if memory is None:
+        return
+    try:
+        await memory.admit()
+    except StoreFull as exc:
+        log.warning("backpressure: %s", exc)
+        raise ApiError(
+            503,
+            "unavailable",
+            str(exc),
+            headers={"Retry-After": str(FULL_RETRY_AFTER_SECONDS)},
+        ) from exc
+
+
 @contextlib.asynccontextmanager
 async def _admitted(request: Request, items: int) -> AsyncIterator[None]:
-    """Backpressure: 429 with ``Retry-After`` when ``items`` more would pass the backlog limit;
-    else the block stores their job, counted as this gateway's until it ends
-    (:meth:`Backlog.storing`)."""
+    """Backpressure: 503 when Redis is nearly full (:func:`room_for_new_work`); 429 with
+    ``Retry-After`` when ``items`` more would pass the backlog limit; else the block stores
+    their job, counted as this gateway's until it ends (:meth:`Backlog.storing`)."""
+    await room_for_new_work(request)
     backlog: Backlog | None = getattr(request.app.state, "backlog", None)
     if backlog is None or backlog.limit <= 0:
         yield

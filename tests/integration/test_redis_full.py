@@ -12,6 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from api_gateway.app import create_app
+from worker.contract import SearchSpec
 from worker.queue.jobstore import JobStore
 from worker.settings import ApiKey, Settings
 
@@ -68,3 +69,38 @@ def test_what_was_stored_before_it_filled_still_reads(client: TestClient, store:
     finally:
         store.redis.config_set("maxmemory", 0)
     assert read.status_code == 200 and read.json()["status"] == "queued", read.text
+
+
+@pytest.fixture
+def nearly_full(store: JobStore) -> Iterator[None]:
+    """The server's memory limit set so what it holds is 93 % of it: past the gateway's 90 %
+    for new jobs, a megabyte and more under the limit itself (20 MB held)."""
+    store.redis.set("ballast", b"x" * 20_000_000)
+    used = int(store.redis.info("memory")["used_memory"])
+    store.redis.config_set("maxmemory", int(used / 0.93))
+    yield
+    store.redis.config_set("maxmemory", 0)
+    store.redis.delete("ballast")
+
+
+def test_new_jobs_are_refused_before_the_job_store_is_full_so_running_ones_can_end(
+    client: TestClient, store: JobStore, nearly_full: None
+) -> None:
+    """At Redis's maxmemory the workers' own writes are refused too (a result, a move, a
+    heartbeat): the jobs already queued could not end. So the gateway refuses new work
+    (searches, batches, documents) at 90 % of it, and the room left is for the jobs running;
+    a delete, which frees room, is still taken."""
+    del nearly_full
+    for path, body in [
+        ("/v1/searches", SEARCH),
+        ("/v1/batches", {"index": "docs", "queries": [{"id": "a", "query": "tea"}]}),
+        ("/v1/indexes/docs/documents", {"documents": [{"id": "d", "text": "tea"}]}),
+    ]:
+        response = client.post(path, json=body, headers=ACME)
+        assert response.status_code == 503, (path, response.text)
+        message = response.json()["error"]["message"]
+        assert "past 90%" in message and "maxmemory" in message, message
+    deleted = client.delete("/v1/indexes/docs/documents/d", headers=ACME)
+    assert deleted.status_code == 202, deleted.text
+    job = store.create_search("acme", SearchSpec(index="docs", query="tea"))
+    assert store.start_search(job.id)  # a worker's writes still go through

@@ -97,6 +97,11 @@ class AsyncJobStore:
                 reply = await self._create_search(keys=keys, args=args)
         return _search_created(job, reply, claim)
 
+    async def memory(self) -> tuple[int, int]:
+        """What Redis holds and its ``maxmemory`` (0: no limit), in bytes."""
+        info = await self.redis.info("memory")
+        return int(info["used_memory"]), int(info.get("maxmemory", 0))
+
     async def in_flight(self) -> dict[str, int]:
         """:meth:`JobStore.in_flight`, awaited."""
         return _in_flight(cast(dict[str, str], await self.redis.hgetall(STATS_KEY)))
