@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
+
+import redis
+
+log = logging.getLogger(__name__)
 
 READ_EVERY_SECONDS = 0.5
 RETRY_AFTER_SECONDS = 5
@@ -159,7 +164,12 @@ class StoreMemory:
     async def admit(self) -> None:
         now = self._clock()
         if self._read_at is None or now - self._read_at >= READ_EVERY_SECONDS:
-            self._used, self._limit = await self.read()
+            try:
+                self._used, self._limit = await self.read()
+            except redis.ResponseError as exc:  # INFO refused (an ACL): no check, said once
+                if self._read_at is None:
+                    log.warning("Redis's memory is not read (%s): no admission by it", exc)
+                self._used, self._limit = 0, 0
             self._read_at = now
         if self._limit and self._used >= MEMORY_ADMITTED * self._limit:
             raise StoreFull(self._used, self._limit)

@@ -104,3 +104,22 @@ def test_new_jobs_are_refused_before_the_job_store_is_full_so_running_ones_can_e
     assert deleted.status_code == 202, deleted.text
     job = store.create_search("acme", SearchSpec(index="docs", query="tea"))
     assert store.start_search(job.id)  # a worker's writes still go through
+
+
+def test_a_redis_that_refuses_info_admits_by_nothing_else(redis_url: str, store: JobStore) -> None:
+    """A Redis whose ACL refuses ``INFO`` (a managed service's user): the memory check
+    is off, said once, and jobs are still taken (every submission was a 500 otherwise)."""
+    store.redis.execute_command(
+        "ACL", "SETUSER", "noinfo", "on", ">pw", "~*", "&*", "+@all", "-info"
+    )
+    try:
+        host = redis_url.removeprefix("redis://")
+        settings = Settings(
+            redis_url=f"redis://noinfo:pw@{host}",
+            api_keys=[ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)],
+        )
+        with TestClient(create_app(settings)) as client:
+            made = client.post("/v1/searches", json=SEARCH, headers=ACME)
+    finally:
+        store.redis.execute_command("ACL", "DELUSER", "noinfo")
+    assert made.status_code == 202, made.text
