@@ -3,7 +3,9 @@ documents or a tenant's whole index (issue 13), change an index's own search set
 
 Reads go to a worker, which holds the backend (the gateway imports no backend): the gateway
 enqueues a ``sift.index_read`` task on the search queue with a one-off reply key and pops
-the answer with ``BLPOP`` for up to ``INDEX_READ_TIMEOUT_SECONDS``, else ``503``. A settings
+the answer with ``BLPOP`` for up to ``INDEX_READ_TIMEOUT_SECONDS``, else ``503``; it waits on
+the asyncio client, holding no threadpool thread (``/readyz`` and the searches' blocking calls
+share those 40). A settings
 change (``PATCH``) goes the same way: the worker checks the tenant has the index, then stores
 it. Deletes are jobs of the ingest kind (``operation`` "delete" or "drop"), answered like an
 ingest: ``202`` with a ``Location`` to poll (``GET /v1/ingestions/{id}``), or ``200`` once
@@ -28,6 +30,7 @@ from api_gateway.deps import (
     PageSize,
     Tenant,
     Wait,
+    async_job_store,
     job_store,
     off_loop,
     task_sender,
@@ -242,7 +245,8 @@ async def _read(
     else:
         what = f"index read within {wait:g} s"
     await off_loop(task_sender(request).send, INDEX_READ_TASK, args, SEARCH_QUEUE)
-    raw = await off_loop(store.await_reply, key, wait)
+    # on the event loop: a wait no worker answers holds no thread /readyz or a search needs
+    raw = await async_job_store(request).await_reply(key, wait)
     if raw is None:
         raise ApiError(503, "backend_unavailable", f"no worker answered the {what}; retry")
     answer = json.loads(raw)

@@ -133,6 +133,9 @@ INDEX_READ_TIMEOUT_SECONDS = 10.0  # the gateway waits this long for a worker's 
 # the gateway waits this much longer for one a worker started in time, so its 503 never hides
 # a change that is applied later (behind a newer one). Hosts' clocks must agree within it (NTP).
 INDEX_CHANGE_GRACE_SECONDS = 3.0
+# index reads one gateway process waits on Redis for at once (a BLPOP slice each): half its
+# asyncio client's 128 connections, so reads no worker answers leave searches the rest
+INDEX_REPLY_WAITS = 64
 BATCH_STAGING_TTL_SECONDS = 3600  # a batch's items written before its record, until committed
 BATCH_STAGE_SLICE = 1_000  # a batch's items per Redis command (Redis serves others between)
 # a tenant's job index keeps its members this many retention periods (a record lives one

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio
 
 from worker.constants import (
     BATCH_COUNTS_KEY,
@@ -945,3 +946,65 @@ def test_an_index_read_s_answer_is_awaited_past_the_client_s_socket_timeout(
         answering.cancel()
         gateway_store.close()
         worker_store.close()
+
+
+def test_an_index_read_s_answer_is_awaited_on_the_event_loop_as_on_a_thread(
+    redis_url: str,
+) -> None:
+    # The gateway waits on its asyncio client (a thread held per wait starved /readyz):
+    # the same slices below the socket timeout, and None once the timeout has passed.
+    worker_store = JobStore.from_url(redis_url)
+
+    async def awaited() -> None:
+        gateway_store = AsyncJobStore.from_url(redis_url, socket_timeout=1.0)
+        try:
+            key = worker_store.new_reply_key()
+            answering = asyncio.create_task(
+                asyncio.to_thread(_later, 1.6, worker_store.reply, key, '{"found": null}')
+            )
+            assert await gateway_store.await_reply(key, 3.0) == '{"found": null}'
+            await answering
+            started = time.monotonic()
+            assert await gateway_store.await_reply(worker_store.new_reply_key(), 1.5) is None
+            assert time.monotonic() - started >= 1.5
+        finally:
+            await gateway_store.close()
+
+    try:
+        asyncio.run(awaited())
+    finally:
+        worker_store.close()
+
+
+def test_index_reads_past_the_reply_waits_take_turns_within_their_timeout(
+    redis_url: str,
+) -> None:
+    # One wait at a time: a second read's answer is still taken when the first's slice ends,
+    # and a read that never gets a turn within its timeout is None, not late.
+    worker_store = JobStore.from_url(redis_url)
+
+    async def awaited() -> None:
+        client = redis.asyncio.Redis.from_url(redis_url, decode_responses=True)
+        gateway_store = AsyncJobStore(client, reply_waits=1)
+        try:
+            first, second = worker_store.new_reply_key(), worker_store.new_reply_key()
+            worker_store.reply(second, "second")
+            unanswered = asyncio.create_task(gateway_store.await_reply(first, 2.5))
+            await asyncio.sleep(0.1)  # the first holds the one turn, in a BLPOP of 1 s
+            assert await gateway_store.await_reply(second, 2.0) == "second"
+            started = time.monotonic()
+            assert await gateway_store.await_reply(worker_store.new_reply_key(), 0.2) is None
+            assert time.monotonic() - started < 1.0  # its 0.2 s, not the first's slice
+            assert await unanswered is None
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(awaited())
+    finally:
+        worker_store.close()
+
+
+def _later(delay: float, fn: Any, *args: Any) -> None:
+    time.sleep(delay)
+    fn(*args)

@@ -1,9 +1,12 @@
-"""The gateway's store on ``redis.asyncio``: a search's create and the in-flight gauge, with the
-same scripts and arguments as the threaded :class:`~worker.queue.jobstore.JobStore`.
+"""The gateway's store on ``redis.asyncio``: a search's create, the in-flight gauge and the wait
+for an index read's answer, with the same scripts and arguments as the threaded
+:class:`~worker.queue.jobstore.JobStore`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from typing import cast
 
 import redis
@@ -12,11 +15,13 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ConstantBackoff
 
 from worker.constants import (
+    INDEX_REPLY_WAITS,
     RESULT_TTL_SECONDS,
     STATS_KEY,
 )
 from worker.contract import SearchSpec
 from worker.queue.jobstore.idempotency import IdempotencyRef
+from worker.queue.jobstore.lifecycle import MIN_REPLY_SLICE_SECONDS, reply_slice_seconds
 from worker.queue.jobstore.records import Enqueue, SearchJob, _in_flight
 from worker.queue.jobstore.scripts import _CREATE_SEARCH
 from worker.queue.jobstore.searches import _create_search_call, _new_search, _search_created
@@ -33,14 +38,21 @@ class AsyncJobStore:
 
     store = AsyncJobStore.from_url("redis://localhost:6379/0", max_connections=128)
     job = await store.create_search("acme", spec, enqueue=outbox.messages_for(...))
+    answer = await store.await_reply(key, 10.0)  # an index read's, or None
     """
 
     def __init__(
-        self, client: redis.asyncio.Redis, *, result_ttl: int = RESULT_TTL_SECONDS
+        self,
+        client: redis.asyncio.Redis,
+        *,
+        result_ttl: int = RESULT_TTL_SECONDS,
+        reply_waits: int = INDEX_REPLY_WAITS,
     ) -> None:
         self.redis = client
         self.result_ttl = result_ttl
         self._create_search = client.register_script(_CREATE_SEARCH)
+        # the connections index reads' BLPOPs take at once; the rest stay the searches'
+        self._reply_waits = asyncio.Semaphore(reply_waits)
 
     @classmethod
     def from_url(
@@ -105,3 +117,28 @@ class AsyncJobStore:
     async def in_flight(self) -> dict[str, int]:
         """:meth:`JobStore.in_flight`, awaited."""
         return _in_flight(cast(dict[str, str], await self.redis.hgetall(STATS_KEY)))
+
+    async def await_reply(self, key: str, timeout: float) -> str | None:
+        """:meth:`JobStore.await_reply`, awaited: the answer to one index read, or None if none
+        came within ``timeout`` seconds, in the same ``BLPOP`` slices. It holds no thread
+        while it waits (the threaded one held one of the 40 that ``/readyz`` and every
+        blocking call share), and a connection only for a slice, one of ``reply_waits`` at
+        most; a slice waits its turn within ``timeout``."""
+        kwargs = self.redis.connection_pool.connection_kwargs
+        longest = reply_slice_seconds(kwargs.get("socket_timeout"))
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                async with asyncio.timeout(left):
+                    await self._reply_waits.acquire()
+            except TimeoutError:
+                return None
+            try:
+                left = deadline - time.monotonic()
+                slice_ = max(MIN_REPLY_SLICE_SECONDS, min(left, longest))
+                found = cast(list[str] | None, await self.redis.blpop([key], timeout=slice_))
+            finally:
+                self._reply_waits.release()
+            if found is not None:
+                return found[1]
+        return None

@@ -61,17 +61,31 @@ class LifecycleRecords(IngestRecords):
     def await_reply(self, key: str, timeout: float) -> str | None:
         """The answer to one index read, or None if none came within ``timeout`` seconds.
 
-        Waits in ``BLPOP``s of a second at most, and half the client's socket timeout: one of
-        the whole wait (10 s) was cut by the gateway's socket timeout
-        (``SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS``, 10 s) as if Redis had stalled. A Redis that
-        does stall still fails the slice at that timeout."""
-        socket_timeout = self.redis.connection_pool.connection_kwargs.get("socket_timeout")
-        longest = min(1.0, socket_timeout / 2) if socket_timeout else 1.0
+        Waits in ``BLPOP``s of :func:`reply_slice_seconds`. The gateway waits with
+        :meth:`AsyncJobStore.await_reply <worker.queue.jobstore.AsyncJobStore.await_reply>`,
+        on its event loop: this one holds a thread for the whole wait."""
+        kwargs = self.redis.connection_pool.connection_kwargs
+        longest = reply_slice_seconds(kwargs.get("socket_timeout"))
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
-            # at least 10 ms: a BLPOP timeout Redis reads as 0 would block for good
-            slice_ = max(0.01, min(left, longest))
+            slice_ = max(MIN_REPLY_SLICE_SECONDS, min(left, longest))
             found = cast(tuple[str, str] | None, self.redis.blpop([key], timeout=slice_))
             if found is not None:
                 return found[1]
         return None
+
+
+# at least 10 ms: a BLPOP timeout Redis reads as 0 would block for good
+MIN_REPLY_SLICE_SECONDS = 0.01
+
+
+def reply_slice_seconds(socket_timeout: float | None) -> float:
+    """The longest ``BLPOP`` of a wait for an index read's answer: a second at most, and half
+    the client's socket timeout. One of the whole wait (10 s) was cut by the gateway's socket
+    timeout (``SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS``, 10 s) as if Redis had stalled. A Redis
+    that does stall still fails the slice at that timeout.
+
+    >>> reply_slice_seconds(10.0), reply_slice_seconds(1.0), reply_slice_seconds(None)
+    (1.0, 0.5, 1.0)
+    """
+    return min(1.0, socket_timeout / 2) if socket_timeout else 1.0
