@@ -934,25 +934,7 @@ def test_an_index_read_s_answer_is_awaited_past_the_client_s_socket_timeout(
     # The gateway's store has a 10 s socket timeout and waits up to 10 s for a worker's
     # answer to an index read: one BLPOP of the whole wait was cut by the socket timeout, a
     # 503 "Redis did not answer" where the worker had answered or "no worker answered" was due.
-    gateway_store = JobStore.from_url(redis_url, socket_timeout=1.0)
-    key = gateway_store.new_reply_key()
-    worker_store = JobStore.from_url(redis_url)
-    answering = threading.Timer(1.6, worker_store.reply, (key, '{"found": null}'))
-    answering.start()
-    try:
-        assert gateway_store.await_reply(key, 3.0) == '{"found": null}'
-        assert gateway_store.await_reply(gateway_store.new_reply_key(), 1.5) is None
-    finally:
-        answering.cancel()
-        gateway_store.close()
-        worker_store.close()
-
-
-def test_an_index_read_s_answer_is_awaited_on_the_event_loop_as_on_a_thread(
-    redis_url: str,
-) -> None:
-    # The gateway waits on its asyncio client (a thread held per wait starved /readyz):
-    # the same slices below the socket timeout, and None once the timeout has passed.
+    # It waits on its asyncio client (a wait on a thread held one /readyz needed).
     worker_store = JobStore.from_url(redis_url)
 
     async def awaited() -> None:

@@ -119,9 +119,9 @@ class AsyncJobStore:
         return _in_flight(cast(dict[str, str], await self.redis.hgetall(STATS_KEY)))
 
     async def await_reply(self, key: str, timeout: float) -> str | None:
-        """:meth:`JobStore.await_reply`, awaited: the answer to one index read, or None if none
-        came within ``timeout`` seconds, in the same ``BLPOP`` slices. It holds no thread
-        while it waits (the threaded one held one of the 40 that ``/readyz`` and every
+        """The answer to one index read (:meth:`JobStore.reply`), or None if none came within
+        ``timeout`` seconds, in ``BLPOP``s of :func:`reply_slice_seconds`. It holds no thread
+        while it waits (a wait on a thread held one of the 40 that ``/readyz`` and every
         blocking call share), and a connection only for a slice, one of ``reply_waits`` at
         most; a slice waits its turn within ``timeout``."""
         kwargs = self.redis.connection_pool.connection_kwargs

@@ -7,13 +7,13 @@ version comes from the counter every upsert's does, so the backend can order the
 
 An index read (list, show, one document) runs on a worker, which holds the backend; it
 answers by pushing JSON onto a one-off list, ``INDEX_REPLY_KEY`` + a request id, that the
-gateway pops with a blocking ``BLPOP``.
+gateway pops with ``BLPOP``s of :func:`reply_slice_seconds`
+(:meth:`AsyncJobStore.await_reply <worker.queue.jobstore.AsyncJobStore.await_reply>`).
 """
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Sequence
 from typing import cast
@@ -57,22 +57,6 @@ class LifecycleRecords(IngestRecords):
         pipe.rpush(key, answer)
         pipe.expire(key, INDEX_REPLY_TTL_SECONDS)
         pipe.execute()
-
-    def await_reply(self, key: str, timeout: float) -> str | None:
-        """The answer to one index read, or None if none came within ``timeout`` seconds.
-
-        Waits in ``BLPOP``s of :func:`reply_slice_seconds`. The gateway waits with
-        :meth:`AsyncJobStore.await_reply <worker.queue.jobstore.AsyncJobStore.await_reply>`,
-        on its event loop: this one holds a thread for the whole wait."""
-        kwargs = self.redis.connection_pool.connection_kwargs
-        longest = reply_slice_seconds(kwargs.get("socket_timeout"))
-        deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            slice_ = max(MIN_REPLY_SLICE_SECONDS, min(left, longest))
-            found = cast(tuple[str, str] | None, self.redis.blpop([key], timeout=slice_))
-            if found is not None:
-                return found[1]
-        return None
 
 
 # at least 10 ms: a BLPOP timeout Redis reads as 0 would block for good
