@@ -140,9 +140,13 @@ def test_a_bad_id_names_the_field_as_the_line_spells_it(tmp_path: Path, field: s
     )
 
 
-def test_a_bad_document_id_names_the_field_as_the_line_spells_it(tmp_path: Path) -> None:
+def test_a_bad_document_id_names_the_field_as_the_line_spells_it(
+    tmp_path: Path, stack: Stack
+) -> None:
+    """Against a gateway that answers (``sift ingest`` asks it first, before reading the
+    file), the line is refused as it spells its id, and nothing is sent."""
     source = tmp_path / "corpus.jsonl"
     source.write_text(json.dumps({"_id": 5, "text": "x"}) + "\n")
-    result = _sift("http://127.0.0.1:9", "ingest", str(source), "--index", INDEX)
+    result = _sift(stack.idle_url, "ingest", str(source), "--index", INDEX)
     assert result.exit_code == 1, result.output
     assert "field '_id'" in result.output and "nothing was sent" in result.output, result.output
