@@ -278,13 +278,13 @@ def _summary(
     loaded: Loaded,
     chunks: list[list[dict[str, Any]]],
     tally: _Tally,
+    distinct: int,
     seconds: float,
 ) -> dict[str, Any]:
     """``sift ingest --json``'s one object: how the run ended, and its counts. ``indexed``
     counts each line's write, as the jobs report it; ``known_indexed`` the documents whose
     job succeeded; ``resume_from_line`` is the first line not known indexed (null: none)."""
     documents = loaded.records
-    distinct = len({d["id"] for d in documents})
     first = _first_not_known(chunks, tally.done)
     known = sum(tally.done)
     return {
@@ -419,7 +419,6 @@ def ingest(
                 raise InputError(f"{file}: no documents to send{since}")
             chunks = _chunks(documents, batch_size)
         started = time.monotonic()
-        indexed = 0
         tally = _Tally.of(len(chunks))
         done, unsettled = tally.done, tally.unsettled
         stopping = threading.Event()  # Ctrl-C or a failure: no more requests, no more polls
@@ -442,6 +441,8 @@ def ingest(
                 client, index, reader.take(i), on_indexed, stopping, unsettled.append, on_job
             )
 
+        distinct = len({d["id"] for d in documents})  # a repeated id replaces its earlier line
+
         def say_json(status: str, error: str | None = None) -> None:
             if json_out:
                 seconds = time.monotonic() - started
@@ -454,13 +455,13 @@ def ingest(
                     loaded=loaded,
                     chunks=chunks,
                     tally=tally,
+                    distinct=distinct,
                     seconds=seconds,
                 )
                 typer.echo(json.dumps(summary))
 
         # Two requests in flight keep the worker busy while a finished job is answered and
         # the next one sent; only when no id repeats, so a repeated id's last line still wins.
-        distinct = len({d["id"] for d in documents})
         in_flight = 2 if distinct == len(documents) else 1
         try:
             with progress_bar(console) as progress, _pool(in_flight) as pool:
@@ -468,7 +469,7 @@ def ingest(
                 try:
                     sent = [pool.submit(send, i) for i in range(len(chunks))]
                     for chunk, reply in zip(chunks, sent, strict=True):
-                        indexed += reply.result()
+                        reply.result()  # its upserted count is in the tally
                         progress.advance(task, len(chunk))
                 except KeyboardInterrupt:
                     stopping.set()
@@ -518,7 +519,8 @@ def ingest(
             raise typer.Exit(signals.code)
         elapsed = time.monotonic() - started
         console.print(
-            f"indexed [bold]{indexed}[/] document(s) into [bold]{index}[/] in {elapsed:.1f} s"
+            f"indexed [bold]{sum(tally.upserted)}[/] document(s) into [bold]{index}[/] "
+            f"in {elapsed:.1f} s"
             + (f", from line {from_line} of {plain(file)}" if from_line > 1 else "")
             + (f"; skipped {len(loaded.problems)} invalid line(s)" if loaded.problems else "")
             # each line's write is counted: the index holds one document an id
