@@ -1,4 +1,5 @@
-"""Fixtures the integration modules share: a real redis-server per module, a clean store."""
+"""Fixtures the integration modules share: a real redis-server per module, a clean store, the
+gateway app on it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from starlette.testclient import TestClient
 
+from api_gateway.app import create_app
+from tests.integration.gateway_app import gateway_settings
 from tests.services import redis_server
 from worker.queue.jobstore import JobStore
 
@@ -26,6 +30,14 @@ def store(redis_url: str) -> Iterator[JobStore]:
     store.redis.flushdb()
     yield store
     store.close()
+
+
+@pytest.fixture
+def client(redis_url: str, store: JobStore) -> Iterator[TestClient]:
+    """The gateway app on the emptied database ``store`` gives (acme's key:
+    :mod:`tests.integration.gateway_app`)."""
+    with TestClient(create_app(gateway_settings(redis_url))) as client:
+        yield client
 
 
 @pytest.fixture

@@ -20,27 +20,15 @@ import redis
 from prometheus_client import REGISTRY
 from starlette.testclient import TestClient
 
-from api_gateway.app import create_app
+from tests.integration.gateway_app import ACME
 from worker.constants import BATCH_KEY, BATCH_QUEUE, ECONOMY_CANCEL_TASK, SEARCH_QUEUE
 from worker.contract import SearchSpec
 from worker.queue import base, tasks
 from worker.queue.jobstore import JobStore
 from worker.runtime.ratelimit import ProviderLimiter
-from worker.settings import ApiKey, Settings, load_settings
+from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
-
-KEY = "key-acme-0123456789"
-ACME = {"Authorization": f"Bearer {KEY}"}
-SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LKLYYb"
-
-
-@pytest.fixture
-def client(redis_url: str, store: JobStore) -> Iterator[TestClient]:
-    key = ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)
-    settings = Settings(redis_url=redis_url, api_keys=[key])
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 @pytest.fixture

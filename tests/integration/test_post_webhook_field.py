@@ -9,32 +9,15 @@ needed (the jobs stay queued). The host is a public literal: nothing to look up.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from starlette.testclient import TestClient
 
-from api_gateway.app import create_app
-from worker.queue.jobstore import JobStore
-from worker.settings import ApiKey, Settings
+from tests.integration.gateway_app import ACME
 
-KEY = "key-acme-0123456789"
-ACME = {"Authorization": f"Bearer {KEY}"}
-SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LKLYYb"
 HOOK = "http://93.184.216.34/hook"
 PENDING = {"status": "pending", "attempts": 0}
 SEARCH = {"index": "docs", "query": "tea"}
 BATCH = {"index": "docs", "queries": [{"id": "a", "query": "tea"}]}
-
-
-@pytest.fixture
-def client(redis_url: str, store: JobStore) -> Iterator[TestClient]:
-    """The gateway app on the emptied database ``store`` gives."""
-    settings = Settings(
-        redis_url=redis_url, api_keys=[ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)]
-    )
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 @pytest.mark.parametrize(("path", "body"), [("/v1/searches", SEARCH), ("/v1/batches", BATCH)])

@@ -12,23 +12,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from api_gateway.app import create_app
+from tests.integration.gateway_app import ACME, gateway_settings
 from worker.contract import SearchSpec
 from worker.queue.jobstore import JobStore
-from worker.settings import ApiKey, Settings
 
-KEY = "key-acme-0123456789"
-ACME = {"Authorization": f"Bearer {KEY}"}
-SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LKLYYb"
 SEARCH = {"index": "docs", "query": "tea"}
-
-
-@pytest.fixture
-def client(redis_url: str, store: JobStore) -> Iterator[TestClient]:
-    settings = Settings(
-        redis_url=redis_url, api_keys=[ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)]
-    )
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 @pytest.fixture
@@ -114,10 +102,7 @@ def test_a_redis_that_refuses_info_admits_by_nothing_else(redis_url: str, store:
     )
     try:
         host = redis_url.removeprefix("redis://")
-        settings = Settings(
-            redis_url=f"redis://noinfo:pw@{host}",
-            api_keys=[ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)],
-        )
+        settings = gateway_settings(f"redis://noinfo:pw@{host}")
         with TestClient(create_app(settings)) as client:
             made = client.post("/v1/searches", json=SEARCH, headers=ACME)
     finally:

@@ -15,33 +15,19 @@ from __future__ import annotations
 
 import gzip
 import json
-from collections.abc import Iterator
 
 import pytest
 from starlette.testclient import TestClient
 
 from api_gateway.app import create_app
 from api_gateway.schemas import iso
+from tests.integration.gateway_app import ACME, gateway_settings
 from worker.queue.jobstore import JobStore
-from worker.settings import ApiKey, Settings
 
-KEY = "key-acme-0123456789"
-ACME = {"Authorization": f"Bearer {KEY}"}
 SEARCH = {"index": "docs", "query": "tea"}
 QUERY = {"id": "a", "query": "tea"}
 BATCH = {"index": "docs", "queries": [QUERY]}
-SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LKLYYb"
 JOB = "srch_" + "0" * 32
-
-
-@pytest.fixture
-def client(redis_url: str, store: JobStore) -> Iterator[TestClient]:
-    """The gateway app on the emptied database ``store`` gives."""
-    settings = Settings(
-        redis_url=redis_url, api_keys=[ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)]
-    )
-    with TestClient(create_app(settings)) as client:
-        yield client
 
 
 @pytest.mark.parametrize(
@@ -346,11 +332,7 @@ def test_a_webhook_url_on_port_0_is_422_naming_webhook_url(client: TestClient, p
 
 
 def test_a_rerank_with_a_generation_model_is_accepted(redis_url: str, store: JobStore) -> None:
-    settings = Settings(
-        redis_url=redis_url,
-        api_keys=[ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)],
-        generation_model="anthropic:claude-haiku-4-5",
-    )
+    settings = gateway_settings(redis_url, generation_model="anthropic:claude-haiku-4-5")
     with TestClient(create_app(settings)) as client:
         for path, body in [("/v1/searches", SEARCH), ("/v1/batches", BATCH)]:
             response = client.post(path, json={**body, "rerank": True}, headers=ACME)
@@ -728,8 +710,7 @@ def test_a_body_refused_before_it_is_read_has_every_4xxs_shape(
 ) -> None:
     """The middleware wrote its own bodies: no ``fields``, and spaces after each ``:`` and
     ``,``, where every other 4xx (a body sent as a form's, here) is compact with ``fields``."""
-    key = ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)
-    settings = Settings(redis_url=redis_url, api_keys=[key], max_body_bytes=1024)
+    settings = gateway_settings(redis_url, max_body_bytes=1024)
     with TestClient(create_app(settings)) as client:
         response = client.post("/v1/searches", content=body, headers={**ACME, **headers})
         form = client.post("/v1/searches", content=b"a=b", headers={**ACME, "content-type": "x/y"})

@@ -12,21 +12,13 @@ from pydantic import ValidationError
 from starlette.testclient import TestClient
 
 from api_gateway.app import create_app
+from tests.integration.gateway_app import ACME, gateway_settings
 from worker.constants import BATCH_KEY, MIN_RESULT_RETENTION_SECONDS, SEARCH_KEY
 from worker.contract import ErrorInfo, SearchSpec
 from worker.queue import base
 from worker.queue.jobstore import JobStore
-from worker.settings import ApiKey, Settings
 
-KEY = "key-acme-0123456789"
-ACME = {"Authorization": f"Bearer {KEY}"}
-SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LKLYYb"
 THREE_DAYS = 3 * 24 * 3600
-
-
-def _settings(redis_url: str, **changes: object) -> Settings:
-    keys = [ApiKey(key=KEY, tenant="acme", webhook_secret=SECRET)]
-    return Settings(redis_url=redis_url, api_keys=keys, **changes)  # type: ignore[arg-type]
 
 
 def _within(ttl: int, seconds: int) -> bool:
@@ -39,7 +31,7 @@ def worker_context(
 ) -> Iterator[base.WorkerContext]:
     """The worker process's context, built afresh from settings with a 3-day retention."""
     monkeypatch.setattr(base, "_context", None)
-    context = base.get_context(_settings(redis_url, result_retention_seconds=THREE_DAYS))
+    context = base.get_context(gateway_settings(redis_url, result_retention_seconds=THREE_DAYS))
     yield context
     context.store.close()
 
@@ -47,7 +39,9 @@ def worker_context(
 def test_the_gateway_keeps_what_it_creates_for_the_retention_set(
     redis_url: str, store: JobStore
 ) -> None:
-    with TestClient(create_app(_settings(redis_url, result_retention_seconds=THREE_DAYS))) as c:
+    with TestClient(
+        create_app(gateway_settings(redis_url, result_retention_seconds=THREE_DAYS))
+    ) as c:
         search = c.post("/v1/searches", json={"index": "docs", "query": "tea"}, headers=ACME)
         batch = c.post(
             "/v1/batches",
@@ -74,4 +68,4 @@ def test_the_worker_ends_a_job_with_the_retention_set(
 
 def test_a_retention_shorter_than_a_webhooks_retries_is_refused(redis_url: str) -> None:
     with pytest.raises(ValidationError, match="result_retention_seconds"):
-        _settings(redis_url, result_retention_seconds=MIN_RESULT_RETENTION_SECONDS - 1)
+        gateway_settings(redis_url, result_retention_seconds=MIN_RESULT_RETENTION_SECONDS - 1)
