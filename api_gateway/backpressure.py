@@ -134,6 +134,11 @@ class Backlog:
 #: queued could not end. What is left is theirs.
 MEMORY_ADMITTED = 0.9
 FULL_RETRY_AFTER_SECONDS = 30  # a full Redis frees as finished jobs expire: not within seconds
+#: What frees a full job store, said by its 503s (nearly full here, full in api_gateway.errors)
+FREES = (
+    "it frees as finished jobs expire (SIFT_RESULT_RETENTION_SECONDS), or with a larger "
+    f"maxmemory; retry after {FULL_RETRY_AFTER_SECONDS} s"
+)
 
 MemoryReading = Callable[[], Awaitable[tuple[int, int]]]  # AsyncJobStore.memory
 
@@ -145,8 +150,7 @@ class StoreFull(Exception):
         super().__init__(
             f"the job store is nearly full: Redis holds {used / limit:.0%} of its maxmemory, "
             f"and new jobs are refused past {MEMORY_ADMITTED:.0%} so those running can end; "
-            f"it frees as finished jobs expire (SIFT_RESULT_RETENTION_SECONDS), or with a "
-            f"larger maxmemory; retry after {FULL_RETRY_AFTER_SECONDS} s"
+            + FREES
         )
 
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from api_gateway.backpressure import FREES, FULL_RETRY_AFTER_SECONDS
 from api_gateway.bodies import field_of
 from api_gateway.paths import has_encoded_slash
 from worker.errors import InvalidRequest, validation_message
@@ -25,7 +26,6 @@ from worker.errors import InvalidRequest, validation_message
 log = logging.getLogger(__name__)
 
 UNAVAILABLE_RETRY_AFTER_SECONDS = 1  # a Redis restart takes about that long
-FULL_RETRY_AFTER_SECONDS = 30  # a full Redis frees as jobs expire: not within a second
 _METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 _HEADER_NAMES = {"idempotency-key": "Idempotency-Key", "authorization": "Authorization"}
 
@@ -310,9 +310,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(
             503,
             "unavailable",
-            "the job store is full (Redis reached its maxmemory): nothing was stored; it "
-            "frees as finished jobs expire (SIFT_RESULT_RETENTION_SECONDS), or with a larger "
-            f"maxmemory; retry after {FULL_RETRY_AFTER_SECONDS} s",
+            "the job store is full (Redis reached its maxmemory): nothing was stored; " + FREES,
             headers={"Retry-After": str(FULL_RETRY_AFTER_SECONDS)},
         )
 
