@@ -8,15 +8,18 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from functools import partial
+from itertools import islice
 from typing import Any
 
 from worker.constants import ECONOMY_RUNS_KEY
 from worker.contract import ErrorInfo, JobStatus
-from worker.core.pipeline import Prepared, RerankRun, SearchPipeline, as_stored, load_prepared
-from worker.errors import BackendError, IndexNotFound, RerankAttemptError, RerankFailed
+from worker.core.catalog import StoredDocument
+from worker.core.pipeline import Prepared, RerankRun, as_stored, load_prepared
+from worker.core.ports import SearchBackend
+from worker.errors import BackendError, IndexNotFound, RerankAttemptError, RerankFailed, SiftError
 from worker.observability import metrics
 from worker.queue.base import SiftTask, count_completed, error_info
-from worker.queue.economy.records import economy_pipeline, rerank_run, running_items
+from worker.queue.economy.records import PAGE, economy_pipeline, rerank_run, running_items
 from worker.queue.jobstore import BatchJob, ItemTransition
 
 log = logging.getLogger(__name__)
@@ -53,30 +56,33 @@ def finish_item(
     task: SiftTask,
     batch: BatchJob,
     query_id: str,
-    prepared: Prepared,
+    now: Prepared | SiftError,
     run: RerankRun,
     *,
     figures: Sequence[Callable[[], None]] = (),
     must_end: bool = False,
 ) -> None:
-    """The pipeline's second half for one item, and its final status. Its figures of the
-    search (and ``figures``, the caller's of the item) are counted once the item is saved: a
-    poll dying before that leaves them to the poll finishing it again, once. The backend
-    failing the read of its candidates raises (the poll is sent again), unless the item
-    ``must_end`` (its failure policy applied after the poll gave up, nothing left to run it
-    again): it then ends failed with that error, its billed usage shown."""
+    """The pipeline's second half for one item, and its final status. ``now`` is the item
+    on its candidates as stored now (:func:`as_stored_now`), or what that read met: the
+    index gone (the item ends ``index_not_found``, its billed usage shown) or the backend
+    failing. The latter raises (the poll is sent again), unless the item ``must_end`` (its
+    failure policy applied after the poll gave up, nothing left to run it again): it then
+    ends failed with that error, its billed usage shown. Its figures of the search (and
+    ``figures``, the caller's of the item) are counted once the item is saved: a poll dying
+    before that leaves them to the poll finishing it again, once."""
     pipeline = economy_pipeline(task)
     error: ErrorInfo | None = None
+    result = None
     later = list(figures)
-    try:
-        result = pipeline.finish(as_stored_now(pipeline, batch, prepared), run, later=later)
-    except RerankFailed as exc:
-        error, result = error_info(exc), None
-    except (IndexNotFound, BackendError) as exc:  # its calls billed all the same
-        if isinstance(exc, BackendError) and not must_end:
-            raise
-        exc.job_usage = run.job_usage()
-        error, result = error_info(exc), None
+    if isinstance(now, Prepared):
+        try:
+            result = pipeline.finish(now, run, later=later)
+        except RerankFailed as exc:
+            error = error_info(exc)
+    elif isinstance(now, BackendError) and not must_end:
+        raise now
+    else:  # its calls billed all the same
+        error = error_info(now).model_copy(update={"usage": run.job_usage()})
     transition = task.context.store.finish_item(batch.id, query_id, result=result, error=error)
     if count_completed("batch_item", transition.applied, error):
         for record in later:
@@ -84,39 +90,78 @@ def finish_item(
     _item_done(task, batch, transition)
 
 
-def as_stored_now(pipeline: SearchPipeline, batch: BatchJob, prepared: Prepared) -> Prepared:
-    """The item's candidates as its index holds them now (:func:`as_stored`), one read of
-    their ids: they were kept when it was prepared, and a delete or an upsert finished since
-    (while its provider batch ran, hours at most) must show in its hits. Raises
-    :class:`IndexNotFound` when the tenant's index is gone (dropped, or emptied), as a search
-    on it would."""
-    if not prepared.candidates:
-        return prepared
-    backend = pipeline.backend
-    index, ids = prepared.spec.index, [c.document.id for c in prepared.candidates]
-    stored = backend.stored_documents(index, batch.tenant, ids)
-    if not stored and not backend.channels(index, batch.tenant):
-        raise IndexNotFound(index)
-    return as_stored(prepared, stored)
+#: Ids per read of stored documents: a page of 500 items of 50 candidates each, all on one
+#: index, is 25 reads at most (fewer as their candidates overlap), each an ``_mget`` of
+#: 1,000 documents on Elasticsearch (their texts, never their vectors).
+STORED_READ_IDS = 1_000
+
+
+def as_stored_now(
+    backend: SearchBackend, tenant: str, items: Sequence[Prepared]
+) -> list[Prepared | SiftError]:
+    """Each item on its candidates as its index holds them now (:func:`as_stored`): they
+    were kept when it was prepared, and a delete or an upsert finished since (while its
+    provider batch ran, hours at most) must show in its hits. The candidates of all the
+    items on one index are read together, :data:`STORED_READ_IDS` ids at a time: read item
+    by item, a provider batch of 100,000 items was 100,000 calls to the backend in its poll.
+    An item whose index is gone (dropped, or emptied) is :class:`IndexNotFound`, as a
+    search on it would be; the items of an index whose read failed, its
+    :class:`BackendError`."""
+    now: list[Prepared | SiftError] = list(items)
+    by_index: dict[str, list[int]] = {}
+    for n, item in enumerate(items):
+        if item.candidates:  # none: nothing to read, nothing gone
+            by_index.setdefault(item.spec.index, []).append(n)
+    for index, members in by_index.items():
+        try:
+            stored = _stored(backend, index, tenant, [items[n] for n in members])
+        except BackendError as exc:
+            for n in members:
+                now[n] = exc
+            continue
+        for n in members:
+            now[n] = IndexNotFound(index) if stored is None else as_stored(items[n], stored)
+    return now
+
+
+def _stored(
+    backend: SearchBackend, index: str, tenant: str, items: Sequence[Prepared]
+) -> dict[str, StoredDocument] | None:
+    """The items' candidates as ``index`` holds them now, by id; None if the tenant's index
+    is gone (it holds none of them, nor any other document)."""
+    ids = list(dict.fromkeys(c.document.id for item in items for c in item.candidates))
+    stored: dict[str, StoredDocument] = {}
+    for start in range(0, len(ids), STORED_READ_IDS):
+        stored.update(backend.stored_documents(index, tenant, ids[start : start + STORED_READ_IDS]))
+    if not stored and not backend.channels(index, tenant):
+        return None
+    return stored
 
 
 def fail_items(
     task: SiftTask, batch: BatchJob, query_ids: Sequence[str], failure: RerankAttemptError
 ) -> None:
-    """Apply the failure policy to running items that could not be sent or polled. Each
-    item's failed attempt is counted in the metrics once its failure is saved: a task killed
-    between the two, run again, fails the item again, and counted first, it counted the
-    attempt twice (and once for an item another run had finished meanwhile)."""
+    """Apply the failure policy to running items that could not be sent or polled, a page
+    at a time (their candidates read together: :func:`as_stored_now`). Each item's failed
+    attempt is counted in the metrics once its failure is saved: a task killed between the
+    two, run again, fails the item again, and counted first, it counted the attempt twice
+    (and once for an item another run had finished meanwhile)."""
     pipeline = economy_pipeline(task)
-    for qid, data, record in running_items(task, batch, query_ids):
-        run = rerank_run(record)
-        model = record.get("model")  # the model its request went to, if it was sent
-        cost = pipeline.add_attempt(
-            run, failure.outcome, None, 0.0, model=model, provider_error=True
-        )
-        run.failure = failure
-        counted = partial(pipeline.count_attempt, failure.outcome, None, cost, model)
-        prepared = load_prepared(pipeline, data)
-        if model:
-            prepared.trace["model"] = model
-        finish_item(task, batch, qid, prepared, run, figures=[counted], must_end=True)
+    items = running_items(task, batch, query_ids)
+    while page := list(islice(items, PAGE)):
+        ending = []
+        for qid, data, record in page:
+            run = rerank_run(record)
+            model = record.get("model")  # the model its request went to, if it was sent
+            cost = pipeline.add_attempt(
+                run, failure.outcome, None, 0.0, model=model, provider_error=True
+            )
+            run.failure = failure
+            counted = partial(pipeline.count_attempt, failure.outcome, None, cost, model)
+            prepared = load_prepared(pipeline, data)
+            if model:
+                prepared.trace["model"] = model
+            ending.append((qid, prepared, run, counted))
+        stored = as_stored_now(pipeline.backend, batch.tenant, [item for _, item, _, _ in ending])
+        for (qid, _, run, counted), now in zip(ending, stored, strict=True):
+            finish_item(task, batch, qid, now, run, figures=[counted], must_end=True)

@@ -25,7 +25,7 @@ from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.observability.logcontext import job_context
 from worker.queue.base import SiftTask
 from worker.queue.economy.cancel import cancel_sent
-from worker.queue.economy.finish import cancel_item, fail_items, finish_item
+from worker.queue.economy.finish import as_stored_now, cancel_item, fail_items, finish_item
 from worker.queue.economy.ids import custom_id, position_of, submission_of
 from worker.queue.economy.leases import expect
 from worker.queue.economy.records import (
@@ -267,17 +267,17 @@ def _map_page(
     for one in fresh:
         assert one.counted is not None
         pipeline.count_attempt(*one.counted)
-    resubmit: list[str] = []
-    for one in mapped:
-        if one.record["resubmit"]:
-            resubmit.append(one.qid)
-            continue
+    resubmit = [one.qid for one in mapped if one.record["resubmit"]]
+    ending = [one for one in mapped if not one.record["resubmit"]]
+    # the page's candidates read as stored now, together: not a backend call per item
+    stored = as_stored_now(pipeline.backend, batch.tenant, [one.item for one in ending])
+    for one, held in zip(ending, stored, strict=True):
         if one.line.reply is not None:
             one.run.reply, one.run.returned = one.line.reply, one.line.reply.positions
         else:
             one.run.failure = one.failure
         with job_context(f"{batch.id}/{one.qid}"):
-            finish_item(task, batch, one.qid, one.item, one.run)
+            finish_item(task, batch, one.qid, held, one.run)
     return resubmit
 
 
