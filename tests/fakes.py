@@ -106,6 +106,9 @@ class InMemoryBackend:
     def probe(self, index: str, tenant: str, *, timeout_seconds: float | None = None) -> IndexProbe:
         return IndexProbe(self.channels(index, tenant), self.models.get((index, tenant)))
 
+    def holds(self, index: str, tenant: str) -> bool:
+        return bool(self.channels(index, tenant))
+
     def upsert(
         self,
         index: str,

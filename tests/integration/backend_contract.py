@@ -25,11 +25,12 @@ import pytest
 
 from tests.fakes import FakeEmbedder
 from worker.contract import Channel, FilterValue, SearchSpec
-from worker.core.pipeline import PipelineConfig, SearchPipeline
+from worker.core.pipeline import PipelineConfig, Prepared, SearchPipeline
 from worker.core.ports import SearchBackend
-from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters
+from worker.core.types import Candidate, ChannelQuery, ChannelResults, Document, HardFilters
 from worker.errors import IndexLimitReached, IndexNotFound
 from worker.queue import lifecycle
+from worker.queue.economy.finish import as_stored_now
 
 EMBEDDER = FakeEmbedder()
 BOTH: tuple[Channel, ...] = ("bm25", "knn")
@@ -287,7 +288,8 @@ class LifecycleContract(BackendContract):
     """The index lifecycle (:class:`~worker.core.ports.IndexCatalog`) on top of the channel
     contract, for the real backends: delete by id and a tenant's index from both channels,
     versioned writes (a drop's included), and list, count and get, always the tenant's
-    own."""
+    own. Subclasses also provide ``another``: another worker process's backend on the same
+    store (with memos of its own)."""
 
     #: A write run again after a newer write of its ids counts what its first run wrote (the
     #: embedded backend keeps each write's count in its transaction); Elasticsearch, with no
@@ -424,6 +426,33 @@ class LifecycleContract(BackendContract):
         assert self.all_ids(backend, index, "globex")[1] == {d.id for d in CORPUS}
         self.load(backend, index, "acme", CORPUS[:1])  # the name works again
         assert backend.index_info(index, "acme").documents == 1
+
+    @pytest.mark.parametrize("gone_by", ["a drop", "deletes by id"])
+    def test_an_item_finished_after_its_index_went_elsewhere_is_index_not_found(
+        self, backend: Any, another: Any, index: str, gone_by: str
+    ) -> None:
+        """An economy item finishes hours after its retrieval, in the worker polling its
+        provider batch; the index may have gone meanwhile, by a drop or deletes run in
+        another worker process. The finish asked :meth:`channels` whether it still existed,
+        which Elasticsearch answers from this process's memo of the index's vectors for a
+        minute: the item succeeded with no hit instead of ending ``index_not_found``. The
+        question is now asked of the store itself."""
+        self.load(backend, index, "acme")
+        self.load(backend, index, "globex")
+        assert backend.probe(index, "acme").channels == frozenset(BOTH)  # as a search asks
+        candidates = [Candidate(d, rank, 0.1, {}, {}) for rank, d in enumerate(CORPUS, 1)]
+        item = Prepared(SearchSpec(index=index, query="bone"), candidates, {})
+        another.delete_documents(index, "acme", ["vitd"], version=None)
+        [held] = as_stored_now(backend, "acme", [item])
+        assert isinstance(held, Prepared) and held.gone == {"vitd"}, held
+        if gone_by == "a drop":
+            another.delete_index(index, "acme", version=None)
+        else:
+            another.delete_documents(index, "acme", [d.id for d in CORPUS], version=None)
+        [held] = as_stored_now(backend, "acme", [item])
+        assert isinstance(held, IndexNotFound), held
+        [theirs] = as_stored_now(backend, "globex", [item])  # another tenant's is there
+        assert isinstance(theirs, Prepared) and not theirs.gone, theirs
 
     def test_a_tenant_holds_at_most_its_limit_of_indexes(self, backend: Any, index: str) -> None:
         """A write that would make one index more than ``max_indexes_per_tenant`` fails

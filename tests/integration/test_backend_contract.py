@@ -33,3 +33,7 @@ class TestEmbeddedBackendContract(LifecycleContract):
     @pytest.fixture
     def backend(self, tmp_path: Path) -> SearchBackend:
         return EmbeddedBackend(tmp_path / "data")
+
+    @pytest.fixture
+    def another(self, tmp_path: Path) -> SearchBackend:
+        return EmbeddedBackend(tmp_path / "data")

@@ -65,6 +65,10 @@ class TestElasticsearchContract(LifecycleContract):
         yield backend
         delete_every_tenants(backend, index)
 
+    @pytest.fixture
+    def another(self) -> ElasticsearchBackend:
+        return live_backend()
+
 
 def bm25_hits(backend: ElasticsearchBackend, index: str, tenant: str) -> list[tuple[str, float]]:
     query = ChannelQuery(index, HardFilters(tenant), ("bm25",), 10, "alpha beta", None, 10.0)

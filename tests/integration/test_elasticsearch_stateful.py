@@ -79,6 +79,12 @@ class TestStatefulElasticsearchContract(LifecycleContract):
     ) -> ElasticsearchBackend:
         return backend_on(fake[0])
 
+    @pytest.fixture
+    def another(
+        self, fake: tuple[FakeElasticsearchServer, StatefulElasticsearch]
+    ) -> ElasticsearchBackend:
+        return backend_on(fake[0])
+
 
 # --- the stand-in answers as ES does --------------------------------------------------------
 

@@ -41,10 +41,19 @@ class SearchBackend(Protocol):
     def channels(self, index: str, tenant: str) -> frozenset[Channel]:
         """The channels the tenant's part of this index can serve now (no vectors: no ``knn``).
 
-        Empty when the tenant holds no document in the index. This is the one test of
-        "the index exists", and it is the tenant's: an index only another tenant has must
-        answer exactly like one that does not exist (same result, same cost).
+        Empty when the tenant holds no document in the index. This is the test of "the
+        index exists" a search makes, and it is the tenant's: an index only another tenant
+        has must answer exactly like one that does not exist (same result, same cost). A
+        backend may answer it from a memo kept for a while (:meth:`probe`'s); :meth:`holds`
+        never does.
         """
+        ...
+
+    def holds(self, index: str, tenant: str) -> bool:
+        """Whether the tenant holds a document in the index now, asked of the store every
+        time, never of a memo: what a search finished long after its retrieval (an economy
+        item) asks when none of its candidates is stored any more, the index maybe dropped
+        in another process a moment ago. The tenant's, as :meth:`channels` is."""
         ...
 
     def probe(self, index: str, tenant: str, *, timeout_seconds: float | None = None) -> IndexProbe:

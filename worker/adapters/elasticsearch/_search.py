@@ -96,6 +96,24 @@ class _Search(_Bodies):
         self._saw_vectors(alias, tenant, model)
         return IndexProbe(frozenset({"bm25", "knn"}), model)
 
+    def holds(self, index: str, tenant: str) -> bool:
+        """Whether the tenant holds a document in the index now: the first of
+        :meth:`probe`'s searches alone (tenant-filtered, ``terminate_after: 1``, no hit
+        returned) on the tenant's alias, asked every time. Never the memo: its "this index
+        has vectors" answers for a minute after the index was dropped in another process. A
+        missing alias holds none."""
+        what = f"documents of index {index!r}"
+        with _translated(what, index, missing_ok=True) as missing:
+            answer = (
+                self._es()
+                .search(index=self.alias(index, tenant), **self.probe_searches(tenant)[1])
+                .body
+            )
+        if missing:
+            return False
+        _raise_if_partial(answer, what)
+        return _total(answer) > 0
+
     def _model_of(self, answer: Mapping[str, Any]) -> str | None:
         """The model field of a search answer's first hit (None: no hit, or none recorded)."""
         hits = answer.get("hits", {}).get("hits") or []

@@ -29,7 +29,7 @@ from worker.errors import BackendRequestError, IndexNotFound, InvalidRequest, Mo
 
 from ._caches import _Block, _VectorCache
 from ._pool import _deadline, _read, _translated
-from ._schema import _FILTER_KEY, _searched_index
+from ._schema import _FILTER_KEY, _holds, _searched_index
 
 _NLTK_STOPWORDS = """
     i me my myself we our ours ourselves you you're you've you'll you'd your yours
@@ -77,6 +77,12 @@ class _Search(_VectorCache):
         """``bm25`` once the tenant holds a document in the index, plus ``knn`` once one of
         them holds a vector; empty otherwise, whether or not another tenant uses the name."""
         return self.probe(index, tenant).channels
+
+    def holds(self, index: str, tenant: str) -> bool:
+        """Whether the tenant holds a document in the index now: one seek on its own rows
+        (nothing is remembered between reads here, :meth:`channels` neither)."""
+        with self._conn() as conn, _translated("holds"):
+            return _holds(conn, index, tenant)
 
     def probe(self, index: str, tenant: str, *, timeout_seconds: float | None = None) -> IndexProbe:
         """The tenant's channels (:meth:`channels`) and its index's recorded embedding model

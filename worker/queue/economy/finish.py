@@ -133,7 +133,9 @@ def _stored(
     stored: dict[str, StoredDocument] = {}
     for start in range(0, len(ids), STORED_READ_IDS):
         stored.update(backend.stored_documents(index, tenant, ids[start : start + STORED_READ_IDS]))
-    if not stored and not backend.channels(index, tenant):
+    # none of them stored: the index gone, or only they deleted. Asked of the store, not
+    # of :meth:`channels`, which Elasticsearch answers from a memo kept for a minute.
+    if not stored and not backend.holds(index, tenant):
         return None
     return stored
 
