@@ -24,7 +24,8 @@ from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.adapters.embedded import EmbeddedBackend
 from worker.constants import ECONOMY_PREPARED_KEY, LANE_ECONOMY
 from worker.contract import DocumentIn, SearchSpec
-from worker.core.pipeline import load_prepared
+from worker.core.pipeline import RerankRun, load_prepared
+from worker.errors import AttemptOutcome, BackendUnavailable, IndexNotFound, RerankAttemptError
 from worker.observability.metrics import PrometheusRecorder
 from worker.queue import economy
 from worker.queue.base import WorkerContext
@@ -37,7 +38,7 @@ from worker.settings import load_settings
 
 pytestmark = pytest.mark.integration
 
-__all__ = ["workers"]  # a fixture of these tests too
+__all__ = ["workers"]  # a fixture (test_economy_doubts.py's) these tests use too
 
 MODEL = "claude-haiku-4-5"
 TOPICS = ["apple orchard harvest", "river delta flooding", "volcano eruption ash"]
@@ -169,3 +170,86 @@ def test_a_page_s_candidates_are_read_together_and_deletes_still_show(
     assert holding  # an item had it among its candidates, as prepared
     assert all(f'"deleted_since_retrieval":["{deleted}"]' in text for text in holding), holding
     assert all(f'"id":"{deleted}"' not in text for text in shown)
+
+
+def _figures(outcome: str) -> dict[str, float]:
+    """The figures an economy item's end counts, as the Prometheus registry holds them: the
+    search done ``error``, its model answer's duration of ``outcome``, the item failed."""
+    from prometheus_client import REGISTRY
+
+    def value(name: str, labels: dict[str, str]) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    return {
+        "search_done": value(
+            "sift_search_duration_seconds_count", {"mode": "hybrid", "outcome": "error"}
+        ),
+        "rerank_done": value(
+            "sift_rerank_duration_seconds_count",
+            {"model": MODEL, "outcome": outcome, "lane": LANE_ECONOMY},
+        ),
+        "items_failed": value(
+            "sift_jobs_completed_total", {"kind": "batch_item", "status": "failed"}
+        ),
+    }
+
+
+def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in before}
+
+
+def test_an_item_ending_index_not_found_counts_its_search_and_its_answer_once(
+    context: WorkerContext, model: FakeAnthropic, backend: Counted, workers: None
+) -> None:
+    """An item whose index was dropped while its provider batch ran ends ``index_not_found``
+    with its billed usage; the model answered it, billed, but neither the search
+    (``sift_search_duration_seconds{outcome="error"}``) nor that answer
+    (``sift_rerank_duration_seconds``) was counted, as the standard lane counts a search
+    that fails after its model call. Both are now, once: not again when the item's end is
+    run again (a poll delivered again), its transition then applying nothing."""
+    batch, qids = _prepared(context, 3)
+    _submission(context, batch, qids, "1")
+    [first] = model.batches()
+    raw = context.store.economy_get(batch.id, ECONOMY_PREPARED_KEY, ["q0"])[0]
+    item = load_prepared(context.runtime.economy, json.loads(str(raw)))  # kept till it ends
+    assert backend.inner.delete_index("docs", "acme", version=None) > 0
+    before = _figures("ok")
+    task = _mapping(context, batch, first["id"])
+    results = context.store.batch_results(batch.id, 0, 3)
+    assert [r.status for r in results] == ["failed"] * 3, results
+    assert all('"index_not_found"' in (r.payload or "") for r in results), results
+    assert _grown(before, _figures("ok")) == {"search_done": 3, "rerank_done": 3, "items_failed": 3}
+    # its end run again: the item is final, nothing is counted twice
+    again = _figures("ok")
+    run = RerankRun()
+    finish.finish_item(task, batch, "q0", item, run, now=IndexNotFound("docs"))  # type: ignore[arg-type]
+    _mapping(context, batch, first["id"])
+    assert _grown(again, _figures("ok")) == {"search_done": 0, "rerank_done": 0, "items_failed": 0}
+
+
+def test_an_item_the_failure_policy_ends_on_a_failing_backend_counts_its_search_once(
+    context: WorkerContext, backend: Counted, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a poll gave up, the failure policy ends the items waiting on it; the backend
+    failing the read of their candidates ends them ``failed`` with its error. Their search
+    and its failed rerank are counted, once, as for any search failing after its model
+    call."""
+    batch, qids = _prepared(context, 2)
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise BackendUnavailable("the backend is down")
+
+    monkeypatch.setattr(backend.inner, "stored_documents", down)
+    before = _figures("timeout")
+    task = _Task(context, "poll-gave-up")
+    failure = RerankAttemptError(AttemptOutcome.TIMEOUT, "the provider batch expired")
+    finish.fail_items(task, batch, qids, failure)  # type: ignore[arg-type]
+    results = context.store.batch_results(batch.id, 0, 2)
+    assert all('"backend_unavailable"' in (r.payload or "") for r in results), results
+    assert _grown(before, _figures("timeout")) == {
+        "search_done": 2,
+        "rerank_done": 2,
+        "items_failed": 2,
+    }
+    finish.fail_items(task, batch, qids, failure)  # type: ignore[arg-type]
+    assert _grown(before, _figures("timeout"))["search_done"] == 2

@@ -42,7 +42,7 @@ def rerank_result(
     if reply is None:
         failure = run.failure
         assert failure is not None
-        reason = failure.outcome.value if isinstance(failure, RerankAttemptError) else "deadline"
+        reason = answer_outcome(run)
         figures.append(partial(recorder.rerank_done, model, reason, run.seconds))
         if failure_policy == "fail_closed":
             # no fallback was served: the trace names the failure, and no fallback reason
@@ -73,6 +73,21 @@ def rerank_result(
     chosen = [candidates[position - 1] for position in normalised.kept]
     info = RerankInfo(applied=True, policy=POLICY_ID, fallback_reason=None)
     return build_result(chosen, info, usage, spec, trace)
+
+
+def answer_outcome(run: RerankRun) -> str:
+    """What became of ``run``'s model call, as ``sift_rerank_duration_seconds`` labels it:
+    ``ok`` (answered), else its last failure's class (``deadline``: the search's deadline
+    ran out first).
+
+    >>> from worker.errors import AttemptOutcome
+    >>> answer_outcome(RerankRun(failure=RerankAttemptError(AttemptOutcome.TIMEOUT, "late")))
+    'timeout'
+    """
+    if run.reply is not None:
+        return "ok"
+    failure = run.failure
+    return failure.outcome.value if isinstance(failure, RerankAttemptError) else "deadline"
 
 
 def build_result(

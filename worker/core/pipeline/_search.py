@@ -15,7 +15,7 @@ from worker.core.pipeline._config import PipelineConfig
 from worker.core.pipeline._hits import _trace_candidates
 from worker.core.pipeline._model_calls import BeforeModel, CallTime, ModelCalls
 from worker.core.pipeline._prepared import Prepared, shown_digest
-from worker.core.pipeline._result import build_result, rerank_result
+from worker.core.pipeline._result import answer_outcome, build_result, rerank_result
 from worker.core.pipeline._retrieval import Retrieval
 from worker.core.pipeline._run import RerankRun, dump_run, load_run
 from worker.core.policy import build_prompt
@@ -281,6 +281,40 @@ class SearchPipeline:
             else:
                 later.extend(figures)
 
+    def unfinished(
+        self,
+        prepared: Prepared,
+        run: RerankRun,
+        *,
+        later: list[Callable[[], None]] | None = None,
+    ) -> None:
+        """The figures of a search whose model call ended (answered, or failed) but which
+        cannot be finished: an economy item whose index is gone since its retrieval, or
+        whose candidates the backend failed to read. What the standard lane counts for a
+        search failing after its model call: the model answer's duration and outcome, and
+        the search done ``error`` (no policy outcome: no policy was applied). ``later`` as
+        :meth:`finish` takes it."""
+        figures = [
+            partial(
+                self.recorder.rerank_done,
+                self._model_of(prepared),
+                answer_outcome(run),
+                run.seconds,
+            ),
+            partial(self.recorder.search_done, prepared.spec.mode, "error", prepared.seconds),
+        ]
+        if later is None:
+            _record(figures)
+        else:
+            later.extend(figures)
+
+    def _model_of(self, prepared: Prepared) -> str:
+        """The model a prepared search's figures are labelled with: the one its trace names
+        (an economy item's: the one its request went to, which a worker of another model may
+        poll)."""
+        assert self.reranker is not None
+        return str(prepared.trace.get("model") or self.reranker.model)
+
     def _prepare(
         self,
         spec: SearchSpec,
@@ -339,14 +373,12 @@ class SearchPipeline:
     ) -> SearchResult:
         """The result of ``run`` (:func:`rerank_result`); the figures it makes (the model
         answer's duration and outcome) are appended to ``figures``, for the caller to record,
-        labelled with the model the trace names (an economy item's: the one its request went
-        to, which a worker of another model may poll)."""
-        assert self.reranker is not None
+        labelled with the model the trace names (:meth:`_model_of`)."""
         return rerank_result(
             prepared,
             run,
             figures,
-            model=str(prepared.trace.get("model") or self.reranker.model),
+            model=self._model_of(prepared),
             recorder=self.recorder,
             failure_policy=self.config.failure_policy,
         )

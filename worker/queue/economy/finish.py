@@ -56,20 +56,22 @@ def finish_item(
     task: SiftTask,
     batch: BatchJob,
     query_id: str,
-    now: Prepared | SiftError,
+    prepared: Prepared,
     run: RerankRun,
     *,
+    now: Prepared | SiftError,
     figures: Sequence[Callable[[], None]] = (),
     must_end: bool = False,
 ) -> None:
-    """The pipeline's second half for one item, and its final status. ``now`` is the item
-    on its candidates as stored now (:func:`as_stored_now`), or what that read met: the
-    index gone (the item ends ``index_not_found``, its billed usage shown) or the backend
-    failing. The latter raises (the poll is sent again), unless the item ``must_end`` (its
-    failure policy applied after the poll gave up, nothing left to run it again): it then
-    ends failed with that error, its billed usage shown. Its figures of the search (and
-    ``figures``, the caller's of the item) are counted once the item is saved: a poll dying
-    before that leaves them to the poll finishing it again, once."""
+    """The pipeline's second half for one item, and its final status. ``now`` is
+    ``prepared`` on its candidates as stored now (:func:`as_stored_now`), or what that read
+    met: the index gone (the item ends ``index_not_found``, its billed usage shown) or the
+    backend failing. The latter raises (the poll is sent again), unless the item
+    ``must_end`` (its failure policy applied after the poll gave up, nothing left to run it
+    again): it then ends failed with that error, its billed usage shown. Its figures of the
+    search (and ``figures``, the caller's of the item) are counted once the item is saved,
+    finished or not (:meth:`SearchPipeline.unfinished`): a poll dying before that leaves
+    them to the poll finishing it again, once."""
     pipeline = economy_pipeline(task)
     error: ErrorInfo | None = None
     result = None
@@ -81,8 +83,9 @@ def finish_item(
             error = error_info(exc)
     elif isinstance(now, BackendError) and not must_end:
         raise now
-    else:  # its calls billed all the same
+    else:  # its calls billed all the same, and counted as a search failing after them
         error = error_info(now).model_copy(update={"usage": run.job_usage()})
+        pipeline.unfinished(prepared, run, later=later)
     transition = task.context.store.finish_item(batch.id, query_id, result=result, error=error)
     if count_completed("batch_item", transition.applied, error):
         for record in later:
@@ -165,5 +168,5 @@ def fail_items(
                 prepared.trace["model"] = model
             ending.append((qid, prepared, run, counted))
         stored = as_stored_now(pipeline.backend, batch.tenant, [item for _, item, _, _ in ending])
-        for (qid, _, run, counted), now in zip(ending, stored, strict=True):
-            finish_item(task, batch, qid, now, run, figures=[counted], must_end=True)
+        for (qid, prepared, run, counted), now in zip(ending, stored, strict=True):
+            finish_item(task, batch, qid, prepared, run, now=now, figures=[counted], must_end=True)

@@ -277,7 +277,7 @@ def _map_page(
         else:
             one.run.failure = one.failure
         with job_context(f"{batch.id}/{one.qid}"):
-            finish_item(task, batch, one.qid, held, one.run)
+            finish_item(task, batch, one.qid, one.item, one.run, now=held)
     return resubmit
 
 
