@@ -579,14 +579,86 @@ BATCH_PREFIXES = (
 )
 
 
-def test_every_record_has_a_ttl(store: JobStore) -> None:
+def test_every_final_record_has_a_ttl(store: JobStore) -> None:
     job = store.create_search("acme", spec())
+    store.finish_search(job.id, result=result("r"))
     batch = store.create_batch("acme", "docs", [("a", spec())])
     store.start_item(batch.id, "a")
     store.finish_item(batch.id, "a", result=result("r"))
     keys = [SEARCH_KEY + job.id] + [prefix + batch.id for prefix in BATCH_PREFIXES]
     for key in keys:
         assert 0 < int(store.redis.ttl(key)) <= 7 * 24 * 3600, key
+
+
+def _job_of(store: JobStore, kind: str) -> tuple[str, str, Any, Any]:
+    """A new ``kind`` job of one item: its id, the stats hash counting it, and how to start
+    and to finish it."""
+    if kind == "search":
+        job_id = store.create_search("acme", spec()).id
+        return (
+            job_id,
+            STATS_KEY,
+            lambda: store.start_search(job_id),
+            lambda: store.finish_search(job_id, result=result("r")),
+        )
+    if kind == "batch":
+        job_id = store.create_batch("acme", "docs", [("a", spec())]).id
+        return (
+            job_id,
+            STATS_KEY,
+            lambda: store.start_item(job_id, "a"),
+            lambda: store.finish_item(job_id, "a", result=result("r")),
+        )
+    job_id = store.create_ingest("acme", "docs", [DocumentIn(id="d", text="t")]).id
+    return (
+        job_id,
+        STATS_UNTRACKED_KEY,
+        lambda: store.start_ingest(job_id),
+        lambda: store.finish_ingest(job_id),
+    )
+
+
+@pytest.mark.parametrize("kind", ["search", "batch", "ingest"])
+def test_a_job_not_final_outlives_its_retention_and_is_counted_as_long(
+    redis_url: str, store: JobStore, kind: str
+) -> None:
+    """``sift:stats:jobs`` counts the searches and batch items queued or running. A record
+    kept its retention from its submission (or its last move) and expired while still queued
+    or running (every worker stopped longer than the retention, or a backlog as long): its
+    count stayed in the hash for good, the gauge and ``SIFT_MAX_BACKLOG``'s admission drifting
+    up, its GET a 404 for a job the API had accepted. A job not final has no TTL: it stays,
+    counted and watched by the re-drive, and its retention runs from its end."""
+    short = JobStore.from_url(redis_url, result_ttl=1)
+    try:
+        job_id, stats, start, finish = _job_of(short, kind)
+        for state, move in (("queued", None), ("running", start)):
+            if move is not None:
+                assert move()
+            time.sleep(1.5)  # past the retention, 1 s from this move
+            assert _counted(short, stats) == {"queued": 0, "running": 0, state: 1}
+            assert job_id in short.stalled_jobs(0), state  # the re-drive still sees it
+            assert _status(short, kind, job_id) == state
+        finish()
+        assert _counted(short, stats) == {"queued": 0, "running": 0}
+        assert _status(short, kind, job_id) == "succeeded"
+        time.sleep(1.5)  # its retention from its end
+        assert _status(short, kind, job_id) is None
+    finally:
+        short.close()
+
+
+def _counted(store: JobStore, stats: str) -> dict[str, int]:
+    counts = {"queued": 0, "running": 0}
+    return counts | {state: int(n) for state, n in store.redis.hgetall(stats).items()}
+
+
+def _status(store: JobStore, kind: str, job_id: str) -> str | None:
+    if kind == "batch":
+        batch = store.get_batch(job_id)
+        return None if batch is None else batch.status.value
+    get = store.get_search_status if kind == "search" else store.get_ingest_status
+    status = get(job_id)
+    return None if status is None else status.value
 
 
 @pytest.mark.parametrize("dies", [False, True], ids=["", "its process dying at once"])
@@ -755,8 +827,9 @@ def test_a_key_bound_to_a_job_is_kept_24_hours_from_the_write_that_creates_the_j
 
 def test_a_batch_s_items_wait_for_its_commit_with_a_short_ttl(store: JobStore) -> None:
     """Items are written in slices before the record; until the commit they expire soon
-    (a gateway that died in between leaves nothing for long), after it they are kept as
-    long as the record. No record, no message: nothing reads them meanwhile."""
+    (a gateway that died in between leaves nothing for long), after it they are kept, as
+    the record is, until the batch ends. No record, no message: nothing reads them
+    meanwhile."""
     n = 2 * BATCH_STAGE_SLICE + 3
     store._stage_items("bat_staged", [(f"q{i}", spec().model_dump_json()) for i in range(n)])
     assert store.get_batch("bat_staged") is None
@@ -766,7 +839,7 @@ def test_a_batch_s_items_wait_for_its_commit_with_a_short_ttl(store: JobStore) -
     assert store.redis.lrange(BATCH_ORDER_KEY + batch.id, 0, -1) == [f"q{i}" for i in range(n)]
     assert store.redis.hlen(BATCH_SPECS_KEY + batch.id) == n
     for key in (BATCH_KEY, BATCH_ORDER_KEY, BATCH_SPECS_KEY, BATCH_ITEMS_KEY, BATCH_COUNTS_KEY):
-        assert store.redis.ttl(key + batch.id) > BATCH_STAGING_TTL_SECONDS, key
+        assert store.redis.ttl(key + batch.id) == -1, key  # none until its end
 
 
 @pytest.mark.parametrize("kind", ["search", "batch"])
@@ -879,7 +952,7 @@ def test_the_sync_and_the_async_store_create_the_same_search(
         store.redis.hgetall(SEARCH_KEY + sync_id).keys()
         == store.redis.hgetall(SEARCH_KEY + async_id).keys()
     )
-    assert 0 < int(store.redis.ttl(SEARCH_KEY + async_id)) <= 7 * 24 * 3600
+    assert int(store.redis.ttl(SEARCH_KEY + async_id)) == -1  # queued: none until its end
     assert store.redis.hget(STATS_KEY, "queued") == "2"
     assert store.redis.lrange("q.search", 0, -1) == ["msg:" + async_id, "msg:" + sync_id]
     assert store.redis.lrange("q.other", 0, -1) == ["other:" + async_id, "other:" + sync_id]

@@ -36,9 +36,11 @@ def worker_context(
     context.store.close()
 
 
-def test_the_gateway_keeps_what_it_creates_for_the_retention_set(
+def test_the_gateway_keeps_what_it_ends_for_the_retention_set(
     redis_url: str, store: JobStore
 ) -> None:
+    """What it creates has no TTL until it ends (a job not final never expires); a batch its
+    cancel ends lives the retention from then."""
     with TestClient(
         create_app(gateway_settings(redis_url, result_retention_seconds=THREE_DAYS))
     ) as c:
@@ -48,8 +50,11 @@ def test_the_gateway_keeps_what_it_creates_for_the_retention_set(
             json={"index": "docs", "queries": [{"id": "a", "query": "tea"}]},
             headers=ACME,
         )
-    assert search.status_code == 202 and batch.status_code == 202, (search.text, batch.text)
-    assert _within(int(store.redis.ttl(SEARCH_KEY + search.json()["id"])), THREE_DAYS)
+        assert search.status_code == 202 and batch.status_code == 202, (search.text, batch.text)
+        assert int(store.redis.ttl(SEARCH_KEY + search.json()["id"])) == -1
+        assert int(store.redis.ttl(BATCH_KEY + batch.json()["id"])) == -1
+        canceled = c.delete(f"/v1/batches/{batch.json()['id']}", headers=ACME)
+        assert canceled.status_code == 200, canceled.text
     assert _within(int(store.redis.ttl(BATCH_KEY + batch.json()["id"])), THREE_DAYS)
 
 

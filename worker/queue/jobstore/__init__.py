@@ -44,14 +44,15 @@ Layout (every prefix is in :mod:`worker.constants`):
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``SIFT_RESULT_RETENTION_SECONDS`` (``RESULT_TTL_SECONDS``, 7 days, by default) from the
-write that ended it; an Idempotency-Key is
+write that ended it, and has no TTL before (one that expired while queued or running left
+its count in ``sift:stats:jobs`` for good); an Idempotency-Key is
 remembered ``IDEMPOTENCY_TTL_SECONDS`` (24 hours) from the write that creates its job, and
 again from each request that finds it bound (a
 claim that names no job yet, ``IDEMPOTENCY_PENDING_TTL_SECONDS``); delivery counters and
 pending ingest documents live 24 hours; a batch's items, written before its record, live
-``BATCH_STAGING_TTL_SECONDS`` until the record's commit gives them its retention. A job
-leaves ``sift:active`` when it becomes final, or, failing that, once its last change is
-older than the records' retention.
+``BATCH_STAGING_TTL_SECONDS`` until the record's commit keeps them (no TTL) with it. A job
+leaves ``sift:active`` when it becomes final, or when the re-drive finds its record gone (an
+older release's, which expired).
 
 Every status change is one Lua script: a compare-and-set on the status that also
 moves the counts. A record that is already ``succeeded``, ``failed`` or

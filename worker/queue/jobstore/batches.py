@@ -11,6 +11,7 @@ import redis
 
 from worker.constants import (
     ACTIVE_JOBS_KEY,
+    BATCH_CHUNK_RUNS_KEY,
     BATCH_COUNTS_KEY,
     BATCH_ID_PREFIX,
     BATCH_ITEMS_KEY,
@@ -64,6 +65,7 @@ _CANCEL_RETAINED = (
     BATCH_MOVES_KEY,
     BATCH_RUNS_KEY,
     BATCH_LOST_KEY,
+    BATCH_CHUNK_RUNS_KEY,
 )
 
 
@@ -256,9 +258,11 @@ class BatchRecords(_StoreCore):
     def _commit_batch(
         self, pipe: redis.client.Pipeline, batch: BatchJob, messages: Sequence[tuple[str, str]]
     ) -> None:
-        """Queue a new batch's commit in ``pipe``'s MULTI: its record, counts, the retention
-        of every key (its staged items' too), the queued count, the re-drive's active set
-        and its task messages."""
+        """Queue a new batch's commit in ``pipe``'s MULTI: its record, counts, its staged
+        items kept (their short TTL dropped: no key of a batch not final expires, so its items
+        stay counted as long as they are queued or running; the move or cancel that completes
+        it gives every key its retention), the queued count, the re-drive's active set and
+        its task messages."""
         bid = batch.id
         pipe.hset(
             BATCH_KEY + bid,
@@ -274,10 +278,10 @@ class BatchRecords(_StoreCore):
             },
         )
         pipe.hset(BATCH_COUNTS_KEY + bid, mapping={k: str(v) for k, v in batch.counts.items()})
-        # a placeholder field ("" is never a query id) so the key exists now and takes its TTL
+        # a placeholder field ("" is never a query id) so the key exists now, as it always has
         pipe.hset(BATCH_RESULTS_KEY + bid, "", "")
-        for prefix in BATCH_KEYS:  # its staged items' too (the others come later)
-            pipe.expire(prefix + bid, self.result_ttl)
+        for prefix in BATCH_KEYS:  # its staged items' (the others come later, with none)
+            pipe.persist(prefix + bid)
         pipe.hincrby(STATS_KEY, JobStatus.QUEUED.value, batch.total)
         # An economy batch too: its chunks are re-driven as any batch's. Once its items are
         # prepared they wait on provider batches (not pending for the re-drive, which then

@@ -72,13 +72,13 @@ class DeliveryRecords(_StoreCore):
 
     def stalled_jobs(self, idle_seconds: float) -> list[str]:
         """Search, ingest and batch ids not final whose status last changed more than
-        ``idle_seconds`` ago, the longest idle first. Forgets ids idle past the retention."""
+        ``idle_seconds`` ago, the longest idle first (however long: a job not final never
+        expires)."""
         return self._active_until(_now() - idle_seconds)
 
     def active_jobs(self) -> list[str]:
         """Every search, ingest and batch id not final, however recently it moved
-        (a clock ahead on the host that moved it too), the longest idle first. Forgets ids idle
-        past the retention."""
+        (a clock ahead on the host that moved it too), the longest idle first."""
         return self._active_until("+inf")
 
     def active_ingests(self, tenant: str) -> list[str]:
@@ -89,11 +89,10 @@ class DeliveryRecords(_StoreCore):
         return cast(list[str], self.redis.zinter(keys))
 
     def _active_until(self, last_moved: float | str) -> list[str]:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zremrangebyscore(ACTIVE_JOBS_KEY, "-inf", _now() - self.result_ttl)
-        pipe.zrangebyscore(ACTIVE_JOBS_KEY, "-inf", last_moved)
-        _, ids = pipe.execute()
-        return cast(list[str], ids)
+        # none is dropped for its age: one idle past the retention is still queued or running
+        # (its message waiting behind every worker stopped, or lost meanwhile), and the
+        # re-drive that reads it forgets it only once it is final or gone
+        return cast(list[str], self.redis.zrangebyscore(ACTIVE_JOBS_KEY, "-inf", last_moved))
 
     def forget_active(self, job_id: str) -> None:
         """Drop a job from the active set (its record is gone, or it is final)."""

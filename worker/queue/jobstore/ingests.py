@@ -123,7 +123,7 @@ class IngestRecords(_StoreCore):
                     "version": str(job.version),
                 },
             )
-            pipe.expire(key, self.result_ttl)
+            # no TTL until its end: a job not final never expires (scripts._TRANSITION_JOB)
             pipe.zadd(ACTIVE_JOBS_KEY, {job.id: job.created_at})  # watched by the re-drive
             pipe.hincrby(STATS_UNTRACKED_KEY, "queued", 1)  # its moves count from here
             index_job(pipe, KIND_INGEST, tenant, job.id, job.created_at, self.result_ttl)

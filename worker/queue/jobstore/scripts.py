@@ -8,10 +8,13 @@ from __future__ import annotations
 
 # KEYS: record, stats, active, webhooks owed. ARGV: to, allowed-from (comma list), ttl, now,
 # job id, the move's token, then field/value pairs. Returns -1 when the record is missing, 0
-# when refused, 1 when applied. The token makes the call safe to send again: the client sends
-# it again when the connection breaks after the script ran (only its reply lost), and then the
-# record already holds the token, so the answer is the first run's (1), not a refusal that
-# would leave the finish unannounced (no webhook, no count). A final move drops the model's
+# when refused, 1 when applied. A final move gives the record its retention (``ttl``); any
+# other leaves it none (one an older release gave a TTL loses it): a job not final never
+# expires, so the stats hash, which counts it, and its status stay true. The token makes the
+# call safe to send again: the client sends it again when the connection breaks after the
+# script ran (only its reply lost), and then the record already holds the token, so the
+# answer is the first run's (1), not a refusal that would leave the finish unannounced (no
+# webhook, no count). A final move drops the model's
 # answer a search's run claim kept (its "run" field, _KEEP_ANSWER): no run comes after; of a
 # job with a webhook it records the webhook owed, due ``now`` (worker/queue/redrive.py).
 _TRANSITION_JOB = """
@@ -34,18 +37,19 @@ if to == 'succeeded' or to == 'failed' or to == 'canceled' then
   local run = redis.call('HGET', KEYS[1], 'run')
   local claim = run and string.match(run, '^([^|]*|[^|]*|[^|]*|[^|]*|[^|]*)|')
   if claim then redis.call('HSET', KEYS[1], 'run', claim) end
+  redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 else
   redis.call('ZADD', KEYS[3], 'XX', ARGV[4], ARGV[5])
+  redis.call('PERSIST', KEYS[1])
 end
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[3]))
 return 1
 """
 
 # Moves one batch item from a status in allowed-from to ``to``.
 # KEYS: 1 items, 2 results, 3 counts, 4 batch, 5 stats, 6 active, 7 moves, 8 run claims,
-#   9 webhooks owed, 10 the economy lane's prepared items, 11 order, 12 specs, 13 lost (with
-#   1-4, 7 and 8, the batch's keys: a move that completes the batch gives each the retention
-#   from now, in this script, so no crash after it leaves them the submission's).
+#   9 webhooks owed, 10 the economy lane's prepared items, 11 order, 12 specs, 13 lost, 14 its
+#   chunks' run claims (with 1-4, 7 and 8, the batch's keys: none has a TTL while the batch
+#   runs, and a move that completes it gives each the retention from now, in this script).
 # ARGV:
 #   1 query id, 2 to, 3 allowed-from (comma list), 4 outcome JSON or '', 5 now, 6 batch id;
 #   7 '' (a plain move), '1' when a cancel of the batch turns this move into a cancel (the
@@ -145,7 +149,7 @@ if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 
   redis.call('ZREM', KEYS[6], ARGV[6])
   local hook = redis.call('HGET', KEYS[4], 'webhook_url')
   if hook and hook ~= '' then redis.call('ZADD', KEYS[9], ARGV[5], ARGV[6]) end
-  for _, i in ipairs({1, 2, 3, 4, 7, 8, 11, 12, 13}) do
+  for _, i in ipairs({1, 2, 3, 4, 7, 8, 11, 12, 13, 14}) do
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[13]))
   end
   code = 2
@@ -162,9 +166,9 @@ return {code, canceled}
 
 # Cancels a batch: marks it canceled and cancels every item still queued.
 # KEYS: 1 items, 2 counts, 3 batch, 4 stats, 5 active, 6 webhooks owed, 7 order, 8 specs,
-#   9 results, 10 moves, 11 run claims, 12 lost (with 1-3, the batch's keys: a cancel that
-#   completes the batch gives each the retention from now), 13.. one list per message to push
-#   (in the order of the messages).
+#   9 results, 10 moves, 11 run claims, 12 lost, 13 chunks' run claims (with 1-3, the batch's
+#   keys: a cancel that completes the batch gives each the retention from now), 14.. one list
+#   per message to push (in the order of the messages).
 # ARGV: 1 now, 2 batch id, 3 the cancel's token, 4 two flags (each 0 or 1): whether the
 #   messages start with the count's, then whether with the provider cancel's; 5 the
 #   retention (seconds); 6.. the raw messages, in this order:
@@ -218,18 +222,18 @@ if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 
   completed = 1
   local hook = redis.call('HGET', KEYS[3], 'webhook_url')
   if hook and hook ~= '' then redis.call('ZADD', KEYS[6], ARGV[1], ARGV[2]) end
-  for _, i in ipairs({1, 2, 3, 7, 8, 9, 10, 11, 12}) do
+  for _, i in ipairs({1, 2, 3, 7, 8, 9, 10, 11, 12, 13}) do
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[5]))
   end
-  for i = 13 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 7]) end
+  for i = 14 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 8]) end
 end
 if provider == 1 and completed == 0 then
-  redis.call('LPUSH', KEYS[13 + counted], ARGV[6 + counted])
+  redis.call('LPUSH', KEYS[14 + counted], ARGV[6 + counted])
 end
 if counted == 1 and (n > 0 or completed == 1) then
   if n > 0 then redis.call('HINCRBY', KEYS[3], 'cancel_uncounted', n) end
   if completed == 1 then redis.call('HSET', KEYS[3], 'cancel_completed', '1') end
-  redis.call('LPUSH', KEYS[13], ARGV[6])
+  redis.call('LPUSH', KEYS[14], ARGV[6])
 end
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[3], 'cancel_move', ARGV[3] .. ' ' .. n .. ' ' .. completed)
@@ -240,29 +244,29 @@ return {n, completed}
 
 # A new search, atomically (one command where a MULTI would be seven round trips of parsing).
 # KEYS: record, stats, the active set, the tenant's search index, one list per task message,
-# then the Idempotency-Key's record if any. ARGV: ttl, message count m, record field count n,
+# then the Idempotency-Key's record if any. ARGV: message count m, record field count n,
 # the job's id and its score (creation time) in the active set and the index, the index's TTL,
-# n fields and values, m raw messages, then that key's binding to this job and its TTL.
+# n fields and values, m raw messages, then that key's binding to this job and its TTL. The
+# record takes no TTL: its final move gives it its retention (_TRANSITION_JOB).
 # Returns 1 when it created the job; the key's record (JSON) when the key is already bound to
 # a job, and nothing is written; 0 when the record exists already (this very call ran before:
 # a retry after a lost reply), and nothing is written again.
 _CREATE_SEARCH = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local m, n = tonumber(ARGV[2]), tonumber(ARGV[3])
+local m, n = tonumber(ARGV[1]), tonumber(ARGV[2])
 if #KEYS > 4 + m then
   local earlier = redis.call('GET', KEYS[5 + m])
   if earlier and type(cjson.decode(earlier)['job']) == 'string' then return earlier end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 7, 6 + n))
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+redis.call('HSET', KEYS[1], unpack(ARGV, 6, 5 + n))
 redis.call('HINCRBY', KEYS[2], 'queued', 1)
-redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
-redis.call('ZADD', KEYS[4], ARGV[5], ARGV[4])
-redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', tonumber(ARGV[5]) - tonumber(ARGV[6]))
-redis.call('EXPIRE', KEYS[4], tonumber(ARGV[6]))
-for i = 1, m do redis.call('LPUSH', KEYS[4 + i], ARGV[6 + n + i]) end
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[3])
+redis.call('ZADD', KEYS[4], ARGV[4], ARGV[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', tonumber(ARGV[4]) - tonumber(ARGV[5]))
+redis.call('EXPIRE', KEYS[4], tonumber(ARGV[5]))
+for i = 1, m do redis.call('LPUSH', KEYS[4 + i], ARGV[5 + n + i]) end
 if #KEYS > 4 + m then
-  redis.call('SET', KEYS[5 + m], ARGV[7 + n + m], 'EX', tonumber(ARGV[8 + n + m]))
+  redis.call('SET', KEYS[5 + m], ARGV[6 + n + m], 'EX', tonumber(ARGV[7 + n + m]))
 end
 return 1
 """

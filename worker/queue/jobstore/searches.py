@@ -60,8 +60,8 @@ def _create_search_call(
     messages = list(enqueue(job.id)) if enqueue is not None else []
     index = job_index_key(KIND_SEARCH, job.tenant)
     keys = [SEARCH_KEY + job.id, STATS_KEY, ACTIVE_JOBS_KEY, index, *(key for key, _ in messages)]
-    args: list[str | int] = [ttl, len(messages), len(fields), job.id, repr(job.created_at)]
-    args.append(ttl * JOB_INDEX_RETENTIONS)
+    args: list[str | int] = [len(messages), len(fields), job.id, repr(job.created_at)]
+    args.append(ttl * JOB_INDEX_RETENTIONS)  # the record takes none until its end
     args += fields
     args += [raw for _, raw in messages]
     if claim is not None:

@@ -27,6 +27,7 @@ from tenacity import (
 from worker.coalesce import Coalescer
 from worker.constants import (
     ACTIVE_JOBS_KEY,
+    BATCH_CHUNK_RUNS_KEY,
     BATCH_COUNTS_KEY,
     BATCH_ITEMS_KEY,
     BATCH_KEY,
@@ -123,8 +124,9 @@ def _rerun(call: _ScriptCall) -> Any:
 
 
 #: A batch's keys that live as long as its record: what its GET, its results and its items
-#: read (its submission sets their retention; the script that ends it, ``_TRANSITION_ITEM``'s
-#: or ``_CANCEL_BATCH``'s, sets it again).
+#: read (none has a TTL while the batch runs, so its items stay counted as long as they are
+#: queued or running; the script that ends it, ``_TRANSITION_ITEM``'s or ``_CANCEL_BATCH``'s,
+#: gives each, and its chunks' run claims, the retention).
 BATCH_KEYS = (
     BATCH_KEY,
     BATCH_ORDER_KEY,
@@ -290,6 +292,7 @@ class _StoreCore:
                     BATCH_ORDER_KEY + batch_id,
                     BATCH_SPECS_KEY + batch_id,
                     BATCH_LOST_KEY + batch_id,
+                    BATCH_CHUNK_RUNS_KEY + batch_id,
                 ],
                 [
                     query_id,
