@@ -598,9 +598,19 @@ class _CaptureRawSend:
 class FakeAnthropic:
     """The fake Messages API: ``start()``/``stop()`` a uvicorn thread, or use ``with``."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, **config: Any) -> None:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        keep_alive_seconds: int = 30,
+        **config: Any,
+    ) -> None:
+        """``keep_alive_seconds``: how long an idle keep-alive connection is kept before the
+        fake closes it (uvicorn's ``timeout_keep_alive``), as a provider does."""
         self.host = host
         self.port = port
+        self.keep_alive_seconds = keep_alive_seconds
         self._lock = threading.Lock()
         self._state = _State(config=FakeConfig(**config))
         self._server: uvicorn.Server | None = None
@@ -654,7 +664,7 @@ class FakeAnthropic:
             server_header=False,
             date_header=True,
             backlog=4096,
-            timeout_keep_alive=30,
+            timeout_keep_alive=self.keep_alive_seconds,
             timeout_graceful_shutdown=2,
         )
 

@@ -252,6 +252,62 @@ def test_concurrent_calls_borrow_their_own_clients_and_close_closes_them_all(
     assert not reranker._idle  # each was closed when its call ended, not put back
 
 
+def tcp_states_to(port: int) -> list[str]:
+    """The states (``/proc/net/tcp`` hex codes: 01 established, 08 close-wait) of this host's
+    TCP sockets whose remote port is ``port``: the clients' ends of connections to it."""
+    states = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if int(fields[2].rsplit(":", 1)[1], 16) == port:
+                    states.append(fields[3])
+    return states
+
+
+def test_idle_clients_close_the_connections_a_provider_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a provider keeping idle connections 1 s, shorter than the adapter's default keep-alive:
+    # httpx closes an expired connection only when its pool is used again, and each idle
+    # client of the stack kept its closed socket in CLOSE-WAIT for good
+    with FakeAnthropic(keep_alive_seconds=1) as fake:
+        monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
+        monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-from-env")
+        fake.configure(hold_until_received=3)  # three in flight at once: three clients
+        reranker = AnthropicReranker(MODEL)
+        try:
+            with ThreadPoolExecutor(3) as pool:
+                calls = [pool.submit(reranker.rerank, make_prompt(), 30.0) for _ in range(3)]
+                assert all(call.result(30) for call in calls)
+            assert len(tcp_states_to(fake.port)) == 3
+            deadline = time.monotonic() + 40  # far past the 1 s and the default 5 s
+            while "01" in tcp_states_to(fake.port):  # until the provider has closed them
+                assert time.monotonic() < deadline, tcp_states_to(fake.port)
+                time.sleep(0.05)
+            while "08" in tcp_states_to(fake.port):  # then ours close too, or the test fails
+                assert time.monotonic() < deadline, "sockets left in CLOSE-WAIT"
+                time.sleep(0.05)
+            assert not reranker._idle  # each idle client was closed, not only its socket
+            while reranker._janitor is not None:  # nothing idle: its thread ends too
+                assert time.monotonic() < deadline, "the janitor thread did not end"
+                time.sleep(0.05)
+            assert reranker.rerank(make_prompt(), 30.0).positions  # a new call opens anew
+        finally:
+            reranker.close()
+
+
+def test_a_client_idle_past_its_keep_alive_is_closed_the_others_kept(fake: FakeAnthropic) -> None:
+    reranker = AnthropicReranker(MODEL, api_key="sk-test", keepalive_seconds=10.0)
+    old, new = reranker._new_client(1), reranker._new_client(1)
+    reranker._idle.extend([(old, 100.0), (new, 105.0)])
+    assert reranker.close_idle(now=110.0) == pytest.approx(5.0)  # new is due 5 s later
+    assert [client for client, _ in reranker._idle] == [new]
+    assert old.is_closed() and not new.is_closed()
+    reranker.close()
+    assert new.is_closed() and not reranker._idle
+
+
 # --- adversarial but schema-valid answers are returned raw -----------------------------------
 
 
@@ -849,7 +905,7 @@ def test_sdk_spans_are_off_unless_opentelemetry_is_set_up(
     reranker = AnthropicReranker(MODEL, api_key="test")
     monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
     assert reranker.rerank(make_prompt(), 10.0).positions
-    assert all(client._tracer is None for client in reranker._idle)
+    assert all(client._tracer is None for client, _ in reranker._idle)
     reranker.close()
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
     assert sdk_spans() is None

@@ -106,6 +106,12 @@ def _http() -> ModuleType:
     return importlib.import_module(type(DEFAULT_CONNECTION_LIMITS).__module__.partition(".")[0])
 
 
+#: How long a borrowed SDK client's connection is kept idle: the SDK's own keep-alive expiry
+#: (what the provider's SDK keeps one by default; it was 30 s here, as long as the fake keeps
+#: one, so the server could close first).
+KEEPALIVE_SECONDS = float(DEFAULT_CONNECTION_LIMITS.keepalive_expiry or 5.0)
+
+
 class AnthropicReranker:
     """A :class:`~worker.core.ports.Reranker` over the Anthropic Messages API.
 
@@ -114,6 +120,13 @@ class AnthropicReranker:
     as many clients as calls were ever in flight at once. With one shared client, its
     connection pool's lock, held while it polls every idle connection, had a fifth of 300
     threads queued on it. The clients share one TLS context (building one costs ~19 ms).
+
+    A client idle for ``keepalive_seconds`` is closed by a janitor thread, not kept: httpx
+    closes an expired connection only when its pool is used again, and after a burst the
+    stack's deeper clients are not, so each kept a socket the provider had closed in
+    ``CLOSE-WAIT`` for as long as the process lived. The default is the SDK's own keep-alive
+    expiry (5 s), so against a server that keeps an idle connection longer the client side
+    closes first; one that closes sooner leaves the socket half-closed that long at most.
     """
 
     def __init__(
@@ -124,18 +137,24 @@ class AnthropicReranker:
         effort: str | None = "auto",
         api_key: str | None = None,
         on_headers: Callable[[Mapping[str, str]], None] | None = None,
+        keepalive_seconds: float = KEEPALIVE_SECONDS,
     ) -> None:
         """``on_headers``: given every response's headers (answers and API errors alike),
         e.g. the rate budget learning the ``anthropic-ratelimit-*`` limits. ``effort``: the
         ``SIFT_GENERATION_EFFORT`` setting, resolved by :func:`effort_for`; ``self.effort`` is
-        the ``output_config.effort`` sent (None: none)."""
+        the ``output_config.effort`` sent (None: none). ``keepalive_seconds``: how long a
+        borrowed client's connection is kept idle before it is closed."""
         self.model = model
         self.on_headers = on_headers
         self.effort = effort_for(model, effort)
+        self.keepalive_seconds = keepalive_seconds
         self._api_key = api_key
         self._client = client
         self._owns_client = client is None
-        self._idle: deque[anthropic.Anthropic] = deque()  # append and pop need no lock
+        # (client, when it was given back), the oldest at the left; append and pop need no lock
+        self._idle: deque[tuple[anthropic.Anthropic, float]] = deque()
+        self._janitor: threading.Thread | None = None
+        self._stop = threading.Event()
         self._closed = False
         self._tls: ssl.SSLContext | None = None
         self._lock = threading.Lock()
@@ -159,7 +178,7 @@ class AnthropicReranker:
         limits = http.Limits(
             max_connections=connections,
             max_keepalive_connections=connections,
-            keepalive_expiry=30.0,
+            keepalive_expiry=self.keepalive_seconds,
         )
         http_client = anthropic.DefaultHttpxClient(limits=limits, verify=self._tls)
         bound_by_deadline(http_client)
@@ -174,7 +193,7 @@ class AnthropicReranker:
             yield self.client
             return
         try:
-            client = self._idle.pop()
+            client, _ = self._idle.pop()
         except IndexError:
             client = self._new_client(connections=1)
         try:
@@ -183,7 +202,43 @@ class AnthropicReranker:
             if self._closed:  # closed while this call ran: close its client too
                 client.close()
             else:
-                self._idle.append(client)
+                self._idle.append((client, time.monotonic()))
+                self._start_janitor()
+
+    def _start_janitor(self) -> None:
+        if self._janitor is None:
+            with self._lock:
+                if self._janitor is None and not self._closed:
+                    self._janitor = threading.Thread(
+                        target=self._close_idle_forever, name="sift-anthropic-idle", daemon=True
+                    )
+                    self._janitor.start()
+
+    def _close_idle_forever(self) -> None:
+        """Close each idle client once it has been idle ``keepalive_seconds``, waking when
+        the oldest is due; ends with :meth:`close`, or once none is left idle (the next
+        given back starts another), so an adapter dropped unclosed keeps no thread."""
+        wait = self.keepalive_seconds
+        while not self._stop.wait(wait):
+            with self._lock:  # a client given back meanwhile finds this thread still on
+                wait = self.close_idle(time.monotonic())
+                if not self._idle:
+                    self._janitor = None
+                    return
+
+    def close_idle(self, now: float) -> float:
+        """Close the clients idle ``keepalive_seconds`` by ``now``, the oldest first; answers
+        how long until the next one is due. A call borrowing meanwhile takes the newest (the
+        right end), so a client taken here is one no call holds."""
+        while True:
+            try:
+                client, since = self._idle.popleft()
+            except IndexError:
+                return self.keepalive_seconds
+            if now - since < self.keepalive_seconds:
+                self._idle.appendleft((client, since))  # the oldest still: back where it was
+                return since + self.keepalive_seconds - now
+            client.close()
 
     def close(self) -> None:
         """Close the HTTP pools of the clients this adapter built; a given one is the caller's."""
@@ -191,8 +246,9 @@ class AnthropicReranker:
             return
         with self._lock:
             clients, self._client, self._closed = [self._client], None, True
+        self._stop.set()
         while self._idle:
-            clients.append(self._idle.pop())
+            clients.append(self._idle.pop()[0])
         for client in clients:
             if client is not None:
                 client.close()
