@@ -11,8 +11,11 @@ a finished batch the user did not know how to read.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from typer.testing import CliRunner, Result
 
@@ -110,6 +113,43 @@ def test_a_batch_over_the_gateways_body_limit_says_so_and_what_to_do(
     assert f"the 40 queries of {queries}" in output, output
     assert "SIFT_MAX_BODY_BYTES" in output and "split the file" in output, output
     assert not out.exists()
+
+
+def test_a_batch_over_the_default_body_limit_is_refused_before_it_is_sent(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """100,000 queries of 400 characters, within the item limit, are a 43 MB request, over
+    the default ``SIFT_MAX_BODY_BYTES`` (32 MiB): the command sent all of it to be answered
+    413. It now says so before sending, with the size, the limit and the setting, and into
+    how many parts to split the file, which then fit."""
+    queries = tmp_path / "many.jsonl"
+    rows = (json.dumps({"id": f"q{i}", "query": f"q{i:06d} " + "w" * 392}) for i in range(100_000))
+    queries.write_text("".join(row + "\n" for row in rows))
+    sent: list[str] = []
+    send = httpx.Client.send
+
+    def recording(client: httpx.Client, request: httpx.Request, **kwargs: Any) -> Any:
+        sent.append(f"{request.method} {request.url.path}")
+        return send(client, request, **kwargs)
+
+    monkeypatch.setattr(httpx.Client, "send", recording)
+    before = batch_ids(stack)
+    out = tmp_path / "results.jsonl"
+    result = sift(stack, "batch", str(queries), "--index", INDEX, "--out", str(out))
+    assert result.exit_code == 1, result.output
+    output = " ".join(result.output.split())
+    limit = 32 * 1024 * 1024
+    assert f"more than the gateway takes in one ({limit:,} bytes, SIFT_MAX_BODY_BYTES)" in output
+    assert "its 100000 queries make a request of " in output, output
+    assert "nothing was sent, no batch made: split the file into 2 parts or more" in output
+    assert "POST /v1/batches" not in sent, sent
+    assert batch_ids(stack) == before and not out.exists()
+    split = subprocess.run(  # as it says: each part fits
+        ["split", "-n", "l/2", str(queries), str(tmp_path / "part-")], check=True
+    )
+    assert split.returncode == 0
+    parts = sorted(tmp_path.glob("part-*"))
+    assert len(parts) == 2 and all(p.stat().st_size < 0.9 * limit for p in parts), parts
 
 
 def test_a_query_with_no_visible_character_is_a_bad_line_before_the_batch_is_sent(

@@ -189,8 +189,17 @@ def _in_progress(response: httpx.Response) -> bool:
         return False
 
 
+def json_size(body: Any) -> int:
+    """The bytes of ``body`` sent as a request's JSON, encoded as httpx encodes it."""
+    return len(httpx.Request("POST", "http://sift.invalid/", json=body).content)
+
+
 class Gateway:
-    """The gateway at ``base_url``, with the bearer key on every request."""
+    """The gateway at ``base_url``, with the bearer key on every request.
+
+    ``max_body_bytes``: the largest request body it takes (``SIFT_MAX_BODY_BYTES`` as this
+    command reads it: the gateway's default unless set here too); a command checks a large
+    body against it before sending it, and a gateway set lower still answers ``413``."""
 
     def __init__(
         self,
@@ -199,8 +208,10 @@ class Gateway:
         *,
         timeout: float = 60.0,
         transport: httpx.BaseTransport | None = None,
+        max_body_bytes: int | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.max_body_bytes = max_body_bytes
         self.has_key = bool(api_key)
         # a gateway that has never answered this client is not running, not restarting:
         # a refused connection is then told at once rather than retried for minutes
@@ -370,7 +381,9 @@ def gateway(transport: httpx.BaseTransport | None = None) -> Iterator[Gateway]:
         settings = load_settings()
     except ConfigError as exc:
         raise GatewayError(exc.message) from exc
-    client = Gateway(settings.url, settings.api_key, transport=transport)
+    client = Gateway(
+        settings.url, settings.api_key, transport=transport, max_body_bytes=settings.max_body_bytes
+    )
     try:
         yield client
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import math
 import os
 import tempfile
 import time
@@ -37,6 +38,7 @@ from worker.cli._http import (
     gateway,
     index_name,
     json_of,
+    json_size,
 )
 from worker.cli._output import plain, progress_bar, usage_line
 from worker.cli.client._input import (
@@ -152,6 +154,31 @@ def _key_after(key: str, canceled: str) -> str:
     """The key to send once ``key`` answered ``canceled``, a batch canceled since: a key of
     its own, the same for every run again, so the file's next batch is made once too."""
     return "sift-batch-" + hashlib.sha256(f"{key} {canceled}".encode()).hexdigest()
+
+
+def parts_to_fit(size: int, limit: int) -> int:
+    """How many parts of about equal size a request of ``size`` bytes is to be split into
+    for each to fit under ``limit``: a tenth to spare, as the parts are cut at line
+    boundaries and each request carries the batch's own fields too."""
+    return max(2, math.ceil(size * 1.1 / limit))
+
+
+def _check_body_size(client: Gateway, body: dict[str, Any], queries: Path) -> None:
+    """Refuse, before sending it, a batch whose request is over the gateway's body limit:
+    sent, all of it went over the wire to be answered ``413``."""
+    limit = client.max_body_bytes
+    if limit is None:
+        return
+    size = json_size(body)
+    if size <= limit:
+        return
+    parts = parts_to_fit(size, limit)
+    raise InputError(
+        f"{queries}: its {len(body['queries'])} queries make a request of {size:,} bytes, more "
+        f"than the gateway takes in one ({limit:,} bytes, SIFT_MAX_BODY_BYTES); nothing was "
+        f"sent, no batch made: split the file into {parts} parts or more (`split -n "
+        f"l/{parts} {queries} part-` cuts it at line boundaries) and run `sift batch` on each"
+    )
 
 
 def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, Any], bool]:
@@ -303,6 +330,7 @@ def batch(
             body["webhook_url"] = webhook_url
         started = time.monotonic()
         with gateway() as client:
+            _check_body_size(client, body, queries)
             try:
                 key = f"sift-batch-{uuid.uuid4().hex}" if new else batch_key(body)
                 submitted, picked_up = submit(client, body, key)
