@@ -8,6 +8,7 @@
     ├── EmbeddingModelMismatch     the index's vectors are another      permanent
     │                              embedding model's than the worker's
     ├── IndexLimitReached          a new index past the tenant's cap    permanent
+    ├── TenantRemoved              the job's tenant has no key here     permanent
     ├── BackendError
     │   ├── BackendUnavailable     connection, timeout, 5xx             retryable
     │   └── BackendRequestError    4xx, bad mapping, missing index      permanent
@@ -157,6 +158,22 @@ class IndexLimitReached(SiftError):
         self.held = held
         self.limit = limit
         self.unlisted = list(unlisted)
+
+
+class TenantRemoved(SiftError):
+    """The job's tenant has no key among the worker's (``SIFT_API_KEYS`` /
+    ``SIFT_API_KEYS_FILE``, as read at its start): the operator removed it after the job was
+    queued. Raised where the job would start, so none of it runs (no retrieval, no embedding,
+    no model call) and nothing is billed for a tenant that no longer exists."""
+
+    code = "tenant_removed"
+
+    def __init__(self, tenant: str) -> None:
+        super().__init__(
+            f"tenant {tenant!r} has no API key on this worker (removed from SIFT_API_KEYS / "
+            "SIFT_API_KEYS_FILE): the job was not run"
+        )
+        self.tenant = tenant
 
 
 class BackendError(SiftError):

@@ -18,6 +18,7 @@ import pytest
 from opentelemetry import trace
 
 from tests.fake_anthropic import FakeAnthropic, errored
+from tests.keys import GLOBEX_KEY
 from tests.unit.test_pipeline import make
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import CALL_TIMEOUT_SECONDS, AnthropicMessageBatches
@@ -728,3 +729,31 @@ def test_a_poll_whose_backend_fails_mapping_is_retried_not_failed(
         poll._poll(task, batch.id, first["id"])  # type: ignore[arg-type]
     assert retried and retried[0]["countdown"] > 0
     assert [r.status for r in context.store.batch_results(batch.id, 0, 2)] == ["running"] * 2
+
+
+def test_a_removed_tenants_prepared_items_are_not_sent(
+    context: WorkerContext, model: FakeAnthropic, redis_url: str
+) -> None:
+    """Items a worker prepared (their prompts waiting for the submission) of a tenant then
+    removed, the workers restarted with the other tenants' keys alone: the submission sends
+    nothing (no provider batch, nothing billed) and ends the items ``failed``
+    ``tenant_removed`` (not the failure policy: a ``fail_open`` fallback would serve a tenant
+    that no longer exists), completing the batch. Before, their prompts went to the provider."""
+    batch, qids = _prepared(context, 3)
+    removed = WorkerContext(
+        settings=load_settings(redis_url=redis_url, api_keys=[GLOBEX_KEY]),
+        store=context.store,
+        limiter=ProviderLimiter(4),
+        _runtime=context._runtime,
+        _batches=context._batches,
+    )
+    task = _Task(removed, "submit")
+    assert submission.submit(task, batch, qids) == []  # type: ignore[arg-type]
+    assert model.batches() == []
+    results = context.store.batch_results(batch.id, 0, 3)
+    assert [r.status for r in results] == ["failed"] * 3, results
+    errors = {json.loads(r.to_json())["error"]["type"] for r in results}
+    assert errors == {"tenant_removed"}, results
+    done = context.store.get_batch(batch.id)
+    assert done is not None and done.finished_at is not None
+    assert task.sent == [("batch.completed", {"id": batch.id, "status": "succeeded"})]

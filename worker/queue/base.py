@@ -33,7 +33,7 @@ from worker.constants import (
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.core.pipeline import BeforeModel
 from worker.core.ports import AnswerKeeper
-from worker.errors import SiftError
+from worker.errors import SiftError, TenantRemoved
 from worker.observability import metrics
 from worker.observability.logcontext import job_context
 from worker.queue.intake import INTAKE
@@ -100,7 +100,23 @@ class WorkerContext:
     _items: ItemQueue | None = None
     _marks: CancelMarks | None = None
     _batches: AnthropicMessageBatches | None = None
+    _tenants: frozenset[str] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def admit(self, tenant: str) -> None:
+        """The one gate every job of a tenant passes where it would start (a search, a batch
+        item of either lane, an ingest or delete, an economy submission): raises
+        :class:`TenantRemoved` for a tenant none of the worker's keys names, so a tenant
+        removed while its work waited in the queue has none of it run nor billed. Each caller
+        ends the job through its own failure path (``failed``, ``tenant_removed``), which keeps
+        the counts and metrics true. The keys are the ones read at the worker's start
+        (:meth:`Settings.all_api_keys`), as its webhooks are signed with. A worker given no key
+        at all (a test's, or a runtime driven without a gateway) admits every tenant: it cannot
+        tell a removed tenant from none configured."""
+        if self._tenants is None:
+            self._tenants = frozenset(key.tenant for key in self.settings.all_api_keys())
+        if self._tenants and tenant not in self._tenants:
+            raise TenantRemoved(tenant)
 
     @property
     def items(self) -> ItemQueue:

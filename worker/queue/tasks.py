@@ -37,7 +37,7 @@ from worker.constants import (
 from worker.contract import ErrorInfo, SearchResult, Usage
 from worker.core.budget import MIN_ATTEMPT_SECONDS
 from worker.core.pipeline import load_run
-from worker.errors import Canceled, RunTakenOver, SiftError
+from worker.errors import Canceled, RunTakenOver, SiftError, TenantRemoved
 from worker.observability import metrics
 from worker.queue import lifecycle, liveness
 from worker.queue.base import SiftTask, count_completed, error_info
@@ -127,6 +127,7 @@ def _search(task: SiftTask, job: SearchJob, claim: RunClaim) -> bool:
     answers = store.search_answers(job_id, claim)
     run_started = time.time()
     try:
+        task.context.admit(job.tenant)  # a removed tenant's search ends here, unrun
         with metrics.running_job():
             result = task.context.runtime.search(
                 job.spec, job.tenant, spent=claim.spent, answers=answers
@@ -317,6 +318,7 @@ class _ChunkItems:
         self.deadline = task.context.settings.search_deadline_seconds
         self.runtime = task.context.runtime if not self.poisoned else None
         self.marks = task.context.cancel_marks
+        self.admit = partial(task.context.admit, batch.tenant)
         # each running item's, until its finish (ClaimAnswers)
         self.held: dict[str, ClaimAnswers] = {}
         # an economy item's first-half figures (its retrieval's, a final result's), recorded once
@@ -341,6 +343,10 @@ class _ChunkItems:
         assert self.runtime is not None and item.spec is not None
         checked = _ModelCheck(self.store, self.marks, self.batch_id, item.query_id)
         item_claim: RunClaim | None = None
+        try:
+            self.admit()  # a removed tenant's item ends here, unrun (either lane), unpaced
+        except TenantRemoved as exc:
+            return None, error_info(exc)
         try:
             with metrics.running_job():
                 # an economy item's first half now; the model's answer comes from a provider batch
@@ -605,6 +611,7 @@ def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
     if job.started_at is None and not claim.spent:  # its first run (as a search's)
         metrics.observe_queue_wait(INGEST_QUEUE, time.time() - job.created_at)
     try:
+        task.context.admit(job.tenant)  # a removed tenant's ingest or delete ends here, unrun
         if deleting:
             deleted = lifecycle.delete(task.context.runtime, job, ids, jobs=store)
         else:

@@ -120,12 +120,15 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
     secrets = next(
         (k.webhook_secrets() for k in settings.all_api_keys() if k.tenant == event["tenant"]), None
     )
-    if secrets is None:
-        log.error(
-            "webhook for %s: tenant %s has no key and no secret; dropped",
+    if secrets is None:  # the tenant was removed (its job ended ``tenant_removed``)
+        log.warning(
+            "webhook for %s: tenant %s has no key here (removed), so nothing can sign it; "
+            "settled failed with no attempt made",
             data["id"],
             event["tenant"],
         )
+        # ``failed`` after the attempts made before the removal (0 for a job that ended
+        # unrun): docs/queue.md, "Where a webhook stands"
         store.webhook_settled(data["id"], "failed", attempt - 1)  # this one was not made
         return
     # the job's final figures and its end (the body's timestamp), read from its record (final

@@ -45,6 +45,7 @@ JOB_ERRORS: Final = (
     "index_not_found",
     "embedding_model_mismatch",
     "index_limit_reached",
+    "tenant_removed",
     "backend_error",
     "backend_unavailable",
     "backend_request_error",

@@ -52,6 +52,23 @@ def cancel_item(
     _item_done(task, batch, transition)
 
 
+def fail_unsent(
+    task: SiftTask, batch: BatchJob, query_ids: Sequence[str], failure: SiftError
+) -> None:
+    """End these running items, whose prompts this submission was to send, ``failed`` with
+    ``failure`` (the tenant removed): no call of theirs is made, so no failure policy applies
+    (a ``fail_open`` fallback would serve a tenant that no longer exists); what earlier
+    rounds were billed goes on the failed item's record, as :func:`cancel_item` does."""
+    store = task.context.store
+    for qid, _, record in running_items(task, batch, query_ids):
+        error = error_info(failure)
+        if record["attempts"]:
+            error = error.model_copy(update={"usage": rerank_run(record).job_usage()})
+        transition = store.finish_item(batch.id, qid, error=error)
+        count_completed("batch_item", transition.applied, error)
+        _item_done(task, batch, transition)
+
+
 def finish_item(
     task: SiftTask,
     batch: BatchJob,

@@ -20,11 +20,11 @@ from worker.constants import (
     ECONOMY_SUBMIT_TASK,
 )
 from worker.core.pipeline import load_prepared
-from worker.errors import AttemptOutcome, RerankAttemptError
+from worker.errors import AttemptOutcome, RerankAttemptError, TenantRemoved
 from worker.queue.base import SiftTask
 from worker.queue.economy.cancel import cancel_quietly
 from worker.queue.economy.doubts import settle_doubts
-from worker.queue.economy.finish import cancel_item, fail_items
+from worker.queue.economy.finish import cancel_item, fail_items, fail_unsent
 from worker.queue.economy.ids import SUBMISSION_CHARS, chunk_requests, custom_id, new_submission
 from worker.queue.economy.leases import WATCH_MARGIN_SECONDS, expect, leased, upload_guard
 from worker.queue.economy.records import (
@@ -137,6 +137,13 @@ def submit(
         for qid, _, run in running_items(task, batch, query_ids):
             if run["provider"] == expected:
                 cancel_item(task, batch, qid)
+        return []
+    try:  # a removed tenant's prompts go nowhere: the items still to send end failed
+        task.context.admit(batch.tenant)
+    except TenantRemoved as exc:
+        to_send = [qid for qid, _, run in running_items(task, batch, query_ids)
+                   if run["provider"] == expected]  # fmt: skip
+        fail_unsent(task, batch, to_send, exc)
         return []
     if not query_ids:  # every item ended without a prompt: nothing to send, no client needed
         return []
