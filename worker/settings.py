@@ -44,6 +44,10 @@ from worker.effort import refused_effort
 from worker.errors import ConfigError, validation_message
 from worker.prices import DEFAULT_PRICES, Price
 
+# what a tenant's name may be: also what `sift tenant purge` accepts (no glob character, so
+# the Redis SCAN patterns it builds from the name match that tenant's keys alone)
+TENANT_PATTERN = r"^[A-Za-z0-9_.-]+$"
+
 
 class ApiKey(BaseModel):
     """One API key entry: the key decides the tenant; the secret signs that tenant's webhooks.
@@ -56,7 +60,7 @@ class ApiKey(BaseModel):
 
     key: str | None = Field(default=None, min_length=8)
     key_sha256: str | None = Field(default=None, pattern=r"^[0-9a-fA-F]{64}$")
-    tenant: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    tenant: str = Field(min_length=1, pattern=TENANT_PATTERN)
     webhook_secret: str = Field(pattern=r"^whsec_[A-Za-z0-9+/=]+$")
     # During a rotation the previous secret still signs too: two signatures are sent.
     webhook_secret_previous: str | None = Field(default=None, pattern=r"^whsec_[A-Za-z0-9+/=]+$")

@@ -48,14 +48,29 @@ def delete(
     the index without a document (an index exists while it holds one, so a later ingest
     starts a new index, at the defaults, as after a drop), unless an upsert of the index
     accepted before the delete has yet to land (``jobs``: the job store that knows)."""
-    backend = catalog(runtime)
+    backend, store = catalog(runtime), settings_store(runtime)
     if job.operation == "drop":
-        gone = backend.delete_index(job.index, job.tenant, version=job.version)
-    else:
-        gone = backend.delete_documents(job.index, job.tenant, ids or [], version=job.version)
-    store = settings_store(runtime)
-    if store is not None and (job.operation == "drop" or _left_empty(backend, job, jobs)):
+        return drop(backend, store, job.index, job.tenant, job.version)
+    gone = backend.delete_documents(job.index, job.tenant, ids or [], version=job.version)
+    if store is not None and _left_empty(backend, job, jobs):
         store.clear(job.index, job.tenant, job.version)
+    return gone
+
+
+def drop(
+    backend: IndexCatalog,
+    store: IndexSettingsStore | None,
+    index: str,
+    tenant: str,
+    version: int | None,
+) -> int:
+    """Drop the tenant's index at write ``version``: its documents (the backend keeps the
+    version as the index's floor, so a write accepted before the drop and run after it lands
+    nothing), then its own settings. A drop job's run, and ``sift tenant purge``'s for each
+    of a removed tenant's indexes; answers how many documents went."""
+    gone = backend.delete_index(index, tenant, version=version)
+    if store is not None:
+        store.clear(index, tenant, version)
     return gone
 
 
