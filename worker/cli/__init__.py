@@ -16,5 +16,6 @@ from worker.cli import indexes as _indexes  # noqa: F401
 from worker.cli import listing as _listing  # noqa: F401
 from worker.cli import service as _service  # noqa: F401
 from worker.cli import status as _status  # noqa: F401
+from worker.cli import tenants as _tenants  # noqa: F401
 
 __all__ = ["app"]

@@ -67,7 +67,8 @@ batches, a batch item's moves (:mod:`~worker.queue.jobstore.batch_items`), the e
 state, Idempotency-Keys, deliveries (with the re-drive's view), run claims
 (:mod:`~worker.queue.jobstore.runs`), and the tenants' job lists
 (:mod:`~worker.queue.jobstore.jobindex` writes a job's entry with its record,
-:mod:`~worker.queue.jobstore.listing` reads them);
+:mod:`~worker.queue.jobstore.listing` reads them), and a tenant's erasure
+(:mod:`~worker.queue.jobstore.tenants`, ``sift tenant purge``);
 :class:`JobStore` is all of them. :mod:`~worker.queue.jobstore.asyncstore`
 is the gateway's ``redis.asyncio`` store for a search's create.
 """
@@ -106,6 +107,7 @@ from worker.queue.jobstore.records import (
 )
 from worker.queue.jobstore.runs import ClaimAnswers, RunClaim, RunRecords
 from worker.queue.jobstore.searches import SearchRecords
+from worker.queue.jobstore.tenants import TenantJobs, TenantRecords
 from worker.redis_client import CONNECTION_OPTIONS
 
 __all__ = [
@@ -130,6 +132,7 @@ __all__ = [
     "JobStore",
     "RunClaim",
     "SearchJob",
+    "TenantJobs",
     "WebhookState",
     "fingerprint",
     "webhook_event",
@@ -141,6 +144,7 @@ class JobStore(
     SearchRecords,
     LifecycleRecords,
     IngestRecords,
+    TenantRecords,  # before the batch mixins it builds on (the order Python resolves)
     BatchRecords,
     BatchItemRecords,
     EconomyLaneRecords,

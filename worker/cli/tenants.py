@@ -1,0 +1,159 @@
+"""``sift tenant purge NAME``: erase a removed tenant, its jobs, results and indexes.
+
+    SIFT_REDIS_URL=redis://127.0.0.1:6379/0 sift tenant purge acme [--yes] [--force]
+
+An operator's command, like ``sift status``: it reads Redis (``SIFT_REDIS_URL``, or the
+``sift up`` stack on ``SIFT_DATA_DIR``) and the configured search backend (the embedded one
+on ``SIFT_DATA_DIR``, or Elasticsearch) directly, with no API key. Removing a tenant's keys
+stops its requests and the workers run none of its queued work (``tenant_removed``), but
+erases nothing: its results, queries and documents stay until their retention ends (the
+documents for good), and a tenant given the same name later inherits them. This erases them:
+
+1. every job of the tenant not final yet is canceled, as a cancel does (the counts of queued
+   and running work move; a batch item a worker runs stops before its model call);
+2. each of its indexes is dropped through the backend's own drop (a write version taken as
+   the gateway's drop takes one, so the floor it leaves makes a write accepted before it land
+   nothing), its own settings with it;
+3. every Redis key that names the tenant or one of its jobs is deleted
+   (:mod:`worker.queue.jobstore.tenants` lists the families).
+
+It prints what it removed, by kind. Everything is found afresh, so a second run removes
+nothing. It refuses a tenant that still has a key in the settings (``--force`` to erase it
+anyway: its clients may still be writing), and asks before it starts (``--yes`` not to).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import Annotated, Any, NoReturn, cast
+
+import redis
+import typer
+from rich.table import Table
+
+from worker.cli._app import app
+from worker.cli._common import EXIT_ERROR, stack_redis_url
+from worker.cli._output import cli_console, plain
+from worker.core.ports import IndexCatalog
+from worker.errors import ConfigError, SiftError
+from worker.queue.jobstore import JobStore
+from worker.redis_client import CONNECTION_OPTIONS
+from worker.settings import TENANT_PATTERN, Settings, load_settings
+from worker.write_versions import next_write_version
+
+tenant_app = typer.Typer(help="Erase a removed tenant's data (an operator's command).")
+app.add_typer(tenant_app, name="tenant")
+
+
+def _tenant_name(value: str) -> str:
+    """A tenant's name as the keys file allows it: no other (a ``*`` would make the Redis
+    patterns match every tenant's keys)."""
+    if not re.fullmatch(TENANT_PATTERN, value):
+        raise typer.BadParameter(f"letters, digits, '_', '.' and '-' only, not {value!r}")
+    return value
+
+
+def _stop(message: str) -> NoReturn:
+    cli_console(stderr=True).print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    raise typer.Exit(EXIT_ERROR)
+
+
+def _drop_indexes(settings: Settings, client: redis.Redis, tenant: str) -> Counter[str]:
+    """Drop each of the tenant's indexes in the configured backend, as a drop job does
+    (:func:`worker.queue.lifecycle.drop`); answers the indexes and documents dropped."""
+    from worker.adapters.index_settings import IndexSettingsStore
+    from worker.queue.lifecycle import drop
+    from worker.runtime.bootstrap import build_backend
+
+    backend: Any = build_backend(settings)
+    # the index's own settings go with it, as with a drop job (none kept: nothing to clear)
+    store = IndexSettingsStore(backend, client) if hasattr(backend, "store_settings") else None
+    dropped: Counter[str] = Counter()
+    try:
+        catalog = cast(IndexCatalog, backend)
+        for index in catalog.indexes(tenant):
+            version = next_write_version(client, tenant)
+            dropped["documents"] += drop(catalog, store, index.name, tenant, version)
+            dropped["indexes"] += 1
+    finally:
+        close = getattr(backend, "close", None)
+        if callable(close):
+            close()
+    return dropped
+
+
+def _where(settings: Settings) -> str:
+    if settings.search_backend == "elasticsearch":
+        return f"elasticsearch at {settings.elasticsearch_url}"
+    return f"the embedded backend in {settings.data_dir.resolve()}"
+
+
+@tenant_app.command("purge")
+def purge(
+    name: Annotated[str, typer.Argument(callback=_tenant_name, help="the tenant to erase")],
+    yes: Annotated[bool, typer.Option("--yes", help="do not ask before erasing")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="erase a tenant that still has an API key")
+    ] = False,
+) -> None:
+    """Cancel a removed tenant's jobs, drop its indexes, and delete every record of it in
+    Redis (SIFT_REDIS_URL, or the sift up stack on SIFT_DATA_DIR); prints what went."""
+    try:
+        settings = load_settings()
+        keys = settings.all_api_keys()
+    except ConfigError as exc:
+        _stop(plain(exc.message))
+    url = settings.redis_url or stack_redis_url(settings.data_dir.resolve())
+    if not url:
+        _stop("SIFT_REDIS_URL is not set, and no `sift up` stack runs on SIFT_DATA_DIR")
+    settings = settings.model_copy(update={"redis_url": url})
+    if any(key.tenant == name for key in keys) and not force:
+        _stop(
+            f"tenant {name!r} still has a key in SIFT_API_KEYS / SIFT_API_KEYS_FILE: remove its "
+            "entries and restart the gateways and workers first (or pass --force)"
+        )
+    if not yes:
+        typer.confirm(
+            f"Erase tenant {name!r}: cancel its jobs, delete its records in Redis and drop "
+            f"its indexes in {_where(settings)}? This cannot be undone",
+            abort=True,
+        )
+    client = redis.Redis.from_url(url, **CONNECTION_OPTIONS)
+    store = JobStore(client, result_ttl=settings.result_retention_seconds)
+    try:
+        jobs = store.tenant_jobs(name)
+        canceled = store.cancel_tenant_jobs(jobs)
+        dropped = _drop_indexes(settings, client, name)
+        deleted = store.delete_tenant_jobs(jobs) + store.delete_tenant_keys(name)
+    except (redis.RedisError, OSError, SiftError) as exc:
+        _stop(f"purge of {name!r} stopped (run it again to finish): {plain(exc)}")
+    finally:
+        store.close()
+    _show(name, canceled, dropped, deleted)
+
+
+def _show(
+    tenant: str, canceled: Counter[str], dropped: Counter[str], deleted: Counter[str]
+) -> None:
+    rows = [
+        ("searches canceled", canceled["search"]),
+        ("ingests canceled", canceled["ingest"]),
+        ("batch items canceled", canceled["batch_item"]),
+        ("indexes dropped", dropped["indexes"]),
+        ("documents dropped", dropped["documents"]),
+        ("searches deleted", deleted["search"]),
+        ("batches deleted", deleted["batch"]),
+        ("ingests deleted", deleted["ingest"]),
+        ("their Redis keys and set entries deleted", deleted["keys"]),
+        ("job lists deleted", deleted["job lists"]),
+        ("idempotency keys deleted", deleted["idempotency keys"]),
+        ("index settings deleted (an earlier release's)", deleted["index settings"]),
+        ("write-version counters deleted", deleted["write version"]),
+    ]
+    table = Table(title=f"tenant {tenant}: purged")
+    table.add_column("what")
+    table.add_column("removed", justify="right")
+    for what, count in rows:
+        table.add_row(what, str(count))
+    cli_console().print(table)
