@@ -141,3 +141,66 @@ def test_documents_list_pages_through_escapes_markup_and_lists_all(stack: Stack)
     assert both.exit_code == 2 and "'--limit' / '--all'" in both.output
     missing = sift(stack, "documents", "list", "cli-nobody")
     assert missing.exit_code == 1 and "does not exist" in missing.output
+
+
+# a stored document that tries to drive the terminal: set its title and clipboard (OSC 0 and
+# 52), clear the screen and print a fake line (CSI), a hyperlink whose text lies (OSC 8), a
+# carriage return over the line, a C1 CSI (0x9b) and a right-to-left override
+HOSTILE_ID = "evil\x1b[31m-id"
+HOSTILE_TITLE = "Chess \x1b]0;PWNED\x07\x1b]52;c;Y3VybA==\x07 \u202eelif"
+HOSTILE_TEXT = (
+    "Deep Blue beat Kasparov at chess.\n\x1b[2J\x1b[H\x1b[32mAll checks passed\x1b[0m "
+    "\x1b]8;;https://evil.example/\x1b\\https://docs.example/\x1b]8;;\x1b\\ ok\rFAILED \x9b2J"
+)
+CONTROLS = ("\x1b", "\x07", "\r", "\x9b", "\u202e")
+
+
+def test_stored_control_characters_are_shown_escaped_and_json_is_exact(stack: Stack) -> None:
+    """Every stored text the CLI prints to a terminal has its control characters and bidi
+    overrides shown as escapes (``\\x1b``, ``\\u202e``): none reaches the terminal raw. The
+    text's own newline stays a newline in ``documents get``; ``--json`` is the text exact."""
+    doc = {
+        "id": HOSTILE_ID,
+        "title": HOSTILE_TITLE,
+        "text": HOSTILE_TEXT,
+        "metadata": {"m": "\x9b"},
+    }
+    response = stack.live.post(
+        "/v1/indexes/cli-controls/documents",
+        params={"wait": 20},
+        json={"documents": [doc]},
+        headers=ACME,
+    )
+    assert response.status_code == 200 and response.json()["status"] == "succeeded", response.text
+    commands = {
+        "search": (
+            "search",
+            "kasparov chess \x1b]0;Q\x07",
+            "--index",
+            "cli-controls",
+            "--mode",
+            "fts",
+        ),
+        "get": ("documents", "get", HOSTILE_ID, "--index", "cli-controls"),
+        "list": ("documents", "list", "cli-controls"),
+        "searches": ("searches", "--limit", "1"),
+    }
+    shown = {name: sift(stack, *args) for name, args in commands.items()}
+    for name, result in shown.items():
+        assert result.exit_code == 0, (name, result.output)
+        raw = [c for c in CONTROLS if c in result.output]
+        assert not raw, (name, raw, result.output)
+    assert r"evil\x1b[31m-id" in shown["get"].stdout
+    assert r"Chess \x1b]0;PWNED\x07\x1b]52;c;Y3VybA==\x07 \u202eelif" in shown["get"].stdout
+    assert "Deep Blue beat Kasparov at chess.\n" in shown["get"].stdout  # its line, kept
+    assert r"\x1b[2J\x1b[H\x1b[32mAll checks passed\x1b[0m" in shown["get"].stdout
+    assert r"ok\rFAILED \x9b2J" in shown["get"].stdout
+    assert r'"m": "\x9b"' in shown["get"].stdout
+    assert r"evil\x1b[31m-id" in shown["search"].stdout
+    assert r"evil\x1b[31m-id" in shown["list"].stdout
+    assert r"\x1b[2J" in shown["list"].stdout  # the preview, on one line
+    assert r"kasparov chess \x1b]0;Q\x07" in shown["searches"].stdout
+    exact = _json(sift(stack, "documents", "get", HOSTILE_ID, "--index", "cli-controls", "--json"))
+    assert (exact["id"], exact["title"], exact["text"]) == (HOSTILE_ID, HOSTILE_TITLE, HOSTILE_TEXT)
+    listed = _json(sift(stack, "documents", "list", "cli-controls", "--json"))
+    assert listed[0]["id"] == HOSTILE_ID and listed[0]["title"] == HOSTILE_TITLE

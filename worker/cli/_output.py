@@ -17,16 +17,51 @@ from rich.table import Table
 from rich.text import Text
 
 
-def plain(value: Any) -> str:
-    """``value`` as text to put in rich markup: a string from the gateway or a file (an id, a
-    title, a query, an error message) is shown as written, never read as markup, where
+def plain(value: Any, *, lines: bool = False) -> str:
+    r"""``value`` as text to put in rich markup: a string from the gateway or a file (an id, a
+    title, a query, a text, an error message) is shown as written, never read as markup, where
     ``[/x]`` raised MarkupError and ``[red]m-2`` showed as ``m-2``. The consoles are made with
     ``emoji=False`` too, so ``:fire:`` stays as written.
 
+    Nor does it drive the terminal: every control character (C0, DEL, C1) and every bidi
+    override or isolate is shown as its escape (:func:`visible`). A stored document's
+    ``\x1b[2J`` cleared the screen, ``\x1b]8;;URL`` made a hyperlink whose text lies, and
+    ``\u202e`` turned the rest of the line around. A tab stays; a newline stays only with
+    ``lines`` (a document's text): in an id, a title, a table cell, a one-line message it is
+    shown as ``\n``.
+
     >>> print(plain("[/x] at [a-z0-9]"))
-    \\[/x] at \\[a-z0-9]
+    \[/x] at \[a-z0-9]
+    >>> print(plain("ok\x1b[2J\rdone\u202e\n"))
+    ok\x1b[2J\rdone\u202e\n
+    >>> print(plain("one\ntwo", lines=True))
+    one
+    two
     """
-    return escape(str(value))
+    return escape(visible(str(value), lines=lines))
+
+
+# what a terminal acts on rather than shows: the C0 controls (ESC starts CSI and OSC
+# sequences, BEL ends an OSC, CR returns over the line), DEL and the C1 controls (0x9b is an
+# 8-bit CSI), and the bidi overrides and isolates, which reorder what follows on the line
+_CONTROLS = [*range(0x20), *range(0x7F, 0xA0), *range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+_ESCAPES = {c: repr(chr(c))[1:-1] for c in _CONTROLS}  # as Python writes it: \n, \x1b, \u202e
+_ONE_LINE = str.maketrans({c: e for c, e in _ESCAPES.items() if c != ord("\t")})
+_LINES = str.maketrans({c: e for c, e in _ESCAPES.items() if c not in (ord("\t"), ord("\n"))})
+
+
+def visible(text: str, *, lines: bool = False) -> str:
+    r"""``text`` with each control character and bidi override replaced by its escape as
+    Python writes it (``\n``, ``\x1b``, ``\x9b``, ``\u202e``), the tab kept, and the newline
+    kept only with ``lines``. :func:`plain` is this and the markup escape, for text put in
+    markup.
+
+    >>> visible("a\x1b]0;t\x07\tb\n") == r"a\x1b]0;t\x07" + "\tb" + r"\n"
+    True
+    >>> visible("a\nb\r", lines=True) == "a\nb" + r"\r"
+    True
+    """
+    return text.translate(_LINES if lines else _ONE_LINE)
 
 
 def cli_console(*, stderr: bool = False) -> Console:
@@ -184,7 +219,7 @@ def print_result(console: Console, result: dict[str, Any], *, title: str | None 
     console.print(table)
     rerank = result.get("rerank") or {}
     if rerank.get("applied"):
-        console.print(f"rerank: applied ({rerank.get('policy')})")
+        console.print(f"rerank: applied ({plain(rerank.get('policy'))})")
     elif rerank.get("fallback_reason"):
         reason = plain(rerank["fallback_reason"])
         console.print(f"rerank: [yellow]not applied[/], fallback: {reason}")

@@ -421,7 +421,7 @@ def documents_get(
         console.print(f"[bold]{plain(doc['title'])}[/]")
     if doc.get("metadata"):
         console.print(f"metadata: {plain(json.dumps(doc['metadata'], ensure_ascii=False))}")
-    console.print(doc["text"], soft_wrap=True, markup=False)
+    console.print(plain(doc["text"], lines=True), soft_wrap=True)  # its own lines kept
 
 
 @documents_app.command("delete")
