@@ -24,7 +24,7 @@ from worker.contract import (
     JobStatus,
     Limit,
     Mode,
-    QueryText,
+    SearchedText,
     SearchResult,
     SearchSpec,
     Usage,
@@ -51,6 +51,7 @@ class _Strict(BaseModel):
 class SearchRequest(SearchSpec):
     """``POST /v1/searches``: the search, and where to send its webhook."""
 
+    query: SearchedText
     filters: Filters = Field(default_factory=dict)
     webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
 
@@ -91,7 +92,7 @@ class SearchJobOut(BaseModel):
 
 class BatchQueryIn(_Strict):
     id: str = Field(min_length=1, max_length=MAX_BATCH_QUERY_ID_CHARS)
-    query: QueryText
+    query: SearchedText
     limit: Limit | None = None
     mode: Mode | None = None
     filters: Filters = Field(default_factory=dict)

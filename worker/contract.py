@@ -177,11 +177,36 @@ def _not_blank(value: str) -> str:
 _INVISIBLE = frozenset({"Cc", "Cf", "Zs", "Zl", "Zp"})
 
 
+def is_searchable(value: str) -> bool:
+    """Whether ``value`` holds a letter, a digit or a symbol (Unicode's L*, N*, S*: a CJK
+    word, ``½``, an emoji, ``$``). Punctuation alone (``"?!"``, ``"..."``) gives BM25 no word
+    and the embedder nothing to mean: such a query searched and answered arbitrary hits.
+
+    >>> [is_searchable(q) for q in ("?!", " ... ", "\u3002", "x?", "\U0001f525", "\u6771")]
+    [False, False, False, True, True, True]
+    """
+    return any(unicodedata.category(char)[0] in "LNS" for char in value)
+
+
+UNSEARCHABLE = "has no letter, digit or symbol (only punctuation): nothing in it can be searched"
+
+
+def _searchable(value: str) -> str:
+    """A query a search is asked for holds something to search (:func:`is_searchable`)."""
+    if not is_searchable(value):
+        raise ValueError(UNSEARCHABLE)
+    return value
+
+
 INDEX_PATTERN = r"^[a-z0-9][a-z0-9_.-]*$"
 IndexName = Annotated[str, Field(min_length=1, max_length=128, pattern=INDEX_PATTERN)]
 QueryText = Annotated[
     str, Field(min_length=1, max_length=MAX_QUERY_CHARS), AfterValidator(_not_blank)
 ]
+# what a client may ask for (a search's, a batch query's): a query with something to search.
+# Checked where a request comes in, not on the stored spec (a query of punctuation taken
+# before the check must stay readable in the job store)
+SearchedText = Annotated[QueryText, AfterValidator(_searchable)]
 
 
 # Strict: a boolean, a string or a float where an integer (or a boolean) goes is a wrong type

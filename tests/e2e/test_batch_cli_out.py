@@ -152,14 +152,16 @@ def test_a_batch_over_the_default_body_limit_is_refused_before_it_is_sent(
     assert len(parts) == 2 and all(p.stat().st_size < 0.9 * limit for p in parts), parts
 
 
+@pytest.mark.parametrize("text", ["\u200b\u00ad", "?!"], ids=["blank", "punctuation"])
 def test_a_query_with_no_visible_character_is_a_bad_line_before_the_batch_is_sent(
-    stack: Stack, tmp_path: Path
+    stack: Stack, tmp_path: Path, text: str
 ) -> None:
     """``sift batch`` checked a query with ``str.strip()``: a zero-width space or a soft
     hyphen passed as a line (``--skip-invalid`` kept it), and the whole batch was refused
-    by the gateway's 422 instead of the line named."""
+    by the gateway's 422 instead of the line named. So does a query of punctuation alone,
+    which the gateway refuses as well."""
     queries = tmp_path / "q.jsonl"
-    rows = [{"id": "q1", "query": "tea"}, {"id": "q2", "query": "\u200b\u00ad"}]
+    rows = [{"id": "q1", "query": "tea"}, {"id": "q2", "query": text}]
     queries.write_text("".join(json.dumps(r) + "\n" for r in rows))
     before = batch_ids(stack)
     out = tmp_path / "results.jsonl"

@@ -43,6 +43,12 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
         ("POST", "/v1/searches", {**SEARCH, "query": q}, {}, "query")
         for q in ("\u200b", "\u0000", "\u00ad", "\ufeff", " \u2028\u200b\t\u3000")
     ],
+    # no letter, digit or symbol: punctuation alone has no word for BM25 and means nothing
+    # to the embedder (it searched and answered arbitrary hits)
+    *[
+        ("POST", "/v1/searches", {**SEARCH, "query": q}, {}, "query")
+        for q in ("?!", "...", " ¿¡ — ", "。、", "___")
+    ],
     ("POST", "/v1/searches", {**SEARCH, "limit": 0}, {}, "limit"),
     ("POST", "/v1/searches", {**SEARCH, "limit": 101}, {}, "limit"),
     ("POST", "/v1/searches", {**SEARCH, "limit": "ten"}, {}, "limit"),
@@ -79,6 +85,19 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
         {**BATCH, "queries": [{"id": "a", "query": "tea"}, {"id": "b", "query": "\u200b\u00ad"}]},
         {},
         "queries[1].query",
+    ),
+    (
+        "POST",
+        "/v1/batches",
+        {
+            **BATCH,
+            "queries": [
+                *[{"id": f"q{n}", "query": "tea"} for n in range(3)],
+                {"id": "d", "query": "?!"},
+            ],
+        },
+        {},
+        "queries[3].query",
     ),
     (
         "POST",
@@ -152,6 +171,18 @@ def test_each_bad_field_is_named(
     error = response.json()["error"]
     assert error["field"] == field, error
     assert error["message"].startswith(field + ":") or field in error["message"]
+
+
+@pytest.mark.parametrize("query", ["\U0001f525", "$", "\u6771\u4eac", "\u00bd", "+", "?x"])
+def test_a_query_of_one_symbol_digit_or_cjk_word_is_searched(
+    stack: Stack, corpus: list[dict[str, object]], query: str
+) -> None:
+    """The refusal of punctuation alone keeps what can be searched: an emoji or a currency
+    sign (symbols), a vulgar fraction (a number), a CJK word."""
+    body = {**SEARCH, "query": query}
+    response = stack.live.post("/v1/searches", params={"wait": 20}, json=body, headers=ACME)
+    assert response.status_code == 200, response.text
+    assert response.json()["status"] == "succeeded", response.text
 
 
 def test_bad_page_token_is_named(stack: Stack) -> None:

@@ -118,7 +118,34 @@ def test_match_expression_quotes_terms_and_drops_stopwords() -> None:
     assert match_expression('What is "the" role of p53 OR NEAR(x)?') == (
         '"role" OR "p53" OR "near" OR "x"'
     )
-    assert match_expression("what is the") is None
+    assert match_expression("?! ...") is None  # no word at all: an empty BM25 channel
+
+
+def test_a_query_of_stopwords_alone_searches_all_its_terms() -> None:
+    """Dropping the stopwords left "The Who" and "to be or not to be" no term, and their
+    BM25 channel silently empty: such a query searches every term it has instead."""
+    assert match_expression("what is the") == '"what" OR "is" OR "the"'
+    assert match_expression("The Who") == '"the" OR "who"'
+    assert match_expression("to be or not to be") == '"to" OR "be" OR "or" OR "not"'
+
+
+def test_a_query_of_stopwords_alone_finds_its_words_by_bm25(
+    tmp_path: Path, embedder: OnnxMiniLMEmbedder
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    stopwords = {
+        "band": ("The Who", "The Who are an English rock band formed in London in 1964."),
+        "hamlet": ("Hamlet", "To be, or not to be, that is the question."),
+        "chess": ("Chess", "Deep Blue beat Kasparov at chess."),
+    }
+    load(backend, embedder, "acme", docs_of(stopwords))
+    bm25: tuple[Channel, ...] = ("bm25",)
+    assert ids(search(backend, embedder, "acme", "The Who", channels=bm25), "bm25")[0] == "band"
+    hamlet = search(backend, embedder, "acme", "to be or not to be", channels=bm25)
+    assert ids(hamlet, "bm25")[0] == "hamlet"
+    # a query with a word past the stopwords still drops them: "the" finds no other document
+    assert ids(search(backend, embedder, "acme", "the chess", channels=bm25), "bm25") == ["chess"]
+    backend.close()
 
 
 def test_index_survives_a_restart(tmp_path: Path, embedder: OnnxMiniLMEmbedder) -> None:
@@ -285,7 +312,7 @@ def test_a_query_without_usable_terms_has_an_empty_bm25_channel(
 ) -> None:
     backend = EmbeddedBackend(tmp_path)
     load(backend, embedder, "acme", docs_of(CORPUS))
-    results = search(backend, embedder, "acme", "what is the ... ?!")
+    results = search(backend, embedder, "acme", "... ?! \u00bf")  # no word: no term to match
     assert results.hits["bm25"] == []
     assert len(results.hits["knn"]) == len(CORPUS)
     assert set(results.seconds) == {"bm25", "knn"}

@@ -13,10 +13,10 @@ Why this shape (DESIGN.md §6, §10):
   current SQLite with FTS5; the stdlib module here cannot load extensions.
 * **BM25 is FTS5's own ``bm25()``** over title and text, tokenizer ``porter
   unicode61 remove_diacritics 2``. The MATCH expression is built here from the
-  query's word tokens, English stopwords removed, each term quoted and OR-ed, so no
-  user text is ever parsed as FTS5 syntax. Statistics are per tenant's index (one FTS
-  table each): another tenant's documents change neither the caller's scores nor the
-  cost of its search.
+  query's word tokens, English stopwords removed (all of them kept when the query has
+  nothing else), each term quoted and OR-ed, so no user text is ever parsed as FTS5
+  syntax. Statistics are per tenant's index (one FTS table each): another tenant's
+  documents change neither the caller's scores nor the cost of its search.
 * **kNN is exact cosine with numpy**: a dot product of unit vectors over an
   in-memory float32 matrix loaded from SQLite. Rows get a monotonic ``seq``
   (AUTOINCREMENT; a replaced document gets a new one) and each index a

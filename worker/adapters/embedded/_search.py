@@ -275,11 +275,19 @@ def match_expression(query: str) -> str | None:
     >>> match_expression("What is the role of p53?")
     '"role" OR "p53"'
 
-    ``None`` when no term is left; such a query has an empty BM25 channel.
+    A query of stopwords alone searches all its terms: dropped, "The Who" or "to be or not
+    to be" had no term left, and an empty BM25 channel that said nothing. The documents
+    hold every word (stopwords are dropped from queries only), and BM25's idf ranks the
+    rarer words first.
+
+    >>> match_expression("The Who")
+    '"the" OR "who"'
+
+    ``None`` when the query has no word at all (``"?!"``); such a query has an empty BM25
+    channel (the gateway refuses a query with no letter, digit or symbol).
     """
-    terms = dict.fromkeys(
-        token for token in _WORD.findall(query.lower()) if token not in ENGLISH_STOPWORDS
-    )
+    words = dict.fromkeys(_WORD.findall(query.lower()))
+    terms = [word for word in words if word not in ENGLISH_STOPWORDS] or list(words)
     return " OR ".join(f'"{term}"' for term in terms) or None
 
 

@@ -20,7 +20,14 @@ from worker.constants import (
     MAX_LIMIT,
     MAX_QUERY_CHARS,
 )
-from worker.contract import BLANK, DocumentRequest, is_blank, unicode_only
+from worker.contract import (
+    BLANK,
+    UNSEARCHABLE,
+    DocumentRequest,
+    is_blank,
+    is_searchable,
+    unicode_only,
+)
 from worker.jsonl import field_problem, lines, parsed
 
 MODES = ("fts", "vector", "hybrid")
@@ -105,6 +112,8 @@ def query_from(obj: Any) -> dict[str, Any]:
         raise ValueError(f"field {id_field!r}: longer than {MAX_BATCH_QUERY_ID_CHARS} characters")
     if is_blank(text):
         raise ValueError(f"field {text_field!r}: {BLANK}")
+    if not is_searchable(text):
+        raise ValueError(f"field {text_field!r}: {UNSEARCHABLE}")
     if len(text) > MAX_QUERY_CHARS:
         raise ValueError(f"field {text_field!r}: longer than {MAX_QUERY_CHARS} characters")
     item: dict[str, Any] = {"id": query_id, "query": text}
