@@ -135,12 +135,25 @@ class DocumentIn(StrictModel):
     metadata: dict[str, FilterValue] = Field(default_factory=dict)
 
 
+def _not_a_dot_segment(value: str) -> str:
+    """An id is never ``.`` or ``..``: every HTTP client resolves such a path segment (RFC
+    3986), so ``DELETE /v1/indexes/i/documents/..`` reached the server as
+    ``DELETE /v1/indexes/i`` and dropped the whole index, and ``GET`` of ``.`` listed the
+    documents. Refused where a document comes in; one stored before stays readable."""
+    if value in (".", ".."):
+        raise ValueError(
+            f"{value!r} is not an id a URL can hold: HTTP clients resolve it as a path segment"
+        )
+    return value
+
+
 class DocumentRequest(DocumentIn):
     """One document of ``POST /v1/indexes/{index}/documents``: a ``DocumentIn`` whose
     text, title, revision and metadata every backend can store (:data:`Metadata`), each
     bounded (:data:`~worker.constants.MAX_DOCUMENT_CHARS`...). Here, not in
     the gateway's schemas, so ``sift ingest`` checks its lines by the same rules."""
 
+    id: Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_not_a_dot_segment)]
     # the text's limit was checked by the route and the CLI apart: OpenAPI did not show it
     text: str = Field(min_length=1, max_length=MAX_DOCUMENT_CHARS)
     # each length before the Unicode check: after it, pydantic checked the length as a

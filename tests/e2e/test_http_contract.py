@@ -145,6 +145,17 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
         {},
         "documents[0].id",
     ),
+    # a dot segment: every HTTP client resolves it, so DELETE .../documents/.. dropped the index
+    *[
+        (
+            "POST",
+            "/v1/indexes/docs/documents",
+            {"documents": [{"id": "1", "text": "t"}, {"id": dots, "text": "t"}]},
+            {},
+            "documents[1].id",
+        )
+        for dots in (".", "..")
+    ],
     (
         "POST",
         "/v1/indexes/docs/documents",

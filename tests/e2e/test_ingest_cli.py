@@ -172,6 +172,24 @@ def test_a_blank_text_stops_the_command_before_anything_is_sent(
         assert gone.status_code == 404, (text, gone.text)
 
 
+def test_a_dot_segment_id_stops_the_command_before_anything_is_sent(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The gateway refuses the ids ``.`` and ``..`` (a client resolves them in a URL:
+    ``DELETE .../documents/..`` is the index's own ``DELETE``); ``sift ingest`` names the
+    line, a BEIR one by its ``_id``."""
+    for n, row in enumerate(({"id": ".", "text": "one dot"}, {"_id": "..", "text": "two"})):
+        index = f"cli-dots-{n}"
+        corpus = write_jsonl(tmp_path / f"d{n}.jsonl", [{"id": "ok", "text": "a good line"}, row])
+        result = sift(stack, "ingest", str(corpus), "--index", index, "--batch-size", "1")
+        assert result.exit_code == 1, (row, result.output)
+        field = "_id" if "_id" in row else "id"
+        assert f"d{n}.jsonl:2: field '{field}'" in result.output, result.output
+        assert "nothing was sent" in result.output
+        gone = stack.live.get(f"/v1/indexes/{index}", headers=ACME)
+        assert gone.status_code == 404, (row, gone.text)
+
+
 def test_from_line_sends_the_file_from_that_line_on(stack: Stack, tmp_path: Path) -> None:
     """The resume line had no option to go on from it: the whole file was to be sent again.
     ``--from-line N`` sends the documents of line N on; the lines before it are not read as
