@@ -8,7 +8,7 @@ Both prompts go through the real ``anthropic`` SDK to the fake Messages API
 tokenizer gives other absolute numbers, and the ratios are what this measures). Thinking is
 excluded for both (the fake's thinking allowance is 0): output tokens are the answer alone.
 
-- **Sift** (``listwise.v1``): one call, ``worker.core.policy.build_prompt`` with k=10 and
+- **Sift** (``listwise.v2``): one call, ``worker.core.policy.build_prompt`` with k=10 and
   1,200 characters per candidate, sent by ``AnthropicReranker``; the answer is
   ``{"positions": [...]}`` with 10 positions.
 - **RankGPT** (Sun et al. 2023, ``rank_gpt.py``): a sliding window of 20, step 10, back to

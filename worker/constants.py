@@ -11,7 +11,7 @@ MAX_FUSION_WEIGHT = 1_000_000
 MAX_CANDIDATE_LIMIT = 200  # the largest rerank candidate window (SIFT_RERANK_CANDIDATE_LIMIT)
 MIN_CHANNEL_WINDOW = 32
 CHANNEL_WINDOW_FACTOR = 4
-POLICY_ID = "listwise.v1"
+POLICY_ID = "listwise.v2"
 
 # --- Redis keys: every prefix lives here ---
 REDIS_PREFIX = "sift:"

@@ -123,7 +123,7 @@ def test_no_valid_ranks_is_a_fallback_under_both_policies(faults: FaultStack, po
     assert seen.status == "succeeded"
     assert seen.rerank == {
         "applied": False,
-        "policy": "listwise.v1",
+        "policy": "listwise.v2",
         "fallback_reason": "no_valid_ranks",
     }
     assert seen.requests == 1 and seen.counters == {"ok": 1}

@@ -123,7 +123,7 @@ def test_applied_rerank_keeps_the_models_order_and_never_pads() -> None:
     assert prompt.candidate_count == 30  # coarse_limit = max(5, 30)
     assert [h.ranks.rrf for h in result.hits] == [3, 1]
     assert [h.ranks.final for h in result.hits] == [1, 2]
-    assert result.rerank.applied and result.rerank.policy == "listwise.v1"
+    assert result.rerank.applied and result.rerank.policy == "listwise.v2"
     trace = result.trace
     assert trace is not None
     assert trace["kept_positions"] == [3, 1]
