@@ -148,6 +148,31 @@ def test_a_query_of_stopwords_alone_finds_its_words_by_bm25(
     backend.close()
 
 
+def test_bm25_does_not_split_cjk_runs_nor_fold_full_width_forms(
+    tmp_path: Path, embedder: OnnxMiniLMEmbedder
+) -> None:
+    """The limits docs/embedded-backend.md states ("What BM25 matches"), pinned so the docs
+    change with the tokenizer: FTS5's unicode61 keeps a run of CJK characters as one word, so
+    a word inside a Japanese or Chinese sentence is not found, only a run that stands alone;
+    and it does no NFKC folding, so full-width ``１２３４５`` is not ``12345``."""
+    backend = EmbeddedBackend(tmp_path)
+    texts = {
+        "ja": ("東京タワー", "東京タワーは日本の首都東京にある電波塔です。"),
+        "zh": ("", "北京是中华人民共和国的首都和政治中心。"),
+        "router": ("", "Model number 12345 is the fastest router."),
+    }
+    load(backend, embedder, "acme", docs_of(texts))
+
+    def bm25(text: str) -> list[str]:
+        return ids(search(backend, embedder, "acme", text, channels=("bm25",)), "bm25")
+
+    assert bm25("電波塔") == [] and bm25("首都") == [] and bm25("政治") == []
+    assert bm25("東京タワー") == ["ja"]  # the title: a run of its own
+    assert bm25("北京是中华人民共和国的首都和政治中心") == ["zh"]  # the whole run
+    assert bm25("１２３４５") == [] and bm25("12345") == ["router"]
+    backend.close()
+
+
 def test_index_survives_a_restart(tmp_path: Path, embedder: OnnxMiniLMEmbedder) -> None:
     backend = EmbeddedBackend(tmp_path)
     load(backend, embedder, "acme", docs_of(CORPUS))
