@@ -10,7 +10,6 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api_gateway.errors import ApiError
-from worker.errors import ConfigError
 from worker.settings import ApiKey
 
 bearer = HTTPBearer(auto_error=False, description="An API key; it decides the tenant.")
@@ -24,18 +23,9 @@ class KeyRing:
     """
 
     def __init__(self, keys: Sequence[ApiKey]) -> None:
+        # the keys as Settings.all_api_keys gives them: checked there (one tenant a key, one
+        # webhook secret a tenant), where the workers read them too
         self._entries = [(k.digest(), k.tenant) for k in keys]
-        owners: dict[bytes, str] = {}
-        for digest, tenant in self._entries:
-            # one key for two tenants (a pasted entry, a digest of another tenant's key)
-            # would serve its holder whichever was listed last: refused at start-up
-            other = owners.setdefault(digest, tenant)
-            if other != tenant:
-                raise ConfigError(
-                    f"SIFT_API_KEYS, SIFT_API_KEYS_FILE: one key is given for tenants "
-                    f"{other!r} and {tenant!r}; a key must decide one tenant"
-                )
-        _one_secret_per_tenant(keys)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -47,24 +37,6 @@ class KeyRing:
             if hmac.compare_digest(known, digest):
                 tenant = owner
         return tenant
-
-
-def _one_secret_per_tenant(keys: Sequence[ApiKey]) -> None:
-    """Every entry of one tenant gives the same webhook secrets (``webhook_secret``, and
-    ``webhook_secret_previous`` while it rotates): a tenant's webhooks are signed with its
-    secret, which the worker takes from its first entry, so another entry's secret was never
-    used and a receiver holding it refused every webhook. Refused at start-up, naming the
-    tenant and the entries, never quoting a secret."""
-    first: dict[str, tuple[int, list[str]]] = {}
-    for i, key in enumerate(keys):
-        index, secrets = first.setdefault(key.tenant, (i, key.webhook_secrets()))
-        if key.webhook_secrets() != secrets:
-            raise ConfigError(
-                f"SIFT_API_KEYS, SIFT_API_KEYS_FILE: tenant {key.tenant!r} is given "
-                f"different webhook secrets by entries {index} and {i} (SIFT_API_KEYS's, then "
-                "the file's); its webhooks are signed with one secret: give each of its "
-                "entries the same webhook_secret (and webhook_secret_previous)"
-            )
 
 
 def _unauthenticated(message: str) -> ApiError:

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
@@ -263,8 +263,9 @@ class Settings(BaseSettings):
 
     api_keys_file: Path | None = None
     api_keys: Annotated[list[ApiKey], NoDecode] = Field(default_factory=list)
-    # the keys file as read once (its path, its entries): :meth:`all_api_keys`
-    _keys_read: tuple[Path, list[ApiKey]] | None = PrivateAttr(default=None)
+    # the keys as read and checked once (the file's path, SIFT_API_KEYS's list, the keys of
+    # both): :meth:`all_api_keys`
+    _keys_read: tuple[Path | None, list[ApiKey], list[ApiKey]] | None = PrivateAttr(default=None)
     webhook_allow_private_networks: bool = False
     # also the most the gateway waits for a webhook URL's host to resolve at registration
     webhook_connect_timeout_seconds: float = Field(default=5.0, gt=0)
@@ -541,21 +542,57 @@ class Settings(BaseSettings):
         return self.search_backend == "elasticsearch" and self.elasticsearch_native_rrf
 
     def all_api_keys(self) -> list[ApiKey]:
-        """The keys of ``SIFT_API_KEYS_FILE`` (a JSON list) and of ``SIFT_API_KEYS``.
+        """The keys of ``SIFT_API_KEYS_FILE`` (a JSON list) and of ``SIFT_API_KEYS``, checked
+        as one list (:func:`check_api_keys`): a ConfigError for a key of two tenants or a
+        tenant of two webhook secrets, in the gateway and the workers alike.
 
         The file is read once, at the first call (a worker makes it at its start, the gateway
         at its own), and kept: an edit takes effect at a restart, for the gateway and the
         workers alike (docs/security.md's rotation). A worker read it again at every webhook
         attempt, so a half-written edit failed every tenant's webhooks, and each attempt
         parsed every entry anew (170 ms of CPU at 10,000 entries)."""
-        keys = list(self.api_keys)
-        if self.api_keys_file is not None:
-            read = self._keys_read
-            if read is None or read[0] != self.api_keys_file:  # a copy given another file
-                read = (self.api_keys_file, _read_keys_file(self.api_keys_file))
-                self._keys_read = read
-            keys += read[1]
-        return keys
+        read = self._keys_read
+        # a copy given another file, or other SIFT_API_KEYS, reads and checks them again
+        if read is None or read[0] != self.api_keys_file or read[1] is not self.api_keys:
+            keys = list(self.api_keys)
+            if self.api_keys_file is not None:
+                keys += _read_keys_file(self.api_keys_file)
+            check_api_keys(keys)
+            read = (self.api_keys_file, self.api_keys, keys)
+            self._keys_read = read
+        return list(read[2])
+
+
+def check_api_keys(keys: Sequence[ApiKey]) -> None:
+    """A ConfigError, naming the tenants or the entries and quoting no key nor secret, for
+    keys the gateway and the workers would read differently:
+
+    - one key for two tenants (a pasted entry, a digest of another tenant's key): the
+      gateway served its holder whichever tenant was listed last;
+    - one tenant given different webhook secrets (``webhook_secret``, and
+      ``webhook_secret_previous`` while it rotates) by two entries (a second key made with a
+      fresh secret, a rotation applied to one entry of two): a tenant's webhooks are signed
+      with one secret, which the worker takes from its first entry, so the other was never
+      used and a receiver holding it refused every webhook. Only the gateway checked this: a
+      worker given the file it refused started, and signed with the first entry's secret.
+    """
+    owners: dict[bytes, str] = {}
+    first: dict[str, tuple[int, list[str]]] = {}
+    for i, key in enumerate(keys):
+        other = owners.setdefault(key.digest(), key.tenant)
+        if other != key.tenant:
+            raise ConfigError(
+                f"SIFT_API_KEYS, SIFT_API_KEYS_FILE: one key is given for tenants "
+                f"{other!r} and {key.tenant!r}; a key must decide one tenant"
+            )
+        index, secrets = first.setdefault(key.tenant, (i, key.webhook_secrets()))
+        if key.webhook_secrets() != secrets:
+            raise ConfigError(
+                f"SIFT_API_KEYS, SIFT_API_KEYS_FILE: tenant {key.tenant!r} is given "
+                f"different webhook secrets by entries {index} and {i} (SIFT_API_KEYS's, then "
+                "the file's); its webhooks are signed with one secret: give each of its "
+                "entries the same webhook_secret (and webhook_secret_previous)"
+            )
 
 
 def _read_keys_file(path: Path) -> list[ApiKey]:

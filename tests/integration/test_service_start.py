@@ -9,6 +9,7 @@ start-up. Real processes, as a newcomer runs them.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import pytest
 from worker.processes.stack import free_port
 
 SIFT = str(Path(sys.executable).with_name("sift"))
+_OLD = "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ=="
+_NEW = "whsec_bmV3LWFjbWUtc2VjcmV0LTk4NzY1NDMyMQ=="
 
 
 @pytest.mark.parametrize(
@@ -51,6 +54,22 @@ def test_no_redis_url_is_one_line_naming_it(tmp_path: Path, args: list[str]) -> 
             '[{"key": "short", "tenant": "t", "webhook_secret": "whsec_c2VjcmV0"}]',
             "SIFT_API_KEYS_FILE.0.key",
         ),
+        (  # one tenant, two secrets (a rotation applied to one entry of two): the worker
+            # signed with the first entry's, and a receiver holding the other refused them all
+            json.dumps(
+                [
+                    {"key": "acme-key-0001", "tenant": "acme", "webhook_secret": _OLD},
+                    {
+                        "key": "acme-key-0002",
+                        "tenant": "acme",
+                        "webhook_secret": _NEW,
+                        "webhook_secret_previous": _OLD,
+                    },
+                ]
+            ),
+            "SIFT_API_KEYS, SIFT_API_KEYS_FILE: tenant 'acme' is given different webhook "
+            "secrets by entries 0 and 1",
+        ),
     ],
 )
 def test_an_api_keys_file_it_cannot_use_is_one_line_naming_it(
@@ -58,7 +77,8 @@ def test_an_api_keys_file_it_cannot_use_is_one_line_naming_it(
 ) -> None:
     """Before, ``sift gateway`` printed a 166-line traceback of the app factory's
     ``ConfigError`` (exit 1), and ``sift worker`` started and ran on, every webhook raising
-    on the file when it came to be signed."""
+    on the file when it came to be signed. A file giving one tenant two webhook secrets was
+    refused by the gateway only: the worker started and signed with the first entry's."""
     if args[-1] == "--port":
         args = [*args, str(free_port())]
     path = tmp_path / "keys.json"
@@ -74,6 +94,7 @@ def test_an_api_keys_file_it_cannot_use_is_one_line_naming_it(
     assert ran.returncode == 2, said
     assert named in said and "Traceback" not in said, said
     assert len(said.strip().splitlines()) == 1, said
+    assert _OLD not in said and _NEW not in said, said  # no secret quoted
 
 
 @pytest.mark.parametrize("processes", ["1", "2"])

@@ -133,16 +133,41 @@ def test_two_webhook_secrets_for_one_tenant_are_refused_at_start_up(
     the worker took from the tenant's first entry: a second entry giving another secret (a
     second key made with a fresh secret, or a rotation applied to one entry of two) was
     silently never used, and a receiver holding it refused every webhook. Refused at the
-    gateway's start-up, naming the tenant and the entries, quoting no secret."""
+    start-up of the gateway and of the workers (only the gateway's before: a worker given
+    the file started and signed with the first entry's secret), naming the tenant and the
+    entries, quoting no secret."""
     keys = [
         {"key": KEY, "tenant": "acme", "webhook_secret": SECRET},
         {"key": "globex-key-0001", "tenant": "globex", "webhook_secret": OTHER_SECRET},
         {"key": "acme-key-0002", "tenant": "acme", **second},
     ]
     settings = load_settings(api_keys=keys)
-    with pytest.raises(ConfigError, match=r"tenant 'acme'.* entries 0 and 2") as raised:
+    refused = r"tenant 'acme'.* entries 0 and 2"
+    with pytest.raises(ConfigError, match=refused) as raised:
         create_app(settings)
     assert SECRET not in str(raised.value) and OTHER_SECRET not in str(raised.value)
+    with pytest.raises(ConfigError, match=refused):  # the keys a worker signs with
+        settings.all_api_keys()
+
+
+def test_a_tenant_s_secrets_are_checked_across_the_variable_and_the_file(
+    tmp_path: Path,
+) -> None:
+    """The entries of ``SIFT_API_KEYS`` and of ``SIFT_API_KEYS_FILE`` are one list: a tenant
+    keyed in both is given one secret, counted from the variable's entries to the file's."""
+    path = tmp_path / "keys.json"
+    path.write_text(
+        json.dumps([{"key": "acme-key-0002", "tenant": "acme", "webhook_secret": OTHER_SECRET}])
+    )
+    settings = load_settings(
+        api_keys=[{"key": KEY, "tenant": "acme", "webhook_secret": SECRET}], api_keys_file=path
+    )
+    with pytest.raises(ConfigError, match=r"tenant 'acme'.* entries 0 and 1"):
+        settings.all_api_keys()
+    path.write_text(
+        json.dumps([{"key": "acme-key-0002", "tenant": "acme", "webhook_secret": SECRET}])
+    )
+    assert [k.key for k in settings.all_api_keys()] == [KEY, "acme-key-0002"]
 
 
 def test_one_tenant_s_keys_with_one_webhook_secret_are_taken() -> None:
