@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, Request, Response
@@ -236,7 +235,10 @@ async def _read(
     args: list[Any] = [key, operation, tenant, index, doc_id] + ([body] if body else [])
     wait = INDEX_READ_TIMEOUT_SECONDS
     if operation == "update":  # started by then or never; answered within the grace after
-        args.append(time.time() + INDEX_READ_TIMEOUT_SECONDS)
+        # on Redis's clock, which the worker checks it with: this host's may be seconds off
+        # the worker's, and a change was then applied after its 503, or every one dropped
+        start_by = await async_job_store(request).server_time() + INDEX_READ_TIMEOUT_SECONDS
+        args.append(start_by)
         wait += INDEX_CHANGE_GRACE_SECONDS
         what = (
             f"index settings change within {wait:g} s (none started by "

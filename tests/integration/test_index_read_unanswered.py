@@ -7,6 +7,9 @@ worker answered the index read within 10 s" after 13 s.
 
 from __future__ import annotations
 
+import base64
+import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -14,6 +17,7 @@ from starlette.testclient import TestClient
 
 from api_gateway import indexes
 from api_gateway.app import create_app
+from worker.constants import INDEX_READ_TASK, SEARCH_QUEUE
 from worker.queue.jobstore import JobStore
 from worker.settings import ApiKey, Settings
 
@@ -52,3 +56,32 @@ def test_an_unanswered_index_request_says_which_it_was(
     answer = client.request(method, "/v1/indexes/docs", json=body, headers=ACME)
     assert answer.status_code == 503, answer.text
     assert answer.json() == {"error": {"type": "backend_unavailable", "message": said}}
+
+
+def _redis_seconds(store: JobStore) -> float:
+    seconds, micros = store.redis.time()
+    return float(seconds) + micros / 1_000_000
+
+
+@pytest.mark.parametrize("skew", [-100.0, 100.0])
+def test_a_change_s_start_by_is_on_redis_s_clock_not_the_gateway_s(
+    client: TestClient, store: JobStore, monkeypatch: pytest.MonkeyPatch, skew: float
+) -> None:
+    """A change's ``start_by`` is compared with a worker's clock, on another host: set from
+    the gateway's own (``time.time()``), a gateway a few seconds ahead of the worker had a
+    change applied after its 503 said none was made, and one behind had every change
+    dropped. It is Redis's clock (``TIME``), which the worker reads too: the same whatever
+    the gateway's clock says (here shifted by ``skew`` seconds)."""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew)
+    before = _redis_seconds(store)
+    answer = client.patch("/v1/indexes/docs", json={"candidate_limit": 40}, headers=ACME)
+    after = _redis_seconds(store)
+    assert answer.status_code == 503, answer.text  # no worker: the message waits in the queue
+    (raw,) = store.redis.lrange(SEARCH_QUEUE, 0, -1)
+    message = json.loads(raw)
+    assert message["headers"]["task"] == INDEX_READ_TASK
+    args = json.loads(base64.b64decode(message["body"]))[0]
+    start_by = args[-1]
+    wait = indexes.INDEX_READ_TIMEOUT_SECONDS
+    assert before + wait <= start_by <= after + wait, (before, start_by, after)

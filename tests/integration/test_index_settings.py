@@ -192,6 +192,45 @@ def test_a_change_no_worker_started_in_time_is_dropped_unapplied(
         base.set_context(None)
 
 
+def _redis_seconds(store: JobStore) -> float:
+    """Redis's clock (``TIME``): the one the gateways and the workers share."""
+    seconds, micros = store.redis.time()
+    return float(seconds) + micros / 1_000_000
+
+
+@pytest.mark.parametrize("skew", [-100.0, 0.0, 100.0])
+def test_whether_a_change_started_in_time_is_read_on_redis_s_clock(
+    runtime: Runtime, store: JobStore, redis_url: str, monkeypatch: pytest.MonkeyPatch, skew: float
+) -> None:
+    """``start_by`` is set on Redis's clock (the gateway's own, compared with the worker's,
+    was another host's): the worker reads Redis's too. With its own clock ``skew`` seconds
+    off, it dropped a change in time (ahead), or applied one its gateway had answered 503
+    for (behind); now the same changes land and are dropped whatever its clock says."""
+    from worker.queue import base, tasks
+    from worker.runtime.ratelimit import ProviderLimiter
+
+    context = base.WorkerContext(
+        settings=load_settings(redis_url=redis_url), store=store, limiter=ProviderLimiter(4)
+    )
+    context._runtime = runtime
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew)
+    base.set_context(context)
+    try:
+        late = json.dumps({"candidate_limit": 50})
+        start_by = _redis_seconds(store) - 5  # its gateway's wait ended 5 s ago
+        tasks.index_read.apply(args=["reply-late", "update", "acme", "docs", "", late, start_by])
+        assert store.redis.exists("reply-late") == 0
+        assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] is None
+        in_time = json.dumps({"candidate_limit": 20})
+        start_by = _redis_seconds(store) + 5  # its gateway waits 5 s more
+        tasks.index_read.apply(args=["reply-ok", "update", "acme", "docs", "", in_time, start_by])
+        assert store.redis.exists("reply-ok") == 1
+        assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] == 20
+    finally:
+        base.set_context(None)
+
+
 def test_deleting_an_indexs_last_document_clears_them_as_a_drop_does(
     runtime: Runtime, store: JobStore
 ) -> None:
@@ -347,12 +386,15 @@ def test_a_change_waits_for_the_lock_then_says_so(runtime: Runtime, store: JobSt
     )
 
 
+@pytest.mark.parametrize("skew", [0.0, -100.0])
 def test_a_change_started_in_time_never_lands_after_its_gateway_gave_up(
-    runtime: Runtime, store: JobStore, redis_url: str
+    runtime: Runtime, store: JobStore, redis_url: str, monkeypatch: pytest.MonkeyPatch, skew: float
 ) -> None:
     """A change started just before its ``start_by`` and then held up by the lock (another
     worker's change, or one that died holding it) must not land once its gateway has answered
-    503 (``start_by`` + the grace): it takes the lock by ``start_by`` or gives up unapplied."""
+    503 (``start_by`` + the grace): it takes the lock by ``start_by`` or gives up unapplied.
+    ``start_by`` is on Redis's clock: a worker whose own clock is behind (``skew``) waited
+    the whole ``LOCK_WAIT_SECONDS`` for the lock, and landed the change after the 503."""
     from worker.constants import INDEX_CHANGE_GRACE_SECONDS
     from worker.queue import base, tasks
     from worker.runtime.ratelimit import ProviderLimiter
@@ -361,13 +403,14 @@ def test_a_change_started_in_time_never_lands_after_its_gateway_gave_up(
         settings=load_settings(redis_url=redis_url), store=store, limiter=ProviderLimiter(4)
     )
     context._runtime = runtime
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew)
     base.set_context(context)
     lock_key = f"{INDEX_SETTINGS_LOCK_KEY}acme:docs"
     assert store.redis.set(lock_key, "another worker", ex=30, nx=True)
-    start_by = time.time() + 0.5
-    gave_up = start_by + INDEX_CHANGE_GRACE_SECONDS  # the gateway's 503, at the latest
-    # the other holder lets go only once the gateway has answered
-    freed = threading.Timer(gave_up + 0.5 - time.time(), store.redis.delete, [lock_key])
+    start_by = _redis_seconds(store) + 0.5
+    # the other holder lets go only once the gateway has answered (start_by + the grace)
+    freed = threading.Timer(0.5 + INDEX_CHANGE_GRACE_SECONDS + 0.5, store.redis.delete, [lock_key])
     freed.start()
     try:
         late = json.dumps({"candidate_limit": 7})

@@ -48,7 +48,7 @@ from worker.contract import FusionSpec
 from worker.core.catalog import SearchSettings, merge_patch
 from worker.core.ports import IndexSettingsStorage
 from worker.errors import BackendUnavailable, InvalidRequest, validation_message
-from worker.redis_client import QUICK_SOCKET_TIMEOUT, connect
+from worker.redis_client import QUICK_SOCKET_TIMEOUT, connect, server_seconds
 from worker.write_versions import next_write_version
 
 #: How many times a change reads, merges and stores before it gives up (each store refused
@@ -134,8 +134,9 @@ class IndexSettingsStore:
         """Apply a JSON Merge Patch (``null`` clears a field) and store the result with a new
         write version; raises InvalidRequest when the result is not valid settings (every
         weight 0, say). The caller checks first that the tenant has the index. ``lock_by``
-        (epoch seconds, 0: none): the lock not had by then, the change gives up unapplied
-        (its gateway stops waiting soon after: the change must not land once it has)."""
+        (epoch seconds on Redis's clock, 0: none): the lock not had by then, the change gives
+        up unapplied (its gateway stops waiting soon after: the change must not land once it
+        has)."""
         with self._locked(index, tenant, lock_by):
             for _ in range(UPDATE_ATTEMPTS):
                 ((held, _),) = self._held([index], tenant)
@@ -183,9 +184,13 @@ class IndexSettingsStore:
     @contextmanager
     def _locked(self, index: str, tenant: str, by: float = 0.0) -> Iterator[None]:
         """The index's settings lock: one change or clear at a time reads and stores. Waited
-        for at most ``LOCK_WAIT_SECONDS``, and never past ``by`` (epoch seconds) if given."""
+        for at most ``LOCK_WAIT_SECONDS``, and never past ``by`` (epoch seconds on Redis's
+        clock, the gateway's deadline: this host's own may be seconds off it) if given."""
         name = f"{INDEX_SETTINGS_LOCK_KEY}{tenant}:{index}"
-        wait = min(LOCK_WAIT_SECONDS, max(0.0, by - time.time())) if by else LOCK_WAIT_SECONDS
+        wait = LOCK_WAIT_SECONDS
+        if by:
+            now = server_seconds(self._redis.time())
+            wait = min(LOCK_WAIT_SECONDS, max(0.0, by - now))
         lock = self._redis.lock(name, timeout=INDEX_SETTINGS_LOCK_SECONDS, blocking_timeout=wait)
         if not lock.acquire():
             raise BackendUnavailable(f"index {index!r}: its settings are being changed")

@@ -193,7 +193,7 @@ def read(
     """One index read's answer, as the JSON the gateway parses: ``{"found": ...}`` (None
     when the tenant has no such index or document) or ``{"error": {...}}``. ``update``
     (``body``: a validated settings patch) changes the index's settings (its lock had by
-    ``start_by``, epoch seconds, if given), then reads it;
+    ``start_by``, epoch seconds on Redis's clock, if given), then reads it;
     ``list`` and ``documents`` (``body``: where the page starts and its size) list a page."""
     try:
         backend = catalog(runtime)

@@ -655,10 +655,11 @@ def index_read(
     its patch as ``body``) on ``reply_key`` (first, so the logs name the read by it). Never
     retried: the gateway waits a few seconds for the answer, then answers 503, and the
     client asks again (a change is a merge patch: applying it twice changes nothing more).
-    A change not started by ``start_by`` (epoch seconds) is dropped unapplied: its gateway
+    A change not started by ``start_by`` (epoch seconds on Redis's clock, ``TIME``: the
+    gateway's host and this one may disagree by seconds) is dropped unapplied: its gateway
     has answered 503 or is about to, and a later change may have been made since; so is one
     that has not had its index's settings lock by then."""
-    if start_by and time.time() > start_by:
+    if start_by and self.context.store.server_time() > start_by:
         log.warning("index change for %s/%s came after its gateway gave up; dropped", tenant, index)
         return
     try:

@@ -26,7 +26,7 @@ from worker.queue.jobstore.records import Enqueue, SearchJob, _in_flight
 from worker.queue.jobstore.scripts import _CREATE_SEARCH
 from worker.queue.jobstore.searches import _create_search_call, _new_search, _search_created
 from worker.queue.jobstore.store import resending_async
-from worker.redis_client import CONNECTION_OPTIONS
+from worker.redis_client import CONNECTION_OPTIONS, server_seconds
 
 # what a command is tried again on, once (see from_url)
 RETRIED: tuple[type[redis.RedisError], ...] = (redis.ConnectionError,)
@@ -113,6 +113,10 @@ class AsyncJobStore:
         """What Redis holds and its ``maxmemory`` (0: no limit), in bytes."""
         info = await self.redis.info("memory")
         return int(info["used_memory"]), int(info.get("maxmemory", 0))
+
+    async def server_time(self) -> float:
+        """:meth:`JobStore.server_time`, awaited: Redis's clock, which the workers read too."""
+        return server_seconds(await self.redis.time())
 
     async def in_flight(self) -> dict[str, int]:
         """:meth:`JobStore.in_flight`, awaited."""

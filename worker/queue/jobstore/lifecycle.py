@@ -21,6 +21,7 @@ from typing import cast
 from worker.constants import INDEX_REPLY_KEY, INDEX_REPLY_TTL_SECONDS, INGEST_DOCS_KEY
 from worker.queue.jobstore.ingests import IngestRecords
 from worker.queue.jobstore.records import Enqueue, IngestJob
+from worker.redis_client import server_seconds
 
 
 class LifecycleRecords(IngestRecords):
@@ -50,6 +51,11 @@ class LifecycleRecords(IngestRecords):
     @staticmethod
     def new_reply_key() -> str:
         return INDEX_REPLY_KEY + uuid.uuid4().hex
+
+    def server_time(self) -> float:
+        """Redis's clock, epoch seconds: the one a settings change's ``start_by`` is on (set
+        by the gateway, checked by a worker on another host)."""
+        return server_seconds(self.redis.time())
 
     def reply(self, key: str, answer: str) -> None:
         """A worker's answer to one index read."""
