@@ -26,7 +26,6 @@ from worker.errors import (
     Canceled,
     ConfigError,
     EmbeddingModelMismatch,
-    InvalidRequest,
     RerankAttemptError,
     RerankFailed,
     RunTakenOver,
@@ -481,11 +480,32 @@ def test_tenant_and_filters_apply_inside_every_channel() -> None:
     assert "acme" not in reranker.calls[0][0].user
 
 
-def test_rerank_per_request_needs_a_model() -> None:
-    pipeline, _, _ = make()
-    with pytest.raises(InvalidRequest) as info:
-        pipeline.search(spec(rerank=True), "acme")
-    assert info.value.field == "rerank"
+def test_a_rerank_asked_of_a_worker_with_no_model_fails_as_the_deployments() -> None:
+    """``rerank: true`` reaches a worker with no model only past a gateway that has one (it
+    refuses the request without): the request was valid, and it failed ``invalid_request``,
+    the client's fault. It is a rerank failed for good, of the class ``no_generation_model``:
+    ``rerank_failed`` under ``fail_closed``, counted once as a failed rerank."""
+    pipeline, _, recorder = make()
+    with pytest.raises(RerankFailed) as info:
+        pipeline.search(spec(rerank=True, include_trace=True), "acme")
+    assert info.value.reason == "no_generation_model" and not info.value.retryable
+    assert "SIFT_GENERATION_MODEL" in info.value.message
+    assert info.value.job_trace is not None
+    assert info.value.job_trace["failure"] == "no_generation_model"
+    assert recorder.events["outcome", "failed"] == 1 and recorder.events["search", "error"] == 1
+
+
+def test_a_rerank_asked_of_a_worker_with_no_model_falls_back_under_fail_open() -> None:
+    pipeline, _, recorder = make(policy="fail_open")
+    fused = pipeline.search(spec(rerank=False), "acme")
+    result = pipeline.search(spec(rerank=True), "acme")
+    assert result.rerank.applied is False and result.rerank.policy is not None
+    assert result.rerank.fallback_reason == "error:no_generation_model"
+    assert [h.id for h in result.hits] == [h.id for h in fused.hits]
+    assert recorder.events["outcome", "fallback_error"] == 1
+    assert recorder.events["search", "fallback"] == 1
+    # the deployment's default (SIFT_RERANK_ENABLED, off without a model) reranks nothing
+    assert pipeline.search(spec(), "acme").rerank.fallback_reason is None
 
 
 def test_rerank_can_be_turned_off_per_request() -> None:

@@ -56,6 +56,24 @@ def warn_if_unpriced(settings: Settings) -> bool:
     return True
 
 
+def warn_if_no_generation_model(settings: Settings) -> bool:
+    """Warn that this worker has no generation model: a search or batch asking for a rerank
+    (``rerank: true``), which a gateway given one accepts, fails here ``rerank_failed``
+    (``no_generation_model``), or falls back to the fused order under ``fail_open``. A
+    worker calls it at start-up: a model set on the gateways and not on the workers was
+    found only by the failed jobs. Answers whether the worker has none."""
+    if settings.generation_model is not None:
+        return False
+    log.warning(
+        "no generation model (SIFT_GENERATION_MODEL): this worker reranks nothing; a search "
+        "or batch asking for a rerank (accepted by a gateway that has a model) fails "
+        "rerank_failed (no_generation_model), or falls back to the fused order under "
+        "SIFT_RERANK_FAILURE_POLICY=fail_open; give the gateways and the workers the same "
+        "SIFT_GENERATION_MODEL"
+    )
+    return True
+
+
 def pipeline_config(settings: Settings, *, price_discount: float = 1.0) -> PipelineConfig:
     """The pipeline's config; the economy lane passes the Message Batches discount."""
     return PipelineConfig(

@@ -90,6 +90,41 @@ def answer_outcome(run: RerankRun) -> str:
     return failure.outcome.value if isinstance(failure, RerankAttemptError) else "deadline"
 
 
+#: The failure class of a rerank asked of a worker with no generation model.
+NO_MODEL = "no_generation_model"
+
+
+def no_model_result(
+    spec: SearchSpec,
+    candidates: Sequence[Candidate],
+    trace: dict[str, Any],
+    figures: list[Callable[[], None]],
+    *,
+    recorder: Recorder,
+    failure_policy: FailurePolicy,
+) -> SearchResult:
+    """A rerank asked (``rerank: true``) of a worker with no generation model: the failure
+    policy, as for a rerank that failed for good, with the class :data:`NO_MODEL`. The
+    gateway that accepted it has a model (it refuses the request without one), so the
+    request was valid: the deployment's workers and gateways disagree, which is no fault of
+    the client (it was ``invalid_request``). Raises RerankFailed under ``fail_closed``; no
+    model was called, so nothing was billed."""
+    message = (
+        "this worker has no generation model (SIFT_GENERATION_MODEL) to rerank with, "
+        "though the gateway that accepted the request has one: the deployment's gateways "
+        "and workers must be given the same SIFT_GENERATION_MODEL"
+    )
+    if failure_policy == "fail_closed":
+        trace.update(fallback_reason=None, failure=NO_MODEL)
+        figures.append(partial(recorder.rerank_outcome, POLICY_ID, "failed"))
+        shown = trace if spec.include_trace else None
+        raise RerankFailed(NO_MODEL, message, Usage(), shown)
+    trace["fallback_reason"] = f"error:{NO_MODEL}"
+    figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_error"))
+    info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{NO_MODEL}")
+    return build_result(candidates[: spec.limit], info, Usage(), spec, trace)
+
+
 def build_result(
     chosen: Sequence[Candidate],
     info: RerankInfo,

@@ -15,7 +15,12 @@ from worker.core.pipeline._config import PipelineConfig
 from worker.core.pipeline._hits import _trace_candidates
 from worker.core.pipeline._model_calls import BeforeModel, CallTime, ModelCalls
 from worker.core.pipeline._prepared import Prepared, shown_digest
-from worker.core.pipeline._result import answer_outcome, build_result, rerank_result
+from worker.core.pipeline._result import (
+    answer_outcome,
+    build_result,
+    no_model_result,
+    rerank_result,
+)
 from worker.core.pipeline._retrieval import Retrieval
 from worker.core.pipeline._run import RerankRun, dump_run, load_run
 from worker.core.policy import build_prompt
@@ -31,7 +36,7 @@ from worker.core.ports import (
 )
 from worker.core.query import normalise_query
 from worker.core.types import Candidate, RerankPrompt, TokenUsage
-from worker.errors import AttemptOutcome, Canceled, InvalidRequest, RunTakenOver
+from worker.errors import AttemptOutcome, Canceled, RunTakenOver
 
 
 class SearchPipeline:
@@ -245,7 +250,8 @@ class SearchPipeline:
         if prepared.skipped:
             figures.append(partial(self.recorder.rerank_outcome, POLICY_ID, "skipped"))
         if prepared.result is not None:
-            figures.append(partial(self.recorder.search_done, spec.mode, "ok", prepared.seconds))
+            outcome = "fallback" if prepared.result.rerank.fallback_reason else "ok"
+            figures.append(partial(self.recorder.search_done, spec.mode, outcome, prepared.seconds))
         if later is None:
             _record(figures)
         else:
@@ -337,7 +343,18 @@ class SearchPipeline:
                 trace["candidates"] = _trace_candidates(candidates, None)
             result = build_result(candidates[: spec.limit], info, Usage(), spec, trace)
             return Prepared(spec, candidates, trace, result=result, skipped=reranking)
-        assert self.reranker is not None
+        if self.reranker is None:
+            if spec.include_trace:
+                trace["candidates"] = _trace_candidates(candidates, None)
+            result = no_model_result(
+                spec,
+                candidates,
+                trace,
+                figures,
+                recorder=self.recorder,
+                failure_policy=self.config.failure_policy,
+            )
+            return Prepared(spec, candidates, trace, result=result)
         prompt = self.build_prompt(query, spec, candidates)
         if spec.include_trace:  # a dict per candidate: built only for a trace that is shown
             trace["candidates"] = _trace_candidates(candidates, prompt)
@@ -359,14 +376,12 @@ class SearchPipeline:
         )
 
     def _reranking(self, spec: SearchSpec) -> bool:
+        """Whether the search reranks: as it asks, else as the deployment's default. One
+        asking for it (``rerank: true``) on a worker with no model reranks all the same, to
+        fail or fall back as the failure policy says (:func:`no_model_result`); the default
+        is off without a model (the settings check)."""
         wanted = self.config.rerank_enabled if spec.rerank is None else spec.rerank
-        if wanted and self.reranker is None:
-            if spec.rerank:
-                raise InvalidRequest(
-                    "rerank", "this deployment has no generation model (SIFT_GENERATION_MODEL)"
-                )
-            return False
-        return wanted
+        return wanted and (self.reranker is not None or spec.rerank is True)
 
     def _finish(
         self, prepared: Prepared, run: RerankRun, figures: list[Callable[[], None]]
