@@ -145,6 +145,26 @@ def test_sift_status_finds_the_stack_running_on_its_data_folder(
     assert "SIFT_REDIS_URL is not set" in none.stderr and "Traceback" not in none.stderr
 
 
+def test_a_purge_refuses_the_running_stacks_own_tenant(stack: Stack, tmp_path: Path) -> None:
+    """``sift up`` keeps its development key in the data folder, for its children only: a
+    purge that finds the stack's Redis there counts that key too, and refuses its tenant
+    (it erased the live tenant's documents and records, with no --force)."""
+    ingested = httpx.post(
+        f"{stack.url}/v1/indexes/kept/documents", params={"wait": 30},
+        json={"documents": sample_documents()[:3]}, headers=stack.headers(), timeout=90,
+    )  # fmt: skip
+    assert ingested.json()["status"] == "succeeded", ingested.text
+    purged = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "tenant", "purge", "dev", "--yes"],
+        cwd=tmp_path, env={**_env(), "SIFT_DATA_DIR": str(stack.data_dir)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert purged.returncode == 1, purged.stdout + purged.stderr
+    assert "'dev' still has a key" in purged.stderr and "dev-api-key.json" in purged.stderr
+    shown = httpx.get(f"{stack.url}/v1/indexes/kept", headers=stack.headers(), timeout=30)
+    assert shown.status_code == 200 and shown.json()["documents"] == 3, shown.text
+
+
 def _snapshot(logs: Path) -> dict[str, bytes]:
     return {log.name: log.read_bytes() for log in sorted(logs.glob("*.log"))}
 

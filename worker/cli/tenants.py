@@ -18,14 +18,18 @@ documents for good), and a tenant given the same name later inherits them. This 
    (:mod:`worker.queue.jobstore.tenants` lists the families).
 
 It prints what it removed, by kind. Everything is found afresh, so a second run removes
-nothing. It refuses a tenant that still has a key in the settings (``--force`` to erase it
-anyway: its clients may still be writing), and asks before it starts (``--yes`` not to).
+nothing. It refuses a tenant that still has a key in the settings, or, when it found Redis
+through the ``sift up`` stack on ``SIFT_DATA_DIR``, the tenant of that stack's development key
+(``--force`` to erase it anyway: its clients may still be writing), and asks before it starts
+(``--yes`` not to).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Annotated, Any, NoReturn, cast
 
 import redis
@@ -35,6 +39,7 @@ from rich.table import Table
 from worker.cli._app import app
 from worker.cli._common import EXIT_ERROR, stack_redis_url
 from worker.cli._output import cli_console, plain
+from worker.cli.service import DEV_KEY_FILE
 from worker.core.ports import IndexCatalog
 from worker.errors import ConfigError, SiftError
 from worker.queue.jobstore import JobStore
@@ -83,6 +88,15 @@ def _drop_indexes(settings: Settings, client: redis.Redis, tenant: str) -> Count
     return dropped
 
 
+def _stack_dev_tenant(data_dir: Path) -> str | None:
+    """The tenant of the development key ``sift up`` keeps in ``data_dir``, if it keeps one:
+    the stack's children accept it though no setting of this command's names it."""
+    try:
+        return str(json.loads((data_dir / DEV_KEY_FILE).read_text())["tenant"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _where(settings: Settings) -> str:
     if settings.search_backend == "elasticsearch":
         return f"elasticsearch at {settings.elasticsearch_url}"
@@ -107,7 +121,14 @@ def purge(
     url = settings.redis_url or stack_redis_url(settings.data_dir.resolve())
     if not url:
         _stop("SIFT_REDIS_URL is not set, and no `sift up` stack runs on SIFT_DATA_DIR")
+    dev = None if settings.redis_url else _stack_dev_tenant(settings.data_dir.resolve())
     settings = settings.model_copy(update={"redis_url": url})
+    if name == dev and not force:
+        _stop(
+            f"tenant {name!r} still has a key: the `sift up` stack on SIFT_DATA_DIR serves it "
+            f"with its development key ({settings.data_dir.resolve() / DEV_KEY_FILE}); stop "
+            "the stack and delete that file first (or pass --force)"
+        )
     if any(key.tenant == name for key in keys) and not force:
         _stop(
             f"tenant {name!r} still has a key in SIFT_API_KEYS / SIFT_API_KEYS_FILE: remove its "
