@@ -33,6 +33,7 @@ from tests.services import celery_worker, gateway, redis_server, webhook_inbox
 from worker.adapters.embedded import EmbeddedBackend
 from worker.constants import ALL_QUEUES, KOMBU_UNACKED_KEY, STATS_KEY, kombu_queue_keys
 from worker.processes.stack import child_env
+from worker.write_versions import next_write_version
 
 pytestmark = pytest.mark.integration
 
@@ -228,3 +229,27 @@ def test_a_purge_erases_a_removed_tenant_and_nothing_else(tmp_path: Path) -> Non
                 removed = _removed(forced.stdout)
                 assert (removed["indexes dropped"], removed["ingests deleted"]) == (1, 1), forced
                 assert client.get("/v1/indexes/notes", headers=ACME).status_code == 404
+
+
+def test_a_purge_without_the_backends_data_folder_erases_nothing(tmp_path: Path) -> None:
+    """Given the deployment's Redis but not its SIFT_DATA_DIR, the purge made an empty sift.db
+    where it ran, "dropped" its 0 indexes, deleted every Redis record and exited 0, the
+    tenant's documents left in the real backend. It stops before deleting anything now."""
+    with redis_server(tmp_path / "redis") as base_url:
+        url = base_url + "/0"
+        client = redis.Redis.from_url(url, decode_responses=True)
+        next_write_version(client, "acme")
+        before = sorted(client.scan_iter())
+        assert before  # acme's write-version counter
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        env = {"SIFT_REDIS_URL": url, "COLUMNS": "200", "NO_COLOR": "1"}
+        purged = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "tenant", "purge", "acme", "--yes"],
+            cwd=elsewhere, env=child_env(env, inherit_sift=False),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert purged.returncode == 1, purged.stdout + purged.stderr
+        assert "SIFT_DATA_DIR" in purged.stderr and "Traceback" not in purged.stderr
+        assert sorted(client.scan_iter()) == before
+        assert not list(elsewhere.rglob("sift.db")), list(elsewhere.rglob("*"))

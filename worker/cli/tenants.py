@@ -13,7 +13,8 @@ documents for good), and a tenant given the same name later inherits them. This 
    and running work move; a batch item a worker runs stops before its model call);
 2. each of its indexes is dropped through the backend's own drop (a write version taken as
    the gateway's drop takes one, so the floor it leaves makes a write accepted before it land
-   nothing), its own settings with it;
+   nothing), its own settings with it (on the embedded backend, a data folder with no
+   database stops the purge before it starts: it is not the workers' folder);
 3. every Redis key that names the tenant or one of its jobs is deleted
    (:mod:`worker.queue.jobstore.tenants` lists the families).
 
@@ -97,6 +98,15 @@ def _stack_dev_tenant(data_dir: Path) -> str | None:
         return None
 
 
+def _embedded_exists(data_dir: Path) -> bool:
+    """Whether ``data_dir`` holds an embedded backend's database. Opening one creates it: a
+    purge run without the workers' SIFT_DATA_DIR made an empty one, dropped its 0 indexes and
+    went on to delete every Redis record, the tenant's documents left where they were."""
+    from worker.adapters.embedded import DB_FILE
+
+    return (data_dir / DB_FILE).is_file()
+
+
 def _where(settings: Settings) -> str:
     if settings.search_backend == "elasticsearch":
         return f"elasticsearch at {settings.elasticsearch_url}"
@@ -133,6 +143,11 @@ def purge(
         _stop(
             f"tenant {name!r} still has a key in SIFT_API_KEYS / SIFT_API_KEYS_FILE: remove its "
             "entries and restart the gateways and workers first (or pass --force)"
+        )
+    if settings.search_backend != "elasticsearch" and not _embedded_exists(settings.data_dir):
+        _stop(
+            f"no embedded backend in {settings.data_dir.resolve()}: set SIFT_DATA_DIR to the "
+            "workers' data folder (nothing was erased)"
         )
     if not yes:
         typer.confirm(
