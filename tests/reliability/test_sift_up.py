@@ -27,9 +27,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis as redis_lib
 
 from tests.reliability.support import sample_documents, wait_for
-from tests.services import free_port
+from tests.services import free_port, redis_server
 from worker.processes.stack import child_env, redis_service, running, stop
 
 pytestmark = pytest.mark.integration
@@ -490,3 +491,27 @@ def test_ctrl_c_in_sift_demo_says_what_it_stopped(tmp_path: Path, when: str) -> 
             r"every process stopped",
             text,
         ), text
+
+
+@pytest.mark.timeout(300)
+def test_sift_demo_runs_on_its_own_redis_and_fails_when_a_query_failed(tmp_path: Path) -> None:
+    """An operator's shell exports the deployment's SIFT_REDIS_URL: the demo's stack joined
+    that Redis (its worker took the deployment's searches, the deployment's workers its
+    own), and its batch's failed queries still ended in "demo done", exit 0. Here every
+    query fails (its rerank's model does not answer: a connection refused, fail_closed):
+    the deployment's Redis is left without a key, and the demo exits 3 saying so."""
+    with redis_server(tmp_path / "deployment") as base_url:
+        deployment = redis_lib.Redis.from_url(base_url + "/0", decode_responses=True)
+        env = {**_env(), "SIFT_REDIS_URL": base_url + "/0", "SIFT_RERANK_ENABLED": "true",
+               "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
+               "SIFT_GENERATION_MAX_REQUESTS": "1", "ANTHROPIC_API_KEY": "sk-ant-test",
+               "ANTHROPIC_BASE_URL": f"http://127.0.0.1:{free_port()}"}  # fmt: skip
+        demo = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "demo"], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=280,
+        )  # fmt: skip
+        printed = demo.stdout + demo.stderr
+        assert list(deployment.scan_iter()) == [], printed
+    assert demo.returncode == 3, printed
+    assert "demo done" not in printed and "Traceback" not in printed, printed
+    assert re.search(r"10 of 10 queries failed", printed), printed

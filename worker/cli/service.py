@@ -22,7 +22,12 @@ import typer
 from rich.console import Console
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_INTERRUPTED, STACK_REDIS_FILE, option_error
+from worker.cli._common import (
+    EXIT_INTERRUPTED,
+    EXIT_ITEMS_FAILED,
+    STACK_REDIS_FILE,
+    option_error,
+)
 from worker.cli._output import plain, print_result, sample_path
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError, SiftError
@@ -554,13 +559,16 @@ def demo(
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
+    failed = total = 0
     try:
         with (
             tempfile.TemporaryDirectory(prefix="sift-demo-") as tmp,
             contextlib.ExitStack() as stack,
         ):
+            # a Redis of its own always: on an exported SIFT_REDIS_URL (an operator's shell)
+            # its worker took the deployment's searches, and the deployment's its own
             settings = _settings(data_dir=Path(tmp), gateway_port=free_port(),
-                                 worker_metrics_port=free_port())  # fmt: skip
+                                 worker_metrics_port=free_port(), redis_url=None)  # fmt: skip
             local = _start(stack, settings, cancel=stopping)
             console.print(f"stack up at {local.url}")
             env = child_env({"SIFT_URL": local.url, "SIFT_API_KEY": local.api_key})
@@ -569,7 +577,7 @@ def demo(
             steps.run("the batch", sift_command("batch", str(queries), "--index", "demo",
                                                 "--out", str(out), "--limit", str(limit)),
                       env)  # fmt: skip
-            _print_demo_results(queries, out)
+            failed, total = _print_demo_results(queries, out)
             console.print("stopping the stack…")
     except _Interrupted as interrupted:
         console.print(f"interrupted during {interrupted.step}: it and the stack were stopped; "
@@ -578,6 +586,9 @@ def demo(
     if stopping.is_set():  # while the results printed or the stack stopped
         console.print("interrupted; every process stopped")
         raise typer.Exit(EXIT_INTERRUPTED)
+    if failed:
+        console.print(f"[red]{failed} of {total} queries failed[/]; every process stopped")
+        raise typer.Exit(EXIT_ITEMS_FAILED)
     elapsed = time.monotonic() - started
     console.print(f"[green]demo done[/] in {elapsed:.1f} s; every process stopped")
 
@@ -622,15 +633,17 @@ class _Steps:
                 proc.terminate()
 
 
-def _print_demo_results(queries: Path, out: Path) -> None:
+def _print_demo_results(queries: Path, out: Path) -> tuple[int, int]:
+    """Print the batch's results; answers how many failed, of how many."""
     lines = queries.read_text().splitlines()
     texts = {row["id"]: row["query"] for row in map(json.loads, lines)}
-    for line in out.read_text().splitlines():
-        item = json.loads(line)
+    items = [json.loads(line) for line in out.read_text().splitlines()]
+    for item in items:
         if item["status"] == "succeeded":
             title = f"“{plain(texts.get(item['query_id'], item['query_id']))}”"
             print_result(console, item["result"], title=title)
         else:
-            console.print(
-                f"[red]{plain(item['query_id'])} {item['status']}[/]: {plain(item['error'])}"
-            )
+            error = item.get("error") or {}
+            console.print(f"[red]{plain(item['query_id'])} {item['status']}[/]: "
+                          f"{plain(error.get('type'))}: {plain(error.get('message'))}")  # fmt: skip
+    return sum(item["status"] != "succeeded" for item in items), len(items)
