@@ -105,9 +105,28 @@ def test_index_delete_asks_first(stack: Stack) -> None:
     assert _json(sift(stack, "index", "show", "cli-drop", "--json"))["documents"] == 3
     confirmed = sift(stack, "index", "delete", "cli-drop", stdin="y\n")
     assert confirmed.exit_code == 0 and "deleted 3 document(s)" in confirmed.stdout
-    job = _json(sift(stack, "index", "delete", "cli-drop", "--yes", "--json"))
-    assert job["operation"] == "drop" and job["deleted"] == 0
     assert sift(stack, "index", "show", "cli-drop").exit_code == 1
+    again = sift(stack, "index", "delete", "cli-drop", "--yes", "--json")
+    assert again.exit_code == 1 and "index 'cli-drop' does not exist" in again.output, again.output
+
+
+def test_deletes_on_an_index_nobody_has_say_it_does_not_exist(stack: Stack) -> None:
+    """Every command names an index that does not exist (exit 1) but the two deletes, which
+    said ``deleted 0 document(s)``, exit 0: a typo's delete passed for done."""
+    _ingest(stack, "cli-known")
+    for args in (
+        ("index", "delete", "cli-unknown", "--yes"),
+        ("index", "delete", "cli-unknown", "--yes", "--json"),
+        ("documents", "delete", "c1", "--index", "cli-unknown"),
+        ("documents", "delete", "c1", "--index", "cli-unknown", "--json"),
+    ):
+        missing = sift(stack, *args)
+        assert missing.exit_code == 1, (args, missing.output)
+        assert "index 'cli-unknown' does not exist" in missing.stderr, (args, missing.output)
+        assert missing.stdout == "", (args, missing.output)
+    # an index that exists, none of whose ids is there: 0 deleted is the truth, exit 0
+    none = sift(stack, "documents", "delete", "nope", "--index", "cli-known")
+    assert none.exit_code == 0 and "deleted 0 document(s)" in none.stdout, none.output
 
 
 def test_documents_list_pages_through_escapes_markup_and_lists_all(stack: Stack) -> None:

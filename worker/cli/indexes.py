@@ -19,7 +19,7 @@ from rich.console import Console
 
 from worker.cli._app import app
 from worker.cli._common import EXIT_ERROR, EXIT_USAGE, _err, _expected_errors, _out
-from worker.cli._http import Gateway, gateway, index_name, segment, utf8_text
+from worker.cli._http import RETRY_SECONDS, Gateway, gateway, index_name, segment, utf8_text
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 from worker.contract import IndexSettingsPatch
@@ -95,6 +95,14 @@ def _finish(client: Gateway, job: dict[str, Any]) -> dict[str, Any]:
     if job.get("status") in ("succeeded", "failed"):
         return job
     return client.poll(f"/v1/ingestions/{job['id']}")
+
+
+def _check_found(client: Gateway, index: str, job: dict[str, Any]) -> None:
+    """A delete that removed nothing from ``index``: the gateway's 404 (``index 'NAME' does not
+    exist``, exit 1, as every other command says it) when the index is not there. A delete
+    job on a name nobody has succeeds with 0 deleted, which passed a typo's delete for done."""
+    if job.get("status") == "succeeded" and not job.get("deleted"):
+        client.json("GET", f"/v1/indexes/{segment(index)}", retry_for=RETRY_SECONDS)
 
 
 def _report(console: Console, job: dict[str, Any], what: str, json_out: bool) -> None:
@@ -267,6 +275,7 @@ def index_delete(
             "DELETE", f"/v1/indexes/{segment(name)}", params={"wait": MAX_WAIT_SECONDS}
         )
         job = _finish(client, job)
+        _check_found(client, name, job)
     _report(console, job, f"from index {name}", json_out)
 
 
@@ -443,6 +452,9 @@ def documents_delete(
                 params={"wait": MAX_WAIT_SECONDS},
             )
             jobs.append(_finish(client, job))
+        deleted = sum(j.get("deleted") or 0 for j in jobs)
+        if all(j.get("status") == "succeeded" for j in jobs):
+            _check_found(client, index, {"status": "succeeded", "deleted": deleted})
     if len(jobs) == 1:
         _report(console, jobs[0], f"from index {index}", json_out)
         return
