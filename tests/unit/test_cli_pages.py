@@ -64,7 +64,7 @@ class Played:
 
 
 def _indexes(gw: Gateway, _: Path) -> list[str]:
-    return [i["id"] for page in gw.pages("/v1/indexes", {}) for i in page["indexes"]]
+    return [i["id"] for page in gw.pages("/v1/indexes", {}, "indexes") for i in page["indexes"]]
 
 
 def _jobs(gw: Gateway, _: Path) -> list[str]:
@@ -205,5 +205,5 @@ def test_a_gateway_never_reached_is_told_at_once_not_retried() -> None:
 
     gw = Gateway("http://gw", "key", transport=httpx.MockTransport(refused))
     with pytest.raises(GatewayError, match=r"cannot connect .* Start one with `sift up`"):
-        next(gw.pages("/v1/indexes", {}))
+        next(gw.pages("/v1/indexes", {}, "indexes"))
     assert attempts == ["/v1/indexes"]

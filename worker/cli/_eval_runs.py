@@ -46,7 +46,7 @@ def _served_window(index: str, query: str) -> int:
         key = {"Idempotency-Key": f"sift-eval-window-{uuid.uuid4().hex}"}
         job = client.json(
             "POST", "/v1/searches", json=body, params={"wait": int(MAX_WAIT_SECONDS)},
-            headers=key, retry_for=RETRY_SECONDS,
+            headers=key, retry_for=RETRY_SECONDS, fields=("id", "status"),
         )  # fmt: skip
         if job.get("status") not in FINAL_STATUSES:
             job = client.poll(f"/v1/searches/{job['id']}")
@@ -159,8 +159,9 @@ def _submit(client: Gateway, index: str, run: RunSpec, queries: list[tuple[str, 
 
 def _results(client: Gateway, batch_id: str) -> Iterator[dict[str, Any]]:
     """Every result of a batch, page by page, in submission order."""
-    for page in client.pages(f"/v1/batches/{batch_id}/results", {"page_size": PAGE_SIZE}):
-        yield from page.get("results") or []
+    path = f"/v1/batches/{batch_id}/results"
+    for page in client.pages(path, {"page_size": PAGE_SIZE}, "results"):
+        yield from page["results"]
 
 
 def _write_jsonl(path: Path, items: list[dict[str, Any]]) -> None:

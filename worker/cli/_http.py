@@ -304,25 +304,33 @@ class Gateway:
             )
         return response
 
-    def json(self, method: str, path: str, **kwargs: Any) -> Any:
-        return json_of(self.request(method, path, **kwargs), method, path)
+    def json(
+        self, method: str, path: str, *, fields: tuple[str, ...] | None = None, **kwargs: Any
+    ) -> Any:
+        """The answer to ``method path``, parsed; with ``fields``, an object holding each of
+        them, else a GatewayError (:func:`sift_answer`)."""
+        body = json_of(self.request(method, path, **kwargs), method, path)
+        return body if fields is None else sift_answer(body, method, path, fields)
 
     def pages(
-        self, path: str, params: dict[str, Any], *, retry_for: float | None = None
+        self, path: str, params: dict[str, Any], key: str, *, retry_for: float | None = None
     ) -> Iterator[dict[str, Any]]:
         """Each page of the list at ``path`` (a GET with ``params``), from the first, following
         its ``next_page_token`` to the end; a caller that stops early sends no more requests.
         A page read is a GET: one that meets a transient failure is sent again for up to
         ``retry_for`` seconds (``RETRY_SECONDS`` by default), so a 503 half-way does not lose
-        the pages read before it.
+        the pages read before it. Each page holds its entries as a list under ``key``, else it
+        is no Sift gateway's (:func:`sift_answer`).
 
-            for page in client.pages("/v1/indexes", {"page_size": 1000}):
+            for page in client.pages("/v1/indexes", {"page_size": 1000}, "indexes"):
                 names += [index["name"] for index in page["indexes"]]
         """
         params = dict(params)
         window = RETRY_SECONDS if retry_for is None else retry_for
         while True:
-            page = self.json("GET", path, params=params, retry_for=window)
+            page = self.json("GET", path, params=params, retry_for=window, fields=(key,))
+            if not isinstance(page[key], list):
+                raise not_sift("GET", path)
             yield page
             token = page.get("next_page_token")
             if not token:
@@ -333,9 +341,9 @@ class Gateway:
         """``PATCH /v1/indexes/{index}``: change the index's own search settings (a merge
         patch: a field left out stays, ``None`` clears it); answers the index's metadata,
         whose ``settings`` show what is now stored."""
-        found = self.json("PATCH", f"/v1/indexes/{segment(index)}", json=body)
-        if not isinstance(found, dict):
-            raise GatewayError(f"PATCH /v1/indexes/{index}: unexpected answer {str(found)[:200]}")
+        found: dict[str, Any] = self.json(
+            "PATCH", f"/v1/indexes/{segment(index)}", json=body, fields=("name", "settings")
+        )
         return found
 
     def poll(
@@ -352,9 +360,9 @@ class Gateway:
         is_done = done or (lambda body: body.get("status") in FINAL_STATUSES)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            body = self.json("GET", path, retry_for=RETRY_SECONDS)
-            if not isinstance(body, dict):
-                raise GatewayError(f"GET {path}: unexpected answer {str(body)[:200]}")
+            body: dict[str, Any] = self.json(
+                "GET", path, retry_for=RETRY_SECONDS, fields=("id", "status")
+            )
             if on_update is not None:
                 on_update(body)
             if is_done(body):
@@ -372,6 +380,27 @@ def json_of(response: httpx.Response, method: str, path: str) -> Any:
         return response.json()
     except ValueError as exc:
         raise GatewayError(f"{method} {path}: the gateway's answer is not JSON") from exc
+
+
+def not_sift(method: str, path: str) -> GatewayError:
+    return GatewayError(
+        f"{method} {path}: the answer is not a Sift gateway answer (SIFT_URL): is SIFT_URL "
+        "another service's address?"
+    )
+
+
+def sift_answer(body: Any, method: str, path: str, fields: tuple[str, ...]) -> dict[str, Any]:
+    """``body`` if it is an object holding each of ``fields``, else a GatewayError naming
+    SIFT_URL. A URL that answers 200 with another app's JSON (another service on the port, a
+    proxy's catch-all) made tracebacks (``KeyError: 'indexes'``) or, read with ``.get``, an
+    empty list that passed for the truth; every answer read is checked here.
+
+    >>> sift_answer({"id": "s1", "status": "queued"}, "GET", "/v1/searches/s1", ("id",))
+    {'id': 's1', 'status': 'queued'}
+    """
+    if isinstance(body, dict) and all(field in body for field in fields):
+        return body
+    raise not_sift(method, path)
 
 
 @contextmanager

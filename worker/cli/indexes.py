@@ -45,6 +45,8 @@ IndexOption = Annotated[str, typer.Option("--index", callback=index_name, help="
 IndexArgument = Annotated[str, typer.Argument(callback=index_name, help="the index")]
 DEFAULT_DOCUMENTS_SHOWN = 20
 PREVIEW_SHOWN = 60  # characters of each text in the table (--json has the API's 200)
+INDEX_FIELDS = ("name", "documents")  # an index's metadata holds them (else: not Sift's)
+JOB_FIELDS = ("id", "status")  # a job's answer holds them
 
 
 def _print_json(console: Console, value: Any) -> None:
@@ -124,7 +126,7 @@ def indexes(json_out: JsonOut = False) -> None:
     console = _out()
     with _expected_errors(), gateway() as client:
         found: list[dict[str, Any]] = []
-        for page in client.pages("/v1/indexes", {"page_size": MAX_PAGE_SIZE}):
+        for page in client.pages("/v1/indexes", {"page_size": MAX_PAGE_SIZE}, "indexes"):
             found += page["indexes"]
     if json_out:
         _print_json(console, found)
@@ -137,7 +139,7 @@ def index_show(name: IndexArgument, json_out: JsonOut = False) -> None:
     """Show one of your indexes."""
     console = _out()
     with _expected_errors(), gateway() as client:
-        found = client.json("GET", f"/v1/indexes/{segment(name)}")
+        found = client.json("GET", f"/v1/indexes/{segment(name)}", fields=INDEX_FIELDS)
     if json_out:
         _print_json(console, found)
     else:
@@ -272,7 +274,10 @@ def index_delete(
         typer.confirm(f"Delete all of your documents in index {name!r}?", abort=True)
     with _expected_errors(), gateway() as client:
         job = client.json(
-            "DELETE", f"/v1/indexes/{segment(name)}", params={"wait": MAX_WAIT_SECONDS}
+            "DELETE",
+            f"/v1/indexes/{segment(name)}",
+            params={"wait": MAX_WAIT_SECONDS},
+            fields=JOB_FIELDS,
         )
         job = _finish(client, job)
         _check_found(client, name, job)
@@ -287,7 +292,7 @@ def document_pages(
     failure (a 503, a gateway restarting) is read again (``Gateway.pages``): ``--all``
     stopped at the first, every page read before it lost."""
     path = f"/v1/indexes/{segment(index)}/documents"
-    for page in client.pages(path, {"page_size": page_size}):
+    for page in client.pages(path, {"page_size": page_size}, "documents"):
         yield page["documents"], page.get("next_page_token")
 
 
@@ -389,7 +394,8 @@ def documents_list(
         if every and limit is not None:
             raise typer.BadParameter("give one of them", param_hint="'--limit' / '--all'")
         with gateway() as client:
-            total = int(client.json("GET", f"/v1/indexes/{segment(index)}")["documents"])
+            shown = client.json("GET", f"/v1/indexes/{segment(index)}", fields=INDEX_FIELDS)
+            total = int(shown["documents"])
             if every:
                 with progress_bar(_err()) as progress:
                     task = progress.add_task(f"list {index}", total=total)
@@ -418,7 +424,11 @@ def documents_get(
     """Print one document as stored (text, title, metadata, revision)."""
     console = _out()
     with _expected_errors(), gateway() as client:
-        doc = client.json("GET", f"/v1/indexes/{segment(index)}/documents/{segment(doc_id)}")
+        doc = client.json(
+            "GET",
+            f"/v1/indexes/{segment(index)}/documents/{segment(doc_id)}",
+            fields=("id", "text"),
+        )
     if json_out:
         _print_json(console, doc)
         return
@@ -450,6 +460,7 @@ def documents_delete(
                 f"/v1/indexes/{segment(index)}/documents/delete",
                 json={"ids": chunk},
                 params={"wait": MAX_WAIT_SECONDS},
+                fields=JOB_FIELDS,
             )
             jobs.append(_finish(client, job))
         deleted = sum(j.get("deleted") or 0 for j in jobs)

@@ -43,8 +43,8 @@ def fetch_jobs(client: Gateway, path: str, key: str, status: str | None, limit: 
     if status is not None:
         params["status"] = status
     jobs: list[Any] = []
-    for page in islice(client.pages(path, params), MAX_PAGES):
-        jobs.extend(page.get(key) or [])
+    for page in islice(client.pages(path, params, key), MAX_PAGES):
+        jobs.extend(page[key])
         if len(jobs) >= limit:
             break
     return jobs[:limit]

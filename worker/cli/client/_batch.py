@@ -39,6 +39,7 @@ from worker.cli._http import (
     index_name,
     json_of,
     json_size,
+    sift_answer,
 )
 from worker.cli._output import plain, progress_bar, usage_line
 from worker.cli.client._input import (
@@ -195,7 +196,9 @@ def submit(client: Gateway, body: dict[str, Any], key: str) -> tuple[dict[str, A
         response = client.request(
             "POST", "/v1/batches", json=body, headers={"Idempotency-Key": key}, retry_for=window
         )
-        batch = json_of(response, "POST", "/v1/batches")
+        batch = sift_answer(
+            json_of(response, "POST", "/v1/batches"), "POST", "/v1/batches", ("id", "status")
+        )
         replayed = response.headers.get("Idempotent-Replayed") == "true"
         if not (replayed and batch.get("canceled_at")):
             return batch, replayed
@@ -225,8 +228,8 @@ def _write_results(
     try:
         with temp.open("w", encoding="utf-8") as handle:
             path = f"/v1/batches/{batch_id}/results"
-            for page in client.pages(path, {"page_size": page_size}):
-                for item in page.get("results") or []:
+            for page in client.pages(path, {"page_size": page_size}, "results"):
+                for item in page["results"]:
                     handle.write(json.dumps(item) + "\n")
                     status = str(item.get("status"))
                     tally[status] += 1

@@ -37,7 +37,9 @@ from worker.cli._http import (
     GatewayError,
     gateway,
     index_name,
+    json_of,
     segment,
+    sift_answer,
 )
 from worker.cli._output import plain, progress_bar
 from worker.cli.client._input import (
@@ -104,7 +106,7 @@ def _send_documents(
             _send_documents(client, index, part, on_indexed, stopping, on_unsettled, on_job)
             for part in (documents[:half], documents[half:])
         )
-    job = response.json()
+    job = sift_answer(json_of(response, "POST", path), "POST", path, ("id", "status"))
     on_job(str(job.get("id")), len(documents))
     if job.get("status") not in FINAL_STATUSES:
         job = client.poll(

@@ -17,6 +17,8 @@ from worker.cli._http import (
     GatewayError,
     gateway,
     index_name,
+    json_of,
+    sift_answer,
     utf8_text,
 )
 from worker.cli._output import plain, print_result, trace_lines
@@ -103,7 +105,8 @@ def search(
                     "POST", "/v1/searches", json=body, params={"wait": wait}, headers=key,
                     retry_for=window,
                 )  # fmt: skip
-                job = submitted = response.json()
+                answer = json_of(response, "POST", "/v1/searches")
+                job = submitted = sift_answer(answer, "POST", "/v1/searches", ("id", "status"))
                 if job.get("status") not in FINAL_STATUSES:
                     job = client.poll(f"/v1/searches/{job['id']}")
             except KeyboardInterrupt:  # a search has no cancel: say that it runs on
