@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli._app import app
-from worker.cli._common import option_error
+from worker.cli._common import EXIT_ERROR, _err, option_error
 from worker.cli._output import counted, plain
 from worker.constants import (
     METRIC_RERANK_ATTEMPTS,
@@ -292,9 +292,13 @@ def cost_command(
         else:
             for item in render(report, url):
                 console.print(item)
-        if png is not None:
-            write_chart(report, png)
-            console.print(f"wrote [bold]{png}[/]")
     except SiftError as exc:
-        console.print(f"[red]error:[/] {plain(exc.message)}")
-        raise typer.Exit(1) from exc
+        _err().print(f"[red]error:[/] {plain(exc.message)}")
+        raise typer.Exit(EXIT_ERROR) from exc
+    if png is not None:
+        try:
+            write_chart(report, png)
+        except OSError as exc:  # its folder missing or not writable, the disk full
+            _err().print(f"[red]error:[/] cannot write {plain(str(png))}: {plain(exc.strerror)}")
+            raise typer.Exit(EXIT_ERROR) from exc
+        _err().print(f"wrote [bold]{plain(str(png))}[/]")  # stdout may be --json's
