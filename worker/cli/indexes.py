@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -18,7 +19,14 @@ from pydantic import ValidationError
 from rich.console import Console
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_ERROR, EXIT_USAGE, _err, _expected_errors, _out
+from worker.cli._common import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    _err,
+    _expected_errors,
+    _out,
+)
 from worker.cli._http import RETRY_SECONDS, Gateway, gateway, index_name, segment, utf8_text
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
@@ -97,6 +105,34 @@ def _finish(client: Gateway, job: dict[str, Any]) -> dict[str, Any]:
     if job.get("status") in ("succeeded", "failed"):
         return job
     return client.poll(f"/v1/ingestions/{job['id']}")
+
+
+def _delete_interrupted(job: dict[str, Any] | None) -> str:
+    """What Ctrl-C left of a delete: its job runs on once accepted (it has no cancel).
+
+    >>> _delete_interrupted({"id": "i1"})[:55]
+    'interrupted: delete job i1 runs on; `sift ingestions` s'
+    """
+    if job is None:
+        return (
+            "interrupted while submitting: the delete may have been accepted and run on; "
+            "`sift ingestions --limit 1` shows it"
+        )
+    return (
+        f"interrupted: delete job {job['id']} runs on; `sift ingestions` shows it, "
+        f"GET /v1/ingestions/{job['id']} its outcome"
+    )
+
+
+@contextmanager
+def _interruptible(submitted: list[dict[str, Any]]) -> Iterator[None]:
+    """A Ctrl-C while a delete is submitted or waited for: one line naming the job it left
+    running (the last of ``submitted``), exit 130; it exited 130 with nothing said."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        _err().print(_delete_interrupted(submitted[-1] if submitted else None), soft_wrap=True)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 def _check_found(client: Gateway, index: str, job: dict[str, Any]) -> None:
@@ -272,13 +308,15 @@ def index_delete(
     console = _out()
     if not yes:
         typer.confirm(f"Delete all of your documents in index {name!r}?", abort=True)
-    with _expected_errors(), gateway() as client:
+    submitted: list[dict[str, Any]] = []
+    with _expected_errors(), gateway() as client, _interruptible(submitted):
         job = client.json(
             "DELETE",
             f"/v1/indexes/{segment(name)}",
             params={"wait": MAX_WAIT_SECONDS},
             fields=JOB_FIELDS,
         )
+        submitted.append(job)
         job = _finish(client, job)
         _check_found(client, name, job)
     _report(console, job, f"from index {name}", json_out)
@@ -452,7 +490,8 @@ def documents_delete(
     """Delete documents by id (one job per 1,000 ids) and wait until they are gone."""
     console = _out()
     jobs: list[dict[str, Any]] = []
-    with _expected_errors(), gateway() as client:
+    submitted: list[dict[str, Any]] = []
+    with _expected_errors(), gateway() as client, _interruptible(submitted):
         for start in range(0, len(doc_ids), MAX_DOCUMENTS_PER_REQUEST):
             chunk = doc_ids[start : start + MAX_DOCUMENTS_PER_REQUEST]
             job = client.json(
@@ -462,6 +501,7 @@ def documents_delete(
                 params={"wait": MAX_WAIT_SECONDS},
                 fields=JOB_FIELDS,
             )
+            submitted.append(job)
             jobs.append(_finish(client, job))
         deleted = sum(j.get("deleted") or 0 for j in jobs)
         if all(j.get("status") == "succeeded" for j in jobs):

@@ -1,0 +1,134 @@
+"""``sift index delete`` and ``sift documents delete`` as a user meets them, through a proxy in
+front of the real gateway: a Ctrl-C while they wait for the delete job, and a 503 (Redis
+restarting, a proxy's) on their first request; and the reads of ``sift index show`` and
+``sift documents get``, and ``sift index set``'s PATCH, through the same 503.
+
+The Ctrl-C test's gateway is the stack's idle one (no worker on its Redis database): the delete
+job it accepts stays queued, and the proxy answers at once (``?wait=`` dropped), so the command
+is polling the job when the signal comes. Before, it exited 130 with nothing said, though
+the job runs on at the server (``sift search`` says so of its search)."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import ACME, Stack
+from tests.reliability.support import wait_for
+from tests.services import free_port, served
+from worker.processes.stack import child_env
+
+DOCS = [{"id": "d1", "text": "okapi forest giraffe"}, {"id": "d2", "text": "pangolin scales"}]
+
+
+class _Proxy(http.server.ThreadingHTTPServer):
+    """Forwards every request to ``target``; ``?wait=`` dropped when ``no_wait``; the first
+    request of each (method, path) answered 503 when ``fail_first``. Keeps what it saw."""
+
+    def __init__(self, target: str, *, no_wait: bool = False, fail_first: bool = False) -> None:
+        super().__init__(("127.0.0.1", free_port()), _Handler)
+        self.target = target
+        self.no_wait = no_wait
+        self.fail_first = fail_first
+        self.heard: list[tuple[str, str, int]] = []  # method, path, the status answered
+        self.jobs: list[str] = []  # the ids of the jobs the gateway accepted
+        self.polled = threading.Event()  # a GET /v1/ingestions/{id} came
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Proxy
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _forward(self) -> None:
+        body = self.rfile.read(int(self.headers.get("content-length") or 0))
+        parts = urlsplit(self.path)
+        query = [
+            (k, v) for k, v in parse_qsl(parts.query) if not (self.server.no_wait and k == "wait")
+        ]
+        with self.server.lock:
+            first = (self.command, parts.path) not in {(m, p) for m, p, _ in self.server.heard}
+        if self.server.fail_first and first:
+            status, content = 503, b'{"error": {"type": "unavailable", "message": "restarting"}}'
+        else:
+            if parts.path.startswith("/v1/ingestions/"):
+                self.server.polled.set()
+            answer = httpx.request(
+                self.command, self.server.target + parts.path, params=urlencode(query),
+                content=body, headers={k: v for k, v in self.headers.items()
+                                       if k.lower() in ("authorization", "content-type")},
+                timeout=60,
+            )  # fmt: skip
+            status, content = answer.status_code, answer.content
+            if status == 202:
+                self.server.jobs.append(json.loads(content)["id"])
+        with self.server.lock:
+            self.server.heard.append((self.command, parts.path, status))
+        self.send_response(status)
+        if status == 503:
+            self.send_header("retry-after", "1")
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(content)))
+        self.end_headers()
+        self.wfile.write(content)
+
+    do_GET = do_POST = do_DELETE = do_PATCH = _forward
+
+
+def _env(url: str) -> dict[str, str]:
+    key = ACME["Authorization"].split()[1]
+    return {"SIFT_URL": url, "SIFT_API_KEY": key, "COLUMNS": "200", "NO_COLOR": "1"}
+
+
+@pytest.fixture
+def idle_proxy(stack: Stack) -> Iterator[_Proxy]:
+    with served(_Proxy(stack.idle_url, no_wait=True)) as server:
+        yield server
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("index", "delete", "cli-ctrl-c", "--yes"),
+        ("documents", "delete", "d1", "--index", "cli-ctrl-c"),
+    ],
+    ids=" ".join,
+)
+def test_ctrl_c_while_a_delete_waits_says_the_job_runs_on(
+    idle_proxy: _Proxy, args: tuple[str, ...]
+) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker.cli", *args],
+        env=child_env(_env(idle_proxy.url), inherit_sift=False),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(idle_proxy.polled.is_set, "the command polling its delete job", 60)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out + err
+    [job] = idle_proxy.jobs
+    said = " ".join(err.split())
+    assert f"interrupted: delete job {job} runs on" in said, err
+    assert f"GET /v1/ingestions/{job}" in said and "sift ingestions" in said, err
+    assert "Traceback" not in err, err
