@@ -22,10 +22,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
 from tests.e2e.conftest import ACME, Stack
 from tests.reliability.support import wait_for
 from tests.services import free_port, served
+from worker.cli import app
 from worker.processes.stack import child_env
 
 DOCS = [{"id": "d1", "text": "okapi forest giraffe"}, {"id": "d2", "text": "pangolin scales"}]
@@ -132,3 +134,34 @@ def test_ctrl_c_while_a_delete_waits_says_the_job_runs_on(
     assert f"interrupted: delete job {job} runs on" in said, err
     assert f"GET /v1/ingestions/{job}" in said and "sift ingestions" in said, err
     assert "Traceback" not in err, err
+
+
+@pytest.fixture
+def flaky_proxy(stack: Stack) -> Iterator[_Proxy]:
+    with served(_Proxy(stack.live_url, fail_first=True)) as server:
+        yield server
+
+
+def test_reads_settings_and_deletes_go_through_a_503(stack: Stack, flaky_proxy: _Proxy) -> None:
+    """Each command's first request is answered 503 (Redis restarting, a proxy's): it is sent
+    again, as every other command's read is (they stopped at the first, exit 1). Each of these
+    requests is safe to send again: a read, a merge patch of the same values, a delete."""
+    ingested = stack.live.post(
+        "/v1/indexes/cli-503/documents", params={"wait": 20}, json={"documents": DOCS},
+        headers=ACME,
+    )  # fmt: skip
+    assert ingested.status_code == 200, ingested.text
+    for args in (
+        ("index", "show", "cli-503"),
+        ("index", "set", "cli-503", "--knn-weight", "0.5"),
+        ("documents", "get", "d1", "--index", "cli-503"),
+        ("documents", "delete", "d1", "--index", "cli-503"),
+        ("index", "delete", "cli-503", "--yes"),
+    ):
+        before = len(flaky_proxy.heard)
+        result = CliRunner().invoke(app, list(args), env=_env(flaky_proxy.url))
+        assert result.exit_code == 0, (args, result.output)
+        statuses = [status for _, _, status in flaky_proxy.heard[before:]]
+        assert statuses[:2] in ([503, 200], [503, 202]), (args, flaky_proxy.heard[before:])
+    shown = stack.live.get("/v1/indexes/cli-503", headers=ACME)
+    assert shown.status_code == 404, shown.text

@@ -340,10 +340,12 @@ class Gateway:
     def update_index(self, index: str, body: dict[str, Any]) -> dict[str, Any]:
         """``PATCH /v1/indexes/{index}``: change the index's own search settings (a merge
         patch: a field left out stays, ``None`` clears it); answers the index's metadata,
-        whose ``settings`` show what is now stored."""
+        whose ``settings`` show what is now stored. Sent again through a transient failure:
+        the same values set twice are set once."""
         found: dict[str, Any] = self.json(
-            "PATCH", f"/v1/indexes/{segment(index)}", json=body, fields=("name", "settings")
-        )
+            "PATCH", f"/v1/indexes/{segment(index)}", json=body, fields=("name", "settings"),
+            retry_for=RETRY_SECONDS,  # the same merge patch sent again sets the same
+        )  # fmt: skip
         return found
 
     def poll(

@@ -175,7 +175,9 @@ def index_show(name: IndexArgument, json_out: JsonOut = False) -> None:
     """Show one of your indexes."""
     console = _out()
     with _expected_errors(), gateway() as client:
-        found = client.json("GET", f"/v1/indexes/{segment(name)}", fields=INDEX_FIELDS)
+        found = client.json(
+            "GET", f"/v1/indexes/{segment(name)}", fields=INDEX_FIELDS, retry_for=RETRY_SECONDS
+        )
     if json_out:
         _print_json(console, found)
     else:
@@ -315,6 +317,7 @@ def index_delete(
             f"/v1/indexes/{segment(name)}",
             params={"wait": MAX_WAIT_SECONDS},
             fields=JOB_FIELDS,
+            retry_for=RETRY_SECONDS,  # a delete sent again deletes the same
         )
         submitted.append(job)
         job = _finish(client, job)
@@ -432,7 +435,9 @@ def documents_list(
         if every and limit is not None:
             raise typer.BadParameter("give one of them", param_hint="'--limit' / '--all'")
         with gateway() as client:
-            shown = client.json("GET", f"/v1/indexes/{segment(index)}", fields=INDEX_FIELDS)
+            shown = client.json(
+                "GET", f"/v1/indexes/{segment(index)}", fields=INDEX_FIELDS, retry_for=RETRY_SECONDS
+            )
             total = int(shown["documents"])
             if every:
                 with progress_bar(_err()) as progress:
@@ -466,6 +471,7 @@ def documents_get(
             "GET",
             f"/v1/indexes/{segment(index)}/documents/{segment(doc_id)}",
             fields=("id", "text"),
+            retry_for=RETRY_SECONDS,
         )
     if json_out:
         _print_json(console, doc)
@@ -500,6 +506,7 @@ def documents_delete(
                 json={"ids": chunk},
                 params={"wait": MAX_WAIT_SECONDS},
                 fields=JOB_FIELDS,
+                retry_for=RETRY_SECONDS,  # a delete sent again deletes the same
             )
             submitted.append(job)
             jobs.append(_finish(client, job))
