@@ -196,6 +196,14 @@ def test_the_cli_lists_jobs(stack: Stack) -> None:
     assert run.returncode == 0 and queued in run.stdout and canceled in run.stdout
     run = _sift(stack, "searches", "--limit", "1")
     assert run.returncode == 0 and search in run.stdout and "seen by the cli" in run.stdout
+    # more jobs than shown: a line says so, as `sift documents list`'s does (none did)
+    _search(stack.idle, "one more")
+    run = _sift(stack, "searches", "--limit", "1")
+    assert "more searches follow: --limit N shows more" in " ".join(run.stdout.split())
+    run = _sift(stack, "batches", "--limit", "1")
+    assert "more batches follow: --limit N shows more" in " ".join(run.stdout.split())
+    run = _sift(stack, "batches", "--limit", "1000")  # every one of them shown
+    assert run.returncode == 0 and "follow" not in run.stdout, run.stdout
     run = _sift(stack, "ingestions", "--json", "--limit", "1001")  # two pages' worth asked
     assert run.returncode == 0 and isinstance(json.loads(run.stdout), list)
     run = _sift(stack, "searches", "--status", "done")

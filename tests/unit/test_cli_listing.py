@@ -53,7 +53,7 @@ def test_short_filtered_pages_are_followed_to_the_limit() -> None:
         {"batches": [{"id": "b2"}, {"id": "b3"}], "next_page_token": "t3"},
     ]
     seen: list[dict[str, str]] = []
-    jobs = fetch_jobs(gateway_of(pages, seen), "/v1/batches", "batches", "failed", 2)
+    jobs, _ = fetch_jobs(gateway_of(pages, seen), "/v1/batches", "batches", "failed", 2)
     assert [j["id"] for j in jobs] == ["b1", "b2"]
     assert seen == [
         {"page_size": "2", "status": "failed"},
@@ -65,7 +65,7 @@ def test_short_filtered_pages_are_followed_to_the_limit() -> None:
 def test_the_list_ends_at_a_null_token_and_the_page_size_is_capped() -> None:
     pages = [{"searches": [{"id": "s1"}], "next_page_token": None}]
     seen: list[dict[str, str]] = []
-    jobs = fetch_jobs(gateway_of(pages, seen), "/v1/searches", "searches", None, 5000)
+    jobs, _ = fetch_jobs(gateway_of(pages, seen), "/v1/searches", "searches", None, 5000)
     assert [j["id"] for j in jobs] == ["s1"]
     assert seen == [{"page_size": str(MAX_PAGE_SIZE)}]
 

@@ -68,7 +68,7 @@ def _indexes(gw: Gateway, _: Path) -> list[str]:
 
 
 def _jobs(gw: Gateway, _: Path) -> list[str]:
-    return [j["id"] for j in listing.fetch_jobs(gw, "/v1/batches", "batches", None, 10)]
+    return [j["id"] for j in listing.fetch_jobs(gw, "/v1/batches", "batches", None, 10)[0]]
 
 
 def _documents(gw: Gateway, _: Path) -> list[str]:

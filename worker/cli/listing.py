@@ -36,18 +36,24 @@ Limit = Annotated[int, typer.Option("--limit", min=1, help="show at most this ma
 JsonOut = Annotated[bool, typer.Option("--json", help="print the jobs as a JSON array")]
 
 
-def fetch_jobs(client: Gateway, path: str, key: str, status: str | None, limit: int) -> list[Any]:
+def fetch_jobs(
+    client: Gateway, path: str, key: str, status: str | None, limit: int
+) -> tuple[list[Any], bool]:
     """Up to ``limit`` jobs from a list route, newest first, page after page: a filtered
-    page can be short (the gateway bounds each request's scan), so it goes on by the token."""
+    page can be short (the gateway bounds each request's scan), so it goes on by the token.
+    Answers them and whether more are left (the last page read has a ``next_page_token``,
+    or held more than ``limit``): the lists never said so, and looked whole."""
     params: dict[str, Any] = {"page_size": min(limit, MAX_PAGE_SIZE)}
     if status is not None:
         params["status"] = status
     jobs: list[Any] = []
+    left = False
     for page in islice(client.pages(path, params, key), MAX_PAGES):
         jobs.extend(page[key])
+        left = bool(page.get("next_page_token"))
         if len(jobs) >= limit:
             break
-    return jobs[:limit]
+    return jobs[:limit], left or len(jobs) > limit
 
 
 def _status(value: Any) -> str:
@@ -69,7 +75,7 @@ def _list(
 ) -> None:
     console = _out()
     with _expected_errors(), gateway() as client:
-        jobs = fetch_jobs(client, path, key, status, limit)
+        jobs, more = fetch_jobs(client, path, key, status, limit)
     if json_out:
         typer.echo(json.dumps(jobs))
         return
@@ -82,6 +88,8 @@ def _list(
         drop_order=drop_order,
         wrapped=("query", "error"),
     )
+    if more:
+        console.print(f"[dim]more {prefix}{key} follow: --limit N shows more[/]")
 
 
 def _cost(usage: dict[str, Any] | None) -> str:
