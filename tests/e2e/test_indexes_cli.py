@@ -221,3 +221,20 @@ def test_stored_control_characters_are_shown_escaped_and_json_is_exact(stack: St
     assert (exact["id"], exact["title"], exact["text"]) == (HOSTILE_ID, HOSTILE_TITLE, HOSTILE_TEXT)
     listed = _json(sift(stack, "documents", "list", "cli-controls", "--json"))
     assert listed[0]["id"] == HOSTILE_ID and listed[0]["title"] == HOSTILE_TITLE
+
+
+def test_ingestions_tell_an_ingest_a_delete_and_a_drop_apart(stack: Stack) -> None:
+    """``sift ingestions`` showed documents and upserted only: a drop of 3 documents read
+    "documents 0, upserted –", the same as an ingest that had not run."""
+    _ingest(stack, "cli-ops")
+    assert sift(stack, "documents", "delete", "c1", "c2", "--index", "cli-ops").exit_code == 0
+    assert sift(stack, "index", "delete", "cli-ops", "--yes").exit_code == 0
+    table = sift(stack, "ingestions", "--limit", "3")
+    assert table.exit_code == 0, table.output
+    rows = [line.split() for line in table.stdout.splitlines() if "cli-ops" in line]
+    # operation, index, documents, upserted, deleted; newest first
+    assert [row[2:7] for row in rows] == [
+        ["drop", "cli-ops", "0", "–", "1"],
+        ["delete", "cli-ops", "2", "–", "2"],
+        ["upsert", "cli-ops", "3", "3", "–"],
+    ], table.stdout

@@ -145,16 +145,21 @@ def batches(status: Status = None, limit: Limit = 20, json_out: JsonOut = False)
 
 @app.command("ingestions")
 def ingestions(status: Status = None, limit: Limit = 20, json_out: JsonOut = False) -> None:
-    """List your ingest jobs, newest first (within the retention: 7 days by default)."""
+    """List your ingest, delete and drop jobs, newest first (within the retention: 7 days by
+    default): each one's operation, documents, and what it upserted or deleted."""
 
     def row(job: dict[str, Any]) -> list[str]:
-        upserted = job.get("upserted")
+        upserted, deleted = job.get("upserted"), job.get("deleted")
         return [
-            plain(job["id"]), _status(job["status"]), plain(job.get("index")),
-            str(job.get("documents")), "–" if upserted is None else str(upserted),
+            plain(job["id"]), _status(job["status"]), plain(job.get("operation")),
+            plain(job.get("index")), str(job.get("documents")),
+            "–" if upserted is None else str(upserted), "–" if deleted is None else str(deleted),
             local_time(job.get("created_at")), local_time(job.get("finished_at")),
         ]  # fmt: skip
 
-    columns = ["id", "status", "index", "documents", "upserted", "created", "finished"]
-    drop = ["finished", "upserted", "index", "created"]
+    # the operation and the deleted count: a drop of 20 documents read "documents 0,
+    # upserted –", as an ingest not run yet does
+    columns = ["id", "status", "operation", "index", "documents", "upserted", "deleted",
+               "created", "finished"]  # fmt: skip
+    drop = ["finished", "upserted", "deleted", "index", "created"]
     _list("/v1/ingestions", "ingestions", "ingestion", status, limit, json_out, columns, row, drop)
