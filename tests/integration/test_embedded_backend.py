@@ -428,7 +428,7 @@ def test_sift_worker_stops_at_start_on_a_data_dir_of_another_schema(tmp_path: Pa
         timeout=120,
     )
     assert run.returncode == 2, run.stdout + run.stderr
-    assert "schema v1" in run.stdout and "SIFT_DATA_DIR" in run.stdout, run.stdout
+    assert "schema v1" in run.stderr and "SIFT_DATA_DIR" in run.stderr, run.stderr  # an error
 
 
 def test_equal_scores_order_by_id_in_both_channels_and_a_shared_hit_is_one_document(

@@ -515,3 +515,33 @@ def test_sift_demo_runs_on_its_own_redis_and_fails_when_a_query_failed(tmp_path:
     assert demo.returncode == 3, printed
     assert "demo done" not in printed and "Traceback" not in printed, printed
     assert re.search(r"10 of 10 queries failed", printed), printed
+
+
+def test_an_early_exit_is_told_on_stderr_line_by_line(tmp_path: Path) -> None:
+    """The stack's Redis exits as it starts (its AOF manifest is garbage): ``sift up`` says
+    so on stderr, the process's log tail with its own line breaks. It printed the error on
+    stdout, every other command's place for results, and the tail on one line with literal
+    ``\\n`` between the lines."""
+    aof = tmp_path / "d" / "redis" / "appendonlydir"
+    aof.mkdir(parents=True)
+    (aof / "appendonly.aof.manifest").write_text("garbage line\n")
+    failed = _up(tmp_path, "--port", str(free_port()), "--metrics-port", str(free_port()),
+                 "--data-dir", str(tmp_path / "d"))  # fmt: skip
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "error" not in failed.stdout, failed.stdout
+    lines = failed.stderr.splitlines()
+    assert lines[0] == "error: redis-server exited early:", failed.stderr
+    assert any(line.endswith("Invalid AOF manifest file format") for line in lines), lines
+    assert "\\n" not in failed.stderr, failed.stderr
+
+
+def test_one_port_for_the_gateway_and_the_worker_metrics_is_a_usage_error(tmp_path: Path) -> None:
+    """Refused before anything starts (exit 2, naming both options); it started Redis and the
+    worker, whose metrics took the port, then failed on the gateway's log tail."""
+    port = free_port()
+    refused = _up(tmp_path, "--port", str(port), "--metrics-port", str(port),
+                  "--data-dir", str(tmp_path / "d"))  # fmt: skip
+    said = " ".join(refused.stderr.split())
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "--port" in said and "--metrics-port" in said and str(port) in said, said
+    assert not (tmp_path / "d" / "logs").exists()

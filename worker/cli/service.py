@@ -56,6 +56,7 @@ from worker.processes.workers import (
 from worker.settings import Settings, load_settings
 
 console = Console(emoji=False)
+errors = Console(emoji=False, stderr=True)
 DEV_KEY_FILE = "dev-api-key.json"  # in the data folder: the development key and its secret
 # How long the gateway keeps an idle keep-alive connection: longer than a pooling client keeps
 # one (httpx: 5 s; nginx upstream pools: 60 s), so a client never reuses a connection the
@@ -162,9 +163,10 @@ def worker(
 
 
 def _stop(message: str, code: int = 2) -> NoReturn:
-    """End the command with ``error: message`` on one line (never wrapped mid-path) and exit
-    ``code``: 2 for what the user must change (a setting, an option), 1 for what failed."""
-    console.print(f"[red]error:[/red] {message}", soft_wrap=True)
+    """End the command with ``error: message`` on stderr, as every command's error (it went
+    to stdout), unwrapped (never cut mid-path) and exit ``code``: 2 for what the user must
+    change (a setting, an option), 1 for what failed."""
+    errors.print(f"[red]error:[/red] {message}", soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -481,7 +483,7 @@ def _start(
         if cancel is not None and cancel.is_set():
             console.print("interrupted while starting; every process stopped")
             raise typer.Exit(EXIT_INTERRUPTED) from error
-        _stop(plain(error), 1)
+        _stop(plain(error, lines=True), 1)  # a process's log tail: its lines kept
 
 
 @app.command("up")
@@ -504,6 +506,13 @@ def up(
     if data_dir is not None:
         overrides["data_dir"] = data_dir
     settings = _settings(options=tuple(overrides), **overrides)
+    if settings.worker_metrics_port and settings.worker_metrics_port == settings.gateway_port:
+        # refused before anything starts: the worker's metrics took the port, and the
+        # gateway's failure to bind it was the only word of it
+        _stop(
+            f"--port (SIFT_GATEWAY_PORT) and --metrics-port (SIFT_WORKER_METRICS_PORT) are "
+            f"both {settings.gateway_port}: the gateway and the worker's /metrics need one each"
+        )
     stopping = threading.Event()
     started: LocalStack | None = None
 
