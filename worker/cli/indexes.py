@@ -513,12 +513,22 @@ def documents_delete(
         deleted = sum(j.get("deleted") or 0 for j in jobs)
         if all(j.get("status") == "succeeded" for j in jobs):
             _check_found(client, index, {"status": "succeeded", "deleted": deleted})
-    if len(jobs) == 1:
-        _report(console, jobs[0], f"from index {index}", json_out)
-        return
-    total = {"deleted": sum(j.get("deleted") or 0 for j in jobs), "status": "succeeded"}
-    if any(j.get("status") != "succeeded" for j in jobs):
-        total = next(j for j in jobs if j.get("status") != "succeeded")
-    _report(
-        console, {**total, "jobs": jobs} if json_out else total, f"from index {index}", json_out
-    )
+    _report(console, deletes_summary(jobs), f"from index {index}", json_out)
+
+
+def deletes_summary(jobs: list[dict[str, Any]]) -> dict[str, Any]:
+    """``sift documents delete``'s answer, one shape however many jobs its ids took (one per
+    1,000: its ``--json`` was the one job's answer up to 1,000 ids, this past them): the
+    documents deleted, ``succeeded`` unless a job was not (then its status and error), and
+    every job's answer.
+
+    >>> deletes_summary([{"id": "i1", "status": "succeeded", "deleted": 2}])["deleted"]
+    2
+    """
+    failed = next((j for j in jobs if j.get("status") != "succeeded"), None)
+    return {
+        "status": "succeeded" if failed is None else failed.get("status"),
+        "deleted": sum(j.get("deleted") or 0 for j in jobs),
+        "error": None if failed is None else failed.get("error"),
+        "jobs": jobs,
+    }
