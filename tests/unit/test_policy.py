@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import random
 import re
 
-from worker.core.policy import OUTPUT_SCHEMA, build_prompt
+from worker.core.policy import OUTPUT_SCHEMA, build_prompt, candidate_line, unmarked
 
 
 def test_prompt_numbers_candidates_and_marks_them_untrusted() -> None:
@@ -87,3 +88,25 @@ def test_schema_accepts_only_an_integer_array() -> None:
         "positions": {"type": "array", "items": {"type": "integer"}}
     }
     assert OUTPUT_SCHEMA["additionalProperties"] is False
+
+
+def test_a_line_read_from_its_texts_head_is_the_line_of_the_whole_text() -> None:
+    """The line collapses and cuts only the head of a long text; whatever the text's runs of
+    whitespace (a head of mostly spaces, a cut inside a word or a marker), it is the line the
+    whole text makes."""
+    rng = random.Random(7)
+    pieces = ["tea", "green", "[2]", "[ 13 ]", "\uff3b4\uff3d", " ", "   ", "\n", "\t\t", "x" * 30]
+    for _ in range(3_000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(0, 60)))
+        if rng.random() < 0.1:
+            text = " " * rng.randrange(0, 200) + text
+        title = rng.choice(["", "Title [1]", "  "])
+        limit = rng.randrange(2, 80)
+        whole = " ".join((f"{title}: {text}" if title else text).split())
+        cut = len(whole) > limit
+        body = whole[: limit - 1].rstrip() + "\u2026" if cut else whole
+        assert candidate_line(5, title, text, limit) == (f"[5] {unmarked(body)}", cut), (
+            title,
+            text,
+            limit,
+        )
