@@ -228,10 +228,13 @@ class Stall:
         assert self.go.wait(60), "the test never let the stalled run go on"
 
 
-def _prepared(context: WorkerContext, n: int) -> tuple[BatchJob, list[str]]:
-    """A batch of ``n`` items, each prepared (its prompt waiting to go), none sent yet."""
+def _prepared(
+    context: WorkerContext, n: int, spec_of: Callable[[int], SearchSpec] = lambda _: SPEC
+) -> tuple[BatchJob, list[str]]:
+    """A batch of ``n`` items (the ``i``-th asking ``spec_of(i)``), each prepared (its prompt
+    waiting to go), none sent yet."""
     store = context.store
-    items = [(f"q{i}", SPEC) for i in range(n)]
+    items = [(f"q{i}", spec_of(i)) for i in range(n)]
     batch = store.create_batch("acme", "docs", items, lane="economy")
     pipeline = economy.economy_pipeline(_Task(context, "chunk"))  # type: ignore[arg-type]
     for position, (qid, spec) in enumerate(items):

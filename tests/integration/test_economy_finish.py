@@ -19,6 +19,7 @@ import pytest
 from tests.fake_anthropic import FakeAnthropic
 from tests.fakes import FakeEmbedder
 from tests.integration.test_economy_doubts import _mapping, _submission, _Task, workers
+from tests.integration.test_economy_doubts import _prepared as prepared_batch
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.adapters.embedded import EmbeddedBackend
@@ -27,7 +28,6 @@ from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import RerankRun, load_prepared
 from worker.errors import AttemptOutcome, BackendUnavailable, IndexNotFound, RerankAttemptError
 from worker.observability.metrics import PrometheusRecorder
-from worker.queue import economy
 from worker.queue.base import WorkerContext
 from worker.queue.economy import finish
 from worker.queue.jobstore import BatchJob, JobStore
@@ -111,18 +111,12 @@ def context(store: JobStore, model: FakeAnthropic, redis_url: str, backend: Any)
 
 
 def _prepared(context: WorkerContext, n: int) -> tuple[BatchJob, list[str]]:
-    """A batch of ``n`` items, each prepared (its prompt waiting to go), none sent yet."""
-    store = context.store
-    items = [
-        (f"q{i}", SearchSpec(index="docs", query=TOPICS[i % 3], limit=3, include_trace=True))
-        for i in range(n)
-    ]
-    batch = store.create_batch("acme", "docs", items, lane="economy")
-    pipeline = economy.economy_pipeline(_Task(context, "chunk"))  # type: ignore[arg-type]
-    for position, (qid, spec) in enumerate(items):
-        store.start_item(batch.id, qid)
-        economy.save_prepared(store, batch.id, qid, position, pipeline.prepare(spec, "acme"))
-    return batch, [qid for qid, _ in items]
+    """A batch of ``n`` items on the three topics, each prepared, none sent yet."""
+    return prepared_batch(
+        context,
+        n,
+        lambda i: SearchSpec(index="docs", query=TOPICS[i % 3], limit=3, include_trace=True),
+    )
 
 
 def _candidates(context: WorkerContext, batch: BatchJob, qids: list[str]) -> list[set[str]]:

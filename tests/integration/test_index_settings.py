@@ -198,15 +198,16 @@ def _redis_seconds(store: JobStore) -> float:
     return float(seconds) + micros / 1_000_000
 
 
-@pytest.mark.parametrize("skew", [-100.0, 0.0, 100.0])
-def test_whether_a_change_started_in_time_is_read_on_redis_s_clock(
-    runtime: Runtime, store: JobStore, redis_url: str, monkeypatch: pytest.MonkeyPatch, skew: float
+def _worker_context(
+    runtime: Runtime,
+    store: JobStore,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    skew: float,
 ) -> None:
-    """``start_by`` is set on Redis's clock (the gateway's own, compared with the worker's,
-    was another host's): the worker reads Redis's too. With its own clock ``skew`` seconds
-    off, it dropped a change in time (ahead), or applied one its gateway had answered 503
-    for (behind); now the same changes land and are dropped whatever its clock says."""
-    from worker.queue import base, tasks
+    """This process as a worker on ``runtime`` (the tasks' context, unset by the caller),
+    its own clock ``skew`` seconds off Redis's."""
+    from worker.queue import base
     from worker.runtime.ratelimit import ProviderLimiter
 
     context = base.WorkerContext(
@@ -216,6 +217,19 @@ def test_whether_a_change_started_in_time_is_read_on_redis_s_clock(
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + skew)
     base.set_context(context)
+
+
+@pytest.mark.parametrize("skew", [-100.0, 0.0, 100.0])
+def test_whether_a_change_started_in_time_is_read_on_redis_s_clock(
+    runtime: Runtime, store: JobStore, redis_url: str, monkeypatch: pytest.MonkeyPatch, skew: float
+) -> None:
+    """``start_by`` is set on Redis's clock (the gateway's own, compared with the worker's,
+    was another host's): the worker reads Redis's too. With its own clock ``skew`` seconds
+    off, it dropped a change in time (ahead), or applied one its gateway had answered 503
+    for (behind); now the same changes land and are dropped whatever its clock says."""
+    from worker.queue import base, tasks
+
+    _worker_context(runtime, store, redis_url, monkeypatch, skew)
     try:
         late = json.dumps({"candidate_limit": 50})
         start_by = _redis_seconds(store) - 5  # its gateway's wait ended 5 s ago
@@ -397,15 +411,8 @@ def test_a_change_started_in_time_never_lands_after_its_gateway_gave_up(
     the whole ``LOCK_WAIT_SECONDS`` for the lock, and landed the change after the 503."""
     from worker.constants import INDEX_CHANGE_GRACE_SECONDS
     from worker.queue import base, tasks
-    from worker.runtime.ratelimit import ProviderLimiter
 
-    context = base.WorkerContext(
-        settings=load_settings(redis_url=redis_url), store=store, limiter=ProviderLimiter(4)
-    )
-    context._runtime = runtime
-    real = time.time
-    monkeypatch.setattr(time, "time", lambda: real() + skew)
-    base.set_context(context)
+    _worker_context(runtime, store, redis_url, monkeypatch, skew)
     lock_key = f"{INDEX_SETTINGS_LOCK_KEY}acme:docs"
     assert store.redis.set(lock_key, "another worker", ex=30, nx=True)
     start_by = _redis_seconds(store) + 0.5
