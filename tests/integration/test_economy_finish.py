@@ -16,14 +16,14 @@ from typing import Any
 import anthropic
 import pytest
 
-from tests.fake_anthropic import FakeAnthropic
+from tests.fake_anthropic import FakeAnthropic, errored
 from tests.fakes import FakeEmbedder
 from tests.integration.test_economy_doubts import _mapping, _submission, _Task, workers
 from tests.integration.test_economy_doubts import _prepared as prepared_batch
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.adapters.embedded import EmbeddedBackend
-from worker.constants import ECONOMY_PREPARED_KEY, LANE_ECONOMY
+from worker.constants import ECONOMY_PREPARED_KEY, ECONOMY_RUNS_KEY, LANE_ECONOMY, POLICY_ID
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import RerankRun, load_prepared
 from worker.errors import AttemptOutcome, BackendUnavailable, IndexNotFound, RerankAttemptError
@@ -247,3 +247,58 @@ def test_an_item_the_failure_policy_ends_on_a_failing_backend_counts_its_search_
     }
     finish.fail_items(task, batch, qids, failure)  # type: ignore[arg-type]
     assert _grown(before, _figures("timeout"))["search_done"] == 2
+
+
+def _as_an_older_release_kept(context: WorkerContext, batch: BatchJob, policy: str) -> None:
+    """Rewrite the batch's prepared records as a release of prompt policy ``policy`` kept
+    them (its id in their trace only: no release before it stored it apart), and its runs as
+    it kept them once it had sent their prompts (no policy named: its own was the one)."""
+    store = context.store
+    for qid, raw in store.economy_all(batch.id, ECONOMY_PREPARED_KEY).items():
+        data = json.loads(raw)
+        data.pop("policy", None)
+        data["trace"]["policy"] = policy
+        store.economy_save(batch.id, ECONOMY_PREPARED_KEY, {qid: json.dumps(data)})
+    for qid, raw in store.economy_all(batch.id, ECONOMY_RUNS_KEY).items():
+        run = json.loads(raw)
+        run.pop("policy", None)
+        store.economy_save(batch.id, ECONOMY_RUNS_KEY, {qid: json.dumps(run)})
+
+
+def _outcomes(policy: str) -> float:
+    from prometheus_client import REGISTRY
+
+    labels = {"policy": policy, "outcome": "applied"}
+    return REGISTRY.get_sample_value("sift_rerank_outcomes_total", labels) or 0.0
+
+
+@pytest.mark.parametrize("answer", ["sent_before_the_upgrade", "sent_again_after_it"])
+def test_an_item_prepared_before_an_upgrade_names_the_policy_of_the_prompt_it_was_answered_by(
+    context: WorkerContext, model: FakeAnthropic, workers: None, answer: str
+) -> None:
+    """An item prepared and sent by an older release (prompt policy ``listwise.v1``) and
+    finished by this one was labelled this release's policy (:data:`POLICY_ID`) in its
+    result's ``rerank.policy`` and in ``sift_rerank_outcomes_total``, though the model had
+    answered the older prompt (its trace said so). Both now name the prompt its answer came
+    from: the older one's; this release's once the item was sent again by it (its first
+    request errored), the prompt it sends being rebuilt by this release's builder."""
+    if answer == "sent_again_after_it":
+        model.script_batch({"i0": [errored("overloaded_error")]})
+    batch, qids = _prepared(context, 1)
+    _submission(context, batch, qids, "1")
+    _as_an_older_release_kept(context, batch, "listwise.v1")
+    [first] = model.batches()
+    before = {policy: _outcomes(policy) for policy in ("listwise.v1", POLICY_ID)}
+    _mapping(context, batch, first["id"])
+    if answer == "sent_again_after_it":
+        [_, again] = model.batches()
+        _mapping(context, batch, again["id"])
+    expected = "listwise.v1" if answer == "sent_before_the_upgrade" else POLICY_ID
+    assert expected != "listwise.v1" or POLICY_ID != "listwise.v1"  # this release's is newer
+    [result] = context.store.batch_results(batch.id, 0, 1)
+    assert result.status == "succeeded", result
+    payload = json.loads(result.payload or "{}")["result"]
+    assert payload["rerank"] == {"applied": True, "policy": expected, "fallback_reason": None}
+    assert payload["trace"]["policy"] == expected
+    grown = {policy: _outcomes(policy) - seen for policy, seen in before.items()}
+    assert grown == {policy: float(policy == expected) for policy in grown}, grown

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from worker.constants import POLICY_ID
 from worker.contract import SearchResult, SearchSpec
 from worker.core.catalog import StoredDocument
 from worker.core.pipeline._hits import _trace_candidates
@@ -28,7 +29,9 @@ class Prepared:
     ``trace`` lists the candidates only when the search asked for its trace
     (``include_trace``): otherwise no one reads it, and it is a dict per candidate.
     ``gone``: the candidates' ids deleted since their retrieval (:func:`as_stored`), in no
-    hit.
+    hit. ``policy``: the prompt policy of the prompt the answer is to, which names the
+    rerank in the result and its metrics: this release's, but an economy item prepared, or
+    sent, by an older release may have had an older one's (:func:`load_prepared`).
     """
 
     spec: SearchSpec
@@ -39,6 +42,7 @@ class Prepared:
     skipped: bool = False
     seconds: float = 0.0
     gone: frozenset[str] = field(default_factory=frozenset)
+    policy: str = POLICY_ID
 
 
 def as_stored(prepared: Prepared, stored: Mapping[str, StoredDocument]) -> Prepared:
@@ -99,6 +103,7 @@ def dump_prepared(prepared: Prepared) -> dict[str, Any]:
     """
     return {
         "spec": prepared.spec.model_dump(mode="json"),
+        "policy": prepared.policy,
         "seconds": prepared.seconds,
         "trace": {k: v for k, v in prepared.trace.items() if k != "candidates"},
         "candidates": [
@@ -119,7 +124,9 @@ def dump_prepared(prepared: Prepared) -> dict[str, Any]:
 
 
 def load_prepared(pipeline: SearchPipeline, data: Mapping[str, Any]) -> Prepared:
-    """The inverse of :func:`dump_prepared`, with the prompt rebuilt by ``pipeline``."""
+    """The inverse of :func:`dump_prepared`, with the prompt rebuilt by ``pipeline`` (of its
+    release's policy). ``policy`` stays the one the search was prepared under: a record
+    kept by a release before it was stored apart names it in its trace alone."""
     spec = SearchSpec.model_validate(data["spec"])
     candidates = [
         Candidate(
@@ -141,4 +148,6 @@ def load_prepared(pipeline: SearchPipeline, data: Mapping[str, Any]) -> Prepared
     prompt = pipeline.build_prompt(str(trace["query"]), spec, candidates)
     if spec.include_trace:
         trace["candidates"] = _trace_candidates(candidates, prompt)
-    return Prepared(spec, candidates, trace, prompt=prompt, seconds=float(data["seconds"]))
+    policy = str(data.get("policy") or trace.get("policy") or POLICY_ID)
+    seconds = float(data["seconds"])
+    return Prepared(spec, candidates, trace, prompt=prompt, seconds=seconds, policy=policy)

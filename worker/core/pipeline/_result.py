@@ -31,6 +31,9 @@ def rerank_result(
     """The result of ``run``; the figures it makes (the model answer's duration and
     outcome) are appended to ``figures``, for the caller to record."""
     spec, candidates, trace = prepared.spec, prepared.candidates, prepared.trace
+    # the policy of the prompt answered, in the trace too: an economy item's may be an
+    # older release's (:attr:`Prepared.policy`)
+    policy = trace["policy"] = prepared.policy
     gone = prepared.gone  # deleted since their retrieval: in no hit
     live = [c for c in candidates if c.document.id not in gone] if gone else candidates
     usage = run.job_usage()
@@ -47,12 +50,12 @@ def rerank_result(
         if failure_policy == "fail_closed":
             # no fallback was served: the trace names the failure, and no fallback reason
             trace.update(fallback_reason=None, failure=reason)
-            figures.append(partial(recorder.rerank_outcome, POLICY_ID, "failed"))
+            figures.append(partial(recorder.rerank_outcome, policy, "failed"))
             shown = trace if spec.include_trace else None  # the failed job's error.trace
             raise RerankFailed(reason, failure.message, usage, shown) from failure
         trace["fallback_reason"] = f"error:{reason}"
-        figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_error"))
-        info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{reason}")
+        figures.append(partial(recorder.rerank_outcome, policy, "fallback_error"))
+        info = RerankInfo(applied=False, policy=policy, fallback_reason=f"error:{reason}")
         return build_result(live[: spec.limit], info, usage, spec, trace)
 
     figures.append(partial(recorder.rerank_done, model, "ok", run.seconds))
@@ -64,14 +67,14 @@ def rerank_result(
     ]
     if not normalised.kept:
         trace["fallback_reason"] = "no_valid_ranks"
-        figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_no_valid_ranks"))
-        info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason="no_valid_ranks")
+        figures.append(partial(recorder.rerank_outcome, policy, "fallback_no_valid_ranks"))
+        info = RerankInfo(applied=False, policy=policy, fallback_reason="no_valid_ranks")
         return build_result(live[: spec.limit], info, usage, spec, trace)
 
-    figures.append(partial(recorder.rerank_outcome, POLICY_ID, "applied"))
+    figures.append(partial(recorder.rerank_outcome, policy, "applied"))
     trace["fallback_reason"] = None
     chosen = [candidates[position - 1] for position in normalised.kept]
-    info = RerankInfo(applied=True, policy=POLICY_ID, fallback_reason=None)
+    info = RerankInfo(applied=True, policy=policy, fallback_reason=None)
     return build_result(chosen, info, usage, spec, trace)
 
 

@@ -19,7 +19,13 @@ from worker.core.ports import SearchBackend
 from worker.errors import BackendError, IndexNotFound, RerankAttemptError, RerankFailed, SiftError
 from worker.observability import metrics
 from worker.queue.base import SiftTask, count_completed, error_info
-from worker.queue.economy.records import PAGE, economy_pipeline, rerank_run, running_items
+from worker.queue.economy.records import (
+    PAGE,
+    as_sent,
+    economy_pipeline,
+    rerank_run,
+    running_items,
+)
 from worker.queue.jobstore import BatchJob, ItemTransition
 
 log = logging.getLogger(__name__)
@@ -180,9 +186,7 @@ def fail_items(
             )
             run.failure = failure
             counted = partial(pipeline.count_attempt, failure.outcome, None, cost, model)
-            prepared = load_prepared(pipeline, data)
-            if model:
-                prepared.trace["model"] = model
+            prepared = as_sent(load_prepared(pipeline, data), record)
             ending.append((qid, prepared, run, counted))
         stored = as_stored_now(pipeline.backend, batch.tenant, [item for _, item, _, _ in ending])
         for (qid, prepared, run, counted), now in zip(ending, stored, strict=True):

@@ -75,6 +75,20 @@ def record_sent(run: dict[str, Any], provider: str, submission: str, at: float) 
     )
 
 
+def as_sent(prepared: Prepared, run: dict[str, Any]) -> Prepared:
+    """``prepared`` as its item's last request was sent: to the model the run names (the
+    worker finishing it may be of another model, after a deploy), with the prompt policy it
+    names, which labels its answer. A run a release before this one sent names no policy:
+    it sent the prompt of the policy the item was prepared under, which ``prepared`` keeps
+    (:func:`~worker.core.pipeline.load_prepared`); the prompt rebuilt now is this
+    release's. An item never sent keeps both as prepared."""
+    if run.get("model"):
+        prepared.trace["model"] = run["model"]
+    if run.get("policy"):
+        prepared.policy = run["policy"]
+    return prepared
+
+
 def economy_pipeline(task: SiftTask) -> SearchPipeline:
     """The runtime's pipeline at the Message Batches price, labelled ``lane="economy"``."""
     pipeline = getattr(task.context.runtime, "economy", None)

@@ -31,6 +31,7 @@ from worker.queue.economy.leases import expect
 from worker.queue.economy.records import (
     DOUBT,
     PAGE,
+    as_sent,
     batches_client,
     economy_pipeline,
     items_waiting,
@@ -249,11 +250,9 @@ def _map_page(
             with job_context(f"{batch.id}/{qid}"):
                 cancel_item(task, batch, qid, record)
             continue
-        item = load_prepared(pipeline, json.loads(raw))
+        item = as_sent(load_prepared(pipeline, json.loads(raw)), record)
         if item.prompt is not None:  # the standard lane's check of an answer's length
             line = client.checked(line, item.prompt)
-        if record.get("model"):  # the model its request went to (the poller's may differ)
-            item.trace["model"] = record["model"]
         one = _Mapped(qid, line, record, item, rerank_run(record))
         one.run.seconds = now - float(record["first_submitted_at"] or now)
         one.failure = None if line.reply is not None else _line_failure(line, provider_id)

@@ -71,6 +71,7 @@ class _Pending:
     request: dict[str, Any]
     size: int
     run: dict[str, Any]
+    policy: str  # its prompt's
 
 
 def _pending(
@@ -91,7 +92,7 @@ def _pending(
             "params": client.request_params(item.prompt),
         }
         size = len(encode_body(request))  # its bytes in the create's body
-        yield _Pending(qid, request, size, run)
+        yield _Pending(qid, request, size, run, item.prompt.policy)
 
 
 def _may_have_created(error: RerankAttemptError) -> bool:
@@ -168,6 +169,9 @@ def submit(
             p.run["pending"] = {"submission": submission, "at": started, "requests": len(chunk)}
             # what its answer is priced at: a worker of another model may poll it
             p.run["model"] = p.request["params"]["model"]
+            # the policy its answer is labelled (records.as_sent): its prompt is this
+            # release's, though an older one may have prepared it, or sent it before
+            p.run["policy"] = p.policy
         save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
         try:
             guard = upload_guard(task, batch.id, watch, submission)
