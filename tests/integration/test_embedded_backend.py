@@ -429,6 +429,10 @@ def test_sift_worker_stops_at_start_on_a_data_dir_of_another_schema(tmp_path: Pa
     )
     assert run.returncode == 2, run.stdout + run.stderr
     assert "schema v1" in run.stderr and "SIFT_DATA_DIR" in run.stderr, run.stderr  # an error
+    # and the way on: not a new folder (under `sift up` it holds Redis and the dev key)
+    told = " ".join(run.stderr.split())
+    assert "new directory" not in told and "move its sift.db" in told, told
+    assert "deploy/README.md §8" in told, told
 
 
 def test_equal_scores_order_by_id_in_both_channels_and_a_shared_hit_is_one_document(

@@ -4,7 +4,9 @@ document.
 
 The schema is made at a connection's first open (``CREATE ... IF NOT EXISTS``). A data dir
 of another schema version is refused, never migrated in place: it stops the worker with
-:class:`~worker.errors.ConfigError` (re-ingest into a new directory)."""
+:class:`~worker.errors.ConfigError`: the index database is moved aside and its documents
+re-ingested (deploy/README.md §8; not a new folder, which under ``sift up`` holds the
+stack's Redis and development key too)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ def _check_schema_version(conn: apsw.Connection, data_dir: Path) -> None:
     if has_tables and has_tables[0] and version != SCHEMA_VERSION:
         raise ConfigError(
             f"SIFT_DATA_DIR {data_dir} holds embedded-index schema v{version}, this Sift "
-            f"reads v{SCHEMA_VERSION}: point SIFT_DATA_DIR at a new directory and re-ingest"
+            f"reads v{SCHEMA_VERSION}: with the older Sift, let the work in flight finish "
+            "(or cancel it); then move its sift.db (and sift.db-wal, sift.db-shm) aside, not "
+            "the folder (under `sift up` it holds Redis and the dev key), and re-ingest "
+            "(deploy/README.md §8)"
         )
 
 
