@@ -59,10 +59,10 @@ def test_what_stops_the_worker_and_what_only_warns(
         with pytest.raises(typer.Exit) as exit_:
             _check_backend(settings)
         assert exit_.value.exit_code == 2
-        assert f"error: {error}" in capsys.readouterr().out
+        assert f"error: {error}" in capsys.readouterr().err
     else:
         _check_backend(settings)
-        out = capsys.readouterr().out
+        out = capsys.readouterr().err
         assert (f"warning: could not check the indexes' layout: {error}" in out) == bool(error)
     assert built.closed  # the check's own connections are not left to the worker
 
@@ -75,11 +75,11 @@ def test_an_elasticsearch_that_does_not_answer_warns_and_one_not_set_stops(
     _check_backend(
         Settings(search_backend="elasticsearch", elasticsearch_url=f"http://127.0.0.1:{port}")
     )
-    assert "warning: could not check the indexes' layout" in capsys.readouterr().out
+    assert "warning: could not check the indexes' layout" in capsys.readouterr().err
     with pytest.raises(typer.Exit) as exit_:
         _check_backend(Settings(search_backend="elasticsearch"))
     assert exit_.value.exit_code == 2
-    assert "needs SIFT_ELASTICSEARCH_URL" in capsys.readouterr().out
+    assert "needs SIFT_ELASTICSEARCH_URL" in capsys.readouterr().err
 
 
 def test_the_embedded_data_dir_is_made_or_refused(tmp_path: Path) -> None:
@@ -119,7 +119,7 @@ def test_a_prefork_pool_needs_its_own_concurrency(
         with pytest.raises(typer.Exit) as exit_:
             _require_pool_concurrency(settings)
         assert exit_.value.exit_code == 2
-        out = capsys.readouterr().out
+        out = capsys.readouterr().err
         assert "SIFT_WORKER_POOL=prefork" in out and "SIFT_WORKER_CONCURRENCY" in out, out
     else:
         _require_pool_concurrency(settings)

@@ -277,7 +277,7 @@ def _check_backend(settings: Settings) -> None:
     except SiftError as error:
         if isinstance(error, ConfigError) or settings.search_backend == "embedded":
             _stop(plain(error))
-        console.print(
+        errors.print(  # a diagnostic, on stderr with the errors
             f"[yellow]warning:[/yellow] could not check the indexes' layout: {plain(error)}"
         )
 
