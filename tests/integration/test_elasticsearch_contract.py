@@ -2461,7 +2461,7 @@ def test_sift_worker_stops_at_start_over_the_shared_layout(
     ``sift worker`` exits 2 naming the migration, before it touches Redis (none listens)."""
     run = sift("worker", old_layout.url, tmp_path)
     assert run.returncode == 2, run.stdout + run.stderr
-    assert "sift elasticsearch-migrate" in run.stdout and "sift-docs" in run.stdout, run.stdout
+    assert "sift elasticsearch-migrate" in run.stderr and "sift-docs" in run.stderr, run.stderr
 
 
 def test_sift_elasticsearch_migrate_runs_the_migration_and_says_what_it_copied(
