@@ -1,5 +1,10 @@
 """The economy lane's state of a batch (:mod:`worker.queue.economy`): its prepared searches,
 its runs and provider batches (``ECONOMY_*_KEY`` hashes), and its once-only claims.
+
+Each hash lives as long as the batch's record (``_LIVE_AS_BATCH``, after every write): no TTL
+while the batch runs, as none of its keys has (a batch that waits on its provider batches, or
+on workers stopped, longer than the retention still has what it needs to finish), and the
+retention from the move or cancel that completes it (``_TRANSITION_ITEM``, ``_CANCEL_BATCH``).
 """
 
 from __future__ import annotations
@@ -26,13 +31,20 @@ from worker.queue.jobstore.store import _StoreCore
 class EconomyLaneRecords(_StoreCore):
     """The economy lane's hashes of one batch, living as long as its record."""
 
+    def _live_as_record(self, pipe: redis.client.Pipeline, batch_id: str, key: str) -> None:
+        """Queue, in ``pipe`` after its write, the TTL of the batch's economy hash ``key``:
+        its record's (none while the batch runs; the retention for a record gone)."""
+        self._live_as_batch(
+            keys=[key, BATCH_KEY + batch_id], args=[str(self.result_ttl)], client=pipe
+        )
+
     def economy_save(self, batch_id: str, key: str, values: dict[str, str]) -> None:
         """HSET ``values`` into one of the batch's economy hashes (``ECONOMY_*_KEY``)."""
         if not values:
             return
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(key + batch_id, mapping={k: v for k, v in values.items()})
-        pipe.expire(key + batch_id, self.result_ttl)
+        self._live_as_record(pipe, batch_id, key + batch_id)
         pipe.execute()
 
     def economy_save_new(self, batch_id: str, key: str, field: str, value: str) -> bool:
@@ -40,7 +52,7 @@ class EconomyLaneRecords(_StoreCore):
         field was there already (kept as it was)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hsetnx(key + batch_id, field, value)
-        pipe.expire(key + batch_id, self.result_ttl)
+        self._live_as_record(pipe, batch_id, key + batch_id)
         written, _ = pipe.execute()
         return bool(written)
 
@@ -60,7 +72,7 @@ class EconomyLaneRecords(_StoreCore):
         key = ECONOMY_STATE_KEY + batch_id
         pipe = self.redis.pipeline(transaction=True)
         pipe.hsetnx(key, claim, repr(_now()))
-        pipe.expire(key, self.result_ttl)
+        self._live_as_record(pipe, batch_id, key)
         won, _ = pipe.execute()
         return bool(won)
 
@@ -71,7 +83,7 @@ class EconomyLaneRecords(_StoreCore):
         pipe = self.redis.pipeline(transaction=True)
         pipe.hsetnx(key, claim, owner)
         pipe.hget(key, claim)
-        pipe.expire(key, self.result_ttl)
+        self._live_as_record(pipe, batch_id, key)
         _, holder, _ = pipe.execute()
         return bool(holder == owner)
 
@@ -100,7 +112,7 @@ class EconomyLaneRecords(_StoreCore):
         key = ECONOMY_STATE_KEY + batch_id
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(key, f"chain {what}", task_id)
-        pipe.expire(key, self.result_ttl)
+        self._live_as_record(pipe, batch_id, key)
         pipe.execute()
 
     def economy_take(self, batch_id: str, what: str, task_id: str) -> bool:
@@ -110,7 +122,7 @@ class EconomyLaneRecords(_StoreCore):
         pipe = self.redis.pipeline(transaction=True)
         pipe.hsetnx(key, f"chain {what}", task_id)
         pipe.hget(key, f"chain {what}")
-        pipe.expire(key, self.result_ttl)
+        self._live_as_record(pipe, batch_id, key)
         _, owner, _ = pipe.execute()
         return bool(owner == task_id)
 
@@ -158,7 +170,7 @@ class EconomyLaneRecords(_StoreCore):
                     if mark is not None:
                         pipe.hset(state, mark[0], mark[1])
                     if current != holder or mark is not None:
-                        pipe.expire(state, self.result_ttl)
+                        self._live_as_record(pipe, batch_id, state)
                     pipe.execute()
                     return True
                 except redis.WatchError:

@@ -48,8 +48,9 @@ return 1
 # Moves one batch item from a status in allowed-from to ``to``.
 # KEYS: 1 items, 2 results, 3 counts, 4 batch, 5 stats, 6 active, 7 moves, 8 run claims,
 #   9 webhooks owed, 10 the economy lane's prepared items, 11 order, 12 specs, 13 lost, 14 its
-#   chunks' run claims (with 1-4, 7 and 8, the batch's keys: none has a TTL while the batch
-#   runs, and a move that completes it gives each the retention from now, in this script).
+#   chunks' run claims, 15-17 the economy lane's runs, provider batches and state (with 1-4,
+#   7 and 8, the batch's keys: none has a TTL while the batch runs, and a move that completes
+#   it gives each the retention from now, in this script).
 # ARGV:
 #   1 query id, 2 to, 3 allowed-from (comma list), 4 outcome JSON or '', 5 now, 6 batch id;
 #   7 '' (a plain move), '1' when a cancel of the batch turns this move into a cancel (the
@@ -149,7 +150,7 @@ if done >= total and redis.call('HSETNX', KEYS[4], 'finished_at', ARGV[5]) == 1 
   redis.call('ZREM', KEYS[6], ARGV[6])
   local hook = redis.call('HGET', KEYS[4], 'webhook_url')
   if hook and hook ~= '' then redis.call('ZADD', KEYS[9], ARGV[5], ARGV[6]) end
-  for _, i in ipairs({1, 2, 3, 4, 7, 8, 11, 12, 13, 14}) do
+  for _, i in ipairs({1, 2, 3, 4, 7, 8, 10, 11, 12, 13, 14, 15, 16, 17}) do
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[13]))
   end
   code = 2
@@ -166,9 +167,10 @@ return {code, canceled}
 
 # Cancels a batch: marks it canceled and cancels every item still queued.
 # KEYS: 1 items, 2 counts, 3 batch, 4 stats, 5 active, 6 webhooks owed, 7 order, 8 specs,
-#   9 results, 10 moves, 11 run claims, 12 lost, 13 chunks' run claims (with 1-3, the batch's
-#   keys: a cancel that completes the batch gives each the retention from now), 14.. one list
-#   per message to push (in the order of the messages).
+#   9 results, 10 moves, 11 run claims, 12 lost, 13 chunks' run claims, 14-17 the economy
+#   lane's prepared items, runs, provider batches and state (with 1-3, the batch's keys: none
+#   has a TTL while the batch runs, and a cancel that completes the batch gives each the
+#   retention from now), 18.. one list per message to push (in the order of the messages).
 # ARGV: 1 now, 2 batch id, 3 the cancel's token, 4 two flags (each 0 or 1): whether the
 #   messages start with the count's, then whether with the provider cancel's; 5 the
 #   retention (seconds); 6.. the raw messages, in this order:
@@ -222,18 +224,18 @@ if done >= total and redis.call('HSETNX', KEYS[3], 'finished_at', ARGV[1]) == 1 
   completed = 1
   local hook = redis.call('HGET', KEYS[3], 'webhook_url')
   if hook and hook ~= '' then redis.call('ZADD', KEYS[6], ARGV[1], ARGV[2]) end
-  for _, i in ipairs({1, 2, 3, 7, 8, 9, 10, 11, 12, 13}) do
+  for _, i in ipairs({1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17}) do
     redis.call('EXPIRE', KEYS[i], tonumber(ARGV[5]))
   end
-  for i = 14 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 8]) end
+  for i = 18 + counted + provider, #KEYS do redis.call('LPUSH', KEYS[i], ARGV[i - 12]) end
 end
 if provider == 1 and completed == 0 then
-  redis.call('LPUSH', KEYS[14 + counted], ARGV[6 + counted])
+  redis.call('LPUSH', KEYS[18 + counted], ARGV[6 + counted])
 end
 if counted == 1 and (n > 0 or completed == 1) then
   if n > 0 then redis.call('HINCRBY', KEYS[3], 'cancel_uncounted', n) end
   if completed == 1 then redis.call('HSET', KEYS[3], 'cancel_completed', '1') end
-  redis.call('LPUSH', KEYS[14], ARGV[6])
+  redis.call('LPUSH', KEYS[18], ARGV[6])
 end
 if ARGV[3] ~= '' then
   redis.call('HSET', KEYS[3], 'cancel_move', ARGV[3] .. ' ' .. n .. ' ' .. completed)
@@ -539,4 +541,17 @@ local used = tonumber(u) + math.max(0, now - tonumber(since))
 redis.call('HSET', KEYS[1], ARGV[1],
   string.format('%.6f', used) .. '||0|' .. (kept ~= '' and '||' .. kept or ''))
 return 1
+"""
+
+# An economy hash of a batch (worker/queue/jobstore/lanes.py) lives as long as the batch's
+# record, as its other keys do: none while the batch runs (a batch waiting on its provider
+# batches, or on workers stopped, longer than the retention keeps what it needs to finish),
+# the record's remaining retention once it is final. Sent after each write of the hash.
+# KEYS: the hash, the batch's record. ARGV: the retention (seconds), the TTL of a hash whose
+# record is gone (expired or purged: nothing keeps it longer).
+_LIVE_AS_BATCH = """
+local life = redis.call('PTTL', KEYS[2])
+if life == -1 then return redis.call('PERSIST', KEYS[1]) end
+if life == -2 then return redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1])) end
+return redis.call('PEXPIRE', KEYS[1], life)
 """

@@ -38,6 +38,9 @@ from worker.constants import (
     BATCH_RUNS_KEY,
     BATCH_SPECS_KEY,
     ECONOMY_PREPARED_KEY,
+    ECONOMY_PROVIDERS_KEY,
+    ECONOMY_RUNS_KEY,
+    ECONOMY_STATE_KEY,
     RESULT_TTL_SECONDS,
     STATS_KEY,
     STATS_UNTRACKED_KEY,
@@ -54,6 +57,7 @@ from worker.queue.jobstore.scripts import (
     _CREATE_SEARCH,
     _HELD_CHUNKS,
     _KEEP_ANSWER,
+    _LIVE_AS_BATCH,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
     _TAKE_CANCEL_COUNT,
@@ -126,7 +130,7 @@ def _rerun(call: _ScriptCall) -> Any:
 #: A batch's keys that live as long as its record: what its GET, its results and its items
 #: read (none has a TTL while the batch runs, so its items stay counted as long as they are
 #: queued or running; the script that ends it, ``_TRANSITION_ITEM``'s or ``_CANCEL_BATCH``'s,
-#: gives each, and its chunks' run claims, the retention).
+#: gives each, its chunks' run claims and its economy lane's hashes, the retention).
 BATCH_KEYS = (
     BATCH_KEY,
     BATCH_ORDER_KEY,
@@ -161,6 +165,7 @@ class _StoreCore:
         self._webhook_due = client.register_script(_WEBHOOK_DUE)
         self._webhook_settled = client.register_script(_WEBHOOK_SETTLED)
         self._claim_webhook = client.register_script(_CLAIM_WEBHOOK)
+        self._live_as_batch = client.register_script(_LIVE_AS_BATCH)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
@@ -293,6 +298,9 @@ class _StoreCore:
                     BATCH_SPECS_KEY + batch_id,
                     BATCH_LOST_KEY + batch_id,
                     BATCH_CHUNK_RUNS_KEY + batch_id,
+                    ECONOMY_RUNS_KEY + batch_id,
+                    ECONOMY_PROVIDERS_KEY + batch_id,
+                    ECONOMY_STATE_KEY + batch_id,
                 ],
                 [
                     query_id,
