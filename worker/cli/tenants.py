@@ -10,7 +10,13 @@ erases nothing: its results, queries and documents stay until their retention en
 documents for good), and a tenant given the same name later inherits them. This erases them:
 
 1. every job of the tenant not final yet is canceled, as a cancel does (the counts of queued
-   and running work move; a batch item a worker runs stops before its model call);
+   and running work move; a batch item a worker runs stops before its model call), and an
+   economy batch's provider batches not ended are canceled at the provider, as the batch's
+   cancel task does: its economy state, which names them, is about to be deleted, and nothing
+   could cancel them after (they would run to their end, billed). A provider that does not
+   answer a cancel (or no ``SIFT_GENERATION_MODEL`` to ask it with) stops the purge there,
+   exit 1, before anything is erased: the state that names them stays, so running it again
+   cancels them then;
 2. each of its indexes is dropped through the backend's own drop (a write version taken as
    the gateway's drop takes one, so the floor it leaves makes a write accepted before it land
    nothing), its own settings with it (on the embedded backend, a data folder with no
@@ -43,7 +49,8 @@ from worker.cli._output import cli_console, plain
 from worker.cli.service import DEV_KEY_FILE
 from worker.core.ports import IndexCatalog
 from worker.errors import ConfigError, SiftError
-from worker.queue.jobstore import JobStore
+from worker.queue.jobstore import JobStore, TenantJobs
+from worker.queue.jobstore.jobindex import KIND_BATCH
 from worker.redis_client import CONNECTION_OPTIONS
 from worker.settings import TENANT_PATTERN, Settings, load_settings
 from worker.write_versions import next_write_version
@@ -87,6 +94,45 @@ def _drop_indexes(settings: Settings, client: redis.Redis, tenant: str) -> Count
         if callable(close):
             close()
     return dropped
+
+
+def _cancel_provider_batches(settings: Settings, store: JobStore, jobs: TenantJobs) -> int:
+    """Cancel, at the provider, each of the tenant's economy batches' provider batches that
+    has not ended (:func:`~worker.queue.economy.cancel.open_provider_batches`), printing
+    each; stop the purge, nothing erased yet, naming each one whose cancel failed. Answers
+    how many were canceled."""
+    from worker.queue.economy.cancel import open_provider_batches
+    from worker.runtime.bootstrap import build_batch_client
+
+    held = [
+        (batch_id, provider_id)
+        for batch_id in jobs.ids.get(KIND_BATCH, [])
+        for provider_id in open_provider_batches(store, batch_id)
+    ]
+    if not held:
+        return 0
+    client = build_batch_client(settings)
+    if client is None:
+        _stop(
+            f"{len(held)} provider batch(es) of the tenant's economy batches still run "
+            f"({', '.join(p for _, p in held)}), and SIFT_GENERATION_MODEL is not set to cancel "
+            "them with: set it (and the provider's key) as the workers have it, and run the "
+            "purge again (its jobs were canceled; nothing was erased)"
+        )
+    failed = []
+    for batch_id, provider_id in held:
+        try:
+            client.cancel(provider_id)
+        except SiftError as exc:
+            failed.append(f"{provider_id} (batch {batch_id}): {plain(exc)}")
+            continue
+        cli_console().print(f"batch {batch_id}: provider batch {provider_id} canceled")
+    if failed:
+        _stop(
+            "the provider did not cancel " + "; ".join(failed) + ". Run the purge again to "
+            "cancel them and finish (its jobs were canceled; nothing was erased)"
+        )
+    return len(held)
 
 
 def _stack_dev_tenant(data_dir: Path) -> str | None:
@@ -160,6 +206,7 @@ def purge(
     try:
         jobs = store.tenant_jobs(name)
         canceled = store.cancel_tenant_jobs(jobs)
+        canceled["provider batch"] = _cancel_provider_batches(settings, store, jobs)
         dropped = _drop_indexes(settings, client, name)
         deleted = store.delete_tenant_jobs(jobs) + store.delete_tenant_keys(name)
     except (redis.RedisError, OSError, SiftError) as exc:
@@ -176,6 +223,7 @@ def _show(
         ("searches canceled", canceled["search"]),
         ("ingests canceled", canceled["ingest"]),
         ("batch items canceled", canceled["batch_item"]),
+        ("provider batches canceled (economy lane)", canceled["provider batch"]),
         ("indexes dropped", dropped["indexes"]),
         ("documents dropped", dropped["documents"]),
         ("searches deleted", deleted["search"]),

@@ -52,6 +52,17 @@ def cancel_quietly(
     return True
 
 
+def open_provider_batches(store: JobStore, batch_id: str) -> list[str]:
+    """The batch's provider batches Sift would cancel: those not ended, and its own (a
+    create in doubt's candidates are never canceled: each may be another client's)."""
+    providers = store.economy_all(batch_id, ECONOMY_PROVIDERS_KEY)
+    return [
+        provider_id
+        for provider_id, raw in providers.items()
+        if (record := json.loads(raw)).get("ended_at") is None and not record.get("doubt")
+    ]
+
+
 def cancel_sent(store: JobStore, batch_id: str, provider_id: str) -> bool:
     """Whether Sift's cancel of ``provider_id`` reached it before it ended, so the user's
     cancel came before its end: known without setting the gateway's clock (``canceled_at``)
@@ -75,16 +86,13 @@ def cancel_economy_batch(task: SiftTask, batch_id: str) -> None:
     end, up to the provider's 24 hours. Should a candidate prove theirs, its lines find
     them final and count for nothing (its cost is the price of not canceling another's)."""
     store = task.context.store
-    providers = store.economy_all(batch_id, ECONOMY_PROVIDERS_KEY)
-    if not providers:
+    if not store.economy_fields(batch_id, ECONOMY_PROVIDERS_KEY):
         return
     client = batches_client(task)
-    for provider_id, raw in providers.items():
-        record = json.loads(raw)
-        if record.get("ended_at") is None and not record.get("doubt"):  # never another's
-            if cancel_quietly(store, batch_id, client, provider_id):
-                send_anew(task, batch_id, provider_id, CANCELED_POLL_SECONDS)
-            log.info("batch %s: provider batch %s canceled", batch_id, provider_id)
+    for provider_id in open_provider_batches(store, batch_id):
+        if cancel_quietly(store, batch_id, client, provider_id):
+            send_anew(task, batch_id, provider_id, CANCELED_POLL_SECONDS)
+        log.info("batch %s: provider batch %s canceled", batch_id, provider_id)
     batch = store.get_batch(batch_id)
     if batch is None:
         return
