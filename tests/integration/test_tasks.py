@@ -634,14 +634,14 @@ def test_an_economy_item_whose_first_half_the_job_store_cannot_keep_is_not_faile
     def down(*args: Any, **kwargs: Any) -> Any:
         raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
 
-    monkeypatch.setattr(store, "economy_save_new", down)
+    monkeypatch.setattr(store, "economy_save_prepared", down)
     broke = tasks.batch_chunk.apply(args=[batch.id, 0, 1])
     got = store.get_batch(batch.id)
     assert got is not None and got.counts["failed"] == 0, got.counts
     assert got.counts["running"] == 1 and broke.failed()
     assert not store.economy_settled(batch.id)  # nothing to submit yet
     assert store.pending_positions(batch.id) == [0]  # the re-drive's to send again
-    monkeypatch.delattr(store, "economy_save_new")  # Redis is back: the re-drive's chunk
+    monkeypatch.delattr(store, "economy_save_prepared")  # Redis is back: the re-drive's chunk
     tasks.batch_chunk.apply(args=[batch.id, 0, 1])
     (item,) = store.batch_items(batch.id, ["q0"])
     assert item.status == "running" and is_prepared(store, batch.id, "q0"), item
@@ -661,13 +661,13 @@ def test_an_economy_chunk_whose_last_first_half_was_kept_unheard_still_enqueues_
     submitted: list[str] = []
     monkeypatch.setattr(tasks, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
     store, batch = _one_item_economy_batch(context)
-    save = store.economy_save_new
+    save = store.economy_save_prepared
 
     def unheard(*args: Any, **kwargs: Any) -> Any:
         save(*args, **kwargs)  # written; its reply lost
         raise redis.ConnectionError("Connection closed by server.")
 
-    monkeypatch.setattr(store, "economy_save_new", unheard)
+    monkeypatch.setattr(store, "economy_save_prepared", unheard)
     broke = tasks.batch_chunk.apply(args=[batch.id, 0, 1])
     assert broke.failed() and is_prepared(store, batch.id, "q0")
     assert store.pending_positions(batch.id) == []  # no re-drive will come
@@ -917,7 +917,6 @@ def test_a_chunk_copy_leaves_an_economy_item_whose_first_half_was_kept(
     canceled meanwhile (the cancel leaves running items to their provider batches, canceled
     there) it canceled the item, so a request the provider had processed, and billed, found
     its item final: its result refused, the batch completed ``canceled`` by a copy."""
-    from worker.constants import ECONOMY_PREPARED_KEY
 
     monkeypatch.setattr(tasks, "maybe_submit", lambda *args: None)  # nothing to submit
     store = context.store
@@ -926,7 +925,7 @@ def test_a_chunk_copy_leaves_an_economy_item_whose_first_half_was_kept(
     spec = SearchSpec(index="docs", query="q0")
     batch = store.create_batch("acme", "docs", [("q0", spec)], lane="economy")
     assert store.start_item(batch.id, "q0")  # the first delivery's run: its first half kept
-    assert store.economy_save_new(batch.id, ECONOMY_PREPARED_KEY, "q0", '{"pos":0}')
+    assert store.economy_save_prepared(batch.id, "q0", '{"pos":0}')
     assert store.cancel_batch(batch.id) == (0, False)  # left to its provider batch
     held = _batch_state(store, batch.id)
     tasks.batch_chunk.apply(args=[batch.id, 0, 1])  # the copy
@@ -944,7 +943,6 @@ def test_a_poisoned_economy_chunk_leaves_an_item_whose_first_half_was_kept(
     its usage shown nowhere; and an item both kept and final counted twice in the check that
     every item is settled, so the submission went while another chunk's items were still
     queued (here q2), and those, once prepared, were never sent: running for good."""
-    from worker.constants import ECONOMY_PREPARED_KEY
 
     submitted: list[str] = []
     monkeypatch.setattr(tasks, "maybe_submit", lambda task, batch_id: submitted.append(batch_id))
@@ -954,7 +952,7 @@ def test_a_poisoned_economy_chunk_leaves_an_item_whose_first_half_was_kept(
     specs = [(q, SearchSpec(index="docs", query=q)) for q in ("q0", "q1", "q2")]
     batch = store.create_batch("acme", "docs", specs, lane="economy")
     assert store.start_item(batch.id, "q0")  # an earlier delivery's run: its first half kept
-    assert store.economy_save_new(batch.id, ECONOMY_PREPARED_KEY, "q0", '{"pos":0}')
+    assert store.economy_save_prepared(batch.id, "q0", '{"pos":0}')
     store.set_deliveries("last", 0, context.settings.task_max_deliveries)
     tasks.batch_chunk.apply(args=[batch.id, 0, 2], task_id="last")  # poisoned
     q0, q1, q2 = store.batch_results(batch.id, 0, 3)

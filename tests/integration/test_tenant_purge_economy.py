@@ -2,7 +2,8 @@
 purge deleted the economy state that names its provider batches after canceling only the
 Sift batch, so nothing could cancel them and they ran to their end, every request billed for
 a tenant that was erased. It cancels them at the provider now, and stops, having erased
-nothing, when the provider does not answer the cancel (a second run finishes)."""
+nothing, when the provider does not answer the cancel (a second run finishes). And a purge
+during an item's first half is not undone by that first half's save."""
 
 from __future__ import annotations
 
@@ -15,10 +16,18 @@ from pathlib import Path
 import pytest
 
 from tests.fake_anthropic import FakeAnthropic, status
-from tests.integration.test_economy_doubts import _prepared, _submission, context, workers
+from tests.integration.test_economy_doubts import (
+    SPEC,
+    _prepared,
+    _submission,
+    _Task,
+    context,
+    workers,
+)
 from worker.adapters.embedded import EmbeddedBackend
-from worker.constants import BATCH_KEY, ECONOMY_PROVIDERS_KEY
+from worker.constants import BATCH_KEY, ECONOMY_PREPARED_KEY, ECONOMY_PROVIDERS_KEY
 from worker.processes.stack import child_env
+from worker.queue import economy
 from worker.queue.base import WorkerContext
 
 __all__ = ["context", "workers"]  # fixtures (test_economy_doubts.py's)
@@ -76,3 +85,41 @@ def test_a_purge_cancels_the_tenants_provider_batches_and_stops_when_it_cannot(
     [canceled] = model.batches()
     assert canceled["status"] != "in_progress"
     assert store.redis.keys("*" + batch.id + "*") == []
+
+
+def test_a_purge_during_an_items_first_half_is_not_undone_by_its_save(
+    context: WorkerContext,
+) -> None:
+    """The purge (with ``--force``, or before every worker was restarted without the tenant's
+    key) canceled the item and deleted every key of its batch while a chunk ran its first
+    half; the chunk's save then wrote ``eco-prepared`` back, the tenant's query and its
+    documents' texts, for the whole retention, where no second purge could find it."""
+    store = context.store
+    batch = store.create_batch("acme", "docs", [("q0", SPEC)], lane="economy")
+    store.start_item(batch.id, "q0")  # the chunk started it; its retrieval is under way
+    prepared = economy.economy_pipeline(_Task(context, "chunk")).prepare(SPEC, "acme")  # type: ignore[arg-type]
+    jobs = store.tenant_jobs("acme")  # sift tenant purge acme, its Redis part
+    store.cancel_tenant_jobs(jobs)
+    store.delete_tenant_jobs(jobs)
+    store.delete_tenant_keys("acme")
+
+    assert not economy.save_prepared(store, batch.id, "q0", 0, prepared)  # the half returns
+
+    assert store.redis.keys("*" + batch.id + "*") == []
+
+
+def test_a_canceled_items_first_half_is_not_kept(context: WorkerContext) -> None:
+    """The same guard without a purge: an item canceled while its first half ran (the batch's
+    cancel reaches it by its worker's next check) has nothing kept to send."""
+    store = context.store
+    batch = store.create_batch("acme", "docs", [("q0", SPEC), ("q1", SPEC)], lane="economy")
+    store.start_item(batch.id, "q0")
+    store.start_item(batch.id, "q1")
+    prepared = economy.economy_pipeline(_Task(context, "chunk")).prepare(SPEC, "acme")  # type: ignore[arg-type]
+    assert store.cancel_item(batch.id, "q0").applied
+
+    assert not economy.save_prepared(store, batch.id, "q0", 0, prepared)
+    assert economy.save_prepared(store, batch.id, "q1", 1, prepared)
+    assert not economy.save_prepared(store, batch.id, "q1", 1, prepared)  # the first one stays
+    assert store.economy_fields(batch.id, ECONOMY_PREPARED_KEY) == ["q1"]
+    assert store.redis.ttl(ECONOMY_PREPARED_KEY + batch.id) == -1  # as its running batch

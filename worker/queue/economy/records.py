@@ -118,12 +118,12 @@ def save_prepared(store: JobStore, batch_id: str, query_id: str, position: int,
     stays: its prompt may have gone out already, and the model's answer is positions in the
     candidates it listed. A chunk run again (delivered again, re-driven) prepares anew, and
     the index may have changed meanwhile: its candidates in another order, or others. True
-    if this one was kept."""
+    if this one was kept; False also once the item is no longer running (canceled, or its
+    batch erased by a purge while this first half ran): nothing is written, and nothing is
+    left to do."""
     data = dump_prepared(prepared)
     data["pos"] = position
-    return store.economy_save_new(
-        batch_id, ECONOMY_PREPARED_KEY, query_id, json.dumps(data, separators=(",", ":"))
-    )
+    return store.economy_save_prepared(batch_id, query_id, json.dumps(data, separators=(",", ":")))
 
 
 def running_items(

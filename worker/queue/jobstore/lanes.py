@@ -16,6 +16,7 @@ import redis
 
 from worker.constants import (
     BATCH_COUNTS_KEY,
+    BATCH_ITEMS_KEY,
     BATCH_KEY,
     ECONOMY_LEASE_KEY,
     ECONOMY_LEASED_MARK,
@@ -47,14 +48,16 @@ class EconomyLaneRecords(_StoreCore):
         self._live_as_record(pipe, batch_id, key + batch_id)
         pipe.execute()
 
-    def economy_save_new(self, batch_id: str, key: str, field: str, value: str) -> bool:
-        """HSETNX one field of the batch's economy hash: True if it was written, False if the
-        field was there already (kept as it was)."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hsetnx(key + batch_id, field, value)
-        self._live_as_record(pipe, batch_id, key + batch_id)
-        written, _ = pipe.execute()
-        return bool(written)
+    def economy_save_prepared(self, batch_id: str, query_id: str, value: str) -> bool:
+        """Keep an item's prepared first half (``ECONOMY_PREPARED_KEY``), the first one only,
+        and only while the batch's record exists and the item is running (``_SAVE_PREPARED``):
+        True if it was written. False if one was there already (kept as it was), or the item
+        is gone: canceled, finished, or erased by ``sift tenant purge`` while its first half
+        ran, which an unconditional write put back (the tenant's query and its documents'
+        texts) for the whole retention."""
+        keys = [ECONOMY_PREPARED_KEY, BATCH_KEY, BATCH_ITEMS_KEY]
+        written = self._save_prepared(keys=[k + batch_id for k in keys], args=[query_id, value])
+        return int(written) == 1
 
     def economy_get(self, batch_id: str, key: str, fields: Sequence[str]) -> list[str | None]:
         if not fields:

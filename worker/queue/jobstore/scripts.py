@@ -555,3 +555,16 @@ if life == -1 then return redis.call('PERSIST', KEYS[1]) end
 if life == -2 then return redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1])) end
 return redis.call('PEXPIRE', KEYS[1], life)
 """
+
+# Keep an economy item's prepared first half (HSETNX), only while its batch's record exists
+# and the item is running: a cancel, a purge or a final move since (the first half ran
+# meanwhile) leaves nothing to finish, and a purge's erasure must not be written back.
+# KEYS: the prepared hash, the batch's record, its items. ARGV: the query id, the prepared
+# state. No TTL: the hash lives as the record does (_LIVE_AS_BATCH; the move or cancel that
+# completes the batch gives it the retention). Returns 1 when written, 0 when the field was
+# there already (kept as it was), -1 when refused (the record gone, or the item not running).
+_SAVE_PREPARED = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+if redis.call('HGET', KEYS[3], ARGV[1]) ~= 'running' then return -1 end
+return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+"""

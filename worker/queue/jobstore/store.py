@@ -60,6 +60,7 @@ from worker.queue.jobstore.scripts import (
     _LIVE_AS_BATCH,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
+    _SAVE_PREPARED,
     _TAKE_CANCEL_COUNT,
     _TRANSITION_ITEM,
     _TRANSITION_JOB,
@@ -166,6 +167,7 @@ class _StoreCore:
         self._webhook_settled = client.register_script(_WEBHOOK_SETTLED)
         self._claim_webhook = client.register_script(_CLAIM_WEBHOOK)
         self._live_as_batch = client.register_script(_LIVE_AS_BATCH)
+        self._save_prepared = client.register_script(_SAVE_PREPARED)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
