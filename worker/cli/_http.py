@@ -84,7 +84,8 @@ def segment(text: str) -> str:
 class GatewayError(Exception):
     """An expected failure talking to the gateway, worded for the user (no traceback).
     ``transient``: the same request may succeed when sent again, after ``retry_after``
-    seconds when the answer said so."""
+    seconds when the answer said so. ``unsent``: it never reached the gateway (no
+    connection was made), so it did nothing there."""
 
     def __init__(
         self,
@@ -93,16 +94,24 @@ class GatewayError(Exception):
         status_code: int | None = None,
         transient: bool = False,
         retry_after: float | None = None,
+        unsent: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.transient = transient
         self.retry_after = retry_after
+        self.unsent = unsent
 
 
 def _transient(exc: BaseException) -> bool:
     return isinstance(exc, GatewayError) and exc.transient
+
+
+def _transient_unsent(exc: BaseException) -> bool:
+    """A transient failure of a request that never reached the gateway: the only one a
+    submission that is not safe to repeat may be sent again after."""
+    return _transient(exc) and isinstance(exc, GatewayError) and exc.unsent
 
 
 _backoff = wait_exponential(multiplier=0.25, max=5.0)
@@ -239,14 +248,20 @@ class Gateway:
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
         retry_for: float = 0.0,
+        unsent_only: bool = False,
     ) -> httpx.Response:
         """Send one request; a 4xx/5xx or a network failure becomes a GatewayError. With
         ``retry_for``, a transient failure is sent again, backing off, for that many seconds
-        (only for a request that is safe to repeat: a GET, or a POST with an Idempotency-Key)."""
+        (only for a request that is safe to repeat: a GET, or a POST with an Idempotency-Key).
+        ``unsent_only``: only one that never reached the gateway (a connection refused or not
+        made in time) is sent again, for a submission that is not safe to repeat (a delete
+        job's: the gateway honours no Idempotency-Key on it). A 502, a 504, a read timeout or
+        a 503 may follow a job the gateway made (a proxy's, or Redis stalling after the job's
+        write), and a second one deletes nothing: it is not sent again."""
         if retry_for <= 0:
             return self._send(method, path, json=json, params=params, headers=headers)
         retrying = Retrying(
-            retry=retry_if_exception(_transient),
+            retry=retry_if_exception(_transient_unsent if unsent_only else _transient),
             stop=stop_after_delay(retry_for),
             wait=_wait,
             before_sleep=_say_retrying,
@@ -273,11 +288,14 @@ class Gateway:
                 f"cannot connect to the gateway at {self.base_url} (SIFT_URL); "
                 "is it running? Start one with `sift up`.",
                 transient=self._answered,
+                unsent=True,
             ) from exc
         except httpx.TimeoutException as exc:
+            unsent = isinstance(exc, httpx.ConnectTimeout | httpx.PoolTimeout)
             raise GatewayError(
                 f"the gateway at {self.base_url} (SIFT_URL) did not answer in time",
                 transient=True,
+                unsent=unsent,
             ) from exc
         except httpx.HTTPError as exc:
             raise GatewayError(

@@ -27,7 +27,15 @@ from worker.cli._common import (
     _expected_errors,
     _out,
 )
-from worker.cli._http import RETRY_SECONDS, Gateway, gateway, index_name, segment, utf8_text
+from worker.cli._http import (
+    RETRY_SECONDS,
+    Gateway,
+    GatewayError,
+    gateway,
+    index_name,
+    segment,
+    utf8_text,
+)
 from worker.cli._output import counted, local_time, plain, print_fitted, progress_bar
 from worker.constants import MAX_DOCUMENTS_PER_REQUEST, MAX_PAGE_SIZE, MAX_WAIT_SECONDS
 from worker.contract import IndexSettingsPatch
@@ -133,6 +141,28 @@ def _interruptible(submitted: list[dict[str, Any]]) -> Iterator[None]:
     except KeyboardInterrupt:
         _err().print(_delete_interrupted(submitted[-1] if submitted else None), soft_wrap=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _submit_delete(client: Gateway, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+    """A delete job's submission. Sent again only through a failure that proves it never
+    reached the gateway (a connection not made): the gateway honours no Idempotency-Key on
+    it, so one sent again after an answer lost (a proxy's 502 or 504, a read timeout, a 503
+    from Redis stalling after the job's write) made a second job, which deleted nothing, and
+    the command then said the index did not exist. Such a failure says the job may run."""
+    try:
+        job: dict[str, Any] = client.json(
+            method, path, params={"wait": MAX_WAIT_SECONDS}, fields=JOB_FIELDS,
+            retry_for=RETRY_SECONDS, unsent_only=True, **kwargs,
+        )  # fmt: skip
+    except GatewayError as exc:
+        if not exc.transient or exc.unsent:
+            raise
+        raise GatewayError(
+            f"{exc.message}; the delete may have been accepted and run: `sift ingestions` "
+            "lists it (not sent again: a second delete job would delete nothing)",
+            status_code=exc.status_code,
+        ) from exc
+    return job
 
 
 def _check_found(client: Gateway, index: str, job: dict[str, Any]) -> None:
@@ -312,13 +342,7 @@ def index_delete(
         typer.confirm(f"Delete all of your documents in index {name!r}?", abort=True)
     submitted: list[dict[str, Any]] = []
     with _expected_errors(), gateway() as client, _interruptible(submitted):
-        job = client.json(
-            "DELETE",
-            f"/v1/indexes/{segment(name)}",
-            params={"wait": MAX_WAIT_SECONDS},
-            fields=JOB_FIELDS,
-            retry_for=RETRY_SECONDS,  # a delete sent again deletes the same
-        )
+        job = _submit_delete(client, "DELETE", f"/v1/indexes/{segment(name)}")
         submitted.append(job)
         job = _finish(client, job)
         _check_found(client, name, job)
@@ -500,14 +524,10 @@ def documents_delete(
     with _expected_errors(), gateway() as client, _interruptible(submitted):
         for start in range(0, len(doc_ids), MAX_DOCUMENTS_PER_REQUEST):
             chunk = doc_ids[start : start + MAX_DOCUMENTS_PER_REQUEST]
-            job = client.json(
-                "POST",
-                f"/v1/indexes/{segment(index)}/documents/delete",
+            job = _submit_delete(
+                client, "POST", f"/v1/indexes/{segment(index)}/documents/delete",
                 json={"ids": chunk},
-                params={"wait": MAX_WAIT_SECONDS},
-                fields=JOB_FIELDS,
-                retry_for=RETRY_SECONDS,  # a delete sent again deletes the same
-            )
+            )  # fmt: skip
             submitted.append(job)
             jobs.append(_finish(client, job))
         deleted = sum(j.get("deleted") or 0 for j in jobs)
