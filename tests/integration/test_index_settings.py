@@ -203,15 +203,18 @@ def _worker_context(
     store: JobStore,
     redis_url: str,
     monkeypatch: pytest.MonkeyPatch,
-    skew: float,
+    skew: float = 0.0,
+    **settings: Any,
 ) -> None:
     """This process as a worker on ``runtime`` (the tasks' context, unset by the caller),
-    its own clock ``skew`` seconds off Redis's."""
+    its own clock ``skew`` seconds off Redis's, given ``settings``."""
     from worker.queue import base
     from worker.runtime.ratelimit import ProviderLimiter
 
     context = base.WorkerContext(
-        settings=load_settings(redis_url=redis_url), store=store, limiter=ProviderLimiter(4)
+        settings=load_settings(redis_url=redis_url, **settings),
+        store=store,
+        limiter=ProviderLimiter(4),
     )
     context._runtime = runtime
     real = time.time
@@ -453,3 +456,30 @@ def test_a_delete_that_empties_an_index_reads_none_of_another_tenants_ingests(
     assert lifecycle.delete(runtime, last, ["n"], jobs=store) == 1
     assert read == [mine.id]  # the tenant's own unfinished ingest, its delete skipped
     assert stored(runtime, "notes") is None or stored(runtime, "notes")[0] is None
+
+
+def test_a_removed_tenants_index_is_neither_read_nor_changed(
+    runtime: Runtime, store: JobStore, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker given keys that no longer name the tenant (removed, while a gateway not yet
+    restarted still takes its key) answers its index reads and changes ``tenant_removed``,
+    as it ends the tenant's jobs unrun: it showed the index and applied the change."""
+    from worker.queue import base, tasks
+    from worker.settings import ApiKey
+
+    secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LKLYYb"
+    keys = [ApiKey(key="key-globex-0123456789", tenant="globex", webhook_secret=secret)]
+    _worker_context(runtime, store, redis_url, monkeypatch, api_keys=keys)
+    try:
+        patch = json.dumps({"candidate_limit": 9})
+        tasks.index_read.apply(args=["reply-show", "show", "acme", "docs", ""])
+        tasks.index_read.apply(args=["reply-set", "update", "acme", "docs", "", patch])
+        tasks.index_read.apply(args=["reply-other", "show", "globex", "docs", ""])
+    finally:
+        base.set_context(None)
+    for key in ("reply-show", "reply-set"):
+        answer = json.loads(store.redis.lpop(key) or "{}")
+        assert answer["error"]["type"] == "tenant_removed", answer
+    assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] is None
+    other = json.loads(store.redis.lpop("reply-other") or "{}")
+    assert other["found"]["name"] == "docs", other  # a tenant with a key is read as before

@@ -29,6 +29,7 @@ from tests.fake_anthropic import FakeAnthropic
 from tests.keys import ACME, ACME_KEY, GLOBEX, GLOBEX_KEY
 from tests.reliability.support import INDEX, all_results, ingest, stack_env, wait_for
 from tests.services import celery_worker, free_port, gateway, redis_server, webhook_inbox
+from worker.adapters.embedded import EmbeddedBackend
 from worker.constants import METRIC_JOB_FAILURES, STATS_KEY
 
 pytestmark = pytest.mark.integration
@@ -128,9 +129,17 @@ def test_a_removed_tenants_queued_work_is_not_run_nor_billed(tmp_path: Path) -> 
                     "the batch's webhook settled",
                 )
                 failures = _failures(f"http://127.0.0.1:{metrics_port}/metrics")
+                # the gateway still takes acme's key, the worker answers no read of its index
+                refused = client.get(f"/v1/indexes/{INDEX}/documents/late", headers=ACME)
+                assert refused.status_code == 503, refused.text
+                assert "'acme' has no API key on this worker" in refused.text, refused.text
                 # the upsert embedded and wrote nothing: acme's index holds no "late"
-                gone = client.get(f"/v1/indexes/{INDEX}/documents/late", headers=ACME)
-                assert gone.status_code == 404, gone.text
+                backend = EmbeddedBackend(Path(env["SIFT_DATA_DIR"]))
+                try:
+                    assert backend.stored_documents(INDEX, "acme", ["late"]) == {}
+                    assert backend.stored_documents(INDEX, "acme", ["tea-1"]), "acme's kept"
+                finally:
+                    backend.close()
 
             # globex's search alone reached the model
             assert len(model.requests()) - calls_before == 1

@@ -663,8 +663,11 @@ def index_read(
         log.warning("index change for %s/%s came after its gateway gave up; dropped", tenant, index)
         return
     try:
+        self.context.admit(tenant)  # a removed tenant's index is not read nor changed either
         runtime = self.context.runtime
         answer = lifecycle.read(runtime, operation, tenant, index, doc_id, body, start_by)
+    except TenantRemoved as exc:  # the gateway answers it 503, naming the removal
+        answer = json.dumps({"error": {"type": exc.code, "message": str(exc)}})
     except Exception as exc:  # the gateway must hear something, not time out
         log.exception("index read %s for %s: unexpected error", operation, tenant)
         answer = json.dumps({"error": {"type": "internal_error", "message": str(exc)}})
