@@ -47,16 +47,10 @@ def rerank_result(
         assert failure is not None
         reason = answer_outcome(run)
         figures.append(partial(recorder.rerank_done, model, reason, run.seconds))
-        if failure_policy == "fail_closed":
-            # no fallback was served: the trace names the failure, and no fallback reason
-            trace.update(fallback_reason=None, failure=reason)
-            figures.append(partial(recorder.rerank_outcome, policy, "failed"))
-            shown = trace if spec.include_trace else None  # the failed job's error.trace
-            raise RerankFailed(reason, failure.message, usage, shown) from failure
-        trace["fallback_reason"] = f"error:{reason}"
-        figures.append(partial(recorder.rerank_outcome, policy, "fallback_error"))
-        info = RerankInfo(applied=False, policy=policy, fallback_reason=f"error:{reason}")
-        return build_result(live[: spec.limit], info, usage, spec, trace)
+        failed = RerankFailed(reason, failure.message, usage)
+        return _failure_policy(
+            failed, failure, live, spec, trace, figures, recorder, failure_policy, policy
+        )
 
     figures.append(partial(recorder.rerank_done, model, "ok", run.seconds))
     deleted = {i for i, c in enumerate(candidates, 1) if c.document.id in gone} if gone else ()
@@ -117,15 +111,38 @@ def no_model_result(
         "though the gateway that accepted the request has one: the deployment's gateways "
         "and workers must be given the same SIFT_GENERATION_MODEL"
     )
+    failed = RerankFailed(NO_MODEL, message, Usage())
+    return _failure_policy(
+        failed, None, candidates, spec, trace, figures, recorder, failure_policy, POLICY_ID
+    )
+
+
+def _failure_policy(
+    failed: RerankFailed,
+    cause: BaseException | None,
+    live: Sequence[Candidate],
+    spec: SearchSpec,
+    trace: dict[str, Any],
+    figures: list[Callable[[], None]],
+    recorder: Recorder,
+    failure_policy: FailurePolicy,
+    policy: str,
+) -> SearchResult:
+    """A rerank failed for good (its class ``failed.reason``): under ``fail_closed`` raise
+    ``failed`` (the trace names the failure, no fallback reason; shown as the failed job's
+    ``error.trace`` when asked for; ``cause``, the last attempt's error, if any); under
+    ``fail_open`` the ``live`` candidates in their fused order, with ``fallback_reason``
+    ``error:<class>``, its usage ``failed``'s."""
+    reason = failed.reason
     if failure_policy == "fail_closed":
-        trace.update(fallback_reason=None, failure=NO_MODEL)
-        figures.append(partial(recorder.rerank_outcome, POLICY_ID, "failed"))
-        shown = trace if spec.include_trace else None
-        raise RerankFailed(NO_MODEL, message, Usage(), shown)
-    trace["fallback_reason"] = f"error:{NO_MODEL}"
-    figures.append(partial(recorder.rerank_outcome, POLICY_ID, "fallback_error"))
-    info = RerankInfo(applied=False, policy=POLICY_ID, fallback_reason=f"error:{NO_MODEL}")
-    return build_result(candidates[: spec.limit], info, Usage(), spec, trace)
+        trace.update(fallback_reason=None, failure=reason)
+        figures.append(partial(recorder.rerank_outcome, policy, "failed"))
+        failed.job_trace = trace if spec.include_trace else None
+        raise failed from cause
+    trace["fallback_reason"] = f"error:{reason}"
+    figures.append(partial(recorder.rerank_outcome, policy, "fallback_error"))
+    info = RerankInfo(applied=False, policy=policy, fallback_reason=f"error:{reason}")
+    return build_result(live[: spec.limit], info, failed.job_usage or Usage(), spec, trace)
 
 
 def build_result(
