@@ -34,15 +34,8 @@ from typing import cast
 from worker.constants import (
     ACTIVE_JOBS_KEY,
     BATCH_CHUNK_RUNS_KEY,
-    BATCH_COUNTS_KEY,
     BATCH_ITEMS_KEY,
     BATCH_KEY,
-    BATCH_LOST_KEY,
-    BATCH_MOVES_KEY,
-    BATCH_ORDER_KEY,
-    BATCH_RESULTS_KEY,
-    BATCH_RUNS_KEY,
-    BATCH_SPECS_KEY,
     ECONOMY_LEASE_KEY,
     ECONOMY_PREPARED_KEY,
     ECONOMY_PROVIDERS_KEY,
@@ -67,17 +60,16 @@ from worker.queue.jobstore.batch_items import BatchItemRecords
 from worker.queue.jobstore.batches import BatchRecords
 from worker.queue.jobstore.jobindex import KIND_BATCH, KIND_INGEST, KIND_SEARCH, job_index_key
 from worker.queue.jobstore.records import CancelOutcome, _now
+from worker.queue.jobstore.store import BATCH_KEYS
 
 # each kind's record prefix, and the keys of one job besides its record
 _RECORDS = {KIND_SEARCH: SEARCH_KEY, KIND_BATCH: BATCH_KEY, KIND_INGEST: INGEST_KEY}
 _JOB_KEYS = {
     KIND_SEARCH: (SEARCH_KEY, REDRIVE_COUNT_KEY),
     KIND_INGEST: (INGEST_KEY, INGEST_DOCS_KEY, REDRIVE_COUNT_KEY),
-    KIND_BATCH: (
-        BATCH_KEY, BATCH_ITEMS_KEY, BATCH_COUNTS_KEY, BATCH_ORDER_KEY, BATCH_SPECS_KEY,
-        BATCH_RESULTS_KEY, BATCH_MOVES_KEY, BATCH_RUNS_KEY, BATCH_LOST_KEY, BATCH_CHUNK_RUNS_KEY,
-        ECONOMY_PREPARED_KEY, ECONOMY_RUNS_KEY, ECONOMY_PROVIDERS_KEY, ECONOMY_STATE_KEY,
-        REDRIVE_COUNT_KEY, REDRIVE_POSITIONS_KEY,
+    KIND_BATCH: (  # the keys that live as long as its record (BATCH_KEYS), and the rest
+        *BATCH_KEYS, BATCH_CHUNK_RUNS_KEY, ECONOMY_PREPARED_KEY, ECONOMY_RUNS_KEY,
+        ECONOMY_PROVIDERS_KEY, ECONOMY_STATE_KEY, REDRIVE_COUNT_KEY, REDRIVE_POSITIONS_KEY,
     ),
 }  # fmt: skip
 SCAN_COUNT = 1000
