@@ -12,7 +12,8 @@ overshoot the limit by more than what the other gateways admitted meanwhile.
         ...                           # store the job: counted by the store from then on
 
 And past 90 % of Redis's ``maxmemory`` (:class:`StoreMemory`), new jobs are refused with a
-503, so the jobs running can still write their ends.
+503 ``job_store_full`` (nothing stored, as at the limit itself), so the jobs running can
+still write their ends.
 """
 
 from __future__ import annotations
@@ -144,13 +145,14 @@ MemoryReading = Callable[[], Awaitable[tuple[int, int]]]  # AsyncJobStore.memory
 
 
 class StoreFull(Exception):
-    """Redis holds :data:`MEMORY_ADMITTED` of its ``maxmemory`` or more: answer 503."""
+    """Redis holds :data:`MEMORY_ADMITTED` of its ``maxmemory`` or more: answer 503
+    ``job_store_full``, as at the limit itself: the job was refused before any write."""
 
     def __init__(self, used: int, limit: int) -> None:
         super().__init__(
             f"the job store is nearly full: Redis holds {used / limit:.0%} of its maxmemory, "
-            f"and new jobs are refused past {MEMORY_ADMITTED:.0%} so those running can end; "
-            + FREES
+            f"and new jobs are refused past {MEMORY_ADMITTED:.0%} so those running can end: "
+            "nothing was stored; " + FREES
         )
 
 

@@ -82,8 +82,19 @@ PageSize = Annotated[
     ),
     DIGITS,
 ]
+#: What a 503's type tells a client about its request (docs/queue.md, "The two 503s")
+UNAVAILABLE_DOC = (
+    "Retry after `Retry-After` seconds; the type says whether the request may have been "
+    "applied. `unavailable`: the job store (Redis) is down, restarting or did not answer in "
+    "time, or another part the request needs did not answer (the message says which); a "
+    "write may have been made before the failure, so send again only a request that is safe "
+    "to repeat (a read, a merge patch, one with an `Idempotency-Key`). `job_store_full`: "
+    "Redis is at its `maxmemory`, or new jobs are refused past 90 % of it; nothing was "
+    "stored, so the request may be sent again as it is, a delete job's too."
+)
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 415, 422, 503)
+    **{code: {"model": ErrorBody} for code in (400, 401, 403, 404, 409, 413, 415, 422)},
+    503: {"model": ErrorBody, "description": UNAVAILABLE_DOC},
 }
 LOCATION_HEADER: dict[str, dict[str, Any]] = {
     "Location": {

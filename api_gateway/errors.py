@@ -21,6 +21,7 @@ from starlette.routing import Match
 from api_gateway.backpressure import FREES, FULL_RETRY_AFTER_SECONDS
 from api_gateway.bodies import field_of
 from api_gateway.paths import has_encoded_slash
+from worker.constants import ERROR_JOB_STORE_FULL, ERROR_UNAVAILABLE
 from worker.errors import InvalidRequest, validation_message
 
 log = logging.getLogger(__name__)
@@ -287,14 +288,16 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(redis.ConnectionError)
     @app.exception_handler(redis.TimeoutError)
     async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
-        """Redis down, restarting or loading: a passing state, not a bug; one log line."""
+        """Redis down, restarting or loading: a passing state, not a bug; one log line. The
+        type is ``unavailable``, not ``job_store_full``: a timeout may come after the
+        request's write was made, so the client cannot know that nothing was stored."""
         log.error(
             "job store unavailable on %s %s: %s: %s",
             request.method, request.url.path, type(exc).__name__, exc,
         )  # fmt: skip
         return error_response(
             503,
-            "unavailable",
+            ERROR_UNAVAILABLE,
             f"the job store is unavailable: {unavailable_reason(request.app, exc)}; "
             f"retry after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
             headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
@@ -303,13 +306,16 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(redis.exceptions.OutOfMemoryError)
     async def _full(request: Request, exc: Exception) -> JSONResponse:
         """Redis at its ``maxmemory`` (``noeviction``): it refuses every write that would
-        grow it, reads go on. Nothing was stored; one log line, for the operator."""
+        grow it, reads go on. Nothing was stored (a job's writes are one MULTI, which Redis
+        refuses whole), and ``job_store_full`` says so: the client may send any request so
+        refused again, a delete job's too, which ``unavailable`` does not allow. One log line,
+        for the operator."""
         log.error(
             "job store full on %s %s: %s", request.method, request.url.path, exc
         )  # fmt: skip
         return error_response(
             503,
-            "unavailable",
+            ERROR_JOB_STORE_FULL,
             "the job store is full (Redis reached its maxmemory): nothing was stored; " + FREES,
             headers={"Retry-After": str(FULL_RETRY_AFTER_SECONDS)},
         )

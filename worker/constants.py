@@ -227,6 +227,14 @@ LANE_STANDARD = "standard"
 LANE_ECONOMY = "economy"
 LANES = (LANE_STANDARD, LANE_ECONOMY)  # a batch's lanes, and the metrics' lane label
 
+# --- the gateway's 503 error types a client acts on (docs/queue.md, "The two 503s") ---
+# Redis down, restarting or not answering in time: a write may have been made before the
+# failure (a timeout can come after it), so only a request safe to repeat is sent again
+ERROR_UNAVAILABLE = "unavailable"
+# Redis at (or, for new jobs, near) its maxmemory refused the request: nothing was stored,
+# so any request so refused may be sent again, a delete job's too
+ERROR_JOB_STORE_FULL = "job_store_full"
+
 # --- limits (validated at the gateway, documented in docs/security.md) ---
 MAX_QUERY_CHARS = 2_000
 MAX_LIMIT = 100

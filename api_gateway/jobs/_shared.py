@@ -25,6 +25,7 @@ from api_gateway.backpressure import (
 from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorBody
 from api_gateway.queue import OutboxSender, TaskMessage
 from api_gateway.routing import GetAnswersHead
+from worker.constants import ERROR_JOB_STORE_FULL
 from worker.errors import InvalidRequest
 from worker.observability.logcontext import job_context
 from worker.queue.jobstore import BatchJob, Enqueue, IngestJob, SearchJob
@@ -59,8 +60,8 @@ BUSY: dict[int | str, dict[str, Any]] = {
 
 
 async def room_for_new_work(request: Request) -> None:
-    """503 with ``Retry-After`` when Redis holds 90 % of its ``maxmemory`` or more
-    (:class:`StoreMemory`): the room left is for the jobs running."""
+    """503 ``job_store_full`` with ``Retry-After`` when Redis holds 90 % of its ``maxmemory``
+    or more (:class:`StoreMemory`): the room left is for the jobs running."""
     memory: StoreMemory | None = getattr(request.app.state, "memory", None)
     if memory is None:
         return
@@ -70,7 +71,7 @@ async def room_for_new_work(request: Request) -> None:
         log.warning("backpressure: %s", exc)
         raise ApiError(
             503,
-            "unavailable",
+            ERROR_JOB_STORE_FULL,
             str(exc),
             headers={"Retry-After": str(FULL_RETRY_AFTER_SECONDS)},
         ) from exc

@@ -1,6 +1,7 @@
 """``sift index delete`` and ``sift documents delete`` as a user meets them, through a proxy in
 front of the real gateway: a Ctrl-C while they wait for the delete job, and a 503 (Redis
-restarting, a proxy's) on their first request; and the reads of ``sift index show`` and
+restarting, a proxy's) on their first request, or the real gateway's ``503 job_store_full``
+(its Redis at maxmemory); and the reads of ``sift index show`` and
 ``sift documents get``, and ``sift index set``'s PATCH, through the same 503.
 
 The Ctrl-C test's gateway is the stack's idle one (no worker on its Redis database): the delete
@@ -22,12 +23,13 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import httpx
 import pytest
+import redis
 from typer.testing import CliRunner
 
 from tests.e2e.conftest import ACME, Stack
 from tests.reliability.support import wait_for
 from tests.services import free_port, served
-from worker.cli import app
+from worker.cli import _http, app
 from worker.processes.stack import child_env
 
 DOCS = [{"id": "d1", "text": "okapi forest giraffe"}, {"id": "d2", "text": "pangolin scales"}]
@@ -37,17 +39,20 @@ class _Proxy(http.server.ThreadingHTTPServer):
     """Forwards every request to ``target``; ``?wait=`` dropped when ``no_wait``; the first
     request of each (method, path) answered 503 when ``fail_first`` (not forwarded), or
     forwarded and its answer lost, a 504 in its place, when ``lose_first`` (a proxy's read
-    timeout shorter than the request's wait). Keeps what it saw."""
+    timeout shorter than the request's wait), or forwarded while ``fill_first``'s Redis is
+    full (its maxmemory set below what it holds, and set back after the answer). Keeps what
+    it saw."""
 
     def __init__(
         self, target: str, *, no_wait: bool = False, fail_first: bool = False,
-        lose_first: bool = False,
+        lose_first: bool = False, fill_first: redis.Redis | None = None,
     ) -> None:  # fmt: skip
         super().__init__(("127.0.0.1", free_port()), _Handler)
         self.target = target
         self.no_wait = no_wait
         self.fail_first = fail_first
         self.lose_first = lose_first
+        self.fill_first = fill_first
         self.heard: list[tuple[str, str, int]] = []  # method, path, the status answered
         self.jobs: list[str] = []  # the ids of the jobs the gateway accepted
         self.polled = threading.Event()  # a GET /v1/ingestions/{id} came
@@ -73,18 +78,27 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         ]
         with self.server.lock:
             first = (self.command, parts.path) not in {(m, p) for m, p, _ in self.server.heard}
+        retry_after: str | None = "1"
         if self.server.fail_first and first:
             status, content = 503, b'{"error": {"type": "unavailable", "message": "restarting"}}'
         else:
             if parts.path.startswith("/v1/ingestions/"):
                 self.server.polled.set()
-            answer = httpx.request(
-                self.command, self.server.target + parts.path, params=urlencode(query),
-                content=body, headers={k: v for k, v in self.headers.items()
-                                       if k.lower() in ("authorization", "content-type")},
-                timeout=60,
-            )  # fmt: skip
+            full = self.server.fill_first if first else None
+            if full is not None:
+                full.config_set("maxmemory", int(full.info("memory")["used_memory"]) // 2)
+            try:
+                answer = httpx.request(
+                    self.command, self.server.target + parts.path, params=urlencode(query),
+                    content=body, headers={k: v for k, v in self.headers.items()
+                                           if k.lower() in ("authorization", "content-type")},
+                    timeout=60,
+                )  # fmt: skip
+            finally:
+                if full is not None:
+                    full.config_set("maxmemory", 0)
             status, content = answer.status_code, answer.content
+            retry_after = answer.headers.get("retry-after")
             if status == 202 or (status == 200 and self.command in ("DELETE", "POST")):
                 self.server.jobs.append(json.loads(content)["id"])  # a delete job's answer
             if self.server.lose_first and first:
@@ -92,8 +106,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         with self.server.lock:
             self.server.heard.append((self.command, parts.path, status))
         self.send_response(status)
-        if status == 503:
-            self.send_header("retry-after", "1")
+        if status == 503 and retry_after is not None:
+            self.send_header("retry-after", retry_after)
         self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(content)))
         self.end_headers()
@@ -220,3 +234,48 @@ def test_a_delete_whose_answer_was_lost_is_not_sent_again(
     [job] = losing_proxy.jobs  # the one the gateway made, and ran
     ran = stack.live.get(f"/v1/ingestions/{job}", headers=ACME).json()
     assert ran["status"] == "succeeded" and ran["deleted"] >= 1, ran
+
+
+@pytest.fixture
+def filling_proxy(stack: Stack) -> Iterator[_Proxy]:
+    full = redis.Redis.from_url(stack.redis_url + "/0")
+    try:
+        with served(_Proxy(stack.live_url, fill_first=full)) as server:
+            yield server
+    finally:
+        full.config_set("maxmemory", 0)
+        full.close()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("documents", "delete", "d1", "--index", "cli-full"),
+        ("index", "delete", "cli-full", "--yes"),
+    ],
+    ids=" ".join,
+)
+def test_a_delete_the_gateway_refused_as_the_job_store_is_full_is_sent_again(
+    stack: Stack, filling_proxy: _Proxy, args: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real gateway, its Redis at maxmemory, answers the delete ``503 job_store_full``:
+    Redis refused the job's writes, so no job was made, and the command sends it again once
+    room is made (here at once: the 30 s ``Retry-After`` waited 0.1 s). It stopped there
+    (exit 1, "may have been accepted"), as after a ``503 unavailable``, which may follow a
+    job made."""
+    monkeypatch.setattr(_http, "MAX_RETRY_AFTER_SECONDS", 0.1)
+    ingested = stack.live.post(
+        "/v1/indexes/cli-full/documents", params={"wait": 20}, json={"documents": DOCS},
+        headers=ACME,
+    )  # fmt: skip
+    assert ingested.status_code == 200, ingested.text
+    result = CliRunner().invoke(app, list(args), env=_env(filling_proxy.url))
+    said = " ".join(result.output.split())
+    assert result.exit_code == 0, said
+    sent = [status for method, _, status in filling_proxy.heard if method != "GET"]
+    assert sent == [503, 200], filling_proxy.heard
+    [job] = filling_proxy.jobs  # the second request's: the first made none
+    ran = stack.live.get(f"/v1/ingestions/{job}", headers=ACME).json()
+    assert ran["status"] == "succeeded" and ran["deleted"] >= 1, ran
+    left = stack.live.get("/v1/indexes/cli-full/documents/d1", headers=ACME)
+    assert left.status_code == 404, left.text

@@ -1,8 +1,11 @@
 """A Redis at its ``maxmemory`` (``noeviction``, as every Redis Sift runs is set: the
 compose file and ``sift up`` give it a limit) refuses every write that would grow it, with
-``OOM command not allowed``. The gateway answers that as a passing state: ``503`` naming
-what to free, nothing stored; what is stored still reads. It was a ``500 internal_error``,
-logged as the gateway's bug."""
+``OOM command not allowed``. The gateway answers that as a passing state: ``503``
+``job_store_full`` naming what to free, nothing stored; what is stored still reads. It was a
+``500 internal_error``, logged as the gateway's bug. Its type is not ``unavailable`` (Redis
+down, restarting or not answering in time, after which a write may or may not have been
+made): a client may send a request refused ``job_store_full`` again, a delete too, knowing
+the first did nothing."""
 
 from __future__ import annotations
 
@@ -37,14 +40,18 @@ def test_a_full_job_store_is_a_503_naming_its_memory_and_stores_nothing(
         ("/v1/searches", SEARCH, ACME),
         ("/v1/batches", {"index": "docs", "queries": [{"id": "a", "query": "tea"}]}, ACME),
         ("/v1/searches", SEARCH, {**ACME, "Idempotency-Key": "k1"}),
+        ("/v1/indexes/docs/documents/delete", {"ids": ["d"]}, ACME),
     ]:
         response = client.post(path, json=body, headers=headers)
         assert response.status_code == 503, response.text
         error = response.json()["error"]
+        assert error["type"] == "job_store_full", error
+        assert "nothing was stored" in error["message"], error
         assert "maxmemory" in error["message"], error
         assert "SIFT_RESULT_RETENTION_SECONDS" in error["message"], error
         assert response.headers["retry-after"]
     assert client.get("/v1/searches", headers=ACME).json()["searches"] == searches
+    assert client.get("/v1/ingestions", headers=ACME).json()["ingestions"] == []
 
 
 def test_what_was_stored_before_it_filled_still_reads(client: TestClient, store: JobStore) -> None:
@@ -89,8 +96,11 @@ def test_new_jobs_are_refused_before_the_job_store_is_full_so_running_ones_can_e
     ]:
         response = client.post(path, json=body, headers=ACME)
         assert response.status_code == 503, (path, response.text)
-        message = response.json()["error"]["message"]
+        error = response.json()["error"]
+        assert error["type"] == "job_store_full", error
+        message = error["message"]
         assert "past 90%" in message and "maxmemory" in message, message
+        assert "nothing was stored" in message and response.headers["retry-after"], message
     deleted = client.delete("/v1/indexes/docs/documents/d", headers=ACME)
     assert deleted.status_code == 202, deleted.text
     job = store.create_search("acme", SearchSpec(index="docs", query="tea"))
@@ -111,3 +121,18 @@ def test_a_redis_that_refuses_info_admits_by_nothing_else(redis_url: str, store:
     finally:
         store.redis.execute_command("ACL", "DELUSER", "noinfo")
     assert made.status_code == 202, made.text
+
+
+def test_the_openapi_document_tells_the_two_503s_apart(client: TestClient) -> None:
+    """A client reads from the type whether a refused request may have been applied: the
+    OpenAPI document's 503 names both types and says which stored nothing."""
+    paths = client.get("/openapi.json").json()["paths"]
+    for path, method in [
+        ("/v1/searches", "post"),
+        ("/v1/batches", "post"),
+        ("/v1/indexes/{index}/documents/delete", "post"),
+        ("/v1/indexes/{index}", "delete"),
+    ]:
+        said = paths[path][method]["responses"]["503"]["description"]
+        assert "`unavailable`" in said and "`job_store_full`" in said, (path, said)
+        assert "nothing was stored" in said, (path, said)

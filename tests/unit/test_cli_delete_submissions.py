@@ -1,8 +1,9 @@
 """``sift documents delete`` sends a delete job's submission again only through a failure that
-proves it never reached the gateway (a connection not made in time). The gateway honours no
-Idempotency-Key on it: one sent again after an answer lost (a 504, a read timeout) made a
-second job, which deleted nothing (``tests/e2e/test_index_cli_deletes.py`` runs that order
-against the real gateway)."""
+proves the gateway did nothing with it: a connection not made in time, or the gateway's own
+``503 job_store_full`` (Redis at its maxmemory refused the job's writes: nothing was stored).
+The gateway honours no Idempotency-Key on it: one sent again after an answer lost (a 504, a
+read timeout, a ``503 unavailable``) made a second job, which deleted nothing
+(``tests/e2e/test_index_cli_deletes.py`` runs those orders against the real gateway)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,24 @@ class _Gateway:
         return httpx.Response(200, json={**job, "operation": "delete"})
 
 
+class _FullGateway(_Gateway):
+    """Answers the first request ``503`` of ``type_``, having stored nothing, as the gateway
+    does when Redis refuses the job's writes (``job_store_full``)."""
+
+    def __init__(self, type_: str) -> None:
+        super().__init__(httpx.ConnectError, ran=True)
+        self.first = None
+        self.type = type_
+        self.refused = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if not self.refused:
+            self.refused += 1
+            error = {"type": self.type, "message": "the job store is full: nothing was stored"}
+            return httpx.Response(503, json={"error": error}, headers={"Retry-After": "30"})
+        return super().__call__(request)
+
+
 def _using(monkeypatch: pytest.MonkeyPatch, fake: _Gateway) -> None:
     @contextlib.contextmanager
     def gateway(transport: httpx.BaseTransport | None = None) -> Iterator[Gateway]:
@@ -70,4 +89,26 @@ def test_a_delete_whose_answer_was_lost_is_not_sent_again(monkeypatch: pytest.Mo
     result = CliRunner().invoke(app, ["documents", "delete", "--index", "docs", "a", "--json"])
     assert result.exit_code == 1, result.output
     assert fake.deletes == 1 and fake.docs == {"b", "c"}
+    assert "may have been accepted" in " ".join(result.output.split()), result.output
+
+
+def test_a_delete_the_gateway_refused_storing_nothing_is_sent_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``job_store_full`` says no job was made: the delete is sent again, and runs once."""
+    fake = _FullGateway("job_store_full")
+    _using(monkeypatch, fake)
+    result = CliRunner().invoke(app, ["documents", "delete", "--index", "docs", "a", "--json"])
+    assert result.exit_code == 0, result.output
+    assert fake.refused == 1 and fake.deletes == 1 and fake.docs == {"b", "c"}
+    assert '"deleted": 1' in result.output, result.output
+
+
+def test_a_delete_answered_unavailable_is_not_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``unavailable`` (Redis down or too slow) may follow the job's write: not sent again."""
+    fake = _FullGateway("unavailable")
+    _using(monkeypatch, fake)
+    result = CliRunner().invoke(app, ["documents", "delete", "--index", "docs", "a", "--json"])
+    assert result.exit_code == 1, result.output
+    assert fake.refused == 1 and fake.deletes == 0
     assert "may have been accepted" in " ".join(result.output.split()), result.output

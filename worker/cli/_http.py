@@ -20,6 +20,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from worker.constants import ERROR_JOB_STORE_FULL
 from worker.contract import INDEX_PATTERN
 from worker.core.budget import retry_after_seconds
 from worker.errors import ConfigError
@@ -85,7 +86,8 @@ class GatewayError(Exception):
     """An expected failure talking to the gateway, worded for the user (no traceback).
     ``transient``: the same request may succeed when sent again, after ``retry_after``
     seconds when the answer said so. ``unsent``: it never reached the gateway (no
-    connection was made), so it did nothing there."""
+    connection was made), so it did nothing there. ``refused``: the gateway answered that
+    it stored nothing (``503 job_store_full``), so it did nothing there either."""
 
     def __init__(
         self,
@@ -95,6 +97,7 @@ class GatewayError(Exception):
         transient: bool = False,
         retry_after: float | None = None,
         unsent: bool = False,
+        refused: bool = False,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -102,16 +105,24 @@ class GatewayError(Exception):
         self.transient = transient
         self.retry_after = retry_after
         self.unsent = unsent
+        self.refused = refused
+
+    @property
+    def unapplied(self) -> bool:
+        """Whether the request provably did nothing at the gateway: never sent, or refused
+        with nothing stored."""
+        return self.unsent or self.refused
 
 
 def _transient(exc: BaseException) -> bool:
     return isinstance(exc, GatewayError) and exc.transient
 
 
-def _transient_unsent(exc: BaseException) -> bool:
-    """A transient failure of a request that never reached the gateway: the only one a
-    submission that is not safe to repeat may be sent again after."""
-    return _transient(exc) and isinstance(exc, GatewayError) and exc.unsent
+def _transient_unapplied(exc: BaseException) -> bool:
+    """A transient failure of a request that provably did nothing at the gateway (never
+    reached it, or refused with nothing stored): the only one a submission that is not safe
+    to repeat may be sent again after."""
+    return _transient(exc) and isinstance(exc, GatewayError) and exc.unapplied
 
 
 _backoff = wait_exponential(multiplier=0.25, max=5.0)
@@ -144,13 +155,14 @@ def _field_of(loc: Any) -> str:
     return ".".join(parts)
 
 
-def _error_field(response: httpx.Response) -> object:
-    """The ``field`` of the gateway's ``{"error": {...}}`` answer, or None."""
+def _error_member(response: httpx.Response, name: str) -> object:
+    """The member ``name`` (``field``, ``type``) of the gateway's ``{"error": {...}}``
+    answer, or None."""
     try:
         error = response.json().get("error")
     except (ValueError, AttributeError):
         return None
-    return error.get("field") if isinstance(error, dict) else None
+    return error.get(name) if isinstance(error, dict) else None
 
 
 def describe_error(response: httpx.Response) -> str:
@@ -248,20 +260,22 @@ class Gateway:
         params: dict[str, Any] | None = None,
         headers: dict[str, str] | None = None,
         retry_for: float = 0.0,
-        unsent_only: bool = False,
+        unapplied_only: bool = False,
     ) -> httpx.Response:
         """Send one request; a 4xx/5xx or a network failure becomes a GatewayError. With
         ``retry_for``, a transient failure is sent again, backing off, for that many seconds
         (only for a request that is safe to repeat: a GET, or a POST with an Idempotency-Key).
-        ``unsent_only``: only one that never reached the gateway (a connection refused or not
-        made in time) is sent again, for a submission that is not safe to repeat (a delete
-        job's: the gateway honours no Idempotency-Key on it). A 502, a 504, a read timeout or
-        a 503 may follow a job the gateway made (a proxy's, or Redis stalling after the job's
-        write), and a second one deletes nothing: it is not sent again."""
+        ``unapplied_only``: only one that provably did nothing at the gateway is sent again,
+        for a submission that is not safe to repeat (a delete job's: the gateway honours no
+        Idempotency-Key on it): one that never reached it (a connection refused or not made
+        in time), or that it refused storing nothing (``503 job_store_full``). A 502, a 504,
+        a read timeout or a 503 ``unavailable`` may follow a job the gateway made (a proxy's,
+        or Redis stalling after the job's write), and a second one deletes nothing: it is
+        not sent again."""
         if retry_for <= 0:
             return self._send(method, path, json=json, params=params, headers=headers)
         retrying = Retrying(
-            retry=retry_if_exception(_transient_unsent if unsent_only else _transient),
+            retry=retry_if_exception(_transient_unapplied if unapplied_only else _transient),
             stop=stop_after_delay(retry_for),
             wait=_wait,
             before_sleep=_say_retrying,
@@ -306,7 +320,7 @@ class Gateway:
         if response.status_code == 401:
             hint = "check SIFT_API_KEY" if self.has_key else "SIFT_API_KEY is not set"
             raise GatewayError(f"{describe_error(response)} ({hint})", status_code=401)
-        if response.status_code == 403 and _error_field(response) == "Authorization":
+        if response.status_code == 403 and _error_member(response, "field") == "Authorization":
             # a key the gateway does not know: SIFT_API_KEY holds it
             raise GatewayError(f"{describe_error(response)} (check SIFT_API_KEY)", status_code=403)
         if response.status_code >= 400:
@@ -319,6 +333,7 @@ class Gateway:
                 status_code=code,
                 transient=code in TRANSIENT_STATUSES or limited or _in_progress(response),
                 retry_after=_retry_after(response),
+                refused=code == 503 and _error_member(response, "type") == ERROR_JOB_STORE_FULL,
             )
         return response
 

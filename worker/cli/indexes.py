@@ -144,18 +144,19 @@ def _interruptible(submitted: list[dict[str, Any]]) -> Iterator[None]:
 
 
 def _submit_delete(client: Gateway, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-    """A delete job's submission. Sent again only through a failure that proves it never
-    reached the gateway (a connection not made): the gateway honours no Idempotency-Key on
-    it, so one sent again after an answer lost (a proxy's 502 or 504, a read timeout, a 503
-    from Redis stalling after the job's write) made a second job, which deleted nothing, and
-    the command then said the index did not exist. Such a failure says the job may run."""
+    """A delete job's submission. Sent again only through a failure that proves the gateway
+    did nothing with it: a connection not made, or its ``503 job_store_full`` (Redis refused
+    the job's writes). The gateway honours no Idempotency-Key on it, so one sent again after
+    an answer lost (a proxy's 502 or 504, a read timeout, a ``503 unavailable`` from Redis
+    stalling after the job's write) made a second job, which deleted nothing, and the command
+    then said the index did not exist. Such a failure says the job may run."""
     try:
         job: dict[str, Any] = client.json(
             method, path, params={"wait": MAX_WAIT_SECONDS}, fields=JOB_FIELDS,
-            retry_for=RETRY_SECONDS, unsent_only=True, **kwargs,
+            retry_for=RETRY_SECONDS, unapplied_only=True, **kwargs,
         )  # fmt: skip
     except GatewayError as exc:
-        if not exc.transient or exc.unsent:
+        if not exc.transient or exc.unapplied:
             raise
         raise GatewayError(
             f"{exc.message}; the delete may have been accepted and run: `sift ingestions` "
