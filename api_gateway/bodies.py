@@ -99,9 +99,13 @@ def read_as_json(content_type: str | None) -> bool:
     )
 
 
-def parse_batch(raw: bytes, route: str | None = None) -> ParsedBatch:
+def parse_batch(
+    raw: bytes, route: str | None = None, *, rerank_default: bool | None = None
+) -> ParsedBatch:
     """A ``POST /v1/batches`` body, validated as ``BatchRequest`` a slice of
-    :data:`VALIDATE_CHUNK` queries at a time; with ``route``, its fingerprint. Raises
+    :data:`VALIDATE_CHUNK` queries at a time; with ``route``, its fingerprint (of the body
+    as sent). Each query's spec says ``rerank_default`` (the gateway's ``SIFT_RERANK_ENABLED``)
+    where the batch leaves ``rerank`` out, so the worker never decides it. Raises
     :class:`RequestValidationError` as FastAPI would, then :class:`InvalidRequest` for a
     member given twice or an integer too long to read (first), or a repeated query id.
 
@@ -140,7 +144,7 @@ def parse_batch(raw: bytes, route: str | None = None) -> ParsedBatch:
                     f"duplicate id {query.id!r} (first at queries[{first_seen[query.id]}])",
                 )
             first_seen.setdefault(query.id, i)
-            items.append((query.id, _spec(head, query).model_dump_json()))
+            items.append((query.id, _spec(head, query, rerank_default).model_dump_json()))
         if digest is not None:
             digest.add(part)
     if errors:
@@ -377,12 +381,12 @@ def _end(text: str, at: int, found: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def _spec(head: BatchHead, query: BatchQueryIn) -> SearchSpec:
-    """The search one query of the batch asks for."""
+def _spec(head: BatchHead, query: BatchQueryIn, rerank_default: bool | None) -> SearchSpec:
+    """The search one query of the batch asks for; ``rerank_default`` where it asks none."""
     spec: dict[str, Any] = {
         "index": head.index,
         "query": query.query,
-        "rerank": head.rerank,
+        "rerank": rerank_default if head.rerank is None else head.rerank,
         "include_trace": head.include_trace,
         "filters": query.filters,
         "fusion": head.fusion,

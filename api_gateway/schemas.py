@@ -48,10 +48,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+#: What an omitted ``rerank`` means, on both job routes
+RERANK_DESCRIPTION = (
+    "Rerank the fused candidates with the model. Left out (or null): this gateway's default, "
+    "SIFT_RERANK_ENABLED, which it writes into the job, so the worker that runs it never "
+    "decides by its own setting."
+)
+
+
 class SearchRequest(SearchSpec):
     """``POST /v1/searches``: the search, and where to send its webhook."""
 
     query: SearchedText
+    rerank: Flag | None = Field(default=None, description=RERANK_DESCRIPTION)
     filters: Filters = Field(default_factory=dict)
     webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
 
@@ -104,7 +113,7 @@ class BatchRequest(_Strict):
 
     index: IndexName
     queries: list[BatchQueryIn] = Field(min_length=1, max_length=MAX_BATCH_QUERIES)
-    rerank: Flag | None = None
+    rerank: Flag | None = Field(default=None, description=RERANK_DESCRIPTION)
     include_trace: Flag = False
     webhook_url: str | None = Field(default=None, min_length=1, max_length=MAX_WEBHOOK_URL_CHARS)
     lane: Literal["standard", "economy"] = "standard"

@@ -31,10 +31,10 @@ from api_gateway.jobs._shared import (
     BUSY,
     JobIdPath,
     _admitted,
-    _check_rerank,
     _check_url,
     _create_and_enqueue,
     _lost,
+    _rerank_of,
     router,
 )
 from api_gateway.queue import TaskMessage
@@ -121,9 +121,14 @@ async def create_batch(
     if not read_as_json(request.headers.get("content-type")):
         raise RequestValidationError([], body=raw)  # the 415 every other route answers
     # parsed and fingerprinted in a thread, a slice at a time (api_gateway/bodies.py)
-    parsed = await off_loop(parse_batch, raw, route if idempotency_key else None)
+    parsed = await off_loop(
+        parse_batch,
+        raw,
+        route if idempotency_key else None,
+        rerank_default=settings.rerank_enabled,
+    )
     body, items = parsed.head, parsed.items
-    _check_rerank(settings, body.rerank)
+    rerank = _rerank_of(settings, body.rerank)  # as each item's spec says it
     await _check_url(request, settings, body.webhook_url, tenant)
     idem = _Idempotency(store, tenant, idempotency_key, parsed.fingerprint)
     batch_id = await idem.earlier_job()
@@ -147,7 +152,7 @@ async def create_batch(
                         body.index,
                         items,
                         lane=body.lane,
-                        rerank=body.rerank,
+                        rerank=rerank,
                         webhook_url=body.webhook_url,
                         enqueue=enqueue,
                         claim=idem.ref,

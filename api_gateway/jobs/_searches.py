@@ -30,10 +30,10 @@ from api_gateway.jobs._shared import (
     BUSY,
     JobIdPath,
     _admitted,
-    _check_rerank,
     _check_url,
     _create_and_enqueue_async,
     _lost,
+    _rerank_of,
     router,
 )
 from api_gateway.schemas import SearchJobOut, SearchRequest, iso, webhook_out
@@ -101,7 +101,7 @@ async def create_search(
     """Answers 202 with the queued job, or 200 with the finished job if it finished within
     ``wait`` seconds."""
     settings, store = app_settings(request), job_store(request)
-    _check_rerank(settings, body.rerank)
+    rerank = _rerank_of(settings, body.rerank)
     await _check_url(request, settings, body.webhook_url, tenant)
     idem = _Idempotency.of(store, tenant, idempotency_key, "POST /v1/searches", body)
     job_id = await idem.earlier_job()
@@ -110,7 +110,8 @@ async def create_search(
         async_store = async_job_store(request)
         try:
             async with _admitted(request, 1):
-                spec = SearchSpec.model_validate(body.model_dump(exclude={"webhook_url"}))
+                asked = body.model_dump(exclude={"webhook_url"})
+                spec = SearchSpec.model_validate({**asked, "rerank": rerank})
                 # one script on the event loop: the record, the task message, the key's binding
                 fresh = await _create_and_enqueue_async(
                     task_sender(request),

@@ -194,11 +194,17 @@ def _lookup_unavailable(why: str, within: float) -> ApiError:
     )
 
 
-def _check_rerank(settings: Settings, rerank: bool | None) -> None:
-    """A request asking for a rerank (``rerank: true``) on a deployment with no generation
+def _rerank_of(settings: Settings, rerank: bool | None) -> bool:
+    """Whether the request's searches rerank, as the job will say: as it asks, else this
+    gateway's default (``SIFT_RERANK_ENABLED``), which the settings check keeps off without a
+    model. The job carries the answer, so the worker never decides it by its own setting:
+    a worker set otherwise ran an omitted ``rerank`` its own way, unreranked where this
+    gateway promised a rerank (``applied: false``, no reason given), or reranked, and billed,
+    where it promised none.
+
+    A request asking for a rerank (``rerank: true``) on a deployment with no generation
     model is ``422`` naming ``rerank``, before anything is stored: it was accepted, then
-    failed in the worker (a batch's every item), which reads the same settings. Unset is the
-    deployment's default, which the settings check keeps off without a model."""
+    failed in the worker (a batch's every item), which reads the same settings."""
     if rerank and settings.generation_model is None:
         raise InvalidRequest(
             "rerank",
@@ -206,6 +212,7 @@ def _check_rerank(settings: Settings, rerank: bool | None) -> None:
             "SIFT_GENERATION_MODEL (for example anthropic:claude-haiku-4-5), or leave "
             "rerank out",
         )
+    return settings.rerank_enabled if rerank is None else rerank
 
 
 def _lost(kind: str, job_id: str) -> ApiError:

@@ -175,3 +175,19 @@ def test_a_batch_whose_fusion_sets_nothing_has_the_fingerprint_of_one_without() 
     for empty in ({}, {"weights": {}}, None):
         raw = json.dumps(body(3, fusion=empty)).encode()
         assert parse_batch(raw, "POST /v1/batches").fingerprint == without.fingerprint
+
+
+@pytest.mark.parametrize("default", [True, False])
+def test_each_item_carries_the_gateways_rerank_default_where_the_batch_leaves_it_out(
+    default: bool,
+) -> None:
+    """The worker runs what each item's spec says, so the gateway's default is written in
+    (it read the worker's own, which may differ); the fingerprint is of the body as sent."""
+    route = "POST /v1/batches"
+    for asked in (None, True, False):
+        extra = {} if asked is None else {"rerank": asked}
+        raw = json.dumps(body(3, **extra)).encode()
+        parsed = parse_batch(raw, route, rerank_default=default)
+        specs = [SearchSpec.model_validate_json(spec) for _, spec in parsed.items]
+        assert [s.rerank for s in specs] == [default if asked is None else asked] * 3
+        assert parsed.fingerprint == parse_batch(raw, route).fingerprint

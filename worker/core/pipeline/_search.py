@@ -376,10 +376,14 @@ class SearchPipeline:
         )
 
     def _reranking(self, spec: SearchSpec) -> bool:
-        """Whether the search reranks: as it asks, else as the deployment's default. One
-        asking for it (``rerank: true``) on a worker with no model reranks all the same, to
-        fail or fall back as the failure policy says (:func:`no_model_result`); the default
-        is off without a model (the settings check)."""
+        """Whether the search reranks: as it asks. The gateway writes the answer into every
+        job it stores, its own default where the request left ``rerank`` out (the worker's
+        could differ, and the gateway is the one that accepted the request); only a job
+        stored without it, by a gateway before that, goes by this worker's default, so the
+        jobs queued across an upgrade in place run as they would have. One asking for it
+        (``rerank: true``) on a worker with no model reranks all the same, to fail or fall
+        back as the failure policy says (:func:`no_model_result`); the default is off without
+        a model (the settings check)."""
         wanted = self.config.rerank_enabled if spec.rerank is None else spec.rerank
         return wanted and (self.reranker is not None or spec.rerank is True)
 
