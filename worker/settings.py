@@ -48,6 +48,19 @@ from worker.prices import DEFAULT_PRICES, Price
 # the Redis SCAN patterns it builds from the name match that tenant's keys alone)
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
+#: The analyzers SIFT_ELASTICSEARCH_ANALYZER takes: Elasticsearch's built-in language
+#: analyzers (its analysis-common module; ``chinese`` left out: ES keeps it for indexes of
+#: old releases only, ``cjk`` is the one for new ones) and ``standard``. A name ES has no
+#: analyzer of would have its index template refused at every tenant's first write.
+ElasticsearchAnalyzer = Literal[
+    "standard", "arabic", "armenian", "basque", "bengali", "brazilian", "bulgarian",
+    "catalan", "cjk", "czech", "danish", "dutch", "english", "estonian", "finnish", "french",
+    "galician", "german", "greek", "hindi", "hungarian", "indonesian", "irish", "italian",
+    "latvian", "lithuanian", "norwegian", "persian", "portuguese", "romanian", "russian",
+    "sorani", "spanish", "swedish", "thai", "turkish",
+]  # fmt: skip
+ELASTICSEARCH_ANALYZERS: tuple[str, ...] = get_args(ElasticsearchAnalyzer)
+
 
 class ApiKey(BaseModel):
     """One API key entry: the key decides the tenant; the secret signs that tenant's webhooks.
@@ -202,6 +215,9 @@ class Settings(BaseSettings):
     # messages: 26,940 s at the defaults, worker.queue.config.ingest_redelivery_window), or
     # it wins
     elasticsearch_gc_deletes_seconds: int = Field(default=27_000, ge=60)
+    # the analyzer of the text and title fields of the indexes Sift makes from now on (an
+    # index keeps the one it was made with: a reindex makes a new one, from the template)
+    elasticsearch_analyzer: ElasticsearchAnalyzer = "english"
     elasticsearch_refresh: Literal["wait_for", "true", "false"] = "wait_for"
     elasticsearch_request_timeout: float = Field(default=10.0, gt=0)
     elasticsearch_bulk_chunk_size: int = Field(default=500, ge=1, le=10_000)

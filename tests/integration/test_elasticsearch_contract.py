@@ -294,6 +294,35 @@ def test_first_upsert_puts_the_template_creates_index_and_alias_then_bulk_writes
     assert server.requests[6].ndjson()[0] == {"index": {"_id": "acme:d3", "_index": ACME}}
 
 
+def test_the_analyzer_setting_goes_into_the_template_of_text_and_title(
+    server: FakeElasticsearchServer,
+) -> None:
+    """SIFT_ELASTICSEARCH_ANALYZER maps both text fields of the indexes made from the template
+    (with no prefix, of each index created: it carries its mapping itself); nothing else
+    changes, and no write maps it on an index made before (``_mapping`` adds fields only)."""
+    server.on("HEAD", f"/_alias/{ACME}", Answer(404))
+    server.on("GET", ACME_ALIASES, Answer(200, {}))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("PUT", f"/{CONCRETE}", Answer(200, {"acknowledged": True, "index": CONCRETE}))
+    server.on("PUT", f"/{ACME}/_mapping", Answer(200, {"acknowledged": True}))
+    server.on("PUT", "/_bulk", bulk_ok)
+    backend = backend_for(server, elasticsearch_analyzer="french")
+    assert backend.upsert("docs", "acme", [Document("d1", "l'église", revision="r")], None) == 1
+
+    template = server.requests[2].json()
+    properties = template["template"]["mappings"]["properties"]
+    assert properties["text"] == {"type": "text", "analyzer": "french"}
+    assert properties["title"] == {"type": "text", "analyzer": "french"}
+    expected = EXPECTED_TEMPLATE["template"]["mappings"]["properties"]
+    assert {k: v for k, v in properties.items() if k not in ("text", "title")} == {
+        k: v for k, v in expected.items() if k not in ("text", "title")
+    }
+    assert "text" not in server.requests[4].json()["properties"]
+    bare = backend_for(server, elasticsearch_analyzer="standard", elasticsearch_index_prefix="")
+    created = bare._explicit_body()["mappings"]["properties"]
+    assert created["text"]["analyzer"] == created["title"]["analyzer"] == "standard"
+
+
 def test_a_tenant_at_its_limit_of_indexes_makes_none_and_is_told_its_empty_ones(
     server: FakeElasticsearchServer,
 ) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -30,16 +31,17 @@ def index() -> str:
     return f"contract-{uuid.uuid4().hex[:10]}"
 
 
-def live_backend() -> ElasticsearchBackend:
-    settings = load_settings(
+def live_backend(**settings: Any) -> ElasticsearchBackend:
+    loaded = load_settings(
         search_backend="elasticsearch",
         elasticsearch_url=URL,
         elasticsearch_index_prefix=PREFIX,
         elasticsearch_vector_dims=FakeEmbedder.dimension,
         elasticsearch_replicas=0,
         elasticsearch_refresh="wait_for",
+        **settings,
     )
-    return ElasticsearchBackend.from_settings(settings)
+    return ElasticsearchBackend.from_settings(loaded)
 
 
 def delete_every_tenants(backend: ElasticsearchBackend, index: str) -> None:
@@ -100,3 +102,31 @@ def test_another_tenants_documents_change_neither_bm25_scores_nor_ranking(index:
         assert bm25_hits(backend, index, "acme") == before
     finally:
         delete_every_tenants(backend, index)
+
+
+@skip_without_a_cluster
+def test_the_analyzer_setting_maps_the_indexes_made_after_it(index: str) -> None:
+    """SIFT_ELASTICSEARCH_ANALYZER goes into the template: an index made with ``french``
+    maps both text fields with it, and BM25 matches as it analyzes (its elision filter makes
+    ``l'église`` the word ``église``, which ``english`` keeps whole); an index made before,
+    at the default, keeps ``english``, and so does its next write from the french setting."""
+    english = live_backend()
+    french = live_backend(elasticsearch_analyzer="french")
+    try:
+        doc = [Document("x", "l'église du village", title="Une visite")]
+        english.upsert(index, "acme", doc, None)
+        french.upsert(index, "globex", doc, None)
+        french.upsert(index, "acme", [Document("y", "l'église", title="")], None)
+        for backend, tenant, analyzer in (
+            (english, "acme", "english"),
+            (french, "globex", "french"),
+        ):
+            found = backend._client.indices.get_mapping(index=backend.alias(index, tenant)).body
+            (mapping,) = found.values()
+            properties = mapping["mappings"]["properties"]
+            assert properties["text"]["analyzer"] == analyzer
+            assert properties["title"]["analyzer"] == analyzer
+        query = ChannelQuery(index, HardFilters("globex"), ("bm25",), 10, "église", None, 10.0)
+        assert [hit.document.id for hit in french.retrieve(query).hits["bm25"]] == ["x"]
+    finally:
+        delete_every_tenants(english, index)

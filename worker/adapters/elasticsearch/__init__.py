@@ -32,11 +32,13 @@ Why this shape (DESIGN.md §6).
   neither a tenant's BM25 statistics (document frequency, average length) nor its search
   cost, and a tenant's first write into a name always creates its own index, whether another
   tenant uses the name or not. An index template (``<prefix>sift``, pattern ``<prefix>*``)
-  holds the mapping: ``text`` and ``title`` as ``text`` (english analyzer, BM25), ``vector``
-  as ``dense_vector`` (cosine, HNSW, int8-quantised by default), ``tenant``, ``revision``
-  and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened`` (what a hit's metadata is
-  read from), ``metadata_terms`` as ``keyword`` (one typed token per metadata value,
-  ``year=n:2020``: what filters match, see *Reads*), ``embedding_model`` as ``keyword``:
+  holds the mapping: ``text`` and ``title`` as ``text`` (BM25, with the analyzer of
+  ``SIFT_ELASTICSEARCH_ANALYZER``, ``english`` by default: an index keeps the one it was
+  made with), ``vector`` as ``dense_vector`` (cosine, HNSW, int8-quantised by default),
+  ``tenant``, ``revision`` and ``doc_id`` as ``keyword``, ``metadata`` as ``flattened``
+  (what a hit's metadata is read from), ``metadata_terms`` as ``keyword`` (one typed
+  token per metadata value, ``year=n:2020``: what filters match, see *Reads*),
+  ``embedding_model`` as ``keyword``:
   the model that made the document's vector, ``write_version`` as ``long``: the version of
   the write that wrote the document (what a drop compares with its own). A write adds the
   fields a later template gained to an index made before (``PUT <alias>/_mapping``, once per

@@ -60,6 +60,7 @@ class ElasticsearchBackend(_Writes, _Drops, _Listing, _Reindex, _Settings):
                 shards=settings.elasticsearch_shards,
                 replicas=settings.elasticsearch_replicas,
                 gc_deletes_seconds=settings.elasticsearch_gc_deletes_seconds,
+                analyzer=settings.elasticsearch_analyzer,
             ),
             num_candidates=settings.elasticsearch_num_candidates,
             refresh=settings.elasticsearch_refresh,

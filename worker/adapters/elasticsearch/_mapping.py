@@ -47,13 +47,17 @@ class IndexSettings:
     #: default is far shorter than the broker's redelivery window: an ingest accepted before
     #: a delete, whose worker died after taking it, would be written back when redelivered.
     gc_deletes_seconds: int = 27_000
+    #: The analyzer of the text and title fields (``SIFT_ELASTICSEARCH_ANALYZER``): BM25
+    #: matches what it makes of the query against what it made of each document, so an
+    #: index keeps the one it was made with (ES refuses to change a field's analyzer).
+    analyzer: str = "english"
 
 
 def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dict[str, Any]:
     """The body of ``PUT _index_template/<prefix>sift``: Sift's mapping for every new index."""
     properties: dict[str, Any] = {
         fields.id: {"type": "keyword"},
-        fields.text: {"type": "text", "analyzer": "english"},
+        fields.text: {"type": "text", "analyzer": index.analyzer},
         fields.vector: {
             "type": "dense_vector",
             "dims": index.dims,
@@ -66,7 +70,7 @@ def index_template(prefix: str, fields: FieldNames, index: IndexSettings) -> dic
         fields.metadata: {"type": "flattened"},
     }
     if fields.title:
-        properties[fields.title] = {"type": "text", "analyzer": "english"}
+        properties[fields.title] = {"type": "text", "analyzer": index.analyzer}
     if fields.model:
         properties[fields.model] = {"type": "keyword"}
     if fields.metadata_terms:
