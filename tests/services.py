@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import re
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,6 +32,8 @@ __all__ = [
     "celery_worker",
     "free_port",
     "gateway",
+    "purge",
+    "purged",
     "redis_server",
     "stop",
     "webhook_inbox",
@@ -62,6 +67,21 @@ def gateway(
 ) -> Iterator[str]:
     with gateway_process(tmp, child_env(env, inherit_sift=False), name, port=port) as url:
         yield url
+
+
+def purge(env: Mapping[str, str], tenant: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``sift tenant purge <tenant> --yes`` as its own process, on ``env``'s settings only."""
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", "tenant", "purge", tenant, "--yes", *args],
+        env=child_env({**env, "COLUMNS": "200", "NO_COLOR": "1"}, inherit_sift=False),
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def purged(output: str) -> dict[str, int]:
+    """The purge's table of what it removed: each row's count by its label."""
+    rows = re.findall(r"│\s*([a-zA-Z][^│]*?)\s*│\s*(\d+)\s*│", output)
+    return {label: int(count) for label, count in rows}
 
 
 Received = tuple[bytes, dict[str, str]]

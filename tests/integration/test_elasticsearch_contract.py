@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import pytest
 from prometheus_client import REGISTRY
@@ -53,6 +53,7 @@ from tests.integration.es_loopback import (
     version_conflict,
 )
 from tests.integration.es_stateful import stateful_server
+from tests.services import purge, purged
 from worker.adapters import elasticsearch
 from worker.adapters.elasticsearch import (
     ElasticsearchBackend,
@@ -80,6 +81,7 @@ from worker.errors import (
 from worker.observability.metrics import PrometheusRecorder, snapshot
 from worker.runtime.bootstrap import pipeline_config
 from worker.settings import load_settings
+from worker.write_versions import next_write_version
 
 pytestmark = pytest.mark.integration
 
@@ -2583,3 +2585,154 @@ def test_index_settings_a_document_es_could_not_read_is_a_retryable_failure(
         backend.stored_settings(["docs"], "acme")
     server.on("POST", SETTINGS_MGET, Answer(200, {"docs": [missing]}), times=1)
     assert backend.stored_settings(["docs"], "acme") == [None]
+
+
+# --- sift tenant purge ------------------------------------------------------------------
+
+SETTINGS_INDEX = "sift-sift-settings"
+#: acme's alias "shared", which an operator pointed at an index beta's documents are in too.
+SHARED = f"sift-{tenant_key('acme')}--shared"
+SHARED_INDEX = "ops-shared-2025"
+SHARED_TASK = "oTUltX4IQMOUUVeiohTt8A:12399"
+SHARED_TASK_PATH = f"/_tasks/{SHARED_TASK.replace(':', '%3A')}"
+
+
+def settings_docs(request: Recorded) -> Answer:
+    """``_mget`` on the settings index: acme's "docs" holds settings (PATCHed at version 5),
+    any other alias none."""
+    docs: list[dict[str, Any]] = []
+    for doc_id in request.json()["ids"]:
+        found: dict[str, Any] = {"_index": SETTINGS_INDEX, "_id": doc_id, "found": False}
+        if doc_id == ACME:
+            source = {"sift_settings": {"fusion": {"method": "linear"}}}
+            found |= {"_version": 5, "_seq_no": 0, "_primary_term": 1, "found": True}
+            found["_source"] = source
+        docs.append(found)
+    return Answer(200, {"docs": docs})
+
+
+def floor_put(request: Recorded) -> Answer:
+    """A drop floor written at the version the request gives."""
+    alias = unquote(request.path.rsplit("/", 1)[-1])
+    return Answer(201, floor_written(FLOORS, alias, int(request.query["version"][0])))
+
+
+def on_purge(server: FakeElasticsearchServer, stem: str) -> None:
+    """Acme's two aliases, "docs" (3 documents, its own index) and "shared" (2, beta's too),
+    as a purge lists and drops them; acme's "docs" has settings stored."""
+    held = aliases((CONCRETE, ACME), (SHARED_INDEX, SHARED))
+    server.on("GET", f"/_alias/{stem}*", Answer(200, held))
+    counts = terms_by_index_response({CONCRETE: 3, SHARED_INDEX: 2})
+    server.on("POST", f"/{stem}*/_search", Answer(200, counts))
+    server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
+    server.on("PUT", f"/{FLOORS}", Answer(200, {"acknowledged": True, "index": FLOORS}))
+    for alias, concrete, mine, others in ((ACME, CONCRETE, 3, 0), (SHARED, SHARED_INDEX, 2, 1)):
+        floor = f"/{FLOORS}/_doc/{alias}"
+        server.on("PUT", floor, floor_put)
+        mark = get_missing(FLOORS, f"{alias}#deletes")
+        server.on("GET", f"{floor}%23deletes", Answer(404, mark))
+        found = resolved((concrete, [alias]))
+        server.on("GET", f"/_resolve/index/{alias}*", Answer(200, found))
+        drop = msearch_response(probe_response(mine), probe_response(others), probe_response(0))
+        server.on("POST", f"/{alias}/_msearch", Answer(200, drop))
+    server.on("DELETE", f"/{CONCRETE}", Answer(200, {"acknowledged": True}))
+    server.on("GET", "/_tasks", Answer(200, tasks_list()))
+    server.on("POST", f"/{SHARED}/_delete_by_query", Answer(200, {"task": SHARED_TASK}))
+    done = delete_by_query_task(SHARED_TASK, SHARED, deleted=2)
+    server.on("GET", SHARED_TASK_PATH, Answer(200, done))
+    server.on("POST", f"/{SETTINGS_INDEX}/_mget", settings_docs)
+    reason = f"index [{SETTINGS_INDEX}/x] already exists"
+    exists = error_body("resource_already_exists_exception", reason, index=SETTINGS_INDEX)
+    server.on("PUT", f"/{SETTINGS_INDEX}", Answer(400, exists))
+    cleared = {**floor_written(SETTINGS_INDEX, ACME, 6), "result": "updated"}
+    server.on("PUT", f"/{SETTINGS_INDEX}/_doc/{ACME}", Answer(200, cleared))
+
+
+def test_a_purge_drops_each_listed_index_as_a_drop_job_does(
+    server: FakeElasticsearchServer, redis_url: str, store: Any
+) -> None:
+    """``sift tenant purge`` on Elasticsearch: acme's aliases listed and counted (as ``GET
+    /v1/indexes`` does), then each dropped at a write version of acme's taken from Redis
+    (the floor first, as a drop job's): "docs", acme's own index, deleted whole after its
+    floor, its deletes mark, ``_resolve`` and the drop's ``_msearch``, its settings cleared
+    at the drop's version; "shared", an alias an operator pointed at an index beta's
+    documents are in too, never deleted: acme's documents go by a ``_delete_by_query`` task
+    on the alias, polled. Beta's own alias is in no request."""
+    stem = f"sift-{tenant_key('acme')}--"
+    before = next_write_version(store.redis, "acme")
+    on_purge(server, stem)
+
+    env = {
+        "SIFT_REDIS_URL": redis_url,
+        "SIFT_SEARCH_BACKEND": "elasticsearch",
+        "SIFT_ELASTICSEARCH_URL": server.url,
+    }
+    ran = purge(env, "acme")
+
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    removed = purged(ran.stdout)
+    assert (removed["indexes dropped"], removed["documents dropped"]) == (2, 5), ran.stdout
+    sent = [(r.method, r.path) for r in server.requests]
+    assert sent == [
+        ("GET", f"/_alias/{stem}*"),  # the list, as GET /v1/indexes reads it
+        ("POST", f"/{stem}*/_search"),
+        ("PUT", "/_index_template/sift-sift"),
+        ("PUT", f"/{FLOORS}"),
+        ("PUT", f"/{FLOORS}/_doc/{ACME}"),  # docs: the floor before anything is deleted
+        ("GET", f"/{FLOORS}/_doc/{ACME}%23deletes"),
+        ("GET", RESOLVE),
+        ("POST", MSEARCH),
+        ("DELETE", f"/{CONCRETE}"),  # acme's alone: deleted whole
+        ("POST", f"/{SETTINGS_INDEX}/_mget"),
+        ("PUT", f"/{SETTINGS_INDEX}"),
+        ("PUT", f"/{SETTINGS_INDEX}/_doc/{ACME}"),  # its settings cleared at the drop's version
+        ("PUT", f"/{FLOORS}/_doc/{SHARED}"),  # shared: the same, to the _msearch
+        ("GET", f"/{FLOORS}/_doc/{SHARED}%23deletes"),
+        ("GET", f"/_resolve/index/{SHARED}*"),
+        ("POST", f"/{SHARED}/_msearch"),
+        ("GET", "/_tasks"),  # beta's documents there too: acme's go by query, as a task
+        ("POST", f"/{SHARED}/_delete_by_query"),
+        ("GET", SHARED_TASK_PATH),
+        ("POST", f"/{SETTINGS_INDEX}/_mget"),  # none stored: nothing to clear
+    ]
+    docs_floor, shared_floor = server.sent("PUT", f"/{FLOORS}/_doc/{ACME}") + server.sent(
+        "PUT", f"/{FLOORS}/_doc/{SHARED}"
+    )
+    versions = [int(floor.query["version"][0]) for floor in (docs_floor, shared_floor)]
+    assert before < versions[0] < versions[1]  # acme's write versions, each drop its own
+    assert docs_floor.query["version_type"] == shared_floor.query["version_type"] == ["external"]
+    assert server.sent("POST", MSEARCH)[0].ndjson() == [
+        *DROP_SEARCHES,
+        {},
+        {
+            "size": 0,
+            "terminate_after": 1,
+            "track_total_hits": True,
+            "query": {
+                "bool": {
+                    "filter": [
+                        {"term": {"tenant": "acme"}},
+                        {"range": {"write_version": {"gt": versions[0]}}},
+                    ]
+                }
+            },
+        },
+    ]
+    (deleting,) = server.sent("POST", f"/{SHARED}/_delete_by_query")
+    assert deleting.json() == {
+        "query": {
+            "bool": {
+                "filter": [{"term": {"tenant": "acme"}}],
+                "must_not": [{"range": {"write_version": {"gt": versions[1]}}}],
+            }
+        }
+    }
+    assert deleting.query == {
+        "conflicts": ["proceed"],
+        "refresh": ["true"],
+        "wait_for_completion": ["false"],
+    }
+    (cleared,) = server.sent("PUT", f"/{SETTINGS_INDEX}/_doc/{ACME}")
+    assert cleared.json() == {"sift_settings": None}
+    assert cleared.query == {"version": [str(versions[0])], "version_type": ["external"]}
+    assert BETA not in str([(r.path, r.body) for r in server.requests])

@@ -16,6 +16,7 @@ import pytest
 
 from tests.fakes import FakeEmbedder
 from tests.integration.backend_contract import LifecycleContract
+from tests.services import purge, purged
 from worker.adapters.elasticsearch import ElasticsearchBackend
 from worker.core.types import ChannelQuery, Document, HardFilters
 from worker.settings import load_settings
@@ -130,3 +131,53 @@ def test_the_analyzer_setting_maps_the_indexes_made_after_it(index: str) -> None
         assert [hit.document.id for hit in french.retrieve(query).hits["bm25"]] == ["x"]
     finally:
         delete_every_tenants(english, index)
+
+
+@skip_without_a_cluster
+def test_a_purge_deletes_the_tenants_index_and_only_its_documents_from_a_shared_one(
+    index: str, redis_url: str
+) -> None:
+    """``sift tenant purge acme`` on the cluster: acme's own index of ``index`` is deleted
+    whole; from ``<index>-shared``, an alias of acme's an operator pointed at globex's index,
+    only acme's documents go (``_delete_by_query``), globex's index and documents stay; acme
+    lists no index after it, and a second run drops nothing."""
+    backend = live_backend()
+    es = backend._client
+    shared = f"{index}-shared"
+    try:
+        mine = [Document(f"a{i}", f"alpha {i}") for i in range(3)]
+        theirs = [Document(f"g{i}", f"gamma {i}") for i in range(4)]
+        backend.upsert(index, "acme", mine, None)
+        backend.upsert(index, "globex", theirs, None)
+        (globex_index,) = es.indices.get_alias(name=backend.alias(index, "globex")).body
+        pointed = {"add": {"index": globex_index, "alias": backend.alias(shared, "acme")}}
+        es.indices.update_aliases(actions=[pointed])
+        backend.upsert(shared, "acme", mine[:2], None)
+        assert [(i.name, i.documents) for i in backend.indexes("acme")] == [
+            (index, 3),
+            (shared, 2),
+        ]
+        env = {
+            "SIFT_REDIS_URL": redis_url,
+            "SIFT_SEARCH_BACKEND": "elasticsearch",
+            "SIFT_ELASTICSEARCH_URL": str(URL),
+            "SIFT_ELASTICSEARCH_INDEX_PREFIX": PREFIX,
+            "SIFT_ELASTICSEARCH_VECTOR_DIMS": str(FakeEmbedder.dimension),
+            "SIFT_ELASTICSEARCH_REPLICAS": "0",
+        }
+        ran = purge(env, "acme")
+        assert ran.returncode == 0, ran.stdout + ran.stderr
+        removed = purged(ran.stdout)
+        assert (removed["indexes dropped"], removed["documents dropped"]) == (2, 5), ran.stdout
+
+        assert backend.indexes("acme") == []
+        assert not es.indices.exists_alias(name=backend.alias(index, "acme"))
+        assert es.indices.exists(index=globex_index)
+        assert backend.index_info(index, "globex").documents == len(theirs)
+        es.indices.refresh(index=globex_index)
+        assert es.count(index=globex_index).body["count"] == len(theirs)
+        again = purge(env, "acme")
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert purged(again.stdout)["indexes dropped"] == 0, again.stdout
+    finally:
+        delete_every_tenants(backend, index)
