@@ -2594,6 +2594,9 @@ SETTINGS_INDEX = "sift-sift-settings"
 SHARED = f"sift-{tenant_key('acme')}--shared"
 SHARED_INDEX = "ops-shared-2025"
 SHARED_TASK = "oTUltX4IQMOUUVeiohTt8A:12399"
+#: acme's alias "bio", over an index a delete by id into the new name made: no document.
+BIO = f"sift-{tenant_key('acme')}--bio"
+BIO_INDEX = f"{BIO}~000001"
 SHARED_TASK_PATH = f"/_tasks/{SHARED_TASK.replace(':', '%3A')}"
 
 
@@ -2617,16 +2620,25 @@ def floor_put(request: Recorded) -> Answer:
     return Answer(201, floor_written(FLOORS, alias, int(request.query["version"][0])))
 
 
+def counted_by_index(request: Recorded) -> Answer:
+    """A search over acme's aliases counting by ``_index``: acme's documents (the listing's,
+    filtered on the tenant), or every document (the empty indexes', with no tenant term)."""
+    if "bool" in request.json()["query"]:
+        return Answer(200, terms_by_index_response({CONCRETE: 3, SHARED_INDEX: 2}))
+    return Answer(200, terms_by_index_response({CONCRETE: 3, SHARED_INDEX: 6}))
+
+
 def on_purge(server: FakeElasticsearchServer, stem: str) -> None:
-    """Acme's two aliases, "docs" (3 documents, its own index) and "shared" (2, beta's too),
-    as a purge lists and drops them; acme's "docs" has settings stored."""
-    held = aliases((CONCRETE, ACME), (SHARED_INDEX, SHARED))
+    """Acme's three aliases, "bio" (an index holding no document), "docs" (3 documents, its
+    own index) and "shared" (2, beta's too), as a purge lists and drops them; acme's "docs"
+    has settings stored."""
+    held = aliases((BIO_INDEX, BIO), (CONCRETE, ACME), (SHARED_INDEX, SHARED))
     server.on("GET", f"/_alias/{stem}*", Answer(200, held))
-    counts = terms_by_index_response({CONCRETE: 3, SHARED_INDEX: 2})
-    server.on("POST", f"/{stem}*/_search", Answer(200, counts))
+    server.on("POST", f"/{stem}*/_search", counted_by_index)
     server.on("PUT", "/_index_template/sift-sift", Answer(200, {"acknowledged": True}))
     server.on("PUT", f"/{FLOORS}", Answer(200, {"acknowledged": True, "index": FLOORS}))
-    for alias, concrete, mine, others in ((ACME, CONCRETE, 3, 0), (SHARED, SHARED_INDEX, 2, 1)):
+    dropped = ((BIO, BIO_INDEX, 0, 0), (ACME, CONCRETE, 3, 0), (SHARED, SHARED_INDEX, 2, 1))
+    for alias, concrete, mine, others in dropped:
         floor = f"/{FLOORS}/_doc/{alias}"
         server.on("PUT", floor, floor_put)
         mark = get_missing(FLOORS, f"{alias}#deletes")
@@ -2636,6 +2648,7 @@ def on_purge(server: FakeElasticsearchServer, stem: str) -> None:
         drop = msearch_response(probe_response(mine), probe_response(others), probe_response(0))
         server.on("POST", f"/{alias}/_msearch", Answer(200, drop))
     server.on("DELETE", f"/{CONCRETE}", Answer(200, {"acknowledged": True}))
+    server.on("DELETE", f"/{BIO_INDEX}", Answer(200, {"acknowledged": True}))
     server.on("GET", "/_tasks", Answer(200, tasks_list()))
     server.on("POST", f"/{SHARED}/_delete_by_query", Answer(200, {"task": SHARED_TASK}))
     done = delete_by_query_task(SHARED_TASK, SHARED, deleted=2)
@@ -2648,16 +2661,18 @@ def on_purge(server: FakeElasticsearchServer, stem: str) -> None:
     server.on("PUT", f"/{SETTINGS_INDEX}/_doc/{ACME}", Answer(200, cleared))
 
 
-def test_a_purge_drops_each_listed_index_as_a_drop_job_does(
+def test_a_purge_drops_each_of_the_tenants_indexes_as_a_drop_job_does(
     server: FakeElasticsearchServer, redis_url: str, store: Any
 ) -> None:
     """``sift tenant purge`` on Elasticsearch: acme's aliases listed and counted (as ``GET
-    /v1/indexes`` does), then each dropped at a write version of acme's taken from Redis
-    (the floor first, as a drop job's): "docs", acme's own index, deleted whole after its
-    floor, its deletes mark, ``_resolve`` and the drop's ``_msearch``, its settings cleared
-    at the drop's version; "shared", an alias an operator pointed at an index beta's
-    documents are in too, never deleted: acme's documents go by a ``_delete_by_query`` task
-    on the alias, polled. Beta's own alias is in no request."""
+    /v1/indexes`` does), and those whose indexes hold no document at all found (the same
+    aliases, counted with no tenant term), then each dropped by name at a write version of
+    acme's taken from Redis (the floor first, as a drop job's): "bio", holding nothing, and
+    "docs", acme's own index, deleted whole after the floor, the deletes mark, ``_resolve``
+    and the drop's ``_msearch``, the settings of "docs" cleared at its drop's version;
+    "shared", an alias an operator pointed at an index beta's documents are in too, never
+    deleted: acme's documents go by a ``_delete_by_query`` task on the alias, polled.
+    Beta's own alias is in no request."""
     stem = f"sift-{tenant_key('acme')}--"
     before = next_write_version(store.redis, "acme")
     on_purge(server, stem)
@@ -2671,14 +2686,22 @@ def test_a_purge_drops_each_listed_index_as_a_drop_job_does(
 
     assert ran.returncode == 0, ran.stdout + ran.stderr
     removed = purged(ran.stdout)
-    assert (removed["indexes dropped"], removed["documents dropped"]) == (2, 5), ran.stdout
+    assert (removed["indexes dropped"], removed["documents dropped"]) == (3, 5), ran.stdout
     sent = [(r.method, r.path) for r in server.requests]
     assert sent == [
         ("GET", f"/_alias/{stem}*"),  # the list, as GET /v1/indexes reads it
         ("POST", f"/{stem}*/_search"),
+        ("GET", f"/_alias/{stem}*"),  # the indexes holding no document (not listed)
+        ("POST", f"/{stem}*/_search"),
         ("PUT", "/_index_template/sift-sift"),
         ("PUT", f"/{FLOORS}"),
-        ("PUT", f"/{FLOORS}/_doc/{ACME}"),  # docs: the floor before anything is deleted
+        ("PUT", f"/{FLOORS}/_doc/{BIO}"),  # bio: the floor before anything is deleted
+        ("GET", f"/{FLOORS}/_doc/{BIO}%23deletes"),
+        ("GET", f"/_resolve/index/{BIO}*"),
+        ("POST", f"/{BIO}/_msearch"),
+        ("DELETE", f"/{BIO_INDEX}"),  # nothing of anyone's in it: deleted whole
+        ("POST", f"/{SETTINGS_INDEX}/_mget"),  # none stored: nothing to clear
+        ("PUT", f"/{FLOORS}/_doc/{ACME}"),  # docs: the same
         ("GET", f"/{FLOORS}/_doc/{ACME}%23deletes"),
         ("GET", RESOLVE),
         ("POST", MSEARCH),
@@ -2693,14 +2716,19 @@ def test_a_purge_drops_each_listed_index_as_a_drop_job_does(
         ("GET", "/_tasks"),  # beta's documents there too: acme's go by query, as a task
         ("POST", f"/{SHARED}/_delete_by_query"),
         ("GET", SHARED_TASK_PATH),
-        ("POST", f"/{SETTINGS_INDEX}/_mget"),  # none stored: nothing to clear
+        ("POST", f"/{SETTINGS_INDEX}/_mget"),
     ]
-    docs_floor, shared_floor = server.sent("PUT", f"/{FLOORS}/_doc/{ACME}") + server.sent(
-        "PUT", f"/{FLOORS}/_doc/{SHARED}"
-    )
-    versions = [int(floor.query["version"][0]) for floor in (docs_floor, shared_floor)]
-    assert before < versions[0] < versions[1]  # acme's write versions, each drop its own
-    assert docs_floor.query["version_type"] == shared_floor.query["version_type"] == ["external"]
+    empties = server.sent("POST", f"/{stem}*/_search")[1]
+    assert empties.json() == {
+        "size": 0,
+        "query": {"terms": {"_index": sorted([BIO_INDEX, CONCRETE, SHARED_INDEX])}},
+        "aggs": {"indexes": {"terms": {"field": "_index", "size": 3}}},
+    }
+    assert empties.query == {"ignore_unavailable": ["true"], "allow_no_indices": ["true"]}
+    floors = [server.sent("PUT", f"/{FLOORS}/_doc/{a}")[0] for a in (BIO, ACME, SHARED)]
+    bio_version, *versions = [int(floor.query["version"][0]) for floor in floors]
+    assert before < bio_version < versions[0] < versions[1]  # acme's, each drop its own
+    assert {floor.query["version_type"][0] for floor in floors} == {"external"}
     assert server.sent("POST", MSEARCH)[0].ndjson() == [
         *DROP_SEARCHES,
         {},
@@ -2736,3 +2764,27 @@ def test_a_purge_drops_each_listed_index_as_a_drop_job_does(
     assert cleared.json() == {"sift_settings": None}
     assert cleared.query == {"version": [str(versions[0])], "version_type": ["external"]}
     assert BETA not in str([(r.path, r.body) for r in server.requests])
+
+
+def test_the_tenants_empty_indexes_are_never_read_from_some_shards_only(
+    server: FakeElasticsearchServer,
+) -> None:
+    """What a purge drops besides the listed indexes: acme's aliases whose indexes hold no
+    document at all, read by one count with no tenant term. No alias: no search. A count
+    from some shards only is retryable, never an index called empty (the drop would delete
+    it whole); an index gone meanwhile (404) holds nothing to drop."""
+    stem = f"sift-{tenant_key('acme')}--"
+    backend = backend_for(server)
+    server.on("GET", f"/_alias/{stem}*", Answer(200, {}), times=1)
+    assert backend.empty_indexes("acme") == []
+    assert not server.sent("POST")
+    held = aliases((BIO_INDEX, BIO), (CONCRETE, ACME))
+    server.on("GET", f"/_alias/{stem}*", Answer(200, held))
+    counts = terms_by_index_response({CONCRETE: 2})
+    server.on("POST", f"/{stem}*/_search", Answer(200, counts), times=1)
+    assert backend.empty_indexes("acme") == ["bio"]
+    server.on("POST", f"/{stem}*/_search", Answer(200, partial(terms_by_index_response({}))))
+    with pytest.raises(BackendUnavailable):
+        backend.empty_indexes("acme")
+    server.on("POST", f"/{stem}*/_search", Answer(404, index_missing(CONCRETE)))
+    assert backend.empty_indexes("acme") == []

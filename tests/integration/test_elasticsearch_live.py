@@ -138,12 +138,14 @@ def test_a_purge_deletes_the_tenants_index_and_only_its_documents_from_a_shared_
     index: str, redis_url: str
 ) -> None:
     """``sift tenant purge acme`` on the cluster: acme's own index of ``index`` is deleted
-    whole; from ``<index>-shared``, an alias of acme's an operator pointed at globex's index,
-    only acme's documents go (``_delete_by_query``), globex's index and documents stay; acme
-    lists no index after it, and a second run drops nothing."""
+    whole, and so is ``<index>-faq``, whose documents acme deleted by id (not listed, still
+    an index); from ``<index>-shared``, an alias of acme's an operator pointed at globex's
+    index, only acme's documents go (``_delete_by_query``), globex's index and documents
+    stay; acme lists no index after it, no index of acme's key is left, and a second run
+    drops nothing."""
     backend = live_backend()
     es = backend._client
-    shared = f"{index}-shared"
+    shared, emptied = f"{index}-shared", f"{index}-faq"
     try:
         mine = [Document(f"a{i}", f"alpha {i}") for i in range(3)]
         theirs = [Document(f"g{i}", f"gamma {i}") for i in range(4)]
@@ -153,6 +155,8 @@ def test_a_purge_deletes_the_tenants_index_and_only_its_documents_from_a_shared_
         pointed = {"add": {"index": globex_index, "alias": backend.alias(shared, "acme")}}
         es.indices.update_aliases(actions=[pointed])
         backend.upsert(shared, "acme", mine[:2], None)
+        backend.upsert(emptied, "acme", mine[:1], None)
+        assert backend.delete_documents(emptied, "acme", ["a0"]) == 1
         assert [(i.name, i.documents) for i in backend.indexes("acme")] == [
             (index, 3),
             (shared, 2),
@@ -168,10 +172,14 @@ def test_a_purge_deletes_the_tenants_index_and_only_its_documents_from_a_shared_
         ran = purge(env, "acme")
         assert ran.returncode == 0, ran.stdout + ran.stderr
         removed = purged(ran.stdout)
-        assert (removed["indexes dropped"], removed["documents dropped"]) == (2, 5), ran.stdout
+        assert (removed["indexes dropped"], removed["documents dropped"]) == (3, 5), ran.stdout
 
         assert backend.indexes("acme") == []
+        stem = backend.tenant_stem("acme")  # the pattern finds globex's by acme's alias too
+        left = es.indices.get(index=f"{stem}*", expand_wildcards="all").body
+        assert [name for name in left if name.startswith(stem)] == []
         assert not es.indices.exists_alias(name=backend.alias(index, "acme"))
+        assert not es.indices.exists_alias(name=backend.alias(emptied, "acme"))
         assert es.indices.exists(index=globex_index)
         assert backend.index_info(index, "globex").documents == len(theirs)
         es.indices.refresh(index=globex_index)

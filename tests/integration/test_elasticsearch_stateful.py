@@ -26,6 +26,7 @@ from tests.integration.es_loopback import (
     running,
 )
 from tests.integration.es_stateful import StatefulElasticsearch, stateful_server
+from tests.services import purge, purged
 from worker.adapters.elasticsearch import (
     ElasticsearchBackend,
     FieldNames,
@@ -1394,3 +1395,49 @@ def test_the_listing_counts_each_live_index_whatever_a_reindex_kept(
     backend.upsert("c", "acme", _few("c", 1), None, version=3)
     backend.reindex("a", "acme")
     assert [i.name for i in backend.indexes("acme")] == ["a", "b", "c"]
+
+
+def test_a_purge_drops_the_tenants_indexes_that_hold_no_document_too(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch], redis_url: str, store: Any
+) -> None:
+    """Acme's "faq" emptied by deletes by id, and "bio" made by a delete by id into a new
+    name, are not listed (an index exists while it holds a document), yet each is an index
+    of acme's key in the cluster: its shard, its deleted documents' data until its segments
+    merge, and a place among the indexes a tenant given the name again may hold. The purge
+    drops them with "docs"; globex's index of the same name, and the alias of acme's an
+    operator pointed at globex's index (nothing of acme's in it), stay; a second run drops
+    nothing. Before, the purge dropped the listed "docs" alone."""
+    server, state = fake
+    backend = backend_on(server)
+    docs = [Document(f"d{i}", f"alpha {i}") for i in range(3)]
+    backend.upsert("docs", "acme", docs, vectors_of(docs))
+    backend.upsert("faq", "acme", docs[:2], vectors_of(docs[:2]))
+    backend.delete_documents("faq", "acme", ["d0", "d1"], version=10)
+    backend.delete_documents("bio", "acme", ["x"], version=11)
+    backend.upsert("docs", "globex", docs, vectors_of(docs))
+    (theirs,) = client(server).indices.get_alias(name=backend.alias("docs", "globex")).body
+    pointed = {"add": {"index": theirs, "alias": backend.alias("ops", "acme")}}
+    client(server).indices.update_aliases(actions=[pointed])
+    stem = backend.tenant_stem("acme")
+    assert [i.name for i in backend.indexes("acme")] == ["docs"]
+    assert sorted(backend._aliases(f"{stem}*").values()) == [
+        [backend.alias(name, "acme")] for name in ("bio", "docs", "faq", "ops")
+    ]
+    env = {
+        "SIFT_REDIS_URL": redis_url,
+        "SIFT_SEARCH_BACKEND": "elasticsearch",
+        "SIFT_ELASTICSEARCH_URL": server.url,
+        "SIFT_ELASTICSEARCH_VECTOR_DIMS": "64",
+    }
+
+    ran = purge(env, "acme")
+
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    removed = purged(ran.stdout)
+    assert (removed["indexes dropped"], removed["documents dropped"]) == (3, 3), ran.stdout
+    assert backend._aliases(f"{stem}*") == {theirs: [backend.alias("ops", "acme")]}
+    assert not [name for name in state.indexes if name.startswith(stem)]
+    assert backend.index_info("docs", "globex").documents == len(docs)
+    again = purge(env, "acme")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert purged(again.stdout)["indexes dropped"] == 0, again.stdout

@@ -19,8 +19,10 @@ documents for good), and a tenant given the same name later inherits them. This 
    cancels them then;
 2. each of its indexes is dropped through the backend's own drop (a write version taken as
    the gateway's drop takes one, so the floor it leaves makes a write accepted before it land
-   nothing), its own settings with it (on the embedded backend, a data folder with no
-   database stops the purge before it starts: it is not the workers' folder);
+   nothing), on Elasticsearch those holding no document too (not listed, but still indexes
+   of the tenant's, until deleted), its own settings with it (on the embedded backend, a
+   data folder with no database stops the purge before it starts: it is not the workers'
+   folder);
 3. every Redis key that names the tenant or one of its jobs is deleted
    (:mod:`worker.queue.jobstore.tenants` lists the families).
 
@@ -85,9 +87,15 @@ def _drop_indexes(settings: Settings, client: redis.Redis, tenant: str) -> Count
     dropped: Counter[str] = Counter()
     try:
         catalog = cast(IndexCatalog, backend)
-        for index in catalog.indexes(tenant):
+        names = {index.name for index in catalog.indexes(tenant)}
+        # Elasticsearch keeps an index the tenant's documents all left (not listed) until
+        # it is deleted: its shard, and their data on disk until its segments merge
+        empty = getattr(backend, "empty_indexes", None)
+        if callable(empty):
+            names |= set(empty(tenant))
+        for name in sorted(names):
             version = next_write_version(client, tenant)
-            dropped["documents"] += drop(catalog, store, index.name, tenant, version)
+            dropped["documents"] += drop(catalog, store, name, tenant, version)
             dropped["indexes"] += 1
     finally:
         close = getattr(backend, "close", None)

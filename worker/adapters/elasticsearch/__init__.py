@@ -13,7 +13,8 @@ The package's private modules, one job each (every public name is re-exported he
 * ``_writes``: upserts and deletes by id (bulk, ``require_alias``, retries, take-backs);
 * ``_indexes``: making a tenant's index, clearing a bare index in its alias's way;
 * ``_drops``: drops of a tenant's index;
-* ``_listing``: the tenant's indexes, counts and documents;
+* ``_listing``: the tenant's indexes, counts and documents, and those holding no document
+  (what a purge drops besides);
 * ``_reindex``: rebuilding an index and moving its alias; the copy task;
 * ``_settings``: each tenant's index's own search settings (``<prefix>sift-settings``);
 * ``_layout``: index names and drop floors; ``_errors``: ES's errors as Sift's;

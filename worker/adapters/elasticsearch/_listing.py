@@ -86,6 +86,48 @@ class _Listing(_Bodies):
                 break
         return [listed[name] for name in sorted(listed)[:limit]]
 
+    def empty_indexes(self, tenant: str) -> list[str]:
+        """The names of the tenant's aliases whose indexes hold no document at all, by name:
+        one emptied by deletes by id, or made by a delete by id into a new name. Not listed
+        (:meth:`indexes`: an index exists while it holds one of the tenant's documents), yet
+        each is an index of the tenant's key, with its shard and its deleted documents' data
+        until its segments merge: ``sift tenant purge`` drops them with the listed ones.
+        ``GET _alias/<prefix><key>--*``, then one ``size: 0`` search over their concrete
+        indexes with no tenant filter, counting by ``_index``: an alias an operator pointed at
+        an index other tenants' documents are in is not empty (nothing of the tenant's is
+        there, and the drop would leave that index and alias as they are). An answer from
+        some shards only is ``BackendUnavailable``: an index holding documents must never be
+        called empty."""
+        stem = self.tenant_stem(tenant)
+        with _translated("list of indexes", None):
+            held = {  # concrete index -> the tenant's alias on it
+                concrete: alias
+                for concrete, aliases in self._aliases(f"{stem}*").items()
+                for alias in aliases
+                if alias.startswith(stem)
+            }
+        if not held:
+            return []
+        with _translated("list of indexes", None, missing_ok=True) as missing:
+            answer = (
+                self._es()
+                .search(
+                    index=f"{stem}*",
+                    size=0,
+                    query={"terms": {"_index": sorted(held)}},
+                    aggs={"indexes": {"terms": {"field": "_index", "size": len(held)}}},
+                    ignore_unavailable=True,
+                    allow_no_indices=True,
+                )
+                .body
+            )
+        if missing:  # every index gone meanwhile
+            return []
+        _raise_if_partial(answer, "list of indexes")
+        buckets = answer.get("aggregations", {}).get("indexes", {}).get("buckets", [])
+        holding = {held.get(bucket["key"]) for bucket in buckets if int(bucket["doc_count"])}
+        return sorted({alias.removeprefix(stem) for alias in held.values() if alias not in holding})
+
     def _counted(
         self, tenant: str, pattern: str, names: dict[str, str]
     ) -> dict[str, IndexInfo] | None:
