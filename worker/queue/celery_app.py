@@ -82,7 +82,7 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
 
 def _check_prices(sender: Any = None, **_: Any) -> None:
     """On worker start (ready: its logging is set up by then), warn if the generation model
-    has no price, or if there is none (worker/runtime/bootstrap.py), or if Elasticsearch's
+    has no price, or if there is none (worker/runtime/bootstrap.py), or if the backend's
     tombstones would not outlast an ingest's redelivery (:func:`warn_if_tombstones_too_short`)."""
     settings = _settings_of(sender)
     if settings is not None:

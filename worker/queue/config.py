@@ -114,7 +114,8 @@ def ingest_redelivery_window(settings: Settings) -> float:
     SIFT_TASK_MAX_DELIVERIES times per message; a retry is a new message with a delivery
     budget of its own (the counter is per task id and retry number), so the job has
     1 + SIFT_TASK_MAX_RETRIES such budgets, and each retry waits its capped backoff. A
-    delete's tombstone on Elasticsearch (``index.gc_deletes``) must outlast it. (Not
+    delete's tombstone (Elasticsearch's ``index.gc_deletes``, the embedded backend's
+    ``tombstone_seconds``) must outlast it. (Not
     counted: a re-drive of a message the broker lost, :mod:`worker.queue.redrive`; nor a run
     past the hard limit, which only ``--pool prefork`` enforces, not the default threads.)"""
     from worker.queue.base import RETRY_CAP_SECONDS
@@ -126,12 +127,12 @@ def ingest_redelivery_window(settings: Settings) -> float:
 
 
 def warn_if_tombstones_too_short(settings: Settings) -> bool:
-    """Warn (and answer True) if Elasticsearch would forget a delete's tombstone before an
+    """Warn (and answer True) if the backend would forget a delete's tombstone before an
     ingest accepted before the delete can no longer run: that ingest would write back
-    documents the delete took (raise SIFT_ELASTICSEARCH_GC_DELETES_SECONDS)."""
+    documents the delete took (raise SIFT_ELASTICSEARCH_GC_DELETES_SECONDS, which is how long
+    either backend keeps one: Elasticsearch's ``index.gc_deletes``, the embedded backend's
+    ``tombstone_seconds``)."""
     window = ingest_redelivery_window(settings)
-    if settings.search_backend != "elasticsearch":
-        return False
     if settings.elasticsearch_gc_deletes_seconds >= window:
         return False
     log.warning(

@@ -127,7 +127,10 @@ def build_backend(settings: Settings) -> SearchBackend:
     from worker.adapters.embedded import EmbeddedBackend
 
     return EmbeddedBackend(
-        settings.data_dir, max_indexes_per_tenant=settings.max_indexes_per_tenant
+        settings.data_dir,
+        max_indexes_per_tenant=settings.max_indexes_per_tenant,
+        # a delete's tombstone lasts as long on either backend (warned if too short)
+        tombstone_seconds=settings.elasticsearch_gc_deletes_seconds,
     )
 
 

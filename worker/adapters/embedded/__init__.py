@@ -61,7 +61,7 @@ from worker.core.types import derive_revision
 
 from ._caches import DOCUMENT_CACHE_SIZE
 from ._listing import _Listing
-from ._pool import BUSY_TIMEOUT_MS, CACHE_KIB, MMAP_BYTES
+from ._pool import BUSY_TIMEOUT_MS, CACHE_KIB, MMAP_BYTES, TOMBSTONE_SECONDS
 from ._schema import DB_FILE, FTS_TOKENIZER, SCHEMA_VERSION
 from ._search import BLAS_MIN_PRODUCT, ENGLISH_STOPWORDS, _Search, match_expression
 from ._settings import _Settings
@@ -77,6 +77,7 @@ __all__ = [
     "FTS_TOKENIZER",
     "MMAP_BYTES",
     "SCHEMA_VERSION",
+    "TOMBSTONE_SECONDS",
     "EmbeddedBackend",
     "derive_revision",
     "match_expression",

@@ -20,7 +20,7 @@ import apsw
 
 from worker.errors import BackendRequestError, BackendUnavailable, ConfigError
 
-from ._schema import _SCHEMA, DB_FILE, SCHEMA_VERSION, _check_schema_version
+from ._schema import _SCHEMA, DB_FILE, SCHEMA_VERSION, _check_schema_version, _date_tombstones
 
 if TYPE_CHECKING:
     from worker.core.types import Document
@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 BUSY_TIMEOUT_MS = 10_000
 CACHE_KIB = 32 * 1024  # page cache per connection
 MMAP_BYTES = 1 << 30  # reads through the OS page cache, shared by every process
+#: How long a delete's tombstone is kept, by default: as long as Elasticsearch keeps one
+#: (SIFT_ELASTICSEARCH_GC_DELETES_SECONDS' default, which a worker passes), past the longest
+#: an ingest accepted before the delete can still run at the default settings (26,940 s,
+#: ``worker.queue.config.ingest_redelivery_window``).
+TOMBSTONE_SECONDS = 27_000
 
 _UNAVAILABLE = (
     apsw.BusyError,
@@ -53,10 +58,12 @@ class _Pool:
         vector_min_similarity: float | None = None,
         *,
         max_indexes_per_tenant: int = 0,
+        tombstone_seconds: float = TOMBSTONE_SECONDS,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.vector_min_similarity = vector_min_similarity
         self.max_indexes_per_tenant = max_indexes_per_tenant  # 0: no limit
+        self.tombstone_seconds = tombstone_seconds
         self._lock = threading.Lock()
         # Insertion order, the oldest evicted first. An OrderedDict, as a dict's next(iter())
         # walks every slot deleted since its last resize: 2 ms per full-cache search measured.
@@ -122,7 +129,12 @@ class _Pool:
             if not self._schema_ready:
                 with _write(conn):
                     _check_schema_version(conn, self.data_dir)
+                    dated = conn.execute(
+                        "SELECT EXISTS(SELECT 1 FROM sqlite_master WHERE name = 'tombstones')"
+                    ).get
                     conn.execute(_SCHEMA)
+                    if not dated:
+                        _date_tombstones(conn, time.time())
                     conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
                 self._schema_ready = True
         return conn

@@ -90,6 +90,15 @@ CREATE TABLE IF NOT EXISTS outcomes(
     PRIMARY KEY(idx, tenant, version)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS outcomes_at ON outcomes(at);
+CREATE TABLE IF NOT EXISTS tombstones(
+    at REAL NOT NULL,
+    idx TEXT NOT NULL,
+    tenant TEXT NOT NULL,
+    id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    PRIMARY KEY(idx, tenant, id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS tombstones_at ON tombstones(at);
 CREATE TABLE IF NOT EXISTS index_settings(
     idx TEXT NOT NULL,
     tenant TEXT NOT NULL,
@@ -98,13 +107,28 @@ CREATE TABLE IF NOT EXISTS index_settings(
     PRIMARY KEY(idx, tenant)
 ) WITHOUT ROWID;
 """
-# Three came after v2 without a bump: a v2 data dir gains them on open, and an earlier v2
-# release reads past them. ``index_settings`` holds each tenant's index's own search settings
-# (a NULL ``settings`` once cleared); ``indexes_by_tenant`` is the index list's seek on the
-# tenant's own names; ``outcomes`` what each versioned write counted, for its job run again
-# (a write committed by an earlier release and run again after the upgrade counts 0).
+# Five came after v2 without a bump: a v2 data dir gains them on open, and an earlier v2
+# release reads past them. ``tombstones`` says when each delete's ``writes`` row was written,
+# so it goes once no ingest accepted before the delete can still run (:func:`_date_tombstones`
+# dates those a data dir held before it, as of its first open), ``tombstones_at`` the seek
+# on that time; ``index_settings`` holds each
+# tenant's index's own search settings (a NULL ``settings`` once cleared);
+# ``indexes_by_tenant`` is the index list's seek on the tenant's own names; ``outcomes`` what
+# each versioned write counted, for its job run again (a write committed by an earlier
+# release and run again after the upgrade counts 0).
 # v2: ``indexes`` is keyed by (name, tenant), so each tenant's index has its own FTS5 table
 # (BM25 statistics), dimension and generation; a v1 data dir (one per name) is refused.
+
+
+def _date_tombstones(conn: apsw.Connection, now: float) -> None:
+    """Date every tombstone of ``writes`` that ``tombstones`` does not know, as written
+    ``now``: run when the table is made, on a data dir whose tombstones an earlier release
+    wrote (undated, they were kept for good), so they go a window after the upgrade."""
+    conn.execute(
+        "INSERT OR IGNORE INTO tombstones SELECT ?, idx, tenant, id, version FROM writes"
+        " WHERE deleted != 0",
+        (now,),
+    )
 
 
 def _ensure_index(conn: apsw.Connection, index: str, tenant: str) -> int:

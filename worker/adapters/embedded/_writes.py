@@ -1,6 +1,11 @@
 """The embedded backend's writes: upserts, deletes by id and drops, each one transaction
 holding the text, the BM25 row and the vector together, ordered by write versions
-(tombstones per id, a floor per drop) and one embedding model per tenant's index."""
+(tombstones per id, a floor per drop) and one embedding model per tenant's index.
+
+A tombstone is kept while an ingest accepted before its delete can still run (the broker's
+redelivery window, ``tombstone_seconds``), then goes with a later write: each write's
+transaction lets go of the tombstones past it (:func:`_expire_tombstones`), so they cost
+what the deletes of one window wrote, not every delete ever made."""
 
 from __future__ import annotations
 
@@ -103,6 +108,7 @@ class _Writes(_Pool):
                 _touch(conn, index, tenant, model if matrix is not None else None)
                 conn.execute("UPDATE indexes SET generation = generation + 1 WHERE num = ?", (num,))
             _record_outcome(conn, index, tenant, version, written)
+            _expire_tombstones(conn, time.time() - self.tombstone_seconds)
         return written
 
     def delete_documents(
@@ -113,7 +119,7 @@ class _Writes(_Pool):
         accepted before the delete and run after it is skipped, and an id whose last write
         is newer than the delete is left alone. The same delete run again (a redelivery, a
         retry) changes nothing and reports what its first run deleted, as an upsert run again
-        does."""
+        does. A tombstone lasts ``tombstone_seconds`` (:func:`_expire_tombstones`)."""
         deleted, emptied = 0, False
         with self._conn() as conn, _translated("delete"), _write(conn):
             if (done := _outcome(conn, index, tenant, version)) is not None:
@@ -132,6 +138,7 @@ class _Writes(_Pool):
                     _remove_row(conn, f"fts_{row[0]}", old)
                     deleted += 1
                 _set_version(conn, index, tenant, doc_id, version, held, deleted=TOMBSTONE)
+                _date_tombstone(conn, index, tenant, doc_id, version, held)
             if deleted:
                 _touch(conn, index, tenant, None)
             if row is not None:
@@ -141,6 +148,7 @@ class _Writes(_Pool):
                 if deleted:
                     emptied = _settle_emptied(conn, row[0], index, tenant)
             _record_outcome(conn, index, tenant, version, deleted, emptied=emptied)
+            _expire_tombstones(conn, time.time() - self.tombstone_seconds)
         return deleted
 
     def emptied(self, index: str, tenant: str, version: int) -> bool | None:
@@ -158,7 +166,8 @@ class _Writes(_Pool):
         """Delete all of the tenant's documents in the index (rows, BM25 postings, vectors);
         answers how many went. With a ``version``, only documents written before it go, and
         the tenant's index keeps it as a floor: an upsert accepted before the drop and run
-        after it is skipped. The tenant's tombstones below the floor are dropped with it.
+        after it is skipped. The tenant's tombstones below the floor are dropped with it, and
+        their dates; without a version, every record of its writes is (they order nothing).
         The same drop run again (a redelivery after a crash between its commit and its
         job's finish) changes nothing and reports what its first run deleted. Only a drop
         that removed a document is the index's last write (as a delete by ids)."""
@@ -194,11 +203,12 @@ class _Writes(_Pool):
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
                 )
                 _settle_emptied(conn, row[0], index, tenant)
-            if version is not None:
+            for table in ("writes", "tombstones"):  # below the floor, they order nothing
                 conn.execute(
-                    "DELETE FROM writes WHERE idx = ? AND tenant = ? AND version <= ?",
-                    (index, tenant, version),
+                    f"DELETE FROM {table} WHERE idx = ? AND tenant = ? AND version <= ?",
+                    (index, tenant, version if version is not None else _NEWEST),
                 )
+            if version is not None:
                 conn.execute(
                     "INSERT INTO catalog(idx, tenant, floor, last_write) VALUES (?, ?, ?, ?)"
                     " ON CONFLICT(idx, tenant) DO UPDATE SET"
@@ -207,6 +217,7 @@ class _Writes(_Pool):
                     (index, tenant, version, time.time() if gone else None),
                 )
             _record_outcome(conn, index, tenant, version, gone)
+            _expire_tombstones(conn, time.time() - self.tombstone_seconds)
         return gone
 
 
@@ -270,6 +281,9 @@ def _held_version(conn: apsw.Connection, index: str, tenant: str, doc_id: str) -
 #: empty id for a drop's count, both now read by nothing: :func:`_outcome` keeps counts).
 LIVE, TOMBSTONE = 0, 1
 
+#: Above every write version (SQLite's largest integer): an unversioned drop's own.
+_NEWEST = (1 << 63) - 1
+
 
 def _outcome(conn: apsw.Connection, index: str, tenant: str, version: int | None) -> int | None:
     """What the write of ``version`` counted when it ran before (None: not run yet, or
@@ -322,6 +336,49 @@ def _set_version(
         "INSERT OR REPLACE INTO writes VALUES (?, ?, ?, ?, ?)",
         (index, tenant, doc_id, version if version is not None else held or 0, deleted),
     )
+
+
+def _date_tombstone(
+    conn: apsw.Connection,
+    index: str,
+    tenant: str,
+    doc_id: str,
+    version: int | None,
+    held: int | None,
+) -> None:
+    """Keep when the id's tombstone (the version :func:`_set_version` recorded) was written,
+    for :func:`_expire_tombstones`, until then or a drop above it. A delete of the id made
+    again later dates its own in its place."""
+    conn.execute(
+        "INSERT OR REPLACE INTO tombstones VALUES (?, ?, ?, ?, ?)",
+        (time.time(), index, tenant, doc_id, version if version is not None else held or 0),
+    )
+
+
+def _expire_tombstones(conn: apsw.Connection, before: float) -> None:
+    """Let go of the tombstones written before ``before`` (now less the backend's
+    ``tombstone_seconds``), in the calling write's transaction.
+
+    A tombstone orders a delete against an upsert of the same id accepted before it and run
+    after it (a redelivery, a retry): that upsert finds the id's newer version and writes
+    nothing. Such an upsert runs within the broker's redelivery window of being taken, which
+    was before the delete's task ran (one queue, taken in order), so a tombstone older than
+    the window has nothing left to refuse; kept, it was a row per deleted id for good. Only a
+    ``writes`` row still holding that delete goes: an id written or deleted again since holds
+    a newer version (a later delete dates its own tombstone), and a drop took the older ones.
+    Each tombstone is read and deleted once, by the first write after its window: the cost of
+    the delete that made it, paid once more."""
+    expired = conn.execute(
+        "SELECT idx, tenant, id, version FROM tombstones WHERE at < ?", (before,)
+    ).fetchall()
+    if not expired:
+        return
+    conn.executemany(
+        "DELETE FROM writes WHERE idx = ? AND tenant = ? AND id = ? AND version = ?"
+        f" AND deleted != {LIVE}",
+        expired,
+    )
+    conn.execute("DELETE FROM tombstones WHERE at < ?", (before,))
 
 
 def _touch(conn: apsw.Connection, index: str, tenant: str, model: str | None) -> None:
