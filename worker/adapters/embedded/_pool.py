@@ -69,6 +69,7 @@ class _Pool:
         # walks every slot deleted since its last resize: 2 ms per full-cache search measured.
         self._documents: OrderedDict[int, Document] = OrderedDict()
         self._vectors: dict[tuple[str, str], _Vectors] = {}  # by (index, tenant)
+        self._schema_seen: int | None = None  # the schema version the caches were swept at
         self._connections: list[apsw.Connection] = []  # every open one, lent or idle
         self._idle: list[apsw.Connection] = []  # the pool: the last given back on top
         self._epoch = 0  # bumped by close(): a connection lent before is not taken back
