@@ -14,6 +14,8 @@ is left ``running``:
   changes nothing, and still reports every document written;
 - killed after a delete's commit, or a drop's, before its job record moved: the job
   reports the documents its first run deleted (it reported 0 before the fix);
+- killed inside the write transaction with another worker running: a write sent right after
+  is taken by the other and lands (the dead one's SQLite lock went with it);
 - an ingest killed while embedding, then a delete of its ids (or a drop of its index)
   accepted after it: whichever of the two B runs first, the delete wins;
 - Redis SIGKILLed and started again (from its AOF) while an ingest is being embedded: the
@@ -178,6 +180,38 @@ def test_an_ingest_whose_worker_was_killed_runs_again_once_and_says_what_it_wrot
             assert completed(port) == {"succeeded": 1.0}
             assert job(crash.client, job_id) == done
         recovered_by_the_dead_worker_check(crash)
+
+
+@pytest.mark.timeout(300)
+def test_a_write_right_after_a_worker_died_mid_write_is_taken_by_another_and_lands(
+    tmp_path: Path,
+) -> None:
+    """Workers A and B both run; whichever takes the ingest dies inside its SQLite write
+    transaction, its write lock held. A write into the same index sent right after is taken
+    by the other and lands: the lock went with the dead process (nothing waits on it:
+    docs/embedded-backend.md). The killed ingest is given back by the dead-worker check and
+    lands too, once."""
+    marker = {"id": "die-in-write", "text": "die-in-write: a document whose ingest kills"}
+    ids = [marker["id"], *(d["id"] for d in KEPT)]
+    with (
+        crash_stack(tmp_path) as crash,
+        worker(crash, "a") as worker_a,
+        worker(crash, "b") as worker_b,
+    ):
+        dying = upsert(crash.client, [marker])
+        wait_for(
+            lambda: worker_a.poll() is not None or worker_b.poll() is not None,
+            "a worker killed in its write transaction",
+            120,
+        )
+        after = final(crash.client, upsert(crash.client, KEPT))
+        assert after["status"] == "succeeded", after
+        assert after["upserted"] == len(KEPT)
+        recovered = final(crash.client, dying)
+        assert recovered["status"] == "succeeded", recovered
+        assert recovered["upserted"] == 1
+        assert present(crash.client, ids) == set(ids)
+        assert (worker_a.poll() is None) != (worker_b.poll() is None)  # one died, once
 
 
 @pytest.mark.timeout(300)
