@@ -3,14 +3,17 @@ purge deleted the economy state that names its provider batches after canceling 
 Sift batch, so nothing could cancel them and they ran to their end, every request billed for
 a tenant that was erased. It cancels them at the provider now, and stops, having erased
 nothing, when the provider does not answer the cancel (a second run finishes). And a purge
-during an item's first half is not undone by that first half's save."""
+during an item's first half is not undone by that first half's save, nor by any other step of
+the economy lane still running for the tenant (``--force``, or a worker not restarted yet)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ import pytest
 from tests.fake_anthropic import FakeAnthropic, status
 from tests.integration.test_economy_doubts import (
     SPEC,
+    _foreign_batch,
     _prepared,
     _submission,
     _Task,
@@ -25,10 +29,18 @@ from tests.integration.test_economy_doubts import (
     workers,
 )
 from worker.adapters.embedded import EmbeddedBackend
-from worker.constants import BATCH_KEY, ECONOMY_PREPARED_KEY, ECONOMY_PROVIDERS_KEY
+from worker.constants import (
+    BATCH_KEY,
+    ECONOMY_PREPARED_KEY,
+    ECONOMY_PROVIDERS_KEY,
+    ECONOMY_RESEND_CLAIM,
+    ECONOMY_WATCH_KEY,
+)
 from worker.processes.stack import child_env
 from worker.queue import economy
 from worker.queue.base import WorkerContext
+from worker.queue.economy import cancel, leases, records, results, watch
+from worker.queue.jobstore import BatchJob, JobStore
 
 __all__ = ["context", "workers"]  # fixtures (test_economy_doubts.py's)
 
@@ -87,6 +99,83 @@ def test_a_purge_cancels_the_tenants_provider_batches_and_stops_when_it_cannot(
     assert store.redis.keys("*" + batch.id + "*") == []
 
 
+def _purge_records(store: JobStore) -> None:
+    """``sift tenant purge acme``, its Redis part (nothing of acme's at the provider)."""
+    jobs = store.tenant_jobs("acme")
+    store.cancel_tenant_jobs(jobs)
+    store.delete_tenant_jobs(jobs)
+    store.delete_tenant_keys("acme")
+
+
+def _named(store: JobStore, batch_id: str) -> list[str]:
+    """Every key, and every member of the economy watch, that names the batch."""
+    watched = [str(m) for m in store.redis.zrange(ECONOMY_WATCH_KEY, 0, -1) if batch_id in str(m)]
+    return [str(k) for k in store.redis.keys("*" + batch_id + "*")] + watched
+
+
+_Write = Callable[[_Task, BatchJob, str], object]
+# each economy step of a run still under way for the tenant when the purge came that writes
+# into the batch's economy state (the task, the batch, one of its provider batches)
+AFTER_PURGE: dict[str, _Write] = {
+    "its items' runs kept (records.save_runs)": lambda task, batch, provider_id: records.save_runs(
+        task, batch, [("q0", records.new_run(0))]
+    ),  # type: ignore[arg-type]
+    "a candidate's end kept (results.candidate_ended)": lambda task, batch, provider_id: (
+        results.candidate_ended(task, batch, provider_id, proven=True)  # type: ignore[arg-type]
+    ),
+    "a provider batch's record kept (results.map_results, submission)": (
+        lambda task, batch, provider_id: task.context.store.economy_save(
+            batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps({"ended_at": 1.0})}
+        )
+    ),
+    "a cancel's mark (cancel.cancel_quietly)": lambda task, batch, provider_id: (
+        cancel.cancel_quietly(task.context.store, batch.id, task.context.batches, provider_id)  # type: ignore[arg-type]
+    ),
+    "a create's sending mark (leases.expect)": lambda task, batch, provider_id: leases.expect(
+        task, batch.id, "submit", 0.0, sending="sub"
+    ),  # type: ignore[arg-type]
+    "a poll's message sent anew (watch.send_anew)": lambda task, batch, provider_id: (
+        watch.send_anew(task, batch.id, provider_id, 0.0)  # type: ignore[arg-type]
+    ),
+    "a poll's message taken (watch.message_taken)": lambda task, batch, provider_id: (
+        watch.message_taken(task, batch.id, provider_id)  # type: ignore[arg-type]
+    ),
+    "a poll delivered after it, under its lease (leases.leased)": lambda task, batch, provider_id: (
+        leases.leased(task, batch.id, provider_id, lambda: None)  # type: ignore[arg-type]
+    ),
+    "a resend's claim (results.candidate_ended)": lambda task, batch, provider_id: (
+        task.context.store.economy_claim_for(batch.id, ECONOMY_RESEND_CLAIM + "sub", provider_id)
+    ),
+    "the submission's claim (submission.maybe_submit)": lambda task, batch, provider_id: (
+        task.context.store.economy_claim(batch.id, watch.SUBMIT_CLAIM)
+    ),
+    "a task's watch (leases.expect)": lambda task, batch, provider_id: (
+        task.context.store.economy_expect(batch.id, provider_id, time.time() + 60)
+    ),
+}
+
+
+@pytest.mark.parametrize("step", list(AFTER_PURGE))
+def test_a_purge_is_not_undone_by_an_economy_step_still_running(
+    context: WorkerContext, model: FakeAnthropic, workers: None, step: str
+) -> None:
+    """Only the prepared item's save was guarded (``_SAVE_PREPARED``): every other write of
+    the batch's economy state (its runs, its provider batches' records, its claims, marks,
+    leases and watches) wrote the key back after the purge had deleted it, with the
+    retention, naming one of the erased tenant's job ids where no second purge could find
+    it (its record gone). Each writes nothing now: the batch's record is gone."""
+    store = context.store
+    batch, _ = _prepared(context, 1)
+    provider_id = _foreign_batch(model, 1)  # one of its provider batches, in progress
+    model.configure(batch_cancel_seconds=3600)  # a cancel leaves it canceling
+    _purge_records(store)
+    assert _named(store, batch.id) == []
+
+    AFTER_PURGE[step](_Task(context, "late"), batch, provider_id)
+
+    assert _named(store, batch.id) == []
+
+
 def test_a_purge_during_an_items_first_half_is_not_undone_by_its_save(
     context: WorkerContext,
 ) -> None:
@@ -98,10 +187,7 @@ def test_a_purge_during_an_items_first_half_is_not_undone_by_its_save(
     batch = store.create_batch("acme", "docs", [("q0", SPEC)], lane="economy")
     store.start_item(batch.id, "q0")  # the chunk started it; its retrieval is under way
     prepared = economy.economy_pipeline(_Task(context, "chunk")).prepare(SPEC, "acme")  # type: ignore[arg-type]
-    jobs = store.tenant_jobs("acme")  # sift tenant purge acme, its Redis part
-    store.cancel_tenant_jobs(jobs)
-    store.delete_tenant_jobs(jobs)
-    store.delete_tenant_keys("acme")
+    _purge_records(store)
 
     assert not economy.save_prepared(store, batch.id, "q0", 0, prepared)  # the half returns
 

@@ -103,7 +103,9 @@ def leased(task: SiftTask, batch_id: str, what: str, run: Callable[[], None]) ->
     body, each results page: :func:`expect`) renew it, so a holder whose lease was taken
     over (its worker judged dead: its heartbeat gone, or its process stalled) stands down at
     its next mark, even if the lease is free again by then. The run under way
-    keeps the task's watch, which sends it again should it die with nothing else to follow."""
+    keeps the task's watch, which sends it again should it die with nothing else to follow.
+    A batch gone (its record erased by ``sift tenant purge``) gives no lease: the run does
+    not start."""
     store = task.context.store
     beat = liveness.current()
     holder = f"{beat.worker_id if beat else ''} {uuid.uuid4().hex}"
@@ -111,6 +113,10 @@ def leased(task: SiftTask, batch_id: str, what: str, run: Callable[[], None]) ->
     every = float(task.context.settings.worker_heartbeat_seconds)
     give_up = time.monotonic() + seconds + every
     while not store.economy_lease(batch_id, what, holder, seconds):
+        if store.get_batch(batch_id) is None:  # erased (sift tenant purge), or expired
+            store.economy_met(batch_id, what)
+            log.info("batch %s: gone; its %s task has nothing to do", batch_id, what)
+            return
         if time.monotonic() >= give_up:
             log.info("batch %s: another run of its %s task is under way; this one stands down",
                      batch_id, what)  # fmt: skip
@@ -122,8 +128,11 @@ def leased(task: SiftTask, batch_id: str, what: str, run: Callable[[], None]) ->
     try:
         run()
     except _StoodDown:
-        log.warning("batch %s: another run took its %s task over; this one stopped",
-                    batch_id, what)  # fmt: skip
+        if store.get_batch(batch_id) is None:  # its lease refused: the batch was erased
+            log.warning("batch %s: erased while its %s task ran; the run stopped", batch_id, what)
+        else:
+            log.warning("batch %s: another run took its %s task over; this one stopped",
+                        batch_id, what)  # fmt: skip
     finally:
         _RUN.lease = None
         _KEEPER.drop(lease)

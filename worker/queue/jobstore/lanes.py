@@ -1,16 +1,21 @@
 """The economy lane's state of a batch (:mod:`worker.queue.economy`): its prepared searches,
 its runs and provider batches (``ECONOMY_*_KEY`` hashes), and its once-only claims.
 
-Each hash lives as long as the batch's record (``_LIVE_AS_BATCH``, after every write): no TTL
-while the batch runs, as none of its keys has (a batch that waits on its provider batches, or
-on workers stopped, longer than the retention still has what it needs to finish), and the
-retention from the move or cancel that completes it (``_TRANSITION_ITEM``, ``_CANCEL_BATCH``).
+Each hash lives as long as the batch's record (``_ECONOMY_WRITE``, ``_ECONOMY_LEASE``, with
+every write): no TTL while the batch runs, as none of its keys has (a batch that waits on its
+provider batches, or on workers stopped, longer than the retention still has what it needs to
+finish), and the retention from the move or cancel that completes it (``_TRANSITION_ITEM``,
+``_CANCEL_BATCH``). And each is written only while that record exists, as is the economy
+watch's member and a lease: ``sift tenant purge`` deletes the record with every other key of
+the batch, and a step of the lane still running then (``--force``, or a worker not restarted
+yet) wrote its key back, named by no record a second purge could find. A write refused so
+answers False: the batch is gone, and there is nothing left to do for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import redis
 
@@ -32,21 +37,20 @@ from worker.queue.jobstore.store import _StoreCore
 class EconomyLaneRecords(_StoreCore):
     """The economy lane's hashes of one batch, living as long as its record."""
 
-    def _live_as_record(self, pipe: redis.client.Pipeline, batch_id: str, key: str) -> None:
-        """Queue, in ``pipe`` after its write, the TTL of the batch's economy hash ``key``:
-        its record's (none while the batch runs; the retention for a record gone)."""
-        self._live_as_batch(
-            keys=[key, BATCH_KEY + batch_id], args=[str(self.result_ttl)], client=pipe
-        )
+    def _economy_write(self, batch_id: str, key: str, op: str, pairs: list[str]) -> list[Any]:
+        """``_ECONOMY_WRITE``: ``[-1, ""]`` when refused (the batch's record gone)."""
+        return cast(
+            list[Any], self._economy_write_script(keys=[key + batch_id, BATCH_KEY + batch_id],
+                                                  args=[op, *pairs])
+        )  # fmt: skip
 
-    def economy_save(self, batch_id: str, key: str, values: dict[str, str]) -> None:
-        """HSET ``values`` into one of the batch's economy hashes (``ECONOMY_*_KEY``)."""
+    def economy_save(self, batch_id: str, key: str, values: dict[str, str]) -> bool:
+        """HSET ``values`` into one of the batch's economy hashes (``ECONOMY_*_KEY``), if the
+        batch's record exists: False if it is gone (erased, or expired), nothing written."""
         if not values:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key + batch_id, mapping={k: v for k, v in values.items()})
-        self._live_as_record(pipe, batch_id, key + batch_id)
-        pipe.execute()
+            return True
+        pairs = [part for item in values.items() for part in item]
+        return int(self._economy_write(batch_id, key, "HSET", pairs)[0]) >= 0
 
     def economy_save_prepared(self, batch_id: str, query_id: str, value: str) -> bool:
         """Keep an item's prepared first half (``ECONOMY_PREPARED_KEY``), the first one only,
@@ -71,24 +75,19 @@ class EconomyLaneRecords(_StoreCore):
         return cast(list[str], self.redis.hkeys(key + batch_id))
 
     def economy_claim(self, batch_id: str, claim: str) -> bool:
-        """True for the first caller only: e.g. the one chunk that enqueues the submission."""
-        key = ECONOMY_STATE_KEY + batch_id
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hsetnx(key, claim, repr(_now()))
-        self._live_as_record(pipe, batch_id, key)
-        won, _ = pipe.execute()
-        return bool(won)
+        """True for the first caller only: e.g. the one chunk that enqueues the submission.
+        False for every caller once the batch's record is gone."""
+        written, _ = self._economy_write(batch_id, ECONOMY_STATE_KEY, "HSETNX",
+                                         [claim, repr(_now())])  # fmt: skip
+        return int(written) == 1
 
     def economy_claim_for(self, batch_id: str, claim: str, owner: str) -> bool:
         """True for ``owner`` if it is the first to claim ``claim``, or the one that did: a
-        once-only step that its owner's next run (a retry, a redelivery) may still take."""
-        key = ECONOMY_STATE_KEY + batch_id
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hsetnx(key, claim, owner)
-        pipe.hget(key, claim)
-        self._live_as_record(pipe, batch_id, key)
-        _, holder, _ = pipe.execute()
-        return bool(holder == owner)
+        once-only step that its owner's next run (a retry, a redelivery) may still take.
+        False once the batch's record is gone."""
+        written, holder = self._economy_write(batch_id, ECONOMY_STATE_KEY, "HSETNX",
+                                              [claim, owner])  # fmt: skip
+        return int(written) >= 0 and holder == owner
 
     def economy_settled(self, batch_id: str) -> bool:
         """True once every item of the batch is final or prepared (its prompt waits to go)."""
@@ -106,28 +105,21 @@ class EconomyLaneRecords(_StoreCore):
 
     def economy_expect(self, batch_id: str, what: str, due: float) -> None:
         """The economy task for ``what`` (a provider batch id, or ``submit``) of the batch
-        should run again by ``due`` (epoch seconds); past it, its message was lost."""
-        self.redis.zadd(ECONOMY_WATCH_KEY, {f"{batch_id} {what}": due})
+        should run again by ``due`` (epoch seconds); past it, its message was lost. Nothing
+        is watched once the batch's record is gone."""
+        self._economy_expect(keys=[ECONOMY_WATCH_KEY, BATCH_KEY + batch_id],
+                             args=[repr(due), f"{batch_id} {what}"])  # fmt: skip
 
     def economy_hand_over(self, batch_id: str, what: str, task_id: str) -> None:
         """The message ``task_id``, about to be sent, is the one to run the economy task for
         ``what``: any other message of that task still on its way is superseded."""
-        key = ECONOMY_STATE_KEY + batch_id
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(key, f"chain {what}", task_id)
-        self._live_as_record(pipe, batch_id, key)
-        pipe.execute()
+        self.economy_save(batch_id, ECONOMY_STATE_KEY, {f"chain {what}": task_id})
 
     def economy_take(self, batch_id: str, what: str, task_id: str) -> bool:
         """Whether the message ``task_id`` is the one to run the economy task for ``what``
-        (one sent before any was named, as by an earlier release, is taken as it)."""
-        key = ECONOMY_STATE_KEY + batch_id
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hsetnx(key, f"chain {what}", task_id)
-        pipe.hget(key, f"chain {what}")
-        self._live_as_record(pipe, batch_id, key)
-        _, owner, _ = pipe.execute()
-        return bool(owner == task_id)
+        (one sent before any was named, as by an earlier release, is taken as it). None is,
+        once the batch's record is gone."""
+        return self.economy_claim_for(batch_id, f"chain {what}", task_id)
 
     def economy_lease(
         self, batch_id: str, what: str, holder: str, seconds: float, *,
@@ -145,7 +137,9 @@ class EconomyLaneRecords(_StoreCore):
         with no run taking it since (Redis away past its term), as every take records its
         taker; the run goes on where it was.
         ``mark`` (a field and value of the batch's ``ECONOMY_STATE_KEY`` hash) is written in
-        the same step, only if the lease is held: what its holder did while it held it."""
+        the same step, only if the lease is held: what its holder did while it held it.
+        False, nothing written, once the batch's record is gone (the lease names the batch,
+        and its taker is written into its state)."""
         key = ECONOMY_LEASE_KEY + f"{batch_id} {what}"
         state = ECONOMY_STATE_KEY + batch_id
         taker = ECONOMY_LEASED_MARK + what  # every take writes it (a take changes ``key``)
@@ -166,16 +160,15 @@ class EconomyLaneRecords(_StoreCore):
                         if not worker or pipe.exists(WORKER_HEARTBEAT_KEY + worker):
                             pipe.unwatch()
                             return False
+                    fields = [*([taker, holder] if current != holder else []), *(mark or ())]
                     pipe.multi()
-                    pipe.set(key, holder, px=max(1, int(seconds * 1000)))
-                    if current != holder:
-                        pipe.hset(state, taker, holder)
-                    if mark is not None:
-                        pipe.hset(state, mark[0], mark[1])
-                    if current != holder or mark is not None:
-                        self._live_as_record(pipe, batch_id, state)
-                    pipe.execute()
-                    return True
+                    self._economy_lease(
+                        keys=[key, state, BATCH_KEY + batch_id],
+                        args=[holder, str(max(1, int(seconds * 1000))), *fields],
+                        client=pipe,
+                    )
+                    (taken,) = pipe.execute()
+                    return int(taken) == 1
                 except redis.WatchError:
                     continue
 

@@ -543,28 +543,62 @@ redis.call('HSET', KEYS[1], ARGV[1],
 return 1
 """
 
-# An economy hash of a batch (worker/queue/jobstore/lanes.py) lives as long as the batch's
-# record, as its other keys do: none while the batch runs (a batch waiting on its provider
-# batches, or on workers stopped, longer than the retention keeps what it needs to finish),
-# the record's remaining retention once it is final. Sent after each write of the hash.
-# KEYS: the hash, the batch's record. ARGV: the retention (seconds), the TTL of a hash whose
-# record is gone (expired or purged: nothing keeps it longer).
-_LIVE_AS_BATCH = """
-local life = redis.call('PTTL', KEYS[2])
-if life == -1 then return redis.call('PERSIST', KEYS[1]) end
-if life == -2 then return redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1])) end
-return redis.call('PEXPIRE', KEYS[1], life)
-"""
-
 # Keep an economy item's prepared first half (HSETNX), only while its batch's record exists
 # and the item is running: a cancel, a purge or a final move since (the first half ran
 # meanwhile) leaves nothing to finish, and a purge's erasure must not be written back.
 # KEYS: the prepared hash, the batch's record, its items. ARGV: the query id, the prepared
-# state. No TTL: the hash lives as the record does (_LIVE_AS_BATCH; the move or cancel that
+# state. No TTL: the hash lives as the record does (_ECONOMY_WRITE; the move or cancel that
 # completes the batch gives it the retention). Returns 1 when written, 0 when the field was
 # there already (kept as it was), -1 when refused (the record gone, or the item not running).
 _SAVE_PREPARED = """
 if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
 if redis.call('HGET', KEYS[3], ARGV[1]) ~= 'running' then return -1 end
 return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+# Write one of a batch's economy hashes (HSET of field/value pairs, or one HSETNX), only while
+# the batch's record exists, and give the hash its record's TTL: none while the batch runs (a
+# batch waiting on its provider batches, or on workers stopped, longer than the retention keeps
+# what it needs to finish), the record's remaining retention once it is final. A step of the
+# economy lane still running when `sift tenant purge` deleted the batch (--force, or a worker
+# not restarted yet) wrote its key back, named by no record a second purge could find.
+# KEYS: the hash, the batch's record. ARGV: 'HSET' or 'HSETNX', then the fields and values.
+# Returns {-1, ''} when refused (the record gone), else {HSETNX's answer (1 written, 0 there
+# already), the field's value now} or {the fields HSET added, ''}.
+_ECONOMY_WRITE = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return {-1, ''} end
+local n, held = 0, ''
+if ARGV[1] == 'HSETNX' then
+  n = redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3])
+  held = redis.call('HGET', KEYS[1], ARGV[2])
+else
+  for i = 2, #ARGV, 2 do n = n + redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+end
+local life = redis.call('PTTL', KEYS[2])
+if life == -1 then redis.call('PERSIST', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], life) end
+return {n, held}
+"""
+
+# Watch an economy task of a batch (ZADD to the shared watch), only while the batch's record
+# exists: the member names the batch. KEYS: the watch, the batch's record. ARGV: the due
+# time, the member. Returns -1 when refused.
+_ECONOMY_EXPECT = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+return redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+# Take or keep an economy task's lease (worker/queue/jobstore/lanes.py economy_lease, inside its
+# transaction), and write its marks into the batch's state hash, only while the batch's record
+# exists, as _ECONOMY_WRITE. KEYS: the lease, the state hash, the batch's record. ARGV: the
+# holder, the lease's life (ms), then the state's fields and values. Returns 1 when taken, 0
+# when refused (the record gone: nothing written).
+_ECONOMY_LEASE = """
+if redis.call('EXISTS', KEYS[3]) == 0 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', tonumber(ARGV[2]))
+if #ARGV > 2 then
+  for i = 3, #ARGV, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+  local life = redis.call('PTTL', KEYS[3])
+  if life == -1 then redis.call('PERSIST', KEYS[2]) else redis.call('PEXPIRE', KEYS[2], life) end
+end
+return 1
 """

@@ -55,9 +55,11 @@ from worker.queue.jobstore.scripts import (
     _CLAIM_RUN,
     _CLAIM_WEBHOOK,
     _CREATE_SEARCH,
+    _ECONOMY_EXPECT,
+    _ECONOMY_LEASE,
+    _ECONOMY_WRITE,
     _HELD_CHUNKS,
     _KEEP_ANSWER,
-    _LIVE_AS_BATCH,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
     _SAVE_PREPARED,
@@ -166,8 +168,10 @@ class _StoreCore:
         self._webhook_due = client.register_script(_WEBHOOK_DUE)
         self._webhook_settled = client.register_script(_WEBHOOK_SETTLED)
         self._claim_webhook = client.register_script(_CLAIM_WEBHOOK)
-        self._live_as_batch = client.register_script(_LIVE_AS_BATCH)
         self._save_prepared = client.register_script(_SAVE_PREPARED)
+        self._economy_write_script = client.register_script(_ECONOMY_WRITE)
+        self._economy_expect = client.register_script(_ECONOMY_EXPECT)
+        self._economy_lease = client.register_script(_ECONOMY_LEASE)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
