@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,3 +210,42 @@ def test_a_canceled_items_first_half_is_not_kept(context: WorkerContext) -> None
     assert not economy.save_prepared(store, batch.id, "q1", 1, prepared)  # the first one stays
     assert store.economy_fields(batch.id, ECONOMY_PREPARED_KEY) == ["q1"]
     assert store.redis.ttl(ECONOMY_PREPARED_KEY + batch.id) == -1  # as its running batch
+
+
+def test_a_provider_batch_created_while_the_purge_ran_is_canceled(
+    context: WorkerContext,
+    model: FakeAnthropic,
+    workers: None,
+    redis_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The purge (``--force``, or before every worker was restarted) read the batch's
+    ``eco-providers`` while its submission's create was under way: the provider batch made
+    then was in no record the purge could cancel, and the submission, finding its batch
+    gone rather than canceled, did not cancel it either: it ran to its end, billed for an
+    erased tenant, and its record came back; and it went on creating the next one, for
+    items that no longer existed. The submission cancels it now, and creates no other."""
+    store = context.store
+    batch, qids = _prepared(context, 2)
+    client = context.batches
+    assert client is not None
+    create = client.create
+    purged: list[subprocess.CompletedProcess[str]] = []
+
+    def purge_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        made = create(*args, **kwargs)  # made at the provider; its answer not read yet
+        purged.append(_purge(redis_url, model, tmp_path / "data"))
+        return made
+
+    monkeypatch.setattr(client, "create", purge_meanwhile)
+    # one request a provider batch: the second would be created after the purge
+    monkeypatch.setattr(context.settings, "economy_max_requests_per_batch", 1)
+    _submission(context, batch, qids, "1")
+
+    [run] = purged
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"provider batches canceled \(economy lane\)\s*│\s*0\s*│", run.stdout)
+    [made] = model.batches()  # one create only: nothing was sent after the batch was gone
+    assert made["status"] != "in_progress"  # canceled by the submission that made it
+    assert _named(store, batch.id) == []

@@ -144,8 +144,9 @@ def running_items(
             yield qid, data, json.loads(raw_run) if raw_run else new_run(int(data["pos"]))
 
 
-def save_runs(task: SiftTask, batch: BatchJob, runs: Iterable[tuple[str, dict[str, Any]]]) -> None:
-    task.context.store.economy_save(
+def save_runs(task: SiftTask, batch: BatchJob, runs: Iterable[tuple[str, dict[str, Any]]]) -> bool:
+    """Keep items' runs; False if the batch's record is gone (erased): nothing kept."""
+    return task.context.store.economy_save(
         batch.id,
         ECONOMY_RUNS_KEY,
         {qid: json.dumps(run, separators=(",", ":")) for qid, run in runs},

@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
 
@@ -42,6 +42,9 @@ from worker.queue.economy.watch import (
     send_poll,
 )
 from worker.queue.jobstore import BatchJob
+
+if TYPE_CHECKING:
+    from worker.adapters.anthropic_batches import AnthropicMessageBatches
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +111,39 @@ def _may_have_created(error: RerankAttemptError) -> bool:
 
 def _record_provider(
     task: SiftTask, batch: BatchJob, provider_id: str, record: dict[str, Any]
-) -> None:
-    """Keep a provider batch on the batch's record and start polling it."""
+) -> bool:
+    """Keep a provider batch on the batch's record and start polling it. False if the
+    batch's record is gone (``sift tenant purge`` erased it while the create ran): nothing
+    is kept, and nothing polls it."""
     store = task.context.store
-    store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
+    if not store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)}):
+        return False
     send_poll(task, batch, provider_id)
+    return True
+
+
+def _cancel_erased(client: AnthropicMessageBatches, batch_id: str, provider_id: str) -> None:
+    """Cancel a provider batch made for a batch erased meanwhile (``sift tenant purge``
+    read its provider batches before this one was made, then deleted every key naming
+    them): nothing else knows of it, so it would run to its end, billed for a tenant that
+    is gone. A cancel that fails is logged as an error naming it, for an operator to cancel
+    it by hand: no record is left to retry it from."""
+    try:
+        client.cancel(provider_id)
+    except RerankAttemptError as exc:
+        log.error(
+            "batch %s: erased while its create ran; its provider batch %s could not be "
+            "canceled (%s): cancel it at the provider",
+            batch_id,
+            provider_id,
+            exc,
+        )
+        return
+    log.warning(
+        "batch %s: erased while its create ran; its provider batch %s canceled",
+        batch_id,
+        provider_id,
+    )
 
 
 def submit(
@@ -129,7 +160,12 @@ def submit(
     answer is lost is looked for before anything is sent again (:func:`settle_doubts`).
     ``watch`` is the task sending them (the submission, or a provider batch's poll): each
     create tells the watch it is alive, so that a long submission is not sent again while
-    it runs (a second one would create the same items' batches again)."""
+    it runs (a second one would create the same items' batches again).
+
+    A batch erased by ``sift tenant purge`` while this ran (``--force``, or a worker not
+    restarted yet) gets no create more, and a provider batch made for it meanwhile is
+    canceled here (:func:`_cancel_erased`): the purge read its provider batches before it
+    was made, and nothing else would cancel it."""
     settings = task.context.settings
     if batch.canceled_at is not None:
         # the items still to send end now; one already in a provider batch (sent by an
@@ -172,7 +208,9 @@ def submit(
             # the policy its answer is labelled (records.as_sent): its prompt is this
             # release's, though an older one may have prepared it, or sent it before
             p.run["policy"] = p.policy
-        save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+        if not save_runs(task, batch, ((p.query_id, p.run) for p in chunk)):
+            log.info("batch %s: erased (sift tenant purge); nothing more is sent", batch.id)
+            return created
         try:
             guard = upload_guard(task, batch.id, watch, submission)
             provider = client.create([p.request for p in chunk], before_write=guard)
@@ -193,7 +231,9 @@ def submit(
         # pending, and settle_doubts finds it here by its submission
         record = {"round": round_, "requests": len(chunk), "created_at": now,
                   "ended_at": None, "submission": submission}  # fmt: skip
-        _record_provider(task, batch, provider.id, record)
+        if not _record_provider(task, batch, provider.id, record):
+            _cancel_erased(client, batch.id, provider.id)
+            return [*created, provider.id]
         for p in chunk:
             record_sent(p.run, provider.id, submission, now)
         save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
@@ -206,6 +246,8 @@ def submit(
             round_,
         )
     again = task.context.store.get_batch(batch.id)
+    for provider_id in created if again is None else []:  # erased since: by its purge
+        _cancel_erased(client, batch.id, provider_id)
     if created and again is not None and again.canceled_at is not None:
         for provider_id in created:  # canceled while we were sending: cancel what we sent
             cancel_quietly(task.context.store, batch.id, client, provider_id)
