@@ -35,8 +35,10 @@ from worker.constants import (
     ECONOMY_PREPARED_KEY,
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RESEND_CLAIM,
+    ECONOMY_RUNS_KEY,
     ECONOMY_WATCH_KEY,
 )
+from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.processes.stack import child_env
 from worker.queue import economy
 from worker.queue.base import WorkerContext
@@ -248,4 +250,71 @@ def test_a_provider_batch_created_while_the_purge_ran_is_canceled(
     assert re.search(r"provider batches canceled \(economy lane\)\s*│\s*0\s*│", run.stdout)
     [made] = model.batches()  # one create only: nothing was sent after the batch was gone
     assert made["status"] != "in_progress"  # canceled by the submission that made it
+    assert _named(store, batch.id) == []
+
+
+def test_a_purge_names_the_provider_batches_of_a_create_in_doubt_it_leaves(
+    context: WorkerContext, model: FakeAnthropic, workers: None, redis_url: str, tmp_path: Path
+) -> None:
+    """A create whose answer was lost may have made a provider batch: its candidates (the
+    workspace's batches of as many requests made then) are never canceled, being maybe
+    another client's, and one not looked for yet is known to no one but the runs the purge
+    deletes. The purge said nothing of either: a provider batch of the erased tenant's could
+    run on, billed, where no one would look. It prints each now, and cancels none."""
+    store = context.store
+    batch, _ = _prepared(context, 2)
+    at = time.time()
+    candidate = _foreign_batch(model, 1)  # q0's create in doubt "sub": its one candidate
+    record = {"round": 1, "requests": 1, "created_at": at, "ended_at": None,
+              "submission": "sub", "doubt": True}  # fmt: skip
+    store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {candidate: json.dumps(record)})
+    waiting, lost = records.new_run(0), records.new_run(1)
+    records.record_sent(waiting, economy.DOUBT + "sub", "sub", at)
+    lost["pending"] = {"submission": "lost", "at": at, "requests": 1, "answered": True}
+    store.economy_save(batch.id, ECONOMY_RUNS_KEY, {"q0": json.dumps(waiting),
+                                                    "q1": json.dumps(lost)})  # fmt: skip
+
+    purged = _purge(redis_url, model, tmp_path / "data")
+
+    assert purged.returncode == 0, purged.stdout + purged.stderr
+    out = " ".join(purged.stdout.split())  # as one line (rich wraps at COLUMNS)
+    assert f"batch {batch.id}: provider batch {candidate} not canceled" in out, out
+    assert f"batch {batch.id}: create lost of 1 request(s)" in out, out
+    assert re.search(r"provider batches of creates in doubt, not canceled\s*│\s*1\s*│", out)
+    [left] = model.batches()
+    assert left["status"] == "in_progress"  # maybe another client's: not canceled
+    assert _named(store, batch.id) == []
+
+
+def test_a_create_whose_answer_is_lost_after_the_purge_is_logged(
+    context: WorkerContext,
+    model: FakeAnthropic,
+    workers: None,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The purge came while a create ran, and the create's answer was lost: the provider
+    batch it may have made is named by nothing once its runs are gone, and a candidate
+    found by time and size may be another client's, so it is not canceled; the worker
+    said nothing of it. It logs an error with the create's time and size now."""
+    store = context.store
+    batch, qids = _prepared(context, 1)
+    client = context.batches
+    assert client is not None
+    create = client.create
+
+    def lost_after_purge(*args: Any, **kwargs: Any) -> Any:
+        create(*args, **kwargs)  # made at the provider
+        _purge_records(store)
+        raise RerankAttemptError(AttemptOutcome.CONNECTION, "Server disconnected")
+
+    monkeypatch.setattr(client, "create", lost_after_purge)
+    with pytest.raises(RerankAttemptError):
+        _submission(context, batch, qids, "1")
+
+    [made] = model.batches()
+    assert made["status"] == "in_progress"  # not canceled: nothing says it is Sift's
+    [error] = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert f"batch {batch.id}: erased while its create" in error.getMessage()
+    assert "of 1 requests" in error.getMessage()
     assert _named(store, batch.id) == []

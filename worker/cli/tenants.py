@@ -16,7 +16,9 @@ documents for good), and a tenant given the same name later inherits them. This 
    could cancel them after (they would run to their end, billed). A provider that does not
    answer a cancel (or no ``SIFT_GENERATION_MODEL`` to ask it with) stops the purge there,
    exit 1, before anything is erased: the state that names them stays, so running it again
-   cancels them then;
+   cancels them then. A create whose answer was lost may have made a provider batch that is
+   not canceled (its candidates may be other clients'): each candidate, and each such create
+   not looked for yet (when it was made, its size), is printed for an operator to look for;
 2. each of its indexes is dropped through the backend's own drop (a write version taken as
    the gateway's drop takes one, so the floor it leaves makes a write accepted before it land
    nothing), on Elasticsearch those holding no document too (not listed, but still indexes
@@ -38,6 +40,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, cast
 
@@ -102,6 +105,37 @@ def _drop_indexes(settings: Settings, client: redis.Redis, tenant: str) -> Count
         if callable(close):
             close()
     return dropped
+
+
+def _name_creates_in_doubt(store: JobStore, jobs: TenantJobs) -> int:
+    """Print what the purge leaves at the provider of the tenant's creates whose answer was
+    lost (:func:`~worker.queue.economy.cancel.creates_in_doubt`): each candidate, not
+    canceled (it may be another client's), and each create not looked for yet, with when it
+    was made and its size, for an operator to look for at the provider. Answers how many
+    candidates were left."""
+    from worker.queue.economy.cancel import creates_in_doubt
+
+    console, left = cli_console(), 0
+    for batch_id in jobs.ids.get(KIND_BATCH, []):
+        candidates, unsought = creates_in_doubt(store, batch_id)
+        for provider_id in candidates:
+            console.print(
+                f"batch {batch_id}: provider batch {provider_id} not canceled: a candidate of a "
+                "create whose answer was lost (it may be another client's); if it is this "
+                "tenant's, it runs to its end",
+                soft_wrap=True,
+            )
+        left += len(candidates)
+        for submission, (at, requests) in unsought.items():
+            made = datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
+            console.print(
+                f"batch {batch_id}: create {submission} of {requests} request(s), made at {made}, "
+                "has no answer kept: a provider batch it made, if any, is not canceled here (its "
+                "submission cancels it if the answer still comes; if it was lost, look for one "
+                f"of {requests} request(s) created then)",
+                soft_wrap=True,
+            )
+    return left
 
 
 def _cancel_provider_batches(settings: Settings, store: JobStore, jobs: TenantJobs) -> int:
@@ -215,6 +249,7 @@ def purge(
         jobs = store.tenant_jobs(name)
         canceled = store.cancel_tenant_jobs(jobs)
         canceled["provider batch"] = _cancel_provider_batches(settings, store, jobs)
+        canceled["in doubt"] = _name_creates_in_doubt(store, jobs)
         dropped = _drop_indexes(settings, client, name)
         deleted = store.delete_tenant_jobs(jobs) + store.delete_tenant_keys(name)
     except (redis.RedisError, OSError, SiftError) as exc:
@@ -232,6 +267,7 @@ def _show(
         ("ingests canceled", canceled["ingest"]),
         ("batch items canceled", canceled["batch_item"]),
         ("provider batches canceled (economy lane)", canceled["provider batch"]),
+        ("provider batches of creates in doubt, not canceled", canceled["in doubt"]),
         ("indexes dropped", dropped["indexes"]),
         ("documents dropped", dropped["documents"]),
         ("searches deleted", deleted["search"]),

@@ -63,6 +63,33 @@ def open_provider_batches(store: JobStore, batch_id: str) -> list[str]:
     ]
 
 
+def creates_in_doubt(
+    store: JobStore, batch_id: str
+) -> tuple[list[str], dict[str, tuple[float, int]]]:
+    """What a purge of the batch cannot cancel of its creates whose answer was lost: the
+    candidates not ended of those looked for (:func:`~worker.queue.economy.doubts.settle_doubts`;
+    each may be another client's), and, by submission, when each create not looked for yet
+    was made and of how many requests (the provider batch it made, if any, is known to no
+    one: its answer never came). Read before the batch's economy state is deleted, so that
+    they can be named."""
+    providers = {
+        provider_id: json.loads(raw)
+        for provider_id, raw in store.economy_all(batch_id, ECONOMY_PROVIDERS_KEY).items()
+    }
+    candidates = [
+        provider_id
+        for provider_id, record in providers.items()
+        if record.get("doubt") and record.get("ended_at") is None
+    ]
+    known = {record.get("submission") for record in providers.values()}
+    unsought: dict[str, tuple[float, int]] = {}
+    for raw in store.economy_all(batch_id, ECONOMY_RUNS_KEY).values():
+        pending = json.loads(raw).get("pending")
+        if pending and pending["submission"] not in known:
+            unsought[pending["submission"]] = (float(pending["at"]), int(pending["requests"]))
+    return candidates, unsought
+
+
 def cancel_sent(store: JobStore, batch_id: str, provider_id: str) -> bool:
     """Whether Sift's cancel of ``provider_id`` reached it before it ended, so the user's
     cancel came before its end: known without setting the gateway's clock (``canceled_at``)

@@ -146,6 +146,26 @@ def _cancel_erased(client: AnthropicMessageBatches, batch_id: str, provider_id: 
     )
 
 
+def _erased_in_doubt(
+    batch_id: str, submission: str, started: float, requests: int, error: RerankAttemptError
+) -> None:
+    """A create failed for a batch erased meanwhile: one that may have made a provider batch
+    (its answer lost) is logged as an error with when it was made and its size. Nothing will
+    look for it (its runs are gone) and it is not canceled here: a candidate found by time
+    and size may be another client's."""
+    if _may_have_created(error):
+        made = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))
+        log.error(
+            "batch %s: erased while its create %s of %d requests (made at %s) ran, whose "
+            "answer was lost (%s): a provider batch it may have made is not canceled",
+            batch_id,
+            submission,
+            requests,
+            made,
+            error,
+        )
+
+
 def submit(
     task: SiftTask,
     batch: BatchJob,
@@ -215,6 +235,9 @@ def submit(
             guard = upload_guard(task, batch.id, watch, submission)
             provider = client.create([p.request for p in chunk], before_write=guard)
         except RerankAttemptError as exc:
+            if task.context.store.get_batch(batch.id) is None:  # erased meanwhile: a purge
+                _erased_in_doubt(batch.id, submission, started, len(chunk), exc)
+                raise
             # a run stalled past its lease (taken over meanwhile) writes nothing more: the
             # items' runs may be the new holder's by now (sent again once the window passed)
             expect(task, batch.id, watch, 0.0)
