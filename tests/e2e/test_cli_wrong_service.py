@@ -78,5 +78,4 @@ def test_an_answer_that_is_not_sifts_is_one_line_naming_sift_url(
     )
     assert result.exit_code == 1, result.output
     assert "is not a Sift gateway answer (SIFT_URL)" in result.stderr, result.output
-    if args[0] != "ingest":  # its progress bar is on stdout
-        assert result.stdout == "", result.output
+    assert result.stdout == "", result.output  # ingest's progress bar too: it is on stderr

@@ -59,7 +59,7 @@ def _sift(stack: Stack, *args: str) -> str:
         sift_command(*args), env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    return done.stdout + done.stderr  # as a terminal shows them: the bars are on stderr
 
 
 @pytest.fixture(scope="module")

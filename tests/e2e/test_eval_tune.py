@@ -50,7 +50,7 @@ def _sift(stack: Stack, *args: str, expect: int = 0) -> str:
         sift_command(*args), env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == expect, done.stdout + done.stderr
-    return done.stdout
+    return done.stdout + done.stderr  # as a terminal shows them: the bars are on stderr
 
 
 @pytest.fixture(scope="module")

@@ -687,6 +687,24 @@ def test_batch_summary_lines_stay_whole_when_the_output_is_not_a_terminal(
                for line in result.output.splitlines()), result.output  # fmt: skip
 
 
+def test_progress_bars_go_to_stderr_and_the_reports_to_stdout(
+    fake_gateway: FakeGateway, tmp_path: Path
+) -> None:
+    """``sift batch ... > report.txt`` and ``sift ingest ... | tee log`` keep only their
+    report: the progress bar was drawn on stdout, and rich writes a bar's last frame to an
+    output that is not a terminal, so it ended up in the file among the summary lines."""
+    queries = write_jsonl(tmp_path / "q.jsonl", [{"_id": "q0", "text": "query 0"}])
+    batch = run(fake_gateway, "batch", str(queries), "--index", "s", "--out", str(tmp_path / "r"))
+    assert batch.exit_code == 0, batch.output
+    assert "━" in batch.stderr and "batch s" in batch.stderr, batch.stderr
+    assert "━" not in batch.stdout and "wrote 1 result(s)" in batch.stdout, batch.stdout
+    corpus = write_jsonl(tmp_path / "c.jsonl", [{"id": "d0", "text": "t"}])
+    ingest = run(fake_gateway, "ingest", str(corpus), "--index", "s")
+    assert ingest.exit_code == 0, ingest.output
+    assert "━" in ingest.stderr and "ingest s" in ingest.stderr, ingest.stderr
+    assert "━" not in ingest.stdout and "indexed 1 document(s)" in ingest.stdout, ingest.stdout
+
+
 def test_search_usage_line_stays_whole_when_the_output_is_not_a_terminal(
     fake_gateway: FakeGateway,
 ) -> None:

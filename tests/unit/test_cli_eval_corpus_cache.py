@@ -24,6 +24,10 @@ def _fused_recall(tmp_path: Path) -> float:
         env={"COLUMNS": "200"},
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    # the bars (the indexing's, each run's) on stderr, the report alone on stdout
+    assert "indexing c.jsonl" in result.stderr and "run fused" in result.stderr, result.stderr
+    assert "indexing" not in result.stdout and "run fused" not in result.stdout, result.stdout
+    assert "MRR@10" in result.stdout, result.stdout
     return float(json.loads(report.read_text())["runs"]["fused"]["R@10"])
 
 

@@ -122,6 +122,22 @@ def test_results_whose_every_line_failed_name_why_and_exit_3(tmp_path: Path) -> 
     assert "2 search(es) did not succeed (index_not_found 2)" in said, said
 
 
+def test_the_runs_progress_bars_go_to_stderr_and_the_report_to_stdout(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``sift eval ... > report.txt`` keeps the table alone: the runs' progress bars were
+    drawn on stdout, and their last frames (rich writes them to a file) came before it."""
+    result = _eval(monkeypatch, tmp_path, lambda body: None)
+    assert result.exit_code == 0, result.output
+    assert "fused via s" in result.stderr, result.stderr  # (the table's rules are "━" too)
+    assert "via s" not in result.stdout and "MRR@10" in result.stdout, result.stdout
+    tuned = _eval(monkeypatch, tmp_path, lambda body: None, "--tune", "--folds", "2")
+    assert tuned.exit_code == 0, tuned.output
+    assert "tuning: grid points scored" in tuned.stderr, tuned.stderr
+    assert "via s" not in tuned.stdout and "tuning:" not in tuned.stdout, tuned.stdout
+    assert "chosen on all 2 queries" in tuned.stdout, tuned.stdout
+
+
 def test_judged_queries_absent_from_the_queries_file_are_said(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -63,7 +63,7 @@ def _run_batches(
     with gateway() as client, _cancel_runs_on_interrupt(client, len(runs)) as submitted:
         for run in sorted(runs, key=lambda run: not run.rerank):  # stable: the rest in order
             submitted[run.name] = _submit(client, index, run, queries)
-        with progress_bar(console) as bar:
+        with progress_bar() as bar:
             tasks = {
                 run.name: bar.add_task(f"{run.name} via {index}", total=len(queries))
                 for run in runs

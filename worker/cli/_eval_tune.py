@@ -107,7 +107,7 @@ def _tune_served(
     grid = Grid() if scored else Grid(methods=("rrf",))
     if not scored:
         console.print("[yellow]the served hits carry no channel scores: linear fusion not tuned[/]")
-    with progress_bar(console) as bar:
+    with progress_bar() as bar:
         task = bar.add_task("tuning: grid points scored", total=len(grid.points()))
         return tune(
             rankings,

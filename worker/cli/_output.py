@@ -69,14 +69,16 @@ def cli_console(*, stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, emoji=False)
 
 
-def progress_bar(console: Console) -> Progress:
-    """The progress bar every long command shows."""
+def progress_bar() -> Progress:
+    """The progress bar every long command shows, on stderr: stdout is the command's report
+    (``sift batch ... > report.txt``, ``sift eval ... | tee``), and rich writes a bar's last
+    frame to an output that is not a terminal, which put it among the report's lines."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=console,
+        console=cli_console(stderr=True),
         transient=False,
     )
 

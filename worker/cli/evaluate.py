@@ -54,7 +54,7 @@ EXIT_USAGE = 2
 
 def _ingest(runtime: Runtime, corpus: Path, index: str, tenant: str) -> int:
     documents = read_corpus(corpus)
-    with progress_bar(console) as bar:
+    with progress_bar() as bar:
         task = bar.add_task(f"indexing {corpus.name}", total=len(documents))
         return runtime.ingest(index, tenant, documents, lambda n: bar.advance(task, n))
 
@@ -214,7 +214,7 @@ def _in_process(
             f"--data-dir {directory} holds the index of other contents than {corpus} "
             "(an older version of it, or another corpus): give a new directory"
         )
-    with progress_bar(console) as bar:
+    with progress_bar() as bar:
         tasks: dict[str, Any] = {}
 
         def advance(run: str, n: int) -> None:

@@ -465,7 +465,7 @@ def documents_list(
             )
             total = int(shown["documents"])
             if every:
-                with progress_bar(_err()) as progress:
+                with progress_bar() as progress:
                     task = progress.add_task(f"list {index}", total=total)
 
                     def advance(n: int) -> None:

@@ -477,7 +477,7 @@ def _start(
     """Start the stack; a Ctrl-C while it starts (``cancel`` set) stops what was started and
     exits 130 with one line, not the log tail of a process that the Ctrl-C reached too."""
     try:
-        with console.status("starting redis, a worker and the gateway…"):
+        with errors.status("starting redis, a worker and the gateway…"):  # stdout: the report
             return stack.enter_context(local_stack(settings, report, cancel))
     except (RuntimeError, SiftError, StartInterrupted) as error:
         if cancel is not None and cancel.is_set():

@@ -372,7 +372,7 @@ def batch(
                 )
             else:
                 console.print(f"batch [bold]{batch_id}[/]: {len(items)} queries submitted")
-            with _cancel_on_interrupt(client, batch_id), progress_bar(console) as progress:
+            with _cancel_on_interrupt(client, batch_id), progress_bar() as progress:
                 task = progress.add_task(f"batch {index}", total=len(items))
 
                 def show(state: dict[str, Any]) -> None:

@@ -466,7 +466,7 @@ def ingest(
         # the next one sent; only when no id repeats, so a repeated id's last line still wins.
         in_flight = 2 if distinct == len(documents) else 1
         try:
-            with progress_bar(console) as progress, _pool(in_flight) as pool:
+            with progress_bar() as progress, _pool(in_flight) as pool:
                 task = progress.add_task(f"ingest {index}", total=len(documents))
                 try:
                     sent = [pool.submit(send, i) for i in range(len(chunks))]
