@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 from rich.console import Console
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 import worker.cli.cost as cost
 from tests.prometheus_support import free_port
@@ -135,3 +137,53 @@ def test_json_prints_the_whole_report(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_one_search_is_counted_in_the_singular() -> None:
     assert "(1 search)" in _printed(cost.CostReport("1h", {"m": 0.5}, {}, {}, {}, 1, {}))
     assert "(2 searches)" in _printed(cost.CostReport("1h", {"m": 0.5}, {}, {}, {}, 2, {}))
+
+
+def _cost_with_png(monkeypatch: pytest.MonkeyPatch, png: Path) -> tuple[Result, list[str]]:
+    """``sift cost --png PNG`` on a report made here; answers the run and the windows read."""
+    asked: list[str] = []
+
+    def fetch(url: str, window: str) -> cost.CostReport:
+        asked.append(window)
+        return cost.CostReport("1h", {"m": 0.5}, {"input": 7.0}, {}, {}, 2, {})
+
+    monkeypatch.setattr(cost, "fetch_report", fetch)
+    args = ["cost", "--prometheus-url", "http://prometheus:9090", "--png", str(png)]
+    return CliRunner().invoke(app, args, env={"COLUMNS": "200", "NO_COLOR": "1"}), asked
+
+
+@pytest.mark.parametrize("where", ["no-such-folder/c.png", "a-file/c.png"])
+def test_a_png_it_cannot_write_is_refused_before_any_report(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str
+) -> None:
+    """``--png`` into a folder that is not there (or under a file) is one error line and exit
+    1 before Prometheus is read: the whole report was printed first, then the error, so a
+    ``sift cost --png x > report.txt`` left a report that looked done from a failed run."""
+    (tmp_path / "a-file").write_text("")
+    png = tmp_path / where
+    run, asked = _cost_with_png(monkeypatch, png)
+    assert isinstance(run.exception, SystemExit) and run.exit_code == 1, run.output
+    assert run.stdout == "" and asked == [], run.output
+    said = " ".join(run.stderr.split())
+    assert f"error: --png: cannot write {png}" in said and "nothing was read" in said, said
+    assert not (tmp_path / "no-such-folder").exists()
+    # the same folder there: the report, then the chart
+    png = tmp_path / "c.png"
+    run, asked = _cost_with_png(monkeypatch, png)
+    assert run.exit_code == 0, run.output
+    assert "Rerank cost, last 1h" in run.stdout and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_png_without_matplotlib_is_refused_before_any_report(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without ``sift[charts]`` installed, ``--png`` printed the report, then a traceback of
+    the chart's SiftError (caught only around Prometheus's reads), exit 1 by accident."""
+    for name in ("matplotlib", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
+    run, asked = _cost_with_png(monkeypatch, tmp_path / "c.png")
+    assert isinstance(run.exception, SystemExit) and run.exit_code == 1, run.output
+    assert run.stdout == "" and asked == [], run.output
+    said = " ".join(run.stderr.split())
+    assert "error: --png needs matplotlib: pip install 'sift[charts]'" in said, said
+    assert not (tmp_path / "c.png").exists()

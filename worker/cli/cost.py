@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import tempfile
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -227,13 +228,35 @@ def render(report: CostReport, url: str) -> Iterable[Table | str]:
     yield latency
 
 
-def write_chart(report: CostReport, path: Path) -> None:
-    """A PNG of the report: cost, tokens, attempts and outcomes. Needs ``sift[charts]``."""
+def _figure_class() -> Any:
+    """matplotlib's ``Figure``; SiftError naming the extra to install when it is missing."""
     try:
         from matplotlib.figure import Figure
     except ImportError as exc:
         raise SiftError("--png needs matplotlib: pip install 'sift[charts]'") from exc
-    figure = Figure(figsize=(11, 8), layout="constrained")
+    return Figure
+
+
+def check_png(path: Path) -> None:
+    """Refuse a ``--png`` that cannot be written (matplotlib missing, its folder not there or
+    not writable) before Prometheus is read: the report was printed whole first, then the
+    error, and a ``sift cost --png x > report.txt`` kept a report that looked done from a run
+    that failed. Makes no folder (a typo's folder would be left behind); a failure while
+    writing still comes after the report (a disk full meanwhile)."""
+    _figure_class()
+    try:
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
+            pass
+    except OSError as exc:
+        # a file where a folder should be: "Not a directory", naming neither
+        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else exc.strerror or exc
+        raise SiftError(f"--png: cannot write {path} ({why}); nothing was read") from exc
+
+
+def write_chart(report: CostReport, path: Path) -> None:
+    """A PNG of the report: cost, tokens, attempts and outcomes. Needs ``sift[charts]``."""
+    figure = _figure_class()(figsize=(11, 8), layout="constrained")
     per_1k = report.cost_per_1k_searches
     figure.suptitle(
         f"Sift rerank, last {report.window}: {report.total_cost:.4f} USD"
@@ -286,6 +309,8 @@ def cost_command(
     """Rerank cost, tokens, outcomes, attempts and latency of the last hour or day."""
     try:
         url = _prometheus_url(prometheus_url)
+        if png is not None:
+            check_png(png)
         report = fetch_report(url, window.value)
         if json_out:
             typer.echo(json.dumps(as_json(report, url)))
@@ -293,12 +318,15 @@ def cost_command(
             for item in render(report, url):
                 console.print(item)
     except SiftError as exc:
-        _err().print(f"[red]error:[/] {plain(exc.message)}")
+        _err().print(f"[red]error:[/] {plain(exc.message)}", soft_wrap=True)
         raise typer.Exit(EXIT_ERROR) from exc
     if png is not None:
         try:
             write_chart(report, png)
-        except OSError as exc:  # its folder missing or not writable, the disk full
-            _err().print(f"[red]error:[/] cannot write {plain(str(png))}: {plain(exc.strerror)}")
+        except OSError as exc:  # writable when checked, not now (the disk full): report whole
+            _err().print(
+                f"[red]error:[/] --png: cannot write {plain(str(png))} "
+                f"({plain(exc.strerror or exc)}); the report printed is complete"
+            )
             raise typer.Exit(EXIT_ERROR) from exc
         _err().print(f"wrote [bold]{plain(str(png))}[/]")  # stdout may be --json's
