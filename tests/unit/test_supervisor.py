@@ -6,6 +6,7 @@ up a minute starts again after 1 s."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -134,3 +135,48 @@ def test_a_failing_exit_hook_neither_stops_the_supervisor_nor_the_restart(
     assert service.proc is not None
     service.proc.kill()
     service.proc.wait()
+
+
+def _wait_for(path: Path, text: bytes) -> None:
+    deadline = time.monotonic() + 30
+    while text not in path.read_bytes():
+        assert time.monotonic() < deadline, f"{text!r} never reached {path}"
+        time.sleep(0.02)
+
+
+def test_a_log_past_its_size_is_rotated_in_place_and_only_a_few_are_kept(tmp_path: Path) -> None:
+    """``sift up``'s logs grew for good (appended to on every run and restart). Each check
+    rotates a log past ``log_max_bytes``: its lines to ``NAME.log.1`` (the older ones shifted
+    up to ``log_keep``, the oldest dropped) and the log emptied in place, so the process,
+    which appends to it, goes on at its start (not past a hole the size of the old lines)."""
+    script = (
+        "trap 'echo after-the-rotation' USR1; i=0; "
+        'while [ $i -lt 2000 ]; do echo "line $i of the first run of the writer"; i=$((i+1)); '
+        "done; echo written; while true; do sleep 0.05; done"
+    )
+    service = Service("writer", ["sh", "-c", script], tmp_path / "writer.log", None)
+    supervisor = Supervisor([].append, log_max_bytes=32 * 1024, log_keep=2)
+    watched = _Watched(service)
+    old = tmp_path / "writer.log.1", tmp_path / "writer.log.2", tmp_path / "writer.log.3"
+    service.start()
+    try:
+        _wait_for(service.log, b"written\n")
+        supervisor._check(watched, time.monotonic())
+        assert service.log.read_bytes() == b"" and b"line 1999 " in old[0].read_bytes()
+        assert service.proc is not None
+        service.proc.send_signal(signal.SIGUSR1)
+        _wait_for(service.log, b"after-the-rotation")
+        assert service.log.read_bytes() == b"after-the-rotation\n"  # at the start, no hole
+        for n in range(3):  # three more rotations: the first run's lines are dropped
+            with service.log.open("ab") as log:
+                log.write(f"filler {n}\n".encode() * 4096)
+            supervisor._check(watched, time.monotonic())
+        assert old[0].read_bytes().startswith(b"filler 2\n"), old[0].read_bytes()[:20]
+        assert old[1].read_bytes().startswith(b"filler 1\n"), old[1].read_bytes()[:20]
+        assert not old[2].exists() and service.log.read_bytes() == b""
+        supervisor._check(watched, time.monotonic())  # under the size: left as it is
+        assert old[0].read_bytes().startswith(b"filler 2\n")
+    finally:
+        assert service.proc is not None
+        service.proc.kill()
+        service.proc.wait()

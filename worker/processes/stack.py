@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import itertools
 import logging
 import os
 import random
@@ -232,6 +233,36 @@ def spawn(
         )  # fmt: skip
 
 
+# ``sift up``'s logs: one past LOG_MAX_BYTES is rotated (:func:`rotate_log`), and LOG_KEEP
+# rotated ones are kept beside it, so each process's log takes at most about 40 MiB
+LOG_MAX_BYTES = 10 * 1024 * 1024
+LOG_KEEP = 3
+
+
+def rotate_log(log: Path, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP) -> bool:
+    """Rotate ``log`` if it has reached ``max_bytes``: ``NAME.1`` … shift up one (the one
+    past ``keep`` is dropped), its lines are copied to ``NAME.1``, and it is emptied in place.
+    Answers whether it rotated.
+
+    In place (logrotate's ``copytruncate``), not renamed: the process writing it holds it
+    open, and renamed it would go on writing into ``NAME.1`` for good. It appends
+    (:func:`spawn` opens it ``O_APPEND``), so its next line lands at the start of the emptied
+    file, not past a hole the old lines' size. A line written between the copy and the
+    truncation is lost, as with ``copytruncate``."""
+    try:
+        if log.stat().st_size < max_bytes:
+            return False
+    except FileNotFoundError:
+        return False
+    kept = [log.with_name(f"{log.name}.{n}") for n in range(1, keep + 1)]
+    for newer, older in reversed(list(itertools.pairwise(kept))):
+        if newer.exists():  # NAME.2 to NAME.3 first, then NAME.1 to NAME.2
+            newer.replace(older)
+    shutil.copyfile(log, kept[0])
+    os.truncate(log, 0)
+    return True
+
+
 def child_env(extra: Mapping[str, str], *, inherit_sift: bool = True) -> dict[str, str]:
     """The environment of a child: ours (optionally without ``SIFT_*``), plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if inherit_sift or not k.startswith("SIFT_")}
@@ -415,6 +446,12 @@ class Service:
     started_at: float = 0.0
     _offset: int = 0  # the log's size when the process started: its own lines follow
 
+    def rotate_log(self, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP) -> None:
+        """Rotate its log once past ``max_bytes`` (:func:`rotate_log`); its lines since the
+        start are then those of the emptied log."""
+        if self.log is not None and rotate_log(self.log, max_bytes, keep):
+            self._offset = 0
+
     def start(self) -> subprocess.Popen[bytes]:
         """Start the process (again), appending to its log; answers it without waiting."""
         self._offset = _log_size(self.log)
@@ -513,10 +550,14 @@ class Supervisor:
     loop does not spin; a process that stayed up a minute starts the count again. Every exit
     and restart is one line in the process's own log and one through ``report`` (the console).
     A restarted process is not waited for: a worker restarted while Redis is down connects
-    once Redis is back."""
+    once Redis is back. Each check also rotates a process's log past ``log_max_bytes``,
+    keeping ``log_keep`` rotated ones (:func:`rotate_log`): appended to on every run and
+    restart, they grew without bound."""
 
     report: Callable[[str], None]
     poll_seconds: float = 0.5
+    log_max_bytes: int = LOG_MAX_BYTES
+    log_keep: int = LOG_KEEP
     # called once with a service whose process just exited (its ``proc`` still the dead one)
     on_exit: Callable[[Service], None] | None = None
     # called with a service whose process was just started again
@@ -583,6 +624,7 @@ class Supervisor:
 
     def _check(self, watched: _Watched, now: float) -> None:
         service = watched.service
+        service.rotate_log(self.log_max_bytes, self.log_keep)
         if service.proc is None or service.proc.poll() is None or self._stopping.is_set():
             return
         if watched.restart_at is None:  # it just exited
