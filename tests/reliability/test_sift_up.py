@@ -19,6 +19,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -515,6 +516,34 @@ def test_sift_demo_runs_on_its_own_redis_and_fails_when_a_query_failed(tmp_path:
     assert demo.returncode == 3, printed
     assert "demo done" not in printed and "Traceback" not in printed, printed
     assert re.search(r"10 of 10 queries failed", printed), printed
+
+
+@pytest.mark.timeout(300)
+def test_sift_demo_runs_on_its_defaults_whatever_the_deployment_exports(tmp_path: Path) -> None:
+    """An operator's shell (a sourced deploy/.env) exports the deployment's settings: the
+    demo's stack took them, its worker indexing into the deployment's Elasticsearch with the
+    deployment's keys. The demo runs on the defaults now (the embedded backend in a
+    temporary folder, its own Redis and development key); the Elasticsearch here is a port
+    that takes connections and never answers, and none reaches it."""
+    keys = tmp_path / "keys.json"
+    secret = "whsec_" + "A" * 32
+    keys.write_text(json.dumps([{"key": "sk-ops-000000000001", "tenant": "ops",
+                                 "webhook_secret": secret}]))  # fmt: skip
+    deployment = tmp_path / "deployment"
+    with socket.create_server(("127.0.0.1", 0)) as elasticsearch:
+        es_url = f"http://127.0.0.1:{elasticsearch.getsockname()[1]}"
+        env = {**_env(), "SIFT_SEARCH_BACKEND": "elasticsearch", "SIFT_ELASTICSEARCH_URL": es_url,
+               "SIFT_API_KEYS_FILE": str(keys), "SIFT_DATA_DIR": str(deployment)}  # fmt: skip
+        demo = subprocess.run(
+            [sys.executable, "-m", "worker.cli", "demo"], cwd=tmp_path, env=env,
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        printed = demo.stdout + demo.stderr
+        elasticsearch.setblocking(False)
+        with pytest.raises(BlockingIOError):  # no connection waits to be accepted
+            elasticsearch.accept()
+    assert demo.returncode == 0 and "demo done" in printed, printed
+    assert not deployment.exists(), printed
 
 
 def test_an_early_exit_is_told_on_stderr_line_by_line(tmp_path: Path) -> None:

@@ -551,12 +551,48 @@ def _webhook_secret_source(settings: Settings) -> str:
     return f'the "webhook_secret" in {path} (the development key\'s)'
 
 
+# The SIFT_ variables ``sift demo`` takes from its environment: those that choose the rerank
+# and its model, so that it can show one. Every other (the backend and its URL, Redis, the
+# data folder, the keys, the ports, ...) places a deployment, and the demo runs on the defaults.
+DEMO_KEEPS = ("SIFT_GENERATION_", "SIFT_RERANK_", "SIFT_PRICES")
+
+
+@contextlib.contextmanager
+def _demo_environment() -> Iterator[None]:
+    """This process's environment without a deployment's ``SIFT_`` variables (all but
+    :data:`DEMO_KEEPS`'s) while the demo runs, for its settings and the stack and steps it
+    starts: an operator's shell (a sourced ``deploy/.env``) gave it the deployment's, and its
+    worker indexed the sample into the deployment's Elasticsearch, or waited on one that did
+    not answer. Put back after, as they were."""
+    dropped = {
+        name: value
+        for name, value in os.environ.items()
+        if name.startswith("SIFT_") and not name.startswith(DEMO_KEEPS)
+    }
+    for name in dropped:
+        del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.update(dropped)
+
+
 @app.command("demo")
 def demo(
     limit: Annotated[int, typer.Option(min=1, max=100, help="hits shown per query")] = 3,
 ) -> None:
     """The whole path on this machine: start the stack, ingest the bundled sample corpus,
-    run a batch of searches through the gateway and the queue, print them, stop."""
+    run a batch of searches through the gateway and the queue, print them, stop.
+
+    It runs on the defaults whatever the environment says, never on a deployment: the
+    embedded backend in a temporary folder, a Redis, ports and a development key of its
+    own. Of the SIFT_ variables it takes only those choosing the rerank and its model
+    (SIFT_GENERATION_*, SIFT_RERANK_*, SIFT_PRICES; with ANTHROPIC_API_KEY)."""
+    with _demo_environment():
+        _demo(limit)
+
+
+def _demo(limit: int) -> None:
     started = time.monotonic()
     corpus, queries = sample_path("sample_corpus.jsonl"), sample_path("sample_queries.jsonl")
     stopping = threading.Event()
@@ -574,8 +610,9 @@ def demo(
             tempfile.TemporaryDirectory(prefix="sift-demo-") as tmp,
             contextlib.ExitStack() as stack,
         ):
-            # a Redis of its own always: on an exported SIFT_REDIS_URL (an operator's shell)
-            # its worker took the deployment's searches, and the deployment's its own
+            # a Redis of its own always (SIFT_REDIS_URL is dropped too): on an exported one
+            # (an operator's shell) its worker took the deployment's searches, and the
+            # deployment's its own
             settings = _settings(data_dir=Path(tmp), gateway_port=free_port(),
                                  worker_metrics_port=free_port(), redis_url=None)  # fmt: skip
             local = _start(stack, settings, cancel=stopping)
