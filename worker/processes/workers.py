@@ -269,11 +269,14 @@ def _count_running(services: Sequence[Service]) -> None:
 
 
 def _dead(service: Service) -> None:
-    """A child exited: its share of the live gauges goes (its counters stay)."""
-    from worker.observability.metrics import mark_process_dead
+    """A child exited: its share of the live gauges goes, and its counters and histograms are
+    merged into the folder's merged files (their counts stay; its files go, where one set more
+    was left at each restart)."""
+    from worker.observability.metrics import mark_process_dead, merge_dead_process
 
-    if service.proc is not None:
+    if service.proc is not None and service.proc.poll() is not None:
         mark_process_dead(service.proc.pid)
+        merge_dead_process(service.proc.pid)
 
 
 def _serve_metrics(settings: Settings) -> None:

@@ -33,8 +33,11 @@ before any child starts and before anything is recorded: it empties the director
 from an earlier run would be counted twice) and switches this process, and every child it forks
 or spawns, to file-backed values. When a child exits, call :func:`mark_process_dead` with its
 pid (Celery's ``worker_process_shutdown``, gunicorn's ``child_exit``), so its share of the
-``live…`` gauges goes away; its counters stay, so no count is lost. The exposition also sweeps
-the files of pids that no longer exist, for children that died without running the hook.
+``live…`` gauges goes away; its counters stay, so no count is lost. Once it is gone (its
+supervisor has waited for it), :func:`merge_dead_process` adds its counters and histograms into
+one merged file per kind and removes its own, so the files do not pile up over restarts. The
+exposition also sweeps the files of pids that no longer exist (both), for children that died
+without running the hook.
 
     setup_multiprocess("/run/sift-metrics")      # supervisor, before forking
     start_worker_metrics_server(9808)             # the Celery main process
@@ -85,6 +88,7 @@ from worker.observability.metrics._multiprocess import (
     SweepingCollector,
     ensure_multiprocess_dir,
     mark_process_dead,
+    merge_dead_process,
     multiprocess_dir,
     setup_multiprocess,
     sweep_dead_processes,
@@ -199,6 +203,7 @@ __all__ = [
     "job_store_unread",
     "job_submitted",
     "mark_process_dead",
+    "merge_dead_process",
     "metrics_response",
     "multiprocess_dir",
     "observe_queue_wait",

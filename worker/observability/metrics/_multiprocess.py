@@ -7,15 +7,19 @@ The folder is ``PROMETHEUS_MULTIPROC_DIR``, prometheus-client's own variable (as
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import logging
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
 from prometheus_client import values as _prometheus_values
 from prometheus_client.metrics import Gauge
+from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from worker.observability.metrics._series import ALL_METRICS
@@ -85,7 +89,9 @@ def _warn_if_shared(path: Path) -> None:
 
 
 def mark_process_dead(pid: int) -> None:
-    """A child process exited: drop its share of the live gauges (its counters stay).
+    """A child process exited: drop its share of the live gauges (its counters stay, and
+    are merged once it is gone: :func:`merge_dead_process`, which this hook, run in the
+    exiting child itself by Celery, must not do).
 
     Celery: ``worker_process_shutdown.connect(lambda pid=None, **_: mark_process_dead(pid))``.
     gunicorn: ``def child_exit(server, worker): mark_process_dead(worker.pid)``.
@@ -108,20 +114,82 @@ def _drop_live_gauges(pid: int, directory: str | os.PathLike[str]) -> None:
         Path(directory, f"gauge_{mode}_{pid}.db").unlink(missing_ok=True)
 
 
-_LIVE_GAUGE_FILE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
 _VALUE_FILE = re.compile(r"^[a-z_]+_(\d+)\.db$")  # counter_12.db, gauge_livesum_12.db, ...
 
 
+# A dead process's counters and histograms are added into the file of this name in place of
+# a pid (``counter_merged.db``, ``histogram_merged.db``): their values only add up. Every
+# gauge Sift defines is a live one, dropped with its process, so no other file is left.
+MERGED: Final = "merged"
+_MERGED_KINDS: Final = ("counter", "histogram")
+# flock'ed shared by a scrape while it reads the files, exclusive by a merge, in every process
+# that reads or merges the folder's files (a gateway's replicas share theirs)
+_LOCK_FILE: Final = ".merge.lock"
+
+
+@contextlib.contextmanager
+def _files_locked(directory: str | os.PathLike[str], *, exclusive: bool) -> Iterator[None]:
+    with open(Path(directory, _LOCK_FILE), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield  # closing the file lets it go
+
+
+def merge_dead_process(pid: int) -> None:
+    """A child process is gone for good (its supervisor has waited for it): add its counters
+    and histograms into the merged files and remove its own, so the folder holds one set of
+    files per running process, not one more per restart for as long as the supervisor runs
+    (each scrape read every one). No count is lost, none doubled: a scrape reads the files
+    only between merges, so no counter goes back. Only for a process that has exited: one
+    still running would go on writing into the file removed."""
+    directory = multiprocess_dir()
+    if directory is not None:
+        _merge_counts(pid, directory)
+
+
+def _merge_counts(pid: int, directory: str | os.PathLike[str]) -> None:
+    """Add ``pid``'s counter and histogram values into the merged files, then remove its
+    files; nothing when they are gone already (a scrape's sweep and the supervisor may both
+    come to it). Killed between the two (the supervisor SIGKILLed), its counts are in both
+    files: the folder is emptied when the supervisor starts again anyway."""
+    with _files_locked(directory, exclusive=True):
+        for kind in _MERGED_KINDS:
+            dead = Path(directory, f"{kind}_{pid}.db")
+            if not dead.exists():
+                continue
+            values = _values_in(dead)
+            if values:
+                merged = MmapedDict(str(Path(directory, f"{kind}_{MERGED}.db")))  # type: ignore[no-untyped-call]
+                try:
+                    for key, value, timestamp, _ in values:
+                        total, _ = merged.read_value(key)  # type: ignore[no-untyped-call]
+                        merged.write_value(key, total + value, timestamp)  # type: ignore[no-untyped-call]
+                finally:
+                    merged.close()  # type: ignore[no-untyped-call]
+            dead.unlink(missing_ok=True)
+
+
+def _values_in(path: Path) -> list[tuple[str, float, float, int]]:
+    """A value file's keys and values; none for one its process never wrote a header in
+    (it died as it created the file)."""
+    if not _has_header(str(path)):
+        return []
+    return list(MmapedDict.read_all_values_from_file(str(path)))  # type: ignore[no-untyped-call]
+
+
 def sweep_dead_processes(directory: str | os.PathLike[str]) -> list[int]:
-    """Mark dead every pid whose live-gauge files remain but whose process is gone."""
-    pids = set()
-    for path in Path(directory).glob("gauge_live*_*.db"):
-        match = _LIVE_GAUGE_FILE.match(path.name)
-        if match:
-            pids.add(int(match.group(1)))
+    """Mark dead every pid whose files remain but whose process is gone: its live gauges
+    dropped, its counters and histograms merged (:func:`merge_dead_process`), for the
+    processes that died without their supervisor's word (a prefork child, a gateway
+    replica)."""
+    pids = {
+        int(match.group(1))
+        for path in Path(directory).glob("*.db")
+        if (match := _VALUE_FILE.match(path.name))
+    }
     dead = [pid for pid in sorted(pids) if not alive(pid)]
     for pid in dead:
         _drop_live_gauges(pid, directory)
+        _merge_counts(pid, directory)
     return dead
 
 
@@ -135,8 +203,9 @@ class SweepingCollector(MultiProcessCollector):
 
     def collect(self) -> Any:
         sweep_dead_processes(self._path)
-        files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _has_header(f)]
-        return self.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+        with _files_locked(self._path, exclusive=False):  # no merge between list and read
+            files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _has_header(f)]
+            return self.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
 
 
 def _has_header(path: str) -> bool:
