@@ -37,7 +37,8 @@ def eval_(*args: str) -> Result:
 def refused(result: Result, message: str) -> None:
     assert isinstance(result.exception, SystemExit), result.exception  # no traceback
     assert result.exit_code == 1, result.output
-    assert message in result.output, result.output
+    # on stderr, as every command's errors: ``sift eval ... > report.txt`` printed it there
+    assert message in result.stderr and result.stdout == "", result.output
     assert "Traceback" not in result.output
 
 
@@ -180,7 +181,17 @@ def test_a_data_dir_it_cannot_make_is_a_usage_error_naming_it(tmp_path: Path) ->
     )  # fmt: skip
     assert isinstance(result.exception, SystemExit), result.exception  # no traceback
     assert result.exit_code == 2, result.output
-    assert f"--data-dir {data}: cannot make it" in result.output, result.output
+    assert f"--data-dir {data}: cannot make it" in result.stderr, result.output
+    assert result.stdout == "", result.output
+
+
+def test_a_tune_whose_gateway_does_not_answer_says_so_on_stderr(tmp_path: Path) -> None:
+    result = eval_(
+        "--tune", "--index", "s", "--queries", write(tmp_path / "q.jsonl", QUERIES),
+        "--qrels", write(tmp_path / "qrels.tsv", QRELS), "--folds", "2",
+    )  # fmt: skip
+    assert isinstance(result.exception, SystemExit) and result.exit_code == 1, result.output
+    assert "error:" in result.stderr and result.stdout == "", result.output
 
 
 def test_a_query_id_given_twice_is_refused_naming_the_file_and_line(tmp_path: Path) -> None:

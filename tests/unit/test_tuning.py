@@ -236,12 +236,17 @@ def test_apply_stores_the_chosen_settings(
 
 
 def test_apply_refuses_below_the_better_channel_and_sends_nothing(
-    monkeypatch: pytest.MonkeyPatch, patches: list[tuple[str, str, Any]], tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch,
+    patches: list[tuple[str, str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     report = _report(tuned=[0.60, 0.62], bm25=[0.63, 0.63], knn=[0.40, 0.40])
     refused = _run_tune(monkeypatch, report, tmp_path / "r.json", apply=True)
     assert refused == _eval_tune.EXIT_REFUSED
     assert patches == []
+    out, err = capsys.readouterr()  # the refusal with the errors, the folds on stdout
+    assert "refused:" in err and "refused:" not in out and "held out" in out, (out, err)
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["applied"] is False and "bm25 alone" in written["refusal"]
     # without --apply the same report is only printed: exit 0, nothing sent

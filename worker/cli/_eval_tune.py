@@ -12,6 +12,7 @@ import typer
 from rich import box
 from rich.table import Table
 
+from worker.cli._common import _err
 from worker.cli._eval_runs import _judged, _run_batches, console
 from worker.cli._http import GatewayError, gateway
 from worker.cli._output import plain, progress_bar
@@ -48,7 +49,7 @@ def _tune_command(
     try:
         report = _tune_served(index, queries_path, qrels_path, out, folds, seed, max_queries)
     except (GatewayError, ValueError) as error:
-        console.print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
+        _err().print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
         raise typer.Exit(1) from error
     _print_tune(report)
     data: dict[str, Any] = {"index": index, "folds_seed": seed, **report.as_dict()}
@@ -64,7 +65,7 @@ def _tune_command(
         if json_out:
             json_out.write_text(json.dumps(data, indent=2) + "\n")
     if apply and refusal is not None:
-        console.print(f"[red]refused:[/red] {refusal}", soft_wrap=True)
+        _err().print(f"[red]refused:[/red] {refusal}", soft_wrap=True)  # stdout: the folds
         raise typer.Exit(EXIT_REFUSED)
 
 

@@ -25,7 +25,7 @@ from rich.table import Table
 from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.int8_graph import GRAPH_REVISION
 from worker.cli._app import app
-from worker.cli._common import EXIT_ITEMS_FAILED
+from worker.cli._common import EXIT_ITEMS_FAILED, _err
 from worker.cli._eval_runs import _judged, _run_batches, _served_window, console
 from worker.cli._eval_tune import _tune_command
 from worker.cli._http import GatewayError, index_name
@@ -66,7 +66,7 @@ def _sha256(path: Path) -> str:
 
 
 def _usage_error(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {plain(message)}", soft_wrap=True)
+    _err().print(f"[red]error:[/red] {plain(message)}", soft_wrap=True)
     return typer.Exit(EXIT_USAGE)
 
 
@@ -158,11 +158,11 @@ def eval_command(
         else:
             assert results is not None
             report = _scored_file(results, qrels, window)
-    except SiftError as error:
-        console.print(f"[red]error:[/red] {plain(error)}")
+    except SiftError as error:  # errors on stderr, as every command's: stdout is the report
+        _err().print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
         raise typer.Exit(2) from error
     except (GatewayError, ValueError) as error:
-        console.print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
+        _err().print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
         raise typer.Exit(1) from error
     _print_report(report)
     if json_out:
