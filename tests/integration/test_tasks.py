@@ -40,6 +40,7 @@ class ScriptedRuntime(EmptyRuntime):
         self.calls = 0
         self.model_calls = 0
         self.first_half = first_half  # runs where retrieval would, before the model call
+        self.spent: list[float] = []  # each run's deadline time spent by the runs before it
 
     def search(
         self,
@@ -51,6 +52,7 @@ class ScriptedRuntime(EmptyRuntime):
         answers: object = None,
     ) -> SearchResult:
         self.calls += 1
+        self.spent.append(spent)
         if self.errors:
             raise self.errors.pop(0)
         if self.first_half is not None:
@@ -597,6 +599,35 @@ def test_a_batch_item_whose_claim_the_job_store_cannot_take_is_not_failed(
     tasks.batch_chunk.apply(args=[batch.id, 0, 1])
     done = store.get_batch(batch.id)
     assert done is not None and done.status == "succeeded" and runtime.model_calls == 1
+
+
+def test_a_search_or_item_whose_run_meets_redis_down_is_run_again_uncharged(
+    context: base.WorkerContext,
+) -> None:
+    """Redis unreachable past the client's 30 s of retries during a claimed run (its
+    index's settings, its cancel check, the rate budget): the job store's failure, not the
+    job's. It ended ``failed`` ``internal_error`` with Redis's own text. Now the task fails
+    with the job still running, and its claim is not let go (letting go would charge the
+    outage to the job's one deadline): the redelivery takes it over with nothing spent."""
+    down = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    store = context.store
+    runtime = ScriptedRuntime(down, down)
+    context._runtime = runtime
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"))
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q0"))])
+    assert tasks.search.apply(args=[job.id]).failed()
+    assert tasks.batch_chunk.apply(args=[batch.id, 0, 1]).failed()
+    ran = store.get_search(job.id)
+    got = store.get_batch(batch.id)
+    assert ran is not None and ran.status == "running", ran
+    assert got is not None and got.counts["running"] == 1, got.counts
+    assert runtime.model_calls == 0
+    assert tasks.search.apply(args=[job.id]).successful()  # Redis is back: the re-drive's
+    assert tasks.batch_chunk.apply(args=[batch.id, 0, 1]).successful()
+    done, finished = store.get_search(job.id), store.get_batch(batch.id)
+    assert done is not None and done.status == "succeeded", done
+    assert finished is not None and finished.status == "succeeded", finished.counts
+    assert runtime.model_calls == 2 and runtime.spent[2:] == [0.0, 0.0], runtime.spent
 
 
 def _one_item_economy_batch(context: base.WorkerContext) -> tuple[JobStore, BatchJob]:

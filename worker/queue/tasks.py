@@ -98,7 +98,15 @@ def search(self: SiftTask, job_id: str) -> None:
         return  # before its start: its record's started_at and status are that run's
     try:
         finished = _search(self, job, claim)
-    finally:  # after the finish: a run that starts meanwhile finds the search final
+    except redis.RedisError:
+        # the job store (Redis) failed, not the search: it stays running for its redelivery
+        # (the re-drive), and its claim stays in Redis as it is, this run ended here alone
+        # (not let go: that would charge the outage to the search's one deadline). The copy
+        # takes the claim over uncharged, at once on this worker and past its lease on
+        # another, and finishes on the model's answer kept in it, if there is one
+        store.ended_search(job_id, claim)
+        raise
+    else:  # after the finish: a run that starts meanwhile finds the search final
         # (a retry let go before it was sent: this release then finds nothing to do)
         store.release_search(job_id, claim)
     if finished:
@@ -137,6 +145,9 @@ def _search(task: SiftTask, job: SearchJob, claim: RunClaim) -> bool:
         log.info("search %s: another run took its claim over; this run leaves it", job_id)
         return False
     except Exception as exc:
+        if isinstance(exc, redis.RedisError):  # the job store's failure: run again (search)
+            log.warning("search %s: Redis failed during its run; left for a redelivery", job_id)
+            raise
         if task.should_retry(exc) and _retry_fits(claim, deadline):
             log.warning("search %s: retryable error, retrying: %s", job_id, exc)
             store.requeue_search(job_id)
@@ -367,12 +378,19 @@ class _ChunkItems:
         except Exception as exc:
             if item_claim is None:  # paced, or not, but no search ran
                 _unpace(self.runtime)
-            if item_claim is None and isinstance(exc, redis.RedisError):
-                # the job store failed before the item's run began (its claim, or its pacing
-                # on the shared budget; an economy item's first half, which claims nothing,
-                # not kept or not read), not the item: the runner breaks, as when an item's
-                # start fails, and the item stays running for a redelivery (the re-drive)
-                # instead of ending failed internal_error once Redis is back for the finish
+            if isinstance(exc, redis.RedisError):
+                # the job store (Redis, past its client's retries) failed, not the item:
+                # before its run began (its claim, its pacing on the shared budget, an
+                # economy first half not kept) or during it (its cancel check, its index's
+                # settings, the rate budget). The runner breaks, as when an item's start
+                # fails, and the item stays running for a redelivery (the re-drive) instead
+                # of ending failed internal_error once Redis is back for the finish. A claim
+                # taken stays in Redis as it is (this run ends here: end_unfinished), so
+                # the copy takes it over uncharged and finishes on the answer kept in it
+                log.warning(
+                    "batch %s item %s: Redis failed during its run; left for a redelivery",
+                    self.batch_id, item.query_id,
+                )  # fmt: skip
                 raise
             return self._run_failed(item, item_claim, exc, waited)
 

@@ -200,6 +200,12 @@ class RunRecords(_StoreCore):
     def release_search(self, job_id: str, claim: RunClaim) -> None:
         self._release(SEARCH_KEY + job_id, "run", claim)
 
+    def ended_search(self, job_id: str, claim: RunClaim) -> None:
+        """The search's run holding ``claim`` has ended without letting go (Redis failed
+        under it): no Redis write, the claim stays as it is in Redis, a run gone that its
+        redelivery takes over, its time not counted (:meth:`ended_item`'s, for a search)."""
+        self._forget(SEARCH_KEY + job_id, "run", claim.token)
+
     def claim_ingest(self, job_id: str, owner: str, *, lease_seconds: float) -> RunClaim:
         """An ingest-kind job's run (an upsert, a delete, a drop): the same claim, its time
         and answer unused (a field of its record, as a search's)."""
