@@ -15,7 +15,7 @@ import redis
 
 from tests.fakes import EmptyRuntime, FakeEmbedder, InMemoryBackend, ScriptedReranker, reply
 from worker.constants import SEARCH_KEY, WORKER_HEARTBEAT_KEY
-from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
+from worker.contract import DocumentIn, ErrorInfo, RerankInfo, SearchResult, SearchSpec
 from worker.core.pipeline import BeforeModel, SearchPipeline
 from worker.core.types import RerankPrompt, RerankReply
 from worker.errors import BackendUnavailable, ModeUnavailable
@@ -471,6 +471,30 @@ def test_permanent_errors_are_not_retried(context: base.WorkerContext) -> None:
     done = context.store.get_search(job.id)
     assert done is not None and done.status == "failed" and runtime.calls == 1
     assert done.error is not None and done.error.type == "mode_unavailable"
+
+
+def test_an_unexpected_error_shows_the_tenant_its_class_and_the_log_its_text(
+    context: base.WorkerContext, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bug's exception text is a library's, and may name the infrastructure: a failed
+    search and batch item showed ``OSError: connect to 10.0.0.7:9200 refused`` in their
+    ``error.message`` (a Redis error's showed the Redis host and port, to the tenant). The
+    record names the class; the worker's log keeps the text, with its traceback."""
+    leak = "connect to 10.0.0.7:9200 refused"
+    context._runtime = ScriptedRuntime(OSError(leak), OSError(leak))
+    store = context.store
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"))
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="q0"))])
+    tasks.search.apply(args=[job.id])
+    tasks.batch_chunk.apply(args=[batch.id, 0, 1])
+    done = store.get_search(job.id)
+    (item,) = store.batch_results(batch.id, 0, 1)
+    assert item.status == "failed" and item.payload is not None
+    item_error = ErrorInfo.model_validate(json.loads(item.payload)["error"])
+    for error in (done.error if done else None, item_error):
+        assert error is not None and error.type == "internal_error", error
+        assert "OSError" in error.message and "10.0.0.7" not in error.message, error
+    assert caplog.text.count(leak) >= 2  # each one's traceback, in the worker's log
 
 
 def test_a_poison_message_is_failed_not_looped(context: base.WorkerContext) -> None:

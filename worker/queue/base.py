@@ -262,7 +262,14 @@ class WaitHop(Retry):  # type: ignore[misc]
 
 
 def error_info(exc: BaseException) -> ErrorInfo:
-    """The typed error a job record shows for ``exc``."""
+    """The typed error a job record shows for ``exc``. Anything but a Sift error is
+    ``internal_error`` naming the exception's class alone: its text is the library's, and
+    may name the infrastructure (a Redis or backend host and port), which the tenant reading
+    the record must not see; the worker's log has it (the caller logs the traceback).
+
+    >>> error_info(ConnectionError("Error 111 connecting to 10.0.0.5:6379.")).message
+    'unexpected ConnectionError in the worker (its log has the detail)'
+    """
     if isinstance(exc, SiftError):
         return ErrorInfo(
             type=exc.code,
@@ -271,7 +278,8 @@ def error_info(exc: BaseException) -> ErrorInfo:
             usage=exc.job_usage,
             trace=exc.job_trace,
         )
-    return ErrorInfo(type="internal_error", message=f"{type(exc).__name__}: {exc}")
+    message = f"unexpected {type(exc).__name__} in the worker (its log has the detail)"
+    return ErrorInfo(type="internal_error", message=message)
 
 
 def job_id_of(args: Sequence[Any] | None) -> str:

@@ -688,5 +688,6 @@ def index_read(
         answer = json.dumps({"error": {"type": exc.code, "message": str(exc)}})
     except Exception as exc:  # the gateway must hear something, not time out
         log.exception("index read %s for %s: unexpected error", operation, tenant)
-        answer = json.dumps({"error": {"type": "internal_error", "message": str(exc)}})
+        error = {"type": "internal_error", "message": error_info(exc).message}
+        answer = json.dumps({"error": error})
     self.context.store.reply(reply_key, answer)
