@@ -125,6 +125,9 @@ class _Pool:
             # statement: one compiled without it kept being compiled again.
             conn.config(apsw.SQLITE_DBCONFIG_ENABLE_QPSG, 1)
             conn.execute("PRAGMA journal_mode=WAL")
+            # A deleted row's bytes are zeroed, not only marked free: a deleted or dropped
+            # document's text, metadata and vector leave the file (docs/security.md).
+            conn.execute("PRAGMA secure_delete=ON")
             conn.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
             conn.execute(f"PRAGMA mmap_size={MMAP_BYTES}")
             if not self._schema_ready:
@@ -190,6 +193,22 @@ def _write(conn: apsw.Connection) -> Iterator[None]:
             conn.execute("ROLLBACK")
         raise
     conn.execute("COMMIT")
+
+
+@contextlib.contextmanager
+def _erasing(conn: apsw.Connection) -> Iterator[None]:
+    """After the block (a delete's or a drop's write, committed), copy the WAL into the
+    database file and truncate it, so the file holds no frame of the removed documents.
+
+    ``secure_delete`` zeroes a deleted row in the page's new version, but the WAL keeps the
+    page's older frames (the ingest's, with the text) until a checkpoint copies the newest
+    over the database file and the log is reused, which may be never for a frame past its
+    next use. A ``TRUNCATE`` checkpoint waits (the busy timeout) for the reads of an older
+    snapshot in flight and the other writers; one that cannot finish raises ``BusyError``,
+    so the job is retried: its write, found done, is not made again, and checkpoints again.
+    """
+    yield
+    conn.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_TRUNCATE)
 
 
 @contextlib.contextmanager

@@ -132,16 +132,71 @@ def _date_tombstones(conn: apsw.Connection, now: float) -> None:
 
 
 def _ensure_index(conn: apsw.Connection, index: str, tenant: str) -> int:
-    """The number of the tenant's index (its FTS5 table ``fts_{num}``), created if new."""
+    """The number of the tenant's index (its FTS5 table ``fts_{num}``), created if new (an
+    earlier release's made again: :func:`_make_erasable`)."""
     conn.execute("INSERT OR IGNORE INTO indexes(name, tenant) VALUES (?, ?)", (index, tenant))
     num = int(
         conn.execute("SELECT num FROM indexes WHERE name = ? AND tenant = ?", (index, tenant)).get
     )
-    conn.execute(
-        f"CREATE VIRTUAL TABLE IF NOT EXISTS fts_{num} USING fts5("
-        f"title, text, content='', contentless_delete=1, tokenize='{FTS_TOKENIZER}')"
-    )
+    sql = _fts_sql(conn, num)
+    if sql is None:
+        _create_fts(conn, num)
+    elif _EARLIER_FTS in sql:
+        _remake_fts(conn, num, index, tenant)
     return num
+
+
+def _fts_sql(conn: apsw.Connection, num: int) -> str | None:
+    """The statement the tenant's index's FTS5 table was made by (None: no table)."""
+    found = conn.execute(
+        "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?", (f"fts_{num}",)
+    ).fetchone()
+    return None if found is None else str(found[0])
+
+
+def _create_fts(conn: apsw.Connection, num: int) -> None:
+    """Make the FTS5 table ``fts_{num}``, one whose deletes erase a document's terms.
+
+    It holds no text (``content=''``); a row is removed by FTS5's ``delete`` command given
+    the row's own title and text (kept in ``bodies``: :func:`_writes._remove_row`), which
+    tells it the terms to take out, and its ``secure-delete`` option (SQLite 3.42 on) takes
+    them out of their segment at once. By default FTS5 adds a delete marker and leaves
+    the terms in place until a merge rewrites the segment; an earlier release's tables
+    (``contentless_delete=1``, deleted by rowid alone) can do no better, as they do not
+    know a row's terms: :func:`_make_erasable` makes them again. ``PRAGMA secure_delete``
+    (every connection: :meth:`_pool._Pool._open`) zeroes the pages let go.
+    """
+    fts = f"fts_{num}"
+    conn.execute(
+        f"CREATE VIRTUAL TABLE {fts} USING fts5("
+        f"title, text, content='', tokenize='{FTS_TOKENIZER}')"
+    )
+    conn.execute(f"INSERT INTO {fts}({fts}, rank) VALUES ('secure-delete', 1)")
+
+
+def _make_erasable(conn: apsw.Connection, num: int, index: str, tenant: str) -> None:
+    """Before a write removes rows of the tenant's index: if its FTS5 table is an earlier
+    release's (``contentless_delete=1``, which keeps a deleted row's terms until a merge,
+    and refuses the ``delete`` command), make it again from the index's ``bodies``, once,
+    in the write's transaction (a pass over the index, as at its ingest). The old table's
+    pages are zeroed as it is dropped."""
+    sql = _fts_sql(conn, num)
+    if sql is not None and _EARLIER_FTS in sql:
+        _remake_fts(conn, num, index, tenant)
+
+
+#: What an earlier release's FTS5 tables were made with (:func:`_make_erasable`).
+_EARLIER_FTS = "contentless_delete"
+
+
+def _remake_fts(conn: apsw.Connection, num: int, index: str, tenant: str) -> None:
+    conn.execute(f"DROP TABLE fts_{num}")
+    _create_fts(conn, num)
+    conn.execute(
+        f"INSERT INTO fts_{num}(rowid, title, text) SELECT b.seq, b.title, b.text"
+        " FROM docs AS d JOIN bodies AS b ON b.seq = d.seq WHERE d.idx = ? AND d.tenant = ?",
+        (index, tenant),
+    )
 
 
 def _claim_dimension(conn: apsw.Connection, num: int, index: str, dimension: int) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import apsw
 import numpy as np
@@ -22,13 +22,14 @@ from worker.constants import RESULT_TTL_SECONDS
 from worker.core.types import Document, derive_revision
 from worker.errors import EmbeddingModelMismatch, IndexLimitReached, InvalidRequest
 
-from ._pool import _Pool, _read, _translated, _write
+from ._pool import _erasing, _Pool, _read, _translated, _write
 from ._schema import (
     _FILTER_KEY,
     _claim_dimension,
     _ensure_index,
     _holds,
     _index_row,
+    _make_erasable,
     _settle_emptied,
 )
 
@@ -121,10 +122,12 @@ class _Writes(_Pool):
         retry) changes nothing and reports what its first run deleted, as an upsert run again
         does. A tombstone lasts ``tombstone_seconds`` (:func:`_expire_tombstones`)."""
         deleted, emptied = 0, False
-        with self._conn() as conn, _translated("delete"), _write(conn):
+        with self._conn() as conn, _translated("delete"), _erasing(conn), _write(conn):
             if (done := _outcome(conn, index, tenant, version)) is not None:
                 return done
             row = _index_row(conn, index, tenant)
+            if row is not None:
+                _make_erasable(conn, row[0], index, tenant)
             floor = _floor(conn, index, tenant)
             for doc_id in dict.fromkeys(i for i in ids if i):
                 held = _held_version(conn, index, tenant, doc_id)
@@ -171,7 +174,7 @@ class _Writes(_Pool):
         The same drop run again (a redelivery after a crash between its commit and its
         job's finish) changes nothing and reports what its first run deleted. Only a drop
         that removed a document is the index's last write (as a delete by ids)."""
-        with self._conn() as conn, _translated("delete_index"), _write(conn):
+        with self._conn() as conn, _translated("delete_index"), _erasing(conn), _write(conn):
             if (done := _outcome(conn, index, tenant, version)) is not None:
                 return done
             row = _index_row(conn, index, tenant)
@@ -189,15 +192,20 @@ class _Writes(_Pool):
                         )
                     }
                 )
-                seqs = [
-                    seq
-                    for seq, doc_id in conn.execute(
+                held = cast(
+                    list[tuple[int, str]],
+                    conn.execute(
                         "SELECT seq, id FROM docs WHERE idx = ? AND tenant = ?", (index, tenant)
-                    )
-                    if doc_id not in keep
-                ]
+                    ).fetchall(),
+                )
+                seqs = [seq for seq, doc_id in held if doc_id not in keep]
+                # when every document of the tenant's goes, its FTS5 table goes whole
+                # (dropped, its pages zeroed: _settle_emptied), not a term at a time
+                fts = None if len(seqs) == len(held) else f"fts_{row[0]}"
+                if fts is not None:
+                    _make_erasable(conn, row[0], index, tenant)
                 for seq in seqs:
-                    _remove_row(conn, f"fts_{row[0]}", seq)
+                    _remove_row(conn, fts, seq)
                 gone = len(seqs)
                 conn.execute(
                     "UPDATE indexes SET generation = generation + 1 WHERE num = ?", (row[0],)
@@ -254,10 +262,19 @@ def _document_row(i: int, doc: Document) -> tuple[str, str, str, str, str]:
     return doc.id, doc.title, doc.text, revision, metadata
 
 
-def _remove_row(conn: apsw.Connection, fts: str, seq: int) -> None:
+def _remove_row(conn: apsw.Connection, fts: str | None, seq: int) -> None:
+    """Remove a document's rows, its terms in ``fts`` too (FTS5's ``delete`` command, given
+    the text it was indexed with: :func:`._schema._create_fts`; None: the table is dropped
+    next), all zeroed in the file. The FTS5 table is one :func:`._schema._make_erasable`
+    saw."""
+    body = conn.execute("SELECT title, text FROM bodies WHERE seq = ?", (seq,)).fetchone()
+    if body is not None and fts is not None:
+        conn.execute(
+            f"INSERT INTO {fts}({fts}, rowid, title, text) VALUES ('delete', ?, ?, ?)",
+            (seq, body[0], body[1]),
+        )
     for table in ("docs", "bodies", "vectors"):
         conn.execute(f"DELETE FROM {table} WHERE seq = ?", (seq,))
-    conn.execute(f"DELETE FROM {fts} WHERE rowid = ?", (seq,))
 
 
 def _floor(conn: apsw.Connection, index: str, tenant: str) -> int:

@@ -1,0 +1,176 @@
+"""The embedded backend erases what a delete or a drop removes, for real (SQLite on disk): once
+the write returns, neither the database file nor its write-ahead log holds the document's
+text, title, metadata or vector, as docs/security.md promises for a purged tenant and a
+takedown. SQLite frees a deleted row's space without overwriting it unless told to."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import apsw
+import numpy as np
+import pytest
+
+from worker.adapters.embedded import DB_FILE, EmbeddedBackend
+from worker.core.types import ChannelQuery, Document, HardFilters
+
+pytestmark = pytest.mark.integration
+
+DIM = 8
+
+
+class Secret:
+    """A document whose every part is a random string no other row holds, so finding any of
+    them in a file's bytes can only mean the document was kept."""
+
+    def __init__(self, doc_id: str) -> None:
+        self.word = uuid.uuid4().hex
+        self.doc = Document(
+            doc_id,
+            f"erasable{self.word} Jane Roe lives at 12 Elm Street",
+            title=f"title{uuid.uuid4().hex}",
+            metadata={"owner": f"meta{uuid.uuid4().hex}"},
+        )
+        rng = np.random.default_rng(int(self.word[:8], 16))
+        vector = rng.random(DIM, dtype=np.float32) + 0.5
+        self.vector = vector / np.linalg.norm(vector)
+
+    def traces(self) -> dict[str, bytes]:
+        """What of the document a file may not hold: each part's random tail (BM25 terms are
+        stored prefix-compressed, so a tail, not the whole word) and the stored vector."""
+        return {
+            "text": self.word[8:].encode(),
+            "title": self.doc.title[-24:].encode(),
+            "metadata": str(self.doc.metadata["owner"])[-24:].encode(),
+            "vector": self.vector.astype(np.float32).tobytes(),
+        }
+
+
+def found_in_files(data_dir: Path, secrets: list[Secret]) -> list[str]:
+    """Which part of which secret each of the data dir's files (database, WAL) holds."""
+    found = []
+    for path in sorted(data_dir.glob(f"{DB_FILE}*")):
+        data = path.read_bytes()
+        for secret in secrets:
+            found += [
+                f"{path.name}: {secret.doc.id}'s {part}"
+                for part, trace in secret.traces().items()
+                if trace in data
+            ]
+    return found
+
+
+def checkpointed(data_dir: Path) -> None:
+    """Copy the WAL into the database file and empty it, on a connection of the test's own:
+    what SQLite does on its own later, so nothing the WAL still holds may be erased there."""
+    conn = apsw.Connection(str(data_dir / DB_FILE))
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+
+
+def kept(count: int) -> tuple[list[Document], np.ndarray]:
+    docs = [Document(f"kept{i}", f"unrelated words about vitamins {i}") for i in range(count)]
+    return docs, np.ones((count, DIM), dtype=np.float32)
+
+
+def load(backend: EmbeddedBackend, index: str, secrets: list[Secret], version: int) -> None:
+    """The secrets among other documents, in two writes (two FTS5 segments)."""
+    others, other_vectors = kept(40)
+    backend.upsert(index, "acme", others[:20], other_vectors[:20], version=version)
+    docs = [s.doc for s in secrets] + others[20:]
+    vectors = np.vstack([np.stack([s.vector for s in secrets]), other_vectors[20:]])
+    backend.upsert(index, "acme", docs, vectors, version=version + 1)
+
+
+def test_a_deleted_documents_text_title_metadata_and_vector_leave_the_files(
+    tmp_path: Path,
+) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    secrets = [Secret("pii"), Secret("also-pii")]
+    try:
+        load(backend, "sci", secrets, version=1)
+        checkpointed(tmp_path)  # the secrets in the database file, not only the WAL
+        assert found_in_files(tmp_path, secrets)  # the probe sees them while they are held
+        assert backend.delete_documents("sci", "acme", ["pii", "also-pii"], version=3) == 2
+        assert found_in_files(tmp_path, secrets) == []
+        checkpointed(tmp_path)
+        assert found_in_files(tmp_path, secrets) == []
+    finally:
+        backend.close()
+
+
+def test_a_dropped_indexs_documents_leave_the_files(tmp_path: Path) -> None:
+    backend = EmbeddedBackend(tmp_path)
+    secrets = [Secret(f"p{i}") for i in range(20)]
+    try:
+        load(backend, "sci", secrets, version=1)
+        backend.upsert("other", "acme", *kept(5), version=3)  # the file goes on holding data
+        checkpointed(tmp_path)
+        assert found_in_files(tmp_path, secrets)
+        assert backend.delete_index("sci", "acme", version=4) == 60
+        assert found_in_files(tmp_path, secrets) == []
+        checkpointed(tmp_path)
+        assert found_in_files(tmp_path, secrets) == []
+    finally:
+        backend.close()
+
+
+def test_a_delete_right_after_the_ingest_leaves_no_copy_in_the_wal(tmp_path: Path) -> None:
+    """The ingest's pages are still only in the WAL when the delete runs: the WAL's older
+    frames held the text after the delete's own frames had overwritten it."""
+    backend = EmbeddedBackend(tmp_path)
+    secrets = [Secret("pii")]
+    try:
+        load(backend, "sci", secrets, version=1)
+        assert found_in_files(tmp_path, secrets)
+        backend.delete_documents("sci", "acme", ["pii"], version=3)
+        assert found_in_files(tmp_path, secrets) == []
+    finally:
+        backend.close()
+
+
+def made_as_an_earlier_release(data_dir: Path, num: int) -> None:
+    """Make the FTS5 table ``fts_{num}`` again as releases before this one did
+    (``contentless_delete=1``: a delete by rowid alone, the terms kept until a merge)."""
+    conn = apsw.Connection(str(data_dir / DB_FILE))
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(f"DROP TABLE fts_{num}")
+        conn.execute(
+            f"CREATE VIRTUAL TABLE fts_{num} USING fts5(title, text, content='',"
+            " contentless_delete=1, tokenize='porter unicode61 remove_diacritics 2')"
+        )
+        conn.execute(
+            f"INSERT INTO fts_{num}(rowid, title, text) SELECT seq, title, text FROM bodies"
+        )
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def bm25_ids(backend: EmbeddedBackend, text: str) -> list[str]:
+    query = ChannelQuery("sci", HardFilters("acme"), ("bm25",), 50, text)
+    return [hit.document.id for hit in backend.retrieve(query).hits["bm25"]]
+
+
+def test_an_index_made_by_an_earlier_release_erases_its_deleted_documents_too(
+    tmp_path: Path,
+) -> None:
+    """Its FTS5 table cannot take a row's terms out: the delete makes it again, once."""
+    backend = EmbeddedBackend(tmp_path)
+    secrets = [Secret("pii")]
+    try:
+        load(backend, "sci", secrets, version=1)
+        before = bm25_ids(backend, "vitamins words")
+        backend.close()
+        made_as_an_earlier_release(tmp_path, 1)
+        checkpointed(tmp_path)
+        assert backend.delete_documents("sci", "acme", ["pii"], version=3) == 1
+        assert found_in_files(tmp_path, secrets) == []
+        assert bm25_ids(backend, "vitamins words") == [i for i in before if i != "pii"]
+        assert bm25_ids(backend, f"erasable{secrets[0].word}") == []
+    finally:
+        backend.close()
