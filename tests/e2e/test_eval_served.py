@@ -206,3 +206,31 @@ def test_eval_results_of_a_file_cut_short_names_the_judged_queries_it_lacks(
     shown = " ".join(printed.split())
     assert "3 queries" in shown, shown
     assert f"{JUDGED - 3} judged quer(y/ies) of the qrels have no line in the results" in shown
+
+
+def test_eval_index_of_an_index_that_does_not_exist_stops_before_any_search(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """As every other index command: one line naming the index, exit 1. It ran the probe
+    search, fell back to the default window, ran every run's searches and printed a table
+    of 0.000 ending in `index_not_found`, exit 3 (the exit of failed searches); `--tune`
+    ran its two batches before it said so."""
+
+    def jobs() -> tuple[list[str], list[str]]:
+        searches = stack.live.get("/v1/searches", headers=ACME).json()["searches"]
+        batches = stack.live.get("/v1/batches", headers=ACME).json()["batches"]
+        return [s["id"] for s in searches], [b["id"] for b in batches]
+
+    before = jobs()
+    env = child_env({"SIFT_URL": stack.live_url, "SIFT_API_KEY": "acme-key-0001"})
+    for extra in ((), ("--window", "20"), ("--tune",)):
+        done = subprocess.run(
+            sift_command("eval", "--index", "no-such-index", "--queries", str(QUERIES),
+                         "--qrels", str(QRELS), *extra),
+            env=env, capture_output=True, text=True, timeout=600, check=False,
+        )  # fmt: skip
+        said = " ".join((done.stdout + done.stderr).split())
+        assert done.returncode == 1, said
+        assert "index 'no-such-index' does not exist" in said, said
+        assert "nDCG@10" not in said
+    assert jobs() == before  # no search, no batch

@@ -55,12 +55,17 @@ def run_eval(
     *more: str,
 ) -> Any:
     """``sift eval --index`` of two judged queries (and ``more`` options) against a gateway
-    that answers each request with ``answer``; ``--window 30``, so no search asks the
-    index's window first."""
+    where the index exists and that answers each other request with ``answer``;
+    ``--window 30``, so no search asks the index's window first."""
+
+    def routed(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/indexes/s":  # the index exists (sift eval asks first)
+            return httpx.Response(200, json={"name": "s"})
+        return answer(request)
 
     @contextlib.contextmanager
     def gateway() -> Iterator[Gateway]:
-        yield Gateway("http://gw", "key", transport=httpx.MockTransport(answer))
+        yield Gateway("http://gw", "key", transport=httpx.MockTransport(routed))
 
     monkeypatch.setattr(_eval_runs, "gateway", gateway)
     queries = tmp_path / "queries.jsonl"

@@ -16,7 +16,14 @@ import typer
 from rich.console import Console
 
 from worker.cli._common import EXIT_INTERRUPTED
-from worker.cli._http import FINAL_STATUSES, RETRY_SECONDS, Gateway, GatewayError, gateway
+from worker.cli._http import (
+    FINAL_STATUSES,
+    RETRY_SECONDS,
+    Gateway,
+    GatewayError,
+    gateway,
+    segment,
+)
 from worker.cli._output import cli_console, plain, progress_bar
 from worker.cli.client._batch import _cancel_outcome, submit
 from worker.constants import MAX_WAIT_SECONDS
@@ -36,11 +43,20 @@ def _judged(
     return judged
 
 
+def _check_index(index: str) -> None:
+    """The gateway's 404 (``index 'NAME' does not exist``, exit 1, as every other index
+    command says it) when the caller has no such index, before any search: the runs all
+    failed ``index_not_found`` and scored a table of 0.000, exit 3, the typo's table printed
+    as if measured."""
+    with gateway() as client:
+        client.json("GET", f"/v1/indexes/{segment(index)}", retry_for=RETRY_SECONDS)
+
+
 def _served_window(index: str, query: str) -> int:
     """The rerank candidate window the index's searches use (the index's own, else the
     deployment's ``SIFT_RERANK_CANDIDATE_LIMIT``), as the trace of one search of ``query``
-    (one hit, no model) says; the default's 30 if the search fails (a missing index: its
-    runs fail too, and say why)."""
+    (one hit, no model) says; the default's 30 if the search fails (an index dropped since
+    :func:`_check_index`: its runs fail too, and say why)."""
     body = probe_spec(index, query).model_dump(mode="json")
     with gateway() as client:
         key = {"Idempotency-Key": f"sift-eval-window-{uuid.uuid4().hex}"}

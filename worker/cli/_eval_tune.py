@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from worker.cli._common import _err
-from worker.cli._eval_runs import _judged, _run_batches, console
+from worker.cli._eval_runs import _check_index, _judged, _run_batches, console
 from worker.cli._http import GatewayError, gateway
 from worker.cli._output import plain, progress_bar
 from worker.constants import MAX_LIMIT
@@ -83,6 +83,7 @@ def _tune_served(
     qrels = read_qrels(qrels_path)
     queries = _judged(queries_path, qrels_path, qrels, max_queries)
     split_folds([qid for qid, _ in queries], folds, seed)  # a bad --folds fails before searching
+    _check_index(index)
     runs = [RunSpec("bm25", "fts", False, MAX_LIMIT), RunSpec("knn", "vector", False, MAX_LIMIT)]
     _, served = _run_batches(index, runs, queries, out)
     failed = [i for items in served.values() for i in items if i.get("status") != "succeeded"]

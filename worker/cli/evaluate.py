@@ -26,7 +26,7 @@ from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.int8_graph import GRAPH_REVISION
 from worker.cli._app import app
 from worker.cli._common import EXIT_ITEMS_FAILED, _err
-from worker.cli._eval_runs import _judged, _run_batches, _served_window, console
+from worker.cli._eval_runs import _check_index, _judged, _run_batches, _served_window, console
 from worker.cli._eval_tune import _tune_command
 from worker.cli._http import GatewayError, index_name
 from worker.cli._output import format_cost, plain, progress_bar
@@ -246,6 +246,7 @@ def _served(
     window is ``window``, else the one a traced search of the index says it uses."""
     qrels = read_qrels(qrels_path)
     queries = _judged(queries_path, qrels_path, qrels, max_queries)
+    _check_index(index)
     window = window or _served_window(index, queries[0][1])
     runs = eval_runs(rerank, window)
     rankings: dict[str, dict[str, list[str]]] = {}
