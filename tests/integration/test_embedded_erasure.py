@@ -174,3 +174,31 @@ def test_an_index_made_by_an_earlier_release_erases_its_deleted_documents_too(
         assert bm25_ids(backend, f"erasable{secrets[0].word}") == []
     finally:
         backend.close()
+
+
+def test_a_delete_whose_checkpoint_a_long_read_holds_off_is_done_and_erased_by_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read of an older snapshot held past the busy timeout (shortened here from 10 s)
+    keeps the delete's checkpoint from finishing. The delete is done all the same (the
+    document is in no channel): it returns, saying so in the log, where it raised a
+    retryable error, so a job whose retries ran out reported failed a delete it had made.
+    The next delete's checkpoint, the read over, erases both."""
+    monkeypatch.setattr("worker.adapters.embedded._pool.BUSY_TIMEOUT_MS", 200)
+    backend = EmbeddedBackend(tmp_path)
+    secrets = [Secret("pii"), Secret("more-pii")]
+    reader = apsw.Connection(str(tmp_path / DB_FILE))
+    try:
+        load(backend, "sci", secrets, version=1)
+        reader.execute("BEGIN")
+        reader.execute("SELECT count(*) FROM bodies").fetchall()  # holds this snapshot
+        with caplog.at_level("WARNING", logger="worker.adapters.embedded"):
+            assert backend.delete_documents("sci", "acme", ["pii"], version=3) == 1
+        assert "checkpoint" in caplog.text, caplog.text
+        assert "pii" not in bm25_ids(backend, f"erasable{secrets[0].word}")
+        reader.execute("COMMIT")
+        assert backend.delete_documents("sci", "acme", ["more-pii"], version=4) == 1
+        assert found_in_files(tmp_path, secrets) == []
+    finally:
+        reader.close()
+        backend.close()
