@@ -1109,7 +1109,9 @@ def test_an_answer_from_some_shards_only_is_retryable_never_a_smaller_truth(
     retryable ``BackendUnavailable`` naming the failure instead."""
     backend = backend_for(server)
     on_probes(server, Answer(200, msearch_response(partial(probe_response(0)), probe_response(0))))
-    with pytest.raises(BackendUnavailable, match=r"1 of 2 shards.*not connected"):
+    with pytest.raises(
+        BackendUnavailable, match=r"2 shards \(1 failed, node_not_connected_exception\)"
+    ):
         backend.probe("docs", "acme")
     hits = [hit(CONCRETE, "acme", "a", 3.0)]
     on_searches(server, Answer(200, msearch_response(partial(search_response(hits)))))

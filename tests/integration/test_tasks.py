@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +16,8 @@ import pytest
 import redis
 
 from tests.fakes import EmptyRuntime, FakeEmbedder, InMemoryBackend, ScriptedReranker, reply
+from tests.integration.es_loopback import Answer, FakeElasticsearchServer, error_body, running
+from worker.adapters.elasticsearch import ElasticsearchBackend
 from worker.constants import SEARCH_KEY, WORKER_HEARTBEAT_KEY
 from worker.contract import DocumentIn, ErrorInfo, RerankInfo, SearchResult, SearchSpec
 from worker.core.pipeline import BeforeModel, SearchPipeline
@@ -495,6 +499,65 @@ def test_an_unexpected_error_shows_the_tenant_its_class_and_the_log_its_text(
         assert error is not None and error.type == "internal_error", error
         assert "OSError" in error.message and "10.0.0.7" not in error.message, error
     assert caplog.text.count(leak) >= 2  # each one's traceback, in the worker's log
+
+
+NODE_GONE = "[es-node-7][10.9.8.7:9300] Node not connected"
+
+
+@pytest.fixture
+def es_server() -> Iterator[FakeElasticsearchServer]:
+    """The Elasticsearch stand-in answering every request 503, ES's reason naming the node
+    that left by its address, as a cluster losing a node does."""
+    server = FakeElasticsearchServer()
+    gone = error_body("node_not_connected_exception", NODE_GONE, 503)
+    server.fallback = lambda request: Answer(503, gone)
+    yield from running(server)
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize("outage", ["refused", "node gone"])
+def test_an_elasticsearch_outage_shows_the_tenant_its_kind_and_the_log_its_detail(
+    context: base.WorkerContext,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    es_server: FakeElasticsearchServer,
+    outage: str,
+) -> None:
+    """A search and an ingest failing ``backend_unavailable`` showed the tenant ES's reason,
+    which names a node by its address (``[es-node-7][10.9.8.7:9300] Node not connected``);
+    the client's text of a refused connection names the cluster's host and port. The record
+    says what kind of failure it was; the worker's log keeps the detail."""
+    _patch_backoff(monkeypatch)
+    caplog.set_level(logging.WARNING)
+    port = _closed_port()
+    url = f"http://elastic:s3cret@127.0.0.1:{port}" if outage == "refused" else es_server.url
+    settings = load_settings(search_backend="elasticsearch", elasticsearch_url=url)
+    backend = ElasticsearchBackend.from_settings(settings)
+    context._runtime = Runtime(
+        build_pipeline(settings, backend=backend, embedder=FakeEmbedder(), sleep=lambda s: None)
+    )
+    store = context.store
+    search = store.create_search("acme", SearchSpec(index="docs", query="q"))
+    ingest = store.create_ingest("acme", "docs", [DocumentIn(id="1", text="t")])
+    tasks.search.apply(args=[search.id])
+    tasks.ingest.apply(args=[ingest.id])
+    searched, ingested = store.get_search(search.id), store.get_ingest(ingest.id)
+    detail, kind = (
+        (f"port={port}", "connection refused") if outage == "refused" else (NODE_GONE, "503")
+    )
+    for job in (searched, ingested):
+        assert job is not None and job.error is not None, job
+        assert job.error.type == "backend_unavailable", job.error
+        message = job.error.message
+        assert kind in message, message
+        for leak in (str(port), "s3cret", "10.9.8.7", "es-node-7"):
+            assert leak not in message, message
+    assert detail in caplog.text, caplog.text  # the worker's log: what the operator needs
 
 
 def test_a_poison_message_is_failed_not_looped(context: base.WorkerContext) -> None:

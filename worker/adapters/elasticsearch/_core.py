@@ -15,7 +15,7 @@ from typing import Any, Literal
 from elasticsearch import Elasticsearch
 from elasticsearch.exceptions import GeneralAvailabilityWarning
 
-from worker.adapters.elasticsearch._errors import _translated
+from worker.adapters.elasticsearch._errors import _translated, _unavailable
 from worker.adapters.elasticsearch._layout import (
     FLOORS_INDEX,
     KEY_SEPARATOR,
@@ -176,8 +176,8 @@ class _Core:
             answer = self._es().tasks.list(actions=actions, detailed=True).body
         failed = answer.get("node_failures") or answer.get("task_failures")
         if failed:
-            raise BackendUnavailable(
-                f"cannot tell which tasks are running, a node did not answer: {json.dumps(failed)}"
+            raise _unavailable(
+                "cannot tell which tasks are running, a node did not answer", json.dumps(failed)
             )
         return {
             str(task_id): str(task.get("description", ""))

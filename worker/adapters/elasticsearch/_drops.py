@@ -14,14 +14,16 @@ from urllib.parse import quote
 from worker.adapters.elasticsearch._bodies import _Bodies
 from worker.adapters.elasticsearch._core import task_canceled
 from worker.adapters.elasticsearch._errors import (
+    _cause_type,
     _index_missing,
     _raise_for_item,
     _total,
     _translated,
+    _unavailable,
 )
 from worker.adapters.elasticsearch._layout import _SIFT_CONCRETE, CONCRETE_SEPARATOR
 from worker.constants import INGEST_TIME_LIMIT_SECONDS
-from worker.errors import BackendRequestError, BackendUnavailable
+from worker.errors import BackendRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -260,10 +262,13 @@ def _deleted(answer: Mapping[str, Any], what: str, task: str) -> int:
     failures = report.get("failures") or []
     if conflicts or failures:
         why = [f"{conflicts} changed since it began"] if conflicts else []
-        if failures:
-            why.append(f"{len(failures)} failure(s), the first {json.dumps(failures[0])}")
-        raise BackendUnavailable(
+        if failures:  # the first's cause by its type: its reason may name a node
+            first = failures[0] if isinstance(failures[0], Mapping) else {}
+            kind = _cause_type({"error": first.get("cause")}) or "error"
+            why.append(f"{len(failures)} failure(s), the first {kind}")
+        raise _unavailable(
             f"{what}: task {task} deleted {deleted} of the tenant's documents and left some "
-            f"({'; '.join(why)}): run again"
+            f"({'; '.join(why)}): run again",
+            json.dumps(failures[:1]),
         )
     return deleted

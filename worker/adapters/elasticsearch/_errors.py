@@ -3,7 +3,10 @@ items of ``_msearch`` and ``_bulk`` answers, as Sift's errors (retryable or not)
 
 from __future__ import annotations
 
+import json
+import logging
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +27,8 @@ from worker.errors import (
     IndexNotFound,
     SiftError,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class _AliasGone(Exception):
@@ -84,8 +89,9 @@ class _translated:  # a context manager; named like one
             status = exc.meta.status
             reason = _reason(exc.body) or str(exc.message)
             if _retryable(status):
-                raise BackendUnavailable(
-                    f"Elasticsearch answered {status} to the {self.what}: {reason}"
+                raise _unavailable(
+                    f"Elasticsearch answered {status} to the {self.what}{_kind(exc.body)}",
+                    reason,
                 ) from exc
             if _error_type(exc) == "media_type_header_exception":
                 reason += (
@@ -96,24 +102,88 @@ class _translated:  # a context manager; named like one
                 f"Elasticsearch refused the {self.what} ({status}): {reason}"
             ) from exc
         if isinstance(exc, ConnectionTimeout):
-            raise BackendUnavailable(f"Elasticsearch timed out on the {self.what}") from exc
+            raise _unavailable(f"Elasticsearch timed out on the {self.what}", _detail(exc)) from exc
         if isinstance(exc, SSLError):
-            raise BackendUnavailable(
-                f"Elasticsearch's TLS certificate is not trusted for the {self.what}: {exc} "
+            raise _unavailable(
+                f"Elasticsearch's TLS certificate is not trusted for the {self.what} "
                 "(a private CA: set SIFT_ELASTICSEARCH_CA_CERTS or "
-                "SIFT_ELASTICSEARCH_SSL_FINGERPRINT)"
+                "SIFT_ELASTICSEARCH_SSL_FINGERPRINT)",
+                _detail(exc),
             ) from exc
         if isinstance(exc, ConnectionError):
-            raise BackendUnavailable(
-                f"cannot reach Elasticsearch for the {self.what}: {exc}"
+            raise _unavailable(
+                f"cannot reach Elasticsearch for the {self.what}: {_connection_failure(exc)}",
+                _detail(exc),
             ) from exc
         if isinstance(exc, TransportError):
-            raise BackendUnavailable(
-                f"Elasticsearch transport error on the {self.what}: {exc}"
+            raise _unavailable(
+                f"Elasticsearch transport error on the {self.what} ({type(exc).__name__})",
+                _detail(exc),
             ) from exc
         if isinstance(exc, helpers.BulkIndexError):
             raise BackendRequestError(f"the {self.what} failed: {exc}") from exc
         return False
+
+
+def _unavailable(message: str, detail: str) -> BackendUnavailable:
+    """A retryable failure whose ``message`` (the job's error, a tenant's to read) says what
+    kind of failure it was; ``detail``, ES's reason or the client's text, may name the
+    cluster's hosts, ports or nodes by address, so only the worker's log has it."""
+    logger.warning("%s: %s", message, detail)
+    return BackendUnavailable(message)
+
+
+def _connection_failure(exc: BaseException) -> str:
+    """What kind of failure a connection error was, from the OS error under it (the
+    client's own text names the host and port)."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(cause, ConnectionResetError):
+            return "connection reset"
+        if isinstance(cause, socket.gaierror):
+            return "its host name did not resolve"
+        if isinstance(cause, TimeoutError):
+            return "connection timed out"
+        if isinstance(cause, OSError) and cause.errno is not None:
+            return f"{type(cause).__name__} (errno {cause.errno})"
+        cause = cause.__cause__ or cause.__context__
+    return "connection failed"
+
+
+def _detail(exc: BaseException) -> str:
+    """The client's text of ``exc`` and of what caused it, for the worker's log (the
+    transport's own ``str`` drops its cause's text, which names the host and port)."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        text = cause.message if isinstance(cause, TransportError) else cause
+        parts.append(f"{type(cause).__name__}({text})")
+        cause = cause.__cause__ or cause.__context__
+    return " <- ".join(parts)
+
+
+def _cause_type(body: Any) -> str | None:
+    """The root cause's type of an ES error body (an ``_msearch`` or ``_bulk`` item's too):
+    a tenant may read it, where its reason may name a node by its address."""
+    error = body.get("error") if isinstance(body, Mapping) else None
+    if not isinstance(error, Mapping):
+        return None
+    causes = error.get("root_cause") or [error]
+    first = causes[0] if isinstance(causes, list) and causes else error
+    kind = first.get("type") if isinstance(first, Mapping) else None
+    return str(kind) if kind else None
+
+
+def _kind(body: Any) -> str:
+    """`` (<type>)`` of :func:`_cause_type`, or nothing when the body names none."""
+    kind = _cause_type(body)
+    return f" ({kind})" if kind else ""
 
 
 def _retryable(status: int) -> bool:
@@ -196,15 +266,12 @@ def _raise_if_partial(answer: Mapping[str, Any], what: str) -> None:
         return
     failures = shards.get("failures") or [{}]
     cause = failures[0].get("reason") if isinstance(failures[0], Mapping) else None
-    why = (
-        f"{cause.get('type', 'error')}: {cause.get('reason', '')}"
-        if isinstance(cause, Mapping)
-        else str(cause or "unknown")
-    )
-    raise BackendUnavailable(
+    kind = str(cause.get("type", "error")) if isinstance(cause, Mapping) else "error"
+    raise _unavailable(
         f"Elasticsearch answered the {what} from {shards.get('successful', 0)} of "
-        f"{shards.get('total', '?')} shards ({shards['failed']} failed, {why}): a partial "
-        "answer is not used"
+        f"{shards.get('total', '?')} shards ({shards['failed']} failed, {kind}): a partial "
+        "answer is not used",
+        json.dumps(failures[0]),
     )
 
 
@@ -219,7 +286,7 @@ def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
     if _index_missing(answer):
         raise IndexNotFound(index)
     if _retryable(status):
-        raise BackendUnavailable(f"Elasticsearch answered {status} to the {what}: {reason}")
+        raise _unavailable(f"Elasticsearch answered {status} to the {what}{_kind(answer)}", reason)
     raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {reason}")
 
 
@@ -228,6 +295,7 @@ def _bulk_error(failures: Sequence[Mapping[str, Any]], names: Mapping[str, str])
     ``_id`` mapped back through ``names`` (the ``_id`` of each action sent: a hashed one
     holds no document id to strip a prefix from), the ``_id`` itself if it is not there."""
     named: list[str] = []
+    reasons: list[str] = []
     retryable = True
     for item in failures:
         op = next(iter(item.values())) if item else {}
@@ -235,9 +303,13 @@ def _bulk_error(failures: Sequence[Mapping[str, Any]], names: Mapping[str, str])
         retryable = retryable and _retryable(status)
         es_id = str(op.get("_id", "?"))
         doc = names.get(es_id, es_id)
-        named.append(f"{doc} ({status} {_reason(op) or 'error'})")
+        # a refusal's reason is the tenant's to fix; a passing failure's may name a node
+        reason = _reason(op) or "error"
+        why = (_cause_type(op) or "error") if _retryable(status) else reason
+        named.append(f"{doc} ({status} {why})")
+        reasons.append(f"{doc} ({status} {reason})")
     listing = "; ".join(named[:5]) + (f"; and {len(named) - 5} more" if len(named) > 5 else "")
     message = f"{len(failures)} document(s) not written: {listing}"
     if retryable:
-        return BackendUnavailable(message)
+        return _unavailable(message, "; ".join(reasons))
     return BackendRequestError(message)

@@ -14,11 +14,12 @@ from worker.adapters.elasticsearch._core import _Core
 from worker.adapters.elasticsearch._errors import (
     _error_type,
     _index_missing,
+    _kind,
     _reason,
     _translated,
+    _unavailable,
 )
 from worker.adapters.elasticsearch._layout import SETTINGS_INDEX
-from worker.errors import BackendUnavailable
 
 #: The settings' one field: an object ES keeps in ``_source`` and never maps (``enabled``
 #: false), so a new setting needs no mapping change.
@@ -49,8 +50,9 @@ class _Settings(_Core):
         docs = answer.get("docs") or [{}] * len(ids)
         for doc in docs:
             if doc.get("error") and not _index_missing(doc):
-                raise BackendUnavailable(
-                    f"Elasticsearch could not read the index settings: {_reason(doc)}"
+                raise _unavailable(
+                    f"Elasticsearch could not read the index settings{_kind(doc)}",
+                    str(_reason(doc)),
                 )
         return [
             (doc["_source"].get(SETTINGS_FIELD), int(doc["_version"])) if doc.get("found") else None
