@@ -202,6 +202,31 @@ def unavailable_reason(app: FastAPI, exc: Exception) -> str:
     return "Redis (SIFT_REDIS_URL) could not be reached"
 
 
+def job_store_unavailable(reason: str) -> ApiError:
+    """The ``503 unavailable`` of a job store that failed a request (``reason``: how), the
+    gateway's own Redis or a worker's on an index read for it."""
+    return ApiError(
+        503,
+        ERROR_UNAVAILABLE,
+        f"the job store is unavailable: {reason}; retry after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
+        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+    )
+
+
+def job_store_full() -> ApiError:
+    """The ``503 job_store_full`` of a Redis at its ``maxmemory`` (it refused the write)."""
+    return ApiError(
+        503,
+        ERROR_JOB_STORE_FULL,
+        "the job store is full (Redis reached its maxmemory): nothing was stored; " + FREES,
+        headers={"Retry-After": str(FULL_RETRY_AFTER_SECONDS)},
+    )
+
+
+def _answer(exc: ApiError) -> JSONResponse:
+    return error_response(exc.status, exc.type, exc.message, headers=exc.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -295,13 +320,7 @@ def install_error_handlers(app: FastAPI) -> None:
             "job store unavailable on %s %s: %s: %s",
             request.method, request.url.path, type(exc).__name__, exc,
         )  # fmt: skip
-        return error_response(
-            503,
-            ERROR_UNAVAILABLE,
-            f"the job store is unavailable: {unavailable_reason(request.app, exc)}; "
-            f"retry after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
-            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
-        )
+        return _answer(job_store_unavailable(unavailable_reason(request.app, exc)))
 
     @app.exception_handler(redis.exceptions.OutOfMemoryError)
     async def _full(request: Request, exc: Exception) -> JSONResponse:
@@ -313,12 +332,7 @@ def install_error_handlers(app: FastAPI) -> None:
         log.error(
             "job store full on %s %s: %s", request.method, request.url.path, exc
         )  # fmt: skip
-        return error_response(
-            503,
-            ERROR_JOB_STORE_FULL,
-            "the job store is full (Redis reached its maxmemory): nothing was stored; " + FREES,
-            headers={"Retry-After": str(FULL_RETRY_AFTER_SECONDS)},
-        )
+        return _answer(job_store_full())
 
     @app.exception_handler(redis.RedisError)
     async def _redis_bug(request: Request, exc: Exception) -> JSONResponse:

@@ -34,7 +34,7 @@ from api_gateway.deps import (
     off_loop,
     task_sender,
 )
-from api_gateway.errors import ApiError
+from api_gateway.errors import ApiError, job_store_full, job_store_unavailable
 from api_gateway.jobs import enqueue_ingest, ingest_response
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import IngestJobOut, _Strict, iso
@@ -42,6 +42,8 @@ from api_gateway.tokens import decode_cursor, encode_cursor, max_cursor_chars
 from worker.constants import (
     DEFAULT_PAGE_SIZE,
     DOCUMENT_PREVIEW_CHARS,
+    ERROR_JOB_STORE_FULL,
+    ERROR_UNAVAILABLE,
     INDEX_CHANGE_GRACE_SECONDS,
     INDEX_READ_TASK,
     INDEX_READ_TIMEOUT_SECONDS,
@@ -256,6 +258,10 @@ async def _read(
     if error is not None:
         if error.get("type") == "index_not_found":
             raise _not_found(index)
+        if error.get("type") == ERROR_UNAVAILABLE:  # the worker's Redis failed its read
+            raise job_store_unavailable(error["message"])
+        if error.get("type") == ERROR_JOB_STORE_FULL:
+            raise job_store_full()
         if error.get("type") == "invalid_request":
             # the worker's message starts with the field's name: a 422 lists it without
             field = error.get("field") or "body"

@@ -6,6 +6,7 @@ are read until the next change."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -13,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
+from starlette.testclient import TestClient
 
 from tests.fakes import FakeClock, FakeEmbedder
+from tests.integration.gateway_app import ACME, gateway_settings
 from worker.adapters.embedded import EmbeddedBackend
 from worker.adapters.index_settings import IndexSettingsStore, settings_key
-from worker.constants import INDEX_SETTINGS_LOCK_KEY
+from worker.constants import INDEX_SETTINGS_LOCK_KEY, SEARCH_QUEUE
 from worker.contract import DocumentIn, SearchSpec
 from worker.errors import BackendUnavailable
 from worker.queue import lifecycle
@@ -483,3 +487,62 @@ def test_a_removed_tenants_index_is_neither_read_nor_changed(
     assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] is None
     other = json.loads(store.redis.lpop("reply-other") or "{}")
     assert other["found"]["name"] == "docs", other  # a tenant with a key is read as before
+
+
+LEAK = "Error 111 connecting to 10.0.0.5:6379. Connection refused."
+
+
+@pytest.mark.parametrize(
+    ("failure", "said", "retry_after"),
+    [
+        (redis.ConnectionError(LEAK), "unavailable", "1"),
+        (redis.TimeoutError("Timeout reading from 10.0.0.5:6379"), "unavailable", "1"),
+        (
+            redis.exceptions.OutOfMemoryError(
+                "command not allowed when used memory > 'maxmemory'."
+            ),
+            "job_store_full",
+            "30",
+        ),
+    ],
+)
+def test_an_index_read_the_job_store_failed_in_the_worker_is_the_job_store_s_503(
+    runtime: Runtime,
+    store: JobStore,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: redis.RedisError,
+    said: str,
+    retry_after: str,
+) -> None:
+    """A worker whose read of the index's settings met Redis failing answered its gateway
+    ``internal_error``, which the gateway told its client as ``503 backend_unavailable``: the
+    search backend blamed for the job store, with no Retry-After. It is the gateway's own 503
+    of the job store (``unavailable``, or ``job_store_full`` at Redis's maxmemory), which
+    names no Redis host."""
+    from api_gateway.app import create_app
+    from worker.queue import base, tasks
+
+    def down(*args: Any, **kwargs: Any) -> Any:
+        raise failure
+
+    monkeypatch.setattr(IndexSettingsStore, "read", down)
+    _worker_context(runtime, store, redis_url, monkeypatch)
+
+    def worker() -> None:  # takes the read's message off the queue and runs it here
+        _, raw = store.redis.blpop([SEARCH_QUEUE], timeout=10) or (None, "{}")
+        message = json.loads(raw)
+        tasks.index_read.apply(args=json.loads(base64.b64decode(message["body"]))[0])
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        with TestClient(create_app(gateway_settings(redis_url))) as client:
+            answer = client.get("/v1/indexes/docs", headers=ACME)
+    finally:
+        thread.join(10)
+        base.set_context(None)
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["type"] == said, answer.text
+    assert answer.headers.get("retry-after") == retry_after, answer.headers
+    assert "10.0.0.5" not in answer.text, answer.text

@@ -26,6 +26,8 @@ from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
     CANCEL_COUNT_TASK,
+    ERROR_JOB_STORE_FULL,
+    ERROR_UNAVAILABLE,
     INDEX_READ_TASK,
     INGEST_QUEUE,
     INGEST_TASK,
@@ -656,6 +658,22 @@ def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
     log.info("ingest %s: %d documents into %s", job_id, upserted, job.index)
 
 
+def job_store_error(exc: redis.RedisError) -> dict[str, str]:
+    """The answer to an index read whose run met Redis failing: the gateway's own 503 of
+    the job store (``job_store_full`` at Redis's maxmemory, else ``unavailable``), not an
+    ``internal_error`` it told its client as the search backend's ``backend_unavailable``.
+    Redis's text names its host and port: the log has it, the answer says what failed.
+
+    >>> job_store_error(redis.TimeoutError("Timeout reading from 10.0.0.5:6379"))["message"]
+    'Redis did not answer the worker in time'
+    """
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return {"type": ERROR_JOB_STORE_FULL, "message": "Redis reached its maxmemory"}
+    if isinstance(exc, redis.TimeoutError):
+        return {"type": ERROR_UNAVAILABLE, "message": "Redis did not answer the worker in time"}
+    return {"type": ERROR_UNAVAILABLE, "message": "the worker could not reach Redis"}
+
+
 @shared_task(  # type: ignore[untyped-decorator]
     name=INDEX_READ_TASK, base=SiftTask, bind=True
 )
@@ -686,6 +704,9 @@ def index_read(
         answer = lifecycle.read(runtime, operation, tenant, index, doc_id, body, start_by)
     except TenantRemoved as exc:  # the gateway answers it 503, naming the removal
         answer = json.dumps({"error": {"type": exc.code, "message": str(exc)}})
+    except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError) as exc:
+        log.warning("index read %s for %s: the job store failed: %r", operation, tenant, exc)
+        answer = json.dumps({"error": job_store_error(exc)})
     except Exception as exc:  # the gateway must hear something, not time out
         log.exception("index read %s for %s: unexpected error", operation, tenant)
         error = {"type": "internal_error", "message": error_info(exc).message}
