@@ -46,6 +46,7 @@ class Stack:
     data_dir: Path
     port: int
     metrics_port: int
+    err: Path | None = None  # its stderr, when kept apart from its stdout (``out``)
 
     @property
     def url(self) -> str:
@@ -60,7 +61,13 @@ class Stack:
         return {"Authorization": f"Bearer {key}"}
 
     def printed(self) -> str:
-        return self.out.read_text(errors="replace")
+        said = self.err.read_text(errors="replace") if self.err else ""
+        return self.out.read_text(errors="replace") + said
+
+    def said(self) -> tuple[str, str]:
+        """Its stdout (the report) and its stderr (status lines, errors), apart."""
+        assert self.err is not None, "this stack's stderr went to its stdout"
+        return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
 
 
 def _env() -> dict[str, str]:
@@ -80,14 +87,14 @@ def _up(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("sift-up")
     port, metrics_port = free_port(), free_port()
-    out = tmp / "up.out"
-    with open(out, "wb") as sink:
+    out, err = tmp / "up.out", tmp / "up.err"
+    with open(out, "wb") as sink, open(err, "wb") as errors:
         proc = subprocess.Popen(
             [sys.executable, "-m", "worker.cli", "up", "--port", str(port),
              "--metrics-port", str(metrics_port), "--data-dir", str(tmp / "a")],
-            cwd=tmp, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+            cwd=tmp, env=_env(), stdout=sink, stderr=errors,
         )  # fmt: skip
-    running = Stack(proc, out, tmp / "a", port, metrics_port)
+    running = Stack(proc, out, tmp / "a", port, metrics_port, err)
     try:
         wait_for(lambda: "Ctrl-C stops everything" in running.printed(), "sift up", UP_TIMEOUT)
         wait_for(lambda: _warmed_up(running.logs), "the worker's warm-up", UP_TIMEOUT)
@@ -97,6 +104,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         print(running.printed())
     assert proc.returncode == 0, running.printed()
     assert not (running.data_dir / "redis-url").exists()  # sift status finds no stack now
+    report, said = running.said()  # a status line, on stderr: stdout is the report
+    assert "stopping…" in said and "stopping" not in report, report
 
 
 def _ready_again(logs: Path) -> bool:
@@ -228,6 +237,8 @@ def test_a_killed_worker_is_restarted_and_the_stack_serves_again(stack: Stack) -
     wait_for(lambda: "worker restarted" in stack.printed(), "sift up restarted the worker", 30)
     printed = stack.printed()
     assert "worker exited with status -9; restarting it in 1 s" in printed, printed
+    report, said = stack.said()  # status lines, on stderr: stdout is the report (the URL, key)
+    assert "worker restarted" in said and "restart" not in report, report
     log = (stack.logs / "worker.log").read_text(errors="replace")
     assert "sift up: worker exited with status -9" in log
     assert "sift up: worker restarted" in log
@@ -289,12 +300,12 @@ def test_ctrl_c_twice_while_the_stack_starts_stops_it_without_a_traceback(tmp_pa
     early:`` with its log's tail (a KeyboardInterrupt traceback when it came during imports)
     and exited 1."""
     data_dir = tmp_path / "data"
-    out = tmp_path / "up.out"
-    with open(out, "wb") as sink:
+    out, err = tmp_path / "up.out", tmp_path / "up.err"
+    with open(out, "wb") as sink, open(err, "wb") as errors:
         proc = subprocess.Popen(
             [sys.executable, "-m", "worker.cli", "up", "--port", str(free_port()),
              "--metrics-port", str(free_port()), "--data-dir", str(data_dir)],
-            cwd=tmp_path, env=_env(), stdout=sink, stderr=subprocess.STDOUT,
+            cwd=tmp_path, env=_env(), stdout=sink, stderr=errors,
             start_new_session=True,
         )  # fmt: skip
     try:
@@ -304,10 +315,13 @@ def test_ctrl_c_twice_while_the_stack_starts_stops_it_without_a_traceback(tmp_pa
         os.killpg(proc.pid, signal.SIGINT)
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(timeout=120)
-        printed = out.read_text(errors="replace")
+        report, said = out.read_text(errors="replace"), err.read_text(errors="replace")
+        printed = report + said
         assert "Ctrl-C stops everything" not in printed, "the stack was up already"
         assert proc.returncode == 130, printed
-        assert "interrupted while starting; every process stopped" in printed, printed
+        # a status line, on stderr (stdout is the report): it was on stdout
+        assert "interrupted while starting; every process stopped" in said, printed
+        assert "interrupted" not in report, report
         assert "Traceback" not in printed and "error" not in printed, printed
         assert _session(proc.pid) == [], printed
     finally:
@@ -459,13 +473,13 @@ def test_ctrl_c_in_sift_demo_says_what_it_stopped(tmp_path: Path, when: str) -> 
 
     Before, it printed nothing but, when the Ctrl-C reached a step's ``sift`` command during
     its imports, that command's KeyboardInterrupt traceback."""
-    out = tmp_path / "demo.out"
-    with open(out, "wb") as sink:
+    out, err = tmp_path / "demo.out", tmp_path / "demo.err"
+    with open(out, "wb") as sink, open(err, "wb") as errors:
         proc = subprocess.Popen(
             [sys.executable, "-m", "worker.cli", "demo"], cwd=tmp_path, env=_env(),
-            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=sink, stderr=errors, start_new_session=True,
         )  # fmt: skip
-    printed = lambda: out.read_text(errors="replace")  # noqa: E731
+    printed = lambda: out.read_text(errors="replace") + err.read_text(errors="replace")  # noqa: E731
     try:
         if when == "starting":
             wait_for(lambda: "redis-server" in _commands(proc.pid), "the demo's Redis", UP_TIMEOUT)
@@ -490,8 +504,10 @@ def test_ctrl_c_in_sift_demo_says_what_it_stopped(tmp_path: Path, when: str) -> 
         assert re.search(
             r"interrupted during the (ingest|batch): it and the stack were stopped; "
             r"every process stopped",
-            text,
+            err.read_text(errors="replace"),
         ), text
+    # a status line, on stderr (stdout is the report, the hits): it was on stdout
+    assert "interrupted" not in out.read_text(errors="replace"), text
 
 
 @pytest.mark.timeout(300)
@@ -544,6 +560,8 @@ def test_sift_demo_runs_on_its_defaults_whatever_the_deployment_exports(tmp_path
             elasticsearch.accept()
     assert demo.returncode == 0 and "demo done" in printed, printed
     assert not deployment.exists(), printed
+    # a status line, on stderr (stdout is the report, the hits): it was on stdout
+    assert "stopping the stack" in demo.stderr and "stopping" not in demo.stdout, printed
 
 
 def test_an_early_exit_is_told_on_stderr_line_by_line(tmp_path: Path) -> None:

@@ -139,6 +139,9 @@ def test_the_runs_progress_bars_go_to_stderr_and_the_report_to_stdout(
     assert "tuning: grid points scored" in tuned.stderr, tuned.stderr
     assert "via s" not in tuned.stdout and "tuning:" not in tuned.stdout, tuned.stdout
     assert "chosen on all 2 queries" in tuned.stdout, tuned.stdout
+    # a warning, as the errors are: these hits carry no channel scores (it was on stdout)
+    assert "no channel scores" in tuned.stderr, tuned.stderr
+    assert "no channel scores" not in tuned.stdout, tuned.stdout
 
 
 def test_judged_queries_absent_from_the_queries_file_are_said(

@@ -107,8 +107,8 @@ def _tune_served(
         for ranked in r
     )
     grid = Grid() if scored else Grid(methods=("rrf",))
-    if not scored:
-        console.print("[yellow]the served hits carry no channel scores: linear fusion not tuned[/]")
+    if not scored:  # a warning, on stderr: stdout is the report
+        _err().print("[yellow]the served hits carry no channel scores: linear fusion not tuned[/]")
     with progress_bar() as bar:
         task = bar.add_task("tuning: grid points scored", total=len(grid.points()))
         return tune(

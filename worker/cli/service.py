@@ -481,7 +481,7 @@ def _start(
             return stack.enter_context(local_stack(settings, report, cancel))
     except (RuntimeError, SiftError, StartInterrupted) as error:
         if cancel is not None and cancel.is_set():
-            console.print("interrupted while starting; every process stopped")
+            errors.print("interrupted while starting; every process stopped")
             raise typer.Exit(EXIT_INTERRUPTED) from error
         _stop(plain(error, lines=True), 1)  # a process's log tail: its lines kept
 
@@ -527,7 +527,8 @@ def up(
         started = _start(
             stack,
             settings,
-            report=lambda line: console.print(f"[yellow]{plain(line)}[/]"),
+            # a process exited, restarted: status, on stderr with the errors (stdout: the report)
+            report=lambda line: errors.print(f"[yellow]{plain(line)}[/]"),
             cancel=stopping,
         )
         console.print(f"gateway  [bold]{started.url}[/]  (OpenAPI at {started.url}/docs)")
@@ -540,7 +541,7 @@ def up(
         console.print(f"\n{export}", soft_wrap=True)
         console.print("Ctrl-C stops everything.")
         stopping.wait()
-        console.print("stopping…")
+        errors.print("stopping…")
 
 
 def _webhook_secret_source(settings: Settings) -> str:
@@ -624,13 +625,13 @@ def _demo(limit: int) -> None:
                                                 "--out", str(out), "--limit", str(limit)),
                       env)  # fmt: skip
             failed, total = _print_demo_results(queries, out)
-            console.print("stopping the stack…")
+            errors.print("stopping the stack…")  # status, on stderr: stdout holds the hits
     except _Interrupted as interrupted:
-        console.print(f"interrupted during {interrupted.step}: it and the stack were stopped; "
-                      "every process stopped")  # fmt: skip
+        errors.print(f"interrupted during {interrupted.step}: it and the stack were stopped; "
+                     "every process stopped")  # fmt: skip
         raise typer.Exit(EXIT_INTERRUPTED) from None
     if stopping.is_set():  # while the results printed or the stack stopped
-        console.print("interrupted; every process stopped")
+        errors.print("interrupted; every process stopped")
         raise typer.Exit(EXIT_INTERRUPTED)
     if failed:
         console.print(f"[red]{failed} of {total} queries failed[/]; every process stopped")
@@ -669,7 +670,7 @@ class _Steps:
         if self.stopping.is_set():
             raise _Interrupted(step)
         if returncode != 0:
-            console.print(f"[red]{' '.join(command[3:5])} failed[/] (exit {returncode})")
+            errors.print(f"[red]{' '.join(command[3:5])} failed[/] (exit {returncode})")
             raise typer.Exit(returncode)
 
     def stop_current(self) -> None:
