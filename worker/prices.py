@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import AliasChoices, BaseModel, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 
 class Price(BaseModel):
@@ -19,6 +19,9 @@ class Price(BaseModel):
     >>> Price.model_validate({"input": 1, "output": 5, "cache_read": 0.1, "cache_write": 1.25})
     Price(input=1.0, output=5.0, cache_read=0.1, cache_creation=1.25)
     """
+
+    # an infinite price (1e400 is one) made every request's cost inf, and its metric too
+    model_config = ConfigDict(allow_inf_nan=False)
 
     input: float = Field(ge=0)
     output: float = Field(ge=0)

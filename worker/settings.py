@@ -48,6 +48,11 @@ from worker.prices import DEFAULT_PRICES, Price
 # the Redis SCAN patterns it builds from the name match that tenant's keys alone)
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]+$"
 
+#: The bound of a duration setting (a per-request timeout, a job's deadline, a sweep's
+#: interval): no deployment waits longer, and a longer one overflows a thread's or a
+#: socket's timeout; a setting meant to be long (the economy deadline) has its own.
+DAY = 86_400
+
 #: The analyzers SIFT_ELASTICSEARCH_ANALYZER takes: Elasticsearch's built-in language
 #: analyzers (its analysis-common module; ``chinese`` left out: ES keeps it for indexes of
 #: old releases only, ``cjk`` is the one for new ones) and ``standard``. A name ES has no
@@ -184,7 +189,10 @@ def without_password(url: str) -> str:
 class Settings(BaseSettings):
     """Sift's settings. Each field is the environment variable ``SIFT_<NAME>``."""
 
-    model_config = SettingsConfigDict(env_prefix="SIFT_", extra="ignore")
+    # no float setting takes inf or nan: an infinite duration crashed `sift worker` (an int()
+    # of it), made /readyz a 500 (a socket timeout) or turned the re-drive off silently; each
+    # duration is bounded too (DAY, mostly), as 1e20 seconds overflowed a thread's wait
+    model_config = SettingsConfigDict(env_prefix="SIFT_", extra="ignore", allow_inf_nan=False)
 
     redis_url: str | None = None
     search_backend: Literal["embedded", "elasticsearch"] = "embedded"
@@ -219,7 +227,7 @@ class Settings(BaseSettings):
     # index keeps the one it was made with: a reindex makes a new one, from the template)
     elasticsearch_analyzer: ElasticsearchAnalyzer = "english"
     elasticsearch_refresh: Literal["wait_for", "true", "false"] = "wait_for"
-    elasticsearch_request_timeout: float = Field(default=10.0, gt=0)
+    elasticsearch_request_timeout: float = Field(default=10.0, gt=0, le=DAY)
     elasticsearch_bulk_chunk_size: int = Field(default=500, ge=1, le=10_000)
     # Field names, so an existing index can be searched as it is.
     elasticsearch_id_field: str = Field(default="doc_id", min_length=1)
@@ -254,7 +262,7 @@ class Settings(BaseSettings):
     model_cache_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "sift")
 
     generation_model: str | None = Field(default=None, pattern=r"^anthropic:[A-Za-z0-9._-]+$")
-    generation_timeout_seconds: float = Field(default=20.0, gt=0)
+    generation_timeout_seconds: float = Field(default=20.0, gt=0, le=DAY)
     generation_max_requests: int = Field(default=3, ge=1, le=10)
     generation_thinking_tokens: int = Field(default=1024, ge=0)
     generation_tokens_per_position: int = Field(default=8, ge=1)
@@ -275,7 +283,7 @@ class Settings(BaseSettings):
     rerank_candidate_max_chars: int = Field(default=1200, ge=50)
     rerank_failure_policy: Literal["fail_closed", "fail_open"] = "fail_closed"
     vector_min_similarity: float | None = Field(default=None, ge=-1.0, le=1.0)
-    search_deadline_seconds: float = Field(default=30.0, gt=0)
+    search_deadline_seconds: float = Field(default=30.0, gt=0, le=DAY)
 
     api_keys_file: Path | None = None
     api_keys: Annotated[list[ApiKey], NoDecode] = Field(default_factory=list)
@@ -284,11 +292,11 @@ class Settings(BaseSettings):
     _keys_read: tuple[Path | None, list[ApiKey], list[ApiKey]] | None = PrivateAttr(default=None)
     webhook_allow_private_networks: bool = False
     # also the most the gateway waits for a webhook URL's host to resolve at registration
-    webhook_connect_timeout_seconds: float = Field(default=5.0, gt=0)
-    webhook_read_timeout_seconds: float = Field(default=15.0, gt=0)
+    webhook_connect_timeout_seconds: float = Field(default=5.0, gt=0, le=DAY)
+    webhook_read_timeout_seconds: float = Field(default=15.0, gt=0, le=DAY)
     # The wall-clock cap on one delivery, connect to status line: httpx's timeouts are per
     # read, so a receiver trickling its headers a byte at a time never trips them.
-    webhook_total_timeout_seconds: float = Field(default=30.0, gt=0, allow_inf_nan=False)
+    webhook_total_timeout_seconds: float = Field(default=30.0, gt=0, le=DAY)
     # Deliveries at once in one worker process; one more is put off, not waited for, so
     # slow receivers cannot take the threads searches and batch items run on.
     webhook_deliveries_per_process: int = Field(default=16, ge=1, le=5000)
@@ -299,7 +307,7 @@ class Settings(BaseSettings):
     # process are 120 webhooks a second).
     webhook_deliveries_per_tenant: int = Field(default=12, ge=1, le=5000)
     # Multiplies the retry schedule (1.0 = Svix-like hours); tests set it tiny.
-    webhook_retry_scale: float = Field(default=1.0, ge=0)
+    webhook_retry_scale: float = Field(default=1.0, ge=0, le=10)  # 10 h waits become 100 h
     prices: Annotated[dict[str, Price], NoDecode] = Field(
         default_factory=lambda: dict(DEFAULT_PRICES)
     )
@@ -324,15 +332,15 @@ class Settings(BaseSettings):
     batch_item_concurrency: int = Field(default=300, ge=1, le=5000)  # batch items at once
     task_max_retries: int = Field(default=3, ge=0, le=20)  # retries of a retryable error
     task_max_deliveries: int = Field(default=3, ge=1, le=20)  # deliveries before poison
-    worker_soft_shutdown_seconds: float = Field(default=10.0, ge=0)
+    worker_soft_shutdown_seconds: float = Field(default=10.0, ge=0, le=DAY)
     # When a killed worker's unacked messages come back; unset: derived to outlast the
     # longest task. A test sets it short; it must stay longer than any one task.
     broker_visibility_timeout_seconds: int | None = Field(default=None, ge=1)
     # The re-drive (worker/queue/redrive.py): every this many seconds one worker looks for searches
     # and batches idle longer than the stall threshold whose task messages the broker lost,
     # and enqueues them again. 0 turns the sweeper off.
-    redrive_interval_seconds: float = Field(default=30.0, ge=0)
-    redrive_stall_seconds: float = Field(default=120.0, ge=0)
+    redrive_interval_seconds: float = Field(default=30.0, ge=0, le=DAY)
+    redrive_stall_seconds: float = Field(default=120.0, ge=0, le=DAY)
     # Dead-worker recovery (worker/queue/liveness.py): every worker process refreshes a heartbeat
     # this often and checks (one worker at a time) for deliveries held by a worker whose
     # heartbeat is older than SIFT_WORKER_DEAD_AFTER_SECONDS; those go back to their queue.
@@ -340,7 +348,7 @@ class Settings(BaseSettings):
     worker_dead_after_seconds: float = Field(default=10.0, gt=0, le=600)
     # an unacked delivery no worker claims (its worker died in the milliseconds between taking
     # it and recording it) goes back once it is this old
-    worker_orphan_delivery_seconds: float = Field(default=60.0, gt=0)
+    worker_orphan_delivery_seconds: float = Field(default=60.0, gt=0, le=DAY)
     # Past this many queued searches and batch items the gateway answers 429; 0: no limit.
     max_backlog: int = Field(default=0, ge=0)
     # How long a job's record and results stay in Redis from the write that ended it (the
@@ -357,9 +365,9 @@ class Settings(BaseSettings):
 
     # --- the economy lane (issue 7): Message Batches at half the price ---
     # errored or expired requests are resubmitted until this long after the batch was submitted
-    economy_deadline_seconds: float = Field(default=86_400.0, gt=0)
-    economy_poll_seconds: float = Field(default=30.0, gt=0)  # first poll of a provider batch
-    economy_poll_max_seconds: float = Field(default=600.0, gt=0)  # the backoff's cap
+    economy_deadline_seconds: float = Field(default=86_400.0, gt=0, le=30 * DAY)
+    economy_poll_seconds: float = Field(default=30.0, gt=0, le=DAY)  # a provider batch's first poll
+    economy_poll_max_seconds: float = Field(default=600.0, gt=0, le=DAY)  # the backoff's cap
     economy_max_requests_per_batch: int = Field(
         default=ECONOMY_MAX_REQUESTS_PER_BATCH, ge=1, le=ECONOMY_MAX_REQUESTS_PER_BATCH
     )
@@ -374,7 +382,7 @@ class Settings(BaseSettings):
     # How long the gateway waits for Redis to answer one command before its request is 503
     # (a Redis that accepts connections and never answers: stopped, swapping, cut off). Its
     # commands answer in milliseconds (a 100,000-query batch's writes: under 0.1 s each).
-    gateway_redis_timeout_seconds: float = Field(default=10.0, gt=0)
+    gateway_redis_timeout_seconds: float = Field(default=10.0, gt=0, le=DAY)
     worker_metrics_port: int = Field(default=9808, ge=0, le=65535)
     # When set, the gateway's /metrics answers only `Authorization: Bearer <this>` (Prometheus's
     # `authorization` scrape option); a tenant's API key is not enough. Unset: open, like the

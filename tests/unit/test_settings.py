@@ -304,3 +304,76 @@ def test_every_sift_command_stops_on_a_redis_url_without_its_scheme(tmp_path: Pa
         assert run.returncode in (1, 2), (command, output)
         assert "Traceback" not in output and "trying again" not in output, (command, output)
         assert "SIFT_REDIS_URL: " in output and "'127.0.0.1:9'" in output, (command, output)
+
+
+# every float setting, with a value past its bound: a day for a per-request or per-job
+# timeout and for the re-drive's and economy poll's waits, longer where the setting is meant
+# to be long (the economy deadline), a factor for the webhook retry scale
+FLOAT_SETTINGS = {
+    "SIFT_ELASTICSEARCH_REQUEST_TIMEOUT": "86401",
+    "SIFT_GENERATION_TIMEOUT_SECONDS": "86401",
+    "SIFT_VECTOR_MIN_SIMILARITY": "1.5",
+    "SIFT_SEARCH_DEADLINE_SECONDS": "86401",
+    "SIFT_WEBHOOK_CONNECT_TIMEOUT_SECONDS": "86401",
+    "SIFT_WEBHOOK_READ_TIMEOUT_SECONDS": "86401",
+    "SIFT_WEBHOOK_TOTAL_TIMEOUT_SECONDS": "86401",
+    "SIFT_WEBHOOK_RETRY_SCALE": "11",
+    "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1e20",
+    "SIFT_REDRIVE_INTERVAL_SECONDS": "86401",
+    "SIFT_REDRIVE_STALL_SECONDS": "86401",
+    "SIFT_WORKER_HEARTBEAT_SECONDS": "61",
+    "SIFT_WORKER_DEAD_AFTER_SECONDS": "601",
+    "SIFT_WORKER_ORPHAN_DELIVERY_SECONDS": "86401",
+    "SIFT_ECONOMY_DEADLINE_SECONDS": "2592001",
+    "SIFT_ECONOMY_POLL_SECONDS": "86401",
+    "SIFT_ECONOMY_POLL_MAX_SECONDS": "86401",
+    "SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS": "86401",
+}
+
+
+def test_every_float_setting_is_listed_here() -> None:
+    from worker.settings import Settings
+
+    floats = {
+        f"SIFT_{name.upper()}"
+        for name, field in Settings.model_fields.items()
+        if field.annotation in (float, float | None)
+    }
+    assert floats == set(FLOAT_SETTINGS)
+
+
+@pytest.mark.parametrize("variable", sorted(FLOAT_SETTINGS))
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400"])
+def test_no_float_setting_takes_infinity_or_nan(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    # inf crashed `sift worker` (an int() of the visibility timeout), made /readyz a 500
+    # (a socket timeout), turned the re-drive off silently
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=rf"{variable}:"):
+        load_settings()
+
+
+@pytest.mark.parametrize(("variable", "value"), sorted(FLOAT_SETTINGS.items()))
+def test_each_float_setting_has_a_finite_bound(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    # SIFT_WORKER_SOFT_SHUTDOWN_SECONDS=1e20 killed the stop-deadline thread (OverflowError)
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=rf"{variable}: .*less than or equal"):
+        load_settings()
+
+
+def test_a_long_generation_timeout_still_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # harmless: each attempt gets the least of it and what is left of the search's deadline
+    monkeypatch.setenv("SIFT_GENERATION_TIMEOUT_SECONDS", "86400")
+    assert load_settings().generation_timeout_seconds == 86400
+
+
+def test_a_price_is_finite(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(
+        "SIFT_PRICES",
+        '{"claude-haiku-4-5": {"input": 1e400, "output": 1, "cache_read": 1, "cache_creation": 1}}',
+    )
+    with pytest.raises(ConfigError, match=r"SIFT_PRICES\.claude-haiku-4-5\.input"):
+        load_settings()
