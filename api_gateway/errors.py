@@ -193,12 +193,18 @@ async def no_route_short_of_a_line_break(request: Request) -> None:
         raise StarletteHTTPException(404)
 
 
+#: How Redis refuses the SELECT of a database it does not have (past its ``databases``)
+DB_OUT_OF_RANGE = "DB index is out of range"
+
+
 def unavailable_reason(app: FastAPI, exc: Exception) -> str:
     """Why Redis failed a request, naming the setting that governs it: how long the gateway
     waits for an answer, or where it looks for Redis."""
     if isinstance(exc, redis.TimeoutError):
         seconds = app.state.settings.gateway_redis_timeout_seconds
         return f"Redis did not answer within {seconds:g} s (SIFT_GATEWAY_REDIS_TIMEOUT_SECONDS)"
+    if str(exc).startswith(DB_OUT_OF_RANGE):
+        return "Redis has no such database as SIFT_REDIS_URL names (DB index is out of range)"
     return "Redis (SIFT_REDIS_URL) could not be reached"
 
 
@@ -333,6 +339,16 @@ def install_error_handlers(app: FastAPI) -> None:
             "job store full on %s %s: %s", request.method, request.url.path, exc
         )  # fmt: skip
         return _answer(job_store_full())
+
+    @app.exception_handler(redis.ResponseError)
+    async def _refused(request: Request, exc: Exception) -> JSONResponse:
+        """A database Redis does not have (``SIFT_REDIS_URL=redis://…/99`` on a Redis of 16):
+        Redis refuses each new connection's SELECT, which the URL mends, not the request: a
+        503 naming it, as an unreachable Redis is. Any other refused command is a bug."""
+        if not str(exc).startswith(DB_OUT_OF_RANGE):
+            return await _redis_bug(request, exc)
+        log.error("job store unavailable on %s %s: %s", request.method, request.url.path, exc)
+        return _answer(job_store_unavailable(unavailable_reason(request.app, exc)))
 
     @app.exception_handler(redis.RedisError)
     async def _redis_bug(request: Request, exc: Exception) -> JSONResponse:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 from pydantic import (
     AliasChoices,
@@ -453,10 +453,31 @@ class Settings(BaseSettings):
         """A URL redis-py and kombu read. Anything else, such as ``127.0.0.1:6379`` (a compose
         file's spelling), would stop the gateway on redis-py's traceback and have ``sift
         worker``'s Celery retry an AMQP broker made of it for as long as it ran."""
-        if value is not None and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+        if value is None:
+            return value
+        parts, shown = urlsplit(value), repr(without_password(value))
+        if parts.scheme not in ("redis", "rediss", "unix"):
             raise ValueError(
                 "must start with redis://, rediss:// or unix:// (redis://127.0.0.1:6379/0), "
-                f"not {value!r}"
+                f"not {shown}"
+            )
+        if parts.scheme != "unix":
+            try:
+                port = parts.port
+            except ValueError:  # not a number, or past 65535
+                port = 0
+            if port is not None and not 1 <= port <= 65535:
+                raise ValueError(f"the port must be a number from 1 to 65535, not in {shown}")
+        # the database: redis-py reads the path (or ?db=), kombu the path; "abc" was db 0 in
+        # the gateway, and an exit 0 of the worker
+        databases = parse_qs(parts.query).get("db", [])
+        path = "" if parts.scheme == "unix" else unquote(parts.path)
+        if not re.fullmatch(r"/?[0-9]*", path) or not all(
+            re.fullmatch("[0-9]+", db) for db in databases
+        ):
+            raise ValueError(
+                f"the database (the path, or ?db=) must be a number from 0, as in "
+                f"redis://127.0.0.1:6379/0, not that of {shown}"
             )
         return value
 

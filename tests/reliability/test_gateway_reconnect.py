@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.reliability.support import ACME, INDEX, KEYS, wait_for
 from tests.services import free_port, gateway, redis_server
 from worker.constants import METRIC_JOBS_IN_FLIGHT, METRIC_QUEUE_BACKLOG, SEARCH_QUEUE
+from worker.processes.stack import child_env, gateway_service, running
 from worker.settings import Settings
 
 Request = Callable[[httpx.Client, str, str], httpx.Response]
@@ -239,3 +240,30 @@ def test_a_gateway_that_cannot_read_redis_exports_no_stale_queued_count(tmp_path
         server.start()
         again = _gauges(client)
         assert again[queued] == again[backlog] == 3, again
+
+
+@pytest.mark.timeout(120)
+def test_a_database_redis_does_not_have_is_a_503_naming_the_url(tmp_path: Path) -> None:
+    """``SIFT_REDIS_URL=redis://…/99`` on a Redis of 16 databases: Redis refuses each new
+    connection's SELECT ("DB index is out of range"), which no value of the request mends
+    and the URL does: a 503 naming SIFT_REDIS_URL, as an unreachable Redis is. It was 500s."""
+    server = RestartableRedis(tmp_path / "redis")
+    server.start()
+    try:
+        env = {"SIFT_REDIS_URL": server.url + "/99", "SIFT_API_KEYS": json.dumps(KEYS)}
+        service, base = gateway_service(tmp_path / "g", child_env(env, inherit_sift=False))
+        up = lambda: httpx.get(base + "/healthz", timeout=1).status_code == 200  # noqa: E731
+        service.ready = up  # never ready: live is enough
+        with running(service), httpx.Client(base_url=base, timeout=30) as client:
+            ready = client.get("/readyz")
+            assert ready.status_code == 503, ready.text
+            answers = [
+                client.post("/v1/searches", json=_search(), headers=ACME),
+                client.get("/v1/searches/srch_0123456789abcdef0123456789abcdef", headers=ACME),
+            ]
+            for response in answers:
+                assert response.status_code == 503, response.text
+                message = response.json()["error"]["message"]
+                assert "SIFT_REDIS_URL" in message and "database" in message, message
+    finally:
+        server.close()

@@ -243,6 +243,15 @@ def test_a_keys_files_error_names_its_full_path(tmp_path: Path) -> None:
     [
         ("SIFT_REDIS_URL", "127.0.0.1:6379"),  # the scheme left out, as compose files write it
         ("SIFT_REDIS_URL", "http://127.0.0.1:6379"),
+        # what redis-py and kombu parse apart: tracebacks in the gateway and the worker (a
+        # port), or the gateway on db 0 while the worker exited 0 (a database not a number)
+        ("SIFT_REDIS_URL", "redis://127.0.0.1:notaport/0"),
+        ("SIFT_REDIS_URL", "redis://127.0.0.1:99999/0"),
+        ("SIFT_REDIS_URL", "redis://127.0.0.1:0/0"),
+        ("SIFT_REDIS_URL", "redis://127.0.0.1:6379/abc"),
+        ("SIFT_REDIS_URL", "redis://127.0.0.1:6379/-1"),
+        ("SIFT_REDIS_URL", "redis://127.0.0.1:6379?db=abc"),
+        ("SIFT_REDIS_URL", "unix:///run/redis/redis.sock?db=-1"),
         ("SIFT_URL", "127.0.0.1:8080"),
         ("SIFT_URL", "ftp://gateway:8080"),
         ("SIFT_PROMETHEUS_URL", "prometheus:9090"),
@@ -269,6 +278,9 @@ def test_a_url_setting_without_its_scheme_is_refused_naming_it(
         ("SIFT_REDIS_URL", "redis://127.0.0.1:6379/0"),
         ("SIFT_REDIS_URL", "rediss://:secret@redis.internal:6380/1"),
         ("SIFT_REDIS_URL", "unix:///run/redis/redis.sock?db=0"),
+        ("SIFT_REDIS_URL", "redis://redis"),  # port 6379, db 0
+        ("SIFT_REDIS_URL", "redis://127.0.0.1:6379/"),
+        ("SIFT_REDIS_URL", "redis://127.0.0.1:6379?db=2"),
         ("SIFT_URL", "https://sift.example.com/api"),
         ("SIFT_PROMETHEUS_URL", "http://[::1]:9090"),
         ("SIFT_ELASTICSEARCH_URL", "https://elastic:pw@es.internal:9200"),
@@ -279,6 +291,13 @@ def test_the_url_settings_take_what_their_clients_take(
 ) -> None:
     monkeypatch.setenv(variable, value)
     assert getattr(load_settings(), variable.removeprefix("SIFT_").lower()) == value
+
+
+def test_a_redis_url_with_a_password_is_refused_without_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SIFT_REDIS_URL", "redis://:s3cret@127.0.0.1:99999/0")
+    with pytest.raises(ConfigError, match=r"SIFT_REDIS_URL: .*port") as raised:
+        load_settings()
+    assert "s3cret" not in str(raised.value)
 
 
 def test_every_sift_command_stops_on_a_redis_url_without_its_scheme(tmp_path: Path) -> None:
