@@ -77,6 +77,27 @@ def test_a_service_option_is_named_not_its_variable(
     assert variable not in result.output
 
 
+def test_an_empty_data_dir_is_refused_as_its_variable_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """typer reads ``--data-dir ""`` as ``Path(".")``: ``sift up`` ran its stack (Redis's
+    AOF, the logs, the dev key) in the working directory, and ``sift eval`` its index, where
+    ``SIFT_DATA_DIR=""`` stops. (The ports given clash: were the folder taken, ``sift up``
+    would stop on them, before starting anything.)"""
+    monkeypatch.chdir(tmp_path)
+    for args in (
+        ["up", "--data-dir", "", "--port", "27399", "--metrics-port", "27399"],
+        ["eval", "--corpus", "c.jsonl", "--queries", "q.jsonl", "--qrels", "r.tsv",
+         "--data-dir", " "],
+    ):  # fmt: skip
+        for name in ("c.jsonl", "q.jsonl", "r.tsv"):
+            (tmp_path / name).write_text("")
+        result = sift(*args)
+        usage_error(result, "--data-dir")
+        assert "is empty: give a folder" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "q.jsonl", "r.tsv"]
+
+
 def test_a_log_level_in_lower_case_is_taken() -> None:
     """Celery's own spelling (``--loglevel info``) is SIFT_LOG_LEVEL's ``INFO``: the worker
     goes on to what it lacks here, a Redis."""

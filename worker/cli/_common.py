@@ -47,6 +47,15 @@ def option_error(error: SiftError, options: Mapping[str, str]) -> typer.BadParam
     return None
 
 
+def a_folder(value: str) -> Path:
+    """A ``--data-dir`` option's folder, refused when empty as ``SIFT_DATA_DIR=""`` is
+    (``Settings._a_folder``): typer made ``""`` ``Path(".")``, so ``sift up --data-dir ""``
+    kept its stack (Redis's AOF, the logs, the dev key) in the working directory."""
+    if not value.strip():
+        raise typer.BadParameter("is empty: give a folder, or leave the option out for the default")
+    return Path(value)
+
+
 class InputError(Exception):
     """A bad line in an input file; the message names the file, the line and the field."""
 

@@ -25,7 +25,7 @@ from rich.table import Table
 from worker.adapters.embedded import SCHEMA_VERSION
 from worker.adapters.int8_graph import GRAPH_REVISION
 from worker.cli._app import app
-from worker.cli._common import EXIT_ITEMS_FAILED, _err
+from worker.cli._common import EXIT_ITEMS_FAILED, _err, a_folder
 from worker.cli._eval_runs import _check_index, _judged, _run_batches, _served_window, console
 from worker.cli._eval_tune import _tune_command
 from worker.cli._http import GatewayError, index_name
@@ -92,7 +92,10 @@ def eval_command(
         typer.Option(exists=True, dir_okay=False, help="queries.jsonl (with --corpus, --index)"),
     ] = None,
     data_dir: Annotated[
-        Path | None, typer.Option(help="--corpus: index directory; a cache per corpus by default")
+        Path | None,
+        typer.Option(
+            parser=a_folder, help="--corpus: index directory; a cache per corpus by default"
+        ),
     ] = None,
     out: Annotated[
         Path | None, typer.Option(help="--index: keep each run's results here, as `sift batch`")

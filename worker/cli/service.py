@@ -26,6 +26,7 @@ from worker.cli._common import (
     EXIT_INTERRUPTED,
     EXIT_ITEMS_FAILED,
     STACK_REDIS_FILE,
+    a_folder,
     option_error,
 )
 from worker.cli._output import plain, print_result, sample_path
@@ -493,7 +494,8 @@ def up(
         int | None, typer.Option(help="the worker's /metrics, 0: off; SIFT_WORKER_METRICS_PORT")
     ] = None,
     data_dir: Annotated[
-        Path | None, typer.Option(help="the index, Redis's AOF and the logs; SIFT_DATA_DIR")
+        Path | None,
+        typer.Option(parser=a_folder, help="the index, Redis's AOF and the logs; SIFT_DATA_DIR"),
     ] = None,
 ) -> None:
     """Run Redis, one worker and the gateway in the foreground until Ctrl-C, restarting any
