@@ -83,6 +83,18 @@ class ApiKey(BaseModel):
     # During a rotation the previous secret still signs too: two signatures are sent.
     webhook_secret_previous: str | None = Field(default=None, pattern=r"^whsec_[A-Za-z0-9+/=]+$")
 
+    @field_validator("key")
+    @classmethod
+    def _sendable(cls, key: str | None) -> str | None:
+        """A key HTTP can carry as it is: the Authorization header's value loses the
+        whitespace at its ends on the way, so such a key was taken and never matched."""
+        if key is not None and key != key.strip():
+            raise ValueError(
+                "has whitespace at its start or end, which HTTP strips from the Authorization "
+                "header: it could never authenticate; remove it"
+            )
+        return key
+
     @field_validator("webhook_secret", "webhook_secret_previous")
     @classmethod
     def _signs(cls, secret: str | None) -> str | None:

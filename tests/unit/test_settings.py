@@ -3,6 +3,7 @@ rerank model's ``output_config.effort`` as the worker's bootstrap builds it."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -396,3 +397,25 @@ def test_a_price_is_finite(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     with pytest.raises(ConfigError, match=r"SIFT_PRICES\.claude-haiku-4-5\.input"):
         load_settings()
+
+
+@pytest.mark.parametrize("key", [" k-00000001", "k-00000001\n", "k-00000001 ", "\tk-00000001"])
+def test_a_key_with_whitespace_at_an_end_is_refused_naming_its_entry(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, key: str
+) -> None:
+    """HTTP strips the Authorization header's whitespace, so such a key, taken, could never
+    authenticate: its tenant was locked out with no word of why."""
+    entries = [
+        {"key": "k-00000002", "tenant": "a", "webhook_secret": "whsec_QQ=="},
+        {"key": key, "tenant": "b", "webhook_secret": "whsec_QQ=="},
+    ]
+    monkeypatch.setenv("SIFT_API_KEYS", json.dumps(entries))
+    with pytest.raises(ConfigError, match=r"SIFT_API_KEYS\.1\.key: .*whitespace") as raised:
+        load_settings()
+    assert "k-00000001" not in str(raised.value)
+    monkeypatch.delenv("SIFT_API_KEYS")
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps(entries))
+    with pytest.raises(ConfigError, match=r"SIFT_API_KEYS_FILE\.1\.key: .*whitespace") as raised:
+        load_settings(api_keys_file=keys).all_api_keys()
+    assert "k-00000001" not in str(raised.value)
