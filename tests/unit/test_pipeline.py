@@ -583,6 +583,34 @@ def test_an_unpriced_model_is_warned_about_once(caplog: pytest.LogCaptureFixture
     assert not warn_if_unpriced(load_settings(generation_model="anthropic:claude-haiku-4-5"))
 
 
+def test_rate_limits_of_a_model_the_worker_does_not_use_are_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A typo (``claude-haiku-45``) left the model it was meant for unmetered, silently."""
+    from worker.runtime.bootstrap import warn_if_unused_rate_limits
+
+    settings = load_settings(
+        generation_model="anthropic:claude-haiku-4-5",
+        rate_limits={"claude-haiku-45": {"rpm": 50}, "claude-haiku-4-5": {"economy": {"rpm": 5}}},
+    )
+    with caplog.at_level("WARNING", logger="worker.runtime.bootstrap"):
+        assert warn_if_unused_rate_limits(settings) == ["claude-haiku-45"]
+    (warning,) = [r.getMessage() for r in caplog.records if "SIFT_RATE_LIMITS" in r.getMessage()]
+    assert "'claude-haiku-45'" in warning and "claude-haiku-4-5" in warning
+    used = load_settings(
+        generation_model="anthropic:claude-haiku-4-5",
+        rate_limits={"anthropic:claude-haiku-4-5": {"rpm": 50}},
+    )
+    assert warn_if_unused_rate_limits(used) == []
+    # no model: every limit is unused, and the warning says the worker calls none
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="worker.runtime.bootstrap"):
+        assert warn_if_unused_rate_limits(
+            load_settings(rate_limits={"claude-haiku-4-5": {"rpm": 50}})
+        ) == ["claude-haiku-4-5"]
+    assert any("no model" in r.getMessage() for r in caplog.records)
+
+
 def test_a_knn_search_of_another_models_vectors_is_refused_bm25_alone_is_served() -> None:
     """The index's vectors came from ``other-model``: a query embedded by this worker's
     model would be scored in another space. vector and hybrid fail with the typed error

@@ -82,14 +82,20 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
 
 def _check_prices(sender: Any = None, **_: Any) -> None:
     """On worker start (ready: its logging is set up by then), warn if the generation model
-    has no price, or if there is none (worker/runtime/bootstrap.py), or if the backend's
-    tombstones would not outlast an ingest's redelivery (:func:`warn_if_tombstones_too_short`)."""
+    has no price, or if there is none, or if SIFT_RATE_LIMITS names another model
+    (worker/runtime/bootstrap.py), or if the backend's tombstones would not outlast an
+    ingest's redelivery (:func:`warn_if_tombstones_too_short`)."""
     settings = _settings_of(sender)
     if settings is not None:
-        from worker.runtime.bootstrap import warn_if_no_generation_model, warn_if_unpriced
+        from worker.runtime.bootstrap import (
+            warn_if_no_generation_model,
+            warn_if_unpriced,
+            warn_if_unused_rate_limits,
+        )
 
         warn_if_unpriced(settings)
         warn_if_no_generation_model(settings)
+        warn_if_unused_rate_limits(settings)
         warn_if_tombstones_too_short(settings)
 
 

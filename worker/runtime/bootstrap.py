@@ -56,6 +56,24 @@ def warn_if_unpriced(settings: Settings) -> bool:
     return True
 
 
+def warn_if_unused_rate_limits(settings: Settings) -> list[str]:
+    """Warn of each model ``SIFT_RATE_LIMITS`` names that this worker calls none of: its
+    limits meter nothing, and a typo (``claude-haiku-45``) left the model meant unmetered,
+    silently. Both lanes call SIFT_GENERATION_MODEL (the economy lane's limits are its
+    ``economy`` entry). A worker calls it at start-up; answers the unused names."""
+    model = settings.generation_model_id
+    unused = sorted(name for name in settings.rate_limits if name != model)
+    if unused:
+        used = f"its model is {model!r} (SIFT_GENERATION_MODEL)" if model else "it has no model"
+        log.warning(
+            "SIFT_RATE_LIMITS names %s, which this worker does not call: %s, in both lanes; "
+            "those limits meter nothing (a misspelled model's name?)",
+            ", ".join(repr(name) for name in unused),
+            used,
+        )
+    return unused
+
+
 def warn_if_no_generation_model(settings: Settings) -> bool:
     """Warn that this worker has no generation model: a search or batch asking for a rerank
     (``rerank: true``), which a gateway given one accepts, fails here ``rerank_failed``
