@@ -276,8 +276,12 @@ class Settings(BaseSettings):
     generation_model: str | None = Field(default=None, pattern=r"^anthropic:[A-Za-z0-9._-]+$")
     generation_timeout_seconds: float = Field(default=20.0, gt=0, le=DAY)
     generation_max_requests: int = Field(default=3, ge=1, le=10)
-    generation_thinking_tokens: int = Field(default=1024, ge=0)
-    generation_tokens_per_position: int = Field(default=8, ge=1)
+    # max_tokens is the thinking allowance + tokens per position x positions (a search's
+    # limit, up to MAX_LIMIT: 100) + 16: at these bounds 54,416, within the 64K maximum output of
+    # Anthropic's current models that allow least (Haiku 4.5; the 4.5 family's; 4.6's 128K),
+    # which refuse any request asking more, every rerank a 400
+    generation_thinking_tokens: int = Field(default=1024, ge=0, le=48_000)
+    generation_tokens_per_position: int = Field(default=8, ge=1, le=64)
     # output_config.effort: auto (low where the model is known to take it), a level (always
     # sent, for a model newer than the table), or none / empty (never sent)
     generation_effort: Literal["auto", "low", "medium", "high", "xhigh", "max"] | None = "auto"

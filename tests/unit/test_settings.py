@@ -419,3 +419,38 @@ def test_a_key_with_whitespace_at_an_end_is_refused_naming_its_entry(
     with pytest.raises(ConfigError, match=r"SIFT_API_KEYS_FILE\.1\.key: .*whitespace") as raised:
         load_settings(api_keys_file=keys).all_api_keys()
     assert "k-00000001" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [("SIFT_GENERATION_THINKING_TOKENS", "48001"), ("SIFT_GENERATION_TOKENS_PER_POSITION", "65")],
+)
+def test_a_rerank_allowance_past_what_a_model_takes_is_refused(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """``max_tokens`` past the model's maximum output is a 400 at every rerank."""
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=rf"{variable}: .*less than or equal"):
+        load_settings()
+
+
+def test_the_largest_rerank_allowance_fits_every_current_models_output() -> None:
+    """At the bounds, and a search's largest limit, ``max_tokens`` stays within 64K, the least
+    maximum output of Anthropic's current models (Claude Haiku 4.5's, and the 4.5 family's)."""
+    from worker.constants import MAX_LIMIT
+    from worker.core.policy import build_prompt
+    from worker.settings import Settings
+
+    def bound(name: str) -> int:
+        (le,) = [m.le for m in Settings.model_fields[name].metadata if hasattr(m, "le")]
+        return int(le)
+
+    prompt = build_prompt(
+        "q",
+        [("", "text")] * MAX_LIMIT,
+        k=MAX_LIMIT,
+        max_chars=1200,
+        thinking_tokens=bound("generation_thinking_tokens"),
+        tokens_per_position=bound("generation_tokens_per_position"),
+    )
+    assert prompt.max_tokens <= 64_000
