@@ -98,6 +98,24 @@ def test_an_empty_data_dir_is_refused_as_its_variable_is(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl", "q.jsonl", "r.tsv"]
 
 
+@pytest.mark.parametrize(
+    "factory", ["nosuchmodule:build", "worker.settings:no_such_function", "worker.settings:DAY"]
+)
+def test_a_runtime_factory_that_cannot_be_loaded_stops_the_worker(factory: str) -> None:
+    """It was imported at the first job: the worker started, and failed every job."""
+    result = CliRunner().invoke(app, ["worker"], env={**NOWHERE, "SIFT_RUNTIME_FACTORY": factory})
+    assert result.exit_code == 2, result.output
+    assert "SIFT_RUNTIME_FACTORY" in result.output and factory in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_runtime_factory_that_loads_is_taken() -> None:
+    """The worker goes on to what it lacks here, a Redis."""
+    factory = "tests.reliability.holding_runtime:build_runtime"
+    result = CliRunner().invoke(app, ["worker"], env={**NOWHERE, "SIFT_RUNTIME_FACTORY": factory})
+    assert result.exit_code == 2 and "SIFT_REDIS_URL is required" in result.output, result.output
+
+
 def test_a_log_level_in_lower_case_is_taken() -> None:
     """Celery's own spelling (``--loglevel info``) is SIFT_LOG_LEVEL's ``INFO``: the worker
     goes on to what it lacks here, a Redis."""

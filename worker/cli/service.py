@@ -136,6 +136,7 @@ def worker(
         overrides["log_level"] = loglevel.upper()
     settings = _settings(options=tuple(overrides), **overrides)
     _require_pool_concurrency(settings)
+    _require_runtime_factory(settings)
     if not supervised_by:  # its supervisor checked
         _require_redis(settings, "the workers")
     _require_api_keys(settings)  # each worker process, supervised or not: it signs with them
@@ -189,6 +190,17 @@ def _require_api_keys(settings: Settings) -> None:
     start: an edit of the file takes effect when the workers are restarted."""
     try:
         settings.all_api_keys()
+    except ConfigError as error:
+        _stop(plain(error))
+
+
+def _require_runtime_factory(settings: Settings) -> None:
+    """Stop (exit 2, one line naming it) a worker whose ``SIFT_RUNTIME_FACTORY`` cannot be
+    imported: it was imported at the first job, so the worker started and failed every job."""
+    from worker.queue.base import runtime_factory
+
+    try:
+        runtime_factory(settings)
     except ConfigError as error:
         _stop(plain(error))
 

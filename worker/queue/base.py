@@ -33,7 +33,7 @@ from worker.constants import (
 from worker.contract import DocumentIn, ErrorInfo, SearchResult, SearchSpec
 from worker.core.pipeline import BeforeModel
 from worker.core.ports import AnswerKeeper
-from worker.errors import SiftError, TenantRemoved
+from worker.errors import ConfigError, SiftError, TenantRemoved
 from worker.observability import metrics
 from worker.observability.logcontext import job_context
 from worker.queue.intake import INTAKE
@@ -164,13 +164,30 @@ class WorkerContext:
         return self._runtime
 
 
+def runtime_factory(settings: Settings) -> Callable[[Settings], Any] | None:
+    """``SIFT_RUNTIME_FACTORY``'s function, imported; a ConfigError naming the variable when
+    it cannot be. ``sift worker`` calls it before Celery starts: the import was made at the
+    first job, so a worker given a module that is not there started, and failed every job."""
+    if not settings.runtime_factory:
+        return None
+    module_name, _, attr = settings.runtime_factory.partition(":")
+    where = f"SIFT_RUNTIME_FACTORY={settings.runtime_factory}"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{where}: cannot import {module_name}: {exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"{where}: {module_name} has no function {attr}")
+    return factory  # type: ignore[no-any-return]
+
+
 def load_runtime(settings: Settings, limiter: ProviderLimiter | None = None) -> Runtime:
     """Build the runtime with ``SIFT_RUNTIME_FACTORY`` ("module:function"), or the real one
     wired for the queue: Prometheus recording, the reranker behind the process's limiter, and
     the rate budget that every worker process shares."""
-    if settings.runtime_factory:
-        module_name, _, attr = settings.runtime_factory.partition(":")
-        factory = getattr(importlib.import_module(module_name), attr)
+    factory = runtime_factory(settings)
+    if factory is not None:
         runtime: Runtime = factory(settings)
         return runtime
     from worker.runtime.bootstrap import build_rate_budget, build_reranker, pipeline_config
