@@ -174,6 +174,10 @@ class RateLimit(BaseModel):
 _API_KEY_LIST = TypeAdapter(list[ApiKey])
 
 
+def _blank(value: Any) -> bool:
+    return isinstance(value, str) and not value.strip()
+
+
 def _json_or_empty(value: Any) -> Any:
     if isinstance(value, str):
         return json.loads(value) if value.strip() else []
@@ -420,6 +424,8 @@ class Settings(BaseSettings):
             for name in ("api_keys", "prices", "rate_limits", "fusion_weights"):
                 if name in data:
                     try:
+                        if name == "fusion_weights" and _blank(data[name]):
+                            continue  # refused by _weights_given, naming it
                         data[name] = _json_or_empty(data[name])
                         if name in ("rate_limits", "fusion_weights") and data[name] == []:
                             data[name] = {}
@@ -453,6 +459,15 @@ class Settings(BaseSettings):
             named[bare] = limits
         return named
 
+    @field_validator("fusion_weights", mode="before")
+    @classmethod
+    def _weights_given(cls, value: Any) -> Any:
+        """Not an unset setting, whose empty variable is the default: its default is weights,
+        and a compose file's unset ``${FUSION_WEIGHTS}`` was taken for them, silently."""
+        if _blank(value):
+            raise ValueError('is empty: give JSON weights ({"bm25": 1, "knn": 1}), or unset it')
+        return value
+
     @field_validator("data_dir", "model_cache_dir", mode="before")
     @classmethod
     def _a_folder(cls, value: Any) -> Any:
@@ -461,6 +476,18 @@ class Settings(BaseSettings):
         ``sift up``'s AOF, logs and development key, wherever the process started."""
         if isinstance(value, str) and not value.strip():
             raise ValueError("is empty: give a folder, or unset the variable for the default")
+        return value
+
+    @field_validator(
+        *(f"elasticsearch_{name}_field" for name in ("id", "text", "title", "vector", "tenant",
+          "revision", "metadata", "model", "metadata_terms", "write_version")),
+    )  # fmt: skip
+    @classmethod
+    def _a_field_name(cls, value: str) -> str:
+        """A field's name, or (where the field may be left out) ``""``: ``" "`` passed
+        ``min_length=1``, the name of a field made of spaces."""
+        if value and not value.strip():
+            raise ValueError("is blank: give a field's name")
         return value
 
     @field_validator("redis_url")

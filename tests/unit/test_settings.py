@@ -454,3 +454,41 @@ def test_the_largest_rerank_allowance_fits_every_current_models_output() -> None
         tokens_per_position=bound("generation_tokens_per_position"),
     )
     assert prompt.max_tokens <= 64_000
+
+
+ELASTICSEARCH_FIELDS = [
+    f"SIFT_ELASTICSEARCH_{name}_FIELD"
+    for name in ("ID", "TEXT", "TITLE", "VECTOR", "TENANT", "REVISION", "METADATA", "MODEL",
+                 "METADATA_TERMS", "WRITE_VERSION")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("variable", ELASTICSEARCH_FIELDS)
+def test_a_blank_elasticsearch_field_name_is_refused(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """``" "`` passed ``min_length=1`` (and an optional field's ``""``, none, is not it): a
+    mapping of a field named by spaces."""
+    monkeypatch.setenv(variable, "  ")
+    with pytest.raises(ConfigError, match=rf"{variable}: .*blank"):
+        load_settings()
+
+
+def test_the_elasticsearch_field_settings_are_all_listed_here() -> None:
+    from worker.settings import Settings
+
+    names = {
+        f"SIFT_{name.upper()}"
+        for name in Settings.model_fields
+        if name.startswith("elasticsearch_") and name.endswith("_field")
+    }
+    assert names == set(ELASTICSEARCH_FIELDS)
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_empty_fusion_weights_are_refused(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """Not an unset setting (its default is a value, not unset): a compose file's unset
+    ``${FUSION_WEIGHTS}`` was taken as the defaults, silently."""
+    monkeypatch.setenv("SIFT_FUSION_WEIGHTS", value)
+    with pytest.raises(ConfigError, match=r"SIFT_FUSION_WEIGHTS: .*empty"):
+        load_settings()
