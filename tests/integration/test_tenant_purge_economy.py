@@ -42,7 +42,7 @@ from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.processes.stack import child_env
 from worker.queue import economy
 from worker.queue.base import WorkerContext
-from worker.queue.economy import cancel, leases, records, results, watch
+from worker.queue.economy import cancel, leases, records, results, submission, watch
 from worker.queue.jobstore import BatchJob, JobStore
 
 __all__ = ["context", "workers"]  # fixtures (test_economy_doubts.py's)
@@ -317,4 +317,82 @@ def test_a_create_whose_answer_is_lost_after_the_purge_is_logged(
     [error] = [r for r in caplog.records if r.levelname == "ERROR"]
     assert f"batch {batch.id}: erased while its create" in error.getMessage()
     assert "of 1 requests" in error.getMessage()
+    assert _named(store, batch.id) == []
+
+
+# where the purge (having read the batch's provider batches while the first of its two
+# creates ran: none recorded yet) deletes the batch's records: each is another way out of
+# the submission, after the first provider batch was recorded, which the purge never saw
+SECOND_CHUNK_EXITS = [
+    "the second chunk's runs refused (save_runs)",
+    "the second chunk's mark refused (leases.expect, its lease gone)",
+    "the second provider batch's record refused",
+    "the second create's answer lost",
+]
+
+
+@pytest.mark.parametrize("exit_", SECOND_CHUNK_EXITS)
+def test_every_provider_batch_made_before_the_purge_deleted_the_records_is_canceled(
+    context: WorkerContext, model: FakeAnthropic, workers: None, monkeypatch: pytest.MonkeyPatch,
+    exit_: str,
+) -> None:  # fmt: skip
+    """A submission of two provider batches: the purge read the batch's provider batches
+    while the first create ran, and deleted its records before the submission ended. Only
+    the loop's normal end canceled what the submission had made: at every other exit (a
+    save refused, its lease refused, the second record refused, the second create failing)
+    the first provider batch ran on to its end, billed for an erased tenant and named by no
+    record (the refused record's branch canceled only the newest). Every exit that finds
+    the batch erased cancels all of them now."""
+    store = context.store
+    batch, qids = _prepared(context, 2)
+    client = context.batches
+    assert client is not None
+    create, new_submission = client.create, submission.new_submission
+    record_sent = submission.record_sent
+    made: list[str] = []
+    purge: dict[str, Any] = {}
+
+    def erase() -> None:  # the purge, its indexes dropped, deletes the records
+        store.delete_tenant_jobs(purge["jobs"])
+        store.delete_tenant_keys("acme")
+
+    def create_(*args: Any, **kwargs: Any) -> Any:
+        provider = create(*args, **kwargs)
+        made.append(provider.id)
+        if len(made) == 1:  # the purge cancels the jobs, reads the provider batches to cancel
+            purge["jobs"] = store.tenant_jobs("acme")
+            store.cancel_tenant_jobs(purge["jobs"])
+            purge["read"] = cancel.open_provider_batches(store, batch.id)
+        elif exit_ in SECOND_CHUNK_EXITS[2:]:
+            erase()
+            if exit_ == SECOND_CHUNK_EXITS[3]:
+                raise RerankAttemptError(AttemptOutcome.CONNECTION, "Server disconnected")
+        return provider
+
+    def new_submission_() -> str:
+        if purge and exit_ == SECOND_CHUNK_EXITS[0]:  # the second chunk's
+            erase()
+        return new_submission()
+
+    def record_sent_(*args: Any, **kwargs: Any) -> None:
+        if exit_ == SECOND_CHUNK_EXITS[1] and store.get_batch(batch.id) is not None:
+            erase()  # the first chunk's runs are refused; the second chunk's mark next
+        record_sent(*args, **kwargs)
+
+    monkeypatch.setattr(client, "create", create_)
+    monkeypatch.setattr(economy.submission, "new_submission", new_submission_)
+    monkeypatch.setattr(economy.submission, "record_sent", record_sent_)
+    monkeypatch.setattr(context.settings, "economy_max_requests_per_batch", 1)
+
+    if exit_ == SECOND_CHUNK_EXITS[3]:
+        with pytest.raises(RerankAttemptError):
+            _submission(context, batch, qids, "1")
+    else:
+        _submission(context, batch, qids, "1")
+
+    assert purge["read"] == []  # the purge had nothing to cancel
+    statuses = {b["id"]: b["status"] for b in model.batches()}
+    assert statuses[made[0]] != "in_progress", "left running, billed for an erased tenant"
+    if exit_ == SECOND_CHUNK_EXITS[2]:
+        assert statuses[made[1]] != "in_progress"
     assert _named(store, batch.id) == []

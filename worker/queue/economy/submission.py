@@ -166,6 +166,71 @@ def _erased_in_doubt(
         )
 
 
+def _send(
+    task: SiftTask,
+    batch: BatchJob,
+    client: AnthropicMessageBatches,
+    chunks: Iterator[list[_Pending]],
+    watch: str,
+    created: list[str],
+) -> None:
+    """Create a provider batch for each chunk, each id added to ``created`` as soon as it is
+    made: :func:`submit` cancels them all should the batch be erased meanwhile, at whatever
+    point this stops (a refused save or record, a failed create, a lease taken)."""
+    for chunk in chunks:
+        expect(task, batch.id, watch, 0.0)
+        submission = new_submission()
+        started = time.time()
+        for p in chunk:
+            p.request["custom_id"] = custom_id(p.run["pos"], submission)
+            p.run["pending"] = {"submission": submission, "at": started, "requests": len(chunk)}
+            # what its answer is priced at: a worker of another model may poll it
+            p.run["model"] = p.request["params"]["model"]
+            # the policy its answer is labelled (records.as_sent): its prompt is this
+            # release's, though an older one may have prepared it, or sent it before
+            p.run["policy"] = p.policy
+        if not save_runs(task, batch, ((p.query_id, p.run) for p in chunk)):
+            log.info("batch %s: erased (sift tenant purge); nothing more is sent", batch.id)
+            return
+        try:
+            guard = upload_guard(task, batch.id, watch, submission)
+            provider = client.create([p.request for p in chunk], before_write=guard)
+        except RerankAttemptError as exc:
+            if task.context.store.get_batch(batch.id) is None:  # erased meanwhile: a purge
+                _erased_in_doubt(batch.id, submission, started, len(chunk), exc)
+                raise
+            # a run stalled past its lease (taken over meanwhile) writes nothing more: the
+            # items' runs may be the new holder's by now (sent again once the window passed)
+            expect(task, batch.id, watch, 0.0)
+            for p in chunk:
+                if _may_have_created(exc):  # its call is over: settled at once, not waited for
+                    p.run["pending"]["answered"] = True
+                else:
+                    p.run["pending"] = None
+            save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+            raise
+        now = time.time()
+        round_ = max(p.run["round"] for p in chunk) + 1
+        # the provider batch first: killed before the runs say so, the items are still
+        # pending, and settle_doubts finds it here by its submission
+        record = {"round": round_, "requests": len(chunk), "created_at": now,
+                  "ended_at": None, "submission": submission}  # fmt: skip
+        if not _record_provider(task, batch, provider.id, record):
+            created.append(provider.id)  # canceled by submit, with the ones before it
+            return
+        for p in chunk:
+            record_sent(p.run, provider.id, submission, now)
+        save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
+        created.append(provider.id)
+        log.info(
+            "batch %s: provider batch %s with %d requests (round %d)",
+            batch.id,
+            provider.id,
+            len(chunk),
+            round_,
+        )
+
+
 def submit(
     task: SiftTask,
     batch: BatchJob,
@@ -183,9 +248,10 @@ def submit(
     it runs (a second one would create the same items' batches again).
 
     A batch erased by ``sift tenant purge`` while this ran (``--force``, or a worker not
-    restarted yet) gets no create more, and a provider batch made for it meanwhile is
-    canceled here (:func:`_cancel_erased`): the purge read its provider batches before it
-    was made, and nothing else would cancel it."""
+    restarted yet) gets no create more, and every provider batch this run made for it is
+    canceled here, whichever way the run ends (:func:`_cancel_erased`): the purge may have
+    read its provider batches before they were made or recorded, and nothing else would
+    cancel them."""
     settings = task.context.settings
     if batch.canceled_at is not None:
         # the items still to send end now; one already in a provider batch (sent by an
@@ -216,61 +282,12 @@ def submit(
         max_requests=settings.economy_max_requests_per_batch,
         max_bytes=settings.economy_max_batch_bytes,
     )
-    for chunk in chunks:
-        expect(task, batch.id, watch, 0.0)
-        submission = new_submission()
-        started = time.time()
-        for p in chunk:
-            p.request["custom_id"] = custom_id(p.run["pos"], submission)
-            p.run["pending"] = {"submission": submission, "at": started, "requests": len(chunk)}
-            # what its answer is priced at: a worker of another model may poll it
-            p.run["model"] = p.request["params"]["model"]
-            # the policy its answer is labelled (records.as_sent): its prompt is this
-            # release's, though an older one may have prepared it, or sent it before
-            p.run["policy"] = p.policy
-        if not save_runs(task, batch, ((p.query_id, p.run) for p in chunk)):
-            log.info("batch %s: erased (sift tenant purge); nothing more is sent", batch.id)
-            return created
-        try:
-            guard = upload_guard(task, batch.id, watch, submission)
-            provider = client.create([p.request for p in chunk], before_write=guard)
-        except RerankAttemptError as exc:
-            if task.context.store.get_batch(batch.id) is None:  # erased meanwhile: a purge
-                _erased_in_doubt(batch.id, submission, started, len(chunk), exc)
-                raise
-            # a run stalled past its lease (taken over meanwhile) writes nothing more: the
-            # items' runs may be the new holder's by now (sent again once the window passed)
-            expect(task, batch.id, watch, 0.0)
-            for p in chunk:
-                if _may_have_created(exc):  # its call is over: settled at once, not waited for
-                    p.run["pending"]["answered"] = True
-                else:
-                    p.run["pending"] = None
-            save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
-            raise
-        now = time.time()
-        round_ = max(p.run["round"] for p in chunk) + 1
-        # the provider batch first: killed before the runs say so, the items are still
-        # pending, and settle_doubts finds it here by its submission
-        record = {"round": round_, "requests": len(chunk), "created_at": now,
-                  "ended_at": None, "submission": submission}  # fmt: skip
-        if not _record_provider(task, batch, provider.id, record):
-            _cancel_erased(client, batch.id, provider.id)
-            return [*created, provider.id]
-        for p in chunk:
-            record_sent(p.run, provider.id, submission, now)
-        save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
-        created.append(provider.id)
-        log.info(
-            "batch %s: provider batch %s with %d requests (round %d)",
-            batch.id,
-            provider.id,
-            len(chunk),
-            round_,
-        )
-    again = task.context.store.get_batch(batch.id)
-    for provider_id in created if again is None else []:  # erased since: by its purge
-        _cancel_erased(client, batch.id, provider_id)
+    try:
+        _send(task, batch, client, chunks, watch, created)
+    finally:  # every way out: a refused save or record, a failed create, a stood-down run
+        again = task.context.store.get_batch(batch.id)
+        for provider_id in created if again is None else []:  # erased since: by its purge
+            _cancel_erased(client, batch.id, provider_id)
     if created and again is not None and again.canceled_at is not None:
         for provider_id in created:  # canceled while we were sending: cancel what we sent
             cancel_quietly(task.context.store, batch.id, client, provider_id)
