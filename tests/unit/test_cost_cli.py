@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from typer.testing import CliRunner, Result
 import worker.cli.cost as cost
 from tests.prometheus_support import free_port
 from worker.cli import app
+from worker.errors import SiftError
 
 
 def test_counter_increase_is_exact_and_survives_resets() -> None:
@@ -172,6 +174,30 @@ def test_a_png_it_cannot_write_is_refused_before_any_report(
     run, asked = _cost_with_png(monkeypatch, png)
     assert run.exit_code == 0, run.output
     assert "Rerank cost, last 1h" in run.stdout and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_folder_is_no_png_to_write(tmp_path: Path) -> None:
+    """An existing folder passed :func:`check_png` (its parent is writable). The command's
+    option refuses it before (``dir_okay=False``, a usage error); the check does too now."""
+    with pytest.raises(SiftError, match=r"cannot write .* \(it is a folder\); nothing was read"):
+        cost.check_png(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes a read-only file")
+def test_an_existing_png_it_cannot_write_is_refused_before_any_report(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An existing read-only file passed the check (its folder is writable), then the report
+    was printed and the chart failed; it is refused first now, and left as it was."""
+    png = tmp_path / "c.png"
+    png.write_bytes(b"kept")
+    png.chmod(0o444)
+    run, asked = _cost_with_png(monkeypatch, png)
+    assert isinstance(run.exception, SystemExit) and run.exit_code == 1, run.output
+    assert run.stdout == "" and asked == [], run.output
+    said = " ".join(run.stderr.split())
+    assert f"error: --png: cannot write {png} (Permission denied)" in said, said
+    assert png.read_bytes() == b"kept"
 
 
 def test_a_png_without_matplotlib_is_refused_before_any_report(

@@ -242,11 +242,21 @@ def check_png(path: Path) -> None:
     not writable) before Prometheus is read: the report was printed whole first, then the
     error, and a ``sift cost --png x > report.txt`` kept a report that looked done from a run
     that failed. Makes no folder (a typo's folder would be left behind); a failure while
-    writing still comes after the report (a disk full meanwhile)."""
+    writing still comes after the report (a disk full meanwhile). An existing path is
+    checked itself: a folder, or a file it may not write, passed its folder's check and
+    failed after the report; it is opened to append, so nothing in it changes."""
     _figure_class()
+    if path.is_dir():
+        raise SiftError(f"--png: cannot write {path} (it is a folder); nothing was read")
     try:
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".check"):
-            pass
+        if path.exists():
+            with path.open("ab"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(
+                dir=path.parent, prefix=f".{path.name}.", suffix=".check"
+            ):
+                pass
     except OSError as exc:
         # a file where a folder should be: "Not a directory", naming neither
         blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
