@@ -12,6 +12,8 @@
     ├── BackendError
     │   ├── BackendUnavailable     connection, timeout, 5xx             retryable
     │   └── BackendRequestError    4xx, bad mapping, missing index      permanent
+    │       └── BackendAccessRefused   Sift's credentials refused (401/403):  permanent
+    │                              ``config_error``, the deployment's to fix
     ├── RerankAttemptError         one model call failed, with its class (retryable unless
     │                              http_4xx, budget_exhausted or refused)
     ├── RerankFailed               the rerank failed for good (fail_closed), names the class
@@ -187,6 +189,15 @@ class BackendUnavailable(BackendError):
 
 class BackendRequestError(BackendError):
     code = "backend_request_error"
+
+
+class BackendAccessRefused(BackendRequestError):
+    """The backend refused Sift's own credentials or their rights (Elasticsearch's 401 or
+    403): the deployment's setting is wrong, not the tenant's request, so a job says
+    ``config_error``. Still a :class:`BackendError`: what waits out a backend's failure (an
+    economy poll reading its candidates) waits for the operator's fix too."""
+
+    code = "config_error"
 
 
 class RerankAttemptError(SiftError):

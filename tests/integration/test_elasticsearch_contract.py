@@ -69,6 +69,7 @@ from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import ChannelQuery, Document, HardFilters, IndexProbe
 from worker.errors import (
+    BackendAccessRefused,
     BackendRequestError,
     BackendUnavailable,
     ConfigError,
@@ -473,6 +474,34 @@ def test_bulk_item_errors_name_the_documents(server: FakeElasticsearchServer) ->
     docs = [Document("good", "x"), Document("bad", "y")]
     with pytest.raises(BackendRequestError, match=r"bad \(400 document_parsing_exception"):
         backend_for(server).upsert("docs", "acme", docs, None)
+
+
+def test_a_bulk_item_refusing_sifts_credentials_is_a_config_error_without_es_reason(
+    server: FakeElasticsearchServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bulk write whose items ES refused for Sift's role (403) named each document with
+    ES's reason (the service user, its roles, the concrete index): now its cause's type."""
+    on_existing_index(server)
+    kind, reason = ACCESS_REFUSED[403]
+
+    def refused(request: Recorded) -> Answer:
+        answer = bulk_ok(request)
+        answer.body["errors"] = True
+        answer.body["items"][1] = {
+            "index": {"_index": CONCRETE, "_id": "acme:bad", "status": 403,
+                      "error": {"type": kind, "reason": reason}},
+        }  # fmt: skip
+        return answer
+
+    server.on("PUT", "/_bulk", refused)
+    docs = [Document("good", "x"), Document("bad", "y")]
+    with pytest.raises(BackendAccessRefused) as caught:
+        backend_for(server).upsert("docs", "acme", docs, None)
+    message = str(caught.value)
+    assert "bad (403 security_exception)" in message and "SIFT_ELASTICSEARCH_API_KEY" in message
+    for secret in ("sift_svc", "sift_reader", tenant_key("acme")):
+        assert secret not in message, message
+    assert reason in caplog.text
 
 
 def test_bulk_rejections_are_retryable(server: FakeElasticsearchServer) -> None:
@@ -1064,6 +1093,69 @@ def test_400_is_a_permanent_request_error_with_es_reason(server: FakeElasticsear
         backend_for(server).retrieve(query())
     assert not caught.value.retryable
     assert len(server.requests) == 1
+
+
+#: ES's reasons for refusing Sift's own credentials: its service user, roles, API key and the
+#: concrete index names (the deployment's prefix and the tenant's key) are infrastructure
+ACCESS_REFUSED = {
+    403: (
+        "security_exception",
+        "action [indices:data/read/msearch] is unauthorized for user [sift_svc] with effective"
+        f" roles [sift_reader] on indices [{CONCRETE}], this action is granted by the index"
+        " privileges [read,all]",
+    ),
+    401: (
+        "security_exception",
+        "unable to authenticate with provided credentials: API key: api key [k8Hx2] has expired",
+    ),
+}
+
+
+@pytest.mark.parametrize("status", list(ACCESS_REFUSED))
+@pytest.mark.parametrize("where", ["the request", "one msearch item"])
+def test_a_refusal_of_sifts_credentials_is_a_config_error_without_es_reason(
+    server: FakeElasticsearchServer, caplog: pytest.LogCaptureFixture, status: int, where: str
+) -> None:
+    """A 401 or 403 (an API key expired, a role missing) reached the tenant's job record as
+    ``backend_request_error`` with ES's reason: the service user, its roles, the key's id and
+    the concrete index names. It is the deployment's setting that is wrong: a config_error
+    the tenant sees with the status and the cause's type only, the reason in the log."""
+    kind, reason = ACCESS_REFUSED[status]
+    body = error_body(kind, reason, status)
+    if where == "the request":
+        on_searches(server, Answer(status, body))
+    else:
+        on_searches(server, Answer(200, msearch_response(search_response([]), body)))
+    with pytest.raises(BackendAccessRefused) as caught:
+        backend_for(server).retrieve(query())
+    assert caught.value.code == "config_error"
+    message = str(caught.value)
+    assert f"({status} security_exception)" in message, message
+    assert "SIFT_ELASTICSEARCH_API_KEY" in message, message
+    for secret in ("sift_svc", "sift_reader", "k8Hx2", tenant_key("acme"), "sift-"):
+        assert secret not in message, message
+    assert not caught.value.retryable
+    assert reason in caplog.text  # the operator's to read
+
+
+def test_a_refusal_naming_the_concrete_index_shows_the_tenants_index_name(
+    server: FakeElasticsearchServer,
+) -> None:
+    """A 400 the tenant's request caused keeps ES's reason (the tenant fixes it from it), but
+    ES names the index it read by its concrete name: the deployment's prefix and the
+    tenant's key, and the index's UUID. The tenant sees its own index name there now."""
+    reason = (
+        f"failed to create query: field [year] of index [{CONCRETE}/kA1qF3ZpQ9-x2Yb7cD8eWg] "
+        f"is not numeric; the drop floor in [{FLOORS}] was not read"
+    )
+    on_searches(server, Answer(400, error_body("query_shard_exception", reason)))
+    with pytest.raises(BackendRequestError) as caught:
+        backend_for(server).retrieve(query())
+    message = str(caught.value)
+    assert "query_shard_exception: failed to create query: field [year] of index [docs]" in message
+    assert "[Sift's floors index]" in message, message
+    for secret in (tenant_key("acme"), "sift-", "kA1qF3ZpQ9"):
+        assert secret not in message, message
 
 
 def test_missing_index_is_index_not_found(server: FakeElasticsearchServer) -> None:

@@ -3,6 +3,7 @@ items of ``_msearch`` and ``_bulk`` answers, as Sift's errors (retryable or not)
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -22,6 +23,7 @@ from elasticsearch import (
 )
 
 from worker.errors import (
+    BackendAccessRefused,
     BackendRequestError,
     BackendUnavailable,
     IndexNotFound,
@@ -93,13 +95,15 @@ class _translated:  # a context manager; named like one
                     f"Elasticsearch answered {status} to the {self.what}{_kind(exc.body)}",
                     reason,
                 ) from exc
+            if _access_refused(status, exc.body):
+                raise _credentials_refused(self.what, status, exc.body, reason) from exc
             if _error_type(exc) == "media_type_header_exception":
                 reason += (
                     " (the 9.x client sends compatible-with=9, which Elasticsearch 8.x "
                     "refuses: Sift needs Elasticsearch 9)"
                 )
             raise BackendRequestError(
-                f"Elasticsearch refused the {self.what} ({status}): {reason}"
+                f"Elasticsearch refused the {self.what} ({status}): {_scrubbed(reason)}"
             ) from exc
         if isinstance(exc, ConnectionTimeout):
             raise _unavailable(f"Elasticsearch timed out on the {self.what}", _detail(exc)) from exc
@@ -131,6 +135,64 @@ def _unavailable(message: str, detail: str) -> BackendUnavailable:
     cluster's hosts, ports or nodes by address, so only the worker's log has it."""
     logger.warning("%s: %s", message, detail)
     return BackendUnavailable(message)
+
+
+def _access_refused(status: int, body: Any) -> bool:
+    """Whether ES refused Sift's own credentials (401: its API key unknown or expired) or
+    their rights (403, or a ``security_exception`` under another status: a role missing)."""
+    return status in (401, 403) or _cause_type(body) == "security_exception"
+
+
+def _credentials_refused(what: str, status: int, body: Any, reason: str) -> BackendAccessRefused:
+    """The deployment's setting is wrong, not the tenant's request: ``config_error``, which the
+    tenant may read, with the status and the cause's type only. ES's reason names Sift's
+    service user, its roles, its API key's id and the concrete index names (the deployment's
+    prefix, the tenant's key): only the worker's log has it, as an error for the operator."""
+    kind = _cause_type(body) or "error"
+    logger.error("Elasticsearch refused the %s (%s %s): %s", what, status, kind, reason)
+    return BackendAccessRefused(
+        f"Elasticsearch refused the {what} ({status} {kind}): Sift's credentials there "
+        "(SIFT_ELASTICSEARCH_API_KEY) or their roles do not allow it; the worker's log has "
+        "Elasticsearch's reason"
+    )
+
+
+@functools.cache
+def _index_names() -> tuple[re.Pattern[str], re.Pattern[str]]:
+    """How ES's text names an index of Sift's: a concrete index or alias of the per-tenant
+    layout (the deployment's prefix, the tenant's key and ``--`` before the tenant's own
+    index name, then maybe a concrete index's suffix and the index's UUID, ``[name/uuid]``);
+    and Sift's own indexes (the drop floors, the index settings) after the prefix. Built on
+    first use: the layout's module reads this one's errors."""
+    from worker.adapters.elasticsearch import _layout as layout
+
+    uuid = r"(?:/[A-Za-z0-9_-]{22})?"
+    tenants = re.compile(
+        rf"[a-z0-9_.-]*?[0-9a-f]{{{layout.TENANT_KEY_LENGTH}}}{layout.KEY_SEPARATOR}"
+        rf"([a-z0-9_.-]+)(?:{layout.CONCRETE_SEPARATOR}[a-z0-9]+)?{uuid}"
+    )
+    own = re.compile(
+        rf"[a-z0-9_.-]*?({re.escape(layout.FLOORS_INDEX)}|{re.escape(layout.SETTINGS_INDEX)}){uuid}"
+    )
+    return tenants, own
+
+
+def _scrubbed(reason: str) -> str:
+    """ES's reason for a refusal the tenant may need to fix (a bad query, a field of the wrong
+    type), as the tenant may read it: an index ES names by its concrete name is named by the
+    tenant's own index name, and Sift's own indexes by what they are, without the
+    deployment's prefix, the tenant's key or the index's UUID.
+
+    >>> _scrubbed("no [a] in [acme-sift-822b33ad87c148a0--my-docs~000001/kA1qF3ZpQ9-x2Yb7cD8eWg]")
+    'no [a] in [my-docs]'
+    >>> _scrubbed("[sift-sift-floors] is read-only")
+    "[Sift's floors index] is read-only"
+    """
+    tenants, own = _index_names()
+    return own.sub(
+        lambda m: "Sift's floors index" if "floors" in m.group(1) else "Sift's settings index",
+        tenants.sub(r"\1", reason),
+    )
 
 
 def _connection_failure(exc: BaseException) -> str:
@@ -287,7 +349,9 @@ def _raise_for_item(answer: Mapping[str, Any], what: str, index: str) -> None:
         raise IndexNotFound(index)
     if _retryable(status):
         raise _unavailable(f"Elasticsearch answered {status} to the {what}{_kind(answer)}", reason)
-    raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {reason}")
+    if _access_refused(status, answer):
+        raise _credentials_refused(what, status, answer, reason)
+    raise BackendRequestError(f"Elasticsearch refused the {what} ({status}): {_scrubbed(reason)}")
 
 
 def _bulk_error(failures: Sequence[Mapping[str, Any]], names: Mapping[str, str]) -> SiftError:
@@ -296,20 +360,30 @@ def _bulk_error(failures: Sequence[Mapping[str, Any]], names: Mapping[str, str])
     holds no document id to strip a prefix from), the ``_id`` itself if it is not there."""
     named: list[str] = []
     reasons: list[str] = []
-    retryable = True
+    retryable, denied = True, False
     for item in failures:
         op = next(iter(item.values())) if item else {}
         status = int(op.get("status", 500))
         retryable = retryable and _retryable(status)
         es_id = str(op.get("_id", "?"))
         doc = names.get(es_id, es_id)
-        # a refusal's reason is the tenant's to fix; a passing failure's may name a node
+        # a refusal's reason is the tenant's to fix; a passing failure's may name a node,
+        # and one of Sift's credentials names its service user and roles
         reason = _reason(op) or "error"
-        why = (_cause_type(op) or "error") if _retryable(status) else reason
+        refused = _access_refused(status, op)
+        denied = denied or refused
+        hidden = _retryable(status) or refused
+        why = (_cause_type(op) or "error") if hidden else _scrubbed(reason)
         named.append(f"{doc} ({status} {why})")
         reasons.append(f"{doc} ({status} {reason})")
     listing = "; ".join(named[:5]) + (f"; and {len(named) - 5} more" if len(named) > 5 else "")
     message = f"{len(failures)} document(s) not written: {listing}"
     if retryable:
         return _unavailable(message, "; ".join(reasons))
+    if denied:
+        logger.error("%s: %s", message, "; ".join(reasons))
+        return BackendAccessRefused(
+            f"{message}: Sift's credentials in Elasticsearch (SIFT_ELASTICSEARCH_API_KEY) or "
+            "their roles do not allow it; the worker's log has Elasticsearch's reason"
+        )
     return BackendRequestError(message)
