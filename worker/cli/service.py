@@ -41,6 +41,7 @@ from worker.processes.stack import (
     claim_data_dir,
     free_port,
     gateway_service,
+    holds_data_dir,
     redis_service,
     running,
     sift_command,
@@ -331,6 +332,50 @@ def elasticsearch_migrate(
         console.print(f"{alias} -> {name}: {count} document(s) {verb} to {len(tenants)} tenant(s)")
     if not report:
         console.print("nothing to migrate: no index of the shared layout")
+
+
+@app.command("embedded-downgrade")
+def embedded_downgrade(
+    yes: Annotated[bool, typer.Option("--yes", help="do not ask before making them again")] = False,
+) -> None:
+    """Before rolling back to a release older than the erasing deletes (57bc511): make each
+    embedded index's FTS5 table again as those releases made it, from its stored texts, so
+    they can replace, delete and drop its documents. Run it with this release, every worker
+    stopped; this release makes each table erasing again at its index's next write."""
+    from worker.adapters.embedded import DB_FILE, EmbeddedBackend
+
+    settings = _settings()
+    if settings.search_backend != "embedded":
+        _stop("SIFT_SEARCH_BACKEND is not embedded: nothing to downgrade")
+    data_dir = settings.data_dir.resolve()
+    if not (data_dir / DB_FILE).is_file():  # opening it would make an empty one
+        _stop(f"no embedded backend in {data_dir}: set SIFT_DATA_DIR to the workers' data folder")
+    if holds_data_dir(data_dir):
+        _stop(
+            f"the data folder {data_dir} is in use by a running `sift up` stack: stop it "
+            "(and every other worker on it) first; nothing was changed"
+        )
+    if not yes:
+        typer.confirm(
+            f"Make every FTS5 table in {data_dir / DB_FILE} again as an earlier release's? "
+            "Every worker on it must be stopped; this release's deletes stop erasing a "
+            "document's terms at once until its index's next write",
+            abort=True,
+        )
+    backend = EmbeddedBackend(data_dir)
+    try:
+        made = backend.make_earlier_fts()
+    except SiftError as error:
+        _stop(f"nothing was changed: {plain(error)}", 1)
+    finally:
+        backend.close()
+    for tenant, index, rows in made:
+        console.print(f"{plain(tenant)}/{plain(index)}: {rows} document(s)")
+    console.print(
+        f"{len(made)} FTS5 table(s) made as an earlier release's"
+        + ("" if made else " (none was this release's)")
+        + "; an earlier release can now replace, delete and drop their documents"
+    )
 
 
 # the option that sets each setting, where a command has one

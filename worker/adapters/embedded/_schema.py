@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import cast
 
 import apsw
 
@@ -197,6 +198,37 @@ def _remake_fts(conn: apsw.Connection, num: int, index: str, tenant: str) -> Non
         " FROM docs AS d JOIN bodies AS b ON b.seq = d.seq WHERE d.idx = ? AND d.tenant = ?",
         (index, tenant),
     )
+
+
+def make_earlier_fts(conn: apsw.Connection) -> list[tuple[str, str, int]]:
+    """Make every FTS5 table of this release's (erasing: no ``contentless_delete``) again as
+    an earlier release made it (``contentless_delete=1``), from the index's ``bodies``:
+    ``sift embedded-downgrade``, run before rolling back past the erasing tables. That
+    release removes a row by ``DELETE FROM fts_N WHERE rowid = ?``, which this release's
+    tables refuse: its re-ingests, deletes, drops and purges failed, for good. This release
+    makes each erasing again at its index's next write (:func:`_ensure_index`). Answers each
+    table made again: its tenant, index and rows."""
+    made = []
+    rows = cast(
+        list[tuple[int, str, str]],
+        conn.execute("SELECT num, name, tenant FROM indexes ORDER BY tenant, name").fetchall(),
+    )
+    for num, index, tenant in rows:
+        sql = _fts_sql(conn, num)
+        if sql is None or _EARLIER_FTS in sql:
+            continue  # no table (an emptied index), or an earlier release's already
+        conn.execute(f"DROP TABLE fts_{num}")
+        conn.execute(
+            f"CREATE VIRTUAL TABLE fts_{num} USING fts5("
+            f"title, text, content='', contentless_delete=1, tokenize='{FTS_TOKENIZER}')"
+        )
+        conn.execute(
+            f"INSERT INTO fts_{num}(rowid, title, text) SELECT b.seq, b.title, b.text FROM docs"
+            " AS d JOIN bodies AS b ON b.seq = d.seq WHERE d.idx = ? AND d.tenant = ?",
+            (index, tenant),
+        )
+        made.append((tenant, index, conn.changes()))
+    return made
 
 
 def _claim_dimension(conn: apsw.Connection, num: int, index: str, dimension: int) -> None:

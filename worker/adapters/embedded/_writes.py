@@ -31,6 +31,7 @@ from ._schema import (
     _index_row,
     _make_erasable,
     _settle_emptied,
+    make_earlier_fts,
 )
 
 
@@ -153,6 +154,13 @@ class _Writes(_Pool):
             _record_outcome(conn, index, tenant, version, deleted, emptied=emptied)
             _expire_tombstones(conn, time.time() - self.tombstone_seconds)
         return deleted
+
+    def make_earlier_fts(self) -> list[tuple[str, str, int]]:
+        """Every index's FTS5 table made again as an earlier release's, in one transaction
+        (:func:`_schema.make_earlier_fts`): ``sift embedded-downgrade``, with every worker
+        stopped (one writing an index meanwhile makes its table erasing again)."""
+        with self._conn() as conn, _translated("make_earlier_fts"), _write(conn):
+            return make_earlier_fts(conn)
 
     def emptied(self, index: str, tenant: str, version: int) -> bool | None:
         """Whether the delete of ``version`` left the tenant's index without a document when
