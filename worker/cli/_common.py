@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,6 +45,32 @@ def option_error(error: SiftError, options: Mapping[str, str]) -> typer.BadParam
         if field in options:
             message = validation_message(problem["msg"])
             return typer.BadParameter(message, param_hint=f"'{options[field]}'")
+    return None
+
+
+def why_unwritable(path: Path, *, make_folders: bool = False, in_place: bool = False) -> str | None:
+    """Why a command could not write its output file ``path``, checked before any work is
+    done (None: it can): a folder, a path under a file, a place this user may not write.
+    ``make_folders`` creates the missing ones (else a typo's folder is not left behind);
+    ``in_place``: the command writes an existing file itself, not a new one renamed over
+    it, so that file is opened to append (nothing in it changes), not only its folder tried.
+    """
+    if path.is_dir():
+        return "it is a folder"
+    try:
+        if make_folders:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        if in_place and path.exists():
+            with path.open("ab"):
+                pass
+        else:
+            trial = f".{path.name}."
+            with tempfile.NamedTemporaryFile(dir=path.parent, prefix=trial, suffix=".check"):
+                pass
+    except OSError as exc:
+        # a file where a folder should be: "Not a directory" or "File exists", naming neither
+        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        return f"{blocker} is a file, not a folder" if blocker else str(exc.strerror or exc)
     return None
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import tempfile
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_ERROR, _err, option_error
+from worker.cli._common import EXIT_ERROR, _err, option_error, why_unwritable
 from worker.cli._output import counted, plain
 from worker.constants import (
     METRIC_RERANK_ATTEMPTS,
@@ -246,22 +245,9 @@ def check_png(path: Path) -> None:
     checked itself: a folder, or a file it may not write, passed its folder's check and
     failed after the report; it is opened to append, so nothing in it changes."""
     _figure_class()
-    if path.is_dir():
-        raise SiftError(f"--png: cannot write {path} (it is a folder); nothing was read")
-    try:
-        if path.exists():
-            with path.open("ab"):
-                pass
-        else:
-            with tempfile.NamedTemporaryFile(
-                dir=path.parent, prefix=f".{path.name}.", suffix=".check"
-            ):
-                pass
-    except OSError as exc:
-        # a file where a folder should be: "Not a directory", naming neither
-        blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-        why = f"{blocker} is a file, not a folder" if blocker else exc.strerror or exc
-        raise SiftError(f"--png: cannot write {path} ({why}); nothing was read") from exc
+    why = why_unwritable(path, in_place=True)
+    if why is not None:
+        raise SiftError(f"--png: cannot write {path} ({why}); nothing was read")
 
 
 def write_chart(report: CostReport, path: Path) -> None:

@@ -8,7 +8,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 import uuid
 from collections import Counter
@@ -29,6 +28,7 @@ from worker.cli._common import (
     _expected_errors,
     _out,
     one_of,
+    why_unwritable,
 )
 from worker.cli._http import (
     FINAL_STATUSES,
@@ -127,15 +127,9 @@ def _check_out(out: Path) -> None:
     with nowhere to put their results. Creates its missing folders."""
     if out.is_dir():
         raise InputError(f"--out: {out} is a folder, not a file; nothing was sent")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".check"):
-            pass
-    except OSError as exc:
-        # a file where a folder should be: mkdir says "File exists", naming neither
-        blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
-        why = f"{blocker} is a file, not a folder" if blocker else exc.strerror or exc
-        raise InputError(f"--out: cannot write {out} ({why}); nothing was sent") from exc
+    why = why_unwritable(out, make_folders=True)
+    if why is not None:
+        raise InputError(f"--out: cannot write {out} ({why}); nothing was sent")
 
 
 def batch_key(body: dict[str, Any]) -> str:
