@@ -26,6 +26,7 @@ from starlette.convertors import Convertor, register_url_convertor
 from api_gateway.deps import (
     ERRORS,
     LOCATION_HEADER,
+    UNAVAILABLE_DOC,
     PageSize,
     Tenant,
     Wait,
@@ -34,7 +35,7 @@ from api_gateway.deps import (
     off_loop,
     task_sender,
 )
-from api_gateway.errors import ApiError, job_store_full, job_store_unavailable
+from api_gateway.errors import ApiError, ErrorBody, job_store_full, job_store_unavailable
 from api_gateway.jobs import enqueue_ingest, ingest_response
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import IngestJobOut, _Strict, iso
@@ -180,6 +181,26 @@ class DeleteDocumentsRequest(_Strict):
     ids: list[DocId] = Field(min_length=1, max_length=MAX_DOCUMENTS_PER_REQUEST)
 
 
+#: The answers of a route a worker reads for (``_read``): its failures under the worker's types
+READ_ERRORS: dict[int | str, dict[str, Any]] = {
+    **ERRORS,
+    500: {
+        "model": ErrorBody,
+        "description": "The worker's read failed for good, under the type a failed job's "
+        "record gives it: `backend_request_error` or `backend_error` (the search backend "
+        "refused the request), `config_error` (a setting is wrong, or the backend refused "
+        "Sift's own credentials), `internal_error` (a bug). Sending it again fails again.",
+    },
+    503: {
+        "model": ErrorBody,
+        "description": UNAVAILABLE_DOC + " `backend_unavailable`: no worker answered in "
+        "time, or the search backend did not answer. `tenant_removed`: "
+        "the caller's tenant was removed from the workers' keys (this gateway still takes "
+        "its key until it restarts).",
+    },
+}
+
+
 def _index_out(raw: dict[str, Any]) -> IndexOut:
     return IndexOut(
         name=raw["name"],
@@ -266,8 +287,29 @@ async def _read(
             # the worker's message starts with the field's name: a 422 lists it without
             field = error.get("field") or "body"
             raise InvalidRequest(field, error["message"].removeprefix(f"{field}: "))
-        raise ApiError(503, "backend_unavailable", f"the index read failed: {error['message']}")
+        raise worker_failure(error["type"], error["message"])
     return answer["found"]
+
+
+#: The worker's failures of an index read that a retry may pass: the search backend down
+#: (``BackendUnavailable``, the one retryable ``SiftError`` a read meets) and a removed
+#: tenant's key, which its gateway takes until it restarts (docs/security.md)
+_RETRYABLE = frozenset({"backend_unavailable", "tenant_removed"})
+
+
+def worker_failure(type_: str, message: str) -> ApiError:
+    """The answer to an index read whose worker failed (not the job store: its 503s are
+    the gateway's own), under the worker's type, as a failed job's record has it: ``503``
+    for what a retry may pass, ``500`` for what none will (an Elasticsearch 4xx, a wrong
+    setting or refused credentials, a bug). All were ``503 backend_unavailable``, so a
+    client retried a permanent failure for ever.
+
+    >>> worker_failure("config_error", "answered 401").status
+    500
+    """
+    if type_ in _RETRYABLE:
+        return ApiError(503, type_, f"the index read failed: {message}")
+    return ApiError(500, type_, f"the index read failed: {message}")
 
 
 async def _delete_job(
@@ -286,7 +328,7 @@ async def _delete_job(
 @router.get(
     "/indexes",
     response_model=IndexesPage,
-    responses=ERRORS,
+    responses=READ_ERRORS,
     summary="The caller's indexes, by name, one page at a time",
     description="Each index holding at least one of the caller's documents, with the "
     "caller's count, ordered by name. Each page starts after the last name of the one "
@@ -317,7 +359,7 @@ async def list_indexes(
 @router.get(
     "/indexes/{index}",
     response_model=IndexOut,
-    responses=ERRORS,
+    responses=READ_ERRORS,
     summary="One of the caller's indexes",
 )
 async def get_index(request: Request, tenant: Tenant, index: IndexPath) -> IndexOut:
@@ -330,7 +372,7 @@ async def get_index(request: Request, tenant: Tenant, index: IndexPath) -> Index
 @router.patch(
     "/indexes/{index}",
     response_model=IndexOut,
-    responses=ERRORS,
+    responses=READ_ERRORS,
     summary="Change the caller's index's own search settings",
     description="A JSON Merge Patch: a field left out stays, `null` clears it back to the "
     "default (`SIFT_FUSION_METHOD`, `SIFT_FUSION_WEIGHTS`, `SIFT_FUSION_RANK_CONSTANT`, "
@@ -351,7 +393,7 @@ async def update_index(
 @router.get(
     "/indexes/{index}/documents",
     response_model=DocumentsPage,
-    responses=ERRORS,
+    responses=READ_ERRORS,
     summary="The caller's documents in one of its indexes, by id, one page at a time",
     description="Ordered by id (Unicode code point order). Each page starts after the last "
     "id of the one before (`next_page_token`, `null` on the last page), so a document "
@@ -388,7 +430,7 @@ async def list_documents(
 @router.get(
     "/indexes/{index}/documents/{id:doc_id}",
     response_model=StoredDocumentOut,
-    responses=ERRORS,
+    responses=READ_ERRORS,
     summary="One of the caller's documents as stored (no vector)",
     description="A document the index lacks is the 404 `not_found` naming `id`; an index "
     "the caller does not have is the 404 `GET /v1/indexes/{index}` answers, whether another "

@@ -23,7 +23,13 @@ from worker.adapters.embedded import EmbeddedBackend
 from worker.adapters.index_settings import IndexSettingsStore, settings_key
 from worker.constants import INDEX_SETTINGS_LOCK_KEY, SEARCH_QUEUE
 from worker.contract import DocumentIn, SearchSpec
-from worker.errors import BackendUnavailable
+from worker.errors import (
+    BackendAccessRefused,
+    BackendRequestError,
+    BackendUnavailable,
+    ConfigError,
+    TenantRemoved,
+)
 from worker.queue import lifecycle
 from worker.queue.jobstore import JobStore
 from worker.runtime.bootstrap import build_pipeline
@@ -520,13 +526,26 @@ def test_an_index_read_the_job_store_failed_in_the_worker_is_the_job_store_s_503
     search backend blamed for the job store, with no Retry-After. It is the gateway's own 503
     of the job store (``unavailable``, or ``job_store_full`` at Redis's maxmemory), which
     names no Redis host."""
-    from api_gateway.app import create_app
-    from worker.queue import base, tasks
 
     def down(*args: Any, **kwargs: Any) -> Any:
         raise failure
 
     monkeypatch.setattr(IndexSettingsStore, "read", down)
+    answer = _read_through_a_gateway(runtime, store, redis_url, monkeypatch)
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["type"] == said, answer.text
+    assert answer.headers.get("retry-after") == retry_after, answer.headers
+    assert "10.0.0.5" not in answer.text, answer.text
+
+
+def _read_through_a_gateway(
+    runtime: Runtime, store: JobStore, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> Any:
+    """A gateway's ``GET /v1/indexes/docs`` for acme, its read run by this process as the
+    worker (the real task, on the message the gateway queued)."""
+    from api_gateway.app import create_app
+    from worker.queue import base, tasks
+
     _worker_context(runtime, store, redis_url, monkeypatch)
 
     def worker() -> None:  # takes the read's message off the queue and runs it here
@@ -538,11 +557,51 @@ def test_an_index_read_the_job_store_failed_in_the_worker_is_the_job_store_s_503
     thread.start()
     try:
         with TestClient(create_app(gateway_settings(redis_url))) as client:
-            answer = client.get("/v1/indexes/docs", headers=ACME)
+            return client.get("/v1/indexes/docs", headers=ACME)
     finally:
         thread.join(10)
         base.set_context(None)
-    assert answer.status_code == 503, answer.text
+
+
+@pytest.mark.parametrize(
+    ("failure", "status", "said"),
+    [
+        (BackendUnavailable("the search backend timed out"), 503, "backend_unavailable"),
+        (TenantRemoved("acme"), 503, "tenant_removed"),
+        (
+            BackendRequestError("answered 400 (illegal_argument_exception)"),
+            500,
+            "backend_request_error",
+        ),
+        (BackendAccessRefused("answered 401 (security_exception)"), 500, "config_error"),
+        (ConfigError("SIFT_ELASTICSEARCH_URL is wrong"), 500, "config_error"),
+        (KeyError("a bug"), 500, "internal_error"),
+    ],
+)
+def test_an_index_read_the_worker_failed_for_good_is_no_503(
+    runtime: Runtime,
+    store: JobStore,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: Exception,
+    status: int,
+    said: str,
+) -> None:
+    """The gateway told every error of the worker but the job store's as ``503
+    backend_unavailable`` ("retry"): an Elasticsearch 4xx, a refusal of Sift's credentials,
+    a bug, each of which fails every retry too, so a client retried for ever. Each has the
+    worker's type now, as a failed job's record has: a 503 only for what may pass
+    (the backend down) and for a removed tenant's key (naming the removal); ``500`` for the
+    rest, which no retry mends."""
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise failure
+
+    monkeypatch.setattr(IndexSettingsStore, "read", fails)
+    answer = _read_through_a_gateway(runtime, store, redis_url, monkeypatch)
+    assert answer.status_code == status, answer.text
     assert answer.json()["error"]["type"] == said, answer.text
-    assert answer.headers.get("retry-after") == retry_after, answer.headers
-    assert "10.0.0.5" not in answer.text, answer.text
+    if said == "tenant_removed":
+        assert "removed" in answer.json()["error"]["message"], answer.text
+    if status == 500:
+        assert "retry" not in answer.json()["error"]["message"], answer.text
