@@ -539,10 +539,15 @@ def test_an_index_read_the_job_store_failed_in_the_worker_is_the_job_store_s_503
 
 
 def _read_through_a_gateway(
-    runtime: Runtime, store: JobStore, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    runtime: Runtime,
+    store: JobStore,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    patch: dict[str, Any] | None = None,
 ) -> Any:
-    """A gateway's ``GET /v1/indexes/docs`` for acme, its read run by this process as the
-    worker (the real task, on the message the gateway queued)."""
+    """A gateway's ``GET /v1/indexes/docs`` for acme (a ``PATCH`` of ``patch`` if given),
+    its read run by this process as the worker (the real task, on the message the gateway
+    queued)."""
     from api_gateway.app import create_app
     from worker.queue import base, tasks
 
@@ -557,6 +562,8 @@ def _read_through_a_gateway(
     thread.start()
     try:
         with TestClient(create_app(gateway_settings(redis_url))) as client:
+            if patch is not None:
+                return client.patch("/v1/indexes/docs", headers=ACME, json=patch)
             return client.get("/v1/indexes/docs", headers=ACME)
     finally:
         thread.join(10)
@@ -605,3 +612,51 @@ def test_an_index_read_the_worker_failed_for_good_is_no_503(
         assert "removed" in answer.json()["error"]["message"], answer.text
     if status == 500:
         assert "retry" not in answer.json()["error"]["message"], answer.text
+
+
+def test_a_change_whose_worker_cannot_read_redis_s_clock_is_the_job_store_s_503(
+    runtime: Runtime, store: JobStore, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's check of a change's ``start_by`` (Redis's ``TIME``) sat outside its
+    error handling: a Redis failing it dropped the change with no answer, and the gateway
+    waited out its 13 s to say "no worker answered", blaming the workers. The worker answers
+    the job store's failure now, unapplied, as it does one met later in the read."""
+
+    def down() -> float:
+        raise redis.ConnectionError(LEAK)
+
+    monkeypatch.setattr(store, "server_time", down)
+    answer = _read_through_a_gateway(
+        runtime, store, redis_url, monkeypatch, patch={"candidate_limit": 7}
+    )
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["type"] == "unavailable", answer.text
+    assert answer.headers.get("retry-after") == "1", answer.headers
+    assert "10.0.0.5" not in answer.text, answer.text
+    assert call(runtime, "show", "acme", "docs")["settings"]["candidate_limit"] is None
+
+
+def test_an_answer_the_worker_cannot_send_is_logged(
+    runtime: Runtime,
+    store: JobStore,
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The answer's own write is the one failure no answer can tell: the worker logs it,
+    naming the read, and the task ends (its gateway answers 503 when its wait ends)."""
+    from worker.queue import base, tasks
+
+    def down(key: str, answer: str) -> None:
+        raise redis.ConnectionError(LEAK)
+
+    monkeypatch.setattr(store, "reply", down)
+    _worker_context(runtime, store, redis_url, monkeypatch)
+    try:
+        with caplog.at_level("WARNING", logger="worker.queue.tasks"):
+            result = tasks.index_read.apply(args=["reply-lost", "show", "acme", "docs", ""])
+    finally:
+        base.set_context(None)
+    assert result.successful(), result.traceback
+    said = [r.getMessage() for r in caplog.records if r.name == "worker.queue.tasks"]
+    assert any("reply-lost" in m and "could not be sent" in m for m in said), said

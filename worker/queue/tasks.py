@@ -694,11 +694,16 @@ def index_read(
     A change not started by ``start_by`` (epoch seconds on Redis's clock, ``TIME``: the
     gateway's host and this one may disagree by seconds) is dropped unapplied: its gateway
     has answered 503 or is about to, and a later change may have been made since; so is one
-    that has not had its index's settings lock by then."""
-    if start_by and self.context.store.server_time() > start_by:
-        log.warning("index change for %s/%s came after its gateway gave up; dropped", tenant, index)
-        return
+    that has not had its index's settings lock by then. Redis failing is answered as the
+    job store's failure wherever it comes, in reading its clock for ``start_by`` too (that
+    one dropped the change unanswered, and its gateway waited out its 13 s to say no worker
+    answered); only the answer's own write can tell no one, so it is logged."""
     try:
+        if start_by and self.context.store.server_time() > start_by:
+            log.warning(
+                "index change for %s/%s came after its gateway gave up; dropped", tenant, index
+            )
+            return
         self.context.admit(tenant)  # a removed tenant's index is not read nor changed either
         runtime = self.context.runtime
         answer = lifecycle.read(runtime, operation, tenant, index, doc_id, body, start_by)
@@ -711,4 +716,13 @@ def index_read(
         log.exception("index read %s for %s: unexpected error", operation, tenant)
         error = {"type": "internal_error", "message": error_info(exc).message}
         answer = json.dumps({"error": error})
-    self.context.store.reply(reply_key, answer)
+    try:
+        self.context.store.reply(reply_key, answer)
+    except redis.RedisError as exc:  # nothing left to tell the gateway with: its wait ends in 503
+        log.warning(
+            "index read %s for %s: its answer on %s could not be sent: %r",
+            operation,
+            tenant,
+            reply_key,
+            exc,
+        )
