@@ -34,6 +34,7 @@ from worker.adapters.elasticsearch import (
     _listing,
     index_template,
 )
+from worker.adapters.elasticsearch._layout import tenant_key
 from worker.contract import SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import Document
@@ -204,12 +205,22 @@ def test_a_drop_after_a_reindex_that_kept_the_old_index_deletes_both_and_the_nam
     assert backend.document("docs", "acme", "vitd").version == 4
 
 
+def assert_names_no_concrete_index(message: str, alias: str) -> None:
+    """``message`` (a tenant's error) names none of the deployment's index names: neither
+    the alias, a concrete index of it, the prefix before the tenant's key, nor the key."""
+    assert alias not in message and tenant_key("acme") not in message, message
+    assert "sift-" not in message, message
+
+
 def test_a_leftover_concrete_index_without_its_alias_is_a_lasting_error_a_drop_clears(
     fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A concrete index of the alias's first name exists but the alias does not (a drop cut
-    short): the write is refused, not retryably (no retry clears it), naming the index and
-    the remedy, and nothing is written. The remedy works: a drop, though the alias is gone,
+    short): the write is refused, not retryably (no retry clears it), naming the tenant's
+    index and the remedy, and nothing is written. The tenant's error named the concrete
+    index and its alias (the deployment's prefix, the tenant's key): the worker's log
+    does now, for the operator. The remedy works: a drop, though the alias is gone,
     deletes the leftover, and the name takes writes again."""
     server, state = fake
     backend = backend_on(server)
@@ -217,10 +228,15 @@ def test_a_leftover_concrete_index_without_its_alias_is_a_lasting_error_a_drop_c
     (first,) = indexes_named(state, backend.alias("docs", "acme"))
     with state.lock:
         state.aliases.clear()  # the alias went, its index did not
-    with pytest.raises(BackendRequestError, match=re.escape(first)) as caught:
+    with (
+        caplog.at_level("WARNING", logger="worker.adapters.elasticsearch._writes"),
+        pytest.raises(BackendRequestError) as caught,
+    ):
         write(backend_on(server), DOC, version=2)
     assert not caught.value.retryable
     assert "drop index 'docs' again" in str(caught.value)
+    assert_names_no_concrete_index(str(caught.value), backend.alias("docs", "acme"))
+    assert any(first in r.getMessage() for r in caplog.records), caplog.records  # the log does
     assert state.live_ids(first) == {"acme:calc"}
     assert backend.delete_index("docs", "acme", version=3) == 0
     assert indexes_named(state, backend.alias("docs", "acme")) == []
@@ -241,6 +257,8 @@ def test_require_alias_refusing_every_attempt_is_bounded_and_retryable(
         write(backend, DOC, version=2)
     assert caught.value.retryable
     assert 2 <= len(server.sent("PUT", "/_bulk")) - 1 <= 5
+    assert "index 'docs'" in str(caught.value)
+    assert_names_no_concrete_index(str(caught.value), backend.alias("docs", "acme"))
 
 
 @pytest.mark.parametrize("doc_id", ["vitd", "𝔡" * 512])  # the longest: a hashed _id
@@ -603,7 +621,9 @@ def test_a_take_back_racing_the_drop_itself_makes_no_bare_index(
 
 @pytest.mark.parametrize("holds", [False, True])
 def test_a_bare_index_named_like_the_alias_is_cleared_or_named(
-    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch], holds: bool
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch],
+    holds: bool,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A concrete index of the alias's own name (an earlier release's delete made it): a
     write deletes it if it holds no document and goes on; one holding documents is named
@@ -619,9 +639,15 @@ def test_a_bare_index_named_like_the_alias_is_cleared_or_named(
     es.bulk(operations=[delete])
     if holds:
         es.index(index=alias, id="acme:calc", document=backend.source("acme", CALC, None))
-        with pytest.raises(BackendRequestError, match=re.escape(repr(alias))) as caught:
+        with (
+            caplog.at_level("WARNING", logger="worker.adapters.elasticsearch._writes"),
+            pytest.raises(BackendRequestError) as caught,
+        ):
             write(backend, DOC, version=3)
         assert not caught.value.retryable
+        assert "index 'docs'" in str(caught.value)
+        assert_names_no_concrete_index(str(caught.value), alias)
+        assert any(repr(alias) in r.getMessage() for r in caplog.records), caplog.records
         assert backend.delete_index("docs", "acme", version=4) == 1
     assert write(backend_on(server), DOC, version=5) == 1
     with state.lock:

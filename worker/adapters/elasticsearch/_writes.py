@@ -19,6 +19,7 @@ from worker.adapters.elasticsearch._errors import (
     _holds_own_version,
     _index_missing,
     _raise_if_partial,
+    _scrubbed,
     _translated,
 )
 from worker.adapters.elasticsearch._indexes import _Indexes
@@ -182,17 +183,38 @@ class _Writes(_Search, _Indexes):
                 continue
             bulked.existed += existed
             return bulked
+        # the operator's log names the concrete indexes; the tenant's error, its own index
+        # (_scrubbed: the deployment's prefix and the tenant's key are not the tenant's)
         if gone.leftover:
+            logger.warning(
+                "the %s cannot make index %r of tenant %r: the concrete index %r exists "
+                "without its alias %r (%s): drop the index again, or delete %r by name",
+                what,
+                index,
+                tenant,
+                gone.leftover,
+                alias,
+                gone.reason,
+                gone.leftover,
+            )
             raise BackendRequestError(
-                f"the {what} cannot make index {index!r}: the concrete index "
-                f"{gone.leftover!r} exists without its alias {alias!r} ({gone.reason}), "
-                f"and no retry clears it: drop index {index!r} again (the drop deletes "
-                f"it), or delete {gone.leftover!r} by name"
+                f"the {what} cannot make index {index!r}: a concrete index of it exists "
+                f"without its alias ({_scrubbed(gone.reason)}), and no retry clears it: "
+                f"drop index {index!r} again (the drop deletes it)"
             ) from gone
+        logger.warning(
+            "the %s found the alias %r of index %r of tenant %r gone %d times (%s)",
+            what,
+            alias,
+            index,
+            tenant,
+            WRITE_ATTEMPTS,
+            gone.reason,
+        )
         raise BackendUnavailable(
-            f"the {what} found the alias {alias!r} of index {index!r} gone "
-            f"{WRITE_ATTEMPTS} times as it made it again ({gone.reason}): another "
-            "worker's drops kept removing it"
+            f"the {what} found the alias of index {index!r} gone {WRITE_ATTEMPTS} times as "
+            f"it made it again ({_scrubbed(gone.reason)}): another worker's drops kept "
+            "removing it"
         ) from gone
 
     def _take_back(
