@@ -34,6 +34,7 @@ from worker.constants import (
     ECONOMY_MAX_BATCH_BYTES,
     ECONOMY_MAX_REQUESTS_PER_BATCH,
     MAX_CANDIDATE_LIMIT,
+    MAX_DOCUMENT_CHARS,
     MAX_RANK_CONSTANT,
     MIN_RESULT_RETENTION_SECONDS,
     RESULT_TTL_SECONDS,
@@ -52,6 +53,10 @@ TENANT_PATTERN = r"^[A-Za-z0-9_.-]+$"
 #: interval): no deployment waits longer, and a longer one overflows a thread's or a
 #: socket's timeout; a setting meant to be long (the economy deadline) has its own.
 DAY = 86_400
+
+#: The bound of a provider's rate limit (SIFT_RATE_LIMITS): no tier's is near a billion a
+#: minute. Like every whole-number setting's bound, it only keeps a typo of many digits out.
+PER_MINUTE_MAX = 1_000_000_000
 
 #: The analyzers SIFT_ELASTICSEARCH_ANALYZER takes: Elasticsearch's built-in language
 #: analyzers (its analysis-common module; ``chinese`` left out: ES keeps it for indexes of
@@ -148,14 +153,20 @@ class BatchLimit(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rpm: int | None = Field(default=None, ge=1, strict=True)
-    queued: int | None = Field(default=None, ge=1, strict=True)
+    rpm: int | None = Field(default=None, ge=1, le=PER_MINUTE_MAX, strict=True)
+    queued: int | None = Field(default=None, ge=1, le=PER_MINUTE_MAX, strict=True)
 
 
 def _per_minute(short: str, long: str) -> Any:
     """A limit per minute, read by its short name or by DESIGN.md §9's long one; a JSON
     number (strict: ``true`` is not 1, nor ``"4000"`` a number)."""
-    return Field(default=None, ge=1, strict=True, validation_alias=AliasChoices(short, long))
+    return Field(
+        default=None,
+        ge=1,
+        le=PER_MINUTE_MAX,
+        strict=True,
+        validation_alias=AliasChoices(short, long),
+    )
 
 
 class RateLimit(BaseModel):
@@ -237,8 +248,9 @@ class Settings(BaseSettings):
     # index.gc_deletes of every index Sift makes: a delete's tombstone must outlast the
     # longest an ingest accepted before it can still run (redeliveries of each of its retries'
     # messages: 26,940 s at the defaults, worker.queue.config.ingest_redelivery_window), or
-    # it wins
-    elasticsearch_gc_deletes_seconds: int = Field(default=27_000, ge=60)
+    # it wins. At most 30 days, a hundred times that window: Elasticsearch refuses a time
+    # value past its range, so every index Sift made was refused
+    elasticsearch_gc_deletes_seconds: int = Field(default=27_000, ge=60, le=30 * DAY)
     # the analyzer of the text and title fields of the indexes Sift makes from now on (an
     # index keeps the one it was made with: a reindex makes a new one, from the template)
     elasticsearch_analyzer: ElasticsearchAnalyzer = "english"
@@ -300,7 +312,8 @@ class Settings(BaseSettings):
     fusion_rank_constant: int = Field(default=RRF_K, ge=1, le=MAX_RANK_CONSTANT)
     # ``rrf`` (reciprocal ranks) or ``linear`` (weights times min-max normalised scores).
     fusion_method: Literal["rrf", "linear"] = "rrf"
-    rerank_candidate_max_chars: int = Field(default=1200, ge=50)
+    # at most a document's own longest text: a larger budget is the same as none
+    rerank_candidate_max_chars: int = Field(default=1200, ge=50, le=MAX_DOCUMENT_CHARS)
     rerank_failure_policy: Literal["fail_closed", "fail_open"] = "fail_closed"
     vector_min_similarity: float | None = Field(default=None, ge=-1.0, le=1.0)
     search_deadline_seconds: float = Field(default=30.0, gt=0, le=DAY)
@@ -354,8 +367,10 @@ class Settings(BaseSettings):
     task_max_deliveries: int = Field(default=3, ge=1, le=20)  # deliveries before poison
     worker_soft_shutdown_seconds: float = Field(default=10.0, ge=0, le=DAY)
     # When a killed worker's unacked messages come back; unset: derived to outlast the
-    # longest task. A test sets it short; it must stay longer than any one task.
-    broker_visibility_timeout_seconds: int | None = Field(default=None, ge=1)
+    # longest task. A test sets it short; it must stay longer than any one task. At most a
+    # week (the derived one is about 27 min at the defaults; no task runs for days): a longer
+    # one never puts a message back, and makes the ingest redelivery window absurd
+    broker_visibility_timeout_seconds: int | None = Field(default=None, ge=1, le=7 * DAY)
     # The re-drive (worker/queue/redrive.py): every this many seconds one worker looks for searches
     # and batches idle longer than the stall threshold whose task messages the broker lost,
     # and enqueues them again. 0 turns the sweeper off.
@@ -370,7 +385,8 @@ class Settings(BaseSettings):
     # it and recording it) goes back once it is this old
     worker_orphan_delivery_seconds: float = Field(default=60.0, gt=0, le=DAY)
     # Past this many queued searches and batch items the gateway answers 429; 0: no limit.
-    max_backlog: int = Field(default=0, ge=0)
+    # At most 100 million: Redis holds no such queue (tens of GB), so a larger one is none.
+    max_backlog: int = Field(default=0, ge=0, le=100_000_000)
     # How long a job's record and results stay in Redis from the write that ended it (the
     # gateway's and the workers' must agree). At least 2 days: a webhook's retries (33 h)
     # and an Idempotency-Key's 24 h run within it.
@@ -379,8 +395,12 @@ class Settings(BaseSettings):
     )
     # How many indexes one tenant may hold (each costs a FTS5 table, or an Elasticsearch
     # shard): a write that would make one more fails index_limit_reached; 0: no limit.
-    max_indexes_per_tenant: int = Field(default=100, ge=0)
-    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    # at most 100,000 (an Elasticsearch cluster holds 1,000 shards a node by default)
+    max_indexes_per_tenant: int = Field(default=100, ge=0, le=100_000)
+    # at most 1 GiB: the gateway reads a body into memory and parses it (several times its
+    # size); the largest request the limits allow (1,000 documents of 100,000 characters)
+    # is a few hundred MB
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024, le=1024**3)
     runtime_factory: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.]+:[A-Za-z0-9_]+$")
 
     # --- the economy lane (issue 7): Message Batches at half the price ---

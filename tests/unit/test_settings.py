@@ -384,6 +384,45 @@ def test_each_float_setting_has_a_finite_bound(
         load_settings()
 
 
+# every whole-number setting: each has a finite bound, as the float ones do (above); a
+# value past it stops start-up naming the variable. Unbounded, SIFT_MAX_BODY_BYTES=1e20 let
+# the gateway take a body of any size into memory, SIFT_ELASTICSEARCH_GC_DELETES_SECONDS
+# past Elasticsearch's time range had every index it made refused, and a huge
+# SIFT_BROKER_VISIBILITY_TIMEOUT_SECONDS never put a message back (a 1.2e21 s window)
+HUGE = "99999999999999999999"
+
+
+def _int_settings() -> set[str]:
+    from worker.settings import Settings
+
+    return {
+        f"SIFT_{name.upper()}"
+        for name, field in Settings.model_fields.items()
+        if field.annotation in (int, int | None)
+    }
+
+
+@pytest.mark.parametrize("variable", sorted(_int_settings()))
+def test_each_whole_number_setting_has_a_finite_bound(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    monkeypatch.setenv(variable, HUGE)
+    with pytest.raises(ConfigError, match=rf"{variable}: .*less than or equal") as raised:
+        load_settings()
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("field", ["rpm", "itpm", "otpm"])
+def test_a_rate_limit_has_a_finite_bound(monkeypatch: pytest.MonkeyPatch, field: str) -> None:
+    monkeypatch.setenv("SIFT_RATE_LIMITS", json.dumps({"claude-haiku-4-5": {field: int(HUGE)}}))
+    with pytest.raises(ConfigError, match=rf"SIFT_RATE_LIMITS\.claude-haiku-4-5\.{field}: "):
+        load_settings()
+    economy = {"claude-haiku-4-5": {"economy": {"queued": int(HUGE)}}}
+    monkeypatch.setenv("SIFT_RATE_LIMITS", json.dumps(economy))
+    with pytest.raises(ConfigError, match=r"SIFT_RATE_LIMITS\.claude-haiku-4-5\.economy\.queued"):
+        load_settings()
+
+
 def test_a_long_generation_timeout_still_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     # harmless: each attempt gets the least of it and what is left of the search's deadline
     monkeypatch.setenv("SIFT_GENERATION_TIMEOUT_SECONDS", "86400")
