@@ -121,6 +121,32 @@ class OutageRetry(Retry):
             raise final.error from None
 
 
+#: How Redis refuses the SELECT of a database it does not have (past its ``databases``)
+DB_OUT_OF_RANGE = "DB index is out of range"
+
+
+def refused_database(url: str) -> str | None:
+    """Redis's refusal of the connection ``url`` describes: of its database (``DB index is
+    out of range``, past the server's ``databases``; SELECT in cluster mode; an ACL's
+    NOPERM), or None. One PING is sent, without waiting (redis-py's quick retries of a
+    connect aside): a Redis that does not answer, or not yet, is no refusal
+    (None), since a worker started before its Redis waits for it.
+
+    >>> refused_database("redis://127.0.0.1:1/99") is None  # nothing listens there
+    True
+    """
+    client = connect(url)
+    try:
+        client.ping()  # its connection's handshake: AUTH, then SELECT of any database but 0
+    except redis.ResponseError as error:
+        return str(error)
+    except redis.RedisError:  # down, silent, a wrong password: Celery says so as it retries
+        return None
+    finally:
+        client.close()
+    return None
+
+
 class _Final(Exception):
     """An error redis-py's ``is_retryable`` refused: raised at once, as itself."""
 

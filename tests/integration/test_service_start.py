@@ -17,7 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from worker.processes.stack import free_port
+from worker.processes.stack import (
+    child_env,
+    free_port,
+    redis_server,
+    stop,
+    wait_until,
+    worker_service,
+)
 
 SIFT = str(Path(sys.executable).with_name("sift"))
 _OLD = "whsec_YWNtZS1zZWNyZXQtMDEyMzQ1Njc4OQ=="
@@ -147,3 +154,47 @@ def test_a_metrics_folder_it_cannot_use_is_one_line_naming_it(
     assert ran.returncode == 2, said
     assert f"PROMETHEUS_MULTIPROC_DIR ({folder})" in said and "Traceback" not in said, said
     assert len(said.strip().splitlines()) == 1, said
+
+
+@pytest.mark.parametrize(
+    "args", [["worker", "--processes", "1"], ["worker", "--processes", "2"], ["up", "--port"]]
+)
+def test_a_database_redis_does_not_have_is_one_line_naming_it(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """``SIFT_REDIS_URL=redis://…/99`` on a Redis of 16 databases: Redis refuses each
+    connection's SELECT, which only the URL mends. ``sift worker`` took it for a Redis not up
+    yet, and Celery tried again ("DB index is out of range") up to 100 times, its liveness and
+    re-drive logging the same refusal; ``sift up`` ran its worker so, for as long as it ran."""
+    if args[-1] == "--port":
+        args = [*args, str(free_port()), "--metrics-port", "0", "--data-dir", str(tmp_path / "d")]
+    with redis_server(tmp_path / "redis") as url:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+        env.update(SIFT_DATA_DIR=str(tmp_path / "data"), SIFT_WORKER_METRICS_PORT="0")
+        env.update(SIFT_REDIS_URL=url + "/99", COLUMNS="200")
+        ran = subprocess.run(
+            [SIFT, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert "SIFT_REDIS_URL" in said and "DB index is out of range" in said, said
+    assert "Traceback" not in said and len(said.strip().splitlines()) == 1, said
+
+
+def test_a_worker_waits_for_a_redis_not_up_yet(tmp_path: Path) -> None:
+    """The check of the database refuses only what Redis says: a Redis not answering yet (a
+    deployment whose workers start first) is waited for, as Celery waits for its broker."""
+    port = free_port()
+    env = {"SIFT_REDIS_URL": f"redis://127.0.0.1:{port}/3", "SIFT_WORKER_METRICS_PORT": "0"}
+    env["SIFT_DATA_DIR"] = str(tmp_path / "data")
+    service = worker_service(tmp_path, child_env(env, inherit_sift=False))
+    assert service.log is not None
+    proc = service.start()
+    try:
+        log = service.log
+        wait_until(lambda: b"Cannot connect to" in log.read_bytes(), "worker", proc, log)
+        with redis_server(tmp_path / "redis", port=port):
+            service.wait_ready()
+            assert proc.poll() is None
+    finally:
+        stop(proc, service.stop_timeout)

@@ -145,6 +145,7 @@ def worker(
         _require_model_cache(settings)
         _require_metrics_dir()
         _check_backend(settings)
+        _require_redis_database(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
         args = ["--queues", queues]
@@ -181,6 +182,24 @@ def _require_redis(settings: Settings, what: str) -> None:
             f"SIFT_REDIS_URL is required to run {what}: the Redis the gateways and workers "
             "share (`sift up` runs one of its own)"
         )
+
+
+def _require_redis_database(settings: Settings) -> None:
+    """Stop (exit 2, one line naming ``SIFT_REDIS_URL``) a worker, or ``sift up`` on a Redis
+    of its own choosing, whose Redis refuses the URL's database (``/99`` on a Redis of 16):
+    Celery took the refusal for a Redis not up yet and tried again, up to 100 times, as the
+    liveness and the re-drive did for as long as it ran. A Redis not answering is waited for,
+    as before: only a refusal Redis itself gives stops it."""
+    from worker.redis_client import DB_OUT_OF_RANGE, refused_database
+
+    if settings.redis_url and (refusal := refused_database(settings.redis_url)):
+        why = "its database" if refusal.startswith(DB_OUT_OF_RANGE) else "the connection"
+        hint = (
+            ": a Redis has databases 0 to 15 unless its `databases` setting gives more"
+            if refusal.startswith(DB_OUT_OF_RANGE)
+            else ""
+        )
+        _stop(f"SIFT_REDIS_URL: Redis refuses {why} ({refusal}){hint}")
 
 
 def _require_api_keys(settings: Settings) -> None:
@@ -572,6 +591,7 @@ def up(
             f"--port (SIFT_GATEWAY_PORT) and --metrics-port (SIFT_WORKER_METRICS_PORT) are "
             f"both {settings.gateway_port}: the gateway and the worker's /metrics need one each"
         )
+    _require_redis_database(settings)  # a Redis of its own choosing; sift up's own has db 0
     stopping = threading.Event()
     started: LocalStack | None = None
 
