@@ -8,6 +8,9 @@ again at the index's next write."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import apsw
@@ -15,13 +18,15 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from tests.integration.test_embedded_erasure import bm25_ids
+from tests.services import celery_worker, redis_server
 from worker.adapters.embedded import DB_FILE, EmbeddedBackend
 from worker.cli import app
 from worker.core.types import Document
-from worker.processes.stack import claim_data_dir
+from worker.processes.stack import claim_data_dir, exclude_workers
 
 pytestmark = pytest.mark.integration
 
+SIFT = str(Path(sys.executable).with_name("sift"))
 DOCS = [Document(f"d{i}", f"vitamins words number {i}") for i in range(6)]
 
 
@@ -105,6 +110,47 @@ def test_the_downgrade_refuses_a_data_folder_a_running_stack_holds(tmp_path: Pat
     said = " ".join(run.stderr.split())
     assert "in use by a running `sift up` stack" in said and "stop it" in said, said
     assert all("contentless_delete" not in sql for sql in fts_sql(tmp_path))
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_the_downgrade_refuses_a_data_folder_a_running_worker_uses(
+    tmp_path: Path, processes: int
+) -> None:
+    """A ``sift worker`` on the folder, no ``sift up``: the downgrade saw only the stack's
+    lock and made the tables again under the worker, whose next write made them erasing."""
+    data_dir = tmp_path / "data"
+    backend = EmbeddedBackend(data_dir)
+    backend.upsert("sci", "acme", DOCS, None, version=1)
+    backend.close()
+    before = fts_sql(data_dir)
+    with redis_server(tmp_path / "redis") as url:
+        env = {"SIFT_REDIS_URL": url + "/0", "SIFT_DATA_DIR": str(data_dir)}
+        with celery_worker(tmp_path, env, "downgrade", processes=processes):
+            run = downgrade(data_dir)
+        assert run.exit_code == 2, run.output
+        said = " ".join(run.stderr.split())
+        assert "in use by a running `sift worker`" in said and "stop it" in said, said
+        assert fts_sql(data_dir) == before
+        assert downgrade(data_dir).exit_code == 0  # stopped: the folder is free
+
+
+def test_a_worker_started_while_the_downgrade_runs_stops(tmp_path: Path) -> None:
+    """The downgrade keeps the folder from every worker until it ends: one started meanwhile
+    would have written through tables being made again."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIFT_")}
+    env.update(SIFT_DATA_DIR=str(tmp_path), SIFT_REDIS_URL="redis://127.0.0.1:9/0")
+    env.update(SIFT_WORKER_METRICS_PORT="0", COLUMNS="200")
+    EmbeddedBackend(tmp_path).close()
+    excluded = exclude_workers(tmp_path)
+    assert excluded is not None
+    with excluded:
+        ran = subprocess.run(
+            [SIFT, "worker", "--processes", "1"],
+            env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    said = ran.stdout + ran.stderr
+    assert ran.returncode == 2, said
+    assert "is being downgraded" in said and len(said.strip().splitlines()) == 1, said
 
 
 def test_the_downgrade_refuses_a_folder_with_no_embedded_backend(tmp_path: Path) -> None:

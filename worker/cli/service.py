@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Protocol, runtime_checkable
+from typing import IO, Annotated, Any, NoReturn, Protocol, runtime_checkable
 
 import typer
 from rich.console import Console
@@ -39,11 +39,13 @@ from worker.processes.stack import (
     check_port_free,
     child_env,
     claim_data_dir,
+    exclude_workers,
     free_port,
     gateway_service,
     holds_data_dir,
     redis_service,
     running,
+    share_data_dir,
     sift_command,
     worker_service,
 )
@@ -141,11 +143,13 @@ def worker(
     if not supervised_by:  # its supervisor checked
         _require_redis(settings, "the workers")
     _require_api_keys(settings)  # each worker process, supervised or not: it signs with them
+    shared = None  # this worker's share of the embedded data folder, held while it runs
     if not supervised_by:
         _require_model_cache(settings)
         _require_metrics_dir()
         _check_backend(settings)
         _require_redis_database(settings)
+        shared = _share_data_dir(settings)
     count = 1 if supervised_by else resolve_processes(settings.worker_processes)
     if count > 1:
         args = ["--queues", queues]
@@ -153,6 +157,7 @@ def worker(
         args += ["--pool", pool] if pool else []
         args += ["--loglevel", settings.log_level] if loglevel is not None else []
         run_workers(settings, count, name, args)
+        del shared  # held until here
         return
     if supervised_by:  # its supervisor set up the metrics files and serves them
         follow_supervisor(supervised_by)
@@ -164,6 +169,19 @@ def worker(
         ["worker", "-n", f"{name}@%h", "-Q", queues, "--loglevel", settings.log_level,
          "--without-gossip", "--without-mingle"]
     )  # fmt: skip
+
+
+def _share_data_dir(settings: Settings) -> IO[str] | None:
+    """The worker's share of the embedded backend's data folder, which ``sift
+    embedded-downgrade`` refuses while any worker holds one (it saw only ``sift up``'s lock,
+    and rebuilt the tables under a ``sift worker`` whose next write undid it); a worker
+    started while a downgrade runs stops (exit 2). Elasticsearch: no folder, no share."""
+    if settings.search_backend != "embedded":
+        return None
+    try:
+        return share_data_dir(settings.data_dir.resolve())
+    except SiftError as error:
+        _stop(plain(error))
 
 
 def _stop(message: str, code: int = 2) -> NoReturn:
@@ -360,7 +378,9 @@ def embedded_downgrade(
     """Before rolling back to a release older than the erasing deletes (57bc511): make each
     embedded index's FTS5 table again as those releases made it, from its stored texts, so
     they can replace, delete and drop its documents. Run it with this release, every worker
-    stopped; this release makes each table erasing again at its index's next write."""
+    stopped: it refuses a folder a running `sift up` or `sift worker` on this host holds,
+    and no worker starts while it runs. This release makes each table erasing again at its
+    index's next write."""
     from worker.adapters.embedded import DB_FILE, EmbeddedBackend
 
     settings = _settings()
@@ -373,6 +393,12 @@ def embedded_downgrade(
         _stop(
             f"the data folder {data_dir} is in use by a running `sift up` stack: stop it "
             "(and every other worker on it) first; nothing was changed"
+        )
+    excluded = exclude_workers(data_dir)  # held to the end: no worker starts meanwhile
+    if excluded is None:
+        _stop(
+            f"the data folder {data_dir} is in use by a running `sift worker` on this host: "
+            "stop it (and every other worker on it) first; nothing was changed"
         )
     if not yes:
         typer.confirm(
@@ -388,6 +414,7 @@ def embedded_downgrade(
         _stop(f"nothing was changed: {plain(error)}", 1)
     finally:
         backend.close()
+        excluded.close()
     for tenant, index, rows in made:
         console.print(f"{plain(tenant)}/{plain(index)}: {rows} document(s)")
     console.print(

@@ -712,6 +712,46 @@ def holds_data_dir(data_dir: Path) -> bool:
     return False
 
 
+#: Held by each ``sift worker`` on the embedded backend's data folder (a shared lock, one per
+#: worker), and by ``sift embedded-downgrade`` alone (an exclusive one) while it runs.
+WORKERS_LOCK_FILE = "sift-workers.lock"
+
+
+def _workers_lock(data_dir: Path, mode: int) -> IO[str] | None:
+    """``flock`` ``mode`` (not waiting) on ``data_dir``'s :data:`WORKERS_LOCK_FILE`: the open
+    file, which holds the lock while it stays open, or None if another holds one that excludes
+    it. Not inherited by a child the process starts (Python's files close on exec)."""
+    lock = open(data_dir / WORKERS_LOCK_FILE, "a+")  # noqa: SIM115 (held open: it is the lock)
+    try:
+        fcntl.flock(lock, mode | fcntl.LOCK_NB)
+    except OSError as exc:
+        lock.close()
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        return None
+    return lock
+
+
+def share_data_dir(data_dir: Path) -> IO[str]:
+    """A ``sift worker``'s share of the embedded backend's ``data_dir``, for as long as the
+    returned file stays open (the process's life): ``sift embedded-downgrade`` refuses the
+    folder while any worker holds one (:func:`exclude_workers`), on this host, which is the
+    only one a SQLite file is shared from. :class:`StackInUse` while a downgrade runs."""
+    lock = _workers_lock(data_dir, fcntl.LOCK_SH)
+    if lock is None:
+        raise StackInUse(
+            f"the data folder {data_dir} is being downgraded (`sift embedded-downgrade`): "
+            "start the workers of the release it downgrades for, once it ends"
+        )
+    return lock
+
+
+def exclude_workers(data_dir: Path) -> IO[str] | None:
+    """``data_dir`` kept from every ``sift worker`` while the returned file stays open (none
+    can start), or None if a running one shares it (:func:`share_data_dir`)."""
+    return _workers_lock(data_dir, fcntl.LOCK_EX)
+
+
 def check_port_free(port: int, what: str, option: str, host: str = "127.0.0.1") -> None:
     """Raise :class:`StackInUse` naming ``port`` if something already listens on it."""
     with socket.socket() as sock:
