@@ -23,6 +23,7 @@ from api_gateway.bodies import field_of
 from api_gateway.paths import has_encoded_slash
 from worker.constants import ERROR_JOB_STORE_FULL, ERROR_UNAVAILABLE
 from worker.errors import InvalidRequest, validation_message
+from worker.redis_client import DB_OUT_OF_RANGE
 
 log = logging.getLogger(__name__)
 
@@ -191,10 +192,6 @@ async def no_route_short_of_a_line_break(request: Request) -> None:
     break is a path no route has, answered ``404`` naming ``path`` as any other."""
     if _short_of_a_line_break(request):
         raise StarletteHTTPException(404)
-
-
-#: How Redis refuses the SELECT of a database it does not have (past its ``databases``)
-DB_OUT_OF_RANGE = "DB index is out of range"
 
 
 def unavailable_reason(app: FastAPI, exc: Exception) -> str:
