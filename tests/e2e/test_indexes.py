@@ -305,6 +305,22 @@ def test_delete_an_index(stack: Stack) -> None:
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "index"
 
 
+def test_a_bulk_delete_and_an_index_drop_answered_202_say_where_their_job_is(
+    stack: Stack,
+) -> None:
+    """Every ``202`` carries ``Location`` (issue 13), these two as the single delete does."""
+    _ingest(stack, "life-where", DOCS)
+    bulk = stack.live.post(
+        "/v1/indexes/life-where/documents/delete", json={"ids": ["z1"]}, headers=ACME
+    )
+    drop = stack.live.delete("/v1/indexes/life-where", headers=ACME)
+    for response in (bulk, drop):
+        assert response.status_code == 202, response.text
+        assert response.headers["Location"] == f"/v1/ingestions/{response.json()['id']}"
+    assert _poll_job(stack.live, bulk.headers["Location"])["status"] == "succeeded"
+    assert _poll_job(stack.live, drop.headers["Location"])["operation"] == "drop"
+
+
 def test_deleting_every_document_by_id_leaves_no_index(stack: Stack) -> None:
     """An index exists while it holds a document, however the last one went (unlike an
     Elasticsearch index, which stays when emptied): unlisted, 404, searches fail as for a
