@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,10 +20,12 @@ from hypothesis import strategies as st
 from tests.fakes import FakeEmbedder
 from worker.adapters.embedded import EmbeddedBackend
 from worker.contract import DocumentIn
+from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import ChannelQuery, Document, HardFilters
 from worker.errors import EmbeddingModelMismatch
 from worker.queue import lifecycle
 from worker.queue.jobstore import IngestJob, JobStore
+from worker.runtime.inprocess import Runtime
 
 IDS = ["a", "b", "c", "d"]
 TENANT = "acme"
@@ -60,15 +61,16 @@ def _accept(store: JobStore, index: str, ops: list[tuple[str, list[str]]]) -> li
 
 
 def _run(backend: EmbeddedBackend, store: JobStore, job: IngestJob) -> None:
-    """What the ingest task does with one job (worker/queue/tasks.py), on a worker."""
+    """What the ingest task does with one job (``worker/queue/tasks.py``, ``_ingest``), on a
+    worker: the same calls, on the worker's own ``Runtime`` over this backend."""
+    runtime = Runtime(SearchPipeline(backend, EMBEDDER, config=PipelineConfig()))
     if job.operation == "upsert":
-        found = store.ingest_documents(job.id) or []
-        docs = [Document(id=d.id, text=d.text, title=d.title, revision="") for d in found]
-        vectors = EMBEDDER.embed([d.text for d in docs])
-        backend.upsert(job.index, job.tenant, docs, vectors, version=job.version, model="fake")
+        runtime.ingest(
+            job.index, job.tenant, store.ingest_documents(job.id) or [], version=job.version
+        )
     else:
-        runtime: Any = SimpleNamespace(pipeline=SimpleNamespace(backend=backend))
-        lifecycle.delete(runtime, job, store.deletion_ids(job.id))
+        ids = store.deletion_ids(job.id) if job.operation == "delete" else None
+        lifecycle.delete(runtime, job, ids, jobs=store)
 
 
 def _expected(ops: list[tuple[str, list[str]]]) -> dict[str, str]:
