@@ -207,3 +207,21 @@ def test_a_gateway_never_reached_is_told_at_once_not_retried() -> None:
     with pytest.raises(GatewayError, match=r"cannot connect .* Start one with `sift up`"):
         next(gw.pages("/v1/indexes", {}, "indexes"))
     assert attempts == ["/v1/indexes"]
+
+
+def test_a_removed_tenant_s_503_is_said_at_once_not_retried(slept: list[float]) -> None:
+    """A worker answers an index read of a tenant removed from the keys ``503
+    tenant_removed`` until the gateway restarts without its key: no retry passes it. The
+    CLI read it as any 503 and retried for its two minutes before saying so."""
+    asked: list[str] = []
+
+    def removed(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        error = {"type": "tenant_removed", "message": "the index read failed: tenant removed"}
+        return httpx.Response(503, json={"error": error})
+
+    gw = Gateway("http://gw", "key", transport=httpx.MockTransport(removed))
+    with pytest.raises(GatewayError, match="tenant removed") as caught:
+        gw.json("GET", "/v1/indexes/docs", retry_for=120)
+    assert not caught.value.transient
+    assert asked == ["/v1/indexes/docs"] and slept == []

@@ -328,10 +328,14 @@ class Gateway:
             # a 429 to a read (a proxy's rate limit) passes; one to a submit is the backlog
             # full, which the user is told of (the gateway says when to send it again)
             limited = code == 429 and method == "GET"
+            # a removed tenant's 503 lasts until its gateway restarts without the key
+            lasting = _error_member(response, "type") == "tenant_removed"
             raise GatewayError(
                 describe_error(response),
                 status_code=code,
-                transient=code in TRANSIENT_STATUSES or limited or _in_progress(response),
+                transient=(code in TRANSIENT_STATUSES and not lasting)
+                or limited
+                or _in_progress(response),
                 retry_after=_retry_after(response),
                 refused=code == 503 and _error_member(response, "type") == ERROR_JOB_STORE_FULL,
             )
