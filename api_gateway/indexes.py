@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
@@ -35,7 +35,13 @@ from api_gateway.deps import (
     off_loop,
     task_sender,
 )
-from api_gateway.errors import ApiError, ErrorBody, job_store_full, job_store_unavailable
+from api_gateway.errors import (
+    UNAVAILABLE_RETRY_AFTER_SECONDS,
+    ApiError,
+    ErrorBody,
+    job_store_full,
+    job_store_unavailable,
+)
 from api_gateway.jobs import enqueue_ingest, ingest_response
 from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import IngestJobOut, _Strict, iso
@@ -273,7 +279,9 @@ async def _read(
     # on the event loop: a wait no worker answers holds no thread /readyz or a search needs
     raw = await async_job_store(request).await_reply(key, wait)
     if raw is None:
-        raise ApiError(503, "backend_unavailable", f"no worker answered the {what}; retry")
+        raise ApiError(
+            503, "backend_unavailable", f"no worker answered the {what}; retry", headers=_AGAIN
+        )
     answer = json.loads(raw)
     error = answer.get("error")
     if error is not None:
@@ -295,6 +303,8 @@ async def _read(
 #: (``BackendUnavailable``, the one retryable ``SiftError`` a read meets) and a removed
 #: tenant's key, which its gateway takes until it restarts (docs/security.md)
 _RETRYABLE = frozenset({"backend_unavailable", "tenant_removed"})
+#: when to ask again after a worker's or no worker's answer, as the job store's 503 says
+_AGAIN: Final = {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)}
 
 
 def worker_failure(type_: str, message: str) -> ApiError:
@@ -307,7 +317,9 @@ def worker_failure(type_: str, message: str) -> ApiError:
     >>> worker_failure("config_error", "answered 401").status
     500
     """
-    if type_ in _RETRYABLE:
+    if type_ == "backend_unavailable":
+        return ApiError(503, type_, f"the index read failed: {message}", headers=_AGAIN)
+    if type_ in _RETRYABLE:  # until its gateway restarts: no time to say
         return ApiError(503, type_, f"the index read failed: {message}")
     return ApiError(500, type_, f"the index read failed: {message}")
 

@@ -56,6 +56,7 @@ def test_an_unanswered_index_request_says_which_it_was(
     answer = client.request(method, "/v1/indexes/docs", json=body, headers=ACME)
     assert answer.status_code == 503, answer.text
     assert answer.json() == {"error": {"type": "backend_unavailable", "message": said}}
+    assert answer.headers["Retry-After"] == "1"  # as the job store's own 503 says when
 
 
 def _redis_seconds(store: JobStore) -> float:
