@@ -299,10 +299,14 @@ async def _read(
     return answer["found"]
 
 
-#: The worker's failures of an index read that a retry may pass: the search backend down
-#: (``BackendUnavailable``, the one retryable ``SiftError`` a read meets) and a removed
-#: tenant's key, which its gateway takes until it restarts (docs/security.md)
-_RETRYABLE = frozenset({"backend_unavailable", "tenant_removed"})
+#: The worker's failures of an index read that a retry may pass, and when to ask again: the
+#: search backend down (``BackendUnavailable``, the one retryable ``SiftError`` a read meets),
+#: and a removed tenant's key, which its gateway takes until it restarts (docs/security.md):
+#: no time to say
+_RETRYABLE: Final[dict[str, dict[str, str] | None]] = {
+    "backend_unavailable": {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+    "tenant_removed": None,
+}
 #: when to ask again after a worker's or no worker's answer, as the job store's 503 says
 _AGAIN: Final = {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)}
 
@@ -317,10 +321,8 @@ def worker_failure(type_: str, message: str) -> ApiError:
     >>> worker_failure("config_error", "answered 401").status
     500
     """
-    if type_ == "backend_unavailable":
-        return ApiError(503, type_, f"the index read failed: {message}", headers=_AGAIN)
-    if type_ in _RETRYABLE:  # until its gateway restarts: no time to say
-        return ApiError(503, type_, f"the index read failed: {message}")
+    if type_ in _RETRYABLE:
+        return ApiError(503, type_, f"the index read failed: {message}", headers=_RETRYABLE[type_])
     return ApiError(500, type_, f"the index read failed: {message}")
 
 
