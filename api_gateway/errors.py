@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Final
 
 import redis
 from fastapi import FastAPI, Request
@@ -28,6 +29,10 @@ from worker.redis_client import DB_OUT_OF_RANGE
 log = logging.getLogger(__name__)
 
 UNAVAILABLE_RETRY_AFTER_SECONDS = 1  # a Redis restart takes about that long
+#: the header of every 503 that a Redis restart or a worker's return may end: when to ask again
+UNAVAILABLE_RETRY_AFTER: Final[Mapping[str, str]] = MappingProxyType(
+    {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)}
+)
 _METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 _HEADER_NAMES = {"idempotency-key": "Idempotency-Key", "authorization": "Authorization"}
 
@@ -60,7 +65,7 @@ class ApiError(Exception):
         message: str,
         *,
         field: str | None = None,
-        headers: dict[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -77,7 +82,7 @@ def error_response(
     *,
     field: str | None = None,
     fields: Sequence[FieldProblem] | None = None,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     detail = ErrorDetail(
         type=type_, message=message, field=field, fields=list(fields) if fields else None
@@ -212,7 +217,7 @@ def job_store_unavailable(reason: str) -> ApiError:
         503,
         ERROR_UNAVAILABLE,
         f"the job store is unavailable: {reason}; retry after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
-        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+        headers=UNAVAILABLE_RETRY_AFTER,
     )
 
 

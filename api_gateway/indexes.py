@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import Annotated, Any, Final
 
 from fastapi import APIRouter, Path, Query, Request, Response
@@ -36,7 +37,7 @@ from api_gateway.deps import (
     task_sender,
 )
 from api_gateway.errors import (
-    UNAVAILABLE_RETRY_AFTER_SECONDS,
+    UNAVAILABLE_RETRY_AFTER,
     ApiError,
     ErrorBody,
     job_store_full,
@@ -280,7 +281,10 @@ async def _read(
     raw = await async_job_store(request).await_reply(key, wait)
     if raw is None:
         raise ApiError(
-            503, "backend_unavailable", f"no worker answered the {what}; retry", headers=_AGAIN
+            503,
+            "backend_unavailable",
+            f"no worker answered the {what}; retry",
+            headers=UNAVAILABLE_RETRY_AFTER,  # as the job store's own 503 says when
         )
     answer = json.loads(raw)
     error = answer.get("error")
@@ -303,12 +307,10 @@ async def _read(
 #: search backend down (``BackendUnavailable``, the one retryable ``SiftError`` a read meets),
 #: and a removed tenant's key, which its gateway takes until it restarts (docs/security.md):
 #: no time to say
-_RETRYABLE: Final[dict[str, dict[str, str] | None]] = {
-    "backend_unavailable": {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+_RETRYABLE: Final[dict[str, Mapping[str, str] | None]] = {
+    "backend_unavailable": UNAVAILABLE_RETRY_AFTER,
     "tenant_removed": None,
 }
-#: when to ask again after a worker's or no worker's answer, as the job store's 503 says
-_AGAIN: Final = {"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)}
 
 
 def worker_failure(type_: str, message: str) -> ApiError:

@@ -24,7 +24,12 @@ from api_gateway.deps import (
     off_loop,
     task_sender,
 )
-from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorBody
+from api_gateway.errors import (
+    UNAVAILABLE_RETRY_AFTER,
+    UNAVAILABLE_RETRY_AFTER_SECONDS,
+    ApiError,
+    ErrorBody,
+)
 from api_gateway.jobs._cancel_count import _count_cancel
 from api_gateway.jobs._idempotency import IdemKey, _Idempotency
 from api_gateway.jobs._shared import (
@@ -313,7 +318,7 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
             "already_finished if it ran to its end with no item canceled (a cancel that "
             "came too late to cancel any item changes nothing)",
             field="id",
-            headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+            headers=UNAVAILABLE_RETRY_AFTER,
         ) from exc
     if outcome is CancelOutcome.MISSING:
         raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")

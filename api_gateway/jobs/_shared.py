@@ -22,7 +22,12 @@ from api_gateway.backpressure import (
     StoreFull,
     StoreMemory,
 )
-from api_gateway.errors import UNAVAILABLE_RETRY_AFTER_SECONDS, ApiError, ErrorBody
+from api_gateway.errors import (
+    UNAVAILABLE_RETRY_AFTER,
+    UNAVAILABLE_RETRY_AFTER_SECONDS,
+    ApiError,
+    ErrorBody,
+)
 from api_gateway.queue import OutboxSender, TaskMessage
 from api_gateway.routing import GetAnswersHead
 from worker.constants import ERROR_JOB_STORE_FULL
@@ -227,5 +232,5 @@ def _lost(kind: str, job_id: str) -> ApiError:
         "unavailable",
         f"the job store lost this {kind} (Redis restarted without its data), so its outcome "
         f"cannot be known; send the request again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
-        headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER_SECONDS)},
+        headers=UNAVAILABLE_RETRY_AFTER,
     )
