@@ -51,6 +51,7 @@ from worker.constants import (
     DEFAULT_PAGE_SIZE,
     DOCUMENT_PREVIEW_CHARS,
     ERROR_JOB_STORE_FULL,
+    ERROR_TENANT_REMOVED,
     ERROR_UNAVAILABLE,
     INDEX_CHANGE_GRACE_SECONDS,
     INDEX_READ_TASK,
@@ -309,7 +310,7 @@ async def _read(
 #: no time to say
 _RETRYABLE: Final[dict[str, Mapping[str, str] | None]] = {
     "backend_unavailable": UNAVAILABLE_RETRY_AFTER,
-    "tenant_removed": None,
+    ERROR_TENANT_REMOVED: None,
 }
 
 

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from worker.constants import ERROR_TENANT_REMOVED
+
 if TYPE_CHECKING:
     from worker.contract import Usage
 
@@ -168,7 +170,7 @@ class TenantRemoved(SiftError):
     queued. Raised where the job would start, so none of it runs (no retrieval, no embedding,
     no model call) and nothing is billed for a tenant that no longer exists."""
 
-    code = "tenant_removed"
+    code = ERROR_TENANT_REMOVED
 
     def __init__(self, tenant: str) -> None:
         super().__init__(

@@ -20,7 +20,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from worker.constants import ERROR_JOB_STORE_FULL
+from worker.constants import ERROR_JOB_STORE_FULL, ERROR_TENANT_REMOVED
 from worker.contract import INDEX_PATTERN
 from worker.core.budget import retry_after_seconds
 from worker.errors import ConfigError
@@ -329,7 +329,7 @@ class Gateway:
             # full, which the user is told of (the gateway says when to send it again)
             limited = code == 429 and method == "GET"
             # a removed tenant's 503 lasts until its gateway restarts without the key
-            lasting = _error_member(response, "type") == "tenant_removed"
+            lasting = _error_member(response, "type") == ERROR_TENANT_REMOVED
             raise GatewayError(
                 describe_error(response),
                 status_code=code,

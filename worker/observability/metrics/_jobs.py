@@ -12,6 +12,7 @@ from typing import Any, Final, Protocol
 from prometheus_client import Counter, Gauge, Histogram
 
 from worker.constants import (
+    ERROR_TENANT_REMOVED,
     METRIC_JOB_FAILURES,
     METRIC_JOBS_COMPLETED,
     METRIC_JOBS_IN_FLIGHT,
@@ -45,7 +46,7 @@ JOB_ERRORS: Final = (
     "index_not_found",
     "embedding_model_mismatch",
     "index_limit_reached",
-    "tenant_removed",
+    ERROR_TENANT_REMOVED,
     "backend_error",
     "backend_unavailable",
     "backend_request_error",
