@@ -104,7 +104,7 @@ class _Writes(_Pool):
                 )
                 if matrix is not None:
                     conn.execute("INSERT INTO vectors VALUES (?, ?)", (seq, matrix[i].tobytes()))
-                _set_version(conn, index, tenant, doc_id, version, held, deleted=LIVE)
+                _set_version(conn, index, tenant, doc_id, _recorded(version, held), deleted=LIVE)
                 written += 1
             if num is not None:  # a write that wrote nothing is no last write (as a delete's)
                 _touch(conn, index, tenant, model if matrix is not None else None)
@@ -141,8 +141,9 @@ class _Writes(_Pool):
                 if old is not None and row is not None:
                     _remove_row(conn, f"fts_{row[0]}", old)
                     deleted += 1
-                _set_version(conn, index, tenant, doc_id, version, held, deleted=TOMBSTONE)
-                _date_tombstone(conn, index, tenant, doc_id, version, held)
+                recorded = _recorded(version, held)
+                _set_version(conn, index, tenant, doc_id, recorded, deleted=TOMBSTONE)
+                _date_tombstone(conn, index, tenant, doc_id, recorded)
             if deleted:
                 _touch(conn, index, tenant, None)
             if row is not None:
@@ -345,38 +346,37 @@ def _record_outcome(
     )
 
 
+def _recorded(version: int | None, held: int | None) -> int:
+    """The version an id's write records: the write's own, or for an unversioned one the
+    version the id had (``held``; 0 for none). One rule for the ``writes`` row and the
+    tombstone's, which :func:`_expire_tombstones` matches against each other.
+
+    >>> _recorded(7, 3), _recorded(None, 3), _recorded(None, None)
+    (7, 3, 0)
+    """
+    return version if version is not None else held or 0
+
+
 def _set_version(
-    conn: apsw.Connection,
-    index: str,
-    tenant: str,
-    doc_id: str,
-    version: int | None,
-    held: int | None,
-    *,
-    deleted: int,
+    conn: apsw.Connection, index: str, tenant: str, doc_id: str, version: int, *, deleted: int
 ) -> None:
-    """Record the id's last write (an unversioned one keeps the version it had), and what it
-    was (``deleted``: :data:`LIVE` or :data:`TOMBSTONE`)."""
+    """Record the id's last write (``version``: :func:`_recorded`'s), and what it was
+    (``deleted``: :data:`LIVE` or :data:`TOMBSTONE`)."""
     conn.execute(
         "INSERT OR REPLACE INTO writes VALUES (?, ?, ?, ?, ?)",
-        (index, tenant, doc_id, version if version is not None else held or 0, deleted),
+        (index, tenant, doc_id, version, deleted),
     )
 
 
 def _date_tombstone(
-    conn: apsw.Connection,
-    index: str,
-    tenant: str,
-    doc_id: str,
-    version: int | None,
-    held: int | None,
+    conn: apsw.Connection, index: str, tenant: str, doc_id: str, version: int
 ) -> None:
-    """Keep when the id's tombstone (the version :func:`_set_version` recorded) was written,
-    for :func:`_expire_tombstones`, until then or a drop above it. A delete of the id made
-    again later dates its own in its place."""
+    """Keep when the id's tombstone (``version``, the one :func:`_set_version` recorded) was
+    written, for :func:`_expire_tombstones`, until then or a drop above it. A delete of the
+    id made again later dates its own in its place."""
     conn.execute(
         "INSERT OR REPLACE INTO tombstones VALUES (?, ?, ?, ?, ?)",
-        (time.time(), index, tenant, doc_id, version if version is not None else held or 0),
+        (time.time(), index, tenant, doc_id, version),
     )
 
 
