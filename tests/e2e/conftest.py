@@ -184,6 +184,49 @@ def worker_usage(stack: Stack, lane: str) -> dict[str, float]:
     return out
 
 
+#: what :func:`split_stack` ingests: six documents a search of "honey" finds
+HONEY = [{"id": f"d{i}", "text": f"honey bees make honey, note {i}"} for i in range(6)]
+
+
+@dataclass
+class SplitStack:
+    client: httpx.Client  # the gateway's, sending acme's key
+    redis_url: str  # the database the gateway and the worker share
+    model: FakeAnthropic
+    worker_log: Path
+
+
+@contextlib.contextmanager
+def split_stack(
+    tmp: Path, *, gateway_env: dict[str, str], worker_env: dict[str, str]
+) -> Iterator[SplitStack]:
+    """A Redis of its own, the fake Messages API, and one worker and one gateway on them whose
+    settings differ (a rollout that has reached one and not the other, or a value lost from
+    one): ``gateway_env`` and ``worker_env`` over what both share, every other setting at its
+    default; :data:`HONEY` ingested into :data:`INDEX` for acme. Every process stopped at the
+    end."""
+    with redis_server(tmp / "redis") as redis_url, FakeAnthropic() as model:
+        env = {
+            "SIFT_API_KEYS": json.dumps(KEYS),
+            "SIFT_DATA_DIR": str(tmp / "data"),
+            "SIFT_REDIS_URL": redis_url + "/0",
+            "SIFT_WORKER_METRICS_PORT": "0",
+            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+            "ANTHROPIC_BASE_URL": model.url,
+            "ANTHROPIC_API_KEY": ANTHROPIC_API_KEY,
+        }
+        with (
+            celery_worker(tmp / "w", {**env, **worker_env}, "w", concurrency=8),
+            gateway(tmp / "g", {**env, **gateway_env}) as url,
+            httpx.Client(base_url=url, timeout=40, headers=ACME) as client,
+        ):
+            loaded = client.post(
+                f"/v1/indexes/{INDEX}/documents", params={"wait": 30}, json={"documents": HONEY}
+            ).json()
+            assert loaded["status"] == "succeeded", loaded
+            yield SplitStack(client, redis_url + "/0", model, tmp / "w" / "w.log")
+
+
 @contextlib.contextmanager
 def unpriced_stack(
     stack: Stack, tmp: Path, db: int, **extra: str

@@ -13,7 +13,6 @@ worker says at its start that it has no model. The model is never called.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,14 +22,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import ACME, KEYS, finished_batch
+from tests.e2e.conftest import ACME, INDEX, finished_batch, split_stack
 from tests.fake_anthropic import FakeAnthropic
-from tests.services import celery_worker, gateway, redis_server
 
 pytestmark = pytest.mark.integration
 
-INDEX = "docs"
-DOCS = [{"id": f"d{i}", "text": f"honey bees make honey, note {i}"} for i in range(6)]
 REASON = "no_generation_model"
 WARNING = "no generation model (SIFT_GENERATION_MODEL): this worker reranks nothing"
 
@@ -39,28 +35,9 @@ WARNING = "no generation model (SIFT_GENERATION_MODEL): this worker reranks noth
 def _mismatched(tmp: Path, **worker: str) -> Iterator[tuple[httpx.Client, Path, FakeAnthropic]]:
     """A gateway with ``SIFT_GENERATION_MODEL`` and a worker without it (``worker``: its
     other settings), the six documents ingested; the client and the worker's log."""
-    with redis_server(tmp / "redis") as redis_url, FakeAnthropic() as model:
-        env = {
-            "SIFT_API_KEYS": json.dumps(KEYS),
-            "SIFT_DATA_DIR": str(tmp / "data"),
-            "SIFT_REDIS_URL": redis_url + "/0",
-            "SIFT_WORKER_METRICS_PORT": "0",
-            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
-            "ANTHROPIC_BASE_URL": model.url,
-            "ANTHROPIC_API_KEY": "sk-ant-test",
-        }
-        with (
-            celery_worker(tmp / "w", {**env, **worker}, "w", concurrency=8),
-            gateway(
-                tmp / "g", {**env, "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5"}
-            ) as url,
-            httpx.Client(base_url=url, timeout=40, headers=ACME) as client,
-        ):
-            loaded = client.post(
-                f"/v1/indexes/{INDEX}/documents", params={"wait": 30}, json={"documents": DOCS}
-            ).json()
-            assert loaded["status"] == "succeeded", loaded
-            yield client, tmp / "w" / "w.log", model
+    model = {"SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5"}
+    with split_stack(tmp, gateway_env=model, worker_env=worker) as stack:
+        yield stack.client, stack.worker_log, stack.model
 
 
 def _search(client: httpx.Client, **asked: Any) -> dict[str, Any]:

@@ -13,7 +13,6 @@ jobs already queued as it did.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,17 +23,13 @@ import httpx
 import pytest
 
 from api_gateway.queue import OutboxSender
-from tests.e2e.conftest import ACME, KEYS, finished_batch
+from tests.e2e.conftest import ACME, INDEX, finished_batch, split_stack
 from tests.fake_anthropic import FakeAnthropic
-from tests.services import celery_worker, gateway, redis_server
 from worker.constants import SEARCH_QUEUE, SEARCH_TASK
 from worker.contract import SearchSpec
 from worker.queue.jobstore import JobStore, SearchJob
 
 pytestmark = pytest.mark.integration
-
-INDEX = "docs"
-DOCS = [{"id": f"d{i}", "text": f"honey bees make honey, note {i}"} for i in range(6)]
 
 
 @contextmanager
@@ -43,31 +38,15 @@ def _differing(
 ) -> Iterator[tuple[httpx.Client, JobStore, FakeAnthropic]]:
     """A gateway and a worker, both with a generation model, whose ``SIFT_RERANK_ENABLED``
     are as given, the six documents ingested: the client, the job store, the model."""
-    with redis_server(tmp / "redis") as redis_url, FakeAnthropic() as model:
-        env = {
-            "SIFT_API_KEYS": json.dumps(KEYS),
-            "SIFT_DATA_DIR": str(tmp / "data"),
-            "SIFT_REDIS_URL": redis_url + "/0",
-            "SIFT_WORKER_METRICS_PORT": "0",
-            "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
-            "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
-            "ANTHROPIC_BASE_URL": model.url,
-            "ANTHROPIC_API_KEY": "sk-ant-test",
-        }
-        worker_env = {**env, "SIFT_RERANK_ENABLED": str(worker_reranks).lower()}
-        gateway_env = {**env, "SIFT_RERANK_ENABLED": str(gateway_reranks).lower()}
-        store = JobStore.from_url(redis_url + "/0")
+    model = {"SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5"}
+    with split_stack(
+        tmp,
+        gateway_env={**model, "SIFT_RERANK_ENABLED": str(gateway_reranks).lower()},
+        worker_env={**model, "SIFT_RERANK_ENABLED": str(worker_reranks).lower()},
+    ) as stack:
+        store = JobStore.from_url(stack.redis_url)
         try:
-            with (
-                celery_worker(tmp / "w", worker_env, "w", concurrency=8),
-                gateway(tmp / "g", gateway_env) as url,
-                httpx.Client(base_url=url, timeout=40, headers=ACME) as client,
-            ):
-                loaded = client.post(
-                    f"/v1/indexes/{INDEX}/documents", params={"wait": 30}, json={"documents": DOCS}
-                ).json()
-                assert loaded["status"] == "succeeded", loaded
-                yield client, store, model
+            yield stack.client, store, stack.model
         finally:
             store.close()
 
