@@ -121,20 +121,36 @@ def _env(url: str) -> dict[str, str]:
     return {"SIFT_URL": url, "SIFT_API_KEY": key, "COLUMNS": "200", "NO_COLOR": "1"}
 
 
+def _deletes(index: str) -> list[tuple[str, ...]]:
+    """The two delete commands, each a case of every test here: ``d1`` of ``index``, and
+    ``index`` itself."""
+    return [("documents", "delete", "d1", "--index", index), ("index", "delete", index, "--yes")]
+
+
+def _ingest(stack: Stack, index: str) -> None:
+    """:data:`DOCS` written into acme's ``index`` through the live gateway, waited for."""
+    ingested = stack.live.post(
+        f"/v1/indexes/{index}/documents",
+        params={"wait": 20},
+        json={"documents": DOCS},
+        headers=ACME,
+    )
+    assert ingested.status_code == 200, ingested.text
+
+
+def _assert_ran(stack: Stack, job: str) -> None:
+    """The delete job ``job`` the gateway made ran, and deleted."""
+    ran = stack.live.get(f"/v1/ingestions/{job}", headers=ACME).json()
+    assert ran["status"] == "succeeded" and ran["deleted"] >= 1, ran
+
+
 @pytest.fixture
 def idle_proxy(stack: Stack) -> Iterator[_Proxy]:
     with served(_Proxy(stack.idle_url, no_wait=True)) as server:
         yield server
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("index", "delete", "cli-ctrl-c", "--yes"),
-        ("documents", "delete", "d1", "--index", "cli-ctrl-c"),
-    ],
-    ids=" ".join,
-)
+@pytest.mark.parametrize("args", _deletes("cli-ctrl-c"), ids=" ".join)
 def test_ctrl_c_while_a_delete_waits_says_the_job_runs_on(
     idle_proxy: _Proxy, args: tuple[str, ...]
 ) -> None:
@@ -172,11 +188,7 @@ def test_reads_and_settings_go_through_a_503_and_deletes_are_not_sent_again(
     stopped at the first, exit 1). A delete's submission is not: a 503 does not prove the
     gateway made no job (one from Redis stalling after the job's write follows one it made),
     and a second job deletes nothing. The command says the delete may have run, exit 1."""
-    ingested = stack.live.post(
-        "/v1/indexes/cli-503/documents", params={"wait": 20}, json={"documents": DOCS},
-        headers=ACME,
-    )  # fmt: skip
-    assert ingested.status_code == 200, ingested.text
+    _ingest(stack, "cli-503")
     for args in (
         ("index", "show", "cli-503"),
         ("index", "set", "cli-503", "--knn-weight", "0.5"),
@@ -187,10 +199,7 @@ def test_reads_and_settings_go_through_a_503_and_deletes_are_not_sent_again(
         assert result.exit_code == 0, (args, result.output)
         statuses = [status for _, _, status in flaky_proxy.heard[before:]]
         assert statuses[:2] == [503, 200], (args, flaky_proxy.heard[before:])
-    for args in (
-        ("documents", "delete", "d1", "--index", "cli-503"),
-        ("index", "delete", "cli-503", "--yes"),
-    ):
+    for args in _deletes("cli-503"):
         before = len(flaky_proxy.heard)
         result = CliRunner().invoke(app, list(args), env=_env(flaky_proxy.url))
         assert result.exit_code == 1, (args, result.output)
@@ -206,14 +215,7 @@ def losing_proxy(stack: Stack) -> Iterator[_Proxy]:
         yield server
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("documents", "delete", "d1", "--index", "cli-lost"),
-        ("index", "delete", "cli-lost", "--yes"),
-    ],
-    ids=" ".join,
-)
+@pytest.mark.parametrize("args", _deletes("cli-lost"), ids=" ".join)
 def test_a_delete_whose_answer_was_lost_is_not_sent_again(
     stack: Stack, losing_proxy: _Proxy, args: tuple[str, ...]
 ) -> None:
@@ -221,19 +223,14 @@ def test_a_delete_whose_answer_was_lost_is_not_sent_again(
     The command sent it again (93080cd): a second job deleted 0, and it then said the index
     did not exist (exit 1), or deleted 0 documents, of an index it had deleted. It sends it
     once now, and says the delete may have run."""
-    ingested = stack.live.post(
-        "/v1/indexes/cli-lost/documents", params={"wait": 20}, json={"documents": DOCS},
-        headers=ACME,
-    )  # fmt: skip
-    assert ingested.status_code == 200, ingested.text
+    _ingest(stack, "cli-lost")
     result = CliRunner().invoke(app, list(args), env=_env(losing_proxy.url))
     said = " ".join(result.output.split())
     assert result.exit_code == 1, said
     assert [status for _, _, status in losing_proxy.heard] == [504], losing_proxy.heard
     assert "may have been accepted" in said and "does not exist" not in said, said
     [job] = losing_proxy.jobs  # the one the gateway made, and ran
-    ran = stack.live.get(f"/v1/ingestions/{job}", headers=ACME).json()
-    assert ran["status"] == "succeeded" and ran["deleted"] >= 1, ran
+    _assert_ran(stack, job)
 
 
 @pytest.fixture
@@ -247,14 +244,7 @@ def filling_proxy(stack: Stack) -> Iterator[_Proxy]:
         full.close()
 
 
-@pytest.mark.parametrize(
-    "args",
-    [
-        ("documents", "delete", "d1", "--index", "cli-full"),
-        ("index", "delete", "cli-full", "--yes"),
-    ],
-    ids=" ".join,
-)
+@pytest.mark.parametrize("args", _deletes("cli-full"), ids=" ".join)
 def test_a_delete_the_gateway_refused_as_the_job_store_is_full_is_sent_again(
     stack: Stack, filling_proxy: _Proxy, args: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -264,18 +254,13 @@ def test_a_delete_the_gateway_refused_as_the_job_store_is_full_is_sent_again(
     (exit 1, "may have been accepted"), as after a ``503 unavailable``, which may follow a
     job made."""
     monkeypatch.setattr(_http, "MAX_RETRY_AFTER_SECONDS", 0.1)
-    ingested = stack.live.post(
-        "/v1/indexes/cli-full/documents", params={"wait": 20}, json={"documents": DOCS},
-        headers=ACME,
-    )  # fmt: skip
-    assert ingested.status_code == 200, ingested.text
+    _ingest(stack, "cli-full")
     result = CliRunner().invoke(app, list(args), env=_env(filling_proxy.url))
     said = " ".join(result.output.split())
     assert result.exit_code == 0, said
     sent = [status for method, _, status in filling_proxy.heard if method != "GET"]
     assert sent == [503, 200], filling_proxy.heard
     [job] = filling_proxy.jobs  # the second request's: the first made none
-    ran = stack.live.get(f"/v1/ingestions/{job}", headers=ACME).json()
-    assert ran["status"] == "succeeded" and ran["deleted"] >= 1, ran
+    _assert_ran(stack, job)
     left = stack.live.get("/v1/indexes/cli-full/documents/d1", headers=ACME)
     assert left.status_code == 404, left.text
