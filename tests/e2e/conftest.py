@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,16 +132,7 @@ def corpus(stack: Stack) -> list[dict[str, object]]:
         }
         for d in docs
     ]
-    response = stack.live.post(
-        f"/v1/indexes/{INDEX}/documents",
-        params={"wait": 20},
-        json={"documents": documents},
-        headers=ACME,
-    )
-    assert response.status_code == 200, response.text
-    body = response.json()
-    assert body["status"] == "succeeded", body
-    assert body["upserted"] == len(documents)
+    assert ingest(stack, INDEX, documents)["upserted"] == len(documents)
     return documents
 
 
@@ -149,6 +140,23 @@ def corpus(stack: Stack) -> list[dict[str, object]]:
 def queries() -> list[str]:
     lines = (SAMPLE / "sample_queries.jsonl").read_text().splitlines()
     return [json.loads(line)["query"] for line in lines if line.strip()]
+
+
+def ingest(
+    stack: Stack, index: str, documents: Sequence[Mapping[str, Any]], who: dict[str, str] = ACME
+) -> dict[str, Any]:
+    """``documents`` written into ``who``'s ``index`` through the live gateway, waited for
+    (``?wait=20``), and succeeded: the ingest job."""
+    response = stack.live.post(
+        f"/v1/indexes/{index}/documents",
+        params={"wait": 20},
+        json={"documents": documents},
+        headers=who,
+    )
+    assert response.status_code == 200, response.text
+    job: dict[str, Any] = response.json()
+    assert job["status"] == "succeeded", job
+    return job
 
 
 def finished_batch(

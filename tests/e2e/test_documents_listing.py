@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from tests.e2e.conftest import ACME, GLOBEX, Stack
+from tests.e2e.conftest import ACME, GLOBEX, Stack, ingest
 from tests.security.test_index_privacy import same_shape
 
 IDS = ["a1", "a2", "b1", "B2", "c 1", "c/2", "d1", "é1"]  # code point order: B2 first
@@ -24,13 +24,6 @@ def _docs(ids: list[str], words: str) -> list[dict[str, Any]]:
         }
         for n, i in enumerate(ids)
     ]
-
-
-def _ingest(stack: Stack, index: str, docs: list[dict[str, Any]], who: dict[str, str]) -> None:
-    response = stack.live.post(
-        f"/v1/indexes/{index}/documents", params={"wait": 20}, json={"documents": docs}, headers=who
-    )
-    assert response.status_code == 200 and response.json()["status"] == "succeeded", response.text
 
 
 def _page(stack: Stack, index: str, who: dict[str, str] = ACME, **params: Any) -> dict[str, Any]:
@@ -57,7 +50,7 @@ def _count(stack: Stack, index: str, who: dict[str, str] = ACME) -> int:
 
 
 def test_pages_by_id_with_no_repeat_and_no_gap_and_a_write_between_pages(stack: Stack) -> None:
-    _ingest(stack, "dl-pages", _docs(IDS, "alpha"), ACME)
+    ingest(stack, "dl-pages", _docs(IDS, "alpha"), ACME)
     pages = _all_pages(stack, "dl-pages", 3)
     assert [len(p) for p in pages] == [3, 3, 2]  # the last page says so: no empty page after
     listed = [d["id"] for p in pages for d in p]
@@ -74,14 +67,14 @@ def test_pages_by_id_with_no_repeat_and_no_gap_and_a_write_between_pages(stack: 
     assert "text" not in first and "vector" not in first
     # writes between pages: an id before the cursor is not shown, one after is; none twice
     one = _page(stack, "dl-pages", page_size=3)
-    _ingest(stack, "dl-pages", _docs(["a0", "zz"], "beta"), ACME)
+    ingest(stack, "dl-pages", _docs(["a0", "zz"], "beta"), ACME)
     rest = _page(stack, "dl-pages", page_size=100, page_token=one["next_page_token"])
     assert [d["id"] for d in one["documents"] + rest["documents"]] == sorted([*IDS, "zz"])
     assert rest["next_page_token"] is None
 
 
 def test_a_finished_delete_job_leaves_the_listing_and_the_count_agrees(stack: Stack) -> None:
-    _ingest(stack, "dl-deletes", _docs(IDS, "gamma"), ACME)
+    ingest(stack, "dl-deletes", _docs(IDS, "gamma"), ACME)
     job = stack.live.post(
         "/v1/indexes/dl-deletes/documents/delete",
         params={"wait": 20},
@@ -99,9 +92,9 @@ def test_a_finished_delete_job_leaves_the_listing_and_the_count_agrees(stack: St
 
 
 def test_two_tenants_of_the_same_names_and_ids_each_list_their_own(stack: Stack) -> None:
-    _ingest(stack, "dl-shared", _docs(IDS[:4], "acme"), ACME)
-    _ingest(stack, "dl-shared", _docs(IDS[2:], "globex"), GLOBEX)
-    _ingest(stack, "dl-acme-only", _docs(IDS[:1], "acme"), ACME)
+    ingest(stack, "dl-shared", _docs(IDS[:4], "acme"), ACME)
+    ingest(stack, "dl-shared", _docs(IDS[2:], "globex"), GLOBEX)
+    ingest(stack, "dl-acme-only", _docs(IDS[:1], "acme"), ACME)
     acme = _page(stack, "dl-shared", ACME)["documents"]
     globex = _page(stack, "dl-shared", GLOBEX)["documents"]
     assert [d["id"] for d in acme] == sorted(IDS[:4])
@@ -125,7 +118,7 @@ def test_two_tenants_of_the_same_names_and_ids_each_list_their_own(stack: Stack)
 
 
 def test_a_bad_page_size_or_token_is_a_422_naming_it(stack: Stack) -> None:
-    _ingest(stack, "dl-bad", _docs(IDS[:3], "delta"), ACME)
+    ingest(stack, "dl-bad", _docs(IDS[:3], "delta"), ACME)
     token = _page(stack, "dl-bad", page_size=1)["next_page_token"]
     raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
     kind, digest, last = raw.split(":", 2)
@@ -146,7 +139,7 @@ def test_a_bad_page_size_or_token_is_a_422_naming_it(stack: Stack) -> None:
         assert response.status_code == 422, (params, response.text)
         assert response.json()["error"]["field"] == field, (params, response.text)
     # the same token on another of acme's indexes is refused too (it names dl-bad's id)
-    _ingest(stack, "dl-bad-2", _docs(IDS[:3], "delta"), ACME)
+    ingest(stack, "dl-bad-2", _docs(IDS[:3], "delta"), ACME)
     other = stack.live.get(
         "/v1/indexes/dl-bad-2/documents", params={"page_token": token}, headers=ACME
     )

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import ACME, ECONOMY_DEADLINE_SECONDS, INDEX, Stack, worker_usage
+from tests.e2e.conftest import ACME, ECONOMY_DEADLINE_SECONDS, INDEX, Stack, ingest, worker_usage
 from tests.fake_anthropic import (
     errored,
     expired,
@@ -397,16 +397,6 @@ def test_a_request_the_results_leave_out_is_sent_again_then_fails_not_waiting_fo
     assert not any(f"provider batch {m}: 3 requests had no result" in log for m in made)
 
 
-def _ingest(stack: Stack, index: str, documents: list[dict[str, Any]]) -> None:
-    response = stack.live.post(
-        f"/v1/indexes/{index}/documents",
-        params={"wait": 20},
-        json={"documents": documents},
-        headers=ACME,
-    )
-    assert response.status_code == 200 and response.json()["status"] == "succeeded", response.text
-
-
 @pytest.mark.parametrize("removed", ["a document", "the index"])
 def test_an_item_finished_after_a_delete_returns_nothing_the_delete_removed(
     stack: Stack, removed: str
@@ -420,7 +410,7 @@ def test_an_item_finished_after_a_delete_returns_nothing_the_delete_removed(
     index = "eco-deletes-" + ("doc" if removed == "a document" else "drop")
     words = "apple banana cherry"
     documents = [{"id": f"d{i}", "text": f"{words} fruit number {i}"} for i in range(6)]
-    _ingest(stack, index, documents)
+    ingest(stack, index, documents)
     stack.model.configure(batch_processing_seconds=3.0)
     body = {
         "index": index,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from tests.e2e.conftest import ACME, GLOBEX, INDEX, SAMPLE, Stack
+from tests.e2e.conftest import ACME, GLOBEX, INDEX, SAMPLE, Stack, ingest
 from worker.cli import app
 
 DEFAULTS = {
@@ -31,17 +31,6 @@ QUERIES = [
 ]
 
 
-def _ingest(stack: Stack, index: str, docs: list[dict[str, Any]], headers: Any = ACME) -> None:
-    response = stack.live.post(
-        f"/v1/indexes/{index}/documents",
-        params={"wait": 20},
-        json={"documents": docs},
-        headers=headers,
-    )
-    assert response.status_code == 200, response.text
-    assert response.json()["status"] == "succeeded"
-
-
 def _patch(stack: Stack, index: str, body: Any, headers: Any = ACME) -> Any:
     return stack.live.patch(f"/v1/indexes/{index}", json=body, headers=headers)
 
@@ -56,7 +45,7 @@ def _search(stack: Stack, **spec: Any) -> dict[str, Any]:
 
 
 def test_patch_stores_the_settings_and_get_and_the_list_show_them(stack: Stack) -> None:
-    _ingest(stack, "fusion-meta", DOCS)
+    ingest(stack, "fusion-meta", DOCS)
     assert stack.live.get("/v1/indexes/fusion-meta", headers=ACME).json()["settings"] == DEFAULTS
     body = {
         "fusion": {"weights": {"bm25": 1, "knn": 0.3}, "rank_constant": 20},
@@ -118,7 +107,7 @@ def test_patch_stores_the_settings_and_get_and_the_list_show_them(stack: Stack) 
 
 
 def test_settings_are_the_tenants_own(stack: Stack) -> None:
-    _ingest(stack, "fusion-shared", DOCS)
+    ingest(stack, "fusion-shared", DOCS)
     assert _patch(stack, "fusion-shared", {"candidate_limit": 50}).status_code == 200
 
     # globex has no index of that name: the same 404 as for a name nobody has
@@ -129,7 +118,7 @@ def test_settings_are_the_tenants_own(stack: Stack) -> None:
     assert stack.live.get("/v1/indexes/fusion-shared", headers=GLOBEX).status_code == 404
 
     # once globex has its own index of the name, each sees and changes only its own
-    _ingest(stack, "fusion-shared", DOCS[:1], headers=GLOBEX)
+    ingest(stack, "fusion-shared", DOCS[:1], GLOBEX)
     shown = stack.live.get("/v1/indexes/fusion-shared", headers=GLOBEX).json()
     assert shown["documents"] == 1 and shown["settings"] == DEFAULTS
     assert _patch(stack, "fusion-shared", {"candidate_limit": 7}, headers=GLOBEX).status_code == 200
@@ -140,11 +129,11 @@ def test_settings_are_the_tenants_own(stack: Stack) -> None:
 
 
 def test_dropping_the_index_clears_its_settings(stack: Stack) -> None:
-    _ingest(stack, "fusion-drop", DOCS)
+    ingest(stack, "fusion-drop", DOCS)
     assert _patch(stack, "fusion-drop", {"candidate_limit": 60}).status_code == 200
     dropped = stack.live.delete("/v1/indexes/fusion-drop", params={"wait": 20}, headers=ACME)
     assert dropped.status_code == 200 and dropped.json()["status"] == "succeeded", dropped.text
-    _ingest(stack, "fusion-drop", DOCS)
+    ingest(stack, "fusion-drop", DOCS)
     assert stack.live.get("/v1/indexes/fusion-drop", headers=ACME).json()["settings"] == DEFAULTS
 
 
@@ -180,7 +169,7 @@ def test_a_bad_patch_is_a_422_naming_the_field(
 
 
 def test_a_patch_that_leaves_every_weight_zero_is_refused(stack: Stack) -> None:
-    _ingest(stack, "fusion-zero", DOCS)
+    ingest(stack, "fusion-zero", DOCS)
     assert _patch(stack, "fusion-zero", {"fusion": {"weights": {"knn": 0}}}).status_code == 200
     response = _patch(stack, "fusion-zero", {"fusion": {"weights": {"bm25": 0}}})
     assert response.status_code == 422, response.text
@@ -195,7 +184,7 @@ def test_a_patch_refused_over_the_index_s_settings_lists_its_problem_under_field
     """The worker refuses a patch that, merged over the index's settings, weights every
     channel 0: its 422 lists the problem under ``fields``, as every other 422 does (it had
     ``field`` and ``message`` alone, so a client reading ``fields`` found none)."""
-    _ingest(stack, "fusion-zero-fields", DOCS)
+    ingest(stack, "fusion-zero-fields", DOCS)
     assert (
         _patch(stack, "fusion-zero-fields", {"fusion": {"weights": {"knn": 0}}}).status_code == 200
     )
@@ -288,7 +277,7 @@ def test_hybrid_with_knn_weighted_zero_ranks_exactly_as_fts(
 def test_an_index_weighting_knn_zero_makes_hybrid_its_bm25(stack: Stack) -> None:
     lines = (SAMPLE / "sample_corpus.jsonl").read_text().splitlines()
     docs = [{"id": d["id"], "text": d["text"]} for d in map(json.loads, filter(None, lines))]
-    _ingest(stack, "fusion-bm25", docs)
+    ingest(stack, "fusion-bm25", docs)
     assert _patch(stack, "fusion-bm25", {"fusion": {"weights": {"knn": 0}}}).status_code == 200
     for query in QUERIES[:3]:
         fts = _search(stack, index="fusion-bm25", query=query, mode="fts")
@@ -298,7 +287,7 @@ def test_an_index_weighting_knn_zero_makes_hybrid_its_bm25(stack: Stack) -> None
 
 
 def test_sift_index_set(stack: Stack) -> None:
-    _ingest(stack, "fusion-cli", DOCS)
+    ingest(stack, "fusion-cli", DOCS)
     key = ACME["Authorization"].split()[1]
     env = {"SIFT_URL": stack.live_url, "SIFT_API_KEY": key, "COLUMNS": "200", "NO_COLOR": "1"}
     runner = CliRunner()

@@ -26,7 +26,7 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from tests.e2e.conftest import ACME, Stack
+from tests.e2e.conftest import ACME, Stack, ingest
 from tests.reliability.support import wait_for
 from tests.services import free_port, served
 from worker.cli import _http, app
@@ -127,17 +127,6 @@ def _deletes(index: str) -> list[tuple[str, ...]]:
     return [("documents", "delete", "d1", "--index", index), ("index", "delete", index, "--yes")]
 
 
-def _ingest(stack: Stack, index: str) -> None:
-    """:data:`DOCS` written into acme's ``index`` through the live gateway, waited for."""
-    ingested = stack.live.post(
-        f"/v1/indexes/{index}/documents",
-        params={"wait": 20},
-        json={"documents": DOCS},
-        headers=ACME,
-    )
-    assert ingested.status_code == 200, ingested.text
-
-
 def _assert_ran(stack: Stack, job: str) -> None:
     """The delete job ``job`` the gateway made ran, and deleted."""
     ran = stack.live.get(f"/v1/ingestions/{job}", headers=ACME).json()
@@ -188,7 +177,7 @@ def test_reads_and_settings_go_through_a_503_and_deletes_are_not_sent_again(
     stopped at the first, exit 1). A delete's submission is not: a 503 does not prove the
     gateway made no job (one from Redis stalling after the job's write follows one it made),
     and a second job deletes nothing. The command says the delete may have run, exit 1."""
-    _ingest(stack, "cli-503")
+    ingest(stack, "cli-503", DOCS)
     for args in (
         ("index", "show", "cli-503"),
         ("index", "set", "cli-503", "--knn-weight", "0.5"),
@@ -223,7 +212,7 @@ def test_a_delete_whose_answer_was_lost_is_not_sent_again(
     The command sent it again (93080cd): a second job deleted 0, and it then said the index
     did not exist (exit 1), or deleted 0 documents, of an index it had deleted. It sends it
     once now, and says the delete may have run."""
-    _ingest(stack, "cli-lost")
+    ingest(stack, "cli-lost", DOCS)
     result = CliRunner().invoke(app, list(args), env=_env(losing_proxy.url))
     said = " ".join(result.output.split())
     assert result.exit_code == 1, said
@@ -254,7 +243,7 @@ def test_a_delete_the_gateway_refused_as_the_job_store_is_full_is_sent_again(
     (exit 1, "may have been accepted"), as after a ``503 unavailable``, which may follow a
     job made."""
     monkeypatch.setattr(_http, "MAX_RETRY_AFTER_SECONDS", 0.1)
-    _ingest(stack, "cli-full")
+    ingest(stack, "cli-full", DOCS)
     result = CliRunner().invoke(app, list(args), env=_env(filling_proxy.url))
     said = " ".join(result.output.split())
     assert result.exit_code == 0, said

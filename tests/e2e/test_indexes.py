@@ -12,7 +12,7 @@ from urllib.parse import quote
 import httpx
 
 from api_gateway.queue import OutboxSender
-from tests.e2e.conftest import ACME, GLOBEX, Stack
+from tests.e2e.conftest import ACME, GLOBEX, Stack, ingest
 from worker.constants import INGEST_QUEUE, INGEST_TASK
 from worker.contract import DocumentIn
 from worker.queue.jobstore import JobStore
@@ -40,17 +40,6 @@ DOCS = [
 ]
 
 
-def _ingest(stack: Stack, index: str, docs: list[dict[str, Any]]) -> dict[str, Any]:
-    response = stack.live.post(
-        f"/v1/indexes/{index}/documents",
-        params={"wait": 20},
-        json={"documents": docs},
-        headers=ACME,
-    )
-    assert response.status_code == 200, response.text
-    return dict(response.json())
-
-
 def _poll_job(client: httpx.Client, path: str) -> dict[str, Any]:
     deadline = time.monotonic() + 30
     while True:
@@ -76,7 +65,7 @@ def _hit_ids(job: dict[str, Any]) -> set[str]:
 
 
 def test_list_and_show_an_index(stack: Stack) -> None:
-    _ingest(stack, "life-list", DOCS)
+    ingest(stack, "life-list", DOCS)
     listed = stack.live.get("/v1/indexes", headers=ACME)
     assert listed.status_code == 200, listed.text
     mine = {i["name"]: i for i in listed.json()["indexes"]}
@@ -94,7 +83,7 @@ def test_list_and_show_an_index(stack: Stack) -> None:
 
 def test_list_pages_with_strict_tokens(stack: Stack) -> None:
     for n in range(3):
-        _ingest(stack, f"life-page-{n}", DOCS[:1])
+        ingest(stack, f"life-page-{n}", DOCS[:1])
     everything = [i["name"] for i in stack.live.get("/v1/indexes", headers=ACME).json()["indexes"]]
     seen: list[str] = []
     token: str | None = None
@@ -137,7 +126,7 @@ def test_dropping_the_indexes_of_each_page_skips_none_after_it(stack: Stack) -> 
     Indexes written between pages: one after the cursor is listed, one before it is not."""
     ours = [f"cursor-p{n}" for n in range(8)]
     for name in ours:
-        _ingest(stack, name, DOCS[:1])
+        ingest(stack, name, DOCS[:1])
 
     def drop_ours(names: list[str]) -> None:
         for name in names:
@@ -154,10 +143,10 @@ def test_dropping_the_indexes_of_each_page_skips_none_after_it(stack: Stack) -> 
     # written between pages: a name behind the cursor is not shown, one after it is;
     # dropped: not shown; none twice, and one there throughout never missed
     for name in ("cursor-q1", "cursor-q3", "cursor-q4"):
-        _ingest(stack, name, DOCS[:1])
+        ingest(stack, name, DOCS[:1])
     seen, token = _pages_through(stack, "cursor-q1")
     for name in ("cursor-q0", "cursor-q2"):
-        _ingest(stack, name, DOCS[:1])
+        ingest(stack, name, DOCS[:1])
     stack.live.delete("/v1/indexes/cursor-q4", params={"wait": 20}, headers=ACME)
     rest = stack.live.get(
         "/v1/indexes", params={"page_size": 1000, "page_token": token}, headers=ACME
@@ -187,7 +176,7 @@ def test_an_index_list_token_is_its_tenants_and_its_lists_own(stack: Stack) -> N
     (not the name the token starts after, nor the token); so is a document listing's
     token, and the offset tokens this list gave before (``o:<offset>``)."""
     for name in ("tok-secret-a", "tok-secret-b"):
-        _ingest(stack, name, DOCS[:1])
+        ingest(stack, name, DOCS[:1])
     _, token = _pages_through(stack, "tok-secret-a")  # acme's own tokens serve acme
     stolen = stack.live.get("/v1/indexes", params={"page_token": token}, headers=GLOBEX)
     assert stolen.status_code == 422, stolen.text
@@ -197,7 +186,7 @@ def test_an_index_list_token_is_its_tenants_and_its_lists_own(stack: Stack) -> N
     )
     mine = stack.live.get("/v1/indexes", params={"page_token": token}, headers=ACME)
     assert mine.status_code == 200 and mine.json()["indexes"][0]["name"] > "tok-secret-a"
-    _ingest(stack, "tok-secret-a", DOCS)  # three documents: the listing has a next page
+    ingest(stack, "tok-secret-a", DOCS)  # three documents: the listing has a next page
     docs_token = stack.live.get(
         "/v1/indexes/tok-secret-a/documents", params={"page_size": 1}, headers=ACME
     ).json()["next_page_token"]
@@ -209,7 +198,7 @@ def test_an_index_list_token_is_its_tenants_and_its_lists_own(stack: Stack) -> N
 
 
 def test_get_a_document_as_stored(stack: Stack) -> None:
-    _ingest(stack, "life-get", DOCS)
+    ingest(stack, "life-get", DOCS)
     response = stack.live.get("/v1/indexes/life-get/documents/z2", headers=ACME)
     assert response.status_code == 200, response.text
     doc = response.json()
@@ -221,7 +210,7 @@ def test_get_a_document_as_stored(stack: Stack) -> None:
 
 
 def test_delete_a_document_leaves_no_channel_and_reingest_works(stack: Stack) -> None:
-    _ingest(stack, "life-del", DOCS)
+    ingest(stack, "life-del", DOCS)
     before = _search(stack, "life-del", "quokka rottnest island")
     assert "z2" in _hit_ids(before)
     response = stack.live.delete("/v1/indexes/life-del/documents/z2", headers=ACME)
@@ -254,13 +243,13 @@ def test_delete_a_document_leaves_no_channel_and_reingest_works(stack: Stack) ->
     # (docs/indexes.md, "Deletes are jobs": the docs said no search returned it any more)
     stored = stack.live.get(f"/v1/searches/{before['id']}", headers=ACME).json()
     assert "z2" in _hit_ids(stored) and "rottnest" in json.dumps(stored["result"])
-    _ingest(stack, "life-del", [DOCS[1]])  # the same id again
+    ingest(stack, "life-del", [DOCS[1]])  # the same id again
     assert "z2" in _hit_ids(_search(stack, "life-del", "quokka rottnest island", "fts"))
     assert "z2" in _hit_ids(_search(stack, "life-del", "quokka rottnest island", "vector"))
 
 
 def test_bulk_delete_with_wait(stack: Stack) -> None:
-    _ingest(stack, "life-bulk", DOCS)
+    ingest(stack, "life-bulk", DOCS)
     response = stack.live.post(
         "/v1/indexes/life-bulk/documents/delete",
         params={"wait": 20},
@@ -284,7 +273,7 @@ def test_bulk_delete_with_wait(stack: Stack) -> None:
 
 
 def test_delete_an_index(stack: Stack) -> None:
-    _ingest(stack, "life-drop", DOCS)
+    ingest(stack, "life-drop", DOCS)
     response = stack.live.delete("/v1/indexes/life-drop", params={"wait": 20}, headers=ACME)
     assert response.status_code == 200, response.text
     job = response.json()
@@ -299,7 +288,7 @@ def test_delete_an_index(stack: Stack) -> None:
         headers=ACME,
     ).json()
     assert search["status"] == "failed" and search["error"]["type"] == "index_not_found"
-    _ingest(stack, "life-drop", DOCS[:1])  # the name is usable again
+    ingest(stack, "life-drop", DOCS[:1])  # the name is usable again
     assert stack.live.get("/v1/indexes/life-drop", headers=ACME).json()["documents"] == 1
     bad = stack.live.delete("/v1/indexes/Not_Valid", headers=ACME)
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "index"
@@ -309,7 +298,7 @@ def test_a_bulk_delete_and_an_index_drop_answered_202_say_where_their_job_is(
     stack: Stack,
 ) -> None:
     """Every ``202`` carries ``Location`` (issue 13), these two as the single delete does."""
-    _ingest(stack, "life-where", DOCS)
+    ingest(stack, "life-where", DOCS)
     bulk = stack.live.post(
         "/v1/indexes/life-where/documents/delete", json={"ids": ["z1"]}, headers=ACME
     )
@@ -325,7 +314,7 @@ def test_deleting_every_document_by_id_leaves_no_index(stack: Stack) -> None:
     """An index exists while it holds a document, however the last one went (unlike an
     Elasticsearch index, which stays when emptied): unlisted, 404, searches fail as for a
     name nobody has, and the name works again."""
-    _ingest(stack, "life-empty", DOCS)
+    ingest(stack, "life-empty", DOCS)
     response = stack.live.post(
         "/v1/indexes/life-empty/documents/delete",
         params={"wait": 20},
@@ -349,7 +338,7 @@ def test_deleting_every_document_by_id_leaves_no_index(stack: Stack) -> None:
         ).json()
         assert search["status"] == "failed", mode
         assert search["error"]["type"] == "index_not_found", mode
-    _ingest(stack, "life-empty", DOCS[1:2])  # the name is usable again
+    ingest(stack, "life-empty", DOCS[1:2])  # the name is usable again
     assert stack.live.get("/v1/indexes/life-empty", headers=ACME).json()["documents"] == 1
     assert _hit_ids(_search(stack, "life-empty", "quokka rottnest island", "hybrid")) == {"z2"}
     dropped = stack.live.delete("/v1/indexes/life-empty", params={"wait": 20}, headers=ACME)
@@ -366,7 +355,7 @@ def test_a_read_no_worker_answers_is_503_not_a_hang(stack: Stack) -> None:
 
 def test_ids_with_slashes_and_spaces_are_addressable(stack: Stack) -> None:
     odd = {"id": "dir/sub file.txt", "text": "tamarind chutney recipe"}
-    _ingest(stack, "life-odd", [odd])
+    ingest(stack, "life-odd", [odd])
     path = "/v1/indexes/life-odd/documents/dir%2Fsub%20file.txt"
     got = stack.live.get(path, headers=ACME)
     assert got.status_code == 200 and got.json()["id"] == odd["id"], got.text
@@ -394,7 +383,7 @@ def test_an_encoded_slash_never_makes_a_path_parameter_reach_another_route(
         {"id": "chess-3", "text": "a rook endgame on the seventh rank"},
         {"id": "chess/3", "text": "a bishop pair in the middlegame"},
     ]
-    _ingest(stack, "life-slash", docs)
+    ingest(stack, "life-slash", docs)
     for method, path in [
         ("DELETE", "/v1/indexes/life-slash%2Fdocuments%2Fchess-3"),
         ("DELETE", "/v1/indexes/life-slash%2fdocuments%2fchess-3"),
@@ -438,7 +427,7 @@ def test_an_id_with_a_line_break_is_that_document_not_another(stack: Stack) -> N
         {"id": "d1\n", "text": "marmalade after a line break"},
         {"id": "line\nbreak", "text": "marmalade split by a line break"},
     ]
-    _ingest(stack, "life-breaks", docs)
+    ingest(stack, "life-breaks", docs)
     base = "/v1/indexes/life-breaks/documents/"
     for doc in docs[1:]:
         got = stack.live.get(base + quote(doc["id"], safe=""), headers=ACME)
@@ -459,7 +448,7 @@ def test_an_upsert_accepted_before_the_last_documents_delete_keeps_the_settings(
     still embedding): the index is empty for that moment, but never in the order the writes
     were accepted. The worker's delete kept the index's settings for the upsert to land
     into; it used to clear them, and the index went on at the defaults."""
-    _ingest(stack, "life-replace", DOCS[:1])
+    ingest(stack, "life-replace", DOCS[:1])
     patched = stack.live.patch(
         "/v1/indexes/life-replace", json={"candidate_limit": 33}, headers=ACME
     )
@@ -489,7 +478,7 @@ def test_a_path_whose_percent_escapes_are_not_utf8_is_422_naming_it(stack: Stack
     path reached another document. Such a path is now ``422`` naming the parameter, and the
     document with that id (sent as its UTF-8, ``%EF%BF%BD``) is still there and addressable."""
     docs = [{"id": "\ufffd", "text": "replacement character marmalade"}]
-    _ingest(stack, "life-escapes", docs)
+    ingest(stack, "life-escapes", docs)
     base = "/v1/indexes/life-escapes/documents/"
     for method in ("GET", "DELETE"):
         for bad in ("%C0", "%FF", "%FE", "ok%C0ok", "a/%FF", "a%2F%FF"):
@@ -528,12 +517,12 @@ def test_the_document_id_parameter_is_named_id(stack: Stack) -> None:
 def test_the_gateways_ingest_and_delete_log_lines_carry_their_job_id(stack: Stack) -> None:
     """Every log record carries the job id in its ``[...]`` slot (STYLE.md 11); the gateway's
     own lines for an ingest and a delete had ``[-]`` there, the id in the message alone."""
-    ingest = _ingest(stack, "life-logs", [{"id": "l1", "text": "log line marmalade"}])
+    ingested = ingest(stack, "life-logs", [{"id": "l1", "text": "log line marmalade"}])
     gone = stack.live.delete(
         "/v1/indexes/life-logs/documents/l1", params={"wait": 20}, headers=ACME
     ).json()
     log = stack.logs[1].read_text(errors="replace")  # the live gateway's
-    for job in (ingest["id"], gone["id"]):
+    for job in (ingested["id"], gone["id"]):
         lines = [line for line in log.splitlines() if f"ingest {job}:" in line]
         assert lines and all(f"[{job}]" in line for line in lines), (job, lines)
 
@@ -577,7 +566,7 @@ def test_a_tenant_holds_at_most_100_indexes_at_the_defaults(stack: Stack) -> Non
         assert "holds 100 indexes" in job["error"]["message"]
         assert "cap-over" not in _names(stack, GLOBEX)
         assert stack.live.get("/v1/indexes/cap-over", headers=GLOBEX).status_code == 404
-        _ingest(stack, "cap-over", DOCS[:1])  # acme's count is its own
+        ingest(stack, "cap-over", DOCS[:1])  # acme's count is its own
         dropped = stack.live.delete(f"/v1/indexes/{mine[0]}", params={"wait": 20}, headers=GLOBEX)
         assert dropped.status_code == 200, dropped.text
         again = stack.live.post(

@@ -9,7 +9,7 @@ from typing import Any
 
 from typer.testing import CliRunner, Result
 
-from tests.e2e.conftest import ACME, Stack
+from tests.e2e.conftest import ACME, Stack, ingest
 from worker.cli import app
 
 DOCS = [
@@ -30,18 +30,8 @@ def _json(result: Result) -> Any:
     return json.loads(result.stdout)
 
 
-def _ingest(stack: Stack, index: str) -> None:
-    response = stack.live.post(
-        f"/v1/indexes/{index}/documents",
-        params={"wait": 20},
-        json={"documents": DOCS},
-        headers=ACME,
-    )
-    assert response.status_code == 200, response.text
-
-
 def test_indexes_and_index_show(stack: Stack) -> None:
-    _ingest(stack, "cli-list")
+    ingest(stack, "cli-list", DOCS)
     listed = {i["name"]: i for i in _json(sift(stack, "indexes", "--json"))}
     assert listed["cli-list"]["documents"] == 3 and listed["cli-list"]["backend"] == "embedded"
     table = sift(stack, "indexes")
@@ -53,7 +43,7 @@ def test_indexes_and_index_show(stack: Stack) -> None:
 
 
 def test_documents_get_and_delete(stack: Stack) -> None:
-    _ingest(stack, "cli-docs")
+    ingest(stack, "cli-docs", DOCS)
     doc = _json(sift(stack, "documents", "get", "c1", "--index", "cli-docs", "--json"))
     assert doc["text"] == "okapi forest giraffe" and doc["metadata"] == {"zone": "ituri"}
     shown = sift(stack, "documents", "get", "c1", "--index", "cli-docs")
@@ -82,7 +72,7 @@ def test_every_id_and_name_is_one_path_segment(stack: Stack, tmp_path: Path) -> 
     The gateway now refuses the ids ``.`` and ``..`` at ingest; one stored before is still
     read by its own path: here, none is stored, so the read is the document's 404, not the
     index (or its document list) read in its place."""
-    _ingest(stack, "cli-dots")
+    ingest(stack, "cli-dots", DOCS)
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(json.dumps({"id": "c9", "text": "never sent"}) + "\n")
     for dots in (".", ".."):
@@ -105,7 +95,7 @@ def test_every_id_and_name_is_one_path_segment(stack: Stack, tmp_path: Path) -> 
 
 
 def test_index_delete_asks_first(stack: Stack) -> None:
-    _ingest(stack, "cli-drop")
+    ingest(stack, "cli-drop", DOCS)
     declined = sift(stack, "index", "delete", "cli-drop", stdin="n\n")
     assert declined.exit_code != 0
     assert _json(sift(stack, "index", "show", "cli-drop", "--json"))["documents"] == 3
@@ -119,7 +109,7 @@ def test_index_delete_asks_first(stack: Stack) -> None:
 def test_deletes_on_an_index_nobody_has_say_it_does_not_exist(stack: Stack) -> None:
     """Every command names an index that does not exist (exit 1) but the two deletes, which
     said ``deleted 0 document(s)``, exit 0: a typo's delete passed for done."""
-    _ingest(stack, "cli-known")
+    ingest(stack, "cli-known", DOCS)
     for args in (
         ("index", "delete", "cli-unknown", "--yes"),
         ("index", "delete", "cli-unknown", "--yes", "--json"),
@@ -232,7 +222,7 @@ def test_stored_control_characters_are_shown_escaped_and_json_is_exact(stack: St
 def test_ingestions_tell_an_ingest_a_delete_and_a_drop_apart(stack: Stack) -> None:
     """``sift ingestions`` showed documents and upserted only: a drop of 3 documents read
     "documents 0, upserted –", the same as an ingest that had not run."""
-    _ingest(stack, "cli-ops")
+    ingest(stack, "cli-ops", DOCS)
     assert sift(stack, "documents", "delete", "c1", "c2", "--index", "cli-ops").exit_code == 0
     assert sift(stack, "index", "delete", "cli-ops", "--yes").exit_code == 0
     table = sift(stack, "ingestions", "--limit", "3")

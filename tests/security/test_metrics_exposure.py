@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import GLOBEX, KEYS, Stack
+from tests.e2e.conftest import GLOBEX, KEYS, Stack, ingest
 from tests.prometheus_support import wait_until
 from tests.services import gateway
 from worker.constants import METRIC_JOB_FAILURES
@@ -41,13 +41,7 @@ def index_not_found_failures(stack: Stack) -> float:
 
 def test_no_tenant_index_query_or_job_id_reaches_any_metrics(stack: Stack) -> None:
     docs = [{"id": "m1", "text": f"{QUERY} kept in a private index"}]
-    ingest = stack.live.post(
-        f"/v1/indexes/{INDEX}/documents",
-        params={"wait": 20},
-        json={"documents": docs},
-        headers=GLOBEX,
-    )
-    assert ingest.status_code == 200, ingest.text
+    ingested = ingest(stack, INDEX, docs, GLOBEX)
     search = stack.live.post(
         "/v1/searches",
         params={"wait": 20},
@@ -76,7 +70,7 @@ def test_no_tenant_index_query_or_job_id_reaches_any_metrics(stack: Stack) -> No
     assert "sift_http_requests_total" in texts["gateway"]
     assert "sift_retrieval_duration_seconds_count" in texts["worker"]
     secrets = [k["tenant"] for k in KEYS] + [INDEX, "zq-no-such-index", QUERY, "marmalade"]
-    secrets += [job_id, ingest.json()["id"], KEYS[1]["key"]]
+    secrets += [job_id, ingested["id"], KEYS[1]["key"]]
     for where, text in texts.items():
         for secret in secrets:
             assert secret not in text, f"{secret!r} in the {where}'s /metrics"
