@@ -59,6 +59,7 @@ from worker.constants import (
     CANCEL_COUNT_TASK,
     DEFAULT_PAGE_SIZE,
     ECONOMY_CANCEL_TASK,
+    ERROR_UNAVAILABLE,
     LANE_ECONOMY,
     SEARCH_QUEUE,
     WEBHOOK_EVENT_BATCH_COMPLETED,
@@ -311,7 +312,7 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
         log.error("batch %s: the cancel's answer was not heard: %s", batch_id, exc)
         raise ApiError(
             503,
-            "unavailable",
+            ERROR_UNAVAILABLE,
             f"id: the job store is unavailable, so whether batch {batch_id!r} was canceled is "
             f"unknown; send the cancel again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s: it "
             "answers 200 with the batch if it is still running or ended canceled, and 409 "

@@ -30,7 +30,7 @@ from api_gateway.errors import (
 )
 from api_gateway.queue import OutboxSender, TaskMessage
 from api_gateway.routing import GetAnswersHead
-from worker.constants import ERROR_JOB_STORE_FULL
+from worker.constants import ERROR_JOB_STORE_FULL, ERROR_UNAVAILABLE
 from worker.errors import InvalidRequest
 from worker.observability.logcontext import job_context
 from worker.queue.jobstore import BatchJob, Enqueue, IngestJob, SearchJob
@@ -192,7 +192,7 @@ def _retrieved(waited: asyncio.Future[Any]) -> None:
 def _lookup_unavailable(why: str, within: float) -> ApiError:
     return ApiError(
         503,
-        "unavailable",
+        ERROR_UNAVAILABLE,
         f"{FIELD}: {why}; nothing was stored: send the request again later",
         field=FIELD,
         headers={"Retry-After": str(math.ceil(within))},
@@ -229,7 +229,7 @@ def _lost(kind: str, job_id: str) -> ApiError:
         log.error("%s %s: lost by the job store (Redis restarted without its data)", kind, job_id)
     return ApiError(
         503,
-        "unavailable",
+        ERROR_UNAVAILABLE,
         f"the job store lost this {kind} (Redis restarted without its data), so its outcome "
         f"cannot be known; send the request again after {UNAVAILABLE_RETRY_AFTER_SECONDS} s",
         headers=UNAVAILABLE_RETRY_AFTER,
