@@ -342,6 +342,17 @@ async def _delete_job(
     return await ingest_response(request, job, wait)
 
 
+async def _read_index(
+    request: Request, operation: str, tenant: str, index: str, body: str = ""
+) -> Any:
+    """:func:`_read` of one of the caller's indexes as a whole: one it does not have (another
+    tenant's name or nobody's) is the 404 naming ``index``."""
+    found = await _read(request, operation, tenant, index, "", body)
+    if found is None:
+        raise _not_found(index)
+    return found
+
+
 @router.get(
     "/indexes",
     response_model=IndexesPage,
@@ -380,10 +391,7 @@ async def list_indexes(
     summary="One of the caller's indexes",
 )
 async def get_index(request: Request, tenant: Tenant, index: IndexPath) -> IndexOut:
-    found = await _read(request, "show", tenant, index, "")
-    if found is None:
-        raise _not_found(index)
-    return _index_out(found)
+    return _index_out(await _read_index(request, "show", tenant, index))
 
 
 @router.patch(
@@ -401,10 +409,9 @@ async def update_index(
     request: Request, body: IndexSettingsPatch, tenant: Tenant, index: IndexPath
 ) -> IndexOut:
     patch = body.model_dump(mode="json", exclude_unset=True)
-    found = await _read(request, "update", tenant, index, "", json.dumps(patch) or "{}")
-    if found is None:
-        raise _not_found(index)
-    return _index_out(found)
+    return _index_out(
+        await _read_index(request, "update", tenant, index, json.dumps(patch) or "{}")
+    )
 
 
 @router.get(
@@ -436,9 +443,7 @@ async def list_documents(
 ) -> DocumentsPage:
     after = decode_document_cursor(page_token, tenant, index)
     body = json.dumps({"after": after, "limit": page_size})
-    found = await _read(request, "documents", tenant, index, "", body)
-    if found is None:
-        raise _not_found(index)
+    found = await _read_index(request, "documents", tenant, index, body)
     docs = [ListedDocumentOut.model_validate(d) for d in found["documents"]]
     token = encode_document_cursor(tenant, index, docs[-1].id) if found["more"] else None
     return DocumentsPage(documents=docs, next_page_token=token)
