@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import pkgutil
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -738,3 +739,113 @@ def test_a_scrape_during_merges_never_sees_a_count_go_back(
     scrape()
     assert failures == []
     assert seen == [200.0] * len(seen), sorted(set(seen))
+
+
+# A merge run in a process of its own, SIGKILLed just before its ``die_at``-th change to the
+# folder's files: a write into a value file, a rename or a removal (0: never).
+MERGE_KILLED_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from prometheus_client.mmap_dict import MmapedDict
+    from worker.observability import metrics
+
+    directory, pid, die_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    steps = 0
+
+    def step(change):
+        def counted(*args, **kwargs):
+            global steps
+            steps += 1
+            if steps == die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return change(*args, **kwargs)
+        return counted
+
+    os.replace, os.rename, os.unlink = step(os.replace), step(os.rename), step(os.unlink)
+    MmapedDict.write_value = step(MmapedDict.write_value)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
+    metrics.merge_dead_process(pid)
+    print(steps)
+    """
+)
+
+
+def _merge_killed_at(folder: Path, pid: int, die_at: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", MERGE_KILLED_SCRIPT, str(folder), str(pid), str(die_at)],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _totals(folder: Path) -> tuple[float, float, float]:
+    """The counter, a histogram bucket and the histogram's sum, as a scrape exports them."""
+    registry = CollectorRegistry()
+    metrics.SweepingCollector(registry, path=str(folder))  # type: ignore[no-untyped-call]
+    got = metrics.snapshot(registry)
+    return (
+        got[("sift_demo_total", ())],
+        got[("sift_took_bucket", (("le", "1.0"),))],
+        got[("sift_took_sum", ())],
+    )
+
+
+def test_a_merge_killed_at_any_step_never_counts_a_process_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisor SIGKILLed inside a merge, after it had added a dead process's counts to
+    the merged file and before it removed the process's own, left them in both: every scrape
+    counted them twice (and one killed while writing the merged file left part of them
+    there, to be added again). Killed before any one change to the files, a scrape still
+    counts each process once: at once (the next scrape's sweep not run yet), once the sweep
+    has finished the merge, after another merge, and after the supervisor starts again."""
+    from worker.observability.metrics import _multiprocess
+
+    live = os.getpid()
+    earlier, killed, later = _dead_pids(3)
+    true = (8.0, 8.0, 4.0)  # the live process's 5, the earlier's 1, the killed merge's 2
+    restarted: list[Path] = []
+    die_at = 0
+    while True:
+        die_at += 1
+        folder = tmp_path / f"killed-at-{die_at}"
+        folder.mkdir()
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+        for pid, count in ((live, 5.0), (earlier, 1.0), (killed, 2.0)):
+            _write_process_files(folder, pid, count)
+        metrics.merge_dead_process(earlier)  # so there is a merged file to add to
+        run = _merge_killed_at(folder, killed, die_at)
+        if run.returncode == 0:  # it made fewer changes than die_at: every step was tried
+            assert die_at > 4, run.stdout  # the writes, the renames and the removals
+            break
+        assert run.returncode == -9, run.stderr
+        restarted.append(shutil.copytree(folder, tmp_path / f"restarted-{die_at}"))
+        with monkeypatch.context() as no_sweep:  # a scrape before any sweep sees the folder
+            no_sweep.setattr(_multiprocess, "sweep_dead_processes", lambda _: [])
+            assert _totals(folder) == true, die_at
+        assert _totals(folder) == true, die_at  # its sweep finishes the merge
+        assert _totals(folder) == true, die_at
+        assert sorted(p.name for p in folder.iterdir()) == sorted(
+            [f"counter_{live}.db", f"histogram_{live}.db", f"gauge_livesum_{live}.db",
+             "counter_merged.db", "histogram_merged.db", ".merge.lock"]
+        ), die_at  # fmt: skip
+        _write_process_files(folder, later, 3.0)
+        metrics.merge_dead_process(later)
+        assert _totals(folder) == (11.0, 11.0, 5.5), die_at
+    # The supervisor started again (setup_multiprocess) finds nothing of the merge left.
+    code = "import sys\nfrom worker.observability import metrics\n"
+    code += "for folder in sys.argv[1:]:\n    metrics.setup_multiprocess(folder)\n"
+    restart = subprocess.run(
+        [sys.executable, "-c", code, *map(str, restarted)],
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        capture_output=True,  # its warning that this process's files are there
+        text=True,
+        timeout=60,
+    )
+    assert restart.returncode == 0, restart.stderr
+    for folder in restarted:
+        assert [p.name for p in folder.iterdir() if p.name != ".merge.lock"] == [], folder

@@ -51,7 +51,8 @@ def setup_multiprocess(directory: str | os.PathLike[str]) -> Path:
     """Switch to multiprocess mode with a clean ``directory``, once, before forking: in the
     supervisor of worker processes, or in a worker run as one process (``sift worker``).
 
-    Empties the directory of value files from an earlier run, exports
+    Empties the directory of value files from an earlier run (and of a merge it left half
+    done, whose journal would have the next scrape skip a new process of the pid), exports
     ``PROMETHEUS_MULTIPROC_DIR`` for the children, and switches this process to file-backed
     values. Raises RuntimeError if a metric has already been recorded in this process.
     """
@@ -62,7 +63,7 @@ def setup_multiprocess(directory: str | os.PathLike[str]) -> Path:
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     _warn_if_shared(path)
-    for stale in path.glob("*.db"):
+    for stale in [*path.glob("*.db"), *_merge_files(path)]:
         stale.unlink()
     os.environ[MULTIPROC_DIR_ENV] = str(path)
     # prometheus-client picks its value class once, when first imported; pick again now that
@@ -125,6 +126,11 @@ _MERGED_KINDS: Final = ("counter", "histogram")
 # flock'ed shared by a scrape while it reads the files, exclusive by a merge, in every process
 # that reads or merges the folder's files (a gateway's replicas share theirs)
 _LOCK_FILE: Final = ".merge.lock"
+# A merge writes the merged files' next contents beside them (``counter_merged.db.next``),
+# then names the process they include in the journal, by a rename: that rename is the moment
+# the merge happens. Neither name ends in ``.db``, so no collector reads them as values.
+_NEXT: Final = ".next"
+_JOURNAL: Final = ".merge.journal"
 
 
 @contextlib.contextmanager
@@ -139,8 +145,9 @@ def merge_dead_process(pid: int) -> None:
     and histograms into the merged files and remove its own, so the folder holds one set of
     files per running process, not one more per restart for as long as the supervisor runs
     (each scrape read every one). No count is lost, none doubled: a scrape reads the files
-    only between merges, so no counter goes back. Only for a process that has exited: one
-    still running would go on writing into the file removed."""
+    only between merges, so no counter goes back, and a merger killed partway leaves a merge
+    the scrape and the next merge finish (:func:`_merge_counts`). Only for a process that has
+    exited: one still running would go on writing into the file removed."""
     directory = multiprocess_dir()
     if directory is not None:
         _merge_counts(pid, directory)
@@ -149,23 +156,99 @@ def merge_dead_process(pid: int) -> None:
 def _merge_counts(pid: int, directory: str | os.PathLike[str]) -> None:
     """Add ``pid``'s counter and histogram values into the merged files, then remove its
     files; nothing when they are gone already (a scrape's sweep and the supervisor may both
-    come to it). Killed between the two (the supervisor SIGKILLed), its counts are in both
-    files: the folder is emptied when the supervisor starts again anyway."""
+    come to it).
+
+    Crash-safe: the merged files are never written in place. Their next contents go to files
+    of their own, and the journal naming ``pid`` is renamed into place; only then are the
+    next files renamed over the merged ones and ``pid``'s removed (:func:`_finish_merge`). A
+    merger killed before the journal's rename leaves the files as they were (the next ones
+    are dropped); killed after it, the scrape and the next merge read the journal, so
+    ``pid``'s counts are in exactly one file read either way. Killed, not a power cut: the
+    files are not synced, as the values processes write in them are not."""
     with _files_locked(directory, exclusive=True):
+        _finish_merge(directory)  # one a merger killed left half done
+        wrote = False
         for kind in _MERGED_KINDS:
             dead = Path(directory, f"{kind}_{pid}.db")
-            if not dead.exists():
-                continue
-            values = _values_in(dead)
-            if values:
-                merged = MmapedDict(str(Path(directory, f"{kind}_{MERGED}.db")))  # type: ignore[no-untyped-call]
-                try:
-                    for key, value, timestamp, _ in values:
-                        total, _ = merged.read_value(key)  # type: ignore[no-untyped-call]
-                        merged.write_value(key, total + value, timestamp)  # type: ignore[no-untyped-call]
-                finally:
-                    merged.close()  # type: ignore[no-untyped-call]
-            dead.unlink(missing_ok=True)
+            if dead.exists():
+                wrote = True
+                _write_sum(_merged(directory, kind), dead, _merged(directory, kind, _NEXT))
+        if wrote:
+            _write_journal(directory, pid)
+            _finish_merge(directory)
+
+
+def _merged(directory: str | os.PathLike[str], kind: str, suffix: str = "") -> Path:
+    return Path(directory, f"{kind}_{MERGED}.db{suffix}")
+
+
+def _write_sum(merged: Path, dead: Path, target: Path) -> None:
+    """Write into ``target`` the values of ``merged`` (when there) plus those of ``dead``."""
+    totals: dict[str, tuple[float, float]] = {}
+    for path in (merged, dead):
+        if path.exists():
+            for key, value, timestamp, _ in _values_in(path):
+                totals[key] = (totals.get(key, (0.0, 0.0))[0] + value, timestamp)
+    written = MmapedDict(str(target))  # type: ignore[no-untyped-call]
+    try:
+        for key, (value, timestamp) in totals.items():
+            written.write_value(key, value, timestamp)  # type: ignore[no-untyped-call]
+    finally:
+        written.close()  # type: ignore[no-untyped-call]
+
+
+def _write_journal(directory: str | os.PathLike[str], pid: int) -> None:
+    """Name ``pid`` in the journal, whole or not at all: written aside, then renamed."""
+    aside = Path(directory, _JOURNAL + _NEXT)
+    aside.write_text(str(pid))
+    os.replace(aside, Path(directory, _JOURNAL))
+
+
+def _journaled(directory: str | os.PathLike[str]) -> int | None:
+    """The process whose merge the journal records as done but not yet tidied, if any."""
+    try:
+        return int(Path(directory, _JOURNAL).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _finish_merge(directory: str | os.PathLike[str]) -> None:
+    """Under the exclusive lock: bring a merge left half done to its end. Journaled, its next
+    files replace the merged ones and its process's files go, then the journal (each step
+    can be done again); not journaled, its next files are dropped, as if it never ran."""
+    pid = _journaled(directory)
+    if pid is None:
+        for kind in _MERGED_KINDS:
+            _merged(directory, kind, _NEXT).unlink(missing_ok=True)
+        Path(directory, _JOURNAL + _NEXT).unlink(missing_ok=True)
+        return
+    for kind in _MERGED_KINDS:
+        if _merged(directory, kind, _NEXT).exists():
+            os.replace(_merged(directory, kind, _NEXT), _merged(directory, kind))
+        Path(directory, f"{kind}_{pid}.db").unlink(missing_ok=True)
+    Path(directory, _JOURNAL).unlink()
+
+
+def _merge_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """A merge's own files found in ``directory``: outside a merge, one left half done."""
+    names = [_JOURNAL, _JOURNAL + _NEXT, *(_merged("", k, _NEXT).name for k in _MERGED_KINDS)]
+    return [path for name in names if (path := Path(directory, name)).exists()]
+
+
+def _files_to_read(directory: str | os.PathLike[str]) -> list[str]:
+    """Under the shared lock: the value files a scrape sums. A merge journaled and left half
+    done (its merger killed) counts through its next files: its process's own files, or the
+    merged ones they replace, are left out where they are still there."""
+    files = [f for f in glob.glob(os.path.join(directory, "*.db")) if _has_header(f)]
+    pid = _journaled(directory)
+    if pid is None:
+        return files
+    left_out = {str(Path(directory, f"{kind}_{pid}.db")) for kind in _MERGED_KINDS}
+    for kind in _MERGED_KINDS:
+        if _has_header(str(_merged(directory, kind, _NEXT))):
+            left_out.add(str(_merged(directory, kind)))
+            files.append(str(_merged(directory, kind, _NEXT)))
+    return [f for f in files if f not in left_out]
 
 
 def _values_in(path: Path) -> list[tuple[str, float, float, int]]:
@@ -180,7 +263,10 @@ def sweep_dead_processes(directory: str | os.PathLike[str]) -> list[int]:
     """Mark dead every pid whose files remain but whose process is gone: its live gauges
     dropped, its counters and histograms merged (:func:`merge_dead_process`), for the
     processes that died without their supervisor's word (a prefork child, a gateway
-    replica)."""
+    replica). A merge a killed merger left half done is finished first."""
+    if _merge_files(directory):
+        with _files_locked(directory, exclusive=True):
+            _finish_merge(directory)
     pids = {
         int(match.group(1))
         for path in Path(directory).glob("*.db")
@@ -204,8 +290,7 @@ class SweepingCollector(MultiProcessCollector):
     def collect(self) -> Any:
         sweep_dead_processes(self._path)
         with _files_locked(self._path, exclusive=False):  # no merge between list and read
-            files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _has_header(f)]
-            return self.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
+            return self.merge(_files_to_read(self._path), accumulate=True)  # type: ignore[no-untyped-call]
 
 
 def _has_header(path: str) -> bool:
