@@ -5,14 +5,18 @@ takedown. SQLite frees a deleted row's space without overwriting it unless told 
 
 from __future__ import annotations
 
+import random
+import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import apsw
 import numpy as np
 import pytest
 
 from worker.adapters.embedded import DB_FILE, EmbeddedBackend
+from worker.adapters.embedded._schema import _remake_step
 from worker.core.types import ChannelQuery, Document, HardFilters
 
 pytestmark = pytest.mark.integration
@@ -202,3 +206,164 @@ def test_a_delete_whose_checkpoint_a_long_read_holds_off_is_done_and_erased_by_t
     finally:
         reader.close()
         backend.close()
+
+
+def corpus(count: int) -> list[Document]:
+    """``count`` documents of some 1,650 characters (deploy/README.md §8's measure), drawn
+    from a vocabulary small enough that every query word matches many, at varied BM25."""
+    rng = random.Random(7)
+    words = [f"w{i}" for i in range(400)]
+    return [
+        Document(f"d{i}", " ".join(rng.choices(words, k=300)), title=f"t{i % 13}")
+        for i in range(count)
+    ]
+
+
+def bm25_hits(backend: EmbeddedBackend, index: str, text: str) -> list[tuple[str, float]]:
+    query = ChannelQuery(index, HardFilters("acme"), ("bm25",), 50, text)
+    return [(hit.document.id, hit.score) for hit in backend.retrieve(query).hits["bm25"]]
+
+
+class PausedBetweenSteps(apsw.Connection):
+    """A connection that holds ``thread`` at the first transaction it begins after it has
+    filled an FTS5 table from the stored texts (outside any transaction of its own), until
+    ``go`` is set: what an earlier release's table's remaking is, held half done."""
+
+    thread: threading.Thread | None = None
+    paused = threading.Event()
+    go = threading.Event()
+    filled = False
+
+    def execute(self, statement: str, *args: Any, **kwargs: Any) -> Any:
+        held = threading.current_thread() is PausedBetweenSteps.thread
+        if held and statement.startswith("INSERT INTO fts_") and "SELECT" in statement:
+            PausedBetweenSteps.filled = True
+        if held and statement == "BEGIN IMMEDIATE" and PausedBetweenSteps.filled:
+            PausedBetweenSteps.thread = None  # once
+            PausedBetweenSteps.paused.set()
+            PausedBetweenSteps.go.wait()
+        return super().execute(statement, *args, **kwargs)
+
+
+def table_sql(data_dir: Path, num: int) -> str:
+    conn = apsw.Connection(str(data_dir / DB_FILE))
+    try:
+        return str(
+            conn.execute("SELECT sql FROM sqlite_master WHERE name = ?", (f"fts_{num}",)).get
+        )
+    finally:
+        conn.close()
+
+
+def test_an_earlier_releases_table_is_made_again_in_steps_other_writes_going_between(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first write of an index after the upgrade made its earlier release's FTS5 table
+    again in that write's transaction: one pass over the index holding the data folder's
+    write lock, so behind some 400,000 documents every other write waited out its busy
+    timeout and retries and failed backend_unavailable. It is made again in steps, each a
+    short transaction: held between two, a write of another index and one of the same index
+    are done at the default busy timeout, the held write is done after, its deleted
+    document is erased, and the index answers as one made with this release's tables."""
+    docs = corpus(2_000)  # some 3.3 MB of text: several steps
+    secret = Secret("pii")
+    fresh = EmbeddedBackend(tmp_path / "fresh")
+    upgraded = EmbeddedBackend(tmp_path / "upgraded")
+    added = [Document("d5", "w1 w2 w3 replaced"), Document("new", "w1 w7 w9 added")]
+    outcome: list[object] = []
+    try:
+        for backend in (fresh, upgraded):
+            backend.upsert("sci", "acme", [*docs, secret.doc], None, version=1)
+        upgraded.close()
+        made_as_an_earlier_release(tmp_path / "upgraded", 1)
+        checkpointed(tmp_path / "upgraded")
+        monkeypatch.setattr(apsw, "Connection", PausedBetweenSteps)
+
+        def first_write() -> None:
+            try:
+                outcome.append(upgraded.delete_documents("sci", "acme", ["pii"], version=2))
+            except Exception as exc:
+                outcome.append(exc)
+
+        held = threading.Thread(target=first_write)
+        PausedBetweenSteps.paused, PausedBetweenSteps.go = threading.Event(), threading.Event()
+        PausedBetweenSteps.thread, PausedBetweenSteps.filled = held, False
+        held.start()
+        while not PausedBetweenSteps.paused.wait(0.05) and held.is_alive():
+            pass
+        assert PausedBetweenSteps.paused.is_set(), f"never held between two steps: {outcome}"
+        assert "contentless_delete" in table_sql(tmp_path / "upgraded", 1)  # half done
+        assert upgraded.upsert("other", "acme", docs[:3], None, version=1) == 3
+        assert upgraded.upsert("sci", "acme", added, None, version=3) == 2
+        PausedBetweenSteps.go.set()
+        held.join(timeout=60)
+        assert outcome == [1]
+        for write in (
+            lambda b: b.delete_documents("sci", "acme", ["pii"], version=2),
+            lambda b: b.upsert("other", "acme", docs[:3], None, version=1),
+            lambda b: b.upsert("sci", "acme", added, None, version=3),
+        ):
+            write(fresh)
+        assert "contentless_delete" not in table_sql(tmp_path / "upgraded", 1)
+        checkpointed(tmp_path / "upgraded")
+        assert found_in_files(tmp_path / "upgraded", [secret]) == []
+        for text in ("w1", "w2 w3", "w7 w9 added", "replaced", "t3 w11", "w399"):
+            assert bm25_hits(upgraded, "sci", text) == bm25_hits(fresh, "sci", text), text
+        assert bm25_hits(upgraded, "other", "w1") == bm25_hits(fresh, "other", "w1")
+    finally:
+        PausedBetweenSteps.go.set()
+        fresh.close()
+        upgraded.close()
+
+
+def one_step_then_killed(data_dir: Path) -> None:
+    """The first step of making ``fts_1`` again, committed by a writer killed after it."""
+    conn = apsw.Connection(str(data_dir / DB_FILE))
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        assert _remake_step(conn, 1, "sci", "acme") is False
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+def remakes_under_way(data_dir: Path) -> list[object]:
+    conn = apsw.Connection(str(data_dir / DB_FILE))
+    try:
+        found = conn.execute("SELECT name FROM sqlite_master WHERE name GLOB 'fts_*_next'")
+        return [*found.fetchall(), *conn.execute("SELECT * FROM fts_remakes").fetchall()]
+    finally:
+        conn.close()
+
+
+def test_a_remake_left_half_done_is_gone_on_with_or_dropped_by_the_downgrade(
+    tmp_path: Path,
+) -> None:
+    """A worker killed between two steps leaves them committed: the next write of the index
+    goes on from there (the index then answers as one made afresh), and ``sift
+    embedded-downgrade`` drops them, since the earlier release's writes would not go
+    into them."""
+    docs = corpus(2_000)
+    fresh = EmbeddedBackend(tmp_path / "fresh")
+    upgraded = EmbeddedBackend(tmp_path / "upgraded")
+    rolled_back = EmbeddedBackend(tmp_path / "rolled-back")
+    try:
+        for backend, folder in ((upgraded, "upgraded"), (rolled_back, "rolled-back")):
+            backend.upsert("sci", "acme", docs, None, version=1)
+            backend.close()
+            made_as_an_earlier_release(tmp_path / folder, 1)
+            one_step_then_killed(tmp_path / folder)
+            assert len(remakes_under_way(tmp_path / folder)) == 2
+        fresh.upsert("sci", "acme", docs, None, version=1)
+        for backend in (fresh, upgraded):
+            assert backend.delete_documents("sci", "acme", ["d1"], version=2) == 1
+        assert remakes_under_way(tmp_path / "upgraded") == []
+        for text in ("w1", "w2 w3", "t3 w11", "w399"):
+            assert bm25_hits(upgraded, "sci", text) == bm25_hits(fresh, "sci", text), text
+        assert rolled_back.make_earlier_fts() == []  # fts_1 is an earlier release's already
+        assert remakes_under_way(tmp_path / "rolled-back") == []
+        assert "contentless_delete" in table_sql(tmp_path / "rolled-back", 1)
+    finally:
+        fresh.close()
+        upgraded.close()
+        rolled_back.close()

@@ -100,6 +100,7 @@ CREATE TABLE IF NOT EXISTS tombstones(
     PRIMARY KEY(idx, tenant, id)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS tombstones_at ON tombstones(at);
+CREATE TABLE IF NOT EXISTS fts_remakes(num INTEGER PRIMARY KEY, copied INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS index_settings(
     idx TEXT NOT NULL,
     tenant TEXT NOT NULL,
@@ -108,15 +109,16 @@ CREATE TABLE IF NOT EXISTS index_settings(
     PRIMARY KEY(idx, tenant)
 ) WITHOUT ROWID;
 """
-# Five came after v2 without a bump: a v2 data dir gains them on open, and an earlier v2
-# release reads past them. ``tombstones`` says when each delete's ``writes`` row was written,
-# so it goes once no ingest accepted before the delete can still run (:func:`_date_tombstones`
-# dates those a data dir held before it, as of its first open), ``tombstones_at`` the seek
-# on that time; ``index_settings`` holds each
-# tenant's index's own search settings (a NULL ``settings`` once cleared);
-# ``indexes_by_tenant`` is the index list's seek on the tenant's own names; ``outcomes`` what
-# each versioned write counted, for its job run again (a write committed by an earlier
-# release and run again after the upgrade counts 0).
+# Six came after v2 without a bump: a v2 data dir gains them on open, and an earlier v2
+# release reads past them. ``fts_remakes`` says how far the making again of an earlier
+# release's FTS5 table has come (:func:`_remake_step`); ``tombstones`` says when each delete's
+# ``writes`` row was written, so it goes once no ingest accepted before the delete can still
+# run (:func:`_date_tombstones` dates those a data dir held before it, as of its first open),
+# ``tombstones_at`` the seek on that time; ``index_settings`` holds each tenant's index's own
+# search settings (a NULL ``settings`` once cleared); ``indexes_by_tenant`` is the index
+# list's seek on the tenant's own names; ``outcomes`` what each versioned write counted, for
+# its job run again (a write committed by an earlier release and run again after the upgrade
+# counts 0).
 # v2: ``indexes`` is keyed by (name, tenant), so each tenant's index has its own FTS5 table
 # (BM25 statistics), dimension and generation; a v1 data dir (one per name) is refused.
 
@@ -133,17 +135,17 @@ def _date_tombstones(conn: apsw.Connection, now: float) -> None:
 
 
 def _ensure_index(conn: apsw.Connection, index: str, tenant: str) -> int:
-    """The number of the tenant's index (its FTS5 table ``fts_{num}``), created if new (an
-    earlier release's made again: :func:`_make_erasable`)."""
+    """The number of the tenant's index (its FTS5 table ``fts_{num}``), created if new.
+    Raises :class:`_EarlierTable` for an earlier release's table (:func:`_make_erasable`)."""
     conn.execute("INSERT OR IGNORE INTO indexes(name, tenant) VALUES (?, ?)", (index, tenant))
     num = int(
         conn.execute("SELECT num FROM indexes WHERE name = ? AND tenant = ?", (index, tenant)).get
     )
     sql = _fts_sql(conn, num)
     if sql is None:
-        _create_fts(conn, num)
+        _create_fts(conn, f"fts_{num}")
     elif _EARLIER_FTS in sql:
-        _remake_fts(conn, num, index, tenant)
+        raise _EarlierTable(num)
     return num
 
 
@@ -155,8 +157,8 @@ def _fts_sql(conn: apsw.Connection, num: int) -> str | None:
     return None if found is None else str(found[0])
 
 
-def _create_fts(conn: apsw.Connection, num: int) -> None:
-    """Make the FTS5 table ``fts_{num}``, one whose deletes erase a document's terms.
+def _create_fts(conn: apsw.Connection, fts: str) -> None:
+    """Make the FTS5 table ``fts`` (``fts_{num}``), one whose deletes erase a document's terms.
 
     It holds no text (``content=''``); a row is removed by FTS5's ``delete`` command given
     the row's own title and text (kept in ``bodies``: :func:`_writes._remove_row`), which
@@ -167,7 +169,6 @@ def _create_fts(conn: apsw.Connection, num: int) -> None:
     know a row's terms: :func:`_make_erasable` makes them again. ``PRAGMA secure_delete``
     (every connection: :meth:`_pool._Pool._open`) zeroes the pages let go.
     """
-    fts = f"fts_{num}"
     conn.execute(
         f"CREATE VIRTUAL TABLE {fts} USING fts5("
         f"title, text, content='', tokenize='{FTS_TOKENIZER}')"
@@ -175,29 +176,101 @@ def _create_fts(conn: apsw.Connection, num: int) -> None:
     conn.execute(f"INSERT INTO {fts}({fts}, rank) VALUES ('secure-delete', 1)")
 
 
-def _make_erasable(conn: apsw.Connection, num: int, index: str, tenant: str) -> None:
-    """Before a write removes rows of the tenant's index: if its FTS5 table is an earlier
-    release's (``contentless_delete=1``, which keeps a deleted row's terms until a merge,
-    and refuses the ``delete`` command), make it again from the index's ``bodies``, once,
-    in the write's transaction (a pass over the index, as at its ingest). The old table's
-    pages are zeroed as it is dropped."""
+def _make_erasable(conn: apsw.Connection, num: int) -> None:
+    """Before a write removes rows of the tenant's index: raise :class:`_EarlierTable` if its
+    FTS5 table is an earlier release's (``contentless_delete=1``, which keeps a deleted row's
+    terms until a merge, and refuses the ``delete`` command)."""
     sql = _fts_sql(conn, num)
     if sql is not None and _EARLIER_FTS in sql:
-        _remake_fts(conn, num, index, tenant)
+        raise _EarlierTable(num)
 
 
 #: What an earlier release's FTS5 tables were made with (:func:`_make_erasable`).
 _EARLIER_FTS = "contentless_delete"
 
 
-def _remake_fts(conn: apsw.Connection, num: int, index: str, tenant: str) -> None:
-    conn.execute(f"DROP TABLE fts_{num}")
-    _create_fts(conn, num)
+class _EarlierTable(Exception):
+    """A write found the FTS5 table ``fts_{num}`` of the index it changes an earlier
+    release's: it rolls back, the table is made again (:func:`_remake_step`, step after
+    step, each a transaction of its own), and the write runs again."""
+
+    def __init__(self, num: int) -> None:
+        super().__init__(f"fts_{num} is an earlier release's")
+        self.num = num
+
+
+#: How much stored text one step of a remake indexes: some 0.1 s of FTS5's work (the whole
+#: pass took 12 s for 100,000 documents of 1,650 characters), the longest it holds the write
+#: lock. A table made again in one pass held it for as long as the index took: past some
+#: 400,000 documents, longer than the other writes' busy timeout and retries.
+REMAKE_STEP_CHARS = 1_500_000
+
+
+def _remake_step(conn: apsw.Connection, num: int, index: str, tenant: str) -> bool:
+    """One step, in the caller's transaction, of making the tenant's index's earlier-release
+    FTS5 table again: the next stored texts (some :data:`REMAKE_STEP_CHARS`, in ``seq``
+    order from where ``fts_remakes`` says the last step stopped) go into ``fts_{num}_next``,
+    an erasing table; once none is left it takes the earlier table's place. Answers whether
+    the table is done (by this step, another writer's, or none left to make: the index
+    emptied meanwhile, :func:`_settle_emptied`).
+
+    No document of the index changes between two steps, so none is missed or left behind:
+    every write that adds or removes one finds the earlier table first and waits for it to
+    be made again (:meth:`._writes._Writes._remake_fts`), and a drop of every document drops
+    both tables. The earlier table answers searches until the last step."""
+    sql = _fts_sql(conn, num)
+    if sql is None or _EARLIER_FTS not in sql:
+        _drop_remake(conn, num)
+        return True
+    upcoming = f"fts_{num}_next"
+    copied = conn.execute("SELECT copied FROM fts_remakes WHERE num = ?", (num,)).get
+    if copied is None:
+        conn.execute(f"DROP TABLE IF EXISTS {upcoming}")
+        _create_fts(conn, upcoming)
+        copied = 0
+    upto, more = _step_end(conn, index, tenant, int(copied))
     conn.execute(
-        f"INSERT INTO fts_{num}(rowid, title, text) SELECT b.seq, b.title, b.text"
-        " FROM docs AS d JOIN bodies AS b ON b.seq = d.seq WHERE d.idx = ? AND d.tenant = ?",
-        (index, tenant),
+        f"INSERT INTO {upcoming}(rowid, title, text) SELECT b.seq, b.title, b.text"
+        " FROM docs AS d JOIN bodies AS b ON b.seq = d.seq"
+        " WHERE d.seq > ? AND d.seq <= ? AND +d.idx = ? AND +d.tenant = ?",
+        (copied, upto, index, tenant),
     )
+    if more:
+        conn.execute("INSERT OR REPLACE INTO fts_remakes(num, copied) VALUES (?, ?)", (num, upto))
+        return False
+    conn.execute(f"DROP TABLE fts_{num}")  # its pages zeroed (secure_delete)
+    conn.execute(f"ALTER TABLE {upcoming} RENAME TO fts_{num}")
+    conn.execute("DELETE FROM fts_remakes WHERE num = ?", (num,))
+    return True
+
+
+def _step_end(conn: apsw.Connection, index: str, tenant: str, after: int) -> tuple[int, bool]:
+    """The last ``seq`` of the tenant's documents past ``after`` one step takes (some
+    :data:`REMAKE_STEP_CHARS` of text), and whether any is left after it. A walk of the
+    table's own key from ``after`` (the ``+`` keeps SQLite off the (idx, tenant, id) index,
+    which would sort the whole index again at every step), so the steps of a remake read
+    each row once."""
+    upto, chars = after, 0
+    rows = conn.execute(
+        "SELECT d.seq, length(b.title) + length(b.text) FROM docs AS d"
+        " JOIN bodies AS b ON b.seq = d.seq"
+        " WHERE d.seq > ? AND +d.idx = ? AND +d.tenant = ? ORDER BY d.seq",
+        (after, index, tenant),
+    )
+    try:
+        for seq, size in rows:
+            if chars >= REMAKE_STEP_CHARS:
+                return upto, True
+            upto, chars = int(seq), chars + int(size)
+        return upto, False
+    finally:
+        rows.close()
+
+
+def _drop_remake(conn: apsw.Connection, num: int) -> None:
+    """Drop a remake of ``fts_{num}`` under way (its table, zeroed, and its progress)."""
+    conn.execute(f"DROP TABLE IF EXISTS fts_{num}_next")
+    conn.execute("DELETE FROM fts_remakes WHERE num = ?", (num,))
 
 
 def make_earlier_fts(conn: apsw.Connection) -> list[tuple[str, str, int]]:
@@ -213,6 +286,8 @@ def make_earlier_fts(conn: apsw.Connection) -> list[tuple[str, str, int]]:
         list[tuple[int, str, str]],
         conn.execute("SELECT num, name, tenant FROM indexes ORDER BY tenant, name").fetchall(),
     )
+    for num, _, _ in rows:  # a remake under way (its writer killed) would miss their writes
+        _drop_remake(conn, num)
     for num, index, tenant in rows:
         sql = _fts_sql(conn, num)
         if sql is None or _EARLIER_FTS in sql:
@@ -291,6 +366,7 @@ def _settle_emptied(conn: apsw.Connection, num: int, index: str, tenant: str) ->
         )
         return False
     conn.execute(f"DROP TABLE IF EXISTS fts_{num}")
+    _drop_remake(conn, num)
     conn.execute("UPDATE catalog SET model = NULL WHERE idx = ? AND tenant = ?", (index, tenant))
     conn.execute("UPDATE indexes SET dimension = NULL WHERE num = ?", (num,))
     return True

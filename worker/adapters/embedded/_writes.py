@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import apsw
 import numpy as np
@@ -26,13 +26,22 @@ from ._pool import _erasing, _Pool, _read, _translated, _write
 from ._schema import (
     _FILTER_KEY,
     _claim_dimension,
+    _EarlierTable,
     _ensure_index,
     _holds,
     _index_row,
     _make_erasable,
+    _remake_step,
     _settle_emptied,
     make_earlier_fts,
 )
+
+_T = TypeVar("_T")
+
+#: The pause after each step of a remake (:meth:`_Writes._remake_fts`): longer than the
+#: longest sleep of SQLite's busy handler between two tries at the lock (100 ms), so every
+#: write waiting meanwhile takes the lock before the next step does.
+REMAKE_PAUSE_SECONDS = 0.2
 
 
 class _Writes(_Pool):
@@ -66,6 +75,19 @@ class _Writes(_Pool):
             return 0
         matrix = _check_vectors(documents, vectors)
         rows = [_document_row(i, doc) for i, doc in enumerate(documents)]
+        return self._on_erasing_fts(
+            index, tenant, lambda: self._upsert(index, tenant, rows, matrix, version, model)
+        )
+
+    def _upsert(
+        self,
+        index: str,
+        tenant: str,
+        rows: list[tuple[str, str, str, str, str]],
+        matrix: npt.NDArray[np.float32] | None,
+        version: int | None,
+        model: str | None,
+    ) -> int:
         written = 0
         num: int | None = None  # the tenant's index, made by the first row written
         with self._conn() as conn, _translated("upsert"), _write(conn):
@@ -122,13 +144,20 @@ class _Writes(_Pool):
         is newer than the delete is left alone. The same delete run again (a redelivery, a
         retry) changes nothing and reports what its first run deleted, as an upsert run again
         does. A tombstone lasts ``tombstone_seconds`` (:func:`_expire_tombstones`)."""
+        return self._on_erasing_fts(
+            index, tenant, lambda: self._delete_documents(index, tenant, ids, version)
+        )
+
+    def _delete_documents(
+        self, index: str, tenant: str, ids: Sequence[str], version: int | None
+    ) -> int:
         deleted, emptied = 0, False
         with self._conn() as conn, _translated("delete"), _erasing(conn), _write(conn):
             if (done := _outcome(conn, index, tenant, version)) is not None:
                 return done
             row = _index_row(conn, index, tenant)
             if row is not None:
-                _make_erasable(conn, row[0], index, tenant)
+                _make_erasable(conn, row[0])
             floor = _floor(conn, index, tenant)
             for doc_id in dict.fromkeys(i for i in ids if i):
                 held = _held_version(conn, index, tenant, doc_id)
@@ -155,6 +184,32 @@ class _Writes(_Pool):
             _record_outcome(conn, index, tenant, version, deleted, emptied=emptied)
             _expire_tombstones(conn, time.time() - self.tombstone_seconds)
         return deleted
+
+    def _on_erasing_fts(self, index: str, tenant: str, write: Callable[[], _T]) -> _T:
+        """Run ``write`` (one transaction). One that finds the tenant's index's FTS5 table an
+        earlier release's has rolled back: the table is made again (:meth:`_remake_fts`) and
+        the write runs again, on this release's table."""
+        while True:
+            try:
+                return write()
+            except _EarlierTable as earlier:
+                self._remake_fts(earlier.num, index, tenant)
+
+    def _remake_fts(self, num: int, index: str, tenant: str) -> None:
+        """Make an earlier release's FTS5 table of the tenant's index again, step after step
+        (:func:`_remake_step`), each a transaction of its own followed by a pause
+        (:data:`REMAKE_PAUSE_SECONDS`) in which the writes waiting on the lock go first. The
+        whole pass was one transaction of the first write, holding the data folder's write
+        lock as long as the index took: past some 400,000 documents every other write's
+        busy timeout and retries ran out behind it (backend_unavailable). Writes of the same
+        index meanwhile find the same table and share the steps; its searches read the
+        earlier table until the last step puts the new one in its place."""
+        while True:
+            with self._conn() as conn, _translated("remake"), _write(conn):
+                done = _remake_step(conn, num, index, tenant)
+            if done:
+                return
+            time.sleep(REMAKE_PAUSE_SECONDS)
 
     def make_earlier_fts(self) -> list[tuple[str, str, int]]:
         """Every index's FTS5 table made again as an earlier release's, in one transaction
@@ -183,6 +238,11 @@ class _Writes(_Pool):
         The same drop run again (a redelivery after a crash between its commit and its
         job's finish) changes nothing and reports what its first run deleted. Only a drop
         that removed a document is the index's last write (as a delete by ids)."""
+        return self._on_erasing_fts(
+            index, tenant, lambda: self._delete_index(index, tenant, version)
+        )
+
+    def _delete_index(self, index: str, tenant: str, version: int | None) -> int:
         with self._conn() as conn, _translated("delete_index"), _erasing(conn), _write(conn):
             if (done := _outcome(conn, index, tenant, version)) is not None:
                 return done
@@ -212,7 +272,7 @@ class _Writes(_Pool):
                 # (dropped, its pages zeroed: _settle_emptied), not a term at a time
                 fts = None if len(seqs) == len(held) else f"fts_{row[0]}"
                 if fts is not None:
-                    _make_erasable(conn, row[0], index, tenant)
+                    _make_erasable(conn, row[0])
                 for seq in seqs:
                     _remove_row(conn, fts, seq)
                 gone = len(seqs)
