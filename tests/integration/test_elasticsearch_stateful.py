@@ -35,7 +35,7 @@ from worker.adapters.elasticsearch import (
     index_template,
 )
 from worker.adapters.elasticsearch._layout import tenant_key
-from worker.contract import SearchSpec
+from worker.contract import DocumentIn, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import Document
 from worker.errors import (
@@ -1471,3 +1471,40 @@ def test_a_purge_drops_the_tenants_indexes_that_hold_no_document_too(
     again = purge(env, "acme")
     assert again.returncode == 0, again.stdout + again.stderr
     assert purged(again.stdout)["indexes dropped"] == 0, again.stdout
+
+
+def test_a_purge_closes_the_new_index_an_unfinished_ingest_names(
+    fake: tuple[FakeElasticsearchServer, StatefulElasticsearch], redis_url: str, store: Any
+) -> None:
+    """Acme's ingest into "fresh", a name it never had a document in, is running when the
+    purge comes: the purge raises the floor of "fresh" too (no alias to delete), so the
+    worker's write, reaching the backend after the purge at the version it was accepted
+    at, lands nothing and makes no index. Before, only the indexes found in the cluster were
+    dropped: "fresh" had no floor, and every document was written after the purge."""
+    server, state = fake
+    backend = backend_on(server)
+    docs = _few("s", 3)
+    job = store.create_ingest("acme", "fresh", [DocumentIn(id=d.id, text=d.text) for d in docs])
+    assert store.start_ingest(job.id)
+    env = {
+        "SIFT_REDIS_URL": redis_url,
+        "SIFT_SEARCH_BACKEND": "elasticsearch",
+        "SIFT_ELASTICSEARCH_URL": server.url,
+        "SIFT_ELASTICSEARCH_VECTOR_DIMS": "64",
+    }
+
+    ran = purge(env, "acme")
+
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    # the worker running it writes now, at the version the ingest was accepted at
+    assert backend.upsert("fresh", "acme", docs, vectors_of(docs), version=job.version) == 0
+    assert backend.indexes("acme") == []
+    stem = backend.tenant_stem("acme")
+    assert not [name for name in state.indexes if name.startswith(stem)]
+    removed = purged(ran.stdout)
+    assert removed["ingests canceled"] == 1, ran.stdout
+    closed = removed["indexes only its unfinished writes named, closed to them"]
+    assert (removed["indexes dropped"], closed) == (0, 1), ran.stdout
+    again = purge(env, "acme")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert set(purged(again.stdout).values()) == {0}, again.stdout

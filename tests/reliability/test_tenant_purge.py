@@ -253,3 +253,69 @@ def test_a_purge_without_the_backends_data_folder_erases_nothing(tmp_path: Path)
         assert "SIFT_DATA_DIR" in purged.stderr and "Traceback" not in purged.stderr
         assert sorted(client.scan_iter()) == before
         assert not list(elsewhere.rglob("sift.db")), list(elsewhere.rglob("*"))
+
+
+def test_an_ingest_into_a_new_index_running_at_the_purge_lands_nothing_after_it(
+    tmp_path: Path,
+) -> None:
+    """An ingest of acme's into an index it never had documents in, held mid-run (its
+    embedding waits) while the purge runs, then let go: it writes nothing, and acme lists no
+    index. Before, the purge dropped only the indexes holding documents when it ran, so the
+    new index got no floor: the purge said "ingests canceled 1", the ingest's record answered
+    404, and the worker still wrote every document after the purge had ended, listed and
+    served by the gateway."""
+    crashes = tmp_path / "crashes"
+    crashes.mkdir()
+    with redis_server(tmp_path / "redis") as base_url, FakeAnthropic() as model:
+        url = base_url + "/0"
+        env = stack_env(
+            url, model.url, SIFT_API_KEYS=json.dumps(BOTH),
+            SIFT_RUNTIME_FACTORY="tests.reliability.crashing_runtime:build_runtime",
+            CRASH_ONCE_DIR=str(crashes),
+        )  # fmt: skip
+        removed_env = {**env, "SIFT_API_KEYS": json.dumps([GLOBEX_KEY])}
+        documents = [
+            {"id": "held", "text": "hold-embedding: a secret of acme's"},
+            *({"id": f"s{i}", "text": f"a confidential record of acme's {i}"} for i in range(3)),
+        ]
+        with (
+            gateway(tmp_path / "g", env, "g1") as gateway_url,
+            httpx.Client(base_url=gateway_url, timeout=30) as client,
+            celery_worker(tmp_path / "w", env, "w1", concurrency=4),
+            redis.Redis.from_url(url, decode_responses=True) as store,
+        ):
+            accepted = client.post(
+                "/v1/indexes/fresh/documents", json={"documents": documents}, headers=ACME
+            )
+            assert accepted.status_code == 202, accepted.text
+            job_id = accepted.json()["id"]
+            wait_for(lambda: (crashes / "hold-embedding").exists(), "the ingest embedding")
+            status = client.get(f"/v1/ingestions/{job_id}", headers=ACME).json()["status"]
+            assert status == "running", status
+
+            purged = _purge(removed_env, "acme", "--yes")
+            assert purged.returncode == 0, purged.stdout + purged.stderr
+            removed = _removed(purged.stdout)
+            assert removed["ingests canceled"] == 1, purged.stdout
+            (crashes / "release").touch()  # the worker (not restarted) goes on with the ingest
+
+            def drained() -> bool:
+                ready = sum(store.llen(key) for q in ALL_QUEUES for key in kombu_queue_keys(q))
+                return ready == 0 and store.hlen(KOMBU_UNACKED_KEY) == 0
+
+            wait_for(drained, "the ingest's run ended")
+            listed = client.get("/v1/indexes", headers=ACME)  # its key is still in the gateway
+            assert listed.status_code == 200, listed.text
+            assert listed.json()["indexes"] == [], listed.json()
+        backend = EmbeddedBackend(Path(env["SIFT_DATA_DIR"]))
+        try:
+            assert backend.indexes("acme") == []
+            assert backend.documents("fresh", "acme", None, 10) is None
+            assert [backend.document("fresh", "acme", d["id"]) for d in documents] == [None] * 4
+        finally:
+            backend.close()
+        closed = removed["indexes only its unfinished writes named, closed to them"]
+        assert (removed["indexes dropped"], closed) == (0, 1), purged.stdout
+        again = _purge(removed_env, "acme", "--yes")
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert set(_removed(again.stdout).values()) == {0}, again.stdout

@@ -24,7 +24,9 @@ documents for good), and a tenant given the same name later inherits them. This 
    nothing), on Elasticsearch those holding no document too (not listed, but still indexes
    of the tenant's, until deleted), its own settings with it (on the embedded backend, a
    data folder with no database stops the purge before it starts: it is not the workers'
-   folder);
+   folder); and so is each index one of its ingest or delete jobs that no worker ended
+   names, holding a document or not: an ingest into a new index a worker was running went
+   on to write every document after the purge, the index having no floor;
 3. every Redis key that names the tenant or one of its jobs is deleted
    (:mod:`worker.queue.jobstore.tenants` lists the families).
 
@@ -77,9 +79,15 @@ def _stop(message: str) -> NoReturn:
     raise typer.Exit(EXIT_ERROR)
 
 
-def _drop_indexes(settings: Settings, client: redis.Redis, tenant: str) -> Counter[str]:
+def _drop_indexes(
+    settings: Settings, client: redis.Redis, tenant: str, written: set[str]
+) -> Counter[str]:
     """Drop each of the tenant's indexes in the configured backend, as a drop job does
-    (:func:`worker.queue.lifecycle.drop`); answers the indexes and documents dropped."""
+    (:func:`worker.queue.lifecycle.drop`), and each index ``written`` names (those its
+    unfinished writes target, :meth:`~worker.queue.jobstore.JobStore.unfinished_write_indexes`):
+    one holding no document yet gets its floor all the same, so the write a worker is
+    running lands nothing after the purge. Answers the indexes and documents dropped, and
+    the indexes only ``written`` named (``closed``)."""
     from worker.adapters.index_settings import IndexSettingsStore
     from worker.queue.lifecycle import drop
     from worker.runtime.bootstrap import build_backend
@@ -96,10 +104,10 @@ def _drop_indexes(settings: Settings, client: redis.Redis, tenant: str) -> Count
         empty = getattr(backend, "empty_indexes", None)
         if callable(empty):
             names |= set(empty(tenant))
-        for name in sorted(names):
+        for name in sorted(names | written):
             version = next_write_version(client, tenant)
             dropped["documents"] += drop(catalog, store, name, tenant, version)
-            dropped["indexes"] += 1
+            dropped["indexes" if name in names else "closed"] += 1
     finally:
         close = getattr(backend, "close", None)
         if callable(close):
@@ -250,7 +258,7 @@ def purge(
         canceled = store.cancel_tenant_jobs(jobs)
         canceled["provider batch"] = _cancel_provider_batches(settings, store, jobs)
         canceled["in doubt"] = _name_creates_in_doubt(store, jobs)
-        dropped = _drop_indexes(settings, client, name)
+        dropped = _drop_indexes(settings, client, name, store.unfinished_write_indexes(jobs))
         deleted = store.delete_tenant_jobs(jobs) + store.delete_tenant_keys(name)
     except (redis.RedisError, OSError, SiftError) as exc:
         _stop(f"purge of {name!r} stopped (run it again to finish): {plain(exc)}")
@@ -269,6 +277,7 @@ def _show(
         ("provider batches canceled (economy lane)", canceled["provider batch"]),
         ("provider batches of creates in doubt, not canceled", canceled["in doubt"]),
         ("indexes dropped", dropped["indexes"]),
+        ("indexes only its unfinished writes named, closed to them", dropped["closed"]),
         ("documents dropped", dropped["documents"]),
         ("searches deleted", deleted["search"]),
         ("batches deleted", deleted["batch"]),

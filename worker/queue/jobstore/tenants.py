@@ -73,6 +73,8 @@ _JOB_KEYS = {
     ),
 }  # fmt: skip
 SCAN_COUNT = 1000
+#: An ingest's statuses while a worker may still write it (:meth:`unfinished_write_indexes`).
+_UNENDED = {JobStatus.QUEUED.value, JobStatus.RUNNING.value, JobStatus.CANCELED.value}
 
 
 @dataclass
@@ -107,6 +109,23 @@ class TenantRecords(BatchRecords, BatchItemRecords):
             # a listed id whose record expired has no job left to end, but may have keys
             found.ids[kind] = sorted(ids)
         return found
+
+    def unfinished_write_indexes(self, jobs: TenantJobs) -> set[str]:
+        """The indexes named by the tenant's ingest and delete jobs that no worker ended:
+        queued, running, or canceled (only a purge cancels one, this run or an earlier one
+        cut short, and the worker running it is not told: it writes at its own version when
+        it gets there). The purge drops them with the indexes holding documents, so each
+        gets a floor: one the tenant never had a document in has nothing to drop, and without
+        a floor the write a worker was running landed after the purge, all of it."""
+        ids = jobs.ids.get(KIND_INGEST, [])
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(INGEST_KEY + job_id, ["index", "status"])
+        return {
+            index
+            for index, status in cast(list[list[str | None]], pipe.execute() if ids else [])
+            if index is not None and status in _UNENDED
+        }
 
     def cancel_tenant_jobs(self, jobs: TenantJobs) -> Counter[str]:
         """Cancel each job not final yet (a batch: as its ``DELETE`` does, then each item a
