@@ -280,18 +280,15 @@ def _dead(service: Service) -> None:
 
 
 def _serve_metrics(settings: Settings) -> None:
-    from worker.constants import ALL_QUEUES
-    from worker.observability.metrics import preregister, start_worker_metrics_server
+    from worker.observability.metrics import serve_worker_metrics
 
-    models = [settings.generation_model_id] if settings.generation_model_id else []
-    preregister(
-        models=models,
-        backend=settings.search_backend,
-        queues=ALL_QUEUES,
-        native_fusion=settings.native_fusion,
-    )
     try:
-        start_worker_metrics_server(settings.worker_metrics_port)
+        serve_worker_metrics(
+            settings.worker_metrics_port,
+            model=settings.generation_model_id,
+            backend=settings.search_backend,
+            native_fusion=settings.native_fusion,
+        )
     except OSError as exc:
         _say(f"worker metrics not served on :{settings.worker_metrics_port}: {exc}")
         return

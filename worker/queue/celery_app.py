@@ -30,7 +30,6 @@ from celery.signals import (
 )
 
 from worker.constants import (
-    ALL_QUEUES,
     BATCH_QUEUE,
     INGEST_QUEUE,
     SEARCH_QUEUE,
@@ -61,19 +60,15 @@ def _serve_metrics(sender: Any = None, **_: Any) -> None:
     settings = _settings_of(sender)
     if settings is None or not settings.worker_metrics_port:
         return
-    from worker.observability.metrics import preregister, start_worker_metrics_server
+    from worker.observability.metrics import serve_worker_metrics
 
-    # the model's and the backend's series too, at zero: a rate or an increase over a series
-    # that first appears at its first event would miss that event
-    models = [settings.generation_model_id] if settings.generation_model_id else []
-    preregister(
-        models=models,
-        backend=settings.search_backend,
-        queues=ALL_QUEUES,
-        native_fusion=settings.native_fusion,
-    )
     try:
-        start_worker_metrics_server(settings.worker_metrics_port)
+        serve_worker_metrics(
+            settings.worker_metrics_port,
+            model=settings.generation_model_id,
+            backend=settings.search_backend,
+            native_fusion=settings.native_fusion,
+        )
     except OSError as exc:
         log.warning("worker metrics not served on :%d: %s", settings.worker_metrics_port, exc)
     else:

@@ -22,7 +22,8 @@ Who calls what:
   ``SIFT_METRICS_TOKEN`` when set) sets the queued jobs from the job store and calls
   :func:`update_backlog` (:func:`job_store_unread` when Redis does not answer), then serves
   :func:`metrics_response`;
-* a worker's main process calls :func:`start_worker_metrics_server`; a ``sift worker``
+* a worker's main process calls :func:`serve_worker_metrics` (its series at zero, then
+  :func:`start_worker_metrics_server`); a ``sift worker``
   supervisor calls :func:`worker_processes` and :func:`worker_restart`.
 
 Multiprocess mode. Where a process forks (Celery prefork, several gateway workers) each
@@ -48,6 +49,7 @@ from worker.constants import LANES
 from worker.observability.metrics._exposition import (
     exposition_registry,
     metrics_response,
+    serve_worker_metrics,
     snapshot,
     start_worker_metrics_server,
 )
@@ -212,6 +214,7 @@ __all__ = [
     "redriven",
     "rerank_in_flight",
     "running_job",
+    "serve_worker_metrics",
     "setup_multiprocess",
     "snapshot",
     "start_worker_metrics_server",

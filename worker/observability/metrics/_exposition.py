@@ -16,7 +16,9 @@ from prometheus_client import (
 )
 from prometheus_client.registry import Collector
 
+from worker.constants import ALL_QUEUES
 from worker.observability.metrics._multiprocess import SweepingCollector, multiprocess_dir
+from worker.observability.metrics._series import preregister
 
 
 def exposition_registry() -> Collector:
@@ -42,6 +44,23 @@ def start_worker_metrics_server(port: int, addr: str = "0.0.0.0") -> tuple[WSGIS
     """
     server, thread = start_http_server(port, addr, registry=exposition_registry())
     return server, thread
+
+
+def serve_worker_metrics(
+    port: int, *, model: str | None, backend: str, native_fusion: bool
+) -> None:
+    """A worker's start (``sift worker``'s supervisor, or a Celery worker's main process):
+    every series it will write created at zero, then ``/metrics`` served on ``port``. The
+    model's and the backend's series too: a rate or an increase over a series that first
+    appears at its first event would miss that event. Raises :class:`OSError` when the port
+    cannot be bound."""
+    preregister(
+        models=[model] if model else [],
+        backend=backend,
+        queues=ALL_QUEUES,
+        native_fusion=native_fusion,
+    )
+    start_worker_metrics_server(port)
 
 
 def snapshot(
