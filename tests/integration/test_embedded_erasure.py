@@ -367,3 +367,34 @@ def test_a_remake_left_half_done_is_gone_on_with_or_dropped_by_the_downgrade(
         fresh.close()
         upgraded.close()
         rolled_back.close()
+
+
+def test_a_drop_of_the_index_a_remake_was_half_way_through_drops_the_remake_too(
+    tmp_path: Path,
+) -> None:
+    """The last document of an index going drops its FTS5 table whole, and with it a remake a
+    killed worker left half done: none of the earlier documents' text stays in the half-filled
+    table, and the name ingested again is made afresh, answering as a new index does."""
+    docs = corpus(2_000)
+    secret = Secret("pii")
+    fresh = EmbeddedBackend(tmp_path / "fresh")
+    upgraded = EmbeddedBackend(tmp_path / "upgraded")
+    try:
+        upgraded.upsert("sci", "acme", [*docs, secret.doc], None, version=1)
+        upgraded.close()
+        made_as_an_earlier_release(tmp_path / "upgraded", 1)
+        one_step_then_killed(tmp_path / "upgraded")
+        assert len(remakes_under_way(tmp_path / "upgraded")) == 2
+        assert upgraded.delete_index("sci", "acme", version=2) == len(docs) + 1
+        assert remakes_under_way(tmp_path / "upgraded") == []
+        checkpointed(tmp_path / "upgraded")
+        assert found_in_files(tmp_path / "upgraded", [secret]) == []
+        again = docs[:50]
+        for backend in (fresh, upgraded):
+            assert backend.upsert("sci", "acme", again, None, version=3) == len(again)
+        assert "contentless_delete" not in table_sql(tmp_path / "upgraded", 1)
+        for text in ("w1", "w2 w3", "t3 w11"):
+            assert bm25_hits(upgraded, "sci", text) == bm25_hits(fresh, "sci", text), text
+    finally:
+        fresh.close()
+        upgraded.close()
