@@ -99,6 +99,16 @@ class SearchJobOut(BaseModel):
     )
 
 
+class ErasedOut(BaseModel):
+    """A search or batch erased by ``DELETE /v1/searches/{id}`` or ``DELETE
+    /v1/batches/{id}/results``: every stored copy of it is gone, and it answers ``410 erased``
+    from then on. Erasing it again answers the same, ``erased_at`` the first erasure's."""
+
+    id: str
+    kind: Literal["search", "batch"]
+    erased_at: str = Field(description="When it was erased (ISO 8601, UTC).")
+
+
 class BatchQueryIn(_Strict):
     id: str = Field(min_length=1, max_length=MAX_BATCH_QUERY_ID_CHARS)
     query: SearchedText

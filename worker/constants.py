@@ -112,6 +112,9 @@ RATE_BUDGET_KEY = REDIS_PREFIX + "rate-budget:"  # + lane + ":" + model -> hash:
 RATE_BUDGET_QUEUE_KEY = REDIS_PREFIX + "rate-budget-queue:"
 # the job lists (GET /v1/searches, /v1/batches, /v1/ingestions): one index per kind and tenant
 JOB_INDEX_KEY = REDIS_PREFIX + "jobs:"  # + kind + ":" + tenant -> zset job id -> created_at
+# + search or batch id -> hash {tenant, kind, erased_at}: the job a tenant erased (its record
+# and every key of it deleted), kept for the retention so its GET answers 410 erased
+ERASED_KEY = REDIS_PREFIX + "erased:"
 
 # --- retention (seconds), enforced by Redis TTLs; stated in docs/queue.md ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from their end

@@ -28,13 +28,14 @@ from api_gateway.jobs._documents import (
 )
 
 # isort: split
-from api_gateway.jobs._searches import create_search, get_search
+from api_gateway.jobs._searches import create_search, erase_search, get_search
 
 # isort: split
 from api_gateway.jobs._batches import (
     batch_out,
     cancel_batch,
     create_batch,
+    erase_batch,
     get_batch,
     get_batch_results,
 )
@@ -51,6 +52,8 @@ __all__ = [
     "create_batch",
     "create_search",
     "enqueue_ingest",
+    "erase_batch",
+    "erase_search",
     "get_batch",
     "get_batch_results",
     "get_ingestion",

@@ -34,12 +34,15 @@ from api_gateway.jobs._cancel_count import _count_cancel
 from api_gateway.jobs._idempotency import IdemKey, _Idempotency
 from api_gateway.jobs._shared import (
     BUSY,
+    ERASED,
     JobIdPath,
     _admitted,
     _check_url,
     _create_and_enqueue,
     _lost,
     _rerank_of,
+    erase,
+    not_there,
     router,
 )
 from api_gateway.queue import TaskMessage
@@ -48,6 +51,7 @@ from api_gateway.schemas import (
     BatchOut,
     BatchRerankOutcomes,
     BatchResultsPage,
+    ErasedOut,
     iso,
     webhook_out,
 )
@@ -100,7 +104,7 @@ async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob
         else None
     )
     if batch is None or batch.tenant != tenant:
-        raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
+        raise await not_there(request, "batch", batch_id, tenant)
     return batch
 
 
@@ -108,7 +112,12 @@ async def _owned_batch(request: Request, batch_id: str, tenant: str) -> BatchJob
     "/batches",
     response_model=BatchOut,
     status_code=202,
-    responses={**accepted("Accepted; poll the `Location`.", keyed=True), **ERRORS, **BUSY},
+    responses={
+        **accepted("Accepted; poll the `Location`.", keyed=True),
+        **ERRORS,
+        **BUSY,
+        **ERASED,
+    },
     summary="Submit a batch of searches",
     openapi_extra=BATCH_BODY,
 )
@@ -206,7 +215,7 @@ async def create_batch(
 @router.get(
     "/batches/{id}",
     response_model=BatchOut,
-    responses=ERRORS,
+    responses={**ERRORS, **ERASED},
     summary="A batch's status and counts",
 )
 async def get_batch(request: Request, batch_id: JobIdPath, tenant: Tenant) -> BatchOut:
@@ -216,7 +225,7 @@ async def get_batch(request: Request, batch_id: JobIdPath, tenant: Tenant) -> Ba
 @router.get(
     "/batches/{id}/results",
     response_model=BatchResultsPage,
-    responses=ERRORS,
+    responses={**ERRORS, **ERASED},
     summary="A batch's results, one page at a time, in submission order",
 )
 async def get_batch_results(
@@ -247,6 +256,7 @@ async def get_batch_results(
     response_model=BatchOut,
     responses={
         **ERRORS,
+        **ERASED,
         409: {
             "model": ErrorBody,
             "description": "`already_finished`: every item of the batch was already final "
@@ -342,3 +352,28 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
     batch = await _owned_batch(request, batch_id, tenant)
     await _count_cancel(request, batch_id)
     return batch_out(batch)
+
+
+@router.delete(
+    "/batches/{id}/results",
+    response_model=ErasedOut,
+    responses={
+        **ERRORS,
+        409: {
+            "model": ErrorBody,
+            "description": "`not_finished`: the batch has items queued or running; nothing "
+            "was erased. Cancel it first (`DELETE /v1/batches/{id}`) or wait for it to finish.",
+        },
+    },
+    summary="Erase a finished batch: its items, queries and results",
+    description="Deletes everything stored of the batch: its items' queries and ids, their "
+    "results (hits' text, traces, errors, usage), its record and counts, its economy lane's "
+    "state, its place in `GET /v1/batches`, and its webhook if not yet delivered (it is not "
+    "sent). From then on `GET /v1/batches/{id}`, its results, its cancel (and a request sent "
+    "again with its `Idempotency-Key`) answer `410 erased`, for the retention "
+    "(`SIFT_RESULT_RETENTION_SECONDS`), then `404`. Erasing it again answers the same `200`. "
+    "Another tenant's batch, or none, is `404`. (`DELETE /v1/batches/{id}` cancels, as "
+    "DESIGN.md says.)",
+)
+async def erase_batch(request: Request, batch_id: JobIdPath, tenant: Tenant) -> ErasedOut:
+    return await erase(request, "batch", batch_id, tenant)

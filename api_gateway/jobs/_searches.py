@@ -24,19 +24,22 @@ from api_gateway.deps import (
     poll_until,
     task_sender,
 )
-from api_gateway.errors import ApiError
+from api_gateway.errors import ErrorBody
 from api_gateway.jobs._idempotency import IdemKey, _Idempotency
 from api_gateway.jobs._shared import (
     BUSY,
+    ERASED,
     JobIdPath,
     _admitted,
     _check_url,
     _create_and_enqueue_async,
     _lost,
     _rerank_of,
+    erase,
+    not_there,
     router,
 )
-from api_gateway.schemas import SearchJobOut, SearchRequest, iso, webhook_out
+from api_gateway.schemas import ErasedOut, SearchJobOut, SearchRequest, iso, webhook_out
 from worker.constants import SEARCH_ID_PREFIX, SEARCH_QUEUE, SEARCH_TASK
 from worker.contract import JobStatus, SearchSpec
 from worker.observability import metrics
@@ -88,6 +91,7 @@ def _search_response(request: Request, job: SearchJob, *, read: bool = True) -> 
         **accepted("Queued or running; poll the `Location`.", keyed=True),
         **ERRORS,
         **BUSY,
+        **ERASED,
     },
     summary="Submit one search",
 )
@@ -169,15 +173,15 @@ async def _answer_search(
         return _search_response(request, known, read=False)
     if job is None and fresh is not None:
         raise _lost("search", job_id)
-    if job is None or job.tenant != tenant:
-        raise ApiError(404, "not_found", f"id: no search {job_id!r} (expired?)", field="id")
+    if job is None or job.tenant != tenant:  # an earlier request's, by its key
+        raise await not_there(request, "search", job_id, tenant, hint=" (expired?)")
     return _search_response(request, job)
 
 
 @router.get(
     "/searches/{id}",
     response_model=SearchJobOut,
-    responses=ERRORS,
+    responses={**ERRORS, **ERASED},
     summary="A search job, with its result once finished",
 )
 async def get_search(request: Request, job_id: JobIdPath, tenant: Tenant) -> Response:
@@ -187,5 +191,28 @@ async def get_search(request: Request, job_id: JobIdPath, tenant: Tenant) -> Res
         else None
     )
     if job is None or job.tenant != tenant:
-        raise ApiError(404, "not_found", f"id: no search {job_id!r}", field="id")
+        raise await not_there(request, "search", job_id, tenant)
     return Response(_search_out(job).model_dump_json(), media_type="application/json")
+
+
+@router.delete(
+    "/searches/{id}",
+    response_model=ErasedOut,
+    responses={
+        **ERRORS,
+        409: {
+            "model": ErrorBody,
+            "description": "`not_finished`: the search is queued or running; nothing was "
+            "erased. Erase it once it has finished (within its deadline).",
+        },
+    },
+    summary="Erase a finished search's stored record",
+    description="Deletes everything stored of the search: its record (query, result with "
+    "its hits' text and trace, error, usage), its place in `GET /v1/searches`, and its "
+    "webhook if not yet delivered (it is not sent). From then on `GET /v1/searches/{id}` "
+    "(and a request sent again with its `Idempotency-Key`) answers `410 erased`, for the "
+    "retention (`SIFT_RESULT_RETENTION_SECONDS`), then `404`. Erasing it again answers the "
+    "same `200`. Another tenant's search, or none, is `404`.",
+)
+async def erase_search(request: Request, job_id: JobIdPath, tenant: Tenant) -> ErasedOut:
+    return await erase(request, "search", job_id, tenant)

@@ -22,6 +22,7 @@ from api_gateway.backpressure import (
     StoreFull,
     StoreMemory,
 )
+from api_gateway.deps import is_id, job_store, off_loop
 from api_gateway.errors import (
     UNAVAILABLE_RETRY_AFTER,
     UNAVAILABLE_RETRY_AFTER_SECONDS,
@@ -30,10 +31,16 @@ from api_gateway.errors import (
 )
 from api_gateway.queue import OutboxSender, TaskMessage
 from api_gateway.routing import GetAnswersHead
-from worker.constants import ERROR_JOB_STORE_FULL, ERROR_UNAVAILABLE
+from api_gateway.schemas import ErasedOut, iso
+from worker.constants import (
+    BATCH_ID_PREFIX,
+    ERROR_JOB_STORE_FULL,
+    ERROR_UNAVAILABLE,
+    SEARCH_ID_PREFIX,
+)
 from worker.errors import InvalidRequest
 from worker.observability.logcontext import job_context
-from worker.queue.jobstore import BatchJob, Enqueue, IngestJob, SearchJob
+from worker.queue.jobstore import BatchJob, Enqueue, EraseOutcome, IngestJob, SearchJob
 from worker.settings import Settings
 from worker.webhooks.urlguard import (
     FIELD,
@@ -62,6 +69,65 @@ BUSY: dict[int | str, dict[str, Any]] = {
         "headers": {"Retry-After": {"schema": {"type": "integer"}, "description": "seconds"}},
     }
 }
+
+
+ERASED: dict[int | str, dict[str, Any]] = {
+    410: {
+        "model": ErrorBody,
+        "description": "`erased`: the caller erased this job (`DELETE /v1/searches/{id}`, "
+        "`DELETE /v1/batches/{id}/results`); nothing of it is kept. Answered for the "
+        "retention (`SIFT_RESULT_RETENTION_SECONDS`) after the erasure, then `404`.",
+    }
+}
+_ID_PREFIXES = {"search": SEARCH_ID_PREFIX, "batch": BATCH_ID_PREFIX}
+# how a job not finished yet comes to an end, for the 409 of its erase
+_HOW_TO_END = {
+    "search": "erase it once it has finished (a search ends within its deadline)",
+    "batch": "cancel it first (DELETE /v1/batches/{id}) or wait for it to finish, then erase it",
+}
+
+
+async def not_there(
+    request: Request, kind: str, job_id: str, tenant: str, *, hint: str = ""
+) -> ApiError:
+    """The answer for a search or batch ``tenant`` cannot read: ``410 erased`` when it erased
+    it, else ``404`` (never made, expired, or another tenant's: one answer, so a tenant learns
+    nothing of another's ids). ``hint`` ends the 404's message."""
+    if is_id(job_id, _ID_PREFIXES[kind]):
+        erased_at = await off_loop(job_store(request).erasure, job_id, tenant)
+        if erased_at is not None:
+            return ApiError(
+                410,
+                "erased",
+                f"id: {kind} {job_id!r} was erased at {iso(erased_at)}; nothing of it is kept",
+                field="id",
+            )
+    return ApiError(404, "not_found", f"id: no {kind} {job_id!r}{hint}", field="id")
+
+
+async def erase(request: Request, kind: str, job_id: str, tenant: str) -> ErasedOut:
+    """Erase the caller's finished search or batch ``job_id`` (:meth:`JobStore.erase_job`):
+    ``404`` when it has no such job, ``409 not_finished`` (nothing erased) while it is queued or
+    running, else the erasure, the first one's time when it was erased already."""
+    if not is_id(job_id, _ID_PREFIXES[kind]):
+        raise ApiError(404, "not_found", f"id: no {kind} {job_id!r}", field="id")
+    erasure = await off_loop(job_store(request).erase_job, kind, tenant, job_id)
+    if erasure.outcome is EraseOutcome.MISSING:
+        raise ApiError(404, "not_found", f"id: no {kind} {job_id!r}", field="id")
+    if erasure.outcome is EraseOutcome.NOT_FINISHED:
+        how = _HOW_TO_END[kind].replace("{id}", job_id)
+        raise ApiError(
+            409,
+            "not_finished",
+            f"id: {kind} {job_id!r} is {erasure.status or 'running'}, not finished, so nothing "
+            f"was erased: {how}",
+            field="id",
+        )
+    assert erasure.erased_at is not None
+    with job_context(job_id):
+        log.info("%s %s: erased by tenant %s", kind, job_id, tenant)
+    return ErasedOut(id=job_id, kind="batch" if kind == "batch" else "search",
+                     erased_at=iso(erasure.erased_at) or "")  # fmt: skip
 
 
 async def room_for_new_work(request: Request) -> None:

@@ -11,6 +11,7 @@ from worker.cli._app import app
 # isort: split
 from worker.cli import client as _client  # noqa: F401
 from worker.cli import cost as _cost  # noqa: F401
+from worker.cli import erase as _erase  # noqa: F401
 from worker.cli import evaluate as _evaluate  # noqa: F401
 from worker.cli import indexes as _indexes  # noqa: F401
 from worker.cli import listing as _listing  # noqa: F401

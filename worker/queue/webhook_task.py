@@ -70,6 +70,9 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     if store.webhook_was_settled(data["id"]):  # another copy delivered it, or spent its schedule
         log.info("webhook %s: settled already; this copy is dropped", data["id"])
         return
+    if store.was_erased(data["id"]):  # its tenant erased the job: it announces nothing kept
+        log.info("webhook %s: the job was erased; this copy is dropped", data["id"])
+        return
     slots = webhooks.delivery_slots(
         settings.webhook_deliveries_per_process, settings.webhook_deliveries_per_tenant
     )

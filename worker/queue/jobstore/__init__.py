@@ -41,6 +41,8 @@ Layout (every prefix is in :mod:`worker.constants`):
                                      -> the time of their last status change (the re-drive's)
     sift:jobs:<kind>:<tenant> zset   the tenant's search, batch or ingest ids -> created_at
                                      (the job lists; written with the job's record)
+    sift:erased:<id>          hash   tenant, kind, erased_at: a search or batch its tenant
+                                     erased (every other key of it deleted), for the retention
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``SIFT_RESULT_RETENTION_SECONDS`` (``RESULT_TTL_SECONDS``, 7 days, by default) from the
@@ -68,7 +70,8 @@ state, Idempotency-Keys, deliveries (with the re-drive's view), run claims
 (:mod:`~worker.queue.jobstore.runs`), and the tenants' job lists
 (:mod:`~worker.queue.jobstore.jobindex` writes a job's entry with its record,
 :mod:`~worker.queue.jobstore.listing` reads them), and a tenant's erasure
-(:mod:`~worker.queue.jobstore.tenants`, ``sift tenant purge``);
+(:mod:`~worker.queue.jobstore.tenants`, ``sift tenant purge``) and one finished job's
+(:mod:`~worker.queue.jobstore.erasure`, ``DELETE /v1/searches/{id}``);
 :class:`JobStore` is all of them. :mod:`~worker.queue.jobstore.asyncstore`
 is the gateway's ``redis.asyncio`` store for a search's create.
 """
@@ -79,6 +82,7 @@ from worker.queue.jobstore.asyncstore import AsyncJobStore
 from worker.queue.jobstore.batch_items import BatchItemRecords
 from worker.queue.jobstore.batches import BatchRecords
 from worker.queue.jobstore.delivery import DeliveryRecords
+from worker.queue.jobstore.erasure import EraseOutcome, Erasure, ErasureRecords
 from worker.queue.jobstore.idempotency import (
     IdempotencyClaim,
     IdempotencyKeyBound,
@@ -120,6 +124,8 @@ __all__ = [
     "ClaimAnswers",
     "Cursor",
     "Enqueue",
+    "EraseOutcome",
+    "Erasure",
     "IdempotencyClaim",
     "IdempotencyKeyBound",
     "IdempotencyOutcome",
@@ -144,6 +150,7 @@ class JobStore(
     SearchRecords,
     LifecycleRecords,
     IngestRecords,
+    ErasureRecords,  # before the tenants' records it builds on
     TenantRecords,  # before the batch mixins it builds on (the order Python resolves)
     BatchRecords,
     BatchItemRecords,

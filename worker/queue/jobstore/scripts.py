@@ -602,3 +602,39 @@ if #ARGV > 2 then
 end
 return 1
 """
+
+# Erase one finished search or batch of a tenant (DELETE /v1/searches/{id}, DELETE
+# /v1/batches/{id}/results): its record and every other key of it deleted, its members in
+# the tenant's job list, the active set and the webhooks owed removed, and its erasure mark
+# written, in one script, so no status change comes between the check and the delete (a job
+# erased is final: a redelivered run's claim, start or finish, a webhook's claim or its end,
+# an economy write, each writes only while the record exists, and so writes nothing after).
+# KEYS: 1 the record, 2 the erasure mark, 3 the tenant's job list, 4 the active set, 5 the
+#   webhooks owed, 6.. the job's other keys.
+# ARGV: 1 the tenant, 2 the job id, 3 its kind ('search' or 'batch'), 4 now, 5 the mark's TTL.
+# Returns {1, now} when erased now, {2, when} when the tenant had erased it already (nothing
+# written: the same answer again), {0, status} when it has not finished (nothing written),
+# {-1, ''} when there is no such job of the tenant's (missing, expired, or another's).
+_ERASE_JOB = """
+local mark = redis.call('HMGET', KEYS[2], 'tenant', 'erased_at')
+if mark[1] then
+  if mark[1] == ARGV[1] then return {2, mark[2]} end
+  return {-1, ''}
+end
+if redis.call('HGET', KEYS[1], 'tenant') ~= ARGV[1] then return {-1, ''} end
+if ARGV[3] == 'search' then
+  local status = redis.call('HGET', KEYS[1], 'status')
+  if status ~= 'succeeded' and status ~= 'failed' and status ~= 'canceled' then
+    return {0, status or ''}
+  end
+elseif redis.call('HEXISTS', KEYS[1], 'finished_at') == 0 then
+  return {0, 'running'}
+end
+redis.call('DEL', KEYS[1], unpack(KEYS, 6))
+redis.call('ZREM', KEYS[3], ARGV[2])
+redis.call('ZREM', KEYS[4], ARGV[2])
+redis.call('ZREM', KEYS[5], ARGV[2])
+redis.call('HSET', KEYS[2], 'tenant', ARGV[1], 'kind', ARGV[3], 'erased_at', ARGV[4])
+redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
+return {1, ARGV[4]}
+"""

@@ -58,6 +58,7 @@ from worker.queue.jobstore.scripts import (
     _ECONOMY_EXPECT,
     _ECONOMY_LEASE,
     _ECONOMY_WRITE,
+    _ERASE_JOB,
     _HELD_CHUNKS,
     _KEEP_ANSWER,
     _RELEASE_IDEMPOTENCY,
@@ -172,6 +173,7 @@ class _StoreCore:
         self._economy_write_script = client.register_script(_ECONOMY_WRITE)
         self._economy_expect = client.register_script(_ECONOMY_EXPECT)
         self._economy_lease = client.register_script(_ECONOMY_LEASE)
+        self._erase_job = client.register_script(_ERASE_JOB)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(

@@ -13,9 +13,9 @@ used again inherited them. Each key family below is the job store's own (every p
 - members naming a job in shared keys: the active set, the webhooks owed, the economy watch,
   the re-drive's suspects;
 - per tenant: its job lists, its Idempotency-Keys, an earlier release's index settings and
-  their locks, and its write-version counter (safe to drop: a version is never below the
-  Redis clock, :mod:`worker.write_versions`, so a later write of the name still comes after
-  every write the backend applied).
+  their locks, the marks of the jobs it erased one by one, and its write-version counter
+  (safe to drop: a version is never below the Redis clock, :mod:`worker.write_versions`, so
+  a later write of the name still comes after every write the backend applied).
 
 A job not final yet is canceled first, through the status transitions, so the counts of
 queued and running work (``sift:stats:jobs``) and a batch's counts move as a cancel moves
@@ -42,6 +42,7 @@ from worker.constants import (
     ECONOMY_RUNS_KEY,
     ECONOMY_STATE_KEY,
     ECONOMY_WATCH_KEY,
+    ERASED_KEY,
     IDEMPOTENCY_KEY,
     INDEX_SETTINGS_KEY,
     INDEX_SETTINGS_LOCK_KEY,
@@ -182,7 +183,8 @@ class TenantRecords(BatchRecords, BatchItemRecords):
 
     def delete_tenant_keys(self, tenant: str) -> Counter[str]:
         """Delete the keys that name the tenant: its job lists, its Idempotency-Keys, an
-        earlier release's index settings (and locks), its write-version counter. Run after
+        earlier release's index settings (and locks), its write-version counter, the marks
+        of the jobs it erased (:mod:`~worker.queue.jobstore.erasure`). Run after
         its indexes are dropped (each drop takes a write version)."""
         deleted: Counter[str] = Counter()
         families = {
@@ -197,9 +199,18 @@ class TenantRecords(BatchRecords, BatchItemRecords):
                 ),
             ],
             "write version": [WRITE_VERSION_TENANT_KEY + tenant],
+            "erasure marks": self._erasure_marks(tenant),
         }
         for name, keys in families.items():
             gone = int(self.redis.delete(*keys)) if keys else 0
             if gone:
                 deleted[name] += gone
         return deleted
+
+    def _erasure_marks(self, tenant: str) -> list[str]:
+        """The marks of the jobs ``tenant`` erased (each names its tenant in a field)."""
+        keys = list(self.redis.scan_iter(match=f"{ERASED_KEY}*", count=SCAN_COUNT))
+        pipe = self.redis.pipeline(transaction=False)
+        for key in keys:
+            pipe.hget(key, "tenant")
+        return [key for key, owner in zip(keys, pipe.execute(), strict=True) if owner == tenant]

@@ -1,0 +1,223 @@
+"""Erasing one finished job's stored record over the real stack: ``DELETE /v1/searches/{id}``
+and ``DELETE /v1/batches/{id}/results`` (and ``sift erase``), read back over HTTP and in every
+key Redis holds."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import httpx
+import redis
+from typer.testing import CliRunner, Result
+
+from tests.e2e.conftest import ACME, GLOBEX, Stack, finished_batch
+from worker.cli import app
+
+
+def _marked_index(stack: Stack) -> tuple[str, str]:
+    """A fresh index of acme's holding one document whose text is a word found nowhere else;
+    answers the index and that word."""
+    word = "zq" + uuid.uuid4().hex[:12]
+    index = "erase-" + uuid.uuid4().hex[:8]
+    response = stack.live.post(
+        f"/v1/indexes/{index}/documents",
+        params={"wait": 20},
+        json={"documents": [{"id": "d1", "title": "erasable", "text": f"tea ceremony {word}"}]},
+        headers=ACME,
+    )
+    assert response.status_code == 200 and response.json()["status"] == "succeeded", response.text
+    return index, word
+
+
+def _values(url: str) -> list[str]:
+    """Every key of the database and every value it holds (read by type, so no value is
+    missed for being compressed as DUMP may), as text."""
+    r = redis.Redis.from_url(url)
+    seen: list[str] = []
+    for key in r.scan_iter(count=1000):
+        kind = r.type(key).decode()
+        parts: list[Any] = [key]
+        if kind == "string":
+            parts.append(r.get(key))
+        elif kind == "hash":
+            for field, value in r.hgetall(key).items():
+                parts += [field, value]
+        elif kind == "list":
+            parts += r.lrange(key, 0, -1)
+        elif kind == "set":
+            parts += list(r.smembers(key))
+        elif kind == "zset":
+            parts += [member for member, _ in r.zrange(key, 0, -1, withscores=True)]
+        elif kind == "stream":
+            parts += [json.dumps(str(entry)) for entry in r.xrange(key)]
+        seen += [p.decode(errors="replace") if isinstance(p, bytes) else str(p) for p in parts]
+    r.close()
+    return seen
+
+
+def _holding(stack: Stack, *texts: str) -> set[str]:
+    """Which of ``texts`` some key or value of the live database holds."""
+    values = _values(stack.redis_url + "/0")
+    return {text for text in texts if any(text in value for value in values)}
+
+
+def _listed(client: httpx.Client, path: str, key: str) -> set[str]:
+    ids: set[str] = set()
+    params: dict[str, Any] = {"page_size": 100}
+    while True:
+        body = client.get(path, params=params, headers=ACME).json()
+        ids |= {job["id"] for job in body[key]}
+        if body["next_page_token"] is None:
+            return ids
+        params["page_token"] = body["next_page_token"]
+
+
+def _sift(stack: Stack, *args: str) -> Result:
+    key = ACME["Authorization"].split()[1]
+    env = {"SIFT_URL": stack.live_url, "SIFT_API_KEY": key, "COLUMNS": "200", "NO_COLOR": "1"}
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def test_a_finished_search_is_erased_and_reads_as_erased(stack: Stack) -> None:
+    index, word = _marked_index(stack)
+    query = f"ceremony {word} " + uuid.uuid4().hex
+    headers = {**ACME, "Idempotency-Key": "erase-" + uuid.uuid4().hex}
+    body = {"index": index, "query": query, "include_trace": True}
+    done = stack.live.post("/v1/searches", params={"wait": 10}, json=body, headers=headers)
+    assert done.status_code == 200 and done.json()["status"] == "succeeded", done.text
+    job_id = done.json()["id"]
+    assert done.json()["result"]["hits"][0]["text"].endswith(word)
+    assert _holding(stack, query, word) == {query, word}  # the scan sees them before
+
+    other = stack.live.delete(f"/v1/searches/{job_id}", headers=GLOBEX)
+    assert other.status_code == 404 and other.json()["error"]["type"] == "not_found", other.text
+    assert stack.live.get(f"/v1/searches/{job_id}", headers=ACME).status_code == 200
+
+    erased = stack.live.delete(f"/v1/searches/{job_id}", headers=ACME)
+    assert erased.status_code == 200, erased.text
+    assert erased.json()["id"] == job_id and erased.json()["erased_at"]
+    again = stack.live.delete(f"/v1/searches/{job_id}", headers=ACME)
+    assert again.status_code == 200 and again.json() == erased.json(), again.text
+
+    gone = stack.live.get(f"/v1/searches/{job_id}", headers=ACME)
+    assert gone.status_code == 410, gone.text
+    assert gone.json()["error"]["type"] == "erased" and gone.json()["error"]["field"] == "id"
+    foreign = stack.live.get(f"/v1/searches/{job_id}", headers=GLOBEX)
+    assert foreign.status_code == 404 and foreign.json()["error"]["type"] == "not_found"
+    assert stack.live.delete(f"/v1/searches/{job_id}", headers=GLOBEX).status_code == 404
+    # its Idempotency-Key stays bound to it: sent again, the request is told, not run again
+    replay = stack.live.post("/v1/searches", json=body, headers=headers)
+    assert replay.status_code == 410 and replay.json()["error"]["type"] == "erased", replay.text
+    assert job_id not in _listed(stack.live, "/v1/searches", "searches")
+    assert _holding(stack, query, word) == set()
+
+
+def test_a_search_not_finished_is_not_erased(stack: Stack) -> None:
+    queued = stack.idle.post("/v1/searches", json={"index": "docs", "query": "tea"}, headers=ACME)
+    job_id = queued.json()["id"]
+    refused = stack.idle.delete(f"/v1/searches/{job_id}", headers=ACME)
+    assert refused.status_code == 409, refused.text
+    assert refused.json()["error"]["type"] == "not_finished"
+    assert refused.json()["error"]["field"] == "id"
+    assert "queued" in refused.json()["error"]["message"]
+    after = stack.idle.get(f"/v1/searches/{job_id}", headers=ACME)
+    assert after.status_code == 200 and after.json()["status"] == "queued"
+    missing = stack.idle.delete("/v1/searches/srch_" + "0" * 32, headers=ACME)
+    assert missing.status_code == 404 and missing.json()["error"]["field"] == "id"
+    malformed = stack.idle.delete("/v1/searches/not-an-id", headers=ACME)
+    assert malformed.status_code == 404 and malformed.json()["error"]["field"] == "id"
+
+
+def test_a_finished_batch_is_erased_and_reads_as_erased(stack: Stack) -> None:
+    index, word = _marked_index(stack)
+    texts = [f"ceremony {word} " + uuid.uuid4().hex for _ in range(3)]
+    query_ids = ["qid-" + uuid.uuid4().hex for _ in texts]
+    queries = [{"id": q, "query": t} for q, t in zip(query_ids, texts, strict=True)]
+    headers = {**ACME, "Idempotency-Key": "erase-" + uuid.uuid4().hex}
+    body = {"index": index, "queries": queries}
+    batch, page = finished_batch(stack.live, body, headers)
+    assert batch["status"] == "succeeded", batch
+    assert page["results"][0]["result"]["hits"][0]["text"].endswith(word)
+    batch_id = batch["id"]
+    assert _holding(stack, *texts, *query_ids, word) == {*texts, *query_ids, word}
+
+    path = f"/v1/batches/{batch_id}/results"
+    other = stack.live.delete(path, headers=GLOBEX)
+    assert other.status_code == 404 and other.json()["error"]["type"] == "not_found", other.text
+    erased = stack.live.delete(path, headers=ACME)
+    assert erased.status_code == 200, erased.text
+    assert erased.json()["id"] == batch_id and erased.json()["erased_at"]
+    again = stack.live.delete(path, headers=ACME)
+    assert again.status_code == 200 and again.json() == erased.json(), again.text
+
+    for method, url in (("GET", f"/v1/batches/{batch_id}"), ("GET", path),
+                        ("DELETE", f"/v1/batches/{batch_id}")):  # fmt: skip
+        answer = stack.live.request(method, url, headers=ACME)
+        assert answer.status_code == 410, (method, url, answer.text)
+        assert answer.json()["error"]["type"] == "erased"
+        foreign = stack.live.request(method, url, headers=GLOBEX)
+        assert foreign.status_code == 404, (method, url, foreign.text)
+    replay = stack.live.post("/v1/batches", json=body, headers=headers)
+    assert replay.status_code == 410 and replay.json()["error"]["type"] == "erased", replay.text
+    assert batch_id not in _listed(stack.live, "/v1/batches", "batches")
+    assert _holding(stack, *texts, *query_ids, word) == set()
+
+
+def test_an_economy_batch_is_erased_with_its_lane_state(stack: Stack) -> None:
+    stack.model.reset()
+    stack.model.configure(batch_processing_seconds=0.0)
+    index, word = _marked_index(stack)
+    texts = [f"ceremony {word} " + uuid.uuid4().hex for _ in range(5)]
+    queries = [{"id": f"e{i}", "query": t} for i, t in enumerate(texts)]
+    body = {"index": index, "queries": queries, "rerank": True, "lane": "economy"}
+    batch, page = finished_batch(stack.live, body)
+    assert batch["counts"]["succeeded"] == 5, batch
+    assert all(r["result"]["rerank"]["applied"] for r in page["results"]), page
+    assert _holding(stack, *texts, word) == {*texts, word}
+    erased = stack.live.delete(f"/v1/batches/{batch['id']}/results", headers=ACME)
+    assert erased.status_code == 200, erased.text
+    assert _holding(stack, *texts, word) == set()
+    with redis.Redis.from_url(stack.redis_url + "/0") as r:
+        marks = [key for key in r.scan_iter() if batch["id"].encode() in key]
+    assert marks == [b"sift:erased:" + batch["id"].encode()], marks  # no other key names it
+
+
+def test_a_batch_not_finished_is_erased_once_canceled(stack: Stack) -> None:
+    queries = [{"id": f"q{i}", "query": "tea"} for i in range(3)]
+    batch = stack.idle.post("/v1/batches", json={"index": "docs", "queries": queries}, headers=ACME)
+    batch_id = batch.json()["id"]
+    path = f"/v1/batches/{batch_id}/results"
+    refused = stack.idle.delete(path, headers=ACME)
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["type"] == "not_finished" and error["field"] == "id"
+    assert f"DELETE /v1/batches/{batch_id}" in error["message"]  # says how to end it
+    assert stack.idle.get(path, headers=ACME).json()["results"][0]["status"] == "queued"
+    canceled = stack.idle.delete(f"/v1/batches/{batch_id}", headers=ACME)
+    assert canceled.status_code == 200 and canceled.json()["status"] == "canceled", canceled.text
+    assert stack.idle.delete(path, headers=ACME).status_code == 200
+    assert stack.idle.get(f"/v1/batches/{batch_id}", headers=ACME).status_code == 410
+
+
+def test_sift_erase_erases_a_search_and_a_batch(stack: Stack) -> None:
+    index, _ = _marked_index(stack)
+    search = stack.live.post(
+        "/v1/searches", params={"wait": 10}, json={"index": index, "query": "tea"}, headers=ACME
+    ).json()
+    batch, _ = finished_batch(
+        stack.live, {"index": index, "queries": [{"id": "a", "query": "tea"}]}
+    )
+    said = _sift(stack, "erase", search["id"], "--json")
+    assert said.exit_code == 0, said.output
+    assert json.loads(said.stdout)["id"] == search["id"]
+    told = _sift(stack, "erase", batch["id"])
+    assert told.exit_code == 0 and f"erased batch {batch['id']}" in told.stdout, told.output
+    assert stack.live.get(f"/v1/batches/{batch['id']}", headers=ACME).status_code == 410
+    again = _sift(stack, "erase", search["id"])  # idempotent
+    assert again.exit_code == 0 and f"erased search {search['id']}" in again.stdout
+    missing = _sift(stack, "erase", "srch_" + "0" * 32)
+    assert missing.exit_code == 1 and "no search" in missing.output, missing.output
+    unknown = _sift(stack, "erase", "nothing-1")
+    assert unknown.exit_code == 2 and "srch_" in unknown.output, unknown.output

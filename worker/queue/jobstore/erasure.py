@@ -1,0 +1,100 @@
+"""One finished job's erasure by its tenant (``DELETE /v1/searches/{id}``, ``DELETE
+/v1/batches/{id}/results``): every key of it deleted, as ``sift tenant purge`` deletes a
+tenant's, and a mark left that says it was erased.
+
+Why. A result is a snapshot of the hits it returned, their text included, kept for the
+retention (7 days by default) after a delete of the documents it holds; so is a search's or
+a batch's query text. A takedown or erasure request for one job could only be met by lowering
+``SIFT_RESULT_RETENTION_SECONDS`` for everyone or purging the whole tenant.
+
+What goes: the job's record (spec and query, result with hits and trace, error, usage), a
+batch's items, order, specs, results, counts, moves, run claims, chunk claims, runs lost and
+its economy lane's hashes (prepared items hold candidates' text), the re-drive's counters,
+and the job's members in the tenant's job list, the active set, the webhooks owed (a webhook
+not yet delivered is not sent: the task drops a copy whose job was erased), the economy watch
+and the re-drive's suspects. The check that the job has finished, the delete of its keys and
+the mark are one script (``_ERASE_JOB``); the families found by a ``SCAN`` (an economy
+task's leases, the watch's members, which name the batch and hold no text) go after, through
+the purge's own :meth:`~worker.queue.jobstore.tenants.TenantRecords.delete_tenant_jobs`.
+
+What stays: the mark (``sift:erased:<id>``: tenant, kind, time; no text) for the retention,
+so the job answers ``410 erased`` to its tenant rather than ``404`` (another tenant still gets
+``404``), and the job's Idempotency-Key binding, for its 24 hours (the SHA-256 of the key and
+of the request, and the job id; no text): a request sent again with the key is told the job
+was erased rather than run again.
+
+Nothing resurrects an erased job: every write a late run makes (a redelivered search's claim,
+start or finish; an item's move; a webhook's claim, retry or end; an economy step) is a
+script that writes only while the job's record (or a batch's items) exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import cast
+
+from worker.constants import ACTIVE_JOBS_KEY, ERASED_KEY, WEBHOOKS_OWED_KEY
+from worker.queue.jobstore.jobindex import KIND_BATCH, KIND_SEARCH, job_index_key
+from worker.queue.jobstore.records import _now
+from worker.queue.jobstore.store import resending
+from worker.queue.jobstore.tenants import _JOB_KEYS, TenantJobs, TenantRecords
+
+ERASABLE = (KIND_SEARCH, KIND_BATCH)
+
+
+class EraseOutcome(StrEnum):
+    """What :meth:`ErasureRecords.erase_job` found."""
+
+    ERASED = "erased"  # now, or by an earlier call (``erased_at`` says when)
+    MISSING = "missing"  # no such job of the tenant's: never made, expired, or another's
+    NOT_FINISHED = "not_finished"  # queued or running: nothing was erased
+
+
+@dataclass(frozen=True, slots=True)
+class Erasure:
+    """An erase's outcome: when the job was erased, or the status it is still in."""
+
+    outcome: EraseOutcome
+    erased_at: float | None = None
+    status: str | None = None
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class ErasureRecords(TenantRecords):
+    """Erase one finished search or batch of a tenant, and say whether one was erased."""
+
+    def erase_job(self, kind: str, tenant: str, job_id: str) -> Erasure:
+        """Erase ``tenant``'s finished ``kind`` job ``job_id`` (``search`` or ``batch``). Safe to
+        call again: a job erased already answers as erased, with its first erasure's time."""
+        if kind not in ERASABLE:
+            raise ValueError(f"kind: {kind!r} is not one of {ERASABLE}")
+        record, *rest = (prefix + job_id for prefix in _JOB_KEYS[kind])
+        keys = [record, ERASED_KEY + job_id, job_index_key(kind, tenant), ACTIVE_JOBS_KEY,
+                WEBHOOKS_OWED_KEY, *rest]  # fmt: skip
+        args = [tenant, job_id, kind, repr(_now()), self.result_ttl]
+        # sent again on a broken connection: a run whose reply was lost answers "erased" then
+        code, value = resending()(self._erase_job, keys=keys, args=args)
+        if int(code) == -1:
+            return Erasure(EraseOutcome.MISSING)
+        if int(code) == 0:
+            return Erasure(EraseOutcome.NOT_FINISHED, status=_text(value) or None)
+        # the families a SCAN finds (leases, the economy watch's members), as a purge does
+        self.delete_tenant_jobs(TenantJobs({kind: [job_id]}))
+        return Erasure(EraseOutcome.ERASED, erased_at=float(_text(value)))
+
+    def erasure(self, job_id: str, tenant: str) -> float | None:
+        """When ``tenant`` erased the job ``job_id``; None if it did not (or its mark expired)."""
+        owner, when = cast(
+            list[str | None], self.redis.hmget(ERASED_KEY + job_id, "tenant", "erased_at")
+        )
+        if owner is None or when is None or _text(owner) != tenant:
+            return None
+        return float(_text(when))
+
+    def was_erased(self, job_id: str) -> bool:
+        """Whether the job was erased (by its tenant: the mark's is the job's)."""
+        return bool(self.redis.exists(ERASED_KEY + job_id))
