@@ -61,6 +61,9 @@ ROUTES = [
     # with a page token the API issues for that id ({1}): bound to its batch, not an owner
     ("GET", "/v1/batches/{0}/results?page_size=1&page_token={1}", "batch"),
     ("DELETE", "/v1/batches/{}", "batch"),
+    # the erases: another tenant's job is not erased, and answers as none
+    ("DELETE", "/v1/searches/{}", "search"),
+    ("DELETE", "/v1/batches/{}/results", "batch"),
 ]
 
 
@@ -84,6 +87,24 @@ def test_another_tenants_job_answers_exactly_as_a_made_up_id(
                            headers=GLOBEX)  # fmt: skip
     assert owner.status_code == 200, owner.text
     assert owner.json().get("canceled_at") is None
+
+
+def test_another_tenants_erased_job_answers_exactly_as_a_made_up_id(stack: Stack) -> None:
+    """An erased job's mark answers its own tenant ``410 erased``, and every other tenant as
+    if the id had never been made (``404``, byte for byte)."""
+    search = stack.live.post(
+        "/v1/searches", params={"wait": 20}, json={"index": INDEX, "query": "hi"}, headers=GLOBEX
+    )
+    assert search.status_code == 200, search.text
+    theirs = str(search.json()["id"])
+    assert stack.live.delete(f"/v1/searches/{theirs}", headers=GLOBEX).status_code == 200
+    assert stack.live.get(f"/v1/searches/{theirs}", headers=GLOBEX).status_code == 410
+    made_up = "srch_" + uuid.uuid4().hex
+    for method in ("GET", "DELETE"):
+        foreign = stack.live.request(method, f"/v1/searches/{theirs}", headers=ACME)
+        nobodys = stack.live.request(method, f"/v1/searches/{made_up}", headers=ACME)
+        assert foreign.status_code == 404, foreign.text
+        assert seen(foreign, theirs) == seen(nobodys, made_up)
 
 
 def test_job_ids_say_nothing_of_who_made_them_or_how_many_came_between(stack: Stack) -> None:
