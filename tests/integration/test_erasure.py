@@ -5,13 +5,17 @@ webhook or a step of the economy lane writes afterwards brings any of it back.""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.keys import ACME_KEY
 from tests.services import webhook_inbox
+from worker.adapters.embedded import EmbeddedBackend
 from worker.constants import (
     ECONOMY_RUNS_KEY,
     ECONOMY_STATE_KEY,
@@ -21,6 +25,7 @@ from worker.constants import (
     WEBHOOKS_OWED_KEY,
 )
 from worker.contract import RerankInfo, SearchResult, SearchSpec
+from worker.processes.stack import child_env
 from worker.queue import base, webhook_task
 from worker.queue.jobstore import EraseOutcome, IdempotencyRef, JobStore, webhook_event
 from worker.queue.jobstore.jobindex import job_index_key
@@ -140,6 +145,27 @@ def test_a_tenant_purge_deletes_the_marks_of_the_jobs_it_erased(store: JobStore)
         store.erase_job("search", job.tenant, job.id)
     assert store.delete_tenant_keys("acme")["erasure marks"] == 1
     assert not store.was_erased(mine.id) and store.was_erased(theirs.id)
+
+
+def test_sift_tenant_purge_leaves_no_key_naming_a_tenant_that_erased_a_job(
+    store: JobStore, redis_url: str, tmp_path: Path
+) -> None:
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"))
+    store.finish_search(job.id, result=_result())
+    store.erase_job("search", "acme", job.id)
+    backend = EmbeddedBackend(tmp_path)  # the workers' data folder (the purge refuses another)
+    backend.indexes("acme")
+    backend.close()
+    env = {"SIFT_REDIS_URL": redis_url, "SIFT_DATA_DIR": str(tmp_path), "COLUMNS": "200",
+           "NO_COLOR": "1"}  # fmt: skip
+    purge = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "tenant", "purge", "acme", "--yes"],
+        env=child_env(env, inherit_sift=False), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert purge.returncode == 0, purge.stdout + purge.stderr
+    row = next(line for line in purge.stdout.splitlines() if "marks of jobs it erased" in line)
+    assert row.split()[-2:] == ["1", "│"], row
+    assert _naming(store, "acme", job.id) == []
 
 
 @pytest.fixture

@@ -287,6 +287,7 @@ def _show(
         ("idempotency keys deleted", deleted["idempotency keys"]),
         ("index settings deleted (an earlier release's)", deleted["index settings"]),
         ("write-version counters deleted", deleted["write version"]),
+        ("marks of jobs it erased deleted", deleted["erasure marks"]),
     ]
     table = Table(title=f"tenant {tenant}: purged")
     table.add_column("what")
