@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from worker.constants import (
     WEBHOOKS_OWED_KEY,
 )
 from worker.contract import RerankInfo, SearchResult, SearchSpec
-from worker.processes.stack import child_env
+from worker.processes.stack import child_env, redis_server
 from worker.queue import base, webhook_task
 from worker.queue.jobstore import EraseOutcome, IdempotencyRef, JobStore, webhook_event
 from worker.queue.jobstore.jobindex import job_index_key
@@ -196,3 +197,35 @@ def test_a_webhook_owed_when_its_search_is_erased_is_not_sent(
         assert json.loads(body)["data"]["id"] == kept.id
         assert inbox.empty()  # and nothing for the erased one, which came before it
     assert _naming(store, erased.id) == [ERASED_KEY + erased.id]
+
+
+def _on_disk(directory: Path, text: str) -> bool:
+    """Whether any file Redis keeps in ``directory`` (its AOF's parts) holds ``text``."""
+    return any(text.encode() in f.read_bytes() for f in directory.rglob("*") if f.is_file())
+
+
+def test_the_aof_keeps_an_erased_job_until_redis_rewrites_it(tmp_path: Path) -> None:
+    """What docs/queue.md's Erase says the erase leaves: the AOF holds the writes that stored
+    the job until Redis rewrites it (``BGREWRITEAOF``, or on its own once the file doubled);
+    after a rewrite no file of Redis's holds the text."""
+    query = "erasable " + uuid.uuid4().hex
+    with redis_server(tmp_path, appendonly=True, appendfsync="always") as url:
+        store = JobStore.from_url(url + "/0")
+        try:
+            job = store.create_search("acme", SearchSpec(index="docs", query=query))
+            store.finish_search(job.id, result=_result())
+            store.erase_job("search", "acme", job.id)
+            assert _naming(store, query) == []
+            assert _on_disk(tmp_path, query)  # the AOF's writes, not yet rewritten
+            store.redis.bgrewriteaof()
+            deadline = time.monotonic() + 30  # a hang guard, not a speed check
+            while True:
+                info = store.redis.info("persistence")
+                if not info["aof_rewrite_in_progress"] and not info["aof_rewrite_scheduled"]:
+                    break
+                assert time.monotonic() < deadline, info
+                time.sleep(0.05)
+            assert info["aof_last_bgrewrite_status"] == "ok", info
+            assert not _on_disk(tmp_path, query)
+        finally:
+            store.close()
