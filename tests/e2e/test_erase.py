@@ -5,6 +5,7 @@ key Redis holds."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from typing import Any
 
@@ -12,8 +13,20 @@ import httpx
 import redis
 from typer.testing import CliRunner, Result
 
+from api_gateway.queue import OutboxSender
 from tests.e2e.conftest import ACME, GLOBEX, Stack, finished_batch
+from tests.services import webhook_inbox
 from worker.cli import app
+from worker.constants import (
+    BATCH_CHUNK_TASK,
+    BATCH_QUEUE,
+    SEARCH_QUEUE,
+    SEARCH_TASK,
+    WEBHOOK_EVENT_SEARCH_COMPLETED,
+    WEBHOOK_QUEUE,
+    WEBHOOK_TASK,
+)
+from worker.queue.jobstore import JobStore, webhook_event
 
 
 def _marked_index(stack: Stack) -> tuple[str, str]:
@@ -221,3 +234,59 @@ def test_sift_erase_erases_a_search_and_a_batch(stack: Stack) -> None:
     assert missing.exit_code == 1 and "no search" in missing.output, missing.output
     unknown = _sift(stack, "erase", "nothing-1")
     assert unknown.exit_code == 2 and "srch_" in unknown.output, unknown.output
+
+
+def _logged(stack: Stack, *lines: str) -> None:
+    """Until the worker's log holds each of ``lines`` (each a copy handled, as it says)."""
+    deadline = time.monotonic() + 30  # a hang guard, not a speed check
+    while True:
+        text = stack.logs[0].read_text(errors="replace")
+        missing = [line for line in lines if line not in text]
+        if not missing:
+            return
+        assert time.monotonic() < deadline, missing
+        time.sleep(0.1)
+
+
+def test_copies_of_an_erased_jobs_messages_bring_nothing_back(stack: Stack) -> None:
+    """A redelivered search, a batch chunk sent again and a webhook's copy, each run by the real
+    worker after the erase: each finds nothing to run or announce, and writes nothing back."""
+    index, word = _marked_index(stack)
+    query = f"ceremony {word} " + uuid.uuid4().hex
+    with webhook_inbox() as (url, inbox):
+        search = stack.live.post(
+            "/v1/searches",
+            params={"wait": 10},
+            json={"index": index, "query": query, "webhook_url": url},
+            headers=ACME,
+        ).json()
+        assert search["status"] == "succeeded", search
+        inbox.get(timeout=30)  # its webhook, delivered
+        queries = [{"id": "r0", "query": query}, {"id": "r1", "query": query}]
+        batch, _ = finished_batch(stack.live, {"index": index, "queries": queries})
+        for path in (f"/v1/searches/{search['id']}", f"/v1/batches/{batch['id']}/results"):
+            assert stack.live.delete(path, headers=ACME).status_code == 200
+        store = JobStore.from_url(stack.redis_url + "/0")
+        try:
+            sender = OutboxSender(store)
+            sender.send(SEARCH_TASK, [search["id"]], SEARCH_QUEUE)
+            sender.send(BATCH_CHUNK_TASK, [batch["id"], 0, 2], BATCH_QUEUE)
+            event = webhook_event(
+                WEBHOOK_EVENT_SEARCH_COMPLETED, search["id"], "acme", url, "succeeded"
+            )
+            sender.send(WEBHOOK_TASK, [event], WEBHOOK_QUEUE)
+        finally:
+            store.close()
+        _logged(
+            stack,
+            f"search {search['id']}: nothing to do (missing)",
+            f"batch {batch['id']}: missing, chunk [0, 2) dropped",
+            f"webhook {search['id']}: the job was erased; this copy is dropped",
+        )
+        assert inbox.empty()
+    assert _holding(stack, query, word) == set()
+    with redis.Redis.from_url(stack.redis_url + "/0") as r:
+        named = {key for job in (search["id"], batch["id"])
+                 for key in r.scan_iter() if job.encode() in key}  # fmt: skip
+    marks = {b"sift:erased:" + job.encode() for job in (search["id"], batch["id"])}
+    assert named == marks
