@@ -5,6 +5,10 @@
     sift erase srch_0123...   # a search
     sift erase bat_0123... --json
 
+An erase whose answer is lost (a gateway restarting, a 503) is sent again for up to 2 minutes:
+erasing again answers as the first erase did. A Ctrl-C while it is sent says the outcome is
+unknown and how to learn it (exit 130).
+
 One command for both kinds, told apart by the id's prefix: ``sift search`` and ``sift batch``
 take a query and a file, so ``sift search erase ID`` would search for "erase".
 """
@@ -17,7 +21,7 @@ from typing import Annotated
 import typer
 
 from worker.cli._app import app
-from worker.cli._common import _expected_errors, _out
+from worker.cli._common import EXIT_INTERRUPTED, _err, _expected_errors, _out
 from worker.cli._http import RETRY_SECONDS, gateway
 from worker.constants import BATCH_ID_PREFIX, SEARCH_ID_PREFIX
 
@@ -54,9 +58,19 @@ def erase(
     finished is refused, nothing erased: cancel a batch first (DELETE /v1/batches/ID) or wait.
     Erasing again is harmless."""
     kind, path = _route(job_id)
-    with _expected_errors(), gateway() as client:
-        # safe to send again: an erase repeated answers as the first did
-        answer = client.json("DELETE", path, fields=("id", "erased_at"), retry_for=RETRY_SECONDS)
+    try:
+        with _expected_errors(), gateway() as client:
+            # safe to send again: an erase repeated answers as the first did
+            answer = client.json(
+                "DELETE", path, fields=("id", "erased_at"), retry_for=RETRY_SECONDS
+            )
+    except KeyboardInterrupt:  # it may have reached the gateway: say so, and how to know
+        _err().print(
+            f"interrupted: {kind} {job_id} may or may not be erased; `sift erase {job_id}` "
+            "again tells (erasing again is harmless)",
+            soft_wrap=True,
+        )
+        raise typer.Exit(EXIT_INTERRUPTED) from None
     if json_out:
         typer.echo(json.dumps(answer))
         return

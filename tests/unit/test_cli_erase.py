@@ -1,0 +1,63 @@
+"""``sift erase ID``: an erase whose answer was lost is sent again (erasing again answers as the
+first erase did), and a Ctrl-C while it is sent says its outcome is unknown and how to learn it.
+The real gateway's answers are in ``tests/e2e/test_erase.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from worker.cli import app
+from worker.cli import erase as erase_command
+from worker.cli._http import Gateway
+
+SEARCH = "srch_" + "a" * 32
+ERASED = {"id": SEARCH, "kind": "search", "erased_at": "2026-12-05T16:00:00+00:00"}
+
+
+def _using(monkeypatch: pytest.MonkeyPatch, answer: httpx.MockTransport) -> None:
+    @contextlib.contextmanager
+    def gateway(transport: httpx.BaseTransport | None = None) -> Iterator[Gateway]:
+        client = Gateway("http://sift.test", "k", transport=answer)
+        try:
+            yield client
+        finally:
+            client.close()
+
+    monkeypatch.setattr(erase_command, "gateway", gateway)
+    monkeypatch.setattr(time, "sleep", lambda s: None)  # the retry's back-off
+
+
+def test_an_erase_whose_answer_was_lost_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(f"{request.method} {request.url.path}")
+        if len(sent) == 1:
+            raise httpx.ReadTimeout("no answer", request=request)
+        return httpx.Response(200, json=ERASED)
+
+    _using(monkeypatch, httpx.MockTransport(answer))
+    result = CliRunner().invoke(app, ["erase", SEARCH, "--json"])
+    assert result.exit_code == 0, result.output
+    assert sent == [f"DELETE /v1/searches/{SEARCH}"] * 2
+    assert result.stdout.strip() == '{"id": "' + SEARCH + '", "kind": "search", ' \
+        '"erased_at": "2026-12-05T16:00:00+00:00"}'  # fmt: skip
+
+
+def test_a_ctrl_c_while_erasing_says_the_outcome_is_unknown(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def answer(request: httpx.Request) -> httpx.Response:
+        raise KeyboardInterrupt
+
+    _using(monkeypatch, httpx.MockTransport(answer))
+    result = CliRunner().invoke(app, ["erase", SEARCH])
+    assert result.exit_code == 130, result.output
+    assert f"interrupted: search {SEARCH} may or may not be erased" in result.output
+    assert f"sift erase {SEARCH}" in result.output  # how to learn it: again, harmlessly
