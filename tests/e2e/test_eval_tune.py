@@ -156,3 +156,13 @@ def test_apply_stores_the_chosen_settings_on_the_index(
     body = {"index": index, "query": "who beat Kasparov", "include_trace": True}
     job = stack.live.post("/v1/searches", params={"wait": 30}, json=body, headers=ACME).json()
     assert job["result"]["trace"]["fusion"]["weights"] == report["chosen"]["fusion"]["weights"]
+    # tuned again, it scores the settings the index now has as its "current", the figure a
+    # later --apply must beat (the defaults were that figure the first time)
+    assert report["current"] == {
+        "fusion": {"method": "rrf", "weights": {"bm25": 1.0, "knn": 1.0}, "rank_constant": 60},
+        "candidate_limit": 30,
+    }
+    again = tmp_path / "again.json"
+    _sift(stack, "eval", "--tune", "--index", index, "--queries", str(QUERIES),
+          "--qrels", str(QRELS), "--folds", "3", "--json", str(again))  # fmt: skip
+    assert json.loads(again.read_text())["current"] == report["chosen"]

@@ -165,18 +165,29 @@ def test_the_fused_list_is_cut_where_the_worker_cuts_it() -> None:
     assert fuse({"bm25": bm25, "knn": knn}, Point(1.0, 1.0, 60, 20))[0] == "b40"
 
 
-def _report(tuned: list[float], bm25: list[float], knn: list[float]) -> TuneReport:
+def _report(
+    tuned: list[float],
+    bm25: list[float],
+    knn: list[float],
+    default: float = 0.5,
+    current: tuple[Point, float] | None = None,
+) -> TuneReport:
     folds = [
-        Fold(10, DEFAULT, Measured(t, 0.9), Measured(0.5, 0.9), Measured(b, 0.8), Measured(k, 0.8))
+        Fold(10, DEFAULT, Measured(t, 0.9), Measured(default, 0.9), Measured(b, 0.8),
+             Measured(k, 0.8))
         for t, b, k in zip(tuned, bm25, knn, strict=True)
-    ]
+    ]  # fmt: skip
 
     def mean(values: list[float]) -> Measured:
         return Measured(sum(values) / len(values), 0.9)
 
     chosen = Point(1.0, 0.25, 20, 50)
-    held = {"tuned": mean(tuned), "default": mean([0.5]), "bm25": mean(bm25), "knn": mean(knn)}
-    return TuneReport(folds, held, chosen, mean(tuned), points=1, depth={"bm25": 100})
+    held = {"tuned": mean(tuned), "default": mean([default]), "bm25": mean(bm25), "knn": mean(knn)}
+    point, score = current or (DEFAULT, default)
+    held["current"] = mean([score])
+    return TuneReport(
+        folds, held, chosen, mean(tuned), points=1, depth={"bm25": 100}, current=point
+    )
 
 
 def test_the_refusal_rule_compares_the_held_out_mean_with_the_better_channel() -> None:
@@ -191,6 +202,52 @@ def test_the_refusal_rule_compares_the_held_out_mean_with_the_better_channel() -
     # kNN the better channel: compared with kNN
     knn_better = _report(tuned=[0.60, 0.60], bm25=[0.40, 0.40], knn=[0.61, 0.61])
     assert "knn alone" in (knn_better.refusal() or "")
+
+
+def test_apply_is_refused_below_the_default_the_index_uses_though_above_each_channel() -> None:
+    """SciFact, 40 queries, 2 folds: tuned 0.8204 held out, default RRF 0.8253, BM25 alone
+    0.8170; --apply stored the tuned settings, worse by the tool's own measure, because it
+    compared with the better channel only."""
+    below = _report(tuned=[0.8204, 0.8204], bm25=[0.8170, 0.8170], knn=[0.7, 0.7], default=0.8253)
+    refusal = below.refusal()
+    assert refusal is not None and "default RRF the index uses now (0.8253)" in refusal
+    assert "0.8204" in refusal
+    # at the default's figure exactly, or above it: applied
+    assert _report([0.8253, 0.8253], [0.8170, 0.8170], [0.7, 0.7], default=0.8253).refusal() is None
+
+
+def test_apply_is_refused_below_the_index_own_settings_not_the_defaults() -> None:
+    """An index tuned before keeps its settings when the new tuning scores below them held
+    out, though above the defaults; and above them it is applied, though below the
+    defaults' figure would not matter."""
+    own = Point.linear(0.5, 100)
+    below = _report([0.72, 0.72], [0.66, 0.66], [0.6, 0.6], default=0.70, current=(own, 0.73))
+    assert "the index's current settings (0.7300)" in (below.refusal() or "")
+    above = _report([0.72, 0.72], [0.66, 0.66], [0.6, 0.6], default=0.75, current=(own, 0.71))
+    assert above.refusal() is None
+    assert above.as_dict()["current"] == own.settings()
+
+
+def test_the_index_current_settings_are_scored_beside_the_others() -> None:
+    """``tune(current=...)`` scores the index's settings on every query, as the defaults."""
+    qrels, useful, useless = _collection(seed=3, queries=40, docs=500)
+    rankings: Any = {"bm25": useful, "knn": useless}
+    own = Point(1.0, 0.125, 20, 50)
+    report = tune(rankings, qrels, Grid(windows=(10, 30)), folds=3, current=own)
+    assert report.current == own and report.as_dict()["current"] == own.settings()
+    assert report.held_out["current"] != report.held_out["default"]
+    defaults = tune(rankings, qrels, Grid(windows=(10, 30)), folds=3)
+    assert defaults.held_out["current"] == defaults.held_out["default"]
+
+
+def test_an_index_settings_stand_for_the_point_they_resolve_to() -> None:
+    """Each setting the index leaves unset (null, as ``GET /v1/indexes/{index}`` shows it)
+    is the default's."""
+    unset = {"fusion": {"method": None, "weights": {"bm25": None, "knn": None},
+                        "rank_constant": None}, "candidate_limit": None}  # fmt: skip
+    assert Point.of_settings(unset) == DEFAULT
+    assert Point.of_settings(Point.linear(0.3, 10).settings()) == Point.linear(0.3, 10)
+    assert Point.of_settings(Point(1.0, 0.25, 20, 50).settings()) == Point(1.0, 0.25, 20, 50)
 
 
 @pytest.fixture
@@ -252,3 +309,19 @@ def test_apply_refuses_below_the_better_channel_and_sends_nothing(
     # without --apply the same report is only printed: exit 0, nothing sent
     assert _run_tune(monkeypatch, report, tmp_path / "r.json", apply=False) == 0
     assert patches == []
+
+
+def test_apply_refuses_below_the_index_current_settings_and_sends_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+    patches: list[tuple[str, str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    report = _report([0.8204, 0.8204], [0.8170, 0.8170], [0.7, 0.7], default=0.8253)
+    assert _run_tune(monkeypatch, report, tmp_path / "r.json", apply=True) == 3
+    assert patches == []
+    out, err = capsys.readouterr()
+    assert "refused:" not in out
+    assert "refused:" in err and "default RRF the index uses now" in err, err
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["applied"] is False and "0.8253" in written["refusal"]

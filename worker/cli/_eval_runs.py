@@ -43,13 +43,16 @@ def _judged(
     return judged
 
 
-def _check_index(index: str) -> None:
-    """The gateway's 404 (``index 'NAME' does not exist``, exit 1, as every other index
-    command says it) when the caller has no such index, before any search: the runs all
-    failed ``index_not_found`` and scored a table of 0.000, exit 3, the typo's table printed
-    as if measured."""
+def _check_index(index: str) -> dict[str, Any]:
+    """The index's metadata, or the gateway's 404 (``index 'NAME' does not exist``, exit 1,
+    as every other index command says it) when the caller has no such index, before any
+    search: the runs all failed ``index_not_found`` and scored a table of 0.000, exit 3, the
+    typo's table printed as if measured."""
     with gateway() as client:
-        client.json("GET", f"/v1/indexes/{segment(index)}", retry_for=RETRY_SECONDS)
+        found: dict[str, Any] = client.json(
+            "GET", f"/v1/indexes/{segment(index)}", retry_for=RETRY_SECONDS
+        )
+    return found
 
 
 def _served_window(index: str, query: str) -> int:

@@ -30,7 +30,7 @@ from worker.evaluation.tuning import (
     tune,
 )
 
-EXIT_REFUSED = 3  # --apply refused: the tuned fusion is below a channel alone
+EXIT_REFUSED = 3  # --apply refused: the tuned fusion is below a channel alone or the index's own
 
 
 def _tune_command(
@@ -45,7 +45,8 @@ def _tune_command(
     json_out: Path | None,
 ) -> None:
     """``--tune``: tune on the served index's rankings, print the folds, and with ``--apply``
-    store the chosen settings unless the held-out figure is below a channel alone."""
+    store the chosen settings unless the held-out figure is below a channel alone or the
+    index's current settings."""
     try:
         report = _tune_served(index, queries_path, qrels_path, out, folds, seed, max_queries)
     except (GatewayError, ValueError) as error:
@@ -83,7 +84,7 @@ def _tune_served(
     qrels = read_qrels(qrels_path)
     queries = _judged(queries_path, qrels_path, qrels, max_queries)
     split_folds([qid for qid, _ in queries], folds, seed)  # a bad --folds fails before searching
-    _check_index(index)
+    current = Point.of_settings(_check_index(index).get("settings"))
     runs = [RunSpec("bm25", "fts", False, MAX_LIMIT), RunSpec("knn", "vector", False, MAX_LIMIT)]
     _, served = _run_batches(index, runs, queries, out)
     failed = [i for items in served.values() for i in items if i.get("status") != "succeeded"]
@@ -118,6 +119,7 @@ def _tune_served(
             folds,
             seed,
             progress=lambda n: bar.advance(task, n),
+            current=current,
         )
 
 
@@ -170,9 +172,15 @@ def _print_tune(report: TuneReport) -> None:
             "the better channel alone there[/]"
         )
     channel, best = report.best_single
+    current = (
+        ""
+        if report.current == DEFAULT or "current" not in held
+        else f", the index's current settings ({_describe(report.current)}) "
+        f"{held['current'].ndcg:.4f}"
+    )
     console.print(
         f"held out: tuned {held['tuned'].ndcg:.4f} vs {channel} alone {best:.4f}, "
-        f"default RRF {held['default'].ndcg:.4f}; {report.points} points searched, "
+        f"default RRF {held['default'].ndcg:.4f}{current}; {report.points} points searched, "
         f"channels fetched {max(report.depth.values())} deep (a window past "
         f"{max(report.depth.values()) // 4} fuses them there, where the worker would fuse "
         "4 x window)"

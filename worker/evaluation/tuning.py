@@ -79,6 +79,33 @@ class Point:
         """
         return cls(round(1.0 - knn_share, 6), knn_share, RRF_K, window, "linear")
 
+    @classmethod
+    def of_settings(cls, settings: Mapping[str, Any] | None) -> Point:
+        """The point an index's stored settings (``GET /v1/indexes/{index}``'s ``settings``)
+        stand for, each one left unset (``null``) at the default, as the worker resolves it
+        at this tool's defaults (Settings' own, not a deployment's ``SIFT_FUSION_*``).
+
+        >>> Point.of_settings({"fusion": {"weights": {"knn": 0.5}}, "candidate_limit": 20})
+        Point(bm25=1.0, knn=0.5, rank_constant=60, window=20, method='rrf')
+        >>> Point.of_settings(None) == Point()
+        True
+        """
+        settings = settings or {}
+        fusion = settings.get("fusion") or {}
+        weights = fusion.get("weights") or {}
+        default = cls()
+
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return cls(
+            float(given(weights.get("bm25"), default.bm25)),
+            float(given(weights.get("knn"), default.knn)),
+            int(given(fusion.get("rank_constant"), default.rank_constant)),
+            int(given(settings.get("candidate_limit"), default.window)),
+            given(fusion.get("method"), default.method),
+        )
+
     @property
     def single(self) -> Channel | None:
         """The one channel this point fuses, when the other is weighted 0."""
@@ -349,6 +376,7 @@ class TuneReport:
     in_sample: Measured  # the chosen point on the queries it was chosen on (optimistic)
     points: int
     depth: dict[str, int] = field(default_factory=dict)  # the most docs a channel ranked
+    current: Point = DEFAULT  # the index's settings before --apply (held_out["current"])
 
     @property
     def best_single(self) -> tuple[Channel, float]:
@@ -367,15 +395,29 @@ class TuneReport:
 
     def refusal(self) -> str | None:
         """Why the chosen settings must not be applied, or None: the held-out nDCG@10 of the
-        tuned fusion is below the better channel's alone."""
+        tuned fusion is below the better channel's alone, or below that of the settings the
+        index has now (the defaults when it has none of its own), scored on the same
+        queries: applying would replace them with settings the tuning itself measured as
+        worse."""
         channel, best = self.best_single
         tuned = self.held_out["tuned"].ndcg
-        if tuned >= best:
-            return None
-        return (
-            f"held-out nDCG@10 of the tuned fusion ({tuned:.4f}) is below {channel} alone "
-            f"({best:.4f}): the settings are not applied"
-        )
+        if tuned < best:
+            return (
+                f"held-out nDCG@10 of the tuned fusion ({tuned:.4f}) is below {channel} alone "
+                f"({best:.4f}): the settings are not applied"
+            )
+        current = self.held_out.get("current", self.held_out["default"]).ndcg
+        if tuned < current:
+            what = (
+                "the default RRF the index uses now"
+                if self.current == DEFAULT
+                else "the index's current settings"
+            )
+            return (
+                f"held-out nDCG@10 of the tuned fusion ({tuned:.4f}) is below {what} "
+                f"({current:.4f}): the settings are not applied, the index keeps its own"
+            )
+        return None
 
     def as_dict(self) -> dict[str, Any]:
         def point(p: Point) -> dict[str, Any]:
@@ -402,6 +444,7 @@ class TuneReport:
             "held_out": {name: measured(m) for name, m in self.held_out.items()},
             "folds_below_best_single": self.folds_below_best_single(),
             "chosen": point(self.chosen),
+            "current": point(self.current),
             "in_sample": measured(self.in_sample),
             "refusal": self.refusal(),
         }
@@ -414,6 +457,7 @@ def tune(
     folds: int = 5,
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
+    current: Point = DEFAULT,
 ) -> TuneReport:
     """Tune the fusion on ``qrels`` (only queries with a relevant document count) by k-fold
     cross-validation over ``grid``; ``progress(1)`` after each point scored.
@@ -428,6 +472,7 @@ def tune(
         "default": DEFAULT,
         "bm25": Point(1.0, 0.0, RRF_K, DEFAULT_WINDOW),
         "knn": Point(0.0, 1.0, RRF_K, DEFAULT_WINDOW),
+        "current": current,
     }
     missing = [p for p in contenders.values() if p not in scored]
     scored.update(score_grid(rankings, {q: qrels[q] for q in queries}, missing))
@@ -467,4 +512,5 @@ def tune(
             c: max((len(rankings.get(c, {}).get(q, [])) for q in queries), default=0)
             for c in CHANNELS
         },
+        current=current,
     )
