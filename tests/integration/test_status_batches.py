@@ -81,3 +81,23 @@ def test_a_batch_id_is_shown_whole_at_80_columns(store: JobStore, redis_url: str
     [line] = [line for line in run.stdout.splitlines() if "bat_" in line]
     assert batch_id in line and "0/1" in line, run.stdout  # the id, and done of total
     assert "left out at this width" in run.stdout
+
+
+def test_no_inspect_says_the_inspection_was_skipped_not_unanswered(redis_url: str) -> None:
+    """``--no-inspect`` never asks Celery: it said ``no worker answered (none running, or
+    remote control off ...)`` and ``inspect_answered: false``, an answer it never sought. Now
+    ``skipped``, and ``null`` in the JSON; asked of a Redis with no worker, still ``false``."""
+    table = _status(redis_url)  # _status passes --no-inspect
+    assert table.returncode == 0, table.stderr
+    assert "Celery's inspection: skipped (--no-inspect)" in table.stdout, table.stdout
+    assert "no worker answered" not in table.stdout
+    run = _status(redis_url, "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["inspect_answered"] is None
+    env = {**os.environ, "SIFT_REDIS_URL": redis_url}
+    asked = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "status", "--json", "--timeout", "0.2"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(asked.stdout)["inspect_answered"] is False

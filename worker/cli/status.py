@@ -114,7 +114,7 @@ class Status:
     queues: list[QueueRow]
     workers: list[WorkerRow]
     unknown_nodes: list[str]  # answered Celery's inspection, no heartbeat matched
-    inspect_answered: bool
+    inspect_answered: bool | None  # None: not asked (--no-inspect)
     batches: list[BatchRow]
     active_searches: int
     active_ingests: int
@@ -266,6 +266,8 @@ def collect(store: JobStore, inspect: Inspect | None, timeout: float) -> Status:
     unacked = _unacked(client)
     workers = _workers(client, unacked)
     active, stats = inspect(timeout) if inspect is not None else ({}, {})
+    # not asked is not unanswered: --no-inspect said "no worker answered" of a question it
+    # never put
     unknown = _join_inspection(workers, active, stats)
     jobs = cast(list[tuple[str, float]], client.zrange(ACTIVE_JOBS_KEY, 0, -1, withscores=True))
     economy_watch = cast(list[str], client.zrange(ECONOMY_WATCH_KEY, 0, -1))
@@ -273,7 +275,7 @@ def collect(store: JobStore, inspect: Inspect | None, timeout: float) -> Status:
         queues=_queues(client, unacked),
         workers=workers,
         unknown_nodes=unknown,
-        inspect_answered=bool(active or stats),
+        inspect_answered=None if inspect is None else bool(active or stats),
         batches=_batches(store, jobs, economy_watch),
         active_searches=sum(1 for j, _ in jobs if j.startswith(SEARCH_ID_PREFIX)),
         active_ingests=sum(1 for j, _ in jobs if j.startswith(INGEST_ID_PREFIX)),
@@ -321,7 +323,9 @@ def show(console: Console, status: Status) -> None:
             _tasks(w.active) if status.inspect_answered else "–",
         )  # fmt: skip
     console.print(workers)
-    if not status.inspect_answered:
+    if status.inspect_answered is None:
+        console.print("Celery's inspection: skipped (--no-inspect)")
+    elif not status.inspect_answered:
         console.print(
             "[yellow]Celery's inspection: no worker answered[/] (none running, or remote "
             "control off: workers started with --without-remote-control)"
