@@ -131,6 +131,14 @@ def test_sift_up_prints_where_the_webhook_secret_is(stack: Stack) -> None:
     assert json.loads(dev_key.read_text())["webhook_secret"].startswith("whsec_")
 
 
+def test_redis_logs_in_the_logs_folder_with_the_others(stack: Stack) -> None:
+    """The banner and the README say the logs are in ``logs/``; Redis's was in ``redis/``,
+    beside its AOF."""
+    assert "Ready to accept connections" in (stack.logs / "redis.log").read_text()
+    assert not (stack.data_dir / "redis" / "redis.log").exists()
+    assert (stack.data_dir / "redis" / "appendonlydir").is_dir()  # the AOF stays where it was
+
+
 def _status(tmp: Path, data_dir: Path) -> subprocess.CompletedProcess[str]:
     """``sift status`` in the user's shell, with no SIFT_REDIS_URL."""
     return subprocess.run(
@@ -195,7 +203,7 @@ def test_a_second_sift_up_refuses_what_another_stack_uses(
         "metrics-port": f"the worker metrics port {stack.metrics_port}",
     }[clash]
     before = _snapshot(stack.logs)
-    assert set(before) == {"worker.log", "gateway.log"}
+    assert set(before) == {"redis.log", "worker.log", "gateway.log"}
     second = _up(tmp_path, "--port", str(port), "--metrics-port", str(metrics_port),
                  "--data-dir", str(data_dir))  # fmt: skip
     printed = " ".join((second.stdout + second.stderr).split())  # rich wraps long lines
@@ -580,6 +588,28 @@ def test_an_early_exit_is_told_on_stderr_line_by_line(tmp_path: Path) -> None:
     assert lines[0] == "error: redis-server exited early:", failed.stderr
     assert any(line.endswith("Invalid AOF manifest file format") for line in lines), lines
     assert "\\n" not in failed.stderr, failed.stderr
+
+
+def test_a_data_folder_of_the_previous_release_has_its_redis_log_moved_to_logs(
+    tmp_path: Path,
+) -> None:
+    """A data folder an earlier ``sift up`` made keeps Redis's log (and its rotated copies)
+    in ``redis/``: the next one moves them to ``logs/`` and Redis appends there. Its Redis
+    made to exit as it starts (an AOF manifest it cannot read), so no stack need start."""
+    old = tmp_path / "d" / "redis"
+    (old / "appendonlydir").mkdir(parents=True)
+    (old / "appendonlydir" / "appendonly.aof.manifest").write_text("garbage line\n")
+    (old / "redis.log").write_text("a line of the earlier release\n")
+    (old / "redis.log.1").write_text("an older one\n")
+    failed = _up(tmp_path, "--port", str(free_port()), "--metrics-port", str(free_port()),
+                 "--data-dir", str(tmp_path / "d"))  # fmt: skip
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    logs = tmp_path / "d" / "logs"
+    moved = (logs / "redis.log").read_text()
+    assert moved.startswith("a line of the earlier release\n"), moved
+    assert "Invalid AOF manifest file format" in moved  # this start's lines, appended
+    assert (logs / "redis.log.1").read_text() == "an older one\n"
+    assert not list(old.glob("redis.log*"))
 
 
 def test_one_port_for_the_gateway_and_the_worker_metrics_is_a_usage_error(tmp_path: Path) -> None:

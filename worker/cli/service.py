@@ -36,6 +36,7 @@ from worker.processes.stack import (
     Service,
     StartInterrupted,
     Supervisor,
+    adopt_logs,
     check_port_free,
     child_env,
     claim_data_dir,
@@ -507,7 +508,10 @@ def local_stack(
             stack.callback(supervisor.close)  # restarts, which follow it (Service.follow)
         redis_url = settings.redis_url
         if not redis_url:
-            redis, url = redis_service(data_dir / "redis", appendonly=True)
+            # its log with the others (it was in redis/, beside the AOF, the banner and
+            # the README naming logs/); one left there by an earlier release moves too
+            adopt_logs(data_dir / "redis" / "redis.log", logs / "redis.log")
+            redis, url = redis_service(data_dir / "redis", appendonly=True, log=logs / "redis.log")
             redis.follow = True  # each process of the stack stops when sift up dies, even
             # SIGKILLed (it was left running, orphaned, its data folder's lock let go)
             stack.enter_context(running(redis, cancel))

@@ -304,8 +304,10 @@ def redis_service(
     port: int | None = None,
     appendonly: bool = False,
     appendfsync: str = "everysec",
+    log: Path | None = None,
 ) -> tuple[Service, str]:
-    """The redis-server of :func:`redis_server`, not started yet, and its URL."""
+    """The redis-server of :func:`redis_server`, not started yet, and its URL; its log is
+    ``log``, else ``redis.log`` in ``directory`` (``sift up`` keeps it with the others)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise ConfigError(
@@ -313,6 +315,8 @@ def redis_service(
             "or set SIFT_REDIS_URL to a Redis you run"
         )
     directory.mkdir(parents=True, exist_ok=True)
+    log = log or directory / "redis.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     url = f"redis://127.0.0.1:{port}"
 
@@ -330,9 +334,22 @@ def redis_service(
     # a group of its own: a terminal's Ctrl-C reaching Redis with the rest killed it at once,
     # while the workers' warm shutdown still needed it (they hung, and were left orphaned);
     # whoever started it stops it, after the processes that use it
-    service = Service("redis-server", command, directory / "redis.log", None, ready=ping,
-                      own_group=True, port=port)  # fmt: skip
+    service = Service("redis-server", command, log, None, ready=ping, own_group=True,
+                      port=port)  # fmt: skip
     return service, url
+
+
+def adopt_logs(old: Path, new: Path, keep: int = LOG_KEEP) -> None:
+    """Move the log ``old`` and its rotated copies (``NAME.1`` … ``NAME.{keep}``) to ``new``
+    and beside it, each one ``new`` has none of: a data folder from before ``sift up`` kept
+    Redis's log with its AOF (``redis/redis.log``, where no one looked for it) goes on in
+    ``logs/`` with its history, and one already moved is left as it is."""
+    suffixes = ["", *(f".{n}" for n in range(1, keep + 1))]
+    for suffix in suffixes:
+        source, target = old.with_name(old.name + suffix), new.with_name(new.name + suffix)
+        if source.exists() and not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            source.replace(target)
 
 
 def sift_command(*args: str) -> list[str]:
