@@ -130,6 +130,43 @@ def test_the_settings_table_gives_each_setting_s_default() -> None:
     assert len(checked) >= len(fields) - 5, f"only {len(checked)} defaults could be read"
 
 
+def settings_row_texts() -> dict[str, str]:
+    """Each setting's variable, and the whole text of its row in the Settings table."""
+    texts = {}
+    for line in section("Settings").splitlines():
+        if line.startswith("| `SIFT_"):
+            cells = line.strip().strip("|").split(" | ")
+            texts.update(dict.fromkeys(VARIABLE.findall(cells[0]), line))
+    return texts
+
+
+def whole_number_bounds(name: str) -> list[int]:
+    """A whole-number setting's upper bound, and its lower one when it is more than 1 (0 and
+    1 are the natural floors: none, or one); no bound for any other setting."""
+    field = Settings.model_fields[name]
+    if field.annotation not in (int, int | None):
+        return []
+    upper = [m.le for m in field.metadata if hasattr(m, "le")]
+    lower = [m.ge for m in field.metadata if hasattr(m, "ge") and m.ge > 1]
+    return [*upper, *lower]
+
+
+def test_the_settings_table_gives_each_whole_number_setting_s_bounds() -> None:
+    """The table's introduction says every whole-number setting's row gives its bound and
+    why; 21 rows gave none (SIFT_WORKER_CONCURRENCY's 5000, SIFT_GATEWAY_PORT's 65535, ...)
+    and SIFT_RERANK_CANDIDATE_MAX_CHARS not its least, 50. A bound is found written as the
+    number, with or without thousands separators."""
+    rows = settings_row_texts()
+    missing = []
+    for variable, name in env_names().items():
+        for bound in whole_number_bounds(name):
+            if not {str(bound), f"{bound:,}"} & set(re.findall(r"[\d,]*\d", rows[variable])):
+                missing.append(f"{variable}: {bound}")
+    assert missing == [], f"bounds not in their Settings rows: {missing}"
+    bounded = [name for name in env_names().values() if whole_number_bounds(name)]
+    assert len(bounded) >= 30, bounded  # the check reads the fields' bounds at all
+
+
 def test_deploy_sets_only_real_settings() -> None:
     files = [
         p
