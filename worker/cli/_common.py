@@ -26,6 +26,25 @@ EXIT_TERMINATED = 143  # 128 + SIGTERM: `sift ingest` stopped by it as by a Ctrl
 STACK_REDIS_FILE = "redis-url"
 
 
+def setting_help(help: str, variable: str) -> str:
+    """``help`` with the default an option takes from the setting ``variable``, as typer
+    shows its own: ``the gateway's [default: 8080, SIFT_GATEWAY_PORT]``. The value is the
+    Settings field's own default, not the environment's (a help text is the same on every
+    machine); the option's default is ``None`` in the code so that the setting is read, and
+    typer showed no default, or the variable's name alone, where the README promised one.
+
+    >>> print(setting_help("the gateway's", "SIFT_GATEWAY_PORT"))  # escaped: rich markup
+    the gateway's \\[default: 8080, SIFT_GATEWAY_PORT]
+    """
+    from rich.markup import escape
+
+    from worker.settings import Settings
+
+    field = Settings.model_fields[variable.removeprefix("SIFT_").lower()]
+    value = field.get_default(call_default_factory=True)
+    return escape(f"{help} [default: {value}, {variable}]")
+
+
 def stack_redis_url(data_dir: Path) -> str | None:
     """The Redis of the ``sift up`` stack on ``data_dir``, if one runs there (or was
     killed before it could remove its file: then nothing answers at that URL)."""

@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from worker.cli._app import app
-from worker.cli._common import EXIT_ERROR, _err, option_error, why_unwritable
+from worker.cli._common import EXIT_ERROR, _err, option_error, setting_help, why_unwritable
 from worker.cli._output import counted, plain
 from worker.constants import (
     METRIC_RERANK_ATTEMPTS,
@@ -294,7 +294,7 @@ def _prometheus_url(option: str | None) -> str:
 def cost_command(
     prometheus_url: Annotated[
         str | None,
-        typer.Option(help="Prometheus base URL; default: SIFT_PROMETHEUS_URL"),
+        typer.Option(help=setting_help("Prometheus base URL", "SIFT_PROMETHEUS_URL")),
     ] = None,
     window: Annotated[Window, typer.Option(help="how far back to look")] = Window.HOUR,
     png: Annotated[

@@ -28,6 +28,7 @@ from worker.cli._common import (
     STACK_REDIS_FILE,
     a_folder,
     option_error,
+    setting_help,
 )
 from worker.cli._output import plain, print_result, sample_path
 from worker.constants import ALL_QUEUES
@@ -72,7 +73,9 @@ GATEWAY_KEEP_ALIVE_SECONDS = 75
 @app.command("gateway")
 def gateway(
     host: Annotated[str, typer.Option(help="interface to bind")] = "0.0.0.0",
-    port: Annotated[int | None, typer.Option(help="default: SIFT_GATEWAY_PORT")] = None,
+    port: Annotated[
+        int | None, typer.Option(help=setting_help("port to bind", "SIFT_GATEWAY_PORT"))
+    ] = None,
 ) -> None:
     """Run one gateway (one uvicorn process), for deployment; scale with replicas."""
     import uvicorn
@@ -110,18 +113,23 @@ def _known_queues(value: str) -> str:
 def worker(
     name: Annotated[str, typer.Option(help="node name, unique per host")] = "worker",
     concurrency: Annotated[
-        int | None, typer.Option(help="default: SIFT_WORKER_CONCURRENCY")
+        int | None,
+        typer.Option(help=setting_help("threads per process", "SIFT_WORKER_CONCURRENCY")),
     ] = None,
-    pool: Annotated[str | None, typer.Option(help="threads|prefork|solo; SIFT_WORKER_POOL")] = None,
+    pool: Annotated[
+        str | None, typer.Option(help=setting_help("threads|prefork|solo", "SIFT_WORKER_POOL"))
+    ] = None,
     queues: Annotated[
         str, typer.Option(callback=_known_queues, help="comma-separated queues")
     ] = ",".join(ALL_QUEUES),
     loglevel: Annotated[
-        str | None, typer.Option(help="DEBUG|INFO|WARNING|ERROR; SIFT_LOG_LEVEL")
+        str | None, typer.Option(help=setting_help("DEBUG|INFO|WARNING|ERROR", "SIFT_LOG_LEVEL"))
     ] = None,
     processes: Annotated[
         int | None,
-        typer.Option(min=0, help="worker processes, 0: one per core; SIFT_WORKER_PROCESSES"),
+        typer.Option(
+            min=0, help=setting_help("worker processes, 0: one per core", "SIFT_WORKER_PROCESSES")
+        ),
     ] = None,
     supervised_by: Annotated[int | None, typer.Option(hidden=True)] = None,
 ) -> None:
@@ -596,13 +604,21 @@ def _start(
 
 @app.command("up")
 def up(
-    port: Annotated[int | None, typer.Option(help="the gateway's; SIFT_GATEWAY_PORT")] = None,
+    port: Annotated[
+        int | None, typer.Option(help=setting_help("the gateway's", "SIFT_GATEWAY_PORT"))
+    ] = None,
     metrics_port: Annotated[
-        int | None, typer.Option(help="the worker's /metrics, 0: off; SIFT_WORKER_METRICS_PORT")
+        int | None,
+        typer.Option(
+            help=setting_help("the worker's /metrics, 0: off", "SIFT_WORKER_METRICS_PORT")
+        ),
     ] = None,
     data_dir: Annotated[
         Path | None,
-        typer.Option(parser=a_folder, help="the index, Redis's AOF and the logs; SIFT_DATA_DIR"),
+        typer.Option(
+            parser=a_folder,
+            help=setting_help("the index, Redis's AOF and the logs", "SIFT_DATA_DIR"),
+        ),
     ] = None,
 ) -> None:
     """Run Redis, one worker and the gateway in the foreground until Ctrl-C, restarting any
