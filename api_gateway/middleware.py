@@ -125,7 +125,8 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-# The methods a route of the gateway answers; any other is counted as "other". The method is
+# The standard methods, counted as sent whether or not a route serves them (no route serves
+# PUT: a PUT is counted as PUT); any other is counted as "other". The method is
 # the caller's to choose (HTTP/1.1 allows any token; uvicorn's h11 parser takes them all), and
 # each new value would be a new series on every scrape.
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
