@@ -162,7 +162,9 @@ class TenantRecords(BatchRecords, BatchItemRecords):
         for kind, job_id in jobs:
             keys = [prefix + job_id for prefix in _JOB_KEYS[kind]]
             if kind == KIND_BATCH:
-                keys += list(self.redis.scan_iter(match=f"{ECONOMY_LEASE_KEY}{job_id} *"))
+                keys += list(
+                    self.redis.scan_iter(match=f"{ECONOMY_LEASE_KEY}{job_id} *", count=SCAN_COUNT)
+                )
             pipe = self.redis.pipeline(transaction=False)
             pipe.delete(*keys)
             pipe.zrem(ACTIVE_JOBS_KEY, job_id)
@@ -171,7 +173,9 @@ class TenantRecords(BatchRecords, BatchItemRecords):
             pipe.hdel(REDRIVE_WEBHOOK_SUSPECTS_KEY, job_id)
             watched = [
                 member
-                for member, _ in self.redis.zscan_iter(ECONOMY_WATCH_KEY, match=f"{job_id} *")
+                for member, _ in self.redis.zscan_iter(
+                    ECONOMY_WATCH_KEY, match=f"{job_id} *", count=SCAN_COUNT
+                )
             ]
             if watched:
                 pipe.zrem(ECONOMY_WATCH_KEY, *watched)
