@@ -18,8 +18,10 @@ from tests.keys import ACME_KEY
 from tests.services import webhook_inbox
 from worker.adapters.embedded import EmbeddedBackend
 from worker.constants import (
+    ECONOMY_LEASE_KEY,
     ECONOMY_RUNS_KEY,
     ECONOMY_STATE_KEY,
+    ECONOMY_WATCH_KEY,
     ERASED_KEY,
     IDEMPOTENCY_KEY,
     WEBHOOK_EVENT_SEARCH_COMPLETED,
@@ -130,6 +132,35 @@ def test_an_erased_batch_is_not_written_back_by_a_late_item_or_economy_step(
     store.claim_webhook(batch.id, 1, "w2", lease_seconds=30)
     store.webhook_settled(batch.id, "failed", 1)
     assert _naming(store, batch.id, *texts, first, second) == [ERASED_KEY + batch.id]
+
+
+def test_a_batchs_erase_takes_its_own_economy_leases_and_watch_and_no_other_batchs(
+    store: JobStore,
+) -> None:
+    """The leases and the watch's members are found by one scan over every batch's: the
+    erased batch's go; another tenant's batch's stay, and so do those of an id that begins
+    as the erased one's."""
+    batches = []
+    for tenant in ("acme", "globex"):
+        batch = store.create_batch(tenant, "docs", [("q", SearchSpec(index="docs", query="q"))])
+        assert store.start_item(batch.id, "q")
+        assert store.finish_item(batch.id, "q", result=_result()).batch_completed
+        batches.append(batch.id)
+    erased, kept = batches
+    for batch_id in (erased, kept):
+        store.economy_expect(batch_id, "submit", 1e12)
+        assert store.economy_lease(batch_id, "submit", "w1 t1", 30)
+    lookalike = erased + "x"  # as the economy lane would write them for such a batch
+    store.redis.set(ECONOMY_LEASE_KEY + f"{lookalike} submit", "w1 t1")
+    store.redis.zadd(ECONOMY_WATCH_KEY, {f"{lookalike} submit": 1e12})
+
+    assert store.erase_job("batch", "acme", erased).outcome is EraseOutcome.ERASED
+    assert store.redis.zscore(ECONOMY_WATCH_KEY, f"{erased} submit") is None
+    assert not store.redis.exists(ECONOMY_LEASE_KEY + f"{erased} submit")
+    assert store.redis.zscore(ECONOMY_WATCH_KEY, f"{kept} submit") is not None
+    assert store.redis.get(ECONOMY_LEASE_KEY + f"{kept} submit") == "w1 t1"
+    assert store.redis.zscore(ECONOMY_WATCH_KEY, f"{lookalike} submit") is not None
+    assert store.redis.get(ECONOMY_LEASE_KEY + f"{lookalike} submit") == "w1 t1"
 
 
 @pytest.mark.parametrize("kind", ["ingest", "nothing"])

@@ -27,7 +27,7 @@ each run, so a second run finds nothing and deletes nothing.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -159,31 +159,42 @@ class TenantRecords(BatchRecords, BatchItemRecords):
         """Delete every key of each job, and its members in the shared keys; answers the jobs
         that had any by kind, and ``keys`` (how many keys and members went)."""
         deleted: Counter[str] = Counter()
+        batches = {job_id for kind, job_id in jobs if kind == KIND_BATCH}
+        # lazy: no batch, no scan
+        lease_keys = self.redis.scan_iter(match=ECONOMY_LEASE_KEY + "*", count=SCAN_COUNT)
+        leases = self._named_by(batches, lease_keys, ECONOMY_LEASE_KEY)
+        members = (m for m, _ in self.redis.zscan_iter(ECONOMY_WATCH_KEY, count=SCAN_COUNT))
+        watched = self._named_by(batches, members)
         for kind, job_id in jobs:
-            keys = [prefix + job_id for prefix in _JOB_KEYS[kind]]
-            if kind == KIND_BATCH:
-                keys += list(
-                    self.redis.scan_iter(match=f"{ECONOMY_LEASE_KEY}{job_id} *", count=SCAN_COUNT)
-                )
+            keys = [prefix + job_id for prefix in _JOB_KEYS[kind]] + leases.get(job_id, [])
             pipe = self.redis.pipeline(transaction=False)
             pipe.delete(*keys)
             pipe.zrem(ACTIVE_JOBS_KEY, job_id)
             pipe.zrem(WEBHOOKS_OWED_KEY, job_id)
             pipe.hdel(REDRIVE_SUSPECTS_KEY, job_id)
             pipe.hdel(REDRIVE_WEBHOOK_SUSPECTS_KEY, job_id)
-            watched = [
-                member
-                for member, _ in self.redis.zscan_iter(
-                    ECONOMY_WATCH_KEY, match=f"{job_id} *", count=SCAN_COUNT
-                )
-            ]
-            if watched:
-                pipe.zrem(ECONOMY_WATCH_KEY, *watched)
+            if watched.get(job_id):
+                pipe.zrem(ECONOMY_WATCH_KEY, *watched[job_id])
             gone = sum(int(n) for n in pipe.execute())
             if gone:
                 deleted[kind] += 1
                 deleted["keys"] += gone
         return deleted
+
+    @staticmethod
+    def _named_by(
+        batches: set[str], names: Iterable[str], prefix: str = ""
+    ) -> dict[str, list[str]]:
+        """``names`` (``<prefix><batch id> <what>``: an economy lease's key, a watch member)
+        grouped by the batch of ``batches`` each names; one pass over the keyspace for every
+        batch a purge deletes, where a scan per batch read it whole once per batch."""
+        found: dict[str, list[str]] = {}
+        if batches:
+            for name in names:
+                batch_id = name[len(prefix) :].split(" ", 1)[0]
+                if batch_id in batches:
+                    found.setdefault(batch_id, []).append(name)
+        return found
 
     def delete_tenant_keys(self, tenant: str) -> Counter[str]:
         """Delete the keys that name the tenant: its job lists, its Idempotency-Keys, an
