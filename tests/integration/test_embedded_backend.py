@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
+import unicodedata
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -170,6 +172,44 @@ def test_bm25_does_not_split_cjk_runs_nor_fold_full_width_forms(
     assert bm25("東京タワー") == ["ja"]  # the title: a run of its own
     assert bm25("北京是中华人民共和国的首都和政治中心") == ["zh"]  # the whole run
     assert bm25("１２３４５") == [] and bm25("12345") == ["router"]
+    backend.close()
+
+
+def test_bm25_finds_a_word_typed_decomposed_or_with_a_dotted_capital_i(
+    tmp_path: Path, embedder: OnnxMiniLMEmbedder
+) -> None:
+    """A query typed in NFD (an accent as a combining mark, as macOS gives it) was cut at
+    the mark by ``\\w+``: "résumé" searched "sume", "Zürich" searched "zu" OR "rich" (a
+    decoy's word), "piñata" "pin" OR "ata"; and "İstanbul", whose lower case is "i" plus a
+    combining dot, searched "stanbul". FTS5 keeps such words whole in the documents (and
+    folds the accent), so the query keeps a word's marks too. A word FTS5 does cut at a
+    mark (Devanagari's vowel signs) is searched as the phrase of its pieces, not as any one
+    of them."""
+    backend = EmbeddedBackend(tmp_path)
+    nfc, nfd = (functools.partial(unicodedata.normalize, form) for form in ("NFC", "NFD"))
+    texts = {
+        "cv-nfc": ("", nfc("Résumé writing for a café owner")),
+        "cv-nfd": ("", nfd("Résumé writing for a café owner")),
+        "zurich": ("", nfc("A weekend in Zürich by train")),
+        "pinata": ("", nfc("A piñata for the birthday party")),
+        "istanbul": ("İstanbul", "A travel guide"),
+        "hindi": ("", "हिन्दी भाषा"),
+        "decoy": ("", "How the rich get richer: a pin for the map, ata, सुदनह, द न ह"),
+    }
+    load(backend, embedder, "acme", docs_of(texts))
+
+    def bm25(text: str) -> list[str]:
+        return sorted(ids(search(backend, embedder, "acme", text, channels=("bm25",)), "bm25"))
+
+    for form in (nfc, nfd):
+        assert bm25(form("résumé")) == ["cv-nfc", "cv-nfd"]
+        assert bm25(form("RÉSUMÉ")) == ["cv-nfc", "cv-nfd"]
+        assert bm25(form("Zürich")) == ["zurich"]
+        assert bm25(form("piñata")) == ["pinata"]
+    assert bm25("İstanbul") == bm25("istanbul") == bm25("ISTANBUL") == ["istanbul"]
+    assert bm25("हिन्दी") == ["hindi"]
+    assert match_expression(nfd("Zürich résumé")) == '"zürich" OR "résumé"'
+    assert match_expression("\u0301 ?") is None  # a mark alone is no word
     backend.close()
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import re
 import time
+import unicodedata
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -48,7 +49,8 @@ _NLTK_STOPWORDS = """
 #: The common English stopword list (NLTK's 179 words), removed from queries only.
 ENGLISH_STOPWORDS: frozenset[str] = frozenset(_NLTK_STOPWORDS.split())
 
-_WORD = re.compile(r"\w+")
+_WORD = re.compile(r"\w")
+_NOT_A_WORD = re.compile(r"[^\w\s]")
 
 #: What a row needs besides its body to become a ``Document``: id, revision, metadata.
 _About = tuple[str, str, str]
@@ -285,10 +287,39 @@ def match_expression(query: str) -> str | None:
 
     ``None`` when the query has no word at all (``"?!"``); such a query has an empty BM25
     channel (the gateway refuses a query with no letter, digit or symbol).
+
+    A word keeps its combining marks: see :func:`query_words`.
+
+    >>> match_expression("Zu\u0308rich")
+    '"zürich"'
     """
-    words = dict.fromkeys(_WORD.findall(query.lower()))
+    words = dict.fromkeys(query_words(query))
     terms = [word for word in words if word not in ENGLISH_STOPWORDS] or list(words)
     return " OR ".join(f'"{term}"' for term in terms) or None
+
+
+def query_words(query: str) -> list[str]:
+    """The query's words, NFC-normalised and lower-cased, each with its combining marks.
+
+    A word is a run of letters, digits, ``_`` and combining marks. ``\\w+`` alone cut a
+    word at a mark, which FTS5's ``unicode61`` keeps inside the word (and folds away): an
+    accent typed as a mark (NFD, as macOS gives it) made "résumé" the word "sume", "Zürich"
+    the words "zu" and "rich", and "İstanbul" (lower-cased "i" and a combining dot)
+    "stanbul". Each word is quoted, and FTS5 tokenizes a quoted word as it tokenized the
+    documents, so a mark FTS5 does cut at (Devanagari's vowel signs) makes the word the
+    phrase of its pieces, found where the document holds that word.
+
+    >>> query_words("İstanbul, pin\u0303ata!")
+    ['i̇stanbul', 'piñata']
+    """
+    text = unicodedata.normalize("NFC", query).lower()
+    spaced = _NOT_A_WORD.sub(_space_unless_a_mark, text)
+    return [word for word in spaced.split() if _WORD.search(word)]
+
+
+def _space_unless_a_mark(match: re.Match[str]) -> str:
+    char = match.group()
+    return char if unicodedata.category(char).startswith("M") else " "
 
 
 #: Above this many multiply-adds a kNN scan goes to BLAS ``@``, below to ``np.vecdot``.
