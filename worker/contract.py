@@ -136,13 +136,17 @@ class DocumentIn(StrictModel):
 
 
 def _not_a_dot_segment(value: str) -> str:
-    """An id is never ``.`` or ``..``: every HTTP client resolves such a path segment (RFC
-    3986), so ``DELETE /v1/indexes/i/documents/..`` reached the server as
-    ``DELETE /v1/indexes/i`` and dropped the whole index, and ``GET`` of ``.`` listed the
-    documents. Refused where a document comes in; one stored before stays readable."""
-    if value in (".", ".."):
+    """No ``/``-separated part of an id is ``.`` or ``..``: every HTTP client resolves such a
+    path segment (RFC 3986), and an id's ``/`` may be sent raw in a path, so ``DELETE
+    /v1/indexes/i/documents/..`` or ``.../documents/x/../..`` reached the server as ``DELETE
+    /v1/indexes/i`` and dropped the whole index, ``.../documents/a/../b`` deleted document
+    ``b``, and ``GET`` of ``.`` listed the documents. Refused where a document comes in; one
+    stored before stays readable (its dots sent as ``%2E``) and deletable (by the delete
+    body's ids, which no client resolves)."""
+    if any(part in (".", "..") for part in value.split("/")):
         raise ValueError(
-            f"{value!r} is not an id a URL can hold: HTTP clients resolve it as a path segment"
+            f"{value!r} is not an id a URL can hold: HTTP clients resolve a '.' or '..' "
+            "between slashes as a path segment"
         )
     return value
 

@@ -156,6 +156,18 @@ CASES: list[tuple[str, str, dict[str, Any], dict[str, Any], str]] = [
         )
         for dots in (".", "..")
     ],
+    # ... and so is one between slashes: DELETE .../documents/x/../.. sent raw (an id's "/"
+    # may be) dropped the index, and .../documents/a/../b deleted document b
+    *[
+        (
+            "POST",
+            "/v1/indexes/docs/documents",
+            {"documents": [{"id": "1", "text": "t"}, {"id": dots, "text": "t"}]},
+            {},
+            "documents[1].id",
+        )
+        for dots in ("x/../..", "a/../b", "./c", "a/.", "a/./b", "a//..")
+    ],
     (
         "POST",
         "/v1/indexes/docs/documents",

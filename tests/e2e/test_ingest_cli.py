@@ -175,10 +175,12 @@ def test_a_blank_text_stops_the_command_before_anything_is_sent(
 def test_a_dot_segment_id_stops_the_command_before_anything_is_sent(
     stack: Stack, tmp_path: Path
 ) -> None:
-    """The gateway refuses the ids ``.`` and ``..`` (a client resolves them in a URL:
-    ``DELETE .../documents/..`` is the index's own ``DELETE``); ``sift ingest`` names the
-    line, a BEIR one by its ``_id``."""
-    for n, row in enumerate(({"id": ".", "text": "one dot"}, {"_id": "..", "text": "two"})):
+    """The gateway refuses an id with a ``.`` or ``..`` part between slashes (a client
+    resolves them in a URL: ``DELETE .../documents/..`` is the index's own ``DELETE``, and
+    ``.../documents/a/../b`` is document ``b``'s); ``sift ingest`` names the line, a BEIR one
+    by its ``_id``."""
+    rows = ({"id": ".", "text": "one dot"}, {"_id": "..", "text": "two"}, {"id": "a/../b"})
+    for n, row in enumerate({**row, "text": "t"} for row in rows):
         index = f"cli-dots-{n}"
         corpus = write_jsonl(tmp_path / f"d{n}.jsonl", [{"id": "ok", "text": "a good line"}, row])
         result = sift(stack, "ingest", str(corpus), "--index", index, "--batch-size", "1")
