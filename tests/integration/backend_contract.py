@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from tests.fakes import FakeEmbedder
+from worker.constants import MAX_BM25_WORDS
 from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, Prepared, SearchPipeline
 from worker.core.ports import SearchBackend
@@ -282,6 +283,23 @@ class BackendContract:
         assert top.ranks.final == 1 and top.scores.rrf == pytest.approx(2 / 61)
         assert top.scores.bm25 is not None and top.scores.knn is not None
         assert [h.ranks.final for h in result.hits] == list(range(1, len(result.hits) + 1))
+
+    def test_the_bm25_channel_reads_the_first_words_of_a_long_query(
+        self, backend: SearchBackend, index: str
+    ) -> None:
+        """Both backends' BM25 channels read a query's first ``MAX_BM25_WORDS`` words
+        (Elasticsearch refused a search of more leaf clauses than a small node allows): a
+        word past them is not searched by BM25, one among them is."""
+        self.load(backend, index, "acme")
+        pipeline = SearchPipeline(backend, EMBEDDER, config=PipelineConfig())
+        filler = [f"zq{n}" for n in range(MAX_BM25_WORDS)]
+
+        def fts(words: list[str]) -> list[str]:
+            spec = SearchSpec(index=index, query=" ".join(words), mode="fts")
+            return [hit.id for hit in pipeline.search(spec, "acme").hits]
+
+        assert fts([*filler[:-1], "malaria"]) == ["mal"]
+        assert fts([*filler, "malaria"]) == []
 
 
 class LifecycleContract(BackendContract):

@@ -65,6 +65,7 @@ from worker.adapters.elasticsearch import (
     tenant_key,
 )
 from worker.adapters.elasticsearch._listing import LENGTH_SCRIPT, PREVIEW_SCRIPT
+from worker.constants import MAX_BM25_WORDS, MAX_FILTER_KEYS, MAX_QUERY_CHARS
 from worker.contract import Channel, FilterValue, SearchSpec
 from worker.core.pipeline import PipelineConfig, SearchPipeline
 from worker.core.types import ChannelQuery, Document, HardFilters, IndexProbe
@@ -906,6 +907,46 @@ def test_pipeline_fuses_the_channels_with_sift_rrf_and_keeps_each_rank(
     assert knn["knn"]["query_vector"] == pytest.approx(
         FakeEmbedder().embed(["vitamin d fractures"])[0]
     )
+
+
+def test_a_long_cjk_query_sends_no_more_leaf_clauses_than_any_node_allows(
+    server: FakeElasticsearchServer,
+) -> None:
+    """ES's standard tokenizer makes each ideograph a token, and ``multi_match`` over title
+    and text one leaf clause per token and field: 2,000 distinct ideographs were 4,000
+    leaves, past the ``max(1024, heap_MB * 64 / search_threads)`` a small node with many
+    cores allows (``too_many_clauses``). The BM25 query holds the first ``MAX_BM25_WORDS``;
+    with the most filters a search takes, its leaves stay under 1,024."""
+    on_probes(server, Answer(200, probes(documents=True, vectors=True)))
+    server.on("GET", f"/{ACME}/_mapping", Answer(200, mapping()))
+    on_searches(server, Answer(200, msearch_response(search_response(BM25_HITS))))
+    ideographs = "".join(chr(0x4E00 + n) for n in range(MAX_QUERY_CHARS))
+    filters: dict[str, FilterValue] = {f"k{n}": n for n in range(MAX_FILTER_KEYS)}
+    pipeline = SearchPipeline(backend_for(server), FakeEmbedder(), config=PipelineConfig())
+    pipeline.search(
+        SearchSpec(index="docs", query=ideographs, mode="fts", filters=filters), tenant="acme"
+    )
+    _, bm25 = server.requests[-1].ndjson()
+    assert bm25["query"]["bool"]["must"]["multi_match"]["query"] == ideographs[:MAX_BM25_WORDS]
+    assert leaf_clauses(bm25["query"]) < 1024
+
+
+def leaf_clauses(query: dict[str, Any]) -> int:
+    """The leaf queries Lucene counts against the clause limit in an ES query of Sift's
+    shapes: a ``multi_match`` one per ideograph (a token each) and field, any other leaf
+    (``term``, ``terms``, ``exists``) one."""
+    if "bool" in query:
+        clauses = query["bool"]
+        return sum(
+            leaf_clauses(part)
+            for occur in ("must", "should", "filter", "must_not")
+            for part in (
+                [clauses[occur]] if isinstance(clauses.get(occur), dict) else clauses.get(occur, [])
+            )
+        )
+    if "multi_match" in query:
+        return len(query["multi_match"]["query"]) * len(query["multi_match"]["fields"])
+    return 1
 
 
 def test_a_min_similarity_floor_reads_cosine_not_es_scores(server: FakeElasticsearchServer) -> None:

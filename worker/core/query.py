@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence, Set
 
-from worker.constants import CHANNEL_WINDOW_FACTOR, MIN_CHANNEL_WINDOW
+from worker.constants import CHANNEL_WINDOW_FACTOR, MAX_BM25_WORDS, MIN_CHANNEL_WINDOW
 from worker.contract import Channel, Mode
 from worker.core.fusion import Fusion
 from worker.errors import EmbeddingModelMismatch, IndexNotFound, InvalidRequest, ModeUnavailable
@@ -26,6 +27,37 @@ def normalise_query(query: str) -> str:
     if not normalised:
         raise InvalidRequest("query", "must contain at least one non-whitespace character")
     return normalised
+
+
+# Characters Elasticsearch's standard tokenizer makes a token each (UAX #29): Han ideographs,
+# hiragana, and emoji; a run of any other word characters is one word at most.
+_ONE_EACH = (
+    "\u3040-\u309f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003ffff"
+    "\u2600-\u27bf\U0001f000-\U0001faff"
+)
+_WORD = re.compile(f"[{_ONE_EACH}]|[^\\W{_ONE_EACH}]+")
+
+
+def bm25_text(query: str, limit: int = MAX_BM25_WORDS) -> str:
+    """The part of ``query`` its BM25 channel searches: the text up to its ``limit``-th word.
+
+    Elasticsearch's BM25 query (``multi_match`` over title and text) is one leaf clause per
+    token and field, and a node refuses a search of more leaves than ``max(1024, heap_MB *
+    64 / search_threads)``: 2,000 distinct ideographs, a token each, were 4,000 leaves and
+    ``too_many_clauses`` on a small node with many cores. A word here is a run of letters
+    and digits, or one ideograph, kana or emoji, as the tokenizer makes each of those a
+    token: never fewer words than Elasticsearch's tokens. Both backends search the same
+    words, so they answer alike; the kNN channel still reads the whole query.
+
+    >>> bm25_text("a b c d", limit=2), bm25_text("東京タワー", limit=2)
+    ('a b', '東京')
+    """
+    end = 0
+    for count, word in enumerate(_WORD.finditer(query)):
+        if count == limit:  # a word past the limit: the text ends with the one before
+            return query[:end]
+        end = word.end()
+    return query
 
 
 def select_channels(

@@ -23,7 +23,13 @@ from worker.core.ports import (
     Recorder,
     SearchBackend,
 )
-from worker.core.query import channel_window, check_model, coarse_limit, select_channels
+from worker.core.query import (
+    bm25_text,
+    channel_window,
+    check_model,
+    coarse_limit,
+    select_channels,
+)
 from worker.core.types import Candidate, ChannelQuery, ChannelResults, HardFilters, IndexProbe
 from worker.errors import DeadlineExceeded, SiftError
 
@@ -84,7 +90,7 @@ class Retrieval:
             filters=HardFilters(tenant=tenant, fields=dict(spec.filters)),
             channels=channels,
             size=channel_window(coarse),
-            text=query,
+            text=bm25_text(query),  # its first words: the BM25 channels read no more
             vector=vector,
             weights={c: fusion.weight(c) for c in channels},
             rank_constant=fusion.rank_constant,
