@@ -26,7 +26,8 @@ IdemKey = Annotated[
         min_length=1,
         max_length=MAX_IDEMPOTENCY_KEY_CHARS,
         description="Same key and body: the same job. Different body: 422. "
-        "While the first request is still being answered: 409.",
+        "While the first request is still being answered: 409. At most 255 bytes as sent "
+        "(the header's bytes are read one character each): ASCII is recommended.",
     ),
 ]
 

@@ -170,6 +170,17 @@ def test_an_idempotency_key_over_the_limit_is_422_naming_it(stack: Stack) -> Non
     names_the_field(response, 422, "Idempotency-Key")
 
 
+def test_an_idempotency_keys_limit_counts_bytes_as_sent(stack: Stack) -> None:
+    """The limit is in bytes, as docs/security.md says (it said characters): the server
+    reads a header's bytes one character each, so 128 ``é`` sent in UTF-8 (256 bytes) are
+    over it, and 255 ASCII bytes are not."""
+    accented = {**ACME, "Idempotency-Key": "\u00e9".encode() * 128}
+    refused = stack.idle.post("/v1/searches", json=search(), headers=accented)
+    names_the_field(refused, 422, "Idempotency-Key")
+    ascii_key = {**ACME, "Idempotency-Key": b"k" * MAX_IDEMPOTENCY_KEY_CHARS}
+    assert stack.idle.post("/v1/searches", json=search(), headers=ascii_key).status_code == 202
+
+
 def test_an_index_name_over_the_limit_is_422_naming_index(stack: Stack) -> None:
     response = stack.idle.post("/v1/searches", json=search(index="a" * 129), headers=ACME)
     names_the_field(response, 422, "index")
