@@ -234,7 +234,7 @@ def test_a_body_not_sent_as_json_is_415_naming_body_and_the_content_type(
         ("GET", "/v1%2Findexes", 404, "path"),
         ("GET", "/docs/assets/nope.js", 404, "path"),
         ("PUT", "/v1/searches", 405, "method"),
-        ("DELETE", "/v1/searches/srch_0", 405, "method"),
+        ("PATCH", "/v1/searches/srch_0", 405, "method"),
     ],
 )
 def test_a_path_or_method_no_route_has_is_a_4xx_naming_it(
