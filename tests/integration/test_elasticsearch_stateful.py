@@ -1412,6 +1412,16 @@ def test_an_index_limit_refusal_names_no_index_that_holds_documents(fake: Any) -
     assert refused.value.unlisted == []
 
 
+def _purge_env(redis_url: str, server: FakeElasticsearchServer) -> dict[str, str]:
+    """``sift tenant purge``'s environment against this fake cluster."""
+    return {
+        "SIFT_REDIS_URL": redis_url,
+        "SIFT_SEARCH_BACKEND": "elasticsearch",
+        "SIFT_ELASTICSEARCH_URL": server.url,
+        "SIFT_ELASTICSEARCH_VECTOR_DIMS": "64",
+    }
+
+
 def test_the_listing_counts_each_live_index_whatever_a_reindex_kept(
     fake: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1453,12 +1463,7 @@ def test_a_purge_drops_the_tenants_indexes_that_hold_no_document_too(
     assert sorted(backend._aliases(f"{stem}*").values()) == [
         [backend.alias(name, "acme")] for name in ("bio", "docs", "faq", "ops")
     ]
-    env = {
-        "SIFT_REDIS_URL": redis_url,
-        "SIFT_SEARCH_BACKEND": "elasticsearch",
-        "SIFT_ELASTICSEARCH_URL": server.url,
-        "SIFT_ELASTICSEARCH_VECTOR_DIMS": "64",
-    }
+    env = _purge_env(redis_url, server)
 
     ran = purge(env, "acme")
 
@@ -1486,12 +1491,7 @@ def test_a_purge_closes_the_new_index_an_unfinished_ingest_names(
     docs = _few("s", 3)
     job = store.create_ingest("acme", "fresh", [DocumentIn(id=d.id, text=d.text) for d in docs])
     assert store.start_ingest(job.id)
-    env = {
-        "SIFT_REDIS_URL": redis_url,
-        "SIFT_SEARCH_BACKEND": "elasticsearch",
-        "SIFT_ELASTICSEARCH_URL": server.url,
-        "SIFT_ELASTICSEARCH_VECTOR_DIMS": "64",
-    }
+    env = _purge_env(redis_url, server)
 
     ran = purge(env, "acme")
 
