@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
+import httpx
+import pytest
+
+from worker.cli._http import Gateway
 from worker.contract import Channel, DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.core.catalog import StoredDocument
 from worker.core.pipeline import BeforeModel
@@ -293,3 +300,21 @@ class RecordingRecorder:
     def search_done(self, mode: str, outcome: str, seconds: float) -> None:
         self.events["search", outcome] += 1
         self.search_seconds.append(seconds)
+
+
+def cli_answered_by(
+    monkeypatch: pytest.MonkeyPatch, command: ModuleType, transport: httpx.BaseTransport
+) -> None:
+    """A CLI command module's gateway client sends to ``transport`` (the gateway's answers, or
+    its failures, scripted), and its retries' back-off takes no time."""
+
+    @contextlib.contextmanager
+    def gateway(_: httpx.BaseTransport | None = None) -> Iterator[Gateway]:
+        client = Gateway("http://sift.test", "k", transport=transport)
+        try:
+            yield client
+        finally:
+            client.close()
+
+    monkeypatch.setattr(command, "gateway", gateway)
+    monkeypatch.setattr(time, "sleep", lambda s: None)

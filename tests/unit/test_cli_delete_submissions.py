@@ -7,17 +7,14 @@ read timeout, a ``503 unavailable``) made a second job, which deleted nothing
 
 from __future__ import annotations
 
-import contextlib
 import json
-import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from typer.testing import CliRunner
 
+from tests.fakes import cli_answered_by
 from worker.cli import app, indexes
-from worker.cli._http import Gateway
 
 
 class _Gateway:
@@ -62,16 +59,7 @@ class _FullGateway(_Gateway):
 
 
 def _using(monkeypatch: pytest.MonkeyPatch, fake: _Gateway) -> None:
-    @contextlib.contextmanager
-    def gateway(transport: httpx.BaseTransport | None = None) -> Iterator[Gateway]:
-        client = Gateway("http://sift.test", "k", transport=httpx.MockTransport(fake))
-        try:
-            yield client
-        finally:
-            client.close()
-
-    monkeypatch.setattr(indexes, "gateway", gateway)
-    monkeypatch.setattr(time, "sleep", lambda s: None)  # the retry's back-off
+    cli_answered_by(monkeypatch, indexes, httpx.MockTransport(fake))
 
 
 def test_a_delete_never_sent_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:

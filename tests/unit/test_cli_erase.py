@@ -4,33 +4,20 @@ The real gateway's answers are in ``tests/e2e/test_erase.py``."""
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
-
 import httpx
 import pytest
 from typer.testing import CliRunner
 
+from tests.fakes import cli_answered_by
 from worker.cli import app
 from worker.cli import erase as erase_command
-from worker.cli._http import Gateway
 
 SEARCH = "srch_" + "a" * 32
 ERASED = {"id": SEARCH, "kind": "search", "erased_at": "2026-12-05T16:00:00+00:00"}
 
 
 def _using(monkeypatch: pytest.MonkeyPatch, answer: httpx.MockTransport) -> None:
-    @contextlib.contextmanager
-    def gateway(transport: httpx.BaseTransport | None = None) -> Iterator[Gateway]:
-        client = Gateway("http://sift.test", "k", transport=answer)
-        try:
-            yield client
-        finally:
-            client.close()
-
-    monkeypatch.setattr(erase_command, "gateway", gateway)
-    monkeypatch.setattr(time, "sleep", lambda s: None)  # the retry's back-off
+    cli_answered_by(monkeypatch, erase_command, answer)
 
 
 def test_an_erase_whose_answer_was_lost_is_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
