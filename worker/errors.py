@@ -210,6 +210,10 @@ class RerankAttemptError(SiftError):
     connection was refused or timed out, the SDK found no credentials)."""
 
     code = "rerank_attempt_failed"
+    # the Message Batches call that failed (``create``, ``retrieve``, ``results``, ``list``,
+    # ``cancel``; set by that adapter), None for a Messages call: a status error reading a
+    # provider batch says nothing for good of the batch, which the provider runs on
+    call: str | None = None
 
     def __init__(
         self,

@@ -153,6 +153,27 @@ def test_a_create_whose_answer_was_lost_is_found_not_made_twice(
     assert [m for m in watched if m.startswith(batch_id)] == []
 
 
+def test_a_transient_404_on_a_lost_creates_own_batch_does_not_send_it_again(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # the create is made and its answer lost; the one candidate found, Sift's own batch,
+    # answers its first retrieve 404 (the API does so for a while after a create:
+    # anthropics/anthropic-sdk-python#1432). It was judged another client's on that one
+    # answer and its requests sent again: two provider batches run and billed, one shown.
+    stack.model.configure(batch_processing_seconds=1.0)
+    stack.model.script_batch_calls("create", [drop()])
+    stack.model.script_batch_calls("retrieve", [status(404, message="not found")])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    done = _wait(stack, batch_id)
+    assert done["counts"]["succeeded"] == 3, done
+    [made] = stack.model.batches()  # made once: polled again, and found Sift's by its lines
+    for item in _results(stack, batch_id).values():
+        attempts = item["result"]["trace"]["attempts"]
+        assert [a["outcome"] for a in attempts] == ["ok"], attempts
+        assert attempts[0]["provider_batch"] == made["id"]
+    assert done["usage"]["requests"] == 3, done["usage"]
+
+
 def test_a_lost_create_is_told_from_another_clients_batch_by_its_results(
     stack: Stack, corpus: object, queries: list[str]
 ) -> None:
@@ -226,13 +247,15 @@ def test_a_cancel_the_provider_refuses_never_fails_the_items(
     assert all(r["status"] == "canceled" for r in _results(stack, batch_id).values())
 
 
-def test_a_candidate_that_cannot_be_polled_and_a_failed_resend_leave_no_item_waiting(
+def test_a_candidate_answering_404_once_and_a_failed_resend_leave_no_item_waiting(
     stack: Stack, corpus: object, queries: list[str]
 ) -> None:
     # a create in doubt (500) that made nothing; its one candidate, another client's batch,
-    # cannot be retrieved (404: its owner deleted it), so it is judged not Sift's and the
-    # items are sent again; that create meets an overloaded provider (529). The resend is
-    # tried again, as any failed create is: no item is left running with nothing to run it.
+    # answers its first retrieve 404. One answer settles nothing (the API answers 404 for a
+    # while after a create): it is polled again, and judged by its results, which hold no
+    # line of Sift's create, so the items are sent again; that create meets an overloaded
+    # provider (529). The resend is tried again, as any failed create is: no item is left
+    # running with nothing to run it.
     stack.model.configure(batch_processing_seconds=0.5)
     _foreign_batch(stack, 3)
     stack.model.script_batch_calls("create", [status(500), status(529)])

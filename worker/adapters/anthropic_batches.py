@@ -227,9 +227,11 @@ class AnthropicMessageBatches:
                 except StopIteration:
                     return
                 except Exception as exc:  # any transport failure mid-file: the download cut
-                    raise RerankAttemptError(
+                    cut = RerankAttemptError(
                         AttemptOutcome.CONNECTION, f"results of {batch_id} cut: {exc!r}"
-                    ) from exc
+                    )
+                    cut.call = "results"
+                    raise cut from exc
                 if raw.strip():
                     yield parse_line(raw)
         finally:
@@ -324,7 +326,17 @@ def _provider_batch(batch: MessageBatch) -> ProviderBatch:
 
 
 def _call(fn: Callable[[], T], what: str) -> T:
-    """One Message Batches API call, its failure translated into an attempt class."""
+    """One Message Batches API call, its failure translated into an attempt class, naming
+    the call (``RerankAttemptError.call``): the poll tells a provider batch it could not read
+    from a create of its resubmission that failed."""
+    try:
+        return _translated(fn, what)
+    except RerankAttemptError as error:
+        error.call = what
+        raise
+
+
+def _translated(fn: Callable[[], T], what: str) -> T:
     try:
         return fn()
     except anthropic.APITimeoutError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from celery import shared_task
 
@@ -26,6 +27,18 @@ log = logging.getLogger(__name__)
 # Past the economy deadline plus the provider's own 24 h, a poll that still cannot reach the
 # provider gives up and applies the failure policy to what is left.
 PROVIDER_EXPIRY_SECONDS = 24 * 3600.0
+
+# The calls that read a provider batch (a failed create of a resubmission is no such read)
+READS = frozenset({"retrieve", "results"})
+
+
+def polled_again(exc: RerankAttemptError, record: dict[str, Any]) -> bool:
+    """Whether a poll that failed with ``exc`` is tried again, until it gives up: a retryable
+    failure, or any failure reading a candidate of a create in doubt. A candidate is judged
+    by its results lines alone: a status error on its retrieve or results (the API answers
+    404 for a while after a create: anthropics/anthropic-sdk-python#1432) judged it another
+    client's, and its items, which it holds, were sent and billed a second time."""
+    return exc.retryable or (bool(record.get("doubt")) and exc.call in READS)
 
 
 @shared_task(  # type: ignore[untyped-decorator]
@@ -77,7 +90,7 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         raise self.retry(countdown=poll_countdown(self)) from exc
     except RerankAttemptError as exc:
         give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
-        if exc.retryable and time.time() < give_up:
+        if polled_again(exc, record) and time.time() < give_up:
             log.warning("provider batch %s: %s; polling again", provider_id, exc)
             expect(self, batch_id, provider_id, poll_countdown(self))
             raise self.retry(countdown=poll_countdown(self)) from exc
@@ -93,7 +106,8 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
 def _resend_after_candidate(
     task: SiftTask, batch: BatchJob, provider_id: str, give_up: float
 ) -> None:
-    """A candidate that cannot be polled any more is judged not Sift's (:func:`candidate_ended`).
+    """A candidate that cannot be polled any more (its poll gave up) is judged not Sift's
+    (:func:`candidate_ended`).
     Should that resend of its items fail, it is retried as any failed create is (this poll
     again: the candidate is kept as ended, so only the resend is), else the items take their
     failure policy. The error never escapes the task: its watch is met by then, so nothing
