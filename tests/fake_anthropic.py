@@ -180,6 +180,7 @@ Kind = Literal[
     "status",
     "stall",
     "slow",
+    "stale",
     "drop",
     "body",
     "trickle",
@@ -278,6 +279,14 @@ def slow(seconds: float) -> Behaviour:
     answered at once), as a create of a large body takes its time: meanwhile no provider
     batch exists to be found, unlike :func:`stall`'s."""
     return Behaviour("slow", seconds=seconds)
+
+
+def stale() -> Behaviour:
+    """On a Message Batches ``retrieve``: the batch as a read behind its writes answers it,
+    ``in_progress`` with no ``results_url`` (the API's reads lag for a while:
+    anthropics/anthropic-sdk-python#1432 saw 404s just after a create). The SDK's
+    ``results`` retrieves the batch first and raises on a missing ``results_url``."""
+    return Behaviour("stale")
 
 
 def delay(seconds: float) -> Behaviour:
@@ -812,17 +821,21 @@ class FakeAnthropic:
         was created; on ``results``, half the file, then the connection closed) or, on
         ``create``, ``stall(seconds)`` (the batch made at once, its answer that much later:
         time to kill the caller between the two) or ``slow(seconds)`` (the batch made, and
-        answered, only that much later). The SDK's
+        answered, only that much later), or, on ``retrieve``, ``stale()`` (the batch as it
+        stood before it ended: ``in_progress``, no ``results_url``). The SDK's
         ``results`` retrieves the batch first: that call is a ``retrieve``."""
         if call not in get_args(BatchCall):
             raise ValueError(f"unknown batch call: {call!r}")
         for answer in answers:
-            if answer.kind not in ("good", "status", "drop", "stall", "slow"):
+            if answer.kind not in ("good", "status", "drop", "stall", "slow", "stale"):
                 raise ValueError(
-                    "a batch call answers as good(), status(...), drop(), stall() or slow()"
+                    "a batch call answers as good(), status(...), drop(), stall(), slow() "
+                    "or stale()"
                 )
             if answer.kind in ("stall", "slow") and call != "create":
                 raise ValueError("stall() and slow() are for create")
+            if answer.kind == "stale" and call != "retrieve":
+                raise ValueError("stale() is for retrieve")
         with self._lock:
             self._state.batch_calls.setdefault(call, deque()).extend(answers)
 
@@ -1380,13 +1393,18 @@ class FakeAnthropic:
 
     async def _batch_retrieve(self, request: Request) -> Response:
         scripted = self._scripted_call("retrieve")
-        if scripted is not None:
+        if scripted is not None and scripted.kind != "stale":
             return await _drop(request) if scripted.kind == "drop" else _scripted_error(scripted)
         with self._lock:
             batch = self._batch_or_error(request)
             if isinstance(batch, Response):
                 return batch
-            return JSONResponse(self._batch_json(batch, _base(request)))
+            answer = self._batch_json(batch, _base(request))
+            if scripted is not None:  # stale: as it stood before it ended
+                counts = answer["request_counts"]
+                counts.update(dict.fromkeys(counts, 0), processing=len(batch.requests))
+                answer.update(processing_status="in_progress", ended_at=None, results_url=None)
+            return JSONResponse(answer)
 
     async def _batch_cancel(self, request: Request) -> Response:
         scripted = self._scripted_call("cancel")

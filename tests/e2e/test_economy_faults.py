@@ -31,6 +31,7 @@ from tests.fake_anthropic import (
     errored,
     garbled,
     good,
+    stale,
     status,
     succeeded,
 )
@@ -119,6 +120,50 @@ def test_a_results_download_cut_midway_is_read_again(
     for item in _results(stack, batch_id).values():  # each answer counted once
         assert [a["outcome"] for a in item["result"]["trace"]["attempts"]] == ["ok"]
     assert len(stack.model.batches()) == 1
+
+
+def _all_answered_once(stack: Stack, batch_id: str, done: dict[str, object]) -> None:
+    """Every item of a 3-item batch answered by the one provider batch, and its usage shown."""
+    assert done["counts"] == {"total": 3, "queued": 0, "running": 0, "succeeded": 3,
+                              "failed": 0, "canceled": 0}, done  # fmt: skip
+    [made] = stack.model.batches()
+    for item in _results(stack, batch_id).values():
+        attempts = item["result"]["trace"]["attempts"]
+        assert [(a["outcome"], a["provider_batch"]) for a in attempts] == [("ok", made["id"])]
+    usage = done["usage"]
+    assert isinstance(usage, dict) and usage["requests"] == 3 and usage["cost_usd"] > 0, usage
+
+
+@pytest.mark.parametrize("code", [401, 404])
+def test_one_status_error_on_a_poll_does_not_fail_items_the_provider_still_runs(
+    stack: Stack, corpus: object, queries: list[str], code: int
+) -> None:
+    # one 401 (a key rotated) or 404 (the API's reads lag its writes) on a recorded provider
+    # batch's retrieve: the provider runs it on and bills every request. It failed every
+    # item at once (http_4xx), with no usage, and its results were never read.
+    stack.model.configure(batch_processing_seconds=1.0)
+    stack.model.script_batch_calls("retrieve", [status(code)])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    _all_answered_once(stack, batch_id, _wait(stack, batch_id))
+
+
+def test_one_404_on_the_results_download_is_read_again(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # the batch ended: its results exist (29 days). One 404 on the download failed them all.
+    stack.model.script_batch_calls("results", [status(404, message="not found")])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    _all_answered_once(stack, batch_id, _wait(stack, batch_id))
+
+
+def test_an_ended_batch_read_back_without_its_results_url_is_read_again(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # the poll's retrieve says ended; the SDK's results() retrieves it again and meets a read
+    # behind its writes (in_progress, no results_url): the SDK raises. That failed them all.
+    stack.model.script_batch_calls("retrieve", [good(), stale()])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    _all_answered_once(stack, batch_id, _wait(stack, batch_id))
 
 
 def _foreign_batch(stack: Stack, requests: int) -> str:

@@ -496,6 +496,23 @@ def test_message_batches_create_retrieve_results_cancel() -> None:
             client.messages.batches.create(requests=bad)  # type: ignore[arg-type]
 
 
+def test_a_stale_retrieve_answers_the_batch_as_before_it_ended_once() -> None:
+    from tests.fake_anthropic import stale
+
+    request = {"custom_id": "i0", "params": {"model": "claude-haiku-4-5", "max_tokens": 16,
+               "messages": [{"role": "user", "content": "[1] a"}]}}  # fmt: skip
+    with FakeAnthropic(batch_processing_seconds=0.0) as fake:
+        client = anthropic.Anthropic(base_url=fake.url, api_key="k", max_retries=0)
+        batch = client.messages.batches.create(requests=[request])  # type: ignore[arg-type]
+        fake.script_batch_calls("retrieve", [stale()])
+        # the SDK's results() retrieves first: no results_url, so it raises
+        with pytest.raises(anthropic.AnthropicError, match="results_url"):
+            client.messages.batches.results(batch.id)
+        assert [line.custom_id for line in client.messages.batches.results(batch.id)] == ["i0"]
+        with pytest.raises(ValueError, match="retrieve"):
+            fake.script_batch_calls("results", [stale()])
+
+
 def test_a_batchs_ended_at_is_when_it_ended_not_when_it_was_first_seen() -> None:
     # the real API's ended_at is when processing_status became ended; Sift reads it to tell
     # a user's cancel from one made elsewhere, so a late first retrieve must not move it
@@ -503,14 +520,14 @@ def test_a_batchs_ended_at_is_when_it_ended_not_when_it_was_first_seen() -> None
                "messages": [{"role": "user", "content": "[1] a"}]}}  # fmt: skip
     with FakeAnthropic(batch_processing_seconds=0.05) as fake:
         client = anthropic.Anthropic(base_url=fake.url, api_key="k", max_retries=0)
-        made = client.messages.batches.create(requests=[request])  # type: ignore[list-item]
+        made = client.messages.batches.create(requests=[request])  # type: ignore[arg-type]
         time.sleep(0.5)
         ended = client.messages.batches.retrieve(made.id)
         assert ended.processing_status == "ended" and ended.ended_at is not None
         assert (ended.ended_at - made.created_at).total_seconds() == pytest.approx(0.05, abs=1e-3)
 
         fake.configure(batch_processing_seconds=60.0)
-        outside = client.messages.batches.create(requests=[request])  # type: ignore[list-item]
+        outside = client.messages.batches.create(requests=[request])  # type: ignore[arg-type]
         fake.cancel_batch(outside.id)  # from outside its client, as the Console would
         time.sleep(0.5)
         canceled = client.messages.batches.retrieve(outside.id)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 from celery import shared_task
 
@@ -32,13 +31,16 @@ PROVIDER_EXPIRY_SECONDS = 24 * 3600.0
 READS = frozenset({"retrieve", "results"})
 
 
-def polled_again(exc: RerankAttemptError, record: dict[str, Any]) -> bool:
+def polled_again(exc: RerankAttemptError) -> bool:
     """Whether a poll that failed with ``exc`` is tried again, until it gives up: a retryable
-    failure, or any failure reading a candidate of a create in doubt. A candidate is judged
-    by its results lines alone: a status error on its retrieve or results (the API answers
-    404 for a while after a create: anthropics/anthropic-sdk-python#1432) judged it another
-    client's, and its items, which it holds, were sent and billed a second time."""
-    return exc.retryable or (bool(record.get("doubt")) and exc.call in READS)
+    failure, or any failure reading the provider batch (its retrieve, its results). The
+    provider runs the batch on, and bills it, whatever one read answered; its results stay
+    29 days. A status error there (the API answers 404 for a while after a create:
+    anthropics/anthropic-sdk-python#1432; a 401 while a key is rotated; the SDK's error on a
+    missing ``results_url``) failed every item waiting on a batch Sift had recorded, with
+    no usage, and judged a candidate of a create in doubt another client's, its requests
+    sent and billed a second time. A candidate is judged by its results lines alone."""
+    return exc.retryable or exc.call in READS
 
 
 @shared_task(  # type: ignore[untyped-decorator]
@@ -90,7 +92,7 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         raise self.retry(countdown=poll_countdown(self)) from exc
     except RerankAttemptError as exc:
         give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
-        if polled_again(exc, record) and time.time() < give_up:
+        if polled_again(exc) and time.time() < give_up:
             log.warning("provider batch %s: %s; polling again", provider_id, exc)
             expect(self, batch_id, provider_id, poll_countdown(self))
             raise self.retry(countdown=poll_countdown(self)) from exc
