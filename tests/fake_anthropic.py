@@ -208,6 +208,7 @@ class Behaviour:
     seconds: float = 0.0
     error_code: str | None = None  # status: the error's ``details.error_code``
     should_retry: bool | None = None  # status: an ``x-should-retry`` header (None: none)
+    made: bool = False  # status, on a Message Batches create: answered once the batch was made
     category: str | None = None  # refusal: ``stop_details.category``
 
     def to_json(self) -> dict[str, Any]:
@@ -253,12 +254,16 @@ def status(
     message: str | None = None,
     error_code: str | None = None,
     should_retry: bool | None = None,
+    made: bool = False,
 ) -> Behaviour:
     """Answer an API error: ``{"type":"error","error":{...}}``, ``retry-after`` if given, and
     ``error.details.error_code`` if ``error_code`` is: e.g. ``status(429,
     error_code="enforced_spend_limit_reached")``, the organisation's monthly spend cap (a
     ``rate_limit_error`` with no ``retry-after``, that no retry clears until the month ends).
-    ``should_retry``: an ``x-should-retry: true|false`` header, the API's word on retrying."""
+    ``should_retry``: an ``x-should-retry: true|false`` header, the API's word on retrying.
+    ``made``: on a Message Batches ``create``, the error comes once the batch was made (a
+    408 or a 5xx a gateway answers after the provider took the request); otherwise nothing
+    is done, as the API does when it refuses a request."""
     return Behaviour(
         "status",
         status=code,
@@ -266,6 +271,7 @@ def status(
         message=message,
         error_code=error_code,
         should_retry=should_retry,
+        made=made,
     )
 
 
@@ -817,7 +823,8 @@ class FakeAnthropic:
     def script_batch_calls(self, call: BatchCall, answers: Sequence[Behaviour]) -> None:
         """Script the next answers of one Message Batches endpoint, one per call, then the
         normal answer again: ``good()`` (the normal answer), ``status(code, retry_after=...)``
-        (the API error, nothing done) or ``drop()`` (no answer; on ``create``, after the batch
+        (the API error, nothing done; on ``create`` with ``made=True``, once the batch was
+        made) or ``drop()`` (no answer; on ``create``, after the batch
         was created; on ``results``, half the file, then the connection closed) or, on
         ``create``, ``stall(seconds)`` (the batch made at once, its answer that much later:
         time to kill the caller between the two) or ``slow(seconds)`` (the batch made, and
@@ -1302,7 +1309,7 @@ class FakeAnthropic:
         if problem is not None:
             return _error(*problem)
         scripted = self._scripted_call("create")
-        if scripted is not None and scripted.kind == "status":
+        if scripted is not None and scripted.kind == "status" and not scripted.made:
             return _scripted_error(scripted)
         if scripted is not None and scripted.kind == "slow":  # nothing made until it is done
             if not await _wait_unless_gone(request, scripted.seconds):
@@ -1342,6 +1349,8 @@ class FakeAnthropic:
         if scripted is not None and scripted.kind == "stall":  # made; the answer late
             if not await _wait_unless_gone(request, scripted.seconds):
                 return Response(status_code=499)
+        elif scripted is not None and scripted.kind == "status":  # made, then the error
+            return _scripted_error(scripted)
         elif scripted is not None:  # drop(): created, and the answer lost
             return await _drop(request)
         return JSONResponse(payload, headers={"request-id": f"req_{_base62(24)}"})

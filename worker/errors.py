@@ -40,11 +40,11 @@ class AttemptOutcome(StrEnum):
     """The class of one rerank attempt; exactly one per attempt (DESIGN.md §4)."""
 
     OK = "ok"
-    TIMEOUT = "timeout"
-    HTTP_5XX = "http_5xx"  # 529 overloaded included
+    TIMEOUT = "timeout"  # the provider's 408 (its request timeout) included
+    HTTP_5XX = "http_5xx"  # 529 overloaded, 409 and a 4xx sent ``x-should-retry: true`` included
     RATE_LIMITED = "rate_limited"  # 429
     CONNECTION = "connection"
-    HTTP_4XX = "http_4xx"  # permanent, never retried
+    HTTP_4XX = "http_4xx"  # permanent (any other 4xx, or ``x-should-retry: false``), never retried
     MALFORMED = "malformed"  # the response failed schema validation
     REFUSED = "refused"  # the model refused (stop_reason "refusal"): billed, never retried
     BUDGET_EXHAUSTED = "budget_exhausted"  # not sent: the rate budget frees it past the deadline

@@ -26,6 +26,7 @@ from tests.e2e.test_economy import (
     _wait_for_provider_batches,
 )
 from tests.fake_anthropic import (
+    Behaviour,
     drop,
     duplicated,
     errored,
@@ -59,6 +60,32 @@ def test_a_provider_outage_at_submission_is_waited_out(
     assert done["counts"]["succeeded"] == 3, done
     assert all(r["result"]["rerank"]["applied"] for r in _results(stack, batch_id).values())
     assert len(stack.model.batches()) == 1  # the refused creates made nothing
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [status(408), status(409), status(400, should_retry=True)],
+    ids=["408", "409", "400-x-should-retry-true"],
+)
+def test_a_create_answered_a_4xx_the_provider_says_to_retry_is_sent_again(
+    stack: Stack, corpus: object, queries: list[str], answer: Behaviour
+) -> None:
+    # the SDK's own policy retries a 408, a 409 and any answer with x-should-retry: true;
+    # Sift failed the items for good (http_4xx) at the first one
+    stack.model.script_batch_calls("create", [answer])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    _all_answered_once(stack, batch_id, _wait(stack, batch_id))
+
+
+def test_a_create_answered_408_once_its_batch_was_made_is_found_not_made_twice(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # a 408 is the provider's request timeout: it may come after the batch was made, so the
+    # create is in doubt (looked for among the batches made since) before it is sent again
+    stack.model.configure(batch_processing_seconds=0.5)
+    stack.model.script_batch_calls("create", [status(408, made=True)])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    _all_answered_once(stack, batch_id, _wait(stack, batch_id))
 
 
 def test_a_create_refused_for_good_fails_only_the_items_it_would_have_sent(

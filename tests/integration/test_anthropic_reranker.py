@@ -16,6 +16,7 @@ import httpcore2
 import pytest
 
 from tests.fake_anthropic import (
+    Behaviour,
     FakeAnthropic,
     body,
     cut,
@@ -620,6 +621,43 @@ def test_x_should_retry_false_makes_a_5xx_permanent(
     fake: FakeAnthropic, reranker: AnthropicReranker
 ) -> None:
     fake.script([status(529, should_retry=False)])
+    error = attempt_error(reranker)
+    assert error.outcome is AttemptOutcome.HTTP_4XX
+    assert not error.retryable
+
+
+@pytest.mark.parametrize(
+    ("answer", "outcome"),
+    [
+        (status(408), AttemptOutcome.TIMEOUT),  # the provider's request timeout: a timeout
+        (status(409), AttemptOutcome.HTTP_5XX),  # a conflict (a lock's timeout) on its side
+        (status(400, should_retry=True), AttemptOutcome.HTTP_5XX),  # its word: try again
+        (status(404, should_retry=True), AttemptOutcome.HTTP_5XX),
+        (
+            status(429, error_code="enforced_spend_limit_reached", should_retry=True),
+            AttemptOutcome.RATE_LIMITED,
+        ),
+    ],
+    ids=["408", "409", "400-should-retry", "404-should-retry", "spend-cap-should-retry"],
+)
+def test_4xx_the_provider_says_to_retry_are_retried(
+    fake: FakeAnthropic, reranker: AnthropicReranker, answer: Behaviour, outcome: AttemptOutcome
+) -> None:
+    # the SDK's own policy (_should_retry) retries these: x-should-retry: true first, then a
+    # 408 or a 409 (Sift's retries replace the SDK's, so they must honour the same word)
+    fake.script([answer])
+    error = attempt_error(reranker)
+    assert error.outcome is outcome
+    assert error.retryable
+    assert str(answer.status) in error.message
+    assert len(fake.requests()) == 1  # max_retries=0: the SDK did not retry
+
+
+@pytest.mark.parametrize("code", [408, 409])
+def test_x_should_retry_false_makes_a_408_or_409_permanent(
+    fake: FakeAnthropic, reranker: AnthropicReranker, code: int
+) -> None:
+    fake.script([status(code, should_retry=False)])
     error = attempt_error(reranker)
     assert error.outcome is AttemptOutcome.HTTP_4XX
     assert not error.retryable

@@ -189,6 +189,28 @@ def test_recovery_after_transient_failures_uses_the_third_answer(fake: fa.FakeAn
     assert attempts == {"http_5xx": 1, "rate_limited": 1, "ok": 1}
 
 
+@pytest.mark.parametrize(
+    ("answers", "classes"),
+    [
+        ([fa.status(408), fa.status(409)], {"timeout": 1, "http_5xx": 1}),
+        ([fa.status(400, should_retry=True)], {"http_5xx": 1}),
+    ],
+    ids=["408-then-409", "400-x-should-retry-true"],
+)
+def test_a_4xx_the_provider_says_to_retry_is_retried_in_the_standard_lane(
+    fake: fa.FakeAnthropic, answers: list[fa.Behaviour], classes: dict[str, int]
+) -> None:
+    # the SDK's own policy retries a 408, a 409 and any answer with x-should-retry: true;
+    # Sift's retries replace it, and failed the search at the first (http_4xx)
+    fake.script([*answers, fa.positions([2, 1])])
+    pipeline, recorder = build(fake, "fail_closed")
+    found = search(pipeline)
+    assert found.rerank.applied is True
+    assert [h.ranks.rrf for h in found.hits][:2] == [2, 1]
+    attempts = {key[1]: n for key, n in recorder.events.items() if key[0] == "attempt"}
+    assert attempts == {**classes, "ok": 1}
+
+
 def test_usage_and_cost_equal_what_the_fake_reported(fake: fa.FakeAnthropic) -> None:
     fake.configure(cache_read_input_tokens=500, cache_creation_input_tokens=120)
     fake.script([fa.malformed("oops"), fa.good()])

@@ -513,16 +513,30 @@ def provider_retry_after(headers: Mapping[str, str]) -> float | None:
 SPEND_LIMIT_CODES = frozenset({"enforced_spend_limit_reached", "contract_spend_limit_reached"})
 
 
+def provider_says_retry(headers: Mapping[str, str]) -> bool | None:
+    """The provider's word on sending the request again, ``x-should-retry: true|false``
+    (None: it said nothing). The SDK's own retry policy obeys it before the status; Sift's
+    retries replace the SDK's, so they obey it too."""
+    word = headers.get("x-should-retry")
+    return {"true": True, "false": False}.get(word or "")
+
+
 def retry_cannot_help(exc: anthropic.APIStatusError) -> bool:
-    """Whether the provider says that sending the request again cannot succeed: a spend cap's
-    429 (:data:`SPEND_LIMIT_CODES`), or ``x-should-retry: false`` (which the SDK's own retry
-    policy obeys before the status; Sift's retries replace the SDK's)."""
-    if exc.response.headers.get("x-should-retry") == "false":
-        return True
+    """Whether the provider says that sending the request again cannot succeed:
+    ``x-should-retry: false``, or, unless it says ``true``, a spend cap's 429
+    (:data:`SPEND_LIMIT_CODES`)."""
+    says = provider_says_retry(exc.response.headers)
+    if says is not None:
+        return not says
     return exc.error_code in SPEND_LIMIT_CODES
 
 
 def _status_error(exc: anthropic.APIStatusError) -> RerankAttemptError:
+    """The class of an API error, retried as the SDK's own policy would (``_should_retry``):
+    ``x-should-retry`` first, then 408, 409, 429 and 5xx. A 408 is the provider's request
+    timeout, counted with the timeouts (and, for a Message Batches create, one that may have
+    made its batch); a 409, or any other 4xx the provider says to retry, is its transient
+    failure, counted with its 5xx. Every other 4xx is permanent: ``http_4xx``."""
     status = exc.status_code
     message = f"HTTP {status}: {_describe(exc)}"
     if exc.error_code:
@@ -534,7 +548,9 @@ def _status_error(exc: anthropic.APIStatusError) -> RerankAttemptError:
         return RerankAttemptError(AttemptOutcome.HTTP_4XX, message)
     if status == 429:
         return RerankAttemptError(AttemptOutcome.RATE_LIMITED, message, retry_after)
-    if status >= 500:
+    if status == 408:
+        return RerankAttemptError(AttemptOutcome.TIMEOUT, message, retry_after)
+    if status >= 500 or status == 409 or provider_says_retry(exc.response.headers):
         return RerankAttemptError(AttemptOutcome.HTTP_5XX, message, retry_after)
     return RerankAttemptError(AttemptOutcome.HTTP_4XX, message)
 

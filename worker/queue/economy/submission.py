@@ -100,8 +100,9 @@ def _pending(
 
 def _may_have_created(error: RerankAttemptError) -> bool:
     """False when the create surely made nothing: refused (4xx, 429) or never sent (the
-    rate budget, the processing queue's cap). A timeout, a cut connection or a 5xx may have
-    come after the provider made the batch."""
+    rate budget, the processing queue's cap). A timeout (a 408, the provider's request
+    timeout, included), a cut connection or a 5xx (and a 409 or a 4xx the provider says to
+    retry, counted with them) may have come after the provider made the batch."""
     return error.outcome not in (
         AttemptOutcome.HTTP_4XX,
         AttemptOutcome.RATE_LIMITED,
