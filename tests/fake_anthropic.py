@@ -55,7 +55,8 @@ The Message Batches API is served too: ``POST /v1/messages/batches`` (create),
 ``batch_processing_seconds`` have passed, then ``ended``, with ``request_counts`` and a
 ``results_url``), ``GET /v1/messages/batches/{id}/results`` (JSONL, deliberately out of
 order: shuffled, seeded by the batch id) and ``POST /v1/messages/batches/{id}/cancel``
-(``canceling``, then ``ended``; requests not processed by then come back ``canceled``);
+(``canceling``, then ``ended``; requests not processed by then come back ``canceled``)
+and ``DELETE /v1/messages/batches/{id}`` (an ended batch only; then 404, as for any id);
 ``cancel_batch(id)`` cancels one from outside Sift, as the Console would.
 Each request's result is ``succeeded`` with the same answer and usage as ``/v1/messages``
 would give, unless scripted (:meth:`FakeAnthropic.script_batch`: per ``custom_id``, one
@@ -638,6 +639,7 @@ class FakeAnthropic:
                     Route("/v1/messages/batches", self._batch_create, methods=["POST"]),
                     Route("/v1/messages/batches", self._batch_list, methods=["GET"]),
                     Route("/v1/messages/batches/{id}", self._batch_retrieve, methods=["GET"]),
+                    Route("/v1/messages/batches/{id}", self._batch_delete, methods=["DELETE"]),
                     Route(
                         "/v1/messages/batches/{id}/results", self._batch_results, methods=["GET"]
                     ),
@@ -1414,6 +1416,18 @@ class FakeAnthropic:
                 counts.update(dict.fromkeys(counts, 0), processing=len(batch.requests))
                 answer.update(processing_status="in_progress", ended_at=None, results_url=None)
             return JSONResponse(answer)
+
+    async def _batch_delete(self, request: Request) -> Response:
+        """The API's delete: only of a batch that has ended (cancel one in progress first);
+        then every call naming it answers 404, as for a batch another owner deleted."""
+        with self._lock:
+            batch = self._batch_or_error(request)
+            if isinstance(batch, Response):
+                return batch
+            if self._batch_status(batch) != "ended":
+                return _error(400, "invalid_request_error", "the batch has not ended")
+            del self._state.batches[batch.id]
+            return JSONResponse({"id": batch.id, "type": "message_batch_deleted"})
 
     async def _batch_cancel(self, request: Request) -> Response:
         scripted = self._scripted_call("cancel")

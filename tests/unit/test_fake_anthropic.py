@@ -513,6 +513,28 @@ def test_a_stale_retrieve_answers_the_batch_as_before_it_ended_once() -> None:
             fake.script_batch_calls("results", [stale()])
 
 
+def test_a_batch_is_deleted_once_it_has_ended_and_then_answers_404() -> None:
+    """As the API's ``DELETE /v1/messages/batches/{id}``: refused while the batch is in
+    progress, then gone (retrieve, results, list), as an owner's delete leaves it to others."""
+    request = {"custom_id": "i0", "params": {"model": "claude-haiku-4-5", "max_tokens": 16,
+               "messages": [{"role": "user", "content": "[1] a"}]}}  # fmt: skip
+    with FakeAnthropic(batch_processing_seconds=300.0) as fake:
+        client = anthropic.Anthropic(base_url=fake.url, api_key="k", max_retries=0)
+        batch = client.messages.batches.create(requests=[request])  # type: ignore[arg-type]
+        with pytest.raises(anthropic.BadRequestError):
+            client.messages.batches.delete(batch.id)
+        client.messages.batches.cancel(batch.id)
+        client.messages.batches.retrieve(batch.id)  # ended, canceled
+        deleted = client.messages.batches.delete(batch.id)
+        assert (deleted.id, deleted.type) == (batch.id, "message_batch_deleted")
+        with pytest.raises(anthropic.NotFoundError):
+            client.messages.batches.retrieve(batch.id)
+        with pytest.raises(anthropic.NotFoundError):
+            client.messages.batches.delete(batch.id)
+        assert [b.id for b in client.messages.batches.list()] == []
+        assert fake.batches() == []
+
+
 def test_a_batchs_ended_at_is_when_it_ended_not_when_it_was_first_seen() -> None:
     # the real API's ended_at is when processing_status became ended; Sift reads it to tell
     # a user's cancel from one made elsewhere, so a late first retrieve must not move it
