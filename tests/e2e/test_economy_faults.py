@@ -36,8 +36,9 @@ from tests.fake_anthropic import (
     status,
     succeeded,
 )
-from worker.constants import ECONOMY_WATCH_KEY
+from worker.constants import ECONOMY_PROVIDERS_KEY, ECONOMY_WATCH_KEY
 from worker.queue.economy import position_of, submission_of
+from worker.queue.economy.poll import CANDIDATE_UNREAD_SECONDS
 
 
 @pytest.fixture(autouse=True)
@@ -336,6 +337,41 @@ def test_a_candidate_answering_404_once_and_a_failed_resend_leave_no_item_waitin
     done = _wait(stack, batch_id, timeout=30)
     assert done["counts"]["succeeded"] == 3, done
     assert len(stack.model.batches()) == 2  # the foreign one, and the resend that went
+
+
+def test_a_candidate_that_answers_no_read_for_an_hour_is_taken_for_another_clients(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    # a create in doubt (500) that made nothing; its one candidate, another client's batch,
+    # is deleted by its owner, and answers every read 404. It held the items until the
+    # poll's give-up (the economy deadline plus 24 h); an hour of status errors in a row now
+    # judges it another client's. The hour is made to have passed by dating its first back.
+    stack.model.configure(batch_processing_seconds=0.5)
+    foreign = _foreign_batch(stack, 3)
+    owner = anthropic.Anthropic(base_url=stack.model.url, api_key=ANTHROPIC_API_KEY)
+    stack.model.script_batch_calls("create", [status(500)])
+    batch_id = _submit(stack, _items(queries, 3), "economy", include_trace=True)
+    records = redis.Redis.from_url(stack.redis_url + "/0", decode_responses=True)
+    key, deadline = ECONOMY_PROVIDERS_KEY + batch_id, time.monotonic() + 30
+    while not records.hexists(key, foreign):  # found as a candidate
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    while owner.messages.batches.retrieve(foreign).processing_status != "ended":
+        time.sleep(0.1)
+    owner.messages.batches.delete(foreign)
+    while "unread_since" not in (record := json.loads(records.hget(key, foreign) or "{}")):
+        assert time.monotonic() < deadline, record
+        time.sleep(0.05)
+    time.sleep(3)  # polled on, a few periods (SIFT_ECONOMY_POLL_MAX_SECONDS is 1 here)
+    waiting = stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+    assert waiting["finished_at"] is None and waiting["counts"]["running"] == 3, waiting
+    record["unread_since"] = time.time() - CANDIDATE_UNREAD_SECONDS - 1
+    records.hset(key, foreign, json.dumps(record))
+    done = _wait(stack, batch_id, timeout=30)
+    assert done["counts"]["succeeded"] == 3, done
+    [resent] = stack.model.batches()  # the foreign one deleted; the items sent again
+    for item in _results(stack, batch_id).values():
+        assert item["result"]["trace"]["attempts"][-1]["provider_batch"] == resent["id"]
 
 
 def test_a_cancel_while_a_create_is_in_doubt_ends_the_batch_without_waiting_on_its_candidate(

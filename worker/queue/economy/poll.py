@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from celery import shared_task
 
@@ -15,10 +16,16 @@ from worker.queue.base import SiftTask
 from worker.queue.economy.cancel import cancel_quietly
 from worker.queue.economy.finish import fail_items
 from worker.queue.economy.leases import expect, leased
-from worker.queue.economy.records import DOUBT, batches_client, items_waiting, provider_record
+from worker.queue.economy.records import (
+    DOUBT,
+    batches_client,
+    items_waiting,
+    provider_record,
+    save_provider_record,
+)
 from worker.queue.economy.results import candidate_ended, map_results
 from worker.queue.economy.watch import message_taken, poll_countdown
-from worker.queue.jobstore import BatchJob
+from worker.queue.jobstore import BatchJob, JobStore
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +36,11 @@ PROVIDER_EXPIRY_SECONDS = 24 * 3600.0
 
 # The calls that read a provider batch (a failed create of a resubmission is no such read)
 READS = frozenset({"retrieve", "results"})
+
+# A candidate of a create in doubt whose every read failed (a status error, not an outage)
+# for this long is another client's batch its owner deleted: its items are sent again. An
+# hour is far past the minutes a new batch may answer 404 for, well inside the deadline.
+CANDIDATE_UNREAD_SECONDS = 3600.0
 
 
 def polled_again(exc: RerankAttemptError) -> bool:
@@ -75,6 +87,8 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
     expect(self, batch_id, provider_id, 0.0)
     try:
         status = client.retrieve(provider_id)
+        if record.pop("unread_since", None) is not None:  # read again: the hour starts anew
+            save_provider_record(store, batch_id, provider_id, record)
         if not status.ended:
             # a candidate of a create in doubt may be another client's: never canceled
             ours = not record.get("doubt")
@@ -92,6 +106,9 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         raise self.retry(countdown=poll_countdown(self)) from exc
     except RerankAttemptError as exc:
         give_up = batch.created_at + settings.economy_deadline_seconds + PROVIDER_EXPIRY_SECONDS
+        if record.get("doubt") and not exc.retryable:
+            give_up = min(give_up, _unread_since(store, batch_id, provider_id, record)
+                          + CANDIDATE_UNREAD_SECONDS)  # fmt: skip
         if polled_again(exc) and time.time() < give_up:
             log.warning("provider batch %s: %s; polling again", provider_id, exc)
             expect(self, batch_id, provider_id, poll_countdown(self))
@@ -103,6 +120,17 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
             return
         mine = items_waiting(store, batch_id, provider_id, record.get("submission"))
         fail_items(self, batch, mine, exc)
+
+
+def _unread_since(
+    store: JobStore, batch_id: str, provider_id: str, record: dict[str, Any]
+) -> float:
+    """Since when every read of a candidate has failed with a status error (now, at the first
+    one; a successful retrieve clears it)."""
+    if record.get("unread_since") is None:
+        record["unread_since"] = time.time()
+        save_provider_record(store, batch_id, provider_id, record)
+    return float(record["unread_since"])
 
 
 def _resend_after_candidate(

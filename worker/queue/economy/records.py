@@ -159,6 +159,12 @@ def provider_record(store: JobStore, batch_id: str, provider_id: str) -> dict[st
     return record
 
 
+def save_provider_record(
+    store: JobStore, batch_id: str, provider_id: str, record: dict[str, Any]
+) -> None:
+    store.economy_save(batch_id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
+
+
 def _waits_on(run: dict[str, Any], provider_id: str, submission: str | None) -> bool:
     """Whether an item waits on this provider batch (or on the create it answers)."""
     return run["provider"] == provider_id or (
