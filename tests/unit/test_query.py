@@ -71,3 +71,7 @@ def test_bm25_text_keeps_the_query_up_to_its_last_searched_word() -> None:
     assert mixed.startswith(kept) and len(kept) < len(mixed)
     assert bm25_text("\U0001f525" * 2_000) == "\U0001f525" * MAX_BM25_WORDS
     assert bm25_text("x" * 2_000) == "x" * 2_000  # one word, however long
+    # symbols the tokenizer may make a token each, outside the emoji blocks, and the other
+    # ideographic scripts (Tangut, Nüshu): never fewer words than tokens
+    for text in ("⌚⌛⏩⏰⬛⬜⭐⭕©™↔" * 300, "\U00017000\U00017001" * 1_000, "\U0001b170" * 2_000):
+        assert len(bm25_text(text)) == MAX_BM25_WORDS, text[:4]

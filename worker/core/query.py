@@ -29,13 +29,15 @@ def normalise_query(query: str) -> str:
     return normalised
 
 
-# Characters Elasticsearch's standard tokenizer makes a token each (UAX #29): Han ideographs,
-# hiragana, and emoji; a run of any other word characters is one word at most.
+# Characters Elasticsearch's standard tokenizer makes a token each (UAX #29): ideographs (Han,
+# Tangut, Nüshu), hiragana, and emoji; a run of any other word characters is one word at most,
+# and so is every other character that is neither a word character nor a space (a symbol
+# outside the emoji blocks may be a token: counted, never one word fewer than the tokens).
 _ONE_EACH = (
     "\u3040-\u309f\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0003ffff"
-    "\u2600-\u27bf\U0001f000-\U0001faff"
+    "\U00017000-\U00018cff\U0001b170-\U0001b2ff\u2600-\u27bf\U0001f000-\U0001faff"
 )
-_WORD = re.compile(f"[{_ONE_EACH}]|[^\\W{_ONE_EACH}]+")
+_WORD = re.compile(f"[{_ONE_EACH}]|[^\\W{_ONE_EACH}]+|[^\\w\\s]")
 
 
 def bm25_text(query: str, limit: int = MAX_BM25_WORDS) -> str:
@@ -45,8 +47,9 @@ def bm25_text(query: str, limit: int = MAX_BM25_WORDS) -> str:
     token and field, and a node refuses a search of more leaves than ``max(1024, heap_MB *
     64 / search_threads)``: 2,000 distinct ideographs, a token each, were 4,000 leaves and
     ``too_many_clauses`` on a small node with many cores. A word here is a run of letters
-    and digits, or one ideograph, kana or emoji, as the tokenizer makes each of those a
-    token: never fewer words than Elasticsearch's tokens. Both backends search the same
+    and digits, or one ideograph, kana, emoji or other symbol (a punctuation mark too: counted
+    high, never low), as the tokenizer makes each of those a token: never fewer words than
+    Elasticsearch's tokens. Both backends search the same
     words, so they answer alike; the kNN channel still reads the whole query.
 
     >>> bm25_text("a b c d", limit=2), bm25_text("東京タワー", limit=2)
