@@ -18,6 +18,7 @@ import pytest
 from worker.adapters.embedded import DB_FILE, EmbeddedBackend
 from worker.adapters.embedded._schema import _remake_step
 from worker.core.types import ChannelQuery, Document, HardFilters
+from worker.errors import IndexNotFound
 
 pytestmark = pytest.mark.integration
 
@@ -205,6 +206,49 @@ def test_a_delete_whose_checkpoint_a_long_read_holds_off_is_done_and_erased_by_t
         assert found_in_files(tmp_path, secrets) == []
     finally:
         reader.close()
+        backend.close()
+
+
+class FullAtCheckpoint(apsw.Connection):
+    """A connection whose WAL checkpoint fails as on a full disk: the database file must grow
+    to take the WAL's pages, where the write itself fitted in the WAL and committed."""
+
+    def wal_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        raise apsw.FullError("database or disk is full")
+
+
+@pytest.mark.parametrize("drop", [False, True], ids=["delete", "drop"])
+def test_a_delete_or_drop_whose_checkpoint_finds_the_disk_full_is_done_and_says_so(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    drop: bool,
+) -> None:
+    """The write has committed when its checkpoint fails for want of space: the documents
+    are in no channel, so the delete or drop answers how many it removed and logs that
+    their bytes stay in the WAL. It raised BackendUnavailable, and every retry answered the
+    recorded outcome and raised again: the job was failed while its documents were gone,
+    and a drop's settings were never cleared (the disk filled in /tmp/exhaust17's p9)."""
+    backend = EmbeddedBackend(tmp_path)
+    secrets = [Secret("pii")]
+    try:
+        load(backend, "sci", secrets, version=1)
+        backend.close()
+        monkeypatch.setattr(apsw, "Connection", FullAtCheckpoint)
+        with caplog.at_level("WARNING", logger="worker.adapters.embedded"):
+            for _ in range(2):  # the run and a retry, answered from the recorded outcome
+                if drop:
+                    assert backend.delete_index("sci", "acme", version=3) == 41
+                else:
+                    assert backend.delete_documents("sci", "acme", ["pii"], version=3) == 1
+        assert "database or disk is full" in caplog.text, caplog.text
+        assert backend.document("sci", "acme", "pii") is None
+        if drop:
+            with pytest.raises(IndexNotFound):
+                bm25_ids(backend, "vitamins")
+        else:
+            assert bm25_ids(backend, f"erasable{secrets[0].word}") == []
+    finally:
         backend.close()
 
 

@@ -207,19 +207,20 @@ def _erasing(conn: apsw.Connection) -> Iterator[None]:
     page's older frames (the ingest's, with the text) until a checkpoint copies the newest
     over the database file and the log is reused, which may be never for a frame past its
     next use. A ``TRUNCATE`` checkpoint waits (the busy timeout) for the reads of an older
-    snapshot in flight and the other writers. One that cannot finish in that time leaves
-    the removed rows' bytes in the WAL until the next delete's or drop's checkpoint, and
-    says so in the log: the write is committed and the documents are in no channel, so the
-    job has done what it reports (raised, a job whose retries ran out reported failed a
-    delete it had made).
+    snapshot in flight and the other writers. One that cannot finish, in that time or at
+    all (the disk too full for the database file to take the WAL's pages, where the write
+    fitted in the WAL), leaves the removed rows' bytes in the WAL until a later checkpoint,
+    and says so in the log: the write is committed and the documents are in no channel, so
+    the job has done what it reports (raised, a job whose retries ran out reported failed a
+    delete it had made, and a drop's settings were never cleared).
     """
     yield
     try:
         conn.wal_checkpoint(mode=apsw.SQLITE_CHECKPOINT_TRUNCATE)
-    except (apsw.BusyError, apsw.LockedError) as exc:
+    except apsw.Error as exc:
         log.warning(
             "the WAL checkpoint after a delete could not finish (%s): the removed rows' "
-            "bytes stay in %s-wal until the next delete's or drop's checkpoint",
+            "bytes stay in %s-wal until a later checkpoint",
             exc, DB_FILE,
         )  # fmt: skip
 
