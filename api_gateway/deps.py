@@ -89,7 +89,8 @@ UNAVAILABLE_DOC = (
     "time, or another part the request needs did not answer (the message says which); a "
     "write may have been made before the failure, so send again only a request that is safe "
     "to repeat (a read, a merge patch, one with an `Idempotency-Key`). `job_store_full`: "
-    "Redis is at its `maxmemory`, or new jobs are refused past 90 % of it; nothing was "
+    "Redis is at its `maxmemory` or cannot persist to its disk, or new jobs are refused "
+    "past 90 % of its `maxmemory`; nothing was "
     "stored, so the request may be sent again as it is, a delete job's too."
 )
 ERRORS: dict[int | str, dict[str, Any]] = {

@@ -24,7 +24,7 @@ from api_gateway.bodies import field_of
 from api_gateway.paths import has_encoded_slash
 from worker.constants import ERROR_JOB_STORE_FULL, ERROR_UNAVAILABLE
 from worker.errors import InvalidRequest, validation_message
-from worker.redis_client import DB_OUT_OF_RANGE
+from worker.redis_client import CANNOT_PERSIST, DB_OUT_OF_RANGE, cannot_persist
 
 log = logging.getLogger(__name__)
 
@@ -221,12 +221,22 @@ def job_store_unavailable(reason: str) -> ApiError:
     )
 
 
-def job_store_full() -> ApiError:
-    """The ``503 job_store_full`` of a Redis at its ``maxmemory`` (it refused the write)."""
+def job_store_full(*, disk: bool = False) -> ApiError:
+    """The ``503 job_store_full`` of a Redis that refused the write whole: at its
+    ``maxmemory``, or, with ``disk``, unable to persist to its disk (``MISCONF``), which no
+    expiry frees: its operator makes room, and Redis takes writes once a save succeeds."""
+    if disk:
+        message = (
+            f"the job store is full: {CANNOT_PERSIST}; nothing was stored; it takes writes "
+            f"again once its disk has room; retry after {FULL_RETRY_AFTER_SECONDS} s"
+        )
+    else:
+        message = "the job store is full (Redis reached its maxmemory): nothing was stored; "
+        message += FREES
     return ApiError(
         503,
         ERROR_JOB_STORE_FULL,
-        "the job store is full (Redis reached its maxmemory): nothing was stored; " + FREES,
+        message,
         headers={"Retry-After": str(FULL_RETRY_AFTER_SECONDS)},
     )
 
@@ -346,7 +356,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _refused(request: Request, exc: Exception) -> JSONResponse:
         """A database Redis does not have (``SIFT_REDIS_URL=redis://…/99`` on a Redis of 16):
         Redis refuses each new connection's SELECT, which the URL mends, not the request: a
-        503 naming it, as an unreachable Redis is. Any other refused command is a bug."""
+        503 naming it, as an unreachable Redis is. A Redis that cannot persist to its disk
+        (``MISCONF``, its AOF disk full) refuses every write, a job's MULTI whole: the
+        ``job_store_full`` of its maxmemory, naming the disk (it was a 500, logged as a bug).
+        Any other refused command is a bug."""
+        if cannot_persist(exc):
+            log.error(
+                "job store full on %s %s: %s", request.method, request.url.path, exc
+            )  # fmt: skip
+            return _answer(job_store_full(disk=True))
         if not str(exc).startswith(DB_OUT_OF_RANGE):
             return await _redis_bug(request, exc)
         log.error("job store unavailable on %s %s: %s", request.method, request.url.path, exc)

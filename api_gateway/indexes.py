@@ -62,6 +62,7 @@ from worker.constants import (
 from worker.contract import INDEX_PATTERN, FilterValue, FusionMethod, IndexSettingsPatch
 from worker.errors import InvalidRequest
 from worker.observability.logcontext import job_context
+from worker.redis_client import CANNOT_PERSIST
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["indexes"], route_class=GetAnswersHead)
@@ -294,8 +295,8 @@ async def _read(
             raise _not_found(index)
         if error.get("type") == ERROR_UNAVAILABLE:  # the worker's Redis failed its read
             raise job_store_unavailable(error["message"])
-        if error.get("type") == ERROR_JOB_STORE_FULL:
-            raise job_store_full()
+        if error.get("type") == ERROR_JOB_STORE_FULL:  # the worker's Redis refused a write
+            raise job_store_full(disk=error.get("message") == CANNOT_PERSIST)
         if error.get("type") == "invalid_request":
             # the worker's message starts with the field's name: a 422 lists it without
             field = error.get("field") or "body"

@@ -124,6 +124,24 @@ class OutageRetry(Retry):
 #: How Redis refuses the SELECT of a database it does not have (past its ``databases``)
 DB_OUT_OF_RANGE = "DB index is out of range"
 
+#: What the gateway and the workers say of a Redis refusing writes it cannot persist
+CANNOT_PERSIST = "Redis cannot persist to its disk (MISCONF: its last AOF write or RDB save failed)"
+
+
+def cannot_persist(exc: BaseException) -> bool:
+    """Whether Redis refused a command because it cannot persist to its disk: its AOF
+    write failed (the disk full, most often) or, with a save point set, its last RDB save
+    did, and it refuses every write, and PING, until one succeeds (``MISCONF``). A passing
+    state, as its ``maxmemory``, for which redis-py has a class where it has none for this:
+    a plain ResponseError, known by its code.
+
+    >>> cannot_persist(redis.ResponseError("MISCONF Errors writing to the AOF file: No space"))
+    True
+    >>> cannot_persist(redis.ResponseError("WRONGTYPE Operation against a key"))
+    False
+    """
+    return isinstance(exc, redis.ResponseError) and str(exc).startswith("MISCONF")
+
 
 def refused_database(url: str) -> str | None:
     """Redis's refusal of the connection ``url`` describes: of its database (``DB index is

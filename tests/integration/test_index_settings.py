@@ -510,6 +510,11 @@ LEAK = "Error 111 connecting to 10.0.0.5:6379. Connection refused."
             "job_store_full",
             "30",
         ),
+        (
+            redis.ResponseError("MISCONF Errors writing to the AOF file: No space left on device"),
+            "job_store_full",
+            "30",
+        ),
     ],
 )
 def test_an_index_read_the_job_store_failed_in_the_worker_is_the_job_store_s_503(
@@ -536,6 +541,8 @@ def test_an_index_read_the_job_store_failed_in_the_worker_is_the_job_store_s_503
     assert answer.json()["error"]["type"] == said, answer.text
     assert answer.headers.get("retry-after") == retry_after, answer.headers
     assert "10.0.0.5" not in answer.text, answer.text
+    if "MISCONF" in str(failure):  # a refused write, whole, as at maxmemory: not memory's
+        assert "disk" in answer.text and "maxmemory" not in answer.text, answer.text
 
 
 def _read_through_a_gateway(

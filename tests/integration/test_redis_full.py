@@ -9,9 +9,13 @@ the first did nothing."""
 
 from __future__ import annotations
 
+import shutil
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import redis
 from starlette.testclient import TestClient
 
 from api_gateway.app import create_app
@@ -52,6 +56,61 @@ def test_a_full_job_store_is_a_503_naming_its_memory_and_stores_nothing(
         assert response.headers["retry-after"]
     assert client.get("/v1/searches", headers=ACME).json()["searches"] == searches
     assert client.get("/v1/ingestions", headers=ACME).json()["ingestions"] == []
+
+
+@pytest.fixture
+def cannot_persist(store: JobStore) -> Iterator[None]:
+    """The server refusing every write with ``MISCONF``, as when its disk is full, until set
+    back after the test: a save point set (stop-writes-on-bgsave-error, on by default, holds
+    only then) and a BGSAVE that fails, its snapshot's name taken by a directory, so the
+    rename of the written file onto it fails (Redis 7 lets no client move ``dir``). A full
+    disk's failed AOF write is refused with the same ``MISCONF``."""
+    blocker = (
+        Path(store.redis.config_get("dir")["dir"])
+        / store.redis.config_get("dbfilename")["dbfilename"]
+    )
+    (blocker / "held").mkdir(parents=True)
+    store.redis.config_set("save", "3600 1")
+    store.redis.bgsave()
+    for _ in range(500):  # the fork's end, polled (a few ms)
+        persistence = store.redis.info("persistence")
+        if not persistence["rdb_bgsave_in_progress"]:
+            break
+        time.sleep(0.01)
+    try:
+        assert persistence["rdb_last_bgsave_status"] == "err", persistence
+        yield
+    finally:
+        store.redis.config_set("save", "")
+        shutil.rmtree(blocker)
+
+
+def test_a_job_store_that_cannot_persist_to_its_disk_is_a_503_naming_it(
+    client: TestClient, store: JobStore, cannot_persist: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis whose AOF disk is full refuses every write with ``MISCONF`` (a plain
+    ResponseError to redis-py), the whole of a job's MULTI: nothing stored, as at its
+    maxmemory, and the disk's room comes back as the operator frees it. It was a ``500
+    internal_error`` with no Retry-After, logged as the gateway's bug (/tmp/exhaust17's p5)."""
+    del cannot_persist
+    with pytest.raises(redis.ResponseError, match=r"^MISCONF"):
+        store.redis.set("probe", "1")  # the refusal is real
+    keys = sorted(store.redis.keys())  # a read Redis still answers (a PING it refuses too)
+    for path, body, headers in [
+        ("/v1/searches", SEARCH, ACME),
+        ("/v1/batches", {"index": "docs", "queries": [{"id": "a", "query": "tea"}]}, ACME),
+        ("/v1/indexes/docs/documents", {"documents": [{"id": "d", "text": "tea"}]}, ACME),
+        ("/v1/indexes/docs/documents/delete", {"ids": ["d"]}, ACME),
+    ]:
+        response = client.post(path, json=body, headers=headers)
+        assert response.status_code == 503, (path, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "job_store_full", error
+        assert "nothing was stored" in error["message"], error
+        assert "disk" in error["message"] and "maxmemory" not in error["message"], error
+        assert response.headers["retry-after"] == "30", response.headers
+    assert "Traceback" not in caplog.text and "job store error" not in caplog.text, caplog.text
+    assert sorted(store.redis.keys()) == keys
 
 
 def test_what_was_stored_before_it_filled_still_reads(client: TestClient, store: JobStore) -> None:

@@ -56,6 +56,7 @@ from worker.queue.jobstore import (
     RunClaim,
     SearchJob,
 )
+from worker.redis_client import CANNOT_PERSIST, cannot_persist
 
 log = logging.getLogger(__name__)
 
@@ -658,20 +659,27 @@ def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
     log.info("ingest %s: %d documents into %s", job_id, upserted, job.index)
 
 
-def job_store_error(exc: redis.RedisError) -> dict[str, str]:
+def job_store_error(exc: BaseException) -> dict[str, str] | None:
     """The answer to an index read whose run met Redis failing: the gateway's own 503 of
-    the job store (``job_store_full`` at Redis's maxmemory, else ``unavailable``), not an
-    ``internal_error`` it told its client as the search backend's ``backend_unavailable``.
-    Redis's text names its host and port: the log has it, the answer says what failed.
+    the job store (``job_store_full`` at Redis's maxmemory or unable to persist to its disk,
+    ``unavailable`` down or silent), not an ``internal_error`` it told its client as the
+    search backend's ``backend_unavailable``. None for any other error, a bug's. Redis's
+    text names its host and port: the log has it, the answer says what failed.
 
     >>> job_store_error(redis.TimeoutError("Timeout reading from 10.0.0.5:6379"))["message"]
     'Redis did not answer the worker in time'
+    >>> job_store_error(redis.ResponseError("WRONGTYPE Operation against a key")) is None
+    True
     """
     if isinstance(exc, redis.exceptions.OutOfMemoryError):
         return {"type": ERROR_JOB_STORE_FULL, "message": "Redis reached its maxmemory"}
+    if cannot_persist(exc):
+        return {"type": ERROR_JOB_STORE_FULL, "message": CANNOT_PERSIST}
     if isinstance(exc, redis.TimeoutError):
         return {"type": ERROR_UNAVAILABLE, "message": "Redis did not answer the worker in time"}
-    return {"type": ERROR_UNAVAILABLE, "message": "the worker could not reach Redis"}
+    if isinstance(exc, redis.ConnectionError):
+        return {"type": ERROR_UNAVAILABLE, "message": "the worker could not reach Redis"}
+    return None
 
 
 @shared_task(  # type: ignore[untyped-decorator]
@@ -709,12 +717,12 @@ def index_read(
         answer = lifecycle.read(runtime, operation, tenant, index, doc_id, body, start_by)
     except TenantRemoved as exc:  # the gateway answers it 503, naming the removal
         answer = json.dumps({"error": {"type": exc.code, "message": str(exc)}})
-    except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError) as exc:
-        log.warning("index read %s for %s: the job store failed: %r", operation, tenant, exc)
-        answer = json.dumps({"error": job_store_error(exc)})
     except Exception as exc:  # the gateway must hear something, not time out
-        log.exception("index read %s for %s: unexpected error", operation, tenant)
-        error = {"type": "internal_error", "message": error_info(exc).message}
+        if (error := job_store_error(exc)) is not None:
+            log.warning("index read %s for %s: the job store failed: %r", operation, tenant, exc)
+        else:
+            log.exception("index read %s for %s: unexpected error", operation, tenant)
+            error = {"type": "internal_error", "message": error_info(exc).message}
         answer = json.dumps({"error": error})
     try:
         self.context.store.reply(reply_key, answer)
