@@ -19,6 +19,7 @@ from celery import Celery
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
+    celeryd_after_setup,
     task_postrun,
     task_prerun,
     task_received,
@@ -132,6 +133,20 @@ def _warm_up_ends(**_: Any) -> None:
         _warming.join(0.1)
 
 
+def _open_files(instance: Any = None, **_: Any) -> None:
+    """On worker start (``sift worker``'s, each process of it, and a ``celery worker`` on
+    this app), raise the soft limit of open files to what the settings may hold, or say in
+    the log that it is short (:func:`worker.processes.machine.raise_open_files_limit`).
+    Once Celery's logging is set up (``worker_init`` comes before: its lines were bare, an
+    INFO line lost) and before the pool starts, so a prefork child inherits the limit."""
+    settings = _settings_of(instance)
+    if settings is None:
+        return
+    from worker.processes.machine import raise_open_files_limit
+
+    raise_open_files_limit(settings)
+
+
 def _start_redrive(sender: Any = None, **_: Any) -> None:
     """On worker start, run the re-drive sweeper in this process (:mod:`worker.queue.redrive`):
     it enqueues again the searches, ingests, batch chunks and webhooks whose messages the
@@ -215,6 +230,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     celery.conf.sift_settings = settings
     celery.steps["consumer"].add(IntakeStep)  # pauses intake while batch items queue up
     celery.steps["consumer"].add(ReconnectStep)  # a reconnect opens the re-drive's urgent window
+    celeryd_after_setup.connect(_open_files, weak=False, dispatch_uid="sift-open-files")
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
     worker_ready.connect(_check_prices, weak=False, dispatch_uid="sift-prices")
     worker_ready.connect(_warm_up, weak=False, dispatch_uid="sift-warm-up")
