@@ -717,6 +717,43 @@ def test_a_search_or_item_whose_run_meets_redis_down_is_run_again_uncharged(
     assert runtime.model_calls == 2 and runtime.spent[2:] == [0.0, 0.0], runtime.spent
 
 
+class _IngestMeetsRedisDown(ScriptedRuntime):
+    """Its ingest meets Redis down (an index's settings, a write version read) once."""
+
+    def ingest(
+        self,
+        index: str,
+        tenant: str,
+        documents: list[DocumentIn],
+        progress: Callable[[int], None] | None = None,
+        *,
+        version: int | None = None,
+    ) -> int:
+        if self.errors:
+            raise self.errors.pop(0)
+        return len(documents)
+
+
+def test_an_ingest_whose_run_meets_redis_down_is_run_again_not_failed(
+    context: base.WorkerContext,
+) -> None:
+    """As a search's (above): Redis unreachable past the client's 30 s of retries inside an
+    ingest's run is the job store's failure, not the ingest's. It ended ``failed``
+    ``internal_error`` once Redis was back for the finish, though nothing was wrong with the
+    documents (the write may even have been made); now the task fails with the job still
+    running and its claim kept, for its redelivery (the re-drive), which runs it."""
+    down = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    store = context.store
+    context._runtime = _IngestMeetsRedisDown(down)
+    job = store.create_ingest("acme", "docs", [DocumentIn(id="1", text="t")])
+    assert tasks.ingest.apply(args=[job.id]).failed()
+    ran = store.get_ingest(job.id)
+    assert ran is not None and ran.status == "running" and ran.error is None, ran
+    assert tasks.ingest.apply(args=[job.id]).successful()  # Redis is back: the re-drive's
+    done = store.get_ingest(job.id)
+    assert done is not None and done.status == "succeeded" and done.upserted == 1, done
+
+
 def _one_item_economy_batch(context: base.WorkerContext) -> tuple[JobStore, BatchJob]:
     """A one-item economy batch over an in-memory index of one document, the worker
     ``context`` running it in process (a fake embedder, no model call scripted)."""

@@ -608,8 +608,17 @@ def ingest(self: SiftTask, job_id: str) -> None:
         return
     try:
         _ingest(self, job, claim)
-    finally:  # (a retry let go before it was sent: this release then finds nothing to do)
+    except redis.RedisError:
+        # the job store (Redis) failed, not the ingest: it stays running for its redelivery
+        # (the re-drive), its claim in Redis as it is, as a search's (upserts and deletes
+        # are versioned: one run again writes nothing twice, and a delete's count is kept)
+        store.ended_ingest(job_id, claim)
+        raise
+    except BaseException:
         store.release_ingest(job_id, claim)
+        raise
+    # (a retry let go before it was sent: this release then finds nothing to do)
+    store.release_ingest(job_id, claim)
 
 
 def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
@@ -640,6 +649,9 @@ def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
                 job.index, job.tenant, documents, version=job.version
             )
     except Exception as exc:
+        if isinstance(exc, redis.RedisError):  # the job store's failure: run again (ingest)
+            log.warning("ingest %s: Redis failed during its run; left for a redelivery", job_id)
+            raise
         if task.should_retry(exc):
             store.requeue_ingest(job_id)
             store.release_ingest(job_id, claim)  # before the retry is sent, as a search's

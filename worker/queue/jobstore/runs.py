@@ -215,6 +215,10 @@ class RunRecords(_StoreCore):
     def release_ingest(self, job_id: str, claim: RunClaim) -> None:
         self._release(INGEST_KEY + job_id, "run", claim)
 
+    def ended_ingest(self, job_id: str, claim: RunClaim) -> None:
+        """:meth:`ended_search`'s, for an ingest-kind job's run: Redis failed under it."""
+        self._forget(INGEST_KEY + job_id, "run", claim.token)
+
     def claim_chunk(
         self, batch_id: str, start: int, stop: int, owner: str, *, lease_seconds: float
     ) -> RunClaim:
