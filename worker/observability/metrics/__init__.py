@@ -8,7 +8,9 @@ can import it without the search core. Its modules, by what they measure or do:
   ``_processes``: a ``sift worker`` supervisor's worker processes;
 * ``_recorder``: :class:`PrometheusRecorder`; ``_series``: every metric and
   :func:`preregister`; ``_recording``: closed label sets and the kept children;
-* ``_multiprocess``: the value files and their sweep; ``_exposition``: serving ``/metrics``.
+* ``_multiprocess``: the value files and their sweep; ``_allocated``: those files with their
+  blocks allocated, so a full disk drops values instead of a SIGBUS; ``_exposition``: serving
+  ``/metrics``.
 
 Import the names from here: ``from worker.observability import metrics``.
 

@@ -22,6 +22,7 @@ from prometheus_client.metrics import Gauge
 from prometheus_client.mmap_dict import MmapedDict
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from worker.observability.metrics import _allocated
 from worker.observability.metrics._series import ALL_METRICS
 from worker.pids import alive
 
@@ -29,6 +30,12 @@ log = logging.getLogger(__name__)
 
 MULTIPROC_DIR_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus-client's own variable: when set, values live in files there (multiprocess mode)."""
+
+# Every process that records imports this package before its first value opens a file (every
+# metric has labels), so here, not in setup_multiprocess(): the processes a `sift worker`
+# supervises and the gateway never call it. A full folder then drops values, where it killed
+# the process with SIGBUS (_allocated).
+_allocated.install()
 
 
 def multiprocess_dir() -> str | None:
@@ -164,18 +171,42 @@ def _merge_counts(pid: int, directory: str | os.PathLike[str]) -> None:
     merger killed before the journal's rename leaves the files as they were (the next ones
     are dropped); killed after it, the scrape and the next merge read the journal, so
     ``pid``'s counts are in exactly one file read either way. Killed, not a power cut: the
-    files are not synced, as the values processes write in them are not."""
+    files are not synced, as the values processes write in them are not. With no room to
+    write the next files or the journal (a full disk), the merge is dropped the same way:
+    ``pid``'s files stay, counted by each scrape, for a later sweep (:func:`_merge_failed`)."""
     with _files_locked(directory, exclusive=True):
         _finish_merge(directory)  # one a merger killed left half done
         wrote = False
-        for kind in _MERGED_KINDS:
-            dead = Path(directory, f"{kind}_{pid}.db")
-            if dead.exists():
-                wrote = True
-                _write_sum(_merged(directory, kind), dead, _merged(directory, kind, _NEXT))
-        if wrote:
-            _write_journal(directory, pid)
-            _finish_merge(directory)
+        try:
+            for kind in _MERGED_KINDS:
+                dead = Path(directory, f"{kind}_{pid}.db")
+                if dead.exists():
+                    wrote = True
+                    _write_sum(_merged(directory, kind), dead, _merged(directory, kind, _NEXT))
+            if wrote:
+                _write_journal(directory, pid)
+                _unmerged.discard(str(directory))  # a later failure is said again
+        except OSError as exc:
+            _merge_failed(pid, directory, exc)
+        _finish_merge(directory)
+
+
+_unmerged: set[str] = set()  # the folders whose merge failed, said so since the last that did not
+
+
+def _merge_failed(pid: int, directory: str | os.PathLike[str], exc: OSError) -> None:
+    """A merge that could not write (a full disk) leaves ``pid``'s files where they are,
+    counted by each scrape, for the next sweep to merge: said once a folder, not at each
+    scrape or restart. The next files it began are dropped by :func:`_finish_merge`."""
+    if str(directory) not in _unmerged:
+        _unmerged.add(str(directory))
+        log.warning(
+            "metrics: could not merge the files of exited pid %d in %s (%s); they stay "
+            "and are merged once there is room",
+            pid,
+            directory,
+            exc.strerror or exc,
+        )
 
 
 def _merged(directory: str | os.PathLike[str], kind: str, suffix: str = "") -> Path:
@@ -189,7 +220,7 @@ def _write_sum(merged: Path, dead: Path, target: Path) -> None:
         if path.exists():
             for key, value, timestamp, _ in _values_in(path):
                 totals[key] = (totals.get(key, (0.0, 0.0))[0] + value, timestamp)
-    written = MmapedDict(str(target))  # type: ignore[no-untyped-call]
+    written = _allocated.AllocatedMmapedDict(str(target))  # OSError with no room, not SIGBUS
     try:
         for key, (value, timestamp) in totals.items():
             written.write_value(key, value, timestamp)  # type: ignore[no-untyped-call]
