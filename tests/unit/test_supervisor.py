@@ -180,3 +180,64 @@ def test_a_log_past_its_size_is_rotated_in_place_and_only_a_few_are_kept(tmp_pat
         assert service.proc is not None
         service.proc.kill()
         service.proc.wait()
+
+
+def test_a_log_that_cannot_be_rotated_keeps_no_process_down_and_no_rotated_log_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``sift up`` on a full disk: the copy of a log past its size failed (ENOSPC). Each check
+    rotated before it looked at the process, so the error (logged at every tick) kept a dead
+    process from its restart until there was room; and the rotated logs, shifted before the
+    copy, were left as empty files. Now the exit comes first, the rotation fails with every
+    log as it was (the part copied removed), said once, and works again once there is room."""
+    import errno
+    import shutil
+
+    from worker.processes import stack
+
+    def full_disk(source: Path, target: Path) -> None:
+        target.write_bytes(b"the part copied before the disk was full")
+        raise OSError(errno.ENOSPC, "No space left on device", str(target))
+
+    room = shutil.copyfile
+    monkeypatch.setattr(stack.shutil, "copyfile", full_disk)
+    said: list[str] = []
+    service = _crasher(tmp_path)
+    assert service.log is not None
+    supervisor = Supervisor(said.append, log_max_bytes=1024, log_keep=3)
+    watched = _Watched(service)
+    rotated = [tmp_path / f"crasher.log.{n}" for n in (1, 2)]
+    for n, path in enumerate(rotated, start=1):
+        path.write_text(f"rotated {n}\n")
+    service.start()
+    assert service.proc is not None
+    service.proc.wait()
+    service.log.write_bytes(b"x" * 2048)  # past its size
+    now = service.started_at
+    supervisor._check(watched, now)
+    assert said[0] == "crasher exited with status 3; restarting it in 1 s", said
+    assert said[1] == (
+        "crasher's log could not be rotated (No space left on device); it grows until it can be"
+    )
+    supervisor._check(watched, now + 0.5)
+    supervisor._check(watched, now + 1.0)
+    assert len(said) == 3 and said[2].startswith("crasher restarted (pid"), said
+    assert [p.read_text() for p in rotated] == ["rotated 1\n", "rotated 2\n"]
+    assert not (tmp_path / "crasher.log.3").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "crasher.log", "crasher.log.1", "crasher.log.2"
+    ]  # fmt: skip
+    assert service.log.read_bytes().startswith(b"x" * 2048)
+
+    monkeypatch.setattr(stack.shutil, "copyfile", room)
+    assert service.proc is not None
+    service.proc.wait()
+    supervisor._check(watched, now + 1.0)
+    assert service.log.read_bytes() == b""
+    assert (tmp_path / "crasher.log.1").read_bytes().startswith(b"x" * 2048)
+    assert (tmp_path / "crasher.log.2").read_text() == "rotated 1\n"
+    assert (tmp_path / "crasher.log.3").read_text() == "rotated 2\n"
+    monkeypatch.setattr(stack.shutil, "copyfile", full_disk)
+    service.log.write_bytes(b"y" * 2048)
+    supervisor._check(watched, now + 1.0)
+    assert sum("could not be rotated" in line for line in said) == 2, said  # said again

@@ -248,17 +248,28 @@ def rotate_log(log: Path, max_bytes: int = LOG_MAX_BYTES, keep: int = LOG_KEEP) 
     open, and renamed it would go on writing into ``NAME.1`` for good. It appends
     (:func:`spawn` opens it ``O_APPEND``), so its next line lands at the start of the emptied
     file, not past a hole the old lines' size. A line written between the copy and the
-    truncation is lost, as with ``copytruncate``."""
+    truncation is lost, as with ``copytruncate``.
+
+    The copy is made aside (``NAME.rotating``) before anything is shifted: on a full disk it
+    raises OSError with the log and its rotated ones as they were. Copied straight to
+    ``NAME.1`` after the shift, a full disk left ``NAME.1`` to ``NAME.3`` empty, their lines
+    gone, and the log as big as before."""
     try:
         if log.stat().st_size < max_bytes:
             return False
     except FileNotFoundError:
         return False
     kept = [log.with_name(f"{log.name}.{n}") for n in range(1, keep + 1)]
+    aside = log.with_name(f"{log.name}.rotating")
+    try:
+        shutil.copyfile(log, aside)
+    except BaseException:
+        aside.unlink(missing_ok=True)  # its part copied gives the room back
+        raise
     for newer, older in reversed(list(itertools.pairwise(kept))):
         if newer.exists():  # NAME.2 to NAME.3 first, then NAME.1 to NAME.2
             newer.replace(older)
-    shutil.copyfile(log, kept[0])
+    aside.replace(kept[0])
     os.truncate(log, 0)
     return True
 
@@ -556,6 +567,7 @@ class _Watched:
     service: Service
     failures: int = 0  # exits in a row, each within RESTART_RESET_AFTER_SECONDS of its start
     restart_at: float | None = None  # when the exited process is started again
+    rotation_failed: bool = False  # its log's rotation failed, said, and has not worked since
 
 
 @dataclass
@@ -569,7 +581,8 @@ class Supervisor:
     A restarted process is not waited for: a worker restarted while Redis is down connects
     once Redis is back. Each check also rotates a process's log past ``log_max_bytes``,
     keeping ``log_keep`` rotated ones (:func:`rotate_log`): appended to on every run and
-    restart, they grew without bound."""
+    restart, they grew without bound. A rotation that fails (a full disk) is said once, until
+    one works again, and never keeps a process from its restart."""
 
     report: Callable[[str], None]
     poll_seconds: float = 0.5
@@ -640,8 +653,30 @@ class Supervisor:
             logger.exception("supervisor: a hook failed for %s; going on", service.name)
 
     def _check(self, watched: _Watched, now: float) -> None:
+        """One look at one process: its exit or restart first, then its log's rotation. The
+        other way round, a log that could not be rotated (a full disk) raised before the
+        exit was seen, at every check: the process stayed down until there was room."""
+        self._restart(watched, now)
+        self._rotate(watched)
+
+    def _rotate(self, watched: _Watched) -> None:
+        """Rotate the process's log, saying once that it cannot (until it can again): the
+        log then grows past its size, which beats stopping the process or a line a tick."""
         service = watched.service
-        service.rotate_log(self.log_max_bytes, self.log_keep)
+        try:
+            service.rotate_log(self.log_max_bytes, self.log_keep)
+        except OSError as exc:
+            if not watched.rotation_failed:
+                watched.rotation_failed = True
+                why = exc.strerror or exc
+                self._say(service, f"{service.name}'s log could not be rotated ({why}); "
+                                   "it grows until it can be")  # fmt: skip
+            return
+        watched.rotation_failed = False
+
+    def _restart(self, watched: _Watched, now: float) -> None:
+        """Note the process's exit and its back-off, or start it again once that is over."""
+        service = watched.service
         if service.proc is None or service.proc.poll() is None or self._stopping.is_set():
             return
         if watched.restart_at is None:  # it just exited
