@@ -39,9 +39,9 @@ from api_gateway.jobs._shared import (
     _admitted,
     _check_url,
     _create_and_enqueue,
-    _lost,
     _rerank_of,
     erase,
+    gone,
     not_there,
     router,
 )
@@ -191,7 +191,8 @@ async def create_batch(
         if made is None:
             batch = await _owned_batch(request, batch_id, tenant)
         elif (found := await off_loop(store.get_batch, batch_id)) is None:
-            raise _lost("batch", batch_id)  # Redis came back empty since the commit
+            # erased by its tenant since the commit, or Redis came back empty
+            raise await gone(request, "batch", batch_id, tenant)
         else:
             batch = found
     except STORE_AWAY:

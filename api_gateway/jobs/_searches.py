@@ -33,9 +33,9 @@ from api_gateway.jobs._shared import (
     _admitted,
     _check_url,
     _create_and_enqueue_async,
-    _lost,
     _rerank_of,
     erase,
+    gone,
     not_there,
     router,
 )
@@ -171,8 +171,8 @@ async def _answer_search(
         # what this request knows: the job it made, in the last status its poll read
         known = fresh if seen is None else dataclasses.replace(fresh, status=seen)
         return _search_response(request, known, read=False)
-    if job is None and fresh is not None:
-        raise _lost("search", job_id)
+    if job is None and fresh is not None:  # erased by its tenant meanwhile, or lost
+        raise await gone(request, "search", job_id, tenant)
     if job is None or job.tenant != tenant:  # an earlier request's, by its key
         raise await not_there(request, "search", job_id, tenant, hint=" (expired?)")
     return _search_response(request, job)

@@ -286,6 +286,16 @@ def _rerank_of(settings: Settings, rerank: bool | None) -> bool:
     return settings.rerank_enabled if rerank is None else rerank
 
 
+async def gone(request: Request, kind: str, job_id: str, tenant: str) -> ApiError:
+    """The answer of a request that made ``job_id`` and then found it gone: ``410 erased``
+    when ``tenant`` erased it meanwhile (a ``DELETE`` of the same tenant while this request
+    waited on it: the job had finished), else lost by Redis (:func:`_lost`). Answered as
+    lost, an erase the tenant asked for was a ``503`` that had its client make the job
+    again, and an ERROR log of a restart that never happened."""
+    answer = await not_there(request, kind, job_id, tenant)
+    return answer if answer.status == 410 else _lost(kind, job_id)
+
+
 def _lost(kind: str, job_id: str) -> ApiError:
     """The answer of a request whose job Redis lost while it waited on it (a restart without
     its data: the record, and the task message unless a worker had taken it): no outcome of

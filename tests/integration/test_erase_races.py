@@ -1,0 +1,64 @@
+"""A job erased by its tenant while another request of the tenant reads it (the gateway in
+process on a real Redis; the erase put between the request's reads through the store, so
+the race is met every run): the request answers ``410 erased``, as a read after the erase
+does, never a ``503`` saying Redis lost the job, nor a page of results that is empty."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from tests.integration.gateway_app import ACME
+from worker.constants import BATCH_ID_PREFIX
+from worker.contract import RerankInfo, SearchResult
+from worker.queue.jobstore import EraseOutcome, JobStore
+
+pytestmark = pytest.mark.integration
+
+
+def _erase_first(monkeypatch: pytest.MonkeyPatch, method: str, end: Any) -> None:
+    """Have the store's next ``method`` call erase its job first (``end`` finishes it, as
+    erase asks), as a DELETE of the same tenant landing between two reads of a request."""
+    ran = getattr(JobStore, method)
+
+    def erased_first(self: JobStore, job_id: str, *args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(JobStore, method, ran)
+        end(self, job_id)
+        kind = "batch" if job_id.startswith(BATCH_ID_PREFIX) else "search"
+        assert self.erase_job(kind, "acme", job_id).outcome is EraseOutcome.ERASED
+        return ran(self, job_id, *args, **kwargs)
+
+    monkeypatch.setattr(JobStore, method, erased_first)
+
+
+def _finish_search(store: JobStore, job_id: str) -> None:
+    store.claim_search(job_id, "w1", lease_seconds=30)
+    assert store.start_search(job_id)
+    assert store.finish_search(
+        job_id, result=SearchResult(hits=[], rerank=RerankInfo(applied=False))
+    )
+
+
+def test_a_waiting_search_erased_by_its_tenant_answers_erased(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _erase_first(monkeypatch, "get_search_status", _finish_search)
+    answer = client.post("/v1/searches", params={"wait": 5}, headers=ACME,
+                         json={"index": "docs", "query": "tea"})  # fmt: skip
+    assert answer.status_code == 410, answer.text
+    assert answer.json()["error"]["type"] == "erased", answer.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_new_batch_erased_by_its_tenant_before_it_is_read_back_answers_erased(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _erase_first(monkeypatch, "get_batch", lambda store, batch_id: store.cancel_batch(batch_id))
+    body = {"index": "docs", "queries": [{"id": "q1", "query": "tea"}]}
+    answer = client.post("/v1/batches", headers=ACME, json=body)
+    assert answer.status_code == 410, answer.text
+    assert answer.json()["error"]["type"] == "erased", answer.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
