@@ -239,7 +239,9 @@ async def get_batch_results(
     """Every item appears once over the pages, with ``result`` or ``error`` once final."""
     offset = decode_results_token(page_token, batch_id)
     batch = await _owned_batch(request, batch_id, tenant)
-    outcomes = await off_loop(job_store(request).batch_results, batch_id, offset, page_size)
+    outcomes = await off_loop(job_store(request).batch_results_page, batch_id, offset, page_size)
+    if outcomes is None:  # erased (or expired) since it was read: 410 (or 404), as after
+        raise await not_there(request, "batch", batch_id, tenant)
     end = offset + len(outcomes)
     token = encode_results_token(batch_id, end) if end < batch.total else None
     body = (

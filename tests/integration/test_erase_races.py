@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from tests.integration.gateway_app import ACME
 from worker.constants import BATCH_ID_PREFIX
-from worker.contract import RerankInfo, SearchResult
+from worker.contract import RerankInfo, SearchResult, SearchSpec
 from worker.queue.jobstore import EraseOutcome, JobStore
 
 pytestmark = pytest.mark.integration
@@ -62,3 +62,29 @@ def test_a_new_batch_erased_by_its_tenant_before_it_is_read_back_answers_erased(
     assert answer.status_code == 410, answer.text
     assert answer.json()["error"]["type"] == "erased", answer.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_results_page_read_as_its_batch_is_erased_answers_erased(
+    client: TestClient, store: JobStore, monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """The erase between the page's read of the batch and of its items (``before`` the
+    order's read: the page was ``[]`` with a token for the next one), or between the order's
+    read and the items' (``after``: each item read as ``queued``, with no outcome)."""
+    items = [(f"q{i}", SearchSpec(index="docs", query="tea")) for i in range(3)]
+    batch = store.create_batch("acme", "docs", items)
+    store.cancel_batch(batch.id)  # finished: it can be erased
+    ran = JobStore.batch_query_ids
+
+    def erasing(self: JobStore, batch_id: str, *args: Any) -> list[str]:
+        if when == "before":
+            self.erase_job("batch", "acme", batch_id)
+        qids = ran(self, batch_id, *args)
+        if when == "after":
+            self.erase_job("batch", "acme", batch_id)
+        return qids
+
+    monkeypatch.setattr(JobStore, "batch_query_ids", erasing)
+    page = client.get(f"/v1/batches/{batch.id}/results", params={"page_size": 2}, headers=ACME)
+    assert page.status_code == 410, page.text
+    assert page.json()["error"]["type"] == "erased", page.text
