@@ -56,7 +56,8 @@ The Message Batches API is served too: ``POST /v1/messages/batches`` (create),
 ``results_url``), ``GET /v1/messages/batches/{id}/results`` (JSONL, deliberately out of
 order: shuffled, seeded by the batch id) and ``POST /v1/messages/batches/{id}/cancel``
 (``canceling``, then ``ended``; requests not processed by then come back ``canceled``)
-and ``DELETE /v1/messages/batches/{id}`` (an ended batch only; then 404, as for any id);
+and ``DELETE /v1/messages/batches/{id}`` (an ended batch only; then 404, as for any id;
+its answers scriptable as the others', :meth:`FakeAnthropic.script_batch_calls`);
 ``cancel_batch(id)`` cancels one from outside Sift, as the Console would.
 Each request's result is ``succeeded`` with the same answer and usage as ``/v1/messages``
 would give, unless scripted (:meth:`FakeAnthropic.script_batch`: per ``custom_id``, one
@@ -347,7 +348,7 @@ def _stop(behaviour: Behaviour) -> dict[str, Any] | None:
 # --- Message Batches: one request's scripted result ------------------------------------------
 
 BatchKind = Literal["succeeded", "errored", "expired", "canceled", "missing", "garbled"]
-BatchCall = Literal["create", "retrieve", "results", "cancel", "list"]
+BatchCall = Literal["create", "retrieve", "results", "cancel", "list", "delete"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -1420,6 +1421,9 @@ class FakeAnthropic:
     async def _batch_delete(self, request: Request) -> Response:
         """The API's delete: only of a batch that has ended (cancel one in progress first);
         then every call naming it answers 404, as for a batch another owner deleted."""
+        scripted = self._scripted_call("delete")
+        if scripted is not None:
+            return await _drop(request) if scripted.kind == "drop" else _scripted_error(scripted)
         with self._lock:
             batch = self._batch_or_error(request)
             if isinstance(batch, Response):

@@ -115,6 +115,9 @@ JOB_INDEX_KEY = REDIS_PREFIX + "jobs:"  # + kind + ":" + tenant -> zset job id -
 # + search or batch id -> hash {tenant, kind, erased_at}: the job a tenant erased (its record
 # and every key of it deleted), kept for the retention so its GET answers 410 erased
 ERASED_KEY = REDIS_PREFIX + "erased:"
+# + erased batch id -> set of provider batch ids: an erased economy batch's provider batches
+# that Sift made and has not deleted at the provider yet (ECONOMY_DELETE_TASK empties it)
+ECONOMY_DELETE_KEY = REDIS_PREFIX + "eco-delete:"
 
 # --- retention (seconds), enforced by Redis TTLs; stated in docs/queue.md ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from their end
@@ -164,6 +167,8 @@ WEBHOOK_TASK = "sift.webhook"
 ECONOMY_SUBMIT_TASK = "sift.economy_submit"  # on BATCH_QUEUE: send a batch's prompts
 ECONOMY_POLL_TASK = "sift.economy_poll"  # on BATCH_QUEUE: poll one provider batch, map results
 ECONOMY_CANCEL_TASK = "sift.economy_cancel"  # on SEARCH_QUEUE: cancel a batch's provider batches
+# on SEARCH_QUEUE: delete an erased batch's provider batches (their requests and results)
+ECONOMY_DELETE_TASK = "sift.economy_delete"
 CANCEL_COUNT_TASK = "sift.cancel_count"  # on BATCH_QUEUE: count what a batch's cancel ended
 ALL_QUEUES = (SEARCH_QUEUE, BATCH_QUEUE, INGEST_QUEUE, WEBHOOK_QUEUE)
 # an ingest or delete task's soft time limit (seconds): its job's budget, which a backend's

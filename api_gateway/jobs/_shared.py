@@ -22,7 +22,7 @@ from api_gateway.backpressure import (
     StoreFull,
     StoreMemory,
 )
-from api_gateway.deps import is_id, job_store, off_loop
+from api_gateway.deps import is_id, job_store, off_loop, task_sender
 from api_gateway.errors import (
     UNAVAILABLE_RETRY_AFTER,
     UNAVAILABLE_RETRY_AFTER_SECONDS,
@@ -34,9 +34,11 @@ from api_gateway.routing import GetAnswersHead
 from api_gateway.schemas import ErasedOut, iso
 from worker.constants import (
     BATCH_ID_PREFIX,
+    ECONOMY_DELETE_TASK,
     ERROR_JOB_STORE_FULL,
     ERROR_UNAVAILABLE,
     SEARCH_ID_PREFIX,
+    SEARCH_QUEUE,
 )
 from worker.errors import InvalidRequest
 from worker.observability.logcontext import job_context
@@ -108,10 +110,17 @@ async def not_there(
 async def erase(request: Request, kind: str, job_id: str, tenant: str) -> ErasedOut:
     """Erase the caller's finished search or batch ``job_id`` (:meth:`JobStore.erase_job`):
     ``404`` when it has no such job, ``409 not_finished`` (nothing erased) while it is queued or
-    running, else the erasure, the first one's time when it was erased already."""
+    running, else the erasure, the first one's time when it was erased already. A batch's
+    provider batches (the economy lane's) are deleted at the provider after, by a worker."""
     if not is_id(job_id, _ID_PREFIXES[kind]):
         raise ApiError(404, "not_found", f"id: no {kind} {job_id!r}", field="id")
-    erasure = await off_loop(job_store(request).erase_job, kind, tenant, job_id)
+    # an economy batch's provider batches are deleted at the provider by a task whose
+    # message the erase's script writes (only if the lane made any): deleted even if this
+    # gateway dies right after; the gateway has no model client of its own
+    provider = None
+    if kind == "batch":
+        (provider,) = task_sender(request).messages([(ECONOMY_DELETE_TASK, [job_id], SEARCH_QUEUE)])
+    erasure = await off_loop(job_store(request).erase_job, kind, tenant, job_id, provider)
     if erasure.outcome is EraseOutcome.MISSING:
         raise ApiError(404, "not_found", f"id: no {kind} {job_id!r}", field="id")
     if erasure.outcome is EraseOutcome.NOT_FINISHED:

@@ -15,11 +15,14 @@ from typer.testing import CliRunner, Result
 
 from api_gateway.queue import OutboxSender
 from tests.e2e.conftest import ACME, GLOBEX, Stack, finished_batch
+from tests.e2e.test_economy_faults import _foreign_batch
 from tests.services import webhook_inbox
 from worker.cli import app
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
+    ECONOMY_DELETE_KEY,
+    ECONOMY_PROVIDERS_KEY,
     SEARCH_QUEUE,
     SEARCH_TASK,
     WEBHOOK_EVENT_SEARCH_COMPLETED,
@@ -178,7 +181,14 @@ def test_a_finished_batch_is_erased_and_reads_as_erased(stack: Stack) -> None:
     assert _holding(stack, *texts, *query_ids, word) == set()
 
 
+def _provider_batches(stack: Stack) -> set[str]:
+    return {b["id"] for b in stack.model.batches()}
+
+
 def test_an_economy_batch_is_erased_with_its_lane_state(stack: Stack) -> None:
+    """And with its provider batches, which the provider keeps 29 days (the queries, the
+    candidates' text): deleted there by a worker after the erase. Not a create in doubt's
+    candidate, which may be another client's (here one is: put on the batch's record)."""
     stack.model.reset()
     stack.model.configure(batch_processing_seconds=0.0)
     index, word = _marked_index(stack)
@@ -189,11 +199,24 @@ def test_an_economy_batch_is_erased_with_its_lane_state(stack: Stack) -> None:
     assert batch["counts"]["succeeded"] == 5, batch
     assert all(r["result"]["rerank"]["applied"] for r in page["results"]), page
     assert _holding(stack, *texts, word) == {*texts, word}
+    ours = _provider_batches(stack)
+    assert len(ours) == 2, ours  # 5 requests, 4 a provider batch
+    foreign = _foreign_batch(stack, 1)
+    candidate = {"round": 2, "requests": 1, "created_at": time.time(), "ended_at": None,
+                 "submission": "s" + uuid.uuid4().hex, "doubt": True}  # fmt: skip
+    with redis.Redis.from_url(stack.redis_url + "/0") as r:
+        r.hset(ECONOMY_PROVIDERS_KEY + batch["id"], foreign, json.dumps(candidate))
     erased = stack.live.delete(f"/v1/batches/{batch['id']}/results", headers=ACME)
     assert erased.status_code == 200, erased.text
     assert _holding(stack, *texts, word) == set()
+    deadline = time.monotonic() + 30
     with redis.Redis.from_url(stack.redis_url + "/0") as r:
+        # until the task is done: each provider batch deleted, then dropped from its set
+        while r.exists(ECONOMY_DELETE_KEY + batch["id"]):
+            assert time.monotonic() < deadline, stack.model.batches()
+            time.sleep(0.05)
         marks = [key for key in r.scan_iter() if batch["id"].encode() in key]
+    assert _provider_batches(stack) == {foreign}  # ours deleted; the candidate left alone
     assert marks == [b"sift:erased:" + batch["id"].encode()], marks  # no other key names it
 
 

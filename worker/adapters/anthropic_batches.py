@@ -1,4 +1,5 @@
-"""The Anthropic Message Batches API for the economy lane: create, retrieve, results, cancel.
+"""The Anthropic Message Batches API for the economy lane: create, retrieve, results, cancel,
+delete.
 
 Usage::
 
@@ -7,6 +8,7 @@ Usage::
     batches.retrieve(batch.id).ended                 # poll until True
     for line in batches.results(batch.id): ...       # JSONL, streamed, in no particular order
     batches.cancel(batch.id)
+    batches.delete(batch.id)                         # once ended: its requests and results
 
 Each request's ``params`` are exactly the standard lane's ``messages.create`` arguments
 (:meth:`AnthropicReranker.request_params`), and a succeeded result is parsed by the same
@@ -52,7 +54,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-CALL_TIMEOUT_SECONDS = 60.0  # create, retrieve, cancel
+CALL_TIMEOUT_SECONDS = 60.0  # create, retrieve, cancel, delete
 RESULTS_TIMEOUT_SECONDS = 300.0  # streaming a results file
 LIST_PAGE = 100  # Message Batches listed a call (the API allows 1 to 1,000)
 UPLOAD_PIECE_BYTES = 1 << 20  # a create's body goes out this much at a time (its guard between)
@@ -206,6 +208,21 @@ class AnthropicMessageBatches:
         return _provider_batch(
             _call(lambda: batches.cancel(batch_id, timeout=CALL_TIMEOUT_SECONDS), "cancel")
         )
+
+    def delete(self, batch_id: str) -> bool:
+        """Delete an ended batch at the provider, its requests and results with it (kept
+        there 29 days otherwise); False when the provider has no batch by that id (deleted
+        already, or another workspace's). One not ended is refused (400: ``http_4xx``)."""
+        batches = self.reranker.client.messages.batches
+
+        def delete() -> bool:
+            try:
+                batches.delete(batch_id, timeout=CALL_TIMEOUT_SECONDS)
+            except anthropic.NotFoundError:
+                return False
+            return True
+
+        return _call(delete, "delete")
 
     def results(self, batch_id: str) -> Iterator[BatchLine]:
         """Stream an ended batch's results file, line by line, in the provider's order.

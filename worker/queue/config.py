@@ -25,6 +25,7 @@ from worker.constants import (
     BATCH_QUEUE,
     CANCEL_COUNT_TASK,
     ECONOMY_CANCEL_TASK,
+    ECONOMY_DELETE_TASK,
     ECONOMY_POLL_TASK,
     ECONOMY_SUBMIT_TASK,
     INDEX_READ_TASK,
@@ -57,6 +58,7 @@ TASK_ROUTES: dict[str, dict[str, str]] = {
     # a few provider calls, never behind the batch queue's backlog (a cancel delayed there
     # left the provider processing, and billing, what the client had canceled)
     ECONOMY_CANCEL_TASK: {"queue": SEARCH_QUEUE},
+    ECONOMY_DELETE_TASK: {"queue": SEARCH_QUEUE},
     CANCEL_COUNT_TASK: {"queue": BATCH_QUEUE},
 }
 

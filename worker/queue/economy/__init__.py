@@ -37,6 +37,8 @@ The flow (DESIGN.md §7; docs/lanes.md):
 4. ``DELETE /v1/batches/{id}`` enqueues ``sift.economy_cancel``, which cancels the batch's
    provider batches (a poll does too, should it find the Sift batch canceled); their
    unprocessed requests come back ``canceled``.
+5. ``DELETE /v1/batches/{id}/results`` (the erase) enqueues ``sift.economy_delete``, which
+   deletes the batch's provider batches at the provider (:mod:`~worker.queue.economy.deletion`).
 
 The Sift batch completes, and its webhook fires, when its last item is final: when the
 results of its last provider batch have been mapped. Every write goes through the job
@@ -51,14 +53,16 @@ provider batches), :mod:`~worker.queue.economy.leases` (one run at a time, and i
 :mod:`~worker.queue.economy.watch` (each task's message, and its re-send when lost),
 :mod:`~worker.queue.economy.finish` (an item's end), :mod:`~worker.queue.economy.doubts`
 (creates whose answer never came), :mod:`~worker.queue.economy.cancel`,
+:mod:`~worker.queue.economy.deletion`,
 :mod:`~worker.queue.economy.submission`, :mod:`~worker.queue.economy.results` (mapping a
 provider batch's lines) and :mod:`~worker.queue.economy.poll`. This package exports the
-three tasks and what the chunk task, the re-drive and the tests use.
+four tasks and what the chunk task, the re-drive and the tests use.
 """
 
 from __future__ import annotations
 
 from worker.queue.economy.cancel import economy_cancel
+from worker.queue.economy.deletion import economy_delete
 from worker.queue.economy.doubts import DOUBT_WINDOW_SECONDS
 from worker.queue.economy.ids import (
     chunk_requests,
@@ -82,6 +86,7 @@ __all__ = [
     "chunk_requests",
     "custom_id",
     "economy_cancel",
+    "economy_delete",
     "economy_pipeline",
     "economy_poll",
     "economy_submit",

@@ -43,6 +43,8 @@ Layout (every prefix is in :mod:`worker.constants`):
                                      (the job lists; written with the job's record)
     sift:erased:<id>          hash   tenant, kind, erased_at: a search or batch its tenant
                                      erased (every other key of it deleted), for the retention
+    sift:eco-delete:<id>      set    an erased batch's provider batches not deleted at the
+                                     provider yet (sift.economy_delete empties it)
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``SIFT_RESULT_RETENTION_SECONDS`` (``RESULT_TTL_SECONDS``, 7 days, by default) from the

@@ -17,6 +17,12 @@ the mark are one script (``_ERASE_JOB``); the families found by a ``SCAN`` (an e
 task's leases, the watch's members, which name the batch and hold no text) go after, through
 the purge's own :meth:`~worker.queue.jobstore.tenants.TenantRecords.delete_tenant_jobs`.
 
+An economy batch's provider batches (the provider keeps their requests and results, queries
+and candidates' text, for 29 days) are deleted there by a task the erase's script enqueues
+(``sift.economy_delete``, :mod:`worker.queue.economy.deletion`), their ids kept for it in
+``sift:eco-delete:<id>`` until each is deleted: those Sift made and recorded only, never a
+create in doubt's candidates (each may be another client's).
+
 What stays: the mark (``sift:erased:<id>``: tenant, kind, time; no text) for the retention,
 so the job answers ``410 erased`` to its tenant rather than ``404`` (another tenant still gets
 ``404``), and the job's Idempotency-Key binding, for its 24 hours (the SHA-256 of the key and
@@ -34,7 +40,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import cast
 
-from worker.constants import ACTIVE_JOBS_KEY, ERASED_KEY, WEBHOOKS_OWED_KEY
+from worker.constants import (
+    ACTIVE_JOBS_KEY,
+    ECONOMY_DELETE_KEY,
+    ECONOMY_PROVIDERS_KEY,
+    ERASED_KEY,
+    WEBHOOKS_OWED_KEY,
+)
 from worker.queue.jobstore.jobindex import KIND_BATCH, KIND_SEARCH, job_index_key
 from worker.queue.jobstore.records import _now
 from worker.queue.jobstore.store import resending
@@ -67,15 +79,26 @@ def _text(value: object) -> str:
 class ErasureRecords(TenantRecords):
     """Erase one finished search or batch of a tenant, and say whether one was erased."""
 
-    def erase_job(self, kind: str, tenant: str, job_id: str) -> Erasure:
+    def erase_job(
+        self, kind: str, tenant: str, job_id: str, provider: tuple[str, str] | None = None
+    ) -> Erasure:
         """Erase ``tenant``'s finished ``kind`` job ``job_id`` (``search`` or ``batch``). Safe to
-        call again: a job erased already answers as erased, with its first erasure's time."""
+        call again: a job erased already answers as erased, with its first erasure's time.
+
+        ``provider`` (a broker message, (list key, raw message): a batch's
+        :data:`~worker.constants.ECONOMY_DELETE_TASK`) is written by the same script if the
+        batch's economy lane made provider batches, whose ids it keeps for that task
+        (:meth:`provider_deletions`): the provider holds their requests and results (queries,
+        candidates' text) for 29 days, and they are deleted there even if the caller never
+        hears the answer."""
         if kind not in ERASABLE:
             raise ValueError(f"kind: {kind!r} is not one of {ERASABLE}")
         record, *rest = (prefix + job_id for prefix in _JOB_KEYS[kind])
+        queue, message = provider if provider is not None else (ECONOMY_DELETE_KEY + job_id, "")
         keys = [record, ERASED_KEY + job_id, job_index_key(kind, tenant), ACTIVE_JOBS_KEY,
-                WEBHOOKS_OWED_KEY, *rest]  # fmt: skip
-        args = [tenant, job_id, kind, repr(_now()), self.result_ttl]
+                WEBHOOKS_OWED_KEY, ECONOMY_DELETE_KEY + job_id, queue,
+                ECONOMY_PROVIDERS_KEY + job_id, *rest]  # fmt: skip
+        args = [tenant, job_id, kind, repr(_now()), self.result_ttl, message]
         # sent again on a broken connection: a run whose reply was lost answers "erased" then
         code, value = resending()(self._erase_job, keys=keys, args=args)
         if int(code) == -1:
@@ -94,6 +117,14 @@ class ErasureRecords(TenantRecords):
         if owner is None or when is None or _text(owner) != tenant:
             return None
         return float(_text(when))
+
+    def provider_deletions(self, batch_id: str) -> list[str]:
+        """The erased batch ``batch_id``'s provider batches not deleted at the provider yet."""
+        return sorted(_text(m) for m in self.redis.smembers(ECONOMY_DELETE_KEY + batch_id))
+
+    def provider_deleted(self, batch_id: str, provider_id: str) -> None:
+        """``provider_id`` is deleted at the provider (or has no batch there any more)."""
+        self.redis.srem(ECONOMY_DELETE_KEY + batch_id, provider_id)
 
     def was_erased(self, job_id: str) -> bool:
         """Whether the job was erased (by its tenant: the mark's is the job's)."""

@@ -609,9 +609,15 @@ return 1
 # written, in one script, so no status change comes between the check and the delete (a job
 # erased is final: a redelivered run's claim, start or finish, a webhook's claim or its end,
 # an economy write, each writes only while the record exists, and so writes nothing after).
+# An economy batch's provider batches that Sift made and recorded (not a create in doubt's
+# candidates, "doubt": each may be another client's) go into the set of those to delete at the
+# provider, and its delete task's message is written with them (the outbox): read before the
+# delete of their hash, and deleted at the provider even if the caller never hears the answer.
 # KEYS: 1 the record, 2 the erasure mark, 3 the tenant's job list, 4 the active set, 5 the
-#   webhooks owed, 6.. the job's other keys.
-# ARGV: 1 the tenant, 2 the job id, 3 its kind ('search' or 'batch'), 4 now, 5 the mark's TTL.
+#   webhooks owed, 6 the provider batches to delete, 7 the delete task's queue, 8 the economy
+#   lane's provider batches, 9.. the job's other keys.
+# ARGV: 1 the tenant, 2 the job id, 3 its kind ('search' or 'batch'), 4 now, 5 the mark's TTL,
+#   6 the delete task's message ('': none).
 # Returns {1, now} when erased now, {2, when} when the tenant had erased it already (nothing
 # written: the same answer again), {0, status} when it has not finished (nothing written),
 # {-1, ''} when there is no such job of the tenant's (missing, expired, or another's).
@@ -630,7 +636,22 @@ if ARGV[3] == 'search' then
 elseif redis.call('HEXISTS', KEYS[1], 'finished_at') == 0 then
   return {0, 'running'}
 end
-redis.call('DEL', KEYS[1], unpack(KEYS, 6))
+if ARGV[6] ~= '' then
+  local made = {}
+  local providers = redis.call('HGETALL', KEYS[8])
+  for i = 1, #providers, 2 do
+    local ok, record = pcall(cjson.decode, providers[i + 1])
+    if not (ok and type(record) == 'table' and record['doubt'] == true) then
+      table.insert(made, providers[i])
+    end
+  end
+  if #made > 0 then
+    redis.call('SADD', KEYS[6], unpack(made))
+    redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
+    redis.call('LPUSH', KEYS[7], ARGV[6])
+  end
+end
+redis.call('DEL', KEYS[1], unpack(KEYS, 9))
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[2])
 redis.call('ZREM', KEYS[5], ARGV[2])

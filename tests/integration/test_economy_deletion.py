@@ -1,0 +1,160 @@
+"""An erased economy batch's provider batches deleted at the provider
+(:mod:`worker.queue.economy.deletion`), on a real Redis and the fake Message Batches API: the
+erase keeps the ids of those Sift made (never a create in doubt's candidates) and writes the
+delete task's message in its script; the task deletes each, cancels one not ended first,
+and tries again later what the provider refused or failed."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import anthropic
+import pytest
+
+from tests.fake_anthropic import FakeAnthropic, status
+from worker.adapters.anthropic import AnthropicReranker
+from worker.adapters.anthropic_batches import AnthropicMessageBatches
+from worker.constants import ECONOMY_DELETE_KEY, ECONOMY_PROVIDERS_KEY
+from worker.contract import RerankInfo, SearchResult, SearchSpec
+from worker.queue.base import WorkerContext
+from worker.queue.economy.deletion import delete_erased, delete_provider_batch
+from worker.queue.jobstore import EraseOutcome, JobStore
+from worker.runtime.ratelimit import ProviderLimiter
+from worker.settings import load_settings
+
+pytestmark = pytest.mark.integration
+
+MODEL = "claude-haiku-4-5"
+QUEUE = "test-queue"
+PARAMS = {"model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
+
+
+class Retry(Exception):
+    """The task's retry, raised as Celery's is."""
+
+
+class _Task:
+    """What the delete task uses of a Celery task: its context, its request, its retry."""
+
+    def __init__(self, context: WorkerContext) -> None:
+        self.context = context
+        self.request = SimpleNamespace(id="t1", retries=0)
+        self.countdowns: list[float] = []
+
+    def retry(self, countdown: float, **_: Any) -> Retry:
+        self.countdowns.append(countdown)
+        return Retry()
+
+
+@pytest.fixture
+def model() -> Iterator[FakeAnthropic]:
+    with FakeAnthropic() as fake:
+        fake.configure(batch_processing_seconds=0.0)
+        yield fake
+
+
+@pytest.fixture
+def client(model: FakeAnthropic) -> AnthropicMessageBatches:
+    sdk = anthropic.Anthropic(base_url=model.url, api_key="sk-ant-test", max_retries=0)
+    return AnthropicMessageBatches(AnthropicReranker(MODEL, client=sdk))
+
+
+def _made(client: AnthropicMessageBatches) -> str:
+    return client.create([{"custom_id": "i0", "params": PARAMS}]).id
+
+
+def _held(model: FakeAnthropic) -> set[str]:
+    return {b["id"] for b in model.batches()}
+
+
+def _erased_batch(store: JobStore, providers: dict[str, dict[str, Any]]) -> str:
+    """A finished batch of acme's whose economy lane recorded ``providers``, erased."""
+    batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    store.start_item(batch.id, "q0")
+    store.finish_item(
+        batch.id, "q0", result=SearchResult(hits=[], rerank=RerankInfo(applied=False))
+    )
+    if providers:
+        store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY,
+                           {pid: json.dumps(r) for pid, r in providers.items()})  # fmt: skip
+    message = (QUEUE, json.dumps({"task": "delete", "batch": batch.id}))
+    assert store.erase_job("batch", "acme", batch.id, message).outcome is EraseOutcome.ERASED
+    return batch.id
+
+
+def test_the_erase_keeps_the_provider_batches_sift_made_and_writes_the_task_once(
+    store: JobStore,
+) -> None:
+    made = {"round": 1, "requests": 4, "created_at": 1.0, "ended_at": 2.0, "submission": "s1"}
+    candidate = {**made, "submission": "s2", "ended_at": None, "doubt": True}
+    batch_id = _erased_batch(store, {"msgbatch_a": made, "msgbatch_b": made,
+                                     "msgbatch_other": candidate})  # fmt: skip
+    assert store.provider_deletions(batch_id) == ["msgbatch_a", "msgbatch_b"]
+    assert store.redis.llen(QUEUE) == 1
+    assert 0 < store.redis.ttl(ECONOMY_DELETE_KEY + batch_id) <= store.result_ttl
+    again = store.erase_job("batch", "acme", batch_id, (QUEUE, "again"))
+    assert again.outcome is EraseOutcome.ERASED and store.redis.llen(QUEUE) == 1
+    store.provider_deleted(batch_id, "msgbatch_a")
+    store.provider_deleted(batch_id, "msgbatch_b")
+    assert not store.redis.exists(ECONOMY_DELETE_KEY + batch_id)
+    # a batch whose lane made none (the standard lane's, or only candidates): no task
+    assert _erased_batch(store, {}) and _erased_batch(store, {"msgbatch_c": candidate})
+    assert store.redis.llen(QUEUE) == 1
+
+
+def test_an_ended_provider_batch_is_deleted_and_a_missing_one_is_done(
+    model: FakeAnthropic, client: AnthropicMessageBatches
+) -> None:
+    provider_id = _made(client)
+    assert delete_provider_batch(client, provider_id) is None
+    assert _held(model) == set()
+    assert delete_provider_batch(client, provider_id) is None  # 404: deleted already
+
+
+def test_a_provider_batch_not_ended_is_canceled_then_deleted_once_ended(
+    model: FakeAnthropic, client: AnthropicMessageBatches
+) -> None:
+    model.configure(batch_processing_seconds=600.0, batch_cancel_seconds=600.0)
+    provider_id = _made(client)
+    assert delete_provider_batch(client, provider_id) == 0.0  # refused: canceled instead
+    assert [b["status"] for b in model.batches()] == ["canceling"]
+    assert delete_provider_batch(client, provider_id) == 0.0  # still canceling
+    model.configure(batch_processing_seconds=600.0, batch_cancel_seconds=0.0)
+    assert delete_provider_batch(client, provider_id) is None
+    assert _held(model) == set()
+
+
+def test_a_failed_delete_is_tried_again_after_what_the_provider_asks(
+    model: FakeAnthropic, client: AnthropicMessageBatches
+) -> None:
+    provider_id = _made(client)
+    model.script_batch_calls("delete", [status(429, retry_after=7), status(529)])
+    assert delete_provider_batch(client, provider_id) == 7.0
+    assert delete_provider_batch(client, provider_id) == 0.0
+    assert _held(model) == {provider_id}
+    assert delete_provider_batch(client, provider_id) is None
+    assert _held(model) == set()
+
+
+def test_the_task_deletes_what_it_can_and_retries_the_rest(
+    model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore, redis_url: str
+) -> None:
+    ended = _made(client)
+    model.configure(batch_processing_seconds=600.0, batch_cancel_seconds=600.0)
+    running = _made(client)
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": None}
+    batch_id = _erased_batch(store, {ended: record, running: record})
+    context = WorkerContext(settings=load_settings(redis_url=redis_url), store=store,
+                            limiter=ProviderLimiter(1), _batches=client)  # fmt: skip
+    task = _Task(context)
+    with pytest.raises(Retry):
+        delete_erased(task, batch_id)  # type: ignore[arg-type]
+    assert store.provider_deletions(batch_id) == [running]
+    assert _held(model) == {running} and task.countdowns
+    model.configure(batch_cancel_seconds=0.0)
+    delete_erased(task, batch_id)  # type: ignore[arg-type]
+    assert store.provider_deletions(batch_id) == [] and _held(model) == set()
+    delete_erased(task, batch_id)  # type: ignore[arg-type]  # a copy of the message: nothing

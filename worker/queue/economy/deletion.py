@@ -1,0 +1,93 @@
+"""Deleting an erased batch's provider batches (``sift.economy_delete``).
+
+Why. The provider keeps a Message Batch's requests and results (the queries, the candidates'
+text, the model's answers) for 29 days after it was created; an erase
+(``DELETE /v1/batches/{id}/results``) that left them there deleted only Sift's copy. The
+erase's script keeps the ids of the provider batches Sift made and recorded
+(``sift:eco-delete:<batch>``: never a create in doubt's candidates, each of which may be
+another client's) and writes this task's message with them; the task deletes each at the
+provider and drops it from the set, until none is left.
+
+The provider deletes an ended batch only. The Sift batch has finished (an erase asks it),
+so each of its provider batches has ended, or is canceling (a canceled Sift batch's), or
+still processing (its items failed by the economy deadline, say): such a one is canceled,
+and asked again later. A 404 is done (deleted already, or expired). A transient failure
+(429, 5xx, a timeout) is asked again later too, at the poll's cadence, for as long as the set
+lives (the erasure mark's retention, ``SIFT_RESULT_RETENTION_SECONDS``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from celery import shared_task
+
+from worker.constants import ECONOMY_DELETE_TASK
+from worker.errors import RerankAttemptError
+from worker.queue.base import SiftTask
+from worker.queue.economy.records import batches_client
+from worker.queue.economy.watch import poll_countdown
+
+if TYPE_CHECKING:
+    from worker.adapters.anthropic_batches import AnthropicMessageBatches
+
+log = logging.getLogger(__name__)
+
+
+def delete_provider_batch(client: AnthropicMessageBatches, provider_id: str) -> float | None:
+    """Delete one provider batch: None once it is gone (deleted now, or there was none),
+    else how long the provider asked to wait before the next try (0: no word). One not ended
+    is canceled first (a delete of it is refused): its lines are of no use to a batch
+    erased."""
+    try:
+        if client.delete(provider_id):
+            log.info("provider batch %s: deleted", provider_id)
+        return None
+    except RerankAttemptError as exc:
+        if exc.retryable:
+            log.warning("provider batch %s: delete failed, retrying: %s", provider_id, exc)
+            return exc.retry_after or 0.0
+        refused = exc
+    try:
+        batch = client.retrieve(provider_id)
+        if batch.processing_status == "in_progress":
+            client.cancel(provider_id)
+    except RerankAttemptError as exc:
+        log.warning("provider batch %s: delete refused (%s), then %s", provider_id, refused, exc)
+        return exc.retry_after or 0.0
+    if batch.ended:  # refused for another reason than its status: said, and tried again
+        log.error("provider batch %s: delete refused: %s", provider_id, refused)
+    return 0.0
+
+
+@shared_task(  # type: ignore[untyped-decorator]
+    name=ECONOMY_DELETE_TASK, base=SiftTask, bind=True, max_retries=None
+)
+def economy_delete(self: SiftTask, batch_id: str) -> None:
+    """:func:`delete_erased` of ``batch_id``."""
+    delete_erased(self, batch_id)
+
+
+def delete_erased(task: SiftTask, batch_id: str) -> None:
+    """Delete the erased batch ``batch_id``'s provider batches still kept for it; those not
+    deleted yet are tried again later (this message, retried), each deleted one dropped."""
+    store = task.context.store
+    left = store.provider_deletions(batch_id)
+    if not left:
+        return
+    try:
+        client = batches_client(task)
+    except RerankAttemptError as exc:
+        log.error("batch %s: provider batches %s not deleted: %s", batch_id, left, exc)
+        return
+    waits = []
+    for provider_id in left:
+        wait = delete_provider_batch(client, provider_id)
+        if wait is None:
+            store.provider_deleted(batch_id, provider_id)
+        else:
+            waits.append(wait)
+    if waits:
+        log.info("batch %s: %d provider batches left to delete", batch_id, len(waits))
+        raise task.retry(countdown=max(poll_countdown(task), *waits))
