@@ -8,6 +8,7 @@ the economy lane still running for the tenant (``--force``, or a worker not rest
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import subprocess
@@ -32,17 +33,19 @@ from tests.integration.test_economy_doubts import (
 from worker.adapters.embedded import EmbeddedBackend
 from worker.constants import (
     BATCH_KEY,
+    ECONOMY_DELETE_TASK,
     ECONOMY_PREPARED_KEY,
     ECONOMY_PROVIDERS_KEY,
     ECONOMY_RESEND_CLAIM,
     ECONOMY_RUNS_KEY,
     ECONOMY_WATCH_KEY,
+    SEARCH_QUEUE,
 )
 from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.processes.stack import child_env
 from worker.queue import economy
 from worker.queue.base import WorkerContext
-from worker.queue.economy import cancel, leases, records, results, submission, watch
+from worker.queue.economy import cancel, deletion, leases, records, results, submission, watch
 from worker.queue.jobstore import BatchJob, JobStore
 
 __all__ = ["context", "workers"]  # fixtures (test_economy_doubts.py's)
@@ -99,6 +102,13 @@ def test_a_purge_cancels_the_tenants_provider_batches_and_stops_when_it_cannot(
     assert re.search(r"provider batches canceled \(economy lane\)\s*│\s*1\s*│", purged.stdout)
     [canceled] = model.batches()
     assert canceled["status"] != "in_progress"
+    # and handed to a worker to delete at the provider (its queries and candidates' text)
+    assert re.search(r"provider batches handed to a worker to delete\s*│\s*1\s*│", purged.stdout)
+    [message] = [json.loads(raw) for raw in store.redis.lrange(SEARCH_QUEUE, 0, -1)]
+    assert message["headers"]["task"] == ECONOMY_DELETE_TASK, message
+    assert json.loads(base64.b64decode(message["body"]))[0] == [batch.id]
+    deletion.delete_erased(_Task(context, "delete"), batch.id)  # type: ignore[arg-type]
+    assert model.batches() == []
     assert store.redis.keys("*" + batch.id + "*") == []
 
 
@@ -283,6 +293,8 @@ def test_a_purge_names_the_provider_batches_of_a_create_in_doubt_it_leaves(
     assert re.search(r"provider batches of creates in doubt, not canceled\s*│\s*1\s*│", out)
     [left] = model.batches()
     assert left["status"] == "in_progress"  # maybe another client's: not canceled
+    assert re.search(r"provider batches handed to a worker to delete\s*│\s*0\s*│", out)
+    assert store.redis.llen(SEARCH_QUEUE) == 0  # nor deleted
     assert _named(store, batch.id) == []
 
 

@@ -18,7 +18,10 @@ documents for good), and a tenant given the same name later inherits them. This 
    exit 1, before anything is erased: the state that names them stays, so running it again
    cancels them then. A create whose answer was lost may have made a provider batch that is
    not canceled (its candidates may be other clients'): each candidate, and each such create
-   not looked for yet (when it was made, its size), is printed for an operator to look for;
+   not looked for yet (when it was made, its size), is printed for an operator to look for.
+   The provider batches Sift made (not those candidates) are handed to the workers to delete
+   at the provider once ended (``sift.economy_delete``, as an erase does): the provider keeps
+   their requests and results, the queries and candidates' text, 29 days;
 2. each of its indexes is dropped through the backend's own drop (a write version taken as
    the gateway's drop takes one, so the floor it leaves makes a write accepted before it land
    nothing), on Elasticsearch those holding no document too (not listed, but still indexes
@@ -54,6 +57,7 @@ from worker.cli._app import app
 from worker.cli._common import EXIT_ERROR, stack_redis_url
 from worker.cli._output import cli_console, plain
 from worker.cli.service import DEV_KEY_FILE
+from worker.constants import ECONOMY_DELETE_TASK, SEARCH_QUEUE
 from worker.core.ports import IndexCatalog
 from worker.errors import ConfigError, SiftError
 from worker.queue.jobstore import JobStore, TenantJobs
@@ -185,6 +189,35 @@ def _cancel_provider_batches(settings: Settings, store: JobStore, jobs: TenantJo
     return len(held)
 
 
+def _delete_provider_batches(settings: Settings, store: JobStore, jobs: TenantJobs) -> int:
+    """Hand the tenant's economy batches' provider batches (those Sift made and recorded; not
+    a create in doubt's candidates, each maybe another client's) to the workers, to delete at
+    the provider (``sift.economy_delete``, as an erase of the batch does): the provider keeps
+    their requests and results, queries and candidates' text, 29 days, and the state naming
+    them is about to be deleted. A worker, not this command: one canceled just now is
+    canceling, and the provider deletes an ended batch only. Answers how many."""
+    from celery import Celery
+
+    from worker.queue.config import celery_config
+
+    kept = {b: store.keep_provider_deletions(b) for b in jobs.ids.get(KIND_BATCH, [])}
+    kept = {batch_id: ids for batch_id, ids in kept.items() if ids}
+    if not kept:
+        return 0
+    celery = Celery("sift-purge", set_as_current=False)
+    celery.config_from_object(celery_config(settings))
+    try:
+        for batch_id, ids in kept.items():
+            celery.send_task(ECONOMY_DELETE_TASK, args=[batch_id], queue=SEARCH_QUEUE)
+            cli_console().print(
+                f"batch {batch_id}: provider batch(es) {', '.join(ids)} to be deleted at the "
+                "provider by a worker"
+            )
+    finally:
+        celery.close()
+    return sum(len(ids) for ids in kept.values())
+
+
 def _stack_dev_tenant(data_dir: Path) -> str | None:
     """The tenant of the development key ``sift up`` keeps in ``data_dir``, if it keeps one:
     the stack's children accept it though no setting of this command's names it."""
@@ -258,6 +291,7 @@ def purge(
         canceled = store.cancel_tenant_jobs(jobs)
         canceled["provider batch"] = _cancel_provider_batches(settings, store, jobs)
         canceled["in doubt"] = _name_creates_in_doubt(store, jobs)
+        canceled["provider deletes"] = _delete_provider_batches(settings, store, jobs)
         dropped = _drop_indexes(settings, client, name, store.unfinished_write_indexes(jobs))
         deleted = store.delete_tenant_jobs(jobs) + store.delete_tenant_keys(name)
     except (redis.RedisError, OSError, SiftError) as exc:
@@ -276,6 +310,7 @@ def _show(
         ("batch items canceled", canceled["batch_item"]),
         ("provider batches canceled (economy lane)", canceled["provider batch"]),
         ("provider batches of creates in doubt, not canceled", canceled["in doubt"]),
+        ("provider batches handed to a worker to delete", canceled["provider deletes"]),
         ("indexes dropped", dropped["indexes"]),
         ("indexes only its unfinished writes named, closed to them", dropped["closed"]),
         ("documents dropped", dropped["documents"]),

@@ -36,6 +36,7 @@ script that writes only while the job's record (or a batch's items) exists.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import cast
@@ -74,6 +75,16 @@ class Erasure:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _in_doubt(raw: str) -> bool:
+    """Whether a provider batch's record is a create in doubt's candidate (``doubt``): it may
+    be another client's (``_ERASE_JOB`` reads the same field)."""
+    try:
+        record = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and record.get("doubt") is True
 
 
 class ErasureRecords(TenantRecords):
@@ -117,6 +128,20 @@ class ErasureRecords(TenantRecords):
         if owner is None or when is None or _text(owner) != tenant:
             return None
         return float(_text(when))
+
+    def keep_provider_deletions(self, batch_id: str) -> list[str]:
+        """Keep the ids of the batch's provider batches Sift made and recorded (not a create
+        in doubt's candidates) for :data:`~worker.constants.ECONOMY_DELETE_TASK`, as an erase
+        keeps them (``sift tenant purge``, before it deletes the state naming them); answers
+        them."""
+        records = cast(dict[str, str], self.redis.hgetall(ECONOMY_PROVIDERS_KEY + batch_id))
+        made = sorted(_text(p) for p, raw in records.items() if not _in_doubt(_text(raw)))
+        if made:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.sadd(ECONOMY_DELETE_KEY + batch_id, *made)
+            pipe.expire(ECONOMY_DELETE_KEY + batch_id, self.result_ttl)
+            pipe.execute()
+        return made
 
     def provider_deletions(self, batch_id: str) -> list[str]:
         """The erased batch ``batch_id``'s provider batches not deleted at the provider yet."""
