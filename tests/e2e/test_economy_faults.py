@@ -342,11 +342,12 @@ def test_a_candidate_answering_404_once_and_a_failed_resend_leave_no_item_waitin
 def test_a_candidate_that_answers_no_read_for_an_hour_is_taken_for_another_clients(
     stack: Stack, corpus: object, queries: list[str]
 ) -> None:
-    # a create in doubt (500) that made nothing; its one candidate, another client's batch,
-    # is deleted by its owner, and answers every read 404. It held the items until the
-    # poll's give-up (the economy deadline plus 24 h); an hour of status errors in a row now
-    # judges it another client's. The hour is made to have passed by dating its first back.
-    stack.model.configure(batch_processing_seconds=0.5)
+    # a create in doubt (500) that made nothing; its one candidate, another client's long
+    # batch, is canceled and deleted by its owner, and answers every read 404. It held the
+    # items until the poll's give-up (the economy deadline plus 24 h); an hour of status
+    # errors in a row now judges it another client's. The hour is made to have passed by
+    # dating its first error back.
+    stack.model.configure(batch_processing_seconds=300.0)
     foreign = _foreign_batch(stack, 3)
     owner = anthropic.Anthropic(base_url=stack.model.url, api_key=ANTHROPIC_API_KEY)
     stack.model.script_batch_calls("create", [status(500)])
@@ -356,9 +357,12 @@ def test_a_candidate_that_answers_no_read_for_an_hour_is_taken_for_another_clien
     while not records.hexists(key, foreign):  # found as a candidate
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    while owner.messages.batches.retrieve(foreign).processing_status != "ended":
-        time.sleep(0.1)
+    # a poll between the owner's cancel and its delete would read it ended, and judge it by
+    # its lines: it is read as still running until it is gone
+    stack.model.script_batch_calls("retrieve", [stale(), stale()])
+    owner.messages.batches.cancel(foreign)  # ended at once (the fake's cancel takes 0 s)
     owner.messages.batches.delete(foreign)
+    stack.model.configure(batch_processing_seconds=0.5)  # the resend's
     while "unread_since" not in (record := json.loads(records.hget(key, foreign) or "{}")):
         assert time.monotonic() < deadline, record
         time.sleep(0.05)
