@@ -453,6 +453,26 @@ def test_the_worker_runs_one_process_per_requested_cpu(
     assert container["resources"]["requests"]["cpu"]
 
 
+def test_every_deployment_keeps_the_metrics_folder_in_memory(
+    compose: dict[str, Any], manifests: tuple[str, list[dict[str, Any]]]
+) -> None:
+    """The Dockerfile's ``PROMETHEUS_MULTIPROC_DIR`` in memory, in compose and in k8s: on the
+    container's disk, a disk that filled killed every process of it with SIGBUS as it wrote a
+    new series (deploy/README.md §2)."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    folder = dockerfile.split("PROMETHEUS_MULTIPROC_DIR=", 1)[1].split()[0]
+    for name in ("gateway", "worker"):
+        mounts = [entry.split(":", 1)[0] for entry in compose["services"][name].get("tmpfs", [])]
+        assert folder in mounts, (name, mounts)
+    docs = by_kind(manifests[1])
+    for name in ("sift-gateway", "sift-worker"):
+        pod = docs["Deployment", name]["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["emptyDir"]["medium"] == "Memory", (name, volume)
+
+
 def test_the_worker_autoscaler_targets_the_worker_deployment(
     manifests: tuple[str, list[dict[str, Any]]],
 ) -> None:
