@@ -42,6 +42,7 @@ from api_gateway.jobs._shared import (
     _rerank_of,
     erase,
     gone,
+    no_job,
     not_there,
     router,
 )
@@ -335,7 +336,7 @@ async def _cancel_batch(request: Request, batch_id: str, tenant: Tenant) -> Batc
             headers=UNAVAILABLE_RETRY_AFTER,
         ) from exc
     if outcome is CancelOutcome.MISSING:
-        raise ApiError(404, "not_found", f"id: no batch {batch_id!r}", field="id")
+        raise no_job("batch", batch_id)
     if isinstance(outcome, CancelOutcome):  # already finished: nothing changed now
         # what an earlier cancel, its answer lost, ended
         await _count_cancel(request, batch_id)

@@ -10,7 +10,7 @@ import math
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Path, Request
 
@@ -89,8 +89,17 @@ _HOW_TO_END = {
 }
 
 
+ErasableKind = Literal["search", "batch"]
+
+
+def no_job(kind: str, job_id: str, hint: str = "") -> ApiError:
+    """The ``404`` of a job the caller has none of (never made, expired, or another
+    tenant's); ``hint`` ends its message."""
+    return ApiError(404, "not_found", f"id: no {kind} {job_id!r}{hint}", field="id")
+
+
 async def not_there(
-    request: Request, kind: str, job_id: str, tenant: str, *, hint: str = ""
+    request: Request, kind: ErasableKind, job_id: str, tenant: str, *, hint: str = ""
 ) -> ApiError:
     """The answer for a search or batch ``tenant`` cannot read: ``410 erased`` when it erased
     it, else ``404`` (never made, expired, or another tenant's: one answer, so a tenant learns
@@ -104,16 +113,16 @@ async def not_there(
                 f"id: {kind} {job_id!r} was erased at {iso(erased_at)}; nothing of it is kept",
                 field="id",
             )
-    return ApiError(404, "not_found", f"id: no {kind} {job_id!r}{hint}", field="id")
+    return no_job(kind, job_id, hint)
 
 
-async def erase(request: Request, kind: str, job_id: str, tenant: str) -> ErasedOut:
+async def erase(request: Request, kind: ErasableKind, job_id: str, tenant: str) -> ErasedOut:
     """Erase the caller's finished search or batch ``job_id`` (:meth:`JobStore.erase_job`):
     ``404`` when it has no such job, ``409 not_finished`` (nothing erased) while it is queued or
     running, else the erasure, the first one's time when it was erased already. A batch's
     provider batches (the economy lane's) are deleted at the provider after, by a worker."""
     if not is_id(job_id, _ID_PREFIXES[kind]):
-        raise ApiError(404, "not_found", f"id: no {kind} {job_id!r}", field="id")
+        raise no_job(kind, job_id)
     # an economy batch's provider batches are deleted at the provider by a task whose
     # message the erase's script writes (only if the lane made any): deleted even if this
     # gateway dies right after; the gateway has no model client of its own
@@ -122,7 +131,7 @@ async def erase(request: Request, kind: str, job_id: str, tenant: str) -> Erased
         (provider,) = task_sender(request).messages([(ECONOMY_DELETE_TASK, [job_id], SEARCH_QUEUE)])
     erasure = await off_loop(job_store(request).erase_job, kind, tenant, job_id, provider)
     if erasure.outcome is EraseOutcome.MISSING:
-        raise ApiError(404, "not_found", f"id: no {kind} {job_id!r}", field="id")
+        raise no_job(kind, job_id)
     if erasure.outcome is EraseOutcome.NOT_FINISHED:
         how = _HOW_TO_END[kind].replace("{id}", job_id)
         raise ApiError(
@@ -135,8 +144,7 @@ async def erase(request: Request, kind: str, job_id: str, tenant: str) -> Erased
     assert erasure.erased_at is not None
     with job_context(job_id):
         log.info("%s %s: erased by tenant %s", kind, job_id, tenant)
-    return ErasedOut(id=job_id, kind="batch" if kind == "batch" else "search",
-                     erased_at=iso(erasure.erased_at) or "")  # fmt: skip
+    return ErasedOut(id=job_id, kind=kind, erased_at=iso(erasure.erased_at) or "")
 
 
 async def room_for_new_work(request: Request) -> None:
@@ -295,7 +303,7 @@ def _rerank_of(settings: Settings, rerank: bool | None) -> bool:
     return settings.rerank_enabled if rerank is None else rerank
 
 
-async def gone(request: Request, kind: str, job_id: str, tenant: str) -> ApiError:
+async def gone(request: Request, kind: ErasableKind, job_id: str, tenant: str) -> ApiError:
     """The answer of a request that made ``job_id`` and then found it gone: ``410 erased``
     when ``tenant`` erased it meanwhile (a ``DELETE`` of the same tenant while this request
     waited on it: the job had finished), else lost by Redis (:func:`_lost`). Answered as
