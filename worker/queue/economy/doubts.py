@@ -18,6 +18,7 @@ from worker.queue.economy.records import (
     batches_client,
     record_sent,
     running_items,
+    save_provider_record,
     save_runs,
 )
 from worker.queue.economy.watch import send_poll
@@ -110,8 +111,7 @@ def settle_doubts(
             if provider_id not in known:
                 record = {"round": round_, "requests": requests, "created_at": at,
                           "ended_at": None, "submission": submission, "doubt": True}  # fmt: skip
-                store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY,
-                                   {provider_id: json.dumps(record)})  # fmt: skip
+                save_provider_record(store, batch.id, provider_id, record)
             expect(task, batch.id, provider_id, task.context.settings.economy_poll_seconds)
         for _, run in items:
             run["pending"] = None

@@ -161,8 +161,9 @@ def provider_record(store: JobStore, batch_id: str, provider_id: str) -> dict[st
 
 def save_provider_record(
     store: JobStore, batch_id: str, provider_id: str, record: dict[str, Any]
-) -> None:
-    store.economy_save(batch_id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
+) -> bool:
+    """Keep one provider batch's record; False when the batch is gone (nothing written)."""
+    return store.economy_save(batch_id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
 
 
 def _waits_on(run: dict[str, Any], provider_id: str, submission: str | None) -> bool:

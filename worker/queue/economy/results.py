@@ -38,6 +38,7 @@ from worker.queue.economy.records import (
     provider_record,
     rerank_run,
     running_items,
+    save_provider_record,
     save_runs,
     store_run,
 )
@@ -65,7 +66,7 @@ def candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, proven
     store = task.context.store
     record = provider_record(store, batch.id, provider_id)
     record.update(ended_at=record.get("ended_at") or time.time(), proven=proven)
-    store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
+    save_provider_record(store, batch.id, provider_id, record)
     submission = record.get("submission")
     if proven or submission is None:
         return
@@ -138,7 +139,7 @@ def map_results(
     record.update(ended_at=time.time(), results=lines, resubmitted=len(resubmit))
     if record.get("doubt"):
         record["proven"] = True
-    store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)})
+    save_provider_record(store, batch.id, provider_id, record)
     log.info(
         "batch %s: provider batch %s mapped, %d results, %d resubmitted",
         batch.id,

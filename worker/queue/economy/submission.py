@@ -3,7 +3,6 @@ under the provider's limits, each create written down before it is made."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -15,7 +14,6 @@ from celery import shared_task
 from worker.adapters.rate_budget import BatchQueueFull
 from worker.constants import (
     ECONOMY_PREPARED_KEY,
-    ECONOMY_PROVIDERS_KEY,
     ECONOMY_STATE_KEY,
     ECONOMY_SUBMIT_TASK,
 )
@@ -32,6 +30,7 @@ from worker.queue.economy.records import (
     economy_pipeline,
     record_sent,
     running_items,
+    save_provider_record,
     save_runs,
 )
 from worker.queue.economy.watch import (
@@ -117,7 +116,7 @@ def _record_provider(
     batch's record is gone (``sift tenant purge`` erased it while the create ran): nothing
     is kept, and nothing polls it."""
     store = task.context.store
-    if not store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY, {provider_id: json.dumps(record)}):
+    if not save_provider_record(store, batch.id, provider_id, record):
         return False
     send_poll(task, batch, provider_id)
     return True
