@@ -380,21 +380,15 @@ def elasticsearch_migrate(
         console.print("nothing to migrate: no index of the shared layout")
 
 
-@app.command("embedded-downgrade")
-def embedded_downgrade(
-    yes: Annotated[bool, typer.Option("--yes", help="do not ask before making them again")] = False,
-) -> None:
-    """Before rolling back to a release older than the erasing deletes (57bc511): make each
-    embedded index's FTS5 table again as those releases made it, from its stored texts, so
-    they can replace, delete and drop its documents. Run it with this release, every worker
-    stopped: it refuses a folder a running `sift up` or `sift worker` on this host holds,
-    and no worker starts while it runs. This release makes each table erasing again at its
-    index's next write."""
-    from worker.adapters.embedded import DB_FILE, EmbeddedBackend
+def _embedded_folder_alone(verb: str) -> tuple[Path, IO[str]]:
+    """The workers' embedded data folder, and the lock that keeps every ``sift worker`` from
+    it while it stays open; stops the command (nothing changed) if a stack or a worker on
+    this host holds the folder, or it holds no index database."""
+    from worker.adapters.embedded import DB_FILE
 
     settings = _settings()
     if settings.search_backend != "embedded":
-        _stop("SIFT_SEARCH_BACKEND is not embedded: nothing to downgrade")
+        _stop(f"SIFT_SEARCH_BACKEND is not embedded: nothing to {verb}")
     data_dir = settings.data_dir.resolve()
     if not (data_dir / DB_FILE).is_file():  # opening it would make an empty one
         _stop(f"no embedded backend in {data_dir}: set SIFT_DATA_DIR to the workers' data folder")
@@ -409,6 +403,22 @@ def embedded_downgrade(
             f"the data folder {data_dir} is in use by a running `sift worker` on this host: "
             "stop it (and every other worker on it) first; nothing was changed"
         )
+    return data_dir, excluded
+
+
+@app.command("embedded-downgrade")
+def embedded_downgrade(
+    yes: Annotated[bool, typer.Option("--yes", help="do not ask before making them again")] = False,
+) -> None:
+    """Before rolling back to a release older than the erasing deletes (57bc511): make each
+    embedded index's FTS5 table again as those releases made it, from its stored texts, so
+    they can replace, delete and drop its documents. Run it with this release, every worker
+    stopped: it refuses a folder a running `sift up` or `sift worker` on this host holds,
+    and no worker starts while it runs. This release makes each table erasing again at its
+    index's next write."""
+    from worker.adapters.embedded import DB_FILE, EmbeddedBackend
+
+    data_dir, excluded = _embedded_folder_alone("downgrade")
     if not yes:
         typer.confirm(
             f"Make every FTS5 table in {data_dir / DB_FILE} again as an earlier release's? "
