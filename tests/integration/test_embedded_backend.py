@@ -20,7 +20,7 @@ from worker.adapters.embedded import EmbeddedBackend, derive_revision, match_exp
 from worker.adapters.embedder import OnnxMiniLMEmbedder
 from worker.contract import Channel, FilterValue
 from worker.core.types import ChannelQuery, ChannelResults, Document, HardFilters, IndexProbe
-from worker.errors import EmbeddingModelMismatch, IndexNotFound, InvalidRequest
+from worker.errors import ConfigError, EmbeddingModelMismatch, IndexNotFound, InvalidRequest
 
 pytestmark = pytest.mark.integration
 
@@ -437,10 +437,6 @@ def test_derived_revision_is_stable_and_content_bound() -> None:
 def test_a_data_dir_of_another_schema_version_is_refused_not_misread(
     tmp_path: Path, version: int
 ) -> None:
-    import apsw
-
-    from worker.errors import ConfigError
-
     conn = apsw.Connection(str(tmp_path / "sift.db"))
     conn.execute(f"CREATE TABLE docs(x); PRAGMA user_version={version}")
     conn.close()
@@ -469,10 +465,27 @@ def test_sift_worker_stops_at_start_on_a_data_dir_of_another_schema(tmp_path: Pa
     )
     assert run.returncode == 2, run.stdout + run.stderr
     assert "schema v1" in run.stderr and "SIFT_DATA_DIR" in run.stderr, run.stderr  # an error
-    # and the way on: not a new folder (under `sift up` it holds Redis and the dev key)
+    # and the way on: the upgrade in place, not a new folder (it holds Redis and the dev key)
     told = " ".join(run.stderr.split())
-    assert "new directory" not in told and "move its sift.db" in told, told
+    assert "new directory" not in told and "run `sift embedded-upgrade`" in told, told
     assert "deploy/README.md §8" in told, told
+
+
+def test_a_data_dir_of_a_schema_with_no_upgrade_is_moved_aside_not_a_new_folder(
+    tmp_path: Path,
+) -> None:
+    conn = apsw.Connection(str(tmp_path / "sift.db"))
+    conn.execute("CREATE TABLE docs(x); PRAGMA user_version=7")
+    conn.close()
+    backend = EmbeddedBackend(tmp_path)
+    try:
+        with pytest.raises(ConfigError) as refused:
+            backend.check()
+    finally:
+        backend.close()
+    told = " ".join(str(refused.value).split())
+    assert "schema v7" in told and "move its sift.db" in told, told
+    assert "embedded-upgrade" not in told and "deploy/README.md §8" in told, told
 
 
 def test_equal_scores_order_by_id_in_both_channels_and_a_shared_hit_is_one_document(

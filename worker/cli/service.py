@@ -406,6 +406,50 @@ def _embedded_folder_alone(verb: str) -> tuple[Path, IO[str]]:
     return data_dir, excluded
 
 
+@app.command("embedded-upgrade")
+def embedded_upgrade(
+    yes: Annotated[bool, typer.Option("--yes", help="do not ask before upgrading")] = False,
+) -> None:
+    """Bring an embedded data folder written before each tenant's index had its own tables
+    (schema v1, before edd94bb) to this release's schema v2, in place: documents, vectors,
+    versions and the jobs queued in Redis are kept, nothing is embedded again. Run it with
+    this release, every worker stopped (an earlier release's worker is not seen: stop those
+    yourself): it refuses a folder a running `sift up` or `sift worker` on this host holds,
+    and no worker starts while it runs. One transaction: a crash leaves the folder as it
+    was."""
+    import apsw
+
+    from worker.adapters.embedded import EmbeddedBackend, upgrade_from_v1
+
+    data_dir, excluded = _embedded_folder_alone("upgrade")
+    try:
+        if not yes:
+            typer.confirm(
+                f"Upgrade {data_dir} to embedded schema v2 in place? Every worker on it must "
+                "be stopped, an earlier release's too",
+                abort=True,
+            )
+        with console.status("making each tenant's index its own FTS5 table"):
+            made = upgrade_from_v1(data_dir)
+        backend = EmbeddedBackend(data_dir)
+        try:
+            backend.check()  # the tables that came after v2, as any v2 folder's first open
+        finally:
+            backend.close()
+    except apsw.Error as error:
+        _stop(f"nothing was changed: {error}", 1)
+    except SiftError as error:
+        _stop(plain(error), 1)
+    finally:
+        excluded.close()
+    if made is None:
+        console.print(f"{data_dir} is at embedded schema v2 already: nothing to do")
+        return
+    for tenant, index, rows in made:
+        console.print(f"{plain(tenant)}/{plain(index)}: {rows} document(s)")
+    console.print(f"{len(made)} tenant index(es) made; {data_dir} is at embedded schema v2")
+
+
 @app.command("embedded-downgrade")
 def embedded_downgrade(
     yes: Annotated[bool, typer.Option("--yes", help="do not ask before making them again")] = False,

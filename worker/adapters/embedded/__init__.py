@@ -62,7 +62,7 @@ from worker.core.types import derive_revision
 from ._caches import DOCUMENT_CACHE_SIZE
 from ._listing import _Listing
 from ._pool import BUSY_TIMEOUT_MS, CACHE_KIB, MMAP_BYTES, TOMBSTONE_SECONDS
-from ._schema import DB_FILE, FTS_TOKENIZER, SCHEMA_VERSION
+from ._schema import DB_FILE, FTS_TOKENIZER, SCHEMA_VERSION, upgrade_from_v1
 from ._search import BLAS_MIN_PRODUCT, ENGLISH_STOPWORDS, _Search, match_expression
 from ._settings import _Settings
 from ._writes import _Writes
@@ -81,6 +81,7 @@ __all__ = [
     "EmbeddedBackend",
     "derive_revision",
     "match_expression",
+    "upgrade_from_v1",
 ]
 
 

@@ -3,14 +3,15 @@ and FTS5 table of each tenant's index, made by its first write and let go with i
 document.
 
 The schema is made at a connection's first open (``CREATE ... IF NOT EXISTS``). A data dir
-of another schema version is refused, never migrated in place: it stops the worker with
-:class:`~worker.errors.ConfigError`: the index database is moved aside and its documents
-re-ingested (deploy/README.md §8; not a new folder, which under ``sift up`` holds the
-stack's Redis and development key too)."""
+of another schema version is refused, never migrated by a worker: it stops the worker with
+:class:`~worker.errors.ConfigError`. A data dir of schema v1 is brought to v2 by ``sift
+embedded-upgrade`` (:func:`upgrade_from_v1`), every worker stopped: a worker of the earlier
+release still running on it would read another tenant's FTS5 table by its old number."""
 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import cast
 
@@ -35,10 +36,15 @@ def _check_schema_version(conn: apsw.Connection, data_dir: Path) -> None:
     if has_tables and has_tables[0] and version != SCHEMA_VERSION:
         raise ConfigError(
             f"SIFT_DATA_DIR {data_dir} holds embedded-index schema v{version}, this Sift "
-            f"reads v{SCHEMA_VERSION}: with the older Sift, let the work in flight finish "
-            "(or cancel it); then move its sift.db (and sift.db-wal, sift.db-shm) aside, not "
-            "the folder (under `sift up` it holds Redis and the dev key), and re-ingest "
-            "(deploy/README.md §8)"
+            f"reads v{SCHEMA_VERSION}: "
+            + (
+                "stop every worker on it, then run `sift embedded-upgrade` with this Sift "
+                "(deploy/README.md §8)"
+                if version == 1
+                else "with the older Sift, let the work in flight finish (or cancel it); then "
+                "move its sift.db (and sift.db-wal, sift.db-shm) aside, not the folder (under "
+                "`sift up` it holds Redis and the dev key), and re-ingest (deploy/README.md §8)"
+            )
         )
 
 
@@ -120,7 +126,76 @@ CREATE TABLE IF NOT EXISTS index_settings(
 # its job run again (a write committed by an earlier release and run again after the upgrade
 # counts 0).
 # v2: ``indexes`` is keyed by (name, tenant), so each tenant's index has its own FTS5 table
-# (BM25 statistics), dimension and generation; a v1 data dir (one per name) is refused.
+# (BM25 statistics), dimension and generation; a v1 data dir (one per name) is refused, and
+# brought to v2 by ``sift embedded-upgrade`` (:func:`upgrade_from_v1`).
+
+
+def upgrade_from_v1(data_dir: Path) -> list[tuple[str, str, int]] | None:
+    """Bring ``data_dir``'s index database from schema v1 to v2, in one transaction: answers
+    each tenant's index made, with its documents (None: the database is not v1; nothing done).
+
+    v1 kept one ``indexes`` row, FTS5 table, dimension and generation per name, shared by
+    every tenant writing it; v2 one per (name, tenant) (:data:`_SCHEMA`). Nothing else
+    changed: ``docs``, ``bodies``, ``vectors``, ``writes`` and ``catalog`` are kept as they
+    are (sequence numbers, versions, floors, models), so no document is embedded again and
+    no job's order of writes is lost. Each tenant's index gets its own erasing FTS5 table
+    (:func:`_create_fts`), filled from ``bodies``; the shared tables are dropped, their pages
+    zeroed (``secure_delete``). A tenant's index takes the name's dimension when it holds a
+    vector. The tables that came after v2 are made by the first open, as for any v2 data dir.
+    A crash before the commit leaves the v1 database as it was; the run can be made again.
+    """
+    conn = apsw.Connection(str(data_dir / DB_FILE))
+    try:
+        conn.set_busy_timeout(5_000)
+        conn.execute("PRAGMA secure_delete=ON")
+        conn.execute("BEGIN EXCLUSIVE")
+        try:
+            made = _v1_to_v2(conn)
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+        return made
+    finally:
+        conn.close()
+
+
+def _v1_to_v2(conn: apsw.Connection) -> list[tuple[str, str, int]] | None:
+    if conn.execute("PRAGMA user_version").get != 1:
+        return None
+    shared = cast(
+        list[tuple[int, str, int | None]],
+        conn.execute("SELECT num, name, dimension FROM indexes").fetchall(),
+    )
+    for num, _, _ in shared:
+        conn.execute(f"DROP TABLE IF EXISTS fts_{num}")
+    conn.execute("ALTER TABLE indexes RENAME TO indexes_v1")
+    conn.execute("DROP INDEX IF EXISTS docs_vectors")  # v1's was on (idx, seq)
+    conn.execute(_SCHEMA)
+    _date_tombstones(conn, time.time())  # v1 had no ``tombstones``: its deletes' were undated
+    made = []
+    owners = cast(
+        list[tuple[str, str]],
+        conn.execute("SELECT DISTINCT tenant, idx FROM docs ORDER BY tenant, idx").fetchall(),
+    )
+    for tenant, index in owners:
+        conn.execute(
+            "INSERT INTO indexes(name, tenant, dimension) VALUES (?1, ?2, (SELECT dimension"
+            " FROM indexes_v1 WHERE name = ?1 AND EXISTS(SELECT 1 FROM docs"
+            " WHERE idx = ?1 AND tenant = ?2 AND has_vector)))",
+            (index, tenant),
+        )
+        fts = f"fts_{conn.last_insert_rowid()}"
+        _create_fts(conn, fts)
+        conn.execute(
+            f"INSERT INTO {fts}(rowid, title, text) SELECT b.seq, b.title, b.text FROM docs"
+            " AS d JOIN bodies AS b ON b.seq = d.seq WHERE d.idx = ? AND d.tenant = ?",
+            (index, tenant),
+        )
+        made.append((tenant, index, conn.changes()))
+    conn.execute("DROP TABLE indexes_v1")
+    conn.execute("PRAGMA user_version=2")
+    return made
 
 
 def _date_tombstones(conn: apsw.Connection, now: float) -> None:
