@@ -118,6 +118,11 @@ ERASED_KEY = REDIS_PREFIX + "erased:"
 # + erased batch id -> set of provider batch ids: an erased economy batch's provider batches
 # that Sift made and has not deleted at the provider yet (ECONOMY_DELETE_TASK empties it)
 ECONOMY_DELETE_KEY = REDIS_PREFIX + "eco-delete:"
+# string (a time): an erasure (an erase, a tenant purge) since Redis last rewrote its files,
+# whose erased text its AOF or RDB snapshot may still hold (worker/queue/jobstore/rewrite.py)
+REWRITE_OWED_KEY = REDIS_PREFIX + "rewrite-owed"
+# string with a TTL of REWRITE_INTERVAL_SECONDS: a rewrite was started within the interval
+REWRITE_LATCH_KEY = REDIS_PREFIX + "rewrite-latch"
 
 # --- retention (seconds), enforced by Redis TTLs; stated in docs/queue.md ---
 RESULT_TTL_SECONDS = 7 * 24 * 3600  # job, batch and ingest records, counted from their end
@@ -148,6 +153,10 @@ BATCH_STAGE_SLICE = 1_000  # a batch's items per Redis command (Redis serves oth
 # from its last write); reads drop the members whose record has expired before that
 JOB_INDEX_RETENTIONS = 2
 MAX_LIST_SCAN = 5_000  # index members one list request reads at most (a status filter's scan)
+# Redis is asked to rewrite its files (BGREWRITEAOF; BGSAVE with save points) at most once in
+# this long after an erasure, so an erased text leaves its disk within it and a burst of
+# erases forks one rewrite, not one each (worker/queue/jobstore/rewrite.py)
+REWRITE_INTERVAL_SECONDS = 300
 
 # --- job ids: a prefix names the kind ---
 SEARCH_ID_PREFIX = "srch_"

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -24,6 +25,8 @@ from worker.constants import (
     ECONOMY_WATCH_KEY,
     ERASED_KEY,
     IDEMPOTENCY_KEY,
+    REWRITE_INTERVAL_SECONDS,
+    REWRITE_LATCH_KEY,
     WEBHOOK_EVENT_SEARCH_COMPLETED,
     WEBHOOKS_OWED_KEY,
 )
@@ -32,6 +35,7 @@ from worker.processes.stack import child_env, redis_server
 from worker.queue import base, webhook_task
 from worker.queue.jobstore import EraseOutcome, IdempotencyRef, JobStore, webhook_event
 from worker.queue.jobstore.jobindex import job_index_key
+from worker.queue.redrive import Sweeper
 from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
 
@@ -235,28 +239,125 @@ def _on_disk(directory: Path, text: str) -> bool:
     return any(text.encode() in f.read_bytes() for f in directory.rglob("*") if f.is_file())
 
 
-def test_the_aof_keeps_an_erased_job_until_redis_rewrites_it(tmp_path: Path) -> None:
-    """What docs/queue.md's Erase says the erase leaves: the AOF holds the writes that stored
-    the job until Redis rewrites it (``BGREWRITEAOF``, or on its own once the file doubled);
-    after a rewrite no file of Redis's holds the text."""
+def _settled(client: Any) -> dict[str, Any]:
+    """Redis's persistence INFO once no AOF rewrite or RDB save runs or waits to."""
+    deadline = time.monotonic() + 30  # a hang guard, not a speed check
+    while True:
+        info = client.info("persistence")
+        busy = ("aof_rewrite_in_progress", "aof_rewrite_scheduled", "rdb_bgsave_in_progress")
+        if not any(info[name] for name in busy):
+            assert info["aof_last_bgrewrite_status"] == "ok", info
+            assert info["rdb_last_bgsave_status"] == "ok", info
+            return cast(dict[str, Any], info)
+        assert time.monotonic() < deadline, info
+        time.sleep(0.05)
+
+
+def _finished_search(store: JobStore, query: str, tenant: str = "acme") -> str:
+    job = store.create_search(tenant, SearchSpec(index="docs", query=query))
+    store.finish_search(job.id, result=_result())
+    return job.id
+
+
+def test_an_erase_has_redis_rewrite_its_aof_so_the_erased_text_leaves_its_disk(
+    tmp_path: Path,
+) -> None:
+    """Redis as ``sift up`` runs it (AOF on, ``everysec``): the AOF holds the writes that
+    stored the job until Redis rewrites it, which the erase asks for (``BGREWRITEAOF``);
+    after it no file of Redis's holds the text. Before, they held it until Redis rewrote the
+    AOF on its own, once the file had doubled: days on a quiet store."""
     query = "erasable " + uuid.uuid4().hex
-    with redis_server(tmp_path, appendonly=True, appendfsync="always") as url:
+    with redis_server(tmp_path, appendonly=True) as url:
         store = JobStore.from_url(url + "/0")
         try:
-            job = store.create_search("acme", SearchSpec(index="docs", query=query))
-            store.finish_search(job.id, result=_result())
-            store.erase_job("search", "acme", job.id)
+            job_id = _finished_search(store, query)
+            assert _on_disk(tmp_path, query)  # the AOF's writes
+            assert store.erase_job("search", "acme", job_id).outcome is EraseOutcome.ERASED
             assert _naming(store, query) == []
-            assert _on_disk(tmp_path, query)  # the AOF's writes, not yet rewritten
-            store.redis.bgrewriteaof()
-            deadline = time.monotonic() + 30  # a hang guard, not a speed check
-            while True:
-                info = store.redis.info("persistence")
-                if not info["aof_rewrite_in_progress"] and not info["aof_rewrite_scheduled"]:
-                    break
-                assert time.monotonic() < deadline, info
-                time.sleep(0.05)
-            assert info["aof_last_bgrewrite_status"] == "ok", info
+            assert _settled(store.redis)["aof_rewrites"] == 1
             assert not _on_disk(tmp_path, query)
+        finally:
+            store.close()
+
+
+def test_a_burst_of_erases_forks_one_rewrite_and_the_sweep_pays_the_one_held_back(
+    tmp_path: Path,
+) -> None:
+    """The first erase starts a rewrite; one within REWRITE_INTERVAL_SECONDS of it starts
+    none (a burst would fork Redis once an erase) but leaves it owed, and the re-drive's sweep
+    asks for it once the interval's latch is gone (deleted here: the interval passing)."""
+    queries = ["erasable " + uuid.uuid4().hex for _ in range(2)]
+    with redis_server(tmp_path, appendonly=True) as url:
+        store = JobStore.from_url(url + "/0")
+        try:
+            first, second = (_finished_search(store, q) for q in queries)
+            store.erase_job("search", "acme", first)
+            assert _settled(store.redis)["aof_rewrites"] == 1
+            assert _on_disk(tmp_path, queries[1]) and not _on_disk(tmp_path, queries[0])
+            store.erase_job("search", "acme", second)
+            assert _settled(store.redis)["aof_rewrites"] == 1  # held back by the latch
+            assert _on_disk(tmp_path, queries[1])
+            sweeper = Sweeper(store, lambda *_: None, interval_seconds=30, stall_seconds=120)
+            sweeper.sweep()
+            assert _settled(store.redis)["aof_rewrites"] == 1  # still within the interval
+            assert store.redis.ttl(REWRITE_LATCH_KEY) <= REWRITE_INTERVAL_SECONDS
+            store.redis.delete(REWRITE_LATCH_KEY)
+            sweeper.sweep()
+            assert _settled(store.redis)["aof_rewrites"] == 2
+            assert not _on_disk(tmp_path, queries[1])
+            sweeper.sweep()  # nothing owed: no third rewrite
+            assert _settled(store.redis)["aof_rewrites"] == 2
+        finally:
+            store.close()
+
+
+def test_without_an_aof_an_erase_has_redis_save_its_rdb_snapshot_again(tmp_path: Path) -> None:
+    """A Redis with RDB save points and no AOF: the snapshot taken before the erase holds the
+    text, and the erase has Redis save it again (``BGSAVE``), without it."""
+    query = "erasable " + uuid.uuid4().hex
+    with redis_server(tmp_path) as url:
+        store = JobStore.from_url(url + "/0")
+        try:
+            store.redis.config_set("save", "3600 1")
+            job_id = _finished_search(store, query)
+            store.redis.bgsave()
+            _settled(store.redis)
+            assert _on_disk(tmp_path, query)  # the snapshot
+            store.erase_job("search", "acme", job_id)
+            assert _settled(store.redis)["aof_rewrites"] == 0  # no AOF made
+            assert not _on_disk(tmp_path, query)
+        finally:
+            store.close()
+
+
+def test_a_redis_that_keeps_no_file_is_asked_for_no_rewrite(store: JobStore) -> None:
+    """The tests' Redis (no AOF, no save points): nothing to rewrite, and nothing forked."""
+    store.erase_job("search", "acme", _finished_search(store, "q"))
+    info = _settled(store.redis)
+    assert info["aof_rewrites"] == 0 and info["rdb_last_bgsave_time_sec"] == -1
+
+
+def test_sift_tenant_purge_has_redis_rewrite_its_aof(tmp_path: Path) -> None:
+    """After a purge no file of Redis's holds the tenant's query (AOF on, as ``sift up``)."""
+    query = "purgeable " + uuid.uuid4().hex
+    with redis_server(tmp_path / "redis", appendonly=True) as url:
+        store = JobStore.from_url(url + "/0")
+        try:
+            _finished_search(store, query)
+            assert _on_disk(tmp_path / "redis", query)
+            backend = EmbeddedBackend(tmp_path / "data")
+            backend.indexes("acme")
+            backend.close()
+            env = {"SIFT_REDIS_URL": url + "/0", "SIFT_DATA_DIR": str(tmp_path / "data"),
+                   "COLUMNS": "200", "NO_COLOR": "1"}  # fmt: skip
+            purge = subprocess.run(
+                [sys.executable, "-m", "worker.cli", "tenant", "purge", "acme", "--yes"],
+                env=child_env(env, inherit_sift=False), capture_output=True, text=True,
+                timeout=120,
+            )  # fmt: skip
+            assert purge.returncode == 0, purge.stdout + purge.stderr
+            assert "Redis was asked to rewrite its files" in purge.stdout, purge.stdout
+            assert _settled(store.redis)["aof_rewrites"] == 1
+            assert not _on_disk(tmp_path / "redis", query)
         finally:
             store.close()

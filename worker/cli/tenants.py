@@ -31,7 +31,10 @@ documents for good), and a tenant given the same name later inherits them. This 
    names, holding a document or not: an ingest into a new index a worker was running went
    on to write every document after the purge, the index having no floor;
 3. every Redis key that names the tenant or one of its jobs is deleted
-   (:mod:`worker.queue.jobstore.tenants` lists the families).
+   (:mod:`worker.queue.jobstore.tenants` lists the families), and Redis is asked to rewrite
+   its files, whose AOF still holds the writes of what went (at most once every
+   ``REWRITE_INTERVAL_SECONDS``: one held back is asked for by a worker's re-drive sweep,
+   :mod:`worker.queue.jobstore.rewrite`); a line says which.
 
 It prints what it removed, by kind. Everything is found afresh, so a second run removes
 nothing. It refuses a tenant that still has a key in the settings, or, when it found Redis
@@ -57,10 +60,10 @@ from worker.cli._app import app
 from worker.cli._common import EXIT_ERROR, stack_redis_url
 from worker.cli._output import cli_console, plain
 from worker.cli.service import DEV_KEY_FILE
-from worker.constants import ECONOMY_DELETE_TASK, SEARCH_QUEUE
+from worker.constants import ECONOMY_DELETE_TASK, REWRITE_INTERVAL_SECONDS, SEARCH_QUEUE
 from worker.core.ports import IndexCatalog
 from worker.errors import ConfigError, SiftError
-from worker.queue.jobstore import JobStore, TenantJobs
+from worker.queue.jobstore import JobStore, Rewrite, TenantJobs, owe_rewrite
 from worker.queue.jobstore.jobindex import KIND_BATCH
 from worker.redis_client import CONNECTION_OPTIONS
 from worker.settings import TENANT_PATTERN, Settings, load_settings
@@ -294,11 +297,31 @@ def purge(
         canceled["provider deletes"] = _delete_provider_batches(settings, store, jobs)
         dropped = _drop_indexes(settings, client, name, store.unfinished_write_indexes(jobs))
         deleted = store.delete_tenant_jobs(jobs) + store.delete_tenant_keys(name)
+        owe_rewrite(client)  # Redis's AOF still holds the writes of what went
+        rewrite = store.rewrite_files()
     except (redis.RedisError, OSError, SiftError) as exc:
         _stop(f"purge of {name!r} stopped (run it again to finish): {plain(exc)}")
     finally:
         store.close()
     _show(name, canceled, dropped, deleted)
+    cli_console().print(_REWRITES[rewrite], soft_wrap=True)
+
+
+_REWRITES = {
+    Rewrite.STARTED: "Redis was asked to rewrite its files (AOF, RDB): the erased text leaves "
+    "its disk once the rewrite ends",
+    Rewrite.LATCHED: "Redis was asked to rewrite its files within the last "
+    f"{REWRITE_INTERVAL_SECONDS} s: a worker's re-drive sweep asks it again once they have "
+    "passed",
+    Rewrite.BUSY: "Redis was rewriting its files already: a worker's re-drive sweep asks it "
+    "again once that ends",
+    Rewrite.NO_FILES: "Redis keeps no AOF and no RDB snapshots: nothing of it on its disk",
+    Rewrite.REFUSED: "Redis refused to rewrite its files (BGREWRITEAOF, BGSAVE): its AOF or "
+    "RDB keeps the erased text until it rewrites them itself",
+    Rewrite.FAILED: "Redis was not asked to rewrite its files (it did not answer): a worker's "
+    "re-drive sweep asks it",
+    Rewrite.NOT_OWED: "Redis was asked to rewrite its files by another process just now",
+}
 
 
 def _show(

@@ -93,6 +93,11 @@ It makes the attempt whose message was lost (each retry records it in the job's 
 :meth:`JobStore.webhook_attempt`): the schedule goes on, so a webhook is attempted at most
 the schedule's number of times in all.
 
+Redis's files. A sweep also asks Redis to rewrite its files (AOF, RDB) when an erasure owes
+it a rewrite that the interval's latch held back (:mod:`worker.queue.jobstore.rewrite`): the
+erases of a burst after the first leave the disk once the latch ends, with no erase after
+them.
+
     sweeper = Sweeper(store, celery_sender(app), interval_seconds=30, stall_seconds=120)
     sweeper.start()          # a daemon thread; sweeper.sweep() runs one sweep (tests)
 """
@@ -136,7 +141,7 @@ from worker.constants import (
 )
 from worker.observability import metrics
 from worker.queue import liveness
-from worker.queue.jobstore import JobStore, webhook_event
+from worker.queue.jobstore import JobStore, Rewrite, webhook_event
 from worker.queue.urgent_window import hurry_next_sweep, open_urgent_window, urgent_sweep_seconds
 from worker.redis_client import connect
 
@@ -331,6 +336,7 @@ class Sweeper:
         self.note_restart()
         self.rewake_economy()
         self.resend_webhooks()
+        self.rewrite_owed()
         urgent = bool(self.store.redis.exists(REDRIVE_URGENT_KEY))
         lost = self.lost_positions(urgent=urgent)
         previous = self._suspects()
@@ -345,6 +351,12 @@ class Sweeper:
         from worker.queue.economy import rewake
 
         return rewake(self.store, self.send, time.time())
+
+    def rewrite_owed(self) -> Rewrite:
+        """Ask Redis to rewrite its files if an erasure owes it a rewrite that the interval's
+        latch held back (:mod:`~worker.queue.jobstore.rewrite`): the last erase of a burst is
+        off the disk an interval and a sweep after it at most."""
+        return self.store.rewrite_files()
 
     def resend_webhooks(self, now: float | None = None) -> list[str]:
         """Send again each owed webhook with no message in the broker (lost, or never

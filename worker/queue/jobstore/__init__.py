@@ -45,6 +45,10 @@ Layout (every prefix is in :mod:`worker.constants`):
                                      erased (every other key of it deleted), for the retention
     sift:eco-delete:<id>      set    an erased batch's provider batches not deleted at the
                                      provider yet (sift.economy_delete empties it)
+    sift:rewrite-owed         string an erasure since Redis was last asked to rewrite its
+                                     files (AOF, RDB): they may still hold the erased text
+    sift:rewrite-latch        string a rewrite was asked within REWRITE_INTERVAL_SECONDS
+                                     (rewrite.py: one per interval, whatever the erases)
 
 Retention, enforced by TTLs: every job, batch and ingest record lives
 ``SIFT_RESULT_RETENTION_SECONDS`` (``RESULT_TTL_SECONDS``, 7 days, by default) from the
@@ -111,6 +115,7 @@ from worker.queue.jobstore.records import (
     webhook_event,
     webhook_figures,
 )
+from worker.queue.jobstore.rewrite import Rewrite, owe_rewrite
 from worker.queue.jobstore.runs import ClaimAnswers, RunClaim, RunRecords
 from worker.queue.jobstore.searches import SearchRecords
 from worker.queue.jobstore.tenants import TenantJobs, TenantRecords
@@ -138,11 +143,13 @@ __all__ = [
     "JobListing",
     "JobPage",
     "JobStore",
+    "Rewrite",
     "RunClaim",
     "SearchJob",
     "TenantJobs",
     "WebhookState",
     "fingerprint",
+    "owe_rewrite",
     "webhook_event",
     "webhook_figures",
 ]

@@ -23,6 +23,11 @@ and candidates' text, for 29 days) are deleted there by a task the erase's scrip
 ``sift:eco-delete:<id>`` until each is deleted: those Sift made and recorded only, never a
 create in doubt's candidates (each may be another client's).
 
+Redis's files: the AOF (and an RDB snapshot) still hold the writes that stored the job. The
+erase's script marks a rewrite owed and the erase asks for it (``BGREWRITEAOF``, or
+``BGSAVE``), at most once per :data:`~worker.constants.REWRITE_INTERVAL_SECONDS`, the re-drive's
+sweep asking for one held back (:mod:`~worker.queue.jobstore.rewrite`).
+
 What stays: the mark (``sift:erased:<id>``: tenant, kind, time; no text) for the retention,
 so the job answers ``410 erased`` to its tenant rather than ``404`` (another tenant still gets
 ``404``), and the job's Idempotency-Key binding, for its 24 hours (the SHA-256 of the key and
@@ -37,23 +42,29 @@ script that writes only while the job's record (or a batch's items) exists.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import cast
+
+import redis
 
 from worker.constants import (
     ACTIVE_JOBS_KEY,
     ECONOMY_DELETE_KEY,
     ECONOMY_PROVIDERS_KEY,
     ERASED_KEY,
+    REWRITE_OWED_KEY,
     WEBHOOKS_OWED_KEY,
 )
 from worker.queue.jobstore.jobindex import KIND_BATCH, KIND_SEARCH, job_index_key
 from worker.queue.jobstore.records import _now
+from worker.queue.jobstore.rewrite import Rewrite, rewrite_if_owed
 from worker.queue.jobstore.store import resending
 from worker.queue.jobstore.tenants import _JOB_KEYS, TenantJobs, TenantRecords
 
 ERASABLE = (KIND_SEARCH, KIND_BATCH)
+log = logging.getLogger(__name__)
 
 
 class EraseOutcome(StrEnum):
@@ -108,7 +119,7 @@ class ErasureRecords(TenantRecords):
         queue, message = provider if provider is not None else (ECONOMY_DELETE_KEY + job_id, "")
         keys = [record, ERASED_KEY + job_id, job_index_key(kind, tenant), ACTIVE_JOBS_KEY,
                 WEBHOOKS_OWED_KEY, ECONOMY_DELETE_KEY + job_id, queue,
-                ECONOMY_PROVIDERS_KEY + job_id, *rest]  # fmt: skip
+                ECONOMY_PROVIDERS_KEY + job_id, REWRITE_OWED_KEY, *rest]  # fmt: skip
         args = [tenant, job_id, kind, repr(_now()), self.result_ttl, message]
         # sent again on a broken connection: a run whose reply was lost answers "erased" then
         code, value = resending()(self._erase_job, keys=keys, args=args)
@@ -118,7 +129,20 @@ class ErasureRecords(TenantRecords):
             return Erasure(EraseOutcome.NOT_FINISHED, status=_text(value) or None)
         # the families a SCAN finds (leases, the economy watch's members), as a purge does
         self.delete_tenant_jobs(TenantJobs({kind: [job_id]}))
+        self.rewrite_files()
         return Erasure(EraseOutcome.ERASED, erased_at=float(_text(value)))
+
+    def rewrite_files(self) -> Rewrite:
+        """Ask Redis to rewrite its files (AOF, RDB) now that an erasure owes it, unless one
+        was asked within :data:`~worker.constants.REWRITE_INTERVAL_SECONDS`
+        (:mod:`~worker.queue.jobstore.rewrite`). Never raises: the erasure is done, and a
+        rewrite not asked stays owed for the re-drive's sweep."""
+        try:
+            return rewrite_if_owed(self.redis)
+        except redis.RedisError as exc:
+            log.warning("Redis not asked to rewrite its files after an erasure (%s): the "
+                        "re-drive's sweep asks it", exc)  # fmt: skip
+            return Rewrite.FAILED
 
     def erasure(self, job_id: str, tenant: str) -> float | None:
         """When ``tenant`` erased the job ``job_id``; None if it did not (or its mark expired)."""

@@ -613,9 +613,11 @@ return 1
 # candidates, "doubt": each may be another client's) go into the set of those to delete at the
 # provider, and its delete task's message is written with them (the outbox): read before the
 # delete of their hash, and deleted at the provider even if the caller never hears the answer.
+# The erasure owes Redis a rewrite of its files (its AOF holds the writes that stored the job),
+# marked here so that it stays owed even if the caller dies before asking for it (rewrite.py).
 # KEYS: 1 the record, 2 the erasure mark, 3 the tenant's job list, 4 the active set, 5 the
 #   webhooks owed, 6 the provider batches to delete, 7 the delete task's queue, 8 the economy
-#   lane's provider batches, 9.. the job's other keys.
+#   lane's provider batches, 9 the rewrite owed, 10.. the job's other keys.
 # ARGV: 1 the tenant, 2 the job id, 3 its kind ('search' or 'batch'), 4 now, 5 the mark's TTL,
 #   6 the delete task's message ('': none).
 # Returns {1, now} when erased now, {2, when} when the tenant had erased it already (nothing
@@ -651,11 +653,12 @@ if ARGV[6] ~= '' then
     redis.call('LPUSH', KEYS[7], ARGV[6])
   end
 end
-redis.call('DEL', KEYS[1], unpack(KEYS, 9))
+redis.call('DEL', KEYS[1], unpack(KEYS, 10))
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[2])
 redis.call('ZREM', KEYS[5], ARGV[2])
 redis.call('HSET', KEYS[2], 'tenant', ARGV[1], 'kind', ARGV[3], 'erased_at', ARGV[4])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
+redis.call('SET', KEYS[9], ARGV[4])
 return {1, ARGV[4]}
 """

@@ -21,7 +21,9 @@ A job not final yet is canceled first, through the status transitions, so the co
 queued and running work (``sift:stats:jobs``) and a batch's counts move as a cancel moves
 them; a batch is canceled as ``DELETE /v1/batches/{id}`` cancels it, so an item a worker runs
 stops before its model call. Only then are the keys deleted. Everything is found afresh on
-each run, so a second run finds nothing and deletes nothing.
+each run, so a second run finds nothing and deletes nothing. ``sift tenant purge`` then asks
+Redis to rewrite its files (:mod:`~worker.queue.jobstore.rewrite`), whose AOF still holds the
+writes of what went.
 """
 
 from __future__ import annotations
