@@ -229,6 +229,8 @@ METRIC_JOB_FAILURES = "sift_job_failures_total"
 METRIC_REDRIVEN = "sift_redriven_total"
 METRIC_RATE_BUDGET_WAIT = "sift_rate_budget_wait_seconds"  # the shared rate budget
 METRIC_PROVIDER_429 = "sift_provider_429_total"  # 429 answers of the model provider
+# an erased batch's provider batches, deleted at the provider or refused for good
+METRIC_PROVIDER_DELETES = "sift_provider_batch_deletes_total"
 METRIC_WEBHOOK_DEFERRALS = "sift_webhook_deferrals_total"  # put off: slots (or a share) full
 METRIC_WORKER_PROCESSES = "sift_worker_processes"  # a sift worker supervisor's processes
 METRIC_WORKER_RESTARTS = "sift_worker_restarts_total"  # ... that exited unasked, restarted

@@ -7,6 +7,7 @@ and tries again later what the provider refused or failed."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -14,11 +15,12 @@ from typing import Any
 import anthropic
 import pytest
 
-from tests.fake_anthropic import FakeAnthropic, status
+from tests.fake_anthropic import FakeAnthropic, good, status
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import AnthropicMessageBatches
 from worker.constants import ECONOMY_DELETE_KEY, ECONOMY_PROVIDERS_KEY
 from worker.contract import RerankInfo, SearchResult, SearchSpec
+from worker.observability import metrics
 from worker.queue.base import WorkerContext
 from worker.queue.economy.deletion import delete_erased, delete_provider_batch
 from worker.queue.jobstore import EraseOutcome, JobStore
@@ -158,3 +160,44 @@ def test_the_task_deletes_what_it_can_and_retries_the_rest(
     delete_erased(task, batch_id)  # type: ignore[arg-type]
     assert store.provider_deletions(batch_id) == [] and _held(model) == set()
     delete_erased(task, batch_id)  # type: ignore[arg-type]  # a copy of the message: nothing
+
+
+def _deletes(result: str) -> float:
+    return float(metrics.PROVIDER_DELETES.labels(result)._value.get())
+
+
+@pytest.mark.parametrize("code", [401, 403])
+def test_a_delete_refused_for_its_key_is_logged_once_counted_and_not_asked_again(
+    model: FakeAnthropic,
+    client: AnthropicMessageBatches,
+    store: JobStore,
+    redis_url: str,
+    caplog: pytest.LogCaptureFixture,
+    code: int,
+) -> None:
+    """A 401 (the key not valid: the retrieve after it answers the same) or a 403 (the key
+    may not delete) is no refusal for the batch's state, which a later try could get past:
+    the task stops asking, says which provider batch is left at the provider, once, and
+    counts it. Before, it was asked again at the poll cadence for the whole retention, an
+    ERROR logged each time (a 403), or a WARNING (a 401)."""
+    provider_id = _made(client)
+    deleted = _made(client)
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    batch_id = _erased_batch(store, {provider_id: record, deleted: record})
+    model.script_batch_calls("delete", [status(code)] if provider_id < deleted else
+                             [good(), status(code)])  # fmt: skip
+    model.script_batch_calls("retrieve", [status(code)] if code == 401 else [])
+    context = WorkerContext(settings=load_settings(redis_url=redis_url), store=store,
+                            limiter=ProviderLimiter(1), _batches=client)  # fmt: skip
+    task = _Task(context)
+    refused, done = _deletes("refused"), _deletes("deleted")
+    with caplog.at_level(logging.ERROR, logger="worker.queue.economy.deletion"):
+        delete_erased(task, batch_id)  # type: ignore[arg-type]  # no retry raised
+    assert task.countdowns == []
+    assert store.provider_deletions(batch_id) == []
+    assert _held(model) == {provider_id}  # left there, named in the log
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and batch_id in errors[0] and provider_id in errors[0], errors
+    assert (_deletes("refused") - refused, _deletes("deleted") - done) == (1, 1)
+    delete_erased(task, batch_id)  # type: ignore[arg-type]  # a copy of the message: nothing
+    assert task.countdowns == [] and len(caplog.records) == 1

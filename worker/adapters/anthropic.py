@@ -532,6 +532,13 @@ def retry_cannot_help(exc: anthropic.APIStatusError) -> bool:
 
 
 def _status_error(exc: anthropic.APIStatusError) -> RerankAttemptError:
+    """:func:`_status_class`, with the answer's HTTP status (``RerankAttemptError.status``)."""
+    error = _status_class(exc)
+    error.status = exc.status_code
+    return error
+
+
+def _status_class(exc: anthropic.APIStatusError) -> RerankAttemptError:
     """The class of an API error, retried as the SDK's own policy would (``_should_retry``):
     ``x-should-retry`` first, then 408, 409, 429 and 5xx. A 408 is the provider's request
     timeout, counted with the timeouts (and, for a Message Batches create, one that may have

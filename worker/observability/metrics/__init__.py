@@ -112,6 +112,8 @@ from worker.observability.metrics._rerank import (
     BUDGET_WAIT,
     BUDGET_WAIT_BUCKETS,
     PROVIDER_429,
+    PROVIDER_DELETE_RESULTS,
+    PROVIDER_DELETES,
     RERANK_ATTEMPTS,
     RERANK_BUCKETS,
     RERANK_COST,
@@ -126,6 +128,7 @@ from worker.observability.metrics._rerank import (
     InFlightReranker,
     budget_waited,
     provider_429,
+    provider_batch_delete,
     rerank_in_flight,
 )
 from worker.observability.metrics._search import (
@@ -160,6 +163,8 @@ __all__ = [
     "MULTIPROC_DIR_ENV",
     "OTHER",
     "PROVIDER_429",
+    "PROVIDER_DELETES",
+    "PROVIDER_DELETE_RESULTS",
     "QUEUE_BACKLOG",
     "QUEUE_WAIT",
     "QUEUE_WAIT_BUCKETS",
@@ -213,6 +218,7 @@ __all__ = [
     "observe_queue_wait",
     "preregister",
     "provider_429",
+    "provider_batch_delete",
     "redriven",
     "rerank_in_flight",
     "running_job",

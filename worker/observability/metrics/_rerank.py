@@ -14,6 +14,7 @@ from worker.constants import (
     LANE_STANDARD,
     LANES,
     METRIC_PROVIDER_429,
+    METRIC_PROVIDER_DELETES,
     METRIC_RATE_BUDGET_WAIT,
     METRIC_RERANK_ATTEMPTS,
     METRIC_RERANK_COST,
@@ -123,6 +124,17 @@ PROVIDER_429 = Counter(
     ["model", "lane"],
 )
 
+# an erased economy batch's provider batches (sift.economy_delete): deleted at the provider
+# (or gone there already), or refused for good (401, 403: the key may not delete it) and
+# no longer asked, left there for its 29 days unless deleted by hand
+PROVIDER_DELETE_RESULTS: Final = ("deleted", "refused")
+PROVIDER_DELETES = Counter(
+    METRIC_PROVIDER_DELETES,
+    "An erased batch's provider batches, by result: deleted at the provider (or gone "
+    "already), or refused for good (HTTP 401 or 403: not asked again, left at the provider).",
+    ["result"],
+)
+
 
 @contextlib.contextmanager
 def rerank_in_flight(model: str) -> Iterator[None]:
@@ -168,3 +180,10 @@ def budget_waited(model: str, lane: str, seconds: float) -> None:
 def provider_429(model: str, lane: str = LANE_STANDARD) -> None:
     """The model provider answered a call of ``lane`` with HTTP 429."""
     PROVIDER_429.labels(model, closed(lane, LANES, "lane")).inc()
+
+
+@never_raises
+def provider_batch_delete(result: str) -> None:
+    """An erased batch's provider batch was ``deleted`` at the provider, or ``refused`` for
+    good."""
+    PROVIDER_DELETES.labels(closed(result, PROVIDER_DELETE_RESULTS, "result")).inc()

@@ -38,6 +38,8 @@ from worker.observability.metrics._rerank import (
     ATTEMPT_RESULTS,
     BUDGET_WAIT,
     PROVIDER_429,
+    PROVIDER_DELETE_RESULTS,
+    PROVIDER_DELETES,
     RERANK_ATTEMPTS,
     RERANK_COST,
     RERANK_DURATION,
@@ -83,6 +85,7 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     TASK_RETRIES,
     BUDGET_WAIT,
     PROVIDER_429,
+    PROVIDER_DELETES,
     WORKER_PROCESSES,
     WORKER_RESTARTS,
 )
@@ -143,3 +146,5 @@ def preregister(
         WEBHOOK_DEFERRALS.labels(event_type)
     for kind in REDRIVE_KINDS:
         REDRIVEN.labels(kind)
+    for result in PROVIDER_DELETE_RESULTS:
+        PROVIDER_DELETES.labels(result)

@@ -13,7 +13,12 @@ so each of its provider batches has ended, or is canceling (a canceled Sift batc
 still processing (its items failed by the economy deadline, say): such a one is canceled,
 and asked again later. A 404 is done (deleted already, or expired). A transient failure
 (429, 5xx, a timeout) is asked again later too, at the poll's cadence, for as long as the set
-lives (the erasure mark's retention, ``SIFT_RESULT_RETENTION_SECONDS``).
+lives (the erasure mark's retention, ``SIFT_RESULT_RETENTION_SECONDS``). A delete refused for
+the key (401: not valid; 403: not allowed to) is not: no retry changes that answer, and it was
+asked again every poll, an ERROR logged each time, for the whole retention. It is logged once
+at ERROR, naming the batch and the provider batch (left at the provider for its 29 days: to
+delete by hand), counted (``sift_provider_batch_deletes_total{result="refused"}``) and dropped
+from the set.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from celery import shared_task
 
 from worker.constants import ECONOMY_DELETE_TASK
 from worker.errors import RerankAttemptError
+from worker.observability import metrics
 from worker.queue.base import SiftTask
 from worker.queue.economy.records import batches_client
 from worker.queue.economy.watch import poll_countdown
@@ -34,12 +40,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The provider's answers to a delete that no retry changes: the key is not valid (401), or
+#: may not delete the batch (403).
+KEY_REFUSALS = frozenset({401, 403})
+
+
+def refused_for_good(exc: RerankAttemptError) -> bool:
+    """Whether the provider refused the call for the key, which no retry changes."""
+    return exc.status in KEY_REFUSALS
+
 
 def delete_provider_batch(client: AnthropicMessageBatches, provider_id: str) -> float | None:
     """Delete one provider batch: None once it is gone (deleted now, or there was none),
     else how long the provider asked to wait before the next try (0: no word). One not ended
     is canceled first (a delete of it is refused): its lines are of no use to a batch
-    erased."""
+    erased. Raises the :class:`RerankAttemptError` of a refusal no retry changes
+    (:func:`refused_for_good`)."""
     try:
         if client.delete(provider_id):
             log.info("provider batch %s: deleted", provider_id)
@@ -48,12 +64,16 @@ def delete_provider_batch(client: AnthropicMessageBatches, provider_id: str) -> 
         if exc.retryable:
             log.warning("provider batch %s: delete failed, retrying: %s", provider_id, exc)
             return exc.retry_after or 0.0
+        if refused_for_good(exc):
+            raise
         refused = exc
     try:
         batch = client.retrieve(provider_id)
         if batch.processing_status == "in_progress":
             client.cancel(provider_id)
     except RerankAttemptError as exc:
+        if refused_for_good(exc):
+            raise
         log.warning("provider batch %s: delete refused (%s), then %s", provider_id, refused, exc)
         return exc.retry_after or 0.0
     if batch.ended:  # refused for another reason than its status: said, and tried again
@@ -83,9 +103,19 @@ def delete_erased(task: SiftTask, batch_id: str) -> None:
         return
     waits = []
     for provider_id in left:
-        wait = delete_provider_batch(client, provider_id)
+        try:
+            wait = delete_provider_batch(client, provider_id)
+        except RerankAttemptError as exc:  # for good: asked again, it answers the same
+            log.error("batch %s: provider batch %s not deleted, and not asked again: the "
+                      "provider refused its key (%s); it keeps the batch's requests and "
+                      "results for 29 days unless deleted there by hand",
+                      batch_id, provider_id, exc)  # fmt: skip
+            store.provider_deleted(batch_id, provider_id)
+            metrics.provider_batch_delete("refused")
+            continue
         if wait is None:
             store.provider_deleted(batch_id, provider_id)
+            metrics.provider_batch_delete("deleted")
         else:
             waits.append(wait)
     if waits:

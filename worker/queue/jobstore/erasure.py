@@ -172,7 +172,8 @@ class ErasureRecords(TenantRecords):
         return sorted(_text(m) for m in self.redis.smembers(ECONOMY_DELETE_KEY + batch_id))
 
     def provider_deleted(self, batch_id: str, provider_id: str) -> None:
-        """``provider_id`` is deleted at the provider (or has no batch there any more)."""
+        """``provider_id`` is deleted at the provider (or has no batch there any more), or
+        is no longer asked (the provider refused the key: no retry changes that)."""
         self.redis.srem(ECONOMY_DELETE_KEY + batch_id, provider_id)
 
     def was_erased(self, job_id: str) -> bool:
