@@ -30,9 +30,11 @@ from tests.integration.test_economy_doubts import (
     context,
     workers,
 )
+from tests.integration.test_erasure import _naming
 from worker.adapters.embedded import EmbeddedBackend
 from worker.constants import (
     BATCH_KEY,
+    ECONOMY_DELETE_KEY,
     ECONOMY_DELETE_TASK,
     ECONOMY_PREPARED_KEY,
     ECONOMY_PROVIDERS_KEY,
@@ -110,6 +112,29 @@ def test_a_purge_cancels_the_tenants_provider_batches_and_stops_when_it_cannot(
     deletion.delete_erased(_Task(context, "delete"), batch.id)  # type: ignore[arg-type]
     assert model.batches() == []
     assert store.redis.keys("*" + batch.id + "*") == []
+
+
+def test_what_a_purge_leaves_for_the_provider_deletes_holds_no_text_of_the_tenant(
+    context: WorkerContext, model: FakeAnthropic, workers: None, redis_url: str, tmp_path: Path
+) -> None:
+    """The one key a purge leaves that names one of the tenant's jobs: the ids of the batch's
+    provider batches that the worker is to delete at the provider (``sift:eco-delete:<id>``,
+    its to-do list: deleted with the rest, they would stay at the provider, with the queries
+    and candidates' text, for 29 days), and the task's message that names the batch. Neither
+    holds the tenant's name or a query; the key goes once the worker has deleted them."""
+    store = context.store
+    batch, qids = _prepared(context, 3)
+    _submission(context, batch, qids, "1")
+    [made] = model.batches()
+    purged = _purge(redis_url, model, tmp_path / "data")
+    assert purged.returncode == 0, purged.stdout + purged.stderr
+    assert _naming(store, "acme", SPEC.query) == []
+    assert set(_naming(store, batch.id)) == {ECONOMY_DELETE_KEY + batch.id, SEARCH_QUEUE}
+    assert store.redis.smembers(ECONOMY_DELETE_KEY + batch.id) == {made["id"]}
+    assert 0 < store.redis.ttl(ECONOMY_DELETE_KEY + batch.id) <= store.result_ttl
+    deletion.delete_erased(_Task(context, "delete"), batch.id)  # type: ignore[arg-type]
+    assert model.batches() == []
+    assert _naming(store, batch.id) == [SEARCH_QUEUE]  # the message, until a worker takes it
 
 
 def _purge_records(store: JobStore) -> None:

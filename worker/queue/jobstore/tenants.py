@@ -17,6 +17,12 @@ used again inherited them. Each key family below is the job store's own (every p
   (safe to drop: a version is never below the Redis clock, :mod:`worker.write_versions`, so
   a later write of the name still comes after every write the backend applied).
 
+Not deleted: ``sift:eco-delete:<batch id>``, the ids of an economy batch's provider batches
+that ``sift tenant purge`` (or an erase before it) handed to ``sift.economy_delete``. It is
+that task's list of what is left to delete at the provider, which keeps the batch's queries
+and candidates' text 29 days; it holds the provider's batch ids only (no name, query or text)
+and goes once each is deleted, or refused for good, or with its retention.
+
 A job not final yet is canceled first, through the status transitions, so the counts of
 queued and running work (``sift:stats:jobs``) and a batch's counts move as a cancel moves
 them; a batch is canceled as ``DELETE /v1/batches/{id}`` cancels it, so an item a worker runs
