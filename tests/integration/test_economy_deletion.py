@@ -201,3 +201,28 @@ def test_a_delete_refused_for_its_key_is_logged_once_counted_and_not_asked_again
     assert (_deletes("refused") - refused, _deletes("deleted") - done) == (1, 1)
     delete_erased(task, batch_id)  # type: ignore[arg-type]  # a copy of the message: nothing
     assert task.countdowns == [] and len(caplog.records) == 1
+
+
+def test_a_candidate_of_a_create_in_doubt_judged_ours_is_deleted_with_the_rest(
+    store: JobStore,
+) -> None:
+    """A candidate whose results held a line of the create in doubt is ours (``proven``, as
+    :func:`worker.queue.economy.results.map_results` records it): its requests and results
+    are this batch's queries and candidates' text, deleted with the rest, by an erase and by
+    a purge (:meth:`JobStore.keep_provider_deletions`). One judged another client's, or not
+    judged yet (not ended: whose it is, no one knows), is left. Before, every candidate was
+    left, ours too."""
+    made = {"round": 1, "requests": 4, "created_at": 1.0, "ended_at": 2.0, "submission": "s1"}
+    candidate = {**made, "submission": "s2", "doubt": True}
+    providers = {
+        "msgbatch_made": made,
+        "msgbatch_ours": {**candidate, "proven": True},
+        "msgbatch_theirs": {**candidate, "proven": False},
+        "msgbatch_unjudged": {**candidate, "ended_at": None},
+    }
+    erased = _erased_batch(store, providers)
+    assert store.provider_deletions(erased) == ["msgbatch_made", "msgbatch_ours"]
+    purged = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
+    store.economy_save(purged.id, ECONOMY_PROVIDERS_KEY,
+                       {pid: json.dumps(r) for pid, r in providers.items()})  # fmt: skip
+    assert store.keep_provider_deletions(purged.id) == ["msgbatch_made", "msgbatch_ours"]

@@ -194,7 +194,8 @@ def _cancel_provider_batches(settings: Settings, store: JobStore, jobs: TenantJo
 
 def _delete_provider_batches(settings: Settings, store: JobStore, jobs: TenantJobs) -> int:
     """Hand the tenant's economy batches' provider batches (those Sift made and recorded; not
-    a create in doubt's candidates, each maybe another client's) to the workers, to delete at
+    a create in doubt's candidates, each maybe another client's, but those proved ours) to
+    the workers, to delete at
     the provider (``sift.economy_delete``, as an erase of the batch does): the provider keeps
     their requests and results, queries and candidates' text, 29 days, and the state naming
     them is about to be deleted. A worker, not this command: one canceled just now is

@@ -5,8 +5,8 @@ text, the model's answers) for 29 days after it was created; an erase
 (``DELETE /v1/batches/{id}/results``) that left them there deleted only Sift's copy. The
 erase's script keeps the ids of the provider batches Sift made and recorded
 (``sift:eco-delete:<batch>``: never a create in doubt's candidates, each of which may be
-another client's) and writes this task's message with them; the task deletes each at the
-provider and drops it from the set, until none is left.
+another client's, but those its results proved ours) and writes this task's message with
+them; the task deletes each at the provider and drops it from the set, until none is left.
 
 The provider deletes an ended batch only. The Sift batch has finished (an erase asks it),
 so each of its provider batches has ended, or is canceling (a canceled Sift batch's), or

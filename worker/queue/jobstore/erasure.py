@@ -20,8 +20,9 @@ the purge's own :meth:`~worker.queue.jobstore.tenants.TenantRecords.delete_tenan
 An economy batch's provider batches (the provider keeps their requests and results, queries
 and candidates' text, for 29 days) are deleted there by a task the erase's script enqueues
 (``sift.economy_delete``, :mod:`worker.queue.economy.deletion`), their ids kept for it in
-``sift:eco-delete:<id>`` until each is deleted: those Sift made and recorded only, never a
-create in doubt's candidates (each may be another client's).
+``sift:eco-delete:<id>`` until each is deleted: those Sift made and recorded, and a create in
+doubt's candidates whose results proved them ours; never another candidate (it may be
+another client's: judged so, or not judged yet, and after the erase no poll judges it).
 
 Redis's files: the AOF (and an RDB snapshot) still hold the writes that stored the job. The
 erase's script marks a rewrite owed and the erase asks for it (``BGREWRITEAOF``, or
@@ -89,13 +90,16 @@ def _text(value: object) -> str:
 
 
 def _in_doubt(raw: str) -> bool:
-    """Whether a provider batch's record is a create in doubt's candidate (``doubt``): it may
-    be another client's (``_ERASE_JOB`` reads the same field)."""
+    """Whether a provider batch's record is a create in doubt's candidate (``doubt``) not
+    proved ours by its results (``proven``, :func:`worker.queue.economy.results.map_results`):
+    it may be another client's (``_ERASE_JOB`` reads the same fields)."""
     try:
         record = json.loads(raw)
     except ValueError:
         return False
-    return isinstance(record, dict) and record.get("doubt") is True
+    if not isinstance(record, dict):
+        return False
+    return record.get("doubt") is True and record.get("proven") is not True
 
 
 class ErasureRecords(TenantRecords):
@@ -155,9 +159,9 @@ class ErasureRecords(TenantRecords):
 
     def keep_provider_deletions(self, batch_id: str) -> list[str]:
         """Keep the ids of the batch's provider batches Sift made and recorded (not a create
-        in doubt's candidates) for :data:`~worker.constants.ECONOMY_DELETE_TASK`, as an erase
-        keeps them (``sift tenant purge``, before it deletes the state naming them); answers
-        them."""
+        in doubt's candidates, but those proved ours) for
+        :data:`~worker.constants.ECONOMY_DELETE_TASK`, as an erase keeps them (``sift tenant
+        purge``, before it deletes the state naming them); answers them."""
         records = cast(dict[str, str], self.redis.hgetall(ECONOMY_PROVIDERS_KEY + batch_id))
         made = sorted(_text(p) for p, raw in records.items() if not _in_doubt(_text(raw)))
         if made:

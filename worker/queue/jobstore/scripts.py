@@ -610,7 +610,8 @@ return 1
 # erased is final: a redelivered run's claim, start or finish, a webhook's claim or its end,
 # an economy write, each writes only while the record exists, and so writes nothing after).
 # An economy batch's provider batches that Sift made and recorded (not a create in doubt's
-# candidates, "doubt": each may be another client's) go into the set of those to delete at the
+# candidates, "doubt": each may be another client's, unless its results proved it ours,
+# "proven") go into the set of those to delete at the
 # provider, and its delete task's message is written with them (the outbox): read before the
 # delete of their hash, and deleted at the provider even if the caller never hears the answer.
 # The erasure owes Redis a rewrite of its files (its AOF holds the writes that stored the job),
@@ -643,7 +644,8 @@ if ARGV[6] ~= '' then
   local providers = redis.call('HGETALL', KEYS[8])
   for i = 1, #providers, 2 do
     local ok, record = pcall(cjson.decode, providers[i + 1])
-    if not (ok and type(record) == 'table' and record['doubt'] == true) then
+    if not (ok and type(record) == 'table' and record['doubt'] == true
+            and record['proven'] ~= true) then
       table.insert(made, providers[i])
     end
   end
