@@ -27,13 +27,14 @@ from worker.constants import (
     IDEMPOTENCY_KEY,
     REWRITE_INTERVAL_SECONDS,
     REWRITE_LATCH_KEY,
+    REWRITE_OWED_KEY,
     WEBHOOK_EVENT_SEARCH_COMPLETED,
     WEBHOOKS_OWED_KEY,
 )
 from worker.contract import RerankInfo, SearchResult, SearchSpec
 from worker.processes.stack import child_env, redis_server
 from worker.queue import base, webhook_task
-from worker.queue.jobstore import EraseOutcome, IdempotencyRef, JobStore, webhook_event
+from worker.queue.jobstore import EraseOutcome, IdempotencyRef, JobStore, Rewrite, webhook_event
 from worker.queue.jobstore.jobindex import job_index_key
 from worker.queue.redrive import Sweeper
 from worker.runtime.ratelimit import ProviderLimiter
@@ -307,6 +308,34 @@ def test_a_burst_of_erases_forks_one_rewrite_and_the_sweep_pays_the_one_held_bac
             assert not _on_disk(tmp_path, queries[1])
             sweeper.sweep()  # nothing owed: no third rewrite
             assert _settled(store.redis)["aof_rewrites"] == 2
+        finally:
+            store.close()
+
+
+def test_a_rewrite_already_running_leaves_the_erasures_rewrite_owed(tmp_path: Path) -> None:
+    """A rewrite running when the erase asks for one (Redis answers an error) may have forked
+    before the erase, so its files may hold the text: the erase still answers erased, and the
+    rewrite stays owed for the next interval (the re-drive's sweep asks it then)."""
+    with redis_server(tmp_path, appendonly=True) as url:
+        store = JobStore.from_url(url + "/0")
+        try:
+            job_id = _finished_search(store, "erasable " + uuid.uuid4().hex)
+            store.redis.config_set("rdb-key-save-delay", 1_000_000)  # a second a key
+            store.redis.bgrewriteaof()  # forked now, before the erase: slow, its keys held
+            assert store.redis.info("persistence")["aof_rewrite_in_progress"] == 1
+            assert store.erase_job("search", "acme", job_id).outcome is EraseOutcome.ERASED
+            assert store.redis.exists(REWRITE_OWED_KEY)
+            assert store.rewrite_files() is Rewrite.LATCHED  # not again within the interval
+            # the slow rewrite stopped (its AOF turned off and on: a rewrite of its own), and
+            # the interval passed: the owed one is asked
+            store.redis.config_set("rdb-key-save-delay", 0)
+            store.redis.config_set("appendonly", "no")
+            store.redis.config_set("appendonly", "yes")
+            _settled(store.redis)
+            store.redis.delete(REWRITE_LATCH_KEY)
+            assert store.rewrite_files() is Rewrite.STARTED
+            assert not store.redis.exists(REWRITE_OWED_KEY)
+            _settled(store.redis)
         finally:
             store.close()
 
