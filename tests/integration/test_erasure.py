@@ -359,6 +359,31 @@ def test_without_an_aof_an_erase_has_redis_save_its_rdb_snapshot_again(tmp_path:
             store.close()
 
 
+def test_with_an_aof_and_save_points_both_files_are_rewritten(tmp_path: Path) -> None:
+    """Redis as ``deploy/docker-compose.yml`` runs it: AOF on and Redis's default save points,
+    a ``dump.rdb`` beside the AOF holding the text too. The erase has both rewritten: the
+    AOF, then the snapshot (``BGSAVE SCHEDULE``: after the rewrite's child)."""
+    query = "erasable " + uuid.uuid4().hex
+    with redis_server(tmp_path, appendonly=True) as url:
+        store = JobStore.from_url(url + "/0")
+        try:
+            store.redis.config_set("save", "3600 1 300 100 60 10000")  # Redis's default
+            job_id = _finished_search(store, query)
+            store.redis.bgsave()
+            _settled(store.redis)
+            assert (tmp_path / "dump.rdb").is_file() and _on_disk(tmp_path, query)
+            saved = store.redis.info("persistence")["rdb_last_save_time"]
+            store.erase_job("search", "acme", job_id)
+            deadline = time.monotonic() + 30  # a hang guard: the save waits for the rewrite
+            while (info := _settled(store.redis))["rdb_changes_since_last_save"]:
+                assert time.monotonic() < deadline, info
+                time.sleep(0.05)
+            assert info["aof_rewrites"] == 1 and info["rdb_last_save_time"] >= saved
+            assert not _on_disk(tmp_path, query)
+        finally:
+            store.close()
+
+
 def test_a_redis_that_keeps_no_file_is_asked_for_no_rewrite(store: JobStore) -> None:
     """The tests' Redis (no AOF, no save points): nothing to rewrite, and nothing forked."""
     store.erase_job("search", "acme", _finished_search(store, "q"))
