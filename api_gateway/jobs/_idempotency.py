@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Header
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel
+from pydantic_core import PydanticCustomError
 
 from api_gateway.deps import off_loop
 from api_gateway.errors import ApiError
@@ -19,16 +20,33 @@ from worker.queue.jobstore import (
     fingerprint,
 )
 
+
+def _within_bytes(key: str | None) -> str | None:
+    """A key over :data:`MAX_IDEMPOTENCY_KEY_CHARS` refused in the unit it is counted in.
+    The server reads a header's bytes one character each, so the key's length is its bytes as
+    sent; pydantic's ``max_length`` said "at most 255 characters" of a key of 129 (127 of them
+    ``é``), where docs/security.md says bytes."""
+    if key is not None and len(key) > MAX_IDEMPOTENCY_KEY_CHARS:
+        raise PydanticCustomError(
+            "string_too_long",
+            "should be at most {max_length} bytes as sent (ASCII is recommended: a character "
+            "outside ASCII counts as each of its bytes)",
+            {"max_length": MAX_IDEMPOTENCY_KEY_CHARS},
+        )
+    return key
+
+
 IdemKey = Annotated[
     str | None,
     Header(
         alias="Idempotency-Key",
         min_length=1,
-        max_length=MAX_IDEMPOTENCY_KEY_CHARS,
+        json_schema_extra={"maxLength": MAX_IDEMPOTENCY_KEY_CHARS},  # checked by _within_bytes
         description="Same key and body: the same job. Different body: 422. "
         "While the first request is still being answered: 409. At most 255 bytes as sent "
         "(the header's bytes are read one character each): ASCII is recommended.",
     ),
+    AfterValidator(_within_bytes),
 ]
 
 

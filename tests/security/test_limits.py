@@ -181,6 +181,22 @@ def test_an_idempotency_keys_limit_counts_bytes_as_sent(stack: Stack) -> None:
     assert stack.idle.post("/v1/searches", json=search(), headers=ascii_key).status_code == 202
 
 
+def test_an_idempotency_keys_422_says_its_limit_in_bytes(stack: Stack) -> None:
+    """A key of 129 characters (two ASCII, 127 ``é``) is 256 bytes sent in UTF-8, one over the
+    limit: refused, its message says the limit in bytes, as the limit is counted (it said
+    "at most 255 characters", of a key of 129). One byte fewer is taken."""
+    over = b"kk" + "\u00e9".encode() * 127
+    assert len(over) == MAX_IDEMPOTENCY_KEY_CHARS + 1
+    refused = stack.idle.post(
+        "/v1/searches", json=search(), headers={**ACME, "Idempotency-Key": over}
+    )
+    error = names_the_field(refused, 422, "Idempotency-Key")
+    assert f"at most {MAX_IDEMPOTENCY_KEY_CHARS} bytes" in error["message"], error
+    assert "characters" not in error["message"], error
+    taken = {**ACME, "Idempotency-Key": over[1:]}
+    assert stack.idle.post("/v1/searches", json=search(), headers=taken).status_code == 202
+
+
 def test_an_index_name_over_the_limit_is_422_naming_index(stack: Stack) -> None:
     response = stack.idle.post("/v1/searches", json=search(index="a" * 129), headers=ACME)
     names_the_field(response, 422, "index")
