@@ -44,13 +44,25 @@ def _ndcg(path: Path) -> float:
     return float(ir_measures.calc_aggregate([nDCG @ 10], _qrels(), run)[nDCG @ 10])
 
 
-def _sift(stack: Stack, *args: str, expect: int = 0) -> str:
-    env = child_env({"SIFT_URL": stack.live_url, "SIFT_API_KEY": "acme-key-0001"})
+def _sift(stack: Stack, *args: str, expect: int = 0, env: dict[str, str] | None = None) -> str:
+    env = child_env({"SIFT_URL": stack.live_url, "SIFT_API_KEY": "acme-key-0001", **(env or {})})
     done = subprocess.run(
         sift_command(*args), env=env, capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == expect, done.stdout + done.stderr
     return done.stdout + done.stderr  # as a terminal shows them: the bars are on stderr
+
+
+def _runs(folder: Path) -> dict[str, dict[str, list[tuple[str, float]]]]:
+    """The channel rankings a tuning fetched (its ``--out`` files): channel -> query id ->
+    each hit's id and channel score."""
+    return {
+        channel: {
+            item["query_id"]: [(h["id"], h["scores"][channel]) for h in item["result"]["hits"]]
+            for item in map(json.loads, (folder / f"{channel}.jsonl").read_text().splitlines())
+        }
+        for channel in ("bm25", "knn")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -102,15 +114,7 @@ def test_a_linear_point_is_what_a_served_linear_hybrid_search_returns(
     channel cut at 40 and min-max normalised there) equals a served hybrid search of limit 10
     with the same ``fusion`` and no model, hit for hit."""
     point = Point.linear(0.3, 10)
-    runs = {
-        channel: {
-            item["query_id"]: [(h["id"], h["scores"][channel]) for h in item["result"]["hits"]]
-            for item in map(
-                json.loads, (tuned / "runs" / f"{channel}.jsonl").read_text().splitlines()
-            )
-        }
-        for channel in ("bm25", "knn")
-    }
+    runs = _runs(tuned / "runs")
     fusion = {"method": "linear", "weights": {"bm25": point.bm25, "knn": point.knn}}
     compared = differs = 0
     for line in QUERIES.read_text().splitlines():
@@ -166,3 +170,41 @@ def test_apply_stores_the_chosen_settings_on_the_index(
     _sift(stack, "eval", "--tune", "--index", index, "--queries", str(QUERIES),
           "--qrels", str(QRELS), "--folds", "3", "--json", str(again))  # fmt: skip
     assert json.loads(again.read_text())["current"] == report["chosen"]
+
+
+def test_what_an_index_leaves_unset_is_the_deployments_fusion(
+    stack: Stack, corpus: list[dict[str, object]], tmp_path: Path
+) -> None:
+    """With ``SIFT_FUSION_*`` and ``SIFT_RERANK_CANDIDATE_LIMIT`` set, an index with no
+    settings of its own is fused at theirs, so the tuning's baseline (``default``) and the
+    index's ``current`` are that point, scored as that point fuses the fetched rankings. They
+    were this code's defaults (RRF 1/1, k 60, window 30) whatever the deployment set, and an
+    ``--apply`` was judged against settings the index did not use."""
+    index = "deployed"  # an index of its own: no settings stored on it
+    response = stack.live.post(
+        f"/v1/indexes/{index}/documents", params={"wait": 20},
+        json={"documents": corpus}, headers=ACME,
+    )  # fmt: skip
+    assert response.status_code == 200 and response.json()["status"] == "succeeded"
+    env = {
+        "SIFT_FUSION_WEIGHTS": '{"knn": 0.5}',
+        "SIFT_FUSION_RANK_CONSTANT": "20",
+        "SIFT_RERANK_CANDIDATE_LIMIT": "20",
+    }
+    report_path = tmp_path / "report.json"
+    printed = _sift(stack, "eval", "--tune", "--index", index, "--queries", str(QUERIES),
+                    "--qrels", str(QRELS), "--folds", "3", "--out", str(tmp_path / "runs"),
+                    "--json", str(report_path), env=env)  # fmt: skip
+    report = json.loads(report_path.read_text())
+    deployed = Point(1.0, 0.5, 20, 20, "rrf")
+    assert report["default"] == report["current"] == deployed.settings(), report
+    runs = _runs(tmp_path / "runs")
+    fused = [
+        ir_measures.ScoredDoc(q, doc, -float(n))
+        for q in runs["bm25"]
+        for n, doc in enumerate(fuse({c: runs[c].get(q, []) for c in runs}, deployed)[:10])
+    ]
+    ndcg = ir_measures.calc_aggregate([nDCG @ 10], _qrels(), fused)[nDCG @ 10]
+    assert report["held_out"]["default"]["ndcg@10"] == pytest.approx(ndcg, abs=1e-12)
+    said = " ".join(printed.split())  # the title wraps at the width
+    assert "the deployment's: RRF, weights bm25 1, knn 0.5, k 20, window 20" in said, said

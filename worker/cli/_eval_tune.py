@@ -18,6 +18,7 @@ from worker.cli._http import GatewayError, gateway
 from worker.cli._output import plain, progress_bar
 from worker.constants import MAX_LIMIT
 from worker.contract import Channel
+from worker.errors import ConfigError
 from worker.evaluation.harness import RunSpec, read_qrels
 from worker.evaluation.tuning import (
     CHANNELS,
@@ -29,6 +30,7 @@ from worker.evaluation.tuning import (
     split_folds,
     tune,
 )
+from worker.settings import load_settings
 
 EXIT_REFUSED = 3  # --apply refused: the tuned fusion is below a channel alone or the index's own
 
@@ -49,7 +51,7 @@ def _tune_command(
     index's current settings."""
     try:
         report = _tune_served(index, queries_path, qrels_path, out, folds, seed, max_queries)
-    except (GatewayError, ValueError) as error:
+    except (GatewayError, ValueError, ConfigError) as error:
         _err().print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
         raise typer.Exit(1) from error
     _print_tune(report)
@@ -84,7 +86,9 @@ def _tune_served(
     qrels = read_qrels(qrels_path)
     queries = _judged(queries_path, qrels_path, qrels, max_queries)
     split_folds([qid for qid, _ in queries], folds, seed)  # a bad --folds fails before searching
-    current = Point.of_settings(_check_index(index).get("settings"))
+    # what the index leaves unset is the deployment's, SIFT_FUSION_* as a worker reads them
+    default = Point.of_deployment(load_settings())
+    current = Point.of_settings(_check_index(index).get("settings"), default)
     runs = [RunSpec("bm25", "fts", False, MAX_LIMIT), RunSpec("knn", "vector", False, MAX_LIMIT)]
     _, served = _run_batches(index, runs, queries, out)
     failed = [i for items in served.values() for i in items if i.get("status") != "succeeded"]
@@ -120,6 +124,7 @@ def _tune_served(
             seed,
             progress=lambda n: bar.advance(task, n),
             current=current,
+            default=default,
         )
 
 
@@ -131,11 +136,14 @@ def _ranked(hit: dict[str, Any], channel: Channel) -> Ranked:
 
 
 def _print_tune(report: TuneReport) -> None:
+    deployment = (
+        "" if report.default == DEFAULT else f", the deployment's: {_describe(report.default)}"
+    )
     table = Table(
         title="held-out nDCG@10 per fold, of the point chosen on the other folds "
-        f"(n: queries; RRF: the default fusion; recall: candidate recall at the tuned "
-        f"window, and the default's at {DEFAULT.window}; chosen: method, weights bm25/knn, "
-        "RRF's rank constant k, window w)",
+        f"(n: queries; RRF: the default fusion{deployment}; recall: candidate recall at the "
+        f"tuned window, and the default's at {report.default.window}; chosen: method, weights "
+        "bm25/knn, RRF's rank constant k, window w)",
         box=box.SIMPLE_HEAD,  # with one space between columns it fits 80, nothing cut
         padding=(0, 1, 0, 0),
         pad_edge=False,
@@ -174,7 +182,7 @@ def _print_tune(report: TuneReport) -> None:
     channel, best = report.best_single
     current = (
         ""
-        if report.current == DEFAULT or "current" not in held
+        if report.current == report.default or "current" not in held
         else f", the index's current settings ({_describe(report.current)}) "
         f"{held['current'].ndcg:.4f}"
     )

@@ -31,7 +31,7 @@ from ir_measures import nDCG
 
 from worker.constants import RRF_K
 from worker.contract import Channel
-from worker.core.fusion import Fusion, Method
+from worker.core.fusion import Fusion, Method, weights_of
 from worker.core.fusion import fuse as fuse_hits
 from worker.core.query import channel_window, coarse_limit
 from worker.core.types import ChannelHit, Document
@@ -80,20 +80,39 @@ class Point:
         return cls(round(1.0 - knn_share, 6), knn_share, RRF_K, window, "linear")
 
     @classmethod
-    def of_settings(cls, settings: Mapping[str, Any] | None) -> Point:
+    def of_deployment(cls, settings: Settings) -> Point:
+        """The point a worker on ``settings`` fuses an index with none of its own at: its
+        ``SIFT_FUSION_*`` (a weight they leave out counts 1) and ``SIFT_RERANK_CANDIDATE_LIMIT``.
+
+        >>> Point.of_deployment(Settings(fusion_weights={"knn": 0.5}, fusion_rank_constant=20))
+        Point(bm25=1.0, knn=0.5, rank_constant=20, window=30, method='rrf')
+        """
+        weights = {"bm25": 1.0, "knn": 1.0, **weights_of(settings.fusion_weights)}
+        return cls(
+            weights["bm25"],
+            weights["knn"],
+            settings.fusion_rank_constant,
+            settings.rerank_candidate_limit,
+            settings.fusion_method,
+        )
+
+    @classmethod
+    def of_settings(cls, settings: Mapping[str, Any] | None, default: Point | None = None) -> Point:
         """The point an index's stored settings (``GET /v1/indexes/{index}``'s ``settings``)
-        stand for, each one left unset (``null``) at the default, as the worker resolves it
-        at this tool's defaults (Settings' own, not a deployment's ``SIFT_FUSION_*``).
+        stand for, each one left unset (``null``) at ``default``'s, as the worker resolves it:
+        pass the deployment's (:meth:`of_deployment`); none is this code's defaults.
 
         >>> Point.of_settings({"fusion": {"weights": {"knn": 0.5}}, "candidate_limit": 20})
         Point(bm25=1.0, knn=0.5, rank_constant=60, window=20, method='rrf')
         >>> Point.of_settings(None) == Point()
         True
+        >>> Point.of_settings({"candidate_limit": 20}, Point(knn=0.5, rank_constant=20))
+        Point(bm25=1.0, knn=0.5, rank_constant=20, window=20, method='rrf')
         """
         settings = settings or {}
         fusion = settings.get("fusion") or {}
         weights = fusion.get("weights") or {}
-        default = cls()
+        default = default or cls()
 
         def given(value: Any, default: Any) -> Any:
             return default if value is None else value
@@ -377,6 +396,7 @@ class TuneReport:
     points: int
     depth: dict[str, int] = field(default_factory=dict)  # the most docs a channel ranked
     current: Point = DEFAULT  # the index's settings before --apply (held_out["current"])
+    default: Point = DEFAULT  # the deployment's fusion, what an index with none uses
 
     @property
     def best_single(self) -> tuple[Channel, float]:
@@ -408,9 +428,10 @@ class TuneReport:
             )
         current = self.held_out.get("current", self.held_out["default"]).ndcg
         if tuned < current:
+            method = "RRF" if self.default.method == "rrf" else "linear fusion"
             what = (
-                "the default RRF the index uses now"
-                if self.current == DEFAULT
+                f"the default {method} the index uses now"
+                if self.current == self.default
                 else "the index's current settings"
             )
             return (
@@ -445,6 +466,7 @@ class TuneReport:
             "folds_below_best_single": self.folds_below_best_single(),
             "chosen": point(self.chosen),
             "current": point(self.current),
+            "default": point(self.default),
             "in_sample": measured(self.in_sample),
             "refusal": self.refusal(),
         }
@@ -458,9 +480,11 @@ def tune(
     seed: int = 0,
     progress: Callable[[int], None] | None = None,
     current: Point = DEFAULT,
+    default: Point = DEFAULT,
 ) -> TuneReport:
     """Tune the fusion on ``qrels`` (only queries with a relevant document count) by k-fold
-    cross-validation over ``grid``; ``progress(1)`` after each point scored.
+    cross-validation over ``grid``; ``progress(1)`` after each point scored. ``default`` is
+    the deployment's fusion (:meth:`Point.of_deployment`), ``current`` the index's own over it.
 
     Single channels are scored at the default window, the window their recall is read at.
     """
@@ -469,7 +493,7 @@ def tune(
     points = (grid or Grid()).points()
     scored = score_grid(rankings, {q: qrels[q] for q in queries}, points, progress)
     contenders = {
-        "default": DEFAULT,
+        "default": default,
         "bm25": Point(1.0, 0.0, RRF_K, DEFAULT_WINDOW),
         "knn": Point(0.0, 1.0, RRF_K, DEFAULT_WINDOW),
         "current": current,
@@ -489,7 +513,7 @@ def tune(
                 queries=len(held),
                 chosen=chosen,
                 tuned=scored[chosen].mean(held),
-                default=scored[DEFAULT].mean(held),
+                default=scored[default].mean(held),
                 bm25=scored[contenders["bm25"]].mean(held),
                 knn=scored[contenders["knn"]].mean(held),
             )
@@ -513,4 +537,5 @@ def tune(
             for c in CHANNELS
         },
         current=current,
+        default=default,
     )
