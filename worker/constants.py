@@ -260,7 +260,7 @@ ERROR_TENANT_REMOVED = "tenant_removed"
 
 # --- limits (validated at the gateway, documented in docs/security.md) ---
 MAX_QUERY_CHARS = 2_000
-# the words of a query its BM25 channel searches (worker.core.query.bm25_text): Elasticsearch
+# the words of a query its BM25 channel searches (worker.core.query.bm25_cut): Elasticsearch
 # makes a leaf clause of each token in each field, and a node refuses a search of more than
 # max(1024, heap_MB * 64 / search_threads); 256 words over two fields, with a search's most
 # filters (MAX_FILTER_KEYS), stay under 1,024

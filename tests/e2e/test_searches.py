@@ -15,6 +15,7 @@ from tests.e2e.conftest import ACME, GLOBEX, INDEX, Stack, finished_batch
 from tests.fake_anthropic import positions, status
 from tests.prometheus_support import wait_until
 from tests.reliability.support import forget_rate_budget
+from worker.constants import MAX_BM25_WORDS
 from worker.queue.jobstore import JobStore, fingerprint
 
 
@@ -211,6 +212,31 @@ def test_a_trace_tells_each_stages_time_and_each_attempts_class(
         "rerank": sum(t["rerank_seconds"] for t in traces),
     }
     assert batch["stage_seconds"] == pytest.approx(summed, abs=1e-5)
+
+
+def test_a_trace_says_when_the_bm25_channel_searched_only_the_querys_first_words(
+    stack: Stack, corpus: object
+) -> None:
+    """The BM25 channel searches a query's first ``MAX_BM25_WORDS`` words, and the trace says
+    how many it searched and whether it cut the query (it cut it silently); a search without
+    the channel (``vector``) has neither."""
+
+    def traced(query: str, mode: str = "hybrid") -> dict[str, Any]:
+        body = {"index": INDEX, "query": query, "mode": mode, "include_trace": True}
+        job = stack.live.post("/v1/searches", params={"wait": 20}, json=body, headers=ACME)
+        assert job.status_code == 200 and job.json()["status"] == "succeeded", job.text
+        trace: dict[str, Any] = job.json()["result"]["trace"]
+        return trace
+
+    long = " ".join(["tea"] * (MAX_BM25_WORDS + 1))  # a word past those searched
+    cut = traced(long)
+    assert (cut["bm25_words"], cut["bm25_query_truncated"]) == (MAX_BM25_WORDS, True), cut
+    whole = traced(" ".join(["tea"] * MAX_BM25_WORDS))  # exactly the words searched
+    assert (whole["bm25_words"], whole["bm25_query_truncated"]) == (MAX_BM25_WORDS, False)
+    short = traced("green tea leaves", mode="fts")
+    assert (short["bm25_words"], short["bm25_query_truncated"]) == (3, False), short
+    vector = traced(long, mode="vector")
+    assert (vector["bm25_words"], vector["bm25_query_truncated"]) == (None, None), vector
 
 
 def test_a_search_that_fails_its_rerank_keeps_the_trace_it_asked_for(

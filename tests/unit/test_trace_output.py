@@ -8,6 +8,7 @@ from typing import Any
 from tests.fakes import USAGE, fail, reply
 from tests.unit.test_pipeline import make, spec
 from worker.cli._output import trace_lines
+from worker.constants import MAX_BM25_WORDS
 from worker.errors import AttemptOutcome, RerankAttemptError
 
 
@@ -69,3 +70,13 @@ def test_no_rerank_is_one_line_after_retrieval() -> None:
     assert result.trace is not None
     assert trace_lines(result.trace)[-1] == "rerank: not asked"
     assert len(trace_lines(result.trace)) == 3  # retrieval, timings, rerank
+
+
+def test_the_compact_trace_says_when_bm25_searched_only_the_querys_first_words() -> None:
+    pipeline, _, _ = make()
+    long = " ".join(["ash"] * (MAX_BM25_WORDS + 1))
+    cut = pipeline.search(spec(query=long, include_trace=True), "acme").trace
+    assert cut is not None
+    assert f"bm25 searched the query's first {MAX_BM25_WORDS} words" in trace_lines(cut)[0]
+    whole = pipeline.search(spec(include_trace=True), "acme").trace
+    assert whole is not None and "first" not in trace_lines(whole)[0]

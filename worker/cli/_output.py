@@ -271,7 +271,8 @@ def _seconds(value: Any) -> str:
 def trace_lines(trace: dict[str, Any]) -> list[str]:
     """A search's trace in a few plain lines: what retrieval found, each model attempt with
     its class and time, the positions the model returned, kept and dropped (and why), the
-    fallback, the usage. The candidates' texts (the bulk of the raw trace) are left out: the
+    fallback, the usage; and when the BM25 channel searched a long query's first words alone,
+    that it did. The candidates' texts (the bulk of the raw trace) are left out: the
     raw trace is ``sift search --trace --json``.
 
     >>> for line in trace_lines({"mode": "fts", "policy": None, "coarse_limit": 3,
@@ -289,6 +290,8 @@ def trace_lines(trace: dict[str, Any]) -> list[str]:
         f"{len(candidates)} candidate(s) (coarse limit {trace.get('coarse_limit')}, "
         f"window {trace.get('channel_window')})"
     ]
+    if trace.get("bm25_query_truncated"):  # the rest of a long query was left out
+        lines[0] += f"; bm25 searched the query's first {trace.get('bm25_words')} words"
     timings = trace.get("retrieval_seconds") or {}
     queued = trace.get("queue_wait_seconds")
     stages = ([f"queue wait {_seconds(queued)}"] if queued is not None else []) + [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence, Set
+from dataclasses import dataclass
 
 from worker.constants import CHANNEL_WINDOW_FACTOR, MAX_BM25_WORDS, MIN_CHANNEL_WINDOW
 from worker.contract import Channel, Mode
@@ -40,7 +41,17 @@ _ONE_EACH = (
 _WORD = re.compile(f"[{_ONE_EACH}]|[^\\W{_ONE_EACH}]+|[^\\w\\s]")
 
 
-def bm25_text(query: str, limit: int = MAX_BM25_WORDS) -> str:
+@dataclass(frozen=True, slots=True)
+class BM25Cut:
+    """The part of a query its BM25 channel searches: the text, its words, and whether
+    words past the limit were left out (the trace says so: the cut was silent)."""
+
+    text: str
+    words: int
+    truncated: bool
+
+
+def bm25_cut(query: str, limit: int = MAX_BM25_WORDS) -> BM25Cut:
     """The part of ``query`` its BM25 channel searches: the text up to its ``limit``-th word.
 
     Elasticsearch's BM25 query (``multi_match`` over title and text) is one leaf clause per
@@ -52,15 +63,17 @@ def bm25_text(query: str, limit: int = MAX_BM25_WORDS) -> str:
     Elasticsearch's tokens. Both backends search the same
     words, so they answer alike; the kNN channel still reads the whole query.
 
-    >>> bm25_text("a b c d", limit=2), bm25_text("東京タワー", limit=2)
-    ('a b', '東京')
+    >>> bm25_cut("a b c d", limit=2), bm25_cut("東京タワー", limit=2)
+    (BM25Cut(text='a b', words=2, truncated=True), BM25Cut(text='東京', words=2, truncated=True))
+    >>> bm25_cut("a b", limit=2)
+    BM25Cut(text='a b', words=2, truncated=False)
     """
-    end = 0
-    for count, word in enumerate(_WORD.finditer(query)):
-        if count == limit:  # a word past the limit: the text ends with the one before
-            return query[:end]
-        end = word.end()
-    return query
+    words = end = 0
+    for word in _WORD.finditer(query):
+        if words == limit:  # a word past the limit: the text ends with the one before
+            return BM25Cut(query[:end], words, truncated=True)
+        words, end = words + 1, word.end()
+    return BM25Cut(query, words, truncated=False)
 
 
 def select_channels(

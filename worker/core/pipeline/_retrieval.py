@@ -24,7 +24,7 @@ from worker.core.ports import (
     SearchBackend,
 )
 from worker.core.query import (
-    bm25_text,
+    bm25_cut,
     channel_window,
     check_model,
     coarse_limit,
@@ -85,12 +85,13 @@ class Retrieval:
             figures.append(
                 partial(self.recorder.retrieval, self.backend.name, "embed", seconds["embed"])
             )
+        bm25 = bm25_cut(query)  # its first words: the BM25 channels read no more
         channel_query = ChannelQuery(
             index=spec.index,
             filters=HardFilters(tenant=tenant, fields=dict(spec.filters)),
             channels=channels,
             size=channel_window(coarse),
-            text=bm25_text(query),  # its first words: the BM25 channels read no more
+            text=bm25.text,  # its first words: the BM25 channels read no more
             vector=vector,
             weights={c: fusion.weight(c) for c in channels},
             rank_constant=fusion.rank_constant,
@@ -113,6 +114,10 @@ class Retrieval:
             "coarse_limit": coarse,
             "channel_window": channel_query.size,
             "channel_counts": {channel: len(hits) for channel, hits in results.hits.items()},
+            # the words the BM25 channel searched, and whether the query had more (None: the
+            # search had no BM25 channel)
+            "bm25_words": bm25.words if "bm25" in channels else None,
+            "bm25_query_truncated": bm25.truncated if "bm25" in channels else None,
             "fused_by_backend": results.fused is not None,
             "retrieval_seconds": seconds,  # embed, each channel, fuse: in the order they ran
         }
