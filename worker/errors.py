@@ -214,9 +214,10 @@ class RerankAttemptError(SiftError):
     # ``cancel``; set by that adapter), None for a Messages call: a status error reading a
     # provider batch says nothing for good of the batch, which the provider runs on
     call: str | None = None
-    # the provider's HTTP status, for an answer that was one (set by the adapter): a delete
-    # refused for its key (401, 403) is not asked again, where one refused for the batch's
-    # state is
+    # the provider's HTTP status (set by the adapter), None for no answer: a delete refused
+    # for its key (401, 403) is not asked again, where one refused for the batch's state is;
+    # a 409 or a 4xx it says to retry is counted ``http_5xx`` with its 5xx, yet no sign of
+    # an outage
     status: int | None = None
 
     def __init__(

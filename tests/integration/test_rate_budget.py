@@ -336,13 +336,17 @@ def build(
     deadline: float = 3.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    **more: Any,
 ) -> tuple[SearchPipeline, RedisRateBudget]:
+    """A pipeline on the fake over the real SDK, metered by a budget on ``client``'s Redis;
+    ``more``: other settings."""
     settings = load_settings(
         rerank_enabled=True,
         generation_model=f"anthropic:{MODEL}",
         rerank_failure_policy=policy,
         search_deadline_seconds=deadline,
         generation_timeout_seconds=2.0,
+        **more,
     )
     budget = RedisRateBudget(client, MODEL, limits)
     sdk = anthropic.Anthropic(base_url=fake.url, api_key="sk-test", max_retries=0)
@@ -512,6 +516,43 @@ def test_a_429_from_the_provider_pauses_the_shared_budget(
     asked_by = redis_now(client)
     assert not refused.admitted
     assert until - asked_by - 1e-6 <= refused.wait <= until - asked_from + 1e-6
+
+
+@pytest.mark.parametrize(
+    ("answer", "opens"),
+    [
+        (fa.status(529), True),  # overloaded: the provider is failing
+        (fa.status(500), True),
+        (fa.status(409), False),  # a conflict (the SDK's "lock timeout"): an answer
+        (fa.status(400, should_retry=True), False),  # a 4xx it says to retry: an answer
+    ],
+    ids=["529", "500", "409", "400-x-should-retry-true"],
+)
+def test_only_a_5xx_opens_the_breaker_though_a_409_is_retried_as_one(
+    fake: fa.FakeAnthropic, client: redis.Redis, answer: fa.Behaviour, opens: bool
+) -> None:
+    """A 409 or a 4xx sent with ``x-should-retry: true`` is retried as a 5xx is (the SDK's
+    own policy) and counted ``http_5xx``, but it is an answer from a provider that is up,
+    refused before any token was read: it opens no breaker (another process is let through at
+    once) and gives its tokens back. Both opened the breaker as a 5xx does: every process
+    stopped sending for a second or more, for a conflict on one request."""
+    limits = RateLimit(rpm=6000, otpm=6000)  # refills 100 output tokens a second
+    pipeline, _ = build(
+        fake, client, "fail_open", limits, RecordingRecorder(), generation_max_requests=1
+    )
+    fake.script([answer])
+    result = search(pipeline)
+    assert [a["outcome"] for a in result.trace["attempts"]] == ["http_5xx"]
+    assert result.rerank.fallback_reason == "error:http_5xx"
+    # the output tokens reserved (max_tokens, over 1,000) given back, the bucket full again;
+    # a 5xx's stand (it may have been answered in part: unknown)
+    full = float(client.hget(RedisRateBudget(client, MODEL, limits).key, "o") or 0)
+    assert (full == pytest.approx(6000 * BURST_FRACTION)) is not opens, full
+    other = RedisRateBudget(client, MODEL, limits)
+    if opens:
+        assert other.reserve(PROMPT, 30.0).shut
+    else:
+        assert other.reserve(PROMPT, 0.0).admitted
 
 
 def test_a_429_pauses_a_process_that_knows_no_limit_yet(client: redis.Redis) -> None:

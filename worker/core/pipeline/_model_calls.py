@@ -25,6 +25,16 @@ from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
 # the attempts that end with no answer from the provider (nor a 5xx: the breaker's signal)
 NO_ANSWER = frozenset({AttemptOutcome.TIMEOUT, AttemptOutcome.CONNECTION})
 
+
+def _transient_4xx(error: RerankAttemptError) -> bool:
+    """A 4xx counted ``http_5xx`` and retried as one, as the SDK's own policy does: a 409 (its
+    "lock timeout") or one sent ``x-should-retry: true``. It is no outage: the provider
+    answered, refusing this one request before reading a token. It opened the breaker as a
+    5xx does, and every process stopped sending for a second or more."""
+    status = error.status
+    return error.outcome is AttemptOutcome.HTTP_5XX and status is not None and status < 500
+
+
 # A batch item's check before its model calls (``SearchPipeline.search``'s ``before_model``),
 # handed what the search was billed so far (None: nothing); raises Canceled to stop there.
 BeforeModel = Callable[[Usage | None], None]
@@ -172,7 +182,9 @@ class ModelCalls:
         """Settle a failed attempt's reservation with the rate budget. One refused before any
         token was read (a 429, a 4xx, or never sent) gives its tokens back, and its request
         too when the provider never saw it; the provider's 429 pauses every worker, a local
-        hold no one, and neither closes the breaker. Any other failure is settled on the
+        hold no one, and neither closes the breaker. A 4xx closes it, a 409 or one the provider
+        says to retry too (retried as a 5xx, but an answer of a provider that is up). Any other
+        failure is settled on the
         ``usage`` it reported (none reported: the reservation stands); a 5xx opens the breaker;
         any other answer closes it, billed or not; one that got no answer ends the breaker's
         probe if it was that."""
@@ -184,8 +196,8 @@ class ModelCalls:
             budget.settle(grant, TokenUsage(), sent=error.sent, closes=False)
             if error.sent:
                 budget.pause(error.retry_after or DEFAULT_429_PAUSE_SECONDS)
-        elif error.outcome is AttemptOutcome.HTTP_4XX:  # refused at once: no token read
-            budget.settle(grant, TokenUsage())
+        elif error.outcome is AttemptOutcome.HTTP_4XX or _transient_4xx(error):
+            budget.settle(grant, TokenUsage())  # refused at once: no token read
         else:
             budget.settle(grant, usage)
             if error.outcome is AttemptOutcome.HTTP_5XX:  # the provider is failing: the breaker
