@@ -542,6 +542,53 @@ def test_sift_demo_runs_on_its_own_redis_and_fails_when_a_query_failed(tmp_path:
     assert re.search(r"10 of 10 queries failed", printed), printed
 
 
+# A shell that reranks with a key: a model at a remote address (``.invalid`` never resolves,
+# so nothing is sent, but it is no fake on this machine) and SIFT_RERANK_ENABLED.
+PAID = {"SIFT_RERANK_ENABLED": "true", "SIFT_GENERATION_MODEL": "anthropic:claude-haiku-4-5",
+        "SIFT_GENERATION_MAX_REQUESTS": "1", "ANTHROPIC_API_KEY": "sk-ant-test",
+        "ANTHROPIC_BASE_URL": "http://api.paid.invalid"}  # fmt: skip
+PAID_NOTICE = (
+    "sift demo reranks each of its 10 searches with claude-haiku-4-5 at "
+    "http://api.paid.invalid: about 10 paid calls"
+)
+
+
+@pytest.mark.parametrize("answer", ["n\n", None])
+def test_sift_demo_asks_before_its_paid_model_calls_and_starts_nothing_unless_told(
+    tmp_path: Path, answer: str | None
+) -> None:
+    """With a model, a key and rerank on (a sourced deploy/.env), the demo's ten searches
+    each made a paid call, and nothing said so. It says so before anything starts and asks;
+    a no (or no terminal to answer: stdin at its end) starts nothing, exit 1, and says that
+    ``--yes`` makes them."""
+    demo = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "demo"], cwd=tmp_path, env={**_env(), **PAID},
+        input=answer, stdin=None if answer is not None else subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    printed = demo.stdout + demo.stderr
+    assert demo.returncode == 1, printed
+    assert PAID_NOTICE in " ".join(demo.stderr.split()), printed
+    assert "nothing was started; --yes makes them without asking" in printed, printed
+    assert "stack up at" not in printed and "Traceback" not in printed, printed
+
+
+@pytest.mark.timeout(300)
+def test_sift_demo_yes_makes_its_paid_model_calls_without_asking(tmp_path: Path) -> None:
+    """``--yes``: the notice, then the demo as ever, with no question (stdin is at its end):
+    here every search's one call fails (its host does not resolve), so it ends 10 of 10
+    failed, exit 3."""
+    demo = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "demo", "--yes"], cwd=tmp_path,
+        env={**_env(), **PAID}, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=280,
+    )  # fmt: skip
+    printed = demo.stdout + demo.stderr
+    assert demo.returncode == 3, printed
+    assert PAID_NOTICE in " ".join(demo.stderr.split()), printed
+    assert "stack up at" in printed and "10 of 10 queries failed" in printed, printed
+
+
 @pytest.mark.timeout(300)
 def test_sift_demo_runs_on_its_defaults_whatever_the_deployment_exports(tmp_path: Path) -> None:
     """An operator's shell (a sourced deploy/.env) exports the deployment's settings: the

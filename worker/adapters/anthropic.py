@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import ipaddress
 import logging
 import math
 import os
@@ -511,6 +512,33 @@ def provider_retry_after(headers: Mapping[str, str]) -> float | None:
 # EnforcedSpendLimitReachedError and ContractSpendLimitReachedError). They come with no
 # ``retry-after``, and every retry fails until the month ends or the cap is raised.
 SPEND_LIMIT_CODES = frozenset({"enforced_spend_limit_reached", "contract_spend_limit_reached"})
+
+
+def paid_destination() -> str | None:
+    """Where a call made with this process's environment goes when the provider bills it: the
+    SDK's base URL (``ANTHROPIC_BASE_URL``, else the API's). None when no credential is set
+    (nothing is sent) or the URL is on this machine, as the tests' fake Messages API is:
+    ``sift demo`` asks before it makes paid calls."""
+    with anthropic.Anthropic(max_retries=0) as client:
+        if not (client.api_key or client.auth_token):
+            return None
+        url = client.base_url
+    return None if _on_this_machine(url.host) else str(url).rstrip("/")
+
+
+def _on_this_machine(host: str) -> bool:
+    """
+    >>> _on_this_machine("127.0.0.1"), _on_this_machine("localhost"), _on_this_machine("::1")
+    (True, True, True)
+    >>> _on_this_machine("api.anthropic.com")
+    False
+    """
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        return False
 
 
 def provider_says_retry(headers: Mapping[str, str]) -> bool | None:

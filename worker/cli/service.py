@@ -761,6 +761,9 @@ def _demo_environment() -> Iterator[None]:
 @app.command("demo")
 def demo(
     limit: Annotated[int, typer.Option(min=1, max=100, help="hits shown per query")] = 3,
+    yes: Annotated[
+        bool, typer.Option("--yes", help="rerank at a paid model without asking first")
+    ] = False,
 ) -> None:
     """The whole path on this machine: start the stack, ingest the bundled sample corpus,
     run a batch of searches through the gateway and the queue, print them, stop.
@@ -768,9 +771,45 @@ def demo(
     It runs on the defaults whatever the environment says, never on a deployment: the
     embedded backend in a temporary folder, a Redis, ports and a development key of its
     own. Of the SIFT_ variables it takes only those choosing the rerank and its model
-    (SIFT_GENERATION_*, SIFT_RERANK_*, SIFT_PRICES; with ANTHROPIC_API_KEY)."""
+    (SIFT_GENERATION_*, SIFT_RERANK_*, SIFT_PRICES; with ANTHROPIC_API_KEY). When they
+    make its searches rerank at a paid model, it says so and asks first (--yes: it does not
+    ask)."""
     with _demo_environment():
+        _ask_before_paid_calls(sample_path("sample_queries.jsonl"), yes)
         _demo(limit)
+
+
+def _ask_before_paid_calls(queries: Path, yes: bool) -> None:
+    """Say before anything starts that the demo's searches make paid model calls, and ask,
+    unless ``yes``. With a model, a key and SIFT_RERANK_ENABLED in the shell (a sourced
+    deploy/.env), each search reranked at the provider's cost and nothing said so. No answer
+    (stdin at its end: no one to ask) is a no. Calls to this machine (a fake) are not asked."""
+    settings = _settings()
+    model = settings.generation_model_id
+    if not settings.rerank_enabled or model is None:
+        return
+    from worker.adapters.anthropic import paid_destination
+
+    where = paid_destination()
+    if where is None:
+        return
+    searches = sum(1 for line in queries.read_text().splitlines() if line.strip())
+    most = searches * settings.generation_max_requests
+    retries = f" (up to {most} with retries)" if most > searches else ""
+    errors.print(
+        f"sift demo reranks each of its {searches} searches with {model} at {where}: "
+        f"about {searches} paid calls{retries}",
+        soft_wrap=True,
+    )
+    if yes:
+        return
+    try:
+        confirmed = typer.confirm("Make them?", default=False, err=True)
+    except typer.Abort:  # stdin at its end
+        confirmed = False
+    if not confirmed:
+        errors.print("nothing was started; --yes makes them without asking")
+        raise typer.Exit(1)
 
 
 def _demo(limit: int) -> None:
