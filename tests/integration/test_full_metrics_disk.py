@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.full_disk import on_small_tmpfs
-
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,12 +78,6 @@ STACK_ON_A_FULL_DISK = textwrap.dedent(
     print(json.dumps(report))
     """
 )
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> list[str]:
-    (tmp_path / "mnt").mkdir()
-    return on_small_tmpfs(tmp_path / "mnt")
 
 
 def test_the_stack_answers_and_no_process_dies_when_the_metrics_disk_fills(

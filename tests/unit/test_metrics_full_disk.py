@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from tests.full_disk import on_small_tmpfs
 from worker.observability import metrics
 from worker.observability.metrics import _allocated
 
@@ -79,12 +78,6 @@ FULL_DISK_SCRIPT = textwrap.dedent(
     }))
     """
 )
-
-
-@pytest.fixture
-def small_tmpfs(tmp_path: Path) -> list[str]:
-    (tmp_path / "mnt").mkdir()
-    return on_small_tmpfs(tmp_path / "mnt")
 
 
 def test_a_full_metrics_folder_drops_values_and_the_process_lives_on(
