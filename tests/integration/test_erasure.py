@@ -20,6 +20,7 @@ from tests.services import webhook_inbox
 from worker.adapters.embedded import EmbeddedBackend
 from worker.constants import (
     ECONOMY_LEASE_KEY,
+    ECONOMY_PROVIDERS_KEY,
     ECONOMY_RUNS_KEY,
     ECONOMY_STATE_KEY,
     ECONOMY_WATCH_KEY,
@@ -166,6 +167,44 @@ def test_a_batchs_erase_takes_its_own_economy_leases_and_watch_and_no_other_batc
     assert store.redis.get(ECONOMY_LEASE_KEY + f"{kept} submit") == "w1 t1"
     assert store.redis.zscore(ECONOMY_WATCH_KEY, f"{lookalike} submit") is not None
     assert store.redis.get(ECONOMY_LEASE_KEY + f"{lookalike} submit") == "w1 t1"
+
+
+def test_an_erase_and_a_purge_keep_the_same_provider_batches_to_delete(store: JobStore) -> None:
+    """Which of an economy batch's provider batches are deleted at the provider: those Sift
+    made, never a create in doubt's candidates (``"doubt": true``: maybe another client's)
+    unless their results proved them ours (``"proven": true``).
+    The erase's script and the purge (:meth:`keep_provider_deletions`) choose them alike,
+    whatever a record holds."""
+    records = {
+        "made": {"round": 1, "requests": 2, "ended_at": None},
+        "candidate": {"round": 1, "requests": 2, "ended_at": None, "doubt": True},
+        "proven": {"round": 1, "requests": 2, "doubt": True, "proven": True},
+        "proven-string": {"doubt": True, "proven": "true"},
+        "not-doubt": {"doubt": False},
+        "doubt-string": {"doubt": "true"},
+        "doubt-one": {"doubt": 1},
+        "a-list": [1],
+        "null": None,
+    }
+    raw = {pid: json.dumps(record) for pid, record in records.items()} | {"not-json": "{"}
+    erased, purged = (_finished_batch(store, tenant) for tenant in ("acme", "globex"))
+    for batch_id in (erased, purged):
+        store.economy_save(batch_id, ECONOMY_PROVIDERS_KEY, raw)
+
+    provider = ("test:economy-delete-queue", "a message")
+    assert store.erase_job("batch", "acme", erased, provider).outcome is EraseOutcome.ERASED
+    kept = store.keep_provider_deletions(purged)
+
+    expected = sorted(set(raw) - {"candidate", "proven-string"})
+    assert store.provider_deletions(erased) == expected
+    assert kept == store.provider_deletions(purged) == expected
+
+
+def _finished_batch(store: JobStore, tenant: str) -> str:
+    batch = store.create_batch(tenant, "docs", [("q", SearchSpec(index="docs", query="q"))])
+    assert store.start_item(batch.id, "q")
+    assert store.finish_item(batch.id, "q", result=_result()).batch_completed
+    return batch.id
 
 
 @pytest.mark.parametrize("kind", ["ingest", "nothing"])

@@ -42,7 +42,6 @@ script that writes only while the job's record (or a batch's items) exists.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from enum import StrEnum
@@ -87,19 +86,6 @@ class Erasure:
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _in_doubt(raw: str) -> bool:
-    """Whether a provider batch's record is a create in doubt's candidate (``doubt``) not
-    proved ours by its results (``proven``, :func:`worker.queue.economy.results.map_results`):
-    it may be another client's (``_ERASE_JOB`` reads the same fields)."""
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return False
-    if not isinstance(record, dict):
-        return False
-    return record.get("doubt") is True and record.get("proven") is not True
 
 
 class ErasureRecords(TenantRecords):
@@ -159,17 +145,13 @@ class ErasureRecords(TenantRecords):
 
     def keep_provider_deletions(self, batch_id: str) -> list[str]:
         """Keep the ids of the batch's provider batches Sift made and recorded (not a create
-        in doubt's candidates, but those proved ours) for
+        in doubt's candidates, unless their results proved them ours) for
         :data:`~worker.constants.ECONOMY_DELETE_TASK`, as an erase keeps them (``sift tenant
         purge``, before it deletes the state naming them); answers them."""
-        records = cast(dict[str, str], self.redis.hgetall(ECONOMY_PROVIDERS_KEY + batch_id))
-        made = sorted(_text(p) for p, raw in records.items() if not _in_doubt(_text(raw)))
-        if made:
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.sadd(ECONOMY_DELETE_KEY + batch_id, *made)
-            pipe.expire(ECONOMY_DELETE_KEY + batch_id, self.result_ttl)
-            pipe.execute()
-        return made
+        keys = [ECONOMY_PROVIDERS_KEY + batch_id, ECONOMY_DELETE_KEY + batch_id]
+        # the erase's own choice (_MADE_PROVIDERS); sent again on a broken connection: a set
+        made = resending()(self._keep_provider_deletions, keys=keys, args=[self.result_ttl])
+        return sorted(_text(p) for p in made)
 
     def provider_deletions(self, batch_id: str) -> list[str]:
         """The erased batch ``batch_id``'s provider batches not deleted at the provider yet."""

@@ -603,6 +603,43 @@ end
 return 1
 """
 
+# The provider batches of an economy batch that Sift made and recorded, of the hash at ``key``
+# (the economy lane's provider batches): every one but a create in doubt's candidates
+# ("doubt": true in its record, each maybe another client's) not proved ours by their
+# results ("proven"), to be deleted at the provider.
+# One Lua function, in the erase's script and the purge's (_KEEP_PROVIDER_DELETIONS), so the
+# two read the field alike (a record that is no JSON object is Sift's own: kept).
+_MADE_PROVIDERS = """
+local function made_providers(key)
+  local made = {}
+  local providers = redis.call('HGETALL', key)
+  for i = 1, #providers, 2 do
+    local ok, record = pcall(cjson.decode, providers[i + 1])
+    if not (ok and type(record) == 'table' and record['doubt'] == true
+            and record['proven'] ~= true) then
+      table.insert(made, providers[i])
+    end
+  end
+  return made
+end
+"""
+
+# ``sift tenant purge``'s keep of a batch's provider batches to delete (those
+# :data:`_MADE_PROVIDERS` picks), before it deletes the state naming them, as an erase keeps them.
+# KEYS: 1 the economy lane's provider batches, 2 the set of those to delete. ARGV: 1 its TTL.
+# Returns the ids kept.
+_KEEP_PROVIDER_DELETIONS = (
+    _MADE_PROVIDERS
+    + """
+local made = made_providers(KEYS[1])
+if #made > 0 then
+  redis.call('SADD', KEYS[2], unpack(made))
+  redis.call('EXPIRE', KEYS[2], tonumber(ARGV[1]))
+end
+return made
+"""
+)
+
 # Erase one finished search or batch of a tenant (DELETE /v1/searches/{id}, DELETE
 # /v1/batches/{id}/results): its record and every other key of it deleted, its members in
 # the tenant's job list, the active set and the webhooks owed removed, and its erasure mark
@@ -610,8 +647,8 @@ return 1
 # erased is final: a redelivered run's claim, start or finish, a webhook's claim or its end,
 # an economy write, each writes only while the record exists, and so writes nothing after).
 # An economy batch's provider batches that Sift made and recorded (not a create in doubt's
-# candidates, "doubt": each may be another client's, unless its results proved it ours,
-# "proven") go into the set of those to delete at the
+# candidates, unless their results proved them ours: _MADE_PROVIDERS) go into the set
+# of those to delete at the
 # provider, and its delete task's message is written with them (the outbox): read before the
 # delete of their hash, and deleted at the provider even if the caller never hears the answer.
 # The erasure owes Redis a rewrite of its files (its AOF holds the writes that stored the job),
@@ -624,7 +661,9 @@ return 1
 # Returns {1, now} when erased now, {2, when} when the tenant had erased it already (nothing
 # written: the same answer again), {0, status} when it has not finished (nothing written),
 # {-1, ''} when there is no such job of the tenant's (missing, expired, or another's).
-_ERASE_JOB = """
+_ERASE_JOB = (
+    _MADE_PROVIDERS
+    + """
 local mark = redis.call('HMGET', KEYS[2], 'tenant', 'erased_at')
 if mark[1] then
   if mark[1] == ARGV[1] then return {2, mark[2]} end
@@ -640,15 +679,7 @@ elseif redis.call('HEXISTS', KEYS[1], 'finished_at') == 0 then
   return {0, 'running'}
 end
 if ARGV[6] ~= '' then
-  local made = {}
-  local providers = redis.call('HGETALL', KEYS[8])
-  for i = 1, #providers, 2 do
-    local ok, record = pcall(cjson.decode, providers[i + 1])
-    if not (ok and type(record) == 'table' and record['doubt'] == true
-            and record['proven'] ~= true) then
-      table.insert(made, providers[i])
-    end
-  end
+  local made = made_providers(KEYS[8])
   if #made > 0 then
     redis.call('SADD', KEYS[6], unpack(made))
     redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
@@ -664,3 +695,4 @@ redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
 redis.call('SET', KEYS[9], ARGV[4])
 return {1, ARGV[4]}
 """
+)

@@ -61,6 +61,7 @@ from worker.queue.jobstore.scripts import (
     _ERASE_JOB,
     _HELD_CHUNKS,
     _KEEP_ANSWER,
+    _KEEP_PROVIDER_DELETIONS,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
     _SAVE_PREPARED,
@@ -174,6 +175,7 @@ class _StoreCore:
         self._economy_expect = client.register_script(_ECONOMY_EXPECT)
         self._economy_lease = client.register_script(_ECONOMY_LEASE)
         self._erase_job = client.register_script(_ERASE_JOB)
+        self._keep_provider_deletions = client.register_script(_KEEP_PROVIDER_DELETIONS)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(
