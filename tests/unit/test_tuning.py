@@ -11,6 +11,7 @@ import contextlib
 import json
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -325,3 +326,20 @@ def test_apply_refuses_below_the_index_current_settings_and_sends_nothing(
     assert "refused:" in err and "default RRF the index uses now" in err, err
     written = json.loads((tmp_path / "r.json").read_text())
     assert written["applied"] is False and "0.8253" in written["refusal"]
+
+
+def test_a_deployments_default_of_linear_fusion_is_named_as_such(
+    monkeypatch: pytest.MonkeyPatch,
+    patches: list[tuple[str, str, Any]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With ``SIFT_FUSION_METHOD=linear`` the default an index with no settings uses is linear
+    fusion: the refusal and the held-out line name it so, not "default RRF"."""
+    linear = Point.linear(0.5, 30)
+    report = _report([0.8204] * 2, [0.8170] * 2, [0.7] * 2, 0.8253, current=(linear, 0.8253))
+    report = replace(report, default=linear)
+    assert "the default linear fusion the index uses now (0.8253)" in (report.refusal() or "")
+    assert _run_tune(monkeypatch, report, tmp_path / "r.json", apply=False) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "default linear fusion 0.8253" in out and "default RRF" not in out, out

@@ -188,7 +188,8 @@ def _print_tune(report: TuneReport) -> None:
     )
     console.print(
         f"held out: tuned {held['tuned'].ndcg:.4f} vs {channel} alone {best:.4f}, "
-        f"default RRF {held['default'].ndcg:.4f}{current}; {report.points} points searched, "
+        f"default {report.default.method_name} {held['default'].ndcg:.4f}{current}; "
+        f"{report.points} points searched, "
         f"channels fetched {max(report.depth.values())} deep (a window past "
         f"{max(report.depth.values()) // 4} fuses them there, where the worker would fuse "
         "4 x window)"

@@ -126,6 +126,11 @@ class Point:
         )
 
     @property
+    def method_name(self) -> str:
+        """The method as the reports name it: ``RRF`` or ``linear fusion``."""
+        return "RRF" if self.method == "rrf" else "linear fusion"
+
+    @property
     def single(self) -> Channel | None:
         """The one channel this point fuses, when the other is weighted 0."""
         return "bm25" if self.knn == 0 else "knn" if self.bm25 == 0 else None
@@ -428,9 +433,8 @@ class TuneReport:
             )
         current = self.held_out.get("current", self.held_out["default"]).ndcg
         if tuned < current:
-            method = "RRF" if self.default.method == "rrf" else "linear fusion"
             what = (
-                f"the default {method} the index uses now"
+                f"the default {self.default.method_name} the index uses now"
                 if self.current == self.default
                 else "the index's current settings"
             )
