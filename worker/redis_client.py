@@ -46,6 +46,16 @@ OUTAGE_SECONDS = 30.0
 QUICK_SOCKET_TIMEOUT = 5.0
 
 
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis unreachable (a refused, broken or silent connection: down,
+    restarting, loading its data), not Redis answering with an error.
+
+    >>> unreachable(redis.ConnectionError("refused")), unreachable(redis.ResponseError("OOM"))
+    (True, False)
+    """
+    return isinstance(exc, redis.ConnectionError | redis.TimeoutError)
+
+
 def server_seconds(reply: tuple[int, int] | list[int]) -> float:
     """Redis's ``TIME`` (seconds and microseconds) as epoch seconds: the one clock the
     gateways and the workers share. A deadline one process sets and another, on another

@@ -43,6 +43,7 @@ from worker.constants import (
 from worker.contract import DocumentIn, RerankInfo, SearchResult, SearchSpec
 from worker.queue.celery_app import create_celery_app
 from worker.queue.jobstore import BatchJob, IngestJob, JobStore, SearchJob, webhook_event
+from worker.queue.jobstore.delivery import FREE_OUTAGE_REDRIVES
 from worker.queue.reaper import Reaper, heartbeat_key
 from worker.queue.redrive import Coverage, Redrive, Sweeper, celery_sender, coverage
 from worker.settings import load_settings
@@ -296,6 +297,40 @@ def test_a_lost_search_is_redriven_and_past_the_cap_sent_as_poison(
     assert failed is not None and failed.status == "failed"
     assert failed.error is not None and failed.error.type == "delivery_limit_exceeded"
     assert store.redis.zcard(ACTIVE_JOBS_KEY) == 0
+
+
+def test_a_re_drive_an_outage_ended_is_not_counted_and_only_so_often(
+    store: JobStore, sweeper: Sweeper
+) -> None:
+    """A search whose run met Redis unreachable past its client's retries notes the outage
+    once Redis answers (``note_outage``), and the re-drive that sends it again is not counted:
+    lost that way more often than the cap, it still goes out as it was (each was counted, and
+    past the cap it went out as poison, failing a search with no fault of its own). Free at
+    most ``FREE_OUTAGE_REDRIVES`` times: past that its re-drives count as any other's. A
+    batch's note frees the positions it names alone."""
+    search = create_search(store)
+    for _ in range(FREE_OUTAGE_REDRIVES):
+        lose_oldest(store, SEARCH_QUEUE)
+        store.note_outage(search.id, [0])
+        assert sweeper.sweep() == []
+        assert sweeper.sweep() == [Redrive(search.id, "search", [(0, 1)], poison=False)]
+    for redrives in range(1, MAX_DELIVERIES + 2):  # noted still, but counted now
+        lose_oldest(store, SEARCH_QUEUE)
+        store.note_outage(search.id, [0])
+        assert sweeper.sweep() == []
+        (again,) = sweeper.sweep()
+        assert again.poison == (redrives > MAX_DELIVERIES), again
+
+    batch = create_batch(store, total=10)  # one chunk, its positions 0 to 4 in their runs
+    for losses in range(1, MAX_DELIVERIES + 2):
+        assert lose_oldest(store, BATCH_QUEUE) == Coverage(batch.id, range(0, 10))
+        store.note_outage(batch.id, range(0, 5))
+        assert sweeper.sweep() == []
+        (sent,) = sweeper.sweep()
+        if losses <= MAX_DELIVERIES:
+            assert (sent.chunks, sent.poison) == ([(0, 10)], False), sent
+        else:  # the positions no outage freed are spent; the others go out as they were
+            assert (sent.chunks, sent.poison) == ([(0, 5), (5, 10)], True), sent
 
 
 def test_a_lost_ingest_is_redriven_and_runs(

@@ -39,6 +39,8 @@ How. Every worker process runs a :class:`Sweeper` thread; every
 A job is re-driven at most ``SIFT_TASK_MAX_DELIVERIES`` times. Past that its next message is
 sent with its delivery counter already spent, so the task takes its poison path: the pending
 items fail as ``delivery_limit_exceeded`` (metrics and webhook as usual) instead of looping.
+A re-drive of a run that Redis unreachable ended is not counted (the run noted the outage,
+:mod:`worker.queue.jobstore.outages`), up to ``FREE_OUTAGE_REDRIVES`` times a position.
 
 Why stalled jobs only, and the urgent window. Reading a job's pending positions costs, for a
 100,000-query batch, an ``LRANGE`` of its order and an ``HGETALL`` of its items: too much to

@@ -55,8 +55,9 @@ from worker.queue.jobstore import (
     JobStore,
     RunClaim,
     SearchJob,
+    settle_outage,
 )
-from worker.redis_client import CANNOT_PERSIST, cannot_persist
+from worker.redis_client import CANNOT_PERSIST, cannot_persist, unreachable
 
 log = logging.getLogger(__name__)
 
@@ -101,13 +102,18 @@ def search(self: SiftTask, job_id: str) -> None:
         return  # before its start: its record's started_at and status are that run's
     try:
         finished = _search(self, job, claim)
-    except redis.RedisError:
+    except redis.RedisError as exc:
         # the job store (Redis) failed, not the search: it stays running for its redelivery
         # (the re-drive), and its claim stays in Redis as it is, this run ended here alone
         # (not let go: that would charge the outage to the search's one deadline). The copy
         # takes the claim over uncharged, at once on this worker and past its lease on
-        # another, and finishes on the model's answer kept in it, if there is one
-        store.ended_search(job_id, claim)
+        # another, and finishes on the model's answer kept in it, if there is one. Redis
+        # unreachable, the outage is noted once it answers: that re-drive is not counted
+        try:
+            if unreachable(exc):
+                settle_outage(store, job_id, [0])
+        finally:
+            store.ended_search(job_id, claim)
         raise
     else:  # after the finish: a run that starts meanwhile finds the search final
         # (a retry let go before it was sent: this release then finds nothing to do)
@@ -302,7 +308,14 @@ def _batch_chunk(
         (chunk_items.owner, chunk_items.deadline),
     )
     chunk = task.context.items.run(chunk, pending)
-    chunk_items.end_unfinished()
+    try:
+        if chunk.error is not None and unreachable(chunk.error):
+            # Redis unreachable broke a runner: the items this run leaves unfinished go back
+            # by a re-drive that is the outage's, not theirs (noted once Redis answers)
+            positions = [chunk_items.positions[item.query_id] for item in pending]
+            settle_outage(task.context.store, batch.id, positions)
+    finally:
+        chunk_items.end_unfinished()
     _end_chunk(task, batch, start, stop, chunk_claim, chunk, pending, chunk_items.deliveries)
 
 
@@ -608,11 +621,16 @@ def ingest(self: SiftTask, job_id: str) -> None:
         return
     try:
         _ingest(self, job, claim)
-    except redis.RedisError:
+    except redis.RedisError as exc:
         # the job store (Redis) failed, not the ingest: it stays running for its redelivery
         # (the re-drive), its claim in Redis as it is, as a search's (upserts and deletes
-        # are versioned: one run again writes nothing twice, and a delete's count is kept)
-        store.ended_ingest(job_id, claim)
+        # are versioned: one run again writes nothing twice, and a delete's count is kept);
+        # Redis unreachable, that re-drive is not counted, as a search's
+        try:
+            if unreachable(exc):
+                settle_outage(store, job_id, [0])
+        finally:
+            store.ended_ingest(job_id, claim)
         raise
     except BaseException:
         store.release_ingest(job_id, claim)

@@ -73,7 +73,8 @@ hands out), :mod:`~worker.queue.jobstore.scripts` (the Lua), :mod:`~worker.queue
 searches, ingests, delete jobs and index-read replies (:mod:`~worker.queue.jobstore.lifecycle`),
 batches, a batch item's moves (:mod:`~worker.queue.jobstore.batch_items`), the economy lane's
 state, Idempotency-Keys, deliveries (with the re-drive's view), run claims
-(:mod:`~worker.queue.jobstore.runs`), and the tenants' job lists
+(:mod:`~worker.queue.jobstore.runs`; a run Redis unreachable ended settles what it can once
+Redis answers again, :mod:`~worker.queue.jobstore.outages`), and the tenants' job lists
 (:mod:`~worker.queue.jobstore.jobindex` writes a job's entry with its record,
 :mod:`~worker.queue.jobstore.listing` reads them), and a tenant's erasure
 (:mod:`~worker.queue.jobstore.tenants`, ``sift tenant purge``) and one finished job's
@@ -101,6 +102,7 @@ from worker.queue.jobstore.ingests import IngestRecords
 from worker.queue.jobstore.lanes import EconomyLaneRecords
 from worker.queue.jobstore.lifecycle import LifecycleRecords
 from worker.queue.jobstore.listing import Cursor, JobListing, JobPage
+from worker.queue.jobstore.outages import settle_outage
 from worker.queue.jobstore.records import (
     FINAL,
     BatchItem,
@@ -150,6 +152,7 @@ __all__ = [
     "WebhookState",
     "fingerprint",
     "owe_rewrite",
+    "settle_outage",
     "webhook_event",
     "webhook_figures",
 ]

@@ -21,6 +21,7 @@ from worker.constants import (
     BATCH_ORDER_KEY,
     ECONOMY_PREPARED_KEY,
     REDRIVE_COUNT_KEY,
+    REDRIVE_OUTAGES_KEY,
     REDRIVE_POSITIONS_KEY,
     SEARCH_KEY,
     STATS_KEY,
@@ -31,6 +32,12 @@ from worker.contract import JobStatus
 from worker.queue.jobstore.jobindex import KIND_INGEST, job_index_key
 from worker.queue.jobstore.records import WebhookStatus, _in_flight, _now
 from worker.queue.jobstore.store import _StoreCore
+
+# The re-drives of one position an outage may make free (DeliveryRecords.note_outage). Each is
+# a run that waited out Redis unreachable for the client's whole window (30 s), then reached it
+# again; one position's runs meeting that ten times is Redis failing under that job (a command
+# of its own stalling it), which the delivery limit is there to stop, not outages it overlapped.
+FREE_OUTAGE_REDRIVES = 10
 
 
 def _record_key(job_id: str) -> str:
@@ -190,20 +197,43 @@ class DeliveryRecords(_StoreCore):
         self._webhook_settled(keys=keys, args=args)
 
     def count_redrive(self, job_id: str) -> int:
-        """Count one more re-drive of this job; answers how many there have been."""
-        return self._increment(REDRIVE_COUNT_KEY + job_id, self.result_ttl)
+        """Count one more re-drive of this job (none for one whose run an outage ended:
+        :meth:`note_outage`); answers how many there have been."""
+        (count,) = self._count_redrives_of(REDRIVE_COUNT_KEY + job_id, "string", job_id, [0])
+        return count
 
     def count_redrive_positions(self, batch_id: str, positions: Iterable[int]) -> dict[int, int]:
-        """Count one more re-drive of each of a batch's ``positions``; answers how many each
-        has had (a chunk lost once is not spent by its batch's other chunks' re-drives)."""
-        key = REDRIVE_POSITIONS_KEY + batch_id
+        """Count one more re-drive of each of a batch's ``positions`` (none for one whose run an
+        outage ended: :meth:`note_outage`); answers how many each has had (a chunk lost once is
+        not spent by its batch's other chunks' re-drives)."""
         ordered = sorted(positions)
+        counts = self._count_redrives_of(
+            REDRIVE_POSITIONS_KEY + batch_id, "hash", batch_id, ordered
+        )
+        return dict(zip(ordered, counts, strict=True))
+
+    def note_outage(self, job_id: str, positions: Iterable[int]) -> None:
+        """The runs of the job's ``positions`` (a search's or an ingest's: 0) ended because
+        Redis was unreachable past the client's retries, and their task's message went with
+        them: the re-drive that sends them again is no fault of theirs, and is not counted
+        against ``SIFT_TASK_MAX_DELIVERIES`` (at most :data:`FREE_OUTAGE_REDRIVES` times a
+        position: a job whose runs keep meeting Redis unreachable is judged as any other)."""
+        key = REDRIVE_OUTAGES_KEY + job_id
         pipe = self.redis.pipeline(transaction=True)
-        for position in ordered:
+        for position in positions:
             pipe.hincrby(key, str(position), 1)
         pipe.expire(key, self.result_ttl)
-        *counts, _ = pipe.execute()
-        return {position: int(count) for position, count in zip(ordered, counts, strict=True)}
+        pipe.execute()
+
+    def _count_redrives_of(
+        self, key: str, kind: str, job_id: str, positions: Sequence[int]
+    ) -> list[int]:
+        """One :data:`~worker.queue.jobstore.scripts._COUNT_REDRIVES` call: the re-drives
+        counted at ``key`` (a ``kind`` ``hash`` or ``string``) of each of ``positions``."""
+        keys = [key, REDRIVE_OUTAGES_KEY + job_id]
+        args = [str(self.result_ttl), kind, str(FREE_OUTAGE_REDRIVES), *map(str, positions)]
+        counts = cast(list[int], self._count_redrives(keys=keys, args=args))
+        return [int(count) for count in counts]
 
     def push_messages(self, messages: Sequence[tuple[str, str]]) -> None:
         """LPUSH ready-made broker messages, (list key, raw message), as kombu's Redis does."""

@@ -696,3 +696,36 @@ redis.call('SET', KEYS[9], ARGV[4])
 return {1, ARGV[4]}
 """
 )
+
+# Count one more re-drive of each of a job's positions, but not of one whose run Redis
+# unreachable ended (an outage noted by its run once Redis answered again,
+# DeliveryRecords.note_outage): that note is used up instead, at most ARGV[3] per position (a
+# run that met Redis unreachable that often is no outage it happened to overlap, and counts).
+# KEYS: 1 the job's re-drive counts (a batch's: a hash, position -> count; a search's or an
+# ingest's: a string, its one position's), 2 its outage notes (a hash, position -> runs noted
+# and not yet re-driven, "<position>:freed" -> re-drives they made free). ARGV: 1 the TTL
+# (seconds), 2 'hash' or 'string' (KEYS[1]'s type), 3 the free re-drives a position may
+# have, 4... the positions. Returns each position's re-drives counted, in ARGV's order.
+_COUNT_REDRIVES = """
+local hash = ARGV[2] == 'hash'
+local counts = {}
+for i = 4, #ARGV do
+  local p = ARGV[i]
+  local noted = tonumber(redis.call('HGET', KEYS[2], p)) or 0
+  local freed = tonumber(redis.call('HGET', KEYS[2], p .. ':freed')) or 0
+  if noted > 0 and freed < tonumber(ARGV[3]) then
+    redis.call('HINCRBY', KEYS[2], p, -1)
+    redis.call('HINCRBY', KEYS[2], p .. ':freed', 1)
+    local count
+    if hash then count = redis.call('HGET', KEYS[1], p) else count = redis.call('GET', KEYS[1]) end
+    counts[#counts + 1] = tonumber(count) or 0
+  elseif hash then
+    counts[#counts + 1] = redis.call('HINCRBY', KEYS[1], p, 1)
+  else
+    counts[#counts + 1] = redis.call('INCR', KEYS[1])
+  end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return counts
+"""

@@ -54,6 +54,7 @@ from worker.queue.jobstore.scripts import (
     _CLAIM_IDEMPOTENCY,
     _CLAIM_RUN,
     _CLAIM_WEBHOOK,
+    _COUNT_REDRIVES,
     _CREATE_SEARCH,
     _ECONOMY_EXPECT,
     _ECONOMY_LEASE,
@@ -166,6 +167,7 @@ class _StoreCore:
         self._release_run = client.register_script(_RELEASE_RUN)
         self._held_chunks = client.register_script(_HELD_CHUNKS)
         self._keep_answer = client.register_script(_KEEP_ANSWER)
+        self._count_redrives = client.register_script(_COUNT_REDRIVES)
         self._take_cancel_count = client.register_script(_TAKE_CANCEL_COUNT)
         self._webhook_due = client.register_script(_WEBHOOK_DUE)
         self._webhook_settled = client.register_script(_WEBHOOK_SETTLED)

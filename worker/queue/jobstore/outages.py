@@ -1,0 +1,63 @@
+"""A run that Redis unreachable ended: what it settles once Redis answers again, before its
+task ends.
+
+Why. A search's, an ingest's or a batch item's run that meets Redis unreachable past its
+client's retries (``OUTAGE_SECONDS``, 30 s) ends without a finish, its job left ``running``
+for the re-drive's copy once Redis is back (:mod:`worker.queue.tasks`). That copy was
+charged one of the job's ``SIFT_TASK_MAX_DELIVERIES`` re-drives, as for a message lost to a
+crash: a search whose runs overlapped four outages failed ``delivery_limit_exceeded``, with
+no fault of its own.
+
+How. Before its task ends, the run waits for Redis to answer again (each try is one of the
+client's calls, retried for its window; at most :data:`SETTLE_SECONDS` in all) and notes the
+outage for the positions it leaves unfinished (:meth:`DeliveryRecords.note_outage`): the
+re-drive that sends them again is then not counted. The task's message is still in kombu's
+``unacked`` hash until the task ends, so no sweep finds those positions lost before the note
+is written. An outage past :data:`SETTLE_SECONDS` gives the thread back with nothing noted,
+and the re-drive counts that run, as before: a Redis that long gone is lost, not restarting.
+
+    if unreachable(exc):
+        settle_outage(store, batch_id, [3, 4, 5])
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import redis
+
+from worker.queue.jobstore.delivery import DeliveryRecords
+from worker.redis_client import OUTAGE_SECONDS, unreachable
+
+log = logging.getLogger(__name__)
+
+# How long a run Redis unreachable ended waits for it to answer again, in all: ten of the
+# client's windows. The run's thread waits (no new one), and while Redis is down its worker can
+# run nothing else anyway.
+SETTLE_SECONDS = 10 * OUTAGE_SECONDS
+
+
+def settle_outage(
+    store: DeliveryRecords,
+    job_id: str,
+    positions: Sequence[int],
+    *,
+    seconds: float = SETTLE_SECONDS,
+) -> bool:
+    """Once Redis answers, note that the runs of the job's ``positions`` (a search's or an
+    ingest's: ``[0]``) ended on its outage; answers whether that was done within ``seconds``."""
+    give_up = time.monotonic() + seconds
+    while True:
+        try:
+            store.note_outage(job_id, positions)
+            return True
+        except redis.RedisError as exc:
+            if not unreachable(exc) or time.monotonic() >= give_up:
+                log.warning(
+                    "%s: its run's outage could not be noted (%s); its re-drive is counted",
+                    job_id,
+                    exc,
+                )
+                return False
