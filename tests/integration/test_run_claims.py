@@ -5,11 +5,15 @@ them not."""
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
+import redis
 
+from tests.services import free_port
 from worker.constants import (
     BATCH_CHUNK_RUNS_KEY,
     BATCH_KEY,
@@ -21,7 +25,7 @@ from worker.constants import (
 )
 from worker.contract import ErrorInfo, SearchSpec
 from worker.errors import RunTakenOver
-from worker.queue.jobstore import JobStore, RunClaim
+from worker.queue.jobstore import JobStore, RunClaim, settle_outage
 
 pytestmark = pytest.mark.integration
 
@@ -424,3 +428,27 @@ def test_a_chunk_s_claim_refuses_a_live_run_s_copy_and_is_taken_over_as_a_search
     store.redis.hset(BATCH_CHUNK_RUNS_KEY + batch.id, "0-2", held)  # w1's, its release lost
     assert not store.claim_chunk(batch.id, 0, 2, "w3", lease_seconds=770).granted  # w1 alive
     assert store.claim_chunk(batch.id, 0, 2, "w1", lease_seconds=770).granted
+
+
+def test_an_answer_redis_did_not_take_is_held_and_kept_once_it_answers(store: JobStore) -> None:
+    """A run's model answer whose keep met Redis unreachable is held by the run, not dropped;
+    :func:`settle_outage` keeps it in the claim once Redis answers (and notes the outage), so
+    the copy that takes the claim over is answered it: no second model call. Redis still down
+    when the settle gives up, it stays held, and nothing is noted."""
+    job = store.create_search("acme", SearchSpec(index="docs", query="a"), webhook_url=None)
+    _alive(store, "w1")
+    claim = store.claim_search(job.id, "w1", lease_seconds=30)
+    down = JobStore(redis.Redis(port=free_port(), decode_responses=True))  # refused at once
+    held = down.search_answers(job.id, claim)
+    held.save({"positions": [2, 1]})  # the keep gave up: logged, the search goes on
+    assert held.unkept and "positions" not in str(store.redis.hget(SEARCH_KEY + job.id, "run"))
+    assert not settle_outage(down, job.id, [0], [held], seconds=0)
+    assert held.unkept  # still held
+    assert settle_outage(store, job.id, [0], [replace(held, records=store)])
+    assert not held.unkept
+    store.ended_search(job.id, claim)  # the run ends; its copy on w1 takes the claim over
+    copy = store.claim_search(job.id, "w1", lease_seconds=30)
+    assert copy.granted and json.loads(copy.answer) == {"positions": [2, 1]}
+    assert store.count_redrive(job.id) == 0  # that re-drive was the outage's
+    assert store.count_redrive(job.id) == 1
+    down.close()

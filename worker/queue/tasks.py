@@ -100,18 +100,20 @@ def search(self: SiftTask, job_id: str) -> None:
     if not claim.granted:  # another delivery is running it (jobstore/runs.py)
         log.info("search %s: another run holds it; this delivery leaves it", job_id)
         return  # before its start: its record's started_at and status are that run's
+    answers = store.search_answers(job_id, claim)
     try:
-        finished = _search(self, job, claim)
+        finished = _search(self, job, claim, answers)
     except redis.RedisError as exc:
         # the job store (Redis) failed, not the search: it stays running for its redelivery
         # (the re-drive), and its claim stays in Redis as it is, this run ended here alone
         # (not let go: that would charge the outage to the search's one deadline). The copy
         # takes the claim over uncharged, at once on this worker and past its lease on
         # another, and finishes on the model's answer kept in it, if there is one. Redis
-        # unreachable, the outage is noted once it answers: that re-drive is not counted
+        # unreachable, once it answers the answer this run holds unkept is kept, and the
+        # outage noted: that re-drive is not counted
         try:
             if unreachable(exc):
-                settle_outage(store, job_id, [0])
+                settle_outage(store, job_id, [0], [answers])
         finally:
             store.ended_search(job_id, claim)
         raise
@@ -127,8 +129,9 @@ def search(self: SiftTask, job_id: str) -> None:
             )
 
 
-def _search(task: SiftTask, job: SearchJob, claim: RunClaim) -> bool:
-    """Run the search ``job`` under its run ``claim``; answers whether this run finished it."""
+def _search(task: SiftTask, job: SearchJob, claim: RunClaim, answers: ClaimAnswers) -> bool:
+    """Run the search ``job`` under its run ``claim`` (``answers``: where it keeps its model's
+    answer); answers whether this run finished it."""
     store, job_id = task.context.store, job.id
     if task.poisoned():  # with the usage of a model answer a dead run kept: billed
         poison = _billed(_poison_error(task), claim.answer)
@@ -141,7 +144,6 @@ def _search(task: SiftTask, job: SearchJob, claim: RunClaim) -> bool:
         metrics.observe_queue_wait(SEARCH_QUEUE, time.time() - job.created_at)
     log.info("search %s: running for tenant %s", job_id, job.tenant)
     deadline = task.context.settings.search_deadline_seconds
-    answers = store.search_answers(job_id, claim)
     run_started = time.time()
     try:
         task.context.admit(job.tenant)  # a removed tenant's search ends here, unrun
@@ -310,10 +312,12 @@ def _batch_chunk(
     chunk = task.context.items.run(chunk, pending)
     try:
         if chunk.error is not None and unreachable(chunk.error):
-            # Redis unreachable broke a runner: the items this run leaves unfinished go back
-            # by a re-drive that is the outage's, not theirs (noted once Redis answers)
+            # Redis unreachable broke a runner: once it answers, the answers the runs hold
+            # unkept are kept, and the items this run leaves unfinished go back by a re-drive
+            # that is the outage's, not theirs (noted)
             positions = [chunk_items.positions[item.query_id] for item in pending]
-            settle_outage(task.context.store, batch.id, positions)
+            held = list(chunk_items.held.values())
+            settle_outage(task.context.store, batch.id, positions, held)
     finally:
         chunk_items.end_unfinished()
     _end_chunk(task, batch, start, stop, chunk_claim, chunk, pending, chunk_items.deliveries)

@@ -6,29 +6,36 @@ client's retries (``OUTAGE_SECONDS``, 30 s) ends without a finish, its job left 
 for the re-drive's copy once Redis is back (:mod:`worker.queue.tasks`). That copy was
 charged one of the job's ``SIFT_TASK_MAX_DELIVERIES`` re-drives, as for a message lost to a
 crash: a search whose runs overlapped four outages failed ``delivery_limit_exceeded``, with
-no fault of its own.
+no fault of its own. And a model answer that came back during the outage could not be kept
+in the run's claim (:class:`~worker.queue.jobstore.runs.ClaimAnswers`): the copy called the
+model again, the search billed twice.
 
 How. Before its task ends, the run waits for Redis to answer again (each try is one of the
-client's calls, retried for its window; at most :data:`SETTLE_SECONDS` in all) and notes the
-outage for the positions it leaves unfinished (:meth:`DeliveryRecords.note_outage`): the
-re-drive that sends them again is then not counted. The task's message is still in kombu's
-``unacked`` hash until the task ends, so no sweep finds those positions lost before the note
-is written. An outage past :data:`SETTLE_SECONDS` gives the thread back with nothing noted,
-and the re-drive counts that run, as before: a Redis that long gone is lost, not restarting.
+client's calls, retried for its window; at most :data:`SETTLE_SECONDS` in all), keeps in
+their claims the answers its runs hold unkept (the copy that takes a claim over finishes on
+it, no second call), and notes the outage for the positions it leaves unfinished
+(:meth:`DeliveryRecords.note_outage`): the re-drive that sends them again is then not
+counted. The task's message is still in kombu's ``unacked`` hash until the task ends, so no
+sweep finds those positions lost, and sends the copy, before the answers and the note are
+written. An outage past :data:`SETTLE_SECONDS` gives the thread back with nothing kept or
+noted, and the copy calls the model again and is counted, as before: a Redis that long gone
+is lost, not restarting. The answers held are the runs' own (one each, a few hundred bytes),
+and no thread is made.
 
     if unreachable(exc):
-        settle_outage(store, batch_id, [3, 4, 5])
+        settle_outage(store, batch_id, [3, 4, 5], held_answers)
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import redis
 
 from worker.queue.jobstore.delivery import DeliveryRecords
+from worker.queue.jobstore.runs import ClaimAnswers
 from worker.redis_client import OUTAGE_SECONDS, unreachable
 
 log = logging.getLogger(__name__)
@@ -43,14 +50,24 @@ def settle_outage(
     store: DeliveryRecords,
     job_id: str,
     positions: Sequence[int],
+    answers: Iterable[ClaimAnswers] = (),
     *,
     seconds: float = SETTLE_SECONDS,
 ) -> bool:
-    """Once Redis answers, note that the runs of the job's ``positions`` (a search's or an
+    """Once Redis answers, keep in their claims the model's answers the runs hold unkept
+    (``answers``), then note that the runs of the job's ``positions`` (a search's or an
     ingest's: ``[0]``) ended on its outage; answers whether that was done within ``seconds``."""
+    log.warning(
+        "%s: Redis unreachable ended its run; waiting up to %.0f s for it to answer, to keep "
+        "what the run holds and note the outage",
+        job_id,
+        seconds,
+    )
     give_up = time.monotonic() + seconds
     while True:
         try:
+            for held in answers:
+                held.keep_unkept()
             store.note_outage(job_id, positions)
             return True
         except redis.RedisError as exc:

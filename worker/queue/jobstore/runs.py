@@ -56,7 +56,11 @@ itself, and finishes the search on it with no model call (nothing counted again:
 were counted by the run that made them), if it was shown the same candidates. A run that
 lets go (to be retried: its retrieval failed before it reached the answer) carries it on to
 its retry, which dropping it had pay for the call again; the job's (or the item's) final
-move drops it, in the same script.
+move drops it, in the same script. An answer that came while Redis was unreachable (the keep
+gave up after the client's retries) is held by the run (:class:`ClaimAnswers`, a few hundred
+bytes), and a run Redis then ended keeps it once Redis answers again, before its task ends
+(:mod:`~worker.queue.jobstore.outages`): the copy finishes on it, where it called the model
+again, a second bill for one search.
 
     claim = store.claim_item(batch_id, query_id, owner, lease_seconds=30.0)
     if claim.granted:
@@ -136,18 +140,31 @@ class ClaimAnswers:
     claim: RunClaim
     figures: list[Callable[[], None]] = dataclass_field(default_factory=list)
     life: str = ""  # the job record the claim lives as long as ('' : the claim's own hash)
+    unkept: list[str] = dataclass_field(default_factory=list)  # the answer Redis did not take
 
     def saved(self) -> Mapping[str, Any] | None:
         return json.loads(self.claim.answer) if self.claim.answer else None
 
     def save(self, answer: Mapping[str, Any]) -> None:
         """Kept if Redis takes it: if not, the search goes on (its result is still worth
-        saving), and only a crash before that save would call the model again."""
+        saving), and the answer is held here (the latest one only) until :meth:`keep_unkept`,
+        which a run Redis unreachable ended calls once Redis answers again
+        (:func:`~worker.queue.jobstore.outages.settle_outage`)."""
         data = json.dumps(answer, separators=(",", ":"))
+        self.unkept[:] = [data]
         try:
             self.records.keep_answer(self.key, self.field, self.claim, data)
         except redis.RedisError as exc:
             log.warning("the model's answer could not be kept with the run claim: %s", exc)
+            return
+        self.unkept.clear()
+
+    def keep_unkept(self) -> None:
+        """Keep in the claim the answer :meth:`save` could not (if the run still holds it: a
+        run that took it over has its own); raises Redis's error, the answer held still."""
+        if self.unkept:
+            self.records.keep_answer(self.key, self.field, self.claim, self.unkept[0])
+            self.unkept.clear()
 
     def slot_held(self, waited: float, ran: float = 0.0) -> None:
         """The run holds its CPU slot after ``waited`` seconds: its deadline starts now (or, held
