@@ -95,7 +95,8 @@ REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it 
 # + batch id -> hash position -> how many times that item's position was re-driven
 REDRIVE_POSITIONS_KEY = REDIS_PREFIX + "redrive-positions:"
 # + job id -> hash position -> runs of it that Redis unreachable ended, noted once it answered
-# again, not yet re-driven ("<position>:freed": how many re-drives such notes have made free)
+# again, not yet re-driven ("<position>:freed": how many re-drives such notes have made free;
+# "uncounted": how many of the job's deliveries they left uncounted)
 REDRIVE_OUTAGES_KEY = REDIS_PREFIX + "redrive-outages:"
 # string with a TTL: while it is set, a sweep looks at every active job, not only the stalled
 # ones (set right after a dead worker or a Redis restart, the events that lose a message)

@@ -306,8 +306,9 @@ def test_a_re_drive_an_outage_ended_is_not_counted_and_only_so_often(
     once Redis answers (``note_outage``), and the re-drive that sends it again is not counted:
     lost that way more often than the cap, it still goes out as it was (each was counted, and
     past the cap it went out as poison, failing a search with no fault of its own). Free at
-    most ``FREE_OUTAGE_REDRIVES`` times: past that its re-drives count as any other's. A
-    batch's note frees the positions it names alone."""
+    most ``FREE_OUTAGE_REDRIVES`` times: past that its re-drives count as any other's; so
+    with the deliveries of its message a note leaves uncounted. A batch's note frees the
+    positions it names alone."""
     search = create_search(store)
     for _ in range(FREE_OUTAGE_REDRIVES):
         lose_oldest(store, SEARCH_QUEUE)
@@ -320,6 +321,11 @@ def test_a_re_drive_an_outage_ended_is_not_counted_and_only_so_often(
         assert sweeper.sweep() == []
         (again,) = sweeper.sweep()
         assert again.poison == (redrives > MAX_DELIVERIES), again
+    delivered = []  # its message put back after each outage (its ack lost): uncounted as often
+    for _ in range(FREE_OUTAGE_REDRIVES + 2):
+        delivered.append(store.count_delivery("outage-msg", 0))
+        store.note_outage(search.id, [0], ("outage-msg", 0))
+    assert delivered == [1] * (FREE_OUTAGE_REDRIVES + 1) + [2], delivered
 
     batch = create_batch(store, total=10)  # one chunk, its positions 0 to 4 in their runs
     for losses in range(1, MAX_DELIVERIES + 2):

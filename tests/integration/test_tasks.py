@@ -717,6 +717,28 @@ def test_a_search_or_item_whose_run_meets_redis_down_is_run_again_uncharged(
     assert runtime.model_calls == 2 and runtime.spent[2:] == [0.0, 0.0], runtime.spent
 
 
+def test_a_message_that_comes_back_after_each_outage_is_not_poison(
+    context: base.WorkerContext,
+) -> None:
+    """The same message of a search delivered again after each of its runs met Redis
+    unreachable past the client's 30 s of retries (its ack lost with the outage, the orphan
+    check puts it back): each delivery was counted, so the one past
+    ``SIFT_TASK_MAX_DELIVERIES`` failed the search ``delivery_limit_exceeded``, with no fault
+    of its own. The run's outage note uncounts its delivery, as a hand-back does."""
+    limit = context.settings.task_max_deliveries
+    down = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+    store = context.store
+    runtime = ScriptedRuntime(*[down] * (limit + 1))
+    context._runtime = runtime
+    job = store.create_search("acme", SearchSpec(index="docs", query="q"))
+    for _ in range(limit + 1):
+        assert tasks.search.apply(args=[job.id], task_id="outage-msg").failed()
+    assert tasks.search.apply(args=[job.id], task_id="outage-msg").successful()
+    done = store.get_search(job.id)
+    assert done is not None and done.status == "succeeded", done
+    assert runtime.model_calls == 1
+
+
 class _IngestMeetsRedisDown(ScriptedRuntime):
     """Its ingest meets Redis down (an index's settings, a write version read) once."""
 

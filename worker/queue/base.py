@@ -358,7 +358,11 @@ class SiftTask(Task):  # type: ignore[misc]
 
     def delivery(self) -> int:
         """Count this delivery of the message: how many there have been, this one included."""
-        return self.context.store.count_delivery(str(self.request.id), self.request.retries)
+        return self.context.store.count_delivery(*self.delivered())
+
+    def delivered(self) -> tuple[str, int]:
+        """This message's delivery counter: its task id and retry number."""
+        return str(self.request.id), self.request.retries
 
     def poisoned(self, deliveries: int | None = None) -> bool:
         """True when this message has been delivered more times than allowed (worker crashes)."""

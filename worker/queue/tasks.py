@@ -113,7 +113,7 @@ def search(self: SiftTask, job_id: str) -> None:
         # outage noted: that re-drive is not counted
         try:
             if unreachable(exc):
-                settle_outage(store, job_id, [0], [answers])
+                settle_outage(store, job_id, [0], [answers], delivery=self.delivered())
         finally:
             store.ended_search(job_id, claim)
         raise
@@ -317,7 +317,8 @@ def _batch_chunk(
             # that is the outage's, not theirs (noted)
             positions = [chunk_items.positions[item.query_id] for item in pending]
             held = list(chunk_items.held.values())
-            settle_outage(task.context.store, batch.id, positions, held)
+            delivery = task.delivered()
+            settle_outage(task.context.store, batch.id, positions, held, delivery=delivery)
     finally:
         chunk_items.end_unfinished()
     _end_chunk(task, batch, start, stop, chunk_claim, chunk, pending, chunk_items.deliveries)
@@ -632,7 +633,7 @@ def ingest(self: SiftTask, job_id: str) -> None:
         # Redis unreachable, that re-drive is not counted, as a search's
         try:
             if unreachable(exc):
-                settle_outage(store, job_id, [0])
+                settle_outage(store, job_id, [0], delivery=self.delivered())
         finally:
             store.ended_ingest(job_id, claim)
         raise

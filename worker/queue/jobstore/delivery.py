@@ -33,10 +33,11 @@ from worker.queue.jobstore.jobindex import KIND_INGEST, job_index_key
 from worker.queue.jobstore.records import WebhookStatus, _in_flight, _now
 from worker.queue.jobstore.store import _StoreCore
 
-# The re-drives of one position an outage may make free (DeliveryRecords.note_outage). Each is
-# a run that waited out Redis unreachable for the client's whole window (30 s), then reached it
-# again; one position's runs meeting that ten times is Redis failing under that job (a command
-# of its own stalling it), which the delivery limit is there to stop, not outages it overlapped.
+# The re-drives of one position an outage may make free, and the deliveries of one job it may
+# leave uncounted (DeliveryRecords.note_outage). Each is a run that waited out Redis
+# unreachable for the client's whole window (30 s), then reached it again; a job's runs meeting
+# that ten times is Redis failing under that job (a command of its own stalling it), which the
+# delivery limit is there to stop, not outages it overlapped.
 FREE_OUTAGE_REDRIVES = 10
 
 
@@ -212,18 +213,24 @@ class DeliveryRecords(_StoreCore):
         )
         return dict(zip(ordered, counts, strict=True))
 
-    def note_outage(self, job_id: str, positions: Iterable[int]) -> None:
+    def note_outage(
+        self, job_id: str, positions: Iterable[int], delivery: tuple[str, int] | None = None
+    ) -> None:
         """The runs of the job's ``positions`` (a search's or an ingest's: 0) ended because
-        Redis was unreachable past the client's retries, and their task's message went with
-        them: the re-drive that sends them again is no fault of theirs, and is not counted
-        against ``SIFT_TASK_MAX_DELIVERIES`` (at most :data:`FREE_OUTAGE_REDRIVES` times a
-        position: a job whose runs keep meeting Redis unreachable is judged as any other)."""
-        key = REDRIVE_OUTAGES_KEY + job_id
-        pipe = self.redis.pipeline(transaction=True)
-        for position in positions:
-            pipe.hincrby(key, str(position), 1)
-        pipe.expire(key, self.result_ttl)
-        pipe.execute()
+        Redis was unreachable past the client's retries, under the task message ``delivery``
+        (task id, retry number): whichever way the job comes back, that is no fault of its
+        own, and is not counted against ``SIFT_TASK_MAX_DELIVERIES``. A re-drive of a noted
+        position is not counted (:meth:`count_redrive`; at most :data:`FREE_OUTAGE_REDRIVES`
+        times a position: a job whose runs keep meeting Redis unreachable is judged as any
+        other), and the message's delivery is uncounted, as a hand-back's is (at most
+        :data:`FREE_OUTAGE_REDRIVES` times a job): left unacked (its ack lost with the outage),
+        the same message comes back, put back by the orphan check, and was counted a delivery
+        each time."""
+        keys = [REDRIVE_OUTAGES_KEY + job_id]
+        if delivery is not None:
+            keys.append(_attempts_key(*delivery))
+        args = [str(self.result_ttl), str(FREE_OUTAGE_REDRIVES), *map(str, positions)]
+        self._note_outage(keys=keys, args=args)
 
     def _count_redrives_of(
         self, key: str, kind: str, job_id: str, positions: Sequence[int]

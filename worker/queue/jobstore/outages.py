@@ -15,12 +15,13 @@ client's calls, retried for its window; at most :data:`SETTLE_SECONDS` in all), 
 their claims the answers its runs hold unkept (the copy that takes a claim over finishes on
 it, no second call), and notes the outage for the positions it leaves unfinished
 (:meth:`DeliveryRecords.note_outage`): the re-drive that sends them again is then not
-counted. The task's message is still in kombu's ``unacked`` hash until the task ends, so no
-sweep finds those positions lost, and sends the copy, before the answers and the note are
-written. An outage past :data:`SETTLE_SECONDS` gives the thread back with nothing kept or
-noted, and the copy calls the model again and is counted, as before: a Redis that long gone
-is lost, not restarting. The answers held are the runs' own (one each, a few hundred bytes),
-and no thread is made.
+counted, nor this delivery of its message, which may come back itself instead (its ack lost
+with the outage, the orphan check puts it back). The task's message is still in kombu's
+``unacked`` hash until the task ends, so no sweep finds those positions lost, and sends the
+copy, before the answers and the note are written. An outage past :data:`SETTLE_SECONDS`
+gives the thread back with nothing kept or noted, and the copy calls the model again and is
+counted, as before: a Redis that long gone is lost, not restarting. The answers held are the
+runs' own (one each, a few hundred bytes), and no thread is made.
 
     if unreachable(exc):
         settle_outage(store, batch_id, [3, 4, 5], held_answers)
@@ -52,11 +53,14 @@ def settle_outage(
     positions: Sequence[int],
     answers: Iterable[ClaimAnswers] = (),
     *,
+    delivery: tuple[str, int] | None = None,
     seconds: float = SETTLE_SECONDS,
 ) -> bool:
     """Once Redis answers, keep in their claims the model's answers the runs hold unkept
     (``answers``), then note that the runs of the job's ``positions`` (a search's or an
-    ingest's: ``[0]``) ended on its outage; answers whether that was done within ``seconds``."""
+    ingest's: ``[0]``) ended on its outage, under the task message ``delivery`` (task id,
+    retry number; :meth:`DeliveryRecords.note_outage`); answers whether that was done within
+    ``seconds``."""
     log.warning(
         "%s: Redis unreachable ended its run; waiting up to %.0f s for it to answer, to keep "
         "what the run holds and note the outage",
@@ -68,7 +72,7 @@ def settle_outage(
         try:
             for held in answers:
                 held.keep_unkept()
-            store.note_outage(job_id, positions)
+            store.note_outage(job_id, positions, delivery)
             return True
         except redis.RedisError as exc:
             if not unreachable(exc) or time.monotonic() >= give_up:

@@ -729,3 +729,22 @@ redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('EXPIRE', KEYS[2], ARGV[1])
 return counts
 """
+
+# A run that Redis unreachable ended notes its outage once Redis answers
+# (DeliveryRecords.note_outage): one more noted for each of its job's positions, and, when its
+# message's delivery counter is named, this delivery uncounted (down one, never below 0), as a
+# hand-back's is: the message may come back itself (left unacked, the orphan check puts it
+# back) rather than by a re-drive. At most ARGV[2] deliveries a job ("uncounted" in the
+# notes), as :data:`_COUNT_REDRIVES` frees at most so many re-drives a position. KEYS: 1 the
+# job's outage notes, 2 (optional) the message's delivery counter. ARGV: 1 the notes' TTL
+# (seconds), 2 the deliveries a job may have uncounted, 3... the positions.
+_NOTE_OUTAGE = """
+for i = 3, #ARGV do redis.call('HINCRBY', KEYS[1], ARGV[i], 1) end
+if KEYS[2] and (tonumber(redis.call('GET', KEYS[2])) or 0) > 0
+    and (tonumber(redis.call('HGET', KEYS[1], 'uncounted')) or 0) < tonumber(ARGV[2]) then
+  redis.call('DECR', KEYS[2])
+  redis.call('HINCRBY', KEYS[1], 'uncounted', 1)
+end
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""

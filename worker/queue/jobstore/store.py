@@ -63,6 +63,7 @@ from worker.queue.jobstore.scripts import (
     _HELD_CHUNKS,
     _KEEP_ANSWER,
     _KEEP_PROVIDER_DELETIONS,
+    _NOTE_OUTAGE,
     _RELEASE_IDEMPOTENCY,
     _RELEASE_RUN,
     _SAVE_PREPARED,
@@ -168,6 +169,7 @@ class _StoreCore:
         self._held_chunks = client.register_script(_HELD_CHUNKS)
         self._keep_answer = client.register_script(_KEEP_ANSWER)
         self._count_redrives = client.register_script(_COUNT_REDRIVES)
+        self._note_outage = client.register_script(_NOTE_OUTAGE)
         self._take_cancel_count = client.register_script(_TAKE_CANCEL_COUNT)
         self._webhook_due = client.register_script(_WEBHOOK_DUE)
         self._webhook_settled = client.register_script(_WEBHOOK_SETTLED)
