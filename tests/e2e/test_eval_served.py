@@ -16,7 +16,8 @@ import ir_measures
 import pytest
 from ir_measures import RR, R, nDCG
 
-from tests.e2e.conftest import ACME, INDEX, SAMPLE, Stack
+from tests.e2e.conftest import ACME, ANTHROPIC_API_KEY, INDEX, MODEL, SAMPLE, Stack
+from tests.fake_anthropic import USAGE_FIELDS, refusal
 from worker.processes.stack import child_env, sift_command
 
 QRELS = Path(__file__).parent / "data" / "sample_qrels.tsv"
@@ -234,3 +235,68 @@ def test_eval_index_of_an_index_that_does_not_exist_stops_before_any_search(
         assert "index 'no-such-index' does not exist" in said, said
         assert "nDCG@10" not in said
     assert jobs() == before  # no search, no batch
+
+
+def _billed(stack: Stack, before: dict[str, int]) -> dict[str, int]:
+    """What the fake model billed since ``before`` (its ``usage()`` then): answers and tokens."""
+    now = stack.model.usage()
+    return {key: now[key] - before[key] for key in (*USAGE_FIELDS, "responses")}
+
+
+def test_eval_index_rerank_usage_counts_a_failed_searchs_billed_call(
+    stack: Stack, corpus: object, tmp_path: Path
+) -> None:
+    """The reranked run's first model call is refused (billed, never retried: the search
+    fails ``rerank_failed``): the report's usage is what the model billed, the batch's own
+    usage. It was the succeeded searches' only: 8 requests where 9 were billed."""
+    stack.model.reset()
+    stack.model.script([refusal()])
+    before = stack.model.usage()
+    env = child_env({"SIFT_URL": stack.live_url, "SIFT_API_KEY": "acme-key-0001"})
+    done = subprocess.run(
+        sift_command("eval", "--index", INDEX, "--queries", str(QUERIES), "--qrels", str(QRELS),
+                     "--rerank", "--out", str(tmp_path), "--json", str(tmp_path / "report.json")),
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    billed = _billed(stack, before)
+    assert done.returncode == 3, done.stdout + done.stderr  # one search did not succeed
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["errors"] == {"rerank_failed": 1}
+    batch_id = report["batches"]["final (reranked)"]
+    batch = stack.live.get(f"/v1/batches/{batch_id}", headers=ACME).json()
+    assert report["usage"] == batch["usage"] | {
+        "cost_usd": pytest.approx(batch["usage"]["cost_usd"])
+    }
+    assert report["usage"]["requests"] == billed["responses"] == JUDGED
+    assert {k: report["usage"][k] for k in USAGE_FIELDS} == {k: billed[k] for k in USAGE_FIELDS}
+    shown = " ".join(done.stdout.split())
+    assert f"rerank usage: {JUDGED} requests, {billed['input_tokens']} input" in shown, shown
+
+
+def test_eval_corpus_rerank_stopped_by_a_failed_search_says_what_was_billed(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """In-process, the first failed search stops the evaluation (exit 2, its error): the
+    usage line before it says what the model calls so far cost, the refused one included.
+    Nothing was said of them."""
+    stack.model.reset()
+    stack.model.script([refusal()])
+    before = stack.model.usage()
+    env = child_env({
+        "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
+        "ANTHROPIC_BASE_URL": stack.model.url,
+        "ANTHROPIC_API_KEY": ANTHROPIC_API_KEY,
+    })  # fmt: skip
+    done = subprocess.run(
+        sift_command("eval", "--corpus", str(SAMPLE / "sample_corpus.jsonl"),
+                     "--queries", str(QUERIES), "--qrels", str(QRELS), "--rerank",
+                     "--data-dir", str(tmp_path / "index")),
+        env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    billed = _billed(stack, before)
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert billed["responses"] == 1  # the refusal: the first reranked search, not retried
+    usage = f"rerank usage: 1 requests, {billed['input_tokens']} input / "
+    assert usage in said, said
+    assert said.index(usage) < said.index("error: rerank failed (refused)"), said

@@ -163,3 +163,26 @@ def test_the_judge_line_says_ndcg_uses_the_graded_scores() -> None:
     assert "binary" not in report["judge"] and "graded" in report["judge"]
     ideal = 2 + 1 / math.log2(3)  # a (gain 2), then b (gain 1)
     assert report["runs"]["fused"]["nDCG@10"] == pytest.approx(1 / ideal)
+
+
+def test_the_usage_counts_what_failed_and_canceled_searches_were_billed() -> None:
+    """A failed item's billed attempts are on its ``error.usage``, a canceled item's on its
+    ``usage`` (docs/queue.md): the report adds them as the batch's own usage does. It added
+    the succeeded results' only: a search refused after a billed call was left out."""
+
+    def usage(requests: int, cost: float) -> dict[str, Any]:
+        tokens = {"input_tokens": 1000 * requests, "output_tokens": requests}
+        return {"requests": requests, **tokens, "cost_usd": cost}
+
+    qrels = {q: {"a": 1} for q in ("q1", "q2", "q3", "q4")}
+    items = [
+        {"query_id": "q1", "status": "succeeded",
+         "result": result(hit("a", 1, 1, 1, 1)) | {"usage": usage(1, 0.25)}},
+        {"query_id": "q2", "status": "failed",
+         "error": {"type": "rerank_failed", "message": "m", "usage": usage(3, 0.5)}},
+        {"query_id": "q3", "status": "canceled", "usage": usage(2, 0.125)},
+        {"query_id": "q4", "status": "failed",
+         "error": {"type": "index_not_found", "message": "m", "usage": None}},
+    ]  # fmt: skip
+    report = score_results(items, qrels, window=30)
+    assert report["usage"] == usage(6, 0.875)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from worker.adapters.embedded import SCHEMA_VERSION
@@ -35,8 +36,10 @@ from worker.errors import SiftError
 from worker.evaluation.harness import (
     TENANT,
     Collection,
+    EvaluationStopped,
     absent_queries,
     add_usage,
+    billed_usage,
     eval_runs,
     evaluate,
     failure_type,
@@ -161,6 +164,10 @@ def eval_command(
         else:
             assert results is not None
             report = _scored_file(results, qrels, window)
+    except EvaluationStopped as error:  # the calls billed before it are paid all the same
+        _print_usage(error.usage, _err())
+        _err().print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
+        raise typer.Exit(2) from error
     except SiftError as error:  # errors on stderr, as every command's: stdout is the report
         _err().print(f"[red]error:[/red] {plain(error)}", soft_wrap=True)
         raise typer.Exit(2) from error
@@ -267,7 +274,7 @@ def _served(
                 errors[failure_type(item)] += 1
             hits = (result or {}).get("hits") or []
             rankings[run.name][str(item["query_id"])] = [str(hit["id"]) for hit in hits]
-            add_usage(usage, (result or {}).get("usage") or {})
+            add_usage(usage, billed_usage(item))  # a failed or canceled item's billed calls too
     report = score_runs(rankings, runs, qrels, queries, window)
     report["failed"] = sum(failed_by_run.values())
     report["errors"] = dict(errors.most_common())
@@ -375,9 +382,14 @@ def _print_report(report: dict[str, Any]) -> None:
             "results[/]: left out of every figure (a file cut short, or a batch of other "
             "queries)"
         )
-    usage = report.get("usage") or {}
+    _print_usage(report.get("usage") or {}, console)
+
+
+def _print_usage(usage: dict[str, Any], out: Console) -> None:
+    """The rerank usage line, when any model call was made: under the report, or before the
+    error of a failed search that stopped an in-process evaluation."""
     if usage.get("requests"):
-        console.print(
+        out.print(
             f"rerank usage: {int(usage['requests'])} requests, "
             f"{int(usage['input_tokens'])} input / {int(usage['output_tokens'])} output tokens, "
             f"{format_cost(usage.get('cost_usd', 0.0))}"

@@ -31,6 +31,7 @@ from worker.constants import MAX_LIMIT
 from worker.contract import DocumentIn, Mode, SearchSpec
 from worker.core.cost import add_costs
 from worker.core.query import channel_window, coarse_limit
+from worker.errors import SiftError
 from worker.jsonl import field_problem, lines, records
 from worker.runtime.inprocess import Runtime
 from worker.settings import Settings
@@ -49,6 +50,18 @@ TIE = 1e-9  # per-query nDCG@10 closer than this counts as equal
 FINAL_LIMIT = 10  # the reranked run's limit
 WINDOW_RUN = "window"  # the run whose hits are the reranker's candidates (no row of its own)
 DEFAULT_WINDOW: int = Settings.model_fields["rerank_candidate_limit"].default
+
+
+class EvaluationStopped(SiftError):
+    """A search of the in-process evaluation failed, so it stopped there (``error``, whose
+    message it keeps). ``usage``: what every model call so far was billed, the failed
+    search's own attempts included, for the caller to say before it exits: calls a
+    provider billed are paid whether the evaluation ends or not."""
+
+    def __init__(self, error: SiftError, usage: dict[str, float | None]) -> None:
+        super().__init__(str(error))
+        self.code = error.code
+        self.usage = usage
 
 
 @dataclass(frozen=True)
@@ -341,7 +354,8 @@ def evaluate(
     ``progress(run, n)`` hears of each query done (:func:`eval_runs` and
     :func:`judged_queries` give the total ahead). ``window``: the rerank candidate window of
     candidate recall (and of the reranked run); by default the one the index's searches use,
-    read from a search's trace (:func:`probe_spec`)."""
+    read from a search's trace (:func:`probe_spec`). A search that fails stops it:
+    :class:`EvaluationStopped`, with the usage billed so far."""
     qrels = read_qrels(collection.qrels)
     queries = judged_queries(collection.queries, qrels, max_queries)
     if window is None and queries:
@@ -353,17 +367,19 @@ def evaluate(
     for run in runs:
         ranking = rankings[run.name] = {}
         for qid, text in queries:
-            result = runtime.search(
-                SearchSpec(
-                    index=index,
-                    query=text,
-                    mode=run.mode,
-                    limit=run.limit,
-                    rerank=run.rerank,
-                    candidate_limit=run.candidate_limit,
-                ),
-                TENANT,
+            spec = SearchSpec(
+                index=index,
+                query=text,
+                mode=run.mode,
+                limit=run.limit,
+                rerank=run.rerank,
+                candidate_limit=run.candidate_limit,
             )
+            try:
+                result = runtime.search(spec, TENANT)
+            except SiftError as error:  # its billed attempts are on it (``job_usage``)
+                add_usage(usage_total, error.job_usage.model_dump() if error.job_usage else {})
+                raise EvaluationStopped(error, usage_total) from error
             ranking[qid] = [hit.id for hit in result.hits]
             add_usage(usage_total, result.usage.model_dump())
             if progress is not None:
@@ -517,7 +533,7 @@ def _per_query_ndcg(
     return values
 
 
-def add_usage(total: dict[str, float | None], usage: dict[str, Any]) -> None:
+def add_usage(total: dict[str, float | None], usage: Mapping[str, Any]) -> None:
     """Add one result's usage to ``total``. A count the result lacks (null) adds 0; a cost
     it does not know (an unpriced model's ``null``) leaves the total's cost unknown too.
 
@@ -533,6 +549,30 @@ def add_usage(total: dict[str, float | None], usage: dict[str, Any]) -> None:
             total[key] = add_costs(total.get(key, 0.0), value)
         else:
             total[key] = (total.get(key) or 0) + (value or 0)
+
+
+def billed_usage(item: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What one served item's model calls were billed, where its status puts it: a
+    succeeded result's ``usage``, a failed item's ``error.usage`` (the attempts billed
+    before it failed), a canceled item's ``usage`` (the calls it sent before the cancel);
+    empty when it made none. The batch's own ``usage`` adds the same three.
+
+    >>> billed_usage({"status": "failed", "error": {"type": "x", "usage": {"requests": 3}}})
+    {'requests': 3}
+    >>> billed_usage({"status": "canceled", "usage": {"requests": 2}})
+    {'requests': 2}
+    >>> billed_usage({"status": "failed", "error": {"type": "x", "usage": None}})
+    {}
+    """
+    status = item.get("status")
+    if status == "succeeded":
+        held = item.get("result")
+    elif status == "failed":
+        held = item.get("error")
+    else:
+        held = item
+    usage = held.get("usage") if isinstance(held, Mapping) else None
+    return usage if isinstance(usage, Mapping) else {}
 
 
 def failure_type(item: Mapping[str, Any]) -> str:
@@ -627,9 +667,9 @@ def score_results(
         if result is None:
             errors[failure_type(item)] += 1
         held[qid] = served_rankings(result)
+        add_usage(usage, billed_usage(item))
         if result:
             reranked |= bool((result.get("rerank") or {}).get("applied"))
-            add_usage(usage, result.get("usage") or {})
             trace = result.get("trace")
             coarse.add((trace or {}).get("coarse_limit"))
             applied = bool((result.get("rerank") or {}).get("applied"))
