@@ -4,6 +4,8 @@ counted in ``sift_rerank_unpriced_calls_total`` and warned about when the worker
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +28,7 @@ from tests.fake_anthropic import USAGE_FIELDS, malformed, positions, status
 from tests.services import free_port
 from worker.core.cost import cost_usd, price_for
 from worker.core.types import TokenUsage
+from worker.processes.stack import child_env, sift_command
 from worker.settings import DEFAULT_PRICES
 
 
@@ -61,6 +64,33 @@ def test_a_failed_rerank_reports_its_billed_usage_on_the_job(stack: Stack, corpu
     expected = cost_usd(TokenUsage(**billed), price_for(MODEL, DEFAULT_PRICES))
     assert expected is not None and expected > 0
     assert usage["cost_usd"] == pytest.approx(expected)
+
+
+def test_sift_search_says_what_a_failed_search_was_billed(stack: Stack, corpus: object) -> None:
+    """``sift search --rerank`` of a search that fails after three billed calls: the usage
+    line, on stderr before the error; ``--json``'s job carries it as ``error.usage``. The
+    CLI printed the error alone: what the three calls cost was not shown."""
+    env = child_env({"SIFT_URL": stack.live_url, "SIFT_API_KEY": "acme-key-0001"})
+    for extra in ((), ("--json",)):
+        before = stack.model.usage()
+        stack.model.script([malformed("no json")] * 3)
+        done = subprocess.run(
+            sift_command("search", "green tea leaves", "--index", INDEX, "--rerank", *extra),
+            env=env, capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        billed = _delta(stack.model.usage(), before)
+        assert done.returncode == 1, done.stdout + done.stderr
+        said = " ".join(done.stderr.split())
+        usage = f"usage: 3 request(s), {billed['input_tokens']} input + "
+        usage += f"{billed['output_tokens']} output tokens"
+        assert billed["input_tokens"] > 0
+        assert usage in said, said
+        assert said.index(usage) < said.index("error: search"), said
+        if extra:
+            job = json.loads(done.stdout)
+            assert {k: job["error"]["usage"][k] for k in USAGE_FIELDS} == billed
+        else:
+            assert done.stdout == ""
 
 
 def test_a_failed_batch_item_reports_its_billed_usage(stack: Stack, corpus: object) -> None:

@@ -21,7 +21,7 @@ from worker.cli._http import (
     sift_answer,
     utf8_text,
 )
-from worker.cli._output import plain, print_result, trace_lines
+from worker.cli._output import plain, print_result, trace_lines, usage_line
 from worker.cli.client._input import MODES
 from worker.constants import IDEMPOTENCY_PENDING_TTL_SECONDS, MAX_LIMIT, MAX_WAIT_SECONDS
 
@@ -50,6 +50,20 @@ def _search_interrupted(job: dict[str, Any] | None) -> str:
         f"interrupted: search {job['id']} runs on; GET /v1/searches/{job['id']} has its "
         "result once done"
     )
+
+
+def _billed_usage(job: dict[str, Any]) -> dict[str, Any] | None:
+    """What a search that did not succeed was billed (its error's ``usage``: the attempts the
+    provider billed before it failed), or None when it made no model call.
+
+    >>> _billed_usage({"status": "failed", "error": {"type": "x", "usage": {"requests": 3}}})
+    {'requests': 3}
+    >>> _billed_usage({"status": "failed", "error": {"type": "x", "usage": None}}) is None
+    True
+    """
+    error = job.get("error")
+    usage = error.get("usage") if isinstance(error, dict) else None
+    return usage if isinstance(usage, dict) and usage.get("requests") else None
 
 
 def _job_failure(job: dict[str, Any]) -> str:
@@ -117,4 +131,7 @@ def search(
         elif job.get("status") == "succeeded":
             _print_search(console, job, trace=trace)
         if job.get("status") != "succeeded":
+            billed = _billed_usage(job)
+            if billed is not None:  # paid whether the search failed or not
+                _err().print(usage_line(billed), soft_wrap=True)
             raise GatewayError(f"search {job.get('id')} {job.get('status')}: {_job_failure(job)}")
