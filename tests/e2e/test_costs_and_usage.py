@@ -14,10 +14,13 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
+from standardwebhooks.webhooks import Webhook
 
 from tests.e2e.conftest import (
     ACME,
     INDEX,
+    KEYS,
     MODEL,
     Stack,
     finished_batch,
@@ -25,7 +28,8 @@ from tests.e2e.conftest import (
     worker_usage,
 )
 from tests.fake_anthropic import USAGE_FIELDS, malformed, positions, status
-from tests.services import free_port
+from tests.services import free_port, webhook_inbox
+from worker.adapters.rate_budget import OFF_REFRESH_SECONDS, RedisRateBudget
 from worker.core.cost import cost_usd, price_for
 from worker.core.types import TokenUsage
 from worker.processes.stack import child_env, sift_command
@@ -120,6 +124,38 @@ def test_a_failure_before_any_model_call_has_no_usage(stack: Stack, corpus: obje
     job = response.json()
     assert job["status"] == "failed", job
     assert job["error"]["usage"] is None
+
+
+def test_a_search_the_rate_budget_never_let_call_the_model_has_no_usage(
+    stack: Stack, corpus: object
+) -> None:
+    """A 429's pause (a minute, another process's) outlasts the 30 s deadline: the only
+    attempt is ``budget_exhausted``, nothing is sent, and the search fails ``rerank_failed``
+    (``fail_closed``). No model call was made: its ``error.usage`` is ``null``, on the search
+    and in its webhook's body, as for a failure before the rerank (a batch item's error is
+    made by the same ``error_info``: tests/unit/test_task_errors.py). It was a usage of 0
+    requests, priced at $0, as if a call had been made and cost nothing."""
+    client = redis.Redis.from_url(stack.redis_url + "/0")
+    try:
+        RedisRateBudget(client, MODEL).pause(60.0)
+    finally:
+        client.close()
+    # a worker process with no limit known reads the shared hash at most this often: one that
+    # read it just before the pause (the last test's calls) sees it after this, not before
+    time.sleep(OFF_REFRESH_SECONDS)
+    received = stack.model.counts()["received"]
+    with webhook_inbox() as (url, inbox):
+        body = {"index": INDEX, "query": "green tea", "rerank": True, "webhook_url": url}
+        response = stack.live.post("/v1/searches", params={"wait": 20}, json=body, headers=ACME)
+        job = response.json()
+        assert job["status"] == "failed", job
+        delivered, headers = inbox.get(timeout=60)
+    payload = Webhook(KEYS[0]["webhook_secret"]).verify(delivered, headers)
+    assert stack.model.counts()["received"] == received  # no call reached the model
+    assert job["error"]["type"] == "rerank_failed"
+    assert "budget_exhausted" in job["error"]["message"]
+    assert job["error"]["usage"] is None
+    assert payload["data"]["usage"] is None and payload["data"]["error"]["type"] == "rerank_failed"
 
 
 @dataclass

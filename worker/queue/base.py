@@ -292,7 +292,9 @@ def error_info(exc: BaseException) -> ErrorInfo:
             type=exc.code,
             message=exc.message,
             retryable=exc.retryable,
-            usage=exc.job_usage,
+            # no request sent (the rate budget refused the only attempt, or no model):
+            # nothing billed, no usage (null), as for a failure before the rerank
+            usage=exc.job_usage if exc.job_usage is not None and exc.job_usage.requests else None,
             trace=exc.job_trace,
         )
     message = f"unexpected {type(exc).__name__} in the worker (its log has the detail)"
