@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import math
 import threading
@@ -19,6 +18,7 @@ from worker.adapters.rate_budget._headers import (
     remaining_from_headers,
 )
 from worker.constants import LANE_STANDARD, RATE_BUDGET_KEY
+from worker.core.tokens import CHARS_PER_TOKEN, prompt_tokens
 from worker.core.types import BudgetGrant, RerankPrompt, TokenUsage
 from worker.observability import metrics
 from worker.settings import RateLimit
@@ -254,21 +254,14 @@ class TokenEstimator:
     Chinese text is about a token a character), so the first calls over-reserve rather than
     under, whatever the language."""
 
-    def __init__(self, chars_per_token: float = 3.0, smoothing: float = 0.1) -> None:
+    def __init__(self, chars_per_token: float = CHARS_PER_TOKEN, smoothing: float = 0.1) -> None:
         self.chars_per_token = chars_per_token
         self.smoothing = smoothing
         self.correction = 1.0
         self._lock = threading.Lock()
 
     def raw(self, prompt: RerankPrompt) -> float:
-        schema = json.dumps(dict(prompt.output_schema), separators=(",", ":"))
-        return sum(self._tokens(text) for text in (prompt.system, prompt.user, schema))
-
-    def _tokens(self, text: str) -> float:
-        if text.isascii():  # a flag of the string: no pass over it
-            return len(text) / self.chars_per_token
-        ascii_chars = len(text.encode("ascii", "ignore"))
-        return ascii_chars / self.chars_per_token + (len(text) - ascii_chars)
+        return prompt_tokens(prompt, self.chars_per_token)
 
     def estimate(self, prompt: RerankPrompt) -> int:
         return max(1, round(self.raw(prompt) * self.correction))
