@@ -273,6 +273,7 @@ class RecordingRecorder:
         self.events: Counter[tuple[str, ...]] = Counter()
         self.usage: Counter[str] = Counter()
         self.cost = 0.0
+        self.unread_tokens = 0
         self.search_seconds: list[float] = []
 
     def retrieval(self, backend: str, channel: str, seconds: float) -> None:
@@ -293,6 +294,10 @@ class RecordingRecorder:
 
     def rerank_unpriced(self, model: str) -> None:
         self.events["unpriced", model] += 1
+
+    def rerank_unread(self, model: str, input_tokens: int) -> None:
+        self.events["unread", model] += 1
+        self.unread_tokens += input_tokens
 
     def rerank_outcome(self, policy: str, outcome: str) -> None:
         self.events["outcome", outcome] += 1

@@ -26,6 +26,7 @@ from worker.constants import ECONOMY_PRICE_DISCOUNT, INGEST_QUEUE, SEARCH_QUEUE,
 from worker.contract import DocumentIn, SearchSpec
 from worker.core.cost import cost_usd, price_for
 from worker.core.pipeline import RerankRun, SearchPipeline
+from worker.core.tokens import prompt_tokens
 from worker.core.types import RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, RerankAttemptError, SiftError
 from worker.observability import metrics
@@ -56,13 +57,16 @@ def error(outcome: AttemptOutcome, used: TokenUsage | None = None) -> RerankAtte
 
 
 class CountingReranker:
-    """Tallies the usage the fake model handed out, replies and failed attempts alike."""
+    """Tallies the usage the fake model handed out, replies and failed attempts alike, and
+    the prompts it was sent and never answered (a timeout, a connection lost): their input
+    tokens as estimated before they were sent (the workload meters no rate limit)."""
 
     def __init__(self, inner: ScriptedReranker) -> None:
         self.inner = inner
         self.model = inner.model
         self.effort = inner.effort
         self.usage: list[TokenUsage] = []
+        self.unread: list[int] = []
 
     def rerank(self, prompt: RerankPrompt, timeout_seconds: float) -> RerankReply:
         try:
@@ -71,6 +75,8 @@ class CountingReranker:
             used = getattr(exc, "usage", None)
             if isinstance(used, TokenUsage):
                 self.usage.append(used)
+            elif exc.sent and exc.outcome in (AttemptOutcome.TIMEOUT, AttemptOutcome.CONNECTION):
+                self.unread.append(max(1, round(prompt_tokens(prompt))))
             raise
         self.usage.append(answer.usage)
         return answer
@@ -179,6 +185,8 @@ def run_worker(
                 "cache_creation": sum(u.cache_creation_input_tokens for u in fake.usage),
             },
             "fake_cost": sum(cost_usd(u, price, discount) for u in fake.usage),
+            "fake_unread": len(fake.unread),
+            "fake_unread_input": sum(fake.unread),
             "result_usage": dict(result_usage),
             "result_cost": result_cost,
             "statuses": dict(statuses),
@@ -209,6 +217,7 @@ EXPECTED_ATTEMPTS = {
     "connection": 3,
     "http_5xx": 3,
 }
+EXPECTED_UNREAD = 4  # the timeout and the 3 connections lost: sent, never answered
 EXPECTED_OUTCOMES = {
     "applied": 5,
     "fallback_no_valid_ranks": 1,
@@ -261,6 +270,8 @@ def run_workload() -> dict[str, Any]:
     return {
         "fake_tokens": dict(total("fake_tokens")),
         "fake_cost": sum(r["fake_cost"] for r in reports),
+        "fake_unread": sum(r["fake_unread"] for r in reports),
+        "fake_unread_input": sum(r["fake_unread_input"] for r in reports),
         "result_usage": dict(total("result_usage")),
         "result_cost": sum(r["result_cost"] for r in reports),
         "statuses": dict(total("statuses")),

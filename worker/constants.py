@@ -222,6 +222,9 @@ METRIC_RERANK_ATTEMPTS = "sift_rerank_attempts_total"
 METRIC_RERANK_OUTCOMES = "sift_rerank_outcomes_total"
 METRIC_RERANK_COST = "sift_rerank_cost_usd_total"
 METRIC_RERANK_UNPRICED = "sift_rerank_unpriced_calls_total"
+# attempts sent with no answer read (a timeout, a lost connection): possibly billed, not read
+METRIC_RERANK_UNREAD = "sift_rerank_unread_attempts_total"
+METRIC_RERANK_UNREAD_INPUT = "sift_rerank_unread_input_tokens_total"
 METRIC_JOBS_IN_FLIGHT = "sift_jobs_in_flight"
 METRIC_WEBHOOK_DELIVERIES = "sift_webhook_deliveries_total"
 # extensions

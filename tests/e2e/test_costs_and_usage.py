@@ -27,7 +27,7 @@ from tests.e2e.conftest import (
     unpriced_stack,
     worker_usage,
 )
-from tests.fake_anthropic import USAGE_FIELDS, malformed, positions, status
+from tests.fake_anthropic import USAGE_FIELDS, cut, good, malformed, positions, status
 from tests.services import free_port, webhook_inbox
 from worker.adapters.rate_budget import OFF_REFRESH_SECONDS, RedisRateBudget
 from worker.core.cost import cost_usd, price_for
@@ -156,6 +156,42 @@ def test_a_search_the_rate_budget_never_let_call_the_model_has_no_usage(
     assert "budget_exhausted" in job["error"]["message"]
     assert job["error"]["usage"] is None
     assert payload["data"]["usage"] is None and payload["data"]["error"]["type"] == "rerank_failed"
+
+
+def _unread(stack: Stack) -> tuple[float, float]:
+    """The live worker's standard-lane attempts possibly billed and not read, and their
+    estimated input tokens."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(stack.worker_metrics_url, timeout=10).text
+    found = {"sift_rerank_unread_attempts_total": 0.0, "sift_rerank_unread_input_tokens_total": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in found and sample.labels.get("lane") == "standard":
+                found[sample.name] += sample.value
+    return found["sift_rerank_unread_attempts_total"], found[
+        "sift_rerank_unread_input_tokens_total"
+    ]
+
+
+def test_a_call_cut_off_after_it_was_sent_is_counted_as_possibly_billed(
+    stack: Stack, corpus: object
+) -> None:
+    """The provider answers the first call and the connection breaks mid-answer: it billed
+    the call, and no usage of it was read, so the job's usage and the token counters leave it
+    out (docs/observability.md). The worker counts it as an unread attempt with its prompt's
+    estimated input tokens; nothing counted it before."""
+    attempts, tokens = _unread(stack)
+    before = stack.model.usage()
+    stack.model.script([cut(), good()])
+    job = _search(stack.live, "green tea leaves")
+    assert job["status"] == "succeeded", job
+    billed = stack.model.usage()["responses"] - before["responses"]
+    usage = job["result"]["usage"]
+    assert billed == 2 and usage["requests"] == 2  # the cut call is a request with no usage
+    after_attempts, after_tokens = _unread(stack)
+    assert after_attempts - attempts == 1
+    assert after_tokens - tokens > 0
 
 
 @dataclass

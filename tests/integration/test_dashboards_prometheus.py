@@ -129,6 +129,21 @@ def test_each_attempt_class_is_counted_exactly_as_often_as_provoked(observed: Ob
     assert answered_429 == {"standard": workload.EXPECTED_ATTEMPTS["rate_limited"], "economy": 0}
 
 
+def test_attempts_sent_and_never_answered_are_counted_with_their_estimated_input(
+    observed: Observed,
+) -> None:
+    """The timeout and the connections lost after their requests went out: the provider may
+    have billed them, and no usage says so. Counted apart, with their prompts' estimated
+    input tokens, by lane; nothing counted them before."""
+    unread = observed.prometheus.values(
+        "sum by (lane) (sift_rerank_unread_attempts_total)", by="lane"
+    )
+    assert unread == {"standard": workload.EXPECTED_UNREAD, "economy": 0.0}
+    assert observed.did["fake_unread"] == workload.EXPECTED_UNREAD
+    tokens = observed.prometheus.values("sum(sift_rerank_unread_input_tokens_total)")[""]
+    assert tokens == observed.did["fake_unread_input"] > 0
+
+
 def test_each_outcome_is_counted_exactly_as_often_as_provoked(observed: Observed) -> None:
     counted = observed.prometheus.values(
         f'sum by (outcome) (sift_rerank_outcomes_total{{policy="{POLICY_ID}"}})', by="outcome"
@@ -203,6 +218,8 @@ def test_sift_cost_reads_the_same_totals(observed: Observed, tmp_path: Path) -> 
     assert set(report.latency) == {"standard", "economy"}
     assert all(report.latency[lane]["p50"] is not None for lane in report.latency)
     assert report.unpriced_calls == 0  # the workload's model has a price
+    assert report.unread_attempts == workload.EXPECTED_UNREAD
+    assert report.unread_input_tokens == observed.did["fake_unread_input"]
 
 
 def test_sift_cost_prints_a_table_and_writes_a_png(observed: Observed, tmp_path: Path) -> None:
@@ -221,6 +238,8 @@ def test_sift_cost_prints_a_table_and_writes_a_png(observed: Observed, tmp_path:
     assert workload.MODEL in run.output
     for word in ("cache_read", "fallback_no_valid_ranks", "rate_limited", "p95", "economy lane"):
         assert word in run.output
+    unread = f"possibly billed, not read: {workload.EXPECTED_UNREAD} attempts"
+    assert unread in " ".join(run.output.split()), run.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert png.stat().st_size > 10_000
 

@@ -107,6 +107,7 @@ def test_json_prints_the_whole_report(monkeypatch: pytest.MonkeyPatch) -> None:
     report = cost.CostReport(
         "1d", {"m": 0.5, "n": 0.25}, {"input": 700.0}, {"applied": 3.0}, {"ok": 4.0}, 250,
         latency, unpriced_calls=2, cost_by_lane={"standard": 0.5, "economy": 0.25},
+        unread_attempts=3, unread_input_tokens=3900,
     )  # fmt: skip
     asked: list[tuple[str, str]] = []
 
@@ -131,6 +132,8 @@ def test_json_prints_the_whole_report(monkeypatch: pytest.MonkeyPatch) -> None:
         "latency": {"standard": {"p50": 1.25, "p95": None}},
         "unpriced_calls": 2,
         "cost_by_lane": {"standard": 0.5, "economy": 0.25},
+        "unread_attempts": 3,
+        "unread_input_tokens": 3900,
         "total_cost": 0.75,
         "cost_per_1k_searches": 3.0,
     }

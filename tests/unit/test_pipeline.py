@@ -564,6 +564,30 @@ def test_a_failed_rerank_reports_what_its_billed_attempts_used() -> None:
     assert usage.cost_usd == pytest.approx(2 * one)
 
 
+def test_an_attempt_sent_with_no_answer_read_is_counted_as_possibly_billed() -> None:
+    """A timeout, or a connection lost after the request went out: the provider may have
+    finished the call and billed it, but no usage was read, so no token or dollar counts it.
+    It is counted apart, with its prompt's estimated input tokens (the rate budget's
+    estimate; here the budget is off, so the uncorrected one). An attempt never sent, or one
+    whose usage was read, is not: its bill is known."""
+    from worker.core.tokens import prompt_tokens
+
+    timeout = RerankAttemptError(AttemptOutcome.TIMEOUT, "slow")
+    lost = RerankAttemptError(AttemptOutcome.CONNECTION, "reset by peer")
+    unsent = RerankAttemptError(AttemptOutcome.CONNECTION, "refused", sent=False)
+    pipeline, reranker, recorder = make([fail(timeout), fail(unsent), fail(lost)], "fail_open")
+    assert pipeline.search(spec(), "acme").rerank.fallback_reason is not None
+    assert reranker is not None and len(reranker.calls) == 3
+    estimate = round(prompt_tokens(reranker.calls[0][0]))
+    assert estimate > 0
+    assert recorder.events["unread", "claude-haiku-4-5"] == 2
+    assert recorder.unread_tokens == 2 * estimate
+    billed = RerankMalformedError("not the schema", usage=USAGE, model="claude-haiku-4-5")
+    again, _, answered = make([fail(billed), reply([1])])
+    again.search(spec(), "acme")
+    assert not [key for key in answered.events if key[0] == "unread"]
+
+
 def test_usage_sums_to_unknown_when_any_part_is_unknown() -> None:
     from worker.contract import Usage
 

@@ -13,6 +13,10 @@ percentiles are Prometheus's ``histogram_quantile`` estimates over the window, o
 an economy rerank takes minutes to hours, and mixed in it would hide the standard lane's
 seconds. Calls to a model with no price (``sift_rerank_unpriced_calls_total``) add nothing to
 the cost counter, so the report says so when there were any: its dollars are then too low.
+Attempts sent that got no answer read (``sift_rerank_unread_attempts_total``: a timeout, a
+connection lost) may have been billed with no usage to say so: the report gives them and their
+estimated input tokens (``sift_rerank_unread_input_tokens_total``) apart, as what the provider
+may have billed on top of its figures: at most about that much input, and their output.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ from worker.constants import (
     METRIC_RERANK_OUTCOMES,
     METRIC_RERANK_TOKENS,
     METRIC_RERANK_UNPRICED,
+    METRIC_RERANK_UNREAD,
+    METRIC_RERANK_UNREAD_INPUT,
     METRIC_SEARCH_DURATION,
 )
 from worker.errors import SiftError
@@ -73,6 +79,10 @@ class CostReport:
     unpriced_calls: float = 0.0  # calls whose cost is unknown, so missing from cost_by_model
     # the same dollars by lane: the economy lane's are at the Message Batches price (half)
     cost_by_lane: dict[str, float] = field(default_factory=dict)
+    # attempts sent that got no answer read, and their estimated input tokens: possibly
+    # billed, in no figure above
+    unread_attempts: float = 0.0
+    unread_input_tokens: float = 0.0
 
     @property
     def total_cost(self) -> float:
@@ -149,6 +159,8 @@ def fetch_report(url: str, window: str) -> CostReport:
                 latency[lane][name] = seconds if math.isfinite(seconds) else None
         searches = increases_by(client, f"{METRIC_SEARCH_DURATION}_count", window, "__none__")
         unpriced = increases_by(client, METRIC_RERANK_UNPRICED, window, "__none__")
+        unread = increases_by(client, METRIC_RERANK_UNREAD, window, "__none__")
+        unread_input = increases_by(client, METRIC_RERANK_UNREAD_INPUT, window, "__none__")
         return CostReport(
             window=window,
             cost_by_model=increases_by(client, METRIC_RERANK_COST, window, "model"),
@@ -159,6 +171,8 @@ def fetch_report(url: str, window: str) -> CostReport:
             searches=sum(searches.values()),
             latency=dict(latency),
             unpriced_calls=sum(unpriced.values()),
+            unread_attempts=sum(unread.values()),
+            unread_input_tokens=sum(unread_input.values()),
         )
 
 
@@ -211,6 +225,13 @@ def render(report: CostReport, url: str) -> Iterable[Table | str]:
             f"[yellow]warning:[/] {report.unpriced_calls:,.0f} model calls were to a model with "
             "no price in SIFT_PRICES: their cost is unknown and not in the figures above, "
             "which are too low"
+        )
+    if report.unread_attempts:
+        yield (
+            f"possibly billed, not read: {report.unread_attempts:,.0f} attempts sent that got "
+            "no answer (a timeout, a connection lost): the provider may have billed them, at "
+            f"most about {report.unread_input_tokens:,.0f} input tokens by estimate, and what "
+            "output they made; no figure above holds them"
         )
     yield _count_table("Tokens by type (summed: billed)", "type", report.tokens_by_type)
     yield _count_table("Rerank outcomes", "outcome", report.outcomes)

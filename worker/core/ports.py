@@ -294,6 +294,11 @@ class Recorder(Protocol):
     def rerank_unpriced(self, model: str) -> None:
         """One model call that reported usage the price table has no price for."""
 
+    def rerank_unread(self, model: str, input_tokens: int) -> None:
+        """One attempt sent that got no answer read (a timeout, a connection lost after the
+        request went out), with its prompt's estimated ``input_tokens``: the provider may
+        have billed it, but no usage says so."""
+
     def rerank_outcome(self, policy: str, outcome: str) -> None: ...
 
     def search_done(self, mode: str, outcome: str, seconds: float) -> None: ...
@@ -318,6 +323,9 @@ class NullRecorder:
         pass
 
     def rerank_unpriced(self, model: str) -> None:
+        pass
+
+    def rerank_unread(self, model: str, input_tokens: int) -> None:
         pass
 
     def rerank_outcome(self, policy: str, outcome: str) -> None:

@@ -19,6 +19,7 @@ from worker.core.cost import price_for
 from worker.core.pipeline._config import PipelineConfig
 from worker.core.pipeline._run import RerankRun, usage_by_type
 from worker.core.ports import RateBudget, Recorder, Reranker
+from worker.core.tokens import prompt_tokens
 from worker.core.types import BudgetGrant, RerankPrompt, RerankReply, TokenUsage
 from worker.errors import AttemptOutcome, DeadlineExceeded, RerankAttemptError
 
@@ -165,6 +166,8 @@ class ModelCalls:
             if not error.sent:
                 detail["sent"] = False
             self.record_attempt(run, error.outcome, usage, self.clock() - started, **detail)
+            if error.sent and usage is None and error.outcome in NO_ANSWER:
+                self._count_unread(prompt, grant)
             if on_billed is not None and usage is not None:
                 on_billed(run)
             raise
@@ -175,6 +178,17 @@ class ModelCalls:
         run.returned = reply.positions
         self.record_attempt(run, AttemptOutcome.OK, reply.usage, self.clock() - started, **detail)
         return reply
+
+    def _count_unread(self, prompt: RerankPrompt, grant: BudgetGrant | None) -> None:
+        """An attempt sent that got no answer read: the provider may have finished and billed
+        it, and no usage will ever say so (docs/observability.md). Counted with its input
+        tokens as the rate budget estimated them when it reserved them (corrected by what
+        the provider reported), else the prompt's uncorrected estimate (the budget off):
+        what its input may have cost, at most about that."""
+        assert self.reranker is not None
+        reserved = grant.input_tokens if grant is not None else 0
+        estimate = reserved or max(1, round(prompt_tokens(prompt)))
+        self.recorder.rerank_unread(self.reranker.model, estimate)
 
     def _settle_failed(
         self, grant: BudgetGrant, error: RerankAttemptError, usage: TokenUsage | None, waited: float

@@ -15,6 +15,8 @@ from worker.observability.metrics._rerank import (
     RERANK_OUTCOMES,
     RERANK_TOKENS,
     RERANK_UNPRICED,
+    RERANK_UNREAD,
+    RERANK_UNREAD_INPUT,
     TOKEN_TYPES,
 )
 from worker.observability.metrics._search import (
@@ -68,6 +70,11 @@ class PrometheusRecorder:
     @never_raises
     def rerank_unpriced(self, model: str) -> None:
         RERANK_UNPRICED.labels(model, self.lane).inc()
+
+    @never_raises
+    def rerank_unread(self, model: str, input_tokens: int) -> None:
+        RERANK_UNREAD.labels(model, self.lane).inc()
+        RERANK_UNREAD_INPUT.labels(model, self.lane).inc(input_tokens)
 
     @never_raises
     def rerank_outcome(self, policy: str, outcome: str) -> None:

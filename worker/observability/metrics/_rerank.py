@@ -23,6 +23,8 @@ from worker.constants import (
     METRIC_RERANK_OUTCOMES,
     METRIC_RERANK_TOKENS,
     METRIC_RERANK_UNPRICED,
+    METRIC_RERANK_UNREAD,
+    METRIC_RERANK_UNREAD_INPUT,
 )
 from worker.observability.metrics._recording import child, closed, never_raises
 
@@ -100,6 +102,19 @@ RERANK_UNPRICED = Counter(
     METRIC_RERANK_UNPRICED,
     "Model calls that reported usage for a model with no price in SIFT_PRICES: their cost is "
     "unknown (null in the job's usage) and missing from the cost counter.",
+    ["model", "lane"],
+)
+RERANK_UNREAD = Counter(
+    METRIC_RERANK_UNREAD,
+    "Model attempts sent that got no answer read (a timeout, a connection lost after the "
+    "request went out): the provider may have finished and billed them, but no usage was "
+    "read, so no token or cost counter holds them.",
+    ["model", "lane"],
+)
+RERANK_UNREAD_INPUT = Counter(
+    METRIC_RERANK_UNREAD_INPUT,
+    "The estimated input tokens of the unread attempts (the rate budget's estimate of their "
+    "prompts): what the provider may have billed them for input, at most about this.",
     ["model", "lane"],
 )
 RERANK_IN_FLIGHT = Gauge(

@@ -49,6 +49,8 @@ from worker.observability.metrics._rerank import (
     RERANK_OUTCOMES,
     RERANK_TOKENS,
     RERANK_UNPRICED,
+    RERANK_UNREAD,
+    RERANK_UNREAD_INPUT,
     TOKEN_TYPES,
 )
 from worker.observability.metrics._search import (
@@ -72,6 +74,8 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     RERANK_OUTCOMES,
     RERANK_COST,
     RERANK_UNPRICED,
+    RERANK_UNREAD,
+    RERANK_UNREAD_INPUT,
     RERANK_IN_FLIGHT,
     JOBS_IN_FLIGHT,
     WEBHOOK_DELIVERIES,
@@ -114,6 +118,8 @@ def preregister(
                 RERANK_TOKENS.labels(model, token_type, lane)
             RERANK_COST.labels(model, lane)
             RERANK_UNPRICED.labels(model, lane)
+            RERANK_UNREAD.labels(model, lane)
+            RERANK_UNREAD_INPUT.labels(model, lane)
             BUDGET_WAIT.labels(model, lane)
             PROVIDER_429.labels(model, lane)
         RERANK_IN_FLIGHT.labels(model).set(0)
