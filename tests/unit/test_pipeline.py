@@ -583,7 +583,9 @@ def test_an_attempt_sent_with_no_answer_read_is_counted_as_possibly_billed() -> 
     assert recorder.events["unread", "claude-haiku-4-5"] == 2
     assert recorder.unread_tokens == 2 * estimate
     billed = RerankMalformedError("not the schema", usage=USAGE, model="claude-haiku-4-5")
-    again, _, answered = make([fail(billed), reply([1])])
+    answered_408 = RerankAttemptError(AttemptOutcome.TIMEOUT, "HTTP 408: request timed out")
+    answered_408.status = 408  # the provider answered: it stopped the call, no answer lost
+    again, _, answered = make([fail(billed), fail(answered_408), reply([1])])
     again.search(spec(), "acme")
     assert not [key for key in answered.events if key[0] == "unread"]
 

@@ -166,7 +166,7 @@ class ModelCalls:
             if not error.sent:
                 detail["sent"] = False
             self.record_attempt(run, error.outcome, usage, self.clock() - started, **detail)
-            if error.sent and usage is None and error.outcome in NO_ANSWER:
+            if error.sent and usage is None and error.outcome in NO_ANSWER and error.status is None:
                 self._count_unread(prompt, grant)
             if on_billed is not None and usage is not None:
                 on_billed(run)
@@ -181,10 +181,11 @@ class ModelCalls:
 
     def _count_unread(self, prompt: RerankPrompt, grant: BudgetGrant | None) -> None:
         """An attempt sent that got no answer read: the provider may have finished and billed
-        it, and no usage will ever say so (docs/observability.md). Counted with its input
-        tokens as the rate budget estimated them when it reserved them (corrected by what
-        the provider reported), else the prompt's uncorrected estimate (the budget off):
-        what its input may have cost, at most about that."""
+        it, and no usage will ever say so (docs/observability.md). A 408, counted with the
+        timeouts, is no such attempt: the provider answered that it stopped the call. Counted
+        with its input tokens as the rate budget estimated them when it reserved them
+        (corrected by what the provider reported), else the prompt's uncorrected estimate
+        (the budget off): what its input may have cost, at most about that."""
         assert self.reranker is not None
         reserved = grant.input_tokens if grant is not None else 0
         estimate = reserved or max(1, round(prompt_tokens(prompt)))
