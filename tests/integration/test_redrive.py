@@ -323,7 +323,7 @@ def test_a_re_drive_an_outage_ended_is_not_counted_and_only_so_often(
         assert again.poison == (redrives > MAX_DELIVERIES), again
     delivered = []  # its message put back after each outage (its ack lost): uncounted as often
     for _ in range(FREE_OUTAGE_REDRIVES + 2):
-        delivered.append(store.count_delivery("outage-msg", 0))
+        delivered.append(store.count_delivery("outage-msg", 0, search.id))
         store.note_outage(search.id, [0], ("outage-msg", 0))
     assert delivered == [1] * (FREE_OUTAGE_REDRIVES + 1) + [2], delivered
 
@@ -337,6 +337,31 @@ def test_a_re_drive_an_outage_ended_is_not_counted_and_only_so_often(
             assert (sent.chunks, sent.poison) == ([(0, 10)], False), sent
         else:  # the positions no outage freed are spent; the others go out as they were
             assert (sent.chunks, sent.poison) == ([(0, 5), (5, 10)], True), sent
+
+
+def test_an_outage_whose_message_came_back_itself_frees_no_later_re_drive(
+    store: JobStore, app: Celery
+) -> None:
+    """A search's run meets Redis unreachable and notes the outage; its ack lost, the same
+    message comes back (the orphan check), and that delivery is not counted. The note paid for
+    that return: the losses after it (a worker killed by this job) are counted, and at the
+    default ``SIFT_TASK_MAX_DELIVERIES`` the one past it goes out as poison. The note was used
+    up by neither, and each outage that came back so freed a later re-drive too."""
+    cap = load_settings().task_max_deliveries
+    sweeper = Sweeper(store, celery_sender(app), interval_seconds=1.0, stall_seconds=0.0,
+                      chunk_size=10, max_deliveries=cap)  # fmt: skip
+    search = create_search(store)
+    for _ in range(3):  # three outages, the message back after each
+        assert store.count_delivery("back-msg", 0, search.id) == 1
+        store.note_outage(search.id, [0], ("back-msg", 0))
+    assert store.count_delivery("back-msg", 0, search.id) == 1
+    sent = []
+    for _ in range(cap + 1):  # now genuine losses
+        lose_oldest(store, SEARCH_QUEUE)
+        assert sweeper.sweep() == []
+        (redrive,) = sweeper.sweep()
+        sent.append(redrive.poison)
+    assert sent == [False] * cap + [True], sent
 
 
 def test_a_lost_ingest_is_redriven_and_runs(

@@ -358,17 +358,19 @@ class SiftTask(Task):  # type: ignore[misc]
         state.attempt_number = self.request.retries + 1
         return RETRY_WAIT(state)
 
-    def delivery(self) -> int:
-        """Count this delivery of the message: how many there have been, this one included."""
-        return self.context.store.count_delivery(*self.delivered())
+    def delivery(self, job_id: str | None = None) -> int:
+        """Count this delivery of the message (of the job ``job_id``: the return of one an
+        outage ended is not counted): how many there have been, this one included."""
+        return self.context.store.count_delivery(*self.delivered(), job_id)
 
     def delivered(self) -> tuple[str, int]:
         """This message's delivery counter: its task id and retry number."""
         return str(self.request.id), self.request.retries
 
-    def poisoned(self, deliveries: int | None = None) -> bool:
-        """True when this message has been delivered more times than allowed (worker crashes)."""
-        count = self.delivery() if deliveries is None else deliveries
+    def poisoned(self, deliveries: int | None = None, job_id: str | None = None) -> bool:
+        """True when this message (of the job ``job_id``) has been delivered more times than
+        allowed (worker crashes)."""
+        count = self.delivery(job_id) if deliveries is None else deliveries
         limit = self.context.settings.task_max_deliveries
         if count > limit:
             log.error(

@@ -133,7 +133,7 @@ def _search(task: SiftTask, job: SearchJob, claim: RunClaim, answers: ClaimAnswe
     """Run the search ``job`` under its run ``claim`` (``answers``: where it keeps its model's
     answer); answers whether this run finished it."""
     store, job_id = task.context.store, job.id
-    if task.poisoned():  # with the usage of a model answer a dead run kept: billed
+    if task.poisoned(job_id=job_id):  # with the usage of a model answer a dead run kept: billed
         poison = _billed(_poison_error(task), claim.answer)
         return count_completed("search", store.finish_search(job_id, error=poison), poison)
     if not store.start_search(job_id):  # final meanwhile (or gone)
@@ -335,7 +335,7 @@ class _ChunkItems:
         query_ids = self.store.batch_query_ids(self.batch_id, start, stop)
         self.positions = {qid: start + i for i, qid in enumerate(query_ids)}
         self.items = self.store.batch_items(self.batch_id, query_ids)
-        self.deliveries = task.delivery()
+        self.deliveries = task.delivery(batch.id)
         self.economy = batch.lane == LANE_ECONOMY
         self.owner = liveness.run_owner()
         # A standard item fails as poison by its own runs lost (its claim's ``lost``), never by
@@ -647,7 +647,7 @@ def ingest(self: SiftTask, job_id: str) -> None:
 def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
     """Run the ingest ``job`` under its run ``claim``."""
     store, job_id = task.context.store, job.id
-    if task.poisoned():
+    if task.poisoned(job_id=job_id):
         count_completed(
             "ingest", store.finish_ingest(job_id, error=_poison_error(task)), _poison_error(task)
         )

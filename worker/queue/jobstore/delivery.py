@@ -65,9 +65,16 @@ class WebhookClaim:
 class DeliveryRecords(_StoreCore):
     """Delivery counters, the active set and the re-drive's counters, and raw task messages."""
 
-    def count_delivery(self, task_id: str, retry: int) -> int:
-        """How many times this message (task id, retry number) has been delivered, this one too."""
-        return self._increment(_attempts_key(task_id, retry), ATTEMPTS_TTL_SECONDS)
+    def count_delivery(self, task_id: str, retry: int, job_id: str | None = None) -> int:
+        """How many times this message (task id, retry number) of the job ``job_id`` has been
+        delivered, this one too. A delivery that is the return of a message whose last run an
+        outage ended (:meth:`note_outage`; its ack lost, the orphan check put it back) uses
+        that note up and is not counted (at most :data:`FREE_OUTAGE_REDRIVES` times a job)."""
+        keys = [_attempts_key(task_id, retry)]
+        if job_id is not None:
+            keys.append(REDRIVE_OUTAGES_KEY + job_id)
+        args = [str(ATTEMPTS_TTL_SECONDS), f"{task_id}:{retry}", str(FREE_OUTAGE_REDRIVES)]
+        return int(cast(int, self._count_delivery(keys=keys, args=args)))
 
     def set_deliveries(self, task_id: str, retry: int, count: int) -> None:
         """Start a message's delivery counter at ``count`` (a re-drive past its cap is sent
@@ -219,17 +226,16 @@ class DeliveryRecords(_StoreCore):
         """The runs of the job's ``positions`` (a search's or an ingest's: 0) ended because
         Redis was unreachable past the client's retries, under the task message ``delivery``
         (task id, retry number): whichever way the job comes back, that is no fault of its
-        own, and is not counted against ``SIFT_TASK_MAX_DELIVERIES``. A re-drive of a noted
-        position is not counted (:meth:`count_redrive`; at most :data:`FREE_OUTAGE_REDRIVES`
-        times a position: a job whose runs keep meeting Redis unreachable is judged as any
-        other), and the message's delivery is uncounted, as a hand-back's is (at most
-        :data:`FREE_OUTAGE_REDRIVES` times a job): left unacked (its ack lost with the outage),
-        the same message comes back, put back by the orphan check, and was counted a delivery
-        each time."""
+        own, and is not counted against ``SIFT_TASK_MAX_DELIVERIES``. The note pays for one
+        return, whichever comes first: a re-drive of a noted position is not counted
+        (:meth:`count_redrive`; at most :data:`FREE_OUTAGE_REDRIVES` times a position: a job
+        whose runs keep meeting Redis unreachable is judged as any other), or the message
+        comes back itself (left unacked, its ack lost with the outage, the orphan check puts
+        it back) and that delivery is not counted, as a hand-back's is
+        (:meth:`count_delivery`; at most :data:`FREE_OUTAGE_REDRIVES` times a job)."""
         keys = [REDRIVE_OUTAGES_KEY + job_id]
-        if delivery is not None:
-            keys.append(_attempts_key(*delivery))
-        args = [str(self.result_ttl), str(FREE_OUTAGE_REDRIVES), *map(str, positions)]
+        message = "" if delivery is None else f"{delivery[0]}:{delivery[1]}"
+        args = [str(self.result_ttl), message, *map(str, positions)]
         self._note_outage(keys=keys, args=args)
 
     def _count_redrives_of(
@@ -248,11 +254,3 @@ class DeliveryRecords(_StoreCore):
         for key, raw in messages:
             pipe.lpush(key, raw)
         pipe.execute()
-
-    def _increment(self, key: str, ttl: int) -> int:
-        """Add one to the counter at ``key`` and (re)start its TTL; answers the new count."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.incr(key)
-        pipe.expire(key, ttl)
-        count, _ = pipe.execute()
-        return int(count)

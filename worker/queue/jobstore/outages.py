@@ -15,8 +15,9 @@ client's calls, retried for its window; at most :data:`SETTLE_SECONDS` in all), 
 their claims the answers its runs hold unkept (the copy that takes a claim over finishes on
 it, no second call), and notes the outage for the positions it leaves unfinished
 (:meth:`DeliveryRecords.note_outage`): the re-drive that sends them again is then not
-counted, nor this delivery of its message, which may come back itself instead (its ack lost
-with the outage, the orphan check puts it back). The task's message is still in kombu's
+counted, or the next delivery of its message, which may come back itself instead (its ack lost
+with the outage, the orphan check puts it back): one note pays for one return, whichever
+comes first. The task's message is still in kombu's
 ``unacked`` hash until the task ends, so no sweep finds those positions lost, and sends the
 copy, before the answers and the note are written. An outage past :data:`SETTLE_SECONDS`
 gives the thread back with nothing kept or noted, and the copy calls the model again and is

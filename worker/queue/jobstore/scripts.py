@@ -703,7 +703,8 @@ return {1, ARGV[4]}
 # run that met Redis unreachable that often is no outage it happened to overlap, and counts).
 # KEYS: 1 the job's re-drive counts (a batch's: a hash, position -> count; a search's or an
 # ingest's: a string, its one position's), 2 its outage notes (a hash, position -> runs noted
-# and not yet re-driven, "<position>:freed" -> re-drives they made free). ARGV: 1 the TTL
+# and not yet re-driven nor come back, "<position>:freed" -> re-drives they made free,
+# "m:<task id>:<retry>" -> the positions a message's note covers). ARGV: 1 the TTL
 # (seconds), 2 'hash' or 'string' (KEYS[1]'s type), 3 the free re-drives a position may
 # have, 4... the positions. Returns each position's re-drives counted, in ARGV's order.
 _COUNT_REDRIVES = """
@@ -732,19 +733,47 @@ return counts
 
 # A run that Redis unreachable ended notes its outage once Redis answers
 # (DeliveryRecords.note_outage): one more noted for each of its job's positions, and, when its
-# message's delivery counter is named, this delivery uncounted (down one, never below 0), as a
-# hand-back's is: the message may come back itself (left unacked, the orphan check puts it
-# back) rather than by a re-drive. At most ARGV[2] deliveries a job ("uncounted" in the
-# notes), as :data:`_COUNT_REDRIVES` frees at most so many re-drives a position. KEYS: 1 the
-# job's outage notes, 2 (optional) the message's delivery counter. ARGV: 1 the notes' TTL
-# (seconds), 2 the deliveries a job may have uncounted, 3... the positions.
+# message is named, which positions that message's note covers ("m:<task id>:<retry>"): the
+# message may come back itself (left unacked, the orphan check puts it back) rather than by a
+# re-drive, and :data:`_COUNT_DELIVERY` then uses the note up. KEYS: 1 the job's outage
+# notes. ARGV: 1 the notes' TTL (seconds), 2 the message ("<task id>:<retry>", or ''),
+# 3... the positions.
 _NOTE_OUTAGE = """
 for i = 3, #ARGV do redis.call('HINCRBY', KEYS[1], ARGV[i], 1) end
-if KEYS[2] and (tonumber(redis.call('GET', KEYS[2])) or 0) > 0
-    and (tonumber(redis.call('HGET', KEYS[1], 'uncounted')) or 0) < tonumber(ARGV[2]) then
-  redis.call('DECR', KEYS[2])
-  redis.call('HINCRBY', KEYS[1], 'uncounted', 1)
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], 'm:' .. ARGV[2], table.concat(ARGV, ',', 3))
 end
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 return 1
+"""
+
+# Count one more delivery of a task message (DeliveryRecords.count_delivery); when its job's
+# outage notes (KEYS[2]) say that an outage ended this message's last run, this delivery is
+# that outage's return: the note is used up (one off each of its positions still noted, so no
+# re-drive is freed by it as well), and the delivery is not counted, as a hand-back's is, at
+# most ARGV[3] times a job ("uncounted" in the notes). A note a re-drive used up first (its
+# positions no longer noted) frees nothing more. Only fields that exist are changed: the notes
+# of an erased job stay gone. KEYS: 1 the message's delivery counter, 2 (optional) its job's
+# outage notes. ARGV: 1 the counter's TTL (seconds), 2 the message ("<task id>:<retry>"),
+# 3 the deliveries a job may have uncounted. Returns the deliveries counted.
+_COUNT_DELIVERY = """
+local count = redis.call('INCR', KEYS[1])
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if not KEYS[2] then return count end
+local field = 'm:' .. ARGV[2]
+local noted = redis.call('HGET', KEYS[2], field)
+if not noted then return count end
+redis.call('HDEL', KEYS[2], field)
+local paid = false
+for p in string.gmatch(noted, '[^,]+') do
+  if (tonumber(redis.call('HGET', KEYS[2], p)) or 0) > 0 then
+    redis.call('HINCRBY', KEYS[2], p, -1)
+    paid = true
+  end
+end
+if paid and (tonumber(redis.call('HGET', KEYS[2], 'uncounted')) or 0) < tonumber(ARGV[3]) then
+  redis.call('HINCRBY', KEYS[2], 'uncounted', 1)
+  count = redis.call('DECR', KEYS[1])
+end
+return count
 """

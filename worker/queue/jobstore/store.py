@@ -54,6 +54,7 @@ from worker.queue.jobstore.scripts import (
     _CLAIM_IDEMPOTENCY,
     _CLAIM_RUN,
     _CLAIM_WEBHOOK,
+    _COUNT_DELIVERY,
     _COUNT_REDRIVES,
     _CREATE_SEARCH,
     _ECONOMY_EXPECT,
@@ -170,6 +171,7 @@ class _StoreCore:
         self._keep_answer = client.register_script(_KEEP_ANSWER)
         self._count_redrives = client.register_script(_COUNT_REDRIVES)
         self._note_outage = client.register_script(_NOTE_OUTAGE)
+        self._count_delivery = client.register_script(_COUNT_DELIVERY)
         self._take_cancel_count = client.register_script(_TAKE_CANCEL_COUNT)
         self._webhook_due = client.register_script(_WEBHOOK_DUE)
         self._webhook_settled = client.register_script(_WEBHOOK_SETTLED)
