@@ -21,6 +21,9 @@ BATCH_ITEMS_KEY = REDIS_PREFIX + "batch-items:"  # + batch id -> hash query_id -
 BATCH_COUNTS_KEY = REDIS_PREFIX + "batch-counts:"  # + batch id -> hash status -> count
 IDEMPOTENCY_KEY = REDIS_PREFIX + "idem:"  # + tenant + key -> {fingerprint, job id}
 ATTEMPTS_KEY = REDIS_PREFIX + "attempts:"  # + task id + ":" + retry number -> delivery counter
+# + task id + ":" + retry number -> how many of that message's deliveries were left uncounted
+# as an outage's returns (DeliveryRecords.count_delivery); lives as its delivery counter does
+ATTEMPTS_FREED_KEY = REDIS_PREFIX + "attempts-freed:"
 BATCH_ORDER_KEY = REDIS_PREFIX + "batch-order:"  # + batch id -> list of query ids, submission order
 BATCH_SPECS_KEY = REDIS_PREFIX + "batch-specs:"  # + batch id -> hash query_id -> SearchSpec JSON
 BATCH_RESULTS_KEY = REDIS_PREFIX + "batch-results:"  # + batch id -> hash query_id -> outcome JSON
@@ -95,8 +98,8 @@ REDRIVE_COUNT_KEY = REDIS_PREFIX + "redrives:"  # + job id -> how many times it 
 # + batch id -> hash position -> how many times that item's position was re-driven
 REDRIVE_POSITIONS_KEY = REDIS_PREFIX + "redrive-positions:"
 # + job id -> hash position -> runs of it that Redis unreachable ended, noted once it answered
-# again, not yet re-driven ("<position>:freed": how many re-drives such notes have made free;
-# "uncounted": how many of the job's deliveries they left uncounted)
+# again, not yet re-driven nor come back ("<position>:freed": how many re-drives such notes have
+# made free; "m:<task id>:<retry>": the positions a message's note covers, until it comes back)
 REDRIVE_OUTAGES_KEY = REDIS_PREFIX + "redrive-outages:"
 # string with a TTL: while it is set, a sweep looks at every active job, not only the stalled
 # ones (set right after a dead worker or a Redis restart, the events that lose a message)

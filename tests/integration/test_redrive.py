@@ -364,6 +364,26 @@ def test_an_outage_whose_message_came_back_itself_frees_no_later_re_drive(
     assert sent == [False] * cap + [True], sent
 
 
+def test_a_restart_with_more_chunks_in_flight_than_the_allowance_makes_none_poison(
+    store: JobStore,
+) -> None:
+    """A batch of 20 chunk messages, each run met by every Redis restart, each message back
+    itself after it (its ack lost): at the default ``SIFT_TASK_MAX_DELIVERIES``, one outage
+    more than it allows leaves every message's deliveries at 1, none poison (the economy lane
+    and the prefork pool judge their items by them). The allowance of uncounted deliveries was
+    one of the job's, spent by its first 10 messages in one outage; it is each message's."""
+    cap = load_settings().task_max_deliveries
+    batch = create_batch(store, total=200)
+    messages = [f"chunk-msg-{i}" for i in range(20)]
+    for _ in range(cap + 1):
+        deliveries = set()
+        for i, task_id in enumerate(messages):
+            deliveries.add(store.count_delivery(task_id, 0, batch.id))
+            store.note_outage(batch.id, range(i * 10, i * 10 + 10), (task_id, 0))
+        assert deliveries == {1}, deliveries
+    assert {store.count_delivery(task_id, 0, batch.id) for task_id in messages} == {1}
+
+
 def test_a_lost_ingest_is_redriven_and_runs(
     store: JobStore, sweeper: Sweeper, redis_url: str, tmp_path: Path
 ) -> None:

@@ -36,6 +36,7 @@ Layout (every prefix is in :mod:`worker.constants`):
     sift:index-reply:<id>     list   one index read's answer, for 60 s
     sift:idem:<tenant>:<h>    string {"fp", "state", "job"} for one Idempotency-Key
     sift:attempts:<task>:<n>  string deliveries of one task message
+    sift:attempts-freed:<task>:<n> string of them, those left uncounted as an outage's returns
     sift:stats:jobs           hash   queued / running searches and batch items right now
     sift:active               zset   search, ingest and batch ids not final yet
                                      -> the time of their last status change (the re-drive's)

@@ -13,6 +13,7 @@ from typing import cast
 
 from worker.constants import (
     ACTIVE_JOBS_KEY,
+    ATTEMPTS_FREED_KEY,
     ATTEMPTS_KEY,
     ATTEMPTS_TTL_SECONDS,
     BATCH_ID_PREFIX,
@@ -33,11 +34,13 @@ from worker.queue.jobstore.jobindex import KIND_INGEST, job_index_key
 from worker.queue.jobstore.records import WebhookStatus, _in_flight, _now
 from worker.queue.jobstore.store import _StoreCore
 
-# The re-drives of one position an outage may make free, and the deliveries of one job it may
-# leave uncounted (DeliveryRecords.note_outage). Each is a run that waited out Redis
-# unreachable for the client's whole window (30 s), then reached it again; a job's runs meeting
-# that ten times is Redis failing under that job (a command of its own stalling it), which the
-# delivery limit is there to stop, not outages it overlapped.
+# The re-drives of one position an outage may make free, and the deliveries of one task message
+# (task id and retry) it may leave uncounted (DeliveryRecords.note_outage, count_delivery): each
+# bounds what it frees, so a batch's chunks back after one restart are each freed, however many.
+# Each is a run that waited out Redis unreachable for the client's whole window (30 s), then
+# reached it again; a position's runs or a message's meeting that ten times is Redis failing
+# under that job (a command of its own stalling it), which the delivery limit is there to
+# stop, not outages it overlapped.
 FREE_OUTAGE_REDRIVES = 10
 
 
@@ -69,8 +72,8 @@ class DeliveryRecords(_StoreCore):
         """How many times this message (task id, retry number) of the job ``job_id`` has been
         delivered, this one too. A delivery that is the return of a message whose last run an
         outage ended (:meth:`note_outage`; its ack lost, the orphan check put it back) uses
-        that note up and is not counted (at most :data:`FREE_OUTAGE_REDRIVES` times a job)."""
-        keys = [_attempts_key(task_id, retry)]
+        that note up and is not counted (at most :data:`FREE_OUTAGE_REDRIVES` times a message)."""
+        keys = [_attempts_key(task_id, retry), f"{ATTEMPTS_FREED_KEY}{task_id}:{retry}"]
         if job_id is not None:
             keys.append(REDRIVE_OUTAGES_KEY + job_id)
         args = [str(ATTEMPTS_TTL_SECONDS), f"{task_id}:{retry}", str(FREE_OUTAGE_REDRIVES)]
@@ -232,7 +235,7 @@ class DeliveryRecords(_StoreCore):
         whose runs keep meeting Redis unreachable is judged as any other), or the message
         comes back itself (left unacked, its ack lost with the outage, the orphan check puts
         it back) and that delivery is not counted, as a hand-back's is
-        (:meth:`count_delivery`; at most :data:`FREE_OUTAGE_REDRIVES` times a job)."""
+        (:meth:`count_delivery`; at most :data:`FREE_OUTAGE_REDRIVES` times a message)."""
         keys = [REDRIVE_OUTAGES_KEY + job_id]
         message = "" if delivery is None else f"{delivery[0]}:{delivery[1]}"
         args = [str(self.result_ttl), message, *map(str, positions)]

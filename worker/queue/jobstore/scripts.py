@@ -751,28 +751,31 @@ return 1
 # outage notes (KEYS[2]) say that an outage ended this message's last run, this delivery is
 # that outage's return: the note is used up (one off each of its positions still noted, so no
 # re-drive is freed by it as well), and the delivery is not counted, as a hand-back's is, at
-# most ARGV[3] times a job ("uncounted" in the notes). A note a re-drive used up first (its
-# positions no longer noted) frees nothing more. Only fields that exist are changed: the notes
-# of an erased job stay gone. KEYS: 1 the message's delivery counter, 2 (optional) its job's
-# outage notes. ARGV: 1 the counter's TTL (seconds), 2 the message ("<task id>:<retry>"),
-# 3 the deliveries a job may have uncounted. Returns the deliveries counted.
+# most ARGV[3] times a message (KEYS[3], beside its counter: each of a batch's chunk messages
+# back after one restart is uncounted, however many there are). A note a re-drive used up
+# first (its positions no longer noted) frees nothing more. Only fields that exist are
+# changed: the notes of an erased job stay gone. KEYS: 1 the message's delivery counter,
+# 2 the deliveries of it left uncounted, 3 (optional) its job's outage notes. ARGV: 1 the
+# counters' TTL (seconds), 2 the message ("<task id>:<retry>"), 3 the deliveries a message
+# may have uncounted. Returns the deliveries counted.
 _COUNT_DELIVERY = """
 local count = redis.call('INCR', KEYS[1])
 redis.call('EXPIRE', KEYS[1], ARGV[1])
-if not KEYS[2] then return count end
+if not KEYS[3] then return count end
 local field = 'm:' .. ARGV[2]
-local noted = redis.call('HGET', KEYS[2], field)
+local noted = redis.call('HGET', KEYS[3], field)
 if not noted then return count end
-redis.call('HDEL', KEYS[2], field)
+redis.call('HDEL', KEYS[3], field)
 local paid = false
 for p in string.gmatch(noted, '[^,]+') do
-  if (tonumber(redis.call('HGET', KEYS[2], p)) or 0) > 0 then
-    redis.call('HINCRBY', KEYS[2], p, -1)
+  if (tonumber(redis.call('HGET', KEYS[3], p)) or 0) > 0 then
+    redis.call('HINCRBY', KEYS[3], p, -1)
     paid = true
   end
 end
-if paid and (tonumber(redis.call('HGET', KEYS[2], 'uncounted')) or 0) < tonumber(ARGV[3]) then
-  redis.call('HINCRBY', KEYS[2], 'uncounted', 1)
+if paid and (tonumber(redis.call('GET', KEYS[2])) or 0) < tonumber(ARGV[3]) then
+  redis.call('INCR', KEYS[2])
+  redis.call('EXPIRE', KEYS[2], ARGV[1])
   count = redis.call('DECR', KEYS[1])
 end
 return count
