@@ -1,6 +1,7 @@
 """One finished job's erasure in the job store (:mod:`worker.queue.jobstore.erasure`), on a real
-Redis: every key of it goes, a job not finished is refused, and nothing a late run, a late
-webhook or a step of the economy lane writes afterwards brings any of it back."""
+Redis: every key of it goes, a job not finished is refused, and nothing a late run (its
+outage note too), a late webhook or a step of the economy lane writes afterwards brings any
+of it back."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from worker.constants import (
     ECONOMY_WATCH_KEY,
     ERASED_KEY,
     IDEMPOTENCY_KEY,
+    REDRIVE_OUTAGES_KEY,
     REWRITE_INTERVAL_SECONDS,
     REWRITE_LATCH_KEY,
     REWRITE_OWED_KEY,
@@ -78,8 +80,12 @@ def test_an_erased_search_is_not_written_back_by_a_late_run_or_webhook(store: Jo
     assert store.erase_job("search", "acme", job.id).outcome is EraseOutcome.NOT_FINISHED
     run = store.claim_search(job.id, "w1", lease_seconds=30)
     assert store.start_search(job.id)
+    assert store.count_delivery("run-msg", 0, job.id) == 1
+    store.note_outage(job.id, [0], ("run-msg", 0))  # a run Redis unreachable ended
     assert store.erase_job("search", "acme", job.id).status == "running"
     assert store.finish_search(job.id, result=_result())
+    store.note_outage(job.id, [0], ("done-msg", 0))  # final: nothing of it is sent again
+    assert store.redis.hkeys(REDRIVE_OUTAGES_KEY + job.id) == ["0", "m:run-msg:0"]
     assert store.redis.zscore(WEBHOOKS_OWED_KEY, job.id) is not None  # its webhook is owed
     assert store.erase_job("search", "globex", job.id).outcome is EraseOutcome.MISSING
 
@@ -99,6 +105,8 @@ def test_an_erased_search_is_not_written_back_by_a_late_run_or_webhook(store: Jo
     assert not store.start_search(job.id)
     assert not store.requeue_search(job.id)
     assert not store.finish_search(job.id, result=_result())
+    store.count_delivery("run-msg", 0, job.id)  # its message back, then another run's outage
+    store.note_outage(job.id, [0], ("late-msg", 0))
     assert store.claim_webhook(job.id, 1, "w2", lease_seconds=30).granted
     store.webhook_due(job.id, 1e12, 2)
     store.webhook_settled(job.id, "delivered", 1)
@@ -123,6 +131,8 @@ def test_an_erased_batch_is_not_written_back_by_a_late_item_or_economy_step(
     assert store.erase_job("batch", "acme", batch.id).outcome is EraseOutcome.NOT_FINISHED
     assert store.start_item(batch.id, second)
     assert store.finish_item(batch.id, second, result=_result()).batch_completed
+    store.note_outage(batch.id, [0, 1], ("done-chunk", 0))  # final: nothing of it is sent again
+    assert not store.redis.exists(REDRIVE_OUTAGES_KEY + batch.id)
 
     assert store.erase_job("batch", "globex", batch.id).outcome is EraseOutcome.MISSING
     assert store.erase_job("batch", "acme", batch.id).outcome is EraseOutcome.ERASED
@@ -131,6 +141,8 @@ def test_an_erased_batch_is_not_written_back_by_a_late_item_or_economy_step(
     assert not store.start_item(batch.id, first)
     assert not store.finish_item(batch.id, second, result=_result()).applied
     store.claim_item(batch.id, first, "w2", lease_seconds=30)
+    store.count_delivery("chunk-msg", 0, batch.id)  # a chunk's run Redis unreachable ended
+    store.note_outage(batch.id, [0, 1], ("chunk-msg", 0))
     assert not store.economy_save(batch.id, ECONOMY_RUNS_KEY, {first: "{}"})
     assert not store.economy_save_prepared(batch.id, first, "{}")
     store.economy_expect(batch.id, "submit", 1e12)

@@ -21,6 +21,8 @@ from worker.constants import (
     BATCH_KEY,
     BATCH_ORDER_KEY,
     ECONOMY_PREPARED_KEY,
+    INGEST_ID_PREFIX,
+    INGEST_KEY,
     REDRIVE_COUNT_KEY,
     REDRIVE_OUTAGES_KEY,
     REDRIVE_POSITIONS_KEY,
@@ -47,6 +49,11 @@ FREE_OUTAGE_REDRIVES = 10
 def _record_key(job_id: str) -> str:
     """The record of a job with a webhook: a batch's or a search's."""
     return (BATCH_KEY if job_id.startswith(BATCH_ID_PREFIX) else SEARCH_KEY) + job_id
+
+
+def _job_record_key(job_id: str) -> str:
+    """The record of any job the re-drive sends again: a batch's, a search's or an ingest's."""
+    return INGEST_KEY + job_id if job_id.startswith(INGEST_ID_PREFIX) else _record_key(job_id)
 
 
 def _attempts_key(task_id: str, retry: int) -> str:
@@ -235,8 +242,10 @@ class DeliveryRecords(_StoreCore):
         whose runs keep meeting Redis unreachable is judged as any other), or the message
         comes back itself (left unacked, its ack lost with the outage, the orphan check puts
         it back) and that delivery is not counted, as a hand-back's is
-        (:meth:`count_delivery`; at most :data:`FREE_OUTAGE_REDRIVES` times a message)."""
-        keys = [REDRIVE_OUTAGES_KEY + job_id]
+        (:meth:`count_delivery`; at most :data:`FREE_OUTAGE_REDRIVES` times a message).
+        Nothing is written for a job whose record is gone (erased, purged, expired: nothing a
+        late run writes brings its keys back) or final (nothing of it is sent again)."""
+        keys = [_job_record_key(job_id), REDRIVE_OUTAGES_KEY + job_id]
         message = "" if delivery is None else f"{delivery[0]}:{delivery[1]}"
         args = [str(self.result_ttl), message, *map(str, positions)]
         self._note_outage(keys=keys, args=args)

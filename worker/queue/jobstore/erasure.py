@@ -36,8 +36,9 @@ of the request, and the job id; no text): a request sent again with the key is t
 was erased rather than run again.
 
 Nothing resurrects an erased job: every write a late run makes (a redelivered search's claim,
-start or finish; an item's move; a webhook's claim, retry or end; an economy step) is a
-script that writes only while the job's record (or a batch's items) exists.
+start or finish; an item's move; a webhook's claim, retry or end; an economy step; the
+outage note of a run Redis unreachable ended) is a script that writes only while the job's
+record (or a batch's items) exists.
 """
 
 from __future__ import annotations

@@ -735,15 +735,23 @@ return counts
 # (DeliveryRecords.note_outage): one more noted for each of its job's positions, and, when its
 # message is named, which positions that message's note covers ("m:<task id>:<retry>"): the
 # message may come back itself (left unacked, the orphan check puts it back) rather than by a
-# re-drive, and :data:`_COUNT_DELIVERY` then uses the note up. KEYS: 1 the job's outage
-# notes. ARGV: 1 the notes' TTL (seconds), 2 the message ("<task id>:<retry>", or ''),
-# 3... the positions.
+# re-drive, and :data:`_COUNT_DELIVERY` then uses the note up. Nothing is written for a job
+# whose record is gone (erased, purged or expired: a late run's note would bring a key of it
+# back, erasure.py) or final (a search's or an ingest's status, a batch's finished_at: nothing
+# of it is sent again). KEYS: 1 the job's record, 2 its
+# outage notes. ARGV: 1 the notes' TTL (seconds), 2 the message ("<task id>:<retry>", or
+# ''), 3... the positions. Returns 1 when noted, else 0.
 _NOTE_OUTAGE = """
-for i = 3, #ARGV do redis.call('HINCRBY', KEYS[1], ARGV[i], 1) end
-if ARGV[2] ~= '' then
-  redis.call('HSET', KEYS[1], 'm:' .. ARGV[2], table.concat(ARGV, ',', 3))
+if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HEXISTS', KEYS[1], 'finished_at') == 1 then
+  return 0
 end
-redis.call('EXPIRE', KEYS[1], ARGV[1])
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == 'succeeded' or status == 'failed' or status == 'canceled' then return 0 end
+for i = 3, #ARGV do redis.call('HINCRBY', KEYS[2], ARGV[i], 1) end
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[2], 'm:' .. ARGV[2], table.concat(ARGV, ',', 3))
+end
+redis.call('EXPIRE', KEYS[2], ARGV[1])
 return 1
 """
 
