@@ -7,13 +7,16 @@ nDCG@10 each path's vectors give.
          --qrels ../shared/data/scifact/qrels/test.tsv]
 
 The paths: the int8-compute graph as Sift makes it (attention fused into one node per
-layer), the same graph with attention spelled out as the export has it (the r2 graph),
+layer), the same graph handed each whole text to tokenize (as before the head cut: the
+same ids), the same graph with attention spelled out as the export has it (the r2 graph),
 the fused graph with a shorter token cap (192, 128: MiniLM was trained at 128), and the
 shipped fp32-product graph. Every path embeds one text per call on one onnxruntime thread
 (CPU per document is then what a worker pays per core, whatever the load). The timed
 rounds are interleaved, so a burst of load elsewhere hits every path alike; the median is
-printed. The nDCG columns index the whole corpus once per path (in-process, embedded
-backend) and run the 300 test claims through :func:`worker.evaluation.harness.evaluate`.
+printed. ``--repeat N`` makes each sampled text N abstracts long (long documents, where
+tokenizing the whole text cost most). The nDCG columns index the whole corpus once per
+path (in-process, embedded backend) and run the 300 test claims through
+:func:`worker.evaluation.harness.evaluate`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from worker.adapters.embedder import (  # noqa: E402
+    HEAD_CHARS,
     MAX_TOKENS,
     OnnxMiniLMEmbedder,
     default_model_path,
@@ -46,13 +50,21 @@ def paths(cache: Path) -> dict[str, OnnxMiniLMEmbedder]:
     fused = int8_compute_model(default_model_path(), cache)
     unfused = int8_compute_model(default_model_path(), cache, fuse_attention=False)
 
-    def one(model: Path | None, cap: int = MAX_TOKENS) -> OnnxMiniLMEmbedder:
+    def one(
+        model: Path | None, cap: int = MAX_TOKENS, head: int | None = HEAD_CHARS
+    ) -> OnnxMiniLMEmbedder:
         return OnnxMiniLMEmbedder(
-            model_path=model, threads=1, parallel_calls=1, batch_size=1, max_tokens=cap
+            model_path=model,
+            threads=1,
+            parallel_calls=1,
+            batch_size=1,
+            max_tokens=cap,
+            head_chars=head,
         )
 
     return {
         "int8, fused attention, 256 (default)": one(fused),
+        "int8, fused attention, 256, whole text tokenized": one(fused, head=None),
         "int8, attention unfused (r2), 256": one(unfused),
         "int8, fused attention, 192": one(fused, 192),
         "int8, fused attention, 128": one(fused, 128),
@@ -67,10 +79,13 @@ def main() -> None:
     parser.add_argument("--qrels", type=Path)
     parser.add_argument("--sample", type=int, default=128, help="texts per timed round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1, help="abstracts per sampled text")
     args = parser.parse_args()
     documents = read_corpus(args.corpus)
     texts = [embedding_text(d.title, d.text) for d in documents]
-    sample = texts[:: max(1, len(texts) // args.sample)][: args.sample]
+    step = max(1, len(texts) // args.sample)
+    sample = [" ".join(texts[i : i + args.repeat]) for i in range(0, len(texts), step)]
+    sample = sample[: args.sample]
     cache = Path.home() / ".cache" / "sift"
     embedders = paths(cache)
     reference = embedders["fp32 products, 256"].embed_array(sample)

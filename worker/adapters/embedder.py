@@ -18,6 +18,9 @@ one per core: onnxruntime releases the GIL, so the cores work in parallel with n
 intra-op threads spinning. Each call is what a text alone would get (the int8 graph
 embeds one text per call; fp32 masks the padding of its mini-batch), so a document's
 vector never depends on the documents beside it (``tests/integration/test_embedder_batches.py``).
+A long text is tokenized from a head that ends at a word (:func:`token_head`), as the model
+reads only its first 256 tokens: tokenizing all of a 100,000-character text made 131 more
+256-token windows, about 5 MB, for nothing (``tests/integration/test_embedder_long_texts.py``).
 On SciFact's abstracts (most at the 256-token cap) bigger tensors would not help: a
 mini-batch of 16 cost more CPU per text than one text per call, on both graphs
 (``benchmarks/bench_ingest.py`` measures the candidates side by side).
@@ -42,6 +45,7 @@ for documents (``benchmarks/bench_doc_embedding.py``, SciFact, in-process eval):
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -64,6 +68,18 @@ MODEL_ID = "all-MiniLM-L6-v2-onnx-int8"
 INT8_COMPUTE_SUFFIX = "+int8-matmul"
 MAX_TOKENS = 256
 BATCH_SIZE = 32
+# A text's head handed to the tokenizer first: 16 characters a token (English prose takes
+# under 5), so a head falls short of the cap only for texts of long words or much space.
+HEAD_CHARS = 16 * MAX_TOKENS
+# Texts tokenized at once: the tokenizer's threads stay busy, and a batch of texts that do
+# need their whole length tokenized (a head of few tokens) holds a few MB each, not a chunk's.
+TOKENIZE_BATCH = 32
+# What ends a word for MiniLM's tokenizer (BERT's normalizer and pre-tokenizer) whatever
+# follows it: ASCII whitespace and punctuation split words, and each CJK ideograph is a
+# word of its own. The normalizer works character by character (it drops control
+# characters, so those do not count: "a\x1cb" is one word), so a head cut just before one
+# of these tokenizes as the start of the whole text does.
+_WORD_END = re.compile(r"[\t\n\r !-/:-@\[-`{-~\u3400-\u4dbf\u4e00-\u9fff]")
 # onnxruntime's fused SkipLayerNormalization costs a quarter of a 256-token call on this
 # CPU (1.32: 21 against 16 ms on the int8-compute graph, 40 against 36 on fp32); unfused,
 # Add and LayerNormalization give vectors as close to the fp32 path (cosine >= 0.992).
@@ -83,6 +99,19 @@ def default_tokenizer_path() -> Path:
     return Path(str(root))
 
 
+def token_head(text: str, chars: int) -> str:
+    """``text`` cut at its first word end at or past ``chars`` (all of it if none is).
+
+    The head's tokens are the whole text's first ones, but for the tokens the model never
+    reads: the tokenizer, with truncation on, still makes every later 256-token window of
+    what it is handed (131 for 100,000 characters, about 5 MB) and drops them.
+    """
+    if len(text) <= chars:
+        return text
+    end = _WORD_END.search(text, chars)
+    return text if end is None else text[: end.start()]
+
+
 class OnnxMiniLMEmbedder:
     """The :class:`~worker.core.ports.Embedder` port on a local int8 MiniLM.
 
@@ -91,6 +120,10 @@ class OnnxMiniLMEmbedder:
     ``embed`` returns lists, as the port asks. ``parallel_calls`` model calls of one
     ``embed`` run at once (one per core by default), each on ``threads`` onnxruntime
     threads: a query is one call, a job's documents keep every core busy.
+
+    A long text is tokenized from a head of ``head_chars`` characters or more
+    (:func:`token_head`); ``None`` hands the tokenizer each whole text (the same ids,
+    compared in tests and benchmarks).
     """
 
     model_id: str = MODEL_ID
@@ -105,8 +138,10 @@ class OnnxMiniLMEmbedder:
         int8_cache_dir: Path | None = None,
         parallel_calls: int | None = None,
         max_tokens: int = MAX_TOKENS,
+        head_chars: int | None = HEAD_CHARS,
     ) -> None:
         self._model_path = model_path
+        self._head_chars = head_chars
         self._max_tokens = max_tokens
         self._int8_cache_dir = int8_cache_dir
         if int8_cache_dir is not None:
@@ -183,16 +218,16 @@ class OnnxMiniLMEmbedder:
         out = np.zeros((len(texts), DIMENSION), dtype=np.float32)
         if not texts:
             return out
-        tokenizer, session = self._load()
-        encodings = tokenizer.encode_batch(list(texts))
-        order = sorted(range(len(texts)), key=lambda i: -len(encodings[i].ids))
+        _, session = self._load()
+        ids = self.token_ids(texts)
+        order = sorted(range(len(texts)), key=lambda i: -len(ids[i]))
         batches = [
             order[start : start + self._batch_size]
             for start in range(0, len(order), self._batch_size)
         ]
 
         def run(rows: list[int]) -> None:
-            out[rows] = self._run(session, [encodings[i] for i in rows])
+            out[rows] = self._run(session, [ids[i] for i in rows])
 
         if len(batches) == 1 or self._parallel_calls == 1:
             for rows in batches:
@@ -200,6 +235,37 @@ class OnnxMiniLMEmbedder:
         else:
             list(self._calls().map(run, batches))
         return out
+
+    def token_ids(self, texts: Sequence[str]) -> list[list[int]]:
+        """The ids the model reads of each text: its first ``max_tokens``, with [CLS] and [SEP].
+
+        Tokenized ``TOKENIZE_BATCH`` texts at a time, each from its head: a head that ran to
+        the cap gives the whole text's ids (its tokens are the whole text's first ones); one
+        that fell short (long words, much space) is tried again four times as long, up to
+        the whole text. Only the ids are kept.
+        """
+        tokenizer, _ = self._load()
+        ids: list[list[int]] = []
+        for start in range(0, len(texts), TOKENIZE_BATCH):
+            ids += self._head_ids(tokenizer, texts[start : start + TOKENIZE_BATCH])
+        return ids
+
+    def _head_ids(self, tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+        ids: list[list[int]] = [[] for _ in texts]
+        todo = list(range(len(texts)))
+        chars = self._head_chars
+        while todo:
+            heads = [texts[i] if chars is None else token_head(texts[i], chars) for i in todo]
+            short = []
+            for i, head, encoding in zip(todo, heads, tokenizer.encode_batch(heads), strict=True):
+                if len(encoding.ids) >= self._max_tokens or len(head) == len(texts[i]):
+                    ids[i] = encoding.ids
+                else:
+                    short.append(i)
+            todo = short
+            if chars is not None:
+                chars = 4 * max(chars, 1, *map(len, heads))
+        return ids
 
     def _calls(self) -> ThreadPoolExecutor:
         """The threads that run one ``embed``'s model calls side by side, made on first use
@@ -212,13 +278,13 @@ class OnnxMiniLMEmbedder:
                     )
         return self._pool
 
-    def _run(self, session: Any, encodings: list[Any]) -> npt.NDArray[np.float32]:
-        width = max(1, max(len(e.ids) for e in encodings))
-        ids = np.zeros((len(encodings), width), dtype=np.int64)
+    def _run(self, session: Any, texts_ids: list[list[int]]) -> npt.NDArray[np.float32]:
+        width = max(1, max(map(len, texts_ids)))
+        ids = np.zeros((len(texts_ids), width), dtype=np.int64)
         mask = np.zeros_like(ids)
-        for row, enc in enumerate(encodings):
-            ids[row, : len(enc.ids)] = enc.ids
-            mask[row, : len(enc.ids)] = enc.attention_mask
+        for row, text_ids in enumerate(texts_ids):  # unpadded: every token attended
+            ids[row, : len(text_ids)] = text_ids
+            mask[row, : len(text_ids)] = 1
         feeds = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in self._input_names:
             feeds["token_type_ids"] = np.zeros_like(ids)
