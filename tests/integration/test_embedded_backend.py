@@ -531,6 +531,34 @@ def test_the_document_cache_stays_bounded_and_evicted_hits_are_read_again(
     backend.close()
 
 
+def test_the_document_cache_keeps_under_its_byte_budget_at_the_defaults(tmp_path: Path) -> None:
+    """Documents at the API's 100,000 characters, of a script CPython stores at 4 bytes a
+    character (about 400 KB each): 200 of them, past the budget, go through the cache; it
+    keeps the newest under its bytes (by count alone it kept all 80 MB), and every hit is the
+    document written, cached or read again."""
+    budget = embedded._caches.DOCUMENT_CACHE_BYTES
+    n = 200
+    wide = "\U0001d518" * 4 + " "  # MATHEMATICAL FRAKTUR CAPITAL U: 4 bytes in a str
+    docs = [Document(f"d{i}", f"doc{i} " + wide * 19_998, f"title {i}") for i in range(n)]
+    assert sum(sys.getsizeof(d.text) for d in docs) > budget
+    backend = EmbeddedBackend(tmp_path)
+    vectors = np.eye(n, dtype=np.float32)
+    for start in range(0, n, 50):
+        backend.upsert("idx", "acme", docs[start : start + 50], vectors[start : start + 50])
+
+    def knn(i: int) -> Document:
+        query = ChannelQuery("idx", HardFilters("acme"), ("knn",), 10, "", vector=vectors[i])
+        return backend.retrieve(query).hits["knn"][0].document
+
+    for i in range(n):  # each search reads its 10 candidates' bodies, most already cached
+        assert knn(i) == docs[i]
+    cached = list(backend._documents.values())
+    assert sum(sys.getsizeof(d.text) + sys.getsizeof(d.title) for d in cached) <= budget
+    assert len(cached) > 10 and cached[-1] in docs  # the newest kept
+    assert knn(0) == docs[0]  # long evicted: read from SQLite again, the same Document
+    backend.close()
+
+
 def test_an_index_keeps_the_embedding_model_its_first_write_recorded(tmp_path: Path) -> None:
     """Vectors of another model are refused, writing nothing, while the tenant's index holds
     a document; the record goes with the last of them, by a drop or by deletes by id."""

@@ -6,6 +6,7 @@ since, and let go once the index is emptied, whoever emptied it) and built ``Doc
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -23,7 +24,13 @@ logger = logging.getLogger(__package__)
 
 # Built Documents by seq. A seq names one immutable version (a replace gets a new seq,
 # and seqs are never reused), so an entry can go stale only by never being asked for.
+# Bounded by count and by its texts' bytes, the oldest let go first: by count alone,
+# 20,000 documents at the API's 100,000 characters held 2 GB in each worker process (4 to
+# 8 GB in a script CPython stores at 2 or 4 bytes a character). 64 MiB holds about 670
+# documents at the limit (160 at 4 bytes a character); 20,000 SciFact abstracts take 37 MB
+# (1.9 KB each), so there the count binds, as before.
 DOCUMENT_CACHE_SIZE = 20_000
+DOCUMENT_CACHE_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
@@ -68,9 +75,16 @@ class _VectorCache(_Pool):
 
     def _remember(self, built: dict[int, Document]) -> None:
         with self._lock:
-            self._documents.update(built)
-            for _ in range(len(self._documents) - DOCUMENT_CACHE_SIZE):
-                self._documents.popitem(last=False)
+            cache = self._documents
+            for seq, document in built.items():
+                if (earlier := cache.get(seq)) is not None:  # built by two searches at once
+                    self._document_bytes -= _weight(earlier)
+                cache[seq] = document
+                self._document_bytes += _weight(document)
+            while cache and (
+                len(cache) > DOCUMENT_CACHE_SIZE or self._document_bytes > DOCUMENT_CACHE_BYTES
+            ):
+                self._document_bytes -= _weight(cache.popitem(last=False)[1])
 
     def _refresh(self, conn: apsw.Connection, index: str, tenant: str, generation: int) -> _Vectors:
         """The tenant's index's vectors as of ``generation``, loading only rows added since
@@ -162,6 +176,12 @@ class _VectorCache(_Pool):
         for index, tenant in list(self._vectors):
             if not _holds(conn, index, tenant):
                 del self._vectors[(index, tenant)]
+
+
+def _weight(document: Document) -> int:
+    """The bytes a cached document's title and text hold: ``sys.getsizeof`` counts CPython's
+    1, 2 or 4 bytes a character (by the string's widest) and its header, without a walk."""
+    return sys.getsizeof(document.text) + sys.getsizeof(document.title)
 
 
 def _kept(values: list[str], rows: npt.NDArray[np.intp], whole: bool) -> list[str]:

@@ -71,6 +71,7 @@ class _Pool:
         # Insertion order, the oldest evicted first. An OrderedDict, as a dict's next(iter())
         # walks every slot deleted since its last resize: 2 ms per full-cache search measured.
         self._documents: OrderedDict[int, Document] = OrderedDict()
+        self._document_bytes = 0  # their titles' and texts' (_caches._weight), under a budget
         self._vectors: dict[tuple[str, str], _Vectors] = {}  # by (index, tenant)
         self._schema_seen: int | None = None  # the schema version the caches were swept at
         self._connections: list[apsw.Connection] = []  # every open one, lent or idle
@@ -96,7 +97,7 @@ class _Pool:
             if os.getpid() != self._pid:  # forked: never use (nor close) the parent's
                 self._inherited += self._connections
                 self._pid, self._connections, self._vectors = os.getpid(), [], {}
-                self._idle, self._documents = [], OrderedDict()
+                self._idle, self._documents, self._document_bytes = [], OrderedDict(), 0
             conn = self._idle.pop() if self._idle else None
             epoch = self._epoch
         if conn is None:
