@@ -60,6 +60,7 @@ from typing import Any, cast
 import redis
 from celery.worker.request import Request
 
+from worker.clock import CLOCK
 from worker.constants import (
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_INDEX_KEY,
@@ -259,12 +260,16 @@ class Liveness:
 
     def beat(self) -> None:
         """Refresh the heartbeat, re-assert the deliveries held (a write lost to a Redis
-        restart comes back), and write what changed since the last flush."""
+        restart comes back), write what changed since the last flush, and read Redis's
+        clock again (this process's shared clock, :mod:`worker.clock`)."""
         ttl_ms = int(self.dead_after_seconds * 1000)
         pipe = self.client.pipeline(transaction=False)
         pipe.set(heartbeat_key(self.worker_id), str(time.time()), px=ttl_ms, get=True)
         pipe.sadd(WORKERS_KEY, self.worker_id)
-        previous, _ = pipe.execute()
+        pipe.time()  # this process's reading of the shared clock (worker/clock.py)
+        sent = CLOCK.monotonic()
+        previous, _, server_time = pipe.execute()
+        CLOCK.calibrate(server_time, sent=sent, received=CLOCK.monotonic())
         if previous is None and self._beaten:
             log.error(
                 "liveness: this worker's heartbeat had expired (stalled for over %gs, or Redis "
@@ -354,6 +359,10 @@ def start(redis_url: str, settings: Any) -> Liveness:
         orphan_seconds=settings.worker_orphan_delivery_seconds,
         redrive_interval_seconds=settings.redrive_interval_seconds,
     )
+    try:  # on the shared clock before the first task, and before a prefork child is forked
+        CLOCK.read(client.time)
+    except redis.RedisError as exc:  # Redis not up yet: the first beat reads it
+        log.warning("liveness: could not read Redis's clock yet: %s", exc)
     _liveness.start()
     _liveness_pid = os.getpid()
     log.info(

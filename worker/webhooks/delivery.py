@@ -53,6 +53,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from standardwebhooks.webhooks import Webhook
 
+from worker import clock
 from worker.constants import WEBHOOK_EVENT_BATCH_COMPLETED, WEBHOOK_EVENT_SEARCH_COMPLETED
 from worker.core.budget import retry_after_seconds
 from worker.errors import InvalidRequest
@@ -285,7 +286,7 @@ def payload(
     is at the job's URL."""
     if event_type not in EVENT_TYPES:
         raise ValueError(f"unknown webhook event type {event_type!r}")
-    when = (occurred_at or datetime.now(UTC)).astimezone(UTC)
+    when = (occurred_at or datetime.fromtimestamp(clock.now(), UTC)).astimezone(UTC)
     body = {
         "type": event_type,
         "timestamp": when.isoformat().replace("+00:00", "Z"),
@@ -461,7 +462,9 @@ def _send(
     deadline: _Deadline,
 ) -> DeliveryResult:
     capped = DeliveryResult(DeliveryOutcome.RETRY, f"timeout: the {timeouts.total:g} s cap")
-    headers = sign(secrets, msg_id, datetime.now(UTC), body)
+    # on the shared clock: the receiver checks the timestamp against its own, and this
+    # host's may be minutes off (a 6 minute skew had every webhook refused)
+    headers = sign(secrets, msg_id, datetime.fromtimestamp(clock.now(), UTC), body)
     headers["content-type"] = "application/json"
     headers["user-agent"] = USER_AGENT
     last = DeliveryResult(DeliveryOutcome.RETRY, "connection failed")

@@ -1,0 +1,127 @@
+"""Hosts whose wall clocks disagree: a worker or gateway minutes off the others keeps every
+time another host reads on Redis's clock.
+
+Each test starts real processes under libfaketime (``LD_PRELOAD``; ``apt-get install
+faketime``), which moves their wall clock and leaves their monotonic clock alone, as a host
+with a misconfigured NTP has. Redis, the receiver and the test keep the true time. Before:
+a worker 6 minutes ahead or behind signed its webhooks with its own clock, and a Standard
+Webhooks receiver (5 minutes of tolerance) refused each one, which Sift settled ``failed``
+after one attempt.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from standardwebhooks.webhooks import Webhook
+
+from tests.fake_anthropic import FakeAnthropic
+from tests.reliability.support import (
+    ACME,
+    KEYS,
+    ingest,
+    sample_queries,
+    serve_hook,
+    stack_env,
+    submit_search,
+    wait_for,
+)
+from tests.services import celery_worker, gateway, redis_server
+
+pytestmark = pytest.mark.integration
+
+FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+if not FAKETIME.exists():  # pragma: no cover
+    pytest.skip("libfaketime is not installed (apt-get install faketime)", allow_module_level=True)
+
+
+def skewed(env: dict[str, str], skew: str) -> dict[str, str]:
+    """``env`` for a process whose wall clock reads ``skew`` off (libfaketime's ``+6m``,
+    ``-3m``...), its monotonic clock true."""
+    return {
+        **env,
+        "LD_PRELOAD": str(FAKETIME),
+        "FAKETIME": skew,
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
+
+
+class VerifyingReceiver:
+    """A Standard Webhooks receiver: verifies each POST with the ``standardwebhooks``
+    library (its 5 minutes of tolerance against this, the true, clock) and answers 400 to
+    one it refuses, 204 to one it accepts; or 503 to its first ``failures`` POSTs."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.failures = failures
+        self.answers: list[tuple[int, str]] = []
+        self.lock = threading.Lock()
+        self.url = ""
+
+    def serve(self) -> Iterator[VerifyingReceiver]:
+        receiver = self
+        verifier = Webhook(KEYS[0]["webhook_secret"])
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                try:
+                    verifier.verify(body, headers)
+                    code, why = 204, "verified"
+                except Exception as exc:  # what a receiver's library refuses, it refuses
+                    code, why = 400, f"{type(exc).__name__}: {exc}"
+                with receiver.lock:
+                    if len(receiver.answers) < receiver.failures:
+                        code = 503
+                    receiver.answers.append((code, why))
+                self.send_response(code)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        with serve_hook(Handler) as self.url:
+            yield self
+
+    def seen(self) -> list[tuple[int, str]]:
+        with self.lock:
+            return list(self.answers)
+
+
+@pytest.fixture
+def verifying() -> Iterator[VerifyingReceiver]:
+    yield from VerifyingReceiver().serve()
+
+
+def _webhook(client: httpx.Client, job_id: str) -> dict[str, Any]:
+    job: dict[str, Any] = client.get(f"/v1/searches/{job_id}", headers=ACME).json()
+    return job.get("webhook") or {}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("skew", ["+6m", "-6m"])
+def test_a_worker_minutes_off_signs_webhooks_a_receiver_accepts(
+    tmp_path: Path, model: FakeAnthropic, verifying: VerifyingReceiver, skew: str
+) -> None:
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", model.url)
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+            celery_worker(tmp_path / "w", skewed(env, skew), "skewed"),
+        ):
+            ingest(client)
+            job_id = submit_search(client, sample_queries()[0], webhook_url=verifying.url)
+            wait_for(
+                lambda: _webhook(client, job_id).get("status") not in (None, "pending", "retrying"),
+                "the webhook settled",
+            )
+            webhook = _webhook(client, job_id)
+    assert verifying.seen() == [(204, "verified")]
+    assert webhook == {"status": "delivered", "attempts": 1}
