@@ -6,7 +6,8 @@ faketime``), which moves their wall clock and leaves their monotonic clock alone
 with a misconfigured NTP has. Redis, the receiver and the test keep the true time. Before:
 a worker 6 minutes ahead or behind signed its webhooks with its own clock, and a Standard
 Webhooks receiver (5 minutes of tolerance) refused each one, which Sift settled ``failed``
-after one attempt.
+after one attempt; a retry scheduled by a worker 3 minutes ahead was held back 3 minutes on
+every other worker.
 """
 
 from __future__ import annotations
@@ -99,6 +100,11 @@ def verifying() -> Iterator[VerifyingReceiver]:
     yield from VerifyingReceiver().serve()
 
 
+@pytest.fixture
+def failing_once() -> Iterator[VerifyingReceiver]:
+    yield from VerifyingReceiver(failures=1).serve()
+
+
 def _webhook(client: httpx.Client, job_id: str) -> dict[str, Any]:
     job: dict[str, Any] = client.get(f"/v1/searches/{job_id}", headers=ACME).json()
     return job.get("webhook") or {}
@@ -125,3 +131,31 @@ def test_a_worker_minutes_off_signs_webhooks_a_receiver_accepts(
             webhook = _webhook(client, job_id)
     assert verifying.seen() == [(204, "verified")]
     assert webhook == {"status": "delivered", "attempts": 1}
+
+
+@pytest.mark.timeout(240)
+def test_a_retry_scheduled_by_a_worker_ahead_is_due_on_the_shared_clock(
+    tmp_path: Path, model: FakeAnthropic, failing_once: VerifyingReceiver
+) -> None:
+    """Attempt 1 (answered 503) is made by a worker 3 minutes ahead, which then stops (a
+    rolling restart); a worker with a true clock makes attempt 2, the schedule's wait (5 s
+    at the defaults, give or take the jitter) after attempt 1 on Redis's clock. Its due time
+    (the task's ``due_at``, and the ETA of its message, which Celery wrote on the sender's
+    clock and waited for on the receiver's) read 3 minutes more, and the other worker
+    waited them out, past the 90 s this test waits."""
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", model.url, SIFT_WEBHOOK_RETRY_SCALE="1")
+        with (
+            gateway(tmp_path / "g", env) as base,
+            httpx.Client(base_url=base, timeout=30) as client,
+        ):
+            with celery_worker(tmp_path / "w1", skewed(env, "+3m"), "ahead"):
+                ingest(client)
+                job_id = submit_search(client, sample_queries()[0], webhook_url=failing_once.url)
+                wait_for(lambda: _webhook(client, job_id).get("status") == "retrying", "attempt 1")
+            with celery_worker(tmp_path / "w2", env, "true"):
+                wait_for(
+                    lambda: _webhook(client, job_id).get("status") == "delivered",
+                    "attempt 2, made by the worker with a true clock",
+                )
+    assert [code for code, _ in failing_once.seen()] == [503, 204]

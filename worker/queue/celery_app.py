@@ -13,8 +13,10 @@ import logging
 import os
 import threading
 import time
+from datetime import UTC, datetime
 from typing import Any
 
+import kombu.asynchronous.timer as kombu_timer
 from celery import Celery
 from celery.signals import (
     after_setup_logger,
@@ -30,6 +32,7 @@ from celery.signals import (
     worker_shutting_down,
 )
 
+from worker import clock
 from worker.constants import (
     BATCH_QUEUE,
     INGEST_QUEUE,
@@ -222,10 +225,30 @@ def _job_ends(**_: Any) -> None:
     leave_job()
 
 
+class SharedClockCelery(Celery):  # type: ignore[misc]
+    """Celery on the shared clock (:mod:`worker.clock`): a countdown (a retry's, a webhook's
+    hop, an economy poll's) becomes an ETA in the message, which another worker, on another
+    host, waits for. Celery reads the ETA from the sender's wall clock and waits for it on the
+    receiver's: a message sent by a host 3 minutes ahead waited 3 minutes more on every
+    other host, and one sent by a host behind ran early."""
+
+    def now(self) -> datetime:
+        return datetime.fromtimestamp(clock.now(), UTC).astimezone(self.timezone)
+
+
+def etas_on_the_shared_clock() -> None:
+    """A received message's ETA waited for on the shared clock, as :class:`SharedClockCelery`
+    wrote it: kombu's timer turns an ETA into its monotonic time with the wall clock it
+    reads as ``time.time`` at module level, which is this host's own (no setting chooses
+    it). Harmless where nothing calibrates the clock: it reads this host's wall clock then."""
+    kombu_timer._time = clock.now  # type: ignore[attr-defined]
+
+
 def create_celery_app(settings: Settings | None = None) -> Celery:
     """The worker's Celery app, with Sift's tasks registered."""
     settings = settings or load_settings()
-    celery = Celery("sift", set_as_current=False)
+    etas_on_the_shared_clock()
+    celery = SharedClockCelery("sift", set_as_current=False)
     celery.config_from_object(celery_config(settings))
     celery.conf.sift_settings = settings
     celery.steps["consumer"].add(IntakeStep)  # pauses intake while batch items queue up

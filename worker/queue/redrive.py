@@ -120,6 +120,7 @@ from typing import Any, cast
 
 from celery import bootsteps
 
+from worker import clock
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_ID_PREFIX,
@@ -365,7 +366,7 @@ class Sweeper:
         published) once it is overdue by the grace, or, while an urgent window is open, once
         it is due and two sweeps in a row found it so at the same due time; answers their job
         ids. ``now``: the sweep's clock (tests move it on)."""
-        now = time.time() if now is None else now
+        now = clock.now() if now is None else now  # the owed dues' clock, Redis's
         urgent = bool(self.store.redis.exists(REDRIVE_URGENT_KEY))
         grace_ends = now - self.webhook_grace_seconds
         owed = self.store.webhooks_overdue(now if urgent else grace_ends, PAGE)

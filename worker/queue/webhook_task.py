@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
 from celery.exceptions import SoftTimeLimitExceeded
 
+from worker import clock
 from worker.constants import BATCH_ID_PREFIX, WEBHOOK_QUEUE, WEBHOOK_TASK
 from worker.observability import metrics
 from worker.queue import liveness
@@ -62,7 +62,9 @@ def webhook(self: SiftTask, event: dict[str, Any]) -> None:
     from worker.webhooks import delivery as webhooks
 
     settings = self.context.settings
-    wait = float(event.get("due_at", 0.0)) - time.time()
+    # due_at is on the shared clock, whichever host wrote it: on its own clock, a host 3
+    # minutes ahead held its retries back 3 minutes on every other host
+    wait = float(event.get("due_at", 0.0)) - clock.now()
     if wait > 0:  # not yet due: another hop
         raise _hop(self, event, min(wait, _hop_seconds(settings)))
     data = event["data"]
@@ -118,7 +120,7 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
         raise _hop(self, {**event, "attempt": attempt}, min(claim.wait, _hop_seconds(settings)))
     # how late the attempt runs after it was due: the job's end, or its retry's time
     due = event.get("due_at") or datetime.fromisoformat(event["occurred_at"]).timestamp()
-    metrics.observe_queue_wait(WEBHOOK_QUEUE, time.time() - float(due))
+    metrics.observe_queue_wait(WEBHOOK_QUEUE, clock.now() - float(due))
     # the keys as the worker read them at its start (Settings.all_api_keys), not the file now
     secrets = next(
         (k.webhook_secrets() for k in settings.all_api_keys() if k.tenant == event["tenant"]), None
@@ -162,7 +164,7 @@ def _attempt(self: SiftTask, event: dict[str, Any]) -> None:
         store.webhook_settled(data["id"], "delivered" if delivered else "failed", attempt)
         return
     later = {**event, "attempt": attempt + 1}
-    later["due_at"] = time.time() + decision.retry_in
+    later["due_at"] = clock.now() + decision.retry_in
     if not store.webhook_due(data["id"], later["due_at"], later["attempt"]):
         log.info("webhook %s: settled, or another copy makes attempt %d", data["id"], attempt + 1)
         return
