@@ -5,6 +5,7 @@ uvicorn --factory api_gateway.app:serve --port 8080   # what `sift gateway` runs
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -28,6 +29,7 @@ from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
 from api_gateway.ops import router as ops_router
 from api_gateway.queue import OutboxSender
 from api_gateway.routing import GetAnswersHead
+from worker.clock import CLOCK, RECALIBRATE_SECONDS
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError
 from worker.observability.logcontext import configure_logging
@@ -38,6 +40,26 @@ from worker.webhooks.urlguard import LOOKUP_THREADS, LookupThreads
 
 log = logging.getLogger(__name__)
 REDIS_MAX_CONNECTIONS = 128
+# how long the gateway waits for Redis's clock at its start before going on without it
+CLOCK_READ_TIMEOUT_SECONDS = 2.0
+
+
+async def read_the_clock(store: AsyncJobStore) -> None:
+    """Read Redis's clock into this process's shared clock (:mod:`worker.clock`), once; a
+    Redis down or slow leaves it as it was (the host's own clock before any reading)."""
+    try:
+        async with asyncio.timeout(CLOCK_READ_TIMEOUT_SECONDS):
+            await CLOCK.aread(store.redis.time)
+    except (redis.RedisError, TimeoutError) as exc:
+        log.debug("could not read Redis's clock: %s", exc)
+
+
+async def keep_the_clock(store: AsyncJobStore) -> None:
+    """Read Redis's clock again every :data:`~worker.clock.RECALIBRATE_SECONDS`, for as long
+    as the gateway runs (the monotonic clock the reading is carried on drifts, slowly)."""
+    while True:
+        await asyncio.sleep(RECALIBRATE_SECONDS)
+        await read_the_clock(store)
 
 
 def create_app(
@@ -73,9 +95,13 @@ def create_app(
         app.state.retakes = set()  # cancel-count takes sent again (api_gateway/jobs/)
         # webhook URLs' name lookups at registration, on threads of their own (api_gateway/jobs/)
         app.state.lookups = LookupThreads(LOOKUP_THREADS, "sift-gateway-dns")
+        # a job's created_at on Redis's clock, which the workers time its start and end on
+        await read_the_clock(async_store)
+        clock_keeper = asyncio.create_task(keep_the_clock(async_store))
         try:
             yield
         finally:
+            clock_keeper.cancel()
             await stop_retakes(app.state.retakes)
             app.state.lookups.close()
             sender.close()

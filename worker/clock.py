@@ -34,16 +34,22 @@ log = logging.getLogger(__name__)
 RECALIBRATE_SECONDS = 30.0
 #: A host whose wall clock is further than this off Redis's is warned of, once.
 SKEW_WARNING_SECONDS = 5.0
+#: How fast a monotonic clock may drift from Redis's (100 ppm: a quartz clock without NTP
+#: drifts less), for weighing an old reading against a new one.
+MAX_DRIFT = 1e-4
 
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
     """One reading of Redis's clock: its time (half the round trip added) at ``monotonic``,
-    this process's monotonic clock then, and its wall clock then (``local``)."""
+    this process's monotonic clock then, its wall clock then (``local``), and the most the
+    reading can be off by (``error``: half the round trip, as Redis read its clock somewhere
+    within it)."""
 
     shared: float
     monotonic: float
     local: float
+    error: float = 0.0
 
     @property
     def skew(self) -> float:
@@ -62,6 +68,15 @@ class Calibration:
         """
         return self.shared + (monotonic - self.monotonic)
 
+    def error_at(self, monotonic: float) -> float:
+        """The most :meth:`at` can be off by at ``monotonic``: the reading's error, and the
+        monotonic clock's drift from Redis's since (:data:`MAX_DRIFT`).
+
+        >>> Calibration(shared=1000.0, monotonic=5.0, local=1000.0, error=0.001).error_at(105.0)
+        0.011
+        """
+        return self.error + (monotonic - self.monotonic) * MAX_DRIFT
+
 
 def calibration(
     reply: tuple[int, int] | list[int], *, sent: float, received: float, local: float
@@ -69,13 +84,14 @@ def calibration(
     """The reading of a ``TIME`` ``reply`` sent at monotonic ``sent`` and answered at
     ``received``: Redis read its clock about half way through the round trip.
 
-    >>> calibration((1000, 0), sent=10.0, received=10.2, local=1360.2)
-    Calibration(shared=1000.1, monotonic=10.2, local=1360.2)
+    >>> calibration((1000, 0), sent=10.0, received=10.5, local=1360.5)
+    Calibration(shared=1000.25, monotonic=10.5, local=1360.5, error=0.25)
     """
     seconds, micros = reply  # as worker.redis_client.server_seconds reads it (no redis here:
     # the webhooks, which must not import it, read this clock)
     shared = int(seconds) + int(micros) / 1_000_000
-    return Calibration(shared + (received - sent) / 2, received, local)
+    half = (received - sent) / 2
+    return Calibration(shared + half, received, local, half)
 
 
 class SharedClock:
@@ -90,6 +106,7 @@ class SharedClock:
         self._monotonic = monotonic
         self._wall = wall
         self._reading: Calibration | None = None
+        self._skew: float | None = None
         self._warned = False
         self._lock = threading.Lock()
 
@@ -100,8 +117,7 @@ class SharedClock:
 
     def skew(self) -> float | None:
         """This host's wall clock minus Redis's, as last measured; None before any reading."""
-        reading = self._reading
-        return None if reading is None else reading.skew
+        return self._skew
 
     def stale(self, seconds: float = RECALIBRATE_SECONDS) -> bool:
         """Whether the last reading is older than ``seconds`` (or there is none)."""
@@ -112,22 +128,27 @@ class SharedClock:
         self, reply: tuple[int, int] | list[int], *, sent: float, received: float
     ) -> float:
         """Record a ``TIME`` reply sent at monotonic ``sent`` and answered at ``received``
-        (read them around the call with :attr:`monotonic`); the skew it measured. A reply
-        slower than the last reading's is kept too: the clock moves on in either case, and
-        the round trip's half is the most it can be off by. The first skew past
-        :data:`SKEW_WARNING_SECONDS` is logged as a warning."""
-        reading = calibration(reply, sent=sent, received=received, local=self._wall())
+        (read them around the call with :attr:`monotonic`); the skew it measured. The new
+        reading replaces the one kept unless that one, aged by the drift since, is still the
+        surer (a round trip slowed by a busy process or network is off by up to its half:
+        a gateway's 0.4 s round trip at its start put a job's ``created_at`` after its
+        ``started_at``). The first skew past :data:`SKEW_WARNING_SECONDS` is logged as a
+        warning."""
+        fresh = calibration(reply, sent=sent, received=received, local=self._wall())
         with self._lock:
-            self._reading = reading
-            warn = abs(reading.skew) > SKEW_WARNING_SECONDS and not self._warned
+            kept = self._reading
+            if kept is None or fresh.error <= kept.error_at(fresh.monotonic):
+                kept = self._reading = fresh
+            skew = self._skew = fresh.local - kept.at(fresh.monotonic)
+            warn = abs(skew) > SKEW_WARNING_SECONDS and not self._warned
             self._warned = self._warned or warn
         if warn:
             log.warning(
                 "this host's clock is %+.1f s off Redis's: Sift times its jobs, webhooks and "
                 "retries on Redis's clock, but check this host's NTP",
-                reading.skew,
+                skew,
             )
-        return reading.skew
+        return skew
 
     def read(self, time_command: Callable[[], tuple[int, int] | list[int]]) -> float:
         """Calibrate on one ``TIME`` round trip (``client.time``); the skew measured."""

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 from standardwebhooks.webhooks import Webhook
 
 from tests.fake_anthropic import FakeAnthropic
@@ -34,6 +36,9 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import celery_worker, gateway, redis_server
+from worker.constants import WEBHOOKS_OWED_KEY
+from worker.redis_client import server_seconds
+from worker.webhooks.delivery import JITTER, RETRY_SCHEDULE_SECONDS
 
 pytestmark = pytest.mark.integration
 
@@ -145,6 +150,7 @@ def test_a_retry_scheduled_by_a_worker_ahead_is_due_on_the_shared_clock(
     waited them out, past the 90 s this test waits."""
     with redis_server(tmp_path / "redis") as url:
         env = stack_env(url + "/0", model.url, SIFT_WEBHOOK_RETRY_SCALE="1")
+        shared = redis.Redis.from_url(url + "/0")
         with (
             gateway(tmp_path / "g", env) as base,
             httpx.Client(base_url=base, timeout=30) as client,
@@ -153,9 +159,57 @@ def test_a_retry_scheduled_by_a_worker_ahead_is_due_on_the_shared_clock(
                 ingest(client)
                 job_id = submit_search(client, sample_queries()[0], webhook_url=failing_once.url)
                 wait_for(lambda: _webhook(client, job_id).get("status") == "retrying", "attempt 1")
+                answered = server_seconds(shared.time())  # just after attempt 1's answer
+                due = shared.zscore(WEBHOOKS_OWED_KEY, job_id)  # when the re-drive expects it
             with celery_worker(tmp_path / "w2", env, "true"):
                 wait_for(
                     lambda: _webhook(client, job_id).get("status") == "delivered",
                     "attempt 2, made by the worker with a true clock",
                 )
+        shared.close()
     assert [code for code, _ in failing_once.seen()] == [503, 204]
+    # the re-drive's due time too (a retry only moves it later: it was the job's end, on
+    # the worker's own clock, 3 minutes ahead)
+    assert due is not None and due - answered <= RETRY_SCHEDULE_SECONDS[1] * (1 + JITTER)
+
+
+def _times(job: dict[str, Any]) -> list[datetime]:
+    return [datetime.fromisoformat(job[k]) for k in ("created_at", "started_at", "finished_at")]
+
+
+@pytest.mark.timeout(240)
+def test_jobs_are_timed_and_listed_on_one_clock_across_hosts(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """Two gateways share one Redis, one 6 minutes ahead; the worker runs 6 minutes behind.
+    A search submitted on the gateway ahead, then one on the true gateway, list newest first
+    (the second first), and each was created, started and finished in that order. Before,
+    ``created_at`` was the gateway's own clock and ``started_at``/``finished_at`` the
+    worker's: the first search listed as the newer, started 12 minutes before it was
+    created, and a client paging until the first id it had seen never saw the second."""
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", model.url)
+        with (
+            gateway(tmp_path / "g1", skewed(env, "+6m"), "ahead") as ahead,
+            gateway(tmp_path / "g2", env, "true") as true,
+            httpx.Client(base_url=ahead, timeout=30) as first_client,
+            httpx.Client(base_url=true, timeout=30) as client,
+            celery_worker(tmp_path / "w", skewed(env, "-6m"), "behind"),
+        ):
+            ingest(client)
+            first = submit_search(first_client, sample_queries()[0])
+            second = submit_search(client, sample_queries()[1])
+            listed = client.get("/v1/searches", headers=ACME).json()["searches"]
+            wait_for(
+                lambda: all(
+                    client.get(f"/v1/searches/{j}", headers=ACME).json()["status"] == "succeeded"
+                    for j in (first, second)
+                ),
+                "both searches succeeded",
+            )
+            jobs = [client.get(f"/v1/searches/{j}", headers=ACME).json() for j in (first, second)]
+    assert [s["id"] for s in listed] == [second, first]
+    assert listed[0]["created_at"] >= listed[1]["created_at"]
+    for job in jobs:
+        created, started, finished = _times(job)
+        assert created <= started <= finished, job

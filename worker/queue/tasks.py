@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -22,6 +21,7 @@ from functools import partial
 import redis
 from celery import shared_task
 
+from worker import clock
 from worker.constants import (
     BATCH_CHUNK_TASK,
     BATCH_QUEUE,
@@ -141,10 +141,10 @@ def _search(task: SiftTask, job: SearchJob, claim: RunClaim, answers: ClaimAnswe
     if job.started_at is None and not claim.spent:
         # its first run (the record read before the claim may predate a run that has
         # started, been retried and let go: that run counted the wait)
-        metrics.observe_queue_wait(SEARCH_QUEUE, time.time() - job.created_at)
+        metrics.observe_queue_wait(SEARCH_QUEUE, clock.now() - job.created_at)
     log.info("search %s: running for tenant %s", job_id, job.tenant)
     deadline = task.context.settings.search_deadline_seconds
-    run_started = time.time()
+    run_started = clock.now()  # created_at's clock: the gateway's host may not be this one
     try:
         task.context.admit(job.tenant)  # a removed tenant's search ends here, unrun
         with metrics.running_job():
@@ -371,7 +371,7 @@ class _ChunkItems:
             return self._run_poisoned(item)
         if not started:
             return None  # canceled meanwhile, or finished by another delivery
-        waited = time.time() - self.batch.created_at
+        waited = clock.now() - self.batch.created_at
         assert self.runtime is not None and item.spec is not None
         checked = _ModelCheck(self.store, self.marks, self.batch_id, item.query_id)
         item_claim: RunClaim | None = None
@@ -662,7 +662,7 @@ def _ingest(task: SiftTask, job: IngestJob, claim: RunClaim) -> None:
     if not store.start_ingest(job_id):
         return
     if job.started_at is None and not claim.spent:  # its first run (as a search's)
-        metrics.observe_queue_wait(INGEST_QUEUE, time.time() - job.created_at)
+        metrics.observe_queue_wait(INGEST_QUEUE, clock.now() - job.created_at)
     try:
         task.context.admit(job.tenant)  # a removed tenant's ingest or delete ends here, unrun
         if deleting:

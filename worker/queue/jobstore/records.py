@@ -6,7 +6,6 @@ message).
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Literal
 
+from worker import clock
 from worker.contract import ErrorInfo, JobStatus, SearchResult, SearchSpec, Usage
 
 # Given a new job's id, the broker messages to write with its record: (list key, raw message).
@@ -81,7 +81,11 @@ _STATUSES = tuple(JobStatus)
 
 
 def _now() -> float:
-    return time.time()
+    """A record's time (created, started, finished, erased...) on the shared clock: the
+    gateway that creates a job and the workers that start and end it may be on hosts whose
+    own clocks are minutes apart (a job started before it was created, a listing out of
+    order across gateways)."""
+    return clock.now()
 
 
 def _new_id(prefix: str) -> str:
@@ -260,7 +264,7 @@ def webhook_event(
 ) -> dict[str, Any]:
     """The message a ``sift.webhook`` task gets. ``webhook_id`` is stable across retries.
     ``occurred_at``: when the job finished (epoch seconds; default now)."""
-    when = datetime.now(UTC) if occurred_at is None else datetime.fromtimestamp(occurred_at, UTC)
+    when = datetime.fromtimestamp(clock.now() if occurred_at is None else occurred_at, UTC)
     return {
         "webhook_id": f"msg_{job_id}",
         "type": event_type,
