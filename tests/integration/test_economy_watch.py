@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+from worker import clock
+from worker.clock import SharedClock
 from worker.constants import (
     BATCH_QUEUE,
     ECONOMY_LEASE_KEY,
@@ -178,3 +180,32 @@ def test_a_run_whose_process_died_alone_lets_the_next_run_take_its_lease(
             assert ran == ["after it"]
         finally:
             child.kill()
+
+
+def test_a_sweeper_whose_clock_is_ahead_leaves_a_poll_on_its_way(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A poll expected by a worker with a true clock (its countdown 30 s, the default first
+    poll, plus the margin) is not judged lost by a re-drive sweep on a host whose clock is 6
+    minutes ahead: both read the shared clock (Redis's, :mod:`worker.clock`), as their
+    liveness beats make it. Before, the sweep passed its host's ``time.time()``: the poll
+    was sent again as lost (counted in ``sift_redriven_total``, a warning), and the message
+    really on its way was superseded."""
+    shared = SharedClock()
+    shared.read(store.redis.time)
+    monkeypatch.setattr(clock, "CLOCK", shared)
+    batch_id = _economy_batch(store)
+    store.economy_hand_over(batch_id, "msgbatch_1", "eco-live")  # the poll on its way
+    context = WorkerContext(
+        settings=load_settings(redis_url="redis://unused"), store=store, limiter=ProviderLimiter(1)
+    )
+    leases.expect(SimpleNamespace(context=context), batch_id, "msgbatch_1", 30.0)  # type: ignore[arg-type]
+    true_time = time.time
+    monkeypatch.setattr(time, "time", lambda: true_time() + 360)  # the sweeper's host
+    sent: list[str] = []
+    sweeper = Sweeper(store, lambda name, args, queue, task_id: sent.append(task_id),
+                      interval_seconds=30, stall_seconds=120)  # fmt: skip
+    assert sweeper.rewake_economy() == 0
+    monkeypatch.setattr(time, "time", true_time)
+    assert sent == []
+    assert store.economy_take(batch_id, "msgbatch_1", "eco-live")  # the live poll still runs

@@ -112,7 +112,6 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -353,7 +352,7 @@ class Sweeper:
         swept as the others are: they wait on provider batches for hours by design)."""
         from worker.queue.economy import rewake
 
-        return rewake(self.store, self.send, time.time())
+        return rewake(self.store, self.send, clock.now())  # the due times' clock, Redis's
 
     def rewrite_owed(self) -> Rewrite:
         """Ask Redis to rewrite its files if an erasure owes it a rewrite that the interval's

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from worker import clock
 from worker.constants import ECONOMY_SENDING_MARK, ECONOMY_STATE_KEY
 from worker.queue import liveness
 from worker.queue.base import SiftTask
@@ -161,7 +162,8 @@ def expect(
         _KEEPER.keep(task, lease)  # marked: not stuck
     if mark is not None and not renew:
         store.economy_save(batch_id, ECONOMY_STATE_KEY, {mark[0]: mark[1]})
-    store.economy_expect(batch_id, what, time.time() + countdown + WATCH_MARGIN_SECONDS)
+    # on the shared clock: the sweep that judges it lost may run on another host
+    store.economy_expect(batch_id, what, clock.now() + countdown + WATCH_MARGIN_SECONDS)
     if countdown > 0.0:
         give_back(task, batch_id, what)
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
 
+from worker import clock
 from worker.adapters.rate_budget import BatchQueueFull
 from worker.constants import (
     ECONOMY_PREPARED_KEY,
@@ -61,7 +62,7 @@ def maybe_submit(task: SiftTask, batch_id: str) -> None:
         return
     if store.economy_get(batch_id, ECONOMY_STATE_KEY, [SUBMIT_CLAIM])[0] is not None:
         return  # claimed already
-    store.economy_expect(batch_id, SUBMIT_CLAIM, time.time() + WATCH_MARGIN_SECONDS)
+    store.economy_expect(batch_id, SUBMIT_CLAIM, clock.now() + WATCH_MARGIN_SECONDS)
     if store.economy_claim(batch_id, SUBMIT_CLAIM):
         send_anew(task, batch_id, SUBMIT_CLAIM, 0.0)
         log.info("batch %s: every item prepared; submission enqueued", batch_id)
