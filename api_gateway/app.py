@@ -33,7 +33,7 @@ from worker.clock import CLOCK, RECALIBRATE_SECONDS
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError
 from worker.observability.logcontext import configure_logging
-from worker.observability.metrics import ensure_multiprocess_dir, preregister
+from worker.observability.metrics import clock_skew, ensure_multiprocess_dir, preregister
 from worker.queue.jobstore import AsyncJobStore, JobStore
 from worker.settings import Settings, load_settings
 from worker.webhooks.urlguard import LOOKUP_THREADS, LookupThreads
@@ -49,7 +49,7 @@ async def read_the_clock(store: AsyncJobStore) -> None:
     Redis down or slow leaves it as it was (the host's own clock before any reading)."""
     try:
         async with asyncio.timeout(CLOCK_READ_TIMEOUT_SECONDS):
-            await CLOCK.aread(store.redis.time)
+            clock_skew("gateway", await CLOCK.aread(store.redis.time))
     except (redis.RedisError, TimeoutError) as exc:
         log.debug("could not read Redis's clock: %s", exc)
 

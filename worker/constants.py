@@ -244,6 +244,7 @@ METRIC_PROVIDER_DELETES = "sift_provider_batch_deletes_total"
 METRIC_WEBHOOK_DEFERRALS = "sift_webhook_deferrals_total"  # put off: slots (or a share) full
 METRIC_WORKER_PROCESSES = "sift_worker_processes"  # a sift worker supervisor's processes
 METRIC_WORKER_RESTARTS = "sift_worker_restarts_total"  # ... that exited unasked, restarted
+METRIC_CLOCK_SKEW = "sift_clock_skew_seconds"  # a host's wall clock minus Redis's
 # the Prometheus scrape job names the rules and dashboards expect
 PROMETHEUS_JOB_WORKER = "sift-worker"
 PROMETHEUS_JOB_GATEWAY = "sift-gateway"

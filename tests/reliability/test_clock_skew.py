@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 from standardwebhooks.webhooks import Webhook
 
 from tests.fake_anthropic import FakeAnthropic
@@ -35,7 +36,8 @@ from tests.reliability.support import (
     submit_search,
     wait_for,
 )
-from tests.services import celery_worker, gateway, redis_server
+from tests.services import celery_worker, free_port, gateway, redis_server
+from worker.constants import METRIC_CLOCK_SKEW as SKEW
 from worker.constants import WEBHOOKS_OWED_KEY
 from worker.redis_client import server_seconds
 from worker.webhooks.delivery import JITTER, RETRY_SCHEDULE_SECONDS
@@ -213,3 +215,37 @@ def test_jobs_are_timed_and_listed_on_one_clock_across_hosts(
     for job in jobs:
         created, started, finished = _times(job)
         assert created <= started <= finished, job
+
+
+def _gauge(url: str, name: str) -> float | None:
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_each_host_measures_its_clock_against_the_shared_one(
+    tmp_path: Path, model: FakeAnthropic
+) -> None:
+    """``sift_clock_skew_seconds`` on a worker 6 minutes ahead and on a gateway 6 minutes
+    behind, and the worker's warning, once. Before, nothing measured a host's clock: the
+    skews above showed only as their harm."""
+    port = free_port()
+    with redis_server(tmp_path / "redis") as url:
+        env = stack_env(url + "/0", model.url)
+        with (
+            gateway(tmp_path / "g", skewed(env, "-6m")) as base,
+            celery_worker(
+                tmp_path / "w", skewed({**env, "SIFT_WORKER_METRICS_PORT": str(port)}, "+6m"), "w"
+            ),
+        ):
+            worker_metrics = f"http://127.0.0.1:{port}/metrics"
+            wait_for(lambda: _gauge(worker_metrics, SKEW) not in (None, 0.0), "the worker's skew")
+            worker = _gauge(worker_metrics, SKEW)
+            gateway_skew = _gauge(base + "/metrics", SKEW)
+        log = (tmp_path / "w" / "w.log").read_text()
+    assert worker is not None and abs(worker - 360) < 5
+    assert gateway_skew is not None and abs(gateway_skew + 360) < 5
+    assert log.count("this host's clock is +36") == 1, log

@@ -67,6 +67,7 @@ from worker.constants import (
     LIVENESS_LEADER_KEY,
     WORKERS_KEY,
 )
+from worker.observability import metrics
 from worker.queue.reaper import Reaper, heartbeat_key
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,8 @@ class Liveness:
         pipe.time()  # this process's reading of the shared clock (worker/clock.py)
         sent = CLOCK.monotonic()
         previous, _, server_time = pipe.execute()
-        CLOCK.calibrate(server_time, sent=sent, received=CLOCK.monotonic())
+        skew = CLOCK.calibrate(server_time, sent=sent, received=CLOCK.monotonic())
+        metrics.clock_skew("worker", skew)
         if previous is None and self._beaten:
             log.error(
                 "liveness: this worker's heartbeat had expired (stalled for over %gs, or Redis "
@@ -360,7 +362,7 @@ def start(redis_url: str, settings: Any) -> Liveness:
         redrive_interval_seconds=settings.redrive_interval_seconds,
     )
     try:  # on the shared clock before the first task, and before a prefork child is forked
-        CLOCK.read(client.time)
+        metrics.clock_skew("worker", CLOCK.read(client.time))
     except redis.RedisError as exc:  # Redis not up yet: the first beat reads it
         log.warning("liveness: could not read Redis's clock yet: %s", exc)
     _liveness.start()

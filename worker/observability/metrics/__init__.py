@@ -26,7 +26,8 @@ Who calls what:
   :func:`metrics_response`;
 * a worker's main process calls :func:`serve_worker_metrics` (its series at zero, then
   :func:`start_worker_metrics_server`); a ``sift worker``
-  supervisor calls :func:`worker_processes` and :func:`worker_restart`.
+  supervisor calls :func:`worker_processes` and :func:`worker_restart`;
+* a worker's liveness beat and the gateway's clock reads call :func:`clock_skew`.
 
 Multiprocess mode. Where a process forks (Celery prefork, several gateway workers) each
 process writes its values to files in ``PROMETHEUS_MULTIPROC_DIR`` and the exposition sums
@@ -98,10 +99,12 @@ from worker.observability.metrics._multiprocess import (
     sweep_dead_processes,
 )
 from worker.observability.metrics._processes import (
+    CLOCK_SKEW,
     WORKER_EXIT_CAUSES,
     WORKER_PROCESS_STATES,
     WORKER_PROCESSES,
     WORKER_RESTARTS,
+    clock_skew,
     worker_processes,
     worker_restart,
 )
@@ -152,6 +155,7 @@ __all__ = [
     "ATTEMPT_RESULTS",
     "BUDGET_WAIT",
     "BUDGET_WAIT_BUCKETS",
+    "CLOCK_SKEW",
     "HITS_BUCKETS",
     "JOBS_COMPLETED",
     "JOBS_IN_FLIGHT",
@@ -210,6 +214,7 @@ __all__ = [
     "SweepingCollector",
     "budget_waited",
     "cancel_counted",
+    "clock_skew",
     "ensure_multiprocess_dir",
     "exposition_registry",
     "job_completed",

@@ -12,7 +12,7 @@ from typing import Final
 
 from prometheus_client import Counter, Gauge
 
-from worker.constants import METRIC_WORKER_PROCESSES, METRIC_WORKER_RESTARTS
+from worker.constants import METRIC_CLOCK_SKEW, METRIC_WORKER_PROCESSES, METRIC_WORKER_RESTARTS
 from worker.observability.metrics._recording import never_raises
 
 WORKER_PROCESS_STATES: Final = ("running", "expected")
@@ -26,6 +26,15 @@ WORKER_PROCESSES = Gauge(
     "(--processes). Fewer running than expected: some exited and wait for their restart.",
     ["state"],
     multiprocess_mode="livemax",  # the supervisor's alone; gone with it
+)
+# a gateway's or worker's own clock against the one they share (worker/clock.py): Sift times
+# nothing on the host's clock, but the host's logs, its TLS and its other software do
+CLOCK_SKEW = Gauge(
+    METRIC_CLOCK_SKEW,
+    "This host's wall clock minus Redis's (the clock Sift's gateways and workers share), as "
+    "last measured: positive when the host is ahead. By role: gateway, worker.",
+    ["role"],  # a labelled metric makes no value file at import, before the folder is made
+    multiprocess_mode="livemostrecent",
 )
 WORKER_RESTARTS = Counter(
     METRIC_WORKER_RESTARTS,
@@ -51,3 +60,10 @@ def worker_restart(status: int) -> None:
     signal) and will be restarted."""
     cause = "signal" if status < 0 else "error" if status > 0 else "clean"
     WORKER_RESTARTS.labels(cause).inc()
+
+
+@never_raises
+def clock_skew(role: str, seconds: float) -> None:
+    """This process's host measured its wall clock ``seconds`` off Redis's (a reading of
+    the shared clock: a ``worker``'s liveness beat, a ``gateway``'s read)."""
+    CLOCK_SKEW.labels(role).set(seconds)

@@ -33,7 +33,7 @@ from worker.observability.metrics._jobs import (
     WEBHOOK_EVENTS,
     WEBHOOK_RESULTS,
 )
-from worker.observability.metrics._processes import WORKER_PROCESSES, WORKER_RESTARTS
+from worker.observability.metrics._processes import CLOCK_SKEW, WORKER_PROCESSES, WORKER_RESTARTS
 from worker.observability.metrics._rerank import (
     ATTEMPT_RESULTS,
     BUDGET_WAIT,
@@ -92,6 +92,7 @@ ALL_METRICS: Final[tuple[Counter | Gauge | Histogram, ...]] = (
     PROVIDER_DELETES,
     WORKER_PROCESSES,
     WORKER_RESTARTS,
+    CLOCK_SKEW,
 )
 
 
