@@ -4,6 +4,7 @@ batch (:func:`worker.queue.economy.rewake`)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -209,3 +210,28 @@ def test_a_sweeper_whose_clock_is_ahead_leaves_a_poll_on_its_way(
     monkeypatch.setattr(time, "time", true_time)
     assert sent == []
     assert store.economy_take(batch_id, "msgbatch_1", "eco-live")  # the live poll still runs
+
+
+def test_a_wall_clock_stepped_on_lets_no_live_run_s_lease_lapse(
+    store: JobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The keeper lets go of a run stuck past its watch's margin since its last mark, and
+    measures that on the monotonic clock: a wall clock stepped on by more than the margin
+    (an NTP correction, a VM resumed) leaves a run that has just marked its lease. Before,
+    it measured on the wall clock, and every live run's lease was let go at the step."""
+    batch_id = _economy_batch(store)
+    store.redis.set(WORKER_HEARTBEAT_KEY + "w1", "1", px=60_000)
+    lease = (batch_id, "submit", "w1 run-a")
+    assert store.economy_lease(batch_id, "submit", "w1 run-a", 10)
+    keeper = leases._Keeper()
+    keeper.pid = os.getpid()  # no thread of its own: the test renews by hand
+    context = WorkerContext(
+        settings=load_settings(redis_url="redis://unused"), store=store, limiter=ProviderLimiter(1)
+    )
+    keeper.keep(SimpleNamespace(context=context), lease)  # type: ignore[arg-type]
+    true_time = time.time
+    monkeypatch.setattr(time, "time", lambda: true_time() + WATCH_MARGIN_SECONDS + 60)
+    keeper.renew()
+    monkeypatch.setattr(time, "time", true_time)
+    assert lease in keeper.held
+    assert not store.economy_lease(batch_id, "submit", "w2 run-b", 10)  # still the run's

@@ -42,12 +42,14 @@ class _Keeper:
     lease looking alive for the lease's whole term (300 s), and its redelivered run stood
     down; now that lease lapses within seconds, and the redelivered run, waiting for it
     (:func:`leased`), takes it over. A run stuck past its watch's margin since its last
-    mark is let go (its lease lapses, as a lease with no keeper did). A fork (a prefork
-    child) starts a keeper of its own: threads do not survive it."""
+    mark is let go (its lease lapses, as a lease with no keeper did); that time is measured
+    on the monotonic clock, which no step of the wall clock moves (an NTP correction, a VM
+    resumed: a wall clock stepped 5 minutes on let every live run's lease lapse). A fork
+    (a prefork child) starts a keeper of its own: threads do not survive it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        # lease -> when its run last marked, its store, how long it lives unrenewed
+        # lease -> when its run last marked (monotonic), its store, how long it lives unrenewed
         self.held: dict[tuple[str, str, str], tuple[float, JobStore, float]] = {}
         self.pid = 0
 
@@ -59,7 +61,7 @@ class _Keeper:
                 every = task.context.settings.worker_heartbeat_seconds
                 threading.Thread(target=self._run, args=(every,), name="sift-economy-leases",
                                  daemon=True).start()  # fmt: skip
-            self.held[lease] = (time.time(), task.context.store, _lease_seconds(task))
+            self.held[lease] = (time.monotonic(), task.context.store, _lease_seconds(task))
 
     def drop(self, lease: tuple[str, str, str]) -> None:
         with self.lock:
@@ -68,19 +70,24 @@ class _Keeper:
     def _run(self, every: float) -> None:
         while True:
             time.sleep(every)
-            with self.lock:
-                leases = list(self.held.items())
-            for lease, (marked, store, seconds) in leases:
-                batch_id, what, holder = lease
-                try:
-                    kept = time.time() - marked < WATCH_MARGIN_SECONDS and store.economy_lease(
-                        batch_id, what, holder, seconds, renew=True
-                    )
-                except Exception:  # Redis away: the run's own next mark will tell
-                    log.debug("economy lease %s %s: not renewed", batch_id, what, exc_info=True)
-                    continue
-                if not kept:
-                    self.drop(lease)
+            self.renew()
+
+    def renew(self) -> None:
+        """Renew every lease held, once; let go of a run's that has not marked for longer
+        than its watch's margin (stuck)."""
+        with self.lock:
+            leases = list(self.held.items())
+        for lease, (marked, store, seconds) in leases:
+            batch_id, what, holder = lease
+            try:
+                kept = time.monotonic() - marked < WATCH_MARGIN_SECONDS and store.economy_lease(
+                    batch_id, what, holder, seconds, renew=True
+                )
+            except Exception:  # Redis away: the run's own next mark will tell
+                log.debug("economy lease %s %s: not renewed", batch_id, what, exc_info=True)
+                continue
+            if not kept:
+                self.drop(lease)
 
 
 _KEEPER = _Keeper()
