@@ -17,11 +17,13 @@ import httpx2
 import pytest
 from opentelemetry import trace
 
-from tests.fake_anthropic import FakeAnthropic, errored
+from tests.fake_anthropic import FakeAnthropic, drop, errored
 from tests.keys import GLOBEX_KEY
 from tests.unit.test_pipeline import make
+from worker import clock
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import CALL_TIMEOUT_SECONDS, AnthropicMessageBatches
+from worker.clock import SharedClock
 from worker.constants import (
     BATCH_ITEMS_KEY,
     BATCH_KEY,
@@ -37,7 +39,7 @@ from worker.contract import SearchSpec
 from worker.errors import AttemptOutcome, BackendUnavailable, RerankAttemptError
 from worker.queue import economy, liveness
 from worker.queue.base import WorkerContext
-from worker.queue.economy import cancel, leases, records, submission
+from worker.queue.economy import cancel, doubts, leases, records, submission
 from worker.queue.economy.cancel import cancel_quietly
 from worker.queue.economy.finish import fail_items
 from worker.queue.jobstore import BatchJob, JobStore
@@ -760,3 +762,51 @@ def test_a_removed_tenants_prepared_items_are_not_sent(
     done = context.store.get_batch(batch.id)
     assert done is not None and done.finished_at is not None
     assert task.sent == [("batch.completed", {"id": batch.id, "status": "succeeded"})]
+
+
+def _host_time(skew: float) -> SimpleNamespace:
+    """A module's ``time`` on a host whose wall clock is ``skew`` seconds off (its monotonic
+    clock true, as a host with a misconfigured NTP has)."""
+    return SimpleNamespace(
+        time=lambda: time.time() + skew, monotonic=time.monotonic, sleep=time.sleep,
+        strftime=time.strftime, gmtime=time.gmtime,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def shared_clock(store: JobStore, monkeypatch: pytest.MonkeyPatch) -> SharedClock:
+    """The process's shared clock, read from the test's Redis as a worker's beat reads it."""
+    shared = SharedClock()
+    shared.read(store.redis.time)
+    monkeypatch.setattr(clock, "CLOCK", shared)
+    return shared
+
+
+def _candidates_polled(context: WorkerContext, batch: BatchJob) -> bool:
+    """Whether every item waits on the candidates of its create in doubt (found, polled)."""
+    runs = [json.loads(r) for r in context.store.economy_all(batch.id, ECONOMY_RUNS_KEY).values()]
+    return all(str(r["provider"]).startswith(economy.DOUBT) for r in runs)
+
+
+@pytest.mark.parametrize("skew", [-300.0, -150.0, 150.0])
+def test_a_create_in_doubt_made_on_a_host_minutes_off_is_found(
+    context: WorkerContext, model: FakeAnthropic, workers: None, shared_clock: SharedClock,
+    monkeypatch: pytest.MonkeyPatch, skew: float,
+) -> None:  # fmt: skip
+    """A create made by a worker whose wall clock is ``skew`` seconds off, its answer lost
+    (the connection cut after the provider made the batch); the next run, on a worker with
+    a true clock, looks for it and finds it: its items wait on it, and nothing is sent
+    again. Before, the window it looked in was the first worker's clock's (the create's
+    start and its last piece), the provider's ``created_at`` its own: past the 120 s
+    window, the batch was not found, and the items were sent again, paid twice."""
+    batch, qids = _prepared(context, 2)
+    model.script_batch_calls("create", [drop()])  # the batch made, its answer lost
+    for module in (submission, leases, doubts):  # run 1, on the host whose clock is off
+        monkeypatch.setattr(module, "time", _host_time(skew), raising=False)
+    with pytest.raises(RerankAttemptError):
+        _submission(context, batch, qids, "1")
+    for module in (submission, leases, doubts):
+        monkeypatch.setattr(module, "time", time, raising=False)
+    _submission(context, batch, qids, "2")
+    assert len(model.batches()) == 1, "the items were sent in a second provider batch"
+    assert _candidates_polled(context, batch)

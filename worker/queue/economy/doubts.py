@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
+from worker import clock
 from worker.constants import ECONOMY_PROVIDERS_KEY, ECONOMY_SENDING_MARK, ECONOMY_STATE_KEY
 from worker.errors import AttemptOutcome, RerankAttemptError
 from worker.queue.base import SiftTask
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 # A create whose answer was lost (a timeout, a cut connection, the worker killed) may have
 # made a provider batch: it is looked for among those created from this long before the call
 # to this long after the last piece of its body went out (the provider's own time to make
-# it, and the clocks' skew).
+# it). Both times are on the shared clock (worker/clock.py), whichever worker wrote them.
 DOUBT_WINDOW_SECONDS = 120.0
 
 
@@ -92,7 +92,7 @@ def settle_doubts(
             for b in client.created_between(at - DOUBT_WINDOW_SECONDS, last + DOUBT_WINDOW_SECONDS)
             if b.requests == requests and b.id not in known
         ]
-        wait = last + DOUBT_WINDOW_SECONDS - time.time()
+        wait = last + DOUBT_WINDOW_SECONDS - clock.now()
         if not found and not pending.get("answered") and wait > 0:
             # No answer came to its run, which may not be dead but stalled (its lease taken
             # over) or slow, its create still under way: the provider may make the batch yet,

@@ -160,7 +160,7 @@ def expect(
     lease: tuple[str, str, str] | None = getattr(_RUN, "lease", None)
     holder = lease[2] if lease is not None and lease[:2] == (batch_id, what) else None
     renew = countdown == 0.0 and holder is not None
-    mark = None if sending is None else (ECONOMY_SENDING_MARK + sending, repr(time.time()))
+    mark = None if sending is None else (ECONOMY_SENDING_MARK + sending, repr(clock.now()))
     if renew and not store.economy_lease(
         batch_id, what, str(holder), _lease_seconds(task), renew=True, resume=True, mark=mark
     ):

@@ -5,11 +5,11 @@ provider's own 24 hours, the failure policy for what is left."""
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from celery import shared_task
 
+from worker import clock
 from worker.constants import ECONOMY_POLL_TASK
 from worker.errors import BackendError, RerankAttemptError
 from worker.queue.base import SiftTask
@@ -109,7 +109,7 @@ def _poll(self: SiftTask, batch_id: str, provider_id: str) -> None:
         if record.get("doubt") and not exc.retryable:
             give_up = min(give_up, _unread_since(store, batch_id, provider_id, record)
                           + CANDIDATE_UNREAD_SECONDS)  # fmt: skip
-        if polled_again(exc) and time.time() < give_up:
+        if polled_again(exc) and clock.now() < give_up:
             log.warning("provider batch %s: %s; polling again", provider_id, exc)
             expect(self, batch_id, provider_id, poll_countdown(self))
             raise self.retry(countdown=poll_countdown(self)) from exc
@@ -128,7 +128,7 @@ def _unread_since(
     """Since when every read of a candidate has failed with a status error (now, at the first
     one; a successful retrieve clears it)."""
     if record.get("unread_since") is None:
-        record["unread_since"] = time.time()
+        record["unread_since"] = clock.now()
         save_provider_record(store, batch_id, provider_id, record)
     return float(record["unread_since"])
 
@@ -145,7 +145,7 @@ def _resend_after_candidate(
     try:
         candidate_ended(task, batch, provider_id, proven=False)
     except RerankAttemptError as exc:
-        if exc.retryable and time.time() < give_up:
+        if exc.retryable and clock.now() < give_up:
             log.warning("batch %s: resending after candidate %s failed, retrying: %s",
                         batch.id, provider_id, exc)  # fmt: skip
             expect(task, batch.id, provider_id, poll_countdown(task))

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from worker import clock
 from worker.constants import (
     BATCH_ITEMS_KEY,
     ECONOMY_PREPARED_KEY,
@@ -65,7 +65,7 @@ def candidate_ended(task: SiftTask, batch: BatchJob, provider_id: str, *, proven
     create ended without a line of it, the create made nothing: its items are sent again."""
     store = task.context.store
     record = provider_record(store, batch.id, provider_id)
-    record.update(ended_at=record.get("ended_at") or time.time(), proven=proven)
+    record.update(ended_at=record.get("ended_at") or clock.now(), proven=proven)
     save_provider_record(store, batch.id, provider_id, record)
     submission = record.get("submission")
     if proven or submission is None:
@@ -136,7 +136,7 @@ def map_results(
         candidate_ended(task, batch, provider_id, proven=False)
         return
     record = provider_record(store, batch.id, provider_id)
-    record.update(ended_at=time.time(), results=lines, resubmitted=len(resubmit))
+    record.update(ended_at=clock.now(), results=lines, resubmitted=len(resubmit))
     if record.get("doubt"):
         record["proven"] = True
     save_provider_record(store, batch.id, provider_id, record)
@@ -235,7 +235,7 @@ def _map_page(
     statuses = store.economy_get(batch.id, BATCH_ITEMS_KEY, ids)
     prepared = store.economy_get(batch.id, ECONOMY_PREPARED_KEY, ids)
     runs = store.economy_get(batch.id, ECONOMY_RUNS_KEY, ids)
-    now = time.time()
+    now = clock.now()
     deadline = batch.created_at + settings.economy_deadline_seconds
     mapped: list[_Mapped] = []
     for (line, qid), status, raw, raw_run in zip(known, statuses, prepared, runs, strict=True):

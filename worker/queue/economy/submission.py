@@ -181,7 +181,7 @@ def _send(
     for chunk in chunks:
         expect(task, batch.id, watch, 0.0)
         submission = new_submission()
-        started = time.time()
+        started = clock.now()
         for p in chunk:
             p.request["custom_id"] = custom_id(p.run["pos"], submission)
             p.run["pending"] = {"submission": submission, "at": started, "requests": len(chunk)}
@@ -210,7 +210,7 @@ def _send(
                     p.run["pending"] = None
             save_runs(task, batch, ((p.query_id, p.run) for p in chunk))
             raise
-        now = time.time()
+        now = clock.now()
         round_ = max(p.run["round"] for p in chunk) + 1
         # the provider batch first: killed before the runs say so, the items are still
         # pending, and settle_doubts finds it here by its submission
@@ -335,7 +335,7 @@ def _submit(self: SiftTask, batch_id: str) -> None:
         send_anew(self, batch_id, SUBMIT_CLAIM, exc.retry_after or 0.0)
     except RerankAttemptError as exc:
         deadline = batch.created_at + settings.economy_deadline_seconds
-        if exc.retryable and time.time() < deadline:
+        if exc.retryable and clock.now() < deadline:
             log.warning("batch %s: submission failed, retrying: %s", batch_id, exc)
             # not before the rate budget or a 429's retry-after frees it
             countdown = max(poll_countdown(self), exc.retry_after or 0.0)
