@@ -105,6 +105,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
+from email.utils import formatdate
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -118,7 +119,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
@@ -476,6 +477,10 @@ class FakeConfig:
     # waits, then gets the default answer once this is cleared, or at a reset): a test's way
     # to keep calls in flight for as long as it looks, whatever the machine's speed
     hold_unscripted: bool = False
+    # the provider's wall clock this many seconds off the test's: its batches' created_at,
+    # ended_at and cancel_initiated_at, and every answer's Date header (a provider whose
+    # clock is not the workers' and Redis's)
+    clock_offset_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -612,6 +617,24 @@ class _CaptureRawSend:
         await self.app(scope, receive, send)
 
 
+class _DateHeader:
+    """Sends every answer's ``Date`` header as the API does, on the fake's clock (``now``):
+    uvicorn's own reads the host's."""
+
+    def __init__(self, app: ASGIApp, now: Callable[[], float]) -> None:
+        self.app = app
+        self.now = now
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def dated(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                date = formatdate(self.now(), usegmt=True).encode()
+                message["headers"] = [*message.get("headers", []), (b"date", date)]
+            await send(message)
+
+        await self.app(scope, receive, dated)
+
+
 class FakeAnthropic:
     """The fake Messages API: ``start()``/``stop()`` a uvicorn thread, or use ``with``."""
 
@@ -634,28 +657,35 @@ class FakeAnthropic:
         self._thread: threading.Thread | None = None
         self._socket: socket.socket | None = None
         self.app: ASGIApp = _CaptureRawSend(
-            Starlette(
-                routes=[
-                    Route("/v1/messages", self._messages, methods=["POST"]),
-                    Route("/v1/messages/batches", self._batch_create, methods=["POST"]),
-                    Route("/v1/messages/batches", self._batch_list, methods=["GET"]),
-                    Route("/v1/messages/batches/{id}", self._batch_retrieve, methods=["GET"]),
-                    Route("/v1/messages/batches/{id}", self._batch_delete, methods=["DELETE"]),
-                    Route(
-                        "/v1/messages/batches/{id}/results", self._batch_results, methods=["GET"]
-                    ),
-                    Route("/v1/messages/batches/{id}/cancel", self._batch_cancel, methods=["POST"]),
-                    Route("/_fake/batch-script", self._http_batch_script, methods=["POST"]),
-                    Route("/_fake/batches", self._http_batches, methods=["GET"]),
-                    Route("/_fake/script", self._http_script, methods=["POST"]),
-                    Route("/_fake/config", self._http_config, methods=["POST"]),
-                    Route("/_fake/outage", self._http_outage, methods=["POST"]),
-                    Route("/_fake/counts", self._http_counts, methods=["GET"]),
-                    Route("/_fake/reset", self._http_reset, methods=["POST"]),
-                    Route("/_fake/requests", self._http_requests, methods=["GET"]),
-                    Route("/_fake/usage", self._http_usage, methods=["GET"]),
-                    Route("/_fake/health", self._http_health, methods=["GET"]),
-                ]
+            _DateHeader(
+                Starlette(
+                    routes=[
+                        Route("/v1/messages", self._messages, methods=["POST"]),
+                        Route("/v1/messages/batches", self._batch_create, methods=["POST"]),
+                        Route("/v1/messages/batches", self._batch_list, methods=["GET"]),
+                        Route("/v1/messages/batches/{id}", self._batch_retrieve, methods=["GET"]),
+                        Route("/v1/messages/batches/{id}", self._batch_delete, methods=["DELETE"]),
+                        Route(
+                            "/v1/messages/batches/{id}/results",
+                            self._batch_results,
+                            methods=["GET"],
+                        ),
+                        Route(
+                            "/v1/messages/batches/{id}/cancel", self._batch_cancel, methods=["POST"]
+                        ),
+                        Route("/_fake/batch-script", self._http_batch_script, methods=["POST"]),
+                        Route("/_fake/batches", self._http_batches, methods=["GET"]),
+                        Route("/_fake/script", self._http_script, methods=["POST"]),
+                        Route("/_fake/config", self._http_config, methods=["POST"]),
+                        Route("/_fake/outage", self._http_outage, methods=["POST"]),
+                        Route("/_fake/counts", self._http_counts, methods=["GET"]),
+                        Route("/_fake/reset", self._http_reset, methods=["POST"]),
+                        Route("/_fake/requests", self._http_requests, methods=["GET"]),
+                        Route("/_fake/usage", self._http_usage, methods=["GET"]),
+                        Route("/_fake/health", self._http_health, methods=["GET"]),
+                    ]
+                ),
+                self.now,
             )
         )
 
@@ -680,7 +710,7 @@ class FakeAnthropic:
             access_log=False,
             proxy_headers=False,
             server_header=False,
-            date_header=True,
+            date_header=False,  # _DateHeader's, on the fake's clock
             backlog=4096,
             timeout_keep_alive=self.keep_alive_seconds,
             timeout_graceful_shutdown=2,
@@ -749,6 +779,10 @@ class FakeAnthropic:
         """Queue behaviours for the next requests, in order; then the default answers again."""
         with self._lock:
             self._state.queue.extend(behaviours)
+
+    def now(self) -> float:
+        """The provider's wall clock: the test's, ``clock_offset_seconds`` off."""
+        return time.time() + self._state.config.clock_offset_seconds
 
     def configure(self, **changes: Any) -> None:
         """Change defaults (see :class:`FakeConfig`), e.g. ``configure(delay=1.0)``."""
@@ -861,7 +895,7 @@ class FakeAnthropic:
         if self._batch_status(batch) == "in_progress":
             batch.processed_at_cancel = self._processed(batch)
             batch.cancel_requested = time.monotonic()
-            batch.cancel_initiated_at = time.time()
+            batch.cancel_initiated_at = self.now()
 
     def _scripted_call(self, call: BatchCall) -> Behaviour | None:
         """The next scripted answer of ``call`` (None: answer normally)."""
@@ -1233,7 +1267,7 @@ class FakeAnthropic:
             end = batch.cancel_initiated_at + config.batch_cancel_seconds
         else:
             end = batch.created_at + config.batch_processing_seconds
-        return min(end, time.time())
+        return min(end, self.now())
 
     def _batch_result(self, request: Mapping[str, Any], outcome: BatchOutcome) -> dict[str, Any]:
         params = request["params"]
@@ -1343,7 +1377,7 @@ class FakeAnthropic:
             batch = _FakeBatch(
                 id=f"msgbatch_01{_base62(22)}",
                 created=time.monotonic(),
-                created_at=time.time(),
+                created_at=self.now(),
                 requests=requests,
                 outcomes=outcomes,
             )

@@ -810,3 +810,23 @@ def test_a_create_in_doubt_made_on_a_host_minutes_off_is_found(
     _submission(context, batch, qids, "2")
     assert len(model.batches()) == 1, "the items were sent in a second provider batch"
     assert _candidates_polled(context, batch)
+
+
+@pytest.mark.parametrize("offset", [-300.0, 300.0])
+def test_a_create_in_doubt_at_a_provider_minutes_off_is_found(
+    context: WorkerContext, model: FakeAnthropic, workers: None, shared_clock: SharedClock,
+    offset: float,
+) -> None:  # fmt: skip
+    """The provider's clock is 5 minutes off the workers' and Redis's: it stamps its batches'
+    ``created_at`` on it, and dates its answers so. A create in doubt is looked for in the
+    window moved by the offset its answers' ``Date`` shows, and found. Before, the window
+    was on Sift's clock alone: the batch, 5 minutes away, was not found, and the items were
+    sent again, paid twice."""
+    model.configure(clock_offset_seconds=offset)
+    batch, qids = _prepared(context, 2)
+    model.script_batch_calls("create", [drop()])  # the batch made, its answer lost
+    with pytest.raises(RerankAttemptError):
+        _submission(context, batch, qids, "1")
+    _submission(context, batch, qids, "2")
+    assert len(model.batches()) == 1, "the items were sent in a second provider batch"
+    assert _candidates_polled(context, batch)

@@ -25,12 +25,14 @@ import json
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
 from typing import Any, Literal, TypeVar
 
 import anthropic
 from anthropic.types import Message
 from anthropic.types.messages import MessageBatch, MessageBatchIndividualResponse
 
+from worker import clock
 from worker.adapters.anthropic import (
     AnthropicReranker,
     RerankMalformedError,
@@ -186,10 +188,18 @@ class AnthropicMessageBatches:
 
     def created_between(self, start: float, end: float) -> list[ProviderBatch]:
         """The workspace's Message Batches created between ``start`` and ``end`` (epoch
-        seconds), read newest first, a page at a time, until one is older than ``start``.
-        The API has no idempotency key: this is how a create whose answer was lost is found."""
-        batches = self.reranker.client.messages.batches
-        page = _call(lambda: batches.list(limit=LIST_PAGE, timeout=CALL_TIMEOUT_SECONDS), "list")
+        seconds on the shared clock, :mod:`worker.clock`), read newest first, a page at a
+        time, until one is older than ``start``. The API has no idempotency key: this is how
+        a create whose answer was lost is found.
+
+        The provider stamps ``created_at`` on its own clock: the window is moved by that
+        clock's offset from the shared one, read from the ``Date`` of the first page's
+        answer (:func:`provider_window`). A provider 5 minutes off had its batch looked for
+        5 minutes away from when it was made, not found, and its requests sent again."""
+        batches = self.reranker.client.messages.batches.with_raw_response
+        raw = _call(lambda: batches.list(limit=LIST_PAGE, timeout=CALL_TIMEOUT_SECONDS), "list")
+        start, end = provider_window(start, end, raw.headers.get("date"), clock.now())
+        page = _call(raw.parse, "list")
         found: list[ProviderBatch] = []
         while True:
             for batch in page.data:
@@ -340,6 +350,30 @@ def _provider_batch(batch: MessageBatch) -> ProviderBatch:
             "expired": counts.expired,
         },
     )
+
+
+# How far a ``Date`` header may be from the provider's clock: it counts whole seconds, and
+# the answer took some time to come.
+DATE_SLACK_SECONDS = 2.0
+
+
+def provider_window(start: float, end: float, date: str | None, now: float) -> tuple[float, float]:
+    """The window ``start``..``end`` (on the shared clock, which read ``now`` as an answer
+    dated ``date`` came) on the provider's clock: moved by the provider's offset, and
+    widened by :data:`DATE_SLACK_SECONDS` each side; as it is when the answer had no date.
+
+    >>> provider_window(1000.0, 1240.0, "Thu, 01 Jan 1970 00:26:40 GMT", 1300.0)  # 300 s ahead
+    (1298.0, 1542.0)
+    >>> provider_window(1000.0, 1240.0, None, 1300.0)
+    (1000.0, 1240.0)
+    """
+    try:
+        offset = parsedate_to_datetime(date).timestamp() - now if date else None
+    except (TypeError, ValueError):  # a Date no one can read: the window as it is
+        offset = None
+    if offset is None:
+        return start, end
+    return start + offset - DATE_SLACK_SECONDS, end + offset + DATE_SLACK_SECONDS
 
 
 def _call(fn: Callable[[], T], what: str) -> T:
