@@ -13,6 +13,7 @@ import pytest
 import redis
 import redis.asyncio
 
+from worker import clock
 from worker.constants import (
     BATCH_COUNTS_KEY,
     BATCH_ITEMS_KEY,
@@ -86,7 +87,7 @@ def test_each_final_move_with_a_webhook_records_it_owed_until_settled(store: Job
     assert store.start_item(batch.id, "a") and store.start_ingest(ingest.id)
     store.finish_item(batch.id, "a", result=result("a"))
     assert store.redis.zcard(WEBHOOKS_OWED_KEY) == 0  # nothing final with a hook yet
-    before = time.time()
+    before = clock.now()  # the clock a record's times are on (worker/clock.py)
     assert store.finish_search(search.id, result=result("s"))
     assert store.finish_search(silent.id, result=result("s"))
     assert store.finish_ingest(ingest.id, upserted=1)
@@ -94,7 +95,7 @@ def test_each_final_move_with_a_webhook_records_it_owed_until_settled(store: Job
     assert store.cancel_batch(canceled.id) == (1, True)
     owed = dict(store.redis.zrange(WEBHOOKS_OWED_KEY, 0, -1, withscores=True))
     assert set(owed) == {search.id, batch.id, canceled.id}
-    assert all(before <= when <= time.time() for when in owed.values())
+    assert all(before <= when <= clock.now() for when in owed.values())
     assert set(store.webhooks_overdue(time.time() + 1, 10)) == set(owed)
     store.webhook_due(search.id, time.time() + 60)  # a retry's time: later only
     store.webhook_due(search.id, 0)

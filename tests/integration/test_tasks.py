@@ -17,6 +17,7 @@ import redis
 
 from tests.fakes import EmptyRuntime, FakeEmbedder, InMemoryBackend, ScriptedReranker, reply
 from tests.integration.es_loopback import Answer, FakeElasticsearchServer, error_body, running
+from worker import clock
 from worker.adapters.elasticsearch import ElasticsearchBackend
 from worker.constants import SEARCH_KEY, WORKER_HEARTBEAT_KEY
 from worker.contract import DocumentIn, ErrorInfo, RerankInfo, SearchResult, SearchSpec
@@ -1369,9 +1370,9 @@ def test_an_ingest_observes_its_queue_wait_once(context: base.WorkerContext) -> 
     job = context.store.create_ingest("acme", "docs", [DocumentIn(id="1", text="t")])
     time.sleep(0.05)
     before = _queue_waits(INGEST_QUEUE)
-    ran_from = time.time()
+    ran_from = clock.now()  # the clock the wait is measured on (worker/clock.py)
     tasks.ingest.apply(args=[job.id])
-    ran_by = time.time()
+    ran_by = clock.now()
     tasks.ingest.apply(args=[job.id])  # a redelivery of a finished job: no second wait
     count, total = _queue_waits(INGEST_QUEUE)
     assert count - before[0] == 1
@@ -1386,7 +1387,6 @@ def test_a_webhook_attempt_observes_how_late_it_ran(
 ) -> None:
     """A webhook attempt's queue wait: from when it was due (the job's end for the first
     attempt, its retry's time after) to its run, so a backed-up webhook queue shows."""
-    import time
     from datetime import UTC, datetime, timedelta
     from types import SimpleNamespace
 
@@ -1399,19 +1399,20 @@ def test_a_webhook_attempt_observes_how_late_it_ran(
     answer = webhooks.DeliveryResult(webhooks.DeliveryOutcome.DELIVERED, "http 204", 204)
     decision = webhooks.DeliveryDecision(result=answer, attempt=1, retry_in=None)
     monkeypatch.setattr(webhooks, "run_delivery", lambda **_: decision)
-    finished = datetime.now(UTC) - timedelta(seconds=300)  # the job ended 5 minutes ago
+    # the job ended 5 minutes ago, on the clock the wait is measured on (worker/clock.py)
+    finished = datetime.fromtimestamp(clock.now(), UTC) - timedelta(seconds=300)
     event: dict[str, object] = {
         "type": "search.completed", "tenant": "acme", "url": "https://hooks.example/x",
         "occurred_at": finished.isoformat(), "data": {"id": "srch_1", "status": "succeeded"},
     }  # fmt: skip
     due = finished.timestamp()
     if retry:  # a second attempt due 2 s ago
-        due = time.time() - 2.0
+        due = clock.now() - 2.0
         event.update(attempt=2, due_at=due)
     before = _queue_waits(WEBHOOK_QUEUE)
-    ran_from = time.time()
+    ran_from = clock.now()
     webhook_task.webhook.apply(args=[event])
-    ran_by = time.time()
+    ran_by = clock.now()
     count, total = _queue_waits(WEBHOOK_QUEUE)
     assert count - before[0] == 1
     # from when it was due to the moment it ran, which came between these two readings
