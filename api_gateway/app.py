@@ -29,7 +29,7 @@ from api_gateway.middleware import BodyLimitMiddleware, MetricsMiddleware
 from api_gateway.ops import router as ops_router
 from api_gateway.queue import OutboxSender
 from api_gateway.routing import GetAnswersHead
-from worker.clock import CLOCK, RECALIBRATE_SECONDS
+from worker.clock import CLOCK, FIRST_READINGS, RECALIBRATE_SECONDS
 from worker.constants import ALL_QUEUES
 from worker.errors import ConfigError
 from worker.observability.logcontext import configure_logging
@@ -44,12 +44,14 @@ REDIS_MAX_CONNECTIONS = 128
 CLOCK_READ_TIMEOUT_SECONDS = 2.0
 
 
-async def read_the_clock(store: AsyncJobStore) -> None:
-    """Read Redis's clock into this process's shared clock (:mod:`worker.clock`), once; a
-    Redis down or slow leaves it as it was (the host's own clock before any reading)."""
+async def read_the_clock(store: AsyncJobStore, readings: int = 1) -> None:
+    """Read Redis's clock into this process's shared clock (:mod:`worker.clock`), the
+    surest of ``readings`` kept; a Redis down or slow leaves it as it was (the host's own
+    clock before any reading)."""
     try:
         async with asyncio.timeout(CLOCK_READ_TIMEOUT_SECONDS):
-            clock_skew("gateway", await CLOCK.aread(store.redis.time))
+            for _ in range(readings):
+                clock_skew("gateway", await CLOCK.aread(store.redis.time))
     except (redis.RedisError, TimeoutError) as exc:
         log.debug("could not read Redis's clock: %s", exc)
 
@@ -96,7 +98,7 @@ def create_app(
         # webhook URLs' name lookups at registration, on threads of their own (api_gateway/jobs/)
         app.state.lookups = LookupThreads(LOOKUP_THREADS, "sift-gateway-dns")
         # a job's created_at on Redis's clock, which the workers time its start and end on
-        await read_the_clock(async_store)
+        await read_the_clock(async_store, FIRST_READINGS)
         clock_keeper = asyncio.create_task(keep_the_clock(async_store))
         try:
             yield

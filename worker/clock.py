@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 #: How often a gateway reads Redis's clock again (a worker does at every heartbeat).
 RECALIBRATE_SECONDS = 30.0
+#: How many readings a process takes as it starts, the surest kept: a busy start (imports,
+#: other processes starting) slows a round trip, and half of it is the most a reading is off.
+FIRST_READINGS = 5
 #: A host whose wall clock is further than this off Redis's is warned of, once.
 SKEW_WARNING_SECONDS = 5.0
 #: How fast a monotonic clock may drift from Redis's (100 ppm: a quartz clock without NTP

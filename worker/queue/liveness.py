@@ -60,7 +60,7 @@ from typing import Any, cast
 import redis
 from celery.worker.request import Request
 
-from worker.clock import CLOCK
+from worker.clock import CLOCK, FIRST_READINGS
 from worker.constants import (
     DELIVERY_OWNERS_KEY,
     KOMBU_UNACKED_INDEX_KEY,
@@ -267,11 +267,10 @@ class Liveness:
         pipe = self.client.pipeline(transaction=False)
         pipe.set(heartbeat_key(self.worker_id), str(time.time()), px=ttl_ms, get=True)
         pipe.sadd(WORKERS_KEY, self.worker_id)
-        pipe.time()  # this process's reading of the shared clock (worker/clock.py)
-        sent = CLOCK.monotonic()
-        previous, _, server_time = pipe.execute()
-        skew = CLOCK.calibrate(server_time, sent=sent, received=CLOCK.monotonic())
-        metrics.clock_skew("worker", skew)
+        previous, _ = pipe.execute()
+        # this process's reading of the shared clock (worker/clock.py): a TIME of its own, its
+        # round trip as short as one can be
+        metrics.clock_skew("worker", CLOCK.read(self.client.time))
         if previous is None and self._beaten:
             log.error(
                 "liveness: this worker's heartbeat had expired (stalled for over %gs, or Redis "
@@ -362,7 +361,8 @@ def start(redis_url: str, settings: Any) -> Liveness:
         redrive_interval_seconds=settings.redrive_interval_seconds,
     )
     try:  # on the shared clock before the first task, and before a prefork child is forked
-        metrics.clock_skew("worker", CLOCK.read(client.time))
+        for _ in range(FIRST_READINGS):  # the surest of a few kept: a busy start's are slow
+            metrics.clock_skew("worker", CLOCK.read(client.time))
     except redis.RedisError as exc:  # Redis not up yet: the first beat reads it
         log.warning("liveness: could not read Redis's clock yet: %s", exc)
     _liveness.start()
