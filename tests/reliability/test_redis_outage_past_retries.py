@@ -21,104 +21,65 @@ about 70 s; no setting is shortened to make it quicker). Every item and the sear
 
 from __future__ import annotations
 
-import signal
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-import redis
 
-from tests.fake_anthropic import FakeAnthropic, status
+from tests.fake_anthropic import status
+from tests.reliability.outages import ITEMS, outage_stack
 from tests.reliability.support import (
-    ACME,
     FINISH_TIMEOUT,
     all_results,
     assert_batch_exactly_once,
     batch_counts,
-    broker,
-    ingest,
-    stack_env,
     submit_batch,
     submit_search,
     wait_for,
 )
-from tests.services import gateway
-from worker.processes.stack import child_env, worker_process
 from worker.redis_client import OUTAGE_SECONDS
 
 pytestmark = pytest.mark.integration
-
-ITEMS = 6  # one chunk's worth, all in their model call at once
-HELD = 10**9  # the fake answers nothing until this many calls came in: held until lowered
-
-
-def _search(client: httpx.Client, search_id: str) -> dict[str, object]:
-    response = client.get(f"/v1/searches/{search_id}", headers=ACME)
-    response.raise_for_status()
-    body: dict[str, object] = response.json()
-    return body
 
 
 @pytest.mark.timeout(600)
 def test_runs_that_meet_redis_down_past_the_clients_retries_are_run_again_not_failed(
     tmp_path: Path,
 ) -> None:
-    with (
-        FakeAnthropic(hold_until_received=HELD) as model,
-        broker(tmp_path / "redis") as redis_broker,
-    ):
-        url = redis_broker.url + "/0"
-        env = stack_env(url, model.url)
-        env.pop("SIFT_WORKER_SOFT_SHUTDOWN_SECONDS")  # the defaults, as a user runs them
-        env.pop("SIFT_WEBHOOK_RETRY_SCALE")
-        env = child_env(env, inherit_sift=False)
-        with (
-            worker_process(tmp_path / "w", env),
-            gateway(tmp_path / "g", env) as base,
-            httpx.Client(base_url=base, timeout=30) as client,
-        ):
-            ingest(client)
-            model.script([status(529)] * (ITEMS + 1))  # each held call's answer, once
-            batch_id = submit_batch(client, ITEMS)
-            search_id = submit_search(client, "which engine beat the world champion")
-            wait_for(lambda: model.counts()["received"] == ITEMS + 1, "every call held")
-            # each run has claimed its item (or search) and is in its model call
-            direct = redis.Redis.from_url(url)
-            try:
-                redis_broker.written(direct)  # the claims survive the kill
-            finally:
-                direct.close()
-            redis_broker.kill(signal.SIGKILL)
-            model.configure(hold_until_received=0)  # now the 529s
-            wait_for(
-                lambda: model.counts()["statuses"].get("529") == ITEMS + 1, "the 529s answered"
-            )
-            # each run's next Redis call (the budget's breaker) retries for OUTAGE_SECONDS
-            # from about now, then raises, with Redis still down
-            time.sleep(OUTAGE_SECONDS + 5)
-            redis_broker.start_again()
+    with outage_stack(tmp_path) as stack:
+        model, client = stack.model, stack.client
+        model.script([status(529)] * (ITEMS + 1))  # each held call's answer, once
+        batch_id = submit_batch(client, ITEMS)
+        search_id = submit_search(client, "which engine beat the world champion")
+        wait_for(lambda: model.counts()["received"] == ITEMS + 1, "every call held")
+        # each run has claimed its item (or search) and is in its model call: the claims
+        # survive the kill
+        stack.down_while_held()
+        model.configure(hold_until_received=0)  # now the 529s
+        wait_for(lambda: model.counts()["statuses"].get("529") == ITEMS + 1, "the 529s answered")
+        # each run's next Redis call (the budget's breaker) retries for OUTAGE_SECONDS
+        # from about now, then raises, with Redis still down
+        time.sleep(OUTAGE_SECONDS + 5)
+        stack.broker.start_again()
 
-            def finished() -> bool:
-                done = batch_counts(client, batch_id)["finished_at"] is not None
-                return done and _search(client, search_id)["status"] != "running"
+        def finished() -> bool:
+            done = batch_counts(client, batch_id)["finished_at"] is not None
+            return done and stack.search(search_id)["status"] != "running"
 
-            wait_for(finished, "the batch and the search final", FINISH_TIMEOUT)
-            search = _search(client, search_id)
-            errors = {
-                r["query_id"]: r["error"] for r in all_results(client, batch_id) if "error" in r
-            }
-            assert (search["status"], errors) == ("succeeded", {}), (search.get("error"), errors)
-            assert_batch_exactly_once(client, url, batch_id, ITEMS)
-            # one billed answer per job: the runs taken over called the model once each
-            # (the 529s bill nothing), and the records show that call once
-            assert model.counts()["statuses"] == {"529": ITEMS + 1, "200": ITEMS + 1}
-            usages = [r["result"]["usage"] for r in all_results(client, batch_id)]
-            assert [u["requests"] for u in usages] == [1] * ITEMS
-            assert batch_counts(client, batch_id)["usage"]["requests"] == ITEMS
-            result = search["result"]
-            assert isinstance(result, dict) and result["usage"]["requests"] == 1, result
-            # the premise: each run met Redis down past its retries (Redis came back after
-            # them, not in time for a call to get through), and was left for its redelivery
-            log = (tmp_path / "w" / "worker.log").read_text(errors="replace")
-            assert log.count("Redis failed during its run; left for a redelivery") == ITEMS + 1
+        wait_for(finished, "the batch and the search final", FINISH_TIMEOUT)
+        search = stack.search(search_id)
+        errors = {r["query_id"]: r["error"] for r in all_results(client, batch_id) if "error" in r}
+        assert (search["status"], errors) == ("succeeded", {}), (search.get("error"), errors)
+        assert_batch_exactly_once(client, stack.url, batch_id, ITEMS)
+        # one billed answer per job: the runs taken over called the model once each
+        # (the 529s bill nothing), and the records show that call once
+        assert model.counts()["statuses"] == {"529": ITEMS + 1, "200": ITEMS + 1}
+        usages = [r["result"]["usage"] for r in all_results(client, batch_id)]
+        assert [u["requests"] for u in usages] == [1] * ITEMS
+        assert batch_counts(client, batch_id)["usage"]["requests"] == ITEMS
+        result = search["result"]
+        assert isinstance(result, dict) and result["usage"]["requests"] == 1, result
+        # the premise: each run met Redis down past its retries (Redis came back after
+        # them, not in time for a call to get through), and was left for its redelivery
+        log = stack.log.read_text(errors="replace")
+        assert log.count("Redis failed during its run; left for a redelivery") == ITEMS + 1
