@@ -36,6 +36,11 @@ class OutageStack:
         body: dict[str, object] = response.json()
         return body
 
+    def logged(self, line: str) -> int:
+        """How many times the worker's log holds ``line``."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return text.count(line)
+
     def down_while_held(self) -> None:
         """Kill redis-server once what was written (the runs' claims) is on its AOF."""
         direct = redis.Redis.from_url(self.url)

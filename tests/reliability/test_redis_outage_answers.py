@@ -34,10 +34,8 @@ from worker.redis_client import OUTAGE_SECONDS
 pytestmark = pytest.mark.integration
 
 
-def _settling(log: Path) -> int:
-    """How many tasks the worker's log says wait for Redis to settle their runs it ended."""
-    text = log.read_text(errors="replace") if log.exists() else ""
-    return text.count("Redis unreachable ended its run; waiting")
+# the worker's log line of a task waiting for Redis to settle a run it ended
+SETTLING = "Redis unreachable ended its run; waiting"
 
 
 @pytest.mark.timeout(600)
@@ -54,8 +52,7 @@ def test_an_answer_that_comes_while_redis_is_down_past_the_retries_is_billed_onc
         wait_for(lambda: model.counts()["statuses"].get("200") == ITEMS + 1, "the answers")
         # each run's keep of its answer, then its job's finish, retries for
         # OUTAGE_SECONDS each: Redis stays down until both tasks' runs have given up
-        log = stack.log
-        wait_for(lambda: _settling(log) == 2, "every run ended", 8 * OUTAGE_SECONDS)
+        wait_for(lambda: stack.logged(SETTLING) == 2, "every run ended", 8 * OUTAGE_SECONDS)
         stack.broker.start_again()
 
         def finished() -> bool:
@@ -74,5 +71,4 @@ def test_an_answer_that_comes_while_redis_is_down_past_the_retries_is_billed_onc
         result = search["result"]
         assert isinstance(result, dict) and result["usage"]["requests"] == 1, result
         # the premise: each run's keep of its answer met Redis down past its retries
-        text = log.read_text(errors="replace")
-        assert text.count("could not be kept with the run claim") == ITEMS + 1
+        assert stack.logged("could not be kept with the run claim") == ITEMS + 1
