@@ -81,6 +81,18 @@ class Calibration:
         return self.error + (monotonic - self.monotonic) * MAX_DRIFT
 
 
+def server_seconds(reply: tuple[int, int] | list[int]) -> float:
+    """Redis's ``TIME`` (seconds and microseconds) as epoch seconds: the one clock the
+    gateways and the workers share. A deadline one process sets and another, on another
+    host, checks is read on it; each host's own clock may be seconds off the others'.
+
+    >>> server_seconds((1700000000, 250000))
+    1700000000.25
+    """
+    seconds, micros = reply
+    return int(seconds) + int(micros) / 1_000_000
+
+
 def calibration(
     reply: tuple[int, int] | list[int], *, sent: float, received: float, local: float
 ) -> Calibration:
@@ -90,9 +102,7 @@ def calibration(
     >>> calibration((1000, 0), sent=10.0, received=10.5, local=1360.5)
     Calibration(shared=1000.25, monotonic=10.5, local=1360.5, error=0.25)
     """
-    seconds, micros = reply  # as worker.redis_client.server_seconds reads it (no redis here:
-    # the webhooks, which must not import it, read this clock)
-    shared = int(seconds) + int(micros) / 1_000_000
+    shared = server_seconds(reply)
     half = (received - sent) / 2
     return Calibration(shared + half, received, local, half)
 

@@ -56,18 +56,6 @@ def unreachable(exc: BaseException) -> bool:
     return isinstance(exc, redis.ConnectionError | redis.TimeoutError)
 
 
-def server_seconds(reply: tuple[int, int] | list[int]) -> float:
-    """Redis's ``TIME`` (seconds and microseconds) as epoch seconds: the one clock the
-    gateways and the workers share. A deadline one process sets and another, on another
-    host, checks is read on it; each host's own clock may be seconds off the others'.
-
-    >>> server_seconds((1700000000, 250000))
-    1700000000.25
-    """
-    seconds, micros = reply
-    return int(seconds) + int(micros) / 1_000_000
-
-
 def worker_connections(settings: Settings) -> int:
     """How many connections a worker process's client may need at once: one for each of its
     threads (Celery's and the batch items'), and a few for its own loops. A thread that finds

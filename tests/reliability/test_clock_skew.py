@@ -37,9 +37,9 @@ from tests.reliability.support import (
     wait_for,
 )
 from tests.services import celery_worker, free_port, gateway, redis_server
+from worker.clock import server_seconds
 from worker.constants import METRIC_CLOCK_SKEW as SKEW
 from worker.constants import WEBHOOKS_OWED_KEY
-from worker.redis_client import server_seconds
 from worker.webhooks.delivery import JITTER, RETRY_SCHEDULE_SECONDS
 
 pytestmark = pytest.mark.integration

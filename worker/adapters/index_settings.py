@@ -38,6 +38,7 @@ import redis
 from pydantic import ValidationError
 from redis.exceptions import LockError
 
+from worker.clock import server_seconds
 from worker.constants import (
     INDEX_SETTINGS_KEY,
     INDEX_SETTINGS_LOCK_KEY,
@@ -48,7 +49,7 @@ from worker.contract import FusionSpec
 from worker.core.catalog import SearchSettings, merge_patch
 from worker.core.ports import IndexSettingsStorage
 from worker.errors import BackendUnavailable, InvalidRequest, validation_message
-from worker.redis_client import QUICK_SOCKET_TIMEOUT, connect, server_seconds
+from worker.redis_client import QUICK_SOCKET_TIMEOUT, connect
 from worker.write_versions import next_write_version
 
 #: How many times a change reads, merges and stores before it gives up (each store refused

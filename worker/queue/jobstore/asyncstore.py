@@ -14,6 +14,7 @@ import redis.asyncio
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ConstantBackoff
 
+from worker.clock import server_seconds
 from worker.constants import (
     INDEX_REPLY_WAITS,
     RESULT_TTL_SECONDS,
@@ -26,7 +27,7 @@ from worker.queue.jobstore.records import Enqueue, SearchJob, _in_flight
 from worker.queue.jobstore.scripts import _CREATE_SEARCH
 from worker.queue.jobstore.searches import _create_search_call, _new_search, _search_created
 from worker.queue.jobstore.store import resending_async
-from worker.redis_client import CONNECTION_OPTIONS, server_seconds
+from worker.redis_client import CONNECTION_OPTIONS
 
 # what a command is tried again on, once (see from_url)
 RETRIED: tuple[type[redis.RedisError], ...] = (redis.ConnectionError,)

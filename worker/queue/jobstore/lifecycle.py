@@ -18,10 +18,10 @@ import uuid
 from collections.abc import Sequence
 from typing import cast
 
+from worker.clock import server_seconds
 from worker.constants import INDEX_REPLY_KEY, INDEX_REPLY_TTL_SECONDS, INGEST_DOCS_KEY
 from worker.queue.jobstore.ingests import IngestRecords
 from worker.queue.jobstore.records import Enqueue, IngestJob
-from worker.redis_client import server_seconds
 
 
 class LifecycleRecords(IngestRecords):
