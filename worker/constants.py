@@ -125,6 +125,10 @@ ERASED_KEY = REDIS_PREFIX + "erased:"
 # + erased batch id -> set of provider batch ids: an erased economy batch's provider batches
 # that Sift made and has not deleted at the provider yet (ECONOMY_DELETE_TASK empties it)
 ECONOMY_DELETE_KEY = REDIS_PREFIX + "eco-delete:"
+# + erased batch id -> hash provider batch id -> submission: an erased economy batch's
+# candidates of a create in doubt that no poll had judged, judged by ECONOMY_DELETE_TASK once
+# they end (deleted at the provider if their results prove them ours, else left)
+ECONOMY_DELETE_CANDIDATES_KEY = REDIS_PREFIX + "eco-delete-candidates:"
 # string (a time): an erasure (an erase, a tenant purge) since Redis last rewrote its files,
 # whose erased text its AOF or RDB snapshot may still hold (worker/queue/jobstore/rewrite.py)
 REWRITE_OWED_KEY = REDIS_PREFIX + "rewrite-owed"

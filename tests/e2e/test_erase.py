@@ -15,7 +15,9 @@ from typer.testing import CliRunner, Result
 
 from api_gateway.queue import OutboxSender
 from tests.e2e.conftest import ACME, GLOBEX, Stack, finished_batch
+from tests.e2e.test_economy import _items, _submit, _wait, _wait_for_provider_batches
 from tests.e2e.test_economy_faults import _foreign_batch
+from tests.fake_anthropic import drop
 from tests.services import webhook_inbox
 from worker.cli import app
 from worker.constants import (
@@ -23,6 +25,7 @@ from worker.constants import (
     BATCH_QUEUE,
     ECONOMY_DELETE_KEY,
     ECONOMY_PROVIDERS_KEY,
+    ECONOMY_WATCH_KEY,
     SEARCH_QUEUE,
     SEARCH_TASK,
     WEBHOOK_EVENT_SEARCH_COMPLETED,
@@ -218,6 +221,51 @@ def test_an_economy_batch_is_erased_with_its_lane_state(stack: Stack) -> None:
         marks = [key for key in r.scan_iter() if batch["id"].encode() in key]
     assert _provider_batches(stack) == {foreign}  # ours deleted; the candidate left alone
     assert marks == [b"sift:erased:" + batch["id"].encode()], marks  # no other key names it
+
+
+def test_a_candidate_not_judged_at_the_erase_is_deleted_once_its_results_prove_it_ours(
+    stack: Stack, corpus: object, queries: list[str]
+) -> None:
+    """A create whose answer was lost has two candidates, Sift's own batch and another
+    client's of the same size; the user cancels the batch and erases it while both still
+    run, so no poll has judged either (none is canceled: each may be another client's). Once
+    they end, the one whose results hold the create's lines is deleted at the provider, and
+    the other client's is left. Before, both stayed: the erase kept only the provider
+    batches proved ours, and after it nothing read the candidates again."""
+    stack.model.reset()
+    stack.model.configure(batch_processing_seconds=300.0)
+    try:
+        foreign = _foreign_batch(stack, 3)
+        stack.model.script_batch_calls("create", [drop()])
+        batch_id = _submit(stack, _items(queries, 3), "economy")
+        _wait_for_provider_batches(stack, 2)
+        [ours] = _provider_batches(stack) - {foreign}
+        deadline = time.monotonic() + 30  # a hang guard, not a speed check
+        with redis.Redis.from_url(stack.redis_url + "/0") as r:
+            while any(r.zscore(ECONOMY_WATCH_KEY, f"{batch_id} {p}") is None
+                      for p in (ours, foreign)):  # fmt: skip  # both polled as candidates
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert stack.live.delete(f"/v1/batches/{batch_id}", headers=ACME).status_code == 200
+        assert _wait(stack, batch_id, timeout=30)["status"] == "canceled"
+        erased = stack.live.delete(f"/v1/batches/{batch_id}/results", headers=ACME)
+        assert erased.status_code == 200, erased.text
+        assert {b["status"] for b in stack.model.batches()} == {"in_progress"}  # not canceled
+        stack.model.configure(batch_processing_seconds=0.0)  # both end now
+        deadline = time.monotonic() + 30
+        while ours in _provider_batches(stack):
+            assert time.monotonic() < deadline, stack.model.batches()
+            time.sleep(0.05)
+        with redis.Redis.from_url(stack.redis_url + "/0") as r:
+            while [k for k in r.scan_iter() if batch_id.encode() in k] != [
+                b"sift:erased:" + batch_id.encode()
+            ]:  # the candidates judged, nothing left to do
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert _provider_batches(stack) == {foreign}  # another client's: left alone
+    finally:
+        stack.model.reset()
+        stack.model.configure(batch_processing_seconds=0.0)
 
 
 def test_a_batch_not_finished_is_erased_once_canceled(stack: Stack) -> None:

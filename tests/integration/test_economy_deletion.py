@@ -95,6 +95,7 @@ def test_the_erase_keeps_the_provider_batches_sift_made_and_writes_the_task_once
     batch_id = _erased_batch(store, {"msgbatch_a": made, "msgbatch_b": made,
                                      "msgbatch_other": candidate})  # fmt: skip
     assert store.provider_deletions(batch_id) == ["msgbatch_a", "msgbatch_b"]
+    assert store.provider_candidates(batch_id) == {"msgbatch_other": "s2"}
     assert store.redis.llen(QUEUE) == 1
     assert 0 < store.redis.ttl(ECONOMY_DELETE_KEY + batch_id) <= store.result_ttl
     again = store.erase_job("batch", "acme", batch_id, (QUEUE, "again"))
@@ -102,9 +103,15 @@ def test_the_erase_keeps_the_provider_batches_sift_made_and_writes_the_task_once
     store.provider_deleted(batch_id, "msgbatch_a")
     store.provider_deleted(batch_id, "msgbatch_b")
     assert not store.redis.exists(ECONOMY_DELETE_KEY + batch_id)
-    # a batch whose lane made none (the standard lane's, or only candidates): no task
-    assert _erased_batch(store, {}) and _erased_batch(store, {"msgbatch_c": candidate})
+    # a batch whose lane made none (the standard lane's, say): no task
+    assert _erased_batch(store, {})
     assert store.redis.llen(QUEUE) == 1
+    # only a candidate not judged yet: kept aside with its create's submission, to judge
+    only = _erased_batch(store, {"msgbatch_c": candidate})
+    assert store.redis.llen(QUEUE) == 2
+    assert store.provider_deletions(only) == [] and store.provider_candidates(only) == {
+        "msgbatch_c": "s2"
+    }
 
 
 def test_an_ended_provider_batch_is_deleted_and_a_missing_one_is_done(
@@ -222,7 +229,39 @@ def test_a_candidate_of_a_create_in_doubt_judged_ours_is_deleted_with_the_rest(
     }
     erased = _erased_batch(store, providers)
     assert store.provider_deletions(erased) == ["msgbatch_made", "msgbatch_ours"]
+    assert store.provider_candidates(erased) == {"msgbatch_unjudged": "s2"}  # to judge
     purged = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
     store.economy_save(purged.id, ECONOMY_PROVIDERS_KEY,
                        {pid: json.dumps(r) for pid, r in providers.items()})  # fmt: skip
     assert store.keep_provider_deletions(purged.id) == ["msgbatch_made", "msgbatch_ours"]
+    assert store.provider_candidates(purged.id) == {"msgbatch_unjudged": "s2"}
+
+
+def test_the_task_judges_a_candidate_kept_aside_once_it_ended_by_its_results(
+    model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore, redis_url: str
+) -> None:
+    """A candidate not judged when its batch was erased: while it runs it is neither canceled
+    nor deleted (it may be another client's), and asked again later; once it ended, one
+    whose results hold a line of the create (``custom_id`` naming its submission) is deleted,
+    one without is left, one the provider no longer has is dropped."""
+    model.configure(batch_processing_seconds=600.0)
+    ours = client.create([{"custom_id": "i0-s2", "params": PARAMS}]).id
+    theirs = _made(client)  # its line "i0" names no submission
+    gone = _made(client)
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": None,
+              "submission": "s2", "doubt": True}  # fmt: skip
+    batch_id = _erased_batch(store, {ours: record, theirs: record, gone: record})
+    context = WorkerContext(settings=load_settings(redis_url=redis_url), store=store,
+                            limiter=ProviderLimiter(1), _batches=client)  # fmt: skip
+    task = _Task(context)
+    with pytest.raises(Retry):
+        delete_erased(task, batch_id)  # type: ignore[arg-type]
+    assert {b["status"] for b in model.batches()} == {"in_progress"}  # none canceled
+    assert set(store.provider_candidates(batch_id)) == {ours, theirs, gone}
+    client.cancel(gone)  # ended, then deleted by its owner: the provider has it no more
+    model.configure(batch_processing_seconds=600.0, batch_cancel_seconds=0.0)
+    client.delete(gone)
+    model.configure(batch_processing_seconds=0.0)
+    delete_erased(task, batch_id)  # type: ignore[arg-type]  # no retry: all judged
+    assert _held(model) == {theirs}
+    assert store.provider_candidates(batch_id) == {} and store.provider_deletions(batch_id) == []

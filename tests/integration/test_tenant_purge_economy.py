@@ -295,7 +295,9 @@ def test_a_purge_names_the_provider_batches_of_a_create_in_doubt_it_leaves(
     workspace's batches of as many requests made then) are never canceled, being maybe
     another client's, and one not looked for yet is known to no one but the runs the purge
     deletes. The purge said nothing of either: a provider batch of the erased tenant's could
-    run on, billed, where no one would look. It prints each now, and cancels none."""
+    run on, billed, where no one would look. It prints each now, and cancels none. The
+    candidate is handed to a worker to judge once it ends (its results tell whose it is):
+    this one, another client's, is left there."""
     store = context.store
     batch, _ = _prepared(context, 2)
     at = time.time()
@@ -319,7 +321,12 @@ def test_a_purge_names_the_provider_batches_of_a_create_in_doubt_it_leaves(
     [left] = model.batches()
     assert left["status"] == "in_progress"  # maybe another client's: not canceled
     assert re.search(r"provider batches handed to a worker to delete\s*│\s*0\s*│", out)
-    assert store.redis.llen(SEARCH_QUEUE) == 0  # nor deleted
+    assert f"batch {batch.id}: candidate(s) {candidate} to be judged by a worker" in out, out
+    assert store.redis.llen(SEARCH_QUEUE) == 1  # the delete task, to judge it
+    assert store.provider_candidates(batch.id) == {candidate: "sub"}
+    model.configure(batch_processing_seconds=0.0)  # it ends: no line of create "sub" in it
+    deletion.delete_erased(_Task(context, "delete"), batch.id)  # type: ignore[arg-type]
+    assert [b["id"] for b in model.batches()] == [candidate]  # not ours: not deleted
     assert _named(store, batch.id) == []
 
 

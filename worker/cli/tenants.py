@@ -137,7 +137,7 @@ def _name_creates_in_doubt(store: JobStore, jobs: TenantJobs) -> int:
             console.print(
                 f"batch {batch_id}: provider batch {provider_id} not canceled: a candidate of a "
                 "create whose answer was lost (it may be another client's); if it is this "
-                "tenant's, it runs to its end",
+                "tenant's, it runs to its end (then a worker deletes it)",
                 soft_wrap=True,
             )
         left += len(candidates)
@@ -195,17 +195,19 @@ def _cancel_provider_batches(settings: Settings, store: JobStore, jobs: TenantJo
 def _delete_provider_batches(settings: Settings, store: JobStore, jobs: TenantJobs) -> int:
     """Hand the tenant's economy batches' provider batches (those Sift made and recorded; not
     a create in doubt's candidates, each maybe another client's, but those proved ours) to
-    the workers, to delete at
-    the provider (``sift.economy_delete``, as an erase of the batch does): the provider keeps
-    their requests and results, queries and candidates' text, 29 days, and the state naming
-    them is about to be deleted. A worker, not this command: one canceled just now is
-    canceling, and the provider deletes an ended batch only. Answers how many."""
+    the workers, to delete at the provider (``sift.economy_delete``, as an erase of the batch
+    does), with the candidates not judged yet, which the task judges once they end (deleted
+    if their results prove them the tenant's): the provider keeps their requests and results,
+    queries and candidates' text, 29 days, and the state naming them is about to be deleted.
+    A worker, not this command: one canceled just now is canceling, and the provider deletes
+    an ended batch only. Answers how many were handed to delete (not the candidates)."""
     from celery import Celery
 
     from worker.queue.config import celery_config
 
     kept = {b: store.keep_provider_deletions(b) for b in jobs.ids.get(KIND_BATCH, [])}
-    kept = {batch_id: ids for batch_id, ids in kept.items() if ids}
+    judged = {b: list(store.provider_candidates(b)) for b in kept}
+    kept = {batch_id: ids for batch_id, ids in kept.items() if ids or judged[batch_id]}
     if not kept:
         return 0
     celery = Celery("sift-purge", set_as_current=False)
@@ -213,10 +215,17 @@ def _delete_provider_batches(settings: Settings, store: JobStore, jobs: TenantJo
     try:
         for batch_id, ids in kept.items():
             celery.send_task(ECONOMY_DELETE_TASK, args=[batch_id], queue=SEARCH_QUEUE)
-            cli_console().print(
-                f"batch {batch_id}: provider batch(es) {', '.join(ids)} to be deleted at the "
-                "provider by a worker"
-            )
+            if ids:
+                cli_console().print(
+                    f"batch {batch_id}: provider batch(es) {', '.join(ids)} to be deleted at "
+                    "the provider by a worker"
+                )
+            if judged[batch_id]:
+                cli_console().print(
+                    f"batch {batch_id}: candidate(s) {', '.join(judged[batch_id])} to be "
+                    "judged by a worker once they end, and deleted at the provider if their "
+                    "results prove them this tenant's"
+                )
     finally:
         celery.close()
     return sum(len(ids) for ids in kept.values())

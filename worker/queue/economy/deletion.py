@@ -32,6 +32,7 @@ from worker.constants import ECONOMY_DELETE_TASK
 from worker.errors import RerankAttemptError
 from worker.observability import metrics
 from worker.queue.base import SiftTask
+from worker.queue.economy.ids import submission_of
 from worker.queue.economy.records import batches_client
 from worker.queue.economy.watch import poll_countdown
 
@@ -81,6 +82,26 @@ def delete_provider_batch(client: AnthropicMessageBatches, provider_id: str) -> 
     return 0.0
 
 
+def judge_candidate(
+    client: AnthropicMessageBatches, provider_id: str, submission: str
+) -> bool | None:
+    """Whether a create in doubt's candidate is Sift's, by its results as a poll judges it
+    (:func:`~worker.queue.economy.results.map_results`): True once it ended with a line whose
+    ``custom_id`` names ``submission``, False once it ended with none, or when the provider
+    has no batch by that id (deleted or expired: nothing of it to delete), None while it
+    runs (only its results tell, and it is never canceled: it may be another client's).
+    Raises the :class:`RerankAttemptError` of a read that failed."""
+    try:
+        batch = client.retrieve(provider_id)
+    except RerankAttemptError as exc:
+        if exc.status == 404:
+            return False
+        raise
+    if not batch.ended:
+        return None
+    return any(submission_of(line.custom_id) == submission for line in client.results(provider_id))
+
+
 @shared_task(  # type: ignore[untyped-decorator]
     name=ECONOMY_DELETE_TASK, base=SiftTask, bind=True, max_retries=None
 )
@@ -90,19 +111,25 @@ def economy_delete(self: SiftTask, batch_id: str) -> None:
 
 
 def delete_erased(task: SiftTask, batch_id: str) -> None:
-    """Delete the erased batch ``batch_id``'s provider batches still kept for it; those not
-    deleted yet are tried again later (this message, retried), each deleted one dropped."""
+    """Judge the erased batch ``batch_id``'s candidates kept aside, then delete its provider
+    batches still kept for it, those judged ours with them; those not judged or deleted yet
+    are tried again later (this message, retried), each judged or deleted one dropped."""
     store = task.context.store
-    left = store.provider_deletions(batch_id)
-    if not left:
+    candidates = store.provider_candidates(batch_id)
+    if not candidates and not store.provider_deletions(batch_id):
         return
     try:
         client = batches_client(task)
     except RerankAttemptError as exc:
-        log.error("batch %s: provider batches %s not deleted: %s", batch_id, left, exc)
+        log.error("batch %s: provider batches %s not deleted: %s", batch_id,
+                  store.provider_deletions(batch_id) + list(candidates), exc)  # fmt: skip
         return
-    waits = []
-    for provider_id in left:
+    waits = [
+        w
+        for w in (_judged(task, client, batch_id, *c) for c in candidates.items())
+        if w is not None
+    ]
+    for provider_id in store.provider_deletions(batch_id):
         try:
             wait = delete_provider_batch(client, provider_id)
         except RerankAttemptError as exc:  # for good: asked again, it answers the same
@@ -119,5 +146,37 @@ def delete_erased(task: SiftTask, batch_id: str) -> None:
         else:
             waits.append(wait)
     if waits:
-        log.info("batch %s: %d provider batches left to delete", batch_id, len(waits))
+        log.info("batch %s: %d provider batches left to judge or delete", batch_id, len(waits))
         raise task.retry(countdown=max(poll_countdown(task), *waits))
+
+
+def _judged(
+    task: SiftTask,
+    client: AnthropicMessageBatches,
+    batch_id: str,
+    provider_id: str,
+    submission: str,
+) -> float | None:
+    """Judge one candidate kept aside (:func:`judge_candidate`): ours, it is kept to delete;
+    another client's, dropped. Answers None once judged, else how long the provider asked to
+    wait before the next try (0: no word)."""
+    store = task.context.store
+    try:
+        ours = judge_candidate(client, provider_id, submission)
+    except RerankAttemptError as exc:
+        if refused_for_good(exc):
+            log.error("batch %s: candidate %s not judged, and not asked again: the provider "
+                      "refused its key (%s); if it is Sift's, it keeps the batch's requests and "
+                      "results for 29 days unless deleted there by hand",
+                      batch_id, provider_id, exc)  # fmt: skip
+            store.candidate_judged(batch_id, provider_id, ours=False)
+            metrics.provider_batch_delete("refused")
+            return None
+        log.warning("provider batch %s: not judged yet (%s); asked again", provider_id, exc)
+        return exc.retry_after or 0.0
+    if ours is None:
+        return 0.0
+    store.candidate_judged(batch_id, provider_id, ours=ours)
+    log.info("batch %s: candidate %s %s", batch_id, provider_id,
+             "is ours: deleted with the rest" if ours else "is another client's: left")  # fmt: skip
+    return None

@@ -21,8 +21,13 @@ An economy batch's provider batches (the provider keeps their requests and resul
 and candidates' text, for 29 days) are deleted there by a task the erase's script enqueues
 (``sift.economy_delete``, :mod:`worker.queue.economy.deletion`), their ids kept for it in
 ``sift:eco-delete:<id>`` until each is deleted: those Sift made and recorded, and a create in
-doubt's candidates whose results proved them ours; never another candidate (it may be
-another client's: judged so, or not judged yet, and after the erase no poll judges it).
+doubt's candidates whose results proved them ours; never one judged another client's. A
+candidate not judged yet (still running, so whose it is no one knows; never canceled: it may
+be another client's) is kept aside with its create's submission
+(``sift:eco-delete-candidates:<id>``), and the task judges it once it ended, by its results as
+a poll would have: ours, it is deleted with the rest; else it is left. After the erase no
+poll reads it again: kept with the others only, one of Sift's stayed at the provider, queries
+and candidates' text, for its 29 days.
 
 Redis's files: the AOF (and an RDB snapshot) still hold the writes that stored the job. The
 erase's script marks a rewrite owed and the erase asks for it (``BGREWRITEAOF``, or
@@ -52,6 +57,7 @@ import redis
 
 from worker.constants import (
     ACTIVE_JOBS_KEY,
+    ECONOMY_DELETE_CANDIDATES_KEY,
     ECONOMY_DELETE_KEY,
     ECONOMY_PROVIDERS_KEY,
     ERASED_KEY,
@@ -101,7 +107,8 @@ class ErasureRecords(TenantRecords):
         ``provider`` (a broker message, (list key, raw message): a batch's
         :data:`~worker.constants.ECONOMY_DELETE_TASK`) is written by the same script if the
         batch's economy lane made provider batches, whose ids it keeps for that task
-        (:meth:`provider_deletions`): the provider holds their requests and results (queries,
+        (:meth:`provider_deletions`, and the candidates it has to judge:
+        :meth:`provider_candidates`): the provider holds their requests and results (queries,
         candidates' text) for 29 days, and they are deleted there even if the caller never
         hears the answer."""
         if kind not in ERASABLE:
@@ -110,7 +117,8 @@ class ErasureRecords(TenantRecords):
         queue, message = provider if provider is not None else (ECONOMY_DELETE_KEY + job_id, "")
         keys = [record, ERASED_KEY + job_id, job_index_key(kind, tenant), ACTIVE_JOBS_KEY,
                 WEBHOOKS_OWED_KEY, ECONOMY_DELETE_KEY + job_id, queue,
-                ECONOMY_PROVIDERS_KEY + job_id, REWRITE_OWED_KEY, *rest]  # fmt: skip
+                ECONOMY_PROVIDERS_KEY + job_id, REWRITE_OWED_KEY,
+                ECONOMY_DELETE_CANDIDATES_KEY + job_id, *rest]  # fmt: skip
         args = [tenant, job_id, kind, repr(_now()), self.result_ttl, message]
         # sent again on a broken connection: a run whose reply was lost answers "erased" then
         code, value = resending()(self._erase_job, keys=keys, args=args)
@@ -147,9 +155,11 @@ class ErasureRecords(TenantRecords):
     def keep_provider_deletions(self, batch_id: str) -> list[str]:
         """Keep the ids of the batch's provider batches Sift made and recorded (not a create
         in doubt's candidates, unless their results proved them ours) for
-        :data:`~worker.constants.ECONOMY_DELETE_TASK`, as an erase keeps them (``sift tenant
-        purge``, before it deletes the state naming them); answers them."""
-        keys = [ECONOMY_PROVIDERS_KEY + batch_id, ECONOMY_DELETE_KEY + batch_id]
+        :data:`~worker.constants.ECONOMY_DELETE_TASK`, and its candidates not judged yet for
+        it to judge (:meth:`provider_candidates`), as an erase keeps them (``sift tenant
+        purge``, before it deletes the state naming them); answers the ids kept to delete."""
+        keys = [ECONOMY_PROVIDERS_KEY + batch_id, ECONOMY_DELETE_KEY + batch_id,
+                ECONOMY_DELETE_CANDIDATES_KEY + batch_id]  # fmt: skip
         # the erase's own choice (_MADE_PROVIDERS); sent again on a broken connection: a set
         made = resending()(self._keep_provider_deletions, keys=keys, args=[self.result_ttl])
         return sorted(_text(p) for p in made)
@@ -157,6 +167,20 @@ class ErasureRecords(TenantRecords):
     def provider_deletions(self, batch_id: str) -> list[str]:
         """The erased batch ``batch_id``'s provider batches not deleted at the provider yet."""
         return sorted(_text(m) for m in self.redis.smembers(ECONOMY_DELETE_KEY + batch_id))
+
+    def provider_candidates(self, batch_id: str) -> dict[str, str]:
+        """The erased batch ``batch_id``'s candidates of a create in doubt not judged yet,
+        each with its create's submission (the ``custom_id`` of each of its lines names it)."""
+        held = self.redis.hgetall(ECONOMY_DELETE_CANDIDATES_KEY + batch_id)
+        return {_text(p): _text(s) for p, s in sorted(held.items())}
+
+    def candidate_judged(self, batch_id: str, provider_id: str, *, ours: bool) -> None:
+        """The erased batch's candidate ``provider_id`` is judged: no longer kept to judge,
+        and if ``ours`` (its results hold a line of the create), kept to delete
+        (:meth:`provider_deletions`) instead."""
+        keys = [ECONOMY_DELETE_CANDIDATES_KEY + batch_id, ECONOMY_DELETE_KEY + batch_id]
+        # sent again on a broken connection: a run whose reply was lost finds nothing to do
+        resending()(self._candidate_judged, keys=keys, args=[provider_id, "1" if ours else "0"])
 
     def provider_deleted(self, batch_id: str, provider_id: str) -> None:
         """``provider_id`` is deleted at the provider (or has no batch there any more), or

@@ -606,9 +606,12 @@ return 1
 # The provider batches of an economy batch that Sift made and recorded, of the hash at ``key``
 # (the economy lane's provider batches): every one but a create in doubt's candidates
 # ("doubt": true in its record, each maybe another client's) not proved ours by their
-# results ("proven"), to be deleted at the provider.
-# One Lua function, in the erase's script and the purge's (_KEEP_PROVIDER_DELETIONS), so the
-# two read the field alike (a record that is no JSON object is Sift's own: kept).
+# results ("proven"), to be deleted at the provider. And the candidates not judged yet (no
+# "proven" at all: still running, or being mapped), with their create's submission, as a flat
+# list {id, submission, ...}: kept aside, and judged by the delete task once they end
+# (worker/queue/economy/deletion.py); one judged another client's ("proven": false) is neither.
+# One Lua function each, in the erase's script and the purge's (_KEEP_PROVIDER_DELETIONS), so
+# the two read the fields alike (a record that is no JSON object is Sift's own: kept).
 _MADE_PROVIDERS = """
 local function made_providers(key)
   local made = {}
@@ -622,12 +625,27 @@ local function made_providers(key)
   end
   return made
 end
+local function unjudged_candidates(key)
+  local unjudged = {}
+  local providers = redis.call('HGETALL', key)
+  for i = 1, #providers, 2 do
+    local ok, record = pcall(cjson.decode, providers[i + 1])
+    if ok and type(record) == 'table' and record['doubt'] == true
+       and (record['proven'] == nil or record['proven'] == cjson.null)
+       and type(record['submission']) == 'string' then
+      table.insert(unjudged, providers[i])
+      table.insert(unjudged, record['submission'])
+    end
+  end
+  return unjudged
+end
 """
 
 # ``sift tenant purge``'s keep of a batch's provider batches to delete (those
-# :data:`_MADE_PROVIDERS` picks), before it deletes the state naming them, as an erase keeps them.
-# KEYS: 1 the economy lane's provider batches, 2 the set of those to delete. ARGV: 1 its TTL.
-# Returns the ids kept.
+# :data:`_MADE_PROVIDERS` picks) and of its candidates not judged yet, before it deletes the
+# state naming them, as an erase keeps them. KEYS: 1 the economy lane's provider batches, 2 the
+# set of those to delete, 3 the candidates to judge. ARGV: 1 their TTL. Returns the ids kept
+# to delete.
 _KEEP_PROVIDER_DELETIONS = (
     _MADE_PROVIDERS
     + """
@@ -636,9 +654,28 @@ if #made > 0 then
   redis.call('SADD', KEYS[2], unpack(made))
   redis.call('EXPIRE', KEYS[2], tonumber(ARGV[1]))
 end
+local unjudged = unjudged_candidates(KEYS[1])
+if #unjudged > 0 then
+  redis.call('HSET', KEYS[3], unpack(unjudged))
+  redis.call('EXPIRE', KEYS[3], tonumber(ARGV[1]))
+end
 return made
 """
 )
+
+# A candidate kept aside by an erase (KEYS[1], provider id -> submission) judged by the delete
+# task: dropped from there and, if its results proved it ours (ARGV[2] '1'), added to the
+# provider batches to delete (KEYS[2]), which then live at least as long as the candidates
+# did. ARGV: 1 the candidate. Returns 1 when judged now, 0 when it was no longer kept.
+_CANDIDATE_JUDGED = """
+local life = redis.call('PTTL', KEYS[1])
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+if ARGV[2] == '1' then
+  redis.call('SADD', KEYS[2], ARGV[1])
+  if life > 0 and redis.call('PTTL', KEYS[2]) < life then redis.call('PEXPIRE', KEYS[2], life) end
+end
+return 1
+"""
 
 # Erase one finished search or batch of a tenant (DELETE /v1/searches/{id}, DELETE
 # /v1/batches/{id}/results): its record and every other key of it deleted, its members in
@@ -648,14 +685,15 @@ return made
 # an economy write, each writes only while the record exists, and so writes nothing after).
 # An economy batch's provider batches that Sift made and recorded (not a create in doubt's
 # candidates, unless their results proved them ours: _MADE_PROVIDERS) go into the set
-# of those to delete at the
-# provider, and its delete task's message is written with them (the outbox): read before the
-# delete of their hash, and deleted at the provider even if the caller never hears the answer.
+# of those to delete at the provider, its candidates not judged yet into those to judge, and
+# its delete task's message is written with them (the outbox): read before the delete of
+# their hash, and deleted at the provider even if the caller never hears the answer.
 # The erasure owes Redis a rewrite of its files (its AOF holds the writes that stored the job),
 # marked here so that it stays owed even if the caller dies before asking for it (rewrite.py).
 # KEYS: 1 the record, 2 the erasure mark, 3 the tenant's job list, 4 the active set, 5 the
 #   webhooks owed, 6 the provider batches to delete, 7 the delete task's queue, 8 the economy
-#   lane's provider batches, 9 the rewrite owed, 10.. the job's other keys.
+#   lane's provider batches, 9 the rewrite owed, 10 the candidates to judge, 11.. the job's
+#   other keys.
 # ARGV: 1 the tenant, 2 the job id, 3 its kind ('search' or 'batch'), 4 now, 5 the mark's TTL,
 #   6 the delete task's message ('': none).
 # Returns {1, now} when erased now, {2, when} when the tenant had erased it already (nothing
@@ -683,10 +721,15 @@ if ARGV[6] ~= '' then
   if #made > 0 then
     redis.call('SADD', KEYS[6], unpack(made))
     redis.call('EXPIRE', KEYS[6], tonumber(ARGV[5]))
-    redis.call('LPUSH', KEYS[7], ARGV[6])
   end
+  local unjudged = unjudged_candidates(KEYS[8])
+  if #unjudged > 0 then
+    redis.call('HSET', KEYS[10], unpack(unjudged))
+    redis.call('EXPIRE', KEYS[10], tonumber(ARGV[5]))
+  end
+  if #made > 0 or #unjudged > 0 then redis.call('LPUSH', KEYS[7], ARGV[6]) end
 end
-redis.call('DEL', KEYS[1], unpack(KEYS, 10))
+redis.call('DEL', KEYS[1], unpack(KEYS, 11))
 redis.call('ZREM', KEYS[3], ARGV[2])
 redis.call('ZREM', KEYS[4], ARGV[2])
 redis.call('ZREM', KEYS[5], ARGV[2])

@@ -51,6 +51,7 @@ from worker.contract import ErrorInfo, JobStatus, SearchResult
 from worker.queue.jobstore.records import ItemTransition, _now
 from worker.queue.jobstore.scripts import (
     _CANCEL_BATCH,
+    _CANDIDATE_JUDGED,
     _CLAIM_IDEMPOTENCY,
     _CLAIM_RUN,
     _CLAIM_WEBHOOK,
@@ -182,6 +183,7 @@ class _StoreCore:
         self._economy_lease = client.register_script(_ECONOMY_LEASE)
         self._erase_job = client.register_script(_ERASE_JOB)
         self._keep_provider_deletions = client.register_script(_KEEP_PROVIDER_DELETIONS)
+        self._candidate_judged = client.register_script(_CANDIDATE_JUDGED)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(

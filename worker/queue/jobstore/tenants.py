@@ -18,10 +18,12 @@ used again inherited them. Each key family below is the job store's own (every p
   a later write of the name still comes after every write the backend applied).
 
 Not deleted: ``sift:eco-delete:<batch id>``, the ids of an economy batch's provider batches
-that ``sift tenant purge`` (or an erase before it) handed to ``sift.economy_delete``. It is
-that task's list of what is left to delete at the provider, which keeps the batch's queries
-and candidates' text 29 days; it holds the provider's batch ids only (no name, query or text)
-and goes once each is deleted, or refused for good, or with its retention.
+that ``sift tenant purge`` (or an erase before it) handed to ``sift.economy_delete``, and
+``sift:eco-delete-candidates:<batch id>``, its candidates of a create in doubt for that task to
+judge. They are that task's list of what is left to delete at the provider, which keeps the
+batch's queries and candidates' text 29 days; they hold the provider's batch ids and the
+creates' submission tokens only (no name, query or text) and go once each is deleted (or
+judged another client's), or refused for good, or with their retention.
 
 A job not final yet is canceled first, through the status transitions, so the counts of
 queued and running work (``sift:stats:jobs``) and a batch's counts move as a cancel moves
