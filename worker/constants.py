@@ -129,6 +129,14 @@ ECONOMY_DELETE_KEY = REDIS_PREFIX + "eco-delete:"
 # candidates of a create in doubt that no poll had judged, judged by ECONOMY_DELETE_TASK once
 # they end (deleted at the provider if their results prove them ours, else left)
 ECONOMY_DELETE_CANDIDATES_KEY = REDIS_PREFIX + "eco-delete-candidates:"
+# + erased batch id -> hash provider batch id -> its create's submission ('': one Sift made):
+# those whose delete (or judgement) the provider refused for the key (401, 403), kept with the
+# retention of the set they came from and asked again once when a worker starts (a new key
+# usually comes with a restart)
+ECONOMY_DELETE_REFUSED_KEY = REDIS_PREFIX + "eco-delete-refused:"
+# hash erased batch id -> the token of the delete task a starting worker sent to ask its
+# refused ones again ('': none sent since the last refusal)
+ECONOMY_DELETE_REFUSALS_KEY = REDIS_PREFIX + "eco-delete-refusals"
 # string (a time): an erasure (an erase, a tenant purge) since Redis last rewrote its files,
 # whose erased text its AOF or RDB snapshot may still hold (worker/queue/jobstore/rewrite.py)
 REWRITE_OWED_KEY = REDIS_PREFIX + "rewrite-owed"

@@ -8,21 +8,30 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import anthropic
 import pytest
 
+from api_gateway.queue import OutboxSender
 from tests.fake_anthropic import FakeAnthropic, good, status
+from tests.services import celery_worker
 from worker.adapters.anthropic import AnthropicReranker
 from worker.adapters.anthropic_batches import AnthropicMessageBatches
-from worker.constants import ECONOMY_DELETE_KEY, ECONOMY_PROVIDERS_KEY
+from worker.constants import (
+    ECONOMY_DELETE_KEY,
+    ECONOMY_DELETE_TASK,
+    ECONOMY_PROVIDERS_KEY,
+    SEARCH_QUEUE,
+)
 from worker.contract import RerankInfo, SearchResult, SearchSpec
 from worker.observability import metrics
 from worker.queue.base import WorkerContext
-from worker.queue.economy.deletion import delete_erased, delete_provider_batch
+from worker.queue.economy.deletion import ask_refused_again, delete_erased, delete_provider_batch
 from worker.queue.jobstore import EraseOutcome, JobStore
 from worker.runtime.ratelimit import ProviderLimiter
 from worker.settings import load_settings
@@ -72,8 +81,13 @@ def _held(model: FakeAnthropic) -> set[str]:
     return {b["id"] for b in model.batches()}
 
 
-def _erased_batch(store: JobStore, providers: dict[str, dict[str, Any]]) -> str:
-    """A finished batch of acme's whose economy lane recorded ``providers``, erased."""
+def _erased_batch(
+    store: JobStore,
+    providers: dict[str, dict[str, Any]],
+    message_of: Callable[[str], tuple[str, str]] | None = None,
+) -> str:
+    """A finished batch of acme's whose economy lane recorded ``providers``, erased; the
+    delete task's message ``message_of(batch id)`` (default: a stand-in on :data:`QUEUE`)."""
     batch = store.create_batch("acme", "docs", [("q0", SearchSpec(index="docs", query="a"))])
     store.start_item(batch.id, "q0")
     store.finish_item(
@@ -83,6 +97,8 @@ def _erased_batch(store: JobStore, providers: dict[str, dict[str, Any]]) -> str:
         store.economy_save(batch.id, ECONOMY_PROVIDERS_KEY,
                            {pid: json.dumps(r) for pid, r in providers.items()})  # fmt: skip
     message = (QUEUE, json.dumps({"task": "delete", "batch": batch.id}))
+    if message_of is not None:
+        message = message_of(batch.id)
     assert store.erase_job("batch", "acme", batch.id, message).outcome is EraseOutcome.ERASED
     return batch.id
 
@@ -208,6 +224,27 @@ def test_a_delete_refused_for_its_key_is_logged_once_counted_and_not_asked_again
     assert (_deletes("refused") - refused, _deletes("deleted") - done) == (1, 1)
     delete_erased(task, batch_id)  # type: ignore[arg-type]  # a copy of the message: nothing
     assert task.countdowns == [] and len(caplog.records) == 1
+    # kept aside: a starting worker asks it again, once; the key still refused, it is
+    # logged and counted once more and waits for the next start, never asked at each poll
+    assert store.refused_batches() == [batch_id]
+    model.script_batch_calls("delete", [status(code)])
+    model.script_batch_calls("retrieve", [status(code)] if code == 401 else [])
+    sent: list[tuple[str, str]] = []
+    assert ask_refused_again(store, lambda *args: sent.append(args)) == 1
+    with caplog.at_level(logging.ERROR, logger="worker.queue.economy.deletion"):
+        delete_erased(task, *sent[0])  # type: ignore[arg-type]
+        delete_erased(task, *sent[0])  # type: ignore[arg-type]  # its copy: the token is used
+    assert task.countdowns == [] and len(caplog.records) == 2
+    assert _deletes("refused") - refused == 2 and _held(model) == {provider_id}
+    for _ in range(2):  # two workers start at once: each sends its task
+        assert ask_refused_again(store, lambda *args: sent.append(args)) == 1
+    stale, fresh = sent[-2:]
+    delete_erased(task, *stale)  # type: ignore[arg-type]  # the earlier token: takes nothing
+    assert _held(model) == {provider_id}
+    delete_erased(task, *fresh)  # type: ignore[arg-type]  # the key fixed: deleted
+    assert _held(model) == set() and _deletes("deleted") - done == 2
+    assert store.refused_batches() == [] and ask_refused_again(store, sent.append) == 0
+    assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
 
 
 def test_a_candidate_of_a_create_in_doubt_judged_ours_is_deleted_with_the_rest(
@@ -265,3 +302,68 @@ def test_the_task_judges_a_candidate_kept_aside_once_it_ended_by_its_results(
     delete_erased(task, batch_id)  # type: ignore[arg-type]  # no retry: all judged
     assert _held(model) == {theirs}
     assert store.provider_candidates(batch_id) == {} and store.provider_deletions(batch_id) == []
+
+
+def _until(what: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout  # a hang guard, not a speed check
+    while not what():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_delete_refused_for_its_key_is_asked_again_once_when_a_worker_starts(
+    model: FakeAnthropic,
+    client: AnthropicMessageBatches,
+    store: JobStore,
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    """A real worker whose key the provider refuses (403) logs the refusal once and stops
+    asking; the operator fixes the key and restarts the worker, which asks that delete again
+    once as it starts, and it is deleted. Before, a refusal was final: the provider batch
+    stayed there for its 29 days though the key now works."""
+    provider_id = _made(client)
+    model.script_batch_calls("delete", [status(403)])
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": 2.0}
+    sender = OutboxSender(store)
+
+    def message_of(batch_id: str) -> tuple[str, str]:  # the erase's own: the real task's
+        return sender.messages([(ECONOMY_DELETE_TASK, [batch_id], SEARCH_QUEUE)])[0]
+
+    batch_id = _erased_batch(store, {provider_id: record}, message_of)
+    env = {"SIFT_REDIS_URL": redis_url, "SIFT_GENERATION_MODEL": f"anthropic:{MODEL}",
+           "ANTHROPIC_BASE_URL": model.url, "ANTHROPIC_API_KEY": "sk-ant-test",
+           "SIFT_WORKER_METRICS_PORT": "0", "SIFT_WORKER_SOFT_SHUTDOWN_SECONDS": "1",
+           "SIFT_REDRIVE_INTERVAL_SECONDS": "0"}  # fmt: skip
+    log = tmp_path / "refused.log"
+    with celery_worker(tmp_path, env, "refused", concurrency=2):
+        _until(lambda: f"provider batch {provider_id} not deleted" in log.read_text())
+        _until(lambda: not store.provider_deletions(batch_id))
+    assert _held(model) == {provider_id}  # refused: left there, and not asked again
+    with celery_worker(tmp_path, env, "fixed", concurrency=2):  # the key works now
+        _until(lambda: _held(model) == set())
+    assert f"provider batch {provider_id}: deleted" in (tmp_path / "fixed.log").read_text()
+    assert store.redis.keys(f"*{batch_id}*") == [f"sift:erased:{batch_id}"]
+
+
+def test_a_candidate_whose_judgement_the_key_refuses_is_judged_again_when_a_worker_starts(
+    model: FakeAnthropic, client: AnthropicMessageBatches, store: JobStore, redis_url: str
+) -> None:
+    """A candidate kept aside whose read the provider refuses for the key (403) is kept with
+    its create's submission among the refused ones, and judged, once, by the task a starting
+    worker sends: ours, it is deleted then."""
+    ours = client.create([{"custom_id": "i0-s2", "params": PARAMS}]).id
+    record = {"round": 1, "requests": 1, "created_at": 1.0, "ended_at": None,
+              "submission": "s2", "doubt": True}  # fmt: skip
+    batch_id = _erased_batch(store, {ours: record})
+    context = WorkerContext(settings=load_settings(redis_url=redis_url), store=store,
+                            limiter=ProviderLimiter(1), _batches=client)  # fmt: skip
+    task = _Task(context)
+    model.script_batch_calls("retrieve", [status(403)])
+    delete_erased(task, batch_id)  # type: ignore[arg-type]  # no retry: refused for good
+    assert task.countdowns == [] and store.provider_candidates(batch_id) == {}
+    assert _held(model) == {ours}
+    sent: list[tuple[str, str]] = []
+    assert ask_refused_again(store, lambda *args: sent.append(args)) == 1
+    delete_erased(task, *sent[0])  # type: ignore[arg-type]
+    assert _held(model) == set() and store.refused_batches() == []

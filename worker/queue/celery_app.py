@@ -1,5 +1,6 @@
 """The Celery app: the settings of :mod:`worker.queue.config`, Sift's tasks registered, and
-the worker's start and stop hooks (metrics, warm-up, the re-drive, liveness, hand-back).
+the worker's start and stop hooks (metrics, warm-up, the re-drive, liveness, hand-back, the
+refused provider deletes asked again).
 
 ``celery -A worker.queue.celery_app worker`` finds ``app`` here; it is built on first
 access (PEP 562), so importing this module does no work. The tasks are imported when the
@@ -116,6 +117,19 @@ def _warm_up(sender: Any = None, **_: Any) -> None:
     global _warming
     _warming = threading.Thread(target=warm_up, args=(settings,), name="sift-warm-up", daemon=True)
     _warming.start()
+
+
+def _ask_refused_deletes(sender: Any = None, **_: Any) -> None:
+    """On worker start (ready), ask again, once, the deletes of erased batches' provider
+    batches that the provider refused for the key (a key is fixed by a restart): see
+    :func:`worker.queue.economy.deletion.ask_refused_again`."""
+    app = getattr(sender, "app", None)
+    settings = _settings_of(sender)
+    if app is None or settings is None or not settings.redis_url:
+        return
+    from worker.queue.economy.deletion import ask_refused_at_start
+
+    ask_refused_at_start(app, settings.redis_url, settings.result_retention_seconds)
 
 
 def _warm_up_ends(**_: Any) -> None:
@@ -257,6 +271,7 @@ def create_celery_app(settings: Settings | None = None) -> Celery:
     worker_init.connect(_serve_metrics, weak=False, dispatch_uid="sift-worker-metrics")
     worker_ready.connect(_check_prices, weak=False, dispatch_uid="sift-prices")
     worker_ready.connect(_warm_up, weak=False, dispatch_uid="sift-warm-up")
+    worker_ready.connect(_ask_refused_deletes, weak=False, dispatch_uid="sift-refused-deletes")
     worker_init.connect(_start_redrive, weak=False, dispatch_uid="sift-redrive")
     worker_init.connect(_start_liveness, weak=False, dispatch_uid="sift-liveness")
     task_received.connect(_received, weak=False, dispatch_uid="sift-received")

@@ -14,21 +14,30 @@ still processing (its items failed by the economy deadline, say): such a one is 
 and asked again later. A 404 is done (deleted already, or expired). A transient failure
 (429, 5xx, a timeout) is asked again later too, at the poll's cadence, for as long as the set
 lives (the erasure mark's retention, ``SIFT_RESULT_RETENTION_SECONDS``). A delete refused for
-the key (401: not valid; 403: not allowed to) is not: no retry changes that answer, and it was
-asked again every poll, an ERROR logged each time, for the whole retention. It is logged once
-at ERROR, naming the batch and the provider batch (left at the provider for its 29 days: to
-delete by hand), counted (``sift_provider_batch_deletes_total{result="refused"}``) and dropped
-from the set.
+the key (401: not valid; 403: not allowed to) is not asked again at each try: no retry
+changes that answer until the key does, and it was asked every poll, an ERROR logged each
+time, for the whole retention. It is logged once at ERROR, naming the batch and the provider
+batch, counted (``sift_provider_batch_deletes_total{result="refused"}``) and kept aside among
+the batch's refused ones (``sift:eco-delete-refused:<batch>``, for as long as it would have
+been kept to delete), which a worker asks again once as it starts (:func:`ask_refused_again`):
+a key is fixed by changing the workers' setting, which restarts them. A retry the key still
+refuses is logged and counted again, once, and waits for the next start; one that goes
+through is counted ``deleted``. Before, a refusal was final: fixed key or not, the provider
+batch stayed there for its 29 days. A candidate whose judgement the key refuses is kept
+aside the same way.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import threading
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
 
-from worker.constants import ECONOMY_DELETE_TASK
+from worker.constants import ECONOMY_DELETE_TASK, SEARCH_QUEUE
 from worker.errors import RerankAttemptError
 from worker.observability import metrics
 from worker.queue.base import SiftTask
@@ -38,6 +47,7 @@ from worker.queue.economy.watch import poll_countdown
 
 if TYPE_CHECKING:
     from worker.adapters.anthropic_batches import AnthropicMessageBatches
+    from worker.queue.jobstore import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +115,21 @@ def judge_candidate(
 @shared_task(  # type: ignore[untyped-decorator]
     name=ECONOMY_DELETE_TASK, base=SiftTask, bind=True, max_retries=None
 )
-def economy_delete(self: SiftTask, batch_id: str) -> None:
-    """:func:`delete_erased` of ``batch_id``."""
-    delete_erased(self, batch_id)
+def economy_delete(self: SiftTask, batch_id: str, refused_token: str = "") -> None:
+    """:func:`delete_erased` of ``batch_id``; sent with a starting worker's ``refused_token``
+    (:func:`ask_refused_again`), it asks the batch's refused deletes again first."""
+    delete_erased(self, batch_id, refused_token)
 
 
-def delete_erased(task: SiftTask, batch_id: str) -> None:
+def delete_erased(task: SiftTask, batch_id: str, refused_token: str = "") -> None:
     """Judge the erased batch ``batch_id``'s candidates kept aside, then delete its provider
     batches still kept for it, those judged ours with them; those not judged or deleted yet
-    are tried again later (this message, retried), each judged or deleted one dropped."""
+    are tried again later (this message, retried), each judged or deleted one dropped. With
+    the ``refused_token`` a starting worker sent it, its refused ones are tried again too,
+    once (the task's retries do not carry the token)."""
     store = task.context.store
+    if refused_token and (taken := store.take_refused(batch_id, refused_token)):
+        log.info("batch %s: asking %d refused provider batch deletes again", batch_id, taken)
     candidates = store.provider_candidates(batch_id)
     if not candidates and not store.provider_deletions(batch_id):
         return
@@ -125,19 +140,19 @@ def delete_erased(task: SiftTask, batch_id: str) -> None:
                   store.provider_deletions(batch_id) + list(candidates), exc)  # fmt: skip
         return
     waits = [
-        w
-        for w in (_judged(task, client, batch_id, *c) for c in candidates.items())
-        if w is not None
+        wait
+        for wait in (_judged(task, client, batch_id, *c) for c in candidates.items())
+        if wait is not None
     ]
     for provider_id in store.provider_deletions(batch_id):
         try:
             wait = delete_provider_batch(client, provider_id)
-        except RerankAttemptError as exc:  # for good: asked again, it answers the same
-            log.error("batch %s: provider batch %s not deleted, and not asked again: the "
-                      "provider refused its key (%s); it keeps the batch's requests and "
-                      "results for 29 days unless deleted there by hand",
-                      batch_id, provider_id, exc)  # fmt: skip
-            store.provider_deleted(batch_id, provider_id)
+        except RerankAttemptError as exc:  # until the key changes, asked again it answers the same
+            log.error("batch %s: provider batch %s not deleted: the provider refused its key "
+                      "(%s); asked again once when a worker starts (a fixed key restarts "
+                      "them), else it keeps the batch's requests and results for 29 days "
+                      "unless deleted there by hand", batch_id, provider_id, exc)  # fmt: skip
+            store.provider_refused(batch_id, provider_id)
             metrics.provider_batch_delete("refused")
             continue
         if wait is None:
@@ -147,7 +162,54 @@ def delete_erased(task: SiftTask, batch_id: str) -> None:
             waits.append(wait)
     if waits:
         log.info("batch %s: %d provider batches left to judge or delete", batch_id, len(waits))
-        raise task.retry(countdown=max(poll_countdown(task), *waits))
+        # without the token: a retry asks no refused delete again
+        raise task.retry(countdown=max(poll_countdown(task), *waits), args=[batch_id], kwargs={})
+
+
+def ask_refused_again(store: JobStore, send: Callable[[str, str], None]) -> int:
+    """Send the delete task, with a fresh token, for each erased batch some of whose deletes
+    the provider refused for the key (``send(batch id, token)``): a worker starting (with a
+    fixed key, most likely) asks each again once. Two workers starting at once each send
+    one; only the last token given takes the refused ones (:meth:`JobStore.take_refused`).
+    Answers how many were sent."""
+    sent = 0
+    for batch_id in store.refused_batches():
+        token = uuid.uuid4().hex
+        if store.ask_refused(batch_id, token):
+            send(batch_id, token)
+            sent += 1
+    return sent
+
+
+def ask_refused_at_start(app: Any, redis_url: str, result_ttl: int) -> threading.Thread:
+    """:func:`ask_refused_again` through the worker's Celery ``app``, on a thread of its own
+    (a Redis slow to answer delays no start); a failure is logged, and the next start asks."""
+
+    def run() -> None:
+        from worker.queue.jobstore import JobStore
+
+        store = JobStore.from_url(redis_url, max_connections=2, result_ttl=result_ttl)
+        try:
+            sent = ask_refused_again(
+                store,
+                lambda batch_id, token: app.send_task(
+                    ECONOMY_DELETE_TASK,
+                    args=[batch_id, token],
+                    queue=SEARCH_QUEUE,
+                    ignore_result=True,
+                ),
+            )
+            if sent:
+                log.info("asking again the refused provider batch deletes of %d erased "
+                         "batches", sent)  # fmt: skip
+        except Exception as exc:  # Redis or the broker unreachable: the next start asks
+            log.warning("refused provider batch deletes not asked again: %s", exc)
+        finally:
+            store.close()
+
+    thread = threading.Thread(target=run, name="sift-refused-deletes", daemon=True)
+    thread.start()
+    return thread
 
 
 def _judged(
@@ -165,11 +227,11 @@ def _judged(
         ours = judge_candidate(client, provider_id, submission)
     except RerankAttemptError as exc:
         if refused_for_good(exc):
-            log.error("batch %s: candidate %s not judged, and not asked again: the provider "
-                      "refused its key (%s); if it is Sift's, it keeps the batch's requests and "
-                      "results for 29 days unless deleted there by hand",
-                      batch_id, provider_id, exc)  # fmt: skip
-            store.candidate_judged(batch_id, provider_id, ours=False)
+            log.error("batch %s: candidate %s not judged: the provider refused its key (%s); "
+                      "asked again once when a worker starts, else, if it is Sift's, it keeps "
+                      "the batch's requests and results for 29 days unless deleted there by "
+                      "hand", batch_id, provider_id, exc)  # fmt: skip
+            store.provider_refused(batch_id, provider_id, submission)
             metrics.provider_batch_delete("refused")
             return None
         log.warning("provider batch %s: not judged yet (%s); asked again", provider_id, exc)

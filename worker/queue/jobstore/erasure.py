@@ -59,6 +59,8 @@ from worker.constants import (
     ACTIVE_JOBS_KEY,
     ECONOMY_DELETE_CANDIDATES_KEY,
     ECONOMY_DELETE_KEY,
+    ECONOMY_DELETE_REFUSALS_KEY,
+    ECONOMY_DELETE_REFUSED_KEY,
     ECONOMY_PROVIDERS_KEY,
     ERASED_KEY,
     REWRITE_OWED_KEY,
@@ -183,9 +185,45 @@ class ErasureRecords(TenantRecords):
         resending()(self._candidate_judged, keys=keys, args=[provider_id, "1" if ours else "0"])
 
     def provider_deleted(self, batch_id: str, provider_id: str) -> None:
-        """``provider_id`` is deleted at the provider (or has no batch there any more), or
-        is no longer asked (the provider refused the key: no retry changes that)."""
+        """``provider_id`` is deleted at the provider (or has no batch there any more)."""
         self.redis.srem(ECONOMY_DELETE_KEY + batch_id, provider_id)
+
+    def provider_refused(
+        self, batch_id: str, provider_id: str, submission: str | None = None
+    ) -> None:
+        """The provider refused the key to delete ``provider_id`` (or, a candidate of the
+        create ``submission``, to read it): no retry changes that until the key does. It is
+        no longer asked at each try, but kept among the batch's refused ones, for as long as
+        it would have been kept to delete, until a starting worker asks it again
+        (:meth:`ask_refused`)."""
+        source = ECONOMY_DELETE_KEY if submission is None else ECONOMY_DELETE_CANDIDATES_KEY
+        keys = [source + batch_id, ECONOMY_DELETE_REFUSED_KEY + batch_id,
+                ECONOMY_DELETE_REFUSALS_KEY]  # fmt: skip
+        args = [provider_id, submission or "", self.result_ttl, batch_id]
+        # sent again on a broken connection: a run whose reply was lost finds it moved
+        resending()(self._delete_refused, keys=keys, args=args)
+
+    def refused_batches(self) -> list[str]:
+        """The erased batches some of whose provider batches' deletes were refused."""
+        return sorted(_text(b) for b in self.redis.hkeys(ECONOMY_DELETE_REFUSALS_KEY))
+
+    def ask_refused(self, batch_id: str, token: str) -> bool:
+        """Whether the delete task sent with ``token`` is to ask ``batch_id``'s refused
+        deletes again (:meth:`take_refused`): False when they expired (the batch leaves the
+        index of refusals). The last token given is the one: a task sent with an earlier one
+        takes nothing."""
+        keys = [ECONOMY_DELETE_REFUSALS_KEY, ECONOMY_DELETE_REFUSED_KEY + batch_id]
+        return bool(self._ask_refused(keys=keys, args=[batch_id, token]))
+
+    def take_refused(self, batch_id: str, token: str) -> int:
+        """Put ``batch_id``'s refused deletes back among those to delete (and its refused
+        candidates among those to judge), if ``token`` is the one :meth:`ask_refused` gave
+        last; answers how many (0: another task's turn, or none)."""
+        keys = [ECONOMY_DELETE_REFUSALS_KEY, ECONOMY_DELETE_REFUSED_KEY + batch_id,
+                ECONOMY_DELETE_KEY + batch_id,
+                ECONOMY_DELETE_CANDIDATES_KEY + batch_id]  # fmt: skip
+        # sent again on a broken connection: a run whose reply was lost took them (0 then)
+        return int(resending()(self._take_refused, keys=keys, args=[batch_id, token]))
 
     def was_erased(self, job_id: str) -> bool:
         """Whether the job was erased (by its tenant: the mark's is the job's)."""

@@ -677,6 +677,69 @@ end
 return 1
 """
 
+# A delete (or a candidate's judgement) the provider refused for the key (401, 403), which no
+# retry changes until the key does: moved from the set it was in (KEYS[1]: the provider
+# batches to delete, or the candidates to judge when ARGV[2] is a submission) to the batch's
+# refused ones (KEYS[2], provider id -> submission, '' for one Sift made), which live at least
+# as long as KEYS[1] did (ARGV[3] seconds if it had no TTL), and the batch named in the index
+# of refusals (KEYS[3], ARGV[4]) for a starting worker to ask again. ARGV: 1 the provider id.
+# Returns 1 when moved, 0 when it was no longer there.
+_DELETE_REFUSED = """
+local life = redis.call('PTTL', KEYS[1])
+local removed
+if ARGV[2] == '' then
+  removed = redis.call('SREM', KEYS[1], ARGV[1])
+else
+  removed = redis.call('HDEL', KEYS[1], ARGV[1])
+end
+if removed == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+if life <= 0 then life = tonumber(ARGV[3]) * 1000 end
+if redis.call('PTTL', KEYS[2]) < life then redis.call('PEXPIRE', KEYS[2], life) end
+redis.call('HSETNX', KEYS[3], ARGV[4], '')
+return 1
+"""
+
+# A starting worker's turn to ask a batch's refused deletes again: a new token (ARGV[2]) for
+# the batch (ARGV[1]) in the index of refusals (KEYS[1]), which only the delete task sent with
+# it may use (_TAKE_REFUSED); a batch whose refused ones expired (KEYS[2] gone) leaves the
+# index. Returns 1 when the task is to be sent, else 0.
+_ASK_REFUSED = """
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  return 0
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
+# The delete task sent with a batch's token (_ASK_REFUSED) takes its refused ones back (KEYS[2])
+# into the provider batches to delete (KEYS[3]) and the candidates to judge (KEYS[4]), each of
+# which then lives at least as long as they did, and the batch leaves the index (KEYS[1]).
+# Another task (an older token, a retry, the erase's own) takes nothing: a refusal is asked
+# again once per worker start, never at each poll. ARGV: 1 the batch, 2 the token. Returns how
+# many it took.
+_TAKE_REFUSED = """
+if ARGV[2] == '' or redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+local life = redis.call('PTTL', KEYS[2])
+local refused = redis.call('HGETALL', KEYS[2])
+for i = 1, #refused, 2 do
+  if refused[i + 1] == '' then
+    redis.call('SADD', KEYS[3], refused[i])
+  else
+    redis.call('HSET', KEYS[4], refused[i], refused[i + 1])
+  end
+end
+for k = 3, 4 do
+  if life > 0 and redis.call('EXISTS', KEYS[k]) == 1 and redis.call('PTTL', KEYS[k]) < life then
+    redis.call('PEXPIRE', KEYS[k], life)
+  end
+end
+redis.call('DEL', KEYS[2])
+return #refused / 2
+"""
+
 # Erase one finished search or batch of a tenant (DELETE /v1/searches/{id}, DELETE
 # /v1/batches/{id}/results): its record and every other key of it deleted, its members in
 # the tenant's job list, the active set and the webhooks owed removed, and its erasure mark

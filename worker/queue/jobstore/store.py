@@ -50,6 +50,7 @@ from worker.constants import (
 from worker.contract import ErrorInfo, JobStatus, SearchResult
 from worker.queue.jobstore.records import ItemTransition, _now
 from worker.queue.jobstore.scripts import (
+    _ASK_REFUSED,
     _CANCEL_BATCH,
     _CANDIDATE_JUDGED,
     _CLAIM_IDEMPOTENCY,
@@ -58,6 +59,7 @@ from worker.queue.jobstore.scripts import (
     _COUNT_DELIVERY,
     _COUNT_REDRIVES,
     _CREATE_SEARCH,
+    _DELETE_REFUSED,
     _ECONOMY_EXPECT,
     _ECONOMY_LEASE,
     _ECONOMY_WRITE,
@@ -70,6 +72,7 @@ from worker.queue.jobstore.scripts import (
     _RELEASE_RUN,
     _SAVE_PREPARED,
     _TAKE_CANCEL_COUNT,
+    _TAKE_REFUSED,
     _TRANSITION_ITEM,
     _TRANSITION_JOB,
     _WEBHOOK_DUE,
@@ -184,6 +187,9 @@ class _StoreCore:
         self._erase_job = client.register_script(_ERASE_JOB)
         self._keep_provider_deletions = client.register_script(_KEEP_PROVIDER_DELETIONS)
         self._candidate_judged = client.register_script(_CANDIDATE_JUDGED)
+        self._delete_refused = client.register_script(_DELETE_REFUSED)
+        self._ask_refused = client.register_script(_ASK_REFUSED)
+        self._take_refused = client.register_script(_TAKE_REFUSED)
         # status transitions that threads ask for while one round trip is out go together
         # in the next (a worker's hundreds of threads each make two per search)
         self._transitions: Coalescer[list[_ScriptCall], list[Any]] = Coalescer(

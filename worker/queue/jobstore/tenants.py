@@ -23,7 +23,9 @@ that ``sift tenant purge`` (or an erase before it) handed to ``sift.economy_dele
 judge. They are that task's list of what is left to delete at the provider, which keeps the
 batch's queries and candidates' text 29 days; they hold the provider's batch ids and the
 creates' submission tokens only (no name, query or text) and go once each is deleted (or
-judged another client's), or refused for good, or with their retention.
+judged another client's), or with their retention; one the provider refused for the key moves
+to ``sift:eco-delete-refused:<batch id>`` (and the batch's id into
+``sift:eco-delete-refusals``), asked again when a worker starts.
 
 A job not final yet is canceled first, through the status transitions, so the counts of
 queued and running work (``sift:stats:jobs``) and a batch's counts move as a cancel moves
